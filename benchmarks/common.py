@@ -1,0 +1,35 @@
+"""Helpers shared by the benchmark scripts: provenance of a result and writing it as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def provenance() -> dict:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "kvcal"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    return {
+        "commit": commit + ("+dirty" if dirty else ""),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**provenance(), **result}, indent=2) + "\n")
+    return path

@@ -1,0 +1,3 @@
+from kvcal.cli import main
+
+main()

@@ -1,0 +1,221 @@
+"""The capture pass behind `kvcal profile-gradients`: one forward and one backward per window.
+
+From that single backward it collects, per decoder layer:
+- KVmix importance ||dL/dW_k||_F and ||dL/dW_v||_F, averaged over windows;
+- KVQuant Fisher information (dL/dK)^2, (dL/dV)^2 w.r.t. the pre-RoPE key and the value, kept for
+  a seeded subsample of token rows, aligned row by row with the stored pre-RoPE K, post-RoPE K and V;
+- streaming per-channel min / max / absmax over every non-sink token;
+- a few whole windows of pre-RoPE Q, K and V, for fitters whose objective is the attention output.
+
+Host memory is bounded by the settings, not by the calibration set:
+  5 x layers x max_tokens_per_layer x kv_width x 4 B   (sampled rows, float32)
++ store_windows x layers x seqlen x (q_width + 2 kv_width) x 2 B   (whole windows, float16)
++ 9 x layers x kv_width x 4 B   (streaming statistics)
++ the model and one window's activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcal.adapters import ModelAdapter
+from kvcal.rope import apply_rope
+
+STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
+SAMPLE_TENSORS = ("k_pre", "k_post", "v", "k_pre_fisher", "v_fisher")
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    sink: int = 1
+    max_tokens_per_layer: int = 2048
+    store_windows: int = 2
+    seed: int = 0
+
+
+@dataclass
+class CaptureResult:
+    importance_k: torch.Tensor  # (layers,)
+    importance_v: torch.Tensor
+    tensors: dict[str, torch.Tensor]  # per-layer samples, statistics and windows, by artifact name
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def select_rows(nsamples: int, seqlen: int, sink: int, limit: int, seed: int) -> torch.Tensor:
+    """Seeded subsample of (window, position) rows past the sink, sorted: (rows, 2) int64.
+    The same rows are used for every layer, so statistics of different layers stay comparable."""
+    per_window = seqlen - sink
+    total = nsamples * per_window
+    if total <= limit:
+        flat = np.arange(total)
+    else:
+        flat = np.sort(np.random.default_rng(seed).choice(total, size=limit, replace=False))
+    return torch.from_numpy(np.stack([flat // per_window, sink + flat % per_window], axis=1))
+
+
+class _LayerRecorder:
+    """Per-layer buffers, filled window by window."""
+
+    def __init__(self, rows: int, kv_width: int, q_width: int, windows: int, seqlen: int):
+        self.samples = {name: torch.zeros(rows, kv_width) for name in SAMPLE_TENSORS}
+        self.minimum = {name: torch.full((kv_width,), float("inf")) for name in STAT_TENSORS}
+        self.maximum = {name: torch.full((kv_width,), float("-inf")) for name in STAT_TENSORS}
+        self.windows = {
+            "q": torch.zeros(windows, seqlen, q_width, dtype=torch.float16),
+            "k": torch.zeros(windows, seqlen, kv_width, dtype=torch.float16),
+            "v": torch.zeros(windows, seqlen, kv_width, dtype=torch.float16),
+        }
+
+    def update_statistics(self, name: str, rows: torch.Tensor) -> None:
+        self.minimum[name] = torch.minimum(self.minimum[name], rows.amin(dim=0))
+        self.maximum[name] = torch.maximum(self.maximum[name], rows.amax(dim=0))
+
+    def named_tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{layer}"
+        out = {}
+        for name in ("k_pre", "k_post", "v"):
+            out[f"{prefix}.{name}.samples"] = self.samples[name]
+            out[f"{prefix}.{name}.min"] = self.minimum[name]
+            out[f"{prefix}.{name}.max"] = self.maximum[name]
+            out[f"{prefix}.{name}.absmax"] = torch.maximum(self.minimum[name].abs(), self.maximum[name].abs())
+        out[f"{prefix}.k_pre.fisher"] = self.samples["k_pre_fisher"]
+        out[f"{prefix}.v.fisher"] = self.samples["v_fisher"]
+        if self.windows["q"].shape[0]:
+            for name, tensor in self.windows.items():
+                out[f"{prefix}.windows.{name}"] = tensor
+        return out
+
+
+class _ActivationHooks:
+    """Forward hooks that keep each layer's pre-RoPE Q/K and V of the current window, and tensor
+    hooks that keep dL/dK and dL/dV when the backward pass reaches them."""
+
+    def __init__(self, adapter: ModelAdapter):
+        self.activations: dict[tuple[str, int], torch.Tensor] = {}
+        self.gradients: dict[tuple[str, int], torch.Tensor] = {}
+        self.keep_queries = False
+        self._handles = []
+        for handles in adapter.layers:
+            i = handles.index
+            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, with_grad=True)))
+            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, with_grad=True)))
+            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, with_grad=False)))
+
+    def _hook(self, kind: str, layer: int, with_grad: bool):
+        def on_forward(module, inputs, output):
+            if kind == "q" and not self.keep_queries:
+                return
+            self.activations[kind, layer] = output.detach().flatten(2)
+            if with_grad:
+                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), grad.detach().flatten(2)))
+
+        return on_forward
+
+    def clear(self) -> None:
+        self.activations.clear()
+        self.gradients.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _enable_projection_grads_only(model: torch.nn.Module, adapter: ModelAdapter) -> dict[torch.nn.Parameter, bool]:
+    """Only W_k and W_v need weight gradients; the rest stay frozen to save memory and time."""
+    previous = {p: p.requires_grad for p in model.parameters()}
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for handles in adapter.layers:
+        handles.k_proj.weight.requires_grad_(True)
+        handles.v_proj.weight.requires_grad_(True)
+    return previous
+
+
+def profile_gradients(
+    model: torch.nn.Module,
+    adapter: ModelAdapter,
+    windows: torch.Tensor,
+    settings: CaptureSettings,
+    on_window: Callable[[int], None] | None = None,
+) -> CaptureResult:
+    """Run one forward + backward per row of `windows` (nsamples, seqlen) and collect the profile."""
+    nsamples, seqlen = windows.shape
+    num_layers, kv_width = len(adapter.layers), adapter.kv_width
+    q_width = adapter.num_heads * adapter.head_dim
+    rows = select_rows(nsamples, seqlen, settings.sink, settings.max_tokens_per_layer, settings.seed)
+    stored = min(settings.store_windows, nsamples)
+    recorders = [_LayerRecorder(len(rows), kv_width, q_width, stored, seqlen) for _ in range(num_layers)]
+    importance = torch.zeros(2, num_layers, dtype=torch.float64)
+    positions = torch.arange(seqlen)
+    input_device = model.get_input_embeddings().weight.device
+    counts = {"forward_passes": 0, "backward_passes": 0}
+
+    previous_grad_flags = _enable_projection_grads_only(model, adapter)
+    hooks = _ActivationHooks(adapter)
+    try:
+        for w in range(nsamples):
+            hooks.clear()
+            hooks.keep_queries = w < stored
+            ids = windows[w : w + 1].to(input_device)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF shifts labels itself
+            counts["forward_passes"] += 1
+            loss.backward()
+            counts["backward_passes"] += 1
+            window_rows = rows[rows[:, 0] == w]
+            slots = torch.nonzero(rows[:, 0] == w).flatten()
+            for handles, recorder in zip(adapter.layers, recorders):
+                i = handles.index
+                for slot, projection in enumerate((handles.k_proj, handles.v_proj)):
+                    importance[slot, i] += projection.weight.grad.double().norm()
+                    projection.weight.grad = None
+                key = hooks.activations["k", i][0].float().cpu()
+                value = hooks.activations["v", i][0].float().cpu()
+                key_post = apply_rope(
+                    key.view(seqlen, adapter.num_kv_heads, adapter.head_dim),
+                    positions, adapter.inv_freq, adapter.rope_attention_scaling,
+                ).reshape(seqlen, kv_width)
+                per_token = {
+                    "k_pre": key,
+                    "k_post": key_post,
+                    "v": value,
+                    "k_pre_fisher": hooks.gradients["k", i][0].float().cpu().square(),
+                    "v_fisher": hooks.gradients["v", i][0].float().cpu().square(),
+                }
+                for name in STAT_TENSORS:
+                    recorder.update_statistics(name, per_token[name][settings.sink :])
+                for name in SAMPLE_TENSORS:
+                    recorder.samples[name][slots] = per_token[name][window_rows[:, 1]]
+                if w < stored:
+                    recorder.windows["q"][w] = hooks.activations["q", i][0].cpu().half()
+                    recorder.windows["k"][w] = key.half()
+                    recorder.windows["v"][w] = value.half()
+            if on_window is not None:
+                on_window(w)
+    finally:
+        hooks.remove()
+        for parameter, flag in previous_grad_flags.items():
+            parameter.requires_grad_(flag)
+        model.zero_grad(set_to_none=True)
+
+    tensors = {
+        "samples.window": rows[:, 0].to(torch.int32),
+        "samples.position": rows[:, 1].to(torch.int32),
+        "rope.inv_freq": adapter.inv_freq,
+    }
+    if stored:
+        tensors["windows.positions"] = positions.to(torch.int32).expand(stored, seqlen).clone()
+        tensors["windows.input_ids"] = windows[:stored].to(torch.int32)
+    for i, recorder in enumerate(recorders):
+        tensors.update(recorder.named_tensors(i))
+    counts.update(
+        tokens_seen=nsamples * seqlen,
+        tokens_in_statistics=nsamples * (seqlen - settings.sink),
+        sampled_rows=len(rows),
+        stored_windows=stored,
+    )
+    importance = (importance / nsamples).float()
+    return CaptureResult(importance_k=importance[0], importance_v=importance[1], tensors=tensors, counts=counts)

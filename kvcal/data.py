@@ -1,0 +1,88 @@
+"""Calibration text: `builtin`, a local .txt/.jsonl/.parquet file or folder, or a `datasets` hub spec,
+tokenized once and cut into seeded random windows (the GPTQ recipe)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcal.errors import KvcalError
+
+BUILTIN = "builtin"
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def builtin_text() -> str:
+    """Python's own documentation topics: a real English corpus installed with every CPython."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _text_column(dataset, spec: str) -> str:
+    columns = [name for name, feature in dataset.features.items() if getattr(feature, "dtype", None) == "string"]
+    if "text" in columns:
+        return "text"
+    if not columns:
+        raise KvcalError(f"dataset '{spec}' has no text column (columns: {', '.join(dataset.column_names)})")
+    return columns[0]
+
+
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS)
+    builders = {_BUILDERS.get(p.suffix) for p in files}
+    if not files or None in builders:
+        raise KvcalError(f"dataset '{path}' is not a .txt/.jsonl/.parquet file or a folder of them")
+    if len(builders) > 1:
+        raise KvcalError(f"dataset folder '{path}' mixes file types; keep one of .txt/.jsonl/.parquet")
+    return builders.pop(), [str(p) for p in files]
+
+
+def load_text(spec: str) -> str:
+    """The whole corpus as one string. Rows of tabular data are joined as paragraphs."""
+    if spec == BUILTIN:
+        return builtin_text()
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(spec).expanduser()
+    try:
+        if path.exists():
+            builder, files = _local_files(path)
+            # sample_by="document" keeps each text file whole, newlines included.
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            dataset = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+        elif spec.startswith((".", "/", "~")) or Path(spec).suffix in _BUILDERS:
+            raise KvcalError(f"dataset file '{spec}' does not exist; pass a file, a folder, 'builtin' or a hub spec")
+        else:
+            name, config, split = (spec.split(":") + [None, None])[:3]
+            dataset = datasets.load_dataset(name, config or None, split=split or "train")
+    except KvcalError:
+        raise
+    except Exception as exc:  # datasets raises many types; all mean "this spec cannot be read"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise KvcalError(f"could not read dataset '{spec}': {first_line}") from exc
+    column = _text_column(dataset, spec)
+    return "\n\n".join(row for row in dataset[column] if row)
+
+
+def tokenize(text: str, tokenizer) -> torch.Tensor:
+    """The corpus as one 1-D tensor of token ids (no special tokens)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """`nsamples` windows of `seqlen` tokens at seeded random offsets: (nsamples, seqlen)."""
+    total = ids.numel()
+    if total < seqlen:
+        raise KvcalError(f"the text has {total} tokens, fewer than one window of --seqlen {seqlen}; use more text or a shorter --seqlen")
+    if nsamples * seqlen > total:
+        raise KvcalError(
+            f"asked for {nsamples} x {seqlen} = {nsamples * seqlen} tokens but the text has only {total}; "
+            "lower --nsamples or --seqlen"
+        )
+    starts = np.random.default_rng(seed).integers(0, total - seqlen + 1, size=nsamples)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])

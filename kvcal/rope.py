@@ -1,0 +1,28 @@
+"""Rotary position embedding, rotate-half convention (the one Llama/Mistral/Qwen use in transformers).
+
+Everything a consumer needs is `inv_freq` (head_dim/2 frequencies, scaling already folded in) and the
+attention scaling factor, both stored in artifacts, so fitters and the runtime never need the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """cos, sin of shape positions.shape + (head_dim,), float32."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float32)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos() * attention_scaling, angles.sin() * attention_scaling
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """Rotate x of shape (..., tokens, heads, head_dim) by the positions (..., tokens)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)

@@ -1,0 +1,88 @@
+"""Readable summaries of kvcal artifacts (`kvcal inspect`), one summarizer per artifact kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcal.artifacts import read_artifact, read_header
+from kvcal.errors import KvcalError
+
+
+@dataclass
+class ArtifactSummary:
+    kind: str
+    provenance: list[tuple[str, str]]
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+
+def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
+    model, calibration, kvmix = config["model"], config["calibration"], config["kvmix"]
+    fingerprint = model["fingerprint"]
+    bits_k, bits_v = tensors["kvmix.bits.k"].float(), tensors["kvmix.bits.v"].float()
+    rule = f"target {kvmix['target_bits']} bits" if kvmix["target_bits"] is not None else f"top {kvmix['high_frac']:.0%} of layers high"
+    provenance = [
+        ("model", model["spec"]),
+        ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
+                         f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"),
+        ("config sha256", fingerprint["config_sha256"]),
+        ("dataset", calibration["dataset"]),
+        ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),
+        ("tokens", f"{calibration['corpus_tokens']} in corpus, {calibration['tokens_seen']} seen, "
+                   f"{calibration['tokens_in_statistics']} in statistics (sink {calibration['sink']} excluded)"),
+        ("sampled rows", f"{calibration['sampled_rows']} per layer; {calibration['stored_windows']} whole windows of Q/K/V"),
+        ("passes", f"{calibration['forward_passes']} forward, {calibration['backward_passes']} backward"),
+        ("kvmix", f"{rule}; K {kvmix['key_widths']['high']}/{kvmix['key_widths']['low']} bits, "
+                  f"V {kvmix['value_widths']['high']}/{kvmix['value_widths']['low']} bits; "
+                  f"mean K {bits_k.mean():.3f}, V {bits_v.mean():.3f}"),
+        ("kvcal version", config["kvcal_version"]),
+    ]
+    columns = ["layer", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
+    rows = [
+        [str(i), f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
+         str(int(bits_k[i])), str(int(bits_v[i])),
+         f"{tensors['kvmix.rpc.k'][i]:.2f}", f"{tensors['kvmix.rpc.v'][i]:.2f}"]
+        for i in range(bits_k.numel())
+    ]
+    return ArtifactSummary("profile", provenance, columns, rows)
+
+
+SUMMARIZERS = {"profile": _profile_summary}
+
+
+def summarize(path: str | Path) -> ArtifactSummary:
+    kind, _ = read_header(path)
+    if kind not in SUMMARIZERS:
+        raise KvcalError(f"'{path}' is a kvcal {kind}; this kvcal can summarize: {', '.join(SUMMARIZERS)}")
+    tensors, config = read_artifact(path, kind)
+    return SUMMARIZERS[kind](tensors, config)
+
+
+def plot_profile(path: str | Path, png: str | Path) -> Path:
+    """Per-layer K and V importance as bars, coloured by the chosen bit width."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tensors, config = read_artifact(path, "profile")
+    figure, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    palette = {1: "#bbbbbb", 2: "#4c72b0", 3: "#dd8452", 4: "#c44e52"}
+    for axis, kind, label in ((axes[0], "k", "key"), (axes[1], "v", "value")):
+        importance = tensors[f"importance.{kind}"].numpy()
+        bits = tensors[f"kvmix.bits.{kind}"].tolist()
+        axis.bar(range(len(bits)), importance, color=[palette[b] for b in bits])
+        axis.set_ylabel(f"s_{kind} = ||dL/dW_{kind}||")
+        axis.set_title(f"{label} importance; colour = bits (mean {sum(bits) / len(bits):.3f})")
+        for width in sorted(set(bits)):
+            axis.bar([], [], color=palette[width], label=f"{width} bits")
+        axis.legend(loc="upper right")
+    axes[1].set_xlabel("decoder layer")
+    figure.suptitle(f"KVmix importance: {config['model']['spec']}")
+    figure.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=120)
+    plt.close(figure)
+    return png

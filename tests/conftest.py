@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random models of every supported architecture (built from configs, no files
+downloaded), a tiny byte-level BPE tokenizer trained on Python's own docs, and the shared data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
+TINY_VOCAB = 512
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(model_type: str, max_positions: int = 256):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    if model_type == "qwen3":
+        common["head_dim"] = 16
+    if model_type == "gpt2":
+        common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    return AutoConfig.for_model(model_type, **common)
+
+
+def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions), attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvcal.data import builtin_text
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([builtin_text()[:200_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """Save a tiny model plus tokenizer to disk, as a user's local model directory would be."""
+
+    def make(model_type: str, max_positions: int = 256) -> Path:
+        path = tmp_path_factory.mktemp(f"tiny-{model_type}")
+        tiny_model(model_type, max_positions=max_positions).save_pretrained(path)
+        tiny_tokenizer.save_pretrained(path)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def wikitext_valid() -> Path:
+    if not WIKITEXT_VALID.is_file():
+        pytest.fail(f"shared data missing: {WIKITEXT_VALID} (tests expect ../shared beside the checkout)")
+    return WIKITEXT_VALID

@@ -1,0 +1,132 @@
+"""The capture pass against independent computations on tiny random models of every architecture."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from conftest import TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
+from kvcal.adapters import adapt
+from kvcal.capture import CaptureSettings, profile_gradients, select_rows
+
+NSAMPLES, SEQLEN = 3, 48
+
+
+def windows(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, TINY_VOCAB, (NSAMPLES, SEQLEN), generator=torch.Generator().manual_seed(seed))
+
+
+def attention_of(model, layer: int):
+    return model.model.layers[layer].self_attn
+
+
+def independent_reference(model, batch: torch.Tensor):
+    """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
+    post-RoPE keys that the model's own apply_rotary_pos_emb produces."""
+    layers = range(model.config.num_hidden_layers)
+    norms = torch.zeros(2, len(layers), dtype=torch.float64)
+    key_grads, value_grads, post_rope = [], [], []
+    for window in batch:
+        outputs = {}
+        handles = []
+        for i in layers:
+            attention = attention_of(model, i)
+            key_module = getattr(attention, "k_norm", None) or attention.k_proj
+            handles.append(key_module.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(("k", i), out)))
+            handles.append(attention.v_proj.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(("v", i), out)))
+        ids = window[None]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        for h in handles:
+            h.remove()
+        weights = [attention_of(model, i).k_proj.weight for i in layers] + [attention_of(model, i).v_proj.weight for i in layers]
+        activations = [outputs["k", i] for i in layers] + [outputs["v", i] for i in layers]
+        grads = torch.autograd.grad(loss, weights + activations)
+        n = len(layers)
+        norms[0] += torch.stack([g.double().norm() for g in grads[:n]])
+        norms[1] += torch.stack([g.double().norm() for g in grads[n : 2 * n]])
+        key_grads.append([g[0].flatten(1) for g in grads[2 * n : 3 * n]])
+        value_grads.append([g[0].flatten(1) for g in grads[3 * n :]])
+        cos, sin = model.model.rotary_emb(outputs["k", 0], torch.arange(SEQLEN)[None])
+        rotated = []
+        for i in layers:
+            heads = outputs["k", i].detach().reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
+            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin)
+            rotated.append(k_rot.transpose(1, 2)[0].flatten(1))
+        post_rope.append(rotated)
+    return norms / len(batch), key_grads, value_grads, post_rope
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_importance_fisher_and_rope_match_independent_autograd(model_type):
+    model = tiny_model(model_type)
+    batch = windows()
+    result = profile_gradients(model, adapt(model), batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1, seed=0))
+    norms, key_grads, value_grads, post_rope = independent_reference(model, batch)
+
+    torch.testing.assert_close(result.importance_k, norms[0].float(), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(result.importance_v, norms[1].float(), rtol=1e-5, atol=1e-8)
+    rows_window = result.tensors["samples.window"].long()
+    rows_position = result.tensors["samples.position"].long()
+    assert len(rows_window) == 40 and int(rows_position.min()) >= 1  # sink excluded
+    for layer in range(model.config.num_hidden_layers):
+        expected_fk = torch.stack([key_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
+        expected_fv = torch.stack([value_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
+        expected_post = torch.stack([post_rope[w][layer][p] for w, p in zip(rows_window, rows_position)])
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], expected_fk, rtol=1e-4, atol=1e-14)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], expected_fv, rtol=1e-4, atol=1e-14)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], expected_post, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_and_backward_passes_equal_nsamples():
+    model = tiny_model("llama")
+    calls = {"forward": 0, "backward": 0}
+    model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+    model.lm_head.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
+    result = profile_gradients(model, adapt(model), windows(), CaptureSettings())
+    assert calls == {"forward": NSAMPLES, "backward": NSAMPLES}
+    assert result.counts["forward_passes"] == result.counts["backward_passes"] == NSAMPLES
+
+
+def test_statistics_cover_every_non_sink_token_and_windows_are_stored():
+    model = tiny_model("qwen2")
+    batch = windows()
+    seen = []
+    attention = attention_of(model, 1)
+    handle = attention.v_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()[0]))
+    result = profile_gradients(model, adapt(model), batch, CaptureSettings(sink=4, store_windows=2))
+    handle.remove()
+    values = torch.cat([v[4:] for v in seen])
+    torch.testing.assert_close(result.tensors["layers.1.v.min"], values.amin(0))
+    torch.testing.assert_close(result.tensors["layers.1.v.max"], values.amax(0))
+    torch.testing.assert_close(result.tensors["layers.1.v.absmax"], values.abs().amax(0))
+    assert result.tensors["layers.1.windows.q"].shape == (2, SEQLEN, 64)
+    assert result.tensors["layers.1.windows.v"].shape == (2, SEQLEN, 32)
+    torch.testing.assert_close(result.tensors["layers.1.windows.v"][1].float(), seen[1].half().float())
+    assert torch.equal(result.tensors["windows.input_ids"], batch[:2].int())
+
+
+def test_capture_restores_requires_grad_and_leaves_no_gradients():
+    model = tiny_model("mistral")
+    profile_gradients(model, adapt(model), windows(), CaptureSettings())
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_same_seed_same_tensors_other_seed_other_rows():
+    model = tiny_model("llama")
+    settings = CaptureSettings(max_tokens_per_layer=30, seed=0)
+    first = profile_gradients(model, adapt(model), windows(), settings)
+    second = profile_gradients(model, adapt(model), windows(), settings)
+    assert first.tensors.keys() == second.tensors.keys()
+    for name in first.tensors:
+        assert torch.equal(first.tensors[name], second.tensors[name]), name
+    other = select_rows(NSAMPLES, SEQLEN, 1, 30, seed=1)
+    assert not torch.equal(other, select_rows(NSAMPLES, SEQLEN, 1, 30, seed=0))
+
+
+def test_select_rows_is_bounded_sorted_and_skips_the_sink():
+    rows = select_rows(nsamples=5, seqlen=100, sink=3, limit=64, seed=0)
+    assert rows.shape == (64, 2)
+    flat = rows[:, 0] * 100 + rows[:, 1]
+    assert torch.all(flat[1:] > flat[:-1]) and int(rows[:, 1].min()) >= 3
+    everything = select_rows(nsamples=2, seqlen=10, sink=2, limit=1000, seed=0)
+    assert everything.shape == (16, 2)

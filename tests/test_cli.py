@@ -1,0 +1,95 @@
+"""The command line on tiny local model directories: a full profile-gradients + inspect run, and the
+bad-input matrix (one line on stderr, exit code 2, no output file)."""
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcal.artifacts import read_artifact
+from kvcal.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from kvcal.data import builtin_text
+
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text(builtin_text()[:60_000])
+    return path
+
+
+def test_profile_gradients_then_inspect_with_plot(tiny_model_dir, corpus, tmp_path):
+    model = tiny_model_dir("qwen3")
+    out = tmp_path / "profile.safetensors"
+    result = run("profile-gradients", "--model", model, "--dataset", corpus, "--nsamples", 3, "--seqlen", 64,
+                 "--seed", 7, "--max-tokens-per-layer", 100, "--target-bits", 3, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "3 forward, 3 backward" in result.stdout and "bits K" in result.stdout
+    tensors, config = read_artifact(out, "profile")
+    assert config["calibration"]["seed"] == 7 and config["calibration"]["dataset"] == str(corpus)
+    assert config["model"]["fingerprint"]["model_type"] == "qwen3"
+    assert tensors["layers.1.k_pre.samples"].shape == (100, 32)
+    assert tensors["kvmix.bits.v"].float().mean() == 3.0  # one of two layers at 4, the other at 2
+
+    png = tmp_path / "importance.png"
+    shown = run("inspect", out, "--plot", png)
+    assert shown.exit_code == 0, shown.output
+    assert "s_k" in shown.stdout and "4 forward" not in shown.stdout and png.stat().st_size > 10_000
+
+
+def test_same_seed_same_file_bytes(tiny_model_dir, corpus, tmp_path):
+    model = tiny_model_dir("llama")
+    outputs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.safetensors"
+        result = run("profile-gradients", "--model", model, "--dataset", corpus, "--nsamples", 2, "--seqlen", 32, "--out", out)
+        assert result.exit_code == 0, result.output
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+
+
+def bad_inputs(tmp_path, tiny_model_dir, corpus):
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    llama = tiny_model_dir("llama")
+    return {
+        "missing model path": (["--model", tmp_path / "no-such-model"], "does not exist"),
+        "unsupported architecture": (["--model", tiny_model_dir("gpt2")], "unsupported architecture GPT2LMHeadModel"),
+        "text shorter than one window": (["--model", llama, "--dataset", short], "fewer than one window"),
+        "seqlen above max positions": (["--model", llama, "--dataset", corpus, "--seqlen", 512], "above the model's maximum of 256"),
+        "nsamples 0": (["--model", llama, "--nsamples", 0], "--nsamples must be at least 1"),
+        "unwritable output": (["--model", llama, "--dataset", corpus, "--out", blocker / "p.safetensors"], "not a writable folder"),
+    }
+
+
+def test_bad_input_gives_one_line_exit_2_and_no_file(tiny_model_dir, corpus, tmp_path):
+    for case, (args, message) in bad_inputs(tmp_path, tiny_model_dir, corpus).items():
+        out_dir = tmp_path / case.replace(" ", "-")
+        default_out = ["--out", out_dir / "profile.safetensors"] if "--out" not in args else []
+        result = run("profile-gradients", "--seqlen", 64, "--nsamples", 2, *args, *default_out)
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2, (case, result.output)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, result.stderr)
+        assert not out_dir.exists(), case
+
+
+def test_inspect_refuses_a_file_that_is_not_an_artifact(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors at all")
+    result = run("inspect", junk)
+    assert result.exit_code == 2 and "not a readable safetensors file" in result.stderr
+
+
+def test_help_explains_every_option():
+    result = run("profile-gradients", "--help")
+    assert result.exit_code == 0
+    for option in ("--model", "--dataset", "--nsamples", "--seqlen", "--seed", "--sink", "--max-tokens-per-layer",
+                   "--store-windows", "--high-frac", "--target-bits", "--dtype", "--device", "--out"):
+        assert option in result.stdout

@@ -1,0 +1,59 @@
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from kvcal.data import builtin_text, load_text, sample_windows, tokenize
+from kvcal.errors import KvcalError
+
+
+def test_builtin_corpus_is_real_text(tiny_tokenizer):
+    text = load_text("builtin")
+    assert text == builtin_text() and len(text) > 100_000 and "lambda" in text
+    assert tokenize(text[:5000], tiny_tokenizer).max() < TINY_VOCAB
+
+
+def test_local_txt_is_read_whole_through_datasets(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("first line\n\nsecond paragraph\n")
+    assert load_text(str(path)) == "first line\n\nsecond paragraph\n"
+
+
+def test_jsonl_parquet_and_folders(tmp_path):
+    import datasets
+
+    rows = [{"id": 1, "text": "alpha"}, {"id": 2, "text": "beta"}]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "part.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_text(str(tmp_path / "j" / "part.jsonl")) == "alpha\n\nbeta"
+    assert load_text(str(tmp_path / "j")) == "alpha\n\nbeta"
+    datasets.Dataset.from_list([{"body": "gamma"}, {"body": "delta"}]).to_parquet(str(tmp_path / "p.parquet"))
+    assert load_text(str(tmp_path / "p.parquet")) == "gamma\n\ndelta"
+
+
+def test_missing_or_unreadable_datasets_are_clear_errors(tmp_path):
+    with pytest.raises(KvcalError, match="does not exist"):
+        load_text(str(tmp_path / "nope.txt"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(KvcalError, match="not a .txt/.jsonl/.parquet"):
+        load_text(str(tmp_path / "x.csv"))
+    (tmp_path / "n.jsonl").write_text(json.dumps({"n": 1}))
+    with pytest.raises(KvcalError, match="no text column"):
+        load_text(str(tmp_path / "n.jsonl"))
+
+
+def test_windows_are_seeded_slices_of_the_corpus():
+    ids = torch.arange(10_000)
+    first = sample_windows(ids, 8, 128, seed=0)
+    assert first.shape == (8, 128)
+    assert torch.all(first[:, 1:] - first[:, :-1] == 1)  # contiguous slices
+    assert torch.equal(first, sample_windows(ids, 8, 128, seed=0))
+    assert not torch.equal(first, sample_windows(ids, 8, 128, seed=1))
+
+
+def test_asking_for_more_text_than_exists_says_how_many_tokens():
+    with pytest.raises(KvcalError, match="has 100 tokens, fewer than one window"):
+        sample_windows(torch.arange(100), 1, 128, seed=0)
+    with pytest.raises(KvcalError, match="has only 1000"):
+        sample_windows(torch.arange(1000), 8, 128, seed=0)

