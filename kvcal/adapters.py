@@ -25,6 +25,7 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
 @dataclass
 class LayerHandles:
     index: int
+    attention: nn.Module
     q_proj: nn.Linear
     k_proj: nn.Linear
     v_proj: nn.Linear
@@ -117,6 +118,7 @@ def _layer_handles(layer: nn.Module, index: int, where: str) -> LayerHandles:
         projections[name] = module
     return LayerHandles(
         index=index,
+        attention=attention,
         q_proj=projections["q_proj"],
         k_proj=projections["k_proj"],
         v_proj=projections["v_proj"],

@@ -32,6 +32,12 @@ def check_writable(path: str | Path) -> Path:
     return path
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _canonicalize_header(path: str) -> None:
     """Rewrite the JSON header with sorted keys, in place. safetensors emits metadata in hash-map
     order, which would make identical artifacts differ byte for byte."""
@@ -64,6 +70,7 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
         os.close(handle)
         save_file(contiguous, temp, metadata=metadata)
         _canonicalize_header(temp)
+        os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the file normal permissions
         os.replace(temp, path)
     except OSError as exc:
         raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another --out or free space") from exc

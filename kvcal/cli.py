@@ -20,7 +20,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+# Tables are the product: when output goes to a file or pipe, do not squeeze them into 80 columns.
 out_console = Console()
+if not out_console.is_terminal:
+    out_console = Console(width=200)
 err_console = Console(stderr=True)
 
 
@@ -129,6 +132,115 @@ def inspect_command(
         from kvcal.summary import plot_profile
 
         err_console.print(f"wrote {plot_profile(file, plot)}", highlight=False)
+
+
+@app.command("fit-nuq")
+@reports_errors
+def fit_nuq_command(
+    profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients."),
+    bits: int = typer.Option(3, help="Code width for every layer, 1-4."),
+    bits_from_profile: bool = typer.Option(False, "--bits-from-profile", help="Use the profile's KVmix per-layer K/V widths instead of --bits."),
+    outliers: float = typer.Option(0.01, help="Fraction of elements kept exact in fp16 (dense-and-sparse), in [0, 0.1]."),
+    sink: int = typer.Option(1, help="Leading tokens kept fp16 and left out of calibration; at least the profile's sink."),
+    qnorm: str = typer.Option("auto", help="Q-Norm of the codebooks: auto (on at 2 bits or fewer), on, off."),
+    key_granularity: str = typer.Option("channel", help="Key thresholds: channel (fixed from calibration, KVQuant) or token (online; ablation)."),
+    key_rope: str = typer.Option("pre", help="Quantize keys pre-RoPE (KVQuant) or post-RoPE (ablation)."),
+    codebook: str = typer.Option("nuq", help="nuq (Fisher-weighted k-means), uniform, or nf (NormalFloat)."),
+    weighting: str = typer.Option("fisher", help="k-means sample weights: fisher or none."),
+    seed: int = typer.Option(0, help="k-means random state."),
+    out: Optional[Path] = typer.Option(None, help="Output artifact. Default: nuq<bits>.safetensors beside the profile."),
+):
+    """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvcal.artifacts import check_writable, read_header
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+    settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, outliers=outliers, sink=sink, qnorm=qnorm,
+                           key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting, seed=seed)
+    settings.validate()
+    _, profile_config = read_header(profile)
+    out = check_writable(out or profile.parent / f"nuq{'-kvmix' if bits_from_profile else bits}.safetensors")
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
+        tensors, config = fit_nuq(str(profile), settings, on_layer=lambda layer: progress.advance(task))
+    path = write_nuq(out, tensors, config)
+    nuq = config["nuq"]
+    rows = [[str(i), str(nuq["bits_k"][i]), str(nuq["bits_v"][i]),
+             " ".join(f"{c:+.2f}" for c in tensors[f"layers.{i}.k.codebook"].tolist()[:8]),
+             " ".join(f"{c:+.2f}" for c in tensors[f"layers.{i}.v.codebook"].tolist()[:8])]
+            for i in range(len(nuq["bits_k"]))]
+    _print_table(f"nuq codebooks (first 8 signposts): {path}", ["layer", "bits K", "bits V", "K codebook", "V codebook"], rows)
+    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+eval_app = typer.Typer(help="Evaluate quantization methods: perplexity with simulated decode-time quantization.",
+                       no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("ppl")
+@reports_errors
+def eval_ppl_command(
+    model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file (default: the packaged SmolLM2)."),
+    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq); repeat for several."),
+    baseline: str = typer.Option("", help="Comma-separated built-in baselines: intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
+    dataset: str = typer.Option("builtin", help="Evaluation text (same forms as profile-gradients --dataset)."),
+    seqlen: int = typer.Option(512, help="Tokens per window."),
+    windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, float16, bfloat16."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+):
+    """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits
+    (codes, scales, zeros, outliers and their indices, fp16 sinks and windows at --seqlen)."""
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from kvcal.adapters import adapt
+    from kvcal.artifacts import check_writable
+    from kvcal.baselines import baseline_method
+    from kvcal.data import load_text, tokenize
+    from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
+    from kvcal.models import load_model
+    from kvcal.nuq import nuq_method
+
+    if seqlen < 2 or windows < 1:
+        raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
+    if json_out is not None:
+        check_writable(json_out)
+    specs = [s for s in baseline.split(",") if s.strip()]
+    artifacts = [(str(path), nuq_method(str(path))) for path in quant]
+    text = load_text(dataset)
+    loaded, tokenizer, source = load_model(model, dtype, device)
+    adapter = adapt(loaded)
+    for path, method in artifacts:
+        check_model_matches(method, adapter, source.spec, path)
+    methods = [method for _, method in artifacts] + [baseline_method(s, len(adapter.layers)) for s in specs]
+    if adapter.max_positions and seqlen > adapter.max_positions:
+        raise KvcalError(f"--seqlen {seqlen} is above the model's maximum of {adapter.max_positions} positions")
+    batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("forward passes", total=windows * (len(methods) + 1))
+        results = evaluate_ppl(loaded, adapter, batch, methods, on_step=lambda: progress.advance(task))
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    rows = [[r.method, fmt(r.nominal_bits, ".2f"), fmt(r.effective_bits, ".3f"), fmt(r.key_bits, ".3f"),
+             fmt(r.value_bits, ".3f"), fmt(r.outlier_fraction, ".2%"), f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%"] for r in results]
+    _print_table(f"perplexity: {source.spec} on {dataset}, {windows} x {seqlen} tokens",
+                 ["method", "nominal bits", "effective bits", "K bits", "V bits", "outliers", "ppl", "vs fp"], rows)
+    if json_out is not None:
+        payload = {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
+                   "results": [r.as_dict() for r in results]}
+        tmp = json_out.with_name(json_out.name + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.replace(json_out)
 
 
 def main() -> None:

@@ -72,3 +72,27 @@ def wikitext_valid() -> Path:
     if not WIKITEXT_VALID.is_file():
         pytest.fail(f"shared data missing: {WIKITEXT_VALID} (tests expect ../shared beside the checkout)")
     return WIKITEXT_VALID
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    from kvcal.data import builtin_text
+
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text(builtin_text()[:60_000])
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """(model directory, profile path) of a tiny Llama profiled on a slice of the builtin corpus."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    model = tiny_model_dir("llama")
+    out = tmp_path_factory.mktemp("profile") / "profile.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus),
+                                      "--nsamples", "4", "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return model, out

@@ -93,3 +93,37 @@ def test_help_explains_every_option():
     for option in ("--model", "--dataset", "--nsamples", "--seqlen", "--seed", "--sink", "--max-tokens-per-layer",
                    "--store-windows", "--high-frac", "--target-bits", "--dtype", "--device", "--out"):
         assert option in result.stdout
+
+
+def test_fit_nuq_then_eval_ppl_with_baselines(tiny_profile, tiny_corpus, tmp_path):
+    model, profile = tiny_profile
+    nuq = tmp_path / "nuq2.safetensors"
+    fitted = run("fit-nuq", profile, "--bits", 2, "--out", nuq)
+    assert fitted.exit_code == 0, fitted.output
+    report = tmp_path / "ppl.json"
+    result = run("eval", "ppl", "--model", model, "--quant", nuq, "--baseline", "int2,kivi2-g8-r16",
+                 "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 3, "--json", report)
+    assert result.exit_code == 0, result.output
+    import json
+
+    rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(rows) == {"fp", "nuq2-1%", "int2-g64", "kivi2-g8-r16"}
+    assert rows["fp"]["ppl"] > 1 and rows["nuq2-1%"]["effective_bits"] > 2
+    assert "nuq2-1%" in result.stdout and "effective bits" in result.stdout
+
+
+def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_model_dir, tiny_corpus, tmp_path):
+    _, profile = tiny_profile
+    nuq = tmp_path / "nuq.safetensors"
+    assert run("fit-nuq", profile, "--out", nuq).exit_code == 0
+    other = tiny_model_dir("qwen2")
+    result = run("eval", "ppl", "--model", other, "--quant", nuq, "--dataset", tiny_corpus, "--seqlen", 32, "--windows", 1)
+    assert result.exit_code == 2
+    assert "calibrated for another model (LlamaForCausalLM" in result.stderr and "Qwen2ForCausalLM" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [(["--bits", 5], "outside 1-4"), (["--outliers", 0.5], r"outside [0, 0.1]")])
+def test_fit_nuq_bad_input(tiny_profile, tmp_path, args, message):
+    out = tmp_path / "x.safetensors"
+    result = run("fit-nuq", tiny_profile[1], *args, "--out", out)
+    assert result.exit_code == 2 and message in result.stderr and not out.exists()

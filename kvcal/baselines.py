@@ -1,0 +1,64 @@
+"""Built-in baselines that need no calibration, parsed from specs such as `int4`, `int2-g64`,
+`kivi2`, `kivi2-g64-r128`:
+- intN[-gG]: keys (post-RoPE) and values per token, asymmetric min-max over groups of G channels (64).
+- kiviN[-gG][-rR]: KIVI, keys per channel over blocks of G tokens, values per token over groups of G
+  channels (G = 32), fp16 residual of R tokens (128, R % G == 0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvcal.errors import KvcalError
+from kvcal.quantizers import uniform_per_channel, uniform_per_token
+from kvcal.simulate import Method, SegmentPolicy
+
+_SPEC = re.compile(r"^(int|kivi)([1-4])(?:-g(\d+))?(?:-r(\d+))?$")
+DEFAULT_GROUP = {"int": 64, "kivi": 32}
+DEFAULT_RESIDUAL = 128
+
+
+@dataclass(frozen=True)
+class PerTokenScheme:
+    bits: int
+    group: int
+    key_pre_rope: bool = False
+
+    def quantize_keys(self, keys):
+        return uniform_per_token(keys, self.bits, self.group)
+
+    def quantize_values(self, values):
+        return uniform_per_token(values, self.bits, self.group)
+
+
+@dataclass(frozen=True)
+class KiviScheme:
+    bits: int
+    group: int
+    key_pre_rope: bool = False
+
+    def quantize_keys(self, keys):
+        return uniform_per_channel(keys, self.bits, self.group)
+
+    def quantize_values(self, values):
+        return uniform_per_token(values, self.bits, self.group)
+
+
+def baseline_method(spec: str, num_layers: int) -> Method:
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise KvcalError(f"unknown baseline '{spec}'; use intN[-gG] or kiviN[-gG][-rR] with N in 1-4, e.g. int4-g64, kivi2-g32-r128")
+    family, bits, group, residual = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+    group = int(group) if group else DEFAULT_GROUP[family]
+    if group < 1:
+        raise KvcalError(f"baseline '{spec}': group size must be at least 1")
+    if family == "int":
+        if residual:
+            raise KvcalError(f"baseline '{spec}': intN has no residual; use kiviN-gG-rR")
+        return Method(f"int{bits}-g{group}", bits, [PerTokenScheme(bits, group)] * num_layers, SegmentPolicy())
+    residual = int(residual) if residual else DEFAULT_RESIDUAL
+    if residual % group:
+        raise KvcalError(f"baseline '{spec}': the residual {residual} must be a multiple of the group size {group}")
+    return Method(f"kivi{bits}-g{group}-r{residual}", bits, [KiviScheme(bits, group)] * num_layers,
+                  SegmentPolicy(residual=residual))

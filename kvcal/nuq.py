@@ -1,0 +1,233 @@
+"""KVQuant (`kvcal fit-nuq`): per-layer non-uniform datatypes fit offline from a profile.
+
+Keys: pre-RoPE (or post-RoPE, ablation), per-channel thresholds fixed from calibration (or per-token
+online, ablation). Values: per-token thresholds computed online across all KV heads of the token.
+Thresholds are the 1-t and t percentiles with t = 1 - outliers/2; elements outside are kept exactly
+(dense-and-sparse). One codebook of 2^bits signposts per layer for K and one for V, fit on the
+normalized inliers by k-means weighted by the Fisher information; Q-Norm re-centres it so the
+dequantized inliers keep the calibration mean and standard deviation. The first `sink` tokens stay fp16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvcal.artifacts import read_artifact, write_artifact
+from kvcal.errors import KvcalError
+from kvcal.quantizers import (
+    dense_and_sparse,
+    keep_fraction_quantiles,
+    nearest_codes,
+    normal_float_codebook,
+    normalize,
+    uniform_codebook,
+)
+
+NUQ_KIND = "nuq"
+CODEBOOKS = ("nuq", "uniform", "nf")
+KMEANS_MAX_POINTS = 1_000_000  # seeded subsample above this, to bound fitting time on wide models
+
+
+@dataclass(frozen=True)
+class NuqSettings:
+    bits: int = 3
+    bits_from_profile: bool = False
+    outliers: float = 0.01
+    sink: int = 1
+    qnorm: str = "auto"  # auto = on at 2 bits or fewer
+    key_granularity: str = "channel"  # channel (KVQuant) or token (ablation)
+    key_rope: str = "pre"  # pre (KVQuant) or post (ablation)
+    codebook: str = "nuq"  # nuq (Fisher-weighted k-means), uniform, nf (NormalFloat)
+    weighting: str = "fisher"  # fisher or none
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 1 <= self.bits <= 4:
+            raise KvcalError(f"--bits {self.bits} is outside 1-4")
+        if not 0.0 <= self.outliers <= 0.1:
+            raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
+        if self.sink < 0:
+            raise KvcalError(f"--sink must be 0 or more (got {self.sink})")
+        for name, value, allowed in (("qnorm", self.qnorm, ("auto", "on", "off")),
+                                     ("key-granularity", self.key_granularity, ("channel", "token")),
+                                     ("key-rope", self.key_rope, ("pre", "post")),
+                                     ("codebook", self.codebook, CODEBOOKS),
+                                     ("weighting", self.weighting, ("fisher", "none"))):
+            if value not in allowed:
+                raise KvcalError(f"--{name} '{value}' is not one of {', '.join(allowed)}")
+
+    def uses_qnorm(self, bits: int) -> bool:
+        return self.qnorm == "on" or (self.qnorm == "auto" and bits <= 2)
+
+
+def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, kind: str, qnorm: bool, seed: int) -> torch.Tensor:
+    """A sorted codebook of 2^bits signposts for normalized inlier values `points` in [-1, 1]."""
+    if kind == "uniform":
+        codebook = uniform_codebook(bits)
+    elif kind == "nf":
+        codebook = normal_float_codebook(bits)
+    else:
+        from sklearn.cluster import KMeans
+
+        x = points.double().numpy()[:, None]
+        w = None if weights is None else (weights / weights.mean().clamp(min=1e-30)).double().numpy()
+        model = KMeans(n_clusters=2**bits, n_init=1, random_state=seed, max_iter=300).fit(x, sample_weight=w)
+        codebook = torch.from_numpy(np.sort(model.cluster_centers_[:, 0])).float()
+    if qnorm:
+        quantized = codebook[nearest_codes(points, codebook)]
+        mu1, s1 = points.mean(), points.std()
+        mu2, s2 = quantized.mean(), quantized.std().clamp(min=1e-8)
+        codebook = (codebook - mu2) * s1 / s2 + mu1
+    return codebook
+
+
+def _inliers(samples: torch.Tensor, fisher: torch.Tensor | None, per_channel: bool, outliers: float, seed: int):
+    """Normalized inliers and their weights, plus per-channel thresholds when those are fixed offline."""
+    lo, hi = keep_fraction_quantiles(samples, outliers, dim=0 if per_channel else 1)
+    if not per_channel:
+        lo, hi = lo[:, None], hi[:, None]
+    xhat = normalize(samples, lo, hi)
+    keep = xhat.abs() <= 1
+    points = xhat[keep]
+    weights = None if fisher is None else fisher[keep]
+    if points.numel() > KMEANS_MAX_POINTS:
+        chosen = torch.from_numpy(np.random.default_rng(seed).choice(points.numel(), KMEANS_MAX_POINTS, replace=False))
+        points = points[chosen]
+        weights = None if weights is None else weights[chosen]
+    return points, weights, ((lo, hi) if per_channel else None)
+
+
+def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+    """(tensors, config) of a nuq artifact fit from a profile."""
+    settings.validate()
+    profile, profile_config = read_artifact(profile_path, "profile")
+    calibration = profile_config["calibration"]
+    if settings.sink < calibration["sink"]:
+        raise KvcalError(
+            f"--sink {settings.sink} is below the profile's sink {calibration['sink']}: those tokens were not profiled; "
+            f"re-run profile-gradients with --sink {settings.sink}"
+        )
+    num_layers = profile_config["model"]["fingerprint"]["num_layers"]
+    if settings.bits_from_profile:
+        bits_k = profile["kvmix.bits.k"].tolist()
+        bits_v = profile["kvmix.bits.v"].tolist()
+    else:
+        bits_k = bits_v = [settings.bits] * num_layers
+    rows = profile["samples.position"] >= settings.sink
+    if not rows.any():
+        raise KvcalError(f"the profile has no sampled tokens past --sink {settings.sink}")
+    key_name = "k_pre" if settings.key_rope == "pre" else "k_post"
+    # Fisher is taken w.r.t. the pre-RoPE key; for post-RoPE keys it is an approximation (ablation only).
+    use_fisher = settings.weighting == "fisher" and settings.codebook == "nuq"
+    tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
+    for layer in range(num_layers):
+        prefix = f"layers.{layer}"
+        for kind, sample_name, fisher_name, per_channel, bits in (
+            ("k", key_name, "k_pre", settings.key_granularity == "channel", bits_k[layer]),
+            ("v", "v", "v", False, bits_v[layer]),
+        ):
+            samples = profile[f"{prefix}.{sample_name}.samples"][rows]
+            fisher = profile[f"{prefix}.{fisher_name}.fisher"][rows] if use_fisher else None
+            points, weights, thresholds = _inliers(samples, fisher, per_channel, settings.outliers, settings.seed)
+            tensors[f"{prefix}.{kind}.codebook"] = fit_codebook(
+                points, weights, bits, settings.codebook, settings.uses_qnorm(bits), settings.seed)
+            if thresholds is not None:
+                tensors[f"{prefix}.{kind}.lo"], tensors[f"{prefix}.{kind}.hi"] = thresholds
+        if on_layer is not None:
+            on_layer(layer)
+    config = {
+        "model": profile_config["model"],
+        "rope": profile_config["rope"],
+        "calibration": calibration,
+        "nuq": {**asdict(settings), "bits_k": bits_k, "bits_v": bits_v,
+                "qnorm_k": [settings.uses_qnorm(b) for b in bits_k], "qnorm_v": [settings.uses_qnorm(b) for b in bits_v]},
+    }
+    return tensors, config
+
+
+def write_nuq(path, tensors: dict, config: dict):
+    return write_artifact(path, tensors, NUQ_KIND, config)
+
+
+@dataclass
+class NuqLayer:
+    """How one layer's keys and values are stored under a fitted nuq artifact."""
+
+    key_codebook: torch.Tensor
+    value_codebook: torch.Tensor
+    key_lo: torch.Tensor | None  # per-channel thresholds; None = per-token online
+    key_hi: torch.Tensor | None
+    outliers: float
+    key_pre_rope: bool
+
+    def quantize_keys(self, keys: torch.Tensor):
+        if self.key_lo is None:
+            return self._per_token(keys, self.key_codebook)
+        lo, hi = self.key_lo.to(keys), self.key_hi.to(keys)
+        result = dense_and_sparse(keys, lo, hi, self.key_codebook.to(keys), self.outliers > 0)
+        result.fixed_bits = 2 * 16 * keys.shape[1] + 16 * self.key_codebook.numel()
+        return result
+
+    def quantize_values(self, values: torch.Tensor):
+        return self._per_token(values, self.value_codebook)
+
+    def _per_token(self, x: torch.Tensor, codebook: torch.Tensor):
+        lo, hi = keep_fraction_quantiles(x, self.outliers, dim=1)
+        result = dense_and_sparse(x, lo[:, None], hi[:, None], codebook.to(x), self.outliers > 0)
+        result.row_bits += 2 * 16  # the token's fp16 thresholds
+        result.fixed_bits = 16 * codebook.numel()
+        return result
+
+
+def load_nuq_layers(path: str) -> tuple[list[NuqLayer], dict]:
+    tensors, config = read_artifact(path, NUQ_KIND)
+    nuq = config["nuq"]
+    layers = []
+    for layer in range(config["model"]["fingerprint"]["num_layers"]):
+        prefix = f"layers.{layer}"
+        try:
+            layers.append(NuqLayer(
+                key_codebook=tensors[f"{prefix}.k.codebook"],
+                value_codebook=tensors[f"{prefix}.v.codebook"],
+                key_lo=tensors.get(f"{prefix}.k.lo") if nuq["key_granularity"] == "channel" else None,
+                key_hi=tensors.get(f"{prefix}.k.hi") if nuq["key_granularity"] == "channel" else None,
+                outliers=nuq["outliers"],
+                key_pre_rope=nuq["key_rope"] == "pre",
+            ))
+        except KeyError as exc:
+            raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-nuq") from exc
+        if nuq["key_granularity"] == "channel" and layers[-1].key_lo is None:
+            raise KvcalError(f"'{path}' lacks tensor {prefix}.k.lo; re-create it with kvcal fit-nuq")
+    return layers, config
+
+
+def nuq_method(path: str):
+    """The simulation Method of a nuq artifact, named by its settings (ablation tags in brackets)."""
+    from kvcal.simulate import Method, SegmentPolicy
+
+    layers, config = load_nuq_layers(path)
+    nuq = config["nuq"]
+    bits_k, bits_v = nuq["bits_k"], nuq["bits_v"]
+    nominal = (sum(bits_k) + sum(bits_v)) / (len(bits_k) + len(bits_v))
+    width = str(bits_k[0]) if len(set(bits_k + bits_v)) == 1 else f"-K{sum(bits_k) / len(bits_k):.2f}V{sum(bits_v) / len(bits_v):.2f}"
+    name = {"nuq": "nuq", "uniform": "uq", "nf": "nf"}[nuq["codebook"]] + width
+    if nuq["outliers"]:
+        name += f"-{nuq['outliers'] * 100:g}%"
+    tags = []
+    if nuq["key_granularity"] == "token":
+        tags.append("K per-token")
+    if nuq["key_rope"] == "post":
+        tags.append("K post-RoPE")
+    if nuq["codebook"] == "nuq" and nuq["weighting"] == "none":
+        tags.append("unweighted")
+    if nuq["qnorm"] != "auto":
+        tags.append(f"Q-Norm {nuq['qnorm']}")
+    if nuq["sink"] != 1:
+        tags.append(f"sink {nuq['sink']}")
+    if tags:
+        name += " [" + ", ".join(tags) + "]"
+    return Method(name, nominal, layers, SegmentPolicy(sink=nuq["sink"]), fingerprint=config["model"]["fingerprint"])

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.nuq import NuqSettings, fit_codebook, fit_nuq, load_nuq_layers, nuq_method, write_nuq
+from kvcal.quantizers import nearest_codes
+
+
+def test_weighted_kmeans_follows_the_weights():
+    points = torch.cat([torch.linspace(-1, -0.5, 500), torch.linspace(0.5, 1, 500)])
+    weights = torch.cat([torch.full((500,), 100.0), torch.full((500,), 0.01)])
+    weighted = fit_codebook(points, weights, 2, "nuq", qnorm=False, seed=0)
+    plain = fit_codebook(points, None, 2, "nuq", qnorm=False, seed=0)
+    assert torch.all(weighted[1:] > weighted[:-1])
+    assert int((weighted < 0).sum()) > int((plain < 0).sum())  # more signposts where the weight is
+
+
+def test_qnorm_restores_mean_and_std_of_the_inliers():
+    points = torch.randn(5000, generator=torch.Generator().manual_seed(0)).clamp(-1, 1) * 0.5 + 0.1
+    raw = fit_codebook(points, None, 2, "uniform", qnorm=False, seed=0)
+    normed = fit_codebook(points, None, 2, "uniform", qnorm=True, seed=0)
+    codes = nearest_codes(points, raw)
+    torch.testing.assert_close(normed[codes].mean(), points.mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(normed[codes].std(), points.std(), rtol=1e-4, atol=1e-5)
+
+
+def test_fit_from_a_profile_is_deterministic_and_complete(tiny_profile, tmp_path):
+    _, profile = tiny_profile
+    settings = NuqSettings(bits=3, outliers=0.01, sink=1)
+    tensors, config = fit_nuq(str(profile), settings)
+    again, _ = fit_nuq(str(profile), settings)
+    assert all(torch.equal(tensors[name], again[name]) for name in tensors)
+    for layer in range(2):
+        codebook = tensors[f"layers.{layer}.k.codebook"]
+        assert codebook.shape == (8,) and torch.all(codebook[1:] > codebook[:-1])
+        assert tensors[f"layers.{layer}.k.lo"].shape == (32,)
+        assert torch.all(tensors[f"layers.{layer}.k.lo"] < tensors[f"layers.{layer}.k.hi"])
+    assert config["nuq"]["bits_k"] == [3, 3] and config["model"]["fingerprint"]["model_type"] == "llama"
+    path = write_nuq(tmp_path / "nuq.safetensors", tensors, config)
+    layers, _ = load_nuq_layers(str(path))
+    keys = torch.randn(20, 32)
+    stored = layers[0].quantize_keys(keys)
+    assert stored.values.shape == keys.shape and stored.fixed_bits == 2 * 16 * 32 + 16 * 8
+    assert nuq_method(str(path)).name == "nuq3-1%"
+
+
+def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
+    _, profile = tiny_profile
+    tensors, config = fit_nuq(str(profile), NuqSettings(bits_from_profile=True, outliers=0.0, key_granularity="token",
+                                                        codebook="nf", qnorm="on"))
+    from kvcal.artifacts import read_artifact
+
+    profiled, _ = read_artifact(profile, "profile")
+    assert config["nuq"]["bits_k"] == profiled["kvmix.bits.k"].tolist()
+    assert config["nuq"]["bits_v"] == profiled["kvmix.bits.v"].tolist()
+    assert tensors["layers.0.v.codebook"].numel() == 2 ** config["nuq"]["bits_v"][0]
+    assert "layers.0.k.lo" not in tensors  # per-token keys: thresholds online
+    method = nuq_method(str(write_nuq(tmp_path / "n.safetensors", tensors, config)))
+    assert method.name.startswith("nf") and "K per-token" in method.name and "Q-Norm on" in method.name
+
+
+@pytest.mark.parametrize("settings, message", [
+    (NuqSettings(bits=5), "outside 1-4"), (NuqSettings(bits=0), "outside 1-4"),
+    (NuqSettings(outliers=0.2), r"outside \[0, 0.1\]"), (NuqSettings(outliers=-0.01), r"outside \[0, 0.1\]"),
+    (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(codebook="lloyd"), "not one of"),
+])
+def test_bad_settings_are_clear_errors(tiny_profile, settings, message):
+    with pytest.raises(KvcalError, match=message):
+        fit_nuq(str(tiny_profile[1]), settings)

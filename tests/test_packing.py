@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.packing import codes_per_word, pack, packed_words, unpack
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("length", [1, 7, 10, 11, 31, 32, 33, 100, 129])
+def test_lsb_round_trip_for_every_width_and_ragged_lengths(bits, length):
+    codes = torch.randint(0, 2**bits, (3, length), generator=torch.Generator().manual_seed(length))
+    words = pack(codes, bits)
+    assert words.dtype == torch.int32 and words.shape == (3, packed_words(length, bits))
+    assert torch.equal(unpack(words, bits, length), codes)
+
+
+def test_lsb_bit_order_is_least_significant_first():
+    assert pack(torch.tensor([1, 0, 0, 0, 0, 0, 0, 2]), 4).item() == 1 + (2 << 28)
+    assert pack(torch.tensor([3] * 16), 2).item() == -1  # all 32 bits set, stored as int32
+    assert pack(torch.tensor([5, 1]), 3).item() == 5 + (1 << 3)
+    assert codes_per_word(3) == 10 and codes_per_word(1) == 32
+
+
+@pytest.mark.parametrize("length", [1, 10, 11, 12, 22, 23, 50])
+def test_kvmix_3bit_layout_packs_eleven_codes_and_clamps_the_eleventh(length):
+    codes = torch.randint(0, 8, (2, length), generator=torch.Generator().manual_seed(length))
+    words = pack(codes, 3, "kvmix10x3+1x2")
+    assert words.shape == (2, -(-length // 11))
+    expected = codes.clone()
+    expected[:, 10::11] = expected[:, 10::11].clamp(max=3)
+    assert torch.equal(unpack(words, 3, length, "kvmix10x3+1x2"), expected)
+    assert pack(torch.tensor([0] * 10 + [1]), 3, "kvmix10x3+1x2").item() == 1 << 30
+
+
+def test_bad_widths_layouts_and_codes_are_refused():
+    with pytest.raises(KvcalError, match="3-bit codes"):
+        pack(torch.zeros(4, dtype=torch.long), 2, "kvmix10x3+1x2")
+    with pytest.raises(KvcalError, match="unknown packing layout"):
+        pack(torch.zeros(4, dtype=torch.long), 2, "msb")
+    with pytest.raises(KvcalError, match="widths 1-4"):
+        pack(torch.zeros(4, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="outside"):
+        pack(torch.tensor([4]), 2)

@@ -1,0 +1,70 @@
+import math
+
+import torch
+
+from kvcal.quantizers import (
+    dense_and_sparse,
+    keep_fraction_quantiles,
+    nearest_codes,
+    normal_float_codebook,
+    uniform_codebook,
+    uniform_per_channel,
+    uniform_per_token,
+)
+
+
+def data(tokens=64, channels=48, seed=0):
+    return torch.randn(tokens, channels, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.1, 5, channels)
+
+
+def test_uniform_per_token_error_is_within_half_a_step_and_groups_may_be_ragged():
+    x = data()
+    q = uniform_per_token(x, 4, 32)  # groups of 32 and 16 channels
+    for start, end in ((0, 32), (32, 48)):
+        block = x[:, start:end]
+        step = (block.amax(1) - block.amin(1)) / 15
+        assert torch.all((q.values[:, start:end] - block).abs() <= step[:, None] / 2 + 1e-6)
+    assert torch.all(q.row_bits == 4 * 48 + 2 * 16 * 2)
+    assert torch.equal(uniform_per_token(x, 4, 48).values, uniform_per_token(x, 4, 48).values)
+
+
+def test_uniform_per_channel_quantizes_whole_token_blocks_and_leaves_the_tail():
+    x = data(tokens=70)
+    q = uniform_per_channel(x, 2, 32)
+    assert torch.equal(q.values[64:], x[64:])
+    block = x[32:64]
+    step = (block.amax(0) - block.amin(0)) / 3
+    assert torch.all((q.values[32:64] - block).abs() <= step / 2 + 1e-6)
+    assert math.isclose(float(q.row_bits[0]), 2 * 48 + 32 * 48 / 32)
+
+
+def test_nearest_codes_picks_the_closest_signpost():
+    codebook = torch.tensor([-1.0, -0.2, 0.3, 1.0])
+    x = torch.tensor([-5.0, -0.61, -0.59, 0.04, 0.06, 0.66, 0.64, 9.0])
+    assert nearest_codes(x, codebook).tolist() == [0, 0, 1, 1, 2, 3, 2, 3]
+
+
+def test_dense_and_sparse_keeps_outliers_exact_and_counts_their_storage():
+    x = data()
+    lo, hi = keep_fraction_quantiles(x, 0.02, dim=1)
+    q = dense_and_sparse(x, lo[:, None], hi[:, None], uniform_codebook(3), keep_outliers=True)
+    outside = (x < lo[:, None]) | (x > hi[:, None])
+    assert q.outliers == int(outside.sum()) > 0
+    assert torch.equal(q.values[outside], x[outside])
+    expected_bits = 3 * 48 + outside.sum(1) * (16 + 6) + 6
+    assert torch.equal(q.row_bits, expected_bits.float())
+    clamped = dense_and_sparse(x, lo[:, None], hi[:, None], uniform_codebook(3), keep_outliers=False)
+    assert clamped.outliers == 0 and torch.all(clamped.values <= hi[:, None] + 1e-5)
+
+
+def test_quantiles_without_outliers_are_min_and_max():
+    x = data()
+    lo, hi = keep_fraction_quantiles(x, 0.0, dim=0)
+    assert torch.equal(lo, x.amin(0)) and torch.equal(hi, x.amax(0))
+
+
+def test_normal_float_codebooks_are_sorted_in_unit_range_with_an_exact_zero():
+    for bits in (1, 2, 3, 4):
+        codebook = normal_float_codebook(bits)
+        assert codebook.numel() == 2**bits and torch.all(codebook[1:] > codebook[:-1])
+        assert codebook.abs().max() == 1.0 and (codebook == 0).any()

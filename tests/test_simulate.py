@@ -1,0 +1,89 @@
+"""The simulated quantization against an independent step-by-step decode of the same cache policy."""
+
+import torch
+
+from conftest import tiny_model
+from kvcal.adapters import adapt
+from kvcal.baselines import KiviScheme, baseline_method
+from kvcal.quantizers import Quantized, uniform_per_channel, uniform_per_token
+from kvcal.simulate import Method, SegmentPolicy, StorageTally, _LayerState, simulated
+
+
+class Identity:
+    key_pre_rope = True
+
+    def quantize_keys(self, x):
+        return Quantized(x.clone(), torch.full((x.shape[0],), 16.0 * x.shape[1]))
+
+    quantize_values = quantize_keys
+
+
+def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
+    for model_type in ("llama", "qwen3", "qwen2", "mistral"):
+        model = tiny_model(model_type)
+        ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            expected = model(ids).logits
+            with simulated(model, adapt(model), Method("id", 16, [Identity()] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
+                got = model(ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        assert tally.effective_bits == 16.0
+        assert model.config._attn_implementation == "sdpa"
+
+
+def test_policy_masks():
+    key, value = SegmentPolicy(sink=1, residual=4).quantized_masks(10)
+    # after 9 tokens (query 8): keys flushed in blocks of 4 -> tokens 1..7 quantized; values keep 4 fp16 -> 1..4
+    assert key[8].nonzero().flatten().tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert value[8].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    window_key, window_value = SegmentPolicy(sink=2, window=3).quantized_masks(8)
+    assert torch.equal(window_key, window_value)
+    assert window_key[7].nonzero().flatten().tolist() == [2, 3, 4]
+
+
+def kivi_decode_reference(query, keys, values, bits, group, residual, scaling):
+    """Token-by-token KIVI cache: keys flushed per channel in blocks of `residual` (quantized in groups
+    of `group` tokens), values quantized one by one as they leave an fp16 FIFO of `residual`."""
+    heads, tokens, head_dim = query.shape
+    kv_heads = keys.shape[0]
+    flat_k = keys.transpose(0, 1).reshape(tokens, -1)
+    flat_v = values.transpose(0, 1).reshape(tokens, -1)
+    stored_k, stored_v, fifo_k, fifo_v, outputs = [], [], [], [], []
+    for t in range(tokens):
+        fifo_k.append(flat_k[t])
+        fifo_v.append(flat_v[t])
+        if len(fifo_k) == residual:
+            stored_k.extend(uniform_per_channel(torch.stack(fifo_k), bits, group).values)
+            fifo_k = []
+        if len(fifo_v) > residual:
+            stored_v.append(uniform_per_token(fifo_v.pop(0)[None], bits, group).values[0])
+        k = torch.stack(stored_k + fifo_k).view(t + 1, kv_heads, head_dim).transpose(0, 1)
+        v = torch.stack(stored_v + fifo_v).view(t + 1, kv_heads, head_dim).transpose(0, 1)
+        k = k.repeat_interleave(heads // kv_heads, 0)
+        v = v.repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(query[:, t : t + 1] @ k.transpose(1, 2) * scaling, dim=-1)
+        outputs.append((p @ v)[:, 0])
+    return torch.stack(outputs, dim=0)  # (tokens, heads, head_dim)
+
+
+def test_kivi_simulation_equals_token_by_token_decode():
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, tokens, head_dim = 4, 2, 37, 8
+    query = torch.randn(1, heads, tokens, head_dim, generator=g)
+    keys = torch.randn(1, kv_heads, tokens, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)
+    values = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
+    state = _LayerState(KiviScheme(bits=2, group=4), SegmentPolicy(residual=8), torch.ones(4), 1.0, StorageTally())
+    got = state.attend(query, keys, values, scaling=0.35)[0]
+    expected = kivi_decode_reference(query[0], keys[0], values[0], 2, 4, 8, 0.35)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_effective_bits_count_fp16_tokens_at_the_evaluated_length():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode(), simulated(model, adapt(model), baseline_method("kivi2-g4-r8", 2), StorageTally()) as tally:
+        model(ids)
+    # keys: 40 tokens all flushed, 2 bits + fp16 scale and zero per channel per 4 tokens = 10 bits
+    # values: 32 quantized tokens at 2 + 32/4 = 10 bits, the last 8 in fp16
+    assert tally.key_bits / tally.elements == 10.0
+    assert tally.value_bits / tally.elements == (32 * 10 + 8 * 16) / 40
