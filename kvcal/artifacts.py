@@ -80,6 +80,21 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
     return path
 
 
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write a small text file (a JSON report) through a temp file and a rename."""
+    path = check_writable(path)
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp.write_text(text)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another path") from exc
+    finally:
+        temp.unlink(missing_ok=True)
+    return path
+
+
 def read_header(path: str | Path) -> tuple[str, dict]:
     """(kind, config) of an artifact without reading its tensors."""
     from safetensors import safe_open

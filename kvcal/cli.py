@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvcal.errors import KvcalError
 
@@ -46,7 +47,7 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for column in columns:
         table.add_column(column, justify="right" if column != columns[0] else "left")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))  # cells are data, never markup ("[fp8]")
     out_console.print(table)
 
 
@@ -58,7 +59,7 @@ def _print_summary(path: Path) -> None:
     provenance.add_column(style="bold")
     provenance.add_column()
     for key, value in summary.provenance:
-        provenance.add_row(key, value)
+        provenance.add_row(key, Text(value))
     out_console.print(provenance)
     _print_table("per layer", summary.columns, summary.rows)
 
@@ -123,8 +124,8 @@ def profile_gradients_command(
 @app.command("inspect")
 @reports_errors
 def inspect_command(
-    file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile (more kinds as they are added)."),
-    plot: Optional[Path] = typer.Option(None, help="Also draw per-layer K/V importance and chosen bits to this PNG."),
+    file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile, nuq or skvq."),
+    plot: Optional[Path] = typer.Option(None, help="Profiles: also draw per-layer K/V importance and chosen bits to this PNG."),
 ):
     """Summarize a kvcal artifact: provenance and a per-layer table."""
     _print_summary(file)
@@ -167,12 +168,44 @@ def fit_nuq_command(
         task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
         tensors, config = fit_nuq(str(profile), settings, on_layer=lambda layer: progress.advance(task))
     path = write_nuq(out, tensors, config)
-    nuq = config["nuq"]
-    rows = [[str(i), str(nuq["bits_k"][i]), str(nuq["bits_v"][i]),
-             " ".join(f"{c:+.2f}" for c in tensors[f"layers.{i}.k.codebook"].tolist()[:8]),
-             " ".join(f"{c:+.2f}" for c in tensors[f"layers.{i}.v.codebook"].tolist()[:8])]
-            for i in range(len(nuq["bits_k"]))]
-    _print_table(f"nuq codebooks (first 8 signposts): {path}", ["layer", "bits K", "bits V", "K codebook", "V codebook"], rows)
+    _print_summary(path)
+    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+@app.command("fit-skvq")
+@reports_errors
+def fit_skvq_command(
+    profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients (with stored windows for the clip search)."),
+    kbits: int = typer.Option(2, help="Key code width, 1-4."),
+    vbits: float = typer.Option(2, help="Value code width: 1.5 (ternary), 1, 2, 3 or 4."),
+    group_size: int = typer.Option(64, help="Average channels per group: kv_width / group_size groups (unequal after reordering)."),
+    window: int = typer.Option(128, help="Most recent tokens kept fp16 (sliding window)."),
+    sink: int = typer.Option(5, help="Leading tokens kept fp16 (attention sinks)."),
+    fp8: bool = typer.Option(False, "--fp8", help="Store per-group scale and zero point as FP8 (e4m3), simulated in the search."),
+    clip: str = typer.Option("group", help="Clipping scale search: group (per group), layer (one per layer, as the released code), none."),
+    reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Cluster channels with KMeans (SKVQ) or keep contiguous groups."),
+    seed: int = typer.Option(0, help="KMeans random state."),
+    out: Optional[Path] = typer.Option(None, help="Output artifact. Default: skvq-K<k>V<v>.safetensors beside the profile."),
+):
+    """SKVQ: channel permutations (KMeans), unequal groups, clipping scales from the attention-output MSE,
+    sliding window, sinks and optional FP8 parameters, fit from a profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvcal.artifacts import check_writable, read_header
+    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+
+    settings = SkvqSettings(kbits=kbits, vbits=vbits, group_size=group_size, window=window, sink=sink, fp8=fp8,
+                            clip=clip, reorder=reorder, seed=seed)
+    settings.validate()
+    _, profile_config = read_header(profile)
+    out = check_writable(out or profile.parent / f"skvq-K{kbits}V{vbits:g}.safetensors")
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
+        tensors, config = fit_skvq(str(profile), settings, on_layer=lambda layer: progress.advance(task))
+    path = write_skvq(out, tensors, config)
+    _print_summary(path)
     err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
 
 
@@ -185,7 +218,7 @@ app.add_typer(eval_app, name="eval")
 @reports_errors
 def eval_ppl_command(
     model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file (default: the packaged SmolLM2)."),
-    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq); repeat for several."),
+    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq or skvq); repeat for several."),
     baseline: str = typer.Option("", help="Comma-separated built-in baselines: intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
     dataset: str = typer.Option("builtin", help="Evaluation text (same forms as profile-gradients --dataset)."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
@@ -201,19 +234,19 @@ def eval_ppl_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from kvcal.adapters import adapt
-    from kvcal.artifacts import check_writable
+    from kvcal.artifacts import check_writable, write_text_atomic
     from kvcal.baselines import baseline_method
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
     from kvcal.models import load_model
-    from kvcal.nuq import nuq_method
+    from kvcal.methods import artifact_method
 
     if seqlen < 2 or windows < 1:
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
     if json_out is not None:
         check_writable(json_out)
     specs = [s for s in baseline.split(",") if s.strip()]
-    artifacts = [(str(path), nuq_method(str(path))) for path in quant]
+    artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
@@ -238,9 +271,7 @@ def eval_ppl_command(
     if json_out is not None:
         payload = {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
                    "results": [r.as_dict() for r in results]}
-        tmp = json_out.with_name(json_out.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(json_out)
+        write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n")
 
 
 def main() -> None:

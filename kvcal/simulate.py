@@ -114,7 +114,6 @@ class _LayerState:
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
         key_mask, value_mask = self.masks_for(tokens, query.device)
-        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
         positions = torch.arange(tokens, device=query.device)
         outputs = []
         for b in range(batch):
@@ -122,24 +121,39 @@ class _LayerState:
             values = value[b].transpose(0, 1).reshape(tokens, width).float()
             if self.scheme.key_pre_rope:
                 stored_keys = self.scheme.quantize_keys(self.pre_rope_keys[b].float())
-                keys_hat = apply_rope(stored_keys.values.view(tokens, kv_heads, head_dim), positions,
-                                      self.inv_freq, self.rope_scaling).reshape(tokens, width)
+                keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, self.inv_freq, self.rope_scaling)
             else:
                 stored_keys = self.scheme.quantize_keys(keys_post)
                 keys_hat = stored_keys.values
             stored_values = self.scheme.quantize_values(values)
             self.tally.add(stored_keys, key_mask[-1], "k")
             self.tally.add(stored_values, value_mask[-1], "v")
-
-            def per_head(x):  # (tokens, width) -> (heads, tokens, head_dim), GQA-expanded
-                return x.view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-
-            q = query[b].float()
-            scores = torch.where(key_mask, q @ per_head(keys_hat).transpose(1, 2), q @ per_head(keys_post).transpose(1, 2)) * scaling
-            probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-            out = (probs * value_mask) @ per_head(stored_values.values) + (probs * ~value_mask) @ per_head(values)
+            out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
+                                  key_mask, value_mask, scaling)
             outputs.append(out.transpose(0, 1).to(query.dtype))
         return torch.stack(outputs)
+
+
+def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, kv_heads: int, inv_freq: torch.Tensor, scaling: float):
+    """RoPE on (tokens, kv_heads * head_dim) keys, each token at its own position."""
+    tokens, width = keys.shape
+    return apply_rope(keys.view(tokens, kv_heads, width // kv_heads), positions, inv_freq, scaling).reshape(tokens, width)
+
+
+def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float):
+    """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
+    (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere.
+    Keys and values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query heads."""
+    heads, tokens, head_dim = query.shape
+    kv_heads = keys_fp.shape[1] // head_dim
+
+    def per_head(x):  # (tokens, width) -> (heads, tokens, head_dim)
+        return x.view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
+    scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return (probs * value_mask) @ per_head(values_hat) + (probs * ~value_mask) @ per_head(values_fp)
 
 
 def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

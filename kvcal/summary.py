@@ -48,7 +48,51 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("profile", provenance, columns, rows)
 
 
-SUMMARIZERS = {"profile": _profile_summary}
+def _model_rows(config: dict) -> list[tuple[str, str]]:
+    fingerprint = config["model"]["fingerprint"]
+    calibration = config["calibration"]
+    return [
+        ("model", config["model"]["spec"]),
+        ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, config {fingerprint['config_sha256']}"),
+        ("calibration", f"{calibration['dataset']}, {calibration['nsamples']} x {calibration['seqlen']}, seed {calibration['seed']}"),
+    ]
+
+
+def _codebook(tensor) -> str:
+    return " ".join(f"{value:+.2f}" for value in tensor.tolist())
+
+
+def _nuq_summary(tensors: dict, config: dict) -> ArtifactSummary:
+    nuq = config["nuq"]
+    provenance = _model_rows(config) + [
+        ("settings", f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
+                     f"codebook {nuq['codebook']}, weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}"),
+        ("kvcal version", config["kvcal_version"]),
+    ]
+    rows = [[str(i), str(nuq["bits_k"][i]), str(nuq["bits_v"][i]), _codebook(tensors[f"layers.{i}.k.codebook"]),
+             _codebook(tensors[f"layers.{i}.v.codebook"])] for i in range(len(nuq["bits_k"]))]
+    return ArtifactSummary("nuq", provenance, ["layer", "bits K", "bits V", "K codebook", "V codebook"], rows)
+
+
+def _skvq_summary(tensors: dict, config: dict) -> ArtifactSummary:
+    skvq = config["skvq"]
+    provenance = _model_rows(config) + [
+        ("settings", f"K{skvq['kbits']:g} V{skvq['vbits']:g}, group {skvq['group_size']}, window {skvq['window']}, sink {skvq['sink']}, "
+                     f"clip {skvq['clip']}, reorder {skvq['reorder']}, fp8 {skvq['fp8']}"),
+        ("kvcal version", config["kvcal_version"]),
+    ]
+    rows = []
+    for i in range(config["model"]["fingerprint"]["num_layers"]):
+        cells = [str(i)]
+        for kind in ("k", "v"):
+            starts = tensors[f"layers.{i}.{kind}.group_start"]
+            cells += [" ".join(map(str, (starts[1:] - starts[:-1]).tolist())),
+                      " ".join(f"{a:.2f}" for a in tensors[f"layers.{i}.{kind}.clip"].tolist())]
+        rows.append(cells)
+    return ArtifactSummary("skvq", provenance, ["layer", "K group sizes", "K clip", "V group sizes", "V clip"], rows)
+
+
+SUMMARIZERS = {"profile": _profile_summary, "nuq": _nuq_summary, "skvq": _skvq_summary}
 
 
 def summarize(path: str | Path) -> ArtifactSummary:

@@ -127,3 +127,20 @@ def test_fit_nuq_bad_input(tiny_profile, tmp_path, args, message):
     out = tmp_path / "x.safetensors"
     result = run("fit-nuq", tiny_profile[1], *args, "--out", out)
     assert result.exit_code == 2 and message in result.stderr and not out.exists()
+
+
+def test_fit_skvq_then_eval_ppl(tiny_profile, tiny_corpus, tmp_path):
+    model, profile = tiny_profile
+    artifact = tmp_path / "skvq.safetensors"
+    fitted = run("fit-skvq", profile, "--group-size", 16, "--window", 8, "--sink", 2, "--vbits", 1.5, "--fp8", "--out", artifact)
+    assert fitted.exit_code == 0, fitted.output
+    assert "K group sizes" in fitted.stdout
+    result = run("eval", "ppl", "--model", model, "--quant", artifact, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2)
+    assert result.exit_code == 0, result.output
+    assert "skvq-K2V1.5-g16-w8-s2 [fp8]" in result.stdout
+
+
+def test_fit_skvq_bad_input(tiny_profile, tmp_path):
+    out = tmp_path / "x.safetensors"
+    result = run("fit-skvq", tiny_profile[1], "--window", -1, "--out", out)
+    assert result.exit_code == 2 and "--window must be 0 or more" in result.stderr and not out.exists()

@@ -1,0 +1,305 @@
+"""SKVQ (`kvcal fit-skvq`): channel reorder, clipped dynamic per-token group quantization, sliding
+window and attention sinks.
+
+Per layer, separately for keys (pre-RoPE) and values: the channels of the whole KV width are clustered
+by their calibration [min, max] with seeded KMeans into kv_width / group_size groups; the permutation
+(argsort of the labels) and the group boundaries are stored as int32 (groups are unequal). Each token is
+quantized per group with a clipping scale alpha: h = alpha (max - min) / (2^N - 1), z = alpha min / h,
+x^ = h (clamp(round(x / h - z), 0, 2^N - 1) + z). Alpha is chosen from a grid, per layer or per group, to
+minimize the MSE of the attention output on the profile's stored windows, with the window and sinks as
+they will be at decode time. Optionally h and z are stored as FP8 (e4m3), simulated during the search.
+1.5-bit values are ternary (three levels, packed 20 to an int32 word: 1.6 bits stored).
+Permutations cross head boundaries, so they are applied inside quantize/dequantize, not folded into W_q/W_o.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvcal.artifacts import read_artifact, write_artifact
+from kvcal.errors import KvcalError
+from kvcal.quantizers import FP16_BITS, Quantized
+from kvcal.simulate import SegmentPolicy, rotate_keys
+
+SKVQ_KIND = "skvq"
+CLIP_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.00, 0.95, ..., 0.30
+GROUP_REFINE = 0.15  # per-group search covers the layer-wise alpha +- this
+TERNARY = 1.5
+INDEX_BITS = 32  # permutation entries, group starts: stored int32
+
+
+def levels(bits: float) -> int:
+    return 2 if bits == TERNARY else 2 ** int(bits) - 1
+
+
+def stored_code_bits(bits: float) -> float:
+    return 32 / 20 if bits == TERNARY else float(bits)
+
+
+@dataclass(frozen=True)
+class SkvqSettings:
+    kbits: float = 2
+    vbits: float = 2
+    group_size: int = 64
+    window: int = 128
+    sink: int = 5
+    fp8: bool = False
+    clip: str = "group"  # group, layer or none
+    reorder: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.kbits not in (1, 2, 3, 4):
+            raise KvcalError(f"--kbits {self.kbits} is not one of 1, 2, 3, 4")
+        if self.vbits not in (TERNARY, 1, 2, 3, 4):
+            raise KvcalError(f"--vbits {self.vbits} is not one of 1.5 (ternary), 1, 2, 3, 4")
+        if self.group_size < 1:
+            raise KvcalError(f"--group-size must be at least 1 (got {self.group_size})")
+        if self.window < 0:
+            raise KvcalError(f"--window must be 0 or more (got {self.window}); 0 quantizes every token")
+        if self.sink < 0:
+            raise KvcalError(f"--sink must be 0 or more (got {self.sink})")
+        if self.clip not in ("group", "layer", "none"):
+            raise KvcalError(f"--clip '{self.clip}' is not one of group, layer, none")
+
+    @property
+    def policy(self) -> SegmentPolicy:
+        return SegmentPolicy(sink=self.sink, window=self.window)
+
+
+def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, reorder: bool, seed: int):
+    """(permutation, group starts) of the channels; starts has groups + 1 entries, the last = width."""
+    width = minimum.numel()
+    if not reorder:
+        size = -(-width // groups)
+        return torch.arange(width, dtype=torch.int32), torch.tensor(list(range(0, width, size)) + [width], dtype=torch.int32)
+    from sklearn.cluster import KMeans
+
+    features = torch.stack([minimum, maximum], dim=1).double().numpy()
+    labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
+    # Number clusters by their mean max so the layout does not depend on KMeans' label order.
+    order = np.argsort([features[labels == g, 1].mean() for g in range(groups)], kind="stable")
+    rank = np.empty(groups, dtype=np.int64)
+    rank[order] = np.arange(groups)
+    ranked = rank[labels]
+    permutation = np.argsort(ranked, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(ranked, minlength=groups))])
+    return torch.from_numpy(permutation.astype(np.int32)), torch.from_numpy(starts.astype(np.int32))
+
+
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def clipped_dynamic(block: torch.Tensor, alpha: torch.Tensor, bits: float, fp8: bool) -> torch.Tensor:
+    """SKVQ clipped dynamic quantization of each row (token) of `block`, dequantized."""
+    steps = levels(bits)
+    low, high = alpha * block.amin(1, keepdim=True), alpha * block.amax(1, keepdim=True)
+    scale = ((high - low) / steps).clamp(min=1e-8)
+    zero = low / scale
+    if fp8:
+        scale, zero = _fp8(scale).clamp(min=1e-8), _fp8(zero)
+    return (torch.round(block / scale - zero).clamp(0, steps) + zero) * scale
+
+
+def quantize_grouped(x: torch.Tensor, permutation: torch.Tensor, starts: torch.Tensor, clip: torch.Tensor,
+                     bits: float, fp8: bool) -> torch.Tensor:
+    """Clipped dynamic per-token quantization of x (tokens, channels) over the permuted groups;
+    returns the dequantized tensor in the original channel order."""
+    permuted = x[:, permutation.long()]
+    out = torch.empty_like(permuted)
+    bounds = starts.tolist()
+    for g, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out[:, start:end] = clipped_dynamic(permuted[:, start:end], clip[g].to(x.dtype), bits, fp8)
+    restored = torch.empty_like(out)
+    restored[:, permutation.long()] = out
+    return restored
+
+
+@dataclass
+class SkvqTensor:
+    """How one of K or V of one layer is stored."""
+
+    permutation: torch.Tensor
+    starts: torch.Tensor
+    clip: torch.Tensor
+    bits: float
+    fp8: bool
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        values = quantize_grouped(x, self.permutation, self.starts, self.clip.to(x.device), self.bits, self.fp8)
+        groups = self.clip.numel()
+        per_row = stored_code_bits(self.bits) * x.shape[1] + groups * 2 * (8 if self.fp8 else FP16_BITS)
+        fixed = INDEX_BITS * (self.permutation.numel() + self.starts.numel()) + FP16_BITS * groups
+        return Quantized(values, torch.full((x.shape[0],), per_row, device=x.device), fixed_bits=fixed)
+
+
+@dataclass
+class SkvqLayer:
+    keys: SkvqTensor
+    values: SkvqTensor
+    key_pre_rope: bool = True
+
+    def quantize_keys(self, keys):
+        return self.keys.quantize(keys)
+
+    def quantize_values(self, values):
+        return self.values.quantize(values)
+
+
+class _ClipObjective:
+    """MSE of one layer's attention output over the stored windows, quantized vs original.
+
+    Only query rows that can see a quantized token matter (earlier ones read only fp16 sinks and window);
+    up to QUERY_ROWS of them, evenly spaced, are used. The fp scores are computed once; while values are
+    searched the attention probabilities (with the chosen keys) are cached, so a value trial is one matmul."""
+
+    QUERY_ROWS = 128
+
+    def __init__(self, profile: dict, layer: int, fingerprint: dict, rope_scaling: float, policy: SegmentPolicy):
+        prefix = f"layers.{layer}.windows"
+        self.kv_heads, self.head_dim = fingerprint["num_kv_heads"], fingerprint["head_dim"]
+        heads = fingerprint["num_heads"]
+        self.group = heads // self.kv_heads
+        self.inv_freq, self.rope_scaling = profile["rope.inv_freq"], rope_scaling
+        self.positions = profile["windows.positions"].long()
+        self.keys = profile[f"{prefix}.k"].float()
+        self.values = profile[f"{prefix}.v"].float()
+        tokens = self.keys.shape[1]
+        key_mask, value_mask = policy.quantized_masks(tokens)
+        visible = torch.nonzero(key_mask.any(1) | value_mask.any(1)).flatten()
+        self.rows = visible[torch.linspace(0, len(visible) - 1, min(self.QUERY_ROWS, len(visible))).round().long()] if len(visible) else visible
+        self.key_mask, self.value_mask = key_mask[self.rows], value_mask[self.rows]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[self.rows]
+        self.blocked = ~causal
+        scaling = self.head_dim ** -0.5
+        self.queries, self.fp_scores, self.reference = [], [], []
+        for w in range(self.keys.shape[0]):
+            q = rotate_keys(profile[f"{prefix}.q"][w].float(), self.positions[w], heads, self.inv_freq, rope_scaling)
+            q = q[self.rows].view(len(self.rows), heads, self.head_dim).transpose(0, 1) * scaling
+            k = rotate_keys(self.keys[w], self.positions[w], self.kv_heads, self.inv_freq, rope_scaling)
+            scores = q @ self._per_head(k).transpose(1, 2)
+            self.queries.append(q)
+            self.fp_scores.append(scores)
+            self.reference.append(self._softmax(scores) @ self._per_head(self.values[w]))
+        self.cached_probs = None
+
+    def _per_head(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        return x.view(tokens, self.kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(self.group, dim=0)
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(scores.masked_fill(self.blocked, float("-inf")), dim=-1)
+
+    def _probs(self, keys: SkvqTensor, w: int) -> torch.Tensor:
+        k_hat = rotate_keys(keys.quantize(self.keys[w]).values, self.positions[w], self.kv_heads, self.inv_freq, self.rope_scaling)
+        scores = torch.where(self.key_mask, self.queries[w] @ self._per_head(k_hat).transpose(1, 2), self.fp_scores[w])
+        return self._softmax(scores)
+
+    def key_error(self, keys: SkvqTensor) -> float:
+        """Keys quantized, values fp."""
+        return sum(float((self._probs(keys, w) @ self._per_head(v) - ref).square().mean())
+                   for w, (v, ref) in enumerate(zip(self.values, self.reference)))
+
+    def cache_keys(self, keys: SkvqTensor) -> None:
+        self.cached_probs = [self._probs(keys, w) for w in range(len(self.values))]
+
+    def value_error(self, values: SkvqTensor) -> float:
+        """Values quantized, keys as fixed by cache_keys."""
+        total = 0.0
+        for probs, v, ref in zip(self.cached_probs, self.values, self.reference):
+            v_hat = values.quantize(v).values
+            out = (probs * self.value_mask) @ self._per_head(v_hat) + (probs * ~self.value_mask) @ self._per_head(v)
+            total += float((out - ref).square().mean())
+        return total
+
+
+def _search_clip(error: Callable[[SkvqTensor], float], tensor: SkvqTensor, mode: str) -> None:
+    """Set tensor.clip in place: one alpha for all groups (layer), then group by group (group)."""
+    groups = tensor.clip.numel()
+    best_alpha, best = 1.0, float("inf")
+    for alpha in CLIP_GRID:
+        tensor.clip = torch.full((groups,), alpha)
+        current = error(tensor)
+        if current < best:
+            best_alpha, best = alpha, current
+    tensor.clip = torch.full((groups,), best_alpha)
+    if mode != "group":
+        return
+    for g in range(groups):  # refine each group near the layer-wise optimum
+        chosen = float(tensor.clip[g])
+        for alpha in (a for a in CLIP_GRID if abs(a - best_alpha) <= GROUP_REFINE + 1e-9 and a != best_alpha):
+            tensor.clip[g] = alpha
+            current = error(tensor)
+            if current < best:
+                chosen, best = alpha, current
+        tensor.clip[g] = chosen
+
+
+def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+    settings.validate()
+    profile, profile_config = read_artifact(profile_path, "profile")
+    fingerprint = profile_config["model"]["fingerprint"]
+    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+    if settings.group_size > width:
+        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {width} of this model; use at most {width}")
+    if settings.clip != "none" and "layers.0.windows.q" not in profile:
+        raise KvcalError(f"'{profile_path}' has no stored Q/K/V windows, which the clip search needs; re-run "
+                         "kvcal profile-gradients with --store-windows 2, or pass --clip none")
+    groups = -(-width // settings.group_size)
+    tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
+    for layer in range(fingerprint["num_layers"]):
+        prefix = f"layers.{layer}"
+        stored = {}
+        for kind, name, bits in (("k", "k_pre", settings.kbits), ("v", "v", settings.vbits)):
+            permutation, starts = channel_groups(profile[f"{prefix}.{name}.min"], profile[f"{prefix}.{name}.max"],
+                                                 groups, settings.reorder, settings.seed)
+            stored[kind] = SkvqTensor(permutation, starts, torch.ones(groups), bits, settings.fp8)
+        if settings.clip != "none":
+            objective = _ClipObjective(profile, layer, fingerprint, profile_config["rope"]["attention_scaling"], settings.policy)
+            if len(objective.rows):  # else the window and sinks cover every calibration token: nothing to clip
+                _search_clip(objective.key_error, stored["k"], settings.clip)
+                objective.cache_keys(stored["k"])
+                _search_clip(objective.value_error, stored["v"], settings.clip)
+        for kind, tensor in stored.items():
+            tensors[f"{prefix}.{kind}.perm"] = tensor.permutation
+            tensors[f"{prefix}.{kind}.group_start"] = tensor.starts
+            tensors[f"{prefix}.{kind}.clip"] = tensor.clip.float()
+        if on_layer is not None:
+            on_layer(layer)
+    config = {"model": profile_config["model"], "rope": profile_config["rope"], "calibration": profile_config["calibration"],
+              "skvq": asdict(settings)}
+    return tensors, config
+
+
+def write_skvq(path, tensors: dict, config: dict):
+    return write_artifact(path, tensors, SKVQ_KIND, config)
+
+
+def skvq_method(path: str):
+    """The simulation Method of an SKVQ artifact."""
+    from kvcal.simulate import Method
+
+    tensors, config = read_artifact(path, SKVQ_KIND)
+    settings = SkvqSettings(**config["skvq"])
+    layers = []
+    for layer in range(config["model"]["fingerprint"]["num_layers"]):
+        prefix = f"layers.{layer}"
+        try:
+            parts = {kind: SkvqTensor(tensors[f"{prefix}.{kind}.perm"], tensors[f"{prefix}.{kind}.group_start"],
+                                      tensors[f"{prefix}.{kind}.clip"], bits, settings.fp8)
+                     for kind, bits in (("k", settings.kbits), ("v", settings.vbits))}
+        except KeyError as exc:
+            raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-skvq") from exc
+        layers.append(SkvqLayer(parts["k"], parts["v"]))
+    name = f"skvq-K{settings.kbits:g}V{settings.vbits:g}-g{settings.group_size}-w{settings.window}-s{settings.sink}"
+    tags = [t for t, on in (("fp8", settings.fp8), (f"clip {settings.clip}", settings.clip != "group"),
+                            ("no reorder", not settings.reorder)) if on]
+    if tags:
+        name += " [" + ", ".join(tags) + "]"
+    nominal = (settings.kbits + settings.vbits) / 2
+    return Method(name, nominal, layers, settings.policy, fingerprint=config["model"]["fingerprint"])

@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.quantizers import uniform_per_token
+from kvcal.skvq import (
+    SkvqSettings,
+    SkvqTensor,
+    channel_groups,
+    clipped_dynamic,
+    fit_skvq,
+    quantize_grouped,
+    skvq_method,
+    write_skvq,
+)
+
+
+def channels(width=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(width, generator=g) * 4 + 0.1
+    return torch.randn(200, width, generator=g) * scale
+
+
+def test_same_seed_same_permutation_and_groups_cover_every_channel_once():
+    x = channels()
+    first = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)
+    second = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    permutation, starts = first
+    assert permutation.dtype == starts.dtype == torch.int32
+    assert sorted(permutation.tolist()) == list(range(48))
+    assert starts[0] == 0 and starts[-1] == 48 and torch.all(starts[1:] > starts[:-1])
+    plain, plain_starts = channel_groups(x.amin(0), x.amax(0), 3, reorder=False, seed=0)
+    assert torch.equal(plain, torch.arange(48, dtype=torch.int32)) and plain_starts.tolist() == [0, 16, 32, 48]
+
+
+def test_permuted_quantized_unpermuted_equals_quantizing_each_group_directly():
+    x = channels()
+    permutation, starts = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)
+    clip = torch.tensor([1.0, 0.8, 0.55])
+    got = quantize_grouped(x, permutation, starts, clip, bits=2, fp8=True)
+    expected = torch.empty_like(x)
+    for g, (start, end) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        members = permutation[start:end].long()
+        expected[:, members] = clipped_dynamic(x[:, members], clip[g], 2, fp8=True)
+    assert torch.equal(got, expected)
+    # without clipping it is plain asymmetric min-max quantization of each group
+    unclipped = quantize_grouped(x, permutation, starts, torch.ones(3), bits=2, fp8=False)
+    for start, end in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        members = permutation[start:end].long()
+        torch.testing.assert_close(unclipped[:, members], uniform_per_token(x[:, members], 2, end - start).values)
+
+
+def test_clipping_ternary_and_fp8():
+    x = channels()
+    permutation, starts = torch.arange(48, dtype=torch.int32), torch.tensor([0, 48], dtype=torch.int32)
+    clipped = quantize_grouped(x, permutation, starts, torch.tensor([0.5]), bits=2, fp8=False)
+    assert torch.all(clipped <= 0.5 * x.amax(1, keepdim=True) + 1e-5)
+    ternary = quantize_grouped(x, permutation, starts, torch.ones(1), bits=1.5, fp8=False)
+    assert all(len(row.unique()) <= 3 for row in ternary)
+    stored = SkvqTensor(permutation, starts, torch.ones(1), 1.5, fp8=True).quantize(x)
+    assert stored.row_bits[0] == 48 * 1.6 + 2 * 8  # 20 ternary codes per int32, fp8 scale and zero
+
+
+def test_fit_is_deterministic_and_searches_clipping(tiny_profile, tmp_path):
+    _, profile = tiny_profile
+    settings = SkvqSettings(kbits=2, vbits=2, group_size=16, window=8, sink=2, clip="group")
+    tensors, config = fit_skvq(str(profile), settings)
+    again, _ = fit_skvq(str(profile), settings)
+    assert all(torch.equal(tensors[n], again[n]) for n in tensors)
+    assert tensors["layers.1.k.perm"].shape == (32,) and tensors["layers.1.v.group_start"].shape == (3,)
+    assert torch.all((tensors["layers.0.k.clip"] >= 0.3) & (tensors["layers.0.k.clip"] <= 1.0))
+    method = skvq_method(str(write_skvq(tmp_path / "s.safetensors", tensors, config)))
+    assert method.name == "skvq-K2V2-g16-w8-s2" and method.policy.window == 8 and method.policy.sink == 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    (SkvqSettings(group_size=64), "larger than the KV width 32"),
+    (SkvqSettings(group_size=16, window=-1), "--window must be 0 or more"),
+    (SkvqSettings(vbits=2.5), "1.5 \\(ternary\\)"),
+])
+def test_bad_settings(tiny_profile, settings, message):
+    with pytest.raises(KvcalError, match=message):
+        fit_skvq(str(tiny_profile[1]), settings)
+
+
+def test_clip_search_needs_stored_windows(tiny_model_dir, tiny_corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    profile = tmp_path / "nowindows.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(tiny_model_dir("qwen2")), "--dataset", str(tiny_corpus),
+                                      "--nsamples", "2", "--seqlen", "32", "--store-windows", "0", "--out", str(profile)])
+    assert result.exit_code == 0, result.output
+    with pytest.raises(KvcalError, match="no stored Q/K/V windows.*--store-windows 2, or pass --clip none"):
+        fit_skvq(str(profile), SkvqSettings(group_size=16))
+    tensors, _ = fit_skvq(str(profile), SkvqSettings(group_size=16, clip="none"))
+    assert torch.equal(tensors["layers.0.k.clip"], torch.ones(2))
