@@ -67,6 +67,10 @@ class ModelAdapter:
     def rope_attention_scaling(self) -> float:
         return float(getattr(self.rotary, "attention_scaling", 1.0))
 
+    def check_seqlen(self, seqlen: int) -> None:
+        if self.max_positions and seqlen > self.max_positions:
+            raise KvcalError(f"--seqlen {seqlen} is above the model's maximum of {self.max_positions} positions")
+
     def fingerprint(self) -> dict:
         """What an artifact records to refuse being used with another model."""
         canonical = {k: v for k, v in self.config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}

@@ -45,7 +45,22 @@ class KiviScheme:
         return uniform_per_token(values, self.bits, self.group)
 
 
-def baseline_method(spec: str, num_layers: int) -> Method:
+@dataclass(frozen=True)
+class BaselineSpec:
+    family: str
+    bits: int
+    group: int
+    residual: int = 0
+
+    def method(self, num_layers: int) -> Method:
+        if self.family == "int":
+            return Method(f"int{self.bits}-g{self.group}", self.bits, [PerTokenScheme(self.bits, self.group)] * num_layers,
+                          SegmentPolicy())
+        return Method(f"kivi{self.bits}-g{self.group}-r{self.residual}", self.bits,
+                      [KiviScheme(self.bits, self.group)] * num_layers, SegmentPolicy(residual=self.residual))
+
+
+def parse_baseline(spec: str) -> BaselineSpec:
     match = _SPEC.match(spec.strip())
     if match is None:
         raise KvcalError(f"unknown baseline '{spec}'; use intN[-gG] or kiviN[-gG][-rR] with N in 1-4, e.g. int4-g64, kivi2-g32-r128")
@@ -56,9 +71,12 @@ def baseline_method(spec: str, num_layers: int) -> Method:
     if family == "int":
         if residual:
             raise KvcalError(f"baseline '{spec}': intN has no residual; use kiviN-gG-rR")
-        return Method(f"int{bits}-g{group}", bits, [PerTokenScheme(bits, group)] * num_layers, SegmentPolicy())
+        return BaselineSpec(family, bits, group)
     residual = int(residual) if residual else DEFAULT_RESIDUAL
     if residual % group:
         raise KvcalError(f"baseline '{spec}': the residual {residual} must be a multiple of the group size {group}")
-    return Method(f"kivi{bits}-g{group}-r{residual}", bits, [KiviScheme(bits, group)] * num_layers,
-                  SegmentPolicy(residual=residual))
+    return BaselineSpec(family, bits, group, residual)
+
+
+def baseline_method(spec: str, num_layers: int) -> Method:
+    return parse_baseline(spec).method(num_layers)

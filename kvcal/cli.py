@@ -51,6 +51,30 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     out_console.print(table)
 
 
+def _progress():
+    """The progress display of every long command, on stderr, gone once done."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True)
+
+
+def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
+    """Shared body of the fit-* commands: fit layer by layer with progress, write, summarize."""
+    from kvcal.artifacts import check_writable, read_header
+
+    settings.validate()
+    _, profile_config = read_header(profile)
+    out = check_writable(out)
+    started = time.perf_counter()
+    with _progress() as progress:
+        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
+        tensors, config = fit(str(profile), settings, on_layer=lambda layer: progress.advance(task))
+    path = write(out, tensors, config)
+    _print_summary(path)
+    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
 def _print_summary(path: Path) -> None:
     from kvcal.summary import summarize
 
@@ -87,8 +111,6 @@ def profile_gradients_command(
 ):
     """Run the model over calibration text (one forward + backward per window) and write profile.safetensors:
     KVmix layer importance and bit allocation, KVQuant Fisher information, K/V samples and channel statistics."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from kvcal.capture import CaptureSettings
     from kvcal.kvmix import WidthChoice
     from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
@@ -100,9 +122,7 @@ def profile_gradients_command(
                             key_widths=WidthChoice(k_high_bits, k_low_bits), value_widths=WidthChoice(v_high_bits, v_low_bits)),
     )
     started = time.perf_counter()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True)
-    with progress:
+    with _progress() as progress:
         loading = progress.add_task("loading model and text", total=None)
         task = {}
 
@@ -152,24 +172,12 @@ def fit_nuq_command(
     out: Optional[Path] = typer.Option(None, help="Output artifact. Default: nuq<bits>.safetensors beside the profile."),
 ):
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvcal.artifacts import check_writable, read_header
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, outliers=outliers, sink=sink, qnorm=qnorm,
                            key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting, seed=seed)
-    settings.validate()
-    _, profile_config = read_header(profile)
-    out = check_writable(out or profile.parent / f"nuq{'-kvmix' if bits_from_profile else bits}.safetensors")
-    started = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
-        tensors, config = fit_nuq(str(profile), settings, on_layer=lambda layer: progress.advance(task))
-    path = write_nuq(out, tensors, config)
-    _print_summary(path)
-    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+    _fit_layers(profile, out or profile.parent / f"nuq{'-kvmix' if bits_from_profile else bits}.safetensors",
+                fit_nuq, write_nuq, settings)
 
 
 @app.command("fit-skvq")
@@ -189,24 +197,11 @@ def fit_skvq_command(
 ):
     """SKVQ: channel permutations (KMeans), unequal groups, clipping scales from the attention-output MSE,
     sliding window, sinks and optional FP8 parameters, fit from a profile."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvcal.artifacts import check_writable, read_header
     from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
 
     settings = SkvqSettings(kbits=kbits, vbits=vbits, group_size=group_size, window=window, sink=sink, fp8=fp8,
                             clip=clip, reorder=reorder, seed=seed)
-    settings.validate()
-    _, profile_config = read_header(profile)
-    out = check_writable(out or profile.parent / f"skvq-K{kbits}V{vbits:g}.safetensors")
-    started = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
-        tensors, config = fit_skvq(str(profile), settings, on_layer=lambda layer: progress.advance(task))
-    path = write_skvq(out, tensors, config)
-    _print_summary(path)
-    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+    _fit_layers(profile, out or profile.parent / f"skvq-K{kbits}V{vbits:g}.safetensors", fit_skvq, write_skvq, settings)
 
 
 eval_app = typer.Typer(help="Evaluate quantization methods: perplexity with simulated decode-time quantization.",
@@ -231,11 +226,9 @@ def eval_ppl_command(
     (codes, scales, zeros, outliers and their indices, fp16 sinks and windows at --seqlen)."""
     import json
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     from kvcal.adapters import adapt
     from kvcal.artifacts import check_writable, write_text_atomic
-    from kvcal.baselines import baseline_method
+    from kvcal.baselines import parse_baseline
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
     from kvcal.models import load_model
@@ -245,19 +238,17 @@ def eval_ppl_command(
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
     if json_out is not None:
         check_writable(json_out)
-    specs = [s for s in baseline.split(",") if s.strip()]
+    baselines = [parse_baseline(s) for s in baseline.split(",") if s.strip()]
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(s, len(adapter.layers)) for s in specs]
-    if adapter.max_positions and seqlen > adapter.max_positions:
-        raise KvcalError(f"--seqlen {seqlen} is above the model's maximum of {adapter.max_positions} positions")
+    methods = [method for _, method in artifacts] + [b.method(len(adapter.layers)) for b in baselines]
+    adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=err_console, transient=True) as progress:
+    with _progress() as progress:
         task = progress.add_task("forward passes", total=windows * (len(methods) + 1))
         results = evaluate_ppl(loaded, adapter, batch, methods, on_step=lambda: progress.advance(task))
 

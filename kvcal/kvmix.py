@@ -46,10 +46,14 @@ def _assign(importance: torch.Tensor, widths: WidthChoice, num_high: int) -> lis
     return bits
 
 
-def allocate_top_fraction(importance: torch.Tensor, widths: WidthChoice, high_frac: float) -> list[int]:
-    """The top `high_frac` of layers (rounded half up) get the high width, the rest the low one."""
+def check_high_frac(high_frac: float) -> None:
     if not 0.0 <= high_frac <= 1.0:
         raise KvcalError(f"--high-frac {high_frac} is outside [0, 1]")
+
+
+def allocate_top_fraction(importance: torch.Tensor, widths: WidthChoice, high_frac: float) -> list[int]:
+    """The top `high_frac` of layers (rounded half up) get the high width, the rest the low one."""
+    check_high_frac(high_frac)
     return _assign(importance, widths, math.floor(high_frac * importance.numel() + 0.5))
 
 

@@ -11,7 +11,7 @@ import torch
 from kvcal.artifacts import check_writable, write_artifact
 from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
-from kvcal.kvmix import WidthChoice, allocate, rpc_ratio
+from kvcal.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
 
 PROFILE_KIND = "profile"
 
@@ -26,8 +26,7 @@ class KvmixSettings:
     def validate(self) -> None:
         self.key_widths.validate("key")
         self.value_widths.validate("value")
-        if not 0.0 <= self.high_frac <= 1.0:
-            raise KvcalError(f"--high-frac {self.high_frac} is outside [0, 1]")
+        check_high_frac(self.high_frac)
 
 
 @dataclass(frozen=True)
@@ -108,8 +107,7 @@ def run_profile(request: ProfileRequest, out: str | Path | None,
     text = load_text(request.dataset)
     model, tokenizer, source = load_model(request.model, request.dtype, request.device)
     adapter = adapt(model)
-    if adapter.max_positions and request.seqlen > adapter.max_positions:
-        raise KvcalError(f"--seqlen {request.seqlen} is above the model's maximum of {adapter.max_positions} positions")
+    adapter.check_seqlen(request.seqlen)
     ids = tokenize(text, tokenizer)
     windows = sample_windows(ids, request.nsamples, request.seqlen, request.seed)
     if on_start is not None:
