@@ -1,10 +1,8 @@
 import pytest
-import torch
 
 from conftest import TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
-from kvcal.rope import apply_rope
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
@@ -30,11 +28,3 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 def test_unsupported_architecture_names_what_is_missing():
     with pytest.raises(KvcalError, match=r"GPT2LMHeadModel.*could not find a separate q_proj.*found: c_attn"):
         adapt(tiny_model("gpt2"))
-
-
-def test_rope_preserves_norms_and_position_zero_is_identity():
-    x = torch.randn(5, 3, 16)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    rotated = apply_rope(x, torch.arange(5), inv_freq)
-    torch.testing.assert_close(rotated[0], x[0])
-    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
