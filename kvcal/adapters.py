@@ -18,8 +18,9 @@ from kvcal.errors import KvcalError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
-# Keys of config.to_dict() that change with how a model was saved, not with what it computes.
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
+# Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
+# (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
 
 
 @dataclass

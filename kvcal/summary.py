@@ -92,7 +92,22 @@ def _skvq_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("skvq", provenance, ["layer", "K group sizes", "K clip", "V group sizes", "V clip"], rows)
 
 
-SUMMARIZERS = {"profile": _profile_summary, "nuq": _nuq_summary, "skvq": _skvq_summary}
+def _bundle_summary(tensors: dict, config: dict) -> ArtifactSummary:
+    recipe = config["recipe"]
+    packing = recipe["packing"]
+    provenance = _model_rows(config) + [
+        ("recipe", f"{recipe['name']}; codes packed {packing['bit_order']} in int{packing['word_bits']} words, layout {packing['layout']}"),
+        ("kvcal version", config["kvcal_version"]),
+    ]
+    columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "outliers", "fp8", "s_k", "s_v"]
+    rows = [[str(i), r["method"], f"{r['k_bits']:g}", f"{r['v_bits']:g}", str(r["pre_rope"]), str(r["group_size"] or "-"),
+             str(r["window"]), str(r["sink"]), str(r["residual"]), f"{r['outliers']:.1%}", str(r["fp8"]),
+             f"{float(tensors[f'layers.{i}.importance.k']):.4g}", f"{float(tensors[f'layers.{i}.importance.v']):.4g}"]
+            for i, r in enumerate(recipe["layers"])]
+    return ArtifactSummary("bundle", provenance, columns, rows)
+
+
+SUMMARIZERS = {"profile": _profile_summary, "nuq": _nuq_summary, "skvq": _skvq_summary, "bundle": _bundle_summary}
 
 
 def summarize(path: str | Path) -> ArtifactSummary:

@@ -38,7 +38,7 @@ def test_refuses_foreign_wrong_schema_wrong_kind_and_truncated_files(tmp_path):
         read_artifact(good, "bundle")
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(good.read_bytes()[:-100])
-    with pytest.raises(KvcalError, match="truncated or corrupt|not a readable"):
+    with pytest.raises(KvcalError, match="truncated"):
         read_artifact(truncated)
     with pytest.raises(KvcalError, match="does not exist"):
         read_header(tmp_path / "missing.safetensors")

@@ -84,7 +84,7 @@ def test_inspect_refuses_a_file_that_is_not_an_artifact(tmp_path):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not safetensors at all")
     result = run("inspect", junk)
-    assert result.exit_code == 2 and "not a readable safetensors file" in result.stderr
+    assert result.exit_code == 2 and "truncated or not a safetensors file" in result.stderr
 
 
 def test_help_explains_every_option():
@@ -144,3 +144,27 @@ def test_fit_skvq_bad_input(tiny_profile, tmp_path):
     out = tmp_path / "x.safetensors"
     result = run("fit-skvq", tiny_profile[1], "--window", -1, "--out", out)
     assert result.exit_code == 2 and "--window must be 0 or more" in result.stderr and not out.exists()
+
+
+def test_calibrate_runs_every_stage_and_writes_a_bundle(tiny_model_dir, tiny_corpus, tmp_path):
+    out = tmp_path / "run" / "bundle.safetensors"
+    result = run("calibrate", "--model", tiny_model_dir("mistral"), "--dataset", tiny_corpus, "--nsamples", 2, "--seqlen", 48,
+                 "--bits", 4, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bundle.safetensors", "nuq.safetensors", "profile.safetensors"]
+    from kvcal.bundle import load_bundle
+
+    bundle = load_bundle(out)
+    assert bundle.recipe_name == "kvquant" and bundle.layers[0].k_bits == 4
+    assert "kvcal bundle" in result.stdout and "recipe" in result.stdout
+
+
+def test_export_bundle_kivi_and_inspect(tiny_profile, tmp_path):
+    _, profile = tiny_profile
+    out = tmp_path / "kivi.safetensors"
+    result = run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--kivi-group", 16, "--kivi-residual", 32, "--out", out)
+    assert result.exit_code == 0, result.output
+    shown = run("inspect", out)
+    assert shown.exit_code == 0 and "uniform" in shown.stdout and "kivi" in shown.stdout
+    bad = run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--kivi-residual", 100, "--out", tmp_path / "bad.safetensors")
+    assert bad.exit_code == 2 and "multiple of the group size" in bad.stderr and not (tmp_path / "bad.safetensors").exists()
