@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SHARED, provenance, write_result  # noqa: E402
+from common import REPO, SHARED, provenance, write_markdown, write_result  # noqa: E402
 
 WORK = REPO / "artifacts" / "bench"
 PROFILE = WORK / "profile_sink0_8k.safetensors"
@@ -129,9 +129,7 @@ def main() -> None:
         lines.append(f"| {row['bits']} | {row['method']} | {row['ablation']} | {row['effective_bits']:.3f} | {row['key_bits']:.3f} | "
                      f"{row['value_bits']:.3f} | {outliers} | {row['ppl']:.4f} | {row['delta_pct']:+.2f}% | "
                      f"{', '.join(row.get('baselines_not_beaten', [])) or ('-' if row['ablation'] == 'baseline' else 'none')} |")
-    (RESULTS / "nuq_ablation.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {path} and {RESULTS / 'nuq_ablation.md'}")
+    print(f"wrote {path} and {write_markdown('nuq_ablation', lines)}")
 
 
 if __name__ == "__main__":

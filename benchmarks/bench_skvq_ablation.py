@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SHARED, provenance, write_result  # noqa: E402
+from common import REPO, SHARED, provenance, write_markdown, write_result  # noqa: E402
 
 WORK = REPO / "artifacts" / "bench"
 PROFILE = WORK / "profile_sink5.safetensors"
@@ -92,9 +92,7 @@ def main() -> None:
     for row in rows:
         lines.append(f"| {row['step']} | {row['method']} | {row['effective_bits']:.3f} | {row['key_bits']:.3f} | "
                      f"{row['value_bits']:.3f} | {row['ppl']:.4f} | {row['delta_pct']:+.2f}% |")
-    (RESULTS / "skvq_ablation.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {path} and {RESULTS / 'skvq_ablation.md'}")
+    print(f"wrote {path} and {write_markdown('skvq_ablation', lines)}")
 
 
 if __name__ == "__main__":

