@@ -87,3 +87,43 @@ def test_effective_bits_count_fp16_tokens_at_the_evaluated_length():
     # values: 32 quantized tokens at 2 + 32/4 = 10 bits, the last 8 in fp16
     assert tally.key_bits / tally.elements == 10.0
     assert tally.value_bits / tally.elements == (32 * 10 + 8 * 16) / 40
+
+
+def window_decode_reference(query, keys, values, quantize_keys, quantize_values, sink, window, scaling):
+    """Token-by-token cache with fp16 sinks and an fp16 sliding window: a token is quantized once, when it
+    slides out of the window, and stays so."""
+    heads, tokens, head_dim = query.shape
+    kv_heads = keys.shape[0]
+    flat_k = keys.transpose(0, 1).reshape(tokens, -1)
+    flat_v = values.transpose(0, 1).reshape(tokens, -1)
+    stored_k, stored_v, outputs = [], [], []
+    for t in range(tokens):
+        stored_k.append(flat_k[t])
+        stored_v.append(flat_v[t])
+        leaving = t - window  # the token that just slid out of the window
+        if leaving >= sink:
+            stored_k[leaving] = quantize_keys(flat_k[leaving][None]).values[0]
+            stored_v[leaving] = quantize_values(flat_v[leaving][None]).values[0]
+        k = torch.stack(stored_k).view(t + 1, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v = torch.stack(stored_v).view(t + 1, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(query[:, t : t + 1] @ k.transpose(1, 2) * scaling, dim=-1)
+        outputs.append((p @ v)[:, 0])
+    return torch.stack(outputs, dim=0)
+
+
+def test_skvq_window_and_sink_simulation_equals_token_by_token_decode():
+    from kvcal.skvq import SkvqLayer, SkvqTensor, channel_groups
+
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, tokens, head_dim = 4, 2, 41, 8
+    query = torch.randn(1, heads, tokens, head_dim, generator=g)
+    keys = torch.randn(1, kv_heads, tokens, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)
+    values = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
+    flat = keys[0].transpose(0, 1).reshape(tokens, -1)
+    permutation, starts = channel_groups(flat.amin(0), flat.amax(0), 2, reorder=True, seed=0)
+    scheme = SkvqLayer(SkvqTensor(permutation, starts, torch.tensor([0.9, 0.7]), 2, fp8=True),
+                       SkvqTensor(permutation, starts, torch.tensor([1.0, 0.8]), 1.5, fp8=False), key_pre_rope=False)
+    state = _LayerState(scheme, SegmentPolicy(sink=3, window=6), torch.ones(4), 1.0, StorageTally())
+    got = state.attend(query, keys, values, scaling=0.35)[0]
+    expected = window_decode_reference(query[0], keys[0], values[0], scheme.quantize_keys, scheme.quantize_values, 3, 6, 0.35)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
