@@ -124,6 +124,7 @@ def plot_profile(path: str | Path, png: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     tensors, config = read_artifact(path, "profile")
     figure, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
@@ -134,9 +135,7 @@ def plot_profile(path: str | Path, png: str | Path) -> Path:
         axis.bar(range(len(bits)), importance, color=[palette[b] for b in bits])
         axis.set_ylabel(f"s_{kind} = ||dL/dW_{kind}||")
         axis.set_title(f"{label} importance; colour = bits (mean {sum(bits) / len(bits):.3f})")
-        for width in sorted(set(bits)):
-            axis.bar([], [], color=palette[width], label=f"{width} bits")
-        axis.legend(loc="upper right")
+        axis.legend(handles=[Patch(color=palette[w], label=f"{w} bits") for w in sorted(set(bits))], loc="upper right")
     axes[1].set_xlabel("decoder layer")
     figure.suptitle(f"KVmix importance: {config['model']['spec']}")
     figure.tight_layout()
