@@ -295,8 +295,8 @@ def calibrate_command(
         tensors, config = build_bundle(str(profile_path), recipe, fitted.get("nuq"), fitted.get("skvq"), kivi_bits=bits)
         path = write_bundle(out, tensors, config)
     _print_summary(path)
-    err_console.print(f"wrote {path} (with {', '.join(p.name for p in sorted(out.parent.glob('*.safetensors')))} beside it) "
-                      f"in {time.perf_counter() - started:.1f} s", highlight=False)
+    beside = ", ".join(p.name for p in sorted(out.parent.glob("*.safetensors")) if p != path)
+    err_console.print(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s", highlight=False)
 
 
 eval_app = typer.Typer(help="Evaluate quantization methods: perplexity with simulated decode-time quantization.",
