@@ -67,6 +67,20 @@ def _progress():
                     TimeRemainingColumn(), console=err_console, transient=True)
 
 
+def _profile_with_progress(progress, request, out: Path | None, label: str = "profile"):
+    """run_profile with a loading spinner that becomes a bar over the forward+backward passes."""
+    from kvcal.profile import run_profile
+
+    loading = progress.add_task(f"{label}: loading model and text", total=None)
+    task = {}
+
+    def on_start(total: int) -> None:
+        progress.remove_task(loading)
+        task["id"] = progress.add_task(f"{label}: forward+backward", total=total)
+
+    return run_profile(request, out, on_start=on_start, on_window=lambda w: progress.advance(task["id"]))
+
+
 def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
     """Shared body of the fit-* commands: fit layer by layer with progress, write, summarize."""
     from kvcal.artifacts import check_writable, read_header
@@ -121,7 +135,7 @@ def profile_gradients_command(
     KVmix layer importance and bit allocation, KVQuant Fisher information, K/V samples and channel statistics."""
     from kvcal.capture import CaptureSettings
     from kvcal.kvmix import WidthChoice
-    from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
+    from kvcal.profile import KvmixSettings, ProfileRequest
 
     request = ProfileRequest(
         model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
@@ -131,15 +145,7 @@ def profile_gradients_command(
     )
     started = time.perf_counter()
     with _progress() as progress:
-        loading = progress.add_task("loading model and text", total=None)
-        task = {}
-
-        def on_start(total: int) -> None:
-            progress.remove_task(loading)
-            task["id"] = progress.add_task("forward+backward", total=total)
-
-        path, _, config = run_profile(request, out, on_start=on_start,
-                                      on_window=lambda w: progress.advance(task["id"]))
+        path, _, config = _profile_with_progress(progress, request, out)
     _print_summary(path)
     calibration = config["calibration"]
     err_console.print(
@@ -258,7 +264,7 @@ def calibrate_command(
     from kvcal.capture import CaptureSettings
     from kvcal.models import resolve_model
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
-    from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
+    from kvcal.profile import KvmixSettings, ProfileRequest
     from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
 
     if recipe not in RECIPES:
@@ -276,15 +282,7 @@ def calibrate_command(
     request.validate()
     started = time.perf_counter()
     with _progress() as progress:
-        loading = progress.add_task("1/3 profile: loading model and text", total=None)
-        task = {}
-
-        def on_start(total: int) -> None:
-            progress.remove_task(loading)
-            task["profile"] = progress.add_task("1/3 profile: forward+backward", total=total)
-
-        profile_path, _, profile_config = run_profile(request, out.with_name("profile.safetensors"), on_start=on_start,
-                                                      on_window=lambda w: progress.advance(task["profile"]))
+        profile_path, _, profile_config = _profile_with_progress(progress, request, out.with_name("profile.safetensors"), "1/3 profile")
         fitted = {}
         if recipe in fitters:
             kind, settings, fit, write = fitters[recipe]
