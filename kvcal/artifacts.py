@@ -55,7 +55,6 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
                    extra_metadata: dict[str, str] | None = None) -> Path:
     from safetensors.torch import save_file
 
-    path = check_writable(path)
     metadata = {
         "format": "pt",
         "kvcal.schema": str(SCHEMA_VERSION),
@@ -65,35 +64,36 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
         **(extra_metadata or {}),
     }
     contiguous = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+
+    def save(temp: str) -> None:
+        save_file(contiguous, temp, metadata=metadata)
+        _canonicalize_header(temp)
+
+    return _write_atomically(path, save)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write a small text file (a JSON report) through a temp file and a rename."""
+    return _write_atomically(path, lambda temp: Path(temp).write_text(text))
+
+
+def _write_atomically(path: str | Path, write) -> Path:
+    """write(temp) into a temp file beside `path`, then rename it over `path`: an interrupted write
+    leaves no file at `path`. Any OSError becomes one KvcalError line."""
+    path = check_writable(path)
     temp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(handle)
-        save_file(contiguous, temp, metadata=metadata)
-        _canonicalize_header(temp)
+        write(temp)
         os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the file normal permissions
         os.replace(temp, path)
     except OSError as exc:
-        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another --out or free space") from exc
+        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another output path or free space") from exc
     finally:
         if temp is not None and os.path.exists(temp):
             os.unlink(temp)
-    return path
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write a small text file (a JSON report) through a temp file and a rename."""
-    path = check_writable(path)
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp.write_text(text)
-        os.replace(temp, path)
-    except OSError as exc:
-        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another path") from exc
-    finally:
-        temp.unlink(missing_ok=True)
     return path
 
 

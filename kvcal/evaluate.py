@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -65,14 +66,11 @@ def evaluate_ppl(model, adapter: ModelAdapter, windows: torch.Tensor, methods: l
         for method in [None, *methods]:
             nll = 0.0
             tally = StorageTally()
-            for window in windows:
-                if method is None:
+            with nullcontext() if method is None else simulated(model, adapter, method, tally):
+                for window in windows:
                     nll += _window_nll(model, window)
-                else:
-                    with simulated(model, adapter, method, tally):
-                        nll += _window_nll(model, window)
-                if on_step is not None:
-                    on_step()
+                    if on_step is not None:
+                        on_step()
             ppl = math.exp(nll / predicted)
             if method is None:
                 results.append(PplResult("fp", None, 16.0, 16.0, 16.0, None, ppl))

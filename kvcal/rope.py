@@ -26,3 +26,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling)
     cos, sin = cos[..., None, :], sin[..., None, :]
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+def rotate_keys(x: torch.Tensor, positions: torch.Tensor, heads: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """apply_rope on (tokens, heads * head_dim) rows, the heads side by side, each token at its position."""
+    tokens, width = x.shape
+    return apply_rope(x.view(tokens, heads, width // heads), positions, inv_freq, attention_scaling).reshape(tokens, width)

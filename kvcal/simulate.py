@@ -20,7 +20,7 @@ import torch
 
 from kvcal.adapters import ModelAdapter
 from kvcal.quantizers import FP16_BITS, Quantized
-from kvcal.rope import apply_rope
+from kvcal.rope import rotate_keys
 
 ATTENTION_NAME = "kvcal_simulated"
 
@@ -134,10 +134,10 @@ class _LayerState:
         return torch.stack(outputs)
 
 
-def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, kv_heads: int, inv_freq: torch.Tensor, scaling: float):
-    """RoPE on (tokens, kv_heads * head_dim) keys, each token at its own position."""
-    tokens, width = keys.shape
-    return apply_rope(keys.view(tokens, kv_heads, width // kv_heads), positions, inv_freq, scaling).reshape(tokens, width)
+def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """(tokens, kv_heads * head_dim) -> (heads, tokens, head_dim): each KV head repeated for its query heads (GQA)."""
+    tokens, width = x.shape
+    return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
 
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float):
@@ -147,8 +147,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
-    def per_head(x):  # (tokens, width) -> (heads, tokens, head_dim)
-        return x.view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+    def per_head(x):
+        return per_query_head(x, kv_heads, heads)
 
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling

@@ -23,7 +23,8 @@ import torch
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.quantizers import FP16_BITS, Quantized
-from kvcal.simulate import SegmentPolicy, rotate_keys
+from kvcal.rope import rotate_keys
+from kvcal.simulate import SegmentPolicy, per_query_head
 
 SKVQ_KIND = "skvq"
 CLIP_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.00, 0.95, ..., 0.30
@@ -189,8 +190,7 @@ class _ClipObjective:
         self.cached_probs = None
 
     def _per_head(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        return x.view(tokens, self.kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(self.group, dim=0)
+        return per_query_head(x, self.kv_heads, self.kv_heads * self.group)
 
     def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.softmax(scores.masked_fill(self.blocked, float("-inf")), dim=-1)
