@@ -11,38 +11,21 @@ import re
 from dataclasses import dataclass
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import uniform_per_channel, uniform_per_token
-from kvcal.simulate import Method, SegmentPolicy
+from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.simulate import LayerCodecs, Method, SegmentPolicy
 
 _SPEC = re.compile(r"^(int|kivi)([1-4])(?:-g(\d+))?(?:-r(\d+))?$")
 DEFAULT_GROUP = {"int": 64, "kivi": 32}
 DEFAULT_RESIDUAL = 128
 
 
-@dataclass(frozen=True)
-class PerTokenScheme:
-    bits: int
-    group: int
-    key_pre_rope: bool = False
-
-    def quantize_keys(self, keys):
-        return uniform_per_token(keys, self.bits, self.group)
-
-    def quantize_values(self, values):
-        return uniform_per_token(values, self.bits, self.group)
+def per_token_layer(bits: int, group: int) -> LayerCodecs:
+    return LayerCodecs(TokenUniform(bits, group), TokenUniform(bits, group), key_pre_rope=False)
 
 
-@dataclass(frozen=True)
-class KiviScheme:
-    bits: int
-    group: int
-    key_pre_rope: bool = False
-
-    def quantize_keys(self, keys):
-        return uniform_per_channel(keys, self.bits, self.group)
-
-    def quantize_values(self, values):
-        return uniform_per_token(values, self.bits, self.group)
+def kivi_layer(bits: int, group: int) -> LayerCodecs:
+    """KIVI: keys per channel over blocks of `group` tokens, values per token over groups of `group` channels."""
+    return LayerCodecs(ChannelBlockUniform(bits, group), TokenUniform(bits, group), key_pre_rope=False)
 
 
 @dataclass(frozen=True)
@@ -54,10 +37,10 @@ class BaselineSpec:
 
     def method(self, num_layers: int) -> Method:
         if self.family == "int":
-            return Method(f"int{self.bits}-g{self.group}", self.bits, [PerTokenScheme(self.bits, self.group)] * num_layers,
+            return Method(f"int{self.bits}-g{self.group}", self.bits, [per_token_layer(self.bits, self.group)] * num_layers,
                           SegmentPolicy())
         return Method(f"kivi{self.bits}-g{self.group}-r{self.residual}", self.bits,
-                      [KiviScheme(self.bits, self.group)] * num_layers, SegmentPolicy(residual=self.residual))
+                      [kivi_layer(self.bits, self.group)] * num_layers, SegmentPolicy(residual=self.residual))
 
 
 def parse_baseline(spec: str) -> BaselineSpec:

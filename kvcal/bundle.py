@@ -10,7 +10,8 @@ fingerprint when given a model, and refuses anything else with a message naming 
 
 Recipes: kvquant (nuqX with outliers and sink), mixed (KVmix per-layer widths on KVQuant codebooks: fit-nuq
 --bits-from-profile), skvq, kivi (no calibration: K per channel over blocks of G tokens, V per token,
-fp16 residual R).
+fp16 residual R), kvmix (the profile's per-layer widths and RPC ratios on KVmix's uniform quantizer: K per
+channel over blocks of G = 32 tokens, V per token over groups of 32 channels).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from kvcal.artifacts import read_artifact, read_header, write_artifact
 from kvcal.errors import KvcalError
 
 BUNDLE_KIND = "bundle"
-RECIPES = ("kvquant", "mixed", "skvq", "kivi")
+RECIPES = ("kvquant", "mixed", "skvq", "kivi", "kvmix")
+KVMIX_GROUP = 32
 PACKING = {"word_bits": 32, "bit_order": "lsb-first", "layout": "lsb"}  # see kvcal.packing
 
 
@@ -43,6 +45,8 @@ class LayerRecipe:
     window: int = 0  # most recent tokens kept fp16
     sink: int = 0  # first tokens kept fp16
     residual: int = 0  # KIVI fp16 residual
+    rpc_k: float = 0.0  # KVmix recent-pivotal-context ratios (fp16 share of each step's tokens, see kvcal.runtime)
+    rpc_v: float = 0.0
     outliers: float = 0.0  # nuq: fraction kept exact
     key_granularity: str = "channel"
     fp8: bool = False
@@ -125,6 +129,12 @@ def build_bundle(profile_path: str, recipe: str, nuq_path: str | None = None, sk
         layers = [LayerRecipe("skvq", s["kbits"], s["vbits"], True, group_size=s["group_size"], window=s["window"],
                               sink=s["sink"], fp8=s["fp8"], key_granularity="token") for _ in range(num_layers)]
         source = fitted
+    elif recipe == "kvmix":
+        bits_k, bits_v = profile["kvmix.bits.k"].tolist(), profile["kvmix.bits.v"].tolist()
+        rpc_k, rpc_v = profile["kvmix.rpc.k"].tolist(), profile["kvmix.rpc.v"].tolist()
+        layers = [LayerRecipe("uniform", bits_k[i], bits_v[i], False, group_size=KVMIX_GROUP, rpc_k=rpc_k[i], rpc_v=rpc_v[i])
+                  for i in range(num_layers)]
+        source = {}
     else:
         from kvcal.baselines import parse_baseline
 
@@ -154,7 +164,10 @@ def _layer_recipe(entry, index: int, path) -> LayerRecipe:
                   for b in (layer.k_bits, layer.v_bits))
     counts_ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                     for n in (layer.group_size, layer.window, layer.sink, layer.residual))
-    if layer.method not in ("nuq", "skvq", "uniform") or not bits_ok or not counts_ok or layer.packing != PACKING["layout"]:
+    rpc_ok = all(isinstance(r, (int, float)) and 0 <= r < 1 for r in (layer.rpc_k, layer.rpc_v))
+    uniform_ok = layer.method != "uniform" or (layer.group_size > 0 and layer.sink == 0 and layer.residual % layer.group_size == 0)
+    if layer.method not in ("nuq", "skvq", "uniform") or not bits_ok or not counts_ok or not rpc_ok or not uniform_ok \
+            or layer.packing != PACKING["layout"]:
         raise KvcalError(f"bundle '{path}': the recipe of layer {index} is invalid ({entry}); re-export the bundle")
     return layer
 
@@ -215,26 +228,40 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     return bundle
 
 
+def layer_codecs(bundle: Bundle, index: int):
+    """The codecs of one layer of a bundle (shared by the simulation and the runtime cache)."""
+    from kvcal.nuq import nuq_layer
+    from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+    from kvcal.simulate import LayerCodecs
+    from kvcal.skvq import SkvqTensor, skvq_layer
+
+    layer, prefix = bundle.layers[index], f"layers.{index}."
+    t = {name[len(prefix):]: v for name, v in bundle.tensors.items() if name.startswith(prefix)}
+    if layer.method == "nuq":
+        return nuq_layer(t["k.codebook"], t["v.codebook"], t.get("k.lo"), t.get("k.hi"), layer.outliers, layer.pre_rope)
+    if layer.method == "skvq":
+        return skvq_layer(*(SkvqTensor(t[f"{k}.perm"], t[f"{k}.group_start"], t[f"{k}.clip"], bits, layer.fp8)
+                            for k, bits in (("k", layer.k_bits), ("v", layer.v_bits))))
+    # uniform (KIVI, KVmix): K per channel over blocks of G tokens, V per token over groups of G channels
+    return LayerCodecs(ChannelBlockUniform(int(layer.k_bits), layer.group_size), TokenUniform(int(layer.v_bits), layer.group_size), False)
+
+
+def layer_policy(layer: LayerRecipe):
+    """Which tokens the cache keeps fp16 for a layer, under token-by-token decoding (RPC keeps none then)."""
+    from kvcal.simulate import SegmentPolicy
+
+    key_block = layer.group_size if layer.method == "uniform" and not layer.residual else 0
+    return SegmentPolicy(sink=layer.sink, window=layer.window, residual=layer.residual, key_block=key_block)
+
+
 def bundle_method(path: str):
     """The simulation Method of a bundle: its per-layer recipe on the reference quantizers."""
-    from kvcal.baselines import KiviScheme
-    from kvcal.nuq import NuqLayer
-    from kvcal.simulate import Method, SegmentPolicy
-    from kvcal.skvq import SkvqLayer, SkvqTensor
+    from kvcal.simulate import Method
 
     bundle = load_bundle(path)
-    schemes = []
-    for i, layer in enumerate(bundle.layers):
-        t = {name[len(f"layers.{i}."):]: v for name, v in bundle.tensors.items() if name.startswith(f"layers.{i}.")}
-        if layer.method == "nuq":
-            schemes.append(NuqLayer(t["k.codebook"], t["v.codebook"], t.get("k.lo"), t.get("k.hi"), layer.outliers, layer.pre_rope))
-        elif layer.method == "skvq":
-            schemes.append(SkvqLayer(*(SkvqTensor(t[f"{k}.perm"], t[f"{k}.group_start"], t[f"{k}.clip"], bits, layer.fp8)
-                                       for k, bits in (("k", layer.k_bits), ("v", layer.v_bits)))))
-        else:
-            schemes.append(KiviScheme(int(layer.k_bits), layer.group_size))
-    policies = {SegmentPolicy(sink=l.sink, window=l.window, residual=l.residual) for l in bundle.layers}
+    policies = {layer_policy(layer) for layer in bundle.layers}
     if len(policies) != 1:
         raise KvcalError(f"bundle '{path}': layers with different sinks/windows/residuals cannot be simulated yet")
     nominal = sum(l.k_bits + l.v_bits for l in bundle.layers) / (2 * len(bundle.layers))
-    return Method(f"bundle:{bundle.recipe_name}", nominal, schemes, policies.pop(), fingerprint=bundle.fingerprint)
+    codecs = [layer_codecs(bundle, i) for i in range(len(bundle.layers))]
+    return Method(f"bundle:{bundle.recipe_name}", nominal, codecs, policies.pop(), fingerprint=bundle.fingerprint)

@@ -226,7 +226,7 @@ app.add_typer(export_app, name="export")
 @reports_errors
 def export_bundle_command(
     profile: Path = typer.Option(..., help="profile.safetensors (model fingerprint, importance, provenance)."),
-    recipe: str = typer.Option("kvquant", help="kvquant (needs --nuq), mixed (KVmix widths on KVQuant codebooks: --nuq fit with --bits-from-profile), skvq (needs --skvq) or kivi (no calibration)."),
+    recipe: str = typer.Option("kvquant", help="kvquant (needs --nuq), mixed (KVmix widths on KVQuant codebooks: --nuq fit with --bits-from-profile), skvq (needs --skvq), kivi (no calibration) or kvmix (the profile's KVmix widths and RPC ratios, uniform quantizer)."),
     nuq: Optional[Path] = typer.Option(None, help="nuq artifact from kvcal fit-nuq."),
     skvq: Optional[Path] = typer.Option(None, help="skvq artifact from kvcal fit-skvq."),
     kivi_bits: int = typer.Option(2, help="kivi recipe: bits for K and V."),
@@ -252,7 +252,7 @@ def calibrate_command(
     nsamples: int = typer.Option(16, help="Calibration windows."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     seed: int = typer.Option(0, help="Seed for windows, row subsample and k-means."),
-    recipe: str = typer.Option("kvquant", help="kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5) or kivi."),
+    recipe: str = typer.Option("kvquant", help="kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5), kivi or kvmix (KVmix widths and RPC)."),
     bits: int = typer.Option(3, help="kvquant: code width; kivi: bits for K and V."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,

@@ -19,7 +19,7 @@ import torch
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.quantizers import (
-    dense_and_sparse,
+    CodebookCodec,
     keep_fraction_quantiles,
     nearest_codes,
     normal_float_codebook,
@@ -153,44 +153,24 @@ def write_nuq(path, tensors: dict, config: dict):
     return write_artifact(path, tensors, NUQ_KIND, config)
 
 
-@dataclass
-class NuqLayer:
-    """How one layer's keys and values are stored under a fitted nuq artifact."""
+def nuq_layer(key_codebook: torch.Tensor, value_codebook: torch.Tensor, key_lo: torch.Tensor | None,
+              key_hi: torch.Tensor | None, outliers: float, key_pre_rope: bool):
+    """How one layer stores keys (per-channel thresholds key_lo/key_hi, or per token when None) and
+    values (per-token thresholds computed online) under a fitted nuq artifact."""
+    from kvcal.simulate import LayerCodecs
 
-    key_codebook: torch.Tensor
-    value_codebook: torch.Tensor
-    key_lo: torch.Tensor | None  # per-channel thresholds; None = per-token online
-    key_hi: torch.Tensor | None
-    outliers: float
-    key_pre_rope: bool
-
-    def quantize_keys(self, keys: torch.Tensor):
-        if self.key_lo is None:
-            return self._per_token(keys, self.key_codebook)
-        lo, hi = self.key_lo.to(keys), self.key_hi.to(keys)
-        result = dense_and_sparse(keys, lo, hi, self.key_codebook.to(keys), self.outliers > 0)
-        result.fixed_bits = 2 * 16 * keys.shape[1] + 16 * self.key_codebook.numel()
-        return result
-
-    def quantize_values(self, values: torch.Tensor):
-        return self._per_token(values, self.value_codebook)
-
-    def _per_token(self, x: torch.Tensor, codebook: torch.Tensor):
-        lo, hi = keep_fraction_quantiles(x, self.outliers, dim=1)
-        result = dense_and_sparse(x, lo[:, None], hi[:, None], codebook.to(x), self.outliers > 0)
-        result.row_bits += 2 * 16  # the token's fp16 thresholds
-        result.fixed_bits = 16 * codebook.numel()
-        return result
+    return LayerCodecs(CodebookCodec(key_codebook, key_lo, key_hi, outliers), CodebookCodec(value_codebook, None, None, outliers),
+                       key_pre_rope)
 
 
-def load_nuq_layers(path: str) -> tuple[list[NuqLayer], dict]:
+def load_nuq_layers(path: str) -> tuple[list, dict]:
     tensors, config = read_artifact(path, NUQ_KIND)
     nuq = config["nuq"]
     layers = []
     for layer in range(config["model"]["fingerprint"]["num_layers"]):
         prefix = f"layers.{layer}"
         try:
-            layers.append(NuqLayer(
+            layers.append(nuq_layer(
                 key_codebook=tensors[f"{prefix}.k.codebook"],
                 value_codebook=tensors[f"{prefix}.v.codebook"],
                 key_lo=tensors.get(f"{prefix}.k.lo") if nuq["key_granularity"] == "channel" else None,
@@ -200,7 +180,7 @@ def load_nuq_layers(path: str) -> tuple[list[NuqLayer], dict]:
             ))
         except KeyError as exc:
             raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-nuq") from exc
-        if nuq["key_granularity"] == "channel" and layers[-1].key_lo is None:
+        if nuq["key_granularity"] == "channel" and layers[-1].key_codec.lo is None:
             raise KvcalError(f"'{path}' lacks tensor {prefix}.k.lo; re-create it with kvcal fit-nuq")
     return layers, config
 

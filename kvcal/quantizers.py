@@ -1,21 +1,28 @@
-"""Reference quantizers (torch, any device). Each returns the dequantized tensor and what storing it
-costs, so that evaluation reports effective bits from what would really be stored.
+"""Reference quantizers (torch, any device) as codecs: `encode` turns a (tokens, channels) tensor into
+integer codes plus the parameters that would be stored, `decode` turns them back, and `quantize`
+returns decode(encode(x)) with what storing it costs, so that simulated evaluation and the runtime
+cache (kvcal.runtime) share one definition of every quantizer. Parameters are rounded to their storage
+dtype (fp16, or fp8 e4m3 for SKVQ --fp8) before codes are computed, so decoding stored data gives
+exactly what the simulation sees.
 
-- uniform asymmetric min-max quantization, per token (groups of G channels) or per channel (groups
-  of G tokens);
-- non-uniform (codebook) quantization of values normalized to [-1, 1];
-- dense-and-sparse: per-vector thresholds, elements outside them kept exactly (fp16) as outliers.
+- TokenUniform: asymmetric min-max per token over groups of G channels (KIVI/KVmix values, int-N).
+- ChannelBlockUniform: asymmetric min-max per channel over blocks of G consecutive tokens (KIVI/KVmix keys).
+- CodebookCodec: non-uniform (codebook) codes of values normalized to [-1, 1] by per-channel thresholds
+  fixed offline or per-token thresholds computed online; dense-and-sparse keeps elements outside the
+  thresholds exactly (fp16) as outliers (KVQuant).
+- GroupedClipped (in kvcal.skvq): SKVQ's permuted, clipped per-token groups.
 Tensors are (tokens, channels): the channels of all KV heads of one token side by side.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 FP16_BITS = 16
+TINY_SCALE = 2.0**-24  # the smallest positive fp16: stored scales are clamped to it when decoded
 
 
 @dataclass
@@ -29,37 +36,106 @@ class Quantized:
     outliers: int = 0
 
 
-def _min_max_dequant(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
-    levels = 2**bits - 1
-    scale = ((hi - lo) / levels).clamp(min=1e-8)
-    codes = torch.round((x - lo) / scale).clamp(0, levels)
-    return codes * scale + lo
+@dataclass
+class Encoded:
+    """What a codec stores for a run of tokens. codes: (tokens, channels) unpacked integers; token:
+    parameters with one row per token; block: parameters with one row per block of `block_tokens`
+    tokens; outliers: (token row, channel, fp16 value) of elements kept exactly, or None."""
+
+    codes: torch.Tensor
+    token: dict[str, torch.Tensor] = field(default_factory=dict)
+    block: dict[str, torch.Tensor] = field(default_factory=dict)
+    outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def uniform_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
+def scale_in_use(stored: torch.Tensor) -> torch.Tensor:
+    """The scale a decoder uses for a stored (fp16/fp8) scale."""
+    return stored.float().clamp(min=TINY_SCALE)
+
+
+def store_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to a storage dtype, saturating at its largest finite value instead of overflowing."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def _channel_groups(channels: int, group: int, device) -> torch.Tensor:
+    return torch.arange(channels, device=device) // group
+
+
+@dataclass(frozen=True)
+class TokenUniform:
     """Asymmetric min-max per token over groups of `group` channels (the last group may be shorter).
-    Each group stores an fp16 scale and zero."""
-    tokens, channels = x.shape
-    out = torch.empty_like(x)
-    for start in range(0, channels, group):
-        block = x[:, start : start + group]
-        out[:, start : start + group] = _min_max_dequant(block, block.amin(1, keepdim=True), block.amax(1, keepdim=True), bits)
-    groups = math.ceil(channels / group)
-    return Quantized(out, torch.full((tokens,), float(bits * channels + 2 * FP16_BITS * groups)))
+    Each group stores an fp16 scale and zero (its minimum)."""
+
+    bits: int
+    group: int
+    block_tokens = 1
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        x = x.float()
+        levels = 2**self.bits - 1
+        tokens, channels = x.shape
+        groups = math.ceil(channels / self.group)
+        padded = torch.nn.functional.pad(x, (0, groups * self.group - channels), value=float("nan")).view(tokens, groups, self.group)
+        lo = padded.nan_to_num(float("inf")).amin(2)
+        hi = padded.nan_to_num(float("-inf")).amax(2)
+        scale, zero = store_as((hi - lo) / levels, torch.float16), store_as(lo, torch.float16)
+        member = _channel_groups(channels, self.group, x.device)
+        codes = torch.round((x - zero.float()[:, member]) / scale_in_use(scale)[:, member]).clamp(0, levels)
+        return Encoded(codes.long(), token={"scale": scale, "zero": zero})
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        member = _channel_groups(encoded.codes.shape[1], self.group, encoded.codes.device)
+        scale, zero = encoded.token["scale"], encoded.token["zero"]
+        return encoded.codes.float() * scale_in_use(scale)[:, member] + zero.float()[:, member]
+
+    def row_bits(self, channels: int) -> float:
+        return float(self.bits * channels + 2 * FP16_BITS * math.ceil(channels / self.group))
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        return Quantized(self.decode(self.encode(x)), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 
 
-def uniform_per_channel(x: torch.Tensor, bits: int, group: int) -> Quantized:
-    """Asymmetric min-max per channel over blocks of `group` consecutive tokens (KIVI keys). A trailing
-    block of fewer than `group` tokens is not quantized (it stays in the fp16 residual) and is
-    returned unchanged. Each block stores an fp16 scale and zero per channel."""
-    tokens, channels = x.shape
-    full = tokens - tokens % group
-    out = x.clone()
-    if full:
-        blocks = x[:full].view(-1, group, channels)
-        out[:full] = _min_max_dequant(blocks, blocks.amin(1, keepdim=True), blocks.amax(1, keepdim=True), bits).view(full, channels)
-    per_row = bits * channels + 2 * FP16_BITS * channels / group
-    return Quantized(out, torch.full((tokens,), float(per_row)))
+@dataclass(frozen=True)
+class ChannelBlockUniform:
+    """Asymmetric min-max per channel over blocks of `group` consecutive tokens (KIVI keys). Each block
+    stores an fp16 scale and zero per channel. encode takes whole blocks; quantize leaves a trailing
+    partial block unchanged (it stays in the fp16 residual)."""
+
+    bits: int
+    group: int
+
+    @property
+    def block_tokens(self) -> int:
+        return self.group
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        tokens, channels = x.shape
+        if tokens % self.group:
+            raise ValueError(f"per-channel blocks take multiples of {self.group} tokens, not {tokens}")
+        levels = 2**self.bits - 1
+        blocks = x.float().view(-1, self.group, channels)
+        lo, hi = blocks.amin(1), blocks.amax(1)
+        scale, zero = store_as((hi - lo) / levels, torch.float16), store_as(lo, torch.float16)
+        codes = torch.round((blocks - zero.float()[:, None]) / scale_in_use(scale)[:, None]).clamp(0, levels)
+        return Encoded(codes.view(tokens, channels).long(), block={"scale": scale, "zero": zero})
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        tokens, channels = encoded.codes.shape
+        codes = encoded.codes.float().view(-1, self.group, channels)
+        scale, zero = encoded.block["scale"], encoded.block["zero"]
+        return (codes * scale_in_use(scale)[:, None] + zero.float()[:, None]).view(tokens, channels)
+
+    def row_bits(self, channels: int) -> float:
+        return self.bits * channels + 2 * FP16_BITS * channels / self.group
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        full = x.shape[0] - x.shape[0] % self.group
+        out = x.float().clone()
+        if full:
+            out[:full] = self.decode(self.encode(x[:full]))
+        return Quantized(out, torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 
 
 def keep_fraction_quantiles(x: torch.Tensor, outlier_fraction: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,23 +167,74 @@ def outlier_index_bits(channels: int) -> int:
     return max(1, math.ceil(math.log2(channels)))
 
 
-def dense_and_sparse(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codebook: torch.Tensor,
-                     keep_outliers: bool) -> Quantized:
-    """Codebook quantization of x normalized by (lo, hi). With keep_outliers, elements outside
-    [lo, hi] are stored exactly (fp16 value + channel index, a per-token count); otherwise they are
-    clamped to the nearest end of the codebook. lo/hi broadcast against x (per channel or per token)."""
-    tokens, channels = x.shape
-    bits = int(math.log2(codebook.numel()))
-    xhat = normalize(x, lo, hi)
-    dequant = denormalize(codebook[nearest_codes(xhat.clamp(-1, 1), codebook)], lo, hi)
-    row_bits = torch.full((tokens,), float(bits * channels), device=x.device)
-    if not keep_outliers:
-        return Quantized(dequant, row_bits)
-    outlier = xhat.abs() > 1
-    per_row = outlier.sum(1)
-    count_bits = math.ceil(math.log2(channels + 1))
-    row_bits += per_row * (FP16_BITS + outlier_index_bits(channels)) + count_bits
-    return Quantized(torch.where(outlier, x, dequant), row_bits, outliers=int(per_row.sum()))
+@dataclass(frozen=True, eq=False)
+class CodebookCodec:
+    """Codebook codes of x normalized by thresholds: per channel (lo, hi given, fixed offline) or per
+    token (lo, hi None: percentiles of each token computed online and stored in fp16). With
+    outlier_fraction > 0 the thresholds keep 1 - outlier_fraction of the elements and the rest are
+    stored exactly (fp16 value + channel index, a per-token count: dense-and-sparse); with 0 they are
+    min/max and nothing is kept aside."""
+
+    codebook: torch.Tensor
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    outlier_fraction: float = 0.0
+    block_tokens = 1
+
+    @property
+    def bits(self) -> int:
+        return int(math.log2(self.codebook.numel()))
+
+    def _thresholds(self, encoded_or_x, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.lo is not None:
+            return self.lo.to(device).float(), self.hi.to(device).float()
+        return encoded_or_x.token["lo"].float()[:, None], encoded_or_x.token["hi"].float()[:, None]
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        x = x.float()
+        encoded = Encoded(torch.empty(0))
+        if self.lo is None:
+            lo, hi = keep_fraction_quantiles(x, self.outlier_fraction, dim=1)
+            encoded.token = {"lo": store_as(lo, torch.float16), "hi": store_as(hi, torch.float16)}
+        lo, hi = self._thresholds(encoded, x.device)
+        xhat = normalize(x, lo, hi)
+        encoded.codes = nearest_codes(xhat.clamp(-1, 1), self.codebook.to(x.device))
+        if self.outlier_fraction > 0:
+            rows, channels = torch.nonzero(xhat.abs() > 1, as_tuple=True)
+            encoded.outliers = (rows, channels, x[rows, channels].half())
+        return encoded
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        lo, hi = self._thresholds(encoded, encoded.codes.device)
+        out = denormalize(self.codebook.to(encoded.codes.device)[encoded.codes], lo, hi)
+        if encoded.outliers is not None:
+            rows, channels, values = encoded.outliers
+            out[rows, channels] = values.float()
+        return out
+
+    def row_bits(self, encoded: Encoded) -> torch.Tensor:
+        tokens, channels = encoded.codes.shape
+        bits = torch.full((tokens,), float(self.bits * channels), device=encoded.codes.device)
+        if self.lo is None:
+            bits += 2 * FP16_BITS  # the token's thresholds
+        if encoded.outliers is not None:
+            per_row = torch.bincount(encoded.outliers[0], minlength=tokens)
+            bits += per_row * (FP16_BITS + outlier_index_bits(channels)) + math.ceil(math.log2(channels + 1))
+        return bits
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        encoded = self.encode(x)
+        fixed = FP16_BITS * self.codebook.numel() + (2 * FP16_BITS * x.shape[1] if self.lo is not None else 0)
+        count = 0 if encoded.outliers is None else int(encoded.outliers[0].numel())
+        return Quantized(self.decode(encoded), self.row_bits(encoded), fixed_bits=fixed, outliers=count)
+
+
+def uniform_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
+    return TokenUniform(bits, group).quantize(x)
+
+
+def uniform_per_channel(x: torch.Tensor, bits: int, group: int) -> Quantized:
+    return ChannelBlockUniform(bits, group).quantize(x)
 
 
 def uniform_codebook(bits: int) -> torch.Tensor:

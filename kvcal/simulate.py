@@ -25,12 +25,25 @@ from kvcal.rope import rotate_keys
 ATTENTION_NAME = "kvcal_simulated"
 
 
-class LayerScheme(Protocol):
+class Codec(Protocol):
+    """A quantizer (kvcal.quantizers): encode/decode what is stored, quantize = decode(encode) + its cost."""
+
+    block_tokens: int
+
+    def encode(self, x: torch.Tensor): ...
+
+    def decode(self, encoded) -> torch.Tensor: ...
+
+    def quantize(self, x: torch.Tensor) -> Quantized: ...
+
+
+@dataclass(frozen=True, eq=True)
+class LayerCodecs:
+    """How one layer stores keys and values; pre-RoPE keys are rotated after dequantization."""
+
+    key_codec: Codec
+    value_codec: Codec
     key_pre_rope: bool
-
-    def quantize_keys(self, keys: torch.Tensor) -> Quantized: ...
-
-    def quantize_values(self, values: torch.Tensor) -> Quantized: ...
 
 
 @dataclass(frozen=True)
@@ -43,11 +56,16 @@ class SegmentPolicy:
     sink: int = 0
     window: int = 0
     residual: int = 0
+    key_block: int = 0  # keys quantized per channel over blocks of this many tokens wait in fp16 for a whole block
 
-    def _fp16_recent(self, n: torch.Tensor, keys: bool) -> torch.Tensor:
+    def fp16_recent(self, n, keys: bool):
+        """How many of the latest tokens are fp16 when n tokens (a tensor or an int) are in the cache."""
+        n = torch.as_tensor(n)
         recent = torch.full_like(n, self.window)
         if self.residual:
             recent = torch.maximum(recent, n % self.residual if keys else torch.full_like(n, self.residual))
+        if keys and self.key_block:
+            recent = torch.maximum(recent, (n - self.sink).clamp(min=0) % self.key_block)
         return recent
 
     def quantized_masks(self, tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +73,7 @@ class SegmentPolicy:
         n = torch.arange(1, tokens + 1, device=device)[:, None]
         j = torch.arange(tokens, device=device)[None, :]
         past_sink = j >= self.sink
-        return tuple(past_sink & (j < n - self._fp16_recent(n, keys)) for keys in (True, False))
+        return tuple(past_sink & (j < n - self.fp16_recent(n, keys)) for keys in (True, False))
 
 
 @dataclass
@@ -96,7 +114,7 @@ class StorageTally:
 
 @dataclass
 class _LayerState:
-    scheme: LayerScheme
+    scheme: LayerCodecs
     policy: SegmentPolicy
     inv_freq: torch.Tensor
     rope_scaling: float
@@ -117,21 +135,29 @@ class _LayerState:
         positions = torch.arange(tokens, device=query.device)
         outputs = []
         for b in range(batch):
-            keys_post = key[b].transpose(0, 1).reshape(tokens, width).float()
-            values = value[b].transpose(0, 1).reshape(tokens, width).float()
+            # The cache holds fp16: what is not quantized is read back as fp16, what is, is quantized from it.
+            keys_post = as_cached(key[b].transpose(0, 1).reshape(tokens, width))
+            values = as_cached(value[b].transpose(0, 1).reshape(tokens, width))
             if self.scheme.key_pre_rope:
-                stored_keys = self.scheme.quantize_keys(self.pre_rope_keys[b].float())
+                keys_pre = as_cached(self.pre_rope_keys[b])
+                keys_post = rotate_keys(keys_pre, positions, kv_heads, self.inv_freq, self.rope_scaling)
+                stored_keys = self.scheme.key_codec.quantize(keys_pre)
                 keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, self.inv_freq, self.rope_scaling)
             else:
-                stored_keys = self.scheme.quantize_keys(keys_post)
+                stored_keys = self.scheme.key_codec.quantize(keys_post)
                 keys_hat = stored_keys.values
-            stored_values = self.scheme.quantize_values(values)
+            stored_values = self.scheme.value_codec.quantize(values)
             self.tally.add(stored_keys, key_mask[-1], "k")
             self.tally.add(stored_values, value_mask[-1], "v")
             out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
                                   key_mask, value_mask, scaling)
             outputs.append(out.transpose(0, 1).to(query.dtype))
         return torch.stack(outputs)
+
+
+def as_cached(x: torch.Tensor) -> torch.Tensor:
+    """x as an fp16 KV cache holds it, in float32 for arithmetic."""
+    return x.to(torch.float16).float()
 
 
 def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:

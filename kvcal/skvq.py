@@ -22,7 +22,7 @@ import torch
 
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
-from kvcal.quantizers import FP16_BITS, Quantized
+from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, Quantized, scale_in_use, store_as
 from kvcal.rope import rotate_keys
 from kvcal.simulate import SegmentPolicy, per_query_head
 
@@ -92,64 +92,75 @@ def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, re
     return torch.from_numpy(permutation.astype(np.int32)), torch.from_numpy(starts.astype(np.int32))
 
 
-def _fp8(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float8_e4m3fn).to(x.dtype)
+def clipped_params(block: torch.Tensor, alpha: torch.Tensor, bits: float, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored (scale, zero) of each row (token) of `block`, (tokens, 1) each, in fp8 e4m3 or fp16."""
+    steps = levels(bits)
+    low, high = alpha * block.amin(1, keepdim=True), alpha * block.amax(1, keepdim=True)
+    dtype = torch.float8_e4m3fn if fp8 else torch.float16
+    scale = store_as(((high - low) / steps).clamp(min=TINY_SCALE), dtype)
+    return scale, store_as(low / scale_in_use(scale), dtype)
+
+
+def clipped_codes(block: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: float) -> torch.Tensor:
+    return torch.round(block / scale_in_use(scale) - zero.float()).clamp(0, levels(bits))
 
 
 def clipped_dynamic(block: torch.Tensor, alpha: torch.Tensor, bits: float, fp8: bool) -> torch.Tensor:
     """SKVQ clipped dynamic quantization of each row (token) of `block`, dequantized."""
-    steps = levels(bits)
-    low, high = alpha * block.amin(1, keepdim=True), alpha * block.amax(1, keepdim=True)
-    scale = ((high - low) / steps).clamp(min=1e-8)
-    zero = low / scale
-    if fp8:
-        scale, zero = _fp8(scale).clamp(min=1e-8), _fp8(zero)
-    return (torch.round(block / scale - zero).clamp(0, steps) + zero) * scale
+    block = block.float()
+    scale, zero = clipped_params(block, alpha, bits, fp8)
+    return (clipped_codes(block, scale, zero, bits) + zero.float()) * scale_in_use(scale)
 
 
-def quantize_grouped(x: torch.Tensor, permutation: torch.Tensor, starts: torch.Tensor, clip: torch.Tensor,
-                     bits: float, fp8: bool) -> torch.Tensor:
-    """Clipped dynamic per-token quantization of x (tokens, channels) over the permuted groups;
-    returns the dequantized tensor in the original channel order."""
-    permuted = x[:, permutation.long()]
-    out = torch.empty_like(permuted)
-    bounds = starts.tolist()
-    for g, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        out[:, start:end] = clipped_dynamic(permuted[:, start:end], clip[g].to(x.dtype), bits, fp8)
-    restored = torch.empty_like(out)
-    restored[:, permutation.long()] = out
-    return restored
-
-
-@dataclass
+@dataclass(eq=False)
 class SkvqTensor:
-    """How one of K or V of one layer is stored."""
+    """How one of K or V of one layer is stored: a codec whose codes are in permuted channel order, with
+    a scale and zero per (token, group)."""
 
     permutation: torch.Tensor
     starts: torch.Tensor
     clip: torch.Tensor
     bits: float
     fp8: bool
+    block_tokens = 1
+
+    def _members(self, device) -> torch.Tensor:
+        """Group of every permuted channel."""
+        sizes = (self.starts[1:] - self.starts[:-1]).long().to(device)
+        return torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        permuted = x.float()[:, self.permutation.long().to(x.device)]
+        members = self._members(x.device)
+        dtype = torch.float8_e4m3fn if self.fp8 else torch.float16
+        scale = torch.empty(x.shape[0], self.clip.numel(), dtype=dtype, device=x.device)
+        zero = torch.empty_like(scale)
+        bounds = self.starts.tolist()
+        for g, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            s, z = clipped_params(permuted[:, start:end], self.clip[g].to(x.device).float(), self.bits, self.fp8)
+            scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
+        codes = clipped_codes(permuted, scale[:, members], zero[:, members], self.bits)
+        return Encoded(codes.long(), token={"scale": scale, "zero": zero})
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        members = self._members(encoded.codes.device)
+        scale, zero = encoded.token["scale"][:, members], encoded.token["zero"][:, members]
+        permuted = (encoded.codes.float() + zero.float()) * scale_in_use(scale)
+        restored = torch.empty_like(permuted)
+        restored[:, self.permutation.long().to(permuted.device)] = permuted
+        return restored
 
     def quantize(self, x: torch.Tensor) -> Quantized:
-        values = quantize_grouped(x, self.permutation, self.starts, self.clip.to(x.device), self.bits, self.fp8)
         groups = self.clip.numel()
         per_row = stored_code_bits(self.bits) * x.shape[1] + groups * 2 * (8 if self.fp8 else FP16_BITS)
         fixed = INDEX_BITS * (self.permutation.numel() + self.starts.numel()) + FP16_BITS * groups
-        return Quantized(values, torch.full((x.shape[0],), per_row, device=x.device), fixed_bits=fixed)
+        return Quantized(self.decode(self.encode(x)), torch.full((x.shape[0],), per_row, device=x.device), fixed_bits=fixed)
 
 
-@dataclass
-class SkvqLayer:
-    keys: SkvqTensor
-    values: SkvqTensor
-    key_pre_rope: bool = True
+def skvq_layer(keys: SkvqTensor, values: SkvqTensor):
+    from kvcal.simulate import LayerCodecs
 
-    def quantize_keys(self, keys):
-        return self.keys.quantize(keys)
-
-    def quantize_values(self, values):
-        return self.values.quantize(values)
+    return LayerCodecs(keys, values, key_pre_rope=True)
 
 
 class _ClipObjective:
@@ -295,7 +306,7 @@ def skvq_method(path: str):
                      for kind, bits in (("k", settings.kbits), ("v", settings.vbits))}
         except KeyError as exc:
             raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-skvq") from exc
-        layers.append(SkvqLayer(parts["k"], parts["v"]))
+        layers.append(skvq_layer(parts["k"], parts["v"]))
     name = f"skvq-K{settings.kbits:g}V{settings.vbits:g}-g{settings.group_size}-w{settings.window}-s{settings.sink}"
     tags = [t for t, on in (("fp8", settings.fp8), (f"clip {settings.clip}", settings.clip != "group"),
                             ("no reorder", not settings.reorder)) if on]

@@ -1,14 +1,14 @@
 import pytest
 
-from kvcal.baselines import KiviScheme, PerTokenScheme, baseline_method
+from kvcal.baselines import baseline_method, kivi_layer, per_token_layer
 from kvcal.errors import KvcalError
 
 
 def test_specs_and_defaults():
     method = baseline_method("int4", 3)
-    assert method.name == "int4-g64" and method.layers[0] == PerTokenScheme(4, 64) and len(method.layers) == 3
+    assert method.name == "int4-g64" and method.layers[0] == per_token_layer(4, 64) and len(method.layers) == 3
     kivi = baseline_method("kivi2", 2)
-    assert kivi.name == "kivi2-g32-r128" and kivi.layers[0] == KiviScheme(2, 32) and kivi.policy.residual == 128
+    assert kivi.name == "kivi2-g32-r128" and kivi.layers[0] == kivi_layer(2, 32) and kivi.policy.residual == 128
     assert baseline_method("kivi3-g64-r64", 1).policy.residual == 64
 
 

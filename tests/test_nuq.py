@@ -39,7 +39,7 @@ def test_fit_from_a_profile_is_deterministic_and_complete(tiny_profile, tmp_path
     path = write_nuq(tmp_path / "nuq.safetensors", tensors, config)
     layers, _ = load_nuq_layers(str(path))
     keys = torch.randn(20, 32)
-    stored = layers[0].quantize_keys(keys)
+    stored = layers[0].key_codec.quantize(keys)
     assert stored.values.shape == keys.shape and stored.fixed_bits == 2 * 16 * 32 + 16 * 8
     assert nuq_method(str(path)).name == "nuq3-1%"
 

@@ -9,7 +9,6 @@ from kvcal.skvq import (
     channel_groups,
     clipped_dynamic,
     fit_skvq,
-    quantize_grouped,
     skvq_method,
     write_skvq,
 )
@@ -38,25 +37,28 @@ def test_permuted_quantized_unpermuted_equals_quantizing_each_group_directly():
     x = channels()
     permutation, starts = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)
     clip = torch.tensor([1.0, 0.8, 0.55])
-    got = quantize_grouped(x, permutation, starts, clip, bits=2, fp8=True)
+    got = SkvqTensor(permutation, starts, clip, 2, fp8=True).quantize(x).values
     expected = torch.empty_like(x)
     for g, (start, end) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
         members = permutation[start:end].long()
         expected[:, members] = clipped_dynamic(x[:, members], clip[g], 2, fp8=True)
     assert torch.equal(got, expected)
     # without clipping it is plain asymmetric min-max quantization of each group
-    unclipped = quantize_grouped(x, permutation, starts, torch.ones(3), bits=2, fp8=False)
+    unclipped = SkvqTensor(permutation, starts, torch.ones(3), 2, fp8=False).quantize(x).values
     for start, end in zip(starts[:-1].tolist(), starts[1:].tolist()):
         members = permutation[start:end].long()
-        torch.testing.assert_close(unclipped[:, members], uniform_per_token(x[:, members], 2, end - start).values)
+        # equal up to fp16 storage (SKVQ stores its zero as a code offset, min-max as a value), which
+        # may move an element that sits on a rounding boundary by one step
+        differs = (unclipped[:, members] - uniform_per_token(x[:, members], 2, end - start).values).abs() > 5e-3
+        assert differs.float().mean() < 0.01
 
 
 def test_clipping_ternary_and_fp8():
     x = channels()
     permutation, starts = torch.arange(48, dtype=torch.int32), torch.tensor([0, 48], dtype=torch.int32)
-    clipped = quantize_grouped(x, permutation, starts, torch.tensor([0.5]), bits=2, fp8=False)
-    assert torch.all(clipped <= 0.5 * x.amax(1, keepdim=True) + 1e-5)
-    ternary = quantize_grouped(x, permutation, starts, torch.ones(1), bits=1.5, fp8=False)
+    clipped = SkvqTensor(permutation, starts, torch.tensor([0.5]), 2, fp8=False).quantize(x).values
+    assert torch.all(clipped <= 0.5 * x.amax(1, keepdim=True) * (1 + 2e-3) + 1e-5)  # fp16 scale and zero
+    ternary = SkvqTensor(permutation, starts, torch.ones(1), 1.5, fp8=False).quantize(x).values
     assert all(len(row.unique()) <= 3 for row in ternary)
     stored = SkvqTensor(permutation, starts, torch.ones(1), 1.5, fp8=True).quantize(x)
     assert stored.row_bits[0] == 48 * 1.6 + 2 * 8  # 20 ternary codes per int32, fp8 scale and zero
