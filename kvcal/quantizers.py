@@ -185,17 +185,17 @@ class CodebookCodec:
     def bits(self) -> int:
         return int(math.log2(self.codebook.numel()))
 
-    def _thresholds(self, encoded_or_x, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _thresholds(self, encoded, device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lo is not None:
             return self.lo.to(device).float(), self.hi.to(device).float()
-        return encoded_or_x.token["lo"].float()[:, None], encoded_or_x.token["hi"].float()[:, None]
+        return encoded.token["lo"].float(), encoded.token["hi"].float()  # (tokens, 1)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         x = x.float()
         encoded = Encoded(torch.empty(0))
         if self.lo is None:
             lo, hi = keep_fraction_quantiles(x, self.outlier_fraction, dim=1)
-            encoded.token = {"lo": store_as(lo, torch.float16), "hi": store_as(hi, torch.float16)}
+            encoded.token = {"lo": store_as(lo[:, None], torch.float16), "hi": store_as(hi[:, None], torch.float16)}
         lo, hi = self._thresholds(encoded, x.device)
         xhat = normalize(x, lo, hi)
         encoded.codes = nearest_codes(xhat.clamp(-1, 1), self.codebook.to(x.device))

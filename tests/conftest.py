@@ -96,3 +96,31 @@ def tiny_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
                                       "--nsamples", "4", "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(out)])
     assert result.exit_code == 0, result.output
     return model, out
+
+
+@pytest.fixture(scope="session")
+def fitted(tiny_profile, tmp_path_factory):
+    """Fitted nuq (fixed 3 bits, and KVmix widths) and SKVQ artifacts of the tiny profile."""
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+
+    folder = tmp_path_factory.mktemp("fitted")
+    _, profile = tiny_profile
+    return {
+        "nuq": write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3))),
+        "nuq-kvmix": write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True))),
+        "skvq": write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2))),
+    }
+
+
+@pytest.fixture(scope="session")
+def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
+    """A bundle of every recipe for the tiny Llama (KIVI with G = 4, R = 8 so short tests cross blocks)."""
+    from kvcal.bundle import RECIPES, build_bundle, write_bundle
+
+    _, profile = tiny_profile
+    folder = tmp_path_factory.mktemp("bundles")
+    artifacts = {"kvquant": {"nuq_path": str(fitted["nuq"])}, "mixed": {"nuq_path": str(fitted["nuq-kvmix"])},
+                 "skvq": {"skvq_path": str(fitted["skvq"])}, "kivi": {"kivi_group": 4, "kivi_residual": 8}, "kvmix": {}}
+    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **artifacts[recipe]))
+            for recipe in RECIPES}

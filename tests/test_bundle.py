@@ -16,19 +16,7 @@ from safetensors.torch import load_file, save_file
 from conftest import tiny_model
 from kvcal.bundle import build_bundle, bundle_method, load_bundle, tensors_checksum, write_bundle
 from kvcal.errors import KvcalError
-from kvcal.nuq import NuqSettings, fit_nuq, nuq_method, write_nuq
-from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
-
-
-@pytest.fixture(scope="module")
-def fitted(tiny_profile, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fitted")
-    _, profile = tiny_profile
-    return {
-        "nuq": write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3))),
-        "nuq-kvmix": write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True))),
-        "skvq": write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2))),
-    }
+from kvcal.nuq import nuq_method
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +25,15 @@ def bundle_path(tiny_profile, fitted, tmp_path_factory):
     return write_bundle(tmp_path_factory.mktemp("bundle") / "bundle.safetensors", *build_bundle(str(profile), "kvquant", str(fitted["nuq"])))
 
 
-@pytest.mark.parametrize("recipe, artifact", [("kvquant", "nuq"), ("mixed", "nuq-kvmix"), ("skvq", "skvq"), ("kivi", None)])
-def test_every_recipe_exports_and_loads(tiny_profile, fitted, tmp_path, recipe, artifact):
-    _, profile = tiny_profile
-    kwargs = {"nuq_path": str(fitted[artifact])} if artifact and artifact.startswith("nuq") else {}
-    if artifact == "skvq":
-        kwargs = {"skvq_path": str(fitted["skvq"])}
-    path = write_bundle(tmp_path / "b.safetensors", *build_bundle(str(profile), recipe, **kwargs))
+@pytest.mark.parametrize("recipe", ["kvquant", "mixed", "skvq", "kivi", "kvmix"])
+def test_every_recipe_exports_and_loads(recipe_bundles, recipe):
+    path = recipe_bundles[recipe]
     bundle = load_bundle(path, model=tiny_model("llama"))
     assert bundle.recipe_name == recipe and len(bundle.layers) == 2
-    assert bundle.layers[0].method == {"kvquant": "nuq", "mixed": "nuq", "skvq": "skvq", "kivi": "uniform"}[recipe]
+    assert bundle.layers[0].method == {"kvquant": "nuq", "mixed": "nuq", "skvq": "skvq", "kivi": "uniform", "kvmix": "uniform"}[recipe]
     assert bundle_method(str(path)).name == f"bundle:{recipe}"
+    if recipe == "kvmix":
+        assert {layer.rpc_k for layer in bundle.layers} <= {0.1, 0.2} and all(layer.group_size == 32 for layer in bundle.layers)
 
 
 def test_bundle_simulates_exactly_like_its_nuq_artifact(bundle_path, fitted):

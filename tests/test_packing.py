@@ -41,3 +41,12 @@ def test_bad_widths_layouts_and_codes_are_refused():
         pack(torch.zeros(4, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="outside"):
         pack(torch.tensor([4]), 2)
+
+
+@pytest.mark.parametrize("length", [1, 19, 20, 21, 48, 100])
+def test_ternary_layout_packs_twenty_base3_codes_per_word(length):
+    codes = torch.randint(0, 3, (2, length), generator=torch.Generator().manual_seed(length))
+    words = pack(codes, 1.5, "ternary20")
+    assert words.shape == (2, -(-length // 20)) and codes_per_word(1.5, "ternary20") == 20
+    assert torch.equal(unpack(words, 1.5, length, "ternary20"), codes)
+    assert pack(torch.tensor([2] * 20), 1.5, "ternary20").item() == 3**20 - 1 - 2**32  # the top of the uint32 range
