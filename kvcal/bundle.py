@@ -131,7 +131,7 @@ def build_bundle(profile_path: str, recipe: str, nuq_path: str | None = None, sk
         source = fitted
     elif recipe == "kvmix":
         bits_k, bits_v = profile["kvmix.bits.k"].tolist(), profile["kvmix.bits.v"].tolist()
-        rpc_k, rpc_v = profile["kvmix.rpc.k"].tolist(), profile["kvmix.rpc.v"].tolist()
+        rpc_k, rpc_v = ([round(r, 6) for r in profile[f"kvmix.rpc.{kind}"].tolist()] for kind in ("k", "v"))  # float32 -> 0.1, not 0.10000000149
         layers = [LayerRecipe("uniform", bits_k[i], bits_v[i], False, group_size=KVMIX_GROUP, rpc_k=rpc_k[i], rpc_v=rpc_v[i])
                   for i in range(num_layers)]
         source = {}

@@ -297,7 +297,8 @@ def calibrate_command(
     err_console.print(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s", highlight=False)
 
 
-eval_app = typer.Typer(help="Evaluate quantization methods: perplexity with simulated decode-time quantization.",
+eval_app = typer.Typer(help="Evaluate quantization methods: perplexity (simulated), and greedy agreement, passkey retrieval "
+                            "and cache memory with the runtime cache.",
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
@@ -356,6 +357,158 @@ def eval_ppl_command(
         payload = {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
                    "results": [r.as_dict() for r in results]}
         write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n")
+
+
+BUNDLES_OPTION = typer.Option(..., "--quant", help="A bundle (kvcal export bundle / calibrate); repeat for several.")
+
+
+def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
+    """(model, tokenizer, source, {name: path}) with every bundle checked against the model."""
+    from kvcal.adapters import adapt
+    from kvcal.bundle import load_bundle
+    from kvcal.models import load_model
+
+    loaded, tokenizer, source = load_model(model, dtype, device)
+    adapter = adapt(loaded)
+    named = {}
+    for path in bundles:
+        bundle = load_bundle(path, model=adapter)
+        named[bundle.recipe_name if bundle.recipe_name not in named else f"{bundle.recipe_name} ({path.name})"] = str(path)
+    return loaded, tokenizer, source, adapter, named
+
+
+def _write_json(json_out: Optional[Path], payload: dict) -> None:
+    import json
+
+    from kvcal.artifacts import write_text_atomic
+
+    if json_out is not None:
+        write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n")
+
+
+JSON_OPTION = typer.Option(None, "--json", help="Also write the results as JSON here.")
+
+
+@eval_app.command("generate")
+@reports_errors
+def eval_generate_command(
+    quant: list[Path] = BUNDLES_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    dataset: str = typer.Option("builtin", help=f"Prompt text: {DATASET_HELP}."),
+    prompts: int = typer.Option(4, help="Prompts in the batch: paragraphs of the text, cut to different lengths, left-padded."),
+    prompt_tokens: int = typer.Option(96, help="Tokens of the longest prompt; the others are 1/4 shorter each."),
+    new_tokens: int = typer.Option(128, help="Tokens generated greedily per prompt."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    json_out: Optional[Path] = JSON_OPTION,
+):
+    """Greedy generation with each bundle's runtime cache vs the fp model on one left-padded batch: the
+    fraction of generated tokens equal to fp's and the mean share generated before the first divergence."""
+    from kvcal.artifacts import check_writable
+    from kvcal.data import load_text, tokenize
+    from kvcal.generation import greedy_agreement
+
+    if prompts < 1 or new_tokens < 1 or prompt_tokens < 8:
+        raise KvcalError("--prompts and --new-tokens must be at least 1 and --prompt-tokens at least 8")
+    if json_out is not None:
+        check_writable(json_out)
+    text = load_text(dataset)
+    loaded, tokenizer, source, _, named = _load_for_bundles(model, quant, dtype, device)
+    ids = tokenize(text, tokenizer)
+    lengths = [max(8, prompt_tokens - i * prompt_tokens // 4) for i in range(prompts)]
+    starts = [i * prompt_tokens * 2 for i in range(prompts)]
+    if starts[-1] + prompt_tokens > len(ids):
+        raise KvcalError(f"the text has {len(ids)} tokens, too few for {prompts} prompts of {prompt_tokens}; use more text")
+    texts = [tokenizer.decode(ids[s : s + n]) for s, n in zip(starts, lengths)]
+    with _progress() as progress:
+        task = progress.add_task("generate", total=len(named))
+        results = greedy_agreement(loaded, tokenizer, named, texts, new_tokens, on_step=lambda: progress.advance(task))
+    _print_table(f"greedy agreement with fp: {source.spec}, {prompts} prompts, {new_tokens} new tokens",
+                 ["method", "tokens equal to fp", "share before first divergence"],
+                 [[r.method, f"{r.token_agreement:.1%}", f"{r.prefix_agreement:.1%}"] for r in results])
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "prompt_lengths": lengths, "new_tokens": new_tokens,
+                           "bundles": named, "results": [r.as_dict() for r in results]})
+
+
+@eval_app.command("passkey")
+@reports_errors
+def eval_passkey_command(
+    quant: list[Path] = BUNDLES_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    dataset: str = typer.Option("builtin", help=f"Filler text: {DATASET_HELP}."),
+    lengths: str = typer.Option("1024,2048,4096,8192", help="Comma-separated prompt lengths in tokens (at most the model's context)."),
+    samples: int = typer.Option(20, help="Prompts per length, each with a random 5-digit key at a random depth."),
+    seed: int = typer.Option(0, help="Seed for keys and depths."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    json_out: Optional[Path] = JSON_OPTION,
+):
+    """Passkey retrieval accuracy of the fp model and of each bundle's runtime cache per context length."""
+    from kvcal.artifacts import check_writable
+    from kvcal.data import load_text, tokenize
+    from kvcal.generation import passkey_accuracy
+
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError as exc:
+        raise KvcalError(f"--lengths '{lengths}' is not a comma-separated list of integers") from exc
+    if not sizes or min(sizes) < 64 or samples < 1:
+        raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
+    if json_out is not None:
+        check_writable(json_out)
+    text = load_text(dataset)
+    loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
+    adapter.check_seqlen(max(sizes))
+    filler = tokenize(text, tokenizer)
+    with _progress() as progress:
+        task = progress.add_task("passkey prompts", total=len(sizes) * samples * (len(named) + 1))
+        results = passkey_accuracy(loaded, tokenizer, named, filler, sizes, samples, seed, on_step=lambda: progress.advance(task))
+    methods = ["fp", *named]
+    rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
+    _print_table(f"passkey retrieval: {source.spec}, {samples} samples per length", ["method", *map(str, sizes)], rows)
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "seed": seed, "bundles": named,
+                           "results": [r.as_dict() for r in results]})
+
+
+@eval_app.command("memory")
+@reports_errors
+def eval_memory_command(
+    quant: list[Path] = BUNDLES_OPTION,
+    model: Optional[str] = MODEL_OPTION,
+    dataset: str = typer.Option("builtin", help=f"Context text: {DATASET_HELP}."),
+    context: int = typer.Option(4096, help="Context length in tokens, prefilled in one step."),
+    dtype: str = DTYPE_OPTION,
+    device: str = DEVICE_OPTION,
+    json_out: Optional[Path] = JSON_OPTION,
+):
+    """Cache bytes of each bundle after a prefill of --context tokens: measured from the live cache and by
+    formula (kvcal.runtime.memory; outliers counted from the cache), against an fp16 cache."""
+    from kvcal.artifacts import check_writable
+    from kvcal.data import load_text, tokenize
+    from kvcal.generation import measure_memory
+
+    if context < 1:
+        raise KvcalError(f"--context must be at least 1 (got {context})")
+    if json_out is not None:
+        check_writable(json_out)
+    text = load_text(dataset)
+    loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
+    adapter.check_seqlen(context)
+    ids = tokenize(text, tokenizer)
+    if len(ids) < context:
+        raise KvcalError(f"the text has {len(ids)} tokens, fewer than --context {context}; use more text")
+    with _progress() as progress:
+        task = progress.add_task("prefill", total=len(named))
+        results = []
+        for name, path in named.items():
+            results.append({"method": name, **measure_memory(loaded, path, ids[:context])})
+            progress.advance(task)
+    mib = 2**20
+    _print_table(f"KV cache memory: {source.spec}, {context} tokens",
+                 ["method", "live MiB", "formula MiB", "fp16 MiB", "vs fp16", "outliers"],
+                 [[r["method"], f"{r['live_bytes'] / mib:.3f}", f"{r['formula_bytes'] / mib:.3f}", f"{r['fp16_bytes'] / mib:.3f}",
+                   f"{r['live_bytes'] / r['fp16_bytes']:.1%}", str(r["outliers"])] for r in results])
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "context": context, "results": results})
 
 
 def main() -> None:

@@ -168,3 +168,25 @@ def test_export_bundle_kivi_and_inspect(tiny_profile, tmp_path):
     assert shown.exit_code == 0 and "uniform" in shown.stdout and "kivi" in shown.stdout
     bad = run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--kivi-residual", 100, "--out", tmp_path / "bad.safetensors")
     assert bad.exit_code == 2 and "multiple of the group size" in bad.stderr and not (tmp_path / "bad.safetensors").exists()
+
+
+def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
+    import json
+
+    model, _ = tiny_profile
+    bundles = [arg for recipe in ("kivi", "skvq") for arg in ("--quant", recipe_bundles[recipe])]
+    generated = run("eval", "generate", "--model", model, "--dataset", tiny_corpus, *bundles, "--prompts", 3,
+                    "--prompt-tokens", 24, "--new-tokens", 6, "--json", tmp_path / "gen.json")
+    assert generated.exit_code == 0, generated.output
+    results = json.loads((tmp_path / "gen.json").read_text())["results"]
+    assert [r["method"] for r in results] == ["fp", "kivi", "skvq"] and results[0]["token_agreement"] == 1.0
+    passkey = run("eval", "passkey", "--model", model, "--dataset", tiny_corpus, *bundles, "--lengths", "96,128",
+                  "--samples", 2, "--json", tmp_path / "passkey.json")
+    assert passkey.exit_code == 0, passkey.output
+    assert len(json.loads((tmp_path / "passkey.json").read_text())["results"]) == 2 * 3
+    memory = run("eval", "memory", "--model", model, "--dataset", tiny_corpus, *bundles, "--context", 200, "--json", tmp_path / "m.json")
+    assert memory.exit_code == 0, memory.output
+    for row in json.loads((tmp_path / "m.json").read_text())["results"]:
+        assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"]
+    too_long = run("eval", "memory", "--model", model, "--dataset", tiny_corpus, *bundles, "--context", 100_000)
+    assert too_long.exit_code == 2 and len(too_long.stderr.strip().splitlines()) == 1

@@ -60,3 +60,19 @@ def test_a_bundle_for_another_model_is_refused(recipe_bundles):
 
     with pytest.raises(KvcalError, match="made for"):
         quantized_cache(tiny_model("qwen2"), recipe_bundles["kivi"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
+    from kvcal.bundle import load_bundle
+    from kvcal.runtime.memory import cache_bytes, fp16_bytes
+
+    model = tiny_model("llama")
+    bundle = load_bundle(recipe_bundles[recipe])
+    width = model.config.num_key_value_heads * model.config.head_dim
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        model(ids, past_key_values=cache, use_cache=True)
+    expected = cache_bytes(bundle.layers, width, 150, outliers=cache.outliers())
+    assert cache.used_bytes() == expected < fp16_bytes(2, width, 150)
+    assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))

@@ -1,0 +1,132 @@
+"""Evaluations that run the runtime cache through generate(): greedy agreement with the fp model,
+passkey retrieval at several context lengths, and cache memory (live vs formula)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.runtime import generate as quantized_generate
+
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of texts, left-padded with the tokenizer's pad (or eos) token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [tokenizer(text, return_tensors="pt").input_ids[0] for text in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+def _greedy(model, bundle, ids, mask, new_tokens: int, pad: int) -> torch.Tensor:
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        out = model.generate(**settings) if bundle is None else quantized_generate(model, bundle, **settings)
+    return out[:, ids.shape[1]:].cpu()
+
+
+@dataclass
+class AgreementResult:
+    method: str
+    token_agreement: float  # fraction of generated positions equal to fp's
+    prefix_agreement: float  # mean fraction of tokens before the first divergence from fp
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def greedy_agreement(model, tokenizer, bundles: dict[str, str], prompts: list[str], new_tokens: int,
+                     on_step: Callable[[], None] | None = None) -> list[AgreementResult]:
+    """Greedy generation of `new_tokens` for a left-padded batch of prompts, fp first, then each bundle."""
+    ids, mask = left_padded(tokenizer, prompts)
+    device = model.get_input_embeddings().weight.device
+    ids, mask = ids.to(device), mask.to(device)
+    pad = int(ids[mask == 0][0]) if (mask == 0).any() else tokenizer.eos_token_id
+    reference = _greedy(model, None, ids, mask, new_tokens, pad)
+    results = [AgreementResult("fp", 1.0, 1.0)]
+    for name, bundle in bundles.items():
+        if on_step is not None:
+            on_step()
+        tokens = _greedy(model, bundle, ids, mask, new_tokens, pad)
+        same = tokens == reference
+        first_miss = torch.where(same.all(1), torch.full((len(same),), new_tokens), (~same).int().argmax(1))
+        results.append(AgreementResult(name, float(same.float().mean()), float(first_miss.float().mean() / new_tokens)))
+    return results
+
+
+def passkey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, key: int, depth: float) -> torch.Tensor:
+    """A prompt of about `length` tokens: filler text with the pass key stated at `depth` (0..1), then the question."""
+    needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False,
+                       return_tensors="pt").input_ids[0]
+    question = tokenizer(PASSKEY_QUESTION, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    budget = length - len(needle) - len(question)
+    if budget < 1 or len(filler_ids) < budget:
+        raise KvcalError(f"a {length}-token passkey prompt needs {max(budget, 1)} filler tokens, the text has {len(filler_ids)}")
+    filler = filler_ids[:budget]
+    at = int(depth * budget)
+    return torch.cat([filler[:at], needle, filler[at:], question])
+
+
+@dataclass
+class PasskeyResult:
+    method: str
+    length: int
+    correct: int
+    samples: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.samples
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "accuracy": self.accuracy}
+
+
+def passkey_accuracy(model, tokenizer, bundles: dict[str, str], filler_ids: torch.Tensor, lengths: list[int], samples: int,
+                     seed: int, on_step: Callable[[], None] | None = None) -> list[PasskeyResult]:
+    """Passkey retrieval: for every length, `samples` prompts with a random 5-digit key at a random depth
+    (seeded); correct when the key appears in the greedy answer (8 tokens). fp first, then each bundle."""
+    rng = random.Random(seed)
+    device = model.get_input_embeddings().weight.device
+    results = []
+    for length in lengths:
+        cases = [(rng.randrange(10000, 100000), rng.random()) for _ in range(samples)]
+        correct = {name: 0 for name in ["fp", *bundles]}
+        for key, depth in cases:
+            ids = passkey_prompt(tokenizer, filler_ids, length, key, depth)[None].to(device)
+            mask = torch.ones_like(ids)
+            for name in correct:
+                answer = _greedy(model, bundles.get(name), ids, mask, 8, tokenizer.eos_token_id)
+                correct[name] += str(key) in tokenizer.decode(answer[0])
+                if on_step is not None:
+                    on_step()
+        results.extend(PasskeyResult(name, length, hits, samples) for name, hits in correct.items())
+    return results
+
+
+def measure_memory(model, bundle, context_ids: torch.Tensor) -> dict:
+    """Prefill `context_ids` (1-D) into a quantized cache; its live bytes, the formula's, and fp16's."""
+    from kvcal.bundle import Bundle, load_bundle
+    from kvcal.runtime import quantized_cache
+    from kvcal.runtime.memory import cache_bytes, fp16_bytes
+
+    bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    fingerprint = bundle.fingerprint
+    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+    tokens = len(context_ids)
+    with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        model(context_ids[None].to(model.get_input_embeddings().weight.device), past_key_values=cache, use_cache=True)
+    live = cache.used_bytes()
+    return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": live,
+            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=cache.outliers()),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens), "outliers": cache.outliers()}

@@ -1,0 +1,51 @@
+"""Cocktail: thresholds, chunk reordering that keeps every token at its position, the default encoder."""
+
+import torch
+
+from conftest import tiny_model
+from kvcal.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress
+
+
+def test_thresholds_follow_the_paper():
+    # s_min 0, s_max 1: T_low = 0.6, T_high = 0.9
+    assert chunk_widths(torch.tensor([0.0, 0.59, 0.61, 0.89, 0.91, 1.0])) == [2, 2, 4, 4, 16, 16]
+
+
+def test_compressed_chunks_keep_their_positions_and_fp16_chunks_are_exact():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 32 * 4 + 5), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode(), cocktail_cache(model) as cache:
+        model(ids, past_key_values=cache, use_cache=True)
+        before = cache.layers[0].values_store.read(0).clone()
+        compress(cache, [[2, 16, 4, 16]])
+        store = cache.layers[0].values_store
+        order = torch.argsort(store.positions(0))
+        after = store.read(0)[order]
+        assert torch.equal(store.positions(0)[order], torch.arange(ids.shape[1]))
+        for chunk, width in enumerate([2, 16, 4, 16]):
+            rows = slice(32 * chunk, 32 * (chunk + 1))
+            error = (after[rows] - before[rows]).abs().max()
+            assert error == 0 if width == 16 else 0 < error < (0.6 if width == 2 else 0.1)
+        assert torch.equal(after[128:], before[128:])  # the tail stays fp16
+        assert cache.used_bytes() < 2 * 2 * ids.shape[1] * 32 * 2
+
+
+def test_all_fp16_chunks_decode_like_the_fp_model():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        expected = model(ids).logits[:, -5:]
+        with cocktail_cache(model) as cache:
+            model(ids[:, :65], past_key_values=cache, use_cache=True)
+            compress(cache, [[16, 16]])
+            got = torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(65, 70)], dim=1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)  # the cache holds fp16
+
+
+def test_default_encoder_ranks_the_matching_text_first():
+    encoder = ChunkEncoder()
+    texts = ["The cathedral was built in the twelfth century from local limestone.",
+             "The striker scored twice in the second half of the cup final.",
+             "Photosynthesis converts light energy into chemical energy in plants."]
+    similarity = encoder.embed(texts) @ encoder.embed(["Which team won the football match?"])[0]
+    assert int(similarity.argmax()) == 1 and chunk_widths(similarity)[1] == 16
