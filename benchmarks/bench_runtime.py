@@ -101,7 +101,7 @@ def main() -> None:
     from kvcal.models import load_model
 
     started = provenance()
-    model, tokenizer, _ = load_model(None, "auto", "auto")
+    model, tokenizer, _ = load_model(None, "auto", "cuda" if torch.cuda.is_available() else "cpu")
     ids = tokenize((SHARED / "data" / "wikitext-2" / "test.txt").read_text(), tokenizer)
     only = args.only.split(",")
     with torch.inference_mode():

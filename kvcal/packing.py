@@ -37,6 +37,7 @@ def _slots(bits: int, layout: str) -> list[tuple[int, int]]:
     if layout == "lsb":
         if bits not in (1, 2, 3, 4):
             raise KvcalError(f"cannot pack {bits}-bit codes; widths 1-4 are supported")
+        bits = int(bits)  # recipes may carry 2.0
         return [(i * bits, bits) for i in range(32 // bits)]
     if layout == "kvmix10x3+1x2":
         if bits != 3:

@@ -92,16 +92,36 @@ def _skvq_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("skvq", provenance, ["layer", "K group sizes", "K clip", "V group sizes", "V clip"], rows)
 
 
+EFFECTIVE_BITS_CONTEXTS = (512, 4096)
+
+
+def effective_bits(layers: list, width: int, tokens: int) -> float:
+    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory), with each layer's
+    outlier fraction of its quantized elements as outliers."""
+    from kvcal.runtime.memory import cache_bytes, segment_lengths
+
+    outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width for layer in layers for keys in (True, False)))
+    return cache_bytes(layers, width, tokens, outliers) * 8 / (len(layers) * 2 * tokens * width)
+
+
 def _bundle_summary(tensors: dict, config: dict) -> ArtifactSummary:
+    from kvcal.bundle import LayerRecipe
+
     recipe = config["recipe"]
     packing = recipe["packing"]
+    fingerprint = config["model"]["fingerprint"]
+    layers = [LayerRecipe(**r) for r in recipe["layers"]]
+    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+    bits = ", ".join(f"{effective_bits(layers, width, n):.3f} at {n} tokens" for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
         ("recipe", f"{recipe['name']}; codes packed {packing['bit_order']} in int{packing['word_bits']} words, layout {packing['layout']}"),
+        ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill)"),
         ("kvcal version", config["kvcal_version"]),
     ]
-    columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "outliers", "fp8", "s_k", "s_v"]
+    columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "RPC K/V", "outliers", "fp8",
+               "s_k", "s_v"]
     rows = [[str(i), r["method"], f"{r['k_bits']:g}", f"{r['v_bits']:g}", str(r["pre_rope"]), str(r["group_size"] or "-"),
-             str(r["window"]), str(r["sink"]), str(r["residual"]), f"{r['outliers']:.1%}", str(r["fp8"]),
+             str(r["window"]), str(r["sink"]), str(r["residual"]), f"{r['rpc_k']:.2g}/{r['rpc_v']:.2g}", f"{r['outliers']:.1%}", str(r["fp8"]),
              f"{float(tensors[f'layers.{i}.importance.k']):.4g}", f"{float(tensors[f'layers.{i}.importance.v']):.4g}"]
             for i, r in enumerate(recipe["layers"])]
     return ArtifactSummary("bundle", provenance, columns, rows)

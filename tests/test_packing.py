@@ -18,7 +18,7 @@ def test_lsb_bit_order_is_least_significant_first():
     assert pack(torch.tensor([1, 0, 0, 0, 0, 0, 0, 2]), 4).item() == 1 + (2 << 28)
     assert pack(torch.tensor([3] * 16), 2).item() == -1  # all 32 bits set, stored as int32
     assert pack(torch.tensor([5, 1]), 3).item() == 5 + (1 << 3)
-    assert codes_per_word(3) == 10 and codes_per_word(1) == 32
+    assert codes_per_word(3) == 10 and codes_per_word(1) == 32 and codes_per_word(2.0) == 16  # recipes may say 2.0
 
 
 @pytest.mark.parametrize("length", [1, 10, 11, 12, 22, 23, 50])
