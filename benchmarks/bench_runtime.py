@@ -38,10 +38,12 @@ def memory(model, ids, context: int, started: dict) -> None:
 
 
 def passkey(model, tokenizer, ids, lengths: list[int], samples: int, started: dict) -> None:
+    from kvcal.bundle import load_bundle
     from kvcal.generation import passkey_accuracy
 
     began = time.perf_counter()
-    results = passkey_accuracy(model, tokenizer, {n: str(p) for n, p in BUNDLES.items()}, ids, lengths, samples, seed=0)
+    bundles = {name: load_bundle(path, model=model) for name, path in BUNDLES.items()}
+    results = passkey_accuracy(model, tokenizer, bundles, ids, lengths, samples, seed=0)
     write_result("runtime_passkey", {"model": "SmolLM2-135M-Instruct", "filler": "wikitext-2 test", "samples": samples,
                                      "seconds": round(time.perf_counter() - began, 1),
                                      "results": [r.as_dict() for r in results]}, started)

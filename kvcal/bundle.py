@@ -17,7 +17,6 @@ channel over blocks of G = 32 tokens, V per token over groups of 32 channels).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path

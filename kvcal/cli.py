@@ -318,10 +318,8 @@ def eval_ppl_command(
 ):
     """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits
     (codes, scales, zeros, outliers and their indices, fp16 sinks and windows at --seqlen)."""
-    import json
-
     from kvcal.adapters import adapt
-    from kvcal.artifacts import check_writable, write_text_atomic
+    from kvcal.artifacts import check_writable
     from kvcal.baselines import parse_baseline
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
@@ -353,17 +351,15 @@ def eval_ppl_command(
              fmt(r.value_bits, ".3f"), fmt(r.outlier_fraction, ".2%"), f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%"] for r in results]
     _print_table(f"perplexity: {source.spec} on {dataset}, {windows} x {seqlen} tokens",
                  ["method", "nominal bits", "effective bits", "K bits", "V bits", "outliers", "ppl", "vs fp"], rows)
-    if json_out is not None:
-        payload = {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
-                   "results": [r.as_dict() for r in results]}
-        write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n")
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
+                           "results": [r.as_dict() for r in results]})
 
 
 BUNDLES_OPTION = typer.Option(..., "--quant", help="A bundle (kvcal export bundle / calibrate); repeat for several.")
 
 
 def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
-    """(model, tokenizer, source, {name: path}) with every bundle checked against the model."""
+    """(model, tokenizer, source, adapter, {name: Bundle}), every bundle loaded once and checked against the model."""
     from kvcal.adapters import adapt
     from kvcal.bundle import load_bundle
     from kvcal.models import load_model
@@ -373,7 +369,7 @@ def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
     named = {}
     for path in bundles:
         bundle = load_bundle(path, model=adapter)
-        named[bundle.recipe_name if bundle.recipe_name not in named else f"{bundle.recipe_name} ({path.name})"] = str(path)
+        named[bundle.recipe_name if bundle.recipe_name not in named else f"{bundle.recipe_name} ({path.name})"] = bundle
     return loaded, tokenizer, source, adapter, named
 
 
@@ -427,7 +423,7 @@ def eval_generate_command(
                  ["method", "tokens equal to fp", "share before first divergence"],
                  [[r.method, f"{r.token_agreement:.1%}", f"{r.prefix_agreement:.1%}"] for r in results])
     _write_json(json_out, {"model": source.spec, "dataset": dataset, "prompt_lengths": lengths, "new_tokens": new_tokens,
-                           "bundles": named, "results": [r.as_dict() for r in results]})
+                           "bundles": {n: str(b.path) for n, b in named.items()}, "results": [r.as_dict() for r in results]})
 
 
 @eval_app.command("passkey")
@@ -466,7 +462,8 @@ def eval_passkey_command(
     methods = ["fp", *named]
     rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
     _print_table(f"passkey retrieval: {source.spec}, {samples} samples per length", ["method", *map(str, sizes)], rows)
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "seed": seed, "bundles": named,
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "seed": seed,
+                           "bundles": {n: str(b.path) for n, b in named.items()},
                            "results": [r.as_dict() for r in results]})
 
 
@@ -500,8 +497,8 @@ def eval_memory_command(
     with _progress() as progress:
         task = progress.add_task("prefill", total=len(named))
         results = []
-        for name, path in named.items():
-            results.append({"method": name, **measure_memory(loaded, path, ids[:context])})
+        for name, bundle in named.items():
+            results.append({"method": name, **measure_memory(loaded, bundle, ids[:context])})
             progress.advance(task)
     mib = 2**20
     _print_table(f"KV cache memory: {source.spec}, {context} tokens",

@@ -88,10 +88,8 @@ def cocktail_cache(model, chunk: int = CHUNK):
 
 def compress(cache, widths: list[list[int]]) -> None:
     """Apply per-sequence chunk widths to every layer of a Cocktail cache after the context's prefill."""
-    for layer in cache.layers:
-        for store in (layer.keys_store, layer.values_store):
-            for b, chosen in enumerate(widths):
-                store.compress(b, chosen)
+    for store, b in cache.stores():
+        store.compress(b, widths[b])
 
 
 def generate(model, tokenizer, context: str, query: str, encoder: ChunkEncoder | None = None, widths: list[int] | None = None,

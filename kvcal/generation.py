@@ -15,9 +15,13 @@ from kvcal.runtime import generate as quantized_generate
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 
 
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of texts, left-padded with the tokenizer's pad (or eos) token."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    """(input_ids, attention_mask) of texts, left-padded with pad_id(tokenizer)."""
+    pad = pad_id(tokenizer)
     rows = [tokenizer(text, return_tensors="pt").input_ids[0] for text in texts]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -45,22 +49,21 @@ class AgreementResult:
         return asdict(self)
 
 
-def greedy_agreement(model, tokenizer, bundles: dict[str, str], prompts: list[str], new_tokens: int,
+def greedy_agreement(model, tokenizer, bundles: dict, prompts: list[str], new_tokens: int,
                      on_step: Callable[[], None] | None = None) -> list[AgreementResult]:
     """Greedy generation of `new_tokens` for a left-padded batch of prompts, fp first, then each bundle."""
     ids, mask = left_padded(tokenizer, prompts)
     device = model.get_input_embeddings().weight.device
     ids, mask = ids.to(device), mask.to(device)
-    pad = int(ids[mask == 0][0]) if (mask == 0).any() else tokenizer.eos_token_id
-    reference = _greedy(model, None, ids, mask, new_tokens, pad)
+    reference = _greedy(model, None, ids, mask, new_tokens, pad_id(tokenizer))
     results = [AgreementResult("fp", 1.0, 1.0)]
     for name, bundle in bundles.items():
-        if on_step is not None:
-            on_step()
-        tokens = _greedy(model, bundle, ids, mask, new_tokens, pad)
+        tokens = _greedy(model, bundle, ids, mask, new_tokens, pad_id(tokenizer))
         same = tokens == reference
         first_miss = torch.where(same.all(1), torch.full((len(same),), new_tokens), (~same).int().argmax(1))
         results.append(AgreementResult(name, float(same.float().mean()), float(first_miss.float().mean() / new_tokens)))
+        if on_step is not None:
+            on_step()
     return results
 
 
@@ -92,7 +95,7 @@ class PasskeyResult:
         return {**asdict(self), "accuracy": self.accuracy}
 
 
-def passkey_accuracy(model, tokenizer, bundles: dict[str, str], filler_ids: torch.Tensor, lengths: list[int], samples: int,
+def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
                      seed: int, on_step: Callable[[], None] | None = None) -> list[PasskeyResult]:
     """Passkey retrieval: for every length, `samples` prompts with a random 5-digit key at a random depth
     (seeded); correct when the key appears in the greedy answer (8 tokens). fp first, then each bundle."""
@@ -126,7 +129,7 @@ def measure_memory(model, bundle, context_ids: torch.Tensor) -> dict:
     tokens = len(context_ids)
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         model(context_ids[None].to(model.get_input_embeddings().weight.device), past_key_values=cache, use_cache=True)
-    live = cache.used_bytes()
-    return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": live,
-            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=cache.outliers()),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens), "outliers": cache.outliers()}
+    outliers = cache.outliers()
+    return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
+            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=outliers),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens), "outliers": outliers}

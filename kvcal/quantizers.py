@@ -59,6 +59,20 @@ def store_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-limit, limit).to(dtype)
 
 
+def _min_max_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored fp16 (scale, zero) of asymmetric min-max quantization over [lo, hi]."""
+    return store_as((hi - lo) / (2**bits - 1), torch.float16), store_as(lo, torch.float16)
+
+
+def _min_max_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of x under stored (scale, zero) that broadcast against it."""
+    return torch.round((x - zero.float()) / scale_in_use(scale)).clamp(0, 2**bits - 1).long()
+
+
+def _min_max_decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale_in_use(scale) + zero.float()
+
+
 def _channel_groups(channels: int, group: int, device) -> torch.Tensor:
     return torch.arange(channels, device=device) // group
 
@@ -74,21 +88,19 @@ class TokenUniform:
 
     def encode(self, x: torch.Tensor) -> Encoded:
         x = x.float()
-        levels = 2**self.bits - 1
         tokens, channels = x.shape
         groups = math.ceil(channels / self.group)
         padded = torch.nn.functional.pad(x, (0, groups * self.group - channels), value=float("nan")).view(tokens, groups, self.group)
         lo = padded.nan_to_num(float("inf")).amin(2)
         hi = padded.nan_to_num(float("-inf")).amax(2)
-        scale, zero = store_as((hi - lo) / levels, torch.float16), store_as(lo, torch.float16)
+        scale, zero = _min_max_params(lo, hi, self.bits)
         member = _channel_groups(channels, self.group, x.device)
-        codes = torch.round((x - zero.float()[:, member]) / scale_in_use(scale)[:, member]).clamp(0, levels)
-        return Encoded(codes.long(), token={"scale": scale, "zero": zero})
+        return Encoded(_min_max_codes(x, scale[:, member], zero[:, member], self.bits), token={"scale": scale, "zero": zero})
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         member = _channel_groups(encoded.codes.shape[1], self.group, encoded.codes.device)
         scale, zero = encoded.token["scale"], encoded.token["zero"]
-        return encoded.codes.float() * scale_in_use(scale)[:, member] + zero.float()[:, member]
+        return _min_max_decode(encoded.codes, scale[:, member], zero[:, member])
 
     def row_bits(self, channels: int) -> float:
         return float(self.bits * channels + 2 * FP16_BITS * math.ceil(channels / self.group))
@@ -114,18 +126,16 @@ class ChannelBlockUniform:
         tokens, channels = x.shape
         if tokens % self.group:
             raise ValueError(f"per-channel blocks take multiples of {self.group} tokens, not {tokens}")
-        levels = 2**self.bits - 1
         blocks = x.float().view(-1, self.group, channels)
-        lo, hi = blocks.amin(1), blocks.amax(1)
-        scale, zero = store_as((hi - lo) / levels, torch.float16), store_as(lo, torch.float16)
-        codes = torch.round((blocks - zero.float()[:, None]) / scale_in_use(scale)[:, None]).clamp(0, levels)
-        return Encoded(codes.view(tokens, channels).long(), block={"scale": scale, "zero": zero})
+        scale, zero = _min_max_params(blocks.amin(1), blocks.amax(1), self.bits)
+        codes = _min_max_codes(blocks, scale[:, None], zero[:, None], self.bits)
+        return Encoded(codes.view(tokens, channels), block={"scale": scale, "zero": zero})
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         tokens, channels = encoded.codes.shape
-        codes = encoded.codes.float().view(-1, self.group, channels)
+        codes = encoded.codes.view(-1, self.group, channels)
         scale, zero = encoded.block["scale"], encoded.block["zero"]
-        return (codes * scale_in_use(scale)[:, None] + zero.float()[:, None]).view(tokens, channels)
+        return _min_max_decode(codes, scale[:, None], zero[:, None]).view(tokens, channels)
 
     def row_bits(self, channels: int) -> float:
         return self.bits * channels + 2 * FP16_BITS * channels / self.group

@@ -22,6 +22,7 @@ import torch
 
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
+from kvcal.packing import codes_per_word
 from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, Quantized, scale_in_use, store_as
 from kvcal.rope import rotate_keys
 from kvcal.simulate import SegmentPolicy, per_query_head
@@ -38,7 +39,7 @@ def levels(bits: float) -> int:
 
 
 def stored_code_bits(bits: float) -> float:
-    return 32 / 20 if bits == TERNARY else float(bits)
+    return 32 / codes_per_word(bits, "ternary20") if bits == TERNARY else float(bits)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcal.adapters import ModelAdapter, adapt
+from kvcal.rope import rotate_keys
 from kvcal.runtime import reference
 from kvcal.simulate import as_cached
 
@@ -61,8 +62,6 @@ class RuntimeLayer(CacheLayerMixin):
         self.inv_freq = self.inv_freq.to(device)
 
     def _rotated(self, keys: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        from kvcal.rope import rotate_keys
-
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float):
@@ -173,14 +172,19 @@ class WiredCache(Cache):
     def __exit__(self, *exc):
         self.close()
 
+    def stores(self):
+        """(store, sequence) for every allocated K and V store of every layer."""
+        for layer in self.layers:
+            for store in (layer.keys_store, layer.values_store):
+                if store is not None:
+                    yield from ((store, b) for b in range(len(layer.position_offset)))
+
     def used_bytes(self) -> int:
         """Bytes the cache holds now: codes, parameters, outliers, fp16 segments (not capacity)."""
-        return sum(store.used_bytes(b) for layer in self.layers for store in (layer.keys_store, layer.values_store)
-                   if store is not None for b in range(len(layer.position_offset)))
+        return sum(store.used_bytes(b) for store, b in self.stores())
 
     def outliers(self) -> int:
-        return sum(store.outliers(b) for layer in self.layers for store in (layer.keys_store, layer.values_store)
-                   if store is not None for b in range(len(layer.position_offset)))
+        return sum(store.outliers(b) for store, b in self.stores())
 
     def tokens(self) -> list[int]:
         """Tokens stored per sequence."""

@@ -66,7 +66,7 @@ class Fp16Rows:
 class PackedRows:
     def __init__(self, codec, batch: int, width: int, device):
         self.codec, self.width, self.device = codec, width, device
-        self.block = getattr(codec, "block_tokens", 1)
+        self.block = codec.block_tokens
         self.layout = layout_for(codec.bits)
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
         self.token: dict[str, torch.Tensor] = {}
