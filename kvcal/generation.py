@@ -95,10 +95,22 @@ class PasskeyResult:
         return {**asdict(self), "accuracy": self.accuracy}
 
 
+def _answer(model, ids: torch.Tensor, cache, new_tokens: int, pad: int) -> torch.Tensor:
+    """Greedy tokens after ids (1, n) with a cache that already holds ids[:, :-1]."""
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    return out[0, ids.shape[1]:].cpu()
+
+
 def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
                      seed: int, on_step: Callable[[], None] | None = None) -> list[PasskeyResult]:
     """Passkey retrieval: for every length, `samples` prompts with a random 5-digit key at a random depth
-    (seeded); correct when the key appears in the greedy answer (8 tokens). fp first, then each bundle."""
+    (seeded); correct when the key appears in the greedy answer (8 tokens). Per prompt, one fp prefill of all
+    but its last token is loaded into every method's cache (fp's own, and each bundle's quantized one); the
+    last prompt token and the answer are decoded by each method, so every answer token reads that method's
+    cache. fp first, then each bundle."""
+    from kvcal.runtime.cache import fp_context, quantized_cache
+
     rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
     results = []
@@ -107,12 +119,18 @@ def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, 
         correct = {name: 0 for name in ["fp", *bundles]}
         for key, depth in cases:
             ids = passkey_prompt(tokenizer, filler_ids, length, key, depth)[None].to(device)
-            mask = torch.ones_like(ids)
-            for name in correct:
-                answer = _greedy(model, bundles.get(name), ids, mask, 8, tokenizer.eos_token_id)
-                correct[name] += str(key) in tokenizer.decode(answer[0])
-                if on_step is not None:
-                    on_step()
+            with torch.inference_mode():
+                context = fp_context(model, ids[:, :-1])
+                for name in correct:
+                    if name == "fp":
+                        answer = _answer(model, ids, context.cache, 8, tokenizer.eos_token_id)
+                    else:
+                        with quantized_cache(model, bundles[name]) as cache:
+                            cache.load(context)
+                            answer = _answer(model, ids, cache, 8, tokenizer.eos_token_id)
+                    correct[name] += str(key) in tokenizer.decode(answer)
+                    if on_step is not None:
+                        on_step()
         results.extend(PasskeyResult(name, length, hits, samples) for name, hits in correct.items())
     return results
 

@@ -14,7 +14,7 @@ TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def tiny_config(model_type: str, max_positions: int = 256):
+def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     from transformers import AutoConfig
 
     common = dict(
@@ -26,14 +26,14 @@ def tiny_config(model_type: str, max_positions: int = 256):
         common["head_dim"] = 16
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
-    return AutoConfig.for_model(model_type, **common)
+    return AutoConfig.for_model(model_type, **{**common, **overrides})
 
 
-def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256):
+def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions, **overrides), attn_implementation="sdpa")
     return model.eval()
 
 
@@ -58,9 +58,9 @@ def tiny_tokenizer():
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     """Save a tiny model plus tokenizer to disk, as a user's local model directory would be."""
 
-    def make(model_type: str, max_positions: int = 256) -> Path:
+    def make(model_type: str, max_positions: int = 256, **overrides) -> Path:
         path = tmp_path_factory.mktemp(f"tiny-{model_type}")
-        tiny_model(model_type, max_positions=max_positions).save_pretrained(path)
+        tiny_model(model_type, max_positions=max_positions, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
         return path
 

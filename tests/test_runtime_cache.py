@@ -76,3 +76,26 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
     expected = cache_bytes(bundle.layers, width, 150, outliers=cache.outliers())
     assert cache.used_bytes() == expected < fp16_bytes(2, width, 150)
     assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, recipe):
+    """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
+    stores: layer 0's K/V come from the embeddings, so its stores are identical, and the next token's logits
+    agree with the cache's own prefill (whose attention reads its own K/V rounded to fp16, fp's does not)."""
+    from kvcal.runtime.cache import fp_context
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        with quantized_cache(model, recipe_bundles[recipe]) as prefilled:
+            model(ids[:, :-1], past_key_values=prefilled, use_cache=True)
+            stored = [getattr(prefilled.layers[0], store).read(0) for store in ("keys_store", "values_store")]
+            own = model(ids[:, -1:], past_key_values=prefilled, use_cache=True).logits
+        with quantized_cache(model, recipe_bundles[recipe]) as loaded:
+            loaded.load(fp_context(model, ids[:, :-1]))
+            assert loaded.tokens() == [149] and loaded.get_seq_length() == 149
+            for store, expected in zip(("keys_store", "values_store"), stored):
+                assert torch.equal(getattr(loaded.layers[0], store).read(0), expected)
+            shared = model(ids[:, -1:], past_key_values=loaded, use_cache=True).logits
+    torch.testing.assert_close(shared, own, rtol=0, atol=1e-4)

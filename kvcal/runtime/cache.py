@@ -15,6 +15,8 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -38,6 +40,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
         self.pending_pre_rope: torch.Tensor | None = None
         self.pending_positions: torch.Tensor | None = None
+        self.use_kernels: bool | None = None  # CUDA decode kernels, decided at the first decode step
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -73,6 +76,8 @@ class RuntimeLayer(CacheLayerMixin):
             self._allocate(batch, width, query.device)
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, width)
+        if m == 1 and self._kernel_decode(heads, kv_heads, head_dim):
+            return self._decode_with_kernels(query, new_keys, new_values, valid, scaling, kv_heads)
         output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
         for b in range(batch):
             rows = torch.nonzero(valid[b]).flatten()
@@ -95,6 +100,43 @@ class RuntimeLayer(CacheLayerMixin):
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
         self.padded_length += m
         return output
+
+    def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store a context computed elsewhere, rows (batch, tokens, width) unpadded at positions 0.., as if it
+        had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE)."""
+        batch, tokens, width = values.shape
+        self._allocate(batch, width, values.device)
+        self.position_offset = [0] * batch
+        stored_keys = pre_rope_keys if self.pre_rope else keys
+        for b in range(batch):
+            self._append(b, as_cached(stored_keys[b]).half(), as_cached(values[b]).half())
+        self.padded_length = tokens
+
+    def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        """Whether this layer's decode steps run the CUDA kernels (decided once)."""
+        if self.use_kernels is None:
+            from kvcal.runtime import kernels
+
+            pairs = zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs())
+            self.use_kernels = kernels.cuda_ready(self.inv_freq.device) and all(
+                kernels.decode_supported(k, v, heads, kv_heads, head_dim) for k, v in pairs)
+        return self.use_kernels
+
+    def _decode_with_kernels(self, query, new_keys, new_values, valid, scaling: float, kv_heads: int):
+        """One token per sequence: append it, then one fused attention over every sequence's cache."""
+        from kvcal.runtime import kernels
+
+        batch = query.shape[0]
+        for b in torch.nonzero(valid[:, 0]).flatten().tolist():
+            if self.position_offset[b] is None:
+                self.position_offset[b] = int(self.pending_positions.expand(batch, 1)[b, 0]) if self.pending_positions is not None else 0
+            self._append(b, as_cached(new_keys[b]).half(), as_cached(new_values[b]).half())
+        launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(), self.values_store.kernel_segments())]
+        out = kernels.decode_attention(query[:, :, 0], launches, kv_heads, scaling, [o or 0 for o in self.position_offset],
+                                       self.inv_freq if self.pre_rope else None, self.rope_scaling)
+        out = out * valid[:, :1, None].to(out.dtype)  # a sequence with no token this step gets zeros, as in the reference
+        self.padded_length += 1
+        return out[:, None].to(query.dtype)
 
     def _append(self, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys_store.append(b, keys)
@@ -186,10 +228,45 @@ class WiredCache(Cache):
     def outliers(self) -> int:
         return sum(store.outliers(b) for store, b in self.stores())
 
+    def load(self, context: FpContext) -> None:
+        """Fill the empty cache with a context's keys and values (see FpContext)."""
+        for layer, keys, pre_rope_keys, values in zip(self.layers, context.keys, context.pre_rope_keys, context.values):
+            layer.load(keys, pre_rope_keys, values)
+
     def tokens(self) -> list[int]:
         """Tokens stored per sequence."""
         layer = self.layers[0]
         return [layer.keys_store.count(b) for b in range(len(layer.position_offset))] if layer.keys_store else []
+
+
+@dataclass
+class FpContext:
+    """The KV cache of a context from one fp prefill, per layer (batch, tokens, width) rows: keys after RoPE,
+    keys before RoPE, values; `cache` is the model's own (DynamicCache) copy. Loading it into several
+    quantized caches (WiredCache.load) shares one prefill between methods."""
+
+    keys: list[torch.Tensor]
+    pre_rope_keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cache: Cache
+
+
+def fp_context(model, ids: torch.Tensor) -> FpContext:
+    """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache."""
+    from transformers import DynamicCache
+
+    adapter = adapt(model)
+    pre_rope: list[torch.Tensor] = []
+    hooks = [handles.key_source.register_forward_hook(lambda module, inputs, output: pre_rope.append(output.detach().flatten(2)))
+             for handles in adapter.layers]
+    try:
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
+    return FpContext([rows(layer.keys) for layer in cache.layers], pre_rope, [rows(layer.values) for layer in cache.layers], cache)
 
 
 def quantized_cache(model, bundle) -> WiredCache:

@@ -20,10 +20,15 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     heads, m, head_dim = query.shape
     n = keys.shape[0]
     kv_heads = keys.shape[1] // head_dim
-    scores = query.float() @ per_query_head(keys, kv_heads, heads).transpose(1, 2) * scaling
-    visible = torch.arange(n, device=query.device)[None, :] <= (n - m + torch.arange(m, device=query.device))[:, None]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return probs @ per_query_head(values, kv_heads, heads)
+    # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
+    # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
+    query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
+    if m == n or m == 1:
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
+    else:
+        visible = torch.arange(n, device=query.device)[None, :] <= (n - m + torch.arange(m, device=query.device))[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling)
+    return out[0]
 
 
 def stored_keys(store, b: int, pre_rope: bool, position_offset: int, inv_freq: torch.Tensor, rope_scaling: float,

@@ -63,6 +63,13 @@ class SegmentedStore:
     def outliers(self, b: int) -> int:
         return self.body.outliers[b]
 
+    def kernel_segments(self) -> list[tuple]:
+        """(fp16 sink, packed body, fp16 recent) per decode-attention launch (kvcal.runtime.kernels), in position order."""
+        return [(self.sink, self.body, self.recent)]
+
+    def packed_codecs(self) -> list:
+        return [self.body.codec]
+
 
 class CocktailStore:
     WIDTHS = (16, 4, 2)
@@ -108,3 +115,10 @@ class CocktailStore:
 
     def outliers(self, b: int) -> int:
         return 0
+
+    def kernel_segments(self) -> list[tuple]:
+        """One launch for the fp16 chunks with the recent tokens, one per packed width (RoPE is already applied)."""
+        return [(self.parts[16], None, self.recent), (None, self.parts[4], None), (None, self.parts[2], None)]
+
+    def packed_codecs(self) -> list:
+        return [self.parts[bits].codec for bits in (4, 2)]

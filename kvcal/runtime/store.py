@@ -64,8 +64,15 @@ class Fp16Rows:
 
 
 class PackedRows:
-    def __init__(self, codec, batch: int, width: int, device):
+    def __init__(self, codec, batch: int, width: int, device, use_kernels: bool | None = None):
+        """use_kernels: quantize with the CUDA append kernels (kvcal.runtime.kernels); None = when the device is
+        CUDA and the codec has one."""
+        from kvcal.runtime import kernels
+
         self.codec, self.width, self.device = codec, width, device
+        if use_kernels is None:
+            use_kernels = kernels.cuda_ready(device) and kernels.append_supported(codec, width)
+        self.use_kernels = use_kernels
         self.block = codec.block_tokens
         self.layout = layout_for(codec.bits)
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
@@ -86,32 +93,44 @@ class PackedRows:
         self.token = {name: _grown(t, capacity) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
 
-    def _reserve_outliers(self, count: int) -> None:
+    def reserve_outliers(self, count: int) -> None:
         if count > self.outlier_rows.shape[1]:
             capacity = math.ceil(count / GROWTH) * GROWTH
             self.outlier_rows = _grown(self.outlier_rows, capacity)
             self.outlier_channels = _grown(self.outlier_channels, capacity)
             self.outlier_values = _grown(self.outlier_values, capacity)
 
+    def _parameter(self, table: dict, name: str, rows: int, columns: int, dtype) -> torch.Tensor:
+        if name not in table:
+            table[name] = torch.zeros(self.words.shape[0], rows, columns, dtype=dtype, device=self.device)
+        return table[name]
+
     def append(self, b: int, x: torch.Tensor) -> None:
         """Quantize rows x (tokens, C) (a whole number of codec blocks) into sequence b's storage."""
         start, count = self.length[b], len(x)
-        encoded = self.codec.encode(x.float())
         self._reserve(start + count)
+        if self.use_kernels:
+            from kvcal.runtime import kernels
+
+            per_token, per_block = kernels.parameter_columns(self.codec, self.width)
+            for name, columns in per_token.items():
+                self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
+            for name, columns in per_block.items():
+                self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, torch.float16)
+            self.outliers[b] += kernels.encode_into(self, b, x, start)
+            self.length[b] += count
+            return
+        encoded = self.codec.encode(x.float())
         self.words[b, start : start + count] = pack(encoded.codes, self.codec.bits, self.layout)
         for name, values in encoded.token.items():
-            if name not in self.token:
-                self.token[name] = torch.zeros(*self.words.shape[:2], values.shape[1], dtype=values.dtype, device=self.device)
-            self.token[name][b, start : start + count] = values
+            self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype)[b, start : start + count] = values
         for name, values in encoded.block.items():
-            if name not in self.blocks:
-                self.blocks[name] = torch.zeros(self.words.shape[0], self.words.shape[1] // self.block, values.shape[1],
-                                                dtype=values.dtype, device=self.device)
-            self.blocks[name][b, start // self.block : (start + count) // self.block] = values
+            blocks = self._parameter(self.blocks, name, self.words.shape[1] // self.block, values.shape[1], values.dtype)
+            blocks[b, start // self.block : (start + count) // self.block] = values
         if encoded.outliers is not None:
             rows, channels, values = encoded.outliers
             first = self.outliers[b]
-            self._reserve_outliers(first + len(rows))
+            self.reserve_outliers(first + len(rows))
             self.outlier_rows[b, first : first + len(rows)] = (rows + start).to(torch.int32)
             self.outlier_channels[b, first : first + len(rows)] = channels.to(torch.int16)
             self.outlier_values[b, first : first + len(rows)] = values

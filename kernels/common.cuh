@@ -1,0 +1,97 @@
+// Shared device code of the kvcal kernels: fp16 conversion, the packed code layouts of kvcal/packing.py,
+// the codecs of kvcal/quantizers.py (decode side), and RoPE angles. No CUDA headers are needed, so NVRTC
+// compiles these files as they are.
+#pragma once
+
+#define KVCAL_INF __int_as_float(0x7f800000)
+#define KVCAL_TINY_SCALE 5.9604644775390625e-8f  // 2^-24, the smallest positive fp16 (kvcal.quantizers.TINY_SCALE)
+#define KVCAL_FP16_MAX 65504.0f
+#define KVCAL_MIN_HALF_RANGE 1e-8f  // kvcal.quantizers.denormalize clamps (hi - lo) / 2 to this
+
+typedef unsigned short half_bits;  // fp16 as stored by torch (IEEE binary16)
+
+// Codecs of a packed body, as kvcal.runtime.kernels numbers them.
+enum Codec {
+    FP16_ONLY = 0,         // no packed body (every token in fp16 segments)
+    UNIFORM_TOKEN = 1,     // TokenUniform: fp16 scale/zero per (token, group of channels)
+    UNIFORM_CHANNEL = 2,   // ChannelBlockUniform: fp16 scale/zero per (block of tokens, channel)
+    CODEBOOK_CHANNEL = 3,  // CodebookCodec with fixed per-channel thresholds (float32 lo/hi)
+    CODEBOOK_TOKEN = 4,    // CodebookCodec with per-token fp16 thresholds
+};
+
+__device__ __forceinline__ float half_to_float(half_bits h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
+__device__ __forceinline__ half_bits float_to_half(float f) {
+    f = fminf(fmaxf(f, -KVCAL_FP16_MAX), KVCAL_FP16_MAX);
+    half_bits h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float load_half(const half_bits* p) { return half_to_float(__ldg(p)); }
+
+// Layout ids: 1, 2, 3, 4 = "lsb" with that many bits (32, 16, 10, 8 codes per word), 5 = "kvmix10x3+1x2"
+// (ten 3-bit codes and an eleventh 2-bit code at bit 30: the unsigned shift leaves exactly its 2 bits).
+template <int BITS, int PER_WORD>
+__device__ __forceinline__ unsigned lsb_code(const unsigned* row, int channel) {
+    unsigned word = __ldg(row + channel / PER_WORD);
+    return (word >> ((channel % PER_WORD) * BITS)) & ((1u << BITS) - 1u);
+}
+
+__device__ __forceinline__ unsigned code_at(const unsigned* row, int channel, int layout) {
+    switch (layout) {
+        case 1: return lsb_code<1, 32>(row, channel);
+        case 2: return lsb_code<2, 16>(row, channel);
+        case 3: return lsb_code<3, 10>(row, channel);
+        case 4: return lsb_code<4, 8>(row, channel);
+        default: return lsb_code<3, 11>(row, channel);
+    }
+}
+
+__device__ __forceinline__ int codes_per_word(int layout) {
+    switch (layout) {
+        case 1: return 32;
+        case 2: return 16;
+        case 3: return 10;
+        case 4: return 8;
+        default: return 11;
+    }
+}
+
+__device__ __forceinline__ int code_bits(int layout) { return layout == 5 ? 3 : layout; }
+
+// kvcal.quantizers: min-max decode, and denormalize of a codebook value.
+__device__ __forceinline__ float min_max_value(unsigned code, float scale, float zero) {
+    return (float)code * fmaxf(scale, KVCAL_TINY_SCALE) + zero;
+}
+
+__device__ __forceinline__ float denormalized(float normalized, float lo, float hi) {
+    return normalized * fmaxf((hi - lo) / 2.0f, KVCAL_MIN_HALF_RANGE) + (hi + lo) / 2.0f;
+}
+
+// cos and sin of angle = float(position) * inv_freq (rounded to float32 as torch computes it). The angle
+// is reduced modulo 2 pi in double first: fast sin/cos are only accurate near zero, and positions reach
+// the hundreds of thousands.
+__device__ __forceinline__ void rope_cos_sin(int position, float inv_freq, float* cos_out, float* sin_out) {
+    const double two_pi = 6.283185307179586476925287;
+    double angle = (double)__fmul_rn((float)position, inv_freq);
+    float reduced = (float)(angle - rint(angle / two_pi) * two_pi);
+    __sincosf(reduced, sin_out, cos_out);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}

@@ -1,0 +1,398 @@
+// Fused decode attention over the quantized cache (one query token per sequence), split over the sequence
+// with a log-sum-exp merge. The specification is kvcal/runtime/reference.py on the stores of
+// kvcal/runtime/store.py and kvcal/runtime/segments.py; kvcal/runtime/kernels.py launches these.
+//
+// A launch covers, for every sequence b, tokens t = 0 .. n_b - 1 in position order. K and V each map t to
+// their own segments (sink fp16 | packed body | recent fp16, with their own lengths: a KIVI residual or a
+// KVmix RPC differs between K and V). Cocktail's chunk groups of different widths are separate launches
+// writing separate split slots of the same partial buffers, merged once.
+//
+// Block = (split, KV head, sequence), 4 warps; it serves all `group` query heads of its KV head, so K/V
+// bytes are read once per KV head. A warp takes tiles of 32 tokens: keys one token per lane (its full
+// dot products with every query head, RoPE applied on the fly to pre-RoPE keys), online softmax in the
+// log2 domain (log2(e) folded into the query scale), then values one channel per lane. Sparse fp16
+// outliers (sorted by body row, as appended) are added as corrections to the tile they fall in.
+// Nothing dequantized is written to memory; partial (output, lse) per split go to out/lse_partial.
+#include "common.cuh"
+
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define GMAX 8  // query heads per KV head served by one block
+
+// Fields of one side (K or V) in the int64 descriptor array written by kvcal/runtime/kernels.py.
+enum SideField {
+    SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
+    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_ROWS, OUTLIER_CHANNELS, OUTLIER_VALUES, OUTLIER_STRIDE, LAYOUT,
+    SIDE_FIELDS
+};
+// Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS).
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_OUTLIERS, META_FIELDS };
+
+struct Side {
+    const half_bits* sink; long long sink_stride;
+    const half_bits* recent; long long recent_stride;
+    const unsigned* words; long long words_stride; int words_per_row;
+    const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
+    const float* codebook;
+    const int* outlier_rows; const short* outlier_channels; const half_bits* outlier_values; long long outlier_stride;
+    int layout;
+};
+
+__device__ __forceinline__ Side load_side(const long long* d) {
+    Side s;
+    s.sink = (const half_bits*)d[SINK]; s.sink_stride = d[SINK_STRIDE];
+    s.recent = (const half_bits*)d[RECENT]; s.recent_stride = d[RECENT_STRIDE];
+    s.words = (const unsigned*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
+    s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
+    s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
+    s.codebook = (const float*)d[CODEBOOK];
+    s.outlier_rows = (const int*)d[OUTLIER_ROWS]; s.outlier_channels = (const short*)d[OUTLIER_CHANNELS];
+    s.outlier_values = (const half_bits*)d[OUTLIER_VALUES]; s.outlier_stride = d[OUTLIER_STRIDE];
+    s.layout = (int)d[LAYOUT];
+    return s;
+}
+
+struct Lengths {
+    int sink, body, head, recent, outliers;
+};
+
+__device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int batch, int b) {
+    const int* m = meta + ((long long)side * batch + b) * META_FIELDS;
+    Lengths n;
+    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.outliers = m[M_OUTLIERS];
+    return n;
+}
+
+// Per-channel tables of a side for the block's KV head: the codebook, and for fixed per-channel
+// thresholds the half range and midpoint of every channel.
+template <int D>
+struct SideTables {
+    float codebook[16];
+    float half_range[D];
+    float mid[D];
+};
+
+// Where token t of sequence b lives on one side: an fp16 row, or a body row with its codes and the
+// parameter rows that scale it (computed once per token, so that the per-element work is unpack + fma).
+struct TokenRef {
+    const half_bits* fp16_row;  // null for a body token
+    const unsigned* words;
+    const half_bits* param0;
+    const half_bits* param1;
+};
+
+template <int CODEC>
+__device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
+    TokenRef ref;
+    ref.fp16_row = nullptr;
+    ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
+    long long offset = b * s.param_stride;
+    if (CODEC == UNIFORM_TOKEN) offset += (long long)row * s.param_cols;
+    if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_cols;
+    if (CODEC == CODEBOOK_TOKEN) offset += row;
+    ref.param0 = (const half_bits*)s.param0 + offset;
+    ref.param1 = (const half_bits*)s.param1 + offset;
+    return ref;
+}
+
+template <int CODEC>
+__device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int b, int t, int width) {
+    TokenRef ref;
+    ref.words = nullptr;
+    ref.param0 = ref.param1 = nullptr;
+    if (t < n.sink) {
+        ref.fp16_row = s.sink + b * s.sink_stride + (long long)t * width;
+        return ref;
+    }
+    t -= n.sink;
+    if (CODEC != FP16_ONLY && t < n.body) return body_ref<CODEC>(s, b, t);
+    t -= n.body;
+    ref.fp16_row = s.recent + b * s.recent_stride + (long long)(n.head + t) * width;
+    return ref;
+}
+
+// Element `channel` (c within the KV head) of a body token: layout and group are the side's code layout
+// and, for per-token uniform parameters, channels per group.
+template <int CODEC, int D>
+__device__ __forceinline__ float body_value(const TokenRef& ref, const SideTables<D>& tables, int layout, int group,
+                                            int channel, int c) {
+    const unsigned code = code_at(ref.words, channel, layout);
+    if (CODEC == UNIFORM_TOKEN) {
+        const int i = channel / group;
+        return min_max_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
+    } else if (CODEC == UNIFORM_CHANNEL) {
+        return min_max_value(code, load_half(ref.param0 + channel), load_half(ref.param1 + channel));
+    } else if (CODEC == CODEBOOK_CHANNEL) {
+        return tables.codebook[code] * tables.half_range[c] + tables.mid[c];
+    } else {  // CODEBOOK_TOKEN
+        return denormalized(tables.codebook[code], load_half(ref.param0), load_half(ref.param1));
+    }
+}
+
+template <int CODEC, int D>
+__device__ __forceinline__ float token_value(const TokenRef& ref, const SideTables<D>& tables, int layout, int group,
+                                             int channel, int c) {
+    if (CODEC == FP16_ONLY || ref.fp16_row != nullptr) return load_half(ref.fp16_row + channel);
+    return body_value<CODEC, D>(ref, tables, layout, group, channel, c);
+}
+
+template <int CODEC, int D>
+__device__ __forceinline__ void load_tables(const Side& s, SideTables<D>& tables, int kv_head) {
+    if (CODEC == CODEBOOK_CHANNEL || CODEC == CODEBOOK_TOKEN) {
+        int entries = 1 << code_bits(s.layout);
+        for (int i = threadIdx.x; i < entries; i += THREADS) tables.codebook[i] = s.codebook[i];
+    }
+    if (CODEC == CODEBOOK_CHANNEL) {
+        for (int c = threadIdx.x; c < D; c += THREADS) {
+            float lo = ((const float*)s.param0)[kv_head * D + c], hi = ((const float*)s.param1)[kv_head * D + c];
+            tables.half_range[c] = fmaxf((hi - lo) / 2.0f, KVCAL_MIN_HALF_RANGE);
+            tables.mid[c] = (hi + lo) / 2.0f;
+        }
+    }
+}
+
+// First index in rows[0, count) whose row is >= target (rows are sorted).
+__device__ __forceinline__ int lower_bound(const int* rows, int count, int target) {
+    int lo = 0, hi = count;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (__ldg(rows + mid) < target) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// Launch bounds (128 threads, at least 2 blocks per SM) leave ptxas up to 255 registers: with its default
+// occupancy target it capped head_dim 128 + RoPE at 168 registers and spilled.
+template <int D, bool ROPE, int KCODEC, int VCODEC>
+__global__ void __launch_bounds__(THREADS, 2) decode_attention(
+    const float* __restrict__ query,           // (batch, kv_heads * group, D), unscaled
+    const long long* __restrict__ descriptor,  // K side then V side, SIDE_FIELDS each
+    const int* __restrict__ meta,              // (2, batch, META_FIELDS)
+    const int* __restrict__ position_offset,   // (batch,): RoPE position of each sequence's token 0
+    const float* __restrict__ inv_freq,        // (D / 2,)
+    float* __restrict__ out_partial,           // (batch, heads, total_splits, D)
+    float* __restrict__ lse_partial,           // (batch, heads, total_splits), log2 domain
+    int batch, int kv_heads, int group, int tokens_per_split, int split_offset, int total_splits,
+    float scale_log2, float rope_scale) {
+    constexpr int PER_LANE = D / 32;
+    __shared__ float q_s[GMAX][D];
+    __shared__ float p_s[WARPS][GMAX][32];
+    __shared__ SideTables<D> k_tables, v_tables;
+    __shared__ float freq_s[D / 2];
+    __shared__ float m_s[WARPS][GMAX], l_s[WARPS][GMAX];
+    __shared__ float acc_s[WARPS][GMAX][D];
+
+    const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int heads = kv_heads * group, width = kv_heads * D, head_channel = kv_head * D;
+    __shared__ Side ks, vs;  // in shared memory: read once per token, not held in registers
+    if (threadIdx.x == 0) {
+        ks = load_side(descriptor);
+        vs = load_side(descriptor + SIDE_FIELDS);
+    }
+    const Lengths kn = load_lengths(meta, 0, batch, b), vn = load_lengths(meta, 1, batch, b);
+    const int tokens = kn.sink + kn.body + kn.recent;
+    const int start = split * tokens_per_split, end = min(start + tokens_per_split, tokens);
+    const long long slot = split_offset + split;
+
+    const int k_layout = (int)descriptor[LAYOUT], k_group = (int)descriptor[PARAM_EXTRA];
+    const int v_layout = (int)descriptor[SIDE_FIELDS + LAYOUT], v_group = (int)descriptor[SIDE_FIELDS + PARAM_EXTRA];
+
+    if (start >= end) {  // an empty split: lse = -inf, and the merge gives it no weight
+        for (int i = threadIdx.x; i < group * D; i += THREADS) {
+            long long row = (long long)b * heads + kv_head * group + i / D;
+            out_partial[(row * total_splits + slot) * D + i % D] = 0.0f;
+            if (i % D == 0) lse_partial[row * total_splits + slot] = -KVCAL_INF;
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < GMAX * D; i += THREADS) {
+        int g = i / D, c = i % D;
+        q_s[g][c] = g < group ? query[((long long)b * heads + kv_head * group + g) * D + c] * scale_log2 : 0.0f;
+    }
+    for (int i = threadIdx.x; i < D / 2; i += THREADS) freq_s[i] = ROPE ? inv_freq[i] : 0.0f;
+    __syncthreads();
+    load_tables<KCODEC, D>(ks, k_tables, kv_head);
+    load_tables<VCODEC, D>(vs, v_tables, kv_head);
+    __syncthreads();
+
+    float m[GMAX], l[GMAX], acc[GMAX][PER_LANE];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        m[g] = -KVCAL_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) acc[g][j] = 0.0f;
+    }
+    const int position0 = ROPE ? position_offset[b] : 0;
+
+    for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+        const int count = min(32, end - t0);
+        const int t = t0 + lane;
+        const bool valid = lane < count;
+        float s[GMAX];
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) s[g] = 0.0f;
+
+        // keys: this lane's token against every query head
+        if (valid) {
+            const TokenRef ref = locate<KCODEC>(ks, kn, b, t, width);
+            if (ROPE) {
+#pragma unroll 2
+                for (int c = 0; c < D / 2; ++c) {
+                    float cos_a, sin_a;
+                    rope_cos_sin(position0 + t, freq_s[c], &cos_a, &sin_a);
+                    cos_a *= rope_scale;
+                    sin_a *= rope_scale;
+                    float k1 = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c, c);
+                    float k2 = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c + D / 2, c + D / 2);
+                    float r1 = k1 * cos_a - k2 * sin_a, r2 = k2 * cos_a + k1 * sin_a;
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g)
+                        if (g < group) s[g] += q_s[g][c] * r1 + q_s[g][c + D / 2] * r2;
+                }
+            } else {
+#pragma unroll 4
+                for (int c = 0; c < D; ++c) {
+                    float k = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c, c);
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g)
+                        if (g < group) s[g] += q_s[g][c] * k;
+                }
+            }
+        }
+
+        // key outliers of this tile's body rows: exact value minus what the codes gave
+        if (KCODEC != FP16_ONLY && kn.outliers > 0) {
+            const int row_lo = max(t0 - kn.sink, 0), row_hi = min(t0 + count - kn.sink, kn.body);
+            if (row_lo < row_hi) {
+                const int* rows = ks.outlier_rows + b * ks.outlier_stride;
+                for (int i = lower_bound(rows, kn.outliers, row_lo); i < kn.outliers; ++i) {
+                    const int row = __ldg(rows + i);
+                    if (row >= row_hi) break;
+                    const int channel = __ldg(ks.outlier_channels + b * ks.outlier_stride + i);
+                    const int c = channel - head_channel;
+                    if (c < 0 || c >= D || lane != row + kn.sink - t0) continue;
+                    const float delta = load_half(ks.outlier_values + b * ks.outlier_stride + i) -
+                                        body_value<KCODEC, D>(body_ref<KCODEC>(ks, b, row), k_tables, k_layout, k_group, channel, c);
+                    if (ROPE) {
+                        const int f = c % (D / 2), partner = c < D / 2 ? c + D / 2 : c - D / 2;
+                        float cos_a, sin_a;
+                        rope_cos_sin(position0 + t, freq_s[f], &cos_a, &sin_a);
+                        const float sign = c < D / 2 ? 1.0f : -1.0f;
+#pragma unroll
+                        for (int g = 0; g < GMAX; ++g)
+                            if (g < group)
+                                s[g] += delta * rope_scale * (q_s[g][c] * cos_a + sign * q_s[g][partner] * sin_a);
+                    } else {
+#pragma unroll
+                        for (int g = 0; g < GMAX; ++g)
+                            if (g < group) s[g] += delta * q_s[g][c];
+                    }
+                }
+            }
+        }
+
+        // online softmax over the tile
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+            if (g >= group) continue;
+            const float score = valid ? s[g] : -KVCAL_INF;
+            const float m_new = fmaxf(m[g], warp_max(score));
+            const float correction = exp2f(m[g] - m_new);
+            const float p = exp2f(score - m_new);
+            l[g] = l[g] * correction + warp_sum(p);
+            m[g] = m_new;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) acc[g][j] *= correction;
+            p_s[warp][g][lane] = p;
+        }
+        __syncwarp();
+
+        // values: this lane's channels, every token of the tile
+        for (int i = 0; i < count; ++i) {
+            const TokenRef ref = locate<VCODEC>(vs, vn, b, t0 + i, width);
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                const int c = lane + 32 * j;
+                const float v = token_value<VCODEC, D>(ref, v_tables, v_layout, v_group, head_channel + c, c);
+#pragma unroll
+                for (int g = 0; g < GMAX; ++g)
+                    if (g < group) acc[g][j] += p_s[warp][g][i] * v;
+            }
+        }
+        if (VCODEC != FP16_ONLY && vn.outliers > 0) {
+            const int row_lo = max(t0 - vn.sink, 0), row_hi = min(t0 + count - vn.sink, vn.body);
+            if (row_lo < row_hi) {
+                const int* rows = vs.outlier_rows + b * vs.outlier_stride;
+                for (int i = lower_bound(rows, vn.outliers, row_lo); i < vn.outliers; ++i) {
+                    const int row = __ldg(rows + i);
+                    if (row >= row_hi) break;
+                    const int channel = __ldg(vs.outlier_channels + b * vs.outlier_stride + i);
+                    const int c = channel - head_channel;
+                    if (c < 0 || c >= D || lane != c % 32) continue;
+                    const float delta = load_half(vs.outlier_values + b * vs.outlier_stride + i) -
+                                        body_value<VCODEC, D>(body_ref<VCODEC>(vs, b, row), v_tables, v_layout, v_group, channel, c);
+                    const int tile_token = row + vn.sink - t0;
+#pragma unroll
+                    for (int j = 0; j < PER_LANE; ++j) {  // a select, not acc[g][c / 32]: registers cannot be indexed
+                        const float owned = j == c / 32 ? delta : 0.0f;
+#pragma unroll
+                        for (int g = 0; g < GMAX; ++g)
+                            if (g < group) acc[g][j] += p_s[warp][g][tile_token] * owned;
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    // merge the warps' partial softmax states, then write this split's (output, lse)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) acc_s[warp][g][lane + 32 * j] = acc[g][j];
+        if (lane == 0) {
+            m_s[warp][g] = m[g];
+            l_s[warp][g] = l[g];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += THREADS) {
+        const int g = i / D, c = i % D;
+        float m_all = -KVCAL_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m_all = fmaxf(m_all, m_s[w][g]);
+        float total = 0.0f, value = 0.0f;
+        if (m_all != -KVCAL_INF) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float weight = exp2f(m_s[w][g] - m_all);  // 0 for a warp that saw no tile
+                total += l_s[w][g] * weight;
+                value += acc_s[w][g][c] * weight;
+            }
+        }
+        const long long row = (long long)b * heads + kv_head * group + g;
+        out_partial[(row * total_splits + slot) * D + c] = total > 0.0f ? value / total : 0.0f;
+        if (c == 0) lse_partial[row * total_splits + slot] = total > 0.0f ? m_all + log2f(total) : -KVCAL_INF;
+    }
+}
+
+// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse); rows without any token give 0.
+extern "C" __global__ void merge_splits(const float* __restrict__ out_partial, const float* __restrict__ lse_partial,
+                                        float* __restrict__ out, int splits, int head_dim) {
+    const long long row = blockIdx.x;
+    float m_all = -KVCAL_INF;
+    for (int s = 0; s < splits; ++s) m_all = fmaxf(m_all, lse_partial[row * splits + s]);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float total = 0.0f, value = 0.0f;
+        if (m_all != -KVCAL_INF) {
+            for (int s = 0; s < splits; ++s) {
+                const float weight = exp2f(lse_partial[row * splits + s] - m_all);
+                total += weight;
+                value += weight * out_partial[(row * splits + s) * head_dim + c];
+            }
+        }
+        out[row * head_dim + c] = total > 0.0f ? value / total : 0.0f;
+    }
+}

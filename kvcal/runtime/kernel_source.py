@@ -1,0 +1,102 @@
+"""The CUDA sources in kernels/ and every variant the runtime may launch, and a compile check with NVRTC
+that needs no GPU (cuda-bindings + nvidia-cuda-nvrtc-cu12 from PyPI).
+
+Variants: decode attention is a template over head_dim, RoPE on the fly, and the key and value codecs
+(code widths and layouts are runtime arguments); the append kernels are one per codec. CuPy compiles the
+same sources with the same options on the GPU (kvcal.runtime.kernels).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+ARCHITECTURES = ("sm_80", "sm_90")
+OPTIONS = ("--std=c++17", "-default-device")
+
+# Codec numbers shared with kernels/common.cuh (enum Codec).
+FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN = range(5)
+CODEC_NAMES = {FP16_ONLY: "FP16_ONLY", UNIFORM_TOKEN: "UNIFORM_TOKEN", UNIFORM_CHANNEL: "UNIFORM_CHANNEL",
+               CODEBOOK_CHANNEL: "CODEBOOK_CHANNEL", CODEBOOK_TOKEN: "CODEBOOK_TOKEN"}
+# (key codec, value codec) pairs the recipes produce: Cocktail's fp16 chunks, KIVI/KVmix/Cocktail int-N,
+# per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds.
+CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
+               (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN))
+HEAD_DIMS = (64, 128)
+APPEND_KERNELS = ("append_token_uniform", "append_channel_block", "append_codebook", "append_codebook_outliers")
+
+
+
+def decode_variant(head_dim: int, rope: bool, key_codec: int, value_codec: int) -> str:
+    return f"decode_attention<{head_dim}, {str(rope).lower()}, {CODEC_NAMES[key_codec]}, {CODEC_NAMES[value_codec]}>"
+
+
+def decode_variants() -> list[str]:
+    return [decode_variant(d, rope, k, v) for d in HEAD_DIMS for rope in (False, True) for k, v in CODEC_PAIRS]
+
+
+def variants(module: str) -> list[str]:
+    """Kernel names (template name expressions) of a source file in kernels/."""
+    return [*decode_variants(), "merge_splits"] if module == "decode_attention.cu" else list(APPEND_KERNELS)
+
+
+def source(module: str) -> str:
+    path = KERNEL_DIR / module
+    if not path.is_file():
+        raise KvcalError(f"kernel source {path} is missing; kvcal's kernels ship in the repository's kernels/ directory")
+    return path.read_text()
+
+
+@dataclass
+class CompiledFunction:
+    name: str  # the mangled name
+    registers: int
+    spill_bytes: int  # spill stores + spill loads
+    stack_bytes: int
+
+
+def _check(result, what: str):
+    from cuda.bindings import nvrtc
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KvcalError(f"NVRTC {what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def compile_check(module: str, arch: str) -> tuple[list[CompiledFunction], str]:
+    """Compile every variant of `module` to SASS for `arch` with NVRTC; the per-function ptxas report and the log.
+    Raises KvcalError with the compiler log when compilation fails."""
+    from cuda.bindings import nvrtc
+
+    program = _check(nvrtc.nvrtcCreateProgram(source(module).encode(), module.encode(), 0, [], []), "create")
+    try:
+        for name in variants(module):
+            _check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"name expression {name}")
+        options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v"]
+        compiled = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])[0]
+        size = _check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
+        log = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(program, log), "log")
+        log_text = log.decode(errors="replace").rstrip("\x00 ")
+        if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KvcalError(f"{module} does not compile for {arch}:\n{log_text}")
+        for name in variants(module):
+            _check(nvrtc.nvrtcGetLoweredName(program, name.encode()), f"lowered name of {name}")
+        return parse_ptxas_report(log_text), log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def parse_ptxas_report(log: str) -> list[CompiledFunction]:
+    functions = []
+    for block in re.split(r"ptxas info\s*: Compiling entry function", log)[1:]:
+        name = re.match(r"\s*'([^']+)'", block).group(1)
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        registers = re.search(r"Used (\d+) registers", block)
+        functions.append(CompiledFunction(name, int(registers.group(1)), int(frame.group(2)) + int(frame.group(3)), int(frame.group(1))))
+    return functions
