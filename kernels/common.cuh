@@ -19,18 +19,24 @@ enum Codec {
     CODEBOOK_TOKEN = 4,    // CodebookCodec with per-token fp16 thresholds
 };
 
+// fp16 <-> float: PTX conversions; a host build of the kernels (tests/kernel_emulation) brings its own.
+#ifndef KVCAL_HOST_EMULATION
 __device__ __forceinline__ float half_to_float(half_bits h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
 
-// store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
-__device__ __forceinline__ half_bits float_to_half(float f) {
-    f = fminf(fmaxf(f, -KVCAL_FP16_MAX), KVCAL_FP16_MAX);
+__device__ __forceinline__ half_bits round_to_half(float f) {
     half_bits h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+#endif
+
+// store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
+__device__ __forceinline__ half_bits float_to_half(float f) {
+    return round_to_half(fminf(fmaxf(f, -KVCAL_FP16_MAX), KVCAL_FP16_MAX));
 }
 
 __device__ __forceinline__ float load_half(const half_bits* p) { return half_to_float(__ldg(p)); }

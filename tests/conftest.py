@@ -124,3 +124,26 @@ def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
                  "skvq": {"skvq_path": str(fitted["skvq"])}, "kivi": {"kivi_group": 4, "kivi_residual": 8}, "kvmix": {}}
     return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **artifacts[recipe]))
             for recipe in RECIPES}
+
+
+@pytest.fixture(scope="session")
+def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16)."""
+    from typer.testing import CliRunner
+
+    from kvcal.bundle import build_bundle, write_bundle
+    from kvcal.cli import app
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+    folder = tmp_path_factory.mktemp("head-dim-64")
+    model = tiny_model_dir("llama", head_dim=64)
+    profile = folder / "profile.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus), "--nsamples", "4",
+                                      "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(profile)])
+    assert result.exit_code == 0, result.output
+    nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True)))
+    artifacts = {"kvquant": {"nuq_path": str(nuq)}, "mixed": {"nuq_path": str(mixed)}, "kivi": {"kivi_group": 4, "kivi_residual": 8},
+                 "kvmix": {}}
+    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **extra))
+            for recipe, extra in artifacts.items()}

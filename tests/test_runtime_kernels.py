@@ -36,15 +36,16 @@ def _thresholds(tail: float) -> tuple[torch.Tensor, torch.Tensor]:
     return bounds[0], bounds[1]
 
 
-def _uniform(k_bits, v_bits, sink=0, residual=R, rpc=0.0):
-    return ChannelBlockUniform(k_bits, G), TokenUniform(v_bits, G), SegmentPolicy(sink=sink, residual=residual, key_block=G), rpc, False
+def _uniform(k_bits, v_bits, sink=0, residual=R, rpc=0.0, layout=None):
+    policy = SegmentPolicy(sink=sink, residual=residual, key_block=G)
+    return ChannelBlockUniform(k_bits, G), TokenUniform(v_bits, G), policy, rpc, False, layout
 
 
 def _codebook(k_bits, v_bits, sink=0, window=WINDOW, tail=0.0005, pre_rope=True, per_token_keys=False):
     lo, hi = (None, None) if per_token_keys else _thresholds(tail)
     keys = CodebookCodec(normal_float_codebook(k_bits), lo, hi, outlier_fraction=0.01)
     values = CodebookCodec(normal_float_codebook(v_bits), None, None, outlier_fraction=0.01)
-    return keys, values, SegmentPolicy(sink=sink, window=window), 0.0, pre_rope
+    return keys, values, SegmentPolicy(sink=sink, window=window), 0.0, pre_rope, None
 
 
 CASES = {
@@ -52,7 +53,8 @@ CASES = {
     "kivi4-sink4": lambda: _uniform(4, 4, sink=4),
     "kvmix-k3-v2-rpc": lambda: _uniform(3, 2, residual=0, rpc=0.1),
     "kvmix-k1-v4": lambda: _uniform(1, 4, residual=0),
-    "token-uniform-keys": lambda: (TokenUniform(2, G), TokenUniform(2, 128), SegmentPolicy(sink=4), 0.0, False),
+    "kvmix-3bit-10x3+1x2-words": lambda: _uniform(3, 3, residual=0, layout="kvmix10x3+1x2"),
+    "token-uniform-keys": lambda: (TokenUniform(2, G), TokenUniform(2, 128), SegmentPolicy(sink=4), 0.0, False, None),
     "nuq3-prerope-sink4-window": lambda: _codebook(3, 3, sink=4),
     "nuq4-prerope-crowded-outliers": lambda: _codebook(4, 4, window=0, tail=0.3),
     "nuq2-postrope-mostly-empty-outlier-tiles": lambda: _codebook(2, 2, tail=0.0, pre_rope=False),
@@ -60,14 +62,14 @@ CASES = {
 }
 
 
-def _filled(case: str, lengths: list[int]):
-    """K and V stores of `case` on the GPU holding len(lengths) sequences: a prefill, then 3 decode appends."""
-    key_codec, value_codec, policy, rpc, pre_rope = CASES[case]()
-    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, "cuda")
+def filled(case: str, lengths: list[int], device="cuda"):
+    """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
+    key_codec, value_codec, policy, rpc, pre_rope, layout = CASES[case]()
+    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout)
               for codec, keys in ((key_codec, True), (value_codec, False))]
     for b, n in enumerate(lengths):
         for store, seed in zip(stores, (2 * b, 2 * b + 1)):
-            x = _tokens(n, seed).cuda()
+            x = _tokens(n, seed).to(device)
             if n > 3:
                 store.append(b, x[: n - 3])
             for t in range(max(0, n - 3), n):
@@ -76,16 +78,16 @@ def _filled(case: str, lengths: list[int]):
 
 
 def _inv_freq() -> torch.Tensor:
-    return (1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)).cuda()
+    return 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
 
 
-def _compare(key_store, value_store, batch: int, group: int, pre_rope: bool, seed: int = 0):
+def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, device="cuda", seed: int = 0):
     """Kernel output vs reference.attention on the same stores, one query token per sequence; the query is
     a non-contiguous view and positions start far from 0 (RoPE angles of tens of thousands)."""
     heads = KV_HEADS * group
-    query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).cuda().transpose(1, 2)
+    query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).to(device).transpose(1, 2)
     offsets = [(37_000 * b) % 100_003 for b in range(batch)]
-    scaling, inv_freq = HEAD_DIM**-0.5, _inv_freq()
+    scaling, inv_freq = HEAD_DIM**-0.5, _inv_freq().to(device)
     launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), value_store.kernel_segments())]
     got = kernels.decode_attention(query, launches, KV_HEADS, scaling, offsets, inv_freq if pre_rope else None)
     expected = torch.zeros_like(got)
@@ -101,31 +103,37 @@ def _compare(key_store, value_store, batch: int, group: int, pre_rope: bool, see
 @pytest.mark.parametrize("case", CASES)
 def test_decode_attention_matches_the_reference(case, batch):
     lengths = BATCHES[batch]
-    (key_store, value_store), pre_rope = _filled(case, lengths)
-    _compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope)
+    (key_store, value_store), pre_rope = filled(case, lengths)
+    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope)
 
 
 @gpu
 @pytest.mark.parametrize("group", (1, 2, 3, 4, 8))
 @pytest.mark.parametrize("case", ("kivi2", "nuq3-prerope-sink4-window"))
 def test_decode_attention_serves_every_gqa_group_size(case, group):
-    (key_store, value_store), pre_rope = _filled(case, BATCHES["3"])
-    _compare(key_store, value_store, 3, group=group, pre_rope=pre_rope)
+    (key_store, value_store), pre_rope = filled(case, BATCHES["3"])
+    compare(key_store, value_store, 3, group=group, pre_rope=pre_rope)
+
+
+def cocktail_stores(device="cuda"):
+    """Cocktail K and V stores: chunks spread over fp16 | int4 | int2 by random widths, then one recent token."""
+    codecs = {kind: {bits: ChannelBlockUniform(bits, G) if kind == "k" else TokenUniform(bits, G) for bits in (4, 2)} for kind in "kv"}
+    lengths = [40 * G + 5, 3 * G, 7]
+    stores = [CocktailStore(codecs[kind], G, len(lengths), WIDTH, device) for kind in "kv"]
+    widths = torch.tensor([16, 4, 2])[torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(3))].tolist()
+    for b, n in enumerate(lengths):
+        for store, seed in zip(stores, (2 * b, 2 * b + 1)):
+            store.append(b, _tokens(n, seed).to(device))
+            store.compress(b, widths[: n // G])
+            store.append(b, _tokens(1, 50 + seed).to(device))
+    return stores, len(lengths)
 
 
 @gpu
 def test_cocktail_chunks_of_three_widths_are_one_attention():
     """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens."""
-    codecs = {kind: {bits: ChannelBlockUniform(bits, G) if kind == "k" else TokenUniform(bits, G) for bits in (4, 2)} for kind in "kv"}
-    lengths = [40 * G + 5, 3 * G, 7]
-    stores = [CocktailStore(codecs[kind], G, len(lengths), WIDTH, "cuda") for kind in "kv"]
-    widths = torch.tensor([16, 4, 2])[torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(3))].tolist()
-    for b, n in enumerate(lengths):
-        for store, seed in zip(stores, (2 * b, 2 * b + 1)):
-            store.append(b, _tokens(n, seed).cuda())
-            store.compress(b, widths[: n // G])
-            store.append(b, _tokens(1, 50 + seed).cuda())
-    _compare(*stores, len(lengths), group=4, pre_rope=False)
+    stores, batch = cocktail_stores()
+    compare(*stores, batch, group=4, pre_rope=False)
 
 
 APPEND_CODECS = {
@@ -133,20 +141,21 @@ APPEND_CODECS = {
     "token-uniform-3-group128": lambda: TokenUniform(3, 128),
     "channel-block-4": lambda: ChannelBlockUniform(4, G),
     "channel-block-1": lambda: ChannelBlockUniform(1, G),
+    "token-uniform-3-10x3+1x2-words": lambda: TokenUniform(3, G),
     "codebook-channel-3": lambda: _codebook(3, 3)[0],
     "codebook-channel-4-crowded": lambda: _codebook(4, 4, tail=0.3)[0],
     "codebook-token-3": lambda: _codebook(3, 3)[1],
 }
 
 
-@gpu
-@pytest.mark.parametrize("name", APPEND_CODECS)
-def test_append_kernels_write_what_the_torch_encoder_writes(name):
-    """Same codes, parameters and outliers (in the same order) as kvcal.quantizers, bit for bit: a bulk
-    append, then appends of one token (one block for per-channel blocks) into sequence 1 of 2."""
+def assert_append_matches_torch(name: str, device="cuda"):
+    """The append kernels write the same codes, parameters and outliers (in the same order) as the torch
+    encoders of kvcal.quantizers, bit for bit: a bulk append, then appends of one token (one block for
+    per-channel blocks) into sequence 1 of 2."""
     codec = APPEND_CODECS[name]()
-    x = _tokens(12 * G, 7).cuda()
-    stores = [PackedRows(codec, 2, WIDTH, "cuda", use_kernels=flag) for flag in (True, False)]
+    layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
+    x = _tokens(12 * G, 7).to(device)
+    stores = [PackedRows(codec, 2, WIDTH, device, use_kernels=flag, layout=layout) for flag in (True, False)]
     step = codec.block_tokens
     for store in stores:
         store.append(1, x[: 8 * G])
@@ -155,12 +164,19 @@ def test_append_kernels_write_what_the_torch_encoder_writes(name):
     fast, exact = stores
     assert fast.length == exact.length and fast.outliers == exact.outliers
     assert torch.equal(fast.words, exact.words)
-    for name_, table in (("token", exact.token), ("block", exact.blocks)):
-        for key, value in table.items():
-            assert torch.equal(getattr(fast, "token" if name_ == "token" else "blocks")[key], value), key
+    for key, value in exact.token.items():
+        assert torch.equal(fast.token[key], value), key
+    for key, value in exact.blocks.items():
+        assert torch.equal(fast.blocks[key], value), key
     count = exact.outliers[1]
     for field in ("outlier_rows", "outlier_channels", "outlier_values"):
         assert torch.equal(getattr(fast, field)[1, :count], getattr(exact, field)[1, :count]), field
+
+
+@gpu
+@pytest.mark.parametrize("name", APPEND_CODECS)
+def test_append_kernels_write_what_the_torch_encoder_writes(name):
+    assert_append_matches_torch(name)
 
 
 @pytest.mark.parametrize("name", APPEND_CODECS)
@@ -188,29 +204,6 @@ def test_kernels_are_chosen_only_where_they_exist():
     assert not kernels.append_supported(skvq, WIDTH)
     assert not kernels.cuda_ready("cpu")
     assert not PackedRows(uniform[0], 1, WIDTH, "cpu").use_kernels
-
-
-@pytest.fixture(scope="module")
-def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16)."""
-    from typer.testing import CliRunner
-
-    from kvcal.bundle import build_bundle, write_bundle
-    from kvcal.cli import app
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
-
-    folder = tmp_path_factory.mktemp("head-dim-64")
-    model = tiny_model_dir("llama", head_dim=64)
-    profile = folder / "profile.safetensors"
-    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus), "--nsamples", "4",
-                                      "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(profile)])
-    assert result.exit_code == 0, result.output
-    nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
-    mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True)))
-    artifacts = {"kvquant": {"nuq_path": str(nuq)}, "mixed": {"nuq_path": str(mixed)}, "kivi": {"kivi_group": 4, "kivi_residual": 8},
-                 "kvmix": {}}
-    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **extra))
-            for recipe, extra in artifacts.items()}
 
 
 @gpu
@@ -284,10 +277,10 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
 def test_descriptors_describe_the_stores(case):
     """What the launcher hands the decode kernel (pointers, strides, parameter tables, lengths) reads back,
     by the kernel's own formulas, as the stores' reference read: checked on CPU stores of every case."""
-    key_codec, value_codec, policy, rpc, _ = CASES[case]()
+    key_codec, value_codec, policy, rpc, _, layout = CASES[case]()
     lengths = [3, G + 5, R + 1, 300]
     for codec, keys in ((key_codec, True), (value_codec, False)):
-        store = SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, "cpu")
+        store = SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, "cpu", layout)
         for b, n in enumerate(lengths):
             x = _tokens(n, b)
             store.append(b, x[: n - 2])

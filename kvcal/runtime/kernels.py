@@ -29,7 +29,8 @@ TILE = 32
 MAX_GROUP = 8  # query heads per KV head (GMAX in decode_attention.cu)
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
 LOG2E = 1.4426950408889634
-LAYOUT_IDS = {1: 1, 2: 2, 3: 3, 4: 4}  # "lsb" codes of that width; 5 = "kvmix10x3+1x2"
+LSB_LAYOUTS = {1: 1, 2: 2, 3: 3, 4: 4}  # "lsb" with codes of that width
+KVMIX_LAYOUT = 5  # "kvmix10x3+1x2"
 
 
 def cuda_ready(device) -> bool:
@@ -78,14 +79,17 @@ def codec_id(codec) -> int | None:
     return None
 
 
-def _layout_id(codec) -> int | None:
+def _layout_id(codec, layout: str = "lsb") -> int | None:
+    """The kernels' number for a packing layout (kernels/common.cuh code_at); None where they have none."""
     bits = codec.bits
-    return LAYOUT_IDS.get(int(bits)) if float(bits).is_integer() else None
+    if layout == "kvmix10x3+1x2":
+        return KVMIX_LAYOUT if bits == 3 else None
+    return LSB_LAYOUTS.get(int(bits)) if layout == "lsb" and float(bits).is_integer() else None
 
 
-def append_supported(codec, width: int) -> bool:
+def append_supported(codec, width: int, layout: str = "lsb") -> bool:
     cid = codec_id(codec)
-    if cid is None or _layout_id(codec) is None or width > MAX_WIDTH:
+    if cid is None or _layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
@@ -134,7 +138,7 @@ def encode_into(store: PackedRows, b: int, x: torch.Tensor, start: int) -> int:
     count, width = x.shape
     words_per_row = store.words.shape[2]
     words = store.words[b, start:]
-    layout = np.int32(_layout_id(codec))
+    layout = np.int32(_layout_id(codec, store.layout))
     if cid == src.UNIFORM_TOKEN:
         scale, zero = store.token["scale"][b, start:], store.token["zero"][b, start:]
         _launch(_function("append.cu", "append_token_uniform"), (count,), (THREADS,),
@@ -160,14 +164,15 @@ def encode_into(store: PackedRows, b: int, x: torch.Tensor, start: int) -> int:
              _ptr(token_lo), _ptr(token_hi), _ptr(counts)))
     if not keep:
         return 0
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    total = int(offsets[-1])  # the host must know it to grow the outlier arrays
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    total = int(ends[-1])  # the host must know it to grow the outlier arrays
     if total:
+        starts = ends - counts  # held by name: a pointer into a temporary would dangle
         first = store.outliers[b]
         store.reserve_outliers(first + total)
         _launch(_function("append.cu", "append_codebook_outliers"), (count,), (32,),
                 (_ptr(x), np.int32(width), _ptr(tables.get("lo")), _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi),
-                 _ptr((offsets - counts).contiguous()), np.int32(start), _ptr(store.outlier_rows[b, first:]),
+                 _ptr(starts), np.int32(start), _ptr(store.outlier_rows[b, first:]),
                  _ptr(store.outlier_channels[b, first:]), _ptr(store.outlier_values[b, first:])))
     return total
 
@@ -204,7 +209,7 @@ def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | Non
         fields[12] = _device_tables(body)["codebook"].data_ptr()
     fields[13:17] = [body.outlier_rows.data_ptr(), body.outlier_channels.data_ptr(), body.outlier_values.data_ptr(),
                      body.outlier_rows.shape[1]]
-    fields[17] = _layout_id(codec)
+    fields[17] = _layout_id(codec, body.layout)
     return fields
 
 
@@ -233,8 +238,8 @@ class Segments:
 
 
 @functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
@@ -248,7 +253,7 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     rope = inv_freq is not None
     freq = (inv_freq if rope else torch.zeros(head_dim // 2)).to(device, torch.float32).contiguous()
     offsets = torch.tensor(position_offset, dtype=torch.int32, device=device)
-    blocks_wanted = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    blocks_wanted = 2 * _multiprocessors(device)
     plans = []
     for segments in launches:
         longest = max(segments.tokens(batch), default=0)

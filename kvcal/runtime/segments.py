@@ -25,10 +25,11 @@ POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
 
 
 class SegmentedStore:
-    def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device):
+    def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device,
+                 layout: str | None = None):
         self.policy, self.keys, self.rpc_ratio = policy, keys, rpc_ratio
         self.sink = Fp16Rows(batch, width, device)
-        self.body = PackedRows(codec, batch, width, device)
+        self.body = PackedRows(codec, batch, width, device, layout=layout)
         self.recent = Fp16Rows(batch, width, device)
         self.rpc = [0] * batch
 
@@ -91,6 +92,8 @@ class CocktailStore:
         """Move the first len(chunk_bits) chunks of the fp16 tokens to their widths (16, 4 or 2)."""
         if len(chunk_bits) * self.chunk > self.recent.length[b]:
             raise ValueError(f"{len(chunk_bits)} chunks of {self.chunk} tokens but only {self.recent.length[b]} tokens are cached")
+        if not chunk_bits:  # a context shorter than a chunk stays fp16
+            return
         start = self.recent_start[b]
         rows = self.recent.pop_front(b, len(chunk_bits) * self.chunk).view(len(chunk_bits), self.chunk, -1)
         for bits in self.WIDTHS:

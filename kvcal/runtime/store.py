@@ -64,17 +64,17 @@ class Fp16Rows:
 
 
 class PackedRows:
-    def __init__(self, codec, batch: int, width: int, device, use_kernels: bool | None = None):
+    def __init__(self, codec, batch: int, width: int, device, use_kernels: bool | None = None, layout: str | None = None):
         """use_kernels: quantize with the CUDA append kernels (kvcal.runtime.kernels); None = when the device is
-        CUDA and the codec has one."""
+        CUDA and the codec has one. layout: a kvcal.packing layout, by default layout_for(codec.bits)."""
         from kvcal.runtime import kernels
 
         self.codec, self.width, self.device = codec, width, device
+        self.layout = layout or layout_for(codec.bits)
         if use_kernels is None:
-            use_kernels = kernels.cuda_ready(device) and kernels.append_supported(codec, width)
+            use_kernels = kernels.cuda_ready(device) and kernels.append_supported(codec, width, self.layout)
         self.use_kernels = use_kernels
         self.block = codec.block_tokens
-        self.layout = layout_for(codec.bits)
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
         self.token: dict[str, torch.Tensor] = {}
         self.blocks: dict[str, torch.Tensor] = {}

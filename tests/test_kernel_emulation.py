@@ -1,0 +1,147 @@
+"""The CUDA kernels of kernels/, unchanged, on the CPU: compiled with g++ against
+tests/kernel_emulation/cuda_on_cpu.h (every CUDA thread a fiber, barriers/shuffles/ballots where CUDA
+synchronizes) and launched through the real launcher code of kvcal.runtime.kernels on CPU tensors. They
+must give what the torch reference gives on the same packed data, and the append kernels must write
+exactly what the torch encoders write. This checks the kernels' logic (indexing, layouts, codecs, RoPE,
+outlier corrections, online softmax, split merge, GQA) on a machine without a GPU; speed, coalescing and
+inter-block races are for the GPU tests (tests/test_runtime_kernels.py)."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcal.runtime import kernel_source, kernels
+from test_runtime_kernels import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
+                                  filled)
+
+EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
+GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
+SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
+    "decode_attention": "const float* q, const long long* descriptor, const int* meta, const int* offsets, const float* freq, "
+                        "float* out_partial, float* lse_partial, int batch, int kv_heads, int group, int per_split, int first, "
+                        "int total, float scale_log2, float rope_scale",
+    "merge_splits": "const float* out_partial, const float* lse_partial, float* out, int splits, int head_dim",
+    "append_token_uniform": "const half_bits* x, int width, int layout, int group, unsigned* words, int words_per_row, "
+                            "half_bits* scale, half_bits* zero, int groups",
+    "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
+                            "half_bits* scale, half_bits* zero",
+    "append_codebook": "const half_bits* x, int width, int layout, const float* lo, const float* hi, float q_low, float q_high, "
+                       "int keep, const float* midpoints, unsigned* words, int words_per_row, half_bits* token_lo, "
+                       "half_bits* token_hi, int* counts",
+    "append_codebook_outliers": "const half_bits* x, int width, const float* lo, const float* hi, const half_bits* token_lo, "
+                                "const half_bits* token_hi, const int* offsets, int first, int* rows, short* channels, "
+                                "half_bits* values",
+}
+
+
+def _names(signature: str) -> str:
+    return ", ".join(parameter.split()[-1].lstrip("*") for parameter in signature.split(","))
+
+
+def driver_source() -> str:
+    """C entry points run_<kernel>(grid, block, kernel arguments); decode variants by their index."""
+    lines = ['#include "cuda_on_cpu.h"', '#include "decode_attention.cu"', '#include "append.cu"',
+             "#define LAUNCH(...) emulation::launch({gx, gy, gz}, {bx, 1, 1}, [&] { __VA_ARGS__; })"]
+    decode = SIGNATURES["decode_attention"]
+    lines.append(f'extern "C" void run_decode_attention(int variant, {GRID}, {decode}) {{\n    switch (variant) {{')
+    for i, name in enumerate(kernel_source.decode_variants()):
+        lines.append(f"        case {i}: LAUNCH({name}({_names(decode)})); break;")
+    lines.append("    }\n}")
+    for kernel, signature in SIGNATURES.items():
+        if kernel != "decode_attention":
+            lines.append(f'extern "C" void run_{kernel}({GRID}, {signature}) {{ LAUNCH({kernel}({_names(signature)})); }}')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def emulated_library(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("the kernel emulation needs g++")
+    folder = tmp_path_factory.mktemp("kernel-emulation")
+    (folder / "driver.cpp").write_text(driver_source())
+    library = folder / "kernels_on_cpu.so"
+    command = [compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-DKVCAL_HOST_EMULATION",
+               f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"), "-o", str(library)]
+    built = subprocess.run(command, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return ctypes.CDLL(str(library))
+
+
+def _c(value):
+    if isinstance(value, np.uint64):
+        return ctypes.c_uint64(int(value))
+    if isinstance(value, np.float32):
+        return ctypes.c_float(float(value))
+    return ctypes.c_int(int(value))
+
+
+@pytest.fixture
+def on_cpu(emulated_library, monkeypatch):
+    """kvcal.runtime.kernels launching the emulated kernels, for CPU tensors."""
+    variants = kernel_source.decode_variants()
+
+    def launch(function: str, grid: tuple, block: tuple, args: tuple) -> None:
+        dims = [ctypes.c_uint(g) for g in (*grid, 1, 1)[:3]] + [ctypes.c_uint(block[0])]
+        if function.startswith("decode_attention<"):
+            emulated_library.run_decode_attention(ctypes.c_int(variants.index(function)), *dims, *map(_c, args))
+        else:
+            getattr(emulated_library, f"run_{function}")(*dims, *map(_c, args))
+
+    monkeypatch.setattr(kernels, "_function", lambda module, name: name)
+    monkeypatch.setattr(kernels, "_launch", launch)
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 64)  # several splits per sequence and KV head
+    monkeypatch.setattr(kernels, "cuda_ready", lambda device: True)
+
+
+SHORT = [1, G - 1, G + 1, R + 1, 300]
+
+
+@pytest.mark.parametrize("lengths", ("3", "short"))
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
+    lengths = BATCHES["3"] if lengths == "3" else SHORT
+    (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
+    assert key_store.body.use_kernels and value_store.body.use_kernels  # the stores were written by the append kernels
+    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
+
+
+@pytest.mark.parametrize("group", (1, 3, 8))
+def test_emulated_decode_attention_serves_gqa_groups(on_cpu, group):
+    (key_store, value_store), pre_rope = filled("nuq4-prerope-crowded-outliers", BATCHES["3"], device="cpu")
+    compare(key_store, value_store, 3, group=group, pre_rope=pre_rope, device="cpu")
+
+
+def test_emulated_cocktail_widths(on_cpu):
+    stores, batch = cocktail_stores(device="cpu")
+    compare(*stores, batch, group=2, pre_rope=False, device="cpu")
+
+
+@pytest.mark.parametrize("name", APPEND_CODECS)
+def test_emulated_append_kernels_write_what_the_torch_encoder_writes(on_cpu, name):
+    assert_append_matches_torch(name, device="cpu")
+
+
+@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix"))
+def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_bundles, recipe):
+    """The whole cache path (transformers -> RuntimeLayer -> append and decode kernels) on a tiny Llama with
+    head_dim 64 gives the logits of the torch reference runtime, token by token, within 2e-3."""
+    from conftest import tiny_model
+    from test_runtime_cache import decode_token_by_token
+
+    model = tiny_model("llama", head_dim=64)
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
+    bundle = head_dim_64_bundles[recipe]
+    with torch.inference_mode():
+        with_kernels, cache = decode_token_by_token(model, bundle, ids)
+        assert all(layer.use_kernels for layer in cache.layers)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "cuda_ready", lambda device: False)
+            reference, cache = decode_token_by_token(model, bundle, ids)
+        assert not any(layer.use_kernels for layer in cache.layers)
+    torch.testing.assert_close(with_kernels, reference, rtol=0, atol=2e-3)
