@@ -111,12 +111,10 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
     return ref;
 }
 
-// Element `channel` (c within the KV head) of a body token: layout and group are the side's code layout
-// and, for per-token uniform parameters, channels per group.
+// The value of a body code at `channel` (c within the KV head): group is channels per parameter group
+// for per-token uniform parameters.
 template <int CODEC, int D>
-__device__ __forceinline__ float body_value(const TokenRef& ref, const SideTables<D>& tables, int layout, int group,
-                                            int channel, int c) {
-    const unsigned code = code_at(ref.words, channel, layout);
+__device__ __forceinline__ float decoded(const TokenRef& ref, const SideTables<D>& tables, unsigned code, int group, int channel, int c) {
     if (CODEC == UNIFORM_TOKEN) {
         const int i = channel / group;
         return min_max_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
@@ -127,6 +125,12 @@ __device__ __forceinline__ float body_value(const TokenRef& ref, const SideTable
     } else {  // CODEBOOK_TOKEN
         return denormalized(tables.codebook[code], load_half(ref.param0), load_half(ref.param1));
     }
+}
+
+template <int CODEC, int D>
+__device__ __forceinline__ float body_value(const TokenRef& ref, const SideTables<D>& tables, int layout, int group,
+                                            int channel, int c) {
+    return decoded<CODEC, D>(ref, tables, code_at(ref.words, channel, layout), group, channel, c);
 }
 
 template <int CODEC, int D>
@@ -148,6 +152,107 @@ __device__ __forceinline__ void load_tables(const Side& s, SideTables<D>& tables
             tables.half_range[c] = fmaxf((hi - lo) / 2.0f, KVCAL_MIN_HALF_RANGE);
             tables.mid[c] = (hi + lo) / 2.0f;
         }
+    }
+}
+
+// Scores of one key token against the block's query heads (q already scaled), accumulated into s.
+// Pre-RoPE keys are rotated on the fly: channel pairs (c, c + D/2), angle (position) x inv_freq[c].
+template <int D, bool ROPE>
+__device__ __forceinline__ void accumulate(float* s, const float (*q)[D], int group, int c, float k1, float k2, float cos_a,
+                                           float sin_a) {
+    if (ROPE) {
+        const float r1 = k1 * cos_a - k2 * sin_a, r2 = k2 * cos_a + k1 * sin_a;
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g)
+            if (g < group) s[g] += q[g][c] * r1 + q[g][c + D / 2] * r2;
+    } else {
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g)
+            if (g < group) s[g] += q[g][c] * k1 + q[g][c + D / 2] * k2;
+    }
+}
+
+__device__ __forceinline__ void rope_at(bool rope, int position, float inv_freq, float rope_scale, float* cos_a, float* sin_a) {
+    if (!rope) return;
+    rope_cos_sin(position, inv_freq, cos_a, sin_a);
+    *cos_a *= rope_scale;
+    *sin_a *= rope_scale;
+}
+
+// Any token, element by element: fp16 rows, and packed layouts whose words straddle heads (3 bits).
+template <int CODEC, int D, bool ROPE>
+__device__ __forceinline__ void key_scores_by_element(float* s, const TokenRef& ref, const SideTables<D>& tables, int layout,
+                                                      int param_group, int head_channel, const float (*q)[D], int group,
+                                                      const float* freq, int position, float rope_scale) {
+#pragma unroll 2
+    for (int c = 0; c < D / 2; ++c) {
+        float cos_a = 1.0f, sin_a = 0.0f;
+        rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
+        const float k1 = token_value<CODEC, D>(ref, tables, layout, param_group, head_channel + c, c);
+        const float k2 = token_value<CODEC, D>(ref, tables, layout, param_group, head_channel + c + D / 2, c + D / 2);
+        accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+    }
+}
+
+// A body token whose head fills whole words ("lsb" 1, 2 or 4 bits): one load per word, not per code.
+template <int CODEC, int D, bool ROPE, int BITS>
+__device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref, const SideTables<D>& tables, int param_group,
+                                                   int head_channel, const float (*q)[D], int group, const float* freq,
+                                                   int position, float rope_scale) {
+    constexpr int PER_WORD = 32 / BITS, HALF_WORDS = D / 2 / PER_WORD;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const unsigned* words = ref.words + head_channel / PER_WORD;
+    for (int w = 0; w < HALF_WORDS; ++w) {
+        const unsigned low = __ldg(words + w), high = __ldg(words + w + HALF_WORDS);
+        // unrolled by 4: fully unrolled, the parameter loads of 32 codes are live at once and spill
+#pragma unroll 4
+        for (int slot = 0; slot < PER_WORD; ++slot) {
+            const int c = w * PER_WORD + slot;
+            float cos_a = 1.0f, sin_a = 0.0f;
+            rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
+            const float k1 = decoded<CODEC, D>(ref, tables, (low >> (slot * BITS)) & MASK, param_group, head_channel + c, c);
+            const float k2 = decoded<CODEC, D>(ref, tables, (high >> (slot * BITS)) & MASK, param_group,
+                                               head_channel + c + D / 2, c + D / 2);
+            accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+        }
+    }
+}
+
+// An fp16 token: 16-byte loads of 8 channels (rows are 16-byte aligned: head_dim is a multiple of 8).
+template <int D, bool ROPE>
+__device__ __forceinline__ void key_scores_fp16(float* s, const half_bits* row, const float (*q)[D], int group,
+                                                const float* freq, int position, float rope_scale) {
+    const uint4* low = reinterpret_cast<const uint4*>(row);
+    const uint4* high = reinterpret_cast<const uint4*>(row + D / 2);
+    for (int v = 0; v < D / 16; ++v) {
+        const uint4 a = __ldg(low + v), b = __ldg(high + v);
+        const unsigned a_words[4] = {a.x, a.y, a.z, a.w}, b_words[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int c = v * 8 + i;
+            float cos_a = 1.0f, sin_a = 0.0f;
+            rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
+            const float k1 = half_to_float((half_bits)(a_words[i / 2] >> (16 * (i % 2))));
+            const float k2 = half_to_float((half_bits)(b_words[i / 2] >> (16 * (i % 2))));
+            accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+        }
+    }
+}
+
+template <int CODEC, int D, bool ROPE>
+__device__ __forceinline__ void key_scores(float* s, const TokenRef& ref, const SideTables<D>& tables, int layout, int param_group,
+                                           int head_channel, const float (*q)[D], int group, const float* freq, int position,
+                                           float rope_scale) {
+    if (CODEC == FP16_ONLY || ref.fp16_row != nullptr) {
+        key_scores_fp16<D, ROPE>(s, ref.fp16_row + head_channel, q, group, freq, position, rope_scale);
+        return;
+    }
+    switch (layout) {
+        case 1: key_scores_by_word<CODEC, D, ROPE, 1>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
+        case 2: key_scores_by_word<CODEC, D, ROPE, 2>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
+        case 4: key_scores_by_word<CODEC, D, ROPE, 4>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
+        default:
+            key_scores_by_element<CODEC, D, ROPE>(s, ref, tables, layout, param_group, head_channel, q, group, freq, position, rope_scale);
     }
 }
 
@@ -235,32 +340,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         for (int g = 0; g < GMAX; ++g) s[g] = 0.0f;
 
         // keys: this lane's token against every query head
-        if (valid) {
-            const TokenRef ref = locate<KCODEC>(ks, kn, b, t, width);
-            if (ROPE) {
-#pragma unroll 2
-                for (int c = 0; c < D / 2; ++c) {
-                    float cos_a, sin_a;
-                    rope_cos_sin(position0 + t, freq_s[c], &cos_a, &sin_a);
-                    cos_a *= rope_scale;
-                    sin_a *= rope_scale;
-                    float k1 = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c, c);
-                    float k2 = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c + D / 2, c + D / 2);
-                    float r1 = k1 * cos_a - k2 * sin_a, r2 = k2 * cos_a + k1 * sin_a;
-#pragma unroll
-                    for (int g = 0; g < GMAX; ++g)
-                        if (g < group) s[g] += q_s[g][c] * r1 + q_s[g][c + D / 2] * r2;
-                }
-            } else {
-#pragma unroll 4
-                for (int c = 0; c < D; ++c) {
-                    float k = token_value<KCODEC, D>(ref, k_tables, k_layout, k_group, head_channel + c, c);
-#pragma unroll
-                    for (int g = 0; g < GMAX; ++g)
-                        if (g < group) s[g] += q_s[g][c] * k;
-                }
-            }
-        }
+        if (valid)
+            key_scores<KCODEC, D, ROPE>(s, locate<KCODEC>(ks, kn, b, t, width), k_tables, k_layout, k_group, head_channel, q_s,
+                                        group, freq_s, position0 + t, rope_scale);
 
         // key outliers of this tile's body rows: exact value minus what the codes gave
         if (KCODEC != FP16_ONLY && kn.outliers > 0) {

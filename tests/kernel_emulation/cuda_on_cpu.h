@@ -22,6 +22,10 @@
 using std::max;
 using std::min;
 
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
 struct Dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
