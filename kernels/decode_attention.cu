@@ -194,7 +194,16 @@ __device__ __forceinline__ void key_scores_by_element(float* s, const TokenRef& 
     }
 }
 
-// A body token whose head fills whole words ("lsb" 1, 2 or 4 bits): one load per word, not per code.
+// 8 consecutive fp16 values from a 16-byte aligned address, as floats.
+__device__ __forceinline__ void load8(const half_bits* p, float* out) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = half_to_float((half_bits)(words[i / 2] >> (16 * (i % 2))));
+}
+
+// A body token whose head fills whole words ("lsb" 1, 2 or 4 bits): one load per word, not per code,
+// and for per-channel uniform parameters one 16-byte load per 8 scales (or zeros).
 template <int CODEC, int D, bool ROPE, int BITS>
 __device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref, const SideTables<D>& tables, int param_group,
                                                    int head_channel, const float (*q)[D], int group, const float* freq,
@@ -202,18 +211,35 @@ __device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref
     constexpr int PER_WORD = 32 / BITS, HALF_WORDS = D / 2 / PER_WORD;
     constexpr unsigned MASK = (1u << BITS) - 1u;
     const unsigned* words = ref.words + head_channel / PER_WORD;
+#pragma unroll 1  // unrolling the outer loops keeps too many loads in flight: sm_80 spilled
     for (int w = 0; w < HALF_WORDS; ++w) {
         const unsigned low = __ldg(words + w), high = __ldg(words + w + HALF_WORDS);
-        // unrolled by 4: fully unrolled, the parameter loads of 32 codes are live at once and spill
-#pragma unroll 4
-        for (int slot = 0; slot < PER_WORD; ++slot) {
-            const int c = w * PER_WORD + slot;
-            float cos_a = 1.0f, sin_a = 0.0f;
-            rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
-            const float k1 = decoded<CODEC, D>(ref, tables, (low >> (slot * BITS)) & MASK, param_group, head_channel + c, c);
-            const float k2 = decoded<CODEC, D>(ref, tables, (high >> (slot * BITS)) & MASK, param_group,
-                                               head_channel + c + D / 2, c + D / 2);
-            accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+#pragma unroll 1
+        for (int part = 0; part < PER_WORD / 8; ++part) {
+            const int first = w * PER_WORD + part * 8;  // channels first.. and first + D/2.. within the head
+            float scale1[8], zero1[8], scale2[8], zero2[8];
+            if (CODEC == UNIFORM_CHANNEL) {
+                load8(ref.param0 + head_channel + first, scale1);
+                load8(ref.param1 + head_channel + first, zero1);
+                load8(ref.param0 + head_channel + first + D / 2, scale2);
+                load8(ref.param1 + head_channel + first + D / 2, zero2);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int c = first + i, shift = (part * 8 + i) * BITS;
+                const unsigned code1 = (low >> shift) & MASK, code2 = (high >> shift) & MASK;
+                float cos_a = 1.0f, sin_a = 0.0f;
+                rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
+                float k1, k2;
+                if (CODEC == UNIFORM_CHANNEL) {
+                    k1 = min_max_value(code1, scale1[i], zero1[i]);
+                    k2 = min_max_value(code2, scale2[i], zero2[i]);
+                } else {
+                    k1 = decoded<CODEC, D>(ref, tables, code1, param_group, head_channel + c, c);
+                    k2 = decoded<CODEC, D>(ref, tables, code2, param_group, head_channel + c + D / 2, c + D / 2);
+                }
+                accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+            }
         }
     }
 }
@@ -222,19 +248,17 @@ __device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref
 template <int D, bool ROPE>
 __device__ __forceinline__ void key_scores_fp16(float* s, const half_bits* row, const float (*q)[D], int group,
                                                 const float* freq, int position, float rope_scale) {
-    const uint4* low = reinterpret_cast<const uint4*>(row);
-    const uint4* high = reinterpret_cast<const uint4*>(row + D / 2);
+#pragma unroll 1
     for (int v = 0; v < D / 16; ++v) {
-        const uint4 a = __ldg(low + v), b = __ldg(high + v);
-        const unsigned a_words[4] = {a.x, a.y, a.z, a.w}, b_words[4] = {b.x, b.y, b.z, b.w};
+        float low[8], high[8];
+        load8(row + v * 8, low);
+        load8(row + D / 2 + v * 8, high);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int c = v * 8 + i;
             float cos_a = 1.0f, sin_a = 0.0f;
             rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
-            const float k1 = half_to_float((half_bits)(a_words[i / 2] >> (16 * (i % 2))));
-            const float k2 = half_to_float((half_bits)(b_words[i / 2] >> (16 * (i % 2))));
-            accumulate<D, ROPE>(s, q, group, c, k1, k2, cos_a, sin_a);
+            accumulate<D, ROPE>(s, q, group, c, low[i], high[i], cos_a, sin_a);
         }
     }
 }
