@@ -47,3 +47,45 @@ def test_profile_of_smollm2_on_wikitext(smollm2_profile):
         torch.testing.assert_close(pre, post, rtol=1e-4, atol=1e-4)
     assert tensors["layers.3.windows.q"].shape == (2, SEQLEN, 9 * 64)
     assert "forward+backward" not in result.stdout and "per layer" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def smollm2_model():
+    from kvcal.models import load_model
+
+    model, tokenizer, _ = load_model(None, "auto", "cpu")
+    return model, tokenizer
+
+
+def test_smollm2_runtime_decoding_tracks_the_simulation(smollm2_profile, smollm2_model, tmp_path):
+    """KVmix (quantizes from the first token, no fitting needed) on the real model, 160 wikitext tokens decoded
+    one by one through the runtime cache vs the simulated forward of `kvcal eval ppl`. Logits cannot be equal
+    here as on the tiny model: the two compute attention in different orders, SmolLM2's massive activations
+    turn that float32 noise into ~1e-5 absolute differences in deep layers' K/V, and a 2-bit code whose value
+    sits that close to a rounding boundary flips, after which the positions differ by O(1). What must hold:
+    the mean NLL agrees within 0.05 nats, while both are clearly above fp's."""
+    from conftest import WIKITEXT_VALID
+    from test_runtime_cache import decode_token_by_token
+
+    from kvcal.adapters import adapt
+    from kvcal.bundle import build_bundle, bundle_method, write_bundle
+    from kvcal.simulate import StorageTally, simulated
+
+    profile, _ = smollm2_profile
+    bundle = write_bundle(tmp_path / "kvmix.safetensors", *build_bundle(str(profile), "kvmix"))
+    model, tokenizer = smollm2_model
+    ids = tokenizer(WIKITEXT_VALID.read_text()[:5000], return_tensors="pt").input_ids[:, :160]
+
+    def nll(logits):
+        return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+
+    with torch.inference_mode():
+        with simulated(model, adapt(model), bundle_method(str(bundle)), StorageTally()):
+            simulated_nll = nll(model(ids).logits)
+        runtime_logits, cache = decode_token_by_token(model, bundle, ids)
+        fp_nll = nll(model(ids).logits)
+    runtime_nll = nll(runtime_logits)
+    print(f"SmolLM2 kvmix, 160 tokens: NLL fp {fp_nll:.4f}, simulated {simulated_nll:.4f}, runtime {runtime_nll:.4f}")
+    assert cache.tokens() == [160]
+    assert abs(runtime_nll - simulated_nll) < 0.05
+    assert min(runtime_nll, simulated_nll) > fp_nll + 0.1

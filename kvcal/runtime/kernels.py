@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from typing import TYPE_CHECKING
 
 from kvcal.runtime import kernel_source as src
 
@@ -29,8 +28,7 @@ TILE = 32
 MAX_GROUP = 8  # query heads per KV head (GMAX in decode_attention.cu)
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
 LOG2E = 1.4426950408889634
-LSB_LAYOUTS = {1: 1, 2: 2, 3: 3, 4: 4}  # "lsb" with codes of that width
-KVMIX_LAYOUT = 5  # "kvmix10x3+1x2"
+KVMIX_LAYOUT = 5  # kernels/common.cuh code_at: "lsb" layouts are numbered by their code width 1-4
 
 
 def cuda_ready(device) -> bool:
@@ -84,7 +82,7 @@ def _layout_id(codec, layout: str = "lsb") -> int | None:
     bits = codec.bits
     if layout == "kvmix10x3+1x2":
         return KVMIX_LAYOUT if bits == 3 else None
-    return LSB_LAYOUTS.get(int(bits)) if layout == "lsb" and float(bits).is_integer() else None
+    return int(bits) if layout == "lsb" and bits in (1, 2, 3, 4) else None
 
 
 def append_supported(codec, width: int, layout: str = "lsb") -> bool:
@@ -136,6 +134,8 @@ def encode_into(store: PackedRows, b: int, x: torch.Tensor, start: int) -> int:
     codec, cid = store.codec, codec_id(store.codec)
     x = x.to(torch.float16).contiguous()
     count, width = x.shape
+    if count == 0:  # CUDA refuses an empty grid
+        return 0
     words_per_row = store.words.shape[2]
     words = store.words[b, start:]
     layout = np.int32(_layout_id(codec, store.layout))
