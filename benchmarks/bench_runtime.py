@@ -56,9 +56,24 @@ def passkey(model, tokenizer, ids, lengths: list[int], samples: int, started: di
     write_markdown("runtime_passkey", lines)
 
 
+def answer_nll(model, tokenizer, context: str, query: str, answer: torch.Tensor, widths: list[int]) -> float:
+    """Mean NLL of fp's answer tokens, teacher-forced after the query, with the context cached at `widths`."""
+    from kvcal.cocktail import cocktail_cache, compress
+
+    context_ids = tokenizer(context, return_tensors="pt").input_ids
+    query_ids = tokenizer(query, add_special_tokens=False, return_tensors="pt").input_ids
+    with cocktail_cache(model) as cache:
+        model(context_ids, past_key_values=cache, use_cache=True)
+        compress(cache, [widths])
+        logits = model(torch.cat([query_ids, answer[None]], dim=1), past_key_values=cache, use_cache=True).logits
+    predicted = logits[0, query_ids.shape[1] - 1 : -1]
+    return torch.nn.functional.cross_entropy(predicted.float(), answer).item()
+
+
 def cocktail(model, tokenizer, questions: int, started: dict) -> None:
     """Contexts of 12 wikitext paragraphs; the query is the first sentence of one of them, asking the model
-    to continue it; Cocktail's widths vs every chunk int2; 32 greedy tokens compared with fp."""
+    to continue it; Cocktail's widths vs every chunk int2: 32 greedy tokens compared with fp's, and the NLL of
+    fp's answer teacher-forced under each cache (smooth where token agreement collapses at one divergence)."""
     from kvcal.cocktail import CHUNK, ChunkEncoder, generate, plan
 
     encoder = ChunkEncoder()
@@ -81,15 +96,19 @@ def cocktail(model, tokenizer, questions: int, started: dict) -> None:
         fp, _ = generate(model, tokenizer, context, query, widths=[16] * len(widths), **settings)
         mixed, _ = generate(model, tokenizer, context, query, widths=widths, **settings)
         int2, _ = generate(model, tokenizer, context, query, widths=[2] * len(widths), **settings)
+        nll = {name: answer_nll(model, tokenizer, context, query, fp, w) for name, w in (("cocktail", widths), ("int2", [2] * len(widths)))}
         rows.append({"context_tokens": len(context_ids), "chunks": len(widths),
+                     "fp_answer_nll_cocktail": round(nll["cocktail"], 4), "fp_answer_nll_int2": round(nll["int2"], 4),
                      "widths": {w: widths.count(w) for w in (16, 4, 2)},
                      "target_chunks_at_16_or_4": sum(widths[i] in (16, 4) for i in target_chunks), "target_chunks": len(target_chunks),
                      "cocktail_agreement": float((mixed == fp).float().mean()), "int2_agreement": float((int2 == fp).float().mean())})
     write_result("runtime_cocktail", {"model": "SmolLM2-135M-Instruct", "questions": rows}, started)
     lines = ["# Cocktail vs uniform int2 (SmolLM2-135M, 12 wikitext-2 test paragraphs per context, 32 answer tokens)", "",
-             "| context tokens | chunks fp16/int4/int2 | target chunks kept fp16 or int4 | Cocktail = fp | int2 = fp |", "|---|---|---|---|---|"]
+             "| context tokens | chunks fp16/int4/int2 | target chunks kept fp16 or int4 | Cocktail = fp | int2 = fp | "
+             "fp answer NLL, Cocktail | fp answer NLL, int2 |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['context_tokens']} | {r['widths'][16]}/{r['widths'][4]}/{r['widths'][2]} | "
-              f"{r['target_chunks_at_16_or_4']}/{r['target_chunks']} | {r['cocktail_agreement']:.1%} | {r['int2_agreement']:.1%} |" for r in rows]
+              f"{r['target_chunks_at_16_or_4']}/{r['target_chunks']} | {r['cocktail_agreement']:.1%} | {r['int2_agreement']:.1%} | "
+              f"{r['fp_answer_nll_cocktail']:.3f} | {r['fp_answer_nll_int2']:.3f} |" for r in rows]
     write_markdown("runtime_cocktail", lines)
 
 
