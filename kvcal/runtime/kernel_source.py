@@ -30,7 +30,6 @@ HEAD_DIMS = (64, 128)
 APPEND_KERNELS = ("append_token_uniform", "append_channel_block", "append_codebook", "append_codebook_outliers")
 
 
-
 def decode_variant(head_dim: int, rope: bool, key_codec: int, value_codec: int) -> str:
     return f"decode_attention<{head_dim}, {str(rope).lower()}, {CODEC_NAMES[key_codec]}, {CODEC_NAMES[value_codec]}>"
 
