@@ -290,6 +290,27 @@ __device__ __forceinline__ int lower_bound(const int* rows, int count, int targe
     return lo;
 }
 
+// For every outlier of one side in body rows [row_lo, row_hi) that lies in the block's KV head and that
+// owns(row, c) claims for this lane: apply(row, c, delta), delta = the exact value minus what the codes gave,
+// c = the channel within the head. Outliers are sorted by row, so the tile's run starts at a binary search.
+template <int CODEC, int D, typename Owns, typename Apply>
+__device__ __forceinline__ void for_each_outlier(const Side& side, const SideTables<D>& tables, int layout, int param_group,
+                                                 int b, int outliers, int row_lo, int row_hi, int head_channel, Owns owns,
+                                                 Apply apply) {
+    if (CODEC == FP16_ONLY || outliers == 0 || row_lo >= row_hi) return;
+    const long long base = b * side.outlier_stride;
+    const int* rows = side.outlier_rows + base;
+    for (int i = lower_bound(rows, outliers, row_lo); i < outliers; ++i) {
+        const int row = __ldg(rows + i);
+        if (row >= row_hi) break;
+        const int channel = __ldg(side.outlier_channels + base + i);
+        const int c = channel - head_channel;
+        if (c < 0 || c >= D || !owns(row, c)) continue;
+        apply(row, c, load_half(side.outlier_values + base + i) -
+                          body_value<CODEC, D>(body_ref<CODEC>(side, b, row), tables, layout, param_group, channel, c));
+    }
+}
+
 // Launch bounds (128 threads, at least 2 blocks per SM) leave ptxas up to 255 registers: with its default
 // occupancy target it capped head_dim 128 + RoPE at 168 registers and spilled.
 template <int D, bool ROPE, int KCODEC, int VCODEC>
@@ -368,36 +389,25 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
             key_scores<KCODEC, D, ROPE>(s, locate<KCODEC>(ks, kn, b, t, width), k_tables, k_layout, k_group, head_channel, q_s,
                                         group, freq_s, position0 + t, rope_scale);
 
-        // key outliers of this tile's body rows: exact value minus what the codes gave
-        if (KCODEC != FP16_ONLY && kn.outliers > 0) {
-            const int row_lo = max(t0 - kn.sink, 0), row_hi = min(t0 + count - kn.sink, kn.body);
-            if (row_lo < row_hi) {
-                const int* rows = ks.outlier_rows + b * ks.outlier_stride;
-                for (int i = lower_bound(rows, kn.outliers, row_lo); i < kn.outliers; ++i) {
-                    const int row = __ldg(rows + i);
-                    if (row >= row_hi) break;
-                    const int channel = __ldg(ks.outlier_channels + b * ks.outlier_stride + i);
-                    const int c = channel - head_channel;
-                    if (c < 0 || c >= D || lane != row + kn.sink - t0) continue;
-                    const float delta = load_half(ks.outlier_values + b * ks.outlier_stride + i) -
-                                        body_value<KCODEC, D>(body_ref<KCODEC>(ks, b, row), k_tables, k_layout, k_group, channel, c);
-                    if (ROPE) {
-                        const int f = c % (D / 2), partner = c < D / 2 ? c + D / 2 : c - D / 2;
-                        float cos_a, sin_a;
-                        rope_cos_sin(position0 + t, freq_s[f], &cos_a, &sin_a);
-                        const float sign = c < D / 2 ? 1.0f : -1.0f;
+        // key outliers of this tile's body rows, each on the lane that holds its token
+        for_each_outlier<KCODEC, D>(
+            ks, k_tables, k_layout, k_group, b, kn.outliers, max(t0 - kn.sink, 0), min(t0 + count - kn.sink, kn.body), head_channel,
+            [&](int row, int c) { return lane == row + kn.sink - t0; },
+            [&](int row, int c, float delta) {
+                if (ROPE) {
+                    const int f = c % (D / 2), partner = c < D / 2 ? c + D / 2 : c - D / 2;
+                    float cos_a, sin_a;
+                    rope_cos_sin(position0 + t, freq_s[f], &cos_a, &sin_a);
+                    const float sign = c < D / 2 ? 1.0f : -1.0f;
 #pragma unroll
-                        for (int g = 0; g < GMAX; ++g)
-                            if (g < group)
-                                s[g] += delta * rope_scale * (q_s[g][c] * cos_a + sign * q_s[g][partner] * sin_a);
-                    } else {
+                    for (int g = 0; g < GMAX; ++g)
+                        if (g < group) s[g] += delta * rope_scale * (q_s[g][c] * cos_a + sign * q_s[g][partner] * sin_a);
+                } else {
 #pragma unroll
-                        for (int g = 0; g < GMAX; ++g)
-                            if (g < group) s[g] += delta * q_s[g][c];
-                    }
+                    for (int g = 0; g < GMAX; ++g)
+                        if (g < group) s[g] += delta * q_s[g][c];
                 }
-            }
-        }
+            });
 
         // online softmax over the tile
 #pragma unroll
@@ -427,29 +437,20 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
                     if (g < group) acc[g][j] += p_s[warp][g][i] * v;
             }
         }
-        if (VCODEC != FP16_ONLY && vn.outliers > 0) {
-            const int row_lo = max(t0 - vn.sink, 0), row_hi = min(t0 + count - vn.sink, vn.body);
-            if (row_lo < row_hi) {
-                const int* rows = vs.outlier_rows + b * vs.outlier_stride;
-                for (int i = lower_bound(rows, vn.outliers, row_lo); i < vn.outliers; ++i) {
-                    const int row = __ldg(rows + i);
-                    if (row >= row_hi) break;
-                    const int channel = __ldg(vs.outlier_channels + b * vs.outlier_stride + i);
-                    const int c = channel - head_channel;
-                    if (c < 0 || c >= D || lane != c % 32) continue;
-                    const float delta = load_half(vs.outlier_values + b * vs.outlier_stride + i) -
-                                        body_value<VCODEC, D>(body_ref<VCODEC>(vs, b, row), v_tables, v_layout, v_group, channel, c);
-                    const int tile_token = row + vn.sink - t0;
+        // value outliers of this tile's body rows, each on the lane that holds its channel
+        for_each_outlier<VCODEC, D>(
+            vs, v_tables, v_layout, v_group, b, vn.outliers, max(t0 - vn.sink, 0), min(t0 + count - vn.sink, vn.body), head_channel,
+            [&](int row, int c) { return lane == c % 32; },
+            [&](int row, int c, float delta) {
+                const int tile_token = row + vn.sink - t0;
 #pragma unroll
-                    for (int j = 0; j < PER_LANE; ++j) {  // a select, not acc[g][c / 32]: registers cannot be indexed
-                        const float owned = j == c / 32 ? delta : 0.0f;
+                for (int j = 0; j < PER_LANE; ++j) {  // a select, not acc[g][c / 32]: registers cannot be indexed
+                    const float owned = j == c / 32 ? delta : 0.0f;
 #pragma unroll
-                        for (int g = 0; g < GMAX; ++g)
-                            if (g < group) acc[g][j] += p_s[warp][g][tile_token] * owned;
-                    }
+                    for (int g = 0; g < GMAX; ++g)
+                        if (g < group) acc[g][j] += p_s[warp][g][tile_token] * owned;
                 }
-            }
-        }
+            });
         __syncwarp();
     }
 

@@ -13,6 +13,7 @@ it; loaded from the installed files, never downloaded), mean pooling; any local 
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,6 +93,16 @@ def compress(cache, widths: list[list[int]]) -> None:
         store.compress(b, widths[b])
 
 
+@contextmanager
+def compressed_cache(model, context_ids: torch.Tensor, widths: list[int]):
+    """A Cocktail cache holding context_ids (1, n), prefilled and compressed to `widths`; the model is wired
+    for it while open."""
+    with torch.inference_mode(), cocktail_cache(model) as cache:
+        model(context_ids, past_key_values=cache, use_cache=True)
+        compress(cache, [widths])
+        yield cache
+
+
 def generate(model, tokenizer, context: str, query: str, encoder: ChunkEncoder | None = None, widths: list[int] | None = None,
              **generate_kwargs):
     """Greedy generation for `context` + `query` with the context's KV cache under Cocktail's widths
@@ -100,9 +111,7 @@ def generate(model, tokenizer, context: str, query: str, encoder: ChunkEncoder |
     query_ids = tokenizer(query, add_special_tokens=False, return_tensors="pt").input_ids
     if widths is None:
         widths = plan(context_ids[0], query, tokenizer, encoder or ChunkEncoder())
-    with torch.inference_mode(), cocktail_cache(model) as cache:
-        model(context_ids, past_key_values=cache, use_cache=True)
-        compress(cache, [widths])
+    with compressed_cache(model, context_ids, widths) as cache:
         ids = torch.cat([context_ids, query_ids], dim=1)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **generate_kwargs)
     return out[0, ids.shape[1]:], widths

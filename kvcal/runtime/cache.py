@@ -83,8 +83,7 @@ class RuntimeLayer(CacheLayerMixin):
             rows = torch.nonzero(valid[b]).flatten()
             if not len(rows):
                 continue
-            if self.position_offset[b] is None:
-                self.position_offset[b] = int(self.pending_positions.expand(batch, m)[b, rows[0]]) if self.pending_positions is not None else 0
+            self._note_position(b, batch, m, int(rows[0]))
             keys_b, values_b = as_cached(new_keys[b, rows]).half(), as_cached(new_values[b, rows]).half()
             if len(rows) == 1:  # decode: append, then read the cache as stored
                 self._append(b, keys_b, values_b)
@@ -112,6 +111,11 @@ class RuntimeLayer(CacheLayerMixin):
             self._append(b, as_cached(stored_keys[b]).half(), as_cached(values[b]).half())
         self.padded_length = tokens
 
+    def _note_position(self, b: int, batch: int, m: int, column: int) -> None:
+        """Record the RoPE position of sequence b's first stored token: this step's position id at `column`."""
+        if self.position_offset[b] is None:
+            self.position_offset[b] = int(self.pending_positions.expand(batch, m)[b, column]) if self.pending_positions is not None else 0
+
     def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether this layer's decode steps run the CUDA kernels (decided once)."""
         if self.use_kernels is None:
@@ -128,8 +132,7 @@ class RuntimeLayer(CacheLayerMixin):
 
         batch = query.shape[0]
         for b in torch.nonzero(valid[:, 0]).flatten().tolist():
-            if self.position_offset[b] is None:
-                self.position_offset[b] = int(self.pending_positions.expand(batch, 1)[b, 0]) if self.pending_positions is not None else 0
+            self._note_position(b, batch, 1, 0)
             self._append(b, as_cached(new_keys[b]).half(), as_cached(new_values[b]).half())
         launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(), self.values_store.kernel_segments())]
         out = kernels.decode_attention(query[:, :, 0], launches, kv_heads, scaling, [o or 0 for o in self.position_offset],

@@ -233,9 +233,6 @@ class Segments:
     def codecs(self) -> tuple[int, int]:
         return tuple(codec_id(side[1].codec) if side[1] is not None else src.FP16_ONLY for side in (self.keys, self.values))
 
-    def tokens(self, batch: int) -> list[int]:
-        return [sum(row[i] for i in (0, 1, 3)) for row in _lengths(*self.keys, batch)]
-
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
@@ -256,14 +253,15 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     blocks_wanted = 2 * _multiprocessors(device)
     plans = []
     for segments in launches:
-        longest = max(segments.tokens(batch), default=0)
+        key_lengths = _lengths(*segments.keys, batch)
+        longest = max((sink + body + recent for sink, body, _, recent, _ in key_lengths), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
         descriptor = torch.tensor(_side(*segments.keys) + _side(*segments.values), dtype=torch.int64, device=device)
-        meta = torch.tensor([_lengths(*segments.keys, batch), _lengths(*segments.values, batch)], dtype=torch.int32, device=device)
+        meta = torch.tensor([key_lengths, _lengths(*segments.values, batch)], dtype=torch.int32, device=device)
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), descriptor, meta, per_split, math.ceil(longest / per_split)))
     total = sum(plan[-1] for plan in plans)
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
