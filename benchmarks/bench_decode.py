@@ -48,17 +48,19 @@ def variants() -> dict:
 
 def filled_stores(key_codec, value_codec, batch: int, length: int):
     """K and V stores holding `length` random N(0, 1) tokens per sequence, appended with the kernels."""
-    from kvcal.runtime.segments import SegmentedStore
-    from kvcal.simulate import SegmentPolicy
-
+    from kvcal.kv import SegmentPolicy
     from kvcal.quantizers import TokenUniform
+    from kvcal.runtime.kernels import append_encoder
+    from kvcal.runtime.segments import SegmentedStore
 
     stores = []
     for codec, keys in ((key_codec, True), (value_codec, False)):
         if codec is None:  # fp16: every token in the recent segment (the body stays empty)
-            store = SegmentedStore(TokenUniform(4, 128), SegmentPolicy(window=length), keys, 0.0, batch, WIDTH, "cuda")
+            store = SegmentedStore(TokenUniform(4, 128), SegmentPolicy(window=length), keys, 0.0, batch, WIDTH, "cuda",
+                                   encoder_for=append_encoder)
         else:
-            store = SegmentedStore(codec, SegmentPolicy(key_block=codec.block_tokens if keys else 0), keys, 0.0, batch, WIDTH, "cuda")
+            store = SegmentedStore(codec, SegmentPolicy(key_block=codec.block_tokens if keys else 0), keys, 0.0, batch, WIDTH, "cuda",
+                                   encoder_for=append_encoder)
         generator = torch.Generator(device="cuda").manual_seed(int(keys))
         for b in range(batch):
             store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))

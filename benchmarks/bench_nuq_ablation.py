@@ -53,7 +53,8 @@ def time_fit_nuq() -> float:
 
 
 def fit_methods(bits_list: list[int]):
-    from kvcal.nuq import NuqSettings, fit_nuq, nuq_method, write_nuq
+    from kvcal.methods import artifact_method
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     methods = []
     for bits in bits_list:
@@ -64,7 +65,7 @@ def fit_methods(bits_list: list[int]):
             path = WORK / f"nuq{bits}-{label.replace(' ', '_').replace('%', 'pct') or 'default'}.safetensors"
             tensors, config = fit_nuq(str(PROFILE), NuqSettings(bits=bits, **changes))
             write_nuq(path, tensors, config)
-            method = nuq_method(str(path))
+            method = artifact_method(str(path))
             methods.append((bits, label or "KVQuant default", method))
     return methods
 
@@ -82,7 +83,7 @@ def main() -> None:
     started_with = provenance()
 
     from kvcal.adapters import adapt
-    from kvcal.baselines import baseline_method
+    from kvcal.methods import baseline_method
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import consecutive_windows, evaluate_ppl
     from kvcal.models import load_model
@@ -96,7 +97,7 @@ def main() -> None:
     baselines = []
     for bits in args.bits:
         for spec in (f"int{bits}-g64", f"kivi{bits}-g32-r128", f"kivi{bits}-g32-r32"):
-            baselines.append((bits, "baseline", baseline_method(spec, len(adapter.layers))))
+            baselines.append((bits, "baseline", baseline_method(spec, len(adapter.layers), adapter.head_dim)))
     runs = fitted + baselines
     windows = consecutive_windows(tokenize(load_text(str(SHARED / "data/wikitext-2/test.txt")), tokenizer), 512, args.windows)
     done = [0]

@@ -28,7 +28,7 @@ def main() -> None:
     from test_runtime_cache import decode_token_by_token
 
     from kvcal.adapters import adapt
-    from kvcal.bundle import bundle_method
+    from kvcal.methods import artifact_method
     from kvcal.models import load_model
     from kvcal.simulate import StorageTally, simulated
 
@@ -44,7 +44,7 @@ def main() -> None:
         for recipe in args.recipes.split(","):
             bundle = REPO / "artifacts" / "runtime" / f"{recipe}.safetensors"
             began = time.perf_counter()
-            with simulated(model, adapt(model), bundle_method(str(bundle)), StorageTally()):
+            with simulated(model, adapt(model), artifact_method(str(bundle)), StorageTally()):
                 simulated_logits = model(ids).logits
             runtime_logits, _ = decode_token_by_token(model, bundle, ids)
             apart = ((runtime_logits - simulated_logits).abs().amax(-1)[0] > 1e-2).nonzero()

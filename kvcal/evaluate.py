@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvcal.adapters import ModelAdapter
+from kvcal.artifacts import check_same_model
 from kvcal.errors import KvcalError
 from kvcal.simulate import Method, StorageTally, simulated
 
@@ -38,17 +39,10 @@ def consecutive_windows(ids: torch.Tensor, seqlen: int, windows: int) -> torch.T
     return ids[:needed].view(windows, seqlen)
 
 
-def describe_fingerprint(f: dict) -> str:
-    return f"{f['architecture']} {f['num_layers']} layers, {f['num_kv_heads']} kv heads x {f['head_dim']}, config {f['config_sha256']}"
-
-
 def check_model_matches(method: Method, adapter: ModelAdapter, model_spec: str, artifact: str) -> None:
-    if method.fingerprint is None:
-        return
-    expected, actual = method.fingerprint, adapter.fingerprint()
-    if expected != actual:
-        raise KvcalError(f"'{artifact}' was calibrated for another model ({describe_fingerprint(expected)}) than --model "
-                         f"{model_spec} ({describe_fingerprint(actual)}); calibrate for this model or pass the matching --model")
+    if method.fingerprint is not None:
+        check_same_model(method.fingerprint, adapter.fingerprint(), f"'{artifact}'", f"--model {model_spec}",
+                         "calibrate for this model or pass the matching --model")
 
 
 def _window_nll(model, window: torch.Tensor) -> float:

@@ -9,8 +9,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
+from kvcal.runtime import quantized_cache
+from kvcal.runtime.cache import fp_context
+from kvcal.runtime.memory import cache_bytes, fp16_bytes
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 
@@ -109,8 +113,6 @@ def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, 
     but its last token is loaded into every method's cache (fp's own, and each bundle's quantized one); the
     last prompt token and the answer are decoded by each method, so every answer token reads that method's
     cache. fp first, then each bundle."""
-    from kvcal.runtime.cache import fp_context, quantized_cache
-
     rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
     results = []
@@ -137,10 +139,6 @@ def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, 
 
 def measure_memory(model, bundle, context_ids: torch.Tensor) -> dict:
     """Prefill `context_ids` (1-D) into a quantized cache; its live bytes, the formula's, and fp16's."""
-    from kvcal.bundle import Bundle, load_bundle
-    from kvcal.runtime import quantized_cache
-    from kvcal.runtime.memory import cache_bytes, fp16_bytes
-
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     fingerprint = bundle.fingerprint
     width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]

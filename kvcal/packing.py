@@ -25,6 +25,7 @@ import torch
 from kvcal.errors import KvcalError
 
 LAYOUTS = ("lsb", "kvmix10x3+1x2", "ternary20")
+OUTLIER_BYTES = 4 + 2 + 2  # a sparse outlier as the runtime stores it: token row int32, channel int16, value fp16
 TERNARY_PER_WORD = 20
 
 
@@ -52,6 +53,11 @@ def codes_per_word(bits: float, layout: str = "lsb") -> int:
 
 def packed_words(length: int, bits: float, layout: str = "lsb") -> int:
     return math.ceil(length / codes_per_word(bits, layout))
+
+
+def packed_row_bits(channels: int, bits: float) -> int:
+    """Bits the runtime stores for the codes of one token row of `channels` channels (whole int32 words)."""
+    return 32 * packed_words(channels, bits, layout_for(bits))
 
 
 def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:

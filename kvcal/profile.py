@@ -8,10 +8,13 @@ from pathlib import Path
 
 import torch
 
+from kvcal.adapters import adapt
 from kvcal.artifacts import check_writable, write_artifact
 from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
+from kvcal.data import load_text, sample_windows, tokenize
 from kvcal.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
+from kvcal.models import load_model, resolve_model
 
 PROFILE_KIND = "profile"
 
@@ -97,10 +100,6 @@ def run_profile(request: ProfileRequest, out: str | Path | None,
                 on_window: Callable[[int], None] | None = None) -> tuple[Path, dict, dict]:
     """Validate, load model and text, run the capture pass and write the profile.
     Returns (path, tensors, config). `on_start(nsamples)` fires when the pass begins."""
-    from kvcal.adapters import adapt
-    from kvcal.data import load_text, sample_windows, tokenize
-    from kvcal.models import load_model, resolve_model
-
     request.validate()
     source = resolve_model(request.model)
     out_path = check_writable(out if out is not None else default_profile_path(source.name))

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from kvcal.packing import OUTLIER_BYTES, packed_row_bits
 
 FP16_BITS = 16
 TINY_SCALE = 2.0**-24  # the smallest positive fp16: stored scales are clamped to it when decoded
@@ -31,9 +34,8 @@ class Quantized:
     per-row parameters, outliers) and per-tensor storage (thresholds, codebooks)."""
 
     values: torch.Tensor
-    row_bits: torch.Tensor  # (tokens,)
-    fixed_bits: float = 0.0
-    outliers: int = 0
+    row_bits: torch.Tensor  # (tokens,) what the runtime stores per token row: packed codes, parameters, outliers
+    row_outliers: torch.Tensor | None = None  # (tokens,) outliers kept aside per token row, None when none can be
 
 
 @dataclass
@@ -46,6 +48,27 @@ class Encoded:
     token: dict[str, torch.Tensor] = field(default_factory=dict)
     block: dict[str, torch.Tensor] = field(default_factory=dict)
     outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class Codec(Protocol):
+    """A quantizer (kvcal.quantizers): encode/decode what is stored, quantize = decode(encode) + its cost."""
+
+    block_tokens: int
+
+    def encode(self, x: torch.Tensor): ...
+
+    def decode(self, encoded) -> torch.Tensor: ...
+
+    def quantize(self, x: torch.Tensor) -> Quantized: ...
+
+
+@dataclass(frozen=True, eq=True)
+class LayerCodecs:
+    """How one layer stores keys and values; pre-RoPE keys are rotated after dequantization."""
+
+    key_codec: Codec
+    value_codec: Codec
+    key_pre_rope: bool
 
 
 def scale_in_use(stored: torch.Tensor) -> torch.Tensor:
@@ -103,7 +126,7 @@ class TokenUniform:
         return _min_max_decode(encoded.codes, scale[:, member], zero[:, member])
 
     def row_bits(self, channels: int) -> float:
-        return float(self.bits * channels + 2 * FP16_BITS * math.ceil(channels / self.group))
+        return float(packed_row_bits(channels, self.bits) + 2 * FP16_BITS * math.ceil(channels / self.group))
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         return Quantized(self.decode(self.encode(x)), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
@@ -138,7 +161,7 @@ class ChannelBlockUniform:
         return _min_max_decode(codes, scale[:, None], zero[:, None]).view(tokens, channels)
 
     def row_bits(self, channels: int) -> float:
-        return self.bits * channels + 2 * FP16_BITS * channels / self.group
+        return packed_row_bits(channels, self.bits) + 2 * FP16_BITS * channels / self.group
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         full = x.shape[0] - x.shape[0] % self.group
@@ -173,16 +196,12 @@ def nearest_codes(xhat: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(xhat.contiguous(), midpoints.to(xhat.dtype))
 
 
-def outlier_index_bits(channels: int) -> int:
-    return max(1, math.ceil(math.log2(channels)))
-
-
 @dataclass(frozen=True, eq=False)
 class CodebookCodec:
     """Codebook codes of x normalized by thresholds: per channel (lo, hi given, fixed offline) or per
     token (lo, hi None: percentiles of each token computed online and stored in fp16). With
     outlier_fraction > 0 the thresholds keep 1 - outlier_fraction of the elements and the rest are
-    stored exactly (fp16 value + channel index, a per-token count: dense-and-sparse); with 0 they are
+    stored exactly (dense-and-sparse: token row, channel and fp16 value, kvcal.packing.OUTLIER_BYTES each); with 0 they are
     min/max and nothing is kept aside."""
 
     codebook: torch.Tensor
@@ -224,19 +243,20 @@ class CodebookCodec:
 
     def row_bits(self, encoded: Encoded) -> torch.Tensor:
         tokens, channels = encoded.codes.shape
-        bits = torch.full((tokens,), float(self.bits * channels), device=encoded.codes.device)
+        bits = torch.full((tokens,), float(packed_row_bits(channels, self.bits)), device=encoded.codes.device)
         if self.lo is None:
             bits += 2 * FP16_BITS  # the token's thresholds
         if encoded.outliers is not None:
-            per_row = torch.bincount(encoded.outliers[0], minlength=tokens)
-            bits += per_row * (FP16_BITS + outlier_index_bits(channels)) + math.ceil(math.log2(channels + 1))
+            bits += self._row_outliers(encoded) * 8 * OUTLIER_BYTES
         return bits
+
+    @staticmethod
+    def _row_outliers(encoded: Encoded) -> torch.Tensor | None:
+        return None if encoded.outliers is None else torch.bincount(encoded.outliers[0], minlength=encoded.codes.shape[0])
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         encoded = self.encode(x)
-        fixed = FP16_BITS * self.codebook.numel() + (2 * FP16_BITS * x.shape[1] if self.lo is not None else 0)
-        count = 0 if encoded.outliers is None else int(encoded.outliers[0].numel())
-        return Quantized(self.decode(encoded), self.row_bits(encoded), fixed_bits=fixed, outliers=count)
+        return Quantized(self.decode(encoded), self.row_bits(encoded), self._row_outliers(encoded))
 
 
 def uniform_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:

@@ -1,6 +1,6 @@
 """Simulated KV quantization inside a Hugging Face forward pass, with decode-time semantics.
 
-A quantization method gives, per layer, how keys and values are stored (a LayerScheme) and which
+A quantization method gives, per layer, how keys and values are stored (LayerCodecs) and which
 tokens are held quantized at each step (a SegmentPolicy: fp16 sinks, an fp16 recent window, a KIVI
 residual). Quantization of a token is fixed once it is stored, so every token is quantized once and
 each query position t sees, for every earlier token j, either its stored (dequantized) or its fp16 key
@@ -14,66 +14,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
+from kvcal import wiring
 from kvcal.adapters import ModelAdapter
-from kvcal.quantizers import FP16_BITS, Quantized
+from kvcal.errors import KvcalError
+from kvcal.kv import SegmentPolicy, as_cached, per_query_head
+from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys
 
 ATTENTION_NAME = "kvcal_simulated"
-
-
-class Codec(Protocol):
-    """A quantizer (kvcal.quantizers): encode/decode what is stored, quantize = decode(encode) + its cost."""
-
-    block_tokens: int
-
-    def encode(self, x: torch.Tensor): ...
-
-    def decode(self, encoded) -> torch.Tensor: ...
-
-    def quantize(self, x: torch.Tensor) -> Quantized: ...
-
-
-@dataclass(frozen=True, eq=True)
-class LayerCodecs:
-    """How one layer stores keys and values; pre-RoPE keys are rotated after dequantization."""
-
-    key_codec: Codec
-    value_codec: Codec
-    key_pre_rope: bool
-
-
-@dataclass(frozen=True)
-class SegmentPolicy:
-    """Which tokens are stored quantized when n tokens are in the cache.
-    sink: the first tokens stay fp16. window: the most recent tokens stay fp16 (SKVQ).
-    residual: KIVI, keys are flushed to quantized storage in whole blocks of `residual` tokens, values
-    leave a FIFO of `residual` fp16 tokens one at a time."""
-
-    sink: int = 0
-    window: int = 0
-    residual: int = 0
-    key_block: int = 0  # keys quantized per channel over blocks of this many tokens wait in fp16 for a whole block
-
-    def fp16_recent(self, n, keys: bool):
-        """How many of the latest tokens are fp16 when n tokens (a tensor or an int) are in the cache."""
-        n = torch.as_tensor(n)
-        recent = torch.full_like(n, self.window)
-        if self.residual:
-            recent = torch.maximum(recent, n % self.residual if keys else torch.full_like(n, self.residual))
-        if keys and self.key_block:
-            recent = torch.maximum(recent, (n - self.sink).clamp(min=0) % self.key_block)
-        return recent
-
-    def quantized_masks(self, tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, value) boolean masks (query t, token j): token j is read quantized by query t."""
-        n = torch.arange(1, tokens + 1, device=device)[:, None]
-        j = torch.arange(tokens, device=device)[None, :]
-        past_sink = j >= self.sink
-        return tuple(past_sink & (j < n - self.fp16_recent(n, keys)) for keys in (True, False))
 
 
 @dataclass
@@ -89,7 +39,10 @@ class Method:
 
 @dataclass
 class StorageTally:
-    """Bits stored for the cache at the end of each evaluated window, over all layers."""
+    """Bits the cache stores at the end of each evaluated window, over all layers, as the runtime stores them
+    (whole int32 words of codes, parameters in their storage dtype, 8-byte outliers, fp16 sinks and recent
+    tokens); calibrated per-model constants (codebooks, fixed thresholds, permutations) live in the bundle
+    and are not counted, as kvcal.runtime.memory does not count them."""
 
     key_bits: float = 0.0
     value_bits: float = 0.0
@@ -103,17 +56,20 @@ class StorageTally:
     def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str) -> None:
         """Count a (tokens, channels) tensor whose rows in `stored` are quantized, the rest fp16."""
         tokens, channels = quantized.values.shape
-        bits = float(quantized.row_bits[stored].sum()) + FP16_BITS * channels * int((~stored).sum()) + quantized.fixed_bits
+        bits = float(quantized.row_bits[stored].sum()) + FP16_BITS * channels * int((~stored).sum())
         if tensor == "k":
             self.key_bits += bits
             self.elements += tokens * channels
         else:
             self.value_bits += bits
-        self.outliers += quantized.outliers
+        if quantized.row_outliers is not None:
+            self.outliers += int(quantized.row_outliers[stored].sum())
 
 
 @dataclass
-class _LayerState:
+class SimulatedLayer:
+    """One layer's simulated cache: its codecs and segment policy, and the storage it tallies."""
+
     scheme: LayerCodecs
     policy: SegmentPolicy
     inv_freq: torch.Tensor
@@ -155,17 +111,6 @@ class _LayerState:
         return torch.stack(outputs)
 
 
-def as_cached(x: torch.Tensor) -> torch.Tensor:
-    """x as an fp16 KV cache holds it, in float32 for arithmetic."""
-    return x.to(torch.float16).float()
-
-
-def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
-    """(tokens, kv_heads * head_dim) -> (heads, tokens, head_dim): each KV head repeated for its query heads (GQA)."""
-    tokens, width = x.shape
-    return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-
-
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
     (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere.
@@ -182,41 +127,40 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     return (probs * value_mask) @ per_head(values_hat) + (probs * ~value_mask) @ per_head(values_fp)
 
 
-def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    state: _LayerState = module._kvcal_state
+def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+    slot = wiring.slot(module)
+    state: SimulatedLayer | None = slot.attached if slot is not None else None
+    if state is None:
+        raise KvcalError(f"attention implementation '{ATTENTION_NAME}' serves only inside kvcal.simulate.simulated(...)")
+    tokens = query.shape[2]
+    if key.shape[2] != tokens:
+        raise KvcalError(f"the simulation evaluates whole windows in one forward, without a cache holding earlier tokens "
+                         f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False")
+    if sliding_window is not None and tokens > sliding_window:
+        raise KvcalError(f"layer {slot.index} of this model attends over a sliding window of {sliding_window} tokens, which "
+                         f"the simulation does not implement; evaluate windows of at most {sliding_window} tokens "
+                         f"(--seqlen {sliding_window}), or use the runtime cache (kvcal.runtime), which honours it")
+    state.pre_rope_keys = slot.pre_rope_keys
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return state.attend(query, key, value, scale), None
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, _simulated_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    wiring.register(ATTENTION_NAME, _simulated_attention, "a kvcal simulation (kvcal.simulate.simulated)")
 
 
 @contextmanager
 def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tally: StorageTally):
-    """Within the block, the model's attention reads K/V as `method` stores them; bits go to `tally`."""
+    """Within the block, the model's attention reads K/V as `method` stores them; bits go to `tally`. The model
+    is wired through kvcal.wiring (refused while a quantized cache or another simulation is open on it) and
+    left with its own attention implementation after the block."""
     if len(method.layers) != len(adapter.layers):
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
-    previous = model.config._attn_implementation
-    hooks = []
-    for handles, scheme in zip(adapter.layers, method.layers):
-        state = _LayerState(scheme, method.policy, adapter.inv_freq, adapter.rope_attention_scaling, tally)
-        handles.attention._kvcal_state = state
-        if scheme.key_pre_rope:
-            def keep_keys(module, inputs, output, state=state):
-                state.pre_rope_keys = output.detach().flatten(2)
-            hooks.append(handles.key_source.register_forward_hook(keep_keys))
-    model.config._attn_implementation = ATTENTION_NAME
+    states = [SimulatedLayer(scheme, method.policy, adapter.inv_freq, adapter.rope_attention_scaling, tally) for scheme in method.layers]
+    owner = object()
+    wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)
     try:
         yield tally
     finally:
-        model.config._attn_implementation = previous
-        for hook in hooks:
-            hook.remove()
-        for handles in adapter.layers:
-            del handles.attention._kvcal_state
+        wiring.unwire(wired, owner)

@@ -19,27 +19,23 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from sklearn.cluster import KMeans
 
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
-from kvcal.packing import codes_per_word
-from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, Quantized, scale_in_use, store_as
+from kvcal.packing import packed_row_bits
+from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, LayerCodecs, Quantized, scale_in_use, store_as
 from kvcal.rope import rotate_keys
-from kvcal.simulate import SegmentPolicy, per_query_head
+from kvcal.kv import SegmentPolicy, per_query_head
 
 SKVQ_KIND = "skvq"
 CLIP_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.00, 0.95, ..., 0.30
 GROUP_REFINE = 0.15  # per-group search covers the layer-wise alpha +- this
 TERNARY = 1.5
-INDEX_BITS = 32  # permutation entries, group starts: stored int32
 
 
 def levels(bits: float) -> int:
     return 2 if bits == TERNARY else 2 ** int(bits) - 1
-
-
-def stored_code_bits(bits: float) -> float:
-    return 32 / codes_per_word(bits, "ternary20") if bits == TERNARY else float(bits)
 
 
 @dataclass(frozen=True)
@@ -79,8 +75,6 @@ def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, re
     if not reorder:
         size = -(-width // groups)
         return torch.arange(width, dtype=torch.int32), torch.tensor(list(range(0, width, size)) + [width], dtype=torch.int32)
-    from sklearn.cluster import KMeans
-
     features = torch.stack([minimum, maximum], dim=1).double().numpy()
     labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
     # Number clusters by their mean max so the layout does not depend on KMeans' label order.
@@ -152,15 +146,11 @@ class SkvqTensor:
         return restored
 
     def quantize(self, x: torch.Tensor) -> Quantized:
-        groups = self.clip.numel()
-        per_row = stored_code_bits(self.bits) * x.shape[1] + groups * 2 * (8 if self.fp8 else FP16_BITS)
-        fixed = INDEX_BITS * (self.permutation.numel() + self.starts.numel()) + FP16_BITS * groups
-        return Quantized(self.decode(self.encode(x)), torch.full((x.shape[0],), per_row, device=x.device), fixed_bits=fixed)
+        per_row = packed_row_bits(x.shape[1], self.bits) + self.clip.numel() * 2 * (8 if self.fp8 else FP16_BITS)
+        return Quantized(self.decode(self.encode(x)), torch.full((x.shape[0],), float(per_row), device=x.device))
 
 
-def skvq_layer(keys: SkvqTensor, values: SkvqTensor):
-    from kvcal.simulate import LayerCodecs
-
+def skvq_layer(keys: SkvqTensor, values: SkvqTensor) -> LayerCodecs:
     return LayerCodecs(keys, values, key_pre_rope=True)
 
 
@@ -292,11 +282,8 @@ def write_skvq(path, tensors: dict, config: dict):
     return write_artifact(path, tensors, SKVQ_KIND, config)
 
 
-def skvq_method(path: str):
-    """The simulation Method of an SKVQ artifact."""
-    from kvcal.simulate import Method
-
-    tensors, config = read_artifact(path, SKVQ_KIND)
+def skvq_layers(tensors: dict, config: dict, path: str) -> list[LayerCodecs]:
+    """The per-layer codecs of an SKVQ artifact's (tensors, config)."""
     settings = SkvqSettings(**config["skvq"])
     layers = []
     for layer in range(config["model"]["fingerprint"]["num_layers"]):
@@ -308,10 +295,11 @@ def skvq_method(path: str):
         except KeyError as exc:
             raise KvcalError(f"'{path}' lacks tensor {exc}; re-create it with kvcal fit-skvq") from exc
         layers.append(skvq_layer(parts["k"], parts["v"]))
+    return layers
+
+
+def skvq_name(settings: SkvqSettings) -> str:
     name = f"skvq-K{settings.kbits:g}V{settings.vbits:g}-g{settings.group_size}-w{settings.window}-s{settings.sink}"
     tags = [t for t, on in (("fp8", settings.fp8), (f"clip {settings.clip}", settings.clip != "group"),
                             ("no reorder", not settings.reorder)) if on]
-    if tags:
-        name += " [" + ", ".join(tags) + "]"
-    nominal = (settings.kbits + settings.vbits) / 2
-    return Method(name, nominal, layers, settings.policy, fingerprint=config["model"]["fingerprint"])
+    return name + (" [" + ", ".join(tags) + "]" if tags else "")

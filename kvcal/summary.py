@@ -1,20 +1,21 @@
-"""Readable summaries of kvcal artifacts (`kvcal inspect`), one summarizer per artifact kind."""
+"""Readable summaries of kvcal artifacts (`kvcal inspect`), one summarizer per artifact kind. A bundle is
+validated by load_bundle before it is summarized; any other artifact's checksum is verified on reading, and
+whatever goes wrong summarizing a malformed one is one KvcalError naming the file."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcal.artifacts import read_artifact, read_header
+from matplotlib.figure import Figure  # no pyplot: files only, never a window or a global backend
+from matplotlib.patches import Patch
+
+from kvcal import registry
+from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
+from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
-
-
-@dataclass
-class ArtifactSummary:
-    kind: str
-    provenance: list[tuple[str, str]]
-    columns: list[str]
-    rows: list[list[str]] = field(default_factory=list)
+from kvcal.profile import PROFILE_KIND
+from kvcal.registry import ArtifactSummary
+from kvcal.runtime.memory import cache_bytes, segment_lengths
 
 
 def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
@@ -48,48 +49,24 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("profile", provenance, columns, rows)
 
 
+def _get(config, *keys):
+    """config[k1][k2]..., or '-' where the provenance lacks it (a bundle needs it only to be shown)."""
+    for key in keys:
+        if not isinstance(config, dict) or key not in config:
+            return "-"
+        config = config[key]
+    return config
+
+
 def _model_rows(config: dict) -> list[tuple[str, str]]:
-    fingerprint = config["model"]["fingerprint"]
-    calibration = config["calibration"]
+    fingerprint = ("model", "fingerprint")
     return [
-        ("model", config["model"]["spec"]),
-        ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, config {fingerprint['config_sha256']}"),
-        ("calibration", f"{calibration['dataset']}, {calibration['nsamples']} x {calibration['seqlen']}, seed {calibration['seed']}"),
+        ("model", str(_get(config, "model", "spec"))),
+        ("architecture", f"{_get(config, *fingerprint, 'architecture')}: {_get(config, *fingerprint, 'num_layers')} layers, "
+                         f"config {_get(config, *fingerprint, 'config_sha256')}"),
+        ("calibration", f"{_get(config, 'calibration', 'dataset')}, {_get(config, 'calibration', 'nsamples')} x "
+                        f"{_get(config, 'calibration', 'seqlen')}, seed {_get(config, 'calibration', 'seed')}"),
     ]
-
-
-def _codebook(tensor) -> str:
-    return " ".join(f"{value:+.2f}" for value in tensor.tolist())
-
-
-def _nuq_summary(tensors: dict, config: dict) -> ArtifactSummary:
-    nuq = config["nuq"]
-    provenance = _model_rows(config) + [
-        ("settings", f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
-                     f"codebook {nuq['codebook']}, weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}"),
-        ("kvcal version", config["kvcal_version"]),
-    ]
-    rows = [[str(i), str(nuq["bits_k"][i]), str(nuq["bits_v"][i]), _codebook(tensors[f"layers.{i}.k.codebook"]),
-             _codebook(tensors[f"layers.{i}.v.codebook"])] for i in range(len(nuq["bits_k"]))]
-    return ArtifactSummary("nuq", provenance, ["layer", "bits K", "bits V", "K codebook", "V codebook"], rows)
-
-
-def _skvq_summary(tensors: dict, config: dict) -> ArtifactSummary:
-    skvq = config["skvq"]
-    provenance = _model_rows(config) + [
-        ("settings", f"K{skvq['kbits']:g} V{skvq['vbits']:g}, group {skvq['group_size']}, window {skvq['window']}, sink {skvq['sink']}, "
-                     f"clip {skvq['clip']}, reorder {skvq['reorder']}, fp8 {skvq['fp8']}"),
-        ("kvcal version", config["kvcal_version"]),
-    ]
-    rows = []
-    for i in range(config["model"]["fingerprint"]["num_layers"]):
-        cells = [str(i)]
-        for kind in ("k", "v"):
-            starts = tensors[f"layers.{i}.{kind}.group_start"]
-            cells += [" ".join(map(str, (starts[1:] - starts[:-1]).tolist())),
-                      " ".join(f"{a:.2f}" for a in tensors[f"layers.{i}.{kind}.clip"].tolist())]
-        rows.append(cells)
-    return ArtifactSummary("skvq", provenance, ["layer", "K group sizes", "K clip", "V group sizes", "V clip"], rows)
 
 
 EFFECTIVE_BITS_CONTEXTS = (512, 4096)
@@ -98,56 +75,103 @@ EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 def effective_bits(layers: list, width: int, tokens: int) -> float:
     """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory), with each layer's
     outlier fraction of its quantized elements as outliers."""
-    from kvcal.runtime.memory import cache_bytes, segment_lengths
-
     outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width for layer in layers for keys in (True, False)))
     return cache_bytes(layers, width, tokens, outliers) * 8 / (len(layers) * 2 * tokens * width)
 
 
-def _bundle_summary(tensors: dict, config: dict) -> ArtifactSummary:
-    from kvcal.bundle import LayerRecipe
-
-    recipe = config["recipe"]
-    packing = recipe["packing"]
-    fingerprint = config["model"]["fingerprint"]
-    layers = [LayerRecipe(**r) for r in recipe["layers"]]
+def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
+    """The summary of a bundle that load_bundle validated: layers and tensors are sound, provenance is shown as found."""
+    config, layers, tensors = bundle.config, bundle.layers, bundle.tensors
+    fingerprint = bundle.fingerprint
     width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
     bits = ", ".join(f"{effective_bits(layers, width, n):.3f} at {n} tokens" for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
-        ("recipe", f"{recipe['name']}; codes packed {packing['bit_order']} in int{packing['word_bits']} words, layout {packing['layout']}"),
+        ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "
+                   f"layout {PACKING['layout']}"),
         ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill)"),
-        ("kvcal version", config["kvcal_version"]),
+        ("kvcal version", str(_get(config, "kvcal_version"))),
     ]
     columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "RPC K/V", "outliers", "fp8",
                "s_k", "s_v"]
-    rows = [[str(i), r["method"], f"{r['k_bits']:g}", f"{r['v_bits']:g}", str(r["pre_rope"]), str(r["group_size"] or "-"),
-             str(r["window"]), str(r["sink"]), str(r["residual"]), f"{r['rpc_k']:.2g}/{r['rpc_v']:.2g}", f"{r['outliers']:.1%}", str(r["fp8"]),
+    rows = [[str(i), r.method, f"{r.k_bits:g}", f"{r.v_bits:g}", str(r.pre_rope), str(r.group_size or "-"),
+             str(r.window), str(r.sink), str(r.residual), f"{r.rpc_k:.2g}/{r.rpc_v:.2g}", f"{r.outliers:.1%}", str(r.fp8),
              f"{float(tensors[f'layers.{i}.importance.k']):.4g}", f"{float(tensors[f'layers.{i}.importance.v']):.4g}"]
-            for i, r in enumerate(recipe["layers"])]
+            for i, r in enumerate(layers)]
     return ArtifactSummary("bundle", provenance, columns, rows)
 
 
-SUMMARIZERS = {"profile": _profile_summary, "nuq": _nuq_summary, "skvq": _skvq_summary, "bundle": _bundle_summary}
+def _fitted_summary(spec: registry.MethodSpec, tensors: dict, config: dict) -> ArtifactSummary:
+    summary = spec.summarize_artifact(tensors, config)
+    summary.provenance = _model_rows(config) + summary.provenance + [("kvcal version", str(_get(config, "kvcal_version")))]
+    return summary
+
+
+def _malformed(path, kind: str, exc: Exception) -> KvcalError:
+    detail = " ".join(str(exc).split())[:160] or "no detail"
+    return KvcalError(f"'{path}' is a malformed kvcal {kind} ({type(exc).__name__}: {detail}); re-create it with the kvcal command "
+                      "that wrote it")
+
+
+def _as_text(summary: ArtifactSummary) -> ArtifactSummary:
+    """Every cell a string, whatever type an artifact's provenance holds."""
+    summary.provenance = [(str(key), str(value)) for key, value in summary.provenance]
+    summary.columns = [str(column) for column in summary.columns]
+    summary.rows = [[str(cell) for cell in row] for row in summary.rows]
+    return summary
 
 
 def summarize(path: str | Path) -> ArtifactSummary:
     kind, _ = read_header(path)
-    if kind not in SUMMARIZERS:
-        raise KvcalError(f"'{path}' is a kvcal {kind}; this kvcal can summarize: {', '.join(SUMMARIZERS)}")
-    tensors, config = read_artifact(path, kind)
-    return SUMMARIZERS[kind](tensors, config)
+    if kind == BUNDLE_KIND:
+        bundle = load_bundle(path)  # validated like any bundle the runtime would use
+        try:
+            return _as_text(_bundle_summary(bundle))
+        except Exception as exc:  # noqa: BLE001 - a bundle that loads must summarize; never a traceback
+            raise _malformed(path, kind, exc) from exc
+    spec = registry.method_for_artifact(kind)
+    if kind != PROFILE_KIND and spec is None:
+        kinds = [PROFILE_KIND, BUNDLE_KIND, *dict.fromkeys(s.artifact_kind for s in registry.methods() if s.artifact_kind)]
+        raise KvcalError(f"'{path}' is a kvcal {kind}; this kvcal can summarize: {', '.join(kinds)}")
+    tensors, config = read_artifact(path, kind)  # verifies the checksum
+    try:
+        return _as_text(_profile_summary(tensors, config) if kind == PROFILE_KIND else _fitted_summary(spec, tensors, config))
+    except KvcalError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a malformed artifact breaks becomes one line naming it
+        raise _malformed(path, kind, exc) from exc
+
+
+PLOT_FORMATS = tuple(sorted(Figure().canvas.get_supported_filetypes()))
+
+
+def check_plot(path: str | Path, artifact: str | Path) -> Path:
+    """Refuse a --plot destination before anything is printed: the artifact must be a profile, the path a
+    writable file (not the artifact itself) whose extension names an image format."""
+    kind, _ = read_header(artifact)
+    if kind != PROFILE_KIND:
+        raise KvcalError(f"--plot draws a profile's importance; '{artifact}' is a kvcal {kind}: leave --plot out")
+    path = check_writable(path, "--plot", inputs=[artifact])
+    if path.suffix.lstrip(".").lower() not in PLOT_FORMATS:
+        raise KvcalError(f"--plot '{path}' does not end in an image format's extension ({', '.join('.' + f for f in PLOT_FORMATS)}); "
+                         "use e.g. .png")
+    return path
 
 
 def plot_profile(path: str | Path, png: str | Path) -> Path:
-    """Per-layer K and V importance as bars, coloured by the chosen bit width."""
-    import matplotlib
+    """Per-layer K and V importance as bars, coloured by the chosen bit width, written atomically to `png`
+    (any extension matplotlib knows: .png, .pdf, .svg, ...)."""
+    png = check_plot(png, path)
+    tensors, config = read_artifact(path, PROFILE_KIND)
+    try:
+        figure = _importance_figure(tensors, config)
+    except Exception as exc:  # noqa: BLE001
+        raise _malformed(path, PROFILE_KIND, exc) from exc
+    return write_atomically(png, lambda temp: figure.savefig(temp, dpi=120, format=png.suffix.lstrip(".").lower()), "--plot")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    tensors, config = read_artifact(path, "profile")
-    figure, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+def _importance_figure(tensors: dict, config: dict) -> Figure:
+    figure = Figure(figsize=(10, 6))
+    axes = figure.subplots(2, 1, sharex=True)
     palette = {1: "#bbbbbb", 2: "#4c72b0", 3: "#dd8452", 4: "#c44e52"}
     for axis, kind, label in ((axes[0], "k", "key"), (axes[1], "v", "value")):
         importance = tensors[f"importance.{kind}"].numpy()
@@ -157,10 +181,6 @@ def plot_profile(path: str | Path, png: str | Path) -> Path:
         axis.set_title(f"{label} importance; colour = bits (mean {sum(bits) / len(bits):.3f})")
         axis.legend(handles=[Patch(color=palette[w], label=f"{w} bits") for w in sorted(set(bits))], loc="upper right")
     axes[1].set_xlabel("decoder layer")
-    figure.suptitle(f"KVmix importance: {config['model']['spec']}")
+    figure.suptitle(f"KVmix importance: {_get(config, 'model', 'spec')}")
     figure.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(png, dpi=120)
-    plt.close(figure)
-    return png
+    return figure

@@ -37,6 +37,30 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     return model.eval()
 
 
+def fp16_kivi_bundle(model, residual: int = 256):
+    """An in-memory bundle for `model` that stores every token fp16: 4-bit KIVI (G = 16) whose fp16 residual
+    of `residual` tokens is longer than anything a test feeds. KIVI moves keys to the quantized body in whole
+    blocks of the residual and values out of an fp16 FIFO of the residual, so below `residual` tokens nothing
+    is quantized: the cache is an identity quantizer up to fp16 rounding of K/V, and the runtime must give the
+    fp model's tokens."""
+    from kvcal.adapters import adapt
+    from kvcal.bundle import Bundle, LayerRecipe
+
+    adapter = adapt(model)
+    layers = [LayerRecipe("uniform", 4, 4, False, group_size=16, residual=residual) for _ in adapter.layers]
+    return Bundle(Path(f"fp16-kivi-{adapter.model_type}"), "kivi", layers, {}, {"model": {"fingerprint": adapter.fingerprint()}})
+
+
+def left_padded(lengths, seed: int = 0):
+    """(ids, attention mask) of random prompts of `lengths` tokens, left-padded with token 0 to the longest."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, -n:], mask[row, -n:] = torch.randint(3, TINY_VOCAB, (n,), generator=g), 1
+    return ids, mask
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -116,14 +140,17 @@ def fitted(tiny_profile, tmp_path_factory):
 @pytest.fixture(scope="session")
 def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
     """A bundle of every recipe for the tiny Llama (KIVI with G = 4, R = 8 so short tests cross blocks)."""
-    from kvcal.bundle import RECIPES, build_bundle, write_bundle
+    from kvcal import registry
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.methods.kivi import KiviSettings
 
     _, profile = tiny_profile
     folder = tmp_path_factory.mktemp("bundles")
-    artifacts = {"kvquant": {"nuq_path": str(fitted["nuq"])}, "mixed": {"nuq_path": str(fitted["nuq-kvmix"])},
-                 "skvq": {"skvq_path": str(fitted["skvq"])}, "kivi": {"kivi_group": 4, "kivi_residual": 8}, "kvmix": {}}
-    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **artifacts[recipe]))
-            for recipe in RECIPES}
+    artifacts = {"kvquant": (str(fitted["nuq"]), None), "mixed": (str(fitted["nuq-kvmix"]), None), "skvq": (str(fitted["skvq"]), None),
+                 "kivi": (None, KiviSettings(group=4, residual=8)), "kvmix": (None, None)}
+    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, *artifacts[recipe]))
+            for recipe in registry.recipes()}
 
 
 @pytest.fixture(scope="session")
@@ -131,8 +158,10 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16)."""
     from typer.testing import CliRunner
 
-    from kvcal.bundle import build_bundle, write_bundle
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
     from kvcal.cli import app
+    from kvcal.methods.kivi import KiviSettings
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     folder = tmp_path_factory.mktemp("head-dim-64")
@@ -143,7 +172,7 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     assert result.exit_code == 0, result.output
     nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True)))
-    artifacts = {"kvquant": {"nuq_path": str(nuq)}, "mixed": {"nuq_path": str(mixed)}, "kivi": {"kivi_group": 4, "kivi_residual": 8},
-                 "kvmix": {}}
-    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, **extra))
+    artifacts = {"kvquant": (str(nuq), None), "mixed": (str(mixed), None), "kivi": (None, KiviSettings(group=4, residual=8)),
+                 "kvmix": (None, None)}
+    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, *extra))
             for recipe, extra in artifacts.items()}

@@ -1,10 +1,12 @@
 import json
+import os
+import stat
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvcal.artifacts import check_writable, read_artifact, read_header, write_artifact
+from kvcal.artifacts import check_writable, read_artifact, read_header, write_artifact, write_text_atomic
 from kvcal.errors import KvcalError
 
 
@@ -51,3 +53,68 @@ def test_unwritable_destinations_fail_before_work(tmp_path):
         check_writable(blocker / "out.safetensors")
     with pytest.raises(KvcalError, match="is a directory"):
         check_writable(tmp_path)
+
+
+def test_an_existing_out_that_is_not_a_regular_file_is_refused(tmp_path):
+    """Misuse 1: the temp file is renamed over the destination, which would turn a device or fifo into a file."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(KvcalError, match="--out '.*fifo' exists and is a fifo, not a regular file"):
+        check_writable(fifo)
+    with pytest.raises(KvcalError, match="--json '/dev/full' exists and is a character device"):
+        check_writable("/dev/full", "--json")  # only stat'ed: check_writable never writes
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    with pytest.raises(KvcalError, match="is a fifo"):
+        check_writable(link)
+    with pytest.raises(KvcalError, match="a fifo"):
+        write_text_atomic(fifo, "{}")
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    (tmp_path / "regular").write_text("old")
+    assert check_writable(tmp_path / "regular") == tmp_path / "regular"  # a regular file may be replaced
+
+
+def test_an_out_that_is_an_input_is_refused_by_name_link_or_hard_link(tmp_path):
+    """Misuse 6."""
+    source = write_artifact(tmp_path / "p.safetensors", {"a": torch.ones(2)}, "profile", {})
+    (tmp_path / "soft").symlink_to(source)
+    os.link(source, tmp_path / "hard")
+    for out in (source, tmp_path / "soft", tmp_path / "hard", tmp_path / "." / "p.safetensors"):
+        with pytest.raises(KvcalError, match="--out .* is also an input .*choose another --out"):
+            check_writable(out, inputs=[None, "builtin", source])
+    assert check_writable(tmp_path / "q.safetensors", inputs=[source])
+
+
+def test_read_header_names_a_directory_and_a_fifo(tmp_path):
+    with pytest.raises(KvcalError, match="is a directory, not a kvcal artifact"):
+        read_header(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(KvcalError, match="is a fifo, not a kvcal artifact"):  # never opened: reading a fifo would block
+        read_header(tmp_path / "fifo")
+
+
+def test_every_artifact_is_checksummed_over_metadata_and_tensors(tmp_path):
+    """Schema 2: kvcal.config (misuse 4) and the tensors of every kind are under the checksum."""
+    from helpers.artifact_files import rewrite
+
+    path = write_artifact(tmp_path / "p.safetensors", {"a": torch.arange(4.0)}, "profile", {"seed": 1})
+    assert read_artifact(path)[1]["seed"] == 1
+    cases = {"config": dict(config_fn=lambda c: {**c, "seed": 2}),
+             "tensor": dict(tensors_fn=lambda t: {"a": t["a"] + 1}),
+             "metadata": dict(metadata_fn=lambda m: {**m, "kvcal.version": "0"})}
+    for name, edit in cases.items():
+        edited = rewrite(path, tmp_path / f"{name}.safetensors", reseal=False, **edit)
+        with pytest.raises(KvcalError, match="fails its checksum: the file is corrupt or was edited; re-create it"):
+            read_artifact(edited)
+    old = rewrite(path, tmp_path / "old.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "1"})
+    with pytest.raises(KvcalError, match="kvcal profile of schema 1, written by an older kvcal .* reads schema 2: re-create it"):
+        read_header(old)
+    not_object = rewrite(path, tmp_path / "list.safetensors", metadata_fn=lambda m: {**m, "kvcal.config": "[1, 2]"})
+    with pytest.raises(KvcalError, match="not a JSON object"):
+        read_header(not_object)
+
+
+def test_an_unwritable_json_names_json(tmp_path):
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(KvcalError, match="choose another --json"):
+        write_text_atomic(tmp_path / "blocker" / "r.json", "{}")

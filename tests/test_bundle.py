@@ -11,12 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from kvcal.bundle import build_bundle, bundle_method, load_bundle, tensors_checksum, write_bundle
+from helpers.artifact_files import read_metadata, rewrite
+from kvcal import registry
+from kvcal.bundle import load_bundle, write_bundle
+from kvcal.calibration import build_bundle
 from kvcal.errors import KvcalError
-from kvcal.nuq import nuq_method
+from kvcal.methods import artifact_method
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +27,13 @@ def bundle_path(tiny_profile, fitted, tmp_path_factory):
     return write_bundle(tmp_path_factory.mktemp("bundle") / "bundle.safetensors", *build_bundle(str(profile), "kvquant", str(fitted["nuq"])))
 
 
-@pytest.mark.parametrize("recipe", ["kvquant", "mixed", "skvq", "kivi", "kvmix"])
+@pytest.mark.parametrize("recipe", registry.recipes())
 def test_every_recipe_exports_and_loads(recipe_bundles, recipe):
     path = recipe_bundles[recipe]
     bundle = load_bundle(path, model=tiny_model("llama"))
     assert bundle.recipe_name == recipe and len(bundle.layers) == 2
     assert bundle.layers[0].method == {"kvquant": "nuq", "mixed": "nuq", "skvq": "skvq", "kivi": "uniform", "kvmix": "uniform"}[recipe]
-    assert bundle_method(str(path)).name == f"bundle:{recipe}"
+    assert artifact_method(str(path)).name == f"bundle:{recipe}"
     if recipe == "kvmix":
         assert {layer.rpc_k for layer in bundle.layers} <= {0.1, 0.2} and all(layer.group_size == 32 for layer in bundle.layers)
 
@@ -42,7 +44,7 @@ def test_bundle_simulates_exactly_like_its_nuq_artifact(bundle_path, fitted):
     from kvcal.evaluate import evaluate_ppl
 
     windows = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    _, from_artifact, from_bundle = evaluate_ppl(model, adapt(model), windows, [nuq_method(str(fitted["nuq"])), bundle_method(str(bundle_path))])
+    _, from_artifact, from_bundle = evaluate_ppl(model, adapt(model), windows, [artifact_method(str(fitted["nuq"])), artifact_method(str(bundle_path))])
     assert from_artifact.ppl == from_bundle.ppl and from_artifact.effective_bits == from_bundle.effective_bits
 
 
@@ -56,18 +58,6 @@ def test_recipe_needs_its_artifact(tiny_profile, fitted):
         build_bundle(str(profile), "gptq")
 
 
-def rewrite(path, out, tensors_fn=None, metadata_fn=None):
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata())
-    tensors = load_file(str(path))
-    tensors = tensors_fn(tensors) if tensors_fn else tensors
-    metadata = metadata_fn(metadata) if metadata_fn else metadata
-    save_file(tensors, str(out), metadata=metadata)
-    return out
-
-
 def test_truncated_flipped_wrong_schema_missing_tensor_and_other_model_are_refused(bundle_path, tmp_path):
     data = bundle_path.read_bytes()
     truncated = tmp_path / "truncated.safetensors"
@@ -78,16 +68,15 @@ def test_truncated_flipped_wrong_schema_missing_tensor_and_other_model_are_refus
     flipped.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
     with pytest.raises(KvcalError, match="fails its checksum"):
         load_bundle(flipped)
-    schema = rewrite(bundle_path, tmp_path / "schema.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "2"})
-    with pytest.raises(KvcalError, match="schema '2'"):
+    schema = rewrite(bundle_path, tmp_path / "schema.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "3"})
+    with pytest.raises(KvcalError, match="schema '3'"):
         load_bundle(schema)
 
     def drop_codebook(tensors):
         del tensors["layers.1.v.codebook"]
         return tensors
 
-    missing = rewrite(bundle_path, tmp_path / "missing.safetensors", tensors_fn=drop_codebook,
-                      metadata_fn=lambda m: {**m, "kvcal.sha256": tensors_checksum(drop_codebook(load_file(str(bundle_path))))})
+    missing = rewrite(bundle_path, tmp_path / "missing.safetensors", tensors_fn=drop_codebook)
     with pytest.raises(KvcalError, match="lacks tensor layers.1.v.codebook"):
         load_bundle(missing)
     with pytest.raises(KvcalError, match="was made for LlamaForCausalLM.*not for this model \\(Qwen2ForCausalLM"):
@@ -128,7 +117,7 @@ def test_fuzzed_metadata_is_refused_cleanly_or_loads_unchanged(bundle_path, tmp_
             _apply(config, path, value, delete)
         return {**metadata, "kvcal.config": json.dumps(config)}
 
-    fuzzed = rewrite(bundle_path, tmp_path / "fuzzed.safetensors", metadata_fn=mutate)
+    fuzzed = rewrite(bundle_path, tmp_path / "fuzzed.safetensors", metadata_fn=mutate)  # resealed: validation must catch it
     try:
         bundle = load_bundle(fuzzed)
     except KvcalError as error:
@@ -144,7 +133,8 @@ def test_a_write_killed_midway_leaves_no_loadable_bundle(tiny_profile, fitted, t
     target = tmp_path / "killed.safetensors"
     script = f"""
 import torch
-from kvcal.bundle import build_bundle, write_bundle
+from kvcal.bundle import write_bundle
+from kvcal.calibration import build_bundle
 tensors, config = build_bundle({str(profile)!r}, "kvquant", {str(fitted['nuq'])!r})
 tensors["padding"] = torch.zeros(400_000_000, dtype=torch.uint8)  # a large file, so the kill lands mid-write
 write_bundle({str(target)!r}, tensors, config)
@@ -159,3 +149,108 @@ write_bundle({str(target)!r}, tensors, config)
     assert not target.exists()
     with pytest.raises(KvcalError):
         load_bundle(target)
+
+
+def test_a_schema_1_bundle_is_refused_with_a_message_to_re_export_it(bundle_path, tmp_path):
+    """Schema 1 bundles' checksum covered tensors only; schema 2's covers kvcal.config too, so old files are refused."""
+    old = rewrite(bundle_path, tmp_path / "v1.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "1"})
+    with pytest.raises(KvcalError, match=r"schema 1, written by an older kvcal .* re-export it \(kvcal export bundle"):
+        load_bundle(old)
+
+
+@pytest.mark.parametrize("change", ["config", "version", "kind-extra"])
+def test_any_change_of_the_metadata_fails_the_checksum(bundle_path, tmp_path, change):
+    """Misuse 4: kvcal.config (and every other metadata entry) is under the checksum."""
+    def config_fn(config):
+        config["recipe"]["layers"][0]["window"] = 4  # a valid value: only the checksum can tell
+        return config
+
+    edits = {"config": dict(config_fn=config_fn), "version": dict(metadata_fn=lambda m: {**m, "kvcal.version": "9.9"}),
+             "kind-extra": dict(metadata_fn=lambda m: {**m, "note": "edited"})}[change]
+    edited = rewrite(bundle_path, tmp_path / "edited.safetensors", reseal=False, **edits)
+    with pytest.raises(KvcalError, match="fails its checksum"):
+        load_bundle(edited)
+    assert load_bundle(rewrite(bundle_path, tmp_path / "resealed.safetensors", **edits)).layers  # the same edit, resealed, is valid
+
+
+@pytest.mark.parametrize("head_dim", ["16", [16], 16.0, None, 0, -16, True, 2**63])
+def test_a_fingerprint_head_dim_of_the_wrong_type_is_refused(bundle_path, tmp_path, head_dim):
+    """Misuse 3: a string or list head_dim was a TypeError."""
+    def config_fn(config):
+        config["model"]["fingerprint"]["head_dim"] = head_dim
+        return config
+
+    with pytest.raises(KvcalError, match="not positive integers"):
+        load_bundle(rewrite(bundle_path, tmp_path / "fingerprint.safetensors", config_fn=config_fn), model=tiny_model("llama"))
+
+
+@pytest.mark.parametrize("field", ["architecture", "config_sha256"])
+def test_a_fingerprint_missing_a_name_is_refused_for_another_model(bundle_path, tmp_path, field):
+    def config_fn(config):
+        del config["model"]["fingerprint"][field]
+        return config
+
+    with pytest.raises(KvcalError, match="was made for"):
+        load_bundle(rewrite(bundle_path, tmp_path / "fingerprint.safetensors", config_fn=config_fn), model=tiny_model("llama"))
+
+
+BAD_FIELDS = [
+    ("outliers", -1), ("outliers", float("nan")), ("outliers", float("inf")), ("outliers", "x"), ("outliers", None), ("outliers", 2.0),
+    ("outliers", 0.11), ("window", 2**63), ("window", -1), ("window", 30.0), ("sink", 10**12), ("sink", 30.0), ("sink", "30"),
+    ("pre_rope", 0), ("pre_rope", None), ("pre_rope", "yes"), ("pre_rope", 1), ("key_granularity", "x"), ("key_granularity", None),
+    ("key_granularity", ["channel"]), ("fp8", "x"), ("fp8", 0), ("fp8", None), ("k_bits", 5), ("k_bits", 2.5), ("k_bits", True),
+    ("k_bits", "3"), ("v_bits", None), ("rpc_k", 1.0), ("rpc_v", -0.1), ("group_size", 30.0), ("residual", -1), ("packing", "msb"),
+    ("method", "x"), ("method", None), ("method", ["nuq"]),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in BAD_FIELDS])
+def test_every_recipe_field_is_validated_by_type_and_range(bundle_path, tmp_path, field, value):
+    """Misuse 4: each of these loaded before (or crashed the runtime or the CLI later); the bundle is resealed, so
+    only the recipe validation can refuse it."""
+    def config_fn(config):
+        config["recipe"]["layers"][1][field] = value
+        return config
+
+    with pytest.raises(KvcalError, match=r"the recipe of layer 1 is invalid \(" + field):
+        load_bundle(rewrite(bundle_path, tmp_path / "field.safetensors", config_fn=config_fn))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda recipe: recipe.update(name=["kvquant"]), "names recipe"),
+    (lambda recipe: recipe.update(name=None), "names recipe"),
+    (lambda recipe: recipe.update(name="gptq"), "names recipe 'gptq'"),
+    (lambda recipe: recipe.update(packing={"layout": "msb"}), "packs codes as"),
+    (lambda recipe: recipe["layers"][0].update(extra=1), "recipe of layer 0 is malformed"),
+    (lambda recipe: recipe["layers"][0].pop("sink"), "recipe of layer 0 is malformed"),
+    (lambda recipe: recipe["layers"].pop(), "recipe for 1 layers, the model 2"),
+    (lambda recipe: recipe.update(layers={"0": {}}), "recipe for no layers"),
+])
+def test_malformed_recipes_are_refused(bundle_path, tmp_path, edit, message):
+    def config_fn(config):
+        edit(config["recipe"])
+        return config
+
+    with pytest.raises(KvcalError, match=message):
+        load_bundle(rewrite(bundle_path, tmp_path / "recipe.safetensors", config_fn=config_fn))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"layers.0.k.extra": torch.zeros(2)}), "tensors its recipe does not use \\(layers.0.k.extra"),
+    (lambda t: t.update({"rope.inv_freq": t["rope.inv_freq"].double()}), "rope.inv_freq is torch.float64"),
+    (lambda t: t.update({"layers.1.k.renamed": t.pop("layers.1.k.codebook")}), "lacks tensor layers.1.k.codebook"),
+    (lambda t: t["layers.0.v.codebook"].__setitem__(0, float("nan")), "layers.0.v.codebook has values that are not finite"),
+    (lambda t: t["layers.0.importance.k"].__setitem__(0, float("inf")), "layers.0.importance.k has values that are not finite"),
+])
+def test_extra_renamed_retyped_and_non_finite_tensors_are_refused(bundle_path, tmp_path, edit, message):
+    def tensors_fn(tensors):
+        edit(tensors)
+        return tensors
+
+    with pytest.raises(KvcalError, match=message):
+        load_bundle(rewrite(bundle_path, tmp_path / "tensors.safetensors", tensors_fn=tensors_fn))
+
+
+def test_checksum_covers_metadata_and_is_recorded(bundle_path):
+    metadata = read_metadata(bundle_path)
+    assert metadata["kvcal.schema"] == "2" and len(metadata["kvcal.sha256"]) == 64

@@ -1,17 +1,39 @@
 """The command line on tiny local model directories: a full profile-gradients + inspect run, and the
-bad-input matrix (one line on stderr, exit code 2, no output file)."""
+bad-input matrix (one error line on stderr, exit code 2, no output file), the misuses of issue 15 (each
+refused with one line, exit 2, nothing written or overwritten), progress lines for logs, and Ctrl-C."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
+from helpers.artifact_files import rewrite
 from kvcal.artifacts import read_artifact
 from kvcal.cli import app
 
 runner = CliRunner()
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
+def run(*args, env=None):
+    return runner.invoke(app, [str(a) for a in args], env=env)
+
+
+PROGRESS_LINE = re.compile(r"^.+ (\.\.\.|\d+/\d+( \(\d+\.\d s\))?)$")  # "profile: window 3/16 (12.4 s)", "...: loading ..."
+
+
+def refused(result, message: str) -> str:
+    """The error line of a refused command: exit 2, exactly one error line (the last), anything before it a
+    progress line; a traceback or a second message fails."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert lines and lines[-1].startswith("error: ") and message in lines[-1], result.stderr
+    assert all(PROGRESS_LINE.match(line) for line in lines[:-1]), result.stderr
+    return lines[-1]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +96,7 @@ def test_bad_input_gives_one_line_exit_2_and_no_file(tiny_model_dir, corpus, tmp
         out_dir = tmp_path / case.replace(" ", "-")
         default_out = ["--out", out_dir / "profile.safetensors"] if "--out" not in args else []
         result = run("profile-gradients", "--seqlen", 64, "--nsamples", 2, *args, *default_out)
-        lines = result.stderr.strip().splitlines()
-        assert result.exit_code == 2, (case, result.output)
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, result.stderr)
+        refused(result, message)
         assert not out_dir.exists(), case
 
 
@@ -119,7 +139,7 @@ def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_mode
     other = tiny_model_dir("qwen2")
     result = run("eval", "ppl", "--model", other, "--quant", nuq, "--dataset", tiny_corpus, "--seqlen", 32, "--windows", 1)
     assert result.exit_code == 2
-    assert "calibrated for another model (LlamaForCausalLM" in result.stderr and "Qwen2ForCausalLM" in result.stderr
+    assert "was made for LlamaForCausalLM" in result.stderr and "not for --model" in result.stderr and "Qwen2ForCausalLM" in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [(["--bits", 5], "outside 1-4"), (["--outliers", 0.5], r"outside [0, 0.1]")])
@@ -190,3 +210,246 @@ def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, 
         assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"]
     too_long = run("eval", "memory", "--model", model, "--dataset", tiny_corpus, *bundles, "--context", 100_000)
     assert too_long.exit_code == 2 and len(too_long.stderr.strip().splitlines()) == 1
+
+
+# --- issue 15: every misuse refused with one line, exit 2, nothing written or overwritten ---------------------
+
+
+def _copies(tmp_path, **files):
+    """Copies of session artifacts, so that a check that fails cannot destroy the shared fixtures."""
+    copies = {}
+    for name, path in files.items():
+        copies[name] = tmp_path / f"{name}.safetensors"
+        copies[name].write_bytes(path.read_bytes())
+    return copies
+
+
+def test_misuse_1_an_out_that_is_not_a_regular_file_is_refused_and_left_alone(tiny_profile, tiny_corpus, tmp_path):
+    import stat
+
+    model, profile = tiny_profile
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    for out, what in ((fifo, "exists and is a fifo, not a regular file"), (folder, "is a directory")):
+        refused(run("fit-nuq", profile, "--out", out), what)
+        refused(run("fit-skvq", profile, "--out", out), what)
+        refused(run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--out", out), what)
+        refused(run("profile-gradients", "--model", model, "--dataset", tiny_corpus, "--out", out), what)
+        refused(run("calibrate", "--model", model, "--dataset", tiny_corpus, "--out", out), what)
+        refused(run("inspect", profile, "--plot", out), what)
+    json_fifo = tmp_path / "report.json"
+    os.mkfifo(json_fifo)
+    refused(run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--json", json_fifo), "--json")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and stat.S_ISFIFO(json_fifo.stat().st_mode) and folder.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.safetensors", "folder.safetensors", "report.json"]
+
+
+def test_misuse_2_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, fitted, tmp_path):
+    data = recipe_bundles["kvquant"].read_bytes()
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(data[:-10] + bytes([data[-10] ^ 0x01]) + data[-9:])
+    result = refused(run("inspect", flipped), "fails its checksum")
+    assert str(flipped) in result
+
+    def bad_outliers(config):
+        config["recipe"]["layers"][0]["outliers"] = "x"
+        return config
+
+    resealed = rewrite(recipe_bundles["kvquant"], tmp_path / "resealed.safetensors", config_fn=bad_outliers)
+    refused(run("inspect", resealed), "the recipe of layer 0 is invalid (outliers 'x'")
+
+    def drop(name):
+        def tensors_fn(tensors):
+            del tensors[name]
+            return tensors
+        return tensors_fn
+
+    _, profile = tiny_profile
+    no_bits = rewrite(profile, tmp_path / "profile.safetensors", tensors_fn=drop("kvmix.bits.k"))
+    assert str(no_bits) in refused(run("inspect", no_bits), "is a malformed kvcal profile (KeyError")
+    no_codebook = rewrite(fitted["nuq"], tmp_path / "nuq.safetensors", tensors_fn=drop("layers.1.v.codebook"))
+    refused(run("inspect", no_codebook), "is a malformed kvcal nuq (KeyError")
+
+    def text_bits(config):
+        config["skvq"]["kbits"] = "two"
+        return config
+
+    refused(run("inspect", rewrite(fitted["skvq"], tmp_path / "skvq.safetensors", config_fn=text_bits)), "is a malformed kvcal skvq")
+    refused(run("inspect", tmp_path), "is a directory, not a kvcal artifact")
+
+
+@pytest.mark.parametrize("recipe, bits, message", [
+    ("kivi", 5, "--bits 5 does not fit recipe kivi: KIVI bits 5 is not one of 1, 2, 3, 4"),
+    ("kivi", 0, "--bits 0 does not fit recipe kivi: KIVI bits 0 is not one of 1, 2, 3, 4"),
+    ("kivi", -1, "--bits -1 does not fit recipe kivi"),
+    ("kvquant", 5, "--bits 5 is outside 1-4"),
+    ("skvq", 0, "--bits 0 does not fit recipe skvq: "),
+    ("mixed", 3, "--bits does not apply to recipe mixed"),
+    ("kvmix", 2, "--bits does not apply to recipe kvmix"),
+])
+def test_misuse_5_calibrate_checks_settings_before_the_model_is_loaded(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch,
+                                                                       recipe, bits, message):
+    import kvcal.profile
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(kvcal.profile, "load_model", no_loading)
+    out = tmp_path / "run" / "bundle.safetensors"
+    result = run("calibrate", "--model", tiny_model_dir("llama"), "--dataset", tiny_corpus, "--recipe", recipe, "--bits", bits, "--out", out)
+    assert len(result.stderr.strip().splitlines()) == 1  # refused before any progress
+    refused(result, message)
+    assert not out.parent.exists()
+
+
+def test_misuse_6_an_out_equal_to_an_input_is_refused_and_the_input_kept(tiny_profile, tiny_corpus, fitted, tmp_path):
+    model, profile = tiny_profile
+    files = _copies(tmp_path, profile=profile, nuq=fitted["nuq"], skvq=fitted["skvq"])
+    p, n, s = files["profile"], files["nuq"], files["skvq"]
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(tiny_corpus.read_text())
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(p)
+    before = {path: path.read_bytes() for path in (p, n, s, corpus)}
+    cases = [
+        (["fit-nuq", p, "--out", p], "--out"), (["fit-nuq", p, "--out", link], "--out"), (["fit-skvq", p, "--out", p], "--out"),
+        (["export", "bundle", "--profile", p, "--nuq", n, "--out", n], "--out"),
+        (["export", "bundle", "--profile", p, "--nuq", n, "--out", p], "--out"),
+        (["export", "bundle", "--profile", p, "--recipe", "skvq", "--skvq", s, "--out", s], "--out"),
+        (["inspect", p, "--plot", p], "--plot"),
+        (["eval", "ppl", "--model", model, "--quant", n, "--dataset", corpus, "--json", n], "--json"),
+        (["profile-gradients", "--model", model, "--dataset", corpus, "--out", corpus], "--out"),
+        (["calibrate", "--model", model, "--dataset", corpus, "--out", corpus], "--out"),
+    ]
+    for args, option in cases:
+        line = refused(run(*args), "is also an input")
+        assert line.startswith(f"error: {option} "), line
+    refused(run("calibrate", "--model", model, "--dataset", corpus, "--out", tmp_path / "run" / "profile.safetensors"),
+            "is where the profile is written beside the bundle")
+    refused(run("calibrate", "--model", model, "--dataset", corpus, "--out", tmp_path / "run" / "nuq.safetensors"),
+            "is where the nuq is written beside the bundle")
+    assert {path: path.read_bytes() for path in before} == before and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("blocker/importance.png", "is not a writable folder; choose another --plot"),
+    ("folder", "--plot 'FOLDER' is a directory"),
+    ("importance.xyz", "does not end in an image format's extension"),
+    ("importance", "does not end in an image format's extension"),
+])
+def test_misuse_7_a_bad_plot_path_is_refused_before_the_table(tiny_profile, tmp_path, plot, message):
+    _, profile = tiny_profile
+    (tmp_path / "blocker").write_text("x")
+    (tmp_path / "folder").mkdir()
+    result = run("inspect", profile, "--plot", tmp_path / plot)
+    refused(result, message.replace("FOLDER", str(tmp_path / "folder")))
+    assert result.stdout == ""
+
+
+def test_misuse_7_plot_of_a_bundle_is_refused_before_the_table_and_svg_works(recipe_bundles, tiny_profile, tmp_path):
+    result = run("inspect", recipe_bundles["kivi"], "--plot", tmp_path / "x.png")
+    refused(result, "--plot draws a profile's importance; ")
+    assert result.stdout == "" and not (tmp_path / "x.png").exists()
+    drawn = run("inspect", tiny_profile[1], "--plot", tmp_path / "importance.svg")
+    assert drawn.exit_code == 0 and (tmp_path / "importance.svg").read_text().lstrip().startswith("<?xml")
+    assert [p.name for p in tmp_path.iterdir()] == ["importance.svg"]  # no temp file left
+
+
+def test_misuse_8_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
+    model, _ = tiny_profile
+    common = ["--model", model, "--dataset", tiny_corpus, "--quant", recipe_bundles["kivi"]]
+    refused(run("eval", "generate", *common, "--prompt-tokens", 5000),
+            "--prompt-tokens 5000 + --new-tokens 128 = 5128 positions, above the model's maximum of 256")
+    refused(run("eval", "memory", *common, "--context", 5000), "--context 5000 = 5000 positions, above the model's maximum of 256")
+    refused(run("eval", "passkey", *common, "--lengths", "128,300"),
+            "--lengths 300 + the 8-token answer = 308 positions, above the model's maximum of 256")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    for command in (["eval", "ppl", "--model", model, "--dataset", tiny_corpus], ["eval", "generate", *common],
+                    ["eval", "passkey", *common], ["eval", "memory", *common]):
+        line = refused(run(*command, "--json", blocker / "report.json"), "choose another --json")
+        assert "--out" not in line
+
+
+def test_misuse_8_inspect_on_a_directory_or_a_missing_file(tmp_path):
+    refused(run("inspect", tmp_path), f"'{tmp_path}' is a directory, not a kvcal artifact")
+    refused(run("inspect", tmp_path / "missing.safetensors"), "does not exist")
+
+
+def test_misuse_8_ctrl_c_prints_interrupted_exit_130_and_writes_nothing(tiny_model_dir, tiny_corpus, tmp_path):
+    out = tmp_path / "out" / "profile.safetensors"
+    command = [sys.executable, "-m", "kvcal", "profile-gradients", "--model", str(tiny_model_dir("llama")), "--dataset",
+               str(tiny_corpus), "--nsamples", "150", "--seqlen", "64", "--out", str(out)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in process.stderr:  # stderr is a pipe: plain progress lines
+        lines.append(line.rstrip("\n"))
+        if line.startswith("profile: window 2/"):
+            process.send_signal(signal.SIGINT)
+            break
+    _, rest = process.communicate(timeout=120)
+    lines += rest.splitlines()
+    assert process.returncode == 130, lines
+    assert lines[-1] == "interrupted" and not any("Traceback" in line for line in lines), lines
+    assert not out.exists() and (not out.parent.exists() or not any(out.parent.iterdir()))
+
+
+def test_ctrl_c_in_a_fit_is_reported_too(tiny_profile, tmp_path, monkeypatch):
+    import kvcal.nuq
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvcal.nuq, "fit_nuq", interrupted)
+    result = run("fit-nuq", tiny_profile[1], "--out", tmp_path / "nuq.safetensors")
+    assert result.exit_code == 130 and result.stderr.strip().splitlines()[-1] == "interrupted"
+    assert not any(tmp_path.iterdir())
+
+
+# --- progress -----------------------------------------------------------------------------------------------
+
+
+def test_progress_in_a_log_is_one_plain_line_per_stage_and_window(tiny_model_dir, tiny_corpus, tmp_path):
+    out = tmp_path / "a-folder-with-a-long-name-so-that-the-last-line-is-longer-than-eighty-columns" / "bundle.safetensors"
+    result = run("calibrate", "--model", tiny_model_dir("llama"), "--dataset", tiny_corpus, "--nsamples", 3, "--seqlen", 48, "--out", out)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    timed = r" \(\d+\.\d s\)"
+    expected = [r"1/3 profile: loading model and text \.\.\.", r"1/3 profile: window 0/3"]
+    expected += [rf"1/3 profile: window {i}/3{timed}" for i in (1, 2, 3)]
+    expected += [r"2/3 fit nuq 0/2"] + [rf"2/3 fit nuq {i}/2{timed}" for i in (1, 2)]
+    expected += [r"3/3 export bundle \.\.\.", rf"wrote {re.escape(str(out))} \(with nuq.safetensors, profile.safetensors beside it\) in \d+\.\d s"]
+    assert len(lines) == len(expected), lines
+    for line, pattern in zip(lines, expected):
+        assert re.fullmatch(pattern, line), (line, pattern)
+    assert len(lines[-1]) > 80  # one line however long: nothing wraps
+
+
+def test_progress_in_a_terminal_is_the_rich_display(monkeypatch):
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    import kvcal.cli as cli
+
+    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), force_terminal=True, width=80))
+    assert isinstance(cli._progress(), Progress)
+    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), width=80))
+    assert isinstance(cli._progress(), cli._LogProgress)
+
+
+def test_the_command_silences_the_gguf_loaders_own_tqdm_bar():
+    """transformers' GGUF loader iterates `tqdm(reader.tensors, desc="Converting and de-quantizing GGUF tensors...")`
+    with tqdm.auto imported in transformers.modeling_gguf_pytorch_utils; the `kvcal` entry point silences it."""
+    code = ("import sys\nimport kvcal.cli as cli\ncli.app = lambda: None\nif sys.argv[1] == 'main':\n    cli.main()\n"
+            "from transformers.modeling_gguf_pytorch_utils import tqdm\n"
+            "for _ in tqdm(range(3), desc='Converting and de-quantizing GGUF tensors...'):\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    loud, quiet = (subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, env=env, timeout=120)
+                   for arg in ("library", "main"))
+    assert loud.returncode == quiet.returncode == 0, (loud.stderr, quiet.stderr)
+    assert "Converting and de-quantizing GGUF tensors" in loud.stderr
+    assert "Converting" not in quiet.stderr

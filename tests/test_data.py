@@ -1,10 +1,12 @@
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import TINY_VOCAB
-from kvcal.data import builtin_text, load_text, sample_windows, tokenize
+from kvcal.data import PYTHON_CODE, builtin_text, load_text, sample_windows, tokenize
 from kvcal.errors import KvcalError
 
 
@@ -57,3 +59,11 @@ def test_asking_for_more_text_than_exists_says_how_many_tokens():
         sample_windows(torch.arange(100), 1, 128, seed=0)
     with pytest.raises(KvcalError, match="has only 1000"):
         sample_windows(torch.arange(1000), 8, 128, seed=0)
+
+
+def test_python_code_is_the_standard_library_source_in_file_order():
+    text = load_text(PYTHON_CODE)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = [line[len("# file: "):] for line in text.splitlines() if line.startswith("# file: ")]
+    assert names == sorted(p.name for p in stdlib.glob("*.py")) and "os.py" in names
+    assert (stdlib / "os.py").read_text() in text and len(text) > 1_000_000

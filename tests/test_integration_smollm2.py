@@ -65,10 +65,12 @@ def test_smollm2_runtime_decoding_tracks_the_simulation(smollm2_profile, smollm2
     sits that close to a rounding boundary flips, after which the positions differ by O(1). What must hold:
     the mean NLL agrees within 0.05 nats, while both are clearly above fp's."""
     from conftest import WIKITEXT_VALID
-    from test_runtime_cache import decode_token_by_token
+    from helpers import decode_token_by_token
 
     from kvcal.adapters import adapt
-    from kvcal.bundle import build_bundle, bundle_method, write_bundle
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.methods import artifact_method
     from kvcal.simulate import StorageTally, simulated
 
     profile, _ = smollm2_profile
@@ -80,7 +82,7 @@ def test_smollm2_runtime_decoding_tracks_the_simulation(smollm2_profile, smollm2
         return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
 
     with torch.inference_mode():
-        with simulated(model, adapt(model), bundle_method(str(bundle)), StorageTally()):
+        with simulated(model, adapt(model), artifact_method(str(bundle)), StorageTally()):
             simulated_nll = nll(model(ids).logits)
         runtime_logits, cache = decode_token_by_token(model, bundle, ids)
         fp_nll = nll(model(ids).logits)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcal.runtime import kernel_source, kernels
-from test_runtime_kernels import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
                                   filled)
+from kvcal.runtime import kernel_source, kernels
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
@@ -132,7 +132,7 @@ def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_
     """The whole cache path (transformers -> RuntimeLayer -> append and decode kernels) on a tiny Llama with
     head_dim 64 gives the logits of the torch reference runtime, token by token, within 2e-3."""
     from conftest import tiny_model
-    from test_runtime_cache import decode_token_by_token
+    from helpers import decode_token_by_token
 
     model = tiny_model("llama", head_dim=64)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -145,3 +145,27 @@ def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_
             reference, cache = decode_token_by_token(model, bundle, ids)
         assert not any(layer.use_kernels for layer in cache.layers)
     torch.testing.assert_close(with_kernels, reference, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi"))
+def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for_1_and_8_sequences(on_cpu, head_dim_64_bundles,
+                                                                                                   recipe, monkeypatch):
+    """The kernel path's decode step (appends through a staging area, the fused attention) reads no tensor back
+    but the outlier-count snapshot, a pinned host copy on CUDA read once its event is done; its torch operations
+    do not depend on the batch size."""
+    from conftest import tiny_model
+    from helpers import decode_step_operations, host_reads
+
+    from kvcal.runtime import quantized_cache
+
+    model = tiny_model("llama", head_dim=64)
+    bundle = head_dim_64_bundles[recipe]
+    assert decode_step_operations(model, bundle, 1) == decode_step_operations(model, bundle, 8)
+    ids = torch.randint(3, 512, (4, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        model(ids[:, :-2], past_key_values=cache, use_cache=True)
+        model(ids[:, -2:-1], past_key_values=cache, use_cache=True)
+        assert all(layer.use_kernels for layer in cache.layers)
+        with host_reads(monkeypatch) as callers:
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+    assert set(callers) <= {"_refresh_bound"}, callers

@@ -1,9 +1,46 @@
+"""kvcal.methods: every artifact, bundle and baseline spec becomes a simulation Method through the registry."""
+
 import pytest
+import torch
 
 from kvcal.errors import KvcalError
-from kvcal.methods import artifact_method
+from kvcal.methods import artifact_method, baseline_method
+from kvcal.methods.kivi import kivi_layer
+from kvcal.quantizers import LayerCodecs, TokenUniform
 
 
 def test_a_profile_is_not_an_evaluable_method(tiny_profile):
     with pytest.raises(KvcalError, match="is a kvcal profile; --quant takes a nuq or skvq or bundle artifact"):
         artifact_method(str(tiny_profile[1]))
+
+
+def test_specs_and_defaults():
+    method = baseline_method("int4", 3, 64)
+    assert method.name == "int4-g64" and method.layers[0] == LayerCodecs(TokenUniform(4, 64), TokenUniform(4, 64), False) and len(method.layers) == 3
+    kivi = baseline_method("kivi2", 2, 64)
+    assert kivi.name == "kivi2-g32-r128" and kivi.layers[0] == kivi_layer(2, 32) and kivi.policy.residual == 128
+    assert baseline_method("kivi3-g64-r64", 1, 64).policy.residual == 64
+
+
+@pytest.mark.parametrize("spec, message", [("int5", "bits must be 1-4"), ("fp8", "unknown baseline"), ("kivi0", "not one of 1, 2, 3, 4"),
+                                           ("kivi2-g32-r100", "multiple of the group"), ("int2-g64-r128", "no residual")])
+def test_bad_specs(spec, message):
+    with pytest.raises(KvcalError, match=message):
+        baseline_method(spec, 2, 64)
+
+
+@pytest.mark.parametrize("spec, bits", [("hadamard-int4", 4.5), ("hadamard-int2", 2.5), ("turbo3", 3.25), ("q4_0", 4.5),
+                                        ("q8_0", 8.5), ("q5_1", 6.0), ("iq4_nl", 4.5)])
+def test_rotation_and_llama_cpp_baselines_store_their_real_bits(spec, bits):
+    method = baseline_method(spec, 2, 64)
+    assert method.name == spec and len(method.layers) == 2 and not method.layers[0].key_pre_rope
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0))
+    for codec in (method.layers[0].key_codec, method.layers[0].value_codec):
+        stored = codec.quantize(x)
+        assert torch.all(stored.row_bits == bits * 128)
+        assert (stored.values - x).abs().max() < 0.6 * x.abs().max()
+
+
+def test_a_baseline_that_needs_power_of_two_heads_says_so():
+    with pytest.raises(KvcalError, match="power of two"):
+        baseline_method("hadamard-int4", 2, 48)

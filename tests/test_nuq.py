@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.nuq import NuqSettings, fit_codebook, fit_nuq, load_nuq_layers, nuq_method, write_nuq
+from kvcal.methods import artifact_method
+from kvcal.nuq import NuqSettings, fit_codebook, fit_nuq, write_nuq
 from kvcal.quantizers import nearest_codes
 
 
@@ -24,6 +25,11 @@ def test_qnorm_restores_mean_and_std_of_the_inliers():
     torch.testing.assert_close(normed[codes].std(), points.std(), rtol=1e-4, atol=1e-5)
 
 
+def stored_rows(codec, x):
+    """Token row of every outlier the codec keeps aside."""
+    return codec.encode(x).outliers[0]
+
+
 def test_fit_from_a_profile_is_deterministic_and_complete(tiny_profile, tmp_path):
     _, profile = tiny_profile
     settings = NuqSettings(bits=3, outliers=0.01, sink=1)
@@ -37,11 +43,14 @@ def test_fit_from_a_profile_is_deterministic_and_complete(tiny_profile, tmp_path
         assert torch.all(tensors[f"layers.{layer}.k.lo"] < tensors[f"layers.{layer}.k.hi"])
     assert config["nuq"]["bits_k"] == [3, 3] and config["model"]["fingerprint"]["model_type"] == "llama"
     path = write_nuq(tmp_path / "nuq.safetensors", tensors, config)
-    layers, _ = load_nuq_layers(str(path))
+    method = artifact_method(str(path))
+    layers = method.layers
     keys = torch.randn(20, 32)
     stored = layers[0].key_codec.quantize(keys)
-    assert stored.values.shape == keys.shape and stored.fixed_bits == 2 * 16 * 32 + 16 * 8
-    assert nuq_method(str(path)).name == "nuq3-1%"
+    assert stored.values.shape == keys.shape
+    # 32 three-bit codes in 4 words of 10; per-channel thresholds are in the bundle, 8 bytes per outlier
+    assert torch.equal(stored.row_bits, 4 * 32 + torch.bincount(stored_rows(layers[0].key_codec, keys), minlength=20) * 64.0)
+    assert method.name == "nuq3-1%"
 
 
 def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
@@ -55,7 +64,7 @@ def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
     assert config["nuq"]["bits_v"] == profiled["kvmix.bits.v"].tolist()
     assert tensors["layers.0.v.codebook"].numel() == 2 ** config["nuq"]["bits_v"][0]
     assert "layers.0.k.lo" not in tensors  # per-token keys: thresholds online
-    method = nuq_method(str(write_nuq(tmp_path / "n.safetensors", tensors, config)))
+    method = artifact_method(str(write_nuq(tmp_path / "n.safetensors", tensors, config)))
     assert method.name.startswith("nf") and "K per-token" in method.name and "Q-Norm on" in method.name
 
 

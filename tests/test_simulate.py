@@ -1,12 +1,16 @@
 """The simulated quantization against an independent step-by-step decode of the same cache policy."""
 
+import pytest
 import torch
 
 from conftest import tiny_model
 from kvcal.adapters import adapt
-from kvcal.baselines import baseline_method, kivi_layer
-from kvcal.quantizers import Quantized, uniform_per_channel, uniform_per_token
-from kvcal.simulate import LayerCodecs, Method, SegmentPolicy, StorageTally, _LayerState, as_cached, simulated
+from kvcal.errors import KvcalError
+from kvcal.kv import SegmentPolicy, as_cached
+from kvcal.methods import baseline_method
+from kvcal.methods.kivi import kivi_layer
+from kvcal.quantizers import LayerCodecs, Quantized, uniform_per_channel, uniform_per_token
+from kvcal.simulate import Method, StorageTally, SimulatedLayer, simulated
 
 
 class Identity:
@@ -71,7 +75,7 @@ def test_kivi_simulation_equals_token_by_token_decode():
     query = torch.randn(1, heads, tokens, head_dim, generator=g)
     keys = torch.randn(1, kv_heads, tokens, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)
     values = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
-    state = _LayerState(kivi_layer(bits=2, group=4), SegmentPolicy(residual=8), torch.ones(4), 1.0, StorageTally())
+    state = SimulatedLayer(kivi_layer(bits=2, group=4), SegmentPolicy(residual=8), torch.ones(4), 1.0, StorageTally())
     got = state.attend(query, keys, values, scaling=0.35)[0]
     expected = kivi_decode_reference(query[0], keys[0], values[0], 2, 4, 8, 0.35)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -80,7 +84,7 @@ def test_kivi_simulation_equals_token_by_token_decode():
 def test_effective_bits_count_fp16_tokens_at_the_evaluated_length():
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode(), simulated(model, adapt(model), baseline_method("kivi2-g4-r8", 2), StorageTally()) as tally:
+    with torch.inference_mode(), simulated(model, adapt(model), baseline_method("kivi2-g4-r8", 2, 16), StorageTally()) as tally:
         model(ids)
     # keys: 40 tokens all flushed, 2 bits + fp16 scale and zero per channel per 4 tokens = 10 bits
     # values: 32 quantized tokens at 2 + 32/4 = 10 bits, the last 8 in fp16
@@ -122,7 +126,36 @@ def test_skvq_window_and_sink_simulation_equals_token_by_token_decode():
     permutation, starts = channel_groups(flat.amin(0), flat.amax(0), 2, reorder=True, seed=0)
     scheme = LayerCodecs(SkvqTensor(permutation, starts, torch.tensor([0.9, 0.7]), 2, fp8=True),
                          SkvqTensor(permutation, starts, torch.tensor([1.0, 0.8]), 1.5, fp8=False), key_pre_rope=False)
-    state = _LayerState(scheme, SegmentPolicy(sink=3, window=6), torch.ones(4), 1.0, StorageTally())
+    state = SimulatedLayer(scheme, SegmentPolicy(sink=3, window=6), torch.ones(4), 1.0, StorageTally())
     got = state.attend(query, keys, values, scaling=0.35)[0]
     expected = window_decode_reference(query[0], keys[0], values[0], scheme.key_codec.quantize, scheme.value_codec.quantize, 3, 6, 0.35)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_the_simulation_does_not_implement_is_refused_by_name():
+    """Mistral with an 8-token window: windows of at most 8 tokens are exact (the window hides nothing),
+    longer ones are refused naming the window; the model is left as it was either way."""
+    model = tiny_model("mistral", sliding_window=8)
+    method = Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1))
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids[:, :8]).logits
+        with simulated(model, adapt(model), method, StorageTally()):
+            torch.testing.assert_close(model(ids[:, :8]).logits, expected, rtol=1e-3, atol=5e-4)
+            with pytest.raises(KvcalError, match="sliding window of 8 tokens.*--seqlen 8"):
+                model(ids)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_one_simulation_at_a_time_and_only_over_whole_windows():
+    model = tiny_model("llama")
+    method = Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1))
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), simulated(model, adapt(model), method, StorageTally()):
+        with pytest.raises(KvcalError, match="wired for a kvcal simulation .* still open"):
+            with simulated(model, adapt(model), method, StorageTally()):
+                pass
+        with pytest.raises(KvcalError, match="whole windows in one forward"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model(ids, use_cache=False)  # the simulation still serves after the refusals
+    assert model.config._attn_implementation == "sdpa"

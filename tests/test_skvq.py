@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.methods import artifact_method
 from kvcal.quantizers import uniform_per_token
 from kvcal.skvq import (
     SkvqSettings,
@@ -9,7 +10,6 @@ from kvcal.skvq import (
     channel_groups,
     clipped_dynamic,
     fit_skvq,
-    skvq_method,
     write_skvq,
 )
 
@@ -61,7 +61,7 @@ def test_clipping_ternary_and_fp8():
     ternary = SkvqTensor(permutation, starts, torch.ones(1), 1.5, fp8=False).quantize(x).values
     assert all(len(row.unique()) <= 3 for row in ternary)
     stored = SkvqTensor(permutation, starts, torch.ones(1), 1.5, fp8=True).quantize(x)
-    assert stored.row_bits[0] == 48 * 1.6 + 2 * 8  # 20 ternary codes per int32, fp8 scale and zero
+    assert stored.row_bits[0] == 3 * 32 + 2 * 8  # 48 ternary codes in 3 words of 20, fp8 scale and zero
 
 
 def test_fit_is_deterministic_and_searches_clipping(tiny_profile, tmp_path):
@@ -72,7 +72,7 @@ def test_fit_is_deterministic_and_searches_clipping(tiny_profile, tmp_path):
     assert all(torch.equal(tensors[n], again[n]) for n in tensors)
     assert tensors["layers.1.k.perm"].shape == (32,) and tensors["layers.1.v.group_start"].shape == (3,)
     assert torch.all((tensors["layers.0.k.clip"] >= 0.3) & (tensors["layers.0.k.clip"] <= 1.0))
-    method = skvq_method(str(write_skvq(tmp_path / "s.safetensors", tensors, config)))
+    method = artifact_method(str(write_skvq(tmp_path / "s.safetensors", tensors, config)))
     assert method.name == "skvq-K2V2-g16-w8-s2" and method.policy.window == 8 and method.policy.sink == 2
 
 

@@ -14,5 +14,31 @@ def test_every_artifact_kind_has_a_per_layer_summary(tiny_profile, tmp_path):
         summary = summarize(path)
         assert summary.kind == kind and column in summary.columns and len(summary.rows) == 2
         assert dict(summary.provenance)["model"]
-    with pytest.raises(KvcalError, match="is a kvcal nuq, expected a profile"):
+    with pytest.raises(KvcalError, match="--plot draws a profile's importance; .* is a kvcal nuq"):
         plot_profile(nuq, tmp_path / "x.png")
+
+
+def test_a_bundle_is_summarized_once_validated_and_missing_provenance_shows_as_a_dash(recipe_bundles, tmp_path):
+    from helpers.artifact_files import rewrite
+
+    def drop_provenance(config):
+        del config["calibration"], config["kvcal_version"]
+        return config
+
+    bare = rewrite(recipe_bundles["kvmix"], tmp_path / "bare.safetensors", config_fn=drop_provenance)
+    provenance = dict(summarize(bare).provenance)
+    assert provenance["calibration"] == "-, - x -, seed -" and provenance["kvcal version"] == "-"
+    edited = rewrite(recipe_bundles["kvmix"], tmp_path / "edited.safetensors", config_fn=drop_provenance, reseal=False)
+    with pytest.raises(KvcalError, match="fails its checksum"):
+        summarize(edited)
+
+
+def test_plot_destinations_are_checked_before_drawing(tiny_profile, fitted, tmp_path):
+    from kvcal.summary import check_plot
+
+    _, profile = tiny_profile
+    with pytest.raises(KvcalError, match="does not end in an image format's extension"):
+        check_plot(tmp_path / "importance.txt", profile)
+    with pytest.raises(KvcalError, match="--plot draws a profile's importance; .* is a kvcal nuq"):
+        check_plot(tmp_path / "importance.png", fitted["nuq"])
+    assert plot_profile(profile, tmp_path / "importance.pdf").read_bytes().startswith(b"%PDF")

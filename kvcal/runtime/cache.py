@@ -1,16 +1,37 @@
 """The quantized KV cache for Hugging Face models: `model.generate(..., past_key_values=cache)`.
 
-`QuantizedCache(model, bundle)` builds one store per layer for K and one for V from the bundle's recipe
-(kvcal.runtime.segments) and wires the model: an attention implementation that appends to the stores
-and attends over them (kvcal.runtime.reference), a hook that hands pre-RoPE keys to the cache (the model
-only passes rotated keys to its cache), and a hook that records each token's RoPE position. `close()` (or
-leaving `with`) unwires the model. Storage is allocated at the first forward, when the batch is known.
+`quantized_cache(model, bundle)` returns a `WiredCache`, a transformers `Cache` of one `RuntimeLayer` per
+model layer, each with a store for K and one for V built from the bundle's recipe (kvcal.runtime.segments);
+it refuses a bundle made for another model. While open (until `close()` or the end of its `with` block) the
+model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
+AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends
+over them (kvcal.runtime.reference, or the CUDA kernels), and hooks that hand it the pre-RoPE keys and
+position ids. The wiring is shared and reference-counted: several caches may be open on one model (each
+call is served by the cache passed as `past_key_values`), and the model's own attention implementation
+comes back when the last one closes. Storage is allocated at the first forward, when the batch is known.
+
+Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
+another model (instance) than its own, or made from a bundle for another model; a wired model called
+without its cache (no `past_key_values`, or another cache); a simulation opened while a cache is (see
+kvcal.simulate).
 
 Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks logit by logit):
 - the cache holds fp16; padding (from the attention mask) is never stored, each sequence has its own length;
 - a one-token step (decode) appends its token first, then attends over the cache as stored;
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
-  (causal), then appends them, quantizing what leaves the fp16 segments.
+  (causal), then appends them, quantizing what leaves the fp16 segments;
+- a layer with a sliding window (Mistral's `sliding_window`, Qwen2's sliding layers: transformers passes the
+  window to the attention) attends, per sequence, over its last `window` tokens as transformers does; all
+  tokens stay stored, and past the window such a layer decodes with the reference, not the CUDA kernels.
+
+One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
+sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
+a layout) is made by the first layer of a forward and reused by the others. A decode step appends the batch's
+tokens with one store operation per segment (one encode of the codec, or one launch of the append kernels) per
+layer and per K/V, then attends over the whole batch at once (the batched reference, or one fused kernel
+launch); its torch operations do not depend on the batch size (a test counts them). The kernel path never
+waits for the device within a step: the one host read of a step is which tokens are padding, made only when
+the step has an attention mask (transformers' own mask building reads it then too) and skipped when it has none.
 """
 
 from __future__ import annotations
@@ -20,10 +41,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt
+from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
-from kvcal.runtime import reference
-from kvcal.simulate import as_cached
+from kvcal.runtime import kernels, reference
+from kvcal.runtime.store import upload
 
 ATTENTION_NAME = "kvcal_runtime"
 
@@ -36,11 +59,12 @@ class RuntimeLayer(CacheLayerMixin):
         self.make_store, self.pre_rope = make_store, pre_rope
         self.inv_freq, self.rope_scaling = adapter.inv_freq, adapter.rope_attention_scaling
         self.keys_store = self.values_store = None
-        self.position_offset: list[int | None] = []
+        self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
         self.pending_pre_rope: torch.Tensor | None = None
-        self.pending_positions: torch.Tensor | None = None
         self.use_kernels: bool | None = None  # CUDA decode kernels, decided at the first decode step
+        self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
+        self._launches: list | None = None  # kernels.Segments of this layer's stores (made once, they cache descriptors)
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -61,89 +85,107 @@ class RuntimeLayer(CacheLayerMixin):
     def _allocate(self, batch: int, width: int, device) -> None:
         self.keys_store = self.make_store("k", batch, width, device)
         self.values_store = self.make_store("v", batch, width, device)
-        self.position_offset = [None] * batch
-        self.inv_freq = self.inv_freq.to(device)
+        self.inv_freq = self.cache.inv_freq_on(device) if self.cache is not None else self.inv_freq.to(device)
 
     def _rotated(self, keys: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scaling: float):
-        """query (B, H, m, d), key/value (B, kv_heads, m, d) of the new tokens (keys post-RoPE), valid (B, m)."""
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, scaling: float,
+               window: int | None = None):
+        """query (B, H, m, d), key/value (B, kv_heads, m, d) of the new tokens (keys post-RoPE); plan: the step's
+        (which tokens are real, see StepPlan); window: a sliding window, each query sees its sequence's last
+        `window` tokens (itself included)."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
         if self.keys_store is None:
             self._allocate(batch, width, query.device)
+        self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, width)
-        if m == 1 and self._kernel_decode(heads, kv_heads, head_dim):
-            return self._decode_with_kernels(query, new_keys, new_values, valid, scaling, kv_heads)
-        output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
-        for b in range(batch):
-            rows = torch.nonzero(valid[b]).flatten()
-            if not len(rows):
-                continue
-            self._note_position(b, batch, m, int(rows[0]))
-            keys_b, values_b = as_cached(new_keys[b, rows]).half(), as_cached(new_values[b, rows]).half()
-            if len(rows) == 1:  # decode: append, then read the cache as stored
-                self._append(b, keys_b, values_b)
-                keys, values = self._read(b, kv_heads)
-            else:  # prefill: the cache so far plus the step's own tokens in fp16, then append
-                before_keys, before_values = self._read(b, kv_heads)
-                count = self.keys_store.count(b)
-                own_positions = torch.arange(count, count + len(rows), device=query.device) + self.position_offset[b]
-                keys = torch.cat([before_keys, self._rotated(keys_b.float(), own_positions, kv_heads)])
-                values = torch.cat([before_values, values_b.float()])
-                self._append(b, keys_b, values_b)
-            out = reference.attention(query[b, :, rows], keys, values, scaling)
-            output[b, rows] = out.transpose(0, 1).to(query.dtype)
+        window_bites = window is not None and self.padded_length + m > window  # some sequence may exceed it
+        if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
+            self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
+            self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
+            if not window_bites and self._kernel_decode(heads, kv_heads, head_dim):
+                output = self._decode_with_kernels(query, plan, scaling, kv_heads)
+            else:
+                output = self._decode_reference(query, plan, scaling, kv_heads, window)
+        else:
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window if window_bites else None)
         self.padded_length += m
         return output
 
-    def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _decode_reference(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
+        """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention
+        with a mask of each sequence's own tokens (and window)."""
+        keys = self.keys_store.read_batch(plan.memo, kv_heads)  # (B, kv_heads, tokens, head_dim)
+        values = self.values_store.read_batch(plan.memo, kv_heads)
+        tokens = keys.shape[2]
+        if self.pre_rope:
+            keys = reference.rotate(keys, *plan.rope(tokens, self.inv_freq, self.rope_scaling))
+        out = reference.decode_attention(query, keys, values, plan.visible(tokens, window, self.keys_store), scaling)
+        return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
+
+    def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
+        """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
+        single real token in the step is decoded: appended first, then the cache is read as stored."""
+        batch, heads, m, head_dim = query.shape
+        output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
+        single = [b for b in plan.rows if plan.counts[b] == 1]
+        several = [b for b in plan.rows if plan.counts[b] > 1]
+        if single:
+            self._append_columns(single, new_keys, new_values, plan)
+        for b in plan.rows:
+            rows = plan.columns(b)
+            if plan.counts[b] == 1:
+                keys, values = self._read(b, kv_heads)
+            else:
+                before_keys, before_values = self._read(b, kv_heads)
+                count = plan.before[b]
+                own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
+                keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
+                values = torch.cat([before_values, new_values[b, rows].half().float()])
+            out = reference.attention(query[b, :, rows], keys, values, scaling, window)
+            output[b, rows] = out.transpose(0, 1).to(query.dtype)
+        if several:
+            self._append_columns(several, new_keys, new_values, plan)
+        return output
+
+    def _append_columns(self, seqs: list[int], new_keys, new_values, plan: StepPlan) -> None:
+        """Append the real tokens of sequences `seqs` (one store operation per segment for all of them)."""
+        counts = [plan.counts[b] for b in seqs]
+        for store, new in ((self.keys_store, new_keys), (self.values_store, new_values)):
+            store.append_rows(seqs, counts, plan.real_rows(new, seqs))
+
+    def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor, offsets: list[int]) -> None:
         """Store a context computed elsewhere, rows (batch, tokens, width) unpadded at positions 0.., as if it
         had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE)."""
         batch, tokens, width = values.shape
         self._allocate(batch, width, values.device)
-        self.position_offset = [0] * batch
+        self.position_offset = offsets
         stored_keys = pre_rope_keys if self.pre_rope else keys
-        for b in range(batch):
-            self._append(b, as_cached(stored_keys[b]).half(), as_cached(values[b]).half())
+        seqs, counts = list(range(batch)), [tokens] * batch
+        self.keys_store.append_rows(seqs, counts, stored_keys.reshape(batch * tokens, width).half())
+        self.values_store.append_rows(seqs, counts, values.reshape(batch * tokens, width).half())
         self.padded_length = tokens
-
-    def _note_position(self, b: int, batch: int, m: int, column: int) -> None:
-        """Record the RoPE position of sequence b's first stored token: this step's position id at `column`."""
-        if self.position_offset[b] is None:
-            self.position_offset[b] = int(self.pending_positions.expand(batch, m)[b, column]) if self.pending_positions is not None else 0
 
     def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether this layer's decode steps run the CUDA kernels (decided once)."""
         if self.use_kernels is None:
-            from kvcal.runtime import kernels
-
             pairs = zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs())
             self.use_kernels = kernels.cuda_ready(self.inv_freq.device) and all(
                 kernels.decode_supported(k, v, heads, kv_heads, head_dim) for k, v in pairs)
         return self.use_kernels
 
-    def _decode_with_kernels(self, query, new_keys, new_values, valid, scaling: float, kv_heads: int):
-        """One token per sequence: append it, then one fused attention over every sequence's cache."""
-        from kvcal.runtime import kernels
-
-        batch = query.shape[0]
-        for b in torch.nonzero(valid[:, 0]).flatten().tolist():
-            self._note_position(b, batch, 1, 0)
-            self._append(b, as_cached(new_keys[b]).half(), as_cached(new_values[b]).half())
-        launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(), self.values_store.kernel_segments())]
-        out = kernels.decode_attention(query[:, :, 0], launches, kv_heads, scaling, [o or 0 for o in self.position_offset],
-                                       self.inv_freq if self.pre_rope else None, self.rope_scaling)
-        out = out * valid[:, :1, None].to(out.dtype)  # a sequence with no token this step gets zeros, as in the reference
-        self.padded_length += 1
-        return out[:, None].to(query.dtype)
-
-    def _append(self, b: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys_store.append(b, keys)
-        self.values_store.append(b, values)
+    def _decode_with_kernels(self, query, plan: StepPlan, scaling: float, kv_heads: int):
+        """One fused attention over every sequence's cache (the step's tokens are appended)."""
+        if self._launches is None:
+            self._launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(),
+                                                                      self.values_store.kernel_segments())]
+        out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
+                                       self.inv_freq if self.pre_rope else None, self.rope_scaling, step=plan.kernel_step(query.device))
+        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def _read(self, b: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = reference.stored_keys(self.keys_store, b, self.pre_rope, self.position_offset[b], self.inv_freq,
@@ -151,65 +193,194 @@ class RuntimeLayer(CacheLayerMixin):
         return keys, self.values_store.read(b)
 
 
+class StepPlan:
+    """What every layer of one forward step shares, made once (by WiredCache.plan_for at the step's first layer):
+    which of the step's tokens are real (`valid` on the device; per sequence `counts`, the sequences with a token
+    `rows`), tokens stored per sequence before and after the step, each sequence's RoPE offset (the position id of
+    its first stored token), and, made on first use and kept for the other layers (`memo`): gather indices per
+    store layout, RoPE tables and decode masks per length, and the kernels' launch data (kernels.DecodeStep).
+
+    The host reads the device at most once here: which tokens are padding when the step has an attention mask
+    (none when it has no mask), and the position id of a sequence's first token in the step that brings it."""
+
+    def __init__(self, cache: WiredCache, attention_mask, batch: int, m: int, device, positions: torch.Tensor | None):
+        self.batch, self.m, self.device = batch, m, device
+        self.valid = _valid_tokens(attention_mask, batch, m, device)
+        self.all_valid = attention_mask is None
+        self._flags = None if self.all_valid else self.valid.tolist()
+        self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
+        self.rows = [b for b in range(batch) if self.counts[b]]
+        self.ones = [1] * len(self.rows)
+        if cache.lengths is None or len(cache.lengths) != batch:
+            cache.lengths, cache.position_offset = [0] * batch, [None] * batch
+        self.before = list(cache.lengths)
+        self.after = [n + c for n, c in zip(self.before, self.counts)]
+        cache.lengths = list(self.after)
+        self.offsets = cache.position_offset
+        first_seen = [b for b in self.rows if self.offsets[b] is None]
+        if first_seen:  # the position id of each sequence's first real token
+            if positions is None:
+                found = [0] * len(first_seen)
+            else:
+                columns = [0 if self.all_valid else self._flags[b].index(True) for b in first_seen]
+                found = positions.expand(batch, m)[torch.tensor(first_seen), torch.tensor(columns)].tolist()
+            for b, position in zip(first_seen, found):
+                self.offsets[b] = int(position)
+        self.memo: dict = {}
+
+    def shared(self, key, make):
+        """memo[key], made by make() the first time (once per step, whichever layer asks first)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def step_rows(self, new: torch.Tensor) -> torch.Tensor:
+        """A decode step's real tokens (len(rows), C) fp16 of new (B, 1, C): the whole batch, or an index of it."""
+        if len(self.rows) == self.batch:
+            return new[:, 0].to(torch.float16)
+        index = self.shared("rows", lambda: upload(self.rows, new.device))
+        return new[:, 0].index_select(0, index).to(torch.float16)
+
+    def columns(self, b: int) -> torch.Tensor:
+        """The columns of sequence b's real tokens in the step."""
+        return self.shared(("columns", b), lambda: torch.arange(self.m, device=self.device) if self.all_valid else
+                           torch.tensor([i for i, real in enumerate(self._flags[b]) if real], device=self.device))
+
+    def real_rows(self, new: torch.Tensor, seqs: list[int]) -> torch.Tensor:
+        """The real tokens (fp16, grouped by sequence) of sequences `seqs` of new (B, m, C)."""
+        if self.all_valid and seqs == list(range(self.batch)):
+            return new.reshape(-1, new.shape[-1]).to(torch.float16)
+        chosen = torch.zeros_like(self.valid)
+        chosen[seqs] = self.valid[seqs]
+        return new[chosen].to(torch.float16)
+
+    def zero_padding(self, out: torch.Tensor) -> torch.Tensor:
+        """out (B, 1, ...) with the sequences that have no token this step set to zeros."""
+        if len(self.rows) == self.batch:
+            return out
+        return out.masked_fill(~self.valid[:, :1].view(self.batch, 1, *[1] * (out.dim() - 2)), 0)
+
+    def rope(self, tokens: int, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, tokens, head_dim) at each sequence's positions offset .. offset + tokens - 1."""
+        def make():
+            offsets = torch.tensor([o or 0 for o in self.offsets], device=self.device)[:, None]
+            positions = torch.arange(tokens, device=self.device)[None, :] + offsets
+            cos, sin = reference.rope_tables(positions, inv_freq, rope_scaling)
+            return cos[:, None], sin[:, None]
+        return self.shared(("rope", tokens, inv_freq.data_ptr(), rope_scaling), make)
+
+    def visible(self, tokens: int, window: int | None, store) -> torch.Tensor:
+        """(B, tokens): which of the padded tokens (store.read_batch) each sequence's decode query sees."""
+        if window is not None and not store.ordered:  # tokens not in position order: their own positions
+            positions = [store.positions(b) for b in range(self.batch)]
+            padded = torch.stack([torch.cat([p, p.new_full((tokens - len(p),), -1)]) for p in positions]).to(self.device)
+            after = torch.tensor(self.after, device=self.device)[:, None]
+            return (torch.arange(tokens, device=self.device)[None, :] < after) & (padded >= after - window)
+
+        def make():
+            after = torch.tensor(self.after, device=self.device)[:, None]
+            index = torch.arange(tokens, device=self.device)[None, :]
+            seen = index < after
+            return seen & (index >= after - window) if window is not None else seen
+        return self.shared(("visible", tokens, window), make)
+
+    def kernel_step(self, device):
+        return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep([o or 0 for o in self.offsets], device))
+
+
 def _valid_tokens(attention_mask, batch: int, m: int, device) -> torch.Tensor:
-    """(batch, m): which new tokens are real (not padding): those a query may attend to itself."""
+    """(batch, m): which of the step's m new tokens are real (not padding), from the 4-D mask of the step.
+
+    A real token sees itself (its own column, the (n - m + i)-th of row i) and never a later token; padding
+    sees nothing. On torch < 2.5 transformers' SDPA mask fills a row that sees nothing with True (SDPA gave
+    NaN for fully masked rows there), so a row that sees the next token of the step is padding too. With
+    left padding (what generate() uses) that tells every row apart; only a right-padded last token of a step
+    would be taken for a real one on torch < 2.5."""
     if attention_mask is None:
         return torch.ones(batch, m, dtype=torch.bool, device=device)
     mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
-    diagonal = mask[:, torch.arange(m), mask.shape[-1] - m + torch.arange(m)]
-    return (diagonal if diagonal.dtype == torch.bool else diagonal == 0).expand(batch, m)
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
+    valid = visible[:, rows, own].clone()
+    valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
+    return valid.expand(batch, m)
 
 
-def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    layer: RuntimeLayer | None = getattr(module, "_kvcal_layer", None)
+def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+    slot = wiring.slot(module)
+    layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    valid = _valid_tokens(attention_mask, query.shape[0], query.shape[2], query.device)
+        raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
+                         "past_key_values=cache, the cache of `with quantized_cache(model, bundle) as cache` (not None, not "
+                         "another kind of cache), or call the model after that block")
+    layer.pending_pre_rope = slot.pre_rope_keys
+    plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return layer.attend(query, key, value, valid, scale), None
+    return layer.attend(query, key, value, plan, scale, sliding_window), None
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, _runtime_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    wiring.register(ATTENTION_NAME, _runtime_attention, "a kvcal quantized cache (kvcal.runtime.quantized_cache)")
 
 
 class WiredCache(Cache):
-    """A Cache of RuntimeLayers that wires the model while open."""
+    """A transformers Cache of RuntimeLayers for one model, which it wires (kvcal.wiring) while open; serves
+    only that model, only while open (see the module docstring)."""
 
     def __init__(self, model, adapter: ModelAdapter, layers: list[RuntimeLayer]):
         super().__init__(layers=layers)
         self.model, self.adapter = model, adapter
-        self._hooks = []
-        self._previous_attention = model.config._attn_implementation
+        self.closed = False
+        for layer in layers:
+            layer.cache = self
+        self.lengths: list[int] | None = None  # tokens stored per sequence (every layer stores the same)
+        self.position_offset: list[int | None] | None = None  # RoPE position of each sequence's first stored token
+        self._plan: StepPlan | None = None  # the running step's (made at its first layer)
+        self._inv_freq: dict[str, torch.Tensor] = {}
         _register_attention()
-        for handles, layer in zip(adapter.layers, layers):
-            handles.attention._kvcal_layer = layer
-            if layer.pre_rope:
-                def keep_keys(module, inputs, output, layer=layer):
-                    layer.pending_pre_rope = output.detach().flatten(2)
-                self._hooks.append(handles.key_source.register_forward_hook(keep_keys))
+        self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
 
-        def keep_positions(module, args, kwargs):
-            position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-            for layer in layers:
-                layer.pending_positions = position_ids
-        self._hooks.append(adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))
-        model.config._attn_implementation = ATTENTION_NAME
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Called by the model's attention before its attention implementation: hand this cache's layer to it,
+        or refuse a call that is not from the open, wired model this cache was made for."""
+        self._check_open()
+        slot = wiring.slot(self.adapter.layers[layer_idx].attention)
+        if slot is None or slot.wiring is not self._wiring or not slot.running:
+            raise KvcalError(f"this quantized cache serves only the model instance it was made for ({self._describe_model()}) "
+                             f"and was handed to another one; make a cache for each model with quantized_cache(model, bundle)")
+        self._wiring.check_active()
+        if layer_idx == 0:  # a new step: its first layer makes the plan the others reuse
+            self._plan = None
+        slot.serving = self.layers[layer_idx]
+        return key_states, value_states
+
+    def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
+        """The running step's StepPlan, made by its first layer from that layer's attention mask and position ids."""
+        batch, _, m, _ = query.shape
+        if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
+            self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
+        return self._plan
+
+    def inv_freq_on(self, device) -> torch.Tensor:
+        """The model's RoPE frequencies on `device`, one tensor shared by every layer."""
+        key = str(device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self.adapter.inv_freq.to(device)
+        return self._inv_freq[key]
+
+    def _describe_model(self) -> str:
+        return f"{type(self.model).__name__} at {id(self.model):#x}"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise KvcalError("this quantized cache is closed (its `with quantized_cache(...)` block ended or close() was "
+                             "called); open a new one with quantized_cache(model, bundle)")
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        for handles in self.adapter.layers:
-            if getattr(handles.attention, "_kvcal_layer", None) in self.layers:
-                del handles.attention._kvcal_layer
-        self.model.config._attn_implementation = self._previous_attention
+        """Stop serving and unwire the model (idempotent); the last open cache restores its attention implementation."""
+        if not self.closed:
+            self.closed = True
+            wiring.unwire(self._wiring, self)
 
     def __enter__(self):
         return self
@@ -233,8 +404,11 @@ class WiredCache(Cache):
 
     def load(self, context: FpContext) -> None:
         """Fill the empty cache with a context's keys and values (see FpContext)."""
+        self._check_open()
+        batch, tokens = context.values[0].shape[:2]
+        self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
         for layer, keys, pre_rope_keys, values in zip(self.layers, context.keys, context.pre_rope_keys, context.values):
-            layer.load(keys, pre_rope_keys, values)
+            layer.load(keys, pre_rope_keys, values, self.position_offset)
 
     def tokens(self) -> list[int]:
         """Tokens stored per sequence."""
@@ -255,7 +429,8 @@ class FpContext:
 
 
 def fp_context(model, ids: torch.Tensor) -> FpContext:
-    """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache."""
+    """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache (with the model's own
+    attention implementation, also while a quantized cache is open on it)."""
     from transformers import DynamicCache
 
     adapter = adapt(model)
@@ -264,7 +439,8 @@ def fp_context(model, ids: torch.Tensor) -> FpContext:
              for handles in adapter.layers]
     try:
         cache = DynamicCache(config=model.config)
-        model(ids, past_key_values=cache, use_cache=True)
+        with wiring.suspended(adapter):
+            model(ids, past_key_values=cache, use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
@@ -276,7 +452,7 @@ def quantized_cache(model, bundle) -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
     past_key_values=cache)`; the model is wired for the cache until it is closed."""
-    from kvcal.bundle import Bundle, layer_codecs, layer_policy, load_bundle
+    from kvcal.bundle import Bundle, load_bundle
     from kvcal.runtime.segments import SegmentedStore
 
     adapter = adapt(model)
@@ -285,11 +461,11 @@ def quantized_cache(model, bundle) -> WiredCache:
     bundle.check_model(adapter)
     layers = []
     for i, recipe in enumerate(bundle.layers):
-        codecs, policy = layer_codecs(bundle, i), layer_policy(recipe)
+        codecs, policy = bundle.layer_codecs(i), recipe.format.policy(recipe)
 
         def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
-            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device)
+            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=kernels.append_encoder)
         layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter))
     return WiredCache(model, adapter, layers)

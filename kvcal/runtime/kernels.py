@@ -7,18 +7,31 @@ reference instead, as every case does on CPU.
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
 the cache itself is never copied, transposed or concatenated.
+
+Within a decode step nothing here waits for the device: small host arrays go up through pinned memory
+without blocking (kvcal.runtime.store.upload); a store's descriptor is uploaded again only when one of its
+buffers moved (Segments.descriptor); what the layers of a step share (position offsets, RoPE frequencies,
+per-sequence lengths of layers with the same layout, scratch buffers) is made once per step (DecodeStep);
+appends encode the batch's rows with one launch into a staging area and scatter them into the stores, and
+outlier counts stay on the device, the host sizing the outlier arrays by an upper bound
+(kvcal.runtime.store.PackedRows.reserve_outlier_room). Only a bulk append (a prefill, more than one token
+of a sequence) reads the number of outliers it made, to size its staging area exactly.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
+
+from kvcal.runtime.store import row_index, upload
 
 if TYPE_CHECKING:
     from kvcal.runtime.store import Fp16Rows, PackedRows
@@ -66,8 +79,6 @@ def _launch(function, grid: tuple, block: tuple, args: tuple) -> None:
 
 
 def codec_id(codec) -> int | None:
-    from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
-
     if isinstance(codec, TokenUniform):
         return src.UNIFORM_TOKEN
     if isinstance(codec, ChannelBlockUniform):
@@ -113,10 +124,14 @@ def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]
         return {"lo": 1, "hi": 1}, {}
     return {}, {}
 
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: tables}, gone with the codec
+
+
 def _device_tables(store: PackedRows) -> dict:
-    """Codebook, its midpoints and fixed thresholds of a store's codec as float32 on its device (made once)."""
-    tables = getattr(store, "_kernel_tables", None)
-    if tables is None:
+    """Codebook, its midpoints and fixed thresholds of a store's codec as float32 on its device (made once per codec)."""
+    per_device = _TABLES.setdefault(store.codec, {})
+    key = str(store.device)
+    if key not in per_device:
         codec, tables = store.codec, {}
         if hasattr(codec, "codebook"):
             codebook = codec.codebook.to(store.device, torch.float32).contiguous()
@@ -124,57 +139,118 @@ def _device_tables(store: PackedRows) -> dict:
             if codec.lo is not None:
                 tables["lo"] = codec.lo.to(store.device, torch.float32).contiguous()
                 tables["hi"] = codec.hi.to(store.device, torch.float32).contiguous()
-        store._kernel_tables = tables
-    return tables
+        per_device[key] = tables
+    return per_device[key]
 
 
-def encode_into(store: PackedRows, b: int, x: torch.Tensor, start: int) -> int:
-    """Quantize fp16 rows x (count, C) into sequence b's rows start.. of `store` (capacity reserved, parameter
-    buffers allocated); returns how many outliers were appended."""
+def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
+    """Quantize fp16 rows x (sum(counts), C), grouped by sequence, into rows starts[i].. of sequence seqs[i] of
+    `store` (capacity reserved, parameter buffers allocated): one launch for the whole batch into a staging
+    area, then one indexed store per buffer. Outliers (codebook codecs) are counted by the append kernel, placed
+    by a prefix sum and written by the outlier kernel into a staging area sized by an upper bound (every element
+    of every row) for a step of at most one token per sequence, so that nothing waits for the device; a bulk
+    append reads their number instead. Each sequence's outliers then go after its own, in row order, and the
+    device counts (store.outlier_count) grow by as many."""
     codec, cid = store.codec, codec_id(store.codec)
     x = x.to(torch.float16).contiguous()
-    count, width = x.shape
-    if count == 0:  # CUDA refuses an empty grid
-        return 0
-    words_per_row = store.words.shape[2]
-    words = store.words[b, start:]
+    rows, width = x.shape
+    device = x.device
+    target = row_index(seqs, starts, counts, device)
+    words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
+    words_per_row = np.int32(store.words.shape[2])
     layout = np.int32(_layout_id(codec, store.layout))
     if cid == src.UNIFORM_TOKEN:
-        scale, zero = store.token["scale"][b, start:], store.token["zero"][b, start:]
-        _launch(_function("append.cu", "append_token_uniform"), (count,), (THREADS,),
-                (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), np.int32(words_per_row),
-                 _ptr(scale), _ptr(zero), np.int32(scale.shape[1])))
-        return 0
+        groups = store.token["scale"].shape[2]
+        scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
+        zero = torch.empty_like(scale)
+        _launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
+                (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row,
+                 _ptr(scale), _ptr(zero), np.int32(groups)))
+        for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
+            buffer.index_put_(target, values)
+        return
     if cid == src.UNIFORM_CHANNEL:
-        first = start // codec.group
-        _launch(_function("append.cu", "append_channel_block"), (count // codec.group,), (THREADS,),
-                (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), np.int32(words_per_row),
-                 _ptr(store.blocks["scale"][b, first:]), _ptr(store.blocks["zero"][b, first:])))
-        return 0
+        blocks = rows // codec.group
+        scale = torch.empty(blocks, width, dtype=torch.float16, device=device)
+        zero = torch.empty_like(scale)
+        _launch(_function("append.cu", "append_channel_block"), (blocks,), (THREADS,),
+                (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row, _ptr(scale), _ptr(zero)))
+        block_target = row_index(seqs, [s // codec.group for s in starts], [c // codec.group for c in counts], device)
+        store.words.index_put_(target, words)
+        store.blocks["scale"].index_put_(block_target, scale)
+        store.blocks["zero"].index_put_(block_target, zero)
+        return
     tables = _device_tables(store)
-    token_lo = store.token["lo"][b, start:] if "lo" in store.token else None
-    token_hi = store.token["hi"][b, start:] if "hi" in store.token else None
+    per_token = "lo" in store.token
+    token_lo = torch.empty(rows, 1, dtype=torch.float16, device=device) if per_token else None
+    token_hi = torch.empty_like(token_lo) if per_token else None
     keep = codec.outlier_fraction > 0
     t = 1.0 - codec.outlier_fraction / 2
-    q_low, q_high = torch.tensor([1.0 - t, t]).tolist()  # float32, as kvcal.quantizers computes them
-    counts = torch.zeros(count, dtype=torch.int32, device=x.device)
-    _launch(_function("append.cu", "append_codebook"), (count,), (THREADS,),
-            (_ptr(x), np.int32(width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")), np.float32(q_low),
-             np.float32(q_high), np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), np.int32(words_per_row),
-             _ptr(token_lo), _ptr(token_hi), _ptr(counts)))
-    if not keep:
-        return 0
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    total = int(ends[-1])  # the host must know it to grow the outlier arrays
-    if total:
-        starts = ends - counts  # held by name: a pointer into a temporary would dangle
-        first = store.outliers[b]
-        store.reserve_outliers(first + total)
-        _launch(_function("append.cu", "append_codebook_outliers"), (count,), (32,),
+    q_low, q_high = np.float32(1.0 - t), np.float32(t)  # float32, as kvcal.quantizers computes them
+    found = torch.zeros(rows, dtype=torch.int32, device=device)
+    _launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
+            (_ptr(x), np.int32(width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")), q_low,
+             q_high, np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), words_per_row,
+             _ptr(token_lo), _ptr(token_hi), _ptr(found)))
+    store.words.index_put_(target, words)
+    if per_token:
+        store.token["lo"].index_put_(target, token_lo)
+        store.token["hi"].index_put_(target, token_hi)
+    if keep:
+        _scatter_outliers(store, seqs, counts, x, target, found, tables, token_lo, token_hi)
+
+
+def _scatter_outliers(store: PackedRows, seqs, counts, x, target, found, tables, token_lo, token_hi) -> None:
+    rows, width = x.shape
+    device = x.device
+    ends = torch.cumsum(found, 0, dtype=torch.int32)
+    firsts = ends - found  # where each row's outliers start in the staging area (held by name for the kernel)
+    # per group (sequence): its first and last row in x
+    last_rows = [int(end) - 1 for end in np.cumsum(counts)]
+    first_rows = [end - c + 1 for end, c in zip(last_rows, counts)]
+    groups = upload([first_rows, last_rows, seqs], device)
+    group_of_row = upload([g for g, c in enumerate(counts) for _ in range(c)], device)
+    if max(counts) <= 1:  # a decode step: an upper bound, nothing read back
+        capacity, most = rows * width, [c * width for c in counts]
+    else:  # a bulk append: the exact number, read once
+        per_group = (ends[groups[1]] - firsts[groups[0]]).tolist()
+        capacity, most = sum(per_group), per_group
+    store.reserve_outlier_room(seqs, most)
+    if capacity:
+        staged_rows = torch.empty(capacity, dtype=torch.int32, device=device)
+        staged_channels = torch.empty(capacity, dtype=torch.int16, device=device)
+        staged_values = torch.empty(capacity, dtype=torch.float16, device=device)
+        _launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
                 (_ptr(x), np.int32(width), _ptr(tables.get("lo")), _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi),
-                 _ptr(starts), np.int32(start), _ptr(store.outlier_rows[b, first:]),
-                 _ptr(store.outlier_channels[b, first:]), _ptr(store.outlier_values[b, first:])))
-    return total
+                 _ptr(firsts), np.int32(0), _ptr(staged_rows), _ptr(staged_channels), _ptr(staged_values)))
+        entry = torch.arange(capacity, device=device)
+        live = entry < ends[-1]
+        row = torch.where(live, staged_rows.long(), 0)  # the row of x each staged outlier came from
+        group = group_of_row[row]
+        sequence = groups[2][group]
+        slot = store.outlier_count.long()[sequence] + entry - firsts.long()[groups[0][group]]
+        columns = store.outlier_rows.shape[1]
+        flat = torch.where(live, sequence * columns + slot, columns - 1)  # unused entries: the spare last column
+        store.outlier_rows.view(-1).index_put_((flat,), target[1][row].to(torch.int32))
+        store.outlier_channels.view(-1).index_put_((flat,), staged_channels)
+        store.outlier_values.view(-1).index_put_((flat,), staged_values)
+    store.outlier_count.index_add_(0, groups[2], (ends[groups[1]] - firsts[groups[0]]).to(torch.int32))
+    store.snapshot_outlier_count()
+
+
+class AppendKernels:
+    """The encoder a PackedRows on CUDA quantizes with (kvcal.runtime.store): the append kernels of its codec."""
+
+    def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
+        return parameter_columns(codec, width)
+
+    def encode_rows(self, store: PackedRows, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
+        encode_rows(store, seqs, starts, counts, x)
+
+
+def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | None:
+    """The CUDA encoder for a store of `codec` on `device`, or None where the torch codec must do (CPU, no kernel)."""
+    return AppendKernels() if cuda_ready(device) and append_supported(codec, width, layout) else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,25 +289,71 @@ def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | Non
     return fields
 
 
-def _lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:
-    rows = []
-    for b in range(batch):
-        if sink is not None and sink.head[b]:
-            raise ValueError("a sink segment never drops tokens from its front")
-        rows.append([sink.length[b] if sink else 0, body.length[b] if body else 0, recent.head[b] if recent else 0,
-                     recent.length[b] if recent else 0, body.outliers[b] if body else 0])
-    return rows
+def _lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int,
+             outliers: bool = True) -> list[list[int]]:
+    """Per sequence: sink tokens, body tokens, first live recent row, recent tokens, body outliers (0 with
+    outliers=False: the caller takes them from the device counts, see _device_outliers)."""
+    if sink is not None and any(sink.head):
+        raise ValueError("a sink segment never drops tokens from its front")
+    counts = body.outliers if body is not None and outliers and body.keeps_outliers else [0] * batch
+    return [[sink.length[b] if sink else 0, body.length[b] if body else 0, recent.head[b] if recent else 0,
+             recent.length[b] if recent else 0, counts[b]] for b in range(batch)]
+
+
+def _device_outliers(body: PackedRows | None) -> bool:
+    """Whether a side's outlier counts are on the device only (a kernel-path body of a codec that keeps outliers)."""
+    return body is not None and body.use_kernels and body.keeps_outliers
 
 
 class Segments:
     """What one decode-attention launch reads: per side (K, V) an fp16 sink, a packed body and an fp16 recent
-    segment, any of them absent. Both sides hold the same tokens in the same order."""
+    segment, any of them absent. Both sides hold the same tokens in the same order. Keep one per launch across
+    steps (RuntimeLayer does): its descriptor is uploaded again only when a buffer moved."""
 
     def __init__(self, keys: tuple, values: tuple):
         self.keys, self.values = keys, values
+        self._uploaded: tuple[list[int], torch.Tensor] | None = None
 
     def codecs(self) -> tuple[int, int]:
         return tuple(codec_id(side[1].codec) if side[1] is not None else src.FP16_ONLY for side in (self.keys, self.values))
+
+    def descriptor(self, device) -> torch.Tensor:
+        """Both sides' descriptors (enum SideField order) on the device."""
+        fields = _side(*self.keys) + _side(*self.values)
+        if self._uploaded is None or self._uploaded[0] != fields:
+            self._uploaded = (fields, upload(fields, device, torch.int64))
+        return self._uploaded[1]
+
+
+class DecodeStep:
+    """What the decode-attention launches of every layer of one step share, made once: the position offsets and
+    RoPE frequencies on the device, per-sequence lengths per store layout (layers with the same segment lengths
+    share one upload) and the split scratch buffers."""
+
+    def __init__(self, position_offset: list[int], device):
+        self.device = device
+        self.offsets = upload(position_offset, device, torch.int32)
+        self._shared: dict = {}
+
+    def shared(self, key, make):
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
+    def meta(self, key_lengths: list[list[int]], value_lengths: list[list[int]]) -> torch.Tensor:
+        key = (tuple(map(tuple, key_lengths)), tuple(map(tuple, value_lengths)))
+        return self.shared(("meta", key), lambda: upload([key_lengths, value_lengths], self.device, torch.int32))
+
+    def freq(self, inv_freq: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+        def make():
+            freq = inv_freq if inv_freq is not None else torch.zeros(head_dim // 2)
+            return freq.to(self.device, torch.float32).contiguous()
+        return self.shared(("freq", None if inv_freq is None else inv_freq.data_ptr(), head_dim), make)
+
+    def scratch(self, batch: int, heads: int, splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.shared(("scratch", batch, heads, splits, head_dim), lambda: (
+            torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=self.device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=self.device)))
 
 
 @functools.cache
@@ -240,33 +362,39 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                   inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0):
+                   inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
-    function that launches the kernels and returns the output. Benchmarks time that function alone."""
+    function that launches the kernels and returns the output. Benchmarks time that function alone.
+    step: what the layers of a decode step share (made here when None); position_offset is then step's."""
     batch, heads, head_dim = query.shape
     group = heads // kv_heads
     device = query.device
+    step = step or DecodeStep(position_offset, device)
     query = query.float().contiguous()
     rope = inv_freq is not None
-    freq = (inv_freq if rope else torch.zeros(head_dim // 2)).to(device, torch.float32).contiguous()
-    offsets = torch.tensor(position_offset, dtype=torch.int32, device=device)
+    freq, offsets = step.freq(inv_freq, head_dim), step.offsets
     blocks_wanted = 2 * _multiprocessors(device)
     plans = []
     for segments in launches:
-        key_lengths = _lengths(*segments.keys, batch)
+        sides = (segments.keys, segments.values)
+        key_lengths, value_lengths = (_lengths(*side, batch, outliers=not _device_outliers(side[1])) for side in sides)
         longest = max((sink + body + recent for sink, body, _, recent, _ in key_lengths), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
-        descriptor = torch.tensor(_side(*segments.keys) + _side(*segments.values), dtype=torch.int64, device=device)
-        meta = torch.tensor([key_lengths, _lengths(*segments.values, batch)], dtype=torch.int32, device=device)
-        plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), descriptor, meta, per_split, math.ceil(longest / per_split)))
+        meta = step.meta(key_lengths, value_lengths)
+        if any(_device_outliers(side[1]) for side in sides):  # this layer's own outlier counts, from the device
+            meta = meta.clone()
+            for index, side in enumerate(sides):
+                if _device_outliers(side[1]):
+                    meta[index, :, 4] = side[1].outlier_count
+        plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
+                      math.ceil(longest / per_split)))
     total = sum(plan[-1] for plan in plans)
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
-    out_partial = torch.empty(batch, heads, max(total, 1), head_dim, dtype=torch.float32, device=device)
-    lse_partial = torch.empty(batch, heads, max(total, 1), dtype=torch.float32, device=device)
+    out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
 
     def run() -> torch.Tensor:
         if total == 0:
@@ -286,8 +414,8 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
 
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                     inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0) -> torch.Tensor:
+                     inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens
     (keys rotated on the fly when inv_freq is given: pre-RoPE keys); (batch, heads, head_dim) float32. A
-    sequence without tokens gets zeros."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling)()
+    sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step)()

@@ -4,29 +4,41 @@
 For one sequence: read each store (unpack the int32 words, decode with the codec's stored parameters,
 add the sparse fp16 outliers, fp16 segments as they are), rotate pre-RoPE keys with each token's own
 position, then softmax attention of the query heads, each KV head serving its group of query heads (GQA).
-Query i of a step of m queries over n tokens sees tokens 0 .. n - m + i (causal within the step).
+Query i of a step of m queries over n tokens sees tokens 0 .. n - m + i (causal within the step), or with a
+sliding window of W tokens (Mistral, Qwen2) only n - m + i - W + 1 .. n - m + i, as transformers' mask does.
+
+A decode step (one query per sequence) runs batched: `decode_attention` attends over every sequence's tokens
+padded to the longest (the stores' `read_batch`) with a mask of each sequence's own tokens, keys rotated by
+`rotate` with RoPE tables made once per step (`rope_tables`); it equals `attention` per sequence up to float
+rounding of the softmax sums.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcal.rope import rotate_keys
-from kvcal.simulate import per_query_head
+from kvcal.rope import rope_cos_sin, rotate_keys
+from kvcal.kv import per_query_head
 
 
-def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim)."""
+def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+              window: int | None = None) -> torch.Tensor:
+    """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
+    window: each query sees its last `window` tokens (itself included), None: all before it."""
     heads, m, head_dim = query.shape
+    if window is not None and m == 1:  # decode: the window is the last tokens
+        keys, values = keys[-window:], values[-window:]
     n = keys.shape[0]
+    banded = window is not None and m > 1 and n > window
     kv_heads = keys.shape[1] // head_dim
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
     query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
-    if m == n or m == 1:
+    if (m == n or m == 1) and not banded:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
     else:
-        visible = torch.arange(n, device=query.device)[None, :] <= (n - m + torch.arange(m, device=query.device))[:, None]
+        tokens, last = torch.arange(n, device=query.device)[None, :], (n - m + torch.arange(m, device=query.device))[:, None]
+        visible = (tokens <= last) & (tokens > last - window) if banded else tokens <= last
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling)
     return out[0]
 
@@ -38,3 +50,27 @@ def stored_keys(store, b: int, pre_rope: bool, position_offset: int, inv_freq: t
     if pre_rope:
         keys = rotate_keys(keys, store.positions(b) + position_offset, kv_heads, inv_freq, rope_scaling)
     return keys
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., head_dim) of kvcal.rope at `positions`, for `rotate`."""
+    return rope_cos_sin(positions, inv_freq, rope_scaling)
+
+
+def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """kvcal.rope.apply_rope of float32 keys (..., head_dim) with cos/sin that broadcast against them, bit for bit
+    (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)), without materializing rotate_half."""
+    half = keys.shape[-1] // 2
+    out = keys * cos
+    out[..., :half] -= keys[..., half:] * sin[..., :half]  # + (-x2) sin, exactly
+    out[..., half:] += keys[..., :half] * sin[..., half:]
+    return out
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """query (B, heads, 1, head_dim); keys, values (B, kv_heads, n, head_dim) float32, every sequence's tokens padded
+    to n; visible (B, n): the tokens each sequence's query sees -> (B, heads, 1, head_dim) float32 (a sequence
+    that sees nothing gets NaN: the caller zeroes it)."""
+    return torch.nn.functional.scaled_dot_product_attention(query.float(), keys, values, attn_mask=visible[:, None, None, :],
+                                                            scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])

@@ -10,50 +10,106 @@
   `compress` moves the context's chunks to the width Cocktail chose for each, grouped by width; every
   chunk keeps its start position, so RoPE and attention are unchanged by the reordering.
 Positions returned by `positions(b)` count the sequence's own tokens from 0 (padding is never stored).
+
+Both append a batch at once (`append_rows`: rows of several sequences, grouped by sequence): which rows go
+to which segment is decided per sequence in Python (lengths are lists), then each segment is written with
+one indexed store and the body encodes everything leaving the fp16 segments with one call. `read_batch`
+reads every sequence at once for the batched reference decode: (batch, tokens, C) float32 in the store's
+order, sequence b's tokens first (see `assemble`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from kvcal.runtime.store import Fp16Rows, PackedRows
-from kvcal.simulate import SegmentPolicy
+from kvcal.runtime.store import Fp16Rows, PackedRows, upload
+from kvcal.kv import SegmentPolicy
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
 
 
 class SegmentedStore:
     def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device,
-                 layout: str | None = None):
+                 layout: str | None = None, encoder_for=None):
+        """encoder_for: how the packed body encodes (kvcal.runtime.store.PackedRows); None = the torch codec."""
         self.policy, self.keys, self.rpc_ratio = policy, keys, rpc_ratio
         self.sink = Fp16Rows(batch, width, device)
-        self.body = PackedRows(codec, batch, width, device, layout=layout)
+        self.body = PackedRows(codec, batch, width, device, encoder_for, layout)
         self.recent = Fp16Rows(batch, width, device)
         self.rpc = [0] * batch
+
+    ordered = True  # read_batch gives each sequence's tokens in position order
 
     def count(self, b: int) -> int:
         return self.sink.length[b] + self.body.length[b] + self.recent.length[b]
 
     def append(self, b: int, x: torch.Tensor) -> None:
         """Store new fp16 tokens (tokens, C) of sequence b, quantizing those that leave the fp16 segments."""
-        to_sink = min(self.policy.sink - self.sink.length[b], len(x))
-        self.sink.append(b, x[:to_sink])
-        x = x[to_sink:]
-        self.recent.append(b, x)
-        fp16_recent = int(self.policy.fp16_recent(self.count(b), self.keys))
-        if self.rpc_ratio:
-            self.rpc[b] = math.floor(self.rpc_ratio * (len(x) + self.rpc[b]))
-            fp16_recent = max(fp16_recent, self.rpc[b])
-        leaving = max(0, self.recent.length[b] - fp16_recent)
-        leaving -= leaving % self.body.block  # per-channel key blocks leave whole
-        if leaving:
-            self.body.append(b, self.recent.pop_front(b, leaving))
+        self.append_rows([b], [len(x)], x)
+
+    def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
+        """Store new fp16 tokens x (sum(counts), C), counts[i] of them for sequence seqs[i], grouped in that order:
+        each sequence's first tokens fill its sinks, the rest join its recent fp16 tokens, and those that leave
+        the recent segment (the oldest first: earlier recent tokens, then new ones) are quantized into the body,
+        all sequences at once."""
+        sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, rows of x) each
+        old_seqs, old_counts = [], []  # recent tokens leaving from the front of the fp16 segment
+        body_seqs, body_counts, from_old_first = [], [], []  # what the body gets, per sequence: old tokens first
+        first = 0
+        for b, n in zip(seqs, counts):
+            to_sink = min(self.policy.sink - self.sink.length[b], n)
+            rest = n - to_sink
+            stored = self.recent.length[b]
+            fp16_recent = _fp16_recent(self.policy, self.count(b) + n, self.keys)
+            if self.rpc_ratio:
+                self.rpc[b] = math.floor(self.rpc_ratio * (rest + self.rpc[b]))
+                fp16_recent = max(fp16_recent, self.rpc[b])
+            leaving = max(0, stored + rest - fp16_recent)
+            leaving -= leaving % self.body.block  # per-channel key blocks leave whole
+            from_old = min(leaving, stored)
+            from_new = leaving - from_old
+            _add(sink, b, range(first, first + to_sink))
+            _add(new, b, range(first + to_sink, first + to_sink + from_new))
+            _add(recent, b, range(first + to_sink + from_new, first + n))
+            if from_old:
+                old_seqs.append(b)
+                old_counts.append(from_old)
+            if leaving:
+                body_seqs.append(b)
+                body_counts.append(leaving)
+                from_old_first.append(from_old)
+            first += n
+        if sink[0]:
+            self.sink.write(sink[0], sink[1], _rows(x, sink[2]))
+        if body_seqs:
+            old = self.recent.take_front(old_seqs, old_counts) if old_seqs else None
+            fresh = _rows(x, new[2]) if new[2] else None
+            if old is None or fresh is None:
+                leaving_rows = fresh if old is None else old
+            else:  # each sequence's old tokens, then its new ones
+                order, next_old, next_new = [], 0, len(old)
+                for count, from_old in zip(body_counts, from_old_first):
+                    order += [*range(next_old, next_old + from_old), *range(next_new, next_new + count - from_old)]
+                    next_old, next_new = next_old + from_old, next_new + count - from_old
+                leaving_rows = torch.cat([old, fresh.to(old.dtype)]).index_select(0, upload(order, old.device))
+            self.body.append_rows(body_seqs, body_counts, leaving_rows)
+        if recent[0]:
+            self.recent.write(recent[0], recent[1], _rows(x, recent[2]))
 
     def read(self, b: int) -> torch.Tensor:
         """(tokens, C) float32 in position order, the body dequantized."""
         return torch.cat([self.sink.read(b).float(), self.body.read(b), self.recent.read(b).float()])
+
+    def parts(self) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        return [self.sink.part(), self.body.part(), self.recent.part()]
+
+    def read_batch(self, memo: dict | None = None, heads: int | None = None) -> torch.Tensor:
+        """Every sequence at once: (batch, most tokens, C) float32 in position order, or (batch, heads, most tokens,
+        C / heads) with `heads` (see assemble)."""
+        return assemble(self.parts(), memo, heads)
 
     def positions(self, b: int) -> torch.Tensor:
         return torch.arange(self.count(b), device=self.sink.data.device)
@@ -75,18 +131,24 @@ class SegmentedStore:
 class CocktailStore:
     WIDTHS = (16, 4, 2)
 
-    def __init__(self, codecs: dict, chunk: int, batch: int, width: int, device):
+    def __init__(self, codecs: dict, chunk: int, batch: int, width: int, device, encoder_for=None):
         self.chunk, self.device = chunk, device
-        self.parts = {16: Fp16Rows(batch, width, device), **{bits: PackedRows(codecs[bits], batch, width, device) for bits in (4, 2)}}
+        self.parts = {16: Fp16Rows(batch, width, device),
+                      **{bits: PackedRows(codecs[bits], batch, width, device, encoder_for) for bits in (4, 2)}}
         self.chunk_starts = {bits: [[] for _ in range(batch)] for bits in self.WIDTHS}
         self.recent = Fp16Rows(batch, width, device)
         self.recent_start = [0] * batch
+
+    ordered = False  # read_batch gives chunks grouped by width (positions(b) says where each token is)
 
     def count(self, b: int) -> int:
         return sum(part.length[b] for part in self.parts.values()) + self.recent.length[b]
 
     def append(self, b: int, x: torch.Tensor) -> None:
         self.recent.append(b, x)
+
+    def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
+        self.recent.write(seqs, counts, x)
 
     def compress(self, b: int, chunk_bits: list[int]) -> None:
         """Move the first len(chunk_bits) chunks of the fp16 tokens to their widths (16, 4 or 2)."""
@@ -105,6 +167,11 @@ class CocktailStore:
 
     def read(self, b: int) -> torch.Tensor:
         return torch.cat([self.parts[bits].read(b).float() for bits in self.WIDTHS] + [self.recent.read(b).float()])
+
+    def read_batch(self, memo: dict | None = None, heads: int | None = None) -> torch.Tensor:
+        """Every sequence at once in the order of read(b): (batch, most tokens, C) float32, or (batch, heads, most
+        tokens, C / heads) with `heads` (see assemble)."""
+        return assemble([self.parts[bits].part() for bits in self.WIDTHS] + [self.recent.part()], memo, heads)
 
     def positions(self, b: int) -> torch.Tensor:
         within = torch.arange(self.chunk)
@@ -125,3 +192,63 @@ class CocktailStore:
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]
+
+
+def _fp16_recent(policy: SegmentPolicy, n: int, keys: bool) -> int:
+    """policy.fp16_recent(n, keys) for an int n, in Python (a test checks they agree)."""
+    recent = policy.window
+    if policy.residual:
+        recent = max(recent, n % policy.residual if keys else policy.residual)
+    if keys and policy.key_block:
+        recent = max(recent, max(n - policy.sink, 0) % policy.key_block)
+    return recent
+
+
+def _add(target: tuple[list, list, list], b: int, rows: range) -> None:
+    if len(rows):
+        target[0].append(b)
+        target[1].append(len(rows))
+        target[2].extend(rows)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without a copy when rows are all of x in order."""
+    return x if len(rows) == len(x) and (not rows or rows[-1] == len(x) - 1) else x.index_select(0, upload(rows, x.device))
+
+
+def assemble(parts: list[tuple[torch.Tensor, list[int], list[int]]], memo: dict | None = None, heads: int | None = None) -> torch.Tensor:
+    """Every sequence's live rows of `parts` (each: rows (batch, n, C), first live row, live rows per sequence), part
+    after part, as one float32 tensor (batch, N, C), N the most rows of a sequence, or with `heads` (batch, heads, N,
+    C / heads) contiguous, as attention reads it; sequence b's rows come first and the rest is finite filler. One cat
+    when every sequence has the same layout, else one row gather whose index is made once per layout (memo: shared
+    by the layers of a step)."""
+    batch, width = parts[0][0].shape[0], parts[0][0].shape[2]
+    split = (lambda rows: rows) if heads is None else (lambda rows: rows.unflatten(2, (heads, width // heads)).transpose(1, 2))
+    if all(len(set(starts)) <= 1 and len(set(lengths)) <= 1 for _, starts, lengths in parts):
+        pieces = [split(rows[:, starts[0] : starts[0] + lengths[0]]) for rows, starts, lengths in parts if lengths and lengths[0]]
+        if not pieces:
+            return split(parts[0][0].new_zeros(batch, 0, width, dtype=torch.float32)).contiguous()
+        out = torch.cat(pieces, 1 if heads is None else 2).contiguous()
+        return out if out.dtype == torch.float32 else out.float()
+    columns = sum(rows.shape[1] for rows, _, _ in parts)
+    key = ("assemble", columns, heads, tuple((tuple(starts), tuple(lengths)) for _, starts, lengths in parts))
+    index = memo.get(key) if memo is not None else None
+    if index is None:
+        per_sequence: list[list[int]] = [[] for _ in range(batch)]
+        offset = 0
+        for rows, starts, lengths in parts:
+            for b in range(batch):
+                first = b * columns + offset + starts[b]
+                per_sequence[b].extend(range(first, first + lengths[b]))
+            offset += rows.shape[1]
+        most = max(len(rows) for rows in per_sequence)
+        index = np.array([rows + [b * columns] * (most - len(rows)) for b, rows in enumerate(per_sequence)], dtype=np.int64)
+        if heads is not None:  # rows of one head: (b, h, position) -> source row * heads + h
+            index = index[:, None, :] * heads + np.arange(heads)[None, :, None]
+        index = upload(np.ascontiguousarray(index.reshape(-1)), parts[0][0].device)
+        if memo is not None:
+            memo[key] = index
+    source = torch.cat([rows.float() for rows, _, _ in parts], 1)
+    if heads is None:
+        return source.view(batch * columns, width).index_select(0, index).view(batch, -1, width)
+    return source.view(-1, width // heads).index_select(0, index).view(batch, heads, -1, width // heads)

@@ -9,20 +9,31 @@ stored). Layouts, per sequence:
   per-token parameters (capacity, P) in their storage dtype (fp16 scale/zero or lo/hi, fp8 for SKVQ
   --fp8); per-block parameters (capacity / block_tokens, C) for per-channel key blocks; outliers as
   three parallel arrays (token row int32, channel int16, value fp16) with a count per sequence.
-Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.skvq).
+
+Appends are batched: `write`/`append_rows` take rows of several sequences at once (grouped by sequence, in
+the order of `seqs`), encode them with one call of the codec (or one launch of the CUDA append kernels, see
+`encoder_for`) and write every buffer with one indexed store; the bookkeeping (lengths, heads, outlier
+counts) is Python lists, never a tensor op per sequence. On the kernel path the outlier counts live on the
+device (`PackedRows.outlier_count`) and the host keeps an upper bound per sequence to size the outlier
+arrays ahead, so an append never waits for the device (see PackedRows.reserve_outlier_room).
+
+Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.skvq): `read(b)`
+one sequence through codec.decode; `decoded(rows)` every sequence at once for the batched reference
+decode, through per-parameter-row tables of the codec's decode formula (for the uniform and codebook
+codecs; bit-equal to codec.decode, a test checks it) or codec.decode itself.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from kvcal.packing import layout_for, pack, packed_words, unpack
-from kvcal.quantizers import Encoded
+from kvcal.packing import OUTLIER_BYTES, _slots, codes_per_word, layout_for, packed_words, unpack
+from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
-OUTLIER_BYTES = 4 + 2 + 2  # token row int32, channel int16, value fp16
 
 
 def _grown(buffer: torch.Tensor, rows: int) -> torch.Tensor:
@@ -32,23 +43,220 @@ def _grown(buffer: torch.Tensor, rows: int) -> torch.Tensor:
     return bigger
 
 
+def upload(values, device, dtype=torch.long) -> torch.Tensor:
+    """A host list or numpy array as a tensor on `device`, without waiting for the device: through pinned memory
+    and a non-blocking copy on CUDA (torch's pinned allocator keeps the source until the copy is done)."""
+    cuda = torch.device(device).type == "cuda"
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values).to(dtype)
+        return host.pin_memory().to(device, non_blocking=True) if cuda else host.to(device)
+    if cuda:
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def row_index(seqs: list[int], starts: list[int], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, row) index tensors of rows starts[i] .. starts[i] + counts[i] - 1 of sequence seqs[i], for every
+    i in order: the destinations of rows grouped by sequence. One upload, whatever the batch."""
+    if all(c == 1 for c in counts):
+        both = upload([seqs, starts], device)
+        return both[0], both[1]
+    seq_rows = [s for s, c in zip(seqs, counts) for _ in range(c)]
+    rows = [r for start, c in zip(starts, counts) for r in range(start, start + c)]
+    both = upload([seq_rows, rows], device)
+    return both[0], both[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# unpacking and table decoding of a whole batch
+
+_SHIFTS: dict = {}
+
+
+def _shifts_and_masks(bits: float, layout: str, device) -> tuple[torch.Tensor, torch.Tensor | int]:
+    key = (bits, layout, str(device))
+    if key not in _SHIFTS:
+        slots = _slots(bits, layout)
+        masks = {2**width - 1 for _, width in slots}  # one mask (a scalar) unless the widths differ (kvmix10x3+1x2)
+        _SHIFTS[key] = (torch.tensor([offset for offset, _ in slots], dtype=torch.int32, device=device),
+                        masks.pop() if len(masks) == 1 else
+                        torch.tensor([2**width - 1 for _, width in slots], dtype=torch.int32, device=device))
+    return _SHIFTS[key]
+
+
+_PIECES: dict = {}
+
+
+def _three_bit_pieces(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """3-bit "lsb" words as two 15-bit pieces of five codes each: (piece shifts, table piece -> its five codes)."""
+    key = str(device)
+    if key not in _PIECES:
+        values = torch.arange(2**15, dtype=torch.int32, device=device)
+        _PIECES[key] = (torch.tensor([0, 15], dtype=torch.int32, device=device),
+                        ((values[:, None] >> (3 * torch.arange(5, dtype=torch.int32, device=device))) & 7).contiguous())
+    return _PIECES[key]
+
+
+def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
+    """int32 words (..., w) -> codes (..., w, per_word) int32 (every slot, the row's padding included); equal to
+    kvcal.packing.unpack before its flatten and cut, in two tensor ops: an arithmetic shift of the int32 word keeps
+    the slot's bits and the mask drops the sign extension, or for 3-bit codes (ten per word, at bits 0-29) a table
+    of every 15-bit piece's five codes looked up for the word's two pieces."""
+    if layout == "ternary20":
+        per_word = 20
+        return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
+    if layout == "lsb" and bits == 3:
+        shifts, table = _three_bit_pieces(words.device)
+        pieces = (words[..., None] >> shifts).bitwise_and_(2**15 - 1)
+        return table.index_select(0, pieces.view(-1)).view(*words.shape, 10)
+    shifts, masks = _shifts_and_masks(bits, layout, words.device)
+    return (words[..., None] >> shifts).bitwise_and_(masks)
+
+
+_PACKING: dict = {}
+
+
+def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
+    """kvcal.packing.pack for codes the codecs made (in range: not checked again), in a few tensor ops whatever the
+    number of codes per word: every slot's code times its place value (2^offset, or 3^slot for ternary20),
+    summed per word (the slots' bits do not overlap, so the sum is their OR)."""
+    per_word = codes_per_word(bits, layout)
+    key = (bits, layout, str(codes.device))
+    if key not in _PACKING:
+        if layout == "ternary20":
+            places, limits = [3**slot for slot in range(per_word)], [2] * per_word
+        else:
+            slots = _slots(bits, layout)
+            places, limits = [2**offset for offset, _ in slots], [2**width - 1 for _, width in slots]
+        _PACKING[key] = (torch.tensor(places, dtype=torch.int64, device=codes.device),
+                         torch.tensor(limits, dtype=torch.int64, device=codes.device))
+    places, limits = _PACKING[key]
+    rows, n = codes.shape
+    words = packed_words(n, bits, layout)
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, words * per_word - n)).view(rows, words, per_word)
+    if layout == "kvmix10x3+1x2":
+        padded = padded.minimum(limits)  # the eleventh code keeps 2 bits, as kvcal.packing.pack clamps it
+    packed = (padded * places).sum(-1)
+    return packed.sub_(packed.ge(2**31).to(torch.int64) << 32).to(torch.int32)  # the uint32 pattern as int32
+
+
+class _Table:
+    """How a codec's decode of a batch becomes one table lookup: value = table[code + offset], where the table
+    holds the decoded value of every code for every parameter row (computed with the codec's own formula on the
+    parameters, so the lookup is bit-equal to codec.decode) and offset selects the row."""
+
+    @staticmethod
+    def for_codec(codec):
+        if isinstance(codec, TokenUniform):
+            return _TokenUniformTable()
+        if isinstance(codec, ChannelBlockUniform):
+            return _ChannelBlockTable()
+        if isinstance(codec, CodebookCodec):
+            return _CodebookTable()
+        return None
+
+
+class _TokenUniformTable(_Table):
+    def decode(self, store: PackedRows, codes: torch.Tensor, rows: int) -> torch.Tensor:
+        """codes (B, rows, words, per_word) -> (B, rows, channels_padded) float32."""
+        codec = store.codec
+        levels = 2 ** int(codec.bits)
+        scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
+        zero = store.token["zero"][:, :rows].float()
+        batch, groups = scale.shape[0], scale.shape[2]
+        table = torch.arange(levels, dtype=torch.float32, device=codes.device) * scale[..., None] + zero[..., None]
+        channel_group = store.channel_index // codec.group  # (words, per_word)
+        offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * (groups * levels)).view(batch, rows, 1, 1)
+        index = codes.add_(channel_group * levels).add_(offsets)
+        return table.view(-1).index_select(0, index.view(-1)).view(batch, rows, -1)
+
+
+class _ChannelBlockTable(_Table):
+    def decode(self, store: PackedRows, codes: torch.Tensor, rows: int) -> torch.Tensor:
+        codec = store.codec
+        levels, block = 2 ** int(codec.bits), codec.group
+        scale = store.blocks["scale"][:, : rows // block].float().clamp(min=TINY_SCALE)
+        zero = store.blocks["zero"][:, : rows // block].float()
+        batch, blocks, channels = scale.shape
+        table = torch.arange(levels, dtype=torch.float32, device=codes.device) * scale[..., None] + zero[..., None]
+        channel = store.channel_index  # (words, per_word)
+        offsets = (torch.arange(batch * blocks, dtype=torch.int32, device=codes.device) * (channels * levels)).view(batch, blocks, 1, 1, 1)
+        index = codes.view(batch, blocks, block, *codes.shape[2:]).add_(channel * levels).add_(offsets)
+        return table.view(-1).index_select(0, index.view(-1)).view(batch, rows, -1)
+
+
+class _CodebookTable(_Table):
+    constants = None
+
+    def decode(self, store: PackedRows, codes: torch.Tensor, rows: int) -> torch.Tensor:
+        codec = store.codec
+        if self.constants is None:  # the codebook on the device, and for per-channel thresholds the whole table
+            codebook = codec.codebook.to(codes.device)
+            table = offsets = None
+            if codec.lo is not None:
+                lo, hi = codec.lo.to(codes.device).float(), codec.hi.to(codes.device).float()
+                table = codebook * ((hi - lo) / 2).clamp(min=1e-8)[:, None] + ((hi + lo) / 2)[:, None]  # denormalize
+                offsets = store.channel_index * codebook.numel()
+            self.constants = (codebook, table, offsets)
+        codebook, table, offsets = self.constants
+        levels = codebook.numel()
+        if table is not None:  # per channel: a table row per channel
+            batch = codes.shape[0]
+            return table.view(-1).index_select(0, codes.add_(offsets).view(-1)).view(batch, rows, -1)
+        lo, hi = store.token["lo"][:, :rows].float(), store.token["hi"][:, :rows].float()  # (B, rows, 1)
+        batch = lo.shape[0]
+        table = codebook * ((hi - lo) / 2).clamp(min=1e-8) + (hi + lo) / 2  # (B, rows, levels)
+        offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * levels).view(batch, rows, 1, 1)
+        return table.view(-1).index_select(0, codes.add_(offsets).view(-1)).view(batch, rows, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp16 segments
+
+
 class Fp16Rows:
     def __init__(self, batch: int, width: int, device):
         self.data = torch.zeros(batch, 0, width, dtype=torch.float16, device=device)
         self.head = [0] * batch
         self.length = [0] * batch
 
+    def _room(self, seqs: list[int], counts: list[int]) -> None:
+        """Capacity for counts[i] more rows of sequence seqs[i]: compact every sequence's live rows to the front
+        (one gather and one store for the batch) when one would run past the end, grow if still short."""
+        capacity = self.data.shape[1]
+        if all(self.head[b] + self.length[b] + c <= capacity for b, c in zip(seqs, counts)):
+            return
+        moved = [b for b in range(len(self.head)) if self.head[b] and self.length[b]]
+        if moved:
+            lengths = [self.length[b] for b in moved]
+            source = row_index(moved, [self.head[b] for b in moved], lengths, self.data.device)
+            target = row_index(moved, [0] * len(moved), lengths, self.data.device)
+            self.data.index_put_(target, self.data[source])
+        self.head = [0] * len(self.head)
+        need = max(self.length[b] + c for b, c in zip(seqs, counts))
+        if need > capacity:
+            self.data = _grown(self.data, math.ceil(need / GROWTH) * GROWTH)
+
+    def write(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
+        """Append rows x (sum(counts), C), counts[i] of them to sequence seqs[i], in that order."""
+        if not len(x):
+            return
+        self._room(seqs, counts)
+        ends = [self.head[b] + self.length[b] for b in seqs]
+        self.data.index_put_(row_index(seqs, ends, counts, self.data.device), x.to(torch.float16))
+        for b, c in zip(seqs, counts):
+            self.length[b] += c
+
+    def take_front(self, seqs: list[int], counts: list[int]) -> torch.Tensor:
+        """Remove the first counts[i] live rows of sequence seqs[i]; returns them (sum(counts), C) fp16, grouped."""
+        rows = self.data[row_index(seqs, [self.head[b] for b in seqs], counts, self.data.device)]
+        for b, c in zip(seqs, counts):
+            self.head[b] += c
+            self.length[b] -= c
+        return rows
+
     def append(self, b: int, x: torch.Tensor) -> None:
-        end = self.head[b] + self.length[b]
-        if end + len(x) > self.data.shape[1]:
-            if self.head[b]:  # reuse the rows that left the front
-                live = self.data[b, self.head[b] : end].clone()
-                self.data[b, : self.length[b]] = live
-                self.head[b], end = 0, self.length[b]
-            if end + len(x) > self.data.shape[1]:
-                self.data = _grown(self.data, math.ceil((end + len(x)) / GROWTH) * GROWTH)
-        self.data[b, end : end + len(x)] = x.to(torch.float16)
-        self.length[b] += len(x)
+        self.write([b], [len(x)], x)
 
     def read(self, b: int) -> torch.Tensor:
         return self.data[b, self.head[b] : self.head[b] + self.length[b]]
@@ -59,21 +267,27 @@ class Fp16Rows:
         self.length[b] -= count
         return rows
 
+    def part(self) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(rows (B, n, C) fp16 covering every sequence's live rows, first live row, live rows) per sequence."""
+        end = max((h + n for h, n in zip(self.head, self.length)), default=0)
+        return self.data[:, :end], self.head, self.length
+
     def used_bytes(self, b: int) -> int:
         return self.length[b] * self.data.shape[2] * 2
 
 
-class PackedRows:
-    def __init__(self, codec, batch: int, width: int, device, use_kernels: bool | None = None, layout: str | None = None):
-        """use_kernels: quantize with the CUDA append kernels (kvcal.runtime.kernels); None = when the device is
-        CUDA and the codec has one. layout: a kvcal.packing layout, by default layout_for(codec.bits)."""
-        from kvcal.runtime import kernels
+# ---------------------------------------------------------------------------------------------------------
+# the quantized body
 
+
+class PackedRows:
+    def __init__(self, codec, batch: int, width: int, device, encoder_for=None, layout: str | None = None):
+        """encoder_for(codec, width, layout, device): an encoder that quantizes straight into this store (the CUDA
+        append kernels, kvcal.runtime.kernels.append_encoder) or None, when the torch codec encodes.
+        layout: a kvcal.packing layout, by default layout_for(codec.bits)."""
         self.codec, self.width, self.device = codec, width, device
         self.layout = layout or layout_for(codec.bits)
-        if use_kernels is None:
-            use_kernels = kernels.cuda_ready(device) and kernels.append_supported(codec, width, self.layout)
-        self.use_kernels = use_kernels
+        self.encoder = encoder_for(codec, width, self.layout, device) if encoder_for else None
         self.block = codec.block_tokens
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
         self.token: dict[str, torch.Tensor] = {}
@@ -82,7 +296,26 @@ class PackedRows:
         self.outlier_channels = torch.zeros(batch, 0, dtype=torch.int16, device=device)
         self.outlier_values = torch.zeros(batch, 0, dtype=torch.float16, device=device)
         self.length = [0] * batch
-        self.outliers = [0] * batch
+        self.keeps_outliers = getattr(codec, "outlier_fraction", 0) > 0
+        self._outliers = [0] * batch  # the torch path's counts
+        # the kernel path's counts: on the device, with a host upper bound per sequence (see reserve_outlier_room)
+        self.outlier_count = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._bound = [0] * batch
+        self._added = [0] * batch  # outliers the bound allowed for since the last snapshot of the counts
+        self._snapshot: tuple[torch.Tensor, object] | None = None
+        self._table = _Table.for_codec(codec) if self.layout != "ternary20" else None
+        # the channel of every code slot of a row's words (the row's padding slots count as its last channel)
+        words, per_word = self.words.shape[2], codes_per_word(codec.bits, self.layout)
+        self.channel_index = torch.arange(words * per_word, dtype=torch.int32, device=device).clamp(max=width - 1).view(words, per_word)
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.encoder is not None
+
+    @property
+    def outliers(self) -> list[int]:
+        """Outliers stored per sequence (on the kernel path this reads the device counts: not for a decode step)."""
+        return self.outlier_count.tolist() if self.encoder is not None else list(self._outliers)
 
     def _reserve(self, rows: int) -> None:
         if rows <= self.words.shape[1]:
@@ -100,6 +333,42 @@ class PackedRows:
             self.outlier_channels = _grown(self.outlier_channels, capacity)
             self.outlier_values = _grown(self.outlier_values, capacity)
 
+    def reserve_outlier_room(self, seqs: list[int], most: list[int]) -> None:
+        """Kernel path: sequence seqs[i] may gain up to most[i] outliers; grow the outlier arrays so that every
+        sequence's count stays below their capacity minus one (the last column of sequence 0 is where a
+        batched scatter sends its unused entries). The host never reads the device counts here: it keeps an
+        upper bound per sequence, made exact again from a snapshot of the counts copied to the host without
+        waiting (on CUDA: into pinned memory, with an event; taken after each append, read once it is done)."""
+        self._refresh_bound()
+        for b, m in zip(seqs, most):
+            self._bound[b] += m
+            self._added[b] += m
+        self.reserve_outliers(max(self._bound) + 1)
+
+    def _refresh_bound(self) -> None:
+        if self._snapshot is None:
+            return
+        counts, event = self._snapshot
+        if event is not None and not event.query():
+            return  # not copied yet: the bound stays as it is (still an upper bound)
+        self._bound = [c + a for c, a in zip(counts.tolist(), self._added)]
+        self._snapshot = None
+
+    def snapshot_outlier_count(self) -> None:
+        """After a kernel-path append: start copying the device counts to the host (see reserve_outlier_room)."""
+        if self.outlier_count.device.type == "cuda":
+            if self._snapshot is None:
+                host = torch.empty(self.outlier_count.shape, dtype=torch.int32, pin_memory=True)
+            else:
+                host = self._snapshot[0]
+            host.copy_(self.outlier_count, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._snapshot = (host, event)
+        else:
+            self._snapshot = (self.outlier_count.clone(), None)
+        self._added = [0] * len(self._added)
+
     def _parameter(self, table: dict, name: str, rows: int, columns: int, dtype) -> torch.Tensor:
         if name not in table:
             table[name] = torch.zeros(self.words.shape[0], rows, columns, dtype=dtype, device=self.device)
@@ -107,35 +376,56 @@ class PackedRows:
 
     def append(self, b: int, x: torch.Tensor) -> None:
         """Quantize rows x (tokens, C) (a whole number of codec blocks) into sequence b's storage."""
-        start, count = self.length[b], len(x)
-        self._reserve(start + count)
-        if self.use_kernels:
-            from kvcal.runtime import kernels
+        self.append_rows([b], [len(x)], x)
 
-            per_token, per_block = kernels.parameter_columns(self.codec, self.width)
+    def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
+        """Quantize rows x (sum(counts), C), counts[i] of them (a whole number of codec blocks) for sequence
+        seqs[i], grouped in that order: one encode (or one kernel launch) and one store per buffer."""
+        seqs, counts = [b for b, c in zip(seqs, counts) if c], [c for c in counts if c]
+        if not seqs:
+            return
+        starts = [self.length[b] for b in seqs]
+        self._reserve(max(s + c for s, c in zip(starts, counts)))
+        if self.encoder is not None:
+            per_token, per_block = self.encoder.parameter_columns(self.codec, self.width)
             for name, columns in per_token.items():
                 self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
             for name, columns in per_block.items():
                 self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, torch.float16)
-            self.outliers[b] += kernels.encode_into(self, b, x, start)
-            self.length[b] += count
-            return
+            self.encoder.encode_rows(self, seqs, starts, counts, x)
+        else:
+            self._encode_rows(seqs, starts, counts, x)
+        for b, c in zip(seqs, counts):
+            self.length[b] += c
+
+    def _encode_rows(self, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         encoded = self.codec.encode(x.float())
-        self.words[b, start : start + count] = pack(encoded.codes, self.codec.bits, self.layout)
+        target = row_index(seqs, starts, counts, self.device)
+        self.words.index_put_(target, pack_codes(encoded.codes, self.codec.bits, self.layout))
         for name, values in encoded.token.items():
-            self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype)[b, start : start + count] = values
-        for name, values in encoded.block.items():
-            blocks = self._parameter(self.blocks, name, self.words.shape[1] // self.block, values.shape[1], values.dtype)
-            blocks[b, start // self.block : (start + count) // self.block] = values
-        if encoded.outliers is not None:
-            rows, channels, values = encoded.outliers
-            first = self.outliers[b]
-            self.reserve_outliers(first + len(rows))
-            self.outlier_rows[b, first : first + len(rows)] = (rows + start).to(torch.int32)
-            self.outlier_channels[b, first : first + len(rows)] = channels.to(torch.int16)
-            self.outlier_values[b, first : first + len(rows)] = values
-            self.outliers[b] += len(rows)
-        self.length[b] += count
+            self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype).index_put_(target, values)
+        if encoded.block:
+            blocks = row_index(seqs, [s // self.block for s in starts], [c // self.block for c in counts], self.device)
+            for name, values in encoded.block.items():
+                self._parameter(self.blocks, name, self.words.shape[1] // self.block, values.shape[1], values.dtype).index_put_(blocks, values)
+        if encoded.outliers is None:
+            return
+        rows, channels, values = encoded.outliers  # in row order, so grouped by sequence like x
+        # where each goes, worked out on the host (the torch path reads its outliers' rows; the kernel path does not)
+        row = np.asarray(rows.tolist(), dtype=np.int64)
+        group_of_row = np.repeat(np.arange(len(seqs)), counts)
+        group = group_of_row[row]
+        per_group = np.bincount(group, minlength=len(seqs))
+        bases = np.array([self._outliers[b] for b in seqs], dtype=np.int64)
+        self.reserve_outliers(int((bases + per_group).max()))
+        slot = bases[group] + np.arange(len(group)) - (np.cumsum(per_group) - per_group)[group]
+        row_in_sequence = row + (np.array(starts) - (np.cumsum(counts) - counts))[group]
+        index = upload(np.stack([np.array(seqs, dtype=np.int64)[group], slot, row_in_sequence]), self.device)
+        self.outlier_rows.index_put_((index[0], index[1]), index[2].to(torch.int32))
+        self.outlier_channels.index_put_((index[0], index[1]), channels.to(torch.int16))
+        self.outlier_values.index_put_((index[0], index[1]), values)
+        for b, n in zip(seqs, per_group.tolist()):
+            self._outliers[b] += n
 
     def read(self, b: int) -> torch.Tensor:
         """Sequence b's rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
@@ -145,10 +435,41 @@ class PackedRows:
         encoded = Encoded(unpack(self.words[b, :n], self.codec.bits, self.width, self.layout),
                           token={name: t[b, :n] for name, t in self.token.items()},
                           block={name: t[b, : n // self.block] for name, t in self.blocks.items()})
-        if self.outliers[b]:
-            k = self.outliers[b]
+        k = self.outliers[b]
+        if k:
             encoded.outliers = (self.outlier_rows[b, :k].long(), self.outlier_channels[b, :k].long(), self.outlier_values[b, :k])
         return self.codec.decode(encoded)
+
+    def decoded(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of every sequence, dequantized: (batch, rows, C) float32 (rows past a sequence's
+        length are finite filler). Equal to read(b) for each sequence's own rows."""
+        batch = self.words.shape[0]
+        if rows == 0:
+            return torch.zeros(batch, 0, self.width, device=self.device)
+        codes = unpack_codes(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, words, per_word)
+        if self._table is not None:
+            out = self._table.decode(self, codes, rows)
+        else:
+            flat = codes.flatten(-2)[..., : self.width].reshape(batch * rows, self.width).long()
+            encoded = Encoded(flat, token={name: t[:, :rows].flatten(0, 1) for name, t in self.token.items()},
+                              block={name: t[:, : rows // self.block].flatten(0, 1) for name, t in self.blocks.items()})
+            out = self.codec.decode(encoded)
+        out = out.view(batch, rows, -1)  # (B, rows, slots): the row's padding slots beyond C, if any, at the end
+        if self.keeps_outliers:  # every live outlier of every sequence, gathered by an index made on the host
+            counts, columns, slots = self.outliers, self.outlier_rows.shape[1], out.shape[2]
+            live = [np.arange(b * columns, b * columns + c) for b, c in enumerate(counts)]
+            first = [np.full(c, b * rows * slots) for b, c in enumerate(counts)]  # where sequence b's rows start in out
+            index = upload(np.stack([np.concatenate(live + [np.zeros(0, np.int64)]),
+                                     np.concatenate(first + [np.zeros(0, np.int64)])]), self.device)
+            at = index[1].add_(self.outlier_rows.view(-1).index_select(0, index[0]), alpha=slots)
+            at.add_(self.outlier_channels.view(-1).index_select(0, index[0]))
+            out.view(-1).index_put_((at,), self.outlier_values.view(-1).index_select(0, index[0]).float())
+        return out[..., : self.width]
+
+    def part(self, rows: int | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(decoded rows (B, n, C) float32, first row, rows) per sequence (see Fp16Rows.part)."""
+        n = max(self.length, default=0) if rows is None else rows
+        return self.decoded(n), [0] * len(self.length), self.length
 
     def used_bytes(self, b: int) -> int:
         n = self.length[b]

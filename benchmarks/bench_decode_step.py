@@ -1,0 +1,348 @@
+"""End-to-end generate() time per new token on SmolLM2-135M (CPU) with kvcal's quantized cache, for every recipe,
+against transformers' DynamicCache and transformers' QuantizedCache (quanto and HQQ backends, where they import),
+measured in one run as ratios to DynamicCache, with peak memory beside it.
+
+Per (prompt length, batch): the prompts (wikitext-2 test, a different passage per sequence) but their last token
+are prefilled once with the fp model (kvcal.runtime.cache.fp_context) and that context is loaded into every cache
+(kvcal: WiredCache.load, as its own prefill would store it; DynamicCache: a copy; QuantizedCache: its update() with
+the whole context, which quantizes it as its own prefill would). Then model.generate() runs greedily from the whole
+prompt: its first step feeds the last prompt token, and the new tokens after it are timed one by one (a
+StoppingCriteria stamps every step), so the time per new token is a decode step of generate() with everything
+around it (logits, sampling, the attention mask), never the prefill. DynamicCache is measured first and last in
+each cell and the ratios are to the mean of the two (their spread shows the noise of a shared machine).
+
+Memory: peak resident set size of the process (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) while the cache is
+made, loaded and decoded, minus the RSS just before it was made: the high-water mark is reset through
+/proc/self/clear_refs before each cache, and glibc's mmap threshold is fixed at 64 KiB so that freed tensors leave
+the RSS. `cache MiB` is the cache's own storage after decoding (kvcal: WiredCache.used_bytes; DynamicCache: its
+tensors; QuantizedCache: not counted).
+
+Bundles: --bundles DIR holds <recipe>.safetensors; a missing one is made there: the first with `kvcal calibrate`
+(kvcal.calibration.calibrate, which writes profile.safetensors beside it), the others fitted from that profile (or
+from --profile) and exported with kvcal.calibration.build_bundle.
+
+Usage: python benchmarks/bench_decode_step.py [--lengths 512,2048,8000] [--batches 1,8] [--recipes all]
+       [--baselines quanto,hqq] [--new-tokens 32] [--bundles DIR] [--profile PATH]   (see --help)
+Quick: python benchmarks/bench_decode_step.py --lengths 512,2048 --new-tokens 16 --recipes kvquant,kivi
+Writes benchmarks/results/decode_step_cpu.{json,md} (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import importlib.util
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHARED, provenance, write_markdown, write_result  # noqa: E402
+
+BASELINES = ("quanto", "hqq")  # transformers' QuantizedCache backends
+BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+MIB = 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from kvcal import registry
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="512,2048,8000", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, or 'all' ({', '.join(registry.recipes())}) "
+                                                         "or 'none' (default: %(default)s)")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="transformers QuantizedCache backends to include besides "
+                                                                        "DynamicCache: quanto, hqq, or 'none' (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generate(); the first (the last prompt token's "
+                                                                   "step) is not timed (default: %(default)s)")
+    parser.add_argument("--bundles", type=Path, default=Path("/tmp/kvcal-bench-bundles"),
+                        help="folder of <recipe>.safetensors bundles; missing ones are made there (default: %(default)s)")
+    parser.add_argument("--profile", type=Path, default=None, help="an existing kvcal profile to fit missing bundles from, "
+                                                                  "instead of calibrating one")
+    parser.add_argument("--quantized-nbits", type=int, default=4, help="QuantizedCache code width (default: %(default)s, "
+                                                                      "transformers' default)")
+    parser.add_argument("--quantized-residual", type=int, default=128, help="QuantizedCache fp residual length "
+                                                                           "(default: %(default)s, transformers' default)")
+    parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
+                        help="prompt text (default: wikitext-2 test; the builtin corpus if missing)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--out", default="decode_step_cpu", help="result name under benchmarks/results (default: %(default)s)")
+    args = parser.parse_args(argv)
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
+                    else [r.strip() for r in args.recipes.split(",")])
+    for recipe in args.recipes:
+        registry.recipe(recipe)  # refuses an unknown name with the list
+    args.baselines = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",")]
+    unknown = set(args.baselines) - set(BASELINES)
+    if unknown:
+        parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
+    if args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bundles
+
+
+def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None) -> dict[str, Path]:
+    from kvcal import registry
+    from kvcal.artifacts import write_artifact
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle, calibrate
+
+    folder.mkdir(parents=True, exist_ok=True)
+    profile = profile or folder / "profile.safetensors"
+    paths = {}
+    for recipe in recipes:
+        out = folder / f"{recipe}.safetensors"
+        if not out.exists():
+            began = time.perf_counter()
+            if not profile.exists():
+                calibrate(None, recipe=recipe, out=out)
+            else:
+                spec = registry.recipe(recipe)
+                settings = spec.calibrate_settings(None)
+                fitted = None
+                if spec.artifact_kind is not None:
+                    tensors, config = spec.fit(str(profile), settings)
+                    fitted = str(write_artifact(folder / f"{recipe}-{spec.artifact_kind}.safetensors", tensors, spec.artifact_kind, config))
+                write_bundle(out, *build_bundle(str(profile), recipe, fitted, settings))
+            print(f"made {out} in {time.perf_counter() - began:.0f} s", flush=True)
+        paths[recipe] = out
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measuring
+
+
+def fix_malloc() -> None:
+    """glibc: serve every allocation above 64 KiB with mmap (a fixed threshold, not the adaptive one), so that a
+    freed tensor leaves the RSS at once and the peak of one cache does not hide in memory another freed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except OSError:
+        pass
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the current RSS
+    except OSError:
+        pass
+
+
+class Stamps:
+    """A StoppingCriteria that never stops and records when each generated token is done."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def cache_bytes(cache) -> int | None:
+    from transformers import DynamicCache
+
+    from kvcal.runtime import WiredCache
+
+    if isinstance(cache, WiredCache):
+        return cache.used_bytes()
+    if isinstance(cache, DynamicCache):
+        return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    return None
+
+
+def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cache) -> dict:
+    """generate() with a cache from make_cache(): time per new token (the first new token's step excluded), peak
+    RSS above the RSS before the cache, the cache's bytes and the new tokens."""
+    from transformers import StoppingCriteriaList
+
+    reset_peak()
+    before = rss_kib()
+    began = time.perf_counter()
+    with torch.inference_mode(), make_cache() as cache:
+        loaded = time.perf_counter() - began
+        stamps = Stamps()
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stamps]))
+        stored = cache_bytes(cache)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    steps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
+    return {"ms_per_token": 1000 * sum(steps) / len(steps), "ms_steps_min": 1000 * min(steps), "load_s": loaded,
+            "peak_rss_mib": (peak - before) / 1024, "cache_mib": None if stored is None else stored / MIB,
+            "tokens": out[:, prompt.shape[1]:]}
+
+
+class _Holding:
+    """A context manager that just hands out a cache (for caches that need no closing)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __enter__(self):
+        return self.cache
+
+    def __exit__(self, *exc):
+        self.cache = None
+
+
+def makers(model, context, bundles: dict[str, Path], baselines: list[str], nbits: int, residual: int) -> list[tuple[str, object]]:
+    """(name, make_cache) in the order measured within a cell: DynamicCache first and last."""
+    from transformers import QuantizedCache
+
+    from kvcal.bundle import load_bundle
+    from kvcal.runtime import quantized_cache
+
+    def dynamic():
+        return _Holding(copy.deepcopy(context.cache))
+
+    def transformers_quantized(backend):
+        def make():
+            cache = QuantizedCache(backend=backend, config=model.config, nbits=nbits, residual_length=residual)
+            for index, layer in enumerate(context.cache.layers):
+                cache.update(layer.keys, layer.values, index)
+            return _Holding(cache)
+        return make
+
+    def kvcal_cache(bundle):
+        def make():
+            cache = quantized_cache(model, bundle)
+            cache.load(context)
+            return cache
+        return make
+
+    loaded = {recipe: load_bundle(path) for recipe, path in bundles.items()}
+    return ([("DynamicCache", dynamic)] + [(f"QuantizedCache {b} int{nbits}", transformers_quantized(b)) for b in baselines]
+            + [(f"kvcal {recipe}", kvcal_cache(bundle)) for recipe, bundle in loaded.items()] + [("DynamicCache", dynamic)])
+
+
+def available_baselines(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    ok, missing = [], {}
+    for backend in wanted:
+        module, package = BACKEND_PACKAGES[backend]
+        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+            missing[backend] = f"not installed (pip install {package})"
+        else:
+            ok.append(backend)
+    return ok, missing
+
+
+def prompts(tokenizer, text_path: Path, length: int, batch: int) -> torch.Tensor:
+    """batch prompts of `length` tokens: passages of the text spread over it (repeated if it is too short)."""
+    from kvcal.data import builtin_text
+
+    text = text_path.read_text() if text_path.is_file() else builtin_text()
+    ids = tokenizer(text[: 8 * length * batch], return_tensors="pt").input_ids[0]
+    if len(ids) < length * batch:
+        ids = ids.repeat(length * batch // len(ids) + 1)
+    stride = (len(ids) - length) // max(batch - 1, 1)
+    return torch.stack([ids[b * stride : b * stride + length] for b in range(batch)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    fix_malloc()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = provenance()
+    from kvcal.models import load_model
+    from kvcal.runtime.cache import fp_context
+
+    baselines, missing = available_baselines(args.baselines)
+    for backend, why in missing.items():
+        print(f"QuantizedCache {backend}: {why}; left out", flush=True)
+    bundles = ensure_bundles(args.bundles, args.recipes, args.profile)
+    model, tokenizer, source = load_model(None)
+    rows, began = [], time.perf_counter()
+    for length in args.lengths:
+        for batch in args.batches:
+            prompt = prompts(tokenizer, args.text, length, batch)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                context = fp_context(model, prompt[:, :-1])
+            prefill = time.perf_counter() - t0
+            print(f"\n{length} tokens x {batch}: fp prefill {prefill:.1f} s", flush=True)
+            cell, reference_tokens = [], None
+            for name, make in makers(model, context, bundles, baselines, args.quantized_nbits, args.quantized_residual):
+                result = run_cache(model, tokenizer, prompt, args.new_tokens, make)
+                tokens = result.pop("tokens")
+                if reference_tokens is None:
+                    reference_tokens = tokens
+                result["tokens_equal_dynamic"] = float((tokens == reference_tokens).float().mean())
+                cell.append({"cache": name, "length": length, "batch": batch, **result})
+                print(f"  {name:32s} {result['ms_per_token']:9.1f} ms/token  peak +{result['peak_rss_mib']:8.1f} MiB  "
+                      f"load {result['load_s']:.1f} s", flush=True)
+            dynamic = [r["ms_per_token"] for r in cell if r["cache"] == "DynamicCache"]
+            reference = sum(dynamic) / len(dynamic)
+            for row in cell:
+                row["ratio_to_dynamic"] = row["ms_per_token"] / reference
+            first, last = cell[0], cell.pop()  # DynamicCache measured twice: one row, the mean, with both runs
+            first.update(ms_per_token=reference, ratio_to_dynamic=1.0, dynamic_runs_ms=dynamic,
+                         peak_rss_mib=max(first["peak_rss_mib"], last["peak_rss_mib"]))
+            rows += cell
+            del context
+            gc.collect()
+    settings = {"lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
+                "baselines_left_out": missing, "new_tokens": args.new_tokens, "timed_tokens_per_run": args.new_tokens - 1,
+                "quantized_cache": {"nbits": args.quantized_nbits, "residual_length": args.quantized_residual, "q_group_size": 64},
+                "threads": torch.get_num_threads(), "model": source.spec, "dtype": str(model.dtype),
+                "memory": "peak RSS (resource.getrusage ru_maxrss) during cache load + decode above the RSS before it; "
+                          "high-water mark reset via /proc/self/clear_refs, glibc mmap threshold 64 KiB",
+                "seconds": round(time.perf_counter() - began, 1)}
+    write_result(args.out, {"settings": settings, "results": rows}, started)
+    write_markdown(args.out, table(rows, args, baselines, missing))
+
+
+def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str]) -> list[str]:
+    lines = [f"# generate() time per new token on CPU (SmolLM2-135M fp32, {torch.get_num_threads()} threads)", "",
+             f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/bench_decode_step.py); "
+             "x Dyn: time per token / DynamicCache's (the mean of its runs first and last in the cell); peak MiB: peak RSS "
+             "during cache load + decode above the RSS before it (resource.getrusage ru_maxrss, high-water mark reset per "
+             "cache); cache MiB: the cache's own storage; same tokens: greedy tokens equal to DynamicCache's.", ""]
+    if missing:
+        lines += [f"Left out: QuantizedCache {b}: {why}." for b, why in missing.items()] + [""]
+    for length in args.lengths:
+        for batch in args.batches:
+            cell = [r for r in rows if r["length"] == length and r["batch"] == batch]
+            if not cell:
+                continue
+            lines += [f"## {length} tokens, batch {batch}", "", "| cache | ms/token | x Dyn | peak MiB | cache MiB | same tokens |",
+                      "|---|---|---|---|---|---|"]
+            for r in cell:
+                note = f" (runs {' / '.join(f'{t:.0f}' for t in r['dynamic_runs_ms'])})" if "dynamic_runs_ms" in r else ""
+                stored = "-" if r["cache_mib"] is None else f"{r['cache_mib']:.1f}"
+                lines.append(f"| {r['cache']} | {r['ms_per_token']:.0f}{note} | {r['ratio_to_dynamic']:.2f} | "
+                             f"{r['peak_rss_mib']:.0f} | {stored} | {r['tokens_equal_dynamic']:.0%} |")
+            lines.append("")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,599 @@
+"""Perplexity change vs real bits on SmolLM2-135M for every calibrated kvcal recipe and every uncalibrated
+baseline of `kvcal eval ppl`, on wikitext-2 test and on a held-out code corpus (the Python standard
+library's own sources, dataset `python-code`), with the Pareto front marked (issue 14, item 4).
+
+Real bits are `eval ppl`'s effective bits: what the runtime stores per K/V element (codes packed in int32
+words, per-token/per-block parameters in their storage dtype, 8-byte outliers, fp16 sinks, windows and
+residuals), averaged over each evaluated window at --seqlen tokens.
+
+Calibrated recipes are fit once from one profile: --profile, or by default one made here with
+kvcal.profile.run_profile on wikitext-2 valid (16 x 512, seed --seed, sink 1, every sampled token kept as a
+row, 2 stored windows). Fitted artifacts are cached under --work (keyed by the profile file and the
+settings) so that a rerun only evaluates; --refit ignores the cache. The model is loaded once, each
+domain is tokenized once, and fp is evaluated once per domain (first, by kvcal.evaluate.evaluate_ppl).
+
+Writes benchmarks/results/<out-name>.json, .md (a table per domain, and for every baseline the best
+calibrated recipe at <= its real bits) and .png (one panel per domain). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result  # noqa: E402
+
+CALIBRATED, BASELINE = "calibrated", "baseline"
+DOMAINS = {  # name -> (description, kvcal dataset spec)
+    "wikitext2": ("wikitext-2 test", str(SHARED / "data" / "wikitext-2" / "test.txt")),
+    "code": ("held-out code (Python stdlib sources)", "python-code"),
+}
+CALIBRATION_TEXT = SHARED / "data" / "wikitext-2" / "valid.txt"
+PROFILE_SAMPLES, PROFILE_SEQLEN, PROFILE_SINK, PROFILE_WINDOWS = 16, 512, 1, 2
+BITS_EPS = 1e-9  # real bits compare equal within this
+PLOT_FLOOR_PCT = 0.01  # the log-scale y axis shows changes <= this (fp8, q8_0 can be <= 0) at this floor
+FIT_KINDS = ("nuq", "skvq", "kvmix", "fp8")
+
+
+# ---------------------------------------------------------------------------------------------- catalog
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One method of the benchmark. kind: 'baseline' (an `eval ppl --baseline` spec), 'nuq', 'skvq', 'kvmix'
+    (fit from the profile), or 'fp8' (vLLM FP8 e4m3 KV cache; spec 'unit' = scale 1.0, 'absmax' = absmax/448
+    of the profile's calibration tokens)."""
+
+    name: str
+    family: str
+    kind: str
+    spec: object = None  # baseline spec text, fit settings as a dict, or the fp8 scale mode
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.kind in FIT_KINDS and self.spec != "unit"
+
+
+def catalog(seed: int) -> list[Entry]:
+    entries = []
+    for bits in (4, 3, 2):
+        entries.append(Entry(f"nuq{bits}-1%", CALIBRATED, "nuq", {"bits": bits, "outliers": 0.01, "seed": seed}, (f"nuq{bits}", "nuq")))
+    entries.append(Entry("mixed", CALIBRATED, "nuq", {"bits_from_profile": True, "outliers": 0.01, "seed": seed}))
+    for window in (0, 32, 128):
+        settings = {"kbits": 2, "vbits": 2, "group_size": 64, "window": window, "sink": 5, "fp8": True, "seed": seed}
+        entries.append(Entry(f"skvq-K2V2-fp8-w{window}", CALIBRATED, "skvq", settings, (f"skvq-w{window}", "skvq")))
+    entries.append(Entry("kvmix", CALIBRATED, "kvmix", {}))
+    for bits in (4, 3, 2):
+        entries.append(Entry(f"int{bits}-g64", BASELINE, "baseline", f"int{bits}-g64", (f"int{bits}", "int")))
+    for bits in (4, 3, 2):
+        for residual in (32, 128):
+            spec = f"kivi{bits}-g32-r{residual}"
+            entries.append(Entry(spec, BASELINE, "baseline", spec, (f"kivi{bits}", "kivi")))
+    for bits in (4, 3, 2):
+        entries.append(Entry(f"hadamard-int{bits}", BASELINE, "baseline", f"hadamard-int{bits}", ("hadamard",)))
+    for bits in (4, 3, 2):
+        entries.append(Entry(f"turbo{bits}", BASELINE, "baseline", f"turbo{bits}", ("turbo",)))
+    for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"):
+        entries.append(Entry(name, BASELINE, "baseline", name, ("llama.cpp",)))
+    entries.append(Entry("fp8-scale1", BASELINE, "fp8", "unit", ("fp8",)))
+    entries.append(Entry("fp8-absmax", BASELINE, "fp8", "absmax", ("fp8",)))
+    return entries
+
+
+def select(entries: list[Entry], selectors: list[str]) -> list[Entry]:
+    """Entries picked by name, alias or group ('all', 'calibrated', 'baselines'), in catalog order."""
+    picked = set()
+    for selector in selectors:
+        matches = {e.name for e in entries if selector in (e.name, *e.aliases) or selector == "all"
+                   or (selector == "calibrated" and e.family == CALIBRATED) or (selector == "baselines" and e.family == BASELINE)}
+        if not matches:
+            raise ValueError(f"unknown method '{selector}'; choose from all, calibrated, baselines, "
+                             + ", ".join(dict.fromkeys(n for e in entries for n in (e.name, *e.aliases))))
+        picked |= matches
+    return [e for e in entries if e.name in picked]
+
+
+# ------------------------------------------------------------------------------- pure result analysis
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
+    """For (bits, ppl) points: True where no other point has bits <= and ppl <= with one of them strictly
+    lower (minimizing both). Equal points are both on the front; NaN points never are."""
+    on = []
+    for i, (bits, ppl) in enumerate(points):
+        if math.isnan(bits) or math.isnan(ppl):
+            on.append(False)
+            continue
+        dominated = any(
+            j != i and b <= bits + BITS_EPS and p <= ppl and (b < bits - BITS_EPS or p < ppl)
+            for j, (b, p) in enumerate(points)
+        )
+        on.append(not dominated)
+    return on
+
+
+def best_recipe_at(bits: float, recipes: list[dict]) -> dict | None:
+    """The row of `recipes` (dicts with effective_bits and ppl) with the lowest ppl among those at <= `bits`
+    real bits; ties in ppl go to fewer bits, then to the earlier row. None if none fits the budget."""
+    fitting = [r for r in recipes if r["effective_bits"] <= bits + BITS_EPS and not math.isnan(r["ppl"])]
+    return min(fitting, key=lambda r: (r["ppl"], r["effective_bits"])) if fitting else None
+
+
+def compare_baselines(rows: list[dict]) -> list[dict]:
+    """For every baseline row: the best calibrated recipe at <= its real bits and whether its ppl is lower."""
+    recipes = [r for r in rows if r["family"] == CALIBRATED]
+    out = []
+    for row in rows:
+        if row["family"] != BASELINE:
+            continue
+        best = best_recipe_at(row["effective_bits"], recipes)
+        out.append({"baseline": row["name"], "bits": row["effective_bits"], "ppl": row["ppl"], "delta_pct": row["delta_pct"],
+                    "best_recipe": best and best["name"], "recipe_bits": best and best["effective_bits"],
+                    "recipe_ppl": best and best["ppl"], "recipe_delta_pct": best and best["delta_pct"],
+                    "recipe_lower_ppl": bool(best is not None and best["ppl"] < row["ppl"])})
+    return out
+
+
+# ------------------------------------------------------------------------------------------- progress
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------- fp8 (vLLM) quantizer
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Codec:
+    """vLLM's FP8 e4m3 KV cache as a kvcal codec: fp8(x / scale) * scale with one per-layer scale
+    (kvcal.export_vllm.fp8_fake_quantize). Stores 8 bits per element; the per-layer scale is a model constant,
+    not counted (as kvcal.runtime.memory does not count calibrated constants)."""
+
+    scale: object  # torch.Tensor of 1 element
+    block_tokens = 1
+
+    def quantize(self, x):
+        import torch
+
+        from kvcal.export_vllm import fp8_fake_quantize
+        from kvcal.quantizers import Quantized
+
+        return Quantized(fp8_fake_quantize(x, self.scale), torch.full((x.shape[0],), 8.0 * x.shape[1], device=x.device))
+
+    def encode(self, x):
+        raise NotImplementedError("Fp8Codec serves the simulation only")
+
+    def decode(self, encoded):
+        raise NotImplementedError("Fp8Codec serves the simulation only")
+
+
+def fp8_available() -> str | None:
+    """None if kvcal.export_vllm offers the FP8 fake-quantizer and the scale calibration, else why not."""
+    try:
+        from kvcal.export_vllm import FP8_MAX, calibrate_scales, fp8_fake_quantize  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (the module is being written: any failure means not ready)
+        return f"kvcal.export_vllm is not usable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def fp8_method(name: str, k_scales: list, v_scales: list):
+    from kvcal.kv import SegmentPolicy
+    from kvcal.quantizers import LayerCodecs
+    from kvcal.simulate import Method
+
+    layers = [LayerCodecs(Fp8Codec(k), Fp8Codec(v), key_pre_rope=False) for k, v in zip(k_scales, v_scales)]
+    return Method(name, 8, layers, SegmentPolicy())
+
+
+# ------------------------------------------------------------------------------------------ fitting
+
+
+@dataclass
+class Fitter:
+    """Fits calibrated methods from one profile, caching each artifact under work/fits-<profile key>/."""
+
+    profile: Path
+    work: Path
+    refit: bool
+    fitted: set = field(default_factory=set)  # paths fit in this run (--refit fits each once)
+
+    def cached(self, path: Path) -> bool:
+        return path.exists() and (not self.refit or path in self.fitted)
+
+    @property
+    def folder(self) -> Path:
+        stat = self.profile.stat()
+        key = hashlib.sha1(f"{self.profile.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+        return self.work / f"fits-{key}"
+
+    def path_for(self, entry: Entry, suffix: str = ".safetensors") -> Path:
+        settings = json.dumps({"kind": entry.kind, "spec": entry.spec}, sort_keys=True)
+        digest = hashlib.sha1(settings.encode()).hexdigest()[:8]
+        safe = entry.name.replace("%", "pct")
+        return self.folder / f"{safe}-{digest}{suffix}"
+
+    def method(self, entry: Entry, num_layers: int):
+        """(simulation Method, artifact path) of a calibrated entry, fitting it unless cached (or cached by a
+        kvcal that wrote another artifact schema)."""
+        from kvcal.errors import KvcalError
+        from kvcal.methods import artifact_method
+
+        if entry.kind == "fp8":
+            return self._fp8(entry, num_layers), self.fp8_scales
+        path = self.path_for(entry)
+        cached = self.cached(path)
+        started = time.perf_counter()
+        if not cached:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fit(entry, path)
+            self.fitted.add(path)
+        log(f"fit {entry.name}: {'cached ' + path.name if cached else f'{time.perf_counter() - started:.1f} s -> {path.name}'}")
+        try:
+            return artifact_method(str(path)), path
+        except KvcalError as exc:
+            if not cached:
+                raise
+            log(f"fit {entry.name}: the cached artifact is not readable by this kvcal ({exc}); fitting it again")
+            self.fitted.add(path)  # so that a second failure is not retried
+            self._fit(entry, path)
+            return artifact_method(str(path)), path
+
+    def _fit(self, entry: Entry, path: Path) -> None:
+        if entry.kind == "nuq":
+            from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+            write_nuq(path, *fit_nuq(str(self.profile), NuqSettings(**entry.spec)))
+        elif entry.kind == "skvq":
+            from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+
+            write_skvq(path, *fit_skvq(str(self.profile), SkvqSettings(**entry.spec)))
+        elif entry.kind == "kvmix":
+            from kvcal.bundle import write_bundle
+            from kvcal.calibration import build_bundle
+
+            write_bundle(path, *build_bundle(str(self.profile), "kvmix"))
+        else:
+            raise ValueError(f"no fit for kind {entry.kind}")
+
+    @property
+    def fp8_scales(self) -> Path:
+        return self.folder / "fp8-tensor-scales.safetensors"  # one calibrate_scales serves every fp8 mode
+
+    def _fp8(self, entry: Entry, num_layers: int):
+        from safetensors.torch import load_file, save_file
+
+        from kvcal.export_vllm import calibrate_scales
+
+        scales_path = self.fp8_scales
+        started = time.perf_counter()
+        cached = self.cached(scales_path)
+        if not cached:
+            fit, _ = calibrate_scales(str(self.profile), "tensor")
+            tensors = {}
+            for i, layer in enumerate(fit.layers):
+                tensors.update({f"{i}.k_absmax": layer.k_absmax.float().reshape(1), f"{i}.v_absmax": layer.v_absmax.float().reshape(1),
+                                f"{i}.k": layer.k.float().reshape(1), f"{i}.v": layer.v.float().reshape(1)})
+            scales_path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(scales_path.with_suffix(".tmp")))
+            scales_path.with_suffix(".tmp").replace(scales_path)
+            self.fitted.add(scales_path)
+        tensors = load_file(str(scales_path))
+        log(f"fit {entry.name}: {'cached ' + scales_path.name if cached else f'{time.perf_counter() - started:.1f} s -> {scales_path.name}'}")
+        suffix = "_absmax" if entry.spec == "absmax" else ""
+        return fp8_method(entry.name, [tensors[f"{i}.k{suffix}"] for i in range(num_layers)],
+                          [tensors[f"{i}.v{suffix}"] for i in range(num_layers)])
+
+
+def ensure_profile(args) -> Path:
+    """--profile, or the default profile under --work (made once with kvcal.profile.run_profile; again when
+    this kvcal cannot read the cached one; delete it to force a new one)."""
+    from kvcal.artifacts import read_header
+    from kvcal.errors import KvcalError
+
+    if args.profile is not None:
+        path = Path(args.profile)
+        kind, _ = read_header(str(path))
+        if kind != "profile":
+            raise SystemExit(f"bench_pareto: --profile '{path}' is a kvcal {kind}, not a profile")
+        log(f"profile: reusing {path}")
+        return path
+    path = Path(args.work) / f"profile-wikitext2-valid-{PROFILE_SAMPLES}x{PROFILE_SEQLEN}-seed{args.seed}.safetensors"
+    if path.exists():
+        try:
+            read_header(str(path))
+            log(f"profile: cached {path}")
+            return path
+        except KvcalError as exc:
+            log(f"profile: the cached profile is not readable by this kvcal ({exc}); making it again")
+    from kvcal.capture import CaptureSettings
+    from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    request = ProfileRequest(model=args.model, dataset=str(CALIBRATION_TEXT), nsamples=PROFILE_SAMPLES, seqlen=PROFILE_SEQLEN,
+                             seed=args.seed, kvmix=KvmixSettings(),
+                             capture=CaptureSettings(sink=PROFILE_SINK, max_tokens_per_layer=PROFILE_SAMPLES * PROFILE_SEQLEN,
+                                                     store_windows=PROFILE_WINDOWS, seed=args.seed))
+    started = time.perf_counter()
+    log(f"profile: making {path} (wikitext-2 valid, {PROFILE_SAMPLES} x {PROFILE_SEQLEN}, all rows kept)")
+    run_profile(request, path, on_window=lambda w: log(f"  profile window {w + 1}/{PROFILE_SAMPLES}"))
+    log(f"profile: {time.perf_counter() - started:.1f} s")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def markdown(payload: dict) -> list[str]:
+    lines = [f"# Perplexity change vs real bits: {payload['model']}", "",
+             f"{payload['evaluation']}. Calibrated recipes fit once from: {payload['calibration']}. "
+             "Real bits = what the runtime stores per K/V element at the window length (packed int32 code words, "
+             "parameters in their storage dtype, 8-byte outliers, fp16 sinks/windows/residuals). "
+             "front = on the Pareto front (no other method has <= bits and <= ppl).", ""]
+    if payload["skipped"]:
+        lines += ["Skipped: " + "; ".join(f"{name} ({why})" for name, why in payload["skipped"].items()), ""]
+    for domain in payload["domains"].values():
+        lines += [f"## {domain['description']} ({domain['windows']} x {domain['seqlen']} tokens, fp ppl {domain['fp_ppl']:.4f})", "",
+                  "| method | family | real bits | K bits | V bits | ppl | vs fp | front |", "|---|---|---|---|---|---|---|---|"]
+        for row in sorted(domain["rows"], key=lambda r: (r["effective_bits"], r["ppl"])):
+            lines.append(f"| {row['name']} | {row['family']} | {row['effective_bits']:.3f} | {fmt(row['key_bits'], '.3f')} | "
+                         f"{fmt(row['value_bits'], '.3f')} | {row['ppl']:.4f} | {row['delta_pct']:+.2f}% | {'yes' if row['on_front'] else ''} |")
+        comparisons = domain["baselines_vs_recipes"]
+        if comparisons:
+            beaten = sum(c["recipe_lower_ppl"] for c in comparisons)
+            lines += ["", f"Every baseline against the best calibrated recipe at <= its real bits: {beaten} of {len(comparisons)} "
+                      "have a recipe with lower perplexity.", "",
+                      "| baseline | real bits | vs fp | best recipe at <= bits | its real bits | its vs fp | lower ppl |",
+                      "|---|---|---|---|---|---|---|"]
+            for c in sorted(comparisons, key=lambda c: c["bits"]):
+                lines.append(f"| {c['baseline']} | {c['bits']:.3f} | {c['delta_pct']:+.2f}% | {c['best_recipe'] or 'none'} | "
+                             f"{fmt(c['recipe_bits'], '.3f')} | {fmt(c['recipe_delta_pct'], '+.2f')}{'%' if c['best_recipe'] else ''} | "
+                             f"{'yes' if c['recipe_lower_ppl'] else 'NO'} |")
+        lines.append("")
+    lines.append(f"Evaluation time: {payload['seconds_per_window']:.2f} s per method x domain x window on average "
+                 f"({payload['device']}).")
+    return lines
+
+
+LABEL_OFFSETS = ((4, 3), (4, -10), (-4, 3), (-4, -10), (4, 12), (4, -19), (-4, 12), (-4, -19), (4, 21), (4, -28))  # points
+
+
+def _place_labels(renderer, labels: list) -> None:
+    """Move each annotation to the first offset where it stays inside its axes and overlaps neither a placed
+    label nor a marker (else to the offset with the fewest overlaps)."""
+    placed = []
+    for ann, markers, frame in labels:
+        best, best_overlap = None, None
+        for dx, dy in LABEL_OFFSETS:
+            ann.set_position((dx, dy))
+            ann.set_horizontalalignment("left" if dx > 0 else "right")
+            box = ann.get_window_extent(renderer)
+            outside = box.x0 < frame.x0 or box.x1 > frame.x1 or box.y0 < frame.y0 or box.y1 > frame.y1
+            overlap = 3 * outside + sum(box.overlaps(other) for other in placed) + sum(box.overlaps(m) for m in markers)
+            if best_overlap is None or overlap < best_overlap:
+                best, best_overlap = (dx, dy), overlap
+            if overlap == 0:
+                break
+        ann.set_position(best)
+        ann.set_horizontalalignment("left" if best[0] > 0 else "right")
+        placed.append(ann.get_window_extent(renderer))
+
+
+def plot(payload: dict, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.transforms import Bbox
+
+    domains = list(payload["domains"].values())
+    fig = Figure(figsize=(8 * len(domains), 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(domains), squeeze=False)[0]
+    styles = {CALIBRATED: ("tab:blue", "o", "calibrated (kvcal)"), BASELINE: ("tab:orange", "s", "baseline (no calibration)")}
+    pending = []
+    for ax, domain in zip(axes, domains):
+        rows = domain["rows"]
+        shown = {id(r): max(r["delta_pct"], PLOT_FLOOR_PCT) for r in rows}
+        for family, (colour, marker, label) in styles.items():
+            members = [r for r in rows if r["family"] == family]
+            if members:
+                ax.scatter([r["effective_bits"] for r in members], [shown[id(r)] for r in members],
+                           c=colour, marker=marker, s=36, label=label, zorder=3)
+        front = sorted((r for r in rows if r["on_front"]), key=lambda r: r["effective_bits"])
+        if front:
+            xs, ys = [r["effective_bits"] for r in front], [shown[id(r)] for r in front]
+            ax.step(xs, ys, where="post", color="black", linewidth=1, alpha=0.7, zorder=2)
+            ax.scatter(xs, ys, s=110, facecolors="none", edgecolors="black", linewidths=1, zorder=4, label="Pareto front")
+        if any(r["delta_pct"] <= PLOT_FLOOR_PCT for r in rows):
+            ax.axhline(PLOT_FLOOR_PCT, color="grey", linewidth=0.6, linestyle=":")
+        ax.set_yscale("log")
+        ax.margins(x=0.07, y=0.08)
+        ax.set_xlabel("real bits per K/V element (as the runtime stores them)")
+        ax.set_ylabel(f"perplexity change vs fp, % (log; <= {PLOT_FLOOR_PCT}% drawn at {PLOT_FLOOR_PCT}%)")
+        ax.set_title(f"{domain['description']}: fp ppl {domain['fp_ppl']:.3f}, {domain['windows']} x {domain['seqlen']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+        for r in sorted(rows, key=lambda r: (r["effective_bits"], -shown[id(r)])):
+            text = r["name"] if r["delta_pct"] > PLOT_FLOOR_PCT else f"{r['name']} ({r['delta_pct']:+.3f}%)"
+            ann = ax.annotate(text, (r["effective_bits"], shown[id(r)]), xytext=LABEL_OFFSETS[0], textcoords="offset points",
+                              fontsize=6.5, color=styles[r["family"]][0], va="bottom")
+            ann.set_in_layout(False)
+            pending.append((ax, ann, rows, shown))
+    fig.suptitle(f"KV-cache quantization on {payload['model']}: accuracy per real bit")
+    fig.canvas.draw()  # the constrained layout fixes the axes; labels are then placed in display space
+    renderer = fig.canvas.get_renderer()
+    labels = []
+    for ax, ann, rows, shown in pending:
+        points = ax.transData.transform([(r["effective_bits"], shown[id(r)]) for r in rows])
+        markers = [Bbox.from_extents(x - 4, y - 4, x + 4, y + 4) for x, y in points]
+        labels.append((ann, markers, ax.get_window_extent(renderer)))
+    _place_labels(renderer, labels)
+    fig.set_layout_engine("none")  # keep the axes where the labels were placed
+    fig.savefig(path, dpi=150)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    names = ", ".join(e.name for e in catalog(0))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"methods: {names}. Aliases: nuqN, skvq, skvq-wW, intN, int, kiviN, kivi, hadamard, turbo, llama.cpp, fp8; "
+               "groups: all, calibrated, baselines.")
+    parser.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
+                        help="methods to evaluate, by name, alias or group (default: all)")
+    parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS),
+                        help="evaluation domains: wikitext2 (wikitext-2 test) and code (held-out Python stdlib sources); default both")
+    parser.add_argument("--windows", type=int, default=40, help="consecutive windows per domain (default 40)")
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument("--profile", default=None, help="reuse this kvcal profile for the calibrated recipes (default: make one "
+                        "on wikitext-2 valid, 16 x 512, under --work)")
+    parser.add_argument("--work", default=str(REPO / "artifacts" / "bench" / "pareto"),
+                        help="folder for the default profile and the cached fitted artifacts (default artifacts/bench/pareto)")
+    parser.add_argument("--refit", action="store_true", help="fit every calibrated recipe again instead of using cached "
+                        "artifacts (the default profile is kept; a cached file this kvcal cannot read is remade anyway)")
+    parser.add_argument("--model", default=None, help="model to evaluate (default: the packaged SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the default profile, the fits and torch (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--out-name", default="pareto",
+                        help="write benchmarks/results/<out-name>.{json,md,png} (default pareto; use another name for trial runs)")
+    args = parser.parse_args(argv)
+    if args.windows < 1 or args.seqlen < 2:
+        parser.error("--windows must be >= 1 and --seqlen >= 2")
+    try:
+        args.entries = select(catalog(args.seed), args.methods)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.domains = list(dict.fromkeys(args.domains))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a tqdm bar; progress here is one line per step
+    started_with = provenance()
+    import torch
+
+    from kvcal.errors import KvcalError
+
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    missing = [DOMAINS[d][1] for d in args.domains if DOMAINS[d][1].startswith("/") and not Path(DOMAINS[d][1]).is_file()]
+    if missing:
+        raise SystemExit(f"bench_pareto: evaluation text {missing[0]} is missing; it is expected at ../shared beside the checkout")
+    try:
+        run(args, started_with)
+    except KvcalError as exc:
+        raise SystemExit(f"bench_pareto: {exc}") from exc
+
+
+def run(args, started_with: dict) -> None:
+    import torch
+
+    from kvcal.adapters import adapt
+    from kvcal.artifacts import read_header
+    from kvcal.data import load_text, tokenize
+    from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
+    from kvcal.methods import baseline_method
+    from kvcal.models import load_model
+
+    skipped = {}
+    entries = []
+    fp8_problem = fp8_available()
+    for entry in args.entries:
+        if entry.kind == "fp8" and fp8_problem:
+            skipped[entry.name] = fp8_problem
+            log(f"skip {entry.name}: {fp8_problem}")
+        else:
+            entries.append(entry)
+    profile = ensure_profile(args) if any(e.needs_profile for e in entries) else None
+    log("loading model")
+    model, tokenizer, source = load_model(args.model)
+    adapter = adapt(model)
+    num_layers, head_dim = len(adapter.layers), adapter.head_dim
+    fitter = Fitter(profile, Path(args.work), args.refit) if profile is not None else None
+    methods, artifacts = [], {}
+    for entry in entries:
+        if entry.kind == "baseline":
+            methods.append(baseline_method(entry.spec, num_layers, head_dim))
+            continue
+        if entry.needs_profile:
+            method, path = fitter.method(entry, num_layers)
+            artifacts[entry.name] = str(path)
+            if entry.kind != "fp8":
+                check_model_matches(method, adapter, source.spec, str(path))
+        else:  # fp8 at vLLM's default scale 1.0
+            ones = [torch.ones(1) for _ in range(num_layers)]
+            method = fp8_method(entry.name, ones, ones)
+        methods.append(method)
+
+    domains, eval_seconds = {}, 0.0
+    for name in args.domains:
+        description, dataset = DOMAINS[name]
+        log(f"[{name}] tokenizing {dataset}")
+        ids = tokenize(load_text(dataset), tokenizer)
+        windows = consecutive_windows(ids, args.seqlen, args.windows)
+        labels = ["fp", *(e.name for e in entries)]
+        ticks, last = [0], [time.perf_counter()]
+        seconds = []
+
+        def on_step():
+            ticks[0] += 1
+            if ticks[0] % args.windows == 0:
+                now = time.perf_counter()
+                index = ticks[0] // args.windows - 1
+                seconds.append(now - last[0])
+                log(f"[{name}] {index}/{len(entries)} {labels[index]}: {now - last[0]:.1f} s ({(now - last[0]) / args.windows:.2f} s/window)")
+                last[0] = now
+
+        results = evaluate_ppl(model, adapter, windows, methods, on_step=on_step)
+        fp = results[0]
+        rows = []
+        for entry, method, result, secs in zip(entries, methods, results[1:], seconds[1:]):
+            rows.append({"name": entry.name, "family": entry.family, "kvcal_name": method.name, **result.as_dict(),
+                         "artifact": artifacts.get(entry.name), "seconds": round(secs, 2)})
+        for row in rows:
+            del row["method"]
+        for row, on in zip(rows, pareto_front([(r["effective_bits"], r["ppl"]) for r in rows])):
+            row["on_front"] = on
+        eval_seconds += sum(seconds[1:])
+        domains[name] = {"description": description, "dataset": dataset, "tokens": ids.numel(), "windows": args.windows,
+                         "seqlen": args.seqlen, "fp_ppl": fp.ppl, "fp_seconds": round(seconds[0], 2), "rows": rows,
+                         "baselines_vs_recipes": compare_baselines(rows)}
+
+    calibration = "no calibrated recipe selected"
+    if profile is not None:
+        cal = read_header(str(profile))[1]["calibration"]
+        calibration = (f"profile {profile} ({cal['dataset']}, {cal['nsamples']} x {cal['seqlen']}, seed {cal['seed']}, "
+                       f"sink {cal['sink']}, {cal['max_tokens_per_layer']} rows/layer max)")
+    runs = len(entries) * len(domains) * args.windows
+    payload = {"model": source.spec, "calibration": calibration,
+               "evaluation": f"seqlen {args.seqlen}, {args.windows} consecutive windows per domain, fake quantization with decode-time "
+                             "semantics (kvcal.evaluate.evaluate_ppl)",
+               "seed": args.seed, "methods": [e.name for e in entries], "skipped": skipped, "domains": domains,
+               "seconds_per_window": eval_seconds / runs if runs else float("nan"), "argv": sys.argv[1:]}
+    json_path = write_result(args.out_name, payload, started_with)
+    md_path = write_markdown(args.out_name, markdown({**started_with, **payload}))
+    png_path = plot(payload, RESULTS / f"{args.out_name}.png")
+    log(f"wrote {json_path}, {md_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,725 @@
+"""Static performance bound of the decode-attention kernel from its SASS: no GPU needed.
+
+Each decode variant kvcal.runtime.kernel_source lists is compiled with NVRTC (its sources and options) for
+sm_90 and sm_80 to a cubin (registers, spills, occupancy) and disassembled with nvdisasm (PyPI wheel
+nvidia-cuda-nvdisasm). The variants of the cases below are compiled again with -lineinfo, which tags every
+instruction with its inlined source lines (the script checks that the SASS is otherwise identical), and walked:
+
+Loops. nvdisasm 13 turns its own dataflow analysis (and so -cfg) off for these cubins, so the control flow is
+read from the listing's branch targets. Every backward branch closes a loop: its target is the header and the
+loop is the address range from the target to the branch (ptxas lays loops out contiguously). The token loop is the
+loop whose backward branch comes from TOKEN_LOOP's source line: in today's kernel a warp's loop over tiles of
+TILE tokens. Inside it, the key pass handles one token per lane (its inner loops run over the words of the
+lane's own token), and the value pass is the loop over the tile's tokens, one token per iteration for the
+whole warp. So one iteration of the token loop serves TILE tokens of one KV head for all query heads of its
+group, and warp-instructions per KV token = instructions issued per token-loop iteration / TILE.
+
+Issued instructions per iteration. Expected executions of each instruction are propagated through the loop
+body in address order. An inner loop's header gets its entry flow times its iterations (inner_loops: a regex
+on the source line of its backward branch and the steady-state count); the whole entry flow leaves at its
+last backward branch (or at its first exit when that branch is unconditional), so branches that leave a loop
+early carry nothing. A conditional branch is resolved, in this order, by: conditions() (the branch compares a
+runtime value with an immediate: the GQA group, the layout id, a null fp16 row pointer; evaluated on the ISETP
+that sets its predicate); a compiler slow path (a block ending in a CALL) never runs; a guard that jumps over a
+loop is not taken when the loop runs; sites(), for the steady state of each case (a body token of the case's
+code width, every lane valid, the warp converged): the probability that the code of a source line runs when
+reached, read from the inlined lines of the block each side leads to, unless other paths join there (0 for the
+fp16-token path, the other layouts, outliers when there are none; 1/kv_heads for applying an outlier found in
+the scan); IF_BODIES for an if whose body no site names. A branch that no rule decides is an error (the steady
+state is stated, never guessed), and so is an iteration whose flow does not reach its end. Divergence checks
+(BRA.DIV) are not taken. Predicated instructions count whether or not their predicate holds: the warp issues them.
+
+Bound. t_mem = bytes read / copy bandwidth, t_issue = warp-instructions / (SMs x issue rate x clock);
+bandwidth fraction <= t_mem / max(t_mem, t_issue); speedup over fp16 SDPA <= t_sdpa / max(t_mem, t_issue)
+with t_sdpa = the fp16 cache's bytes / (copy bandwidth x --sdpa-efficiency). Bytes per token are
+kvcal.runtime.memory.cache_bytes for a cache that is all quantized body, outliers included; fp16 sinks and
+windows, query and output are left out (< 1% of the bytes at 32K tokens). Bytes in flight per SM = global-load
+bytes (32 lanes x width) issued per iteration of the side's streaming loop, capped by the cache bytes that
+iteration consumes (lanes reading the same word count once), x resident warps. A bound is an upper limit, never
+a measurement: every issue slot is assumed usable (no dependency stalls, MUFU and fp64 at full issue rate).
+
+Usage: python benchmarks/bound_decode.py [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
+Writes benchmarks/results/bound_decode.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import provenance, write_markdown, write_result  # noqa: E402
+
+# H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
+H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
+LIMITS = {  # per SM: registers, shared memory, warps, blocks; shared memory the driver reserves per block
+    "sm_90": {"registers": 65536, "smem": 228 * 1024, "warps": 64, "blocks": 32, "reserved_smem": 1024},
+    "sm_80": {"registers": 65536, "smem": 164 * 1024, "warps": 64, "blocks": 32, "reserved_smem": 1024},
+}
+SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768}
+
+# ---- What the walk knows about today's kernel (kernels/decode_attention.cu): update it with the kernel. ----
+KERNEL = "decode_attention.cu"
+TILE = 32  # tokens per iteration of a warp's token loop (kvcal.runtime.kernels.TILE)
+THREADS = 128  # threads per block (__launch_bounds__)
+TOKEN_LOOP = r"for \(int t0 = "
+PASSES = {"keys": r"// keys:", "softmax": r"// online softmax", "values": r"// values:"}  # source markers, in order
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the bound: a recipe and the kernel variant and runtime layout that serve it."""
+
+    name: str
+    key_codec: str
+    value_codec: str
+    rope: bool
+    bits: int  # code width; 0 = fp16
+    outliers: float = 0.0  # fraction of elements kept exact (per side)
+    note: str = ""
+
+    @property
+    def variant(self) -> str:
+        return f"decode_attention<{SHAPE['head_dim']}, {str(self.rope).lower()}, {self.key_codec}, {self.value_codec}>"
+
+
+CASES = (
+    Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, note="every token in the fp16 recent segment"),
+    Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
+    Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
+    Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01,
+         note="3-bit codes packed 10 per word (3.2 bits) with words straddling heads: the per-element path"),
+    Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
+)
+
+
+def outlier_scan(case: Case) -> float:
+    """Outliers a warp's scan visits per tile: every head's outliers of the tile's rows, and the one that ends it."""
+    return case.outliers * TILE * SHAPE["kv_heads"] * SHAPE["head_dim"] + 1
+
+
+def inner_loops(case: Case) -> list[tuple[str, float, str | None]]:
+    """(regex on the source line of an inner loop's backward branch, iterations per entry at the steady state, the
+    side whose codes it streams or None). The streaming loops give the bytes in flight."""
+    d, bits = SHAPE["head_dim"], case.bits or 1
+    stored = case.outliers * SHAPE["tokens"] * SHAPE["kv_heads"] * d  # one sequence, all heads, one side
+    return [
+        (r"for \(int w = 0; w < HALF_WORDS", d / 2 / (32 // bits), "keys"),
+        (r"for \(int part = 0; part < PER_WORD / 8", 32 // bits / 8, None),
+        (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
+        (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
+        (r"while \(lo < hi\)", math.ceil(math.log2(stored + 1)) if stored else 0, None),
+        (r"for \(int i = lower_bound\(", outlier_scan(case), None),
+        (r"for \(int i = 0; i < count; \+\+i\)", TILE, "values"),
+    ]
+
+
+def sites(case: Case) -> list[tuple[str, float]]:
+    """(regex on a source line, probability that its code runs when the warp reaches it) for a steady-state token:
+    a body token (an fp16 token for the fp16 case) of the case's code width, every lane valid."""
+    fp16 = case.bits == 0
+    rules = [
+        (r"ref\.fp16_row = s\.sink \+", 0.0),
+        (r"ref\.fp16_row = s\.recent \+", 1.0 if fp16 else 0.0),
+        (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
+        (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
+        (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 1.0 if case.bits == 3 else 0.0),
+        (r"default: return lsb_code<3, 11>", 0.0),  # KVmix's 10x3+1x2 words
+        (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", 1 / SHAPE["kv_heads"]),  # an outlier in this head
+        (r"const long long base = b \* side\.outlier_stride", 1.0 if case.outliers else 0.0),
+    ]
+    for b in (1, 2, 4):
+        rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
+    for b in (1, 2, 3, 4):
+        rules.append((rf"case {b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
+    return rules
+
+
+def conditions(case: Case) -> list[tuple[str, int]]:
+    """Branches on a runtime value that their comparison with an immediate decides: (regex on the branch's source
+    line, the value). GMAX = 8 query heads are compiled in and the group has 4; the layout id is the code width;
+    a token's fp16 row pointer is null for a body token."""
+    return [(r"if \(g >= group\) continue;", SHAPE["group"]), (r"switch \(layout\)", case.bits),
+            (r"ref\.fp16_row != nullptr", int(case.bits == 0))]
+
+
+# Ifs without else whose body no site names: (regex on the branch's source line, probability the body runs).
+IF_BODIES = ((r"if \(valid\)", 1.0),)
+# ---- end of the kernel model ----
+
+
+CLASSES = ("loads", "fp32", "int/logic", "conversion", "control", "other")
+_CLASS_OF = {  # opcode (before the first '.') -> class; anything else is "other" (fp64, fp16x2, shuffles, stores, MMA)
+    **dict.fromkeys(("LDG", "LDS", "LDC", "ULDC", "LD", "LDL", "LDSM", "LDGSTS", "LDTRAM"), "loads"),
+    **dict.fromkeys(("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "MUFU", "FSWZADD", "FADD32I",
+                     "FMUL32I", "FFMA32I"), "fp32"),
+    **dict.fromkeys(("IADD3", "IADD", "IMAD", "IMUL", "ISETP", "LOP3", "LOP", "SHF", "SHL", "SHR", "LEA", "SEL", "MOV",
+                     "MOV32I", "IABS", "IMNMX", "VIADD", "VIMNMX", "VIADDMNMX", "PLOP3", "PRMT", "BMSK", "BFE", "BFI", "FLO", "POPC",
+                     "CS2R", "S2R", "S2UR", "UIADD3", "UIMAD", "ULOP3", "USHF", "UMOV", "ULEA", "UISETP", "USEL",
+                     "UPRMT", "R2UR", "P2R", "R2P", "UFLO", "UPOPC", "USGXT", "SGXT", "IDP", "VABSDIFF"), "int/logic"),
+    **dict.fromkeys(("I2F", "F2I", "I2FP", "F2FP", "F2F", "I2I", "FRND", "F2IP", "I2IP"), "conversion"),
+    **dict.fromkeys(("BRA", "BRX", "JMP", "JMX", "BSSY", "BSYNC", "BREAK", "BMOV", "EXIT", "RET", "CALL", "WARPSYNC",
+                     "NOP", "BAR", "DEPBAR", "YIELD", "ENDCOLLECTIVE", "KILL", "NANOSLEEP"), "control"),
+}
+GLOBAL_LOADS = ("LDG", "LD", "LDGSTS")
+LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # default 4
+
+
+def classify(opcode: str) -> str:
+    if opcode.startswith("HADD2.F32"):  # fp16 -> fp32 as ptxas writes it (-RZ + x.H0_H0)
+        return "conversion"
+    return _CLASS_OF.get(opcode.split(".")[0], "other")
+
+
+def load_bytes(opcode: str) -> int:
+    """Bytes one lane reads with a load (4 unless the opcode names another width)."""
+    return next((LOAD_BYTES[m] for m in opcode.split(".")[1:] if m in LOAD_BYTES), 4)
+
+
+# ------------------------------------------------------------------------------------------------- listing
+
+@dataclass
+class Instruction:
+    address: int
+    predicate: str  # "" or e.g. "!P5"
+    opcode: str
+    operands: str
+    lines: tuple  # inlined source lines, innermost first: ((file name, line), ...)
+    targets: list = field(default_factory=list)  # indices a branch may jump to (several for an indirect BRX)
+
+
+@dataclass
+class Function:
+    name: str
+    code: list[Instruction] = field(default_factory=list)
+
+
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.(\S+?),")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+_TARGETS = re.compile(r"`\((\.L_x_\d+)\)|BRANCH_TARGETS ([.\w,]+)")
+
+
+def parse_listing(text: str) -> dict[str, Function]:
+    """nvdisasm -c -gi output -> functions by name, with branch targets resolved and source lines attached."""
+    functions, labels, branches = {}, {}, []
+    function, lines, in_comment = None, (), False
+    for raw in text.splitlines():
+        if m := _SECTION.match(raw):
+            function = functions[m.group(1)] = Function(m.group(1))
+        elif function is None:
+            continue
+        elif m := _LABEL.match(raw.strip()):
+            labels[function.name, m.group(1)] = len(function.code)
+        elif raw.lstrip().startswith("//##"):
+            # "File A, line N inlined at B, line M": one frame per comment line, innermost first
+            frame = tuple((Path(f).name, int(n)) for f, n in _LINE.findall(raw))[:1]
+            lines, in_comment = (lines + frame if in_comment else frame), True
+        elif m := _INSTRUCTION.match(raw):
+            in_comment = False
+            function.code.append(Instruction(int(m.group(1), 16), m.group(2) or "", m.group(3), m.group(4), lines))
+            if target := _TARGETS.search(raw):
+                branches.append((function, len(function.code) - 1, (target.group(1) or target.group(2)).split(",")))
+    for function, index, names in branches:
+        function.code[index].targets = [labels[function.name, name] for name in names]
+    return functions
+
+
+def nvdisasm() -> Path:
+    """The nvdisasm binary of the nvidia-cuda-nvdisasm wheel."""
+    try:
+        files = metadata.files("nvidia-cuda-nvdisasm") or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == "nvdisasm":
+            return Path(file.locate())
+    raise SystemExit("error: nvdisasm not found: pip install nvidia-cuda-nvdisasm (or pip install -e '.[bound]')")
+
+
+def disassemble(cubin: bytes, line_info: bool) -> str:
+    """nvdisasm's listing of the code sections, with inlined source lines when the cubin has line info."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([str(nvdisasm()), "-c", *(["-gi"] if line_info else []), f.name], capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"error: nvdisasm failed: {run.stderr.strip()}")
+    return run.stdout
+
+
+# ------------------------------------------------------------------------------------------------- the walk
+
+class WalkError(Exception):
+    pass
+
+
+def is_branch(ins: Instruction) -> bool:
+    """A jump: BRA, BRX, and CALL.REL.NOINC to a label (sm_80 code leaves loops that way; it never returns)."""
+    return ins.opcode.split(".")[0] in ("BRA", "BRX", "CALL") and bool(ins.targets)
+
+
+def backward_branches(code: list[Instruction]) -> list[tuple[int, int]]:
+    """(target, branch) of every backward branch: each closes a loop over that address range. Divergence
+    fallbacks placed after the function's body jump back too; they are not inside the token loop."""
+    return [(ins.targets[0], i) for i, ins in enumerate(code) if is_branch(ins) and ins.targets[0] <= i]
+
+
+class Walk:
+    """Expected executions of each instruction of `code` per iteration of the token loop, for one Case."""
+
+    def __init__(self, code: list[Instruction], source_text, case: Case):
+        self.code = code
+        self.text = lambda lines: [source_text(f)[n - 1] for f, n in lines]
+        self.entries = Counter(t for ins in code if is_branch(ins) for t in ins.targets)  # jumps into each label
+        backward = backward_branches(code)
+        token = [(h, e) for h, e in backward if self.matches(code[e].lines[:1], TOKEN_LOOP)]
+        if len(token) != 1:
+            raise WalkError(f"{len(token)} loops come from the token loop's line /{TOKEN_LOOP}/")
+        self.header, self.end = token[0]
+        self.loops = {}  # inner loops: header -> last backward branch
+        for h, e in backward:
+            if self.header < h and e < self.end:
+                self.loops[h] = max(e, self.loops.get(h, e))
+        self.sites, self.trips, self.conditions, self.if_bodies = sites(case), inner_loops(case), conditions(case), IF_BODIES
+
+    def matches(self, lines, pattern: str) -> bool:
+        return any(re.search(pattern, t) for t in self.text(lines))
+
+    def streams(self, header: int) -> str | None:
+        """The side whose codes the loop at `header` streams, if any."""
+        latch = self.code[self.loops[header]]
+        return next((side for pattern, _, side in self.trips if self.matches(latch.lines[:1], pattern)), None)
+
+    def trip_count(self, header: int) -> float:
+        latch = self.code[self.loops[header]]
+        found = [n for pattern, n, _ in self.trips if self.matches(latch.lines[:1], pattern)]
+        if len(found) != 1:
+            raise WalkError(f"loop at {self.code[header].address:#x} (source: {self.text(latch.lines[:1])}) has "
+                            f"{len(found)} iteration rules")
+        return found[0]
+
+    def block(self, start: int) -> list[Instruction]:
+        """The straight-line code from `start` to the next branch or label."""
+        end = start
+        while (end < len(self.code) - 1 and not is_branch(self.code[end]) and not self.code[end].opcode.startswith("CALL")
+               and end + 1 not in self.entries):
+            end += 1
+        return self.code[start:end + 1]
+
+    def joins(self, start: int) -> bool:
+        """Whether the code at `start` is reached from more than one place (so says nothing about one branch)."""
+        prev = self.code[start - 1]
+        falls_in = bool(prev.predicate) or "DIV" in prev.opcode or prev.opcode.split(".")[0] not in ("BRA", "BRX", "EXIT", "RET")
+        return self.entries[start] + falls_in > 1
+
+    def runs(self, start: int) -> float | None:
+        """Probability that the block at `start` runs when reached, from sites(); None when no rule names it or when
+        other paths join there."""
+        if self.joins(start):
+            return None
+        found = {p for ins in self.block(start) for pattern, p in self.sites if self.matches(ins.lines, pattern)}
+        return min(found) if found else None
+
+    def taken(self, i: int) -> float:
+        """Probability that the conditional branch at i jumps."""
+        ins = self.code[i]
+        for pattern, value in self.conditions:
+            if self.matches(ins.lines[:1], pattern):
+                return float(self.compare(i, value))
+        for start, p in ((ins.targets[0], 0.0), (i + 1, 1.0)):  # compiler slow paths (a CALL) do not run
+            last = self.block(start)[-1]
+            if last.opcode.startswith("CALL") and not is_branch(last):
+                return p
+        for header in (i + 1, i + 1 + len(self.block(i + 1))):  # a guard jumps over a loop its fall-through enters
+            if header in self.loops and ins.targets[0] > self.loops[header]:
+                return 0.0 if self.trip_count(header) else 1.0
+        jump, fall = self.runs(ins.targets[0]), self.runs(i + 1)
+        if jump is not None and fall is not None and jump + fall != 1:
+            raise WalkError(f"branch at {ins.address:#x}: rules give jump {jump} to {self.describe(ins.targets[0])} "
+                            f"and fall-through {fall} to {self.describe(i + 1)}")
+        if jump is None and fall is None:
+            body = next((p for pattern, p in self.if_bodies if self.matches(ins.lines[:1], pattern)), None)
+            joins = self.joins(ins.targets[0]), self.joins(i + 1)
+            if body is not None and joins[0] != joins[1]:  # an if without else: the body is the side nothing joins
+                return 1 - body if joins[0] else body
+            raise WalkError(f"branch at {ins.address:#x} ({self.text(ins.lines[:1])}): no rule decides between "
+                            f"{self.describe(ins.targets[0])} and {self.describe(i + 1)}")
+        return jump if jump is not None else 1 - fall
+
+    def compare(self, i: int, value: int) -> bool:
+        """Whether the branch at i jumps when the register its predicate's ISETP compares holds `value`."""
+        negate, predicate = self.code[i].predicate.startswith("!"), self.code[i].predicate.lstrip("!")
+        for j in range(i - 1, self.header - 1, -1):
+            writer = self.code[j]
+            if writer.operands.split(",")[0].strip() != predicate:
+                continue
+            m = re.fullmatch(r"ISETP\.(LT|LE|GT|GE|EQ|NE)(?:\.U32)?\.AND(\.EX)?", writer.opcode)
+            ops = [o.strip() for o in writer.operands.split(",")]
+            # .EX: the high half of a 64-bit comparison with zero, chained to the low half's predicate
+            chained = m and m.group(2) and ops[3] == "RZ" and m.group(1) in ("EQ", "NE")
+            if not m or ops[1] != "PT" or not (ops[4] == "PT" or chained) or not (ops[3] == "RZ" or ops[3].startswith("0x")):
+                break
+            other = 0 if ops[3] == "RZ" else int(ops[3], 16)
+            result = {"LT": value < other, "LE": value <= other, "GT": value > other, "GE": value >= other,
+                      "EQ": value == other, "NE": value != other}[m.group(1)]
+            return result != negate
+        raise WalkError(f"branch at {self.code[i].address:#x}: its predicate is not an ISETP against an immediate")
+
+    def describe(self, start: int) -> str:
+        return f"{self.code[start].address:#x} {sorted(set(t.strip() for ins in self.block(start) for t in self.text(ins.lines)))}"
+
+    def innermost(self, i: int) -> tuple[int, int] | None:
+        inner = [(h, e) for h, e in self.loops.items() if h <= i <= e]
+        return max(inner) if inner else None
+
+    def run(self) -> list[float]:
+        code, n = self.code, len(self.code)
+        flow, count, entry = [0.0] * (n + 1), [0.0] * n, {}
+        self.flow, flow[self.header] = flow, 1.0
+        for i in range(self.header, self.end + 1):
+            f, ins = flow[i], code[i]
+            if i in self.loops:
+                entry[i], f = f, f * self.trip_count(i)
+            count[i] = f
+            if not f:
+                continue
+            op = ins.opcode.split(".")
+            if op[0] in ("EXIT", "RET", "CALL", "JMP", "JMX") and not ins.predicate and not is_branch(ins):
+                raise WalkError(f"{ins.opcode} at {ins.address:#x} inside the token loop")
+            if not is_branch(ins):
+                flow[i + 1] += f  # predicated EXIT/RET: not taken in the steady state
+                continue
+            if op[0] == "BRX":  # a jump table: the one target that the rules say runs
+                live = [t for t in ins.targets if self.runs(t) == 1.0]
+                if len(live) != 1:
+                    raise WalkError(f"BRX at {ins.address:#x}: {len(live)} live targets among "
+                                    f"{[self.describe(t) for t in ins.targets]}")
+                self.jump(i, live[0], f)
+                continue
+            target = ins.targets[0]
+            if target <= i:  # a loop's backward branch
+                if i == self.end:
+                    if abs(f - 1) > 1e-6:  # what enters an iteration must reach its end
+                        raise WalkError(f"{f:.3f} of the token loop's iteration reaches its end")
+                    continue
+                if self.loops[target] != i:
+                    raise WalkError(f"loop at {code[target].address:#x} has several backward branches")
+                if ins.predicate:
+                    flow[i + 1] += entry[target]  # the whole entry flow leaves at the end
+                else:
+                    exits = [j for j in range(target, i) if is_branch(code[j]) and code[j].targets[0] > i]
+                    if not exits:
+                        raise WalkError(f"loop at {code[target].address:#x} has no exit")
+                    flow[code[exits[0]].targets[0]] += entry[target]
+                continue
+            loop_end = self.innermost(i)[1] if self.innermost(i) else self.end
+            if "DIV" in op or target > loop_end:
+                p = 0.0  # warp converged; leaving a loop is accounted at its end
+            elif not ins.predicate:
+                p = 1.0
+            else:
+                p = self.taken(i)
+            if p:
+                self.jump(i, target, f * p)
+            flow[i + 1] += f * (1 - p)
+        return count
+
+    def jump(self, i: int, target: int, f: float) -> None:
+        if not self.header <= target <= self.end:
+            raise WalkError(f"branch at {self.code[i].address:#x} leaves the token loop in the steady state")
+        self.flow[target] += f
+
+
+# ------------------------------------------------------------------------------------------------- compile
+
+def compile_cubin(arch: str, names: list[str], line_info: bool) -> tuple[bytes, str, dict[str, str]]:
+    """Decode variants `names` compiled by NVRTC for `arch` with kernel_source's options (and -lineinfo when asked):
+    (cubin, ptxas log, name -> mangled name)."""
+    from cuda.bindings import nvrtc
+
+    from kvcal.runtime import kernel_source as src
+
+    def check(result, what: str):
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise SystemExit(f"error: NVRTC {what} failed ({err}){': ' + log() if what == 'compile' else ''}")
+        return rest[0] if rest else None
+
+    def log() -> str:
+        size = check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
+        text = b" " * size
+        check(nvrtc.nvrtcGetProgramLog(program, text), "log")
+        return text.decode(errors="replace").rstrip("\x00 ")
+
+    program = check(nvrtc.nvrtcCreateProgram(src.source(KERNEL).encode(), KERNEL.encode(), 0, [], []), "create")
+    try:
+        for name in names:
+            check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"name expression {name}")
+        options = [*src.OPTIONS, f"--gpu-architecture={arch}", f"--include-path={src.KERNEL_DIR}", "--ptxas-options=-v",
+                   *(["-lineinfo"] if line_info else [])]
+        check(nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]), "compile")
+        cubin = b" " * check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
+        check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
+        mangled = {name: check(nvrtc.nvrtcGetLoweredName(program, name.encode()), "lowered name").decode() for name in names}
+        return cubin, log(), mangled
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+# ------------------------------------------------------------------------------------------------- figures
+
+def occupancy(registers: int, smem: int, arch: str) -> dict:
+    """Resident blocks and warps per SM (the CUDA occupancy calculator's rules: registers allocated 8 per thread,
+    i.e. in units of 256 per warp; the driver's reserved shared memory per block)."""
+    limit, warps_per_block = LIMITS[arch], THREADS // 32
+    by = {"registers": limit["registers"] // (math.ceil(registers / 8) * 8 * 32) // warps_per_block,
+          "shared memory": limit["smem"] // (smem + limit["reserved_smem"]),
+          "warps": limit["warps"] // warps_per_block, "blocks": limit["blocks"]}
+    blocks = min(by.values())
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps_per_block, "limited_by": min(by, key=by.get)}
+
+
+def shared_bytes(log: str, mangled: str) -> int:
+    """Static shared memory of a function from the ptxas report (absent when it uses none)."""
+    m = re.search(rf"Function properties for {re.escape(mangled)}\n(?:.*\n)*?(.*Used \d+ registers.*)", log)
+    if not m:
+        raise SystemExit(f"error: no ptxas report for {mangled}")
+    smem = re.search(r"(\d+) bytes smem", m.group(1))
+    return int(smem.group(1)) if smem else 0
+
+
+def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float) -> dict:
+    """The bound at SHAPE on H100: per KV-head token, all query heads of its group served together."""
+    tokens = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
+    issue_rate = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # warp-instructions per second
+    t_mem = tokens * bytes_per_token / H100["copy_bytes_per_s"]
+    t_issue = tokens * instructions_per_token / issue_rate
+    t_sdpa = tokens * 2 * SHAPE["head_dim"] * 2 / (H100["copy_bytes_per_s"] * sdpa_efficiency)
+    return {"budget_per_token": bytes_per_token * issue_rate / H100["copy_bytes_per_s"], "t_mem_us": t_mem * 1e6,
+            "t_issue_us": t_issue * 1e6, "t_sdpa_us": t_sdpa * 1e6, "bandwidth_fraction": t_mem / max(t_mem, t_issue),
+            "speedup_vs_sdpa": t_sdpa / max(t_mem, t_issue)}
+
+
+def bytes_per_token(case: Case) -> float:
+    """Cache bytes of one KV-head token, K and V: kvcal.runtime.memory's formula for a cache that is all quantized
+    body (no fp16 sink, window or residual), outliers included."""
+    from kvcal.bundle import LayerRecipe
+    from kvcal.runtime.memory import cache_bytes, fp16_bytes
+
+    width, tokens = SHAPE["kv_heads"] * SHAPE["head_dim"], SHAPE["tokens"]
+    if not case.bits:
+        total = fp16_bytes(1, width, tokens)
+    else:
+        uniform = case.key_codec.startswith("UNIFORM")
+        recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.bits, case.rope,
+                             group_size=128 if uniform else 0, outliers=case.outliers)
+        total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens))
+    return total / (SHAPE["kv_heads"] * tokens)
+
+
+def pass_lines(source_text) -> list[tuple[int, str]]:
+    """(first line, pass) of each pass of the token loop in KERNEL, found by PASSES' markers."""
+    found = []
+    for name, marker in PASSES.items():
+        lines = [n for n, line in enumerate(source_text(KERNEL), 1) if re.search(marker, line)]
+        if len(lines) != 1:
+            raise SystemExit(f"error: the marker /{marker}/ of the {name} pass is on {len(lines)} lines of {KERNEL}")
+        found.append((lines[0], name))
+    return sorted(found)
+
+
+def analyse(code: list[Instruction], case: Case, source_text, token_bytes: float, warps_per_sm: int) -> dict:
+    """Warp-instructions per KV token by class and by pass, and bytes in flight per SM, from one walk. A streaming
+    loop's iteration is credited at most its share of the side's bytes (half the token's: K and V alike here)."""
+    walk = Walk(code, source_text, case)
+    count = walk.run()
+    starts = pass_lines(source_text)
+    by_class, by_pass, by_opcode = Counter(), Counter(), Counter()
+    for ins, n in zip(code, count):
+        if n:
+            outer = ins.lines[-1] if ins.lines else ("", 0)
+            name = next((p for first, p in reversed(starts) if outer[0] == KERNEL and outer[1] >= first), starts[0][1])
+            by_class[classify(ins.opcode)] += n / TILE
+            by_pass[name] += n / TILE
+            by_opcode[ins.opcode.split(".")[0]] += n / TILE
+    in_flight = {}
+    for header, end in sorted(walk.loops.items()):
+        side = walk.streams(header)
+        if side and count[header] and side not in in_flight:  # the outermost streaming loop that runs
+            issued = sum(count[i] * load_bytes(code[i].opcode) * 32 for i in range(header, end + 1)
+                         if code[i].opcode.split(".")[0] in GLOBAL_LOADS)
+            in_flight[side] = min(issued, token_bytes / 2 * TILE) / count[header] * warps_per_sm
+    return {"warp_instructions_per_token": sum(count) / TILE,
+            "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in PASSES},
+            "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+def same_code(a: Function, b: Function) -> bool:
+    """The same instructions, labels compared by what they point at (label and subroutine numbers depend on the
+    whole cubin)."""
+    def key(f: Function) -> list:
+        return [(i.predicate, i.opcode, re.sub(r"\.L_x_\d+|__internal_\d+_", "", i.operands), i.targets) for i in f.code]
+    return key(a) == key(b)
+
+
+def rounded(x):
+    """Floats to 6 significant digits (the figures are estimates; constants keep their value)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    return [rounded(v) for v in x] if isinstance(x, list) else x
+
+
+def measure(arch: str, sdpa_efficiency: float) -> tuple[list[dict], list[dict]]:
+    """(every listed variant's compile figures, every case's walk) for one architecture."""
+    from kvcal.runtime import kernel_source as src
+
+    names = src.decode_variants()
+    # the compile table as the runtime compiles (no -lineinfo); the walk on the same SASS tagged with source lines
+    plain_cubin, log, mangled = compile_cubin(arch, names, line_info=False)
+    plain = parse_listing(disassemble(plain_cubin, line_info=False))
+    report = {f.name: f for f in src.parse_ptxas_report(log)}
+    compiled = []
+    for name in names:
+        f = report[mangled[name]]
+        smem = shared_bytes(log, f.name)
+        compiled.append({"variant": name, "registers": f.registers, "spill_bytes": f.spill_bytes, "stack_bytes": f.stack_bytes,
+                         "smem_bytes": smem, **occupancy(f.registers, smem, arch)})
+    by_name = {row["variant"]: row for row in compiled}
+    cases = sorted({case.variant for case in CASES})
+    cubin, _, tagged_names = compile_cubin(arch, cases, line_info=True)
+    tagged = parse_listing(disassemble(cubin, line_info=True))
+    source_text = functools.cache(lambda module: src.source(module).splitlines())
+    walks = []
+    for case in CASES:
+        function = tagged[tagged_names[case.variant]]
+        if not same_code(function, plain[mangled[case.variant]]):
+            raise SystemExit(f"error: -lineinfo changed the {arch} SASS of {case.variant}; the walk would not be of the runtime's code")
+        row = by_name[case.variant]
+        token_bytes = bytes_per_token(case)
+        try:
+            walk = analyse(function.code, case, source_text, token_bytes, row["warps_per_sm"])
+        except WalkError as e:
+            raise SystemExit(f"error: {case.name} on {arch}: {e}") from None
+        walks.append({"case": case.name, "variant": case.variant, "layout": f"lsb {case.bits}-bit" if case.bits else "fp16",
+                      "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
+                      "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
+                      "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency)})
+    return compiled, walks
+
+
+def tool_versions() -> dict:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    out = subprocess.run([str(nvdisasm()), "--version"], capture_output=True, text=True).stdout
+    release = re.search(r"release ([\d.]+)", out)
+    return {"nvrtc": f"{major}.{minor}", "nvdisasm": release.group(1) if release else "unknown"}
+
+
+def markdown(result: dict) -> list[str]:
+    h, s, sdpa = result["h100"], result["shape"], result["sdpa_efficiency"]
+    lines = [
+        "# Static bound of decode attention (no GPU)",
+        "",
+        f"`python benchmarks/bound_decode.py` at commit {result['commit']}, {result['date']}; NVRTC {result['tools']['nvrtc']}, "
+        f"nvdisasm {result['tools']['nvdisasm']}. Bound for H100 SXM from the sm_90 SASS: {h['sms']} SMs, {h['issue_per_clock']} "
+        f"warp-instructions issued per clock per SM, {h['clock_hz'] / 1e9} GHz, {h['copy_bytes_per_s'] / 1e12} TB/s copy "
+        f"bandwidth. Shape: B={s['batch']}, {s['kv_heads']} KV heads, GQA {s['group']} ({s['kv_heads'] * s['group']} query heads), "
+        f"D={s['head_dim']}, L={s['tokens']}. fp16 SDPA reads 2*D*2 bytes per token per KV head at {sdpa:.0%} of copy "
+        "bandwidth (assumed: the FlashAttention/FlashDecoding fp16 decode kernels that torch SDPA dispatches to stream K/V "
+        "near the copy rate at long context).",
+        "",
+        "Per KV-head token (all query heads of its group served by one read). budget = warp-instructions per token that keep "
+        "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue); speedup bound = t_sdpa / max(t_mem, t_issue). "
+        "In flight = global-load bytes of one iteration of the streaming loop x resident warps (keys / values); "
+        f"{h['copy_bytes_per_s'] * h['latency_s'] / h['sms'] / 1024:.1f} KiB per SM covers {h['latency_s'] * 1e9:.0f} ns of HBM "
+        "latency at this bandwidth (Little's law). A bound is an upper limit, never a measurement: it assumes every issue "
+        "slot is used (no dependency stalls; MUFU and fp64 at the full issue rate).",
+        "",
+        "Bytes/token: kvcal.runtime.memory.cache_bytes for a cache that is all quantized body (fp16 sinks, windows and "
+        "KIVI's residual, < 1% of the bytes at 32K tokens, left out). Uniform (KIVI): packed codes + fp16 scale and zero per "
+        "group of 128 channels per token (values) and per channel per block of 128 tokens (keys). nuq (KVQuant): packed codes "
+        "(3-bit: 10 per int32 word over the row of all heads), fp16 lo/hi per token for values, 1% outliers per side at 8 B "
+        "each; per-channel key thresholds and codebooks are calibration constants, not cache bytes.",
+        "",
+        "| variant | kernel variant, runtime layout | bytes/token | warp-instr/token (keys + softmax + values) | budget "
+        "| registers | blocks/SM | warps/SM | in flight/SM K / V (B) | bandwidth bound | speedup vs fp16 SDPA, at best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in result["sm_90"]["cases"]:
+        p, b, f = w["by_pass"], w["bound"], w["in_flight_per_sm"]
+        lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
+                     f"({p['keys']:.0f} + {p['softmax']:.0f} + {p['values']:.0f}) | {b['budget_per_token']:.1f} | {w['registers']} "
+                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {f.get('keys', 0):.0f} / {f.get('values', 0):.0f} "
+                     f"| {b['bandwidth_fraction']:.1%} | {b['speedup_vs_sdpa']:.2f}x |")
+    lines += ["", "Warp-instructions per KV token by class (sm_90; sm_80's total for comparison). fp32 includes MUFU; "
+              "int/logic includes moves and predicates; conversion includes fp16 -> fp32 (HADD2.F32); other: fp64 (RoPE angle "
+              "reduction), fp16x2, shuffles, stores.", "",
+              "| variant | " + " | ".join(CLASSES) + " | total sm_90 | total sm_80 | top opcodes (sm_90) |",
+              "|---|" + "---|" * (len(CLASSES) + 3)]
+    sm80 = {w["case"]: w for w in result.get("sm_80", {}).get("cases", [])}
+    for w in result["sm_90"]["cases"]:
+        other = sm80.get(w["case"])
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(w["top_opcodes"].items())[:5])
+        total80 = f"{other['warp_instructions_per_token']:.1f}" if other else "-"
+        lines.append(f"| {w['case']} | " + " | ".join(f"{w['by_class'][c]:.1f}" for c in CLASSES)
+                     + f" | {w['warp_instructions_per_token']:.1f} | {total80} | {top} |")
+    lines += ["", "Notes: " + " ".join(f"{w['case']}: {w['note']}." for w in result["sm_90"]["cases"] if w["note"]), "",
+              "## Every decode variant kernel_source lists (as the runtime compiles them; occupancy from registers, shared "
+              "memory + 1 KiB reserved per block, 128 threads per block; H100 limits for sm_90, A100 for sm_80)", "",
+              "| variant | arch | registers | spill bytes | stack bytes | shared bytes | blocks/SM | warps/SM | limited by |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for arch in ("sm_90", "sm_80"):
+        for row in result.get(arch, {}).get("compiled", []):
+            lines.append(f"| `{row['variant']}` | {arch} | {row['registers']} | {row['spill_bytes']} | {row['stack_bytes']} "
+                         f"| {row['smem_bytes']} | {row['blocks_per_sm']} | {row['warps_per_sm']} | {row['limited_by']} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvcal.runtime import kernel_source as src
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90,sm_80",
+                        help="comma-separated architectures to compile and walk; sm_90 is required (the bound is for H100)")
+    parser.add_argument("--sdpa-efficiency", type=float, default=0.9,
+                        help="fraction of copy bandwidth the fp16 SDPA reference reaches (default 0.9)")
+    parser.add_argument("--no-write", action="store_true", help="print the tables without writing benchmarks/results/")
+    args = parser.parse_args(argv)
+    archs = args.arch.split(",")
+    if "sm_90" not in archs or not set(archs) <= set(src.ARCHITECTURES):
+        parser.error(f"--arch must list sm_90 and only {', '.join(src.ARCHITECTURES)}; got {args.arch!r}")
+    if not 0 < args.sdpa_efficiency <= 1:
+        parser.error(f"--sdpa-efficiency must be in (0, 1]; got {args.sdpa_efficiency}")
+    nvdisasm()  # fail before compiling when it is missing
+    started = provenance()
+    result = {"tools": tool_versions(), "h100": H100, "limits": LIMITS, "shape": SHAPE, "sdpa_efficiency": args.sdpa_efficiency}
+    for arch in sorted(archs, reverse=True):
+        compiled, walks = measure(arch, args.sdpa_efficiency)
+        result[arch] = {"compiled": compiled, "cases": walks}
+    result = rounded(result)
+    lines = markdown({**started, **result})
+    if args.no_write:
+        print("\n".join(lines))
+        return
+    write_result("bound_decode", result, started)
+    write_markdown("bound_decode", lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The main job as a library call: profile -> fit -> bundle (`kvcal calibrate`), and a bundle from a profile
+and a fitted artifact (`kvcal export bundle`). Methods come from the registry (kvcal.registry)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+from kvcal import registry
+from kvcal.artifacts import check_same_model, check_writable, read_artifact, write_artifact
+from kvcal.bundle import PACKING, write_bundle
+from kvcal.capture import CaptureSettings
+from kvcal.errors import KvcalError
+from kvcal.models import resolve_model
+from kvcal.profile import PROFILE_KIND, KvmixSettings, ProfileRequest, run_profile
+
+
+class Progress(Protocol):
+    """Where long work reports itself: a stage begins (with its number of steps, or None), a step ends."""
+
+    def stage(self, label: str, total: int | None) -> None: ...
+
+    def advance(self) -> None: ...
+
+
+class _Silent:
+    def stage(self, label: str, total: int | None) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+
+def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None, settings=None) -> tuple[dict, dict]:
+    """(tensors, config) of a bundle for `recipe` from a profile, the fitted artifact the recipe needs (if
+    any) and the recipe's settings (if it has any that are not in the artifact)."""
+    spec = registry.recipe(recipe)
+    profile, profile_config = read_artifact(profile_path, PROFILE_KIND)
+    fitted = None
+    if spec.artifact_kind is not None:
+        if fitted_path is None:
+            raise KvcalError(f"recipe {recipe} needs --{spec.artifact_kind} (from {spec.fit_command})")
+        fitted = read_artifact(fitted_path, spec.artifact_kind)
+        check_same_model(fitted[1]["model"]["fingerprint"], profile_config["model"]["fingerprint"], f"'{fitted_path}'",
+                         "the profile's model", "fit it from this profile")
+    layers, source = spec.bundle_layers(profile, profile_config, fitted, settings)
+    recorded = spec.bundle_settings(profile_config, fitted, settings)
+    width = profile_config["model"]["fingerprint"]["num_kv_heads"] * profile_config["model"]["fingerprint"]["head_dim"]
+    tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
+    for i, layer in enumerate(layers):
+        for kind in ("k", "v"):
+            tensors[f"layers.{i}.importance.{kind}"] = profile[f"importance.{kind}"][i : i + 1].clone()
+            for field in layer.format.tensor_schema(layer, kind, width):
+                tensors[f"layers.{i}.{kind}.{field}"] = source[f"layers.{i}.{kind}.{field}"]
+    config = {"model": profile_config["model"], "rope": profile_config["rope"], "calibration": profile_config["calibration"],
+              "recipe": {"name": recipe, "packing": PACKING, "layers": [asdict(layer) for layer in layers]}}
+    if recorded is not None:
+        config["recipe"]["settings"] = registry.settings_metadata(spec, recorded)
+    return tensors, config
+
+
+def _calibrate_settings(spec: registry.MethodSpec, bits):
+    """The recipe's validated settings for `--bits` (None: its default), refused before anything runs; a refusal
+    caused by --bits says so, whatever option name the recipe's own settings use."""
+    try:
+        settings = spec.calibrate_settings(bits)
+        if settings is not None:
+            settings.validate()
+    except KvcalError as exc:
+        if bits is None or "--bits" in str(exc):
+            raise
+        raise KvcalError(f"--bits {bits} does not fit recipe {spec.name}: {exc}") from None
+    return settings
+
+
+def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str = "kvquant", out: str | Path | None = None,
+              bits: int | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
+              device: str = "cpu", progress: Progress | None = None) -> Path:
+    """Profile `model` (a hub id, local directory or .gguf; None = the packaged SmolLM2) on `dataset`, fit
+    `recipe` and write its bundle to `out` (default artifacts/<model>/bundle.safetensors), the profile and
+    the fitted artifact beside it. `bits`: the code width for recipes that take one (kvquant, skvq, kivi).
+    Every setting and output path is checked before the model is loaded. Returns the bundle's path."""
+    spec = registry.recipe(recipe)
+    settings = _calibrate_settings(spec, bits)
+    progress = progress or _Silent()
+    inputs = [dataset, model]  # a text file or .gguf given as --dataset / --model must not be written over
+    out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors", inputs=inputs)
+    beside = {"profile": out.with_name("profile.safetensors")}
+    if spec.artifact_kind is not None:
+        beside[spec.artifact_kind] = out.with_name(f"{spec.artifact_kind}.safetensors")
+    for kind, path in beside.items():
+        if path.name == out.name:
+            raise KvcalError(f"--out '{out}' is where the {kind} is written beside the bundle; name the bundle otherwise "
+                             "(e.g. bundle.safetensors)")
+        check_writable(path, inputs=inputs)
+    request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
+                             capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
+    request.validate()
+    progress.stage("1/3 profile: loading model and text", None)
+    profile_path, _, profile_config = run_profile(request, beside["profile"],
+                                                  on_start=lambda total: progress.stage("1/3 profile: window", total),
+                                                  on_window=lambda window: progress.advance())
+    fitted_path = None
+    if spec.artifact_kind is not None:
+        progress.stage(f"2/3 fit {spec.artifact_kind}", profile_config["model"]["fingerprint"]["num_layers"])
+        tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
+        fitted_path = str(write_artifact(beside[spec.artifact_kind], tensors, spec.artifact_kind, config))
+    progress.stage("3/3 export bundle", None)
+    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings))

@@ -1,0 +1,52 @@
+"""What the simulation, the calibration objectives and the runtime cache agree on about a KV cache:
+it holds fp16, each KV head serves its group of query heads (GQA), and which tokens it keeps fp16
+(sinks, a recent window, a KIVI residual, keys waiting for a whole per-channel block).
+
+Tensors are (tokens, kv_heads * head_dim): the channels of all KV heads of one token side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def as_cached(x: torch.Tensor) -> torch.Tensor:
+    """x as an fp16 KV cache holds it, in float32 for arithmetic."""
+    return x.to(torch.float16).float()
+
+
+def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """(tokens, kv_heads * head_dim) -> (heads, tokens, head_dim): each KV head repeated for its query heads (GQA)."""
+    tokens, width = x.shape
+    return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+
+
+@dataclass(frozen=True)
+class SegmentPolicy:
+    """Which tokens are stored quantized when n tokens are in the cache.
+    sink: the first tokens stay fp16. window: the most recent tokens stay fp16 (SKVQ).
+    residual: KIVI, keys are flushed to quantized storage in whole blocks of `residual` tokens, values
+    leave a FIFO of `residual` fp16 tokens one at a time."""
+
+    sink: int = 0
+    window: int = 0
+    residual: int = 0
+    key_block: int = 0  # keys quantized per channel over blocks of this many tokens wait in fp16 for a whole block
+
+    def fp16_recent(self, n, keys: bool):
+        """How many of the latest tokens are fp16 when n tokens (a tensor or an int) are in the cache."""
+        n = torch.as_tensor(n)
+        recent = torch.full_like(n, self.window)
+        if self.residual:
+            recent = torch.maximum(recent, n % self.residual if keys else torch.full_like(n, self.residual))
+        if keys and self.key_block:
+            recent = torch.maximum(recent, (n - self.sink).clamp(min=0) % self.key_block)
+        return recent
+
+    def quantized_masks(self, tokens: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) boolean masks (query t, token j): token j is read quantized by query t."""
+        n = torch.arange(1, tokens + 1, device=device)[:, None]
+        j = torch.arange(tokens, device=device)[None, :]
+        past_sink = j >= self.sink
+        return tuple(past_sink & (j < n - self.fp16_recent(n, keys)) for keys in (True, False))

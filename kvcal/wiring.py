@@ -1,0 +1,194 @@
+"""How kvcal wires a Hugging Face model for its own attention, shared by the runtime cache
+(kvcal.runtime.cache) and the simulation (kvcal.simulate).
+
+Through transformers' public extension points only: `AttentionInterface.register(name, function)` (and
+the matching `AttentionMaskInterface` entry, so the model builds SDPA-style boolean masks for `name`) and
+`model.set_attn_implementation(name)`. While wired, forward hooks record, per attention module, whether
+its forward is running, the pre-RoPE keys of the running forward (the output of the key source, see
+kvcal.adapters) and the position ids the rotary embedding was called with.
+
+A wiring is idempotent and reference-counted per model: the first user snapshots the attention
+implementation and installs the hooks; later users of the same kind share them; when the last user
+unwires, in whatever order users unwire, the hooks go and the snapshot is restored. Users of different
+kinds never share a model (a simulation inside an open cache is refused), and an exclusive kind (the
+simulation, whose layers are attached to the modules) admits one user at a time. Everything is kept in
+a registry keyed by the attention modules (weakly), not in attributes of the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from kvcal.adapters import ModelAdapter
+from kvcal.errors import KvcalError
+
+_WHAT: dict[str, str] = {}  # attention name -> what it is, for messages
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> Slot
+
+
+def register(name: str, function, what: str) -> None:
+    """Make `function` transformers' attention implementation `name` (idempotent); `what` names it in errors."""
+    if AttentionInterface().get(name) is not function:
+        AttentionInterface.register(name, function)
+    if name not in AttentionMaskInterface():  # SDPA's boolean masks: the attention reads padding from them
+        AttentionMaskInterface.register(name, sdpa_mask)
+    _WHAT[name] = what
+
+
+def describe(name: str) -> str:
+    return _WHAT.get(name, f"attention implementation '{name}'")
+
+
+@dataclass(eq=False)
+class Slot:
+    """One attention module of a wired model."""
+
+    wiring: Wiring
+    index: int
+    running: int = 0  # > 0 while the module's forward runs
+    pre_rope_keys: torch.Tensor | None = None  # (batch, tokens, kv width) of the running forward
+    serving: object | None = None  # what a cache's update() hands to this forward's attention
+    attached: object | None = None  # an exclusive user's per-layer object (the simulation's layer state)
+
+    def take_serving(self):
+        serving, self.serving = self.serving, None
+        return serving
+
+
+@dataclass(eq=False)
+class Wiring:
+    """A model wired for one attention implementation, with its users."""
+
+    model: torch.nn.Module
+    adapter: ModelAdapter
+    name: str
+    previous: str
+    exclusive: bool
+    users: list = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+    hooks: list = field(default_factory=list)
+    positions: torch.Tensor | None = None  # position ids of the running forward
+
+    def uses(self, owner) -> bool:
+        return any(user is owner for user in self.users)
+
+    def check_active(self) -> None:
+        """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""
+        current = self.model.config._attn_implementation
+        if current != self.name:
+            raise KvcalError(f"the model's attention implementation was changed to '{current}' while {describe(self.name)} "
+                             f"was open on it; close that first, then change the attention implementation")
+
+
+def slot(module: torch.nn.Module) -> Slot | None:
+    """The wiring's record of an attention module, or None when its model is not wired."""
+    return _SLOTS.get(module)
+
+
+def wiring_of(adapter: ModelAdapter) -> Wiring | None:
+    found = slot(adapter.layers[0].attention)
+    return found.wiring if found is not None else None
+
+
+def wire(model: torch.nn.Module, adapter: ModelAdapter, name: str, owner, exclusive: bool = False,
+         attached: list | None = None) -> Wiring:
+    """Wire `model` for attention implementation `name` (registered) on behalf of `owner`, or join its wiring.
+    exclusive: no other user at the same time; attached: one object per layer, kept on the layer's Slot."""
+    if name not in _WHAT:
+        raise KvcalError(f"attention implementation '{name}' is not registered with kvcal.wiring.register")
+    if attached is not None and not exclusive:
+        raise KvcalError("only an exclusive wiring attaches per-layer objects")
+    wiring = wiring_of(adapter)
+    if wiring is not None:
+        if wiring.name != name or wiring.exclusive or exclusive:
+            raise KvcalError(f"this model is wired for {describe(wiring.name)}, which is still open; close it before "
+                             f"opening {describe(name)} on the same model")
+        if not wiring.uses(owner):
+            wiring.users.append(owner)
+        return wiring
+    previous = model.config._attn_implementation
+    wiring = Wiring(model, adapter, name, previous, exclusive, users=[owner])
+    for index, handles in enumerate(adapter.layers):
+        wiring.slots.append(Slot(wiring, index, attached=attached[index] if attached is not None else None))
+    _install_hooks(wiring)
+    try:
+        _set_attention(model, name)
+    except BaseException:
+        _remove_hooks(wiring)
+        raise
+    for handles, layer_slot in zip(adapter.layers, wiring.slots):
+        _SLOTS[handles.attention] = layer_slot
+    return wiring
+
+
+def unwire(wiring: Wiring, owner) -> None:
+    """`owner` no longer uses the wiring (idempotent); the last user restores the model as it was."""
+    if not wiring.uses(owner):
+        return
+    wiring.users = [user for user in wiring.users if user is not owner]
+    if wiring.users:
+        return
+    for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):
+        if _SLOTS.get(handles.attention) is layer_slot:
+            del _SLOTS[handles.attention]
+        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = None
+    _remove_hooks(wiring)
+    _set_attention(wiring.model, wiring.previous)
+
+
+@contextmanager
+def suspended(adapter: ModelAdapter):
+    """Within the block a wired model runs the attention implementation it had before it was wired (an fp
+    pass while a cache is open, see kvcal.runtime.cache.fp_context); a model that is not wired is untouched."""
+    wiring = wiring_of(adapter)
+    if wiring is None:
+        yield
+        return
+    wiring.check_active()
+    _set_attention(wiring.model, wiring.previous)
+    try:
+        yield
+    finally:
+        if wiring.users:  # the last user may have unwired inside the block, restoring `previous` itself
+            _set_attention(wiring.model, wiring.name)
+
+
+def _set_attention(model: torch.nn.Module, name: str) -> None:
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # transformers only warns for a model it cannot switch
+        raise KvcalError(f"{type(model).__name__} does not let transformers switch its attention implementation to "
+                         f"'{name}' (set_attn_implementation left '{model.config._attn_implementation}')")
+
+
+def _install_hooks(wiring: Wiring) -> None:
+    def keep_positions(module, args, kwargs):
+        wiring.positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+
+    wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))
+    for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):
+        def enter(module, args, layer_slot=layer_slot):
+            layer_slot.running += 1
+            layer_slot.serving = layer_slot.pre_rope_keys = None
+
+        def leave(module, args, output, layer_slot=layer_slot):
+            layer_slot.running -= 1
+            layer_slot.serving = layer_slot.pre_rope_keys = None
+
+        def keep_keys(module, args, output, layer_slot=layer_slot):
+            layer_slot.pre_rope_keys = output.detach().flatten(2)
+
+        wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
+                         handles.attention.register_forward_hook(leave, always_call=True),
+                         handles.key_source.register_forward_hook(keep_keys)]
+
+
+def _remove_hooks(wiring: Wiring) -> None:
+    for hook in wiring.hooks:
+        hook.remove()
+    wiring.hooks = []

@@ -1,0 +1,53 @@
+"""Helpers shared by several test modules (test modules never import each other)."""
+
+import collections
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from kvcal.runtime import quantized_cache
+
+
+def decode_token_by_token(model, bundle, ids):
+    """Logits of feeding `ids` one token at a time through the runtime cache."""
+    logits = []
+    with quantized_cache(model, bundle) as cache:
+        for t in range(ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, 0])
+    return torch.stack(logits, dim=1), cache
+
+
+def decode_step_operations(model, bundle, batch: int, prompt_tokens: int = 30) -> collections.Counter:
+    """The torch operations called in one decode step after a prefill of `batch` sequences (torch.profiler on CPU:
+    the top-level events; the events nested in them are ATen's own decomposition of an operation, which follows
+    shapes and strides, e.g. a reshape is a view for one sequence and a copy for eight)."""
+    ids = torch.randint(3, 512, (batch, prompt_tokens + 2), generator=torch.Generator().manual_seed(batch))
+    with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        model(ids[:, :prompt_tokens], past_key_values=cache, use_cache=True)
+        model(ids[:, prompt_tokens : prompt_tokens + 1], past_key_values=cache, use_cache=True)  # the first decode step
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            model(ids[:, prompt_tokens + 1 :], past_key_values=cache, use_cache=True)
+    return collections.Counter(event.name for event in profile.events() if event.cpu_parent is None)
+
+
+READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def host_reads(monkeypatch):
+    """Within the block, record every read of a tensor's values by the host (what waits for a GPU): the name of
+    the function that made it, in a list."""
+    callers = []
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, original=original, **kwargs):
+            callers.append(sys._getframe(1).f_code.co_name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    try:
+        yield callers
+    finally:
+        monkeypatch.undo()

@@ -1,0 +1,74 @@
+"""The pure parts of benchmarks/bench_pareto.py: the Pareto front, the best calibrated recipe at <= a
+baseline's real bits, and method selection. No model is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pareto.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_pareto", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_pareto_front_minimizes_bits_and_ppl(bench):
+    points = [(4.5, 26.0), (3.5, 27.0), (4.5, 26.5), (5.0, 26.0), (2.5, 40.0), (3.0, 45.0), (8.0, 25.7)]
+    #          front       front        same bits,    more bits,   front        dominated by   front
+    #                                   higher ppl    same ppl                  (2.5, 40)
+    assert bench.pareto_front(points) == [True, True, False, False, True, False, True]
+
+
+def test_pareto_front_ties_and_nan(bench):
+    assert bench.pareto_front([(3.0, 10.0), (3.0, 10.0)]) == [True, True]
+    assert bench.pareto_front([(3.0, 10.0), (3.0 + 1e-12, 10.0)]) == [True, True]  # equal within BITS_EPS
+    assert bench.pareto_front([(3.0, math.nan), (4.0, 10.0)]) == [False, True]
+    assert bench.pareto_front([]) == []
+
+
+def test_best_recipe_at_bits(bench):
+    recipes = [{"name": "nuq4", "effective_bits": 4.45, "ppl": 26.1},
+               {"name": "nuq3", "effective_bits": 3.44, "ppl": 27.3},
+               {"name": "skvq", "effective_bits": 2.60, "ppl": 27.3},
+               {"name": "nuq2", "effective_bits": 2.44, "ppl": 35.5}]
+    assert bench.best_recipe_at(4.5, recipes)["name"] == "nuq4"
+    assert bench.best_recipe_at(4.45, recipes)["name"] == "nuq4"  # <= bits, inclusive
+    assert bench.best_recipe_at(3.5, recipes)["name"] == "skvq"  # equal ppl: fewer bits wins
+    assert bench.best_recipe_at(2.5, recipes)["name"] == "nuq2"
+    assert bench.best_recipe_at(2.0, recipes) is None
+
+
+def test_compare_baselines(bench):
+    rows = [{"name": "nuq3", "family": "calibrated", "effective_bits": 3.44, "ppl": 27.3, "delta_pct": 6.5},
+            {"name": "nuq2", "family": "calibrated", "effective_bits": 2.44, "ppl": 35.5, "delta_pct": 38.7},
+            {"name": "hadamard-int3", "family": "baseline", "effective_bits": 3.5, "ppl": 32.0, "delta_pct": 26.0},
+            {"name": "turbo2", "family": "baseline", "effective_bits": 2.25, "ppl": 70.0, "delta_pct": 171.0},
+            {"name": "int2", "family": "baseline", "effective_bits": 2.5, "ppl": 30.0, "delta_pct": 17.0}]
+    by_name = {c["baseline"]: c for c in bench.compare_baselines(rows)}
+    assert set(by_name) == {"hadamard-int3", "turbo2", "int2"}
+    assert by_name["hadamard-int3"]["best_recipe"] == "nuq3" and by_name["hadamard-int3"]["recipe_lower_ppl"]
+    assert by_name["turbo2"]["best_recipe"] is None and not by_name["turbo2"]["recipe_lower_ppl"]
+    assert by_name["int2"]["best_recipe"] == "nuq2" and not by_name["int2"]["recipe_lower_ppl"]
+
+
+def test_select_by_name_alias_and_group(bench):
+    entries = bench.catalog(0)
+    assert [e.name for e in bench.select(entries, ["q4_0", "int4"])] == ["int4-g64", "q4_0"]  # catalog order
+    assert [e.name for e in bench.select(entries, ["kivi2"])] == ["kivi2-g32-r32", "kivi2-g32-r128"]
+    assert all(e.family == "calibrated" for e in bench.select(entries, ["calibrated"]))
+    assert len(bench.select(entries, ["all"])) == len(entries)
+    with pytest.raises(ValueError, match="unknown method 'int5'"):
+        bench.select(entries, ["int5"])

@@ -1,0 +1,166 @@
+"""benchmarks/bound_decode.py: the SASS listing parser, the steady-state walk (loops, branch rules, flow), the
+instruction classes, occupancy and the bound arithmetic on hand-written input; the installed nvdisasm's output
+format where it is installed."""
+
+import importlib.util
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bound_decode.py"
+spec = importlib.util.spec_from_file_location("bound_decode", SCRIPT)
+bd = sys.modules["bound_decode"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(bd)
+
+# A token loop (.L_x_0 .. 0x0b0) holding a branch on the GQA group, a branch to rarely run code, an inner loop of
+# 3 iterations (.L_x_3) and its guard; a divergence fallback after EXIT jumps back in, as ptxas lays them out.
+LISTING = """
+//--------------------- .text.kern --------------------------
+\t.section\t.text.kern,"ax",@progbits
+kern:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+\t//## File "k.cu", line 2 inlined at "k.cu", line 1
+\t//## File "k.cu", line 1
+        /*0010*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+\t//## File "k.cu", line 3
+        /*0020*/                   ISETP.GE.AND P0, PT, R9, 0x5, PT ;
+        /*0030*/              @!P0 BRA `(.L_x_1) ;
+\t//## File "k.cu", line 2
+        /*0040*/                   FFMA R4, R4, R5, R6 ;
+.L_x_1:
+        /*0050*/                   BRA.DIV UR4, `(.L_x_9) ;
+.L_x_8:
+        /*0060*/              @P1 BRA `(.L_x_2) ;
+        /*0070*/                   BRA `(.L_x_4) ;
+.L_x_2:
+\t//## File "k.cu", line 4
+        /*0080*/                   HADD2.F32 R7, -RZ, R7.H0_H0 ;
+.L_x_4:
+\t//## File "k.cu", line 2
+        /*0090*/              @P2 BRA `(.L_x_5) ;
+.L_x_3:
+\t//## File "k.cu", line 5
+        /*00a0*/                   LDG.E.U16 R8, desc[UR4][R2.64] ;
+        /*00b0*/              @P3 BRA `(.L_x_3) ;
+.L_x_5:
+\t//## File "k.cu", line 1
+        /*00c0*/              @P4 BRA `(.L_x_0) ;
+        /*00d0*/                   EXIT ;
+.L_x_9:
+	//## File "k.cu", line 3
+        /*00e0*/                   WARPSYNC 0xffffffff ;
+        /*00f0*/                   BRA `(.L_x_8) ;
+"""
+SOURCE = {"k.cu": ["for (token loop) {", "  work();", "  if (g >= group) continue;", "  rare();", "  for (inner loop) {"]}
+
+
+@pytest.fixture
+def model(monkeypatch):
+    """A kernel model for LISTING: an inner loop of 3 that streams values, rare() runs a quarter of the time."""
+    monkeypatch.setattr(bd, "TOKEN_LOOP", r"for \(token loop\)")
+    monkeypatch.setattr(bd, "TILE", 4)
+    monkeypatch.setattr(bd, "inner_loops", lambda case: [(r"for \(inner loop\)", 3, "values")])
+    monkeypatch.setattr(bd, "sites", lambda case: [(r"rare\(\)", 0.25)])
+    monkeypatch.setattr(bd, "conditions", lambda case: [(r"if \(g >= group\)", 4)])
+    return bd.CASES[1]
+
+
+def walk(case):
+    code = bd.parse_listing(LISTING)["kern"].code
+    w = bd.Walk(code, SOURCE.__getitem__, case)
+    return code, w, w.run()
+
+
+def test_parse_listing_reads_labels_predicates_and_inlined_lines():
+    code = bd.parse_listing(LISTING)["kern"].code
+    assert [i.address for i in code] == list(range(0, 0x100, 0x10))
+    assert code[1].lines == (("k.cu", 2), ("k.cu", 1))  # innermost first
+    assert (code[3].predicate, code[3].opcode, code[3].targets) == ("!P0", "BRA", [5])
+    assert code[-1].targets == [6] and bd.backward_branches(code) == [(10, 11), (1, 12), (6, 15)]
+
+
+def test_walk_counts_one_token_loop_iteration(model):
+    code, w, count = walk(model)
+    by_address = {i.address: n for i, n in zip(code, count)}
+    assert (w.header, w.end, w.loops) == (1, 12, {10: 11})  # the fallback's jump back is not a loop of the token loop
+    assert by_address[0x40] == 0  # query head g = 4 is past a group of 4: ISETP 4 >= 5 is false, !P0 jumps
+    assert by_address[0x80] == 0.25 and by_address[0x70] == 0.75
+    assert by_address[0xa0] == by_address[0xb0] == 3  # the guard at 0x90 is not taken: the loop runs 3 times
+    assert by_address[0xc0] == 1 and by_address[0xe0] == 0  # BRA.DIV: the warp is converged
+    assert math.isclose(sum(count), 14.0)
+
+
+def test_analyse_classes_passes_and_bytes_in_flight(model, monkeypatch):
+    monkeypatch.setattr(bd, "KERNEL", "k.cu")
+    monkeypatch.setattr(bd, "PASSES", {"keys": "token loop", "softmax": "if", "values": "rare"})  # from lines 1, 3, 4
+    code = bd.parse_listing(LISTING)["kern"].code
+    result = bd.analyse(code, model, SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
+    assert result["warp_instructions_per_token"] == 14.0 / 4
+    assert result["by_pass"] == {"keys": 5.75 / 4, "softmax": 2 / 4, "values": 6.25 / 4}  # by the outermost line
+    assert result["by_class"]["loads"] == (1 + 3) / 4 and result["by_class"]["conversion"] == 0.25 / 4
+    # the inner loop issues one 2-byte load per lane per iteration: 64 B, under its share of the token's bytes
+    assert result["in_flight_per_sm"] == {"values": 64 * 8}
+
+
+def test_a_branch_no_rule_decides_is_an_error(model, monkeypatch):
+    monkeypatch.setattr(bd, "sites", lambda case: [])
+    with pytest.raises(bd.WalkError, match="no rule decides"):
+        walk(model)
+
+
+def test_a_wrong_trip_rule_is_an_error(model, monkeypatch):
+    monkeypatch.setattr(bd, "inner_loops", lambda case: [])
+    with pytest.raises(bd.WalkError, match="0 iteration rules"):
+        walk(model)
+
+
+def test_classify_and_load_widths():
+    assert [bd.classify(op) for op in ("LDG.E.128", "FFMA", "IMAD.MOV.U32", "I2FP.F32.U32", "HADD2.F32", "BSSY", "SHFL.BFLY")] == \
+        ["loads", "fp32", "int/logic", "conversion", "conversion", "control", "other"]
+    assert [bd.load_bytes(op) for op in ("LDG.E.128.CONSTANT", "LDG.E.U16", "LDG.E", "LDG.E.64")] == [16, 2, 4, 8]
+
+
+def test_bound_arithmetic():
+    issue = 132 * 4 * 1.755e9  # warp-instructions per second on H100
+    b = bd.bound(72.0, 526.0, 0.9)
+    assert math.isclose(b["budget_per_token"], 72 * issue / 3e12)
+    assert math.isclose(b["bandwidth_fraction"], 72 * issue / 3e12 / 526)
+    assert math.isclose(b["speedup_vs_sdpa"], (512 / (0.9 * 3e12)) / (526 / issue))
+    fast = bd.bound(72.0, 10.0, 0.9)  # memory-bound: the whole bandwidth, 512 / 72 bytes fewer than fp16 at 90%
+    assert fast["bandwidth_fraction"] == 1.0 and math.isclose(fast["speedup_vs_sdpa"], 512 / 72 / 0.9)
+
+
+def test_occupancy_from_registers_and_shared_memory():
+    assert bd.occupancy(219, 25104, "sm_90") == {"blocks_per_sm": 2, "warps_per_sm": 8, "limited_by": "registers"}
+    assert bd.occupancy(24, 0, "sm_90") == {"blocks_per_sm": 16, "warps_per_sm": 64, "limited_by": "warps"}
+    assert bd.occupancy(32, 60000, "sm_80")["limited_by"] == "shared memory"
+
+
+def test_the_installed_nvdisasm_prints_what_the_parser_reads(tmp_path):
+    """Three sm_90 instructions of merge_splits (a load, a compare, the loop's predicated branch) as raw encodings
+    (no NVRTC: its first compile alone takes seconds)."""
+    try:
+        tool = bd.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvidia-cuda-nvdisasm is not installed")
+    words = ((0x000000061C177981, 0x000EA2000C1E9900), (0x0000000C1200780C, 0x000FE40003F24270),
+             (0xFFFFFFFC00201947, 0x000FEC000383FFFF))
+    raw = tmp_path / "code.bin"
+    raw.write_bytes(b"".join(struct.pack("<QQ", *w) for w in words))
+    out = subprocess.run([str(tool), "-b", "SM90", str(raw)], capture_output=True, text=True, check=True).stdout
+    parsed = [m.group(2, 3) for line in out.splitlines() if (m := bd._INSTRUCTION.match(line))]
+    assert parsed == [(None, "LDG.E.CONSTANT"), (None, "ISETP.GT.AND"), ("P1", "BRA")]
+    assert [bd.classify(op) for _, op in parsed] == ["loads", "int/logic", "control"]
+
+
+def test_shared_memory_from_the_ptxas_report_of_either_architecture():
+    log = ("ptxas info    : Function properties for A\nptxas         .     0 bytes stack frame\n"
+           "ptxas info    : Used 103 registers, used 1 barriers, 14864 bytes smem, 440 bytes cmem[0]\n"  # sm_80
+           "ptxas info    : Function properties for B\nptxas info    : Used 29 registers, used 0 barriers, 384 bytes cmem[0]\n"
+           "ptxas info    : Function properties for C\nptxas info    : Used 219 registers, used 1 barriers, 25104 bytes smem\n")
+    assert [bd.shared_bytes(log, name) for name in "ABC"] == [14864, 0, 25104]

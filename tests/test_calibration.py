@@ -1,0 +1,61 @@
+"""kvcal.calibrate (kvcal.calibration): the main job as a Python call, and bundles built from a profile."""
+
+import pytest
+
+import kvcal
+from kvcal.calibration import build_bundle
+from kvcal.errors import KvcalError
+from kvcal.methods.kivi import KiviSettings
+from kvcal.methods.skvq import SkvqSettings
+
+
+class Recorder:
+    def __init__(self):
+        self.stages, self.steps = [], 0
+
+    def stage(self, label, total):
+        self.stages.append((label, total))
+
+    def advance(self):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("recipe, bits, settings", [("kivi", 3, KiviSettings(bits=3)), ("skvq", None, SkvqSettings())])
+def test_calibrate_returns_a_bundle_with_its_settings_and_reports_progress(tiny_model_dir, tiny_corpus, tmp_path, recipe, bits, settings):
+    out = tmp_path / recipe / "bundle.safetensors"
+    recorder = Recorder()
+    path = kvcal.calibrate(str(tiny_model_dir("llama", head_dim=64)), dataset=str(tiny_corpus), recipe=recipe, bits=bits, nsamples=2, seqlen=48,
+                           out=out, progress=recorder)
+    assert path == out
+    bundle = kvcal.load_bundle(path)
+    assert bundle.recipe_name == recipe and bundle.settings == settings
+    labels = [label for label, _ in recorder.stages]
+    assert labels[0].startswith("1/3 profile") and labels[-1] == "3/3 export bundle"
+    assert ("2/3 fit skvq", 2) in recorder.stages if recipe == "skvq" else all("2/3" not in label for label in labels)
+    assert recorder.steps == 2 + (2 if recipe == "skvq" else 0)  # one per window, one per fitted layer
+
+
+def test_calibrate_twice_gives_the_same_bytes(tiny_model_dir, tiny_corpus, tmp_path):
+    model = str(tiny_model_dir("qwen2"))
+    paths = [kvcal.calibrate(model, dataset=str(tiny_corpus), nsamples=2, seqlen=48, out=tmp_path / name / "bundle.safetensors")
+             for name in ("a", "b")]
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+@pytest.mark.parametrize("recipe, bits, message", [("kivi", 5, "KIVI bits 5"), ("mixed", 3, "--bits does not apply to recipe mixed"),
+                                                   ("kvmix", 2, "--bits does not apply to recipe kvmix"), ("kvquant", 0, "outside 1-4"),
+                                                   ("gptq", None, "unknown recipe 'gptq'")])
+def test_settings_are_refused_before_any_model_is_loaded(tmp_path, recipe, bits, message):
+    with pytest.raises(KvcalError, match=message):
+        kvcal.calibrate("/no/such/model", recipe=recipe, bits=bits, out=tmp_path / "bundle.safetensors")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_recipe_needs_its_artifact_of_the_right_kind(tiny_profile, fitted):
+    _, profile = tiny_profile
+    with pytest.raises(KvcalError, match=r"recipe kvquant needs --nuq \(from kvcal fit-nuq\)"):
+        build_bundle(str(profile), "kvquant")
+    with pytest.raises(KvcalError, match="without --bits-from-profile"):
+        build_bundle(str(profile), "kvquant", str(fitted["nuq-kvmix"]))
+    with pytest.raises(KvcalError, match="is a kvcal nuq, expected a skvq"):
+        build_bundle(str(profile), "skvq", str(fitted["nuq"]))

@@ -1,0 +1,358 @@
+"""`kvcal export vllm`: calibrated FP8 KV-cache scales written as a compressed-tensors model folder for vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcal.cli import app
+from kvcal.errors import KvcalError
+from kvcal.export_vllm import (EXPORT_MARKER, Fp8KvScales, WindowAttention, fp8_fake_quantize, kv_cache_scheme,
+                               read_export)
+
+STRATEGIES = ("tensor", "attn_head")
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def export(profile: Path, model: Path, out: Path, strategy: str = "tensor"):
+    return run("export", "vllm", "--profile", profile, "--model", model, "--strategy", strategy, "--out", out)
+
+
+def refused(result, message: str) -> None:
+    """Exit 2 with one error line naming the problem (the last line of stderr; anything before it is a
+    plain progress line such as "export vllm: loading model ..."), never a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert lines[-1].startswith("error: ") and message in lines[-1], result.stderr
+    assert all(line.startswith("export vllm: ") for line in lines[:-1]), result.stderr
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temp folders an interrupted or refused export could leave beside --out."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith((".tmp", ".old")))
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_profile, tmp_path_factory):
+    """{strategy: (folder, CLI output)} of the tiny Llama's profile."""
+    model, profile = tiny_profile
+    folder = tmp_path_factory.mktemp("vllm-exports")
+    made = {}
+    for strategy in STRATEGIES:
+        result = export(profile, model, folder / strategy, strategy)
+        assert result.exit_code == 0, result.output
+        made[strategy] = (folder / strategy, result.output)
+    return made
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def fingerprint(profile: Path) -> dict:
+    from kvcal.artifacts import read_header
+
+    return read_header(profile)[1]["model"]["fingerprint"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_config_parses_with_compressed_tensors(exports, strategy):
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    folder, _ = exports[strategy]
+    config = json.loads((folder / "config.json").read_text())
+    quantization = config["quantization_config"]
+    parsed = QuantizationConfig.model_validate(quantization)
+    scheme = parsed.kv_cache_scheme
+    assert parsed.quant_method == "compressed-tensors"
+    assert (scheme.num_bits, scheme.type, scheme.strategy, scheme.dynamic, scheme.symmetric) == (8, "float", strategy, False, True)
+    assert parsed.config_groups == {}  # weights stay as they are: only the KV cache is quantized
+    # vLLM's CompressedTensorsConfig.from_config indexes config["config_groups"] and reads "kv_cache_scheme"
+    # (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py)
+    assert "config_groups" in quantization and quantization["kv_cache_scheme"]["strategy"] in ("tensor", "attn_head")
+    # transformers parses it through the same compressed-tensors class when loading the folder
+    assert CompressedTensorsConfig.from_dict(config).quantization_config.kv_cache_scheme == scheme
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tensor_names_and_shapes_are_what_vllm_loads(exports, tiny_profile, strategy):
+    """The scale tensors vLLM expects, and nothing else beside the model's own weights.
+
+    Sources read: vLLM vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py
+    (CompressedTensorsKVCacheMethod.create_weights: k_scale / v_scale of num_kv_heads elements for
+    "attn_head", the loader flattening the "[num_heads, 1, 1]" LLM-Compressor stores, and 1 element for
+    "tensor"), vllm/model_executor/model_loader/weight_utils.py (maybe_remap_kv_scale_name maps
+    "...self_attn.k_scale" to the attention layer's "...self_attn.attn.k_scale"), and compressed-tensors
+    0.20.0 compressed_tensors/quantization/lifecycle/initialize.py (initialize_qparams: scale shape (1,)
+    for tensor, (num_kv_heads, 1, 1) for attn_head, registered as k_scale / v_scale on the attention module).
+    """
+    model_dir, profile = tiny_profile
+    folder, _ = exports[strategy]
+    f = fingerprint(profile)
+    shape = (1,) if strategy == "tensor" else (f["num_kv_heads"], 1, 1)
+    expected = {f"model.layers.{i}.self_attn.{name}": shape for i in range(f["num_layers"]) for name in ("k_scale", "v_scale")}
+    tensors = safetensors_of(folder)
+    scales = {name: tuple(t.shape) for name, t in tensors.items() if name.endswith("_scale")}
+    assert scales == expected
+    assert all(tensors[name].dtype == torch.float32 for name in expected)
+    assert all(bool((tensors[name] > 0).all()) and bool(torch.isfinite(tensors[name]).all()) for name in expected)
+    weights = {name: t for name, t in tensors.items() if name not in expected}
+    original = safetensors_of(model_dir)
+    assert weights.keys() == original.keys()
+    assert all(torch.equal(weights[name], original[name]) for name in original)
+    assert (folder / "tokenizer.json").is_file() and (folder / EXPORT_MARKER).is_file()
+
+
+def test_folder_has_normal_permissions(exports):
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    folder, _ = exports["tensor"]
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert all(path.stat().st_mode & 0o777 == 0o666 & ~mask for path in folder.iterdir())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_transformers_with_compressed_tensors_loads_the_scales(exports, strategy):
+    """compressed-tensors registers k_scale / v_scale on each attention module from the config, and the
+    folder's tensors must fill exactly those: no missing, unexpected or mismatched keys."""
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = exports[strategy]
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    tensors = safetensors_of(folder)
+    for i, layer in enumerate(model.model.layers):
+        for name in ("k_scale", "v_scale"):
+            loaded = getattr(layer.self_attn, name)
+            assert torch.equal(loaded.float(), tensors[f"model.layers.{i}.self_attn.{name}"])
+
+
+def reference_errors(profile: Path, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> float:
+    """Attention-output MSE of one layer on the stored windows with K (post-RoPE) and V fake-quantized,
+    computed independently of kvcal.export_vllm's objective (sdpa, explicit GQA)."""
+    from kvcal.artifacts import read_artifact
+    from kvcal.rope import rotate_keys
+
+    tensors, config = read_artifact(profile, "profile")
+    f = config["model"]["fingerprint"]
+    heads, kv_heads, head_dim = f["num_heads"], f["num_kv_heads"], f["head_dim"]
+    total = 0.0
+    for w, positions in enumerate(tensors["windows.positions"].long()):
+        def split(x, n):
+            return x.view(x.shape[0], n, head_dim).transpose(0, 1)
+
+        q = rotate_keys(tensors[f"layers.{layer}.windows.q"][w].float(), positions, heads, tensors["rope.inv_freq"])
+        k = rotate_keys(tensors[f"layers.{layer}.windows.k"][w].float(), positions, kv_heads, tensors["rope.inv_freq"])
+        v = tensors[f"layers.{layer}.windows.v"][w].float()
+
+        def attend(keys, values):
+            keys = split(keys, kv_heads).repeat_interleave(heads // kv_heads, 0)
+            values = split(values, kv_heads).repeat_interleave(heads // kv_heads, 0)
+            return torch.nn.functional.scaled_dot_product_attention(split(q, heads), keys, values, is_causal=True)
+
+        total += float((attend(fp8_fake_quantize(k, k_scale), fp8_fake_quantize(v, v_scale)) - attend(k, v)).square().mean())
+    return total
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_calibrated_scales_beat_absmax_on_the_stored_windows(exports, tiny_profile, strategy):
+    _, profile = tiny_profile
+    folder, _ = exports[strategy]
+    fit = read_export(folder)
+    calibrated = [reference_errors(profile, i, layer.k, layer.v) for i, layer in enumerate(fit.layers)]
+    absmax = [reference_errors(profile, i, layer.k_absmax, layer.v_absmax) for i, layer in enumerate(fit.layers)]
+    for cal, base in zip(calibrated, absmax):
+        assert cal <= base * (1 + 1e-5)
+    assert sum(calibrated) < sum(absmax)
+    # the recorded errors are the same quantity (mean over heads instead of heads summed by sdpa's mean)
+    for i, layer in enumerate(fit.layers):
+        assert layer.error_calibrated == pytest.approx(calibrated[i], rel=1e-3)
+        assert layer.error_absmax == pytest.approx(absmax[i], rel=1e-3)
+
+
+def test_objective_is_per_kv_head(tiny_profile):
+    """A head's error depends only on its own scales: the attn_head search chooses heads independently."""
+    from kvcal.artifacts import read_artifact
+
+    _, profile = tiny_profile
+    tensors, config = read_artifact(profile, "profile")
+    objective = WindowAttention(tensors, 0, config["model"]["fingerprint"], config["rope"]["attention_scaling"])
+    base = torch.full((2,), 0.01)
+    changed = base.clone()
+    changed[1] = 1e-5  # saturates head 1 only (its largest representable value becomes 0.00448)
+    a, b = objective.errors(base, base), objective.errors(changed, changed)
+    assert a[0] == b[0] and b[1] > a[1]
+    assert objective.errors(None, None).abs().max() == 0
+
+
+def test_two_exports_are_byte_identical(exports, tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    first, _ = exports["attn_head"]
+    again = tmp_path / "again"
+    assert export(profile, model, again, "attn_head").exit_code == 0
+    names = sorted(p.name for p in first.glob("*.safetensors"))
+    assert names == sorted(p.name for p in again.glob("*.safetensors"))
+    for name in names:
+        assert (first / name).read_bytes() == (again / name).read_bytes()
+    assert (first / "config.json").read_bytes() == (again / "config.json").read_bytes()
+
+
+def test_cli_prints_scales_and_error_reduction(exports, tiny_profile):
+    _, output = exports["tensor"]
+    num_layers = fingerprint(tiny_profile[1])["num_layers"]
+    assert "K absmax/448" in output and "error calibrated" in output
+    assert "lower" in output and "stored windows" in output
+    rows = [line for line in output.splitlines() if line.startswith("│")]
+    assert len(rows) == num_layers
+
+
+def test_fake_quantize_matches_compressed_tensors():
+    """fp8_fake_quantize is compressed-tensors' own FP8 quantize-dequantize, per tensor and per KV head."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    torch.manual_seed(0)
+    tokens, heads, head_dim = 37, 3, 16
+    x = torch.randn(tokens, heads * head_dim) * torch.tensor([0.5, 3.0, 20.0]).repeat_interleave(head_dim)
+    x[5, 3] = 1e4  # saturates
+    for strategy, scale in (("tensor", torch.tensor([0.02])), ("attn_head", torch.tensor([0.001, 0.01, 0.05]))):
+        args = QuantizationArgs.model_validate(kv_cache_scheme(strategy))
+        per_head = x.view(tokens, heads, head_dim).transpose(0, 1)[None]  # (batch, heads, tokens, head_dim)
+        shaped = scale.view(-1, 1, 1) if strategy == "attn_head" else scale
+        expected = fake_quantize(per_head, shaped, torch.zeros_like(shaped), args)[0].transpose(0, 1).reshape(tokens, -1)
+        assert torch.equal(fp8_fake_quantize(x, scale), expected)
+        assert torch.equal(fp8_fake_quantize(x, shaped), expected)  # the exported [heads, 1, 1] shape works too
+
+
+def test_fake_quantize_semantics():
+    x = torch.tensor([[1.0, -3.0, 1000.0, 0.0], [0.3, 2.0, -1000.0, 5.0]])
+    out = fp8_fake_quantize(x, 1.0)
+    assert out[0, 2] == 448 and out[1, 2] == -448  # saturates at +-448 x scale
+    assert out[0, 0] == 1 and out[0, 1] == -3 and out[0, 3] == 0
+    assert fp8_fake_quantize(x, 4.0)[0, 2] == 1024  # 1000 / 4 = 250 rounds to the e4m3 value 256 (step 16 there)
+    halves = fp8_fake_quantize(x, torch.tensor([1.0, 4.0]))  # head 0 = channels 0-1, head 1 = channels 2-3
+    assert torch.equal(halves[:, :2], fp8_fake_quantize(x[:, :2], 1.0)) and torch.equal(halves[:, 2:], fp8_fake_quantize(x[:, 2:], 4.0))
+    for bad in (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0]), torch.tensor([float("nan")])):
+        with pytest.raises(KvcalError):
+            fp8_fake_quantize(x, bad)
+    unit = Fp8KvScales.unit(2)
+    assert torch.equal(unit.keys(1, x), out) and torch.equal(unit.values(0, x), out)
+
+
+def test_fp8_kv_scales_read_back(exports):
+    folder, _ = exports["attn_head"]
+    scales = Fp8KvScales.read(folder)
+    fit = read_export(folder)
+    x = torch.randn(8, fit.layers[0].k.numel() * 16)
+    assert torch.equal(scales.keys(0, x), fp8_fake_quantize(x, fit.layers[0].k))
+    assert torch.equal(scales.values(1, x), fp8_fake_quantize(x, fit.layers[1].v))
+
+
+def test_profile_without_windows_falls_back_to_absmax(tiny_profile, tiny_corpus, tmp_path):
+    from kvcal.artifacts import read_artifact
+
+    model, _ = tiny_profile
+    profile = tmp_path / "no-windows.safetensors"
+    made = run("profile-gradients", "--model", model, "--dataset", tiny_corpus, "--nsamples", "2", "--seqlen", "64",
+               "--max-tokens-per-layer", "100", "--store-windows", "0", "--out", profile)
+    assert made.exit_code == 0, made.output
+    result = export(profile, model, tmp_path / "out", "attn_head")
+    assert result.exit_code == 0, result.output
+    assert "no stored windows" in result.output
+    fit = read_export(tmp_path / "out")
+    assert fit.source == "statistics"
+    tensors, _ = read_artifact(profile, "profile")
+    for i, layer in enumerate(fit.layers):
+        expected_k = tensors[f"layers.{i}.k_post.absmax"].view(2, -1).amax(1) / 448
+        assert torch.allclose(layer.k, expected_k) and torch.equal(layer.k, layer.k_absmax)
+        assert layer.error_calibrated is None
+
+
+def test_refuses_an_out_that_is_a_file(tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    out = tmp_path / "model"
+    out.write_text("keep me")
+    result = export(profile, model, out)
+    refused(result, "exists and is not a directory")
+    assert len(result.stderr.strip().splitlines()) == 1  # refused before the model is loaded
+    assert out.read_text() == "keep me" and not leftovers(tmp_path)
+
+
+def test_refuses_a_non_empty_folder_that_is_not_an_export(tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    result = export(profile, model, out)
+    refused(result, "not a kvcal vllm export")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and not leftovers(tmp_path)
+
+
+def test_refuses_the_model_folder_and_a_folder_holding_the_profile(tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    before = sorted(p.name for p in model.iterdir())
+    refused(export(profile, model, model), "is or contains the input")
+    assert sorted(p.name for p in model.iterdir()) == before
+    refused(export(profile, model, profile.parent), "is or contains the input")
+
+
+def test_refuses_a_profile_of_another_model(tiny_profile, tiny_model_dir, tmp_path):
+    _, profile = tiny_profile
+    other = tiny_model_dir("qwen2")
+    refused(export(profile, other, tmp_path / "out"), "was made for")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_refuses_bad_strategy_and_non_profile(tiny_profile, tmp_path):
+    from kvcal.artifacts import write_artifact
+
+    model, profile = tiny_profile
+    refused(export(profile, model, tmp_path / "out", "channel"), "--strategy")
+    other = write_artifact(tmp_path / "nuq.safetensors", {"x": torch.zeros(1)}, "nuq", {})
+    refused(export(other, model, tmp_path / "out"), "expected a profile")
+    assert not (tmp_path / "out").exists()
+
+
+def test_replaces_an_empty_folder_and_a_previous_export(tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    out = tmp_path / "model"
+    out.mkdir()
+    assert export(profile, model, out, "tensor").exit_code == 0
+    assert read_export(out).strategy == "tensor"
+    assert export(profile, model, out, "attn_head").exit_code == 0
+    assert read_export(out).strategy == "attn_head" and not leftovers(tmp_path)
+
+
+def test_interrupted_write_leaves_the_previous_export(tiny_profile, tmp_path, monkeypatch):
+    import kvcal.export_vllm as export_vllm
+
+    model, profile = tiny_profile
+    out = tmp_path / "model"
+    assert export(profile, model, out, "tensor").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail(folder, *args, **kwargs):
+        (folder / "config.json").write_text("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_vllm, "_save_folder", fail)
+    with pytest.raises(KvcalError, match="No space left"):
+        export_vllm.export_vllm(profile, str(model), "attn_head", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not leftovers(tmp_path)
