@@ -12,10 +12,16 @@ around it (logits, sampling, the attention mask), never the prefill. DynamicCach
 each cell and the ratios are to the mean of the two (their spread shows the noise of a shared machine).
 
 Memory: peak resident set size of the process (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) while the cache is
-made, loaded and decoded, minus the RSS just before it was made: the high-water mark is reset through
-/proc/self/clear_refs before each cache, and glibc's mmap threshold is fixed at 64 KiB so that freed tensors leave
-the RSS. `cache MiB` is the cache's own storage after decoding (kvcal: WiredCache.used_bytes; DynamicCache: its
-tensors; QuantizedCache: not counted).
+made, loaded and decoded, minus the RSS just before it was made: before each cache the freed heap goes back to the
+system (glibc malloc_trim) and the high-water mark is reset to the current RSS through /proc/self/clear_refs.
+Memory glibc keeps for reuse during the run counts, as it does for the process. (Fixing glibc's mmap threshold
+low would make the RSS follow live tensors more closely but slows every allocation-heavy decode step, kvcal's by
+up to 2x: not done.) `cache MiB` is the cache's own storage after decoding (kvcal: WiredCache.used_bytes;
+DynamicCache: its tensors; QuantizedCache: not counted).
+
+Threads: torch's default is one per core; on a machine shared with other work, --threads 1 avoids the stalls of
+intra-op parallel regions waiting for a descheduled thread, which cost every step and more so the steps with many
+small operations.
 
 Bundles: --bundles DIR holds <recipe>.safetensors; a missing one is made there: the first with `kvcal calibrate`
 (kvcal.calibration.calibrate, which writes profile.safetensors beside it), the others fitted from that profile (or
@@ -125,17 +131,6 @@ def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None) -> di
 # measuring
 
 
-def fix_malloc() -> None:
-    """glibc: serve every allocation above 64 KiB with mmap (a fixed threshold, not the adaptive one), so that a
-    freed tensor leaves the RSS at once and the peak of one cache does not hide in memory another freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    except OSError:
-        pass
-
-
 def rss_kib() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -192,7 +187,8 @@ def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cach
         stored = cache_bytes(cache)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     steps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
-    return {"ms_per_token": 1000 * sum(steps) / len(steps), "ms_steps_min": 1000 * min(steps), "load_s": loaded,
+    return {"ms_per_token": 1000 * sum(steps) / len(steps), "ms_per_token_median": 1000 * sorted(steps)[len(steps) // 2],
+            "ms_steps_min": 1000 * min(steps), "load_s": loaded,
             "peak_rss_mib": (peak - before) / 1024, "cache_mib": None if stored is None else stored / MIB,
             "tokens": out[:, prompt.shape[1]:]}
 
@@ -268,7 +264,6 @@ def prompts(tokenizer, text_path: Path, length: int, batch: int) -> torch.Tensor
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    fix_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
     started = provenance()
@@ -314,7 +309,7 @@ def main(argv=None) -> None:
                 "quantized_cache": {"nbits": args.quantized_nbits, "residual_length": args.quantized_residual, "q_group_size": 64},
                 "threads": torch.get_num_threads(), "model": source.spec, "dtype": str(model.dtype),
                 "memory": "peak RSS (resource.getrusage ru_maxrss) during cache load + decode above the RSS before it; "
-                          "high-water mark reset via /proc/self/clear_refs, glibc mmap threshold 64 KiB",
+                          "freed heap trimmed (malloc_trim) and high-water mark reset via /proc/self/clear_refs before each cache",
                 "seconds": round(time.perf_counter() - began, 1)}
     write_result(args.out, {"settings": settings, "results": rows}, started)
     write_markdown(args.out, table(rows, args, baselines, missing))

@@ -254,3 +254,20 @@ def test_extra_renamed_retyped_and_non_finite_tensors_are_refused(bundle_path, t
 def test_checksum_covers_metadata_and_is_recorded(bundle_path):
     metadata = read_metadata(bundle_path)
     assert metadata["kvcal.schema"] == "2" and len(metadata["kvcal.sha256"]) == 64
+
+
+@pytest.mark.parametrize("recipe, field, value, message", [
+    ("kvquant", "fp8", True, "nuq layers store fp16 parameters"),
+    ("skvq", "pre_rope", False, "skvq layers keep no outliers and store keys pre-RoPE"),
+    ("skvq", "outliers", 0.01, "skvq layers keep no outliers"),
+    ("kivi", "outliers", 0.01, "uniform layers keep no outliers"),
+    ("kvmix", "pre_rope", True, "uniform layers keep no outliers, store fp16 parameters and post-RoPE keys"),
+])
+def test_a_field_the_layer_format_would_ignore_is_refused(recipe_bundles, tmp_path, recipe, field, value, message):
+    """A value that is valid in general but means nothing to the layer's storage format would be silently ignored."""
+    def config_fn(config):
+        config["recipe"]["layers"][0][field] = value
+        return config
+
+    with pytest.raises(KvcalError, match=message):
+        load_bundle(rewrite(recipe_bundles[recipe], tmp_path / "ignored.safetensors", config_fn=config_fn))

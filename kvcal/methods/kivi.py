@@ -35,6 +35,8 @@ class UniformFormat(LayerFormat):
     def problem(self, layer):
         if layer.group_size <= 0 or layer.sink != 0 or layer.residual % layer.group_size:
             return "uniform layers need a group size, no sink, and a residual that is a multiple of the group size"
+        if layer.outliers or layer.fp8 or layer.pre_rope:
+            return "uniform layers keep no outliers, store fp16 parameters and post-RoPE keys"
         return None
 
     def codecs(self, layer, tensors):

@@ -25,6 +25,9 @@ class NuqFormat(LayerFormat):
 
     name = "nuq"
 
+    def problem(self, layer):
+        return "nuq layers store fp16 parameters, not fp8" if layer.fp8 else None
+
     def tensor_schema(self, layer, kind, width):
         bits = int(layer.k_bits if kind == "k" else layer.v_bits)
         schema = {"codebook": ((2**bits,), "float32")}

@@ -29,7 +29,11 @@ class SkvqFormat(LayerFormat):
     code_widths = (1, TERNARY, 2, 3, 4)
 
     def problem(self, layer):
-        return None if layer.group_size > 0 else "skvq layers need a group size"
+        if layer.group_size <= 0:
+            return "skvq layers need a group size"
+        if layer.outliers or not layer.pre_rope:
+            return "skvq layers keep no outliers and store keys pre-RoPE"
+        return None
 
     def tensor_schema(self, layer, kind, width):
         groups = _groups(layer, width)
