@@ -19,7 +19,7 @@ arrays ahead, so an append never waits for the device (see PackedRows.reserve_ou
 
 Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.skvq): `read(b)`
 one sequence through codec.decode; `decoded(rows)` every sequence at once for the batched reference
-decode, through per-parameter-row tables of the codec's decode formula (for the uniform and codebook
+decode, through per-parameter-row tables of the codec's decode formula (for the uniform, codebook and SKVQ
 codecs; bit-equal to codec.decode, a test checks it) or codec.decode itself.
 """
 
@@ -153,6 +153,8 @@ class _Table:
             return _ChannelBlockTable()
         if isinstance(codec, CodebookCodec):
             return _CodebookTable()
+        if all(hasattr(codec, name) for name in ("permutation", "starts", "clip")):
+            return _PermutedGroupsTable()
         return None
 
 
@@ -208,6 +210,33 @@ class _CodebookTable(_Table):
         table = codebook * ((hi - lo) / 2).clamp(min=1e-8) + (hi + lo) / 2  # (B, rows, levels)
         offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * levels).view(batch, rows, 1, 1)
         return table.view(-1).index_select(0, codes.add_(offsets).view(-1)).view(batch, rows, -1)
+
+
+class _PermutedGroupsTable(_Table):
+    """SKVQ's codec (kvcal.skvq.SkvqTensor, known by its permutation, group starts and clipping; the runtime does not
+    import kvcal.skvq, whose fitting needs scikit-learn): codes in permuted channel order, a scale and zero per
+    (token, group), value = (code + zero) * scale, then put back in channel order."""
+
+    constants = None
+
+    def decode(self, store: PackedRows, codes: torch.Tensor, rows: int) -> torch.Tensor:
+        codec = store.codec
+        if self.constants is None:
+            device = codes.device
+            inverse = torch.argsort(codec.permutation.long().to(device))  # channel c is permuted slot inverse[c]
+            sizes = (codec.starts[1:] - codec.starts[:-1]).long().to(device)
+            members = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+            levels = 3 if codec.bits == 1.5 else 2 ** int(codec.bits)
+            self.constants = (inverse, (members[inverse] * levels).to(torch.int32), levels)
+        inverse, channel_offsets, levels = self.constants
+        scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
+        zero = store.token["zero"][:, :rows].float()
+        batch, groups = scale.shape[0], scale.shape[2]
+        table = (torch.arange(levels, dtype=torch.float32, device=codes.device) + zero[..., None]) * scale[..., None]
+        offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * (groups * levels)).view(batch, rows, 1)
+        slots = codes.view(batch, rows, -1)
+        index = torch.gather(slots, 2, inverse.expand(batch, rows, -1)).add_(channel_offsets).add_(offsets)  # channel order
+        return table.view(-1).index_select(0, index.view(-1)).view(batch, rows, -1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -303,7 +332,7 @@ class PackedRows:
         self._bound = [0] * batch
         self._added = [0] * batch  # outliers the bound allowed for since the last snapshot of the counts
         self._snapshot: tuple[torch.Tensor, object] | None = None
-        self._table = _Table.for_codec(codec) if self.layout != "ternary20" else None
+        self._table = _Table.for_codec(codec)
         # the channel of every code slot of a row's words (the row's padding slots count as its last channel)
         words, per_word = self.words.shape[2], codes_per_word(codec.bits, self.layout)
         self.channel_index = torch.arange(words * per_word, dtype=torch.int32, device=device).clamp(max=width - 1).view(words, per_word)
