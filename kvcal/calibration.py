@@ -74,6 +74,13 @@ def _calibrate_settings(spec: registry.MethodSpec, bits):
     return settings
 
 
+def profile(request: ProfileRequest, out: str | Path | None, progress: Progress, label: str = "profile") -> tuple[Path, dict, dict]:
+    """run_profile reporting two stages: loading the model and text, then one step per window."""
+    progress.stage(f"{label}: loading model and text", None)
+    return run_profile(request, out, on_start=lambda total: progress.stage(f"{label}: window", total),
+                       on_window=lambda window: progress.advance())
+
+
 def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str = "kvquant", out: str | Path | None = None,
               bits: int | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
               device: str = "cpu", progress: Progress | None = None) -> Path:
@@ -97,10 +104,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
                              capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
     request.validate()
-    progress.stage("1/3 profile: loading model and text", None)
-    profile_path, _, profile_config = run_profile(request, beside["profile"],
-                                                  on_start=lambda total: progress.stage("1/3 profile: window", total),
-                                                  on_window=lambda window: progress.advance())
+    profile_path, _, profile_config = profile(request, beside["profile"], progress, "1/3 profile")
     fitted_path = None
     if spec.artifact_kind is not None:
         progress.stage(f"2/3 fit {spec.artifact_kind}", profile_config["model"]["fingerprint"]["num_layers"])

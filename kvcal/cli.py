@@ -119,18 +119,19 @@ def _progress():
                     TimeRemainingColumn(), console=err_console, transient=True)
 
 
-def _profile_with_progress(progress, request, out: Path | None, label: str = "profile"):
-    """run_profile with a loading spinner that becomes a bar over the forward+backward passes."""
-    from kvcal.profile import run_profile
+class _Stages:
+    """kvcal.calibration.Progress on the command's progress (rich's display or plain lines): one task per stage."""
 
-    loading = progress.add_task(f"{label}: loading model and text", total=None)
-    task = {}
+    def __init__(self, progress):
+        self.progress, self.task = progress, None
 
-    def on_start(total: int) -> None:
-        progress.remove_task(loading)
-        task["id"] = progress.add_task(f"{label}: window", total=total)
+    def stage(self, label: str, total: int | None) -> None:
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        self.task = self.progress.add_task(label, total=total)
 
-    return run_profile(request, out, on_start=on_start, on_window=lambda w: progress.advance(task["id"]))
+    def advance(self) -> None:
+        self.progress.advance(self.task)
 
 
 def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
@@ -188,6 +189,7 @@ def profile_gradients_command(
 ):
     """Run the model over calibration text (one forward + backward per window) and write profile.safetensors:
     KVmix layer importance and bit allocation, KVQuant Fisher information, K/V samples and channel statistics."""
+    from kvcal.calibration import profile
     from kvcal.capture import CaptureSettings
     from kvcal.kvmix import WidthChoice
     from kvcal.profile import KvmixSettings, ProfileRequest
@@ -207,7 +209,7 @@ def profile_gradients_command(
         check_writable(out, inputs=[dataset, model])
     started = time.perf_counter()
     with _progress() as progress:
-        path, _, config = _profile_with_progress(progress, request, out)
+        path, _, config = profile(request, out, _Stages(progress))
     _print_summary(path)
     calibration = config["calibration"]
     _note(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {calibration['forward_passes']} forward + "
@@ -356,21 +358,6 @@ def export_vllm_command(
                           f"({1 - after / before if before else 0:.1%} lower); absmax/448 kept for {kept} {unit}", highlight=False)
     out_console.print(fit.note, highlight=False)
     err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
-
-
-class _Stages:
-    """kvcal.calibration.Progress on the command's progress (rich's display or plain lines): one task per stage."""
-
-    def __init__(self, progress):
-        self.progress, self.task = progress, None
-
-    def stage(self, label: str, total: int | None) -> None:
-        if self.task is not None:
-            self.progress.remove_task(self.task)
-        self.task = self.progress.add_task(label, total=total)
-
-    def advance(self) -> None:
-        self.progress.advance(self.task)
 
 
 @app.command("calibrate")

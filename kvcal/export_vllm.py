@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig
 
 from kvcal.adapters import adapt
 from kvcal.artifacts import check_same_model, read_artifact, read_header
@@ -372,8 +374,6 @@ def _checkpoint_dtype(spec: str | None) -> str:
         except (OSError, ValueError):
             declared = None
     else:
-        from transformers import AutoConfig
-
         try:
             declared = str(getattr(AutoConfig.from_pretrained(source.path), "dtype", "") or "").removeprefix("torch.")
         except (OSError, ValueError):
@@ -501,8 +501,6 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
 
 def read_export(folder: str | Path) -> ScaleFit:
     """The scales of an exported folder, read back from its safetensors files (checked against the marker)."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     if not is_previous_export(folder):
         raise KvcalError(f"'{folder}' is not a kvcal vllm export (no {EXPORT_MARKER})")

@@ -39,13 +39,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt
+from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
 from kvcal.runtime import kernels, reference
+from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import upload
 
 ATTENTION_NAME = "kvcal_runtime"
@@ -431,8 +434,6 @@ class FpContext:
 def fp_context(model, ids: torch.Tensor) -> FpContext:
     """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache (with the model's own
     attention implementation, also while a quantized cache is open on it)."""
-    from transformers import DynamicCache
-
     adapter = adapt(model)
     pre_rope: list[torch.Tensor] = []
     hooks = [handles.key_source.register_forward_hook(lambda module, inputs, output: pre_rope.append(output.detach().flatten(2)))
@@ -452,9 +453,6 @@ def quantized_cache(model, bundle) -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
     past_key_values=cache)`; the model is wired for the cache until it is closed."""
-    from kvcal.bundle import Bundle, load_bundle
-    from kvcal.runtime.segments import SegmentedStore
-
     adapter = adapt(model)
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
