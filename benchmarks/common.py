@@ -19,8 +19,9 @@ def provenance() -> dict:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "kvcal"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    # a copy without .git (e.g. `git archive` on a GPU machine) names its commit in KVCAL_COMMIT
     return {
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": os.environ.get("KVCAL_COMMIT") or commit + ("+dirty" if dirty else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
