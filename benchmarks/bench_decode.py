@@ -60,7 +60,7 @@ def filled_stores(key_codec, value_codec, batch: int, length: int):
                                    encoder_for=append_encoder)
         else:
             store = SegmentedStore(codec, SegmentPolicy(key_block=codec.block_tokens if keys else 0), keys, 0.0, batch, WIDTH, "cuda",
-                                   encoder_for=append_encoder)
+                                   encoder_for=append_encoder, head_dim=HEAD_DIM)
         generator = torch.Generator(device="cuda").manual_seed(int(keys))
         for b in range(batch):
             store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))

@@ -3,7 +3,7 @@ baseline of `kvcal eval ppl`, on wikitext-2 test and on a held-out code corpus (
 library's own sources, dataset `python-code`), with the Pareto front marked (issue 14, item 4).
 
 Real bits are `eval ppl`'s effective bits: what the runtime stores per K/V element (codes packed in int32
-words, per-token/per-block parameters in their storage dtype, 8-byte outliers, fp16 sinks, windows and
+words, per-token/per-block parameters in their storage dtype, 4-byte outliers and their offset tables, fp16 sinks, windows and
 residuals), averaged over each evaluated window at --seqlen tokens.
 
 Calibrated recipes are fit once from one profile: --profile, or by default one made here with
@@ -152,51 +152,6 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------------------- fp8 (vLLM) quantizer
-
-
-@dataclass(frozen=True, eq=False)
-class Fp8Codec:
-    """vLLM's FP8 e4m3 KV cache as a kvcal codec: fp8(x / scale) * scale with one per-layer scale
-    (kvcal.export_vllm.fp8_fake_quantize). Stores 8 bits per element; the per-layer scale is a model constant,
-    not counted (as kvcal.runtime.memory does not count calibrated constants)."""
-
-    scale: object  # torch.Tensor of 1 element
-    block_tokens = 1
-
-    def quantize(self, x):
-        import torch
-
-        from kvcal.export_vllm import fp8_fake_quantize
-        from kvcal.quantizers import Quantized
-
-        return Quantized(fp8_fake_quantize(x, self.scale), torch.full((x.shape[0],), 8.0 * x.shape[1], device=x.device))
-
-    def encode(self, x):
-        raise NotImplementedError("Fp8Codec serves the simulation only")
-
-    def decode(self, encoded):
-        raise NotImplementedError("Fp8Codec serves the simulation only")
-
-
-def fp8_available() -> str | None:
-    """None if kvcal.export_vllm offers the FP8 fake-quantizer and the scale calibration, else why not."""
-    try:
-        from kvcal.export_vllm import FP8_MAX, calibrate_scales, fp8_fake_quantize  # noqa: F401
-    except Exception as exc:  # noqa: BLE001  (the module is being written: any failure means not ready)
-        return f"kvcal.export_vllm is not usable ({type(exc).__name__}: {exc})"
-    return None
-
-
-def fp8_method(name: str, k_scales: list, v_scales: list):
-    from kvcal.kv import SegmentPolicy
-    from kvcal.quantizers import LayerCodecs
-    from kvcal.simulate import Method
-
-    layers = [LayerCodecs(Fp8Codec(k), Fp8Codec(v), key_pre_rope=False) for k, v in zip(k_scales, v_scales)]
-    return Method(name, 8, layers, SegmentPolicy())
-
-
 # ------------------------------------------------------------------------------------------ fitting
 
 
@@ -274,7 +229,8 @@ class Fitter:
     def _fp8(self, entry: Entry, num_layers: int):
         from safetensors.torch import load_file, save_file
 
-        from kvcal.export_vllm import calibrate_scales
+        from kvcal.export_vllm import Fp8KvScales, calibrate_scales
+        from kvcal.methods.fp8 import fp8_method
 
         scales_path = self.fp8_scales
         started = time.perf_counter()
@@ -292,8 +248,8 @@ class Fitter:
         tensors = load_file(str(scales_path))
         log(f"fit {entry.name}: {'cached ' + scales_path.name if cached else f'{time.perf_counter() - started:.1f} s -> {scales_path.name}'}")
         suffix = "_absmax" if entry.spec == "absmax" else ""
-        return fp8_method(entry.name, [tensors[f"{i}.k{suffix}"] for i in range(num_layers)],
-                          [tensors[f"{i}.v{suffix}"] for i in range(num_layers)])
+        return fp8_method(entry.name, Fp8KvScales(tuple(tensors[f"{i}.k{suffix}"] for i in range(num_layers)),
+                                                  tuple(tensors[f"{i}.v{suffix}"] for i in range(num_layers))))
 
 
 def ensure_profile(args) -> Path:
@@ -343,10 +299,8 @@ def markdown(payload: dict) -> list[str]:
     lines = [f"# Perplexity change vs real bits: {payload['model']}", "",
              f"{payload['evaluation']}. Calibrated recipes fit once from: {payload['calibration']}. "
              "Real bits = what the runtime stores per K/V element at the window length (packed int32 code words, "
-             "parameters in their storage dtype, 8-byte outliers, fp16 sinks/windows/residuals). "
+             "parameters in their storage dtype, 4-byte outliers and their offset tables, fp16 sinks/windows/residuals). "
              "front = on the Pareto front (no other method has <= bits and <= ppl).", ""]
-    if payload["skipped"]:
-        lines += ["Skipped: " + "; ".join(f"{name} ({why})" for name, why in payload["skipped"].items()), ""]
     for domain in payload["domains"].values():
         lines += [f"## {domain['description']} ({domain['windows']} x {domain['seqlen']} tokens, fp ppl {domain['fp_ppl']:.4f})", "",
                   "| method | family | real bits | K bits | V bits | ppl | vs fp | front |", "|---|---|---|---|---|---|---|---|"]
@@ -505,24 +459,16 @@ def main(argv=None) -> None:
 
 
 def run(args, started_with: dict) -> None:
-    import torch
-
     from kvcal.adapters import adapt
     from kvcal.artifacts import read_header
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
+    from kvcal.export_vllm import Fp8KvScales
     from kvcal.methods import baseline_method
+    from kvcal.methods.fp8 import fp8_method
     from kvcal.models import load_model
 
-    skipped = {}
-    entries = []
-    fp8_problem = fp8_available()
-    for entry in args.entries:
-        if entry.kind == "fp8" and fp8_problem:
-            skipped[entry.name] = fp8_problem
-            log(f"skip {entry.name}: {fp8_problem}")
-        else:
-            entries.append(entry)
+    entries = list(args.entries)
     profile = ensure_profile(args) if any(e.needs_profile for e in entries) else None
     log("loading model")
     model, tokenizer, source = load_model(args.model)
@@ -540,8 +486,7 @@ def run(args, started_with: dict) -> None:
             if entry.kind != "fp8":
                 check_model_matches(method, adapter, source.spec, str(path))
         else:  # fp8 at vLLM's default scale 1.0
-            ones = [torch.ones(1) for _ in range(num_layers)]
-            method = fp8_method(entry.name, ones, ones)
+            method = fp8_method(entry.name, Fp8KvScales.unit(num_layers))
         methods.append(method)
 
     domains, eval_seconds = {}, 0.0
@@ -587,7 +532,7 @@ def run(args, started_with: dict) -> None:
     payload = {"model": source.spec, "calibration": calibration,
                "evaluation": f"seqlen {args.seqlen}, {args.windows} consecutive windows per domain, fake quantization with decode-time "
                              "semantics (kvcal.evaluate.evaluate_ppl)",
-               "seed": args.seed, "methods": [e.name for e in entries], "skipped": skipped, "domains": domains,
+               "seed": args.seed, "methods": [e.name for e in entries], "domains": domains,
                "seconds_per_window": eval_seconds / runs if runs else float("nan"), "argv": sys.argv[1:]}
     json_path = write_result(args.out_name, payload, started_with)
     md_path = write_markdown(args.out_name, markdown({**started_with, **payload}))

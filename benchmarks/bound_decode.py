@@ -24,8 +24,8 @@ that sets its predicate); a compiler slow path (a block ending in a CALL) never 
 loop is not taken when the loop runs; sites(), for the steady state of each case (a body token of the case's
 code width, every lane valid, the warp converged): the probability that the code of a source line runs when
 reached, read from the inlined lines of the block each side leads to, unless other paths join there (0 for the
-fp16-token path, the other layouts, outliers when there are none; 1/kv_heads for applying an outlier found in
-the scan); IF_BODIES for an if whose body no site names. A branch that no rule decides is an error (the steady
+fp16-token path, the other layouts, outliers when there are none; in_rows_share() for applying an outlier the
+warp visits); IF_BODIES for an if whose body no site names. A branch that no rule decides is an error (the steady
 state is stated, never guessed), and so is an iteration whose flow does not reach its end. Divergence checks
 (BRA.DIV) are not taken. Predicated instructions count whether or not their predicate holds: the warp issues them.
 
@@ -97,28 +97,33 @@ CASES = (
     Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
     Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
     Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01,
-         note="3-bit codes packed 10 per word (3.2 bits) with words straddling heads: the per-element path"),
+         note="3-bit codes as bit-planes (planes3, exactly 3 bits): keys by word, values element by element"),
     Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
 )
 
 
 def outlier_scan(case: Case) -> float:
-    """Outliers a warp's scan visits per tile: every head's outliers of the tile's rows, and the one that ends it."""
-    return case.outliers * TILE * SHAPE["kv_heads"] * SHAPE["head_dim"] + 1
+    """Outliers a warp visits per tile of TILE tokens, on average: its own KV head's outliers of the store tile of
+    OUTLIER_TILE_TOKENS rows its tokens lie in, from the tile's start (the offset table) to its own last row (one
+    past it, where it stops, unless its rows end the store tile)."""
+    from kvcal.packing import OUTLIER_TILE_TOKENS
+
+    warps = OUTLIER_TILE_TOKENS // TILE  # warp tiles per store tile; the k-th walks k + 1 warp tiles' outliers
+    return case.outliers * TILE * SHAPE["head_dim"] * (warps + 1) / 2 + (warps - 1) / warps
 
 
 def inner_loops(case: Case) -> list[tuple[str, float, str | None]]:
     """(regex on the source line of an inner loop's backward branch, iterations per entry at the steady state, the
     side whose codes it streams or None). The streaming loops give the bytes in flight."""
     d, bits = SHAPE["head_dim"], case.bits or 1
-    stored = case.outliers * SHAPE["tokens"] * SHAPE["kv_heads"] * d  # one sequence, all heads, one side
+    per_word = 16 if bits == 3 else 32 // bits  # planes3: a step is half a unit, 16 codes' low-bit word
     return [
-        (r"for \(int w = 0; w < HALF_WORDS", d / 2 / (32 // bits), "keys"),
-        (r"for \(int part = 0; part < PER_WORD / 8", 32 // bits / 8, None),
+        (r"for \(int w = 0; w < HALF_WORDS", d / 2 / per_word, "keys"),
+        (r"for \(int part = 0; part < PER_WORD / 8", per_word / 8, None),
         (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
         (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
-        (r"while \(lo < hi\)", math.ceil(math.log2(stored + 1)) if stored else 0, None),
-        (r"for \(int i = lower_bound\(", outlier_scan(case), None),
+        (r"for \(int tile = row_lo >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
+        (r"for \(int i = __ldg\(offsets \+ tile\)", outlier_scan(case), None),
         (r"for \(int i = 0; i < count; \+\+i\)", TILE, "values"),
     ]
 
@@ -132,16 +137,27 @@ def sites(case: Case) -> list[tuple[str, float]]:
         (r"ref\.fp16_row = s\.recent \+", 1.0 if fp16 else 0.0),
         (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
         (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
-        (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 1.0 if case.bits == 3 else 0.0),
-        (r"default: return lsb_code<3, 11>", 0.0),  # KVmix's 10x3+1x2 words
-        (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", 1 / SHAPE["kv_heads"]),  # an outlier in this head
-        (r"const long long base = b \* side\.outlier_stride", 1.0 if case.outliers else 0.0),
+        (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
+        (r"default: return lsb_code<3, 11>", 0.0),
+        (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", in_rows_share()),  # a visited outlier in the warp's rows
+        (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
+        (r"for \(int tile = row_lo >> side\.tile_shift", 1.0 if case.outliers else 0.0),
+        (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
+        (r"case PLANES3: return planes3_code", 1.0 if case.bits == 3 else 0.0),
     ]
     for b in (1, 2, 4):
         rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
-    for b in (1, 2, 3, 4):
-        rules.append((rf"case {b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
+        rules.append((rf"case LSB{b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
     return rules
+
+
+def in_rows_share() -> float:
+    """Of the outliers a warp visits (outlier_scan), the share in its own rows: the k-th warp tile of a store tile
+    visits k + 1 warp tiles' outliers and keeps one's."""
+    from kvcal.packing import OUTLIER_TILE_TOKENS
+
+    warps = OUTLIER_TILE_TOKENS // TILE
+    return warps / sum(k + 1 for k in range(warps))
 
 
 def conditions(case: Case) -> list[tuple[str, int]]:
@@ -446,35 +462,14 @@ class Walk:
 def compile_cubin(arch: str, names: list[str], line_info: bool) -> tuple[bytes, str, dict[str, str]]:
     """Decode variants `names` compiled by NVRTC for `arch` with kernel_source's options (and -lineinfo when asked):
     (cubin, ptxas log, name -> mangled name)."""
-    from cuda.bindings import nvrtc
-
+    from kvcal.errors import KvcalError
     from kvcal.runtime import kernel_source as src
 
-    def check(result, what: str):
-        err, *rest = result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise SystemExit(f"error: NVRTC {what} failed ({err}){': ' + log() if what == 'compile' else ''}")
-        return rest[0] if rest else None
-
-    def log() -> str:
-        size = check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
-        text = b" " * size
-        check(nvrtc.nvrtcGetProgramLog(program, text), "log")
-        return text.decode(errors="replace").rstrip("\x00 ")
-
-    program = check(nvrtc.nvrtcCreateProgram(src.source(KERNEL).encode(), KERNEL.encode(), 0, [], []), "create")
     try:
-        for name in names:
-            check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"name expression {name}")
-        options = [*src.OPTIONS, f"--gpu-architecture={arch}", f"--include-path={src.KERNEL_DIR}", "--ptxas-options=-v",
-                   *(["-lineinfo"] if line_info else [])]
-        check(nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]), "compile")
-        cubin = b" " * check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
-        check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
-        mangled = {name: check(nvrtc.nvrtcGetLoweredName(program, name.encode()), "lowered name").decode() for name in names}
-        return cubin, log(), mangled
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+        compiled = src.nvrtc_compile(src.source(KERNEL), KERNEL, arch, names, ["-lineinfo"] if line_info else [])
+    except KvcalError as error:
+        raise SystemExit(f"error: {error}") from None
+    return compiled.cubin, compiled.log, compiled.lowered
 
 
 # ------------------------------------------------------------------------------------------------- figures
@@ -524,7 +519,7 @@ def bytes_per_token(case: Case) -> float:
         uniform = case.key_codec.startswith("UNIFORM")
         recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.bits, case.rope,
                              group_size=128 if uniform else 0, outliers=case.outliers)
-        total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens))
+        total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens), kv_heads=SHAPE["kv_heads"])
     return total / (SHAPE["kv_heads"] * tokens)
 
 
@@ -586,6 +581,7 @@ def rounded(x):
 
 def measure(arch: str, sdpa_efficiency: float) -> tuple[list[dict], list[dict]]:
     """(every listed variant's compile figures, every case's walk) for one architecture."""
+    from kvcal.packing import layout_for
     from kvcal.runtime import kernel_source as src
 
     names = src.decode_variants()
@@ -615,7 +611,8 @@ def measure(arch: str, sdpa_efficiency: float) -> tuple[list[dict], list[dict]]:
             walk = analyse(function.code, case, source_text, token_bytes, row["warps_per_sm"])
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on {arch}: {e}") from None
-        walks.append({"case": case.name, "variant": case.variant, "layout": f"lsb {case.bits}-bit" if case.bits else "fp16",
+        layout = f"{layout_for(case.bits)} {case.bits}-bit" if case.bits else "fp16"
+        walks.append({"case": case.name, "variant": case.variant, "layout": layout,
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
                       "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency)})
@@ -654,8 +651,8 @@ def markdown(result: dict) -> list[str]:
         "Bytes/token: kvcal.runtime.memory.cache_bytes for a cache that is all quantized body (fp16 sinks, windows and "
         "KIVI's residual, < 1% of the bytes at 32K tokens, left out). Uniform (KIVI): packed codes + fp16 scale and zero per "
         "group of 128 channels per token (values) and per channel per block of 128 tokens (keys). nuq (KVQuant): packed codes "
-        "(3-bit: 10 per int32 word over the row of all heads), fp16 lo/hi per token for values, 1% outliers per side at 8 B "
-        "each; per-channel key thresholds and codebooks are calibration constants, not cache bytes.",
+        "(3-bit: bit-planes 2 + 1, exactly 3 bits per code), fp16 lo/hi per token for values, 1% outliers per side at 4 B "
+        "each (uint16 position in its tile, fp16 value) plus an int32 offset per KV head and tile of 64 tokens; per-channel key thresholds and codebooks are calibration constants, not cache bytes.",
         "",
         "| variant | kernel variant, runtime layout | bytes/token | warp-instr/token (keys + softmax + values) | budget "
         "| registers | blocks/SM | warps/SM | in flight/SM K / V (B) | bandwidth bound | speedup vs fp16 SDPA, at best |",

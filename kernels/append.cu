@@ -10,19 +10,35 @@
 
 __device__ __forceinline__ int code_levels(int layout) { return (1 << code_bits(layout)) - 1; }
 
-// One packed word of a row: codes of channels word * per_word ..., LSB first; layout 5's eleventh
-// code has 2 bits and is clamped to 3 (kvcal.packing).
+// One packing unit of a row (kvcal.packing): codes of channels unit * codes_per_unit(layout) ..., written to
+// out[0 .. words_per_unit(layout)). One-word layouts fill LSB first (layout 5's eleventh code has 2 bits and is
+// clamped to 3); planes3 puts the low 2 bits of codes 0-15 and 16-31 in words 0 and 1, their high bits in word 2.
+// Each code is computed once (code_of may count outliers).
 template <typename CodeOf>
-__device__ __forceinline__ unsigned pack_word(int word, int width, int layout, CodeOf code_of) {
-    const int per_word = codes_per_word(layout), bits = code_bits(layout);
+__device__ __forceinline__ void pack_unit(int unit, int width, int layout, CodeOf code_of, unsigned* out) {
+    const int per_unit = codes_per_unit(layout), bits = code_bits(layout);
+    if (layout == PLANES3) {
+        unsigned low0 = 0u, low1 = 0u, high = 0u;  // not an array: indexing one by i >> 4 puts it on the stack
+        for (int i = 0; i < per_unit; ++i) {
+            const int channel = unit * per_unit + i;
+            if (channel >= width) break;
+            const unsigned code = code_of(channel), low_bits = (code & 3u) << ((i & 15) * 2);
+            if (i < 16) low0 |= low_bits; else low1 |= low_bits;
+            high |= (code >> 2) << i;
+        }
+        out[0] = low0;
+        out[1] = low1;
+        out[2] = high;
+        return;
+    }
     unsigned packed = 0;
-    for (int slot = 0; slot < per_word; ++slot) {
-        const int channel = word * per_word + slot;
+    for (int slot = 0; slot < per_unit; ++slot) {
+        const int channel = unit * per_unit + slot;
         if (channel >= width) break;
-        const unsigned limit = (layout == 5 && slot == 10) ? 3u : (1u << bits) - 1u;
+        const unsigned limit = (layout == KVMIX3 && slot == 10) ? 3u : (1u << bits) - 1u;
         packed |= min(code_of(channel), limit) << (slot * bits);
     }
-    return packed;
+    out[0] = packed;
 }
 
 // kvcal.quantizers._min_max_codes: round((x - zero) / max(scale, 2^-24)) clamped to [0, levels].
@@ -61,10 +77,11 @@ extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x,
         zero_s[g] = half_to_float(z);
     }
     __syncthreads();
-    for (int w = threadIdx.x; w < words_per_row; w += blockDim.x)
-        words[row * words_per_row + w] = pack_word(w, width, layout, [&](int c) {
+    const int units = words_per_row / words_per_unit(layout);
+    for (int u = threadIdx.x; u < units; u += blockDim.x)
+        pack_unit(u, width, layout, [&](int c) {
             return min_max_code(x_s[c], scale_s[c / group], zero_s[c / group], levels);
-        });
+        }, words + row * words_per_row + u * words_per_unit(layout));
 }
 
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).
@@ -89,11 +106,12 @@ extern "C" __global__ void append_channel_block(const half_bits* __restrict__ x,
         zero_s[c] = half_to_float(z);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < block_tokens * words_per_row; i += blockDim.x) {
-        const long long row = first + i / words_per_row;
-        words[row * words_per_row + i % words_per_row] = pack_word(i % words_per_row, width, layout, [&](int c) {
+    const int units = words_per_row / words_per_unit(layout);
+    for (int i = threadIdx.x; i < block_tokens * units; i += blockDim.x) {
+        const long long row = first + i / units;
+        pack_unit(i % units, width, layout, [&](int c) {
             return min_max_code(half_to_float(x[row * width + c]), scale_s[c], zero_s[c], levels);
-        });
+        }, words + row * words_per_row + (i % units) * words_per_unit(layout));
     }
 }
 
@@ -122,8 +140,9 @@ struct Thresholds {
 // CodebookCodec, phase 1: grid = rows. Thresholds per channel (channel_lo/hi, float32) or, when those are
 // null, per token: the q_low/q_high quantiles of the row (min/max when keep_outliers is 0), stored fp16 in
 // token_lo/hi (rows). Codes: the nearest codebook entry of clamp(normalized, -1, 1), by counting the
-// codebook's midpoints below it. outlier_counts[row] = elements with |normalized| > 1 (when keep_outliers).
-extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int width, int layout,
+// codebook's midpoints below it. With keep_outliers, outlier_counts (rows, width / head_dim), zeroed by the
+// caller, gets the elements with |normalized| > 1 per (row, KV head).
+extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int width, int head_dim, int layout,
                                            const float* __restrict__ channel_lo, const float* __restrict__ channel_hi,
                                            float q_low, float q_high, int keep_outliers, const float* __restrict__ midpoints,
                                            unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ token_lo,
@@ -132,12 +151,10 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
     __shared__ float sorted_s[MAX_WIDTH];
     __shared__ float mid_s[16];
     __shared__ float bounds_s[2];
-    __shared__ int outliers_s;
     const long long row = blockIdx.x;
     const int entries = 1 << code_bits(layout);
     for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
     for (int i = threadIdx.x; i < entries - 1; i += blockDim.x) mid_s[i] = midpoints[i];
-    if (threadIdx.x == 0) outliers_s = 0;
     if (channel_lo == nullptr) {  // per-token thresholds: bitonic sort of the row, padded with +inf
         int padded = 1;
         while (padded < width) padded <<= 1;
@@ -169,44 +186,47 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
     }
     __syncthreads();
     const Thresholds t = {channel_lo, channel_hi, bounds_s[0], bounds_s[1]};
-    int outliers = 0;
-    for (int w = threadIdx.x; w < words_per_row; w += blockDim.x)
-        words[row * words_per_row + w] = pack_word(w, width, layout, [&](int c) {
+    int* const head_counts = outlier_counts + row * (width / head_dim);
+    const int units = words_per_row / words_per_unit(layout);
+    for (int u = threadIdx.x; u < units; u += blockDim.x)
+        pack_unit(u, width, layout, [&](int c) {
             const float v = normalized(x_s[c], t.lo(c), t.hi(c));
-            outliers += keep_outliers && fabsf(v) > 1.0f;
+            if (keep_outliers && fabsf(v) > 1.0f) atomicAdd(head_counts + c / head_dim, 1);
             const float clamped = fminf(fmaxf(v, -1.0f), 1.0f);
             unsigned code = 0;
             for (int i = 0; i < entries - 1; ++i) code += mid_s[i] < clamped;
             return code;
-        });
-    atomicAdd(&outliers_s, outliers);
-    __syncthreads();
-    if (threadIdx.x == 0) outlier_counts[row] = outliers_s;
+        }, words + row * words_per_row + u * words_per_unit(layout));
 }
 
-// CodebookCodec, phase 2: grid = rows, one warp each. Writes each row's outliers (body row, channel, exact
-// fp16 value) in channel order from offsets[row] (the exclusive prefix sum of phase 1's counts), so the
-// outlier list stays sorted by row as the decode kernel's binary search needs.
-extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict__ x, int width,
+// CodebookCodec, phase 2: grid = rows, one warp each. Writes each row's outliers into the store's outlier
+// layout (kvcal/packing.py): in the run of (sequence_of_row[row], KV head), at first_slot[row, head] plus the
+// outlier's rank among the row's outliers (first_slot is where the row's outliers of that head start, less the
+// row's outliers of earlier heads), its uint16 position in its tile of tile_tokens body rows and its exact fp16
+// value. Channel order within a row, rows in append order: each run stays in append order.
+extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict__ x, int width, int head_dim, int tile_tokens,
                                                     const float* __restrict__ channel_lo, const float* __restrict__ channel_hi,
                                                     const half_bits* __restrict__ token_lo, const half_bits* __restrict__ token_hi,
-                                                    const int* __restrict__ offsets, int first_body_row,
-                                                    int* __restrict__ outlier_rows, short* __restrict__ outlier_channels,
-                                                    half_bits* __restrict__ outlier_values) {
+                                                    const int* __restrict__ sequence_of_row, const int* __restrict__ row_in_sequence,
+                                                    const int* __restrict__ first_slot, int outlier_stride,
+                                                    unsigned short* __restrict__ positions, half_bits* __restrict__ values) {
     const long long row = blockIdx.x;
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x, heads = width / head_dim;
     const Thresholds t = {channel_lo, channel_hi, channel_lo ? 0.0f : half_to_float(token_lo[row]),
                           channel_lo ? 0.0f : half_to_float(token_hi[row])};
-    int written = offsets[row];
+    const long long first_run = (long long)sequence_of_row[row] * heads;
+    const int first_position = (row_in_sequence[row] % tile_tokens) * head_dim;
+    int written = 0;  // the row's outliers so far, every head
     for (int base = 0; base < width; base += 32) {
         const int c = base + lane;
         const bool outlier = c < width && fabsf(normalized(half_to_float(x[row * width + c]), t.lo(c), t.hi(c))) > 1.0f;
         const unsigned ballot = __ballot_sync(0xffffffffu, outlier);
         if (outlier) {
-            const int at = written + __popc(ballot & ((1u << lane) - 1u));
-            outlier_rows[at] = first_body_row + (int)row;
-            outlier_channels[at] = (short)c;
-            outlier_values[at] = x[row * width + c];
+            const int head = c / head_dim;
+            const long long at = (first_run + head) * outlier_stride + first_slot[row * heads + head] + written +
+                                 __popc(ballot & ((1u << lane) - 1u));
+            positions[at] = (unsigned short)(first_position + c - head * head_dim);
+            values[at] = x[row * width + c];
         }
         written += __popc(ballot);
     }

@@ -41,35 +41,50 @@ __device__ __forceinline__ half_bits float_to_half(float f) {
 
 __device__ __forceinline__ float load_half(const half_bits* p) { return half_to_float(__ldg(p)); }
 
-// Layout ids: 1, 2, 3, 4 = "lsb" with that many bits (32, 16, 10, 8 codes per word), 5 = "kvmix10x3+1x2"
-// (ten 3-bit codes and an eleventh 2-bit code at bit 30: the unsigned shift leaves exactly its 2 bits).
+// Layouts of kvcal/packing.py, numbered as kvcal.runtime.kernels does: "lsb" by its code width (32, 16 or 8
+// codes per word), "planes3" (exactly 3 bits per code) and "kvmix10x3+1x2" (ten 3-bit codes and an eleventh
+// 2-bit code at bit 30: the unsigned shift leaves exactly its 2 bits). Rows are packed in units: one word, or
+// for planes3 32 codes in 3 words.
+enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
+
 template <int BITS, int PER_WORD>
 __device__ __forceinline__ unsigned lsb_code(const unsigned* row, int channel) {
     unsigned word = __ldg(row + channel / PER_WORD);
     return (word >> ((channel % PER_WORD) * BITS)) & ((1u << BITS) - 1u);
 }
 
+// planes3: code i's low 2 bits in word 3 * (i >> 5) + ((i >> 4) & 1) at bit 2 * (i & 15), its high bit in word
+// 3 * (i >> 5) + 2 at bit i & 31. Shifts and masks only: no division by 3.
+__device__ __forceinline__ unsigned planes3_code(const unsigned* row, int channel) {
+    const unsigned* unit = row + (channel >> 5) * 3;
+    const int i = channel & 31;
+    const unsigned low = (__ldg(unit + (i >> 4)) >> ((i & 15) * 2)) & 3u;
+    return low | (((__ldg(unit + 2) >> i) & 1u) << 2);
+}
+
 __device__ __forceinline__ unsigned code_at(const unsigned* row, int channel, int layout) {
     switch (layout) {
-        case 1: return lsb_code<1, 32>(row, channel);
-        case 2: return lsb_code<2, 16>(row, channel);
-        case 3: return lsb_code<3, 10>(row, channel);
-        case 4: return lsb_code<4, 8>(row, channel);
+        case LSB1: return lsb_code<1, 32>(row, channel);
+        case LSB2: return lsb_code<2, 16>(row, channel);
+        case PLANES3: return planes3_code(row, channel);
+        case LSB4: return lsb_code<4, 8>(row, channel);
         default: return lsb_code<3, 11>(row, channel);
     }
 }
 
-__device__ __forceinline__ int codes_per_word(int layout) {
+__device__ __forceinline__ int codes_per_unit(int layout) {
     switch (layout) {
-        case 1: return 32;
-        case 2: return 16;
-        case 3: return 10;
-        case 4: return 8;
+        case LSB1: return 32;
+        case LSB2: return 16;
+        case PLANES3: return 32;
+        case LSB4: return 8;
         default: return 11;
     }
 }
 
-__device__ __forceinline__ int code_bits(int layout) { return layout == 5 ? 3 : layout; }
+__device__ __forceinline__ int words_per_unit(int layout) { return layout == PLANES3 ? 3 : 1; }
+
+__device__ __forceinline__ int code_bits(int layout) { return layout == KVMIX3 ? 3 : layout; }
 
 // kvcal.quantizers: min-max decode, and denormalize of a codebook value.
 __device__ __forceinline__ float min_max_value(unsigned code, float scale, float zero) {

@@ -10,8 +10,13 @@
 // Block = (split, KV head, sequence), 4 warps; it serves all `group` query heads of its KV head, so K/V
 // bytes are read once per KV head. A warp takes tiles of 32 tokens: keys one token per lane (its full
 // dot products with every query head, RoPE applied on the fly to pre-RoPE keys), online softmax in the
-// log2 domain (log2(e) folded into the query scale), then values one channel per lane. Sparse fp16
-// outliers (sorted by body row, as appended) are added as corrections to the tile they fall in.
+// log2 domain (log2(e) folded into the query scale), then values one channel per lane.
+//
+// Body codes follow kvcal/packing.py's layouts: a code's word and bit come from shifts and masks ("planes3",
+// 3-bit codes in exactly 3 bits, included; kvmix's 11 codes per word divide by 11). Sparse fp16 outliers are
+// stored per (sequence, KV head) in append order behind an offset table per tile of body rows (kvcal/packing.py):
+// a warp reads exactly the outliers of the (at most two) tiles its 32 tokens' body rows fall in, each a uint16
+// position in its tile and an fp16 value, and adds them as corrections. No search, no other head's outliers.
 // Nothing dequantized is written to memory; partial (output, lse) per split go to out/lse_partial.
 #include "common.cuh"
 
@@ -22,11 +27,11 @@
 // Fields of one side (K or V) in the int64 descriptor array written by kvcal/runtime/kernels.py.
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
-    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_ROWS, OUTLIER_CHANNELS, OUTLIER_VALUES, OUTLIER_STRIDE, LAYOUT,
-    SIDE_FIELDS
+    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS).
-enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_OUTLIERS, META_FIELDS };
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
 
 struct Side {
     const half_bits* sink; long long sink_stride;
@@ -34,7 +39,10 @@ struct Side {
     const unsigned* words; long long words_stride; int words_per_row;
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
     const float* codebook;
-    const int* outlier_rows; const short* outlier_channels; const half_bits* outlier_values; long long outlier_stride;
+    // outliers per (sequence, KV head) run: positions and values (stride per run), the offset table (offset_stride
+    // tiles per run), the count of each run (null when the codec keeps no outliers); tiles of 2^tile_shift rows
+    const unsigned short* outlier_positions; const half_bits* outlier_values; long long outlier_stride;
+    const int* outlier_offsets; long long offset_stride; const int* outlier_counts; int tile_shift;
     int layout;
 };
 
@@ -46,20 +54,21 @@ __device__ __forceinline__ Side load_side(const long long* d) {
     s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
     s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
     s.codebook = (const float*)d[CODEBOOK];
-    s.outlier_rows = (const int*)d[OUTLIER_ROWS]; s.outlier_channels = (const short*)d[OUTLIER_CHANNELS];
-    s.outlier_values = (const half_bits*)d[OUTLIER_VALUES]; s.outlier_stride = d[OUTLIER_STRIDE];
+    s.outlier_positions = (const unsigned short*)d[OUTLIER_POSITIONS]; s.outlier_values = (const half_bits*)d[OUTLIER_VALUES];
+    s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int*)d[OUTLIER_OFFSETS]; s.offset_stride = d[OFFSET_STRIDE];
+    s.outlier_counts = (const int*)d[OUTLIER_COUNTS]; s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
     s.layout = (int)d[LAYOUT];
     return s;
 }
 
 struct Lengths {
-    int sink, body, head, recent, outliers;
+    int sink, body, head, recent;
 };
 
 __device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int batch, int b) {
     const int* m = meta + ((long long)side * batch + b) * META_FIELDS;
     Lengths n;
-    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.outliers = m[M_OUTLIERS];
+    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT];
     return n;
 }
 
@@ -179,7 +188,8 @@ __device__ __forceinline__ void rope_at(bool rope, int position, float inv_freq,
     *sin_a *= rope_scale;
 }
 
-// Any token, element by element: fp16 rows, and packed layouts whose words straddle heads (3 bits).
+// Any token, element by element: fp16 rows, and packed layouts whose words straddle heads (kvmix's 11 codes per
+// word).
 template <int CODEC, int D, bool ROPE>
 __device__ __forceinline__ void key_scores_by_element(float* s, const TokenRef& ref, const SideTables<D>& tables, int layout,
                                                       int param_group, int head_channel, const float (*q)[D], int group,
@@ -202,18 +212,31 @@ __device__ __forceinline__ void load8(const half_bits* p, float* out) {
     for (int i = 0; i < 8; ++i) out[i] = half_to_float((half_bits)(words[i / 2] >> (16 * (i % 2))));
 }
 
-// A body token whose head fills whole words ("lsb" 1, 2 or 4 bits): one load per word, not per code,
-// and for per-channel uniform parameters one 16-byte load per 8 scales (or zeros).
-template <int CODEC, int D, bool ROPE, int BITS>
+// Word `step` of a head's codes: an "lsb" word, or for planes3 the low-bit word of half unit `step` (16 codes),
+// their 16 high bits going to *top.
+template <int LAYOUT>
+__device__ __forceinline__ unsigned step_word(const unsigned* words, int step, unsigned* top) {
+    if (LAYOUT != PLANES3) return __ldg(words + step);
+    const unsigned* unit = words + (step >> 1) * 3;
+    *top = __ldg(unit + 2) >> ((step & 1) * 16);
+    return __ldg(unit + (step & 1));
+}
+
+// A body token whose head fills whole words ("lsb" 1, 2 or 4 bits, and "planes3": its units of 32 codes never
+// straddle heads): one load per word, not per code, and for per-channel uniform parameters one 16-byte load per
+// 8 scales (or zeros).
+template <int CODEC, int D, bool ROPE, int LAYOUT>
 __device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref, const SideTables<D>& tables, int param_group,
                                                    int head_channel, const float (*q)[D], int group, const float* freq,
                                                    int position, float rope_scale) {
+    constexpr int BITS = LAYOUT == PLANES3 ? 2 : LAYOUT;  // bits of a code in its step's word (planes3: the low plane)
     constexpr int PER_WORD = 32 / BITS, HALF_WORDS = D / 2 / PER_WORD;
     constexpr unsigned MASK = (1u << BITS) - 1u;
-    const unsigned* words = ref.words + head_channel / PER_WORD;
+    const unsigned* words = ref.words + (LAYOUT == PLANES3 ? (head_channel >> 5) * 3 : head_channel / PER_WORD);
 #pragma unroll 1  // unrolling the outer loops keeps too many loads in flight: sm_80 spilled
     for (int w = 0; w < HALF_WORDS; ++w) {
-        const unsigned low = __ldg(words + w), high = __ldg(words + w + HALF_WORDS);
+        unsigned low_top = 0u, high_top = 0u;  // planes3's high bits of the codes of low and high
+        const unsigned low = step_word<LAYOUT>(words, w, &low_top), high = step_word<LAYOUT>(words, w + HALF_WORDS, &high_top);
 #pragma unroll 1
         for (int part = 0; part < PER_WORD / 8; ++part) {
             const int first = w * PER_WORD + part * 8;  // channels first.. and first + D/2.. within the head
@@ -226,8 +249,12 @@ __device__ __forceinline__ void key_scores_by_word(float* s, const TokenRef& ref
             }
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const int c = first + i, shift = (part * 8 + i) * BITS;
-                const unsigned code1 = (low >> shift) & MASK, code2 = (high >> shift) & MASK;
+                const int c = first + i, slot = part * 8 + i, shift = slot * BITS;
+                unsigned code1 = (low >> shift) & MASK, code2 = (high >> shift) & MASK;
+                if (LAYOUT == PLANES3) {
+                    code1 |= ((low_top >> slot) & 1u) << 2;
+                    code2 |= ((high_top >> slot) & 1u) << 2;
+                }
                 float cos_a = 1.0f, sin_a = 0.0f;
                 rope_at(ROPE, position, freq[c], rope_scale, &cos_a, &sin_a);
                 float k1, k2;
@@ -274,40 +301,38 @@ __device__ __forceinline__ void key_scores(float* s, const TokenRef& ref, const 
     switch (layout) {
         case 1: key_scores_by_word<CODEC, D, ROPE, 1>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
         case 2: key_scores_by_word<CODEC, D, ROPE, 2>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
+        case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
         case 4: key_scores_by_word<CODEC, D, ROPE, 4>(s, ref, tables, param_group, head_channel, q, group, freq, position, rope_scale); break;
         default:
             key_scores_by_element<CODEC, D, ROPE>(s, ref, tables, layout, param_group, head_channel, q, group, freq, position, rope_scale);
     }
 }
 
-// First index in rows[0, count) whose row is >= target (rows are sorted).
-__device__ __forceinline__ int lower_bound(const int* rows, int count, int target) {
-    int lo = 0, hi = count;
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (__ldg(rows + mid) < target) lo = mid + 1; else hi = mid;
-    }
-    return lo;
-}
-
-// For every outlier of one side in body rows [row_lo, row_hi) that lies in the block's KV head and that
-// owns(row, c) claims for this lane: apply(row, c, delta), delta = the exact value minus what the codes gave,
-// c = the channel within the head. Outliers are sorted by row, so the tile's run starts at a binary search.
+// For every outlier of one side in body rows [row_lo, row_hi) of sequence b (body rows in all) in the block's
+// KV head that owns(row, c) claims for this lane: apply(row, c, delta), delta = the exact value minus what the
+// codes gave, c = the channel within the head. The rows' tiles are read straight from the offset table: tile t's
+// outliers are [offset[t], offset[t + 1]), the last started tile's end at the run's count; rows within a tile
+// are in append order, so the walk stops at the first row past row_hi.
 template <int CODEC, int D, typename Owns, typename Apply>
 __device__ __forceinline__ void for_each_outlier(const Side& side, const SideTables<D>& tables, int layout, int param_group,
-                                                 int b, int outliers, int row_lo, int row_hi, int head_channel, Owns owns,
-                                                 Apply apply) {
-    if (CODEC == FP16_ONLY || outliers == 0 || row_lo >= row_hi) return;
-    const long long base = b * side.outlier_stride;
-    const int* rows = side.outlier_rows + base;
-    for (int i = lower_bound(rows, outliers, row_lo); i < outliers; ++i) {
-        const int row = __ldg(rows + i);
-        if (row >= row_hi) break;
-        const int channel = __ldg(side.outlier_channels + base + i);
-        const int c = channel - head_channel;
-        if (c < 0 || c >= D || !owns(row, c)) continue;
-        apply(row, c, load_half(side.outlier_values + base + i) -
-                          body_value<CODEC, D>(body_ref<CODEC>(side, b, row), tables, layout, param_group, channel, c));
+                                                 int b, int kv_head, int kv_heads, int body, int row_lo, int row_hi,
+                                                 int head_channel, Owns owns, Apply apply) {
+    if (CODEC == FP16_ONLY || side.outlier_counts == nullptr || row_lo >= row_hi) return;
+    const long long run = (long long)b * kv_heads + kv_head;
+    const unsigned short* positions = side.outlier_positions + run * side.outlier_stride;
+    const half_bits* values = side.outlier_values + run * side.outlier_stride;
+    const int* offsets = side.outlier_offsets + run * side.offset_stride;
+    const int last_tile = (body - 1) >> side.tile_shift;
+    for (int tile = row_lo >> side.tile_shift; tile <= (row_hi - 1) >> side.tile_shift; ++tile) {
+        const int end = __ldg(tile < last_tile ? offsets + tile + 1 : side.outlier_counts + run);  // one load, no branch
+        for (int i = __ldg(offsets + tile); i < end; ++i) {
+            const unsigned position = __ldg(positions + i);
+            const int row = (tile << side.tile_shift) + (int)(position / D), c = (int)(position % D);
+            if (row >= row_hi) break;  // a run is in append order: the rest of the tile is past these rows
+            if (row < row_lo || !owns(row, c)) continue;
+            apply(row, c, load_half(values + i) -
+                              body_value<CODEC, D>(body_ref<CODEC>(side, b, row), tables, layout, param_group, head_channel + c, c));
+        }
     }
 }
 
@@ -391,7 +416,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
 
         // key outliers of this tile's body rows, each on the lane that holds its token
         for_each_outlier<KCODEC, D>(
-            ks, k_tables, k_layout, k_group, b, kn.outliers, max(t0 - kn.sink, 0), min(t0 + count - kn.sink, kn.body), head_channel,
+            ks, k_tables, k_layout, k_group, b, kv_head, kv_heads, kn.body, max(t0 - kn.sink, 0), min(t0 + count - kn.sink, kn.body),
+            head_channel,
             [&](int row, int c) { return lane == row + kn.sink - t0; },
             [&](int row, int c, float delta) {
                 if (ROPE) {
@@ -439,7 +465,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         }
         // value outliers of this tile's body rows, each on the lane that holds its channel
         for_each_outlier<VCODEC, D>(
-            vs, v_tables, v_layout, v_group, b, vn.outliers, max(t0 - vn.sink, 0), min(t0 + count - vn.sink, vn.body), head_channel,
+            vs, v_tables, v_layout, v_group, b, kv_head, kv_heads, vn.body, max(t0 - vn.sink, 0), min(t0 + count - vn.sink, vn.body),
+            head_channel,
             [&](int row, int c) { return lane == c % 32; },
             [&](int row, int c, float delta) {
                 const int tile_token = row + vn.sink - t0;

@@ -27,7 +27,9 @@ from kvcal.artifacts import check_same_model, read_artifact, read_header, write_
 from kvcal.errors import KvcalError
 
 BUNDLE_KIND = "bundle"
-PACKING = {"word_bits": 32, "bit_order": "lsb-first", "layout": "lsb"}  # see kvcal.packing
+# How the runtime packs codes (kvcal.packing): "lsb" words, except 3-bit codes as bit-planes. A bundle holds no
+# codes, so this is a declaration; a layer's `packing` must name the "lsb" family.
+PACKING = {"word_bits": 32, "bit_order": "lsb-first", "layout": "lsb", "3-bit layout": "planes3"}
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None,
 def _calibrate_settings(spec: registry.MethodSpec, bits):
     """The recipe's validated settings for `--bits` (None: its default), refused before anything runs; a refusal
     caused by --bits says so, whatever option name the recipe's own settings use."""
+    if isinstance(bits, float) and bits.is_integer():
+        bits = int(bits)  # a code width; recipes that take a budget of real bits accept an int too
     try:
         settings = spec.calibrate_settings(bits)
         if settings is not None:
@@ -82,11 +84,12 @@ def profile(request: ProfileRequest, out: str | Path | None, progress: Progress,
 
 
 def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str = "kvquant", out: str | Path | None = None,
-              bits: int | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
+              bits: float | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
               device: str = "cpu", progress: Progress | None = None) -> Path:
     """Profile `model` (a hub id, local directory or .gguf; None = the packaged SmolLM2) on `dataset`, fit
     `recipe` and write its bundle to `out` (default artifacts/<model>/bundle.safetensors), the profile and
-    the fitted artifact beside it. `bits`: the code width for recipes that take one (kvquant, skvq, kivi).
+    the fitted artifact beside it. `bits`: the code width for recipes that take one (kvquant, skvq, kivi), or
+    mixed's budget of real bits per element.
     Every setting and output path is checked before the model is loaded. Returns the bundle's path."""
     spec = registry.recipe(recipe)
     settings = _calibrate_settings(spec, bits)

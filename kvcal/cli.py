@@ -241,6 +241,7 @@ def fit_nuq_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients."),
     bits: int = typer.Option(3, help="Code width for every layer, 1-4."),
     bits_from_profile: bool = typer.Option(False, "--bits-from-profile", help="Use the profile's KVmix per-layer K/V widths instead of --bits."),
+    target_bits: Optional[float] = typer.Option(None, help="Choose each layer's K and V width (2-4) instead of --bits: the least Fisher-weighted error within this many real (stored) bits per element."),
     outliers: float = typer.Option(0.01, help="Fraction of elements kept exact in fp16 (dense-and-sparse), in [0, 0.1]."),
     sink: int = typer.Option(1, help="Leading tokens kept fp16 and left out of calibration; at least the profile's sink."),
     qnorm: str = typer.Option("auto", help="Q-Norm of the codebooks: auto (on at 2 bits or fewer), on, off."),
@@ -254,9 +255,11 @@ def fit_nuq_command(
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
-    settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, outliers=outliers, sink=sink, qnorm=qnorm,
-                           key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting, seed=seed)
-    _fit_layers(profile, out or profile.parent / f"nuq{'-kvmix' if bits_from_profile else bits}.safetensors",
+    settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, outliers=outliers, sink=sink,
+                           qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting,
+                           seed=seed)
+    name = "-kvmix" if bits_from_profile else f"-fisher{target_bits:g}" if target_bits is not None else bits
+    _fit_layers(profile, out or profile.parent / f"nuq{name}.safetensors",
                 fit_nuq, write_nuq, settings)
 
 
@@ -292,7 +295,7 @@ app.add_typer(export_app, name="export")
 @reports_errors
 def export_bundle_command(
     profile: Path = typer.Option(..., help="profile.safetensors (model fingerprint, importance, provenance)."),
-    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (needs --nuq), mixed (needs --nuq fit with --bits-from-profile), skvq (needs --skvq), kivi or kvmix (no fit)."),
+    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (needs --nuq), mixed (needs --nuq fit with --target-bits or --bits-from-profile), skvq (needs --skvq), kivi or kvmix (no fit)."),
     nuq: Optional[Path] = typer.Option(None, help="nuq artifact from kvcal fit-nuq."),
     skvq: Optional[Path] = typer.Option(None, help="skvq artifact from kvcal fit-skvq."),
     kivi_bits: int = typer.Option(2, help="kivi recipe: bits for K and V."),
@@ -321,11 +324,13 @@ def export_vllm_command(
     profile: Path = typer.Option(..., help="profile.safetensors from kvcal profile-gradients: its stored windows are the calibration data and its model fingerprint must match --model."),
     model: Optional[str] = MODEL_OPTION,
     strategy: str = typer.Option("tensor", help="tensor: one K and one V scale per layer; attn_head: one per KV head (vLLM needs an attention backend with per-head scales)."),
+    scales: str = typer.Option("calibrated", help="calibrated: searched on the profile's stored windows; absmax: plain absmax / 448 over every token the profile saw, not searched (the baseline to compare with `kvcal eval ppl --quant <folder>`)."),
     out: Path = typer.Option(..., help="Output model folder (new, empty, or a previous kvcal vllm export), written atomically: the model's weights and tokenizer, config.json with the compressed-tensors kv_cache_scheme, the k_scale/v_scale tensors."),
 ):
     """Calibrated FP8 (e4m3) KV-cache scales for vLLM: per layer (or KV head) K and V scales chosen to minimize the
     attention-output error on the profile's stored windows (post-RoPE keys), written with the model as a
-    compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8."""
+    compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8 (--scales absmax: plain absmax / 448 instead).
+    `kvcal eval ppl --quant <folder>` evaluates the scales written."""
     from kvcal.export_vllm import export_vllm
 
     started = time.perf_counter()
@@ -337,20 +342,21 @@ def export_vllm_command(
                 progress.remove_task(task["id"])
             task["id"] = progress.add_task(f"export vllm: {description}", total=total)
 
-        path, fit, _ = export_vllm(profile, model, strategy, out, on_stage=on_stage, on_layer=lambda layer: progress.advance(task["id"]))
+        path, fit, _ = export_vllm(profile, model, strategy, out, on_stage=on_stage, on_layer=lambda layer: progress.advance(task["id"]),
+                                   scales=scales)
 
-    def scales(values) -> str:
+    def numbers(values) -> str:
         return " ".join(f"{x:.4g}" for x in values.tolist())
 
     def error(value) -> str:
         return "-" if value is None else f"{value:.3e}"
 
-    _print_table(f"FP8 KV-cache scales for vLLM ({fit.strategy}): {path}",
+    _print_table(f"FP8 KV-cache scales for vLLM ({fit.scales}, {fit.strategy}): {path}",
                  ["layer", "K scale", "K absmax/448", "V scale", "V absmax/448", "error absmax/448", "error calibrated", "reduction"],
-                 [[str(i), scales(layer.k), scales(layer.k_absmax), scales(layer.v), scales(layer.v_absmax), error(layer.error_absmax),
+                 [[str(i), numbers(layer.k), numbers(layer.k_absmax), numbers(layer.v), numbers(layer.v_absmax), error(layer.error_absmax),
                    error(layer.error_calibrated), "-" if layer.reduction is None else f"{layer.reduction:.1%}"]
                   for i, layer in enumerate(fit.layers)])
-    if fit.source == "windows":
+    if fit.searched:
         before, after = sum(layer.error_absmax for layer in fit.layers), sum(layer.error_calibrated for layer in fit.layers)
         kept = sum(layer.kept_absmax for layer in fit.layers)
         unit = "KV heads" if fit.strategy == "attn_head" else "layers"
@@ -368,8 +374,8 @@ def calibrate_command(
     nsamples: int = typer.Option(16, help="Calibration windows."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     seed: int = typer.Option(0, help="Seed for windows, row subsample and k-means."),
-    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (nuqX-1%, sink 1), mixed (KVmix widths on KVQuant codebooks), skvq (K2V2 g64 w128 s5), kivi (g32 r128) or kvmix (KVmix widths and RPC)."),
-    bits: Optional[int] = typer.Option(None, help="Code width where the recipe takes one: kvquant (default 3), skvq (K and V, default 2), kivi (K and V, default 2); refused for mixed and kvmix."),
+    recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (nuqX-1%, sink 1), mixed (per-layer widths on KVQuant codebooks, Fisher knapsack), skvq (K2V2 g64 w128 s5), kivi (g32 r128) or kvmix (KVmix widths and RPC)."),
+    bits: Optional[float] = typer.Option(None, help="Code width where the recipe takes one: kvquant (default 3), skvq (K and V, default 2), kivi (K and V, default 2); for mixed, real bits per element its widths may spend (default 3.0); refused for kvmix."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     out: Optional[Path] = typer.Option(None, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
@@ -407,8 +413,8 @@ app.add_typer(eval_app, name="eval")
 @reports_errors
 def eval_ppl_command(
     model: Optional[str] = MODEL_OPTION,
-    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq, skvq or bundle); repeat for several."),
-    baseline: str = typer.Option("", help="Comma-separated baselines that need no calibration (`kvcal methods` lists their syntax): intN[-gG] (per token), kiviN[-gG][-rR]; e.g. int4,kivi2."),
+    quant: list[Path] = typer.Option([], help="A calibrated artifact to evaluate (nuq, skvq or bundle), or a `kvcal export vllm` folder (its FP8 scales); repeat for several."),
+    baseline: str = typer.Option("", help="Comma-separated baselines that need no calibration (`kvcal methods` lists their syntax): intN[-gG] (per token), kiviN[-gG][-rR], fp8 (vLLM's FP8 cache at scale 1.0), ...; e.g. int4,kivi2,fp8."),
     dataset: str = typer.Option("builtin", help=f"Evaluation text: {DATASET_HELP}."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),

@@ -12,6 +12,8 @@ profile's stored windows is kept: keys first (values fp), then values (keys at t
 `attn_head` every KV head is chosen on its own (a head's output depends only on its own scales). A layer
 or head whose calibrated pair does not beat absmax / 448 on the windows keeps absmax / 448. A profile
 without stored windows gives plain absmax / 448 from its streaming statistics (sink tokens excluded).
+`scales="absmax"` (`--scales absmax`) writes the absmax / 448 starting scales without searching, the
+baseline the calibrated scales are measured against (`kvcal eval ppl --quant <folder>` evaluates either).
 
 The output folder is what vLLM and compressed-tensors load: the model's own weights (save_pretrained),
 the tokenizer, `config.json` with a compressed-tensors `quantization_config` whose `kv_cache_scheme` is
@@ -74,6 +76,7 @@ MIN_SCALE = 2.0**-24  # a head that is all zeros still gets a usable (positive) 
 EXPORT_MARKER = "kvcal_export.json"
 EXPORT_KIND = "vllm-fp8-kv-scales"
 SCALE_NAMES = ("k_scale", "v_scale")
+SCALE_CHOICES = ("calibrated", "absmax")  # searched on the windows, or the absmax / 448 they start from
 
 
 def fp8_fake_quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -146,11 +149,20 @@ class LayerScales:
 @dataclass
 class ScaleFit:
     strategy: str
-    source: str  # "windows" (searched) or "statistics" (absmax / 448 of the streaming statistics)
+    source: str  # "windows" (absmax over windows and statistics) or "statistics" (absmax of the streaming statistics only)
+    scales: str = "calibrated"  # what was asked: searched scales, or the absmax / 448 starting points
+    fingerprint: dict | None = None  # of the profiled model, which the scales are for
     layers: list[LayerScales] = field(default_factory=list)
 
     @property
+    def searched(self) -> bool:
+        return self.source == "windows" and self.scales == "calibrated"
+
+    @property
     def note(self) -> str:
+        if self.scales == "absmax" and self.source == "windows":
+            return ("scales are plain absmax / 448 (--scales absmax) over every token the profile saw (post-RoPE keys, values), "
+                    "not searched")
         if self.source == "windows":
             return "scales searched on the profile's stored windows (attention-output MSE, post-RoPE keys)"
         return ("the profile has no stored windows: scales are plain absmax / 448 of its streaming statistics "
@@ -161,6 +173,11 @@ class ScaleFit:
 def _check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise KvcalError(f"unknown --strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+
+
+def _check_scales(scales: str) -> None:
+    if scales not in SCALE_CHOICES:
+        raise KvcalError(f"unknown --scales '{scales}'; choose one of {', '.join(SCALE_CHOICES)}")
 
 
 class WindowAttention:
@@ -251,15 +268,17 @@ def _fit_layer(objective: WindowAttention, k_start: torch.Tensor, v_start: torch
                        error_absmax=float(baseline.mean()), error_calibrated=float(calibrated.mean()), kept_absmax=kept)
 
 
-def calibrate_scales(profile_path: str | Path, strategy: str,
-                     on_layer: Callable[[int], None] | None = None) -> tuple[ScaleFit, dict]:
-    """(per-layer FP8 K/V scales, the profile's config) for vLLM from a kvcal profile."""
+def calibrate_scales(profile_path: str | Path, strategy: str, on_layer: Callable[[int], None] | None = None,
+                     scales: str = "calibrated") -> tuple[ScaleFit, dict]:
+    """(per-layer FP8 K/V scales, the profile's config) for vLLM from a kvcal profile: searched on its stored
+    windows (`scales="calibrated"`), or their absmax / 448 starting points (`scales="absmax"`)."""
     _check_strategy(strategy)
+    _check_scales(scales)
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
     kv_heads, num_layers = fingerprint["num_kv_heads"], fingerprint["num_layers"]
     has_windows = "layers.0.windows.q" in profile and "windows.positions" in profile
-    fit = ScaleFit(strategy, "windows" if has_windows else "statistics")
+    fit = ScaleFit(strategy, "windows" if has_windows else "statistics", scales, fingerprint)
     for layer in range(num_layers):
         try:
             k_absmax = _per_head_absmax(profile[f"layers.{layer}.k_post.absmax"], kv_heads)
@@ -271,12 +290,13 @@ def calibrate_scales(profile_path: str | Path, strategy: str,
             k_absmax = torch.maximum(k_absmax, _per_head_absmax(torch.stack([k.abs().amax(0) for k in objective.keys]).amax(0), kv_heads))
             v_absmax = torch.maximum(v_absmax, _per_head_absmax(torch.stack([v.abs().amax(0) for v in objective.values]).amax(0), kv_heads))
         k_start, v_start = _starting_scales(k_absmax, strategy), _starting_scales(v_absmax, strategy)
-        if has_windows:
+        if fit.searched:
             fit.layers.append(_fit_layer(objective, k_start, v_start, strategy))
         else:
             width = slice(None) if strategy == "attn_head" else slice(0, 1)
+            error = float(objective.errors(k_start, v_start).mean()) if has_windows else None
             fit.layers.append(LayerScales(k=k_start[width].clone(), v=v_start[width].clone(),
-                                          k_absmax=k_start[width].clone(), v_absmax=v_start[width].clone()))
+                                          k_absmax=k_start[width].clone(), v_absmax=v_start[width].clone(), error_absmax=error))
         if on_layer is not None:
             on_layer(layer)
     return fit, config
@@ -321,6 +341,8 @@ def _marker(fit: ScaleFit, profile: Path, model_spec: str, names: list[str]) -> 
         "profile": str(profile),
         "strategy": fit.strategy,
         "source": fit.source,
+        "scales": fit.scales,
+        "fingerprint": fit.fingerprint,
         "note": fit.note,
         "layers": [
             {"attention": name, "k_scale": layer.k.tolist(), "v_scale": layer.v.tolist(),
@@ -471,11 +493,13 @@ def write_folder_atomically(out: Path, write: Callable[[Path], None]) -> Path:
 
 def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str | Path,
                 on_stage: Callable[[str, int | None], None] | None = None,
-                on_layer: Callable[[int], None] | None = None) -> tuple[Path, ScaleFit, dict]:
-    """Check everything, load the model, check it is the profile's, fit the scales, write the folder.
-    Returns (folder, fit, marker). on_stage(description, total) marks each stage (total: layers or None)."""
+                on_layer: Callable[[int], None] | None = None, scales: str = "calibrated") -> tuple[Path, ScaleFit, dict]:
+    """Check everything, load the model, check it is the profile's, fit the scales (or take absmax / 448 with
+    scales="absmax"), write the folder. Returns (folder, fit, marker). on_stage(description, total) marks each
+    stage (total: layers or None)."""
     stage = on_stage or (lambda description, total: None)
     _check_strategy(strategy)
+    _check_scales(scales)
     profile = Path(profile)
     kind, profile_config = read_header(profile)
     if kind != "profile":
@@ -490,8 +514,8 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
         pass
     check_same_model(profile_config["model"]["fingerprint"], adapter.fingerprint(), f"profile '{profile}'",
                      f"--model {source.spec}", "profile this model or pass the matching --model")
-    stage("fitting scales", len(adapter.layers))
-    fit, _ = calibrate_scales(profile, strategy, on_layer)
+    stage("fitting scales" if scales == "calibrated" else "absmax scales", len(adapter.layers))
+    fit, _ = calibrate_scales(profile, strategy, on_layer, scales)
     names = _attention_names(loaded, adapter)
     marker = _marker(fit, profile, source.spec, names)
     stage("writing model folder", None)
@@ -500,22 +524,29 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
 
 
 def read_export(folder: str | Path) -> ScaleFit:
-    """The scales of an exported folder, read back from its safetensors files (checked against the marker)."""
+    """The scales of an exported folder, read back from its safetensors files and checked against the marker:
+    one entry per layer of the model it records, each K and V scale finite and positive, of 1 element
+    (tensor) or one per KV head (attn_head)."""
     folder = Path(folder)
     if not is_previous_export(folder):
-        raise KvcalError(f"'{folder}' is not a kvcal vllm export (no {EXPORT_MARKER})")
+        raise KvcalError(f"'{folder}' is not a kvcal vllm export (no {EXPORT_MARKER}); pass a folder written by kvcal export vllm")
     try:
         marker = json.loads((folder / EXPORT_MARKER).read_text())
-        strategy, source, entries = marker["strategy"], marker["source"], list(marker["layers"])
+        strategy, source, scales, entries = marker["strategy"], marker["source"], marker["scales"], list(marker["layers"])
+        fingerprint = marker["fingerprint"]
+        num_layers, kv_heads = fingerprint["num_layers"], fingerprint["num_kv_heads"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} ({exc!r}); re-export it") from exc
+    if strategy not in STRATEGIES or scales not in SCALE_CHOICES or len(entries) != num_layers:
+        raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} (strategy {strategy!r}, scales {scales!r}, {len(entries)} "
+                         f"layers for a model of {num_layers!r}); re-export it")
     found = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 if key.endswith((".k_scale", ".v_scale")):
                     found[key] = handle.get_tensor(key)
-    fit = ScaleFit(strategy, source)
+    fit = ScaleFit(strategy, source, scales, fingerprint)
     for entry in entries:
         try:
             k, v = (found[f"{entry['attention']}.{suffix}"].float().flatten() for suffix in SCALE_NAMES)
@@ -525,4 +556,12 @@ def read_export(folder: str | Path) -> ScaleFit:
                                           kept_absmax=entry["kept_absmax"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise KvcalError(f"'{folder}' lacks or has a malformed scale entry {exc!r}; re-export it") from exc
+    per_layer = 1 if strategy == "tensor" else kv_heads
+    for i, layer in enumerate(fit.layers):
+        for name, scale in zip(SCALE_NAMES, (layer.k, layer.v)):
+            if scale.numel() != per_layer:
+                raise KvcalError(f"'{folder}': layer {i} {name} has {scale.numel()} elements, strategy {strategy} takes "
+                                 f"{per_layer}; re-export it")
+            if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+                raise KvcalError(f"'{folder}': layer {i} {name} is not finite and positive ({scale.tolist()}); re-export it")
     return fit

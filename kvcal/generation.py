@@ -147,5 +147,5 @@ def measure_memory(model, bundle, context_ids: torch.Tensor) -> dict:
         model(context_ids[None].to(model.get_input_embeddings().weight.device), past_key_values=cache, use_cache=True)
     outliers = cache.outliers()
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
-            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=outliers),
+            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=outliers, kv_heads=fingerprint["num_kv_heads"]),
             "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens), "outliers": outliers}

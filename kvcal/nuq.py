@@ -6,6 +6,13 @@ Thresholds are the 1-t and t percentiles with t = 1 - outliers/2; elements outsi
 (dense-and-sparse). One codebook of 2^bits signposts per layer for K and one for V, fit on the
 normalized inliers by k-means weighted by the Fisher information; Q-Norm re-centres it so the
 dequantized inliers keep the calibration mean and standard deviation. The first `sink` tokens stay fp16.
+
+Widths: one for every layer (--bits), the profile's KVmix allocation (--bits-from-profile), or chosen per
+layer and per K/V to a budget of real bits (--target-bits, KVQuant's sensitivity): every tensor is fit at
+each of KNAPSACK_WIDTHS, its cost is the Fisher-weighted squared error of the calibration samples
+(sum F * (x - Q(x))^2, a second-order estimate of the loss it adds) and its price the bits per element the
+runtime stores for it (codes, per-token thresholds, outliers; measured on the samples by the codec's own
+tally); an exact multiple-choice knapsack picks the widths of least total cost within the budget.
 """
 
 from __future__ import annotations
@@ -32,12 +39,15 @@ from kvcal.quantizers import (
 NUQ_KIND = "nuq"
 CODEBOOKS = ("nuq", "uniform", "nf")
 KMEANS_MAX_POINTS = 1_000_000  # seeded subsample above this, to bound fitting time on wide models
+KNAPSACK_WIDTHS = (2, 3, 4)  # the widths --target-bits chooses from
+KNAPSACK_STEP = 1e-4  # bits per element: the knapsack's price unit (prices are rounded up to it)
 
 
 @dataclass(frozen=True)
 class NuqSettings:
     bits: int = 3
     bits_from_profile: bool = False
+    target_bits: float | None = None  # real bits per element: per-layer widths by the Fisher knapsack
     outliers: float = 0.01
     sink: int = 1
     qnorm: str = "auto"  # auto = on at 2 bits or fewer
@@ -48,8 +58,13 @@ class NuqSettings:
     seed: int = 0
 
     def validate(self) -> None:
-        if not 1 <= self.bits <= 4:
-            raise KvcalError(f"--bits {self.bits} is outside 1-4")
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 4:
+            raise KvcalError(f"--bits {self.bits} is not a code width in 1-4")
+        if self.target_bits is not None:
+            if self.bits_from_profile:
+                raise KvcalError("--target-bits and --bits-from-profile both choose the widths; give one of them")
+            if not isinstance(self.target_bits, (int, float)) or not min(KNAPSACK_WIDTHS) <= self.target_bits <= 8:
+                raise KvcalError(f"--target-bits {self.target_bits} is outside [{min(KNAPSACK_WIDTHS)}, 8] real bits per element")
         if not 0.0 <= self.outliers <= 0.1:
             raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
         if self.sink < 0:
@@ -64,6 +79,10 @@ class NuqSettings:
 
     def uses_qnorm(self, bits: int) -> bool:
         return self.qnorm == "on" or (self.qnorm == "auto" and bits <= 2)
+
+    @property
+    def per_layer_widths(self) -> bool:
+        return self.bits_from_profile or self.target_bits is not None
 
 
 def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, kind: str, qnorm: bool, seed: int) -> torch.Tensor:
@@ -101,6 +120,38 @@ def _inliers(samples: torch.Tensor, fisher: torch.Tensor | None, per_channel: bo
     return points, weights, ((lo, hi) if per_channel else None)
 
 
+def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float) -> list[int]:
+    """Exact multiple-choice knapsack: for every tensor i the choice j minimizing sum(costs[i, j]) with
+    mean(prices[i, j]) <= target_bits (prices rounded up to KNAPSACK_STEP). costs, prices: (tensors, choices)."""
+    units = np.ceil(prices / KNAPSACK_STEP - 1e-6).astype(np.int64)
+    budget = int(np.floor(target_bits * len(units) / KNAPSACK_STEP + 1e-6))
+    if units.min(axis=1).sum() > budget:
+        cheapest = units.min(axis=1).sum() * KNAPSACK_STEP / len(units)
+        raise KvcalError(f"--target-bits {target_bits} is below {cheapest:.3f}, the real bits of the narrowest widths; raise it")
+    best = np.zeros(budget + 1)  # best[c]: least cost of the tensors so far within a price of c units
+    picks = np.zeros((len(units), budget + 1), dtype=np.int8)
+    for i in range(len(units)):
+        options = np.full((units.shape[1], budget + 1), np.inf)
+        for j, unit in enumerate(units[i]):
+            if unit <= budget:
+                options[j, unit:] = best[: budget + 1 - unit] + costs[i, j]
+        picks[i] = options.argmin(axis=0)
+        best = options.min(axis=0)
+    chosen, left = [], budget
+    for i in reversed(range(len(units))):
+        j = int(picks[i, left])
+        chosen.append(j)
+        left -= int(units[i, j])
+    return chosen[::-1]
+
+
+def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec) -> tuple[float, float]:
+    """(Fisher-weighted squared error of the samples, stored bits per element) under `codec`."""
+    quantized = codec.quantize(samples)
+    error = float((fisher * (samples - quantized.values) ** 2).sum())
+    return error, float(quantized.row_bits.mean()) / samples.shape[1]
+
+
 def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], None] | None = None) -> tuple[dict, dict]:
     """(tensors, config) of a nuq artifact fit from a profile."""
     settings.validate()
@@ -112,33 +163,53 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
             f"re-run profile-gradients with --sink {settings.sink}"
         )
     num_layers = profile_config["model"]["fingerprint"]["num_layers"]
-    if settings.bits_from_profile:
-        bits_k = profile["kvmix.bits.k"].tolist()
-        bits_v = profile["kvmix.bits.v"].tolist()
-    else:
-        bits_k = bits_v = [settings.bits] * num_layers
     rows = profile["samples.position"] >= settings.sink
     if not rows.any():
         raise KvcalError(f"the profile has no sampled tokens past --sink {settings.sink}")
     key_name = "k_pre" if settings.key_rope == "pre" else "k_post"
     # Fisher is taken w.r.t. the pre-RoPE key; for post-RoPE keys it is an approximation (ablation only).
     use_fisher = settings.weighting == "fisher" and settings.codebook == "nuq"
-    tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
+    if settings.target_bits is not None:
+        candidates = KNAPSACK_WIDTHS
+    elif settings.bits_from_profile:
+        candidates = None
+    else:
+        candidates = (settings.bits,)
+    fitted = {}  # (layer, kind) -> ({width: codebook}, thresholds, {width: (cost, price)})
     for layer in range(num_layers):
         prefix = f"layers.{layer}"
-        for kind, sample_name, fisher_name, per_channel, bits in (
-            ("k", key_name, "k_pre", settings.key_granularity == "channel", bits_k[layer]),
-            ("v", "v", "v", False, bits_v[layer]),
+        for kind, sample_name, fisher_name, per_channel in (
+            ("k", key_name, "k_pre", settings.key_granularity == "channel"),
+            ("v", "v", "v", False),
         ):
             samples = profile[f"{prefix}.{sample_name}.samples"][rows]
-            fisher = profile[f"{prefix}.{fisher_name}.fisher"][rows] if use_fisher else None
-            points, weights, thresholds = _inliers(samples, fisher, per_channel, settings.outliers, settings.seed)
-            tensors[f"{prefix}.{kind}.codebook"] = fit_codebook(
-                points, weights, bits, settings.codebook, settings.uses_qnorm(bits), settings.seed)
-            if thresholds is not None:
-                tensors[f"{prefix}.{kind}.lo"], tensors[f"{prefix}.{kind}.hi"] = thresholds
+            fisher = profile[f"{prefix}.{fisher_name}.fisher"][rows]
+            points, weights, thresholds = _inliers(samples, fisher if use_fisher else None, per_channel, settings.outliers,
+                                                   settings.seed)
+            widths = candidates or (int(profile[f"kvmix.bits.{kind}"][layer]),)
+            codebooks, sensitivity = {}, {}
+            for bits in widths:
+                codebooks[bits] = fit_codebook(points, weights, bits, settings.codebook, settings.uses_qnorm(bits), settings.seed)
+                if len(widths) > 1:
+                    lo, hi = thresholds or (None, None)
+                    sensitivity[bits] = _sensitivity(samples, fisher, CodebookCodec(codebooks[bits], lo, hi, settings.outliers))
+            fitted[layer, kind] = (codebooks, thresholds, sensitivity)
         if on_layer is not None:
             on_layer(layer)
+    if settings.target_bits is not None:
+        keys = list(fitted)
+        costs = np.array([[fitted[key][2][b][0] for b in KNAPSACK_WIDTHS] for key in keys])
+        prices = np.array([[fitted[key][2][b][1] for b in KNAPSACK_WIDTHS] for key in keys])
+        chosen = {key: KNAPSACK_WIDTHS[j] for key, j in zip(keys, choose_widths(costs, prices, settings.target_bits))}
+    else:
+        chosen = {key: next(iter(codebooks)) for key, (codebooks, _, _) in fitted.items()}
+    bits_k = [chosen[layer, "k"] for layer in range(num_layers)]
+    bits_v = [chosen[layer, "v"] for layer in range(num_layers)]
+    tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
+    for (layer, kind), (codebooks, thresholds, _) in fitted.items():
+        tensors[f"layers.{layer}.{kind}.codebook"] = codebooks[chosen[layer, kind]]
+        if thresholds is not None:
+            tensors[f"layers.{layer}.{kind}.lo"], tensors[f"layers.{layer}.{kind}.hi"] = thresholds
     config = {
         "model": profile_config["model"],
         "rope": profile_config["rope"],
@@ -146,6 +217,9 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
         "nuq": {**asdict(settings), "bits_k": bits_k, "bits_v": bits_v,
                 "qnorm_k": [settings.uses_qnorm(b) for b in bits_k], "qnorm_v": [settings.uses_qnorm(b) for b in bits_v]},
     }
+    if settings.target_bits is not None:  # what the knapsack saw, for `kvcal inspect`
+        config["nuq"]["knapsack"] = {f"{layer}.{kind}": {str(b): [float(f"{c:.4g}"), round(p, 4)] for b, (c, p) in fitted[layer, kind][2].items()}
+                                     for layer, kind in fitted}
     return tensors, config
 
 

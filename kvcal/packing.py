@@ -1,19 +1,31 @@
-"""Packing of 1/2/3/4-bit codes into int32 words. Every layout kvcal writes is documented here.
+"""Packing of 1/2/3/4-bit codes into int32 words, and the runtime's outlier layout. Every layout kvcal writes is
+documented here.
 
-Codes are unsigned integers in [0, 2^bits). Within a row (the last dimension), code i goes to word
-i // per_word at bit offset slot(i % per_word); bits are filled LSB-first. Rows are padded with zero
-codes to a whole number of words. Words are stored as int32 (two's complement of the uint32 pattern).
+Codes are unsigned integers in [0, 2^bits). A row (the last dimension) is packed in units of a fixed number of
+codes and words (`unit_shape`); the row is padded with zero codes to a whole number of units. Within a word
+bits are filled LSB-first. Words are stored as int32 (two's complement of the uint32 pattern).
 
 Layouts:
-- "lsb": per_word = 32 // bits codes of `bits` bits at offsets 0, bits, 2*bits, ... (1 bit: 32 codes,
-  2 bits: 16, 3 bits: 10 with the top 2 bits unused, 4 bits: 8). Lossless.
+- "lsb": one word per unit of 32 // bits codes of `bits` bits at offsets 0, bits, 2*bits, ... (1 bit: 32 codes,
+  2 bits: 16, 3 bits: 10 with the top 2 bits unused, 4 bits: 8); code i is in word i // per_word. Lossless.
+- "planes3" (3 bits only, exactly 3 bits per code): bit-planes 2 + 1. Per unit of 32 consecutive codes, 3 words:
+  word 0 holds the low 2 bits of codes 0-15 at bit 2*i, word 1 those of codes 16-31 at bit 2*(i - 16), word 2
+  the high bit of codes 0-31 at bit i. Code i is in unit i >> 5: its low bits in word 3*(i >> 5) + ((i >> 4) & 1)
+  at bit 2*(i & 15), its high bit in word 3*(i >> 5) + 2 at bit i & 31 (no division by 3 or 10). Lossless.
 - "kvmix10x3+1x2" (3 bits only, KVmix's layout): 11 codes per word, ten 3-bit codes at offsets
   0..27 and an eleventh 2-bit code at offset 30. The eleventh code is clamped to [0, 3]: lossy by design.
 - "ternary20" (SKVQ 1.5-bit values, codes 0..2): 20 codes per word as base-3 digits, word = sum c_i 3^i
   (3^20 < 2^32), 1.6 bits per code. Lossless.
 
-The runtime cache (kvcal.runtime) packs every token row with `layout_for(bits)`: "lsb", or "ternary20"
-for 1.5 bits. A row of C channels takes packed_words(C, bits) words.
+The runtime cache (kvcal.runtime) packs every token row with `layout_for(bits)`: "planes3" for 3 bits,
+"ternary20" for 1.5 bits, "lsb" otherwise. A row of C channels takes packed_words(C, bits, layout_for(bits))
+words; with head_dim a multiple of 32, no word holds codes of two KV heads.
+
+Outliers (dense-and-sparse codecs) are kept per (sequence, KV head) in append order, each OUTLIER_BYTES: a uint16
+position inside its tile of OUTLIER_TILE_TOKENS body rows (token_in_tile * head_dim + channel_in_head) and its
+fp16 value. An int32 offset table per (sequence, KV head, tile) says where each started tile's outliers begin:
+tile t's are [offset[t], offset[t + 1]), the last started tile's end at the (sequence, KV head) count. The cache
+stores OUTLIER_BYTES per outlier and OUTLIER_OFFSET_BYTES per table entry (`outlier_table_bytes`).
 """
 
 from __future__ import annotations
@@ -24,26 +36,39 @@ import torch
 
 from kvcal.errors import KvcalError
 
-LAYOUTS = ("lsb", "kvmix10x3+1x2", "ternary20")
-OUTLIER_BYTES = 4 + 2 + 2  # a sparse outlier as the runtime stores it: token row int32, channel int16, value fp16
+LAYOUTS = ("lsb", "planes3", "kvmix10x3+1x2", "ternary20")
 TERNARY_PER_WORD = 20
+PLANES3_CODES, PLANES3_WORDS = 32, 3  # a "planes3" unit
+
+OUTLIER_TILE_TOKENS = 64  # body rows per outlier tile
+OUTLIER_BYTES = 2 + 2  # an outlier as the runtime stores it: uint16 position in its tile, fp16 value
+OUTLIER_OFFSET_BYTES = 4  # an int32 entry of the offset table, per (sequence, KV head, started tile)
+POSITIONS_IN_TILE = 2**16  # positions a uint16 holds
 
 
 def layout_for(bits: float) -> str:
-    return "ternary20" if bits == 1.5 else "lsb"
+    if bits == 1.5:
+        return "ternary20"
+    return "planes3" if bits == 3 else "lsb"
+
+
+def _three_bits_only(bits: float, layout: str) -> None:
+    if bits != 3:
+        raise KvcalError(f"layout {layout} holds 3-bit codes, not {bits}-bit")
 
 
 def _slots(bits: int, layout: str) -> list[tuple[int, int]]:
-    """(bit offset, width) of every code slot in one word."""
+    """(bit offset, width) of every code slot in one word of a one-word-per-unit layout."""
     if layout == "lsb":
         if bits not in (1, 2, 3, 4):
             raise KvcalError(f"cannot pack {bits}-bit codes; widths 1-4 are supported")
         bits = int(bits)  # recipes may carry 2.0
         return [(i * bits, bits) for i in range(32 // bits)]
     if layout == "kvmix10x3+1x2":
-        if bits != 3:
-            raise KvcalError(f"layout kvmix10x3+1x2 holds 3-bit codes, not {bits}-bit")
+        _three_bits_only(bits, layout)
         return [(3 * i, 3) for i in range(10)] + [(30, 2)]
+    if layout == "planes3":
+        raise KvcalError("layout planes3 packs 32 codes in 3 words, not a number of codes per word (see unit_shape)")
     raise KvcalError(f"unknown packing layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
 
 
@@ -51,8 +76,17 @@ def codes_per_word(bits: float, layout: str = "lsb") -> int:
     return TERNARY_PER_WORD if layout == "ternary20" else len(_slots(bits, layout))
 
 
+def unit_shape(bits: float, layout: str = "lsb") -> tuple[int, int]:
+    """(words, codes) of one packing unit: rows are padded to whole units."""
+    if layout == "planes3":
+        _three_bits_only(bits, layout)
+        return PLANES3_WORDS, PLANES3_CODES
+    return 1, codes_per_word(bits, layout)
+
+
 def packed_words(length: int, bits: float, layout: str = "lsb") -> int:
-    return math.ceil(length / codes_per_word(bits, layout))
+    words, codes = unit_shape(bits, layout)
+    return words * math.ceil(length / codes)
 
 
 def packed_row_bits(channels: int, bits: float) -> int:
@@ -60,21 +94,47 @@ def packed_row_bits(channels: int, bits: float) -> int:
     return 32 * packed_words(channels, bits, layout_for(bits))
 
 
+def outlier_table_bytes(body_rows: int, kv_heads: int) -> int:
+    """Bytes of the outlier offset table of one sequence's `body_rows` quantized rows: an entry per KV head and
+    started tile."""
+    return kv_heads * math.ceil(body_rows / OUTLIER_TILE_TOKENS) * OUTLIER_OFFSET_BYTES
+
+
+def check_outlier_head_dim(head_dim: int) -> None:
+    """Refuse a head_dim whose outlier positions inside a tile do not fit a uint16."""
+    if OUTLIER_TILE_TOKENS * head_dim > POSITIONS_IN_TILE:
+        raise KvcalError(f"head_dim {head_dim} is too large for the cache's outliers: a tile of {OUTLIER_TILE_TOKENS} tokens "
+                         f"x head_dim must number its positions in 16 bits (head_dim <= {POSITIONS_IN_TILE // OUTLIER_TILE_TOKENS}); "
+                         "use a recipe without outliers (outlier fraction 0) for this model")
+
+
+def _planes3_shifts(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit offsets of a planes3 unit's codes in their low-bit word (2*i, i < 16) and in the high-bit word (i < 32)."""
+    return 2 * torch.arange(16, device=device), torch.arange(32, device=device)
+
+
 def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
-    """codes (..., n) in [0, 2^bits) (0..2 for ternary20) -> int32 words (..., ceil(n / per_word))."""
-    per_word = codes_per_word(bits, layout)
+    """codes (..., n) in [0, 2^bits) (0..2 for ternary20) -> int32 words (..., packed_words(n, bits, layout))."""
+    words_per_unit, per_unit = unit_shape(bits, layout)
     n = codes.shape[-1]
-    padded = torch.zeros(*codes.shape[:-1], packed_words(n, bits, layout) * per_word, dtype=torch.int64, device=codes.device)
+    units = math.ceil(n / per_unit)
+    padded = torch.zeros(*codes.shape[:-1], units * per_unit, dtype=torch.int64, device=codes.device)
     padded[..., :n] = codes.to(torch.int64)
     limit = 3 if layout == "ternary20" else 2**bits
     if padded.numel() and (padded.min() < 0 or padded.max() >= limit):
         raise ValueError(f"codes outside [0, {limit}) cannot be packed in layout {layout}")
-    grouped = padded.view(*codes.shape[:-1], -1, per_word)
-    words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
-    if layout == "ternary20":
-        for slot in range(per_word):
+    grouped = padded.view(*codes.shape[:-1], units, per_unit)
+    if layout == "planes3":
+        low_shifts, high_shifts = _planes3_shifts(codes.device)
+        low, high = grouped & 3, grouped >> 2
+        words = torch.stack([(low[..., :16] << low_shifts).sum(-1), (low[..., 16:] << low_shifts).sum(-1),
+                             (high << high_shifts).sum(-1)], dim=-1).flatten(-2)  # the bits are disjoint: sum = OR
+    elif layout == "ternary20":
+        words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
+        for slot in range(per_unit):
             words += grouped[..., slot] * 3**slot
     else:
+        words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
         for slot, (offset, width) in enumerate(_slots(bits, layout)):
             words |= grouped[..., slot].clamp(max=2**width - 1) << offset
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
@@ -83,7 +143,13 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: float, length: int, layout: str = "lsb") -> torch.Tensor:
     """int32 words (..., w) -> codes (..., length) as int64."""
     unsigned = words.to(torch.int64) & 0xFFFFFFFF
-    if layout == "ternary20":
+    if layout == "planes3":
+        _three_bits_only(bits, layout)
+        low_shifts, high_shifts = _planes3_shifts(words.device)
+        units = unsigned.view(*words.shape[:-1], -1, PLANES3_WORDS)
+        low = ((units[..., :2, None] >> low_shifts) & 3).flatten(-2)
+        codes = low | (((units[..., 2:3] >> high_shifts) & 1) << 2)
+    elif layout == "ternary20":
         codes = torch.stack([(unsigned // 3**slot) % 3 for slot in range(TERNARY_PER_WORD)], dim=-1)
     else:
         codes = torch.stack([(unsigned >> offset) & (2**width - 1) for offset, width in _slots(bits, layout)], dim=-1)

@@ -201,7 +201,7 @@ class CodebookCodec:
     """Codebook codes of x normalized by thresholds: per channel (lo, hi given, fixed offline) or per
     token (lo, hi None: percentiles of each token computed online and stored in fp16). With
     outlier_fraction > 0 the thresholds keep 1 - outlier_fraction of the elements and the rest are
-    stored exactly (dense-and-sparse: token row, channel and fp16 value, kvcal.packing.OUTLIER_BYTES each); with 0 they are
+    stored exactly (dense-and-sparse: position and fp16 value, kvcal.packing.OUTLIER_BYTES each); with 0 they are
     min/max and nothing is kept aside."""
 
     codebook: torch.Tensor

@@ -4,9 +4,9 @@
   are stored: the bundle tensors it needs ({field: (shape, dtype)}), the recipe values it accepts, its
   codecs, which tokens stay fp16 (its segment policy) and the bytes its quantized body takes. The bundle
   (kvcal.bundle) validates any layer against its format without knowing the algorithm behind it.
-- A MethodSpec (by name: kvquant, mixed, skvq, kivi, kvmix, int, cocktail) is what a user picks: its
-  typed settings, its fit if it is calibrated, the layers it writes into a bundle, the simulation of its
-  fitted artifact or baseline, and the summary of its artifact.
+- A MethodSpec (by name: kvquant, mixed, skvq, kivi, kvmix, int, cocktail, fp8, ...) is what a user picks:
+  its typed settings, its fit if it is calibrated, the layers it writes into a bundle, the simulation of its
+  fitted artifact, output folder or baseline, and the summary of its artifact.
 
 This module is the bottom of the stack (it imports nothing of kvcal but errors): specs and formats live
 one per module in kvcal.methods and register themselves when that package is imported, which the
@@ -76,6 +76,7 @@ class MethodSpec:
     settings_type: type | None = None  # typed settings (a frozen dataclass with validate())
     settings_version: int = 1  # bumped when settings_type's fields change meaning; bundles record it
     artifact_kind: str | None = None  # the kind of artifact `fit` writes, if the method is calibrated
+    folder_kind: str | None = None  # what its output folder is called, if `eval ppl --quant` takes one (folder_method)
     bundle_format: str | None = None  # the LayerFormat its bundle layers use, if it makes bundles
 
     def calibrate_settings(self, bits: int | None):
@@ -98,6 +99,10 @@ class MethodSpec:
     def artifact_method(self, tensors: dict, config: dict, path: str):
         """The simulation Method (kvcal.simulate) of a fitted artifact of this method."""
         raise KvcalError(f"'{path}': method {self.name} has no artifact to simulate")
+
+    def folder_method(self, path: str):
+        """The simulation Method of an output folder of this method (its folder_kind), or None if `path` is not one."""
+        return None
 
     def summarize_artifact(self, tensors: dict, config: dict) -> ArtifactSummary:
         raise NotImplementedError

@@ -20,6 +20,7 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached, per_query_head
+from kvcal.packing import outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys
 
@@ -40,8 +41,8 @@ class Method:
 @dataclass
 class StorageTally:
     """Bits the cache stores at the end of each evaluated window, over all layers, as the runtime stores them
-    (whole int32 words of codes, parameters in their storage dtype, 8-byte outliers, fp16 sinks and recent
-    tokens); calibrated per-model constants (codebooks, fixed thresholds, permutations) live in the bundle
+    (whole int32 words of codes in kvcal.packing.layout_for's layout, parameters in their storage dtype, 4-byte
+    outliers and their offset table per KV head and tile, fp16 sinks and recent tokens); calibrated per-model constants (codebooks, fixed thresholds, permutations) live in the bundle
     and are not counted, as kvcal.runtime.memory does not count them."""
 
     key_bits: float = 0.0
@@ -53,10 +54,14 @@ class StorageTally:
     def effective_bits(self) -> float:
         return (self.key_bits + self.value_bits) / (2 * self.elements) if self.elements else float("nan")
 
-    def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str) -> None:
-        """Count a (tokens, channels) tensor whose rows in `stored` are quantized, the rest fp16."""
+    def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int) -> None:
+        """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` are quantized, the rest
+        fp16; a codec that keeps outliers adds their offset table over the quantized rows."""
         tokens, channels = quantized.values.shape
-        bits = float(quantized.row_bits[stored].sum()) + FP16_BITS * channels * int((~stored).sum())
+        body = int(stored.sum())
+        bits = float(quantized.row_bits[stored].sum()) + FP16_BITS * channels * (tokens - body)
+        if quantized.row_outliers is not None:
+            bits += 8 * outlier_table_bytes(body, kv_heads)
         if tensor == "k":
             self.key_bits += bits
             self.elements += tokens * channels
@@ -103,8 +108,8 @@ class SimulatedLayer:
                 stored_keys = self.scheme.key_codec.quantize(keys_post)
                 keys_hat = stored_keys.values
             stored_values = self.scheme.value_codec.quantize(values)
-            self.tally.add(stored_keys, key_mask[-1], "k")
-            self.tally.add(stored_values, value_mask[-1], "v")
+            self.tally.add(stored_keys, key_mask[-1], "k", kv_heads)
+            self.tally.add(stored_values, value_mask[-1], "v", kv_heads)
             out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
                                   key_mask, value_mask, scaling)
             outputs.append(out.transpose(0, 1).to(query.dtype))

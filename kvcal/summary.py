@@ -72,22 +72,23 @@ def _model_rows(config: dict) -> list[tuple[str, str]]:
 EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 
 
-def effective_bits(layers: list, width: int, tokens: int) -> float:
+def effective_bits(layers: list, kv_heads: int, head_dim: int, tokens: int) -> float:
     """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory), with each layer's
     outlier fraction of its quantized elements as outliers."""
+    width = kv_heads * head_dim
     outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width for layer in layers for keys in (True, False)))
-    return cache_bytes(layers, width, tokens, outliers) * 8 / (len(layers) * 2 * tokens * width)
+    return cache_bytes(layers, width, tokens, outliers, kv_heads=kv_heads) * 8 / (len(layers) * 2 * tokens * width)
 
 
 def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     """The summary of a bundle that load_bundle validated: layers and tensors are sound, provenance is shown as found."""
     config, layers, tensors = bundle.config, bundle.layers, bundle.tensors
     fingerprint = bundle.fingerprint
-    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
-    bits = ", ".join(f"{effective_bits(layers, width, n):.3f} at {n} tokens" for n in EFFECTIVE_BITS_CONTEXTS)
+    bits = ", ".join(f"{effective_bits(layers, fingerprint['num_kv_heads'], fingerprint['head_dim'], n):.3f} at {n} tokens"
+                     for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "
-                   f"layout {PACKING['layout']}"),
+                   f"layout {PACKING['layout']} (3-bit: {PACKING['3-bit layout']})"),
         ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill)"),
         ("kvcal version", str(_get(config, "kvcal_version"))),
     ]

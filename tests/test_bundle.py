@@ -52,7 +52,7 @@ def test_recipe_needs_its_artifact(tiny_profile, fitted):
     _, profile = tiny_profile
     with pytest.raises(KvcalError, match="needs --nuq"):
         build_bundle(str(profile), "kvquant")
-    with pytest.raises(KvcalError, match="without --bits-from-profile"):
+    with pytest.raises(KvcalError, match="without per-layer widths"):
         build_bundle(str(profile), "kvquant", str(fitted["nuq-kvmix"]))
     with pytest.raises(KvcalError, match="unknown recipe"):
         build_bundle(str(profile), "gptq")

@@ -42,8 +42,8 @@ def test_calibrate_twice_gives_the_same_bytes(tiny_model_dir, tiny_corpus, tmp_p
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
 
-@pytest.mark.parametrize("recipe, bits, message", [("kivi", 5, "KIVI bits 5"), ("mixed", 3, "--bits does not apply to recipe mixed"),
-                                                   ("kvmix", 2, "--bits does not apply to recipe kvmix"), ("kvquant", 0, "outside 1-4"),
+@pytest.mark.parametrize("recipe, bits, message", [("kivi", 5, "KIVI bits 5"), ("mixed", 1.5, "--bits 1.5 does not fit recipe mixed"),
+                                                   ("kvmix", 2, "--bits does not apply to recipe kvmix"), ("kvquant", 0, "not a code width in 1-4"),
                                                    ("gptq", None, "unknown recipe 'gptq'")])
 def test_settings_are_refused_before_any_model_is_loaded(tmp_path, recipe, bits, message):
     with pytest.raises(KvcalError, match=message):
@@ -55,7 +55,7 @@ def test_a_recipe_needs_its_artifact_of_the_right_kind(tiny_profile, fitted):
     _, profile = tiny_profile
     with pytest.raises(KvcalError, match=r"recipe kvquant needs --nuq \(from kvcal fit-nuq\)"):
         build_bundle(str(profile), "kvquant")
-    with pytest.raises(KvcalError, match="without --bits-from-profile"):
+    with pytest.raises(KvcalError, match="without per-layer widths"):
         build_bundle(str(profile), "kvquant", str(fitted["nuq-kvmix"]))
     with pytest.raises(KvcalError, match="is a kvcal nuq, expected a skvq"):
         build_bundle(str(profile), "skvq", str(fitted["nuq"]))

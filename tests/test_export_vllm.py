@@ -284,6 +284,140 @@ def test_profile_without_windows_falls_back_to_absmax(tiny_profile, tiny_corpus,
         assert layer.error_calibrated is None
 
 
+@pytest.fixture(scope="module")
+def absmax_exports(tiny_profile, tmp_path_factory):
+    """{strategy: folder} of `--scales absmax` exports of the tiny Llama's profile."""
+    model, profile = tiny_profile
+    folder = tmp_path_factory.mktemp("vllm-absmax")
+    for strategy in STRATEGIES:
+        result = run("export", "vllm", "--profile", profile, "--model", model, "--strategy", strategy, "--scales", "absmax",
+                     "--out", folder / strategy)
+        assert result.exit_code == 0, result.output
+        assert "not searched" in result.output
+    return {strategy: folder / strategy for strategy in STRATEGIES}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_absmax_export_writes_the_scales_the_search_starts_from(absmax_exports, exports, strategy):
+    absmax, calibrated = read_export(absmax_exports[strategy]), read_export(exports[strategy][0])
+    assert (absmax.scales, absmax.strategy, calibrated.scales) == ("absmax", strategy, "calibrated")
+    assert absmax.fingerprint == calibrated.fingerprint
+    for plain, searched in zip(absmax.layers, calibrated.layers):
+        assert torch.equal(plain.k, plain.k_absmax) and torch.equal(plain.v, plain.v_absmax)
+        assert torch.equal(plain.k, searched.k_absmax) and torch.equal(plain.v, searched.v_absmax)
+        assert plain.error_absmax == pytest.approx(searched.error_absmax) and plain.error_calibrated is None
+    assert any(not torch.equal(plain.k, searched.k) for plain, searched in zip(absmax.layers, calibrated.layers))
+
+
+def ppl_rows(result, json_path: Path) -> dict[str, dict]:
+    assert result.exit_code == 0, result.output
+    return {row["method"]: row for row in json.loads(json_path.read_text())["results"]}
+
+
+def test_eval_ppl_takes_the_fp8_baseline_and_export_folders(exports, absmax_exports, tiny_profile, tiny_corpus, tmp_path):
+    """Scale 1.0, absmax and calibrated scales, per tensor and per head, on the same windows: 8 bits stored per
+    element (the scales are per-layer constants), the fp8 quantizer of each folder's own scales."""
+    model, _ = tiny_profile
+    folders = [absmax_exports["tensor"], absmax_exports["attn_head"], exports["tensor"][0], exports["attn_head"][0]]
+    args = [arg for folder in folders for arg in ("--quant", folder)]
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2, *args,
+                 "--baseline", "fp8", "--json", tmp_path / "ppl.json")
+    rows = ppl_rows(result, tmp_path / "ppl.json")
+    names = ["fp8 absmax tensor", "fp8 absmax attn_head", "fp8 calibrated tensor", "fp8 calibrated attn_head", "fp8 scale 1.0"]
+    assert list(rows) == ["fp", *names]
+    for name in names:
+        assert (rows[name]["effective_bits"], rows[name]["key_bits"], rows[name]["value_bits"], rows[name]["outlier_fraction"]) == (8, 8, 8, 0)
+        assert rows[name]["ppl"] != rows["fp"]["ppl"]
+    assert "fp8 scale 1.0" in result.stdout
+
+
+def test_scale_one_saturates_what_absmax_keeps(tiny_model_dir, tiny_corpus, tmp_path):
+    """A model whose K and V are scaled up 10^4 (q and o scaled down: the same function) has K/V far beyond
+    448: vLLM's default scale 1.0 saturates them and the perplexity moves; absmax / 448 holds them."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model_dir("llama")
+    weights = load_file(str(model / "model.safetensors"))
+    for name in list(weights):
+        factor = {"k_proj": 1e4, "v_proj": 1e4, "q_proj": 1e-4, "o_proj": 1e-4}.get(name.split(".")[-2], 1.0)
+        weights[name] = weights[name] * factor
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    profile = tmp_path / "profile.safetensors"
+    made = run("profile-gradients", "--model", model, "--dataset", tiny_corpus, "--nsamples", 2, "--seqlen", 64,
+               "--max-tokens-per-layer", 100, "--out", profile)
+    assert made.exit_code == 0, made.output
+    assert run("export", "vllm", "--profile", profile, "--model", model, "--scales", "absmax", "--out", tmp_path / "absmax").exit_code == 0
+    assert all(float(layer.v) > 1 for layer in read_export(tmp_path / "absmax").layers)  # |V| > 448
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2,
+                 "--quant", tmp_path / "absmax", "--baseline", "fp8", "--json", tmp_path / "ppl.json")
+    rows = ppl_rows(result, tmp_path / "ppl.json")
+    unit, absmax = abs(rows["fp8 scale 1.0"]["delta_pct"]), abs(rows["fp8 absmax tensor"]["delta_pct"])
+    assert unit > 10 * absmax, rows
+
+
+def test_kvcal_methods_lists_fp8():
+    result = run("methods")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│ fp8 "))
+    assert "fp8 (vLLM's default scale 1.0)" in row and "kvcal export vllm" in row
+
+
+def test_eval_ppl_refuses_a_folder_that_is_no_export(tiny_profile, tmp_path):
+    model, _ = tiny_profile
+    refused(run("eval", "ppl", "--model", model, "--quant", model), "a directory that no kvcal method wrote")
+    refused(run("eval", "ppl", "--model", model, "--baseline", "fp8-e5m2"), "fp8 (vLLM's default scale 1.0)")
+
+
+def test_eval_ppl_refuses_an_export_of_another_model(exports, tiny_model_dir):
+    refused(run("eval", "ppl", "--model", tiny_model_dir("qwen2"), "--quant", exports["tensor"][0]), "was made for")
+
+
+def tampered(folder: Path, tmp_path: Path, scale=None, marker=None) -> Path:
+    """A copy of an export with layer 0's k_scale replaced and/or its marker edited."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "tampered"
+    shutil.copytree(folder, copy)
+    if scale is not None:
+        weights = load_file(str(copy / "model.safetensors"))
+        weights["model.layers.0.self_attn.k_scale"] = scale
+        save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    if marker is not None:
+        path = copy / EXPORT_MARKER
+        path.write_text(json.dumps(marker(json.loads(path.read_text()))))
+    return copy
+
+
+def without(key: str):
+    return lambda marker: {k: v for k, v in marker.items() if k != key}
+
+
+@pytest.mark.parametrize("strategy, scale, marker, message", [
+    ("tensor", torch.tensor([0.0]), None, "layer 0 k_scale is not finite and positive"),
+    ("tensor", torch.tensor([float("nan")]), None, "layer 0 k_scale is not finite and positive"),
+    ("tensor", torch.tensor([0.5, 0.5]), None, "layer 0 k_scale has 2 elements, strategy tensor takes 1"),
+    ("attn_head", torch.ones(1, 1, 1), None, "layer 0 k_scale has 1 elements, strategy attn_head takes 2"),
+    ("tensor", None, without("fingerprint"), "malformed"),
+    ("tensor", None, without("scales"), "malformed"),
+    ("tensor", None, lambda m: {**m, "layers": m["layers"][:1]}, "1 layers for a model of 2"),
+    ("tensor", None, lambda m: {**m, "strategy": "channel"}, "strategy 'channel'"),
+])
+def test_eval_ppl_refuses_a_tampered_export(exports, tiny_profile, tmp_path, strategy, scale, marker, message):
+    model, _ = tiny_profile
+    folder = tampered(exports[strategy][0], tmp_path, scale, marker)
+    result = run("eval", "ppl", "--model", model, "--quant", folder)
+    refused(result, message)
+    assert "re-export it" in result.stderr
+
+
+def test_refuses_unknown_scales(tiny_profile, tmp_path):
+    model, profile = tiny_profile
+    refused(run("export", "vllm", "--profile", profile, "--model", model, "--scales", "mse", "--out", tmp_path / "out"), "--scales")
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_an_out_that_is_a_file(tiny_profile, tmp_path):
     model, profile = tiny_profile
     out = tmp_path / "model"

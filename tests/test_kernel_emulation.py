@@ -30,11 +30,12 @@ SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
                             "half_bits* scale, half_bits* zero, int groups",
     "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero",
-    "append_codebook": "const half_bits* x, int width, int layout, const float* lo, const float* hi, float q_low, float q_high, "
-                       "int keep, const float* midpoints, unsigned* words, int words_per_row, half_bits* token_lo, "
+    "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
+                       "float q_high, int keep, const float* midpoints, unsigned* words, int words_per_row, half_bits* token_lo, "
                        "half_bits* token_hi, int* counts",
-    "append_codebook_outliers": "const half_bits* x, int width, const float* lo, const float* hi, const half_bits* token_lo, "
-                                "const half_bits* token_hi, const int* offsets, int first, int* rows, short* channels, "
+    "append_codebook_outliers": "const half_bits* x, int width, int head_dim, int tile_tokens, const float* lo, const float* hi, "
+                                "const half_bits* token_lo, const half_bits* token_hi, const int* sequence_of_row, "
+                                "const int* row_in_sequence, const int* first_slot, int outlier_stride, unsigned short* positions, "
                                 "half_bits* values",
 }
 

@@ -153,25 +153,9 @@ def mutant(tmp_path_factory, name: str, old: str, new: str) -> Emulated:
 
 def nvrtc_compile(arch: str) -> tuple[str, bytes]:
     """(ptxas log, cubin) of intrinsics_probe.cu for `arch`, compiled as kvcal.runtime.kernel_source compiles."""
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings + nvidia-cuda-nvrtc-cu12) is not installed")
-    check = kernel_source._check
-    try:
-        program = check(nvrtc.nvrtcCreateProgram(PROBE.read_bytes(), PROBE.name.encode(), 0, [], []), "create")
-    except RuntimeError as error:  # the bindings load libnvrtc lazily
-        pytest.skip(f"NVRTC is not loadable: {error}")
-    try:
-        options = [*kernel_source.OPTIONS, f"--gpu-architecture={arch}", f"--include-path={kernel_source.KERNEL_DIR}",
-                   "--ptxas-options=-v"]
-        compiled = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])[0]
-        log = b" " * check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
-        check(nvrtc.nvrtcGetProgramLog(program, log), "log")
-        log_text = log.decode(errors="replace").rstrip("\x00 ")
-        assert compiled == nvrtc.nvrtcResult.NVRTC_SUCCESS, log_text
-        cubin = b" " * check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
-        check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
-        return log_text, cubin
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings + nvidia-cuda-nvrtc-cu12) is not installed")
+    compiled = kernel_source.nvrtc_compile(PROBE.read_text(), PROBE.name, arch)
+    return compiled.log, compiled.cubin
 
 
 def disassemble(cubin: bytes, folder: Path) -> str:

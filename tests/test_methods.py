@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.kv import SegmentPolicy
 from kvcal.methods import artifact_method, baseline_method
 from kvcal.methods.kivi import kivi_layer
 from kvcal.quantizers import LayerCodecs, TokenUniform
@@ -22,7 +23,7 @@ def test_specs_and_defaults():
     assert baseline_method("kivi3-g64-r64", 1, 64).policy.residual == 64
 
 
-@pytest.mark.parametrize("spec, message", [("int5", "bits must be 1-4"), ("fp8", "unknown baseline"), ("kivi0", "not one of 1, 2, 3, 4"),
+@pytest.mark.parametrize("spec, message", [("int5", "bits must be 1-4"), ("fp4", "unknown baseline"), ("kivi0", "not one of 1, 2, 3, 4"),
                                            ("kivi2-g32-r100", "multiple of the group"), ("int2-g64-r128", "no residual")])
 def test_bad_specs(spec, message):
     with pytest.raises(KvcalError, match=message):
@@ -44,3 +45,15 @@ def test_rotation_and_llama_cpp_baselines_store_their_real_bits(spec, bits):
 def test_a_baseline_that_needs_power_of_two_heads_says_so():
     with pytest.raises(KvcalError, match="power of two"):
         baseline_method("hadamard-int4", 2, 48)
+
+
+def test_the_fp8_baseline_is_vllms_default_scale():
+    """`fp8`: every layer's keys (post-RoPE) and values as fp8_e4m3(x / 1.0) * 1.0, 8 bits per element, no fp16 tokens."""
+    method = baseline_method("fp8", 3, 64)
+    assert method.name == "fp8 scale 1.0" and method.nominal_bits == 8 and len(method.layers) == 3
+    assert not method.layers[0].key_pre_rope and method.policy == SegmentPolicy() and method.fingerprint is None
+    x = torch.tensor([[0.3, -1000.0, 500.0, 17.0]])
+    for codec in (method.layers[2].key_codec, method.layers[2].value_codec):
+        stored = codec.quantize(x)
+        assert stored.values.tolist() == [[0.3125, -448.0, 448.0, 16.0]]  # e4m3 rounding, saturated at +-448
+        assert stored.row_bits.tolist() == [8 * 4] and stored.row_outliers is None

@@ -3,7 +3,11 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
-from kvcal.nuq import NuqSettings, fit_codebook, fit_nuq, write_nuq
+import itertools
+
+import numpy as np
+
+from kvcal.nuq import KNAPSACK_WIDTHS, NuqSettings, choose_widths, fit_codebook, fit_nuq, write_nuq
 from kvcal.quantizers import nearest_codes
 
 
@@ -48,8 +52,8 @@ def test_fit_from_a_profile_is_deterministic_and_complete(tiny_profile, tmp_path
     keys = torch.randn(20, 32)
     stored = layers[0].key_codec.quantize(keys)
     assert stored.values.shape == keys.shape
-    # 32 three-bit codes in 4 words of 10; per-channel thresholds are in the bundle, 8 bytes per outlier
-    assert torch.equal(stored.row_bits, 4 * 32 + torch.bincount(stored_rows(layers[0].key_codec, keys), minlength=20) * 64.0)
+    # 32 three-bit codes in one planes3 unit of 3 words; per-channel thresholds are in the bundle, 4 bytes per outlier
+    assert torch.equal(stored.row_bits, 3 * 32 + torch.bincount(stored_rows(layers[0].key_codec, keys), minlength=20) * 32.0)
     assert method.name == "nuq3-1%"
 
 
@@ -69,10 +73,47 @@ def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (NuqSettings(bits=5), "outside 1-4"), (NuqSettings(bits=0), "outside 1-4"),
+    (NuqSettings(bits=5), "not a code width in 1-4"), (NuqSettings(bits=0), "not a code width in 1-4"),
+    (NuqSettings(bits=2.5), "not a code width in 1-4"),
     (NuqSettings(outliers=0.2), r"outside \[0, 0.1\]"), (NuqSettings(outliers=-0.01), r"outside \[0, 0.1\]"),
     (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(codebook="lloyd"), "not one of"),
+    (NuqSettings(target_bits=3.0, bits_from_profile=True), "give one of them"), (NuqSettings(target_bits=1.5), "outside"),
+    (NuqSettings(target_bits=2.0), "the real bits of the narrowest widths"),
 ])
 def test_bad_settings_are_clear_errors(tiny_profile, settings, message):
     with pytest.raises(KvcalError, match=message):
         fit_nuq(str(tiny_profile[1]), settings)
+
+
+def test_knapsack_is_exact_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        costs = rng.random((5, 3)) * np.array([4.0, 2.0, 1.0])
+        prices = np.sort(rng.random((5, 3)) + np.array([2.0, 3.0, 4.0]), axis=1)
+        target = float(rng.uniform(prices[:, 0].mean() + 1e-3, prices[:, 2].mean()))
+        chosen = choose_widths(costs, prices, target)
+        step_prices = np.ceil(prices / 1e-4 - 1e-6) * 1e-4  # the knapsack's own rounding
+        feasible = [c for c in itertools.product(range(3), repeat=5)
+                    if step_prices[range(5), c].mean() <= target + 1e-9]
+        best = min(feasible, key=lambda c: costs[range(5), c].sum())
+        assert prices[range(5), chosen].mean() <= target + 1e-4
+        assert costs[range(5), chosen].sum() == pytest.approx(costs[range(5), best].sum())
+
+
+def test_target_bits_chooses_widths_within_the_budget(tiny_profile):
+    _, profile = tiny_profile
+    widest = fit_nuq(str(profile), NuqSettings(target_bits=8.0))[1]["nuq"]
+    assert widest["bits_k"] == widest["bits_v"] == [4, 4]  # room for the widest everywhere
+    table = widest["knapsack"]  # (Fisher-weighted error, real bits) of every tensor at every width
+    middle = sum(table[name][str(b)][1] for name in table for b in (2, 4)) / (2 * len(table))
+    tensors, config = fit_nuq(str(profile), NuqSettings(target_bits=middle))
+    nuq = config["nuq"]
+    chosen = [(f"{layer}.{kind}", bits) for kind in ("k", "v") for layer, bits in enumerate(nuq[f"bits_{kind}"])]
+    prices = [nuq["knapsack"][name][str(bits)][1] for name, bits in chosen]
+    assert sum(prices) / len(prices) <= middle + 1e-4
+    assert {bits for _, bits in chosen} <= set(KNAPSACK_WIDTHS) and len({bits for _, bits in chosen}) > 1
+    for name, bits in chosen:  # the stored codebook is the chosen width's; a wider code costs less error
+        layer, kind = name.split(".")
+        assert tensors[f"layers.{layer}.{kind}.codebook"].numel() == 2**bits
+        errors = [nuq["knapsack"][name][str(b)][0] for b in KNAPSACK_WIDTHS]
+        assert errors[0] > errors[-1]

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.packing import codes_per_word, pack, packed_words, unpack
+from kvcal.packing import (OUTLIER_TILE_TOKENS, check_outlier_head_dim, codes_per_word, layout_for, pack, packed_row_bits,
+                           packed_words, unpack)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
@@ -35,6 +36,8 @@ def test_kvmix_3bit_layout_packs_eleven_codes_and_clamps_the_eleventh(length):
 def test_bad_widths_layouts_and_codes_are_refused():
     with pytest.raises(KvcalError, match="3-bit codes"):
         pack(torch.zeros(4, dtype=torch.long), 2, "kvmix10x3+1x2")
+    with pytest.raises(KvcalError, match="planes3 holds 3-bit codes"):
+        pack(torch.zeros(4, dtype=torch.long), 4, "planes3")
     with pytest.raises(KvcalError, match="unknown packing layout"):
         pack(torch.zeros(4, dtype=torch.long), 2, "msb")
     with pytest.raises(KvcalError, match="widths 1-4"):
@@ -50,3 +53,25 @@ def test_ternary_layout_packs_twenty_base3_codes_per_word(length):
     assert words.shape == (2, -(-length // 20)) and codes_per_word(1.5, "ternary20") == 20
     assert torch.equal(unpack(words, 1.5, length, "ternary20"), codes)
     assert pack(torch.tensor([2] * 20), 1.5, "ternary20").item() == 3**20 - 1 - 2**32  # the top of the uint32 range
+
+
+@pytest.mark.parametrize("length", [1, 16, 31, 32, 33, 64, 100, 192])
+def test_planes3_stores_3_bit_codes_in_exactly_3_bits_per_code(length):
+    codes = torch.randint(0, 8, (2, length), generator=torch.Generator().manual_seed(length))
+    words = pack(codes, 3, "planes3")
+    assert words.shape == (2, 3 * -(-length // 32))
+    assert torch.equal(unpack(words, 3, length, "planes3"), codes)
+    assert layout_for(3) == "planes3" and packed_row_bits(192, 3) == 192 * 3  # "lsb" took 20 words: 640 bits
+
+
+def test_planes3_bit_order_low_planes_then_high_plane():
+    code = lambda i, value: pack(torch.tensor([0] * i + [value] + [0] * (31 - i)), 3, "planes3").tolist()
+    assert code(0, 7) == [3, 0, 1]  # low bits of code 0 at bit 0 of word 0, its high bit at bit 0 of word 2
+    assert code(17, 6) == [0, 2 << 2, 1 << 17]  # code 17: low bits at bit 2 of word 1, high bit at bit 17 of word 2
+    assert code(31, 7) == [0, (3 << 30) - 2**32, -(1 << 31)]  # the top bits: uint32 patterns as int32
+
+
+def test_outlier_positions_must_fit_16_bits():
+    check_outlier_head_dim(2**16 // OUTLIER_TILE_TOKENS)
+    with pytest.raises(KvcalError, match="head_dim 2048 is too large.*without outliers"):
+        check_outlier_head_dim(2048)

@@ -55,7 +55,7 @@ def test_dense_and_sparse_keeps_outliers_exact_and_counts_their_storage():
     outside = (x < lo) | (x > hi)
     assert torch.equal(q.row_outliers, outside.sum(1)) and int(outside.sum()) > 0
     assert torch.equal(q.values[outside], x[outside].half().float())
-    expected_bits = 5 * 32 + 2 * 16 + outside.sum(1) * 64  # 48 three-bit codes in 5 words of 10, 8 bytes per outlier
+    expected_bits = 6 * 32 + 2 * 16 + outside.sum(1) * 32  # 48 three-bit codes in 2 planes3 units of 3 words, 4 bytes per outlier
     assert torch.equal(q.row_bits, expected_bits.float())
     clamped = CodebookCodec(uniform_codebook(3)).quantize(x)
     assert clamped.row_outliers is None and torch.all(clamped.values <= x.amax(1, keepdim=True) + 1e-2)

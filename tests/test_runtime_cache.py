@@ -73,7 +73,7 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         model(ids, past_key_values=cache, use_cache=True)
-    expected = cache_bytes(bundle.layers, width, 150, outliers=cache.outliers())
+    expected = cache_bytes(bundle.layers, width, 150, outliers=cache.outliers(), kv_heads=model.config.num_key_value_heads)
     assert cache.used_bytes() == expected < fp16_bytes(2, width, 150)
     assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))
 

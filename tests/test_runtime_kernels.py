@@ -10,8 +10,8 @@ import torch
 
 from conftest import tiny_model
 from helpers import decode_token_by_token
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, WIDTH, assert_append_matches_torch, cocktail_stores, compare,
-                                  filled, seeded_tokens)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, WIDTH, assert_append_matches_torch, cocktail_stores,
+                                  compare, filled, seeded_tokens)
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
@@ -104,19 +104,29 @@ def _halves(address: int, count: int) -> np.ndarray:
     return _memory(address, np.uint16, count).view(np.float16).astype(np.float32)
 
 
+def _codes(words: np.ndarray, layout: int) -> tuple[np.ndarray, int]:
+    """(codes (rows, WIDTH), bits) of packed rows, by common.cuh's code_at formulas."""
+    channel = np.arange(WIDTH)
+    if layout == 3:  # planes3: low 2 bits in word 3 * unit + half, high bit in word 3 * unit + 2
+        unit, i = channel >> 5, channel & 31
+        low = (words[:, 3 * unit + ((i >> 4) & 1)] >> (2 * (i & 15))) & 3
+        return low | (((words[:, 3 * unit + 2] >> i) & 1) << 2), 3
+    bits, per_word = {1: (1, 32), 2: (2, 16), 4: (4, 8), 5: (3, 11)}[layout]
+    return (words[:, channel // per_word] >> (channel % per_word * bits)) & (2**bits - 1), bits
+
+
 def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: int) -> np.ndarray:
     """Sequence b's (tokens, WIDTH) rows read only through a side's descriptor and lengths, following
-    decode_attention.cu's locate/body_value/outlier formulas."""
-    sink, body, head, recent, outliers = lengths
+    decode_attention.cu's locate/body_value/for_each_outlier formulas."""
+    sink, body, head, recent = lengths
     f = dict(zip(("sink", "sink_stride", "recent", "recent_stride", "words", "words_stride", "words_per_row", "param0", "param1",
-                  "param_stride", "param_cols", "param_extra", "codebook", "outlier_rows", "outlier_channels", "outlier_values",
-                  "outlier_stride", "layout"), side))
+                  "param_stride", "param_cols", "param_extra", "codebook", "outlier_positions", "outlier_values", "outlier_stride",
+                  "outlier_offsets", "offset_stride", "outlier_counts", "tile_shift", "layout"), side))
     parts = [_halves(f["sink"] + 2 * b * f["sink_stride"], sink * WIDTH).reshape(sink, WIDTH)] if sink else []
     if body:
-        bits, per_word = {1: (1, 32), 2: (2, 16), 3: (3, 10), 4: (4, 8), 5: (3, 11)}[f["layout"]]
         words = _memory(f["words"] + 4 * b * f["words_stride"], np.uint32, body * f["words_per_row"]).reshape(body, -1)
+        codes, bits = _codes(words, f["layout"])
         channel = np.arange(WIDTH)
-        codes = (words[:, channel // per_word] >> (channel % per_word * bits)) & (2**bits - 1)
         base = b * f["param_stride"]
         if codec in (kernel_source.UNIFORM_TOKEN, kernel_source.UNIFORM_CHANNEL):
             rows = body if codec == kernel_source.UNIFORM_TOKEN else body // f["param_extra"]
@@ -133,11 +143,17 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
             else:
                 lo, hi = (_halves(f[p] + 2 * base, body)[:, None] for p in ("param0", "param1"))
             values = codebook[codes] * np.maximum((hi - lo) / 2, 1e-8) + (hi + lo) / 2
-        if outliers:
-            at = b * f["outlier_stride"]
-            rows = _memory(f["outlier_rows"] + 4 * at, np.int32, outliers)
-            channels = _memory(f["outlier_channels"] + 2 * at, np.int16, outliers)
-            values[rows, channels] = _halves(f["outlier_values"] + 2 * at, outliers)
+        if f["outlier_counts"]:  # per (sequence, KV head) run: tile t's outliers from offset[t], the last to the count
+            kv_heads, tile_tokens = WIDTH // HEAD_DIM, 1 << f["tile_shift"]
+            counts = _memory(f["outlier_counts"] + 4 * b * kv_heads, np.int32, kv_heads)
+            tiles = -(-body // tile_tokens)
+            for kv_head, count in enumerate(counts):
+                run = b * kv_heads + kv_head
+                offsets = _memory(f["outlier_offsets"] + 4 * run * f["offset_stride"], np.int32, tiles)
+                tile = np.repeat(np.arange(tiles), np.diff(np.append(offsets, count)))
+                positions = _memory(f["outlier_positions"] + 2 * run * f["outlier_stride"], np.uint16, count).astype(np.int64)
+                rows, channels = tile * tile_tokens + positions // HEAD_DIM, kv_head * HEAD_DIM + positions % HEAD_DIM
+                values[rows, channels] = _halves(f["outlier_values"] + 2 * run * f["outlier_stride"], count)
         parts.append(values)
     if recent:
         parts.append(_halves(f["recent"] + 2 * (b * f["recent_stride"] + head * WIDTH), recent * WIDTH).reshape(recent, WIDTH))
@@ -151,7 +167,7 @@ def test_descriptors_describe_the_stores(case):
     key_codec, value_codec, policy, rpc, _, layout = CASES[case]()
     lengths = [3, G + 5, R + 1, 300]
     for codec, keys in ((key_codec, True), (value_codec, False)):
-        store = SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, "cpu", layout)
+        store = SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, "cpu", layout, head_dim=HEAD_DIM)
         for b, n in enumerate(lengths):
             x = seeded_tokens(n, b)
             store.append(b, x[: n - 2])

@@ -8,24 +8,47 @@ from conftest import tiny_model
 from helpers import decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
-from kvcal.bundle import load_bundle
+from kvcal.bundle import LayerRecipe, load_bundle
 from kvcal.evaluate import evaluate_ppl
 from kvcal.methods import artifact_method
+from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime.memory import cache_bytes
 
 TOKENS = 45  # past the tiny bundles' KIVI residual (8), SKVQ window (8) and KVmix blocks (32)
+TILED_TOKENS = 2 * OUTLIER_TILE_TOKENS + 5  # three outlier tiles per KV head: offset tables of several entries
+OUTLIER_RECIPES = ("kvquant", "mixed")
+
+
+def assert_bits_are_bytes(recipe_bundles, recipe: str, tokens: int) -> None:
+    model = tiny_model("llama")
+    bundle = load_bundle(recipe_bundles[recipe])
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        _, simulated = evaluate_ppl(model, adapt(model), ids, [artifact_method(str(bundle.path))])
+        _, cache = decode_token_by_token(model, bundle, ids)
+    width, kv_heads = 32, model.config.num_key_value_heads
+    formula = cache_bytes(bundle.layers, width, tokens, cache.outliers(), one_step=False, kv_heads=kv_heads)
+    assert cache.used_bytes() == formula
+    assert simulated.effective_bits == formula * 8 / (len(bundle.layers) * 2 * tokens * width)
+    assert simulated.outlier_fraction * 2 * len(bundle.layers) * tokens * width == cache.outliers()
+    assert (cache.outliers() > 0) == (recipe in OUTLIER_RECIPES)
 
 
 @pytest.mark.parametrize("recipe", registry.recipes())
 def test_eval_bits_the_formula_and_the_live_cache_agree(recipe_bundles, recipe):
-    model = tiny_model("llama")
-    bundle = load_bundle(recipe_bundles[recipe])
-    ids = torch.randint(0, 512, (1, TOKENS), generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        _, simulated = evaluate_ppl(model, adapt(model), ids, [artifact_method(str(bundle.path))])
-        _, cache = decode_token_by_token(model, bundle, ids)
-    width = 32
-    formula = cache_bytes(bundle.layers, width, TOKENS, cache.outliers(), one_step=False)
-    assert cache.used_bytes() == formula
-    assert simulated.effective_bits == formula * 8 / (len(bundle.layers) * 2 * TOKENS * width)
-    assert simulated.outlier_fraction * 2 * len(bundle.layers) * TOKENS * width == cache.outliers()
+    assert_bits_are_bytes(recipe_bundles, recipe, TOKENS)
+
+
+@pytest.mark.parametrize("recipe", OUTLIER_RECIPES)
+def test_bits_are_bytes_over_several_outlier_tiles(recipe_bundles, recipe):
+    assert_bits_are_bytes(recipe_bundles, recipe, TILED_TOKENS)
+
+
+def test_the_formula_counts_every_outlier_byte_and_offset_entry():
+    """A nuq layer keeping outliers: 4 bytes per outlier and per (KV head, started tile of body rows) entry."""
+    layer = LayerRecipe("nuq", 3, 3, True, sink=1, outliers=0.01)
+    without = cache_bytes([layer], 128, TILED_TOKENS, outliers=0, kv_heads=2)
+    assert cache_bytes([layer], 128, TILED_TOKENS, outliers=10, kv_heads=2) == without + 10 * 4
+    body, codes = TILED_TOKENS - 1, 128 * 3 // 8  # the sink token stays fp16; 3-bit codes in exactly 3 bits
+    tables = 2 * 3 * 4  # per K/V: 2 KV heads x 3 started tiles x int32
+    assert without == body * (codes + codes + 2 * 2) + 2 * tables + 2 * 128 * 2  # values add fp16 lo/hi per token

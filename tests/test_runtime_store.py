@@ -7,14 +7,15 @@ import random
 import pytest
 import torch
 
-from helpers.kernel_cases import APPEND_CODECS, CASES, WIDTH, seeded_tokens
+from helpers.kernel_cases import APPEND_CODECS, CASES, HEAD_DIM, KV_HEADS, WIDTH, _codebook, seeded_tokens
+from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
-from kvcal.packing import pack, unpack
+from kvcal.packing import OUTLIER_TILE_TOKENS, pack, unpack
 from kvcal.runtime.segments import SegmentedStore, _fp16_recent
 from kvcal.runtime.store import PackedRows, pack_codes, unpack_codes
 from kvcal.skvq import SkvqTensor
 
-LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (4, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
+LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
 
 
 @pytest.mark.parametrize("bits, layout", LAYOUTS)
@@ -42,7 +43,7 @@ def test_batched_appends_and_reads_equal_one_sequence_at_a_time(name):
     appends store, and decoded() (the batched reference's read) gives each sequence's read(b)."""
     codec = CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
-    batched, alone = (PackedRows(codec, 3, WIDTH, "cpu", None, layout) for _ in range(2))
+    batched, alone = (PackedRows(codec, 3, WIDTH, "cpu", None, layout, HEAD_DIM) for _ in range(2))
     step = codec.block_tokens
     for seed, counts in ((0, [5 * step, 9 * step, 2 * step]), (10, [step] * 3)):
         rows = [seeded_tokens(n, seed + b) for b, n in enumerate(counts)]
@@ -63,7 +64,7 @@ def test_segmented_batches_equal_one_sequence_at_a_time(case):
     key_codec, value_codec, policy, rpc, _, layout = CASES[case]()
     rng = random.Random(0)
     for codec, keys in ((key_codec, True), (value_codec, False)):
-        batched, alone = (SegmentedStore(codec, policy, keys, rpc, 4, WIDTH, "cpu", layout) for _ in range(2))
+        batched, alone = (SegmentedStore(codec, policy, keys, rpc, 4, WIDTH, "cpu", layout, head_dim=HEAD_DIM) for _ in range(2))
         for step in range(25):
             seqs = sorted(rng.sample(range(4), rng.randint(1, 4)))
             counts = [rng.choice([1, 1, 2, 40, 150] if step % 8 == 0 else [1, 1, 1, 2, 7]) for _ in seqs]
@@ -86,3 +87,37 @@ def test_the_segment_policy_in_python_equals_kvcal_kv():
     for policy in policies:
         for keys in (True, False):
             assert [_fp16_recent(policy, n, keys) for n in range(600)] == policy.fp16_recent(torch.arange(600), keys).tolist()
+
+
+def test_outliers_are_kept_per_kv_head_and_tile_at_4_bytes_each_plus_an_offset_table():
+    """kvcal.packing's outlier layout, by hand: per (sequence, KV head) in append order, positions in the tile and
+    values; offset[t] = the head's outliers before tile t; used_bytes counts 4 bytes per outlier and per entry."""
+    codec = _codebook(3, 3, tail=0.3)[0]  # fixed per-channel thresholds: rows encode alone, crowded with outliers
+    store = PackedRows(codec, 2, WIDTH, "cpu", None, None, HEAD_DIM)
+    tokens = 2 * OUTLIER_TILE_TOKENS + 22
+    x = seeded_tokens(tokens, 3)
+    store.append(1, x[:100])
+    for t in range(100, tokens):
+        store.append(1, x[t : t + 1])
+    rows, channels, values = codec.encode(x.float()).outliers
+    counts = store.outlier_counts()[1]
+    tiles = -(-tokens // OUTLIER_TILE_TOKENS)
+    for head in range(KV_HEADS):
+        mine = channels // HEAD_DIM == head
+        row, channel = rows[mine], channels[mine] % HEAD_DIM
+        assert counts[head] == len(row) > 0 and store.outlier_counts()[0] == [0] * KV_HEADS
+        assert store.outlier_offsets[1, head, :tiles].tolist() == [int((row < t * OUTLIER_TILE_TOKENS).sum()) for t in range(tiles)]
+        positions = store.outlier_positions[1, head, : len(row)].long() & 0xFFFF
+        assert torch.equal(positions, row % OUTLIER_TILE_TOKENS * HEAD_DIM + channel)
+        assert torch.equal(store.outlier_values[1, head, : len(row)], values[mine])
+    assert store.words.shape[2] * 32 == WIDTH * 3  # 3-bit codes in exactly 3 bits
+    assert store.used_bytes(1) == tokens * WIDTH * 3 // 8 + sum(counts) * 4 + KV_HEADS * tiles * 4
+    assert store.used_bytes(0) == 0
+
+
+def test_a_store_keeping_outliers_needs_a_head_dim_that_fits_their_positions():
+    codec = _codebook(3, 3)[1]
+    with pytest.raises(KvcalError, match="pass head_dim"):
+        PackedRows(codec, 1, WIDTH, "cpu")
+    with pytest.raises(KvcalError, match="head_dim 2048 is too large"):
+        PackedRows(codec, 1, 2048, "cpu", head_dim=2048)

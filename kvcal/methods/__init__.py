@@ -6,13 +6,15 @@ way), import it below, and, if it fits from a profile, give it a `kvcal fit-*` c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvcal import registry
 from kvcal.artifacts import read_artifact, read_header
 from kvcal.bundle import BUNDLE_KIND, Bundle, load_bundle
 from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
-from kvcal.methods import intn, hadamard, turbo, llama_cpp  # noqa: F401, I001
+from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8  # noqa: F401, I001
 from kvcal.simulate import Method
 
 __all__ = ["artifact_method", "baseline_method", "bundle_method"]
@@ -28,15 +30,28 @@ def bundle_method(bundle: Bundle) -> Method:
     return Method(f"bundle:{bundle.recipe_name}", nominal, codecs, policies.pop(), fingerprint=bundle.fingerprint)
 
 
+def _accepted() -> str:
+    """What `eval ppl --quant` takes, for messages."""
+    kinds = [s.artifact_kind for s in registry.methods() if s.artifact_kind]
+    folders = [s.folder_kind for s in registry.methods() if s.folder_kind]
+    return f"a {' or '.join(dict.fromkeys(kinds))} or {BUNDLE_KIND} artifact" + "".join(f", or a {kind}" for kind in dict.fromkeys(folders))
+
+
 def artifact_method(path: str) -> Method:
-    """The simulation Method of a fitted artifact (nuq, skvq) or a bundle, by its kind."""
+    """The simulation Method of a fitted artifact (nuq, skvq), a bundle, or a method's output folder (a kvcal
+    export vllm folder), by its kind."""
+    if Path(path).is_dir():
+        for spec in registry.methods():
+            method = spec.folder_method(path)
+            if method is not None:
+                return method
+        raise KvcalError(f"'{path}' is a directory that no kvcal method wrote; --quant takes {_accepted()}")
     kind, _ = read_header(path)
     if kind == BUNDLE_KIND:
         return bundle_method(load_bundle(path))
     spec = registry.method_for_artifact(kind)
     if spec is None:
-        kinds = [s.artifact_kind for s in registry.methods() if s.artifact_kind]
-        raise KvcalError(f"'{path}' is a kvcal {kind}; --quant takes a {' or '.join(dict.fromkeys(kinds))} or {BUNDLE_KIND} artifact")
+        raise KvcalError(f"'{path}' is a kvcal {kind}; --quant takes {_accepted()}")
     tensors, config = read_artifact(path, kind)
     return spec.artifact_method(tensors, config, path)
 

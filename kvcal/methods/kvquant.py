@@ -72,14 +72,14 @@ class KvquantSpec(MethodSpec):
 
     def bundle_settings(self, profile_config, fitted, settings):
         nuq = fitted[1]["nuq"]
-        return NuqSettings(**{f.name: nuq[f.name] for f in fields(NuqSettings)})
+        return NuqSettings(**{f.name: nuq[f.name] for f in fields(NuqSettings) if f.name in nuq})
 
     def bundle_layers(self, profile, profile_config, fitted, settings):
         tensors, config = fitted
         nuq = config["nuq"]
-        if nuq["bits_from_profile"] != self.per_layer_widths:
+        if (nuq["bits_from_profile"] or nuq.get("target_bits") is not None) != self.per_layer_widths:
             raise KvcalError(f"recipe {self.name} needs a nuq artifact fit {'with' if self.per_layer_widths else 'without'} "
-                             "--bits-from-profile")
+                             "per-layer widths (--bits-from-profile or --target-bits)")
         layers = [LayerRecipe(NUQ.name, nuq["bits_k"][i], nuq["bits_v"][i], nuq["key_rope"] == "pre", sink=nuq["sink"],
                               outliers=nuq["outliers"], key_granularity=nuq["key_granularity"]) for i in range(len(nuq["bits_k"]))]
         return layers, tensors
@@ -94,6 +94,9 @@ class KvquantSpec(MethodSpec):
         nuq = config["nuq"]
         settings = (f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
                     f"codebook {nuq['codebook']}, weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}")
+        if nuq.get("knapsack"):  # widths chosen by fit-nuq --target-bits
+            chosen = [nuq["knapsack"][f"{i}.{kind}"][str(b)][1] for kind in ("k", "v") for i, b in enumerate(nuq[f"bits_{kind}"])]
+            settings += f"; widths: Fisher knapsack to {nuq['target_bits']:g} real bits, chosen {sum(chosen) / len(chosen):.3f}"
         rows = [[str(i), str(nuq["bits_k"][i]), str(nuq["bits_v"][i]), _codebook(tensors[f"layers.{i}.k.codebook"]),
                  _codebook(tensors[f"layers.{i}.v.codebook"])] for i in range(len(nuq["bits_k"]))]
         return ArtifactSummary(NUQ_KIND, [("settings", settings)], ["layer", "bits K", "bits V", "K codebook", "V codebook"], rows)

@@ -464,6 +464,7 @@ def quantized_cache(model, bundle) -> WiredCache:
         def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
-            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=kernels.append_encoder)
+            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=kernels.append_encoder,
+                                  head_dim=adapter.head_dim)
         layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter))
     return WiredCache(model, adapter, layers)

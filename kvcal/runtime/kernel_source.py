@@ -67,28 +67,43 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def compile_check(module: str, arch: str) -> tuple[list[CompiledFunction], str]:
-    """Compile every variant of `module` to SASS for `arch` with NVRTC; the per-function ptxas report and the log.
-    Raises KvcalError with the compiler log when compilation fails."""
+@dataclass
+class Compiled:
+    log: str  # the compiler's log, with the ptxas report
+    functions: list[CompiledFunction]
+    lowered: dict[str, str]  # name expression -> mangled name
+    cubin: bytes
+
+
+def nvrtc_compile(text: str, filename: str, arch: str, names=(), extra_options=()) -> Compiled:
+    """Compile CUDA source `text` (includes resolved in kernels/) to SASS for `arch` with NVRTC and the runtime's
+    options, instantiating the name expressions `names`. Raises KvcalError with the log when compilation fails."""
     from cuda.bindings import nvrtc
 
-    program = _check(nvrtc.nvrtcCreateProgram(source(module).encode(), module.encode(), 0, [], []), "create")
+    program = _check(nvrtc.nvrtcCreateProgram(text.encode(), filename.encode(), 0, [], []), "create")
     try:
-        for name in variants(module):
+        for name in names:
             _check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"name expression {name}")
-        options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v"]
+        options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v", *extra_options]
         compiled = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])[0]
-        size = _check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
-        log = b" " * size
+        log = b" " * _check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
         _check(nvrtc.nvrtcGetProgramLog(program, log), "log")
         log_text = log.decode(errors="replace").rstrip("\x00 ")
         if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise KvcalError(f"{module} does not compile for {arch}:\n{log_text}")
-        for name in variants(module):
-            _check(nvrtc.nvrtcGetLoweredName(program, name.encode()), f"lowered name of {name}")
-        return parse_ptxas_report(log_text), log_text
+            raise KvcalError(f"{filename} does not compile for {arch}:\n{log_text}")
+        lowered = {name: _check(nvrtc.nvrtcGetLoweredName(program, name.encode()), f"lowered name of {name}").decode()
+                   for name in names}
+        cubin = b" " * _check(nvrtc.nvrtcGetCUBINSize(program), "cubin size")
+        _check(nvrtc.nvrtcGetCUBIN(program, cubin), "cubin")
+        return Compiled(log_text, parse_ptxas_report(log_text), lowered, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
+
+
+def compile_check(module: str, arch: str) -> tuple[list[CompiledFunction], str]:
+    """Every variant of `module` compiled for `arch`: the per-function ptxas report and the log."""
+    compiled = nvrtc_compile(source(module), module, arch, variants(module))
+    return compiled.functions, compiled.log
 
 
 def parse_ptxas_report(log: str) -> list[CompiledFunction]:

@@ -12,10 +12,11 @@ Within a decode step nothing here waits for the device: small host arrays go up 
 without blocking (kvcal.runtime.store.upload); a store's descriptor is uploaded again only when one of its
 buffers moved (Segments.descriptor); what the layers of a step share (position offsets, RoPE frequencies,
 per-sequence lengths of layers with the same layout, scratch buffers) is made once per step (DecodeStep);
-appends encode the batch's rows with one launch into a staging area and scatter them into the stores, and
-outlier counts stay on the device, the host sizing the outlier arrays by an upper bound
-(kvcal.runtime.store.PackedRows.reserve_outlier_room). Only a bulk append (a prefill, more than one token
-of a sequence) reads the number of outliers it made, to size its staging area exactly.
+appends encode the batch's rows with one launch into a staging area and scatter them into the stores; the
+outlier kernel writes straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on
+the device, the host sizing the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room).
+Only a bulk append (a prefill, more than one token of a sequence) reads the number of outliers it made per
+(sequence, KV head), to size the arrays exactly.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
 
-from kvcal.runtime.store import row_index, upload
+from kvcal.runtime.store import row_index, started_tiles, upload
 
 if TYPE_CHECKING:
     from kvcal.runtime.store import Fp16Rows, PackedRows
@@ -41,7 +43,7 @@ TILE = 32
 MAX_GROUP = 8  # query heads per KV head (GMAX in decode_attention.cu)
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
 LOG2E = 1.4426950408889634
-KVMIX_LAYOUT = 5  # kernels/common.cuh code_at: "lsb" layouts are numbered by their code width 1-4
+LAYOUT_IDS = {"lsb": {1: 1, 2: 2, 4: 4}, "planes3": {3: 3}, "kvmix10x3+1x2": {3: 5}}  # layout -> bits -> enum Layout (common.cuh)
 
 
 def cuda_ready(device) -> bool:
@@ -88,15 +90,13 @@ def codec_id(codec) -> int | None:
     return None
 
 
-def _layout_id(codec, layout: str = "lsb") -> int | None:
-    """The kernels' number for a packing layout (kernels/common.cuh code_at); None where they have none."""
-    bits = codec.bits
-    if layout == "kvmix10x3+1x2":
-        return KVMIX_LAYOUT if bits == 3 else None
-    return int(bits) if layout == "lsb" and bits in (1, 2, 3, 4) else None
+def _layout_id(codec, layout: str | None = None) -> int | None:
+    """The kernels' number for a packing layout (by default the runtime's, kvcal.packing.layout_for) of the codec's
+    code width (kernels/common.cuh enum Layout); None where they have none."""
+    return LAYOUT_IDS.get(layout or layout_for(codec.bits), {}).get(codec.bits)
 
 
-def append_supported(codec, width: int, layout: str = "lsb") -> bool:
+def append_supported(codec, width: int, layout: str | None = None) -> bool:
     cid = codec_id(codec)
     if cid is None or _layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
@@ -187,54 +187,57 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     keep = codec.outlier_fraction > 0
     t = 1.0 - codec.outlier_fraction / 2
     q_low, q_high = np.float32(1.0 - t), np.float32(t)  # float32, as kvcal.quantizers computes them
-    found = torch.zeros(rows, dtype=torch.int32, device=device)
+    found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device)  # outliers per (row, KV head)
     _launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
-            (_ptr(x), np.int32(width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")), q_low,
-             q_high, np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), words_per_row,
+            (_ptr(x), np.int32(width), np.int32(store.head_dim or width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
+             q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), words_per_row,
              _ptr(token_lo), _ptr(token_hi), _ptr(found)))
     store.words.index_put_(target, words)
     if per_token:
         store.token["lo"].index_put_(target, token_lo)
         store.token["hi"].index_put_(target, token_hi)
     if keep:
-        _scatter_outliers(store, seqs, counts, x, target, found, tables, token_lo, token_hi)
+        _place_outliers(store, seqs, starts, counts, x, target, found, tables, token_lo, token_hi)
 
 
-def _scatter_outliers(store: PackedRows, seqs, counts, x, target, found, tables, token_lo, token_hi) -> None:
+def _place_outliers(store: PackedRows, seqs, starts, counts, x, target, found, tables, token_lo, token_hi) -> None:
+    """Write the outliers that append_codebook counted (found: per row of x and KV head) into each (sequence, KV
+    head) run after its own, and the offsets of the tiles this append starts, with device ops only: where a row's
+    outliers of a head go is the run's count before the append plus the group's earlier rows' outliers of that head."""
     rows, width = x.shape
     device = x.device
-    ends = torch.cumsum(found, 0, dtype=torch.int32)
-    firsts = ends - found  # where each row's outliers start in the staging area (held by name for the kernel)
+    heads = store.kv_heads
+    row_ends = torch.cumsum(found, 0, dtype=torch.int32)
+    row_firsts = row_ends - found  # per (row, head): the outliers of earlier rows of x
     # per group (sequence): its first and last row in x
     last_rows = [int(end) - 1 for end in np.cumsum(counts)]
     first_rows = [end - c + 1 for end, c in zip(last_rows, counts)]
+    tile_group, tile = started_tiles(starts, counts)
+    tile_rows = np.array(first_rows, dtype=np.int64)[tile_group] + tile * OUTLIER_TILE_TOKENS - np.array(starts, dtype=np.int64)[tile_group]
     groups = upload([first_rows, last_rows, seqs], device)
     group_of_row = upload([g for g, c in enumerate(counts) for _ in range(c)], device)
+    tiles = upload(np.stack([tile_group, np.array(seqs, dtype=np.int64)[tile_group], tile, tile_rows]), device)
+    group_firsts = row_firsts.index_select(0, groups[0])  # (groups, heads)
+    per_group = row_ends.index_select(0, groups[1]) - group_firsts
     if max(counts) <= 1:  # a decode step: an upper bound, nothing read back
-        capacity, most = rows * width, [c * width for c in counts]
-    else:  # a bulk append: the exact number, read once
-        per_group = (ends[groups[1]] - firsts[groups[0]]).tolist()
-        capacity, most = sum(per_group), per_group
+        most = [[c * store.head_dim] * heads for c in counts]
+    else:  # a bulk append: the exact numbers, read once
+        most = per_group.tolist()
     store.reserve_outlier_room(seqs, most)
-    if capacity:
-        staged_rows = torch.empty(capacity, dtype=torch.int32, device=device)
-        staged_channels = torch.empty(capacity, dtype=torch.int16, device=device)
-        staged_values = torch.empty(capacity, dtype=torch.float16, device=device)
-        _launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
-                (_ptr(x), np.int32(width), _ptr(tables.get("lo")), _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi),
-                 _ptr(firsts), np.int32(0), _ptr(staged_rows), _ptr(staged_channels), _ptr(staged_values)))
-        entry = torch.arange(capacity, device=device)
-        live = entry < ends[-1]
-        row = torch.where(live, staged_rows.long(), 0)  # the row of x each staged outlier came from
-        group = group_of_row[row]
-        sequence = groups[2][group]
-        slot = store.outlier_count.long()[sequence] + entry - firsts.long()[groups[0][group]]
-        columns = store.outlier_rows.shape[1]
-        flat = torch.where(live, sequence * columns + slot, columns - 1)  # unused entries: the spare last column
-        store.outlier_rows.view(-1).index_put_((flat,), target[1][row].to(torch.int32))
-        store.outlier_channels.view(-1).index_put_((flat,), staged_channels)
-        store.outlier_values.view(-1).index_put_((flat,), staged_values)
-    store.outlier_count.index_add_(0, groups[2], (ends[groups[1]] - firsts[groups[0]]).to(torch.int32))
+    before = store.outlier_count.index_select(0, groups[2])  # (groups, heads): each run's count before this append
+    # where row r's outliers of head h start in their run, less r's outliers of heads before h (the kernel adds the rank in r)
+    first_slot = (before - group_firsts).index_select(0, group_of_row) + row_firsts - (torch.cumsum(found, 1, dtype=torch.int32) - found)
+    sequence_of_row = groups[2].index_select(0, group_of_row).to(torch.int32)
+    row_in_sequence = target[1].to(torch.int32)
+    _launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
+            (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
+             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), _ptr(sequence_of_row), _ptr(row_in_sequence),
+             _ptr(first_slot), np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions),
+             _ptr(store.outlier_values)))
+    # a started tile's offset: its run's count before the tile's first row
+    offsets = before.index_select(0, tiles[0]) + row_firsts.index_select(0, tiles[3]) - group_firsts.index_select(0, tiles[0])
+    store.outlier_offsets[tiles[1], :, tiles[2]] = offsets
+    store.outlier_count.index_add_(0, groups[2], per_group)
     store.snapshot_outlier_count()
 
 
@@ -256,8 +259,8 @@ def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | No
 # ---------------------------------------------------------------------------------------------------------
 # decode attention
 
-SIDE_FIELDS = 18  # enum SideField in decode_attention.cu
-META_FIELDS = 5
+SIDE_FIELDS = 21  # enum SideField in decode_attention.cu
+META_FIELDS = 4
 
 
 def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
@@ -283,26 +286,21 @@ def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | Non
         fields[11] = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
     if hasattr(codec, "codebook"):
         fields[12] = _device_tables(body)["codebook"].data_ptr()
-    fields[13:17] = [body.outlier_rows.data_ptr(), body.outlier_channels.data_ptr(), body.outlier_values.data_ptr(),
-                     body.outlier_rows.shape[1]]
-    fields[17] = _layout_id(codec, body.layout)
+    if body.keeps_outliers:
+        fields[13:20] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
+                         body.outlier_offsets.data_ptr(), body.outlier_offsets.shape[2], body.outlier_count.data_ptr(),
+                         OUTLIER_TILE_TOKENS.bit_length() - 1]
+    fields[20] = _layout_id(codec, body.layout)
     return fields
 
 
-def _lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int,
-             outliers: bool = True) -> list[list[int]]:
-    """Per sequence: sink tokens, body tokens, first live recent row, recent tokens, body outliers (0 with
-    outliers=False: the caller takes them from the device counts, see _device_outliers)."""
+def _lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:
+    """Per sequence: sink tokens, body tokens, first live recent row, recent tokens (outlier counts are read by the
+    kernel from the store's device counts)."""
     if sink is not None and any(sink.head):
         raise ValueError("a sink segment never drops tokens from its front")
-    counts = body.outliers if body is not None and outliers and body.keeps_outliers else [0] * batch
     return [[sink.length[b] if sink else 0, body.length[b] if body else 0, recent.head[b] if recent else 0,
-             recent.length[b] if recent else 0, counts[b]] for b in range(batch)]
-
-
-def _device_outliers(body: PackedRows | None) -> bool:
-    """Whether a side's outlier counts are on the device only (a kernel-path body of a codec that keeps outliers)."""
-    return body is not None and body.use_kernels and body.keeps_outliers
+             recent.length[b] if recent else 0] for b in range(batch)]
 
 
 class Segments:
@@ -377,19 +375,14 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     plans = []
     for segments in launches:
         sides = (segments.keys, segments.values)
-        key_lengths, value_lengths = (_lengths(*side, batch, outliers=not _device_outliers(side[1])) for side in sides)
-        longest = max((sink + body + recent for sink, body, _, recent, _ in key_lengths), default=0)
+        key_lengths, value_lengths = (_lengths(*side, batch) for side in sides)
+        longest = max((sink + body + recent for sink, body, _, recent in key_lengths), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
         meta = step.meta(key_lengths, value_lengths)
-        if any(_device_outliers(side[1]) for side in sides):  # this layer's own outlier counts, from the device
-            meta = meta.clone()
-            for index, side in enumerate(sides):
-                if _device_outliers(side[1]):
-                    meta[index, :, 4] = side[1].outlier_count
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
                       math.ceil(longest / per_split)))
     total = sum(plan[-1] for plan in plans)

@@ -33,11 +33,12 @@ POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
 
 class SegmentedStore:
     def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device,
-                 layout: str | None = None, encoder_for=None):
-        """encoder_for: how the packed body encodes (kvcal.runtime.store.PackedRows); None = the torch codec."""
+                 layout: str | None = None, encoder_for=None, head_dim: int | None = None):
+        """encoder_for: how the packed body encodes (kvcal.runtime.store.PackedRows); None = the torch codec.
+        head_dim: channels per KV head, needed by codecs that keep outliers."""
         self.policy, self.keys, self.rpc_ratio = policy, keys, rpc_ratio
         self.sink = Fp16Rows(batch, width, device)
-        self.body = PackedRows(codec, batch, width, device, encoder_for, layout)
+        self.body = PackedRows(codec, batch, width, device, encoder_for, layout, head_dim)
         self.recent = Fp16Rows(batch, width, device)
         self.rpc = [0] * batch
 

@@ -5,17 +5,20 @@ sequence needs more; appends write in place. Each sequence has its own length (l
 stored). Layouts, per sequence:
 - Fp16Rows: fp16 tokens (capacity, C), a FIFO: `head` is the first live row, rows before it are free
   and reused by compacting the live rows to the front when the end is reached.
-- PackedRows: the quantized body. codes (capacity, words) int32 packed with kvcal.packing.layout_for;
-  per-token parameters (capacity, P) in their storage dtype (fp16 scale/zero or lo/hi, fp8 for SKVQ
-  --fp8); per-block parameters (capacity / block_tokens, C) for per-channel key blocks; outliers as
-  three parallel arrays (token row int32, channel int16, value fp16) with a count per sequence.
+- PackedRows: the quantized body. codes (capacity, words) int32 packed with kvcal.packing.layout_for ("planes3"
+  for 3 bits: exactly 3 bits per code); per-token parameters (capacity, P) in their storage dtype (fp16
+  scale/zero or lo/hi, fp8 for SKVQ --fp8); per-block parameters (capacity / block_tokens, C) for per-channel
+  key blocks; for codecs that keep outliers, kvcal.packing's outlier layout per (sequence, KV head): positions
+  inside the tile (kv_heads, outlier capacity) int16 holding the uint16 pattern, fp16 values beside them, the
+  int32 offset table (kv_heads, capacity / OUTLIER_TILE_TOKENS) of every started tile, and the counts
+  `outlier_count` (batch, kv_heads) int32 on the device (what the decode kernel reads for the last tile's end).
 
 Appends are batched: `write`/`append_rows` take rows of several sequences at once (grouped by sequence, in
 the order of `seqs`), encode them with one call of the codec (or one launch of the CUDA append kernels, see
 `encoder_for`) and write every buffer with one indexed store; the bookkeeping (lengths, heads, outlier
 counts) is Python lists, never a tensor op per sequence. On the kernel path the outlier counts live on the
-device (`PackedRows.outlier_count`) and the host keeps an upper bound per sequence to size the outlier
-arrays ahead, so an append never waits for the device (see PackedRows.reserve_outlier_room).
+device only and the host keeps an upper bound per (sequence, KV head) to size the outlier arrays ahead, so an
+append never waits for the device (see PackedRows.reserve_outlier_room).
 
 Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.skvq): `read(b)`
 one sequence through codec.decode; `decoded(rows)` every sequence at once for the batched reference
@@ -30,16 +33,20 @@ import math
 import numpy as np
 import torch
 
-from kvcal.packing import OUTLIER_BYTES, _slots, codes_per_word, layout_for, packed_words, unpack
+from kvcal.errors import KvcalError
+from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, PLANES3_WORDS, _slots, check_outlier_head_dim, layout_for,
+                           outlier_table_bytes, packed_words, unit_shape, unpack)
 from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
 
 
-def _grown(buffer: torch.Tensor, rows: int) -> torch.Tensor:
-    """buffer (batch, capacity, ...) with capacity `rows`, the old contents kept."""
-    bigger = torch.zeros(buffer.shape[0], rows, *buffer.shape[2:], dtype=buffer.dtype, device=buffer.device)
-    bigger[:, : buffer.shape[1]] = buffer
+def _grown(buffer: torch.Tensor, rows: int, dim: int = 1) -> torch.Tensor:
+    """buffer with `rows` entries along dim (its capacity), the old contents kept."""
+    shape = list(buffer.shape)
+    shape[dim] = rows
+    bigger = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    bigger.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
     return bigger
 
 
@@ -97,14 +104,31 @@ def _three_bit_pieces(device) -> tuple[torch.Tensor, torch.Tensor]:
     return _PIECES[key]
 
 
+_PLANES: dict = {}
+
+
+def _planes3_constants(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifts of a planes3 unit's codes in their low-bit word (2*i, i < 16) and in the high-bit word (i < 32), int32."""
+    key = str(device)
+    if key not in _PLANES:
+        _PLANES[key] = (2 * torch.arange(16, dtype=torch.int32, device=device), torch.arange(32, dtype=torch.int32, device=device))
+    return _PLANES[key]
+
+
 def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
-    """int32 words (..., w) -> codes (..., w, per_word) int32 (every slot, the row's padding included); equal to
-    kvcal.packing.unpack before its flatten and cut, in two tensor ops: an arithmetic shift of the int32 word keeps
-    the slot's bits and the mask drops the sign extension, or for 3-bit codes (ten per word, at bits 0-29) a table
-    of every 15-bit piece's five codes looked up for the word's two pieces."""
+    """int32 words (..., w) -> codes (..., units, codes per unit) int32 (every slot, the row's padding included, see
+    kvcal.packing.unit_shape); equal to kvcal.packing.unpack before its flatten and cut, in a few tensor ops: an
+    arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planes3 the
+    two low-bit words and the high-bit word of a unit are shifted apart and joined; for 3-bit "lsb" codes (ten per
+    word, at bits 0-29) a table of every 15-bit piece's five codes is looked up for the word's two pieces."""
     if layout == "ternary20":
         per_word = 20
         return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
+    if layout == "planes3":
+        low_shifts, high_shifts = _planes3_constants(words.device)
+        units = words.view(*words.shape[:-1], -1, PLANES3_WORDS)
+        low = (units[..., :2, None] >> low_shifts).bitwise_and_(3).flatten(-2)
+        return low.bitwise_or_((units[..., 2:] >> high_shifts).bitwise_and_(1).bitwise_left_shift_(2))
     if layout == "lsb" and bits == 3:
         shifts, table = _three_bit_pieces(words.device)
         pieces = (words[..., None] >> shifts).bitwise_and_(2**15 - 1)
@@ -119,24 +143,31 @@ _PACKING: dict = {}
 def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     """kvcal.packing.pack for codes the codecs made (in range: not checked again), in a few tensor ops whatever the
     number of codes per word: every slot's code times its place value (2^offset, or 3^slot for ternary20),
-    summed per word (the slots' bits do not overlap, so the sum is their OR)."""
-    per_word = codes_per_word(bits, layout)
-    key = (bits, layout, str(codes.device))
-    if key not in _PACKING:
-        if layout == "ternary20":
-            places, limits = [3**slot for slot in range(per_word)], [2] * per_word
-        else:
-            slots = _slots(bits, layout)
-            places, limits = [2**offset for offset, _ in slots], [2**width - 1 for _, width in slots]
-        _PACKING[key] = (torch.tensor(places, dtype=torch.int64, device=codes.device),
-                         torch.tensor(limits, dtype=torch.int64, device=codes.device))
-    places, limits = _PACKING[key]
+    summed per word (the slots' bits do not overlap, so the sum is their OR); planes3 shifts and sums the low 2
+    bits of each half unit and the high bits of the whole unit so."""
+    words_per_unit, per_unit = unit_shape(bits, layout)
     rows, n = codes.shape
-    words = packed_words(n, bits, layout)
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, words * per_word - n)).view(rows, words, per_word)
-    if layout == "kvmix10x3+1x2":
-        padded = padded.minimum(limits)  # the eleventh code keeps 2 bits, as kvcal.packing.pack clamps it
-    packed = (padded * places).sum(-1)
+    units = packed_words(n, bits, layout) // words_per_unit
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(rows, units, per_unit)
+    if layout == "planes3":
+        low_shifts, high_shifts = _planes3_constants(codes.device)
+        low = ((padded & 3).view(rows, units, 2, 16) << low_shifts).sum(-1)
+        high = ((padded >> 2) << high_shifts).sum(-1, keepdim=True)
+        packed = torch.cat([low, high], -1).view(rows, units * words_per_unit)
+    else:
+        key = (bits, layout, str(codes.device))
+        if key not in _PACKING:
+            if layout == "ternary20":
+                places, limits = [3**slot for slot in range(per_unit)], [2] * per_unit
+            else:
+                slots = _slots(bits, layout)
+                places, limits = [2**offset for offset, _ in slots], [2**width - 1 for _, width in slots]
+            _PACKING[key] = (torch.tensor(places, dtype=torch.int64, device=codes.device),
+                             torch.tensor(limits, dtype=torch.int64, device=codes.device))
+        places, limits = _PACKING[key]
+        if layout == "kvmix10x3+1x2":
+            padded = padded.minimum(limits)  # the eleventh code keeps 2 bits, as kvcal.packing.pack clamps it
+        packed = (padded * places).sum(-1)
     return packed.sub_(packed.ge(2**31).to(torch.int64) << 32).to(torch.int32)  # the uint32 pattern as int32
 
 
@@ -310,10 +341,12 @@ class Fp16Rows:
 
 
 class PackedRows:
-    def __init__(self, codec, batch: int, width: int, device, encoder_for=None, layout: str | None = None):
+    def __init__(self, codec, batch: int, width: int, device, encoder_for=None, layout: str | None = None,
+                 head_dim: int | None = None):
         """encoder_for(codec, width, layout, device): an encoder that quantizes straight into this store (the CUDA
         append kernels, kvcal.runtime.kernels.append_encoder) or None, when the torch codec encodes.
-        layout: a kvcal.packing layout, by default layout_for(codec.bits)."""
+        layout: a kvcal.packing layout, by default layout_for(codec.bits).
+        head_dim: channels per KV head; needed by codecs that keep outliers (stored per KV head)."""
         self.codec, self.width, self.device = codec, width, device
         self.layout = layout or layout_for(codec.bits)
         self.encoder = encoder_for(codec, width, self.layout, device) if encoder_for else None
@@ -321,30 +354,45 @@ class PackedRows:
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
         self.token: dict[str, torch.Tensor] = {}
         self.blocks: dict[str, torch.Tensor] = {}
-        self.outlier_rows = torch.zeros(batch, 0, dtype=torch.int32, device=device)
-        self.outlier_channels = torch.zeros(batch, 0, dtype=torch.int16, device=device)
-        self.outlier_values = torch.zeros(batch, 0, dtype=torch.float16, device=device)
         self.length = [0] * batch
         self.keeps_outliers = getattr(codec, "outlier_fraction", 0) > 0
-        self._outliers = [0] * batch  # the torch path's counts
-        # the kernel path's counts: on the device, with a host upper bound per sequence (see reserve_outlier_room)
-        self.outlier_count = torch.zeros(batch, dtype=torch.int32, device=device)
-        self._bound = [0] * batch
-        self._added = [0] * batch  # outliers the bound allowed for since the last snapshot of the counts
+        self.head_dim, self.kv_heads = head_dim, 0
+        if self.keeps_outliers:
+            if head_dim is None or head_dim <= 0 or width % head_dim:
+                raise KvcalError(f"a store of {width} channels for a codec that keeps outliers needs the head_dim that divides "
+                                 f"them into KV heads (got {head_dim}); pass head_dim")
+            check_outlier_head_dim(head_dim)
+            self.kv_heads = width // head_dim
+        # outliers (kvcal.packing): per (sequence, KV head) positions in their tile (uint16 patterns) and fp16 values
+        # in append order; the offset table of every started tile; the counts on the device, which the kernels read
+        self.outlier_positions = torch.zeros(batch, self.kv_heads, 0, dtype=torch.int16, device=device)
+        self.outlier_values = torch.zeros(batch, self.kv_heads, 0, dtype=torch.float16, device=device)
+        self.outlier_offsets = torch.zeros(batch, self.kv_heads, 0, dtype=torch.int32, device=device)
+        self.outlier_count = torch.zeros(batch, self.kv_heads, dtype=torch.int32, device=device)
+        self._outliers = [[0] * self.kv_heads for _ in range(batch)]  # the torch path's counts, on the host
+        # the kernel path's host upper bound per (sequence, KV head) (see reserve_outlier_room)
+        self._bound = [[0] * self.kv_heads for _ in range(batch)]
+        self._added = [[0] * self.kv_heads for _ in range(batch)]  # what the bound allowed for since the last snapshot
         self._snapshot: tuple[torch.Tensor, object] | None = None
         self._table = _Table.for_codec(codec)
-        # the channel of every code slot of a row's words (the row's padding slots count as its last channel)
-        words, per_word = self.words.shape[2], codes_per_word(codec.bits, self.layout)
-        self.channel_index = torch.arange(words * per_word, dtype=torch.int32, device=device).clamp(max=width - 1).view(words, per_word)
+        # the channel of every code slot of a row's units (the row's padding slots count as its last channel)
+        words_per_unit, per_unit = unit_shape(codec.bits, self.layout)
+        units = self.words.shape[2] // words_per_unit
+        self.channel_index = torch.arange(units * per_unit, dtype=torch.int32, device=device).clamp(max=width - 1).view(units, per_unit)
 
     @property
     def use_kernels(self) -> bool:
         return self.encoder is not None
 
+    def outlier_counts(self) -> list[list[int]]:
+        """Outliers stored per (sequence, KV head) (on the kernel path this reads the device counts: not for a
+        decode step)."""
+        return self.outlier_count.tolist() if self.encoder is not None else [list(row) for row in self._outliers]
+
     @property
     def outliers(self) -> list[int]:
         """Outliers stored per sequence (on the kernel path this reads the device counts: not for a decode step)."""
-        return self.outlier_count.tolist() if self.encoder is not None else list(self._outliers)
+        return [sum(heads) for heads in self.outlier_counts()]
 
     def _reserve(self, rows: int) -> None:
         if rows <= self.words.shape[1]:
@@ -354,25 +402,25 @@ class PackedRows:
         self.words = _grown(self.words, capacity)
         self.token = {name: _grown(t, capacity) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
+        self.outlier_offsets = _grown(self.outlier_offsets, math.ceil(capacity / OUTLIER_TILE_TOKENS), dim=2)
 
     def reserve_outliers(self, count: int) -> None:
-        if count > self.outlier_rows.shape[1]:
+        """Room for `count` outliers in every (sequence, KV head)."""
+        if count > self.outlier_positions.shape[2]:
             capacity = math.ceil(count / GROWTH) * GROWTH
-            self.outlier_rows = _grown(self.outlier_rows, capacity)
-            self.outlier_channels = _grown(self.outlier_channels, capacity)
-            self.outlier_values = _grown(self.outlier_values, capacity)
+            self.outlier_positions = _grown(self.outlier_positions, capacity, dim=2)
+            self.outlier_values = _grown(self.outlier_values, capacity, dim=2)
 
-    def reserve_outlier_room(self, seqs: list[int], most: list[int]) -> None:
-        """Kernel path: sequence seqs[i] may gain up to most[i] outliers; grow the outlier arrays so that every
-        sequence's count stays below their capacity minus one (the last column of sequence 0 is where a
-        batched scatter sends its unused entries). The host never reads the device counts here: it keeps an
-        upper bound per sequence, made exact again from a snapshot of the counts copied to the host without
-        waiting (on CUDA: into pinned memory, with an event; taken after each append, read once it is done)."""
+    def reserve_outlier_room(self, seqs: list[int], most: list[list[int]]) -> None:
+        """Kernel path: (sequence seqs[i], KV head h) may gain up to most[i][h] outliers; grow the outlier arrays so
+        that every count stays within their capacity. The host never reads the device counts here: it keeps an
+        upper bound per (sequence, KV head), made exact again from a snapshot of the counts copied to the host
+        without waiting (on CUDA: into pinned memory, with an event; taken after each append, read once it is done)."""
         self._refresh_bound()
-        for b, m in zip(seqs, most):
-            self._bound[b] += m
-            self._added[b] += m
-        self.reserve_outliers(max(self._bound) + 1)
+        for b, per_head in zip(seqs, most):
+            self._bound[b] = [bound + m for bound, m in zip(self._bound[b], per_head)]
+            self._added[b] = [added + m for added, m in zip(self._added[b], per_head)]
+        self.reserve_outliers(max(max(heads, default=0) for heads in self._bound))
 
     def _refresh_bound(self) -> None:
         if self._snapshot is None:
@@ -380,7 +428,7 @@ class PackedRows:
         counts, event = self._snapshot
         if event is not None and not event.query():
             return  # not copied yet: the bound stays as it is (still an upper bound)
-        self._bound = [c + a for c, a in zip(counts.tolist(), self._added)]
+        self._bound = [[c + a for c, a in zip(row, added)] for row, added in zip(counts.tolist(), self._added)]
         self._snapshot = None
 
     def snapshot_outlier_count(self) -> None:
@@ -396,7 +444,7 @@ class PackedRows:
             self._snapshot = (host, event)
         else:
             self._snapshot = (self.outlier_count.clone(), None)
-        self._added = [0] * len(self._added)
+        self._added = [[0] * self.kv_heads for _ in self._added]
 
     def _parameter(self, table: dict, name: str, rows: int, columns: int, dtype) -> torch.Tensor:
         if name not in table:
@@ -437,24 +485,71 @@ class PackedRows:
             blocks = row_index(seqs, [s // self.block for s in starts], [c // self.block for c in counts], self.device)
             for name, values in encoded.block.items():
                 self._parameter(self.blocks, name, self.words.shape[1] // self.block, values.shape[1], values.dtype).index_put_(blocks, values)
-        if encoded.outliers is None:
-            return
-        rows, channels, values = encoded.outliers  # in row order, so grouped by sequence like x
-        # where each goes, worked out on the host (the torch path reads its outliers' rows; the kernel path does not)
+        if encoded.outliers is not None:
+            self._place_outliers(seqs, starts, counts, *encoded.outliers)
+
+    def _place_outliers(self, seqs: list[int], starts: list[int], counts: list[int], rows: torch.Tensor, channels: torch.Tensor,
+                        values: torch.Tensor) -> None:
+        """Torch path: the codec's outliers of x (row of x, channel, fp16 value; in row order, so grouped by sequence
+        like x) into each (sequence, KV head)'s arrays after its own, and the offsets of the tiles this append
+        starts. Where each goes is worked out on the host (the torch path reads its outliers' rows; the kernel path
+        does not)."""
+        heads, head_dim = self.kv_heads, self.head_dim
         row = np.asarray(rows.tolist(), dtype=np.int64)
-        group_of_row = np.repeat(np.arange(len(seqs)), counts)
-        group = group_of_row[row]
-        per_group = np.bincount(group, minlength=len(seqs))
-        bases = np.array([self._outliers[b] for b in seqs], dtype=np.int64)
-        self.reserve_outliers(int((bases + per_group).max()))
-        slot = bases[group] + np.arange(len(group)) - (np.cumsum(per_group) - per_group)[group]
+        channel = np.asarray(channels.tolist(), dtype=np.int64)
+        group = np.repeat(np.arange(len(seqs)), counts)[row]
         row_in_sequence = row + (np.array(starts) - (np.cumsum(counts) - counts))[group]
-        index = upload(np.stack([np.array(seqs, dtype=np.int64)[group], slot, row_in_sequence]), self.device)
-        self.outlier_rows.index_put_((index[0], index[1]), index[2].to(torch.int32))
-        self.outlier_channels.index_put_((index[0], index[1]), channels.to(torch.int16))
-        self.outlier_values.index_put_((index[0], index[1]), values)
-        for b, n in zip(seqs, per_group.tolist()):
-            self._outliers[b] += n
+        head, channel_in_head = np.divmod(channel, head_dim)
+        run = group * heads + head  # (sequence, KV head) runs, numbered by group
+        order = np.argsort(run, kind="stable")  # by run, append order within each
+        per_run = np.bincount(run, minlength=len(seqs) * heads)
+        first_of_run = np.cumsum(per_run) - per_run
+        bases = np.array([self._outliers[b] for b in seqs], dtype=np.int64).reshape(-1)  # counts before, per run
+        sorted_run = run[order]
+        slot = bases[sorted_run] + np.arange(len(order)) - first_of_run[sorted_run]
+        position = (row_in_sequence % OUTLIER_TILE_TOKENS) * head_dim + channel_in_head  # < 2^16 (check_outlier_head_dim)
+        self.reserve_outliers(int((bases + per_run).max()))
+        sequence_of_run = np.repeat(np.array(seqs, dtype=np.int64), heads)
+        index = upload(np.stack([sequence_of_run[sorted_run], head[order], slot, position[order], order]), self.device)
+        self.outlier_positions.index_put_((index[0], index[1], index[2]), index[3].to(torch.int16))  # the uint16 pattern
+        self.outlier_values.index_put_((index[0], index[1], index[2]), values.index_select(0, index[4]))
+        # a started tile's offset: its run's count before the tile's first row (runs sorted, rows sorted within a run)
+        tile_group, tile = started_tiles(starts, counts)
+        tile_run = (tile_group[:, None] * heads + np.arange(heads)).reshape(-1)
+        span = max(s + c for s, c in zip(starts, counts)) + 1
+        keys = sorted_run * span + row_in_sequence[order]
+        earlier = np.searchsorted(keys, tile_run * span + np.repeat(tile, heads) * OUTLIER_TILE_TOKENS) - first_of_run[tile_run]
+        offsets = upload(np.stack([sequence_of_run[tile_run], tile_run % heads, np.repeat(tile, heads), bases[tile_run] + earlier]),
+                         self.device)
+        self.outlier_offsets.index_put_((offsets[0], offsets[1], offsets[2]), offsets[3].to(torch.int32))
+        totals = bases + per_run
+        runs = upload(np.stack([sequence_of_run, np.tile(np.arange(heads), len(seqs)), totals]), self.device)
+        self.outlier_count.index_put_((runs[0], runs[1]), runs[2].to(torch.int32))
+        for i, b in enumerate(seqs):
+            self._outliers[b] = totals[i * heads: (i + 1) * heads].tolist()
+
+    def _live_outliers(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every stored outlier of sequences `seqs`: (index into seqs, body row, channel, fp16 value), 1-D each. A
+        row comes from the entry's tile (the offset table: entries from offset[t] on are in tile t or later) and its
+        position in the tile."""
+        counts = self.outlier_counts()
+        heads, head_dim, capacity = self.kv_heads, self.head_dim, self.outlier_positions.shape[2]
+        per_run = np.array([counts[b] for b in seqs], dtype=np.int64).reshape(-1)  # runs: (index into seqs, KV head)
+        run = np.repeat(np.arange(len(per_run)), per_run)
+        entry = np.arange(len(run)) - (np.cumsum(per_run) - per_run)[run]
+        sequence, head, index = upload(np.stack([run // heads, run % heads, run * capacity + entry]), self.device)
+        chosen = upload(seqs, self.device)
+        started = upload([math.ceil(self.length[b] / OUTLIER_TILE_TOKENS) for b in seqs], self.device)
+        offsets = self.outlier_offsets.index_select(0, chosen).long()  # (seqs, heads, tiles)
+        tiles = torch.arange(offsets.shape[2], device=self.device)
+        offsets = torch.where(tiles < started[:, None, None], offsets, capacity)[..., 1:]  # unstarted tiles: past the end
+        marks = torch.zeros(len(seqs), heads, capacity + 1, dtype=torch.long, device=self.device)
+        tile = marks.scatter_add_(2, offsets, torch.ones_like(offsets)).cumsum(2)[..., :capacity].reshape(-1).index_select(0, index)
+        position = self.outlier_positions.index_select(0, chosen).reshape(-1).index_select(0, index).long() & 0xFFFF
+        rows = tile * OUTLIER_TILE_TOKENS + position // head_dim
+        channels = head * head_dim + position % head_dim
+        values = self.outlier_values.index_select(0, chosen).reshape(-1).index_select(0, index)
+        return sequence, rows, channels, values
 
     def read(self, b: int) -> torch.Tensor:
         """Sequence b's rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
@@ -464,9 +559,9 @@ class PackedRows:
         encoded = Encoded(unpack(self.words[b, :n], self.codec.bits, self.width, self.layout),
                           token={name: t[b, :n] for name, t in self.token.items()},
                           block={name: t[b, : n // self.block] for name, t in self.blocks.items()})
-        k = self.outliers[b]
-        if k:
-            encoded.outliers = (self.outlier_rows[b, :k].long(), self.outlier_channels[b, :k].long(), self.outlier_values[b, :k])
+        if self.keeps_outliers:
+            _, rows, channels, values = self._live_outliers([b])
+            encoded.outliers = (rows, channels, values)
         return self.codec.decode(encoded)
 
     def decoded(self, rows: int) -> torch.Tensor:
@@ -475,7 +570,7 @@ class PackedRows:
         batch = self.words.shape[0]
         if rows == 0:
             return torch.zeros(batch, 0, self.width, device=self.device)
-        codes = unpack_codes(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, words, per_word)
+        codes = unpack_codes(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, units, per_unit)
         if self._table is not None:
             out = self._table.decode(self, codes, rows)
         else:
@@ -484,15 +579,11 @@ class PackedRows:
                               block={name: t[:, : rows // self.block].flatten(0, 1) for name, t in self.blocks.items()})
             out = self.codec.decode(encoded)
         out = out.view(batch, rows, -1)  # (B, rows, slots): the row's padding slots beyond C, if any, at the end
-        if self.keeps_outliers:  # every live outlier of every sequence, gathered by an index made on the host
-            counts, columns, slots = self.outliers, self.outlier_rows.shape[1], out.shape[2]
-            live = [np.arange(b * columns, b * columns + c) for b, c in enumerate(counts)]
-            first = [np.full(c, b * rows * slots) for b, c in enumerate(counts)]  # where sequence b's rows start in out
-            index = upload(np.stack([np.concatenate(live + [np.zeros(0, np.int64)]),
-                                     np.concatenate(first + [np.zeros(0, np.int64)])]), self.device)
-            at = index[1].add_(self.outlier_rows.view(-1).index_select(0, index[0]), alpha=slots)
-            at.add_(self.outlier_channels.view(-1).index_select(0, index[0]))
-            out.view(-1).index_put_((at,), self.outlier_values.view(-1).index_select(0, index[0]).float())
+        if self.keeps_outliers:  # every live outlier of every sequence
+            sequence, outlier_rows, channels, values = self._live_outliers(list(range(batch)))
+            slots = out.shape[2]
+            at = (sequence * rows + outlier_rows) * slots + channels
+            out.view(-1).index_put_((at,), values.float())
         return out[..., : self.width]
 
     def part(self, rows: int | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -504,4 +595,13 @@ class PackedRows:
         n = self.length[b]
         per_token = self.words.shape[2] * 4 + sum(t.shape[2] * t.element_size() for t in self.token.values())
         per_block = sum(t.shape[2] * t.element_size() for t in self.blocks.values())
-        return n * per_token + (n // self.block) * per_block + self.outliers[b] * OUTLIER_BYTES
+        outliers = self.outliers[b] * OUTLIER_BYTES + outlier_table_bytes(n, self.kv_heads) if self.keeps_outliers else 0
+        return n * per_token + (n // self.block) * per_block + outliers
+
+
+def started_tiles(starts: list[int], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The outlier tiles an append of rows starts[i] .. starts[i] + counts[i] - 1 (for each i) starts: (i, tile)
+    arrays, in order; a tile starts with its first row."""
+    tiles = [(i, t) for i, (s, c) in enumerate(zip(starts, counts))
+             for t in range(-(-s // OUTLIER_TILE_TOKENS), -(-(s + c) // OUTLIER_TILE_TOKENS))]
+    return np.array([i for i, _ in tiles], dtype=np.int64), np.array([t for _, t in tiles], dtype=np.int64)

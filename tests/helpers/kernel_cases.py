@@ -6,6 +6,7 @@ torch encoders."""
 import torch
 
 from kvcal.kv import SegmentPolicy
+from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import kernels, reference
 from kvcal.runtime.segments import CocktailStore, SegmentedStore
@@ -58,7 +59,7 @@ CASES = {
 def filled(case: str, lengths: list[int], device="cuda"):
     """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
     key_codec, value_codec, policy, rpc, pre_rope, layout = CASES[case]()
-    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, kernels.append_encoder)
+    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, kernels.append_encoder, HEAD_DIM)
               for codec, keys in ((key_codec, True), (value_codec, False))]
     for b, n in enumerate(lengths):
         for store, seed in zip(stores, (2 * b, 2 * b + 1)):
@@ -124,7 +125,8 @@ def assert_append_matches_torch(name: str, device="cuda"):
     codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
     x = seeded_tokens(12 * G, 7).to(device)
-    stores = [PackedRows(codec, 2, WIDTH, device, encoder_for, layout) for encoder_for in (lambda *_: kernels.AppendKernels(), None)]
+    stores = [PackedRows(codec, 2, WIDTH, device, encoder_for, layout, HEAD_DIM)
+              for encoder_for in (lambda *_: kernels.AppendKernels(), None)]
     step = codec.block_tokens
     for store in stores:
         store.append(1, x[: 8 * G])
@@ -137,6 +139,10 @@ def assert_append_matches_torch(name: str, device="cuda"):
         assert torch.equal(fast.token[key], value), key
     for key, value in exact.blocks.items():
         assert torch.equal(fast.blocks[key], value), key
-    count = exact.outliers[1]
-    for field in ("outlier_rows", "outlier_channels", "outlier_values"):
-        assert torch.equal(getattr(fast, field)[1, :count], getattr(exact, field)[1, :count]), field
+    assert fast.outlier_counts() == exact.outlier_counts()
+    assert torch.equal(fast.outlier_count, exact.outlier_count)
+    for head, count in enumerate(exact.outlier_counts()[1]):
+        for field in ("outlier_positions", "outlier_values"):
+            assert torch.equal(getattr(fast, field)[1, head, :count], getattr(exact, field)[1, head, :count]), field
+    tiles = -(-exact.length[1] // OUTLIER_TILE_TOKENS)
+    assert torch.equal(fast.outlier_offsets[1, :, :tiles], exact.outlier_offsets[1, :, :tiles])

@@ -1,0 +1,120 @@
+"""The tensor-core decode kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core) on a CUDA GPU, at
+bench_decode.py's shapes and with its method: latency (median of CUDA-event timings, L2 flushed before every timed
+launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
+bandwidth, speedup over torch SDPA in fp16.
+
+Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Variants: fp16 rows, and KIVI-style
+uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), each
+with the launcher's split plan and two fixed split sizes. Before timing, every variant's output is checked against
+torch SDPA (float32) over the stores' decoded rows at the benchmark shape.
+
+Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128]
+Writes benchmarks/results/decode_tc_<device>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed  # noqa: E402
+from common import provenance, write_markdown, write_result  # noqa: E402
+
+BATCH, LENGTH = 8, 32768
+SPLITS = (None, 512, 2048, 4096)  # None: the launcher's plan
+
+
+def variants() -> dict:
+    from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+
+    table = {"fp16": None}
+    for bits, group in ((4, 128), (4, 32), (2, 128), (2, 64)):
+        table[f"int{bits}-g{group}"] = (ChannelBlockUniform(bits, group), TokenUniform(bits, group))
+    return table
+
+
+def filled_stores(codecs, batch: int, length: int):
+    """K and V stores of `length` random N(0, 1) tokens per sequence (torch codecs on the GPU)."""
+    from kvcal.runtime.store import Fp16Rows, PackedRows
+
+    stores = []
+    for side in range(2):
+        store = Fp16Rows(batch, WIDTH, "cuda") if codecs is None else PackedRows(codecs[side], batch, WIDTH, "cuda")
+        generator = torch.Generator(device="cuda").manual_seed(side)
+        for b in range(batch):
+            store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))
+        stores.append(store)
+    return stores
+
+
+def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int) -> float:
+    """Largest |out - SDPA over the decoded rows| (float32)."""
+    if hasattr(keys, "words"):
+        k, v = keys.decoded(length), values.decoded(length)
+    else:
+        k, v = keys.data[:, :length].float(), values.data[:, :length].float()
+    k = k.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    v = v.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
+    del k, v
+    return (out - want[:, :, 0]).abs().max().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_tc.py needs a CUDA GPU; nothing was measured")
+    from kvcal.runtime import tensor_core
+
+    started = provenance()
+    bandwidth = copy_bandwidth()
+    sdpa = sdpa_seconds(BATCH, LENGTH, args.iters)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
+    rows = []
+    for name, codecs in variants().items():
+        if args.only and name not in args.only.split(","):
+            continue
+        keys, values = filled_stores(codecs, BATCH, LENGTH)
+        query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda")
+        read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
+        error = None
+        for per_split in SPLITS:
+            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split)
+            if error is None:
+                error = checked(run().clone(), query, keys, values, LENGTH)
+                torch.cuda.empty_cache()
+            seconds = timed(run, args.iters)
+            rows.append({"variant": name, "batch": BATCH, "tokens": LENGTH, "per_split": run.per_split, "splits": run.splits,
+                         "plan": "launcher" if per_split is None else "fixed",
+                         "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
+                         "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
+                         "sdpa_fp16_latency_us": round(sdpa * 1e6, 2), "speedup_vs_sdpa_fp16": round(sdpa / seconds, 2),
+                         "max_abs_error_vs_sdpa_fp32": round(error, 6)})
+            print(rows[-1], flush=True)
+        del keys, values
+        torch.cuda.empty_cache()
+    device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    name = f"decode_tc_{device}"
+    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
+                        "head_dim": HEAD_DIM, "iterations": args.iters, "results": rows}, started)
+    lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed; "
+             "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
+             "| variant | B | L | tokens/split (plan) | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup | max err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | "
+              f"{r['bandwidth_gbps']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['sdpa_fp16_latency_us']} | "
+              f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} |" for r in rows]
+    write_markdown(name, lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,547 @@
+// Decode attention on tensor cores (one query token per sequence) over fp16 rows or KIVI-style uniform
+// int4 / int2 codes, split over the sequence with a log-sum-exp merge. A first step of issue 12: the cache
+// layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py "lsb");
+// no pre-RoPE keys, outliers, codebooks or sink / recent segments yet. kvcal/runtime/tensor_core.py launches it.
+//
+// Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
+// tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks; zero fill past the end);
+// warp w computes tokens 16w .. 16w + 15 of each stage with its own online softmax (log2 domain), and the
+// four warps merge through shared memory at the end into one (partial output, lse) per split.
+//
+// Matrix mapping (m16n8k16, fp16 operands, fp32 accumulation; g = lane / 4, t = lane % 4):
+//  S = Q K^T, query heads in M: A = the GQA group's query rows (rows >= GQA and 8..15 are zero), B = K^T
+//    (n = 8 tokens). Lane (g, t) gets S[head g][token 2t, 2t+1] of each 8-token n-tile.
+//  O^T = V^T P^T, query heads in N: A = V^T (16 channels x 16 tokens), B = P^T: b[0] = P[head g][token 2t, 2t+1]
+//    is exactly what S's accumulator holds, so P never leaves registers. Lane (g, t) accumulates
+//    O^T[channel row g, g + 8 of each m-tile][head 2t, 2t+1].
+//  The reduction index k of Q K^T is a free permutation of the channels (Q is permuted the same way), and the
+//    M index of V^T a free permutation of output channels (undone when the output is written), so each lane
+//    converts whole words of codes with kernels/intrinsics.cuh's magic-number converters straight into fragments:
+//    keys: lane t converts channels [t D/4, (t+1) D/4) of token g of the n-tile (one 16/8/4-byte shared load);
+//    values: two tokens' words are interleaved by one prmt per 16 bits ({token 2t's codes, token 2t+1's codes}),
+//    so that the converter's half2 outputs are (token pair, channel) fragments.
+//  Keys (ChannelBlockUniform, per-channel scale s and zero z per block of KG tokens): q . k = sum (q s) code + sum q z:
+//    Q' = q * s (fp16 pairs) is rebuilt when a warp enters a new key block, and bias = Q . z (one mma per 16
+//    channels) initialises the score accumulators.
+//  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
+//    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
+#include "intrinsics.cuh"
+
+namespace tc {
+
+constexpr int WARPS = 4, THREADS = WARPS * 32, ST = 64, TPW = ST / WARPS;
+constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u;
+
+#ifdef KVCAL_HOST_EMULATION
+inline float shfl_idx(float x, int lane) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    bits = emulation::exchange_in_warp(bits, (unsigned)lane);
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+inline float ex2(float x) { return exp2f(x); }
+inline float lg2(float x) { return log2f(x); }
+inline unsigned pack_half2(float lo, float hi) { return (unsigned)round_to_half(lo) | (unsigned)round_to_half(hi) << 16; }
+template <int N>
+inline void load_words(unsigned (&w)[N], const void* p) { std::memcpy(w, p, 4 * N); }
+#define TC_SHARED_ARRAY(name, bytes) __shared__ uint4 name[(bytes) / 16]
+#else
+__device__ __forceinline__ float shfl_idx(float x, int lane) { return __shfl_sync(0xffffffffu, x, lane); }
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float lg2(float x) { return log2f(x); }
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    unsigned d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // the first source goes to the upper half
+    return d;
+}
+template <int N>
+__device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            const uint4 v = static_cast<const uint4*>(p)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (N == 2) {
+        const uint2 v = *static_cast<const uint2*>(p);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = static_cast<const unsigned*>(p)[i];
+    }
+}
+#define TC_SHARED_ARRAY(name, bytes) extern __shared__ uint4 name[]
+#endif
+
+__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
+
+// kvcal.quantizers.scale_in_use: stored scales clamp to 2^-24 (fp16 bits 0x0001); both halves of a pair.
+__device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) {
+    const unsigned lo = (s & 0x7FFFu) ? (s & 0xFFFFu) : 1u, hi = (s & 0x7FFF0000u) ? (s >> 16) : 1u;
+    return lo | hi << 16;
+}
+
+// The halves i0 and i1 (compile-time after unrolling) of the word array w, as one pair {w[i0], w[i1]}.
+template <int N>
+__device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, int i1) {
+    const unsigned selector = (unsigned)((i0 & 1) * 2) | (unsigned)((i0 & 1) * 2 + 1) << 4 | (unsigned)(4 + (i1 & 1) * 2) << 8 |
+                              (unsigned)(5 + (i1 & 1) * 2) << 12;
+    return prmt(w[i0 >> 1], w[i1 >> 1], selector);
+}
+
+template <int D, int BITS, int KG, int VG>
+struct Shape {
+    static constexpr bool FP16 = BITS == 16;
+    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? 6 : 8);
+    static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
+    static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
+    // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
+    static constexpr int KBLOCKS = FP16 ? 0 : (KG >= ST ? 1 : ST / KG);
+    static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
+    static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
+    static constexpr int K_BYTES = ST * ROW, V_BYTES = ST * ROW;
+    static constexpr int KP_BYTES = FP16 ? 0 : KBLOCKS * 2 * D * 2;            // [block][scale, zero][D] fp16
+    static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
+    static constexpr int VP_BYTES = (VP_HALVES * 2 + 15) / 16 * 16;
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES;
+    static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
+    // the unscaled query fragments, [pair][lane] words, reread when a warp enters a new key block (not kept in registers)
+    static constexpr int Q_BYTES = FP16 ? 0 : D / 8 * 32 * 4;
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES;
+    static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
+    static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
+    // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
+    // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps)
+    static constexpr int MIN_BLOCKS = FP16 ? 2 : (KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(FP16 || BITS == 4 || BITS == 2, "fp16, int4 or int2");
+    static_assert(FP16 || (KG % TPW == 0 && (KG >= ST ? KG % ST == 0 : ST % KG == 0)), "key blocks of a multiple of 16 tokens");
+    static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
+    static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
+};
+
+// Channel of lane t's key pair p, element e (the k index of both Q K^T operands).
+template <int D, int BITS>
+__device__ __forceinline__ int key_channel(int t, int p, int e) {
+    if constexpr (BITS == 16) {
+        return 16 * (p >> 1) + 8 * (p & 1) + 2 * t + e;  // ldmatrix order: k-step p / 2, register p % 2
+    } else {
+        constexpr int CODES = 32 / BITS, HALF = CODES / 2;
+        return t * (D / 4) + (p / HALF) * CODES + p % HALF + e * HALF;  // converter order of lane t's words
+    }
+}
+
+// Output channel of value m-tile mt, row g + 8 r.
+template <int D, int BITS, int VGE>
+__device__ __forceinline__ int value_channel(int g, int mt, int r) {
+    if constexpr (BITS == 16) {
+        return 16 * mt + 8 * r + g;
+    } else {
+        constexpr int MPG = VGE / 16, LANE_V = VGE / 8;
+        return (mt / MPG) * VGE + g * LANE_V + 2 * (mt % MPG) + r;
+    }
+}
+
+}  // namespace tc
+
+// query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
+// (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
+// (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters (batch, capacity, groups) fp16,
+// strides in halves. meta (batch, 2) int32: first row, tokens. per_split tokens (a multiple of ST) per split.
+// out_partial (batch, heads, splits, D) float32, normalised; lse_partial (batch, heads, splits) in log2 units.
+template <int D, int BITS, int KG, int VG, int GQA>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_BLOCKS) decode_tc(
+    const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
+    const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
+    const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
+    float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
+    long long v_row, long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, int kv_heads, int per_split,
+    int splits, float scale_log2) {
+    using namespace tc;
+    using S = Shape<D, BITS, KG, VG>;
+    static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
+    constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
+    constexpr int KSTEPS = D / 16, MTILES = D / 16;
+    TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
+    unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
+
+    const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int first = meta[2 * b], length = meta[2 * b + 1];
+    const int start = split * per_split, end = min(start + per_split, length);
+    const long long out_row = (long long)b * heads + (long long)kvh * GQA;
+    if (start >= end) {  // an empty split (a short sequence): nothing to merge
+        for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * splits + split) * D + i % D] = 0.0f;
+        if (tid < GQA) lse_partial[(out_row + tid) * splits + split] = -__int_as_float(0x7f800000);
+        return;
+    }
+    const int tiles = (end - start + ST - 1) / ST;
+    const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
+    const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
+
+    // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
+    auto issue = [&](int tile) {
+        unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
+        const int t0 = start + tile * ST;
+        // compile-time trip counts: every thread's copies unroll into straight-line code, offsets within a stage in 32 bits
+        constexpr int CHUNKS = S::ROW / 16, COPIES = ST * CHUNKS;
+        const unsigned char* const k_tile = k_base + (long long)(first + t0) * k_row;
+        const unsigned char* const v_tile = v_base + (long long)(first + t0) * v_row;
+#pragma unroll
+        for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
+            const int c = tid + i * THREADS;
+            if (COPIES % THREADS == 0 || c < COPIES) {
+                const int token = c / CHUNKS, chunk = c % CHUNKS;
+                const bool live = t0 + token < end;
+                // fp16 rows are read by ldmatrix: 16-byte chunks XOR-swizzled by token % 8 (no bank conflicts)
+                const int place = S::FP16 ? (chunk ^ (token & 7)) : chunk;
+                cp_async_16(buffer + token * S::ROW + place * 16, live ? k_tile + (token * (int)k_row + chunk * 16) : k_base,
+                            live ? 16 : 0);
+                cp_async_16(buffer + S::K_BYTES + token * S::ROW + place * 16,
+                            live ? v_tile + (token * (int)v_row + chunk * 16) : v_base, live ? 16 : 0);
+            }
+        }
+        if constexpr (!S::FP16) {
+            constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
+#pragma unroll
+            for (int i = 0; i < (PCOPIES + THREADS - 1) / THREADS; ++i) {
+                const int c = tid + i * THREADS;
+                if (PCOPIES % THREADS == 0 || c < PCOPIES) {
+                    const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
+                    const int first_token = t0 + block * KG;  // KBLOCKS > 1 only when KG < ST
+                    const bool live = first_token < end;
+                    const unsigned short* const source = which ? key_zero : key_scale;
+                    const long long offset = live ? b * kp_seq + (long long)(first_token / KG) * kp_row + (long long)kvh * D : 0;
+                    cp_async_16(buffer + 2 * S::K_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
+                                reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
+                }
+            }
+        }
+    };
+    // value token parameters go through registers (their rows are not 16-byte chunks): loaded with the stage's copies
+    // at iteration i, stored to shared memory at iteration i + 1, so a whole iteration hides their latency
+    constexpr int VPN = S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1;
+    auto load_value_params = [&](int tile, unsigned short (&vp_staged)[VPN]) {
+        if constexpr (!S::FP16) {
+            const int t0 = start + tile * ST;
+#pragma unroll
+            for (int i = 0; i < S::VP_PER_THREAD; ++i) {
+                const int e = tid + i * THREADS;
+                unsigned short v = 0;
+                if (e < S::VP_HALVES) {
+                    const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST, row = t0 + token;
+                    const int column = (kvh * D + group * S::VGE) / VG;
+                    if (row < end) v = __ldg((which ? value_zero : value_scale) + b * vp_seq + (long long)(first + row) * vp_row + column);
+                }
+                vp_staged[i] = v;
+            }
+        }
+    };
+    auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[VPN]) {
+        if constexpr (!S::FP16) {
+            unsigned short* const vp = reinterpret_cast<unsigned short*>(smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES);
+#pragma unroll
+            for (int i = 0; i < S::VP_PER_THREAD; ++i)
+                if (tid + i * THREADS < S::VP_HALVES) vp[tid + i * THREADS] = vp_staged[i];
+        }
+    };
+
+    // ---- the query rows of the group as A fragments (fp16 pairs in key_channel order, log2(e) / sqrt(d) folded in) ----
+    unsigned qk[PAIRS];
+    unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::STAGES * S::STAGE_BYTES);
+    {
+        const float* const q = query + (out_row + g) * D;
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) {
+            float x0 = 0.0f, x1 = 0.0f;
+            if (g < GQA) {
+                x0 = q[key_channel<D, BITS>(t, p, 0)] * scale_log2;
+                x1 = q[key_channel<D, BITS>(t, p, 1)] * scale_log2;
+            }
+            qk[p] = pack_half2(x0, x1);
+            if constexpr (!S::FP16)
+                if (warp == 0) q_shared[p * 32 + lane] = qk[p];  // read after the pipeline's first barrier
+        }
+    }
+    float bias = 0.0f;  // Q . zero of the current key block, head g
+    int key_block = -1;
+
+    float o[MTILES][4];
+#pragma unroll
+    for (int i = 0; i < MTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS];
+#pragma unroll
+    for (int i = 0; i < S::VGROUPS; ++i) zsum[i] = 0.0f;
+
+    // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; value parameters of all but the last stored here ----
+    unsigned short pending[VPN], early[S::STAGES - 2][VPN];
+#pragma unroll
+    for (int s = 0; s < S::STAGES - 1; ++s) {
+        if (s < tiles) {
+            issue(s);
+            if (s < S::STAGES - 2) load_value_params(s, early[s]);
+            else load_value_params(s, pending);
+        }
+        cp_async_commit();
+    }
+#pragma unroll
+    for (int s = 0; s < S::STAGES - 2; ++s)
+        if (s < tiles) store_value_params(s, early[s]);
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        cp_async_wait<S::STAGES - 2>();
+        __syncthreads();  // stage `tile` landed for every thread; buffer (tile - 1) % STAGES is free
+        if (tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);  // fetched an iteration ago
+        const int ahead = tile + S::STAGES - 1;
+        if (ahead < tiles) {
+            issue(ahead);
+            load_value_params(ahead, pending);
+        }
+        cp_async_commit();
+
+        const unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
+        const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's 16 tokens
+        if (token0 < end) {
+            // -- key block parameters: Q' = q * scale and bias = Q . zero, when the warp enters a new block --
+            if constexpr (!S::FP16) {
+                const int block = token0 / KG;
+                if (block != key_block) {
+                    key_block = block;
+                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (KG >= ST ? 0 : tb / KG) * 2 * D * 2;
+                    unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
+                    load_words(sw, kp + t * (D / 4) * 2);
+                    load_words(zw, kp + D * 2 + t * (D / 4) * 2);
+                    float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    unsigned z2[PAIRS];
+#pragma unroll
+                    for (int p = 0; p < PAIRS; ++p) {
+                        constexpr int HALF = S::HALF_CODES;
+                        const int i0 = (p / HALF) * S::CODES + p % HALF, i1 = i0 + HALF;
+                        z2[p] = half_pair(zw, i0, i1);
+                    }
+#pragma unroll
+                    for (int s = 0; s < KSTEPS; ++s) {
+                        const unsigned q0 = q_shared[2 * s * 32 + lane], q1 = q_shared[(2 * s + 1) * 32 + lane];
+                        const unsigned a[4] = {q0, 0u, q1, 0u}, bz[2] = {z2[2 * s], z2[2 * s + 1]};
+                        mma_m16n8k16_f16(bacc, a, bz);
+                        constexpr int HALF = S::HALF_CODES;
+                        const int i0 = (2 * s / HALF) * S::CODES + 2 * s % HALF, j0 = ((2 * s + 1) / HALF) * S::CODES + (2 * s + 1) % HALF;
+                        qk[2 * s] = hmul2(q0, clamp_scale_pair(half_pair(sw, i0, i0 + HALF)));
+                        qk[2 * s + 1] = hmul2(q1, clamp_scale_pair(half_pair(sw, j0, j0 + HALF)));
+                    }
+                    bias = bacc[0];
+                }
+            }
+            // -- S = Q K^T for two n-tiles of 8 tokens --
+            float sc[2][2];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                // two accumulators (even / odd k-steps) halve the chain of dependent mma
+                float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if constexpr (S::FP16) {
+#pragma unroll
+                    for (int s2 = 0; s2 < KSTEPS / 2; ++s2) {
+                        const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
+                        unsigned r[4];
+                        ldmatrix_x4(r, buffer + row * S::ROW + ((chunk ^ (row & 7)) * 16));
+                        const unsigned a0[4] = {qk[4 * s2], 0u, qk[4 * s2 + 1], 0u}, b0[2] = {r[0], r[1]};
+                        mma_m16n8k16_f16(acc, a0, b0);
+                        const unsigned a1[4] = {qk[4 * s2 + 2], 0u, qk[4 * s2 + 3], 0u}, b1[2] = {r[2], r[3]};
+                        mma_m16n8k16_f16(acc2, a1, b1);
+                    }
+                } else {
+                    constexpr int WORDS = D * BITS / 128;  // lane t's words of token g: D / 4 channels
+                    unsigned w[WORDS], kf[PAIRS];
+                    load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
+#pragma unroll
+                    for (int i = 0; i < WORDS; ++i) {
+                        if constexpr (BITS == 4) {
+                            unsigned out[4];
+                            u4_to_half2(w[i], out);
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) kf[4 * i + j] = out[j];
+                        } else {
+                            unsigned out[8];
+                            u2_to_half2(w[i], out);
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) kf[8 * i + j] = out[j];
+                        }
+                    }
+#pragma unroll
+                    for (int s = 0; s < KSTEPS; ++s) {
+                        const unsigned a[4] = {qk[2 * s], 0u, qk[2 * s + 1], 0u}, bk[2] = {kf[2 * s], kf[2 * s + 1]};
+                        mma_m16n8k16_f16((s & 1) ? acc2 : acc, a, bk);
+                    }
+                }
+                const int token = token0 + 8 * nt + 2 * t;
+                sc[nt][0] = token < end ? acc[0] + acc2[0] : -__int_as_float(0x7f800000);
+                sc[nt][1] = token + 1 < end ? acc[1] + acc2[1] : -__int_as_float(0x7f800000);
+            }
+            // -- online softmax of head g over these 16 tokens (log2 domain) --
+            float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m, mx), m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
+            // rescale only when some head's maximum grew (warp-uniform; otherwise alpha is exactly 1, or l = o = 0)
+            const bool grew = __ballot_sync(0xffffffffu, m_new > m) != 0u;
+            float alpha = 1.0f;
+            if (grew) {
+                alpha = ex2(m - m_use);
+                const float alpha0 = shfl_idx(alpha, 8 * t), alpha1 = shfl_idx(alpha, 8 * t + 4);  // heads 2t, 2t+1
+#pragma unroll
+                for (int i = 0; i < MTILES; ++i) o[i][0] *= alpha0, o[i][1] *= alpha1, o[i][2] *= alpha0, o[i][3] *= alpha1;
+            }
+            float p[2][2];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) p[nt][0] = ex2(sc[nt][0] - m_use), p[nt][1] = ex2(sc[nt][1] - m_use);
+            l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+            m = m_new;
+            // -- O^T += V^T P^T --
+            if constexpr (S::FP16) {
+                const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
+#pragma unroll
+                for (int mt = 0; mt < MTILES; ++mt) {
+                    const int i = lane >> 3, row = tb + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
+                    unsigned a[4];
+                    ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::ROW + ((chunk ^ (row & 7)) * 16));
+                    mma_m16n8k16_f16(o[mt], a, bp);
+                }
+            } else {
+                const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
+                const unsigned char* const vrow = buffer + S::K_BYTES + (tb + 2 * t) * S::ROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
+                constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
+#pragma unroll
+                for (int group = 0; group < S::VGROUPS; ++group) {
+                    // P' = P * scale (per token), and the zero points' running sum
+                    unsigned bp[2];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int token = tb + 2 * t + 8 * half;
+                        const float s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
+                        const float s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
+                        const float z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
+                        const float z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
+                        bp[half] = pack_half2(p[half][0] * s0, p[half][1] * s1);
+                        zsum[group] = (half ? zsum[group] : zsum[group] * alpha) + p[half][0] * z0 + p[half][1] * z1;
+                    }
+                    // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
+                    const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
+                    unsigned vf[2][S::LANE_V];  // [rows 2t/2t+1 or 2t+8/2t+9][code n]: {token even, token odd}
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const unsigned char* const r0 = vrow + 8 * half * S::ROW;
+                        unsigned c16[CHUNKS16];
+                        if constexpr (LANE_BITS == 16) {
+                            const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
+                            const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::ROW + (bit0 >> 5) * 4);
+                            c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
+                        } else {
+                            constexpr int NW = LANE_BITS / 32;
+                            unsigned wa[NW], wb[NW];
+                            load_words(wa, r0 + (bit0 >> 3));
+                            load_words(wb, r0 + S::ROW + (bit0 >> 3));
+#pragma unroll
+                            for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
+                        }
+#pragma unroll
+                        for (int k = 0; k < CHUNKS16; ++k) {
+                            if constexpr (BITS == 4) {
+                                unsigned out[4];
+                                u4_to_half2(c16[k], out);
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) vf[half][k * PER16 + j] = out[j];
+                            } else {
+                                unsigned out[8];
+                                u2_to_half2(c16[k], out);
+#pragma unroll
+                                for (int j = 0; j < 8; ++j) vf[half][k * PER16 + j] = out[j];
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
+                        const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
+                        mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- merge the four warps through shared memory into this split's (output, lse) ----
+    cp_async_wait<0>();
+    __syncthreads();
+    float* const merge_o = reinterpret_cast<float*>(smem);                 // [warp][8 heads][D]
+    float* const merge_m = merge_o + WARPS * 8 * D;                        // [warp][8]
+    float* const merge_l = merge_m + WARPS * 8;                            // [warp][8]
+    float* const merge_z = merge_l + WARPS * 8;                            // [warp][8][VGROUPS]
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (int i = 0; i < S::VGROUPS; ++i) {
+        zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 1);
+        zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 2);
+    }
+    if (t == 0) {
+        merge_m[warp * 8 + g] = m;
+        merge_l[warp * 8 + g] = l;
+#pragma unroll
+        for (int i = 0; i < S::VGROUPS; ++i) merge_z[(warp * 8 + g) * S::VGROUPS + i] = zsum[i];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, BITS, S::VGE>(g, mt, e >> 1)] = o[mt][e];
+    __syncthreads();
+    for (int i = tid; i < GQA * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        float most = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) most = fmaxf(most, merge_m[w * 8 + h]);
+        float total = 0.0f, value = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = merge_m[w * 8 + h];
+            const float f = mw == -__int_as_float(0x7f800000) ? 0.0f : ex2(mw - most);
+            total += merge_l[w * 8 + h] * f;
+            float x = merge_o[(w * 8 + h) * D + d];
+            if constexpr (!S::FP16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
+            value += x * f;
+        }
+        out_partial[((out_row + h) * splits + split) * D + d] = value / total;
+        if (d == 0) lse_partial[(out_row + h) * splits + split] = most + lg2(total);
+    }
+}
+
+// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse), normalised; zeros where no split saw a token.
+extern "C" __global__ void merge_tc_splits(const float* __restrict__ out_partial, const float* __restrict__ lse_partial,
+                                           float* __restrict__ out, int splits, int head_dim) {
+    const long long row = blockIdx.x;
+    float most = -__int_as_float(0x7f800000);
+    for (int s = 0; s < splits; ++s) most = fmaxf(most, lse_partial[row * splits + s]);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float total = 0.0f, value = 0.0f;
+        if (most != -__int_as_float(0x7f800000)) {
+            for (int s = 0; s < splits; ++s) {
+                const float lse = lse_partial[row * splits + s];
+                if (lse == -__int_as_float(0x7f800000)) continue;
+                const float w = tc::ex2(lse - most);
+                total += w;
+                value += w * out_partial[(row * splits + s) * head_dim + c];
+            }
+        }
+        out[row * head_dim + c] = total > 0.0f ? value / total : 0.0f;
+    }
+}

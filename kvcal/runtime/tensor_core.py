@@ -1,0 +1,273 @@
+"""Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
+cache (kvcal.runtime.store.Fp16Rows) or a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
+ChannelBlockUniform keys and TokenUniform values, "lsb" packing), head_dim 64 or 128, 1-8 query heads per KV head.
+
+A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no pre-RoPE keys, outliers,
+codebooks, 3-bit codes or sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
+(the CPU emulation in tests/test_tensor_core_decode.py calls the same kernel with the same arguments);
+`decode_attention_tc` launches it with CuPy on torch's current stream, split over the sequence, and merges the
+splits with `merge_tc_splits`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.runtime import kernel_source as src
+
+MODULE = "decode_attention_tc.cu"
+THREADS, WARPS, STAGE_TOKENS = 128, 4, 64  # tc::THREADS, tc::WARPS, tc::ST
+HEAD_DIMS = (64, 128)
+GQA_SIZES = tuple(range(1, 9))
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Variant:
+    head_dim: int
+    bits: int  # 16: fp16 rows; 4 or 2: uniform codes
+    key_group: int  # tokens per key block (0 for fp16)
+    value_group: int  # channels per value group (0 for fp16)
+    gqa: int
+
+    @property
+    def name(self) -> str:
+        return f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}>"
+
+    def check(self) -> None:
+        """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
+        d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in (16, 4, 2):
+            raise KvcalError(f"no tensor-core decode kernel for {self}")
+        if bits != 16:
+            vge = min(vg, d)
+            if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
+                raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
+            if (vg % d and d % vg) or vge // 8 * bits < 16:
+                raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
+
+    def shared_bytes(self) -> int:
+        """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
+        d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
+        fp16 = bits == 16
+        stages = 3 if fp16 else (6 if bits == 4 else 8)
+        row = d * bits // 8
+        kblocks = 0 if fp16 else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)
+        vgroups = 1 if fp16 else d // min(vg, d)
+        vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
+        stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + (vp_halves * 2 + 15) // 16 * 16
+        merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
+        query = 0 if fp16 else d // 8 * 32 * 4
+        return max(stages * stage + query, merge)
+
+
+def variants() -> list[Variant]:
+    """Every variant this module may launch (the NVRTC compile check covers them all)."""
+    out = []
+    for d in HEAD_DIMS:
+        for gqa in GQA_SIZES:
+            out.append(Variant(d, 16, 0, 0, gqa))
+            for bits in (4, 2):
+                for group in (32, 64, 128):
+                    v = Variant(d, bits, group, group, gqa)
+                    try:
+                        v.check()
+                    except KvcalError:
+                        continue
+                    out.append(v)
+    return out
+
+
+def _is_packed(store) -> bool:
+    return hasattr(store, "words")
+
+
+def variant_for(keys, values, head_dim: int, gqa: int) -> Variant:
+    """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows of ChannelBlockUniform keys and
+    TokenUniform values with equal code widths ("lsb" layout)."""
+    if not _is_packed(keys) and not _is_packed(values):
+        v = Variant(head_dim, 16, 0, 0, gqa)
+    elif _is_packed(keys) and _is_packed(values):
+        kc, vc = keys.codec, values.codec
+        if not (isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)) or int(kc.bits) != int(vc.bits):
+            raise KvcalError(f"the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values of one width, not {kc}, {vc}")
+        if keys.layout != "lsb" or values.layout != "lsb":
+            raise KvcalError("the tensor-core kernel reads the 'lsb' packing")
+        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa)
+    else:
+        raise KvcalError("keys and values must both be fp16 rows or both packed")
+    v.check()
+    return v
+
+
+def _stores_lengths(keys, values, lengths: list[int] | None) -> tuple[list[int], list[int]]:
+    """(first row, tokens) per sequence. lengths: attend to only the first lengths[b] stored tokens (default: all)."""
+    batch = len(keys.length)
+    first = list(keys.head) if hasattr(keys, "head") else [0] * batch
+    if hasattr(values, "head") and list(values.head) != first:
+        raise KvcalError("fp16 key and value rows must start at the same row")
+    stored = [min(k, v) for k, v in zip(keys.length, values.length)]
+    if lengths is None:
+        if list(keys.length) != list(values.length):
+            raise KvcalError("keys and values hold different numbers of tokens")
+        lengths = stored
+    if any(n > s for n, s in zip(lengths, stored)):
+        raise KvcalError(f"lengths {lengths} exceed the stored tokens {stored}")
+    return first, list(lengths)
+
+
+def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[int, int]:
+    if t is None or t.numel() == 0:
+        return 0, 0
+    scale = t.element_size() if in_bytes else 1
+    return t.stride(0) * scale, t.stride(1) * scale
+
+
+def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, splits: int,
+             out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor) -> tuple:
+    """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
+    (batch, 2) tensor of `meta_rows`. Tensors must be contiguous and on the kernel's device."""
+    packed = _is_packed(keys)
+    k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
+    ks = keys.blocks.get("scale") if packed else None
+    kz = keys.blocks.get("zero") if packed else None
+    vs = values.token.get("scale") if packed else None
+    vz = values.token.get("zero") if packed else None
+    for t in (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial):
+        if t is not None and t.numel() and not t.is_contiguous():
+            raise KvcalError("the tensor-core kernel reads contiguous buffers")
+    k_seq, k_row = _strides(k_data, True)
+    v_seq, v_row = _strides(v_data, True)
+    kp_seq, kp_row = _strides(ks, False)
+    vp_seq, vp_row = _strides(vs, False)
+    return (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial, k_seq, k_row, v_seq, v_row, kp_seq, kp_row,
+            vp_seq, vp_row, kv_heads, per_split, splits, float(scaling * LOG2E))
+
+
+def meta_rows(keys, values, lengths: list[int] | None = None) -> list[list[int]]:
+    first, n = _stores_lengths(keys, values, lengths)
+    return [[f, c] for f, c in zip(first, n)]
+
+
+def split_plan(lengths: list[int], pairs: int, slots: int, waves: int = 4) -> tuple[int, int]:
+    """(tokens per split, splits): splits of whole 64-token stages such that `pairs` (sequence, KV head) times the
+    splits fill about `waves` waves of `slots` resident blocks."""
+    longest = max(lengths, default=0)
+    if longest == 0:
+        return STAGE_TOKENS, 1
+    wanted = max(1, round(waves * slots / max(pairs, 1)))
+    per_split = math.ceil(math.ceil(longest / wanted) / STAGE_TOKENS) * STAGE_TOKENS
+    return per_split, math.ceil(longest / per_split)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA (CuPy)
+
+@functools.cache
+def _module(name: str):
+    """One module per kernel name: NVRTC compiles only the variants a process launches (all of them take minutes)."""
+    import cupy
+
+    options = (*src.OPTIONS, f"--include-path={src.KERNEL_DIR}")
+    return cupy.RawModule(code=src.source(MODULE), options=options, name_expressions=[name])
+
+
+@functools.cache
+def _function(name: str, shared: int = 0):
+    function = _module(name).get_function(name)
+    if shared > 48 * 1024:  # beyond the default dynamic shared memory: opt in (cuFuncSetAttribute)
+        function.max_dynamic_shared_size_bytes = shared
+    return function
+
+
+@functools.cache
+def _slots(name: str, shared: int, device_index: int) -> int:
+    """Blocks of `name` resident on the whole device at once."""
+    import cupy
+
+    function = _function(name, shared)
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    try:
+        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, THREADS, shared)
+    except Exception:  # noqa: BLE001 - an older CuPy without the binding: a conservative guess
+        per_sm = 2
+    return sms * max(int(per_sm), 1)
+
+
+def _arg(x):
+    if isinstance(x, torch.Tensor):
+        return np.uint64(x.data_ptr())
+    if x is None:
+        return np.uint64(0)
+    if isinstance(x, float):
+        return np.float32(x)
+    return np.int64(x) if abs(x) >= 2**31 else np.int32(x)
+
+
+def _launch(function, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
+    import cupy
+
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        function(grid, block, args, shared_mem=shared)
+
+
+def _kernel_args(ops: tuple) -> tuple:
+    out = []
+    for i, x in enumerate(ops):
+        if 10 <= i < 18:  # the strides are long long
+            out.append(np.int64(x))
+        else:
+            out.append(_arg(x))
+    return tuple(out)
+
+
+def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, lengths: list[int] | None = None,
+                      per_split: int | None = None):
+    """Everything on the host (variant, split plan, buffers, arguments); returns the function that launches the
+    kernel and the merge and returns (batch, heads, head_dim) float32. Benchmarks time that function alone."""
+    batch, heads, head_dim = query.shape
+    if heads % kv_heads:
+        raise KvcalError(f"{heads} query heads do not divide into {kv_heads} KV heads")
+    v = variant_for(keys, values, head_dim, heads // kv_heads)
+    device = query.device
+    rows = meta_rows(keys, values, lengths)
+    n = [c for _, c in rows]
+    shared = v.shared_bytes()
+    if per_split is None:
+        per_split, splits = split_plan(n, batch * kv_heads, _slots(v.name, shared, device.index or 0))
+    else:
+        if per_split % STAGE_TOKENS:
+            raise KvcalError(f"splits hold whole stages of {STAGE_TOKENS} tokens")
+        splits = max(1, math.ceil(max(n, default=0) / per_split))
+    query = query.float().contiguous()
+    meta = torch.tensor(rows, dtype=torch.int32).to(device)
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
+    out_partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=device)
+    lse_partial = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
+    args_source = operands(query, keys, values, kv_heads, scaling, per_split, splits, out_partial, lse_partial, meta)
+    args = _kernel_args(args_source)
+    kernel = _function(v.name, shared)
+    merge = _function("merge_tc_splits")
+
+    def run() -> torch.Tensor:
+        _launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+        _launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
+                                                         np.uint64(out.data_ptr()), np.int32(splits), np.int32(head_dim)))
+        return out
+
+    run.splits, run.per_split = splits, per_split
+    run.operands = args_source  # the kernel reads these buffers by pointer: they live as long as `run`
+    return run
+
+
+def decode_attention_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, lengths: list[int] | None = None,
+                        per_split: int | None = None) -> torch.Tensor:
+    """Attention of query (batch, heads, head_dim) over each sequence's stored tokens (or its first lengths[b]);
+    (batch, heads, head_dim) float32, zeros for a sequence without tokens."""
+    return prepare_decode_tc(query, keys, values, kv_heads, scaling, lengths, per_split)()

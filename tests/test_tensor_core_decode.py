@@ -1,0 +1,275 @@
+"""kernels/decode_attention_tc.cu (the tensor-core decode kernel, launched by kvcal.runtime.tensor_core):
+
+- the CPU emulator (tests/kernel_emulation: fibers, and the PTX models of mma / ldmatrix / cp.async / lop3 / prmt)
+  runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
+  in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
+  tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
+  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3;
+- the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
+- NVRTC compiles every variant for sm_80 and sm_90 without spills;
+- where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.runtime import kernel_source, tensor_core
+from kvcal.runtime.store import Fp16Rows, PackedRows
+from kvcal.runtime.tensor_core import Variant
+
+EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
+KERNEL = kernel_source.KERNEL_DIR / tensor_core.MODULE
+FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
+TOLERANCE = 2e-3
+G = 128  # the key block of the int4 / int2 cases (KIVI's group); lengths around it
+LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six splits of 128 tokens
+PER_SPLIT = 128
+KV_HEADS = 2
+CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64)}
+
+# the variants the emulation runs: (codec, head_dim, gqa, batch)
+CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
+         + [(c, d, gqa, "3") for c in ("int4", "int2") for d, gqa in ((128, 1), (128, 2), (128, 4), (128, 8), (64, 4))]
+         + [(c, 128, 4, batch) for c in ("fp16", "int4", "int2") for batch in ("1", "3-edges")]
+         + [("fp16", 64, 2, "3-edges"), ("int4", 64, 8, "3-edges"), ("int2", 64, 1, "3-edges"),
+            ("int4-g32", 128, 4, "3"), ("int2-g64", 64, 4, "3")])
+
+
+def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
+    bits, kg, vg = CODECS[codec]
+    return Variant(head_dim, bits, kg, vg, gqa)
+
+
+EMULATED = sorted({variant_of(c, d, q) for c, d, q, _ in CASES}, key=lambda v: v.name)
+
+
+def symbol(v: Variant) -> str:
+    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}"
+
+
+def driver(variants: list[Variant]) -> str:
+    lines = ['#include "cuda_on_cpu.h"', '#include "decode_attention_tc.cu"', 'extern "C" {']
+    for v in variants:
+        lines.append(
+            f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
+            " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
+            " float* op, float* lp, long long a0, long long a1, long long a2, long long a3, long long a4, long long a5, long long a6,"
+            " long long a7, int kvh, int per_split, int splits, float scale) {"
+            f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, op, lp, a0, a1, a2, a3,"
+            " a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
+        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}>::SMEM_BYTES; }}")
+    lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
+                 " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("the kernel emulation needs g++")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "driver.cpp").write_text(driver(variants))
+    library = folder / "decode_tc_on_cpu.so"
+    command = [compiler, *FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
+               "-o", str(library)]
+    built = subprocess.run(command, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-6000:]
+    lib = ctypes.CDLL(str(library))
+    pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    for v in variants:
+        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 10 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
+    lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
+    return lib
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("decode-tc-emulation"), EMULATED)
+
+
+# ------------------------------------------------------------------------------------------------ stores and reference
+
+def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: int = 0, fifo_offset: int = 0):
+    """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
+    blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
+    bits, kg, vg = CODECS[codec]
+    width = KV_HEADS * head_dim
+    g = torch.Generator().manual_seed(seed)
+    if bits == 16:
+        stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
+    else:
+        stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
+                  PackedRows(TokenUniform(bits, vg), len(lengths), width, device))
+    for side, store in enumerate(stores):
+        for b, n in enumerate(lengths):
+            stored = n if bits == 16 else -(-n // kg) * kg
+            x = torch.randn(stored + fifo_offset, width, generator=g) * (1.0 + side)
+            x[:, ::7] += 2.0 * (side == 0)  # some channels with an offset, as real keys have
+            store.append(b, x.to(torch.float16).to(device))
+            if fifo_offset:
+                store.pop_front(b, fifo_offset)
+    return stores
+
+
+def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float) -> torch.Tensor:
+    """Softmax attention in float64 over each sequence's first lengths[b] decoded rows; zeros without tokens."""
+    batch, heads, d = query.shape
+    gqa = heads // KV_HEADS
+    out = torch.zeros(batch, heads, d, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        k, v = keys.read(b)[:n].double().cpu(), values.read(b)[:n].double().cpu()
+        for h in range(heads):
+            kvh = h // gqa
+            scores = (k[:, kvh * d:(kvh + 1) * d] @ query[b, h].double().cpu()) * scaling
+            out[b, h] = torch.softmax(scores, 0) @ v[:, kvh * d:(kvh + 1) * d]
+    return out
+
+
+def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT) -> torch.Tensor:
+    batch, heads, d = query.shape
+    splits = max(1, -(-max(lengths) // per_split))
+    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths), dtype=torch.int32)
+    out_partial = torch.full((batch, heads, splits, d), float("nan"))
+    lse_partial = torch.full((batch, heads, splits), float("nan"))
+    ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, splits, out_partial,
+                               lse_partial, meta)
+    args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
+    assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS) == v
+    getattr(lib, symbol(v))(splits, KV_HEADS, batch, *args)
+    out = torch.zeros(batch, heads, d)
+    lib.run_merge(batch * heads, d, out_partial.data_ptr(), lse_partial.data_ptr(), out.data_ptr(), splits, d)
+    return out
+
+
+def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
+    lengths = LENGTHS[batch]
+    keys, values = filled(codec, lengths, head_dim, fifo_offset=fifo_offset)
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
+    scaling = head_dim**-0.5
+    got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling)
+    want = reference(query, keys, values, lengths, scaling)
+    assert torch.isfinite(got).all()
+    return (got.double() - want).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------ emulation
+
+@pytest.mark.parametrize("codec,head_dim,gqa,batch", CASES)
+def test_emulated_kernel_matches_softmax_attention_over_the_decoded_stores(emulator, codec, head_dim, gqa, batch):
+    assert max_error(codec, head_dim, gqa, batch, emulator) < TOLERANCE
+
+
+def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
+    """Fp16Rows whose live rows start past row 0 (take_front / pop_front moved the head)."""
+    assert max_error("fp16", 128, 4, "3", emulator, fifo_offset=5) < TOLERANCE
+
+
+def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emulator):
+    lengths = [0, 65, 0]
+    keys, values = filled("int4", lengths, 128)
+    query = torch.randn(3, KV_HEADS * 4, 128)
+    got = run_emulated(emulator, variant_of("int4", 128, 4), query, keys, values, lengths, 0.1, per_split=64)
+    assert (got[0] == 0).all() and (got[2] == 0).all()
+    assert (got[1].double() - reference(query, keys, values, lengths, 0.1)[1]).abs().max() < TOLERANCE
+
+
+def test_the_launcher_asks_for_the_shared_memory_the_kernel_uses(emulator):
+    for v in EMULATED:
+        assert getattr(emulator, f"smem_{symbol(v)}")() == v.shared_bytes(), v
+
+
+def test_split_plans_cover_the_longest_sequence_in_whole_stages():
+    for lengths, pairs, slots in (([32768] * 8, 64, 264), ([0, 5, 70000], 24, 396), ([1], 1, 132), ([], 8, 100)):
+        per_split, splits = tensor_core.split_plan(lengths, pairs, slots)
+        assert per_split % tensor_core.STAGE_TOKENS == 0 and per_split * splits >= max(lengths, default=0)
+        assert per_split * (splits - 1) < max(lengths, default=1)
+    assert tensor_core.split_plan([32768] * 8, 64, 264) == (2048, 16)  # about 4 waves of 264 resident blocks
+
+
+MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch it
+    "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
+    "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
+    "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
+    codec, old, new = MUTANTS[name]
+    text = KERNEL.read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
+    (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
+    v = variant_of(codec, 128, 2)
+    lib = build(tmp_path / "build", [v], kernel_dir=tmp_path)
+    assert max_error(codec, 128, 2, "1", lib) > 10 * TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------ NVRTC
+
+# every (head_dim, codec, groups) the launcher serves at GQA 4, and GQA 1 / 8 of the KIVI-g128 and fp16 cases (all 97
+# variants take minutes to compile; GQA changes only the query load and the final merge)
+COMPILED = sorted({v for v in tensor_core.variants() if v.gqa == 4 or (v.gqa in (1, 8) and v.key_group in (0, 128))},
+                  key=lambda v: v.name)
+
+
+def nvrtc_report(arch: str):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings + nvidia-cuda-nvrtc-cu12) is not installed")
+    names = [v.name for v in COMPILED] + ["merge_tc_splits"]
+    compiled = kernel_source.nvrtc_compile(KERNEL.read_text(), KERNEL.name, arch, names)
+    by_mangled = {mangled: name for name, mangled in compiled.lowered.items()}
+    return {by_mangled.get(f.name, f.name): f for f in compiled.functions}
+
+
+@pytest.mark.parametrize("arch", kernel_source.ARCHITECTURES)
+def test_every_variant_compiles_with_nvrtc_without_spills(arch):
+    report = nvrtc_report(arch)
+    assert len(report) == len(COMPILED) + 1
+    spilled = {name: (f.spill_bytes, f.stack_bytes) for name, f in report.items() if f.spill_bytes or f.stack_bytes}
+    assert spilled == {}
+    print({name: f.registers for name, f in report.items()})
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+def gpu_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+gpu = pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA GPU and CuPy")
+
+
+# on the GPU: the emulated cases of GQA 1 / 4 / 8 (each variant is compiled there), and long ragged batches
+GPU_CASES = ([c for c in CASES if c[3] != "1" and c[2] in (1, 4, 8)]
+             + [("int4", 128, 4, "long"), ("int2", 128, 8, "long"), ("fp16", 128, 4, "long"), ("int4-g32", 128, 4, "long")])
+
+
+@gpu
+@pytest.mark.parametrize("codec,head_dim,gqa,batch", GPU_CASES)
+def test_gpu_kernel_matches_softmax_attention_over_the_decoded_stores(codec, head_dim, gqa, batch):
+    lengths = LENGTHS.get(batch, [4096 + 13, 0, 9000])
+    keys, values = filled(codec, lengths, head_dim, device="cuda")
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1)).cuda()
+    scaling = head_dim**-0.5
+    for per_split in (PER_SPLIT, None):  # the tests' splits, and the launcher's own plan
+        got = tensor_core.decode_attention_tc(query, keys, values, KV_HEADS, scaling, lengths, per_split=per_split)
+        torch.cuda.synchronize()
+        want = reference(query.cpu(), keys, values, lengths, scaling)
+        assert (got.cpu().double() - want).abs().max().item() < TOLERANCE
