@@ -26,6 +26,7 @@ from sklearn.cluster import KMeans
 
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
+from kvcal.packing import OUTLIER_BYTES, OUTLIER_OFFSET_BYTES, OUTLIER_TILE_TOKENS
 from kvcal.quantizers import (
     CodebookCodec,
     LayerCodecs,
@@ -63,8 +64,9 @@ class NuqSettings:
         if self.target_bits is not None:
             if self.bits_from_profile:
                 raise KvcalError("--target-bits and --bits-from-profile both choose the widths; give one of them")
-            if not isinstance(self.target_bits, (int, float)) or not min(KNAPSACK_WIDTHS) <= self.target_bits <= 8:
-                raise KvcalError(f"--target-bits {self.target_bits} is outside [{min(KNAPSACK_WIDTHS)}, 8] real bits per element")
+            floor = min(KNAPSACK_WIDTHS) + 8 * OUTLIER_BYTES * self.outliers  # codes + outliers of the narrowest width
+            if not isinstance(self.target_bits, (int, float)) or not floor <= self.target_bits <= 8:
+                raise KvcalError(f"--target-bits {self.target_bits} is outside [{floor:g}, 8] real bits per element")
         if not 0.0 <= self.outliers <= 0.1:
             raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
         if self.sink < 0:
@@ -125,9 +127,14 @@ def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float) -> 
     mean(prices[i, j]) <= target_bits (prices rounded up to KNAPSACK_STEP). costs, prices: (tensors, choices)."""
     units = np.ceil(prices / KNAPSACK_STEP - 1e-6).astype(np.int64)
     budget = int(np.floor(target_bits * len(units) / KNAPSACK_STEP + 1e-6))
-    if units.min(axis=1).sum() > budget:
-        cheapest = units.min(axis=1).sum() * KNAPSACK_STEP / len(units)
-        raise KvcalError(f"--target-bits {target_bits} is below {cheapest:.3f}, the real bits of the narrowest widths; raise it")
+    cheapest = units.min(axis=1)
+    if cheapest.sum() > budget:
+        raise KvcalError(f"--target-bits {target_bits} is below {cheapest.sum() * KNAPSACK_STEP / len(units):.3f}, the real bits "
+                         "of the narrowest widths; raise it")
+    # price above each tensor's cheapest choice, and no more budget than buying every widest choice needs: the table
+    # below stays (tensors x a few thousand) whatever the target
+    units -= cheapest[:, None]
+    budget = int(min(budget - cheapest.sum(), units.max(axis=1).sum()))
     best = np.zeros(budget + 1)  # best[c]: least cost of the tensors so far within a price of c units
     picks = np.zeros((len(units), budget + 1), dtype=np.int8)
     for i in range(len(units)):
@@ -145,11 +152,13 @@ def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float) -> 
     return chosen[::-1]
 
 
-def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec) -> tuple[float, float]:
-    """(Fisher-weighted squared error of the samples, stored bits per element) under `codec`."""
+def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec, head_dim: int) -> tuple[float, float]:
+    """(Fisher-weighted squared error of the samples, stored bits per element) under `codec`; the bits include the
+    outlier offset table (one entry per KV head and tile) when the codec keeps outliers."""
     quantized = codec.quantize(samples)
     error = float((fisher * (samples - quantized.values) ** 2).sum())
-    return error, float(quantized.row_bits.mean()) / samples.shape[1]
+    table = 8 * OUTLIER_OFFSET_BYTES / (OUTLIER_TILE_TOKENS * head_dim) if codec.outlier_fraction > 0 else 0.0
+    return error, float(quantized.row_bits.mean()) / samples.shape[1] + table
 
 
 def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], None] | None = None) -> tuple[dict, dict]:
@@ -192,7 +201,8 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
                 codebooks[bits] = fit_codebook(points, weights, bits, settings.codebook, settings.uses_qnorm(bits), settings.seed)
                 if len(widths) > 1:
                     lo, hi = thresholds or (None, None)
-                    sensitivity[bits] = _sensitivity(samples, fisher, CodebookCodec(codebooks[bits], lo, hi, settings.outliers))
+                    codec = CodebookCodec(codebooks[bits], lo, hi, settings.outliers)
+                    sensitivity[bits] = _sensitivity(samples, fisher, codec, profile_config["model"]["fingerprint"]["head_dim"])
             fitted[layer, kind] = (codebooks, thresholds, sensitivity)
         if on_layer is not None:
             on_layer(layer)
@@ -217,8 +227,9 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
         "nuq": {**asdict(settings), "bits_k": bits_k, "bits_v": bits_v,
                 "qnorm_k": [settings.uses_qnorm(b) for b in bits_k], "qnorm_v": [settings.uses_qnorm(b) for b in bits_v]},
     }
-    if settings.target_bits is not None:  # what the knapsack saw, for `kvcal inspect`
-        config["nuq"]["knapsack"] = {f"{layer}.{kind}": {str(b): [float(f"{c:.4g}"), round(p, 4)] for b, (c, p) in fitted[layer, kind][2].items()}
+    if settings.target_bits is not None:  # what the knapsack saw (error, real bits) per tensor and width, for `kvcal inspect`
+        config["nuq"]["knapsack"] = {f"{layer}.{kind}": {str(b): [float(f"{cost:.4g}"), round(price, 4)]
+                                                         for b, (cost, price) in fitted[layer, kind][2].items()}
                                      for layer, kind in fitted}
     return tensors, config
 

@@ -108,9 +108,15 @@ def check_outlier_head_dim(head_dim: int) -> None:
                          "use a recipe without outliers (outlier fraction 0) for this model")
 
 
-def _planes3_shifts(device) -> tuple[torch.Tensor, torch.Tensor]:
+_PLANES3_SHIFTS: dict = {}
+
+
+def planes3_shifts(device, dtype=torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
     """Bit offsets of a planes3 unit's codes in their low-bit word (2*i, i < 16) and in the high-bit word (i < 32)."""
-    return 2 * torch.arange(16, device=device), torch.arange(32, device=device)
+    key = (str(device), dtype)
+    if key not in _PLANES3_SHIFTS:
+        _PLANES3_SHIFTS[key] = (2 * torch.arange(16, dtype=dtype, device=device), torch.arange(32, dtype=dtype, device=device))
+    return _PLANES3_SHIFTS[key]
 
 
 def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
@@ -125,7 +131,7 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
         raise ValueError(f"codes outside [0, {limit}) cannot be packed in layout {layout}")
     grouped = padded.view(*codes.shape[:-1], units, per_unit)
     if layout == "planes3":
-        low_shifts, high_shifts = _planes3_shifts(codes.device)
+        low_shifts, high_shifts = planes3_shifts(codes.device)
         low, high = grouped & 3, grouped >> 2
         words = torch.stack([(low[..., :16] << low_shifts).sum(-1), (low[..., 16:] << low_shifts).sum(-1),
                              (high << high_shifts).sum(-1)], dim=-1).flatten(-2)  # the bits are disjoint: sum = OR
@@ -145,7 +151,7 @@ def unpack(words: torch.Tensor, bits: float, length: int, layout: str = "lsb") -
     unsigned = words.to(torch.int64) & 0xFFFFFFFF
     if layout == "planes3":
         _three_bits_only(bits, layout)
-        low_shifts, high_shifts = _planes3_shifts(words.device)
+        low_shifts, high_shifts = planes3_shifts(words.device)
         units = unsigned.view(*words.shape[:-1], -1, PLANES3_WORDS)
         low = ((units[..., :2, None] >> low_shifts) & 3).flatten(-2)
         codes = low | (((units[..., 2:3] >> high_shifts) & 1) << 2)

@@ -42,8 +42,9 @@ class Method:
 class StorageTally:
     """Bits the cache stores at the end of each evaluated window, over all layers, as the runtime stores them
     (whole int32 words of codes in kvcal.packing.layout_for's layout, parameters in their storage dtype, 4-byte
-    outliers and their offset table per KV head and tile, fp16 sinks and recent tokens); calibrated per-model constants (codebooks, fixed thresholds, permutations) live in the bundle
-    and are not counted, as kvcal.runtime.memory does not count them."""
+    outliers and their offset table per KV head and tile, fp16 sinks and recent tokens); calibrated per-model
+    constants (codebooks, fixed thresholds, permutations) live in the bundle and are not counted, as
+    kvcal.runtime.memory does not count them."""
 
     key_bits: float = 0.0
     value_bits: float = 0.0

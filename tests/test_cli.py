@@ -287,7 +287,7 @@ def test_misuse_2_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, 
     ("kvquant", 5, "--bits 5 is not a code width in 1-4"),
     ("kvquant", 2.5, "--bits 2.5 is not a code width in 1-4"),
     ("skvq", 0, "--bits 0 does not fit recipe skvq: "),
-    ("mixed", 9, "--bits 9 does not fit recipe mixed: --target-bits 9.0 is outside [2, 8] real bits"),
+    ("mixed", 9, "--bits 9 does not fit recipe mixed: --target-bits 9.0 is outside [2.32, 8] real bits"),
     ("kvmix", 2, "--bits does not apply to recipe kvmix"),
 ])
 def test_misuse_5_calibrate_checks_settings_before_the_model_is_loaded(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch,

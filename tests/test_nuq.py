@@ -78,7 +78,8 @@ def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
     (NuqSettings(outliers=0.2), r"outside \[0, 0.1\]"), (NuqSettings(outliers=-0.01), r"outside \[0, 0.1\]"),
     (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(codebook="lloyd"), "not one of"),
     (NuqSettings(target_bits=3.0, bits_from_profile=True), "give one of them"), (NuqSettings(target_bits=1.5), "outside"),
-    (NuqSettings(target_bits=2.0), "the real bits of the narrowest widths"),
+    (NuqSettings(target_bits=2.2), r"outside \[2.32, 8\] real bits"),  # below codes + outliers of 2-bit codes
+    (NuqSettings(target_bits=2.5), "the real bits of the narrowest widths"),  # the tiny model's thresholds cost more
 ])
 def test_bad_settings_are_clear_errors(tiny_profile, settings, message):
     with pytest.raises(KvcalError, match=message):

@@ -62,7 +62,8 @@ class KvquantSpec(MethodSpec):
     artifact_kind = NUQ_KIND
     bundle_format = NUQ.name
     fit_command = "kvcal fit-nuq"
-    per_layer_widths = False  # mixed: the profile's KVmix widths (fit-nuq --bits-from-profile)
+    per_layer_widths = False  # mixed: per-layer widths (fit-nuq --target-bits, or --bits-from-profile)
+    settings_version = 2  # 2: NuqSettings.target_bits
 
     def calibrate_settings(self, bits):
         return NuqSettings(bits=3 if bits is None else bits)
@@ -77,7 +78,7 @@ class KvquantSpec(MethodSpec):
     def bundle_layers(self, profile, profile_config, fitted, settings):
         tensors, config = fitted
         nuq = config["nuq"]
-        if (nuq["bits_from_profile"] or nuq.get("target_bits") is not None) != self.per_layer_widths:
+        if self.bundle_settings(profile_config, fitted, settings).per_layer_widths != self.per_layer_widths:
             raise KvcalError(f"recipe {self.name} needs a nuq artifact fit {'with' if self.per_layer_widths else 'without'} "
                              "per-layer widths (--bits-from-profile or --target-bits)")
         layers = [LayerRecipe(NUQ.name, nuq["bits_k"][i], nuq["bits_v"][i], nuq["key_rope"] == "pre", sink=nuq["sink"],

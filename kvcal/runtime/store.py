@@ -35,7 +35,7 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, PLANES3_WORDS, _slots, check_outlier_head_dim, layout_for,
-                           outlier_table_bytes, packed_words, unit_shape, unpack)
+                           outlier_table_bytes, packed_words, planes3_shifts, unit_shape, unpack)
 from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
@@ -91,48 +91,19 @@ def _shifts_and_masks(bits: float, layout: str, device) -> tuple[torch.Tensor, t
     return _SHIFTS[key]
 
 
-_PIECES: dict = {}
-
-
-def _three_bit_pieces(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """3-bit "lsb" words as two 15-bit pieces of five codes each: (piece shifts, table piece -> its five codes)."""
-    key = str(device)
-    if key not in _PIECES:
-        values = torch.arange(2**15, dtype=torch.int32, device=device)
-        _PIECES[key] = (torch.tensor([0, 15], dtype=torch.int32, device=device),
-                        ((values[:, None] >> (3 * torch.arange(5, dtype=torch.int32, device=device))) & 7).contiguous())
-    return _PIECES[key]
-
-
-_PLANES: dict = {}
-
-
-def _planes3_constants(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shifts of a planes3 unit's codes in their low-bit word (2*i, i < 16) and in the high-bit word (i < 32), int32."""
-    key = str(device)
-    if key not in _PLANES:
-        _PLANES[key] = (2 * torch.arange(16, dtype=torch.int32, device=device), torch.arange(32, dtype=torch.int32, device=device))
-    return _PLANES[key]
-
-
 def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     """int32 words (..., w) -> codes (..., units, codes per unit) int32 (every slot, the row's padding included, see
     kvcal.packing.unit_shape); equal to kvcal.packing.unpack before its flatten and cut, in a few tensor ops: an
     arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planes3 the
-    two low-bit words and the high-bit word of a unit are shifted apart and joined; for 3-bit "lsb" codes (ten per
-    word, at bits 0-29) a table of every 15-bit piece's five codes is looked up for the word's two pieces."""
+    two low-bit words and the high-bit word of a unit are shifted apart and joined."""
     if layout == "ternary20":
         per_word = 20
         return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
     if layout == "planes3":
-        low_shifts, high_shifts = _planes3_constants(words.device)
+        low_shifts, high_shifts = planes3_shifts(words.device, torch.int32)
         units = words.view(*words.shape[:-1], -1, PLANES3_WORDS)
         low = (units[..., :2, None] >> low_shifts).bitwise_and_(3).flatten(-2)
         return low.bitwise_or_((units[..., 2:] >> high_shifts).bitwise_and_(1).bitwise_left_shift_(2))
-    if layout == "lsb" and bits == 3:
-        shifts, table = _three_bit_pieces(words.device)
-        pieces = (words[..., None] >> shifts).bitwise_and_(2**15 - 1)
-        return table.index_select(0, pieces.view(-1)).view(*words.shape, 10)
     shifts, masks = _shifts_and_masks(bits, layout, words.device)
     return (words[..., None] >> shifts).bitwise_and_(masks)
 
@@ -150,7 +121,7 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     units = packed_words(n, bits, layout) // words_per_unit
     padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(rows, units, per_unit)
     if layout == "planes3":
-        low_shifts, high_shifts = _planes3_constants(codes.device)
+        low_shifts, high_shifts = planes3_shifts(codes.device, torch.int32)
         low = ((padded & 3).view(rows, units, 2, 16) << low_shifts).sum(-1)
         high = ((padded >> 2) << high_shifts).sum(-1, keepdim=True)
         packed = torch.cat([low, high], -1).view(rows, units * words_per_unit)
