@@ -115,7 +115,10 @@ class Fp8KvScales:
 
     @classmethod
     def read(cls, folder: str | Path) -> Fp8KvScales:
-        fit = read_export(folder)
+        return cls.of_fit(read_export(folder))
+
+    @classmethod
+    def of_fit(cls, fit: ScaleFit) -> Fp8KvScales:
         return cls(tuple(layer.k for layer in fit.layers), tuple(layer.v for layer in fit.layers))
 
     def keys(self, layer: int, x: torch.Tensor) -> torch.Tensor:

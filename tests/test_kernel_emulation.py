@@ -95,7 +95,7 @@ def on_cpu(emulated_library, monkeypatch):
             getattr(emulated_library, f"run_{function}")(*dims, *map(_c, args))
 
     monkeypatch.setattr(kernels, "_function", lambda module, name: name)
-    monkeypatch.setattr(kernels, "_launch", launch)
+    monkeypatch.setattr(kernels, "launch", launch)
     monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 64)  # several splits per sequence and KV head
     monkeypatch.setattr(kernels, "cuda_ready", lambda device: True)
 

@@ -56,7 +56,7 @@ class Fp8Spec(MethodSpec):
         if not is_previous_export(Path(path)):
             return None
         fit = read_export(path)
-        scales = Fp8KvScales(tuple(layer.k for layer in fit.layers), tuple(layer.v for layer in fit.layers))
+        scales = Fp8KvScales.of_fit(fit)
         # a calibrated export of a profile without stored windows holds absmax / 448 (nothing to search on)
         return fp8_method(f"fp8 {'calibrated' if fit.searched else 'absmax'} {fit.strategy}", scales, fingerprint=fit.fingerprint)
 

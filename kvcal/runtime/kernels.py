@@ -73,11 +73,12 @@ def _ptr(tensor: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
-def _launch(function, grid: tuple, block: tuple, args: tuple) -> None:
+def launch(function, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
+    """Launch a CuPy kernel on torch's current stream, with `shared` bytes of dynamic shared memory."""
     import cupy
 
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        function(grid, block, args)
+        function(grid, block, args, shared_mem=shared)
 
 
 def codec_id(codec) -> int | None:
@@ -163,7 +164,7 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         groups = store.token["scale"].shape[2]
         scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
         zero = torch.empty_like(scale)
-        _launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
+        launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
                 (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row,
                  _ptr(scale), _ptr(zero), np.int32(groups)))
         for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
@@ -173,7 +174,7 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         blocks = rows // codec.group
         scale = torch.empty(blocks, width, dtype=torch.float16, device=device)
         zero = torch.empty_like(scale)
-        _launch(_function("append.cu", "append_channel_block"), (blocks,), (THREADS,),
+        launch(_function("append.cu", "append_channel_block"), (blocks,), (THREADS,),
                 (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row, _ptr(scale), _ptr(zero)))
         block_target = row_index(seqs, [s // codec.group for s in starts], [c // codec.group for c in counts], device)
         store.words.index_put_(target, words)
@@ -188,7 +189,7 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     t = 1.0 - codec.outlier_fraction / 2
     q_low, q_high = np.float32(1.0 - t), np.float32(t)  # float32, as kvcal.quantizers computes them
     found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device)  # outliers per (row, KV head)
-    _launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
+    launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim or width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
              q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), words_per_row,
              _ptr(token_lo), _ptr(token_hi), _ptr(found)))
@@ -229,7 +230,7 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, target, found, t
     first_slot = (before - group_firsts).index_select(0, group_of_row) + row_firsts - (torch.cumsum(found, 1, dtype=torch.int32) - found)
     sequence_of_row = groups[2].index_select(0, group_of_row).to(torch.int32)
     row_in_sequence = target[1].to(torch.int32)
-    _launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
+    launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
              _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), _ptr(sequence_of_row), _ptr(row_in_sequence),
              _ptr(first_slot), np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions),
@@ -394,12 +395,12 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
             return out
         first = 0
         for name, descriptor, meta, per_split, splits in plans:
-            _launch(_function("decode_attention.cu", name), (splits, kv_heads, batch), (THREADS,),
+            launch(_function("decode_attention.cu", name), (splits, kv_heads, batch), (THREADS,),
                     (_ptr(query), _ptr(descriptor), _ptr(meta), _ptr(offsets), _ptr(freq), _ptr(out_partial), _ptr(lse_partial),
                      np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(first), np.int32(total),
                      np.float32(scaling * LOG2E), np.float32(rope_scaling)))
             first += splits
-        _launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
+        launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
                 (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
         return out
 

@@ -21,6 +21,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source as src
+from kvcal.runtime.kernels import launch
 
 MODULE = "decode_attention_tc.cu"
 THREADS, WARPS, STAGE_TOKENS = 128, 4, 64  # tc::THREADS, tc::WARPS, tc::ST
@@ -123,11 +124,12 @@ def _stores_lengths(keys, values, lengths: list[int] | None) -> tuple[list[int],
     return first, list(lengths)
 
 
-def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[int, int]:
+def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[np.int64, np.int64]:
+    """(sequence, row) strides of a buffer, as the kernel's long long arguments."""
     if t is None or t.numel() == 0:
-        return 0, 0
+        return np.int64(0), np.int64(0)
     scale = t.element_size() if in_bytes else 1
-    return t.stride(0) * scale, t.stride(1) * scale
+    return np.int64(t.stride(0) * scale), np.int64(t.stride(1) * scale)
 
 
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, splits: int,
@@ -205,26 +207,11 @@ def _arg(x):
         return np.uint64(x.data_ptr())
     if x is None:
         return np.uint64(0)
+    if isinstance(x, np.generic):  # already typed (the byte strides, long long)
+        return x
     if isinstance(x, float):
         return np.float32(x)
     return np.int64(x) if abs(x) >= 2**31 else np.int32(x)
-
-
-def _launch(function, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
-    import cupy
-
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        function(grid, block, args, shared_mem=shared)
-
-
-def _kernel_args(ops: tuple) -> tuple:
-    out = []
-    for i, x in enumerate(ops):
-        if 10 <= i < 18:  # the strides are long long
-            out.append(np.int64(x))
-        else:
-            out.append(_arg(x))
-    return tuple(out)
 
 
 def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, lengths: list[int] | None = None,
@@ -251,13 +238,13 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     out_partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=device)
     lse_partial = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
     args_source = operands(query, keys, values, kv_heads, scaling, per_split, splits, out_partial, lse_partial, meta)
-    args = _kernel_args(args_source)
+    args = tuple(_arg(x) for x in args_source)
     kernel = _function(v.name, shared)
     merge = _function("merge_tc_splits")
 
     def run() -> torch.Tensor:
-        _launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
-        _launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
+        launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+        launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
                                                          np.uint64(out.data_ptr()), np.int32(splits), np.int32(head_dim)))
         return out
 
