@@ -61,6 +61,19 @@ def left_padded(lengths, seed: int = 0):
     return ids, mask
 
 
+@pytest.fixture(params=["cpu-kernel", "torch-reference"])
+def decode_path(request, monkeypatch):
+    """Runs a test on each CPU decode path of the runtime cache: the compiled kernel (kvcal.runtime.cpu_kernel),
+    and the torch reference that serves where the kernel cannot be built."""
+    from kvcal.runtime import cpu_kernel
+
+    if request.param == "torch-reference":
+        monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+    else:
+        assert cpu_kernel.library() is not None, "the CPU kernel did not compile (see the warning)"
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

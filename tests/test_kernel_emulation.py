@@ -17,7 +17,7 @@ import torch
 
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
                                   filled)
-from kvcal.runtime import kernel_source, kernels
+from kvcal.runtime import cpu_kernel, kernel_source, kernels
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
@@ -143,6 +143,7 @@ def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_
         assert all(layer.use_kernels for layer in cache.layers)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "cuda_ready", lambda device: False)
+            patch.setattr(cpu_kernel, "library", lambda: None)
             reference, cache = decode_token_by_token(model, bundle, ids)
         assert not any(layer.use_kernels for layer in cache.layers)
     torch.testing.assert_close(with_kernels, reference, rtol=0, atol=2e-3)

@@ -1,5 +1,6 @@
-"""Runtime for calibrated bundles: a quantized KV cache for Hugging Face `generate()` with a torch
-reference attention over the packed cache (the specification of the CUDA kernels in kernels/)."""
+"""Runtime for calibrated bundles: a quantized KV cache for Hugging Face `generate()` that attends over the
+packed cache with fused kernels (CUDA, or compiled for the CPU) and a torch reference attention (their
+specification, and the fallback)."""
 
 from kvcal.runtime.cache import WiredCache, quantized_cache
 

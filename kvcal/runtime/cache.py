@@ -5,10 +5,11 @@ model layer, each with a store for K and one for V built from the bundle's recip
 it refuses a bundle made for another model. While open (until `close()` or the end of its `with` block) the
 model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
 AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends
-over them (kvcal.runtime.reference, or the CUDA kernels), and hooks that hand it the pre-RoPE keys and
-position ids. The wiring is shared and reference-counted: several caches may be open on one model (each
-call is served by the cache passed as `past_key_values`), and the model's own attention implementation
-comes back when the last one closes. Storage is allocated at the first forward, when the batch is known.
+over them (the CUDA kernels; on CPU the compiled kernel of kvcal.runtime.cpu_kernel; else the torch reference
+kvcal.runtime.reference), and hooks that hand it the pre-RoPE keys and position ids. The wiring is shared
+and reference-counted: several caches may be open on one model (each call is served by the cache passed as
+`past_key_values`), and the model's own attention implementation comes back when the last one closes.
+Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
@@ -22,7 +23,7 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
   (causal), then appends them, quantizing what leaves the fp16 segments;
 - a layer with a sliding window (Mistral's `sliding_window`, Qwen2's sliding layers: transformers passes the
   window to the attention) attends, per sequence, over its last `window` tokens as transformers does; all
-  tokens stay stored, and past the window such a layer decodes with the reference, not the CUDA kernels.
+  tokens stay stored, and past the window such a layer decodes with the reference, not the kernels.
 
 One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
 sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
@@ -47,7 +48,7 @@ from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
-from kvcal.runtime import kernels, reference
+from kvcal.runtime import cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import upload
 
@@ -66,6 +67,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
         self.pending_pre_rope: torch.Tensor | None = None
         self.use_kernels: bool | None = None  # CUDA decode kernels, decided at the first decode step
+        self.use_cpu_kernel = False  # or the CPU decode kernel (kvcal.runtime.cpu_kernel), decided with it
         self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
         self._launches: list | None = None  # kernels.Segments of this layer's stores (made once, they cache descriptors)
 
@@ -174,20 +176,29 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length = tokens
 
     def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether this layer's decode steps run the CUDA kernels (decided once)."""
+        """Whether this layer's decode steps run a fused kernel (decided once): the CUDA kernels where CUDA is
+        ready, else on CPU the CPU kernel where it compiled."""
         if self.use_kernels is None:
-            pairs = zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs())
-            self.use_kernels = kernels.cuda_ready(self.inv_freq.device) and all(
-                kernels.decode_supported(k, v, heads, kv_heads, head_dim) for k, v in pairs)
-        return self.use_kernels
+            pairs = list(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
+            device = self.inv_freq.device
+            self.use_kernels = kernels.cuda_ready(device) and all(kernels.decode_supported(k, v, heads, kv_heads, head_dim)
+                                                                  for k, v in pairs)
+            self.use_cpu_kernel = (not kernels.cuda_ready(device) and device.type == "cpu" and cpu_kernel.library() is not None
+                                   and all(cpu_kernel.decode_supported(k, v) for k, v in pairs))
+        return self.use_kernels or self.use_cpu_kernel
 
     def _decode_with_kernels(self, query, plan: StepPlan, scaling: float, kv_heads: int):
         """One fused attention over every sequence's cache (the step's tokens are appended)."""
         if self._launches is None:
             self._launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(),
                                                                       self.values_store.kernel_segments())]
-        out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
-                                       self.inv_freq if self.pre_rope else None, self.rope_scaling, step=plan.kernel_step(query.device))
+        if self.use_cpu_kernel:
+            rope = plan.rope(max(plan.after), self.inv_freq, self.rope_scaling) if self.pre_rope else None
+            out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope)
+        else:
+            out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
+                                           self.inv_freq if self.pre_rope else None, self.rope_scaling,
+                                           step=plan.kernel_step(query.device))
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def _read(self, b: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs have a kernel (`decode_supported`, `append_supported`); SKVQ's permuted groups and
 1.5-bit ternary values, head dims other than 64/128 and more than 8 query heads per KV head use the torch
-reference instead, as every case does on CPU.
+reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);

@@ -8,7 +8,7 @@ import torch
 from kvcal.kv import SegmentPolicy
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
-from kvcal.runtime import kernels, reference
+from kvcal.runtime import cpu_kernel, kernels, reference
 from kvcal.runtime.segments import CocktailStore, SegmentedStore
 from kvcal.runtime.store import PackedRows
 
@@ -56,9 +56,30 @@ CASES = {
 }
 
 
+def _skvq(bits, layout=None):
+    """SKVQ's permuted groups (kvcal.skvq.SkvqTensor): a seeded permutation of every channel, three groups of
+    uneven sizes, keys pre-RoPE behind 5 fp16 sinks and a 64-token window (the CPU kernel serves these)."""
+    from kvcal.skvq import SkvqTensor
+
+    def codec(seed):
+        permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+        starts = torch.tensor([0, WIDTH // 4, WIDTH // 2 + 8, WIDTH], dtype=torch.int32)
+        return SkvqTensor(permutation, starts, torch.tensor([1.0, 0.9, 0.8]), bits, False)
+
+    return codec(1), codec(2), SegmentPolicy(sink=5, window=WINDOW), 0.0, True, layout
+
+
+CPU_CASES = {
+    **CASES,
+    "skvq2-prerope-sink5-window": lambda: _skvq(2),
+    "skvq3-planes": lambda: _skvq(3),
+    "skvq4": lambda: _skvq(4),
+}
+
+
 def filled(case: str, lengths: list[int], device="cuda"):
     """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
-    key_codec, value_codec, policy, rpc, pre_rope, layout = CASES[case]()
+    key_codec, value_codec, policy, rpc, pre_rope, layout = CPU_CASES[case]()
     stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, kernels.append_encoder, HEAD_DIM)
               for codec, keys in ((key_codec, True), (value_codec, False))]
     for b, n in enumerate(lengths):
@@ -75,21 +96,35 @@ def _inv_freq() -> torch.Tensor:
     return 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
 
 
-def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, device="cuda", seed: int = 0):
-    """Kernel output vs reference.attention on the same stores, one query token per sequence; the query is
-    a non-contiguous view and positions start far from 0 (RoPE angles of tens of thousands)."""
+def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
+    """kvcal.runtime.cpu_kernel.decode_attention with kernels.decode_attention's arguments: RoPE tables at each
+    sequence's positions offset .. offset + tokens - 1, as the cache's StepPlan.rope makes them."""
+    rope = None
+    if inv_freq is not None:
+        tokens = max(sum(part.length[b] for part in segments.keys if part is not None)
+                     for segments in launches for b in range(len(offsets)))
+        positions = torch.arange(tokens)[None, :] + torch.tensor(offsets)[:, None]
+        rope = reference.rope_tables(positions, inv_freq, 1.0)
+    return cpu_kernel.decode_attention(query, launches, kv_heads, scaling, rope)
+
+
+def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, device="cuda", seed: int = 0,
+            decode=kernels.decode_attention, atol: float = 2e-3, rtol: float = 0.0):
+    """Kernel output (`decode`: the CUDA launcher, or cpu_kernel_decode) vs reference.attention on the same
+    stores, one query token per sequence; the query is a non-contiguous view and positions start far from 0 (RoPE
+    angles of tens of thousands)."""
     heads = KV_HEADS * group
     query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).to(device).transpose(1, 2)
     offsets = [(37_000 * b) % 100_003 for b in range(batch)]
     scaling, inv_freq = HEAD_DIM**-0.5, _inv_freq().to(device)
     launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), value_store.kernel_segments())]
-    got = kernels.decode_attention(query, launches, KV_HEADS, scaling, offsets, inv_freq if pre_rope else None)
+    got = decode(query, launches, KV_HEADS, scaling, offsets, inv_freq if pre_rope else None)
     expected = torch.zeros_like(got)
     for b in range(batch):
         if key_store.count(b):
             keys = reference.stored_keys(key_store, b, pre_rope, offsets[b], inv_freq, 1.0, KV_HEADS)
             expected[b] = reference.attention(query[b][:, None], keys, value_store.read(b), scaling)[:, 0]
-    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
 
 
 def cocktail_stores(device="cuda"):

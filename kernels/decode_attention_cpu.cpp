@@ -1,0 +1,472 @@
+// Fused decode attention over the quantized cache on the CPU (one query token per sequence): the CPU
+// counterpart of decode_attention.cu, reading the same stores through the same descriptor (kvcal/runtime/
+// kernels.py's SideField order, plus the CPU fields below), so that a decode step neither dequantizes the
+// whole cache into memory nor concatenates it. The specification is kvcal/runtime/reference.py; the tests
+// (tests/test_runtime_cpu_kernel.py) compare the two on every codec, layout and segment arrangement.
+//
+// Per (sequence, KV head), tokens in chunks of CHUNK: a chunk's keys are decoded into a small transposed
+// buffer (channel-major, so the scores of all the group's query heads are vectorizable multiply-adds over
+// tokens), outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
+// step's cos/sin tables; an online softmax (natural exponent) updates the running state; the chunk's values
+// are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
+// so launches over different segment groups (Cocktail's widths) chain into one softmax.
+//
+// Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler (-O3 -march=native);
+// single-threaded: it runs inside torch's own thread budget, one call per layer.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int CHUNK = 64;                        // tokens decoded per pass: a chunk of keys for D=128 is 32 KiB
+constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_SCALE
+constexpr float MIN_HALF_RANGE = 1e-8f;          // kvcal.quantizers.denormalize's clamp
+
+enum Codec { FP16_ONLY = 0, UNIFORM_TOKEN = 1, UNIFORM_CHANNEL = 2, CODEBOOK_CHANNEL = 3, CODEBOOK_TOKEN = 4, PERMUTED_GROUPS = 5 };
+enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
+
+// decode_attention.cu's SideField order, then the CPU kernel's own fields.
+enum SideField {
+    SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
+    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT,
+    CODEC, SLOT_OF_CHANNEL, GROUP_OF_CHANNEL, SIDE_FIELDS
+};
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
+
+// IEEE binary16 -> float, exact (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t bits = (uint32_t)(h & 0x7fffu) << 13;
+    const uint32_t exponent = bits & 0x0f800000u;
+    bits += (127u - 15u) << 23;
+    float f;
+    if (exponent == 0x0f800000u) {
+        bits += (128u - 16u) << 23;  // Inf / NaN
+        std::memcpy(&f, &bits, 4);
+    } else if (exponent == 0) {  // zero / subnormal: renormalize through a float subtraction
+        bits += 1u << 23;
+        std::memcpy(&f, &bits, 4);
+        const uint32_t magic_bits = 113u << 23;
+        float magic;
+        std::memcpy(&magic, &magic_bits, 4);
+        f -= magic;
+    } else {
+        std::memcpy(&f, &bits, 4);
+    }
+    uint32_t out;
+    std::memcpy(&out, &f, 4);
+    out |= sign;
+    std::memcpy(&f, &out, 4);
+    return f;
+}
+
+struct Side {
+    const uint16_t* sink; long long sink_stride;
+    const uint16_t* recent; long long recent_stride;
+    const uint32_t* words; long long words_stride; int words_per_row;
+    const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
+    const float* codebook;
+    const uint16_t* outlier_positions; const uint16_t* outlier_values; long long outlier_stride;
+    const int32_t* outlier_offsets; long long offset_stride; const int32_t* outlier_counts; int tile_shift;
+    int layout, codec;
+    const int32_t* slot_of_channel; const int32_t* group_of_channel;
+};
+
+Side load_side(const long long* d) {
+    Side s;
+    s.sink = (const uint16_t*)d[SINK]; s.sink_stride = d[SINK_STRIDE];
+    s.recent = (const uint16_t*)d[RECENT]; s.recent_stride = d[RECENT_STRIDE];
+    s.words = (const uint32_t*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
+    s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
+    s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
+    s.codebook = (const float*)d[CODEBOOK];
+    s.outlier_positions = (const uint16_t*)d[OUTLIER_POSITIONS]; s.outlier_values = (const uint16_t*)d[OUTLIER_VALUES];
+    s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int32_t*)d[OUTLIER_OFFSETS];
+    s.offset_stride = d[OFFSET_STRIDE]; s.outlier_counts = (const int32_t*)d[OUTLIER_COUNTS];
+    s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
+    s.layout = (int)d[LAYOUT]; s.codec = (int)d[CODEC];
+    s.slot_of_channel = (const int32_t*)d[SLOT_OF_CHANNEL]; s.group_of_channel = (const int32_t*)d[GROUP_OF_CHANNEL];
+    return s;
+}
+
+struct Lengths {
+    int sink, body, head, recent;
+};
+
+// The code of slot `i` of a packed row (kvcal/packing.py layouts; decode_attention.cu's code_at).
+template <int LAYOUT>
+inline uint32_t code_at(const uint32_t* row, int i) {
+    if (LAYOUT == PLANES3) {
+        const uint32_t* unit = row + (i >> 5) * 3;
+        const int j = i & 31;
+        return ((unit[j >> 4] >> ((j & 15) * 2)) & 3u) | (((unit[2] >> j) & 1u) << 2);
+    }
+    constexpr int BITS = LAYOUT == KVMIX3 ? 3 : LAYOUT, PER_WORD = LAYOUT == KVMIX3 ? 11 : 32 / BITS;
+    return (row[i / PER_WORD] >> ((i % PER_WORD) * BITS)) & ((1u << BITS) - 1u);
+}
+
+// What one side needs per call for the work item's KV head.
+struct HeadTables {
+    std::vector<float> channel_table;  // CODEBOOK_CHANNEL: (D, levels) decoded value of every code per channel
+    std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel, for the vector path
+    std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; per-row groups otherwise
+    std::vector<int32_t> codes;        // one row's codes (the whole row for SKVQ's permuted slots)
+    std::vector<int32_t> slots, groups;  // PERMUTED_GROUPS: the head's channels' slots and parameter groups
+    alignas(64) float codebook[16] = {};  // the codebook, then a row's decoded levels (CODEBOOK_TOKEN)
+    alignas(64) float row_table[16] = {};
+    long long block = -1;
+    int levels = 0;
+};
+
+void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D, int width) {
+    if (s.codec == FP16_ONLY) return;
+    const int bits = s.layout == KVMIX3 ? 3 : s.layout;
+    t.levels = 1 << bits;
+    t.block = -1;
+    if (s.codebook != nullptr)
+        for (int j = 0; j < t.levels; ++j) t.codebook[j] = s.codebook[j];
+    if (s.codec == CODEBOOK_CHANNEL) {
+        t.channel_table.resize((size_t)D * t.levels);
+        t.half_range.resize(D);
+        t.mid.resize(D);
+        const float* lo = (const float*)s.param0 + (long long)kv_head * D;
+        const float* hi = (const float*)s.param1 + (long long)kv_head * D;
+        for (int c = 0; c < D; ++c) {
+            t.half_range[c] = std::fmax((hi[c] - lo[c]) / 2.0f, MIN_HALF_RANGE);
+            t.mid[c] = (hi[c] + lo[c]) / 2.0f;
+            for (int j = 0; j < t.levels; ++j) t.channel_table[(size_t)c * t.levels + j] = t.codebook[j] * t.half_range[c] + t.mid[c];
+        }
+    }
+    const size_t columns = std::max<size_t>(D, s.param_cols > 0 ? s.param_cols : 0);
+    t.scale.resize(columns);
+    t.zero.resize(columns);
+    t.codes.resize(std::max(D, width) + 32);
+    if (s.codec == PERMUTED_GROUPS) {
+        t.slots.assign(s.slot_of_channel + (long long)kv_head * D, s.slot_of_channel + (long long)(kv_head + 1) * D);
+        t.groups.assign(s.group_of_channel + (long long)kv_head * D, s.group_of_channel + (long long)(kv_head + 1) * D);
+    }
+}
+
+// 16 lanes of int32 / float (GCC vector extensions: AVX-512 here, pairs or quads of narrower registers elsewhere).
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+    f32x16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// table[index] lane by lane, index < 16 (vpermps on AVX-512).
+inline f32x16 lookup16(const float* table, i32x16 index) {
+#if defined(__clang__)
+    f32x16 out;
+    for (int i = 0; i < 16; ++i) out[i] = table[index[i]];
+    return out;
+#else
+    return __builtin_shuffle(load16(table), index);
+#endif
+}
+
+// Codes 32 u .. 32 u + 31 of a row in "lsb" 1/2/4 or planes3 (a unit of 32 codes is 1, 2, 4 or 3 words), as
+// two vectors of 16.
+template <int LAYOUT>
+inline void unpack32(const uint32_t* words, int u, i32x16& first, i32x16& second) {
+    const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (LAYOUT == LSB1) {
+        const uint32_t w = words[u];
+        first = (i32x16)((w >> lanes) & 1u);
+        second = (i32x16)((w >> (lanes + 16u)) & 1u);
+    } else if (LAYOUT == LSB2) {
+        first = (i32x16)((words[2 * u] >> (lanes * 2u)) & 3u);
+        second = (i32x16)((words[2 * u + 1] >> (lanes * 2u)) & 3u);
+    } else if (LAYOUT == LSB4) {
+        const u32x16 shift = (lanes & 7u) * 4u;
+        const uint32_t* w = words + 4 * u;
+        const u32x16 a = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
+        const u32x16 b = {w[2], w[2], w[2], w[2], w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3], w[3], w[3], w[3], w[3]};
+        first = (i32x16)((a >> shift) & 15u);
+        second = (i32x16)((b >> shift) & 15u);
+    } else {  // PLANES3: low 2 bits of codes 0-15 and 16-31 in words 0 and 1, high bits in word 2
+        const uint32_t* unit = words + 3 * u;
+        first = (i32x16)(((unit[0] >> (lanes * 2u)) & 3u) | (((unit[2] >> lanes) & 1u) << 2));
+        second = (i32x16)(((unit[1] >> (lanes * 2u)) & 3u) | (((unit[2] >> (lanes + 16u)) & 1u) << 2));
+    }
+}
+
+template <int LAYOUT>
+constexpr bool VECTOR_LAYOUT = LAYOUT == LSB1 || LAYOUT == LSB2 || LAYOUT == LSB4 || LAYOUT == PLANES3;
+
+// Body row `row` of sequence b, channels head_channel .. + D, decoded into out[0 .. D).
+template <int CODEC, int LAYOUT>
+inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_channel, int D, float* __restrict__ out) {
+    const uint32_t* words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
+    const uint16_t* p0 = (const uint16_t*)s.param0;
+    const uint16_t* p1 = (const uint16_t*)s.param1;
+    int32_t* __restrict__ codes = t.codes.data();
+    if (CODEC == UNIFORM_CHANNEL) {  // per (block of tokens, channel): converted once per block
+        const long long block = row / s.param_extra;
+        if (block != t.block) {
+            const long long at = b * s.param_stride + block * s.param_cols + head_channel;
+            for (int c = 0; c < D; ++c) {
+                t.scale[c] = std::fmax(half_to_float(p0[at + c]), TINY_SCALE);
+                t.zero[c] = half_to_float(p1[at + c]);
+            }
+            t.block = block;
+        }
+    }
+    if (CODEC == CODEBOOK_TOKEN) {  // the row's decoded levels
+        const long long at = b * s.param_stride + row;
+        const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
+        const float half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
+        for (int j = 0; j < t.levels; ++j) t.row_table[j] = t.codebook[j] * half_range + mid;
+    }
+    if (CODEC == PERMUTED_GROUPS) {  // SKVQ: channel c's code sits in slot slots[c]; (code + zero) * scale per group
+        const long long at = b * s.param_stride + (long long)row * s.param_cols;
+        float* __restrict__ scale = t.scale.data();
+        float* __restrict__ zero = t.zero.data();
+        for (int g = 0; g < s.param_cols; ++g) {
+            scale[g] = std::fmax(half_to_float(p0[at + g]), TINY_SCALE);
+            zero[g] = half_to_float(p1[at + g]);
+        }
+        const int32_t* __restrict__ slots = t.slots.data();
+        const int32_t* __restrict__ groups = t.groups.data();
+        constexpr int UNIT_WORDS = LAYOUT == PLANES3 ? 3 : LAYOUT;  // words per 32 codes
+        if (VECTOR_LAYOUT<LAYOUT> && s.words_per_row % UNIT_WORDS == 0) {  // the whole row's codes (slots cross heads)
+            for (int u = 0; u < s.words_per_row / UNIT_WORDS; ++u) {
+                i32x16 first, second;
+                unpack32<LAYOUT>(words, u, first, second);
+                std::memcpy(codes + 32 * u, &first, 64);
+                std::memcpy(codes + 32 * u + 16, &second, 64);
+            }
+        } else {
+            for (int c = 0; c < D; ++c) codes[slots[c]] = (int32_t)code_at<LAYOUT>(words, slots[c]);
+        }
+        if (D % 16 == 0 && s.param_cols <= 16) {  // the groups' parameters from registers (vpermps), not gathers
+            alignas(64) float scales[16] = {}, zeros[16] = {};
+            std::memcpy(scales, scale, s.param_cols * sizeof(float));
+            std::memcpy(zeros, zero, s.param_cols * sizeof(float));
+            for (int c = 0; c < D; c += 16) {
+                i32x16 code, group;
+                for (int i = 0; i < 16; ++i) code[i] = codes[slots[c + i]];
+                std::memcpy(&group, groups + c, 64);
+                store16(out + c, (__builtin_convertvector(code, f32x16) + lookup16(zeros, group)) * lookup16(scales, group));
+            }
+            return;
+        }
+        for (int c = 0; c < D; ++c) out[c] = ((float)codes[slots[c]] + zero[groups[c]]) * scale[groups[c]];
+        return;
+    }
+    const bool uniform_groups = CODEC != UNIFORM_TOKEN || s.param_extra % 16 == 0;
+    if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && uniform_groups) {
+        const long long token_at = b * s.param_stride + (long long)row * s.param_cols;
+        for (int c = 0; c < D; c += 32) {
+            i32x16 halves[2];
+            unpack32<LAYOUT>(words, (head_channel + c) / 32, halves[0], halves[1]);
+            for (int h = 0; h < 2; ++h) {
+                const int first = c + 16 * h;
+                const f32x16 code = __builtin_convertvector(halves[h], f32x16);
+                f32x16 value;
+                if (CODEC == UNIFORM_TOKEN) {
+                    const int g = (head_channel + first) / s.param_extra;
+                    value = code * std::fmax(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
+                } else if (CODEC == UNIFORM_CHANNEL) {
+                    value = code * load16(t.scale.data() + first) + load16(t.zero.data() + first);
+                } else if (CODEC == CODEBOOK_CHANNEL) {
+                    value = lookup16(t.codebook, halves[h]) * load16(t.half_range.data() + first) + load16(t.mid.data() + first);
+                } else {  // CODEBOOK_TOKEN
+                    value = lookup16(t.row_table, halves[h]);
+                }
+                store16(out + first, value);
+            }
+        }
+        return;
+    }
+    // code by code: kvmix's 11 codes per word, heads not on a 32-code boundary, groups not a multiple of 16
+    for (int c = 0; c < D; ++c) codes[c] = (int32_t)code_at<LAYOUT>(words, head_channel + c);
+    if (CODEC == UNIFORM_TOKEN) {  // code * scale + zero, one (scale, zero) per group of channels: a loop per group
+        const long long at = b * s.param_stride + (long long)row * s.param_cols;
+        for (int c = 0; c < D;) {
+            const int g = (head_channel + c) / s.param_extra, end = std::min(D, (g + 1) * s.param_extra - head_channel);
+            const float scale = std::fmax(half_to_float(p0[at + g]), TINY_SCALE), zero = half_to_float(p1[at + g]);
+            for (; c < end; ++c) out[c] = (float)codes[c] * scale + zero;
+        }
+    } else if (CODEC == UNIFORM_CHANNEL) {
+        for (int c = 0; c < D; ++c) out[c] = (float)codes[c] * t.scale[c] + t.zero[c];
+    } else if (CODEC == CODEBOOK_CHANNEL) {
+        for (int c = 0; c < D; ++c) out[c] = t.channel_table[(size_t)c * t.levels + codes[c]];
+    } else {  // CODEBOOK_TOKEN
+        for (int c = 0; c < D; ++c) out[c] = t.row_table[codes[c]];
+    }
+}
+
+// Tokens t0 .. t0 + n - 1 of sequence b on one side (sink | body | recent in position order), channels of the
+// KV head, as floats, token-major: out[i * D + c].
+template <int CODEC, int LAYOUT>
+void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int kv_head, int kv_heads, int D, int width,
+                   int t0, int n, float* out) {
+    const int head_channel = kv_head * D;
+    for (int i = 0; i < n; ++i) {
+        const int token = t0 + i;
+        const uint16_t* fp16;
+        if (token < len.sink) {
+            fp16 = s.sink + b * s.sink_stride + (long long)token * width;
+        } else if (CODEC != FP16_ONLY && token - len.sink < len.body) {
+            decode_row<CODEC, LAYOUT>(s, t, b, token - len.sink, head_channel, D, out + (long long)i * D);
+            continue;
+        } else {
+            fp16 = s.recent + b * s.recent_stride + (long long)(len.head + token - len.sink - len.body) * width;
+        }
+        for (int c = 0; c < D; ++c) out[(long long)i * D + c] = half_to_float(fp16[head_channel + c]);
+    }
+    // outliers of the chunk's body rows: tile t's are [offset[t], offset[t + 1]), the last started tile's end is
+    // the run's count; within a tile in append (row) order
+    if (CODEC == FP16_ONLY || s.outlier_counts == nullptr) return;
+    const int row_lo = std::max(t0 - len.sink, 0), row_hi = std::min(t0 + n - len.sink, len.body);
+    if (row_lo >= row_hi) return;
+    const long long run = (long long)b * kv_heads + kv_head;
+    const uint16_t* positions = s.outlier_positions + run * s.outlier_stride;
+    const uint16_t* values = s.outlier_values + run * s.outlier_stride;
+    const int32_t* offsets = s.outlier_offsets + run * s.offset_stride;
+    const int last_tile = (len.body - 1) >> s.tile_shift;
+    for (int tile = row_lo >> s.tile_shift; tile <= (row_hi - 1) >> s.tile_shift; ++tile) {
+        const int end = tile < last_tile ? offsets[tile + 1] : s.outlier_counts[run];
+        for (int e = offsets[tile]; e < end; ++e) {
+            const int position = positions[e];
+            const int row = (tile << s.tile_shift) + position / D, c = position % D;
+            if (row >= row_hi) break;
+            if (row < row_lo) continue;
+            out[(long long)(row + len.sink - t0) * D + c] = half_to_float(values[e]);
+        }
+    }
+}
+
+typedef void (*DecodeTokens)(const Side&, HeadTables&, const Lengths&, int, int, int, int, int, int, int, float*);
+
+template <int CODEC>
+DecodeTokens for_layout(int layout) {
+    switch (layout) {
+        case LSB1: return decode_tokens<CODEC, LSB1>;
+        case LSB2: return decode_tokens<CODEC, LSB2>;
+        case PLANES3: return decode_tokens<CODEC, PLANES3>;
+        case LSB4: return decode_tokens<CODEC, LSB4>;
+        default: return decode_tokens<CODEC, KVMIX3>;
+    }
+}
+
+DecodeTokens decoder(const Side& s) {
+    switch (s.codec) {
+        case UNIFORM_TOKEN: return for_layout<UNIFORM_TOKEN>(s.layout);
+        case UNIFORM_CHANNEL: return for_layout<UNIFORM_CHANNEL>(s.layout);
+        case CODEBOOK_CHANNEL: return for_layout<CODEBOOK_CHANNEL>(s.layout);
+        case CODEBOOK_TOKEN: return for_layout<CODEBOOK_TOKEN>(s.layout);
+        case PERMUTED_GROUPS: return for_layout<PERMUTED_GROUPS>(s.layout);
+        default: return decode_tokens<FP16_ONLY, LSB1>;
+    }
+}
+
+// exp(x) for x <= 0 in float32 to about 2 ulp (Cody-Waite reduction by ln 2, degree-6 polynomial), written so
+// that loops over it vectorize (std::exp does not without -ffast-math); x below -87 gives exp(-87), a weight of 2^-125 against the maximum's 1.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const int32_t k = (int32_t)(x * 1.44269504088896341f - 0.5f);  // round(x / ln 2) (x <= 0: truncation is ceil)
+    const float n = (float)k;
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * __builtin_bit_cast(float, (k + 127) << 23);
+}
+
+}  // namespace
+
+extern "C" int kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
+                                          const float* cos_table, const float* sin_table, long long rope_stride,
+                                          int batch, int kv_heads, int group, int head_dim, float scale,
+                                          float* m_state, float* l_state, float* acc_state) {
+    const int D = head_dim, heads = kv_heads * group, width = kv_heads * D, half = D / 2;
+    const Side ks = load_side(descriptor), vs = load_side(descriptor + SIDE_FIELDS);
+    const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
+    HeadTables k_tables, v_tables;
+    std::vector<float> q((size_t)group * D), keys((size_t)CHUNK * D), values((size_t)CHUNK * D), scores((size_t)group * CHUNK);
+    for (int b = 0; b < batch; ++b) {
+        const int32_t* km = meta + (long long)b * META_FIELDS;
+        const int32_t* vm = meta + ((long long)batch + b) * META_FIELDS;
+        const Lengths kn{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT]};
+        const Lengths vn{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT]};
+        const int tokens = kn.sink + kn.body + kn.recent;
+        if (tokens == 0) continue;
+        for (int kv_head = 0; kv_head < kv_heads; ++kv_head) {
+            prepare_tables(ks, k_tables, kv_head, D, width);
+            prepare_tables(vs, v_tables, kv_head, D, width);
+            const long long first_row = (long long)b * heads + (long long)kv_head * group;
+            for (int i = 0; i < group * D; ++i) q[i] = query[first_row * D + i] * scale;
+            float* m = m_state + first_row;
+            float* l = l_state + first_row;
+            float* acc = acc_state + first_row * D;
+            for (int t0 = 0; t0 < tokens; t0 += CHUNK) {
+                const int n = std::min(CHUNK, tokens - t0);
+                decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
+                if (cos_table != nullptr) {  // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair
+                    for (int i = 0; i < n; ++i) {
+                        const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * D;
+                        const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * D;
+                        float* __restrict__ k = keys.data() + (size_t)i * D;
+                        for (int c = 0; c < half; ++c) {
+                            const float x1 = k[c], x2 = k[c + half];
+                            k[c] = x1 * cos_row[c] - x2 * sin_row[c];
+                            k[c + half] = x2 * cos_row[c + half] + x1 * sin_row[c + half];
+                        }
+                    }
+                }
+                for (int g = 0; g < group; ++g) {
+                    float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
+                    const float* __restrict__ qg = q.data() + (size_t)g * D;
+                    for (int i = 0; i < n; ++i) {
+                        const float* __restrict__ k = keys.data() + (size_t)i * D;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int c = 0; c < D; ++c) dot += qg[c] * k[c];
+                        s[i] = dot;
+                    }
+                    float chunk_max = -INFINITY;
+                    for (int i = 0; i < n; ++i) chunk_max = std::fmax(chunk_max, s[i]);
+                    const float m_new = std::fmax(m[g], chunk_max);
+                    const float correction = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - m_new);
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int i = 0; i < n; ++i) {
+                        s[i] = exp_nonpositive(s[i] - m_new);
+                        sum += s[i];
+                    }
+                    l[g] = l[g] * correction + sum;
+                    m[g] = m_new;
+                    float* __restrict__ a = acc + (size_t)g * D;
+                    for (int c = 0; c < D; ++c) a[c] *= correction;
+                }
+                decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
+                for (int g = 0; g < group; ++g) {
+                    const float* __restrict__ p = scores.data() + (size_t)g * CHUNK;
+                    float* __restrict__ a = acc + (size_t)g * D;
+                    for (int i = 0; i < n; ++i) {
+                        const float pi = p[i];
+                        const float* __restrict__ v = values.data() + (size_t)i * D;
+                        for (int c = 0; c < D; ++c) a[c] += pi * v[c];
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
