@@ -391,10 +391,16 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
-extern "C" int kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
-                                          const float* cos_table, const float* sin_table, long long rope_stride,
-                                          int batch, int kv_heads, int group, int head_dim, float scale,
-                                          float* m_state, float* l_state, float* acc_state) {
+// One launch's tokens for every (sequence, KV head), folded into the running softmax state of each query head:
+// m (batch, heads) running max of the scaled scores, l (batch, heads) sum of exp(score - m), acc (batch, heads, D)
+// sum of exp(score - m) v. Start from m = -inf, l = 0, acc = 0; the output is acc / l (none where l = 0).
+// query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
+// META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's positions (kvcal.runtime.reference.rope_tables),
+// null for keys stored post-RoPE.
+extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
+                                           const float* cos_table, const float* sin_table, long long rope_stride,
+                                           int batch, int kv_heads, int group, int head_dim, float scale,
+                                           float* m_state, float* l_state, float* acc_state) {
     const int D = head_dim, heads = kv_heads * group, width = kv_heads * D, half = D / 2;
     const Side ks = load_side(descriptor), vs = load_side(descriptor + SIDE_FIELDS);
     const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
@@ -468,5 +474,4 @@ extern "C" int kvcal_decode_attention_cpu(const float* query, const long long* d
             }
         }
     }
-    return 0;
 }

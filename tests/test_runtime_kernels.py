@@ -174,7 +174,7 @@ def test_descriptors_describe_the_stores(case):
             store.append(b, x[n - 2 : n - 1])
             store.append(b, x[n - 1 :])
         (segments,) = store.kernel_segments()
-        side = kernels._side(*segments)
-        for b, row in enumerate(kernels._lengths(*segments, len(lengths))):
+        side = kernels.side_descriptor(*segments)
+        for b, row in enumerate(kernels.side_lengths(*segments, len(lengths))):
             read = _rows_from_descriptor(side, row, kernels.codec_id(codec), b)
             np.testing.assert_allclose(read, store.read(b).numpy(), rtol=0, atol=1e-6)

@@ -29,14 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcal.packing import layout_for
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
+from kvcal.runtime.store import permuted_groups
 
 SOURCE = src.KERNEL_DIR / "decode_attention_cpu.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros")
 PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
-EXTRA_FIELDS = 3  # CODEC, SLOT_OF_CHANNEL, GROUP_OF_CHANNEL after kernels.SIDE_FIELDS
 LAYOUTS = {"lsb": {1, 2, 4}, "planes3": {3}, "kvmix10x3+1x2": {3}}
 
 
@@ -84,27 +85,20 @@ def library() -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
-    lib.kvcal_decode_attention_cpu.restype = ctypes.c_int
+    lib.kvcal_decode_attention_cpu.restype = None
     lib.kvcal_decode_attention_cpu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
-def _is_permuted_groups(codec) -> bool:
-    """SKVQ's codec (kvcal.skvq.SkvqTensor, known by its fields: the runtime does not import kvcal.skvq)."""
-    return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))
-
-
 def codec_id(codec) -> int | None:
-    if _is_permuted_groups(codec):
+    if permuted_groups(codec):
         return PERMUTED_GROUPS if not codec.fp8 else None
     return kernels.codec_id(codec)
 
 
 def _layout_supported(codec) -> bool:
-    from kvcal.packing import layout_for
-
     return codec.bits in LAYOUTS.get(layout_for(codec.bits), ())
 
 
@@ -128,9 +122,9 @@ def _permuted_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     return _PERMUTATIONS[codec]
 
 
-def _side(sink, body, recent) -> list[int]:
-    """kernels._side's fields, then the codec and SKVQ's per-channel slot and group."""
-    fields = kernels._side(sink, body, recent)
+def side_descriptor(sink, body, recent) -> list[int]:
+    """kernels.side_descriptor's fields, then the codec and SKVQ's per-channel slot and group."""
+    fields = kernels.side_descriptor(sink, body, recent)
     extra = [src.FP16_ONLY, 0, 0]
     if body is not None:
         extra[0] = codec_id(body.codec)
@@ -159,16 +153,14 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     if rope is not None:
         cos, sin = (t.reshape(batch, -1, head_dim).contiguous() for t in rope)
     for segments in launches:
-        fields = _side(*segments.keys) + _side(*segments.values)
+        fields = side_descriptor(*segments.keys) + side_descriptor(*segments.values)
         descriptor = np.asarray(fields, dtype=np.int64)
-        lengths = [kernels._lengths(*side, batch) for side in (segments.keys, segments.values)]
+        lengths = [kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)]
         meta = np.asarray(lengths, dtype=np.int32)
         if not meta[0, :, [0, 1, 3]].any():
             continue
-        status = lib.kvcal_decode_attention_cpu(
+        lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor.ctypes.data, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
             0 if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[1] * head_dim, batch, kv_heads,
             heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), acc.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"kvcal_decode_attention_cpu failed ({status})")
     return torch.where(total[..., None] > 0, acc / total[..., None].clamp(min=1e-30), 0.0)

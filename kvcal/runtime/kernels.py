@@ -264,7 +264,7 @@ SIDE_FIELDS = 21  # enum SideField in decode_attention.cu
 META_FIELDS = 4
 
 
-def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
+def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
     """One side's descriptor (enum SideField order); absent parts and buffers not yet allocated are 0."""
     fields = [0] * SIDE_FIELDS
     if sink is not None:
@@ -295,7 +295,7 @@ def _side(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | Non
     return fields
 
 
-def _lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:
+def side_lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:
     """Per sequence: sink tokens, body tokens, first live recent row, recent tokens (outlier counts are read by the
     kernel from the store's device counts)."""
     if sink is not None and any(sink.head):
@@ -318,7 +318,7 @@ class Segments:
 
     def descriptor(self, device) -> torch.Tensor:
         """Both sides' descriptors (enum SideField order) on the device."""
-        fields = _side(*self.keys) + _side(*self.values)
+        fields = side_descriptor(*self.keys) + side_descriptor(*self.values)
         if self._uploaded is None or self._uploaded[0] != fields:
             self._uploaded = (fields, upload(fields, device, torch.int64))
         return self._uploaded[1]
@@ -376,7 +376,7 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     plans = []
     for segments in launches:
         sides = (segments.keys, segments.values)
-        key_lengths, value_lengths = (_lengths(*side, batch) for side in sides)
+        key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
         longest = max((sink + body + recent for sink, body, _, recent in key_lengths), default=0)
         if longest == 0:
             continue

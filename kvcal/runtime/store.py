@@ -142,6 +142,12 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     return packed.sub_(packed.ge(2**31).to(torch.int64) << 32).to(torch.int32)  # the uint32 pattern as int32
 
 
+def permuted_groups(codec) -> bool:
+    """Whether `codec` is SKVQ's (kvcal.skvq.SkvqTensor, known by its permutation, group starts and clipping: the
+    runtime does not import kvcal.skvq, whose fitting needs scikit-learn)."""
+    return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))
+
+
 class _Table:
     """How a codec's decode of a batch becomes one table lookup: value = table[code + offset], where the table
     holds the decoded value of every code for every parameter row (computed with the codec's own formula on the
@@ -155,7 +161,7 @@ class _Table:
             return _ChannelBlockTable()
         if isinstance(codec, CodebookCodec):
             return _CodebookTable()
-        if all(hasattr(codec, name) for name in ("permutation", "starts", "clip")):
+        if permuted_groups(codec):
             return _PermutedGroupsTable()
         return None
 
@@ -215,8 +221,7 @@ class _CodebookTable(_Table):
 
 
 class _PermutedGroupsTable(_Table):
-    """SKVQ's codec (kvcal.skvq.SkvqTensor, known by its permutation, group starts and clipping; the runtime does not
-    import kvcal.skvq, whose fitting needs scikit-learn): codes in permuted channel order, a scale and zero per
+    """SKVQ's codec (see permuted_groups): codes in permuted channel order, a scale and zero per
     (token, group), value = (code + zero) * scale, then put back in channel order."""
 
     constants = None
