@@ -33,7 +33,7 @@ enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT,
-    CODEC, SLOT_OF_CHANNEL, GROUP_OF_CHANNEL, SIDE_FIELDS
+    CODEC, GROUP_OF_CHANNEL, SIDE_FIELDS
 };
 enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
 
@@ -73,7 +73,7 @@ struct Side {
     const uint16_t* outlier_positions; const uint16_t* outlier_values; long long outlier_stride;
     const int32_t* outlier_offsets; long long offset_stride; const int32_t* outlier_counts; int tile_shift;
     int layout, codec;
-    const int32_t* slot_of_channel; const int32_t* group_of_channel;
+    const int32_t* group_of_channel;
 };
 
 Side load_side(const long long* d) {
@@ -89,7 +89,7 @@ Side load_side(const long long* d) {
     s.offset_stride = d[OFFSET_STRIDE]; s.outlier_counts = (const int32_t*)d[OUTLIER_COUNTS];
     s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
     s.layout = (int)d[LAYOUT]; s.codec = (int)d[CODEC];
-    s.slot_of_channel = (const int32_t*)d[SLOT_OF_CHANNEL]; s.group_of_channel = (const int32_t*)d[GROUP_OF_CHANNEL];
+    s.group_of_channel = (const int32_t*)d[GROUP_OF_CHANNEL];
     return s;
 }
 
@@ -114,15 +114,15 @@ struct HeadTables {
     std::vector<float> channel_table;  // CODEBOOK_CHANNEL: (D, levels) decoded value of every code per channel
     std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel, for the vector path
     std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; per-row groups otherwise
-    std::vector<int32_t> codes;        // one row's codes (the whole row for SKVQ's permuted slots)
-    std::vector<int32_t> slots, groups;  // PERMUTED_GROUPS: the head's channels' slots and parameter groups
+    std::vector<int32_t> codes;        // one row's codes of the head
+    std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
     alignas(64) float codebook[16] = {};  // the codebook, then a row's decoded levels (CODEBOOK_TOKEN)
     alignas(64) float row_table[16] = {};
     long long block = -1;
     int levels = 0;
 };
 
-void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D, int width) {
+void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
     if (s.codec == FP16_ONLY) return;
     const int bits = s.layout == KVMIX3 ? 3 : s.layout;
     t.levels = 1 << bits;
@@ -141,14 +141,12 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D, int width)
             for (int j = 0; j < t.levels; ++j) t.channel_table[(size_t)c * t.levels + j] = t.codebook[j] * t.half_range[c] + t.mid[c];
         }
     }
-    const size_t columns = std::max<size_t>(D, s.param_cols > 0 ? s.param_cols : 0);
+    const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // lookup16 reads 16
     t.scale.resize(columns);
     t.zero.resize(columns);
-    t.codes.resize(std::max(D, width) + 32);
-    if (s.codec == PERMUTED_GROUPS) {
-        t.slots.assign(s.slot_of_channel + (long long)kv_head * D, s.slot_of_channel + (long long)(kv_head + 1) * D);
+    t.codes.resize(D);
+    if (s.codec == PERMUTED_GROUPS)
         t.groups.assign(s.group_of_channel + (long long)kv_head * D, s.group_of_channel + (long long)(kv_head + 1) * D);
-    }
 }
 
 // 16 lanes of int32 / float (GCC vector extensions: AVX-512 here, pairs or quads of narrower registers elsewhere).
@@ -228,44 +226,15 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
         const float half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
         for (int j = 0; j < t.levels; ++j) t.row_table[j] = t.codebook[j] * half_range + mid;
     }
-    if (CODEC == PERMUTED_GROUPS) {  // SKVQ: channel c's code sits in slot slots[c]; (code + zero) * scale per group
+    if (CODEC == PERMUTED_GROUPS) {  // SKVQ (codes in channel order): (code + zero) * scale of the channel's group
         const long long at = b * s.param_stride + (long long)row * s.param_cols;
-        float* __restrict__ scale = t.scale.data();
-        float* __restrict__ zero = t.zero.data();
         for (int g = 0; g < s.param_cols; ++g) {
-            scale[g] = std::fmax(half_to_float(p0[at + g]), TINY_SCALE);
-            zero[g] = half_to_float(p1[at + g]);
+            t.scale[g] = std::fmax(half_to_float(p0[at + g]), TINY_SCALE);
+            t.zero[g] = half_to_float(p1[at + g]);
         }
-        const int32_t* __restrict__ slots = t.slots.data();
-        const int32_t* __restrict__ groups = t.groups.data();
-        constexpr int UNIT_WORDS = LAYOUT == PLANES3 ? 3 : LAYOUT;  // words per 32 codes
-        if (VECTOR_LAYOUT<LAYOUT> && s.words_per_row % UNIT_WORDS == 0) {  // the whole row's codes (slots cross heads)
-            for (int u = 0; u < s.words_per_row / UNIT_WORDS; ++u) {
-                i32x16 first, second;
-                unpack32<LAYOUT>(words, u, first, second);
-                std::memcpy(codes + 32 * u, &first, 64);
-                std::memcpy(codes + 32 * u + 16, &second, 64);
-            }
-        } else {
-            for (int c = 0; c < D; ++c) codes[slots[c]] = (int32_t)code_at<LAYOUT>(words, slots[c]);
-        }
-        if (D % 16 == 0 && s.param_cols <= 16) {  // the groups' parameters from registers (vpermps), not gathers
-            alignas(64) float scales[16] = {}, zeros[16] = {};
-            std::memcpy(scales, scale, s.param_cols * sizeof(float));
-            std::memcpy(zeros, zero, s.param_cols * sizeof(float));
-            for (int c = 0; c < D; c += 16) {
-                i32x16 code, group;
-                for (int i = 0; i < 16; ++i) code[i] = codes[slots[c + i]];
-                std::memcpy(&group, groups + c, 64);
-                store16(out + c, (__builtin_convertvector(code, f32x16) + lookup16(zeros, group)) * lookup16(scales, group));
-            }
-            return;
-        }
-        for (int c = 0; c < D; ++c) out[c] = ((float)codes[slots[c]] + zero[groups[c]]) * scale[groups[c]];
-        return;
     }
-    const bool uniform_groups = CODEC != UNIFORM_TOKEN || s.param_extra % 16 == 0;
-    if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && uniform_groups) {
+    const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % 16 == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
+    if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_cols;
         for (int c = 0; c < D; c += 32) {
             i32x16 halves[2];
@@ -281,6 +250,10 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
                     value = code * load16(t.scale.data() + first) + load16(t.zero.data() + first);
                 } else if (CODEC == CODEBOOK_CHANNEL) {
                     value = lookup16(t.codebook, halves[h]) * load16(t.half_range.data() + first) + load16(t.mid.data() + first);
+                } else if (CODEC == PERMUTED_GROUPS) {
+                    i32x16 group;
+                    std::memcpy(&group, t.groups.data() + first, 64);
+                    value = (code + lookup16(t.zero.data(), group)) * lookup16(t.scale.data(), group);
                 } else {  // CODEBOOK_TOKEN
                     value = lookup16(t.row_table, halves[h]);
                 }
@@ -302,6 +275,8 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
         for (int c = 0; c < D; ++c) out[c] = (float)codes[c] * t.scale[c] + t.zero[c];
     } else if (CODEC == CODEBOOK_CHANNEL) {
         for (int c = 0; c < D; ++c) out[c] = t.channel_table[(size_t)c * t.levels + codes[c]];
+    } else if (CODEC == PERMUTED_GROUPS) {
+        for (int c = 0; c < D; ++c) out[c] = ((float)codes[c] + t.zero[t.groups[c]]) * t.scale[t.groups[c]];
     } else {  // CODEBOOK_TOKEN
         for (int c = 0; c < D; ++c) out[c] = t.row_table[codes[c]];
     }
@@ -389,19 +364,50 @@ inline float exp_nonpositive(float x) {
     return p * __builtin_bit_cast(float, (k + 127) << 23);
 }
 
+// a[c] += sum_i p[i] v[i * D + c]: 32 channels at a time held in registers over the tokens, two tokens per step
+// into separate sums (a store and reload of a[] per token would chain every step through memory).
+inline void accumulate_values(const float* __restrict__ p, const float* __restrict__ v, int n, int D, float* __restrict__ a) {
+    int c = 0;
+    for (; c + 32 <= D; c += 32) {
+        f32x16 a0 = load16(a + c), a1 = load16(a + c + 16), b0 = {}, b1 = {};
+        int i = 0;
+        for (; i + 1 < n; i += 2) {
+            const float* row = v + (size_t)i * D + c;
+            a0 += p[i] * load16(row);
+            a1 += p[i] * load16(row + 16);
+            b0 += p[i + 1] * load16(row + D);
+            b1 += p[i + 1] * load16(row + D + 16);
+        }
+        if (i < n) {
+            a0 += p[i] * load16(v + (size_t)i * D + c);
+            a1 += p[i] * load16(v + (size_t)i * D + c + 16);
+        }
+        store16(a + c, a0 + b0);
+        store16(a + c + 16, a1 + b1);
+    }
+    for (; c < D; ++c)
+        for (int i = 0; i < n; ++i) a[c] += p[i] * v[(size_t)i * D + c];
+}
+
 }  // namespace
 
 // One launch's tokens for every (sequence, KV head), folded into the running softmax state of each query head:
 // m (batch, heads) running max of the scaled scores, l (batch, heads) sum of exp(score - m), acc (batch, heads, D)
-// sum of exp(score - m) v. Start from m = -inf, l = 0, acc = 0; the output is acc / l (none where l = 0).
+// sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
+// last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's positions (kvcal.runtime.reference.rope_tables),
 // null for keys stored post-RoPE.
 extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
                                            const float* cos_table, const float* sin_table, long long rope_stride,
                                            int batch, int kv_heads, int group, int head_dim, float scale,
-                                           float* m_state, float* l_state, float* acc_state) {
+                                           float* m_state, float* l_state, float* acc_state, int first, int last) {
     const int D = head_dim, heads = kv_heads * group, width = kv_heads * D, half = D / 2;
+    if (first) {
+        std::fill(m_state, m_state + (size_t)batch * heads, -INFINITY);
+        std::fill(l_state, l_state + (size_t)batch * heads, 0.0f);
+        std::fill(acc_state, acc_state + (size_t)batch * heads * D, 0.0f);
+    }
     const Side ks = load_side(descriptor), vs = load_side(descriptor + SIDE_FIELDS);
     const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
     HeadTables k_tables, v_tables;
@@ -414,8 +420,8 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
         const int tokens = kn.sink + kn.body + kn.recent;
         if (tokens == 0) continue;
         for (int kv_head = 0; kv_head < kv_heads; ++kv_head) {
-            prepare_tables(ks, k_tables, kv_head, D, width);
-            prepare_tables(vs, v_tables, kv_head, D, width);
+            prepare_tables(ks, k_tables, kv_head, D);
+            prepare_tables(vs, v_tables, kv_head, D);
             const long long first_row = (long long)b * heads + (long long)kv_head * group;
             for (int i = 0; i < group * D; ++i) q[i] = query[first_row * D + i] * scale;
             float* m = m_state + first_row;
@@ -462,16 +468,12 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
                     for (int c = 0; c < D; ++c) a[c] *= correction;
                 }
                 decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
-                for (int g = 0; g < group; ++g) {
-                    const float* __restrict__ p = scores.data() + (size_t)g * CHUNK;
-                    float* __restrict__ a = acc + (size_t)g * D;
-                    for (int i = 0; i < n; ++i) {
-                        const float pi = p[i];
-                        const float* __restrict__ v = values.data() + (size_t)i * D;
-                        for (int c = 0; c < D; ++c) a[c] += pi * v[c];
-                    }
-                }
+                for (int g = 0; g < group; ++g)
+                    accumulate_values(scores.data() + (size_t)g * CHUNK, values.data(), n, D, acc + (size_t)g * D);
             }
         }
     }
+    if (last)
+        for (size_t row = 0; row < (size_t)batch * heads; ++row)
+            for (int c = 0; c < D; ++c) acc_state[row * D + c] = l_state[row] > 0.0f ? acc_state[row * D + c] / l_state[row] : 0.0f;
 }

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from helpers.kernel_cases import BATCHES, CPU_CASES, cocktail_stores, compare, cpu_kernel_decode, filled
+from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, assert_append_matches_torch, cocktail_stores, compare,
+                                  cpu_kernel_decode, filled)
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel
 
@@ -41,6 +42,12 @@ def test_cpu_decode_attention_serves_any_gqa_group(group):
 def test_cpu_cocktail_width_groups_chain_into_one_softmax():
     stores, batch = cocktail_stores(device="cpu")
     compare(*stores, batch, group=2, pre_rope=False, **ON_CPU)
+
+
+@pytest.mark.parametrize("name", CPU_APPEND_CODECS)
+def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
+    assert cpu_kernel.append_library() is not None
+    assert_append_matches_torch(name, device="cpu", encoder=cpu_kernel.CpuAppend)
 
 
 def test_what_the_cpu_kernel_does_not_serve_is_left_to_the_reference():

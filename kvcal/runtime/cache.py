@@ -55,6 +55,12 @@ from kvcal.runtime.store import upload
 ATTENTION_NAME = "kvcal_runtime"
 
 
+def append_encoder(codec, width: int, layout: str, device):
+    """What a store quantizes its appends with: the CUDA append kernels, on CPU the compiled codebook append, or
+    None (the torch codec)."""
+    return kernels.append_encoder(codec, width, layout, device) or cpu_kernel.append_encoder(codec, width, layout, device)
+
+
 class RuntimeLayer(CacheLayerMixin):
     """One model layer's cache: K and V stores, made by `make_store(kind, batch, width, device)`."""
 
@@ -475,7 +481,7 @@ def quantized_cache(model, bundle) -> WiredCache:
         def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
-            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=kernels.append_encoder,
+            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=append_encoder,
                                   head_dim=adapter.head_dim)
         layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter))
     return WiredCache(model, adapter, layers)

@@ -1,15 +1,17 @@
-"""The CPU decode-attention kernel (kernels/decode_attention_cpu.cpp): a decode step on the CPU attends over
-the packed stores directly, as the CUDA kernel does on the GPU, instead of dequantizing every sequence's whole
-cache into a float tensor and concatenating it for SDPA (the torch reference, kvcal.runtime.reference, which
-stays the specification and the fallback).
+"""The CPU kernels of the runtime cache. Decode attention (kernels/decode_attention_cpu.cpp): a decode step on
+the CPU attends over the packed stores directly, as the CUDA kernel does on the GPU, instead of dequantizing
+every sequence's whole cache into a float tensor and concatenating it for SDPA (the torch reference,
+kvcal.runtime.reference, which stays the specification and the fallback). Quantize-and-append
+(kernels/append_cpu.cpp, `CpuAppend`): what a decode step appends every step (codebooks with outliers,
+per-token uniform values, SKVQ) is encoded straight into the store, bit for bit as the torch encoders do.
 
-The source is compiled at first use with the host C++ compiler (`$CXX`, else `c++`/`g++`) into a shared
+Each source is compiled at first use with the host C++ compiler (`$CXX`, else `c++`/`g++`) into a shared
 library cached under `$KVCAL_CACHE_DIR` (default ~/.cache/kvcal), named by a hash of the source, the flags, the
 compiler and the CPU, written to a temporary name and renamed (so concurrent first uses cannot load half a
 file), and loaded with ctypes. Without a compiler, or with KVCAL_CPU_KERNEL=0, the cache uses the torch
-reference (one warning says why). The kernel reads the same store descriptor as the CUDA kernel
-(kvcal.runtime.kernels.Segments) plus three fields: the codec, and for SKVQ's permuted groups the slot and
-group of every channel.
+reference and the torch encoders (a warning says why). The kernel reads the same store descriptor as the CUDA kernel
+(kvcal.runtime.kernels.Segments) plus two fields: the codec, and for SKVQ's permuted groups the group of every
+channel.
 """
 
 from __future__ import annotations
@@ -29,16 +31,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcal.packing import layout_for
+from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
 from kvcal.runtime.store import permuted_groups
 
-SOURCE = src.KERNEL_DIR / "decode_attention_cpu.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros")
+DECODE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+                "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+APPEND_FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
 PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
 LAYOUTS = {"lsb": {1, 2, 4}, "planes3": {3}, "kvmix10x3+1x2": {3}}
+_P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
 
 
 def _compiler() -> str | None:
@@ -61,35 +64,52 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal")
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, compiling it on first use; None (with a warning) where it cannot be."""
+def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> ctypes.CDLL | None:
+    """kernels/<name> built into a shared library (once per source, flags, compiler and CPU) and loaded, with
+    `functions`' argument types; None (with a warning) where it cannot be."""
     if os.environ.get("KVCAL_CPU_KERNEL", "1") == "0":
         return None
     compiler = _compiler()
     if compiler is None:
         warnings.warn("kvcal: no C++ compiler found (set CXX); CPU decode steps use the torch reference, which is slower",
-                      stacklevel=2)
+                      stacklevel=3)
         return None
+    source = src.KERNEL_DIR / name
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention_cpu-{digest}.so"
+    digest = hashlib.sha256("\0".join([source.read_text(), *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as folder:
             built = Path(folder) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
-                warnings.warn(f"kvcal: compiling {SOURCE.name} failed; CPU decode steps use the torch reference:\n"
-                              f"{result.stderr[-2000:]}", stacklevel=2)
+                warnings.warn(f"kvcal: compiling {name} failed; the torch path serves instead:\n{result.stderr[-2000:]}",
+                              stacklevel=3)
                 return None
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
-    lib.kvcal_decode_attention_cpu.restype = None
-    lib.kvcal_decode_attention_cpu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                               ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                               ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    for function, argtypes in functions.items():
+        getattr(lib, function).restype = None
+        getattr(lib, function).argtypes = argtypes
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled decode-attention kernel (built on first use), or None."""
+    return _compiled("decode_attention_cpu.cpp", DECODE_FLAGS,
+                     {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _F, _P, _P, _P, _I, _I]})
+
+
+@functools.cache
+def append_library() -> ctypes.CDLL | None:
+    """The compiled appends (built on first use), or None."""
+    return _compiled("append_cpu.cpp", APPEND_FLAGS, {
+        "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _P],
+        "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
+        "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L],
+        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L]})
 
 
 def codec_id(codec) -> int | None:
@@ -109,31 +129,30 @@ def decode_supported(key_codec, value_codec) -> bool:
     return all(codec_id(c) is not None and _layout_supported(c) for c in (key_codec, value_codec))
 
 
-_PERMUTATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> (slot, group) of every channel
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> parameter group of every channel
 
 
-def _permuted_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
-    if codec not in _PERMUTATIONS:
-        permutation = codec.permutation.long().cpu()
-        slot_of_channel = torch.argsort(permutation)  # channel c sits in permuted slot slot_of_channel[c]
+def _channel_groups(codec) -> torch.Tensor:
+    if codec not in _GROUPS:
+        slot_of_channel = torch.argsort(codec.permutation.long().cpu())  # channel c sits in permuted slot slot_of_channel[c]
         sizes = (codec.starts[1:] - codec.starts[:-1]).long().cpu()
         group_of_slot = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
-        _PERMUTATIONS[codec] = (slot_of_channel.to(torch.int32).contiguous(), group_of_slot[slot_of_channel].to(torch.int32).contiguous())
-    return _PERMUTATIONS[codec]
+        _GROUPS[codec] = group_of_slot[slot_of_channel].to(torch.int32).contiguous()
+    return _GROUPS[codec]
 
 
 def side_descriptor(sink, body, recent) -> list[int]:
-    """kernels.side_descriptor's fields, then the codec and SKVQ's per-channel slot and group."""
+    """kernels.side_descriptor's fields, then the codec and, for SKVQ, the parameter group of every channel (its
+    codes are stored in channel order: kvcal.runtime.store.permuted_groups)."""
     fields = kernels.side_descriptor(sink, body, recent)
-    extra = [src.FP16_ONLY, 0, 0]
+    extra = [src.FP16_ONLY, 0]
     if body is not None:
         extra[0] = codec_id(body.codec)
         if extra[0] == PERMUTED_GROUPS:
-            slot, group = _permuted_tables(body.codec)
             scale = body.token.get("scale")
             if scale is not None:
                 fields[7:12] = [scale.data_ptr(), body.token["zero"].data_ptr(), scale.shape[1] * scale.shape[2], scale.shape[2], 1]
-            extra[1:] = [slot.data_ptr(), group.data_ptr()]
+            extra[1] = _channel_groups(body.codec).data_ptr()
     return fields + extra
 
 
@@ -146,21 +165,104 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     lib = library()
     batch, heads, head_dim = query.shape
     query = query.float().contiguous()
-    m = torch.full((batch, heads), float("-inf"))
-    total = torch.zeros(batch, heads)
-    acc = torch.zeros(batch, heads, head_dim)
     cos = sin = None
     if rope is not None:
         cos, sin = (t.reshape(batch, -1, head_dim).contiguous() for t in rope)
+    calls = []
     for segments in launches:
-        fields = side_descriptor(*segments.keys) + side_descriptor(*segments.values)
-        descriptor = np.asarray(fields, dtype=np.int64)
-        lengths = [kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)]
-        meta = np.asarray(lengths, dtype=np.int32)
-        if not meta[0, :, [0, 1, 3]].any():
-            continue
+        meta = np.asarray([kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)], dtype=np.int32)
+        if meta[0, :, [0, 1, 3]].any():  # a launch without tokens adds nothing
+            calls.append((np.asarray(side_descriptor(*segments.keys) + side_descriptor(*segments.values), dtype=np.int64), meta))
+    out = torch.empty(batch, heads, head_dim)
+    if not calls:
+        return out.zero_()
+    m, total = torch.empty(batch, heads), torch.empty(batch, heads)
+    for i, (descriptor, meta) in enumerate(calls):
         lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor.ctypes.data, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
             0 if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[1] * head_dim, batch, kv_heads,
-            heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), acc.data_ptr())
-    return torch.where(total[..., None] > 0, acc / total[..., None].clamp(min=1e-30), 0.0)
+            heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantize-and-append
+
+
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class CpuAppend:
+    """The encoder a CPU PackedRows quantizes with (kvcal.runtime.store's encoder_for hook) for the codecs a decode
+    step appends to at every step: codebooks, per-token uniform values and SKVQ's permuted groups.
+    kernels/append_cpu.cpp writes the torch encoder's codes, fp16 parameters and outliers, bit for bit, straight
+    into the store, instead of a dozen torch operations (and a numpy placement of outliers) per append."""
+
+    def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
+        if permuted_groups(codec):
+            return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
+        return kernels.parameter_columns(codec, width)
+
+    def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
+        """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
+        parameter buffers already there)."""
+        lib, codec = append_library(), store.codec
+        x = x.to(torch.float16).contiguous()
+        rows, width = x.shape
+        seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
+        row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+        layout = kernels.layout_id(codec, store.layout)
+        destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, store.words.data_ptr(), store.words.stride(0),
+                       store.words.shape[2])
+        if codec_id(codec) in (PERMUTED_GROUPS, src.UNIFORM_TOKEN):
+            scale, zero = store.token["scale"], store.token["zero"]
+            if codec_id(codec) == src.UNIFORM_TOKEN:
+                lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
+                                                   zero.data_ptr(), scale.stride(0))
+            else:
+                permutation, group_starts, clip = (t.contiguous() for t in (codec.permutation.to(torch.int32),
+                                                                            codec.starts.to(torch.int32), codec.clip.float()))
+                lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
+                                                     clip.numel(), clip.data_ptr(), *destination, scale.data_ptr(), zero.data_ptr(),
+                                                     scale.stride(0))
+            return
+        self._codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination)
+
+    @staticmethod
+    def _codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination) -> None:
+        """Codes and thresholds, then, with room made for exactly the outliers found, the outliers after each
+        (sequence, KV head)'s own."""
+        codec = store.codec
+        rows, width = x.shape
+        head_dim = store.head_dim or width
+        tables = kernels.codec_tables(store)
+        lo, hi = store.token.get("lo"), store.token.get("hi")
+        token_stride = 0 if lo is None else lo.stride(0)
+        keep = codec.outlier_fraction > 0
+        t = 1.0 - codec.outlier_fraction / 2
+        found = np.zeros((rows, width // head_dim), dtype=np.int32)
+        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
+                                      np.float32(1.0 - t), np.float32(t), int(keep), tables["midpoints"].data_ptr(), *destination,
+                                      _ptr(lo), _ptr(hi), token_stride, found.ctypes.data)
+        if not keep:
+            return
+        per_sequence = np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
+        store.reserve_outlier_room(seqs, per_sequence.tolist())  # may move the outlier arrays: pointers after it
+        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, _ptr(tables.get("lo")),
+                                     _ptr(tables.get("hi")), _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
+                                     row_in_seq.ctypes.data, store.outlier_positions.data_ptr(), store.outlier_values.data_ptr(),
+                                     store.outlier_positions.shape[2], store.outlier_offsets.data_ptr(),
+                                     store.outlier_offsets.shape[2], store.outlier_count.data_ptr())
+        store.snapshot_outlier_count()
+
+
+APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PERMUTED_GROUPS)
+
+
+def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
+    """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
+    blocks, which append once per block; layouts without a kernel number)."""
+    if torch.device(device).type != "cpu" or codec_id(codec) not in APPEND_CODECS or kernels.layout_id(codec, layout) is None:
+        return None
+    return CpuAppend() if append_library() is not None else None

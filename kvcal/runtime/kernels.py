@@ -91,7 +91,7 @@ def codec_id(codec) -> int | None:
     return None
 
 
-def _layout_id(codec, layout: str | None = None) -> int | None:
+def layout_id(codec, layout: str | None = None) -> int | None:
     """The kernels' number for a packing layout (by default the runtime's, kvcal.packing.layout_for) of the codec's
     code width (kernels/common.cuh enum Layout); None where they have none."""
     return LAYOUT_IDS.get(layout or layout_for(codec.bits), {}).get(codec.bits)
@@ -99,14 +99,14 @@ def _layout_id(codec, layout: str | None = None) -> int | None:
 
 def append_supported(codec, width: int, layout: str | None = None) -> bool:
     cid = codec_id(codec)
-    if cid is None or _layout_id(codec, layout) is None or width > MAX_WIDTH:
+    if cid is None or layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
 
 def decode_supported(key_codec, value_codec, heads: int, kv_heads: int, head_dim: int) -> bool:
     pair = (codec_id(key_codec), codec_id(value_codec))
-    return (pair in src.CODEC_PAIRS and _layout_id(key_codec) is not None and _layout_id(value_codec) is not None
+    return (pair in src.CODEC_PAIRS and layout_id(key_codec) is not None and layout_id(value_codec) is not None
             and head_dim in src.HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
 
 
@@ -128,7 +128,7 @@ def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: tables}, gone with the codec
 
 
-def _device_tables(store: PackedRows) -> dict:
+def codec_tables(store: PackedRows) -> dict:
     """Codebook, its midpoints and fixed thresholds of a store's codec as float32 on its device (made once per codec)."""
     per_device = _TABLES.setdefault(store.codec, {})
     key = str(store.device)
@@ -159,7 +159,7 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     target = row_index(seqs, starts, counts, device)
     words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
     words_per_row = np.int32(store.words.shape[2])
-    layout = np.int32(_layout_id(codec, store.layout))
+    layout = np.int32(layout_id(codec, store.layout))
     if cid == src.UNIFORM_TOKEN:
         groups = store.token["scale"].shape[2]
         scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
@@ -181,7 +181,7 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         store.blocks["scale"].index_put_(block_target, scale)
         store.blocks["zero"].index_put_(block_target, zero)
         return
-    tables = _device_tables(store)
+    tables = codec_tables(store)
     per_token = "lo" in store.token
     token_lo = torch.empty(rows, 1, dtype=torch.float16, device=device) if per_token else None
     token_hi = torch.empty_like(token_lo) if per_token else None
@@ -276,7 +276,7 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
     codec, cid = body.codec, codec_id(body.codec)
     fields[4:7] = [body.words.data_ptr(), body.words.shape[1] * body.words.shape[2], body.words.shape[2]]
     if cid == src.CODEBOOK_CHANNEL:
-        tables = _device_tables(body)
+        tables = codec_tables(body)
         fields[7:12] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1]
     else:
         params = body.token if cid in (src.UNIFORM_TOKEN, src.CODEBOOK_TOKEN) else body.blocks
@@ -286,12 +286,12 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
             fields[7:11] = [first.data_ptr(), params[names[1]].data_ptr(), first.shape[1] * first.shape[2], first.shape[2]]
         fields[11] = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
     if hasattr(codec, "codebook"):
-        fields[12] = _device_tables(body)["codebook"].data_ptr()
+        fields[12] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:
         fields[13:20] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
                          body.outlier_offsets.data_ptr(), body.outlier_offsets.shape[2], body.outlier_count.data_ptr(),
                          OUTLIER_TILE_TOKENS.bit_length() - 1]
-    fields[20] = _layout_id(codec, body.layout)
+    fields[20] = layout_id(codec, body.layout)
     return fields
 
 

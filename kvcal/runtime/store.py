@@ -144,8 +144,16 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
 
 def permuted_groups(codec) -> bool:
     """Whether `codec` is SKVQ's (kvcal.skvq.SkvqTensor, known by its permutation, group starts and clipping: the
-    runtime does not import kvcal.skvq, whose fitting needs scikit-learn)."""
+    runtime does not import kvcal.skvq, whose fitting needs scikit-learn). Its codec encodes and decodes codes in
+    permuted channel order; a store keeps them in channel order (a channel's code where the channel is, as for
+    every other codec, so that the kernels unpack a head's codes without a gather)."""
     return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))
+
+
+def _to_channel_order(codec, codes: torch.Tensor) -> torch.Tensor:
+    """Codes (rows, C) of a permuted-groups codec from its permuted order (slot i holds channel permutation[i])."""
+    slots = torch.argsort(codec.permutation.long().to(codes.device))  # channel c sits in slot slots[c]
+    return codes.index_select(1, slots)
 
 
 class _Table:
@@ -221,8 +229,8 @@ class _CodebookTable(_Table):
 
 
 class _PermutedGroupsTable(_Table):
-    """SKVQ's codec (see permuted_groups): codes in permuted channel order, a scale and zero per
-    (token, group), value = (code + zero) * scale, then put back in channel order."""
+    """SKVQ's codec (see permuted_groups): codes stored in channel order, a scale and zero per (token, group of
+    permuted slots), value = (code + zero) * scale with the group of each channel's slot."""
 
     constants = None
 
@@ -234,15 +242,14 @@ class _PermutedGroupsTable(_Table):
             sizes = (codec.starts[1:] - codec.starts[:-1]).long().to(device)
             members = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
             levels = 3 if codec.bits == 1.5 else 2 ** int(codec.bits)
-            self.constants = (inverse, (members[inverse] * levels).to(torch.int32), levels)
-        inverse, channel_offsets, levels = self.constants
+            self.constants = ((members[inverse] * levels).to(torch.int32), levels)
+        channel_offsets, levels = self.constants
         scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
         zero = store.token["zero"][:, :rows].float()
         batch, groups = scale.shape[0], scale.shape[2]
         table = (torch.arange(levels, dtype=torch.float32, device=codes.device) + zero[..., None]) * scale[..., None]
         offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * (groups * levels)).view(batch, rows, 1)
-        slots = codes.view(batch, rows, -1)
-        index = torch.gather(slots, 2, inverse.expand(batch, rows, -1)).add_(channel_offsets).add_(offsets)  # channel order
+        index = codes.view(batch, rows, -1)[..., : store.width] + channel_offsets + offsets
         return table.view(-1).index_select(0, index.view(-1)).view(batch, rows, -1)
 
 
@@ -454,7 +461,8 @@ class PackedRows:
     def _encode_rows(self, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         encoded = self.codec.encode(x.float())
         target = row_index(seqs, starts, counts, self.device)
-        self.words.index_put_(target, pack_codes(encoded.codes, self.codec.bits, self.layout))
+        codes = _to_channel_order(self.codec, encoded.codes) if permuted_groups(self.codec) else encoded.codes
+        self.words.index_put_(target, pack_codes(codes, self.codec.bits, self.layout))
         for name, values in encoded.token.items():
             self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype).index_put_(target, values)
         if encoded.block:
@@ -532,8 +540,10 @@ class PackedRows:
         n = self.length[b]
         if n == 0:
             return torch.zeros(0, self.width, device=self.device)
-        encoded = Encoded(unpack(self.words[b, :n], self.codec.bits, self.width, self.layout),
-                          token={name: t[b, :n] for name, t in self.token.items()},
+        codes = unpack(self.words[b, :n], self.codec.bits, self.width, self.layout)
+        if permuted_groups(self.codec):  # the codec decodes its permuted order
+            codes = codes.index_select(1, self.codec.permutation.long().to(codes.device))
+        encoded = Encoded(codes, token={name: t[b, :n] for name, t in self.token.items()},
                           block={name: t[b, : n // self.block] for name, t in self.blocks.items()})
         if self.keeps_outliers:
             _, rows, channels, values = self._live_outliers([b])

@@ -1,0 +1,222 @@
+// Quantize-and-append on the CPU for the codecs a decode step appends to every step: the codebook codec
+// (kvcal.quantizers.CodebookCodec: KVQuant's nuq, the mixed recipe; append.cu's append_codebook and
+// append_codebook_outliers), per-token uniform values (TokenUniform: KIVI, KVmix) and SKVQ's permuted groups,
+// writing the same codes, fp16 parameters and outliers, bit for bit, as the torch encoders that kvcal/runtime/
+// store.py uses otherwise (tests/test_runtime_cpu_kernel.py checks it), straight into the store's buffers. Launched by
+// kvcal/runtime/cpu_kernel.py; compiled without -ffast-math and with -ffp-contract=off, so that every float
+// operation rounds where torch's does.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float MIN_HALF_RANGE = 1e-8f;  // kvcal.quantizers.normalize's clamp
+constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_SCALE (2^-24)
+constexpr float FP16_MAX = 65504.0f;
+enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
+
+inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+// kvcal.quantizers.store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
+inline uint16_t float_to_half(float x) {
+    const _Float16 f = (_Float16)std::fmin(std::fmax(x, -FP16_MAX), FP16_MAX);
+    uint16_t h;
+    std::memcpy(&h, &f, 2);
+    return h;
+}
+
+// kvcal.quantizers.normalize: (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8).
+inline float normalized(float x, float lo, float hi) {
+    return (x - (hi + lo) / 2.0f) / std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE);
+}
+
+// torch.quantile (linear interpolation, ATen's lerp) of sorted[0, n) at q.
+inline float quantile(const float* sorted, int n, float q) {
+    const float rank = q * (float)(n - 1);
+    const int below = (int)rank, above = (int)std::ceil(rank);
+    const float weight = rank - (float)below, a = sorted[below], b = sorted[above];
+    return weight < 0.5f ? a + weight * (b - a) : b - (b - a) * (1.0f - weight);
+}
+
+int code_bits(int layout) { return layout == KVMIX3 ? 3 : layout; }
+
+// One row's codes packed in kvcal/packing.py's layout (append.cu's pack_unit, for every unit of the row).
+void pack_row(const uint32_t* codes, int width, int layout, uint32_t* out, int words_per_row) {
+    std::memset(out, 0, (size_t)words_per_row * 4);
+    if (layout == PLANES3) {
+        for (int c = 0; c < width; ++c) {
+            uint32_t* unit = out + (c / 32) * 3;
+            const int i = c % 32;
+            unit[i / 16] |= (codes[c] & 3u) << ((i % 16) * 2);
+            unit[2] |= (codes[c] >> 2) << i;
+        }
+        return;
+    }
+    const int bits = code_bits(layout), per_word = layout == KVMIX3 ? 11 : 32 / bits;
+    for (int c = 0; c < width; ++c) {
+        const int slot = c % per_word;
+        const uint32_t limit = (layout == KVMIX3 && slot == 10) ? 3u : (1u << bits) - 1u;
+        out[c / per_word] |= std::min(codes[c], limit) << (slot * bits);
+    }
+}
+
+struct Thresholds {
+    const float* channel_lo;
+    const float* channel_hi;
+    float token_lo, token_hi;
+    float lo(int c) const { return channel_lo ? channel_lo[c] : token_lo; }
+    float hi(int c) const { return channel_hi ? channel_hi[c] : token_hi; }
+};
+
+}  // namespace
+
+// Phase 1, every row r of x (rows, width) fp16, for sequence seq_of_row[r] at body row row_in_seq[r]: thresholds
+// per channel (channel_lo/hi) or per token (the q_low/q_high quantiles of the row, min/max without outliers, stored
+// fp16 at token_lo/hi[seq * token_stride + row]); codes = the codebook midpoints below clamp(normalized, -1, 1),
+// packed into words[seq * words_stride + row * words_per_row]; found (rows, width / head_dim) = the elements with
+// |normalized| > 1 per (row, KV head) when keep_outliers.
+extern "C" void kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width, int head_dim, int layout,
+                                          const float* channel_lo, const float* channel_hi, float q_low, float q_high,
+                                          int keep_outliers, const float* midpoints, const int32_t* seq_of_row,
+                                          const int32_t* row_in_seq, uint32_t* words, long long words_stride,
+                                          int words_per_row, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
+                                          int32_t* found) {
+    const int entries = 1 << code_bits(layout), heads = width / head_dim;
+    std::vector<float> row_values(width), sorted(width);
+    std::vector<uint32_t> codes(width);
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + (long long)r * width;
+        for (int c = 0; c < width; ++c) row_values[c] = half_to_float(xr[c]);
+        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
+        if (channel_lo == nullptr) {
+            sorted = row_values;
+            std::sort(sorted.begin(), sorted.end());
+            const float lo = keep_outliers ? quantile(sorted.data(), width, q_low) : sorted[0];
+            const float hi = keep_outliers ? quantile(sorted.data(), width, q_high) : sorted[width - 1];
+            const long long at = seq_of_row[r] * token_stride + row_in_seq[r];
+            token_lo[at] = float_to_half(lo);
+            token_hi[at] = float_to_half(hi);
+            t.token_lo = half_to_float(token_lo[at]);
+            t.token_hi = half_to_float(token_hi[at]);
+        }
+        int32_t* row_found = found + (long long)r * heads;
+        for (int h = 0; h < heads; ++h) row_found[h] = 0;
+        for (int c = 0; c < width; ++c) {
+            const float v = normalized(row_values[c], t.lo(c), t.hi(c));
+            if (keep_outliers && std::fabs(v) > 1.0f) ++row_found[c / head_dim];
+            const float clamped = std::fmin(std::fmax(v, -1.0f), 1.0f);
+            uint32_t code = 0;
+            for (int i = 0; i < entries - 1; ++i) code += midpoints[i] < clamped;
+            codes[c] = code;
+        }
+        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
+                 words_per_row);
+    }
+}
+
+// Phase 2, after the caller made room: every row's outliers, in row order and channel order, go after their
+// (sequence, KV head) run's own (counts (batch, heads), incremented), each its uint16 position in its tile of
+// tile_tokens body rows and its exact fp16 value; a row that starts a tile first records, for every head, the
+// run's count as that tile's offset (offsets (batch, heads, offset_stride)).
+extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width, int head_dim, int tile_tokens,
+                                         const float* channel_lo, const float* channel_hi, const uint16_t* token_lo,
+                                         const uint16_t* token_hi, long long token_stride, const int32_t* seq_of_row,
+                                         const int32_t* row_in_seq, uint16_t* positions, uint16_t* values,
+                                         long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
+    const int heads = width / head_dim;
+    for (int r = 0; r < rows; ++r) {
+        const long long seq = seq_of_row[r], first_run = seq * heads;
+        const int row = row_in_seq[r], tile = row / tile_tokens;
+        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
+        if (channel_lo == nullptr) {
+            t.token_lo = half_to_float(token_lo[seq * token_stride + row]);
+            t.token_hi = half_to_float(token_hi[seq * token_stride + row]);
+        }
+        if (row % tile_tokens == 0)
+            for (int h = 0; h < heads; ++h) offsets[(first_run + h) * offset_stride + tile] = counts[first_run + h];
+        const uint16_t* xr = x + (long long)r * width;
+        for (int c = 0; c < width; ++c) {
+            if (!(std::fabs(normalized(half_to_float(xr[c]), t.lo(c), t.hi(c))) > 1.0f)) continue;
+            const int h = c / head_dim;
+            const long long at = (first_run + h) * outlier_stride + counts[first_run + h]++;
+            positions[at] = (uint16_t)((row % tile_tokens) * head_dim + c - h * head_dim);
+            values[at] = xr[c];
+        }
+    }
+}
+
+// TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max, fp16 scale = (hi - lo) / levels and
+// zero = lo at scale/zero[seq * param_stride + row * groups + g], codes round((x - zero) / max(scale, 2^-24)).
+extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int width, int layout, int group,
+                                               const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
+                                               long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
+                                               long long param_stride) {
+    const int levels = (1 << code_bits(layout)) - 1, groups = (width + group - 1) / group;
+    std::vector<uint32_t> codes(width);
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + (long long)r * width;
+        const long long at = seq_of_row[r] * param_stride + (long long)row_in_seq[r] * groups;
+        for (int g = 0; g < groups; ++g) {
+            const int first = g * group, end = std::min(width, first + group);
+            float lo = INFINITY, hi = -INFINITY;
+            for (int c = first; c < end; ++c) {
+                lo = std::fmin(lo, half_to_float(xr[c]));
+                hi = std::fmax(hi, half_to_float(xr[c]));
+            }
+            scale[at + g] = float_to_half((hi - lo) / (float)levels);
+            zero[at + g] = float_to_half(lo);
+            const float s = std::fmax(half_to_float(scale[at + g]), TINY_SCALE), z = half_to_float(zero[at + g]);
+            for (int c = first; c < end; ++c) {
+                const float q = std::nearbyint((half_to_float(xr[c]) - z) / s);
+                codes[c] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);
+            }
+        }
+        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
+                 words_per_row);
+    }
+}
+
+// SKVQ (kvcal.skvq.SkvqTensor, fp16 parameters): channels in permuted order, per (row, group of permuted slots
+// starts[g] .. starts[g + 1]) clipped min-max: low/high = clip[g] x min/max, scale = fp16(max((high - low) / levels,
+// 2^-24)), zero = fp16(low / max(scale, 2^-24)) at scale/zero[seq * param_stride + row * groups + g], codes
+// round(x / max(scale, 2^-24) - zero) clamped to [0, levels], packed in channel order (the store's, see
+// kvcal.runtime.store.permuted_groups).
+extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
+                                                 const int32_t* starts, int groups, const float* clip,
+                                                 const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
+                                                 long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
+                                                 long long param_stride) {
+    const int levels = (1 << code_bits(layout)) - 1;
+    std::vector<float> permuted(width);
+    std::vector<uint32_t> codes(width);
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + (long long)r * width;
+        for (int i = 0; i < width; ++i) permuted[i] = half_to_float(xr[permutation[i]]);
+        const long long at = seq_of_row[r] * param_stride + (long long)row_in_seq[r] * groups;
+        for (int g = 0; g < groups; ++g) {
+            float lo = INFINITY, hi = -INFINITY;
+            for (int i = starts[g]; i < starts[g + 1]; ++i) {
+                lo = std::fmin(lo, permuted[i]);
+                hi = std::fmax(hi, permuted[i]);
+            }
+            const float low = clip[g] * lo, high = clip[g] * hi;
+            scale[at + g] = float_to_half(std::fmax((high - low) / (float)levels, TINY_SCALE));
+            const float s = std::fmax(half_to_float(scale[at + g]), TINY_SCALE);
+            zero[at + g] = float_to_half(low / s);
+            const float z = half_to_float(zero[at + g]);
+            for (int i = starts[g]; i < starts[g + 1]; ++i) {
+                const float q = std::nearbyint(permuted[i] / s - z);
+                codes[permutation[i]] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);  // stored in channel order
+            }
+        }
+        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
+                 words_per_row);
+    }
+}
