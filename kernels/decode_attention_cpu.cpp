@@ -364,6 +364,47 @@ inline float exp_nonpositive(float x) {
     return p * __builtin_bit_cast(float, (k + 127) << 23);
 }
 
+// Lane j of the result: the sum of the lanes of t[j] (16 horizontal sums in 15 pairwise steps of two shuffles and
+// an add, instead of a reduction per vector).
+inline f32x16 sum_lanes16(f32x16* t) {
+    typedef int32_t mask __attribute__((vector_size(64)));
+    const mask low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, high8 = low8 + 8;
+    const mask low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, high4 = low4 + 4;
+    const mask low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, high2 = low2 + 2;
+    const mask low1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, high1 = low1 + 1;
+    for (int p = 0; p < 8; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low8) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high8);
+    for (int p = 0; p < 4; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low4) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high4);
+    for (int p = 0; p < 2; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low2) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high2);
+    return __builtin_shuffle(t[0], t[1], low1) + __builtin_shuffle(t[0], t[1], high1);
+}
+
+// s[i] = q . keys[i * D ..] for i < n (keys hold CHUNK rows, finite past n): 16 tokens at a time when D is a
+// multiple of 16 (their lane-wise products summed across lanes together), one dot product at a time otherwise.
+inline void key_scores(const float* __restrict__ q, const float* __restrict__ keys, int n, int D, float* __restrict__ s) {
+#if !defined(__clang__)
+    if (D % 16 == 0) {
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            f32x16 t[16];
+            for (int j = 0; j < 16; ++j) {
+                const float* k = keys + (size_t)(i0 + j) * D;
+                f32x16 sum = load16(q) * load16(k);
+                for (int c = 16; c < D; c += 16) sum += load16(q + c) * load16(k + c);
+                t[j] = sum;
+            }
+            store16(s + i0, sum_lanes16(t));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i) {
+        const float* __restrict__ k = keys + (size_t)i * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int c = 0; c < D; ++c) dot += q[c] * k[c];
+        s[i] = dot;
+    }
+}
+
 // a[c] += sum_i p[i] v[i * D + c]: 32 channels at a time held in registers over the tokens, two tokens per step
 // into separate sums (a store and reload of a[] per token would chain every step through memory).
 inline void accumulate_values(const float* __restrict__ p, const float* __restrict__ v, int n, int D, float* __restrict__ a) {
@@ -445,13 +486,7 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
                 for (int g = 0; g < group; ++g) {
                     float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
                     const float* __restrict__ qg = q.data() + (size_t)g * D;
-                    for (int i = 0; i < n; ++i) {
-                        const float* __restrict__ k = keys.data() + (size_t)i * D;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int c = 0; c < D; ++c) dot += qg[c] * k[c];
-                        s[i] = dot;
-                    }
+                    key_scores(qg, keys.data(), n, D, s);
                     float chunk_max = -INFINITY;
                     for (int i = 0; i < n; ++i) chunk_max = std::fmax(chunk_max, s[i]);
                     const float m_new = std::fmax(m[g], chunk_max);

@@ -210,8 +210,11 @@ class CpuAppend:
         lib, codec = append_library(), store.codec
         x = x.to(torch.float16).contiguous()
         rows, width = x.shape
-        seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
-        row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+        if rows == len(seqs):  # a decode step: one row per sequence
+            seq_of_row, row_in_seq = np.asarray(seqs, dtype=np.int32), np.asarray(starts, dtype=np.int32)
+        else:
+            seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
+            row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
         layout = kernels.layout_id(codec, store.layout)
         destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, store.words.data_ptr(), store.words.stride(0),
                        store.words.shape[2])
@@ -247,7 +250,7 @@ class CpuAppend:
                                       _ptr(lo), _ptr(hi), token_stride, found.ctypes.data)
         if not keep:
             return
-        per_sequence = np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
+        per_sequence = found if rows == len(seqs) else np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room(seqs, per_sequence.tolist())  # may move the outlier arrays: pointers after it
         lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, _ptr(tables.get("lo")),
                                      _ptr(tables.get("hi")), _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
