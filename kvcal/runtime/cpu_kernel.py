@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
+from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
 from kvcal.runtime.store import permuted_groups
@@ -40,7 +40,6 @@ DECODE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared"
                 "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 APPEND_FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
 PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
-LAYOUTS = {"lsb": {1, 2, 4}, "planes3": {3}, "kvmix10x3+1x2": {3}}
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
 
 
@@ -118,15 +117,11 @@ def codec_id(codec) -> int | None:
     return kernels.codec_id(codec)
 
 
-def _layout_supported(codec) -> bool:
-    return codec.bits in LAYOUTS.get(layout_for(codec.bits), ())
-
-
 def decode_supported(key_codec, value_codec) -> bool:
     """Whether the CPU kernel serves this pair of body codecs (any head_dim, GQA group and batch): the CUDA kernels'
     codecs and SKVQ's permuted groups with fp16 parameters, in the 1-, 2-, 3- and 4-bit layouts (not SKVQ's
     1.5-bit ternary values nor fp8 parameters)."""
-    return all(codec_id(c) is not None and _layout_supported(c) for c in (key_codec, value_codec))
+    return all(codec_id(c) is not None and kernels.layout_id(c) is not None for c in (key_codec, value_codec))
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> parameter group of every channel
