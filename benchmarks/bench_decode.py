@@ -72,6 +72,15 @@ def stored_bytes(stores, batch: int) -> int:
     return sum(store.used_bytes(b) for store in stores for b in range(batch))
 
 
+def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict) -> str:
+    """Write benchmarks/results/<prefix>_<this GPU's name>.json with the shapes and constants of the run; the name."""
+    device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    name = f"{prefix}_{device}"
+    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
+                        "head_dim": HEAD_DIM, "iterations": iterations, "results": rows}, started)
+    return name
+
+
 def timed(run, iterations: int) -> float:
     """Median seconds of run(), L2 flushed before each."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -142,10 +151,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 del keys, values, launches, run
                 torch.cuda.empty_cache()
-    device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-    name = f"decode_{device}"
-    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
-                        "head_dim": HEAD_DIM, "iterations": args.iters, "results": rows}, started)
+    name = write_device_result("decode", bandwidth, args.iters, rows, started)
     lines = [f"# Decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed.", "",
              "| variant | B | L | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup |", "|---|---|---|---|---|---|---|---|---|"]

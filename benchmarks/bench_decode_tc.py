@@ -15,15 +15,14 @@ Writes benchmarks/results/decode_tc_<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed  # noqa: E402
-from common import provenance, write_markdown, write_result  # noqa: E402
+from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed, write_device_result  # noqa: E402
+from common import provenance, write_markdown  # noqa: E402
 
 BATCH, LENGTH = 8, 32768
 SPLITS = (None, 512, 2048, 4096)  # None: the launcher's plan
@@ -101,10 +100,7 @@ def main() -> None:
             print(rows[-1], flush=True)
         del keys, values
         torch.cuda.empty_cache()
-    device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-    name = f"decode_tc_{device}"
-    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
-                        "head_dim": HEAD_DIM, "iterations": args.iters, "results": rows}, started)
+    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started)
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed; "
              "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",

@@ -111,8 +111,7 @@ inline uint32_t code_at(const uint32_t* row, int i) {
 
 // What one side needs per call for the work item's KV head.
 struct HeadTables {
-    std::vector<float> channel_table;  // CODEBOOK_CHANNEL: (D, levels) decoded value of every code per channel
-    std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel, for the vector path
+    std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel: value = codebook[code] * half_range + mid
     std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; per-row groups otherwise
     std::vector<int32_t> codes;        // one row's codes of the head
     std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
@@ -130,7 +129,6 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
     if (s.codebook != nullptr)
         for (int j = 0; j < t.levels; ++j) t.codebook[j] = s.codebook[j];
     if (s.codec == CODEBOOK_CHANNEL) {
-        t.channel_table.resize((size_t)D * t.levels);
         t.half_range.resize(D);
         t.mid.resize(D);
         const float* lo = (const float*)s.param0 + (long long)kv_head * D;
@@ -138,7 +136,6 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
         for (int c = 0; c < D; ++c) {
             t.half_range[c] = std::fmax((hi[c] - lo[c]) / 2.0f, MIN_HALF_RANGE);
             t.mid[c] = (hi[c] + lo[c]) / 2.0f;
-            for (int j = 0; j < t.levels; ++j) t.channel_table[(size_t)c * t.levels + j] = t.codebook[j] * t.half_range[c] + t.mid[c];
         }
     }
     const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // lookup16 reads 16
@@ -274,7 +271,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     } else if (CODEC == UNIFORM_CHANNEL) {
         for (int c = 0; c < D; ++c) out[c] = (float)codes[c] * t.scale[c] + t.zero[c];
     } else if (CODEC == CODEBOOK_CHANNEL) {
-        for (int c = 0; c < D; ++c) out[c] = t.channel_table[(size_t)c * t.levels + codes[c]];
+        for (int c = 0; c < D; ++c) out[c] = t.codebook[codes[c]] * t.half_range[c] + t.mid[c];
     } else if (CODEC == PERMUTED_GROUPS) {
         for (int c = 0; c < D; ++c) out[c] = ((float)codes[c] + t.zero[t.groups[c]]) * t.scale[t.groups[c]];
     } else {  // CODEBOOK_TOKEN

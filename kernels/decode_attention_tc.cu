@@ -92,6 +92,15 @@ __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) {
     return lo | hi << 16;
 }
 
+// A word of 4- or 2-bit codes as its 16 / BITS half2 pairs (intrinsics.cuh's converters), at out[0 ..).
+template <int BITS>
+__device__ __forceinline__ void word_to_half2(unsigned word, unsigned* out) {
+    unsigned pairs[16 / BITS];
+    if constexpr (BITS == 4) u4_to_half2(word, pairs); else u2_to_half2(word, pairs);
+#pragma unroll
+    for (int j = 0; j < 16 / BITS; ++j) out[j] = pairs[j];
+}
+
 // The halves i0 and i1 (compile-time after unrolling) of the word array w, as one pair {w[i0], w[i1]}.
 template <int N>
 __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, int i1) {
@@ -365,19 +374,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     unsigned w[WORDS], kf[PAIRS];
                     load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
 #pragma unroll
-                    for (int i = 0; i < WORDS; ++i) {
-                        if constexpr (BITS == 4) {
-                            unsigned out[4];
-                            u4_to_half2(w[i], out);
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) kf[4 * i + j] = out[j];
-                        } else {
-                            unsigned out[8];
-                            u2_to_half2(w[i], out);
-#pragma unroll
-                            for (int j = 0; j < 8; ++j) kf[8 * i + j] = out[j];
-                        }
-                    }
+                    for (int i = 0; i < WORDS; ++i) word_to_half2<BITS>(w[i], kf + i * (16 / BITS));
 #pragma unroll
                     for (int s = 0; s < KSTEPS; ++s) {
                         const unsigned a[4] = {qk[2 * s], 0u, qk[2 * s + 1], 0u}, bk[2] = {kf[2 * s], kf[2 * s + 1]};
@@ -455,19 +452,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                             for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                         }
 #pragma unroll
-                        for (int k = 0; k < CHUNKS16; ++k) {
-                            if constexpr (BITS == 4) {
-                                unsigned out[4];
-                                u4_to_half2(c16[k], out);
-#pragma unroll
-                                for (int j = 0; j < 4; ++j) vf[half][k * PER16 + j] = out[j];
-                            } else {
-                                unsigned out[8];
-                                u2_to_half2(c16[k], out);
-#pragma unroll
-                                for (int j = 0; j < 8; ++j) vf[half][k * PER16 + j] = out[j];
-                            }
-                        }
+                        for (int k = 0; k < CHUNKS16; ++k) word_to_half2<BITS>(c16[k], vf[half] + k * PER16);
                     }
 #pragma unroll
                     for (int ml = 0; ml < S::LANE_V / 2; ++ml) {

@@ -22,8 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
-from kvcal.runtime import kernels
-from kvcal.runtime.cache import RuntimeLayer, WiredCache
+from kvcal.runtime.cache import RuntimeLayer, WiredCache, append_encoder
 from kvcal.runtime.segments import CocktailStore
 
 CHUNK = CocktailSettings.chunk
@@ -81,7 +80,7 @@ def cocktail_cache(model, chunk: int = CHUNK):
     settings = CocktailSettings(chunk=chunk)
 
     def make_store(kind, batch, width, device):
-        return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=kernels.append_encoder)
+        return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=append_encoder)
 
     return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter) for _ in adapter.layers])
 

@@ -213,9 +213,10 @@ class CpuAppend:
         layout = kernels.layout_id(codec, store.layout)
         destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, store.words.data_ptr(), store.words.stride(0),
                        store.words.shape[2])
-        if codec_id(codec) in (PERMUTED_GROUPS, src.UNIFORM_TOKEN):
+        cid = codec_id(codec)
+        if cid in (PERMUTED_GROUPS, src.UNIFORM_TOKEN):
             scale, zero = store.token["scale"], store.token["zero"]
-            if codec_id(codec) == src.UNIFORM_TOKEN:
+            if cid == src.UNIFORM_TOKEN:
                 lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
                                                    zero.data_ptr(), scale.stride(0))
             else:
