@@ -1,31 +1,30 @@
-"""Static performance bound of the decode-attention kernel from its SASS: no GPU needed.
+"""Static performance bound of the decode-attention kernels from their SASS: no GPU needed.
 
-Each decode variant kvcal.runtime.kernel_source lists is compiled with NVRTC (its sources and options) for
-sm_90 and sm_80 to a cubin (registers, spills, occupancy) and disassembled with nvdisasm (PyPI wheel
+Two kernels (KERNELS): the CUDA-core kernel the runtime launches (kernels/decode_attention.cu; every variant
+kvcal.runtime.kernel_source lists) and the tensor-core kernel (kernels/decode_attention_tc.cu; the variants of its
+cases). Each is compiled with NVRTC (kernel_source's options) for sm_90 and sm_80 to a cubin (registers, spills, occupancy) and disassembled with nvdisasm (PyPI wheel
 nvidia-cuda-nvdisasm). The variants of the cases below are compiled again with -lineinfo, which tags every
 instruction with its inlined source lines (the script checks that the SASS is otherwise identical), and walked:
 
 Loops. nvdisasm 13 turns its own dataflow analysis (and so -cfg) off for these cubins, so the control flow is
 read from the listing's branch targets. Every backward branch closes a loop: its target is the header and the
 loop is the address range from the target to the branch (ptxas lays loops out contiguously). The token loop is the
-loop whose backward branch comes from TOKEN_LOOP's source line: in today's kernel a warp's loop over tiles of
-TILE tokens. Inside it, the key pass handles one token per lane (its inner loops run over the words of the
-lane's own token), and the value pass is the loop over the tile's tokens, one token per iteration for the
-whole warp. So one iteration of the token loop serves TILE tokens of one KV head for all query heads of its
-group, and warp-instructions per KV token = instructions issued per token-loop iteration / TILE.
+loop whose backward branch comes from the kernel model's token_loop source line, a warp's loop over tiles (the
+kernel models' docstrings say what one iteration holds). One iteration serves `tile` tokens of one KV head for
+all query heads of its group, and warp-instructions per KV token = instructions issued per iteration / tile.
 
 Issued instructions per iteration. Expected executions of each instruction are propagated through the loop
 body in address order. An inner loop's header gets its entry flow times its iterations (inner_loops: a regex
 on the source line of its backward branch and the steady-state count); the whole entry flow leaves at its
 last backward branch (or at its first exit when that branch is unconditional), so branches that leave a loop
-early carry nothing. A conditional branch is resolved, in this order, by: conditions() (the branch compares a
+early carry nothing. A conditional branch is resolved, in this order, by the kernel model's conditions() (the branch compares a
 runtime value with an immediate: the GQA group, the layout id, a null fp16 row pointer; evaluated on the ISETP
 that sets its predicate); a compiler slow path (a block ending in a CALL) never runs; a guard that jumps over a
 loop is not taken when the loop runs; sites(), for the steady state of each case (a body token of the case's
 code width, every lane valid, the warp converged): the probability that the code of a source line runs when
 reached, read from the inlined lines of the block each side leads to, unless other paths join there (0 for the
 fp16-token path, the other layouts, outliers when there are none; in_rows_share() for applying an outlier the
-warp visits); IF_BODIES for an if whose body no site names. A branch that no rule decides is an error (the steady
+warp visits); if_bodies() for an if whose body no site names. A branch that no rule decides is an error (the steady
 state is stated, never guessed), and so is an iteration whose flow does not reach its end. Divergence checks
 (BRA.DIV) are not taken. Predicated instructions count whether or not their predicate holds: the warp issues them.
 
@@ -67,12 +66,7 @@ LIMITS = {  # per SM: registers, shared memory, warps, blocks; shared memory the
 }
 SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768}
 
-# ---- What the walk knows about today's kernel (kernels/decode_attention.cu): update it with the kernel. ----
-KERNEL = "decode_attention.cu"
-TILE = 32  # tokens per iteration of a warp's token loop (kvcal.runtime.kernels.TILE)
-THREADS = 128  # threads per block (__launch_bounds__)
-TOKEN_LOOP = r"for \(int t0 = "
-PASSES = {"keys": r"// keys:", "softmax": r"// online softmax", "values": r"// values:"}  # source markers, in order
+THREADS = 128  # threads per block of both kernels (__launch_bounds__)
 
 
 @dataclass(frozen=True)
@@ -87,89 +81,174 @@ class Case:
     outliers: float = 0.0  # fraction of elements kept exact (per side)
     note: str = ""
 
-    @property
-    def variant(self) -> str:
-        return f"decode_attention<{SHAPE['head_dim']}, {str(self.rope).lower()}, {self.key_codec}, {self.value_codec}>"
+
+# ---- What the walk knows about each kernel: update it with the kernel. ----
+class CudaCoreKernel:
+    """kernels/decode_attention.cu, the kernel the runtime launches: a warp's loop over tiles of TILE tokens; the
+    key pass handles one token per lane (its inner loops run over the words of the lane's own token), the value
+    pass is the loop over the tile's tokens, one token per iteration for the whole warp."""
+
+    source = "decode_attention.cu"
+    title = "CUDA-core kernel (kernels/decode_attention.cu, the runtime's)"
+    tile = 32  # tokens per iteration of a warp's token loop (kvcal.runtime.kernels.TILE)
+    token_loop = r"for \(int t0 = "
+    passes = {"keys": r"// keys:", "softmax": r"// online softmax", "values": r"// values:"}  # source markers, in order
+    cases = (
+        Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, note="every token in the fp16 recent segment"),
+        Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
+        Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
+        Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01,
+             note="3-bit codes as bit-planes (planes3, exactly 3 bits): keys by word, values element by element"),
+        Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
+    )
+
+    def variant(self, case: Case) -> str:
+        return f"decode_attention<{SHAPE['head_dim']}, {str(case.rope).lower()}, {case.key_codec}, {case.value_codec}>"
+
+    def variants(self) -> list[str]:
+        """Every variant of the source the runtime may compile (the compile table)."""
+        from kvcal.runtime import kernel_source as src
+
+        return src.decode_variants()
+
+    def shared_bytes(self, variant: str, static: int) -> int:
+        return static
+
+    def stages(self, case: Case) -> int:
+        return 1  # plain loads: what an iteration of a streaming loop issues is what is in flight
+
+    def outlier_scan(self, case: Case) -> float:
+        """Outliers a warp visits per tile of self.tile tokens, on average: its own KV head's outliers of the store tile of
+        OUTLIER_TILE_TOKENS rows its tokens lie in, from the tile's start (the offset table) to its own last row (one
+        past it, where it stops, unless its rows end the store tile)."""
+        from kvcal.packing import OUTLIER_TILE_TOKENS
+
+        warps = OUTLIER_TILE_TOKENS // self.tile  # warp tiles per store tile; the k-th walks k + 1 warp tiles' outliers
+        return case.outliers * self.tile * SHAPE["head_dim"] * (warps + 1) / 2 + (warps - 1) / warps
+
+    def inner_loops(self, case: Case) -> list[tuple[str, float, str | None]]:
+        """(regex on the source line of an inner loop's backward branch, iterations per entry at the steady state, the
+        side whose codes it streams or None). The streaming loops give the bytes in flight."""
+        d, bits = SHAPE["head_dim"], case.bits or 1
+        per_word = 16 if bits == 3 else 32 // bits  # planes3: a step is half a unit, 16 codes' low-bit word
+        return [
+            (r"for \(int w = 0; w < HALF_WORDS", d / 2 / per_word, "keys"),
+            (r"for \(int part = 0; part < PER_WORD / 8", per_word / 8, None),
+            (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
+            (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
+            (r"for \(int tile = row_lo >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
+            (r"for \(int i = __ldg\(offsets \+ tile\)", self.outlier_scan(case), None),
+            (r"for \(int i = 0; i < count; \+\+i\)", self.tile, "values"),
+        ]
+
+    def sites(self, case: Case) -> list[tuple[str, float]]:
+        """(regex on a source line, probability that its code runs when the warp reaches it) for a steady-state token:
+        a body token (an fp16 token for the fp16 case) of the case's code width, every lane valid."""
+        fp16 = case.bits == 0
+        rules = [
+            (r"ref\.fp16_row = s\.sink \+", 0.0),
+            (r"ref\.fp16_row = s\.recent \+", 1.0 if fp16 else 0.0),
+            (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
+            (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
+            (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
+            (r"default: return lsb_code<3, 11>", 0.0),
+            (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", self.in_rows_share()),  # a visited outlier in the warp's rows
+            (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
+            (r"for \(int tile = row_lo >> side\.tile_shift", 1.0 if case.outliers else 0.0),
+            (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
+            (r"case PLANES3: return planes3_code", 1.0 if case.bits == 3 else 0.0),
+        ]
+        for b in (1, 2, 4):
+            rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
+            rules.append((rf"case LSB{b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
+        return rules
+
+    def in_rows_share(self) -> float:
+        """Of the outliers a warp visits (outlier_scan), the share in its own rows: the k-th warp tile of a store tile
+        visits k + 1 warp tiles' outliers and keeps one's."""
+        from kvcal.packing import OUTLIER_TILE_TOKENS
+
+        warps = OUTLIER_TILE_TOKENS // self.tile
+        return warps / sum(k + 1 for k in range(warps))
+
+    def conditions(self, case: Case) -> list[tuple[str, int]]:
+        """Branches on a runtime value that their comparison with an immediate decides: (regex on the branch's source
+        line, the value). GMAX = 8 query heads are compiled in and the group has 4; the layout id is the code width;
+        a token's fp16 row pointer is null for a body token."""
+        return [(r"if \(g >= group\) continue;", SHAPE["group"]), (r"switch \(layout\)", case.bits),
+                (r"ref\.fp16_row != nullptr", int(case.bits == 0))]
+
+    def if_bodies(self, case: Case) -> tuple:
+        """Ifs without else whose body no site names: (regex on the branch's source line, probability the body runs)."""
+        return ((r"if \(valid\)", 1.0),)
 
 
-CASES = (
-    Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, note="every token in the fp16 recent segment"),
-    Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
-    Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
-    Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01,
-         note="3-bit codes as bit-planes (planes3, exactly 3 bits): keys by word, values element by element"),
-    Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
-)
+class TensorCoreKernel:
+    """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; not yet the runtime's): blocks of 4 warps stream
+    stages of 64 tokens through a cp.async pipeline; in each iteration of the tile loop every thread issues its share
+    of the next stage's copies and warp w computes 16 of the stage's tokens with mma. So one iteration serves 16
+    tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64 tiles, and no
+    running maximum growing (its rescale is skipped; at 32K tokens a new maximum is rare)."""
+
+    source = "decode_attention_tc.cu"
+    title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core; not yet wired into the cache)"
+    tile = 16  # tc::TPW
+    token_loop = r"for \(int tile = 0; tile < tiles; \+\+tile\)"
+    passes = {"copies": r"cp_async_wait<S::STAGES - 2>\(\);", "keys": r"// -- key block parameters",
+              "softmax": r"// -- online softmax", "values": r"// -- O\^T \+= V\^T P\^T"}
+    cases = (
+        Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0),
+        Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
+        Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
+    )
+    GROUP = 128  # key block tokens and value group channels of the uniform cases
+
+    def _variant(self, case: Case):
+        from kvcal.runtime.tensor_core import Variant
+
+        group = self.GROUP if case.bits else 0
+        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"])
+
+    def variant(self, case: Case) -> str:
+        return self._variant(case).name
+
+    def variants(self) -> list[str]:
+        return [self.variant(case) for case in self.cases]
+
+    def shared_bytes(self, variant: str, static: int) -> int:
+        """Dynamic shared memory (the launcher's), which the ptxas report does not show."""
+        return next(self._variant(c).shared_bytes() for c in self.cases if self.variant(c) == variant) + static
+
+    def stages(self, case: Case) -> int:
+        return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
+
+    def inner_loops(self, case: Case) -> list:
+        return []  # everything in the tile loop unrolls
+
+    def sites(self, case: Case) -> list:
+        return []
+
+    def conditions(self, case: Case) -> list:
+        return []
+
+    def if_bodies(self, case: Case) -> tuple:
+        from kvcal.runtime.tensor_core import STAGE_TOKENS, WARPS
+
+        d, group = SHAPE["head_dim"], self.GROUP
+        key_param_copies = (1 if group >= STAGE_TOKENS else STAGE_TOKENS // group) * 2 * (d * 2 // 16)
+        return (
+            (r"if \(ahead < tiles\)", 1.0),
+            (r"c < PCOPIES\)", min(1.0, math.ceil(key_param_copies / 32) / WARPS)),  # warps with a key-parameter copy
+            (r"const long long offset = live \?", 1.0),
+            (r"if \(e < S::VP_HALVES\)", 1.0),
+            (r"if \(row < end\)", 1.0),
+            (r"if \(token0 < end\)", 1.0),
+            (r"if \(block != key_block\)", min(1.0, STAGE_TOKENS / group)),
+            (r"if \(grew\)", 0.0),
+        )
 
 
-def outlier_scan(case: Case) -> float:
-    """Outliers a warp visits per tile of TILE tokens, on average: its own KV head's outliers of the store tile of
-    OUTLIER_TILE_TOKENS rows its tokens lie in, from the tile's start (the offset table) to its own last row (one
-    past it, where it stops, unless its rows end the store tile)."""
-    from kvcal.packing import OUTLIER_TILE_TOKENS
-
-    warps = OUTLIER_TILE_TOKENS // TILE  # warp tiles per store tile; the k-th walks k + 1 warp tiles' outliers
-    return case.outliers * TILE * SHAPE["head_dim"] * (warps + 1) / 2 + (warps - 1) / warps
-
-
-def inner_loops(case: Case) -> list[tuple[str, float, str | None]]:
-    """(regex on the source line of an inner loop's backward branch, iterations per entry at the steady state, the
-    side whose codes it streams or None). The streaming loops give the bytes in flight."""
-    d, bits = SHAPE["head_dim"], case.bits or 1
-    per_word = 16 if bits == 3 else 32 // bits  # planes3: a step is half a unit, 16 codes' low-bit word
-    return [
-        (r"for \(int w = 0; w < HALF_WORDS", d / 2 / per_word, "keys"),
-        (r"for \(int part = 0; part < PER_WORD / 8", per_word / 8, None),
-        (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
-        (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
-        (r"for \(int tile = row_lo >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
-        (r"for \(int i = __ldg\(offsets \+ tile\)", outlier_scan(case), None),
-        (r"for \(int i = 0; i < count; \+\+i\)", TILE, "values"),
-    ]
-
-
-def sites(case: Case) -> list[tuple[str, float]]:
-    """(regex on a source line, probability that its code runs when the warp reaches it) for a steady-state token:
-    a body token (an fp16 token for the fp16 case) of the case's code width, every lane valid."""
-    fp16 = case.bits == 0
-    rules = [
-        (r"ref\.fp16_row = s\.sink \+", 0.0),
-        (r"ref\.fp16_row = s\.recent \+", 1.0 if fp16 else 0.0),
-        (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
-        (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
-        (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
-        (r"default: return lsb_code<3, 11>", 0.0),
-        (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", in_rows_share()),  # a visited outlier in the warp's rows
-        (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
-        (r"for \(int tile = row_lo >> side\.tile_shift", 1.0 if case.outliers else 0.0),
-        (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
-        (r"case PLANES3: return planes3_code", 1.0 if case.bits == 3 else 0.0),
-    ]
-    for b in (1, 2, 4):
-        rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
-        rules.append((rf"case LSB{b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
-    return rules
-
-
-def in_rows_share() -> float:
-    """Of the outliers a warp visits (outlier_scan), the share in its own rows: the k-th warp tile of a store tile
-    visits k + 1 warp tiles' outliers and keeps one's."""
-    from kvcal.packing import OUTLIER_TILE_TOKENS
-
-    warps = OUTLIER_TILE_TOKENS // TILE
-    return warps / sum(k + 1 for k in range(warps))
-
-
-def conditions(case: Case) -> list[tuple[str, int]]:
-    """Branches on a runtime value that their comparison with an immediate decides: (regex on the branch's source
-    line, the value). GMAX = 8 query heads are compiled in and the group has 4; the layout id is the code width;
-    a token's fp16 row pointer is null for a body token."""
-    return [(r"if \(g >= group\) continue;", SHAPE["group"]), (r"switch \(layout\)", case.bits),
-            (r"ref\.fp16_row != nullptr", int(case.bits == 0))]
-
-
-# Ifs without else whose body no site names: (regex on the branch's source line, probability the body runs).
-IF_BODIES = ((r"if \(valid\)", 1.0),)
+KERNELS = (CudaCoreKernel(), TensorCoreKernel())
 # ---- end of the kernel model ----
 
 
@@ -294,20 +373,21 @@ def backward_branches(code: list[Instruction]) -> list[tuple[int, int]]:
 class Walk:
     """Expected executions of each instruction of `code` per iteration of the token loop, for one Case."""
 
-    def __init__(self, code: list[Instruction], source_text, case: Case):
+    def __init__(self, code: list[Instruction], source_text, case: Case, kernel):
         self.code = code
         self.text = lambda lines: [source_text(f)[n - 1] for f, n in lines]
         self.entries = Counter(t for ins in code if is_branch(ins) for t in ins.targets)  # jumps into each label
         backward = backward_branches(code)
-        token = [(h, e) for h, e in backward if self.matches(code[e].lines[:1], TOKEN_LOOP)]
+        token = [(h, e) for h, e in backward if self.matches(code[e].lines[:1], kernel.token_loop)]
         if len(token) != 1:
-            raise WalkError(f"{len(token)} loops come from the token loop's line /{TOKEN_LOOP}/")
+            raise WalkError(f"{len(token)} loops come from the token loop's line /{kernel.token_loop}/")
         self.header, self.end = token[0]
         self.loops = {}  # inner loops: header -> last backward branch
         for h, e in backward:
             if self.header < h and e < self.end:
                 self.loops[h] = max(e, self.loops.get(h, e))
-        self.sites, self.trips, self.conditions, self.if_bodies = sites(case), inner_loops(case), conditions(case), IF_BODIES
+        self.sites, self.trips = kernel.sites(case), kernel.inner_loops(case)
+        self.conditions, self.if_bodies = kernel.conditions(case), kernel.if_bodies(case)
 
     def matches(self, lines, pattern: str) -> bool:
         return any(re.search(pattern, t) for t in self.text(lines))
@@ -459,14 +539,14 @@ class Walk:
 
 # ------------------------------------------------------------------------------------------------- compile
 
-def compile_cubin(arch: str, names: list[str], line_info: bool) -> tuple[bytes, str, dict[str, str]]:
-    """Decode variants `names` compiled by NVRTC for `arch` with kernel_source's options (and -lineinfo when asked):
-    (cubin, ptxas log, name -> mangled name)."""
+def compile_cubin(kernel, arch: str, names: list[str], line_info: bool) -> tuple[bytes, str, dict[str, str]]:
+    """Variants `names` of the kernel's source compiled by NVRTC for `arch` with kernel_source's options (and
+    -lineinfo when asked): (cubin, ptxas log, name -> mangled name)."""
     from kvcal.errors import KvcalError
     from kvcal.runtime import kernel_source as src
 
     try:
-        compiled = src.nvrtc_compile(src.source(KERNEL), KERNEL, arch, names, ["-lineinfo"] if line_info else [])
+        compiled = src.nvrtc_compile(src.source(kernel.source), kernel.source, arch, names, ["-lineinfo"] if line_info else [])
     except KvcalError as error:
         raise SystemExit(f"error: {error}") from None
     return compiled.cubin, compiled.log, compiled.lowered
@@ -523,40 +603,45 @@ def bytes_per_token(case: Case) -> float:
     return total / (SHAPE["kv_heads"] * tokens)
 
 
-def pass_lines(source_text) -> list[tuple[int, str]]:
-    """(first line, pass) of each pass of the token loop in KERNEL, found by PASSES' markers."""
+def pass_lines(kernel, source_text) -> list[tuple[int, str]]:
+    """(first line, pass) of each pass of the token loop in the kernel's source, found by its pass markers."""
     found = []
-    for name, marker in PASSES.items():
-        lines = [n for n, line in enumerate(source_text(KERNEL), 1) if re.search(marker, line)]
+    for name, marker in kernel.passes.items():
+        lines = [n for n, line in enumerate(source_text(kernel.source), 1) if re.search(marker, line)]
         if len(lines) != 1:
-            raise SystemExit(f"error: the marker /{marker}/ of the {name} pass is on {len(lines)} lines of {KERNEL}")
+            raise SystemExit(f"error: the marker /{marker}/ of the {name} pass is on {len(lines)} lines of {kernel.source}")
         found.append((lines[0], name))
     return sorted(found)
 
 
-def analyse(code: list[Instruction], case: Case, source_text, token_bytes: float, warps_per_sm: int) -> dict:
-    """Warp-instructions per KV token by class and by pass, and bytes in flight per SM, from one walk. A streaming
-    loop's iteration is credited at most its share of the side's bytes (half the token's: K and V alike here)."""
-    walk = Walk(code, source_text, case)
+def analyse(kernel, code: list[Instruction], case: Case, source_text, token_bytes: float, warps_per_sm: int) -> dict:
+    """Warp-instructions per KV token by class and by pass, and bytes in flight per SM, from one walk. Plain loads:
+    a streaming loop's iteration is credited at most its share of the side's bytes (half the token's: K and V alike
+    here). A cp.async pipeline: the global-load bytes of one token-loop iteration times the stages in flight."""
+    walk = Walk(code, source_text, case, kernel)
     count = walk.run()
-    starts = pass_lines(source_text)
+    starts = pass_lines(kernel, source_text)
     by_class, by_pass, by_opcode = Counter(), Counter(), Counter()
     for ins, n in zip(code, count):
         if n:
             outer = ins.lines[-1] if ins.lines else ("", 0)
-            name = next((p for first, p in reversed(starts) if outer[0] == KERNEL and outer[1] >= first), starts[0][1])
-            by_class[classify(ins.opcode)] += n / TILE
-            by_pass[name] += n / TILE
-            by_opcode[ins.opcode.split(".")[0]] += n / TILE
+            name = next((p for first, p in reversed(starts) if outer[0] == kernel.source and outer[1] >= first), starts[0][1])
+            by_class[classify(ins.opcode)] += n / kernel.tile
+            by_pass[name] += n / kernel.tile
+            by_opcode[ins.opcode.split(".")[0]] += n / kernel.tile
+
+    def issued(lo: int, hi: int) -> float:
+        return sum(count[i] * load_bytes(code[i].opcode) * 32 for i in range(lo, hi + 1) if code[i].opcode.split(".")[0] in GLOBAL_LOADS)
+
     in_flight = {}
+    if kernel.stages(case) > 1:
+        in_flight["pipeline"] = issued(walk.header, walk.end) * kernel.stages(case) * warps_per_sm
     for header, end in sorted(walk.loops.items()):
         side = walk.streams(header)
         if side and count[header] and side not in in_flight:  # the outermost streaming loop that runs
-            issued = sum(count[i] * load_bytes(code[i].opcode) * 32 for i in range(header, end + 1)
-                         if code[i].opcode.split(".")[0] in GLOBAL_LOADS)
-            in_flight[side] = min(issued, token_bytes / 2 * TILE) / count[header] * warps_per_sm
-    return {"warp_instructions_per_token": sum(count) / TILE,
-            "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in PASSES},
+            in_flight[side] = min(issued(header, end), token_bytes / 2 * kernel.tile) / count[header] * warps_per_sm
+    return {"warp_instructions_per_token": sum(count) / kernel.tile,
+            "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in kernel.passes},
             "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 
 
@@ -579,40 +664,41 @@ def rounded(x):
     return [rounded(v) for v in x] if isinstance(x, list) else x
 
 
-def measure(arch: str, sdpa_efficiency: float) -> tuple[list[dict], list[dict]]:
-    """(every listed variant's compile figures, every case's walk) for one architecture."""
+def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(the compile figures of `names`, by default every variant the kernel lists, and every case's walk) of one
+    kernel for one architecture."""
     from kvcal.packing import layout_for
     from kvcal.runtime import kernel_source as src
 
-    names = src.decode_variants()
+    names = names or kernel.variants()
     # the compile table as the runtime compiles (no -lineinfo); the walk on the same SASS tagged with source lines
-    plain_cubin, log, mangled = compile_cubin(arch, names, line_info=False)
+    plain_cubin, log, mangled = compile_cubin(kernel, arch, names, line_info=False)
     plain = parse_listing(disassemble(plain_cubin, line_info=False))
     report = {f.name: f for f in src.parse_ptxas_report(log)}
     compiled = []
     for name in names:
         f = report[mangled[name]]
-        smem = shared_bytes(log, f.name)
+        smem = kernel.shared_bytes(name, shared_bytes(log, f.name))
         compiled.append({"variant": name, "registers": f.registers, "spill_bytes": f.spill_bytes, "stack_bytes": f.stack_bytes,
                          "smem_bytes": smem, **occupancy(f.registers, smem, arch)})
     by_name = {row["variant"]: row for row in compiled}
-    cases = sorted({case.variant for case in CASES})
-    cubin, _, tagged_names = compile_cubin(arch, cases, line_info=True)
+    variant = {case: kernel.variant(case) for case in kernel.cases}
+    cubin, _, tagged_names = compile_cubin(kernel, arch, sorted(set(variant.values())), line_info=True)
     tagged = parse_listing(disassemble(cubin, line_info=True))
     source_text = functools.cache(lambda module: src.source(module).splitlines())
     walks = []
-    for case in CASES:
-        function = tagged[tagged_names[case.variant]]
-        if not same_code(function, plain[mangled[case.variant]]):
-            raise SystemExit(f"error: -lineinfo changed the {arch} SASS of {case.variant}; the walk would not be of the runtime's code")
-        row = by_name[case.variant]
+    for case in kernel.cases:
+        function = tagged[tagged_names[variant[case]]]
+        if not same_code(function, plain[mangled[variant[case]]]):
+            raise SystemExit(f"error: -lineinfo changed the {arch} SASS of {variant[case]}; the walk would not be of the compiled code")
+        row = by_name[variant[case]]
         token_bytes = bytes_per_token(case)
         try:
-            walk = analyse(function.code, case, source_text, token_bytes, row["warps_per_sm"])
+            walk = analyse(kernel, function.code, case, source_text, token_bytes, row["warps_per_sm"])
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on {arch}: {e}") from None
         layout = f"{layout_for(case.bits)} {case.bits}-bit" if case.bits else "fp16"
-        walks.append({"case": case.name, "variant": case.variant, "layout": layout,
+        walks.append({"case": case.name, "variant": variant[case], "layout": layout,
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
                       "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency)})
@@ -643,7 +729,9 @@ def markdown(result: dict) -> list[str]:
         "",
         "Per KV-head token (all query heads of its group served by one read). budget = warp-instructions per token that keep "
         "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue); speedup bound = t_sdpa / max(t_mem, t_issue). "
-        "In flight = global-load bytes of one iteration of the streaming loop x resident warps (keys / values); "
+        "In flight: plain loads, the global-load bytes of one iteration of a side's streaming loop x resident warps "
+        "(keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration x the stages in flight x "
+        "resident warps. "
         f"{h['copy_bytes_per_s'] * h['latency_s'] / h['sms'] / 1024:.1f} KiB per SM covers {h['latency_s'] * 1e9:.0f} ns of HBM "
         "latency at this bandwidth (Little's law). A bound is an upper limit, never a measurement: it assumes every issue "
         "slot is used (no dependency stalls; MUFU and fp64 at the full issue rate).",
@@ -653,36 +741,46 @@ def markdown(result: dict) -> list[str]:
         "group of 128 channels per token (values) and per channel per block of 128 tokens (keys). nuq (KVQuant): packed codes "
         "(3-bit: bit-planes 2 + 1, exactly 3 bits per code), fp16 lo/hi per token for values, 1% outliers per side at 4 B "
         "each (uint16 position in its tile, fp16 value) plus an int32 offset per KV head and tile of 64 tokens; per-channel key thresholds and codebooks are calibration constants, not cache bytes.",
-        "",
-        "| variant | kernel variant, runtime layout | bytes/token | warp-instr/token (keys + softmax + values) | budget "
-        "| registers | blocks/SM | warps/SM | in flight/SM K / V (B) | bandwidth bound | speedup vs fp16 SDPA, at best |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for w in result["sm_90"]["cases"]:
-        p, b, f = w["by_pass"], w["bound"], w["in_flight_per_sm"]
+    for kernel in KERNELS:
+        lines += kernel_section(result, kernel)
+    return lines
+
+
+def kernel_section(result: dict, kernel) -> list[str]:
+    cases = result["sm_90"][kernel.source]["cases"]
+    passes = " + ".join(kernel.passes)
+    lines = ["", f"## {kernel.title}", "", (kernel.__doc__ or "").replace("\n    ", " ").strip(), "",
+             f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | budget "
+             "| registers | blocks/SM | warps/SM | in flight/SM (B) | bandwidth bound | speedup vs fp16 SDPA, at best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in cases:
+        p, b = w["by_pass"], w["bound"]
+        flight = ", ".join(f"{side} {n:.0f}" for side, n in w["in_flight_per_sm"].items()) or "-"
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
-                     f"({p['keys']:.0f} + {p['softmax']:.0f} + {p['values']:.0f}) | {b['budget_per_token']:.1f} | {w['registers']} "
-                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {f.get('keys', 0):.0f} / {f.get('values', 0):.0f} "
+                     f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} | {w['registers']} "
+                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} "
                      f"| {b['bandwidth_fraction']:.1%} | {b['speedup_vs_sdpa']:.2f}x |")
     lines += ["", "Warp-instructions per KV token by class (sm_90; sm_80's total for comparison). fp32 includes MUFU; "
               "int/logic includes moves and predicates; conversion includes fp16 -> fp32 (HADD2.F32); other: fp64 (RoPE angle "
-              "reduction), fp16x2, shuffles, stores.", "",
+              "reduction), fp16x2, MMA, shuffles, stores.", "",
               "| variant | " + " | ".join(CLASSES) + " | total sm_90 | total sm_80 | top opcodes (sm_90) |",
               "|---|" + "---|" * (len(CLASSES) + 3)]
-    sm80 = {w["case"]: w for w in result.get("sm_80", {}).get("cases", [])}
-    for w in result["sm_90"]["cases"]:
+    sm80 = {w["case"]: w for w in result.get("sm_80", {}).get(kernel.source, {}).get("cases", [])}
+    for w in cases:
         other = sm80.get(w["case"])
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(w["top_opcodes"].items())[:5])
         total80 = f"{other['warp_instructions_per_token']:.1f}" if other else "-"
         lines.append(f"| {w['case']} | " + " | ".join(f"{w['by_class'][c]:.1f}" for c in CLASSES)
                      + f" | {w['warp_instructions_per_token']:.1f} | {total80} | {top} |")
-    lines += ["", "Notes: " + " ".join(f"{w['case']}: {w['note']}." for w in result["sm_90"]["cases"] if w["note"]), "",
-              "## Every decode variant kernel_source lists (as the runtime compiles them; occupancy from registers, shared "
-              "memory + 1 KiB reserved per block, 128 threads per block; H100 limits for sm_90, A100 for sm_80)", "",
-              "| variant | arch | registers | spill bytes | stack bytes | shared bytes | blocks/SM | warps/SM | limited by |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    notes = " ".join(f"{w['case']}: {w['note']}." for w in cases if w["note"])
+    lines += (["", "Notes: " + notes] if notes else []) + [
+        "", f"Variants compiled (as the runtime compiles them; occupancy from registers, shared memory + 1 KiB reserved per "
+        f"block, {THREADS} threads per block; H100 limits for sm_90, A100 for sm_80):", "",
+        "| variant | arch | registers | spill bytes | stack bytes | shared bytes | blocks/SM | warps/SM | limited by |",
+        "|---|---|---|---|---|---|---|---|---|"]
     for arch in ("sm_90", "sm_80"):
-        for row in result.get(arch, {}).get("compiled", []):
+        for row in result.get(arch, {}).get(kernel.source, {}).get("compiled", []):
             lines.append(f"| `{row['variant']}` | {arch} | {row['registers']} | {row['spill_bytes']} | {row['stack_bytes']} "
                          f"| {row['smem_bytes']} | {row['blocks_per_sm']} | {row['warps_per_sm']} | {row['limited_by']} |")
     return lines
@@ -707,8 +805,10 @@ def main(argv: list[str] | None = None) -> None:
     started = provenance()
     result = {"tools": tool_versions(), "h100": H100, "limits": LIMITS, "shape": SHAPE, "sdpa_efficiency": args.sdpa_efficiency}
     for arch in sorted(archs, reverse=True):
-        compiled, walks = measure(arch, args.sdpa_efficiency)
-        result[arch] = {"compiled": compiled, "cases": walks}
+        result[arch] = {}
+        for kernel in KERNELS:
+            compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
+            result[arch][kernel.source] = {"compiled": compiled, "cases": walks}
     result = rounded(result)
     lines = markdown({**started, **result})
     if args.no_write:

@@ -54,11 +54,16 @@ class Variant:
             if (vg % d and d % vg) or vge // 8 * bits < 16:
                 raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
 
+    @property
+    def stages(self) -> int:
+        """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
+        return 3 if self.bits == 16 else (6 if self.bits == 4 else 8)
+
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         fp16 = bits == 16
-        stages = 3 if fp16 else (6 if bits == 4 else 8)
+        stages = self.stages
         row = d * bits // 8
         kblocks = 0 if fp16 else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)
         vgroups = 1 if fp16 else d // min(vg, d)
