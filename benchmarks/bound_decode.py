@@ -2,8 +2,8 @@
 
 Two kernels (KERNELS): the CUDA-core kernel the runtime launches (kernels/decode_attention.cu; every variant
 kvcal.runtime.kernel_source lists) and the tensor-core kernel (kernels/decode_attention_tc.cu; the variants of its
-cases). Each is compiled with NVRTC (kernel_source's options) for sm_90 and sm_80 to a cubin (registers, spills, occupancy) and disassembled with nvdisasm (PyPI wheel
-nvidia-cuda-nvdisasm). The variants of the cases below are compiled again with -lineinfo, which tags every
+cases). Each is compiled with NVRTC (kernel_source's options) for sm_90 and sm_80 to a cubin (registers, spills,
+occupancy) and disassembled with nvdisasm (PyPI wheel nvidia-cuda-nvdisasm). The variants of the cases below are compiled again with -lineinfo, which tags every
 instruction with its inlined source lines (the script checks that the SASS is otherwise identical), and walked:
 
 Loops. nvdisasm 13 turns its own dataflow analysis (and so -cfg) off for these cubins, so the control flow is
@@ -17,8 +17,8 @@ Issued instructions per iteration. Expected executions of each instruction are p
 body in address order. An inner loop's header gets its entry flow times its iterations (inner_loops: a regex
 on the source line of its backward branch and the steady-state count); the whole entry flow leaves at its
 last backward branch (or at its first exit when that branch is unconditional), so branches that leave a loop
-early carry nothing. A conditional branch is resolved, in this order, by the kernel model's conditions() (the branch compares a
-runtime value with an immediate: the GQA group, the layout id, a null fp16 row pointer; evaluated on the ISETP
+early carry nothing. A conditional branch is resolved, in this order, by the kernel model's conditions() (the
+branch compares a runtime value with an immediate: the GQA group, the layout id, a null fp16 row pointer; evaluated on the ISETP
 that sets its predicate); a compiler slow path (a block ending in a CALL) never runs; a guard that jumps over a
 loop is not taken when the loop runs; sites(), for the steady state of each case (a body token of the case's
 code width, every lane valid, the warp converged): the probability that the code of a source line runs when
@@ -84,7 +84,7 @@ class Case:
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
 class CudaCoreKernel:
-    """kernels/decode_attention.cu, the kernel the runtime launches: a warp's loop over tiles of TILE tokens; the
+    """kernels/decode_attention.cu, the kernel the runtime launches: a warp's loop over tiles of 32 tokens; the
     key pass handles one token per lane (its inner loops run over the words of the lane's own token), the value
     pass is the loop over the tile's tokens, one token per iteration for the whole warp."""
 
