@@ -175,7 +175,7 @@ def profile_gradients_command(
     seqlen: int = typer.Option(512, help="Tokens per window; at most the model's maximum positions."),
     seed: int = typer.Option(0, help="Seed for window offsets and the row subsample; same seed, same profile."),
     sink: int = typer.Option(1, help="Leading tokens of every window kept out of the statistics (attention sinks stay fp16)."),
-    max_tokens_per_layer: int = typer.Option(2048, help="Token rows per layer kept as samples (pre-/post-RoPE K, V and their Fisher); bounds memory."),
+    max_tokens_per_layer: Optional[int] = typer.Option(None, help="Token rows per layer kept as samples (pre-/post-RoPE K, V and their Fisher); bounds memory. Default: every row past the sink while the samples (5 x layers x rows x kv_width x 4 B) fit 2 GiB."),
     store_windows: int = typer.Option(2, help="Whole windows of pre-RoPE Q, K, V kept per layer for attention-output objectives (SKVQ clipping)."),
     high_frac: float = typer.Option(0.2, help="KVmix: fraction of layers (ranked by importance, K and V separately) given the high width."),
     target_bits: Optional[float] = typer.Option(None, help="KVmix alternative to --high-frac: promote the most important layers while the mean width stays at most this."),

@@ -52,7 +52,7 @@ class ProfileRequest:
             raise KvcalError(f"--seqlen must be at least 2 (got {self.seqlen})")
         if not 0 <= self.capture.sink < self.seqlen:
             raise KvcalError(f"--sink must be in [0, seqlen) (got {self.capture.sink} with seqlen {self.seqlen})")
-        if self.capture.max_tokens_per_layer < 1:
+        if self.capture.max_tokens_per_layer is not None and self.capture.max_tokens_per_layer < 1:
             raise KvcalError(f"--max-tokens-per-layer must be at least 1 (got {self.capture.max_tokens_per_layer})")
         if self.capture.store_windows < 0:
             raise KvcalError(f"--store-windows must be 0 or more (got {self.capture.store_windows})")

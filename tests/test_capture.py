@@ -130,3 +130,17 @@ def test_select_rows_is_bounded_sorted_and_skips_the_sink():
     assert torch.all(flat[1:] > flat[:-1]) and int(rows[:, 1].min()) >= 3
     everything = select_rows(nsamples=2, seqlen=10, sink=2, limit=1000, seed=0)
     assert everything.shape == (16, 2)
+
+
+def test_default_rows_are_every_row_past_the_sink_within_the_sample_budget(monkeypatch):
+    import kvcal.capture as capture
+
+    model = tiny_model("llama")
+    adapter = adapt(model)
+    result = profile_gradients(model, adapter, windows(), CaptureSettings(sink=2))
+    assert result.counts["sampled_rows"] == NSAMPLES * (SEQLEN - 2)
+    per_row = len(capture.SAMPLE_TENSORS) * len(adapter.layers) * adapter.kv_width * 4
+    monkeypatch.setattr(capture, "SAMPLE_BUDGET_BYTES", 50 * per_row + per_row // 2)
+    assert CaptureSettings().row_limit(len(adapter.layers), adapter.kv_width) == 50
+    assert profile_gradients(model, adapter, windows(), CaptureSettings(sink=2)).counts["sampled_rows"] == 50
+    assert CaptureSettings(max_tokens_per_layer=7).row_limit(len(adapter.layers), adapter.kv_width) == 7
