@@ -238,10 +238,11 @@ class TensorCoreKernel:
         key_param_copies = (1 if group >= STAGE_TOKENS else STAGE_TOKENS // group) * 2 * (d * 2 // 16)
         return (
             (r"if \(ahead < tiles\)", 1.0),
+            (r"if \(tile \+ S::STAGES - 2 < tiles\)", 1.0),
             (r"c < PCOPIES\)", min(1.0, math.ceil(key_param_copies / 32) / WARPS)),  # warps with a key-parameter copy
             (r"const long long offset = live \?", 1.0),
-            (r"if \(e < S::VP_HALVES\)", 1.0),
-            (r"if \(row < end\)", 1.0),
+            (r"if \(tid \+ i \* THREADS < S::VP_HALVES\)", 1.0),
+            (r"if \(vp_row_of\[i\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             (r"if \(block != key_block\)", min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),

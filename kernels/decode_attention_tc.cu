@@ -30,6 +30,11 @@
 namespace tc {
 
 constexpr int WARPS = 4, THREADS = WARPS * 32, ST = 64, TPW = ST / WARPS;
+// Q K^T's A fragments carry two k-steps each: rows g hold the query's pairs of k-step 2j and rows g + 8 (unused
+// rows: the group has at most 8 heads) those of k-step 2j + 1. So {pair 4j, 4j + 2, 4j + 1, 4j + 3} is one
+// fragment with no zero registers; its product with k-step 2j's keys is read from rows g and with k-step 2j + 1's
+// from rows g + 8, in two accumulators.
+constexpr int QUAD[4] = {0, 2, 1, 3};
 constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u;
 
 #ifdef KVCAL_HOST_EMULATION
@@ -86,11 +91,8 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
 
-// kvcal.quantizers.scale_in_use: stored scales clamp to 2^-24 (fp16 bits 0x0001); both halves of a pair.
-__device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) {
-    const unsigned lo = (s & 0x7FFFu) ? (s & 0xFFFFu) : 1u, hi = (s & 0x7FFF0000u) ? (s >> 16) : 1u;
-    return lo | hi << 16;
-}
+// kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
+__device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
 
 // A word of 4- or 2-bit codes as its 16 / BITS half2 pairs (intrinsics.cuh's converters), at out[0 ..).
 template <int BITS>
@@ -200,13 +202,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
+    // Stages are issued in order, so the first rows of the next stage are running pointers, advanced by one stage
+    // per issue (no 64-bit row arithmetic per stage).
+    const unsigned char* k_tile = k_base + (long long)(first + start) * k_row;
+    const unsigned char* v_tile = v_base + (long long)(first + start) * v_row;
     auto issue = [&](int tile) {
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
         // compile-time trip counts: every thread's copies unroll into straight-line code, offsets within a stage in 32 bits
         constexpr int CHUNKS = S::ROW / 16, COPIES = ST * CHUNKS;
-        const unsigned char* const k_tile = k_base + (long long)(first + t0) * k_row;
-        const unsigned char* const v_tile = v_base + (long long)(first + t0) * v_row;
 #pragma unroll
         for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
             const int c = tid + i * THREADS;
@@ -215,10 +219,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                 const bool live = t0 + token < end;
                 // fp16 rows are read by ldmatrix: 16-byte chunks XOR-swizzled by token % 8 (no bank conflicts)
                 const int place = S::FP16 ? (chunk ^ (token & 7)) : chunk;
-                cp_async_16(buffer + token * S::ROW + place * 16, live ? k_tile + (token * (int)k_row + chunk * 16) : k_base,
+                cp_async_16(buffer + token * S::ROW + place * 16, live ? k_tile + (token * (int)k_row + chunk * 16) : k_tile,
                             live ? 16 : 0);
                 cp_async_16(buffer + S::K_BYTES + token * S::ROW + place * 16,
-                            live ? v_tile + (token * (int)v_row + chunk * 16) : v_base, live ? 16 : 0);
+                            live ? v_tile + (token * (int)v_row + chunk * 16) : v_tile, live ? 16 : 0);
             }
         }
         if constexpr (!S::FP16) {
@@ -237,21 +241,32 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                 }
             }
         }
+        k_tile += ST * k_row;
+        v_tile += ST * v_row;
     };
     // value token parameters go through registers (their rows are not 16-byte chunks): loaded with the stage's copies
     // at iteration i, stored to shared memory at iteration i + 1, so a whole iteration hides their latency
+    // (a thread's halves: running pointers and rows, advanced one stage per load, as the copies')
     constexpr int VPN = S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1;
-    auto load_value_params = [&](int tile, unsigned short (&vp_staged)[VPN]) {
+    const unsigned short* vp_source[VPN];
+    int vp_row_of[VPN];
+#pragma unroll
+    for (int i = 0; i < VPN; ++i) {
+        const int e = tid + i * THREADS;
+        const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST;
+        const int column = (kvh * D + group * S::VGE) / (S::FP16 ? 1 : VG);
+        vp_row_of[i] = start + token;
+        vp_source[i] = (which ? value_zero : value_scale) + b * vp_seq + (long long)(first + start + token) * vp_row + column;
+    }
+    auto load_value_params = [&](unsigned short (&vp_staged)[VPN]) {
         if constexpr (!S::FP16) {
-            const int t0 = start + tile * ST;
 #pragma unroll
             for (int i = 0; i < S::VP_PER_THREAD; ++i) {
-                const int e = tid + i * THREADS;
                 unsigned short v = 0;
-                if (e < S::VP_HALVES) {
-                    const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST, row = t0 + token;
-                    const int column = (kvh * D + group * S::VGE) / VG;
-                    if (row < end) v = __ldg((which ? value_zero : value_scale) + b * vp_seq + (long long)(first + row) * vp_row + column);
+                if (tid + i * THREADS < S::VP_HALVES) {
+                    if (vp_row_of[i] < end) v = __ldg(vp_source[i]);
+                    vp_row_of[i] += ST;
+                    vp_source[i] += ST * vp_row;
                 }
                 vp_staged[i] = v;
             }
@@ -299,8 +314,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
     for (int s = 0; s < S::STAGES - 1; ++s) {
         if (s < tiles) {
             issue(s);
-            if (s < S::STAGES - 2) load_value_params(s, early[s]);
-            else load_value_params(s, pending);
+            if (s < S::STAGES - 2) load_value_params(early[s]);
+            else load_value_params(pending);
         }
         cp_async_commit();
     }
@@ -315,7 +330,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
             issue(ahead);
-            load_value_params(ahead, pending);
+            load_value_params(pending);
         }
         cp_async_commit();
 
@@ -331,7 +346,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
                     load_words(sw, kp + t * (D / 4) * 2);
                     load_words(zw, kp + D * 2 + t * (D / 4) * 2);
-                    float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     unsigned z2[PAIRS];
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
@@ -342,21 +357,27 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
 #pragma unroll
                     for (int s = 0; s < KSTEPS; ++s) {
                         const unsigned q0 = q_shared[2 * s * 32 + lane], q1 = q_shared[(2 * s + 1) * 32 + lane];
-                        const unsigned a[4] = {q0, 0u, q1, 0u}, bz[2] = {z2[2 * s], z2[2 * s + 1]};
-                        mma_m16n8k16_f16(bacc, a, bz);
                         constexpr int HALF = S::HALF_CODES;
                         const int i0 = (2 * s / HALF) * S::CODES + 2 * s % HALF, j0 = ((2 * s + 1) / HALF) * S::CODES + (2 * s + 1) % HALF;
                         qk[2 * s] = hmul2(q0, clamp_scale_pair(half_pair(sw, i0, i0 + HALF)));
                         qk[2 * s + 1] = hmul2(q1, clamp_scale_pair(half_pair(sw, j0, j0 + HALF)));
                     }
-                    bias = bacc[0];
+#pragma unroll
+                    for (int j = 0; j < KSTEPS / 2; ++j) {
+                        unsigned a[4];
+                        for (int r = 0; r < 4; ++r) a[r] = q_shared[(4 * j + QUAD[r]) * 32 + lane];
+                        const unsigned z_even[2] = {z2[4 * j], z2[4 * j + 1]}, z_odd[2] = {z2[4 * j + 2], z2[4 * j + 3]};
+                        mma_m16n8k16_f16(bacc, a, z_even);
+                        mma_m16n8k16_f16(bacc2, a, z_odd);
+                    }
+                    bias = bacc[0] + bacc2[2];
                 }
             }
             // -- S = Q K^T for two n-tiles of 8 tokens --
             float sc[2][2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                // two accumulators (even / odd k-steps) halve the chain of dependent mma
+                // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (see QUAD)
                 float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::FP16) {
 #pragma unroll
@@ -364,10 +385,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                         const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
                         unsigned r[4];
                         ldmatrix_x4(r, buffer + row * S::ROW + ((chunk ^ (row & 7)) * 16));
-                        const unsigned a0[4] = {qk[4 * s2], 0u, qk[4 * s2 + 1], 0u}, b0[2] = {r[0], r[1]};
-                        mma_m16n8k16_f16(acc, a0, b0);
-                        const unsigned a1[4] = {qk[4 * s2 + 2], 0u, qk[4 * s2 + 3], 0u}, b1[2] = {r[2], r[3]};
-                        mma_m16n8k16_f16(acc2, a1, b1);
+                        const unsigned a[4] = {qk[4 * s2], qk[4 * s2 + 2], qk[4 * s2 + 1], qk[4 * s2 + 3]};
+                        const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                        mma_m16n8k16_f16(acc, a, b0);
+                        mma_m16n8k16_f16(acc2, a, b1);
                     }
                 } else {
                     constexpr int WORDS = D * BITS / 128;  // lane t's words of token g: D / 4 channels
@@ -376,14 +397,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
 #pragma unroll
                     for (int i = 0; i < WORDS; ++i) word_to_half2<BITS>(w[i], kf + i * (16 / BITS));
 #pragma unroll
-                    for (int s = 0; s < KSTEPS; ++s) {
-                        const unsigned a[4] = {qk[2 * s], 0u, qk[2 * s + 1], 0u}, bk[2] = {kf[2 * s], kf[2 * s + 1]};
-                        mma_m16n8k16_f16((s & 1) ? acc2 : acc, a, bk);
+                    for (int j = 0; j < KSTEPS / 2; ++j) {
+                        const unsigned a[4] = {qk[4 * j], qk[4 * j + 2], qk[4 * j + 1], qk[4 * j + 3]};
+                        const unsigned k_even[2] = {kf[4 * j], kf[4 * j + 1]}, k_odd[2] = {kf[4 * j + 2], kf[4 * j + 3]};
+                        mma_m16n8k16_f16(acc, a, k_even);
+                        mma_m16n8k16_f16(acc2, a, k_odd);
                     }
                 }
                 const int token = token0 + 8 * nt + 2 * t;
-                sc[nt][0] = token < end ? acc[0] + acc2[0] : -__int_as_float(0x7f800000);
-                sc[nt][1] = token + 1 < end ? acc[1] + acc2[1] : -__int_as_float(0x7f800000);
+                sc[nt][0] = token < end ? acc[0] + acc2[2] : -__int_as_float(0x7f800000);
+                sc[nt][1] = token + 1 < end ? acc[1] + acc2[3] : -__int_as_float(0x7f800000);
             }
             // -- online softmax of head g over these 16 tokens (log2 domain) --
             float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));

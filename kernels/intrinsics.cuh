@@ -128,6 +128,13 @@ __device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned 
     return d;
 }
 
+// max per lane (sm_80+): a NaN lane yields the other input's lane (both NaN: the canonical NaN 0x7FFF)
+__device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
+    unsigned d;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
 #endif  // KVCAL_HOST_EMULATION
 
 // ======================= Codes -> fp16 fragments by magic numbers (both builds) =======================

@@ -109,7 +109,7 @@ def run_cp_async(runner, src: np.ndarray, stages: int, bug: int = 0) -> np.ndarr
 
 
 def run_bits(runner, a, b, c) -> np.ndarray:
-    out = np.zeros((len(a), 6), np.uint32)
+    out = np.zeros((len(a), 7), np.uint32)
     runner.launch("probe_bits", -(-len(a) // BLOCK), BLOCK, a, b, c, out, len(a))
     return out
 
@@ -188,7 +188,7 @@ SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", 
                       "LDSM.16.MT88.2"),
         "probe_ldmatrix": ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDSM.16.M88.2", "LDSM.16.MT88.2"),
         "probe_cp_async": ("LDGSTS.E.BYPASS.128", "LDGDEPBAR", "DEPBAR"),
-        "probe_bits": ("LOP3.LUT", "PRMT"),
+        "probe_bits": ("LOP3.LUT", "PRMT", "HMNMX2"),
         "probe_dequant": ("LOP3.LUT", "HADD2", "HFMA2", "PRMT")}
 
 
@@ -342,10 +342,23 @@ def prmt_expected(a, b, c):
     return out
 
 
-def test_emulated_lop3_and_prmt_compute_their_ptx_definitions(emulated):
+def hmax2_expected(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """max.f16x2 per lane: a NaN loses to a number, two NaNs give 0x7FFF, +0 beats -0."""
+    out = np.zeros_like(a)
+    for lane in (0, 1):
+        x, y = (a >> np.uint32(16 * lane)) & np.uint32(0xFFFF), (b >> np.uint32(16 * lane)) & np.uint32(0xFFFF)
+        u, v = x.astype(np.uint16).view(np.float16), y.astype(np.uint16).view(np.float16)
+        pick_x = np.where(np.isnan(v), True, np.where(np.isnan(u), False, (u > v) | ((u == v) & (x < 0x8000))))
+        r = np.where(np.isnan(u) & np.isnan(v), np.uint32(0x7FFF), np.where(pick_x, x, y))
+        out |= r.astype(np.uint32) << np.uint32(16 * lane)
+    return out
+
+
+def test_emulated_lop3_prmt_and_hmax2_compute_their_ptx_definitions(emulated):
     a, b, c = bit_words(4096, seed=1)
     out = run_bits(emulated, a, b, c)
-    expected = [(a & b) | c, (a & c) | (b & ~c), a ^ b ^ c, ~(a | b | c), a ^ (b & c), prmt_expected(a, b, c)]
+    expected = [(a & b) | c, (a & c) | (b & ~c), a ^ b ^ c, ~(a | b | c), a ^ (b & c), prmt_expected(a, b, c),
+                hmax2_expected(a, b)]
     for column, want in enumerate(expected):
         np.testing.assert_array_equal(out[:, column], want, err_msg=f"probe_bits column {column}")
 

@@ -280,3 +280,22 @@ inline unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
     return half_bits_of(half_lane(a, 0) * half_lane(b, 0) + half_lane(c, 0)) |
            half_bits_of(half_lane(a, 1) * half_lane(b, 1) + half_lane(c, 1)) << 16;
 }
+
+// max.f16x2: per lane the larger value; a NaN lane loses to a number, two NaNs give the canonical NaN 0x7FFF;
+// +0 is taken as larger than -0.
+inline unsigned hmax2_bits(unsigned a, unsigned b) {
+    using namespace emulation::intrinsics;
+    unsigned d = 0;
+    for (unsigned lane = 0; lane < 2; ++lane) {
+        const unsigned x = a >> (16 * lane) & 0xFFFFu, y = b >> (16 * lane) & 0xFFFFu;
+        const double u = half_lane(a, lane), v = half_lane(b, lane);
+        unsigned r;
+        if (u != u && v != v) r = 0x7FFFu;
+        else if (u != u) r = y;
+        else if (v != v) r = x;
+        else if (u == v) r = (x & 0x8000u) ? y : x;  // equal values: only the zeros differ, in sign
+        else r = u > v ? x : y;
+        d |= r << (16 * lane);
+    }
+    return d;
+}

@@ -113,18 +113,19 @@ extern "C" __global__ void probe_cp_async(const unsigned char* src, int bytes, u
     else copy_pipeline<4>(src, bytes, dst, bug);
 }
 
-// Bit operations on n word triples: out[i][0..5] = lop3 with LUTs 0xEA ((a & b) | c), 0xE4 (c ? a : b),
-// 0x96 (a ^ b ^ c), 0x01 (~(a | b | c)), 0x78 (a ^ (b & c)), and prmt(a, b, c).
+// Bit operations on n word triples: out[i][0..6] = lop3 with LUTs 0xEA ((a & b) | c), 0xE4 (c ? a : b),
+// 0x96 (a ^ b ^ c), 0x01 (~(a | b | c)), 0x78 (a ^ (b & c)), prmt(a, b, c), and max.f16x2 of a and b.
 extern "C" __global__ void probe_bits(const unsigned* a, const unsigned* b, const unsigned* c, unsigned* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    unsigned* o = out + 6 * i;
+    unsigned* o = out + 7 * i;
     o[0] = lop3<0xEA>(a[i], b[i], c[i]);
     o[1] = lop3<0xE4>(a[i], b[i], c[i]);
     o[2] = lop3<0x96>(a[i], b[i], c[i]);
     o[3] = lop3<0x01>(a[i], b[i], c[i]);
     o[4] = lop3<0x78>(a[i], b[i], c[i]);
     o[5] = prmt(a[i], b[i], c[i]);
+    o[6] = hmax2_bits(a[i], b[i]);
 }
 
 // The code converters on n inputs: bits 4 (u4_to_half2, 4 words out per word in), 2 (u2_to_half2, 8),
