@@ -30,11 +30,6 @@
 namespace tc {
 
 constexpr int WARPS = 4, THREADS = WARPS * 32, ST = 64, TPW = ST / WARPS;
-// Q K^T's A fragments carry two k-steps each: rows g hold the query's pairs of k-step 2j and rows g + 8 (unused
-// rows: the group has at most 8 heads) those of k-step 2j + 1. So {pair 4j, 4j + 2, 4j + 1, 4j + 3} is one
-// fragment with no zero registers; its product with k-step 2j's keys is read from rows g and with k-step 2j + 1's
-// from rows g + 8, in two accumulators.
-constexpr int QUAD[4] = {0, 2, 1, 3};
 constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u;
 
 #ifdef KVCAL_HOST_EMULATION
@@ -93,6 +88,15 @@ __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2
 
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
 __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
+
+// Q K^T's A fragment of k-steps 2j and 2j + 1 from the query's pairs (two per k-step): rows g hold k-step 2j and
+// rows g + 8, unused by the heads (at most 8), k-step 2j + 1. Every pair sits in exactly one fragment, so no mma
+// needs zero registers moved into place; the product with k-step 2j's keys is read from rows g of one accumulator
+// and with k-step 2j + 1's from rows g + 8 of another.
+template <int N>
+__device__ __forceinline__ void two_step_fragment(unsigned (&a)[4], const unsigned (&pairs)[N], int j) {
+    a[0] = pairs[4 * j], a[1] = pairs[4 * j + 2], a[2] = pairs[4 * j + 1], a[3] = pairs[4 * j + 3];
+}
 
 // A word of 4- or 2-bit codes as its 16 / BITS half2 pairs (intrinsics.cuh's converters), at out[0 ..).
 template <int BITS>
@@ -347,7 +351,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     load_words(sw, kp + t * (D / 4) * 2);
                     load_words(zw, kp + D * 2 + t * (D / 4) * 2);
                     float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    unsigned z2[PAIRS];
+                    unsigned z2[PAIRS], qu[PAIRS];  // zeros and the unscaled query, both in key_channel order
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
                         constexpr int HALF = S::HALF_CODES;
@@ -356,7 +360,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     }
 #pragma unroll
                     for (int s = 0; s < KSTEPS; ++s) {
-                        const unsigned q0 = q_shared[2 * s * 32 + lane], q1 = q_shared[(2 * s + 1) * 32 + lane];
+                        const unsigned q0 = qu[2 * s] = q_shared[2 * s * 32 + lane], q1 = qu[2 * s + 1] = q_shared[(2 * s + 1) * 32 + lane];
                         constexpr int HALF = S::HALF_CODES;
                         const int i0 = (2 * s / HALF) * S::CODES + 2 * s % HALF, j0 = ((2 * s + 1) / HALF) * S::CODES + (2 * s + 1) % HALF;
                         qk[2 * s] = hmul2(q0, clamp_scale_pair(half_pair(sw, i0, i0 + HALF)));
@@ -365,7 +369,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
 #pragma unroll
                     for (int j = 0; j < KSTEPS / 2; ++j) {
                         unsigned a[4];
-                        for (int r = 0; r < 4; ++r) a[r] = q_shared[(4 * j + QUAD[r]) * 32 + lane];
+                        two_step_fragment(a, qu, j);
                         const unsigned z_even[2] = {z2[4 * j], z2[4 * j + 1]}, z_odd[2] = {z2[4 * j + 2], z2[4 * j + 3]};
                         mma_m16n8k16_f16(bacc, a, z_even);
                         mma_m16n8k16_f16(bacc2, a, z_odd);
@@ -377,7 +381,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
             float sc[2][2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (see QUAD)
+                // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (two_step_fragment)
                 float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::FP16) {
 #pragma unroll
@@ -385,7 +389,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                         const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
                         unsigned r[4];
                         ldmatrix_x4(r, buffer + row * S::ROW + ((chunk ^ (row & 7)) * 16));
-                        const unsigned a[4] = {qk[4 * s2], qk[4 * s2 + 2], qk[4 * s2 + 1], qk[4 * s2 + 3]};
+                        unsigned a[4];
+                        two_step_fragment(a, qk, s2);
                         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
                         mma_m16n8k16_f16(acc, a, b0);
                         mma_m16n8k16_f16(acc2, a, b1);
@@ -398,7 +403,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     for (int i = 0; i < WORDS; ++i) word_to_half2<BITS>(w[i], kf + i * (16 / BITS));
 #pragma unroll
                     for (int j = 0; j < KSTEPS / 2; ++j) {
-                        const unsigned a[4] = {qk[4 * j], qk[4 * j + 2], qk[4 * j + 1], qk[4 * j + 3]};
+                        unsigned a[4];
+                        two_step_fragment(a, qk, j);
                         const unsigned k_even[2] = {kf[4 * j], kf[4 * j + 1]}, k_odd[2] = {kf[4 * j + 2], kf[4 * j + 3]};
                         mma_m16n8k16_f16(acc, a, k_even);
                         mma_m16n8k16_f16(acc2, a, k_odd);
