@@ -98,6 +98,20 @@ __device__ __forceinline__ void two_step_fragment(unsigned (&a)[4], const unsign
     a[0] = pairs[4 * j], a[1] = pairs[4 * j + 2], a[2] = pairs[4 * j + 1], a[3] = pairs[4 * j + 3];
 }
 
+// Q K^T over every k-step with B fragments in registers (b: two pairs per k-step, in k order): rows g of `even`
+// accumulate the even k-steps, rows g + 8 of `odd` the odd ones; the sum is even[0..1] + odd[2..3].
+template <int N>
+__device__ __forceinline__ void paired_k_steps(float (&even)[4], float (&odd)[4], const unsigned (&q)[N], const unsigned (&b)[N]) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+        unsigned a[4];
+        two_step_fragment(a, q, j);
+        const unsigned b_even[2] = {b[4 * j], b[4 * j + 1]}, b_odd[2] = {b[4 * j + 2], b[4 * j + 3]};
+        mma_m16n8k16_f16(even, a, b_even);
+        mma_m16n8k16_f16(odd, a, b_odd);
+    }
+}
+
 // A word of 4- or 2-bit codes as its 16 / BITS half2 pairs (intrinsics.cuh's converters), at out[0 ..).
 template <int BITS>
 __device__ __forceinline__ void word_to_half2(unsigned word, unsigned* out) {
@@ -366,14 +380,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                         qk[2 * s] = hmul2(q0, clamp_scale_pair(half_pair(sw, i0, i0 + HALF)));
                         qk[2 * s + 1] = hmul2(q1, clamp_scale_pair(half_pair(sw, j0, j0 + HALF)));
                     }
-#pragma unroll
-                    for (int j = 0; j < KSTEPS / 2; ++j) {
-                        unsigned a[4];
-                        two_step_fragment(a, qu, j);
-                        const unsigned z_even[2] = {z2[4 * j], z2[4 * j + 1]}, z_odd[2] = {z2[4 * j + 2], z2[4 * j + 3]};
-                        mma_m16n8k16_f16(bacc, a, z_even);
-                        mma_m16n8k16_f16(bacc2, a, z_odd);
-                    }
+                    paired_k_steps(bacc, bacc2, qu, z2);
                     bias = bacc[0] + bacc2[2];
                 }
             }
@@ -381,7 +388,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
             float sc[2][2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (two_step_fragment)
+                // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (paired_k_steps)
                 float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::FP16) {
 #pragma unroll
@@ -401,14 +408,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                     load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
 #pragma unroll
                     for (int i = 0; i < WORDS; ++i) word_to_half2<BITS>(w[i], kf + i * (16 / BITS));
-#pragma unroll
-                    for (int j = 0; j < KSTEPS / 2; ++j) {
-                        unsigned a[4];
-                        two_step_fragment(a, qk, j);
-                        const unsigned k_even[2] = {kf[4 * j], kf[4 * j + 1]}, k_odd[2] = {kf[4 * j + 2], kf[4 * j + 3]};
-                        mma_m16n8k16_f16(acc, a, k_even);
-                        mma_m16n8k16_f16(acc2, a, k_odd);
-                    }
+                    paired_k_steps(acc, acc2, qk, kf);
                 }
                 const int token = token0 + 8 * nt + 2 * t;
                 sc[nt][0] = token < end ? acc[0] + acc2[2] : -__int_as_float(0x7f800000);
