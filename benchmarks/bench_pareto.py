@@ -67,7 +67,9 @@ def catalog(seed: int) -> list[Entry]:
     entries = []
     for bits in (4, 3, 2):
         entries.append(Entry(f"nuq{bits}-1%", CALIBRATED, "nuq", {"bits": bits, "outliers": 0.01, "seed": seed}, (f"nuq{bits}", "nuq")))
+    entries.append(Entry("nuq2-0%", CALIBRATED, "nuq", {"bits": 2, "outliers": 0.0, "seed": seed}))  # under turbo2's bits
     entries.append(Entry("mixed", CALIBRATED, "nuq", {"target_bits": 3.0, "outliers": 0.01, "seed": seed}))
+    entries.append(Entry("mixed-4.0", CALIBRATED, "nuq", {"target_bits": 4.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("nuq-kvmix-widths", CALIBRATED, "nuq", {"bits_from_profile": True, "outliers": 0.01, "seed": seed}))
     for window in (0, 32, 128):
         settings = {"kbits": 2, "vbits": 2, "group_size": 64, "window": window, "sink": 5, "fp8": True, "seed": seed}
