@@ -37,14 +37,14 @@ SAMPLE_BUDGET_BYTES = 2 * 1024**3
 class CaptureSettings:
     sink: int = 1
     max_tokens_per_layer: int | None = None  # None: every row past the sink, within SAMPLE_BUDGET_BYTES
+    store_windows: int = 2
+    seed: int = 0
 
     def row_limit(self, num_layers: int, kv_width: int) -> int:
         """Token rows per layer to keep as samples."""
         if self.max_tokens_per_layer is not None:
             return self.max_tokens_per_layer
         return max(1, SAMPLE_BUDGET_BYTES // (len(SAMPLE_TENSORS) * num_layers * kv_width * 4))
-    store_windows: int = 2
-    seed: int = 0
 
 
 @dataclass
