@@ -34,7 +34,7 @@ import torch
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
-from kvcal.runtime.store import permuted_groups
+from kvcal.runtime.store import channel_slots_and_groups, permuted_groups
 
 DECODE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
                 "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
@@ -128,11 +128,9 @@ _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -
 
 
 def _channel_groups(codec) -> torch.Tensor:
+    """The parameter group of every channel as int32 (the kernel's pointer stays valid while the codec lives)."""
     if codec not in _GROUPS:
-        slot_of_channel = torch.argsort(codec.permutation.long().cpu())  # channel c sits in permuted slot slot_of_channel[c]
-        sizes = (codec.starts[1:] - codec.starts[:-1]).long().cpu()
-        group_of_slot = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
-        _GROUPS[codec] = group_of_slot[slot_of_channel].to(torch.int32).contiguous()
+        _GROUPS[codec] = channel_slots_and_groups(codec, "cpu")[1].to(torch.int32).contiguous()
     return _GROUPS[codec]
 
 

@@ -29,6 +29,7 @@ codecs; bit-equal to codec.decode, a test checks it) or codec.decode itself.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -150,10 +151,25 @@ def permuted_groups(codec) -> bool:
     return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))
 
 
+_PERMUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: (slots, groups)}
+
+
+def channel_slots_and_groups(codec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a permuted-groups codec, per channel: its slot in the permuted order (slot i holds channel
+    permutation[i]) and its parameter group, int64 on `device`; made once per codec and device."""
+    per_device = _PERMUTED.setdefault(codec, {})
+    key = str(device)
+    if key not in per_device:
+        slots = torch.argsort(codec.permutation.long().to(device))
+        sizes = (codec.starts[1:] - codec.starts[:-1]).long().to(device)
+        group_of_slot = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+        per_device[key] = (slots, group_of_slot[slots])
+    return per_device[key]
+
+
 def _to_channel_order(codec, codes: torch.Tensor) -> torch.Tensor:
-    """Codes (rows, C) of a permuted-groups codec from its permuted order (slot i holds channel permutation[i])."""
-    slots = torch.argsort(codec.permutation.long().to(codes.device))  # channel c sits in slot slots[c]
-    return codes.index_select(1, slots)
+    """Codes (rows, C) of a permuted-groups codec from its permuted order."""
+    return codes.index_select(1, channel_slots_and_groups(codec, codes.device)[0])
 
 
 class _Table:
@@ -237,12 +253,8 @@ class _PermutedGroupsTable(_Table):
     def decode(self, store: PackedRows, codes: torch.Tensor, rows: int) -> torch.Tensor:
         codec = store.codec
         if self.constants is None:
-            device = codes.device
-            inverse = torch.argsort(codec.permutation.long().to(device))  # channel c is permuted slot inverse[c]
-            sizes = (codec.starts[1:] - codec.starts[:-1]).long().to(device)
-            members = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
             levels = 3 if codec.bits == 1.5 else 2 ** int(codec.bits)
-            self.constants = ((members[inverse] * levels).to(torch.int32), levels)
+            self.constants = ((channel_slots_and_groups(codec, codes.device)[1] * levels).to(torch.int32), levels)
         channel_offsets, levels = self.constants
         scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
         zero = store.token["zero"][:, :rows].float()
