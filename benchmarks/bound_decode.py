@@ -200,6 +200,8 @@ class TensorCoreKernel:
         Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0),
         Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
         Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
+        Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2),
+        Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 
@@ -207,7 +209,7 @@ class TensorCoreKernel:
         from kvcal.runtime.tensor_core import Variant
 
         group = self.GROUP if case.bits else 0
-        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"])
+        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope)
 
     def variant(self, case: Case) -> str:
         return self._variant(case).name
@@ -246,6 +248,7 @@ class TensorCoreKernel:
             (r"if \(token0 < end\)", 1.0),
             (r"if \(block != key_block\)", min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),
+            (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
         )
 
 

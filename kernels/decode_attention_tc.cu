@@ -1,7 +1,8 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows or KIVI-style uniform
 // int4 / int2 codes, split over the sequence with a log-sum-exp merge. A first step of issue 12: the cache
 // layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py "lsb");
-// no pre-RoPE keys, outliers, codebooks or sink / recent segments yet. kvcal/runtime/tensor_core.py launches it.
+// pre-RoPE keys are rotated here; no outliers, codebooks or sink / recent segments yet.
+// kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
 // tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks; zero fill past the end);
@@ -25,6 +26,14 @@
 //    channels) initialises the score accumulators.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
+//  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
+//    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
+//    the query by -P0 once per stage (fp32, the angle P0 theta exact in double and reduced modulo 2 pi: accurate at
+//    any position), and each lane rotates its dequantized keys by delta with a host-made fp16 table of
+//    cos / sin (delta theta) in shared memory (kvcal.runtime.tensor_core.rope_table). The rotation pairs channels
+//    c and c + D/2, so lane t holds both halves: channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
+//    Scales cannot fold into the query when the key rotates, so each lane dequantizes (code * scale + zero, one
+//    fma.f16x2 per pair) before rotating.
 #include "intrinsics.cuh"
 
 namespace tc {
@@ -129,7 +138,7 @@ __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, in
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
-template <int D, int BITS, int KG, int VG>
+template <int D, int BITS, int KG, int VG, bool ROPE = false>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? 6 : 8);
@@ -146,29 +155,62 @@ struct Shape {
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a warp enters a new key block (not kept in registers)
-    static constexpr int Q_BYTES = FP16 ? 0 : D / 8 * 32 * 4;
-    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES;
+    static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
+    // pre-RoPE keys: the query rotated to a stage's first position, two buffers of [pair / 4][lane][4] words, and the
+    // table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
+    static constexpr int QROT_WORDS = ROPE ? D / 8 * 32 : 0;
+    static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
-    // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps)
-    static constexpr int MIN_BLOCKS = FP16 ? 2 : (KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+    // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
+    // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
+    static constexpr int MIN_BLOCKS =
+        FP16 || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 2, "fp16, int4 or int2");
     static_assert(FP16 || (KG % TPW == 0 && (KG >= ST ? KG % ST == 0 : ST % KG == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
+    static_assert(!ROPE || (!FP16 && D * BITS >= 256), "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words");
 };
 
 // Channel of lane t's key pair p, element e (the k index of both Q K^T operands).
-template <int D, int BITS>
+template <int D, int BITS, bool ROPE = false>
 __device__ __forceinline__ int key_channel(int t, int p, int e) {
     if constexpr (BITS == 16) {
         return 16 * (p >> 1) + 8 * (p & 1) + 2 * t + e;  // ldmatrix order: k-step p / 2, register p % 2
+    } else if constexpr (ROPE) {  // pairs 0 .. D/16 - 1: channels [t D/8, (t+1) D/8) in converter order; the rest: + D/2
+        constexpr int CODES = 32 / BITS, HALF = CODES / 2, PART = D / 16;
+        const int q = p % PART;
+        return (p / PART) * (D / 2) + t * (D / 8) + (q / HALF) * CODES + q % HALF + e * HALF;
     } else {
         constexpr int CODES = 32 / BITS, HALF = CODES / 2;
         return t * (D / 4) + (p / HALF) * CODES + p % HALF + e * HALF;  // converter order of lane t's words
     }
+}
+
+// Word of the rotated query (pre-RoPE keys) holding lane `lane`'s pair p: [p / 4][lane][4] in two_step_fragment's
+// order (pairs 4j, 4j + 2, 4j + 1, 4j + 3), so that one 16-byte load is one A fragment.
+__device__ __forceinline__ int q_rot_word(int p, int lane) { return ((p >> 2) * 32 + lane) * 4 + ((p & 1) << 1 | (p >> 1 & 1)); }
+
+// Word of the rope table holding lane part t's {cos, sin} pair of frequency pair q (key_channel's pairs < D/16) at
+// offset delta: 16-byte quads of two pairs, [delta][quad][t][4], rows of ROPE_ROW words: 16 more than the row's
+// D / 2, so that the two offsets a quarter-warp reads (g and g + 1) fall in different banks, and a lane's loads are
+// one base plus immediates.
+template <int D>
+constexpr int ROPE_ROW = D / 2 + 16;
+template <int D>
+__device__ __forceinline__ int rope_pair_word(int delta, int t, int q) {
+    return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t) * 4 + 2 * (q & 1);
+}
+
+// cos and sin of the angle position * inv_freq, exact in double (below 2^29 positions) and reduced modulo 2 pi there,
+// so that the fast sincos sees |x| <= pi at any position.
+__device__ __forceinline__ void exact_cos_sin(int position, float inv_freq, float* c, float* s) {
+    const double two_pi = 6.283185307179586476925287, angle = (double)position * (double)inv_freq;
+    __sincosf((float)(angle - rint(angle * (1.0 / two_pi)) * two_pi), s, c);
 }
 
 // Output channel of value m-tile mt, row g + 8 r.
@@ -187,18 +229,20 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
 // (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
 // (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters (batch, capacity, groups) fp16,
-// strides in halves. meta (batch, 2) int32: first row, tokens. per_split tokens (a multiple of ST) per split.
-// out_partial (batch, heads, splits, D) float32, normalised; lse_partial (batch, heads, splits) in log2 units.
-template <int D, int BITS, int KG, int VG, int GQA>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_BLOCKS) decode_tc(
+// strides in halves. meta (batch, 3) int32: first row, tokens, position of the first row (ROPE). ROPE: inv_freq (D / 2)
+// float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table. per_split tokens
+// (a multiple of ST) per split. out_partial (batch, heads, splits, D) float32, normalised; lse_partial
+// (batch, heads, splits) in log2 units.
+template <int D, int BITS, int KG, int VG, int GQA, bool ROPE>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
-    float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
+    const float* __restrict__ inv_freq, const unsigned* __restrict__ rope_table, float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
     long long v_row, long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, int kv_heads, int per_split,
     int splits, float scale_log2) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG>;
+    using S = Shape<D, BITS, KG, VG, ROPE>;
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
@@ -207,7 +251,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
 
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int first = meta[2 * b], length = meta[2 * b + 1];
+    const int first = meta[3 * b], length = meta[3 * b + 1];
     const int start = split * per_split, end = min(start + per_split, length);
     const long long out_row = (long long)b * heads + (long long)kvh * GQA;
     if (start >= end) {  // an empty split (a short sequence): nothing to merge
@@ -302,7 +346,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
     // ---- the query rows of the group as A fragments (fp16 pairs in key_channel order, log2(e) / sqrt(d) folded in) ----
     unsigned qk[PAIRS];
     unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::STAGES * S::STAGE_BYTES);
-    {
+    if constexpr (!ROPE) {
         const float* const q = query + (out_row + g) * D;
 #pragma unroll
         for (int p = 0; p < PAIRS; ++p) {
@@ -318,6 +362,60 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
     }
     float bias = 0.0f;  // Q . zero of the current key block, head g
     int key_block = -1;
+
+    // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
+    unsigned* const q_rot = q_shared;  // [stage % 2][pair / 4][lane][4]
+    unsigned* const rope_smem = q_rot + 2 * S::QROT_WORDS;
+    constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
+    float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
+    unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
+    auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_rot[tile % 2]
+        if constexpr (ROPE) {
+            const int p0 = meta[3 * b + 2] + start + tile * ST;
+            unsigned* const out = q_rot + (tile & 1) * S::QROT_WORDS;
+#pragma unroll
+            for (int i = 0; i < TASK_SLOTS; ++i) {
+                const int task = tid + i * THREADS, head = task / (D / 4), part = task % (D / 4) / (D / 16), pair = task % (D / 16);
+                if (TASKS % THREADS == 0 || task < TASKS) {
+                    float a[2], r[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float c, s;
+                        exact_cos_sin(p0, task_freq[i][e], &c, &s);
+                        a[e] = task_q[i][e] * c + task_q[i][2 + e] * s;  // (R(P0)^T q)_a = q_a cos + q_b sin
+                        r[e] = task_q[i][2 + e] * c - task_q[i][e] * s;  // (R(P0)^T q)_b = q_b cos - q_a sin
+                    }
+                    const int lane_of = head * 4 + part;
+                    out[q_rot_word(pair, lane_of)] = pack_half2(a[0], a[1]);
+                    out[q_rot_word(pair + PAIRS / 2, lane_of)] = pack_half2(r[0], r[1]);
+                }
+            }
+        }
+    };
+    if constexpr (ROPE) {
+        constexpr int CHUNKS = S::ROPE_TABLE_BYTES / 16;  // the table joins stage 0's copies (the first commit group)
+#pragma unroll
+        for (int i = 0; i < CHUNKS / THREADS; ++i)
+            cp_async_16(reinterpret_cast<unsigned char*>(rope_smem) + (tid + i * THREADS) * 16,
+                        reinterpret_cast<const unsigned char*>(rope_table) + (tid + i * THREADS) * 16, 16);
+        for (int i = tid; i < 2 * S::QROT_WORDS; i += THREADS)  // rows of heads past GQA stay zero
+            if ((i >> 4 & 7) >= GQA) q_rot[i] = 0u;
+#pragma unroll
+        for (int i = 0; i < TASK_SLOTS; ++i) {
+            const int task = tid + i * THREADS, head = task / (D / 4), part = task % (D / 4) / (D / 16), pair = task % (D / 16);
+            if (TASKS % THREADS == 0 || task < TASKS) {
+                const float* const q = query + (out_row + head) * D;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = key_channel<D, BITS, true>(part, pair, e);
+                    task_q[i][e] = q[c] * scale_log2;
+                    task_q[i][2 + e] = q[c + D / 2] * scale_log2;
+                    task_freq[i][e] = inv_freq[c];
+                }
+            }
+        }
+        rotate_query(0);
+    }
 
     float o[MTILES][4];
 #pragma unroll
@@ -351,12 +449,44 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
             load_value_params(pending);
         }
         cp_async_commit();
+        // the next stage's rotated query: its buffer was last read in iteration tile - 1, which every warp has left
+        if (ROPE && tile + 1 < tiles) rotate_query(tile + 1);
 
         const unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's 16 tokens
         if (token0 < end) {
-            // -- key block parameters: Q' = q * scale and bias = Q . zero, when the warp enters a new block --
-            if constexpr (!S::FP16) {
+            if constexpr (ROPE) {  // this stage's rotated query: each 16-byte load is one A fragment (two_step_fragment)
+                const unsigned* const qr = q_rot + (tile & 1) * S::QROT_WORDS + lane * 4;
+#pragma unroll
+                for (int j = 0; j < PAIRS / 4; ++j) {
+                    unsigned w[4];
+                    load_words(w, qr + j * 128);
+                    qk[4 * j] = w[0], qk[4 * j + 2] = w[1], qk[4 * j + 1] = w[2], qk[4 * j + 3] = w[3];
+                }
+            }
+            // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the lane's scale and zero pairs), when
+            // the warp enters a new block --
+            if constexpr (ROPE) {
+                const int block = token0 / KG;
+                if (block != key_block) {
+                    key_block = block;
+                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (KG >= ST ? 0 : tb / KG) * 2 * D * 2;
+#pragma unroll
+                    for (int part = 0; part < 2; ++part) {
+                        unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
+                        const int c0 = part * (D / 2) + t * (D / 8);
+                        load_words(sw, kp + c0 * 2);
+                        load_words(zw, kp + D * 2 + c0 * 2);
+#pragma unroll
+                        for (int q = 0; q < PAIRS / 2; ++q) {
+                            constexpr int HALF = S::HALF_CODES;
+                            const int i0 = (q / HALF) * S::CODES + q % HALF;
+                            ks2[part * (PAIRS / 2) + q] = clamp_scale_pair(half_pair(sw, i0, i0 + HALF));
+                            kz2[part * (PAIRS / 2) + q] = half_pair(zw, i0, i0 + HALF);
+                        }
+                    }
+                }
+            } else if constexpr (!S::FP16) {
                 const int block = token0 / KG;
                 if (block != key_block) {
                     key_block = block;
@@ -402,6 +532,33 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG>::MIN_B
                         mma_m16n8k16_f16(acc, a, b0);
                         mma_m16n8k16_f16(acc2, a, b1);
                     }
+                } else if constexpr (ROPE) {
+                    // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta
+                    constexpr int PART_WORDS = D * BITS / 256, HP = PAIRS / 2;
+                    const int delta = tb + 8 * nt + g;
+                    const unsigned char* const row = buffer + delta * S::ROW + t * (S::ROW / 8);
+                    unsigned wa[PART_WORDS], wb[PART_WORDS], kf[PAIRS], cs[PAIRS];
+                    load_words(wa, row);
+                    load_words(wb, row + S::ROW / 2);
+#pragma unroll
+                    for (int i = 0; i < PART_WORDS; ++i) {
+                        word_to_half2<BITS>(wa[i], kf + i * (16 / BITS));
+                        word_to_half2<BITS>(wb[i], kf + HP + i * (16 / BITS));
+                    }
+#pragma unroll
+                    for (int j = 0; j < HP / 2; ++j) {
+                        unsigned w[4];
+                        load_words(w, rope_smem + rope_pair_word<D>(delta, t, 2 * j));
+                        cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
+                    }
+#pragma unroll
+                    for (int q = 0; q < HP; ++q) {
+                        const unsigned a = hfma2_bits(kf[q], ks2[q], kz2[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], kz2[HP + q]);
+                        const unsigned c = cs[2 * q], s = cs[2 * q + 1];
+                        kf[q] = hfma2_bits(a, c, hmul2(r, s) ^ FP16_MINUS_ZERO2);  // a cos - b sin
+                        kf[HP + q] = hfma2_bits(r, c, hmul2(a, s));                 // b cos + a sin
+                    }
+                    paired_k_steps(acc, acc2, qk, kf);
                 } else {
                     constexpr int WORDS = D * BITS / 128;  // lane t's words of token g: D / 4 channels
                     unsigned w[WORDS], kf[PAIRS];

@@ -4,7 +4,8 @@
   runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
   tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
-  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3;
+  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; pre-RoPE keys rotated at float64
+  angles in the reference, sequences starting at positions past 100K and past 2^24;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -34,25 +35,34 @@ LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six
 PER_SPLIT = 128
 KV_HEADS = 2
 CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64)}
+ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32"}  # pre-RoPE keys: the store's codec
+POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
 CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [(c, d, gqa, "3") for c in ("int4", "int2") for d, gqa in ((128, 1), (128, 2), (128, 4), (128, 8), (64, 4))]
          + [(c, 128, 4, batch) for c in ("fp16", "int4", "int2") for batch in ("1", "3-edges")]
          + [("fp16", 64, 2, "3-edges"), ("int4", 64, 8, "3-edges"), ("int2", 64, 1, "3-edges"),
-            ("int4-g32", 128, 4, "3"), ("int2-g64", 64, 4, "3")])
+            ("int4-g32", 128, 4, "3"), ("int2-g64", 64, 4, "3")]
+         + [(c, 128, gqa, "3") for c in ("int4-rope", "int2-rope") for gqa in (1, 3, 4, 8)]
+         + [("int4-rope", 64, 4, "3"), ("int4-rope", 64, 2, "3-edges"), ("int2-rope", 128, 4, "3-edges"),
+            ("int4-g32-rope", 128, 4, "3")])
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
-    bits, kg, vg = CODECS[codec]
-    return Variant(head_dim, bits, kg, vg, gqa)
+    bits, kg, vg = CODECS[ROPE.get(codec, codec)]
+    return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE)
+
+
+def llama_inv_freq(head_dim: int) -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
 EMULATED = sorted({variant_of(c, d, q) for c, d, q, _ in CASES}, key=lambda v: v.name)
 
 
 def symbol(v: Variant) -> str:
-    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}"
+    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}"
 
 
 def driver(variants: list[Variant]) -> str:
@@ -61,11 +71,13 @@ def driver(variants: list[Variant]) -> str:
         lines.append(
             f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
             " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
-            " float* op, float* lp, long long a0, long long a1, long long a2, long long a3, long long a4, long long a5, long long a6,"
-            " long long a7, int kvh, int per_split, int splits, float scale) {"
-            f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, op, lp, a0, a1, a2, a3,"
-            " a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
-        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}>::SMEM_BYTES; }}")
+            " const float* freq, const unsigned* table, float* op, float* lp, long long a0, long long a1, long long a2, long long a3,"
+            " long long a4, long long a5, long long a6, long long a7, int kvh, int per_split, int splits, float scale) {"
+            f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table, op, lp, a0,"
+            " a1, a2, a3, a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
+        rope = "true" if v.rope else "false"
+        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {rope}>"
+                     "::SMEM_BYTES; }")
     lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
                  " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
     lines.append("}")
@@ -86,7 +98,7 @@ def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_sourc
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     for v in variants:
-        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 10 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
+        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 12 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
     lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
     return lib
 
@@ -101,7 +113,7 @@ def emulator(tmp_path_factory):
 def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: int = 0, fifo_offset: int = 0):
     """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
     blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
-    bits, kg, vg = CODECS[codec]
+    bits, kg, vg = CODECS[ROPE.get(codec, codec)]
     width = KV_HEADS * head_dim
     g = torch.Generator().manual_seed(seed)
     if bits == 16:
@@ -120,8 +132,21 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
     return stores
 
 
-def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float) -> torch.Tensor:
-    """Softmax attention in float64 over each sequence's first lengths[b] decoded rows; zeros without tokens."""
+def rotated(k: torch.Tensor, first_position: int, inv_freq: torch.Tensor, attention_scaling: float) -> torch.Tensor:
+    """Rows (tokens, kv_heads * d) of pre-RoPE keys rotated (rotate-half) at positions first_position + row, with
+    float64 angles."""
+    tokens, width = k.shape
+    d = inv_freq.numel() * 2
+    angles = (first_position + torch.arange(tokens, dtype=torch.float64))[:, None] * inv_freq.double()[None]
+    cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
+    x = k.view(tokens, width // d, d)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat((a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]), -1).reshape(tokens, width)
+
+
+def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float, rope=None) -> torch.Tensor:
+    """Softmax attention in float64 over each sequence's first lengths[b] decoded rows; zeros without tokens.
+    rope: (inv_freq, attention_scaling, positions): the keys are pre-RoPE."""
     batch, heads, d = query.shape
     gqa = heads // KV_HEADS
     out = torch.zeros(batch, heads, d, dtype=torch.float64)
@@ -129,6 +154,9 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
         if n == 0:
             continue
         k, v = keys.read(b)[:n].double().cpu(), values.read(b)[:n].double().cpu()
+        if rope is not None:
+            inv_freq, attention_scaling, positions = rope
+            k = rotated(k, positions[b], inv_freq, attention_scaling)
         for h in range(heads):
             kvh = h // gqa
             scores = (k[:, kvh * d:(kvh + 1) * d] @ query[b, h].double().cpu()) * scaling
@@ -136,20 +164,27 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
     return out
 
 
-def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT) -> torch.Tensor:
+def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None) -> torch.Tensor:
+    """rope: as `reference`'s."""
     batch, heads, d = query.shape
     splits = max(1, -(-max(lengths) // per_split))
-    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths), dtype=torch.int32)
+    inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
+    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions), dtype=torch.int32)
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
     ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, splits, out_partial,
-                               lse_partial, meta)
+                               lse_partial, meta, inv_freq, attention_scaling)
     args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
-    assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS) == v
+    assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS, rope=rope is not None) == v
     getattr(lib, symbol(v))(splits, KV_HEADS, batch, *args)
     out = torch.zeros(batch, heads, d)
     lib.run_merge(batch * heads, d, out_partial.data_ptr(), lse_partial.data_ptr(), out.data_ptr(), splits, d)
     return out
+
+
+def rope_of(codec: str, head_dim: int, batch: int):
+    """(inv_freq, attention_scaling, positions) for a pre-RoPE codec, else None."""
+    return (llama_inv_freq(head_dim), 0.9, POSITIONS[:batch]) if codec in ROPE else None
 
 
 def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
@@ -157,8 +192,9 @@ def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
     keys, values = filled(codec, lengths, head_dim, fifo_offset=fifo_offset)
     query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
     scaling = head_dim**-0.5
-    got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling)
-    want = reference(query, keys, values, lengths, scaling)
+    rope = rope_of(codec, head_dim, len(lengths))
+    got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling, rope=rope)
+    want = reference(query, keys, values, lengths, scaling, rope)
     assert torch.isfinite(got).all()
     return (got.double() - want).abs().max().item()
 
@@ -201,6 +237,9 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
+    "rope-key-rotation-sign": ("int4-rope", "hmul2(r, s) ^ FP16_MINUS_ZERO2);", "hmul2(r, s));"),
+    "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
+    "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * c - task_q[i][e] * s;", "task_q[i][2 + e] * c + task_q[i][e] * s;"),
 }
 
 

@@ -1,9 +1,10 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
 cache (kvcal.runtime.store.Fp16Rows) or a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
-ChannelBlockUniform keys and TokenUniform values, "lsb" packing), head_dim 64 or 128, 1-8 query heads per KV head.
+ChannelBlockUniform keys and TokenUniform values, "lsb" packing), head_dim 64 or 128, 1-8 query heads per KV head;
+packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq and each sequence's first position).
 
-A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no pre-RoPE keys, outliers,
-codebooks, 3-bit codes or sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
+A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers, codebooks,
+3-bit codes or sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
 (the CPU emulation in tests/test_tensor_core_decode.py calls the same kernel with the same arguments);
 `decode_attention_tc` launches it with CuPy on torch's current stream, split over the sequence, and merges the
 splits with `merge_tc_splits`.
@@ -37,10 +38,12 @@ class Variant:
     key_group: int  # tokens per key block (0 for fp16)
     value_group: int  # channels per value group (0 for fp16)
     gqa: int
+    rope: bool = False  # pre-RoPE keys, rotated in the kernel
 
     @property
     def name(self) -> str:
-        return f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}>"
+        rope = "true" if self.rope else "false"
+        return f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {rope}>"
 
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
@@ -53,6 +56,8 @@ class Variant:
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
             if (vg % d and d % vg) or vge // 8 * bits < 16:
                 raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
+        if self.rope and (bits == 16 or d * bits < 256):
+            raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128 and int2 at 128, not {bits} bits at {d}")
 
     @property
     def stages(self) -> int:
@@ -70,8 +75,9 @@ class Variant:
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
         stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + (vp_halves * 2 + 15) // 16 * 16
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
-        query = 0 if fp16 else d // 8 * 32 * 4
-        return max(stages * stage + query, merge)
+        query = 0 if fp16 or self.rope else d // 8 * 32 * 4
+        rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
+        return max(stages * stage + query + rope, merge)
 
 
 def variants() -> list[Variant]:
@@ -82,12 +88,13 @@ def variants() -> list[Variant]:
             out.append(Variant(d, 16, 0, 0, gqa))
             for bits in (4, 2):
                 for group in (32, 64, 128):
-                    v = Variant(d, bits, group, group, gqa)
-                    try:
-                        v.check()
-                    except KvcalError:
-                        continue
-                    out.append(v)
+                    for rope in (False, True):
+                        v = Variant(d, bits, group, group, gqa, rope)
+                        try:
+                            v.check()
+                        except KvcalError:
+                            continue
+                        out.append(v)
     return out
 
 
@@ -95,18 +102,18 @@ def _is_packed(store) -> bool:
     return hasattr(store, "words")
 
 
-def variant_for(keys, values, head_dim: int, gqa: int) -> Variant:
+def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Variant:
     """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows of ChannelBlockUniform keys and
-    TokenUniform values with equal code widths ("lsb" layout)."""
+    TokenUniform values with equal code widths ("lsb" layout); rope: the keys are pre-RoPE."""
     if not _is_packed(keys) and not _is_packed(values):
-        v = Variant(head_dim, 16, 0, 0, gqa)
+        v = Variant(head_dim, 16, 0, 0, gqa, rope)
     elif _is_packed(keys) and _is_packed(values):
         kc, vc = keys.codec, values.codec
         if not (isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)) or int(kc.bits) != int(vc.bits):
             raise KvcalError(f"the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values of one width, not {kc}, {vc}")
         if keys.layout != "lsb" or values.layout != "lsb":
             raise KvcalError("the tensor-core kernel reads the 'lsb' packing")
-        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa)
+        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
     else:
         raise KvcalError("keys and values must both be fp16 rows or both packed")
     v.check()
@@ -137,10 +144,46 @@ def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[np.int64, np.int64
     return np.int64(t.stride(0) * scale), np.int64(t.stride(1) * scale)
 
 
+def rope_row(head_dim: int) -> int:
+    """tc::ROPE_ROW: words per token offset in the rotation table (16 of them padding)."""
+    return head_dim // 2 + 16
+
+
+def rope_channels(head_dim: int, bits: int) -> np.ndarray:
+    """tc::key_channel's pre-RoPE mapping for the first halves: [lane part t][frequency pair q][element e] -> the
+    channel (= frequency index) in [0, head_dim / 2); the pair's partners are the same + head_dim / 2."""
+    codes = 32 // bits
+    half = codes // 2
+    t, q, e = np.meshgrid(np.arange(4), np.arange(head_dim // 16), np.arange(2), indexing="ij")
+    return t * (head_dim // 8) + (q // half) * codes + q % half + e * half
+
+
+def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
+    """The kernel's rotation table, as the int32 image of its shared memory (tc::rope_pair_word): for each token
+    offset delta < 64 in a stage and lane part t, the fp16 pairs {cos, sin}(delta theta) of the lane's frequency pairs,
+    from float64 angles."""
+    channels = rope_channels(head_dim, bits)  # (4, D/16, 2)
+    delta = np.arange(STAGE_TOKENS)[:, None, None, None]
+    angles = delta * inv_freq.double().cpu().numpy()[channels][None]  # (64, 4, D/16, 2)
+
+    def pairs(x: np.ndarray) -> np.ndarray:  # fp16 pairs as uint32 words, element 0 in the low half
+        bits16 = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+        return bits16[..., 0] | bits16[..., 1] << 16
+
+    d_, t_, q_ = np.meshgrid(np.arange(STAGE_TOKENS), np.arange(4), np.arange(head_dim // 16), indexing="ij")
+    word = d_ * rope_row(head_dim) + ((q_ >> 1) * 4 + t_) * 4 + 2 * (q_ & 1)
+    table = np.zeros(STAGE_TOKENS * rope_row(head_dim), dtype=np.uint32)
+    table[word] = pairs(np.cos(angles))
+    table[word + 1] = pairs(np.sin(angles))
+    return torch.from_numpy(table.view(np.int32).copy())
+
+
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, splits: int,
-             out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor) -> tuple:
+             out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
+             attention_scaling: float = 1.0) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
-    (batch, 2) tensor of `meta_rows`. Tensors must be contiguous and on the kernel's device."""
+    (batch, 3) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys, whose rotation table is made here.
+    Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
     ks = keys.blocks.get("scale") if packed else None
@@ -154,13 +197,22 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     v_seq, v_row = _strides(v_data, True)
     kp_seq, kp_row = _strides(ks, False)
     vp_seq, vp_row = _strides(vs, False)
-    return (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial, k_seq, k_row, v_seq, v_row, kp_seq, kp_row,
-            vp_seq, vp_row, kv_heads, per_split, splits, float(scaling * LOG2E))
+    freq = table = None
+    if inv_freq is not None:
+        freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
+        table = rope_table(inv_freq, query.shape[-1], int(keys.codec.bits)).to(query.device)
+        scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
+    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, out_partial, lse_partial, k_seq, k_row, v_seq, v_row,
+            kp_seq, kp_row, vp_seq, vp_row, kv_heads, per_split, splits, float(scaling * LOG2E))
 
 
-def meta_rows(keys, values, lengths: list[int] | None = None) -> list[list[int]]:
+def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None) -> list[list[int]]:
+    """Per sequence: first row, tokens, position of the first row (pre-RoPE keys; default 0)."""
     first, n = _stores_lengths(keys, values, lengths)
-    return [[f, c] for f, c in zip(first, n)]
+    positions = [0] * len(n) if positions is None else list(positions)
+    if len(positions) != len(n) or any(p < 0 or p + c >= 2**29 for p, c in zip(positions, n)):
+        raise KvcalError(f"positions {positions}: one per sequence, from 0, below 2^29 with the sequence's tokens")
+    return [[f, c, p] for f, c, p in zip(first, n, positions)]
 
 
 def split_plan(lengths: list[int], pairs: int, slots: int, waves: int = 4) -> tuple[int, int]:
@@ -220,15 +272,17 @@ def _arg(x):
 
 
 def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, lengths: list[int] | None = None,
-                      per_split: int | None = None):
+                      per_split: int | None = None, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                      positions: list[int] | None = None):
     """Everything on the host (variant, split plan, buffers, arguments); returns the function that launches the
-    kernel and the merge and returns (batch, heads, head_dim) float32. Benchmarks time that function alone."""
+    kernel and the merge and returns (batch, heads, head_dim) float32. Benchmarks time that function alone.
+    inv_freq: the keys are pre-RoPE, each sequence's first row at positions[b] (default 0)."""
     batch, heads, head_dim = query.shape
     if heads % kv_heads:
         raise KvcalError(f"{heads} query heads do not divide into {kv_heads} KV heads")
-    v = variant_for(keys, values, head_dim, heads // kv_heads)
+    v = variant_for(keys, values, head_dim, heads // kv_heads, rope=inv_freq is not None)
     device = query.device
-    rows = meta_rows(keys, values, lengths)
+    rows = meta_rows(keys, values, lengths, positions)
     n = [c for _, c in rows]
     shared = v.shared_bytes()
     if per_split is None:
@@ -242,7 +296,8 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=device)
     lse_partial = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
-    args_source = operands(query, keys, values, kv_heads, scaling, per_split, splits, out_partial, lse_partial, meta)
+    args_source = operands(query, keys, values, kv_heads, scaling, per_split, splits, out_partial, lse_partial, meta, inv_freq,
+                           attention_scaling)
     args = tuple(_arg(x) for x in args_source)
     kernel = _function(v.name, shared)
     merge = _function("merge_tc_splits")
@@ -259,7 +314,8 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
 
 
 def decode_attention_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, lengths: list[int] | None = None,
-                        per_split: int | None = None) -> torch.Tensor:
+                        per_split: int | None = None, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                        positions: list[int] | None = None) -> torch.Tensor:
     """Attention of query (batch, heads, head_dim) over each sequence's stored tokens (or its first lengths[b]);
-    (batch, heads, head_dim) float32, zeros for a sequence without tokens."""
-    return prepare_decode_tc(query, keys, values, kv_heads, scaling, lengths, per_split)()
+    (batch, heads, head_dim) float32, zeros for a sequence without tokens. Pre-RoPE keys: see prepare_decode_tc."""
+    return prepare_decode_tc(query, keys, values, kv_heads, scaling, lengths, per_split, inv_freq, attention_scaling, positions)()
