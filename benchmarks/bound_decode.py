@@ -202,12 +202,15 @@ class TensorCoreKernel:
         Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
         Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2),
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4),
+        Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 
     def _variant(self, case: Case):
         from kvcal.runtime.tensor_core import Variant
 
+        if case.key_codec.startswith("CODEBOOK"):
+            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True)
         group = self.GROUP if case.bits else 0
         return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope)
 
@@ -246,7 +249,8 @@ class TensorCoreKernel:
             (r"if \(tid \+ i \* THREADS < S::VP_HALVES\)", 1.0),
             (r"if \(vp_row_of\[i\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
-            (r"if \(block != key_block\)", min(1.0, STAGE_TOKENS / group)),
+            # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
+            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
         )

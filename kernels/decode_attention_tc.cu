@@ -1,7 +1,7 @@
-// Decode attention on tensor cores (one query token per sequence) over fp16 rows or KIVI-style uniform
-// int4 / int2 codes, split over the sequence with a log-sum-exp merge. A first step of issue 12: the cache
-// layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py "lsb");
-// pre-RoPE keys are rotated here; no outliers, codebooks or sink / recent segments yet.
+// Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
+// codes or KVQuant's 4-bit codebook codes (nuq4), split over the sequence with a log-sum-exp merge. A first step
+// of issue 12: the cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row,
+// kvcal/packing.py "lsb"); pre-RoPE keys are rotated here; no outliers, 3-bit codes or sink / recent segments yet.
 // kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
@@ -26,6 +26,13 @@
 //    channels) initialises the score accumulators.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
+//  Codebooks (CB, kvcal.quantizers.CodebookCodec, no outliers): a byte of two 4-bit codes indexes a 256-entry table
+//    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
+//    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register. Keys: the bytes of a row are
+//    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
+//    sequence (one key block). Values: one SELECT lop3 merges two tokens' nibbles of a channel into a byte, so the
+//    lookup gives the (token pair, channel) register directly; the per-token thresholds (lo, hi) of the row give
+//    scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do.
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
 //    the query by -P0 once per stage (fp32, the angle P0 theta exact in double and reduced modulo 2 pi: accurate at
@@ -121,31 +128,24 @@ __device__ __forceinline__ void paired_k_steps(float (&even)[4], float (&odd)[4]
     }
 }
 
-// A word of 4- or 2-bit codes as its 16 / BITS half2 pairs (intrinsics.cuh's converters), at out[0 ..).
-template <int BITS>
-__device__ __forceinline__ void word_to_half2(unsigned word, unsigned* out) {
-    unsigned pairs[16 / BITS];
-    if constexpr (BITS == 4) u4_to_half2(word, pairs); else u2_to_half2(word, pairs);
-#pragma unroll
-    for (int j = 0; j < 16 / BITS; ++j) out[j] = pairs[j];
-}
-
 // The halves i0 and i1 (compile-time after unrolling) of the word array w, as one pair {w[i0], w[i1]}.
 template <int N>
 __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, int i1) {
+    if (i1 == i0 + 1 && !(i0 & 1)) return w[i0 >> 1];  // a whole word (ptxas keeps a prmt of a word with itself)
     const unsigned selector = (unsigned)((i0 & 1) * 2) | (unsigned)((i0 & 1) * 2 + 1) << 4 | (unsigned)(4 + (i1 & 1) * 2) << 8 |
                               (unsigned)(5 + (i1 & 1) * 2) << 12;
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
-template <int D, int BITS, int KG, int VG, bool ROPE = false>
+template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
+    static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
     static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? 6 : 8);
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
-    static constexpr int KBLOCKS = FP16 ? 0 : (KG >= ST ? 1 : ST / KG);
+    static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / (KB > 0 ? KB : 1));
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
     static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
     static constexpr int K_BYTES = ST * ROW, V_BYTES = ST * ROW;
@@ -160,7 +160,8 @@ struct Shape {
     // table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int QROT_WORDS = ROPE ? D / 8 * 32 : 0;
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
-    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES;
+    static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -170,24 +171,53 @@ struct Shape {
         FP16 || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 2, "fp16, int4 or int2");
-    static_assert(FP16 || (KG % TPW == 0 && (KG >= ST ? KG % ST == 0 : ST % KG == 0)), "key blocks of a multiple of 16 tokens");
+    static_assert(FP16 || (KB % TPW == 0 && KB > 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
+    static_assert(!CB || (BITS == 4 && VG == D), "codebooks: 4-bit codes, one value threshold pair per token");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
     static_assert(!ROPE || (!FP16 && D * BITS >= 256), "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words");
 };
 
+// Position, among a lane's consecutive key codes, of element e of its pair p: the converters' order ({j, j + 8} of
+// a word of 8 int4 codes, {j, j + 16} of int2) or the codebook table's (pairs of neighbours).
+template <int BITS, bool CB>
+__device__ __forceinline__ constexpr int pair_code(int p, int e) {
+    constexpr int CODES = 32 / BITS, HALF = CODES / 2;
+    return CB ? 2 * p + e : (p / HALF) * CODES + p % HALF + e * HALF;
+}
+
 // Channel of lane t's key pair p, element e (the k index of both Q K^T operands).
-template <int D, int BITS, bool ROPE = false>
+template <int D, int BITS, bool ROPE = false, bool CB = false>
 __device__ __forceinline__ int key_channel(int t, int p, int e) {
     if constexpr (BITS == 16) {
         return 16 * (p >> 1) + 8 * (p & 1) + 2 * t + e;  // ldmatrix order: k-step p / 2, register p % 2
-    } else if constexpr (ROPE) {  // pairs 0 .. D/16 - 1: channels [t D/8, (t+1) D/8) in converter order; the rest: + D/2
-        constexpr int CODES = 32 / BITS, HALF = CODES / 2, PART = D / 16;
-        const int q = p % PART;
-        return (p / PART) * (D / 2) + t * (D / 8) + (q / HALF) * CODES + q % HALF + e * HALF;
+    } else if constexpr (ROPE) {  // pairs 0 .. D/16 - 1: channels [t D/8, (t+1) D/8); the rest: the same + D/2
+        constexpr int PART = D / 16;
+        return (p / PART) * (D / 2) + t * (D / 8) + pair_code<BITS, CB>(p % PART, e);
     } else {
-        constexpr int CODES = 32 / BITS, HALF = CODES / 2;
-        return t * (D / 4) + (p / HALF) * CODES + p % HALF + e * HALF;  // converter order of lane t's words
+        return t * (D / 4) + pair_code<BITS, CB>(p, e);  // lane t's D / 4 channels
+    }
+}
+
+// Word b of a 256-word table in shared memory, b = byte k (compile-time) of x: one shift and one mask make the
+// byte offset 4 b, which the load takes as its register (the table's place is the load's immediate).
+__device__ __forceinline__ unsigned table_entry(const unsigned* lut, unsigned x, int k) {
+    const unsigned offset = (k == 0 ? x << 2 : x >> (8 * k - 2)) & 0x3FCu;
+    return *reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(lut) + offset);
+}
+
+// Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
+// (lut: codebook_pairs' 256 words; codebook values of the byte's two codes).
+template <int BITS, bool CB>
+__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, const unsigned* lut) {
+    if constexpr (CB) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) out[k] = table_entry(lut, word, k);
+    } else {
+        unsigned pairs[16 / BITS];
+        if constexpr (BITS == 4) u4_to_half2(word, pairs); else u2_to_half2(word, pairs);
+#pragma unroll
+        for (int j = 0; j < 16 / BITS; ++j) out[j] = pairs[j];
     }
 }
 
@@ -229,20 +259,23 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
 // (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
 // (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters (batch, capacity, groups) fp16,
-// strides in halves. meta (batch, 3) int32: first row, tokens, position of the first row (ROPE). ROPE: inv_freq (D / 2)
-// float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table. per_split tokens
+// strides in halves (codebooks: keys' per-channel scale and zero, strides 0; values' per-token lo and hi of the whole
+// row, (batch, capacity, 1)). meta (batch, 3) int32: first row, tokens, position of the first row (ROPE). ROPE:
+// inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
+// CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, splits, D) float32, normalised; lse_partial
 // (batch, heads, splits) in log2 units.
-template <int D, int BITS, int KG, int VG, int GQA, bool ROPE>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>::MIN_BLOCKS) decode_tc(
+template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
-    const float* __restrict__ inv_freq, const unsigned* __restrict__ rope_table, float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
+    const float* __restrict__ inv_freq, const unsigned* __restrict__ rope_table, const unsigned* __restrict__ codebooks,
+    float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
     long long v_row, long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, int kv_heads, int per_split,
     int splits, float scale_log2) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG, ROPE>;
+    using S = Shape<D, BITS, KG, VG, ROPE, CB>;
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
@@ -294,10 +327,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                 const int c = tid + i * THREADS;
                 if (PCOPIES % THREADS == 0 || c < PCOPIES) {
                     const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
-                    const int first_token = t0 + block * KG;  // KBLOCKS > 1 only when KG < ST
+                    const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
                     const bool live = first_token < end;
                     const unsigned short* const source = which ? key_zero : key_scale;
-                    const long long offset = live ? b * kp_seq + (long long)(first_token / KG) * kp_row + (long long)kvh * D : 0;
+                    const long long offset = live ? b * kp_seq + (long long)(first_token / S::KB) * kp_row + (long long)kvh * D : 0;
                     cp_async_16(buffer + 2 * S::K_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
                                 reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
                 }
@@ -316,7 +349,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
     for (int i = 0; i < VPN; ++i) {
         const int e = tid + i * THREADS;
         const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST;
-        const int column = (kvh * D + group * S::VGE) / (S::FP16 ? 1 : VG);
+        const int column = CB ? 0 : (kvh * D + group * S::VGE) / (S::FP16 ? 1 : VG);  // codebooks: the row's lo, hi
         vp_row_of[i] = start + token;
         vp_source[i] = (which ? value_zero : value_scale) + b * vp_seq + (long long)(first + start + token) * vp_row + column;
     }
@@ -352,8 +385,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
         for (int p = 0; p < PAIRS; ++p) {
             float x0 = 0.0f, x1 = 0.0f;
             if (g < GQA) {
-                x0 = q[key_channel<D, BITS>(t, p, 0)] * scale_log2;
-                x1 = q[key_channel<D, BITS>(t, p, 1)] * scale_log2;
+                x0 = q[key_channel<D, BITS, false, CB>(t, p, 0)] * scale_log2;
+                x1 = q[key_channel<D, BITS, false, CB>(t, p, 1)] * scale_log2;
             }
             qk[p] = pack_half2(x0, x1);
             if constexpr (!S::FP16)
@@ -364,8 +397,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
     int key_block = -1;
 
     // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
-    unsigned* const q_rot = q_shared;  // [stage % 2][pair / 4][lane][4]
+    unsigned* const q_rot = q_shared + S::Q_BYTES / 4;  // [stage % 2][pair / 4][lane][4]
     unsigned* const rope_smem = q_rot + 2 * S::QROT_WORDS;
+    const unsigned* const key_lut = rope_smem + S::ROPE_TABLE_BYTES / 4;  // codebooks: codebook_pairs' tables
+    const unsigned* const value_lut = key_lut + S::LUT_WORDS;
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
     unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
@@ -407,7 +442,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                 const float* const q = query + (out_row + head) * D;
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int c = key_channel<D, BITS, true>(part, pair, e);
+                    const int c = key_channel<D, BITS, true, CB>(part, pair, e);
                     task_q[i][e] = q[c] * scale_log2;
                     task_q[i][2 + e] = q[c + D / 2] * scale_log2;
                     task_freq[i][e] = inv_freq[c];
@@ -415,6 +450,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
             }
         }
         rotate_query(0);
+    }
+    if constexpr (CB) {  // the codebook tables join stage 0's copies too
+        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16;
+#pragma unroll
+        for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i)
+            if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
+                cp_async_16(reinterpret_cast<unsigned char*>(const_cast<unsigned*>(key_lut)) + (tid + i * THREADS) * 16,
+                            reinterpret_cast<const unsigned char*>(codebooks) + (tid + i * THREADS) * 16, 16);
     }
 
     float o[MTILES][4];
@@ -467,10 +510,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
             // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the lane's scale and zero pairs), when
             // the warp enters a new block --
             if constexpr (ROPE) {
-                const int block = token0 / KG;
+                const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (KG >= ST ? 0 : tb / KG) * 2 * D * 2;
+                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
 #pragma unroll
                     for (int part = 0; part < 2; ++part) {
                         unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
@@ -479,18 +522,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                         load_words(zw, kp + D * 2 + c0 * 2);
 #pragma unroll
                         for (int q = 0; q < PAIRS / 2; ++q) {
-                            constexpr int HALF = S::HALF_CODES;
-                            const int i0 = (q / HALF) * S::CODES + q % HALF;
-                            ks2[part * (PAIRS / 2) + q] = clamp_scale_pair(half_pair(sw, i0, i0 + HALF));
-                            kz2[part * (PAIRS / 2) + q] = half_pair(zw, i0, i0 + HALF);
+                            const int i0 = pair_code<BITS, CB>(q, 0), i1 = pair_code<BITS, CB>(q, 1);
+                            ks2[part * (PAIRS / 2) + q] = clamp_scale_pair(half_pair(sw, i0, i1));
+                            kz2[part * (PAIRS / 2) + q] = half_pair(zw, i0, i1);
                         }
                     }
                 }
             } else if constexpr (!S::FP16) {
-                const int block = token0 / KG;
+                const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (KG >= ST ? 0 : tb / KG) * 2 * D * 2;
+                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
                     unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
                     load_words(sw, kp + t * (D / 4) * 2);
                     load_words(zw, kp + D * 2 + t * (D / 4) * 2);
@@ -498,17 +540,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                     unsigned z2[PAIRS], qu[PAIRS];  // zeros and the unscaled query, both in key_channel order
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
-                        constexpr int HALF = S::HALF_CODES;
-                        const int i0 = (p / HALF) * S::CODES + p % HALF, i1 = i0 + HALF;
-                        z2[p] = half_pair(zw, i0, i1);
-                    }
-#pragma unroll
-                    for (int s = 0; s < KSTEPS; ++s) {
-                        const unsigned q0 = qu[2 * s] = q_shared[2 * s * 32 + lane], q1 = qu[2 * s + 1] = q_shared[(2 * s + 1) * 32 + lane];
-                        constexpr int HALF = S::HALF_CODES;
-                        const int i0 = (2 * s / HALF) * S::CODES + 2 * s % HALF, j0 = ((2 * s + 1) / HALF) * S::CODES + (2 * s + 1) % HALF;
-                        qk[2 * s] = hmul2(q0, clamp_scale_pair(half_pair(sw, i0, i0 + HALF)));
-                        qk[2 * s + 1] = hmul2(q1, clamp_scale_pair(half_pair(sw, j0, j0 + HALF)));
+                        qu[p] = q_shared[p * 32 + lane];
+                        z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
+                        qk[p] = hmul2(qu[p], clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1))));
                     }
                     paired_k_steps(bacc, bacc2, qu, z2);
                     bias = bacc[0] + bacc2[2];
@@ -542,8 +576,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                     load_words(wb, row + S::ROW / 2);
 #pragma unroll
                     for (int i = 0; i < PART_WORDS; ++i) {
-                        word_to_half2<BITS>(wa[i], kf + i * (16 / BITS));
-                        word_to_half2<BITS>(wb[i], kf + HP + i * (16 / BITS));
+                        codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
+                        codes_to_half2<BITS, CB>(wb[i], kf + HP + i * (16 / BITS), key_lut);
                     }
 #pragma unroll
                     for (int j = 0; j < HP / 2; ++j) {
@@ -564,7 +598,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
                     unsigned w[WORDS], kf[PAIRS];
                     load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
 #pragma unroll
-                    for (int i = 0; i < WORDS; ++i) word_to_half2<BITS>(w[i], kf + i * (16 / BITS));
+                    for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
                     paired_k_steps(acc, acc2, qk, kf);
                 }
                 const int token = token0 + 8 * nt + 2 * t;
@@ -611,10 +645,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int token = tb + 2 * t + 8 * half;
-                        const float s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
-                        const float s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
-                        const float z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
-                        const float z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
+                        const float x0 = half_to_float(vp[group * ST + token]), x1 = half_to_float(vp[group * ST + token + 1]);
+                        const float y0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
+                        const float y1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
+                        // uniform: x = scale (kvcal.quantizers.scale_in_use clamps it at 2^-24), y = zero; codebooks:
+                        // x = lo, y = hi, and kvcal.quantizers.denormalize's scale and zero
+                        const float s0 = CB ? fmaxf((y0 - x0) * 0.5f, 1e-8f) : fmaxf(x0, 5.9604644775390625e-8f);
+                        const float s1 = CB ? fmaxf((y1 - x1) * 0.5f, 1e-8f) : fmaxf(x1, 5.9604644775390625e-8f);
+                        const float z0 = CB ? (y0 + x0) * 0.5f : y0, z1 = CB ? (y1 + x1) * 0.5f : y1;
                         bp[half] = pack_half2(p[half][0] * s0, p[half][1] * s1);
                         zsum[group] = (half ? zsum[group] : zsum[group] * alpha) + p[half][0] * z0 + p[half][1] * z1;
                     }
@@ -624,21 +662,39 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE>:
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const unsigned char* const r0 = vrow + 8 * half * S::ROW;
-                        unsigned c16[CHUNKS16];
-                        if constexpr (LANE_BITS == 16) {
-                            const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
-                            const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::ROW + (bit0 >> 5) * 4);
-                            c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
-                        } else {
+                        if constexpr (CB) {
                             constexpr int NW = LANE_BITS / 32;
                             unsigned wa[NW], wb[NW];
                             load_words(wa, r0 + (bit0 >> 3));
                             load_words(wb, r0 + S::ROW + (bit0 >> 3));
 #pragma unroll
-                            for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
-                        }
+                            for (int i = 0; i < NW; ++i) {
+                                // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
+                                const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << 4, 0x0F0F0F0Fu);
+                                const unsigned odd = lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu);
 #pragma unroll
-                        for (int k = 0; k < CHUNKS16; ++k) word_to_half2<BITS>(c16[k], vf[half] + k * PER16);
+                                for (int k = 0; k < 4; ++k) {
+                                    vf[half][8 * i + 2 * k] = table_entry(value_lut, even, k);
+                                    vf[half][8 * i + 2 * k + 1] = table_entry(value_lut, odd, k);
+                                }
+                            }
+                        } else {
+                            unsigned c16[CHUNKS16];
+                            if constexpr (LANE_BITS == 16) {
+                                const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
+                                const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::ROW + (bit0 >> 5) * 4);
+                                c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
+                            } else {
+                                constexpr int NW = LANE_BITS / 32;
+                                unsigned wa[NW], wb[NW];
+                                load_words(wa, r0 + (bit0 >> 3));
+                                load_words(wb, r0 + S::ROW + (bit0 >> 3));
+#pragma unroll
+                                for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
+                            }
+#pragma unroll
+                            for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, nullptr);
+                        }
                     }
 #pragma unroll
                     for (int ml = 0; ml < S::LANE_V / 2; ++ml) {

@@ -4,8 +4,9 @@
   runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
   tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
-  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; pre-RoPE keys rotated at float64
-  angles in the reference, sequences starting at positions past 100K and past 2^24;
+  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 (codebook keys with
+  per-channel thresholds, values with per-token thresholds; a random non-uniform codebook); pre-RoPE keys rotated
+  at float64 angles in the reference, sequences starting at positions past 100K and past 2^24;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source, tensor_core
 from kvcal.runtime.store import Fp16Rows, PackedRows
 from kvcal.runtime.tensor_core import Variant
@@ -30,12 +31,20 @@ EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 KERNEL = kernel_source.KERNEL_DIR / tensor_core.MODULE
 FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
 TOLERANCE = 2e-3
+# nuq values: the per-token scale (hi - lo) / 2 is not an fp16 number, so P * scale (an fp16 operand) rounds by up
+# to 2^-11 of the token's half range (here up to ~7): a one-token sequence's output is off by up to ~3.4e-3
+NUQ_TOLERANCE = 4e-3
+
+
+def tolerance(codec: str) -> float:
+    return NUQ_TOLERANCE if codec.startswith("nuq") else TOLERANCE
 G = 128  # the key block of the int4 / int2 cases (KIVI's group); lengths around it
 LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six splits of 128 tokens
 PER_SPLIT = 128
 KV_HEADS = 2
-CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64)}
-ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32"}  # pre-RoPE keys: the store's codec
+CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64),
+          "nuq4": (4, 0, 0)}  # nuq4: CodebookCodec (bits, -, -)
+ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4"}  # pre-RoPE keys
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
@@ -46,12 +55,31 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("int4-g32", 128, 4, "3"), ("int2-g64", 64, 4, "3")]
          + [(c, 128, gqa, "3") for c in ("int4-rope", "int2-rope") for gqa in (1, 3, 4, 8)]
          + [("int4-rope", 64, 4, "3"), ("int4-rope", 64, 2, "3-edges"), ("int2-rope", 128, 4, "3-edges"),
-            ("int4-g32-rope", 128, 4, "3")])
+            ("int4-g32-rope", 128, 4, "3")]
+         + [(c, d, gqa, "3") for c in ("nuq4", "nuq4-rope") for d, gqa in ((128, 1), (128, 4), (128, 8), (64, 3))]
+         + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")])
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
-    bits, kg, vg = CODECS[ROPE.get(codec, codec)]
+    store_codec = ROPE.get(codec, codec)
+    bits, kg, vg = CODECS[store_codec]
+    if store_codec == "nuq4":
+        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True)
     return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE)
+
+
+def nuq4_codecs(width: int, seed: int = 7) -> tuple[CodebookCodec, CodebookCodec]:
+    """Keys with per-channel thresholds (the channels with an offset in `filled` shifted with it), values with
+    per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def codebook():
+        inner = torch.rand(14, generator=g) * 2 - 1
+        return torch.cat((torch.tensor([-1.0]), inner, torch.tensor([1.0]))).sort().values
+
+    offset = torch.zeros(width)
+    offset[::7] = 2.0
+    return CodebookCodec(codebook(), lo=offset - 2.5, hi=offset + 2.5), CodebookCodec(codebook())
 
 
 def llama_inv_freq(head_dim: int) -> torch.Tensor:
@@ -62,7 +90,7 @@ EMULATED = sorted({variant_of(c, d, q) for c, d, q, _ in CASES}, key=lambda v: v
 
 
 def symbol(v: Variant) -> str:
-    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}"
+    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
 
 
 def driver(variants: list[Variant]) -> str:
@@ -71,12 +99,12 @@ def driver(variants: list[Variant]) -> str:
         lines.append(
             f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
             " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
-            " const float* freq, const unsigned* table, float* op, float* lp, long long a0, long long a1, long long a2, long long a3,"
-            " long long a4, long long a5, long long a6, long long a7, int kvh, int per_split, int splits, float scale) {"
-            f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table, op, lp, a0,"
-            " a1, a2, a3, a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
-        rope = "true" if v.rope else "false"
-        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {rope}>"
+            " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, long long a0, long long a1,"
+            " long long a2, long long a3, long long a4, long long a5, long long a6, long long a7, int kvh, int per_split, int splits,"
+            f" float scale) {{ emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
+            " books, op, lp, a0, a1, a2, a3, a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
+        flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook))
+        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
                      "::SMEM_BYTES; }")
     lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
                  " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
@@ -98,7 +126,7 @@ def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_sourc
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     for v in variants:
-        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 12 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
+        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 13 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
     lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
     return lib
 
@@ -113,11 +141,15 @@ def emulator(tmp_path_factory):
 def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: int = 0, fifo_offset: int = 0):
     """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
     blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
-    bits, kg, vg = CODECS[ROPE.get(codec, codec)]
+    store_codec = ROPE.get(codec, codec)
+    bits, kg, vg = CODECS[store_codec]
     width = KV_HEADS * head_dim
     g = torch.Generator().manual_seed(seed)
     if bits == 16:
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
+    elif store_codec == "nuq4":
+        kg = 1
+        stores = tuple(PackedRows(c, len(lengths), width, device) for c in nuq4_codecs(width))
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
                   PackedRows(TokenUniform(bits, vg), len(lengths), width, device))
@@ -203,7 +235,7 @@ def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
 
 @pytest.mark.parametrize("codec,head_dim,gqa,batch", CASES)
 def test_emulated_kernel_matches_softmax_attention_over_the_decoded_stores(emulator, codec, head_dim, gqa, batch):
-    assert max_error(codec, head_dim, gqa, batch, emulator) < TOLERANCE
+    assert max_error(codec, head_dim, gqa, batch, emulator) < tolerance(codec)
 
 
 def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
@@ -240,6 +272,9 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "rope-key-rotation-sign": ("int4-rope", "hmul2(r, s) ^ FP16_MINUS_ZERO2);", "hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * c - task_q[i][e] * s;", "task_q[i][2 + e] * c + task_q[i][e] * s;"),
+    "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
+    "nuq-key-pairs": ("nuq4-rope", "return CB ? 2 * p + e :", "return CB ? 2 * p + 1 - e :"),
+    "nuq-value-zero": ("nuq4", "z0 = CB ? (y0 + x0) * 0.5f : y0", "z0 = CB ? (y0 - x0) * 0.5f : y0"),
 }
 
 
@@ -252,7 +287,7 @@ def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
     (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
     v = variant_of(codec, 128, 2)
     lib = build(tmp_path / "build", [v], kernel_dir=tmp_path)
-    assert max_error(codec, 128, 2, "1", lib) > 10 * TOLERANCE
+    assert max_error(codec, 128, 2, "1", lib) > 10 * tolerance(codec)
 
 
 # ------------------------------------------------------------------------------------------------ NVRTC
@@ -297,7 +332,7 @@ gpu = pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA GPU and CuPy")
 
 # on the GPU: the emulated cases of GQA 1 / 4 / 8 (each variant is compiled there), and long ragged batches
 GPU_CASES = ([c for c in CASES if c[3] != "1" and c[2] in (1, 4, 8)]
-             + [("int4", 128, 4, "long"), ("int2", 128, 8, "long"), ("fp16", 128, 4, "long"), ("int4-g32", 128, 4, "long")])
+             + [(c, 128, 4, "long") for c in ("int4", "fp16", "int4-g32", "int4-rope", "nuq4", "nuq4-rope")] + [("int2", 128, 8, "long")])
 
 
 @gpu
@@ -307,8 +342,11 @@ def test_gpu_kernel_matches_softmax_attention_over_the_decoded_stores(codec, hea
     keys, values = filled(codec, lengths, head_dim, device="cuda")
     query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1)).cuda()
     scaling = head_dim**-0.5
+    rope = rope_of(codec, head_dim, len(lengths))
+    inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
     for per_split in (PER_SPLIT, None):  # the tests' splits, and the launcher's own plan
-        got = tensor_core.decode_attention_tc(query, keys, values, KV_HEADS, scaling, lengths, per_split=per_split)
+        got = tensor_core.decode_attention_tc(query, keys, values, KV_HEADS, scaling, lengths, per_split, inv_freq, attention_scaling,
+                                              positions)
         torch.cuda.synchronize()
-        want = reference(query.cpu(), keys, values, lengths, scaling)
-        assert (got.cpu().double() - want).abs().max().item() < TOLERANCE
+        want = reference(query.cpu(), keys, values, lengths, scaling, rope)
+        assert (got.cpu().double() - want).abs().max().item() < tolerance(codec)

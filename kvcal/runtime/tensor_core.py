@@ -1,10 +1,11 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
-cache (kvcal.runtime.store.Fp16Rows) or a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
-ChannelBlockUniform keys and TokenUniform values, "lsb" packing), head_dim 64 or 128, 1-8 query heads per KV head;
-packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq and each sequence's first position).
+cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
+ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 body (CodebookCodec keys with
+per-channel thresholds and values with per-token thresholds, no outliers), head_dim 64 or 128, 1-8 query heads per
+KV head; packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq and each sequence's first position).
 
-A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers, codebooks,
-3-bit codes or sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
+A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers, 3-bit codes or
+sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
 (the CPU emulation in tests/test_tensor_core_decode.py calls the same kernel with the same arguments);
 `decode_attention_tc` launches it with CuPy on torch's current stream, split over the sequence, and merges the
 splits with `merge_tc_splits`.
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime.kernels import launch
 
@@ -34,23 +35,28 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4 or 2: uniform codes
-    key_group: int  # tokens per key block (0 for fp16)
-    value_group: int  # channels per value group (0 for fp16)
+    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4: codebook codes
+    key_group: int  # tokens per key block (0 for fp16 and codebooks)
+    value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
     rope: bool = False  # pre-RoPE keys, rotated in the kernel
+    codebook: bool = False  # KVQuant's nuq codes (CodebookCodec)
 
     @property
     def name(self) -> str:
-        rope = "true" if self.rope else "false"
-        return f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {rope}>"
+        flag = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {flag(self.rope)}, "
+                f"{flag(self.codebook)}>")
 
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in (16, 4, 2):
             raise KvcalError(f"no tensor-core decode kernel for {self}")
-        if bits != 16:
+        if self.codebook:
+            if bits != 4 or kg != 0 or vg != d:
+                raise KvcalError(f"codebook codes are served at 4 bits, one key block and one value group per head, not {self}")
+        elif bits != 16:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
@@ -70,14 +76,15 @@ class Variant:
         fp16 = bits == 16
         stages = self.stages
         row = d * bits // 8
-        kblocks = 0 if fp16 else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)
+        kblocks = 0 if fp16 else (1 if self.codebook or kg >= STAGE_TOKENS else STAGE_TOKENS // kg)
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
         stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + (vp_halves * 2 + 15) // 16 * 16
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
-        return max(stages * stage + query + rope, merge)
+        lut = 2 * 256 * 4 if self.codebook else 0
+        return max(stages * stage + query + rope + lut, merge)
 
 
 def variants() -> list[Variant]:
@@ -95,6 +102,7 @@ def variants() -> list[Variant]:
                         except KvcalError:
                             continue
                         out.append(v)
+            out += [Variant(d, 4, 0, d, gqa, rope, True) for rope in (False, True)]
     return out
 
 
@@ -102,18 +110,31 @@ def _is_packed(store) -> bool:
     return hasattr(store, "words")
 
 
+def _is_nuq(kc, vc) -> bool:
+    """KVQuant's pair the kernel serves: codebook keys with per-channel thresholds, values with per-token ones,
+    no outliers."""
+    return (isinstance(kc, CodebookCodec) and isinstance(vc, CodebookCodec) and kc.lo is not None and vc.lo is None
+            and kc.outlier_fraction == 0 and vc.outlier_fraction == 0)
+
+
 def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Variant:
-    """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows of ChannelBlockUniform keys and
-    TokenUniform values with equal code widths ("lsb" layout); rope: the keys are pre-RoPE."""
+    """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows ("lsb" layout) of equal code widths of
+    ChannelBlockUniform keys and TokenUniform values, or of nuq keys and values (`_is_nuq`); rope: the keys are
+    pre-RoPE."""
     if not _is_packed(keys) and not _is_packed(values):
         v = Variant(head_dim, 16, 0, 0, gqa, rope)
     elif _is_packed(keys) and _is_packed(values):
         kc, vc = keys.codec, values.codec
-        if not (isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)) or int(kc.bits) != int(vc.bits):
-            raise KvcalError(f"the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values of one width, not {kc}, {vc}")
+        uniform = isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)
+        if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
+            raise KvcalError("the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values, or codebook keys "
+                             f"with per-channel thresholds and values with per-token ones without outliers, of one width; not {kc}, {vc}")
         if keys.layout != "lsb" or values.layout != "lsb":
             raise KvcalError("the tensor-core kernel reads the 'lsb' packing")
-        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
+        if uniform:
+            v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
+        else:
+            v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True)
     else:
         raise KvcalError("keys and values must both be fp16 rows or both packed")
     v.check()
@@ -149,32 +170,44 @@ def rope_row(head_dim: int) -> int:
     return head_dim // 2 + 16
 
 
-def rope_channels(head_dim: int, bits: int) -> np.ndarray:
+def rope_channels(head_dim: int, bits: int, codebook: bool) -> np.ndarray:
     """tc::key_channel's pre-RoPE mapping for the first halves: [lane part t][frequency pair q][element e] -> the
     channel (= frequency index) in [0, head_dim / 2); the pair's partners are the same + head_dim / 2."""
+    t, q, e = np.meshgrid(np.arange(4), np.arange(head_dim // 16), np.arange(2), indexing="ij")
+    if codebook:  # tc::pair_code: neighbours
+        return t * (head_dim // 8) + 2 * q + e
     codes = 32 // bits
     half = codes // 2
-    t, q, e = np.meshgrid(np.arange(4), np.arange(head_dim // 16), np.arange(2), indexing="ij")
     return t * (head_dim // 8) + (q // half) * codes + q % half + e * half
 
 
-def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
+def _half_words(x: np.ndarray) -> np.ndarray:
+    """fp16 pairs (last axis: 2) as uint32 words, element 0 in the low half."""
+    bits16 = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return bits16[..., 0] | bits16[..., 1] << 16
+
+
+def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
+    """The kernel's codebook table: for each byte b of two 4-bit codes, the fp16 pair {codebook[b & 15],
+    codebook[b >> 4]}, as 256 int32 words."""
+    values = codebook.double().cpu().numpy()
+    b = np.arange(256)
+    return torch.from_numpy(_half_words(np.stack([values[b & 15], values[b >> 4]], -1)).view(np.int32).copy())
+
+
+def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool = False) -> torch.Tensor:
     """The kernel's rotation table, as the int32 image of its shared memory (tc::rope_pair_word): for each token
     offset delta < 64 in a stage and lane part t, the fp16 pairs {cos, sin}(delta theta) of the lane's frequency pairs,
     from float64 angles."""
-    channels = rope_channels(head_dim, bits)  # (4, D/16, 2)
+    channels = rope_channels(head_dim, bits, codebook)  # (4, D/16, 2)
     delta = np.arange(STAGE_TOKENS)[:, None, None, None]
     angles = delta * inv_freq.double().cpu().numpy()[channels][None]  # (64, 4, D/16, 2)
-
-    def pairs(x: np.ndarray) -> np.ndarray:  # fp16 pairs as uint32 words, element 0 in the low half
-        bits16 = x.astype(np.float16).view(np.uint16).astype(np.uint32)
-        return bits16[..., 0] | bits16[..., 1] << 16
 
     d_, t_, q_ = np.meshgrid(np.arange(STAGE_TOKENS), np.arange(4), np.arange(head_dim // 16), indexing="ij")
     word = d_ * rope_row(head_dim) + ((q_ >> 1) * 4 + t_) * 4 + 2 * (q_ & 1)
     table = np.zeros(STAGE_TOKENS * rope_row(head_dim), dtype=np.uint32)
-    table[word] = pairs(np.cos(angles))
-    table[word + 1] = pairs(np.sin(angles))
+    table[word] = _half_words(np.cos(angles))
+    table[word + 1] = _half_words(np.sin(angles))
     return torch.from_numpy(table.view(np.int32).copy())
 
 
@@ -185,24 +218,32 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     (batch, 3) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys, whose rotation table is made here.
     Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
+    codebook = packed and isinstance(keys.codec, CodebookCodec)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
     ks = keys.blocks.get("scale") if packed else None
     kz = keys.blocks.get("zero") if packed else None
     vs = values.token.get("scale") if packed else None
     vz = values.token.get("zero") if packed else None
+    codebooks = None
+    if codebook:  # keys: kvcal.quantizers.denormalize's per-channel scale and zero for the whole sequence; values: lo, hi
+        lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
+        ks = ((hi - lo) / 2).clamp(min=1e-8).half().to(query.device)
+        kz = ((hi + lo) / 2).half().to(query.device)
+        vs, vz = values.token["lo"], values.token["hi"]
+        codebooks = torch.cat((codebook_pairs(keys.codec.codebook), codebook_pairs(values.codec.codebook))).to(query.device)
     for t in (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial):
         if t is not None and t.numel() and not t.is_contiguous():
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
     k_seq, k_row = _strides(k_data, True)
     v_seq, v_row = _strides(v_data, True)
-    kp_seq, kp_row = _strides(ks, False)
+    kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block: every token's
     vp_seq, vp_row = _strides(vs, False)
     freq = table = None
     if inv_freq is not None:
         freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
-        table = rope_table(inv_freq, query.shape[-1], int(keys.codec.bits)).to(query.device)
+        table = rope_table(inv_freq, query.shape[-1], int(keys.codec.bits), codebook).to(query.device)
         scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
-    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, out_partial, lse_partial, k_seq, k_row, v_seq, v_row,
+    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, k_seq, k_row, v_seq, v_row,
             kp_seq, kp_row, vp_seq, vp_row, kv_heads, per_split, splits, float(scaling * LOG2E))
 
 
