@@ -202,6 +202,7 @@ class TensorCoreKernel:
         Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
         Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2),
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4),
+        Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3),
         Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
@@ -231,10 +232,20 @@ class TensorCoreKernel:
         return []  # everything in the tile loop unrolls
 
     def sites(self, case: Case) -> list:
-        return []
+        # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query)
+        return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16)]
 
     def conditions(self, case: Case) -> list:
         return []
+
+    def _last_round_warps(self, case: Case) -> float:
+        """Fraction of warps with a copy in the last round of a stage's code copies (a round: one 16-byte chunk per
+        thread)."""
+        from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS
+
+        copies = STAGE_TOKENS * self._variant(case).head_dim * (case.bits or 16) // 8 // 16
+        last = copies % THREADS or THREADS
+        return math.ceil(last / 32) / WARPS
 
     def if_bodies(self, case: Case) -> tuple:
         from kvcal.runtime.tensor_core import STAGE_TOKENS, WARPS
@@ -245,6 +256,8 @@ class TensorCoreKernel:
             (r"if \(ahead < tiles\)", 1.0),
             (r"if \(tile \+ S::STAGES - 2 < tiles\)", 1.0),
             (r"c < PCOPIES\)", min(1.0, math.ceil(key_param_copies / 32) / WARPS)),  # warps with a key-parameter copy
+            # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
+            (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
             (r"if \(tid \+ i \* THREADS < S::VP_HALVES\)", 1.0),
             (r"if \(vp_row_of\[i\] < end\)", 1.0),

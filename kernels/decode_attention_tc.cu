@@ -1,7 +1,8 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
-// codes or KVQuant's 4-bit codebook codes (nuq4), split over the sequence with a log-sum-exp merge. A first step
-// of issue 12: the cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row,
-// kvcal/packing.py "lsb"); pre-RoPE keys are rotated here; no outliers, 3-bit codes or sink / recent segments yet.
+// codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge.
+// A first step of issue 12: the cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first
+// per row, kvcal/packing.py "lsb", 3-bit codes as "planes3"); pre-RoPE keys are rotated here; no outliers or
+// sink / recent segments yet.
 // kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
@@ -32,7 +33,9 @@
 //    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
 //    sequence (one key block). Values: one SELECT lop3 merges two tokens' nibbles of a channel into a byte, so the
 //    lookup gives the (token pair, channel) register directly; the per-token thresholds (lo, hi) of the row give
-//    scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do.
+//    scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes (planes3_pairs): a byte
+//    holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from the high plane), the
+//    table's first 64 words; values look up each token's channel pairs and swap halves into token pairs (prmt).
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
 //    the query by -P0 once per stage (fp32, the angle P0 theta exact in double and reduced modulo 2 pi: accurate at
@@ -170,9 +173,11 @@ struct Shape {
     static constexpr int MIN_BLOCKS =
         FP16 || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-    static_assert(FP16 || BITS == 4 || BITS == 2, "fp16, int4 or int2");
+    static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB % TPW == 0 && KB > 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
-    static_assert(!CB || (BITS == 4 && VG == D), "codebooks: 4-bit codes, one value threshold pair per token");
+    static_assert(!CB || ((BITS == 4 || (BITS == 3 && D == 128)) && VG == D),
+                  "codebooks: 4-bit codes, or 3-bit at head_dim 128; one value threshold pair per token");
+    static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
     static_assert(!ROPE || (!FP16 && D * BITS >= 256), "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words");
@@ -204,6 +209,32 @@ __device__ __forceinline__ int key_channel(int t, int p, int e) {
 __device__ __forceinline__ unsigned table_entry(const unsigned* lut, unsigned x, int k) {
     const unsigned offset = (k == 0 ? x << 2 : x >> (8 * k - 2)) & 0x3FCu;
     return *reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(lut) + offset);
+}
+
+// 16 3-bit codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits, codes 0-7
+// in byte 0 and 8-15 in byte 2, code j at bit j % 8) -> 8 fp16 pairs {code 2m, code 2m + 1} from codebook_pairs'
+// 3-bit table, whose index is the pair's low nibble (code 2m's low bits, then 2m + 1's) | their high bits << 4.
+// The indices are assembled times 4, one per byte (6 bits + 2), so one prmt makes a table offset.
+__device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, const unsigned* lut) {
+    constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
+    high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // the 8 two-bit fields (pairs' high bits) to nibbles 0..7
+    high = lop3<OR_AND>(high, high << 2, 0x33333333u);
+    const unsigned even = lop3<magic::SELECT>(low << 2, high << 6, 0x3C3C3C3Cu);  // byte k: 4 x pair 2k's index
+    const unsigned odd = lop3<magic::SELECT>(low >> 2, high << 2, 0x3C3C3C3Cu);   // byte k: 4 x pair 2k + 1's
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const unsigned char* const table = reinterpret_cast<const unsigned char*>(lut);
+        out[2 * k] = *reinterpret_cast<const unsigned*>(table + prmt(even, 0u, 0x4440u + k));
+        out[2 * k + 1] = *reinterpret_cast<const unsigned*>(table + prmt(odd, 0u, 0x4440u + k));
+    }
+}
+
+// Codes first .. first + 15 (first: a multiple of 16) of a planes3 row (kvcal/packing.py: units of 32 codes in 3
+// words, word 3u + h the low bits of half h, word 3u + 2 the high bits) as 8 pairs.
+__device__ __forceinline__ void planes3_half(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+    const int unit = first >> 5, half = first >> 4 & 1;
+    // the half's two high-bit bytes to bytes 0 and 2 (the first step of spreading its 2-bit fields)
+    planes3_pairs(row[3 * unit + half], prmt(row[3 * unit + 2], 0u, half ? 0x4342u : 0x4140u), out, lut);
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
@@ -403,6 +434,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned* const value_lut = key_lut + S::LUT_WORDS;
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
+    // cos / sin of P0 theta for the task's two frequencies, and of ST theta (one stage's step): between exact anchors
+    // every ANCHOR stages, the next stage's angle is this one's plus the step (an fp32 rotation: error ~1e-7 a stage)
+    constexpr int ANCHOR = 16;
+    float task_cs[TASK_SLOTS][4], task_step[TASK_SLOTS][4];  // {cos0, sin0, cos1, sin1}
     unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
     auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_rot[tile % 2]
         if constexpr (ROPE) {
@@ -412,13 +447,23 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             for (int i = 0; i < TASK_SLOTS; ++i) {
                 const int task = tid + i * THREADS, head = task / (D / 4), part = task % (D / 4) / (D / 16), pair = task % (D / 16);
                 if (TASKS % THREADS == 0 || task < TASKS) {
+                    float* const cs = task_cs[i];
+                    if (tile % ANCHOR == 0) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) exact_cos_sin(p0, task_freq[i][e], &cs[2 * e], &cs[2 * e + 1]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float c = cs[2 * e], s = cs[2 * e + 1], c1 = task_step[i][2 * e], s1 = task_step[i][2 * e + 1];
+                            cs[2 * e] = c * c1 - s * s1;
+                            cs[2 * e + 1] = s * c1 + c * s1;
+                        }
+                    }
                     float a[2], r[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float c, s;
-                        exact_cos_sin(p0, task_freq[i][e], &c, &s);
-                        a[e] = task_q[i][e] * c + task_q[i][2 + e] * s;  // (R(P0)^T q)_a = q_a cos + q_b sin
-                        r[e] = task_q[i][2 + e] * c - task_q[i][e] * s;  // (R(P0)^T q)_b = q_b cos - q_a sin
+                        a[e] = task_q[i][e] * cs[2 * e] + task_q[i][2 + e] * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
+                        r[e] = task_q[i][2 + e] * cs[2 * e] - task_q[i][e] * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
                     }
                     const int lane_of = head * 4 + part;
                     out[q_rot_word(pair, lane_of)] = pack_half2(a[0], a[1]);
@@ -446,6 +491,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     task_q[i][e] = q[c] * scale_log2;
                     task_q[i][2 + e] = q[c + D / 2] * scale_log2;
                     task_freq[i][e] = inv_freq[c];
+                    exact_cos_sin(ST, inv_freq[c], &task_step[i][2 * e], &task_step[i][2 * e + 1]);
                 }
             }
         }
@@ -571,13 +617,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     constexpr int PART_WORDS = D * BITS / 256, HP = PAIRS / 2;
                     const int delta = tb + 8 * nt + g;
                     const unsigned char* const row = buffer + delta * S::ROW + t * (S::ROW / 8);
-                    unsigned wa[PART_WORDS], wb[PART_WORDS], kf[PAIRS], cs[PAIRS];
-                    load_words(wa, row);
-                    load_words(wb, row + S::ROW / 2);
+                    unsigned kf[PAIRS], cs[PAIRS];
+                    if constexpr (BITS == 3) {
+                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::ROW);
+                        planes3_half(words, t * (D / 8), kf, key_lut);
+                        planes3_half(words, D / 2 + t * (D / 8), kf + HP, key_lut);
+                    } else {
+                        unsigned wa[PART_WORDS], wb[PART_WORDS];
+                        load_words(wa, row);
+                        load_words(wb, row + S::ROW / 2);
 #pragma unroll
-                    for (int i = 0; i < PART_WORDS; ++i) {
-                        codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
-                        codes_to_half2<BITS, CB>(wb[i], kf + HP + i * (16 / BITS), key_lut);
+                        for (int i = 0; i < PART_WORDS; ++i) {
+                            codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
+                            codes_to_half2<BITS, CB>(wb[i], kf + HP + i * (16 / BITS), key_lut);
+                        }
                     }
 #pragma unroll
                     for (int j = 0; j < HP / 2; ++j) {
@@ -594,11 +647,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 } else {
-                    constexpr int WORDS = D * BITS / 128;  // lane t's words of token g: D / 4 channels
-                    unsigned w[WORDS], kf[PAIRS];
-                    load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
+                    unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
+                    if constexpr (BITS == 3) {
+                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::ROW);
 #pragma unroll
-                    for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
+                        for (int h = 0; h < D / 64; ++h) planes3_half(words, t * (D / 4) + 16 * h, kf + 8 * h, key_lut);
+                    } else {
+                        constexpr int WORDS = D * BITS / 128;
+                        unsigned w[WORDS];
+                        load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
+#pragma unroll
+                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
+                    }
                     paired_k_steps(acc, acc2, qk, kf);
                 }
                 const int token = token0 + 8 * nt + 2 * t;
@@ -662,7 +722,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const unsigned char* const r0 = vrow + 8 * half * S::ROW;
-                        if constexpr (CB) {
+                        if constexpr (BITS == 3) {
+                            // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
+                            unsigned pa[8], pb[8];
+                            planes3_half(reinterpret_cast<const unsigned*>(r0), g * S::LANE_V, pa, value_lut);
+                            planes3_half(reinterpret_cast<const unsigned*>(r0 + S::ROW), g * S::LANE_V, pb, value_lut);
+#pragma unroll
+                            for (int m = 0; m < 8; ++m) {
+                                vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
+                                vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
+                            }
+                        } else if constexpr (CB) {
                             constexpr int NW = LANE_BITS / 32;
                             unsigned wa[NW], wb[NW];
                             load_words(wa, r0 + (bit0 >> 3));

@@ -4,8 +4,8 @@
   runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
   tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
-  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 (codebook keys with
-  per-channel thresholds, values with per-token thresholds; a random non-uniform codebook); pre-RoPE keys rotated
+  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
+  keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in planes3); pre-RoPE keys rotated
   at float64 angles in the reference, sequences starting at positions past 100K and past 2^24;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
@@ -43,8 +43,8 @@ LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six
 PER_SPLIT = 128
 KV_HEADS = 2
 CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64),
-          "nuq4": (4, 0, 0)}  # nuq4: CodebookCodec (bits, -, -)
-ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4"}  # pre-RoPE keys
+          "nuq4": (4, 0, 0), "nuq3": (3, 0, 0)}  # nuq: CodebookCodec (bits, -, -)
+ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3"}
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
@@ -57,24 +57,25 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [("int4-rope", 64, 4, "3"), ("int4-rope", 64, 2, "3-edges"), ("int2-rope", 128, 4, "3-edges"),
             ("int4-g32-rope", 128, 4, "3")]
          + [(c, d, gqa, "3") for c in ("nuq4", "nuq4-rope") for d, gqa in ((128, 1), (128, 4), (128, 8), (64, 3))]
-         + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")])
+         + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")]
+         + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")])
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
     store_codec = ROPE.get(codec, codec)
     bits, kg, vg = CODECS[store_codec]
-    if store_codec == "nuq4":
+    if store_codec.startswith("nuq"):
         return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True)
     return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE)
 
 
-def nuq4_codecs(width: int, seed: int = 7) -> tuple[CodebookCodec, CodebookCodec]:
+def nuq_codecs(bits: int, width: int, seed: int = 7) -> tuple[CodebookCodec, CodebookCodec]:
     """Keys with per-channel thresholds (the channels with an offset in `filled` shifted with it), values with
     per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows)."""
     g = torch.Generator().manual_seed(seed)
 
     def codebook():
-        inner = torch.rand(14, generator=g) * 2 - 1
+        inner = torch.rand(2**bits - 2, generator=g) * 2 - 1
         return torch.cat((torch.tensor([-1.0]), inner, torch.tensor([1.0]))).sort().values
 
     offset = torch.zeros(width)
@@ -147,9 +148,9 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
     g = torch.Generator().manual_seed(seed)
     if bits == 16:
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
-    elif store_codec == "nuq4":
+    elif store_codec.startswith("nuq"):
         kg = 1
-        stores = tuple(PackedRows(c, len(lengths), width, device) for c in nuq4_codecs(width))
+        stores = tuple(PackedRows(c, len(lengths), width, device) for c in nuq_codecs(bits, width))
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
                   PackedRows(TokenUniform(bits, vg), len(lengths), width, device))
@@ -243,6 +244,18 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
     assert max_error("fp16", 128, 4, "3", emulator, fifo_offset=5) < TOLERANCE
 
 
+@pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope"))
+def test_emulated_pre_rope_keys_stay_accurate_over_a_long_split(emulator, codec):
+    """One split of 65 stages past position 100K: the query's angle advances a stage at a time between exact
+    anchors every 16 stages (tc::rotate_query), so an error that grew with the stages would show here."""
+    lengths = [4096 + 13]
+    keys, values = filled(codec, lengths, 128)
+    query = torch.randn(1, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(3))
+    rope = (llama_inv_freq(128), 1.0, [100_003])
+    got = run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 128**-0.5, per_split=4160, rope=rope)
+    assert (got.double() - reference(query, keys, values, lengths, 128**-0.5, rope)).abs().max() < tolerance(codec)
+
+
 def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emulator):
     lengths = [0, 65, 0]
     keys, values = filled("int4", lengths, 128)
@@ -271,10 +284,12 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
     "rope-key-rotation-sign": ("int4-rope", "hmul2(r, s) ^ FP16_MINUS_ZERO2);", "hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
-    "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * c - task_q[i][e] * s;", "task_q[i][2 + e] * c + task_q[i][e] * s;"),
+    "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
     "nuq-key-pairs": ("nuq4-rope", "return CB ? 2 * p + e :", "return CB ? 2 * p + 1 - e :"),
     "nuq-value-zero": ("nuq4", "z0 = CB ? (y0 + x0) * 0.5f : y0", "z0 = CB ? (y0 - x0) * 0.5f : y0"),
+    "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
+    "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
 }
 
 

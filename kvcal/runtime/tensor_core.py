@@ -1,11 +1,12 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
-ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 body (CodebookCodec keys with
-per-channel thresholds and values with per-token thresholds, no outliers), head_dim 64 or 128, 1-8 query heads per
-KV head; packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq and each sequence's first position).
+ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
+with per-channel thresholds and values with per-token thresholds, no outliers; nuq3 in "planes3" at head_dim 128),
+head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq
+and each sequence's first position).
 
-A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers, 3-bit codes or
-sink / recent segments mixing here. `operands` maps two stores to the kernel's arguments
+A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers or sink / recent
+segments mixing here. `operands` maps two stores to the kernel's arguments
 (the CPU emulation in tests/test_tensor_core_decode.py calls the same kernel with the same arguments);
 `decode_attention_tc` launches it with CuPy on torch's current stream, split over the sequence, and merges the
 splits with `merge_tc_splits`.
@@ -35,7 +36,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4: codebook codes
+    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4 or 3: codebook codes
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
@@ -51,11 +52,12 @@ class Variant:
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in (16, 4, 2):
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in ((4, 3) if self.codebook else (16, 4, 2)):
             raise KvcalError(f"no tensor-core decode kernel for {self}")
         if self.codebook:
-            if bits != 4 or kg != 0 or vg != d:
-                raise KvcalError(f"codebook codes are served at 4 bits, one key block and one value group per head, not {self}")
+            if not (bits == 4 or (bits == 3 and d == 128)) or kg != 0 or vg != d:
+                raise KvcalError("codebook codes are served at 4 bits, or 3 bits at head_dim 128, with one key block and one value "
+                                 f"group per head, not {self}")
         elif bits != 16:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
@@ -102,7 +104,7 @@ def variants() -> list[Variant]:
                         except KvcalError:
                             continue
                         out.append(v)
-            out += [Variant(d, 4, 0, d, gqa, rope, True) for rope in (False, True)]
+            out += [Variant(d, bits, 0, d, gqa, rope, True) for bits in ((4, 3) if d == 128 else (4,)) for rope in (False, True)]
     return out
 
 
@@ -129,8 +131,9 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
         if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
             raise KvcalError("the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values, or codebook keys "
                              f"with per-channel thresholds and values with per-token ones without outliers, of one width; not {kc}, {vc}")
-        if keys.layout != "lsb" or values.layout != "lsb":
-            raise KvcalError("the tensor-core kernel reads the 'lsb' packing")
+        layout = "planes3" if int(kc.bits) == 3 else "lsb"
+        if keys.layout != layout or values.layout != layout:
+            raise KvcalError(f"the tensor-core kernel reads {kc.bits}-bit codes in the '{layout}' packing")
         if uniform:
             v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
         else:
@@ -188,11 +191,19 @@ def _half_words(x: np.ndarray) -> np.ndarray:
 
 
 def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
-    """The kernel's codebook table: for each byte b of two 4-bit codes, the fp16 pair {codebook[b & 15],
-    codebook[b >> 4]}, as 256 int32 words."""
+    """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for a byte index of two
+    codes a, b: 4 bits, a | b << 4; 3 bits (tc::planes3_pairs), a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5,
+    words 64.. unused (zero)."""
     values = codebook.double().cpu().numpy()
-    b = np.arange(256)
-    return torch.from_numpy(_half_words(np.stack([values[b & 15], values[b >> 4]], -1)).view(np.int32).copy())
+    i = np.arange(256)
+    if len(values) == 16:
+        a, b = i & 15, i >> 4
+    else:
+        i = i[:64]
+        a, b = (i & 3) | (i >> 4 & 1) << 2, (i >> 2 & 3) | (i >> 5 & 1) << 2
+    table = np.zeros(256, dtype=np.uint32)
+    table[i] = _half_words(np.stack([values[a], values[b]], -1))
+    return torch.from_numpy(table.view(np.int32).copy())
 
 
 def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool = False) -> torch.Tensor:
