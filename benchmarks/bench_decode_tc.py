@@ -3,10 +3,12 @@ bench_decode.py's shapes and with its method: latency (median of CUDA-event timi
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
-Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Variants: fp16 rows, and KIVI-style
-uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), each
-with the launcher's split plan and two fixed split sizes. Before timing, every variant's output is checked against
-torch SDPA (float32) over the stores' decoded rows at the benchmark shape.
+Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Variants: fp16 rows, KIVI-style
+uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
+same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
+with pre-RoPE keys (NormalFloat codebooks, key thresholds +-3 per channel, no outliers), each with the launcher's
+split plan and three fixed split sizes. Before timing, every variant's output is checked against torch SDPA
+(float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape.
 
 Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128]
 Writes benchmarks/results/decode_tc_<device>.{json,md}.
@@ -29,12 +31,24 @@ SPLITS = (None, 512, 2048, 4096)  # None: the launcher's plan
 
 
 def variants() -> dict:
-    from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+    """name -> (K and V codecs or None for fp16 rows, pre-RoPE keys)."""
+    from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
-    table = {"fp16": None}
+    table = {"fp16": (None, False)}
     for bits, group in ((4, 128), (4, 32), (2, 128), (2, 64)):
-        table[f"int{bits}-g{group}"] = (ChannelBlockUniform(bits, group), TokenUniform(bits, group))
+        table[f"int{bits}-g{group}"] = ((ChannelBlockUniform(bits, group), TokenUniform(bits, group)), False)
+    for bits in (4, 2):
+        table[f"int{bits}-g128-pre-rope"] = ((ChannelBlockUniform(bits, 128), TokenUniform(bits, 128)), True)
+    for bits in (4, 3):
+        lo, hi = torch.full((WIDTH,), -3.0), torch.full((WIDTH,), 3.0)
+        codebook = normal_float_codebook(bits)
+        table[f"nuq{bits}-pre-rope"] = ((CodebookCodec(codebook, lo, hi), CodebookCodec(codebook)), True)
     return table
+
+
+def inv_freq() -> torch.Tensor:
+    """Llama's RoPE frequencies (base 10000) at head_dim 128."""
+    return 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
 
 
 def filled_stores(codecs, batch: int, length: int):
@@ -51,13 +65,18 @@ def filled_stores(codecs, batch: int, length: int):
     return stores
 
 
-def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int) -> float:
-    """Largest |out - SDPA over the decoded rows| (float32)."""
+def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, rope: bool) -> float:
+    """Largest |out - SDPA over the decoded rows| (float32); rope: the keys are rotated first (positions 0..)."""
+    from kvcal.rope import apply_rope
+
     if hasattr(keys, "words"):
         k, v = keys.decoded(length), values.decoded(length)
     else:
         k, v = keys.data[:, :length].float(), values.data[:, :length].float()
-    k = k.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    k = k.view(BATCH, length, KV_HEADS, HEAD_DIM)
+    if rope:
+        k = apply_rope(k, torch.arange(length, device=k.device), inv_freq())
+    k = k.transpose(1, 2)
     v = v.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
     want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
     del k, v
@@ -78,7 +97,7 @@ def main() -> None:
     sdpa = sdpa_seconds(BATCH, LENGTH, args.iters)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     rows = []
-    for name, codecs in variants().items():
+    for name, (codecs, rope) in variants().items():
         if args.only and name not in args.only.split(","):
             continue
         keys, values = filled_stores(codecs, BATCH, LENGTH)
@@ -86,9 +105,10 @@ def main() -> None:
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = None
         for per_split in SPLITS:
-            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split)
+            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
+                                                inv_freq=inv_freq() if rope else None)
             if error is None:
-                error = checked(run().clone(), query, keys, values, LENGTH)
+                error = checked(run().clone(), query, keys, values, LENGTH, rope)
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
             rows.append({"variant": name, "batch": BATCH, "tokens": LENGTH, "per_split": run.per_split, "splits": run.splits,

@@ -642,7 +642,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int q = 0; q < HP; ++q) {
                         const unsigned a = hfma2_bits(kf[q], ks2[q], kz2[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], kz2[HP + q]);
                         const unsigned c = cs[2 * q], s = cs[2 * q + 1];
-                        kf[q] = hfma2_bits(a, c, hmul2(r, s) ^ FP16_MINUS_ZERO2);  // a cos - b sin
+                        kf[q] = hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));  // a cos - b sin
                         kf[HP + q] = hfma2_bits(r, c, hmul2(a, s));                 // b cos + a sin
                     }
                     paired_k_steps(acc, acc2, qk, kf);

@@ -128,6 +128,14 @@ __device__ __forceinline__ unsigned hfma2_bits(unsigned a, unsigned b, unsigned 
     return d;
 }
 
+// -x per lane; a NaN lane gives some NaN (PTX leaves which unspecified). Feeding an fma.f16x2, ptxas folds it into
+// the fma's operand: a subtraction for free.
+__device__ __forceinline__ unsigned hneg2_bits(unsigned x) {
+    unsigned d;
+    asm("neg.f16x2 %0, %1;" : "=r"(d) : "r"(x));
+    return d;
+}
+
 // max per lane (sm_80+): a NaN lane yields the other input's lane (both NaN: the canonical NaN 0x7FFF)
 __device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
     unsigned d;

@@ -109,7 +109,7 @@ def run_cp_async(runner, src: np.ndarray, stages: int, bug: int = 0) -> np.ndarr
 
 
 def run_bits(runner, a, b, c) -> np.ndarray:
-    out = np.zeros((len(a), 7), np.uint32)
+    out = np.zeros((len(a), 8), np.uint32)
     runner.launch("probe_bits", -(-len(a) // BLOCK), BLOCK, a, b, c, out, len(a))
     return out
 
@@ -354,11 +354,20 @@ def hmax2_expected(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def test_emulated_lop3_prmt_and_hmax2_compute_their_ptx_definitions(emulated):
+def nan_lanes(words: np.ndarray) -> np.ndarray:
+    """The bits of the fp16 lanes of `words` that hold a NaN."""
+    out = np.zeros_like(words)
+    for lane in (0, 1):
+        x = (words >> np.uint32(16 * lane)) & np.uint32(0xFFFF)
+        out |= np.where((x & 0x7C00 == 0x7C00) & (x & 0x3FF != 0), np.uint32(0xFFFF), np.uint32(0)) << np.uint32(16 * lane)
+    return out
+
+
+def test_emulated_lop3_prmt_hmax2_and_hneg2_compute_their_ptx_definitions(emulated):
     a, b, c = bit_words(4096, seed=1)
     out = run_bits(emulated, a, b, c)
     expected = [(a & b) | c, (a & c) | (b & ~c), a ^ b ^ c, ~(a | b | c), a ^ (b & c), prmt_expected(a, b, c),
-                hmax2_expected(a, b)]
+                hmax2_expected(a, b), a ^ np.uint32(0x80008000)]  # hneg2: NaN lanes too (one of the NaNs PTX allows)
     for column, want in enumerate(expected):
         np.testing.assert_array_equal(out[:, column], want, err_msg=f"probe_bits column {column}")
 
@@ -458,7 +467,11 @@ def test_the_gpu_runs_the_probe_kernels_as_the_emulator_does(emulated):
         np.testing.assert_array_equal(dst[:3007], src)
         assert not dst[3007:].any()
     a, b, c = bit_words(4096, seed=1)
-    np.testing.assert_array_equal(run_bits(gpu, a, b, c), run_bits(emulated, a, b, c))
+    on_gpu, emulated_bits = run_bits(gpu, a, b, c), run_bits(emulated, a, b, c)
+    np.testing.assert_array_equal(on_gpu[:, :7], emulated_bits[:, :7])
+    numbers = ~nan_lanes(a)  # hneg2 of a NaN: some NaN (unspecified)
+    np.testing.assert_array_equal(on_gpu[:, 7] & numbers, emulated_bits[:, 7] & numbers)
+    assert not ((nan_lanes(on_gpu[:, 7]) ^ nan_lanes(a)).any())
     for bits, words in ((2, code_words(2, 16, 2000, 2)[0]), (4, code_words(4, 8, 2000, 4)[0]), (8, code_words(8, 4, 2000, 8)[0]),
                         (3, three_bit_planes(2000, 3)[0])):
         np.testing.assert_array_equal(run_dequant(gpu, words, bits), run_dequant(emulated, words, bits))

@@ -282,7 +282,7 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
-    "rope-key-rotation-sign": ("int4-rope", "hmul2(r, s) ^ FP16_MINUS_ZERO2);", "hmul2(r, s));"),
+    "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));", "hfma2_bits(a, c, hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),

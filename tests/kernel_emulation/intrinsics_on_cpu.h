@@ -281,6 +281,9 @@ inline unsigned hfma2_bits(unsigned a, unsigned b, unsigned c) {
            half_bits_of(half_lane(a, 1) * half_lane(b, 1) + half_lane(c, 1)) << 16;
 }
 
+// neg.f16x2: the sign bit of each lane flipped (a NaN stays a NaN, which PTX allows)
+inline unsigned hneg2_bits(unsigned x) { return x ^ 0x80008000u; }
+
 // max.f16x2: per lane the larger value; a NaN lane loses to a number, two NaNs give the canonical NaN 0x7FFF;
 // +0 is taken as larger than -0.
 inline unsigned hmax2_bits(unsigned a, unsigned b) {

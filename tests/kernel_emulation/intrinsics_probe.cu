@@ -118,7 +118,7 @@ extern "C" __global__ void probe_cp_async(const unsigned char* src, int bytes, u
 extern "C" __global__ void probe_bits(const unsigned* a, const unsigned* b, const unsigned* c, unsigned* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    unsigned* o = out + 7 * i;
+    unsigned* o = out + 8 * i;
     o[0] = lop3<0xEA>(a[i], b[i], c[i]);
     o[1] = lop3<0xE4>(a[i], b[i], c[i]);
     o[2] = lop3<0x96>(a[i], b[i], c[i]);
@@ -126,6 +126,7 @@ extern "C" __global__ void probe_bits(const unsigned* a, const unsigned* b, cons
     o[4] = lop3<0x78>(a[i], b[i], c[i]);
     o[5] = prmt(a[i], b[i], c[i]);
     o[6] = hmax2_bits(a[i], b[i]);
+    o[7] = hneg2_bits(a[i]);
 }
 
 // The code converters on n inputs: bits 4 (u4_to_half2, 4 words out per word in), 2 (u2_to_half2, 8),
