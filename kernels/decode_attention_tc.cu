@@ -38,8 +38,9 @@
 //    table's first 64 words; values look up each token's channel pairs and swap halves into token pairs (prmt).
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
-//    the query by -P0 once per stage (fp32, the angle P0 theta exact in double and reduced modulo 2 pi: accurate at
-//    any position), and each lane rotates its dequantized keys by delta with a host-made fp16 table of
+//    the query by -P0 once per stage (fp32; the angle P0 theta exact in double and reduced modulo 2 pi every 16
+//    stages, advanced by one stage's rotation in between: accurate at any position), and each lane rotates its
+//    dequantized keys by delta with a host-made fp16 table of
 //    cos / sin (delta theta) in shared memory (kvcal.runtime.tensor_core.rope_table). The rotation pairs channels
 //    c and c + D/2, so lane t holds both halves: channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
 //    Scales cannot fold into the query when the key rotates, so each lane dequantizes (code * scale + zero, one
@@ -148,7 +149,7 @@ struct Shape {
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
-    static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / (KB > 0 ? KB : 1));
+    static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
     static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
     static constexpr int K_BYTES = ST * ROW, V_BYTES = ST * ROW;
@@ -174,7 +175,7 @@ struct Shape {
         FP16 || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
-    static_assert(FP16 || (KB % TPW == 0 && KB > 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
+    static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || ((BITS == 4 || (BITS == 3 && D == 128)) && VG == D),
                   "codebooks: 4-bit codes, or 3-bit at head_dim 128; one value threshold pair per token");
     static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
@@ -430,8 +431,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
     unsigned* const q_rot = q_shared + S::Q_BYTES / 4;  // [stage % 2][pair / 4][lane][4]
     unsigned* const rope_smem = q_rot + 2 * S::QROT_WORDS;
-    const unsigned* const key_lut = rope_smem + S::ROPE_TABLE_BYTES / 4;  // codebooks: codebook_pairs' tables
-    const unsigned* const value_lut = key_lut + S::LUT_WORDS;
+    unsigned* const luts = rope_smem + S::ROPE_TABLE_BYTES / 4;  // codebooks: codebook_pairs' tables, keys' then values'
+    const unsigned* const key_lut = luts;
+    const unsigned* const value_lut = luts + S::LUT_WORDS;
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
     // cos / sin of P0 theta for the task's two frequencies, and of ST theta (one stage's step): between exact anchors
@@ -502,7 +504,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
         for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i)
             if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
-                cp_async_16(reinterpret_cast<unsigned char*>(const_cast<unsigned*>(key_lut)) + (tid + i * THREADS) * 16,
+                cp_async_16(reinterpret_cast<unsigned char*>(luts) + (tid + i * THREADS) * 16,
                             reinterpret_cast<const unsigned char*>(codebooks) + (tid + i * THREADS) * 16, 16);
     }
 

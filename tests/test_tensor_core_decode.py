@@ -5,8 +5,9 @@
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
   tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
   (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
-  keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in planes3); pre-RoPE keys rotated
-  at float64 angles in the reference, sequences starting at positions past 100K and past 2^24;
+  keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
+  planes3), within 4e-3; pre-RoPE keys rotated at float64 angles in the reference, sequences starting at positions
+  past 100K and past 2^24, and one split of 65 stages;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -34,10 +35,6 @@ TOLERANCE = 2e-3
 # nuq values: the per-token scale (hi - lo) / 2 is not an fp16 number, so P * scale (an fp16 operand) rounds by up
 # to 2^-11 of the token's half range (here up to ~7): a one-token sequence's output is off by up to ~3.4e-3
 NUQ_TOLERANCE = 4e-3
-
-
-def tolerance(codec: str) -> float:
-    return NUQ_TOLERANCE if codec.startswith("nuq") else TOLERANCE
 G = 128  # the key block of the int4 / int2 cases (KIVI's group); lengths around it
 LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six splits of 128 tokens
 PER_SPLIT = 128
@@ -59,6 +56,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [(c, d, gqa, "3") for c in ("nuq4", "nuq4-rope") for d, gqa in ((128, 1), (128, 4), (128, 8), (64, 3))]
          + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")]
          + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")])
+
+
+def tolerance(codec: str) -> float:
+    return NUQ_TOLERANCE if codec.startswith("nuq") else TOLERANCE
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
@@ -254,6 +255,25 @@ def test_emulated_pre_rope_keys_stay_accurate_over_a_long_split(emulator, codec)
     rope = (llama_inv_freq(128), 1.0, [100_003])
     got = run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 128**-0.5, per_split=4160, rope=rope)
     assert (got.double() - reference(query, keys, values, lengths, 128**-0.5, rope)).abs().max() < tolerance(codec)
+
+
+def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
+    """Outliers (not in this kernel yet), per-token key thresholds, 2-bit codebooks, nuq3 at head_dim 64 and pre-RoPE
+    fp16 rows each get a KvcalError from the launcher's variant_for."""
+    from kvcal.errors import KvcalError
+
+    keys, values = nuq_codecs(4, KV_HEADS * 128)
+    cases = [(CodebookCodec(keys.codebook, keys.lo, keys.hi, outlier_fraction=0.01), values, 128),
+             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128),
+             (CodebookCodec(keys.codebook), values, 128),
+             (*(CodebookCodec(c.codebook[::4], c.lo, c.hi) for c in (keys, values)), 128),
+             (*nuq_codecs(3, KV_HEADS * 64), 64)]
+    for kc, vc, d in cases:
+        stores = [PackedRows(c, 1, KV_HEADS * d, "cpu", head_dim=d) for c in (kc, vc)]
+        with pytest.raises(KvcalError):
+            tensor_core.variant_for(*stores, d, 4)
+    with pytest.raises(KvcalError):
+        tensor_core.variant_for(*filled("fp16", [3], 128), 128, 4, rope=True)
 
 
 def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emulator):

@@ -198,9 +198,11 @@ def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
     i = np.arange(256)
     if len(values) == 16:
         a, b = i & 15, i >> 4
-    else:
+    elif len(values) == 8:
         i = i[:64]
         a, b = (i & 3) | (i >> 4 & 1) << 2, (i >> 2 & 3) | (i >> 5 & 1) << 2
+    else:
+        raise KvcalError(f"the tensor-core kernel's codebook tables hold 3- or 4-bit codebooks, not {len(values)} entries")
     table = np.zeros(256, dtype=np.uint32)
     table[i] = _half_words(np.stack([values[a], values[b]], -1))
     return torch.from_numpy(table.view(np.int32).copy())
