@@ -177,7 +177,8 @@ struct Shape {
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || ((BITS == 4 || (BITS == 3 && D == 128)) && VG == D),
-                  "codebooks: 4-bit codes, or 3-bit at head_dim 128; one value threshold pair per token");
+                  "codebooks: 4-bit codes, or 3-bit at head_dim 128 (at 64 a head's planes3 row is 24 bytes: the stage "
+                  "copies would need 8-byte cp.async); one value threshold pair per token");
     static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");

@@ -56,8 +56,8 @@ class Variant:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
         if self.codebook:
             if not (bits == 4 or (bits == 3 and d == 128)) or kg != 0 or vg != d:
-                raise KvcalError("codebook codes are served at 4 bits, or 3 bits at head_dim 128, with one key block and one value "
-                                 f"group per head, not {self}")
+                raise KvcalError("codebook codes are served at 4 bits, or 3 bits at head_dim 128 (a head's planes3 row at 64 is 24 "
+                                 f"bytes, not whole 16-byte copies), with one key block and one value group per head, not {self}")
         elif bits != 16:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
