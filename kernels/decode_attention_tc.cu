@@ -31,7 +31,7 @@
 //    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
 //    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register. Keys: the bytes of a row are
 //    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
-//    sequence (one key block). Values: one SELECT lop3 merges two tokens' nibbles of a channel into a byte, so the
+//    sequence (one key block, copied once, not per stage). Values: one SELECT lop3 merges two tokens' nibbles of a channel into a byte, so the
 //    lookup gives the (token pair, channel) register directly; the per-token thresholds (lo, hi) of the row give
 //    scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes (planes3_pairs): a byte
 //    holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from the high plane), the
@@ -153,7 +153,8 @@ struct Shape {
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
     static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
     static constexpr int K_BYTES = ST * ROW, V_BYTES = ST * ROW;
-    static constexpr int KP_BYTES = FP16 ? 0 : KBLOCKS * 2 * D * 2;            // [block][scale, zero][D] fp16
+    // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
+    static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
     static constexpr int VP_BYTES = (VP_HALVES * 2 + 15) / 16 * 16;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES;
@@ -165,7 +166,9 @@ struct Shape {
     static constexpr int QROT_WORDS = ROPE ? D / 8 * 32 : 0;
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
-    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4;
+    static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
+    static constexpr int PIPE_BYTES =
+        STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 + CB_KP_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -253,6 +256,14 @@ __device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, con
         for (int j = 0; j < 16 / BITS; ++j) out[j] = pairs[j];
     }
 }
+
+// A task of the per-stage query rotation (pre-RoPE keys; GQA x D / 4 of them): its head, lane part (the t of the
+// lanes that read it) and frequency pair (key_channel's pairs < D/16).
+struct RopeTask {
+    int head, part, pair;
+};
+template <int D>
+__device__ __forceinline__ RopeTask rope_task(int task) { return {task / (D / 4), task % (D / 4) / (D / 16), task % (D / 16)}; }
 
 // Word of the rotated query (pre-RoPE keys) holding lane `lane`'s pair p: [p / 4][lane][4] in two_step_fragment's
 // order (pairs 4j, 4j + 2, 4j + 1, 4j + 3), so that one 16-byte load is one A fragment.
@@ -353,7 +364,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             live ? v_tile + (token * (int)v_row + chunk * 16) : v_tile, live ? 16 : 0);
             }
         }
-        if constexpr (!S::FP16) {
+        if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
 #pragma unroll
             for (int i = 0; i < (PCOPIES + THREADS - 1) / THREADS; ++i) {
@@ -435,6 +446,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     unsigned* const luts = rope_smem + S::ROPE_TABLE_BYTES / 4;  // codebooks: codebook_pairs' tables, keys' then values'
     const unsigned* const key_lut = luts;
     const unsigned* const value_lut = luts + S::LUT_WORDS;
+    unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(luts + 2 * S::LUT_WORDS);  // codebooks' one key block
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
     // cos / sin of P0 theta for the task's two frequencies, and of ST theta (one stage's step): between exact anchors
@@ -448,8 +460,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             unsigned* const out = q_rot + (tile & 1) * S::QROT_WORDS;
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
-                const int task = tid + i * THREADS, head = task / (D / 4), part = task % (D / 4) / (D / 16), pair = task % (D / 16);
+                const int task = tid + i * THREADS;
                 if (TASKS % THREADS == 0 || task < TASKS) {
+                    const RopeTask r = rope_task<D>(task);
                     float* const cs = task_cs[i];
                     if (tile % ANCHOR == 0) {
 #pragma unroll
@@ -462,15 +475,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             cs[2 * e + 1] = s * c1 + c * s1;
                         }
                     }
-                    float a[2], r[2];
+                    float qa[2], qb[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        a[e] = task_q[i][e] * cs[2 * e] + task_q[i][2 + e] * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
-                        r[e] = task_q[i][2 + e] * cs[2 * e] - task_q[i][e] * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
+                        qa[e] = task_q[i][e] * cs[2 * e] + task_q[i][2 + e] * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
+                        qb[e] = task_q[i][2 + e] * cs[2 * e] - task_q[i][e] * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
                     }
-                    const int lane_of = head * 4 + part;
-                    out[q_rot_word(pair, lane_of)] = pack_half2(a[0], a[1]);
-                    out[q_rot_word(pair + PAIRS / 2, lane_of)] = pack_half2(r[0], r[1]);
+                    const int lane_of = r.head * 4 + r.part;
+                    out[q_rot_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
+                    out[q_rot_word(r.pair + PAIRS / 2, lane_of)] = pack_half2(qb[0], qb[1]);
                 }
             }
         }
@@ -485,12 +498,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if ((i >> 4 & 7) >= GQA) q_rot[i] = 0u;
 #pragma unroll
         for (int i = 0; i < TASK_SLOTS; ++i) {
-            const int task = tid + i * THREADS, head = task / (D / 4), part = task % (D / 4) / (D / 16), pair = task % (D / 16);
+            const int task = tid + i * THREADS;
             if (TASKS % THREADS == 0 || task < TASKS) {
-                const float* const q = query + (out_row + head) * D;
+                const RopeTask r = rope_task<D>(task);
+                const float* const q = query + (out_row + r.head) * D;
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int c = key_channel<D, BITS, true, CB>(part, pair, e);
+                    const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
                     task_q[i][e] = q[c] * scale_log2;
                     task_q[i][2 + e] = q[c + D / 2] * scale_log2;
                     task_freq[i][e] = inv_freq[c];
@@ -500,13 +514,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         rotate_query(0);
     }
-    if constexpr (CB) {  // the codebook tables join stage 0's copies too
-        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16;
+    if constexpr (CB) {  // the codebook tables and the keys' per-channel scale and zero join stage 0's copies too
+        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16, PCHUNKS = D * 2 / 16;
 #pragma unroll
         for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i)
             if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
                 cp_async_16(reinterpret_cast<unsigned char*>(luts) + (tid + i * THREADS) * 16,
                             reinterpret_cast<const unsigned char*>(codebooks) + (tid + i * THREADS) * 16, 16);
+        if (tid < 2 * PCHUNKS)
+            cp_async_16(cb_key_params + tid * 16,
+                        reinterpret_cast<const unsigned char*>((tid < PCHUNKS ? key_scale : key_zero) + (long long)kvh * D) +
+                            tid % PCHUNKS * 16,
+                        16);
     }
 
     float o[MTILES][4];
@@ -562,7 +581,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
+                    const unsigned char* const kp =
+                        CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
 #pragma unroll
                     for (int part = 0; part < 2; ++part) {
                         unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
@@ -581,7 +601,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    const unsigned char* const kp = buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
+                    const unsigned char* const kp =
+                        CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
                     unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
                     load_words(sw, kp + t * (D / 4) * 2);
                     load_words(zw, kp + D * 2 + t * (D / 4) * 2);

@@ -78,14 +78,14 @@ class Variant:
         fp16 = bits == 16
         stages = self.stages
         row = d * bits // 8
-        kblocks = 0 if fp16 else (1 if self.codebook or kg >= STAGE_TOKENS else STAGE_TOKENS // kg)
+        kblocks = 0 if fp16 or self.codebook else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
         stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + (vp_halves * 2 + 15) // 16 * 16
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
-        lut = 2 * 256 * 4 if self.codebook else 0
+        lut = 2 * 256 * 4 + 4 * d if self.codebook else 0  # the tables and the keys' one block of parameters
         return max(stages * stage + query + rope + lut, merge)
 
 
@@ -249,7 +249,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
     k_seq, k_row = _strides(k_data, True)
     v_seq, v_row = _strides(v_data, True)
-    kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block: every token's
+    kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
     vp_seq, vp_row = _strides(vs, False)
     freq = table = None
     if inv_freq is not None:
