@@ -7,13 +7,15 @@ words, per-token/per-block parameters in their storage dtype, 4-byte outliers an
 residuals), averaged over each evaluated window at --seqlen tokens.
 
 Calibrated recipes are fit once from one profile: --profile, or by default one made here with
-kvcal.profile.run_profile on wikitext-2 valid (16 x 512, seed --seed, sink 1, every sampled token kept as a
-row, 2 stored windows). Fitted artifacts are cached under --work (keyed by the profile file and the
+kvcal.profile.run_profile on the --calibration corpus (wikitext-2 valid, or kvcal's built-in corpus, the default
+of `kvcal calibrate`; 16 x 512, seed --seed, sink 1, every sampled token kept as a row, 2 stored windows). Fitted artifacts are cached under --work (keyed by the profile file and the
 settings) so that a rerun only evaluates; --refit ignores the cache. The model is loaded once, each
 domain is tokenized once, and fp is evaluated once per domain (first, by kvcal.evaluate.evaluate_ppl).
 
 Writes benchmarks/results/<out-name>.json, .md (a table per domain, and for every baseline the best
-calibrated recipe at <= its real bits) and .png (one panel per domain). Progress goes to stderr.
+calibrated recipe at <= its real bits) and .png (one panel per domain). Progress goes to stderr. With --update
+the rows of the existing <out-name>.json for methods not evaluated now are kept (each row names the commit it
+was measured at), provided both runs evaluated the same way: same model, profile, windows and fp perplexity.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ DOMAINS = {  # name -> (description, kvcal dataset spec)
     "wikitext2": ("wikitext-2 test", str(SHARED / "data" / "wikitext-2" / "test.txt")),
     "code": ("held-out code (Python stdlib sources)", "python-code"),
 }
-CALIBRATION_TEXT = SHARED / "data" / "wikitext-2" / "valid.txt"
+CALIBRATIONS = {  # --calibration -> (profile name, description, kvcal dataset spec)
+    "wikitext2": ("wikitext2-valid", "wikitext-2 valid", str(SHARED / "data" / "wikitext-2" / "valid.txt")),
+    "builtin": ("builtin", "kvcal's built-in corpus (Python's pydoc topics)", "builtin"),
+}
 PROFILE_SAMPLES, PROFILE_SEQLEN, PROFILE_SINK, PROFILE_WINDOWS = 16, 512, 1, 2
 BITS_EPS = 1e-9  # real bits compare equal within this
 PLOT_FLOOR_PCT = 0.01  # the log-scale y axis shows changes <= this (fp8, q8_0 can be <= 0) at this floor
@@ -68,6 +73,9 @@ def catalog(seed: int) -> list[Entry]:
     for bits in (4, 3, 2):
         entries.append(Entry(f"nuq{bits}-1%", CALIBRATED, "nuq", {"bits": bits, "outliers": 0.01, "seed": seed}, (f"nuq{bits}", "nuq")))
     entries.append(Entry("nuq2-0%", CALIBRATED, "nuq", {"bits": 2, "outliers": 0.0, "seed": seed}))  # under turbo2's bits
+    # wider codes and fewer outliers, under the bits of turbo4 (nuq4-0%), q5_0/q5_1 (nuq5), fp8 (nuq6) and q8_0 (nuq8)
+    for bits, outliers in ((4, 0.0), (5, 0.0), (5, 0.001), (6, 0.001), (8, 0.001)):
+        entries.append(Entry(f"nuq{bits}-{outliers * 100:g}%", CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "seed": seed}))
     entries.append(Entry("mixed", CALIBRATED, "nuq", {"target_bits": 3.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("mixed-4.0", CALIBRATED, "nuq", {"target_bits": 4.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("nuq-kvmix-widths", CALIBRATED, "nuq", {"bits_from_profile": True, "outliers": 0.01, "seed": seed}))
@@ -129,6 +137,46 @@ def best_recipe_at(bits: float, recipes: list[dict]) -> dict | None:
     real bits; ties in ppl go to fewer bits, then to the earlier row. None if none fits the budget."""
     fitting = [r for r in recipes if r["effective_bits"] <= bits + BITS_EPS and not math.isnan(r["ppl"])]
     return min(fitting, key=lambda r: (r["ppl"], r["effective_bits"])) if fitting else None
+
+
+def annotate(domain: dict) -> dict:
+    """A domain's rows marked on or off the Pareto front, and every baseline against the recipes."""
+    rows = domain["rows"]
+    for row, on in zip(rows, pareto_front([(r["effective_bits"], r["ppl"]) for r in rows])):
+        row["on_front"] = on
+    domain["baselines_vs_recipes"] = compare_baselines(rows)
+    return domain
+
+
+SAME_RUN_KEYS = ("model", "calibration", "evaluation", "seed")
+SAME_DOMAIN_KEYS = ("dataset", "tokens", "windows", "seqlen", "fp_ppl")
+
+
+def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
+    """`payload` with the rows of `previous` (an earlier run's JSON) for the methods of `order` (the catalog) this run
+    did not evaluate, each keeping the commit it was measured at; raises ValueError unless both runs evaluated the
+    same way (SAME_RUN_KEYS, and SAME_DOMAIN_KEYS of every domain both have: fp is deterministic, so its perplexity
+    must match exactly). Rows of methods no longer in the catalog are dropped."""
+    for key in SAME_RUN_KEYS:
+        if previous.get(key) != payload[key]:
+            raise ValueError(f"the earlier results have {key} {previous.get(key)!r}, this run {payload[key]!r}")
+    domains = {}
+    for name in [*payload["domains"], *(n for n in previous["domains"] if n not in payload["domains"])]:
+        new, old = payload["domains"].get(name), previous["domains"].get(name)
+        if new is None or old is None:
+            domain = dict(new or old)
+            domain["rows"] = [{"commit": previous["commit"], **r} if new is None else r for r in domain["rows"]]
+        else:
+            for key in SAME_DOMAIN_KEYS:
+                if old[key] != new[key]:
+                    raise ValueError(f"domain {name}: the earlier results have {key} {old[key]!r}, this run {new[key]!r}")
+            fresh = {r["name"] for r in new["rows"]}
+            domain = {**new, "rows": [{"commit": previous["commit"], **r} for r in old["rows"] if r["name"] not in fresh] + new["rows"]}
+        domain["rows"] = sorted((r for r in domain["rows"] if r["name"] in order), key=lambda r: order.index(r["name"]))
+        domains[name] = annotate(domain)
+    rows = [r for d in domains.values() for r in d["rows"]]
+    return {**payload, "domains": domains, "methods": [n for n in order if any(r["name"] == n for r in rows)],
+            "seconds_per_window": sum(r["seconds"] for r in rows) / sum(d["windows"] * len(d["rows"]) for d in domains.values())}
 
 
 def compare_baselines(rows: list[dict]) -> list[dict]:
@@ -268,7 +316,8 @@ def ensure_profile(args) -> Path:
             raise SystemExit(f"bench_pareto: --profile '{path}' is a kvcal {kind}, not a profile")
         log(f"profile: reusing {path}")
         return path
-    path = Path(args.work) / f"profile-wikitext2-valid-{PROFILE_SAMPLES}x{PROFILE_SEQLEN}-seed{args.seed}.safetensors"
+    profile_name, description, dataset = CALIBRATIONS[args.calibration]
+    path = Path(args.work) / f"profile-{profile_name}-{PROFILE_SAMPLES}x{PROFILE_SEQLEN}-seed{args.seed}.safetensors"
     if path.exists():
         try:
             read_header(str(path))
@@ -280,12 +329,12 @@ def ensure_profile(args) -> Path:
     from kvcal.profile import KvmixSettings, ProfileRequest, run_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    request = ProfileRequest(model=args.model, dataset=str(CALIBRATION_TEXT), nsamples=PROFILE_SAMPLES, seqlen=PROFILE_SEQLEN,
+    request = ProfileRequest(model=args.model, dataset=dataset, nsamples=PROFILE_SAMPLES, seqlen=PROFILE_SEQLEN,
                              seed=args.seed, kvmix=KvmixSettings(),
                              capture=CaptureSettings(sink=PROFILE_SINK, max_tokens_per_layer=PROFILE_SAMPLES * PROFILE_SEQLEN,
                                                      store_windows=PROFILE_WINDOWS, seed=args.seed))
     started = time.perf_counter()
-    log(f"profile: making {path} (wikitext-2 valid, {PROFILE_SAMPLES} x {PROFILE_SEQLEN}, all rows kept)")
+    log(f"profile: making {path} ({description}, {PROFILE_SAMPLES} x {PROFILE_SEQLEN}, all rows kept)")
     run_profile(request, path, on_window=lambda w: log(f"  profile window {w + 1}/{PROFILE_SAMPLES}"))
     log(f"profile: {time.perf_counter() - started:.1f} s")
     return path
@@ -304,6 +353,12 @@ def markdown(payload: dict) -> list[str]:
              "Real bits = what the runtime stores per K/V element at the window length (packed int32 code words, "
              "parameters in their storage dtype, 4-byte outliers and their offset tables, fp16 sinks/windows/residuals). "
              "front = on the Pareto front (no other method has <= bits and <= ppl).", ""]
+    commits = {}
+    for domain in payload["domains"].values():
+        for row in domain["rows"]:
+            commits.setdefault(row.get("commit", payload["commit"]), []).append(row["name"])
+    if len(commits) > 1:  # merged by --update
+        lines += ["Rows measured at " + "; ".join(f"commit {c}: {', '.join(dict.fromkeys(names))}" for c, names in commits.items()) + ".", ""]
     for domain in payload["domains"].values():
         lines += [f"## {domain['description']} ({domain['windows']} x {domain['seqlen']} tokens, fp ppl {domain['fp_ppl']:.4f})", "",
                   "| method | family | real bits | K bits | V bits | ppl | vs fp | front |", "|---|---|---|---|---|---|---|---|"]
@@ -420,7 +475,10 @@ def parse_args(argv=None):
     parser.add_argument("--windows", type=int, default=40, help="consecutive windows per domain (default 40)")
     parser.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     parser.add_argument("--profile", default=None, help="reuse this kvcal profile for the calibrated recipes (default: make one "
-                        "on wikitext-2 valid, 16 x 512, under --work)")
+                        "on the --calibration corpus, 16 x 512, under --work)")
+    parser.add_argument("--calibration", default="wikitext2", choices=list(CALIBRATIONS),
+                        help="corpus of the default profile: wikitext2 (wikitext-2 valid) or builtin (kvcal's built-in corpus, "
+                             "the default of `kvcal calibrate`); default wikitext2")
     parser.add_argument("--work", default=str(REPO / "artifacts" / "bench" / "pareto"),
                         help="folder for the default profile and the cached fitted artifacts (default artifacts/bench/pareto)")
     parser.add_argument("--refit", action="store_true", help="fit every calibrated recipe again instead of using cached "
@@ -428,6 +486,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", default=None, help="model to evaluate (default: the packaged SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the default profile, the fits and torch (default 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--update", action="store_true", help="keep the rows of the existing results/<out-name>.json for the "
+                        "methods not evaluated now (refused unless it was evaluated the same way: model, profile, windows, fp ppl)")
     parser.add_argument("--out-name", default="pareto",
                         help="write benchmarks/results/<out-name>.{json,md,png} (default pareto; use another name for trial runs)")
     args = parser.parse_args(argv)
@@ -516,15 +576,12 @@ def run(args, started_with: dict) -> None:
         rows = []
         for entry, method, result, secs in zip(entries, methods, results[1:], seconds[1:]):
             rows.append({"name": entry.name, "family": entry.family, "kvcal_name": method.name, **result.as_dict(),
-                         "artifact": artifacts.get(entry.name), "seconds": round(secs, 2)})
+                         "artifact": artifacts.get(entry.name), "seconds": round(secs, 2), "commit": started_with["commit"]})
         for row in rows:
             del row["method"]
-        for row, on in zip(rows, pareto_front([(r["effective_bits"], r["ppl"]) for r in rows])):
-            row["on_front"] = on
         eval_seconds += sum(seconds[1:])
-        domains[name] = {"description": description, "dataset": dataset, "tokens": ids.numel(), "windows": args.windows,
-                         "seqlen": args.seqlen, "fp_ppl": fp.ppl, "fp_seconds": round(seconds[0], 2), "rows": rows,
-                         "baselines_vs_recipes": compare_baselines(rows)}
+        domains[name] = annotate({"description": description, "dataset": dataset, "tokens": ids.numel(), "windows": args.windows,
+                                  "seqlen": args.seqlen, "fp_ppl": fp.ppl, "fp_seconds": round(seconds[0], 2), "rows": rows})
 
     calibration = "no calibrated recipe selected"
     if profile is not None:
@@ -537,6 +594,13 @@ def run(args, started_with: dict) -> None:
                              "semantics (kvcal.evaluate.evaluate_ppl)",
                "seed": args.seed, "methods": [e.name for e in entries], "domains": domains,
                "seconds_per_window": eval_seconds / runs if runs else float("nan"), "argv": sys.argv[1:]}
+    if args.update:
+        previous_path = RESULTS / f"{args.out_name}.json"
+        try:
+            payload = merge_previous(payload, json.loads(previous_path.read_text()), [e.name for e in catalog(args.seed)])
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"bench_pareto: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
+        log(f"kept the rows of {previous_path} for the methods not evaluated now")
     json_path = write_result(args.out_name, payload, started_with)
     md_path = write_markdown(args.out_name, markdown({**started_with, **payload}))
     png_path = plot(payload, RESULTS / f"{args.out_name}.png")

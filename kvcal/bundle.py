@@ -27,9 +27,11 @@ from kvcal.artifacts import check_same_model, read_artifact, read_header, write_
 from kvcal.errors import KvcalError
 
 BUNDLE_KIND = "bundle"
-# How the runtime packs codes (kvcal.packing): "lsb" words, except 3-bit codes as bit-planes. A bundle holds no
-# codes, so this is a declaration; a layer's `packing` must name the "lsb" family.
-PACKING = {"word_bits": 32, "bit_order": "lsb-first", "layout": "lsb", "3-bit layout": "planes3"}
+# How the runtime packs codes (kvcal.packing): "lsb" words, except 3- and 5-7-bit codes as bit-planes. A bundle
+# holds no codes, so this is a declaration; a layer's `packing` must name the "lsb" family. Bundles written before
+# 5-7-bit codes declare PACKING_UP_TO_4_BITS, which stays true for their layers.
+PACKING_UP_TO_4_BITS = {"word_bits": 32, "bit_order": "lsb-first", "layout": "lsb", "3-bit layout": "planes3"}
+PACKING = {**PACKING_UP_TO_4_BITS, "5-7-bit layouts": "planes5, planes6, planes7"}
 
 
 @dataclass(frozen=True)
@@ -182,12 +184,14 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
         raise KvcalError(f"bundle '{path}' has incomplete metadata (missing {exc}); re-export the bundle") from exc
     if not isinstance(name, str) or name not in registry.recipes():
         raise KvcalError(f"bundle '{path}' names recipe {name!r}, which this kvcal does not know ({', '.join(registry.recipes())})")
-    if packing != PACKING:
+    if packing not in (PACKING, PACKING_UP_TO_4_BITS):
         raise KvcalError(f"bundle '{path}' packs codes as {packing!r}, this kvcal as {PACKING}; re-export the bundle")
     if not isinstance(entries, list) or len(entries) != num_layers:
         raise KvcalError(f"bundle '{path}' has a recipe for {len(entries) if isinstance(entries, list) else 'no'} layers, "
                          f"the model {num_layers}; re-export the bundle")
     layers = [_layer_recipe(entry, i, path) for i, entry in enumerate(entries)]
+    if packing != PACKING and any(bits in (5, 6, 7) for layer in layers for bits in (layer.k_bits, layer.v_bits)):
+        raise KvcalError(f"bundle '{path}' declares packing {packing!r}, which has no layout for its 5-7-bit codes; re-export the bundle")
     expected = {"rope.inv_freq"}
     _check_tensor(tensors, "rope.inv_freq", "float32", (fingerprint["head_dim"] // 2,), path)
     for i, layer in enumerate(layers):

@@ -239,7 +239,7 @@ def inspect_command(
 @reports_errors
 def fit_nuq_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients."),
-    bits: int = typer.Option(3, help="Code width for every layer, 1-4."),
+    bits: int = typer.Option(3, help="Code width for every layer, 1-8 (5-8 bits: the CUDA kernels serve 1-4, wider codes decode with the torch reference)."),
     bits_from_profile: bool = typer.Option(False, "--bits-from-profile", help="Use the profile's KVmix per-layer K/V widths instead of --bits."),
     target_bits: Optional[float] = typer.Option(None, help="Choose each layer's K and V width (2-4) instead of --bits: the least Fisher-weighted error within this many real (stored) bits per element."),
     outliers: float = typer.Option(0.01, help="Fraction of elements kept exact in fp16 (dense-and-sparse), in [0, 0.1]."),

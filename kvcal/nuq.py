@@ -40,6 +40,7 @@ from kvcal.quantizers import (
 NUQ_KIND = "nuq"
 CODEBOOKS = ("nuq", "uniform", "nf")
 KMEANS_MAX_POINTS = 1_000_000  # seeded subsample above this, to bound fitting time on wide models
+MAX_BITS = 8  # 5-7-bit codes are stored as bit-planes, 8-bit ones 4 to a word (kvcal.packing); the kernels serve 1-4
 KNAPSACK_WIDTHS = (2, 3, 4)  # the widths --target-bits chooses from
 KNAPSACK_STEP = 1e-4  # bits per element: the knapsack's price unit (prices are rounded up to it)
 
@@ -59,8 +60,8 @@ class NuqSettings:
     seed: int = 0
 
     def validate(self) -> None:
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 4:
-            raise KvcalError(f"--bits {self.bits} is not a code width in 1-4")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= MAX_BITS:
+            raise KvcalError(f"--bits {self.bits} is not a code width in 1-{MAX_BITS}")
         if self.target_bits is not None:
             if self.bits_from_profile:
                 raise KvcalError("--target-bits and --bits-from-profile both choose the widths; give one of them")

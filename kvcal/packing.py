@@ -1,4 +1,4 @@
-"""Packing of 1/2/3/4-bit codes into int32 words, and the runtime's outlier layout. Every layout kvcal writes is
+"""Packing of 1-8-bit codes into int32 words, and the runtime's outlier layout. Every layout kvcal writes is
 documented here.
 
 Codes are unsigned integers in [0, 2^bits). A row (the last dimension) is packed in units of a fixed number of
@@ -7,18 +7,22 @@ bits are filled LSB-first. Words are stored as int32 (two's complement of the ui
 
 Layouts:
 - "lsb": one word per unit of 32 // bits codes of `bits` bits at offsets 0, bits, 2*bits, ... (1 bit: 32 codes,
-  2 bits: 16, 3 bits: 10 with the top 2 bits unused, 4 bits: 8); code i is in word i // per_word. Lossless.
-- "planes3" (3 bits only, exactly 3 bits per code): bit-planes 2 + 1. Per unit of 32 consecutive codes, 3 words:
-  word 0 holds the low 2 bits of codes 0-15 at bit 2*i, word 1 those of codes 16-31 at bit 2*(i - 16), word 2
-  the high bit of codes 0-31 at bit i. Code i is in unit i >> 5: its low bits in word 3*(i >> 5) + ((i >> 4) & 1)
-  at bit 2*(i & 15), its high bit in word 3*(i >> 5) + 2 at bit i & 31 (no division by 3 or 10). Lossless.
+  2 bits: 16, 3 bits: 10 with the top 2 bits unused, 4 bits: 8, 8 bits: 4); code i is in word i // per_word.
+  Lossless.
+- "planes3", "planes5", "planes6", "planes7" (exactly `bits` bits per code): bit-planes, low bits first, of widths
+  PLANE_WIDTHS[bits] (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1). Per unit of 32 consecutive codes, `bits`
+  words: a plane of width w takes w words, its field of code i (bits [s, s + w) of the code, s the widths of the
+  planes before it) in the plane's word (i * w) >> 5 at bit (i * w) & 31. planes3: word 0 holds the low 2 bits of
+  codes 0-15 at bit 2*i, word 1 those of codes 16-31 at bit 2*(i - 16), word 2 the high bit of codes 0-31 at bit
+  i; code i's low bits are in word 3*(i >> 5) + ((i >> 4) & 1) at bit 2*(i & 15), its high bit in word
+  3*(i >> 5) + 2 at bit i & 31 (no division by 3 or 10). Lossless.
 - "kvmix10x3+1x2" (3 bits only, KVmix's layout): 11 codes per word, ten 3-bit codes at offsets
   0..27 and an eleventh 2-bit code at offset 30. The eleventh code is clamped to [0, 3]: lossy by design.
 - "ternary20" (SKVQ 1.5-bit values, codes 0..2): 20 codes per word as base-3 digits, word = sum c_i 3^i
   (3^20 < 2^32), 1.6 bits per code. Lossless.
 
-The runtime cache (kvcal.runtime) packs every token row with `layout_for(bits)`: "planes3" for 3 bits,
-"ternary20" for 1.5 bits, "lsb" otherwise. A row of C channels takes packed_words(C, bits, layout_for(bits))
+The runtime cache (kvcal.runtime) packs every token row with `layout_for(bits)`: "planesN" for 3, 5, 6 and 7
+bits, "ternary20" for 1.5 bits, "lsb" otherwise (1, 2, 4, 8). A row of C channels takes packed_words(C, bits, layout_for(bits))
 words; with head_dim a multiple of 32, no word holds codes of two KV heads.
 
 Outliers (dense-and-sparse codecs) are kept per (sequence, KV head) in append order, each OUTLIER_BYTES: a uint16
@@ -36,9 +40,10 @@ import torch
 
 from kvcal.errors import KvcalError
 
-LAYOUTS = ("lsb", "planes3", "kvmix10x3+1x2", "ternary20")
+PLANE_WIDTHS = {3: (2, 1), 5: (4, 1), 6: (4, 2), 7: (4, 2, 1)}  # a planesN layout's bit-planes, low bits first
+PLANES_CODES = 32  # codes of a planesN unit (in N words)
+LAYOUTS = ("lsb", *(f"planes{bits}" for bits in PLANE_WIDTHS), "kvmix10x3+1x2", "ternary20")
 TERNARY_PER_WORD = 20
-PLANES3_CODES, PLANES3_WORDS = 32, 3  # a "planes3" unit
 
 OUTLIER_TILE_TOKENS = 64  # body rows per outlier tile
 OUTLIER_BYTES = 2 + 2  # an outlier as the runtime stores it: uint16 position in its tile, fp16 value
@@ -49,26 +54,28 @@ POSITIONS_IN_TILE = 2**16  # positions a uint16 holds
 def layout_for(bits: float) -> str:
     if bits == 1.5:
         return "ternary20"
-    return "planes3" if bits == 3 else "lsb"
+    return f"planes{int(bits)}" if bits in PLANE_WIDTHS else "lsb"
 
 
-def _three_bits_only(bits: float, layout: str) -> None:
-    if bits != 3:
-        raise KvcalError(f"layout {layout} holds 3-bit codes, not {bits}-bit")
+def _check_width(bits: float, layout: str) -> None:
+    """Refuse codes of a width the layout does not hold (planesN: N bits, kvmix10x3+1x2: 3 bits)."""
+    held = int(layout[len("planes"):]) if layout.startswith("planes") else 3
+    if bits != held:
+        raise KvcalError(f"layout {layout} holds {held}-bit codes, not {bits}-bit")
 
 
 def _slots(bits: int, layout: str) -> list[tuple[int, int]]:
     """(bit offset, width) of every code slot in one word of a one-word-per-unit layout."""
     if layout == "lsb":
-        if bits not in (1, 2, 3, 4):
-            raise KvcalError(f"cannot pack {bits}-bit codes; widths 1-4 are supported")
+        if bits not in (1, 2, 3, 4, 8):
+            raise KvcalError(f"cannot pack {bits}-bit codes in lsb words; widths 1-4 and 8 are (5-7 bits: planesN)")
         bits = int(bits)  # recipes may carry 2.0
         return [(i * bits, bits) for i in range(32 // bits)]
     if layout == "kvmix10x3+1x2":
-        _three_bits_only(bits, layout)
+        _check_width(bits, layout)
         return [(3 * i, 3) for i in range(10)] + [(30, 2)]
-    if layout == "planes3":
-        raise KvcalError("layout planes3 packs 32 codes in 3 words, not a number of codes per word (see unit_shape)")
+    if layout in LAYOUTS and layout.startswith("planes"):
+        raise KvcalError(f"layout {layout} packs 32 codes in {layout[6:]} words, not a number of codes per word (see unit_shape)")
     raise KvcalError(f"unknown packing layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
 
 
@@ -78,9 +85,9 @@ def codes_per_word(bits: float, layout: str = "lsb") -> int:
 
 def unit_shape(bits: float, layout: str = "lsb") -> tuple[int, int]:
     """(words, codes) of one packing unit: rows are padded to whole units."""
-    if layout == "planes3":
-        _three_bits_only(bits, layout)
-        return PLANES3_WORDS, PLANES3_CODES
+    if layout.startswith("planes") and layout in LAYOUTS:
+        _check_width(bits, layout)
+        return int(bits), PLANES_CODES
     return 1, codes_per_word(bits, layout)
 
 
@@ -108,15 +115,39 @@ def check_outlier_head_dim(head_dim: int) -> None:
                          "use a recipe without outliers (outlier fraction 0) for this model")
 
 
-_PLANES3_SHIFTS: dict = {}
+_PLANE_SHIFTS: dict = {}
 
 
-def planes3_shifts(device, dtype=torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit offsets of a planes3 unit's codes in their low-bit word (2*i, i < 16) and in the high-bit word (i < 32)."""
-    key = (str(device), dtype)
-    if key not in _PLANES3_SHIFTS:
-        _PLANES3_SHIFTS[key] = (2 * torch.arange(16, dtype=dtype, device=device), torch.arange(32, dtype=dtype, device=device))
-    return _PLANES3_SHIFTS[key]
+def plane_shifts(bits: int, device, dtype=torch.int64) -> list[tuple[int, int, torch.Tensor]]:
+    """A planesN unit's bit-planes, low bits first: (first word in the unit, width w, bit offsets w*i of the 32 // w
+    fields in each of the plane's words)."""
+    key = (bits, str(device), dtype)
+    if key not in _PLANE_SHIFTS:
+        planes, first = [], 0
+        for width in PLANE_WIDTHS[bits]:
+            planes.append((first, width, width * torch.arange(32 // width, dtype=dtype, device=device)))
+            first += width
+        _PLANE_SHIFTS[key] = planes
+    return _PLANE_SHIFTS[key]
+
+
+def pack_planes(units: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (..., units, 32) int64 in range -> the planesN words (..., units, bits) int64 (uint32 patterns)."""
+    words = []
+    for first, width, shifts in plane_shifts(bits, units.device):
+        field = (units >> first) & (2**width - 1)  # plane bits start at the widths before: the same as `first`
+        words.append((field.view(*units.shape[:-1], width, 32 // width) << shifts).sum(-1))  # disjoint bits: sum = OR
+    return torch.cat(words, -1)
+
+
+def unpack_planes(units: torch.Tensor, bits: int) -> torch.Tensor:
+    """planesN words (..., units, bits), int64 uint32 patterns or int32 (the arithmetic shift's sign bits are masked
+    off) -> codes (..., units, 32) of the same dtype."""
+    codes = None
+    for first, width, shifts in plane_shifts(bits, units.device, units.dtype):
+        field = ((units[..., first:first + width, None] >> shifts) & (2**width - 1)).flatten(-2) << first
+        codes = field if codes is None else codes | field
+    return codes
 
 
 def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
@@ -130,11 +161,8 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
     if padded.numel() and (padded.min() < 0 or padded.max() >= limit):
         raise ValueError(f"codes outside [0, {limit}) cannot be packed in layout {layout}")
     grouped = padded.view(*codes.shape[:-1], units, per_unit)
-    if layout == "planes3":
-        low_shifts, high_shifts = planes3_shifts(codes.device)
-        low, high = grouped & 3, grouped >> 2
-        words = torch.stack([(low[..., :16] << low_shifts).sum(-1), (low[..., 16:] << low_shifts).sum(-1),
-                             (high << high_shifts).sum(-1)], dim=-1).flatten(-2)  # the bits are disjoint: sum = OR
+    if layout.startswith("planes"):
+        words = pack_planes(grouped, int(bits)).flatten(-2)
     elif layout == "ternary20":
         words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
         for slot in range(per_unit):
@@ -149,12 +177,9 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: float, length: int, layout: str = "lsb") -> torch.Tensor:
     """int32 words (..., w) -> codes (..., length) as int64."""
     unsigned = words.to(torch.int64) & 0xFFFFFFFF
-    if layout == "planes3":
-        _three_bits_only(bits, layout)
-        low_shifts, high_shifts = planes3_shifts(words.device)
-        units = unsigned.view(*words.shape[:-1], -1, PLANES3_WORDS)
-        low = ((units[..., :2, None] >> low_shifts) & 3).flatten(-2)
-        codes = low | (((units[..., 2:3] >> high_shifts) & 1) << 2)
+    if layout.startswith("planes"):
+        words_per_unit, _ = unit_shape(bits, layout)
+        codes = unpack_planes(unsigned.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
     elif layout == "ternary20":
         codes = torch.stack([(unsigned // 3**slot) % 3 for slot in range(TERNARY_PER_WORD)], dim=-1)
     else:

@@ -88,7 +88,7 @@ def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
                      for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "
-                   f"layout {PACKING['layout']} (3-bit: {PACKING['3-bit layout']})"),
+                   f"layout {PACKING['layout']} (3-bit: {PACKING['3-bit layout']}; 5-7-bit: {PACKING['5-7-bit layouts']})"),
         ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill)"),
         ("kvcal version", str(_get(config, "kvcal_version"))),
     ]

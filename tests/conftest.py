@@ -169,6 +169,22 @@ def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_nuq_bundles(tiny_profile, tmp_path_factory):
+    """kvquant bundles of the tiny Llama with 5-8-bit codes (planes5-7 and 8-bit lsb words), by code width."""
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+    _, profile = tiny_profile
+    folder = tmp_path_factory.mktemp("wide-nuq")
+    bundles = {}
+    for bits in (5, 6, 7, 8):
+        nuq = write_nuq(folder / f"nuq{bits}.safetensors", *fit_nuq(str(profile), NuqSettings(bits=bits)))
+        bundles[bits] = write_bundle(folder / f"kvquant{bits}.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
+    return bundles
+
+
+@pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16)."""
     from typer.testing import CliRunner

@@ -72,3 +72,37 @@ def test_select_by_name_alias_and_group(bench):
     assert len(bench.select(entries, ["all"])) == len(entries)
     with pytest.raises(ValueError, match="unknown method 'int5'"):
         bench.select(entries, ["int5"])
+
+
+def _run(commit: str, rows: dict[str, tuple[str, float, float]], fp_ppl: float = 25.0) -> dict:
+    """A results payload of one domain: rows name -> (family, bits, ppl)."""
+    domain = {"dataset": "test.txt", "tokens": 1000, "windows": 2, "seqlen": 8, "fp_ppl": fp_ppl, "description": "d",
+              "rows": [{"name": n, "family": f, "effective_bits": b, "ppl": p, "delta_pct": 100 * (p / fp_ppl - 1), "seconds": 1.0,
+                        "commit": commit} for n, (f, b, p) in rows.items()]}
+    return {"commit": commit, "model": "m", "calibration": "c", "evaluation": "e", "seed": 0, "domains": {"wiki": domain}}
+
+
+def test_update_keeps_earlier_rows_of_methods_not_evaluated_now(bench):
+    previous = _run("aaa", {"nuq4": ("calibrated", 4.4, 26.0), "q8_0": ("baseline", 8.5, 25.1), "gone": ("calibrated", 3.0, 27.0)})
+    previous["domains"]["wiki"]["rows"][0].pop("commit")  # rows written before rows named their commit
+    now = _run("bbb", {"nuq8": ("calibrated", 8.1, 25.05), "nuq4": ("calibrated", 4.4, 26.5)})
+    merged = bench.merge_previous(now, previous, ["nuq8", "nuq4", "q8_0"])
+    rows = {r["name"]: r for r in merged["domains"]["wiki"]["rows"]}
+    assert list(rows) == ["nuq8", "nuq4", "q8_0"]  # catalog order; a method no longer in the catalog is dropped
+    assert rows["nuq4"]["ppl"] == 26.5 and rows["nuq4"]["commit"] == "bbb"  # evaluated now: the new row
+    assert rows["q8_0"]["commit"] == "aaa" and rows["nuq8"]["commit"] == "bbb"
+    assert merged["methods"] == ["nuq8", "nuq4", "q8_0"] and merged["seconds_per_window"] == 0.5
+    (vs,) = merged["domains"]["wiki"]["baselines_vs_recipes"]
+    assert vs["best_recipe"] == "nuq8" and vs["recipe_lower_ppl"] and rows["nuq8"]["on_front"] and not rows["q8_0"]["on_front"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda run: run.update(model="other"), "model 'm'"),
+    (lambda run: run["domains"]["wiki"].update(fp_ppl=25.000001), "domain wiki: the earlier results have fp_ppl 25.0"),
+    (lambda run: run["domains"]["wiki"].update(windows=40), "windows 2"),
+])
+def test_update_refuses_results_evaluated_another_way(bench, change, message):
+    previous, now = _run("aaa", {"q8_0": ("baseline", 8.5, 25.1)}), _run("bbb", {"nuq8": ("calibrated", 8.1, 25.05)})
+    change(now)
+    with pytest.raises(ValueError, match=message):
+        bench.merge_previous(now, previous, ["nuq8", "q8_0"])

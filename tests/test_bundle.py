@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import tiny_model
 from helpers.artifact_files import read_metadata, rewrite
 from kvcal import registry
-from kvcal.bundle import load_bundle, write_bundle
+from kvcal.bundle import PACKING_UP_TO_4_BITS, load_bundle, write_bundle
 from kvcal.calibration import build_bundle
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
@@ -198,7 +198,7 @@ BAD_FIELDS = [
     ("outliers", -1), ("outliers", float("nan")), ("outliers", float("inf")), ("outliers", "x"), ("outliers", None), ("outliers", 2.0),
     ("outliers", 0.11), ("window", 2**63), ("window", -1), ("window", 30.0), ("sink", 10**12), ("sink", 30.0), ("sink", "30"),
     ("pre_rope", 0), ("pre_rope", None), ("pre_rope", "yes"), ("pre_rope", 1), ("key_granularity", "x"), ("key_granularity", None),
-    ("key_granularity", ["channel"]), ("fp8", "x"), ("fp8", 0), ("fp8", None), ("k_bits", 5), ("k_bits", 2.5), ("k_bits", True),
+    ("key_granularity", ["channel"]), ("fp8", "x"), ("fp8", 0), ("fp8", None), ("k_bits", 9), ("k_bits", 2.5), ("k_bits", True),
     ("k_bits", "3"), ("v_bits", None), ("rpc_k", 1.0), ("rpc_v", -0.1), ("group_size", 30.0), ("residual", -1), ("packing", "msb"),
     ("method", "x"), ("method", None), ("method", ["nuq"]),
 ]
@@ -233,6 +233,17 @@ def test_malformed_recipes_are_refused(bundle_path, tmp_path, edit, message):
 
     with pytest.raises(KvcalError, match=message):
         load_bundle(rewrite(bundle_path, tmp_path / "recipe.safetensors", config_fn=config_fn))
+
+
+def test_the_packing_declared_before_5_bit_codes_holds_only_for_bundles_without_them(bundle_path, wide_nuq_bundles, tmp_path):
+    def up_to_4_bits(config):
+        config["recipe"]["packing"] = dict(PACKING_UP_TO_4_BITS)
+        return config
+
+    assert load_bundle(rewrite(bundle_path, tmp_path / "old.safetensors", config_fn=up_to_4_bits)).layers
+    assert load_bundle(rewrite(wide_nuq_bundles[8], tmp_path / "old8.safetensors", config_fn=up_to_4_bits)).layers  # "lsb" words
+    with pytest.raises(KvcalError, match="no layout for its 5-7-bit codes; re-export"):
+        load_bundle(rewrite(wide_nuq_bundles[6], tmp_path / "old6.safetensors", config_fn=up_to_4_bits))
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -43,7 +43,7 @@ def test_calibrate_twice_gives_the_same_bytes(tiny_model_dir, tiny_corpus, tmp_p
 
 
 @pytest.mark.parametrize("recipe, bits, message", [("kivi", 5, "KIVI bits 5"), ("mixed", 1.5, "--bits 1.5 does not fit recipe mixed"),
-                                                   ("kvmix", 2, "--bits does not apply to recipe kvmix"), ("kvquant", 0, "not a code width in 1-4"),
+                                                   ("kvmix", 2, "--bits does not apply to recipe kvmix"), ("kvquant", 0, "not a code width in 1-8"),
                                                    ("gptq", None, "unknown recipe 'gptq'")])
 def test_settings_are_refused_before_any_model_is_loaded(tmp_path, recipe, bits, message):
     with pytest.raises(KvcalError, match=message):

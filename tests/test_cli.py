@@ -142,7 +142,7 @@ def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_mode
     assert "was made for LlamaForCausalLM" in result.stderr and "not for --model" in result.stderr and "Qwen2ForCausalLM" in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [(["--bits", 5], "not a code width in 1-4"), (["--outliers", 0.5], r"outside [0, 0.1]")])
+@pytest.mark.parametrize("args, message", [(["--bits", 9], "not a code width in 1-8"), (["--outliers", 0.5], r"outside [0, 0.1]")])
 def test_fit_nuq_bad_input(tiny_profile, tmp_path, args, message):
     out = tmp_path / "x.safetensors"
     result = run("fit-nuq", tiny_profile[1], *args, "--out", out)
@@ -284,8 +284,8 @@ def test_misuse_2_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, 
     ("kivi", 5, "--bits 5 does not fit recipe kivi: KIVI bits 5 is not one of 1, 2, 3, 4"),
     ("kivi", 0, "--bits 0 does not fit recipe kivi: KIVI bits 0 is not one of 1, 2, 3, 4"),
     ("kivi", -1, "--bits -1 does not fit recipe kivi"),
-    ("kvquant", 5, "--bits 5 is not a code width in 1-4"),
-    ("kvquant", 2.5, "--bits 2.5 is not a code width in 1-4"),
+    ("kvquant", 9, "--bits 9 is not a code width in 1-8"),
+    ("kvquant", 2.5, "--bits 2.5 is not a code width in 1-8"),
     ("skvq", 0, "--bits 0 does not fit recipe skvq: "),
     ("mixed", 9, "--bits 9 does not fit recipe mixed: --target-bits 9.0 is outside [2.32, 8] real bits"),
     ("kvmix", 2, "--bits does not apply to recipe kvmix"),

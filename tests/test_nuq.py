@@ -73,8 +73,8 @@ def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (NuqSettings(bits=5), "not a code width in 1-4"), (NuqSettings(bits=0), "not a code width in 1-4"),
-    (NuqSettings(bits=2.5), "not a code width in 1-4"),
+    (NuqSettings(bits=9), "not a code width in 1-8"), (NuqSettings(bits=0), "not a code width in 1-8"),
+    (NuqSettings(bits=2.5), "not a code width in 1-8"), (NuqSettings(bits=True), "not a code width in 1-8"),
     (NuqSettings(outliers=0.2), r"outside \[0, 0.1\]"), (NuqSettings(outliers=-0.01), r"outside \[0, 0.1\]"),
     (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(codebook="lloyd"), "not one of"),
     (NuqSettings(target_bits=3.0, bits_from_profile=True), "give one of them"), (NuqSettings(target_bits=1.5), "outside"),

@@ -6,7 +6,7 @@ from kvcal.packing import (OUTLIER_TILE_TOKENS, check_outlier_head_dim, codes_pe
                            packed_words, unpack)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("length", [1, 7, 10, 11, 31, 32, 33, 100, 129])
 def test_lsb_round_trip_for_every_width_and_ragged_lengths(bits, length):
     codes = torch.randint(0, 2**bits, (3, length), generator=torch.Generator().manual_seed(length))
@@ -19,7 +19,9 @@ def test_lsb_bit_order_is_least_significant_first():
     assert pack(torch.tensor([1, 0, 0, 0, 0, 0, 0, 2]), 4).item() == 1 + (2 << 28)
     assert pack(torch.tensor([3] * 16), 2).item() == -1  # all 32 bits set, stored as int32
     assert pack(torch.tensor([5, 1]), 3).item() == 5 + (1 << 3)
+    assert pack(torch.tensor([255, 0, 1, 128]), 8).item() == 255 + (1 << 16) - 2**31  # code 3's top bit is the sign
     assert codes_per_word(3) == 10 and codes_per_word(1) == 32 and codes_per_word(2.0) == 16  # recipes may say 2.0
+    assert codes_per_word(8) == 4 and layout_for(8) == "lsb"
 
 
 @pytest.mark.parametrize("length", [1, 10, 11, 12, 22, 23, 50])
@@ -40,7 +42,9 @@ def test_bad_widths_layouts_and_codes_are_refused():
         pack(torch.zeros(4, dtype=torch.long), 4, "planes3")
     with pytest.raises(KvcalError, match="unknown packing layout"):
         pack(torch.zeros(4, dtype=torch.long), 2, "msb")
-    with pytest.raises(KvcalError, match="widths 1-4"):
+    with pytest.raises(KvcalError, match="planes6 holds 6-bit codes"):
+        pack(torch.zeros(4, dtype=torch.long), 5, "planes6")
+    with pytest.raises(KvcalError, match="widths 1-4 and 8 are"):
         pack(torch.zeros(4, dtype=torch.long), 5)
     with pytest.raises(ValueError, match="outside"):
         pack(torch.tensor([4]), 2)
@@ -62,6 +66,24 @@ def test_planes3_stores_3_bit_codes_in_exactly_3_bits_per_code(length):
     assert words.shape == (2, 3 * -(-length // 32))
     assert torch.equal(unpack(words, 3, length, "planes3"), codes)
     assert layout_for(3) == "planes3" and packed_row_bits(192, 3) == 192 * 3  # "lsb" took 20 words: 640 bits
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7])
+@pytest.mark.parametrize("length", [1, 8, 31, 32, 33, 64, 100])
+def test_planes_store_5_to_7_bit_codes_in_exactly_their_bits(bits, length):
+    codes = torch.randint(0, 2**bits, (2, length), generator=torch.Generator().manual_seed(length))
+    words = pack(codes, bits, f"planes{bits}")
+    assert words.shape == (2, bits * -(-length // 32))
+    assert torch.equal(unpack(words, bits, length, f"planes{bits}"), codes)
+    assert layout_for(bits) == f"planes{bits}" and packed_row_bits(64, bits) == 64 * bits
+
+
+def test_planes_bit_order_nibble_plane_then_narrower_planes():
+    code = lambda i, value, bits: pack(torch.tensor([0] * i + [value] + [0] * (31 - i)), bits, f"planes{bits}").tolist()
+    assert code(9, 0b10110, 5) == [0, 6 << 4, 0, 0, 1 << 9]  # low nibble of code 9 in word 1 at bit 4, bit 4 in word 4
+    assert code(20, 0b111001, 6) == [0, 0, 9 << 16, 0, 0, 3 << 8]  # code 20: nibble in word 2, 2-bit field in word 5
+    top = [w & 0xFFFFFFFF for w in code(31, 127, 7)]  # uint32 patterns stored as int32
+    assert top == [0, 0, 0, 15 << 28, 0, 3 << 30, 1 << 31]  # code 31 of 7 bits: the top field of each plane
 
 
 def test_planes3_bit_order_low_planes_then_high_plane():

@@ -21,16 +21,26 @@ TOKENS = 40
 RECIPES = registry.recipes()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_token_by_token_runtime_logits_match_the_simulation(recipe_bundles, recipe, decode_path):
+def assert_runtime_logits_match_the_simulation(bundle_path) -> None:
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
-        with simulated(model, adapt(model), artifact_method(str(recipe_bundles[recipe])), StorageTally()):
+        with simulated(model, adapt(model), artifact_method(str(bundle_path)), StorageTally()):
             simulated_logits = model(ids).logits
-        runtime_logits, cache = decode_token_by_token(model, recipe_bundles[recipe], ids)
+        runtime_logits, cache = decode_token_by_token(model, bundle_path, ids)
     torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=1e-4)
     assert model.config._attn_implementation == "sdpa" and cache.tokens() == [TOKENS, TOKENS]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_token_by_token_runtime_logits_match_the_simulation(recipe_bundles, recipe, decode_path):
+    assert_runtime_logits_match_the_simulation(recipe_bundles[recipe])
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7, 8])
+def test_5_to_8_bit_codes_decode_to_the_simulation(wide_nuq_bundles, bits, decode_path):
+    """Codes wider than the kernels serve (planes5-7, 8-bit words) decode with the torch reference on every path."""
+    assert_runtime_logits_match_the_simulation(wide_nuq_bundles[bits])
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

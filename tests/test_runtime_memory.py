@@ -19,9 +19,9 @@ TILED_TOKENS = 2 * OUTLIER_TILE_TOKENS + 5  # three outlier tiles per KV head: o
 OUTLIER_RECIPES = ("kvquant", "mixed")
 
 
-def assert_bits_are_bytes(recipe_bundles, recipe: str, tokens: int) -> None:
+def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool) -> None:
     model = tiny_model("llama")
-    bundle = load_bundle(recipe_bundles[recipe])
+    bundle = load_bundle(bundle_path)
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         _, simulated = evaluate_ppl(model, adapt(model), ids, [artifact_method(str(bundle.path))])
@@ -31,17 +31,24 @@ def assert_bits_are_bytes(recipe_bundles, recipe: str, tokens: int) -> None:
     assert cache.used_bytes() == formula
     assert simulated.effective_bits == formula * 8 / (len(bundle.layers) * 2 * tokens * width)
     assert simulated.outlier_fraction * 2 * len(bundle.layers) * tokens * width == cache.outliers()
-    assert (cache.outliers() > 0) == (recipe in OUTLIER_RECIPES)
+    assert (cache.outliers() > 0) == keeps_outliers
 
 
 @pytest.mark.parametrize("recipe", registry.recipes())
 def test_eval_bits_the_formula_and_the_live_cache_agree(recipe_bundles, recipe):
-    assert_bits_are_bytes(recipe_bundles, recipe, TOKENS)
+    assert_bits_are_bytes(recipe_bundles[recipe], TOKENS, recipe in OUTLIER_RECIPES)
 
 
 @pytest.mark.parametrize("recipe", OUTLIER_RECIPES)
 def test_bits_are_bytes_over_several_outlier_tiles(recipe_bundles, recipe):
-    assert_bits_are_bytes(recipe_bundles, recipe, TILED_TOKENS)
+    assert_bits_are_bytes(recipe_bundles[recipe], TILED_TOKENS, True)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7, 8])
+def test_bits_are_bytes_for_5_to_8_bit_codes(wide_nuq_bundles, bits):
+    assert_bits_are_bytes(wide_nuq_bundles[bits], TOKENS, True)
+    layer = load_bundle(wide_nuq_bundles[bits]).layers[0]
+    assert (layer.k_bits, layer.v_bits) == (bits, bits)
 
 
 def test_the_formula_counts_every_outlier_byte_and_offset_entry():

@@ -15,7 +15,8 @@ from kvcal.runtime.segments import SegmentedStore, _fp16_recent
 from kvcal.runtime.store import PackedRows, pack_codes, unpack_codes
 from kvcal.skvq import SkvqTensor
 
-LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
+LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (5, "planes5"), (6, "planes6"), (7, "planes7"),
+           (8, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
 
 
 @pytest.mark.parametrize("bits, layout", LAYOUTS)

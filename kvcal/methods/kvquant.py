@@ -10,7 +10,7 @@ from kvcal import registry
 from kvcal.bundle import LayerRecipe
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
-from kvcal.nuq import NUQ_KIND, NuqSettings, fit_nuq, nuq_layer, nuq_layers, nuq_name
+from kvcal.nuq import MAX_BITS, NUQ_KIND, NuqSettings, fit_nuq, nuq_layer, nuq_layers, nuq_name
 from kvcal.packing import layout_for, packed_words
 from kvcal.quantizers import FP16_BITS
 from kvcal.registry import ArtifactSummary, LayerFormat, MethodSpec
@@ -24,6 +24,7 @@ class NuqFormat(LayerFormat):
     per-token thresholds (fp16 lo + hi per token); outliers (counted apart)."""
 
     name = "nuq"
+    code_widths = tuple(range(1, MAX_BITS + 1))
 
     def problem(self, layer):
         return "nuq layers store fp16 parameters, not fp8" if layer.fp8 else None

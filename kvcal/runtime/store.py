@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, PLANES3_WORDS, _slots, check_outlier_head_dim, layout_for,
-                           outlier_table_bytes, packed_words, planes3_shifts, unit_shape, unpack)
+from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, _slots, check_outlier_head_dim, layout_for, outlier_table_bytes,
+                           pack_planes, packed_words, unit_shape, unpack, unpack_planes)
 from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
@@ -95,16 +95,14 @@ def _shifts_and_masks(bits: float, layout: str, device) -> tuple[torch.Tensor, t
 def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     """int32 words (..., w) -> codes (..., units, codes per unit) int32 (every slot, the row's padding included, see
     kvcal.packing.unit_shape); equal to kvcal.packing.unpack before its flatten and cut, in a few tensor ops: an
-    arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planes3 the
-    two low-bit words and the high-bit word of a unit are shifted apart and joined."""
+    arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planesN each
+    bit-plane's words are shifted apart and the planes joined."""
     if layout == "ternary20":
         per_word = 20
         return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
-    if layout == "planes3":
-        low_shifts, high_shifts = planes3_shifts(words.device, torch.int32)
-        units = words.view(*words.shape[:-1], -1, PLANES3_WORDS)
-        low = (units[..., :2, None] >> low_shifts).bitwise_and_(3).flatten(-2)
-        return low.bitwise_or_((units[..., 2:] >> high_shifts).bitwise_and_(1).bitwise_left_shift_(2))
+    if layout.startswith("planes"):
+        words_per_unit, _ = unit_shape(bits, layout)
+        return unpack_planes(words.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
     shifts, masks = _shifts_and_masks(bits, layout, words.device)
     return (words[..., None] >> shifts).bitwise_and_(masks)
 
@@ -115,17 +113,14 @@ _PACKING: dict = {}
 def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     """kvcal.packing.pack for codes the codecs made (in range: not checked again), in a few tensor ops whatever the
     number of codes per word: every slot's code times its place value (2^offset, or 3^slot for ternary20),
-    summed per word (the slots' bits do not overlap, so the sum is their OR); planes3 shifts and sums the low 2
-    bits of each half unit and the high bits of the whole unit so."""
+    summed per word (the slots' bits do not overlap, so the sum is their OR); planesN shifts and sums each
+    bit-plane's fields so."""
     words_per_unit, per_unit = unit_shape(bits, layout)
     rows, n = codes.shape
     units = packed_words(n, bits, layout) // words_per_unit
     padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(rows, units, per_unit)
-    if layout == "planes3":
-        low_shifts, high_shifts = planes3_shifts(codes.device, torch.int32)
-        low = ((padded & 3).view(rows, units, 2, 16) << low_shifts).sum(-1)
-        high = ((padded >> 2) << high_shifts).sum(-1, keepdim=True)
-        packed = torch.cat([low, high], -1).view(rows, units * words_per_unit)
+    if layout.startswith("planes"):
+        packed = pack_planes(padded, words_per_unit).view(rows, units * words_per_unit)
     else:
         key = (bits, layout, str(codes.device))
         if key not in _PACKING:
