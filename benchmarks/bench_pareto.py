@@ -76,6 +76,9 @@ def catalog(seed: int) -> list[Entry]:
     # wider codes and fewer outliers, under the bits of turbo4 (nuq4-0%), q5_0/q5_1 (nuq5), fp8 (nuq6) and q8_0 (nuq8)
     for bits, outliers in ((4, 0.0), (5, 0.0), (5, 0.001), (6, 0.001), (8, 0.001)):
         entries.append(Entry(f"nuq{bits}-{outliers * 100:g}%", CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "seed": seed}))
+    # the same with a uniform codebook (`fit-nuq --codebook uniform`: thresholds calibrated, no k-means)
+    for bits, outliers in ((3, 0.01), (4, 0.01), (4, 0.0), (5, 0.0), (5, 0.001), (6, 0.001), (8, 0.001)):
+        entries.append(Entry(f"uq{bits}-{outliers * 100:g}%", CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "seed": seed, "codebook": "uniform"}))
     entries.append(Entry("mixed", CALIBRATED, "nuq", {"target_bits": 3.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("mixed-4.0", CALIBRATED, "nuq", {"target_bits": 4.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("nuq-kvmix-widths", CALIBRATED, "nuq", {"bits_from_profile": True, "outliers": 0.01, "seed": seed}))
