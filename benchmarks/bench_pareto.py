@@ -81,6 +81,7 @@ def catalog(seed: int) -> list[Entry]:
         entries.append(Entry(f"uq{bits}-{outliers * 100:g}%", CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "seed": seed, "codebook": "uniform"}))
     entries.append(Entry("mixed", CALIBRATED, "nuq", {"target_bits": 3.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("mixed-4.0", CALIBRATED, "nuq", {"target_bits": 4.0, "outliers": 0.01, "seed": seed}))
+    entries.append(Entry("mixed-3.55", CALIBRATED, "nuq", {"target_bits": 3.55, "outliers": 0.01, "seed": seed}))  # passkey at <= 3.6 bits
     entries.append(Entry("nuq-kvmix-widths", CALIBRATED, "nuq", {"bits_from_profile": True, "outliers": 0.01, "seed": seed}))
     for window in (0, 32, 128):
         settings = {"kbits": 2, "vbits": 2, "group_size": 64, "window": window, "sink": 5, "fp8": True, "seed": seed}
