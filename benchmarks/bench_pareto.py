@@ -7,8 +7,9 @@ words, per-token/per-block parameters in their storage dtype, 4-byte outliers an
 residuals), averaged over each evaluated window at --seqlen tokens.
 
 Calibrated recipes are fit once from one profile: --profile, or by default one made here with
-kvcal.profile.run_profile on the --calibration corpus (wikitext-2 valid, or kvcal's built-in corpus, the default
-of `kvcal calibrate`; 16 x 512, seed --seed, sink 1, every sampled token kept as a row, 2 stored windows). Fitted artifacts are cached under --work (keyed by the profile file and the
+kvcal.profile.run_profile on the --calibration corpus (wikitext-2 valid, or kvcal's built-in corpus, the
+default of `kvcal calibrate`; 16 x 512, seed --seed, sink 1, every sampled token kept as a row, 2 stored
+windows). Fitted artifacts are cached under --work (keyed by the profile file and the
 settings) so that a rerun only evaluates; --refit ignores the cache. The model is loaded once, each
 domain is tokenized once, and fp is evaluated once per domain (first, by kvcal.evaluate.evaluate_ppl).
 
@@ -167,17 +168,14 @@ def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
     domains = {}
     for name in [*payload["domains"], *(n for n in previous["domains"] if n not in payload["domains"])]:
         new, old = payload["domains"].get(name), previous["domains"].get(name)
-        if new is None or old is None:
-            domain = dict(new or old)
-            domain["rows"] = [{"commit": previous["commit"], **r} if new is None else r for r in domain["rows"]]
-        else:
-            for key in SAME_DOMAIN_KEYS:
-                if old[key] != new[key]:
-                    raise ValueError(f"domain {name}: the earlier results have {key} {old[key]!r}, this run {new[key]!r}")
-            fresh = {r["name"] for r in new["rows"]}
-            domain = {**new, "rows": [{"commit": previous["commit"], **r} for r in old["rows"] if r["name"] not in fresh] + new["rows"]}
-        domain["rows"] = sorted((r for r in domain["rows"] if r["name"] in order), key=lambda r: order.index(r["name"]))
-        domains[name] = annotate(domain)
+        for key in SAME_DOMAIN_KEYS if new and old else ():
+            if old[key] != new[key]:
+                raise ValueError(f"domain {name}: the earlier results have {key} {old[key]!r}, this run {new[key]!r}")
+        fresh = new["rows"] if new else []
+        evaluated = {r["name"] for r in fresh}
+        kept = [{"commit": previous["commit"], **r} for r in (old["rows"] if old else []) if r["name"] not in evaluated]
+        rows = sorted((r for r in kept + fresh if r["name"] in order), key=lambda r: order.index(r["name"]))
+        domains[name] = annotate({**(new or old), "rows": rows})
     rows = [r for d in domains.values() for r in d["rows"]]
     return {**payload, "domains": domains, "methods": [n for n in order if any(r["name"] == n for r in rows)],
             "seconds_per_window": sum(r["seconds"] for r in rows) / sum(d["windows"] * len(d["rows"]) for d in domains.values())}
