@@ -89,7 +89,8 @@ def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "
                    f"layout {PACKING['layout']} (3-bit: {PACKING['3-bit layout']}; 5-7-bit: {PACKING['5-7-bit layouts']})"),
-        ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill)"),
+        ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill, with the recipe's outlier "
+                           "fraction of elements as outliers; the real count depends on the text: `kvcal eval ppl` measures it)"),
         ("kvcal version", str(_get(config, "kvcal_version"))),
     ]
     columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "RPC K/V", "outliers", "fp8",
