@@ -106,3 +106,11 @@ def test_update_refuses_results_evaluated_another_way(bench, change, message):
     change(now)
     with pytest.raises(ValueError, match=message):
         bench.merge_previous(now, previous, ["nuq8", "q8_0"])
+
+
+def test_calibration_and_update_options(bench):
+    args = bench.parse_args(["--calibration", "builtin", "--update", "--methods", "nuq3", "uq8-0.1%"])
+    assert args.calibration == "builtin" and args.update and [e.name for e in args.entries] == ["nuq3-1%", "uq8-0.1%"]
+    assert bench.CALIBRATIONS[args.calibration][2] == "builtin"  # the dataset spec of `kvcal calibrate`'s default
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--calibration", "c4"])
