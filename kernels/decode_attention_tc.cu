@@ -31,18 +31,19 @@
 //    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
 //    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register. Keys: the bytes of a row are
 //    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
-//    sequence (one key block, copied once, not per stage). Values: one SELECT lop3 merges two tokens' nibbles of a channel into a byte, so the
-//    lookup gives the (token pair, channel) register directly; the per-token thresholds (lo, hi) of the row give
-//    scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes (planes3_pairs): a byte
-//    holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from the high plane), the
-//    table's first 64 words; values look up each token's channel pairs and swap halves into token pairs (prmt).
+//    sequence (one key block, copied once, not per stage). Values: one SELECT lop3 merges two tokens' nibbles of a
+//    channel into a byte, so the lookup gives the (token pair, channel) register directly; the per-token thresholds
+//    (lo, hi) of the row give scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes
+//    (planes3_pairs): a byte holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from
+//    the high plane), the table's first 64 words; values look up each token's channel pairs and swap halves into
+//    token pairs (prmt).
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
 //    the query by -P0 once per stage (fp32; the angle P0 theta exact in double and reduced modulo 2 pi every 16
 //    stages, advanced by one stage's rotation in between: accurate at any position), and each lane rotates its
-//    dequantized keys by delta with a host-made fp16 table of
-//    cos / sin (delta theta) in shared memory (kvcal.runtime.tensor_core.rope_table). The rotation pairs channels
-//    c and c + D/2, so lane t holds both halves: channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
+//    dequantized keys by delta with a host-made fp16 table of cos / sin (delta theta) in shared memory
+//    (kvcal.runtime.tensor_core.rope_table). The rotation pairs channels c and c + D/2, so lane t holds both halves:
+//    channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
 //    Scales cannot fold into the query when the key rotates, so each lane dequantizes (code * scale + zero, one
 //    fma.f16x2 per pair) before rotating.
 #include "intrinsics.cuh"
