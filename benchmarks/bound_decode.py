@@ -84,12 +84,14 @@ class Case:
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
 class CudaCoreKernel:
-    """kernels/decode_attention.cu, the kernel the runtime launches: a warp's loop over tiles of 32 tokens; the
+    """kernels/decode_attention.cu, the runtime's kernel for fp16 segments and the bodies the tensor-core kernel does
+    not serve (outliers, other widths and layouts): a warp's loop over tiles of 32 tokens; the
     key pass handles one token per lane (its inner loops run over the words of the lane's own token), the value
     pass is the loop over the tile's tokens, one token per iteration for the whole warp."""
 
     source = "decode_attention.cu"
-    title = "CUDA-core kernel (kernels/decode_attention.cu, the runtime's)"
+    title = ("CUDA-core kernel (kernels/decode_attention.cu: the runtime's for fp16 segments and the bodies the tensor-core "
+             "kernel does not serve)")
     tile = 32  # tokens per iteration of a warp's token loop (kvcal.runtime.kernels.TILE)
     token_loop = r"for \(int t0 = "
     passes = {"keys": r"// keys:", "softmax": r"// online softmax", "values": r"// values:"}  # source markers, in order
@@ -184,14 +186,14 @@ class CudaCoreKernel:
 
 
 class TensorCoreKernel:
-    """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; not yet the runtime's): blocks of 4 warps stream
-    stages of 64 tokens through a cp.async pipeline; in each iteration of the tile loop every thread issues its share
-    of the next stage's copies and warp w computes 16 of the stage's tokens with mma. So one iteration serves 16
-    tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64 tiles, and no
+    """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
+    warps stream stages of 64 tokens through a cp.async pipeline; in each iteration of the tile loop every thread
+    issues its share of the next stage's copies and warp w computes 16 of the stage's tokens with mma. So one
+    iteration serves 16 tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64 tiles, and no
     running maximum growing (its rescale is skipped; at 32K tokens a new maximum is rare)."""
 
     source = "decode_attention_tc.cu"
-    title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core; not yet wired into the cache)"
+    title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
     tile = 16  # tc::TPW
     token_loop = r"for \(int tile = 0; tile < tiles; \+\+tile\)"
     passes = {"copies": r"cp_async_wait<S::STAGES - 2>\(\);", "keys": r"// -- key block parameters",

@@ -5,7 +5,9 @@
 // A launch covers, for every sequence b, tokens t = 0 .. n_b - 1 in position order. K and V each map t to
 // their own segments (sink fp16 | packed body | recent fp16, with their own lengths: a KIVI residual or a
 // KVmix RPC differs between K and V). Cocktail's chunk groups of different widths are separate launches
-// writing separate split slots of the same partial buffers, merged once.
+// writing separate split slots of the same partial buffers, merged once. A launch may leave out body rows
+// 0 .. skip - 1 of both sides (meta's M_SKIP: the tensor-core kernel serves them into other split slots,
+// kvcal.runtime.tensor_core): its tokens are then the sinks and what follows those rows, t -> t + skip past the sinks.
 //
 // Block = (split, KV head, sequence), 4 warps; it serves all `group` query heads of its KV head, so K/V
 // bytes are read once per KV head. A warp takes tiles of 32 tokens: keys one token per lane (its full
@@ -31,7 +33,7 @@ enum SideField {
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS).
-enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_SKIP, META_FIELDS };
 
 struct Side {
     const half_bits* sink; long long sink_stride;
@@ -62,13 +64,13 @@ __device__ __forceinline__ Side load_side(const long long* d) {
 }
 
 struct Lengths {
-    int sink, body, head, recent;
+    int sink, body, head, recent, skip;
 };
 
 __device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int batch, int b) {
     const int* m = meta + ((long long)side * batch + b) * META_FIELDS;
     Lengths n;
-    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT];
+    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.skip = m[M_SKIP];
     return n;
 }
 
@@ -366,7 +368,10 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         vs = load_side(descriptor + SIDE_FIELDS);
     }
     const Lengths kn = load_lengths(meta, 0, batch, b), vn = load_lengths(meta, 1, batch, b);
-    const int tokens = kn.sink + kn.body + kn.recent;
+    // body rows 0 .. skip - 1 of both sides are another kernel's (both sides' sinks are then equal): launch token t is
+    // the sequence's token t below the sinks, t + skip past them
+    const int skip = kn.skip, tokens = kn.sink + kn.body + kn.recent - skip;
+    auto sequence_token = [&](int t) { return t < kn.sink ? t : t + skip; };
     const int start = split * tokens_per_split, end = min(start + tokens_per_split, tokens);
     const long long slot = split_offset + split;
 
@@ -403,7 +408,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
 
     for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
         const int count = min(32, end - t0);
-        const int t = t0 + lane;
+        const int t = t0 + lane, u = sequence_token(t);
         const bool valid = lane < count;
         float s[GMAX];
 #pragma unroll
@@ -411,19 +416,19 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
 
         // keys: this lane's token against every query head
         if (valid)
-            key_scores<KCODEC, D, ROPE>(s, locate<KCODEC>(ks, kn, b, t, width), k_tables, k_layout, k_group, head_channel, q_s,
-                                        group, freq_s, position0 + t, rope_scale);
+            key_scores<KCODEC, D, ROPE>(s, locate<KCODEC>(ks, kn, b, u, width), k_tables, k_layout, k_group, head_channel, q_s,
+                                        group, freq_s, position0 + u, rope_scale);
 
         // key outliers of this tile's body rows, each on the lane that holds its token
         for_each_outlier<KCODEC, D>(
-            ks, k_tables, k_layout, k_group, b, kv_head, kv_heads, kn.body, max(t0 - kn.sink, 0), min(t0 + count - kn.sink, kn.body),
-            head_channel,
-            [&](int row, int c) { return lane == row + kn.sink - t0; },
+            ks, k_tables, k_layout, k_group, b, kv_head, kv_heads, kn.body, max(t0 - kn.sink, 0) + skip,
+            min(t0 + count - kn.sink + skip, kn.body), head_channel,
+            [&](int row, int c) { return lane == row + kn.sink - skip - t0; },
             [&](int row, int c, float delta) {
                 if (ROPE) {
                     const int f = c % (D / 2), partner = c < D / 2 ? c + D / 2 : c - D / 2;
                     float cos_a, sin_a;
-                    rope_cos_sin(position0 + t, freq_s[f], &cos_a, &sin_a);
+                    rope_cos_sin(position0 + u, freq_s[f], &cos_a, &sin_a);
                     const float sign = c < D / 2 ? 1.0f : -1.0f;
 #pragma unroll
                     for (int g = 0; g < GMAX; ++g)
@@ -453,7 +458,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
 
         // values: this lane's channels, every token of the tile
         for (int i = 0; i < count; ++i) {
-            const TokenRef ref = locate<VCODEC>(vs, vn, b, t0 + i, width);
+            const TokenRef ref = locate<VCODEC>(vs, vn, b, sequence_token(t0 + i), width);
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j) {
                 const int c = lane + 32 * j;
@@ -465,11 +470,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         }
         // value outliers of this tile's body rows, each on the lane that holds its channel
         for_each_outlier<VCODEC, D>(
-            vs, v_tables, v_layout, v_group, b, kv_head, kv_heads, vn.body, max(t0 - vn.sink, 0), min(t0 + count - vn.sink, vn.body),
-            head_channel,
+            vs, v_tables, v_layout, v_group, b, kv_head, kv_heads, vn.body, max(t0 - vn.sink, 0) + skip,
+            min(t0 + count - vn.sink + skip, vn.body), head_channel,
             [&](int row, int c) { return lane == c % 32; },
             [&](int row, int c, float delta) {
-                const int tile_token = row + vn.sink - t0;
+                const int tile_token = row + vn.sink - skip - t0;
 #pragma unroll
                 for (int j = 0; j < PER_LANE; ++j) {  // a select, not acc[g][c / 32]: registers cannot be indexed
                     const float owned = j == c / 32 ? delta : 0.0f;

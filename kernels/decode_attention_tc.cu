@@ -1,9 +1,10 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
 // codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge.
-// A first step of issue 12: the cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first
-// per row, kvcal/packing.py "lsb", 3-bit codes as "planes3"); pre-RoPE keys are rotated here; no outliers or
-// sink / recent segments yet.
-// kvcal/runtime/tensor_core.py launches it.
+// The cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py
+// "lsb", 3-bit codes as "planes3"); pre-RoPE keys are rotated here. It reads one packed body per side (or fp16
+// rows) and no outliers: in the runtime's cache it serves the body rows both sides hold, and the CUDA-core kernel
+// (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of the same
+// partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
 // tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks; zero fill past the end);
@@ -308,8 +309,9 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
 // row, (batch, capacity, 1)). meta (batch, 3) int32: first row, tokens, position of the first row (ROPE). ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
-// (a multiple of ST) per split. out_partial (batch, heads, splits, D) float32, normalised; lse_partial
-// (batch, heads, splits) in log2 units.
+// (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
+// (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
+// kernel fills the others: kvcal.runtime.kernels.prepare_decode).
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB>
 __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const float* __restrict__ inv_freq, const unsigned* __restrict__ rope_table, const unsigned* __restrict__ codebooks,
     float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
     long long v_row, long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, int kv_heads, int per_split,
-    int splits, float scale_log2) {
+    int split_offset, int total_splits, float scale_log2) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB>;
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
@@ -331,10 +333,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int first = meta[3 * b], length = meta[3 * b + 1];
     const int start = split * per_split, end = min(start + per_split, length);
-    const long long out_row = (long long)b * heads + (long long)kvh * GQA;
+    const long long out_row = (long long)b * heads + (long long)kvh * GQA, slot = split_offset + split;
     if (start >= end) {  // an empty split (a short sequence): nothing to merge
-        for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * splits + split) * D + i % D] = 0.0f;
-        if (tid < GQA) lse_partial[(out_row + tid) * splits + split] = -__int_as_float(0x7f800000);
+        for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * total_splits + slot) * D + i % D] = 0.0f;
+        if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -__int_as_float(0x7f800000);
         return;
     }
     const int tiles = (end - start + ST - 1) / ST;
@@ -842,8 +844,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (!S::FP16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
             value += x * f;
         }
-        out_partial[((out_row + h) * splits + split) * D + d] = value / total;
-        if (d == 0) lse_partial[(out_row + h) * splits + split] = most + lg2(total);
+        out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;
+        if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = most + lg2(total);
     }
 }
 

@@ -186,7 +186,8 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16)."""
+    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0% and
+    kivi4-g32 are bodies the tensor-core kernel serves."""
     from typer.testing import CliRunner
 
     from kvcal.bundle import write_bundle
@@ -203,7 +204,9 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     assert result.exit_code == 0, result.output
     nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
-    artifacts = {"kvquant": (str(nuq), None), "mixed": (str(mixed), None), "kivi": (None, KiviSettings(group=4, residual=8)),
-                 "kvmix": (None, None)}
-    return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, *extra))
-            for recipe, extra in artifacts.items()}
+    nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
+    artifacts = {"kvquant": ("kvquant", str(nuq), None), "mixed": ("mixed", str(mixed), None),
+                 "kivi": ("kivi", None, KiviSettings(group=4, residual=8)), "kvmix": ("kvmix", None, None),
+                 "nuq4-0%": ("kvquant", str(nuq4), None), "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
+    return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
+            for name, (recipe, *extra) in artifacts.items()}

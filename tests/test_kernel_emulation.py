@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
                                   filled)
-from kvcal.runtime import cpu_kernel, kernel_source, kernels
+from kvcal.runtime import cpu_kernel, kernel_source, kernels, tensor_core
+from kvcal.runtime.tensor_core import Variant
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
@@ -87,7 +89,7 @@ def on_cpu(emulated_library, monkeypatch):
     """kvcal.runtime.kernels launching the emulated kernels, for CPU tensors."""
     variants = kernel_source.decode_variants()
 
-    def launch(function: str, grid: tuple, block: tuple, args: tuple) -> None:
+    def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
         dims = [ctypes.c_uint(g) for g in (*grid, 1, 1)[:3]] + [ctypes.c_uint(block[0])]
         if function.startswith("decode_attention<"):
             emulated_library.run_decode_attention(ctypes.c_int(variants.index(function)), *dims, *map(_c, args))
@@ -171,3 +173,75 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
         with host_reads(monkeypatch) as callers:
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
     assert set(callers) <= {"_refresh_bound"}, callers
+
+
+# the tensor-core kernel's variants for head_dim_64_bundles' served bodies on the tiny Llama (GQA 2): kivi4-g32's
+# post-RoPE int4 keys in blocks of 32 tokens and values in groups of 32 channels; nuq4-0%'s pre-RoPE codebook keys
+TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True)}
+
+
+@pytest.fixture(scope="session")
+def tensor_core_library(tmp_path_factory):
+    return tensor_core_emulation.build(tmp_path_factory.mktemp("tensor-core"), list(TENSOR_CORE_VARIANTS.values()))
+
+
+@pytest.fixture
+def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
+    """on_cpu, plus the tensor-core kernel emulated; returns the list of its launches (variant names)."""
+    emulated = kernels.launch
+    launched = []
+
+    def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
+        if not function.startswith("decode_tc<"):
+            return emulated(function, grid, block, args, shared)
+        variant = next(v for v in TENSOR_CORE_VARIANTS.values() if v.name == function)
+        launched.append(function)
+        getattr(tensor_core_library, tensor_core_emulation.symbol(variant))(*grid, *(x.item() for x in args))
+
+    monkeypatch.setattr(kernels, "launch", launch)
+    monkeypatch.setattr(tensor_core, "_function", lambda name, shared=0: name)
+    monkeypatch.setattr(tensor_core, "_slots", lambda name, shared, device: 8)  # several splits per sequence and KV head
+    return launched
+
+
+def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> torch.Tensor:
+    """Logits of the decode steps after a prefill of `prompt` tokens: ids[:, prompt:] one token at a time."""
+    from kvcal.runtime import quantized_cache
+
+    logits = []
+    with quantized_cache(model, bundle) as cache:
+        model(ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True)
+        for t in range(prompt, ids.shape[1]):
+            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, 0])
+    return torch.stack(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("recipe", TENSOR_CORE_VARIANTS)
+def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_runtime(with_tensor_cores, head_dim_64_bundles,
+                                                                                        recipe, monkeypatch):
+    """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
+    over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4-0%: a sink, pre-RoPE
+    keys), on a left-padded batch, give the reference runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", head_dim=64)
+    bundle = head_dim_64_bundles[recipe]
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # a ragged batch: the second prompt left-padded (its positions start 17 columns in)
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        assert all(layer.use_kernels and all(layer._served) for layer in cache.layers)
+        assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
+        assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
+        monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
+        cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        assert not any(any(layer._served) for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "cuda_ready", lambda device: False)
+            patch.setattr(cpu_kernel, "library", lambda: None)
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    # fp16 operands on tensor cores (4.4e-4 here for nuq4-0%; keys one position off give 2.0e-3), fp32 on CUDA cores
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+    torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)

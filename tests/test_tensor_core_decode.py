@@ -15,22 +15,17 @@
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+
+from helpers.tensor_core_emulation import build, symbol
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source, tensor_core
 from kvcal.runtime.store import Fp16Rows, PackedRows
 from kvcal.runtime.tensor_core import Variant
 
-EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 KERNEL = kernel_source.KERNEL_DIR / tensor_core.MODULE
-FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
 TOLERANCE = 2e-3
 # nuq values: the per-token scale (hi - lo) / 2 is not an fp16 number, so P * scale (an fp16 operand) rounds by up
 # to 2^-11 of the token's half range (here up to ~7): a one-token sequence's output is off by up to ~3.4e-3
@@ -89,48 +84,6 @@ def llama_inv_freq(head_dim: int) -> torch.Tensor:
 
 
 EMULATED = sorted({variant_of(c, d, q) for c, d, q, _ in CASES}, key=lambda v: v.name)
-
-
-def symbol(v: Variant) -> str:
-    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
-
-
-def driver(variants: list[Variant]) -> str:
-    lines = ['#include "cuda_on_cpu.h"', '#include "decode_attention_tc.cu"', 'extern "C" {']
-    for v in variants:
-        lines.append(
-            f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
-            " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
-            " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, long long a0, long long a1,"
-            " long long a2, long long a3, long long a4, long long a5, long long a6, long long a7, int kvh, int per_split, int splits,"
-            f" float scale) {{ emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
-            " books, op, lp, a0, a1, a2, a3, a4, a5, a6, a7, kvh, per_split, splits, scale); }); }")
-        flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook))
-        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
-                     "::SMEM_BYTES; }")
-    lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
-                 " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("the kernel emulation needs g++")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "driver.cpp").write_text(driver(variants))
-    library = folder / "decode_tc_on_cpu.so"
-    command = [compiler, *FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
-               "-o", str(library)]
-    built = subprocess.run(command, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-6000:]
-    lib = ctypes.CDLL(str(library))
-    pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-    for v in variants:
-        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * 13 + [long] * 8 + [integer] * 3 + [ctypes.c_float]
-    lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
-    return lib
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +159,7 @@ def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_spl
     meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions), dtype=torch.int32)
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
-    ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, splits, out_partial,
+    ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, 0, out_partial,
                                lse_partial, meta, inv_freq, attention_scaling)
     args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
     assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS, rope=rope is not None) == v

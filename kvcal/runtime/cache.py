@@ -48,7 +48,7 @@ from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
-from kvcal.runtime import cpu_kernel, kernels, reference
+from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import upload
 
@@ -76,6 +76,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.use_cpu_kernel = False  # or the CPU decode kernel (kvcal.runtime.cpu_kernel), decided with it
         self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
         self._launches: list | None = None  # kernels.Segments of this layer's stores (made once, they cache descriptors)
+        self._served: list | None = None  # per launch, the tensor-core kernel's share of its body (CUDA; made with them)
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -198,13 +199,17 @@ class RuntimeLayer(CacheLayerMixin):
         if self._launches is None:
             self._launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(),
                                                                       self.values_store.kernel_segments())]
+            _, heads, _, head_dim = query.shape
+            inv_freq = self.inv_freq if self.pre_rope else None
+            self._served = [tensor_core.serve(segments, heads, kv_heads, head_dim, inv_freq, self.rope_scaling)
+                            if self.use_kernels and tensor_core.enabled() else None for segments in self._launches]
         if self.use_cpu_kernel:
             rope = plan.rope(max(plan.after), self.inv_freq, self.rope_scaling) if self.pre_rope else None
             out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope)
         else:
             out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
                                            self.inv_freq if self.pre_rope else None, self.rope_scaling,
-                                           step=plan.kernel_step(query.device))
+                                           step=plan.kernel_step(query.device), served=self._served)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def _read(self, b: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -261,7 +261,7 @@ def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | No
 # decode attention
 
 SIDE_FIELDS = 21  # enum SideField in decode_attention.cu
-META_FIELDS = 4
+META_FIELDS = 5  # enum MetaField in decode_attention.cu: side_lengths' four, then the body rows skipped
 
 
 def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
@@ -297,7 +297,8 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
 
 def side_lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:
     """Per sequence: sink tokens, body tokens, first live recent row, recent tokens (outlier counts are read by the
-    kernel from the store's device counts)."""
+    kernel from the store's device counts). The CUDA kernel's meta appends the body rows it skips (prepare_decode);
+    the CPU kernel reads these four."""
     if sink is not None and any(sink.head):
         raise ValueError("a sink segment never drops tokens from its front")
     return [[sink.length[b] if sink else 0, body.length[b] if body else 0, recent.head[b] if recent else 0,
@@ -361,10 +362,13 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                   inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None):
+                   inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
+                   served: list | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
-    step: what the layers of a decode step share (made here when None); position_offset is then step's."""
+    step: what the layers of a decode step share (made here when None); position_offset is then step's.
+    served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
+    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once."""
     batch, heads, head_dim = query.shape
     group = heads // kv_heads
     device = query.device
@@ -373,22 +377,31 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     rope = inv_freq is not None
     freq, offsets = step.freq(inv_freq, head_dim), step.offsets
     blocks_wanted = 2 * _multiprocessors(device)
-    plans = []
-    for segments in launches:
+    plans, body_plans = [], []
+    for segments, body in zip(launches, served or [None] * len(launches)):
         sides = (segments.keys, segments.values)
         key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
-        longest = max((sink + body + recent for sink, body, _, recent in key_lengths), default=0)
+        skip = body.rows(batch) if body is not None else [0] * batch
+        if any(skip):  # positions of body row 0: past the sinks
+            body_plans.append(body.prepare(query, kv_heads, scaling, skip, [o + k[0] for o, k in zip(position_offset, key_lengths)],
+                                            step))
+        longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
-        meta = step.meta(key_lengths, value_lengths)
+        meta = step.meta([row + [s] for row, s in zip(key_lengths, skip)], [row + [s] for row, s in zip(value_lengths, skip)])
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
                       math.ceil(longest / per_split)))
-    total = sum(plan[-1] for plan in plans)
+    total = sum(plan[-1] for plan in plans) + sum(splits for splits, _ in body_plans)
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
+    first = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
+    tensor_core_launches = []
+    for splits, bind in body_plans:
+        tensor_core_launches.append(bind(first, out_partial, lse_partial))
+        first += splits
 
     def run() -> torch.Tensor:
         if total == 0:
@@ -396,20 +409,23 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         first = 0
         for name, descriptor, meta, per_split, splits in plans:
             launch(_function("decode_attention.cu", name), (splits, kv_heads, batch), (THREADS,),
-                    (_ptr(query), _ptr(descriptor), _ptr(meta), _ptr(offsets), _ptr(freq), _ptr(out_partial), _ptr(lse_partial),
-                     np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(first), np.int32(total),
-                     np.float32(scaling * LOG2E), np.float32(rope_scaling)))
+                   (_ptr(query), _ptr(descriptor), _ptr(meta), _ptr(offsets), _ptr(freq), _ptr(out_partial), _ptr(lse_partial),
+                    np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(first), np.int32(total),
+                    np.float32(scaling * LOG2E), np.float32(rope_scaling)))
             first += splits
+        for launch_tensor_core in tensor_core_launches:
+            launch_tensor_core()
         launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
-                (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
+               (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
         return out
 
     return run
 
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                     inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None) -> torch.Tensor:
+                     inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
+                     served: list | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens
     (keys rotated on the fly when inv_freq is given: pre-RoPE keys); (batch, heads, head_dim) float32. A
     sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step)()
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step, served)()

@@ -5,17 +5,20 @@ with per-channel thresholds and values with per-token thresholds, no outliers; n
 head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq
 and each sequence's first position).
 
-A first step of issue 12, separate from kvcal.runtime.kernels (which the cache uses): no outliers or sink / recent
-segments mixing here. `operands` maps two stores to the kernel's arguments
-(the CPU emulation in tests/test_tensor_core_decode.py calls the same kernel with the same arguments);
-`decode_attention_tc` launches it with CuPy on torch's current stream, split over the sequence, and merges the
-splits with `merge_tc_splits`.
+The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
+(kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
+holds alone, to the CUDA-core kernel, and merges both kernels' splits once). Outliers are not served yet: a body
+whose codec keeps them stays with the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the
+CPU emulation in tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments);
+`decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split over the
+sequence, and merges the splits with `merge_tc_splits` (tests and benchmarks).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +27,8 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
-from kvcal.runtime.kernels import launch
+from kvcal.runtime import kernels
+from kvcal.runtime.store import upload
 
 MODULE = "decode_attention_tc.cu"
 THREADS, WARPS, STAGE_TOKENS = 128, 4, 64  # tc::THREADS, tc::WARPS, tc::ST
@@ -224,26 +228,41 @@ def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool 
     return torch.from_numpy(table.view(np.int32).copy())
 
 
-def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, splits: int,
+def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tensor | None = None) -> dict:
+    """The operands that stay as the stores grow, on `device`: codebook keys' per-channel scale and zero (the whole
+    sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys."""
+    out = {}
+    if _is_packed(keys) and isinstance(keys.codec, CodebookCodec):  # kvcal.quantizers.denormalize's scale and zero
+        lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
+        out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
+        out["key_zero"] = ((hi + lo) / 2).half().to(device)
+        out["codebooks"] = torch.cat((codebook_pairs(keys.codec.codebook), codebook_pairs(values.codec.codebook))).to(device)
+    if inv_freq is not None:
+        out["freq"] = inv_freq.to(device=device, dtype=torch.float32).contiguous()
+        out["table"] = rope_table(inv_freq, head_dim, int(keys.codec.bits), "codebooks" in out).to(device)
+    return out
+
+
+def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
-             attention_scaling: float = 1.0) -> tuple:
+             attention_scaling: float = 1.0, constants: dict | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
-    (batch, 3) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys, whose rotation table is made here.
-    Tensors must be contiguous and on the kernel's device."""
+    (batch, 3) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
+    split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
+    (made here when None). Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
     codebook = packed and isinstance(keys.codec, CodebookCodec)
+    if constants is None:
+        constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
     ks = keys.blocks.get("scale") if packed else None
     kz = keys.blocks.get("zero") if packed else None
     vs = values.token.get("scale") if packed else None
     vz = values.token.get("zero") if packed else None
-    codebooks = None
-    if codebook:  # keys: kvcal.quantizers.denormalize's per-channel scale and zero for the whole sequence; values: lo, hi
-        lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
-        ks = ((hi - lo) / 2).clamp(min=1e-8).half().to(query.device)
-        kz = ((hi + lo) / 2).half().to(query.device)
+    codebooks = constants.get("codebooks")
+    if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
+        ks, kz = constants["key_scale"], constants["key_zero"]
         vs, vz = values.token["lo"], values.token["hi"]
-        codebooks = torch.cat((codebook_pairs(keys.codec.codebook), codebook_pairs(values.codec.codebook))).to(query.device)
     for t in (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial):
         if t is not None and t.numel() and not t.is_contiguous():
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
@@ -251,13 +270,11 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     v_seq, v_row = _strides(v_data, True)
     kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
     vp_seq, vp_row = _strides(vs, False)
-    freq = table = None
+    freq, table = constants.get("freq"), constants.get("table")
     if inv_freq is not None:
-        freq = inv_freq.to(device=query.device, dtype=torch.float32).contiguous()
-        table = rope_table(inv_freq, query.shape[-1], int(keys.codec.bits), codebook).to(query.device)
         scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
     return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, k_seq, k_row, v_seq, v_row,
-            kp_seq, kp_row, vp_seq, vp_row, kv_heads, per_split, splits, float(scaling * LOG2E))
+            kp_seq, kp_row, vp_seq, vp_row, kv_heads, per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E))
 
 
 def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None) -> list[list[int]]:
@@ -337,7 +354,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     v = variant_for(keys, values, head_dim, heads // kv_heads, rope=inv_freq is not None)
     device = query.device
     rows = meta_rows(keys, values, lengths, positions)
-    n = [c for _, c in rows]
+    n = [c for _, c, _ in rows]  # tokens per sequence
     shared = v.shared_bytes()
     if per_split is None:
         per_split, splits = split_plan(n, batch * kv_heads, _slots(v.name, shared, device.index or 0))
@@ -350,15 +367,15 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=device)
     lse_partial = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
-    args_source = operands(query, keys, values, kv_heads, scaling, per_split, splits, out_partial, lse_partial, meta, inv_freq,
+    args_source = operands(query, keys, values, kv_heads, scaling, per_split, 0, out_partial, lse_partial, meta, inv_freq,
                            attention_scaling)
     args = tuple(_arg(x) for x in args_source)
     kernel = _function(v.name, shared)
     merge = _function("merge_tc_splits")
 
     def run() -> torch.Tensor:
-        launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
-        launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
+        kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+        kernels.launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
                                                          np.uint64(out.data_ptr()), np.int32(splits), np.int32(head_dim)))
         return out
 
@@ -373,3 +390,73 @@ def decode_attention_tc(query: torch.Tensor, keys, values, kv_heads: int, scalin
     """Attention of query (batch, heads, head_dim) over each sequence's stored tokens (or its first lengths[b]);
     (batch, heads, head_dim) float32, zeros for a sequence without tokens. Pre-RoPE keys: see prepare_decode_tc."""
     return prepare_decode_tc(query, keys, values, kv_heads, scaling, lengths, per_split, inv_freq, attention_scaling, positions)()
+
+
+# ------------------------------------------------------------------------------------------------ in the cache
+
+class ServedBody:
+    """The tensor-core kernel's share of one cache launch (kvcal.runtime.kernels.Segments whose two packed bodies it
+    serves): per sequence, body rows 0 .. n - 1 with n the rows both sides' bodies hold, where the two sides' fp16
+    sinks are equally long (so those rows are the same tokens at the same positions); none elsewhere.
+    kvcal.runtime.kernels.prepare_decode gives the launch's other tokens to the CUDA-core kernel. Made once per launch
+    (`serve`); the constant operands are made once per device."""
+
+    def __init__(self, segments, variant: Variant, inv_freq: torch.Tensor | None, attention_scaling: float):
+        (self.key_sink, self.keys, _), (self.value_sink, self.values, _) = segments.keys, segments.values
+        self.variant, self.inv_freq, self.attention_scaling = variant, inv_freq, attention_scaling
+        self._constants: dict = {}
+
+    def rows(self, batch: int) -> list[int]:
+        """Body rows served per sequence."""
+        none = [0] * batch
+        key_sink = self.key_sink.length if self.key_sink is not None else none
+        value_sink = self.value_sink.length if self.value_sink is not None else none
+        return [min(k, v) if ks == vs else 0
+                for ks, vs, k, v in zip(key_sink, value_sink, self.keys.length, self.values.length)]
+
+    def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step):
+        """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial) -> the function that
+        launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's body row 0;
+        step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep)."""
+        batch, _, head_dim = query.shape
+        v, device = self.variant, query.device
+        shared = v.shared_bytes()
+        per_split, splits = split_plan(rows, batch * kv_heads, _slots(v.name, shared, device.index or 0))
+        meta_list = [[0, n, p if v.rope else 0] for n, p in zip(rows, positions)]
+        if v.rope and any(p < 0 or p + n >= 2**29 for _, n, p in meta_list):
+            raise KvcalError("the tensor-core kernel rotates pre-RoPE keys at positions below 2^29")
+        meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
+        key = str(device)
+        if key not in self._constants:
+            self._constants[key] = constant_operands(self.keys, self.values, head_dim, device, self.inv_freq)
+        constants = self._constants[key]
+        kernel = _function(v.name, shared)
+
+        def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor):
+            args = tuple(_arg(x) for x in operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset,
+                                                   out_partial, lse_partial, meta, self.inv_freq, self.attention_scaling,
+                                                   constants))
+            return lambda: kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+
+        return splits, bind
+
+
+def enabled() -> bool:
+    """Whether the cache uses the tensor-core kernel where it serves a body (KVCAL_TENSOR_CORE=0 turns it off: every
+    token then goes to the CUDA-core kernel)."""
+    return os.environ.get("KVCAL_TENSOR_CORE", "1") != "0"
+
+
+def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
+          attention_scaling: float = 1.0) -> ServedBody | None:
+    """The tensor-core kernel's share of a cache launch, or None where it serves no body of it (fp16 only, a codec or
+    layout it does not serve, outliers, a head_dim or GQA group outside its variants). inv_freq: the keys are
+    pre-RoPE."""
+    keys, values = segments.keys[1], segments.values[1]
+    if keys is None or values is None or heads % kv_heads:
+        return None
+    try:
+        variant = variant_for(keys, values, head_dim, heads // kv_heads, rope=inv_freq is not None)
+    except KvcalError:
+        return None
+    return ServedBody(segments, variant, inv_freq, attention_scaling)

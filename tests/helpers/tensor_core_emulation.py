@@ -1,0 +1,63 @@
+"""kernels/decode_attention_tc.cu on the CPU: a driver with one C entry point per variant (the kernel compiled
+unchanged against tests/kernel_emulation/cuda_on_cpu.h) built with g++ into a shared library. Used by
+tests/test_tensor_core_decode.py (the kernel alone) and tests/test_kernel_emulation.py (the cache's decode steps)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvcal.runtime import kernel_source
+from kvcal.runtime.tensor_core import Variant
+
+EMULATION = Path(__file__).resolve().parents[1] / "kernel_emulation"
+FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
+POINTERS, LONGS, INTS = 13, 8, 4  # decode_tc's parameters: tensors, byte / element strides, ints (then the float scale)
+
+
+def symbol(v: Variant) -> str:
+    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
+
+
+def driver(variants: list[Variant]) -> str:
+    lines = ['#include "cuda_on_cpu.h"', '#include "decode_attention_tc.cu"', 'extern "C" {']
+    for v in variants:
+        lines.append(
+            f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
+            " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
+            " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, long long a0, long long a1,"
+            " long long a2, long long a3, long long a4, long long a5, long long a6, long long a7, int kvh, int per_split,"
+            " int split_offset, int total_splits, float scale) {"
+            f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
+            " books, op, lp, a0, a1, a2, a3, a4, a5, a6, a7, kvh, per_split, split_offset, total_splits, scale); }); }")
+        flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook))
+        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
+                     "::SMEM_BYTES; }")
+    lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
+                 " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
+    """The library of `variants` (and the split merge), built in `folder` from kernel_dir's decode_attention_tc.cu."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("the kernel emulation needs g++")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "driver.cpp").write_text(driver(variants))
+    library = folder / "decode_tc_on_cpu.so"
+    command = [compiler, *FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
+               "-o", str(library)]
+    built = subprocess.run(command, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-6000:]
+    lib = ctypes.CDLL(str(library))
+    pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    for v in variants:
+        getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS + [ctypes.c_float]
+    lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
+    return lib
