@@ -6,7 +6,8 @@ bandwidth, speedup over torch SDPA in fp16.
 Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Variants: fp16 rows, KIVI-style
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
-with pre-RoPE keys (NormalFloat codebooks, key thresholds +-3 per channel, no outliers), each with the launcher's
+with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
+values and the keys beyond kept exact), each with the launcher's
 split plan and three fixed split sizes. Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape.
 
@@ -43,6 +44,8 @@ def variants() -> dict:
         lo, hi = torch.full((WIDTH,), -3.0), torch.full((WIDTH,), 3.0)
         codebook = normal_float_codebook(bits)
         table[f"nuq{bits}-pre-rope"] = ((CodebookCodec(codebook, lo, hi), CodebookCodec(codebook)), True)
+        keys = CodebookCodec(codebook, lo + 0.5, hi - 0.5, outlier_fraction=0.01)  # ~1.2% of N(0, 1) beyond 2.5
+        table[f"nuq{bits}-1%-pre-rope"] = ((keys, CodebookCodec(codebook, outlier_fraction=0.01)), True)
     return table
 
 
@@ -57,7 +60,8 @@ def filled_stores(codecs, batch: int, length: int):
 
     stores = []
     for side in range(2):
-        store = Fp16Rows(batch, WIDTH, "cuda") if codecs is None else PackedRows(codecs[side], batch, WIDTH, "cuda")
+        store = (Fp16Rows(batch, WIDTH, "cuda") if codecs is None
+                 else PackedRows(codecs[side], batch, WIDTH, "cuda", head_dim=HEAD_DIM))
         generator = torch.Generator(device="cuda").manual_seed(side)
         for b in range(batch):
             store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))

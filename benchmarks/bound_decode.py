@@ -206,6 +206,8 @@ class TensorCoreKernel:
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4),
         Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3),
         Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4),
+        Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01),
+        Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 
@@ -213,7 +215,8 @@ class TensorCoreKernel:
         from kvcal.runtime.tensor_core import Variant
 
         if case.key_codec.startswith("CODEBOOK"):
-            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True)
+            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True,
+                           outliers=case.outliers > 0)
         group = self.GROUP if case.bits else 0
         return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope)
 
@@ -230,12 +233,26 @@ class TensorCoreKernel:
     def stages(self, case: Case) -> int:
         return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
 
+    def outlier_rounds(self, case: Case) -> float:
+        """Rounds of the outlier loop (for_stage_outliers: thread tid takes lo + tid, lo + tid + 128, ...) a warp runs per
+        stage and side, on average: a stage's outliers are case.outliers of its 64 x D elements, and warp w has work in
+        round r where lo + 128 r + 32 w is below hi."""
+        from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS
+
+        n = case.outliers * STAGE_TOKENS * SHAPE["head_dim"]
+        return sum(min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) for r in range(math.ceil(n / THREADS))) / WARPS
+
     def inner_loops(self, case: Case) -> list:
-        return []  # everything in the tile loop unrolls
+        """Everything else in the tile loop unrolls. Shared-memory float atomicAdd is a compare-and-swap loop: one
+        round without contention."""
+        return [(r"for \(int i = lo \+ tid; i < hi; i \+= THREADS\)", self.outlier_rounds(case), None),
+                (r"atomicAdd\(", 1, None)]
 
     def sites(self, case: Case) -> list:
-        # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query)
-        return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16)]
+        # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
+        # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
+        return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
+                (r"position = staged\[i - base\], value = staged", 1.0), (r"position = __ldg\(run\.positions \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:
         return []
@@ -268,6 +285,14 @@ class TensorCoreKernel:
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
+            (r"if \(tile > 0\) value_outliers", 1.0),
+            # outliers: thread 0 writes a stage's ranges; threads 0-95 copy a chunk each (chunk 0 of every array is live)
+            (r"if \(tid == 0\)", 1 / WARPS),
+            (r"if \(tid < 4 \* CHUNKS\)", 3 / WARPS),
+            (r"if \(i < min\(r\.hi, base \+ S::OUT_SLOTS\)\)", 1.0),
+            (r"if \(tile >= r\.tiles\) return", 0.0),
+            (r"if \(token < live\) apply", 1.0),
+            (r"if \(g < GQA\)", 1.0),  # lanes of the group's heads
         )
 
 

@@ -2,9 +2,9 @@
 // codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge.
 // The cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py
 // "lsb", 3-bit codes as "planes3"); pre-RoPE keys are rotated here. It reads one packed body per side (or fp16
-// rows) and no outliers: in the runtime's cache it serves the body rows both sides hold, and the CUDA-core kernel
-// (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of the same
-// partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
+// rows), with KVQuant's outliers (OUT): in the runtime's cache it serves the body rows both sides hold, and the
+// CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of
+// the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
 // tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks; zero fill past the end);
@@ -28,7 +28,7 @@
 //    channels) initialises the score accumulators.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
-//  Codebooks (CB, kvcal.quantizers.CodebookCodec, no outliers): a byte of two 4-bit codes indexes a 256-entry table
+//  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
 //    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
 //    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register. Keys: the bytes of a row are
 //    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
@@ -47,6 +47,12 @@
 //    channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
 //    Scales cannot fold into the query when the key rotates, so each lane dequantizes (code * scale + zero, one
 //    fma.f16x2 per pair) before rotating.
+//  Outliers (OUT: codebooks with pre-RoPE keys, kvcal/packing.py's outlier tiles of ST rows = one stage): each stage
+//    copies its tile's positions and values per side (up to OUT_SLOTS; a crowded tile's rest is read from global
+//    memory). After the stage lands, all threads write each outlier's patch, exact - dequantized in fp16, into a
+//    stage-sized tile per side that is zero elsewhere (every element is one outlier: no conflicts, no atomics); a
+//    barrier; then each lane adds the key patch at its elements after dequantizing, before rotating (one add.f16x2 per
+//    pair), and each warp adds the value patch as one more mma per m-tile with P unscaled, zeroing what it read.
 #include "intrinsics.cuh"
 
 namespace tc {
@@ -107,6 +113,14 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 #endif
 
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
+__device__ __forceinline__ unsigned hadd2(unsigned a, unsigned b) { return hfma2_bits(a, 0x3C003C00u, b); }  // a x 1 + b
+
+// N words (a multiple of 4) of shared memory set to zero, 16 bytes a store.
+template <int N>
+__device__ __forceinline__ void zero_words(void* p) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) static_cast<uint4*>(p)[i] = uint4{};
+}
 
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
 __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
@@ -143,11 +157,12 @@ __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, in
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
-template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false>
+template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
-    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? 6 : 8);
+    // (outliers: fewer, for the patch tiles' shared memory; 3 or 5 stages in flight still hold > 16 KiB per SM)
+    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : 6) : (OUT ? 6 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
@@ -159,7 +174,11 @@ struct Shape {
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
     static constexpr int VP_BYTES = (VP_HALVES * 2 + 15) / 16 * 16;
-    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES;
+    // outliers (OUT): the stage's range per side {key lo, key hi, value lo, value hi} (int), then per side OUT_SLOTS
+    // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk holding lo on (out_slot)
+    static constexpr int OUT_SLOTS = OUT ? 192 : 0;
+    static constexpr int OUT_BYTES = OUT ? 16 + 2 * 2 * OUT_SLOTS * 2 : 0;
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES + OUT_BYTES;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a warp enters a new key block (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
@@ -169,15 +188,19 @@ struct Shape {
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    static constexpr int PIPE_BYTES =
-        STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 + CB_KP_BYTES;
+    // outliers: a stage's patches (exact - dequantized, fp16, zero elsewhere) of keys [token][D] and values [token
+    // pair][D] {even token, odd token}; per key channel the dequantized first and last codes (fp32)
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 2 * D * 4 : 0;
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
+                                      CB_KP_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
     static constexpr int MIN_BLOCKS =
-        FP16 || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+        FP16 || OUT || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+    static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
@@ -300,29 +323,64 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
     }
 }
 
+// One side's outliers of the block's (sequence, KV head) (kvcal/packing.py): positions (uint16: token in the tile of
+// ST rows x D + channel) and fp16 values in append order, the offset table per tile, the count; tiles: those started.
+struct OutlierRun {
+    const unsigned short* positions;
+    const unsigned short* values;
+    const int* offsets;
+    int count, tiles;
+};
+struct OutlierRange {
+    int lo, hi;
+};
+
+__device__ __forceinline__ OutlierRun outlier_run(const unsigned short* positions, const unsigned short* values, const int* offsets,
+                                                  const int* counts, long long run, long long stride, long long offset_stride,
+                                                  int rows) {
+    OutlierRun r{positions + run * stride, values + run * stride, offsets + run * offset_stride, 0, 0};
+    if (counts != nullptr) r.count = __ldg(counts + run), r.tiles = (rows + ST - 1) / ST;
+    return r;
+}
+
+// Outliers [lo, hi) of tile `tile`: the offset table, the last started tile's end at the count; none past it.
+__device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int tile) {
+    if (tile >= r.tiles) return {0, 0};
+    return {__ldg(r.offsets + tile), tile + 1 < r.tiles ? __ldg(r.offsets + tile + 1) : r.count};
+}
+
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
 // (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
 // (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters (batch, capacity, groups) fp16,
 // strides in halves (codebooks: keys' per-channel scale and zero, strides 0; values' per-token lo and hi of the whole
-// row, (batch, capacity, 1)). meta (batch, 3) int32: first row, tokens, position of the first row (ROPE). ROPE:
+// row, (batch, capacity, 1)). meta (batch, META) int32: first row, tokens, position of the first row (ROPE), the key
+// and value bodies' rows (OUT: their started outlier tiles). OUT: per side the outliers of kvcal.runtime.store
+// (batch, kv_heads, capacity) positions and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts
+// (null: that side keeps none), strides per (sequence, KV head) run in elements; the body starts at row 0. ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
 // kernel fills the others: kvcal.runtime.kernels.prepare_decode).
-template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB>::MIN_BLOCKS) decode_tc(
+template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
     const float* __restrict__ inv_freq, const unsigned* __restrict__ rope_table, const unsigned* __restrict__ codebooks,
-    float* __restrict__ out_partial, float* __restrict__ lse_partial, long long k_seq, long long k_row, long long v_seq,
-    long long v_row, long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, int kv_heads, int per_split,
-    int split_offset, int total_splits, float scale_log2) {
+    float* __restrict__ out_partial, float* __restrict__ lse_partial, const unsigned short* __restrict__ key_outlier_positions,
+    const unsigned short* __restrict__ key_outlier_values, const int* __restrict__ key_outlier_offsets,
+    const int* __restrict__ key_outlier_counts, const unsigned short* __restrict__ value_outlier_positions,
+    const unsigned short* __restrict__ value_outlier_values, const int* __restrict__ value_outlier_offsets,
+    const int* __restrict__ value_outlier_counts, long long k_seq, long long k_row, long long v_seq, long long v_row,
+    long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, long long k_outlier_run, long long k_offset_run,
+    long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
+    float scale_log2) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG, ROPE, CB>;
+    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT>;
+    constexpr int META = 5;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
@@ -331,7 +389,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int first = meta[3 * b], length = meta[3 * b + 1];
+    const int first = meta[META * b], length = meta[META * b + 1];
     const int start = split * per_split, end = min(start + per_split, length);
     const long long out_row = (long long)b * heads + (long long)kvh * GQA, slot = split_offset + split;
     if (start >= end) {  // an empty split (a short sequence): nothing to merge
@@ -342,6 +400,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int tiles = (end - start + ST - 1) / ST;
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
+    // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages); the ranges of the
+    // next stage to issue are loaded an issue ahead
+    const int out_tile0 = start / ST;
+    OutlierRun k_outliers{}, v_outliers{};
+    OutlierRange k_next{0, 0}, v_next{0, 0};
+    if constexpr (OUT) {
+        const long long run = (long long)b * kv_heads + kvh;
+        k_outliers = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts, run,
+                                 k_outlier_run, k_offset_run, meta[META * b + 3]);
+        v_outliers = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets, value_outlier_counts, run,
+                                 v_outlier_run, v_offset_run, meta[META * b + 4]);
+        k_next = outlier_range(k_outliers, out_tile0);
+        v_next = outlier_range(v_outliers, out_tile0);
+    }
 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
     // Stages are issued in order, so the first rows of the next stage are running pointers, advanced by one stage
@@ -382,6 +454,24 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
                 }
             }
+        }
+        if constexpr (OUT) {  // the stage's outlier ranges (thread 0), and per array the 16-byte chunks from lo's on
+            unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+            if (tid == 0) {
+                int* const range = reinterpret_cast<int*>(area);
+                range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
+            }
+            constexpr int CHUNKS = S::OUT_SLOTS / 8;  // per array: key positions, key values, value positions, value values
+            if (tid < 4 * CHUNKS) {
+                const int array = tid / CHUNKS, chunk = tid % CHUNKS;
+                const OutlierRange r = array < 2 ? k_next : v_next;
+                const unsigned short* const source = array == 0 ? k_outliers.positions : array == 1 ? k_outliers.values
+                                                   : array == 2 ? v_outliers.positions : v_outliers.values;
+                const int base = r.lo & ~7, i = base + chunk * 8;
+                if (i < min(r.hi, base + S::OUT_SLOTS)) cp_async_16(area + 16 + array * (S::OUT_SLOTS * 2) + chunk * 16, source + i, 16);
+            }
+            k_next = outlier_range(k_outliers, out_tile0 + tile + 1);
+            v_next = outlier_range(v_outliers, out_tile0 + tile + 1);
         }
         k_tile += ST * k_row;
         v_tile += ST * v_row;
@@ -450,6 +540,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned* const key_lut = luts;
     const unsigned* const value_lut = luts + S::LUT_WORDS;
     unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(luts + 2 * S::LUT_WORDS);  // codebooks' one key block
+    // outliers (OUT): the stage's patches, exact - dequantized in fp16 where an outlier is and zero elsewhere: keys
+    // [token][D] halves, values [token pair][D] words {even token, odd token}; per key channel the dequantized first and
+    // last codes (fp32)
+    unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES);
+    unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);
+    float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
     // cos / sin of P0 theta for the task's two frequencies, and of ST theta (one stage's step): between exact anchors
@@ -459,7 +555,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
     auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_rot[tile % 2]
         if constexpr (ROPE) {
-            const int p0 = meta[3 * b + 2] + start + tile * ST;
+            const int p0 = meta[META * b + 2] + start + tile * ST;
             unsigned* const out = q_rot + (tile & 1) * S::QROT_WORDS;
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
@@ -487,6 +583,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const int lane_of = r.head * 4 + r.part;
                     out[q_rot_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
                     out[q_rot_word(r.pair + PAIRS / 2, lane_of)] = pack_half2(qb[0], qb[1]);
+
                 }
             }
         }
@@ -531,6 +628,63 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         16);
     }
 
+    // ---- outliers (OUT): the patches zeroed, the extremes of both codebooks; the pass that patches a stage ----
+    // An outlier lies outside its thresholds, so its code is the codebook's first or last entry (the nearest to the
+    // clamped value, kvcal.quantizers.CodebookCodec.encode) and which one follows the side of the midpoint it lies on:
+    // its patch is the exact value minus that entry dequantized (clamped to fp16's range).
+    float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
+    if constexpr (OUT) {
+        for (int i = tid; i < ST * D / 4; i += THREADS) reinterpret_cast<uint4*>(key_patch)[i] = uint4{};
+        constexpr int LAST = BITS == 4 ? 255 : 63;  // codebook_pairs' index of {last, last}
+        const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
+        const float key_first = entry(0), key_last = entry(LAST);
+        value_first = entry(256), value_last = entry(256 + LAST);
+        for (int c = tid; c < D; c += THREADS) {
+            const long long channel = (long long)kvh * D + c;
+            const float scale = fmaxf(half_to_float(key_scale[channel]), 5.9604644775390625e-8f), zero = half_to_float(key_zero[channel]);
+            key_extremes[2 * c] = key_first * scale + zero;
+            key_extremes[2 * c + 1] = key_last * scale + zero;
+        }
+    }
+    // outliers of side 0 (keys) or 1 (values) of stage `st` in its live tokens: apply(token in the stage, channel, exact
+    // value); thread tid takes lo + tid, lo + tid + THREADS, ..., from the stage's copies (past them, a crowded tile's
+    // rest, from global memory)
+    auto for_stage_outliers = [&](int st, int side, auto apply) {
+        const unsigned char* const area = smem + (st % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+        const int lo = reinterpret_cast<const int*>(area)[2 * side], hi = reinterpret_cast<const int*>(area)[2 * side + 1];
+        const int base = lo & ~7, live = min(ST, end - (start + st * ST));
+        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16) + 2 * side * S::OUT_SLOTS;
+#pragma unroll 1  // one round at 1% outliers; unrolled rounds would be code for crowded tiles only
+        for (int i = lo + tid; i < hi; i += THREADS) {
+            unsigned position, value;
+            if (i - base < S::OUT_SLOTS) {
+                position = staged[i - base], value = staged[S::OUT_SLOTS + i - base];
+            } else {
+                const OutlierRun run = side ? v_outliers : k_outliers;  // a copy: a reference would put both in local memory
+                position = __ldg(run.positions + i), value = __ldg(run.values + i);
+            }
+            const int token = (int)(position / D);
+            if (token < live) apply(token, (int)(position % D), half_to_float((unsigned short)value));
+        }
+    };
+    const auto patch_half = [](float delta) { return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu); };
+    // the stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
+    // conflicts), read and zeroed again by the warp that owns the token
+    auto patch_stage = [&](int st) {
+        for_stage_outliers(st, 0, [&](int token, int c, float x) {
+            const float first_code = key_extremes[2 * c], last_code = key_extremes[2 * c + 1];
+            key_patch[token * D + c] = patch_half(x - (x > 0.5f * (first_code + last_code) ? last_code : first_code));
+        });
+        const unsigned short* const vp =
+            reinterpret_cast<const unsigned short*>(smem + (st % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES);
+        for_stage_outliers(st, 1, [&](int token, int c, float x) {
+            const float lo = half_to_float(vp[token]), hi = half_to_float(vp[ST + token]);
+            const float scale = fmaxf((hi - lo) * 0.5f, 1e-8f), zero = (hi + lo) * 0.5f;
+            reinterpret_cast<unsigned short*>(value_patch)[((token >> 1) * D + c) * 2 + (token & 1)] =
+                patch_half(x - ((x > zero ? value_last : value_first) * scale + zero));
+        });
+    };
+
     float o[MTILES][4];
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
@@ -556,6 +710,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     for (int tile = 0; tile < tiles; ++tile) {
         cp_async_wait<S::STAGES - 2>();
         __syncthreads();  // stage `tile` landed for every thread; buffer (tile - 1) % STAGES is free
+        if constexpr (OUT) {  // this stage's patches, before its tokens are computed
+            patch_stage(tile);
+            __syncthreads();
+        }
         if (tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);  // fetched an iteration ago
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
@@ -665,9 +823,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         load_words(w, rope_smem + rope_pair_word<D>(delta, t, 2 * j));
                         cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
                     }
+                    unsigned pa[HP], pb[HP];  // outliers: exact - dequantized at the lane's elements (zero elsewhere)
+                    if constexpr (OUT) {
+                        unsigned short* const patch = key_patch + delta * D + t * (D / 8);
+                        load_words(pa, patch);
+                        load_words(pb, patch + D / 2);
+                        zero_words<HP>(patch);
+                        zero_words<HP>(patch + D / 2);
+                    }
 #pragma unroll
                     for (int q = 0; q < HP; ++q) {
-                        const unsigned a = hfma2_bits(kf[q], ks2[q], kz2[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], kz2[HP + q]);
+                        unsigned a = hfma2_bits(kf[q], ks2[q], kz2[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], kz2[HP + q]);
+                        if constexpr (OUT) a = hadd2(a, pa[q]), r = hadd2(r, pb[q]);
                         const unsigned c = cs[2 * q], s = cs[2 * q + 1];
                         kf[q] = hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));  // a cos - b sin
                         kf[HP + q] = hfma2_bits(r, c, hmul2(a, s));                 // b cos + a sin
@@ -797,6 +964,21 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
                         const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
                         mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
+                    }
+                }
+                if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled), from the patch rows of the lane's
+                    // token pairs (tokens 2t, 2t + 1 and 2t + 8, 2t + 9) at its channels in value_channel's order
+                    const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
+                    unsigned* const rows = value_patch + (tb / 2 + t) * D + g * S::LANE_V;
+                    unsigned w0[S::LANE_V], w1[S::LANE_V];
+                    load_words(w0, rows);
+                    load_words(w1, rows + 4 * D);
+                    zero_words<S::LANE_V>(rows);
+                    zero_words<S::LANE_V>(rows + 4 * D);
+#pragma unroll
+                    for (int mt = 0; mt < MTILES; ++mt) {
+                        const unsigned a[4] = {w0[2 * mt], w0[2 * mt + 1], w1[2 * mt], w1[2 * mt + 1]};
+                        mma_m16n8k16_f16(o[mt], a, bp);
                     }
                 }
             }

@@ -186,8 +186,8 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0% and
-    kivi4-g32 are bodies the tensor-core kernel serves."""
+    """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
+    nuq4-1% and kivi4-g32 are bodies the tensor-core kernel serves."""
     from typer.testing import CliRunner
 
     from kvcal.bundle import write_bundle
@@ -205,8 +205,10 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
+    nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
     artifacts = {"kvquant": ("kvquant", str(nuq), None), "mixed": ("mixed", str(mixed), None),
                  "kivi": ("kivi", None, KiviSettings(group=4, residual=8)), "kvmix": ("kvmix", None, None),
-                 "nuq4-0%": ("kvquant", str(nuq4), None), "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
+                 "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),
+                 "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
     return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
             for name, (recipe, *extra) in artifacts.items()}

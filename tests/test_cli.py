@@ -382,7 +382,7 @@ def test_misuse_8_inspect_on_a_directory_or_a_missing_file(tmp_path):
 def test_misuse_8_ctrl_c_prints_interrupted_exit_130_and_writes_nothing(tiny_model_dir, tiny_corpus, tmp_path):
     out = tmp_path / "out" / "profile.safetensors"
     command = [sys.executable, "-m", "kvcal", "profile-gradients", "--model", str(tiny_model_dir("llama")), "--dataset",
-               str(tiny_corpus), "--nsamples", "150", "--seqlen", "64", "--out", str(out)]
+               str(tiny_corpus), "--nsamples", "1500", "--seqlen", "16", "--out", str(out)]  # long enough to interrupt
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     lines = []
     for line in process.stderr:  # stderr is a pipe: plain progress lines

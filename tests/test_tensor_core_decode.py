@@ -35,8 +35,13 @@ LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six
 PER_SPLIT = 128
 KV_HEADS = 2
 CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64),
-          "nuq4": (4, 0, 0), "nuq3": (3, 0, 0)}  # nuq: CodebookCodec (bits, -, -)
-ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3"}
+          "nuq4": (4, 0, 0), "nuq3": (3, 0, 0), "nuq4-out": (4, 0, 0), "nuq3-out": (3, 0, 0),
+          "nuq4-crowded": (4, 0, 0)}  # nuq: CodebookCodec (bits, -, -)
+ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
+        "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded"}
+# nuq with outliers: (fraction kept exact of the per-token value thresholds, half range of the key thresholds): ~1%
+# of N(0, 1) keys beyond 2.5; crowded: ~13% of keys beyond 1.5 and 30% of values, past a stage's copies (OUTLIER_SLOTS)
+OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0.3, 1.5)}
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
@@ -50,7 +55,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("int4-g32-rope", 128, 4, "3")]
          + [(c, d, gqa, "3") for c in ("nuq4", "nuq4-rope") for d, gqa in ((128, 1), (128, 4), (128, 8), (64, 3))]
          + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")]
-         + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")])
+         + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")]
+         + [(c, 128, gqa, "3") for c in ("nuq4-out-rope", "nuq3-out-rope") for gqa in (1, 4, 8)]
+         + [("nuq4-out-rope", 64, 3, "3"), ("nuq4-out-rope", 64, 8, "3-edges"), ("nuq3-out-rope", 128, 2, "3-edges"),
+            ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")])
 
 
 def tolerance(codec: str) -> float:
@@ -61,13 +69,14 @@ def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
     store_codec = ROPE.get(codec, codec)
     bits, kg, vg = CODECS[store_codec]
     if store_codec.startswith("nuq"):
-        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True)
+        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True, outliers=store_codec in OUTLIERS)
     return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE)
 
 
-def nuq_codecs(bits: int, width: int, seed: int = 7) -> tuple[CodebookCodec, CodebookCodec]:
+def nuq_codecs(bits: int, width: int, seed: int = 7, outliers: tuple[float, float] = (0.0, 2.5)) -> tuple[CodebookCodec, CodebookCodec]:
     """Keys with per-channel thresholds (the channels with an offset in `filled` shifted with it), values with
-    per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows)."""
+    per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows).
+    outliers: (the values' fraction kept exact, the keys' half range; with a fraction > 0 keys beyond it are kept too)."""
     g = torch.Generator().manual_seed(seed)
 
     def codebook():
@@ -76,7 +85,9 @@ def nuq_codecs(bits: int, width: int, seed: int = 7) -> tuple[CodebookCodec, Cod
 
     offset = torch.zeros(width)
     offset[::7] = 2.0
-    return CodebookCodec(codebook(), lo=offset - 2.5, hi=offset + 2.5), CodebookCodec(codebook())
+    fraction, half_range = outliers
+    return (CodebookCodec(codebook(), lo=offset - half_range, hi=offset + half_range, outlier_fraction=fraction),
+            CodebookCodec(codebook(), outlier_fraction=fraction))
 
 
 def llama_inv_freq(head_dim: int) -> torch.Tensor:
@@ -104,7 +115,8 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
     elif store_codec.startswith("nuq"):
         kg = 1
-        stores = tuple(PackedRows(c, len(lengths), width, device) for c in nuq_codecs(bits, width))
+        codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)))
+        stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim) for c in codecs)
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
                   PackedRows(TokenUniform(bits, vg), len(lengths), width, device))
@@ -211,18 +223,18 @@ def test_emulated_pre_rope_keys_stay_accurate_over_a_long_split(emulator, codec)
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
-    """Outliers (not in this kernel yet), per-token key thresholds, 2-bit codebooks, nuq3 at head_dim 64 and pre-RoPE
-    fp16 rows each get a KvcalError from the launcher's variant_for."""
+    """Per-token key thresholds, 2-bit codebooks, nuq3 at head_dim 64, outliers stored per KV head of another head_dim,
+    outliers with post-RoPE keys and pre-RoPE fp16 rows each get a KvcalError from the launcher's variant_for."""
     from kvcal.errors import KvcalError
 
     keys, values = nuq_codecs(4, KV_HEADS * 128)
-    cases = [(CodebookCodec(keys.codebook, keys.lo, keys.hi, outlier_fraction=0.01), values, 128),
-             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128),
-             (CodebookCodec(keys.codebook), values, 128),
-             (*(CodebookCodec(c.codebook[::4], c.lo, c.hi) for c in (keys, values)), 128),
-             (*nuq_codecs(3, KV_HEADS * 64), 64)]
-    for kc, vc, d in cases:
-        stores = [PackedRows(c, 1, KV_HEADS * d, "cpu", head_dim=d) for c in (kc, vc)]
+    cases = [(CodebookCodec(keys.codebook), values, 128, 128),
+             (*(CodebookCodec(c.codebook[::4], c.lo, c.hi) for c in (keys, values)), 128, 128),
+             (*nuq_codecs(3, KV_HEADS * 64), 64, 64),
+             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 64),
+             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 128)]  # post-RoPE keys (rope=False)
+    for kc, vc, d, store_head_dim in cases:
+        stores = [PackedRows(c, 1, KV_HEADS * d, "cpu", head_dim=store_head_dim) for c in (kc, vc)]
         with pytest.raises(KvcalError):
             tensor_core.variant_for(*stores, d, 4)
     with pytest.raises(KvcalError):
@@ -251,7 +263,7 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     assert tensor_core.split_plan([32768] * 8, 64, 264) == (2048, 16)  # about 4 waves of 264 resident blocks
 
 
-MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch it
+MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch it (on batch "1"; a fourth field: another)
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
@@ -263,19 +275,25 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "nuq-value-zero": ("nuq4", "z0 = CB ? (y0 + x0) * 0.5f : y0", "z0 = CB ? (y0 - x0) * 0.5f : y0"),
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
     "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
+    # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them
+    "outlier-extreme-code": ("nuq4-out-rope", "? last_code : first_code", "? first_code : last_code", "3"),
+    "outlier-key-patch-half": ("nuq3-out-rope", "load_words(pb, patch + D / 2);", "load_words(pb, patch);", "3"),
+    "outlier-value-token-pair": ("nuq3-out-rope", "((token >> 1) * D + c) * 2 + (token & 1)", "((token >> 1) * D + c) * 2 + 1 - (token & 1)", "3"),
+    "outlier-value-channels": ("nuq4-out-rope", "{w0[2 * mt], w0[2 * mt + 1], w1[2 * mt], w1[2 * mt + 1]}",
+                               "{w0[2 * mt + 1], w0[2 * mt], w1[2 * mt + 1], w1[2 * mt]}", "3"),
 }
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
-    codec, old, new = MUTANTS[name]
+    codec, old, new, *batch = MUTANTS[name]
     text = KERNEL.read_text()
     assert text.count(old) == 1, old
     (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
     (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
     v = variant_of(codec, 128, 2)
     lib = build(tmp_path / "build", [v], kernel_dir=tmp_path)
-    assert max_error(codec, 128, 2, "1", lib) > 10 * tolerance(codec)
+    assert max_error(codec, 128, 2, batch[0] if batch else "1", lib) > 10 * tolerance(codec)
 
 
 # ------------------------------------------------------------------------------------------------ NVRTC

@@ -1,17 +1,17 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
-with per-channel thresholds and values with per-token thresholds, no outliers; nuq3 in "planes3" at head_dim 128),
-head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel: pass inv_freq
-and each sequence's first position).
+with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
+"planes3" at head_dim 128), head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in
+the kernel: pass inv_freq and each sequence's first position).
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
 (kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
-holds alone, to the CUDA-core kernel, and merges both kernels' splits once). Outliers are not served yet: a body
-whose codec keeps them stays with the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the
-CPU emulation in tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments);
-`decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split over the
-sequence, and merges the splits with `merge_tc_splits` (tests and benchmarks).
+holds alone, to the CUDA-core kernel, and merges both kernels' splits once). Outliers are served with pre-RoPE keys
+(KVQuant's recipe); post-RoPE codebook keys with outliers stay with the CUDA-core kernel. `operands` maps two stores
+to the kernel's arguments (the CPU emulation in tests/helpers/tensor_core_emulation.py calls the same kernel with the
+same arguments); `decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split
+over the sequence, and merges the splits with `merge_tc_splits` (tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
@@ -32,6 +33,7 @@ from kvcal.runtime.store import upload
 
 MODULE = "decode_attention_tc.cu"
 THREADS, WARPS, STAGE_TOKENS = 128, 4, 64  # tc::THREADS, tc::WARPS, tc::ST
+OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
 HEAD_DIMS = (64, 128)
 GQA_SIZES = tuple(range(1, 9))
 LOG2E = 1.4426950408889634
@@ -46,18 +48,21 @@ class Variant:
     gqa: int
     rope: bool = False  # pre-RoPE keys, rotated in the kernel
     codebook: bool = False  # KVQuant's nuq codes (CodebookCodec)
+    outliers: bool = False  # codebook codes with outliers kept exact (dense-and-sparse)
 
     @property
     def name(self) -> str:
         flag = lambda x: "true" if x else "false"  # noqa: E731
         return (f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {flag(self.rope)}, "
-                f"{flag(self.codebook)}>")
+                f"{flag(self.codebook)}, {flag(self.outliers)}>")
 
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in ((4, 3) if self.codebook else (16, 4, 2)):
             raise KvcalError(f"no tensor-core decode kernel for {self}")
+        if self.outliers and not (self.codebook and self.rope):
+            raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.codebook:
             if not (bits == 4 or (bits == 3 and d == 128)) or kg != 0 or vg != d:
                 raise KvcalError("codebook codes are served at 4 bits, or 3 bits at head_dim 128 (a head's planes3 row at 64 is 24 "
@@ -74,7 +79,7 @@ class Variant:
     @property
     def stages(self) -> int:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
-        return 3 if self.bits == 16 else (6 if self.bits == 4 else 8)
+        return 3 if self.bits == 16 else ((4 if self.outliers else 6) if self.bits == 4 else (6 if self.outliers else 8))
 
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
@@ -90,7 +95,11 @@ class Variant:
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         lut = 2 * 256 * 4 + 4 * d if self.codebook else 0  # the tables and the keys' one block of parameters
-        return max(stages * stage + query + rope + lut, merge)
+        outliers = 0
+        if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, extremes
+            stage += 16 + 4 * OUTLIER_SLOTS * 2
+            outliers = 2 * STAGE_TOKENS * d * 2 + 2 * d * 4
+        return max(stages * stage + query + rope + lut + outliers, merge)
 
 
 def variants() -> list[Variant]:
@@ -108,7 +117,8 @@ def variants() -> list[Variant]:
                         except KvcalError:
                             continue
                         out.append(v)
-            out += [Variant(d, bits, 0, d, gqa, rope, True) for bits in ((4, 3) if d == 128 else (4,)) for rope in (False, True)]
+            out += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in ((4, 3) if d == 128 else (4,))
+                    for rope in (False, True) for outliers in ((False, True) if rope else (False,))]
     return out
 
 
@@ -117,10 +127,8 @@ def _is_packed(store) -> bool:
 
 
 def _is_nuq(kc, vc) -> bool:
-    """KVQuant's pair the kernel serves: codebook keys with per-channel thresholds, values with per-token ones,
-    no outliers."""
-    return (isinstance(kc, CodebookCodec) and isinstance(vc, CodebookCodec) and kc.lo is not None and vc.lo is None
-            and kc.outlier_fraction == 0 and vc.outlier_fraction == 0)
+    """KVQuant's pair the kernel serves: codebook keys with per-channel thresholds, values with per-token ones."""
+    return isinstance(kc, CodebookCodec) and isinstance(vc, CodebookCodec) and kc.lo is not None and vc.lo is None
 
 
 def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Variant:
@@ -134,14 +142,21 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
         uniform = isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)
         if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
             raise KvcalError("the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values, or codebook keys "
-                             f"with per-channel thresholds and values with per-token ones without outliers, of one width; not {kc}, {vc}")
+                             f"with per-channel thresholds and values with per-token ones, of one width; not {kc}, {vc}")
         layout = "planes3" if int(kc.bits) == 3 else "lsb"
         if keys.layout != layout or values.layout != layout:
             raise KvcalError(f"the tensor-core kernel reads {kc.bits}-bit codes in the '{layout}' packing")
         if uniform:
             v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
         else:
-            v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True)
+            outliers = keys.keeps_outliers or values.keeps_outliers
+            if outliers and (OUTLIER_TILE_TOKENS != STAGE_TOKENS or any(s.keeps_outliers and s.head_dim != head_dim
+                                                                         for s in (keys, values))):
+                raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows per KV head of "
+                                 f"{head_dim} channels")
+            if outliers and not rope:
+                raise KvcalError("the tensor-core kernel serves outliers with pre-RoPE keys (KVQuant's recipe) only")
+            v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers)
     else:
         raise KvcalError("keys and values must both be fp16 rows or both packed")
     v.check()
@@ -247,7 +262,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
              attention_scaling: float = 1.0, constants: dict | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
-    (batch, 3) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
+    (batch, 5) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
     (made here when None). Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
@@ -273,17 +288,29 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     freq, table = constants.get("freq"), constants.get("table")
     if inv_freq is not None:
         scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
-    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, k_seq, k_row, v_seq, v_row,
-            kp_seq, kp_row, vp_seq, vp_row, kv_heads, per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E))
+    k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
+    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, *k_outliers[:4],
+            *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_row, *k_outliers[4:], *v_outliers[4:], kv_heads,
+            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E))
+
+
+def _outlier_operands(store) -> tuple:
+    """A store's outliers as decode_tc reads them: positions, values, offset table, counts (None each where it keeps
+    none), then the strides per (sequence, KV head) run of the first and the third, in elements."""
+    if not getattr(store, "keeps_outliers", False):
+        return None, None, None, None, np.int64(0), np.int64(0)
+    return (store.outlier_positions, store.outlier_values, store.outlier_offsets, store.outlier_count,
+            np.int64(store.outlier_positions.stride(1)), np.int64(store.outlier_offsets.stride(1)))
 
 
 def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None) -> list[list[int]]:
-    """Per sequence: first row, tokens, position of the first row (pre-RoPE keys; default 0)."""
+    """Per sequence: first row, tokens, position of the first row (pre-RoPE keys; default 0), the key and value
+    stores' rows (their started outlier tiles)."""
     first, n = _stores_lengths(keys, values, lengths)
     positions = [0] * len(n) if positions is None else list(positions)
     if len(positions) != len(n) or any(p < 0 or p + c >= 2**29 for p, c in zip(positions, n)):
         raise KvcalError(f"positions {positions}: one per sequence, from 0, below 2^29 with the sequence's tokens")
-    return [[f, c, p] for f, c, p in zip(first, n, positions)]
+    return [[f, c, p, k, v] for f, c, p, k, v in zip(first, n, positions, keys.length, values.length)]
 
 
 def split_plan(lengths: list[int], pairs: int, slots: int, waves: int = 4) -> tuple[int, int]:
@@ -354,7 +381,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     v = variant_for(keys, values, head_dim, heads // kv_heads, rope=inv_freq is not None)
     device = query.device
     rows = meta_rows(keys, values, lengths, positions)
-    n = [c for _, c, _ in rows]  # tokens per sequence
+    n = [row[1] for row in rows]  # tokens per sequence
     shared = v.shared_bytes()
     if per_split is None:
         per_split, splits = split_plan(n, batch * kv_heads, _slots(v.name, shared, device.index or 0))
@@ -422,8 +449,9 @@ class ServedBody:
         v, device = self.variant, query.device
         shared = v.shared_bytes()
         per_split, splits = split_plan(rows, batch * kv_heads, _slots(v.name, shared, device.index or 0))
-        meta_list = [[0, n, p if v.rope else 0] for n, p in zip(rows, positions)]
-        if v.rope and any(p < 0 or p + n >= 2**29 for _, n, p in meta_list):
+        meta_list = [[0, n, p if v.rope else 0, k, v_rows]
+                     for n, p, k, v_rows in zip(rows, positions, self.keys.length, self.values.length)]
+        if v.rope and any(p < 0 or p + n >= 2**29 for _, n, p, _, _ in meta_list):
             raise KvcalError("the tensor-core kernel rotates pre-RoPE keys at positions below 2^29")
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)

@@ -16,11 +16,12 @@ from kvcal.runtime.tensor_core import Variant
 
 EMULATION = Path(__file__).resolve().parents[1] / "kernel_emulation"
 FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
-POINTERS, LONGS, INTS = 13, 8, 4  # decode_tc's parameters: tensors, byte / element strides, ints (then the float scale)
+POINTERS, LONGS, INTS = 21, 12, 4  # decode_tc's parameters: tensors, byte / element strides, ints (then the float scale)
 
 
 def symbol(v: Variant) -> str:
-    return f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
+    return (f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
+            f"_o{int(v.outliers)}")
 
 
 def driver(variants: list[Variant]) -> str:
@@ -29,12 +30,15 @@ def driver(variants: list[Variant]) -> str:
         lines.append(
             f"void {symbol(v)}(unsigned gx, unsigned gy, unsigned gz, const float* q, const unsigned char* k, const unsigned char* v,"
             " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
-            " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, long long a0, long long a1,"
-            " long long a2, long long a3, long long a4, long long a5, long long a6, long long a7, int kvh, int per_split,"
+            " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, const unsigned short* kop,"
+            " const unsigned short* kov, const int* koo, const int* koc, const unsigned short* vop, const unsigned short* vov,"
+            " const int* voo, const int* voc, long long a0, long long a1, long long a2, long long a3, long long a4, long long a5,"
+            " long long a6, long long a7, long long a8, long long a9, long long a10, long long a11, int kvh, int per_split,"
             " int split_offset, int total_splits, float scale) {"
             f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
-            " books, op, lp, a0, a1, a2, a3, a4, a5, a6, a7, kvh, per_split, split_offset, total_splits, scale); }); }")
-        flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook))
+            " books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, kvh,"
+            " per_split, split_offset, total_splits, scale); }); }")
+        flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
                      "::SMEM_BYTES; }")
     lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
