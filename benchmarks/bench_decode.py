@@ -5,7 +5,9 @@ every timed launch (CUDA events; the host-side preparation is outside the timed 
 Shapes: B in {1, 8}, 8 KV heads, 32 query heads, head_dim 128, L in {4K, 32K, 128K}. Variants: the fp16
 kernel path, uniform 4/3/2-bit with groups of 128 and 32 (keys per channel over token blocks, values per
 token, as KIVI/KVmix store them), nuq3 (KVQuant codebooks) post-RoPE, pre-RoPE, and pre-RoPE with 1% outliers.
-Bytes read = the cache's stored bytes (codes, parameters, outliers, fp16 segments) + query + output.
+Bytes read = the cache's stored bytes (codes, parameters, outliers, fp16 segments) + query + output. --kernel runtime
+(default) times what the cache runs: the tensor-core kernel over the bodies it serves (kvcal.runtime.tensor_core.serve)
+and the CUDA-core kernel over the rest; --kernel cuda-core the CUDA-core kernel alone. Each row says which ran.
 
 Usage (needs CUDA and CuPy: pip install -e ".[gpu]"):
     python benchmarks/bench_decode.py [--batches 1,8] [--lengths 4096,32768,131072] [--iters 20]
@@ -117,10 +119,13 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,32768,131072", help="cached tokens per sequence, comma-separated")
     parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--kernel", choices=("runtime", "cuda-core"), default="runtime",
+                        help="runtime: the tensor-core kernel where it serves the body, as the cache runs (default); "
+                             "cuda-core: the CUDA-core kernel alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU; nothing was measured")
-    from kvcal.runtime import kernels
+    from kvcal.runtime import kernels, tensor_core
     from kvcal.runtime.kernels import Segments, prepare_decode
 
     if not kernels.cuda_ready("cuda"):
@@ -140,10 +145,14 @@ def main() -> None:
                     launches = [Segments((None, None, keys.recent), (None, None, values.recent))]
                 else:
                     launches = [Segments(k, v) for k, v in zip(keys.kernel_segments(), values.kernel_segments())]
-                run = prepare_decode(query, launches, KV_HEADS, HEAD_DIM**-0.5, [0] * batch, inv_freq if pre_rope else None)
+                rope = inv_freq if pre_rope else None
+                served = [tensor_core.serve(segments, HEADS, KV_HEADS, HEAD_DIM, rope) if args.kernel == "runtime" else None
+                          for segments in launches]
+                run = prepare_decode(query, launches, KV_HEADS, HEAD_DIM**-0.5, [0] * batch, rope, served=served)
                 seconds = timed(run, args.iters)
                 read = stored_bytes((keys, values), batch) + 2 * query.numel() * 4
-                rows.append({"variant": name, "batch": batch, "tokens": length, "latency_us": round(seconds * 1e6, 2),
+                rows.append({"variant": name, "kernel": "tensor-core" if any(served) else "cuda-core", "batch": batch,
+                             "tokens": length, "latency_us": round(seconds * 1e6, 2),
                              "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
                              "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
                              "sdpa_fp16_latency_us": round(sdpa * 1e6, 2), "speedup_vs_sdpa_fp16": round(sdpa / seconds, 2),
@@ -154,8 +163,9 @@ def main() -> None:
     name = write_device_result("decode", bandwidth, args.iters, rows, started)
     lines = [f"# Decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed.", "",
-             "| variant | B | L | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | {r['bandwidth_gbps']} | "
+             "| variant | kernel | B | L | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['kernel']} | {r['batch']} | {r['tokens']} | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | {r['bandwidth_gbps']} | "
               f"{r['fraction_of_copy_bandwidth']:.0%} | {r['sdpa_fp16_latency_us']} | {r['speedup_vs_sdpa_fp16']}x |" for r in rows]
     write_markdown(name, lines)
 

@@ -175,7 +175,7 @@ struct Shape {
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
     static constexpr int VP_BYTES = (VP_HALVES * 2 + 15) / 16 * 16;
     // outliers (OUT): the stage's range per side {key lo, key hi, value lo, value hi} (int), then per side OUT_SLOTS
-    // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk holding lo on (out_slot)
+    // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
     static constexpr int OUT_BYTES = OUT ? 16 + 2 * 2 * OUT_SLOTS * 2 : 0;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES + OUT_BYTES;
@@ -583,7 +583,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const int lane_of = r.head * 4 + r.part;
                     out[q_rot_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
                     out[q_rot_word(r.pair + PAIRS / 2, lane_of)] = pack_half2(qb[0], qb[1]);
-
                 }
             }
         }
@@ -634,7 +633,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // its patch is the exact value minus that entry dequantized (clamped to fp16's range).
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        for (int i = tid; i < ST * D / 4; i += THREADS) reinterpret_cast<uint4*>(key_patch)[i] = uint4{};
+        for (int i = tid; i < ST * D / 4; i += THREADS) reinterpret_cast<uint4*>(key_patch)[i] = uint4{};  // both patches
         constexpr int LAST = BITS == 4 ? 255 : 63;  // codebook_pairs' index of {last, last}
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
@@ -667,7 +666,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (token < live) apply(token, (int)(position % D), half_to_float((unsigned short)value));
         }
     };
-    const auto patch_half = [](float delta) { return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu); };
+    const auto patch_half = [](float delta) {  // fp16 bits, clamped to fp16's range
+        return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu);
+    };
     // the stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
     // conflicts), read and zeroed again by the warp that owns the token
     auto patch_stage = [&](int st) {

@@ -378,13 +378,13 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     freq, offsets = step.freq(inv_freq, head_dim), step.offsets
     blocks_wanted = 2 * _multiprocessors(device)
     plans, body_plans = [], []
-    for segments, body in zip(launches, served or [None] * len(launches)):
+    for segments, served_body in zip(launches, served or [None] * len(launches)):
         sides = (segments.keys, segments.values)
         key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
-        skip = body.rows(batch) if body is not None else [0] * batch
+        skip = served_body.rows(batch) if served_body is not None else [0] * batch
         if any(skip):  # positions of body row 0: past the sinks
-            body_plans.append(body.prepare(query, kv_heads, scaling, skip, [o + k[0] for o, k in zip(position_offset, key_lengths)],
-                                            step))
+            positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
+            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step))
         longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if longest == 0:
             continue
