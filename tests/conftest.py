@@ -185,6 +185,27 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """The default kvquant recipe (nuq3, 1% outliers, pre-RoPE keys) for a tiny Llama with head_dim 128: planes3 codes
+    the tensor-core kernel serves at that head_dim."""
+    from typer.testing import CliRunner
+
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.cli import app
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+    folder = tmp_path_factory.mktemp("head-dim-128")
+    profile = folder / "profile.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(tiny_model_dir("llama", head_dim=128)), "--dataset",
+                                      str(tiny_corpus), "--nsamples", "4", "--seqlen", "64", "--max-tokens-per-layer", "200",
+                                      "--out", str(profile)])
+    assert result.exit_code == 0, result.output
+    nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
+
+
+@pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
     nuq4-1% and kivi4-g32 are bodies the tensor-core kernel serves."""

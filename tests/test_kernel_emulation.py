@@ -175,11 +175,12 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
     assert set(callers) <= {"_refresh_bound"}, callers
 
 
-# the tensor-core kernel's variants for head_dim_64_bundles' served bodies on the tiny Llama (GQA 2): kivi4-g32's
-# post-RoPE int4 keys in blocks of 32 tokens and values in groups of 32 channels; nuq4's pre-RoPE codebook keys, with
-# and without outliers
+# the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
+# (post-RoPE int4 keys in blocks of 32 tokens, values in groups of 32 channels) and nuq4 (pre-RoPE codebook keys, with
+# and without outliers); at head_dim 128 the default kvquant recipe, nuq3 with 1% outliers in planes3
 TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
-                        "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True)}
+                        "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
+                        "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
 
 @pytest.fixture(scope="session")
@@ -221,14 +222,17 @@ def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("recipe", TENSOR_CORE_VARIANTS)
 def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_runtime(with_tensor_cores, head_dim_64_bundles,
-                                                                                        recipe, monkeypatch):
+                                                                                        head_dim_128_kvquant_bundle, recipe,
+                                                                                        monkeypatch):
     """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
-    keys, 1% outliers or none), on a left-padded batch, give the reference runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
+    keys, 1% outliers or none; kvquant at head_dim 128: nuq3 in planes3), on a left-padded batch, give the reference
+    runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
     from conftest import tiny_model
 
-    model = tiny_model("llama", head_dim=64)
-    bundle = head_dim_64_bundles[recipe]
+    head_dim = TENSOR_CORE_VARIANTS[recipe].head_dim
+    model = tiny_model("llama", head_dim=head_dim)
+    bundle = head_dim_128_kvquant_bundle if head_dim == 128 else head_dim_64_bundles[recipe]
     ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :17] = 0  # a ragged batch: the second prompt left-padded (its positions start 17 columns in)
@@ -244,7 +248,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
             patch.setattr(kernels, "cuda_ready", lambda device: False)
             patch.setattr(cpu_kernel, "library", lambda: None)
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-    # fp16 operands on tensor cores (4.4e-4 here for nuq4-0%, 4.2e-4 for nuq4-1%; keys one position off give 1.7e-3), fp32 on
-    # CUDA cores
+    # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 6.4e-4 for kvquant-d128; keys one
+    # position off give 1.7e-3), fp32 on CUDA cores
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)
