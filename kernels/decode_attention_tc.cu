@@ -7,7 +7,8 @@
 // the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
-// tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks; zero fill past the end);
+// tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks, 8-byte ones for nuq3's 24-byte rows
+// at head_dim 64; zero fill past the end);
 // warp w computes tokens 16w .. 16w + 15 of each stage with its own online softmax (log2 domain), and the
 // four warps merge through shared memory at the end into one (partial output, lse) per split.
 //
@@ -37,7 +38,7 @@
 //    (lo, hi) of the row give scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes
 //    (planes3_pairs): a byte holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from
 //    the high plane), the table's first 64 words; values look up each token's channel pairs and swap halves into
-//    token pairs (prmt).
+//    token pairs (prmt). At head_dim 64 a lane's 8 codes are a quarter unit (planes3_quarter).
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
 //    the query by -P0 once per stage (fp32; the angle P0 theta exact in double and reduced modulo 2 pi every 16
@@ -164,6 +165,7 @@ struct Shape {
     // (outliers: fewer, for the patch tiles' shared memory; 3 or 5 stages in flight still hold > 16 KiB per SM)
     static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : 6) : (OUT ? 6 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
+    static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
@@ -204,13 +206,12 @@ struct Shape {
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
-    static_assert(!CB || ((BITS == 4 || (BITS == 3 && D == 128)) && VG == D),
-                  "codebooks: 4-bit codes, or 3-bit at head_dim 128 (at 64 a head's planes3 row is 24 bytes: the stage "
-                  "copies would need 8-byte cp.async); one value threshold pair per token");
+    static_assert(!CB || ((BITS == 4 || BITS == 3) && VG == D), "codebooks: 4- or 3-bit codes; one value threshold pair per token");
     static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
-    static_assert(!ROPE || (!FP16 && D * BITS >= 256), "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words");
+    static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3)),
+                  "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units)");
 };
 
 // Position, among a lane's consecutive key codes, of element e of its pair p: the converters' order ({j, j + 8} of
@@ -245,6 +246,8 @@ __device__ __forceinline__ unsigned table_entry(const unsigned* lut, unsigned x,
 // in byte 0 and 8-15 in byte 2, code j at bit j % 8) -> 8 fp16 pairs {code 2m, code 2m + 1} from codebook_pairs'
 // 3-bit table, whose index is the pair's low nibble (code 2m's low bits, then 2m + 1's) | their high bits << 4.
 // The indices are assembled times 4, one per byte (6 bits + 2), so one prmt makes a table offset.
+// N = 4: the first 8 codes only (4 pairs).
+template <int N = 8>
 __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, const unsigned* lut) {
     constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
     high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // the 8 two-bit fields (pairs' high bits) to nibbles 0..7
@@ -252,7 +255,7 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
     const unsigned even = lop3<magic::SELECT>(low << 2, high << 6, 0x3C3C3C3Cu);  // byte k: 4 x pair 2k's index
     const unsigned odd = lop3<magic::SELECT>(low >> 2, high << 2, 0x3C3C3C3Cu);   // byte k: 4 x pair 2k + 1's
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < N / 2; ++k) {
         const unsigned char* const table = reinterpret_cast<const unsigned char*>(lut);
         out[2 * k] = *reinterpret_cast<const unsigned*>(table + prmt(even, 0u, 0x4440u + k));
         out[2 * k + 1] = *reinterpret_cast<const unsigned*>(table + prmt(odd, 0u, 0x4440u + k));
@@ -265,6 +268,19 @@ __device__ __forceinline__ void planes3_half(const unsigned* row, int first, uns
     const int unit = first >> 5, half = first >> 4 & 1;
     // the half's two high-bit bytes to bytes 0 and 2 (the first step of spreading its 2-bit fields)
     planes3_pairs(row[3 * unit + half], prmt(row[3 * unit + 2], 0u, half ? 0x4342u : 0x4140u), out, lut);
+}
+
+// Codes first .. first + 7 (first: a multiple of 8) of a planes3 row as 4 pairs: the quarter's low bits moved to
+// the low half, its high-bit byte to byte 0.
+__device__ __forceinline__ void planes3_quarter(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+    const int unit = first >> 5, half = first >> 4 & 1, quarter = first >> 3 & 1;
+    planes3_pairs<4>(row[3 * unit + half] >> (16 * quarter), prmt(row[3 * unit + 2], 0u, 0x4440u + (first >> 3 & 3)), out, lut);
+}
+
+// Codes first .. first + N - 1 of a planes3 row (N = 16 or 8, first a multiple of N) as N / 2 pairs.
+template <int N>
+__device__ __forceinline__ void planes3_codes(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+    if constexpr (N == 16) planes3_half(row, first, out, lut); else planes3_quarter(row, first, out, lut);
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
@@ -424,7 +440,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
         // compile-time trip counts: every thread's copies unroll into straight-line code, offsets within a stage in 32 bits
-        constexpr int CHUNKS = S::ROW / 16, COPIES = ST * CHUNKS;
+        constexpr int C = S::CHUNK, CHUNKS = S::ROW / C, COPIES = ST * CHUNKS;
+        const auto copy = [](void* dst, const void* src, bool live) {
+            if constexpr (C == 16) cp_async_16(dst, src, live ? 16 : 0); else cp_async_8(dst, src, live ? 8 : 0);
+        };
 #pragma unroll
         for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
             const int c = tid + i * THREADS;
@@ -433,10 +452,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const bool live = t0 + token < end;
                 // fp16 rows are read by ldmatrix: 16-byte chunks XOR-swizzled by token % 8 (no bank conflicts)
                 const int place = S::FP16 ? (chunk ^ (token & 7)) : chunk;
-                cp_async_16(buffer + token * S::ROW + place * 16, live ? k_tile + (token * (int)k_row + chunk * 16) : k_tile,
-                            live ? 16 : 0);
-                cp_async_16(buffer + S::K_BYTES + token * S::ROW + place * 16,
-                            live ? v_tile + (token * (int)v_row + chunk * 16) : v_tile, live ? 16 : 0);
+                copy(buffer + token * S::ROW + place * C, live ? k_tile + (token * (int)k_row + chunk * C) : k_tile, live);
+                copy(buffer + S::K_BYTES + token * S::ROW + place * C, live ? v_tile + (token * (int)v_row + chunk * C) : v_tile, live);
             }
         }
         if constexpr (!S::FP16 && !CB) {
@@ -806,8 +823,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     unsigned kf[PAIRS], cs[PAIRS];
                     if constexpr (BITS == 3) {
                         const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::ROW);
-                        planes3_half(words, t * (D / 8), kf, key_lut);
-                        planes3_half(words, D / 2 + t * (D / 8), kf + HP, key_lut);
+                        planes3_codes<D / 8>(words, t * (D / 8), kf, key_lut);
+                        planes3_codes<D / 8>(words, D / 2 + t * (D / 8), kf + HP, key_lut);
                     } else {
                         unsigned wa[PART_WORDS], wb[PART_WORDS];
                         load_words(wa, row);
@@ -919,11 +936,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         const unsigned char* const r0 = vrow + 8 * half * S::ROW;
                         if constexpr (BITS == 3) {
                             // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
-                            unsigned pa[8], pb[8];
-                            planes3_half(reinterpret_cast<const unsigned*>(r0), g * S::LANE_V, pa, value_lut);
-                            planes3_half(reinterpret_cast<const unsigned*>(r0 + S::ROW), g * S::LANE_V, pb, value_lut);
+                            unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
+                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), g * S::LANE_V, pa, value_lut);
+                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::ROW), g * S::LANE_V, pb, value_lut);
 #pragma unroll
-                            for (int m = 0; m < 8; ++m) {
+                            for (int m = 0; m < S::LANE_V / 2; ++m) {
                                 vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
                                 vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
                             }

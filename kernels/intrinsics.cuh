@@ -90,6 +90,13 @@ __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global
                  : "memory");
 }
 
+// 8 bytes (cp.async.ca: the 4- and 8-byte sizes go through L1); the same zero fill past src_bytes.
+__device__ __forceinline__ void cp_async_8(void* shared_dst, const void* global_src, int src_bytes = 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(shared_address(shared_dst)), "l"(global_src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>

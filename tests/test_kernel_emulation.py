@@ -86,7 +86,8 @@ def _c(value):
 
 @pytest.fixture
 def on_cpu(emulated_library, monkeypatch):
-    """kvcal.runtime.kernels launching the emulated kernels, for CPU tensors."""
+    """kvcal.runtime.kernels launching the emulated CUDA-core kernels, for CPU tensors (the tensor-core kernel off:
+    with_tensor_cores turns it on)."""
     variants = kernel_source.decode_variants()
 
     def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
@@ -100,6 +101,7 @@ def on_cpu(emulated_library, monkeypatch):
     monkeypatch.setattr(kernels, "launch", launch)
     monkeypatch.setattr(kernels, "_multiprocessors", lambda device: 64)  # several splits per sequence and KV head
     monkeypatch.setattr(kernels, "cuda_ready", lambda device: True)
+    monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
 
 
 SHORT = [1, G - 1, G + 1, R + 1, 300]
@@ -176,9 +178,10 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
 
 
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
-# (post-RoPE int4 keys in blocks of 32 tokens, values in groups of 32 channels) and nuq4 (pre-RoPE codebook keys, with
-# and without outliers); at head_dim 128 the default kvquant recipe, nuq3 with 1% outliers in planes3
+# (post-RoPE int4 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE codebook keys, with
+# and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3), and kvquant at head_dim 128
 TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
+                        "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
@@ -202,6 +205,7 @@ def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
         getattr(tensor_core_library, tensor_core_emulation.symbol(variant))(*grid, *(x.item() for x in args))
 
     monkeypatch.setattr(kernels, "launch", launch)
+    monkeypatch.delenv("KVCAL_TENSOR_CORE")
     monkeypatch.setattr(tensor_core, "_function", lambda name, shared=0: name)
     monkeypatch.setattr(tensor_core, "_slots", lambda name, shared, device: 8)  # several splits per sequence and KV head
     return launched
@@ -226,8 +230,8 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
                                                                                         monkeypatch):
     """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
-    keys, 1% outliers or none; kvquant at head_dim 128: nuq3 in planes3), on a left-padded batch, give the reference
-    runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
+    keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128), on a left-padded
+    batch, give the reference runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
     from conftest import tiny_model
 
     head_dim = TENSOR_CORE_VARIANTS[recipe].head_dim
@@ -248,7 +252,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
             patch.setattr(kernels, "cuda_ready", lambda device: False)
             patch.setattr(cpu_kernel, "library", lambda: None)
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-    # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 6.4e-4 for kvquant-d128; keys one
-    # position off give 1.7e-3), fp32 on CUDA cores
+    # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 5.9e-4 for kvquant, 6.4e-4 for
+    # kvquant-d128; keys one position off give 1.7e-3), fp32 on CUDA cores
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)

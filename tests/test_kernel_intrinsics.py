@@ -426,7 +426,7 @@ MUTANTS = {  # planted emulator bugs, each of which one of the checks above must
     "a-registers-swapped": ("[(row >> 3) + 2 * (k >> 3)]", "[2 * (row >> 3) + (k >> 3)]"),
     "b-lanes-by-row": ("slots[base + col * 4 + (k & 7u) / 2].b[k >> 3]", "slots[base + ((k & 7u) / 2) * 8 + col / 2].b[k >> 3]"),
     "ldmatrix-trans-halves-swapped": ("out[i] = lo | (unsigned)hi << 16;", "out[i] = hi | (unsigned)lo << 16;"),
-    "cp-async-lands-at-issue": ("std::memset(shared_dst, 0xFF, 16);", "std::memcpy(shared_dst, copy.bytes, 16);"),
+    "cp-async-lands-at-issue": ("std::memset(shared_dst, 0xFF, size);", "std::memcpy(shared_dst, copy.bytes, size);"),
 }
 
 

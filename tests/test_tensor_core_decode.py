@@ -58,7 +58,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")]
          + [(c, 128, gqa, "3") for c in ("nuq4-out-rope", "nuq3-out-rope") for gqa in (1, 4, 8)]
          + [("nuq4-out-rope", 64, 3, "3"), ("nuq4-out-rope", 64, 8, "3-edges"), ("nuq3-out-rope", 128, 2, "3-edges"),
-            ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")])
+            ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")]
+         # nuq3 at head_dim 64: 24-byte rows (8-byte copies), 8 codes a lane (planes3 quarters)
+         + [("nuq3", 64, 4, "3"), ("nuq3-rope", 64, 2, "3"), ("nuq3-rope", 64, 1, "3-edges"), ("nuq3-out-rope", 64, 4, "3"),
+            ("nuq3-out-rope", 64, 8, "1")])
 
 
 def tolerance(codec: str) -> float:
@@ -223,14 +226,13 @@ def test_emulated_pre_rope_keys_stay_accurate_over_a_long_split(emulator, codec)
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
-    """Per-token key thresholds, 2-bit codebooks, nuq3 at head_dim 64, outliers stored per KV head of another head_dim,
+    """Per-token key thresholds, 2-bit codebooks, outliers stored per KV head of another head_dim,
     outliers with post-RoPE keys and pre-RoPE fp16 rows each get a KvcalError from the launcher's variant_for."""
     from kvcal.errors import KvcalError
 
     keys, values = nuq_codecs(4, KV_HEADS * 128)
     cases = [(CodebookCodec(keys.codebook), values, 128, 128),
              (*(CodebookCodec(c.codebook[::4], c.lo, c.hi) for c in (keys, values)), 128, 128),
-             (*nuq_codecs(3, KV_HEADS * 64), 64, 64),
              (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 64),
              (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 128)]  # post-RoPE keys (rope=False)
     for kc, vc, d, store_head_dim in cases:
@@ -263,7 +265,9 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     assert tensor_core.split_plan([32768] * 8, 64, 264) == (2048, 16)  # about 4 waves of 264 resident blocks
 
 
-MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch it (on batch "1"; a fourth field: another)
+# a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128; optional fourth and
+# fifth fields: another batch, another head_dim)
+MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
@@ -279,6 +283,9 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
     "outlier-extreme-code": ("nuq4-out-rope", "? last_code : first_code", "? first_code : last_code", "3"),
     "outlier-key-patch-half": ("nuq3-out-rope", "load_words(pb, patch + D / 2);", "load_words(pb, patch);", "3"),
     "outlier-value-token-pair": ("nuq3-out-rope", "((token >> 1) * D + c) * 2 + (token & 1)", "((token >> 1) * D + c) * 2 + 1 - (token & 1)", "3"),
+    "nuq3-quarter-low-bits": ("nuq3-rope", "row[3 * unit + half] >> (16 * quarter)", "row[3 * unit + half] >> (16 * (quarter ^ 1))",
+                              "1", 64),
+    "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-channels": ("nuq4-out-rope", "{w0[2 * mt], w0[2 * mt + 1], w1[2 * mt], w1[2 * mt + 1]}",
                                "{w0[2 * mt + 1], w0[2 * mt], w1[2 * mt + 1], w1[2 * mt]}", "3"),
 }
@@ -286,14 +293,15 @@ MUTANTS = {  # a planted bug in each operand mapping: the comparison must catch 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
-    codec, old, new, *batch = MUTANTS[name]
+    codec, old, new, *other = MUTANTS[name]
+    batch, head_dim = (*other, *("1", 128)[len(other):])
     text = KERNEL.read_text()
     assert text.count(old) == 1, old
     (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
     (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
-    v = variant_of(codec, 128, 2)
+    v = variant_of(codec, head_dim, 2)
     lib = build(tmp_path / "build", [v], kernel_dir=tmp_path)
-    assert max_error(codec, 128, 2, batch[0] if batch else "1", lib) > 10 * tolerance(codec)
+    assert max_error(codec, head_dim, 2, batch, lib) > 10 * tolerance(codec)
 
 
 # ------------------------------------------------------------------------------------------------ NVRTC

@@ -2,7 +2,7 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3" at head_dim 128), head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in
+"planes3"), head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in
 the kernel: pass inv_freq and each sequence's first position).
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
@@ -64,17 +64,17 @@ class Variant:
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.codebook:
-            if not (bits == 4 or (bits == 3 and d == 128)) or kg != 0 or vg != d:
-                raise KvcalError("codebook codes are served at 4 bits, or 3 bits at head_dim 128 (a head's planes3 row at 64 is 24 "
-                                 f"bytes, not whole 16-byte copies), with one key block and one value group per head, not {self}")
+            if kg != 0 or vg != d:
+                raise KvcalError(f"codebook codes are served with one key block and one value group per head, not {self}")
         elif bits != 16:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
             if (vg % d and d % vg) or vge // 8 * bits < 16:
                 raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
-        if self.rope and (bits == 16 or d * bits < 256):
-            raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128 and int2 at 128, not {bits} bits at {d}")
+        if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
+            raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128 and codebooks, not {bits} bits "
+                             f"at {d}")
 
     @property
     def stages(self) -> int:
@@ -117,8 +117,8 @@ def variants() -> list[Variant]:
                         except KvcalError:
                             continue
                         out.append(v)
-            out += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in ((4, 3) if d == 128 else (4,))
-                    for rope in (False, True) for outliers in ((False, True) if rope else (False,))]
+            out += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in (4, 3) for rope in (False, True)
+                    for outliers in ((False, True) if rope else (False,))]
     return out
 
 

@@ -168,6 +168,7 @@ inline void ldmatrix(unsigned* r, const void* row) {
 struct Copy {
     unsigned char* dst;
     unsigned char bytes[16];
+    int size;
 };
 struct AsyncCopies {
     std::vector<Copy> open;
@@ -189,7 +190,7 @@ inline AsyncCopies& my_copies() {
 }
 
 inline void land(std::vector<Copy>& group) {
-    for (Copy& c : group) std::memcpy(c.dst, c.bytes, 16);
+    for (Copy& c : group) std::memcpy(c.dst, c.bytes, c.size);
 }
 
 }  // namespace intrinsics
@@ -207,15 +208,26 @@ inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { emulation::in
 inline void ldmatrix_x2(unsigned (&r)[2], const void* row) { emulation::intrinsics::ldmatrix<2, false>(r, row); }
 inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) { emulation::intrinsics::ldmatrix<2, true>(r, row); }
 
-inline void cp_async_16(void* shared_dst, const void* global_src, int src_bytes = 16) {
-    using namespace emulation::intrinsics;
-    if (reinterpret_cast<uintptr_t>(shared_dst) % 16 || reinterpret_cast<uintptr_t>(global_src) % 16)
-        fail("cp.async addresses must be 16-byte aligned");
-    if (src_bytes < 0 || src_bytes > 16) fail("cp.async src-size must be 0..16");
-    Copy copy{static_cast<unsigned char*>(shared_dst), {}};
+namespace emulation {
+namespace intrinsics {
+// cp.async of `size` bytes with src-size src_bytes (the rest of the destination zero-filled), landing at the wait.
+inline void async_copy(void* shared_dst, const void* global_src, int src_bytes, int size) {
+    if (reinterpret_cast<uintptr_t>(shared_dst) % size || reinterpret_cast<uintptr_t>(global_src) % size)
+        fail("cp.async addresses must be aligned to the copy size");
+    if (src_bytes < 0 || src_bytes > size) fail("cp.async src-size must be 0..cp-size");
+    Copy copy{static_cast<unsigned char*>(shared_dst), {}, size};
     std::memcpy(copy.bytes, global_src, src_bytes);  // the zero-fill form reads only src_bytes
     my_copies().open.push_back(copy);
-    std::memset(shared_dst, 0xFF, 16);  // undefined until the wait: poison
+    std::memset(shared_dst, 0xFF, size);  // undefined until the wait: poison
+}
+}  // namespace intrinsics
+}  // namespace emulation
+
+inline void cp_async_16(void* shared_dst, const void* global_src, int src_bytes = 16) {
+    emulation::intrinsics::async_copy(shared_dst, global_src, src_bytes, 16);
+}
+inline void cp_async_8(void* shared_dst, const void* global_src, int src_bytes = 8) {
+    emulation::intrinsics::async_copy(shared_dst, global_src, src_bytes, 8);
 }
 
 inline void cp_async_commit() {
