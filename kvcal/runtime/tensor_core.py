@@ -461,10 +461,15 @@ class ServedBody:
         kernel = _function(v.name, shared)
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor):
-            args = tuple(_arg(x) for x in operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset,
-                                                   out_partial, lse_partial, meta, self.inv_freq, self.attention_scaling,
-                                                   constants))
-            return lambda: kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+            source = operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset, out_partial, lse_partial,
+                              meta, self.inv_freq, self.attention_scaling, constants)
+            args = tuple(_arg(x) for x in source)
+
+            def launch() -> None:
+                kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
+
+            launch.operands = source  # the kernel reads these tensors by pointer (meta among them): they live as long as it
+            return launch
 
         return splits, bind
 
