@@ -7,6 +7,7 @@ outlier corrections, online softmax, split merge, GQA) on a machine without a GP
 inter-block races are for the GPU tests (tests/test_runtime_kernels.py)."""
 
 import ctypes
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from helpers import tensor_core_emulation
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, assert_append_matches_torch, cocktail_stores, compare,
-                                  filled)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
+                                  cocktail_stores, compare, filled, served_decode)
 from kvcal.runtime import cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.tensor_core import Variant
 
@@ -186,16 +187,15 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Varia
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
 
-# and for the kernel cases it serves (head_dim 128, GQA 4): KIVI int4 g32 with sinks, nuq3 with sinks and a window,
-# nuq4 with crowded outlier tiles; all with 1% outliers where they are codebooks
-SERVED_CASES = {"kivi4-sink4": Variant(128, 4, G, G, 4),
-                "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
-                "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True)}
+# and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4)
+SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
+                   "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
+                   "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True)}
 
 
 @pytest.fixture(scope="session")
 def tensor_core_library(tmp_path_factory):
-    variants = [*TENSOR_CORE_VARIANTS.values(), *SERVED_CASES.values()]
+    variants = [*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()]
     return tensor_core_emulation.build(tmp_path_factory.mktemp("tensor-core"), variants)
 
 
@@ -208,7 +208,7 @@ def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
     def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
         if not function.startswith("decode_tc<"):
             return emulated(function, grid, block, args, shared)
-        variant = next(v for v in (*TENSOR_CORE_VARIANTS.values(), *SERVED_CASES.values()) if v.name == function)
+        variant = next(v for v in (*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()) if v.name == function)
         launched.append(function)
         getattr(tensor_core_library, tensor_core_emulation.symbol(variant))(*grid, *(x.item() for x in args))
 
@@ -275,13 +275,7 @@ def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
     rows = []
-
-    def decode(query, launches, kv_heads, scaling, offsets, inv_freq):
-        served = [tensor_core.serve(segments, query.shape[1], kv_heads, query.shape[2], inv_freq) for segments in launches]
-        assert [body.variant for body in served] == [SERVED_CASES[case]]
-        rows.extend(served[0].rows(len(lengths)))
-        return kernels.decode_attention(query, launches, kv_heads, scaling, offsets, inv_freq, served=served)
-
-    # fp16 operands: test_tensor_core_decode's 4e-3 on N(0, 1) rows, times the largest of CHANNEL_SCALES (3); 6.0e-3 here
-    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=1.2e-2)
+    decode = functools.partial(served_decode, rows=rows)
+    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
+    assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name}
     assert bool(with_tensor_cores) == any(rows) and (any(rows) or lengths != SHORT)  # the short batch reaches the body

@@ -10,8 +10,8 @@ import torch
 
 from conftest import tiny_model
 from helpers import decode_token_by_token
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, WIDTH, assert_append_matches_torch, cocktail_stores,
-                                  compare, filled, seeded_tokens)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE, WIDTH,
+                                  assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
@@ -29,6 +29,17 @@ def test_decode_attention_matches_the_reference(case, batch):
     lengths = BATCHES[batch]
     (key_store, value_store), pre_rope = filled(case, lengths)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope)
+
+
+@gpu
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("case", SERVED_CASES)
+def test_tensor_core_bodies_with_the_cuda_core_kernel_match_the_reference(case, batch):
+    """As the cache runs them: the tensor-core kernel over the body rows both sides hold, the CUDA-core kernel over the
+    rest, one merge."""
+    lengths = BATCHES[batch]
+    (key_store, value_store), pre_rope = filled(case, lengths)
+    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
 @gpu

@@ -8,7 +8,7 @@ import torch
 from kvcal.kv import SegmentPolicy
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
-from kvcal.runtime import cpu_kernel, kernels, reference
+from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
 from kvcal.runtime.segments import CocktailStore, SegmentedStore
 from kvcal.runtime.store import PackedRows
 
@@ -41,6 +41,11 @@ def _codebook(k_bits, v_bits, sink=0, window=WINDOW, tail=0.0005, pre_rope=True,
     values = CodebookCodec(normal_float_codebook(v_bits), None, None, outlier_fraction=0.01)
     return keys, values, SegmentPolicy(sink=sink, window=window), 0.0, pre_rope, None
 
+
+# the cases whose bodies the tensor-core kernel serves (KIVI int4 g32, nuq3 / nuq4 with pre-RoPE keys and outliers)
+SERVED_CASES = ("kivi4-sink4", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers")
+# its tolerance: test_tensor_core_decode's 4e-3 on N(0, 1) rows (fp16 operands) times the largest channel scale (3)
+SERVED_TOLERANCE = 1.2e-2
 
 CASES = {
     "kivi2": lambda: _uniform(2, 2),
@@ -94,6 +99,16 @@ def filled(case: str, lengths: list[int], device="cuda"):
 
 def _inv_freq() -> torch.Tensor:
     return 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+
+
+def served_decode(query, launches, kv_heads, scaling, offsets, inv_freq, rows: list | None = None):
+    """kernels.decode_attention with the tensor-core kernel over every launch's body (it must serve them all), as the
+    cache runs it; rows collects the body rows it took per sequence."""
+    served = [tensor_core.serve(segments, query.shape[1], kv_heads, query.shape[2], inv_freq) for segments in launches]
+    assert all(served), "the tensor-core kernel serves every launch's body"
+    if rows is not None:
+        rows.extend(row for body in served for row in body.rows(query.shape[0]))
+    return kernels.decode_attention(query, launches, kv_heads, scaling, offsets, inv_freq, served=served)
 
 
 def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
