@@ -187,10 +187,12 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Varia
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
 
-# and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4)
+# and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4), and Cocktail's int4
+# chunk group (GQA 2)
 SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
-                   "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True)}
+                   "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True),
+                   "cocktail": Variant(128, 4, G, G, 2)}
 
 
 @pytest.fixture(scope="session")
@@ -219,8 +221,8 @@ def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
     return launched
 
 
-def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> torch.Tensor:
-    """Logits of the decode steps after a prefill of `prompt` tokens: ids[:, prompt:] one token at a time."""
+def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> tuple[torch.Tensor, object]:
+    """(logits of the decode steps after a prefill of `prompt` tokens: ids[:, prompt:] one token at a time, the cache)."""
     from kvcal.runtime import quantized_cache
 
     logits = []
@@ -279,3 +281,11 @@ def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
     assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name}
     assert bool(with_tensor_cores) == any(rows) and (any(rows) or lengths != SHORT)  # the short batch reaches the body
+
+
+def test_emulated_tensor_core_kernel_serves_cocktails_int4_chunks(with_tensor_cores):
+    """Cocktail's chunk groups with the tensor-core kernel over the int4 group (the int2 group, in groups of 32
+    channels, and the fp16 chunks stay with the CUDA-core kernel): the reference's attention."""
+    stores, batch = cocktail_stores(device="cpu")
+    compare(*stores, batch, group=2, pre_rope=False, device="cpu", decode=served_decode, atol=SERVED_TOLERANCE)
+    assert with_tensor_cores and set(with_tensor_cores) == {SERVED_VARIANTS["cocktail"].name}

@@ -52,9 +52,11 @@ def test_decode_attention_serves_every_gqa_group_size(case, group):
 
 @gpu
 def test_cocktail_chunks_of_three_widths_are_one_attention():
-    """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens."""
+    """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens; and with
+    the tensor-core kernel over the int4 group, as the cache runs it."""
     stores, batch = cocktail_stores()
     compare(*stores, batch, group=4, pre_rope=False)
+    compare(*stores, batch, group=4, pre_rope=False, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
 @gpu
