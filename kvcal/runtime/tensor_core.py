@@ -483,8 +483,8 @@ def enabled() -> bool:
 def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
           attention_scaling: float = 1.0) -> ServedBody | None:
     """The tensor-core kernel's share of a cache launch, or None where it serves no body of it (fp16 only, a codec or
-    layout it does not serve, outliers, a head_dim or GQA group outside its variants). inv_freq: the keys are
-    pre-RoPE."""
+    layout it does not serve, outliers with post-RoPE keys, a head_dim or GQA group outside its variants). inv_freq:
+    the keys are pre-RoPE."""
     keys, values = segments.keys[1], segments.values[1]
     if keys is None or values is None or heads % kv_heads:
         return None
