@@ -6,8 +6,9 @@
   tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
   (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
   keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
-  planes3), within 4e-3; pre-RoPE keys rotated at float64 angles in the reference, sequences starting at positions
-  past 100K and past 2^24, and one split of 65 stages;
+  planes3, at head_dim 64 too), with 1% and crowded outliers kept exact (pre-RoPE keys), within 4e-3; pre-RoPE keys
+  rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
+  of 65 stages;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
