@@ -189,8 +189,8 @@ class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
     warps stream stages of 64 tokens through a cp.async pipeline; in each iteration of the tile loop every thread
     issues its share of the next stage's copies and warp w computes 16 of the stage's tokens with mma. So one
-    iteration serves 16 tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64 tiles, and no
-    running maximum growing (its rescale is skipped; at 32K tokens a new maximum is rare)."""
+    iteration serves 16 tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64
+    tiles, and no running maximum growing (its rescale is skipped; at 32K tokens a new maximum is rare)."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
@@ -243,10 +243,8 @@ class TensorCoreKernel:
         return sum(min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) for r in range(math.ceil(n / THREADS))) / WARPS
 
     def inner_loops(self, case: Case) -> list:
-        """Everything else in the tile loop unrolls. Shared-memory float atomicAdd is a compare-and-swap loop: one
-        round without contention."""
-        return [(r"for \(int i = lo \+ tid; i < hi; i \+= THREADS\)", self.outlier_rounds(case), None),
-                (r"atomicAdd\(", 1, None)]
+        """The outlier loop; everything else in the tile loop unrolls."""
+        return [(r"for \(int i = lo \+ tid; i < hi; i \+= THREADS\)", self.outlier_rounds(case), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
@@ -285,14 +283,12 @@ class TensorCoreKernel:
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
-            (r"if \(tile > 0\) value_outliers", 1.0),
             # outliers: thread 0 writes a stage's ranges; threads 0-95 copy a chunk each (chunk 0 of every array is live)
             (r"if \(tid == 0\)", 1 / WARPS),
             (r"if \(tid < 4 \* CHUNKS\)", 3 / WARPS),
             (r"if \(i < min\(r\.hi, base \+ S::OUT_SLOTS\)\)", 1.0),
             (r"if \(tile >= r\.tiles\) return", 0.0),
             (r"if \(token < live\) apply", 1.0),
-            (r"if \(g < GQA\)", 1.0),  # lanes of the group's heads
         )
 
 

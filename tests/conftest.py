@@ -184,23 +184,29 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
     return bundles
 
 
+def profile_of(model_dir, corpus, folder: Path) -> Path:
+    """`kvcal profile-gradients` of a tiny model on the tiny corpus (4 x 64 tokens), written into folder."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    profile = folder / "profile.safetensors"
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model_dir), "--dataset", str(corpus), "--nsamples", "4",
+                                      "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(profile)])
+    assert result.exit_code == 0, result.output
+    return profile
+
+
 @pytest.fixture(scope="session")
 def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """The default kvquant recipe (nuq3, 1% outliers, pre-RoPE keys) for a tiny Llama with head_dim 128: planes3 codes
     the tensor-core kernel serves at that head_dim."""
-    from typer.testing import CliRunner
-
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
-    from kvcal.cli import app
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     folder = tmp_path_factory.mktemp("head-dim-128")
-    profile = folder / "profile.safetensors"
-    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(tiny_model_dir("llama", head_dim=128)), "--dataset",
-                                      str(tiny_corpus), "--nsamples", "4", "--seqlen", "64", "--max-tokens-per-layer", "200",
-                                      "--out", str(profile)])
-    assert result.exit_code == 0, result.output
+    profile = profile_of(tiny_model_dir("llama", head_dim=128), tiny_corpus, folder)
     nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 
@@ -209,20 +215,13 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
     nuq4-1% and kivi4-g32 are bodies the tensor-core kernel serves."""
-    from typer.testing import CliRunner
-
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
-    from kvcal.cli import app
     from kvcal.methods.kivi import KiviSettings
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     folder = tmp_path_factory.mktemp("head-dim-64")
-    model = tiny_model_dir("llama", head_dim=64)
-    profile = folder / "profile.safetensors"
-    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus), "--nsamples", "4",
-                                      "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(profile)])
-    assert result.exit_code == 0, result.output
+    profile = profile_of(tiny_model_dir("llama", head_dim=64), tiny_corpus, folder)
     nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))

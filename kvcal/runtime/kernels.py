@@ -394,10 +394,10 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         meta = step.meta([row + [s] for row, s in zip(key_lengths, skip)], [row + [s] for row, s in zip(value_lengths, skip)])
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
                       math.ceil(longest / per_split)))
-    total = sum(plan[-1] for plan in plans) + sum(splits for splits, _ in body_plans)
+    first = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
+    total = first + sum(splits for splits, _ in body_plans)
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
-    first = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
     tensor_core_launches = []
     for splits, bind in body_plans:
         tensor_core_launches.append(bind(first, out_partial, lse_partial))

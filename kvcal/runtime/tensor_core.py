@@ -449,10 +449,7 @@ class ServedBody:
         v, device = self.variant, query.device
         shared = v.shared_bytes()
         per_split, splits = split_plan(rows, batch * kv_heads, _slots(v.name, shared, device.index or 0))
-        meta_list = [[0, n, p if v.rope else 0, k, v_rows]
-                     for n, p, k, v_rows in zip(rows, positions, self.keys.length, self.values.length)]
-        if v.rope and any(p < 0 or p + n >= 2**29 for _, n, p, _, _ in meta_list):
-            raise KvcalError("the tensor-core kernel rotates pre-RoPE keys at positions below 2^29")
+        meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None)
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)
         if key not in self._constants:
