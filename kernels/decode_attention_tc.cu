@@ -50,10 +50,12 @@
 //    fma.f16x2 per pair) before rotating.
 //  Outliers (OUT: codebooks with pre-RoPE keys, kvcal/packing.py's outlier tiles of ST rows = one stage): each stage
 //    copies its tile's positions and values per side (up to OUT_SLOTS; a crowded tile's rest is read from global
-//    memory). After the stage lands, all threads write each outlier's patch, exact - dequantized in fp16, into a
-//    stage-sized tile per side that is zero elsewhere (every element is one outlier: no conflicts, no atomics); a
-//    barrier; then each lane adds the key patch at its elements after dequantizing, before rotating (one add.f16x2 per
-//    pair), and each warp adds the value patch as one more mma per m-tile with P unscaled, zeroing what it read.
+//    memory). After the stage lands, all threads write each outlier's patch into a stage-sized tile per side (every
+//    element is one outlier: no conflicts, no atomics); a barrier; then each lane dequantizes its keys with the key
+//    tile as the addend, code * scale + (zero + patch) in the fma.f16x2 it needs anyway, before rotating: the key tile
+//    holds the channel's zero point where no outlier is and exact - code * scale where one is. Each warp adds the
+//    value patch (exact - dequantized, zero elsewhere) as one more mma per m-tile with P unscaled. Readers restore
+//    what they read (the zero points, zeros).
 #include "intrinsics.cuh"
 
 namespace tc {
@@ -116,11 +118,16 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
 __device__ __forceinline__ unsigned hadd2(unsigned a, unsigned b) { return hfma2_bits(a, 0x3C003C00u, b); }  // a x 1 + b
 
-// N words (a multiple of 4) of shared memory set to zero, 16 bytes a store.
+// N words (a multiple of 4) of shared memory set to zero, or to w, 16 bytes a store.
 template <int N>
 __device__ __forceinline__ void zero_words(void* p) {
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) static_cast<uint4*>(p)[i] = uint4{};
+}
+template <int N>
+__device__ __forceinline__ void store_words(void* p, const unsigned* w) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) static_cast<uint4*>(p)[i] = uint4{w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]};
 }
 
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
@@ -190,9 +197,9 @@ struct Shape {
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    // outliers: a stage's patches (exact - dequantized, fp16, zero elsewhere) of keys [token][D] and values [token
-    // pair][D] {even token, odd token}; per key channel the dequantized first and last codes (fp32)
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 2 * D * 4 : 0;
+    // outliers: a stage's patches of keys [token][D] and values [token pair][D] {even token, odd token}; per key
+    // channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
                                       CB_KP_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
@@ -203,6 +210,7 @@ struct Shape {
     static constexpr int MIN_BLOCKS =
         FP16 || OUT || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
+    static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
@@ -339,14 +347,27 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
     }
 }
 
+// Half index of (token in the stage, channel c) in the value patch tile (OUT; one value group, so channel c is lane
+// g = c / (D / 8)'s code c % (D / 8), value_channel): 16-byte chunks [warp][m-tile][lane], the chunk of lane (g, t) its
+// A fragment {rows g, g + 8} x {tokens 2t, 2t + 1 | 2t + 8, 2t + 9}, one word per token pair. A warp reads an m-tile's
+// 32 chunks at once, 512 consecutive bytes: no bank conflicts, no address arithmetic per m-tile.
+template <int D>
+__device__ __forceinline__ int value_patch_half(int token, int c) {
+    constexpr int LANE_V = D / 8, MTILES = D / 16;
+    const int warp = token >> 4, pair = (token >> 1) & 7, t = pair & 3, upper = pair >> 2;
+    const int g = c / LANE_V, j = c % LANE_V;
+    return ((((warp * MTILES + (j >> 1)) * 32 + g * 4 + t) * 4 + upper * 2 + (j & 1)) << 1) | (token & 1);
+}
+
 // One side's outliers of the block's (sequence, KV head) (kvcal/packing.py): positions (uint16: token in the tile of
 // ST rows x D + channel) and fp16 values in append order, the offset table per tile, the count; tiles: those started.
-struct OutlierRun {
+struct OutlierRun {  // 32 bytes
     const unsigned short* positions;
     const unsigned short* values;
     const int* offsets;
     int count, tiles;
 };
+static_assert(sizeof(OutlierRun) == 32, "Shape's OUT_SCRATCH_BYTES holds two");
 struct OutlierRange {
     int lo, hi;
 };
@@ -417,18 +438,21 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
     // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages); the ranges of the
-    // next stage to issue are loaded an issue ahead
+    // next stage to issue are loaded an issue ahead. The two sides' runs live in shared memory (the last bytes of the
+    // pipeline's area): held in registers through the loop, they pushed the kernel to its register limit
     const int out_tile0 = start / ST;
-    OutlierRun k_outliers{}, v_outliers{};
+    OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
     OutlierRange k_next{0, 0}, v_next{0, 0};
     if constexpr (OUT) {
         const long long run = (long long)b * kv_heads + kvh;
-        k_outliers = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts, run,
-                                 k_outlier_run, k_offset_run, meta[META * b + 3]);
-        v_outliers = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets, value_outlier_counts, run,
-                                 v_outlier_run, v_offset_run, meta[META * b + 4]);
-        k_next = outlier_range(k_outliers, out_tile0);
-        v_next = outlier_range(v_outliers, out_tile0);
+        const OutlierRun k_run = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts,
+                                             run, k_outlier_run, k_offset_run, meta[META * b + 3]);
+        const OutlierRun v_run = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets,
+                                             value_outlier_counts, run, v_outlier_run, v_offset_run, meta[META * b + 4]);
+        if (tid == 0) out_runs[0] = k_run, out_runs[1] = v_run;
+        k_next = outlier_range(k_run, out_tile0);
+        v_next = outlier_range(v_run, out_tile0);
+        __syncthreads();  // out_runs written before the first issue reads them
     }
 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
@@ -482,13 +506,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (tid < 4 * CHUNKS) {
                 const int array = tid / CHUNKS, chunk = tid % CHUNKS;
                 const OutlierRange r = array < 2 ? k_next : v_next;
-                const unsigned short* const source = array == 0 ? k_outliers.positions : array == 1 ? k_outliers.values
-                                                   : array == 2 ? v_outliers.positions : v_outliers.values;
+                const OutlierRun& run = out_runs[array >> 1];
+                const unsigned short* const source = array & 1 ? run.values : run.positions;
                 const int base = r.lo & ~7, i = base + chunk * 8;
                 if (i < min(r.hi, base + S::OUT_SLOTS)) cp_async_16(area + 16 + array * (S::OUT_SLOTS * 2) + chunk * 16, source + i, 16);
             }
-            k_next = outlier_range(k_outliers, out_tile0 + tile + 1);
-            v_next = outlier_range(v_outliers, out_tile0 + tile + 1);
+            k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
+            v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
         }
         k_tile += ST * k_row;
         v_tile += ST * v_row;
@@ -557,9 +581,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned* const key_lut = luts;
     const unsigned* const value_lut = luts + S::LUT_WORDS;
     unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(luts + 2 * S::LUT_WORDS);  // codebooks' one key block
-    // outliers (OUT): the stage's patches, exact - dequantized in fp16 where an outlier is and zero elsewhere: keys
-    // [token][D] halves, values [token pair][D] words {even token, odd token}; per key channel the dequantized first and
-    // last codes (fp32)
+    // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
+    // exact - code * scale; values [token pair][D] words {even token, odd token}, exact - dequantized at an outlier and
+    // zero elsewhere; per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
+    // unused} (fp32)
     unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES);
     unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);
     float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
@@ -650,7 +675,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // its patch is the exact value minus that entry dequantized (clamped to fp16's range).
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        for (int i = tid; i < ST * D / 4; i += THREADS) reinterpret_cast<uint4*>(key_patch)[i] = uint4{};  // both patches
+        const uint4* const zeros = reinterpret_cast<const uint4*>(key_zero + (long long)kvh * D);  // D / 8 chunks a row
+        for (int i = tid; i < ST * D / 8; i += THREADS) {
+            reinterpret_cast<uint4*>(key_patch)[i] = __ldg(zeros + i % (D / 8));
+            reinterpret_cast<uint4*>(value_patch)[i] = uint4{};
+        }
         constexpr int LAST = BITS == 4 ? 255 : 63;  // codebook_pairs' index of {last, last}
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
@@ -658,8 +687,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int c = tid; c < D; c += THREADS) {
             const long long channel = (long long)kvh * D + c;
             const float scale = fmaxf(half_to_float(key_scale[channel]), 5.9604644775390625e-8f), zero = half_to_float(key_zero[channel]);
-            key_extremes[2 * c] = key_first * scale + zero;
-            key_extremes[2 * c + 1] = key_last * scale + zero;
+            key_extremes[4 * c] = 0.5f * (key_first + key_last) * scale + zero;
+            key_extremes[4 * c + 1] = key_first * scale;
+            key_extremes[4 * c + 2] = key_last * scale;
         }
     }
     // outliers of side 0 (keys) or 1 (values) of stage `st` in its live tokens: apply(token in the stage, channel, exact
@@ -676,7 +706,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (i - base < S::OUT_SLOTS) {
                 position = staged[i - base], value = staged[S::OUT_SLOTS + i - base];
             } else {
-                const OutlierRun run = side ? v_outliers : k_outliers;  // a copy: a reference would put both in local memory
+                const OutlierRun& run = out_runs[side];
                 position = __ldg(run.positions + i), value = __ldg(run.values + i);
             }
             const int token = (int)(position / D);
@@ -690,15 +720,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // conflicts), read and zeroed again by the warp that owns the token
     auto patch_stage = [&](int st) {
         for_stage_outliers(st, 0, [&](int token, int c, float x) {
-            const float first_code = key_extremes[2 * c], last_code = key_extremes[2 * c + 1];
-            key_patch[token * D + c] = patch_half(x - (x > 0.5f * (first_code + last_code) ? last_code : first_code));
+            const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
+            key_patch[token * D + c] = patch_half(x - (x > e.x ? e.z : e.y));
         });
         const unsigned short* const vp =
             reinterpret_cast<const unsigned short*>(smem + (st % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES);
         for_stage_outliers(st, 1, [&](int token, int c, float x) {
             const float lo = half_to_float(vp[token]), hi = half_to_float(vp[ST + token]);
             const float scale = fmaxf((hi - lo) * 0.5f, 1e-8f), zero = (hi + lo) * 0.5f;
-            reinterpret_cast<unsigned short*>(value_patch)[((token >> 1) * D + c) * 2 + (token & 1)] =
+            reinterpret_cast<unsigned short*>(value_patch)[value_patch_half<D>(token, c)] =
                 patch_half(x - ((x > zero ? value_last : value_first) * scale + zero));
         });
     };
@@ -841,18 +871,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         load_words(w, rope_smem + rope_pair_word<D>(delta, t, 2 * j));
                         cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
                     }
-                    unsigned pa[HP], pb[HP];  // outliers: exact - dequantized at the lane's elements (zero elsewhere)
+                    unsigned za[HP], zb[HP];  // the addends: zero points (outliers: the key tile's zero + patch)
                     if constexpr (OUT) {
                         unsigned short* const patch = key_patch + delta * D + t * (D / 8);
-                        load_words(pa, patch);
-                        load_words(pb, patch + D / 2);
-                        zero_words<HP>(patch);
-                        zero_words<HP>(patch + D / 2);
+                        load_words(za, patch);
+                        load_words(zb, patch + D / 2);
+                        store_words<HP>(patch, kz2);
+                        store_words<HP>(patch + D / 2, kz2 + HP);
+                    } else {
+#pragma unroll
+                        for (int q = 0; q < HP; ++q) za[q] = kz2[q], zb[q] = kz2[HP + q];
                     }
 #pragma unroll
                     for (int q = 0; q < HP; ++q) {
-                        unsigned a = hfma2_bits(kf[q], ks2[q], kz2[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], kz2[HP + q]);
-                        if constexpr (OUT) a = hadd2(a, pa[q]), r = hadd2(r, pb[q]);
+                        const unsigned a = hfma2_bits(kf[q], ks2[q], za[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], zb[q]);
                         const unsigned c = cs[2 * q], s = cs[2 * q + 1];
                         kf[q] = hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));  // a cos - b sin
                         kf[HP + q] = hfma2_bits(r, c, hmul2(a, s));                 // b cos + a sin
@@ -984,18 +1016,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
                     }
                 }
-                if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled), from the patch rows of the lane's
-                    // token pairs (tokens 2t, 2t + 1 and 2t + 8, 2t + 9) at its channels in value_channel's order
+                if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
+                    // 16-byte load of the lane's chunk (value_patch_half), zeroed after
                     const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
-                    unsigned* const rows = value_patch + (tb / 2 + t) * D + g * S::LANE_V;
-                    unsigned w0[S::LANE_V], w1[S::LANE_V];
-                    load_words(w0, rows);
-                    load_words(w1, rows + 4 * D);
-                    zero_words<S::LANE_V>(rows);
-                    zero_words<S::LANE_V>(rows + 4 * D);
+                    uint4* const chunks = reinterpret_cast<uint4*>(value_patch) + warp * MTILES * 32 + lane;
 #pragma unroll
                     for (int mt = 0; mt < MTILES; ++mt) {
-                        const unsigned a[4] = {w0[2 * mt], w0[2 * mt + 1], w1[2 * mt], w1[2 * mt + 1]};
+                        const uint4 w = chunks[mt * 32];
+                        chunks[mt * 32] = uint4{};
+                        const unsigned a[4] = {w.x, w.y, w.z, w.w};
                         mma_m16n8k16_f16(o[mt], a, bp);
                     }
                 }

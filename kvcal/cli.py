@@ -244,6 +244,7 @@ def fit_nuq_command(
     target_bits: Optional[float] = typer.Option(None, help="Choose each layer's K and V width (2-4) instead of --bits: the least Fisher-weighted error within this many real (stored) bits per element."),
     outliers: float = typer.Option(0.01, help="Fraction of elements kept exact in fp16 (dense-and-sparse), in [0, 0.1]."),
     sink: int = typer.Option(1, help="Leading tokens kept fp16 and left out of calibration; at least the profile's sink."),
+    window: int = typer.Option(0, help="Most recent tokens kept fp16 (sliding window): 16 bits per element each, counted in the real bits `eval` reports; --target-bits budgets the quantized tokens only."),
     qnorm: str = typer.Option("auto", help="Q-Norm of the codebooks: auto (on at 2 bits or fewer), on, off."),
     key_granularity: str = typer.Option("channel", help="Key thresholds: channel (fixed from calibration, KVQuant) or token (online; ablation)."),
     key_rope: str = typer.Option("pre", help="Quantize keys pre-RoPE (KVQuant) or post-RoPE (ablation)."),
@@ -256,7 +257,7 @@ def fit_nuq_command(
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, outliers=outliers, sink=sink,
-                           qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting,
+                           window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting,
                            seed=seed)
     suffix = "-kvmix" if bits_from_profile else f"-fisher{target_bits:g}" if target_bits is not None else str(bits)
     _fit_layers(profile, out or profile.parent / f"nuq{suffix}.safetensors",

@@ -5,7 +5,9 @@ online, ablation). Values: per-token thresholds computed online across all KV he
 Thresholds are the 1-t and t percentiles with t = 1 - outliers/2; elements outside are kept exactly
 (dense-and-sparse). One codebook of 2^bits signposts per layer for K and one for V, fit on the
 normalized inliers by k-means weighted by the Fisher information; Q-Norm re-centres it so the
-dequantized inliers keep the calibration mean and standard deviation. The first `sink` tokens stay fp16.
+dequantized inliers keep the calibration mean and standard deviation. The first `sink` tokens stay fp16, and
+so do the most recent `window` tokens (a sliding window, as SKVQ and KIVI's residual keep): at short
+contexts the recent tokens carry much of the attention, and each costs 16 bits per element instead of ~4.
 
 Widths: one for every layer (--bits), the profile's KVmix allocation (--bits-from-profile), or chosen per
 layer and per K/V to a budget of real bits (--target-bits, KVQuant's sensitivity): every tensor is fit at
@@ -52,6 +54,7 @@ class NuqSettings:
     target_bits: float | None = None  # real bits per element: per-layer widths by the Fisher knapsack
     outliers: float = 0.01
     sink: int = 1
+    window: int = 0  # most recent tokens kept fp16 (the fit is the same; the runtime and simulation keep them)
     qnorm: str = "auto"  # auto = on at 2 bits or fewer
     key_granularity: str = "channel"  # channel (KVQuant) or token (ablation)
     key_rope: str = "pre"  # pre (KVQuant) or post (ablation)
@@ -72,6 +75,8 @@ class NuqSettings:
             raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
         if self.sink < 0:
             raise KvcalError(f"--sink must be 0 or more (got {self.sink})")
+        if self.window < 0:
+            raise KvcalError(f"--window must be 0 or more (got {self.window})")
         for name, value, allowed in (("qnorm", self.qnorm, ("auto", "on", "off")),
                                      ("key-granularity", self.key_granularity, ("channel", "token")),
                                      ("key-rope", self.key_rope, ("pre", "post")),
@@ -281,4 +286,6 @@ def nuq_name(nuq: dict) -> str:
         tags.append(f"Q-Norm {nuq['qnorm']}")
     if nuq["sink"] != 1:
         tags.append(f"sink {nuq['sink']}")
+    if nuq.get("window"):  # artifacts fit before the window setting have none
+        tags.append(f"window {nuq['window']}")
     return name + (" [" + ", ".join(tags) + "]" if tags else "")

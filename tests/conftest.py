@@ -184,6 +184,19 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
     return bundles
 
 
+@pytest.fixture(scope="session")
+def windowed_kvquant_bundle(tiny_profile, tmp_path_factory):
+    """A kvquant bundle of the tiny Llama (nuq3, 1% outliers) keeping its 8 most recent tokens fp16."""
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+
+    _, profile = tiny_profile
+    folder = tmp_path_factory.mktemp("windowed-nuq")
+    nuq = write_nuq(folder / "nuq3-w8.safetensors", *fit_nuq(str(profile), NuqSettings(window=8)))
+    return write_bundle(folder / "kvquant-w8.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
+
+
 def profile_of(model_dir, corpus, folder: Path) -> Path:
     """`kvcal profile-gradients` of a tiny model on the tiny corpus (4 x 64 tokens), written into folder."""
     from typer.testing import CliRunner

@@ -43,6 +43,11 @@ def test_5_to_8_bit_codes_decode_to_the_simulation(wide_nuq_bundles, bits, decod
     assert_runtime_logits_match_the_simulation(wide_nuq_bundles[bits])
 
 
+def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle, decode_path):
+    """fit-nuq --window: the sliding window leaves fp16 storage one token per step, as the simulation quantizes it."""
+    assert_runtime_logits_match_the_simulation(windowed_kvquant_bundle)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of

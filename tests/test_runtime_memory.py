@@ -51,6 +51,11 @@ def test_bits_are_bytes_for_5_to_8_bit_codes(wide_nuq_bundles, bits):
     assert (layer.k_bits, layer.v_bits) == (bits, bits)
 
 
+def test_bits_are_bytes_with_a_recent_fp16_window(windowed_kvquant_bundle):
+    assert_bits_are_bytes(windowed_kvquant_bundle, TOKENS, True)
+    assert load_bundle(windowed_kvquant_bundle).layers[0].window == 8
+
+
 def test_the_formula_counts_every_outlier_byte_and_offset_entry():
     """A nuq layer keeping outliers: 4 bytes per outlier and per (KV head, started tile of body rows) entry."""
     layer = LayerRecipe("nuq", 3, 3, True, sink=1, outliers=0.01)

@@ -281,14 +281,15 @@ MUTANTS = {
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
     "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
     # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them
-    "outlier-extreme-code": ("nuq4-out-rope", "? last_code : first_code", "? first_code : last_code", "3"),
-    "outlier-key-patch-half": ("nuq3-out-rope", "load_words(pb, patch + D / 2);", "load_words(pb, patch);", "3"),
-    "outlier-value-token-pair": ("nuq3-out-rope", "((token >> 1) * D + c) * 2 + (token & 1)", "((token >> 1) * D + c) * 2 + 1 - (token & 1)", "3"),
+    "outlier-extreme-code": ("nuq4-out-rope", "(x > e.x ? e.z : e.y)", "(x > e.x ? e.y : e.z)", "3"),
+    "outlier-key-patch-half": ("nuq3-out-rope", "load_words(zb, patch + D / 2);", "load_words(zb, patch);", "3"),
+    "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<HP>(patch + D / 2, kz2 + HP);", "store_words<HP>(patch + D / 2, kz2);", "3"),
+    "outlier-value-token-pair": ("nuq3-out-rope", "<< 1) | (token & 1);", "<< 1) | (~token & 1);", "3"),
     "nuq3-quarter-low-bits": ("nuq3-rope", "row[3 * unit + half] >> (16 * quarter)", "row[3 * unit + half] >> (16 * (quarter ^ 1))",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
-    "outlier-value-channels": ("nuq4-out-rope", "{w0[2 * mt], w0[2 * mt + 1], w1[2 * mt], w1[2 * mt + 1]}",
-                               "{w0[2 * mt + 1], w0[2 * mt], w1[2 * mt + 1], w1[2 * mt]}", "3"),
+    "outlier-value-channels": ("nuq4-out-rope", "{w.x, w.y, w.z, w.w}", "{w.y, w.x, w.w, w.z}", "3"),
+    "outlier-value-lanes": ("nuq4-out-rope", "* 32 + g * 4 + t) * 4", "* 32 + t * 8 + g) * 4", "3"),
 }
 
 

@@ -64,7 +64,7 @@ class KvquantSpec(MethodSpec):
     bundle_format = NUQ.name
     fit_command = "kvcal fit-nuq"
     per_layer_widths = False  # mixed: per-layer widths (fit-nuq --target-bits, or --bits-from-profile)
-    settings_version = 2  # 2: NuqSettings.target_bits
+    settings_version = 3  # 2: NuqSettings.target_bits, 3: NuqSettings.window
 
     def calibrate_settings(self, bits):
         return NuqSettings(bits=3 if bits is None else bits)
@@ -83,18 +83,18 @@ class KvquantSpec(MethodSpec):
             raise KvcalError(f"recipe {self.name} needs a nuq artifact fit {'with' if self.per_layer_widths else 'without'} "
                              "per-layer widths (--bits-from-profile or --target-bits)")
         layers = [LayerRecipe(NUQ.name, nuq["bits_k"][i], nuq["bits_v"][i], nuq["key_rope"] == "pre", sink=nuq["sink"],
-                              outliers=nuq["outliers"], key_granularity=nuq["key_granularity"]) for i in range(len(nuq["bits_k"]))]
+                              window=nuq.get("window", 0), outliers=nuq["outliers"], key_granularity=nuq["key_granularity"]) for i in range(len(nuq["bits_k"]))]
         return layers, tensors
 
     def artifact_method(self, tensors, config, path):
         nuq = config["nuq"]
         bits = nuq["bits_k"] + nuq["bits_v"]
-        return Method(nuq_name(nuq), sum(bits) / len(bits), nuq_layers(tensors, config, path), SegmentPolicy(sink=nuq["sink"]),
+        return Method(nuq_name(nuq), sum(bits) / len(bits), nuq_layers(tensors, config, path), SegmentPolicy(sink=nuq["sink"], window=nuq.get("window", 0)),
                       fingerprint=config["model"]["fingerprint"])
 
     def summarize_artifact(self, tensors, config):
         nuq = config["nuq"]
-        settings = (f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
+        settings = (f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, window {nuq.get('window', 0)}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
                     f"codebook {nuq['codebook']}, weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}")
         if nuq.get("knapsack"):  # widths chosen by fit-nuq --target-bits
             chosen = [nuq["knapsack"][f"{i}.{kind}"][str(b)][1] for kind in ("k", "v") for i, b in enumerate(nuq[f"bits_{kind}"])]

@@ -96,9 +96,9 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         lut = 2 * 256 * 4 + 4 * d if self.codebook else 0  # the tables and the keys' one block of parameters
         outliers = 0
-        if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, extremes
-            stage += 16 + 4 * OUTLIER_SLOTS * 2
-            outliers = 2 * STAGE_TOKENS * d * 2 + 2 * d * 4
+        if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, 4
+            stage += 16 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions
+            outliers = 2 * STAGE_TOKENS * d * 2 + 4 * d * 4 + 2 * 32
         return max(stages * stage + query + rope + lut + outliers, merge)
 
 
