@@ -80,6 +80,13 @@ def catalog(seed: int) -> list[Entry]:
     # the same with a uniform codebook (`fit-nuq --codebook uniform`: thresholds calibrated, no k-means)
     for bits, outliers in ((3, 0.01), (4, 0.01), (4, 0.0), (5, 0.0), (5, 0.001), (6, 0.001), (8, 0.001)):
         entries.append(Entry(f"uq{bits}-{outliers * 100:g}%", CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "seed": seed, "codebook": "uniform"}))
+    # with the newest tokens kept fp16 (`fit-nuq --window`): at 512-token contexts they carry much of the attention, and
+    # 4 of them cost 0.1 bits; wider windows under KIVI's bits (its fp16 residual of 32 / 128 tokens)
+    for bits, outliers, window, codebook in ((4, 0.01, 4, "nuq"), (3, 0.01, 4, "nuq"), (2, 0.01, 4, "nuq"), (4, 0.01, 28, "uniform"),
+                                             (4, 0.01, 32, "uniform"), (4, 0.01, 80, "uniform"), (5, 0.001, 32, "uniform")):
+        name = f"{'uq' if codebook == 'uniform' else 'nuq'}{bits}-{outliers * 100:g}%-w{window}"
+        entries.append(Entry(name, CALIBRATED, "nuq", {"bits": bits, "outliers": outliers, "window": window, "seed": seed, "codebook": codebook},
+                             ("windowed",)))
     entries.append(Entry("mixed", CALIBRATED, "nuq", {"target_bits": 3.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("mixed-4.0", CALIBRATED, "nuq", {"target_bits": 4.0, "outliers": 0.01, "seed": seed}))
     entries.append(Entry("mixed-3.55", CALIBRATED, "nuq", {"target_bits": 3.55, "outliers": 0.01, "seed": seed}))  # passkey at <= 3.6 bits
