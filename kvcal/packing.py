@@ -57,13 +57,14 @@ def layout_for(bits: float) -> str:
     return f"planes{int(bits)}" if bits in PLANE_WIDTHS else "lsb"
 
 
-def _is_planes(layout: str) -> bool:
+def is_planes(layout: str) -> bool:
+    """Whether `layout` stores its codes as bit-planes (planesN)."""
     return layout in LAYOUTS and layout.startswith("planes")
 
 
 def _check_width(bits: float, layout: str) -> None:
     """Refuse codes of a width the layout does not hold (planesN: N bits, kvmix10x3+1x2: 3 bits)."""
-    held = int(layout[len("planes"):]) if _is_planes(layout) else 3
+    held = int(layout[len("planes"):]) if is_planes(layout) else 3
     if bits != held:
         raise KvcalError(f"layout {layout} holds {held}-bit codes, not {bits}-bit")
 
@@ -78,7 +79,7 @@ def _slots(bits: int, layout: str) -> list[tuple[int, int]]:
     if layout == "kvmix10x3+1x2":
         _check_width(bits, layout)
         return [(3 * i, 3) for i in range(10)] + [(30, 2)]
-    if _is_planes(layout):
+    if is_planes(layout):
         raise KvcalError(f"layout {layout} packs 32 codes in {layout[6:]} words, not a number of codes per word (see unit_shape)")
     raise KvcalError(f"unknown packing layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
 
@@ -89,7 +90,7 @@ def codes_per_word(bits: float, layout: str = "lsb") -> int:
 
 def unit_shape(bits: float, layout: str = "lsb") -> tuple[int, int]:
     """(words, codes) of one packing unit: rows are padded to whole units."""
-    if _is_planes(layout):
+    if is_planes(layout):
         _check_width(bits, layout)
         return int(bits), PLANES_CODES
     return 1, codes_per_word(bits, layout)
@@ -165,7 +166,7 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
     if padded.numel() and (padded.min() < 0 or padded.max() >= limit):
         raise ValueError(f"codes outside [0, {limit}) cannot be packed in layout {layout}")
     grouped = padded.view(*codes.shape[:-1], units, per_unit)
-    if _is_planes(layout):
+    if is_planes(layout):
         words = pack_planes(grouped, int(bits)).flatten(-2)
     elif layout == "ternary20":
         words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
@@ -181,7 +182,7 @@ def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: float, length: int, layout: str = "lsb") -> torch.Tensor:
     """int32 words (..., w) -> codes (..., length) as int64."""
     unsigned = words.to(torch.int64) & 0xFFFFFFFF
-    if _is_planes(layout):
+    if is_planes(layout):
         words_per_unit, _ = unit_shape(bits, layout)
         codes = unpack_planes(unsigned.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
     elif layout == "ternary20":

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, _slots, check_outlier_head_dim, layout_for, outlier_table_bytes,
-                           pack_planes, packed_words, unit_shape, unpack, unpack_planes)
+from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, _slots, check_outlier_head_dim, is_planes, layout_for,
+                           outlier_table_bytes, pack_planes, packed_words, unit_shape, unpack, unpack_planes)
 from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
@@ -100,7 +100,7 @@ def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     if layout == "ternary20":
         per_word = 20
         return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
-    if layout.startswith("planes"):
+    if is_planes(layout):
         words_per_unit, _ = unit_shape(bits, layout)
         return unpack_planes(words.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
     shifts, masks = _shifts_and_masks(bits, layout, words.device)
@@ -119,7 +119,7 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
     rows, n = codes.shape
     units = packed_words(n, bits, layout) // words_per_unit
     padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(rows, units, per_unit)
-    if layout.startswith("planes"):
+    if is_planes(layout):
         packed = pack_planes(padded, words_per_unit).view(rows, units * words_per_unit)
     else:
         key = (bits, layout, str(codes.device))
