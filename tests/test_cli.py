@@ -166,6 +166,18 @@ def test_fit_skvq_bad_input(tiny_profile, tmp_path):
     assert result.exit_code == 2 and "--window must be 0 or more" in result.stderr and not out.exists()
 
 
+def test_fit_nuq_with_a_window_then_eval_ppl(tiny_profile, tiny_corpus, tmp_path):
+    model, profile = tiny_profile
+    artifact, bad = tmp_path / "nuq.safetensors", tmp_path / "bad.safetensors"
+    fitted = run("fit-nuq", profile, "--window", 4, "--out", artifact)
+    assert fitted.exit_code == 0, fitted.output
+    result = run("eval", "ppl", "--model", model, "--quant", artifact, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2)
+    assert result.exit_code == 0, result.output
+    assert "nuq3-1% [window 4]" in result.stdout
+    refused = run("fit-nuq", profile, "--window", -1, "--out", bad)
+    assert refused.exit_code == 2 and "--window must be 0 or more" in refused.stderr and not bad.exists()
+
+
 def test_calibrate_runs_every_stage_and_writes_a_bundle(tiny_model_dir, tiny_corpus, tmp_path):
     out = tmp_path / "run" / "bundle.safetensors"
     result = run("calibrate", "--model", tiny_model_dir("mistral"), "--dataset", tiny_corpus, "--nsamples", 2, "--seqlen", 48,
