@@ -197,8 +197,8 @@ struct Shape {
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    // outliers: a stage's patches of keys [token][D] and values [token pair][D] {even token, odd token}; per key
-    // channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
+    // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
+    // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
                                       CB_KP_BYTES + OUT_SCRATCH_BYTES;
@@ -582,8 +582,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned* const value_lut = luts + S::LUT_WORDS;
     unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(luts + 2 * S::LUT_WORDS);  // codebooks' one key block
     // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
-    // exact - code * scale; values [token pair][D] words {even token, odd token}, exact - dequantized at an outlier and
-    // zero elsewhere; per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
+    // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
+    // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
     // unused} (fp32)
     unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES);
     unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);

@@ -257,8 +257,8 @@ def fit_nuq_command(
     from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
 
     settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, outliers=outliers, sink=sink,
-                           window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook, weighting=weighting,
-                           seed=seed)
+                           window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook,
+                           weighting=weighting, seed=seed)
     suffix = "-kvmix" if bits_from_profile else f"-fisher{target_bits:g}" if target_bits is not None else str(bits)
     _fit_layers(profile, out or profile.parent / f"nuq{suffix}.safetensors",
                 fit_nuq, write_nuq, settings)

@@ -83,19 +83,22 @@ class KvquantSpec(MethodSpec):
             raise KvcalError(f"recipe {self.name} needs a nuq artifact fit {'with' if self.per_layer_widths else 'without'} "
                              "per-layer widths (--bits-from-profile or --target-bits)")
         layers = [LayerRecipe(NUQ.name, nuq["bits_k"][i], nuq["bits_v"][i], nuq["key_rope"] == "pre", sink=nuq["sink"],
-                              window=nuq.get("window", 0), outliers=nuq["outliers"], key_granularity=nuq["key_granularity"]) for i in range(len(nuq["bits_k"]))]
+                              window=nuq.get("window", 0), outliers=nuq["outliers"], key_granularity=nuq["key_granularity"])
+                  for i in range(len(nuq["bits_k"]))]
         return layers, tensors
 
     def artifact_method(self, tensors, config, path):
         nuq = config["nuq"]
         bits = nuq["bits_k"] + nuq["bits_v"]
-        return Method(nuq_name(nuq), sum(bits) / len(bits), nuq_layers(tensors, config, path), SegmentPolicy(sink=nuq["sink"], window=nuq.get("window", 0)),
+        policy = SegmentPolicy(sink=nuq["sink"], window=nuq.get("window", 0))  # artifacts fit before --window have none
+        return Method(nuq_name(nuq), sum(bits) / len(bits), nuq_layers(tensors, config, path), policy,
                       fingerprint=config["model"]["fingerprint"])
 
     def summarize_artifact(self, tensors, config):
         nuq = config["nuq"]
-        settings = (f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, window {nuq.get('window', 0)}, keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, "
-                    f"codebook {nuq['codebook']}, weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}")
+        settings = (f"outliers {nuq['outliers']:.2%}, sink {nuq['sink']}, window {nuq.get('window', 0)}, "
+                    f"keys {nuq['key_rope']}-RoPE per-{nuq['key_granularity']}, codebook {nuq['codebook']}, "
+                    f"weighting {nuq['weighting']}, Q-Norm {nuq['qnorm']}")
         if nuq.get("knapsack"):  # widths chosen by fit-nuq --target-bits
             chosen = [nuq["knapsack"][f"{i}.{kind}"][str(b)][1] for kind in ("k", "v") for i, b in enumerate(nuq[f"bits_{kind}"])]
             settings += f"; widths: Fisher knapsack to {nuq['target_bits']:g} real bits, chosen {sum(chosen) / len(chosen):.3f}"
