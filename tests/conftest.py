@@ -227,7 +227,7 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
-    nuq4-1% and kivi4-g32 are bodies the tensor-core kernel serves."""
+    nuq4-1% and kivi4-g32 are bodies the tensor-core kernel serves; kvquant-w8 keeps its 8 newest tokens fp16."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
@@ -236,11 +236,12 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     folder = tmp_path_factory.mktemp("head-dim-64")
     profile = profile_of(tiny_model_dir("llama", head_dim=64), tiny_corpus, folder)
     nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    windowed = write_nuq(folder / "nuq-w8.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3, window=8)))
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
     nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
-    artifacts = {"kvquant": ("kvquant", str(nuq), None), "mixed": ("mixed", str(mixed), None),
-                 "kivi": ("kivi", None, KiviSettings(group=4, residual=8)), "kvmix": ("kvmix", None, None),
+    artifacts = {"kvquant": ("kvquant", str(nuq), None), "kvquant-w8": ("kvquant", str(windowed), None),
+                 "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)), "kvmix": ("kvmix", None, None),
                  "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),
                  "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
     return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))

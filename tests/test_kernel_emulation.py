@@ -180,9 +180,11 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
 
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
 # (post-RoPE int4 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE codebook keys, with
-# and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3), and kvquant at head_dim 128
+# and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3; also with an 8-token fp16
+# window, fit-nuq --window), and kvquant at head_dim 128
 TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
                         "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
+                        "kvquant-w8": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
@@ -197,7 +199,7 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
 
 @pytest.fixture(scope="session")
 def tensor_core_library(tmp_path_factory):
-    variants = [*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()]
+    variants = list(dict.fromkeys([*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()]))  # kvquant-w8 shares kvquant's
     return tensor_core_emulation.build(tmp_path_factory.mktemp("tensor-core"), variants)
 
 
@@ -240,7 +242,8 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
                                                                                         monkeypatch):
     """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
-    keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128), on a left-padded
+    keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, and with an 8-token
+    fp16 window that the CUDA-core kernel serves), on a left-padded
     batch, give the reference runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
     from conftest import tiny_model
 
