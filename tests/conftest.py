@@ -241,7 +241,8 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
     nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
     artifacts = {"kvquant": ("kvquant", str(nuq), None), "kvquant-w8": ("kvquant", str(windowed), None),
-                 "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)), "kvmix": ("kvmix", None, None),
+                 "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)),
+                 "kvmix": ("kvmix", None, None),
                  "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),
                  "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
     return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))

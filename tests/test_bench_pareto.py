@@ -3,26 +3,17 @@ baseline's real bits, and method selection. No model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pareto.py"
+from helpers import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_pareto", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("bench_pareto") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_pareto_front_minimizes_bits_and_ppl(bench):

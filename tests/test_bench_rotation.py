@@ -3,31 +3,21 @@ model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers import benchmark_script
 from kvcal.quantizers import CodebookCodec, uniform_codebook
 from kvcal.rope import rotate_keys
 from kvcal.rotation_codecs import HadamardRotation
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rotation.py"
 HEAD_DIM, HEADS = 16, 2
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_rotation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("bench_rotation") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def samples(rows: int = 200) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Helpers shared by several test modules (test modules never import each other)."""
 
 import collections
+import importlib.util
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -51,3 +53,17 @@ def host_reads(monkeypatch):
         yield callers
     finally:
         monkeypatch.undo()
+
+
+@contextmanager
+def benchmark_script(name: str):
+    """benchmarks/<name>.py loaded as module `name`, registered in sys.modules while in use (dataclasses look their
+    module up while the script is executed)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
