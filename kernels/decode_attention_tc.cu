@@ -438,8 +438,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
     // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages); the ranges of the
-    // next stage to issue are loaded an issue ahead. The two sides' runs live in shared memory (the last bytes of the
-    // pipeline's area): held in registers through the loop, they pushed the kernel to its register limit
+    // next stage to issue are loaded an issue ahead (by the threads that copy). The two sides' runs live in shared
+    // memory (the last bytes of the pipeline's area): held in registers through the loop, they pushed the kernel to
+    // its register limit
     const int out_tile0 = start / ST;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
     OutlierRange k_next{0, 0}, v_next{0, 0};
@@ -496,23 +497,25 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
             }
         }
-        if constexpr (OUT) {  // the stage's outlier ranges (thread 0), and per array the 16-byte chunks from lo's on
-            unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
-            if (tid == 0) {
-                int* const range = reinterpret_cast<int*>(area);
-                range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
-            }
+        if constexpr (OUT) {
+            // threads 0 .. 4 CHUNKS - 1 (three warps) copy the stage's 16-byte chunks of each array from lo's on, thread
+            // 0 writes its ranges, and they alone track the ranges (the fourth warp never reads them)
             constexpr int CHUNKS = S::OUT_SLOTS / 8;  // per array: key positions, key values, value positions, value values
             if (tid < 4 * CHUNKS) {
+                unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+                if (tid == 0) {
+                    int* const range = reinterpret_cast<int*>(area);
+                    range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
+                }
                 const int array = tid / CHUNKS, chunk = tid % CHUNKS;
                 const OutlierRange r = array < 2 ? k_next : v_next;
                 const OutlierRun& run = out_runs[array >> 1];
                 const unsigned short* const source = array & 1 ? run.values : run.positions;
                 const int base = r.lo & ~7, i = base + chunk * 8;
                 if (i < min(r.hi, base + S::OUT_SLOTS)) cp_async_16(area + 16 + array * (S::OUT_SLOTS * 2) + chunk * 16, source + i, 16);
+                k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
+                v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
             }
-            k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
-            v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
         }
         k_tile += ST * k_row;
         v_tile += ST * v_row;
