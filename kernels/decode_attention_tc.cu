@@ -695,13 +695,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             key_extremes[4 * c + 2] = key_last * scale;
         }
     }
-    // outliers of side 0 (keys) or 1 (values) of stage `st` in its live tokens: apply(token in the stage, channel, exact
-    // value); thread tid takes lo + tid, lo + tid + THREADS, ..., from the stage's copies (past them, a crowded tile's
-    // rest, from global memory)
-    auto for_stage_outliers = [&](int st, int side, auto apply) {
-        const unsigned char* const area = smem + (st % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+    // outliers of side 0 (keys) or 1 (values) of a stage (area: its outlier copies) in its `live` tokens (those before
+    // the split's end): apply(token in the stage, channel, exact value); thread tid takes lo + tid, lo + tid + THREADS,
+    // ..., from the stage's copies (past them, a crowded tile's rest, from global memory)
+    auto for_stage_outliers = [&](const unsigned char* area, int live, int side, auto apply) {
         const int lo = reinterpret_cast<const int*>(area)[2 * side], hi = reinterpret_cast<const int*>(area)[2 * side + 1];
-        const int base = lo & ~7, live = min(ST, end - (start + st * ST));
+        const int base = lo & ~7;
         const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16) + 2 * side * S::OUT_SLOTS;
 #pragma unroll 1  // one round at 1% outliers; unrolled rounds would be code for crowded tiles only
         for (int i = lo + tid; i < hi; i += THREADS) {
@@ -720,15 +719,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu);
     };
     // the stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
-    // conflicts), read and zeroed again by the warp that owns the token
+    // conflicts), read and restored by the warp that owns the token
     auto patch_stage = [&](int st) {
-        for_stage_outliers(st, 0, [&](int token, int c, float x) {
+        const unsigned char* const stage = smem + (st % S::STAGES) * S::STAGE_BYTES;
+        const unsigned char* const area = stage + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+        const int live = min(ST, end - (start + st * ST));
+        for_stage_outliers(area, live, 0, [&](int token, int c, float x) {
             const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
             key_patch[token * D + c] = patch_half(x - (x > e.x ? e.z : e.y));
         });
-        const unsigned short* const vp =
-            reinterpret_cast<const unsigned short*>(smem + (st % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES);
-        for_stage_outliers(st, 1, [&](int token, int c, float x) {
+        const unsigned short* const vp = reinterpret_cast<const unsigned short*>(stage + 2 * S::K_BYTES + S::KP_BYTES);
+        for_stage_outliers(area, live, 1, [&](int token, int c, float x) {
             const float lo = half_to_float(vp[token]), hi = half_to_float(vp[ST + token]);
             const float scale = fmaxf((hi - lo) * 0.5f, 1e-8f), zero = (hi + lo) * 0.5f;
             reinterpret_cast<unsigned short*>(value_patch)[value_patch_half<D>(token, c)] =
