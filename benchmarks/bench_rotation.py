@@ -84,15 +84,14 @@ def pre_rope_error(codec, samples, fisher, rope=None) -> float:
     return float((fisher * (samples - back) ** 2).sum())
 
 
-def build_methods(profile_path: Path, nuq_path: Path, bits: int, log):
+def build_methods(profile_path: Path, base, bits: int, log):
+    """(methods, per-layer choices): `base` (the nuq artifact's simulation Method) and the three rotated variants."""
     from kvcal.artifacts import read_artifact
     from kvcal.kv import SegmentPolicy
-    from kvcal.methods import artifact_method
     from kvcal.quantizers import LayerCodecs
     from kvcal.rotation_codecs import HadamardRotation
     from kvcal.simulate import Method
 
-    base = artifact_method(str(nuq_path))
     profile, config = read_artifact(str(profile_path), "profile")
     head_dim = config["model"]["fingerprint"]["head_dim"]
     rows = profile["samples.position"] >= SINK
@@ -155,9 +154,9 @@ def main(argv=None) -> None:
     entry = next(e for e in catalog(SEED) if e.name == f"nuq{args.bits}-1%")
     fitter = Fitter(profile, Path(pareto_args.work), False)
     model, tokenizer, source = load_model(None)
-    _, nuq_path = fitter.method(entry, len(adapt(model).layers))
-    methods, choices = build_methods(profile, nuq_path, args.bits, log)
     adapter = adapt(model)
+    base, nuq_path = fitter.method(entry, len(adapter.layers))
+    methods, choices = build_methods(profile, base, args.bits, log)
     domains = {}
     for name in args.domains:
         description, dataset = DOMAINS[name]

@@ -116,14 +116,8 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 #endif
 
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
-__device__ __forceinline__ unsigned hadd2(unsigned a, unsigned b) { return hfma2_bits(a, 0x3C003C00u, b); }  // a x 1 + b
 
-// N words (a multiple of 4) of shared memory set to zero, or to w, 16 bytes a store.
-template <int N>
-__device__ __forceinline__ void zero_words(void* p) {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) static_cast<uint4*>(p)[i] = uint4{};
-}
+// N words (a multiple of 4) of shared memory set to w, 16 bytes a store.
 template <int N>
 __device__ __forceinline__ void store_words(void* p, const unsigned* w) {
 #pragma unroll
