@@ -263,7 +263,10 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
         per_split, splits = tensor_core.split_plan(lengths, pairs, slots)
         assert per_split % tensor_core.STAGE_TOKENS == 0 and per_split * splits >= max(lengths, default=0)
         assert per_split * (splits - 1) < max(lengths, default=1)
-    assert tensor_core.split_plan([32768] * 8, 64, 264) == (2048, 16)  # about 4 waves of 264 resident blocks
+    # one wave: 64 (sequence, KV head) pairs on 528 resident blocks (4 per SM of an H100) or 396 (3 per SM)
+    assert tensor_core.split_plan([32768] * 8, 64, 528) == (4096, 8)
+    assert tensor_core.split_plan([32768] * 8, 64, 396) == (5504, 6)
+    assert tensor_core.split_plan([32768] * 300, 2400, 528) == (32768, 1)  # more pairs than a wave holds: no split
 
 
 # a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128; optional fourth and

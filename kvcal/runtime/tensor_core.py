@@ -313,13 +313,16 @@ def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[in
     return [[f, c, p, k, v] for f, c, p, k, v in zip(first, n, positions, keys.length, values.length)]
 
 
-def split_plan(lengths: list[int], pairs: int, slots: int, waves: int = 4) -> tuple[int, int]:
-    """(tokens per split, splits): splits of whole 64-token stages such that `pairs` (sequence, KV head) times the
-    splits fill about `waves` waves of `slots` resident blocks."""
+def split_plan(lengths: list[int], pairs: int, slots: int) -> tuple[int, int]:
+    """(tokens per split, splits): splits of whole 64-token stages, as many as one wave of `slots` resident blocks
+    holds for `pairs` (sequence, KV head); more splits only where the pairs alone fill less than a wave. Measured on an
+    H100 (B = 8, 8 KV heads, L = 32K; benchmarks/results/decode_tc_*): one full wave is 7-23% faster than two to four
+    (a block's start and end cost about as much as eight stages), and a last wave that is partly filled costs a whole
+    one."""
     longest = max(lengths, default=0)
     if longest == 0:
         return STAGE_TOKENS, 1
-    wanted = max(1, round(waves * slots / max(pairs, 1)))
+    wanted = max(1, slots // max(pairs, 1))
     per_split = math.ceil(math.ceil(longest / wanted) / STAGE_TOKENS) * STAGE_TOKENS
     return per_split, math.ceil(longest / per_split)
 
@@ -350,10 +353,7 @@ def _slots(name: str, shared: int, device_index: int) -> int:
 
     function = _function(name, shared)
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    try:
-        per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, THREADS, shared)
-    except Exception:  # noqa: BLE001 - an older CuPy without the binding: a conservative guess
-        per_sm = 2
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, THREADS, shared)
     return sms * max(int(per_sm), 1)
 
 
