@@ -7,11 +7,12 @@ Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Vari
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
-values and the keys beyond kept exact), each with the launcher's
-split plan and three fixed split sizes. Before timing, every variant's output is checked against torch SDPA
+values and the keys beyond kept exact), each with the launcher's split plan (one wave of resident blocks:
+kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
+blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape.
 
-Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128]
+Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
 Writes benchmarks/results/decode_tc_<device>.{json,md}.
 """
 
@@ -28,7 +29,6 @@ from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_
 from common import provenance, write_markdown  # noqa: E402
 
 BATCH, LENGTH = 8, 32768
-SPLITS = (None, 512, 2048, 4096)  # None: the launcher's plan
 
 
 def variants() -> dict:
@@ -89,9 +89,17 @@ def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, r
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--only", default="")
+    parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
+    parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--splits", default="launcher,512,2048,4096",
+                        help="tokens per split to time, comma-separated multiples of 64; 'launcher': the launcher's plan")
     args = parser.parse_args()
+    try:
+        splits = [None if s == "launcher" else int(s) for s in args.splits.split(",")]
+    except ValueError:
+        parser.error(f"--splits {args.splits}: 'launcher' or whole numbers of tokens, comma-separated")
+    if any(s is not None and (s <= 0 or s % 64) for s in splits):
+        parser.error(f"--splits {args.splits}: tokens per split are positive multiples of 64 (whole stages)")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_tc.py needs a CUDA GPU; nothing was measured")
     from kvcal.runtime import tensor_core
@@ -108,7 +116,9 @@ def main() -> None:
         query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda")
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = None
-        for per_split in SPLITS:
+        variant = tensor_core.variant_for(keys, values, HEAD_DIM, HEADS // KV_HEADS, rope=rope)
+        resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
+        for per_split in splits:
             run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
                                                 inv_freq=inv_freq() if rope else None)
             if error is None:
@@ -116,6 +126,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
             rows.append({"variant": name, "batch": BATCH, "tokens": LENGTH, "per_split": run.per_split, "splits": run.splits,
+                         "blocks": run.splits * BATCH * KV_HEADS, "resident_blocks": resident,
                          "plan": "launcher" if per_split is None else "fixed",
                          "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
                          "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
@@ -128,9 +139,9 @@ def main() -> None:
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed; "
              "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
-             "| variant | B | L | tokens/split (plan) | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup | max err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | "
+             "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup | max err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['blocks']} / {r['resident_blocks']} | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | "
               f"{r['bandwidth_gbps']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['sdpa_fp16_latency_us']} | "
               f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} |" for r in rows]
     write_markdown(name, lines)

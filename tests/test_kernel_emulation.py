@@ -219,7 +219,7 @@ def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
     monkeypatch.setattr(kernels, "launch", launch)
     monkeypatch.delenv("KVCAL_TENSOR_CORE")
     monkeypatch.setattr(tensor_core, "_function", lambda name, shared=0: name)
-    monkeypatch.setattr(tensor_core, "_slots", lambda name, shared, device: 32)  # several splits per sequence and KV head
+    monkeypatch.setattr(tensor_core, "resident_blocks", lambda name, shared, device: 32)  # several splits per sequence and KV head
     return launched
 
 

@@ -347,7 +347,7 @@ def _function(name: str, shared: int = 0):
 
 
 @functools.cache
-def _slots(name: str, shared: int, device_index: int) -> int:
+def resident_blocks(name: str, shared: int, device_index: int) -> int:
     """Blocks of `name` resident on the whole device at once."""
     import cupy
 
@@ -384,7 +384,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     n = [row[1] for row in rows]  # tokens per sequence
     shared = v.shared_bytes()
     if per_split is None:
-        per_split, splits = split_plan(n, batch * kv_heads, _slots(v.name, shared, device.index or 0))
+        per_split, splits = split_plan(n, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0))
     else:
         if per_split % STAGE_TOKENS:
             raise KvcalError(f"splits hold whole stages of {STAGE_TOKENS} tokens")
@@ -448,7 +448,7 @@ class ServedBody:
         batch, _, head_dim = query.shape
         v, device = self.variant, query.device
         shared = v.shared_bytes()
-        per_split, splits = split_plan(rows, batch * kv_heads, _slots(v.name, shared, device.index or 0))
+        per_split, splits = split_plan(rows, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0))
         meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None)
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)
