@@ -26,8 +26,7 @@
 //    so that the converter's half2 outputs are (token pair, channel) fragments.
 //  Keys (ChannelBlockUniform, per-channel scale s and zero z per block of KG tokens): q . k = sum (q s) code + sum q z:
 //    Q' = q * s (fp16 pairs) is rebuilt when a warp enters a new key block, and bias = Q . z (one mma per 16
-//    channels) initialises the score accumulators. The codes are converted with their offsets left in (one lop3
-//    per pair, biased_codes_to_half2: bias_c + code, exact), and bias loses Q' . bias_c once per key block.
+//    channels) initialises the score accumulators.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
 //  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
@@ -824,14 +823,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                     paired_k_steps(bacc, bacc2, qu, z2);
                     bias = bacc[0] + bacc2[2];
-                    if constexpr (!CB) {  // the keys' codes come with the converter's offsets: Q' . offsets out
-                        unsigned offsets[PAIRS];
-#pragma unroll
-                        for (int p = 0; p < PAIRS; ++p) offsets[p] = converter_bias<BITS>(p % (16 / BITS));
-                        float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, oacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        paired_k_steps(oacc, oacc2, qk, offsets);
-                        bias -= oacc[0] + oacc2[2];
-                    }
                 }
             }
             // -- S = Q K^T for two n-tiles of 8 tokens --
@@ -908,10 +899,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         unsigned w[WORDS];
                         load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
 #pragma unroll
-                        for (int i = 0; i < WORDS; ++i) {
-                            if constexpr (CB) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
-                            else biased_codes_to_half2<BITS>(w[i], kf + i * (16 / BITS));  // bias_c + code (lop3 only)
-                        }
+                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 }

@@ -207,29 +207,6 @@ __device__ __forceinline__ void u2_to_half2(unsigned q, unsigned (&out)[8]) {
     }
 }
 
-// The same codes with an offset left in: each mask ORs in the fp16 power of two whose ulp is 1 at the
-// code's bits (1024 at bit 0, 256 at bit 2, 64 at bit 4, 16 at bit 6), so one lop3 per pair reads
-// bias_j + code, exactly, and the sub / fma is gone. For Q.K keys whose scale is folded into the query:
-// the kernel subtracts sum_c q'_c bias_c once per key block (converter_bias gives bias_j).
-// 2-bit: out[j] = {bias + code j, bias + code j + 8}, bias = 1024 >> 2 (j % 4). 4-bit (words of 8 codes):
-// out[j] = {bias + code j, bias + code j + 4}, bias = 1024 >> 4 (j % 2).
-template <int BITS>
-__device__ __forceinline__ constexpr unsigned converter_bias(int j) {  // fp16 pair {bias_j, bias_j}
-    return (BITS == 2 ? 0x64006400u - 0x08000800u * (j % 4) : 0x64006400u - 0x10001000u * (j % 2));
-}
-template <int BITS>
-__device__ __forceinline__ void biased_codes_to_half2(unsigned q, unsigned* out) {
-    constexpr int PER_HALF = 8 / BITS;  // pairs one 16-bit half's mask positions give (4 at 2 bits, 2 at 4)
-    constexpr unsigned MASK = 0x00010001u * ((1u << BITS) - 1u);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const unsigned word = half ? q >> 8 : q;  // the upper byte of each half moved to where the lower was
-#pragma unroll
-        for (int k = 0; k < PER_HALF; ++k)
-            out[PER_HALF * half + k] = lop3<magic::AND_OR>(word, MASK << (BITS * k), converter_bias<BITS>(k));
-    }
-}
-
 // 3-bit codes as bit planes (2 + 1): low2 holds the low two bits of codes 0..15 exactly as u2_to_half2
 // reads them; high1 holds their third bits in bits 2 and 3 of each nibble: code 2j's at bit 4j + 2, code
 // 2j+1's at bit 4j + 3 (bits 0 and 1 of each nibble are ignored, so one plane word serves two low2 words:

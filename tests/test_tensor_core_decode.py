@@ -274,7 +274,6 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
 MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
-    "key-converter-offsets": ("int2", "bias -= oacc[0] + oacc2[2];", "bias -= oacc[0];"),
     "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));", "hfma2_bits(a, c, hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),

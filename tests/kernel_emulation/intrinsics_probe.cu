@@ -130,8 +130,7 @@ extern "C" __global__ void probe_bits(const unsigned* a, const unsigned* b, cons
 }
 
 // The code converters on n inputs: bits 4 (u4_to_half2, 4 words out per word in), 2 (u2_to_half2, 8),
-// 3 (u3_planes_to_half2 on word pairs {low2, high1}, 8 per pair), 8 (u8_to_half2, 2); -4 and -2: the
-// biased converters (biased_codes_to_half2) of 4- and 2-bit codes.
+// 3 (u3_planes_to_half2 on word pairs {low2, high1}, 8 per pair), 8 (u8_to_half2, 2).
 extern "C" __global__ void probe_dequant(const unsigned* words, unsigned* out, int n, int bits) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -142,14 +141,6 @@ extern "C" __global__ void probe_dequant(const unsigned* words, unsigned* out, i
     } else if (bits == 2) {
         unsigned h[8];
         u2_to_half2(words[i], h);
-        for (int j = 0; j < 8; ++j) out[8 * i + j] = h[j];
-    } else if (bits == -4) {
-        unsigned h[4];
-        biased_codes_to_half2<4>(words[i], h);
-        for (int j = 0; j < 4; ++j) out[4 * i + j] = h[j];
-    } else if (bits == -2) {
-        unsigned h[8];
-        biased_codes_to_half2<2>(words[i], h);
         for (int j = 0; j < 8; ++j) out[8 * i + j] = h[j];
     } else if (bits == 3) {
         unsigned h[8];
