@@ -3,7 +3,7 @@ bench_decode.py's shapes and with its method: latency (median of CUDA-event timi
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
-Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768. Variants: fp16 rows, KIVI-style
+Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768 (--tokens). Variants: fp16 rows, KIVI-style
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
@@ -13,7 +13,10 @@ blocks the device holds at once (the occupancy API's count x SMs). Before timing
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape.
 
 Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
-Writes benchmarks/results/decode_tc_<device>.{json,md}.
+                                                          [--tokens 32768] [--kernel-dir DIR]
+Writes benchmarks/results/decode_tc_<device>.{json,md}. --kernel-dir DIR times the kernels in DIR (a changed copy of
+kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
+prints its rows and writes nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed, write_device_result  # noqa: E402
 from common import provenance, write_markdown  # noqa: E402
 
-BATCH, LENGTH = 8, 32768
+BATCH = 8
 
 
 def variants() -> dict:
@@ -93,7 +96,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     parser.add_argument("--splits", default="launcher,512,2048,4096",
                         help="tokens per split to time, comma-separated multiples of 64; 'launcher': the launcher's plan")
+    parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
+    parser.add_argument("--kernel-dir", type=Path, default=None,
+                        help="time the kernels of this folder (a changed copy of kernels/); prints, writes nothing")
     args = parser.parse_args()
+    if args.tokens <= 0:
+        parser.error(f"--tokens {args.tokens}: a positive number of tokens")
+    if args.kernel_dir is not None and not (args.kernel_dir / "decode_attention_tc.cu").is_file():
+        parser.error(f"--kernel-dir {args.kernel_dir}: no decode_attention_tc.cu there (give a copy of kernels/)")
     try:
         splits = [None if s == "launcher" else int(s) for s in args.splits.split(",")]
     except ValueError:
@@ -102,17 +112,20 @@ def main() -> None:
         parser.error(f"--splits {args.splits}: tokens per split are positive multiples of 64 (whole stages)")
     if not torch.cuda.is_available():
         sys.exit("bench_decode_tc.py needs a CUDA GPU; nothing was measured")
-    from kvcal.runtime import tensor_core
+    from kvcal.runtime import kernel_source, tensor_core
 
+    if args.kernel_dir is not None:  # before the first compile: the modules are built from this folder
+        kernel_source.KERNEL_DIR = args.kernel_dir.resolve()
     started = provenance()
     bandwidth = copy_bandwidth()
-    sdpa = sdpa_seconds(BATCH, LENGTH, args.iters)
+    length = args.tokens
+    sdpa = sdpa_seconds(BATCH, length, args.iters)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     rows = []
     for name, (codecs, rope) in variants().items():
         if args.only and name not in args.only.split(","):
             continue
-        keys, values = filled_stores(codecs, BATCH, LENGTH)
+        keys, values = filled_stores(codecs, BATCH, length)
         query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda")
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = None
@@ -122,10 +135,10 @@ def main() -> None:
             run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
                                                 inv_freq=inv_freq() if rope else None)
             if error is None:
-                error = checked(run().clone(), query, keys, values, LENGTH, rope)
+                error = checked(run().clone(), query, keys, values, length, rope)
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
-            rows.append({"variant": name, "batch": BATCH, "tokens": LENGTH, "per_split": run.per_split, "splits": run.splits,
+            rows.append({"variant": name, "batch": BATCH, "tokens": length, "per_split": run.per_split, "splits": run.splits,
                          "blocks": run.splits * BATCH * KV_HEADS, "resident_blocks": resident,
                          "plan": "launcher" if per_split is None else "fixed",
                          "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
@@ -135,6 +148,8 @@ def main() -> None:
             print(rows[-1], flush=True)
         del keys, values
         torch.cuda.empty_cache()
+    if args.kernel_dir is not None:
+        return
     name = write_device_result("decode_tc", bandwidth, args.iters, rows, started)
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed; "

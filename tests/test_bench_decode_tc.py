@@ -1,0 +1,23 @@
+"""benchmarks/bench_decode_tc.py's arguments (its measurements need a CUDA GPU; these checks run before it looks)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_tc.py"
+RESULTS = SCRIPT.parent / "results"
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--splits", "100"], "positive multiples of 64"),
+    (["--splits", "launcher,big"], "'launcher' or whole numbers"),
+    (["--tokens", "0"], "a positive number of tokens"),
+    (["--kernel-dir", "."], "no decode_attention_tc.cu there"),
+])
+def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem):
+    before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+    done = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
