@@ -84,10 +84,10 @@ def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: li
     return name
 
 
-def timed(run, iterations: int, warmup_seconds: float = 0.1) -> float:
+def timed(run, iterations: int, warmup_seconds: float = 0.5) -> float:
     """Median seconds of run(), L2 flushed before each, after at least warmup_seconds of untimed runs: the first
-    timed launches after seconds of host work (a compile) ran slow on the H100 (the first row of three runs of
-    bench_decode_tc.py, 15-17% above the same launch timed later), as the GPU's clocks come back up."""
+    timed launches after seconds of host work (a compile) ran slow on the H100 (the first two rows of three runs of
+    bench_decode_tc.py, 15-20% above the same launches timed later), as the GPU's clocks come back up."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_seconds:
