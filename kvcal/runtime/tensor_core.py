@@ -316,9 +316,9 @@ def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[in
 def split_plan(lengths: list[int], pairs: int, slots: int) -> tuple[int, int]:
     """(tokens per split, splits): splits of whole 64-token stages, as many as one wave of `slots` resident blocks
     holds for `pairs` (sequence, KV head); more splits only where the pairs alone fill less than a wave. Measured on an
-    H100 (B = 8, 8 KV heads, L = 32K; benchmarks/results/decode_tc_*): one full wave is 7-23% faster than two to four
-    (a block's start and end cost about as much as eight stages), and a last wave that is partly filled costs a whole
-    one."""
+    H100 (B = 8, 8 KV heads, L = 32K; benchmarks/results/decode_tc_nvidia-h100-80gb-hbm3.md): one wave of long splits
+    was 6-17% faster than 2048-token splits (two to four waves) for every quantized variant: a block's start (the
+    query, the pipeline's first stages) and end (its partial output) are paid once per block."""
     longest = max(lengths, default=0)
     if longest == 0:
         return STAGE_TOKENS, 1
