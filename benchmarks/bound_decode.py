@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import re
 import subprocess
@@ -56,7 +57,7 @@ from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, write_markdown, write_result  # noqa: E402
+from common import RESULTS, provenance, write_markdown, write_result  # noqa: E402
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
 H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
@@ -80,6 +81,7 @@ class Case:
     bits: int  # code width; 0 = fp16
     outliers: float = 0.0  # fraction of elements kept exact (per side)
     note: str = ""
+    measured: str = ""  # bench_decode_tc.py's name for the same variant (the measured column, where a GPU ran it)
 
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
@@ -199,15 +201,15 @@ class TensorCoreKernel:
     passes = {"copies": r"cp_async_wait<S::STAGES - 2>\(\);", "keys": r"// -- key block parameters",
               "softmax": r"// -- online softmax", "values": r"// -- O\^T \+= V\^T P\^T"}
     cases = (
-        Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0),
-        Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
-        Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
-        Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2),
-        Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4),
-        Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3),
-        Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4),
-        Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01),
-        Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
+        Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, measured="fp16"),
+        Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2-g128"),
+        Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4, measured="int4-g128"),
+        Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2, measured="int2-g128-pre-rope"),
+        Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4, measured="int4-g128-pre-rope"),
+        Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, measured="nuq3-pre-rope"),
+        Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, measured="nuq4-pre-rope"),
+        Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01, measured="nuq3-1%-pre-rope"),
+        Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01, measured="nuq4-1%-pre-rope"),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 
@@ -791,6 +793,41 @@ def markdown(result: dict) -> list[str]:
     return lines
 
 
+def measured_on_gpus(results: Path = RESULTS) -> list[dict]:
+    """Per decode_tc_<device>.json that bench_decode_tc.py wrote on a GPU: its device, commit, date, and per variant
+    the fastest row at SHAPE's batch and length (the split plans it timed differ only in the split size)."""
+    runs = []
+    for path in sorted(results.glob("decode_tc_*.json")):
+        run = json.loads(path.read_text())
+        fastest = {}
+        for row in run["results"]:
+            if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
+                best = fastest.get(row["variant"])
+                fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
+        runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"], "variants": fastest})
+    return runs
+
+
+def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
+    """The bound beside what a GPU measured for the same variants (none where no run has them)."""
+    names = {c.name: c.measured for c in kernel.cases}
+    rows = [(w, run, run["variants"][names[w["case"]]]) for run in runs for w in cases
+            if names.get(w["case"]) in run["variants"]]
+    if not rows:
+        return []
+    lines = ["", "The bound beside a measurement (benchmarks/bench_decode_tc.py on a GPU, same shape, L2 flushed: the fastest "
+             "of the split plans it timed; its results file names how it ran). The gap is what the bound does not model: "
+             "stalls that leave issue slots empty.", "",
+             "| variant | bandwidth bound | measured, of copy bandwidth | speedup bound | measured speedup vs fp16 SDPA | run |",
+             "|---|---|---|---|---|---|"]
+    for w, run, row in rows:
+        b = w["bound"]
+        lines.append(f"| {w['case']} | {b['bandwidth_fraction']:.1%} | {row['fraction_of_copy_bandwidth']:.1%} "
+                     f"| {b['speedup_vs_sdpa']:.2f}x | {row['speedup_vs_sdpa_fp16']:.2f}x "
+                     f"| {run['device']}, {run['commit']}, {run['date']} |")
+    return lines
+
+
 def kernel_section(result: dict, kernel) -> list[str]:
     cases = result["sm_90"][kernel.source]["cases"]
     passes = " + ".join(kernel.passes)
@@ -805,6 +842,7 @@ def kernel_section(result: dict, kernel) -> list[str]:
                      f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} | {w['registers']} "
                      f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} "
                      f"| {b['bandwidth_fraction']:.1%} | {b['speedup_vs_sdpa']:.2f}x |")
+    lines += measured_table(cases, kernel, measured_on_gpus())
     lines += ["", "Warp-instructions per KV token by class (sm_90; sm_80's total for comparison). fp32 includes MUFU; "
               "int/logic includes moves and predicates; conversion includes fp16 -> fp32 (HADD2.F32); other: fp64 (RoPE angle "
               "reduction), fp16x2, MMA, shuffles, stores.", "",
