@@ -145,6 +145,27 @@ def test_bound_arithmetic():
     assert fast["bandwidth_fraction"] == 1.0 and math.isclose(fast["speedup_vs_sdpa"], 512 / 72 / 0.9)
 
 
+def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
+    """measured_on_gpus keeps the fastest row per variant at the bound's shape; measured_table pairs it with the
+    bound of the case that names it, and gives nothing where no run has the case's variant."""
+    import json
+
+    shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"]}
+    rows = [{"variant": "int2-g128", "latency_us": 141.0, "fraction_of_copy_bandwidth": 0.36, "speedup_vs_sdpa_fp16": 2.6, **shape},
+            {"variant": "int2-g128", "latency_us": 126.0, "fraction_of_copy_bandwidth": 0.40, "speedup_vs_sdpa_fp16": 2.9, **shape},
+            {"variant": "int2-g128", "latency_us": 50.0, "fraction_of_copy_bandwidth": 0.9, "speedup_vs_sdpa_fp16": 9.0,
+             "batch": 1, "tokens": 4096}]  # another shape: not this bound's
+    (tmp_path / "decode_tc_gpu.json").write_text(json.dumps({"device": "GPU", "commit": "abc1234", "date": "2026-11-23",
+                                                              "results": rows}))
+    runs = bd.measured_on_gpus(tmp_path)
+    assert runs[0]["variants"]["int2-g128"]["latency_us"] == 126.0
+    kernel = bd.TensorCoreKernel()
+    bound = {"bandwidth_fraction": 0.858, "speedup_vs_sdpa": 6.78}
+    table = bd.measured_table([{"case": "int2 g128 (KIVI)", "bound": bound}], kernel, runs)
+    assert table[-1] == "| int2 g128 (KIVI) | 85.8% | 40.0% | 6.78x | 2.90x | GPU, abc1234, 2026-11-23 |"
+    assert bd.measured_table([{"case": "int4 g128 (KIVI)", "bound": bound}], kernel, runs) == []
+
+
 def test_occupancy_from_registers_and_shared_memory():
     assert bd.occupancy(219, 25104, "sm_90") == {"blocks_per_sm": 2, "warps_per_sm": 8, "limited_by": "registers"}
     assert bd.occupancy(24, 0, "sm_90") == {"blocks_per_sm": 16, "warps_per_sm": 64, "limited_by": "warps"}
