@@ -10,6 +10,7 @@ import ctypes
 import functools
 import shutil
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,15 @@ def on_cpu(emulated_library, monkeypatch):
     monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
 
 
+@contextmanager
+def reference_runtime():
+    """Within the block the cache runs its torch reference path: no CUDA kernels, no CPU kernel library."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "cuda_ready", lambda device: False)
+        patch.setattr(cpu_kernel, "library", lambda: None)
+        yield
+
+
 SHORT = [1, G - 1, G + 1, R + 1, 300]
 
 
@@ -146,9 +156,7 @@ def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_
     with torch.inference_mode():
         with_kernels, cache = decode_token_by_token(model, bundle, ids)
         assert all(layer.use_kernels for layer in cache.layers)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "cuda_ready", lambda device: False)
-            patch.setattr(cpu_kernel, "library", lambda: None)
+        with reference_runtime():
             reference, cache = decode_token_by_token(model, bundle, ids)
         assert not any(layer.use_kernels for layer in cache.layers)
     torch.testing.assert_close(with_kernels, reference, rtol=0, atol=2e-3)
@@ -261,9 +269,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert not any(any(layer._served) for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "cuda_ready", lambda device: False)
-            patch.setattr(cpu_kernel, "library", lambda: None)
+        with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 5.9e-4 for kvquant, 6.4e-4 for
     # kvquant-d128; keys one position off give 1.7e-3), fp32 on CUDA cores
@@ -285,9 +291,7 @@ def test_emulated_tensor_core_kernel_from_an_empty_cache_stays_within_the_gpu_te
     with torch.inference_mode():
         got, cache = decode_token_by_token(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids)
         assert all(all(layer._served) for layer in cache.layers) and with_tensor_cores
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "cuda_ready", lambda device: False)
-            patch.setattr(cpu_kernel, "library", lambda: None)
+        with reference_runtime():
             want, _ = decode_token_by_token(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids)
     torch.testing.assert_close(got, want, rtol=0, atol=6e-3)
 
