@@ -235,24 +235,24 @@ class TensorCoreKernel:
     def stages(self, case: Case) -> int:
         return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
 
-    def outlier_rounds(self, case: Case) -> float:
-        """Rounds of the outlier loop (for_stage_outliers: thread tid takes lo + tid, lo + tid + 128, ...) a warp runs per
-        stage and side, on average: a stage's outliers are case.outliers of its 64 x D elements, and warp w has work in
-        round r where lo + 128 r + 32 w is below hi."""
+    def outlier_warps(self, case: Case) -> list[float]:
+        """Per round of a stage side's outliers (for_stage_outliers: thread tid takes lo + tid, lo + tid + 128, ...),
+        the fraction of warps with work in it, on average: a stage's outliers are case.outliers of its 64 x D
+        elements, and warp w has work in round r where lo + 128 r + 32 w is below hi."""
         from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS
 
         n = case.outliers * STAGE_TOKENS * SHAPE["head_dim"]
-        return sum(min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) for r in range(math.ceil(n / THREADS))) / WARPS
+        return [min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) / WARPS for r in range(max(1, math.ceil(n / THREADS)))]
 
     def inner_loops(self, case: Case) -> list:
-        """The outlier loop; everything else in the tile loop unrolls."""
-        return [(r"for \(int i = lo \+ tid; i < hi; i \+= THREADS\)", self.outlier_rounds(case), None)]
+        """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
+        return [(r"for \(int i = lo \+ tid \+ THREADS; i < hi; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
         # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
         return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
-                (r"position = staged\[i - base\], value = staged", 1.0), (r"position = __ldg\(run\.positions \+ i\)", 0.0)]
+                (r"patch\(staged\[i\], staged", 1.0), (r"patch\(__ldg\(run\.positions \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:
         return []
@@ -278,19 +278,23 @@ class TensorCoreKernel:
             # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
             (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
-            (r"if \(tid \+ i \* THREADS < S::VP_HALVES\)", 1.0),
+            # value parameters: every thread has a half (codebooks: threads 0-63 a token's two)
+            (r"if \(vp_live\(i\)\)", 2 / WARPS if self._variant(case).codebook else 1.0),
+            (r"if \(tid < ST\) \{", 2 / WARPS),
             (r"if \(vp_row_of\[i\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
-            # outliers: thread 0 writes a stage's ranges; threads 0-95 copy a chunk each (chunk 0 of every array is live)
-            (r"if \(tid == 0\)", 1 / WARPS),
-            (r"if \(tid < 4 \* CHUNKS\)", 3 / WARPS),
-            (r"if \(i < min\(r\.hi, base \+ S::OUT_SLOTS\)\)", 1.0),
+            # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)
+            (r"if \(tid == 0\) write_ranges", 1 / WARPS),
+            (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),
+            (r"if \(i < min\(hi, base \+ S::OUT_SLOTS\)\)", 2 / WARPS),
             (r"if \(tile >= r\.tiles\) return", 0.0),
-            (r"if \(token < live\) apply", 1.0),
+            (r"if \(range\.x \+ tid < range\.y\)", self.outlier_warps(case)[0]),
+            (r"if \(range\.z \+ tid < range\.w\)", self.outlier_warps(case)[0]),
+            (r"if \(max\(range\.y - range\.x, range\.w - range\.z\) > THREADS\)", float(len(self.outlier_warps(case)) > 1)),
         )
 
 

@@ -176,7 +176,8 @@ struct Shape {
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
-    static constexpr int VP_BYTES = (VP_HALVES * 2 + 15) / 16 * 16;
+    // codebooks: kvcal.quantizers.denormalize's scale and zero per token (fp32), made from the row's lo and hi
+    static constexpr int VP_BYTES = CB ? ST * 8 : (VP_HALVES * 2 + 15) / 16 * 16;
     // outliers (OUT): the stage's range per side {key lo, key hi, value lo, value hi} (int), then per side OUT_SLOTS
     // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
@@ -190,12 +191,13 @@ struct Shape {
     static constexpr int QROT_WORDS = ROPE ? D / 8 * 32 : 0;
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
+    static constexpr int LUT_SLACK = CB ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
     // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
-                                      CB_KP_BYTES + OUT_SCRATCH_BYTES;
+                                      LUT_SLACK + CB_KP_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -237,36 +239,33 @@ __device__ __forceinline__ int key_channel(int t, int p, int e) {
     }
 }
 
-// Word b of a 256-word table in shared memory, b = byte k (compile-time) of x: one shift and one mask make the
-// byte offset 4 b, which the load takes as its register (the table's place is the load's immediate).
-__device__ __forceinline__ unsigned table_entry(const unsigned* lut, unsigned x, int k) {
-    const unsigned offset = (k == 0 ? x << 2 : x >> (8 * k - 2)) & 0x3FCu;
-    return *reinterpret_cast<const unsigned*>(reinterpret_cast<const unsigned char*>(lut) + offset);
+// Word b of codebook_pairs' 256-word table in shared memory (lut: its shared-window address, a multiple of 1024),
+// b = byte k (compile-time) of x: one shift, and one lop3 that masks the byte offset 4 b into the address's bits 2-9.
+__device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k) {
+    constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
+    return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (8 * k - 2), 0x3FCu, lut));
 }
 
 // 16 3-bit codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits, codes 0-7
 // in byte 0 and 8-15 in byte 2, code j at bit j % 8) -> 8 fp16 pairs {code 2m, code 2m + 1} from codebook_pairs'
 // 3-bit table, whose index is the pair's low nibble (code 2m's low bits, then 2m + 1's) | their high bits << 4.
-// The indices are assembled times 4, one per byte (6 bits + 2), so one prmt makes a table offset.
+// The indices are assembled times 4, one per byte (6 bits + 2): byte offsets in the table.
 // N = 4: the first 8 codes only (4 pairs).
 template <int N = 8>
-__device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, const unsigned* lut) {
+__device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, unsigned lut) {
     constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
     high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // the 8 two-bit fields (pairs' high bits) to nibbles 0..7
     high = lop3<OR_AND>(high, high << 2, 0x33333333u);
     const unsigned even = lop3<magic::SELECT>(low << 2, high << 6, 0x3C3C3C3Cu);  // byte k: 4 x pair 2k's index
     const unsigned odd = lop3<magic::SELECT>(low >> 2, high << 2, 0x3C3C3C3Cu);   // byte k: 4 x pair 2k + 1's
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k) {
-        const unsigned char* const table = reinterpret_cast<const unsigned char*>(lut);
-        out[2 * k] = *reinterpret_cast<const unsigned*>(table + prmt(even, 0u, 0x4440u + k));
-        out[2 * k + 1] = *reinterpret_cast<const unsigned*>(table + prmt(odd, 0u, 0x4440u + k));
-    }
+    for (int k = 0; k < N / 2; ++k)  // byte k of the index words under the table's address (a multiple of 256)
+        out[2 * k] = load_shared_word(prmt(even, lut, 0x7650u + k)), out[2 * k + 1] = load_shared_word(prmt(odd, lut, 0x7650u + k));
 }
 
 // Codes first .. first + 15 (first: a multiple of 16) of a planes3 row (kvcal/packing.py: units of 32 codes in 3
 // words, word 3u + h the low bits of half h, word 3u + 2 the high bits) as 8 pairs.
-__device__ __forceinline__ void planes3_half(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+__device__ __forceinline__ void planes3_half(const unsigned* row, int first, unsigned* out, unsigned lut) {
     const int unit = first >> 5, half = first >> 4 & 1;
     // the half's two high-bit bytes to bytes 0 and 2 (the first step of spreading its 2-bit fields)
     planes3_pairs(row[3 * unit + half], prmt(row[3 * unit + 2], 0u, half ? 0x4342u : 0x4140u), out, lut);
@@ -274,21 +273,21 @@ __device__ __forceinline__ void planes3_half(const unsigned* row, int first, uns
 
 // Codes first .. first + 7 (first: a multiple of 8) of a planes3 row as 4 pairs: the quarter's low bits moved to
 // the low half, its high-bit byte to byte 0.
-__device__ __forceinline__ void planes3_quarter(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+__device__ __forceinline__ void planes3_quarter(const unsigned* row, int first, unsigned* out, unsigned lut) {
     const int unit = first >> 5, half = first >> 4 & 1, quarter = first >> 3 & 1;
     planes3_pairs<4>(row[3 * unit + half] >> (16 * quarter), prmt(row[3 * unit + 2], 0u, 0x4440u + (first >> 3 & 3)), out, lut);
 }
 
 // Codes first .. first + N - 1 of a planes3 row (N = 16 or 8, first a multiple of N) as N / 2 pairs.
 template <int N>
-__device__ __forceinline__ void planes3_codes(const unsigned* row, int first, unsigned* out, const unsigned* lut) {
+__device__ __forceinline__ void planes3_codes(const unsigned* row, int first, unsigned* out, unsigned lut) {
     if constexpr (N == 16) planes3_half(row, first, out, lut); else planes3_quarter(row, first, out, lut);
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
-// (lut: codebook_pairs' 256 words; codebook values of the byte's two codes).
+// (lut: the shared-window address of codebook_pairs' 256 words; codebook values of the byte's two codes).
 template <int BITS, bool CB>
-__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, const unsigned* lut) {
+__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut) {
     if constexpr (CB) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) out[k] = table_entry(lut, word, k);
@@ -431,23 +430,33 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int tiles = (end - start + ST - 1) / ST;
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
-    // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages); the ranges of the
-    // next stage to issue are loaded an issue ahead (by the threads that copy). The two sides' runs live in shared
-    // memory (the last bytes of the pipeline's area): held in registers through the loop, they pushed the kernel to
-    // its register limit
+    // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages). Its ranges per
+    // side {key lo, key hi, value lo, value hi} head its outlier area: thread 0 writes stage s's in iteration s - STAGES
+    // (after the patches of stage s - STAGES, the buffer's last reader of them), from offsets it loaded an iteration
+    // before, so that the copies of stage s and its patches read them from shared memory. The two sides' runs live in
+    // shared memory too (the last bytes of the pipeline's area): in registers they pushed the kernel to its limit
     const int out_tile0 = start / ST;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
-    OutlierRange k_next{0, 0}, v_next{0, 0};
+    const auto out_area = [&](int tile) { return smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES; };
+    OutlierRange k_next{0, 0}, v_next{0, 0};  // thread 0: the ranges of the next stage whose header it writes
+    const auto write_ranges = [&](int tile) {  // thread 0: stage `tile`'s header, then the next stage's ranges loaded
+        int* const range = reinterpret_cast<int*>(out_area(tile));
+        range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
+        k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
+        v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
+    };
     if constexpr (OUT) {
-        const long long run = (long long)b * kv_heads + kvh;
-        const OutlierRun k_run = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts,
-                                             run, k_outlier_run, k_offset_run, meta[META * b + 3]);
-        const OutlierRun v_run = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets,
-                                             value_outlier_counts, run, v_outlier_run, v_offset_run, meta[META * b + 4]);
-        if (tid == 0) out_runs[0] = k_run, out_runs[1] = v_run;
-        k_next = outlier_range(k_run, out_tile0);
-        v_next = outlier_range(v_run, out_tile0);
-        __syncthreads();  // out_runs written before the first issue reads them
+        if (tid == 0) {
+            const long long run = (long long)b * kv_heads + kvh;
+            out_runs[0] = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts, run,
+                                      k_outlier_run, k_offset_run, meta[META * b + 3]);
+            out_runs[1] = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets, value_outlier_counts,
+                                      run, v_outlier_run, v_offset_run, meta[META * b + 4]);
+            k_next = outlier_range(out_runs[0], out_tile0);
+            v_next = outlier_range(out_runs[1], out_tile0);
+            for (int s = 0; s < S::STAGES; ++s) write_ranges(s);  // every buffer's first stage
+        }
+        __syncthreads();  // the runs and the first headers written before the first issue reads them
     }
 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
@@ -492,23 +501,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         }
         if constexpr (OUT) {
-            // threads 0 .. 4 CHUNKS - 1 (three warps) copy the stage's 16-byte chunks of each array from lo's on, thread
-            // 0 writes its ranges, and they alone track the ranges (the fourth warp never reads them)
-            constexpr int CHUNKS = S::OUT_SLOTS / 8;  // per array: key positions, key values, value positions, value values
-            if (tid < 4 * CHUNKS) {
+            // threads 0 .. 2 CHUNKS - 1 (one and a half warps) copy a 16-byte chunk of a side's positions and the same
+            // chunk of its values, from the chunk that holds lo on
+            constexpr int CHUNKS = S::OUT_SLOTS / 8;
+            if (tid < 2 * CHUNKS) {
                 unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
-                if (tid == 0) {
-                    int* const range = reinterpret_cast<int*>(area);
-                    range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
+                const int side = tid / CHUNKS, chunk = tid % CHUNKS;
+                const int lo = reinterpret_cast<const int*>(area)[2 * side], hi = reinterpret_cast<const int*>(area)[2 * side + 1];
+                const int base = lo & ~7, i = base + chunk * 8;
+                if (i < min(hi, base + S::OUT_SLOTS)) {
+                    const OutlierRun& run = out_runs[side];
+                    unsigned char* const staged = area + 16 + side * (2 * S::OUT_SLOTS * 2) + chunk * 16;
+                    cp_async_16(staged, run.positions + i, 16);
+                    cp_async_16(staged + S::OUT_SLOTS * 2, run.values + i, 16);
                 }
-                const int array = tid / CHUNKS, chunk = tid % CHUNKS;
-                const OutlierRange r = array < 2 ? k_next : v_next;
-                const OutlierRun& run = out_runs[array >> 1];
-                const unsigned short* const source = array & 1 ? run.values : run.positions;
-                const int base = r.lo & ~7, i = base + chunk * 8;
-                if (i < min(r.hi, base + S::OUT_SLOTS)) cp_async_16(area + 16 + array * (S::OUT_SLOTS * 2) + chunk * 16, source + i, 16);
-                k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
-                v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
             }
         }
         k_tile += ST * k_row;
@@ -516,13 +522,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     };
     // value token parameters go through registers (their rows are not 16-byte chunks): loaded with the stage's copies
     // at iteration i, stored to shared memory at iteration i + 1, so a whole iteration hides their latency
-    // (a thread's halves: running pointers and rows, advanced one stage per load, as the copies')
-    constexpr int VPN = S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1;
+    // (a thread's halves: running pointers and rows, advanced one stage per load, as the copies'). Thread tid's element
+    // i is [which][group][token] e = tid + i THREADS; codebooks: token tid's lo (i = 0) and hi (i = 1), stored as
+    // its scale and zero (fp32), so the compute pass reads a token pair's with one load
+    constexpr int VPN = CB ? 2 : (S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1);
+    const auto vp_live = [&](int i) { return CB ? tid < ST : tid + i * THREADS < S::VP_HALVES; };
     const unsigned short* vp_source[VPN];
     int vp_row_of[VPN];
 #pragma unroll
     for (int i = 0; i < VPN; ++i) {
-        const int e = tid + i * THREADS;
+        const int e = CB ? i * ST + tid % ST : tid + i * THREADS;
         const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST;
         const int column = CB ? 0 : (kvh * D + group * S::VGE) / (S::FP16 ? 1 : VG);  // codebooks: the row's lo, hi
         vp_row_of[i] = start + token;
@@ -531,9 +540,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     auto load_value_params = [&](unsigned short (&vp_staged)[VPN]) {
         if constexpr (!S::FP16) {
 #pragma unroll
-            for (int i = 0; i < S::VP_PER_THREAD; ++i) {
+            for (int i = 0; i < VPN; ++i) {
                 unsigned short v = 0;
-                if (tid + i * THREADS < S::VP_HALVES) {
+                if (vp_live(i)) {
                     if (vp_row_of[i] < end) v = __ldg(vp_source[i]);
                     vp_row_of[i] += ST;
                     vp_source[i] += ST * vp_row;
@@ -543,11 +552,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
     };
     auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[VPN]) {
-        if constexpr (!S::FP16) {
-            unsigned short* const vp = reinterpret_cast<unsigned short*>(smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES);
+        unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES;
+        if constexpr (CB) {
+            if (tid < ST) {
+                const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
+                reinterpret_cast<float2*>(vp)[tid] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
+            }
+        } else if constexpr (!S::FP16) {
 #pragma unroll
             for (int i = 0; i < S::VP_PER_THREAD; ++i)
-                if (tid + i * THREADS < S::VP_HALVES) vp[tid + i * THREADS] = vp_staged[i];
+                if (vp_live(i)) reinterpret_cast<unsigned short*>(vp)[tid + i * THREADS] = vp_staged[i];
         }
     };
 
@@ -574,10 +588,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
     unsigned* const q_rot = q_shared + S::Q_BYTES / 4;  // [stage % 2][pair / 4][lane][4]
     unsigned* const rope_smem = q_rot + 2 * S::QROT_WORDS;
-    unsigned* const luts = rope_smem + S::ROPE_TABLE_BYTES / 4;  // codebooks: codebook_pairs' tables, keys' then values'
-    const unsigned* const key_lut = luts;
-    const unsigned* const value_lut = luts + S::LUT_WORDS;
-    unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(luts + 2 * S::LUT_WORDS);  // codebooks' one key block
+    // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
+    // the lookups take their shared-window addresses
+    unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
+    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (CB ? 1023u : 0u)));
+    const unsigned key_lut = shared_address(luts), value_lut = key_lut + S::LUT_WORDS * 4;
+    unsigned char* const cb_key_params = lut_area + 2 * S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
     // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
     // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
     // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
@@ -689,46 +705,55 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             key_extremes[4 * c + 2] = key_last * scale;
         }
     }
-    // outliers of side 0 (keys) or 1 (values) of a stage (area: its outlier copies) in its `live` tokens (those before
-    // the split's end): apply(token in the stage, channel, exact value); thread tid takes lo + tid, lo + tid + THREADS,
-    // ..., from the stage's copies (past them, a crowded tile's rest, from global memory)
-    auto for_stage_outliers = [&](const unsigned char* area, int live, int side, auto apply) {
-        const int lo = reinterpret_cast<const int*>(area)[2 * side], hi = reinterpret_cast<const int*>(area)[2 * side + 1];
-        const int base = lo & ~7;
-        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16) + 2 * side * S::OUT_SLOTS;
-#pragma unroll 1  // one round at 1% outliers; unrolled rounds would be code for crowded tiles only
-        for (int i = lo + tid; i < hi; i += THREADS) {
-            unsigned position, value;
-            if (i - base < S::OUT_SLOTS) {
-                position = staged[i - base], value = staged[S::OUT_SLOTS + i - base];
-            } else {
-                const OutlierRun& run = out_runs[side];
-                position = __ldg(run.positions + i), value = __ldg(run.values + i);
-            }
-            const int token = (int)(position / D);
-            if (token < live) apply(token, (int)(position % D), half_to_float((unsigned short)value));
-        }
-    };
     const auto patch_half = [](float delta) {  // fp16 bits, clamped to fp16's range
         return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu);
     };
-    // the stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
-    // conflicts), read and restored by the warp that owns the token
+    // The stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
+    // conflicts), read and restored by the warp that owns the token. Thread tid takes outlier lo + tid of each side in
+    // one straight round from the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's
+    // rest, lo + tid + THREADS, ..., from the copies while they last and from global memory past them. Tokens past the
+    // split's end get patches too: their scores are masked (P = 0), and theirs is the split's last stage, so no later
+    // stage reads what their warps leave unrestored.
+    static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
     auto patch_stage = [&](int st) {
         const unsigned char* const stage = smem + (st % S::STAGES) * S::STAGE_BYTES;
         const unsigned char* const area = stage + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
-        const int live = min(ST, end - (start + st * ST));
-        for_stage_outliers(area, live, 0, [&](int token, int c, float x) {
+        const unsigned char* const vp = stage + 2 * S::K_BYTES + S::KP_BYTES;  // the tokens' value scales and zeros
+        const int4 range = *reinterpret_cast<const int4*>(area);  // {key lo, key hi, value lo, value hi}
+        const auto patch_key = [&](unsigned position, unsigned value) {
+            const int token = (int)(position / D), c = (int)(position % D);
+            const float x = half_to_float((unsigned short)value);
             const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
             key_patch[token * D + c] = patch_half(x - (x > e.x ? e.z : e.y));
-        });
-        const unsigned short* const vp = reinterpret_cast<const unsigned short*>(stage + 2 * S::K_BYTES + S::KP_BYTES);
-        for_stage_outliers(area, live, 1, [&](int token, int c, float x) {
-            const float lo = half_to_float(vp[token]), hi = half_to_float(vp[ST + token]);
-            const float scale = fmaxf((hi - lo) * 0.5f, 1e-8f), zero = (hi + lo) * 0.5f;
+        };
+        const auto patch_value = [&](unsigned position, unsigned value) {
+            const int token = (int)(position / D), c = (int)(position % D);
+            const float x = half_to_float((unsigned short)value);
+            const float2 sz = reinterpret_cast<const float2*>(vp)[token];  // the token's scale and zero
             reinterpret_cast<unsigned short*>(value_patch)[value_patch_half<D>(token, c)] =
-                patch_half(x - ((x > zero ? value_last : value_first) * scale + zero));
-        });
+                patch_half(x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y));
+        };
+        const auto each = [&](int side, int lo, int hi, auto patch) {  // a side's outliers lo + tid + THREADS, ...
+            const int base = lo & ~7;
+            const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16) + 2 * side * S::OUT_SLOTS - base;
+#pragma unroll 1
+            for (int i = lo + tid + THREADS; i < hi; i += THREADS) {
+                if (i - base < S::OUT_SLOTS) {
+                    patch(staged[i], staged[S::OUT_SLOTS + i]);
+                } else {
+                    const OutlierRun& run = out_runs[side];
+                    patch(__ldg(run.positions + i), __ldg(run.values + i));
+                }
+            }
+        };
+        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16);
+        const int k = range.x + tid - (range.x & ~7), v = range.z + tid - (range.z & ~7);  // in the copies
+        if (range.x + tid < range.y) patch_key(staged[k], staged[S::OUT_SLOTS + k]);
+        if (range.z + tid < range.w) patch_value(staged[2 * S::OUT_SLOTS + v], staged[3 * S::OUT_SLOTS + v]);
+        if (max(range.y - range.x, range.w - range.z) > THREADS) {  // a crowded tile (the same for every thread)
+            each(0, range.x, range.y, patch_key);
+            each(1, range.z, range.w, patch_value);
+        }
     };
 
     float o[MTILES][4];
@@ -759,6 +784,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (OUT) {  // this stage's patches, before its tokens are computed
             patch_stage(tile);
             __syncthreads();
+            if (tid == 0) write_ranges(tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
         }
         if (tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);  // fetched an iteration ago
         const int ahead = tile + S::STAGES - 1;
@@ -947,14 +973,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int token = tb + 2 * t + 8 * half;
-                        const float x0 = half_to_float(vp[group * ST + token]), x1 = half_to_float(vp[group * ST + token + 1]);
-                        const float y0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
-                        const float y1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
-                        // uniform: x = scale (kvcal.quantizers.scale_in_use clamps it at 2^-24), y = zero; codebooks:
-                        // x = lo, y = hi, and kvcal.quantizers.denormalize's scale and zero
-                        const float s0 = CB ? fmaxf((y0 - x0) * 0.5f, 1e-8f) : fmaxf(x0, 5.9604644775390625e-8f);
-                        const float s1 = CB ? fmaxf((y1 - x1) * 0.5f, 1e-8f) : fmaxf(x1, 5.9604644775390625e-8f);
-                        const float z0 = CB ? (y0 + x0) * 0.5f : y0, z1 = CB ? (y1 + x1) * 0.5f : y1;
+                        float s0, s1, z0, z1;
+                        if constexpr (CB) {  // the pair's scales and zeros, made when the stage's were stored
+                            const float4 sz = reinterpret_cast<const float4*>(vp)[token / 2];
+                            s0 = sz.x, z0 = sz.y, s1 = sz.z, z1 = sz.w;
+                        } else {  // kvcal.quantizers.scale_in_use clamps the scale at 2^-24
+                            s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
+                            s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
+                            z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
+                            z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
+                        }
                         bp[half] = pack_half2(p[half][0] * s0, p[half][1] * s1);
                         zsum[group] = (half ? zsum[group] : zsum[group] * alpha) + p[half][0] * z0 + p[half][1] * z1;
                     }
@@ -1005,7 +1033,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                             }
 #pragma unroll
-                            for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, nullptr);
+                            for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, 0u);
                         }
                     }
 #pragma unroll

@@ -280,7 +280,7 @@ MUTANTS = {
     "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
     "nuq-key-pairs": ("nuq4-rope", "return CB ? 2 * p + e :", "return CB ? 2 * p + 1 - e :"),
-    "nuq-value-zero": ("nuq4", "z0 = CB ? (y0 + x0) * 0.5f : y0", "z0 = CB ? (y0 - x0) * 0.5f : y0"),
+    "nuq-value-zero": ("nuq4", "(hi + lo) * 0.5f}", "(hi - lo) * 0.5f}"),
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
     "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
     # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them

@@ -90,11 +90,13 @@ class Variant:
         kblocks = 0 if fp16 or self.codebook else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
-        stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + (vp_halves * 2 + 15) // 16 * 16
+        value_params = STAGE_TOKENS * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
+        stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
-        lut = 2 * 256 * 4 + 4 * d if self.codebook else 0  # the tables and the keys' one block of parameters
+        # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
+        lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
         outliers = 0
         if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, 4
             stage += 16 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions

@@ -28,6 +28,12 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
 
 struct Dim3 {
     unsigned x = 1, y = 1, z = 1;
