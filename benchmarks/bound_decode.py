@@ -246,13 +246,13 @@ class TensorCoreKernel:
 
     def inner_loops(self, case: Case) -> list:
         """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
-        return [(r"for \(int i = lo \+ tid \+ THREADS; i < hi; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
+        return [(r"for \(int i = first \+ tid \+ THREADS; i < end; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
         # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
         return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
-                (r"patch\(staged\[i\], staged", 1.0), (r"patch\(__ldg\(run\.positions \+ i\)", 0.0)]
+                (r"patch\(copies\[i\], copies", 1.0), (r"patch\(__ldg\(run\.positions \+ base \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:
         return []
@@ -290,11 +290,11 @@ class TensorCoreKernel:
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)
             (r"if \(tid == 0\) write_ranges", 1 / WARPS),
             (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),
-            (r"if \(i < min\(hi, base \+ S::OUT_SLOTS\)\)", 2 / WARPS),
+            (r"if \(chunk \* 8 < \(side \? h\.v_end : h\.k_end\)\)", 2 / WARPS),
             (r"if \(tile >= r\.tiles\) return", 0.0),
-            (r"if \(range\.x \+ tid < range\.y\)", self.outlier_warps(case)[0]),
-            (r"if \(range\.z \+ tid < range\.w\)", self.outlier_warps(case)[0]),
-            (r"if \(max\(range\.y - range\.x, range\.w - range\.z\) > THREADS\)", float(len(self.outlier_warps(case)) > 1)),
+            (r"if \(k < h\.k_end\)", self.outlier_warps(case)[0]),
+            (r"if \(v < h\.v_end\)", self.outlier_warps(case)[0]),
+            (r"if \(h\.crowded\)", float(len(self.outlier_warps(case)) > 1)),
         )
 
 

@@ -178,10 +178,10 @@ struct Shape {
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
     // codebooks: kvcal.quantizers.denormalize's scale and zero per token (fp32), made from the row's lo and hi
     static constexpr int VP_BYTES = CB ? ST * 8 : (VP_HALVES * 2 + 15) / 16 * 16;
-    // outliers (OUT): the stage's range per side {key lo, key hi, value lo, value hi} (int), then per side OUT_SLOTS
+    // outliers (OUT): the stage's header (tc::OutlierHeader), then per side OUT_SLOTS
     // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
-    static constexpr int OUT_BYTES = OUT ? 16 + 2 * 2 * OUT_SLOTS * 2 : 0;
+    static constexpr int OUT_BYTES = OUT ? 32 + 2 * 2 * OUT_SLOTS * 2 : 0;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES + OUT_BYTES;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a warp enters a new key block (not kept in registers)
@@ -364,6 +364,12 @@ static_assert(sizeof(OutlierRun) == 32, "Shape's OUT_SCRATCH_BYTES holds two");
 struct OutlierRange {
     int lo, hi;
 };
+// A stage's outliers in its copies (the 16-byte chunks of each side from the one that holds lo): per side the first
+// global index copied (base = lo rounded down to 8) and [first, end) = [lo, hi) - base; crowded: a side holds more than
+// one round of the patch pass (THREADS). 32 bytes at the head of the stage's outlier area.
+struct OutlierHeader {
+    int k_first, k_end, v_first, v_end, k_base, v_base, crowded, unused;
+};
 
 __device__ __forceinline__ OutlierRun outlier_run(const unsigned short* positions, const unsigned short* values, const int* offsets,
                                                   const int* counts, long long run, long long stride, long long offset_stride,
@@ -431,17 +437,19 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
     // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages). Its ranges per
-    // side {key lo, key hi, value lo, value hi} head its outlier area: thread 0 writes stage s's in iteration s - STAGES
+    // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES
     // (after the patches of stage s - STAGES, the buffer's last reader of them), from offsets it loaded an iteration
     // before, so that the copies of stage s and its patches read them from shared memory. The two sides' runs live in
     // shared memory too (the last bytes of the pipeline's area): in registers they pushed the kernel to its limit
     const int out_tile0 = start / ST;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
-    const auto out_area = [&](int tile) { return smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES; };
     OutlierRange k_next{0, 0}, v_next{0, 0};  // thread 0: the ranges of the next stage whose header it writes
-    const auto write_ranges = [&](int tile) {  // thread 0: stage `tile`'s header, then the next stage's ranges loaded
-        int* const range = reinterpret_cast<int*>(out_area(tile));
-        range[0] = k_next.lo, range[1] = k_next.hi, range[2] = v_next.lo, range[3] = v_next.hi;
+    // thread 0: stage `tile`'s header into its buffer, then the next stage's ranges loaded
+    const auto write_ranges = [&](unsigned char* buffer, int tile) {
+        unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+        const int k_base = k_next.lo & ~7, v_base = v_next.lo & ~7;
+        *reinterpret_cast<OutlierHeader*>(area) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base, v_next.hi - v_base,
+                                                            k_base, v_base, max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > THREADS, 0};
         k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
         v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
     };
@@ -454,7 +462,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                       run, v_outlier_run, v_offset_run, meta[META * b + 4]);
             k_next = outlier_range(out_runs[0], out_tile0);
             v_next = outlier_range(out_runs[1], out_tile0);
-            for (int s = 0; s < S::STAGES; ++s) write_ranges(s);  // every buffer's first stage
+            for (int s = 0; s < S::STAGES; ++s) write_ranges(smem + s * S::STAGE_BYTES, s);  // every buffer's first stage
         }
         __syncthreads();  // the runs and the first headers written before the first issue reads them
     }
@@ -507,11 +515,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (tid < 2 * CHUNKS) {
                 unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
                 const int side = tid / CHUNKS, chunk = tid % CHUNKS;
-                const int lo = reinterpret_cast<const int*>(area)[2 * side], hi = reinterpret_cast<const int*>(area)[2 * side + 1];
-                const int base = lo & ~7, i = base + chunk * 8;
-                if (i < min(hi, base + S::OUT_SLOTS)) {
+                const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
+                if (chunk * 8 < (side ? h.v_end : h.k_end)) {  // the chunks past OUT_SLOTS are not copied
                     const OutlierRun& run = out_runs[side];
-                    unsigned char* const staged = area + 16 + side * (2 * S::OUT_SLOTS * 2) + chunk * 16;
+                    const int i = (side ? h.v_base : h.k_base) + chunk * 8;
+                    unsigned char* const staged = area + sizeof(OutlierHeader) + side * (2 * S::OUT_SLOTS * 2) + chunk * 16;
                     cp_async_16(staged, run.positions + i, 16);
                     cp_async_16(staged + S::OUT_SLOTS * 2, run.values + i, 16);
                 }
@@ -715,11 +723,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // split's end get patches too: their scores are masked (P = 0), and theirs is the split's last stage, so no later
     // stage reads what their warps leave unrestored.
     static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
-    auto patch_stage = [&](int st) {
-        const unsigned char* const stage = smem + (st % S::STAGES) * S::STAGE_BYTES;
+    auto patch_stage = [&](const unsigned char* stage) {  // its buffer
         const unsigned char* const area = stage + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
         const unsigned char* const vp = stage + 2 * S::K_BYTES + S::KP_BYTES;  // the tokens' value scales and zeros
-        const int4 range = *reinterpret_cast<const int4*>(area);  // {key lo, key hi, value lo, value hi}
+        const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
         const auto patch_key = [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
             const float x = half_to_float((unsigned short)value);
@@ -733,26 +740,25 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             reinterpret_cast<unsigned short*>(value_patch)[value_patch_half<D>(token, c)] =
                 patch_half(x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y));
         };
-        const auto each = [&](int side, int lo, int hi, auto patch) {  // a side's outliers lo + tid + THREADS, ...
-            const int base = lo & ~7;
-            const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16) + 2 * side * S::OUT_SLOTS - base;
+        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + sizeof(OutlierHeader));
+        const auto each = [&](int side, int first, int end, int base, auto patch) {  // the rest: first + tid + THREADS, ...
+            const unsigned short* const copies = staged + 2 * side * S::OUT_SLOTS;
 #pragma unroll 1
-            for (int i = lo + tid + THREADS; i < hi; i += THREADS) {
-                if (i - base < S::OUT_SLOTS) {
-                    patch(staged[i], staged[S::OUT_SLOTS + i]);
+            for (int i = first + tid + THREADS; i < end; i += THREADS) {
+                if (i < S::OUT_SLOTS) {
+                    patch(copies[i], copies[S::OUT_SLOTS + i]);
                 } else {
                     const OutlierRun& run = out_runs[side];
-                    patch(__ldg(run.positions + i), __ldg(run.values + i));
+                    patch(__ldg(run.positions + base + i), __ldg(run.values + base + i));
                 }
             }
         };
-        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + 16);
-        const int k = range.x + tid - (range.x & ~7), v = range.z + tid - (range.z & ~7);  // in the copies
-        if (range.x + tid < range.y) patch_key(staged[k], staged[S::OUT_SLOTS + k]);
-        if (range.z + tid < range.w) patch_value(staged[2 * S::OUT_SLOTS + v], staged[3 * S::OUT_SLOTS + v]);
-        if (max(range.y - range.x, range.w - range.z) > THREADS) {  // a crowded tile (the same for every thread)
-            each(0, range.x, range.y, patch_key);
-            each(1, range.z, range.w, patch_value);
+        const int k = h.k_first + tid, v = h.v_first + tid;
+        if (k < h.k_end) patch_key(staged[k], staged[S::OUT_SLOTS + k]);
+        if (v < h.v_end) patch_value(staged[2 * S::OUT_SLOTS + v], staged[3 * S::OUT_SLOTS + v]);
+        if (h.crowded) {  // the same for every thread
+            each(0, h.k_first, h.k_end, h.k_base, patch_key);
+            each(1, h.v_first, h.v_end, h.v_base, patch_value);
         }
     };
 
@@ -781,10 +787,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     for (int tile = 0; tile < tiles; ++tile) {
         cp_async_wait<S::STAGES - 2>();
         __syncthreads();  // stage `tile` landed for every thread; buffer (tile - 1) % STAGES is free
+        unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         if constexpr (OUT) {  // this stage's patches, before its tokens are computed
-            patch_stage(tile);
+            patch_stage(buffer);
             __syncthreads();
-            if (tid == 0) write_ranges(tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
+            if (tid == 0) write_ranges(buffer, tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
         }
         if (tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);  // fetched an iteration ago
         const int ahead = tile + S::STAGES - 1;
@@ -796,7 +803,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         // the next stage's rotated query: its buffer was last read in iteration tile - 1, which every warp has left
         if (ROPE && tile + 1 < tiles) rotate_query(tile + 1);
 
-        const unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's 16 tokens
         if (token0 < end) {
             if constexpr (ROPE) {  // this stage's rotated query: each 16-byte load is one A fragment (two_step_fragment)

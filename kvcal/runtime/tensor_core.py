@@ -99,7 +99,7 @@ class Variant:
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
         outliers = 0
         if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, 4
-            stage += 16 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions
+            stage += 32 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions
             outliers = 2 * STAGE_TOKENS * d * 2 + 4 * d * 4 + 2 * 32
         return max(stages * stage + query + rope + lut + outliers, merge)
 
