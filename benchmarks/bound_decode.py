@@ -279,9 +279,9 @@ class TensorCoreKernel:
             (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
             # value parameters: every thread has a half (codebooks: threads 0-63 a token's two)
-            (r"if \(vp_live\(i\)\)", 2 / WARPS if self._variant(case).codebook else 1.0),
+            (r"if \(vp_live\(i\)\)", 1.0),
             (r"if \(tid < ST\) \{", 2 / WARPS),
-            (r"if \(vp_row_of\[i\] < end\)", 1.0),
+            (r"if \(vp_row_of\[[i0]\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),

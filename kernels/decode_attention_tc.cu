@@ -38,7 +38,7 @@
 //    (lo, hi) of the row give scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes
 //    (planes3_pairs): a byte holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from
 //    the high plane), the table's first 64 words; values look up each token's channel pairs and swap halves into
-//    token pairs (prmt). At head_dim 64 a lane's 8 codes are a quarter unit (planes3_quarter).
+//    token pairs (prmt). At head_dim 64 a lane's 8 codes are a quarter unit (planes3_place).
 //  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
 //    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
 //    the query by -P0 once per stage (fp32; the angle P0 theta exact in double and reduced modulo 2 pi every 16
@@ -193,11 +193,12 @@ struct Shape {
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int LUT_SLACK = CB ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
+    static constexpr int PLACES_BYTES = BITS == 3 ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
     // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
     // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
-                                      LUT_SLACK + CB_KP_BYTES + OUT_SCRATCH_BYTES;
+                                      LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -263,25 +264,27 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
         out[2 * k] = load_shared_word(prmt(even, lut, 0x7650u + k)), out[2 * k + 1] = load_shared_word(prmt(odd, lut, 0x7650u + k));
 }
 
-// Codes first .. first + 15 (first: a multiple of 16) of a planes3 row (kvcal/packing.py: units of 32 codes in 3
-// words, word 3u + h the low bits of half h, word 3u + 2 the high bits) as 8 pairs.
-__device__ __forceinline__ void planes3_half(const unsigned* row, int first, unsigned* out, unsigned lut) {
-    const int unit = first >> 5, half = first >> 4 & 1;
-    // the half's two high-bit bytes to bytes 0 and 2 (the first step of spreading its 2-bit fields)
-    planes3_pairs(row[3 * unit + half], prmt(row[3 * unit + 2], 0u, half ? 0x4342u : 0x4140u), out, lut);
-}
-
-// Codes first .. first + 7 (first: a multiple of 8) of a planes3 row as 4 pairs: the quarter's low bits moved to
-// the low half, its high-bit byte to byte 0.
-__device__ __forceinline__ void planes3_quarter(const unsigned* row, int first, unsigned* out, unsigned lut) {
-    const int unit = first >> 5, half = first >> 4 & 1, quarter = first >> 3 & 1;
-    planes3_pairs<4>(row[3 * unit + half] >> (16 * quarter), prmt(row[3 * unit + 2], 0u, 0x4440u + (first >> 3 & 3)), out, lut);
-}
-
-// Codes first .. first + N - 1 of a planes3 row (N = 16 or 8, first a multiple of N) as N / 2 pairs.
+// Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
+// 3u + h the low bits of half h, word 3u + 2 the high bits): the words of their low and high bits, the shift that
+// moves a quarter's low bits to the low half (N = 8), and the prmt selector that moves their high-bit bytes to bytes
+// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8). A lane's places are made once
+// (first: a lane constant), so the loop's lookups address its rows with no arithmetic.
+struct Planes3Place {
+    int low, high;
+    unsigned shift, selector;
+};
 template <int N>
-__device__ __forceinline__ void planes3_codes(const unsigned* row, int first, unsigned* out, unsigned lut) {
-    if constexpr (N == 16) planes3_half(row, first, out, lut); else planes3_quarter(row, first, out, lut);
+__device__ __forceinline__ Planes3Place planes3_place(int first) {
+    static_assert(N == 16 || N == 8, "a half or a quarter unit");
+    const int unit = first >> 5, half = first >> 4 & 1;
+    if constexpr (N == 16) return {3 * unit + half, 3 * unit + 2, 0u, half ? 0x4342u : 0x4140u};
+    return {3 * unit + half, 3 * unit + 2, 16u * (first >> 3 & 1), 0x4440u + (first >> 3 & 3)};
+}
+
+// Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs.
+template <int N>
+__device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, unsigned lut) {
+    planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, prmt(row[at.high], 0u, at.selector), out, lut);
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
@@ -534,7 +537,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // i is [which][group][token] e = tid + i THREADS; codebooks: token tid's lo (i = 0) and hi (i = 1), stored as
     // its scale and zero (fp32), so the compute pass reads a token pair's with one load
     constexpr int VPN = CB ? 2 : (S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1);
-    const auto vp_live = [&](int i) { return CB ? tid < ST : tid + i * THREADS < S::VP_HALVES; };
+    const auto vp_live = [&](int i) { return tid + i * THREADS < S::VP_HALVES; };
     const unsigned short* vp_source[VPN];
     int vp_row_of[VPN];
 #pragma unroll
@@ -546,7 +549,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         vp_source[i] = (which ? value_zero : value_scale) + b * vp_seq + (long long)(first + start + token) * vp_row + column;
     }
     auto load_value_params = [&](unsigned short (&vp_staged)[VPN]) {
-        if constexpr (!S::FP16) {
+        if constexpr (CB) {  // lo and hi of token tid: one row, two arrays
+            unsigned short lo = 0, hi = 0;
+            if (tid < ST) {
+                if (vp_row_of[0] < end) lo = __ldg(vp_source[0]), hi = __ldg(vp_source[1]);
+                vp_row_of[0] += ST;
+                vp_source[0] += ST * vp_row;
+                vp_source[1] += ST * vp_row;
+            }
+            vp_staged[0] = lo, vp_staged[1] = hi;
+        } else if constexpr (!S::FP16) {
 #pragma unroll
             for (int i = 0; i < VPN; ++i) {
                 unsigned short v = 0;
@@ -602,11 +614,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (CB ? 1023u : 0u)));
     const unsigned key_lut = shared_address(luts), value_lut = key_lut + S::LUT_WORDS * 4;
     unsigned char* const cb_key_params = lut_area + 2 * S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
+    // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
+    // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
+    // recomputed them from the lane in every iteration (the kernel is at its register limit)
+    Planes3Place* const places = reinterpret_cast<Planes3Place*>(cb_key_params + S::CB_KP_BYTES) + 2 * lane;
+    if constexpr (BITS == 3)
+        if (warp == 0) places[0] = planes3_place<D / 8>(t * (D / 8)), places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
     // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
     // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
     // unused} (fp32)
-    unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES);
+    unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
     unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);
     float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
@@ -883,8 +901,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     unsigned kf[PAIRS], cs[PAIRS];
                     if constexpr (BITS == 3) {
                         const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::ROW);
-                        planes3_codes<D / 8>(words, t * (D / 8), kf, key_lut);
-                        planes3_codes<D / 8>(words, D / 2 + t * (D / 8), kf + HP, key_lut);
+                        const Planes3Place key_place = places[0];
+                        planes3_codes<D / 8>(words, key_place, kf, key_lut);
+                        planes3_codes<D / 8>(words + 3 * (D / 64), key_place, kf + HP, key_lut);  // channels + D / 2
                     } else {
                         unsigned wa[PART_WORDS], wb[PART_WORDS];
                         load_words(wa, row);
@@ -925,7 +944,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     if constexpr (BITS == 3) {
                         const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::ROW);
 #pragma unroll
-                        for (int h = 0; h < D / 64; ++h) planes3_half(words, t * (D / 4) + 16 * h, kf + 8 * h, key_lut);
+                        for (int h = 0; h < D / 64; ++h) planes3_codes<16>(words, planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
                     } else {
                         constexpr int WORDS = D * BITS / 128;
                         unsigned w[WORDS];
@@ -1001,8 +1020,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         if constexpr (BITS == 3) {
                             // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
                             unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
-                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), g * S::LANE_V, pa, value_lut);
-                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::ROW), g * S::LANE_V, pb, value_lut);
+                            const Planes3Place value_place = places[1];
+                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
+                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::ROW), value_place, pb, value_lut);
 #pragma unroll
                             for (int m = 0; m < S::LANE_V / 2; ++m) {
                                 vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);

@@ -288,7 +288,7 @@ MUTANTS = {
     "outlier-key-patch-half": ("nuq3-out-rope", "load_words(zb, patch + D / 2);", "load_words(zb, patch);", "3"),
     "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<HP>(patch + D / 2, kz2 + HP);", "store_words<HP>(patch + D / 2, kz2);", "3"),
     "outlier-value-token-pair": ("nuq3-out-rope", "<< 1) | (token & 1);", "<< 1) | (~token & 1);", "3"),
-    "nuq3-quarter-low-bits": ("nuq3-rope", "row[3 * unit + half] >> (16 * quarter)", "row[3 * unit + half] >> (16 * (quarter ^ 1))",
+    "nuq3-quarter-low-bits": ("nuq3-rope", "16u * (first >> 3 & 1)", "16u * (~first >> 3 & 1)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-channels": ("nuq4-out-rope", "{w.x, w.y, w.z, w.w}", "{w.y, w.x, w.w, w.z}", "3"),

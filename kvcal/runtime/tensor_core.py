@@ -97,11 +97,12 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
+        places = 32 * 2 * 16 if bits == 3 else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
         outliers = 0
         if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, 4
             stage += 32 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions
             outliers = 2 * STAGE_TOKENS * d * 2 + 4 * d * 4 + 2 * 32
-        return max(stages * stage + query + rope + lut + outliers, merge)
+        return max(stages * stage + query + rope + lut + places + outliers, merge)
 
 
 def variants() -> list[Variant]:
