@@ -163,8 +163,8 @@ template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, b
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
-    // (outliers: fewer, for the patch tiles' shared memory; 3 or 5 stages in flight still hold > 16 KiB per SM)
-    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : 6) : (OUT ? 6 : 8));
+    // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
+    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : 6) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
