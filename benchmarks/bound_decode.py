@@ -246,7 +246,7 @@ class TensorCoreKernel:
 
     def inner_loops(self, case: Case) -> list:
         """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
-        return [(r"for \(int i = first \+ tid \+ THREADS; i < end; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
+        return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a

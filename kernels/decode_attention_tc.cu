@@ -31,7 +31,8 @@
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
 //  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
 //    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
-//    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register. Keys: the bytes of a row are
+//    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register (its address made by the instruction
+//    that extracts the index: the tables start at a multiple of 1024). Keys: the bytes of a row are
 //    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
 //    sequence (one key block, copied once, not per stage). Values: one SELECT lop3 merges two tokens' nibbles of a
 //    channel into a byte, so the lookup gives the (token pair, channel) register directly; the per-token thresholds
@@ -451,8 +452,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const auto write_ranges = [&](unsigned char* buffer, int tile) {
         unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
         const int k_base = k_next.lo & ~7, v_base = v_next.lo & ~7;
-        *reinterpret_cast<OutlierHeader*>(area) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base, v_next.hi - v_base,
-                                                            k_base, v_base, max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > THREADS, 0};
+        *reinterpret_cast<OutlierHeader*>(area) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
+                                                    v_next.hi - v_base, k_base, v_base,
+                                                    max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > THREADS, 0};
         k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
         v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
     };
@@ -759,10 +761,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 patch_half(x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y));
         };
         const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + sizeof(OutlierHeader));
-        const auto each = [&](int side, int first, int end, int base, auto patch) {  // the rest: first + tid + THREADS, ...
+        const auto each = [&](int side, int from, int to, int base, auto patch) {  // the rest: from + tid + THREADS, ...
             const unsigned short* const copies = staged + 2 * side * S::OUT_SLOTS;
 #pragma unroll 1
-            for (int i = first + tid + THREADS; i < end; i += THREADS) {
+            for (int i = from + tid + THREADS; i < to; i += THREADS) {
                 if (i < S::OUT_SLOTS) {
                     patch(copies[i], copies[S::OUT_SLOTS + i]);
                 } else {

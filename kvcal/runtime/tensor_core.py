@@ -99,8 +99,8 @@ class Variant:
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if bits == 3 else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
         outliers = 0
-        if self.outliers:  # per stage: ranges, OUTLIER_SLOTS positions and values per side; key and value patches, 4
-            stage += 32 + 4 * OUTLIER_SLOTS * 2  # floats per key channel, the two sides' 32-byte run descriptions
+        if self.outliers:  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side; key and value
+            stage += 32 + 4 * OUTLIER_SLOTS * 2  # patches, 4 floats per key channel, the two sides' 32-byte run descriptions
             outliers = 2 * STAGE_TOKENS * d * 2 + 4 * d * 4 + 2 * 32
         return max(stages * stage + query + rope + lut + places + outliers, merge)
 

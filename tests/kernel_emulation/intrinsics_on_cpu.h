@@ -268,31 +268,30 @@ inline unsigned prmt(unsigned a, unsigned b, unsigned selector) {
     return d;
 }
 
-// Shared-window addresses: the low 32 bits of the host address. The kernels' shared memory is one static array, so
-// its addresses share the upper 32 bits, which shared_address records (and checks) and load_shared_word restores.
+// Shared-window addresses: the low 32 bits of the host address. A build's shared memory is its static arrays, which
+// share the upper 32 bits: shared_address records (and checks) them and load_shared_word restores them. The record
+// has internal linkage, one per build: a process loads several emulator libraries, each at its own addresses.
 namespace emulation {
 namespace intrinsics {
-struct SharedWindow {
+namespace {
+struct {
     bool known = false;
     uintptr_t upper = 0;
-};
-inline SharedWindow& shared_window() {
-    static SharedWindow window;
-    return window;
-}
+} shared_window;
+}  // namespace
 }  // namespace intrinsics
 }  // namespace emulation
 
-inline unsigned shared_address(const void* p) {
-    auto& window = emulation::intrinsics::shared_window();
+static inline unsigned shared_address(const void* p) {  // internal linkage, as its record
+    auto& window = emulation::intrinsics::shared_window;
     const uintptr_t address = reinterpret_cast<uintptr_t>(p), upper = address & ~(uintptr_t)0xFFFFFFFFu;
     if (window.known && window.upper != upper) emulation::intrinsics::fail("shared memory straddles a 4 GiB boundary of the host's addresses");
     window.known = true, window.upper = upper;
     return (unsigned)address;
 }
 
-inline unsigned load_shared_word(unsigned address) {
-    const auto& window = emulation::intrinsics::shared_window();
+static inline unsigned load_shared_word(unsigned address) {
+    const auto& window = emulation::intrinsics::shared_window;
     if (!window.known) emulation::intrinsics::fail("load_shared_word: no shared_address was taken");
     if (address % 4) emulation::intrinsics::fail("ld.shared.b32 address is not 4-byte aligned");
     return *reinterpret_cast<const unsigned*>(window.upper | address);
