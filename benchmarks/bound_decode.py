@@ -236,7 +236,7 @@ class TensorCoreKernel:
         return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
 
     def outlier_warps(self, case: Case) -> list[float]:
-        """Per round of a stage side's outliers (for_stage_outliers: thread tid takes lo + tid, lo + tid + 128, ...),
+        """Per round of a stage side's outliers (patch_stage: thread tid takes lo + tid, lo + tid + 128, ...),
         the fraction of warps with work in it, on average: a stage's outliers are case.outliers of its 64 x D
         elements, and warp w has work in round r where lo + 128 r + 32 w is below hi."""
         from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS

@@ -268,8 +268,8 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
 // Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
 // 3u + h the low bits of half h, word 3u + 2 the high bits): the words of their low and high bits, the shift that
 // moves a quarter's low bits to the low half (N = 8), and the prmt selector that moves their high-bit bytes to bytes
-// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8). A lane's places are made once
-// (first: a lane constant), so the loop's lookups address its rows with no arithmetic.
+// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8). decode_tc makes a lane's
+// places once (first: a lane constant; pre-RoPE keys and values), so its loop addresses rows without arithmetic.
 struct Planes3Place {
     int low, high;
     unsigned shift, selector;
