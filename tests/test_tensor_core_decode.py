@@ -293,6 +293,10 @@ MUTANTS = {
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-channels": ("nuq4-out-rope", "{w.x, w.y, w.z, w.w}", "{w.y, w.x, w.w, w.z}", "3"),
     "outlier-value-lanes": ("nuq4-out-rope", "* 32 + g * 4 + t) * 4", "* 32 + t * 8 + g) * 4", "3"),
+    # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range
+    "nuq-table-address": ("nuq4", "0x3FCu, lut", "0x1FCu, lut"),
+    "nuq3-table-byte": ("nuq3-rope", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
+    "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
 }
 
 
