@@ -536,8 +536,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // value token parameters go through registers (their rows are not 16-byte chunks): loaded with the stage's copies
     // at iteration i, stored to shared memory at iteration i + 1, so a whole iteration hides their latency
     // (a thread's halves: running pointers and rows, advanced one stage per load, as the copies'). Thread tid's element
-    // i is [which][group][token] e = tid + i THREADS; codebooks: token tid's lo (i = 0) and hi (i = 1), stored as
-    // its scale and zero (fp32), so the compute pass reads a token pair's with one load
+    // i is [which][group][token] e = tid + i THREADS; codebooks: token tid's lo (i = 0) and hi (i = 1), one row
+    // (vp_row_of[0] tracks it for both), stored as its scale and zero (fp32), so the compute pass reads a token pair's
+    // with one load
     constexpr int VPN = CB ? 2 : (S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1);
     const auto vp_live = [&](int i) { return tid + i * THREADS < S::VP_HALVES; };
     const unsigned short* vp_source[VPN];
