@@ -173,7 +173,10 @@ struct Shape {
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
     static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
-    static constexpr int K_BYTES = ST * ROW, V_BYTES = ST * ROW;
+    // shared memory's row stride: packed rows of a multiple of 32 bytes get 16 bytes of padding, so rows 2 and 4 apart
+    // start in different banks (the value loads of rows 2t, t < 4, were 4-way bank conflicts at 64 bytes: H100, ncu)
+    static constexpr int SROW = !FP16 && ROW % 32 == 0 ? ROW + 16 : ROW;
+    static constexpr int K_BYTES = ST * SROW, V_BYTES = ST * SROW;
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
@@ -493,8 +496,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const bool live = t0 + token < end;
                 // fp16 rows are read by ldmatrix: 16-byte chunks XOR-swizzled by token % 8 (no bank conflicts)
                 const int place = S::FP16 ? (chunk ^ (token & 7)) : chunk;
-                copy(buffer + token * S::ROW + place * C, live ? k_tile + (token * (int)k_row + chunk * C) : k_tile, live);
-                copy(buffer + S::K_BYTES + token * S::ROW + place * C, live ? v_tile + (token * (int)v_row + chunk * C) : v_tile, live);
+                copy(buffer + token * S::SROW + place * C, live ? k_tile + (token * (int)k_row + chunk * C) : k_tile, live);
+                copy(buffer + S::K_BYTES + token * S::SROW + place * C, live ? v_tile + (token * (int)v_row + chunk * C) : v_tile, live);
             }
         }
         if constexpr (!S::FP16 && !CB) {
@@ -889,7 +892,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int s2 = 0; s2 < KSTEPS / 2; ++s2) {
                         const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
                         unsigned r[4];
-                        ldmatrix_x4(r, buffer + row * S::ROW + ((chunk ^ (row & 7)) * 16));
+                        ldmatrix_x4(r, buffer + row * S::SROW + ((chunk ^ (row & 7)) * 16));
                         unsigned a[4];
                         two_step_fragment(a, qk, s2);
                         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -900,10 +903,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta
                     constexpr int PART_WORDS = D * BITS / 256, HP = PAIRS / 2;
                     const int delta = tb + 8 * nt + g;
-                    const unsigned char* const row = buffer + delta * S::ROW + t * (S::ROW / 8);
+                    const unsigned char* const row = buffer + delta * S::SROW + t * (S::ROW / 8);
                     unsigned kf[PAIRS], cs[PAIRS];
                     if constexpr (BITS == 3) {
-                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::ROW);
+                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::SROW);
                         const Planes3Place key_place = places[0];
                         planes3_codes<D / 8>(words, key_place, kf, key_lut);
                         planes3_codes<D / 8>(words + 3 * (D / 64), key_place, kf + HP, key_lut);  // channels + D / 2
@@ -945,13 +948,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 } else {
                     unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
                     if constexpr (BITS == 3) {
-                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::ROW);
+                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::SROW);
 #pragma unroll
                         for (int h = 0; h < D / 64; ++h) planes3_codes<16>(words, planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
                     } else {
                         constexpr int WORDS = D * BITS / 128;
                         unsigned w[WORDS];
-                        load_words(w, buffer + (tb + 8 * nt + g) * S::ROW + t * (S::ROW / 4));
+                        load_words(w, buffer + (tb + 8 * nt + g) * S::SROW + t * (S::ROW / 4));
 #pragma unroll
                         for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
                     }
@@ -987,12 +990,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 for (int mt = 0; mt < MTILES; ++mt) {
                     const int i = lane >> 3, row = tb + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
                     unsigned a[4];
-                    ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::ROW + ((chunk ^ (row & 7)) * 16));
+                    ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::SROW + ((chunk ^ (row & 7)) * 16));
                     mma_m16n8k16_f16(o[mt], a, bp);
                 }
             } else {
                 const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
-                const unsigned char* const vrow = buffer + S::K_BYTES + (tb + 2 * t) * S::ROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
+                const unsigned char* const vrow = buffer + S::K_BYTES + (tb + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
                 constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
 #pragma unroll
                 for (int group = 0; group < S::VGROUPS; ++group) {
@@ -1019,13 +1022,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     unsigned vf[2][S::LANE_V];  // [rows 2t/2t+1 or 2t+8/2t+9][code n]: {token even, token odd}
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const unsigned char* const r0 = vrow + 8 * half * S::ROW;
+                        const unsigned char* const r0 = vrow + 8 * half * S::SROW;
                         if constexpr (BITS == 3) {
                             // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
                             unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
                             const Planes3Place value_place = places[1];
                             planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
-                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::ROW), value_place, pb, value_lut);
+                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::SROW), value_place, pb, value_lut);
 #pragma unroll
                             for (int m = 0; m < S::LANE_V / 2; ++m) {
                                 vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
@@ -1035,7 +1038,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             constexpr int NW = LANE_BITS / 32;
                             unsigned wa[NW], wb[NW];
                             load_words(wa, r0 + (bit0 >> 3));
-                            load_words(wb, r0 + S::ROW + (bit0 >> 3));
+                            load_words(wb, r0 + S::SROW + (bit0 >> 3));
 #pragma unroll
                             for (int i = 0; i < NW; ++i) {
                                 // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
@@ -1051,13 +1054,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             unsigned c16[CHUNKS16];
                             if constexpr (LANE_BITS == 16) {
                                 const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
-                                const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::ROW + (bit0 >> 5) * 4);
+                                const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
                                 c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
                             } else {
                                 constexpr int NW = LANE_BITS / 32;
                                 unsigned wa[NW], wb[NW];
                                 load_words(wa, r0 + (bit0 >> 3));
-                                load_words(wb, r0 + S::ROW + (bit0 >> 3));
+                                load_words(wb, r0 + S::SROW + (bit0 >> 3));
 #pragma unroll
                                 for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                             }

@@ -87,11 +87,12 @@ class Variant:
         fp16 = bits == 16
         stages = self.stages
         row = d * bits // 8
+        srow = row + 16 if not fp16 and row % 32 == 0 else row  # tc::Shape::SROW: padded shared-memory rows
         kblocks = 0 if fp16 or self.codebook else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
         value_params = STAGE_TOKENS * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
-        stage = 2 * STAGE_TOKENS * row + (0 if fp16 else kblocks * 4 * d) + value_params
+        stage = 2 * STAGE_TOKENS * srow + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
