@@ -173,9 +173,11 @@ struct Shape {
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
     static constexpr int LANE_V = VGE / 8;  // value channels a lane owns per group (M rows g and g + 8 of VGE / 16 m-tiles)
-    // shared memory's row stride: packed rows of a multiple of 32 bytes get 16 bytes of padding, so rows 2 and 4 apart
-    // start in different banks (the value loads of rows 2t, t < 4, were 4-way bank conflicts at 64 bytes: H100, ncu)
-    static constexpr int SROW = !FP16 && ROW % 32 == 0 ? ROW + 16 : ROW;
+    // shared memory's row stride. nuq4's 64-byte rows get 16 bytes of padding, so that rows 2 apart start in different
+    // banks: its value loads of rows 2t (t < 4) were 4-way bank conflicts, and nuq4 is bound by shared-memory
+    // wavefronts (H100, ncu: L1 87% busy; padded, 13% fewer wavefronts and 3.6% faster). Not for the uniform codes:
+    // int4 g128 went 10% slower padded (fewer wavefronts, but its L1 was half idle), int2 g128 2%
+    static constexpr int SROW = CB && BITS == 4 ? ROW + 16 : ROW;
     static constexpr int K_BYTES = ST * SROW, V_BYTES = ST * SROW;
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;

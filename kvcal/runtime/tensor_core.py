@@ -87,7 +87,7 @@ class Variant:
         fp16 = bits == 16
         stages = self.stages
         row = d * bits // 8
-        srow = row + 16 if not fp16 and row % 32 == 0 else row  # tc::Shape::SROW: padded shared-memory rows
+        srow = row + 16 if self.codebook and bits == 4 else row  # tc::Shape::SROW: nuq4's shared-memory rows are padded
         kblocks = 0 if fp16 or self.codebook else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
