@@ -165,7 +165,8 @@ struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
     // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
-    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : 6) : (OUT ? 4 : 8));
+    // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
+    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word

@@ -79,7 +79,7 @@ class Variant:
     @property
     def stages(self) -> int:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
-        return 3 if self.bits == 16 else ((4 if self.outliers else 6) if self.bits == 4 else (4 if self.outliers else 8))
+        return 3 if self.bits == 16 else ((4 if self.outliers else 5 if self.codebook else 6) if self.bits == 4 else (4 if self.outliers else 8))
 
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""

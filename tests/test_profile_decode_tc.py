@@ -1,0 +1,79 @@
+"""benchmarks/profile_decode_tc.py: reading ncu's raw counters (the profiling itself needs a CUDA GPU and ncu) and its
+argument errors."""
+
+import csv
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode_tc.py"
+RESULTS = SCRIPT.parent / "results"
+spec = importlib.util.spec_from_file_location("profile_decode_tc", SCRIPT)
+profile = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile)
+
+# counters of int2 g128's launch as `ncu --page raw --csv` exported them on an H100 (ee93850; a subset of the columns)
+INT2_G128 = [
+    ("ID", "", "0"), ("Kernel Name", "", "void decode_tc<128, 2, 128, 128, 4, 0, 0, 0>(const float *, int)"),
+    ("device__attribute_display_name", "", "NVIDIA H100 80GB HBM3"),
+    ("dram__bytes_read.sum", "Mbyte", "154.510592"), ("dram__bytes_read.sum.pct_of_peak_sustained_elapsed", "%", "39.425494"),
+    ("gpu__time_duration.sum", "ms", "0.116928"),
+    ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "", "10,080,377"),
+    ("l1tex__throughput.avg.pct_of_peak_sustained_active", "%", "46.055989"),
+    ("launch__occupancy_limit_blocks", "block", "32.000000"), ("launch__occupancy_limit_registers", "block", "4.000000"),
+    ("launch__occupancy_limit_shared_mem", "block", "4.000000"), ("launch__occupancy_limit_warps", "block", "16.000000"),
+    ("launch__registers_per_thread", "register/thread", "122"),
+    ("lts__throughput.avg.pct_of_peak_sustained_elapsed", "%", "57.752874"),
+    ("sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active", "%", "45.464736"),
+    ("sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active", "%", "29.327302"),
+    ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "%", "21.383889"),
+    ("smsp__inst_executed.sum", "inst", "56692926.000000"),
+    ("smsp__issue_active.avg.pct_of_peak_sustained_active", "%", "55.157945"),
+    ("smsp__pcsamp_sample_count", "", "12,604"),
+    ("smsp__pcsamp_warps_issue_stalled_barrier", "warp", "1020"),
+    ("smsp__pcsamp_warps_issue_stalled_barrier_not_issued", "warp", "350"),
+    ("smsp__pcsamp_warps_issue_stalled_long_scoreboard", "warp", "967"),
+    ("smsp__pcsamp_warps_issue_stalled_math_pipe_throttle", "warp", "1259"),
+    ("smsp__pcsamp_warps_issue_stalled_not_selected", "warp", "1606"),
+    ("smsp__pcsamp_warps_issue_stalled_selected", "warp", "2103"),
+    ("smsp__pcsamp_warps_issue_stalled_short_scoreboard", "warp", "1344"),
+    ("smsp__pcsamp_warps_issue_stalled_wait", "warp", "2703"),
+    ("smsp__pcsamp_warps_issue_stalled_wait_not_issued", "warp", "3128"),  # more than any reason: must not be listed
+    ("smsp__warps_active.avg.per_cycle_active", "warp", "3.510567"),
+    ("smsp__warps_eligible.avg.per_cycle_active", "warp", "1.037545"),
+]
+
+
+def exported(columns) -> str:
+    out = io.StringIO()
+    out.write("==PROF== Connected to process 1\n")  # ncu may print before the table
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL)
+    for row in zip(*columns):
+        writer.writerow(row)
+    return out.getvalue()
+
+
+def test_a_launch_s_counters_become_one_row_in_microseconds_and_megabytes_with_its_five_largest_stalls():
+    row = profile.summary("int2-g128", exported(INT2_G128))
+    assert row["device"] == "NVIDIA H100 80GB HBM3" and row["kernel"] == "void decode_tc<128, 2, 128, 128, 4, 0, 0, 0>"
+    assert row["duration_us"] == 116.93 and row["dram_read_mb"] == 154.5  # ms -> us; Mbyte as is
+    assert (row["registers"], row["blocks_per_sm"], row["shared_wavefronts"]) == (122, 4, 10080377)
+    assert (row["warps_per_scheduler"], row["eligible_per_scheduler"], row["issue_pct"], row["l1_shared_pct"]) == (3.51, 1.04, 55.2, 46.1)
+    # shares of all 12,604 samples, the *_not_issued subsets left out
+    assert row["stall_samples_pct"] == {"wait": 21.4, "selected": 16.7, "not_selected": 12.7, "short_scoreboard": 10.7,
+                                        "math_pipe_throttle": 10.0}
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--from-csv"], "--from-csv reads --csv-dir DIR"),
+    (["--from-csv", "--csv-dir", ".", "--only", "int2-g128"], "no int2-g128.csv there"),
+])
+def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem):
+    before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+    done = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
