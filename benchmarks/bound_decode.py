@@ -821,7 +821,10 @@ def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
         return []
     lines = ["", "The bound beside a measurement (benchmarks/bench_decode_tc.py on a GPU, same shape, L2 flushed: the fastest "
              "of the split plans it timed; its results file names how it ran). The gap is what the bound does not model: "
-             "stalls that leave issue slots empty.", "",
+             "stalls that leave issue slots empty, and units other than issue that fill first (benchmarks/profile_decode_tc.py "
+             "counts both with Nsight Compute: the H100's int2 and int4 g128 issued in about half their slots with about one "
+             "warp eligible per scheduler and no unit saturated, while the codebook variants were held by shared-memory "
+             "wavefronts, their table lookups' bank conflicts).", "",
              "| variant | bandwidth bound | measured, of copy bandwidth | speedup bound | measured speedup vs fp16 SDPA | run |",
              "|---|---|---|---|---|---|"]
     for w, run, row in rows:
