@@ -1,4 +1,5 @@
-"""benchmarks/bench_decode_tc.py's arguments (its measurements need a CUDA GPU; these checks run before it looks)."""
+"""benchmarks/bench_decode_tc.py's and bench_layout_tc.py's arguments (their measurements need a CUDA GPU; these checks run before
+they look)."""
 
 import subprocess
 import sys
@@ -21,3 +22,16 @@ def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing
     done = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True)
     assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
+
+
+LAYOUT = SCRIPT.parent / "bench_layout_tc.py"
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--only", "nuq4-pre-rope"], "a uniform-code variant"),
+    (["--only", "fp16"], "a uniform-code variant"),
+    (["--tokens", "-1"], "a positive number of tokens"),
+])
+def test_the_layout_probe_refuses_what_it_cannot_reshape_with_one_line(arguments, problem):
+    done = subprocess.run([sys.executable, str(LAYOUT), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]

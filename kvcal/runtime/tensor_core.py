@@ -79,7 +79,13 @@ class Variant:
     @property
     def stages(self) -> int:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
-        return 3 if self.bits == 16 else ((4 if self.outliers else 5 if self.codebook else 6) if self.bits == 4 else (4 if self.outliers else 8))
+        if self.bits == 16:
+            return 3
+        if self.outliers:
+            return 4
+        if self.bits == 4:
+            return 5 if self.codebook else 6  # nuq4: 2 blocks of its padded rows still fit an A100
+        return 8
 
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
