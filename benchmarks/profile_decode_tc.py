@@ -79,11 +79,10 @@ def summary(name: str, text: str) -> dict:
     """One row of the table from ncu's raw CSV (a header row, a units row, one row per profiled kernel)."""
     rows = list(csv.reader(io.StringIO(text[text.index('"ID"'):])))
     header, units, values = rows[0], rows[1], rows[2]
-    unit = dict(zip(header, units))
+    unit, field = dict(zip(header, units)), dict(zip(header, values))
 
     def value(metric: str) -> float:
-        raw = dict(zip(header, values))[metric].replace(",", "")
-        return float(raw) * SCALE.get(unit[metric], 1.0)
+        return float(field[metric].replace(",", "")) * SCALE.get(unit[metric], 1.0)
 
     stalls = {key[len(STALL_PREFIX):]: value(key) for key in header  # every sample once: not the *_not_issued subsets
               if key.startswith(STALL_PREFIX) and not key.endswith("_not_issued")}
@@ -92,8 +91,8 @@ def summary(name: str, text: str) -> dict:
     limits = [value(k) for k in header if k.startswith("launch__occupancy_limit_")]
     return {
         "variant": name,
-        "device": dict(zip(header, values))["device__attribute_display_name"],
-        "kernel": re.sub(r"\(.*", "", dict(zip(header, values))["Kernel Name"]),
+        "device": field["device__attribute_display_name"],
+        "kernel": re.sub(r"\(.*", "", field["Kernel Name"]),
         "duration_us": round(value("gpu__time_duration.sum"), 2),
         "dram_read_mb": round(value("dram__bytes_read.sum"), 1),
         "registers": int(value("launch__registers_per_thread")),
