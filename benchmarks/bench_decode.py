@@ -110,10 +110,16 @@ def timed(run, iterations: int, warmup_seconds: float = 0.5, rounds: int = 5) ->
             times.append(begin.elapsed_time(end) / 1e3)
         return statistics.median(times[2:])
 
-    last = median()
+    return settled(median, rounds)
+
+
+def settled(measure, rounds: int, tolerance: float = 0.05) -> float:
+    """measure() again until two results in a row agree within `tolerance` (at most `rounds` calls): the lower of the
+    two; the last result if none agree."""
+    last = measure()
     for _ in range(rounds - 1):
-        now = median()
-        if abs(now - last) <= 0.05 * min(now, last):
+        now = measure()
+        if abs(now - last) <= tolerance * min(now, last):
             return min(now, last)
         last = now
     return last
