@@ -57,17 +57,18 @@ def inv_freq() -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
 
 
-def filled_stores(codecs, batch: int, length: int):
-    """K and V stores of `length` random N(0, 1) tokens per sequence (torch codecs on the GPU)."""
+def filled_stores(codecs, batch: int, length: int, width: int = WIDTH):
+    """K and V stores of `length` random N(0, 1) tokens per sequence, `width` channels (every KV head) a row (torch
+    codecs on the GPU)."""
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
     stores = []
     for side in range(2):
-        store = (Fp16Rows(batch, WIDTH, "cuda") if codecs is None
-                 else PackedRows(codecs[side], batch, WIDTH, "cuda", head_dim=HEAD_DIM))
+        store = (Fp16Rows(batch, width, "cuda") if codecs is None
+                 else PackedRows(codecs[side], batch, width, "cuda", head_dim=HEAD_DIM))
         generator = torch.Generator(device="cuda").manual_seed(side)
         for b in range(batch):
-            store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))
+            store.append(b, torch.randn(length, width, device="cuda", dtype=torch.float16, generator=generator))
         stores.append(store)
     return stores
 

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
+from kvcal.quantizers import CodebookCodec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import timed  # noqa: E402
-from bench_decode_tc import HEAD_DIM, inv_freq, variants  # noqa: E402
+from bench_decode import HEADS, KV_HEADS, timed  # noqa: E402
+from bench_decode_tc import HEAD_DIM, filled_stores, inv_freq, variants  # noqa: E402
 
 SHAPES = ((8, 8), (64, 1), (8, 8))  # (sequences, KV heads): token-major, one head per row, token-major again
-GQA = 4
+GQA = HEADS // KV_HEADS  # bench_decode.py's group: 4 query heads per KV head
 
 
 def main() -> None:
@@ -34,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     table = variants()
     names = args.only.split(",")
-    unknown = [n for n in names if n not in table or table[n][0] is None or n.startswith("nuq")]
+    unknown = [n for n in names if n not in table or table[n][0] is None or isinstance(table[n][0][0], CodebookCodec)]
     if unknown:
         parser.error(f"--only {unknown[0]}: a uniform-code variant of bench_decode_tc.py (int2-g128, int4-g64-pre-rope, ...); "
                      "codebook keys' thresholds there are sized for 8 KV heads")
@@ -43,19 +45,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_layout_tc.py needs a CUDA GPU; nothing was measured")
     from kvcal.runtime import tensor_core
-    from kvcal.runtime.store import PackedRows
 
     for name in names:
         codecs, rope = table[name]
         for batch, kv_heads in SHAPES:
-            width = kv_heads * HEAD_DIM
-            stores = []
-            for side in range(2):
-                store = PackedRows(codecs[side], batch, width, "cuda", head_dim=HEAD_DIM)
-                generator = torch.Generator(device="cuda").manual_seed(side)
-                for b in range(batch):
-                    store.append(b, torch.randn(args.tokens, width, device="cuda", dtype=torch.float16, generator=generator))
-                stores.append(store)
+            stores = filled_stores(codecs, batch, args.tokens, kv_heads * HEAD_DIM)
             query = torch.randn(batch, kv_heads * GQA, HEAD_DIM, device="cuda")
             run = tensor_core.prepare_decode_tc(query, stores[0], stores[1], kv_heads, HEAD_DIM**-0.5,
                                                 inv_freq=inv_freq() if rope else None)
