@@ -96,7 +96,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     parser.add_argument("--splits", default="launcher,512,2048,4096",
-                        help="tokens per split to time, comma-separated multiples of 64; 'launcher': the launcher's plan")
+                        help="tokens per split to time, comma-separated multiples of 64 (a variant whose stages hold 128 "
+                             "tokens skips the others); 'launcher': the launcher's plan")
     parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
     parser.add_argument("--kernel-dir", type=Path, default=None,
                         help="time the kernels of this folder (a changed copy of kernels/); prints, writes nothing")
@@ -133,6 +134,9 @@ def main() -> None:
         variant = tensor_core.variant_for(keys, values, HEAD_DIM, HEADS // KV_HEADS, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
         for per_split in splits:
+            if per_split is not None and per_split % variant.stage_tokens:
+                print(f"{name}: {per_split} tokens per split skipped (stages of {variant.stage_tokens} tokens)", flush=True)
+                continue
             run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
                                                 inv_freq=inv_freq() if rope else None)
             if error is None:

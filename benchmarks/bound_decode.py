@@ -10,8 +10,9 @@ Loops. nvdisasm 13 turns its own dataflow analysis (and so -cfg) off for these c
 read from the listing's branch targets. Every backward branch closes a loop: its target is the header and the
 loop is the address range from the target to the branch (ptxas lays loops out contiguously). The token loop is the
 loop whose backward branch comes from the kernel model's token_loop source line, a warp's loop over tiles (the
-kernel models' docstrings say what one iteration holds). One iteration serves `tile` tokens of one KV head for
-all query heads of its group, and warp-instructions per KV token = instructions issued per iteration / tile.
+kernel models' docstrings say what one iteration holds). One iteration serves a warp's tokens of one KV head
+(tokens_per_iteration) for all query heads of its group, and warp-instructions per KV token = instructions issued
+per iteration / those tokens.
 
 Issued instructions per iteration. Expected executions of each instruction are propagated through the loop
 body in address order. An inner loop's header gets its entry flow times its iterations (inner_loops: a regex
@@ -106,6 +107,9 @@ class CudaCoreKernel:
         Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
     )
 
+    def tokens_per_iteration(self, case: Case) -> int:
+        return self.tile
+
     def variant(self, case: Case) -> str:
         return f"decode_attention<{SHAPE['head_dim']}, {str(case.rope).lower()}, {case.key_codec}, {case.value_codec}>"
 
@@ -189,14 +193,14 @@ class CudaCoreKernel:
 
 class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
-    warps stream stages of 64 tokens through a cp.async pipeline; in each iteration of the tile loop every thread
-    issues its share of the next stage's copies and warp w computes 16 of the stage's tokens with mma. So one
-    iteration serves 16 tokens per warp, copies included. Steady state: every copy live, a new key block every KG / 64
-    tiles, and no running maximum growing (its rescale is skipped; at 32K tokens a new maximum is rare)."""
+    warps stream stages of ST tokens (Variant.stage_tokens: 64, or 128 for the WIDE variants) through a cp.async
+    pipeline; in each iteration of the tile loop every thread issues its share of the next stage's copies and warp w
+    computes ST / 4 of the stage's tokens with mma. So one iteration serves ST / 4 tokens per warp, copies included.
+    Steady state: every copy live, a new key block every KG / ST tiles, and no running maximum growing (its rescale
+    is skipped; at 32K tokens a new maximum is rare)."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
-    tile = 16  # tc::TPW
     token_loop = r"for \(int tile = 0; tile < tiles; \+\+tile\)"
     passes = {"copies": r"cp_async_wait<S::STAGES - 2>\(\);", "keys": r"// -- key block parameters",
               "softmax": r"// -- online softmax", "values": r"// -- O\^T \+= V\^T P\^T"}
@@ -222,6 +226,11 @@ class TensorCoreKernel:
         group = self.GROUP if case.bits else 0
         return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope)
 
+    def tokens_per_iteration(self, case: Case) -> int:
+        from kvcal.runtime.tensor_core import WARPS
+
+        return self._variant(case).stage_tokens // WARPS  # tc::Shape::TPW
+
     def variant(self, case: Case) -> str:
         return self._variant(case).name
 
@@ -239,9 +248,9 @@ class TensorCoreKernel:
         """Per round of a stage side's outliers (patch_stage: thread tid takes lo + tid, lo + tid + 128, ...),
         the fraction of warps with work in it, on average: a stage's outliers are case.outliers of its 64 x D
         elements, and warp w has work in round r where lo + 128 r + 32 w is below hi."""
-        from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS
+        from kvcal.runtime.tensor_core import THREADS, WARPS
 
-        n = case.outliers * STAGE_TOKENS * SHAPE["head_dim"]
+        n = case.outliers * self._variant(case).stage_tokens * SHAPE["head_dim"]
         return [min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) / WARPS for r in range(max(1, math.ceil(n / THREADS)))]
 
     def inner_loops(self, case: Case) -> list:
@@ -260,17 +269,17 @@ class TensorCoreKernel:
     def _last_round_warps(self, case: Case) -> float:
         """Fraction of warps with a copy in the last round of a stage's code copies (a round: one 16-byte chunk per
         thread)."""
-        from kvcal.runtime.tensor_core import STAGE_TOKENS, THREADS, WARPS
+        from kvcal.runtime.tensor_core import THREADS, WARPS
 
-        copies = STAGE_TOKENS * self._variant(case).head_dim * (case.bits or 16) // 8 // 16
+        copies = self._variant(case).stage_tokens * self._variant(case).head_dim * (case.bits or 16) // 8 // 16
         last = copies % THREADS or THREADS
         return math.ceil(last / 32) / WARPS
 
     def if_bodies(self, case: Case) -> tuple:
-        from kvcal.runtime.tensor_core import STAGE_TOKENS, WARPS
+        from kvcal.runtime.tensor_core import WARPS
 
-        d, group = SHAPE["head_dim"], self.GROUP
-        key_param_copies = (1 if group >= STAGE_TOKENS else STAGE_TOKENS // group) * 2 * (d * 2 // 16)
+        d, group, stage = SHAPE["head_dim"], self.GROUP, self._variant(case).stage_tokens
+        key_param_copies = (1 if group >= stage else stage // group) * 2 * (d * 2 // 16)
         return (
             (r"if \(ahead < tiles\)", 1.0),
             (r"if \(tile \+ S::STAGES - 2 < tiles\)", 1.0),
@@ -284,7 +293,7 @@ class TensorCoreKernel:
             (r"if \(vp_row_of\[[i0]\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
-            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, STAGE_TOKENS / group)),
+            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)
@@ -668,7 +677,7 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
     """Warp-instructions per KV token by class and by pass, and bytes in flight per SM, from one walk. Plain loads:
     a streaming loop's iteration is credited at most its share of the side's bytes (half the token's: K and V alike
     here). A cp.async pipeline: the global-load bytes of one token-loop iteration times the stages in flight."""
-    walk = Walk(code, source_text, case, kernel)
+    walk, tile = Walk(code, source_text, case, kernel), kernel.tokens_per_iteration(case)
     count = walk.run()
     starts = pass_lines(kernel, source_text)
     by_class, by_pass, by_opcode = Counter(), Counter(), Counter()
@@ -676,9 +685,9 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
         if n:
             outer = ins.lines[-1] if ins.lines else ("", 0)
             name = next((p for first, p in reversed(starts) if outer[0] == kernel.source and outer[1] >= first), starts[0][1])
-            by_class[classify(ins.opcode)] += n / kernel.tile
-            by_pass[name] += n / kernel.tile
-            by_opcode[ins.opcode.split(".")[0]] += n / kernel.tile
+            by_class[classify(ins.opcode)] += n / tile
+            by_pass[name] += n / tile
+            by_opcode[ins.opcode.split(".")[0]] += n / tile
 
     def issued(lo: int, hi: int) -> float:
         return sum(count[i] * load_bytes(code[i].opcode) * 32 for i in range(lo, hi + 1) if code[i].opcode.split(".")[0] in GLOBAL_LOADS)
@@ -689,8 +698,8 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
     for header, end in sorted(walk.loops.items()):
         side = walk.streams(header)
         if side and count[header] and side not in in_flight:  # the outermost streaming loop that runs
-            in_flight[side] = min(issued(header, end), token_bytes / 2 * kernel.tile) / count[header] * warps_per_sm
-    return {"warp_instructions_per_token": sum(count) / kernel.tile,
+            in_flight[side] = min(issued(header, end), token_bytes / 2 * tile) / count[header] * warps_per_sm
+    return {"warp_instructions_per_token": sum(count) / tile,
             "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in kernel.passes},
             "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 

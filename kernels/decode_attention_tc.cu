@@ -6,11 +6,11 @@
 // CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of
 // the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
 //
-// Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64
-// tokens by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks, 8-byte ones for nuq3's 24-byte rows
-// at head_dim 64; zero fill past the end);
-// warp w computes tokens 16w .. 16w + 15 of each stage with its own online softmax (log2 domain), and the
-// four warps merge through shared memory at the end into one (partial output, lse) per split.
+// Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64 or 128
+// tokens (Shape::WIDE) by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks, 8-byte ones for
+// nuq3's 24-byte rows at head_dim 64; zero fill past the end); warp w computes tokens TPW w .. TPW w + TPW - 1
+// (TPW = ST / 4) of each stage with its own online softmax (log2 domain), and the four warps merge through shared
+// memory at the end into one (partial output, lse) per split.
 //
 // Matrix mapping (m16n8k16, fp16 operands, fp32 accumulation; g = lane / 4, t = lane % 4):
 //  S = Q K^T, query heads in M: A = the GQA group's query rows (rows >= GQA and 8..15 are zero), B = K^T
@@ -61,7 +61,8 @@
 
 namespace tc {
 
-constexpr int WARPS = 4, THREADS = WARPS * 32, ST = 64, TPW = ST / WARPS;
+constexpr int WARPS = 4, THREADS = WARPS * 32;
+constexpr int OUT_TILE = 64;  // rows of kvcal/packing.py's outlier tiles: one stage of the variants that read outliers
 constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u;
 
 #ifdef KVCAL_HOST_EMULATION
@@ -164,9 +165,17 @@ template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, b
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
+    // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys (in key
+    // blocks of 32 or 64 tokens or a multiple of 128) take 128: a stage's fixed work (the barrier, the copies'
+    // addresses, the key block's parameters, the softmax's reductions) is spread over twice the tokens. The others stay
+    // at 64: the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory
+    // are sized by it
+    static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG % 128 == 0 || (128 % KG == 0 && KG >= 32));
+    static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
     // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
-    static constexpr int STAGES = FP16 ? 3 : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
+    // (WIDE: half as many stages of twice the tokens; int4 3, so that 3 blocks still fit an A100)
+    static constexpr int STAGES = FP16 ? 3 : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
@@ -214,6 +223,7 @@ struct Shape {
     static constexpr int MIN_BLOCKS =
         FP16 || OUT || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
+    static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
@@ -385,7 +395,7 @@ __device__ __forceinline__ OutlierRun outlier_run(const unsigned short* position
                                                   const int* counts, long long run, long long stride, long long offset_stride,
                                                   int rows) {
     OutlierRun r{positions + run * stride, values + run * stride, offsets + run * offset_stride, 0, 0};
-    if (counts != nullptr) r.count = __ldg(counts + run), r.tiles = (rows + ST - 1) / ST;
+    if (counts != nullptr) r.count = __ldg(counts + run), r.tiles = (rows + OUT_TILE - 1) / OUT_TILE;
     return r;
 }
 
@@ -426,6 +436,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float scale_log2) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT>;
+    constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
+    constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     constexpr int META = 5;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
@@ -830,7 +842,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         // the next stage's rotated query: its buffer was last read in iteration tile - 1, which every warp has left
         if (ROPE && tile + 1 < tiles) rotate_query(tile + 1);
 
-        const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's 16 tokens
+        const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's TPW tokens
         if (token0 < end) {
             if constexpr (ROPE) {  // this stage's rotated query: each 16-byte load is one A fragment (two_step_fragment)
                 const unsigned* const qr = q_rot + (tile & 1) * S::QROT_WORDS + lane * 4;
@@ -884,10 +896,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     bias = bacc[0] + bacc2[2];
                 }
             }
-            // -- S = Q K^T for two n-tiles of 8 tokens --
-            float sc[2][2];
+            // -- S = Q K^T for the warp's n-tiles of 8 tokens --
+            float sc[NT][2];
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
+            for (int nt = 0; nt < NT; ++nt) {
                 // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (paired_k_steps)
                 float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::FP16) {
@@ -967,8 +979,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 sc[nt][0] = token < end ? acc[0] + acc2[2] : -__int_as_float(0x7f800000);
                 sc[nt][1] = token + 1 < end ? acc[1] + acc2[3] : -__int_as_float(0x7f800000);
             }
-            // -- online softmax of head g over these 16 tokens (log2 domain) --
-            float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
+            // -- online softmax of head g over these TPW tokens (log2 domain) --
+            float part[NT];  // the n-tiles' maxima, reduced as a tree
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) part[nt] = fmaxf(sc[nt][0], sc[nt][1]);
+#pragma unroll
+            for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+                for (int i = 0; i < w; ++i) part[i] = fmaxf(part[i], part[i + w]);
+            float mx = part[0];
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m, mx), m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
@@ -981,112 +1000,120 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int i = 0; i < MTILES; ++i) o[i][0] *= alpha0, o[i][1] *= alpha1, o[i][2] *= alpha0, o[i][3] *= alpha1;
             }
-            float p[2][2];
+            float p[NT][2];
+            l *= alpha;
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) p[nt][0] = ex2(sc[nt][0] - m_use), p[nt][1] = ex2(sc[nt][1] - m_use);
-            l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
+            for (int nt = 0; nt < NT; ++nt) {
+                p[nt][0] = ex2(sc[nt][0] - m_use), p[nt][1] = ex2(sc[nt][1] - m_use);
+                l += p[nt][0] + p[nt][1];
+            }
             m = m_new;
-            // -- O^T += V^T P^T --
-            if constexpr (S::FP16) {
-                const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
+            // -- O^T += V^T P^T, one k-step of 16 tokens at a time (P's n-tiles 2 kt and 2 kt + 1) --
 #pragma unroll
-                for (int mt = 0; mt < MTILES; ++mt) {
-                    const int i = lane >> 3, row = tb + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
-                    unsigned a[4];
-                    ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::SROW + ((chunk ^ (row & 7)) * 16));
-                    mma_m16n8k16_f16(o[mt], a, bp);
-                }
-            } else {
-                const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
-                const unsigned char* const vrow = buffer + S::K_BYTES + (tb + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
-                constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
+            for (int kt = 0; kt < KT; ++kt) {
+                const int tk = tb + 16 * kt;  // the k-step's first token in the stage
+                if constexpr (S::FP16) {
+                    const unsigned bp[2] = {pack_half2(p[2 * kt][0], p[2 * kt][1]), pack_half2(p[2 * kt + 1][0], p[2 * kt + 1][1])};
 #pragma unroll
-                for (int group = 0; group < S::VGROUPS; ++group) {
-                    // P' = P * scale (per token), and the zero points' running sum
-                    unsigned bp[2];
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int token = tb + 2 * t + 8 * half;
-                        float s0, s1, z0, z1;
-                        if constexpr (CB) {  // the pair's scales and zeros, made when the stage's were stored
-                            const float4 sz = reinterpret_cast<const float4*>(vp)[token / 2];
-                            s0 = sz.x, z0 = sz.y, s1 = sz.z, z1 = sz.w;
-                        } else {  // kvcal.quantizers.scale_in_use clamps the scale at 2^-24
-                            s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
-                            s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
-                            z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
-                            z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
-                        }
-                        bp[half] = pack_half2(p[half][0] * s0, p[half][1] * s1);
-                        zsum[group] = (half ? zsum[group] : zsum[group] * alpha) + p[half][0] * z0 + p[half][1] * z1;
+                    for (int mt = 0; mt < MTILES; ++mt) {
+                        const int i = lane >> 3, row = tk + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
+                        unsigned a[4];
+                        ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::SROW + ((chunk ^ (row & 7)) * 16));
+                        mma_m16n8k16_f16(o[mt], a, bp);
                     }
-                    // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
-                    const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
-                    unsigned vf[2][S::LANE_V];  // [rows 2t/2t+1 or 2t+8/2t+9][code n]: {token even, token odd}
+                } else {
+                    const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
+                    const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
+                    constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const unsigned char* const r0 = vrow + 8 * half * S::SROW;
-                        if constexpr (BITS == 3) {
-                            // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
-                            unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
-                            const Planes3Place value_place = places[1];
-                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
-                            planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::SROW), value_place, pb, value_lut);
+                    for (int group = 0; group < S::VGROUPS; ++group) {
+                        // P' = P * scale (per token), and the zero points' running sum
+                        unsigned bp[2];
 #pragma unroll
-                            for (int m = 0; m < S::LANE_V / 2; ++m) {
-                                vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
-                                vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
+                        for (int half = 0; half < 2; ++half) {
+                            const int token = tk + 2 * t + 8 * half;
+                            float s0, s1, z0, z1;
+                            if constexpr (CB) {  // the pair's scales and zeros, made when the stage's were stored
+                                const float4 sz = reinterpret_cast<const float4*>(vp)[token / 2];
+                                s0 = sz.x, z0 = sz.y, s1 = sz.z, z1 = sz.w;
+                            } else {  // kvcal.quantizers.scale_in_use clamps the scale at 2^-24
+                                s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
+                                s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
+                                z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
+                                z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
                             }
-                        } else if constexpr (CB) {
-                            constexpr int NW = LANE_BITS / 32;
-                            unsigned wa[NW], wb[NW];
-                            load_words(wa, r0 + (bit0 >> 3));
-                            load_words(wb, r0 + S::SROW + (bit0 >> 3));
+                            const float* const pt = p[2 * kt + half];
+                            bp[half] = pack_half2(pt[0] * s0, pt[1] * s1);
+                            zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha) + pt[0] * z0 + pt[1] * z1;
+                        }
+                        // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
+                        const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
+                        unsigned vf[2][S::LANE_V];  // [rows 2t/2t+1 or 2t+8/2t+9][code n]: {token even, token odd}
 #pragma unroll
-                            for (int i = 0; i < NW; ++i) {
-                                // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
-                                const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << 4, 0x0F0F0F0Fu);
-                                const unsigned odd = lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu);
+                        for (int half = 0; half < 2; ++half) {
+                            const unsigned char* const r0 = vrow + 8 * half * S::SROW;
+                            if constexpr (BITS == 3) {
+                                // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
+                                unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
+                                const Planes3Place value_place = places[1];
+                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
+                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::SROW), value_place, pb, value_lut);
 #pragma unroll
-                                for (int k = 0; k < 4; ++k) {
-                                    vf[half][8 * i + 2 * k] = table_entry(value_lut, even, k);
-                                    vf[half][8 * i + 2 * k + 1] = table_entry(value_lut, odd, k);
+                                for (int m = 0; m < S::LANE_V / 2; ++m) {
+                                    vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
+                                    vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
                                 }
-                            }
-                        } else {
-                            unsigned c16[CHUNKS16];
-                            if constexpr (LANE_BITS == 16) {
-                                const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
-                                const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
-                                c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
-                            } else {
+                            } else if constexpr (CB) {
                                 constexpr int NW = LANE_BITS / 32;
                                 unsigned wa[NW], wb[NW];
                                 load_words(wa, r0 + (bit0 >> 3));
                                 load_words(wb, r0 + S::SROW + (bit0 >> 3));
 #pragma unroll
-                                for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
-                            }
+                                for (int i = 0; i < NW; ++i) {
+                                    // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
+                                    const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << 4, 0x0F0F0F0Fu);
+                                    const unsigned odd = lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu);
 #pragma unroll
-                            for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, 0u);
+                                    for (int k = 0; k < 4; ++k) {
+                                        vf[half][8 * i + 2 * k] = table_entry(value_lut, even, k);
+                                        vf[half][8 * i + 2 * k + 1] = table_entry(value_lut, odd, k);
+                                    }
+                                }
+                            } else {
+                                unsigned c16[CHUNKS16];
+                                if constexpr (LANE_BITS == 16) {
+                                    const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
+                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
+                                    c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
+                                } else {
+                                    constexpr int NW = LANE_BITS / 32;
+                                    unsigned wa[NW], wb[NW];
+                                    load_words(wa, r0 + (bit0 >> 3));
+                                    load_words(wb, r0 + S::SROW + (bit0 >> 3));
+#pragma unroll
+                                    for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
+                                }
+#pragma unroll
+                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, 0u);
+                            }
+                        }
+#pragma unroll
+                        for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
+                            const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
+                            mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
                         }
                     }
+                    if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
+                        // 16-byte load of the lane's chunk (value_patch_half), zeroed after
+                        const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
+                        uint4* const chunks = reinterpret_cast<uint4*>(value_patch) + warp * MTILES * 32 + lane;
 #pragma unroll
-                    for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
-                        const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
-                        mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
-                    }
-                }
-                if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
-                    // 16-byte load of the lane's chunk (value_patch_half), zeroed after
-                    const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
-                    uint4* const chunks = reinterpret_cast<uint4*>(value_patch) + warp * MTILES * 32 + lane;
-#pragma unroll
-                    for (int mt = 0; mt < MTILES; ++mt) {
-                        const uint4 w = chunks[mt * 32];
-                        chunks[mt * 32] = uint4{};
-                        const unsigned a[4] = {w.x, w.y, w.z, w.w};
-                        mma_m16n8k16_f16(o[mt], a, bp);
+                        for (int mt = 0; mt < MTILES; ++mt) {
+                            const uint4 w = chunks[mt * 32];
+                            chunks[mt * 32] = uint4{};
+                            const unsigned a[4] = {w.x, w.y, w.z, w.w};
+                            mma_m16n8k16_f16(o[mt], a, bp);
+                        }
                     }
                 }
             }

@@ -170,6 +170,7 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
 def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None) -> torch.Tensor:
     """rope: as `reference`'s."""
     batch, heads, d = query.shape
+    assert per_split % v.stage_tokens == 0, "splits hold whole stages (the launcher refuses others)"
     splits = max(1, -(-max(lengths) // per_split))
     inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
     meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions), dtype=torch.int32)
@@ -214,15 +215,18 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
     assert max_error("fp16", 128, 4, "3", emulator, fifo_offset=5) < TOLERANCE
 
 
-@pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope"))
-def test_emulated_pre_rope_keys_stay_accurate_over_a_long_split(emulator, codec):
-    """One split of 65 stages past position 100K: the query's angle advances a stage at a time between exact
-    anchors every 16 stages (tc::rotate_query), so an error that grew with the stages would show here."""
+@pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "int2", "int4-g32"))
+def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
+    """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipeline's buffers wrap around many
+    times), past position 100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors
+    every 16 stages (tc::rotate_query), so an error that grew with the stages would show here."""
     lengths = [4096 + 13]
+    v = variant_of(codec, 128, 4)
     keys, values = filled(codec, lengths, 128)
     query = torch.randn(1, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(3))
-    rope = (llama_inv_freq(128), 1.0, [100_003])
-    got = run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 128**-0.5, per_split=4160, rope=rope)
+    rope = (llama_inv_freq(128), 1.0, [100_003]) if codec in ROPE else None
+    per_split = -(-lengths[0] // v.stage_tokens) * v.stage_tokens
+    got = run_emulated(emulator, v, query, keys, values, lengths, 128**-0.5, per_split=per_split, rope=rope)
     assert (got.double() - reference(query, keys, values, lengths, 128**-0.5, rope)).abs().max() < tolerance(codec)
 
 
@@ -245,10 +249,11 @@ def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
 
 
 def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emulator):
-    lengths = [0, 65, 0]
+    v = variant_of("int4", 128, 4)
+    lengths = [0, v.stage_tokens + 1, 0]  # the middle sequence's second split holds one token
     keys, values = filled("int4", lengths, 128)
     query = torch.randn(3, KV_HEADS * 4, 128)
-    got = run_emulated(emulator, variant_of("int4", 128, 4), query, keys, values, lengths, 0.1, per_split=64)
+    got = run_emulated(emulator, v, query, keys, values, lengths, 0.1, per_split=v.stage_tokens)
     assert (got[0] == 0).all() and (got[2] == 0).all()
     assert (got[1].double() - reference(query, keys, values, lengths, 0.1)[1]).abs().max() < TOLERANCE
 
@@ -259,14 +264,17 @@ def test_the_launcher_asks_for_the_shared_memory_the_kernel_uses(emulator):
 
 
 def test_split_plans_cover_the_longest_sequence_in_whole_stages():
-    for lengths, pairs, slots in (([32768] * 8, 64, 264), ([0, 5, 70000], 24, 396), ([1], 1, 132), ([], 8, 100)):
-        per_split, splits = tensor_core.split_plan(lengths, pairs, slots)
-        assert per_split % tensor_core.STAGE_TOKENS == 0 and per_split * splits >= max(lengths, default=0)
-        assert per_split * (splits - 1) < max(lengths, default=1)
+    for stage in (tensor_core.STAGE_TOKENS, tensor_core.WIDE_STAGE_TOKENS):
+        for lengths, pairs, slots in (([32768] * 8, 64, 264), ([0, 5, 70000], 24, 396), ([1], 1, 132), ([], 8, 100)):
+            per_split, splits = tensor_core.split_plan(lengths, pairs, slots, stage)
+            assert per_split % stage == 0 and per_split * splits >= max(lengths, default=0)
+            assert per_split * (splits - 1) < max(lengths, default=1)
     # one wave: 64 (sequence, KV head) pairs on 528 resident blocks (4 per SM of an H100) or 396 (3 per SM)
-    assert tensor_core.split_plan([32768] * 8, 64, 528) == (4096, 8)
-    assert tensor_core.split_plan([32768] * 8, 64, 396) == (5504, 6)
-    assert tensor_core.split_plan([32768] * 300, 2400, 528) == (32768, 1)  # more pairs than a wave holds: no split
+    assert tensor_core.split_plan([32768] * 8, 64, 528, 64) == (4096, 8)
+    assert tensor_core.split_plan([32768] * 8, 64, 396, 64) == (5504, 6)
+    assert tensor_core.split_plan([32768] * 8, 64, 396, 128) == (5504, 6)
+    assert tensor_core.split_plan([32768] * 8, 64, 264, 128) == (8192, 4)
+    assert tensor_core.split_plan([32768] * 300, 2400, 528, 64) == (32768, 1)  # more pairs than a wave holds: no split
 
 
 # a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128; optional fourth and
@@ -274,7 +282,7 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
 MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
-    "value-scale-per-token": ("int2", "p[half][1] * s1)", "p[half][1] * s0)"),
+    "value-scale-per-token": ("int2", "pt[1] * s1)", "pt[1] * s0)"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));", "hfma2_bits(a, c, hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),

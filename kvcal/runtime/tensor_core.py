@@ -32,7 +32,8 @@ from kvcal.runtime import kernels
 from kvcal.runtime.store import upload
 
 MODULE = "decode_attention_tc.cu"
-THREADS, WARPS, STAGE_TOKENS = 128, 4, 64  # tc::THREADS, tc::WARPS, tc::ST
+THREADS, WARPS = 128, 4  # tc::THREADS, tc::WARPS
+STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and tc::OUT_TILE), and of the WIDE ones
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
 HEAD_DIMS = (64, 128)
 GQA_SIZES = tuple(range(1, 9))
@@ -77,10 +78,24 @@ class Variant:
                              f"at {d}")
 
     @property
+    def wide(self) -> bool:
+        """tc::Shape<...>::WIDE: uniform codes with post-RoPE keys in key blocks of 32 or 64 tokens or a multiple of 128
+        take stages of 128 tokens (32 per warp between barriers)."""
+        kg = self.key_group
+        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg % 128 == 0 or 128 % kg == 0 and kg >= 32)
+
+    @property
+    def stage_tokens(self) -> int:
+        """tc::Shape<...>::ST: tokens per stage; splits hold whole stages."""
+        return WIDE_STAGE_TOKENS if self.wide else STAGE_TOKENS
+
+    @property
     def stages(self) -> int:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
         if self.bits == 16:
             return 3
+        if self.wide:
+            return 3 if self.bits == 4 else 4  # int4: 3 blocks still fit an A100
         if self.outliers:
             return 4
         if self.bits == 4:
@@ -90,25 +105,25 @@ class Variant:
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        fp16 = bits == 16
+        fp16, st = bits == 16, self.stage_tokens
         stages = self.stages
         row = d * bits // 8
         srow = row + 16 if self.codebook and bits == 4 else row  # tc::Shape::SROW: nuq4's shared-memory rows are padded
-        kblocks = 0 if fp16 or self.codebook else (1 if kg >= STAGE_TOKENS else STAGE_TOKENS // kg)  # per stage
+        kblocks = 0 if fp16 or self.codebook else (1 if kg >= st else st // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
-        vp_halves = 0 if fp16 else 2 * vgroups * STAGE_TOKENS
-        value_params = STAGE_TOKENS * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
-        stage = 2 * STAGE_TOKENS * srow + (0 if fp16 else kblocks * 4 * d) + value_params
+        vp_halves = 0 if fp16 else 2 * vgroups * st
+        value_params = st * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
+        stage = 2 * st * srow + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
-        rope = 2 * (d // 8 * 32 * 4) + STAGE_TOKENS * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
+        rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if bits == 3 else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
         outliers = 0
         if self.outliers:  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side; key and value
             stage += 32 + 4 * OUTLIER_SLOTS * 2  # patches, 4 floats per key channel, the two sides' 32-byte run descriptions
-            outliers = 2 * STAGE_TOKENS * d * 2 + 4 * d * 4 + 2 * 32
+            outliers = 2 * st * d * 2 + 4 * d * 4 + 2 * 32
         return max(stages * stage + query + rope + lut + places + outliers, merge)
 
 
@@ -323,17 +338,17 @@ def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[in
     return [[f, c, p, k, v] for f, c, p, k, v in zip(first, n, positions, keys.length, values.length)]
 
 
-def split_plan(lengths: list[int], pairs: int, slots: int) -> tuple[int, int]:
-    """(tokens per split, splits): splits of whole 64-token stages, as many as one wave of `slots` resident blocks
+def split_plan(lengths: list[int], pairs: int, slots: int, stage_tokens: int) -> tuple[int, int]:
+    """(tokens per split, splits): splits of whole stages (the variant's stage_tokens), as many as one wave of `slots` resident blocks
     holds for `pairs` (sequence, KV head); more splits only where the pairs alone fill less than a wave. Measured on an
     H100 (B = 8, 8 KV heads, L = 32K; benchmarks/results/decode_tc_nvidia-h100-80gb-hbm3.md): one wave of long splits
     was 6-17% faster than 2048-token splits (two to four waves) for every quantized variant: a block's start (the
     query, the pipeline's first stages) and end (its partial output) are paid once per block."""
     longest = max(lengths, default=0)
     if longest == 0:
-        return STAGE_TOKENS, 1
+        return stage_tokens, 1
     wanted = max(1, slots // max(pairs, 1))
-    per_split = math.ceil(math.ceil(longest / wanted) / STAGE_TOKENS) * STAGE_TOKENS
+    per_split = math.ceil(math.ceil(longest / wanted) / stage_tokens) * stage_tokens
     return per_split, math.ceil(longest / per_split)
 
 
@@ -394,10 +409,10 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     n = [row[1] for row in rows]  # tokens per sequence
     shared = v.shared_bytes()
     if per_split is None:
-        per_split, splits = split_plan(n, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0))
+        per_split, splits = split_plan(n, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0), v.stage_tokens)
     else:
-        if per_split % STAGE_TOKENS:
-            raise KvcalError(f"splits hold whole stages of {STAGE_TOKENS} tokens")
+        if per_split % v.stage_tokens:
+            raise KvcalError(f"splits hold whole stages of {v.stage_tokens} tokens ({v.name})")
         splits = max(1, math.ceil(max(n, default=0) / per_split))
     query = query.float().contiguous()
     meta = torch.tensor(rows, dtype=torch.int32).to(device)
@@ -458,7 +473,7 @@ class ServedBody:
         batch, _, head_dim = query.shape
         v, device = self.variant, query.device
         shared = v.shared_bytes()
-        per_split, splits = split_plan(rows, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0))
+        per_split, splits = split_plan(rows, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0), v.stage_tokens)
         meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None)
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)
