@@ -26,7 +26,11 @@
 //    so that the converter's half2 outputs are (token pair, channel) fragments.
 //  Keys (ChannelBlockUniform, per-channel scale s and zero z per block of KG tokens): q . k = sum (q s) code + sum q z:
 //    Q' = q * s (fp16 pairs) is rebuilt when a warp enters a new key block, and bias = Q . z (one mma per 16
-//    channels) initialises the score accumulators.
+//    channels) initialises the score accumulators. The key codes stay raw (the converters' lop3 half alone: pair p
+//    reads 1024 + code * 2^s(p), intrinsics.cuh): Q' takes 2^-s(p) and the bias -1024 sum Q' (one more mma per 16
+//    channels, with the very fp16 Q' the scores multiply), so a key word costs its lop3s and no fp16 fix-up. Not for
+//    values: their raw 1024s would ride in the output accumulators across the whole split, and the tensor core's
+//    truncating sums (tests/kernel_emulation's tensor_core_sum) lost up to 100x the precision over 4K tokens.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
 //    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
 //  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
@@ -304,19 +308,27 @@ __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3
     planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, prmt(row[at.high], 0u, at.selector), out, lut);
 }
 
-// Codes -> fp16 pairs: the magic-number converters (uniform codes: code values), or the codebook table
-// (lut: the shared-window address of codebook_pairs' 256 words; codebook values of the byte's two codes).
-template <int BITS, bool CB>
+// Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, 1024 + code
+// * 2^raw_shift), or the codebook table (lut: the shared-window address of codebook_pairs' 256 words; codebook values
+// of the byte's two codes).
+template <int BITS, bool CB, bool RAW = false>
 __device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut) {
     if constexpr (CB) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) out[k] = table_entry(lut, word, k);
+    } else if constexpr (RAW) {
+        if constexpr (BITS == 4) raw_nibbles<4>(word, out); else raw_u2(word, out);
     } else {
         unsigned pairs[16 / BITS];
         if constexpr (BITS == 4) u4_to_half2(word, pairs); else u2_to_half2(word, pairs);
 #pragma unroll
         for (int j = 0; j < 16 / BITS; ++j) out[j] = pairs[j];
     }
+}
+
+// The fp16 pair {2^-s, 2^-s} for s = 0, 2, 4, 6 (a raw_shift).
+__device__ __forceinline__ constexpr unsigned pow2_down_pair(int s) {
+    return s == 0 ? 0x3C003C00u : s == 2 ? magic::FP16_QUARTER : s == 4 ? magic::FP16_SIXTEENTH : magic::FP16_64TH;
 }
 
 // A task of the per-stage query rotation (pre-RoPE keys; GQA x D / 4 of them): its head, lane part (the t of the
@@ -885,14 +897,22 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     load_words(sw, kp + t * (D / 4) * 2);
                     load_words(zw, kp + D * 2 + t * (D / 4) * 2);
                     float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    unsigned z2[PAIRS], qu[PAIRS];  // zeros and the unscaled query, both in key_channel order
+                    unsigned z2[PAIRS], qu[PAIRS], minus_1024[PAIRS];  // zeros and the unscaled query in key_channel order
 #pragma unroll
                     for (int p = 0; p < PAIRS; ++p) {
                         qu[p] = q_shared[p * 32 + lane];
                         z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
-                        qk[p] = hmul2(qu[p], clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1))));
+                        unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
+                        // raw codes (uniform): pair p reads 1024 + code * 2^s, so Q' takes 2^-s
+                        const int shift = CB ? 0 : raw_shift<BITS>(p % (16 / BITS));
+                        if (shift) scale = hmul2(scale, pow2_down_pair(shift));
+                        qk[p] = hmul2(qu[p], scale);
+                        minus_1024[p] = 0xE400E400u;
                     }
                     paired_k_steps(bacc, bacc2, qu, z2);
+                    // and the raw codes' 1024s leave through the bias: -1024 sum Q', from the very fp16 Q' the scores'
+                    // mma multiplies (exact products; the sums' truncation costs about what Q's fp16 rounding does)
+                    if constexpr (!CB) paired_k_steps(bacc, bacc2, qk, minus_1024);
                     bias = bacc[0] + bacc2[2];
                 }
             }
@@ -971,7 +991,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         unsigned w[WORDS];
                         load_words(w, buffer + (tb + 8 * nt + g) * S::SROW + t * (S::ROW / 4));
 #pragma unroll
-                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB>(w[i], kf + i * (16 / BITS), key_lut);
+                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, !CB>(w[i], kf + i * (16 / BITS), key_lut);
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 }

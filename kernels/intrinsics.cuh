@@ -183,17 +183,28 @@ constexpr unsigned FP16_SIXTEENTH = 0x2C002C00u, FP16_MINUS_64 = 0xD400D400u;
 constexpr unsigned FP16_64TH = 0x24002400u, FP16_MINUS_16 = 0xCC00CC00u;
 }  // namespace magic
 
+// The converters in two halves. The lop3 half (raw_*) leaves out[j] = {1024 + c * 2^s, ...} with s = raw_shift(j);
+// the fix-up (hsub2 / hfma2 per word) leaves c. A caller that multiplies the raw words by an operand it can scale
+// by 2^-s, and subtracts 1024 times that operand's sum elsewhere, skips the fix-up (decode_tc's uniform codes).
+
 // Four codes of up to 4 bits in nibbles 0, 4 (and 1, 5 through the high-mask path) of q: nibble values
 // masked to BITS bits. out[0] = {nibble 0, nibble 4}, out[1] = {nibble 1, nibble 5}, out[2] = {2, 6},
-// out[3] = {3, 7}. 9 instructions: 4 lop3, 1 shift, 2 sub, 2 fma.
+// out[3] = {3, 7}. Raw: 4 lop3, 1 shift (s = 0, 4, 0, 4); fixed: 2 sub and 2 fma more.
 template <int BITS>
-__device__ __forceinline__ void nibbles_to_half2(unsigned q, unsigned* out) {
+__device__ __forceinline__ void raw_nibbles(unsigned q, unsigned* out) {
     constexpr unsigned LOW = 0x00010001u * ((1u << BITS) - 1u), HIGH = LOW << 4;
     const unsigned upper = q >> 8;  // nibbles 2, 3 and 6, 7 moved to where 0, 1 and 4, 5 were
-    out[0] = hsub2_bits(lop3<magic::AND_OR>(q, LOW, magic::FP16_1024), magic::FP16_1024);
-    out[1] = hfma2_bits(lop3<magic::AND_OR>(q, HIGH, magic::FP16_1024), magic::FP16_SIXTEENTH, magic::FP16_MINUS_64);
-    out[2] = hsub2_bits(lop3<magic::AND_OR>(upper, LOW, magic::FP16_1024), magic::FP16_1024);
-    out[3] = hfma2_bits(lop3<magic::AND_OR>(upper, HIGH, magic::FP16_1024), magic::FP16_SIXTEENTH, magic::FP16_MINUS_64);
+    out[0] = lop3<magic::AND_OR>(q, LOW, magic::FP16_1024);
+    out[1] = lop3<magic::AND_OR>(q, HIGH, magic::FP16_1024);
+    out[2] = lop3<magic::AND_OR>(upper, LOW, magic::FP16_1024);
+    out[3] = lop3<magic::AND_OR>(upper, HIGH, magic::FP16_1024);
+}
+template <int BITS>
+__device__ __forceinline__ void nibbles_to_half2(unsigned q, unsigned* out) {
+    raw_nibbles<BITS>(q, out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        out[j] = j & 1 ? hfma2_bits(out[j], magic::FP16_SIXTEENTH, magic::FP16_MINUS_64) : hsub2_bits(out[j], magic::FP16_1024);
 }
 
 // 4-bit codes: q holds codes 0..7 (code i at bits 4i). out[j] = {code j, code j + 4}, j = 0..3.
@@ -201,20 +212,27 @@ __device__ __forceinline__ void u4_to_half2(unsigned q, unsigned (&out)[4]) { ni
 
 // 2-bit codes: q holds codes 0..15 (code i at bits 2i). out[j] = {code j, code j + 8}, j = 0..7.
 // The codes of out[k], k < 4, sit at bits 2k of each 16-bit half: masked in place they read
-// 1024 + c * 4^k; q >> 8 brings those of out[4 + k] to the same bits. 17 instructions for 16 codes.
-__device__ __forceinline__ void u2_to_half2(unsigned q, unsigned (&out)[8]) {
-    const unsigned scale[4] = {0, magic::FP16_QUARTER, magic::FP16_SIXTEENTH, magic::FP16_64TH};
-    const unsigned offset[4] = {0, magic::FP16_MINUS_256, magic::FP16_MINUS_64, magic::FP16_MINUS_16};
+// 1024 + c * 4^k (s = 2k); q >> 8 brings those of out[4 + k] to the same bits. Raw: 9 instructions for 16 codes;
+// fixed: 17.
+__device__ __forceinline__ void raw_u2(unsigned q, unsigned* out) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const unsigned word = half ? q >> 8 : q;  // codes 4..7 and 12..15 moved to where 0..3 and 8..11 were
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned x = lop3<magic::AND_OR>(word, 0x00030003u << (2 * k), magic::FP16_1024);
-            out[4 * half + k] = k == 0 ? hsub2_bits(x, magic::FP16_1024) : hfma2_bits(x, scale[k], offset[k]);
-        }
+        for (int k = 0; k < 4; ++k) out[4 * half + k] = lop3<magic::AND_OR>(word, 0x00030003u << (2 * k), magic::FP16_1024);
     }
 }
+__device__ __forceinline__ void u2_to_half2(unsigned q, unsigned (&out)[8]) {
+    const unsigned scale[4] = {0, magic::FP16_QUARTER, magic::FP16_SIXTEENTH, magic::FP16_64TH};
+    const unsigned offset[4] = {0, magic::FP16_MINUS_256, magic::FP16_MINUS_64, magic::FP16_MINUS_16};
+    raw_u2(q, out);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = j % 4 == 0 ? hsub2_bits(out[j], magic::FP16_1024) : hfma2_bits(out[j], scale[j % 4], offset[j % 4]);
+}
+
+// s of a raw word: out[j] of raw_nibbles (BITS 4) or raw_u2 (BITS 2) reads 1024 + c * 2^raw_shift<BITS>(j).
+template <int BITS>
+__device__ __forceinline__ constexpr int raw_shift(int j) { return BITS == 4 ? (j & 1) * 4 : 2 * (j % 4); }
 
 // 3-bit codes as bit planes (2 + 1): low2 holds the low two bits of codes 0..15 exactly as u2_to_half2
 // reads them; high1 holds their third bits in bits 2 and 3 of each nibble: code 2j's at bit 4j + 2, code
