@@ -26,13 +26,15 @@
 //    so that the converter's half2 outputs are (token pair, channel) fragments.
 //  Keys (ChannelBlockUniform, per-channel scale s and zero z per block of KG tokens): q . k = sum (q s) code + sum q z:
 //    Q' = q * s (fp16 pairs) is rebuilt when a warp enters a new key block, and bias = Q . z (one mma per 16
-//    channels) initialises the score accumulators. The key codes stay raw (the converters' lop3 half alone: pair p
-//    reads 1024 + code * 2^s(p), intrinsics.cuh): Q' takes 2^-s(p) and the bias -1024 sum Q' (one more mma per 16
-//    channels, with the very fp16 Q' the scores multiply), so a key word costs its lop3s and no fp16 fix-up. Not for
-//    values: their raw 1024s would ride in the output accumulators across the whole split, and the tensor core's
-//    truncating sums (tests/kernel_emulation's tensor_core_sum) lost up to 100x the precision over 4K tokens.
+//    channels) initialises the score accumulators. The key codes stay raw (RAW: the converters' lop3 half alone,
+//    pair p reads 1024 + code * 2^s(p), intrinsics.cuh): Q' takes 2^-s(p) and the bias -1024 sum Q' (one more mma
+//    per 16 channels, with the very fp16 Q' the scores multiply), so a key word costs its lop3s, no fp16 fix-up.
 //  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
-//    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end.
+//    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end. The codes stay raw
+//    too: after each m-tile's mma a second one with A = -1024 takes the 1024s out again (the tensor core's sums
+//    truncate to the largest term, tests/kernel_emulation's tensor_core_sum, so 1024s left in the accumulator for
+//    a whole split lost the codes' bits: 2e-2 error over 4K tokens), and each output row is scaled by 2^-s at the
+//    end.
 //  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
 //    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
 //    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register (its address made by the instruction
@@ -450,6 +452,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
+    // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
+    constexpr bool RAW = !S::FP16 && !CB;
     constexpr int META = 5;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
@@ -904,7 +908,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
                         unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
                         // raw codes (uniform): pair p reads 1024 + code * 2^s, so Q' takes 2^-s
-                        const int shift = CB ? 0 : raw_shift<BITS>(p % (16 / BITS));
+                        const int shift = RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
                         if (shift) scale = hmul2(scale, pow2_down_pair(shift));
                         qk[p] = hmul2(qu[p], scale);
                         minus_1024[p] = 0xE400E400u;
@@ -912,7 +916,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     paired_k_steps(bacc, bacc2, qu, z2);
                     // and the raw codes' 1024s leave through the bias: -1024 sum Q', from the very fp16 Q' the scores'
                     // mma multiplies (exact products; the sums' truncation costs about what Q's fp16 rounding does)
-                    if constexpr (!CB) paired_k_steps(bacc, bacc2, qk, minus_1024);
+                    if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
                     bias = bacc[0] + bacc2[2];
                 }
             }
@@ -991,7 +995,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         unsigned w[WORDS];
                         load_words(w, buffer + (tb + 8 * nt + g) * S::SROW + t * (S::ROW / 4));
 #pragma unroll
-                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, !CB>(w[i], kf + i * (16 / BITS), key_lut);
+                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, RAW>(w[i], kf + i * (16 / BITS), key_lut);
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 }
@@ -1114,13 +1118,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                                 }
 #pragma unroll
-                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false>(c16[k], vf[half] + k * PER16, 0u);
+                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false, RAW>(c16[k], vf[half] + k * PER16, 0u);
                             }
                         }
 #pragma unroll
                         for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
                             const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
                             mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
+                            if constexpr (RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
+                                constexpr unsigned minus_1024[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};
+                                mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], minus_1024, bp);
+                            }
                         }
                     }
                     if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
@@ -1163,8 +1171,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int mt = 0; mt < MTILES; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, BITS, S::VGE>(g, mt, e >> 1)] = o[mt][e];
+        for (int e = 0; e < 4; ++e) {
+            float x = o[mt][e];
+            if constexpr (RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^s
+                constexpr int MPG = S::LANE_V / 2, PER_WORD = 16 / BITS;
+                const int n = 2 * (mt % MPG) + (e >> 1);
+                x *= 1.0f / (float)(1 << raw_shift<BITS>(n % PER_WORD));
+            }
+            merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, BITS, S::VGE>(g, mt, e >> 1)] = x;
+        }
     __syncthreads();
     for (int i = tid; i < GQA * D; i += THREADS) {
         const int h = i / D, d = i % D;

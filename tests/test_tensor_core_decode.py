@@ -284,8 +284,11 @@ MUTANTS = {
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "pt[1] * s1)", "pt[1] * s0)"),
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
-    "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS));", "raw_shift<BITS>((p + 1) % (16 / BITS));"),
-    "raw-key-offset": ("int4", "if constexpr (!CB) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
+    "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
+    "raw-key-offset": ("int4", "if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
+    # raw value codes: the 1024s out after each mma, 2^-s per output row at the end
+    "raw-value-offset": ("int2", "mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], minus_1024, bp);", ""),
+    "raw-value-shift": ("int4", "raw_shift<BITS>(n % PER_WORD)", "raw_shift<BITS>((n + 1) % PER_WORD)"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));", "hfma2_bits(a, c, hmul2(r, s));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),
