@@ -202,7 +202,7 @@ class TensorCoreKernel:
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
     token_loop = r"for \(int tile = 0; tile < tiles; \+\+tile\)"
-    passes = {"copies": r"cp_async_wait<S::STAGES - 2>\(\);", "keys": r"// -- key block parameters",
+    passes = {"copies": r"__syncthreads\(\);  // stage `tile` landed", "keys": r"// -- key block parameters",
               "softmax": r"// -- online softmax", "values": r"// -- O\^T \+= V\^T P\^T"}
     cases = (
         Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, measured="fp16"),
@@ -294,6 +294,8 @@ class TensorCoreKernel:
             (r"if \(token0 < end\)", 1.0),
             # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
+            # a shared key block (post-RoPE uniform keys, blocks of whole stages): warp 0 makes the next one's Q'
+            (r"if \(warp == 0 && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)

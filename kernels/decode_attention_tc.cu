@@ -180,7 +180,7 @@ struct Shape {
     static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
     // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
-    // (WIDE: half as many stages of twice the tokens; int4 3, so that 3 blocks still fit an A100)
+    // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2)
     static constexpr int STAGES = FP16 ? 3 : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
@@ -206,11 +206,16 @@ struct Shape {
     static constexpr int OUT_BYTES = OUT ? 32 + 2 * 2 * OUT_SLOTS * 2 : 0;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES + OUT_BYTES;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
-    // the unscaled query fragments, [pair][lane] words, reread when a warp enters a new key block (not kept in registers)
+    // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
-    // pre-RoPE keys: the query rotated to a stage's first position, two buffers of [pair / 4][lane][4] words, and the
-    // table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
-    static constexpr int QROT_WORDS = ROPE ? D / 8 * 32 : 0;
+    // uniform post-RoPE keys whose blocks hold whole stages: every warp of a stage has the same Q' and bias, so warp 0
+    // makes them once per block into shared memory and the others read them (share_key_block)
+    static constexpr bool SHARED_KEY_BLOCK = !FP16 && !ROPE && !CB && KB >= ST;
+    // the query as a stage's A fragments, two buffers of [pair / 4][lane][4] words (q_stage_word): pre-RoPE keys, the
+    // query rotated to the stage's first position (by stage parity); a shared key block, Q' (by block parity)
+    static constexpr int QSTAGE_WORDS = ROPE || SHARED_KEY_BLOCK ? D / 8 * 32 : 0;
+    static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
+    // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int LUT_SLACK = CB ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
@@ -219,8 +224,8 @@ struct Shape {
     // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
     // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
-    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QROT_WORDS * 4 + ROPE_TABLE_BYTES + 2 * LUT_WORDS * 4 +
-                                      LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + OUT_SCRATCH_BYTES;
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
+                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -341,9 +346,9 @@ struct RopeTask {
 template <int D>
 __device__ __forceinline__ RopeTask rope_task(int task) { return {task / (D / 4), task % (D / 4) / (D / 16), task % (D / 16)}; }
 
-// Word of the rotated query (pre-RoPE keys) holding lane `lane`'s pair p: [p / 4][lane][4] in two_step_fragment's
-// order (pairs 4j, 4j + 2, 4j + 1, 4j + 3), so that one 16-byte load is one A fragment.
-__device__ __forceinline__ int q_rot_word(int p, int lane) { return ((p >> 2) * 32 + lane) * 4 + ((p & 1) << 1 | (p >> 1 & 1)); }
+// Word of a stage's query fragments (Shape::QSTAGE_WORDS) holding lane `lane`'s pair p: [p / 4][lane][4] in
+// two_step_fragment's order (pairs 4j, 4j + 2, 4j + 1, 4j + 3), so that one 16-byte load is one A fragment.
+__device__ __forceinline__ int q_stage_word(int p, int lane) { return ((p >> 2) * 32 + lane) * 4 + ((p & 1) << 1 | (p >> 1 & 1)); }
 
 // Word of the rope table holding lane part t's {cos, sin} pair of frequency pair q (key_channel's pairs < D/16) at
 // offset delta: 16-byte quads of two pairs, [delta][quad][t][4], rows of ROPE_ROW words: 16 more than the row's
@@ -643,8 +648,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     int key_block = -1;
 
     // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
-    unsigned* const q_rot = q_shared + S::Q_BYTES / 4;  // [stage % 2][pair / 4][lane][4]
-    unsigned* const rope_smem = q_rot + 2 * S::QROT_WORDS;
+    unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
+    float* const key_bias = reinterpret_cast<float*>(q_stage + 2 * S::QSTAGE_WORDS);  // [parity][head]
+    unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS + S::KEY_BIAS_BYTES / 4;
     // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
     // the lookups take their shared-window addresses
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
@@ -671,10 +677,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int ANCHOR = 16;
     float task_cs[TASK_SLOTS][4], task_step[TASK_SLOTS][4];  // {cos0, sin0, cos1, sin1}
     unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
-    auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_rot[tile % 2]
+    auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_stage[tile % 2]
         if constexpr (ROPE) {
             const int p0 = meta[META * b + 2] + start + tile * ST;
-            unsigned* const out = q_rot + (tile & 1) * S::QROT_WORDS;
+            unsigned* const out = q_stage + (tile & 1) * S::QSTAGE_WORDS;
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
                 const int task = tid + i * THREADS;
@@ -699,8 +705,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         qb[e] = task_q[i][2 + e] * cs[2 * e] - task_q[i][e] * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
                     }
                     const int lane_of = r.head * 4 + r.part;
-                    out[q_rot_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
-                    out[q_rot_word(r.pair + PAIRS / 2, lane_of)] = pack_half2(qb[0], qb[1]);
+                    out[q_stage_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
+                    out[q_stage_word(r.pair + PAIRS / 2, lane_of)] = pack_half2(qb[0], qb[1]);
                 }
             }
         }
@@ -711,8 +717,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int i = 0; i < CHUNKS / THREADS; ++i)
             cp_async_16(reinterpret_cast<unsigned char*>(rope_smem) + (tid + i * THREADS) * 16,
                         reinterpret_cast<const unsigned char*>(rope_table) + (tid + i * THREADS) * 16, 16);
-        for (int i = tid; i < 2 * S::QROT_WORDS; i += THREADS)  // rows of heads past GQA stay zero
-            if ((i >> 4 & 7) >= GQA) q_rot[i] = 0u;
+        for (int i = tid; i < 2 * S::QSTAGE_WORDS; i += THREADS)  // rows of heads past GQA stay zero
+            if ((i >> 4 & 7) >= GQA) q_stage[i] = 0u;
 #pragma unroll
         for (int i = 0; i < TASK_SLOTS; ++i) {
             const int task = tid + i * THREADS;
@@ -824,6 +830,53 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int i = 0; i < S::VGROUPS; ++i) zsum[i] = 0.0f;
 
+    // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
+    // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
+    // fp16 Q' the scores' mma multiplies: exact products; the sums' truncation costs about what Q's fp16 rounding does)
+    const auto key_fragments = [&](const unsigned char* kp) {  // the block's parameters at kp; Q' into qk, returns the bias
+        unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
+        load_words(sw, kp + t * (D / 4) * 2);
+        load_words(zw, kp + D * 2 + t * (D / 4) * 2);
+        float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        unsigned z2[PAIRS], qu[PAIRS], minus_1024[PAIRS];  // zeros and the unscaled query in key_channel order
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) {
+            qu[p] = q_shared[p * 32 + lane];
+            z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
+            unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
+            const int shift = RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
+            if (shift) scale = hmul2(scale, pow2_down_pair(shift));
+            qk[p] = hmul2(qu[p], scale);
+            minus_1024[p] = 0xE400E400u;
+        }
+        paired_k_steps(bacc, bacc2, qu, z2);
+        if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
+        return bacc[0] + bacc2[2];
+    };
+    // this stage's query fragments from q_stage[parity]: each 16-byte load is one A fragment (two_step_fragment)
+    const auto load_query_fragments = [&](int parity) {
+        const unsigned* const qr = q_stage + parity * S::QSTAGE_WORDS + lane * 4;
+#pragma unroll
+        for (int j = 0; j < PAIRS / 4; ++j) {
+            unsigned w[4];
+            load_words(w, qr + j * 128);
+            qk[4 * j] = w[0], qk[4 * j + 2] = w[1], qk[4 * j + 1] = w[2], qk[4 * j + 3] = w[3];
+        }
+    };
+    // (SHARED_KEY_BLOCK) warp 0: the Q' and bias of key block `block`, whose parameters came with the stage in buffer
+    // `stage`, into q_stage and key_bias [block % 2] (consecutive blocks alternate, so the readers of the other
+    // parity are not disturbed; a buffer is rewritten two blocks later, after a barrier)
+    const auto share_key_block = [&](const unsigned char* stage, int block) {
+        const float b = key_fragments(stage + 2 * S::K_BYTES);
+        unsigned* const out = q_stage + (block & 1) * S::QSTAGE_WORDS + lane * 4;
+#pragma unroll
+        for (int j = 0; j < PAIRS / 4; ++j) {
+            const unsigned w[4] = {qk[4 * j], qk[4 * j + 2], qk[4 * j + 1], qk[4 * j + 3]};
+            store_words<4>(out + j * 128, w);
+        }
+        if (t == 0) key_bias[(block & 1) * 8 + g] = b;
+    };
+
     // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; value parameters of all but the last stored here ----
     unsigned short pending[VPN], early[S::STAGES - 2][VPN];
 #pragma unroll
@@ -838,6 +891,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int s = 0; s < S::STAGES - 2; ++s)
         if (s < tiles) store_value_params(s, early[s]);
+    if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (its parameters: warp 0's copies), read after the first barrier
+        if (warp == 0) {
+            cp_async_wait<S::STAGES - 2>();
+            __syncwarp();
+            share_key_block(smem, start / S::KB);
+        }
 
     for (int tile = 0; tile < tiles; ++tile) {
         cp_async_wait<S::STAGES - 2>();
@@ -860,18 +919,21 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
         const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's TPW tokens
         if (token0 < end) {
-            if constexpr (ROPE) {  // this stage's rotated query: each 16-byte load is one A fragment (two_step_fragment)
-                const unsigned* const qr = q_rot + (tile & 1) * S::QROT_WORDS + lane * 4;
-#pragma unroll
-                for (int j = 0; j < PAIRS / 4; ++j) {
-                    unsigned w[4];
-                    load_words(w, qr + j * 128);
-                    qk[4 * j] = w[0], qk[4 * j + 2] = w[1], qk[4 * j + 1] = w[2], qk[4 * j + 3] = w[3];
+            // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the query rotated to the stage, and the
+            // lane's scale and zero pairs), when the warp enters a new block (a shared one's made by warp 0) --
+            if constexpr (S::SHARED_KEY_BLOCK) {
+                const int block = token0 / S::KB;
+                // warp 0 makes the next stage's first: qk is its scratch, this stage's are loaded after
+                if (warp == 0 && tile + 1 < tiles && (start + (tile + 1) * ST) / S::KB != block) {
+                    cp_async_wait<S::STAGES - 2>();  // stage tile + 1 landed too (its block parameters: warp 0's copies)
+                    __syncwarp();
+                    share_key_block(smem + ((tile + 1) % S::STAGES) * S::STAGE_BYTES, block + 1);
                 }
+                load_query_fragments(block & 1);
+                bias = key_bias[(block & 1) * 8 + g];
             }
-            // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the lane's scale and zero pairs), when
-            // the warp enters a new block --
             if constexpr (ROPE) {
+                load_query_fragments(tile & 1);
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
@@ -891,33 +953,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         }
                     }
                 }
-            } else if constexpr (!S::FP16) {
+            } else if constexpr (!S::FP16 && !S::SHARED_KEY_BLOCK) {
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    const unsigned char* const kp =
-                        CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
-                    unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
-                    load_words(sw, kp + t * (D / 4) * 2);
-                    load_words(zw, kp + D * 2 + t * (D / 4) * 2);
-                    float bacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, bacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    unsigned z2[PAIRS], qu[PAIRS], minus_1024[PAIRS];  // zeros and the unscaled query in key_channel order
-#pragma unroll
-                    for (int p = 0; p < PAIRS; ++p) {
-                        qu[p] = q_shared[p * 32 + lane];
-                        z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
-                        unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
-                        // raw codes (uniform): pair p reads 1024 + code * 2^s, so Q' takes 2^-s
-                        const int shift = RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
-                        if (shift) scale = hmul2(scale, pow2_down_pair(shift));
-                        qk[p] = hmul2(qu[p], scale);
-                        minus_1024[p] = 0xE400E400u;
-                    }
-                    paired_k_steps(bacc, bacc2, qu, z2);
-                    // and the raw codes' 1024s leave through the bias: -1024 sum Q', from the very fp16 Q' the scores'
-                    // mma multiplies (exact products; the sums' truncation costs about what Q's fp16 rounding does)
-                    if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
-                    bias = bacc[0] + bacc2[2];
+                    bias = key_fragments(CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2);
                 }
             }
             // -- S = Q K^T for the warp's n-tiles of 8 tokens --

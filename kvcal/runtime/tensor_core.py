@@ -95,7 +95,7 @@ class Variant:
         if self.bits == 16:
             return 3
         if self.wide:
-            return 3 if self.bits == 4 else 4  # int4: 3 blocks still fit an A100
+            return 3 if self.bits == 4 else 4
         if self.outliers:
             return 4
         if self.bits == 4:
@@ -116,6 +116,8 @@ class Variant:
         stage = 2 * st * srow + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
+        if not (fp16 or self.codebook or self.rope) and kg >= st:  # tc::Shape::SHARED_KEY_BLOCK: Q' and bias, two each
+            query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
         rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
