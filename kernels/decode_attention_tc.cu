@@ -826,7 +826,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float o[MTILES][4];
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS];
+    // the zero points' running sum per group: sum_t P z of head g in each lane (codebooks: zsum, fp32), or of heads 2t,
+    // 2t + 1 in o's accumulator layout (uniform codes: zacc, an mma per 16 tokens)
+    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS], zacc[RAW ? S::VGROUPS : 1][4] = {};
 #pragma unroll
     for (int i = 0; i < S::VGROUPS; ++i) zsum[i] = 0.0f;
 
@@ -1063,6 +1065,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const float alpha0 = shfl_idx(alpha, 8 * t), alpha1 = shfl_idx(alpha, 8 * t + 4);  // heads 2t, 2t+1
 #pragma unroll
                 for (int i = 0; i < MTILES; ++i) o[i][0] *= alpha0, o[i][1] *= alpha1, o[i][2] *= alpha0, o[i][3] *= alpha1;
+#pragma unroll
+                for (int i = 0; i < (RAW ? S::VGROUPS : 0); ++i)
+                    zacc[i][0] *= alpha0, zacc[i][1] *= alpha1, zacc[i][2] *= alpha0, zacc[i][3] *= alpha1;
             }
             float p[NT][2];
             l *= alpha;
@@ -1093,22 +1098,28 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int group = 0; group < S::VGROUPS; ++group) {
                         // P' = P * scale (per token), and the zero points' running sum
                         unsigned bp[2];
+                        if constexpr (CB) {  // the pair's scales and zeros (fp32), made when the stage's were stored
 #pragma unroll
-                        for (int half = 0; half < 2; ++half) {
-                            const int token = tk + 2 * t + 8 * half;
-                            float s0, s1, z0, z1;
-                            if constexpr (CB) {  // the pair's scales and zeros, made when the stage's were stored
-                                const float4 sz = reinterpret_cast<const float4*>(vp)[token / 2];
-                                s0 = sz.x, z0 = sz.y, s1 = sz.z, z1 = sz.w;
-                            } else {  // kvcal.quantizers.scale_in_use clamps the scale at 2^-24
-                                s0 = fmaxf(half_to_float(vp[group * ST + token]), 5.9604644775390625e-8f);
-                                s1 = fmaxf(half_to_float(vp[group * ST + token + 1]), 5.9604644775390625e-8f);
-                                z0 = half_to_float(vp[(S::VGROUPS + group) * ST + token]);
-                                z1 = half_to_float(vp[(S::VGROUPS + group) * ST + token + 1]);
+                            for (int half = 0; half < 2; ++half) {
+                                const float4 sz = reinterpret_cast<const float4*>(vp)[(tk + 2 * t + 8 * half) / 2];
+                                const float* const pt = p[2 * kt + half];
+                                bp[half] = pack_half2(pt[0] * sz.x, pt[1] * sz.z);
+                                zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha) + pt[0] * sz.y + pt[1] * sz.w;
                             }
-                            const float* const pt = p[2 * kt + half];
-                            bp[half] = pack_half2(pt[0] * s0, pt[1] * s1);
-                            zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha) + pt[0] * z0 + pt[1] * z1;
+                        } else {  // uniform: the token pair's fp16 scales (kvcal.quantizers.scale_in_use clamps them at
+                            // 2^-24) and zeros as words; P' = fp16(P) * scale in fp16x2, and P z by an mma of the zeros
+                            // (every row of A: the 16 tokens' zeros) with fp16(P) into zacc, heads 2t, 2t + 1 as o
+                            unsigned pw[2], zw[2];
+#pragma unroll
+                            for (int half = 0; half < 2; ++half) {
+                                const int token = tk + 2 * t + 8 * half;
+                                const float* const pt = p[2 * kt + half];
+                                pw[half] = pack_half2(pt[0], pt[1]);
+                                bp[half] = hmul2(pw[half], clamp_scale_pair(*reinterpret_cast<const unsigned*>(vp + group * ST + token)));
+                                zw[half] = *reinterpret_cast<const unsigned*>(vp + (S::VGROUPS + group) * ST + token);
+                            }
+                            const unsigned za[4] = {zw[0], zw[0], zw[1], zw[1]};
+                            mma_m16n8k16_f16(zacc[group], za, pw);
                         }
                         // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
                         const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
@@ -1197,16 +1208,21 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float* const merge_z = merge_l + WARPS * 8;                            // [warp][8][VGROUPS]
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if constexpr (CB) {
 #pragma unroll
-    for (int i = 0; i < S::VGROUPS; ++i) {
-        zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 1);
-        zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 2);
+        for (int i = 0; i < S::VGROUPS; ++i) {
+            zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 1);
+            zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 2);
+            if (t == 0) merge_z[(warp * 8 + g) * S::VGROUPS + i] = zsum[i];
+        }
+    } else if constexpr (RAW) {  // every row of zacc holds the sums: row 0's lanes (g = 0) write heads 2t, 2t + 1
+#pragma unroll
+        for (int i = 0; i < S::VGROUPS; ++i)
+            if (g == 0) merge_z[(warp * 8 + 2 * t) * S::VGROUPS + i] = zacc[i][0], merge_z[(warp * 8 + 2 * t + 1) * S::VGROUPS + i] = zacc[i][1];
     }
     if (t == 0) {
         merge_m[warp * 8 + g] = m;
         merge_l[warp * 8 + g] = l;
-#pragma unroll
-        for (int i = 0; i < S::VGROUPS; ++i) merge_z[(warp * 8 + g) * S::VGROUPS + i] = zsum[i];
     }
 #pragma unroll
     for (int mt = 0; mt < MTILES; ++mt)

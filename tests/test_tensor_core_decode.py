@@ -284,7 +284,8 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
 MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
-    "value-scale-per-token": ("int2", "pt[1] * s1)", "pt[1] * s0)"),
+    "value-scale-per-token": ("int2", "vp + group * ST + token)));", "vp + group * ST + (token ^ 2))));"),
+    "value-zero-per-token": ("int4", "vp + (S::VGROUPS + group) * ST + token);", "vp + (S::VGROUPS + group) * ST + (token ^ 2));"),
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
     "raw-key-offset": ("int4", "if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
