@@ -827,8 +827,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int i = 0; i < MTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     // the zero points' running sum per group: sum_t P z of head g in each lane (codebooks: zsum, fp32), or of heads 2t,
-    // 2t + 1 in o's accumulator layout (uniform codes: zacc, an mma per 16 tokens)
-    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS], zacc[RAW ? S::VGROUPS : 1][4] = {};
+    // 2t + 1 in o's accumulator layout (uniform codes: zacc, an mma per 16 tokens and two groups: rows g group 2i, rows
+    // g + 8 group 2i + 1)
+    constexpr int ZPAIRS = RAW ? (S::VGROUPS + 1) / 2 : 1;
+    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS], zacc[ZPAIRS][4] = {};
 #pragma unroll
     for (int i = 0; i < S::VGROUPS; ++i) zsum[i] = 0.0f;
 
@@ -1041,9 +1043,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 }
-                const int token = token0 + 8 * nt + 2 * t;
-                sc[nt][0] = token < end ? acc[0] + acc2[2] : -__int_as_float(0x7f800000);
-                sc[nt][1] = token + 1 < end ? acc[1] + acc2[3] : -__int_as_float(0x7f800000);
+                sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
+            }
+            if (token0 + TPW > end) {  // the split's last stage: tokens past its end weigh nothing (warp-uniform)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int token = token0 + 8 * nt + 2 * t;
+                    sc[nt][0] = token < end ? sc[nt][0] : -__int_as_float(0x7f800000);
+                    sc[nt][1] = token + 1 < end ? sc[nt][1] : -__int_as_float(0x7f800000);
+                }
             }
             // -- online softmax of head g over these TPW tokens (log2 domain) --
             float part[NT];  // the n-tiles' maxima, reduced as a tree
@@ -1066,7 +1074,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int i = 0; i < MTILES; ++i) o[i][0] *= alpha0, o[i][1] *= alpha1, o[i][2] *= alpha0, o[i][3] *= alpha1;
 #pragma unroll
-                for (int i = 0; i < (RAW ? S::VGROUPS : 0); ++i)
+                for (int i = 0; i < (RAW ? ZPAIRS : 0); ++i)
                     zacc[i][0] *= alpha0, zacc[i][1] *= alpha1, zacc[i][2] *= alpha0, zacc[i][3] *= alpha1;
             }
             float p[NT][2];
@@ -1094,6 +1102,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
                     const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
                     constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
+                    unsigned pw[2], zw[RAW ? S::VGROUPS : 1][2];  // uniform codes: fp16(P) of the token pairs; their zeros
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) pw[half] = RAW ? pack_half2(p[2 * kt + half][0], p[2 * kt + half][1]) : 0u;
 #pragma unroll
                     for (int group = 0; group < S::VGROUPS; ++group) {
                         // P' = P * scale (per token), and the zero points' running sum
@@ -1107,19 +1118,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha) + pt[0] * sz.y + pt[1] * sz.w;
                             }
                         } else {  // uniform: the token pair's fp16 scales (kvcal.quantizers.scale_in_use clamps them at
-                            // 2^-24) and zeros as words; P' = fp16(P) * scale in fp16x2, and P z by an mma of the zeros
-                            // (every row of A: the 16 tokens' zeros) with fp16(P) into zacc, heads 2t, 2t + 1 as o
-                            unsigned pw[2], zw[2];
+                            // 2^-24) and zeros as words; P' = fp16(P) * scale in fp16x2 (P z: after the groups)
 #pragma unroll
                             for (int half = 0; half < 2; ++half) {
                                 const int token = tk + 2 * t + 8 * half;
-                                const float* const pt = p[2 * kt + half];
-                                pw[half] = pack_half2(pt[0], pt[1]);
                                 bp[half] = hmul2(pw[half], clamp_scale_pair(*reinterpret_cast<const unsigned*>(vp + group * ST + token)));
-                                zw[half] = *reinterpret_cast<const unsigned*>(vp + (S::VGROUPS + group) * ST + token);
+                                zw[group][half] = *reinterpret_cast<const unsigned*>(vp + (S::VGROUPS + group) * ST + token);
                             }
-                            const unsigned za[4] = {zw[0], zw[0], zw[1], zw[1]};
-                            mma_m16n8k16_f16(zacc[group], za, pw);
                         }
                         // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
                         const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
@@ -1182,6 +1187,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             }
                         }
                     }
+                    if constexpr (RAW) {  // P z: an mma of the zeros (rows g: group 2i, rows g + 8: group 2i + 1) with fp16(P)
+#pragma unroll
+                        for (int i = 0; i < ZPAIRS; ++i) {
+                            const int other = 2 * i + 1 < S::VGROUPS ? 2 * i + 1 : 2 * i;
+                            const unsigned za[4] = {zw[2 * i][0], zw[other][0], zw[2 * i][1], zw[other][1]};
+                            mma_m16n8k16_f16(zacc[i], za, pw);
+                        }
+                    }
                     if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
                         // 16-byte load of the lane's chunk (value_patch_half), zeroed after
                         const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
@@ -1215,10 +1228,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             zsum[i] += __shfl_xor_sync(0xffffffffu, zsum[i], 2);
             if (t == 0) merge_z[(warp * 8 + g) * S::VGROUPS + i] = zsum[i];
         }
-    } else if constexpr (RAW) {  // every row of zacc holds the sums: row 0's lanes (g = 0) write heads 2t, 2t + 1
+    } else if constexpr (RAW) {  // rows 0 and 8 of zacc (lanes g = 0) hold groups 2i and 2i + 1 of heads 2t, 2t + 1
 #pragma unroll
         for (int i = 0; i < S::VGROUPS; ++i)
-            if (g == 0) merge_z[(warp * 8 + 2 * t) * S::VGROUPS + i] = zacc[i][0], merge_z[(warp * 8 + 2 * t + 1) * S::VGROUPS + i] = zacc[i][1];
+            if (g == 0)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) merge_z[(warp * 8 + 2 * t + e) * S::VGROUPS + i] = zacc[i / 2][(i & 1) * 2 + e];
     }
     if (t == 0) {
         merge_m[warp * 8 + g] = m;
