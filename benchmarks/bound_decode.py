@@ -293,7 +293,7 @@ class TensorCoreKernel:
             (r"if \(vp_row_of\[[i0]\] < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             (r"if \(token0 \+ TPW > end\)", 0.0),  # masking: the split's last stage only
-            # a new key block every KG / 64 tiles; codebook keys have one block (per-channel thresholds): never again
+            # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
             # a shared key block (post-RoPE uniform keys, blocks of whole stages): warp 0 makes the next one's Q'
             (r"if \(warp == 0 && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),

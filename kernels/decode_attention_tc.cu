@@ -647,7 +647,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float bias = 0.0f;  // Q . zero of the current key block, head g
     int key_block = -1;
 
-    // ---- pre-RoPE keys: the query rotated by -P0 per stage; a task = (head, lane part, frequency pair) ----
+    // ---- the query's fragments per stage (pre-RoPE keys: rotated by -P0 per stage, a task = (head, lane part,
+    // frequency pair); a shared key block: its Q') ----
     unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
     float* const key_bias = reinterpret_cast<float*>(q_stage + 2 * S::QSTAGE_WORDS);  // [parity][head]
     unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS + S::KEY_BIAS_BYTES / 4;
@@ -830,9 +831,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // 2t + 1 in o's accumulator layout (uniform codes: zacc, an mma per 16 tokens and two groups: rows g group 2i, rows
     // g + 8 group 2i + 1)
     constexpr int ZPAIRS = RAW ? (S::VGROUPS + 1) / 2 : 1;
-    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[S::VGROUPS], zacc[ZPAIRS][4] = {};
-#pragma unroll
-    for (int i = 0; i < S::VGROUPS; ++i) zsum[i] = 0.0f;
+    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[CB ? S::VGROUPS : 1] = {}, zacc[ZPAIRS][4] = {};
 
     // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
     // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
@@ -1103,8 +1102,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
                     constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
                     unsigned pw[2], zw[RAW ? S::VGROUPS : 1][2];  // uniform codes: fp16(P) of the token pairs; their zeros
+                    if constexpr (RAW)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) pw[half] = RAW ? pack_half2(p[2 * kt + half][0], p[2 * kt + half][1]) : 0u;
+                        for (int half = 0; half < 2; ++half) pw[half] = pack_half2(p[2 * kt + half][0], p[2 * kt + half][1]);
 #pragma unroll
                     for (int group = 0; group < S::VGROUPS; ++group) {
                         // P' = P * scale (per token), and the zero points' running sum
