@@ -295,8 +295,8 @@ class TensorCoreKernel:
             (r"if \(token0 \+ TPW > end\)", 0.0),  # masking: the split's last stage only
             # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
-            # a shared key block (post-RoPE uniform keys, blocks of whole stages): warp 0 makes the next one's Q'
-            (r"if \(warp == 0 && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),
+            # a shared key block (post-RoPE uniform keys, blocks of whole stages): one warp a stage makes the next one's Q'
+            (r"if \(warp == \(tile \+ 1\) % WARPS && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)

@@ -208,7 +208,7 @@ struct Shape {
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
-    // uniform post-RoPE keys whose blocks hold whole stages: every warp of a stage has the same Q' and bias, so warp 0
+    // uniform post-RoPE keys whose blocks hold whole stages: every warp of a stage has the same Q' and bias, so one warp
     // makes them once per block into shared memory and the others read them (share_key_block)
     static constexpr bool SHARED_KEY_BLOCK = !FP16 && !ROPE && !CB && KB >= ST;
     // the query as a stage's A fragments, two buffers of [pair / 4][lane][4] words (q_stage_word): pre-RoPE keys, the
@@ -235,6 +235,7 @@ struct Shape {
         FP16 || OUT || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
+    static_assert(!SHARED_KEY_BLOCK || 2 * D * 2 / 16 <= 32, "a shared key block's parameters: one warp's copies");
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
@@ -538,9 +539,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
+            // a shared key block's (one warp's worth of copies): warp tile % 4 copies them, the warp that makes its Q'
+            const int first_copier = S::SHARED_KEY_BLOCK ? (warp == tile % WARPS ? lane : THREADS) : tid;
 #pragma unroll
             for (int i = 0; i < (PCOPIES + THREADS - 1) / THREADS; ++i) {
-                const int c = tid + i * THREADS;
+                const int c = first_copier + i * THREADS;
                 if (PCOPIES % THREADS == 0 || c < PCOPIES) {
                     const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
                     const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
@@ -866,9 +869,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             qk[4 * j] = w[0], qk[4 * j + 2] = w[1], qk[4 * j + 1] = w[2], qk[4 * j + 3] = w[3];
         }
     };
-    // (SHARED_KEY_BLOCK) warp 0: the Q' and bias of key block `block`, whose parameters came with the stage in buffer
-    // `stage`, into q_stage and key_bias [block % 2] (consecutive blocks alternate, so the readers of the other
-    // parity are not disturbed; a buffer is rewritten two blocks later, after a barrier)
+    // (SHARED_KEY_BLOCK) warp s % 4 for stage s, which copied its parameters: the Q' and bias of key block `block`,
+    // whose parameters came with the stage in buffer `stage`, into q_stage and key_bias [block % 2] (consecutive blocks
+    // alternate, so the readers of the other parity are not disturbed; a buffer is rewritten two blocks later, after a
+    // barrier). The warps take turns, as the SM's four schedulers do (warp w issues on scheduler w % 4)
     const auto share_key_block = [&](const unsigned char* stage, int block) {
         const float b = key_fragments(stage + 2 * S::K_BYTES);
         unsigned* const out = q_stage + (block & 1) * S::QSTAGE_WORDS + lane * 4;
@@ -894,7 +898,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int s = 0; s < S::STAGES - 2; ++s)
         if (s < tiles) store_value_params(s, early[s]);
-    if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (its parameters: warp 0's copies), read after the first barrier
+    if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (warp 0 copied its parameters), read after the first barrier
         if (warp == 0) {
             cp_async_wait<S::STAGES - 2>();
             __syncwarp();
@@ -923,12 +927,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's TPW tokens
         if (token0 < end) {
             // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the query rotated to the stage, and the
-            // lane's scale and zero pairs), when the warp enters a new block (a shared one's made by warp 0) --
+            // lane's scale and zero pairs), when the warp enters a new block (a shared one's made by one warp) --
             if constexpr (S::SHARED_KEY_BLOCK) {
                 const int block = token0 / S::KB;
-                // warp 0 makes the next stage's first: qk is its scratch, this stage's are loaded after
-                if (warp == 0 && tile + 1 < tiles && (start + (tile + 1) * ST) / S::KB != block) {
-                    cp_async_wait<S::STAGES - 2>();  // stage tile + 1 landed too (its block parameters: warp 0's copies)
+                // the next stage's copier makes its block first: qk is its scratch, this stage's are loaded after
+                if (warp == (tile + 1) % WARPS && tile + 1 < tiles && (start + (tile + 1) * ST) / S::KB != block) {
+                    cp_async_wait<S::STAGES - 2>();  // stage tile + 1 landed too (its block parameters: this warp's copies)
                     __syncwarp();
                     share_key_block(smem + ((tile + 1) % S::STAGES) * S::STAGE_BYTES, block + 1);
                 }
