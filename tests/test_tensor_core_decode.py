@@ -219,9 +219,9 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
 @pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "int2", "int4-g32", "int4-g256"))
 def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
     """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipeline's buffers wrap around many
-    times, and warp 0 makes a shared key block's Q' every stage or, at 256 tokens, every other one), past position
-    100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors every 16 stages
-    (tc::rotate_query), so an error that grew with the stages would show here."""
+    times, and the warps take turns making a shared key block's Q', every stage or, at 256 tokens, every other one),
+    past position 100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors every 16
+    stages (tc::rotate_query), so an error that grew with the stages would show here."""
     lengths = [4096 + 13]
     v = variant_of(codec, 128, 4)
     keys, values = filled(codec, lengths, 128)
