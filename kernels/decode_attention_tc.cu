@@ -334,11 +334,6 @@ __device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, uns
     }
 }
 
-// The fp16 pair {2^-s, 2^-s} for s = 0, 2, 4, 6 (a raw_shift).
-__device__ __forceinline__ constexpr unsigned pow2_down_pair(int s) {
-    return s == 0 ? 0x3C003C00u : s == 2 ? magic::FP16_QUARTER : s == 4 ? magic::FP16_SIXTEENTH : magic::FP16_64TH;
-}
-
 // A task of the per-stage query rotation (pre-RoPE keys; GQA x D / 4 of them): its head, lane part (the t of the
 // lanes that read it) and frequency pair (key_channel's pairs < D/16).
 struct RopeTask {
@@ -853,7 +848,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             const int shift = RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
             if (shift) scale = hmul2(scale, pow2_down_pair(shift));
             qk[p] = hmul2(qu[p], scale);
-            minus_1024[p] = 0xE400E400u;
+            minus_1024[p] = magic::FP16_MINUS_1024;
         }
         paired_k_steps(bacc, bacc2, qu, z2);
         if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
@@ -1186,7 +1181,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
                             mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
                             if constexpr (RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
-                                constexpr unsigned minus_1024[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};
+                                constexpr unsigned minus_1024[4] = {magic::FP16_MINUS_1024, magic::FP16_MINUS_1024,
+                                                                    magic::FP16_MINUS_1024, magic::FP16_MINUS_1024};
                                 mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], minus_1024, bp);
                             }
                         }

@@ -174,7 +174,7 @@ __device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
 // so that each out[j] is one mma fragment register.
 
 namespace magic {
-constexpr unsigned FP16_1024 = 0x64006400u;  // {1024, 1024}
+constexpr unsigned FP16_1024 = 0x64006400u, FP16_MINUS_1024 = 0xE400E400u;  // {1024, 1024}, {-1024, -1024}
 constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
 constexpr int SELECT = (0xF0 & 0xAA) | (0xCC & ~0xAA & 0xFF);  // lop3 LUT of c ? a : b, bit by bit
 // {2^-s, 2^-s} and {-1024 * 2^-s, ...} as fp16 pairs, for s = 2, 4, 6
@@ -184,8 +184,23 @@ constexpr unsigned FP16_64TH = 0x24002400u, FP16_MINUS_16 = 0xCC00CC00u;
 }  // namespace magic
 
 // The converters in two halves. The lop3 half (raw_*) leaves out[j] = {1024 + c * 2^s, ...} with s = raw_shift(j);
-// the fix-up (hsub2 / hfma2 per word) leaves c. A caller that multiplies the raw words by an operand it can scale
-// by 2^-s, and subtracts 1024 times that operand's sum elsewhere, skips the fix-up (decode_tc's uniform codes).
+// the fix-up (raw_fixed: one hsub2 / hfma2 per word) leaves c. A caller that multiplies the raw words by an operand it
+// can scale by 2^-s, and subtracts 1024 times that operand's sum elsewhere, skips the fix-up (decode_tc's uniform codes).
+
+// s of a raw word: out[j] of raw_u2 (BITS 2) or raw_nibbles (BITS 3, 4) reads 1024 + c * 2^raw_shift<BITS>(j).
+template <int BITS>
+__device__ __forceinline__ constexpr int raw_shift(int j) { return BITS == 2 ? 2 * (j % 4) : (j & 1) * 4; }
+
+// The fp16 pair {2^-s, 2^-s} for a raw_shift s (0, 2, 4 or 6).
+__device__ __forceinline__ constexpr unsigned pow2_down_pair(int s) {
+    return s == 0 ? 0x3C003C00u : s == 2 ? magic::FP16_QUARTER : s == 4 ? magic::FP16_SIXTEENTH : magic::FP16_64TH;
+}
+
+// c from a raw word that reads 1024 + c * 2^s: x - 1024, or x * 2^-s - 1024 * 2^-s (exact: 1024 + c * 2^s < 2048).
+__device__ __forceinline__ unsigned raw_fixed(unsigned x, int s) {
+    constexpr unsigned MINUS[4] = {0, magic::FP16_MINUS_256, magic::FP16_MINUS_64, magic::FP16_MINUS_16};
+    return s == 0 ? hsub2_bits(x, magic::FP16_1024) : hfma2_bits(x, pow2_down_pair(s), MINUS[s / 2]);
+}
 
 // Four codes of up to 4 bits in nibbles 0, 4 (and 1, 5 through the high-mask path) of q: nibble values
 // masked to BITS bits. out[0] = {nibble 0, nibble 4}, out[1] = {nibble 1, nibble 5}, out[2] = {2, 6},
@@ -203,8 +218,7 @@ template <int BITS>
 __device__ __forceinline__ void nibbles_to_half2(unsigned q, unsigned* out) {
     raw_nibbles<BITS>(q, out);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-        out[j] = j & 1 ? hfma2_bits(out[j], magic::FP16_SIXTEENTH, magic::FP16_MINUS_64) : hsub2_bits(out[j], magic::FP16_1024);
+    for (int j = 0; j < 4; ++j) out[j] = raw_fixed(out[j], raw_shift<BITS>(j));
 }
 
 // 4-bit codes: q holds codes 0..7 (code i at bits 4i). out[j] = {code j, code j + 4}, j = 0..3.
@@ -223,16 +237,10 @@ __device__ __forceinline__ void raw_u2(unsigned q, unsigned* out) {
     }
 }
 __device__ __forceinline__ void u2_to_half2(unsigned q, unsigned (&out)[8]) {
-    const unsigned scale[4] = {0, magic::FP16_QUARTER, magic::FP16_SIXTEENTH, magic::FP16_64TH};
-    const unsigned offset[4] = {0, magic::FP16_MINUS_256, magic::FP16_MINUS_64, magic::FP16_MINUS_16};
     raw_u2(q, out);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = j % 4 == 0 ? hsub2_bits(out[j], magic::FP16_1024) : hfma2_bits(out[j], scale[j % 4], offset[j % 4]);
+    for (int j = 0; j < 8; ++j) out[j] = raw_fixed(out[j], raw_shift<2>(j));
 }
-
-// s of a raw word: out[j] of raw_nibbles (BITS 4) or raw_u2 (BITS 2) reads 1024 + c * 2^raw_shift<BITS>(j).
-template <int BITS>
-__device__ __forceinline__ constexpr int raw_shift(int j) { return BITS == 4 ? (j & 1) * 4 : 2 * (j % 4); }
 
 // 3-bit codes as bit planes (2 + 1): low2 holds the low two bits of codes 0..15 exactly as u2_to_half2
 // reads them; high1 holds their third bits in bits 2 and 3 of each nibble: code 2j's at bit 4j + 2, code
