@@ -171,16 +171,20 @@ template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, b
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
-    // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys (in key
-    // blocks of 32 or 64 tokens or a multiple of 128) take 128: a stage's fixed work (the barrier, the copies'
-    // addresses, the key block's parameters, the softmax's reductions) is spread over twice the tokens. The others stay
-    // at 64: the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory
-    // are sized by it
-    static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG % 128 == 0 || (128 % KG == 0 && KG >= 32));
+    // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys take 128
+    // (int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64): a stage's fixed work (the
+    // barrier, the copies' addresses, the key blocks' parameters, the softmax's reductions) is spread over twice the
+    // tokens. int4 in blocks of 128+ stays at 64: the 3 stages of 128 its shared memory allows keep 2 in flight, fewer
+    // bytes than 5 of 6 stages of 64, and on the H100 it waited on its copies (ncu long_scoreboard 31% of stalls) and
+    // ran 9% slower (157.3 us against 145.0); int4 g32 ran 8% faster wide (182.0 against 197.9). The others stay at 64:
+    // the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory are sized
+    // by it
+    static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (BITS == 2 && KG % 128 == 0));
     static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
     // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
-    // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2)
+    // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
+    // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
     static constexpr int STAGES = FP16 ? 3 : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)

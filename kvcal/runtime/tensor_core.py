@@ -79,10 +79,11 @@ class Variant:
 
     @property
     def wide(self) -> bool:
-        """tc::Shape<...>::WIDE: uniform codes with post-RoPE keys in key blocks of 32 or 64 tokens or a multiple of 128
-        take stages of 128 tokens (32 per warp between barriers)."""
+        """tc::Shape<...>::WIDE: uniform codes with post-RoPE keys take stages of 128 tokens (32 per warp between
+        barriers): int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64 (in larger ones it
+        keeps more bytes in flight with 6 stages of 64: the kernel's Shape says what the H100 measured)."""
         kg = self.key_group
-        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg % 128 == 0 or 128 % kg == 0 and kg >= 32)
+        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.bits == 2 and kg % 128 == 0)
 
     @property
     def stage_tokens(self) -> int:
