@@ -1,4 +1,4 @@
-"""benchmarks/bench_decode_tc.py's and bench_layout_tc.py's arguments (their measurements need a CUDA GPU; these checks run before
+"""benchmarks/bench_decode_tc.py's, bench_layout_tc.py's and ab_decode_tc.py's arguments (their measurements need a CUDA GPU; these checks run before
 they look)."""
 
 import subprocess
@@ -34,4 +34,22 @@ LAYOUT = SCRIPT.parent / "bench_layout_tc.py"
 ])
 def test_the_layout_probe_refuses_what_it_cannot_reshape_with_one_line(arguments, problem):
     done = subprocess.run([sys.executable, str(LAYOUT), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+
+
+AB = SCRIPT.parent / "ab_decode_tc.py"
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--baseline", "/nonexistent"], "not a kvcal checkout"),
+    (["--baseline", str(SCRIPT.parents[1]) + "/"], "this checkout itself"),
+    (["--rounds", "1"], "required: --baseline"),
+    (["--baseline", "{other}", "--rounds", "0"], "positive numbers"),
+])
+def test_the_ab_script_refuses_what_it_cannot_compare_with_one_line(arguments, problem, tmp_path):
+    for name in ("benchmarks/bench_decode_tc.py", "kernels/decode_attention_tc.cu"):  # another checkout's shape
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    arguments = [a.format(other=tmp_path) for a in arguments]
+    done = subprocess.run([sys.executable, str(AB), *arguments], capture_output=True, text=True)
     assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
