@@ -1201,6 +1201,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                     if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
                         // 16-byte load of the lane's chunk (value_patch_half), zeroed after
+                        static_assert(KT == 1, "outliers: a warp's 16 tokens of the stage are one k-step (ST == OUT_TILE)");
                         const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
                         uint4* const chunks = reinterpret_cast<uint4*>(value_patch) + warp * MTILES * 32 + lane;
 #pragma unroll

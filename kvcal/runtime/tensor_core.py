@@ -86,6 +86,12 @@ class Variant:
         return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.bits == 2 and kg % 128 == 0)
 
     @property
+    def shared_key_block(self) -> bool:
+        """tc::Shape<...>::SHARED_KEY_BLOCK: uniform post-RoPE keys whose blocks hold whole stages have one Q' and bias
+        per block, made once into shared memory (two buffers of each, by block parity)."""
+        return self.bits != 16 and not (self.codebook or self.rope) and self.key_group >= self.stage_tokens
+
+    @property
     def stage_tokens(self) -> int:
         """tc::Shape<...>::ST: tokens per stage; splits hold whole stages."""
         return WIDE_STAGE_TOKENS if self.wide else STAGE_TOKENS
@@ -117,7 +123,7 @@ class Variant:
         stage = 2 * st * srow + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
-        if not (fp16 or self.codebook or self.rope) and kg >= st:  # tc::Shape::SHARED_KEY_BLOCK: Q' and bias, two each
+        if self.shared_key_block:  # Q' and bias, two each
             query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
         rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
