@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tensor_core_emulation
+from helpers import EMULATION_FLAGS, tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.runtime import cpu_kernel, kernel_source, kernels, tensor_core
@@ -71,8 +71,8 @@ def emulated_library(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kernel-emulation")
     (folder / "driver.cpp").write_text(driver_source())
     library = folder / "kernels_on_cpu.so"
-    command = [compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-DKVCAL_HOST_EMULATION",
-               f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"), "-o", str(library)]
+    command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"), "-o",
+               str(library)]
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]
     return ctypes.CDLL(str(library))

@@ -24,13 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import EMULATION_FLAGS
 from kvcal.runtime import kernel_source
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 PROBE = EMULATION / "intrinsics_probe.cu"
-# -U_FORTIFY_SOURCE: distributions that fortify by default (Ubuntu) turn the fibers' _longjmp between stacks
-# into __longjmp_chk, which aborts ("longjmp causes uninitialized stack frame").
-FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
 DRIVER = """#include "cuda_on_cpu.h"
 #include "intrinsics_probe.cu"
 #define LAUNCH(...) emulation::launch({gx, 1, 1}, {bx, 1, 1}, [&] { __VA_ARGS__; })
@@ -138,7 +136,7 @@ def build_emulator(folder: Path, emulation_dir: Path = EMULATION) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "driver.cpp").write_text(DRIVER)
     library = folder / "probe_on_cpu.so"
-    command = [compiler, *FLAGS, f"-I{emulation_dir}", f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}",
+    command = [compiler, *EMULATION_FLAGS, f"-I{emulation_dir}", f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}",
                str(folder / "driver.cpp"), "-o", str(library)]
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]

@@ -10,6 +10,16 @@ import torch
 
 from kvcal.runtime import quantized_cache
 
+# g++ flags of every build of the CUDA emulation (tests/kernel_emulation). -U_FORTIFY_SOURCE: distributions that
+# fortify by default (Ubuntu) turn the fibers' _longjmp between stacks into __longjmp_chk, which aborts ("longjmp
+# causes uninitialized stack frame"). -fno-gnu-unique: a test process loads several emulator libraries, and g++ gives
+# static locals of templates (a kernel variant's shared-memory array) STB_GNU_UNIQUE binding, one copy per process, so
+# a variant built into two libraries ran on the first library's array while the second library's shared-window record
+# (intrinsics_on_cpu.h) held its own arrays' upper address bits: where the two libraries lay in different 4 GiB
+# regions of the address space, the emulated shared_address aborted ("shared memory straddles a 4 GiB boundary").
+EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
+                   "-DKVCAL_HOST_EMULATION"]
+
 
 def decode_token_by_token(model, bundle, ids):
     """Logits of feeding `ids` one token at a time through the runtime cache."""

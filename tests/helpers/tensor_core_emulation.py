@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import EMULATION_FLAGS
 from kvcal.runtime import kernel_source
 from kvcal.runtime.tensor_core import Variant
 
 EMULATION = Path(__file__).resolve().parents[1] / "kernel_emulation"
-FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-DKVCAL_HOST_EMULATION"]
 POINTERS, LONGS, INTS = 21, 12, 4  # decode_tc's parameters: tensors, byte / element strides, ints (then the float scale)
 
 
@@ -55,7 +55,7 @@ def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_sourc
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "driver.cpp").write_text(driver(variants))
     library = folder / "decode_tc_on_cpu.so"
-    command = [compiler, *FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
+    command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
                "-o", str(library)]
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-6000:]
