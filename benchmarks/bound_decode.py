@@ -280,6 +280,7 @@ class TensorCoreKernel:
 
         d, group, stage = SHAPE["head_dim"], self.GROUP, self._variant(case).stage_tokens
         key_param_copies = (1 if group >= stage else stage // group) * 2 * (d * 2 // 16)
+        value_param_copies = 2 * max(1, d // group) * stage // 8  # [scale, zero][group] runs of 8-token chunks
         return (
             (r"if \(ahead < tiles\)", 1.0),
             (r"if \(tile \+ S::STAGES - 2 < tiles\)", 1.0),
@@ -287,10 +288,10 @@ class TensorCoreKernel:
             # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
             (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
-            # value parameters: every thread has a half (codebooks: threads 0-63 a token's two)
-            (r"if \(vp_live\(i\)\)", 1.0),
+            # value parameters: uniform codes copy 16-byte chunks; codebooks load a token's lo and hi in threads 0 .. ST - 1
+            (r"c < VCOPIES\)", min(1.0, math.ceil(value_param_copies / 32) / WARPS)),  # warps with a value-parameter copy
             (r"if \(tid < ST\) \{", 2 / WARPS),
-            (r"if \(vp_row_of\[[i0]\] < end\)", 1.0),
+            (r"if \(vp_row_of < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
             (r"if \(token0 \+ TPW > end\)", 0.0),  # masking: the split's last stage only
             # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again

@@ -153,26 +153,27 @@ extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width,
 }
 
 // TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max, fp16 scale = (hi - lo) / levels and
-// zero = lo at scale/zero[seq * param_stride + row * groups + g], codes round((x - zero) / max(scale, 2^-24)).
+// zero = lo at scale/zero[seq * param_stride + row * param_row + g * param_column] (kvcal.runtime.store: each group
+// runs along the tokens), codes round((x - zero) / max(scale, 2^-24)).
 extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int width, int layout, int group,
                                                const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
                                                long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
-                                               long long param_stride) {
+                                               long long param_stride, long long param_row, long long param_column) {
     const int levels = (1 << code_bits(layout)) - 1, groups = (width + group - 1) / group;
     std::vector<uint32_t> codes(width);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
-        const long long at = seq_of_row[r] * param_stride + (long long)row_in_seq[r] * groups;
         for (int g = 0; g < groups; ++g) {
+            const long long at = seq_of_row[r] * param_stride + row_in_seq[r] * param_row + g * param_column;
             const int first = g * group, end = std::min(width, first + group);
             float lo = INFINITY, hi = -INFINITY;
             for (int c = first; c < end; ++c) {
                 lo = std::fmin(lo, half_to_float(xr[c]));
                 hi = std::fmax(hi, half_to_float(xr[c]));
             }
-            scale[at + g] = float_to_half((hi - lo) / (float)levels);
-            zero[at + g] = float_to_half(lo);
-            const float s = std::fmax(half_to_float(scale[at + g]), TINY_SCALE), z = half_to_float(zero[at + g]);
+            scale[at] = float_to_half((hi - lo) / (float)levels);
+            zero[at] = float_to_half(lo);
+            const float s = std::fmax(half_to_float(scale[at]), TINY_SCALE), z = half_to_float(zero[at]);
             for (int c = first; c < end; ++c) {
                 const float q = std::nearbyint((half_to_float(xr[c]) - z) / s);
                 codes[c] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);
@@ -185,32 +186,32 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
 
 // SKVQ (kvcal.skvq.SkvqTensor, fp16 parameters): channels in permuted order, per (row, group of permuted slots
 // starts[g] .. starts[g + 1]) clipped min-max: low/high = clip[g] x min/max, scale = fp16(max((high - low) / levels,
-// 2^-24)), zero = fp16(low / max(scale, 2^-24)) at scale/zero[seq * param_stride + row * groups + g], codes
+// 2^-24)), zero = fp16(low / max(scale, 2^-24)) at scale/zero[seq * param_stride + row * param_row + g * param_column], codes
 // round(x / max(scale, 2^-24) - zero) clamped to [0, levels], packed in channel order (the store's, see
 // kvcal.runtime.store.permuted_groups).
 extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
                                                  const int32_t* starts, int groups, const float* clip,
                                                  const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
                                                  long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
-                                                 long long param_stride) {
+                                                 long long param_stride, long long param_row, long long param_column) {
     const int levels = (1 << code_bits(layout)) - 1;
     std::vector<float> permuted(width);
     std::vector<uint32_t> codes(width);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
         for (int i = 0; i < width; ++i) permuted[i] = half_to_float(xr[permutation[i]]);
-        const long long at = seq_of_row[r] * param_stride + (long long)row_in_seq[r] * groups;
         for (int g = 0; g < groups; ++g) {
+            const long long at = seq_of_row[r] * param_stride + row_in_seq[r] * param_row + g * param_column;
             float lo = INFINITY, hi = -INFINITY;
             for (int i = starts[g]; i < starts[g + 1]; ++i) {
                 lo = std::fmin(lo, permuted[i]);
                 hi = std::fmax(hi, permuted[i]);
             }
             const float low = clip[g] * lo, high = clip[g] * hi;
-            scale[at + g] = float_to_half(std::fmax((high - low) / (float)levels, TINY_SCALE));
-            const float s = std::fmax(half_to_float(scale[at + g]), TINY_SCALE);
-            zero[at + g] = float_to_half(low / s);
-            const float z = half_to_float(zero[at + g]);
+            scale[at] = float_to_half(std::fmax((high - low) / (float)levels, TINY_SCALE));
+            const float s = std::fmax(half_to_float(scale[at]), TINY_SCALE);
+            zero[at] = float_to_half(low / s);
+            const float z = half_to_float(zero[at]);
             for (int i = starts[g]; i < starts[g + 1]; ++i) {
                 const float q = std::nearbyint(permuted[i] / s - z);
                 codes[permutation[i]] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);  // stored in channel order

@@ -29,7 +29,7 @@
 // Fields of one side (K or V) in the int64 descriptor array written by kvcal/runtime/kernels.py.
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
-    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
+    PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS).
@@ -39,7 +39,10 @@ struct Side {
     const half_bits* sink; long long sink_stride;
     const half_bits* recent; long long recent_stride;
     const unsigned* words; long long words_stride; int words_per_row;
+    // parameter (row, column) of sequence b at b * param_stride + row * param_row + column * param_column: per-token
+    // parameters run along the tokens column by column (kvcal.runtime.store), per-block ones are rows of channels
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
+    long long param_row, param_column;
     const float* codebook;
     // outliers per (sequence, KV head) run: positions and values (stride per run), the offset table (offset_stride
     // tiles per run), the count of each run (null when the codec keeps no outliers); tiles of 2^tile_shift rows
@@ -55,6 +58,7 @@ __device__ __forceinline__ Side load_side(const long long* d) {
     s.words = (const unsigned*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
     s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
     s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
+    s.param_row = d[PARAM_ROW]; s.param_column = d[PARAM_COLUMN];
     s.codebook = (const float*)d[CODEBOOK];
     s.outlier_positions = (const unsigned short*)d[OUTLIER_POSITIONS]; s.outlier_values = (const half_bits*)d[OUTLIER_VALUES];
     s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int*)d[OUTLIER_OFFSETS]; s.offset_stride = d[OFFSET_STRIDE];
@@ -90,6 +94,7 @@ struct TokenRef {
     const unsigned* words;
     const half_bits* param0;
     const half_bits* param1;
+    int param_column;  // per-token uniform parameters: elements from one channel group's to the next's
 };
 
 template <int CODEC>
@@ -98,11 +103,11 @@ __device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
     ref.fp16_row = nullptr;
     ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
     long long offset = b * s.param_stride;
-    if (CODEC == UNIFORM_TOKEN) offset += (long long)row * s.param_cols;
-    if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_cols;
-    if (CODEC == CODEBOOK_TOKEN) offset += row;
+    if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN) offset += (long long)row * s.param_row;
+    if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_row;
     ref.param0 = (const half_bits*)s.param0 + offset;
     ref.param1 = (const half_bits*)s.param1 + offset;
+    ref.param_column = (int)s.param_column;
     return ref;
 }
 
@@ -111,6 +116,7 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
     TokenRef ref;
     ref.words = nullptr;
     ref.param0 = ref.param1 = nullptr;
+    ref.param_column = 0;
     if (t < n.sink) {
         ref.fp16_row = s.sink + b * s.sink_stride + (long long)t * width;
         return ref;
@@ -127,7 +133,7 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
 template <int CODEC, int D>
 __device__ __forceinline__ float decoded(const TokenRef& ref, const SideTables<D>& tables, unsigned code, int group, int channel, int c) {
     if (CODEC == UNIFORM_TOKEN) {
-        const int i = channel / group;
+        const int i = channel / group * ref.param_column;
         return min_max_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
     } else if (CODEC == UNIFORM_CHANNEL) {
         return min_max_value(code, load_half(ref.param0 + channel), load_half(ref.param1 + channel));

@@ -31,7 +31,7 @@ enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 // decode_attention.cu's SideField order, then the CPU kernel's own fields.
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
-    PARAM_COLS, PARAM_EXTRA, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
+    PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT,
     CODEC, GROUP_OF_CHANNEL, SIDE_FIELDS
 };
@@ -68,7 +68,9 @@ struct Side {
     const uint16_t* sink; long long sink_stride;
     const uint16_t* recent; long long recent_stride;
     const uint32_t* words; long long words_stride; int words_per_row;
+    // parameter (row, column) at b * param_stride + row * param_row + column * param_column (decode_attention.cu's Side)
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
+    long long param_row, param_column;
     const float* codebook;
     const uint16_t* outlier_positions; const uint16_t* outlier_values; long long outlier_stride;
     const int32_t* outlier_offsets; long long offset_stride; const int32_t* outlier_counts; int tile_shift;
@@ -83,6 +85,7 @@ Side load_side(const long long* d) {
     s.words = (const uint32_t*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
     s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
     s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
+    s.param_row = d[PARAM_ROW]; s.param_column = d[PARAM_COLUMN];
     s.codebook = (const float*)d[CODEBOOK];
     s.outlier_positions = (const uint16_t*)d[OUTLIER_POSITIONS]; s.outlier_values = (const uint16_t*)d[OUTLIER_VALUES];
     s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int32_t*)d[OUTLIER_OFFSETS];
@@ -209,7 +212,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     if (CODEC == UNIFORM_CHANNEL) {  // per (block of tokens, channel): converted once per block
         const long long block = row / s.param_extra;
         if (block != t.block) {
-            const long long at = b * s.param_stride + block * s.param_cols + head_channel;
+            const long long at = b * s.param_stride + block * s.param_row + head_channel;
             for (int c = 0; c < D; ++c) {
                 t.scale[c] = std::fmax(half_to_float(p0[at + c]), TINY_SCALE);
                 t.zero[c] = half_to_float(p1[at + c]);
@@ -218,21 +221,21 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
         }
     }
     if (CODEC == CODEBOOK_TOKEN) {  // the row's decoded levels
-        const long long at = b * s.param_stride + row;
+        const long long at = b * s.param_stride + row * s.param_row;
         const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
         const float half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
         for (int j = 0; j < t.levels; ++j) t.row_table[j] = t.codebook[j] * half_range + mid;
     }
     if (CODEC == PERMUTED_GROUPS) {  // SKVQ (codes in channel order): (code + zero) * scale of the channel's group
-        const long long at = b * s.param_stride + (long long)row * s.param_cols;
+        const long long at = b * s.param_stride + (long long)row * s.param_row;
         for (int g = 0; g < s.param_cols; ++g) {
-            t.scale[g] = std::fmax(half_to_float(p0[at + g]), TINY_SCALE);
-            t.zero[g] = half_to_float(p1[at + g]);
+            t.scale[g] = std::fmax(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
+            t.zero[g] = half_to_float(p1[at + g * s.param_column]);
         }
     }
     const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % 16 == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
     if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && vector_parameters) {
-        const long long token_at = b * s.param_stride + (long long)row * s.param_cols;
+        const long long token_at = b * s.param_stride + (long long)row * s.param_row;
         for (int c = 0; c < D; c += 32) {
             i32x16 halves[2];
             unpack32<LAYOUT>(words, (head_channel + c) / 32, halves[0], halves[1]);
@@ -241,7 +244,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
                 const f32x16 code = __builtin_convertvector(halves[h], f32x16);
                 f32x16 value;
                 if (CODEC == UNIFORM_TOKEN) {
-                    const int g = (head_channel + first) / s.param_extra;
+                    const long long g = (head_channel + first) / s.param_extra * s.param_column;
                     value = code * std::fmax(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
                 } else if (CODEC == UNIFORM_CHANNEL) {
                     value = code * load16(t.scale.data() + first) + load16(t.zero.data() + first);
@@ -262,10 +265,11 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     // code by code: kvmix's 11 codes per word, heads not on a 32-code boundary, groups not a multiple of 16
     for (int c = 0; c < D; ++c) codes[c] = (int32_t)code_at<LAYOUT>(words, head_channel + c);
     if (CODEC == UNIFORM_TOKEN) {  // code * scale + zero, one (scale, zero) per group of channels: a loop per group
-        const long long at = b * s.param_stride + (long long)row * s.param_cols;
+        const long long at = b * s.param_stride + (long long)row * s.param_row;
         for (int c = 0; c < D;) {
             const int g = (head_channel + c) / s.param_extra, end = std::min(D, (g + 1) * s.param_extra - head_channel);
-            const float scale = std::fmax(half_to_float(p0[at + g]), TINY_SCALE), zero = half_to_float(p1[at + g]);
+            const float scale = std::fmax(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
+            const float zero = half_to_float(p1[at + g * s.param_column]);
             for (; c < end; ++c) out[c] = (float)codes[c] * scale + zero;
         }
     } else if (CODEC == UNIFORM_CHANNEL) {

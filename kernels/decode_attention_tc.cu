@@ -1,8 +1,9 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
 // codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge.
-// The cache layout is today's (kvcal.runtime.store: token-major rows, codes LSB-first per row, kvcal/packing.py
-// "lsb", 3-bit codes as "planes3"); pre-RoPE keys are rotated here. It reads one packed body per side (or fp16
-// rows), with KVQuant's outliers (OUT): in the runtime's cache it serves the body rows both sides hold, and the
+// The cache layout is kvcal.runtime.store's (token-major rows of codes, LSB-first per row, kvcal/packing.py "lsb",
+// 3-bit codes as "planes3"; per-token parameters per channel group along the tokens); pre-RoPE keys are rotated here.
+// It reads one packed body per side (or fp16 rows), with KVQuant's outliers (OUT): in the runtime's cache it serves
+// the body rows both sides hold, and the
 // CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of
 // the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
 //
@@ -201,7 +202,9 @@ struct Shape {
     static constexpr int K_BYTES = ST * SROW, V_BYTES = ST * SROW;
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
-    static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;              // [scale, zero][group][token] fp16
+    // [scale, zero][group][token] fp16: uniform codes copy each group's run of the stage's tokens (kvcal.runtime.store
+    // keeps a per-token parameter column along the tokens), 16-byte chunks of 8 tokens
+    static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;
     // codebooks: kvcal.quantizers.denormalize's scale and zero per token (fp32), made from the row's lo and hi
     static constexpr int VP_BYTES = CB ? ST * 8 : (VP_HALVES * 2 + 15) / 16 * 16;
     // outliers (OUT): the stage's header (tc::OutlierHeader), then per side OUT_SLOTS
@@ -231,7 +234,6 @@ struct Shape {
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
                                       2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
-    static constexpr int VP_PER_THREAD = (VP_HALVES + THREADS - 1) / THREADS;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
@@ -428,10 +430,11 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
 // (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
-// (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters (batch, capacity, groups) fp16,
-// strides in halves (codebooks: keys' per-channel scale and zero, strides 0; values' per-token lo and hi of the whole
-// row, (batch, capacity, 1)). meta (batch, META) int32: first row, tokens, position of the first row (ROPE), the key
-// and value bodies' rows (OUT: their started outlier tiles). OUT: per side the outliers of kvcal.runtime.store
+// (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters fp16 stored (batch, groups,
+// capacity) (kvcal.runtime.store: each group's column along the tokens), strides of a sequence and a group in halves,
+// multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
+// per-token lo and hi of the whole row, one group). meta (batch, META) int32: first row (0 for a packed body, so the
+// parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their started outlier tiles). OUT: per side the outliers of kvcal.runtime.store
 // (batch, kv_heads, capacity) positions and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts
 // (null: that side keeps none), strides per (sequence, KV head) run in elements; the body starts at row 0. ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
@@ -450,7 +453,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int* __restrict__ key_outlier_counts, const unsigned short* __restrict__ value_outlier_positions,
     const unsigned short* __restrict__ value_outlier_values, const int* __restrict__ value_outlier_offsets,
     const int* __restrict__ value_outlier_counts, long long k_seq, long long k_row, long long v_seq, long long v_row,
-    long long kp_seq, long long kp_row, long long vp_seq, long long vp_row, long long k_outlier_run, long long k_offset_run,
+    long long kp_seq, long long kp_row, long long vp_seq, long long vp_group, long long k_outlier_run, long long k_offset_run,
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
     float scale_log2) {
     using namespace tc;
@@ -516,6 +519,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // per issue (no 64-bit row arithmetic per stage).
     const unsigned char* k_tile = k_base + (long long)(first + start) * k_row;
     const unsigned char* v_tile = v_base + (long long)(first + start) * v_row;
+    // uniform codes: where the head's first value group's parameter run has the next stage's first token (in halves);
+    // the head's other groups are the next columns, vp_group apart
+    long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + first + start;
     auto issue = [&](int tile) {
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
@@ -553,6 +559,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
                 }
             }
+            // the value parameters: [scale, zero][group] runs of the stage's ST tokens, ST / 8 chunks each (chunks
+            // wholly past the end are zero-filled; the tokens past the end in a live chunk are masked, P = 0)
+            constexpr int VCHUNKS = ST / 8, VCOPIES = 2 * S::VGROUPS * VCHUNKS;
+#pragma unroll
+            for (int i = 0; i < (VCOPIES + THREADS - 1) / THREADS; ++i) {
+                const int c = tid + i * THREADS;
+                if (VCOPIES % THREADS == 0 || c < VCOPIES) {
+                    const int run = c / VCHUNKS, chunk = c % VCHUNKS;  // run: [which][group]
+                    const bool live = t0 + chunk * 8 < end;
+                    const unsigned short* const source =
+                        (run >= S::VGROUPS ? value_zero : value_scale) + vp_tile + (run % S::VGROUPS) * vp_group;
+                    cp_async_16(buffer + 2 * S::K_BYTES + S::KP_BYTES + c * 16, source + (live ? chunk * 8 : 0), live ? 16 : 0);
+                }
+            }
         }
         if constexpr (OUT) {
             // threads 0 .. 2 CHUNKS - 1 (one and a half warps) copy a 16-byte chunk of a side's positions and the same
@@ -573,59 +593,32 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         k_tile += ST * k_row;
         v_tile += ST * v_row;
+        vp_tile += ST;
     };
-    // value token parameters go through registers (their rows are not 16-byte chunks): loaded with the stage's copies
-    // at iteration i, stored to shared memory at iteration i + 1, so a whole iteration hides their latency
-    // (a thread's halves: running pointers and rows, advanced one stage per load, as the copies'). Thread tid's element
-    // i is [which][group][token] e = tid + i THREADS; codebooks: token tid's lo (i = 0) and hi (i = 1), one row
-    // (vp_row_of[0] tracks it for both), stored as its scale and zero (fp32), so the compute pass reads a token pair's
-    // with one load
-    constexpr int VPN = CB ? 2 : (S::VP_PER_THREAD > 0 ? S::VP_PER_THREAD : 1);
-    const auto vp_live = [&](int i) { return tid + i * THREADS < S::VP_HALVES; };
-    const unsigned short* vp_source[VPN];
-    int vp_row_of[VPN];
-#pragma unroll
-    for (int i = 0; i < VPN; ++i) {
-        const int e = CB ? i * ST + tid % ST : tid + i * THREADS;
-        const int which = e / (S::VGROUPS * ST), group = (e / ST) % S::VGROUPS, token = e % ST;
-        const int column = CB ? 0 : (kvh * D + group * S::VGE) / (S::FP16 ? 1 : VG);  // codebooks: the row's lo, hi
-        vp_row_of[i] = start + token;
-        vp_source[i] = (which ? value_zero : value_scale) + b * vp_seq + (long long)(first + start + token) * vp_row + column;
-    }
-    auto load_value_params = [&](unsigned short (&vp_staged)[VPN]) {
-        if constexpr (CB) {  // lo and hi of token tid: one row, two arrays
+    // codebook values' per-token lo and hi go through registers: loaded with the stage's copies at iteration i, stored
+    // to shared memory at iteration i + 1 as the token's scale and zero (fp32), so that the compute pass reads a token
+    // pair's with one load, and a whole iteration hides their latency. Thread tid < ST: token tid's (a running offset
+    // and row, advanced one stage per load, as the copies')
+    long long vp_at = b * vp_seq + first + start + tid % ST;
+    int vp_row_of = start + tid % ST;
+    auto load_value_params = [&](unsigned short (&vp_staged)[2]) {
+        if constexpr (CB) {
             unsigned short lo = 0, hi = 0;
             if (tid < ST) {
-                if (vp_row_of[0] < end) lo = __ldg(vp_source[0]), hi = __ldg(vp_source[1]);
-                vp_row_of[0] += ST;
-                vp_source[0] += ST * vp_row;
-                vp_source[1] += ST * vp_row;
+                if (vp_row_of < end) lo = __ldg(value_scale + vp_at), hi = __ldg(value_zero + vp_at);
+                vp_row_of += ST;
+                vp_at += ST;
             }
             vp_staged[0] = lo, vp_staged[1] = hi;
-        } else if constexpr (!S::FP16) {
-#pragma unroll
-            for (int i = 0; i < VPN; ++i) {
-                unsigned short v = 0;
-                if (vp_live(i)) {
-                    if (vp_row_of[i] < end) v = __ldg(vp_source[i]);
-                    vp_row_of[i] += ST;
-                    vp_source[i] += ST * vp_row;
-                }
-                vp_staged[i] = v;
-            }
         }
     };
-    auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[VPN]) {
-        unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES;
+    auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
+            unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES;
             if (tid < ST) {
                 const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
                 reinterpret_cast<float2*>(vp)[tid] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
             }
-        } else if constexpr (!S::FP16) {
-#pragma unroll
-            for (int i = 0; i < S::VP_PER_THREAD; ++i)
-                if (vp_live(i)) reinterpret_cast<unsigned short*>(vp)[tid + i * THREADS] = vp_staged[i];
         }
     };
 
@@ -883,8 +876,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (t == 0) key_bias[(block & 1) * 8 + g] = b;
     };
 
-    // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; value parameters of all but the last stored here ----
-    unsigned short pending[VPN], early[S::STAGES - 2][VPN];
+    // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; codebook value parameters of all but the last stored here ----
+    unsigned short pending[2], early[S::STAGES - 2][2];
 #pragma unroll
     for (int s = 0; s < S::STAGES - 1; ++s) {
         if (s < tiles) {

@@ -140,7 +140,8 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
     decode_attention.cu's locate/body_value/for_each_outlier formulas."""
     sink, body, head, recent = lengths
     f = dict(zip(("sink", "sink_stride", "recent", "recent_stride", "words", "words_stride", "words_per_row", "param0", "param1",
-                  "param_stride", "param_cols", "param_extra", "codebook", "outlier_positions", "outlier_values", "outlier_stride",
+                  "param_stride", "param_cols", "param_extra", "param_row", "param_column", "codebook", "outlier_positions",
+                  "outlier_values", "outlier_stride",
                   "outlier_offsets", "offset_stride", "outlier_counts", "tile_shift", "layout"), side))
     parts = [_halves(f["sink"] + 2 * b * f["sink_stride"], sink * WIDTH).reshape(sink, WIDTH)] if sink else []
     if body:
@@ -148,9 +149,14 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
         codes, bits = _codes(words, f["layout"])
         channel = np.arange(WIDTH)
         base = b * f["param_stride"]
+
+        def parameters(name: str, rows: int) -> np.ndarray:  # (rows, param_cols): row r, column c at r param_row + c param_column
+            at = np.arange(rows)[:, None] * f["param_row"] + np.arange(f["param_cols"]) * f["param_column"]
+            return _halves(f[name] + 2 * base, int(at.max()) + 1)[at]
+
         if codec in (kernel_source.UNIFORM_TOKEN, kernel_source.UNIFORM_CHANNEL):
             rows = body if codec == kernel_source.UNIFORM_TOKEN else body // f["param_extra"]
-            scale, zero = (_halves(f[p] + 2 * base, rows * f["param_cols"]).reshape(rows, -1) for p in ("param0", "param1"))
+            scale, zero = (parameters(p, rows) for p in ("param0", "param1"))
             if codec == kernel_source.UNIFORM_TOKEN:
                 scale, zero = scale[:, channel // f["param_extra"]], zero[:, channel // f["param_extra"]]
             else:
@@ -161,7 +167,7 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
             if codec == kernel_source.CODEBOOK_CHANNEL:
                 lo, hi = (_memory(f[p], np.float32, WIDTH) for p in ("param0", "param1"))
             else:
-                lo, hi = (_halves(f[p] + 2 * base, body)[:, None] for p in ("param0", "param1"))
+                lo, hi = (parameters(p, body) for p in ("param0", "param1"))
             values = codebook[codes] * np.maximum((hi - lo) / 2, 1e-8) + (hi + lo) / 2
         if f["outlier_counts"]:  # per (sequence, KV head) run: tile t's outliers from offset[t], the last to the count
             kv_heads, tile_tokens = WIDTH // HEAD_DIM, 1 << f["tile_shift"]

@@ -11,8 +11,10 @@ from helpers.kernel_cases import APPEND_CODECS, CASES, HEAD_DIM, KV_HEADS, WIDTH
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
 from kvcal.packing import OUTLIER_TILE_TOKENS, pack, unpack
+from kvcal.quantizers import ChannelBlockUniform, TokenUniform
+from kvcal.runtime import tensor_core
 from kvcal.runtime.segments import SegmentedStore, _fp16_recent
-from kvcal.runtime.store import PackedRows, pack_codes, unpack_codes
+from kvcal.runtime.store import GROWTH, PackedRows, pack_codes, unpack_codes
 from kvcal.skvq import SkvqTensor
 
 LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (5, "planes5"), (6, "planes6"), (7, "planes7"),
@@ -56,6 +58,28 @@ def test_batched_appends_and_reads_equal_one_sequence_at_a_time(name):
     for b in range(3):
         assert torch.equal(batched.read(b), alone.read(b))
         assert torch.equal(decoded[b, : batched.length[b]], alone.read(b))
+
+
+def test_per_token_parameters_run_along_the_tokens_per_channel_group():
+    """Each per-token parameter column (a channel group's scale or zero) runs along the tokens, as the tensor-core
+    kernel copies them, 8 tokens to a 16-byte chunk, also once the store has grown; it holds what the codec encodes.
+    The tensor-core launcher refuses parameters kept otherwise rather than read them wrong."""
+    group, batch, n = 64, 2, GROWTH + 5
+    keys, values = PackedRows(ChannelBlockUniform(2, 128), batch, WIDTH, "cpu"), PackedRows(TokenUniform(2, group), batch, WIDTH, "cpu")
+    x = seeded_tokens(n - 5, 0)
+    for b in range(batch):
+        keys.append(b, x[: GROWTH - 128])
+        values.append(b, x[:5])
+        values.append(b, x[: n - 5])  # grows past GROWTH rows
+    scale, capacity, groups = values.token["scale"], values.words.shape[1], WIDTH // group
+    assert capacity == 2 * GROWTH and scale.shape == (batch, capacity, groups)
+    assert scale.stride() == (groups * capacity, 1, capacity) and values.token["zero"].stride() == scale.stride()
+    encoded = values.codec.encode(torch.cat((x[:5], x[: n - 5])).float())
+    assert all(torch.equal(values.token[name][b, :n], encoded.token[name]) for name in ("scale", "zero") for b in range(batch))
+    values.token = {name: t.contiguous() for name, t in values.token.items()}  # one row of every group per token
+    query = torch.zeros(batch, KV_HEADS, HEAD_DIM)
+    with pytest.raises(KvcalError, match="each group along the tokens"):
+        tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, 1.0, lengths=[GROWTH - 128] * batch, per_split=128)
 
 
 @pytest.mark.parametrize("case", CASES)

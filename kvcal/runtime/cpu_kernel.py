@@ -107,8 +107,8 @@ def append_library() -> ctypes.CDLL | None:
     return _compiled("append_cpu.cpp", APPEND_FLAGS, {
         "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _P],
         "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
-        "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L],
-        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L]})
+        "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L],
+        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L]})
 
 
 def codec_id(codec) -> int | None:
@@ -142,9 +142,8 @@ def side_descriptor(sink, body, recent) -> list[int]:
     if body is not None:
         extra[0] = codec_id(body.codec)
         if extra[0] == PERMUTED_GROUPS:
-            scale = body.token.get("scale")
-            if scale is not None:
-                fields[7:12] = [scale.data_ptr(), body.token["zero"].data_ptr(), scale.shape[1] * scale.shape[2], scale.shape[2], 1]
+            if "scale" in body.token:
+                fields[7:14] = kernels.parameter_fields(body.token["scale"], body.token["zero"], 1)
             extra[1] = _channel_groups(body.codec).data_ptr()
     return fields + extra
 
@@ -216,13 +215,13 @@ class CpuAppend:
             scale, zero = store.token["scale"], store.token["zero"]
             if cid == src.UNIFORM_TOKEN:
                 lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
-                                                   zero.data_ptr(), scale.stride(0))
+                                                   zero.data_ptr(), *scale.stride())
             else:
                 permutation, group_starts, clip = (t.contiguous() for t in (codec.permutation.to(torch.int32),
                                                                             codec.starts.to(torch.int32), codec.clip.float()))
                 lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                      clip.numel(), clip.data_ptr(), *destination, scale.data_ptr(), zero.data_ptr(),
-                                                     scale.stride(0))
+                                                     *scale.stride())
             return
         self._codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination)
 

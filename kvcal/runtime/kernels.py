@@ -260,7 +260,7 @@ def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | No
 # ---------------------------------------------------------------------------------------------------------
 # decode attention
 
-SIDE_FIELDS = 21  # enum SideField in decode_attention.cu
+SIDE_FIELDS = 23  # enum SideField in decode_attention.cu
 META_FIELDS = 5  # enum MetaField in decode_attention.cu: side_lengths' four, then the body rows skipped
 
 
@@ -277,22 +277,28 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
     fields[4:7] = [body.words.data_ptr(), body.words.shape[1] * body.words.shape[2], body.words.shape[2]]
     if cid == src.CODEBOOK_CHANNEL:
         tables = codec_tables(body)
-        fields[7:12] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1]
+        fields[7:14] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
     else:
         params = body.token if cid in (src.UNIFORM_TOKEN, src.CODEBOOK_TOKEN) else body.blocks
         names = ("lo", "hi") if cid == src.CODEBOOK_TOKEN else ("scale", "zero")
+        extra = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
+        fields[11] = extra
         if names[0] in params:
-            first = params[names[0]]
-            fields[7:11] = [first.data_ptr(), params[names[1]].data_ptr(), first.shape[1] * first.shape[2], first.shape[2]]
-        fields[11] = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
+            fields[7:14] = parameter_fields(params[names[0]], params[names[1]], extra)
     if hasattr(codec, "codebook"):
-        fields[12] = codec_tables(body)["codebook"].data_ptr()
+        fields[14] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:
-        fields[13:20] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
+        fields[15:22] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
                          body.outlier_offsets.data_ptr(), body.outlier_offsets.shape[2], body.outlier_count.data_ptr(),
                          OUTLIER_TILE_TOKENS.bit_length() - 1]
-    fields[20] = layout_id(codec, body.layout)
+    fields[22] = layout_id(codec, body.layout)
     return fields
+
+
+def parameter_fields(first: torch.Tensor, second: torch.Tensor, extra: int) -> list[int]:
+    """Fields PARAM0 .. PARAM_COLUMN of a side's two (batch, rows, columns) parameter tensors, a store's per-token or
+    per-block ones (the two share their strides: kvcal.runtime.store.PackedRows._parameter); extra: PARAM_EXTRA."""
+    return [first.data_ptr(), second.data_ptr(), first.stride(0), first.shape[2], extra, first.stride(1), first.stride(2)]
 
 
 def side_lengths(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None, batch: int) -> list[list[int]]:

@@ -6,8 +6,10 @@ stored). Layouts, per sequence:
 - Fp16Rows: fp16 tokens (capacity, C), a FIFO: `head` is the first live row, rows before it are free
   and reused by compacting the live rows to the front when the end is reached.
 - PackedRows: the quantized body. codes (capacity, words) int32 packed with kvcal.packing.layout_for ("planes3"
-  for 3 bits: exactly 3 bits per code); per-token parameters (capacity, P) in their storage dtype (fp16
-  scale/zero or lo/hi, fp8 for SKVQ --fp8); per-block parameters (capacity / block_tokens, C) for per-channel
+  for 3 bits: exactly 3 bits per code); per-token parameters in their storage dtype (fp16 scale/zero or lo/hi,
+  fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs along the tokens, so
+  that a KV head's parameters of consecutive tokens are contiguous, as the kernels copy them (`token[name]` is the
+  (capacity, P) view of it); per-block parameters (capacity / block_tokens, C) for per-channel
   key blocks; for codecs that keep outliers, kvcal.packing's outlier layout per (sequence, KV head): positions
   inside the tile (kv_heads, outlier capacity) int16 holding the uint16 pattern, fp16 values beside them, the
   int32 offset table (kv_heads, capacity / OUTLIER_TILE_TOKENS) of every started tile, and the counts
@@ -167,6 +169,12 @@ def _to_channel_order(codec, codes: torch.Tensor) -> torch.Tensor:
     return codes.index_select(1, channel_slots_and_groups(codec, codes.device)[0])
 
 
+def _token_rows(store: PackedRows, name: str, rows: int) -> torch.Tensor:
+    """The per-token parameter `name` of the first `rows` rows, (batch, rows, columns) float32, contiguous (the
+    store keeps it column by column: PackedRows._parameter)."""
+    return store.token[name][:, :rows].float().contiguous()
+
+
 class _Table:
     """How a codec's decode of a batch becomes one table lookup: value = table[code + offset], where the table
     holds the decoded value of every code for every parameter row (computed with the codec's own formula on the
@@ -190,8 +198,8 @@ class _TokenUniformTable(_Table):
         """codes (B, rows, words, per_word) -> (B, rows, channels_padded) float32."""
         codec = store.codec
         levels = 2 ** int(codec.bits)
-        scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
-        zero = store.token["zero"][:, :rows].float()
+        scale = _token_rows(store, "scale", rows).clamp(min=TINY_SCALE)  # scale_in_use
+        zero = _token_rows(store, "zero", rows)
         batch, groups = scale.shape[0], scale.shape[2]
         table = torch.arange(levels, dtype=torch.float32, device=codes.device) * scale[..., None] + zero[..., None]
         channel_group = store.channel_index // codec.group  # (words, per_word)
@@ -232,7 +240,7 @@ class _CodebookTable(_Table):
         if table is not None:  # per channel: a table row per channel
             batch = codes.shape[0]
             return table.view(-1).index_select(0, codes.add_(offsets).view(-1)).view(batch, rows, -1)
-        lo, hi = store.token["lo"][:, :rows].float(), store.token["hi"][:, :rows].float()  # (B, rows, 1)
+        lo, hi = _token_rows(store, "lo", rows), _token_rows(store, "hi", rows)  # (B, rows, 1)
         batch = lo.shape[0]
         table = codebook * ((hi - lo) / 2).clamp(min=1e-8) + (hi + lo) / 2  # (B, rows, levels)
         offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * levels).view(batch, rows, 1, 1)
@@ -251,8 +259,8 @@ class _PermutedGroupsTable(_Table):
             levels = 3 if codec.bits == 1.5 else 2 ** int(codec.bits)
             self.constants = ((channel_slots_and_groups(codec, codes.device)[1] * levels).to(torch.int32), levels)
         channel_offsets, levels = self.constants
-        scale = store.token["scale"][:, :rows].float().clamp(min=TINY_SCALE)  # scale_in_use
-        zero = store.token["zero"][:, :rows].float()
+        scale = _token_rows(store, "scale", rows).clamp(min=TINY_SCALE)  # scale_in_use
+        zero = _token_rows(store, "zero", rows)
         batch, groups = scale.shape[0], scale.shape[2]
         table = (torch.arange(levels, dtype=torch.float32, device=codes.device) + zero[..., None]) * scale[..., None]
         offsets = (torch.arange(batch * rows, dtype=torch.int32, device=codes.device) * (groups * levels)).view(batch, rows, 1)
@@ -390,7 +398,7 @@ class PackedRows:
         step = math.ceil(GROWTH / self.block) * self.block
         capacity = math.ceil(rows / step) * step
         self.words = _grown(self.words, capacity)
-        self.token = {name: _grown(t, capacity) for name, t in self.token.items()}
+        self.token = {name: _grown(t.transpose(1, 2), capacity, dim=2).transpose(1, 2) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
         self.outlier_offsets = _grown(self.outlier_offsets, math.ceil(capacity / OUTLIER_TILE_TOKENS), dim=2)
 
@@ -437,8 +445,14 @@ class PackedRows:
         self._added = [[0] * self.kv_heads for _ in self._added]
 
     def _parameter(self, table: dict, name: str, rows: int, columns: int, dtype) -> torch.Tensor:
+        """table[name], (batch, rows, columns), made on first use: per-token parameters (self.token) as the view of
+        (batch, columns, rows) storage, per-block ones as they are."""
         if name not in table:
-            table[name] = torch.zeros(self.words.shape[0], rows, columns, dtype=dtype, device=self.device)
+            batch = self.words.shape[0]
+            if table is self.token:
+                table[name] = torch.zeros(batch, columns, rows, dtype=dtype, device=self.device).transpose(1, 2)
+            else:
+                table[name] = torch.zeros(batch, rows, columns, dtype=dtype, device=self.device)
         return table[name]
 
     def append(self, b: int, x: torch.Tensor) -> None:

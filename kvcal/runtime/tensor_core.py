@@ -213,6 +213,18 @@ def _stores_lengths(keys, values, lengths: list[int] | None) -> tuple[list[int],
     return first, list(lengths)
 
 
+def _value_parameter_strides(scale: torch.Tensor | None, zero: torch.Tensor | None) -> tuple[np.int64, np.int64]:
+    """(sequence, group) strides in halves of the values' per-token parameters (batch, rows, groups), which the kernel
+    copies 8 tokens to a 16-byte chunk: each group's run along the tokens (kvcal.runtime.store), 16-byte aligned."""
+    if scale is None or scale.numel() == 0:
+        return np.int64(0), np.int64(0)
+    aligned = scale.stride(0) % 8 == 0 and scale.stride(2) % 8 == 0 and scale.data_ptr() % 16 == 0 and zero.data_ptr() % 16 == 0
+    if scale.stride() != zero.stride() or scale.stride(1) != 1 or not aligned:
+        raise KvcalError("the tensor-core kernel reads the values' per-token parameters as a store keeps them: each group "
+                         "along the tokens, 16-byte aligned (kvcal.runtime.store.PackedRows)")
+    return np.int64(scale.stride(0)), np.int64(scale.stride(2))
+
+
 def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[np.int64, np.int64]:
     """(sequence, row) strides of a buffer, as the kernel's long long arguments."""
     if t is None or t.numel() == 0:
@@ -312,19 +324,19 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
         ks, kz = constants["key_scale"], constants["key_zero"]
         vs, vz = values.token["lo"], values.token["hi"]
-    for t in (query, k_data, v_data, ks, kz, vs, vz, meta, out_partial, lse_partial):
+    for t in (query, k_data, v_data, ks, kz, meta, out_partial, lse_partial):
         if t is not None and t.numel() and not t.is_contiguous():
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
     k_seq, k_row = _strides(k_data, True)
     v_seq, v_row = _strides(v_data, True)
     kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
-    vp_seq, vp_row = _strides(vs, False)
+    vp_seq, vp_group = _value_parameter_strides(vs, vz)
     freq, table = constants.get("freq"), constants.get("table")
     if inv_freq is not None:
         scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
     k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
     return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, *k_outliers[:4],
-            *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_row, *k_outliers[4:], *v_outliers[4:], kv_heads,
+            *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads,
             per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E))
 
 
