@@ -94,7 +94,9 @@ struct TokenRef {
     const unsigned* words;
     const half_bits* param0;
     const half_bits* param1;
-    int param_column;  // per-token uniform parameters: elements from one channel group's to the next's
+    // per-token uniform parameters: elements from one channel group's to the next's (int: a sequence holds fewer
+    // than 2^31 parameters, kvcal.runtime.kernels.parameter_fields)
+    int param_column;
 };
 
 template <int CODEC>

@@ -12,6 +12,7 @@ from conftest import tiny_model
 from helpers import decode_token_by_token
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
+from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
@@ -141,8 +142,8 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
     sink, body, head, recent = lengths
     f = dict(zip(("sink", "sink_stride", "recent", "recent_stride", "words", "words_stride", "words_per_row", "param0", "param1",
                   "param_stride", "param_cols", "param_extra", "param_row", "param_column", "codebook", "outlier_positions",
-                  "outlier_values", "outlier_stride",
-                  "outlier_offsets", "offset_stride", "outlier_counts", "tile_shift", "layout"), side))
+                  "outlier_values", "outlier_stride", "outlier_offsets", "offset_stride", "outlier_counts", "tile_shift", "layout"),
+                 side))
     parts = [_halves(f["sink"] + 2 * b * f["sink_stride"], sink * WIDTH).reshape(sink, WIDTH)] if sink else []
     if body:
         words = _memory(f["words"] + 4 * b * f["words_stride"], np.uint32, body * f["words_per_row"]).reshape(body, -1)
@@ -184,6 +185,14 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
     if recent:
         parts.append(_halves(f["recent"] + 2 * (b * f["recent_stride"] + head * WIDTH), recent * WIDTH).reshape(recent, WIDTH))
     return np.concatenate(parts) if parts else np.zeros((0, WIDTH), np.float32)
+
+
+def test_parameter_offsets_past_32_bits_are_refused():
+    """The decode kernels index a sequence's parameters with 32-bit offsets: a store holding 2^31 or more per sequence
+    is refused when its descriptor is made, not read wrong."""
+    huge = torch.empty_strided((1, 1, 2), (2**31, 1, 2**30), dtype=torch.float16, device="meta")
+    with pytest.raises(KvcalError, match="2\\^31"):
+        kernels.parameter_fields(huge, huge, 1)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -65,7 +65,8 @@ def test_per_token_parameters_run_along_the_tokens_per_channel_group():
     kernel copies them, 8 tokens to a 16-byte chunk, also once the store has grown; it holds what the codec encodes.
     The tensor-core launcher refuses parameters kept otherwise rather than read them wrong."""
     group, batch, n = 64, 2, GROWTH + 5
-    keys, values = PackedRows(ChannelBlockUniform(2, 128), batch, WIDTH, "cpu"), PackedRows(TokenUniform(2, group), batch, WIDTH, "cpu")
+    keys = PackedRows(ChannelBlockUniform(2, 128), batch, WIDTH, "cpu")
+    values = PackedRows(TokenUniform(2, group), batch, WIDTH, "cpu")
     x = seeded_tokens(n - 5, 0)
     for b in range(batch):
         keys.append(b, x[: GROWTH - 128])

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source as src
@@ -298,6 +299,9 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
 def parameter_fields(first: torch.Tensor, second: torch.Tensor, extra: int) -> list[int]:
     """Fields PARAM0 .. PARAM_COLUMN of a side's two (batch, rows, columns) parameter tensors, a store's per-token or
     per-block ones (the two share their strides: kvcal.runtime.store.PackedRows._parameter); extra: PARAM_EXTRA."""
+    if first.stride(0) >= 2**31:  # the kernels index a sequence's parameters with 32-bit offsets
+        raise KvcalError(f"{first.stride(0)} parameters per sequence: the decode kernels take fewer than 2^31; use a shorter "
+                         "cache or a larger quantization group")
     return [first.data_ptr(), second.data_ptr(), first.stride(0), first.shape[2], extra, first.stride(1), first.stride(2)]
 
 
