@@ -3,9 +3,9 @@
 // The cache layout is kvcal.runtime.store's (token-major rows of codes, LSB-first per row, kvcal/packing.py "lsb",
 // 3-bit codes as "planes3"; per-token parameters per channel group along the tokens); pre-RoPE keys are rotated here.
 // It reads one packed body per side (or fp16 rows), with KVQuant's outliers (OUT): in the runtime's cache it serves
-// the body rows both sides hold, and the
-// CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals beside them, into other split slots of
-// the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches it.
+// the body rows both sides hold, and the CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals
+// beside them, into other split slots of the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches
+// it.
 //
 // Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64 or 128
 // tokens (Shape::WIDE) by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks, 8-byte ones for
@@ -434,9 +434,10 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // capacity) (kvcal.runtime.store: each group's column along the tokens), strides of a sequence and a group in halves,
 // multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
 // per-token lo and hi of the whole row, one group). meta (batch, META) int32: first row (0 for a packed body, so the
-// parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their started outlier tiles). OUT: per side the outliers of kvcal.runtime.store
-// (batch, kv_heads, capacity) positions and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts
-// (null: that side keeps none), strides per (sequence, KV head) run in elements; the body starts at row 0. ROPE:
+// parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their
+// started outlier tiles). OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions
+// and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per
+// (sequence, KV head) run in elements; the body starts at row 0. ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
