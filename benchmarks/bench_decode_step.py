@@ -100,10 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None) -> dict[str, Path]:
-    from kvcal import registry
-    from kvcal.artifacts import write_artifact
-    from kvcal.bundle import write_bundle
-    from kvcal.calibration import build_bundle, calibrate
+    from kvcal.calibration import calibrate, fit_bundle
 
     folder.mkdir(parents=True, exist_ok=True)
     profile = profile or folder / "profile.safetensors"
@@ -115,13 +112,7 @@ def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None) -> di
             if not profile.exists():
                 calibrate(None, recipe=recipe, out=out)
             else:
-                spec = registry.recipe(recipe)
-                settings = spec.calibrate_settings(None)
-                fitted = None
-                if spec.artifact_kind is not None:
-                    tensors, config = spec.fit(str(profile), settings)
-                    fitted = str(write_artifact(folder / f"{recipe}-{spec.artifact_kind}.safetensors", tensors, spec.artifact_kind, config))
-                write_bundle(out, *build_bundle(str(profile), recipe, fitted, settings))
+                fit_bundle(profile, recipe, out)
             print(f"made {out} in {time.perf_counter() - began:.0f} s", flush=True)
         paths[recipe] = out
     return paths

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvcal import registry
-from kvcal.artifacts import check_same_model, check_writable, read_artifact, write_artifact
+from kvcal.artifacts import check_same_model, check_writable, read_artifact, read_header, write_artifact
 from kvcal.bundle import PACKING, write_bundle
 from kvcal.capture import CaptureSettings
 from kvcal.errors import KvcalError
@@ -107,11 +107,23 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
                              capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
     request.validate()
-    profile_path, _, profile_config = profile(request, beside["profile"], progress, "1/3 profile")
+    profile_path, _, _ = profile(request, beside["profile"], progress, "1/3 profile")
+    return fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
+
+
+def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,
+               progress: Progress | None = None, steps: tuple[str, str] = ("1/2", "2/2")) -> Path:
+    """Fit `recipe` from a profile (if it is calibrated) and write its bundle to `out`, the fitted artifact beside it
+    as <kind>.safetensors (what `kvcal calibrate` does after profiling). Returns the bundle's path."""
+    spec = registry.recipe(recipe)
+    settings = _calibrate_settings(spec, bits)
+    progress = progress or _Silent()
+    out = Path(out)
     fitted_path = None
     if spec.artifact_kind is not None:
-        progress.stage(f"2/3 fit {spec.artifact_kind}", profile_config["model"]["fingerprint"]["num_layers"])
+        layers = read_header(profile_path)[1]["model"]["fingerprint"]["num_layers"]
+        progress.stage(f"{steps[0]} fit {spec.artifact_kind}", layers)
         tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
-        fitted_path = str(write_artifact(beside[spec.artifact_kind], tensors, spec.artifact_kind, config))
-    progress.stage("3/3 export bundle", None)
+        fitted_path = str(write_artifact(out.with_name(f"{spec.artifact_kind}.safetensors"), tensors, spec.artifact_kind, config))
+    progress.stage(f"{steps[1]} export bundle", None)
     return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings))

@@ -105,13 +105,23 @@ def run_profile(request: ProfileRequest, out: str | Path | None,
     out_path = check_writable(out if out is not None else default_profile_path(source.name))
     text = load_text(request.dataset)
     model, tokenizer, source = load_model(request.model, request.dtype, request.device)
+    ids = tokenize(text, tokenizer)
+    tensors, config = profile_model(model, ids, request, source.spec, on_start, on_window)
+    return write_artifact(out_path, tensors, PROFILE_KIND, config), tensors, config
+
+
+def profile_model(model, ids: torch.Tensor, request: ProfileRequest, model_spec: str,
+                  on_start: Callable[[int], None] | None = None,
+                  on_window: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+    """The capture pass over a model already loaded, on the token ids of its calibration text: the profile's
+    (tensors, config), which write_artifact(path, tensors, PROFILE_KIND, config) writes as run_profile does."""
+    request.validate()
     adapter = adapt(model)
     adapter.check_seqlen(request.seqlen)
-    ids = tokenize(text, tokenizer)
     windows = sample_windows(ids, request.nsamples, request.seqlen, request.seed)
     if on_start is not None:
         on_start(request.nsamples)
     capture = profile_gradients(model, adapter, windows, request.capture, on_window)
     tensors = {**capture.tensors, **kvmix_tensors(capture.importance_k, capture.importance_v, request.kvmix)}
-    config = profile_config(request, adapter.fingerprint(), source.spec, ids.numel(), capture, adapter)
-    return write_artifact(out_path, tensors, PROFILE_KIND, config), tensors, config
+    config = profile_config(request, adapter.fingerprint(), model_spec, ids.numel(), capture, adapter)
+    return tensors, config

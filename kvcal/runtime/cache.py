@@ -462,8 +462,8 @@ def fp_context(model, ids: torch.Tensor) -> FpContext:
              for handles in adapter.layers]
     try:
         cache = DynamicCache(config=model.config)
-        with wiring.suspended(adapter):
-            model(ids, past_key_values=cache, use_cache=True)
+        with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
+            model.get_decoder()(ids, past_key_values=cache, use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
