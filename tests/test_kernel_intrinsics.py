@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import EMULATION_FLAGS
+from helpers import EMULATION_FLAGS, requires_gpu
 from kvcal.runtime import kernel_source
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
@@ -470,6 +470,7 @@ def test_a_planted_emulator_bug_is_caught(tmp_path_factory, name):
 
 # ------------------------------------------------------------------------------------------------ GPU
 
+@requires_gpu
 def test_the_gpu_runs_the_probe_kernels_as_the_emulator_does(emulated):
     """Same inputs on the GPU and the emulator, bit for bit; mma included, whose rounding the PTX ISA leaves
     unspecified and the emulator takes from measurements on an H100 (other GPUs may round differently)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from helpers import decode_token_by_token
+from helpers import decode_token_by_token, requires_gpu
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
 from kvcal.errors import KvcalError
@@ -19,11 +19,7 @@ from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import PackedRows
 from kvcal.skvq import SkvqTensor
 
-gpu = pytest.mark.skipif(not (torch.cuda.is_available() and kernels.cuda_ready("cuda")),
-                         reason="needs a CUDA GPU and CuPy (pip install -e '.[gpu]')")
-
-
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("case", CASES)
 def test_decode_attention_matches_the_reference(case, batch):
@@ -32,7 +28,7 @@ def test_decode_attention_matches_the_reference(case, batch):
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope)
 
 
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("case", SERVED_CASES)
 def test_tensor_core_bodies_with_the_cuda_core_kernel_match_the_reference(case, batch):
@@ -43,7 +39,7 @@ def test_tensor_core_bodies_with_the_cuda_core_kernel_match_the_reference(case, 
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("group", (1, 2, 3, 4, 8))
 @pytest.mark.parametrize("case", ("kivi2", "nuq3-prerope-sink4-window"))
 def test_decode_attention_serves_every_gqa_group_size(case, group):
@@ -51,7 +47,7 @@ def test_decode_attention_serves_every_gqa_group_size(case, group):
     compare(key_store, value_store, 3, group=group, pre_rope=pre_rope)
 
 
-@gpu
+@requires_gpu
 def test_cocktail_chunks_of_three_widths_are_one_attention():
     """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens; and with
     the tensor-core kernel over the int4 group, as the cache runs it."""
@@ -60,7 +56,7 @@ def test_cocktail_chunks_of_three_widths_are_one_attention():
     compare(*stores, batch, group=4, pre_rope=False, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("name", APPEND_CODECS)
 def test_append_kernels_write_what_the_torch_encoder_writes(name):
     assert_append_matches_torch(name)
@@ -92,7 +88,7 @@ def test_kernels_are_chosen_only_where_they_exist():
     assert kernels.append_encoder(uniform[0], WIDTH, "lsb", "cpu") is None and not PackedRows(uniform[0], 1, WIDTH, "cpu").use_kernels
 
 
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32"))
 def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_dim_64_bundles, recipe):
     """Token by token through transformers: the CUDA model's cache decodes with the kernels (every layer; the

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import requires_gpu
 from helpers.tensor_core_emulation import build, symbol
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
@@ -358,25 +359,12 @@ def test_every_variant_compiles_with_nvrtc_without_spills(arch):
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-def gpu_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-gpu = pytest.mark.skipif(not gpu_ready(), reason="needs a CUDA GPU and CuPy")
-
-
 # on the GPU: the emulated cases of GQA 1 / 4 / 8 (each variant is compiled there), and long ragged batches
 GPU_CASES = ([c for c in CASES if c[3] != "1" and c[2] in (1, 4, 8)]
              + [(c, 128, 4, "long") for c in ("int4", "fp16", "int4-g32", "int4-rope", "nuq4", "nuq4-rope")] + [("int2", 128, 8, "long")])
 
 
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("codec,head_dim,gqa,batch", GPU_CASES)
 def test_gpu_kernel_matches_softmax_attention_over_the_decoded_stores(codec, head_dim, gqa, batch):
     lengths = LENGTHS.get(batch, [4096 + 13, 0, 9000])

@@ -6,9 +6,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
-from kvcal.runtime import quantized_cache
+from kvcal.runtime import kernels, quantized_cache
 
 # g++ flags of every build of the CUDA emulation (tests/kernel_emulation). -U_FORTIFY_SOURCE: distributions that
 # fortify by default (Ubuntu) turn the fibers' _longjmp between stacks into __longjmp_chk, which aborts ("longjmp
@@ -19,6 +20,12 @@ from kvcal.runtime import quantized_cache
 # regions of the address space, the emulated shared_address aborted ("shared memory straddles a 4 GiB boundary").
 EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
                    "-DKVCAL_HOST_EMULATION"]
+
+
+def requires_gpu(test):
+    """Marks a test `gpu` (the GPU suite is `pytest -m gpu`) and skips it where there is no CUDA GPU or no CuPy."""
+    ready = torch.cuda.is_available() and kernels.cuda_ready("cuda")
+    return pytest.mark.gpu(pytest.mark.skipif(not ready, reason="needs a CUDA GPU and CuPy (pip install -e '.[gpu]')")(test))
 
 
 def decode_token_by_token(model, bundle, ids):
