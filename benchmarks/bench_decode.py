@@ -17,7 +17,6 @@ Writes benchmarks/results/decode_<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, write_markdown, write_result  # noqa: E402
+from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
 WIDTH = KV_HEADS * HEAD_DIM
@@ -77,8 +76,7 @@ def stored_bytes(stores, batch: int) -> int:
 
 def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict) -> str:
     """Write benchmarks/results/<prefix>_<this GPU's name>.json with the shapes and constants of the run; the name."""
-    device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-    name = f"{prefix}_{device}"
+    name = f"{prefix}_{device_slug(torch.cuda.get_device_name())}"
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
                         "head_dim": HEAD_DIM, "iterations": iterations, "results": rows}, started)
     return name

@@ -10,10 +10,12 @@ with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no
 values and the keys beyond kept exact), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
-(float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape.
+(float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
+partial splits and the merged rows) poisoned with NaN before the checked launch, so that an unwritten element fails;
+--seed draws other random data (the campaign passes a fresh one).
 
 Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
-                                                          [--tokens 32768] [--kernel-dir DIR]
+                                                          [--tokens 32768] [--kernel-dir DIR] [--seed 0]
 Writes benchmarks/results/decode_tc_<device>.{json,md}. --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
 prints its rows and writes nothing.
@@ -57,24 +59,32 @@ def inv_freq() -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
 
 
-def filled_stores(codecs, batch: int, length: int, width: int = WIDTH):
+def filled_stores(codecs, batch: int, length: int, width: int = WIDTH, seed: int = 0):
     """K and V stores of `length` random N(0, 1) tokens per sequence, `width` channels (every KV head) a row (torch
-    codecs on the GPU)."""
+    codecs on the GPU), drawn under `seed`."""
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
     stores = []
     for side in range(2):
         store = (Fp16Rows(batch, width, "cuda") if codecs is None
                  else PackedRows(codecs[side], batch, width, "cuda", head_dim=HEAD_DIM))
-        generator = torch.Generator(device="cuda").manual_seed(side)
+        generator = torch.Generator(device="cuda").manual_seed(2 * seed + side)
         for b in range(batch):
             store.append(b, torch.randn(length, width, device="cuda", dtype=torch.float16, generator=generator))
         stores.append(store)
     return stores
 
 
+def poisoned_run(run) -> torch.Tensor:
+    """run()'s output after its buffers were filled with NaN: an element the launch leaves unwritten stays NaN."""
+    for buffer in run.outputs:
+        buffer.fill_(float("nan"))
+    return run().clone()
+
+
 def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, rope: bool) -> float:
-    """Largest |out - SDPA over the decoded rows| (float32); rope: the keys are rotated first (positions 0..)."""
+    """Largest |out - SDPA over the decoded rows| (float32), inf where out has a NaN; rope: the keys are rotated first
+    (positions 0..)."""
     from kvcal.rope import apply_rope
 
     if hasattr(keys, "words"):
@@ -88,12 +98,15 @@ def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, r
     v = v.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
     want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
     del k, v
+    if out.isnan().any():
+        return float("inf")
     return (out - want[:, :, 0]).abs().max().item()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random cache and queries (default: %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     parser.add_argument("--splits", default="launcher,512,2048,4096",
                         help="tokens per split to time, comma-separated multiples of 64 (a variant whose stages hold 128 "
@@ -127,8 +140,8 @@ def main() -> None:
     for name, (codecs, rope) in variants().items():
         if args.only and name not in args.only.split(","):
             continue
-        keys, values = filled_stores(codecs, BATCH, length)
-        query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda")
+        keys, values = filled_stores(codecs, BATCH, length, seed=args.seed)
+        query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = None
         variant = tensor_core.variant_for(keys, values, HEAD_DIM, HEADS // KV_HEADS, rope=rope)
@@ -140,7 +153,7 @@ def main() -> None:
             run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
                                                 inv_freq=inv_freq() if rope else None)
             if error is None:
-                error = checked(run().clone(), query, keys, values, length, rope)
+                error = checked(poisoned_run(run), query, keys, values, length, rope)
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
             rows.append({"variant": name, "batch": BATCH, "tokens": length, "per_split": run.per_split, "splits": run.splits,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-RESULTS = REPO / "benchmarks" / "results"
+# KVCAL_RESULTS_DIR moves the results elsewhere (the GPU campaign writes into its own output folder)
+RESULTS = Path(os.environ.get("KVCAL_RESULTS_DIR") or REPO / "benchmarks" / "results")
 
 
 def provenance() -> dict:
@@ -29,6 +31,11 @@ def provenance() -> dict:
     }
 
 
+def device_slug(device: str) -> str:
+    """A device name as a file-name part: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
+
+
 def write_result(name: str, result: dict, started_with: dict | None = None) -> Path:
     """Write a result with the provenance taken when the run started (code can change while it runs)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -38,6 +45,7 @@ def write_result(name: str, result: dict, started_with: dict | None = None) -> P
 
 
 def write_markdown(name: str, lines: list[str]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, write_markdown, write_result  # noqa: E402
+from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
 
 DEFAULT_VARIANTS = "int2-g128,int4-g128,int2-g128-pre-rope,nuq4-pre-rope,nuq3-1%-pre-rope"
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
@@ -140,7 +140,7 @@ def main() -> None:
                     (args.csv_dir / f"{name}.csv").write_text(text)
                 rows.append(summary(name, text))
                 print(rows[-1], flush=True)
-    name = "profile_decode_tc_" + re.sub(r"[^A-Za-z0-9]+", "-", started["device"]).strip("-").lower()
+    name = "profile_decode_tc_" + device_slug(started["device"])
     write_result(name, {"tokens": args.tokens, "results": rows}, started)
     lines = [f"# Tensor-core decode attention under Nsight Compute, {started['device']} "
              f"(commit {started['commit']}, {started['date']})", "",

@@ -454,6 +454,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
 
     run.splits, run.per_split = splits, per_split
     run.operands = args_source  # the kernel reads these buffers by pointer: they live as long as `run`
+    run.outputs = (out, out_partial, lse_partial)  # what a launch writes (a check poisons them first)
     return run
 
 

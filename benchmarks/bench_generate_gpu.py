@@ -1,0 +1,423 @@
+"""generate() decode throughput end to end on a GPU: a Llama-3.1-8B-shaped model with random bf16 weights (32 layers,
+32 query / 8 KV heads, head_dim 128; nothing is downloaded), decoding after a prefill of --lengths tokens at --batches,
+with transformers' StaticCache (preallocated: the fair fp baseline) and DynamicCache on SDPA, transformers'
+QuantizedCache where its backend imports, and kvcal's cache for every recipe.
+
+Bundles are made for this random model: it is profiled on the GPU (`kvcal profile-gradients`' capture pass on
+--profile-windows windows of random token ids; seconds and peak GPU memory per window are reported), the calibrated
+recipes are fitted from that profile and every bundle is exported (kvcal.calibration.fit_bundle).
+
+Per (prompt length L, batch B): one sequence of L random token ids (seeded) but its last token is prefilled once with
+the fp model (kvcal.runtime.cache.fp_context), and that context is loaded B times into every cache (the B sequences of
+a batch hold the same tokens: the decode step reads every sequence's bytes all the same). Then model.generate() runs
+greedily from the whole prompt: its first step feeds the last prompt token, and the --new-tokens steps after it are
+timed one by one (the device synchronized at each), never the prefill. StaticCache is measured first and last in each
+cell; ratios are to the mean of the two.
+
+Memory: the cache's own bytes (kvcal: WiredCache.used_bytes; StaticCache / DynamicCache: their tensors) and the peak
+GPU memory above what was allocated before the cache was made (torch.cuda.max_memory_allocated: the cache, its
+loading and the decode steps). The largest batch at L is predicted, not tried: (device memory - model weights) / that
+peak per sequence, rounded down.
+
+Where the Python side of a step dominates: with two lengths the step time is fitted as a + b L per cache (a: the
+part that does not grow with the context: weights read, launches and Python; b: reading the cache); the weights' read
+time at copy bandwidth is printed beside a.
+
+Usage: python benchmarks/bench_generate_gpu.py [--lengths 8192,32768] [--batches 1,8] [--recipes all]
+       [--new-tokens 16] [--profile-windows 2] [--shape llama-8b|tiny] [--device cuda|cpu]      (see --help)
+CPU dry run at a tiny size: python benchmarks/bench_generate_gpu.py --shape tiny --device cpu --lengths 64,128 --batches 1,2
+Writes benchmarks/results/generate_<device>.{json,md} (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
+
+MIB = 2**20
+SHAPES = {  # LlamaConfig fields: Llama-3.1-8B's shape, and a tiny one for CPU dry runs
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=128, vocab_size=1024, max_position_embeddings=4096,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+BASELINE = "StaticCache"
+QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}  # transformers' QuantizedCache backends
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from kvcal import registry
+    from kvcal.errors import KvcalError
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="model shape (default: %(default)s)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the model runs (default: %(default)s)")
+    parser.add_argument("--lengths", default="8192,32768", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, 'all' ({', '.join(registry.recipes())}) "
+                                                         "or 'none' (default: %(default)s)")
+    parser.add_argument("--baselines", default="static,dynamic,quanto,hqq",
+                        help="transformers caches: static, dynamic, and QuantizedCache backends quanto, hqq "
+                             "(left out with a line where they do not import); static is always measured (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="new tokens per generate(); the first (the last prompt "
+                                                                   "token's step) is not timed (default: %(default)s)")
+    parser.add_argument("--profile-windows", type=int, default=2, help="windows of the profile the bundles are fitted from "
+                                                                      "(default: %(default)s)")
+    parser.add_argument("--profile-seqlen", type=int, default=512, help="tokens per profile window (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: generate_<device>)")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(n) for n in args.lengths.split(",")]
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error("--lengths and --batches are whole numbers, comma-separated")
+    if min(args.lengths) < 2 or min(args.batches) < 1:
+        parser.error("--lengths are at least 2 tokens and --batches at least 1")
+    args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
+                    else [r.strip() for r in args.recipes.split(",")])
+    for recipe in args.recipes:
+        try:
+            registry.recipe(recipe)
+        except KvcalError as exc:  # an unknown name, with the list
+            parser.error(f"--recipes: {exc}")
+    args.baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    unknown = set(args.baselines) - {"static", "dynamic", *QUANTIZED_BACKENDS}
+    if unknown:
+        parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from static, dynamic, quanto, hqq")
+    if args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    if args.profile_windows < 1 or args.profile_seqlen < 2:
+        parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here (a CPU dry run: --shape tiny --device cpu)")
+    return args
+
+
+def random_model(shape: str, device: str, seed: int):
+    """A LlamaForCausalLM of `shape` with random weights (transformers' own initialisation, seeded), bf16 on CUDA and
+    fp32 on CPU, built on `device` directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, torch_dtype=dtype)
+    return model.eval()
+
+
+class Clock:
+    """Device-synchronized wall clock."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bundles
+
+
+def make_bundles(model, args, folder: Path, clock: Clock) -> tuple[dict[str, Path], dict]:
+    """Profile the model on random token ids, fit and export every recipe's bundle: (recipe -> path, timings)."""
+    from kvcal.artifacts import write_artifact
+    from kvcal.calibration import fit_bundle
+    from kvcal.capture import CaptureSettings
+    from kvcal.profile import PROFILE_KIND, KvmixSettings, ProfileRequest, profile_model
+
+    timing = {"profile_windows": args.profile_windows, "profile_seqlen": args.profile_seqlen}
+    if not args.recipes:
+        return {}, timing
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(model.config.vocab_size, (args.profile_windows * args.profile_seqlen,), generator=generator)
+    request = ProfileRequest(model=f"random {args.shape}", dataset="random token ids", nsamples=args.profile_windows,
+                             seqlen=args.profile_seqlen, seed=args.seed, capture=CaptureSettings(sink=1, seed=args.seed),
+                             kvmix=KvmixSettings(), device=args.device)
+    stamps = []
+    reset_peak(args.device)
+    base = allocated(args.device)
+    began = clock()
+    tensors, config = profile_model(model, ids, request, request.model, on_window=lambda w: stamps.append(clock()))
+    windows = [b - a for a, b in zip([began, *stamps], stamps)]
+    timing.update(profile_window_s=[round(s, 3) for s in windows], profile_peak_gib=gib(peak(args.device) - base))
+    print(f"profile: {len(windows)} windows of {args.profile_seqlen} tokens, "
+          f"{' / '.join(f'{s:.2f}' for s in windows)} s each; peak {timing['profile_peak_gib']} GiB above the model", flush=True)
+    profile = write_artifact(folder / "profile.safetensors", tensors, PROFILE_KIND, config)
+    del tensors
+    paths = {}
+    for recipe in args.recipes:
+        began = time.perf_counter()
+        paths[recipe] = fit_bundle(profile, recipe, folder / recipe / "bundle.safetensors")
+        timing[f"fit_{recipe}_s"] = round(time.perf_counter() - began, 1)
+        print(f"bundle {recipe}: fitted and exported in {timing[f'fit_{recipe}_s']} s", flush=True)
+    return paths, timing
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory
+
+
+def reset_peak(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+def peak(device: str) -> int:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def gib(n: int) -> float:
+    return round(n / 2**30, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# caches
+
+
+def batched(context, batch: int):
+    """The context's rows repeated for `batch` sequences, as views (each cache copies what it stores)."""
+    from kvcal.runtime.cache import FpContext
+
+    rows = lambda tensors: [t.expand(batch, *t.shape[1:]) for t in tensors]  # noqa: E731
+    return FpContext(rows(context.keys), rows(context.pre_rope_keys), rows(context.values), None)
+
+
+def filled_transformers_cache(cache, context, batch: int):
+    """A transformers cache holding the context's keys and values for `batch` sequences, through its own update()."""
+    tokens = context.values[0].shape[1]
+    positions = torch.arange(tokens, device=context.values[0].device)
+    for index, layer in enumerate(context.cache.layers):
+        keys = layer.keys.expand(batch, *layer.keys.shape[1:]).contiguous()
+        values = layer.values.expand(batch, *layer.values.shape[1:]).contiguous()
+        cache.update(keys, values, index, {"cache_position": positions})
+        del keys, values
+    return cache
+
+
+def transformers_cache_bytes(cache) -> int:
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+
+
+def makers(model, context, batch: int, length: int, new_tokens: int, bundles: dict, baselines: list[str]):
+    """(name, make) in the order measured in a cell (StaticCache first and last); make() -> (cache, bytes_of(cache))."""
+    from transformers import DynamicCache, QuantizedCache, StaticCache
+
+    from kvcal.bundle import load_bundle
+    from kvcal.runtime import quantized_cache
+
+    def static():
+        cache = StaticCache(config=model.config, max_cache_len=length + new_tokens)
+        return filled_transformers_cache(cache, context, batch), transformers_cache_bytes
+
+    def dynamic():
+        return filled_transformers_cache(DynamicCache(config=model.config), context, batch), transformers_cache_bytes
+
+    def transformers_quantized(backend):
+        def make():
+            cache = QuantizedCache(backend=backend, config=model.config, nbits=4, residual_length=128)
+            return filled_transformers_cache(cache, context, batch), lambda cache: None
+        return make
+
+    def kvcal_cache(bundle):
+        def make():
+            cache = quantized_cache(model, bundle)
+            cache.load(batched(context, batch))
+            return cache, lambda cache: cache.used_bytes()
+        return make
+
+    chosen = [("DynamicCache", dynamic)] if "dynamic" in baselines else []
+    chosen += [(f"QuantizedCache {b} int4", transformers_quantized(b)) for b in baselines if b in QUANTIZED_BACKENDS]
+    chosen += [(f"kvcal {recipe}", kvcal_cache(load_bundle(path))) for recipe, path in bundles.items()]
+    return [(BASELINE, static), *chosen, (BASELINE, static)]
+
+
+class Stamps:
+    """A StoppingCriteria that never stops and records when each generated token is done (device synchronized)."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.times = clock, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(self.clock())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_cache(model, prompt: torch.Tensor, new_tokens: int, make, device: str, clock: Clock) -> dict:
+    """generate() with the cache make() returns: ms per step (the first new token's step excluded), the cache's bytes,
+    the peak memory above what was allocated before the cache."""
+    from transformers import StoppingCriteriaList
+
+    reset_peak(device)
+    base = allocated(device)
+    began = clock()
+    cache, bytes_of = make()
+    loaded = clock() - began
+    stamps = Stamps(clock)
+    with torch.inference_mode():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([stamps]))
+    stored = bytes_of(cache)
+    if hasattr(cache, "close"):
+        cache.close()
+    del cache
+    steps = sorted(b - a for a, b in zip(stamps.times, stamps.times[1:]))
+    return {"ms_per_step": round(1000 * steps[len(steps) // 2], 3), "ms_per_step_min": round(1000 * steps[0], 3),
+            "load_s": round(loaded, 2), "cache_gib": None if stored is None else gib(stored),
+            "peak_gib": gib(peak(device) - base) if device == "cuda" else None, "tokens": out[:, prompt.shape[1]:].cpu()}
+
+
+def available(baselines: list[str]) -> tuple[list[str], dict[str, str]]:
+    ok, missing = [], {}
+    for name in baselines:
+        module = QUANTIZED_BACKENDS.get(name)
+        if module is not None and (importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None):
+            missing[name] = f"QuantizedCache {name}: {module} is not installed; left out"
+        else:
+            ok.append(name)
+    return ok, missing
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def measure(args) -> dict:
+    """Every cell of the run (see the module docstring): settings, profile timings and one row per (cell, cache)."""
+    from kvcal.runtime.cache import fp_context
+
+    device, clock = args.device, Clock(args.device)
+    baselines, missing = available(args.baselines)
+    for line in missing.values():
+        print(line, flush=True)
+    model = random_model(args.shape, device, args.seed)
+    weights = sum(p.nbytes for p in model.parameters())
+    print(f"model: random {args.shape}, {weights / 2**30:.1f} GiB of {model.dtype} weights on {device}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        bundles, profile = make_bundles(model, args, Path(folder), clock)
+        generator = torch.Generator().manual_seed(args.seed)
+        for length in args.lengths:
+            ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(device)
+            began = clock()
+            with torch.inference_mode():
+                context = fp_context(model, ids[:, :-1])
+            print(f"\n{length} tokens: fp prefill of one sequence {clock() - began:.1f} s", flush=True)
+            for batch in args.batches:
+                prompt = ids.expand(batch, length)
+                cell, first_tokens = [], None
+                for name, make in makers(model, context, batch, length, args.new_tokens, bundles, baselines):
+                    result = run_cache(model, prompt, args.new_tokens, make, device, clock)
+                    tokens = result.pop("tokens")
+                    first_tokens = tokens if first_tokens is None else first_tokens
+                    result["tokens_equal_static"] = round(float((tokens == first_tokens).float().mean()), 3)
+                    cell.append({"cache": name, "length": length, "batch": batch, **result})
+                    print(f"  B={batch:<3d} {name:28s} {result['ms_per_step']:9.2f} ms/step  load {result['load_s']:6.2f} s  "
+                          f"cache {result['cache_gib']} GiB  peak {result['peak_gib']} GiB", flush=True)
+                rows += summarized(cell, weights, device)
+            del context
+            reset_peak(device)
+    return {"settings": {"shape": args.shape, "config": SHAPES[args.shape], "dtype": str(model.dtype),
+                         "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
+                         "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
+                         "seed": args.seed, "weights_gib": gib(weights),
+                         "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None},
+            "profile": profile, "results": rows, "fits": fitted_steps(rows)}
+
+
+def summarized(cell: list[dict], weights: int, device: str) -> list[dict]:
+    """The cell's rows with tokens/s, the ratio to StaticCache (the mean of its two runs, kept as one row) and the
+    predicted largest batch."""
+    static = [r["ms_per_step"] for r in cell if r["cache"] == BASELINE]
+    reference = sum(static) / len(static)
+    first, last = cell[0], cell.pop()
+    first.update(ms_per_step=round(reference, 3), static_runs_ms=static,
+                 peak_gib=None if first["peak_gib"] is None else max(first["peak_gib"], last["peak_gib"]))
+    total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
+    for row in cell:
+        row["tokens_per_s"] = round(1000 * row["batch"] / row["ms_per_step"], 1)
+        row["speedup_vs_static"] = round(reference / row["ms_per_step"], 3)
+        per_sequence = None if row["peak_gib"] is None else row["peak_gib"] * 2**30 / row["batch"]
+        row["max_batch_predicted"] = (math.floor((total - weights) / per_sequence) if total and per_sequence else None)
+    return cell
+
+
+def fitted_steps(rows: list[dict]) -> list[dict]:
+    """Per (cache, batch) measured at two lengths or more: step time = a + b L by least squares."""
+    fits = []
+    for cache, batch in dict.fromkeys((r["cache"], r["batch"]) for r in rows):
+        points = [(r["length"], r["ms_per_step"]) for r in rows if r["cache"] == cache and r["batch"] == batch]
+        if len(points) < 2:
+            continue
+        n, sx, sy = len(points), sum(p[0] for p in points), sum(p[1] for p in points)
+        sxx, sxy = sum(p[0] ** 2 for p in points), sum(p[0] * p[1] for p in points)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        fits.append({"cache": cache, "batch": batch, "fixed_ms": round((sy - slope * sx) / n, 3),
+                     "ms_per_1k_tokens": round(1000 * slope, 4)})
+    return fits
+
+
+def table(result: dict, started: dict) -> list[str]:
+    settings = result["settings"]
+    lines = [f"# generate() decode on {started['device']}: random {settings['shape']} ({settings['dtype']})", "",
+             f"Commit {started['commit']}, {started['date']}. `python benchmarks/bench_generate_gpu.py`: {settings['timed_steps']} "
+             "decode steps timed per run (median), after one shared fp prefill loaded into every cache (a batch's sequences hold "
+             "the same tokens); x Static: StaticCache's step time (the mean of its runs first and last in the cell) over "
+             "the cache's; peak: GPU memory above what was allocated before the cache; max batch: (device memory - weights) / "
+             "peak per sequence, predicted, not tried.", ""]
+    lines += [f"Left out: {why}" for why in settings["left_out"].values()]
+    profile = result["profile"]
+    if "profile_window_s" in profile:
+        lines += ["", f"Profile ({profile['profile_windows']} windows of {profile['profile_seqlen']} tokens): "
+                  f"{' / '.join(map(str, profile['profile_window_s']))} s per window, peak {profile['profile_peak_gib']} GiB "
+                  "above the model; fit and export: " + ", ".join(f"{k[4:-2]} {v} s" for k, v in profile.items() if k.startswith("fit_"))]
+    lines += ["", "| L | B | cache | ms/step | tokens/s | x Static | cache GiB | peak GiB | max batch (predicted) | same tokens |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        runs = f" ({' / '.join(f'{t:.1f}' for t in r['static_runs_ms'])})" if "static_runs_ms" in r else ""
+        lines.append(f"| {r['length']} | {r['batch']} | {r['cache']} | {r['ms_per_step']:.2f}{runs} | {r['tokens_per_s']} | "
+                     f"{r['speedup_vs_static']:.2f} | {r['cache_gib']} | {r['peak_gib']} | {r['max_batch_predicted']} | "
+                     f"{r['tokens_equal_static']:.0%} |")
+    if result["fits"]:
+        lines += ["", "Step time fitted as a + b L (a: what does not grow with the context: weights, launches, Python; "
+                  f"weights alone: {settings['weights_gib']} GiB):", "", "| cache | B | a ms | b ms per 1K tokens |", "|---|---|---|---|"]
+        lines += [f"| {f['cache']} | {f['batch']} | {f['fixed_ms']} | {f['ms_per_1k_tokens']} |" for f in result["fits"]]
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = provenance()
+    result = measure(args)
+    name = args.out or f"generate_{device_slug(started['device'])}"
+    write_result(name, result, started)
+    write_markdown(name, table(result, started))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""The GPU campaign: one command to run first whenever a GPU is lent, within a budget of device seconds.
+
+Stages, in order of what a short lease should not miss (each a subprocess with its own time limit and log; a stage
+that does not fit in what is left of --budget-s is skipped and says so):
+  environment  the device, driver, clocks and package versions
+  kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
+               fresh random data (--seed) with poisoned outputs, then timed (bench_decode_tc.py, launcher's plan)
+  suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
+               torch reference, tiny models decoding on CUDA)
+  generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
+               StaticCache / DynamicCache / every --generate-recipes bundle (bench_generate_gpu.py)
+  ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (ab_decode_tc.py); skipped
+               without a baseline tree
+  ncu          Nsight Compute on --ncu-variants (profile_decode_tc.py)
+
+Everything is written under OUTDIR: results/ (the benchmarks' JSON and Markdown, as benchmarks/results would hold
+them), logs/<stage>.log, campaign.json (each stage's command, status and seconds) and summary.md, the short table that
+is also printed last.
+
+--dry-run exercises the same logic on a machine without a GPU: each GPU stage runs its CPU stand-in (the scripts'
+--help, the GPU suite collected but not run, the end-to-end script on a tiny model on CPU) and the summary reads what
+came out.
+
+Usage: python benchmarks/gpu_campaign.py OUTDIR [--budget-s 420] [--baseline-tree DIR] [--seed N] [--dry-run]
+       (see --help). On the device: PYTHONPATH=$PWD KVCAL_COMMIT=<commit> python3 benchmarks/gpu_campaign.py /tmp/c ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO  # noqa: E402
+
+PYTHON = sys.executable
+TOLERANCE = 1e-2  # the kernels' largest |error| against SDPA in fp32 at the benchmark shape (measured: <= 1.5e-4)
+
+
+@dataclass
+class Stage:
+    name: str
+    command: list[str]
+    limit_s: int  # killed past this
+    least_s: int  # skipped when less than this is left of the budget
+    dry_command: list[str] | None = None  # the CPU stand-in of --dry-run (None: the command itself)
+    status: str = "not run"
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class Campaign:
+    out: Path
+    budget_s: float
+    dry_run: bool
+    stages: list[Stage] = field(default_factory=list)
+    began: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.began)
+
+    def run(self, stage: Stage, env: dict) -> None:
+        """Run one stage, its output to logs/<name>.log; killed with its process group past its limit or the budget."""
+        command = stage.dry_command if self.dry_run and stage.dry_command is not None else stage.command
+        if self.left() < stage.least_s:
+            stage.status, stage.note = "skipped", f"{self.left():.0f} s of the budget left, it needs {stage.least_s}"
+            print(f"[campaign] {stage.name}: skipped ({stage.note})", flush=True)
+            return
+        limit = min(stage.limit_s, self.left())
+        log = self.out / "logs" / f"{stage.name}.log"
+        shown = " ".join(part if "\n" not in part else "<script>" for part in command)
+        print(f"[campaign] {stage.name}: {shown} (limit {limit:.0f} s)", flush=True)
+        began = time.monotonic()
+        with log.open("w") as sink:
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = process.wait(timeout=limit)
+                stage.status = "ok" if code == 0 else f"exit {code}"
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                stage.status = f"killed at {limit:.0f} s"
+        stage.seconds = round(time.monotonic() - began, 1)
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        print(f"[campaign] {stage.name}: {stage.status} in {stage.seconds} s  | {tail[0][:160]}", flush=True)
+
+
+def gpu_test_files() -> list[str]:
+    """The test modules with GPU tests: collecting only these keeps a module that imports a package the GPU machine
+    lacks (compressed-tensors, gguf) from stopping the suite."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "@requires_gpu" in p.read_text())
+
+
+def stages(args) -> list[Stage]:
+    bench = lambda name: [PYTHON, f"benchmarks/{name}"]  # noqa: E731
+    xdist = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+    suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
+    generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
+                "--new-tokens", "16", "--seed", str(args.seed)]
+    found = [
+        Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
+        Stage("kernels", [*bench("bench_decode_tc.py"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
+              180, 60, [*bench("bench_decode_tc.py"), "--help"]),
+        Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 180, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
+        Stage("generate", [*bench("bench_generate_gpu.py"), *generate], 240, 90,
+              [*bench("bench_generate_gpu.py"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
+               "--recipes", args.generate_recipes, "--new-tokens", "4", "--profile-seqlen", "64", "--seed", str(args.seed)]),
+    ]
+    if args.baseline_tree is not None:
+        found.append(Stage("ab", [*bench("ab_decode_tc.py"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,
+                                  "--rounds", "2", "--iters", "30"], 150, 60, [*bench("ab_decode_tc.py"), "--help"]))
+    found.append(Stage("ncu", [*bench("profile_decode_tc.py"), "--only", args.ncu_variants,
+                               "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("profile_decode_tc.py"), "--help"]))
+    return [s for s in found if not args.only or s.name in args.only.split(",")]
+
+
+ENVIRONMENT = """
+import platform, shutil, subprocess, sys
+import torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+for name in ("cupy", "transformers", "triton"):
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError:
+        print(name, "not installed")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "SMs", p.multi_processor_count, "memory GiB", round(p.total_memory / 2**30, 1))
+else:
+    print("device: no CUDA GPU")
+for tool in ("nvidia-smi", "ncu", "nvcc"):
+    print(tool, shutil.which(tool) or "not on PATH")
+if shutil.which("nvidia-smi"):
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                          "--format=csv"], capture_output=True, text=True).stdout)
+"""
+
+
+# ------------------------------------------------------------------------------------------------ the summary
+
+
+def _load(folder: Path, prefix: str) -> dict | None:
+    found = sorted(folder.glob(f"{prefix}_*.json"))
+    return json.loads(found[0].read_text()) if found else None
+
+
+def summary(out: Path, campaign: list[Stage]) -> list[str]:
+    """The short table printed last: each stage's status, then the figures each stage's results hold."""
+    results = out / "results"
+    lines = ["# GPU campaign", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.note} |" for s in campaign]
+    kernels = _load(results, "decode_tc")
+    if kernels:
+        lines += ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
+                  f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}", "",
+                  "| variant | us | of copy bw | x SDPA fp16 | max err | check |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['latency_us']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['speedup_vs_sdpa_fp16']}x | "
+                  f"{r['max_abs_error_vs_sdpa_fp32']:.1e} | {'ok' if r['max_abs_error_vs_sdpa_fp32'] <= TOLERANCE else 'FAIL'} |"
+                  for r in kernels["results"] if r["plan"] == "launcher"]
+    suite = out / "logs" / "suite.xml"
+    if suite.is_file():
+        lines += ["", "GPU suite: " + suite_counts(suite.read_text())]
+    ab = out / "logs" / "ab.log"
+    if ab.is_file():
+        table = [line for line in ab.read_text().splitlines() if line.startswith("|")]
+        lines += ["", "A/B (this tree against the baseline, interleaved):", "", *table] if table else []
+    generate = _load(results, "generate")
+    if generate:
+        longest = max(r["length"] for r in generate["results"])
+        widest = max(r["batch"] for r in generate["results"] if r["length"] == longest)
+        lines += ["", f"generate() on {generate['device']}, random {generate['settings']['shape']}, L={longest}, B={widest}:", "",
+                  "| cache | ms/step | tokens/s | x Static | cache GiB | max batch (predicted) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['speedup_vs_static']:.2f} | {r['cache_gib']} | "
+                  f"{r['max_batch_predicted']} |" for r in generate["results"] if r["length"] == longest and r["batch"] == widest]
+    profile = _load(results, "profile_decode_tc")
+    if profile:
+        lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 | tensor | shared wavefronts | top stalls |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['duration_us']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% | {r['tensor_pct']}% | "
+                  f"{r['shared_wavefronts'] / 1e6:.1f}M | " + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |"
+                  for r in profile["results"]]
+    return lines
+
+
+def suite_counts(junit_xml: str) -> str:
+    """'N passed, F failed, E errors, S skipped' from pytest's JUnit XML (a collect-only run counts collected tests)."""
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.fromstring(junit_xml)
+    suites = [root] if root.tag == "testsuite" else list(root)
+    total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    failed = [case.get("classname", "") + "::" + case.get("name", "") for case in root.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    text = f"{passed} passed, {total['failures']} failed, {total['errors']} errors, {total['skipped']} skipped"
+    return text + ("; failed: " + ", ".join(failed[:10]) if failed else "")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("out", type=Path, help="output folder (created; must be empty or absent)")
+    parser.add_argument("--budget-s", type=float, default=420, help="seconds the whole campaign may take (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random data (default: from the clock; recorded)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`)")
+    parser.add_argument("--ab-variants", default="int2-g128,int4-g128", help="bench_decode_tc.py variants of the A/B (default: %(default)s)")
+    parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
+                        help="variants profiled with Nsight Compute (default: %(default)s)")
+    parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")
+    parser.add_argument("--generate-batches", default="1,8", help="batches of the end-to-end stage (default: %(default)s)")
+    parser.add_argument("--generate-recipes", default="kvquant,kivi,kvmix", help="kvcal recipes of the end-to-end stage (default: %(default)s)")
+    parser.add_argument("--only", default="", help="run only these stages, comma-separated (default: all)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU stand-ins for the GPU stages (see above)")
+    args = parser.parse_args(argv)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        parser.error(f"{args.out}: exists and is not an empty folder; give a new one (nothing is written over)")
+    if args.baseline_tree is not None and not (args.baseline_tree / "kernels" / "decode_attention_tc.cu").is_file():
+        parser.error(f"--baseline-tree {args.baseline_tree}: no kernels/decode_attention_tc.cu there; give a kvcal tree")
+    if args.budget_s <= 0:
+        parser.error("--budget-s is a positive number of seconds")
+    known = {"environment", "kernels", "suite", "generate", "ab", "ncu"}
+    if args.only and not set(args.only.split(",")) <= known:
+        parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
+    args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed
+    args.out = args.out.resolve()
+    if args.baseline_tree is not None:
+        args.baseline_tree = args.baseline_tree.resolve()
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    (args.out / "logs").mkdir(parents=True)
+    (args.out / "results").mkdir()
+    campaign = Campaign(args.out, args.budget_s, args.dry_run, stages(args))
+    env = {**os.environ, "KVCAL_RESULTS_DIR": str(args.out / "results"), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    print(f"[campaign] seed {args.seed}, budget {args.budget_s:.0f} s{', dry run' if args.dry_run else ''}", flush=True)
+    for stage in campaign.stages:
+        campaign.run(stage, env)
+    record = {"seed": args.seed, "budget_s": args.budget_s, "dry_run": args.dry_run, "commit": os.environ.get("KVCAL_COMMIT"),
+              "seconds": round(time.monotonic() - campaign.began, 1), "stages": [asdict(s) for s in campaign.stages]}
+    (args.out / "campaign.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = summary(args.out, campaign.stages)
+    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0 if all(s.status in ("ok", "skipped") for s in campaign.stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""benchmarks/gpu_campaign.py: its dry run on CPU (every stage's stand-in, then the summary), the time limits that keep a
+campaign inside a lease, the summary it prints from the stages' results, and its refusals; and the end-to-end script
+benchmarks/bench_generate_gpu.py it runs."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+CAMPAIGN = BENCHMARKS / "gpu_campaign.py"
+GENERATE = BENCHMARKS / "bench_generate_gpu.py"
+
+
+def script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+campaign = script(CAMPAIGN)
+generate = script(GENERATE)
+
+
+def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_path):
+    out = tmp_path / "campaign"
+    done = subprocess.run([sys.executable, str(CAMPAIGN), str(out), "--dry-run", "--baseline-tree", str(BENCHMARKS.parent),
+                           "--generate-recipes", "kivi", "--seed", "7"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "campaign.json").read_text())
+    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "suite", "generate", "ab", "ncu"]
+    assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
+    assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
+    generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())
+    caches = {r["cache"] for r in generated["results"]}
+    assert caches == {"StaticCache", "DynamicCache", "kvcal kivi"}
+    assert {(r["length"], r["batch"]) for r in generated["results"]} == {(64, 1), (64, 2), (128, 1), (128, 2)}
+    summary = (out / "summary.md").read_text()
+    assert done.stdout.rstrip().endswith(summary.rstrip())
+    assert "| generate | ok |" in summary and "| kvcal kivi |" in summary
+
+
+def test_a_stage_past_its_limit_is_killed_and_one_the_budget_cannot_hold_is_skipped(tmp_path):
+    (tmp_path / "logs").mkdir()
+    run = campaign.Campaign(tmp_path, budget_s=30, dry_run=False)
+    sleeper = campaign.Stage("sleeper", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                             limit_s=2, least_s=1)
+    began = time.monotonic()
+    run.run(sleeper, dict(os.environ))
+    assert sleeper.status == "killed at 2 s" and time.monotonic() - began < 10
+    assert (tmp_path / "logs" / "sleeper.log").read_text() == "started\n"
+    greedy = campaign.Stage("greedy", [sys.executable, "-c", "print('ran')"], limit_s=60, least_s=60)
+    run.run(greedy, dict(os.environ))
+    assert greedy.status == "skipped" and not (tmp_path / "logs" / "greedy.log").exists()
+    failing = campaign.Stage("failing", [sys.executable, "-c", "raise SystemExit(3)"], limit_s=20, least_s=1)
+    run.run(failing, dict(os.environ))
+    assert failing.status == "exit 3"
+
+
+def test_the_summary_flags_a_kernel_past_the_tolerance_and_counts_the_suite(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "logs").mkdir()
+    row = {"variant": "int2-g128", "plan": "launcher", "batch": 8, "tokens": 32768, "latency_us": 110.5,
+           "fraction_of_copy_bandwidth": 0.46, "speedup_vs_sdpa_fp16": 3.31, "max_abs_error_vs_sdpa_fp32": 1.2e-4}
+    (tmp_path / "results" / "decode_tc_gpu.json").write_text(json.dumps({
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0,
+        "results": [row, {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")}]}))
+    (tmp_path / "logs" / "suite.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.test_x" name="test_b"/><testcase classname="tests.test_x" name="test_c"><skipped/></testcase>'
+        "</testsuite></testsuites>")
+    stages = [campaign.Stage("kernels", [], 1, 1, status="ok", seconds=12.0)]
+    text = "\n".join(campaign.summary(tmp_path, stages))
+    assert "| int2-g128 | 110.5 | 46% | 3.31x | 1.2e-04 | ok |" in text
+    assert "| nuq3-1%-pre-rope | 110.5 | 46% | 3.31x | inf | FAIL |" in text
+    assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["{nonempty}"], "exists and is not an empty folder"),
+    (["{new}", "--baseline-tree", "{new}"], "no kernels/decode_attention_tc.cu there"),
+    (["{new}", "--only", "kernels,lunch"], "stages are"),
+    (["{new}", "--budget-s", "0"], "a positive number of seconds"),
+])
+def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, tmp_path):
+    (tmp_path / "nonempty").mkdir()
+    (tmp_path / "nonempty" / "kept.txt").write_text("mine")
+    arguments = [a.format(nonempty=tmp_path / "nonempty", new=tmp_path / "new") for a in arguments]
+    done = subprocess.run([sys.executable, str(CAMPAIGN), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "nonempty") == ["kept.txt"]
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--recipes", "gptq", "--device", "cpu"], "unknown recipe 'gptq'"),
+    (["--lengths", "1", "--device", "cpu"], "at least 2 tokens"),
+    (["--baselines", "static,flash", "--device", "cpu"], "unknown baseline(s) flash"),
+    (["--new-tokens", "2", "--device", "cpu"], "at least 3"),
+])
+def test_the_end_to_end_script_refuses_bad_arguments_with_one_line(arguments, problem):
+    done = subprocess.run([sys.executable, str(GENERATE), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+
+
+def test_the_step_time_fit_separates_the_fixed_part_from_the_part_that_grows_with_the_context():
+    rows = [{"cache": "StaticCache", "batch": 8, "length": n, "ms_per_step": 5.0 + 0.5 * n / 1000} for n in (8192, 32768)]
+    rows.append({"cache": "StaticCache", "batch": 1, "length": 8192, "ms_per_step": 9.0})  # one length: no fit
+    (fit,) = generate.fitted_steps(rows)
+    assert fit == {"cache": "StaticCache", "batch": 8, "fixed_ms": 5.0, "ms_per_1k_tokens": 0.5}
