@@ -11,8 +11,9 @@ Per (prompt length L, batch B): one sequence of L random token ids (seeded) but 
 the fp model (kvcal.runtime.cache.fp_context), and that context is loaded B times into every cache (the B sequences of
 a batch hold the same tokens: the decode step reads every sequence's bytes all the same). Then model.generate() runs
 greedily from the whole prompt: its first step feeds the last prompt token, and the --new-tokens steps after it are
-timed one by one (the device synchronized at each), never the prefill. StaticCache is measured first and last in each
-cell; ratios are to the mean of the two.
+timed one by one (the device synchronized at each), never the prefill. Every cache runs the same eager model:
+generate()'s automatic torch.compile for static caches on CUDA is turned off (disable_compile). StaticCache is measured
+first and last in each cell; ratios are to the mean of the two.
 
 Memory: the cache's own bytes (kvcal: WiredCache.used_bytes; StaticCache / DynamicCache: their tensors) and the peak
 GPU memory above what was allocated before the cache was made (torch.cuda.max_memory_allocated: the cache, its
@@ -282,7 +283,7 @@ def run_cache(model, prompt: torch.Tensor, new_tokens: int, make, device: str, c
     with torch.inference_mode():
         out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             stopping_criteria=StoppingCriteriaList([stamps]))
+                             stopping_criteria=StoppingCriteriaList([stamps]), disable_compile=True)
     stored = bytes_of(cache)
     if hasattr(cache, "close"):
         cache.close()
