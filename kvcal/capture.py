@@ -181,7 +181,7 @@ def profile_gradients(
             for handles, recorder in zip(adapter.layers, recorders):
                 i = handles.index
                 for slot, projection in enumerate((handles.k_proj, handles.v_proj)):
-                    importance[slot, i] += projection.weight.grad.double().norm()
+                    importance[slot, i] += projection.weight.grad.double().norm().item()  # importance stays on the CPU
                     projection.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()

@@ -59,16 +59,20 @@ def load_text(spec: str) -> str:
         return builtin_text()
     if spec == PYTHON_CODE:
         return python_code_text()
+    path = Path(spec).expanduser()
+    if path.exists():
+        builder, files = _local_files(path)
+        if builder == "text":  # each file whole, newlines included, as datasets' text builder by document reads it
+            try:
+                return "\n\n".join(text for text in (Path(f).read_text(encoding="utf-8") for f in files) if text)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise KvcalError(f"could not read dataset '{spec}': {exc}") from exc
     import datasets
 
     datasets.disable_progress_bars()
-    path = Path(spec).expanduser()
     try:
         if path.exists():
-            builder, files = _local_files(path)
-            # sample_by="document" keeps each text file whole, newlines included.
-            extra = {"sample_by": "document"} if builder == "text" else {}
-            dataset = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+            dataset = datasets.load_dataset(builder, data_files=files, split="train")
         elif spec.startswith((".", "/", "~")) or Path(spec).suffix in _BUILDERS:
             raise KvcalError(f"dataset file '{spec}' does not exist; pass a file, a folder, 'builtin' or a hub spec")
         else:
