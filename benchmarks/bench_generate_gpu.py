@@ -80,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-windows", type=int, default=2, help="windows of the profile the bundles are fitted from "
                                                                       "(default: %(default)s)")
     parser.add_argument("--profile-seqlen", type=int, default=512, help="tokens per profile window (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; fewer for a quick look)")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
+                        help="also trace STEPS decode steps of each cache of the first cell with torch.profiler; the "
+                             "tables go into the Markdown (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: generate_<device>)")
     args = parser.parse_args(argv)
@@ -103,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from static, dynamic, quanto, hqq")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    if args.layers is not None and args.layers < 1 or args.torch_profile < 0:
+        parser.error("--layers is at least 1 and --torch-profile 0 or more steps")
     if args.profile_windows < 1 or args.profile_seqlen < 2:
         parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -110,16 +116,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def random_model(shape: str, device: str, seed: int):
-    """A LlamaForCausalLM of `shape` with random weights (transformers' own initialisation, seeded), bf16 on CUDA and
-    fp32 on CPU, built on `device` directly."""
+def random_model(shape: str, device: str, seed: int, layers: int | None = None):
+    """A LlamaForCausalLM of `shape` (with `layers` decoder layers, if given) with random weights (transformers' own
+    initialisation, seeded), bf16 on CUDA and fp32 on CPU, built on `device` directly."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    fields = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**fields, attn_implementation="sdpa")
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, torch_dtype=dtype)
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -269,29 +276,71 @@ class Stamps:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def generate_steps(model, prompt: torch.Tensor, cache, new_tokens: int, on_token=None) -> None:
+    """Greedy generate() of `new_tokens` from the whole prompt into `cache` (which holds all but its last token)."""
+    from transformers import StoppingCriteriaList
+
+    criteria = StoppingCriteriaList([on_token] if on_token is not None else [])
+    with torch.inference_mode():
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       stopping_criteria=criteria, disable_compile=True)
+
+
+def closed(cache) -> None:
+    if hasattr(cache, "close"):
+        cache.close()
+
+
 def run_cache(model, prompt: torch.Tensor, new_tokens: int, make, device: str, clock: Clock) -> dict:
     """generate() with the cache make() returns: ms per step (the first new token's step excluded), the cache's bytes,
     the peak memory above what was allocated before the cache."""
-    from transformers import StoppingCriteriaList
-
     reset_peak(device)
     base = allocated(device)
     began = clock()
     cache, bytes_of = make()
     loaded = clock() - began
     stamps = Stamps(clock)
-    with torch.inference_mode():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             stopping_criteria=StoppingCriteriaList([stamps]), disable_compile=True)
+    generate_steps(model, prompt, cache, new_tokens, stamps)
     stored = bytes_of(cache)
-    if hasattr(cache, "close"):
-        cache.close()
+    closed(cache)
     del cache
     steps = sorted(b - a for a, b in zip(stamps.times, stamps.times[1:]))
     return {"ms_per_step": round(1000 * steps[len(steps) // 2], 3), "ms_per_step_min": round(1000 * steps[0], 3),
             "load_s": round(loaded, 2), "cache_gib": None if stored is None else gib(stored),
-            "peak_gib": gib(peak(device) - base) if device == "cuda" else None, "tokens": out[:, prompt.shape[1]:].cpu()}
+            "peak_gib": gib(peak(device) - base) if device == "cuda" else None}
+
+
+def profiled(model, prompt: torch.Tensor, steps: int, make, device: str) -> str:
+    """Where `steps` decode steps of generate() with the cache make() returns spend their time (after one warm-up
+    step): the device's busy time per step (torch.profiler's kernel times) against the wall time, and the Python
+    functions by cumulative host time (cProfile, its own overhead included)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, _ = make()
+    generate_steps(model, prompt, cache, 1)  # the last prompt token's step, outside the profile
+    longer = torch.cat([prompt, prompt[:, -1:]], dim=1)
+    clock = Clock(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    began = clock()
+    with profile(activities=activities) as trace:
+        generate_steps(model, longer, cache, steps)
+    wall = clock() - began
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in trace.key_averages()) / 1e3  # us -> ms
+    host = cProfile.Profile()
+    host.enable()
+    generate_steps(model, torch.cat([longer, longer[:, -1:].expand(-1, steps)], dim=1), cache, steps)
+    host.disable()
+    closed(cache)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).strip_dirs().sort_stats("cumulative").print_stats(40)
+    listing = text.getvalue()[text.getvalue().index("ncalls"):]
+    return (f"wall {1000 * wall / steps:.2f} ms per step under torch.profiler, device busy {busy / steps:.2f} ms per step\n\n"
+            + listing)
 
 
 def available(baselines: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -316,10 +365,10 @@ def measure(args) -> dict:
     baselines, missing = available(args.baselines)
     for line in missing.values():
         print(line, flush=True)
-    model = random_model(args.shape, device, args.seed)
+    model = random_model(args.shape, device, args.seed, args.layers)
     weights = sum(p.nbytes for p in model.parameters())
     print(f"model: random {args.shape}, {weights / 2**30:.1f} GiB of {model.dtype} weights on {device}", flush=True)
-    rows = []
+    rows, traces = [], {}
     with tempfile.TemporaryDirectory() as folder:
         bundles, profile = make_bundles(model, args, Path(folder), clock)
         generator = torch.Generator().manual_seed(args.seed)
@@ -331,38 +380,42 @@ def measure(args) -> dict:
             print(f"\n{length} tokens: fp prefill of one sequence {clock() - began:.1f} s", flush=True)
             for batch in args.batches:
                 prompt = ids.expand(batch, length)
-                cell, first_tokens = [], None
-                for name, make in makers(model, context, batch, length, args.new_tokens, bundles, baselines):
+                cell = []
+                room = args.new_tokens + 2 * args.torch_profile + 1  # StaticCache's tokens past the prompt
+                chosen = makers(model, context, batch, length, room, bundles, baselines)
+                for name, make in chosen:
                     result = run_cache(model, prompt, args.new_tokens, make, device, clock)
-                    tokens = result.pop("tokens")
-                    first_tokens = tokens if first_tokens is None else first_tokens
-                    result["tokens_equal_static"] = round(float((tokens == first_tokens).float().mean()), 3)
                     cell.append({"cache": name, "length": length, "batch": batch, **result})
                     print(f"  B={batch:<3d} {name:28s} {result['ms_per_step']:9.2f} ms/step  load {result['load_s']:6.2f} s  "
                           f"cache {result['cache_gib']} GiB  peak {result['peak_gib']} GiB", flush=True)
                 rows += summarized(cell, weights, device)
+                if args.torch_profile and not traces:
+                    traces = {f"{name}, L={length}, B={batch}": profiled(model, prompt, args.torch_profile, make, device)
+                              for name, make in chosen[:-1]}
             del context
             reset_peak(device)
-    return {"settings": {"shape": args.shape, "config": SHAPES[args.shape], "dtype": str(model.dtype),
+    return {"settings": {"shape": args.shape, "config": model.config.to_diff_dict(), "dtype": str(model.dtype),
                          "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
                          "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
                          "seed": args.seed, "weights_gib": gib(weights),
                          "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None},
-            "profile": profile, "results": rows, "fits": fitted_steps(rows)}
+            "profile": profile, "results": rows, "fits": fitted_steps(rows), "torch_profiles": traces}
 
 
 def summarized(cell: list[dict], weights: int, device: str) -> list[dict]:
-    """The cell's rows with tokens/s, the ratio to StaticCache (the mean of its two runs, kept as one row) and the
-    predicted largest batch."""
+    """The cell's rows with tokens/s, the ratios to StaticCache (the mean of its two runs, kept as one row) and to the
+    faster of the unquantized caches, and the predicted largest batch."""
     static = [r["ms_per_step"] for r in cell if r["cache"] == BASELINE]
     reference = sum(static) / len(static)
     first, last = cell[0], cell.pop()
     first.update(ms_per_step=round(reference, 3), static_runs_ms=static,
                  peak_gib=None if first["peak_gib"] is None else max(first["peak_gib"], last["peak_gib"]))
+    fastest_fp = min(r["ms_per_step"] for r in cell if r["cache"] in (BASELINE, "DynamicCache"))
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     for row in cell:
         row["tokens_per_s"] = round(1000 * row["batch"] / row["ms_per_step"], 1)
         row["speedup_vs_static"] = round(reference / row["ms_per_step"], 3)
+        row["speedup_vs_fastest_fp"] = round(fastest_fp / row["ms_per_step"], 3)
         per_sequence = None if row["peak_gib"] is None else row["peak_gib"] * 2**30 / row["batch"]
         row["max_batch_predicted"] = (math.floor((total - weights) / per_sequence) if total and per_sequence else None)
     return cell
@@ -385,11 +438,13 @@ def fitted_steps(rows: list[dict]) -> list[dict]:
 
 def table(result: dict, started: dict) -> list[str]:
     settings = result["settings"]
-    lines = [f"# generate() decode on {started['device']}: random {settings['shape']} ({settings['dtype']})", "",
+    layers = settings["config"].get("num_hidden_layers", SHAPES[settings["shape"]]["num_hidden_layers"])
+    lines = [f"# generate() decode on {started['device']}: random {settings['shape']}, {layers} layers ({settings['dtype']})", "",
              f"Commit {started['commit']}, {started['date']}. `python benchmarks/bench_generate_gpu.py`: {settings['timed_steps']} "
              "decode steps timed per run (median), after one shared fp prefill loaded into every cache (a batch's sequences hold "
-             "the same tokens); x Static: StaticCache's step time (the mean of its runs first and last in the cell) over "
-             "the cache's; peak: GPU memory above what was allocated before the cache; max batch: (device memory - weights) / "
+             "the same tokens; every cache on the same eager model); x Static: StaticCache's step time (the mean of its runs "
+             "first and last in the cell) over the cache's; x fastest fp: the same with the faster of StaticCache and "
+             "DynamicCache; peak: GPU memory above what was allocated before the cache; max batch: (device memory - weights) / "
              "peak per sequence, predicted, not tried.", ""]
     lines += [f"Left out: {why}" for why in settings["left_out"].values()]
     profile = result["profile"]
@@ -397,17 +452,19 @@ def table(result: dict, started: dict) -> list[str]:
         lines += ["", f"Profile ({profile['profile_windows']} windows of {profile['profile_seqlen']} tokens): "
                   f"{' / '.join(map(str, profile['profile_window_s']))} s per window, peak {profile['profile_peak_gib']} GiB "
                   "above the model; fit and export: " + ", ".join(f"{k[4:-2]} {v} s" for k, v in profile.items() if k.startswith("fit_"))]
-    lines += ["", "| L | B | cache | ms/step | tokens/s | x Static | cache GiB | peak GiB | max batch (predicted) | same tokens |",
+    lines += ["", "| L | B | cache | ms/step | tokens/s | x Static | x fastest fp | cache GiB | peak GiB | max batch (predicted) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         runs = f" ({' / '.join(f'{t:.1f}' for t in r['static_runs_ms'])})" if "static_runs_ms" in r else ""
         lines.append(f"| {r['length']} | {r['batch']} | {r['cache']} | {r['ms_per_step']:.2f}{runs} | {r['tokens_per_s']} | "
-                     f"{r['speedup_vs_static']:.2f} | {r['cache_gib']} | {r['peak_gib']} | {r['max_batch_predicted']} | "
-                     f"{r['tokens_equal_static']:.0%} |")
+                     f"{r['speedup_vs_static']:.2f} | {r['speedup_vs_fastest_fp']:.2f} | {r['cache_gib']} | {r['peak_gib']} | "
+                     f"{r['max_batch_predicted']} |")
     if result["fits"]:
         lines += ["", "Step time fitted as a + b L (a: what does not grow with the context: weights, launches, Python; "
                   f"weights alone: {settings['weights_gib']} GiB):", "", "| cache | B | a ms | b ms per 1K tokens |", "|---|---|---|---|"]
         lines += [f"| {f['cache']} | {f['batch']} | {f['fixed_ms']} | {f['ms_per_1k_tokens']} |" for f in result["fits"]]
+    for title, trace in result["torch_profiles"].items():
+        lines += ["", f"torch.profiler, {title} (its own overhead included):", "", "```", trace.rstrip(), "```"]
     return lines
 
 
