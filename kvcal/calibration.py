@@ -92,7 +92,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     mixed's budget of real bits per element.
     Every setting and output path is checked before the model is loaded. Returns the bundle's path."""
     spec = registry.recipe(recipe)
-    settings = _calibrate_settings(spec, bits)
+    _calibrate_settings(spec, bits)  # refused before the model is loaded
     progress = progress or _Silent()
     inputs = [dataset, model]  # a text file or .gguf given as --dataset / --model must not be written over
     out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors", inputs=inputs)

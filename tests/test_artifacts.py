@@ -94,7 +94,7 @@ def test_read_header_names_a_directory_and_a_fifo(tmp_path):
 
 
 def test_every_artifact_is_checksummed_over_metadata_and_tensors(tmp_path):
-    """Schema 2: kvcal.config (misuse 4) and the tensors of every kind are under the checksum."""
+    """Schema 2: kvcal.config and the tensors of every kind are under the checksum."""
     from helpers.artifact_files import rewrite
 
     path = write_artifact(tmp_path / "p.safetensors", {"a": torch.arange(4.0)}, "profile", {"seed": 1})

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case starts a script (torch imported)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_tc.py"
 RESULTS = SCRIPT.parent / "results"
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.nvrtc
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bound_decode.py"
 spec = importlib.util.spec_from_file_location("bound_decode", SCRIPT)
 bd = sys.modules["bound_decode"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up

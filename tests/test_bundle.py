@@ -128,6 +128,7 @@ def test_fuzzed_metadata_is_refused_cleanly_or_loads_unchanged(bundle_path, tmp_
     assert all(f"layers.{i}.importance.k" in bundle.tensors for i in range(len(bundle.layers)))
 
 
+@pytest.mark.slow
 def test_a_write_killed_midway_leaves_no_loadable_bundle(tiny_profile, fitted, tmp_path):
     _, profile = tiny_profile
     target = tmp_path / "killed.safetensors"

@@ -1,6 +1,6 @@
 """The command line on tiny local model directories: a full profile-gradients + inspect run, and the
-bad-input matrix (one error line on stderr, exit code 2, no output file), the misuses of issue 15 (each
-refused with one line, exit 2, nothing written or overwritten), progress lines for logs, and Ctrl-C."""
+bad-input matrix (one error line on stderr, exit code 2, no output file), misuses (each refused with one line,
+exit 2, nothing written or overwritten), progress lines for logs, and Ctrl-C."""
 
 import os
 import re
@@ -224,7 +224,7 @@ def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, 
     assert too_long.exit_code == 2 and len(too_long.stderr.strip().splitlines()) == 1
 
 
-# --- issue 15: every misuse refused with one line, exit 2, nothing written or overwritten ---------------------
+# --- every misuse refused with one line, exit 2, nothing written or overwritten ---------------------------
 
 
 def _copies(tmp_path, **files):
@@ -236,7 +236,7 @@ def _copies(tmp_path, **files):
     return copies
 
 
-def test_misuse_1_an_out_that_is_not_a_regular_file_is_refused_and_left_alone(tiny_profile, tiny_corpus, tmp_path):
+def test_an_out_that_is_not_a_regular_file_is_refused_and_left_alone(tiny_profile, tiny_corpus, tmp_path):
     import stat
 
     model, profile = tiny_profile
@@ -258,7 +258,7 @@ def test_misuse_1_an_out_that_is_not_a_regular_file_is_refused_and_left_alone(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.safetensors", "folder.safetensors", "report.json"]
 
 
-def test_misuse_2_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, fitted, tmp_path):
+def test_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, fitted, tmp_path):
     data = recipe_bundles["kvquant"].read_bytes()
     flipped = tmp_path / "flipped.safetensors"
     flipped.write_bytes(data[:-10] + bytes([data[-10] ^ 0x01]) + data[-9:])
@@ -302,7 +302,7 @@ def test_misuse_2_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, 
     ("mixed", 9, "--bits 9 does not fit recipe mixed: --target-bits 9.0 is outside [2.32, 8] real bits"),
     ("kvmix", 2, "--bits does not apply to recipe kvmix"),
 ])
-def test_misuse_5_calibrate_checks_settings_before_the_model_is_loaded(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch,
+def test_calibrate_checks_settings_before_the_model_is_loaded(tiny_model_dir, tiny_corpus, tmp_path, monkeypatch,
                                                                        recipe, bits, message):
     import kvcal.profile
 
@@ -317,7 +317,7 @@ def test_misuse_5_calibrate_checks_settings_before_the_model_is_loaded(tiny_mode
     assert not out.parent.exists()
 
 
-def test_misuse_6_an_out_equal_to_an_input_is_refused_and_the_input_kept(tiny_profile, tiny_corpus, fitted, tmp_path):
+def test_an_out_equal_to_an_input_is_refused_and_the_input_kept(tiny_profile, tiny_corpus, fitted, tmp_path):
     model, profile = tiny_profile
     files = _copies(tmp_path, profile=profile, nuq=fitted["nuq"], skvq=fitted["skvq"])
     p, n, s = files["profile"], files["nuq"], files["skvq"]
@@ -352,7 +352,7 @@ def test_misuse_6_an_out_equal_to_an_input_is_refused_and_the_input_kept(tiny_pr
     ("importance.xyz", "does not end in an image format's extension"),
     ("importance", "does not end in an image format's extension"),
 ])
-def test_misuse_7_a_bad_plot_path_is_refused_before_the_table(tiny_profile, tmp_path, plot, message):
+def test_a_bad_plot_path_is_refused_before_the_table(tiny_profile, tmp_path, plot, message):
     _, profile = tiny_profile
     (tmp_path / "blocker").write_text("x")
     (tmp_path / "folder").mkdir()
@@ -361,7 +361,7 @@ def test_misuse_7_a_bad_plot_path_is_refused_before_the_table(tiny_profile, tmp_
     assert result.stdout == ""
 
 
-def test_misuse_7_plot_of_a_bundle_is_refused_before_the_table_and_svg_works(recipe_bundles, tiny_profile, tmp_path):
+def test_a_plot_of_a_bundle_is_refused_before_the_table_and_svg_works(recipe_bundles, tiny_profile, tmp_path):
     result = run("inspect", recipe_bundles["kivi"], "--plot", tmp_path / "x.png")
     refused(result, "--plot draws a profile's importance; ")
     assert result.stdout == "" and not (tmp_path / "x.png").exists()
@@ -370,7 +370,7 @@ def test_misuse_7_plot_of_a_bundle_is_refused_before_the_table_and_svg_works(rec
     assert [p.name for p in tmp_path.iterdir()] == ["importance.svg"]  # no temp file left
 
 
-def test_misuse_8_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
+def test_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
     model, _ = tiny_profile
     common = ["--model", model, "--dataset", tiny_corpus, "--quant", recipe_bundles["kivi"]]
     refused(run("eval", "generate", *common, "--prompt-tokens", 5000),
@@ -386,16 +386,20 @@ def test_misuse_8_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corp
         assert "--out" not in line
 
 
-def test_misuse_8_inspect_on_a_directory_or_a_missing_file(tmp_path):
+def test_inspect_refuses_a_directory_or_a_missing_file(tmp_path):
     refused(run("inspect", tmp_path), f"'{tmp_path}' is a directory, not a kvcal artifact")
     refused(run("inspect", tmp_path / "missing.safetensors"), "does not exist")
 
 
-def test_misuse_8_ctrl_c_prints_interrupted_exit_130_and_writes_nothing(tiny_model_dir, tiny_corpus, tmp_path):
+@pytest.mark.slow
+def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(tiny_model_dir, tiny_corpus, tmp_path):
     out = tmp_path / "out" / "profile.safetensors"
     command = [sys.executable, "-m", "kvcal", "profile-gradients", "--model", str(tiny_model_dir("llama")), "--dataset",
                str(tiny_corpus), "--nsamples", "1500", "--seqlen", "16", "--out", str(out)]  # long enough to interrupt
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child: a background job of a non-interactive shell (CI run with `&`) starts with
+    # it ignored, which a child inherits, and then Ctrl-C never arrives
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in process.stderr:  # stderr is a pipe: plain progress lines
         lines.append(line.rstrip("\n"))
@@ -440,20 +444,32 @@ def test_progress_in_a_log_is_one_plain_line_per_stage_and_window(tiny_model_dir
     assert len(lines[-1]) > 80  # one line however long: nothing wraps
 
 
-def test_progress_in_a_terminal_is_the_rich_display(monkeypatch):
-    import io
+@pytest.mark.slow
+def test_progress_in_a_terminal_is_a_live_bar(tiny_model_dir, tiny_corpus, tmp_path):
+    """With a terminal on stderr (a pseudo-terminal here) progress is rich's live bar, not the plain log lines."""
+    import pty
 
-    from rich.console import Console
-    from rich.progress import Progress
+    primary, secondary = pty.openpty()
+    command = [sys.executable, "-m", "kvcal", "profile-gradients", "--model", str(tiny_model_dir("llama")), "--dataset",
+               str(tiny_corpus), "--nsamples", "3", "--seqlen", "16", "--out", str(tmp_path / "profile.safetensors")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=secondary, env={**os.environ, "TERM": "xterm"})
+    os.close(secondary)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(primary)
+    text = output.decode(errors="replace")
+    assert process.wait(timeout=120) == 0, text
+    assert "\x1b[" in text and "━" in text and "profile: window 1/3" not in text.splitlines()
 
-    import kvcal.cli as cli
 
-    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), force_terminal=True, width=80))
-    assert isinstance(cli._progress(), Progress)
-    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), width=80))
-    assert isinstance(cli._progress(), cli._LogProgress)
-
-
+@pytest.mark.slow
 def test_the_command_silences_the_gguf_loaders_own_tqdm_bar():
     """transformers' GGUF loader iterates `tqdm(reader.tensors, desc="Converting and de-quantizing GGUF tensors...")`
     with tqdm.auto imported in transformers.modeling_gguf_pytorch_utils; the `kvcal` entry point silences it."""

@@ -35,6 +35,8 @@ from kvcal.cli import app
 from kvcal.errors import KvcalError
 from kvcal.runtime import quantized_cache
 
+pytestmark = pytest.mark.slow
+
 SEED = 15
 MUTATIONS_PER_RECIPE = 110  # x 5 recipes = 550 mutated bundles
 NEW_TOKENS = 2

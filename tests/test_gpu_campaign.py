@@ -29,6 +29,7 @@ campaign = script(CAMPAIGN)
 generate = script(GENERATE)
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_path):
     out = tmp_path / "campaign"
     done = subprocess.run([sys.executable, str(CAMPAIGN), str(out), "--dry-run", "--baseline-tree", str(BENCHMARKS.parent),
@@ -90,12 +91,13 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_and_counts_the_suite(tmp_
     (["{new}", "--only", "kernels,lunch"], "stages are"),
     (["{new}", "--budget-s", "0"], "a positive number of seconds"),
 ])
-def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, tmp_path):
+def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, tmp_path, capsys):
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "kept.txt").write_text("mine")
     arguments = [a.format(nonempty=tmp_path / "nonempty", new=tmp_path / "new") for a in arguments]
-    done = subprocess.run([sys.executable, str(CAMPAIGN), *arguments], capture_output=True, text=True)
-    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+    with pytest.raises(SystemExit) as exit_:
+        campaign.main(arguments)
+    assert exit_.value.code == 2 and problem in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "nonempty") == ["kept.txt"]
 
 
@@ -104,10 +106,12 @@ def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arg
     (["--lengths", "1", "--device", "cpu"], "at least 2 tokens"),
     (["--baselines", "static,flash", "--device", "cpu"], "unknown baseline(s) flash"),
     (["--new-tokens", "2", "--device", "cpu"], "at least 3"),
+    (["--layers", "0", "--device", "cpu"], "--layers is at least 1"),
 ])
-def test_the_end_to_end_script_refuses_bad_arguments_with_one_line(arguments, problem):
-    done = subprocess.run([sys.executable, str(GENERATE), *arguments], capture_output=True, text=True)
-    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+def test_the_end_to_end_script_refuses_bad_arguments_with_one_line(arguments, problem, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        generate.parse_args(arguments)
+    assert exit_.value.code == 2 and problem in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_the_step_time_fit_separates_the_fixed_part_from_the_part_that_grows_with_the_context():

@@ -7,6 +7,8 @@ from typer.testing import CliRunner
 from kvcal.artifacts import read_artifact
 from kvcal.cli import app
 
+pytestmark = pytest.mark.model
+
 NSAMPLES, SEQLEN = 4, 256
 
 

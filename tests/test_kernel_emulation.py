@@ -8,8 +8,6 @@ inter-block races are for the GPU tests (tests/test_runtime_kernels.py)."""
 
 import ctypes
 import functools
-import shutil
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import EMULATION_FLAGS, tensor_core_emulation
+from helpers import emulator_library, tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.runtime import cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.tensor_core import Variant
+
+pytestmark = pytest.mark.emulation
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
@@ -64,18 +64,8 @@ def driver_source() -> str:
 
 
 @pytest.fixture(scope="session")
-def emulated_library(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("the kernel emulation needs g++")
-    folder = tmp_path_factory.mktemp("kernel-emulation")
-    (folder / "driver.cpp").write_text(driver_source())
-    library = folder / "kernels_on_cpu.so"
-    command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"), "-o",
-               str(library)]
-    built = subprocess.run(command, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
-    return ctypes.CDLL(str(library))
+def emulated_library():
+    return ctypes.CDLL(str(emulator_library(driver_source(), [EMULATION, kernel_source.KERNEL_DIR], "kernels_on_cpu.so")))
 
 
 def _c(value):
@@ -206,9 +196,9 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
 
 
 @pytest.fixture(scope="session")
-def tensor_core_library(tmp_path_factory):
+def tensor_core_library():
     variants = list(dict.fromkeys([*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()]))  # kvquant-w8 shares kvquant's
-    return tensor_core_emulation.build(tmp_path_factory.mktemp("tensor-core"), variants)
+    return tensor_core_emulation.build(variants)
 
 
 @pytest.fixture

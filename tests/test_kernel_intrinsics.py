@@ -15,7 +15,6 @@ tests/kernel_emulation/intrinsics_probe.cu:
 import ctypes
 import math
 import re
-import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -24,8 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import EMULATION_FLAGS, requires_gpu
+from helpers import emulator_library, requires_gpu
 from kvcal.runtime import kernel_source
+
+pytestmark = pytest.mark.emulation
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 PROBE = EMULATION / "intrinsics_probe.cu"
@@ -129,23 +130,13 @@ def run_dequant(runner, words: np.ndarray, bits: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------ builds
 
-def build_emulator(folder: Path, emulation_dir: Path = EMULATION) -> Path:
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("the kernel emulation needs g++")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "driver.cpp").write_text(DRIVER)
-    library = folder / "probe_on_cpu.so"
-    command = [compiler, *EMULATION_FLAGS, f"-I{emulation_dir}", f"-I{EMULATION}", f"-I{kernel_source.KERNEL_DIR}",
-               str(folder / "driver.cpp"), "-o", str(library)]
-    built = subprocess.run(command, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
-    return library
+def build_emulator(emulation_dir: Path = EMULATION) -> Path:
+    return emulator_library(DRIVER, [emulation_dir, EMULATION, kernel_source.KERNEL_DIR], "probe_on_cpu.so")
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    return Emulated(build_emulator(tmp_path_factory.mktemp("intrinsics-emulation")))
+def emulated():
+    return Emulated(build_emulator())
 
 
 def mutant(tmp_path_factory, name: str, old: str, new: str) -> Emulated:
@@ -154,7 +145,7 @@ def mutant(tmp_path_factory, name: str, old: str, new: str) -> Emulated:
     text = (EMULATION / "intrinsics_on_cpu.h").read_text()
     assert text.count(old) == 1, old
     (folder / "intrinsics_on_cpu.h").write_text(text.replace(old, new))
-    return Emulated(build_emulator(folder / "build", emulation_dir=folder))
+    return Emulated(build_emulator(emulation_dir=folder))
 
 
 def nvrtc_compile(arch: str) -> tuple[str, bytes]:
@@ -199,6 +190,7 @@ SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", 
         "probe_shared_table": ("PRMT", "LOP3.LUT", "LDS")}
 
 
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", kernel_source.ARCHITECTURES)
 def test_the_probe_kernels_compile_with_nvrtc_to_the_intended_instructions(arch, tmp_path):
     log, cubin = nvrtc_compile(arch)

@@ -8,6 +8,8 @@ import pytest
 
 from kvcal.runtime import kernel_source, kernels
 
+pytestmark = pytest.mark.nvrtc
+
 MODULES = ("decode_attention.cu", "append.cu")
 
 

@@ -68,6 +68,7 @@ def test_a_launch_s_counters_become_one_row_in_microseconds_and_megabytes_with_i
                                         "math_pipe_throttle": 10.0}
 
 
+@pytest.mark.slow  # each case starts the script
 @pytest.mark.parametrize("arguments,problem", [
     (["--from-csv"], "--from-csv reads --csv-dir DIR"),
     (["--from-csv", "--csv-dir", ".", "--only", "int2-g128"], "no int2-g128.csv there"),

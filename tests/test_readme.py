@@ -104,6 +104,7 @@ def checkout(tmp_path, tiny_tokenizer, monkeypatch):
     return work, stand_in
 
 
+@pytest.mark.model
 def test_readme_shell_examples_run_as_written(checkout, wikitext_valid):
     work, stand_in = checkout
     env = {"KVCAL_MODEL": str(stand_in), **SCALED_DOWN}
@@ -116,6 +117,7 @@ def test_readme_shell_examples_run_as_written(checkout, wikitext_valid):
     assert (work / ARTIFACTS / "importance.png").stat().st_size > 10_000 and (work / "ppl.json").is_file()
 
 
+@pytest.mark.model
 def test_readme_python_runs_on_the_packaged_model(tmp_path, monkeypatch, capsys):
     import kvcal.models
     import kvcal.profile

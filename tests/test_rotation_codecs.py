@@ -450,8 +450,13 @@ def test_quanto_codec_matches_optimum_quanto_when_installed():
     assert torch.equal(codec.quantize(as_rows(kv)).values, as_rows(qtensor.dequantize()).float())
 
 
-def test_quanto_defaults_and_refusals():
-    assert QUANTO_DEFAULTS == {"nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
+def test_quanto_defaults_are_transformers_quanto_layer_defaults_and_refusals():
+    import inspect
+
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    defaults = {name: p.default for name, p in inspect.signature(QuantoQuantizedLayer.__init__).parameters.items() if name != "self"}
+    assert QUANTO_DEFAULTS == defaults
     with pytest.raises(KvcalError, match="spans several tokens"):
         QuantoAffine(4, 32)
     with pytest.raises(KvcalError, match="nbits 2 or 4"):

@@ -224,7 +224,6 @@ def test_nested_and_overlapping_caches_restore_the_attention_implementation_in_a
 def test_a_simulation_and_a_cache_never_share_a_model():
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
-    from kvcal.quantizers import LayerCodecs
 
     model = tiny_model("llama")
     bundle = fp16_kivi_bundle(model)

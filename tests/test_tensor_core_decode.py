@@ -104,8 +104,8 @@ EMULATED = sorted({variant_of(c, d, q) for c, d, q, _ in CASES}, key=lambda v: v
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("decode-tc-emulation"), EMULATED)
+def emulator():
+    return build(EMULATED)
 
 
 # ------------------------------------------------------------------------------------------------ stores and reference
@@ -207,16 +207,19 @@ def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
 
 # ------------------------------------------------------------------------------------------------ emulation
 
+@pytest.mark.emulation
 @pytest.mark.parametrize("codec,head_dim,gqa,batch", CASES)
 def test_emulated_kernel_matches_softmax_attention_over_the_decoded_stores(emulator, codec, head_dim, gqa, batch):
     assert max_error(codec, head_dim, gqa, batch, emulator) < tolerance(codec)
 
 
+@pytest.mark.emulation
 def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
     """Fp16Rows whose live rows start past row 0 (take_front / pop_front moved the head)."""
     assert max_error("fp16", 128, 4, "3", emulator, fifo_offset=5) < TOLERANCE
 
 
+@pytest.mark.emulation
 @pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "int2", "int4-g32", "int2-g256"))
 def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
     """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipeline's buffers wrap around many
@@ -251,6 +254,7 @@ def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
         tensor_core.variant_for(*filled("fp16", [3], 128), 128, 4, rope=True)
 
 
+@pytest.mark.emulation
 def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emulator):
     v = variant_of("int4", 128, 4)
     lengths = [0, v.stage_tokens + 1, 0]  # the middle sequence's second split holds one token
@@ -261,6 +265,7 @@ def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emul
     assert (got[1].double() - reference(query, keys, values, lengths, 0.1)[1]).abs().max() < TOLERANCE
 
 
+@pytest.mark.emulation
 def test_the_launcher_asks_for_the_shared_memory_the_kernel_uses(emulator):
     for v in EMULATED:
         assert getattr(emulator, f"smem_{symbol(v)}")() == v.shared_bytes(), v
@@ -318,6 +323,7 @@ MUTANTS = {
 }
 
 
+@pytest.mark.emulation
 @pytest.mark.parametrize("name", MUTANTS)
 def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
     codec, old, new, *other = MUTANTS[name]
@@ -327,7 +333,7 @@ def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
     (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
     (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
     v = variant_of(codec, head_dim, 2)
-    lib = build(tmp_path / "build", [v], kernel_dir=tmp_path)
+    lib = build([v], kernel_dir=tmp_path)
     assert max_error(codec, head_dim, 2, batch, lib) > 10 * tolerance(codec)
 
 
@@ -348,6 +354,7 @@ def nvrtc_report(arch: str):
     return {by_mangled.get(f.name, f.name): f for f in compiled.functions}
 
 
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", kernel_source.ARCHITECTURES)
 def test_every_variant_compiles_with_nvrtc_without_spills(arch):
     report = nvrtc_report(arch)

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -34,6 +32,7 @@ import torch
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
+from kvcal.runtime.build_cache import cached
 from kvcal.runtime.store import channel_slots_and_groups, permuted_groups
 
 DECODE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
@@ -59,8 +58,8 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal")
+class _CompileFailed(Exception):
+    pass
 
 
 def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> ctypes.CDLL | None:
@@ -75,18 +74,17 @@ def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> 
         return None
     source = src.KERNEL_DIR / name
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([source.read_text(), *flags, compiler, version, _cpu_id()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{digest}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-            built = Path(folder) / target.name
-            result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                warnings.warn(f"kvcal: compiling {name} failed; the torch path serves instead:\n{result.stderr[-2000:]}",
-                              stacklevel=3)
-                return None
-            os.replace(built, target)
+
+    def build(target: Path) -> None:
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(target)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise _CompileFailed(result.stderr[-2000:])
+
+    try:
+        target = cached(f"{source.stem}.so", [source.read_text(), *flags, compiler, version, _cpu_id()], build)
+    except _CompileFailed as exc:
+        warnings.warn(f"kvcal: compiling {name} failed; the torch path serves instead:\n{exc}", stacklevel=3)
+        return None
     lib = ctypes.CDLL(str(target))
     for function, argtypes in functions.items():
         getattr(lib, function).restype = None

@@ -8,11 +8,14 @@ same sources with the same options on the GPU (kvcal.runtime.kernels).
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvcal.errors import KvcalError
+from kvcal.runtime.build_cache import cached
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ARCHITECTURES = ("sm_80", "sm_90")
@@ -77,14 +80,30 @@ class Compiled:
 
 def nvrtc_compile(text: str, filename: str, arch: str, names=(), extra_options=()) -> Compiled:
     """Compile CUDA source `text` (includes resolved in kernels/) to SASS for `arch` with NVRTC and the runtime's
-    options, instantiating the name expressions `names`. Raises KvcalError with the log when compilation fails."""
+    options, instantiating the name expressions `names`. Raises KvcalError with the log when compilation fails.
+    The result is kept in the build cache (kvcal.runtime.build_cache) by the hash of the text, every file of kernels/,
+    the options and NVRTC's version: a rerun over unchanged sources compiles nothing."""
+    from cuda.bindings import nvrtc
+
+    options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v", *extra_options]
+    includes = [f"{p.name}\0{p.read_text()}" for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh", ".h")]
+    version = ".".join(map(str, _check(nvrtc.nvrtcVersion(), "version")))
+
+    def build(path: Path) -> None:
+        compiled = _nvrtc_compile(text, filename, arch, names, options)
+        path.write_text(json.dumps({"log": compiled.log, "lowered": compiled.lowered, "cubin": base64.b64encode(compiled.cubin).decode()}))
+
+    stored = json.loads(cached(f"nvrtc-{arch}.json", [text, filename, *names, *options, *includes, version], build).read_text())
+    return Compiled(stored["log"], parse_ptxas_report(stored["log"]), stored["lowered"], base64.b64decode(stored["cubin"]))
+
+
+def _nvrtc_compile(text: str, filename: str, arch: str, names, options: list[str]) -> Compiled:
     from cuda.bindings import nvrtc
 
     program = _check(nvrtc.nvrtcCreateProgram(text.encode(), filename.encode(), 0, [], []), "create")
     try:
         for name in names:
             _check(nvrtc.nvrtcAddNameExpression(program, name.encode()), f"name expression {name}")
-        options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v", *extra_options]
         compiled = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])[0]
         log = b" " * _check(nvrtc.nvrtcGetProgramLogSize(program), "log size")
         _check(nvrtc.nvrtcGetProgramLog(program, log), "log")

@@ -5,13 +5,9 @@ tests/test_tensor_core_decode.py (the kernel alone) and tests/test_kernel_emulat
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
-
-from helpers import EMULATION_FLAGS
+from helpers import emulator_library
 from kvcal.runtime import kernel_source
 from kvcal.runtime.tensor_core import Variant
 
@@ -47,18 +43,10 @@ def driver(variants: list[Variant]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(folder: Path, variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
-    """The library of `variants` (and the split merge), built in `folder` from kernel_dir's decode_attention_tc.cu."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("the kernel emulation needs g++")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "driver.cpp").write_text(driver(variants))
-    library = folder / "decode_tc_on_cpu.so"
-    command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION}", f"-I{kernel_dir}", f"-I{kernel_source.KERNEL_DIR}", str(folder / "driver.cpp"),
-               "-o", str(library)]
-    built = subprocess.run(command, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-6000:]
+def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
+    """The library of `variants` (and the split merge), built from kernel_dir's decode_attention_tc.cu (the build cached
+    by content: helpers.emulator_library)."""
+    library = emulator_library(driver(variants), [EMULATION, kernel_dir, kernel_source.KERNEL_DIR], "decode_tc_on_cpu.so")
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     for v in variants:

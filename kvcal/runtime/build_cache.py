@@ -1,0 +1,38 @@
+"""Build outputs kept on disk by the hash of everything that goes into them (sources, flags, compiler, target), under
+`$KVCAL_CACHE_DIR` (default ~/.cache/kvcal): the compiled CPU kernels, NVRTC's compile checks, the tests' emulator
+libraries. An output is built under a temporary name and renamed into place, so a concurrent first use never reads
+half a file, and a changed input is a new name, never a stale hit."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal")
+
+
+def digest(parts: list[str | bytes]) -> str:
+    """A short hash of the parts, each told apart from its neighbours."""
+    hasher = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        hasher.update(len(data).to_bytes(8, "little") + data)
+    return hasher.hexdigest()[:16]
+
+
+def cached(name: str, key: list[str | bytes], build: Callable[[Path], None]) -> Path:
+    """The path of `name` (a file name: stem and suffix) built for `key`; build(path) writes it where missing."""
+    stem, suffix = os.path.splitext(name)
+    target = cache_dir() / f"{stem}-{digest(key)}{suffix}"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+            built = Path(folder) / target.name
+            build(built)
+            os.replace(built, target)
+    return target
