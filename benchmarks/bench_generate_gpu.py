@@ -33,7 +33,6 @@ Writes benchmarks/results/generate_<device>.{json,md} (--out; KVCAL_RESULTS_DIR 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import importlib.util
 import math
