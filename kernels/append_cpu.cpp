@@ -18,15 +18,23 @@ constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_S
 constexpr float FP16_MAX = 65504.0f;
 enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 
+// IEEE binary16 as the compiler knows it: ARM's __fp16 on aarch64 (GCC's C++ has no _Float16 there before GCC 13),
+// _Float16 elsewhere; both convert from float by rounding to nearest even.
+#if defined(__aarch64__)
+typedef __fp16 half;
+#else
+typedef _Float16 half;
+#endif
+
 inline float half_to_float(uint16_t h) {
-    _Float16 f;
+    half f;
     std::memcpy(&f, &h, 2);
     return (float)f;
 }
 
 // kvcal.quantizers.store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
 inline uint16_t float_to_half(float x) {
-    const _Float16 f = (_Float16)std::fmin(std::fmax(x, -FP16_MAX), FP16_MAX);
+    const half f = (half)std::fmin(std::fmax(x, -FP16_MAX), FP16_MAX);
     uint16_t h;
     std::memcpy(&h, &f, 2);
     return h;

@@ -11,8 +11,8 @@
 // are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
 // so launches over different segment groups (Cocktail's widths) chain into one softmax.
 //
-// Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler (-O3 -march=native);
-// single-threaded: it runs inside torch's own thread budget, one call per layer.
+// Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler for the CPU's instruction set; a
+// call runs on the threads torch uses (see kvcal_decode_attention_cpu), one call per layer.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int CHUNK = 64;                        // tokens decoded per pass: a chunk of keys for D=128 is 32 KiB
+constexpr int SPLIT = 512;                       // tokens per task (a multiple of CHUNK): the unit of work of a thread
 constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_SCALE
 constexpr float MIN_HALF_RANGE = 1e-8f;          // kvcal.quantizers.denormalize's clamp
 
@@ -141,7 +142,7 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
             t.mid[c] = (hi[c] + lo[c]) / 2.0f;
         }
     }
-    const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // lookup16 reads 16
+    const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // a lookup reads 16
     t.scale.resize(columns);
     t.zero.resize(columns);
     t.codes.resize(D);
@@ -149,55 +150,73 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
         t.groups.assign(s.group_of_channel + (long long)kv_head * D, s.group_of_channel + (long long)(kv_head + 1) * D);
 }
 
-// 16 lanes of int32 / float (GCC vector extensions: AVX-512 here, pairs or quads of narrower registers elsewhere).
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef float f32x16 __attribute__((vector_size(64)));
+// LANES lanes of int32 / float (GCC vector extensions): 16 where the target has AVX-512 (one zmm register), else 8
+// (one ymm register on AVX2; a pair of 128-bit registers on NEON or SSE). The compiler's target decides, so one
+// source serves every build (kvcal/runtime/cpu_kernel.py compiles for the CPU's x86-64 level or -march=native).
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+typedef int32_t vi32 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
+typedef float vf32 __attribute__((vector_size(4 * LANES)));
+static_assert(32 % LANES == 0, "a unit of 32 codes is a whole number of vectors");
 
-inline f32x16 load16(const float* p) {
-    f32x16 v;
+inline vf32 loadv(const float* p) {
+    vf32 v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(float* p, vf32 v) { std::memcpy(p, &v, sizeof v); }
 
-// table[index] lane by lane, index < 16 (vpermps on AVX-512).
-inline f32x16 lookup16(const float* table, i32x16 index) {
+inline vu32 lane_index() {
+    vu32 v;
+    for (int i = 0; i < LANES; ++i) v[i] = (uint32_t)i;
+    return v;
+}
+
+// table[index] lane by lane for a table of ENTRIES <= 16 floats (stored with room for 16): one vpermps when the table
+// fits a register (AVX-512; AVX2 up to 8 entries), two and a blend on the index's top bit otherwise (AVX2, 16).
+template <int ENTRIES>
+inline vf32 lookup(const float* table, vi32 index) {
 #if defined(__clang__)
-    f32x16 out;
-    for (int i = 0; i < 16; ++i) out[i] = table[index[i]];
+    vf32 out;
+    for (int i = 0; i < LANES; ++i) out[i] = table[index[i]];
     return out;
 #else
-    return __builtin_shuffle(load16(table), index);
+    if constexpr (ENTRIES <= LANES)
+        return __builtin_shuffle(loadv(table), index);
+    else
+        return __builtin_shuffle(loadv(table), loadv(table + LANES), index);
 #endif
 }
 
-// Codes 32 u .. 32 u + 31 of a row in "lsb" 1/2/4 or planes3 (a unit of 32 codes is 1, 2, 4 or 3 words), as
-// two vectors of 16.
+// Codes first .. first + LANES - 1 of a row (first a multiple of LANES) in "lsb" 1/2/4 or planes3 (a unit of 32
+// codes is 1, 2, 4 or 3 words).
 template <int LAYOUT>
-inline void unpack32(const uint32_t* words, int u, i32x16& first, i32x16& second) {
-    const u32x16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    if (LAYOUT == LSB1) {
-        const uint32_t w = words[u];
-        first = (i32x16)((w >> lanes) & 1u);
-        second = (i32x16)((w >> (lanes + 16u)) & 1u);
-    } else if (LAYOUT == LSB2) {
-        first = (i32x16)((words[2 * u] >> (lanes * 2u)) & 3u);
-        second = (i32x16)((words[2 * u + 1] >> (lanes * 2u)) & 3u);
-    } else if (LAYOUT == LSB4) {
-        const u32x16 shift = (lanes & 7u) * 4u;
-        const uint32_t* w = words + 4 * u;
-        const u32x16 a = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
-        const u32x16 b = {w[2], w[2], w[2], w[2], w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3], w[3], w[3], w[3], w[3]};
-        first = (i32x16)((a >> shift) & 15u);
-        second = (i32x16)((b >> shift) & 15u);
-    } else {  // PLANES3: low 2 bits of codes 0-15 and 16-31 in words 0 and 1, high bits in word 2
-        const uint32_t* unit = words + 3 * u;
-        first = (i32x16)(((unit[0] >> (lanes * 2u)) & 3u) | (((unit[2] >> lanes) & 1u) << 2));
-        second = (i32x16)(((unit[1] >> (lanes * 2u)) & 3u) | (((unit[2] >> (lanes + 16u)) & 1u) << 2));
+inline vi32 unpack(const uint32_t* words, int first) {
+    const vu32 lanes = lane_index();
+    if (LAYOUT == LSB1) return (vi32)((words[first >> 5] >> (lanes + (uint32_t)(first & 31))) & 1u);
+    if (LAYOUT == LSB2) return (vi32)((words[first >> 4] >> ((lanes + (uint32_t)(first & 15)) * 2u)) & 3u);
+    if (LAYOUT == LSB4) {
+        if constexpr (LANES == 8) {
+            return (vi32)((words[first >> 3] >> (lanes * 4u)) & 15u);
+        } else {  // two words, 8 codes each
+            vu32 pair;
+            for (int i = 0; i < LANES; ++i) pair[i] = words[(first >> 3) + (i >> 3)];
+            return (vi32)((pair >> ((lanes & 7u) * 4u)) & 15u);
+        }
     }
+    // PLANES3: low 2 bits of codes 0-15 and 16-31 of a unit in words 0 and 1, high bits in word 2
+    const uint32_t* unit = words + (first >> 5) * 3;
+    const uint32_t j = (uint32_t)(first & 31);
+    return (vi32)(((unit[j >> 4] >> ((lanes + (j & 15u)) * 2u)) & 3u) | (((unit[2] >> (lanes + j)) & 1u) << 2));
 }
+
+template <int LAYOUT>
+constexpr int LEVELS = LAYOUT == LSB1 ? 2 : LAYOUT == LSB2 ? 4 : LAYOUT == PLANES3 ? 8 : 16;
 
 template <int LAYOUT>
 constexpr bool VECTOR_LAYOUT = LAYOUT == LSB1 || LAYOUT == LSB2 || LAYOUT == LSB4 || LAYOUT == PLANES3;
@@ -233,36 +252,32 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
             t.zero[g] = half_to_float(p1[at + g * s.param_column]);
         }
     }
-    const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % 16 == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
+    const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % LANES == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
     if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_row;
-        for (int c = 0; c < D; c += 32) {
-            i32x16 halves[2];
-            unpack32<LAYOUT>(words, (head_channel + c) / 32, halves[0], halves[1]);
-            for (int h = 0; h < 2; ++h) {
-                const int first = c + 16 * h;
-                const f32x16 code = __builtin_convertvector(halves[h], f32x16);
-                f32x16 value;
-                if (CODEC == UNIFORM_TOKEN) {
-                    const long long g = (head_channel + first) / s.param_extra * s.param_column;
-                    value = code * std::fmax(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
-                } else if (CODEC == UNIFORM_CHANNEL) {
-                    value = code * load16(t.scale.data() + first) + load16(t.zero.data() + first);
-                } else if (CODEC == CODEBOOK_CHANNEL) {
-                    value = lookup16(t.codebook, halves[h]) * load16(t.half_range.data() + first) + load16(t.mid.data() + first);
-                } else if (CODEC == PERMUTED_GROUPS) {
-                    i32x16 group;
-                    std::memcpy(&group, t.groups.data() + first, 64);
-                    value = (code + lookup16(t.zero.data(), group)) * lookup16(t.scale.data(), group);
-                } else {  // CODEBOOK_TOKEN
-                    value = lookup16(t.row_table, halves[h]);
-                }
-                store16(out + first, value);
+        for (int first = 0; first < D; first += LANES) {
+            const vi32 code_index = unpack<LAYOUT>(words, head_channel + first);
+            const vf32 code = __builtin_convertvector(code_index, vf32);
+            vf32 value;
+            if (CODEC == UNIFORM_TOKEN) {
+                const long long g = (head_channel + first) / s.param_extra * s.param_column;
+                value = code * std::fmax(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
+            } else if (CODEC == UNIFORM_CHANNEL) {
+                value = code * loadv(t.scale.data() + first) + loadv(t.zero.data() + first);
+            } else if (CODEC == CODEBOOK_CHANNEL) {
+                value = lookup<LEVELS<LAYOUT>>(t.codebook, code_index) * loadv(t.half_range.data() + first) + loadv(t.mid.data() + first);
+            } else if (CODEC == PERMUTED_GROUPS) {
+                vi32 group;
+                std::memcpy(&group, t.groups.data() + first, sizeof group);
+                value = (code + lookup<16>(t.zero.data(), group)) * lookup<16>(t.scale.data(), group);
+            } else {  // CODEBOOK_TOKEN
+                value = lookup<LEVELS<LAYOUT>>(t.row_table, code_index);
             }
+            storev(out + first, value);
         }
         return;
     }
-    // code by code: kvmix's 11 codes per word, heads not on a 32-code boundary, groups not a multiple of 16
+    // code by code: kvmix's 11 codes per word, heads not on a 32-code boundary, groups not a multiple of LANES
     for (int c = 0; c < D; ++c) codes[c] = (int32_t)code_at<LAYOUT>(words, head_channel + c);
     if (CODEC == UNIFORM_TOKEN) {  // code * scale + zero, one (scale, zero) per group of channels: a loop per group
         const long long at = b * s.param_stride + (long long)row * s.param_row;
@@ -365,34 +380,48 @@ inline float exp_nonpositive(float x) {
     return p * __builtin_bit_cast(float, (k + 127) << 23);
 }
 
-// Lane j of the result: the sum of the lanes of t[j] (16 horizontal sums in 15 pairwise steps of two shuffles and
-// an add, instead of a reduction per vector).
-inline f32x16 sum_lanes16(f32x16* t) {
-    typedef int32_t mask __attribute__((vector_size(64)));
-    const mask low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, high8 = low8 + 8;
-    const mask low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, high4 = low4 + 4;
-    const mask low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, high2 = low2 + 2;
-    const mask low1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, high1 = low1 + 1;
+// Lane j of the result: the sum of the lanes of t[j] (LANES horizontal sums in log2(LANES) rounds of pairwise
+// shuffles and adds, instead of a reduction per vector). Round r pairs t[2p], t[2p + 1] and keeps, of each block of
+// 2h lanes, the low h lanes' sums in one half and the high h lanes' in the other (h = LANES / 2, / 4, ... 1).
+#if defined(__AVX512F__)
+inline vf32 sum_lanes(vf32* t) {
+    const vi32 low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, high8 = low8 + 8;
+    const vi32 low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, high4 = low4 + 4;
+    const vi32 low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, high2 = low2 + 2;
+    const vi32 low1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, high1 = low1 + 1;
     for (int p = 0; p < 8; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low8) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high8);
     for (int p = 0; p < 4; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low4) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high4);
     for (int p = 0; p < 2; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low2) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high2);
     return __builtin_shuffle(t[0], t[1], low1) + __builtin_shuffle(t[0], t[1], high1);
 }
+#else
+inline vf32 sum_lanes(vf32* t) {
+    const vi32 low4 = {0, 1, 2, 3, 8, 9, 10, 11}, high4 = low4 + 4;
+    const vi32 low2 = {0, 1, 4, 5, 8, 9, 12, 13}, high2 = low2 + 2;
+    const vi32 low1 = {0, 2, 4, 6, 8, 10, 12, 14}, high1 = low1 + 1;
+    for (int p = 0; p < 4; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low4) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high4);
+    for (int p = 0; p < 2; ++p) t[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], low2) + __builtin_shuffle(t[2 * p], t[2 * p + 1], high2);
+    return __builtin_shuffle(t[0], t[1], low1) + __builtin_shuffle(t[0], t[1], high1);
+}
+#endif
 
-// s[i] = q . keys[i * D ..] for i < n (keys hold CHUNK rows, finite past n): 16 tokens at a time when D is a
-// multiple of 16 (their lane-wise products summed across lanes together), one dot product at a time otherwise.
+// s[i] = q . keys[i * D ..] for i < n (keys hold CHUNK rows, finite past n): LANES tokens at a time when D is a
+// multiple of LANES, their lane-wise products in LANES independent sums (channels outer, tokens inner: one sum per
+// token would chain its multiply-adds through the FMA latency) summed across lanes together; one dot product at a
+// time otherwise.
 inline void key_scores(const float* __restrict__ q, const float* __restrict__ keys, int n, int D, float* __restrict__ s) {
 #if !defined(__clang__)
-    if (D % 16 == 0) {
-        for (int i0 = 0; i0 < n; i0 += 16) {
-            f32x16 t[16];
-            for (int j = 0; j < 16; ++j) {
-                const float* k = keys + (size_t)(i0 + j) * D;
-                f32x16 sum = load16(q) * load16(k);
-                for (int c = 16; c < D; c += 16) sum += load16(q + c) * load16(k + c);
-                t[j] = sum;
+    if (D % LANES == 0) {
+        for (int i0 = 0; i0 < n; i0 += LANES) {
+            const float* k = keys + (size_t)i0 * D;
+            vf32 t[LANES];
+            const vf32 q0 = loadv(q);
+            for (int j = 0; j < LANES; ++j) t[j] = q0 * loadv(k + (size_t)j * D);
+            for (int c = LANES; c < D; c += LANES) {
+                const vf32 qc = loadv(q + c);
+                for (int j = 0; j < LANES; ++j) t[j] += qc * loadv(k + (size_t)j * D + c);
             }
-            store16(s + i0, sum_lanes16(t));
+            storev(s + i0, sum_lanes(t));
         }
         return;
     }
@@ -409,27 +438,91 @@ inline void key_scores(const float* __restrict__ q, const float* __restrict__ ke
 // a[c] += sum_i p[i] v[i * D + c]: 32 channels at a time held in registers over the tokens, two tokens per step
 // into separate sums (a store and reload of a[] per token would chain every step through memory).
 inline void accumulate_values(const float* __restrict__ p, const float* __restrict__ v, int n, int D, float* __restrict__ a) {
+    constexpr int PER = 32 / LANES;  // vectors per 32 channels
     int c = 0;
     for (; c + 32 <= D; c += 32) {
-        f32x16 a0 = load16(a + c), a1 = load16(a + c + 16), b0 = {}, b1 = {};
+        vf32 even[PER], odd[PER];
+        for (int k = 0; k < PER; ++k) even[k] = loadv(a + c + k * LANES), odd[k] = vf32{};
         int i = 0;
         for (; i + 1 < n; i += 2) {
             const float* row = v + (size_t)i * D + c;
-            a0 += p[i] * load16(row);
-            a1 += p[i] * load16(row + 16);
-            b0 += p[i + 1] * load16(row + D);
-            b1 += p[i + 1] * load16(row + D + 16);
+            for (int k = 0; k < PER; ++k) {
+                even[k] += p[i] * loadv(row + k * LANES);
+                odd[k] += p[i + 1] * loadv(row + D + k * LANES);
+            }
         }
-        if (i < n) {
-            a0 += p[i] * load16(v + (size_t)i * D + c);
-            a1 += p[i] * load16(v + (size_t)i * D + c + 16);
-        }
-        store16(a + c, a0 + b0);
-        store16(a + c + 16, a1 + b1);
+        if (i < n)
+            for (int k = 0; k < PER; ++k) even[k] += p[i] * loadv(v + (size_t)i * D + c + k * LANES);
+        for (int k = 0; k < PER; ++k) storev(a + c + k * LANES, even[k] + odd[k]);
     }
     for (; c < D; ++c)
         for (int i = 0; i < n; ++i) a[c] += p[i] * v[(size_t)i * D + c];
 }
+
+// One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
+// partial = per query head (m, l, acc[D]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
+// exp(score - m) v.
+void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, DecodeTokens decode_values, const Lengths& kn,
+                   const Lengths& vn, const float* query, const float* cos_table, const float* sin_table, long long rope_stride,
+                   int b, int kv_head, int kv_heads, int group, int D, float scale, int t_begin, int t_end, float* partial) {
+    thread_local HeadTables k_tables, v_tables;
+    thread_local std::vector<float> q, keys, values, scores;
+    const int width = kv_heads * D, half = D / 2, heads = kv_heads * group;
+    q.resize((size_t)group * D);
+    keys.resize((size_t)CHUNK * D);
+    values.resize((size_t)CHUNK * D);
+    scores.resize((size_t)group * CHUNK);
+    prepare_tables(ks, k_tables, kv_head, D);
+    prepare_tables(vs, v_tables, kv_head, D);
+    const long long first_row = (long long)b * heads + (long long)kv_head * group;
+    for (int i = 0; i < group * D; ++i) q[i] = query[first_row * D + i] * scale;
+    for (int g = 0; g < group; ++g) {
+        float* state = partial + (size_t)g * (D + 2);
+        state[0] = -INFINITY;
+        std::fill(state + 1, state + D + 2, 0.0f);
+    }
+    for (int t0 = t_begin; t0 < t_end; t0 += CHUNK) {
+        const int n = std::min(CHUNK, t_end - t0);
+        decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
+        if (cos_table != nullptr) {  // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair
+            for (int i = 0; i < n; ++i) {
+                const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * D;
+                const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * D;
+                float* __restrict__ k = keys.data() + (size_t)i * D;
+                for (int c = 0; c < half; ++c) {
+                    const float x1 = k[c], x2 = k[c + half];
+                    k[c] = x1 * cos_row[c] - x2 * sin_row[c];
+                    k[c + half] = x2 * cos_row[c + half] + x1 * sin_row[c + half];
+                }
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
+            float* state = partial + (size_t)g * (D + 2);
+            key_scores(q.data() + (size_t)g * D, keys.data(), n, D, s);
+            float chunk_max = -INFINITY;
+            for (int i = 0; i < n; ++i) chunk_max = std::fmax(chunk_max, s[i]);
+            const float m_new = std::fmax(state[0], chunk_max);
+            const float correction = state[0] == -INFINITY ? 0.0f : exp_nonpositive(state[0] - m_new);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < n; ++i) {
+                s[i] = exp_nonpositive(s[i] - m_new);
+                sum += s[i];
+            }
+            state[1] = state[1] * correction + sum;
+            state[0] = m_new;
+            for (int c = 0; c < D; ++c) state[2 + c] *= correction;
+        }
+        decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
+        for (int g = 0; g < group; ++g)
+            accumulate_values(scores.data() + (size_t)g * CHUNK, values.data(), n, D, partial + (size_t)g * (D + 2) + 2);
+    }
+}
+
+struct Task {
+    int b, kv_head, t_begin, t_end;
+};
 
 }  // namespace
 
@@ -440,11 +533,14 @@ inline void accumulate_values(const float* __restrict__ p, const float* __restri
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's positions (kvcal.runtime.reference.rope_tables),
 // null for keys stored post-RoPE.
+// Work: every (sequence, KV head)'s tokens in splits of SPLIT, one task each, run on `threads` threads (OpenMP, the
+// runtime torch uses where both are libgomp); each task's partial state is folded in afterwards in task order, so
+// the result does not depend on the number of threads.
 extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
                                            const float* cos_table, const float* sin_table, long long rope_stride,
                                            int batch, int kv_heads, int group, int head_dim, float scale,
-                                           float* m_state, float* l_state, float* acc_state, int first, int last) {
-    const int D = head_dim, heads = kv_heads * group, width = kv_heads * D, half = D / 2;
+                                           float* m_state, float* l_state, float* acc_state, int first, int last, int threads) {
+    const int D = head_dim, heads = kv_heads * group;
     if (first) {
         std::fill(m_state, m_state + (size_t)batch * heads, -INFINITY);
         std::fill(l_state, l_state + (size_t)batch * heads, 0.0f);
@@ -452,64 +548,52 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
     }
     const Side ks = load_side(descriptor), vs = load_side(descriptor + SIDE_FIELDS);
     const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
-    HeadTables k_tables, v_tables;
-    std::vector<float> q((size_t)group * D), keys((size_t)CHUNK * D), values((size_t)CHUNK * D), scores((size_t)group * CHUNK);
+    std::vector<Task> tasks;
+    std::vector<Lengths> key_lengths(batch), value_lengths(batch);
     for (int b = 0; b < batch; ++b) {
         const int32_t* km = meta + (long long)b * META_FIELDS;
         const int32_t* vm = meta + ((long long)batch + b) * META_FIELDS;
-        const Lengths kn{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT]};
-        const Lengths vn{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT]};
-        const int tokens = kn.sink + kn.body + kn.recent;
-        if (tokens == 0) continue;
-        for (int kv_head = 0; kv_head < kv_heads; ++kv_head) {
-            prepare_tables(ks, k_tables, kv_head, D);
-            prepare_tables(vs, v_tables, kv_head, D);
-            const long long first_row = (long long)b * heads + (long long)kv_head * group;
-            for (int i = 0; i < group * D; ++i) q[i] = query[first_row * D + i] * scale;
-            float* m = m_state + first_row;
-            float* l = l_state + first_row;
-            float* acc = acc_state + first_row * D;
-            for (int t0 = 0; t0 < tokens; t0 += CHUNK) {
-                const int n = std::min(CHUNK, tokens - t0);
-                decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-                if (cos_table != nullptr) {  // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair
-                    for (int i = 0; i < n; ++i) {
-                        const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * D;
-                        const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * D;
-                        float* __restrict__ k = keys.data() + (size_t)i * D;
-                        for (int c = 0; c < half; ++c) {
-                            const float x1 = k[c], x2 = k[c + half];
-                            k[c] = x1 * cos_row[c] - x2 * sin_row[c];
-                            k[c + half] = x2 * cos_row[c + half] + x1 * sin_row[c + half];
-                        }
-                    }
-                }
-                for (int g = 0; g < group; ++g) {
-                    float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
-                    const float* __restrict__ qg = q.data() + (size_t)g * D;
-                    key_scores(qg, keys.data(), n, D, s);
-                    float chunk_max = -INFINITY;
-                    for (int i = 0; i < n; ++i) chunk_max = std::fmax(chunk_max, s[i]);
-                    const float m_new = std::fmax(m[g], chunk_max);
-                    const float correction = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - m_new);
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int i = 0; i < n; ++i) {
-                        s[i] = exp_nonpositive(s[i] - m_new);
-                        sum += s[i];
-                    }
-                    l[g] = l[g] * correction + sum;
-                    m[g] = m_new;
-                    float* __restrict__ a = acc + (size_t)g * D;
-                    for (int c = 0; c < D; ++c) a[c] *= correction;
-                }
-                decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
-                for (int g = 0; g < group; ++g)
-                    accumulate_values(scores.data() + (size_t)g * CHUNK, values.data(), n, D, acc + (size_t)g * D);
-            }
+        key_lengths[b] = Lengths{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT]};
+        value_lengths[b] = Lengths{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT]};
+        const int tokens = key_lengths[b].sink + key_lengths[b].body + key_lengths[b].recent;
+        for (int t0 = 0; t0 < tokens; t0 += SPLIT)  // a split's KV heads in turn: its RoPE table rows stay in cache
+            for (int kv_head = 0; kv_head < kv_heads; ++kv_head) tasks.push_back(Task{b, kv_head, t0, std::min(tokens, t0 + SPLIT)});
+    }
+    const size_t per_task = (size_t)group * (D + 2);
+    std::vector<float> partials(tasks.size() * per_task);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(threads, 1)) if (threads > 1 && tasks.size() > 1)
+    for (long long i = 0; i < (long long)tasks.size(); ++i) {
+        const Task& task = tasks[i];
+        attend_tokens(ks, vs, decode_keys, decode_values, key_lengths[task.b], value_lengths[task.b], query, cos_table, sin_table,
+                      rope_stride, task.b, task.kv_head, kv_heads, group, D, scale, task.t_begin, task.t_end,
+                      partials.data() + i * per_task);
+    }
+    for (size_t i = 0; i < tasks.size(); ++i) {
+        const long long first_row = (long long)tasks[i].b * heads + (long long)tasks[i].kv_head * group;
+        for (int g = 0; g < group; ++g) {
+            const float* part = partials.data() + i * per_task + (size_t)g * (D + 2);
+            float& m = m_state[first_row + g];
+            float& l = l_state[first_row + g];
+            float* acc = acc_state + (first_row + g) * D;
+            const float m_new = std::fmax(m, part[0]);
+            const float old_weight = m == -INFINITY ? 0.0f : exp_nonpositive(m - m_new);
+            const float new_weight = part[0] == -INFINITY ? 0.0f : exp_nonpositive(part[0] - m_new);
+            l = l * old_weight + part[1] * new_weight;
+            for (int c = 0; c < D; ++c) acc[c] = acc[c] * old_weight + part[2 + c] * new_weight;
+            m = m_new;
         }
     }
     if (last)
         for (size_t row = 0; row < (size_t)batch * heads; ++row)
             for (int c = 0; c < D; ++c) acc_state[row * D + c] = l_state[row] > 0.0f ? acc_state[row * D + c] / l_state[row] : 0.0f;
+}
+
+// What this build is, for kvcal.runtime.cpu_kernel.describe: vector lanes, and the OpenMP version (0: no threads).
+extern "C" int kvcal_cpu_lanes() { return LANES; }
+extern "C" int kvcal_cpu_openmp() {
+#if defined(_OPENMP)
+    return _OPENMP;
+#else
+    return 0;
+#endif
 }

@@ -10,24 +10,39 @@ import warnings
 import pytest
 import torch
 
-from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, assert_append_matches_torch, cocktail_stores, compare,
-                                  cpu_kernel_decode, filled)
+from helpers import runnable_cpu_targets
+from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
+                                  cocktail_stores, compare, cpu_kernel_decode, filled)
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
-from kvcal.runtime import cpu_kernel
+from kvcal.runtime import cpu_kernel, kernels
 
 SHORT = [1, 31, 33, 129, 300]
 ON_CPU = dict(device="cpu", decode=cpu_kernel_decode, atol=1e-5, rtol=1e-5)  # float32 rounding of two summation orders
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compiled():
+LONG = [1100, 513, 0, 64]  # several splits of a (sequence, KV head), a split's edge, an empty sequence
+
+
+@pytest.fixture(scope="module", autouse=True, params=[pytest.param(t, marks=[] if t == "native" else pytest.mark.slow)
+                                                      for t in runnable_cpu_targets()])
+def build(request):
+    """Every test of this module against each build of the kernels this machine runs (-march=native and the x86-64
+    levels it has: the AVX2 build's 8-lane vectors too on an AVX-512 machine)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(cpu_kernel.TARGET_VARIABLE, request.param)
+    cpu_kernel.library.cache_clear()
+    cpu_kernel.append_library.cache_clear()
     assert cpu_kernel.library() is not None, "the CPU kernel did not compile (see the warning)"
+    yield request.param
+    patch.undo()
+    cpu_kernel.library.cache_clear()
+    cpu_kernel.append_library.cache_clear()
 
 
-@pytest.mark.parametrize("lengths", ("3", "short", "17"))
+@pytest.mark.parametrize("lengths", ("3", "short", "17", "long"))
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_cpu_decode_attention_matches_the_reference(case, lengths):
-    lengths = SHORT if lengths == "short" else BATCHES[lengths]
+    lengths = {"short": SHORT, "long": LONG}.get(lengths) or BATCHES[lengths]
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
     assert cpu_kernel.decode_supported(key_store.body.codec, value_store.body.codec)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, **ON_CPU)
@@ -37,6 +52,24 @@ def test_cpu_decode_attention_matches_the_reference(case, lengths):
 def test_cpu_decode_attention_serves_any_gqa_group(group):
     (key_store, value_store), pre_rope = filled("nuq4-prerope-crowded-outliers", BATCHES["3"], device="cpu")
     compare(key_store, value_store, 3, group=group, pre_rope=pre_rope, **ON_CPU)
+
+
+@pytest.mark.parametrize("case", ("nuq3-prerope-sink4-window", "kivi2"))
+def test_cpu_decode_attention_gives_the_same_bits_on_any_number_of_threads(case):
+    """Work is split by tokens, not by threads, and folded in a fixed order: 1, 2 and 3 threads give the same output."""
+    (key_store, value_store), pre_rope = filled(case, LONG, device="cpu")
+    query = torch.randn(len(LONG), 2 * KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), value_store.kernel_segments())]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)) if pre_rope else None
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append(cpu_kernel_decode(query, launches, KV_HEADS, HEAD_DIM**-0.5, [5] * len(LONG), inv_freq))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
 def test_cpu_cocktail_width_groups_chain_into_one_softmax():

@@ -5,11 +5,11 @@ kvcal.runtime.reference, which stays the specification and the fallback). Quanti
 (kernels/append_cpu.cpp, `CpuAppend`): what a decode step appends every step (codebooks with outliers,
 per-token uniform values, SKVQ) is encoded straight into the store, bit for bit as the torch encoders do.
 
-Each source is compiled at first use with the host C++ compiler (`$CXX`, else `c++`/`g++`) into a shared
-library cached under `$KVCAL_CACHE_DIR` (default ~/.cache/kvcal), named by a hash of the source, the flags, the
-compiler and the CPU, written to a temporary name and renamed (so concurrent first uses cannot load half a
-file), and loaded with ctypes. Without a compiler, or with KVCAL_CPU_KERNEL=0, the cache uses the torch
-reference and the torch encoders (a warning says why). The kernel reads the same store descriptor as the CUDA kernel
+Each source is compiled at first use with the host C++ compiler (`$CXX`, else `c++`/`g++`) for `-march=` the
+instruction set `$KVCAL_CPU_TARGET` names (default native: this CPU's; x86-64-v3 gives the AVX2 build on any newer
+x86 CPU) into a shared library kept in the build cache (kvcal.runtime.build_cache) by a hash of the source, the
+flags, the compiler and the CPU, and loaded with ctypes; `describe()` says which build runs. Without a compiler, or
+with KVCAL_CPU_KERNEL=0, the cache uses the torch reference and the torch encoders (a warning says why). The kernel reads the same store descriptor as the CUDA kernel
 (kvcal.runtime.kernels.Segments) plus two fields: the codec, and for SKVQ's permuted groups the group of every
 channel.
 """
@@ -35,9 +35,13 @@ from kvcal.runtime import kernels
 from kvcal.runtime.build_cache import cached
 from kvcal.runtime.store import channel_slots_and_groups, permuted_groups
 
-DECODE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-                "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
-APPEND_FLAGS = ("-O2", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
+DECODE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+                "-fassociative-math", "-fno-signed-zeros")
+APPEND_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
+# Threads: OpenMP. torch's CPU wheels load libgomp.so.1 before kvcal builds anything, so the kernel's libgomp.so.1 is
+# that same library and shares torch's thread pool; without OpenMP the kernel builds and runs on one thread.
+THREAD_FLAGS = (("-fopenmp",), ())
+TARGET_VARIABLE = "KVCAL_CPU_TARGET"  # the -march the kernels are built for: native (default), x86-64-v3, armv8-a, ...
 PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
 
@@ -62,9 +66,15 @@ class _CompileFailed(Exception):
     pass
 
 
-def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> ctypes.CDLL | None:
-    """kernels/<name> built into a shared library (once per source, flags, compiler and CPU) and loaded, with
-    `functions`' argument types; None (with a warning) where it cannot be."""
+def target() -> str:
+    """The instruction set the CPU kernels are built for (`-march`): $KVCAL_CPU_TARGET, default native."""
+    return os.environ.get(TARGET_VARIABLE) or "native"
+
+
+def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list], thread_flags=((),)) -> ctypes.CDLL | None:
+    """kernels/<name> built for target() into a shared library (once per source, flags, compiler and CPU), with the
+    first of `thread_flags` that compiles, and loaded with `functions`' argument types; None (with a warning) where it
+    cannot be."""
     if os.environ.get("KVCAL_CPU_KERNEL", "1") == "0":
         return None
     compiler = _compiler()
@@ -75,17 +85,27 @@ def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> 
     source = src.KERNEL_DIR / name
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
-    def build(target: Path) -> None:
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(target)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise _CompileFailed(result.stderr[-2000:])
+    march = f"-march={target()}"
 
-    try:
-        target = cached(f"{source.stem}.so", [source.read_text(), *flags, compiler, version, _cpu_id()], build)
-    except _CompileFailed as exc:
-        warnings.warn(f"kvcal: compiling {name} failed; the torch path serves instead:\n{exc}", stacklevel=3)
+    def build_with(extra: tuple[str, ...]):
+        def build(path: Path) -> None:
+            result = subprocess.run([compiler, *flags, march, *extra, str(source), "-o", str(path)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise _CompileFailed(result.stderr[-2000:])
+        return build
+
+    failure = None
+    for extra in thread_flags:
+        try:
+            built = cached(f"{source.stem}.so", [source.read_text(), *flags, march, *extra, compiler, version, _cpu_id()],
+                           build_with(extra))
+            break
+        except _CompileFailed as exc:
+            failure = exc
+    else:
+        warnings.warn(f"kvcal: compiling {name} for {march} failed; the torch path serves instead:\n{failure}", stacklevel=3)
         return None
-    lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(built))
     for function, argtypes in functions.items():
         getattr(lib, function).restype = None
         getattr(lib, function).argtypes = argtypes
@@ -95,8 +115,22 @@ def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list]) -> 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled decode-attention kernel (built on first use), or None."""
-    return _compiled("decode_attention_cpu.cpp", DECODE_FLAGS,
-                     {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _F, _P, _P, _P, _I, _I]})
+    lib = _compiled("decode_attention_cpu.cpp", DECODE_FLAGS,
+                    {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _F, _P, _P, _P, _I, _I, _I]},
+                    THREAD_FLAGS)
+    if lib is not None:
+        for function in ("kvcal_cpu_lanes", "kvcal_cpu_openmp"):
+            getattr(lib, function).restype, getattr(lib, function).argtypes = _I, []
+    return lib
+
+
+def describe() -> str:
+    """Which CPU decode kernel runs here: its target, vector lanes and threads (or why the torch reference serves)."""
+    lib = library()
+    if lib is None:
+        return "CPU decode kernel: none (the torch reference serves)"
+    threads = f"{torch.get_num_threads()} threads (OpenMP)" if lib.kvcal_cpu_openmp() else "1 thread (built without OpenMP)"
+    return f"CPU decode kernel: built for -march={target()}, {lib.kvcal_cpu_lanes()} float lanes, {threads}"
 
 
 @functools.cache
@@ -171,7 +205,8 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor.ctypes.data, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
             0 if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[1] * head_dim, batch, kv_heads,
-            heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1)
+            heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1,
+            torch.get_num_threads())
     return out
 
 

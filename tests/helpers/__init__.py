@@ -47,6 +47,19 @@ def emulator_library(driver: str, include_dirs: list[Path], name: str) -> Path:
     return cached(name, [driver, *EMULATION_FLAGS, compiler, version, *sources], build)
 
 
+X86_LEVELS = {"x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},
+              "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
+
+
+def runnable_cpu_targets() -> list[str]:
+    """The -march targets of the CPU kernels this machine can execute: native, and each x86-64 level below it."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        flags = set()
+    return ["native", *(level for level, needs in X86_LEVELS.items() if needs <= flags)]
+
+
 def requires_gpu(test):
     """Marks a test `gpu` (the GPU suite is `pytest -m gpu`) and skips it where there is no CUDA GPU or no CuPy."""
     ready = torch.cuda.is_available() and kernels.cuda_ready("cuda")
