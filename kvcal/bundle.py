@@ -7,8 +7,10 @@ one entry per layer: storage format, bits, group size, window, sink, residual, p
 fraction, fp8, packing layout) and the calibration provenance; `kvcal.sha256`, a checksum of all the
 metadata and of every tensor's name, dtype, shape and bytes (kvcal.artifacts). load_bundle validates
 schema, checksum, recipe (every field by type and range), tensor names (no missing, no extra ones), shapes,
-dtypes and finite values against each layer's format (kvcal.registry), and the model fingerprint when given
-a model, and refuses anything else with a message naming the problem.
+dtypes and finite values, positive RoPE frequencies and non-negative importances, each layer's tensors against its
+format (kvcal.registry: what the encoders and kernels rely on, such as sorted codebooks and ordered thresholds), and
+the model fingerprint when given a model, and refuses anything else with a message naming the problem: a bundle
+whose checksum was recomputed after an edit never reaches the runtime to be misread.
 
 This module knows the format only: which methods write which layers is kvcal.methods' business, and
 building a bundle from a profile is kvcal.calibration's.
@@ -194,10 +196,15 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
         raise KvcalError(f"bundle '{path}' declares packing {packing!r}, which has no layout for its 5-7-bit codes; re-export the bundle")
     expected = {"rope.inv_freq"}
     _check_tensor(tensors, "rope.inv_freq", "float32", (fingerprint["head_dim"] // 2,), path)
+    if bool((tensors["rope.inv_freq"] <= 0).any()):
+        raise KvcalError(f"bundle '{path}': rope.inv_freq has frequencies that are not positive; re-export the bundle")
     for i, layer in enumerate(layers):
         for kind in ("k", "v"):
             expected.add(f"layers.{i}.importance.{kind}")
             _check_tensor(tensors, f"layers.{i}.importance.{kind}", "float32", (1,), path)
+            if bool((tensors[f"layers.{i}.importance.{kind}"] < 0).any()):
+                raise KvcalError(f"bundle '{path}': layers.{i}.importance.{kind} is negative (an importance is a gradient norm); "
+                                 "re-export the bundle")
             schema = layer.format.tensor_schema(layer, kind, width)
             for field, (shape, dtype) in schema.items():
                 expected.add(f"layers.{i}.{kind}.{field}")

@@ -263,6 +263,43 @@ def test_extra_renamed_retyped_and_non_finite_tensors_are_refused(bundle_path, t
         load_bundle(rewrite(bundle_path, tmp_path / "tensors.safetensors", tensors_fn=tensors_fn))
 
 
+def _edited(tensor_edit):
+    def tensors_fn(tensors):
+        tensor_edit(tensors)
+        return tensors
+    return tensors_fn
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t["layers.1.k.codebook"].copy_(t["layers.1.k.codebook"].flip(0)), "layer 1 k: its codebook is not in ascending order"),
+    (lambda t: t["layers.0.v.codebook"].__setitem__([2, 3], t["layers.0.v.codebook"][[3, 2]]), "layer 0 v: its codebook is not in ascending"),
+    (lambda t: t["layers.0.k.lo"].__setitem__(5, t["layers.0.k.hi"][5] + 0.5), "layer 0 k: a channel's lower threshold lo is above"),
+    (lambda t: t["layers.1.importance.v"].fill_(-0.25), "layers.1.importance.v is negative"),
+    (lambda t: t["rope.inv_freq"].__setitem__(0, 0.0), "rope.inv_freq has frequencies that are not positive"),
+])
+def test_a_resealed_bundle_with_values_the_kernels_would_misread_is_refused(bundle_path, tmp_path, edit, message):
+    """Each edit keeps shapes, dtypes and finiteness and the checksum is recomputed: only the invariants the encoders
+    and kernels rely on stand between such a bundle and wrong tokens."""
+    with pytest.raises(KvcalError, match=message):
+        load_bundle(rewrite(bundle_path, tmp_path / "edited.safetensors", tensors_fn=_edited(edit)))
+
+
+def test_equal_thresholds_and_equal_signposts_which_kvcal_itself_writes_are_accepted(bundle_path, tmp_path):
+    """A channel that was constant in calibration gets lo == hi, and k-means can give two equal signposts."""
+    def degenerate(t):
+        t["layers.0.k.lo"][3] = t["layers.0.k.hi"][3]
+        t["layers.0.v.codebook"][1] = t["layers.0.v.codebook"][0]
+
+    assert load_bundle(rewrite(bundle_path, tmp_path / "degenerate.safetensors", tensors_fn=_edited(degenerate))).layers
+
+
+def test_skvq_channel_orders_and_clipping_scales_are_checked(recipe_bundles, tmp_path):
+    for edit, message in ((lambda t: t["layers.0.k.perm"].__setitem__(0, t["layers.0.k.perm"][1]), "permutation or group bounds"),
+                          (lambda t: t["layers.1.v.clip"].__setitem__(0, -1.0), "clipping scales are not positive")):
+        with pytest.raises(KvcalError, match=message):
+            load_bundle(rewrite(recipe_bundles["skvq"], tmp_path / "skvq.safetensors", tensors_fn=_edited(edit)))
+
+
 def test_checksum_covers_metadata_and_is_recorded(bundle_path):
     metadata = read_metadata(bundle_path)
     assert metadata["kvcal.schema"] == "2" and len(metadata["kvcal.sha256"]) == 64

@@ -36,6 +36,16 @@ class NuqFormat(LayerFormat):
             schema |= {"lo": ((width,), "float32"), "hi": ((width,), "float32")}
         return schema
 
+    def tensor_problem(self, layer, kind, tensors):
+        """What the encoders and kernels read as sorted and ordered: a codebook in ascending order (k-means can give
+        equal signposts), per-channel thresholds lo <= hi (equal for a channel that was constant in calibration)."""
+        codebook = tensors["codebook"]
+        if bool((codebook[1:] < codebook[:-1]).any()):
+            return "its codebook is not in ascending order"
+        if "lo" in tensors and bool((tensors["lo"] > tensors["hi"]).any()):
+            return "a channel's lower threshold lo is above its upper threshold hi"
+        return None
+
     def codecs(self, layer, tensors):
         return nuq_layer(tensors["k.codebook"], tensors["v.codebook"], tensors.get("k.lo"), tensors.get("k.hi"), layer.outliers,
                          layer.pre_rope)
