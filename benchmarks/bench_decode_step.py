@@ -40,6 +40,7 @@ import copy
 import ctypes
 import gc
 import importlib.util
+import os
 import resource
 import sys
 import time
@@ -77,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                            "(default: %(default)s, transformers' default)")
     parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
                         help="prompt text (default: wikitext-2 test; the builtin corpus if missing)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads, which the CPU decode kernel uses too "
+                                                                  "(default: torch's own choice)")
+    parser.add_argument("--march", default="native", help="the instruction set the CPU kernels are built for (-march): native, "
+                                                         "x86-64-v3 (AVX2), x86-64-v4 (AVX-512), ... (default: %(default)s)")
     parser.add_argument("--out", default="decode_step_cpu", help="result name under benchmarks/results (default: %(default)s)")
     args = parser.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -253,11 +257,30 @@ def prompts(tokenizer, text_path: Path, length: int, batch: int) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    """The CPU model and its vector extensions (from /proc/cpuinfo where there is one)."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith(("flags", "Features"))), []))
+    vectors = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "asimd", "sve") if name in flags]
+    return f"{model} ({', '.join(vectors) or 'no AVX2'})"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    started = provenance()
+    from kvcal.runtime import cpu_kernel
+
+    os.environ[cpu_kernel.TARGET_VARIABLE] = args.march  # before anything builds the CPU kernels (at first use)
+
+    started = {**provenance(), "cpu": cpu_name(), "kernel": cpu_kernel.describe()}
+    print(f"{started['cpu']}; {started['kernel']}", flush=True)
     from kvcal.models import load_model
     from kvcal.runtime.cache import fp_context
 
@@ -295,7 +318,7 @@ def main(argv=None) -> None:
             rows += cell
             del context
             gc.collect()
-    settings = {"lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
+    settings = {"lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines, "march": args.march,
                 "baselines_left_out": missing, "new_tokens": args.new_tokens, "timed_tokens_per_run": args.new_tokens - 1,
                 "quantized_cache": {"nbits": args.quantized_nbits, "residual_length": args.quantized_residual, "q_group_size": 64},
                 "threads": torch.get_num_threads(), "model": source.spec, "dtype": str(model.dtype),
@@ -303,11 +326,12 @@ def main(argv=None) -> None:
                           "freed heap trimmed (malloc_trim) and high-water mark reset via /proc/self/clear_refs before each cache",
                 "seconds": round(time.perf_counter() - began, 1)}
     write_result(args.out, {"settings": settings, "results": rows}, started)
-    write_markdown(args.out, table(rows, args, baselines, missing))
+    write_markdown(args.out, table(rows, args, baselines, missing, started))
 
 
-def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str]) -> list[str]:
+def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str], started: dict) -> list[str]:
     lines = [f"# generate() time per new token on CPU (SmolLM2-135M fp32, {torch.get_num_threads()} threads)", "",
+             f"{started['cpu']}; {started['kernel']}. Commit {started['commit']}, {started['date']}.", "",
              f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/bench_decode_step.py); "
              "x Dyn: time per token / DynamicCache's (the mean of its runs first and last in the cell); peak MiB: peak RSS "
              "during cache load + decode above the RSS before it (resource.getrusage ru_maxrss, high-water mark reset per "

@@ -38,7 +38,21 @@ enum SideField {
 };
 enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
 
-// IEEE binary16 -> float, exact (subnormals, infinities and NaN included).
+// IEEE binary16 -> float, exact (subnormals, infinities and NaN included): the hardware's conversion where the target
+// has one (F16C, AVX512-FP16, aarch64: loops of it vectorize), else by bits.
+#if defined(__aarch64__)
+inline float half_to_float(uint16_t h) {
+    __fp16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
+}
+#elif defined(__F16C__) || defined(__AVX512FP16__)
+inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
+}
+#else
 inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t bits = (uint32_t)(h & 0x7fffu) << 13;
@@ -64,6 +78,7 @@ inline float half_to_float(uint16_t h) {
     std::memcpy(&f, &out, 4);
     return f;
 }
+#endif
 
 struct Side {
     const uint16_t* sink; long long sink_stride;
@@ -119,8 +134,7 @@ struct HeadTables {
     std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; per-row groups otherwise
     std::vector<int32_t> codes;        // one row's codes of the head
     std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
-    alignas(64) float codebook[16] = {};  // the codebook, then a row's decoded levels (CODEBOOK_TOKEN)
-    alignas(64) float row_table[16] = {};
+    alignas(64) float codebook[16] = {};  // the codebook (zeros past its levels)
     long long block = -1;
     int levels = 0;
 };
@@ -193,6 +207,23 @@ inline vf32 lookup(const float* table, vi32 index) {
 #endif
 }
 
+// table[index] lane by lane for a table of ENTRIES <= 16 floats held in registers (16 / LANES vectors).
+template <int ENTRIES>
+inline vf32 select(const vf32* table, vi32 index) {
+#if defined(__clang__)
+    float spilled[16];
+    for (int k = 0; k < 16 / LANES; ++k) storev(spilled + k * LANES, table[k]);
+    vf32 out;
+    for (int i = 0; i < LANES; ++i) out[i] = spilled[index[i]];
+    return out;
+#else
+    if constexpr (ENTRIES <= LANES)
+        return __builtin_shuffle(table[0], index);
+    else
+        return __builtin_shuffle(table[0], table[1], index);
+#endif
+}
+
 // Codes first .. first + LANES - 1 of a row (first a multiple of LANES) in "lsb" 1/2/4 or planes3 (a unit of 32
 // codes is 1, 2, 4 or 3 words).
 template <int LAYOUT>
@@ -239,11 +270,14 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
             t.block = block;
         }
     }
-    if (CODEC == CODEBOOK_TOKEN) {  // the row's decoded levels
+    // CODEBOOK_TOKEN: the row's decoded levels in registers (stored one by one and loaded as a vector, they stalled on
+    // store forwarding: a quarter of the value decode's samples in perf)
+    vf32 levels[16 / LANES] = {};
+    if (CODEC == CODEBOOK_TOKEN) {
         const long long at = b * s.param_stride + row * s.param_row;
         const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
         const float half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
-        for (int j = 0; j < t.levels; ++j) t.row_table[j] = t.codebook[j] * half_range + mid;
+        for (int k = 0; k < 16 / LANES; ++k) levels[k] = loadv(t.codebook + k * LANES) * half_range + mid;
     }
     if (CODEC == PERMUTED_GROUPS) {  // SKVQ (codes in channel order): (code + zero) * scale of the channel's group
         const long long at = b * s.param_stride + (long long)row * s.param_row;
@@ -271,7 +305,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
                 std::memcpy(&group, t.groups.data() + first, sizeof group);
                 value = (code + lookup<16>(t.zero.data(), group)) * lookup<16>(t.scale.data(), group);
             } else {  // CODEBOOK_TOKEN
-                value = lookup<LEVELS<LAYOUT>>(t.row_table, code_index);
+                value = select<LEVELS<LAYOUT>>(levels, code_index);
             }
             storev(out + first, value);
         }
@@ -294,7 +328,9 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     } else if (CODEC == PERMUTED_GROUPS) {
         for (int c = 0; c < D; ++c) out[c] = ((float)codes[c] + t.zero[t.groups[c]]) * t.scale[t.groups[c]];
     } else {  // CODEBOOK_TOKEN
-        for (int c = 0; c < D; ++c) out[c] = t.row_table[codes[c]];
+        float table[16];
+        for (int k = 0; k < 16 / LANES; ++k) storev(table + k * LANES, levels[k]);
+        for (int c = 0; c < D; ++c) out[c] = table[codes[c]];
     }
 }
 
@@ -327,11 +363,14 @@ void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int 
     const uint16_t* values = s.outlier_values + run * s.outlier_stride;
     const int32_t* offsets = s.outlier_offsets + run * s.offset_stride;
     const int last_tile = (len.body - 1) >> s.tile_shift;
+    const bool power_of_two = (D & (D - 1)) == 0;  // a position's row and channel by shift and mask (no division)
+    const int d_shift = __builtin_ctz((unsigned)D);
     for (int tile = row_lo >> s.tile_shift; tile <= (row_hi - 1) >> s.tile_shift; ++tile) {
         const int end = tile < last_tile ? offsets[tile + 1] : s.outlier_counts[run];
         for (int e = offsets[tile]; e < end; ++e) {
             const int position = positions[e];
-            const int row = (tile << s.tile_shift) + position / D, c = position % D;
+            const int in_tile = power_of_two ? position >> d_shift : position / D;
+            const int row = (tile << s.tile_shift) + in_tile, c = position - in_tile * D;
             if (row >= row_hi) break;
             if (row < row_lo) continue;
             out[(long long)(row + len.sink - t0) * D + c] = half_to_float(values[e]);
@@ -484,7 +523,9 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
     for (int t0 = t_begin; t0 < t_end; t0 += CHUNK) {
         const int n = std::min(CHUNK, t_end - t0);
         decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-        if (cos_table != nullptr) {  // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair
+        // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half); a table row holds its
+        // half of frequencies twice (rotate_half's convention), so only the first half is read
+        if (cos_table != nullptr) {
             for (int i = 0; i < n; ++i) {
                 const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * D;
                 const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * D;
@@ -492,7 +533,7 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
                 for (int c = 0; c < half; ++c) {
                     const float x1 = k[c], x2 = k[c + half];
                     k[c] = x1 * cos_row[c] - x2 * sin_row[c];
-                    k[c + half] = x2 * cos_row[c + half] + x1 * sin_row[c + half];
+                    k[c + half] = x2 * cos_row[c] + x1 * sin_row[c];
                 }
             }
         }

@@ -204,7 +204,8 @@ class RuntimeLayer(CacheLayerMixin):
             self._served = [tensor_core.serve(segments, heads, kv_heads, head_dim, inv_freq, self.rope_scaling)
                             if self.use_kernels and tensor_core.enabled() else None for segments in self._launches]
         if self.use_cpu_kernel:
-            rope = plan.rope(max(plan.after), self.inv_freq, self.rope_scaling) if self.pre_rope else None
+            rope = (self.cache.rope_rows([o or 0 for o in plan.offsets], max(plan.after), self.inv_freq, self.rope_scaling)
+                    if self.pre_rope else None)
             out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope)
         else:
             out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
@@ -362,6 +363,7 @@ class WiredCache(Cache):
         self.position_offset: list[int | None] | None = None  # RoPE position of each sequence's first stored token
         self._plan: StepPlan | None = None  # the running step's (made at its first layer)
         self._inv_freq: dict[str, torch.Tensor] = {}
+        self._rope_rows: dict = {}  # see rope_rows
         _register_attention()
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
 
@@ -392,6 +394,20 @@ class WiredCache(Cache):
         if key not in self._inv_freq:
             self._inv_freq[key] = self.adapter.inv_freq.to(device)
         return self._inv_freq[key]
+
+    def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (1 or batch, >= tokens, head_dim) at each sequence's positions offset .. offset + tokens - 1 for the
+        CPU kernel: one row set for the batch when every sequence starts at the same position, kept between steps
+        and grown by doubling (a decode step adds one token: the tables are made again only every so often)."""
+        starts = tuple(offsets) if len(set(offsets)) > 1 else (offsets[0],)
+        key = (inv_freq.data_ptr(), rope_scaling)  # one entry per set of frequencies (models may have two)
+        held_starts, held = self._rope_rows.get(key, (None, None))
+        if held_starts != starts or held[0].shape[1] < tokens:
+            capacity = max(tokens, 2 * held[0].shape[1] if held_starts == starts else 0, 256)
+            positions = torch.arange(capacity, device=inv_freq.device)[None, :] + torch.tensor(starts, device=inv_freq.device)[:, None]
+            held = reference.rope_tables(positions, inv_freq, rope_scaling)
+            self._rope_rows[key] = (starts, held)
+        return held
 
     def _describe_model(self) -> str:
         return f"{type(self.model).__name__} at {id(self.model):#x}"

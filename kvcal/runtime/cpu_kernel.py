@@ -183,15 +183,17 @@ def side_descriptor(sink, body, recent) -> list[int]:
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
-    rope: cos, sin (batch, 1 or more, >= tokens, head_dim) float32 at each sequence's positions for keys stored
-    before RoPE (None: keys are stored rotated). (batch, heads, head_dim) float32; a sequence without tokens gets
-    zeros. The stores must live on the CPU."""
+    rope: cos, sin (batch or 1, [1,] >= tokens, head_dim) float32 at each sequence's positions (one set of rows for
+    the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are stored rotated).
+    (batch, heads, head_dim) float32; a sequence without tokens gets zeros. The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
     query = query.float().contiguous()
     cos = sin = None
+    rope_stride = 0
     if rope is not None:
-        cos, sin = (t.reshape(batch, -1, head_dim).contiguous() for t in rope)
+        cos, sin = (t.reshape(t.shape[0], -1, head_dim).contiguous() for t in rope)
+        rope_stride = 0 if cos.shape[0] == 1 else cos.shape[1] * head_dim
     calls = []
     for segments in launches:
         meta = np.asarray([kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)], dtype=np.int32)
@@ -204,7 +206,7 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     for i, (descriptor, meta) in enumerate(calls):
         lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor.ctypes.data, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
-            0 if sin is None else sin.data_ptr(), 0 if cos is None else cos.shape[1] * head_dim, batch, kv_heads,
+            0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads,
             heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1,
             torch.get_num_threads())
     return out
@@ -277,13 +279,12 @@ class CpuAppend:
         if not keep:
             return
         per_sequence = found if rows == len(seqs) else np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
-        store.reserve_outlier_room(seqs, per_sequence.tolist())  # may move the outlier arrays: pointers after it
+        store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
         lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, _ptr(tables.get("lo")),
                                      _ptr(tables.get("hi")), _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
                                      row_in_seq.ctypes.data, store.outlier_positions.data_ptr(), store.outlier_values.data_ptr(),
                                      store.outlier_positions.shape[2], store.outlier_offsets.data_ptr(),
                                      store.outlier_offsets.shape[2], store.outlier_count.data_ptr())
-        store.snapshot_outlier_count()
 
 
 APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PERMUTED_GROUPS)

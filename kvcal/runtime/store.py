@@ -409,6 +409,11 @@ class PackedRows:
             self.outlier_positions = _grown(self.outlier_positions, capacity, dim=2)
             self.outlier_values = _grown(self.outlier_values, capacity, dim=2)
 
+    def reserve_outlier_room_on_host(self, seqs: list[int], added: np.ndarray) -> None:
+        """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h],
+        read exactly (the bound of reserve_outlier_room is for devices the host does not wait for)."""
+        self.reserve_outliers(int((self.outlier_count.numpy()[seqs] + added).max()))
+
     def reserve_outlier_room(self, seqs: list[int], most: list[list[int]]) -> None:
         """Kernel path: (sequence seqs[i], KV head h) may gain up to most[i][h] outliers; grow the outlier arrays so
         that every count stays within their capacity. The host never reads the device counts here: it keeps an
