@@ -1,69 +1,7 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
-// codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge.
-// The cache layout is kvcal.runtime.store's (token-major rows of codes, LSB-first per row, kvcal/packing.py "lsb",
-// 3-bit codes as "planes3"; per-token parameters per channel group along the tokens); pre-RoPE keys are rotated here.
-// It reads one packed body per side (or fp16 rows), with KVQuant's outliers (OUT): in the runtime's cache it serves
-// the body rows both sides hold, and the CUDA-core kernel (decode_attention.cu) the fp16 sinks, windows and residuals
-// beside them, into other split slots of the same partial buffers, merged once. kvcal/runtime/tensor_core.py launches
-// it.
-//
-// Block = (split, KV head, sequence), 4 warps. Tokens stream through shared memory in stages of ST = 64 or 128
-// tokens (Shape::WIDE) by a STAGES-deep cp.async pipeline (all 128 threads copy 16-byte chunks, 8-byte ones for
-// nuq3's 24-byte rows at head_dim 64; zero fill past the end); warp w computes tokens TPW w .. TPW w + TPW - 1
-// (TPW = ST / 4) of each stage with its own online softmax (log2 domain), and the four warps merge through shared
-// memory at the end into one (partial output, lse) per split.
-//
-// Matrix mapping (m16n8k16, fp16 operands, fp32 accumulation; g = lane / 4, t = lane % 4):
-//  S = Q K^T, query heads in M: A = the GQA group's query rows (rows >= GQA and 8..15 are zero), B = K^T
-//    (n = 8 tokens). Lane (g, t) gets S[head g][token 2t, 2t+1] of each 8-token n-tile.
-//  O^T = V^T P^T, query heads in N: A = V^T (16 channels x 16 tokens), B = P^T: b[0] = P[head g][token 2t, 2t+1]
-//    is exactly what S's accumulator holds, so P never leaves registers. Lane (g, t) accumulates
-//    O^T[channel row g, g + 8 of each m-tile][head 2t, 2t+1].
-//  The reduction index k of Q K^T is a free permutation of the channels (Q is permuted the same way), and the
-//    M index of V^T a free permutation of output channels (undone when the output is written), so each lane
-//    converts whole words of codes with kernels/intrinsics.cuh's magic-number converters straight into fragments:
-//    keys: lane t converts channels [t D/4, (t+1) D/4) of token g of the n-tile (one 16/8/4-byte shared load);
-//    values: two tokens' words are interleaved by one prmt per 16 bits ({token 2t's codes, token 2t+1's codes}),
-//    so that the converter's half2 outputs are (token pair, channel) fragments.
-//  Keys (ChannelBlockUniform, per-channel scale s and zero z per block of KG tokens): q . k = sum (q s) code + sum q z:
-//    Q' = q * s (fp16 pairs) is rebuilt when a warp enters a new key block, and bias = Q . z (one mma per 16
-//    channels) initialises the score accumulators. The key codes stay raw (RAW: the converters' lop3 half alone,
-//    pair p reads 1024 + code * 2^s(p), intrinsics.cuh): Q' takes 2^-s(p) and the bias -1024 sum Q' (one more mma
-//    per 16 channels, with the very fp16 Q' the scores multiply), so a key word costs its lop3s, no fp16 fix-up.
-//  Values (TokenUniform, per-token scale and zero per channel group): P' = P * scale per token and group is the
-//    B operand; sum_t P z per (head, group) rides along as a running sum, added at the end. The codes stay raw
-//    too: after each m-tile's mma a second one with A = -1024 takes the 1024s out again (the tensor core's sums
-//    truncate to the largest term, tests/kernel_emulation's tensor_core_sum, so 1024s left in the accumulator for
-//    a whole split lost the codes' bits: 2e-2 error over 4K tokens), and each output row is scaled by 2^-s at the
-//    end.
-//  Codebooks (CB, kvcal.quantizers.CodebookCodec): a byte of two 4-bit codes indexes a 256-entry table
-//    of fp16 pairs {codebook[low nibble], codebook[high nibble]} in shared memory (one per side, made by the host:
-//    kvcal.runtime.tensor_core.codebook_pairs), so one lds gives a fragment register (its address made by the instruction
-//    that extracts the index: the tables start at a multiple of 1024). Keys: the bytes of a row are
-//    channel pairs (2i, 2i + 1), and the per-channel thresholds make one scale and zero per channel for the whole
-//    sequence (one key block, copied once, not per stage). Values: one SELECT lop3 merges two tokens' nibbles of a
-//    channel into a byte, so the lookup gives the (token pair, channel) register directly; the per-token thresholds
-//    (lo, hi) of the row give scale (hi - lo) / 2 and zero (hi + lo) / 2 as the uniform codes' do. 3-bit codes
-//    (planes3_pairs): a byte holds a channel pair's low bits (one nibble of the low plane) and high bits (spread from
-//    the high plane), the table's first 64 words; values look up each token's channel pairs and swap halves into
-//    token pairs (prmt). At head_dim 64 a lane's 8 codes are a quarter unit (planes3_place).
-//  Pre-RoPE keys (ROPE): the key at position P0 + delta (P0: the stage's first position, delta < ST) is rotated by
-//    R(P0 + delta) = R(P0) R(delta), so q . R(P0 + delta) k = (R(P0)^T q) . (R(delta) k). The block's threads rotate
-//    the query by -P0 once per stage (fp32; the angle P0 theta exact in double and reduced modulo 2 pi every 16
-//    stages, advanced by one stage's rotation in between: accurate at any position), and each lane rotates its
-//    dequantized keys by delta with a host-made fp16 table of cos / sin (delta theta) in shared memory
-//    (kvcal.runtime.tensor_core.rope_table). The rotation pairs channels c and c + D/2, so lane t holds both halves:
-//    channels [t D/8, (t+1) D/8) and the same + D/2 (key_channel).
-//    Scales cannot fold into the query when the key rotates, so each lane dequantizes (code * scale + zero, one
-//    fma.f16x2 per pair) before rotating.
-//  Outliers (OUT: codebooks with pre-RoPE keys, kvcal/packing.py's outlier tiles of ST rows = one stage): each stage
-//    copies its tile's positions and values per side (up to OUT_SLOTS; a crowded tile's rest is read from global
-//    memory). After the stage lands, all threads write each outlier's patch into a stage-sized tile per side (every
-//    element is one outlier: no conflicts, no atomics); a barrier; then each lane dequantizes its keys with the key
-//    tile as the addend, code * scale + (zero + patch) in the fma.f16x2 it needs anyway, before rotating: the key tile
-//    holds the channel's zero point where no outlier is and exact - code * scale where one is. Each warp adds the
-//    value patch (exact - dequantized, zero elsewhere) as one more mma per m-tile with P unscaled. Readers restore
-//    what they read (the zero points, zeros).
+// codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge;
+// kvcal/runtime/tensor_core.py launches it. Its design (block and warp roles, the matrix mapping, how each codec's
+// codes become mma fragments, pre-RoPE rotation, outliers) is written out in docs/kernels.md.
 #include "intrinsics.cuh"
 
 namespace tc {

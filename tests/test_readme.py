@@ -1,9 +1,10 @@
-"""The README runs as written. CI runs its test command (kept in step with .ci/run); its Python runs on the
-packaged SmolLM2 after a short `kvcal calibrate`; every other shell example runs as written on a tiny
-random model.
+"""The README and docs/ run as written. CI runs the README's test command (kept in step with .ci/run); the README's
+Python runs on the packaged SmolLM2 after a short `kvcal calibrate`; every shell example of the README and of docs/
+runs as written on a tiny random model; every relative link resolves; the results they show are generated from
+benchmarks/results (benchmarks/report.py).
 
-How the shell examples run: each fenced `bash` block (but the two set-up commands, which install packages)
-is split into commands (backslash continuations joined, `#` comments dropped) and each `kvcal ...` command
+How the shell examples run: each fenced `bash` block (but the two set-up commands, which install packages) of the
+README, then of docs/cli.md, then of the other pages of docs/, is split into commands (backslash continuations joined, `#` comments dropped) and each `kvcal ...` command
 is invoked through typer's CliRunner, in a temp folder laid out like a checkout (`../shared/data/wikitext-2`
 beside it), in README order. The environment does the scaling, as the README documents: `KVCAL_MODEL` (the
 default `--model` of every command) is a tiny random Llama saved as a folder named `SmolLM2-135M-Instruct`,
@@ -29,6 +30,8 @@ from kvcal.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, REPO / "docs" / "cli.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "cli.md")]
+PAGES = [*DOCS, REPO / "CONTRIBUTING.md"]
 ARTIFACTS = Path("artifacts") / "SmolLM2-135M-Instruct"
 SKIP_MARKER = "<!-- readme-test: skip -->"
 SETUP_PREFIX = "pip install torch==2.13.0"
@@ -42,9 +45,9 @@ SCALED_DOWN = {
 }
 
 
-def blocks(language: str) -> list[tuple[int, str]]:
-    """(line number, code) of the README's fenced blocks in `language`, without those marked to skip."""
-    lines = README.read_text().splitlines()
+def blocks(language: str, page: Path = README) -> list[tuple[int, str]]:
+    """(line number, code) of a page's fenced blocks in `language`, without those marked to skip."""
+    lines = page.read_text().splitlines()
     found, start = [], None
     for number, line in enumerate(lines, 1):
         if start is None and line.startswith("```"):
@@ -57,28 +60,64 @@ def blocks(language: str) -> list[tuple[int, str]]:
     return found
 
 
-def shell_commands() -> list[tuple[int, list[str]]]:
-    """(README line, argv) of every command of the bash blocks but the set-up commands."""
+def shell_commands() -> list[tuple[str, list[str]]]:
+    """(page and line, argv) of every command of the pages' bash blocks but the set-up commands, in page order."""
     commands = []
-    for first, code in blocks("bash"):
-        for line in code.replace("\\\n", " ").splitlines():
-            if line.startswith(SETUP_PREFIX):
-                continue
-            argv = shlex.split(line, comments=True)
-            if argv:
-                commands.append((first, argv))
+    for page in DOCS:
+        for first, code in blocks("bash", page):
+            for line in code.replace("\\\n", " ").splitlines():
+                if line.startswith(SETUP_PREFIX):
+                    continue
+                argv = shlex.split(line, comments=True)
+                if argv:
+                    commands.append((f"{page.relative_to(REPO)} line {first}", argv))
     return commands
 
 
 def test_every_runnable_example_is_offline_and_a_kvcal_command():
     commands = shell_commands()
     assert len(commands) >= 10 and len(blocks("python")) >= 2
-    for line, argv in commands:
-        assert argv[0] == "kvcal", f"README line {line}: {argv}"
-        assert "--model" not in argv, f"README line {line}: examples use the packaged model (or $KVCAL_MODEL)"
-    for _, code in blocks("python") + blocks("bash"):
-        assert not re.search(r"HuggingFaceTB/|huggingface\.co|hf\.co/", code), code
-        assert "smollm2/" not in code, "paths are where `kvcal calibrate` writes: artifacts/SmolLM2-135M-Instruct/"
+    assert not any(blocks("python", page) for page in DOCS[1:]), "Python examples live in the README (its test runs them)"
+    for where, argv in commands:
+        assert argv[0] == "kvcal", f"{where}: {argv}"
+        assert "--model" not in argv, f"{where}: examples use the packaged model (or $KVCAL_MODEL)"
+    for page in DOCS:
+        for _, code in blocks("python", page) + blocks("bash", page):
+            assert not re.search(r"HuggingFaceTB/|huggingface\.co|hf\.co/", code), code
+            assert "smollm2/" not in code, "paths are where `kvcal calibrate` writes: artifacts/SmolLM2-135M-Instruct/"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in page.read_text().splitlines() if line.startswith("#")}
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    checked = 0
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            assert resolved.exists(), f"{page.relative_to(REPO)}: link to {target}: no such file"
+            if anchor:
+                assert anchor in anchors(resolved), f"{page.relative_to(REPO)}: link to {target}: no such heading"
+            checked += 1
+    assert checked >= 20
+
+
+def test_the_results_in_the_readme_and_docs_are_generated_from_benchmarks_results():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_readme_reads_in_two_minutes():
+    assert len(README.read_text().splitlines()) <= 200
 
 
 def test_ci_runs_the_readme_test_command():
@@ -109,9 +148,9 @@ def test_readme_shell_examples_run_as_written(checkout, wikitext_valid):
     work, stand_in = checkout
     env = {"KVCAL_MODEL": str(stand_in), **SCALED_DOWN}
     runner = CliRunner()
-    for line, argv in shell_commands():
+    for where, argv in shell_commands():
         result = runner.invoke(app, argv[1:], env=env)
-        assert result.exit_code == 0, f"README line {line}: {shlex.join(argv)}\n{result.output}"
+        assert result.exit_code == 0, f"{where}: {shlex.join(argv)}\n{result.output}"
     for name in ("profile", "nuq", "skvq", "bundle", "kivi"):
         assert (work / ARTIFACTS / f"{name}.safetensors").is_file(), name
     assert (work / ARTIFACTS / "importance.png").stat().st_size > 10_000 and (work / "ppl.json").is_file()

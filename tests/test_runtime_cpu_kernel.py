@@ -26,8 +26,8 @@ LONG = [1100, 513, 0, 64]  # several splits of a (sequence, KV head), a split's 
 @pytest.fixture(scope="module", autouse=True, params=[pytest.param(t, marks=[] if t == "native" else pytest.mark.slow)
                                                       for t in runnable_cpu_targets()])
 def build(request):
-    """Every test of this module against each build of the kernels this machine runs (-march=native and the x86-64
-    levels it has: the AVX2 build's 8-lane vectors too on an AVX-512 machine)."""
+    """Every test of this module against each build of the kernels this machine runs (-march=native, and the AVX2
+    build's 8-lane vectors too on an AVX-512 machine)."""
     patch = pytest.MonkeyPatch()
     patch.setenv(cpu_kernel.TARGET_VARIABLE, request.param)
     cpu_kernel.library.cache_clear()
