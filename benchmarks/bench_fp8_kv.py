@@ -69,7 +69,7 @@ def unit_window_mse(profile: Path) -> float:
     import torch
 
     from kvcal.artifacts import read_artifact
-    from kvcal.export_vllm import WindowAttention
+    from kvcal.export.scales import WindowAttention
 
     tensors, config = read_artifact(profile, "profile")
     fingerprint, unit = config["model"]["fingerprint"], torch.ones(1)

@@ -54,7 +54,7 @@ def time_fit_nuq() -> float:
 
 def fit_methods(bits_list: list[int]):
     from kvcal.methods import artifact_method
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     methods = []
     for bits in bits_list:

@@ -267,11 +267,11 @@ class Fitter:
 
     def _fit(self, entry: Entry, path: Path) -> None:
         if entry.kind == "nuq":
-            from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+            from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
             write_nuq(path, *fit_nuq(str(self.profile), NuqSettings(**entry.spec)))
         elif entry.kind == "skvq":
-            from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+            from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
             write_skvq(path, *fit_skvq(str(self.profile), SkvqSettings(**entry.spec)))
         elif entry.kind == "kvmix":
@@ -289,7 +289,8 @@ class Fitter:
     def _fp8(self, entry: Entry, num_layers: int):
         from safetensors.torch import load_file, save_file
 
-        from kvcal.export_vllm import Fp8KvScales, calibrate_scales
+        from kvcal.export.fp8 import Fp8KvScales
+        from kvcal.export.scales import calibrate_scales
         from kvcal.methods.fp8 import fp8_method
 
         scales_path = self.fp8_scales
@@ -535,7 +536,7 @@ def run(args, started_with: dict) -> None:
     from kvcal.artifacts import read_header
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
-    from kvcal.export_vllm import Fp8KvScales
+    from kvcal.export.fp8 import Fp8KvScales
     from kvcal.methods import baseline_method
     from kvcal.methods.fp8 import fp8_method
     from kvcal.models import load_model

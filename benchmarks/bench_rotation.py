@@ -58,7 +58,7 @@ class RotatedCodec:
 
 def fit_rotated(samples, fisher, rotation, head_dim: int, per_channel: bool, bits: int):
     """A RotatedCodec fit on the rotated samples: thresholds and a Fisher-weighted nuq codebook."""
-    from kvcal.nuq import _inliers, fit_codebook
+    from kvcal.fit.nuq import _inliers, fit_codebook
     from kvcal.quantizers import CodebookCodec
 
     rotated = rotation.rotate(samples)

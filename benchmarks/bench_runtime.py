@@ -58,7 +58,7 @@ def passkey(model, tokenizer, ids, lengths: list[int], samples: int, started: di
 
 def answer_nll(model, tokenizer, context: str, query: str, answer: torch.Tensor, widths: list[int]) -> float:
     """Mean NLL of fp's answer tokens, teacher-forced after the query, with the context cached at `widths`."""
-    from kvcal.cocktail import compressed_cache
+    from kvcal.policy.cocktail import compressed_cache
 
     context_ids = tokenizer(context, return_tensors="pt").input_ids
     query_ids = tokenizer(query, add_special_tokens=False, return_tensors="pt").input_ids
@@ -72,7 +72,7 @@ def cocktail(model, tokenizer, questions: int, started: dict) -> None:
     """Contexts of 12 wikitext paragraphs; the query is the first sentence of one of them, asking the model
     to continue it; Cocktail's widths vs every chunk int2: 32 greedy tokens compared with fp's, and the NLL of
     fp's answer teacher-forced under each cache (smooth where token agreement collapses at one divergence)."""
-    from kvcal.cocktail import CHUNK, ChunkEncoder, generate, plan
+    from kvcal.policy.cocktail import CHUNK, ChunkEncoder, generate, plan
 
     encoder = ChunkEncoder()
     paragraphs = [p.strip() for p in (SHARED / "data" / "wikitext-2" / "test.txt").read_text().split("\n") if len(p.strip()) > 600]

@@ -57,7 +57,7 @@ def main() -> None:
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import consecutive_windows, evaluate_ppl
     from kvcal.models import load_model
-    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+    from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
     ensure_profile()
     started = time.perf_counter()

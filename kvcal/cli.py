@@ -191,7 +191,7 @@ def profile_gradients_command(
     KVmix layer importance and bit allocation, KVQuant Fisher information, K/V samples and channel statistics."""
     from kvcal.calibration import profile
     from kvcal.capture import CaptureSettings
-    from kvcal.kvmix import WidthChoice
+    from kvcal.fit.kvmix import WidthChoice
     from kvcal.profile import KvmixSettings, ProfileRequest
 
     request = ProfileRequest(
@@ -254,7 +254,7 @@ def fit_nuq_command(
     out: Optional[Path] = typer.Option(None, help="Output artifact. Default: nuq<bits>.safetensors beside the profile."),
 ):
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, outliers=outliers, sink=sink,
                            window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook,
@@ -281,7 +281,7 @@ def fit_skvq_command(
 ):
     """SKVQ: channel permutations (KMeans), unequal groups, clipping scales from the attention-output MSE,
     sliding window, sinks and optional FP8 parameters, fit from a profile."""
-    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+    from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
     settings = SkvqSettings(kbits=kbits, vbits=vbits, group_size=group_size, window=window, sink=sink, fp8=fp8,
                             clip=clip, reorder=reorder, seed=seed)
@@ -332,7 +332,7 @@ def export_vllm_command(
     attention-output error on the profile's stored windows (post-RoPE keys), written with the model as a
     compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8 (--scales absmax: plain absmax / 448 instead).
     `kvcal eval ppl --quant <folder>` evaluates the scales written."""
-    from kvcal.export_vllm import export_vllm
+    from kvcal.export.vllm import export_vllm
 
     started = time.perf_counter()
     with _progress() as progress:

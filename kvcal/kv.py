@@ -35,7 +35,15 @@ class SegmentPolicy:
     key_block: int = 0  # keys quantized per channel over blocks of this many tokens wait in fp16 for a whole block
 
     def fp16_recent(self, n, keys: bool):
-        """How many of the latest tokens are fp16 when n tokens (a tensor or an int) are in the cache."""
+        """How many of the latest tokens are fp16 when n tokens (a tensor, or an int: in Python, the runtime's
+        per-step count) are in the cache."""
+        if isinstance(n, int):
+            recent = self.window
+            if self.residual:
+                recent = max(recent, n % self.residual if keys else self.residual)
+            if keys and self.key_block:
+                recent = max(recent, max(n - self.sink, 0) % self.key_block)
+            return recent
         n = torch.as_tensor(n)
         recent = torch.full_like(n, self.window)
         if self.residual:

@@ -13,7 +13,7 @@ from kvcal.artifacts import check_writable, write_artifact
 from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
 from kvcal.data import load_text, sample_windows, tokenize
-from kvcal.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
+from kvcal.fit.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
 from kvcal.models import load_model, resolve_model
 
 PROFILE_KIND = "profile"

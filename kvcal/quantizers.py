@@ -10,7 +10,7 @@ exactly what the simulation sees.
 - CodebookCodec: non-uniform (codebook) codes of values normalized to [-1, 1] by per-channel thresholds
   fixed offline or per-token thresholds computed online; dense-and-sparse keeps elements outside the
   thresholds exactly (fp16) as outliers (KVQuant).
-- GroupedClipped (in kvcal.skvq): SKVQ's permuted, clipped per-token groups.
+- GroupedClipped (in kvcal.fit.skvq): SKVQ's permuted, clipped per-token groups.
 Tensors are (tokens, channels): the channels of all KV heads of one token side by side.
 """
 

@@ -15,13 +15,9 @@ codes are computed, so decode(stored data) is exactly what `quantize` returns.
 - LlamaCppKV(qtype, head_dim, tensor): llama.cpp / ggml KV cache types q8_0, q5_0, q5_1, q4_0, q4_1,
   iq4_nl (blocks of 32 along the row, ggml's reference rounding), with the Hadamard rotation llama.cpp
   applies to a quantized K and V cache.
-- QuantoAffine(bits, head_dim): transformers' QuantizedCache with the quanto backend (qint2 / qint4,
-  axis 0, groups of 64, MaxOptimizer, float scale and shift in the KV dtype); see QUANTO_DEFAULTS for the
-  fp16 residual that the cache keeps in front of the quantized part.
 
 Bits per element (row_bits / channels), head_dim 64: hadamard-intN N + 0.5 (4.5 / 3.5 / 2.5 for N = 4/3/2);
-turboN N + 0.25; q8_0 8.5, q5_0 5.5, q5_1 6.0, q4_0 4.5, q4_1 5.0, iq4_nl 4.5 (any head_dim); quanto4 4.5,
-quanto2 2.5 (fp16 KV). The rotation signs and the TurboQuant codebook follow from (head_dim, seed, bits)
+turboN N + 0.25; q8_0 8.5, q5_0 5.5, q5_1 6.0, q4_0 4.5, q4_1 5.0, iq4_nl 4.5 (any head_dim). The rotation signs and the TurboQuant codebook follow from (head_dim, seed, bits)
 and are not stored.
 """
 
@@ -471,84 +467,3 @@ class LlamaCppKV:
 def llama_cpp_codecs(qtype: str, head_dim: int, rotate: bool = True) -> tuple[LlamaCppKV, LlamaCppKV]:
     """(key codec, value codec) of llama.cpp with `-ctk qtype -ctv qtype` (keys post-RoPE)."""
     return LlamaCppKV(qtype, head_dim, "k", rotate), LlamaCppKV(qtype, head_dim, "v", rotate)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# transformers QuantizedCache, quanto backend
-
-# transformers 5.23.0 src/transformers/cache_utils.py, QuantizedLayer / QuantoQuantizedLayer defaults
-QUANTO_DEFAULTS = {"nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
-
-
-@dataclass(frozen=True)
-class QuantoAffine:
-    """`quantoN`: transformers' QuantizedCache(backend="quanto") storage, i.e. optimum-quanto's
-    MaxOptimizer + quantize_weight(qint2 | qint4, axis=0, group_size=64) as QuantoQuantizedLayer calls them,
-    and QBitsTensor.dequantize.
-
-    Grouping: quanto groups a (batch, heads, tokens, head_dim) tensor with axis 0 as reshape(-1, group), so a
-    group is `group` consecutive channels of one head of one token (head_dim % group == 0 is required here;
-    with head_dim < group quanto's groups would span tokens). Per group, in the KV dtype `dtype`:
-      scale = (max - min) / (2^bits - 1), shift = -min,
-      q = clamp(round((x + shift) / scale), 0, 2^bits - 1)   (round half to even; a constant group gives
-                                                               0/0 and is stored as q = 0),
-      x^ = scale * q - shift,
-    every operation rounded to `dtype` as torch does it (x is cast to `dtype` first). quanto stores scale and
-    shift in the KV dtype (fp16 for a fp16 model) and packs the codes (2 or 4 per byte).
-
-    Encoded: codes (tokens, channels) in [0, 2^bits); token {"scale", "shift"}: (tokens, channels/group) in
-    `dtype`. Bits per element: bits + 2 x 16 / group with fp16 (4.5 for quanto4, 2.5 for quanto2).
-
-    The cache around it (QuantizedLayer.update, QUANTO_DEFAULTS): keys and values both use this codec (axis
-    0 for both), post-RoPE keys. The first update (prefill) quantizes all its tokens at once but returns them
-    unquantized for that step; later tokens wait in an fp16 residual; when the residual would reach
-    residual_length (128) tokens, the dequantized cache plus the residual plus the new tokens are quantized
-    again as a whole and the residual is emptied. Decoding one token at a time from the start, the query at
-    step n (1-based) therefore reads 1 + 128 * floor((n - 2) / 128) quantized tokens (all earlier ones, for
-    n = 1 none) and the rest fp16: an fp16 residual of 1 to 128 tokens flushed in blocks of 128. Re-quantizing
-    dequantized groups keeps their codes (their min and max decode exactly or nearly so); only the re-derived
-    scale rounds differently: on random data one flush moves 4-bit values by up to ~0.1% of their group's
-    range in fp16 (0.8% in bf16), 20 flushes by 0.3% (2.4%); 2-bit values do not move. Quantizing each token
-    once (this codec) matches the cache up to that drift."""
-
-    bits: int
-    head_dim: int
-    group: int = 64
-    dtype: torch.dtype = torch.float16
-    block_tokens = 1
-
-    def __post_init__(self):
-        if self.bits not in (2, 4):
-            raise KvcalError(f"transformers' quanto cache takes nbits 2 or 4, not {self.bits}")
-        if self.group < 1 or self.head_dim % self.group:
-            raise KvcalError(f"quanto groups of {self.group} must divide head_dim {self.head_dim} "
-                             "(otherwise a group spans several tokens of a head)")
-
-    def _groups(self, x: torch.Tensor) -> torch.Tensor:
-        tokens, channels = x.shape
-        if channels % self.head_dim:
-            raise KvcalError(f"{channels} channels are not a whole number of heads of {self.head_dim}")
-        return x.reshape(tokens, channels // self.group, self.group)
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        groups = self._groups(x.to(self.dtype))
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = (high - low) / (2**self.bits - 1)
-        shift = -low
-        codes = torch.round((groups + shift) / scale).nan_to_num(0.0)
-        codes = torch.clamp(codes, min=0, max=2**self.bits - 1).to(torch.uint8).long()
-        return Encoded(codes.reshape(x.shape), token={"scale": scale[..., 0], "shift": shift[..., 0]})
-
-    def decode(self, encoded: Encoded) -> torch.Tensor:
-        codes = self._groups(encoded.codes).to(torch.uint8)
-        scale, shift = encoded.token["scale"][..., None], encoded.token["shift"][..., None]
-        values = scale * codes
-        values -= shift
-        return values.reshape(encoded.codes.shape).float()
-
-    def row_bits(self, channels: int) -> float:
-        param_bits = torch.finfo(self.dtype).bits
-        return float(self.bits * channels + 2 * param_bits * (channels // self.group))
-
-    def quantize(self, x: torch.Tensor) -> Quantized:
-        return Quantized(self.decode(self.encode(x)), _full_bits(self, x))

@@ -192,3 +192,21 @@ def _remove_hooks(wiring: Wiring) -> None:
     for hook in wiring.hooks:
         hook.remove()
     wiring.hooks = []
+
+
+def real_tokens(attention_mask, batch: int, m: int, device) -> torch.Tensor:
+    """(batch, m): which of the step's m new tokens are real (not padding), from the 4-D mask of the step.
+
+    A real token sees itself (its own column, the (n - m + i)-th of row i) and never a later token; padding
+    sees nothing. On torch < 2.5 transformers' SDPA mask fills a row that sees nothing with True (SDPA gave
+    NaN for fully masked rows there), so a row that sees the next token of the step is padding too. With
+    left padding (what generate() uses) that tells every row apart; only a right-padded last token of a step
+    would be taken for a real one on torch < 2.5."""
+    if attention_mask is None:
+        return torch.ones(batch, m, dtype=torch.bool, device=device)
+    mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
+    valid = visible[:, rows, own].clone()
+    valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
+    return valid.expand(batch, m)

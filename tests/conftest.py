@@ -145,8 +145,8 @@ def tiny_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
 @pytest.fixture(scope="session")
 def fitted(tiny_profile, tmp_path_factory):
     """Fitted nuq (fixed 3 bits, Fisher-knapsack widths, KVmix widths) and SKVQ artifacts of the tiny profile."""
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
-    from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
     folder = tmp_path_factory.mktemp("fitted")
     _, profile = tiny_profile
@@ -180,7 +180,7 @@ def wide_nuq_bundles(tiny_profile, tmp_path_factory):
     """kvquant bundles of the tiny Llama with 5-8-bit codes (planes5-7 and 8-bit lsb words), by code width."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     _, profile = tiny_profile
     folder = tmp_path_factory.mktemp("wide-nuq")
@@ -196,7 +196,7 @@ def windowed_kvquant_bundle(tiny_profile, tmp_path_factory):
     """A kvquant bundle of the tiny Llama (nuq3, 1% outliers) keeping its 8 most recent tokens fp16."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     _, profile = tiny_profile
     folder = tmp_path_factory.mktemp("windowed-nuq")
@@ -223,7 +223,7 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
     the tensor-core kernel serves at that head_dim."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     folder = tmp_path_factory.mktemp("head-dim-128")
     profile = profile_of(tiny_model_dir("llama", head_dim=128), tiny_corpus, folder)
@@ -238,7 +238,7 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
-    from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
     folder = tmp_path_factory.mktemp("head-dim-64")
     profile = profile_of(tiny_model_dir("llama", head_dim=64), tiny_corpus, folder)

@@ -414,12 +414,12 @@ def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(tiny_model_dir, 
 
 
 def test_ctrl_c_in_a_fit_is_reported_too(tiny_profile, tmp_path, monkeypatch):
-    import kvcal.nuq
+    import kvcal.fit.nuq
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvcal.nuq, "fit_nuq", interrupted)
+    monkeypatch.setattr(kvcal.fit.nuq, "fit_nuq", interrupted)
     result = run("fit-nuq", tiny_profile[1], "--out", tmp_path / "nuq.safetensors")
     assert result.exit_code == 130 and result.stderr.strip().splitlines()[-1] == "interrupted"
     assert not any(tmp_path.iterdir())

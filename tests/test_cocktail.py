@@ -3,7 +3,7 @@
 import torch
 
 from conftest import tiny_model
-from kvcal.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress
+from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress
 
 
 def test_thresholds_follow_the_paper():

@@ -10,9 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvcal.cli import app
-from kvcal.errors import KvcalError
-from kvcal.export_vllm import (EXPORT_MARKER, Fp8KvScales, WindowAttention, fp8_fake_quantize, kv_cache_scheme,
-                               read_export)
+from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
+from kvcal.export.vllm import EXPORT_MARKER, read_export
 
 STRATEGIES = ("tensor", "attn_head")
 
@@ -145,7 +144,7 @@ def test_transformers_with_compressed_tensors_loads_the_scales(exports, strategy
 
 def reference_errors(profile: Path, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> float:
     """Attention-output MSE of one layer on the stored windows with K (post-RoPE) and V fake-quantized,
-    computed independently of kvcal.export_vllm's objective (sdpa, explicit GQA)."""
+    computed independently of kvcal.export.scales' objective (sdpa, explicit GQA)."""
     from kvcal.artifacts import read_artifact
     from kvcal.rope import rotate_keys
 
@@ -186,20 +185,6 @@ def test_calibrated_scales_beat_absmax_on_the_stored_windows(exports, tiny_profi
         assert layer.error_absmax == pytest.approx(absmax[i], rel=1e-3)
 
 
-def test_objective_is_per_kv_head(tiny_profile):
-    """A head's error depends only on its own scales: the attn_head search chooses heads independently."""
-    from kvcal.artifacts import read_artifact
-
-    _, profile = tiny_profile
-    tensors, config = read_artifact(profile, "profile")
-    objective = WindowAttention(tensors, 0, config["model"]["fingerprint"], config["rope"]["attention_scaling"])
-    base = torch.full((2,), 0.01)
-    changed = base.clone()
-    changed[1] = 1e-5  # saturates head 1 only (its largest representable value becomes 0.00448)
-    a, b = objective.errors(base, base), objective.errors(changed, changed)
-    assert a[0] == b[0] and b[1] > a[1]
-    assert objective.errors(None, None).abs().max() == 0
-
 
 def test_two_exports_are_byte_identical(exports, tiny_profile, tmp_path):
     model, profile = tiny_profile
@@ -222,43 +207,12 @@ def test_cli_prints_scales_and_error_reduction(exports, tiny_profile):
     assert len(rows) == num_layers
 
 
-def test_fake_quantize_matches_compressed_tensors():
-    """fp8_fake_quantize is compressed-tensors' own FP8 quantize-dequantize, per tensor and per KV head."""
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-
-    torch.manual_seed(0)
-    tokens, heads, head_dim = 37, 3, 16
-    x = torch.randn(tokens, heads * head_dim) * torch.tensor([0.5, 3.0, 20.0]).repeat_interleave(head_dim)
-    x[5, 3] = 1e4  # saturates
-    for strategy, scale in (("tensor", torch.tensor([0.02])), ("attn_head", torch.tensor([0.001, 0.01, 0.05]))):
-        args = QuantizationArgs.model_validate(kv_cache_scheme(strategy))
-        per_head = x.view(tokens, heads, head_dim).transpose(0, 1)[None]  # (batch, heads, tokens, head_dim)
-        shaped = scale.view(-1, 1, 1) if strategy == "attn_head" else scale
-        expected = fake_quantize(per_head, shaped, torch.zeros_like(shaped), args)[0].transpose(0, 1).reshape(tokens, -1)
-        assert torch.equal(fp8_fake_quantize(x, scale), expected)
-        assert torch.equal(fp8_fake_quantize(x, shaped), expected)  # the exported [heads, 1, 1] shape works too
-
-
-def test_fake_quantize_semantics():
-    x = torch.tensor([[1.0, -3.0, 1000.0, 0.0], [0.3, 2.0, -1000.0, 5.0]])
-    out = fp8_fake_quantize(x, 1.0)
-    assert out[0, 2] == 448 and out[1, 2] == -448  # saturates at +-448 x scale
-    assert out[0, 0] == 1 and out[0, 1] == -3 and out[0, 3] == 0
-    assert fp8_fake_quantize(x, 4.0)[0, 2] == 1024  # 1000 / 4 = 250 rounds to the e4m3 value 256 (step 16 there)
-    halves = fp8_fake_quantize(x, torch.tensor([1.0, 4.0]))  # head 0 = channels 0-1, head 1 = channels 2-3
-    assert torch.equal(halves[:, :2], fp8_fake_quantize(x[:, :2], 1.0)) and torch.equal(halves[:, 2:], fp8_fake_quantize(x[:, 2:], 4.0))
-    for bad in (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0]), torch.tensor([float("nan")])):
-        with pytest.raises(KvcalError):
-            fp8_fake_quantize(x, bad)
-    unit = Fp8KvScales.unit(2)
-    assert torch.equal(unit.keys(1, x), out) and torch.equal(unit.values(0, x), out)
 
 
 def test_fp8_kv_scales_read_back(exports):
     folder, _ = exports["attn_head"]
-    scales = Fp8KvScales.read(folder)
     fit = read_export(folder)
+    scales = Fp8KvScales.of_fit(fit)
     x = torch.randn(8, fit.layers[0].k.numel() * 16)
     assert torch.equal(scales.keys(0, x), fp8_fake_quantize(x, fit.layers[0].k))
     assert torch.equal(scales.values(1, x), fp8_fake_quantize(x, fit.layers[1].v))
@@ -472,21 +426,3 @@ def test_replaces_an_empty_folder_and_a_previous_export(tiny_profile, tmp_path):
     assert read_export(out).strategy == "tensor"
     assert export(profile, model, out, "attn_head").exit_code == 0
     assert read_export(out).strategy == "attn_head" and not leftovers(tmp_path)
-
-
-def test_interrupted_write_leaves_the_previous_export(tiny_profile, tmp_path, monkeypatch):
-    import kvcal.export_vllm as export_vllm
-
-    model, profile = tiny_profile
-    out = tmp_path / "model"
-    assert export(profile, model, out, "tensor").exit_code == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-
-    def fail(folder, *args, **kwargs):
-        (folder / "config.json").write_text("{")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(export_vllm, "_save_folder", fail)
-    with pytest.raises(KvcalError, match="No space left"):
-        export_vllm.export_vllm(profile, str(model), "attn_head", out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not leftovers(tmp_path)

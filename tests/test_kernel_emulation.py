@@ -253,12 +253,12 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     mask[1, :17] = 0  # a ragged batch: the second prompt left-padded (its positions start 17 columns in)
     with torch.inference_mode():
         got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert all(layer.use_kernels and all(layer._served) for layer in cache.layers)
+        assert all(layer.decode_path == "tensor-core" for layer in cache.layers)
         assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
         assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert not any(any(layer._served) for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
+        assert all(layer.decode_path == "cuda-core" for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 5.9e-4 for kvquant, 6.4e-4 for
@@ -280,7 +280,7 @@ def test_emulated_tensor_core_kernel_from_an_empty_cache_stays_within_the_gpu_te
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         got, cache = decode_token_by_token(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids)
-        assert all(all(layer._served) for layer in cache.layers) and with_tensor_cores
+        assert all(layer.decode_path == "tensor-core" for layer in cache.layers) and with_tensor_cores
         with reference_runtime():
             want, _ = decode_token_by_token(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids)
     torch.testing.assert_close(got, want, rtol=0, atol=6e-3)

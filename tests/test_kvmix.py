@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.kvmix import WidthChoice, allocate, allocate_to_target, allocate_top_fraction, rpc_ratio
+from kvcal.fit.kvmix import WidthChoice, allocate, allocate_to_target, allocate_top_fraction, rpc_ratio
 
 KEYS, VALUES = WidthChoice(high=3, low=2), WidthChoice(high=4, low=2)
 

@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from kvcal.nuq import KNAPSACK_WIDTHS, NuqSettings, choose_widths, fit_codebook, fit_nuq, write_nuq
+from kvcal.fit.nuq import KNAPSACK_WIDTHS, NuqSettings, choose_widths, fit_codebook, fit_nuq, write_nuq
 from kvcal.quantizers import nearest_codes
 
 

@@ -1,5 +1,5 @@
 """kvcal.rotation_codecs: rotations, hadamard-int, TurboQuant-style, llama.cpp KV types checked against a
-plain-Python transcription of ggml's reference C loops, and transformers' quanto cache."""
+plain-Python transcription of ggml's reference C loops."""
 
 import math
 import struct
@@ -12,11 +12,9 @@ from kvcal.quantizers import TokenUniform
 from kvcal.rotation_codecs import (
     KVALUES_IQ4NL,
     LLAMA_CPP_TYPES,
-    QUANTO_DEFAULTS,
     HadamardInt,
     HadamardRotation,
     LlamaCppKV,
-    QuantoAffine,
     TurboQuant,
     bits_per_element,
     llama_cpp_codecs,
@@ -310,9 +308,7 @@ def stored_bits_per_row(codec, encoded):
     [(LlamaCppKV("q8_0", 64), 8.5), (LlamaCppKV("q5_0", 64), 5.5), (LlamaCppKV("q5_1", 64), 6.0),
      (LlamaCppKV("q4_0", 64), 4.5), (LlamaCppKV("q4_1", 64), 5.0), (LlamaCppKV("iq4_nl", 64, "v"), 4.5),
      (HadamardInt(4, 64), 4.5), (HadamardInt(3, 64), 3.5), (HadamardInt(2, 64), 2.5), (HadamardInt(4, 128), 4.25),
-     (TurboQuant(4, 64), 4.25), (TurboQuant(3, 64), 3.25), (TurboQuant(2, 64), 2.25), (TurboQuant(1, 128), 1.125),
-     (QuantoAffine(4, 64), 4.5), (QuantoAffine(2, 64), 2.5), (QuantoAffine(4, 128, dtype=torch.bfloat16), 4.5),
-     (QuantoAffine(2, 64, dtype=torch.float32), 3.0)],
+     (TurboQuant(4, 64), 4.25), (TurboQuant(3, 64), 3.25), (TurboQuant(2, 64), 2.25), (TurboQuant(1, 128), 1.125)],
 )
 def test_bits_per_element_are_the_stored_bits(codec, expected):
     x = kv_like(tokens=8, heads=2, head_dim=codec.head_dim)
@@ -404,60 +400,4 @@ def test_round_trip_error_decreases_with_bits():
     ggml = {t: mse(LlamaCppKV(t, 64), x) for t in LLAMA_CPP_TYPES}
     assert ggml["q4_0"] > ggml["q5_0"] > ggml["q8_0"] and ggml["q4_1"] > ggml["q5_1"] > ggml["q8_0"]
     assert ggml["iq4_nl"] < ggml["q4_0"]
-    assert mse(QuantoAffine(2, 64), x) > mse(QuantoAffine(4, 64), x)
     assert ints[2] < mse(TokenUniform(4, 64), x)  # the rotation pays off on outlier channels
-
-
-# ------------------------------------------------------------------------------------------ quanto
-
-
-def quanto_reference(kv, bits, group=64):
-    """optimum-quanto's MaxOptimizer + quantize_affine + QBitsTensor.dequantize on a (batch, heads, tokens,
-    head_dim) tensor, axis 0, written out from its source."""
-    grouped = kv.reshape(-1, group)
-    rmin, rmax = grouped.amin(1, keepdim=True), grouped.amax(1, keepdim=True)
-    scale = (rmax - rmin) / (2**bits - 1)
-    shift = -rmin
-    data = torch.clamp(torch.round((grouped + shift) / scale).nan_to_num(0.0), 0, 2**bits - 1).to(torch.uint8)
-    dequantized = scale * data
-    dequantized -= shift
-    return data.reshape(kv.shape), dequantized.reshape(kv.shape)
-
-
-def as_rows(kv):
-    batch, heads, tokens, head_dim = kv.shape
-    return kv[0].permute(1, 0, 2).reshape(tokens, heads * head_dim)
-
-
-@pytest.mark.parametrize("bits, head_dim", [(4, 64), (2, 64), (4, 128), (2, 128)])
-def test_quanto_codec_matches_quanto_grouping_in_fp16(bits, head_dim):
-    kv = (kv_like(tokens=20, heads=3, head_dim=head_dim, seed=bits).view(20, 3, head_dim).permute(1, 0, 2)[None]).half()
-    kv[0, 1, 4] = 0.75  # a constant group
-    codes, values = quanto_reference(kv, bits)
-    codec = QuantoAffine(bits, head_dim)
-    encoded = codec.encode(as_rows(kv))
-    assert torch.equal(encoded.codes, as_rows(codes).long())
-    assert torch.equal(codec.decode(encoded), as_rows(values).float())
-    assert encoded.token["scale"].dtype == torch.float16 and encoded.token["scale"].shape == (20, 3 * head_dim // 64)
-
-
-def test_quanto_codec_matches_optimum_quanto_when_installed():
-    quanto = pytest.importorskip("optimum.quanto")
-    kv = torch.randn(1, 2, 33, 128, generator=torch.Generator().manual_seed(5)).half() * 4
-    codec = QuantoAffine(4, 128)
-    scale, shift = quanto.MaxOptimizer()(kv, quanto.qint4, 0, 64)
-    qtensor = quanto.quantize_weight(kv, quanto.qint4, 0, scale, shift, 64)
-    assert torch.equal(codec.quantize(as_rows(kv)).values, as_rows(qtensor.dequantize()).float())
-
-
-def test_quanto_defaults_are_transformers_quanto_layer_defaults_and_refusals():
-    import inspect
-
-    from transformers.cache_utils import QuantoQuantizedLayer
-
-    defaults = {name: p.default for name, p in inspect.signature(QuantoQuantizedLayer.__init__).parameters.items() if name != "self"}
-    assert QUANTO_DEFAULTS == defaults
-    with pytest.raises(KvcalError, match="spans several tokens"):
-        QuantoAffine(4, 32)
-    with pytest.raises(KvcalError, match="nbits 2 or 4"):
-        QuantoAffine(3, 64)

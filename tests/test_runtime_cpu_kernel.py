@@ -84,7 +84,7 @@ def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
 
 
 def test_what_the_cpu_kernel_does_not_serve_is_left_to_the_reference():
-    from kvcal.skvq import SkvqTensor
+    from kvcal.fit.skvq import SkvqTensor
 
     skvq = dict(permutation=torch.arange(8, dtype=torch.int32), starts=torch.tensor([0, 8], dtype=torch.int32), clip=torch.ones(1))
     codebook = CodebookCodec(normal_float_codebook(3), None, None, outlier_fraction=0.01)

@@ -17,7 +17,7 @@ from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import PackedRows
-from kvcal.skvq import SkvqTensor
+from kvcal.fit.skvq import SkvqTensor
 
 @requires_gpu
 @pytest.mark.parametrize("batch", BATCHES)
@@ -103,9 +103,9 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(tiny_model("llama", head_dim=64), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("llama", head_dim=64).cuda(), bundle, ids.cuda())
-    assert all(layer.use_kernels for layer in cache.layers)
-    served = {"kivi": False, "kvmix": False}.get(recipe, True)  # mixed: the layers whose K and V widths are equal
-    assert all(all(layer._served) == served for layer in cache.layers) or recipe == "mixed"
+    for layer, recipe_layer in zip(cache.layers, bundle.layers):  # kivi's and kvmix's key blocks are not served
+        one_width = int(recipe_layer.k_bits) == int(recipe_layer.v_bits)  # mixed: the layers whose K and V widths are equal
+        assert layer.decode_path == ("tensor-core" if one_width and recipe not in ("kivi", "kvmix") else "cuda-core")
     fp16_operands = recipe in ("kvquant", "mixed", "nuq4-0%", "nuq4-1%")
     torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=6e-3 if fp16_operands else 2e-3)
 

@@ -9,13 +9,12 @@ import torch
 
 from helpers.kernel_cases import APPEND_CODECS, CASES, HEAD_DIM, KV_HEADS, WIDTH, _codebook, seeded_tokens
 from kvcal.errors import KvcalError
-from kvcal.kv import SegmentPolicy
 from kvcal.packing import OUTLIER_TILE_TOKENS, pack, unpack
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import tensor_core
-from kvcal.runtime.segments import SegmentedStore, _fp16_recent
+from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import GROWTH, PackedRows, pack_codes, unpack_codes
-from kvcal.skvq import SkvqTensor
+from kvcal.fit.skvq import SkvqTensor
 
 LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (5, "planes5"), (6, "planes6"), (7, "planes7"),
            (8, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
@@ -105,14 +104,6 @@ def test_segmented_batches_equal_one_sequence_at_a_time(case):
             assert torch.equal(batched.read(b), alone.read(b))
             assert torch.equal(by_rows[b, :n], alone.read(b))
             assert torch.equal(by_heads[b, :, :n].transpose(0, 1).reshape(n, WIDTH), alone.read(b))
-
-
-def test_the_segment_policy_in_python_equals_kvcal_kv():
-    policies = [SegmentPolicy(sink=4, residual=128, key_block=32), SegmentPolicy(window=64, sink=5),
-                SegmentPolicy(residual=8, key_block=4), SegmentPolicy(key_block=32, sink=1), SegmentPolicy()]
-    for policy in policies:
-        for keys in (True, False):
-            assert [_fp16_recent(policy, n, keys) for n in range(600)] == policy.fp16_recent(torch.arange(600), keys).tolist()
 
 
 def test_outliers_are_kept_per_kv_head_and_tile_at_4_bytes_each_plus_an_offset_table():

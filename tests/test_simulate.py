@@ -115,7 +115,7 @@ def window_decode_reference(query, keys, values, quantize_keys, quantize_values,
 
 
 def test_skvq_window_and_sink_simulation_equals_token_by_token_decode():
-    from kvcal.skvq import SkvqTensor, channel_groups
+    from kvcal.fit.skvq import SkvqTensor, channel_groups
 
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, tokens, head_dim = 4, 2, 41, 8

@@ -4,7 +4,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
 from kvcal.quantizers import uniform_per_token
-from kvcal.skvq import (
+from kvcal.fit.skvq import (
     SkvqSettings,
     SkvqTensor,
     channel_groups,

@@ -1,8 +1,8 @@
 import pytest
 
 from kvcal.errors import KvcalError
-from kvcal.nuq import NuqSettings, fit_nuq, write_nuq
-from kvcal.skvq import SkvqSettings, fit_skvq, write_skvq
+from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 from kvcal.summary import plot_profile, summarize
 
 

@@ -1,7 +1,7 @@
 """Cocktail (`cocktail`, a runtime policy, no calibration and no bundle): the context is cut into chunks of
 32 tokens and each chunk kept fp16, int4 or int2 by its similarity to the query (thresholds a = 0.6,
 b = 0.1); int4/int2 chunks use KIVI's quantizers with G = the chunk for keys and 32 channels for values.
-The planning and the cache live in kvcal.cocktail; this spec holds the settings and codecs."""
+The planning and the cache live in kvcal.policy.cocktail; this spec holds the settings and codecs."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def chunk_codecs(settings: CocktailSettings, keys: bool) -> dict:
 
 class CocktailSpec(MethodSpec):
     name = "cocktail"
-    description = "Cocktail: fp16/int4/int2 per 32-token chunk by similarity to the query (runtime policy, kvcal.cocktail)"
+    description = "Cocktail: fp16/int4/int2 per 32-token chunk by similarity to the query (runtime policy, kvcal.policy.cocktail)"
     settings_type = CocktailSettings
 
 

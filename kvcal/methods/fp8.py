@@ -1,7 +1,7 @@
 """vLLM's FP8 (e4m3) KV cache (`fp8`): the `eval ppl` baseline `fp8` is vLLM's default scale 1.0, and
 `eval ppl --quant FOLDER` evaluates the scales a `kvcal export vllm` folder holds (absmax / 448 or
 calibrated, one per layer or per KV head). As vLLM stores it: keys post-RoPE, every token as
-fp8_e4m3(x / scale) * scale saturated at +-448 (kvcal.export_vllm.fp8_fake_quantize), nothing kept fp16;
+fp8_e4m3(x / scale) * scale saturated at +-448 (kvcal.export.fp8.fp8_fake_quantize), nothing kept fp16;
 8 bits per element, the scales being per-layer constants of the checkpoint, not stored per token."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from kvcal import registry
-from kvcal.export_vllm import Fp8KvScales, fp8_fake_quantize, is_previous_export, read_export
+from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
+from kvcal.export.vllm import is_previous_export, read_export
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import LayerCodecs, Quantized
 from kvcal.registry import MethodSpec

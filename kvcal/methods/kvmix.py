@@ -1,5 +1,5 @@
 """KVmix (`kvmix`): the profile's per-layer K/V widths and recent-pivotal-context ratios (from the gradient
-importance of W_k, W_v; kvcal.kvmix) on KVmix's uniform quantizer: K per channel over blocks of 32 tokens,
+importance of W_k, W_v; kvcal.fit.kvmix) on KVmix's uniform quantizer: K per channel over blocks of 32 tokens,
 V per token over groups of 32 channels, in the `uniform` storage format."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from kvcal import registry
 from kvcal.bundle import LayerRecipe
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
-from kvcal.nuq import MAX_BITS, NUQ_KIND, NuqSettings, fit_nuq, nuq_layer, nuq_layers, nuq_name
+from kvcal.fit.nuq import MAX_BITS, NUQ_KIND, NuqSettings, fit_nuq, nuq_layer, nuq_layers, nuq_name
 from kvcal.packing import layout_for, packed_words
 from kvcal.quantizers import FP16_BITS
 from kvcal.registry import ArtifactSummary, LayerFormat, MethodSpec

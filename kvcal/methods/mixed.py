@@ -1,5 +1,5 @@
 """Mixed widths on KVQuant codebooks (`mixed`): each layer's K and V width (2-4) chosen by a Fisher-weighted
-knapsack to a budget of real bits per element (`kvcal fit-nuq --target-bits`, kvcal.nuq), each layer with its
+knapsack to a budget of real bits per element (`kvcal fit-nuq --target-bits`, kvcal.fit.nuq), each layer with its
 own nuq codebooks. Artifacts with the profile's KVmix widths (`--bits-from-profile`) make bundles too: on
 SmolLM2 the knapsack matched their perplexity at 0.13 fewer real bits (see README), hence the default."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvcal import registry
 from kvcal.methods.kvquant import KvquantSpec
-from kvcal.nuq import NuqSettings
+from kvcal.fit.nuq import NuqSettings
 
 DEFAULT_TARGET_BITS = 3.0  # real bits per element of the quantized body
 

@@ -14,7 +14,7 @@ from kvcal.kv import SegmentPolicy
 from kvcal.packing import layout_for, packed_words
 from kvcal.registry import ArtifactSummary, LayerFormat, MethodSpec
 from kvcal.simulate import Method
-from kvcal.skvq import SKVQ_KIND, TERNARY, SkvqSettings, SkvqTensor, fit_skvq, skvq_layer, skvq_layers, skvq_name
+from kvcal.fit.skvq import SKVQ_KIND, TERNARY, SkvqSettings, SkvqTensor, fit_skvq, skvq_layer, skvq_layers, skvq_name
 
 
 def _groups(layer, width: int) -> int:

@@ -94,6 +94,22 @@ class RuntimeLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    @property
+    def decode_path(self) -> str | None:
+        """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (the
+        tensor-core kernel over every launch's body, the CUDA-core kernel over the rest of it), "cuda-core" (the
+        CUDA-core kernel alone), "tensor-core+cuda-core" (some launches each), "cpu-kernel" or "reference"."""
+        if self.use_kernels is None:
+            return None
+        if self.use_cpu_kernel:
+            return "cpu-kernel"
+        if not self.use_kernels:
+            return "reference"
+        if self._served is None:
+            return None
+        served = [body is not None for body in self._served]
+        return "tensor-core" if all(served) else "cuda-core" if not any(served) else "tensor-core+cuda-core"
+
     def _allocate(self, batch: int, width: int, device) -> None:
         self.keys_store = self.make_store("k", batch, width, device)
         self.values_store = self.make_store("v", batch, width, device)
@@ -231,7 +247,7 @@ class StepPlan:
 
     def __init__(self, cache: WiredCache, attention_mask, batch: int, m: int, device, positions: torch.Tensor | None):
         self.batch, self.m, self.device = batch, m, device
-        self.valid = _valid_tokens(attention_mask, batch, m, device)
+        self.valid = wiring.real_tokens(attention_mask, batch, m, device)
         self.all_valid = attention_mask is None
         self._flags = None if self.all_valid else self.valid.tolist()
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
@@ -312,24 +328,6 @@ class StepPlan:
 
     def kernel_step(self, device):
         return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep([o or 0 for o in self.offsets], device))
-
-
-def _valid_tokens(attention_mask, batch: int, m: int, device) -> torch.Tensor:
-    """(batch, m): which of the step's m new tokens are real (not padding), from the 4-D mask of the step.
-
-    A real token sees itself (its own column, the (n - m + i)-th of row i) and never a later token; padding
-    sees nothing. On torch < 2.5 transformers' SDPA mask fills a row that sees nothing with True (SDPA gave
-    NaN for fully masked rows there), so a row that sees the next token of the step is padding too. With
-    left padding (what generate() uses) that tells every row apart; only a right-padded last token of a step
-    would be taken for a real one on torch < 2.5."""
-    if attention_mask is None:
-        return torch.ones(batch, m, dtype=torch.bool, device=device)
-    mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
-    visible = mask if mask.dtype == torch.bool else mask == 0
-    rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
-    valid = visible[:, rows, own].clone()
-    valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
-    return valid.expand(batch, m)
 
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):

@@ -64,7 +64,7 @@ class SegmentedStore:
             to_sink = min(self.policy.sink - self.sink.length[b], n)
             rest = n - to_sink
             stored = self.recent.length[b]
-            fp16_recent = _fp16_recent(self.policy, self.count(b) + n, self.keys)
+            fp16_recent = self.policy.fp16_recent(self.count(b) + n, self.keys)
             if self.rpc_ratio:
                 self.rpc[b] = math.floor(self.rpc_ratio * (rest + self.rpc[b]))
                 fp16_recent = max(fp16_recent, self.rpc[b])
@@ -193,16 +193,6 @@ class CocktailStore:
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]
-
-
-def _fp16_recent(policy: SegmentPolicy, n: int, keys: bool) -> int:
-    """policy.fp16_recent(n, keys) for an int n, in Python (a test checks they agree)."""
-    recent = policy.window
-    if policy.residual:
-        recent = max(recent, n % policy.residual if keys else policy.residual)
-    if keys and policy.key_block:
-        recent = max(recent, max(n - policy.sink, 0) % policy.key_block)
-    return recent
 
 
 def _add(target: tuple[list, list, list], b: int, rows: range) -> None:

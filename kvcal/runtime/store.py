@@ -22,7 +22,7 @@ counts) is Python lists, never a tensor op per sequence. On the kernel path the 
 device only and the host keeps an upper bound per (sequence, KV head) to size the outlier arrays ahead, so an
 append never waits for the device (see PackedRows.reserve_outlier_room).
 
-Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.skvq): `read(b)`
+Reading decodes with the same codec that the simulation uses (kvcal.quantizers / kvcal.fit.skvq): `read(b)`
 one sequence through codec.decode; `decoded(rows)` every sequence at once for the batched reference
 decode, through per-parameter-row tables of the codec's decode formula (for the uniform, codebook and SKVQ
 codecs; bit-equal to codec.decode, a test checks it) or codec.decode itself.
@@ -141,8 +141,8 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
 
 
 def permuted_groups(codec) -> bool:
-    """Whether `codec` is SKVQ's (kvcal.skvq.SkvqTensor, known by its permutation, group starts and clipping: the
-    runtime does not import kvcal.skvq, whose fitting needs scikit-learn). Its codec encodes and decodes codes in
+    """Whether `codec` is SKVQ's (kvcal.fit.skvq.SkvqTensor, known by its permutation, group starts and clipping: the
+    runtime does not import kvcal.fit.skvq, whose fitting needs scikit-learn). Its codec encodes and decodes codes in
     permuted channel order; a store keeps them in channel order (a channel's code where the channel is, as for
     every other codec, so that the kernels unpack a head's codes without a gather)."""
     return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))

@@ -62,9 +62,9 @@ CASES = {
 
 
 def _skvq(bits, layout=None):
-    """SKVQ's permuted groups (kvcal.skvq.SkvqTensor): a seeded permutation of every channel, three groups of
+    """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, three groups of
     uneven sizes, keys pre-RoPE behind 5 fp16 sinks and a 64-token window (the CPU kernel serves these)."""
-    from kvcal.skvq import SkvqTensor
+    from kvcal.fit.skvq import SkvqTensor
 
     def codec(seed):
         permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)

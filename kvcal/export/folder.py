@@ -1,0 +1,65 @@
+"""Output folders of the exports: refused before any work when writing would destroy something, and written
+atomically (into a temp folder beside, then renamed) so that an interrupted export leaves nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kvcal.errors import KvcalError
+
+
+def check_out_folder(out: str | Path, inputs: list[Path], is_previous: Callable[[Path], bool], kind: str) -> Path:
+    """Refuse, before any work, an --out that cannot be written or would destroy something: an existing
+    path that is not a directory, a non-empty directory that is not a previous kvcal vllm export, a
+    folder that is or holds one of the inputs."""
+    out = Path(out).expanduser()
+    resolved = out.resolve()
+    for path in inputs:
+        path = Path(path).expanduser().resolve()
+        if path == resolved or resolved in path.parents:
+            raise KvcalError(f"--out '{out}' is or contains the input '{path}'; choose a new folder")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise KvcalError(f"--out '{out}' exists and is not a directory; pass a new folder, an empty one or a previous {kind}")
+    if out.is_dir() and any(out.iterdir()) and not is_previous(out):
+        raise KvcalError(f"--out '{out}' is a non-empty directory that is not a {kind}; pass a new or empty folder")
+    existing = next((p for p in [out.parent, *out.parent.parents] if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise KvcalError(f"cannot write '{out}': '{existing or out.parent}' is not a writable folder; choose another --out")
+    return out
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_folder_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """write(temp) into a temp folder beside `out`, then rename it to `out` (replacing an empty folder or
+    a previous kvcal export): an interrupted export leaves no half-written folder at `out`."""
+    temp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        write(temp)
+        mask = _current_umask()  # mkdtemp makes 0700 and save_pretrained writes some files 0600: give them normal permissions
+        for path in (temp, *temp.rglob("*")):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+        if out.is_dir() and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old)  # old is an empty folder: the rename replaces it
+            os.replace(temp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(temp, out)  # over nothing, or over an empty folder
+        temp = None
+    except OSError as exc:
+        raise KvcalError(f"cannot write '{out}': {exc.strerror or exc}; choose another --out or free space") from exc
+    finally:
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    return out

@@ -1,0 +1,22 @@
+"""FP8 scales searched on a profile's stored windows."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcal.export.scales import WindowAttention
+
+
+def test_objective_is_per_kv_head(tiny_profile):
+    """A head's error depends only on its own scales: the attn_head search chooses heads independently."""
+    from kvcal.artifacts import read_artifact
+
+    _, profile = tiny_profile
+    tensors, config = read_artifact(profile, "profile")
+    objective = WindowAttention(tensors, 0, config["model"]["fingerprint"], config["rope"]["attention_scaling"])
+    base = torch.full((2,), 0.01)
+    changed = base.clone()
+    changed[1] = 1e-5  # saturates head 1 only (its largest representable value becomes 0.00448)
+    a, b = objective.errors(base, base), objective.errors(changed, changed)
+    assert a[0] == b[0] and b[1] > a[1]
+    assert objective.errors(None, None).abs().max() == 0
