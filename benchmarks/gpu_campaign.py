@@ -4,14 +4,14 @@ Stages, in order of what a short lease should not miss (each a subprocess with i
 that does not fit in what is left of --budget-s is skipped and says so):
   environment  the device, driver, clocks and package versions
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
-               fresh random data (--seed) with poisoned outputs, then timed (bench_decode_tc.py, launcher's plan)
+               fresh random data (--seed) with poisoned outputs, then timed (`benchmarks.kernels gpu`, launcher's plan)
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
-               StaticCache / DynamicCache / every --generate-recipes bundle (bench_generate_gpu.py)
-  ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (ab_decode_tc.py); skipped
+               StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`)
+  ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`); skipped
                without a baseline tree
-  ncu          Nsight Compute on --ncu-variants (profile_decode_tc.py)
+  ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
 
 Everything is written under OUTDIR: results/ (the benchmarks' JSON and Markdown, as benchmarks/results would hold
 them), logs/<stage>.log, campaign.json (each stage's command, status and seconds) and summary.md, the short table that
@@ -21,8 +21,8 @@ is also printed last.
 --help, the GPU suite collected but not run, the end-to-end script on a tiny model on CPU) and the summary reads what
 came out.
 
-Usage: python benchmarks/gpu_campaign.py OUTDIR [--budget-s 420] [--baseline-tree DIR] [--seed N] [--dry-run]
-       (see --help). On the device: PYTHONPATH=$PWD KVCAL_COMMIT=<commit> python3 benchmarks/gpu_campaign.py /tmp/c ...
+Usage: python -m benchmarks.gpu_campaign OUTDIR [--budget-s 420] [--baseline-tree DIR] [--seed N] [--dry-run]
+       (see --help). On the device: PYTHONPATH=$PWD KVCAL_COMMIT=<commit> python3 -m benchmarks.gpu_campaign /tmp/c ...
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO  # noqa: E402
+from benchmarks.common import REPO
 
 PYTHON = sys.executable
 TOLERANCE = 1e-2  # the kernels' largest |error| against SDPA in fp32 at the benchmark shape (measured: <= 1.5e-4)
@@ -101,25 +100,25 @@ def gpu_test_files() -> list[str]:
 
 
 def stages(args) -> list[Stage]:
-    bench = lambda name: [PYTHON, f"benchmarks/{name}"]  # noqa: E731
+    bench = lambda harness, mode: [PYTHON, "-m", f"benchmarks.{harness}", mode]  # noqa: E731
     xdist = ["-n", "8"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
                 "--new-tokens", "16", "--seed", str(args.seed)]
     found = [
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
-        Stage("kernels", [*bench("bench_decode_tc.py"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
-              180, 60, [*bench("bench_decode_tc.py"), "--help"]),
+        Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
+              180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 180, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
-        Stage("generate", [*bench("bench_generate_gpu.py"), *generate], 240, 90,
-              [*bench("bench_generate_gpu.py"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
+        Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
+              [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--profile-seqlen", "64", "--seed", str(args.seed)]),
     ]
     if args.baseline_tree is not None:
-        found.append(Stage("ab", [*bench("ab_decode_tc.py"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,
-                                  "--rounds", "2", "--iters", "30"], 150, 60, [*bench("ab_decode_tc.py"), "--help"]))
-    found.append(Stage("ncu", [*bench("profile_decode_tc.py"), "--only", args.ncu_variants,
-                               "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("profile_decode_tc.py"), "--help"]))
+        found.append(Stage("ab", [*bench("kernels", "ab"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,
+                                  "--rounds", "2", "--iters", "30"], 150, 60, [*bench("kernels", "ab"), "--help"]))
+    found.append(Stage("ncu", [*bench("kernels", "ncu"), "--only", args.ncu_variants,
+                               "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("kernels", "ncu"), "--help"]))
     return [s for s in found if not args.only or s.name in args.only.split(",")]
 
 
@@ -216,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="seed of the random data (default: from the clock; recorded)")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`)")
-    parser.add_argument("--ab-variants", default="int2-g128,int4-g128", help="bench_decode_tc.py variants of the A/B (default: %(default)s)")
+    parser.add_argument("--ab-variants", default="int2-g128,int4-g128", help="tensor-core variants of the A/B (default: %(default)s)")
     parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
                         help="variants profiled with Nsight Compute (default: %(default)s)")
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")

@@ -156,7 +156,7 @@ def nvrtc_compile(arch: str) -> tuple[str, bytes]:
 
 
 def disassemble(cubin: bytes, folder: Path) -> str:
-    """nvdisasm's listing (the nvidia-cuda-nvdisasm wheel's binary, as benchmarks/bound_decode.py finds it)."""
+    """nvdisasm's listing (the nvidia-cuda-nvdisasm wheel's binary, as tools/bound_decode.py finds it)."""
     try:
         tool = next((Path(f.locate()) for f in metadata.files("nvidia-cuda-nvdisasm") or [] if f.name == "nvdisasm"), None)
     except metadata.PackageNotFoundError:

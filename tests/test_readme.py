@@ -112,8 +112,25 @@ def test_the_results_in_the_readme_and_docs_are_generated_from_benchmarks_result
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--check"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_benchmark_command_of_the_readme_and_docs_names_a_module_and_mode_that_exist():
+    """`python -m benchmarks.<harness> [MODE]` and `python -m tools.<tool>` in any page: the module is there and, for a
+    harness of modes, so is the mode (their options are each mode's own --help, checked by its tests)."""
+    import importlib
+    import importlib.util
+
+    found = set()
+    for page in PAGES:
+        found |= set(re.findall(r"python3? -m ((?:benchmarks|tools)\.[\w.]+)(?: ([a-z][\w-]*))?", page.read_text()))
+    assert len(found) >= 8
+    for module, mode in found:
+        assert importlib.util.find_spec(module) is not None, f"python -m {module}: no such module"
+        modes = getattr(importlib.import_module(module), "MODES", None)
+        if modes is not None:
+            assert mode in modes, f"python -m {module} {mode}: no such mode (modes: {', '.join(modes)})"
 
 
 def test_the_readme_reads_in_two_minutes():

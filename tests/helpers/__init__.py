@@ -1,7 +1,6 @@
 """Helpers shared by several test modules (test modules never import each other)."""
 
 import collections
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -109,17 +108,3 @@ def host_reads(monkeypatch):
         yield callers
     finally:
         monkeypatch.undo()
-
-
-@contextmanager
-def benchmark_script(name: str):
-    """benchmarks/<name>.py loaded as module `name`, registered in sys.modules while in use (dataclasses look their
-    module up while the script is executed)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)

@@ -24,9 +24,9 @@ Where the Python side of a step dominates: with two lengths the step time is fit
 part that does not grow with the context: weights read, launches and Python; b: reading the cache); the weights' read
 time at copy bandwidth is printed beside a.
 
-Usage: python benchmarks/bench_generate_gpu.py [--lengths 8192,32768] [--batches 1,8] [--recipes all]
+Usage: python -m benchmarks.end_to_end gpu [--lengths 8192,32768] [--batches 1,8] [--recipes all]
        [--new-tokens 16] [--profile-windows 2] [--shape llama-8b|tiny] [--device cuda|cpu]      (see --help)
-CPU dry run at a tiny size: python benchmarks/bench_generate_gpu.py --shape tiny --device cpu --lengths 64,128 --batches 1,2
+CPU dry run at a tiny size: python -m benchmarks.end_to_end gpu --shape tiny --device cpu --lengths 64,128 --batches 1,2
 Writes benchmarks/results/generate_<device>.{json,md} (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
 """
 
@@ -36,15 +36,13 @@ import argparse
 import gc
 import importlib.util
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import device_slug, provenance, write_markdown, write_result
 
 MIB = 2**20
 SHAPES = {  # LlamaConfig fields: Llama-3.1-8B's shape, and a tiny one for CPU dry runs
@@ -439,7 +437,7 @@ def table(result: dict, started: dict) -> list[str]:
     settings = result["settings"]
     layers = settings["config"].get("num_hidden_layers", SHAPES[settings["shape"]]["num_hidden_layers"])
     lines = [f"# generate() decode on {started['device']}: random {settings['shape']}, {layers} layers ({settings['dtype']})", "",
-             f"Commit {started['commit']}, {started['date']}. `python benchmarks/bench_generate_gpu.py`: {settings['timed_steps']} "
+             f"Commit {started['commit']}, {started['date']}. `python -m benchmarks.end_to_end gpu`: {settings['timed_steps']} "
              "decode steps timed per run (median), after one shared fp prefill loaded into every cache (a batch's sequences hold "
              "the same tokens; every cache on the same eager model); x Static: StaticCache's step time (the mean of its runs "
              "first and last in the cell) over the cache's; x fastest fp: the same with the faster of StaticCache and "

@@ -38,7 +38,7 @@ bytes (32 lanes x width) issued per iteration of the side's streaming loop, capp
 iteration consumes (lanes reading the same word count once), x resident warps. A bound is an upper limit, never
 a measurement: every issue slot is assumed usable (no dependency stalls, MUFU and fp64 at full issue rate).
 
-Usage: python benchmarks/bound_decode.py [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
+Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
 Writes benchmarks/results/bound_decode.{json,md}.
 """
 
@@ -50,15 +50,13 @@ import json
 import math
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import RESULTS, provenance, write_markdown, write_result
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
 H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
@@ -82,7 +80,7 @@ class Case:
     bits: int  # code width; 0 = fp16
     outliers: float = 0.0  # fraction of elements kept exact (per side)
     note: str = ""
-    measured: str = ""  # bench_decode_tc.py's name for the same variant (the measured column, where a GPU ran it)
+    measured: str = ""  # the tensor-core benchmark's name for the same variant (the measured column, where a GPU ran it)
 
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
@@ -782,7 +780,7 @@ def markdown(result: dict) -> list[str]:
     lines = [
         "# Static bound of decode attention (no GPU)",
         "",
-        f"`python benchmarks/bound_decode.py` at commit {result['commit']}, {result['date']}; NVRTC {result['tools']['nvrtc']}, "
+        f"`python -m tools.bound_decode` at commit {result['commit']}, {result['date']}; NVRTC {result['tools']['nvrtc']}, "
         f"nvdisasm {result['tools']['nvdisasm']}. Bound for H100 SXM from the sm_90 SASS: {h['sms']} SMs, {h['issue_per_clock']} "
         f"warp-instructions issued per clock per SM, {h['clock_hz'] / 1e9} GHz, {h['copy_bytes_per_s'] / 1e12} TB/s copy "
         f"bandwidth. Shape: B={s['batch']}, {s['kv_heads']} KV heads, GQA {s['group']} ({s['kv_heads'] * s['group']} query heads), "
@@ -811,7 +809,7 @@ def markdown(result: dict) -> list[str]:
 
 
 def measured_on_gpus(results: Path = RESULTS) -> list[dict]:
-    """Per decode_tc_<device>.json that bench_decode_tc.py wrote on a GPU: its device, commit, date, and per variant
+    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU: its device, commit, date, and per variant
     the fastest row at SHAPE's batch and length (the split plans it timed differ only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
@@ -832,9 +830,9 @@ def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
             if names.get(w["case"]) in run["variants"]]
     if not rows:
         return []
-    lines = ["", "The bound beside a measurement (benchmarks/bench_decode_tc.py on a GPU, same shape, L2 flushed: the fastest "
+    lines = ["", "The bound beside a measurement (benchmarks/kernels/tensor_core.py on a GPU, same shape, L2 flushed: the fastest "
              "of the split plans it timed; its results file names how it ran). The gap is what the bound does not model: "
-             "stalls that leave issue slots empty, and units other than issue that fill first (benchmarks/profile_decode_tc.py "
+             "stalls that leave issue slots empty, and units other than issue that fill first (benchmarks/kernels/ncu.py "
              "counts both with Nsight Compute: the H100's int2 and int4 g128 issued in about half their slots with about one "
              "warp eligible per scheduler and no unit saturated, while the codebook variants were held by shared-memory "
              "wavefronts, their table lookups' bank conflicts).", "",

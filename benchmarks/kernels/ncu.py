@@ -1,5 +1,5 @@
 """Where the tensor-core decode kernel's time goes on a CUDA GPU: Nsight Compute's counters of one launch per variant
-at bench_decode_tc.py's shape (B = 8, 8 KV heads, GQA 4, head_dim 128, L = 32768, the launcher's split plan).
+at the tensor-core benchmark's shape (B = 8, 8 KV heads, GQA 4, head_dim 128, L = 32768, the launcher's split plan).
 
 bound_decode.py bounds the kernel from its SASS as if every issue slot were usable; this script says what a real launch
 spent instead: issue slots used, warps resident and eligible per scheduler, how busy DRAM, L2, L1 / shared memory and the
@@ -9,7 +9,7 @@ Each variant runs in its own process under `ncu --set full --clock-control none`
 which profiles the kernel's 4th launch (ncu flushes the caches before it); `ncu --import --page raw --csv` exports the
 counters, and this script reads them.
 
-Usage (CUDA + CuPy, ncu on PATH): python benchmarks/profile_decode_tc.py [--only int2-g128,nuq4-pre-rope]
+Usage (CUDA + CuPy, ncu on PATH): python -m benchmarks.kernels ncu [--only int2-g128,nuq4-pre-rope]
                                                                          [--tokens 32768] [--csv-dir DIR]
     --csv-dir DIR keeps each variant's raw counters as DIR/<variant>.csv; given with --from-csv, it reads them
     instead of profiling (no GPU needed).
@@ -28,8 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import device_slug, provenance, write_markdown, write_result
 
 DEFAULT_VARIANTS = "int2-g128,int4-g128,int2-g128-pre-rope,nuq4-pre-rope,nuq3-1%-pre-rope"
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
@@ -49,7 +48,7 @@ def launch(name: str, tokens: int) -> None:
     """The process ncu watches: 4 launches of one variant's kernel, the L2 flushed before each."""
     import torch
 
-    from bench_decode_tc import BATCH, HEAD_DIM, HEADS, KV_HEADS, filled_stores, inv_freq, variants
+    from benchmarks.kernels.tensor_core import BATCH, HEAD_DIM, HEADS, KV_HEADS, filled_stores, inv_freq, variants
     from kvcal.runtime import tensor_core
 
     codecs, rope = variants()[name]
@@ -108,7 +107,7 @@ def summary(name: str, text: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=DEFAULT_VARIANTS, help="comma-separated variant names of bench_decode_tc.py")
+    parser.add_argument("--only", default=DEFAULT_VARIANTS, help="comma-separated variant names of the tensor-core benchmark")
     parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
     parser.add_argument("--csv-dir", type=Path, default=None, help="keep (or, with --from-csv, read) DIR/<variant>.csv")
     parser.add_argument("--from-csv", action="store_true", help="summarise the CSV files in --csv-dir; profile nothing")
@@ -130,7 +129,7 @@ def main() -> None:
     else:
         ncu = shutil.which("ncu")
         if ncu is None:
-            sys.exit("profile_decode_tc.py needs Nsight Compute's ncu on PATH; nothing was profiled")
+            sys.exit("the ncu benchmark needs Nsight Compute's ncu on PATH; nothing was profiled")
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             for name in names:
@@ -144,7 +143,7 @@ def main() -> None:
     write_result(name, {"tokens": args.tokens, "results": rows}, started)
     lines = [f"# Tensor-core decode attention under Nsight Compute, {started['device']} "
              f"(commit {started['commit']}, {started['date']})", "",
-             f"`python benchmarks/profile_decode_tc.py`: one launch per variant (B = 8, L = {args.tokens}, the launcher's plan), "
+             f"`python -m benchmarks.kernels ncu`: one launch per variant (B = 8, L = {args.tokens}, the launcher's plan), "
              "`ncu --set full --clock-control none`. Percentages are of each unit's peak; stalls are the share of the warps' "
              "stall samples (selected = issuing).", "",
              "| variant | us | regs | blocks/SM | warps / eligible per scheduler | issue | DRAM | L2 | L1+shared | ALU | FMA | tensor | "

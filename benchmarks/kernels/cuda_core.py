@@ -10,7 +10,7 @@ Bytes read = the cache's stored bytes (codes, parameters, outliers, fp16 segment
 and the CUDA-core kernel over the rest; --kernel cuda-core the CUDA-core kernel alone. Each row says which ran.
 
 Usage (needs CUDA and CuPy: pip install -e ".[gpu]"):
-    python benchmarks/bench_decode.py [--batches 1,8] [--lengths 4096,32768,131072] [--iters 20]
+    python -m benchmarks.kernels cuda-core [--batches 1,8] [--lengths 4096,32768,131072] [--iters 20]
 Writes benchmarks/results/decode_<device>.{json,md}.
 """
 
@@ -20,12 +20,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_slug, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import device_slug, provenance, write_markdown, write_result
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
 WIDTH = KV_HEADS * HEAD_DIM
@@ -85,9 +83,9 @@ def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: li
 def timed(run, iterations: int, warmup_seconds: float = 0.5, rounds: int = 5) -> float:
     """Median seconds of run(), L2 flushed before each, after at least warmup_seconds of untimed runs: the first
     timed launches after seconds of host work (a compile) ran slow on the H100 (the first two rows of three runs of
-    bench_decode_tc.py, 15-20% above the same launches timed later), as the GPU's clocks come back up. The median is
+    the tensor-core benchmark, 15-20% above the same launches timed later), as the GPU's clocks come back up. The median is
     taken again until two in a row agree within 5% (at most `rounds`), and the lower of those two is returned: once
-    in each of three H100 runs of bench_decode_tc.py (2026-11-23) one variant's whole timing ran 3-5x slow while the
+    in each of three H100 runs of the tensor-core benchmark (2026-11-23) one variant's whole timing ran 3-5x slow while the
     same kernel timed at its usual latency before and after, as if the clocks stayed low throughout."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     start = time.perf_counter()
@@ -149,12 +147,12 @@ def main() -> None:
                              "cuda-core: the CUDA-core kernel alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_decode.py needs a CUDA GPU; nothing was measured")
+        sys.exit("the CUDA-core benchmark needs a CUDA GPU; nothing was measured")
     from kvcal.runtime import kernels, tensor_core
     from kvcal.runtime.kernels import Segments, prepare_decode
 
     if not kernels.cuda_ready("cuda"):
-        sys.exit("bench_decode.py needs CuPy: pip install -e '.[gpu]'")
+        sys.exit("the CUDA-core benchmark needs CuPy: pip install -e '.[gpu]'")
     started = provenance()
     bandwidth = copy_bandwidth()
     inv_freq = (1.0 / 1e4 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)).cuda()

@@ -1,6 +1,8 @@
-"""Perplexity change vs real bits on SmolLM2-135M for every calibrated kvcal recipe and every uncalibrated
-baseline of `kvcal eval ppl`, on wikitext-2 test and on a held-out code corpus (the Python standard
-library's own sources, dataset `python-code`), with the Pareto front marked (issue 14, item 4).
+"""The accuracy harness: perplexity change vs real bits on SmolLM2-135M for every calibrated kvcal recipe and every
+uncalibrated baseline of `kvcal eval ppl`, on wikitext-2 test and on a held-out code corpus (the Python standard
+library's own sources, dataset `python-code`), with the Pareto front marked. The ablations are method sets
+(`--methods nuq-ablation`, `skvq-ablation`, `mixed-widths`, `fp8`; written with `--out-name <set>`), evaluated the same
+way on the same profile.
 
 Real bits are `eval ppl`'s effective bits: what the runtime stores per K/V element (codes packed in int32
 words, per-token/per-block parameters in their storage dtype, 4-byte outliers and their offset tables, fp16 sinks, windows and
@@ -31,8 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result
 
 CALIBRATED, BASELINE = "calibrated", "baseline"
 DOMAINS = {  # name -> (description, kvcal dataset spec)
@@ -55,18 +56,20 @@ FIT_KINDS = ("nuq", "skvq", "kvmix", "fp8")
 @dataclass(frozen=True)
 class Entry:
     """One method of the benchmark. kind: 'baseline' (an `eval ppl --baseline` spec), 'nuq', 'skvq', 'kvmix'
-    (fit from the profile), or 'fp8' (vLLM FP8 e4m3 KV cache; spec 'unit' = scale 1.0, 'absmax' = absmax/448
-    of the profile's calibration tokens)."""
+    (fit from the profile), or 'fp8' (vLLM FP8 e4m3 KV cache; spec ('unit', 'tensor') = scale 1.0, ('absmax', strategy) =
+    absmax/448 of the profile's calibration tokens, ('calibrated', strategy) = searched on its stored windows, per tensor or
+    per KV head: kvcal export vllm's scales)."""
 
     name: str
     family: str
     kind: str
-    spec: object = None  # baseline spec text, fit settings as a dict, or the fp8 scale mode
-    aliases: tuple[str, ...] = ()
+    spec: object = None  # baseline spec text, fit settings as a dict, or the fp8 (scales, strategy)
+    aliases: tuple[str, ...] = ()  # other names, and the method sets it belongs to (METHOD_SETS)
+    in_all: bool = True  # False: only in its method sets (the ablations), not in all / calibrated / baselines
 
     @property
     def needs_profile(self) -> bool:
-        return self.kind in FIT_KINDS and self.spec != "unit"
+        return self.kind in FIT_KINDS and self.spec != ("unit", "tensor")
 
 
 def catalog(seed: int) -> list[Entry]:
@@ -107,17 +110,72 @@ def catalog(seed: int) -> list[Entry]:
         entries.append(Entry(f"turbo{bits}", BASELINE, "baseline", f"turbo{bits}", ("turbo",)))
     for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"):
         entries.append(Entry(name, BASELINE, "baseline", name, ("llama.cpp",)))
-    entries.append(Entry("fp8-scale1", BASELINE, "fp8", "unit", ("fp8",)))
-    entries.append(Entry("fp8-absmax", BASELINE, "fp8", "absmax", ("fp8",)))
+    entries.append(Entry("fp8-scale1", BASELINE, "fp8", ("unit", "tensor"), ("fp8",)))
+    entries.append(Entry("fp8-absmax", BASELINE, "fp8", ("absmax", "tensor"), ("fp8",)))
+    return entries + ablations(seed)
+
+
+# Method sets beside the Pareto catalog (selected by name with --methods): each changes one thing against a default.
+NUQ_ABLATIONS = {  # name part -> fit-nuq settings changed against nuqB-1%
+    "per-token-k": {"key_granularity": "token"}, "post-rope-k": {"key_rope": "post"}, "uniform": {"codebook": "uniform"},
+    "nf": {"codebook": "nf"}, "unweighted": {"weighting": "none"}, "no-outliers": {"outliers": 0.0},
+    "qnorm-flipped": {"qnorm": "flip"}, "no-sink": {"sink": 0},
+}
+SKVQ_FULL = {"kbits": 2, "vbits": 2, "group_size": 64, "window": 128, "clip": "group", "reorder": True, "sink": 5}
+SKVQ_STEPS = {  # SKVQ's Tables 3 and 4: each step adds one component to the previous
+    "rtn": {"window": 0, "clip": "none", "reorder": False, "sink": 0},
+    "window": {"window": 128, "clip": "none", "reorder": False, "sink": 0},
+    "clip": {"window": 128, "clip": "group", "reorder": False, "sink": 0},
+    "reorder": {"window": 128, "clip": "group", "reorder": True, "sink": 0},
+    "sink": {}, "fp8": {"fp8": True}, "v1.5": {"vbits": 1.5}, "g32": {"group_size": 32}, "g128": {"group_size": 128},
+}
+METHOD_SETS = {
+    "nuq-ablation": "KVQuant's components, one at a time, at 4, 3 and 2 bits, with int-g64 and KIVI at residual 32 and 128",
+    "skvq-ablation": "SKVQ's components added one at a time at K2V2 (paper Tables 3 and 4), with KIVI-2 (g64) and int2",
+    "mixed-widths": "per-layer widths: the Fisher knapsack at 2.6-4.0 bits, KVmix's widths, one width for all layers",
+    "fp8": "vLLM's FP8 cache: scale 1.0, absmax / 448 and searched scales, per tensor and per KV head",
+}
+
+
+def ablations(seed: int) -> list[Entry]:
+    """The entries only the method sets hold (their other members are catalog entries that carry the set as an alias)."""
+    entries = []
+    for bits in (4, 3, 2):
+        for part, changes in NUQ_ABLATIONS.items():
+            if changes.get("qnorm") == "flip":  # Q-Norm is on at 2 bits by default: flipped is off there, on above
+                changes = {"qnorm": "off" if bits <= 2 else "on"}
+            entries.append(Entry(f"nuq{bits}-1%-{part}", CALIBRATED, "nuq", {"bits": bits, "outliers": 0.01, "seed": seed, **changes},
+                                 ("nuq-ablation",), in_all=False))
+    for step, changes in SKVQ_STEPS.items():
+        entries.append(Entry(f"skvq-K2V2-{step}", CALIBRATED, "skvq", {**SKVQ_FULL, **changes, "seed": seed}, ("skvq-ablation",),
+                             in_all=False))
+    entries.append(Entry("kivi2-g64-r128", BASELINE, "baseline", "kivi2-g64-r128", ("skvq-ablation",), in_all=False))
+    for target in (2.6, 3.3):
+        entries.append(Entry(f"mixed-{target:g}", CALIBRATED, "nuq", {"target_bits": target, "outliers": 0.01, "seed": seed},
+                             ("mixed-widths",), in_all=False))
+    entries.append(Entry("fp8-absmax-head", BASELINE, "fp8", ("absmax", "attn_head"), ("fp8",), in_all=False))
+    for strategy, suffix in (("tensor", ""), ("attn_head", "-head")):
+        entries.append(Entry(f"fp8-calibrated{suffix}", CALIBRATED, "fp8", ("calibrated", strategy), ("fp8",), in_all=False))
     return entries
 
 
+# members of the method sets that are in the Pareto catalog too
+SET_MEMBERS = {
+    "nuq-ablation": [f"{name}{bits}{rest}" for bits in (4, 3, 2)
+                     for name, rest in (("nuq", "-1%"), ("int", "-g64"), ("kivi", "-g32-r128"), ("kivi", "-g32-r32"))],
+    "skvq-ablation": ["int2-g64"],
+    "mixed-widths": ["mixed", "mixed-3.55", "mixed-4.0", "nuq-kvmix-widths", "nuq2-1%", "nuq3-1%"],
+}
+
+
 def select(entries: list[Entry], selectors: list[str]) -> list[Entry]:
-    """Entries picked by name, alias or group ('all', 'calibrated', 'baselines'), in catalog order."""
+    """Entries picked by name, alias, method set (METHOD_SETS) or group ('all', 'calibrated', 'baselines': the Pareto
+    catalog without the sets' own entries), in catalog order."""
     picked = set()
     for selector in selectors:
-        matches = {e.name for e in entries if selector in (e.name, *e.aliases) or selector == "all"
-                   or (selector == "calibrated" and e.family == CALIBRATED) or (selector == "baselines" and e.family == BASELINE)}
+        matches = {e.name for e in entries if selector in (e.name, *e.aliases) or e.name in SET_MEMBERS.get(selector, ())
+                   or (e.in_all and (selector == "all" or (selector == "calibrated" and e.family == CALIBRATED)
+                                     or (selector == "baselines" and e.family == BASELINE)))}
         if not matches:
             raise ValueError(f"unknown method '{selector}'; choose from all, calibrated, baselines, "
                              + ", ".join(dict.fromkeys(n for e in entries for n in (e.name, *e.aliases))))
@@ -246,7 +304,7 @@ class Fitter:
         from kvcal.methods import artifact_method
 
         if entry.kind == "fp8":
-            return self._fp8(entry, num_layers), self.fp8_scales
+            return self._fp8(entry, num_layers), self.fp8_scales(entry.spec[1])
         path = self.path_for(entry)
         cached = self.cached(path)
         started = time.perf_counter()
@@ -282,9 +340,8 @@ class Fitter:
         else:
             raise ValueError(f"no fit for kind {entry.kind}")
 
-    @property
-    def fp8_scales(self) -> Path:
-        return self.folder / "fp8-tensor-scales.safetensors"  # one calibrate_scales serves every fp8 mode
+    def fp8_scales(self, strategy: str) -> Path:
+        return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated
 
     def _fp8(self, entry: Entry, num_layers: int):
         from safetensors.torch import load_file, save_file
@@ -293,22 +350,23 @@ class Fitter:
         from kvcal.export.scales import calibrate_scales
         from kvcal.methods.fp8 import fp8_method
 
-        scales_path = self.fp8_scales
+        scales, strategy = entry.spec
+        scales_path = self.fp8_scales(strategy)
         started = time.perf_counter()
         cached = self.cached(scales_path)
         if not cached:
-            fit, _ = calibrate_scales(str(self.profile), "tensor")
+            fit, _ = calibrate_scales(str(self.profile), strategy)
             tensors = {}
             for i, layer in enumerate(fit.layers):
-                tensors.update({f"{i}.k_absmax": layer.k_absmax.float().reshape(1), f"{i}.v_absmax": layer.v_absmax.float().reshape(1),
-                                f"{i}.k": layer.k.float().reshape(1), f"{i}.v": layer.v.float().reshape(1)})
+                tensors.update({f"{i}.k_absmax": layer.k_absmax.float().flatten(), f"{i}.v_absmax": layer.v_absmax.float().flatten(),
+                                f"{i}.k": layer.k.float().flatten(), f"{i}.v": layer.v.float().flatten()})
             scales_path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(scales_path.with_suffix(".tmp")))
             scales_path.with_suffix(".tmp").replace(scales_path)
             self.fitted.add(scales_path)
         tensors = load_file(str(scales_path))
         log(f"fit {entry.name}: {'cached ' + scales_path.name if cached else f'{time.perf_counter() - started:.1f} s -> {scales_path.name}'}")
-        suffix = "_absmax" if entry.spec == "absmax" else ""
+        suffix = "_absmax" if scales == "absmax" else ""
         return fp8_method(entry.name, Fp8KvScales(tuple(tensors[f"{i}.k{suffix}"] for i in range(num_layers)),
                                                   tuple(tensors[f"{i}.v{suffix}"] for i in range(num_layers))))
 
@@ -323,7 +381,7 @@ def ensure_profile(args) -> Path:
         path = Path(args.profile)
         kind, _ = read_header(str(path))
         if kind != "profile":
-            raise SystemExit(f"bench_pareto: --profile '{path}' is a kvcal {kind}, not a profile")
+            raise SystemExit(f"accuracy: --profile '{path}' is a kvcal {kind}, not a profile")
         log(f"profile: reusing {path}")
         return path
     profile_name, description, dataset = CALIBRATIONS[args.calibration]
@@ -473,13 +531,14 @@ def plot(payload: dict, path: Path) -> Path:
 
 
 def parse_args(argv=None):
-    names = ", ".join(e.name for e in catalog(0))
+    names = ", ".join(e.name for e in catalog(0) if e.in_all)
+    sets = "; ".join(f"{name}: {what}" for name, what in METHOD_SETS.items())
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"methods: {names}. Aliases: nuqN, skvq, skvq-wW, intN, int, kiviN, kivi, hadamard, turbo, llama.cpp, fp8; "
-               "groups: all, calibrated, baselines.")
+               f"groups: all, calibrated, baselines. Method sets (not in all): {sets}.")
     parser.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
-                        help="methods to evaluate, by name, alias or group (default: all)")
+                        help="methods to evaluate, by name, alias, group or method set (default: all)")
     parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS),
                         help="evaluation domains: wikitext2 (wikitext-2 test) and code (held-out Python stdlib sources); default both")
     parser.add_argument("--windows", type=int, default=40, help="consecutive windows per domain (default 40)")
@@ -524,11 +583,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     missing = [DOMAINS[d][1] for d in args.domains if DOMAINS[d][1].startswith("/") and not Path(DOMAINS[d][1]).is_file()]
     if missing:
-        raise SystemExit(f"bench_pareto: evaluation text {missing[0]} is missing; it is expected at ../shared beside the checkout")
+        raise SystemExit(f"accuracy: evaluation text {missing[0]} is missing; it is expected at ../shared beside the checkout")
     try:
         run(args, started_with)
     except KvcalError as exc:
-        raise SystemExit(f"bench_pareto: {exc}") from exc
+        raise SystemExit(f"accuracy: {exc}") from exc
 
 
 def run(args, started_with: dict) -> None:
@@ -609,7 +668,7 @@ def run(args, started_with: dict) -> None:
         try:
             payload = merge_previous(payload, json.loads(previous_path.read_text()), [e.name for e in catalog(args.seed)])
         except (OSError, ValueError, KeyError) as exc:
-            raise SystemExit(f"bench_pareto: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
+            raise SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
         log(f"kept the rows of {previous_path} for the methods not evaluated now")
     json_path = write_result(args.out_name, payload, started_with)
     md_path = write_markdown(args.out_name, markdown({**started_with, **payload}))

@@ -1,15 +1,15 @@
 """A/B of the tensor-core decode kernel: this checkout against another (the baseline: another commit's tree, e.g.
-`git worktree add /tmp/base <commit>`), side by side on one GPU. bench_decode_tc.py runs in each tree in turn, with
+`git worktree add /tmp/base <commit>`), side by side on one GPU. The tensor-core benchmark runs in each tree in turn, with
 that tree's kvcal package and kernels, alternating (this tree, baseline, this tree, ...) for --rounds rounds, at the
 launcher's split plan. The table gives each variant's median latency per side and the ratio. Timings from two runs
 on different machines or sessions are not comparable; two sides of one run are.
 
-bench_decode_tc.py's --kernel-dir swaps kernels/ alone; a change that also moves the host side (shared memory,
+The tensor-core benchmark's --kernel-dir swaps kernels/ alone; a change that also moves the host side (shared memory,
 stage sizes, split plans in kvcal.runtime.tensor_core) needs both trees whole, which this script runs.
 
-Usage (CUDA + CuPy): python benchmarks/ab_decode_tc.py --baseline DIR [--only int2-g128,int4-g128] [--rounds 2]
+Usage (CUDA + CuPy): python -m benchmarks.kernels ab --baseline DIR [--only int2-g128,int4-g128] [--rounds 2]
                                                        [--tokens 32768] [--iters 20]
-Prints; writes nothing (each run is bench_decode_tc.py's print-only mode).
+Prints; writes nothing (each run is the tensor-core benchmark's print-only mode).
 """
 
 from __future__ import annotations
@@ -24,18 +24,24 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parents[1]
-BENCH = Path("benchmarks") / "bench_decode_tc.py"
+HERE = Path(__file__).resolve().parents[2]
+# the tensor-core benchmark's command in a tree: this layout, or the script it was before benchmarks/ became a package
+LAYOUTS = ((Path("benchmarks/kernels/tensor_core.py"), ["-m", "benchmarks.kernels", "gpu"]),
+           (Path("benchmarks/bench_decode_tc.py"), ["benchmarks/bench_decode_tc.py"]))
+
+
+def benchmark_command(tree: Path) -> list[str] | None:
+    return next((command for path, command in LAYOUTS if (tree / path).is_file()), None)
 
 
 def latencies(tree: Path, args) -> dict[str, float]:
-    """One bench_decode_tc.py run in `tree` (its own package first on the path): variant -> latency in us."""
+    """One tensor-core benchmark run in `tree` (its own package first on the path): variant -> latency in us."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    done = subprocess.run([sys.executable, str(BENCH), "--splits", "launcher", "--only", args.only, "--tokens",
+    done = subprocess.run([sys.executable, *benchmark_command(tree), "--splits", "launcher", "--only", args.only, "--tokens",
                            str(args.tokens), "--iters", str(args.iters), "--kernel-dir", "kernels"],
                           cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"bench_decode_tc.py failed in {tree}: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")
+        sys.exit(f"the tensor-core benchmark failed in {tree}: {(done.stderr.strip().splitlines() or ['no message'])[-1]}")
     rows = [ast.literal_eval(line) for line in done.stdout.splitlines() if line.startswith("{'variant'")]
     return {row["variant"]: row["latency_us"] for row in rows}
 
@@ -43,20 +49,20 @@ def latencies(tree: Path, args) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, required=True, help="another kvcal checkout (the A side)")
-    parser.add_argument("--only", default="int2-g128,int4-g128", help="comma-separated variant names of bench_decode_tc.py")
+    parser.add_argument("--only", default="int2-g128,int4-g128", help="comma-separated variant names of the tensor-core benchmark")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
     parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
     args = parser.parse_args()
     baseline = args.baseline.resolve()
-    if not (baseline / BENCH).is_file() or not (baseline / "kernels" / "decode_attention_tc.cu").is_file():
-        parser.error(f"--baseline {args.baseline}: not a kvcal checkout (no {BENCH} and kernels/ there)")
+    if benchmark_command(baseline) is None or not (baseline / "kernels" / "decode_attention_tc.cu").is_file():
+        parser.error(f"--baseline {args.baseline}: not a kvcal checkout (no tensor-core benchmark and kernels/ there)")
     if baseline == HERE:
         parser.error(f"--baseline {args.baseline}: this checkout itself; give another commit's tree (git worktree add)")
     if args.rounds <= 0 or args.tokens <= 0 or args.iters <= 0:
         parser.error("--rounds, --tokens and --iters are positive numbers")
     if not torch.cuda.is_available():
-        sys.exit("ab_decode_tc.py needs a CUDA GPU; nothing was measured")
+        sys.exit("the A/B benchmark needs a CUDA GPU; nothing was measured")
     sides = {"this tree": HERE, "baseline": baseline}
     measured = {side: {} for side in sides}
     for round_ in range(args.rounds):

@@ -1,22 +1,16 @@
-"""benchmarks/bound_decode.py: the SASS listing parser, the steady-state walk (loops, branch rules, flow), the
+"""tools/bound_decode.py: the SASS listing parser, the steady-state walk (loops, branch rules, flow), the
 instruction classes, occupancy and the bound arithmetic on hand-written input; the installed nvdisasm's output
 format where it is installed."""
 
-import importlib.util
 import math
 import struct
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.nvrtc
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bound_decode.py"
-spec = importlib.util.spec_from_file_location("bound_decode", SCRIPT)
-bd = sys.modules["bound_decode"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-spec.loader.exec_module(bd)
+from tools import bound_decode as bd
 
 # A token loop (.L_x_0 .. 0x0b0) holding a branch on the GQA group, a branch to rarely run code, an inner loop of
 # 3 iterations (.L_x_3) and its guard; a divergence fallback after EXIT jumps back in, as ptxas lays them out.

@@ -1,5 +1,5 @@
-"""The pure parts of benchmarks/bench_pareto.py: the Pareto front, the best calibrated recipe at <= a
-baseline's real bits, and method selection. No model is loaded."""
+"""The pure parts of benchmarks/accuracy.py: the Pareto front, the best calibrated recipe at <= a
+baseline's real bits, method selection and the method sets. No model is loaded."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import math
 
 import pytest
 
-from helpers import benchmark_script
+from benchmarks import accuracy
 
 
 @pytest.fixture(scope="module")
 def bench():
-    with benchmark_script("bench_pareto") as module:
-        yield module
+    return accuracy
 
 
 def test_pareto_front_minimizes_bits_and_ppl(bench):
@@ -60,7 +59,7 @@ def test_select_by_name_alias_and_group(bench):
     assert [e.name for e in bench.select(entries, ["q4_0", "int4"])] == ["int4-g64", "q4_0"]  # catalog order
     assert [e.name for e in bench.select(entries, ["kivi2"])] == ["kivi2-g32-r32", "kivi2-g32-r128"]
     assert all(e.family == "calibrated" for e in bench.select(entries, ["calibrated"]))
-    assert len(bench.select(entries, ["all"])) == len(entries)
+    assert len(bench.select(entries, ["all"])) == sum(e.in_all for e in entries)
     with pytest.raises(ValueError, match="unknown method 'int5'"):
         bench.select(entries, ["int5"])
 
@@ -105,3 +104,23 @@ def test_calibration_and_update_options(bench):
     assert bench.CALIBRATIONS[args.calibration][2] == "builtin"  # the dataset spec of `kvcal calibrate`'s default
     with pytest.raises(SystemExit):
         bench.parse_args(["--calibration", "c4"])
+
+
+def test_method_sets_hold_their_ablations_and_stay_out_of_all(bench):
+    entries = bench.catalog(0)
+    assert len({e.name for e in entries}) == len(entries)
+    everything = {e.name for e in bench.select(entries, ["all"])}
+    for name in bench.METHOD_SETS:
+        members = {e.name for e in bench.select(entries, [name])}
+        assert members and set(bench.SET_MEMBERS.get(name, ())) <= members
+    ablation = {e.name: e.spec for e in bench.select(entries, ["nuq-ablation"])}
+    assert len(ablation) == 3 * (len(bench.NUQ_ABLATIONS) + 4)  # per width: the ablations, nuqB-1%, int, two KIVI
+    assert ablation["nuq2-1%-qnorm-flipped"]["qnorm"] == "off" and ablation["nuq3-1%-qnorm-flipped"]["qnorm"] == "on"
+    assert not everything & {"nuq3-1%-no-sink", "skvq-K2V2-rtn", "mixed-2.6", "fp8-calibrated-head"}
+
+
+def test_skvq_steps_add_one_component_at_a_time(bench):
+    specs = {e.name: e.spec for e in bench.select(bench.catalog(0), ["skvq-ablation"])}
+    steps = [specs[f"skvq-K2V2-{step}"] for step in ("rtn", "window", "clip", "reorder", "sink", "fp8")]
+    for before, after in zip(steps, steps[1:]):
+        assert sum(before.get(k) != after.get(k) for k in {*before, *after}) == 1

@@ -1,8 +1,7 @@
 """benchmarks/gpu_campaign.py: its dry run on CPU (every stage's stand-in, then the summary), the time limits that keep a
 campaign inside a lease, the summary it prints from the stages' results, and its refusals; and the end-to-end script
-benchmarks/bench_generate_gpu.py it runs."""
+benchmarks/end_to_end/gpu.py it runs."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,28 +11,17 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-CAMPAIGN = BENCHMARKS / "gpu_campaign.py"
-GENERATE = BENCHMARKS / "bench_generate_gpu.py"
+from benchmarks import gpu_campaign as campaign
+from benchmarks.end_to_end import gpu as generate
 
-
-def script(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-campaign = script(CAMPAIGN)
-generate = script(GENERATE)
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_path):
     out = tmp_path / "campaign"
-    done = subprocess.run([sys.executable, str(CAMPAIGN), str(out), "--dry-run", "--baseline-tree", str(BENCHMARKS.parent),
-                           "--generate-recipes", "kivi", "--seed", "7"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_campaign", str(out), "--dry-run", "--baseline-tree", str(REPO),
+                           "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
     assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "suite", "generate", "ab", "ncu"]

@@ -1,6 +1,6 @@
 """Wall time and peak RSS of `kvcal profile-gradients` on SmolLM2-135M, wikitext-2 valid, 16 x 512.
 
-Usage: python benchmarks/bench_profile.py [--nsamples 16] [--seqlen 512]
+Usage: python -m benchmarks.end_to_end profile [--nsamples 16] [--seqlen 512]
 Targets (issue 2): at most 180 s and 4 GB on the 2-core CPU machine. Writes
 benchmarks/results/profile_gradients_cpu.json.
 """
@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED, write_result  # noqa: E402
+from benchmarks.common import SHARED, write_result
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The tensor-core decode kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core) on a CUDA GPU, at
-bench_decode.py's shapes and with its method: latency (median of CUDA-event timings, L2 flushed before every timed
+the CUDA-core benchmark's shapes and with its method: latency (median of CUDA-event timings, L2 flushed before every timed
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
@@ -14,7 +14,7 @@ blocks the device holds at once (the occupancy API's count x SMs). Before timing
 partial splits and the merged rows) poisoned with NaN before the checked launch, so that an unwritten element fails;
 --seed draws other random data (the campaign passes a fresh one).
 
-Usage (CUDA + CuPy): python benchmarks/bench_decode_tc.py [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
+Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0]
 Writes benchmarks/results/decode_tc_<device>.{json,md}. --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed, write_device_result  # noqa: E402
-from common import provenance, write_markdown  # noqa: E402
+from benchmarks.kernels.cuda_core import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed, write_device_result
+from benchmarks.common import provenance, write_markdown
 
 BATCH = 8
 
@@ -126,7 +125,7 @@ def main() -> None:
     if any(s is not None and (s <= 0 or s % 64) for s in splits):
         parser.error(f"--splits {args.splits}: tokens per split are positive multiples of 64 (whole stages)")
     if not torch.cuda.is_available():
-        sys.exit("bench_decode_tc.py needs a CUDA GPU; nothing was measured")
+        sys.exit("the tensor-core benchmark needs a CUDA GPU; nothing was measured")
     from kvcal.runtime import kernel_source, tensor_core
 
     if args.kernel_dir is not None:  # before the first compile: the modules are built from this folder

@@ -1,20 +1,16 @@
-"""benchmarks/profile_decode_tc.py: reading ncu's raw counters (the profiling itself needs a CUDA GPU and ncu) and its
+"""benchmarks/kernels/ncu.py: reading ncu's raw counters (the profiling itself needs a CUDA GPU and ncu) and its
 argument errors."""
 
 import csv
-import importlib.util
 import io
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode_tc.py"
-RESULTS = SCRIPT.parent / "results"
-spec = importlib.util.spec_from_file_location("profile_decode_tc", SCRIPT)
-profile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile)
+from benchmarks.kernels import ncu as profile
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 # counters of int2 g128's launch as `ncu --page raw --csv` exported them on an H100 (ee93850; a subset of the columns)
 INT2_G128 = [
@@ -68,13 +64,14 @@ def test_a_launch_s_counters_become_one_row_in_microseconds_and_megabytes_with_i
                                         "math_pipe_throttle": 10.0}
 
 
-@pytest.mark.slow  # each case starts the script
 @pytest.mark.parametrize("arguments,problem", [
     (["--from-csv"], "--from-csv reads --csv-dir DIR"),
     (["--from-csv", "--csv-dir", ".", "--only", "int2-g128"], "no int2-g128.csv there"),
 ])
-def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem):
+def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem, monkeypatch, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
-    done = subprocess.run([sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True)
-    assert done.returncode == 2 and problem in done.stderr.splitlines()[-1]
+    monkeypatch.setattr(sys, "argv", ["ncu", *arguments])
+    with pytest.raises(SystemExit) as exit_:
+        profile.main()
+    assert exit_.value.code == 2 and problem in capsys.readouterr().err.strip().splitlines()[-1]
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before

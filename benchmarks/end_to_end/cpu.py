@@ -3,7 +3,7 @@ formula vs fp16), passkey retrieval per context length, and Cocktail vs uniform 
 one paragraph of a long wikitext context (agreement of the answer's tokens with fp).
 
 Bundles: artifacts/runtime/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see the README for the commands).
-Usage: python benchmarks/bench_runtime.py [--lengths 1024,2048,4096,8184] [--samples 20] [--memory-context 4096]
+Usage: python -m benchmarks.end_to_end cpu [--lengths 1024,2048,4096,8184] [--samples 20] [--memory-context 4096]
        [--cocktail-questions 5]
 Writes benchmarks/results/runtime_{memory,passkey,cocktail}.{json,md}.
 """
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, SHARED, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import REPO, SHARED, provenance, write_markdown, write_result
 
 BUNDLES = {name: REPO / "artifacts" / "runtime" / f"{name}.safetensors" for name in ("kvquant", "mixed", "skvq", "kivi", "kvmix")}
 MIB = 2**20

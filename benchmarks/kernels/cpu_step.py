@@ -27,9 +27,9 @@ Bundles: --bundles DIR holds <recipe>.safetensors; a missing one is made there: 
 (kvcal.calibration.calibrate, which writes profile.safetensors beside it), the others fitted from that profile (or
 from --profile) and exported with kvcal.calibration.build_bundle.
 
-Usage: python benchmarks/bench_decode_step.py [--lengths 512,2048,8000] [--batches 1,8] [--recipes all]
+Usage: python -m benchmarks.kernels cpu [--lengths 512,2048,8000] [--batches 1,8] [--recipes all]
        [--baselines quanto,hqq] [--new-tokens 32] [--bundles DIR] [--profile PATH]   (see --help)
-Quick: python benchmarks/bench_decode_step.py --lengths 512,2048 --new-tokens 16 --recipes kvquant,kivi
+Quick: python -m benchmarks.kernels cpu --lengths 512,2048 --new-tokens 16 --recipes kvquant,kivi
 Writes benchmarks/results/decode_step_cpu.{json,md} (--out).
 """
 
@@ -42,14 +42,12 @@ import gc
 import importlib.util
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHARED, provenance, write_markdown, write_result  # noqa: E402
+from benchmarks.common import SHARED, provenance, write_markdown, write_result
 
 BASELINES = ("quanto", "hqq")  # transformers' QuantizedCache backends
 BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
@@ -332,7 +330,7 @@ def main(argv=None) -> None:
 def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str], started: dict) -> list[str]:
     lines = [f"# generate() time per new token on CPU (SmolLM2-135M fp32, {torch.get_num_threads()} threads)", "",
              f"{started['cpu']}; {started['kernel']}. Commit {started['commit']}, {started['date']}.", "",
-             f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/bench_decode_step.py); "
+             f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/kernels/cpu_step.py); "
              "x Dyn: time per token / DynamicCache's (the mean of its runs first and last in the cell); peak MiB: peak RSS "
              "during cache load + decode above the RSS before it (resource.getrusage ru_maxrss, high-water mark reset per "
              "cache); cache MiB: the cache's own storage; same tokens: greedy tokens equal to DynamicCache's.", ""]

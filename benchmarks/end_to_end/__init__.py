@@ -1,0 +1,9 @@
+"""End to end: generate(), passkey retrieval and cache memory on SmolLM2 on CPU (`cpu`), generate() on a
+Llama-3.1-8B-shaped model on a GPU (`gpu`), and `kvcal profile-gradients`' time and memory (`profile_gradients`)."""
+
+# mode of `python -m benchmarks.end_to_end` -> (module, what it measures)
+MODES = {
+    "cpu": ("benchmarks.end_to_end.cpu", "generate(), passkey, memory and Cocktail through the runtime cache on SmolLM2 (CPU)"),
+    "gpu": ("benchmarks.end_to_end.gpu", "generate() per step against StaticCache / DynamicCache on an 8B-shaped model (CUDA)"),
+    "profile": ("benchmarks.end_to_end.profile_gradients", "wall time and peak memory of kvcal profile-gradients"),
+}

@@ -1,0 +1,70 @@
+"""benchmarks.kernels: the harness's modes, the timing rule its GPU measurements share (the timing itself needs a CUDA
+GPU; the rule that retakes a disagreeing median does not), and the arguments the GPU modes refuse before they look."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.kernels import ab, cuda_core, tensor_core
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def refused(main, arguments: list[str], monkeypatch, capsys) -> str:
+    """The last stderr line of `main` run with these arguments, which must exit 2."""
+    monkeypatch.setattr(sys, "argv", ["benchmark", *arguments])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_median_taken_at_idle_clocks_is_retaken_until_two_agree():
+    rounds = iter([5.1e-4, 1.24e-4, 1.23e-4, 9.9])  # the H100's 3-5x slow round, then the usual latency twice
+    assert cuda_core.settled(lambda: next(rounds), 5) == 1.23e-4
+    rounds = iter([1.0, 2.0, 4.0])  # nothing settles: the last of the rounds allowed
+    assert cuda_core.settled(lambda: next(rounds), 3) == 4.0
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--splits", "100"], "positive multiples of 64"),
+    (["--splits", "launcher,big"], "'launcher' or whole numbers"),
+    (["--tokens", "0"], "a positive number of tokens"),
+    (["--kernel-dir", "."], "no decode_attention_tc.cu there"),
+])
+def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, monkeypatch, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+    assert problem in refused(tensor_core.main, arguments, monkeypatch, capsys)
+    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--baseline", "/nonexistent"], "not a kvcal checkout"),
+    (["--baseline", str(REPO) + "/"], "this checkout itself"),
+    (["--rounds", "1"], "required: --baseline"),
+    (["--baseline", "{other}", "--rounds", "0"], "positive numbers"),
+])
+def test_the_ab_mode_refuses_what_it_cannot_compare_with_one_line(arguments, problem, tmp_path, monkeypatch, capsys):
+    for name in ("benchmarks/kernels/tensor_core.py", "kernels/decode_attention_tc.cu"):  # another checkout's shape
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    arguments = [a.format(other=tmp_path) for a in arguments]
+    assert problem in refused(ab.main, arguments, monkeypatch, capsys)
+
+
+def test_the_ab_mode_runs_a_baseline_tree_of_either_layout(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench_decode_tc.py").write_text("")  # before benchmarks/ became a package
+    assert ab.benchmark_command(tmp_path) == ["benchmarks/bench_decode_tc.py"]
+    assert ab.benchmark_command(REPO) == ["-m", "benchmarks.kernels", "gpu"]
+
+
+@pytest.mark.slow  # starts Python
+def test_the_harness_lists_its_modes_and_refuses_an_unknown_one():
+    listing = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert listing.returncode == 0 and all(mode in listing.stdout for mode in ("cpu", "gpu", "cuda-core", "ab", "ncu"))
+    unknown = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "cpus"], cwd=REPO, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown mode 'cpus'" in unknown.stderr.strip().splitlines()[-1]
