@@ -196,9 +196,11 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         rope_stride = 0 if cos.shape[0] == 1 else cos.shape[1] * head_dim
     calls = []
     for segments in launches:
-        meta = np.asarray([kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)], dtype=np.int32)
-        if meta[0, :, [0, 1, 3]].any():  # a launch without tokens adds nothing
-            calls.append((np.asarray(side_descriptor(*segments.keys) + side_descriptor(*segments.values), dtype=np.int64), meta))
+        lengths = [kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)]
+        if any(sink or body or recent for sink, body, _, recent in lengths[0]):  # a launch without tokens adds nothing
+            descriptor = segments.describe("cpu", lambda: np.asarray(side_descriptor(*segments.keys) + side_descriptor(*segments.values),
+                                                                     dtype=np.int64))
+            calls.append((descriptor, np.asarray(lengths, dtype=np.int32)))
     out = torch.empty(batch, heads, head_dim)
     if not calls:
         return out.zero_()
@@ -231,10 +233,19 @@ class CpuAppend:
             return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
         return kernels.parameter_columns(codec, width)
 
+    def __init__(self):
+        # made at the first append: one encoder serves one store, whose codec does not change
+        self._ids: tuple[int, int] | None = None  # (codec id, layout id)
+        self._groups: tuple[torch.Tensor, ...] | None = None  # SKVQ: permutation, group starts, clipping as the kernel reads them
+        self._tables: dict | None = None  # codebooks: kernels.codec_tables of the store
+
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
         parameter buffers already there)."""
         lib, codec = append_library(), store.codec
+        if self._ids is None:
+            self._ids = codec_id(codec), kernels.layout_id(codec, store.layout)
+        cid, layout = self._ids
         x = x.to(torch.float16).contiguous()
         rows, width = x.shape
         if rows == len(seqs):  # a decode step: one row per sequence
@@ -242,32 +253,33 @@ class CpuAppend:
         else:
             seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
             row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
-        layout = kernels.layout_id(codec, store.layout)
         destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, store.words.data_ptr(), store.words.stride(0),
                        store.words.shape[2])
-        cid = codec_id(codec)
         if cid in (PERMUTED_GROUPS, src.UNIFORM_TOKEN):
             scale, zero = store.token["scale"], store.token["zero"]
             if cid == src.UNIFORM_TOKEN:
                 lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
                                                    zero.data_ptr(), *scale.stride())
             else:
-                permutation, group_starts, clip = (t.contiguous() for t in (codec.permutation.to(torch.int32),
-                                                                            codec.starts.to(torch.int32), codec.clip.float()))
+                if self._groups is None:
+                    self._groups = tuple(t.contiguous() for t in (codec.permutation.to(torch.int32), codec.starts.to(torch.int32),
+                                                                  codec.clip.float()))
+                permutation, group_starts, clip = self._groups
                 lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                      clip.numel(), clip.data_ptr(), *destination, scale.data_ptr(), zero.data_ptr(),
                                                      *scale.stride())
             return
         self._codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination)
 
-    @staticmethod
-    def _codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination) -> None:
+    def _codebook(self, store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination) -> None:
         """Codes and thresholds, then, with room made for exactly the outliers found, the outliers after each
         (sequence, KV head)'s own."""
         codec = store.codec
         rows, width = x.shape
         head_dim = store.head_dim or width
-        tables = kernels.codec_tables(store)
+        if self._tables is None:
+            self._tables = kernels.codec_tables(store)
+        tables = self._tables
         lo, hi = store.token.get("lo"), store.token.get("hi")
         token_stride = 0 if lo is None else lo.stride(0)
         keep = codec.outlier_fraction > 0

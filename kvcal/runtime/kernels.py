@@ -322,17 +322,23 @@ class Segments:
 
     def __init__(self, keys: tuple, values: tuple):
         self.keys, self.values = keys, values
-        self._uploaded: tuple[list[int], torch.Tensor] | None = None
+        self._parts = [part for side in (keys, values) for part in side if part is not None]
+        self._made: dict = {}  # what describe() made, with the stores' buffer moves it was made at
 
     def codecs(self) -> tuple[int, int]:
         return tuple(codec_id(side[1].codec) if side[1] is not None else src.FP16_ONLY for side in (self.keys, self.values))
 
+    def describe(self, name: str, make):
+        """make() (a descriptor of the stores' buffers), made again only after a store replaced a buffer."""
+        moves = [part.moves for part in self._parts]
+        made = self._made.get(name)
+        if made is None or made[0] != moves:
+            made = self._made[name] = (moves, make())
+        return made[1]
+
     def descriptor(self, device) -> torch.Tensor:
         """Both sides' descriptors (enum SideField order) on the device."""
-        fields = side_descriptor(*self.keys) + side_descriptor(*self.values)
-        if self._uploaded is None or self._uploaded[0] != fields:
-            self._uploaded = (fields, upload(fields, device, torch.int64))
-        return self._uploaded[1]
+        return self.describe("device", lambda: upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64))
 
 
 class DecodeStep:

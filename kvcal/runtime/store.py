@@ -277,6 +277,7 @@ class Fp16Rows:
         self.data = torch.zeros(batch, 0, width, dtype=torch.float16, device=device)
         self.head = [0] * batch
         self.length = [0] * batch
+        self.moves = 0  # buffers replaced so far: a kernel descriptor made at the same count is still valid
 
     def _room(self, seqs: list[int], counts: list[int]) -> None:
         """Capacity for counts[i] more rows of sequence seqs[i]: compact every sequence's live rows to the front
@@ -294,6 +295,7 @@ class Fp16Rows:
         need = max(self.length[b] + c for b, c in zip(seqs, counts))
         if need > capacity:
             self.data = _grown(self.data, math.ceil(need / GROWTH) * GROWTH)
+            self.moves += 1
 
     def write(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Append rows x (sum(counts), C), counts[i] of them to sequence seqs[i], in that order."""
@@ -353,6 +355,8 @@ class PackedRows:
         self.token: dict[str, torch.Tensor] = {}
         self.blocks: dict[str, torch.Tensor] = {}
         self.length = [0] * batch
+        self.moves = 0  # buffers replaced or added so far: a kernel descriptor made at the same count is still valid
+        self._columns: tuple[dict[str, int], dict[str, int]] | None = None  # the encoder's parameter columns
         self.keeps_outliers = getattr(codec, "outlier_fraction", 0) > 0
         self.head_dim, self.kv_heads = head_dim, 0
         if self.keeps_outliers:
@@ -372,6 +376,7 @@ class PackedRows:
         self._bound = [[0] * self.kv_heads for _ in range(batch)]
         self._added = [[0] * self.kv_heads for _ in range(batch)]  # what the bound allowed for since the last snapshot
         self._snapshot: tuple[torch.Tensor, object] | None = None
+        self._host_most = 0  # CPU kernel path: a bound of the largest count (see reserve_outlier_room_on_host)
         self._table = _Table.for_codec(codec)
         # the channel of every code slot of a row's units (the row's padding slots count as its last channel)
         words_per_unit, per_unit = unit_shape(codec.bits, self.layout)
@@ -401,6 +406,7 @@ class PackedRows:
         self.token = {name: _grown(t.transpose(1, 2), capacity, dim=2).transpose(1, 2) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
         self.outlier_offsets = _grown(self.outlier_offsets, math.ceil(capacity / OUTLIER_TILE_TOKENS), dim=2)
+        self.moves += 1
 
     def reserve_outliers(self, count: int) -> None:
         """Room for `count` outliers in every (sequence, KV head)."""
@@ -408,11 +414,18 @@ class PackedRows:
             capacity = math.ceil(count / GROWTH) * GROWTH
             self.outlier_positions = _grown(self.outlier_positions, capacity, dim=2)
             self.outlier_values = _grown(self.outlier_values, capacity, dim=2)
+            self.moves += 1
 
     def reserve_outlier_room_on_host(self, seqs: list[int], added: np.ndarray) -> None:
-        """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h],
-        read exactly (the bound of reserve_outlier_room is for devices the host does not wait for)."""
-        self.reserve_outliers(int((self.outlier_count.numpy()[seqs] + added).max()))
+        """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h].
+        The counts are read only when a bound of the largest one (kept here) would pass the capacity, so the arrays
+        grow to what is stored, not to the bound."""
+        most = self._host_most + int(added.max())
+        if most > self.outlier_positions.shape[2]:
+            counts = self.outlier_count.numpy()
+            most = max(int(counts.max()), int((counts[seqs] + added).max()))
+            self.reserve_outliers(most)
+        self._host_most = most
 
     def reserve_outlier_room(self, seqs: list[int], most: list[list[int]]) -> None:
         """Kernel path: (sequence seqs[i], KV head h) may gain up to most[i][h] outliers; grow the outlier arrays so
@@ -453,6 +466,7 @@ class PackedRows:
         """table[name], (batch, rows, columns), made on first use: per-token parameters (self.token) as the view of
         (batch, columns, rows) storage, per-block ones as they are."""
         if name not in table:
+            self.moves += 1
             batch = self.words.shape[0]
             if table is self.token:
                 table[name] = torch.zeros(batch, columns, rows, dtype=dtype, device=self.device).transpose(1, 2)
@@ -473,7 +487,9 @@ class PackedRows:
         starts = [self.length[b] for b in seqs]
         self._reserve(max(s + c for s, c in zip(starts, counts)))
         if self.encoder is not None:
-            per_token, per_block = self.encoder.parameter_columns(self.codec, self.width)
+            if self._columns is None:
+                self._columns = self.encoder.parameter_columns(self.codec, self.width)
+            per_token, per_block = self._columns
             for name, columns in per_token.items():
                 self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
             for name, columns in per_block.items():
