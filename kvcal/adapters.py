@@ -1,8 +1,10 @@
 """Architecture adapter: finds, per decoder layer, the projections kvcal hooks, by structure.
 
-Llama, Mistral, Qwen2 (k/v bias) and Qwen3 (q/k RMSNorm before RoPE) are all "q/k/v/o projections +
+Llama, Mistral, Qwen2 (k/v bias), Qwen3 and Gemma 3 (q/k RMSNorm before RoPE) are all "q/k/v/o projections +
 RoPE"; nothing here forks a modeling file. The pre-RoPE key is the tensor RoPE consumes: the
-k_norm output where the model has one, else the k_proj output.
+k_norm output where the model has one, else the k_proj output. Gemma 3's layers are of two types (`layer_types`:
+sliding-window and full attention) that rotate with their own frequencies: the rotary module holds
+`<type>_inv_freq` for each, where the others hold one `inv_freq`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import torch
 from torch import nn
 
 from kvcal.errors import KvcalError
+from kvcal.rope import stored_inv_freq
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
+# heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
+_HEADS_FIRST_NORMS = ("gemma3_text",)
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
@@ -32,6 +38,7 @@ class LayerHandles:
     v_proj: nn.Linear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
+    heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
 
     @property
     def query_source(self) -> nn.Module:
@@ -42,6 +49,12 @@ class LayerHandles:
     def key_source(self) -> nn.Module:
         """The module whose output is the pre-RoPE key."""
         return self.k_norm if self.k_norm is not None else self.k_proj
+
+    def source_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """A query or key source's output (or its gradient) as (batch, tokens, heads * head_dim)."""
+        if self.heads_first and output.dim() == 4:
+            return output.transpose(1, 2).flatten(2)
+        return output.flatten(2)
 
 
 @dataclass
@@ -55,18 +68,27 @@ class ModelAdapter:
     max_positions: int
     rotary: nn.Module
     config_dict: dict
+    layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
 
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_inv_freq(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s RoPE frequencies (head_dim/2,), float32 on the CPU."""
+        kind = self.layer_types[layer]
+        return getattr(self.rotary, "inv_freq" if kind is None else f"{kind}_inv_freq").detach().float().cpu()
+
     @property
     def inv_freq(self) -> torch.Tensor:
-        return self.rotary.inv_freq.detach().float().cpu()
+        """The frequencies artifacts store: (head_dim/2,) shared by every layer, else (layers, head_dim/2)."""
+        return stored_inv_freq([self.layer_inv_freq(i) for i in range(len(self.layers))])
 
     @property
     def rope_attention_scaling(self) -> float:
-        return float(getattr(self.rotary, "attention_scaling", 1.0))
+        """The cos/sin scaling, one for every layer (adapt refuses a model whose layer types differ in it)."""
+        kind = self.layer_types[0]
+        return float(getattr(self.rotary, "attention_scaling" if kind is None else f"{kind}_attention_scaling", 1.0))
 
     def check_seqlen(self, seqlen: int) -> None:
         if self.max_positions and seqlen > self.max_positions:
@@ -109,7 +131,7 @@ def _find_attention(layer: nn.Module, index: int, where: str) -> nn.Module:
     raise KvcalError(f"{where}: decoder layer {index} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
 
 
-def _layer_handles(layer: nn.Module, index: int, where: str) -> LayerHandles:
+def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool) -> LayerHandles:
     attention = _find_attention(layer, index, where)
     projections = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -129,14 +151,25 @@ def _layer_handles(layer: nn.Module, index: int, where: str) -> LayerHandles:
         v_proj=projections["v_proj"],
         q_norm=getattr(attention, "q_norm", None),
         k_norm=getattr(attention, "k_norm", None),
+        heads_first=heads_first,
     )
 
 
-def _find_rotary(model: nn.Module, where: str) -> nn.Module:
+def _find_rotary(model: nn.Module, kinds: list[str | None], where: str) -> nn.Module:
+    """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type)."""
+    names = {"inv_freq" if kind is None else f"{kind}_inv_freq" for kind in kinds}
     for module in model.modules():
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        if all(isinstance(getattr(module, name, None), torch.Tensor) for name in names):
             return module
-    raise KvcalError(f"{where}: could not find a rotary position embedding (a module with inv_freq)")
+    raise KvcalError(f"{where}: could not find a rotary position embedding (a module with {', '.join(sorted(names))})")
+
+
+def _layer_types(config, num_layers: int) -> list[str | None]:
+    """Per layer, the name its frequencies go by: the config's layer type where the rope parameters are per type."""
+    types, rope = getattr(config, "layer_types", None), getattr(config, "rope_parameters", None)
+    if types and isinstance(rope, dict) and all(kind in rope for kind in types):
+        return list(types)[:num_layers]
+    return [None] * num_layers
 
 
 def adapt(model: nn.Module) -> ModelAdapter:
@@ -148,16 +181,25 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     layers = _find_decoder_layers(model, num_layers)
-    handles = [_layer_handles(layer, i, where) for i, layer in enumerate(layers)]
-    rotary = _find_rotary(model, where)
+    handles = [_layer_handles(layer, i, where, model_type in _HEADS_FIRST_NORMS) for i, layer in enumerate(layers)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    kinds = _layer_types(config, num_layers)
+    rotary = _find_rotary(model, kinds, where)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     k_out = handles[0].k_proj.out_features
     if k_out != num_kv_heads * head_dim:
         raise KvcalError(f"{where}: k_proj has {k_out} outputs, expected {num_kv_heads} KV heads x head_dim {head_dim}")
+    scalings = {float(getattr(rotary, "attention_scaling" if k is None else f"{k}_attention_scaling", 1.0)) for k in kinds}
+    if len(scalings) > 1:
+        raise KvcalError(f"{where}: its layer types scale RoPE's cos/sin differently ({sorted(scalings)}); kvcal stores one scaling")
+    # the fits compute attention with head_dim ** -0.5 (query_pre_attn_scalar = head_dim on Gemma 3 270M and 1B)
+    scaling = getattr(handles[0].attention, "scaling", head_dim**-0.5)
+    if abs(float(scaling) - head_dim**-0.5) > 1e-6:
+        raise KvcalError(f"{where}: its attention scales scores by {float(scaling):g}, not head_dim ** -0.5 = {head_dim**-0.5:g}; "
+                         "kvcal's fits assume the latter")
     return ModelAdapter(
         architecture=type(model).__name__,
         model_type=model_type,
@@ -168,4 +210,5 @@ def adapt(model: nn.Module) -> ModelAdapter:
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         rotary=rotary,
         config_dict=config.to_dict(),
+        layer_types=kinds,
     )

@@ -2,9 +2,10 @@
 
 Tensors: `layers.{i}.{k|v}.{field}` (whatever the layer's format needs: codebook, lo, hi for nuq layers;
 perm, group_start, clip for skvq layers; nothing for uniform layers), `layers.{i}.importance.{k|v}` and
-`rope.inv_freq`. Metadata: `kvcal.config` JSON with the model fingerprint, the recipe (its method name and
-one entry per layer: storage format, bits, group size, window, sink, residual, pre_rope, outlier
-fraction, fp8, packing layout) and the calibration provenance; `kvcal.sha256`, a checksum of all the
+`rope.inv_freq` ((head_dim/2,), or (layers, head_dim/2) where layer types rotate differently). Metadata:
+`kvcal.config` JSON with the model fingerprint, the recipe (its method name and one entry per layer: storage format,
+bits, group size, window, sink, residual, pre_rope, outlier fraction, fp8, packing layout) and the calibration
+provenance; `kvcal.sha256`, a checksum of all the
 metadata and of every tensor's name, dtype, shape and bytes (kvcal.artifacts). load_bundle validates
 schema, checksum, recipe (every field by type and range), tensor names (no missing, no extra ones), shapes,
 dtypes and finite values, positive RoPE frequencies and non-negative importances, each layer's tensors against its
@@ -195,7 +196,8 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     if packing != PACKING and any(bits in (5, 6, 7) for layer in layers for bits in (layer.k_bits, layer.v_bits)):
         raise KvcalError(f"bundle '{path}' declares packing {packing!r}, which has no layout for its 5-7-bit codes; re-export the bundle")
     expected = {"rope.inv_freq"}
-    _check_tensor(tensors, "rope.inv_freq", "float32", (fingerprint["head_dim"] // 2,), path)
+    per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2  # models whose layer types differ
+    _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (fingerprint["head_dim"] // 2,), path)
     if bool((tensors["rope.inv_freq"] <= 0).any()):
         raise KvcalError(f"bundle '{path}': rope.inv_freq has frequencies that are not positive; re-export the bundle")
     for i, layer in enumerate(layers):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvcal.adapters import ModelAdapter
-from kvcal.rope import rotate_keys
+from kvcal.rope import layer_inv_freq, rotate_keys
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
 SAMPLE_TENSORS = ("k_pre", "k_post", "v", "k_pre_fisher", "v_fisher")
@@ -111,17 +111,17 @@ class _ActivationHooks:
         self._handles = []
         for handles in adapter.layers:
             i = handles.index
-            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, with_grad=True)))
-            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, with_grad=True)))
-            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, with_grad=False)))
+            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles.source_rows)))
+            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, True, handles.source_rows)))
+            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles.source_rows)))
 
-    def _hook(self, kind: str, layer: int, with_grad: bool):
+    def _hook(self, kind: str, layer: int, with_grad: bool, rows):
         def on_forward(module, inputs, output):
             if kind == "q" and not self.keep_queries:
                 return
-            self.activations[kind, layer] = output.detach().flatten(2)
+            self.activations[kind, layer] = rows(output.detach())
             if with_grad:
-                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), grad.detach().flatten(2)))
+                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), rows(grad.detach())))
 
         return on_forward
 
@@ -185,7 +185,7 @@ def profile_gradients(
                     projection.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
-                key_post = rotate_keys(key, positions, adapter.num_kv_heads, inv_freq, rope_scaling)
+                key_post = rotate_keys(key, positions, adapter.num_kv_heads, layer_inv_freq(inv_freq, i), rope_scaling)
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,

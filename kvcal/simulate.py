@@ -163,7 +163,8 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     if len(method.layers) != len(adapter.layers):
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
-    states = [SimulatedLayer(scheme, method.policy, adapter.inv_freq, adapter.rope_attention_scaling, tally) for scheme in method.layers]
+    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.rope_attention_scaling, tally)
+              for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)
     try:

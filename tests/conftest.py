@@ -11,7 +11,7 @@ import torch
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
-TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -31,6 +31,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type == "qwen3":
         common["head_dim"] = 16
+    if model_type == "gemma3_text":  # a sliding-window layer and a full one, each with its own RoPE frequencies
+        common.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=max_positions,
+                      layer_types=["sliding_attention", "full_attention"])
+        del common["rope_theta"]
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
     return AutoConfig.for_model(model_type, **{**common, **overrides})
@@ -127,29 +131,23 @@ def tiny_corpus(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """(model directory, profile path) of a tiny Llama profiled on a slice of the builtin corpus."""
+def profile_tiny_model(model_dir: Path, corpus: Path, out: Path) -> Path:
+    """`kvcal profile-gradients` of a tiny model on a slice of the builtin corpus (4 x 64 tokens)."""
     from typer.testing import CliRunner
 
     from kvcal.cli import app
 
-    model = tiny_model_dir("llama")
-    out = tmp_path_factory.mktemp("profile") / "profile.safetensors"
-    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus),
+    result = CliRunner().invoke(app, ["profile-gradients", "--model", str(model_dir), "--dataset", str(corpus),
                                       "--nsamples", "4", "--seqlen", "64", "--max-tokens-per-layer", "200", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    return model, out
+    return out
 
 
-@pytest.fixture(scope="session")
-def fitted(tiny_profile, tmp_path_factory):
-    """Fitted nuq (fixed 3 bits, Fisher-knapsack widths, KVmix widths) and SKVQ artifacts of the tiny profile."""
+def fit_tiny_artifacts(profile: Path, folder: Path) -> dict[str, Path]:
+    """Fitted nuq (fixed 3 bits, Fisher-knapsack widths, KVmix widths) and SKVQ artifacts of a tiny profile."""
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
     from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
-    folder = tmp_path_factory.mktemp("fitted")
-    _, profile = tiny_profile
     return {
         "nuq": write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3))),
         # the tiny model's 32-channel rows pay ~1.6 bits of per-token thresholds and outliers on top of the codes
@@ -159,20 +157,47 @@ def fitted(tiny_profile, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="session")
-def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
-    """A bundle of every recipe for the tiny Llama (KIVI with G = 4, R = 8 so short tests cross blocks)."""
+def bundles_of_every_recipe(profile: Path, fitted: dict[str, Path], folder: Path) -> dict[str, Path]:
+    """A bundle of every recipe from a tiny profile and its fitted artifacts (KIVI with G = 4, R = 8 so short tests
+    cross blocks)."""
     from kvcal import registry
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
 
-    _, profile = tiny_profile
-    folder = tmp_path_factory.mktemp("bundles")
     artifacts = {"kvquant": (str(fitted["nuq"]), None), "mixed": (str(fitted["nuq-fisher"]), None), "skvq": (str(fitted["skvq"]), None),
                  "kivi": (None, KiviSettings(group=4, residual=8)), "kvmix": (None, None)}
     return {recipe: write_bundle(folder / f"{recipe}.safetensors", *build_bundle(str(profile), recipe, *artifacts[recipe]))
             for recipe in registry.recipes()}
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """(model directory, profile path) of a tiny Llama profiled on a slice of the builtin corpus."""
+    model = tiny_model_dir("llama")
+    return model, profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("profile") / "profile.safetensors")
+
+
+@pytest.fixture(scope="session")
+def fitted(tiny_profile, tmp_path_factory):
+    """Fitted nuq and SKVQ artifacts of the tiny Llama's profile (fit_tiny_artifacts)."""
+    return fit_tiny_artifacts(tiny_profile[1], tmp_path_factory.mktemp("fitted"))
+
+
+@pytest.fixture(scope="session")
+def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
+    """A bundle of every recipe for the tiny Llama."""
+    return bundles_of_every_recipe(tiny_profile[1], fitted, tmp_path_factory.mktemp("bundles"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """A bundle of every recipe for the tiny Gemma 3 (a sliding-window layer and a full one, each with its own RoPE
+    frequencies), from its own profile."""
+    model = tiny_model_dir("gemma3_text")
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("gemma3-profile") / "profile.safetensors")
+    fitted = fit_tiny_artifacts(profile, tmp_path_factory.mktemp("gemma3-fitted"))
+    return bundles_of_every_recipe(profile, fitted, tmp_path_factory.mktemp("gemma3-bundles"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from conftest import TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
@@ -12,10 +13,10 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, 2, 16, 32)
     assert adapter.layers[1].k_proj is model.model.layers[1].self_attn.k_proj
-    has_norm = model_type == "qwen3"
+    has_norm = model_type in ("qwen3", "gemma3_text")
     assert (adapter.layers[0].k_norm is not None) == has_norm
     assert adapter.layers[0].key_source is (model.model.layers[0].self_attn.k_norm if has_norm else model.model.layers[0].self_attn.k_proj)
-    assert adapter.inv_freq.shape == (8,) and adapter.max_positions == 256
+    assert adapter.inv_freq.shape == ((2, 8) if model_type == "gemma3_text" else (8,)) and adapter.max_positions == 256
     assert adapter.fingerprint()["num_kv_heads"] == 2
 
 
@@ -28,3 +29,21 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 def test_unsupported_architecture_names_what_is_missing():
     with pytest.raises(KvcalError, match=r"GPT2LMHeadModel.*could not find a separate q_proj.*found: c_attn"):
         adapt(tiny_model("gpt2"))
+
+
+def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
+    """Sliding-window layers use rope_local_base_freq (10K), full-attention ones rope_theta (1M): each layer's
+    frequencies are its type's, and artifacts store one row per layer."""
+    model = tiny_model("gemma3_text")
+    adapter = adapt(model)
+    rotary = model.model.rotary_emb
+    assert adapter.layer_types == ["sliding_attention", "full_attention"]
+    assert torch.equal(adapter.layer_inv_freq(0), rotary.sliding_attention_inv_freq)
+    assert torch.equal(adapter.layer_inv_freq(1), rotary.full_attention_inv_freq)
+    assert not torch.equal(adapter.layer_inv_freq(0), adapter.layer_inv_freq(1))
+    assert torch.equal(adapter.inv_freq, torch.stack([adapter.layer_inv_freq(0), adapter.layer_inv_freq(1)]))
+
+
+def test_attention_scaled_otherwise_than_by_head_dim_is_refused():
+    with pytest.raises(KvcalError, match=r"scales scores by .*head_dim \*\* -0.5"):
+        adapt(tiny_model("gemma3_text", query_pre_attn_scalar=64))

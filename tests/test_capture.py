@@ -43,12 +43,15 @@ def independent_reference(model, batch: torch.Tensor):
         n = len(layers)
         norms[0] += torch.stack([g.double().norm() for g in grads[:n]])
         norms[1] += torch.stack([g.double().norm() for g in grads[n : 2 * n]])
-        key_grads.append([g[0].flatten(1) for g in grads[2 * n : 3 * n]])
+        heads_first = model.config.model_type == "gemma3_text"  # its k_norm sees (batch, heads, tokens, head_dim)
+        key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1) for g in grads[2 * n : 3 * n]])
         value_grads.append([g[0].flatten(1) for g in grads[3 * n :]])
-        cos, sin = model.model.rotary_emb(outputs["k", 0], torch.arange(SEQLEN)[None])
         rotated = []
-        for i in layers:
-            heads = outputs["k", i].detach().reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
+        for i in layers:  # Gemma 3's rotary takes the layer's type, whose frequencies it uses
+            layer_type = [model.config.layer_types[i]] if model.config.model_type == "gemma3_text" else []
+            cos, sin = model.model.rotary_emb(outputs["k", i], torch.arange(SEQLEN)[None], *layer_type)
+            keys = outputs["k", i].detach()
+            heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
             _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin)
             rotated.append(k_rot.transpose(1, 2)[0].flatten(1))
         post_rope.append(rotated)

@@ -21,8 +21,8 @@ TOKENS = 40
 RECIPES = registry.recipes()
 
 
-def assert_runtime_logits_match_the_simulation(bundle_path) -> None:
-    model = tiny_model("llama")
+def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "llama") -> None:
+    model = tiny_model(model_type)
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         with simulated(model, adapt(model), artifact_method(str(bundle_path)), StorageTally()):
@@ -37,6 +37,12 @@ def test_token_by_token_runtime_logits_match_the_simulation(recipe_bundles, reci
     assert_runtime_logits_match_the_simulation(recipe_bundles[recipe])
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gemma3_runtime_logits_match_the_simulation(gemma3_bundles, recipe, decode_path):
+    """Gemma 3: head_dim 16 here, q/k norms seen heads first, a sliding and a full layer with their own frequencies."""
+    assert_runtime_logits_match_the_simulation(gemma3_bundles[recipe], "gemma3_text")
+
+
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
 def test_5_to_8_bit_codes_decode_to_the_simulation(wide_nuq_bundles, bits, decode_path):
     """Codes wider than the kernels serve (planes5-7, 8-bit words) decode with the torch reference on every path."""
@@ -48,11 +54,13 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
     assert_runtime_logits_match_the_simulation(windowed_kvquant_bundle)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, recipe, decode_path):
+@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [("gemma3_text", "kvquant")])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, model_type, recipe,
+                                                                      decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
     different lengths (prefill, then decode) gives each prompt the logits it gets alone."""
-    model = tiny_model("llama")
+    model = tiny_model(model_type)
+    bundles = gemma3_bundles if model_type == "gemma3_text" else recipe_bundles
     lengths = (21, 9, 14)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 512, (n,), generator=g) for n in lengths]
@@ -62,9 +70,9 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bun
         ids[row, -len(prompt):], mask[row, -len(prompt):] = prompt, 1
     settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.inference_mode():
-        batch = generate(model, recipe_bundles[recipe], input_ids=ids, attention_mask=mask, **settings)
+        batch = generate(model, bundles[recipe], input_ids=ids, attention_mask=mask, **settings)
         for row, prompt in enumerate(prompts):
-            alone = generate(model, recipe_bundles[recipe], input_ids=prompt[None], **settings)
+            alone = generate(model, bundles[recipe], input_ids=prompt[None], **settings)
             torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=0, atol=1e-4)
             assert torch.equal(batch.sequences[row, max(lengths):], alone.sequences[0, len(prompt):])
     assert model.config._attn_implementation == "sdpa"
@@ -245,7 +253,9 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 # Sliding windows: the runtime attends over each sequence's last `window` tokens, as transformers does.
 
 SLIDING = {"mistral": dict(sliding_window=8),  # every layer
-           "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)}  # layer 0 full, layer 1 sliding
+           "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
+           "gemma3_text": dict(sliding_window=8)}  # layer 0 sliding, layer 1 full
+UNWINDOWED = {"gemma3_text": dict(layer_types=["full_attention", "full_attention"])}  # its cache needs a window size
 
 
 @pytest.mark.parametrize("model_type", SLIDING)
@@ -259,7 +269,7 @@ def test_a_sliding_window_model_generates_its_own_fp_tokens(model_type):
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         ours = generate(model, fp16_kivi_bundle(model), input_ids=ids, attention_mask=mask, **settings)
-        full = tiny_model(model_type, **{**SLIDING[model_type], "sliding_window": None, "use_sliding_window": False})
+        full = tiny_model(model_type, **{**SLIDING[model_type], **UNWINDOWED.get(model_type, dict(sliding_window=None, use_sliding_window=False))})
         unwindowed = full.generate(input_ids=ids, attention_mask=mask, **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)

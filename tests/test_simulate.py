@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -22,7 +22,9 @@ IDENTITY = LayerCodecs(Identity(), Identity(), key_pre_rope=True)
 
 
 def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
-    for model_type in ("llama", "qwen3", "qwen2", "mistral"):
+    """Pre-RoPE keys rotated again by kvcal give the model's own: where the key comes from (k_norm, seen heads first on
+    Gemma 3) and each layer's frequencies (Gemma 3's two layer types) are right."""
+    for model_type in TINY_ARCHITECTURES:
         model = tiny_model(model_type)
         ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():

@@ -19,7 +19,7 @@ import torch
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
-from kvcal.rope import rotate_keys
+from kvcal.rope import layer_inv_freq, rotate_keys
 
 STRATEGIES = ("tensor", "attn_head")
 # Multiples of absmax / 448 tried, 0.5 to 2.0 by 0.025; 1.0 first so that ties keep plain absmax / 448. Below 1
@@ -94,7 +94,7 @@ class WindowAttention:
         prefix = f"layers.{layer}.windows"
         heads, self.kv_heads, self.head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
         self.group = heads // self.kv_heads
-        inv_freq, positions = profile["rope.inv_freq"], profile["windows.positions"].long()
+        inv_freq, positions = layer_inv_freq(profile["rope.inv_freq"], layer), profile["windows.positions"].long()
         self.queries, self.keys, self.values, self.reference = [], [], [], []
         tokens = profile[f"{prefix}.k"].shape[1]
         self.blocked = ~torch.ones(tokens, tokens, dtype=torch.bool).tril()

@@ -25,7 +25,7 @@ from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
 from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, LayerCodecs, Quantized, scale_in_use, store_as
-from kvcal.rope import rotate_keys
+from kvcal.rope import layer_inv_freq, rotate_keys
 from kvcal.kv import SegmentPolicy, per_query_head
 
 SKVQ_KIND = "skvq"
@@ -168,7 +168,7 @@ class _ClipObjective:
         self.kv_heads, self.head_dim = fingerprint["num_kv_heads"], fingerprint["head_dim"]
         heads = fingerprint["num_heads"]
         self.group = heads // self.kv_heads
-        self.inv_freq, self.rope_scaling = profile["rope.inv_freq"], rope_scaling
+        self.inv_freq, self.rope_scaling = layer_inv_freq(profile["rope.inv_freq"], layer), rope_scaling
         self.positions = profile["windows.positions"].long()
         self.keys = profile[f"{prefix}.k"].float()
         self.values = profile[f"{prefix}.v"].float()

@@ -82,7 +82,7 @@ def cocktail_cache(model, chunk: int = CHUNK):
     def make_store(kind, batch, width, device):
         return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=append_encoder)
 
-    return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter) for _ in adapter.layers])
+    return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter, i) for i in range(len(adapter.layers))])
 
 
 def compress(cache, widths: list[list[int]]) -> None:

@@ -62,12 +62,12 @@ def append_encoder(codec, width: int, layout: str, device):
 
 
 class RuntimeLayer(CacheLayerMixin):
-    """One model layer's cache: K and V stores, made by `make_store(kind, batch, width, device)`."""
+    """Model layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`."""
 
-    def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter):
+    def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter, index: int):
         super().__init__()
-        self.make_store, self.pre_rope = make_store, pre_rope
-        self.inv_freq, self.rope_scaling = adapter.inv_freq, adapter.rope_attention_scaling
+        self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
+        self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.rope_attention_scaling
         self.keys_store = self.values_store = None
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
@@ -113,7 +113,7 @@ class RuntimeLayer(CacheLayerMixin):
     def _allocate(self, batch: int, width: int, device) -> None:
         self.keys_store = self.make_store("k", batch, width, device)
         self.values_store = self.make_store("v", batch, width, device)
-        self.inv_freq = self.cache.inv_freq_on(device) if self.cache is not None else self.inv_freq.to(device)
+        self.inv_freq = self.cache.inv_freq_on(self.index, device) if self.cache is not None else self.inv_freq.to(device)
 
     def _rotated(self, keys: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
@@ -360,7 +360,7 @@ class WiredCache(Cache):
         self.lengths: list[int] | None = None  # tokens stored per sequence (every layer stores the same)
         self.position_offset: list[int | None] | None = None  # RoPE position of each sequence's first stored token
         self._plan: StepPlan | None = None  # the running step's (made at its first layer)
-        self._inv_freq: dict[str, torch.Tensor] = {}
+        self._inv_freq: dict[tuple, torch.Tensor] = {}
         self._rope_rows: dict = {}  # see rope_rows
         _register_attention()
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
@@ -386,11 +386,11 @@ class WiredCache(Cache):
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
         return self._plan
 
-    def inv_freq_on(self, device) -> torch.Tensor:
-        """The model's RoPE frequencies on `device`, one tensor shared by every layer."""
-        key = str(device)
+    def inv_freq_on(self, layer: int, device) -> torch.Tensor:
+        """Layer `layer`'s RoPE frequencies on `device`, one tensor shared by the layers of its type."""
+        key = (str(device), self.adapter.layer_types[layer])
         if key not in self._inv_freq:
-            self._inv_freq[key] = self.adapter.inv_freq.to(device)
+            self._inv_freq[key] = self.adapter.layer_inv_freq(layer).to(device)
         return self._inv_freq[key]
 
     def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,7 +472,7 @@ def fp_context(model, ids: torch.Tensor) -> FpContext:
     attention implementation, also while a quantized cache is open on it)."""
     adapter = adapt(model)
     pre_rope: list[torch.Tensor] = []
-    hooks = [handles.key_source.register_forward_hook(lambda module, inputs, output: pre_rope.append(output.detach().flatten(2)))
+    hooks = [handles.key_source.register_forward_hook(lambda module, inputs, output, h=handles: pre_rope.append(h.source_rows(output.detach())))
              for handles in adapter.layers]
     try:
         cache = DynamicCache(config=model.config)
@@ -502,5 +502,5 @@ def quantized_cache(model, bundle) -> WiredCache:
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=append_encoder,
                                   head_dim=adapter.head_dim)
-        layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter))
+        layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)
