@@ -93,7 +93,9 @@ def nvrtc_compile(text: str, filename: str, arch: str, names=(), extra_options=(
         compiled = _nvrtc_compile(text, filename, arch, names, options)
         path.write_text(json.dumps({"log": compiled.log, "lowered": compiled.lowered, "cubin": base64.b64encode(compiled.cubin).decode()}))
 
-    stored = json.loads(cached(f"nvrtc-{arch}.json", [text, filename, *names, *options, *includes, version], build).read_text())
+    # keyed by what kernels/ holds, not where: every checkout of the same sources shares the entry
+    key_options = [option.replace(str(KERNEL_DIR), "<kernels>") for option in options]
+    stored = json.loads(cached(f"nvrtc-{arch}.json", [text, filename, *names, *key_options, *includes, version], build).read_text())
     return Compiled(stored["log"], parse_ptxas_report(stored["log"]), stored["lowered"], base64.b64decode(stored["cubin"]))
 
 
