@@ -76,8 +76,7 @@ class ModelAdapter:
 
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,), float32 on the CPU."""
-        kind = self.layer_types[layer]
-        return getattr(self.rotary, "inv_freq" if kind is None else f"{kind}_inv_freq").detach().float().cpu()
+        return getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -87,8 +86,7 @@ class ModelAdapter:
     @property
     def rope_attention_scaling(self) -> float:
         """The cos/sin scaling, one for every layer (adapt refuses a model whose layer types differ in it)."""
-        kind = self.layer_types[0]
-        return float(getattr(self.rotary, "attention_scaling" if kind is None else f"{kind}_attention_scaling", 1.0))
+        return float(getattr(self.rotary, _rotary_name(self.layer_types[0], "attention_scaling"), 1.0))
 
     def check_seqlen(self, seqlen: int) -> None:
         if self.max_positions and seqlen > self.max_positions:
@@ -155,9 +153,14 @@ def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool) 
     )
 
 
+def _rotary_name(kind: str | None, name: str) -> str:
+    """The rotary module's attribute `name` for layers of type `kind` (None: the one set of every layer)."""
+    return name if kind is None else f"{kind}_{name}"
+
+
 def _find_rotary(model: nn.Module, kinds: list[str | None], where: str) -> nn.Module:
     """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type)."""
-    names = {"inv_freq" if kind is None else f"{kind}_inv_freq" for kind in kinds}
+    names = {_rotary_name(kind, "inv_freq") for kind in kinds}
     for module in model.modules():
         if all(isinstance(getattr(module, name, None), torch.Tensor) for name in names):
             return module
@@ -192,7 +195,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     k_out = handles[0].k_proj.out_features
     if k_out != num_kv_heads * head_dim:
         raise KvcalError(f"{where}: k_proj has {k_out} outputs, expected {num_kv_heads} KV heads x head_dim {head_dim}")
-    scalings = {float(getattr(rotary, "attention_scaling" if k is None else f"{k}_attention_scaling", 1.0)) for k in kinds}
+    scalings = {float(getattr(rotary, _rotary_name(kind, "attention_scaling"), 1.0)) for kind in kinds}
     if len(scalings) > 1:
         raise KvcalError(f"{where}: its layer types scale RoPE's cos/sin differently ({sorted(scalings)}); kvcal stores one scaling")
     # the fits compute attention with head_dim ** -0.5 (query_pre_attn_scalar = head_dim on Gemma 3 270M and 1B)
