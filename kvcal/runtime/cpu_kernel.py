@@ -7,7 +7,7 @@ per-token uniform values, SKVQ) is encoded straight into the store, bit for bit 
 
 Each source is compiled at first use with the host C++ compiler (`$CXX`, else `c++`/`g++`) for `-march=` the
 instruction set `$KVCAL_CPU_TARGET` names (default native: this CPU's; x86-64-v3 gives the AVX2 build on any newer
-x86 CPU) into a shared library kept in the build cache (kvcal.runtime.build_cache) by a hash of the source, the
+x86 CPU) into a shared library kept in the build cache (kvcal.build_cache) by a hash of the source, the
 flags, the compiler and the CPU, and loaded with ctypes; `describe()` says which build runs. Without a compiler, or
 with KVCAL_CPU_KERNEL=0, the cache uses the torch reference and the torch encoders (a warning says why). The kernel reads the same store descriptor as the CUDA kernel
 (kvcal.runtime.kernels.Segments) plus two fields: the codec, and for SKVQ's permuted groups the group of every
@@ -32,7 +32,7 @@ import torch
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
-from kvcal.runtime.build_cache import cached
+from kvcal.build_cache import cached
 from kvcal.runtime.store import channel_slots_and_groups, permuted_groups
 
 DECODE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
@@ -233,19 +233,19 @@ class CpuAppend:
             return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
         return kernels.parameter_columns(codec, width)
 
-    def __init__(self):
-        # made at the first append: one encoder serves one store, whose codec does not change
-        self._ids: tuple[int, int] | None = None  # (codec id, layout id)
-        self._groups: tuple[torch.Tensor, ...] | None = None  # SKVQ: permutation, group starts, clipping as the kernel reads them
-        self._tables: dict | None = None  # codebooks: kernels.codec_tables of the store
+    def __init__(self, codec, layout: int):
+        """One encoder serves one store: its codec (kernel codec id) and kernel layout id do not change."""
+        self.codec_id, self.layout = codec_id(codec), layout
+        # SKVQ: permutation, group starts and clipping as the kernel reads them
+        self.groups = (tuple(t.contiguous() for t in (codec.permutation.to(torch.int32), codec.starts.to(torch.int32),
+                                                     codec.clip.float()))
+                       if self.codec_id == PERMUTED_GROUPS else None)
+        self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
 
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
         parameter buffers already there)."""
-        lib, codec = append_library(), store.codec
-        if self._ids is None:
-            self._ids = codec_id(codec), kernels.layout_id(codec, store.layout)
-        cid, layout = self._ids
+        lib, codec, cid, layout = append_library(), store.codec, self.codec_id, self.layout
         x = x.to(torch.float16).contiguous()
         rows, width = x.shape
         if rows == len(seqs):  # a decode step: one row per sequence
@@ -261,10 +261,7 @@ class CpuAppend:
                 lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
                                                    zero.data_ptr(), *scale.stride())
             else:
-                if self._groups is None:
-                    self._groups = tuple(t.contiguous() for t in (codec.permutation.to(torch.int32), codec.starts.to(torch.int32),
-                                                                  codec.clip.float()))
-                permutation, group_starts, clip = self._groups
+                permutation, group_starts, clip = self.groups
                 lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                      clip.numel(), clip.data_ptr(), *destination, scale.data_ptr(), zero.data_ptr(),
                                                      *scale.stride())
@@ -277,9 +274,9 @@ class CpuAppend:
         codec = store.codec
         rows, width = x.shape
         head_dim = store.head_dim or width
-        if self._tables is None:
-            self._tables = kernels.codec_tables(store)
-        tables = self._tables
+        if self.tables is None:
+            self.tables = kernels.codec_tables(store)
+        tables = self.tables
         lo, hi = store.token.get("lo"), store.token.get("hi")
         token_stride = 0 if lo is None else lo.stride(0)
         keep = codec.outlier_fraction > 0
@@ -305,6 +302,7 @@ APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PE
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
     blocks, which append once per block; layouts without a kernel number)."""
-    if torch.device(device).type != "cpu" or codec_id(codec) not in APPEND_CODECS or kernels.layout_id(codec, layout) is None:
+    layout_id = kernels.layout_id(codec, layout)
+    if torch.device(device).type != "cpu" or codec_id(codec) not in APPEND_CODECS or layout_id is None:
         return None
-    return CpuAppend() if append_library() is not None else None
+    return CpuAppend(codec, layout_id) if append_library() is not None else None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcal.errors import KvcalError
-from kvcal.runtime.build_cache import cached
+from kvcal.build_cache import cached
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ARCHITECTURES = ("sm_80", "sm_90")
@@ -81,7 +81,7 @@ class Compiled:
 def nvrtc_compile(text: str, filename: str, arch: str, names=(), extra_options=()) -> Compiled:
     """Compile CUDA source `text` (includes resolved in kernels/) to SASS for `arch` with NVRTC and the runtime's
     options, instantiating the name expressions `names`. Raises KvcalError with the log when compilation fails.
-    The result is kept in the build cache (kvcal.runtime.build_cache) by the hash of the text, every file of kernels/,
+    The result is kept in the build cache (kvcal.build_cache) by the hash of the text, every file of kernels/,
     the options and NVRTC's version: a rerun over unchanged sources compiles nothing."""
     from cuda.bindings import nvrtc
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcal.runtime import kernels, quantized_cache
-from kvcal.runtime.build_cache import cached
+from kvcal.build_cache import cached
 
 # g++ flags of every build of the CUDA emulation (tests/kernel_emulation). -U_FORTIFY_SOURCE: distributions that
 # fortify by default (Ubuntu) turn the fibers' _longjmp between stacks into __longjmp_chk, which aborts ("longjmp
@@ -27,7 +27,7 @@ EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
 
 def emulator_library(driver: str, include_dirs: list[Path], name: str) -> Path:
     """The C++ `driver` built with g++ and EMULATION_FLAGS against `include_dirs` into a shared library `name`, once
-    per content: the build cache (kvcal.runtime.build_cache) keys it by the driver, the flags, the compiler and every
+    per content: the build cache (kvcal.build_cache) keys it by the driver, the flags, the compiler and every
     source file of the include folders, so a rerun over unchanged kernels builds nothing."""
     compiler = shutil.which("g++")
     if compiler is None:

@@ -170,15 +170,15 @@ CPU_APPEND_CODECS = {**{name: make for name, make in APPEND_CODECS.items() if no
                      "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1]}
 
 
-def assert_append_matches_torch(name: str, device="cuda", encoder=kernels.AppendKernels):
-    """The append kernels (`encoder`: the CUDA ones, or the CPU codebook append) write the same codes, parameters
+def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels()):
+    """The append kernels (`encoder_for(codec, width, layout, device)`: the CUDA ones, or the CPU append) write the same codes, parameters
     and outliers (in the same order) as the torch encoders of kvcal.quantizers, bit for bit: a bulk append, then
     appends of one token (one block for per-channel blocks) into sequence 1 of 2."""
     codec = {**APPEND_CODECS, **CPU_APPEND_CODECS}[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
     x = seeded_tokens(12 * G, 7).to(device)
-    stores = [PackedRows(codec, 2, WIDTH, device, encoder_for, layout, HEAD_DIM)
-              for encoder_for in (lambda *_: encoder(), None)]
+    stores = [PackedRows(codec, 2, WIDTH, device, make, layout, HEAD_DIM) for make in (encoder_for, None)]
+    assert stores[0].use_kernels
     step = codec.block_tokens
     for store in stores:
         store.append(1, x[: 8 * G])

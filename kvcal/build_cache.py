@@ -1,6 +1,6 @@
-"""Build outputs kept on disk by the hash of everything that goes into them (sources, flags, compiler, target), under
-`$KVCAL_CACHE_DIR` (default ~/.cache/kvcal): the compiled CPU kernels, NVRTC's compile checks, the tests' emulator
-libraries. An output is built under a temporary name and renamed into place, so a concurrent first use never reads
+"""kvcal's cache folder, `$KVCAL_CACHE_DIR` (default ~/.cache/kvcal), and the build outputs kept there by the hash of
+everything that goes into them (sources, flags, compiler, target): the compiled CPU kernels, NVRTC's compile checks,
+the tests' emulator libraries. (kvcal.models assembles chunked model packages under its `models/`.) An output is built under a temporary name and renamed into place, so a concurrent first use never reads
 half a file, and a changed input is a new name, never a stale hit."""
 
 from __future__ import annotations
