@@ -36,7 +36,9 @@ enum SideField {
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT,
     CODEC, GROUP_OF_CHANNEL, SIDE_FIELDS
 };
-enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, META_FIELDS };
+// Per (side, sequence): side_lengths' four (sink, body and recent rows, the recent segment's first row), then the
+// body's first live row (a sliding-window layer drops rows from the front) and the first stored token the query sees.
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_BODY_HEAD, M_FIRST, META_FIELDS };
 
 // IEEE binary16 -> float, exact (subnormals, infinities and NaN included): the hardware's conversion where the target
 // has one (F16C, AVX512-FP16, aarch64: loops of it vectorize), else by bits.
@@ -113,7 +115,7 @@ Side load_side(const long long* d) {
 }
 
 struct Lengths {
-    int sink, body, head, recent;
+    int sink, body, head, recent, body_head;
 };
 
 // The code of slot `i` of a packed row (kvcal/packing.py layouts; decode_attention.cu's code_at).
@@ -346,23 +348,23 @@ void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int 
         if (token < len.sink) {
             fp16 = s.sink + b * s.sink_stride + (long long)token * width;
         } else if (CODEC != FP16_ONLY && token - len.sink < len.body) {
-            decode_row<CODEC, LAYOUT>(s, t, b, token - len.sink, head_channel, D, out + (long long)i * D);
+            decode_row<CODEC, LAYOUT>(s, t, b, len.body_head + token - len.sink, head_channel, D, out + (long long)i * D);
             continue;
         } else {
             fp16 = s.recent + b * s.recent_stride + (long long)(len.head + token - len.sink - len.body) * width;
         }
         for (int c = 0; c < D; ++c) out[(long long)i * D + c] = half_to_float(fp16[head_channel + c]);
     }
-    // outliers of the chunk's body rows: tile t's are [offset[t], offset[t + 1]), the last started tile's end is
-    // the run's count; within a tile in append (row) order
+    // outliers of the chunk's body rows (rows of the store: from body_head on): tile t's are [offset[t], offset[t + 1]),
+    // the last started tile's end is the run's count; within a tile in append (row) order
     if (CODEC == FP16_ONLY || s.outlier_counts == nullptr) return;
-    const int row_lo = std::max(t0 - len.sink, 0), row_hi = std::min(t0 + n - len.sink, len.body);
+    const int row_lo = len.body_head + std::max(t0 - len.sink, 0), row_hi = len.body_head + std::min(t0 + n - len.sink, len.body);
     if (row_lo >= row_hi) return;
     const long long run = (long long)b * kv_heads + kv_head;
     const uint16_t* positions = s.outlier_positions + run * s.outlier_stride;
     const uint16_t* values = s.outlier_values + run * s.outlier_stride;
     const int32_t* offsets = s.outlier_offsets + run * s.offset_stride;
-    const int last_tile = (len.body - 1) >> s.tile_shift;
+    const int last_tile = (len.body_head + len.body - 1) >> s.tile_shift;
     const bool power_of_two = (D & (D - 1)) == 0;  // a position's row and channel by shift and mask (no division)
     const int d_shift = __builtin_ctz((unsigned)D);
     for (int tile = row_lo >> s.tile_shift; tile <= (row_hi - 1) >> s.tile_shift; ++tile) {
@@ -373,7 +375,7 @@ void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int 
             const int row = (tile << s.tile_shift) + in_tile, c = position - in_tile * D;
             if (row >= row_hi) break;
             if (row < row_lo) continue;
-            out[(long long)(row + len.sink - t0) * D + c] = half_to_float(values[e]);
+            out[(long long)(row - len.body_head + len.sink - t0) * D + c] = half_to_float(values[e]);
         }
     }
 }
@@ -572,8 +574,8 @@ struct Task {
 // sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
 // last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
-// META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's positions (kvcal.runtime.reference.rope_tables),
-// null for keys stored post-RoPE.
+// META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's stored tokens' positions
+// (kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
 // Work: every (sequence, KV head)'s tokens in splits of SPLIT, one task each, run on `threads` threads (OpenMP, the
 // runtime torch uses where both are libgomp); each task's partial state is folded in afterwards in task order, so
 // the result does not depend on the number of threads.
@@ -594,10 +596,10 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
     for (int b = 0; b < batch; ++b) {
         const int32_t* km = meta + (long long)b * META_FIELDS;
         const int32_t* vm = meta + ((long long)batch + b) * META_FIELDS;
-        key_lengths[b] = Lengths{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT]};
-        value_lengths[b] = Lengths{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT]};
+        key_lengths[b] = Lengths{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT], km[M_BODY_HEAD]};
+        value_lengths[b] = Lengths{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT], vm[M_BODY_HEAD]};
         const int tokens = key_lengths[b].sink + key_lengths[b].body + key_lengths[b].recent;
-        for (int t0 = 0; t0 < tokens; t0 += SPLIT)  // a split's KV heads in turn: its RoPE table rows stay in cache
+        for (int t0 = km[M_FIRST]; t0 < tokens; t0 += SPLIT)  // a split's KV heads in turn: its RoPE table rows stay in cache
             for (int kv_head = 0; kv_head < kv_heads; ++kv_head) tasks.push_back(Task{b, kv_head, t0, std::min(tokens, t0 + SPLIT)});
     }
     const size_t per_task = (size_t)group * (D + 2);

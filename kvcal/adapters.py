@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
@@ -69,6 +70,7 @@ class ModelAdapter:
     rotary: nn.Module
     config_dict: dict
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
+    windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
 
     @property
     def kv_width(self) -> int:
@@ -175,6 +177,13 @@ def _layer_types(config, num_layers: int) -> list[str | None]:
     return [None] * num_layers
 
 
+def _sliding_windows(config, num_layers: int) -> list[int | None]:
+    """Per layer, the sliding window transformers' own cache gives it (its get_layer_types_and_kwargs), or None."""
+    types, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            for kind, kwargs in zip(types, per_layer)][:num_layers]
+
+
 def adapt(model: nn.Module) -> ModelAdapter:
     """Build the adapter for a loaded causal LM, or refuse it naming what is missing."""
     config = model.config
@@ -214,4 +223,5 @@ def adapt(model: nn.Module) -> ModelAdapter:
         rotary=rotary,
         config_dict=config.to_dict(),
         layer_types=kinds,
+        windows=_sliding_windows(config, num_layers),
     )

@@ -242,6 +242,7 @@ def fit_nuq_command(
     bits: int = typer.Option(3, help="Code width for every layer, 1-8 (5-8 bits: the CUDA kernels serve 1-4, wider codes decode with the torch reference)."),
     bits_from_profile: bool = typer.Option(False, "--bits-from-profile", help="Use the profile's KVmix per-layer K/V widths instead of --bits."),
     target_bits: Optional[float] = typer.Option(None, help="Choose each layer's K and V width (2-4) instead of --bits: the least Fisher-weighted error within this many real (stored) bits per element."),
+    target_context: int = typer.Option(0, help="With --target-bits: the context length in tokens at which it is the budget; sliding-window layers, which then hold only their window, weigh that much less (0: every layer alike)."),
     outliers: float = typer.Option(0.01, help="Fraction of elements kept exact in fp16 (dense-and-sparse), in [0, 0.1]."),
     sink: int = typer.Option(1, help="Leading tokens kept fp16 and left out of calibration; at least the profile's sink."),
     window: int = typer.Option(0, help="Most recent tokens kept fp16 (sliding window): 16 bits per element each, counted in the real bits `eval` reports; --target-bits budgets the quantized tokens only."),
@@ -256,7 +257,8 @@ def fit_nuq_command(
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
-    settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, outliers=outliers, sink=sink,
+    settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, target_context=target_context,
+                           outliers=outliers, sink=sink,
                            window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook,
                            weighting=weighting, seed=seed)
     suffix = "-kvmix" if bits_from_profile else f"-fisher{target_bits:g}" if target_bits is not None else str(bits)
@@ -593,19 +595,24 @@ def eval_memory_command(
     quant: list[Path] = BUNDLES_OPTION,
     model: Optional[str] = MODEL_OPTION,
     dataset: str = typer.Option("builtin", help=f"Context text: {DATASET_HELP}."),
-    context: int = typer.Option(4096, help="Context length in tokens, prefilled in one step."),
+    context: int = typer.Option(4096, help="Context length in tokens."),
+    prefill_chunk: int = typer.Option(0, help="Prefill the context in steps of this many tokens (0: one step); long "
+                                              "contexts need it to keep the prefill's attention within memory."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     json_out: Optional[Path] = JSON_OPTION,
 ):
     """Cache bytes of each bundle after a prefill of --context tokens: measured from the live cache and by
-    formula (kvcal.runtime.memory; outliers counted from the cache), against an fp16 cache."""
+    formula (kvcal.runtime.memory; outliers counted from the cache), against transformers' own fp16 cache for
+    the model (whose sliding-window layers keep their window)."""
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.generation import measure_memory
 
     if context < 1:
         raise KvcalError(f"--context must be at least 1 (got {context})")
+    if prefill_chunk < 0:
+        raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
@@ -618,14 +625,15 @@ def eval_memory_command(
         task = progress.add_task("prefill: bundle", total=len(named))
         results = []
         for name, bundle in named.items():
-            results.append({"method": name, **measure_memory(loaded, bundle, ids[:context])})
+            results.append({"method": name, **measure_memory(loaded, bundle, ids[:context], prefill_chunk or None)})
             progress.advance(task)
     mib = 2**20
     _print_table(f"KV cache memory: {source.spec}, {context} tokens",
-                 ["method", "live MiB", "formula MiB", "fp16 MiB", "vs fp16", "outliers"],
+                 ["method", "live MiB", "formula MiB", "transformers fp16 MiB", "vs fp16", "outliers"],
                  [[r["method"], f"{r['live_bytes'] / mib:.3f}", f"{r['formula_bytes'] / mib:.3f}", f"{r['fp16_bytes'] / mib:.3f}",
                    f"{r['live_bytes'] / r['fp16_bytes']:.1%}", str(r["outliers"])] for r in results])
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "context": context, "results": results})
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "context": context, "prefill_chunk": prefill_chunk,
+                           "results": results})
 
 
 def _quiet_loader_bars() -> None:

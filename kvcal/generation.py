@@ -137,15 +137,22 @@ def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, 
     return results
 
 
-def measure_memory(model, bundle, context_ids: torch.Tensor) -> dict:
-    """Prefill `context_ids` (1-D) into a quantized cache; its live bytes, the formula's, and fp16's."""
+def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None = None) -> dict:
+    """Prefill `context_ids` (1-D) into a quantized cache, in steps of `chunk` tokens (None: one step; a chunked
+    prefill keeps the attention of a long context within memory); its live bytes, the formula's, and those of
+    transformers' own fp16 cache for the model."""
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     fingerprint = bundle.fingerprint
     width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
     tokens = len(context_ids)
+    ids = context_ids[None].to(model.get_input_embeddings().weight.device)
+    step = chunk or tokens
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
-        model(context_ids[None].to(model.get_input_embeddings().weight.device), past_key_values=cache, use_cache=True)
+        for start in range(0, tokens, step):
+            model.get_decoder()(ids[:, start : start + step], past_key_values=cache, use_cache=True)
     outliers = cache.outliers()
+    windows = cache.adapter.windows
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
-            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers=outliers, kv_heads=fingerprint["num_kv_heads"]),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens), "outliers": outliers}
+            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers, chunk, kv_heads=fingerprint["num_kv_heads"],
+                                         windows=windows),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens, windows), "outliers": outliers}

@@ -58,3 +58,16 @@ class SegmentPolicy:
         j = torch.arange(tokens, device=device)[None, :]
         past_sink = j >= self.sink
         return tuple(past_sink & (j < n - self.fp16_recent(n, keys)) for keys in (True, False))
+
+
+def window_dropped(tokens: int, sinks: int, body_end: int, block: int, window: int) -> int:
+    """How many of a sequence's first tokens a sliding-window layer's cache has dropped once `tokens` are in it:
+    as many as fall before the last `window - 1` (transformers keeps those: the next query sees them and itself),
+    taken as a prefix of sinks | body | recent that drops the `sinks` fp16 sinks all at once, body rows (positions
+    sinks .. body_end - 1) in whole blocks of `block`, and never fp16 recent tokens (they leave into the body first).
+    A function of the layout at `tokens`, so the runtime (trimming after every step), the simulation and the bytes
+    formula agree whatever the steps were."""
+    limit = min(tokens - (window - 1), body_end)
+    if limit <= 0 or limit < sinks:
+        return 0
+    return sinks + (limit - sinks) // block * block

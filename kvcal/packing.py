@@ -106,10 +106,13 @@ def packed_row_bits(channels: int, bits: float) -> int:
     return 32 * packed_words(channels, bits, layout_for(bits))
 
 
-def outlier_table_bytes(body_rows: int, kv_heads: int) -> int:
-    """Bytes of the outlier offset table of one sequence's `body_rows` quantized rows: an entry per KV head and
-    started tile."""
-    return kv_heads * math.ceil(body_rows / OUTLIER_TILE_TOKENS) * OUTLIER_OFFSET_BYTES
+def outlier_table_bytes(body_rows: int, kv_heads: int, first_row: int = 0) -> int:
+    """Bytes of the outlier offset table of one sequence's `body_rows` quantized rows from its body row `first_row`
+    on (a sliding-window layer drops the first ones): an entry per KV head and started tile that holds one."""
+    if not body_rows:
+        return 0
+    tiles = math.ceil((first_row + body_rows) / OUTLIER_TILE_TOKENS) - first_row // OUTLIER_TILE_TOKENS
+    return kv_heads * tiles * OUTLIER_OFFSET_BYTES
 
 
 def check_outlier_head_dim(head_dim: int) -> None:

@@ -62,6 +62,10 @@ class LayerFormat:
         """kvcal.kv.SegmentPolicy: which tokens stay fp16 under token-by-token decoding."""
         raise NotImplementedError
 
+    def body_block(self, layer, keys: bool) -> int:
+        """The body's rows come and go in whole blocks of this many (per-channel key blocks; 1: per token)."""
+        return 1
+
     def body_bytes(self, layer, width: int, body: int, keys: bool) -> int:
         """Bytes of `body` quantized tokens of K (keys) or V: codes and their per-token/per-block parameters
         (outliers are counted apart, their number depends on the data)."""

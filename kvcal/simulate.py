@@ -7,11 +7,15 @@ each query position t sees, for every earlier token j, either its stored (dequan
 and value, exactly as the cache would hold them when token t is decoded. Pre-RoPE keys are captured
 before RoPE, quantized, and rotated with their own positions.
 
+A sliding-window layer (the adapter's `windows`) lets each query see its last `window` tokens, and stores at the
+end of an evaluated window only what the runtime cache keeps (kvcal.kv.window_dropped).
+
 Windows must be unpadded (evaluation windows are); the runtime cache handles padding.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import torch
@@ -19,8 +23,8 @@ import torch
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
-from kvcal.kv import SegmentPolicy, as_cached, per_query_head
-from kvcal.packing import outlier_table_bytes
+from kvcal.kv import SegmentPolicy, as_cached, per_query_head, window_dropped
+from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys
 
@@ -48,28 +52,37 @@ class StorageTally:
 
     key_bits: float = 0.0
     value_bits: float = 0.0
-    elements: int = 0  # per tensor kind (K and V each)
+    elements: int = 0  # stored, per tensor kind (K and V each): a sliding-window layer's kept tokens only
     outliers: int = 0
 
     @property
     def effective_bits(self) -> float:
         return (self.key_bits + self.value_bits) / (2 * self.elements) if self.elements else float("nan")
 
-    def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int) -> None:
-        """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` are quantized, the rest
-        fp16; a codec that keeps outliers adds their offset table over the quantized rows."""
+    def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int, dropped: int = 0) -> None:
+        """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` (the body: a run after the
+        sinks) are quantized, the rest fp16, but for its first `dropped` rows, which a sliding-window layer no longer
+        holds; a codec that keeps outliers adds their offset table over the quantized rows, and the outliers of a
+        dropped row stay counted while its tile holds a kept one (kvcal.runtime.store.PackedRows.drop_front)."""
         tokens, channels = quantized.values.shape
-        body = int(stored.sum())
-        bits = float(quantized.row_bits[stored].sum()) + FP16_BITS * channels * (tokens - body)
-        if quantized.row_outliers is not None:
-            bits += 8 * outlier_table_bytes(body, kv_heads)
+        kept = torch.arange(tokens, device=stored.device) >= dropped
+        body_rows = stored.nonzero().flatten()
+        sinks = int(body_rows[0]) if len(body_rows) else 0
+        first = max(dropped - sinks, 0)  # the first kept body row
+        body = int((stored & kept).sum())
+        bits = float(quantized.row_bits[stored & kept].sum()) + FP16_BITS * channels * (int(kept.sum()) - body)
+        outliers = 0
+        if quantized.row_outliers is not None and body:
+            tile_start = sinks + first - first % OUTLIER_TILE_TOKENS
+            outliers = int(quantized.row_outliers[tile_start:][stored[tile_start:]].sum())
+            dead = int(quantized.row_outliers[tile_start : sinks + first].sum())  # dropped rows of the first kept tile
+            bits += 8 * (outlier_table_bytes(body, kv_heads, first) + OUTLIER_BYTES * dead)
         if tensor == "k":
             self.key_bits += bits
-            self.elements += tokens * channels
+            self.elements += int(kept.sum()) * channels
         else:
             self.value_bits += bits
-        if quantized.row_outliers is not None:
-            self.outliers += int(quantized.row_outliers[stored].sum())
+        self.outliers += outliers
 
 
 @dataclass
@@ -81,6 +94,7 @@ class SimulatedLayer:
     inv_freq: torch.Tensor
     rope_scaling: float
     tally: StorageTally
+    window: int | None = None  # the layer's sliding window
     pre_rope_keys: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
 
@@ -88,6 +102,16 @@ class SimulatedLayer:
         if tokens not in self.masks:
             self.masks[tokens] = self.policy.quantized_masks(tokens, device)
         return self.masks[tokens]
+
+    def dropped(self, tokens: int, key_stored: torch.Tensor, value_stored: torch.Tensor) -> int:
+        """The first tokens the runtime cache no longer holds after `tokens` (kvcal.kv.window_dropped, K and V alike);
+        *_stored: which tokens are in each body."""
+        if self.window is None:
+            return 0
+        sinks = min(self.policy.sink, tokens)
+        body_end = min(sinks + int(stored.sum()) for stored in (key_stored, value_stored))
+        block = math.lcm(*(getattr(codec, "block_tokens", 1) for codec in (self.scheme.key_codec, self.scheme.value_codec)))
+        return window_dropped(tokens, sinks, body_end, block, self.window)
 
     def attend(self, query, key, value, scaling: float) -> torch.Tensor:
         batch, heads, tokens, head_dim = query.shape
@@ -109,18 +133,21 @@ class SimulatedLayer:
                 stored_keys = self.scheme.key_codec.quantize(keys_post)
                 keys_hat = stored_keys.values
             stored_values = self.scheme.value_codec.quantize(values)
-            self.tally.add(stored_keys, key_mask[-1], "k", kv_heads)
-            self.tally.add(stored_values, value_mask[-1], "v", kv_heads)
+            dropped = self.dropped(tokens, key_mask[-1], value_mask[-1])
+            self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
+            self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
             out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
-                                  key_mask, value_mask, scaling)
+                                  key_mask, value_mask, scaling, self.window)
             outputs.append(out.transpose(0, 1).to(query.dtype))
         return torch.stack(outputs)
 
 
-def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float):
+def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
+                    window: int | None = None):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
-    (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere.
-    Keys and values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query heads."""
+    (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a sliding
+    window, query t sees tokens t - window + 1 .. t. Keys and values are (tokens, kv_heads * head_dim); GQA
+    shares each KV head across its query heads."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
@@ -128,6 +155,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
         return per_query_head(x, kv_heads, heads)
 
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
     return (probs * value_mask) @ per_head(values_hat) + (probs * ~value_mask) @ per_head(values_fp)
@@ -142,10 +171,9 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if key.shape[2] != tokens:
         raise KvcalError(f"the simulation evaluates whole windows in one forward, without a cache holding earlier tokens "
                          f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False")
-    if sliding_window is not None and tokens > sliding_window:
-        raise KvcalError(f"layer {slot.index} of this model attends over a sliding window of {sliding_window} tokens, which "
-                         f"the simulation does not implement; evaluate windows of at most {sliding_window} tokens "
-                         f"(--seqlen {sliding_window}), or use the runtime cache (kvcal.runtime), which honours it")
+    if sliding_window != state.window:
+        raise KvcalError(f"layer {slot.index} attends over a sliding window of {sliding_window} tokens but its config gives "
+                         f"{state.window}; kvcal follows the config (transformers' own cache does)")
     state.pre_rope_keys = slot.pre_rope_keys
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return state.attend(query, key, value, scale), None
@@ -163,7 +191,8 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     if len(method.layers) != len(adapter.layers):
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
-    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.rope_attention_scaling, tally)
+    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.rope_attention_scaling, tally,
+                             adapter.windows[i])
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

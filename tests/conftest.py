@@ -12,6 +12,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA3_WINDOW = 16  # the tiny Gemma 3's sliding window
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -31,8 +32,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type == "qwen3":
         common["head_dim"] = 16
-    if model_type == "gemma3_text":  # a sliding-window layer and a full one, each with its own RoPE frequencies
-        common.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=max_positions,
+    if model_type == "gemma3_text":  # a sliding layer (16 tokens: tests run past it) and a full one, each with its own RoPE
+        common.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=GEMMA3_WINDOW,
                       layer_types=["sliding_attention", "full_attention"])
         del common["rope_theta"]
     if model_type == "gpt2":
@@ -191,11 +192,16 @@ def recipe_bundles(tiny_profile, fitted, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """A bundle of every recipe for the tiny Gemma 3 (a sliding-window layer and a full one, each with its own RoPE
-    frequencies), from its own profile."""
+def gemma3_profile(tmp_path_factory, tiny_model_dir, tiny_corpus) -> Path:
+    """A profile of the tiny Gemma 3 (a sliding-window layer and a full one, each with its own RoPE frequencies)."""
     model = tiny_model_dir("gemma3_text")
-    profile = profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("gemma3-profile") / "profile.safetensors")
+    return profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("gemma3-profile") / "profile.safetensors")
+
+
+@pytest.fixture(scope="session")
+def gemma3_bundles(tmp_path_factory, gemma3_profile):
+    """A bundle of every recipe for the tiny Gemma 3, from its own profile."""
+    profile = gemma3_profile
     fitted = fit_tiny_artifacts(profile, tmp_path_factory.mktemp("gemma3-fitted"))
     return bundles_of_every_recipe(profile, fitted, tmp_path_factory.mktemp("gemma3-bundles"))
 

@@ -101,6 +101,38 @@ def test_knapsack_is_exact_against_brute_force():
         assert costs[range(5), chosen].sum() == pytest.approx(costs[range(5), best].sum())
 
 
+def test_knapsack_with_shares_is_exact_against_brute_force():
+    """Tensors that store fewer elements (shares < 1: sliding-window layers at a long context) weigh less in the budget."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        costs = rng.random((5, 3)) * np.array([4.0, 2.0, 1.0])
+        prices = np.sort(rng.random((5, 3)) + np.array([2.0, 3.0, 4.0]), axis=1)
+        shares = rng.choice([1.0, 0.25, 0.01], size=5)
+        weighted = lambda c: (prices[range(5), c] * shares).sum() / shares.sum()
+        target = float(rng.uniform(weighted([0] * 5) + 1e-3, weighted([2] * 5)))
+        chosen = choose_widths(costs, prices, target, shares)
+        step_prices = np.ceil(prices * shares[:, None] / 1e-4 - 1e-6) * 1e-4  # the knapsack's own rounding
+        feasible = [c for c in itertools.product(range(3), repeat=5) if step_prices[range(5), c].sum() <= target * shares.sum() + 1e-9]
+        best = min(feasible, key=lambda c: costs[range(5), c].sum())
+        assert weighted(chosen) <= target + 1e-4
+        assert costs[range(5), chosen].sum() == pytest.approx(costs[range(5), best].sum())
+
+
+def test_target_context_weighs_a_sliding_layer_by_the_tokens_it_keeps(gemma3_profile):
+    """The tiny Gemma 3's layer 0 slides over 16 tokens: at a budget set for 4096 tokens it stores 15/4096 of what
+    layer 1 does, so the knapsack can give it the widest codes where the budget alone (every layer alike) cannot."""
+    table = fit_nuq(str(gemma3_profile), NuqSettings(target_bits=8.0))[1]["nuq"]["knapsack"]
+    shares = {name: 15 / 4096 if name.startswith("0.") else 1.0 for name in table}
+    # at 4096 tokens: layer 0 at 4 bits and layer 1 at 2 bits fit; every layer alike at 2 bits leaves under 1 bit to spare
+    target = sum(shares[name] * table[name]["4" if name.startswith("0.") else "2"][1] for name in table) / sum(shares.values()) + 0.005
+    alike = fit_nuq(str(gemma3_profile), NuqSettings(target_bits=target))[1]["nuq"]
+    long = fit_nuq(str(gemma3_profile), NuqSettings(target_bits=target, target_context=4096))[1]["nuq"]
+    assert alike["bits_k"] == alike["bits_v"] == [2, 2]
+    assert long["bits_k"][0] == long["bits_v"][0] == 4 and long["bits_k"][1] == long["bits_v"][1] == 2
+    with pytest.raises(KvcalError, match="give --target-bits too"):
+        fit_nuq(str(gemma3_profile), NuqSettings(target_context=4096))
+
+
 def test_target_bits_chooses_widths_within_the_budget(tiny_profile):
     _, profile = tiny_profile
     widest = fit_nuq(str(profile), NuqSettings(target_bits=8.0))[1]["nuq"]

@@ -11,7 +11,7 @@ from helpers.kernel_cases import APPEND_CODECS, CASES, HEAD_DIM, KV_HEADS, WIDTH
 from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_TILE_TOKENS, pack, unpack
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
-from kvcal.runtime import tensor_core
+from kvcal.runtime import cpu_kernel, tensor_core
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import GROWTH, PackedRows, pack_codes, unpack_codes
 from kvcal.fit.skvq import SkvqTensor
@@ -57,6 +57,42 @@ def test_batched_appends_and_reads_equal_one_sequence_at_a_time(name):
     for b in range(3):
         assert torch.equal(batched.read(b), alone.read(b))
         assert torch.equal(decoded[b, : batched.length[b]], alone.read(b))
+
+
+@pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
+@pytest.mark.parametrize("name", CODECS)
+def test_rows_dropped_from_the_front_leave_the_others_as_stored(name, encoder):
+    """A sliding-window layer's body: appends (one long one, then a few blocks at a time) and drops from the front in
+    whole blocks, through the release of the storage a long append left and compactions when appends reach the
+    end; each sequence's live rows read back (alone and batched) as a store that dropped nothing holds them, outliers
+    included, and the storage stays near what the live rows need."""
+    codec = CODECS[name]()
+    layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
+    encoder_for = cpu_kernel.append_encoder if encoder == "cpu-append" else None
+    trimmed, whole = (PackedRows(codec, 3, WIDTH, "cpu", encoder_for, layout, HEAD_DIM) for _ in range(2))
+    step, keep = codec.block_tokens, 3 * codec.block_tokens + 70  # about a window of 70 tokens
+    rng = random.Random(1)
+    for round in range(16):
+        counts = [600 // step * step if round == 0 else rng.choice([1, 2, 3]) * max(step, 24) for _ in range(3)]
+        x = seeded_tokens(sum(counts), round)
+        trimmed.append_rows([0, 1, 2], counts, x)
+        whole.append_rows([0, 1, 2], counts, x)
+        for b in range(3):
+            excess = trimmed.length[b] - keep
+            if excess > 0:
+                trimmed.drop_front(b, excess - excess % step)
+        trimmed.release()
+        if round % 5:
+            continue
+        decoded, heads, lengths = trimmed.part()
+        for b in range(3):
+            live = whole.read(b)[trimmed.dropped[b] :]
+            assert torch.equal(trimmed.read(b), live)
+            assert torch.equal(decoded[b, heads[b] : heads[b] + lengths[b]], live)
+    assert all(head < dropped for head, dropped in zip(trimmed.head, trimmed.dropped))  # compacted
+    assert trimmed.words.shape[1] <= 2 * GROWTH < whole.words.shape[1]
+    with pytest.raises(ValueError, match="whole blocks"):
+        trimmed.drop_front(0, trimmed.length[0] + step)
 
 
 def test_per_token_parameters_run_along_the_tokens_per_channel_group():

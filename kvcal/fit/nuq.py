@@ -52,6 +52,7 @@ class NuqSettings:
     bits: int = 3
     bits_from_profile: bool = False
     target_bits: float | None = None  # real bits per element: per-layer widths by the Fisher knapsack
+    target_context: int = 0  # tokens at which target_bits is the budget (sliding-window layers hold fewer); 0: any
     outliers: float = 0.01
     sink: int = 1
     window: int = 0  # most recent tokens kept fp16 (the fit is the same; the runtime and simulation keep them)
@@ -71,6 +72,10 @@ class NuqSettings:
             floor = min(KNAPSACK_WIDTHS) + 8 * OUTLIER_BYTES * self.outliers  # codes + outliers of the narrowest width
             if not isinstance(self.target_bits, (int, float)) or not floor <= self.target_bits <= 8:
                 raise KvcalError(f"--target-bits {self.target_bits} is outside [{floor:g}, 8] real bits per element")
+        if self.target_context and self.target_bits is None:
+            raise KvcalError("--target-context sets where --target-bits is the budget; give --target-bits too")
+        if self.target_context < 0:
+            raise KvcalError(f"--target-context must be 0 or a number of tokens (got {self.target_context})")
         if not 0.0 <= self.outliers <= 0.1:
             raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
         if self.sink < 0:
@@ -128,15 +133,17 @@ def _inliers(samples: torch.Tensor, fisher: torch.Tensor | None, per_channel: bo
     return points, weights, ((lo, hi) if per_channel else None)
 
 
-def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float) -> list[int]:
-    """Exact multiple-choice knapsack: for every tensor i the choice j minimizing sum(costs[i, j]) with
-    mean(prices[i, j]) <= target_bits (prices rounded up to KNAPSACK_STEP). costs, prices: (tensors, choices)."""
-    units = np.ceil(prices / KNAPSACK_STEP - 1e-6).astype(np.int64)
-    budget = int(np.floor(target_bits * len(units) / KNAPSACK_STEP + 1e-6))
+def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float, shares: np.ndarray | None = None) -> list[int]:
+    """Exact multiple-choice knapsack: for every tensor i the choice j minimizing sum(costs[i, j]) with the mean of
+    prices[i, j] weighted by shares[i] (the elements tensor i stores, relative; default all alike) at most
+    target_bits (weighted prices rounded up to KNAPSACK_STEP). costs, prices: (tensors, choices)."""
+    shares = np.ones(len(prices)) if shares is None else np.asarray(shares, dtype=np.float64)
+    units = np.ceil(prices * shares[:, None] / KNAPSACK_STEP - 1e-6).astype(np.int64)
+    budget = int(np.floor(target_bits * shares.sum() / KNAPSACK_STEP + 1e-6))
     cheapest = units.min(axis=1)
     if cheapest.sum() > budget:
-        raise KvcalError(f"--target-bits {target_bits} is below {cheapest.sum() * KNAPSACK_STEP / len(units):.3f}, the real bits "
-                         "of the narrowest widths; raise it")
+        raise KvcalError(f"--target-bits {target_bits} is below {cheapest.sum() * KNAPSACK_STEP / shares.sum():.3f}, the real "
+                         "bits of the narrowest widths; raise it")
     # price above each tensor's cheapest choice, and no more budget than buying every widest choice needs: the table
     # below stays (tensors x a few thousand) whatever the target
     units -= cheapest[:, None]
@@ -156,6 +163,14 @@ def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float) -> 
         chosen.append(j)
         left -= int(units[i, j])
     return chosen[::-1]
+
+
+def stored_shares(windows: list[int | None] | None, context: int, num_layers: int) -> list[float]:
+    """Per layer, the share of a `context`-token sequence its cache stores: min(context, window - 1) / context for a
+    sliding-window layer (what transformers' cache and kvcal's keep), 1 otherwise and for context 0 or a profile
+    without windows."""
+    windows = windows or [None] * num_layers
+    return [1.0 if not context or window is None else min(context, window - 1) / context for window in windows]
 
 
 def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec, head_dim: int) -> tuple[float, float]:
@@ -216,7 +231,9 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
         keys = list(fitted)
         costs = np.array([[fitted[key][2][b][0] for b in KNAPSACK_WIDTHS] for key in keys])
         prices = np.array([[fitted[key][2][b][1] for b in KNAPSACK_WIDTHS] for key in keys])
-        chosen = {key: KNAPSACK_WIDTHS[j] for key, j in zip(keys, choose_widths(costs, prices, settings.target_bits))}
+        shares = stored_shares(profile_config["model"].get("windows"), settings.target_context, num_layers)
+        picks = choose_widths(costs, prices, settings.target_bits, np.array([shares[layer] for layer, _ in keys]))
+        chosen = {key: KNAPSACK_WIDTHS[j] for key, j in zip(keys, picks)}
     else:
         chosen = {key: next(iter(codebooks)) for key, (codebooks, _, _) in fitted.items()}
     bits_k = [chosen[layer, "k"] for layer in range(num_layers)]

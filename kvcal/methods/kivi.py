@@ -47,6 +47,9 @@ class UniformFormat(LayerFormat):
         key_block = 0 if layer.residual else layer.group_size
         return SegmentPolicy(sink=layer.sink, window=layer.window, residual=layer.residual, key_block=key_block)
 
+    def body_block(self, layer, keys):
+        return layer.group_size if keys else 1
+
     def body_bytes(self, layer, width, body, keys):
         bits = layer.k_bits if keys else layer.v_bits
         codes = packed_words(width, bits, layout_for(bits)) * 4

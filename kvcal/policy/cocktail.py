@@ -75,14 +75,16 @@ def plan(context_ids: torch.Tensor, query: str, tokenizer, encoder: ChunkEncoder
 
 
 def cocktail_cache(model, chunk: int = CHUNK):
-    """A cache whose layers hold fp16 until `compress(widths)` moves the context's chunks to their widths."""
+    """A cache whose layers hold fp16 until `compress(widths)` moves the context's chunks to their widths (every
+    token stays: its sliding-window layers mask what their windows hide)."""
     adapter = adapt(model)
     settings = CocktailSettings(chunk=chunk)
 
     def make_store(kind, batch, width, device):
         return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=append_encoder)
 
-    return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter, i) for i in range(len(adapter.layers))])
+    return WiredCache(model, adapter, [RuntimeLayer(make_store, False, adapter, i, drop_out_of_window=False)
+                                          for i in range(len(adapter.layers))])
 
 
 def compress(cache, widths: list[list[int]]) -> None:

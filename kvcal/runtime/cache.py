@@ -21,9 +21,12 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 - a one-token step (decode) appends its token first, then attends over the cache as stored;
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
   (causal), then appends them, quantizing what leaves the fp16 segments;
-- a layer with a sliding window (Mistral's `sliding_window`, Qwen2's sliding layers: transformers passes the
-  window to the attention) attends, per sequence, over its last `window` tokens as transformers does; all
-  tokens stay stored, and past the window such a layer decodes with the reference, not the kernels.
+- a layer with a sliding window (Gemma 3's sliding layers, Mistral's `sliding_window`: the adapter's `windows`,
+  as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
+  does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
+  window - 1 are kept, as in transformers' cache); the body drops rows in place and its storage is compacted
+  now and then (kvcal.runtime.store.PackedRows.drop_front), never copied per step. Past the window such a layer
+  decodes with the CPU kernel or the reference, not the CUDA kernels.
 
 One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
 sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
@@ -37,6 +40,7 @@ the step has an attention mask (transformers' own mask building reads it then to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +51,7 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.kv import window_dropped
 from kvcal.rope import rotate_keys
 from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
 from kvcal.runtime.segments import SegmentedStore
@@ -62,11 +67,13 @@ def append_encoder(codec, width: int, layout: str, device):
 
 
 class RuntimeLayer(CacheLayerMixin):
-    """Model layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`."""
+    """Model layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`; with
+    drop_out_of_window (SegmentedStores) a sliding-window layer holds only what its window needs, else all tokens."""
 
-    def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter, index: int):
+    def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter, index: int, drop_out_of_window: bool = True):
         super().__init__()
         self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
+        self.window = adapter.windows[index] if drop_out_of_window else None  # the window this layer drops tokens for
         self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.rope_attention_scaling
         self.keys_store = self.values_store = None
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
@@ -126,6 +133,10 @@ class RuntimeLayer(CacheLayerMixin):
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
+        if self.window is not None and window != self.window:
+            raise KvcalError(f"layer {self.index} attends over a sliding window of {window} tokens but its config gives "
+                             f"{self.window}, which its cache drops tokens for; kvcal follows the config (transformers' own "
+                             "cache does)")
         if self.keys_store is None:
             self._allocate(batch, width, query.device)
         self.position_offset = plan.offsets
@@ -135,14 +146,28 @@ class RuntimeLayer(CacheLayerMixin):
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            if not window_bites and self._kernel_decode(heads, kv_heads, head_dim):
-                output = self._decode_with_kernels(query, plan, scaling, kv_heads)
+            if self._kernel_decode(heads, kv_heads, head_dim) and (self.use_cpu_kernel or not window_bites):
+                output = self._decode_with_kernels(query, plan, scaling, kv_heads, window if window_bites else None)
             else:
                 output = self._decode_reference(query, plan, scaling, kv_heads, window)
         else:
             output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window if window_bites else None)
         self.padded_length += m
+        self._drop_out_of_window()
         return output
+
+    def _drop_out_of_window(self) -> None:
+        """A sliding-window layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike,
+        at the body boundary and block size both allow)."""
+        if self.window is None:
+            return
+        stores = (self.keys_store, self.values_store)
+        block = math.lcm(*(store.body.block for store in stores))
+        dropped = [window_dropped(stores[0].total(b), min(stores[0].policy.sink, stores[0].total(b)),
+                                  min(store.body_end(b) for store in stores), block, self.window)
+                   for b in range(len(stores[0].dropped))]
+        for store in stores:
+            store.drop(dropped)
 
     def _decode_reference(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
         """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention
@@ -151,7 +176,7 @@ class RuntimeLayer(CacheLayerMixin):
         values = self.values_store.read_batch(plan.memo, kv_heads)
         tokens = keys.shape[2]
         if self.pre_rope:
-            keys = reference.rotate(keys, *plan.rope(tokens, self.inv_freq, self.rope_scaling))
+            keys = reference.rotate(keys, *plan.rope(tokens, self.inv_freq, self.rope_scaling, self.keys_store.dropped))
         out = reference.decode_attention(query, keys, values, plan.visible(tokens, window, self.keys_store), scaling)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 
@@ -197,6 +222,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.keys_store.append_rows(seqs, counts, stored_keys.reshape(batch * tokens, width).half())
         self.values_store.append_rows(seqs, counts, values.reshape(batch * tokens, width).half())
         self.padded_length = tokens
+        self._drop_out_of_window()
 
     def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether this layer's decode steps run a fused kernel (decided once): the CUDA kernels where CUDA is
@@ -210,8 +236,9 @@ class RuntimeLayer(CacheLayerMixin):
                                    and all(cpu_kernel.decode_supported(k, v) for k, v in pairs))
         return self.use_kernels or self.use_cpu_kernel
 
-    def _decode_with_kernels(self, query, plan: StepPlan, scaling: float, kv_heads: int):
-        """One fused attention over every sequence's cache (the step's tokens are appended)."""
+    def _decode_with_kernels(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None = None):
+        """One fused attention over every sequence's cache (the step's tokens are appended); window (the CPU kernel
+        only): each sequence sees its last `window` tokens."""
         if self._launches is None:
             self._launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(),
                                                                       self.values_store.kernel_segments())]
@@ -220,9 +247,13 @@ class RuntimeLayer(CacheLayerMixin):
             self._served = [tensor_core.serve(segments, heads, kv_heads, head_dim, inv_freq, self.rope_scaling)
                             if self.use_kernels and tensor_core.enabled() else None for segments in self._launches]
         if self.use_cpu_kernel:
-            rope = (self.cache.rope_rows([o or 0 for o in plan.offsets], max(plan.after), self.inv_freq, self.rope_scaling)
+            dropped = self.keys_store.dropped
+            rope = (self.cache.rope_rows([(o or 0) + d for o, d in zip(plan.offsets, dropped)],
+                                         max(self.keys_store.count(b) for b in range(len(dropped))), self.inv_freq,
+                                         self.rope_scaling, self.window is not None)
                     if self.pre_rope else None)
-            out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope)
+            first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
+            out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope, first)
         else:
             out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
                                            self.inv_freq if self.pre_rope else None, self.rope_scaling,
@@ -302,29 +333,33 @@ class StepPlan:
             return out
         return out.masked_fill(~self.valid[:, :1].view(self.batch, 1, *[1] * (out.dim() - 2)), 0)
 
-    def rope(self, tokens: int, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, tokens, head_dim) at each sequence's positions offset .. offset + tokens - 1."""
+    def rope(self, tokens: int, inv_freq: torch.Tensor, rope_scaling: float, dropped: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, tokens, head_dim) at each sequence's positions offset + dropped .. offset + dropped + tokens
+        - 1 (dropped: the tokens its store dropped from the front)."""
         def make():
-            offsets = torch.tensor([o or 0 for o in self.offsets], device=self.device)[:, None]
+            offsets = torch.tensor([(o or 0) + d for o, d in zip(self.offsets, dropped)], device=self.device)[:, None]
             positions = torch.arange(tokens, device=self.device)[None, :] + offsets
             cos, sin = reference.rope_tables(positions, inv_freq, rope_scaling)
             return cos[:, None], sin[:, None]
-        return self.shared(("rope", tokens, inv_freq.data_ptr(), rope_scaling), make)
+        return self.shared(("rope", tokens, inv_freq.data_ptr(), rope_scaling, tuple(dropped)), make)
 
     def visible(self, tokens: int, window: int | None, store) -> torch.Tensor:
-        """(B, tokens): which of the padded tokens (store.read_batch) each sequence's decode query sees."""
+        """(B, tokens): which of the padded tokens (store.read_batch) each sequence's decode query sees: its stored
+        ones, of them (with a window) those among its last `window`."""
         if window is not None and not store.ordered:  # tokens not in position order: their own positions
             positions = [store.positions(b) for b in range(self.batch)]
             padded = torch.stack([torch.cat([p, p.new_full((tokens - len(p),), -1)]) for p in positions]).to(self.device)
             after = torch.tensor(self.after, device=self.device)[:, None]
             return (torch.arange(tokens, device=self.device)[None, :] < after) & (padded >= after - window)
 
+        dropped = tuple(store.dropped)
+
         def make():
             after = torch.tensor(self.after, device=self.device)[:, None]
-            index = torch.arange(tokens, device=self.device)[None, :]
+            index = torch.arange(tokens, device=self.device)[None, :] + torch.tensor(dropped, device=self.device)[:, None]
             seen = index < after
             return seen & (index >= after - window) if window is not None else seen
-        return self.shared(("visible", tokens, window), make)
+        return self.shared(("visible", tokens, window, dropped), make)
 
     def kernel_step(self, device):
         return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep([o or 0 for o in self.offsets], device))
@@ -393,12 +428,14 @@ class WiredCache(Cache):
             self._inv_freq[key] = self.adapter.layer_inv_freq(layer).to(device)
         return self._inv_freq[key]
 
-    def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float,
+                  windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (1 or batch, >= tokens, head_dim) at each sequence's positions offset .. offset + tokens - 1 for the
         CPU kernel: one row set for the batch when every sequence starts at the same position, kept between steps
-        and grown by doubling (a decode step adds one token: the tables are made again only every so often)."""
+        and grown by doubling (a decode step adds one token: the tables are made again only every so often; for the
+        sliding-window layers, `windowed`, whenever their first stored token moves)."""
         starts = tuple(offsets) if len(set(offsets)) > 1 else (offsets[0],)
-        key = (inv_freq.data_ptr(), rope_scaling)  # one entry per set of frequencies (models may have two)
+        key = (inv_freq.data_ptr(), rope_scaling, windowed)  # one entry per set of frequencies (models may have two)
         held_starts, held = self._rope_rows.get(key, (None, None))
         if held_starts != starts or held[0].shape[1] < tokens:
             capacity = max(tokens, 2 * held[0].shape[1] if held_starts == starts else 0, 256)
@@ -450,9 +487,9 @@ class WiredCache(Cache):
             layer.load(keys, pre_rope_keys, values, self.position_offset)
 
     def tokens(self) -> list[int]:
-        """Tokens stored per sequence."""
+        """Tokens each sequence has had (its sliding-window layers hold fewer)."""
         layer = self.layers[0]
-        return [layer.keys_store.count(b) for b in range(len(layer.position_offset))] if layer.keys_store else []
+        return [layer.keys_store.total(b) for b in range(len(layer.position_offset))] if layer.keys_store else []
 
 
 @dataclass

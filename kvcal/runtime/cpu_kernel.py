@@ -43,6 +43,7 @@ APPEND_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  #
 THREAD_FLAGS = (("-fopenmp",), ())
 TARGET_VARIABLE = "KVCAL_CPU_TARGET"  # the -march the kernels are built for: native (default), x86-64-v3, armv8-a, ...
 PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
+META_FIELDS = 6  # enum MetaField in decode_attention_cpu.cpp: kernels.side_lengths' four, the body's first row, the first token seen
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
 
 
@@ -181,10 +182,11 @@ def side_descriptor(sink, body, recent) -> list[int]:
 
 
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
-    rope: cos, sin (batch or 1, [1,] >= tokens, head_dim) float32 at each sequence's positions (one set of rows for
-    the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are stored rotated).
+    rope: cos, sin (batch or 1, [1,] >= tokens, head_dim) float32 at each sequence's stored tokens' positions (one
+    set of rows for the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are
+    stored rotated); first: per sequence, its first stored token the query sees (a sliding window; default 0).
     (batch, heads, head_dim) float32; a sequence without tokens gets zeros. The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
@@ -200,7 +202,9 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         if any(sink or body or recent for sink, body, _, recent in lengths[0]):  # a launch without tokens adds nothing
             descriptor = segments.describe("cpu", lambda: np.asarray(side_descriptor(*segments.keys) + side_descriptor(*segments.values),
                                                                      dtype=np.int64))
-            calls.append((descriptor, np.asarray(lengths, dtype=np.int32)))
+            meta = [[row + [side[1].head[b] if side[1] is not None else 0, first[b] if first else 0] for b, row in enumerate(rows)]
+                    for rows, side in zip(lengths, (segments.keys, segments.values))]
+            calls.append((descriptor, np.asarray(meta, dtype=np.int32)))
     out = torch.empty(batch, heads, head_dim)
     if not calls:
         return out.zero_()

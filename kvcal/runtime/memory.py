@@ -14,18 +14,24 @@ from __future__ import annotations
 import math
 
 from kvcal.bundle import LayerRecipe
+from kvcal.kv import window_dropped
 from kvcal.packing import OUTLIER_BYTES, outlier_table_bytes
 
 FP16_BYTES = 2
 
 
-def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, one_step: bool = True) -> tuple[int, int, int]:
-    """(fp16 sink, quantized body, fp16 recent) tokens after a prefill of `tokens` in one step, or after
-    `tokens` one-token steps (one_step False: KVmix's recent pivotal context has decayed to none then)."""
+def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, step: int | None = None) -> tuple[int, int, int]:
+    """(fp16 sink, quantized body, fp16 recent) tokens after `tokens` came in steps of `step` (None: a prefill in
+    one step; 1: one token at a time, when KVmix's recent pivotal context has decayed to none)."""
     policy = recipe.format.policy(recipe)
     sink = min(policy.sink, tokens)
     rest = tokens - sink
-    rpc = math.floor((recipe.rpc_k if keys else recipe.rpc_v) * rest) if one_step else 0
+    ratio, rpc = recipe.rpc_k if keys else recipe.rpc_v, 0
+    if ratio:  # as kvcal.runtime.segments.SegmentedStore.append_rows: after each step of m tokens past the sinks
+        step = step or tokens
+        for start in range(0, tokens, step):
+            count = min(step, tokens - start)
+            rpc = math.floor(ratio * (count - max(min(policy.sink - start, count), 0) + rpc))
     recent = max(int(policy.fp16_recent(tokens, keys)), rpc)
     body = max(0, rest - recent)
     if keys and policy.key_block:
@@ -33,19 +39,32 @@ def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, one_step: bool
     return sink, body, rest - body
 
 
-def cache_bytes(layers: list[LayerRecipe], width: int, tokens: int, outliers: int = 0, one_step: bool = True, *,
-                kv_heads: int) -> int:
-    """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads after a prefill of `tokens` (or
-    `tokens` one-token steps: one_step False), with `outliers` outliers in all."""
+def cache_bytes(layers: list[LayerRecipe], width: int, tokens: int, outliers: int = 0, step: int | None = None, *,
+                kv_heads: int, windows: list[int | None] | None = None) -> int:
+    """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads after `tokens` came in steps of `step`
+    (see segment_lengths), with `outliers` outliers in all (as the cache counts them); windows:
+    per layer its sliding window or None (kvcal.adapters.ModelAdapter.windows), whose layers hold only the tokens
+    kvcal.kv.window_dropped leaves."""
     total = outliers * OUTLIER_BYTES
-    for recipe in layers:
-        for keys in (True, False):
-            sink, body, recent = segment_lengths(recipe, tokens, keys, one_step)
+    for recipe, window in zip(layers, windows or [None] * len(layers)):
+        segments = {keys: segment_lengths(recipe, tokens, keys, step) for keys in (True, False)}
+        dropped = 0
+        if window is not None:
+            block = math.lcm(*(recipe.format.body_block(recipe, keys) for keys in (True, False)))
+            sinks = segments[True][0]
+            dropped = window_dropped(tokens, sinks, sinks + min(segments[True][1], segments[False][1]), block, window)
+        for keys, (sink, body, recent) in segments.items():
+            first = max(dropped - sink, 0)  # body rows dropped
+            if dropped:
+                sink, body = 0, body - first
             total += (sink + recent) * width * FP16_BYTES + recipe.format.body_bytes(recipe, width, body, keys)
             if recipe.outliers:
-                total += outlier_table_bytes(body, kv_heads)
+                total += outlier_table_bytes(body, kv_heads, first)
     return total
 
 
-def fp16_bytes(num_layers: int, width: int, tokens: int) -> int:
-    return num_layers * 2 * tokens * width * FP16_BYTES
+def fp16_bytes(num_layers: int, width: int, tokens: int, windows: list[int | None] | None = None) -> int:
+    """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence: a sliding-window layer keeps its last
+    window - 1 tokens."""
+    windows = windows or [None] * num_layers
+    return sum(2 * (tokens if w is None else min(tokens, w - 1)) * width * FP16_BYTES for w in windows)

@@ -41,11 +41,32 @@ class SegmentedStore:
         self.body = PackedRows(codec, batch, width, device, encoder_for, layout, head_dim)
         self.recent = Fp16Rows(batch, width, device)
         self.rpc = [0] * batch
+        self.dropped = [0] * batch  # tokens dropped from the front: stored token i is the sequence's token dropped + i
 
     ordered = True  # read_batch gives each sequence's tokens in position order
 
     def count(self, b: int) -> int:
+        """Tokens stored."""
         return self.sink.length[b] + self.body.length[b] + self.recent.length[b]
+
+    def total(self, b: int) -> int:
+        """Tokens the sequence has had, dropped ones included (what the segment policy counts)."""
+        return self.dropped[b] + self.count(b)
+
+    def body_end(self, b: int) -> int:
+        """The sequence's token after its last body row (fp16 recent tokens follow)."""
+        return min(self.policy.sink, self.total(b)) + self.body.dropped[b] + self.body.length[b]
+
+    def drop(self, dropped: list[int]) -> None:
+        """Drop each sequence b's first tokens up to dropped[b] in all (a sliding window's, kvcal.kv.window_dropped):
+        its sinks, then body rows; then give back storage the body no longer needs."""
+        for b, target in enumerate(dropped):
+            if target > self.dropped[b]:
+                sinks = min(self.policy.sink, self.total(b))
+                self.sink.clear(b)
+                self.body.drop_front(b, target - sinks - self.body.dropped[b])
+                self.dropped[b] = target
+        self.body.release()
 
     def append(self, b: int, x: torch.Tensor) -> None:
         """Store new fp16 tokens (tokens, C) of sequence b, quantizing those that leave the fp16 segments."""
@@ -61,10 +82,10 @@ class SegmentedStore:
         body_seqs, body_counts, from_old_first = [], [], []  # what the body gets, per sequence: old tokens first
         first = 0
         for b, n in zip(seqs, counts):
-            to_sink = min(self.policy.sink - self.sink.length[b], n)
+            to_sink = max(min(self.policy.sink - self.total(b), n), 0)
             rest = n - to_sink
             stored = self.recent.length[b]
-            fp16_recent = self.policy.fp16_recent(self.count(b) + n, self.keys)
+            fp16_recent = self.policy.fp16_recent(self.total(b) + n, self.keys)
             if self.rpc_ratio:
                 self.rpc[b] = math.floor(self.rpc_ratio * (rest + self.rpc[b]))
                 fp16_recent = max(fp16_recent, self.rpc[b])
@@ -113,7 +134,7 @@ class SegmentedStore:
         return assemble(self.parts(), memo, heads)
 
     def positions(self, b: int) -> torch.Tensor:
-        return torch.arange(self.count(b), device=self.sink.data.device)
+        return torch.arange(self.dropped[b], self.total(b), device=self.sink.data.device)
 
     def used_bytes(self, b: int) -> int:
         return self.sink.used_bytes(b) + self.body.used_bytes(b) + self.recent.used_bytes(b)
@@ -139,6 +160,7 @@ class CocktailStore:
         self.chunk_starts = {bits: [[] for _ in range(batch)] for bits in self.WIDTHS}
         self.recent = Fp16Rows(batch, width, device)
         self.recent_start = [0] * batch
+        self.dropped = [0] * batch  # tokens dropped from the front: none (a Cocktail cache serves no sliding window)
 
     ordered = False  # read_batch gives chunks grouped by width (positions(b) says where each token is)
 

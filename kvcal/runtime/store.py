@@ -14,6 +14,11 @@ stored). Layouts, per sequence:
   inside the tile (kv_heads, outlier capacity) int16 holding the uint16 pattern, fp16 values beside them, the
   int32 offset table (kv_heads, capacity / OUTLIER_TILE_TOKENS) of every started tile, and the counts
   `outlier_count` (batch, kv_heads) int32 on the device (what the decode kernel reads for the last tile's end).
+  A sliding-window layer drops rows from the front (`drop_front`, whole blocks): `head` is the first live row;
+  when an append reaches the end, the live rows move to the front by a multiple of whole blocks and outlier
+  tiles (the tiles that leave take their outliers and table entries along), and `release` gives back what a
+  long prefill grew once its rows are dropped; so a sliding layer's storage stays near its window, with one
+  move per (capacity - window) tokens, never a copy per step.
 
 Appends are batched: `write`/`append_rows` take rows of several sequences at once (grouped by sequence, in
 the order of `seqs`), encode them with one call of the codec (or one launch of the CUDA append kernels, see
@@ -45,12 +50,13 @@ GROWTH = 256  # tokens added to a buffer's capacity at a time
 
 
 def _grown(buffer: torch.Tensor, rows: int, dim: int = 1) -> torch.Tensor:
-    """buffer with `rows` entries along dim (its capacity), the old contents kept."""
+    """buffer with `rows` entries along dim (its capacity), the old contents kept (as many as fit)."""
     shape = list(buffer.shape)
     shape[dim] = rows
-    bigger = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
-    bigger.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
-    return bigger
+    resized = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    kept = min(rows, buffer.shape[dim])
+    resized.narrow(dim, 0, kept).copy_(buffer.narrow(dim, 0, kept))
+    return resized
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
@@ -318,6 +324,10 @@ class Fp16Rows:
     def append(self, b: int, x: torch.Tensor) -> None:
         self.write([b], [len(x)], x)
 
+    def clear(self, b: int) -> None:
+        """Drop sequence b's rows."""
+        self.head[b] = self.length[b] = 0
+
     def read(self, b: int) -> torch.Tensor:
         return self.data[b, self.head[b] : self.head[b] + self.length[b]]
 
@@ -354,7 +364,10 @@ class PackedRows:
         self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
         self.token: dict[str, torch.Tensor] = {}
         self.blocks: dict[str, torch.Tensor] = {}
-        self.length = [0] * batch
+        self.length = [0] * batch  # live rows
+        self.head = [0] * batch  # the row of the first live one (rows before it were dropped: drop_front)
+        self.dropped = [0] * batch  # rows dropped from the front so far; row r is the sequence's body row dropped + r - head
+        self.aligned = math.lcm(self.block, OUTLIER_TILE_TOKENS)  # compaction moves rows by multiples of this
         self.moves = 0  # buffers replaced or added so far: a kernel descriptor made at the same count is still valid
         self._columns: tuple[dict[str, int], dict[str, int]] | None = None  # the encoder's parameter columns
         self.keeps_outliers = getattr(codec, "outlier_fraction", 0) > 0
@@ -394,19 +407,90 @@ class PackedRows:
 
     @property
     def outliers(self) -> list[int]:
-        """Outliers stored per sequence (on the kernel path this reads the device counts: not for a decode step)."""
-        return [sum(heads) for heads in self.outlier_counts()]
+        """Outliers stored per sequence, from the tile of its first live row on (on the kernel path this reads the
+        device counts: not for a decode step)."""
+        counts = [sum(heads) for heads in self.outlier_counts()]
+        for b, (head, length) in enumerate(zip(self.head, self.length)):
+            if head and self.kv_heads:  # the entries before the tile of the first live row left with their rows
+                counts[b] = counts[b] - int(self.outlier_offsets[b, :, head // OUTLIER_TILE_TOKENS].sum()) if length else 0
+        return counts
 
-    def _reserve(self, rows: int) -> None:
-        if rows <= self.words.shape[1]:
+    def _room(self, seqs: list[int], counts: list[int]) -> None:
+        """Capacity for counts[i] more rows of sequence seqs[i]: compact the live rows to the front when one would
+        run past the end, then grow if still short."""
+        ends = lambda: max(self.head[b] + self.length[b] + c for b, c in zip(seqs, counts))
+        if ends() > self.words.shape[1] and any(head >= self.aligned for head in self.head):
+            self._compact()
+        if ends() > self.words.shape[1]:
+            self._resize(ends())
+
+    def _resize(self, rows: int) -> None:
+        """Capacity for `rows` rows (grown, or shrunk to what the live rows need), in whole GROWTH steps of blocks."""
+        step = math.ceil(GROWTH / self.aligned) * self.aligned
+        capacity = max(math.ceil(rows / step), 1) * step
+        if capacity == self.words.shape[1]:
             return
-        step = math.ceil(GROWTH / self.block) * self.block
-        capacity = math.ceil(rows / step) * step
         self.words = _grown(self.words, capacity)
         self.token = {name: _grown(t.transpose(1, 2), capacity, dim=2).transpose(1, 2) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
         self.outlier_offsets = _grown(self.outlier_offsets, math.ceil(capacity / OUTLIER_TILE_TOKENS), dim=2)
         self.moves += 1
+
+    def drop_front(self, b: int, rows: int) -> None:
+        """Drop sequence b's first `rows` live rows (whole blocks; a sliding-window layer's tokens out of its window).
+        Their storage is reused by the next compaction (_compact); the outliers of a tile stay counted until all of
+        its rows are dropped."""
+        if rows % self.block or rows > self.length[b]:
+            raise ValueError(f"can drop whole blocks of {self.block} of the {self.length[b]} live rows, not {rows}")
+        self.head[b] += rows
+        self.dropped[b] += rows
+        self.length[b] -= rows
+
+    def release(self) -> None:
+        """After drops: give back the storage past what the live rows need when it is more than half of it."""
+        need = max(head % self.aligned + length for head, length in zip(self.head, self.length))
+        if 2 * need + GROWTH < self.words.shape[1]:
+            self._compact()
+            self._resize(need)
+            if self.keeps_outliers:
+                most = int(self.outlier_count.max()) if self.outlier_count.numel() else 0
+                capacity = max(math.ceil(most / GROWTH), 1) * GROWTH
+                if capacity < self.outlier_positions.shape[2]:
+                    self.outlier_positions = _grown(self.outlier_positions, capacity, dim=2)
+                    self.outlier_values = _grown(self.outlier_values, capacity, dim=2)
+                    self._host_most = min(self._host_most, capacity)
+                    self.moves += 1
+
+    def _compact(self) -> None:
+        """Move every sequence's live rows to the front, by a multiple of `aligned` rows (so that rows keep their
+        place in their blocks and outlier tiles), with the outliers of the tiles that leave."""
+        for b, head in enumerate(self.head):
+            shift = head - head % self.aligned
+            if not shift:
+                continue
+            rows = head % self.aligned + self.length[b]
+            self.words[b, :rows] = self.words[b, shift : shift + rows].clone()
+            for t in self.token.values():
+                t[b, :rows] = t[b, shift : shift + rows].clone()
+            for t in self.blocks.values():
+                t[b, : rows // self.block] = t[b, shift // self.block : (shift + rows) // self.block].clone()
+            if self.keeps_outliers:
+                self._drop_outlier_tiles(b, shift // OUTLIER_TILE_TOKENS, math.ceil((head + self.length[b]) / OUTLIER_TILE_TOKENS))
+            self.head[b] = head - shift
+
+    def _drop_outlier_tiles(self, b: int, tiles: int, started: int) -> None:
+        """Sequence b's first `tiles` outlier tiles (of `started`) leave: their entries and offset-table entries."""
+        counts = self.outlier_count[b].long()
+        first = self.outlier_offsets[b, :, tiles].long() if tiles < started else counts  # (kv_heads,) entries that leave
+        capacity = self.outlier_positions.shape[2]
+        index = (torch.arange(capacity, device=self.device)[None, :] + first[:, None]).clamp(max=capacity - 1)
+        self.outlier_positions[b] = self.outlier_positions[b].gather(1, index)
+        self.outlier_values[b] = self.outlier_values[b].gather(1, index)
+        remaining = max(started - tiles, 0)
+        self.outlier_offsets[b, :, :remaining] = self.outlier_offsets[b, :, tiles : tiles + remaining] - first[:, None].int()
+        self.outlier_count[b] = (counts - first).int()
+        if self.encoder is None:
+            self._outliers[b] = (counts - first).tolist()
 
     def reserve_outliers(self, count: int) -> None:
         """Room for `count` outliers in every (sequence, KV head)."""
@@ -484,8 +568,8 @@ class PackedRows:
         seqs, counts = [b for b, c in zip(seqs, counts) if c], [c for c in counts if c]
         if not seqs:
             return
-        starts = [self.length[b] for b in seqs]
-        self._reserve(max(s + c for s, c in zip(starts, counts)))
+        self._room(seqs, counts)
+        starts = [self.head[b] + self.length[b] for b in seqs]
         if self.encoder is not None:
             if self._columns is None:
                 self._columns = self.encoder.parameter_columns(self.codec, self.width)
@@ -565,7 +649,7 @@ class PackedRows:
         entry = np.arange(len(run)) - (np.cumsum(per_run) - per_run)[run]
         sequence, head, index = upload(np.stack([run // heads, run % heads, run * capacity + entry]), self.device)
         chosen = upload(seqs, self.device)
-        started = upload([math.ceil(self.length[b] / OUTLIER_TILE_TOKENS) for b in seqs], self.device)
+        started = upload([math.ceil((self.head[b] + self.length[b]) / OUTLIER_TILE_TOKENS) for b in seqs], self.device)
         offsets = self.outlier_offsets.index_select(0, chosen).long()  # (seqs, heads, tiles)
         tiles = torch.arange(offsets.shape[2], device=self.device)
         offsets = torch.where(tiles < started[:, None, None], offsets, capacity)[..., 1:]  # unstarted tiles: past the end
@@ -578,18 +662,19 @@ class PackedRows:
         return sequence, rows, channels, values
 
     def read(self, b: int) -> torch.Tensor:
-        """Sequence b's rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
-        n = self.length[b]
+        """Sequence b's live rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
+        n, head = self.length[b], self.head[b]
         if n == 0:
             return torch.zeros(0, self.width, device=self.device)
-        codes = unpack(self.words[b, :n], self.codec.bits, self.width, self.layout)
+        codes = unpack(self.words[b, head : head + n], self.codec.bits, self.width, self.layout)
         if permuted_groups(self.codec):  # the codec decodes its permuted order
             codes = codes.index_select(1, self.codec.permutation.long().to(codes.device))
-        encoded = Encoded(codes, token={name: t[b, :n] for name, t in self.token.items()},
-                          block={name: t[b, : n // self.block] for name, t in self.blocks.items()})
+        encoded = Encoded(codes, token={name: t[b, head : head + n] for name, t in self.token.items()},
+                          block={name: t[b, head // self.block : (head + n) // self.block] for name, t in self.blocks.items()})
         if self.keeps_outliers:
             _, rows, channels, values = self._live_outliers([b])
-            encoded.outliers = (rows, channels, values)
+            live = rows >= head  # a dropped row's outliers stay until its tile leaves
+            encoded.outliers = (rows[live] - head, channels[live], values[live])
         return self.codec.decode(encoded)
 
     def decoded(self, rows: int) -> torch.Tensor:
@@ -614,16 +699,17 @@ class PackedRows:
             out.view(-1).index_put_((at,), values.float())
         return out[..., : self.width]
 
-    def part(self, rows: int | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
-        """(decoded rows (B, n, C) float32, first row, rows) per sequence (see Fp16Rows.part)."""
-        n = max(self.length, default=0) if rows is None else rows
-        return self.decoded(n), [0] * len(self.length), self.length
+    def part(self) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(decoded rows (B, n, C) float32, first live row, live rows) per sequence (see Fp16Rows.part)."""
+        n = max((h + length for h, length in zip(self.head, self.length)), default=0)
+        return self.decoded(n), self.head, self.length
 
     def used_bytes(self, b: int) -> int:
-        n = self.length[b]
+        """Bytes of sequence b's live rows, with the outliers and offset-table entries of every tile that holds one."""
+        n, head = self.length[b], self.head[b]
         per_token = self.words.shape[2] * 4 + sum(t.shape[2] * t.element_size() for t in self.token.values())
         per_block = sum(t.shape[2] * t.element_size() for t in self.blocks.values())
-        outliers = self.outliers[b] * OUTLIER_BYTES + outlier_table_bytes(n, self.kv_heads) if self.keeps_outliers else 0
+        outliers = self.outliers[b] * OUTLIER_BYTES + outlier_table_bytes(n, self.kv_heads, head) if self.keeps_outliers else 0
         return n * per_token + (n // self.block) * per_block + outliers
 
 

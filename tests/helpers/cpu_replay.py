@@ -86,7 +86,7 @@ def recording(path: Path, stores: list):
         def kvcal_decode_attention_cpu(self, *args):
             regions = Regions()
             descriptor = np.ctypeslib.as_array(ctypes.cast(args[1], ctypes.POINTER(ctypes.c_longlong)), shape=(2 * SIDE_FIELDS,)).copy()
-            meta_count = 2 * args[6] * 4
+            meta_count = 2 * args[6] * cpu_kernel.META_FIELDS
             meta = np.ctypeslib.as_array(ctypes.cast(args[2], ctypes.POINTER(ctypes.c_int32)), shape=(meta_count,)).copy()
             for tensor in (t for store in stores for t in tensors_of(store)):
                 regions.add_tensor(tensor)
