@@ -41,6 +41,7 @@ SECTIONS = [
                        ("profile_decode_tc_", "python -m benchmarks.kernels ncu", ""),
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
+    ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),
 ]
 # README rows: (recipe or baseline, its row in pareto.json, what it is)
 RECIPE_ROWS = [

@@ -556,15 +556,20 @@ def eval_passkey_command(
     dataset: str = typer.Option("builtin", help=f"Filler text: {DATASET_HELP}."),
     lengths: str = typer.Option("1024,2048,4096,8184", help="Comma-separated prompt lengths in tokens (each plus the 8-token answer at most the model's positions)."),
     samples: int = typer.Option(20, help="Prompts per length, each with a random 5-digit key at a random depth."),
+    keys: int = typer.Option(1, help="Keys per prompt: 1 (passkey), or 2-8 keys of named doors at random depths (multi-key)."),
+    asked: int = typer.Option(2, help="Multi-key: how many of a prompt's keys are asked for, one question each."),
+    prefill_chunk: int = typer.Option(0, help="Prefill each context in steps of this many tokens (0: one step); long "
+                                              "contexts need it to keep the prefill's attention within memory."),
     seed: int = typer.Option(0, help="Seed for keys and depths."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
     json_out: Optional[Path] = JSON_OPTION,
 ):
-    """Passkey retrieval accuracy of the fp model and of each bundle's runtime cache per context length."""
+    """Passkey retrieval accuracy of the fp model and of each bundle's runtime cache per context length (with
+    --keys above 1, the multi-key variant: the fraction of asked keys retrieved)."""
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
-    from kvcal.generation import passkey_accuracy
+    from kvcal.generation import DOORS, passkey_accuracy
 
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
@@ -572,6 +577,10 @@ def eval_passkey_command(
         raise KvcalError(f"--lengths '{lengths}' is not a comma-separated list of integers") from exc
     if not sizes or min(sizes) < 64 or samples < 1:
         raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
+    if not 1 <= keys <= len(DOORS) or (keys > 1 and not 1 <= asked <= keys):
+        raise KvcalError(f"--keys must be 1-{len(DOORS)} and --asked 1-{keys} (got --keys {keys}, --asked {asked})")
+    if prefill_chunk < 0:
+        raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
@@ -579,12 +588,16 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + PASSKEY_ANSWER_TOKENS, f"--lengths {max(sizes)} + the {PASSKEY_ANSWER_TOKENS}-token answer")
     filler = tokenize(text, tokenizer)
     with _progress() as progress:
-        task = progress.add_task("passkey: prompt", total=len(sizes) * samples * (len(named) + 1))
-        results = passkey_accuracy(loaded, tokenizer, named, filler, sizes, samples, seed, on_step=lambda: progress.advance(task))
+        questions = 1 if keys == 1 else asked
+        task = progress.add_task("passkey: question", total=len(sizes) * samples * questions * (len(named) + 1))
+        results = passkey_accuracy(loaded, tokenizer, named, filler, sizes, samples, seed, on_step=lambda: progress.advance(task),
+                                   keys=keys, asked=asked, chunk=prefill_chunk or None)
     methods = ["fp", *named]
     rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
-    _print_table(f"passkey retrieval: {source.spec}, {samples} samples per length", ["method", *map(str, sizes)], rows)
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "seed": seed,
+    variant = "passkey retrieval" if keys == 1 else f"multi-key retrieval ({asked} of {keys} keys asked)"
+    _print_table(f"{variant}: {source.spec}, {samples} prompts per length", ["method", *map(str, sizes)], rows)
+    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "keys": keys,
+                           "asked": asked if keys > 1 else 1, "prefill_chunk": prefill_chunk, "seed": seed,
                            "bundles": {n: str(b.path) for n, b in named.items()},
                            "results": [r.as_dict() for r in results]})
 

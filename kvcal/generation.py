@@ -17,6 +17,8 @@ from kvcal.runtime.cache import fp_context
 from kvcal.runtime.memory import cache_bytes, fp16_bytes
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")  # the multi-key variant's key names
+ANSWER_TOKENS = 8
 
 
 def pad_id(tokenizer) -> int:
@@ -71,11 +73,32 @@ def greedy_agreement(model, tokenizer, bundles: dict, prompts: list[str], new_to
     return results
 
 
+def _tokens(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+
+
+def multikey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, keys: list[int], depths: list[float],
+                    asked: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(context, questions) of about `length` tokens: filler text with key i stated as the pass key of door DOORS[i] at
+    depths[i] (0..1), and a question for each key index in `asked`."""
+    needles = [_tokens(tokenizer, f" The pass key of the {DOORS[i]} door is {key}. Remember it. ") for i, key in enumerate(keys)]
+    questions = [_tokens(tokenizer, f"\nWhat is the pass key of the {DOORS[i]} door? The pass key of the {DOORS[i]} door is")
+                 for i in asked]
+    budget = length - sum(map(len, needles)) - max(map(len, questions))
+    if budget < 1 or len(filler_ids) < budget:
+        raise KvcalError(f"a {length}-token multi-key prompt needs {max(budget, 1)} filler tokens, the text has {len(filler_ids)}")
+    cuts = sorted((int(depth * budget), i) for i, depth in enumerate(depths))
+    pieces, start = [], 0
+    for at, i in cuts:
+        pieces += [filler_ids[start:at], needles[i]]
+        start = at
+    return torch.cat([*pieces, filler_ids[start:budget]]), questions
+
+
 def passkey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, key: int, depth: float) -> torch.Tensor:
     """A prompt of about `length` tokens: filler text with the pass key stated at `depth` (0..1), then the question."""
-    needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False,
-                       return_tensors="pt").input_ids[0]
-    question = tokenizer(PASSKEY_QUESTION, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    needle = _tokens(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = _tokens(tokenizer, PASSKEY_QUESTION)
     budget = length - len(needle) - len(question)
     if budget < 1 or len(filler_ids) < budget:
         raise KvcalError(f"a {length}-token passkey prompt needs {max(budget, 1)} filler tokens, the text has {len(filler_ids)}")
@@ -89,7 +112,8 @@ class PasskeyResult:
     method: str
     length: int
     correct: int
-    samples: int
+    samples: int  # questions asked
+    keys: int = 1  # keys in each prompt
 
     @property
     def accuracy(self) -> float:
@@ -100,40 +124,54 @@ class PasskeyResult:
 
 
 def _answer(model, ids: torch.Tensor, cache, new_tokens: int, pad: int) -> torch.Tensor:
-    """Greedy tokens after ids (1, n) with a cache that already holds ids[:, :-1]."""
+    """Greedy tokens after ids (1, n) with a cache that already holds a prefix of them."""
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     return out[0, ids.shape[1]:].cpu()
 
 
 def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
-                     seed: int, on_step: Callable[[], None] | None = None) -> list[PasskeyResult]:
-    """Passkey retrieval: for every length, `samples` prompts with a random 5-digit key at a random depth
-    (seeded); correct when the key appears in the greedy answer (8 tokens). Per prompt, one fp prefill of all
-    but its last token is loaded into every method's cache (fp's own, and each bundle's quantized one); the
-    last prompt token and the answer are decoded by each method, so every answer token reads that method's
-    cache. fp first, then each bundle."""
+                     seed: int, on_step: Callable[[], None] | None = None, keys: int = 1, asked: int = 2,
+                     chunk: int | None = None) -> list[PasskeyResult]:
+    """Passkey retrieval: for every length, `samples` prompts (seeded); correct when the asked key appears in the
+    greedy answer (8 tokens). With keys = 1, one random 5-digit key at a random depth, asked once; with keys > 1
+    (the multi-key variant), that many keys of named doors at random depths, `asked` of them asked one question
+    each. Per prompt, one fp prefill (in steps of `chunk` tokens; see fp_context) of its context, all but the last
+    token (keys = 1) or all but the questions, is loaded into every method's cache (fp's own, and each bundle's
+    quantized one); the rest of the prompt and the answer are decoded by each method, so every answer token reads
+    that method's cache. fp first, then each bundle; on_step after each (question, method)."""
     rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
+    pad = tokenizer.eos_token_id
     results = []
     for length in lengths:
-        cases = [(rng.randrange(10000, 100000), rng.random()) for _ in range(samples)]
         correct = {name: 0 for name in ["fp", *bundles]}
-        for key, depth in cases:
-            ids = passkey_prompt(tokenizer, filler_ids, length, key, depth)[None].to(device)
+        for _ in range(samples):
+            if keys == 1:
+                key = rng.randrange(10000, 100000)
+                prompt = passkey_prompt(tokenizer, filler_ids, length, key, rng.random())
+                context_ids, questions, wanted = prompt[:-1], [prompt[-1:]], [key]
+            else:
+                values = rng.sample(range(10000, 100000), keys)
+                chosen = rng.sample(range(keys), asked)
+                context_ids, questions = multikey_prompt(tokenizer, filler_ids, length, values, [rng.random() for _ in values], chosen)
+                wanted = [values[i] for i in chosen]
             with torch.inference_mode():
-                context = fp_context(model, ids[:, :-1])
-                for name in correct:
-                    if name == "fp":
-                        answer = _answer(model, ids, context.cache, 8, tokenizer.eos_token_id)
-                    else:
-                        with quantized_cache(model, bundles[name]) as cache:
-                            cache.load(context)
-                            answer = _answer(model, ids, cache, 8, tokenizer.eos_token_id)
-                    correct[name] += str(key) in tokenizer.decode(answer)
-                    if on_step is not None:
-                        on_step()
-        results.extend(PasskeyResult(name, length, hits, samples) for name, hits in correct.items())
+                context = fp_context(model, context_ids[None].to(device), chunk)
+                for question, key in zip(questions, wanted):
+                    ids = torch.cat([context_ids, question])[None].to(device)
+                    for name in correct:
+                        if name == "fp":
+                            answer = _answer(model, ids, context.cache, ANSWER_TOKENS, pad)
+                            context.cache.crop(len(context_ids) - context.cache.get_seq_length())  # back to the context
+                        else:
+                            with quantized_cache(model, bundles[name]) as cache:
+                                cache.load(context)
+                                answer = _answer(model, ids, cache, ANSWER_TOKENS, pad)
+                        correct[name] += str(key) in tokenizer.decode(answer)
+                        if on_step is not None:
+                            on_step()
+        results.extend(PasskeyResult(name, length, hits, samples * len(wanted), keys) for name, hits in correct.items())
     return results
 
 

@@ -216,6 +216,10 @@ def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, 
                   "--samples", 2, "--json", tmp_path / "passkey.json")
     assert passkey.exit_code == 0, passkey.output
     assert len(json.loads((tmp_path / "passkey.json").read_text())["results"]) == 2 * 3
+    multikey = run("eval", "passkey", "--model", model, "--dataset", tiny_corpus, *bundles, "--lengths", "128", "--samples", 2,
+                   "--keys", 3, "--asked", 2, "--prefill-chunk", 50, "--json", tmp_path / "multikey.json")
+    assert multikey.exit_code == 0, multikey.output
+    assert [r["samples"] for r in json.loads((tmp_path / "multikey.json").read_text())["results"]] == [4, 4, 4]
     memory = run("eval", "memory", "--model", model, "--dataset", tiny_corpus, *bundles, "--context", 200, "--json", tmp_path / "m.json")
     assert memory.exit_code == 0, memory.output
     for row in json.loads((tmp_path / "m.json").read_text())["results"]:

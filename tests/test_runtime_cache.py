@@ -131,6 +131,26 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, r
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
 
 
+def test_an_fp_context_prefilled_in_steps_holds_every_token_of_a_sliding_layer(gemma3_bundles):
+    """fp_context in steps of 7 tokens on the tiny Gemma 3 (a 16-token window): every layer holds all 49 tokens, as
+    one step gives them, its cache continues with the model's own next-token logits, and a bundle's cache loading it
+    drops what its sliding layer's window no longer needs."""
+    from kvcal.runtime.cache import fp_context
+
+    model = tiny_model("gemma3_text")
+    ids = torch.randint(0, 512, (1, 50), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        whole, stepped = fp_context(model, ids[:, :-1]), fp_context(model, ids[:, :-1], chunk=7)
+        for ours, theirs in zip(stepped.keys + stepped.pre_rope_keys + stepped.values, whole.keys + whole.pre_rope_keys + whole.values):
+            assert ours.shape == (1, 49, 32)
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+        next_token = model(ids[:, -1:], past_key_values=stepped.cache, use_cache=True).logits[0, -1]
+        torch.testing.assert_close(next_token, model(ids).logits[0, -1], rtol=0, atol=1e-5)
+        with quantized_cache(model, gemma3_bundles["kvquant"]) as loaded:
+            loaded.load(stepped)
+            assert loaded.tokens() == [49] and loaded.layers[0].keys_store.count(0) == 15  # window - 1 kept
+
+
 # Misuse: each gives one clear KvcalError and no tokens; the cache and the model are left as they were.
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

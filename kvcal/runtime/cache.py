@@ -504,22 +504,29 @@ class FpContext:
     cache: Cache
 
 
-def fp_context(model, ids: torch.Tensor) -> FpContext:
+def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache (with the model's own
-    attention implementation, also while a quantized cache is open on it)."""
+    attention implementation, also while a quantized cache is open on it), in steps of `chunk` tokens (None: one
+    step; a long context needs steps to keep the prefill's attention within memory). Every layer's cache keeps
+    every token (a DynamicCache without the model's config: sliding-window layers are masked, not trimmed), so
+    that a quantized cache loading it holds what it would after its own prefill."""
     adapter = adapt(model)
-    pre_rope: list[torch.Tensor] = []
-    hooks = [handles.key_source.register_forward_hook(lambda module, inputs, output, h=handles: pre_rope.append(h.source_rows(output.detach())))
-             for handles in adapter.layers]
+    pre_rope: list[list[torch.Tensor]] = [[] for _ in adapter.layers]
+    hooks = [handles.key_source.register_forward_hook(
+        lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows(output.detach())))
+        for i, handles in enumerate(adapter.layers)]
+    step = chunk or ids.shape[1]
     try:
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
-            model.get_decoder()(ids, past_key_values=cache, use_cache=True)
+            for start in range(0, ids.shape[1], step):
+                model.get_decoder()(ids[:, start : start + step], past_key_values=cache, use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
     rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
-    return FpContext([rows(layer.keys) for layer in cache.layers], pre_rope, [rows(layer.values) for layer in cache.layers], cache)
+    return FpContext([rows(layer.keys) for layer in cache.layers], [torch.cat(parts, 1) for parts in pre_rope],
+                     [rows(layer.values) for layer in cache.layers], cache)
 
 
 def quantized_cache(model, bundle) -> WiredCache:

@@ -1,0 +1,150 @@
+"""Long context through the runtime cache: cache memory at 8K-32K tokens against transformers' own fp16 cache for
+the model (hybrid-aware: Gemma 3's sliding layers keep their window), and passkey / multi-key retrieval at 4K-32K
+tokens for fp and every recipe's bundle.
+
+Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see docs/results.md for the commands).
+Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3]
+       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--memory-contexts 8192,32768] [--only memory,passkey]
+Writes benchmarks/results/long_context_{memory,passkey}_<model>.{json,md} and long_context_passkey_<model>.png. A run
+replaces the points it measures and keeps the others (each point names its commit), so the long lengths can be run
+apart: on 2 CPU cores one 32K prompt takes minutes (its fp prefill, shared by the methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result
+
+RECIPES = ("kvquant", "mixed", "skvq", "kivi", "kvmix")
+DEFAULT_BUNDLES = {"gemma3-270m": "artifacts/runtime-gemma3", "smollm2-135m": "artifacts/runtime"}
+MIB = 2**20
+
+
+def _merged(name: str, key, new_rows: list[dict]) -> list[dict]:
+    """The rows of result `name` with those of the same key(row) replaced by new_rows."""
+    path = RESULTS / f"{name}.json"
+    old = json.loads(path.read_text())["results"] if path.is_file() else []
+    replaced = {key(row) for row in new_rows}
+    return [row for row in old if key(row) not in replaced] + new_rows
+
+
+def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chunk: int, started: dict) -> None:
+    from kvcal.generation import measure_memory
+
+    rows = []
+    for context in contexts:
+        for name, path in bundles.items():
+            began = time.perf_counter()
+            row = measure_memory(model, path, ids[:context], chunk)
+            rows.append({"method": name, "context": context, "commit": started["commit"],
+                         "seconds": round(time.perf_counter() - began, 1), **row})
+            print(f"memory {name} {context}: {row['live_bytes'] / row['fp16_bytes']:.1%} of fp16", flush=True)
+    name = f"long_context_memory_{model_name}"
+    rows = sorted(_merged(name, lambda r: (r["method"], r["context"]), rows), key=lambda r: (r["context"], r["method"]))
+    write_result(name, {"model": model_name, "prefill_chunk": chunk, "results": rows}, started)
+    lines = [f"# KV cache memory at long context ({model_name}, one sequence, prefill in steps of {chunk} tokens)", "",
+             "transformers fp16: the model's own DynamicCache (a sliding-window layer keeps its last window - 1 tokens).", "",
+             "| context | recipe | live MiB | formula MiB | transformers fp16 MiB | vs fp16 | outliers | commit |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['context']} | {r['method']} | {r['live_bytes'] / MIB:.3f} | {r['formula_bytes'] / MIB:.3f} | "
+              f"{r['fp16_bytes'] / MIB:.3f} | {r['live_bytes'] / r['fp16_bytes']:.1%} | {r['outliers']} | {r['commit']} |" for r in rows]
+    write_markdown(name, lines)
+
+
+def passkey(model, model_name: str, tokenizer, bundles: dict, ids, lengths: list[int], samples: int, variants: list[int],
+            asked: int, chunk: int, started: dict) -> None:
+    from kvcal.bundle import load_bundle
+    from kvcal.generation import passkey_accuracy
+
+    loaded = {name: load_bundle(path, model=model) for name, path in bundles.items()}
+    rows = []
+    for keys in variants:
+        for length in lengths:
+            began = time.perf_counter()
+            results = passkey_accuracy(model, tokenizer, loaded, ids, [length], samples, seed=0, keys=keys, asked=asked, chunk=chunk)
+            seconds = round(time.perf_counter() - began, 1)
+            rows += [{**r.as_dict(), "prompts": samples, "commit": started["commit"], "seconds": seconds} for r in results]
+            print(f"passkey keys={keys} {length}: " + ", ".join(f"{r.method} {r.correct}/{r.samples}" for r in results), flush=True)
+    name = f"long_context_passkey_{model_name}"
+    rows = _merged(name, lambda r: (r["method"], r["length"], r["keys"]), rows)
+    write_result(name, {"model": model_name, "filler": "wikitext-2 test", "asked": asked, "prefill_chunk": chunk,
+                        "results": rows}, started)
+    methods = ["fp", *bundles]
+    lines = [f"# Passkey and multi-key retrieval at long context ({model_name}, wikitext-2 test filler)", "",
+             "One fp prefill of each prompt's context is loaded into every method's cache; the question and the 8 answer",
+             "tokens are decoded by each method. Passkey: one 5-digit key at a random depth. Multi-key: that many keys of",
+             f"named doors at random depths, {asked} of them asked. Correct = the asked key appears in the answer.", ""]
+    for keys in sorted({r["keys"] for r in rows}):
+        present = sorted({r["length"] for r in rows if r["keys"] == keys})
+        lines += [f"## {'passkey' if keys == 1 else f'{keys} keys, {asked} asked'}", "",
+                  "| method | " + " | ".join(map(str, present)) + " |", "|---" * (len(present) + 1) + "|"]
+        for method in methods:
+            cells = [next((f"{r['correct']}/{r['samples']}" for r in rows
+                           if r["method"] == method and r["keys"] == keys and r["length"] == length), "-") for length in present]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("Commits: " + ", ".join(sorted({r["commit"] for r in rows})))
+    write_markdown(name, lines)
+    plot(name, rows, methods)
+
+
+def plot(name: str, rows: list[dict], methods: list[str]) -> None:
+    from matplotlib.figure import Figure
+
+    variants = sorted({r["keys"] for r in rows})
+    figure = Figure(figsize=(5 * len(variants), 4))
+    for i, keys in enumerate(variants):
+        axes = figure.add_subplot(1, len(variants), i + 1)
+        for method in methods:
+            points = sorted((r["length"], r["correct"] / r["samples"]) for r in rows if r["method"] == method and r["keys"] == keys)
+            if points:
+                axes.plot(*zip(*points), marker="o", label=method, linestyle="--" if method == "fp" else "-")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("context tokens")
+        axes.set_ylabel("retrieved")
+        axes.set_ylim(-0.05, 1.05)
+        axes.set_title("passkey" if keys == 1 else f"{keys} keys")
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(RESULTS / f"{name}.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gemma3-270m", help="A packaged model (gemma3-270m, smollm2-135m).")
+    parser.add_argument("--bundles", default=None, help="Folder of the recipes' bundles (default: per model, see DEFAULT_BUNDLES).")
+    parser.add_argument("--lengths", default="4096,8192,16384,32768", help="Passkey prompt lengths in tokens.")
+    parser.add_argument("--samples", type=int, default=20, help="Prompts per length and variant.")
+    parser.add_argument("--keys", default="1,4", help="Variants: keys per prompt (1: passkey; more: multi-key).")
+    parser.add_argument("--asked", type=int, default=2, help="Multi-key: keys asked per prompt.")
+    parser.add_argument("--memory-contexts", default="8192,32768", help="Context lengths of the memory table.")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="Prefill steps in tokens.")
+    parser.add_argument("--only", default="memory,passkey", help="Which parts to run.")
+    args = parser.parse_args()
+    from kvcal.data import tokenize
+    from kvcal.models import load_model
+
+    started = provenance()
+    folder = REPO / (args.bundles or DEFAULT_BUNDLES[args.model])
+    bundles = {name: folder / f"{name}.safetensors" for name in RECIPES}
+    missing = [str(path) for path in bundles.values() if not path.is_file()]
+    if missing:
+        raise SystemExit(f"missing bundles: {', '.join(missing)}; make them as docs/results.md says")
+    model, tokenizer, _ = load_model(args.model, "auto", "cuda" if torch.cuda.is_available() else "cpu")
+    ids = tokenize((SHARED / "data" / "wikitext-2" / "test.txt").read_text(), tokenizer)
+    only = args.only.split(",")
+    with torch.inference_mode():
+        if "memory" in only:
+            memory(model, args.model, bundles, ids, [int(x) for x in args.memory_contexts.split(",")], args.prefill_chunk, started)
+        if "passkey" in only:
+            passkey(model, args.model, tokenizer, bundles, ids, [int(x) for x in args.lengths.split(",")], args.samples,
+                    [int(x) for x in args.keys.split(",")], args.asked, args.prefill_chunk, started)
+
+
+if __name__ == "__main__":
+    main()
