@@ -441,14 +441,15 @@ def eval_ppl_command(
         check_writable(json_out, "--json", inputs=quant)
     baselines = [s.strip() for s in baseline.split(",") if s.strip()]
     for spec in baselines:
-        baseline_method(spec, 1, 64)  # refuse a bad spec before the model loads
+        baseline_method(spec.partition(";")[0], 1, 64)  # refuse a bad spec before the model loads
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(spec, len(adapter.layers), adapter.head_dim) for spec in baselines]
+    methods = [method for _, method in artifacts] + [baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+                                                     for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
     with _progress() as progress:

@@ -71,6 +71,20 @@ class LayerCodecs:
     key_pre_rope: bool
 
 
+@dataclass(frozen=True)
+class Fp16Codec:
+    """Kept as the cache's fp16: a layer an engine leaves unquantized (vLLM's skipped layers)."""
+
+    block_tokens = 1
+    bits = FP16_BITS
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        return Quantized(x.to(torch.float16).float(), torch.full((x.shape[0],), float(FP16_BITS * x.shape[1]), device=x.device))
+
+
+FP16_LAYER = LayerCodecs(Fp16Codec(), Fp16Codec(), key_pre_rope=False)
+
+
 def scale_in_use(stored: torch.Tensor) -> torch.Tensor:
     """The scale a decoder uses for a stored (fp16/fp8) scale."""
     return stored.float().clamp(min=TINY_SCALE)

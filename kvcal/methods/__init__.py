@@ -14,7 +14,8 @@ from kvcal.bundle import BUNDLE_KIND, Bundle, load_bundle
 from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
-from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8  # noqa: F401, I001
+from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes  # noqa: F401, I001
+from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 
 __all__ = ["artifact_method", "baseline_method", "bundle_method"]
@@ -56,13 +57,45 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-def baseline_method(text: str, num_layers: int, head_dim: int) -> Method:
+SKIP = "skip="
+
+
+def baseline_method(text: str, num_layers: int, head_dim: int, windows: list[int | None] | None = None) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model of
-    `num_layers` layers and heads of `head_dim` channels."""
-    text = text.strip()
+    `num_layers` layers and heads of `head_dim` channels. `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
+    (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
+    `windows`, the adapter's)."""
+    base, separator, layer_map = text.strip().partition(";")
+    method = _base_baseline(base.strip(), num_layers, head_dim)
+    if not separator:
+        return method
+    skipped = skipped_layers(layer_map.strip(), num_layers, windows, text)
+    layers = [FP16_LAYER if i in skipped else layer for i, layer in enumerate(method.layers)]
+    name = f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}"
+    return Method(name, method.nominal_bits, layers, method.policy)
+
+
+def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | None, text: str) -> set[int]:
+    """The layers `skip=L+L+...` names (indices, or `sliding_window`)."""
+    if not layer_map.startswith(SKIP) or not layer_map[len(SKIP):]:
+        raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window)")
+    skipped = set()
+    for entry in layer_map[len(SKIP):].split("+"):
+        if entry == "sliding_window":
+            if windows is None:
+                raise KvcalError(f"baseline '{text}': skip=sliding_window needs the model's layers (give it with a model)")
+            skipped |= {i for i, window in enumerate(windows) if window is not None}
+        elif entry.isdigit() and int(entry) < num_layers:
+            skipped.add(int(entry))
+        else:
+            raise KvcalError(f"baseline '{text}': '{entry}' is not a layer index below {num_layers} or sliding_window")
+    return skipped
+
+
+def _base_baseline(text: str, num_layers: int, head_dim: int) -> Method:
     for spec in registry.methods():
         method = spec.baseline(text, num_layers, head_dim)
         if method is not None:
             return method
     syntax = "; ".join(s.baseline_syntax() for s in registry.methods() if s.baseline_syntax())
-    raise KvcalError(f"unknown baseline '{text}'; use {syntax}, e.g. int4-g64, kivi2-g32-r128")
+    raise KvcalError(f"unknown baseline '{text}'; use {syntax}, e.g. int4-g64, kivi2-g32-r128 (any of them ;skip=L+L+...)")

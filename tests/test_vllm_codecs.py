@@ -1,0 +1,87 @@
+"""kvcal.vllm_codecs against the arithmetic of vLLM's kernels, read from vllm-project/vllm:
+- int8 / fp8_per_token_head: vllm/v1/attention/ops/triton_reshape_and_cache_flash.py @ 055e47c28003156421365af985d676fc921cb075,
+  _reshape_cache_per_token_head: k_scale = max(max|k| / QUANT_MAX, 1e-6); k_q = k * (1.0 / k_scale); int8:
+  where(k_q >= 0, k_q + 0.5, k_q - 0.5), clamp(-128, 127), a truncating int8 store; fp8: clamp(+-448), e4m3 cast.
+- int4_per_token_head: vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075:
+  key = single_rht(key.float()).to(key.dtype); scale = max((max - min) / 15, 1e-6); zp = clamp(rhaz(-min / scale),
+  0, 15); q = clamp(rhaz(k * (1 / scale) + zp), 0, 15); the scale word keeps zp in its low 4 bits
+  ((bits & -16) | zp); read: single_rht(out, inverse=True) / head_size. _get_rht_signs: a CPU generator seeded
+  0x9E3779B9, 2 * bernoulli(0.5) - 1; fast_hadamard_transform's CPU tier: stages of stack([a + b, a - b])."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model
+from kvcal.adapters import adapt
+from kvcal.errors import KvcalError
+from kvcal.evaluate import evaluate_ppl
+from kvcal.methods import baseline_method
+from kvcal.vllm_codecs import Int4PerTokenHead, PerTokenHead, hadamard_butterfly, rht_signs
+
+
+def test_int8_per_token_head_rounds_half_away_from_zero_with_an_fp32_scale_per_token_and_head():
+    """absmax 127 gives scale 1.0: 2.5 -> 3, -2.5 -> -3, 0.5 -> 1 (torch.round would give 2, -2, 0; vLLM before
+    PR #45361 truncated: 2, -2, 0); a second head has its own scale; 8 bits a code and 32 a head's scale."""
+    x = torch.tensor([[127.0, 2.5, -2.5, 0.5, 1.0, 0.25, -0.5, 0.0]])
+    got = PerTokenHead("int8", 4).quantize(x)
+    assert got.values[0, :4].tolist() == [127.0, 3.0, -3.0, 1.0]
+    scale = torch.tensor(1.0 / 127, dtype=torch.float32)  # the second head: absmax 1.0
+    q = torch.tensor([1.0, 0.25, -0.5, 0.0]) * (1.0 / scale)
+    expected = torch.where(q >= 0, q + 0.5, q - 0.5).clamp(-128, 127).to(torch.int8).float() * scale
+    assert torch.equal(got.values[0, 4:], expected)
+    assert got.row_bits.tolist() == [8 * 8 + 2 * 32]
+
+
+def test_fp8_per_token_head_casts_to_e4m3_rounding_to_nearest_even():
+    """absmax 896 gives scale 2.0: 2.125 / 2 = 1.0625 lies halfway between e4m3's 1.0 and 1.125 and goes to the even
+    1.0; 2.375 / 2 = 1.1875 halfway between 1.125 and 1.25 goes to 1.25."""
+    x = torch.tensor([[896.0, 2.125, 2.375, -2.125]])
+    assert PerTokenHead("fp8", 4).quantize(x).values[0].tolist() == [896.0, 2.0, 2.5, -2.0]
+
+
+def test_int4_per_token_head_rotation_is_vllms():
+    """The signs are vLLM's (seeded CPU bernoulli), and the butterfly is the unnormalized Sylvester Hadamard."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(0x9E3779B9 + 0 * 0x517CC1B7)
+    assert torch.equal(rht_signs(64), 2.0 * torch.bernoulli(torch.full((64,), 0.5), generator=generator) - 1.0)
+    rows = torch.arange(8)
+    sylvester = torch.tensor([[(-1.0) ** bin(int(i & j)).count("1") for j in rows] for i in rows])
+    x = torch.randint(-50, 50, (3, 8)).float()
+    assert torch.equal(hadamard_butterfly(x), x @ sylvester.T)
+
+
+def test_int4_per_token_head_codes_an_asymmetric_scale_whose_low_mantissa_bits_hold_the_zero_point():
+    """A head whose rotation is known exactly (x = signs * H(r) / 8 for small integers r): r spans 16 (min -4), so
+    scale = 16/15, zp = 4 / (16/15) = 3.75 -> 4, q = rhaz(r * 15/16 + 4); the read multiplies (q - zp) by the scale
+    with its low 4 mantissa bits cleared and rotates back; 4 bits a code and 32 a head's scale word."""
+    r = torch.tensor([-4.0, 12.0, 0.0, 1.0, 3.0, -2.0, 7.0, 5.0])
+    signs = rht_signs(8)
+    x = (signs * hadamard_butterfly(r) / 8)[None]
+    got = Int4PerTokenHead(8).quantize(x)
+    scale = np.float32(16.0) / np.float32(15.0)
+    q = np.clip(np.trunc(r.numpy() * (np.float32(1.0) / scale) + 4 + 0.5), 0, 15)  # all >= 0 here
+    cleared = np.array([scale]).view(np.int32) & -16
+    restored = torch.from_numpy(((q - 4) * cleared.view(np.float32)).astype(np.float32))
+    assert cleared.view(np.float32)[0] < scale
+    assert torch.equal(got.values[0], hadamard_butterfly(restored) * signs / 8)
+    assert got.row_bits.tolist() == [4 * 8 + 32]
+    with pytest.raises(KvcalError, match="power of two"):
+        Int4PerTokenHead(96)
+
+
+def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
+    """`int4_per_token_head;skip=0` on the tiny Llama: layer 0 at 16 bits, layer 1 at 4 + 32/16 bits (head_dim 16),
+    evaluated by eval ppl's simulation; a bad map is refused naming it."""
+    model = tiny_model("llama")
+    windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    method = baseline_method("int4_per_token_head;skip=0", 2, 16)
+    fp, result = evaluate_ppl(model, adapt(model), windows, [method])
+    assert result.method == "int4_per_token_head;skip=0" and result.effective_bits == (16 + 4 + 2) / 2
+    assert result.ppl != fp.ppl
+    for bad, message in (("int4_per_token_head;skip=2", "'2' is not a layer index below 2"),
+                         ("int4_per_token_head;first=1", "give skip=L"),
+                         ("int4_per_token_head;skip=sliding_window", "needs the model's layers")):
+        with pytest.raises(KvcalError, match=message):
+            baseline_method(bad, 2, 16)
+    assert baseline_method("fp8_per_token_head;skip=sliding_window", 2, 16, [16, None]).name == "fp8_per_token_head;skip=0"
