@@ -69,7 +69,7 @@ class Entry:
 
     @property
     def needs_profile(self) -> bool:
-        return self.kind in FIT_KINDS and self.spec != ("unit", "tensor")
+        return (self.kind in FIT_KINDS and self.spec != ("unit", "tensor")) or (self.kind == "layers" and "plan" in self.spec)
 
 
 def catalog(seed: int) -> list[Entry]:
@@ -134,6 +134,16 @@ METHOD_SETS = {
     "skvq-ablation": "SKVQ's components added one at a time at K2V2 (paper Tables 3 and 4), with KIVI-2 (g64) and int2",
     "mixed-widths": "per-layer widths: the Fisher knapsack at 2.6-4.0 bits, KVmix's widths, one width for all layers",
     "fp8": "vLLM's FP8 cache: scale 1.0, absmax / 448 and searched scales, per tensor and per KV head",
+    "engine-layers": "vLLM's int4_per_token_head with layers kept fp16: none, by hand (first and last, two at each end, the "
+                     "sliding-window ones) and by kvcal plan (Fisher-weighted error, gradient importance) at the same bytes",
+}
+ENGINE_DTYPE = "int4_per_token_head"
+# layers kept fp16 by hand: rule -> (layers kept, the layers of a model of `layers` layers with `windows`)
+HAND_RULES = {
+    "none": lambda layers, windows: [],
+    "first-last": lambda layers, windows: [0, layers - 1],
+    "two-at-each-end": lambda layers, windows: [0, 1, layers - 2, layers - 1],  # TurboQuant's default boundary in vLLM
+    "sliding": lambda layers, windows: [i for i, window in enumerate(windows) if window is not None],  # vLLM's sliding_window
 }
 
 
@@ -154,6 +164,12 @@ def ablations(seed: int) -> list[Entry]:
         entries.append(Entry(f"mixed-{target:g}", CALIBRATED, "nuq", {"target_bits": target, "outliers": 0.01, "seed": seed},
                              ("mixed-widths",), in_all=False))
     entries.append(Entry("fp8-absmax-head", BASELINE, "fp8", ("absmax", "attn_head"), ("fp8",), in_all=False))
+    for rule in HAND_RULES:
+        entries.append(Entry(f"{ENGINE_DTYPE}-{rule}", BASELINE, "layers", {"rule": rule}, ("engine-layers",), in_all=False))
+    for kept in (2, 4):  # kvcal's choice at the bytes of keeping `kept` layers fp16, as first-last and two-at-each-end do
+        for by in ("fisher", "importance"):
+            entries.append(Entry(f"{ENGINE_DTYPE}-plan-{by}-{kept}", CALIBRATED, "layers", {"plan": by, "kept": kept},
+                                 ("engine-layers",), in_all=False))
     for strategy, suffix in (("tensor", ""), ("attn_head", "-head")):
         entries.append(Entry(f"fp8-calibrated{suffix}", CALIBRATED, "fp8", ("calibrated", strategy), ("fp8",), in_all=False))
     return entries
@@ -305,6 +321,8 @@ class Fitter:
 
         if entry.kind == "fp8":
             return self._fp8(entry, num_layers), self.fp8_scales(entry.spec[1])
+        if entry.kind == "layers":
+            return self._plan(entry, num_layers)
         path = self.path_for(entry)
         cached = self.cached(path)
         started = time.perf_counter()
@@ -339,6 +357,31 @@ class Fitter:
             write_bundle(path, *build_bundle(str(self.profile), "kvmix"))
         else:
             raise ValueError(f"no fit for kind {entry.kind}")
+
+    def _plan(self, entry: Entry, num_layers: int):
+        """kvcal plan's layers for ENGINE_DTYPE at the bytes of keeping entry.spec['kept'] layers fp16 (every layer
+        alike); the plan is cached as JSON."""
+        from kvcal.artifacts import read_header
+        from kvcal.methods import baseline_method
+        from kvcal.plan import plan_layers
+
+        fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
+        head_dim, width = fingerprint["head_dim"], fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+        path = self.path_for(entry, ".json")
+        if self.cached(path):
+            spec = json.loads(path.read_text())["baseline_spec"]
+        else:
+            started = time.perf_counter()
+            dtype_bits = baseline_method(ENGINE_DTYPE, 1, head_dim).layers[0].key_codec.row_bits(width) / width
+            kept = entry.spec["kept"]
+            budget = (kept * 16.0 + (num_layers - kept) * dtype_bits) / num_layers + 1e-9
+            chosen = plan_layers(str(self.profile), "vllm", ENGINE_DTYPE, budget, entry.spec["plan"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
+            self.fitted.add(path)
+            spec = chosen.baseline_spec()
+            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
+        return baseline_method(spec, num_layers, head_dim), path
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated
@@ -606,11 +649,18 @@ def run(args, started_with: dict) -> None:
     model, tokenizer, source = load_model(args.model)
     adapter = adapt(model)
     num_layers, head_dim = len(adapter.layers), adapter.head_dim
+    if not any(adapter.windows):  # the sliding-window rule keeps nothing on a model without windows
+        entries = [e for e in entries if not (e.kind == "layers" and e.spec.get("rule") == "sliding")]
     fitter = Fitter(profile, Path(args.work), args.refit) if profile is not None else None
     methods, artifacts = [], {}
     for entry in entries:
         if entry.kind == "baseline":
             methods.append(baseline_method(entry.spec, num_layers, head_dim))
+            continue
+        if entry.kind == "layers" and "rule" in entry.spec:
+            kept = HAND_RULES[entry.spec["rule"]](num_layers, adapter.windows)
+            spec = ENGINE_DTYPE + (f";skip={'+'.join(map(str, kept))}" if kept else "")
+            methods.append(baseline_method(spec, num_layers, head_dim, adapter.windows))
             continue
         if entry.needs_profile:
             method, path = fitter.method(entry, num_layers)

@@ -31,6 +31,7 @@ SECTIONS = [
         ("mixed_widths", "benchmarks/bench_mixed_widths.py", "python -m benchmarks.accuracy --methods mixed-widths"),
         ("skvq_", "benchmarks/bench_skvq_ablation.py", "python -m benchmarks.accuracy --methods skvq-ablation"),
         ("fp8_kv_ppl", "benchmarks/bench_fp8_kv.py", "python -m benchmarks.accuracy --methods fp8"),
+        ("engine_layers", "python -m benchmarks.accuracy --methods engine-layers --out-name engine_layers", ""),
         ("rotation", "benchmarks/bench_rotation.py", "not kept: docs/experiments.md"),
         ("agreement", "benchmarks/bench_agreement.py", "not kept: docs/experiments.md")]),
     ("Decode on CPU", [("decode_step_cpu", "python -m benchmarks.kernels cpu", "")]),

@@ -216,6 +216,34 @@ def profile_gradients_command(
           f"{calibration['backward_passes']} backward passes in {time.perf_counter() - started:.1f} s")
 
 
+@app.command("plan")
+@reports_errors
+def plan_command(
+    profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients for the served model."),
+    engine: str = typer.Option("vllm", help="The serving engine: vllm."),
+    dtype: str = typer.Option("int4_per_token_head", help="The engine's KV cache dtype: int8_per_token_head, fp8_per_token_head, int4_per_token_head."),
+    budget: float = typer.Option(..., help="Real bits per element the cache may store on average (the dtype's, scales included, to 16)."),
+    by: str = typer.Option("fisher", help="What quantizing a layer costs: fisher (Fisher-weighted error of the dtype on the profile) or importance (KVmix gradient importance)."),
+    context: int = typer.Option(0, help="Tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
+):
+    """Which layers to leave unquantized in the engine's own KV cache dtype within a budget: the exact knapsack over the
+    profile's per-layer costs (kvcal.plan). Prints the engine's arguments and the `eval ppl --baseline` spec that
+    evaluates the same cache; writes nothing else."""
+    from kvcal.artifacts import check_writable
+    from kvcal.plan import plan_layers
+
+    if json_out is not None:
+        check_writable(json_out, "--json", inputs=[profile])
+    chosen = plan_layers(str(profile), engine, dtype, budget, by, context)
+    _print_table(f"{engine} {dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",
+                 ["layer", "cost if quantized", "stays fp16"],
+                 [[str(i), f"{cost:.4g}", "yes" if i in chosen.skipped else ""] for i, cost in enumerate(chosen.costs)])
+    print(f"{engine} arguments: {chosen.engine_arguments()}")
+    print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
+    _write_json(json_out, chosen.as_dict())
+
+
 @app.command("inspect")
 @reports_errors
 def inspect_command(
