@@ -149,6 +149,23 @@ def test_fit_nuq_bad_input(tiny_profile, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.stderr and not out.exists()
 
 
+def test_plan_prints_vllms_arguments_and_the_eval_spec_then_eval_ppl_takes_it(tiny_profile, tiny_corpus, tmp_path):
+    import json
+
+    model, profile = tiny_profile
+    planned = run("plan", profile, "--dtype", "int8_per_token_head", "--budget", 13, "--json", tmp_path / "plan.json")
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan["skipped"]) == 1 and plan["bits"] == 13.0  # (10 + 16) / 2 with head_dim 16
+    assert f"vllm arguments: --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers {plan['skipped'][0]}" in planned.stdout
+    evaluated = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--baseline", plan["baseline_spec"], "--seqlen", 32,
+                    "--windows", 1, "--json", tmp_path / "ppl.json")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads((tmp_path / "ppl.json").read_text())["results"][1]["effective_bits"] == 13.0
+    refused(run("plan", profile, "--budget", 3), "--budget 3.0 is outside [6, 16] real bits per element")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "ppl.json"]
+
+
 def test_fit_skvq_then_eval_ppl(tiny_profile, tiny_corpus, tmp_path):
     model, profile = tiny_profile
     artifact = tmp_path / "skvq.safetensors"

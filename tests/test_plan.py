@@ -1,0 +1,63 @@
+"""kvcal.plan: which layers an engine leaves unquantized, chosen by the knapsack within a budget."""
+
+import pytest
+import torch
+
+from kvcal.artifacts import read_artifact
+from kvcal.errors import KvcalError
+from kvcal.methods import baseline_method
+from kvcal.plan import plan_layers
+from kvcal.rope import rotate_keys
+
+
+def test_the_budget_buys_fp16_for_the_costliest_layers_first(tiny_profile):
+    """The tiny Llama (2 layers, head_dim 16: int4_per_token_head stores 4 + 32/16 = 6 bits): at 6 bits nothing stays
+    fp16, at 11 one layer may (the one whose quantization costs more), at 16 both."""
+    _, profile = tiny_profile
+    none = plan_layers(str(profile), "vllm", "int4_per_token_head", 6.0)
+    one = plan_layers(str(profile), "vllm", "int4_per_token_head", 11.0)
+    both = plan_layers(str(profile), "vllm", "int4_per_token_head", 16.0)
+    assert none.skipped == [] and none.bits == none.dtype_bits == 6.0
+    assert one.skipped == [max(range(2), key=lambda i: one.costs[i])] and one.bits == 11.0
+    assert both.skipped == [0, 1] and both.bits == 16.0
+    assert one.engine_arguments() == f"--kv-cache-dtype int4_per_token_head --kv-cache-dtype-skip-layers {one.skipped[0]}"
+    assert one.baseline_spec() == f"int4_per_token_head;skip={one.skipped[0]}"
+    assert none.engine_arguments() == "--kv-cache-dtype int4_per_token_head" and none.baseline_spec() == "int4_per_token_head"
+
+
+def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken(tiny_profile):
+    """Layer 0's cost by hand: the codec's error on the post-RoPE key samples rotated back to their pre-RoPE frame,
+    weighted by the pre-RoPE Fisher, plus the values' Fisher-weighted error."""
+    _, profile = tiny_profile
+    tensors, _ = read_artifact(str(profile), "profile")
+    codec = baseline_method("int8_per_token_head", 1, 16).layers[0].key_codec
+    keys, values = tensors["layers.0.k_post.samples"].float(), tensors["layers.0.v.samples"].float()
+    positions = tensors["samples.position"].long()
+    back = rotate_keys(codec.quantize(keys).values - keys, -positions, 2, tensors["rope.inv_freq"])
+    pre = tensors["layers.0.k_pre.samples"].float()
+    torch.testing.assert_close(rotate_keys(keys, -positions, 2, tensors["rope.inv_freq"]), pre, rtol=0, atol=1e-4)  # the frame
+    expected = (tensors["layers.0.k_pre.fisher"] * back**2).sum() + (tensors["layers.0.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum()
+    got = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0).costs[0]
+    assert got == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_importance_and_context_change_the_choice_as_documented(tiny_profile, gemma3_profile):
+    """By importance the costs are the profile's KVmix importance; on the tiny Gemma 3 at a 4096-token context its
+    sliding layer (window 16) costs 15/4096 of a full one to keep, so a budget just above the dtype's keeps it."""
+    _, profile = tiny_profile
+    tensors, _ = read_artifact(str(profile), "profile")
+    by_importance = plan_layers(str(profile), "vllm", "int4_per_token_head", 11.0, by="importance")
+    assert by_importance.costs == pytest.approx((tensors["importance.k"] + tensors["importance.v"]).tolist())
+    long = plan_layers(str(gemma3_profile), "vllm", "int4_per_token_head", 6.1, context=4096)
+    assert long.skipped == [0] and long.bits < 6.1
+    assert plan_layers(str(gemma3_profile), "vllm", "int4_per_token_head", 6.1).skipped == []
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("sglang", "int4_per_token_head", 8.0), "--engine 'sglang' is not one of vllm"),
+    (("vllm", "q4_0", 8.0), "--dtype 'q4_0' is not one of vllm's"),
+    (("vllm", "int4_per_token_head", 5.0), r"--budget 5.0 is outside \[6, 16\]"),
+])
+def test_bad_requests_are_refused_naming_the_option(tiny_profile, arguments, message):
+    with pytest.raises(KvcalError, match=message):
+        plan_layers(str(tiny_profile[1]), *arguments)
