@@ -20,6 +20,7 @@ README = REPO / "README.md"
 BEGIN, END = "<!-- results-table: begin (benchmarks/report.py) -->", "<!-- results-table: end -->"
 CPU_RESULT = "decode_step_cpu_native_2t"  # the README's CPU column: the native build at torch's default threads
 GPU_RESULT = "generate_nvidia-h200"
+LONG_MEMORY, LONG_PASSKEY = "long_context_memory_gemma3-270m", "long_context_passkey_gemma3-270m"
 
 # results file (by its name's prefix) -> the command that writes it; the sections of docs/results.md in order. A file a
 # retired script wrote names that script and the commit before it went (RETIRED_AT), and what reproduces it now.
@@ -130,7 +131,30 @@ def readme_table() -> str:
               f"-march={cpu['settings']['march']}), generate() time per token over DynamicCache's, lower is better. GPU: "
               f"`python -m benchmarks.end_to_end gpu` at {gpu['commit']} on an {gpu['device']}, a Llama-3.1-8B-shaped random model, "
               "decode tokens/s against the faster of StaticCache and DynamicCache (eager). Every table: [docs/results.md](docs/results.md)."]
-    return "\n".join(lines)
+    return "\n".join(lines + long_context_lines())
+
+
+def long_context_lines() -> list[str]:
+    """The README's long-context paragraph: the Gemma 3 cache at its longest measured context, and passkey retrieval."""
+    memory = load(LONG_MEMORY)
+    if memory is None:
+        return []
+    longest = max(r["context"] for r in memory["results"])
+    rows = sorted((r for r in memory["results"] if r["context"] == longest), key=lambda r: r["live_bytes"])
+    fp16 = rows[0]["fp16_bytes"]
+    cells = ", ".join(f"{r['method']} {r['live_bytes'] / 2**20:.1f} MiB ({r['live_bytes'] / fp16:.1%})" for r in rows)
+    lines = ["", f"Long context, Gemma 3 270M (15 of its 18 layers slide over 512 tokens, and kvcal's cache keeps only their "
+             f"window): at {longest // 1024}K tokens transformers' own fp16 cache holds {fp16 / 2**20:.1f} MiB, kvcal's {cells}; "
+             f"`python -m benchmarks.end_to_end long-context` at {', '.join(sorted({r['commit'] for r in rows}))}."]
+    passkey = load(LONG_PASSKEY)
+    if passkey is not None:
+        points = sorted({(r["keys"], r["length"]) for r in passkey["results"]})
+        methods = list(dict.fromkeys(r["method"] for r in passkey["results"]))
+        score = {(r["method"], r["keys"], r["length"]): f"{r['correct']}/{r['samples']}" for r in passkey["results"]}
+        header = " / ".join(f"{'passkey' if keys == 1 else f'{keys} keys'} {length // 1024}K" for keys, length in points)
+        lines[-1] += (f" Retrieval ({header}): " + "; ".join(f"{m} " + " / ".join(score.get((m, *p), "-") for p in points)
+                                                             for m in methods) + ".")
+    return lines
 
 
 def with_readme_table(text: str) -> str:
