@@ -4,6 +4,7 @@ groups, fp16 sinks, windows and residuals, outliers, pre-RoPE keys at positions 
 empty sequences, GQA groups and Cocktail's width groups. The whole cache path on CPU runs through it in
 tests/test_runtime_cache.py (the `decode_path` fixture runs those tests on both paths)."""
 
+import math
 import shutil
 import warnings
 
@@ -13,6 +14,7 @@ import torch
 from helpers import runnable_cpu_targets
 from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
                                   cocktail_stores, compare, cpu_kernel_decode, filled)
+from kvcal.kv import window_dropped
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels
 
@@ -46,6 +48,23 @@ def test_cpu_decode_attention_matches_the_reference(case, lengths):
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
     assert cpu_kernel.decode_supported(key_store.body.codec, value_store.body.codec)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, **ON_CPU)
+
+
+@pytest.mark.parametrize("case", ["nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers", "kivi4-sink4", "skvq2-prerope-sink5-window"])
+def test_cpu_decode_attention_reads_stores_that_dropped_their_first_tokens(case):
+    """Three sequences past a 64-token sliding window: their sinks and the body rows before it dropped (whole blocks),
+    the storage compacted and given back (the tiles that left took their outliers along); the kernel reads each body
+    from its first live row, with RoPE from the first kept position, as the reference reads the stores."""
+    (key_store, value_store), pre_rope = filled(case, [600, 300, 70], device="cpu")
+    block = math.lcm(key_store.body.block, value_store.body.block)
+    dropped = [window_dropped(key_store.total(b), min(key_store.policy.sink, key_store.total(b)),
+                              min(key_store.body_end(b), value_store.body_end(b)), block, 64) for b in range(3)]
+    for store in (key_store, value_store):
+        capacity = store.body.words.shape[1]
+        store.drop(dropped)
+        assert store.body.words.shape[1] < capacity and store.body.head[0] < store.body.dropped[0]  # compacted, given back
+    assert all(key_store.count(b) <= min(n, 64 + block + 128) for b, n in enumerate([600, 300, 70]))  # window, block, fp16 recent
+    compare(key_store, value_store, 3, group=4, pre_rope=pre_rope, **ON_CPU)
 
 
 @pytest.mark.parametrize("group", (1, 3, 8, 12))

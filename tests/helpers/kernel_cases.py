@@ -126,13 +126,13 @@ def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, devi
             decode=kernels.decode_attention, atol: float = 2e-3, rtol: float = 0.0):
     """Kernel output (`decode`: the CUDA launcher, or cpu_kernel_decode) vs reference.attention on the same
     stores, one query token per sequence; the query is a non-contiguous view and positions start far from 0 (RoPE
-    angles of tens of thousands)."""
+    angles of tens of thousands). Stores that dropped their first tokens (a sliding window) start at the first kept."""
     heads = KV_HEADS * group
     query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).to(device).transpose(1, 2)
     offsets = [(37_000 * b) % 100_003 for b in range(batch)]
     scaling, inv_freq = HEAD_DIM**-0.5, _inv_freq().to(device)
     launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), value_store.kernel_segments())]
-    got = decode(query, launches, KV_HEADS, scaling, offsets, inv_freq if pre_rope else None)
+    got = decode(query, launches, KV_HEADS, scaling, [o + d for o, d in zip(offsets, key_store.dropped)], inv_freq if pre_rope else None)
     expected = torch.zeros_like(got)
     for b in range(batch):
         if key_store.count(b):
