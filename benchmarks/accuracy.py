@@ -363,18 +363,18 @@ class Fitter:
         alike); the plan is cached as JSON."""
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
-        from kvcal.plan import plan_layers
+        from kvcal.plan import dtype_bits, plan_layers
 
         fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
-        head_dim, width = fingerprint["head_dim"], fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+        head_dim = fingerprint["head_dim"]
         path = self.path_for(entry, ".json")
         if self.cached(path):
             spec = json.loads(path.read_text())["baseline_spec"]
         else:
             started = time.perf_counter()
-            dtype_bits = baseline_method(ENGINE_DTYPE, 1, head_dim).layers[0].key_codec.row_bits(width) / width
+            quantized_bits = dtype_bits(ENGINE_DTYPE, head_dim, fingerprint["num_kv_heads"])
             kept = entry.spec["kept"]
-            budget = (kept * 16.0 + (num_layers - kept) * dtype_bits) / num_layers + 1e-9
+            budget = (kept * 16.0 + (num_layers - kept) * quantized_bits) / num_layers + 1e-9
             chosen = plan_layers(str(self.profile), "vllm", ENGINE_DTYPE, budget, entry.spec["plan"])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")

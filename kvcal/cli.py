@@ -532,7 +532,6 @@ def _write_json(json_out: Optional[Path], payload: dict) -> None:
 
 
 JSON_OPTION = typer.Option(None, "--json", help="Also write the results as JSON here.")
-PASSKEY_ANSWER_TOKENS = 8  # kvcal.generation.passkey_accuracy decodes an 8-token answer
 
 
 @eval_app.command("generate")
@@ -598,7 +597,7 @@ def eval_passkey_command(
     --keys above 1, the multi-key variant: the fraction of asked keys retrieved)."""
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
-    from kvcal.generation import DOORS, passkey_accuracy
+    from kvcal.generation import ANSWER_TOKENS, DOORS, passkey_accuracy
 
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
@@ -614,7 +613,7 @@ def eval_passkey_command(
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
-    _check_positions(adapter, max(sizes) + PASSKEY_ANSWER_TOKENS, f"--lengths {max(sizes)} + the {PASSKEY_ANSWER_TOKENS}-token answer")
+    _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     filler = tokenize(text, tokenizer)
     with _progress() as progress:
         questions = 1 if keys == 1 else asked

@@ -18,7 +18,7 @@ from kvcal.runtime.memory import cache_bytes, fp16_bytes
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")  # the multi-key variant's key names
-ANSWER_TOKENS = 8
+ANSWER_TOKENS = 8  # passkey answers are this many greedy tokens
 
 
 def pad_id(tokenizer) -> int:

@@ -54,6 +54,12 @@ class Plan:
         return {**asdict(self), "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
 
 
+def dtype_bits(dtype: str, head_dim: int, kv_heads: int) -> float:
+    """An engine dtype's real bits per element (codes and scales) for heads of `head_dim` channels."""
+    width = kv_heads * head_dim
+    return baseline_method(dtype, 1, head_dim).layers[0].key_codec.row_bits(width) / width
+
+
 def _fisher_costs(profile: dict, config: dict, codec, num_layers: int, kv_heads: int) -> list[float]:
     positions = profile["samples.position"].long()
     scaling = config["rope"]["attention_scaling"]
@@ -85,18 +91,17 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     codec = baseline_method(dtype, 1, head_dim).layers[0].key_codec
-    width = kv_heads * head_dim
-    dtype_bits = codec.row_bits(width) / width
-    if not dtype_bits <= budget <= FP16_BITS:
-        raise KvcalError(f"--budget {budget} is outside [{dtype_bits:g}, {FP16_BITS}] real bits per element: {dtype} stores "
-                         f"{dtype_bits:g} and an unquantized layer {FP16_BITS}")
+    quantized_bits = dtype_bits(dtype, head_dim, kv_heads)
+    if not quantized_bits <= budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside [{quantized_bits:g}, {FP16_BITS}] real bits per element: {dtype} stores "
+                         f"{quantized_bits:g} and an unquantized layer {FP16_BITS}")
     with torch.inference_mode():
         costs = (_fisher_costs(profile, config, codec, num_layers, kv_heads) if by == "fisher" else
                  (profile["importance.k"] + profile["importance.v"]).tolist())
     shares = np.array(stored_shares(config["model"].get("windows"), context, num_layers))
-    choices = choose_widths(np.array([[cost, 0.0] for cost in costs]), np.array([[dtype_bits, float(FP16_BITS)]] * num_layers),
+    choices = choose_widths(np.array([[cost, 0.0] for cost in costs]), np.array([[quantized_bits, float(FP16_BITS)]] * num_layers),
                             budget, shares)
     skipped = [layer for layer, choice in enumerate(choices) if choice == 1]
-    prices = np.where(np.array(choices) == 1, FP16_BITS, dtype_bits)
+    prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_bits)
     bits = float((prices * shares).sum() / shares.sum())
-    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, dtype_bits)
+    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits)

@@ -14,9 +14,9 @@ import torch
 from helpers import runnable_cpu_targets
 from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
                                   cocktail_stores, compare, cpu_kernel_decode, filled)
-from kvcal.kv import window_dropped
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels
+from kvcal.runtime.segments import out_of_window
 
 SHORT = [1, 31, 33, 129, 300]
 ON_CPU = dict(device="cpu", decode=cpu_kernel_decode, atol=1e-5, rtol=1e-5)  # float32 rounding of two summation orders
@@ -57,8 +57,7 @@ def test_cpu_decode_attention_reads_stores_that_dropped_their_first_tokens(case)
     from its first live row, with RoPE from the first kept position, as the reference reads the stores."""
     (key_store, value_store), pre_rope = filled(case, [600, 300, 70], device="cpu")
     block = math.lcm(key_store.body.block, value_store.body.block)
-    dropped = [window_dropped(key_store.total(b), min(key_store.policy.sink, key_store.total(b)),
-                              min(key_store.body_end(b), value_store.body_end(b)), block, 64) for b in range(3)]
+    dropped = out_of_window(key_store, value_store, 64)
     for store in (key_store, value_store):
         capacity = store.body.words.shape[1]
         store.drop(dropped)

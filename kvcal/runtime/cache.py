@@ -40,7 +40,6 @@ the step has an attention mask (transformers' own mask building reads it then to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +50,9 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
-from kvcal.kv import window_dropped
 from kvcal.rope import rotate_keys
 from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
-from kvcal.runtime.segments import SegmentedStore
+from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import upload
 
 ATTENTION_NAME = "kvcal_runtime"
@@ -161,12 +159,8 @@ class RuntimeLayer(CacheLayerMixin):
         at the body boundary and block size both allow)."""
         if self.window is None:
             return
-        stores = (self.keys_store, self.values_store)
-        block = math.lcm(*(store.body.block for store in stores))
-        dropped = [window_dropped(stores[0].total(b), min(stores[0].policy.sink, stores[0].total(b)),
-                                  min(store.body_end(b) for store in stores), block, self.window)
-                   for b in range(len(stores[0].dropped))]
-        for store in stores:
+        dropped = out_of_window(self.keys_store, self.values_store, self.window)
+        for store in (self.keys_store, self.values_store):
             store.drop(dropped)
 
     def _decode_reference(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvcal.runtime.store import Fp16Rows, PackedRows, upload
-from kvcal.kv import SegmentPolicy
+from kvcal.kv import SegmentPolicy, window_dropped
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
 
@@ -53,18 +53,22 @@ class SegmentedStore:
         """Tokens the sequence has had, dropped ones included (what the segment policy counts)."""
         return self.dropped[b] + self.count(b)
 
+    def sinks(self, b: int) -> int:
+        """The sequence's tokens that went to its fp16 sinks (dropped ones included)."""
+        return min(self.policy.sink, self.total(b))
+
     def body_end(self, b: int) -> int:
         """The sequence's token after its last body row (fp16 recent tokens follow)."""
-        return min(self.policy.sink, self.total(b)) + self.body.dropped[b] + self.body.length[b]
+        return self.sinks(b) + self.body.dropped[b] + self.body.length[b]
 
     def drop(self, dropped: list[int]) -> None:
         """Drop each sequence b's first tokens up to dropped[b] in all (a sliding window's, kvcal.kv.window_dropped):
         its sinks, then body rows; then give back storage the body no longer needs."""
         for b, target in enumerate(dropped):
             if target > self.dropped[b]:
-                sinks = min(self.policy.sink, self.total(b))
+                rows = target - self.sinks(b) - self.body.dropped[b]
                 self.sink.clear(b)
-                self.body.drop_front(b, target - sinks - self.body.dropped[b])
+                self.body.drop_front(b, rows)
                 self.dropped[b] = target
         self.body.release()
 
@@ -215,6 +219,14 @@ class CocktailStore:
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]
+
+
+def out_of_window(keys: SegmentedStore, values: SegmentedStore, window: int) -> list[int]:
+    """Per sequence, how many first tokens a sliding-window layer's K and V stores may have dropped, alike
+    (kvcal.kv.window_dropped at the body end and block size both allow)."""
+    block = math.lcm(keys.body.block, values.body.block)
+    return [window_dropped(keys.total(b), keys.sinks(b), min(keys.body_end(b), values.body_end(b)), block, window)
+            for b in range(len(keys.dropped))]
 
 
 def _add(target: tuple[list, list, list], b: int, rows: range) -> None:
