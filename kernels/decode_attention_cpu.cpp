@@ -82,6 +82,23 @@ inline float half_to_float(uint16_t h) {
 }
 #endif
 
+// LANES lanes of int32 / float (GCC vector extensions): 16 where the target has AVX-512 (one zmm register), else 8
+// (one ymm register on AVX2; a pair of 128-bit registers on NEON or SSE). The compiler's target decides, so one
+// source serves every build (kvcal/runtime/cpu_kernel.py compiles for the CPU's x86-64 level or -march=native).
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+typedef int32_t vi32 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
+typedef float vf32 __attribute__((vector_size(4 * LANES)));
+static_assert(32 % LANES == 0, "a unit of 32 codes is a whole number of vectors");
+
+// The larger of a and b for a b that is not NaN: std::fmax's result (a NaN a gives b) without its libm call (GCC
+// inlines fmaxf only under -ffinite-math-only, which the running softmax's -inf forbids).
+inline float max_or(float a, float b) { return a > b ? a : b; }
+
 struct Side {
     const uint16_t* sink; long long sink_stride;
     const uint16_t* recent; long long recent_stride;
@@ -133,12 +150,14 @@ inline uint32_t code_at(const uint32_t* row, int i) {
 // What one side needs per call for the work item's KV head.
 struct HeadTables {
     std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel: value = codebook[code] * half_range + mid
-    std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; per-row groups otherwise
+    std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; PERMUTED_GROUPS: the
+                                       // chunk's rows' group parameters, param_slots per row; per-row groups otherwise
     std::vector<int32_t> codes;        // one row's codes of the head
     std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
+    std::vector<long long> group_at;   // UNIFORM_TOKEN: per LANES channels of the head, its group's parameter column offset
     alignas(64) float codebook[16] = {};  // the codebook (zeros past its levels)
     long long block = -1;
-    int levels = 0;
+    int levels = 0, param_slots = 0;
 };
 
 void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
@@ -154,30 +173,23 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
         const float* lo = (const float*)s.param0 + (long long)kv_head * D;
         const float* hi = (const float*)s.param1 + (long long)kv_head * D;
         for (int c = 0; c < D; ++c) {
-            t.half_range[c] = std::fmax((hi[c] - lo[c]) / 2.0f, MIN_HALF_RANGE);
+            t.half_range[c] = max_or((hi[c] - lo[c]) / 2.0f, MIN_HALF_RANGE);
             t.mid[c] = (hi[c] + lo[c]) / 2.0f;
         }
     }
     const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // a lookup reads 16
-    t.scale.resize(columns);
-    t.zero.resize(columns);
+    t.param_slots = s.codec == PERMUTED_GROUPS ? (int)std::max(16, s.param_cols) : 0;
+    t.scale.resize(std::max(columns, (size_t)CHUNK * t.param_slots));
+    t.zero.resize(t.scale.size());
     t.codes.resize(D);
+    if (s.codec == UNIFORM_TOKEN && s.param_extra > 0) {  // a division per vector was a tenth of the value decode
+        t.group_at.resize((D + LANES - 1) / LANES);
+        for (int first = 0; first < D; first += LANES)
+            t.group_at[first / LANES] = (long long)((kv_head * D + first) / s.param_extra) * s.param_column;
+    }
     if (s.codec == PERMUTED_GROUPS)
         t.groups.assign(s.group_of_channel + (long long)kv_head * D, s.group_of_channel + (long long)(kv_head + 1) * D);
 }
-
-// LANES lanes of int32 / float (GCC vector extensions): 16 where the target has AVX-512 (one zmm register), else 8
-// (one ymm register on AVX2; a pair of 128-bit registers on NEON or SSE). The compiler's target decides, so one
-// source serves every build (kvcal/runtime/cpu_kernel.py compiles for the CPU's x86-64 level or -march=native).
-#if defined(__AVX512F__)
-constexpr int LANES = 16;
-#else
-constexpr int LANES = 8;
-#endif
-typedef int32_t vi32 __attribute__((vector_size(4 * LANES)));
-typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
-typedef float vf32 __attribute__((vector_size(4 * LANES)));
-static_assert(32 % LANES == 0, "a unit of 32 codes is a whole number of vectors");
 
 inline vf32 loadv(const float* p) {
     vf32 v;
@@ -227,18 +239,27 @@ inline vf32 select(const vf32* table, vi32 index) {
 }
 
 // Codes first .. first + LANES - 1 of a row (first a multiple of LANES) in "lsb" 1/2/4 or planes3 (a unit of 32
-// codes is 1, 2, 4 or 3 words).
+// codes is 1, 2, 4 or 3 words), or kvmix's 11 codes per word (first < KVMIX_MAX_CODES).
 template <int LAYOUT>
 inline vi32 unpack(const uint32_t* words, int first) {
     const vu32 lanes = lane_index();
+    if (LAYOUT == KVMIX3) {  // code i: bits 3 (i % 11) .. of word i / 11 (the eleventh keeps 2 bits: the word ends)
+        const vu32 index = lanes + (uint32_t)first;
+        const vu32 word = (index * 47663u) >> 19;  // index / 11 for index < KVMIX_MAX_CODES, without a division
+        const uint32_t base = (uint32_t)first / 11u, last = (uint32_t)(first + LANES - 1) / 11u;  // words read: no further
+        const vu32 relative = word - base;  // LANES codes span at most 3 words (2 on 8 lanes)
+        vu32 w = relative == 0u ? vu32{} + words[base] : vu32{} + words[std::min(base + 1, last)];
+        if constexpr (LANES > 11) w = relative == 2u ? vu32{} + words[std::min(base + 2, last)] : w;
+        return (vi32)((w >> ((index - word * 11u) * 3u)) & 7u);
+    }
     if (LAYOUT == LSB1) return (vi32)((words[first >> 5] >> (lanes + (uint32_t)(first & 31))) & 1u);
     if (LAYOUT == LSB2) return (vi32)((words[first >> 4] >> ((lanes + (uint32_t)(first & 15)) * 2u)) & 3u);
     if (LAYOUT == LSB4) {
         if constexpr (LANES == 8) {
             return (vi32)((words[first >> 3] >> (lanes * 4u)) & 15u);
-        } else {  // two words, 8 codes each
-            vu32 pair;
-            for (int i = 0; i < LANES; ++i) pair[i] = words[(first >> 3) + (i >> 3)];
+        } else {  // two words, 8 codes each, blended from broadcasts (a vector built lane by lane in memory stalled
+                  // on store forwarding: most of a 4-bit value decode)
+            const vu32 pair = lanes < 8u ? vu32{} + words[first >> 3] : vu32{} + words[(first >> 3) + 1];
             return (vi32)((pair >> ((lanes & 7u) * 4u)) & 15u);
         }
     }
@@ -249,14 +270,14 @@ inline vi32 unpack(const uint32_t* words, int first) {
 }
 
 template <int LAYOUT>
-constexpr int LEVELS = LAYOUT == LSB1 ? 2 : LAYOUT == LSB2 ? 4 : LAYOUT == PLANES3 ? 8 : 16;
+constexpr int LEVELS = LAYOUT == LSB1 ? 2 : LAYOUT == LSB2 ? 4 : LAYOUT == PLANES3 || LAYOUT == KVMIX3 ? 8 : 16;
 
-template <int LAYOUT>
-constexpr bool VECTOR_LAYOUT = LAYOUT == LSB1 || LAYOUT == LSB2 || LAYOUT == LSB4 || LAYOUT == PLANES3;
+constexpr int KVMIX_MAX_CODES = 90000;  // (index * 47663) >> 19 == index / 11 below it (and the product fits 32 bits)
 
-// Body row `row` of sequence b, channels head_channel .. + D, decoded into out[0 .. D).
+// Body row `row` of sequence b, channels head_channel .. + D, decoded into out[0 .. D); slot: its place in the chunk
+// (PERMUTED_GROUPS reads its parameters there: group_parameters).
 template <int CODEC, int LAYOUT>
-inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_channel, int D, float* __restrict__ out) {
+inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, int head_channel, int D, float* __restrict__ out) {
     const uint32_t* words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
     const uint16_t* p0 = (const uint16_t*)s.param0;
     const uint16_t* p1 = (const uint16_t*)s.param1;
@@ -266,7 +287,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
         if (block != t.block) {
             const long long at = b * s.param_stride + block * s.param_row + head_channel;
             for (int c = 0; c < D; ++c) {
-                t.scale[c] = std::fmax(half_to_float(p0[at + c]), TINY_SCALE);
+                t.scale[c] = max_or(half_to_float(p0[at + c]), TINY_SCALE);
                 t.zero[c] = half_to_float(p1[at + c]);
             }
             t.block = block;
@@ -278,26 +299,22 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     if (CODEC == CODEBOOK_TOKEN) {
         const long long at = b * s.param_stride + row * s.param_row;
         const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
-        const float half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
+        const float half_range = max_or((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
         for (int k = 0; k < 16 / LANES; ++k) levels[k] = loadv(t.codebook + k * LANES) * half_range + mid;
     }
-    if (CODEC == PERMUTED_GROUPS) {  // SKVQ (codes in channel order): (code + zero) * scale of the channel's group
-        const long long at = b * s.param_stride + (long long)row * s.param_row;
-        for (int g = 0; g < s.param_cols; ++g) {
-            t.scale[g] = std::fmax(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
-            t.zero[g] = half_to_float(p1[at + g * s.param_column]);
-        }
-    }
+    const float* group_scale = t.scale.data() + (size_t)slot * t.param_slots;  // PERMUTED_GROUPS: this row's
+    const float* group_zero = t.zero.data() + (size_t)slot * t.param_slots;
     const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % LANES == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
-    if (VECTOR_LAYOUT<LAYOUT> && head_channel % 32 == 0 && D % 32 == 0 && vector_parameters) {
+    const bool vector_layout = LAYOUT == KVMIX3 ? head_channel + D <= KVMIX_MAX_CODES : head_channel % 32 == 0;
+    if (vector_layout && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_row;
         for (int first = 0; first < D; first += LANES) {
             const vi32 code_index = unpack<LAYOUT>(words, head_channel + first);
             const vf32 code = __builtin_convertvector(code_index, vf32);
             vf32 value;
             if (CODEC == UNIFORM_TOKEN) {
-                const long long g = (head_channel + first) / s.param_extra * s.param_column;
-                value = code * std::fmax(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
+                const long long g = t.group_at[first / LANES];
+                value = code * max_or(half_to_float(p0[token_at + g]), TINY_SCALE) + half_to_float(p1[token_at + g]);
             } else if (CODEC == UNIFORM_CHANNEL) {
                 value = code * loadv(t.scale.data() + first) + loadv(t.zero.data() + first);
             } else if (CODEC == CODEBOOK_CHANNEL) {
@@ -305,7 +322,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
             } else if (CODEC == PERMUTED_GROUPS) {
                 vi32 group;
                 std::memcpy(&group, t.groups.data() + first, sizeof group);
-                value = (code + lookup<16>(t.zero.data(), group)) * lookup<16>(t.scale.data(), group);
+                value = (code + lookup<16>(group_zero, group)) * lookup<16>(group_scale, group);
             } else {  // CODEBOOK_TOKEN
                 value = select<LEVELS<LAYOUT>>(levels, code_index);
             }
@@ -319,7 +336,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
         const long long at = b * s.param_stride + (long long)row * s.param_row;
         for (int c = 0; c < D;) {
             const int g = (head_channel + c) / s.param_extra, end = std::min(D, (g + 1) * s.param_extra - head_channel);
-            const float scale = std::fmax(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
+            const float scale = max_or(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
             const float zero = half_to_float(p1[at + g * s.param_column]);
             for (; c < end; ++c) out[c] = (float)codes[c] * scale + zero;
         }
@@ -328,11 +345,28 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int head_ch
     } else if (CODEC == CODEBOOK_CHANNEL) {
         for (int c = 0; c < D; ++c) out[c] = t.codebook[codes[c]] * t.half_range[c] + t.mid[c];
     } else if (CODEC == PERMUTED_GROUPS) {
-        for (int c = 0; c < D; ++c) out[c] = ((float)codes[c] + t.zero[t.groups[c]]) * t.scale[t.groups[c]];
+        for (int c = 0; c < D; ++c) out[c] = ((float)codes[c] + group_zero[t.groups[c]]) * group_scale[t.groups[c]];
     } else {  // CODEBOOK_TOKEN
         float table[16];
         for (int k = 0; k < 16 / LANES; ++k) storev(table + k * LANES, levels[k]);
         for (int c = 0; c < D; ++c) out[c] = table[codes[c]];
+    }
+}
+
+// PERMUTED_GROUPS (SKVQ, codes in channel order: value = (code + zero) * scale of the channel's group): the group
+// parameters of body rows first .. first + rows - 1, as floats, into slots from `slot` on; written for the whole chunk
+// before its rows are decoded, so that a row's vector reads of them are not stalled behind their scalar stores.
+inline void group_parameters(const Side& s, HeadTables& t, int b, int first, int rows, int slot) {
+    const uint16_t* p0 = (const uint16_t*)s.param0;
+    const uint16_t* p1 = (const uint16_t*)s.param1;
+    for (int i = 0; i < rows; ++i) {
+        const long long at = b * s.param_stride + (long long)(first + i) * s.param_row;
+        float* scale = t.scale.data() + (size_t)(slot + i) * t.param_slots;
+        float* zero = t.zero.data() + (size_t)(slot + i) * t.param_slots;
+        for (int g = 0; g < s.param_cols; ++g) {
+            scale[g] = max_or(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
+            zero[g] = half_to_float(p1[at + g * s.param_column]);
+        }
     }
 }
 
@@ -342,13 +376,17 @@ template <int CODEC, int LAYOUT>
 void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int kv_head, int kv_heads, int D, int width,
                    int t0, int n, float* out) {
     const int head_channel = kv_head * D;
+    if (CODEC == PERMUTED_GROUPS) {
+        const int first = std::max(t0, len.sink), end = std::min(t0 + n, len.sink + len.body);
+        if (first < end) group_parameters(s, t, b, len.body_head + first - len.sink, end - first, first - t0);
+    }
     for (int i = 0; i < n; ++i) {
         const int token = t0 + i;
         const uint16_t* fp16;
         if (token < len.sink) {
             fp16 = s.sink + b * s.sink_stride + (long long)token * width;
         } else if (CODEC != FP16_ONLY && token - len.sink < len.body) {
-            decode_row<CODEC, LAYOUT>(s, t, b, len.body_head + token - len.sink, head_channel, D, out + (long long)i * D);
+            decode_row<CODEC, LAYOUT>(s, t, b, len.body_head + token - len.sink, i, head_channel, D, out + (long long)i * D);
             continue;
         } else {
             fp16 = s.recent + b * s.recent_stride + (long long)(len.head + token - len.sink - len.body) * width;
@@ -476,28 +514,68 @@ inline void key_scores(const float* __restrict__ q, const float* __restrict__ ke
     }
 }
 
-// a[c] += sum_i p[i] v[i * D + c]: 32 channels at a time held in registers over the tokens, two tokens per step
-// into separate sums (a store and reload of a[] per token would chain every step through memory).
-inline void accumulate_values(const float* __restrict__ p, const float* __restrict__ v, int n, int D, float* __restrict__ a) {
-    constexpr int PER = 32 / LANES;  // vectors per 32 channels
-    int c = 0;
-    for (; c + 32 <= D; c += 32) {
-        vf32 even[PER], odd[PER];
-        for (int k = 0; k < PER; ++k) even[k] = loadv(a + c + k * LANES), odd[k] = vf32{};
-        int i = 0;
-        for (; i + 1 < n; i += 2) {
-            const float* row = v + (size_t)i * D + c;
-            for (int k = 0; k < PER; ++k) {
-                even[k] += p[i] * loadv(row + k * LANES);
-                odd[k] += p[i + 1] * loadv(row + D + k * LANES);
-            }
-        }
-        if (i < n)
-            for (int k = 0; k < PER; ++k) even[k] += p[i] * loadv(v + (size_t)i * D + c + k * LANES);
-        for (int k = 0; k < PER; ++k) storev(a + c + k * LANES, even[k] + odd[k]);
+// The largest of s[0 .. n) (-inf for n = 0; a NaN score is passed over, as std::fmax would), a vector at a time.
+inline float largest(const float* s, int n) {
+    vf32 most = vf32{} - INFINITY;
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf32 v = loadv(s + i);
+        most = v > most ? v : most;
     }
+    float out = -INFINITY;
+    for (int j = 0; j < LANES; ++j) out = max_or(most[j], out);
+    for (; i < n; ++i) out = max_or(s[i], out);
+    return out;
+}
+
+// For H query heads h of a group: a[h * a_stride + c] += sum_i p[h * CHUNK + i] v[i * D + c], channels c0 .. c0 +
+// VB * LANES - 1. The H x VB sums stay in registers over the tokens and each value vector is loaded once for all H
+// heads: H x VB independent multiply-adds per token (one head at a time chained each sum through the FMA latency
+// and loaded every value row once per head).
+template <int H, int VB>
+inline void accumulate_block(const float* __restrict__ p, const float* __restrict__ v, int n, int D, int c0,
+                             float* __restrict__ a, int a_stride) {
+    vf32 sum[H][VB];
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < VB; ++k) sum[h][k] = loadv(a + (size_t)h * a_stride + c0 + k * LANES);
+    for (int i = 0; i < n; ++i) {
+        vf32 x[VB];
+        for (int k = 0; k < VB; ++k) x[k] = loadv(v + (size_t)i * D + c0 + k * LANES);
+        for (int h = 0; h < H; ++h) {
+            const float w = p[(size_t)h * CHUNK + i];
+            for (int k = 0; k < VB; ++k) sum[h][k] += w * x[k];
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < VB; ++k) storev(a + (size_t)h * a_stride + c0 + k * LANES, sum[h][k]);
+}
+
+// Blocks of 64 channels on AVX-512 (4 vectors x 4 heads: 16 sums of 32 registers), 16 on 8 lanes (2 x 4 of 16),
+// then single vectors, then channel by channel.
+constexpr int VALUE_BLOCK = LANES == 16 ? 4 : 2;
+
+template <int H>
+inline void accumulate_heads(const float* p, const float* v, int n, int D, float* a, int a_stride) {
+    int c = 0;
+    for (; c + VALUE_BLOCK * LANES <= D; c += VALUE_BLOCK * LANES) accumulate_block<H, VALUE_BLOCK>(p, v, n, D, c, a, a_stride);
+    for (; c + LANES <= D; c += LANES) accumulate_block<H, 1>(p, v, n, D, c, a, a_stride);
     for (; c < D; ++c)
-        for (int i = 0; i < n; ++i) a[c] += p[i] * v[(size_t)i * D + c];
+        for (int h = 0; h < H; ++h)
+            for (int i = 0; i < n; ++i) a[(size_t)h * a_stride + c] += p[(size_t)h * CHUNK + i] * v[(size_t)i * D + c];
+}
+
+// Every query head g of the group: a[g * a_stride + c] += sum_i p[g * CHUNK + i] v[i * D + c], up to 4 heads at a time.
+inline void accumulate_values(const float* p, const float* v, int n, int D, int group, float* a, int a_stride) {
+    for (int g = 0; g < group; g += 4) {
+        const float* pg = p + (size_t)g * CHUNK;
+        float* ag = a + (size_t)g * a_stride;
+        switch (std::min(group - g, 4)) {
+            case 1: accumulate_heads<1>(pg, v, n, D, ag, a_stride); break;
+            case 2: accumulate_heads<2>(pg, v, n, D, ag, a_stride); break;
+            case 3: accumulate_heads<3>(pg, v, n, D, ag, a_stride); break;
+            default: accumulate_heads<4>(pg, v, n, D, ag, a_stride); break;
+        }
+    }
 }
 
 // One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
@@ -543,9 +621,8 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
             float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
             float* state = partial + (size_t)g * (D + 2);
             key_scores(q.data() + (size_t)g * D, keys.data(), n, D, s);
-            float chunk_max = -INFINITY;
-            for (int i = 0; i < n; ++i) chunk_max = std::fmax(chunk_max, s[i]);
-            const float m_new = std::fmax(state[0], chunk_max);
+            const float chunk_max = largest(s, n);
+            const float m_new = max_or(chunk_max, state[0]);
             const float correction = state[0] == -INFINITY ? 0.0f : exp_nonpositive(state[0] - m_new);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -558,8 +635,7 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
             for (int c = 0; c < D; ++c) state[2 + c] *= correction;
         }
         decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
-        for (int g = 0; g < group; ++g)
-            accumulate_values(scores.data() + (size_t)g * CHUNK, values.data(), n, D, partial + (size_t)g * (D + 2) + 2);
+        accumulate_values(scores.data(), values.data(), n, D, group, partial + 2, D + 2);
     }
 }
 
@@ -618,7 +694,7 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
             float& m = m_state[first_row + g];
             float& l = l_state[first_row + g];
             float* acc = acc_state + (first_row + g) * D;
-            const float m_new = std::fmax(m, part[0]);
+            const float m_new = max_or(part[0], m);
             const float old_weight = m == -INFINITY ? 0.0f : exp_nonpositive(m - m_new);
             const float new_weight = part[0] == -INFINITY ? 0.0f : exp_nonpositive(part[0] - m_new);
             l = l * old_weight + part[1] * new_weight;

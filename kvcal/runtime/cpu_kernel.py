@@ -245,6 +245,7 @@ class CpuAppend:
                                                      codec.clip.float()))
                        if self.codec_id == PERMUTED_GROUPS else None)
         self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
+        self.codebook_arguments: tuple | None = None  # codebooks: what the append kernel takes of them, made with them
 
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
@@ -275,26 +276,25 @@ class CpuAppend:
     def _codebook(self, store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination) -> None:
         """Codes and thresholds, then, with room made for exactly the outliers found, the outliers after each
         (sequence, KV head)'s own."""
-        codec = store.codec
         rows, width = x.shape
         head_dim = store.head_dim or width
-        if self.tables is None:
+        if self.tables is None:  # the codec's tables and thresholds, as the kernel takes them (they never change)
             self.tables = kernels.codec_tables(store)
-        tables = self.tables
+            t = 1.0 - store.codec.outlier_fraction / 2
+            self.codebook_arguments = (_ptr(self.tables.get("lo")), _ptr(self.tables.get("hi")), np.float32(1.0 - t),
+                                       np.float32(t), int(store.codec.outlier_fraction > 0), self.tables["midpoints"].data_ptr())
+        channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
         lo, hi = store.token.get("lo"), store.token.get("hi")
         token_stride = 0 if lo is None else lo.stride(0)
-        keep = codec.outlier_fraction > 0
-        t = 1.0 - codec.outlier_fraction / 2
         found = np.zeros((rows, width // head_dim), dtype=np.int32)
-        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
-                                      np.float32(1.0 - t), np.float32(t), int(keep), tables["midpoints"].data_ptr(), *destination,
-                                      _ptr(lo), _ptr(hi), token_stride, found.ctypes.data)
+        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, layout, channel_lo, channel_hi, low, high, keep,
+                                      midpoints, *destination, _ptr(lo), _ptr(hi), token_stride, found.ctypes.data)
         if not keep:
             return
         per_sequence = found if rows == len(seqs) else np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
-        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, _ptr(tables.get("lo")),
-                                     _ptr(tables.get("hi")), _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
+        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo,
+                                     channel_hi, _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
                                      row_in_seq.ctypes.data, store.outlier_positions.data_ptr(), store.outlier_values.data_ptr(),
                                      store.outlier_positions.shape[2], store.outlier_offsets.data_ptr(),
                                      store.outlier_offsets.shape[2], store.outlier_count.data_ptr())
