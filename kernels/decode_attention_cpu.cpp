@@ -22,7 +22,8 @@
 namespace {
 
 constexpr int CHUNK = 64;                        // tokens decoded per pass: a chunk of keys for D=128 is 32 KiB
-constexpr int SPLIT = 512;                       // tokens per task (a multiple of CHUNK): the unit of work of a thread
+constexpr int SPLIT = 512;                       // tokens per task at most (a multiple of CHUNK): the unit of work of a thread
+constexpr int MIN_TASKS = 16;                    // fewer tokens per task (down to CHUNK) until a call has this many tasks
 constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_SCALE
 constexpr float MIN_HALF_RANGE = 1e-8f;          // kvcal.quantizers.denormalize's clamp
 
@@ -578,6 +579,18 @@ inline void accumulate_values(const float* p, const float* v, int n, int D, int 
     }
 }
 
+// Ask for the first halves of RoPE table rows first .. first + n - 1 (what the rotation reads) ahead of their use: the
+// tables are as large as an fp32 cache and come from beyond L2 once a layer's weights passed, a row per token, too
+// little work apart for the hardware prefetcher to keep them coming (they were a third of a pre-RoPE layer's time).
+inline void prefetch_rope_rows(const float* cos_table, const float* sin_table, long long at, int first, int n, int D) {
+    constexpr int LINE = 64 / sizeof(float);
+    for (int i = first; i < first + n; ++i)
+        for (int c = 0; c < D / 2; c += LINE) {
+            __builtin_prefetch(cos_table + at + (long long)i * D + c, 0, 2);
+            __builtin_prefetch(sin_table + at + (long long)i * D + c, 0, 2);
+        }
+}
+
 // One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
 // partial = per query head (m, l, acc[D]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
 // exp(score - m) v.
@@ -600,8 +613,11 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         state[0] = -INFINITY;
         std::fill(state + 1, state + D + 2, 0.0f);
     }
+    if (cos_table != nullptr) prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t_begin, std::min(CHUNK, t_end - t_begin), D);
     for (int t0 = t_begin; t0 < t_end; t0 += CHUNK) {
         const int n = std::min(CHUNK, t_end - t0);
+        if (cos_table != nullptr && t0 + CHUNK < t_end)
+            prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), D);
         decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
         // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half); a table row holds its
         // half of frequencies twice (rotate_half's convention), so only the first half is read
@@ -652,9 +668,11 @@ struct Task {
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's stored tokens' positions
 // (kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
-// Work: every (sequence, KV head)'s tokens in splits of SPLIT, one task each, run on `threads` threads (OpenMP, the
-// runtime torch uses where both are libgomp); each task's partial state is folded in afterwards in task order, so
-// the result does not depend on the number of threads.
+// Work: every (sequence, KV head)'s tokens in splits of SPLIT tokens, or fewer (halved down to CHUNK) while that
+// makes fewer than MIN_TASKS tasks (a short context's 3 tasks kept one of 2 threads idle half the time); one task
+// each, run on `threads` threads (OpenMP, the runtime torch uses where both are libgomp); each task's partial state is
+// folded in afterwards in task order. The split depends on the lengths alone, so the result does not depend on the
+// number of threads.
 extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
                                            const float* cos_table, const float* sin_table, long long rope_stride,
                                            int batch, int kv_heads, int group, int head_dim, float scale,
@@ -669,15 +687,25 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
     const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
     std::vector<Task> tasks;
     std::vector<Lengths> key_lengths(batch), value_lengths(batch);
+    std::vector<int> seen_from(batch), tokens(batch);
     for (int b = 0; b < batch; ++b) {
         const int32_t* km = meta + (long long)b * META_FIELDS;
         const int32_t* vm = meta + ((long long)batch + b) * META_FIELDS;
         key_lengths[b] = Lengths{km[M_SINK], km[M_BODY], km[M_HEAD], km[M_RECENT], km[M_BODY_HEAD]};
         value_lengths[b] = Lengths{vm[M_SINK], vm[M_BODY], vm[M_HEAD], vm[M_RECENT], vm[M_BODY_HEAD]};
-        const int tokens = key_lengths[b].sink + key_lengths[b].body + key_lengths[b].recent;
-        for (int t0 = km[M_FIRST]; t0 < tokens; t0 += SPLIT)  // a split's KV heads in turn: its RoPE table rows stay in cache
-            for (int kv_head = 0; kv_head < kv_heads; ++kv_head) tasks.push_back(Task{b, kv_head, t0, std::min(tokens, t0 + SPLIT)});
+        tokens[b] = key_lengths[b].sink + key_lengths[b].body + key_lengths[b].recent;
+        seen_from[b] = km[M_FIRST];
     }
+    const auto task_count = [&](int split) {
+        long long count = 0;
+        for (int b = 0; b < batch; ++b) count += (std::max(tokens[b] - seen_from[b], 0) + split - 1) / split;
+        return count * kv_heads;
+    };
+    int split = SPLIT;
+    while (split > CHUNK && task_count(split) < MIN_TASKS) split /= 2;
+    for (int b = 0; b < batch; ++b)
+        for (int t0 = seen_from[b]; t0 < tokens[b]; t0 += split)  // a split's KV heads in turn: its RoPE table rows stay in cache
+            for (int kv_head = 0; kv_head < kv_heads; ++kv_head) tasks.push_back(Task{b, kv_head, t0, std::min(tokens[b], t0 + split)});
     const size_t per_task = (size_t)group * (D + 2);
     std::vector<float> partials(tasks.size() * per_task);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(threads, 1)) if (threads > 1 && tasks.size() > 1)

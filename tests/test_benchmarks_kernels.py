@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernels import ab, cuda_core, tensor_core
+from benchmarks.kernels import ab, cpu_step, cuda_core, tensor_core
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -53,6 +53,26 @@ def test_the_ab_mode_refuses_what_it_cannot_compare_with_one_line(arguments, pro
         (tmp_path / name).write_text("")
     arguments = [a.format(other=tmp_path) for a in arguments]
     assert problem in refused(ab.main, arguments, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--new-tokens", "2"], "at least 3"),
+    (["--baselines", "quanto,gguf"], "unknown baseline(s) gguf"),
+])
+def test_the_cpu_mode_refuses_bad_arguments_with_one_line(arguments, problem, monkeypatch, capsys):
+    assert problem in refused(cpu_step.parse_args, arguments, monkeypatch, capsys)
+
+
+def test_the_cpu_mode_times_a_cache_by_the_median_step_of_all_its_runs():
+    """A slow spell in one run (a shared machine's) moves the median of the pooled steps little, where the mean of
+    the runs followed it."""
+    quiet, slow = {"steps_ms": [10.0, 11.0, 10.5], "load_s": 0.1, "peak_rss_mib": 5.0, "cache_mib": 1.0,
+                   "tokens_equal_dynamic": 1.0}, {"steps_ms": [40.0, 42.0, 10.8], "load_s": 0.3, "peak_rss_mib": 7.0}
+    row = cpu_step.summarize("DynamicCache", [quiet, {**quiet, **slow}, quiet])
+    assert row["ms_per_token"] == 10.8 and row["timed_steps"] == 9 and row["ms_steps_min"] == 10.0
+    assert row["peak_rss_mib"] == 7.0 and row["load_s"] == 0.1 and row["dynamic_runs_ms"] == [10.5, 40.0, 10.5]
+    assert "dynamic_runs_ms" not in cpu_step.summarize("kvcal kivi", [quiet])
 
 
 def test_the_ab_mode_runs_a_baseline_tree_of_either_layout(tmp_path):

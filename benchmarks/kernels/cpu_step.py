@@ -42,6 +42,7 @@ import gc
 import importlib.util
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                         "DynamicCache: quanto, hqq, or 'none' (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generate(); the first (the last prompt token's "
                                                                    "step) is not timed (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every cache per cell, in turn (DynamicCache first and "
+                                                             "last in each round); a cache's time is the median of all its "
+                                                             "timed steps, so a slow spell of a shared machine moves it little "
+                                                             "(default: %(default)s)")
     parser.add_argument("--bundles", type=Path, default=Path("/tmp/kvcal-bench-bundles"),
                         help="folder of <recipe>.safetensors bundles; missing ones are made there (default: %(default)s)")
     parser.add_argument("--profile", type=Path, default=None, help="an existing kvcal profile to fit missing bundles from, "
@@ -94,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
 
 
@@ -179,11 +186,21 @@ def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cach
                              pad_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stamps]))
         stored = cache_bytes(cache)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    steps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
-    return {"ms_per_token": 1000 * sum(steps) / len(steps), "ms_per_token_median": 1000 * sorted(steps)[len(steps) // 2],
-            "ms_steps_min": 1000 * min(steps), "load_s": loaded,
-            "peak_rss_mib": (peak - before) / 1024, "cache_mib": None if stored is None else stored / MIB,
-            "tokens": out[:, prompt.shape[1]:]}
+    steps = [1000 * (b - a) for a, b in zip(stamps.times, stamps.times[1:])]
+    return {"steps_ms": steps, "load_s": loaded, "peak_rss_mib": (peak - before) / 1024,
+            "cache_mib": None if stored is None else stored / MIB, "tokens": out[:, prompt.shape[1]:]}
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    """One cache's runs in a cell as one row: ms/token the median of every timed step of every run."""
+    steps = sorted(step for run in runs for step in run["steps_ms"])
+    row = {"cache": name, "ms_per_token": statistics.median(steps), "ms_per_token_mean": statistics.fmean(steps),
+           "ms_steps_min": steps[0], "timed_steps": len(steps), "load_s": statistics.median(r["load_s"] for r in runs),
+           "peak_rss_mib": max(r["peak_rss_mib"] for r in runs), "cache_mib": runs[0]["cache_mib"],
+           "tokens_equal_dynamic": runs[0]["tokens_equal_dynamic"]}
+    if name == "DynamicCache":
+        row["dynamic_runs_ms"] = [statistics.median(r["steps_ms"]) for r in runs]
+    return row
 
 
 class _Holding:
@@ -296,28 +313,28 @@ def main(argv=None) -> None:
                 context = fp_context(model, prompt[:, :-1])
             prefill = time.perf_counter() - t0
             print(f"\n{length} tokens x {batch}: fp prefill {prefill:.1f} s", flush=True)
-            cell, reference_tokens = [], None
-            for name, make in makers(model, context, bundles, baselines, args.quantized_nbits, args.quantized_residual):
-                result = run_cache(model, tokenizer, prompt, args.new_tokens, make)
-                tokens = result.pop("tokens")
-                if reference_tokens is None:
-                    reference_tokens = tokens
-                result["tokens_equal_dynamic"] = float((tokens == reference_tokens).float().mean())
-                cell.append({"cache": name, "length": length, "batch": batch, **result})
-                print(f"  {name:32s} {result['ms_per_token']:9.1f} ms/token  peak +{result['peak_rss_mib']:8.1f} MiB  "
-                      f"load {result['load_s']:.1f} s", flush=True)
-            dynamic = [r["ms_per_token"] for r in cell if r["cache"] == "DynamicCache"]
-            reference = sum(dynamic) / len(dynamic)
+            runs: dict[str, list[dict]] = {}  # per cache, in the order measured (DynamicCache: first and last of each round)
+            reference_tokens = None
+            in_turn = makers(model, context, bundles, baselines, args.quantized_nbits, args.quantized_residual)
+            for round_ in range(args.rounds):
+                for name, make in in_turn:
+                    result = run_cache(model, tokenizer, prompt, args.new_tokens, make)
+                    tokens = result.pop("tokens")
+                    if reference_tokens is None:
+                        reference_tokens = tokens
+                    result["tokens_equal_dynamic"] = float((tokens == reference_tokens).float().mean())
+                    runs.setdefault(name, []).append(result)
+                    print(f"  round {round_ + 1}/{args.rounds} {name:32s} {statistics.median(result['steps_ms']):9.1f} ms/token "
+                          f"(median)  peak +{result['peak_rss_mib']:8.1f} MiB  load {result['load_s']:.1f} s", flush=True)
+            cell = [{"length": length, "batch": batch, **summarize(name, measured)} for name, measured in runs.items()]
             for row in cell:
-                row["ratio_to_dynamic"] = row["ms_per_token"] / reference
-            first, last = cell[0], cell.pop()  # DynamicCache measured twice: one row, the mean, with both runs
-            first.update(ms_per_token=reference, ratio_to_dynamic=1.0, dynamic_runs_ms=dynamic,
-                         peak_rss_mib=max(first["peak_rss_mib"], last["peak_rss_mib"]))
+                row["ratio_to_dynamic"] = row["ms_per_token"] / cell[0]["ms_per_token"]
             rows += cell
             del context
             gc.collect()
     settings = {"lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines, "march": args.march,
                 "baselines_left_out": missing, "new_tokens": args.new_tokens, "timed_tokens_per_run": args.new_tokens - 1,
+                "rounds": args.rounds,
                 "quantized_cache": {"nbits": args.quantized_nbits, "residual_length": args.quantized_residual, "q_group_size": 64},
                 "threads": torch.get_num_threads(), "model": source.spec, "dtype": str(model.dtype),
                 "memory": "peak RSS (resource.getrusage ru_maxrss) during cache load + decode above the RSS before it; "
@@ -330,10 +347,12 @@ def main(argv=None) -> None:
 def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str], started: dict) -> list[str]:
     lines = [f"# generate() time per new token on CPU (SmolLM2-135M fp32, {torch.get_num_threads()} threads)", "",
              f"{started['cpu']}; {started['kernel']}. Commit {started['commit']}, {started['date']}.", "",
-             f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/kernels/cpu_step.py); "
-             "x Dyn: time per token / DynamicCache's (the mean of its runs first and last in the cell); peak MiB: peak RSS "
-             "during cache load + decode above the RSS before it (resource.getrusage ru_maxrss, high-water mark reset per "
-             "cache); cache MiB: the cache's own storage; same tokens: greedy tokens equal to DynamicCache's.", ""]
+             f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/kernels/cpu_step.py), "
+             f"{args.rounds} rounds of every cache in turn (DynamicCache first and last in each); ms/token: the median of "
+             "every timed step of a cache's runs (DynamicCache: the median of each run in brackets); x Dyn: over "
+             "DynamicCache's; peak MiB: peak RSS during cache load + decode above the RSS before it (resource.getrusage "
+             "ru_maxrss, high-water mark reset per cache); cache MiB: the cache's own storage; same tokens: greedy tokens "
+             "of the first run equal to DynamicCache's.", ""]
     if missing:
         lines += [f"Left out: QuantizedCache {b}: {why}." for b, why in missing.items()] + [""]
     for length in args.lengths:
@@ -344,7 +363,7 @@ def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str],
             lines += [f"## {length} tokens, batch {batch}", "", "| cache | ms/token | x Dyn | peak MiB | cache MiB | same tokens |",
                       "|---|---|---|---|---|---|"]
             for r in cell:
-                note = f" (runs {' / '.join(f'{t:.0f}' for t in r['dynamic_runs_ms'])})" if "dynamic_runs_ms" in r else ""
+                note = f" ({' / '.join(f'{t:.0f}' for t in r['dynamic_runs_ms'])})" if "dynamic_runs_ms" in r else ""
                 stored = "-" if r["cache_mib"] is None else f"{r['cache_mib']:.1f}"
                 lines.append(f"| {r['cache']} | {r['ms_per_token']:.0f}{note} | {r['ratio_to_dynamic']:.2f} | "
                              f"{r['peak_rss_mib']:.0f} | {stored} | {r['tokens_equal_dynamic']:.0%} |")

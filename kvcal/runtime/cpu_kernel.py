@@ -246,6 +246,25 @@ class CpuAppend:
                        if self.codec_id == PERMUTED_GROUPS else None)
         self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
         self.codebook_arguments: tuple | None = None  # codebooks: what the append kernel takes of them, made with them
+        self._held: tuple = (None, None)  # (store.moves, its buffers' pointers and strides): see _buffers
+
+    def _buffers(self, store) -> dict[str, tuple]:
+        """The pointers and strides the append kernels take of the store's buffers, made again only when the store
+        replaced a buffer (store.moves): thirty-odd reads of tensor attributes per append were a third of its time."""
+        if self._held[0] != store.moves:
+            words = store.words
+            held = {"words": (words.data_ptr(), words.stride(0), words.shape[2])}
+            if "scale" in store.token:
+                scale = store.token["scale"]
+                held["token"] = (scale.data_ptr(), store.token["zero"].data_ptr(), *scale.stride())
+            lo, hi = store.token.get("lo"), store.token.get("hi")
+            held["thresholds"] = (_ptr(lo), _ptr(hi), 0 if lo is None else lo.stride(0))
+            if store.keeps_outliers:
+                held["outliers"] = (store.outlier_positions.data_ptr(), store.outlier_values.data_ptr(),
+                                    store.outlier_positions.shape[2], store.outlier_offsets.data_ptr(),
+                                    store.outlier_offsets.shape[2], store.outlier_count.data_ptr())
+            self._held = (store.moves, held)
+        return self._held[1]
 
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
@@ -258,18 +277,15 @@ class CpuAppend:
         else:
             seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
             row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
-        destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, store.words.data_ptr(), store.words.stride(0),
-                       store.words.shape[2])
-        if cid in (PERMUTED_GROUPS, src.UNIFORM_TOKEN):
-            scale, zero = store.token["scale"], store.token["zero"]
-            if cid == src.UNIFORM_TOKEN:
-                lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, scale.data_ptr(),
-                                                   zero.data_ptr(), *scale.stride())
-            else:
-                permutation, group_starts, clip = self.groups
-                lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
-                                                     clip.numel(), clip.data_ptr(), *destination, scale.data_ptr(), zero.data_ptr(),
-                                                     *scale.stride())
+        buffers = self._buffers(store)
+        destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, *buffers["words"])
+        if cid == src.UNIFORM_TOKEN:
+            lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, *buffers["token"])
+            return
+        if cid == PERMUTED_GROUPS:
+            permutation, group_starts, clip = self.groups
+            lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
+                                                 clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
             return
         self._codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination)
 
@@ -284,20 +300,17 @@ class CpuAppend:
             self.codebook_arguments = (_ptr(self.tables.get("lo")), _ptr(self.tables.get("hi")), np.float32(1.0 - t),
                                        np.float32(t), int(store.codec.outlier_fraction > 0), self.tables["midpoints"].data_ptr())
         channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
-        lo, hi = store.token.get("lo"), store.token.get("hi")
-        token_stride = 0 if lo is None else lo.stride(0)
+        thresholds = self._buffers(store)["thresholds"]
         found = np.zeros((rows, width // head_dim), dtype=np.int32)
         lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, layout, channel_lo, channel_hi, low, high, keep,
-                                      midpoints, *destination, _ptr(lo), _ptr(hi), token_stride, found.ctypes.data)
+                                      midpoints, *destination, *thresholds, found.ctypes.data)
         if not keep:
             return
         per_sequence = found if rows == len(seqs) else np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
-        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo,
-                                     channel_hi, _ptr(lo), _ptr(hi), token_stride, seq_of_row.ctypes.data,
-                                     row_in_seq.ctypes.data, store.outlier_positions.data_ptr(), store.outlier_values.data_ptr(),
-                                     store.outlier_positions.shape[2], store.outlier_offsets.data_ptr(),
-                                     store.outlier_offsets.shape[2], store.outlier_count.data_ptr())
+        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
+                                     *thresholds, seq_of_row.ctypes.data, row_in_seq.ctypes.data,
+                                     *self._buffers(store)["outliers"])
 
 
 APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PERMUTED_GROUPS)

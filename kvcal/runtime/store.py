@@ -510,7 +510,7 @@ class PackedRows:
         """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h].
         The counts are read only when a bound of the largest one (kept here) would pass the capacity, so the arrays
         grow to what is stored, not to the bound."""
-        most = self._host_most + int(added.max())
+        most = self._host_most + max(added.ravel().tolist(), default=0)  # a few entries: numpy's max costs more
         if most > self.outlier_positions.shape[2]:
             counts = self.outlier_count.numpy()
             most = max(int(counts.max()), int((counts[seqs] + added).max()))
