@@ -183,7 +183,7 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
     t.scale.resize(std::max(columns, (size_t)CHUNK * t.param_slots));
     t.zero.resize(t.scale.size());
     t.codes.resize(D);
-    if (s.codec == UNIFORM_TOKEN && s.param_extra > 0) {  // a division per vector was a tenth of the value decode
+    if (s.codec == UNIFORM_TOKEN && s.param_extra > 0) {  // once per head: no division per vector
         t.group_at.resize((D + LANES - 1) / LANES);
         for (int first = 0; first < D; first += LANES)
             t.group_at[first / LANES] = (long long)((kv_head * D + first) / s.param_extra) * s.param_column;
@@ -258,8 +258,8 @@ inline vi32 unpack(const uint32_t* words, int first) {
     if (LAYOUT == LSB4) {
         if constexpr (LANES == 8) {
             return (vi32)((words[first >> 3] >> (lanes * 4u)) & 15u);
-        } else {  // two words, 8 codes each, blended from broadcasts (a vector built lane by lane in memory stalled
-                  // on store forwarding: most of a 4-bit value decode)
+        } else {  // two words, 8 codes each, blended from broadcasts (a vector built lane by lane in memory stalls
+                  // on store forwarding)
             const vu32 pair = lanes < 8u ? vu32{} + words[first >> 3] : vu32{} + words[(first >> 3) + 1];
             return (vi32)((pair >> ((lanes & 7u) * 4u)) & 15u);
         }
@@ -581,7 +581,7 @@ inline void accumulate_values(const float* p, const float* v, int n, int D, int 
 
 // Ask for the first halves of RoPE table rows first .. first + n - 1 (what the rotation reads) ahead of their use: the
 // tables are as large as an fp32 cache and come from beyond L2 once a layer's weights passed, a row per token, too
-// little work apart for the hardware prefetcher to keep them coming (they were a third of a pre-RoPE layer's time).
+// little work apart for the hardware prefetcher to keep them coming.
 inline void prefetch_rope_rows(const float* cos_table, const float* sin_table, long long at, int first, int n, int D) {
     constexpr int LINE = 64 / sizeof(float);
     for (int i = first; i < first + n; ++i)
@@ -669,7 +669,7 @@ struct Task {
 // META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's stored tokens' positions
 // (kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
 // Work: every (sequence, KV head)'s tokens in splits of SPLIT tokens, or fewer (halved down to CHUNK) while that
-// makes fewer than MIN_TASKS tasks (a short context's 3 tasks kept one of 2 threads idle half the time); one task
+// makes fewer than MIN_TASKS tasks (so that a short context keeps every thread busy); one task
 // each, run on `threads` threads (OpenMP, the runtime torch uses where both are libgomp); each task's partial state is
 // folded in afterwards in task order. The split depends on the lengths alone, so the result does not depend on the
 // number of threads.

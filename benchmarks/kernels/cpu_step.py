@@ -8,8 +8,10 @@ are prefilled once with the fp model (kvcal.runtime.cache.fp_context) and that c
 the whole context, which quantizes it as its own prefill would). Then model.generate() runs greedily from the whole
 prompt: its first step feeds the last prompt token, and the new tokens after it are timed one by one (a
 StoppingCriteria stamps every step), so the time per new token is a decode step of generate() with everything
-around it (logits, sampling, the attention mask), never the prefill. DynamicCache is measured first and last in
-each cell and the ratios are to the mean of the two (their spread shows the noise of a shared machine).
+around it (logits, sampling, the attention mask), never the prefill. Every cache runs --rounds times in turn,
+DynamicCache first and last in each round, and a cache's time is the median of all its timed steps: a slow spell
+of a shared machine shows in the spread of DynamicCache's runs, printed beside it, and moves the medians less than
+it moved single runs' means.
 
 Memory: peak resident set size of the process (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) while the cache is
 made, loaded and decoded, minus the RSS just before it was made: before each cache the freed heap goes back to the
@@ -28,7 +30,7 @@ Bundles: --bundles DIR holds <recipe>.safetensors; a missing one is made there: 
 from --profile) and exported with kvcal.calibration.build_bundle.
 
 Usage: python -m benchmarks.kernels cpu [--lengths 512,2048,8000] [--batches 1,8] [--recipes all]
-       [--baselines quanto,hqq] [--new-tokens 32] [--bundles DIR] [--profile PATH]   (see --help)
+       [--baselines quanto,hqq] [--new-tokens 32] [--rounds 3] [--bundles DIR] [--profile PATH]   (see --help)
 Quick: python -m benchmarks.kernels cpu --lengths 512,2048 --new-tokens 16 --recipes kvquant,kivi
 Writes benchmarks/results/decode_step_cpu.{json,md} (--out).
 """
