@@ -76,5 +76,8 @@ def test_the_default_recipe_decodes_gemma3_as_the_simulation_does(gemma3, gemma3
         return F.cross_entropy(logits[0, :-1].float(), window[0, 1:]).item()
 
     assert abs(nll(runtime_logits) - nll(simulated_logits)) < 0.15, (nll(runtime_logits), nll(simulated_logits), nll(fp))
+    # most next-token choices are fp's, about as many as the simulation's (a flipped code changes a later token's K/V,
+    # so the runtime's count moves by a few tokens either way of it)
     agreement = (runtime_logits.argmax(-1) == fp.argmax(-1)).float().mean().item()
-    assert agreement > 0.7, agreement  # 3-bit keys and values, 1% outliers: most next-token choices are fp's
+    simulated_agreement = (simulated_logits.argmax(-1) == fp.argmax(-1)).float().mean().item()
+    assert agreement > 0.6 and agreement > simulated_agreement - 0.08, (agreement, simulated_agreement)

@@ -351,7 +351,7 @@ def test_left_padding_on_torch_before_2_5_masks_generates_what_each_prompt_gener
 # One plan per decode step: the torch operations of a step do not depend on the batch size.
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_decode_step_runs_the_same_torch_operations_for_1_and_8_sequences(recipe_bundles, recipe, decode_path):
+def test_a_decode_step_runs_the_same_torch_operations_for_2_and_8_sequences(recipe_bundles, recipe, decode_path):
     """Appends write the whole batch (one encode, one store per segment), the reference (or the CPU kernel, one
     call per layer) attends over the whole batch at once and what layers share is made once per step: no
     operation per sequence. A single sequence's fp16 rows are written and taken as slices instead of indexed
