@@ -152,7 +152,7 @@ inline uint32_t code_at(const uint32_t* row, int i) {
 struct HeadTables {
     std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel: value = codebook[code] * half_range + mid
     std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; PERMUTED_GROUPS: the
-                                       // chunk's rows' group parameters, param_slots per row; per-row groups otherwise
+                                       // chunk's rows' group parameters, param_slots per row
     std::vector<int32_t> codes;        // one row's codes of the head
     std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
     std::vector<long long> group_at;   // UNIFORM_TOKEN: per LANES channels of the head, its group's parameter column offset
@@ -178,9 +178,8 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
             t.mid[c] = (hi[c] + lo[c]) / 2.0f;
         }
     }
-    const size_t columns = std::max<size_t>(std::max(D, 16), s.param_cols > 0 ? s.param_cols : 0);  // a lookup reads 16
-    t.param_slots = s.codec == PERMUTED_GROUPS ? (int)std::max(16, s.param_cols) : 0;
-    t.scale.resize(std::max(columns, (size_t)CHUNK * t.param_slots));
+    t.param_slots = s.codec == PERMUTED_GROUPS ? (int)std::max(16, s.param_cols) : 0;  // a lookup reads 16
+    t.scale.resize(std::max((size_t)D, (size_t)CHUNK * t.param_slots));
     t.zero.resize(t.scale.size());
     t.codes.resize(D);
     if (s.codec == UNIFORM_TOKEN && s.param_extra > 0) {  // once per head: no division per vector
