@@ -249,6 +249,7 @@ def plan_command(
 def inspect_command(
     file: Path = typer.Argument(..., help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle."),
     plot: Optional[Path] = typer.Option(None, help="Profiles: also draw per-layer K/V importance and chosen bits to this image (.png, .pdf, .svg, ...)."),
+    device: Optional[str] = typer.Option(None, help="Bundles: also show, per layer, what serves its decode steps and appends on this device, cpu (this machine) or cuda (any CUDA GPU with CuPy), and why not something faster."),
 ):
     """Summarize a kvcal artifact, validated as anything that reads it would (a bundle as load_bundle does):
     provenance and a per-layer table."""
@@ -256,7 +257,16 @@ def inspect_command(
         from kvcal.summary import check_plot
 
         check_plot(plot, file)  # before anything is printed
+    if device is not None:
+        from kvcal.summary import check_plan_device
+
+        check_plan_device(device, file)
     _print_summary(file)
+    if device is not None:
+        from kvcal.summary import decode_plan
+
+        title, columns, rows = decode_plan(file, device)
+        _print_table(title, columns, rows)
     if plot is not None:
         from kvcal.summary import plot_profile
 

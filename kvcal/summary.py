@@ -15,6 +15,7 @@ from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.profile import PROFILE_KIND
 from kvcal.registry import ArtifactSummary
+from kvcal.runtime.backends import bundle_plan
 from kvcal.runtime.memory import cache_bytes, segment_lengths
 
 
@@ -157,6 +158,27 @@ def check_plot(path: str | Path, artifact: str | Path) -> Path:
         raise KvcalError(f"--plot '{path}' does not end in an image format's extension ({', '.join('.' + f for f in PLOT_FORMATS)}); "
                          "use e.g. .png")
     return path
+
+
+PLAN_DEVICES = ("cpu", "cuda")
+
+
+def check_plan_device(device: str, artifact: str | Path) -> None:
+    """Refuse a --device before anything is printed: a device kvcal plans for, and a bundle to plan."""
+    if device not in PLAN_DEVICES:
+        raise KvcalError(f"--device {device!r} is not one of {', '.join(PLAN_DEVICES)}")
+    kind, _ = read_header(artifact)
+    if kind != BUNDLE_KIND:
+        raise KvcalError(f"--device shows what serves a bundle's decode steps; '{artifact}' is a kvcal {kind}: leave --device out")
+
+
+def decode_plan(path: str | Path, device: str) -> tuple[str, list[str], list[list[str]]]:
+    """(title, columns, rows) of what serves each layer of a bundle on `device` (kvcal.runtime.backends.bundle_plan)."""
+    plans = bundle_plan(load_bundle(path), device)
+    where = "this machine's CPU" if device == "cpu" else "a CUDA GPU with CuPy"
+    columns = ["layer", "bodies", "fp16 segments", "K append", "V append", "why not faster"]
+    rows = [[str(p.layer), p.bodies, p.fp16_segments, p.key_append, p.value_append, p.why or "-"] for p in plans]
+    return f"decode steps on {where}", columns, rows
 
 
 def plot_profile(path: str | Path, png: str | Path) -> Path:

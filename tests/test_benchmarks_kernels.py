@@ -88,3 +88,18 @@ def test_the_harness_lists_its_modes_and_refuses_an_unknown_one():
     assert listing.returncode == 0 and all(mode in listing.stdout for mode in ("cpu", "gpu", "cuda-core", "ab", "ncu"))
     unknown = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "cpus"], cwd=REPO, capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown mode 'cpus'" in unknown.stderr.strip().splitlines()[-1]
+
+
+def test_the_plan_mode_tables_what_serves_each_recipe_on_cuda_and_cpu(recipe_bundles, tmp_path, monkeypatch, capsys):
+    from benchmarks import common
+    from benchmarks.kernels import plan
+
+    assert plan._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plan", "--bundles", str(recipe_bundles["kivi"].parent), "--name", "plan"])
+    plan.main()
+    table = (tmp_path / "plan.md").read_text()
+    assert "| kivi | cpu-kernel | cpu-kernel | torch codec | cpu-append |" in table  # KIVI's key blocks: the torch codec
+    # the tiny Llama's head_dim 16: no CUDA kernel reads it
+    assert "| skvq | reference | reference | torch codec | torch codec |" in table
+    assert "- kvquant, layers 0-1: not cuda-kernels: they read head_dim 64, 128, not 16" in table

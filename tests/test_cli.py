@@ -416,6 +416,16 @@ def test_inspect_refuses_a_directory_or_a_missing_file(tmp_path):
     refused(run("inspect", tmp_path / "missing.safetensors"), "does not exist")
 
 
+def test_inspect_device_shows_what_serves_each_layer_and_refuses_what_it_cannot_plan(head_dim_64_bundles, tiny_profile):
+    result = run("inspect", head_dim_64_bundles["kvquant"], "--device", "cuda")
+    assert result.exit_code == 0, result.output
+    assert "decode steps on a CUDA GPU with CuPy" in result.output and "tensor-core" in result.output
+    result = run("inspect", head_dim_64_bundles["kvquant"], "--device", "cpu")
+    assert result.exit_code == 0 and "cpu-kernel" in result.output and "cpu-append" in result.output
+    refused(run("inspect", head_dim_64_bundles["kvquant"], "--device", "gpu"), "--device 'gpu' is not one of cpu, cuda")
+    refused(run("inspect", tiny_profile[1], "--device", "cpu"), "is a kvcal profile: leave --device out")
+
+
 @pytest.mark.slow
 def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(tiny_model_dir, tiny_corpus, tmp_path):
     out = tmp_path / "out" / "profile.safetensors"

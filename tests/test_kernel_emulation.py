@@ -18,7 +18,8 @@ import torch
 from helpers import emulator_library, tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
-from kvcal.runtime import cpu_kernel, kernel_source, kernels, tensor_core
+from kvcal.bundle import load_bundle
+from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.tensor_core import Variant
 
 pytestmark = pytest.mark.emulation
@@ -145,10 +146,10 @@ def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_
     bundle = head_dim_64_bundles[recipe]
     with torch.inference_mode():
         with_kernels, cache = decode_token_by_token(model, bundle, ids)
-        assert all(layer.use_kernels for layer in cache.layers)
+        assert all(layer.choice.backend.name == "cuda-kernels" for layer in cache.layers)
         with reference_runtime():
             reference, cache = decode_token_by_token(model, bundle, ids)
-        assert not any(layer.use_kernels for layer in cache.layers)
+        assert all(layer.decode_path == "reference" for layer in cache.layers)
     torch.testing.assert_close(with_kernels, reference, rtol=0, atol=2e-3)
 
 
@@ -172,7 +173,7 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         model(ids[:, :-2], past_key_values=cache, use_cache=True)
         model(ids[:, -2:-1], past_key_values=cache, use_cache=True)
-        assert all(layer.use_kernels for layer in cache.layers)
+        assert all(layer.choice.backend.name == "cuda-kernels" for layer in cache.layers)
         with host_reads(monkeypatch) as callers:
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
     assert set(callers) <= {"_refresh_bound"}, callers
@@ -256,11 +257,13 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     with torch.inference_mode():
         got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert all(layer.decode_path == "tensor-core" for layer in cache.layers)
+        assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"tensor-core"}  # as planned
         assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
         assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert all(layer.decode_path == "cuda-core" for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
+        assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"cuda-core"}
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 5.9e-4 for kvquant, 6.4e-4 for

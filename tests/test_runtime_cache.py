@@ -11,8 +11,8 @@ from kvcal import registry
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
-from kvcal.runtime import generate, quantized_cache
-from kvcal.runtime.cache import ATTENTION_NAME, RuntimeLayer
+from kvcal.runtime import backends, generate, quantized_cache
+from kvcal.runtime.cache import ATTENTION_NAME
 from kvcal.simulate import StorageTally, simulated
 
 TOKENS = 40
@@ -298,15 +298,18 @@ def test_a_sliding_window_model_generates_its_own_fp_tokens(model_type):
 
 def test_sliding_window_layers_decode_with_the_reference_once_the_window_bites(monkeypatch):
     """The CUDA decode kernels attend over the whole cache: a decode step of a sliding-window layer goes to
-    them only while no sequence is longer than the window (they are made to look ready here)."""
+    them only while no sequence is longer than the window (they are made to look chosen here)."""
     class KernelCalled(Exception):
         pass
 
-    def kernels(self, *args):
-        raise KernelCalled
+    class CudaLike(backends.LayerDecoder):
+        reads_windows = False
 
-    monkeypatch.setattr(RuntimeLayer, "_kernel_decode", lambda self, *args: True)
-    monkeypatch.setattr(RuntimeLayer, "_decode_with_kernels", kernels)
+        def decode(self, *args):
+            raise KernelCalled
+
+    monkeypatch.setattr(backends.CudaKernels, "refusal", lambda self, shape: None)
+    monkeypatch.setattr(backends.CudaKernels, "bind", lambda self, layer, shape: CudaLike())
     with torch.inference_mode():
         windowed = tiny_model("mistral", sliding_window=8)
         generate(windowed, fp16_kivi_bundle(windowed), input_ids=prompt(tokens=12), **GREEDY)  # 12 > 8: the reference

@@ -1,5 +1,6 @@
 """The decode kernels: the CPU decode step (`cpu_step`), the tensor-core and CUDA-core GPU kernels (`tensor_core`,
-`cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`) and its Nsight Compute counters (`ncu`)."""
+`cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`), its Nsight Compute counters (`ncu`), and
+what the runtime's planner binds to each part of a decode step per recipe (`plan`)."""
 
 # mode of `python -m benchmarks.kernels` -> (module, what it measures)
 MODES = {
@@ -8,4 +9,5 @@ MODES = {
     "cuda-core": ("benchmarks.kernels.cuda_core", "the CUDA-core decode kernel per codec (CUDA)"),
     "ab": ("benchmarks.kernels.ab", "the tensor-core kernel of this tree against another's, interleaved (CUDA)"),
     "ncu": ("benchmarks.kernels.ncu", "Nsight Compute counters of tensor-core variants (CUDA, ncu)"),
+    "plan": ("benchmarks.kernels.plan", "what serves each part of a decode step per recipe, on CUDA and CPU (no kernel runs)"),
 }

@@ -22,7 +22,8 @@ from transformers import AutoModel, AutoTokenizer
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
-from kvcal.runtime.cache import RuntimeLayer, WiredCache, append_encoder
+from kvcal.runtime.backends import append_encoder
+from kvcal.runtime.cache import RuntimeLayer, WiredCache
 from kvcal.runtime.segments import CocktailStore
 
 CHUNK = CocktailSettings.chunk

@@ -5,10 +5,10 @@ model layer, each with a store for K and one for V built from the bundle's recip
 it refuses a bundle made for another model. While open (until `close()` or the end of its `with` block) the
 model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
 AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends
-over them (the CUDA kernels; on CPU the compiled kernel of kvcal.runtime.cpu_kernel; else the torch reference
-kvcal.runtime.reference), and hooks that hand it the pre-RoPE keys and position ids. The wiring is shared
-and reference-counted: several caches may be open on one model (each call is served by the cache passed as
-`past_key_values`), and the model's own attention implementation comes back when the last one closes.
+over them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the CUDA kernels, the
+compiled CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position ids. The
+wiring is shared and reference-counted: several caches may be open on one model (each call is served by the cache
+passed as `past_key_values`), and the model's own attention implementation comes back when the last one closes.
 Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
@@ -26,7 +26,7 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
   does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
   window - 1 are kept, as in transformers' cache); the body drops rows in place and its storage is compacted
   now and then (kvcal.runtime.store.PackedRows.drop_front), never copied per step. Past the window such a layer
-  decodes with the CPU kernel or the reference, not the CUDA kernels.
+  decodes with a backend that reads windows (the CPU kernel, the reference), not the CUDA kernels.
 
 One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
 sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
@@ -52,17 +52,11 @@ from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
-from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
+from kvcal.runtime import backends, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import upload
 
 ATTENTION_NAME = "kvcal_runtime"
-
-
-def append_encoder(codec, width: int, layout: str, device):
-    """What a store quantizes its appends with: the CUDA append kernels, on CPU the compiled codebook append, or
-    None (the torch codec)."""
-    return kernels.append_encoder(codec, width, layout, device) or cpu_kernel.append_encoder(codec, width, layout, device)
 
 
 class RuntimeLayer(CacheLayerMixin):
@@ -78,11 +72,10 @@ class RuntimeLayer(CacheLayerMixin):
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
         self.pending_pre_rope: torch.Tensor | None = None
-        self.use_kernels: bool | None = None  # CUDA decode kernels, decided at the first decode step
-        self.use_cpu_kernel = False  # or the CPU decode kernel (kvcal.runtime.cpu_kernel), decided with it
         self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
-        self._launches: list | None = None  # kernels.Segments of this layer's stores (made once, they cache descriptors)
-        self._served: list | None = None  # per launch, the tensor-core kernel's share of its body (CUDA; made with them)
+        self.choice: backends.Choice | None = None  # the decode backend and why, chosen at the first decode step
+        self.decoder: backends.LayerDecoder | None = None  # that backend bound to this layer's stores
+        self._window_decoder: backends.LayerDecoder | None = None  # the reference, past a window the decoder cannot read
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -105,16 +98,7 @@ class RuntimeLayer(CacheLayerMixin):
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (the
         tensor-core kernel over every launch's body, the CUDA-core kernel over the rest of it), "cuda-core" (the
         CUDA-core kernel alone), "tensor-core+cuda-core" (some launches each), "cpu-kernel" or "reference"."""
-        if self.use_kernels is None:
-            return None
-        if self.use_cpu_kernel:
-            return "cpu-kernel"
-        if not self.use_kernels:
-            return "reference"
-        if self._served is None:
-            return None
-        served = [body is not None for body in self._served]
-        return "tensor-core" if all(served) else "cuda-core" if not any(served) else "tensor-core+cuda-core"
+        return self.decoder.path if self.decoder is not None else None
 
     def _allocate(self, batch: int, width: int, device) -> None:
         self.keys_store = self.make_store("k", batch, width, device)
@@ -145,10 +129,8 @@ class RuntimeLayer(CacheLayerMixin):
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            if self._kernel_decode(heads, kv_heads, head_dim) and (self.use_cpu_kernel or not window_bites):
-                output = self._decode_with_kernels(query, plan, scaling, kv_heads, window if window_bites else None)
-            else:
-                output = self._decode_reference(query, plan, scaling, kv_heads, window)
+            output = self._decoder(heads, kv_heads, head_dim, window_bites).decode(query, plan, scaling, kv_heads,
+                                                                                   window if window_bites else None)
         else:
             output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window if window_bites else None)
         self.padded_length += m
@@ -163,17 +145,6 @@ class RuntimeLayer(CacheLayerMixin):
         dropped = out_of_window(self.keys_store, self.values_store, self.window)
         for store in (self.keys_store, self.values_store):
             store.drop(dropped)
-
-    def _decode_reference(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
-        """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention
-        with a mask of each sequence's own tokens (and window)."""
-        keys = self.keys_store.read_batch(plan.memo, kv_heads)  # (B, kv_heads, tokens, head_dim)
-        values = self.values_store.read_batch(plan.memo, kv_heads)
-        tokens = keys.shape[2]
-        if self.pre_rope:
-            keys = reference.rotate(keys, *plan.rope(tokens, self.inv_freq, self.rope_scaling, self.keys_store.dropped))
-        out = reference.decode_attention(query, keys, values, plan.visible(tokens, window, self.keys_store), scaling)
-        return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 
     def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
@@ -219,41 +190,19 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length = tokens
         self._drop_out_of_window()
 
-    def _kernel_decode(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        """Whether this layer's decode steps run a fused kernel (decided once): the CUDA kernels where CUDA is
-        ready, else on CPU the CPU kernel where it compiled."""
-        if self.use_kernels is None:
-            pairs = list(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
-            device = self.inv_freq.device
-            self.use_kernels = kernels.cuda_ready(device) and all(kernels.decode_supported(k, v, heads, kv_heads, head_dim)
-                                                                  for k, v in pairs)
-            self.use_cpu_kernel = (not kernels.cuda_ready(device) and device.type == "cpu" and cpu_kernel.library() is not None
-                                   and all(cpu_kernel.decode_supported(k, v) for k, v in pairs))
-        return self.use_kernels or self.use_cpu_kernel
-
-    def _decode_with_kernels(self, query, plan: StepPlan, scaling: float, kv_heads: int, window: int | None = None):
-        """One fused attention over every sequence's cache (the step's tokens are appended); window (the CPU kernel
-        only): each sequence sees its last `window` tokens."""
-        if self._launches is None:
-            self._launches = [kernels.Segments(k, v) for k, v in zip(self.keys_store.kernel_segments(),
-                                                                      self.values_store.kernel_segments())]
-            _, heads, _, head_dim = query.shape
-            inv_freq = self.inv_freq if self.pre_rope else None
-            self._served = [tensor_core.serve(segments, heads, kv_heads, head_dim, inv_freq, self.rope_scaling)
-                            if self.use_kernels and tensor_core.enabled() else None for segments in self._launches]
-        if self.use_cpu_kernel:
-            dropped = self.keys_store.dropped
-            rope = (self.cache.rope_rows([(o or 0) + d for o, d in zip(plan.offsets, dropped)],
-                                         max(self.keys_store.count(b) for b in range(len(dropped))), self.inv_freq,
-                                         self.rope_scaling, self.window is not None)
-                    if self.pre_rope else None)
-            first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
-            out = cpu_kernel.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, rope, first)
-        else:
-            out = kernels.decode_attention(query[:, :, 0], self._launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
-                                           self.inv_freq if self.pre_rope else None, self.rope_scaling,
-                                           step=plan.kernel_step(query.device), served=self._served)
-        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+    def _decoder(self, heads: int, kv_heads: int, head_dim: int, window_bites: bool) -> backends.LayerDecoder:
+        """The decoder of this step: the backend chosen at the first decode step (kvcal.runtime.backends.choose),
+        bound to this layer's stores; the reference where a sliding window bites and that backend reads none."""
+        if self.decoder is None:
+            pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
+            shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device)
+            self.choice = backends.choose(shape)
+            self.decoder = self.choice.backend.bind(self, shape)
+        if window_bites and not self.decoder.reads_windows:
+            if self._window_decoder is None:
+                self._window_decoder = backends.ReferenceDecoder(self)
+            return self._window_decoder
+        return self.decoder
 
     def _read(self, b: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = reference.stored_keys(self.keys_store, b, self.pre_rope, self.position_offset[b], self.inv_freq,
@@ -539,7 +488,7 @@ def quantized_cache(model, bundle) -> WiredCache:
         def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
-            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=append_encoder,
+            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=backends.append_encoder,
                                   head_dim=adapter.head_dim)
         layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)

@@ -165,36 +165,44 @@ def _is_nuq(kc, vc) -> bool:
     return isinstance(kc, CodebookCodec) and isinstance(vc, CodebookCodec) and kc.lo is not None and vc.lo is None
 
 
-def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Variant:
-    """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows ("lsb" layout) of equal code widths of
-    ChannelBlockUniform keys and TokenUniform values, or of nuq keys and values (`_is_nuq`); rope: the keys are
-    pre-RoPE."""
-    if not _is_packed(keys) and not _is_packed(values):
-        v = Variant(head_dim, 16, 0, 0, gqa, rope)
-    elif _is_packed(keys) and _is_packed(values):
-        kc, vc = keys.codec, values.codec
-        uniform = isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)
-        if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
-            raise KvcalError("the tensor-core kernel serves ChannelBlockUniform keys with TokenUniform values, or codebook keys "
-                             f"with per-channel thresholds and values with per-token ones, of one width; not {kc}, {vc}")
-        layout = "planes3" if int(kc.bits) == 3 else "lsb"
-        if keys.layout != layout or values.layout != layout:
-            raise KvcalError(f"the tensor-core kernel reads {kc.bits}-bit codes in the '{layout}' packing")
-        if uniform:
-            v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
-        else:
-            outliers = keys.keeps_outliers or values.keeps_outliers
-            if outliers and (OUTLIER_TILE_TOKENS != STAGE_TOKENS or any(s.keeps_outliers and s.head_dim != head_dim
-                                                                         for s in (keys, values))):
-                raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows per KV head of "
-                                 f"{head_dim} channels")
-            if outliers and not rope:
-                raise KvcalError("the tensor-core kernel serves outliers with pre-RoPE keys (KVQuant's recipe) only")
-            v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers)
+def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bool = False) -> Variant:
+    """The kernel variant for bodies of these codecs, packed in the runtime's layouts (kvcal.packing.layout_for) with
+    outliers per KV head of head_dim channels: ChannelBlockUniform keys with TokenUniform values, or nuq keys and
+    values (`_is_nuq`), of one code width; rope: the keys are pre-RoPE."""
+    kc, vc = key_codec, value_codec
+    uniform = isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)
+    if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
+        raise KvcalError("the tensor-core kernel reads uniform per-channel keys with per-token values, or codebook keys with "
+                         "per-channel thresholds and values with per-token ones, of one width")
+    if uniform:
+        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
     else:
-        raise KvcalError("keys and values must both be fp16 rows or both packed")
+        outliers = any(getattr(c, "outlier_fraction", 0) > 0 for c in (kc, vc))
+        if outliers and OUTLIER_TILE_TOKENS != STAGE_TOKENS:
+            raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows")
+        if outliers and not rope:
+            raise KvcalError("the tensor-core kernel serves outliers with pre-RoPE keys (KVQuant's recipe) only")
+        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers)
     v.check()
     return v
+
+
+def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Variant:
+    """The kernel variant for a pair of stores: both Fp16Rows, or PackedRows of codecs variant_for_codecs serves, in
+    the layout it reads ("planes3" for 3 bits, else "lsb"), outliers kept per KV head of head_dim channels; rope: the
+    keys are pre-RoPE."""
+    if not _is_packed(keys) and not _is_packed(values):
+        v = Variant(head_dim, 16, 0, 0, gqa, rope)
+        v.check()
+        return v
+    if not (_is_packed(keys) and _is_packed(values)):
+        raise KvcalError("keys and values must both be fp16 rows or both packed")
+    layout = "planes3" if int(keys.codec.bits) == 3 else "lsb"
+    if keys.layout != layout or values.layout != layout:
+        raise KvcalError(f"the tensor-core kernel reads {keys.codec.bits}-bit codes in the '{layout}' packing")
+    if any(s.keeps_outliers and s.head_dim != head_dim for s in (keys, values)):
+        raise KvcalError(f"the tensor-core kernel reads outliers per KV head of {head_dim} channels")
+    return variant_for_codecs(keys.codec, values.codec, head_dim, gqa, rope)
 
 
 def _stores_lengths(keys, values, lengths: list[int] | None) -> tuple[list[int], list[int]]:

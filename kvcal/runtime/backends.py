@@ -1,0 +1,319 @@
+"""Decode backends of the runtime cache: what attends over one layer's stores at a decode step, and what encodes
+its appends.
+
+Three decode backends, tried in this order for each layer by `choose`: the CUDA kernels (kvcal.runtime.kernels, with
+kvcal.runtime.tensor_core over the bodies it serves) on a CUDA device with CuPy, the compiled CPU kernel
+(kvcal.runtime.cpu_kernel) on the CPU, and the torch reference (kvcal.runtime.reference), which serves everything
+and is the specification the others are tested against. A backend says why it does not serve a layer
+(`Backend.refusal`, from the layer's `LayerShape` alone: codecs, packing layouts, head counts, device), so the choice
+and its reasons can be shown before any model runs (`kvcal inspect BUNDLE --device cpu|cuda`). A chosen backend is
+bound to its layer once (`Backend.bind`), at the layer's first decode step, and the bound `LayerDecoder` keeps what
+it made for the layer's stores (kernel descriptors, the tensor-core kernel's share).
+
+A decoder that cannot read a sliding window (`reads_windows` false: the CUDA kernels attend over every stored
+token) hands a layer's decode steps to the torch reference once one of its sequences outgrows the window.
+
+Appends: each packed body quantizes its appends with the CUDA append kernels, on the CPU with the compiled appends
+(kvcal.runtime.cpu_kernel.CpuAppend), else with the torch codec (`append_encoder`, `append_path`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcal.errors import KvcalError
+from kvcal.packing import layout_for
+from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
+from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
+from kvcal.runtime.store import permuted_groups
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
+    store has several), whether keys are stored before RoPE, the attention's head counts and the device."""
+
+    pairs: tuple[tuple, ...]
+    pre_rope: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    device: torch.device
+
+
+class LayerDecoder:
+    """A backend bound to one layer: `decode` attends the step's query over the layer's stores (the step's tokens
+    already appended); `path` names what serves it."""
+
+    reads_windows = True
+    path = ""
+
+    def decode(self, query: torch.Tensor, plan, scaling: float, kv_heads: int, window: int | None) -> torch.Tensor:
+        """query (B, H, 1, d) -> (B, 1, H, d) in the query's dtype; window: each sequence sees its last `window`
+        stored tokens (None: all of them)."""
+        raise NotImplementedError
+
+
+class Backend:
+    name = ""
+
+    def refusal(self, shape: LayerShape) -> str | None:
+        """Why this backend does not serve a layer of this shape, or None when it does."""
+        raise NotImplementedError
+
+    def bind(self, layer, shape: LayerShape) -> LayerDecoder:
+        """The decoder of `layer` (a kvcal.runtime.cache.RuntimeLayer with allocated stores)."""
+        raise NotImplementedError
+
+
+class TorchReference(Backend):
+    name = "torch-reference"
+
+    def refusal(self, shape: LayerShape) -> str | None:
+        return None
+
+    def bind(self, layer, shape: LayerShape) -> LayerDecoder:
+        return ReferenceDecoder(layer)
+
+
+class ReferenceDecoder(LayerDecoder):
+    """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention with
+    a mask of each sequence's own tokens (and window)."""
+
+    path = "reference"
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def decode(self, query, plan, scaling, kv_heads, window):
+        layer = self.layer
+        keys = layer.keys_store.read_batch(plan.memo, kv_heads)  # (B, kv_heads, tokens, head_dim)
+        values = layer.values_store.read_batch(plan.memo, kv_heads)
+        tokens = keys.shape[2]
+        if layer.pre_rope:
+            keys = reference.rotate(keys, *plan.rope(tokens, layer.inv_freq, layer.rope_scaling, layer.keys_store.dropped))
+        out = reference.decode_attention(query, keys, values, plan.visible(tokens, window, layer.keys_store), scaling)
+        return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
+
+
+def _launches(layer) -> list[kernels.Segments]:
+    """The layer's kernel launches: (sink, body, recent) of K beside V's, per launch (made once: they keep their
+    descriptors)."""
+    return [kernels.Segments(k, v) for k, v in zip(layer.keys_store.kernel_segments(), layer.values_store.kernel_segments())]
+
+
+class CpuKernel(Backend):
+    name = "cpu-kernel"
+
+    def refusal(self, shape: LayerShape) -> str | None:
+        if shape.device.type != "cpu":
+            return f"not a CPU device ({shape.device})"
+        if cpu_kernel.library() is None:
+            return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
+        unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
+        if unserved:
+            return f"it reads no {_codec_names(unserved[0])} bodies"
+        return None
+
+    def bind(self, layer, shape: LayerShape) -> LayerDecoder:
+        return CpuDecoder(layer)
+
+
+class CpuDecoder(LayerDecoder):
+    """One call of the CPU kernel per launch, every sequence at once; it reads sliding windows itself."""
+
+    path = "cpu-kernel"
+
+    def __init__(self, layer):
+        self.layer, self.launches = layer, _launches(layer)
+
+    def decode(self, query, plan, scaling, kv_heads, window):
+        layer = self.layer
+        dropped = layer.keys_store.dropped
+        rope = None
+        if layer.pre_rope:
+            tokens = max(layer.keys_store.count(b) for b in range(len(dropped)))
+            rope = layer.cache.rope_rows([(o or 0) + d for o, d in zip(plan.offsets, dropped)], tokens, layer.inv_freq,
+                                         layer.rope_scaling, layer.window is not None)
+        first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
+        out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope, first)
+        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+
+
+class CudaKernels(Backend):
+    name = "cuda-kernels"
+
+    def refusal(self, shape: LayerShape) -> str | None:
+        if not kernels.cuda_ready(shape.device):
+            return f"not a CUDA device with CuPy ({shape.device})"
+        return cuda_refusal(shape)
+
+    def bind(self, layer, shape: LayerShape) -> LayerDecoder:
+        return CudaDecoder(layer, shape)
+
+
+def cuda_refusal(shape: LayerShape) -> str | None:
+    """Why the CUDA decode kernels would not serve a layer of this shape on any CUDA device, or None."""
+    group = shape.heads // shape.kv_heads if shape.heads % shape.kv_heads == 0 else None
+    if shape.head_dim not in kernels.src.HEAD_DIMS:
+        return f"they read head_dim {', '.join(map(str, kernels.src.HEAD_DIMS))}, not {shape.head_dim}"
+    if group is None or group > kernels.MAX_GROUP:
+        return f"they read up to {kernels.MAX_GROUP} query heads per KV head, not {shape.heads} over {shape.kv_heads}"
+    unserved = [pair for pair in shape.pairs if not kernels.decode_supported(*pair, shape.heads, shape.kv_heads, shape.head_dim)]
+    if unserved:
+        return f"they read no {_codec_names(unserved[0])} bodies"
+    return None
+
+
+def tensor_core_refusal(pair: tuple, shape: LayerShape) -> str | None:
+    """Why the tensor-core kernel would not serve a (key codec, value codec) body of a layer of this shape (the
+    CUDA-core kernel then does), or None."""
+    if not tensor_core.enabled():
+        return "KVCAL_TENSOR_CORE=0"
+    key_codec, value_codec = pair
+    try:
+        tensor_core.variant_for_codecs(key_codec, value_codec, shape.head_dim, shape.heads // shape.kv_heads, shape.pre_rope)
+    except KvcalError as exc:
+        return f"{_codec_names(pair)}: {exc}"
+    return None
+
+
+class CudaDecoder(LayerDecoder):
+    """The CUDA decode kernels: per launch, the tensor-core kernel over the body where it serves it and the CUDA-core
+    kernel over the rest, merged; they attend over every stored token (no sliding window)."""
+
+    reads_windows = False
+
+    def __init__(self, layer, shape: LayerShape):
+        self.layer, self.launches = layer, _launches(layer)
+        inv_freq = layer.inv_freq if layer.pre_rope else None
+        self.served = [tensor_core.serve(segments, shape.heads, shape.kv_heads, shape.head_dim, inv_freq, layer.rope_scaling)
+                       if tensor_core.enabled() else None for segments in self.launches]
+        served = [body is not None for body in self.served]
+        self.path = "tensor-core" if all(served) else "cuda-core" if not any(served) else "tensor-core+cuda-core"
+
+    def decode(self, query, plan, scaling, kv_heads, window):
+        layer = self.layer
+        out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
+                                       layer.inv_freq if layer.pre_rope else None, layer.rope_scaling,
+                                       step=plan.kernel_step(query.device), served=self.served)
+        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+
+
+BACKENDS: tuple[Backend, ...] = (CudaKernels(), CpuKernel(), TorchReference())
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend that serves a layer, and why each one tried before it does not."""
+
+    backend: Backend
+    passed_over: tuple[tuple[str, str], ...]
+
+    def why(self) -> str:
+        return "; ".join(f"not {name}: {reason}" for name, reason in self.passed_over)
+
+
+def choose(shape: LayerShape) -> Choice:
+    passed_over = []
+    for backend in BACKENDS:
+        reason = backend.refusal(shape)
+        if reason is None:
+            return Choice(backend, tuple(passed_over))
+        passed_over.append((backend.name, reason))
+    raise AssertionError("the torch reference serves every layer")
+
+
+def _codec_names(pair: tuple) -> str:
+    return " / ".join(codec_name(codec) for codec in pair)
+
+
+def codec_name(codec) -> str:
+    """A body codec as its kind and code width, e.g. 'nuq3 per-channel thresholds, outliers'."""
+    if permuted_groups(codec):
+        return f"skvq{codec.bits:g}{' fp8' if codec.fp8 else ''}"
+    if isinstance(codec, TokenUniform):
+        return f"int{codec.bits:g} per token g{codec.group}"
+    if isinstance(codec, ChannelBlockUniform):
+        return f"int{codec.bits:g} per channel g{codec.group}"
+    if isinstance(codec, CodebookCodec):
+        thresholds = "per-channel" if codec.lo is not None else "per-token"
+        return f"nuq{codec.bits:g} {thresholds} thresholds{', outliers' if codec.outlier_fraction else ''}"
+    return f"{type(codec).__name__} {codec.bits:g}-bit"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# appends
+
+
+def append_encoder(codec, width: int, layout: str, device):
+    """What a packed body quantizes its appends with: the CUDA append kernels, on the CPU the compiled appends, or
+    None (the torch codec)."""
+    return kernels.append_encoder(codec, width, layout, device) or cpu_kernel.append_encoder(codec, width, layout, device)
+
+
+def append_path(codec, width: int, device) -> str:
+    """What would encode a body's appends on `device` (the CUDA append kernels counted as present on a CUDA device):
+    'cuda-append', 'cpu-append' or 'torch codec'."""
+    layout = layout_for(codec.bits)
+    if torch.device(device).type == "cuda":
+        return "cuda-append" if kernels.append_supported(codec, width, layout) else "torch codec"
+    return "cpu-append" if cpu_kernel.append_encoder(codec, width, layout, device) is not None else "torch codec"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what would serve a bundle
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What serves one layer's decode steps on a kind of device: its bodies, its fp16 segments (sinks, windows,
+    residuals, recent pivotal tokens), its K and V appends, and why not something faster."""
+
+    layer: int
+    bodies: str
+    fp16_segments: str
+    key_append: str
+    value_append: str
+    why: str
+
+
+def _has_fp16_segments(recipe) -> bool:
+    return bool(recipe.sink or recipe.window or recipe.residual or recipe.rpc_k or recipe.rpc_v
+                or recipe.format.body_block(recipe, keys=True) > 1)
+
+
+def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
+    """Per layer of `bundle` (a kvcal.bundle.Bundle), what serves it on device_type "cpu" (this machine: whether
+    the CPU kernel builds here counts) or "cuda" (any CUDA device with CuPy: what the kernels read, whether or not
+    one is here). A sliding-window layer past its window goes to the torch reference on CUDA; a bundle does not
+    say which layers slide."""
+    if device_type not in ("cpu", "cuda"):
+        raise KvcalError(f"device {device_type!r}: say cpu or cuda")
+    fingerprint = bundle.fingerprint
+    heads, kv_heads, head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
+    width = kv_heads * head_dim
+    device = torch.device(device_type)
+    plans = []
+    for i, recipe in enumerate(bundle.layers):
+        codecs = bundle.layer_codecs(i)
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device)
+        if device_type == "cuda":
+            refused = cuda_refusal(shape)
+            body_refusals = [] if refused else [tensor_core_refusal(pair, shape) for pair in shape.pairs]
+            if refused:
+                bodies, segments, why = "reference", "reference", f"not cuda-kernels: {refused}"
+            else:
+                bodies = "tensor-core" if not any(body_refusals) else "cuda-core"
+                # the tensor-core kernel reads bodies only: fp16 rows go to a second, CUDA-core launch
+                segments = "cuda-core"
+                why = "; ".join(f"not tensor-core: {reason}" for reason in body_refusals if reason)
+        else:
+            choice = choose(shape)
+            bodies = segments = {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[choice.backend.name]
+            why = choice.why() if choice.backend.name != "cpu-kernel" else ""
+        key_append, value_append = (append_path(codec, width, device) for codec in (codecs.key_codec, codecs.value_codec))
+        plans.append(LayerPlan(i, bodies, segments if _has_fp16_segments(recipe) else "-", key_append, value_append, why))
+    return plans

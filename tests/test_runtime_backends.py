@@ -1,0 +1,50 @@
+"""kvcal.runtime.backends: which backend serves a layer's decode steps and appends, why not a faster one, and that
+what the planner says of a bundle is what the runtime binds (the emulated CUDA kernels' side of that is checked in
+tests/test_kernel_emulation.py)."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from helpers import decode_token_by_token
+from kvcal.bundle import load_bundle
+from kvcal.runtime import backends, cpu_kernel
+
+
+def test_the_planner_names_the_cpu_kernel_for_every_recipe_it_reads_and_the_reference_with_its_reason(recipe_bundles,
+                                                                                                      monkeypatch):
+    for recipe in ("kvquant", "mixed", "kivi", "kvmix", "skvq"):
+        plans = backends.bundle_plan(load_bundle(recipe_bundles[recipe]), "cpu")
+        assert {(p.bodies, p.why) for p in plans} == {("cpu-kernel", "")}, recipe
+    monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+    plans = backends.bundle_plan(load_bundle(recipe_bundles["kvquant"]), "cpu")
+    assert {p.bodies for p in plans} == {"reference"}
+    assert "not cpu-kernel: the CPU kernel is not built here" in plans[0].why
+
+
+def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles):
+    bundle = load_bundle(recipe_bundles["kivi"])
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(tiny_model("llama"), bundle, ids)
+    plans = backends.bundle_plan(bundle, "cpu")
+    assert [layer.decode_path for layer in cache.layers] == [p.bodies for p in plans] == ["cpu-kernel"] * len(plans)
+    assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
+
+
+def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
+    plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
+    assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}
+    assert {(p.key_append, p.value_append) for p in plan["kvquant"]} == {("cuda-append", "cuda-append")}
+    assert {p.fp16_segments for p in plan["kvquant"]} == {"cuda-core"}  # its sink: a second launch
+    assert {p.fp16_segments for p in plan["nuq4-0%"]} == {"cuda-core"}
+    kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant
+    assert kivi.bodies == "cuda-core" and kivi.why.startswith("not tensor-core: int2 per channel g4 / int2 per token g4: ")
+    tiny = backends.bundle_plan(load_bundle(recipe_bundles["skvq"]), "cuda")[0]  # head_dim 16, SKVQ's permuted groups
+    assert (tiny.bodies, tiny.key_append) == ("reference", "torch codec")
+    assert tiny.why.startswith("not cuda-kernels: they read head_dim ")
+
+
+def test_an_unknown_device_is_refused(recipe_bundles):
+    with pytest.raises(backends.KvcalError, match="device 'gpu': say cpu or cuda"):
+        backends.bundle_plan(load_bundle(recipe_bundles["kivi"]), "gpu")
