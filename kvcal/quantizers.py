@@ -11,14 +11,16 @@ exactly what the simulation sees.
   fixed offline or per-token thresholds computed online; dense-and-sparse keeps elements outside the
   thresholds exactly (fp16) as outliers (KVQuant).
 - GroupedClipped (in kvcal.fit.skvq): SKVQ's permuted, clipped per-token groups.
-Tensors are (tokens, channels): the channels of all KV heads of one token side by side.
+Tensors are (tokens, channels): the channels of all KV heads of one token side by side. Every codec declares its
+`kind` (CodecKind): what the runtime's stores, tables and kernels dispatch on, never the codec's class.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -50,9 +52,22 @@ class Encoded:
     outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
+class CodecKind(enum.Enum):
+    """What a codec stores, as the runtime reads it (its stores, decode tables and kernels dispatch on this)."""
+
+    FP16 = "fp16"  # kept as fp16
+    UNIFORM_TOKEN = "uniform-token"  # TokenUniform
+    UNIFORM_CHANNEL = "uniform-channel"  # ChannelBlockUniform
+    CODEBOOK_CHANNEL = "codebook-channel"  # CodebookCodec with per-channel thresholds
+    CODEBOOK_TOKEN = "codebook-token"  # CodebookCodec with per-token thresholds
+    PERMUTED_GROUPS = "permuted-groups"  # SKVQ (kvcal.fit.skvq.SkvqTensor)
+    SIMULATED = "simulated"  # another engine's cache type, simulated by `eval ppl` only: no runtime store holds it
+
+
 class Codec(Protocol):
     """A quantizer (kvcal.quantizers): encode/decode what is stored, quantize = decode(encode) + its cost."""
 
+    kind: CodecKind
     block_tokens: int
 
     def encode(self, x: torch.Tensor): ...
@@ -75,6 +90,7 @@ class LayerCodecs:
 class Fp16Codec:
     """Kept as the cache's fp16: a layer an engine leaves unquantized (vLLM's skipped layers)."""
 
+    kind: ClassVar[CodecKind] = CodecKind.FP16
     block_tokens = 1
     bits = FP16_BITS
 
@@ -119,6 +135,7 @@ class TokenUniform:
     """Asymmetric min-max per token over groups of `group` channels (the last group may be shorter).
     Each group stores an fp16 scale and zero (its minimum)."""
 
+    kind: ClassVar[CodecKind] = CodecKind.UNIFORM_TOKEN
     bits: int
     group: int
     block_tokens = 1
@@ -152,6 +169,7 @@ class ChannelBlockUniform:
     stores an fp16 scale and zero per channel. encode takes whole blocks; quantize leaves a trailing
     partial block unchanged (it stays in the fp16 residual)."""
 
+    kind: ClassVar[CodecKind] = CodecKind.UNIFORM_CHANNEL
     bits: int
     group: int
 
@@ -223,6 +241,10 @@ class CodebookCodec:
     hi: torch.Tensor | None = None
     outlier_fraction: float = 0.0
     block_tokens = 1
+
+    @property
+    def kind(self) -> CodecKind:
+        return CodecKind.CODEBOOK_CHANNEL if self.lo is not None else CodecKind.CODEBOOK_TOKEN
 
     @property
     def bits(self) -> int:

@@ -26,11 +26,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import FP16_BITS, Encoded, Quantized, TokenUniform, nearest_codes, store_as
+from kvcal.quantizers import FP16_BITS, CodecKind, Encoded, Quantized, TokenUniform, nearest_codes, store_as
 
 # ---------------------------------------------------------------------------------------------------------
 # rotations
@@ -138,6 +139,7 @@ class HadamardInt:
     bits: int
     head_dim: int
     seed: int = 0
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
 
     def __post_init__(self):
@@ -234,6 +236,7 @@ class TurboQuant:
     bits: int
     head_dim: int
     seed: int = 0
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
 
     def __post_init__(self):
@@ -425,6 +428,7 @@ class LlamaCppKV:
     head_dim: int
     tensor: str = "k"
     rotate: bool = True
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
 
     def __post_init__(self):

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import Quantized
+from kvcal.quantizers import CodecKind, Quantized
 
 SCALE_FLOOR = 1e-6  # vLLM's floor of every per-token-head scale
 FP32_BITS = 32
@@ -46,7 +47,8 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PerTokenHead:
-    kind: str  # "int8" or "fp8"
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
+    dtype: str  # "int8" or "fp8"
     head_dim: int
     block_tokens = 1
     bits = 8
@@ -56,10 +58,10 @@ class PerTokenHead:
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         heads = _per_head(x, self.head_dim)
-        qmax = 127.0 if self.kind == "int8" else FP8_MAX
+        qmax = 127.0 if self.dtype == "int8" else FP8_MAX
         scale = torch.clamp(heads.abs().amax(-1, keepdim=True) / qmax, min=SCALE_FLOOR)
         q = heads * (1.0 / scale)
-        if self.kind == "int8":
+        if self.dtype == "int8":
             q = round_half_away(q).clamp(-128.0, 127.0)
         else:
             q = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
@@ -96,6 +98,7 @@ def without_low_mantissa(scale: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Int4PerTokenHead:
     head_dim: int
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
     bits = 4
 

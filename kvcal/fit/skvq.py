@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from sklearn.cluster import KMeans
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
-from kvcal.quantizers import FP16_BITS, TINY_SCALE, Encoded, LayerCodecs, Quantized, scale_in_use, store_as
+from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, scale_in_use, store_as
 from kvcal.rope import layer_inv_freq, rotate_keys
 from kvcal.kv import SegmentPolicy, per_query_head
 
@@ -117,6 +118,7 @@ class SkvqTensor:
     clip: torch.Tensor
     bits: float
     fp8: bool
+    kind: ClassVar[CodecKind] = CodecKind.PERMUTED_GROUPS
     block_tokens = 1
 
     def _members(self, device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -15,7 +16,7 @@ from kvcal import registry
 from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
 from kvcal.export.vllm import is_previous_export, read_export
 from kvcal.kv import SegmentPolicy
-from kvcal.quantizers import LayerCodecs, Quantized
+from kvcal.quantizers import CodecKind, LayerCodecs, Quantized
 from kvcal.registry import MethodSpec
 from kvcal.simulate import Method
 
@@ -27,6 +28,7 @@ class Fp8Codec:
     """One layer's K or V in vLLM's FP8 cache, for the simulation (vLLM stores it; the kvcal runtime has no
     FP8 layer format, so there is no encode/decode to share with it)."""
 
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     scale: torch.Tensor  # 1 element (strategy tensor) or one per KV head (attn_head)
     block_tokens = 1
 

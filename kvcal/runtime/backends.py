@@ -25,9 +25,8 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
-from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
+from kvcal.quantizers import CodecKind
 from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
-from kvcal.runtime.store import permuted_groups
 
 
 @dataclass(frozen=True)
@@ -232,16 +231,15 @@ def _codec_names(pair: tuple) -> str:
 
 def codec_name(codec) -> str:
     """A body codec as its kind and code width, e.g. 'nuq3 per-channel thresholds, outliers'."""
-    if permuted_groups(codec):
+    kind = codec.kind
+    if kind is CodecKind.PERMUTED_GROUPS:
         return f"skvq{codec.bits:g}{' fp8' if codec.fp8 else ''}"
-    if isinstance(codec, TokenUniform):
-        return f"int{codec.bits:g} per token g{codec.group}"
-    if isinstance(codec, ChannelBlockUniform):
-        return f"int{codec.bits:g} per channel g{codec.group}"
-    if isinstance(codec, CodebookCodec):
-        thresholds = "per-channel" if codec.lo is not None else "per-token"
+    if kind in (CodecKind.UNIFORM_TOKEN, CodecKind.UNIFORM_CHANNEL):
+        return f"int{codec.bits:g} per {'token' if kind is CodecKind.UNIFORM_TOKEN else 'channel'} g{codec.group}"
+    if kind in kernels.CODEBOOKS:
+        thresholds = "per-channel" if kind is CodecKind.CODEBOOK_CHANNEL else "per-token"
         return f"nuq{codec.bits:g} {thresholds} thresholds{', outliers' if codec.outlier_fraction else ''}"
-    return f"{type(codec).__name__} {codec.bits:g}-bit"
+    return f"{kind.value} {codec.bits:g}-bit"
 
 
 # ---------------------------------------------------------------------------------------------------------

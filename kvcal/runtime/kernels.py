@@ -31,7 +31,7 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
-from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
+from kvcal.quantizers import CodecKind
 from kvcal.runtime import kernel_source as src
 
 from kvcal.runtime.store import row_index, started_tiles, upload
@@ -82,14 +82,14 @@ def launch(function, grid: tuple, block: tuple, args: tuple, shared: int = 0) ->
         function(grid, block, args, shared_mem=shared)
 
 
+CODEBOOKS = (CodecKind.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN)
+_CODEC_IDS = {CodecKind.UNIFORM_TOKEN: src.UNIFORM_TOKEN, CodecKind.UNIFORM_CHANNEL: src.UNIFORM_CHANNEL,
+              CodecKind.CODEBOOK_CHANNEL: src.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN: src.CODEBOOK_TOKEN}
+
+
 def codec_id(codec) -> int | None:
-    if isinstance(codec, TokenUniform):
-        return src.UNIFORM_TOKEN
-    if isinstance(codec, ChannelBlockUniform):
-        return src.UNIFORM_CHANNEL
-    if isinstance(codec, CodebookCodec):
-        return src.CODEBOOK_CHANNEL if codec.lo is not None else src.CODEBOOK_TOKEN
-    return None
+    """The kernels' number for a codec's kind (kernels/common.cuh enum Codec), None where they read none."""
+    return _CODEC_IDS.get(codec.kind)
 
 
 def layout_id(codec, layout: str | None = None) -> int | None:
@@ -135,7 +135,7 @@ def codec_tables(store: PackedRows) -> dict:
     key = str(store.device)
     if key not in per_device:
         codec, tables = store.codec, {}
-        if hasattr(codec, "codebook"):
+        if codec.kind in CODEBOOKS:
             codebook = codec.codebook.to(store.device, torch.float32).contiguous()
             tables = {"codebook": codebook, "midpoints": ((codebook[1:] + codebook[:-1]) / 2).contiguous()}
             if codec.lo is not None:
@@ -286,7 +286,7 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
         fields[11] = extra
         if names[0] in params:
             fields[7:14] = parameter_fields(params[names[0]], params[names[1]], extra)
-    if hasattr(codec, "codebook"):
+    if codec.kind in CODEBOOKS:
         fields[14] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:
         fields[15:22] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],

@@ -44,7 +44,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, _slots, check_outlier_head_dim, is_planes, layout_for,
                            outlier_table_bytes, pack_planes, packed_words, unit_shape, unpack, unpack_planes)
-from kvcal.quantizers import TINY_SCALE, ChannelBlockUniform, CodebookCodec, Encoded, TokenUniform
+from kvcal.quantizers import TINY_SCALE, CodecKind, Encoded
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
 
@@ -147,11 +147,10 @@ def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
 
 
 def permuted_groups(codec) -> bool:
-    """Whether `codec` is SKVQ's (kvcal.fit.skvq.SkvqTensor, known by its permutation, group starts and clipping: the
-    runtime does not import kvcal.fit.skvq, whose fitting needs scikit-learn). Its codec encodes and decodes codes in
-    permuted channel order; a store keeps them in channel order (a channel's code where the channel is, as for
-    every other codec, so that the kernels unpack a head's codes without a gather)."""
-    return all(hasattr(codec, name) for name in ("permutation", "starts", "clip"))
+    """Whether `codec` is SKVQ's (kvcal.fit.skvq.SkvqTensor). Its codec encodes and decodes codes in permuted channel
+    order; a store keeps them in channel order (a channel's code where the channel is, as for every other codec, so
+    that the kernels unpack a head's codes without a gather)."""
+    return codec.kind is CodecKind.PERMUTED_GROUPS
 
 
 _PERMUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: (slots, groups)}
@@ -188,15 +187,10 @@ class _Table:
 
     @staticmethod
     def for_codec(codec):
-        if isinstance(codec, TokenUniform):
-            return _TokenUniformTable()
-        if isinstance(codec, ChannelBlockUniform):
-            return _ChannelBlockTable()
-        if isinstance(codec, CodebookCodec):
-            return _CodebookTable()
-        if permuted_groups(codec):
-            return _PermutedGroupsTable()
-        return None
+        table = {CodecKind.UNIFORM_TOKEN: _TokenUniformTable, CodecKind.UNIFORM_CHANNEL: _ChannelBlockTable,
+                 CodecKind.CODEBOOK_CHANNEL: _CodebookTable, CodecKind.CODEBOOK_TOKEN: _CodebookTable,
+                 CodecKind.PERMUTED_GROUPS: _PermutedGroupsTable}.get(codec.kind)
+        return table() if table is not None else None
 
 
 class _TokenUniformTable(_Table):

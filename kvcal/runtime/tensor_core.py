@@ -26,9 +26,10 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_TILE_TOKENS
-from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
+from kvcal.quantizers import CodecKind
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
+from kvcal.runtime.kernels import CODEBOOKS
 from kvcal.runtime.store import upload
 
 MODULE = "decode_attention_tc.cu"
@@ -162,7 +163,7 @@ def _is_packed(store) -> bool:
 
 def _is_nuq(kc, vc) -> bool:
     """KVQuant's pair the kernel serves: codebook keys with per-channel thresholds, values with per-token ones."""
-    return isinstance(kc, CodebookCodec) and isinstance(vc, CodebookCodec) and kc.lo is not None and vc.lo is None
+    return kc.kind is CodecKind.CODEBOOK_CHANNEL and vc.kind is CodecKind.CODEBOOK_TOKEN
 
 
 def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bool = False) -> Variant:
@@ -170,7 +171,7 @@ def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bo
     outliers per KV head of head_dim channels: ChannelBlockUniform keys with TokenUniform values, or nuq keys and
     values (`_is_nuq`), of one code width; rope: the keys are pre-RoPE."""
     kc, vc = key_codec, value_codec
-    uniform = isinstance(kc, ChannelBlockUniform) and isinstance(vc, TokenUniform)
+    uniform = kc.kind is CodecKind.UNIFORM_CHANNEL and vc.kind is CodecKind.UNIFORM_TOKEN
     if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
         raise KvcalError("the tensor-core kernel reads uniform per-channel keys with per-token values, or codebook keys with "
                          "per-channel thresholds and values with per-token ones, of one width")
@@ -301,7 +302,7 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     """The operands that stay as the stores grow, on `device`: codebook keys' per-channel scale and zero (the whole
     sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys."""
     out = {}
-    if _is_packed(keys) and isinstance(keys.codec, CodebookCodec):  # kvcal.quantizers.denormalize's scale and zero
+    if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
         out["key_zero"] = ((hi + lo) / 2).half().to(device)
@@ -320,7 +321,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
     (made here when None). Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
-    codebook = packed and isinstance(keys.codec, CodebookCodec)
+    codebook = packed and keys.codec.kind in CODEBOOKS
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
