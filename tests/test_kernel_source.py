@@ -1,7 +1,6 @@
 """The CUDA kernels compile without a GPU: every variant the runtime may launch, for sm_80 and sm_90, with
 NVRTC (the README test command installs cuda-bindings and nvidia-cuda-nvrtc-cu12), and no register spills."""
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -45,16 +44,24 @@ def test_a_compile_error_is_reported_with_the_compiler_log(monkeypatch):
         kernel_source.compile_check("append.cu", "sm_80")
 
 
-def _enum(module: str, name: str) -> list[str]:
-    body = re.search(r"enum " + name + r" \{([^}]*)\}", kernel_source.source(module)).group(1)
-    return [re.sub(r"//.*", "", item).split("=")[0].strip() for item in re.sub(r"//[^\n]*", "", body).split(",") if item.strip()]
+def test_the_cpu_kernel_extends_the_cuda_kernels_descriptor_and_codecs():
+    """The host reads every number from the kernels' enums (kernel_source.enum_members); the CPU kernel reads the
+    CUDA kernel's descriptor and codec ids with fields and codecs of its own after them, so its enums must begin
+    with theirs."""
+    cuda_fields = [name for name in kernel_source.enum_members("decode_attention.cu", "SideField") if name != "SIDE_FIELDS"]
+    cpu_fields = list(kernel_source.enum_members("decode_attention_cpu.cpp", "SideField"))
+    assert cpu_fields[:len(cuda_fields)] == cuda_fields and cpu_fields[-1] == "SIDE_FIELDS"
+    cuda_meta = list(kernel_source.enum_members("decode_attention.cu", "MetaField"))
+    assert list(kernel_source.enum_members("decode_attention_cpu.cpp", "MetaField"))[:4] == cuda_meta[:4]
+    codecs = kernel_source.enum_members("common.cuh", "Codec")
+    assert list(kernel_source.enum_members("decode_attention_cpu.cpp", "Codec").items())[:len(codecs)] == list(codecs.items())
+    assert kernel_source.enum_members("decode_attention_cpu.cpp", "Layout") == kernel_source.enum_members("common.cuh", "Layout")
+    assert kernels.SIDE_FIELDS == len(cuda_fields) and kernels.SideField.LAYOUT == cuda_fields.index("LAYOUT")
 
 
-def test_python_and_cuda_agree_on_descriptor_fields_and_codec_numbers():
-    """The launcher writes descriptors and codec ids by position: the enums in the CUDA sources must match."""
-    side_fields = _enum("decode_attention.cu", "SideField")
-    assert side_fields[-1] == "SIDE_FIELDS" and len(side_fields) - 1 == kernels.SIDE_FIELDS
-    meta_fields = _enum("decode_attention.cu", "MetaField")
-    assert meta_fields[-1] == "META_FIELDS" and len(meta_fields) - 1 == kernels.META_FIELDS
-    codecs = _enum("common.cuh", "Codec")
-    assert codecs == [kernel_source.CODEC_NAMES[i] for i in range(len(codecs))]
+def test_enum_members_counts_on_from_explicit_values(tmp_path, monkeypatch):
+    (tmp_path / "probe.cuh").write_text("enum Probe {\n    A,  // first\n    B = 4,\n    C\n};\n")
+    monkeypatch.setattr(kernel_source, "KERNEL_DIR", tmp_path)
+    assert kernel_source.enum_members("probe.cuh", "Probe") == {"A": 0, "B": 4, "C": 5}
+    with pytest.raises(kernel_source.KvcalError, match="defines no enum Missing"):
+        kernel_source.enum_members("probe.cuh", "Missing")

@@ -17,6 +17,7 @@ channel.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import os
 import platform
@@ -42,8 +43,11 @@ APPEND_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  #
 # that same library and shares torch's thread pool; without OpenMP the kernel builds and runs on one thread.
 THREAD_FLAGS = (("-fopenmp",), ())
 TARGET_VARIABLE = "KVCAL_CPU_TARGET"  # the -march the kernels are built for: native (default), x86-64-v3, armv8-a, ...
-PERMUTED_GROUPS = 5  # enum Codec in decode_attention_cpu.cpp, beyond the CUDA kernels' codecs
-META_FIELDS = 6  # enum MetaField in decode_attention_cpu.cpp: kernels.side_lengths' four, the body's first row, the first token seen
+PERMUTED_GROUPS = src.enum_members("decode_attention_cpu.cpp", "Codec")["PERMUTED_GROUPS"]  # beyond the CUDA kernels' codecs
+# the CPU kernel's descriptor: the CUDA kernel's fields (kernels.SideField), then its own (a test checks the order)
+CpuSideField = enum.IntEnum("CpuSideField", src.enum_members("decode_attention_cpu.cpp", "SideField"))
+# per (side, sequence): kernels.side_lengths' four, the body's first row, the first token seen
+META_FIELDS = src.enum_members("decode_attention_cpu.cpp", "MetaField")["META_FIELDS"]
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
 
 
@@ -170,15 +174,15 @@ def _channel_groups(codec) -> torch.Tensor:
 def side_descriptor(sink, body, recent) -> list[int]:
     """kernels.side_descriptor's fields, then the codec and, for SKVQ, the parameter group of every channel (its
     codes are stored in channel order: kvcal.runtime.store.permuted_groups)."""
-    fields = kernels.side_descriptor(sink, body, recent)
-    extra = [src.FP16_ONLY, 0]
+    fields = kernels.side_descriptor(sink, body, recent) + [0] * (CpuSideField.SIDE_FIELDS - kernels.SIDE_FIELDS)
+    fields[CpuSideField.CODEC] = src.FP16_ONLY
     if body is not None:
-        extra[0] = codec_id(body.codec)
-        if extra[0] == PERMUTED_GROUPS:
+        fields[CpuSideField.CODEC] = codec_id(body.codec)
+        if fields[CpuSideField.CODEC] == PERMUTED_GROUPS:
             if "scale" in body.token:
-                fields[7:14] = kernels.parameter_fields(body.token["scale"], body.token["zero"], 1)
-            extra[1] = _channel_groups(body.codec).data_ptr()
-    return fields + extra
+                fields[kernels.PARAMETERS] = kernels.parameter_fields(body.token["scale"], body.token["zero"], 1)
+            fields[CpuSideField.GROUP_OF_CHANNEL] = _channel_groups(body.codec).data_ptr()
+    return fields
 
 
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,

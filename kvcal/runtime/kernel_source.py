@@ -21,10 +21,36 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ARCHITECTURES = ("sm_80", "sm_90")
 OPTIONS = ("--std=c++17", "-default-device")
 
-# Codec numbers shared with kernels/common.cuh (enum Codec).
-FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN = range(5)
-CODEC_NAMES = {FP16_ONLY: "FP16_ONLY", UNIFORM_TOKEN: "UNIFORM_TOKEN", UNIFORM_CHANNEL: "UNIFORM_CHANNEL",
-               CODEBOOK_CHANNEL: "CODEBOOK_CHANNEL", CODEBOOK_TOKEN: "CODEBOOK_TOKEN"}
+
+
+def source(module: str) -> str:
+    path = KERNEL_DIR / module
+    if not path.is_file():
+        raise KvcalError(f"kernel source {path} is missing; kvcal's kernels ship in the repository's kernels/ directory")
+    return path.read_text()
+
+
+def enum_members(module: str, name: str) -> dict[str, int]:
+    """The members of C++ `enum name { ... }` in kernels/<module>, name -> value, in order: the kernels' own
+    definition is the one source of the numbers the host writes (codec ids, layouts, descriptor fields)."""
+    match = re.search(r"enum " + name + r"\s*\{([^}]*)\}", source(module))
+    if match is None:
+        raise KvcalError(f"kernels/{module} defines no enum {name}")
+    members, value = {}, 0
+    for item in re.sub(r"//[^\n]*", "", match.group(1)).split(","):
+        if item.strip():
+            member, _, explicit = item.partition("=")
+            value = int(explicit) if explicit.strip() else value
+            members[member.strip()] = value
+            value += 1
+    return members
+
+
+# Codec numbers (kernels/common.cuh enum Codec).
+_CODECS = enum_members("common.cuh", "Codec")
+CODEC_NAMES = {number: codec for codec, number in _CODECS.items()}
+FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN = (
+    _CODECS[codec] for codec in ("FP16_ONLY", "UNIFORM_TOKEN", "UNIFORM_CHANNEL", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN"))
 # (key codec, value codec) pairs the recipes produce: Cocktail's fp16 chunks, KIVI/KVmix/Cocktail int-N,
 # per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds.
 CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
@@ -44,13 +70,6 @@ def decode_variants() -> list[str]:
 def variants(module: str) -> list[str]:
     """Kernel names (template name expressions) of a source file in kernels/."""
     return [*decode_variants(), "merge_splits"] if module == "decode_attention.cu" else list(APPEND_KERNELS)
-
-
-def source(module: str) -> str:
-    path = KERNEL_DIR / module
-    if not path.is_file():
-        raise KvcalError(f"kernel source {path} is missing; kvcal's kernels ship in the repository's kernels/ directory")
-    return path.read_text()
 
 
 @dataclass

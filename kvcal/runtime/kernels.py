@@ -21,6 +21,7 @@ Only a bulk append (a prefill, more than one token of a sequence) reads the numb
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import weakref
@@ -44,7 +45,9 @@ TILE = 32
 MAX_GROUP = 8  # query heads per KV head (GMAX in decode_attention.cu)
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
 LOG2E = 1.4426950408889634
-LAYOUT_IDS = {"lsb": {1: 1, 2: 2, 4: 4}, "planes3": {3: 3}, "kvmix10x3+1x2": {3: 5}}  # layout -> bits -> enum Layout (common.cuh)
+_LAYOUTS = src.enum_members("common.cuh", "Layout")
+LAYOUT_IDS = {"lsb": {1: _LAYOUTS["LSB1"], 2: _LAYOUTS["LSB2"], 4: _LAYOUTS["LSB4"]}, "planes3": {3: _LAYOUTS["PLANES3"]},
+              "kvmix10x3+1x2": {3: _LAYOUTS["KVMIX3"]}}  # layout -> bits -> enum Layout
 
 
 def cuda_ready(device) -> bool:
@@ -261,38 +264,44 @@ def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | No
 # ---------------------------------------------------------------------------------------------------------
 # decode attention
 
-SIDE_FIELDS = 23  # enum SideField in decode_attention.cu
-META_FIELDS = 5  # enum MetaField in decode_attention.cu: side_lengths' four, then the body rows skipped
+# a side's descriptor and the per-sequence meta, field by field as decode_attention.cu's enums number them
+SideField = enum.IntEnum("SideField", src.enum_members("decode_attention.cu", "SideField"))
+MetaField = enum.IntEnum("MetaField", src.enum_members("decode_attention.cu", "MetaField"))
+SIDE_FIELDS, META_FIELDS = int(SideField.SIDE_FIELDS), int(MetaField.META_FIELDS)
+PARAMETERS = slice(SideField.PARAM0, SideField.PARAM_COLUMN + 1)  # what parameter_fields fills
 
 
 def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
-    """One side's descriptor (enum SideField order); absent parts and buffers not yet allocated are 0."""
+    """One side's descriptor (enum SideField); absent parts and buffers not yet allocated are 0."""
+    F = SideField
     fields = [0] * SIDE_FIELDS
     if sink is not None:
-        fields[0:2] = [sink.data.data_ptr(), sink.data.shape[1] * sink.data.shape[2]]
+        fields[F.SINK], fields[F.SINK_STRIDE] = sink.data.data_ptr(), sink.data.shape[1] * sink.data.shape[2]
     if recent is not None:
-        fields[2:4] = [recent.data.data_ptr(), recent.data.shape[1] * recent.data.shape[2]]
+        fields[F.RECENT], fields[F.RECENT_STRIDE] = recent.data.data_ptr(), recent.data.shape[1] * recent.data.shape[2]
     if body is None:
         return fields
     codec, cid = body.codec, codec_id(body.codec)
-    fields[4:7] = [body.words.data_ptr(), body.words.shape[1] * body.words.shape[2], body.words.shape[2]]
-    if cid == src.CODEBOOK_CHANNEL:
+    words = body.words
+    fields[F.WORDS], fields[F.WORDS_STRIDE], fields[F.WORDS_PER_ROW] = words.data_ptr(), words.shape[1] * words.shape[2], words.shape[2]
+    if cid == src.CODEBOOK_CHANNEL:  # fixed thresholds: one row of channels for every token and sequence
         tables = codec_tables(body)
-        fields[7:14] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
+        fields[PARAMETERS] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
     else:
         params = body.token if cid in (src.UNIFORM_TOKEN, src.CODEBOOK_TOKEN) else body.blocks
         names = ("lo", "hi") if cid == src.CODEBOOK_TOKEN else ("scale", "zero")
         extra = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
-        fields[11] = extra
+        fields[F.PARAM_EXTRA] = extra
         if names[0] in params:
-            fields[7:14] = parameter_fields(params[names[0]], params[names[1]], extra)
+            fields[PARAMETERS] = parameter_fields(params[names[0]], params[names[1]], extra)
     if codec.kind in CODEBOOKS:
-        fields[14] = codec_tables(body)["codebook"].data_ptr()
+        fields[F.CODEBOOK] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:
-        fields[15:22] = [body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
-                         body.outlier_offsets.data_ptr(), body.outlier_offsets.shape[2], body.outlier_count.data_ptr(),
-                         OUTLIER_TILE_TOKENS.bit_length() - 1]
-    fields[22] = layout_id(codec, body.layout)
+        fields[F.OUTLIER_POSITIONS:F.OUTLIER_TILE_SHIFT + 1] = [
+            body.outlier_positions.data_ptr(), body.outlier_values.data_ptr(), body.outlier_positions.shape[2],
+            body.outlier_offsets.data_ptr(), body.outlier_offsets.shape[2], body.outlier_count.data_ptr(),
+            OUTLIER_TILE_TOKENS.bit_length() - 1]
+    fields[F.LAYOUT] = layout_id(codec, body.layout)
     return fields
 
 

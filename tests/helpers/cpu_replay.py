@@ -24,8 +24,10 @@ from kvcal.runtime import cpu_kernel, kernels
 
 # kvcal_decode_attention_cpu's arguments: pointer, int32, int64 or float32, in order
 DECODE_ARGUMENTS = "PPPPPLIIIIFPPPIII"
-DESCRIPTOR_POINTERS = (0, 2, 4, 7, 8, 14, 15, 16, 18, 20)  # SideField entries that hold addresses (enum SideField)
-SIDE_FIELDS = len(kernels.side_descriptor(None, None, None)) + 2  # the CPU kernel's two fields after the CUDA ones
+_F = cpu_kernel.CpuSideField
+DESCRIPTOR_POINTERS = (_F.SINK, _F.RECENT, _F.WORDS, _F.PARAM0, _F.PARAM1, _F.CODEBOOK, _F.OUTLIER_POSITIONS, _F.OUTLIER_VALUES,
+                       _F.OUTLIER_OFFSETS, _F.OUTLIER_COUNTS, _F.GROUP_OF_CHANNEL)  # the fields that hold addresses
+SIDE_FIELDS = _F.SIDE_FIELDS
 
 
 def tensors_of(obj, depth: int = 4) -> list[torch.Tensor]:
@@ -144,7 +146,7 @@ def write(path: Path, calls: list) -> None:
                 out.append(struct.pack({"I": "<Bi", "L": "<Bq", "F": "<Bf"}[kind], {"I": 1, "L": 2, "F": 3}[kind], value))
         region, offset = regions.locate(descriptor.ctypes.data)
         for side in range(2):
-            for field in (*DESCRIPTOR_POINTERS, SIDE_FIELDS - 1):  # the last: SKVQ's group of every channel
+            for field in DESCRIPTOR_POINTERS:
                 index = side * SIDE_FIELDS + field
                 if descriptor[index]:
                     target = regions.locate(int(descriptor[index]))
