@@ -525,7 +525,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     }
 }
 
-// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse); rows without any token give 0.
+// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse); rows without any token give 0. The one merge of
+// both decode kernels' splits (this kernel's and decode_attention_tc.cu's, whose empty splits also write 0 and -inf).
 extern "C" __global__ void merge_splits(const float* __restrict__ out_partial, const float* __restrict__ lse_partial,
                                         float* __restrict__ out, int splits, int head_dim) {
     const long long row = blockIdx.x;

@@ -1208,24 +1208,3 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = most + lg2(total);
     }
 }
-
-// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse), normalised; zeros where no split saw a token.
-extern "C" __global__ void merge_tc_splits(const float* __restrict__ out_partial, const float* __restrict__ lse_partial,
-                                           float* __restrict__ out, int splits, int head_dim) {
-    const long long row = blockIdx.x;
-    float most = -__int_as_float(0x7f800000);
-    for (int s = 0; s < splits; ++s) most = fmaxf(most, lse_partial[row * splits + s]);
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float total = 0.0f, value = 0.0f;
-        if (most != -__int_as_float(0x7f800000)) {
-            for (int s = 0; s < splits; ++s) {
-                const float lse = lse_partial[row * splits + s];
-                if (lse == -__int_as_float(0x7f800000)) continue;
-                const float w = tc::ex2(lse - most);
-                total += w;
-                value += w * out_partial[(row * splits + s) * head_dim + c];
-            }
-        }
-        out[row * head_dim + c] = total > 0.0f ? value / total : 0.0f;
-    }
-}

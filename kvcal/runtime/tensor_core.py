@@ -11,7 +11,7 @@ holds alone, to the CUDA-core kernel, and merges both kernels' splits once). Out
 (KVQuant's recipe); post-RoPE codebook keys with outliers stay with the CUDA-core kernel. `operands` maps two stores
 to the kernel's arguments (the CPU emulation in tests/helpers/tensor_core_emulation.py calls the same kernel with the
 same arguments); `decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split
-over the sequence, and merges the splits with `merge_tc_splits` (tests and benchmarks).
+over the sequence, and merges the splits with the CUDA-core module's `merge_splits` (tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
                            attention_scaling)
     args = tuple(_arg(x) for x in args_source)
     kernel = _function(v.name, shared)
-    merge = _function("merge_tc_splits")
+    merge = kernels._function("decode_attention.cu", "merge_splits")
 
     def run() -> torch.Tensor:
         kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)

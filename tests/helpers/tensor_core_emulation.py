@@ -37,19 +37,16 @@ def driver(variants: list[Variant]) -> str:
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
                      "::SMEM_BYTES; }")
-    lines.append("void run_merge(unsigned rows, unsigned threads, const float* op, const float* lp, float* out, int splits, int d) {"
-                 " emulation::launch({rows, 1, 1}, {threads, 1, 1}, [&] { merge_tc_splits(op, lp, out, splits, d); }); }")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
-    """The library of `variants` (and the split merge), built from kernel_dir's decode_attention_tc.cu (the build cached
+    """The library of `variants`, built from kernel_dir's decode_attention_tc.cu (the build cached
     by content: helpers.emulator_library)."""
     library = emulator_library(driver(variants), [EMULATION, kernel_dir, kernel_source.KERNEL_DIR], "decode_tc_on_cpu.so")
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     for v in variants:
         getattr(lib, symbol(v)).argtypes = [ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS + [ctypes.c_float]
-    lib.run_merge.argtypes = [ctypes.c_uint] * 2 + [pointer] * 3 + [integer] * 2
     return lib
