@@ -158,38 +158,62 @@ def unpack_planes(units: torch.Tensor, bits: int) -> torch.Tensor:
     return codes
 
 
-def pack(codes: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
-    """codes (..., n) in [0, 2^bits) (0..2 for ternary20) -> int32 words (..., packed_words(n, bits, layout))."""
+_SLOT_TABLES: dict = {}
+
+
+def _slot_table(bits: float, layout: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per slot of a one-word unit: its place value (2^offset; 3^slot for ternary20) int64, its bit offset int32 and
+    the largest code it holds int64."""
+    key = (bits, layout, str(device))
+    if key not in _SLOT_TABLES:
+        if layout == "ternary20":
+            places, offsets, limits = [3**slot for slot in range(TERNARY_PER_WORD)], [0] * TERNARY_PER_WORD, [2] * TERNARY_PER_WORD
+        else:
+            slots = _slots(bits, layout)
+            places, offsets, limits = [2**o for o, _ in slots], [o for o, _ in slots], [2**w - 1 for _, w in slots]
+        _SLOT_TABLES[key] = (torch.tensor(places, dtype=torch.int64, device=device),
+                             torch.tensor(offsets, dtype=torch.int32, device=device),
+                             torch.tensor(limits, dtype=torch.int64, device=device))
+    return _SLOT_TABLES[key]
+
+
+def pack(codes: torch.Tensor, bits: float, layout: str = "lsb", check: bool = True) -> torch.Tensor:
+    """codes (..., n) in [0, 2^bits) (0..2 for ternary20) -> int32 words (..., packed_words(n, bits, layout)), in a few
+    tensor ops whatever the codes per word: every slot's code times its place value, summed per word (the slots' bits
+    do not overlap, so the sum is their OR); planesN shifts and sums each bit-plane's fields so. check=False skips the
+    range check (for codes a codec made)."""
     words_per_unit, per_unit = unit_shape(bits, layout)
     n = codes.shape[-1]
     units = math.ceil(n / per_unit)
-    padded = torch.zeros(*codes.shape[:-1], units * per_unit, dtype=torch.int64, device=codes.device)
-    padded[..., :n] = codes.to(torch.int64)
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(*codes.shape[:-1], units, per_unit)
     limit = 3 if layout == "ternary20" else 2**bits
-    if padded.numel() and (padded.min() < 0 or padded.max() >= limit):
+    if check and padded.numel() and (padded.min() < 0 or padded.max() >= limit):
         raise ValueError(f"codes outside [0, {limit}) cannot be packed in layout {layout}")
-    grouped = padded.view(*codes.shape[:-1], units, per_unit)
     if is_planes(layout):
-        words = pack_planes(grouped, int(bits)).flatten(-2)
-    elif layout == "ternary20":
-        words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
-        for slot in range(per_unit):
-            words += grouped[..., slot] * 3**slot
+        packed = pack_planes(padded, words_per_unit).flatten(-2)
     else:
-        words = torch.zeros(grouped.shape[:-1], dtype=torch.int64, device=codes.device)
-        for slot, (offset, width) in enumerate(_slots(bits, layout)):
-            words |= grouped[..., slot].clamp(max=2**width - 1) << offset
-    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+        places, _, limits = _slot_table(bits, layout, codes.device)
+        if layout == "kvmix10x3+1x2":
+            padded = padded.minimum(limits)  # the eleventh code keeps 2 bits: lossy by design
+        packed = (padded * places).sum(-1)
+    return packed.sub_(packed.ge(2**31).to(torch.int64) << 32).to(torch.int32)  # the uint32 pattern as int32
+
+
+def unpack_units(words: torch.Tensor, bits: float, layout: str = "lsb") -> torch.Tensor:
+    """int32 words (..., w) -> codes (..., units, codes per unit) int32, every slot (the row's padding included): an
+    arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planesN each
+    bit-plane's words are shifted apart and the planes joined; ternary20's base-3 digits from the uint32 pattern."""
+    if layout == "ternary20":
+        unsigned = words.to(torch.int64) & 0xFFFFFFFF
+        places, _, _ = _slot_table(bits, layout, words.device)
+        return torch.div(unsigned[..., None], places, rounding_mode="floor").remainder_(3).to(torch.int32)
+    if is_planes(layout):
+        words_per_unit, _ = unit_shape(bits, layout)
+        return unpack_planes(words.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
+    _, offsets, limits = _slot_table(bits, layout, words.device)
+    return (words[..., None] >> offsets).bitwise_and_(limits.to(torch.int32))
 
 
 def unpack(words: torch.Tensor, bits: float, length: int, layout: str = "lsb") -> torch.Tensor:
     """int32 words (..., w) -> codes (..., length) as int64."""
-    unsigned = words.to(torch.int64) & 0xFFFFFFFF
-    if is_planes(layout):
-        words_per_unit, _ = unit_shape(bits, layout)
-        codes = unpack_planes(unsigned.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
-    elif layout == "ternary20":
-        codes = torch.stack([(unsigned // 3**slot) % 3 for slot in range(TERNARY_PER_WORD)], dim=-1)
-    else:
-        codes = torch.stack([(unsigned >> offset) & (2**width - 1) for offset, width in _slots(bits, layout)], dim=-1)
-    return codes.flatten(-2)[..., :length]
+    return unpack_units(words, bits, layout).flatten(-2)[..., :length].to(torch.int64)

@@ -9,25 +9,12 @@ import torch
 
 from helpers.kernel_cases import APPEND_CODECS, CASES, HEAD_DIM, KV_HEADS, WIDTH, _codebook, seeded_tokens
 from kvcal.errors import KvcalError
-from kvcal.packing import OUTLIER_TILE_TOKENS, pack, unpack
+from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import cpu_kernel, tensor_core
 from kvcal.runtime.segments import SegmentedStore
-from kvcal.runtime.store import GROWTH, PackedRows, pack_codes, unpack_codes
+from kvcal.runtime.store import GROWTH, PackedRows
 from kvcal.fit.skvq import SkvqTensor
-
-LAYOUTS = [(1, "lsb"), (2, "lsb"), (3, "lsb"), (3, "planes3"), (4, "lsb"), (5, "planes5"), (6, "planes6"), (7, "planes7"),
-           (8, "lsb"), (3, "kvmix10x3+1x2"), (1.5, "ternary20")]
-
-
-@pytest.mark.parametrize("bits, layout", LAYOUTS)
-@pytest.mark.parametrize("channels", [7, 100, 192, 1024])
-def test_fast_packing_equals_kvcal_packing(bits, layout, channels):
-    top = 3 if layout == "ternary20" else 2 ** int(bits)
-    codes = torch.randint(0, top, (37, channels), generator=torch.Generator().manual_seed(channels))
-    words = pack(codes, bits, layout)
-    assert torch.equal(pack_codes(codes, bits, layout), words)
-    assert torch.equal(unpack_codes(words, bits, layout).flatten(-2)[..., :channels].long(), unpack(words, bits, channels, layout))
 
 
 def skvq_codec(bits: float) -> SkvqTensor:

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, _slots, check_outlier_head_dim, is_planes, layout_for,
-                           outlier_table_bytes, pack_planes, packed_words, unit_shape, unpack, unpack_planes)
+from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, check_outlier_head_dim, layout_for, outlier_table_bytes, pack,
+                           packed_words, unit_shape, unpack, unpack_units)
 from kvcal.quantizers import TINY_SCALE, CodecKind, Encoded
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
@@ -84,66 +84,7 @@ def row_index(seqs: list[int], starts: list[int], counts: list[int], device) -> 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# unpacking and table decoding of a whole batch
-
-_SHIFTS: dict = {}
-
-
-def _shifts_and_masks(bits: float, layout: str, device) -> tuple[torch.Tensor, torch.Tensor | int]:
-    key = (bits, layout, str(device))
-    if key not in _SHIFTS:
-        slots = _slots(bits, layout)
-        masks = {2**width - 1 for _, width in slots}  # one mask (a scalar) unless the widths differ (kvmix10x3+1x2)
-        _SHIFTS[key] = (torch.tensor([offset for offset, _ in slots], dtype=torch.int32, device=device),
-                        masks.pop() if len(masks) == 1 else
-                        torch.tensor([2**width - 1 for _, width in slots], dtype=torch.int32, device=device))
-    return _SHIFTS[key]
-
-
-def unpack_codes(words: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
-    """int32 words (..., w) -> codes (..., units, codes per unit) int32 (every slot, the row's padding included, see
-    kvcal.packing.unit_shape); equal to kvcal.packing.unpack before its flatten and cut, in a few tensor ops: an
-    arithmetic shift of the int32 word keeps the slot's bits and the mask drops the sign extension; for planesN each
-    bit-plane's words are shifted apart and the planes joined."""
-    if layout == "ternary20":
-        per_word = 20
-        return unpack(words, bits, words.shape[-1] * per_word, layout).view(*words.shape, per_word).to(torch.int32)
-    if is_planes(layout):
-        words_per_unit, _ = unit_shape(bits, layout)
-        return unpack_planes(words.view(*words.shape[:-1], -1, words_per_unit), words_per_unit)
-    shifts, masks = _shifts_and_masks(bits, layout, words.device)
-    return (words[..., None] >> shifts).bitwise_and_(masks)
-
-
-_PACKING: dict = {}
-
-
-def pack_codes(codes: torch.Tensor, bits: float, layout: str) -> torch.Tensor:
-    """kvcal.packing.pack for codes the codecs made (in range: not checked again), in a few tensor ops whatever the
-    number of codes per word: every slot's code times its place value (2^offset, or 3^slot for ternary20),
-    summed per word (the slots' bits do not overlap, so the sum is their OR); planesN shifts and sums each
-    bit-plane's fields so."""
-    words_per_unit, per_unit = unit_shape(bits, layout)
-    rows, n = codes.shape
-    units = packed_words(n, bits, layout) // words_per_unit
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, units * per_unit - n)).view(rows, units, per_unit)
-    if is_planes(layout):
-        packed = pack_planes(padded, words_per_unit).view(rows, units * words_per_unit)
-    else:
-        key = (bits, layout, str(codes.device))
-        if key not in _PACKING:
-            if layout == "ternary20":
-                places, limits = [3**slot for slot in range(per_unit)], [2] * per_unit
-            else:
-                slots = _slots(bits, layout)
-                places, limits = [2**offset for offset, _ in slots], [2**width - 1 for _, width in slots]
-            _PACKING[key] = (torch.tensor(places, dtype=torch.int64, device=codes.device),
-                             torch.tensor(limits, dtype=torch.int64, device=codes.device))
-        places, limits = _PACKING[key]
-        if layout == "kvmix10x3+1x2":
-            padded = padded.minimum(limits)  # the eleventh code keeps 2 bits, as kvcal.packing.pack clamps it
-        packed = (padded * places).sum(-1)
-    return packed.sub_(packed.ge(2**31).to(torch.int64) << 32).to(torch.int32)  # the uint32 pattern as int32
+# table decoding of a whole batch
 
 
 def permuted_groups(codec) -> bool:
@@ -588,7 +529,7 @@ class PackedRows:
         encoded = self.codec.encode(x.float())
         target = row_index(seqs, starts, counts, self.device)
         codes = _to_channel_order(self.codec, encoded.codes) if permuted_groups(self.codec) else encoded.codes
-        self.words.index_put_(target, pack_codes(codes, self.codec.bits, self.layout))
+        self.words.index_put_(target, pack(codes, self.codec.bits, self.layout, check=False))
         for name, values in encoded.token.items():
             self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype).index_put_(target, values)
         if encoded.block:
@@ -683,7 +624,7 @@ class PackedRows:
         batch = self.words.shape[0]
         if rows == 0:
             return torch.zeros(batch, 0, self.width, device=self.device)
-        codes = unpack_codes(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, units, per_unit)
+        codes = unpack_units(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, units, per_unit)
         if self._table is not None:
             out = self._table.decode(self, codes, rows)
         else:
