@@ -14,11 +14,28 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   (round half away from zero); the stored fp32 scale carries zp in its low 4 mantissa bits, so the read uses s with
   them cleared: x^_rot = (q - zp) * s', x^ = signs * H(x^_rot) / head_dim. Two codes a byte and the fp32 word.
   Source: vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075.
+- TurboQuant presets (`turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`: TQ_PRESETS,
+  key bits, value bits, norm correction): keys either fp8 e4m3 (k8v4: cast saturating at +-448, no scale; the
+  Hopper-and-later format, e4nv) or, per (token, KV head), n = ||k|| in fp32, y = (k / (n + 1e-8)) H with H the
+  orthonormal Sylvester Hadamard matrix (the same for every layer, no signs), each coordinate coded as the count of
+  Lloyd-Max midpoints <= y (centroids of N(0, 1/head_dim) by vLLM's own solver: `lloyd_max_centroids`), n stored fp16;
+  decoded c = centroids[code], with norm correction c / sqrt(sum c^2 + 1e-16), k^ = fp16(n) c H (vLLM scores
+  q H . fp16(n) c: the same). Values per (token, KV head): s = max((max - min) / (2^b - 1), 1e-8), codes
+  clamp(trunc((v - min) / s + 0.5)) with the fp32 s and min, v^ = code * fp16(s) + fp16(min). Bits: keys
+  8 x head_dim, or ceil(head_dim x b / 8) bytes + an fp16 norm; values ceil(head_dim x b / 8) bytes + fp16 scale and
+  zero, per KV head. vLLM keeps the first and last TQ_BOUNDARY_LAYERS layers unquantized (`tq_boundary_layers`).
+  Sources @ 0135d081c30fa476130ae77a152539ce317ab8b1 (model_executor/layers/quantization/turboquant/config.py and
+  centroids.py; v1/attention/backends/turboquant_attn.py: _build_hadamard, the midpoints; v1/attention/ops/
+  triton_turboquant_store.py) and @ 055e47c28003156421365af985d676fc921cb075 (v1/attention/ops/
+  triton_turboquant_decode.py: _tq_full_dequant_kv); the boundary layers from engine/arg_utils.py's merge of
+  TurboQuantConfig.get_boundary_skip_layers. Not modelled: Triton's fp32 division may round differently from
+  IEEE division at a code boundary; Ampere's e4b15 fp8 keys.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -120,3 +137,124 @@ class Int4PerTokenHead:
         restored = (q - zero) * without_low_mantissa(scale)
         values = (hadamard_butterfly(restored) * signs / self.head_dim).view(x.shape)
         return Quantized(values, torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TurboQuant
+
+TQ_PRESETS = {  # preset -> (key bits, 8 = fp8 keys; value bits; norm correction)
+    "turboquant_k8v4": (8, 4, False),
+    "turboquant_4bit_nc": (4, 4, True),
+    "turboquant_k3v4_nc": (3, 4, True),
+    "turboquant_3bit_nc": (3, 3, True),
+}
+TQ_BOUNDARY_LAYERS = 2  # first and last layers vLLM leaves unquantized under a TurboQuant preset
+TQ_NORM_EPS = 1e-8  # k / (||k|| + eps)
+TQ_VALUE_SCALE_FLOOR = 1e-8
+FP16_BITS = 16
+
+
+def tq_boundary_layers(num_layers: int) -> set[int]:
+    """The layers vLLM keeps unquantized under a TurboQuant preset: the first and last TQ_BOUNDARY_LAYERS, at most half
+    of the layers from each end."""
+    n = min(TQ_BOUNDARY_LAYERS, num_layers // 2)
+    return set(range(n)) | set(range(num_layers - n, num_layers))
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max_centroids(head_dim: int, bits: int) -> torch.Tensor:
+    """vLLM's TurboQuant codebook: Lloyd-Max centroids of N(0, 1/head_dim), 2^bits of them, by its own procedure:
+    start evenly inside +-3.5 sigma, integrate each cell (the outer ones to +-10.5 sigma) with the trapezoidal rule
+    on 200 intervals, at most 200 rounds, stop (keeping the previous centroids) once none moves 1e-10; float32."""
+    levels, variance = 2**bits, 1.0 / head_dim
+    sigma = math.sqrt(variance)
+
+    def density(x: float) -> float:
+        return math.exp(-x * x / (2 * variance)) / math.sqrt(2 * math.pi * variance)
+
+    def integral(f, a: float, b: float, steps: int = 200) -> float:
+        h = (b - a) / steps
+        return (0.5 * (f(a) + f(b)) + sum(f(a + i * h) for i in range(1, steps))) * h
+
+    lo, hi = -3.5 * sigma, 3.5 * sigma
+    centroids = [lo + (hi - lo) * (i + 0.5) / levels for i in range(levels)]
+    for _ in range(200):
+        edges = [3 * lo] + [(a + b) / 2 for a, b in zip(centroids, centroids[1:])] + [3 * hi]
+        moved = []
+        for i in range(levels):
+            mass = integral(density, edges[i], edges[i + 1])
+            moved.append(integral(lambda x: x * density(x), edges[i], edges[i + 1]) / mass if mass > 1e-15 else centroids[i])
+        if max(abs(a - b) for a, b in zip(moved, centroids)) < 1e-10:
+            break
+        centroids = moved
+    return torch.tensor(centroids, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def sylvester_hadamard(head_dim: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix (symmetric: its own inverse) TurboQuant rotates keys with."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(head_dim)
+
+
+@dataclass(frozen=True)
+class TurboQuantKeys:
+    """One preset's keys: fp8 (bits 8) or Lloyd-Max codes of the rotated unit vector and an fp16 norm."""
+
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
+    bits: int
+    head_dim: int
+    norm_correction: bool
+    block_tokens = 1
+
+    def __post_init__(self):
+        if self.head_dim & (self.head_dim - 1):
+            raise KvcalError(f"vLLM's TurboQuant rotates heads with a Hadamard matrix: head_dim {self.head_dim} is not a "
+                             "power of two")
+
+    def row_bits(self, channels: int) -> float:
+        heads = channels // self.head_dim
+        if self.bits == 8:
+            return float(8 * channels)
+        return float(heads * (8 * math.ceil(self.head_dim * self.bits / 8) + FP16_BITS))
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        heads = _per_head(x, self.head_dim)
+        if self.bits == 8:
+            values = heads.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        else:
+            centroids = lloyd_max_centroids(self.head_dim, self.bits).to(x.device)
+            midpoints = (centroids[:-1] + centroids[1:]) / 2
+            rotation = sylvester_hadamard(self.head_dim).to(x.device)
+            norm = heads.norm(dim=-1, keepdim=True)
+            codes = torch.searchsorted(midpoints, (heads / (norm + TQ_NORM_EPS)) @ rotation, right=True)
+            unit = centroids[codes]
+            if self.norm_correction:
+                unit = unit * (1.0 / torch.sqrt((unit * unit).sum(-1, keepdim=True) + 1e-16))
+            values = (norm.to(torch.float16).float() * unit) @ rotation
+        return Quantized(values.reshape(x.shape), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
+
+
+@dataclass(frozen=True)
+class TurboQuantValues:
+    """One preset's values: uniform codes per (token, KV head), fp16 scale and minimum."""
+
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
+    bits: int
+    head_dim: int
+    block_tokens = 1
+
+    def row_bits(self, channels: int) -> float:
+        return float(channels // self.head_dim * (8 * math.ceil(self.head_dim * self.bits / 8) + 2 * FP16_BITS))
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        heads = _per_head(x, self.head_dim)
+        low, high = heads.amin(-1, keepdim=True), heads.amax(-1, keepdim=True)
+        top = 2**self.bits - 1
+        scale = (high - low) / top
+        scale = torch.where(scale > TQ_VALUE_SCALE_FLOOR, scale, TQ_VALUE_SCALE_FLOOR)
+        codes = ((heads - low) / scale + 0.5).trunc().clamp(0, top)
+        values = codes * scale.to(torch.float16).float() + low.to(torch.float16).float()
+        return Quantized(values.reshape(x.shape), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))

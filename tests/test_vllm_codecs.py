@@ -6,7 +6,14 @@
   key = single_rht(key.float()).to(key.dtype); scale = max((max - min) / 15, 1e-6); zp = clamp(rhaz(-min / scale),
   0, 15); q = clamp(rhaz(k * (1 / scale) + zp), 0, 15); the scale word keeps zp in its low 4 bits
   ((bits & -16) | zp); read: single_rht(out, inverse=True) / head_size. _get_rht_signs: a CPU generator seeded
-  0x9E3779B9, 2 * bernoulli(0.5) - 1; fast_hadamard_transform's CPU tier: stages of stack([a + b, a - b])."""
+  0x9E3779B9, 2 * bernoulli(0.5) - 1; fast_hadamard_transform's CPU tier: stages of stack([a + b, a - b]).
+- TurboQuant presets: turboquant/config.py TQ_PRESETS and centroids.py solve_lloyd_max, backends/turboquant_attn.py
+  _build_hadamard (Sylvester, / sqrt(d)) and midpoints (sorted centroids' means), ops/triton_turboquant_store.py
+  (norms = ||k||; y = (k / (norms + 1e-8)) @ PiT; binary-search bucketize: lo = where(y >= mid, mid + 1, lo); fp16
+  norm; values: scale = (max - min) / (2^b - 1), floored at 1e-8, q = clamp(int((v - min) / scale + 0.5)), fp16
+  scale and min) @ 0135d081c30fa476130ae77a152539ce317ab8b1; ops/triton_turboquant_decode.py _tq_full_dequant_kv
+  (c = centroids[idx]; NORM_CORRECTION: c * 1 / sqrt(sum c^2 + 1e-16); k = fp16 norm * c, scored against q @ PiT)
+  @ 055e47c28003156421365af985d676fc921cb075."""
 
 import numpy as np
 import pytest
@@ -17,7 +24,8 @@ from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.evaluate import evaluate_ppl
 from kvcal.methods import baseline_method
-from kvcal.vllm_codecs import Int4PerTokenHead, PerTokenHead, hadamard_butterfly, rht_signs
+from kvcal.vllm_codecs import (Int4PerTokenHead, PerTokenHead, TurboQuantKeys, TurboQuantValues, hadamard_butterfly,
+                               lloyd_max_centroids, rht_signs, sylvester_hadamard)
 
 
 def test_int8_per_token_head_rounds_half_away_from_zero_with_an_fp32_scale_per_token_and_head():
@@ -85,3 +93,64 @@ def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
         with pytest.raises(KvcalError, match=message):
             baseline_method(bad, 2, 16)
     assert baseline_method("fp8_per_token_head;skip=sliding_window", 2, 16, [16, None]).name == "fp8_per_token_head;skip=0"
+
+
+def test_turboquant_centroids_are_lloyd_max_of_the_rotated_coordinate_law():
+    """The 1-bit Lloyd-Max quantizer of N(0, s^2) is +-s sqrt(2 / pi); 3 bits: +-0.2451, 0.7560, 1.3440, 2.1520 s
+    (Max, 1960). vLLM's solver (200-step trapezoids) lands within 3e-4 s and 2e-3 s of them (here 0.79771 s for
+    sqrt(2 / pi) = 0.79788, 2.15035 s for 2.1520): its own codebook, not the exact one, is what its cache uses."""
+    sigma = 64**-0.5
+    one_bit = lloyd_max_centroids(64, 1)
+    assert torch.allclose(one_bit, torch.tensor([-1.0, 1.0]) * sigma * (2 / np.pi) ** 0.5, rtol=0, atol=3e-4 * sigma)
+    assert not torch.allclose(one_bit, torch.tensor([-1.0, 1.0]) * sigma * (2 / np.pi) ** 0.5, rtol=0, atol=1e-5 * sigma)
+    table = torch.tensor([0.2451, 0.7560, 1.3440, 2.1520])
+    assert torch.allclose(lloyd_max_centroids(64, 3), torch.cat([-table.flip(0), table]) * sigma, rtol=0, atol=2e-3 * sigma)
+    h = sylvester_hadamard(8)
+    assert torch.allclose(h @ h, torch.eye(8), atol=1e-6) and torch.equal(h, h.T)
+
+
+def test_turboquant_keys_code_the_rotated_unit_vector_and_restore_the_fp16_norm():
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3)) * 4
+    got = TurboQuantKeys(4, 64, norm_correction=True).quantize(x)
+    norms = x.view(6, 2, 64).norm(dim=-1)
+    # norm correction: every reconstructed head has exactly its stored (fp16) norm
+    torch.testing.assert_close(got.values.view(6, 2, 64).norm(dim=-1), norms.half().float(), rtol=2e-6, atol=0)
+    # the codes: midpoints counted per rotated coordinate; a key along the first axis rotates to all-equal coordinates
+    axis = torch.zeros(1, 64)
+    axis[0, 0] = 3.0
+    centroids = lloyd_max_centroids(64, 4)
+    code = int(((centroids[:-1] + centroids[1:]) / 2 <= 64**-0.5).sum())
+    plain = TurboQuantKeys(4, 64, norm_correction=False).quantize(axis).values
+    torch.testing.assert_close(plain, 3.0 * centroids[code] * sylvester_hadamard(64).sum(0, keepdim=True), rtol=1e-6, atol=1e-6)
+    assert got.row_bits[0] == 2 * (32 * 8 + 16) and TurboQuantKeys(3, 64, True).row_bits(128) == 2 * (24 * 8 + 16)
+    fp8 = TurboQuantKeys(8, 64, norm_correction=False).quantize(torch.tensor([[500.0, -0.3] + [0.0] * 62]))
+    assert fp8.values[0, :2].tolist() == [448.0, -0.3125] and fp8.row_bits[0] == 8 * 64
+
+
+def test_turboquant_values_code_with_the_fp32_scale_and_decode_with_the_fp16_one():
+    """v = 0, 0.1, ..., 1.5: scale 0.1 codes each v to 10 v (the +0.5 then truncation rounds up), read back with
+    fp16(0.1) = 0.0999755859375; a constant head keeps scale 1e-8 (0 in fp16) and decodes to its fp16 minimum."""
+    x = torch.cat([torch.arange(16.0) / 10, torch.full((48,), 0.7)])[None]
+    got = TurboQuantValues(4, 64).quantize(torch.cat([x, torch.full((1, 64), 1 / 3)]))
+    codes = torch.tensor([round(v * 10) for v in (torch.arange(16.0) / 10).tolist()] + [7] * 48, dtype=torch.float32)
+    assert torch.equal(got.values[0], codes * torch.tensor(0.1).half().float())
+    assert torch.equal(got.values[1], torch.full((64,), 1 / 3).half().float())
+    assert got.row_bits[0] == 32 * 8 + 32 and TurboQuantValues(3, 64).row_bits(64) == 24 * 8 + 32
+
+
+def test_a_turboquant_preset_leaves_the_first_and_last_two_layers_unquantized():
+    method = baseline_method("turboquant_k3v4_nc;skip=5", 30, 64)
+    fp16 = [i for i, layer in enumerate(method.layers) if layer.key_codec.kind.value == "fp16"]
+    assert fp16 == [0, 1, 5, 28, 29] and method.nominal_bits == 3.5
+    assert [type(c).__name__ for c in (method.layers[2].key_codec, method.layers[2].value_codec)] == ["TurboQuantKeys", "TurboQuantValues"]
+    assert len([i for i, layer in enumerate(baseline_method("turboquant_k8v4", 3, 64).layers) if layer.key_codec.kind.value == "fp16"]) == 2
+
+
+def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_boundary_layers():
+    """turboquant_k3v4_nc on a 6-layer tiny Llama (head_dim 16): layers 0, 1, 4, 5 at 16 bits, layers 2 and 3 at
+    (3 x 16 + 16) / 16 = 4 bits for keys and (4 x 16 + 32) / 16 = 6 for values."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method("turboquant_k3v4_nc", 6, 16)])
+    assert result.effective_bits == pytest.approx((4 * 16 + 2 * (4 + 6) / 2) / 6)
+    assert result.ppl != fp.ppl

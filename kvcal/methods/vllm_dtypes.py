@@ -1,16 +1,19 @@
-"""vLLM's per-token-head KV cache dtypes (`vllm`, the `eval ppl` baselines int8_per_token_head,
-fp8_per_token_head and int4_per_token_head, no calibration): every token quantized when stored, keys after RoPE,
-nothing kept fp16, exact to vLLM's kernels (kvcal.vllm_codecs). With `;skip=L+L+...` (kvcal.methods.baseline_method)
-the named layers stay unquantized, as vLLM's --kv-cache-dtype-skip-layers keeps them."""
+"""vLLM's KV cache dtypes (`vllm`, the `eval ppl` baselines int8_per_token_head, fp8_per_token_head,
+int4_per_token_head and the TurboQuant presets turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc,
+turboquant_3bit_nc; no calibration): every token quantized when stored, keys after RoPE, nothing kept fp16 (but a
+TurboQuant preset's first and last two layers, which vLLM leaves unquantized), to vLLM's kernels (kvcal.vllm_codecs).
+With `;skip=L+L+...` (kvcal.methods.baseline_method) the named layers stay unquantized too, as vLLM's
+--kv-cache-dtype-skip-layers keeps them."""
 
 from __future__ import annotations
 
 from kvcal import registry
 from kvcal.kv import SegmentPolicy
-from kvcal.quantizers import LayerCodecs
+from kvcal.quantizers import FP16_LAYER, LayerCodecs
 from kvcal.registry import MethodSpec
 from kvcal.simulate import Method
-from kvcal.vllm_codecs import Int4PerTokenHead, PerTokenHead
+from kvcal.vllm_codecs import (TQ_PRESETS, Int4PerTokenHead, PerTokenHead, TurboQuantKeys, TurboQuantValues,
+                               tq_boundary_layers)
 
 VLLM_DTYPES = {
     "int8_per_token_head": lambda head_dim: PerTokenHead("int8", head_dim),
@@ -19,14 +22,25 @@ VLLM_DTYPES = {
 }
 
 
+def turboquant_method(preset: str, num_layers: int, head_dim: int) -> Method:
+    key_bits, value_bits, norm_correction = TQ_PRESETS[preset]
+    layer = LayerCodecs(TurboQuantKeys(key_bits, head_dim, norm_correction), TurboQuantValues(value_bits, head_dim), key_pre_rope=False)
+    boundary = tq_boundary_layers(num_layers)
+    layers = [FP16_LAYER if i in boundary else layer for i in range(num_layers)]
+    return Method(preset, (key_bits + value_bits) / 2, layers, SegmentPolicy())
+
+
 class VllmDtypeSpec(MethodSpec):
     name = "vllm"
-    description = "vLLM's per-token-head KV cache dtypes (int8, fp8, int4 with its Hadamard rotation), exact to its kernels (baseline)"
+    description = ("vLLM's KV cache dtypes: per-token-head int8, fp8, int4 (with its Hadamard rotation) and the TurboQuant "
+                   "presets, to its kernels (baseline)")
 
     def baseline_syntax(self):
-        return " | ".join(VLLM_DTYPES)
+        return " | ".join([*VLLM_DTYPES, *TQ_PRESETS])
 
     def baseline(self, text, num_layers, head_dim):
+        if text in TQ_PRESETS:
+            return turboquant_method(text, num_layers, head_dim)
         make = VLLM_DTYPES.get(text)
         if make is None:
             return None
