@@ -578,15 +578,14 @@ inline void accumulate_values(const float* p, const float* v, int n, int D, int 
     }
 }
 
-// Ask for the first halves of RoPE table rows first .. first + n - 1 (what the rotation reads) ahead of their use: the
-// tables are as large as an fp32 cache and come from beyond L2 once a layer's weights passed, a row per token, too
-// little work apart for the hardware prefetcher to keep them coming.
-inline void prefetch_rope_rows(const float* cos_table, const float* sin_table, long long at, int first, int n, int D) {
+// Ask for RoPE table rows first .. first + n - 1 ahead of their use: the tables come from beyond L2 once a layer's
+// weights passed, a row per token, too little work apart for the hardware prefetcher to keep them coming.
+inline void prefetch_rope_rows(const float* cos_table, const float* sin_table, long long at, int first, int n, int half) {
     constexpr int LINE = 64 / sizeof(float);
     for (int i = first; i < first + n; ++i)
-        for (int c = 0; c < D / 2; c += LINE) {
-            __builtin_prefetch(cos_table + at + (long long)i * D + c, 0, 2);
-            __builtin_prefetch(sin_table + at + (long long)i * D + c, 0, 2);
+        for (int c = 0; c < half; c += LINE) {
+            __builtin_prefetch(cos_table + at + (long long)i * half + c, 0, 2);
+            __builtin_prefetch(sin_table + at + (long long)i * half + c, 0, 2);
         }
 }
 
@@ -612,18 +611,18 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         state[0] = -INFINITY;
         std::fill(state + 1, state + D + 2, 0.0f);
     }
-    if (cos_table != nullptr) prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t_begin, std::min(CHUNK, t_end - t_begin), D);
+    if (cos_table != nullptr) prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t_begin, std::min(CHUNK, t_end - t_begin), half);
     for (int t0 = t_begin; t0 < t_end; t0 += CHUNK) {
         const int n = std::min(CHUNK, t_end - t0);
         if (cos_table != nullptr && t0 + CHUNK < t_end)
-            prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), D);
+            prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), half);
         decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-        // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half); a table row holds its
-        // half of frequencies twice (rotate_half's convention), so only the first half is read
+        // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half), with a table row of the
+        // half frequencies (rotate_half's full rows repeat them)
         if (cos_table != nullptr) {
             for (int i = 0; i < n; ++i) {
-                const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * D;
-                const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * D;
+                const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * half;
+                const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * half;
                 float* __restrict__ k = keys.data() + (size_t)i * D;
                 for (int c = 0; c < half; ++c) {
                     const float x1 = k[c], x2 = k[c + half];
@@ -665,8 +664,8 @@ struct Task {
 // sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
 // last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
-// META_FIELDS); cos/sin (batch, >= tokens, D) at each sequence's stored tokens' positions
-// (kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
+// META_FIELDS); cos/sin (batch, >= tokens, D / 2) at each sequence's stored tokens' positions (the first half of each
+// row of kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
 // Work: every (sequence, KV head)'s tokens in splits of SPLIT tokens, or fewer (halved down to CHUNK) while that
 // makes fewer than MIN_TASKS tasks (so that a short context keeps every thread busy); one task
 // each, run on `threads` threads (OpenMP, the runtime torch uses where both are libgomp); each task's partial state is

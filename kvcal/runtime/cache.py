@@ -52,7 +52,7 @@ from kvcal.adapters import ModelAdapter, adapt
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
-from kvcal.runtime import backends, kernels, reference
+from kvcal.runtime import backends, cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import upload
 
@@ -374,17 +374,17 @@ class WiredCache(Cache):
 
     def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float,
                   windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (1 or batch, >= tokens, head_dim) at each sequence's positions offset .. offset + tokens - 1 for the
-        CPU kernel: one row set for the batch when every sequence starts at the same position, kept between steps
-        and grown by doubling (a decode step adds one token: the tables are made again only every so often; for the
-        sliding-window layers, `windowed`, whenever their first stored token moves)."""
+        """cos, sin (1 or batch, >= tokens, head_dim / 2) at each sequence's positions offset .. offset + tokens - 1 for
+        the CPU kernel (cpu_kernel.half_rope_tables): one row set for the batch when every sequence starts at the same
+        position, kept between steps and grown by doubling (a decode step adds one token: the tables are made again
+        only every so often; for the sliding-window layers, `windowed`, whenever their first stored token moves)."""
         starts = tuple(offsets) if len(set(offsets)) > 1 else (offsets[0],)
         key = (inv_freq.data_ptr(), rope_scaling, windowed)  # one entry per set of frequencies (models may have two)
         held_starts, held = self._rope_rows.get(key, (None, None))
         if held_starts != starts or held[0].shape[1] < tokens:
             capacity = max(tokens, 2 * held[0].shape[1] if held_starts == starts else 0, 256)
             positions = torch.arange(capacity, device=inv_freq.device)[None, :] + torch.tensor(starts, device=inv_freq.device)[:, None]
-            held = reference.rope_tables(positions, inv_freq, rope_scaling)
+            held = cpu_kernel.half_rope_tables(*reference.rope_tables(positions, inv_freq, rope_scaling))
             self._rope_rows[key] = (starts, held)
         return held
 

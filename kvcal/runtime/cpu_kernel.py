@@ -188,9 +188,10 @@ def side_descriptor(sink, body, recent) -> list[int]:
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
-    rope: cos, sin (batch or 1, [1,] >= tokens, head_dim) float32 at each sequence's stored tokens' positions (one
-    set of rows for the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are
-    stored rotated); first: per sequence, its first stored token the query sees (a sliding window; default 0).
+    rope: cos, sin (batch or 1, >= tokens, head_dim / 2) float32 contiguous, the first half of each row of
+    kvcal.runtime.reference.rope_tables (`half_rope_tables`), at each sequence's stored tokens' positions (one set of
+    rows for the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are stored
+    rotated); first: per sequence, its first stored token the query sees (a sliding window; default 0).
     (batch, heads, head_dim) float32; a sequence without tokens gets zeros. The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
@@ -198,8 +199,8 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     cos = sin = None
     rope_stride = 0
     if rope is not None:
-        cos, sin = (t.reshape(t.shape[0], -1, head_dim).contiguous() for t in rope)
-        rope_stride = 0 if cos.shape[0] == 1 else cos.shape[1] * head_dim
+        cos, sin = rope
+        rope_stride = 0 if cos.shape[0] == 1 else cos.shape[1] * cos.shape[2]
     calls = []
     for segments in launches:
         lengths = [kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)]
@@ -220,6 +221,13 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
             heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1,
             torch.get_num_threads())
     return out
+
+
+def half_rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's RoPE tables from reference.rope_tables' (..., tokens, head_dim): the first half of each row,
+    contiguous (rotate_half's rows repeat it; the kernel reads half the bytes)."""
+    half = cos.shape[-1] // 2
+    return tuple(t.reshape(t.shape[0], -1, t.shape[-1])[..., :half].contiguous() for t in (cos, sin))
 
 
 # ---------------------------------------------------------------------------------------------------------

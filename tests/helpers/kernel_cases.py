@@ -118,7 +118,7 @@ def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
         tokens = max(sum(part.length[b] for part in segments.keys if part is not None)
                      for segments in launches for b in range(len(offsets)))
         positions = torch.arange(tokens)[None, :] + torch.tensor(offsets)[:, None]
-        rope = reference.rope_tables(positions, inv_freq, 1.0)
+        rope = cpu_kernel.half_rope_tables(*reference.rope_tables(positions, inv_freq, 1.0))
     return cpu_kernel.decode_attention(query, launches, kv_heads, scaling, rope)
 
 
