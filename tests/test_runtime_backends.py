@@ -53,13 +53,14 @@ def test_an_unknown_device_is_refused(recipe_bundles):
 def test_the_runtime_dispatches_on_the_kind_a_codec_declares():
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, CodecKind, TokenUniform
     from kvcal.rotation_codecs import HadamardInt
+    from kvcal.runtime import kernel_source as src
     from kvcal.runtime import kernels
 
     book = torch.linspace(-1, 1, 8)
     per_token, per_channel = CodebookCodec(book), CodebookCodec(book, lo=-torch.ones(64), hi=torch.ones(64))
     assert (per_token.kind, per_channel.kind) == (CodecKind.CODEBOOK_TOKEN, CodecKind.CODEBOOK_CHANNEL)
     ids = [kernels.codec_id(c) for c in (TokenUniform(2, 32), ChannelBlockUniform(2, 32), per_channel, per_token)]
-    assert ids == [kernels.src.UNIFORM_TOKEN, kernels.src.UNIFORM_CHANNEL, kernels.src.CODEBOOK_CHANNEL, kernels.src.CODEBOOK_TOKEN]
+    assert ids == [src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL, src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN]
     simulated = HadamardInt(3, 64)  # another engine's type: `eval ppl` simulates it, no runtime store reads it
     assert simulated.kind is CodecKind.SIMULATED and kernels.codec_id(simulated) is None
     shape = backends.LayerShape(((simulated, simulated),), False, 4, 1, 64, torch.device("cpu"))
