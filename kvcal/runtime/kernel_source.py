@@ -22,7 +22,6 @@ ARCHITECTURES = ("sm_80", "sm_90")
 OPTIONS = ("--std=c++17", "-default-device")
 
 
-
 def source(module: str) -> str:
     path = KERNEL_DIR / module
     if not path.is_file():
