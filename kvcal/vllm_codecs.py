@@ -57,6 +57,11 @@ def _per_head(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.float().view(tokens, channels // head_dim, head_dim)
 
 
+def _require_power_of_two(head_dim: int, dtype: str) -> None:
+    if head_dim & (head_dim - 1):
+        raise KvcalError(f"vLLM's {dtype} rotates heads with a Hadamard transform: head_dim {head_dim} is not a power of two")
+
+
 def round_half_away(x: torch.Tensor) -> torch.Tensor:
     """Triton's where(x >= 0, x + 0.5, x - 0.5) then a float -> int cast (truncation toward zero), in fp32."""
     return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
@@ -120,9 +125,7 @@ class Int4PerTokenHead:
     bits = 4
 
     def __post_init__(self):
-        if self.head_dim & (self.head_dim - 1):
-            raise KvcalError(f"vLLM's int4_per_token_head rotates heads with a Hadamard transform: head_dim {self.head_dim} "
-                             "is not a power of two")
+        _require_power_of_two(self.head_dim, "int4_per_token_head")
 
     def row_bits(self, channels: int) -> float:
         return float(4 * channels + FP32_BITS * (channels // self.head_dim))
@@ -210,9 +213,7 @@ class TurboQuantKeys:
     block_tokens = 1
 
     def __post_init__(self):
-        if self.head_dim & (self.head_dim - 1):
-            raise KvcalError(f"vLLM's TurboQuant rotates heads with a Hadamard matrix: head_dim {self.head_dim} is not a "
-                             "power of two")
+        _require_power_of_two(self.head_dim, "TurboQuant")
 
     def row_bits(self, channels: int) -> float:
         heads = channels // self.head_dim
