@@ -221,7 +221,7 @@ def profile_gradients_command(
 def plan_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients for the served model."),
     engine: str = typer.Option("vllm", help="The serving engine: vllm."),
-    dtype: str = typer.Option("int4_per_token_head", help="The engine's KV cache dtype: int8_per_token_head, fp8_per_token_head, int4_per_token_head."),
+    dtype: str = typer.Option("int4_per_token_head", help="The engine's KV cache dtype: int8_per_token_head, fp8_per_token_head, int4_per_token_head, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc)."),
     budget: float = typer.Option(..., help="Real bits per element the cache may store on average (the dtype's, scales included, to 16)."),
     by: str = typer.Option("fisher", help="What quantizing a layer costs: fisher (Fisher-weighted error of the dtype on the profile) or importance (KVmix gradient importance)."),
     context: int = typer.Option(0, help="Tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),

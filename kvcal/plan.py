@@ -2,11 +2,13 @@
 --kv-cache-dtype-skip-layers), chosen from a kvcal profile by the exact multiple-choice knapsack of kvcal.fit.nuq
 within a budget of real bits per element.
 
-Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16. What quantizing
-it costs, by `fisher`: the Fisher-weighted squared error of the dtype's codec on the profile's sampled keys, cached
-after RoPE as the engine caches them, the error rotated back before RoPE where the Fisher information was taken (RoPE
-rotates channel pairs, so this is exact), plus its values'; by `importance`: KVmix's gradient importance of its K
-and V. Staying fp16 costs nothing. Prices: the dtype's real bits per element (its row_bits, scales included) and 16;
+Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16; under a TurboQuant
+preset vLLM keeps its first and last two layers fp16 whatever it is told, so those stay fp16 at no cost and are not
+named. What quantizing a layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the
+profile's sampled keys, cached after RoPE as the engine caches them, the error rotated back before RoPE where the
+Fisher information was taken (RoPE rotates channel pairs, so this is exact), plus its value codec's on the values; by
+`importance`: KVmix's gradient importance of its K and V. Staying fp16 costs nothing. Prices: the dtype's real bits
+per element (its K and V row_bits, scales included) and 16;
 the budget bounds their mean over the layers, each weighted by the tokens it stores at `context` (a sliding-window
 layer keeps its window; 0: every layer alike). The plan names the engine's arguments and the `eval ppl --baseline`
 spec that evaluates the same cache.
@@ -24,10 +26,11 @@ from kvcal.errors import KvcalError
 from kvcal.fit.nuq import choose_widths, stored_shares
 from kvcal.methods import baseline_method
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
-from kvcal.quantizers import FP16_BITS
+from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.vllm_codecs import TQ_PRESETS
 
-ENGINE_DTYPES = {"vllm": tuple(VLLM_DTYPES)}  # the dtypes whose layers an engine can leave unquantized
+ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
 CRITERIA = ("fisher", "importance")
 
 
@@ -55,23 +58,32 @@ class Plan:
 
 
 def dtype_bits(dtype: str, head_dim: int, kv_heads: int) -> float:
-    """An engine dtype's real bits per element (codes and scales) for heads of `head_dim` channels."""
+    """An engine dtype's real bits per element (codes and scales, K and V) for heads of `head_dim` channels."""
     width = kv_heads * head_dim
-    return baseline_method(dtype, 1, head_dim).layers[0].key_codec.row_bits(width) / width
+    codecs = baseline_method(dtype, 1, head_dim).layers[0]
+    return (codecs.key_codec.row_bits(width) + codecs.value_codec.row_bits(width)) / (2 * width)
 
 
-def _fisher_costs(profile: dict, config: dict, codec, num_layers: int, kv_heads: int) -> list[float]:
+def _fixed_fp16(codecs) -> bool:
+    """A layer the engine keeps fp16 under this dtype whatever the plan says (TurboQuant's boundary layers)."""
+    return codecs.key_codec.kind is CodecKind.FP16
+
+
+def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: int) -> list[float]:
     positions = profile["samples.position"].long()
     scaling = config["rope"]["attention_scaling"]
     costs = []
-    for layer in range(num_layers):
+    for layer, codecs in enumerate(layers):
+        if _fixed_fp16(codecs):
+            costs.append(0.0)
+            continue
         inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer)
         keys = profile[f"layers.{layer}.k_post.samples"].float()
-        error = codec.quantize(keys).values - keys
+        error = codecs.key_codec.quantize(keys).values - keys
         error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / scaling)  # R(p)^-1, scalings undone
         values = profile[f"layers.{layer}.v.samples"].float()
         cost = (profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum() + \
-            (profile[f"layers.{layer}.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum()
+            (profile[f"layers.{layer}.v.fisher"] * (codecs.value_codec.quantize(values).values - values) ** 2).sum()
         costs.append(float(cost))
     return costs
 
@@ -90,18 +102,22 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
-    codec = baseline_method(dtype, 1, head_dim).layers[0].key_codec
+    layers = baseline_method(dtype, num_layers, head_dim).layers
+    fixed = np.array([_fixed_fp16(codecs) for codecs in layers])
     quantized_bits = dtype_bits(dtype, head_dim, kv_heads)
-    if not quantized_bits <= budget <= FP16_BITS:
-        raise KvcalError(f"--budget {budget} is outside [{quantized_bits:g}, {FP16_BITS}] real bits per element: {dtype} stores "
-                         f"{quantized_bits:g} and an unquantized layer {FP16_BITS}")
-    with torch.inference_mode():
-        costs = (_fisher_costs(profile, config, codec, num_layers, kv_heads) if by == "fisher" else
-                 (profile["importance.k"] + profile["importance.v"]).tolist())
     shares = np.array(stored_shares(config["model"].get("windows"), context, num_layers))
-    choices = choose_widths(np.array([[cost, 0.0] for cost in costs]), np.array([[quantized_bits, float(FP16_BITS)]] * num_layers),
-                            budget, shares)
-    skipped = [layer for layer, choice in enumerate(choices) if choice == 1]
-    prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_bits)
+    least = float((np.where(fixed, FP16_BITS, quantized_bits) * shares).sum() / shares.sum())
+    if not least - 1e-9 <= budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: {dtype} stores "
+                         f"{quantized_bits:g}, an unquantized layer {FP16_BITS}" + (", and it keeps some layers unquantized"
+                                                                                 if fixed.any() else ""))
+    with torch.inference_mode():
+        costs = (_fisher_costs(profile, config, layers, kv_heads) if by == "fisher" else
+                 np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
+    quantized_price = np.where(fixed, float(FP16_BITS), quantized_bits)  # a fixed layer is fp16 either way
+    choices = choose_widths(np.array([[cost, 0.0] for cost in costs]),
+                            np.stack([quantized_price, np.full(num_layers, float(FP16_BITS))], axis=1), budget, shares)
+    skipped = [layer for layer, choice in enumerate(choices) if choice == 1 and not fixed[layer]]
+    prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_price)
     bits = float((prices * shares).sum() / shares.sum())
     return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits)

@@ -53,6 +53,29 @@ def test_importance_and_context_change_the_choice_as_documented(tiny_profile, ge
     assert plan_layers(str(gemma3_profile), "vllm", "int4_per_token_head", 6.1).skipped == []
 
 
+def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_keeps(tiny_model_dir, tiny_corpus, tmp_path):
+    """A 6-layer tiny Llama (head_dim 16) under turboquant_k3v4_nc: vLLM keeps layers 0, 1, 4 and 5 fp16 itself, so
+    they cost nothing and are never named; layers 2 and 3 store (4 + 6) / 2 = 5 bits, so the least budget is
+    (4 x 16 + 2 x 5) / 6, at which nothing more stays fp16, and at 16 both stay fp16."""
+    from conftest import profile_tiny_model
+    from kvcal.vllm_codecs import TurboQuantKeys, TurboQuantValues
+
+    profile = str(profile_tiny_model(tiny_model_dir("llama", num_hidden_layers=6), tiny_corpus, tmp_path / "profile.safetensors"))
+    least = plan_layers(profile, "vllm", "turboquant_k3v4_nc", (4 * 16 + 2 * 5) / 6)
+    assert least.skipped == [] and least.dtype_bits == 5.0 and least.bits == pytest.approx((4 * 16 + 2 * 5) / 6)
+    assert [cost == 0.0 for cost in least.costs] == [True, True, False, False, True, True]
+    assert plan_layers(profile, "vllm", "turboquant_k3v4_nc", 16.0).skipped == [2, 3]
+    tensors, _ = read_artifact(profile, "profile")
+    values = tensors["layers.2.v.samples"].float()
+    value_cost = float((tensors["layers.2.v.fisher"] * (TurboQuantValues(4, 16).quantize(values).values - values) ** 2).sum())
+    keys = tensors["layers.2.k_post.samples"].float()
+    key_error = rotate_keys(TurboQuantKeys(3, 16, True).quantize(keys).values - keys, -tensors["samples.position"].long(), 2,
+                            tensors["rope.inv_freq"])
+    assert least.costs[2] == pytest.approx(float((tensors["layers.2.k_pre.fisher"] * key_error**2).sum()) + value_cost, rel=1e-5)
+    with pytest.raises(KvcalError, match=r"outside \[12.3333, 16\] .* and it keeps some layers unquantized"):
+        plan_layers(profile, "vllm", "turboquant_k3v4_nc", 6.0)
+
+
 @pytest.mark.parametrize("arguments, message", [
     (("sglang", "int4_per_token_head", 8.0), "--engine 'sglang' is not one of vllm"),
     (("vllm", "q4_0", 8.0), "--dtype 'q4_0' is not one of vllm's"),
