@@ -26,7 +26,7 @@ import torch
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
-from kvcal.runtime import cpu_kernel, kernel_source, kernels, reference, tensor_core
+from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
 
 
 @dataclass(frozen=True)
@@ -155,12 +155,10 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the CUDA decode kernels would not serve a layer of this shape on any CUDA device, or None."""
-    group = shape.heads // shape.kv_heads if shape.heads % shape.kv_heads == 0 else None
-    if shape.head_dim not in kernel_source.HEAD_DIMS:
-        return f"they read head_dim {', '.join(map(str, kernel_source.HEAD_DIMS))}, not {shape.head_dim}"
-    if group is None or group > kernels.MAX_GROUP:
-        return f"they read up to {kernels.MAX_GROUP} query heads per KV head, not {shape.heads} over {shape.kv_heads}"
-    unserved = [pair for pair in shape.pairs if not kernels.decode_supported(*pair, shape.heads, shape.kv_heads, shape.head_dim)]
+    refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
+    if refused is not None:
+        return refused
+    unserved = [pair for pair in shape.pairs if not kernels.codecs_decoded(*pair)]
     if unserved:
         return f"they read no {_codec_names(unserved[0])} bodies"
     return None

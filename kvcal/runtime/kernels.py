@@ -108,10 +108,23 @@ def append_supported(codec, width: int, layout: str | None = None) -> bool:
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
 
-def decode_supported(key_codec, value_codec, heads: int, kv_heads: int, head_dim: int) -> bool:
+def heads_refusal(heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode kernels do not serve a layer of these head counts, or None."""
+    if head_dim not in src.HEAD_DIMS:
+        return f"they read head_dim {', '.join(map(str, src.HEAD_DIMS))}, not {head_dim}"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return f"they read up to {MAX_GROUP} query heads per KV head, not {heads} over {kv_heads}"
+    return None
+
+
+def codecs_decoded(key_codec, value_codec) -> bool:
+    """Whether the decode kernels read bodies of this (key codec, value codec) pair in the runtime's layouts."""
     pair = (codec_id(key_codec), codec_id(value_codec))
-    return (pair in src.CODEC_PAIRS and layout_id(key_codec) is not None and layout_id(value_codec) is not None
-            and head_dim in src.HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
+    return pair in src.CODEC_PAIRS and layout_id(key_codec) is not None and layout_id(value_codec) is not None
+
+
+def decode_supported(key_codec, value_codec, heads: int, kv_heads: int, head_dim: int) -> bool:
+    return codecs_decoded(key_codec, value_codec) and heads_refusal(heads, kv_heads, head_dim) is None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bo
     if uniform:
         v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
     else:
-        outliers = any(getattr(c, "outlier_fraction", 0) > 0 for c in (kc, vc))
+        outliers = kc.outlier_fraction > 0 or vc.outlier_fraction > 0
         if outliers and OUTLIER_TILE_TOKENS != STAGE_TOKENS:
             raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows")
         if outliers and not rope:
