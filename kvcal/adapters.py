@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import get_layer_types_and_kwargs
 
 from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
@@ -178,10 +177,14 @@ def _layer_types(config, num_layers: int) -> list[str | None]:
 
 
 def _sliding_windows(config, num_layers: int) -> list[int | None]:
-    """Per layer, the sliding window transformers' own cache gives it (its get_layer_types_and_kwargs), or None."""
-    types, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return [kwargs.get("sliding_window") if kind == "sliding_attention" else None
-            for kind, kwargs in zip(types, per_layer)][:num_layers]
+    """Per layer, the sliding window transformers' cache keeps for it, or None: the config's sliding_window on its
+    sliding layers, on every layer where it names a window but no layer_types (Mistral), as transformers reads it.
+    Read from the config, not transformers' get_layer_types_and_kwargs, whose return shape changed (one dict up to
+    5.17, a dict per layer since)."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None) or ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in types][:num_layers]
 
 
 def adapt(model: nn.Module) -> ModelAdapter:
