@@ -134,17 +134,28 @@ METHOD_SETS = {
     "skvq-ablation": "SKVQ's components added one at a time at K2V2 (paper Tables 3 and 4), with KIVI-2 (g64) and int2",
     "mixed-widths": "per-layer widths: the Fisher knapsack at 2.6-4.0 bits, KVmix's widths, one width for all layers",
     "fp8": "vLLM's FP8 cache: scale 1.0, absmax / 448 and searched scales, per tensor and per KV head",
-    "engine-layers": "vLLM's int4_per_token_head with layers kept fp16: none, by hand (first and last, two at each end, the "
-                     "sliding-window ones) and by kvcal plan (Fisher-weighted error, gradient importance) at the same bytes",
+    "engine-layers": "vLLM's int4_per_token_head and turboquant_k3v4_nc with layers kept fp16: none (beyond TurboQuant's "
+                     "own boundary layers), by hand (at each end, the sliding-window ones) and by kvcal plan "
+                     "(Fisher-weighted error, gradient importance) at the same bytes",
 }
-ENGINE_DTYPE = "int4_per_token_head"
-# layers kept fp16 by hand: rule -> (layers kept, the layers of a model of `layers` layers with `windows`)
+# an engine dtype -> its hand rules: the layers users keep fp16 by hand, on top of those the dtype keeps itself
+# (TurboQuant's first and last two): rule -> the layers kept, of a model of `layers` layers with `windows`
+_ENDS = {"first-last": 1, "two-at-each-end": 2, "three-at-each-end": 3, "four-at-each-end": 4}
 HAND_RULES = {
     "none": lambda layers, windows: [],
-    "first-last": lambda layers, windows: [0, layers - 1],
-    "two-at-each-end": lambda layers, windows: [0, 1, layers - 2, layers - 1],  # TurboQuant's default boundary in vLLM
+    **{rule: (lambda n: lambda layers, windows: [*range(n), *range(layers - n, layers)])(n) for rule, n in _ENDS.items()},
     "sliding": lambda layers, windows: [i for i, window in enumerate(windows) if window is not None],  # vLLM's sliding_window
 }
+ENGINE_RULES = {"int4_per_token_head": ("none", "first-last", "two-at-each-end", "sliding"),
+                "turboquant_k3v4_nc": ("none", "three-at-each-end", "four-at-each-end", "sliding")}
+PLAN_EXTRA_LAYERS = (2, 4)  # kvcal plan at the bytes of each dtype's two end rules: this many layers fp16 beyond its own
+
+
+def fp16_layers(method) -> set[int]:
+    """The layers a method stores unquantized (an engine dtype's own, such as TurboQuant's boundary layers)."""
+    from kvcal.quantizers import CodecKind
+
+    return {i for i, codecs in enumerate(method.layers) if codecs.key_codec.kind is CodecKind.FP16}
 
 
 def ablations(seed: int) -> list[Entry]:
@@ -164,12 +175,14 @@ def ablations(seed: int) -> list[Entry]:
         entries.append(Entry(f"mixed-{target:g}", CALIBRATED, "nuq", {"target_bits": target, "outliers": 0.01, "seed": seed},
                              ("mixed-widths",), in_all=False))
     entries.append(Entry("fp8-absmax-head", BASELINE, "fp8", ("absmax", "attn_head"), ("fp8",), in_all=False))
-    for rule in HAND_RULES:
-        entries.append(Entry(f"{ENGINE_DTYPE}-{rule}", BASELINE, "layers", {"rule": rule}, ("engine-layers",), in_all=False))
-    for kept in (2, 4):  # kvcal's choice at the bytes of keeping `kept` layers fp16, as first-last and two-at-each-end do
-        for by in ("fisher", "importance"):
-            entries.append(Entry(f"{ENGINE_DTYPE}-plan-{by}-{kept}", CALIBRATED, "layers", {"plan": by, "kept": kept},
-                                 ("engine-layers",), in_all=False))
+    for dtype, rules in ENGINE_RULES.items():
+        for rule in rules:
+            entries.append(Entry(f"{dtype}-{rule}", BASELINE, "layers", {"dtype": dtype, "rule": rule}, ("engine-layers",),
+                                 in_all=False))
+        for kept in (*PLAN_EXTRA_LAYERS, "sliding"):  # kvcal's choice at the bytes of a hand rule
+            for by in ("fisher", "importance"):
+                entries.append(Entry(f"{dtype}-plan-{by}-{kept}", CALIBRATED, "layers", {"dtype": dtype, "plan": by, "kept": kept},
+                                     ("engine-layers",), in_all=False))
     for strategy, suffix in (("tensor", ""), ("attn_head", "-head")):
         entries.append(Entry(f"fp8-calibrated{suffix}", CALIBRATED, "fp8", ("calibrated", strategy), ("fp8",), in_all=False))
     return entries
@@ -263,13 +276,15 @@ def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
 
 
 def compare_baselines(rows: list[dict]) -> list[dict]:
-    """For every baseline row: the best calibrated recipe at <= its real bits and whether its ppl is lower."""
+    """For every baseline row: the best calibrated recipe at <= its real bits and whether its ppl is lower. An engine
+    dtype's layer rule is held against kvcal's layer plans for the same dtype only: the question is which layers."""
     recipes = [r for r in rows if r["family"] == CALIBRATED]
     out = []
     for row in rows:
         if row["family"] != BASELINE:
             continue
-        best = best_recipe_at(row["effective_bits"], recipes)
+        dtype = next((d for d in ENGINE_RULES if row["name"].startswith(f"{d}-")), None)
+        best = best_recipe_at(row["effective_bits"], [r for r in recipes if dtype is None or r["name"].startswith(f"{dtype}-")])
         out.append({"baseline": row["name"], "bits": row["effective_bits"], "ppl": row["ppl"], "delta_pct": row["delta_pct"],
                     "best_recipe": best and best["name"], "recipe_bits": best and best["effective_bits"],
                     "recipe_ppl": best and best["ppl"], "recipe_delta_pct": best and best["delta_pct"],
@@ -313,7 +328,7 @@ class Fitter:
         safe = entry.name.replace("%", "pct")
         return self.folder / f"{safe}-{digest}{suffix}"
 
-    def method(self, entry: Entry, num_layers: int):
+    def method(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """(simulation Method, artifact path) of a calibrated entry, fitting it unless cached (or cached by a
         kvcal that wrote another artifact schema)."""
         from kvcal.errors import KvcalError
@@ -322,7 +337,7 @@ class Fitter:
         if entry.kind == "fp8":
             return self._fp8(entry, num_layers), self.fp8_scales(entry.spec[1])
         if entry.kind == "layers":
-            return self._plan(entry, num_layers)
+            return self._plan(entry, num_layers, windows)
         path = self.path_for(entry)
         cached = self.cached(path)
         started = time.perf_counter()
@@ -358,24 +373,27 @@ class Fitter:
         else:
             raise ValueError(f"no fit for kind {entry.kind}")
 
-    def _plan(self, entry: Entry, num_layers: int):
-        """kvcal plan's layers for ENGINE_DTYPE at the bytes of keeping entry.spec['kept'] layers fp16 (every layer
-        alike); the plan is cached as JSON."""
+    def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
+        """kvcal plan's layers for entry.spec['dtype'] at the bytes of keeping entry.spec['kept'] layers fp16 beyond
+        those the dtype keeps itself (or the sliding rule's), every layer storing alike; the plan is cached as JSON."""
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
         from kvcal.plan import dtype_bits, plan_layers
 
         fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
-        head_dim = fingerprint["head_dim"]
+        head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
         path = self.path_for(entry, ".json")
         if self.cached(path):
             spec = json.loads(path.read_text())["baseline_spec"]
         else:
             started = time.perf_counter()
-            quantized_bits = dtype_bits(ENGINE_DTYPE, head_dim, fingerprint["num_kv_heads"])
-            kept = entry.spec["kept"]
-            budget = (kept * 16.0 + (num_layers - kept) * quantized_bits) / num_layers + 1e-9
-            chosen = plan_layers(str(self.profile), "vllm", ENGINE_DTYPE, budget, entry.spec["plan"])
+            own = fp16_layers(baseline_method(dtype, num_layers, head_dim))
+            extra = len(set(HAND_RULES["sliding"](num_layers, windows)) - own) \
+                if entry.spec["kept"] == "sliding" else entry.spec["kept"]
+            wide = len(own) + extra
+            quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
+            budget = (wide * 16.0 + (num_layers - wide) * quantized_bits) / num_layers + 1e-9
+            chosen = plan_layers(str(self.profile), "vllm", dtype, budget, entry.spec["plan"])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
             self.fitted.add(path)
@@ -650,7 +668,7 @@ def run(args, started_with: dict) -> None:
     adapter = adapt(model)
     num_layers, head_dim = len(adapter.layers), adapter.head_dim
     if not any(adapter.windows):  # the sliding-window rule keeps nothing on a model without windows
-        entries = [e for e in entries if not (e.kind == "layers" and e.spec.get("rule") == "sliding")]
+        entries = [e for e in entries if not (e.kind == "layers" and "sliding" in (e.spec.get("rule"), e.spec.get("kept")))]
     fitter = Fitter(profile, Path(args.work), args.refit) if profile is not None else None
     methods, artifacts = [], {}
     for entry in entries:
@@ -659,11 +677,11 @@ def run(args, started_with: dict) -> None:
             continue
         if entry.kind == "layers" and "rule" in entry.spec:
             kept = HAND_RULES[entry.spec["rule"]](num_layers, adapter.windows)
-            spec = ENGINE_DTYPE + (f";skip={'+'.join(map(str, kept))}" if kept else "")
+            spec = entry.spec["dtype"] + (f";skip={'+'.join(map(str, kept))}" if kept else "")
             methods.append(baseline_method(spec, num_layers, head_dim, adapter.windows))
             continue
         if entry.needs_profile:
-            method, path = fitter.method(entry, num_layers)
+            method, path = fitter.method(entry, num_layers, adapter.windows)
             artifacts[entry.name] = str(path)
             if entry.kind != "fp8":
                 check_model_matches(method, adapter, source.spec, str(path))

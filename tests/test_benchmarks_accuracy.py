@@ -54,6 +54,26 @@ def test_compare_baselines(bench):
     assert by_name["int2"]["best_recipe"] == "nuq2" and not by_name["int2"]["recipe_lower_ppl"]
 
 
+def test_engine_layer_rules_meet_only_plans_of_their_own_dtype(bench):
+    rows = [{"name": "int4_per_token_head-plan-fisher-2", "family": "calibrated", "effective_bits": 5.2, "ppl": 30.7, "delta_pct": 3.7},
+            {"name": "turboquant_k3v4_nc-plan-fisher-2", "family": "calibrated", "effective_bits": 6.3, "ppl": 33.0, "delta_pct": 11.0},
+            {"name": "turboquant_k3v4_nc-three-at-each-end", "family": "baseline", "effective_bits": 6.3, "ppl": 34.0, "delta_pct": 15.0},
+            {"name": "int4_per_token_head-none", "family": "baseline", "effective_bits": 4.5, "ppl": 30.8, "delta_pct": 4.0}]
+    by_name = {c["baseline"]: c for c in bench.compare_baselines(rows)}
+    assert by_name["turboquant_k3v4_nc-three-at-each-end"]["best_recipe"] == "turboquant_k3v4_nc-plan-fisher-2"
+    assert by_name["int4_per_token_head-none"]["best_recipe"] is None
+
+
+def test_turboquant_rules_and_plans_count_layers_beyond_its_own_boundary(bench):
+    from kvcal.methods import baseline_method
+
+    entries = {e.name: e for e in bench.select(bench.ablations(0), ["engine-layers"])}
+    assert entries["turboquant_k3v4_nc-none"].spec == {"dtype": "turboquant_k3v4_nc", "rule": "none"}
+    assert bench.fp16_layers(baseline_method("turboquant_k3v4_nc", 10, 64)) == {0, 1, 8, 9}  # vLLM's boundary layers
+    assert bench.HAND_RULES["three-at-each-end"](10, [None] * 10) == [0, 1, 2, 7, 8, 9]  # two layers beyond it
+    assert {e.spec["kept"] for name, e in entries.items() if name.startswith("turboquant") and "plan" in e.spec} == {2, 4, "sliding"}
+
+
 def test_select_by_name_alias_and_group(bench):
     entries = bench.catalog(0)
     assert [e.name for e in bench.select(entries, ["q4_0", "int4"])] == ["int4-g64", "q4_0"]  # catalog order
