@@ -69,7 +69,8 @@ class Entry:
 
     @property
     def needs_profile(self) -> bool:
-        return (self.kind in FIT_KINDS and self.spec != ("unit", "tensor")) or (self.kind == "layers" and "plan" in self.spec)
+        return ((self.kind in FIT_KINDS and self.spec != ("unit", "tensor")) or (self.kind == "layers" and "plan" in self.spec)
+                or self.kind == "types")
 
 
 def catalog(seed: int) -> list[Entry]:
@@ -137,6 +138,8 @@ METHOD_SETS = {
     "engine-layers": "vLLM's int4_per_token_head and turboquant_k3v4_nc with layers kept fp16: none (beyond TurboQuant's "
                      "own boundary layers), by hand (at each end, the sliding-window ones) and by kvcal plan "
                      "(Fisher-weighted error, gradient importance) at the same bytes",
+    "engine-types": "llama.cpp's -ctk / -ctv: one type for K and V, q8_0 keys with q4_0 values, and kvcal plan's pair at the "
+                    "bytes of each",
 }
 # an engine dtype -> its hand rules: the layers users keep fp16 by hand, on top of those the dtype keeps itself
 # (TurboQuant's first and last two): rule -> the layers kept, of a model of `layers` layers with `windows`
@@ -149,6 +152,7 @@ HAND_RULES = {
 ENGINE_RULES = {"int4_per_token_head": ("none", "first-last", "two-at-each-end", "sliding"),
                 "turboquant_k3v4_nc": ("none", "three-at-each-end", "four-at-each-end", "sliding")}
 PLAN_EXTRA_LAYERS = (2, 4)  # kvcal plan at the bytes of each dtype's two end rules: this many layers fp16 beyond its own
+LLAMA_CPP_BY_HAND = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0/q4_0")  # one type for both, or the common q8_0 keys
 
 
 def fp16_layers(method) -> set[int]:
@@ -183,6 +187,10 @@ def ablations(seed: int) -> list[Entry]:
             for by in ("fisher", "importance"):
                 entries.append(Entry(f"{dtype}-plan-{by}-{kept}", CALIBRATED, "layers", {"dtype": dtype, "plan": by, "kept": kept},
                                      ("engine-layers",), in_all=False))
+    entries.append(Entry("q8_0/q4_0", BASELINE, "baseline", "q8_0/q4_0", ("engine-types",), in_all=False))
+    for hand in LLAMA_CPP_BY_HAND:  # kvcal plan's pair at the bytes of each hand choice
+        entries.append(Entry(f"llama.cpp-plan-{hand.replace('/', '-')}", CALIBRATED, "types", {"bytes_of": hand},
+                             ("engine-types",), in_all=False))
     for strategy, suffix in (("tensor", ""), ("attn_head", "-head")):
         entries.append(Entry(f"fp8-calibrated{suffix}", CALIBRATED, "fp8", ("calibrated", strategy), ("fp8",), in_all=False))
     return entries
@@ -194,6 +202,7 @@ SET_MEMBERS = {
                      for name, rest in (("nuq", "-1%"), ("int", "-g64"), ("kivi", "-g32-r128"), ("kivi", "-g32-r32"))],
     "skvq-ablation": ["int2-g64"],
     "mixed-widths": ["mixed", "mixed-3.55", "mixed-4.0", "nuq-kvmix-widths", "nuq2-1%", "nuq3-1%"],
+    "engine-types": [name for name in LLAMA_CPP_BY_HAND if "/" not in name],
 }
 
 
@@ -338,6 +347,8 @@ class Fitter:
             return self._fp8(entry, num_layers), self.fp8_scales(entry.spec[1])
         if entry.kind == "layers":
             return self._plan(entry, num_layers, windows)
+        if entry.kind == "types":
+            return self._types(entry, num_layers)
         path = self.path_for(entry)
         cached = self.cached(path)
         started = time.perf_counter()
@@ -394,6 +405,28 @@ class Fitter:
             quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
             budget = (wide * 16.0 + (num_layers - wide) * quantized_bits) / num_layers + 1e-9
             chosen = plan_layers(str(self.profile), "vllm", dtype, budget, entry.spec["plan"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
+            self.fitted.add(path)
+            spec = chosen.baseline_spec()
+            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
+        return baseline_method(spec, num_layers, head_dim), path
+
+    def _types(self, entry: Entry, num_layers: int):
+        """kvcal plan's llama.cpp -ctk / -ctv pair at the real bits of the hand choice entry.spec['bytes_of']; cached as
+        JSON."""
+        from kvcal.artifacts import read_header
+        from kvcal.methods import baseline_method
+        from kvcal.plan import dtype_bits, plan_cache_types
+
+        fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
+        head_dim = fingerprint["head_dim"]
+        path = self.path_for(entry, ".json")
+        if self.cached(path):
+            spec = json.loads(path.read_text())["baseline_spec"]
+        else:
+            started = time.perf_counter()
+            chosen = plan_cache_types(str(self.profile), dtype_bits(entry.spec["bytes_of"], head_dim, fingerprint["num_kv_heads"]))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
             self.fitted.add(path)

@@ -220,25 +220,37 @@ def profile_gradients_command(
 @reports_errors
 def plan_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients for the served model."),
-    engine: str = typer.Option("vllm", help="The serving engine: vllm."),
-    dtype: str = typer.Option("int4_per_token_head", help="The engine's KV cache dtype: int8_per_token_head, fp8_per_token_head, int4_per_token_head, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc)."),
-    budget: float = typer.Option(..., help="Real bits per element the cache may store on average (the dtype's, scales included, to 16)."),
-    by: str = typer.Option("fisher", help="What quantizing a layer costs: fisher (Fisher-weighted error of the dtype on the profile) or importance (KVmix gradient importance)."),
-    context: int = typer.Option(0, help="Tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
+    engine: str = typer.Option("vllm", help="The serving engine: vllm (which layers stay unquantized in its --kv-cache-dtype) or llama.cpp (which -ctk / -ctv pair)."),
+    dtype: Optional[str] = typer.Option(None, help="vllm: its KV cache dtype, int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc). llama.cpp: none, the plan chooses the types."),
+    budget: float = typer.Option(..., help="Real bits per element the cache may store on average (scales included, at most 16)."),
+    by: str = typer.Option("fisher", help="What quantizing costs: fisher (Fisher-weighted error on the profile) or, for vllm, importance (KVmix gradient importance)."),
+    context: int = typer.Option(0, help="vllm: tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
 ):
-    """Which layers to leave unquantized in the engine's own KV cache dtype within a budget: the exact knapsack over the
-    profile's per-layer costs (kvcal.plan). Prints the engine's arguments and the `eval ppl --baseline` spec that
-    evaluates the same cache; writes nothing else."""
+    """The engine's own KV cache types within a budget, chosen from the profile: for vLLM which layers stay unquantized
+    (the exact knapsack over per-layer costs), for llama.cpp the -ctk / -ctv pair (kvcal.plan). Prints the engine's
+    arguments and the `eval ppl --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
-    from kvcal.plan import plan_layers
+    from kvcal.plan import ENGINES, plan_cache_types, plan_layers
 
+    if engine not in ENGINES:
+        raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
+    if engine == "llama.cpp" and (dtype is not None or by != "fisher" or context):
+        raise KvcalError("--engine llama.cpp takes one type per tensor for the whole model and kvcal plan chooses it by "
+                         "Fisher-weighted error: drop --dtype, --by and --context")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=[profile])
-    chosen = plan_layers(str(profile), engine, dtype, budget, by, context)
-    _print_table(f"{engine} {dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",
-                 ["layer", "cost if quantized", "stays fp16"],
-                 [[str(i), f"{cost:.4g}", "yes" if i in chosen.skipped else ""] for i, cost in enumerate(chosen.costs)])
+    if engine == "llama.cpp":
+        chosen = plan_cache_types(str(profile), budget)
+        within = [pair for pair in chosen.pairs if pair["bits"] <= budget + 1e-9][:8]
+        _print_table(f"llama.cpp -ctk / -ctv within {budget:g} real bits per element, by fisher: the {len(within)} cheapest",
+                     ["-ctk", "-ctv", "real bits", "Fisher-weighted error"],
+                     [[pair["type_k"], pair["type_v"], f"{pair['bits']:.3f}", f"{pair['cost']:.4g}"] for pair in within])
+    else:
+        chosen = plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context)
+        _print_table(f"{engine} {chosen.dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",
+                     ["layer", "cost if quantized", "stays fp16"],
+                     [[str(i), f"{cost:.4g}", "yes" if i in chosen.skipped else ""] for i, cost in enumerate(chosen.costs)])
     print(f"{engine} arguments: {chosen.engine_arguments()}")
     print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
     _write_json(json_out, chosen.as_dict())

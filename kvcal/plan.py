@@ -12,6 +12,10 @@ per element (its K and V row_bits, scales included) and 16;
 the budget bounds their mean over the layers, each weighted by the tokens it stores at `context` (a sliding-window
 layer keeps its window; 0: every layer alike). The plan names the engine's arguments and the `eval ppl --baseline`
 spec that evaluates the same cache.
+
+llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): plan_cache_types picks the pair with
+the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
+ggml types but f16 for both is tried; they are few).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import choose_widths, stored_shares
 from kvcal.methods import baseline_method
+from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
 from kvcal.vllm_codecs import TQ_PRESETS
 
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
+ENGINES = (*ENGINE_DTYPES, "llama.cpp")
 CRITERIA = ("fisher", "importance")
 
 
@@ -69,23 +75,26 @@ def _fixed_fp16(codecs) -> bool:
     return codecs.key_codec.kind is CodecKind.FP16
 
 
-def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: int) -> list[float]:
+def _key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
+    """Fisher-weighted squared error of `codec` on the layer's sampled keys, cached after RoPE as the engines cache
+    them, the error rotated back before RoPE where the Fisher information was taken."""
     positions = profile["samples.position"].long()
-    scaling = config["rope"]["attention_scaling"]
-    costs = []
-    for layer, codecs in enumerate(layers):
-        if _fixed_fp16(codecs):
-            costs.append(0.0)
-            continue
-        inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer)
-        keys = profile[f"layers.{layer}.k_post.samples"].float()
-        error = codecs.key_codec.quantize(keys).values - keys
-        error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / scaling)  # R(p)^-1, scalings undone
-        values = profile[f"layers.{layer}.v.samples"].float()
-        cost = (profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum() + \
-            (profile[f"layers.{layer}.v.fisher"] * (codecs.value_codec.quantize(values).values - values) ** 2).sum()
-        costs.append(float(cost))
-    return costs
+    inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer)
+    keys = profile[f"layers.{layer}.k_post.samples"].float()
+    error = codec.quantize(keys).values - keys
+    error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / config["rope"]["attention_scaling"])  # scalings undone
+    return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
+
+
+def _value_cost(profile: dict, layer: int, codec) -> float:
+    values = profile[f"layers.{layer}.v.samples"].float()
+    return float((profile[f"layers.{layer}.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum())
+
+
+def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: int) -> list[float]:
+    return [0.0 if _fixed_fp16(codecs) else
+            _key_cost(profile, config, layer, codecs.key_codec, kv_heads) + _value_cost(profile, layer, codecs.value_codec)
+            for layer, codecs in enumerate(layers)]
 
 
 def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: str = "fisher", context: int = 0) -> Plan:
@@ -121,3 +130,51 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_price)
     bits = float((prices * shares).sum() / shares.sum())
     return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits)
+
+
+@dataclass
+class CacheTypePlan:
+    """llama.cpp's -ctk / -ctv within a budget, and every pair it weighed."""
+
+    budget: float
+    type_k: str
+    type_v: str
+    bits: float  # real bits per element of the pair (K and V rows, block scales included)
+    pairs: list[dict]  # every pair: type_k, type_v, bits, cost (Fisher-weighted error over all layers), cheapest first
+
+    def engine_arguments(self) -> str:
+        return f"-ctk {self.type_k} -ctv {self.type_v}"
+
+    def baseline_spec(self) -> str:
+        return self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
+
+    def as_dict(self) -> dict:
+        return {"engine": "llama.cpp", **asdict(self), "engine_arguments": self.engine_arguments(),
+                "baseline_spec": self.baseline_spec()}
+
+
+def _tensor_bits(codec, width: int) -> float:
+    return float(FP16_BITS) if codec.kind is CodecKind.FP16 else codec.row_bits(width) / width
+
+
+def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
+    """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
+    profile, config = read_artifact(profile_path, "profile")
+    fingerprint = config["model"]["fingerprint"]
+    num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
+    width = kv_heads * head_dim
+    keys = {t: cache_type_codec(t, head_dim, "k") for t in CACHE_TYPES}
+    values = {t: cache_type_codec(t, head_dim, "v") for t in CACHE_TYPES}
+    least = min(_tensor_bits(codec, width) for codec in keys.values())
+    least = (least + min(_tensor_bits(codec, width) for codec in values.values())) / 2
+    if not least - 1e-9 <= budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: llama.cpp's "
+                         f"smallest -ctk/-ctv pair stores {least:g}")
+    with torch.inference_mode():
+        key_costs = {t: sum(_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)) for t, codec in keys.items()}
+        value_costs = {t: sum(_value_cost(profile, i, codec) for i in range(num_layers)) for t, codec in values.items()}
+    pairs = sorted(({"type_k": k, "type_v": v, "bits": (_tensor_bits(keys[k], width) + _tensor_bits(values[v], width)) / 2,
+                     "cost": key_costs[k] + value_costs[v]} for k in CACHE_TYPES for v in CACHE_TYPES if (k, v) != ("f16", "f16")),
+                   key=lambda pair: (pair["cost"], pair["bits"]))
+    best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)
+    return CacheTypePlan(budget, best["type_k"], best["type_v"], best["bits"], pairs)

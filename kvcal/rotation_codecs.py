@@ -466,8 +466,3 @@ class LlamaCppKV:
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         return Quantized(self.decode(self.encode(x)), _full_bits(self, x))
-
-
-def llama_cpp_codecs(qtype: str, head_dim: int, rotate: bool = True) -> tuple[LlamaCppKV, LlamaCppKV]:
-    """(key codec, value codec) of llama.cpp with `-ctk qtype -ctv qtype` (keys post-RoPE)."""
-    return LlamaCppKV(qtype, head_dim, "k", rotate), LlamaCppKV(qtype, head_dim, "v", rotate)

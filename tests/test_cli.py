@@ -166,6 +166,23 @@ def test_plan_prints_vllms_arguments_and_the_eval_spec_then_eval_ppl_takes_it(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "ppl.json"]
 
 
+def test_plan_for_llama_cpp_prints_its_ctk_ctv_and_eval_ppl_stores_the_planned_bits(tiny_profile, tiny_corpus, tmp_path):
+    import json
+
+    model, profile = tiny_profile
+    planned = run("plan", profile, "--engine", "llama.cpp", "--budget", 6, "--json", tmp_path / "plan.json")
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert f"llama.cpp arguments: -ctk {plan['type_k']} -ctv {plan['type_v']}" in planned.stdout and plan["bits"] <= 6
+    evaluated = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--baseline", plan["baseline_spec"], "--seqlen", 32,
+                    "--windows", 1, "--json", tmp_path / "ppl.json")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads((tmp_path / "ppl.json").read_text())["results"][1]["effective_bits"] == pytest.approx(plan["bits"])
+    refused(run("plan", profile, "--engine", "llama.cpp", "--dtype", "q4_0", "--budget", 6), "drop --dtype, --by and --context")
+    refused(run("plan", profile, "--engine", "llama.cpp", "--budget", 4), "--budget 4.0 is outside [4.5, 16]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "ppl.json"]
+
+
 def test_fit_skvq_then_eval_ppl(tiny_profile, tiny_corpus, tmp_path):
     model, profile = tiny_profile
     artifact = tmp_path / "skvq.safetensors"

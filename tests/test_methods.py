@@ -42,6 +42,19 @@ def test_rotation_and_llama_cpp_baselines_store_their_real_bits(spec, bits):
         assert (stored.values - x).abs().max() < 0.6 * x.abs().max()
 
 
+def test_a_llama_cpp_k_v_pair_gives_each_tensor_its_own_type_rotating_only_a_quantized_one():
+    """`q8_0/q4_0` is -ctk q8_0 -ctv q4_0; with `f16` on one side that tensor is stored unquantized and unrotated."""
+    pair = baseline_method("q8_0/q4_0", 2, 64).layers[0]
+    assert (pair.key_codec.qtype, pair.value_codec.qtype) == ("q8_0", "q4_0")
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    assert torch.all(pair.key_codec.quantize(x).row_bits == 8.5 * 128) and torch.all(pair.value_codec.quantize(x).row_bits == 4.5 * 128)
+    half = baseline_method("f16/q4_0", 2, 64).layers[0]
+    assert torch.equal(half.key_codec.quantize(x).values, x.half().float()) and half.value_codec.rotation is not None
+    for spec in ("f16", "f16/f16", "q4_0/", "q4_0/q9_0"):
+        with pytest.raises(KvcalError, match="unknown baseline"):
+            baseline_method(spec, 2, 64)
+
+
 def test_a_baseline_that_needs_power_of_two_heads_says_so():
     with pytest.raises(KvcalError, match="power of two"):
         baseline_method("hadamard-int4", 2, 48)

@@ -6,7 +6,7 @@ import torch
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
-from kvcal.plan import plan_layers
+from kvcal.plan import plan_cache_types, plan_layers
 from kvcal.rope import rotate_keys
 
 
@@ -74,6 +74,20 @@ def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_
     assert least.costs[2] == pytest.approx(float((tensors["layers.2.k_pre.fisher"] * key_error**2).sum()) + value_cost, rel=1e-5)
     with pytest.raises(KvcalError, match=r"outside \[12.3333, 16\] .* and it keeps some layers unquantized"):
         plan_layers(profile, "vllm", "turboquant_k3v4_nc", 6.0)
+
+
+def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_wins(tiny_profile):
+    """A -ctk/-ctv pair costs its key type's error plus its value type's (so swapping the value types of two pairs
+    keeps their total), the plan takes the least-cost pair within the budget, and a tighter budget never costs less."""
+    plan = plan_cache_types(str(tiny_profile[1]), 6.0)
+    cost = {(pair["type_k"], pair["type_v"]): pair["cost"] for pair in plan.pairs}
+    assert cost["q8_0", "q4_0"] + cost["q4_1", "q5_0"] == pytest.approx(cost["q8_0", "q5_0"] + cost["q4_1", "q4_0"], rel=1e-9)
+    assert ("f16", "f16") not in cost and len(cost) == 7 * 7 - 1
+    within = [pair for pair in plan.pairs if pair["bits"] <= 6.0]
+    assert plan.bits <= 6.0 and cost[plan.type_k, plan.type_v] == min(pair["cost"] for pair in within)
+    tighter = plan_cache_types(str(tiny_profile[1]), 4.5)
+    assert tighter.bits == 4.5 and cost[tighter.type_k, tighter.type_v] >= cost[plan.type_k, plan.type_v]
+    assert plan.engine_arguments() == f"-ctk {plan.type_k} -ctv {plan.type_v}"
 
 
 @pytest.mark.parametrize("arguments, message", [

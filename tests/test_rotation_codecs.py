@@ -17,7 +17,6 @@ from kvcal.rotation_codecs import (
     LlamaCppKV,
     TurboQuant,
     bits_per_element,
-    llama_cpp_codecs,
     llama_cpp_rotation_size,
     lloyd_max_gaussian,
     turbo_codebook,
@@ -68,7 +67,7 @@ def test_llama_cpp_rotation_is_the_plain_sylvester_hadamard_on_blocks():
     assert [llama_cpp_rotation_size(d, "k") for d in (64, 128, 256, 192, 80)] == [64, 128, 256, 64, 0]
     assert [llama_cpp_rotation_size(d, "v") for d in (64, 128, 256, 80)] == [64, 64, 64, 0]
     sylvester = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(64)] for i in range(64)], dtype=torch.float64) / 8
-    key, value = llama_cpp_codecs("q4_0", 128)
+    key, value = LlamaCppKV("q4_0", 128, "k"), LlamaCppKV("q4_0", 128, "v")
     assert key.rotation.block == 128 and value.rotation.block == 64
     expected = torch.block_diag(sylvester, sylvester)
     got = value.rotation.matrix(dtype=torch.float64)
