@@ -231,7 +231,7 @@ def plan_command(
     (the exact knapsack over per-layer costs), for llama.cpp the -ctk / -ctv pair (kvcal.plan). Prints the engine's
     arguments and the `eval ppl --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
-    from kvcal.plan import ENGINES, plan_cache_types, plan_layers
+    from kvcal.plan import ENGINES, check_cache_type_budget, plan_cache_types, plan_layers
 
     if engine not in ENGINES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
@@ -241,6 +241,8 @@ def plan_command(
     if json_out is not None:
         check_writable(json_out, "--json", inputs=[profile])
     if engine == "llama.cpp":
+        check_cache_type_budget(budget)
+        _note("pricing every -ctk and -ctv type on the profile's sampled keys and values of every layer")
         chosen = plan_cache_types(str(profile), budget)
         within = [pair for pair in chosen.pairs if pair["bits"] <= budget + 1e-9][:8]
         _print_table(f"llama.cpp -ctk / -ctv within {budget:g} real bits per element, by fisher: the {len(within)} cheapest",

@@ -33,6 +33,7 @@ from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.rotation_codecs import GGML_BLOCK, GGML_BLOCK_BYTES
 from kvcal.vllm_codecs import TQ_PRESETS
 
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
@@ -157,19 +158,23 @@ def _tensor_bits(codec, width: int) -> float:
     return float(FP16_BITS) if codec.kind is CodecKind.FP16 else codec.row_bits(width) / width
 
 
+def check_cache_type_budget(budget: float) -> None:
+    """Refuse a budget no -ctk / -ctv pair fits (ggml's types store the same bits per element at any width)."""
+    least = min(8 * GGML_BLOCK_BYTES[t] / GGML_BLOCK for t in CACHE_TYPES if t != "f16")
+    if not least - 1e-9 <= budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: llama.cpp's "
+                         f"smallest -ctk/-ctv pair stores {least:g}")
+
+
 def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
     """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
+    check_cache_type_budget(budget)
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     width = kv_heads * head_dim
     keys = {t: cache_type_codec(t, head_dim, "k") for t in CACHE_TYPES}
     values = {t: cache_type_codec(t, head_dim, "v") for t in CACHE_TYPES}
-    least = min(_tensor_bits(codec, width) for codec in keys.values())
-    least = (least + min(_tensor_bits(codec, width) for codec in values.values())) / 2
-    if not least - 1e-9 <= budget <= FP16_BITS:
-        raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: llama.cpp's "
-                         f"smallest -ctk/-ctv pair stores {least:g}")
     with torch.inference_mode():
         key_costs = {t: sum(_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)) for t, codec in keys.items()}
         value_costs = {t: sum(_value_cost(profile, i, codec) for i in range(num_layers)) for t, codec in values.items()}
