@@ -384,55 +384,49 @@ class Fitter:
         else:
             raise ValueError(f"no fit for kind {entry.kind}")
 
-    def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
-        """kvcal plan's layers for entry.spec['dtype'] at the bytes of keeping entry.spec['kept'] layers fp16 beyond
-        those the dtype keeps itself (or the sliding rule's), every layer storing alike; the plan is cached as JSON."""
+    def _engine_plan(self, entry: Entry, num_layers: int, choose):
+        """The baseline method of a kvcal plan entry: choose(fingerprint) makes the plan, cached as JSON."""
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
-        from kvcal.plan import dtype_bits, plan_layers
 
         fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
-        head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
         path = self.path_for(entry, ".json")
         if self.cached(path):
             spec = json.loads(path.read_text())["baseline_spec"]
         else:
             started = time.perf_counter()
+            chosen = choose(fingerprint)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
+            self.fitted.add(path)
+            spec = chosen.baseline_spec()
+            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
+        return baseline_method(spec, num_layers, fingerprint["head_dim"]), path
+
+    def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
+        """kvcal plan's layers for entry.spec['dtype'] at the bytes of keeping entry.spec['kept'] layers fp16 beyond
+        those the dtype keeps itself (or the sliding rule's), every layer storing alike."""
+        from kvcal.methods import baseline_method
+        from kvcal.plan import dtype_bits, plan_layers
+
+        def choose(fingerprint: dict):
+            head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
             own = fp16_layers(baseline_method(dtype, num_layers, head_dim))
             extra = len(set(HAND_RULES["sliding"](num_layers, windows)) - own) \
                 if entry.spec["kept"] == "sliding" else entry.spec["kept"]
             wide = len(own) + extra
             quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
             budget = (wide * 16.0 + (num_layers - wide) * quantized_bits) / num_layers + 1e-9
-            chosen = plan_layers(str(self.profile), "vllm", dtype, budget, entry.spec["plan"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
-            self.fitted.add(path)
-            spec = chosen.baseline_spec()
-            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, num_layers, head_dim), path
+            return plan_layers(str(self.profile), "vllm", dtype, budget, entry.spec["plan"])
+
+        return self._engine_plan(entry, num_layers, choose)
 
     def _types(self, entry: Entry, num_layers: int):
-        """kvcal plan's llama.cpp -ctk / -ctv pair at the real bits of the hand choice entry.spec['bytes_of']; cached as
-        JSON."""
-        from kvcal.artifacts import read_header
-        from kvcal.methods import baseline_method
+        """kvcal plan's llama.cpp -ctk / -ctv pair at the real bits of the hand choice entry.spec['bytes_of']."""
         from kvcal.plan import dtype_bits, plan_cache_types
 
-        fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
-        head_dim = fingerprint["head_dim"]
-        path = self.path_for(entry, ".json")
-        if self.cached(path):
-            spec = json.loads(path.read_text())["baseline_spec"]
-        else:
-            started = time.perf_counter()
-            chosen = plan_cache_types(str(self.profile), dtype_bits(entry.spec["bytes_of"], head_dim, fingerprint["num_kv_heads"]))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
-            self.fitted.add(path)
-            spec = chosen.baseline_spec()
-            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, num_layers, head_dim), path
+        return self._engine_plan(entry, num_layers, lambda fingerprint: plan_cache_types(
+            str(self.profile), dtype_bits(entry.spec["bytes_of"], fingerprint["head_dim"], fingerprint["num_kv_heads"])))
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated
