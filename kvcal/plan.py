@@ -160,7 +160,7 @@ def _tensor_bits(codec, width: int) -> float:
 
 def check_cache_type_budget(budget: float) -> None:
     """Refuse a budget no -ctk / -ctv pair fits (ggml's types store the same bits per element at any width)."""
-    least = min(8 * GGML_BLOCK_BYTES[t] / GGML_BLOCK for t in CACHE_TYPES if t != "f16")
+    least = min(8 * block_bytes / GGML_BLOCK for block_bytes in GGML_BLOCK_BYTES.values())
     if not least - 1e-9 <= budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: llama.cpp's "
                          f"smallest -ctk/-ctv pair stores {least:g}")
