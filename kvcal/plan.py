@@ -39,6 +39,9 @@ from kvcal.vllm_codecs import TQ_PRESETS
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
 ENGINES = (*ENGINE_DTYPES, "llama.cpp")
 CRITERIA = ("fisher", "importance")
+# the knapsack's price unit: the engines' real bits are multiples of it (16 bits of scale over a power-of-two head_dim),
+# so a budget that one choice meets exactly is not lost to rounding
+PRICE_STEP = 2.0**-10
 
 
 @dataclass
@@ -126,7 +129,8 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
                  np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
     quantized_price = np.where(fixed, float(FP16_BITS), quantized_bits)  # a fixed layer is fp16 either way
     choices = choose_widths(np.array([[cost, 0.0] for cost in costs]),
-                            np.stack([quantized_price, np.full(num_layers, float(FP16_BITS))], axis=1), budget, shares)
+                            np.stack([quantized_price, np.full(num_layers, float(FP16_BITS))], axis=1), budget, shares,
+                            PRICE_STEP)
     skipped = [layer for layer, choice in enumerate(choices) if choice == 1 and not fixed[layer]]
     prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_price)
     bits = float((prices * shares).sum() / shares.sum())

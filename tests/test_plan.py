@@ -76,6 +76,22 @@ def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_
         plan_layers(profile, "vllm", "turboquant_k3v4_nc", 6.0)
 
 
+def test_a_budget_that_buys_exactly_n_unquantized_layers_keeps_n():
+    """turboquant_k3v4_nc stores 3.59375 bits at head_dim 256 with one KV head (Gemma 3 270M): at the budget of n of 18
+    layers fp16 the knapsack keeps n, not n - 1 (prices rounded up to 1e-4 bits lost one layer there)."""
+    import numpy as np
+
+    from kvcal.fit.nuq import choose_widths
+    from kvcal.plan import PRICE_STEP, dtype_bits
+
+    quantized = dtype_bits("turboquant_k3v4_nc", 256, 1)
+    assert quantized == 3.59375
+    costs, prices = np.array([[i + 1.0, 0.0] for i in range(18)]), np.array([[quantized, 16.0]] * 18)
+    for kept in (6, 8):
+        choices = choose_widths(costs, prices, (kept * 16 + (18 - kept) * quantized) / 18, step=PRICE_STEP)
+        assert choices == [0] * (18 - kept) + [1] * kept  # the costliest layers stay fp16
+
+
 def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_wins(tiny_profile):
     """A -ctk/-ctv pair costs its key type's error plus its value type's (so swapping the value types of two pairs
     keeps their total), the plan takes the least-cost pair within the budget, and a tighter budget never costs less."""
