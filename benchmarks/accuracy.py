@@ -1,8 +1,8 @@
 """The accuracy harness: perplexity change vs real bits on SmolLM2-135M for every calibrated kvcal recipe and every
 uncalibrated baseline of `kvcal eval ppl`, on wikitext-2 test and on a held-out code corpus (the Python standard
 library's own sources, dataset `python-code`), with the Pareto front marked. The ablations are method sets
-(`--methods nuq-ablation`, `skvq-ablation`, `mixed-widths`, `fp8`; written with `--out-name <set>`), evaluated the same
-way on the same profile.
+(`--methods nuq-ablation`, `skvq-ablation`, `mixed-widths`, `fp8`, `engine-layers`, `engine-types`; written with
+`--out-name <set>`), evaluated the same way on the same profile.
 
 Real bits are `eval ppl`'s effective bits: what the runtime stores per K/V element (codes packed in int32
 words, per-token/per-block parameters in their storage dtype, 4-byte outliers and their offset tables, fp16 sinks, windows and
