@@ -151,7 +151,7 @@ HAND_RULES = {
 }
 ENGINE_RULES = {"int4_per_token_head": ("none", "first-last", "two-at-each-end", "sliding"),
                 "turboquant_k3v4_nc": ("none", "three-at-each-end", "four-at-each-end", "sliding")}
-PLAN_EXTRA_LAYERS = (2, 4)  # kvcal plan at the bytes of each dtype's two end rules: this many layers fp16 beyond its own
+PLAN_EXTRA_LAYERS = (2, 4)  # the names of kvcal plan at the bytes of a dtype's two end rules: layers fp16 beyond its own
 LLAMA_CPP_BY_HAND = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0/q4_0")  # one type for both, or the common q8_0 keys
 
 
@@ -183,10 +183,11 @@ def ablations(seed: int) -> list[Entry]:
         for rule in rules:
             entries.append(Entry(f"{dtype}-{rule}", BASELINE, "layers", {"dtype": dtype, "rule": rule}, ("engine-layers",),
                                  in_all=False))
-        for kept in (*PLAN_EXTRA_LAYERS, "sliding"):  # kvcal's choice at the bytes of a hand rule
+        ends = [rule for rule in rules if rule in _ENDS]
+        for label, rule in (*zip(PLAN_EXTRA_LAYERS, ends), ("sliding", "sliding")):  # kvcal's choice at a hand rule's bytes
             for by in ("fisher", "importance"):
-                entries.append(Entry(f"{dtype}-plan-{by}-{kept}", CALIBRATED, "layers", {"dtype": dtype, "plan": by, "kept": kept},
-                                     ("engine-layers",), in_all=False))
+                entries.append(Entry(f"{dtype}-plan-{by}-{label}", CALIBRATED, "layers",
+                                     {"dtype": dtype, "plan": by, "bytes_of": rule}, ("engine-layers",), in_all=False))
     entries.append(Entry("q8_0/q4_0", BASELINE, "baseline", "q8_0/q4_0", ("engine-types",), in_all=False))
     for hand in LLAMA_CPP_BY_HAND:  # kvcal plan's pair at the bytes of each hand choice
         entries.append(Entry(f"llama.cpp-plan-{hand.replace('/', '-')}", CALIBRATED, "types", {"bytes_of": hand},
@@ -320,6 +321,7 @@ class Fitter:
     profile: Path
     work: Path
     refit: bool
+    seqlen: int  # the evaluated windows' tokens: what a sliding-window layer stores is priced at it
     fitted: set = field(default_factory=set)  # paths fit in this run (--refit fits each once)
 
     def cached(self, path: Path) -> bool:
@@ -404,20 +406,20 @@ class Fitter:
         return baseline_method(spec, num_layers, fingerprint["head_dim"]), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
-        """kvcal plan's layers for entry.spec['dtype'] at the bytes of keeping entry.spec['kept'] layers fp16 beyond
-        those the dtype keeps itself (or the sliding rule's), every layer storing alike."""
+        """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
+        layers the dtype keeps fp16 itself), sliding-window layers priced at what they store at --seqlen tokens."""
+        from kvcal.fit.nuq import stored_shares
         from kvcal.methods import baseline_method
         from kvcal.plan import dtype_bits, plan_layers
 
         def choose(fingerprint: dict):
             head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
-            own = fp16_layers(baseline_method(dtype, num_layers, head_dim))
-            extra = len(set(HAND_RULES["sliding"](num_layers, windows)) - own) \
-                if entry.spec["kept"] == "sliding" else entry.spec["kept"]
-            wide = len(own) + extra
+            wide = fp16_layers(baseline_method(dtype, num_layers, head_dim))
+            wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
             quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
-            budget = (wide * 16.0 + (num_layers - wide) * quantized_bits) / num_layers + 1e-9
-            return plan_layers(str(self.profile), "vllm", dtype, budget, entry.spec["plan"])
+            shares = stored_shares(windows, self.seqlen, num_layers)
+            stored = sum(share * (16.0 if i in wide else quantized_bits) for i, share in enumerate(shares))
+            return plan_layers(str(self.profile), "vllm", dtype, stored / sum(shares) + 1e-9, entry.spec["plan"], self.seqlen)
 
         return self._engine_plan(entry, num_layers, choose)
 
@@ -695,8 +697,8 @@ def run(args, started_with: dict) -> None:
     adapter = adapt(model)
     num_layers, head_dim = len(adapter.layers), adapter.head_dim
     if not any(adapter.windows):  # the sliding-window rule keeps nothing on a model without windows
-        entries = [e for e in entries if not (e.kind == "layers" and "sliding" in (e.spec.get("rule"), e.spec.get("kept")))]
-    fitter = Fitter(profile, Path(args.work), args.refit) if profile is not None else None
+        entries = [e for e in entries if not (e.kind == "layers" and "sliding" in (e.spec.get("rule"), e.spec.get("bytes_of")))]
+    fitter = Fitter(profile, Path(args.work), args.refit, args.seqlen) if profile is not None else None
     methods, artifacts = [], {}
     for entry in entries:
         if entry.kind == "baseline":

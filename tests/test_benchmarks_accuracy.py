@@ -71,7 +71,9 @@ def test_turboquant_rules_and_plans_count_layers_beyond_its_own_boundary(bench):
     assert entries["turboquant_k3v4_nc-none"].spec == {"dtype": "turboquant_k3v4_nc", "rule": "none"}
     assert bench.fp16_layers(baseline_method("turboquant_k3v4_nc", 10, 64)) == {0, 1, 8, 9}  # vLLM's boundary layers
     assert bench.HAND_RULES["three-at-each-end"](10, [None] * 10) == [0, 1, 2, 7, 8, 9]  # two layers beyond it
-    assert {e.spec["kept"] for name, e in entries.items() if name.startswith("turboquant") and "plan" in e.spec} == {2, 4, "sliding"}
+    assert entries["turboquant_k3v4_nc-plan-fisher-2"].spec["bytes_of"] == "three-at-each-end"
+    assert {e.spec["bytes_of"] for name, e in entries.items() if name.startswith("turboquant") and "plan" in e.spec} == \
+        {"three-at-each-end", "four-at-each-end", "sliding"}
 
 
 def test_select_by_name_alias_and_group(bench):
