@@ -155,13 +155,6 @@ PLAN_EXTRA_LAYERS = (2, 4)  # the names of kvcal plan at the bytes of a dtype's 
 LLAMA_CPP_BY_HAND = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0/q4_0")  # one type for both, or the common q8_0 keys
 
 
-def fp16_layers(method) -> set[int]:
-    """The layers a method stores unquantized (an engine dtype's own, such as TurboQuant's boundary layers)."""
-    from kvcal.quantizers import CodecKind
-
-    return {i for i, codecs in enumerate(method.layers) if codecs.key_codec.kind is CodecKind.FP16}
-
-
 def ablations(seed: int) -> list[Entry]:
     """The entries only the method sets hold (their other members are catalog entries that carry the set as an alias)."""
     entries = []
@@ -409,12 +402,11 @@ class Fitter:
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
         layers the dtype keeps fp16 itself), sliding-window layers priced at what they store at --seqlen tokens."""
         from kvcal.fit.nuq import stored_shares
-        from kvcal.methods import baseline_method
-        from kvcal.plan import dtype_bits, plan_layers
+        from kvcal.plan import dtype_bits, fixed_fp16_layers, plan_layers
 
         def choose(fingerprint: dict):
             head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
-            wide = fp16_layers(baseline_method(dtype, num_layers, head_dim))
+            wide = fixed_fp16_layers(dtype, num_layers, head_dim)
             wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
             quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
             shares = stored_shares(windows, self.seqlen, num_layers)

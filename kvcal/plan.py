@@ -79,6 +79,11 @@ def _fixed_fp16(codecs) -> bool:
     return codecs.key_codec.kind is CodecKind.FP16
 
 
+def fixed_fp16_layers(dtype: str, num_layers: int, head_dim: int) -> set[int]:
+    """The layers the engine keeps fp16 under `dtype` whatever it is told (TurboQuant's first and last two)."""
+    return {i for i, codecs in enumerate(baseline_method(dtype, num_layers, head_dim).layers) if _fixed_fp16(codecs)}
+
+
 def _key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
     """Fisher-weighted squared error of `codec` on the layer's sampled keys, cached after RoPE as the engines cache
     them, the error rotated back before RoPE where the Fisher information was taken."""
@@ -158,10 +163,6 @@ class CacheTypePlan:
                 "baseline_spec": self.baseline_spec()}
 
 
-def _tensor_bits(codec, width: int) -> float:
-    return float(FP16_BITS) if codec.kind is CodecKind.FP16 else codec.row_bits(width) / width
-
-
 def check_cache_type_budget(budget: float) -> None:
     """Refuse a budget no -ctk / -ctv pair fits (ggml's types store the same bits per element at any width)."""
     least = min(8 * block_bytes / GGML_BLOCK for block_bytes in GGML_BLOCK_BYTES.values())
@@ -182,7 +183,7 @@ def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
     with torch.inference_mode():
         key_costs = {t: sum(_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)) for t, codec in keys.items()}
         value_costs = {t: sum(_value_cost(profile, i, codec) for i in range(num_layers)) for t, codec in values.items()}
-    pairs = sorted(({"type_k": k, "type_v": v, "bits": (_tensor_bits(keys[k], width) + _tensor_bits(values[v], width)) / 2,
+    pairs = sorted(({"type_k": k, "type_v": v, "bits": (keys[k].row_bits(width) + values[v].row_bits(width)) / (2 * width),
                      "cost": key_costs[k] + value_costs[v]} for k in CACHE_TYPES for v in CACHE_TYPES if (k, v) != ("f16", "f16")),
                    key=lambda pair: (pair["cost"], pair["bits"]))
     best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)

@@ -94,8 +94,11 @@ class Fp16Codec:
     block_tokens = 1
     bits = FP16_BITS
 
+    def row_bits(self, channels: int) -> float:
+        return float(FP16_BITS * channels)
+
     def quantize(self, x: torch.Tensor) -> Quantized:
-        return Quantized(x.to(torch.float16).float(), torch.full((x.shape[0],), float(FP16_BITS * x.shape[1]), device=x.device))
+        return Quantized(x.to(torch.float16).float(), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 
 
 FP16_LAYER = LayerCodecs(Fp16Codec(), Fp16Codec(), key_pre_rope=False)

@@ -65,11 +65,11 @@ def test_engine_layer_rules_meet_only_plans_of_their_own_dtype(bench):
 
 
 def test_turboquant_rules_and_plans_count_layers_beyond_its_own_boundary(bench):
-    from kvcal.methods import baseline_method
+    from kvcal.plan import fixed_fp16_layers
 
     entries = {e.name: e for e in bench.select(bench.ablations(0), ["engine-layers"])}
     assert entries["turboquant_k3v4_nc-none"].spec == {"dtype": "turboquant_k3v4_nc", "rule": "none"}
-    assert bench.fp16_layers(baseline_method("turboquant_k3v4_nc", 10, 64)) == {0, 1, 8, 9}  # vLLM's boundary layers
+    assert fixed_fp16_layers("turboquant_k3v4_nc", 10, 64) == {0, 1, 8, 9}  # vLLM's boundary layers
     assert bench.HAND_RULES["three-at-each-end"](10, [None] * 10) == [0, 1, 2, 7, 8, 9]  # two layers beyond it
     assert entries["turboquant_k3v4_nc-plan-fisher-2"].spec["bytes_of"] == "three-at-each-end"
     assert {e.spec["bytes_of"] for name, e in entries.items() if name.startswith("turboquant") and "plan" in e.spec} == \

@@ -78,11 +78,11 @@ def test_kernels_are_chosen_only_where_they_exist():
 
     uniform = (ChannelBlockUniform(2, G), TokenUniform(2, G))
     skvq = SkvqTensor(torch.arange(WIDTH, dtype=torch.int32), torch.tensor([0, WIDTH], dtype=torch.int32), torch.ones(1), 1.5, False)
-    assert kernels.decode_supported(*uniform, heads=32, kv_heads=8, head_dim=128)
-    assert kernels.decode_supported(*uniform, heads=9, kv_heads=3, head_dim=64)
-    assert not kernels.decode_supported(*uniform, heads=72, kv_heads=8, head_dim=128)  # 9 query heads per KV head
-    assert not kernels.decode_supported(*uniform, heads=32, kv_heads=8, head_dim=96)
-    assert not kernels.decode_supported(uniform[0], skvq, heads=32, kv_heads=8, head_dim=128)
+    assert kernels.codecs_decoded(*uniform) and kernels.heads_refusal(heads=32, kv_heads=8, head_dim=128) is None
+    assert kernels.heads_refusal(heads=9, kv_heads=3, head_dim=64) is None
+    assert kernels.heads_refusal(heads=72, kv_heads=8, head_dim=128) is not None  # 9 query heads per KV head
+    assert kernels.heads_refusal(heads=32, kv_heads=8, head_dim=96) is not None
+    assert not kernels.codecs_decoded(uniform[0], skvq)
     assert not kernels.append_supported(skvq, WIDTH)
     assert not kernels.cuda_ready("cpu")
     assert kernels.append_encoder(uniform[0], WIDTH, "lsb", "cpu") is None and not PackedRows(uniform[0], 1, WIDTH, "cpu").use_kernels

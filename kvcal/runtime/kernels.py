@@ -1,7 +1,7 @@
 """CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: fused decode attention over the
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
-layer's codecs have a kernel (`decode_supported`, `append_supported`); SKVQ's permuted groups and
-1.5-bit ternary values, head dims other than 64/128 and more than 8 query heads per KV head use the torch
+layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
+permuted groups and 1.5-bit ternary values, head dims other than 64/128 and more than 8 query heads per KV head use the torch
 reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
@@ -121,10 +121,6 @@ def codecs_decoded(key_codec, value_codec) -> bool:
     """Whether the decode kernels read bodies of this (key codec, value codec) pair in the runtime's layouts."""
     pair = (codec_id(key_codec), codec_id(value_codec))
     return pair in src.CODEC_PAIRS and layout_id(key_codec) is not None and layout_id(value_codec) is not None
-
-
-def decode_supported(key_codec, value_codec, heads: int, kv_heads: int, head_dim: int) -> bool:
-    return codecs_decoded(key_codec, value_codec) and heads_refusal(heads, kv_heads, head_dim) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
