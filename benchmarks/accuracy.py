@@ -111,6 +111,7 @@ def catalog(seed: int) -> list[Entry]:
         entries.append(Entry(f"turbo{bits}", BASELINE, "baseline", f"turbo{bits}", ("turbo",)))
     for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"):
         entries.append(Entry(name, BASELINE, "baseline", name, ("llama.cpp",)))
+    entries.append(Entry("fp4_e2m1", BASELINE, "baseline", "fp4_e2m1", ("sglang",)))
     entries.append(Entry("fp8-scale1", BASELINE, "fp8", ("unit", "tensor"), ("fp8",)))
     entries.append(Entry("fp8-absmax", BASELINE, "fp8", ("absmax", "tensor"), ("fp8",)))
     return entries + ablations(seed)
@@ -251,6 +252,7 @@ def annotate(domain: dict) -> dict:
 
 
 SAME_RUN_KEYS = ("model", "calibration", "evaluation", "seed")
+NO_CALIBRATION = "no calibrated recipe selected"  # a run of baselines only: no profile, so any earlier one's is kept
 SAME_DOMAIN_KEYS = ("dataset", "tokens", "windows", "seqlen", "fp_ppl")
 
 
@@ -258,7 +260,10 @@ def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
     """`payload` with the rows of `previous` (an earlier run's JSON) for the methods of `order` (the catalog) this run
     did not evaluate, each keeping the commit it was measured at; raises ValueError unless both runs evaluated the
     same way (SAME_RUN_KEYS, and SAME_DOMAIN_KEYS of every domain both have: fp is deterministic, so its perplexity
-    must match exactly). Rows of methods no longer in the catalog are dropped."""
+    must match exactly; a run of baselines only takes the earlier calibration). Rows of methods no longer in the
+    catalog are dropped."""
+    if payload["calibration"] == NO_CALIBRATION:
+        payload = {**payload, "calibration": previous.get("calibration")}
     for key in SAME_RUN_KEYS:
         if previous.get(key) != payload[key]:
             raise ValueError(f"the earlier results have {key} {previous.get(key)!r}, this run {payload[key]!r}")
@@ -617,7 +622,7 @@ def parse_args(argv=None):
     sets = "; ".join(f"{name}: {what}" for name, what in METHOD_SETS.items())
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"methods: {names}. Aliases: nuqN, skvq, skvq-wW, intN, int, kiviN, kivi, hadamard, turbo, llama.cpp, fp8; "
+        epilog=f"methods: {names}. Aliases: nuqN, skvq, skvq-wW, intN, int, kiviN, kivi, hadamard, turbo, llama.cpp, sglang, fp8; "
                f"groups: all, calibrated, baselines. Method sets (not in all): {sets}.")
     parser.add_argument("--methods", nargs="+", default=["all"], metavar="NAME",
                         help="methods to evaluate, by name, alias, group or method set (default: all)")
@@ -741,7 +746,7 @@ def run(args, started_with: dict) -> None:
         domains[name] = annotate({"description": description, "dataset": dataset, "tokens": ids.numel(), "windows": args.windows,
                                   "seqlen": args.seqlen, "fp_ppl": fp.ppl, "fp_seconds": round(seconds[0], 2), "rows": rows})
 
-    calibration = "no calibrated recipe selected"
+    calibration = NO_CALIBRATION
     if profile is not None:
         cal = read_header(str(profile))[1]["calibration"]
         calibration = (f"profile {profile} ({cal['dataset']}, {cal['nsamples']} x {cal['seqlen']}, seed {cal['seed']}, "

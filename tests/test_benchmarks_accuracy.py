@@ -108,6 +108,15 @@ def test_update_keeps_earlier_rows_of_methods_not_evaluated_now(bench):
     assert vs["best_recipe"] == "nuq8" and vs["recipe_lower_ppl"] and rows["nuq8"]["on_front"] and not rows["q8_0"]["on_front"]
 
 
+def test_update_of_baselines_only_keeps_the_earlier_calibration(bench):
+    """A run that fits nothing reads no profile: its baseline rows join results made on any."""
+    previous = _run("aaa", {"nuq4": ("calibrated", 4.4, 26.0)})
+    now = _run("bbb", {"q8_0": ("baseline", 8.5, 25.1)})
+    now["calibration"] = bench.NO_CALIBRATION
+    merged = bench.merge_previous(now, previous, ["nuq4", "q8_0"])
+    assert merged["calibration"] == "c" and [r["name"] for r in merged["domains"]["wiki"]["rows"]] == ["nuq4", "q8_0"]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda run: run.update(model="other"), "model 'm'"),
     (lambda run: run["domains"]["wiki"].update(fp_ppl=25.000001), "domain wiki: the earlier results have fp_ppl 25.0"),

@@ -14,7 +14,7 @@ from kvcal.bundle import BUNDLE_KIND, Bundle, load_bundle
 from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
-from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes  # noqa: F401, I001
+from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 
