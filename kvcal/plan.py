@@ -1,6 +1,5 @@
 """Per-layer precision for a serving engine's own KV cache dtype: which layers stay unquantized (vLLM's
---kv-cache-dtype-skip-layers), chosen from a kvcal profile by the exact multiple-choice knapsack of kvcal.fit.nuq
-within a budget of real bits per element.
+--kv-cache-dtype-skip-layers), chosen exactly from a kvcal profile within a budget of real bits per element.
 
 Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16; under a TurboQuant
 preset vLLM keeps its first and last two layers fp16 whatever it is told, so those stay fp16 at no cost and are not
@@ -10,8 +9,9 @@ Fisher information was taken (RoPE rotates channel pairs, so this is exact), plu
 `importance`: KVmix's gradient importance of its K and V. Staying fp16 costs nothing. Prices: the dtype's real bits
 per element (its K and V row_bits, scales included) and 16;
 the budget bounds their mean over the layers, each weighted by the tokens it stores at `context` (a sliding-window
-layer keeps its window; 0: every layer alike). The plan names the engine's arguments and the `eval ppl --baseline`
-spec that evaluates the same cache.
+layer keeps its window; 0: every layer alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers
+that store alike cost alike to keep fp16, so a plan is how many of each such class stay fp16, the costliest first.
+The plan names the engine's arguments and the `eval ppl --baseline` spec that evaluates the same cache.
 
 llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): plan_cache_types picks the pair with
 the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
@@ -20,6 +20,8 @@ ggml types but f16 for both is tried; they are few).
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -27,7 +29,7 @@ import torch
 
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
-from kvcal.fit.nuq import choose_widths, stored_shares
+from kvcal.fit.nuq import stored_shares
 from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
@@ -39,9 +41,9 @@ from kvcal.vllm_codecs import TQ_PRESETS
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
 ENGINES = (*ENGINE_DTYPES, "llama.cpp")
 CRITERIA = ("fisher", "importance")
-# the knapsack's price unit: the engines' real bits are multiples of it (16 bits of scale over a power-of-two head_dim),
-# so a budget that one choice meets exactly is not lost to rounding
-PRICE_STEP = 2.0**-10
+# the most count combinations layers_kept_wide weighs: (n + 1)^k for k classes of n layers (k is 1 + the distinct
+# sliding windows: one or two in the models there are)
+MOST_COMBINATIONS = 10**6
 
 
 @dataclass
@@ -133,13 +135,36 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
         costs = (_fisher_costs(profile, config, layers, kv_heads) if by == "fisher" else
                  np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
     quantized_price = np.where(fixed, float(FP16_BITS), quantized_bits)  # a fixed layer is fp16 either way
-    choices = choose_widths(np.array([[cost, 0.0] for cost in costs]),
-                            np.stack([quantized_price, np.full(num_layers, float(FP16_BITS))], axis=1), budget, shares,
-                            PRICE_STEP)
-    skipped = [layer for layer, choice in enumerate(choices) if choice == 1 and not fixed[layer]]
-    prices = np.where(np.array(choices) == 1, FP16_BITS, quantized_price)
+    extra = (FP16_BITS - quantized_price) * shares  # what keeping each layer fp16 adds to the weighted sum of prices
+    slack = max(budget * shares.sum() - (quantized_price * shares).sum(), 0.0)  # the check above allows 1e-9 under
+    skipped = layers_kept_wide(costs, extra, slack)
+    prices = np.where(np.isin(np.arange(num_layers), skipped), FP16_BITS, quantized_price)
     bits = float((prices * shares).sum() / shares.sum())
     return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits)
+
+
+def layers_kept_wide(costs: list[float], extra: np.ndarray, slack: float) -> list[int]:
+    """The layers to keep fp16 with the largest total cost (what quantizing them would cost) whose extra prices sum
+    to at most `slack`, exactly. Layers of equal extra price form a class and, within one, the costliest are kept
+    first; every count per class is weighed (layers of no extra price, the engine's own fp16 ones, are never
+    named)."""
+    classes: dict[float, list[int]] = {}
+    for layer in sorted((i for i in range(len(costs)) if extra[i] > 0), key=lambda i: (-costs[i], i)):
+        classes.setdefault(float(extra[layer]), []).append(layer)
+    prices, members = list(classes), list(classes.values())
+    combinations = math.prod(len(m) + 1 for m in members)
+    if combinations > MOST_COMBINATIONS:
+        raise KvcalError(f"the model's layers store {len(prices)} different lengths at this context: weighing all "
+                         f"{combinations} plans is too many; give --context 0 (every layer alike)")
+    gains = [np.concatenate([[0.0], np.cumsum([costs[i] for i in m])]) for m in members]
+    tolerance = 1e-9 * max(abs(slack), 1.0)  # the budget is a mean of the same prices, summed in another order
+    best, best_counts = -1.0, None
+    for counts in itertools.product(*(range(len(m) + 1) for m in members)):
+        if sum(n * p for n, p in zip(counts, prices)) <= slack + tolerance:
+            gain = sum(g[n] for g, n in zip(gains, counts))
+            if gain > best:
+                best, best_counts = gain, counts
+    return sorted(i for m, n in zip(members, best_counts) for i in m[:n])
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """kvcal.plan: which layers an engine leaves unquantized, chosen by the knapsack within a budget."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
-from kvcal.plan import plan_cache_types, plan_layers
+from kvcal.plan import dtype_bits, layers_kept_wide, plan_cache_types, plan_layers
 from kvcal.rope import rotate_keys
 
 
@@ -78,18 +79,34 @@ def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_
 
 def test_a_budget_that_buys_exactly_n_unquantized_layers_keeps_n():
     """turboquant_k3v4_nc stores 3.59375 bits at head_dim 256 with one KV head (Gemma 3 270M): at the budget of n of 18
-    layers fp16 the knapsack keeps n, not n - 1 (prices rounded up to 1e-4 bits lost one layer there)."""
-    import numpy as np
-
-    from kvcal.fit.nuq import choose_widths
-    from kvcal.plan import PRICE_STEP, dtype_bits
-
+    layers fp16 the plan keeps the n costliest; with a sliding layer's price weighted by its 511 of 4096 tokens, the
+    same budget keeps at least their cost (prices rounded up to a unit lost one layer there)."""
     quantized = dtype_bits("turboquant_k3v4_nc", 256, 1)
     assert quantized == 3.59375
-    costs, prices = np.array([[i + 1.0, 0.0] for i in range(18)]), np.array([[quantized, 16.0]] * 18)
-    for kept in (6, 8):
-        choices = choose_widths(costs, prices, (kept * 16 + (18 - kept) * quantized) / 18, step=PRICE_STEP)
-        assert choices == [0] * (18 - kept) + [1] * kept  # the costliest layers stay fp16
+    costs = [i + 1.0 for i in range(18)]
+    for shares in (np.ones(18), np.array([1.0 if i % 6 == 5 else 511 / 4096 for i in range(18)])):
+        extra = (16 - quantized) * shares
+        for kept in (6, 8):
+            wide = list(range(18 - kept, 18))
+            got = layers_kept_wide(costs, extra, extra[wide].sum())
+            assert got == wide if (shares == 1).all() else (extra[got].sum() <= extra[wide].sum()
+                                                       and sum(costs[i] for i in got) >= sum(costs[i] for i in wide))
+
+
+def test_the_layers_kept_wide_are_the_best_of_every_subset_within_the_budget():
+    """Against every one of the 2^10 subsets of 10 layers in two price classes (full and sliding), at several
+    budgets: the plan's cost kept is the largest within the budget; too many classes are refused."""
+    generator = np.random.default_rng(3)
+    costs = generator.random(10).tolist()
+    extra = np.where(np.arange(10) % 3 == 0, 12.0, 12.0 * 511 / 4096)
+    subsets = [[i for i in range(10) if mask >> i & 1] for mask in range(1024)]
+    for slack in (0.0, 1.4, 12.0, 13.5, 30.0, 200.0):
+        within = [subset for subset in subsets if extra[subset].sum() <= slack]
+        best = max(sum(costs[i] for i in subset) for subset in within)
+        got = layers_kept_wide(costs, extra, slack)
+        assert extra[got].sum() <= slack and sum(costs[i] for i in got) == pytest.approx(best, rel=1e-12)
+    with pytest.raises(KvcalError, match="store 40 different lengths"):
+        layers_kept_wide([1.0] * 40, np.arange(1.0, 41.0), 10.0)
 
 
 def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_wins(tiny_profile):

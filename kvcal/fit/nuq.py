@@ -133,17 +133,16 @@ def _inliers(samples: torch.Tensor, fisher: torch.Tensor | None, per_channel: bo
     return points, weights, ((lo, hi) if per_channel else None)
 
 
-def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float, shares: np.ndarray | None = None,
-                  step: float = KNAPSACK_STEP) -> list[int]:
+def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float, shares: np.ndarray | None = None) -> list[int]:
     """Exact multiple-choice knapsack: for every tensor i the choice j minimizing sum(costs[i, j]) with the mean of
     prices[i, j] weighted by shares[i] (the elements tensor i stores, relative; default all alike) at most
-    target_bits (weighted prices rounded up to `step` bits). costs, prices: (tensors, choices)."""
+    target_bits (weighted prices rounded up to KNAPSACK_STEP). costs, prices: (tensors, choices)."""
     shares = np.ones(len(prices)) if shares is None else np.asarray(shares, dtype=np.float64)
-    units = np.ceil(prices * shares[:, None] / step - 1e-6).astype(np.int64)
-    budget = int(np.floor(target_bits * shares.sum() / step + 1e-6))
+    units = np.ceil(prices * shares[:, None] / KNAPSACK_STEP - 1e-6).astype(np.int64)
+    budget = int(np.floor(target_bits * shares.sum() / KNAPSACK_STEP + 1e-6))
     cheapest = units.min(axis=1)
     if cheapest.sum() > budget:
-        raise KvcalError(f"--target-bits {target_bits} is below {cheapest.sum() * step / shares.sum():.3f}, the real "
+        raise KvcalError(f"--target-bits {target_bits} is below {cheapest.sum() * KNAPSACK_STEP / shares.sum():.3f}, the real "
                          "bits of the narrowest widths; raise it")
     # price above each tensor's cheapest choice, and no more budget than buying every widest choice needs: the table
     # below stays (tensors x a few thousand) whatever the target
