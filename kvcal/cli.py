@@ -228,7 +228,7 @@ def plan_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
 ):
     """The engine's own KV cache types within a budget, chosen from the profile: for vLLM which layers stay unquantized
-    (the exact knapsack over per-layer costs), for llama.cpp the -ctk / -ctv pair (kvcal.plan). Prints the engine's
+    (chosen exactly from per-layer costs), for llama.cpp the -ctk / -ctv pair (kvcal.plan). Prints the engine's
     arguments and the `eval ppl --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
     from kvcal.plan import ENGINES, check_cache_type_budget, plan_cache_types, plan_layers
