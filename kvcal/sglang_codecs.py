@@ -1,4 +1,4 @@
-"""SGLang's FP4 KV cache (`--kv-cache-dtype fp4_e2m1`) as a kvcal codec, with the arithmetic of SGLang's own write
+"""SGLang's FP4 KV cache (`--kv-cache-dtype fp4_e2m1`, named `fp4_mx_block16` in later releases) as a kvcal codec, with the arithmetic of SGLang's own write
 and read path, for `eval ppl`. SGLang caches keys after RoPE and quantizes (tokens, heads, head_dim) in the model's
 dtype, which is fp16 here, as kvcal's cache holds fp16 (the vLLM codecs take the same convention).
 
@@ -11,8 +11,8 @@ dtype, which is fp16 here, as kvcal's cache holds fp16 (the vLLM codecs take the
   @ 0dae407b3cee5c310cdeeae348b6d42c025788b2 (FP4MXBlock16KVQuantizeUtil.batched_quantize / batched_dequantize),
   used by MHATokenToKVPoolFP4.set_kv_buffer in python/sglang/srt/mem_cache/memory_pool.py.
 
-SGLang takes one --kv-cache-dtype for every layer: its per-layer dtype pull requests (#15420, #17530) and its int4 /
-int8 caches (#2864, #3034, #15285) were closed unmerged, so there is no per-layer plan to write for it."""
+SGLang takes one --kv-cache-dtype for every layer: its per-layer dtype pull requests (#15420, #17530) were closed
+unmerged, as were those for int4 / int8 caches (#2864, #3034, #15285), so there is no per-layer plan to write for it."""
 
 from __future__ import annotations
 

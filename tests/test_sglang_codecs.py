@@ -69,5 +69,6 @@ def test_fp4_e2m1_stores_four_bits_a_code_and_a_byte_per_sixteen_channels():
     fp, result = evaluate_ppl(model, adapt(model), windows, [method])
     assert result.effective_bits == 4.5 and result.ppl != fp.ppl
     assert BlockFp4(64).row_bits(128) == 4 * 128 + 8 * 8
+    assert baseline_method("fp4_mx_block16", 2, 16).layers == method.layers  # SGLang's later name of the same recipe
     with pytest.raises(KvcalError, match="head_dim 24 is not a multiple of"):
         baseline_method("fp4_e2m1", 2, 24)
