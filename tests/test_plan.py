@@ -131,3 +131,19 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
 def test_bad_requests_are_refused_naming_the_option(tiny_profile, arguments, message):
     with pytest.raises(KvcalError, match=message):
         plan_layers(str(tiny_profile[1]), *arguments)
+
+
+def test_vllms_own_argument_parser_reads_the_printed_arguments(tiny_profile):
+    """Where vLLM imports (its wheel with --no-deps and the pure-Python imports it needs; VLLM_TARGET_DEVICE=cpu): its
+    EngineArgs parser takes every dtype kvcal plans for and the skip layers as printed. Skipped where it does not."""
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils", reason="vLLM is not importable here")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvcal.plan import ENGINE_DTYPES
+
+    parser = arg_utils.EngineArgs.add_cli_args(FlexibleArgumentParser())
+    plan = plan_layers(str(tiny_profile[1]), "vllm", "int4_per_token_head", 11.0)
+    parsed = parser.parse_args(plan.engine_arguments().split())
+    assert parsed.kv_cache_dtype == "int4_per_token_head" and parsed.kv_cache_dtype_skip_layers == [str(plan.skipped[0])]
+    for dtype in ENGINE_DTYPES["vllm"]:
+        assert parser.parse_args(["--kv-cache-dtype", dtype, "--kv-cache-dtype-skip-layers", "0", "5"]).kv_cache_dtype == dtype
