@@ -42,6 +42,12 @@ class Method:
     fingerprint: dict | None = None  # of the model it was calibrated for; None for baselines
 
 
+def engine_dtype_method(name: str, codec, num_layers: int) -> Method:
+    """A serving engine's one cache dtype: every layer stores K and V with `codec` as tokens arrive, keys after RoPE,
+    nothing kept fp16."""
+    return Method(name, codec.bits, [LayerCodecs(codec, codec, key_pre_rope=False)] * num_layers, SegmentPolicy())
+
+
 @dataclass
 class StorageTally:
     """Bits the cache stores at the end of each evaluated window, over all layers, as the runtime stores them

@@ -6,11 +6,9 @@ when stored, keys after RoPE, in blocks of 16 channels with an exponent scale ea
 from __future__ import annotations
 
 from kvcal import registry
-from kvcal.kv import SegmentPolicy
-from kvcal.quantizers import LayerCodecs
 from kvcal.registry import MethodSpec
 from kvcal.sglang_codecs import BlockFp4
-from kvcal.simulate import Method
+from kvcal.simulate import engine_dtype_method
 
 SGLANG_DTYPES = {"fp4_e2m1": BlockFp4, "fp4_mx_block16": BlockFp4}  # one recipe, SGLang's earlier and later name
 
@@ -26,8 +24,7 @@ class SglangDtypeSpec(MethodSpec):
         make = SGLANG_DTYPES.get(text)
         if make is None:
             return None
-        codec = make(head_dim)
-        return Method(text, codec.bits, [LayerCodecs(codec, codec, key_pre_rope=False)] * num_layers, SegmentPolicy())
+        return engine_dtype_method(text, make(head_dim), num_layers)
 
 
 registry.register_method(SglangDtypeSpec())

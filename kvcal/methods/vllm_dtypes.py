@@ -11,7 +11,7 @@ from kvcal import registry
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import FP16_LAYER, LayerCodecs
 from kvcal.registry import MethodSpec
-from kvcal.simulate import Method
+from kvcal.simulate import Method, engine_dtype_method
 from kvcal.vllm_codecs import (TQ_PRESETS, Int4PerTokenHead, PerTokenHead, TurboQuantKeys, TurboQuantValues,
                                tq_boundary_layers)
 
@@ -44,8 +44,7 @@ class VllmDtypeSpec(MethodSpec):
         make = VLLM_DTYPES.get(text)
         if make is None:
             return None
-        codec = make(head_dim)
-        return Method(text, codec.bits, [LayerCodecs(codec, codec, key_pre_rope=False)] * num_layers, SegmentPolicy())
+        return engine_dtype_method(text, make(head_dim), num_layers)
 
 
 registry.register_method(VllmDtypeSpec())
