@@ -385,23 +385,21 @@ class Fitter:
             raise ValueError(f"no fit for kind {entry.kind}")
 
     def _engine_plan(self, entry: Entry, num_layers: int, choose):
-        """The baseline method of a kvcal plan entry: choose(fingerprint) makes the plan, cached as JSON."""
+        """The baseline method of a kvcal plan entry: choose(fingerprint) makes the plan, written as JSON. Never read
+        back from an earlier run: a plan takes seconds, and one cached by an older planner would be evaluated as this
+        one's."""
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
 
         fingerprint = read_header(str(self.profile))[1]["model"]["fingerprint"]
         path = self.path_for(entry, ".json")
-        if self.cached(path):
-            spec = json.loads(path.read_text())["baseline_spec"]
-        else:
-            started = time.perf_counter()
-            chosen = choose(fingerprint)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
-            self.fitted.add(path)
-            spec = chosen.baseline_spec()
-            log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, num_layers, fingerprint["head_dim"]), path
+        started = time.perf_counter()
+        chosen = choose(fingerprint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
+        self.fitted.add(path)
+        log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {chosen.baseline_spec()}")
+        return baseline_method(chosen.baseline_spec(), num_layers, fingerprint["head_dim"]), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
