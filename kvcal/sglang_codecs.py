@@ -1,6 +1,7 @@
-"""SGLang's FP4 KV cache (`--kv-cache-dtype fp4_e2m1`, named `fp4_mx_block16` in later releases) as a kvcal codec, with the arithmetic of SGLang's own write
-and read path, for `eval ppl`. SGLang caches keys after RoPE and quantizes (tokens, heads, head_dim) in the model's
-dtype, which is fp16 here, as kvcal's cache holds fp16 (the vLLM codecs take the same convention).
+"""SGLang's FP4 KV cache (`--kv-cache-dtype fp4_e2m1`, named `fp4_mx_block16` in later releases) as a kvcal codec,
+with the arithmetic of SGLang's own write and read path, for `eval ppl`. SGLang caches keys after RoPE and quantizes
+(tokens, heads, head_dim) in the model's dtype, which is fp16 here, as kvcal's cache holds fp16 (the vLLM codecs take
+the same convention).
 
 - BlockFp4: blocks of 16 consecutive channels of a (token, KV head), each with an exponent-only scale:
   e = ceil(log2(clamp(max|x| / 6, min=1e-10))) and 2^-e x coded as E2M1 (sign, then the count of the magnitude

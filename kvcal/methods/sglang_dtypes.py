@@ -1,7 +1,7 @@
-"""SGLang's FP4 KV cache dtype (`sglang`, the `eval ppl` baseline fp4_e2m1, or fp4_mx_block16 as later SGLang names it;
-no calibration): every token quantized
-when stored, keys after RoPE, in blocks of 16 channels with an exponent scale each, to SGLang's own arithmetic
-(kvcal.sglang_codecs). SGLang's fp8_e4m3 and fp8_e5m2 casts are not modelled (the `fp8` baseline is vLLM's e4m3)."""
+"""SGLang's FP4 KV cache dtype (`sglang`, the `eval ppl` baseline fp4_e2m1, or fp4_mx_block16 as later SGLang names
+it; no calibration): every token quantized when stored, keys after RoPE, in blocks of 16 channels with an exponent
+scale each, to SGLang's own arithmetic (kvcal.sglang_codecs). SGLang's fp8_e4m3 and fp8_e5m2 casts are not modelled
+(the `fp8` baseline is vLLM's e4m3)."""
 
 from __future__ import annotations
 
