@@ -397,7 +397,6 @@ class Fitter:
         chosen = choose(fingerprint)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
-        self.fitted.add(path)
         log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {chosen.baseline_spec()}")
         return baseline_method(chosen.baseline_spec(), num_layers, fingerprint["head_dim"]), path
 
