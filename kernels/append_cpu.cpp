@@ -45,11 +45,14 @@ inline float normalized(float x, float lo, float hi) {
     return (x - (hi + lo) / 2.0f) / std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE);
 }
 
-// torch.quantile (linear interpolation, ATen's lerp) of sorted[0, n) at q.
-inline float quantile(const float* sorted, int n, float q) {
+// torch.quantile (linear interpolation, ATen's lerp) of values[0, n) at q, which it reorders: the two order statistics
+// it reads by selection (std::nth_element, then the least of the rest), the values a full sort would put there.
+inline float quantile(float* values, int n, float q) {
     const float rank = q * (float)(n - 1);
     const int below = (int)rank, above = (int)std::ceil(rank);
-    const float weight = rank - (float)below, a = sorted[below], b = sorted[above];
+    std::nth_element(values, values + below, values + n);
+    const float a = values[below], b = above == below ? a : *std::min_element(values + below + 1, values + n);
+    const float weight = rank - (float)below;
     return weight < 0.5f ? a + weight * (b - a) : b - (b - a) * (1.0f - weight);
 }
 
@@ -97,17 +100,23 @@ extern "C" void kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width
                                           int words_per_row, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
                                           int32_t* found) {
     const int entries = 1 << code_bits(layout), heads = width / head_dim;
-    std::vector<float> row_values(width), sorted(width);
+    std::vector<float> row_values(width), scratch(width);
     std::vector<uint32_t> codes(width);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
         for (int c = 0; c < width; ++c) row_values[c] = half_to_float(xr[c]);
         Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
         if (channel_lo == nullptr) {
-            sorted = row_values;
-            std::sort(sorted.begin(), sorted.end());
-            const float lo = keep_outliers ? quantile(sorted.data(), width, q_low) : sorted[0];
-            const float hi = keep_outliers ? quantile(sorted.data(), width, q_high) : sorted[width - 1];
+            float lo, hi;
+            if (keep_outliers) {
+                scratch = row_values;
+                lo = quantile(scratch.data(), width, q_low);
+                hi = quantile(scratch.data(), width, q_high);
+            } else {
+                const auto [least, most] = std::minmax_element(row_values.begin(), row_values.end());
+                lo = *least;
+                hi = *most;
+            }
             const long long at = seq_of_row[r] * token_stride + row_in_seq[r];
             token_lo[at] = float_to_half(lo);
             token_hi[at] = float_to_half(hi);

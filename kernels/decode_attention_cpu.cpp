@@ -4,10 +4,9 @@
 // whole cache into memory nor concatenates it. The specification is kvcal/runtime/reference.py; the tests
 // (tests/test_runtime_cpu_kernel.py) compare the two on every codec, layout and segment arrangement.
 //
-// Per (sequence, KV head), tokens in chunks of CHUNK: a chunk's keys are decoded into a small transposed
-// buffer (channel-major, so the scores of all the group's query heads are vectorizable multiply-adds over
-// tokens), outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
-// step's cos/sin tables; an online softmax (natural exponent) updates the running state; the chunk's values
+// Per (sequence, KV head), tokens in chunks of CHUNK: a chunk's keys are decoded token-major into a small
+// buffer, outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
+// step's cos/sin tables, and scored LANES tokens at a time (key_scores); an online softmax (natural exponent) updates the running state; the chunk's values
 // are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
 // so launches over different segment groups (Cocktail's widths) chain into one softmax.
 //
@@ -589,6 +588,23 @@ inline void prefetch_rope_rows(const float* cos_table, const float* sin_table, l
         }
 }
 
+// reference.rotate on one key row: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half), from a table
+// row of the half frequencies (rotate_half's full rows repeat them); LANES pairs at a time, written out (the
+// compiler's vectorization of the scalar loop tests k[c] and k[c + half] for overlap and peels, at every row).
+inline void rotate_row(float* __restrict__ k, const float* __restrict__ cos_row, const float* __restrict__ sin_row, int half) {
+    int c = 0;
+    for (; c + LANES <= half; c += LANES) {
+        const vf32 x1 = loadv(k + c), x2 = loadv(k + c + half), cs = loadv(cos_row + c), sn = loadv(sin_row + c);
+        storev(k + c, x1 * cs - x2 * sn);
+        storev(k + c + half, x2 * cs + x1 * sn);
+    }
+    for (; c < half; ++c) {
+        const float x1 = k[c], x2 = k[c + half];
+        k[c] = x1 * cos_row[c] - x2 * sin_row[c];
+        k[c + half] = x2 * cos_row[c] + x1 * sin_row[c];
+    }
+}
+
 // One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
 // partial = per query head (m, l, acc[D]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
 // exp(score - m) v.
@@ -617,20 +633,11 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         if (cos_table != nullptr && t0 + CHUNK < t_end)
             prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), half);
         decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-        // reference.rotate: (x1 cos - x2 sin, x2 cos + x1 sin) per channel pair (c, c + half), with a table row of the
-        // half frequencies (rotate_half's full rows repeat them)
-        if (cos_table != nullptr) {
+        if (cos_table != nullptr)
             for (int i = 0; i < n; ++i) {
-                const float* __restrict__ cos_row = cos_table + b * rope_stride + (long long)(t0 + i) * half;
-                const float* __restrict__ sin_row = sin_table + b * rope_stride + (long long)(t0 + i) * half;
-                float* __restrict__ k = keys.data() + (size_t)i * D;
-                for (int c = 0; c < half; ++c) {
-                    const float x1 = k[c], x2 = k[c + half];
-                    k[c] = x1 * cos_row[c] - x2 * sin_row[c];
-                    k[c + half] = x2 * cos_row[c] + x1 * sin_row[c];
-                }
+                const long long row = b * rope_stride + (long long)(t0 + i) * half;
+                rotate_row(keys.data() + (size_t)i * D, cos_table + row, sin_table + row, half);
             }
-        }
         for (int g = 0; g < group; ++g) {
             float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
             float* state = partial + (size_t)g * (D + 2);

@@ -185,6 +185,22 @@ def side_descriptor(sink, body, recent) -> list[int]:
     return fields
 
 
+def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> np.ndarray | None:
+    """(2, batch, META_FIELDS) int32: per side and sequence kernels.side_lengths' four, the body's first live row
+    and the first token the query sees, made in one list (a decode step calls this once per layer); None when the
+    launch holds no token (it adds nothing)."""
+    fields, tokens = [], 0
+    for sink, body, recent in (segments.keys, segments.values):
+        if sink is not None and any(sink.head):
+            raise ValueError("a sink segment never drops tokens from its front")
+        for b in range(batch):
+            lengths = (sink.length[b] if sink else 0, body.length[b] if body else 0, recent.length[b] if recent else 0)
+            tokens += sum(lengths)
+            fields += (lengths[0], lengths[1], recent.head[b] if recent else 0, lengths[2], body.head[b] if body else 0,
+                       first[b] if first else 0)
+    return np.array(fields, dtype=np.int32) if tokens else None
+
+
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
@@ -203,24 +219,29 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         rope_stride = 0 if cos.shape[0] == 1 else cos.shape[1] * cos.shape[2]
     calls = []
     for segments in launches:
-        lengths = [kernels.side_lengths(*side, batch) for side in (segments.keys, segments.values)]
-        if any(sink or body or recent for sink, body, _, recent in lengths[0]):  # a launch without tokens adds nothing
-            descriptor = segments.describe("cpu", lambda: np.asarray(side_descriptor(*segments.keys) + side_descriptor(*segments.values),
-                                                                     dtype=np.int64))
-            meta = [[row + [side[1].head[b] if side[1] is not None else 0, first[b] if first else 0] for b, row in enumerate(rows)]
-                    for rows, side in zip(lengths, (segments.keys, segments.values))]
-            calls.append((descriptor, np.asarray(meta, dtype=np.int32)))
-    out = torch.empty(batch, heads, head_dim)
+        meta = _meta(segments, batch, first)
+        if meta is not None:
+            descriptor = segments.describe("cpu", lambda: _held_array(side_descriptor(*segments.keys) + side_descriptor(*segments.values)))
+            calls.append((descriptor, meta))
+    # the running softmax state (m, l: batch x heads each) and the output, in one buffer
+    state = torch.empty(batch * heads * (head_dim + 2))
+    out = state[2 * batch * heads:].view(batch, heads, head_dim)
     if not calls:
         return out.zero_()
-    m, total = torch.empty(batch, heads), torch.empty(batch, heads)
-    for i, (descriptor, meta) in enumerate(calls):
+    m_pointer = state.data_ptr()
+    for i, ((_, descriptor), meta) in enumerate(calls):
         lib.kvcal_decode_attention_cpu(
-            query.data_ptr(), descriptor.ctypes.data, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
-            0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads,
-            heads // kv_heads, head_dim, scaling, m.data_ptr(), total.data_ptr(), out.data_ptr(), i == 0, i == len(calls) - 1,
+            query.data_ptr(), descriptor, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
+            0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads, heads // kv_heads, head_dim, scaling,
+            m_pointer, m_pointer + 4 * batch * heads, m_pointer + 8 * batch * heads, i == 0, i == len(calls) - 1,
             torch.get_num_threads())
     return out
+
+
+def _held_array(fields: list[int]) -> tuple[np.ndarray, int]:
+    """fields as an int64 array with its address (the array is held beside it, so the address stays valid)."""
+    array = np.asarray(fields, dtype=np.int64)
+    return array, array.ctypes.data
 
 
 def half_rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,6 +280,8 @@ class CpuAppend:
         self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
         self.codebook_arguments: tuple | None = None  # codebooks: what the append kernel takes of them, made with them
         self._held: tuple = (None, None)  # (store.moves, its buffers' pointers and strides): see _buffers
+        self._rows = np.zeros((3, 0), dtype=np.int32)  # per appended row: its sequence, its body row, outliers found
+        self._rows_at = 0  # the address of self._rows
 
     def _buffers(self, store) -> dict[str, tuple]:
         """The pointers and strides the append kernels take of the store's buffers, made again only when the store
@@ -278,19 +301,32 @@ class CpuAppend:
             self._held = (store.moves, held)
         return self._held[1]
 
+    def _row_index(self, seqs: list[int], starts: list[int], counts: list[int], rows: int, heads: int) -> tuple[int, int, int]:
+        """The addresses of each row's sequence and body row (int32, rows each) and of room for the outliers it has
+        per KV head (int32, rows x heads), in a buffer kept between appends (a decode step appends one row per
+        sequence to every store of every layer)."""
+        capacity = self._rows.shape[1]
+        if capacity < rows * max(heads, 1):
+            self._rows = np.zeros((3, max(rows * max(heads, 1), 2 * capacity, 16)), dtype=np.int32)
+            self._rows_at, capacity = self._rows.ctypes.data, self._rows.shape[1]
+        if rows == len(seqs):  # a decode step: one row per sequence
+            self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
+        else:
+            self._rows[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
+            self._rows[1, :rows] = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+        return self._rows_at, self._rows_at + 4 * capacity, self._rows_at + 8 * capacity
+
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
         parameter buffers already there)."""
         lib, codec, cid, layout = append_library(), store.codec, self.codec_id, self.layout
-        x = x.to(torch.float16).contiguous()
+        if x.dtype != torch.float16 or not x.is_contiguous():
+            x = x.to(torch.float16).contiguous()
         rows, width = x.shape
-        if rows == len(seqs):  # a decode step: one row per sequence
-            seq_of_row, row_in_seq = np.asarray(seqs, dtype=np.int32), np.asarray(starts, dtype=np.int32)
-        else:
-            seq_of_row = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
-            row_in_seq = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+        heads = width // (store.head_dim or width)
+        seq_of_row, row_in_seq, found = self._row_index(seqs, starts, counts, rows, heads)
         buffers = self._buffers(store)
-        destination = (seq_of_row.ctypes.data, row_in_seq.ctypes.data, *buffers["words"])
+        destination = (seq_of_row, row_in_seq, *buffers["words"])
         if cid == src.UNIFORM_TOKEN:
             lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, *buffers["token"])
             return
@@ -299,13 +335,12 @@ class CpuAppend:
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                  clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
             return
-        self._codebook(store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination)
+        self._codebook(store, lib, x, seqs, counts, heads, found, destination)
 
-    def _codebook(self, store, lib, x, seqs, counts, seq_of_row, row_in_seq, layout, destination) -> None:
+    def _codebook(self, store, lib, x, seqs, counts, heads, found, destination) -> None:
         """Codes and thresholds, then, with room made for exactly the outliers found, the outliers after each
         (sequence, KV head)'s own."""
         rows, width = x.shape
-        head_dim = store.head_dim or width
         if self.tables is None:  # the codec's tables and thresholds, as the kernel takes them (they never change)
             self.tables = kernels.codec_tables(store)
             t = 1.0 - store.codec.outlier_fraction / 2
@@ -313,16 +348,15 @@ class CpuAppend:
                                        np.float32(t), int(store.codec.outlier_fraction > 0), self.tables["midpoints"].data_ptr())
         channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
         thresholds = self._buffers(store)["thresholds"]
-        found = np.zeros((rows, width // head_dim), dtype=np.int32)
-        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, layout, channel_lo, channel_hi, low, high, keep,
-                                      midpoints, *destination, *thresholds, found.ctypes.data)
+        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, width // heads, self.layout, channel_lo, channel_hi, low,
+                                      high, keep, midpoints, *destination, *thresholds, found)
         if not keep:
             return
-        per_sequence = found if rows == len(seqs) else np.add.reduceat(found, np.cumsum([0, *counts[:-1]]), axis=0)
+        added = self._rows[2, :rows * heads].reshape(rows, heads)
+        per_sequence = added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
-        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
-                                     *thresholds, seq_of_row.ctypes.data, row_in_seq.ctypes.data,
-                                     *self._buffers(store)["outliers"])
+        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, width // heads, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
+                                     *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 
 
 APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PERMUTED_GROUPS)
