@@ -88,17 +88,51 @@ struct Thresholds {
 
 }  // namespace
 
+// Phase 2, with room for them: every row's outliers, in row order and channel order, go after their (sequence, KV
+// head) run's own (counts (batch, heads), incremented), each its uint16 position in its tile of tile_tokens body rows
+// and its exact fp16 value; a row that starts a tile first records, for every head, the run's count as that tile's
+// offset (offsets (batch, heads, offset_stride)).
+extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width, int head_dim, int tile_tokens,
+                                         const float* channel_lo, const float* channel_hi, const uint16_t* token_lo,
+                                         const uint16_t* token_hi, long long token_stride, const int32_t* seq_of_row,
+                                         const int32_t* row_in_seq, uint16_t* positions, uint16_t* values,
+                                         long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
+    const int heads = width / head_dim;
+    for (int r = 0; r < rows; ++r) {
+        const long long seq = seq_of_row[r], first_run = seq * heads;
+        const int row = row_in_seq[r], tile = row / tile_tokens;
+        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
+        if (channel_lo == nullptr) {
+            t.token_lo = half_to_float(token_lo[seq * token_stride + row]);
+            t.token_hi = half_to_float(token_hi[seq * token_stride + row]);
+        }
+        if (row % tile_tokens == 0)
+            for (int h = 0; h < heads; ++h) offsets[(first_run + h) * offset_stride + tile] = counts[first_run + h];
+        const uint16_t* xr = x + (long long)r * width;
+        for (int c = 0; c < width; ++c) {
+            if (!(std::fabs(normalized(half_to_float(xr[c]), t.lo(c), t.hi(c))) > 1.0f)) continue;
+            const int h = c / head_dim;
+            const long long at = (first_run + h) * outlier_stride + counts[first_run + h]++;
+            positions[at] = (uint16_t)((row % tile_tokens) * head_dim + c - h * head_dim);
+            values[at] = xr[c];
+        }
+    }
+}
+
 // Phase 1, every row r of x (rows, width) fp16, for sequence seq_of_row[r] at body row row_in_seq[r]: thresholds
 // per channel (channel_lo/hi) or per token (the q_low/q_high quantiles of the row, min/max without outliers, stored
 // fp16 at token_lo/hi[seq * token_stride + row]); codes = the codebook midpoints below clamp(normalized, -1, 1),
 // packed into words[seq * words_stride + row * words_per_row]; found (rows, width / head_dim) = the elements with
-// |normalized| > 1 per (row, KV head) when keep_outliers.
-extern "C" void kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width, int head_dim, int layout,
-                                          const float* channel_lo, const float* channel_hi, float q_low, float q_high,
-                                          int keep_outliers, const float* midpoints, const int32_t* seq_of_row,
-                                          const int32_t* row_in_seq, uint32_t* words, long long words_stride,
-                                          int words_per_row, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
-                                          int32_t* found) {
+// |normalized| > 1 per (row, KV head) when keep_outliers. Then phase 2 where every run's count plus what it found fits
+// the outlier arrays (outlier_stride entries per run): 1; else 0, and the caller makes room and calls phase 2 (a
+// decode step's few outliers almost always fit: one call instead of two).
+extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width, int head_dim, int layout,
+                                         const float* channel_lo, const float* channel_hi, float q_low, float q_high,
+                                         int keep_outliers, const float* midpoints, const int32_t* seq_of_row,
+                                         const int32_t* row_in_seq, uint32_t* words, long long words_stride,
+                                         int words_per_row, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
+                                         int32_t* found, int tile_tokens, uint16_t* positions, uint16_t* values,
+                                         long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
     const int entries = 1 << code_bits(layout), heads = width / head_dim;
     std::vector<float> row_values(width), scratch(width);
     std::vector<uint32_t> codes(width);
@@ -136,37 +170,19 @@ extern "C" void kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width
         pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
                  words_per_row);
     }
-}
-
-// Phase 2, after the caller made room: every row's outliers, in row order and channel order, go after their
-// (sequence, KV head) run's own (counts (batch, heads), incremented), each its uint16 position in its tile of
-// tile_tokens body rows and its exact fp16 value; a row that starts a tile first records, for every head, the
-// run's count as that tile's offset (offsets (batch, heads, offset_stride)).
-extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width, int head_dim, int tile_tokens,
-                                         const float* channel_lo, const float* channel_hi, const uint16_t* token_lo,
-                                         const uint16_t* token_hi, long long token_stride, const int32_t* seq_of_row,
-                                         const int32_t* row_in_seq, uint16_t* positions, uint16_t* values,
-                                         long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
-    const int heads = width / head_dim;
-    for (int r = 0; r < rows; ++r) {
-        const long long seq = seq_of_row[r], first_run = seq * heads;
-        const int row = row_in_seq[r], tile = row / tile_tokens;
-        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
-        if (channel_lo == nullptr) {
-            t.token_lo = half_to_float(token_lo[seq * token_stride + row]);
-            t.token_hi = half_to_float(token_hi[seq * token_stride + row]);
+    if (!keep_outliers) return 1;
+    int last_seq = 0;
+    for (int r = 0; r < rows; ++r) last_seq = std::max(last_seq, seq_of_row[r]);
+    std::vector<long long> after((size_t)(last_seq + 1) * heads, -1);  // per run a row of the call touches: its count after
+    for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+            const long long run = (long long)seq_of_row[r] * heads + h;
+            after[run] = (after[run] < 0 ? counts[run] : after[run]) + found[(long long)r * heads + h];
+            if (after[run] > outlier_stride) return 0;
         }
-        if (row % tile_tokens == 0)
-            for (int h = 0; h < heads; ++h) offsets[(first_run + h) * offset_stride + tile] = counts[first_run + h];
-        const uint16_t* xr = x + (long long)r * width;
-        for (int c = 0; c < width; ++c) {
-            if (!(std::fabs(normalized(half_to_float(xr[c]), t.lo(c), t.hi(c))) > 1.0f)) continue;
-            const int h = c / head_dim;
-            const long long at = (first_run + h) * outlier_stride + counts[first_run + h]++;
-            positions[at] = (uint16_t)((row % tile_tokens) * head_dim + c - h * head_dim);
-            values[at] = xr[c];
-        }
-    }
+    kvcal_place_outliers_cpu(x, rows, width, head_dim, tile_tokens, channel_lo, channel_hi, token_lo, token_hi, token_stride,
+                             seq_of_row, row_in_seq, positions, values, outlier_stride, offsets, offset_stride, counts);
+    return 1;
 }
 
 // TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max, fp16 scale = (hi - lo) / levels and

@@ -141,11 +141,15 @@ def describe() -> str:
 @functools.cache
 def append_library() -> ctypes.CDLL | None:
     """The compiled appends (built on first use), or None."""
-    return _compiled("append_cpu.cpp", APPEND_FLAGS, {
-        "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _P],
+    lib = _compiled("append_cpu.cpp", APPEND_FLAGS, {
+        "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _P,
+                                      _I, _P, _P, _L, _P, _L, _P],
         "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
         "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L],
         "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L]})
+    if lib is not None:
+        lib.kvcal_append_codebook_cpu.restype = _I  # whether it placed the outliers too (else: room first, then place)
+    return lib
 
 
 def codec_id(codec) -> int | None:
@@ -338,8 +342,8 @@ class CpuAppend:
         self._codebook(store, lib, x, seqs, counts, heads, found, destination)
 
     def _codebook(self, store, lib, x, seqs, counts, heads, found, destination) -> None:
-        """Codes and thresholds, then, with room made for exactly the outliers found, the outliers after each
-        (sequence, KV head)'s own."""
+        """Codes and thresholds, and the outliers after each (sequence, KV head)'s own: in the same call where they
+        fit the outlier arrays, else after the store made room for exactly the outliers found."""
         rows, width = x.shape
         if self.tables is None:  # the codec's tables and thresholds, as the kernel takes them (they never change)
             self.tables = kernels.codec_tables(store)
@@ -348,13 +352,12 @@ class CpuAppend:
                                        np.float32(t), int(store.codec.outlier_fraction > 0), self.tables["midpoints"].data_ptr())
         channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
         thresholds = self._buffers(store)["thresholds"]
-        lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, width // heads, self.layout, channel_lo, channel_hi, low,
-                                      high, keep, midpoints, *destination, *thresholds, found)
-        if not keep:
+        outliers = self._buffers(store)["outliers"] if keep else (0,) * 6
+        if lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, width // heads, self.layout, channel_lo, channel_hi, low,
+                                         high, keep, midpoints, *destination, *thresholds, found, OUTLIER_TILE_TOKENS, *outliers):
             return
         added = self._rows[2, :rows * heads].reshape(rows, heads)
-        per_sequence = added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0)
-        store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
+        store.reserve_outlier_room_on_host(seqs, added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0))
         lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, width // heads, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
                                      *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 

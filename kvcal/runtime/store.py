@@ -330,7 +330,6 @@ class PackedRows:
         self._bound = [[0] * self.kv_heads for _ in range(batch)]
         self._added = [[0] * self.kv_heads for _ in range(batch)]  # what the bound allowed for since the last snapshot
         self._snapshot: tuple[torch.Tensor, object] | None = None
-        self._host_most = 0  # CPU kernel path: a bound of the largest count (see reserve_outlier_room_on_host)
         self._table = _Table.for_codec(codec)
         # the channel of every code slot of a row's units (the row's padding slots count as its last channel)
         words_per_unit, per_unit = unit_shape(codec.bits, self.layout)
@@ -360,7 +359,9 @@ class PackedRows:
         """Capacity for counts[i] more rows of sequence seqs[i]: compact the live rows to the front when one would
         run past the end, then grow if still short."""
         ends = lambda: max(self.head[b] + self.length[b] + c for b, c in zip(seqs, counts))
-        if ends() > self.words.shape[1] and any(head >= self.aligned for head in self.head):
+        if ends() <= self.words.shape[1]:  # a decode step, almost always
+            return
+        if any(head >= self.aligned for head in self.head):
             self._compact()
         if ends() > self.words.shape[1]:
             self._resize(ends())
@@ -399,7 +400,6 @@ class PackedRows:
                 if capacity < self.outlier_positions.shape[2]:
                     self.outlier_positions = _grown(self.outlier_positions, capacity, dim=2)
                     self.outlier_values = _grown(self.outlier_values, capacity, dim=2)
-                    self._host_most = min(self._host_most, capacity)
                     self.moves += 1
 
     def _compact(self) -> None:
@@ -442,15 +442,9 @@ class PackedRows:
             self.moves += 1
 
     def reserve_outlier_room_on_host(self, seqs: list[int], added: np.ndarray) -> None:
-        """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h].
-        The counts are read only when a bound of the largest one (kept here) would pass the capacity, so the arrays
-        grow to what is stored, not to the bound."""
-        most = self._host_most + max(added.ravel().tolist(), default=0)  # a few entries: numpy's max costs more
-        if most > self.outlier_positions.shape[2]:
-            counts = self.outlier_count.numpy()
-            most = max(int(counts.max()), int((counts[seqs] + added).max()))
-            self.reserve_outliers(most)
-        self._host_most = most
+        """CPU stores, whose counts are host memory: room for (sequence seqs[i], KV head h)'s count plus added[i, h]."""
+        counts = self.outlier_count.numpy()
+        self.reserve_outliers(max(int(counts.max()), int((counts[seqs] + added).max())))
 
     def reserve_outlier_room(self, seqs: list[int], most: list[list[int]]) -> None:
         """Kernel path: (sequence seqs[i], KV head h) may gain up to most[i][h] outliers; grow the outlier arrays so
