@@ -6,8 +6,8 @@
 //
 // Per (sequence, KV head), tokens in chunks of CHUNK: a chunk's keys are decoded token-major into a small
 // buffer, outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
-// step's cos/sin tables, and scored LANES tokens at a time (key_scores); an online softmax (natural exponent) updates the running state; the chunk's values
-// are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
+// step's cos/sin tables, and scored LANES tokens at a time (key_scores); an online softmax (natural exponent)
+// updates the running state; the chunk's values are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
 // so launches over different segment groups (Cocktail's widths) chain into one softmax.
 //
 // Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler for the CPU's instruction set; a

@@ -310,8 +310,8 @@ class CpuAppend:
         per KV head (int32, rows x heads), in a buffer kept between appends (a decode step appends one row per
         sequence to every store of every layer)."""
         capacity = self._rows.shape[1]
-        if capacity < rows * max(heads, 1):
-            self._rows = np.zeros((3, max(rows * max(heads, 1), 2 * capacity, 16)), dtype=np.int32)
+        if capacity < rows * heads:
+            self._rows = np.zeros((3, max(rows * heads, 2 * capacity, 16)), dtype=np.int32)
             self._rows_at, capacity = self._rows.ctypes.data, self._rows.shape[1]
         if rows == len(seqs):  # a decode step: one row per sequence
             self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
@@ -357,7 +357,8 @@ class CpuAppend:
                                          high, keep, midpoints, *destination, *thresholds, found, OUTLIER_TILE_TOKENS, *outliers):
             return
         added = self._rows[2, :rows * heads].reshape(rows, heads)
-        store.reserve_outlier_room_on_host(seqs, added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0))
+        per_sequence = added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0)
+        store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
         lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, width // heads, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
                                      *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 
