@@ -397,8 +397,9 @@ class Fitter:
         chosen = choose(fingerprint)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
-        log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {chosen.baseline_spec()}")
-        return baseline_method(chosen.baseline_spec(), num_layers, fingerprint["head_dim"]), path
+        spec = chosen.baseline_spec()
+        log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
+        return baseline_method(spec, num_layers, fingerprint["head_dim"]), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the

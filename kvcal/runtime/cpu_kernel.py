@@ -191,17 +191,12 @@ def side_descriptor(sink, body, recent) -> list[int]:
 
 def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> np.ndarray | None:
     """(2, batch, META_FIELDS) int32: per side and sequence kernels.side_lengths' four, the body's first live row
-    and the first token the query sees, made in one list (a decode step calls this once per layer); None when the
-    launch holds no token (it adds nothing)."""
+    and the first token the query sees; None when the launch holds no token (it adds nothing)."""
     fields, tokens = [], 0
     for sink, body, recent in (segments.keys, segments.values):
-        if sink is not None and any(sink.head):
-            raise ValueError("a sink segment never drops tokens from its front")
-        for b in range(batch):
-            lengths = (sink.length[b] if sink else 0, body.length[b] if body else 0, recent.length[b] if recent else 0)
-            tokens += sum(lengths)
-            fields += (lengths[0], lengths[1], recent.head[b] if recent else 0, lengths[2], body.head[b] if body else 0,
-                       first[b] if first else 0)
+        for b, (sinks, bodies, recent_head, recents) in enumerate(kernels.side_lengths(sink, body, recent, batch)):
+            tokens += sinks + bodies + recents
+            fields += (sinks, bodies, recent_head, recents, body.head[b] if body else 0, first[b] if first else 0)
     return np.array(fields, dtype=np.int32) if tokens else None
 
 
@@ -327,8 +322,8 @@ class CpuAppend:
         if x.dtype != torch.float16 or not x.is_contiguous():
             x = x.to(torch.float16).contiguous()
         rows, width = x.shape
-        heads = width // (store.head_dim or width)
-        seq_of_row, row_in_seq, found = self._row_index(seqs, starts, counts, rows, heads)
+        head_dim = store.head_dim or width
+        seq_of_row, row_in_seq, found = self._row_index(seqs, starts, counts, rows, width // head_dim)
         buffers = self._buffers(store)
         destination = (seq_of_row, row_in_seq, *buffers["words"])
         if cid == src.UNIFORM_TOKEN:
@@ -339,12 +334,13 @@ class CpuAppend:
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                  clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
             return
-        self._codebook(store, lib, x, seqs, counts, heads, found, destination)
+        self._codebook(store, lib, x, seqs, counts, head_dim, found, destination)
 
-    def _codebook(self, store, lib, x, seqs, counts, heads, found, destination) -> None:
+    def _codebook(self, store, lib, x, seqs, counts, head_dim, found, destination) -> None:
         """Codes and thresholds, and the outliers after each (sequence, KV head)'s own: in the same call where they
         fit the outlier arrays, else after the store made room for exactly the outliers found."""
         rows, width = x.shape
+        heads = width // head_dim
         if self.tables is None:  # the codec's tables and thresholds, as the kernel takes them (they never change)
             self.tables = kernels.codec_tables(store)
             t = 1.0 - store.codec.outlier_fraction / 2
@@ -353,13 +349,13 @@ class CpuAppend:
         channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
         thresholds = self._buffers(store)["thresholds"]
         outliers = self._buffers(store)["outliers"] if keep else (0,) * 6
-        if lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, width // heads, self.layout, channel_lo, channel_hi, low,
+        if lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, self.layout, channel_lo, channel_hi, low,
                                          high, keep, midpoints, *destination, *thresholds, found, OUTLIER_TILE_TOKENS, *outliers):
             return
         added = self._rows[2, :rows * heads].reshape(rows, heads)
         per_sequence = added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
-        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, width // heads, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
+        lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
                                      *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 
 
