@@ -451,9 +451,10 @@ class FpContext:
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     """Prefill ids (batch, tokens), unpadded, with the fp model and keep its KV cache (with the model's own
     attention implementation, also while a quantized cache is open on it), in steps of `chunk` tokens (None: one
-    step; a long context needs steps to keep the prefill's attention within memory). Every layer's cache keeps
-    every token (a DynamicCache without the model's config: sliding-window layers are masked, not trimmed), so
-    that a quantized cache loading it holds what it would after its own prefill."""
+    step; a long context needs steps to keep the prefill's attention within memory). The rows keep every token of
+    every layer, so that a quantized cache loading them holds what it would after its own prefill; `cache` is the
+    model's own DynamicCache, whose sliding-window layers attend over their window only (they record every token
+    during the prefill and are trimmed to their window after it)."""
     adapter = adapt(model)
     pre_rope: list[list[torch.Tensor]] = [[] for _ in adapter.layers]
     hooks = [handles.key_source.register_forward_hook(
@@ -461,7 +462,10 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         for i, handles in enumerate(adapter.layers)]
     step = chunk or ids.shape[1]
     try:
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
+        for layer in cache.layers:
+            if layer.is_sliding:
+                layer.activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
                 model.get_decoder()(ids[:, start : start + step], past_key_values=cache, use_cache=True)
@@ -469,8 +473,10 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         for hook in hooks:
             hook.remove()
     rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
-    return FpContext([rows(layer.keys) for layer in cache.layers], [torch.cat(parts, 1) for parts in pre_rope],
-                     [rows(layer.values) for layer in cache.layers], cache)
+    context = FpContext([rows(layer.keys) for layer in cache.layers], [torch.cat(parts, 1) for parts in pre_rope],
+                        [rows(layer.values) for layer in cache.layers], cache)
+    cache.crop(0)  # sliding layers back to their window; full layers keep everything
+    return context
 
 
 def quantized_cache(model, bundle) -> WiredCache:
