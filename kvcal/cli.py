@@ -605,6 +605,8 @@ def eval_generate_command(
 def eval_passkey_command(
     quant: list[Path] = BUNDLES_OPTION,
     model: Optional[str] = MODEL_OPTION,
+    baseline: str = typer.Option("", help="Comma-separated engine cache types to compare, each token quantized as it is "
+                                          "written (keys after RoPE, nothing kept fp16): fp8, q4_0, q8_0, int4_per_token_head, ..."),
     dataset: str = typer.Option("builtin", help=f"Filler text: {DATASET_HELP}."),
     lengths: str = typer.Option("1024,2048,4096,8184", help="Comma-separated prompt lengths in tokens (each plus the 8-token answer at most the model's positions)."),
     samples: int = typer.Option(20, help="Prompts per length, each with a random 5-digit key at a random depth."),
@@ -617,11 +619,13 @@ def eval_passkey_command(
     device: str = DEVICE_OPTION,
     json_out: Optional[Path] = JSON_OPTION,
 ):
-    """Passkey retrieval accuracy of the fp model and of each bundle's runtime cache per context length (with
-    --keys above 1, the multi-key variant: the fraction of asked keys retrieved)."""
+    """Passkey retrieval accuracy of the fp model, of each bundle's runtime cache and of each baseline per context
+    length (with --keys above 1, the multi-key variant: the fraction of asked keys retrieved)."""
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.generation import ANSWER_TOKENS, DOORS, passkey_accuracy
+    from kvcal.methods import baseline_method
+    from kvcal.simulate import QuantizedOnWrite
 
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
@@ -633,24 +637,32 @@ def eval_passkey_command(
         raise KvcalError(f"--keys must be 1-{len(DOORS)} and --asked 1-{keys} (got --keys {keys}, --asked {asked})")
     if prefill_chunk < 0:
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
+    baselines = [spec.strip() for spec in baseline.split(",") if spec.strip()]
+    for spec in baselines:
+        baseline_method(spec.partition(";")[0], 1, 64)  # refuse a bad spec before the model loads
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
+    caches = dict(named)
+    for spec in baselines:
+        method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+        QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
+        caches[method.name] = method
     filler = tokenize(text, tokenizer)
     with _progress() as progress:
         questions = 1 if keys == 1 else asked
-        task = progress.add_task("passkey: question", total=len(sizes) * samples * questions * (len(named) + 1))
-        results = passkey_accuracy(loaded, tokenizer, named, filler, sizes, samples, seed, on_step=lambda: progress.advance(task),
+        task = progress.add_task("passkey: question", total=len(sizes) * samples * questions * (len(caches) + 1))
+        results = passkey_accuracy(loaded, tokenizer, caches, filler, sizes, samples, seed, on_step=lambda: progress.advance(task),
                                    keys=keys, asked=asked, chunk=prefill_chunk or None)
-    methods = ["fp", *named]
+    methods = ["fp", *caches]
     rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
     variant = "passkey retrieval" if keys == 1 else f"multi-key retrieval ({asked} of {keys} keys asked)"
     _print_table(f"{variant}: {source.spec}, {samples} prompts per length", ["method", *map(str, sizes)], rows)
     _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "keys": keys,
                            "asked": asked if keys > 1 else 1, "prefill_chunk": prefill_chunk, "seed": seed,
-                           "bundles": {n: str(b.path) for n, b in named.items()},
+                           "bundles": {n: str(b.path) for n, b in named.items()}, "baselines": baselines,
                            "results": [r.as_dict() for r in results]})
 
 

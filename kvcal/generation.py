@@ -1,8 +1,10 @@
 """Evaluations that run the runtime cache through generate(): greedy agreement with the fp model,
-passkey retrieval at several context lengths, and cache memory (live vs formula)."""
+passkey retrieval at several context lengths (also for engines' cache types, quantized on write), and cache memory
+(live vs formula)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -15,6 +17,7 @@ from kvcal.runtime import generate as quantized_generate
 from kvcal.runtime import quantized_cache
 from kvcal.runtime.cache import fp_context
 from kvcal.runtime.memory import cache_bytes, fp16_bytes
+from kvcal.simulate import Method, QuantizedOnWrite
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")  # the multi-key variant's key names
@@ -130,22 +133,31 @@ def _answer(model, ids: torch.Tensor, cache, new_tokens: int, pad: int) -> torch
     return out[0, ids.shape[1]:].cpu()
 
 
-def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
+def empty_cache(model, method: Bundle | Method):
+    """A context manager giving an empty cache for `model`: a bundle's quantized runtime cache, or for a baseline
+    Method (an engine's cache type) transformers' cache quantizing each token on write (kvcal.simulate)."""
+    if isinstance(method, Method):
+        return contextlib.nullcontext(QuantizedOnWrite(model, method))
+    return quantized_cache(model, method)
+
+
+def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
                      seed: int, on_step: Callable[[], None] | None = None, keys: int = 1, asked: int = 2,
                      chunk: int | None = None) -> list[PasskeyResult]:
     """Passkey retrieval: for every length, `samples` prompts (seeded); correct when the asked key appears in the
     greedy answer (8 tokens). With keys = 1, one random 5-digit key at a random depth, asked once; with keys > 1
     (the multi-key variant), that many keys of named doors at random depths, `asked` of them asked one question
     each. Per prompt, one fp prefill (in steps of `chunk` tokens; see fp_context) of its context, all but the last
-    token (keys = 1) or all but the questions, is loaded into every method's cache (fp's own, and each bundle's
-    quantized one); the rest of the prompt and the answer are decoded by each method, so every answer token reads
-    that method's cache. fp first, then each bundle; on_step after each (question, method)."""
+    token (keys = 1) or all but the questions, is loaded into every method's cache (fp's own, and for each of
+    `methods`, {name: Bundle or baseline Method}, its empty_cache); the rest of the prompt and the answer are decoded
+    by each method, so every answer token reads that method's cache. fp first, then each method; on_step after each
+    (question, method)."""
     rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.eos_token_id
     results = []
     for length in lengths:
-        correct = {name: 0 for name in ["fp", *bundles]}
+        correct = {name: 0 for name in ["fp", *methods]}
         for _ in range(samples):
             if keys == 1:
                 key = rng.randrange(10000, 100000)
@@ -165,7 +177,7 @@ def passkey_accuracy(model, tokenizer, bundles: dict, filler_ids: torch.Tensor, 
                             answer = _answer(model, ids, context.cache, ANSWER_TOKENS, pad)
                             context.cache.crop(len(context_ids) - context.cache.get_seq_length())  # back to the context
                         else:
-                            with quantized_cache(model, bundles[name]) as cache:
+                            with empty_cache(model, methods[name]) as cache:
                                 cache.load(context)
                                 answer = _answer(model, ids, cache, ANSWER_TOKENS, pad)
                         correct[name] += str(key) in tokenizer.decode(answer)

@@ -11,6 +11,10 @@ A sliding-window layer (the adapter's `windows`) lets each query see its last `w
 end of an evaluated window only what the runtime cache keeps (kvcal.kv.window_dropped).
 
 Windows must be unpadded (evaluation windows are); the runtime cache handles padding.
+
+QuantizedOnWrite is the decoding counterpart for an engine's cache type (a baseline whose codecs quantize each
+token on its own, keys after RoPE, nothing kept fp16): transformers' own cache for the model with every token
+quantized as it is written, so that generate() reads what the engine's cache would hold.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import torch
+from transformers import DynamicCache
 
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter
@@ -206,3 +211,41 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
         yield tally
     finally:
         wiring.unwire(wired, owner)
+
+
+class QuantizedOnWrite(DynamicCache):
+    """transformers' own cache for `model` (sliding-window layers keep their window) holding every key and value as
+    `method` stores it: each token quantized once, when it is written, from its fp16 value. Exact for a method
+    that quantizes tokens independently with post-RoPE keys and keeps nothing fp16 (the engines' cache types);
+    others are refused."""
+
+    def __init__(self, model: torch.nn.Module, method: Method):
+        per_token = all(not layer.key_pre_rope and getattr(codec, "block_tokens", 1) == 1
+                        for layer in method.layers for codec in (layer.key_codec, layer.value_codec))
+        if not per_token or method.policy != SegmentPolicy():
+            raise KvcalError(f"{method.name} keeps tokens fp16, groups tokens or quantizes keys before RoPE; only a cache "
+                             "type that quantizes each post-RoPE token on its own is written this way (use its bundle)")
+        super().__init__(config=model.config)
+        if len(method.layers) != len(self.layers):
+            raise KvcalError(f"{method.name} has {len(method.layers)} layers, the model {len(self.layers)}")
+        self.method = method
+        self.kv_heads = model.config.get_text_config(decoder=True).num_key_value_heads
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.method.layers[layer_idx]
+        return super().update(_stored(layer.key_codec, key_states), _stored(layer.value_codec, value_states), layer_idx,
+                              *args, **kwargs)
+
+    def load(self, context) -> None:
+        """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
+        and values), as its prefill through this cache would."""
+        heads = lambda rows: rows.unflatten(2, (self.kv_heads, -1)).transpose(1, 2)  # -> (batch, kv_heads, tokens, head_dim)
+        for index, (keys, values) in enumerate(zip(context.keys, context.values)):
+            self.update(heads(keys), heads(values), index)
+
+
+def _stored(codec, states: torch.Tensor) -> torch.Tensor:
+    """(batch, kv_heads, tokens, head_dim) states as `codec` stores them, each token from its fp16 value."""
+    batch, kv_heads, tokens, head_dim = states.shape
+    rows = as_cached(states.transpose(1, 2).reshape(batch * tokens, kv_heads * head_dim))
+    return codec.quantize(rows).values.view(batch, tokens, kv_heads, head_dim).transpose(1, 2).to(states.dtype)

@@ -251,9 +251,10 @@ def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, 
     assert passkey.exit_code == 0, passkey.output
     assert len(json.loads((tmp_path / "passkey.json").read_text())["results"]) == 2 * 3
     multikey = run("eval", "passkey", "--model", model, "--dataset", tiny_corpus, *bundles, "--lengths", "128", "--samples", 2,
-                   "--keys", 3, "--asked", 2, "--prefill-chunk", 50, "--json", tmp_path / "multikey.json")
+                   "--keys", 3, "--asked", 2, "--prefill-chunk", 50, "--baseline", "q4_0,fp8", "--json", tmp_path / "multikey.json")
     assert multikey.exit_code == 0, multikey.output
-    assert [r["samples"] for r in json.loads((tmp_path / "multikey.json").read_text())["results"]] == [4, 4, 4]
+    results = json.loads((tmp_path / "multikey.json").read_text())["results"]
+    assert [(r["method"], r["samples"]) for r in results] == [("fp", 4), ("kivi", 4), ("skvq", 4), ("q4_0", 4), ("fp8 scale 1.0", 4)]
     memory = run("eval", "memory", "--model", model, "--dataset", tiny_corpus, *bundles, "--context", 200, "--json", tmp_path / "m.json")
     assert memory.exit_code == 0, memory.output
     for row in json.loads((tmp_path / "m.json").read_text())["results"]:
@@ -419,6 +420,8 @@ def test_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recip
     refused(run("eval", "passkey", *common, "--keys", 9), "--keys must be 1-8 and --asked 1-9")
     refused(run("eval", "passkey", *common, "--keys", 3, "--asked", 4), "--keys must be 1-8 and --asked 1-3")
     refused(run("eval", "passkey", *common, "--prefill-chunk", -1), "--prefill-chunk must be 0 (one step) or a number of tokens")
+    refused(run("eval", "passkey", *common, "--baseline", "q3_0"), "unknown baseline 'q3_0'")
+    refused(run("eval", "passkey", *common, "--lengths", "128", "--baseline", "kivi2"), "only a cache type that quantizes each post-RoPE token on its own")
     refused(run("eval", "memory", *common, "--prefill-chunk", -1), "--prefill-chunk must be 0 (one step) or a number of tokens")
     blocker = tmp_path / "blocker"
     blocker.write_text("x")

@@ -163,3 +163,41 @@ def test_one_simulation_at_a_time_and_only_over_whole_windows():
             model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
         model(ids, use_cache=False)  # the simulation still serves after the refusals
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head")])
+def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_type, spec):
+    """QuantizedOnWrite (an engine's cache type in generate()) prefilled in steps and decoding token by token gives the
+    simulation's logits for every position: each token is stored once, as its codec quantizes it; on the tiny Gemma 3
+    (16-token windows) the sliding layers keep their window and read it. Loading an fp context stores layer 0 (whose
+    K/V come from the embeddings) as a prefill through the cache does."""
+    from kvcal.runtime.cache import fp_context
+    from kvcal.simulate import QuantizedOnWrite
+
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fp_logits = model(ids).logits
+        with simulated(model, adapter, method, StorageTally()):
+            expected = model(ids).logits
+        cache = QuantizedOnWrite(model, method)
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 40)]
+        prefilled, loaded = QuantizedOnWrite(model, method), QuantizedOnWrite(model, method)
+        model(ids[:, :39], past_key_values=prefilled, use_cache=True)
+        loaded.load(fp_context(model, ids[:, :39]))
+    torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=2e-4)
+    assert not torch.allclose(fp_logits, expected, atol=1e-3)
+    assert loaded.get_seq_length() == 39
+    assert torch.equal(loaded.layers[0].keys, prefilled.layers[0].keys) and torch.equal(loaded.layers[0].values, prefilled.layers[0].values)
+
+
+def test_a_cache_quantized_on_write_refuses_methods_that_are_not_per_token():
+    """KIVI groups keys over tokens and keeps a residual in fp16: writing each token on its own would be wrong."""
+    from kvcal.simulate import QuantizedOnWrite
+
+    model = tiny_model("llama")
+    with pytest.raises(KvcalError, match="quantizes each post-RoPE token on its own"):
+        QuantizedOnWrite(model, baseline_method("kivi2", 2, 16))

@@ -1,10 +1,11 @@
 """Long context through the runtime cache: cache memory at 8K-32K tokens against transformers' own fp16 cache for
 the model (hybrid-aware: Gemma 3's sliding layers keep their window), and passkey / multi-key retrieval at 4K-32K
-tokens for fp and every recipe's bundle.
+tokens for fp, every recipe's bundle and the engines' cache types (each token quantized as it is written).
 
 Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see docs/results.md for the commands).
 Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3]
-       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--memory-contexts 8192,32768] [--only memory,passkey]
+       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--baselines fp8,q4_0,q8_0]
+       [--memory-contexts 8192,32768] [--only memory,passkey]
 Writes benchmarks/results/long_context_{memory,passkey}_<model>.{json,md} and long_context_passkey_<model>.png. A run
 replaces the points it measures and keeps the others (each point names its commit), so the long lengths can be run
 apart: on 2 CPU cores one 32K prompt takes minutes (its fp prefill, shared by the methods).
@@ -57,32 +58,55 @@ def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chun
     write_markdown(name, lines)
 
 
-def passkey(model, model_name: str, tokenizer, bundles: dict, ids, lengths: list[int], samples: int, variants: list[int],
-            asked: int, chunk: int, started: dict) -> None:
+def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[str], ids, lengths: list[int], samples: int,
+            variants: list[int], asked: int, chunk: int, started: dict) -> None:
+    from kvcal.adapters import adapt
     from kvcal.bundle import load_bundle
     from kvcal.generation import passkey_accuracy
+    from kvcal.methods import baseline_method
 
-    loaded = {name: load_bundle(path, model=model) for name, path in bundles.items()}
+    adapter = adapt(model)
+    methods = {name: load_bundle(path, model=model) for name, path in bundles.items()}
+    bits = {}
+    for spec in baselines:
+        method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+        methods[method.name] = method
+        bits[method.name] = float(method.layers[0].key_codec.quantize(torch.randn(1, adapter.kv_width)).bits[0]) / adapter.kv_width
     rows = []
     for keys in variants:
         for length in lengths:
             began = time.perf_counter()
-            results = passkey_accuracy(model, tokenizer, loaded, ids, [length], samples, seed=0, keys=keys, asked=asked, chunk=chunk)
+            progress = _progress(f"passkey keys={keys} {length}", samples, (1 if keys == 1 else asked) * (len(methods) + 1), began)
+            results = passkey_accuracy(model, tokenizer, methods, ids, [length], samples, seed=0, on_step=progress, keys=keys,
+                                       asked=asked, chunk=chunk)
             seconds = round(time.perf_counter() - began, 1)
-            rows += [{**r.as_dict(), "prompts": samples, "commit": started["commit"], "seconds": seconds} for r in results]
+            rows += [{**r.as_dict(), "prompts": samples, "commit": started["commit"], "seconds": seconds,
+                      **({"bits": bits[r.method]} if r.method in bits else {})} for r in results]
             print(f"passkey keys={keys} {length}: " + ", ".join(f"{r.method} {r.correct}/{r.samples}" for r in results), flush=True)
     name = f"long_context_passkey_{model_name}"
     rows = _merged(name, lambda r: (r["method"], r["length"], r["keys"]), rows)
     write_result(name, {"model": model_name, "filler": "wikitext-2 test", "asked": asked, "prefill_chunk": chunk,
                         "results": rows}, started)
-    passkey_report(model_name, ["fp", *bundles])
+    passkey_report(model_name)
 
 
-def real_bits(model_name: str) -> dict[str, float]:
-    """Per recipe, the most real bits per element its live cache stored at the contexts of the memory table (16 x live
-    bytes / transformers' fp16 bytes: both keep the same tokens)."""
+def _progress(what: str, prompts: int, steps_per_prompt: int, began: float):
+    """An on_step callback printing a line after each prompt (its steps: questions x methods)."""
+    steps = iter(range(1, prompts * steps_per_prompt + 1))
+
+    def step() -> None:
+        done = next(steps)
+        if done % steps_per_prompt == 0:
+            print(f"{what}: {done // steps_per_prompt}/{prompts} prompts, {time.perf_counter() - began:.0f} s", flush=True)
+    return step
+
+
+def real_bits(model_name: str, passkey_rows: list[dict]) -> dict[str, float]:
+    """Per method, real bits per element: a recipe's the most its live cache stored at the contexts of the memory table
+    (16 x live bytes / transformers' fp16 bytes: both keep the same tokens), an engine type's as its codec stores a
+    token (the passkey rows' `bits`)."""
     path = RESULTS / f"long_context_memory_{model_name}.json"
-    bits: dict[str, float] = {}
+    bits = {row["method"]: row["bits"] for row in passkey_rows if "bits" in row}
     for row in json.loads(path.read_text())["results"] if path.is_file() else []:
         bits[row["method"]] = max(bits.get(row["method"], 0.0), 16 * row["live_bytes"] / row["fp16_bytes"])
     return bits
@@ -99,19 +123,24 @@ def closest_to_fp(rows: list[dict], bits: dict[str, float], keys: int, length: i
     return f"{best} ({bits[best]:.2f} bits): " + ("as many as fp" if fewer == 0 else f"{fewer} fewer than fp" if fewer > 0 else f"{-fewer} more than fp")
 
 
-def passkey_report(model_name: str, methods: list[str]) -> None:
+def passkey_report(model_name: str) -> None:
     """The passkey result's markdown (a table per variant, and per length the recipe at <= BITS_LIMIT real bits
-    closest to fp) and plot, from its JSON."""
+    closest to fp) and plot, from its JSON: fp, the recipes, then the engine types."""
     name = f"long_context_passkey_{model_name}"
     payload = json.loads((RESULTS / f"{name}.json").read_text())
-    rows, asked, bits = payload["results"], payload["asked"], real_bits(model_name)
+    rows, asked = payload["results"], payload["asked"]
+    bits = real_bits(model_name, rows)
+    methods = ["fp", *RECIPES]
+    methods += sorted({r["method"] for r in rows} - set(methods))
     lines = [f"# Passkey and multi-key retrieval at long context ({model_name}, wikitext-2 test filler)", "",
              "One fp prefill of each prompt's context is loaded into every method's cache; the question and the 8 answer",
              "tokens are decoded by each method. Passkey: one 5-digit key at a random depth. Multi-key: that many keys of",
              f"named doors at random depths, {asked} of them asked. Correct = the asked key appears in the answer.", "",
-             f"Closest at <= {BITS_LIMIT} bits: of the recipes whose live cache stores at most {BITS_LIMIT} real bits per element",
-             "at every context of long_context_memory (" + ", ".join(f"{m} {b:.2f}" for m, b in sorted(bits.items())) + "), the",
-             "one retrieving most, against fp.", ""]
+             "The engines' cache types (vLLM fp8 at its default scale 1.0, llama.cpp q4_0 / q8_0) quantize each token as it",
+             "is written (kvcal.simulate.QuantizedOnWrite, keys after RoPE) in transformers' own cache for the model.", "",
+             "Real bits per element: " + ", ".join(f"{m} {b:.2f}" for m, b in sorted(bits.items())) + " (a recipe's: the most its",
+             f"live cache stored at the contexts of long_context_memory). Closest at <= {BITS_LIMIT} bits: of the methods at most",
+             f"{BITS_LIMIT} real bits, the one retrieving most, against fp.", ""]
     for keys in sorted({r["keys"] for r in rows}):
         present = sorted({r["length"] for r in rows if r["keys"] == keys})
         lines += [f"## {'passkey' if keys == 1 else f'{keys} keys, {asked} asked'}", "",
@@ -156,13 +185,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20, help="Prompts per length and variant.")
     parser.add_argument("--keys", default="1,4", help="Variants: keys per prompt (1: passkey; more: multi-key).")
     parser.add_argument("--asked", type=int, default=2, help="Multi-key: keys asked per prompt.")
+    parser.add_argument("--baselines", default="fp8,q4_0,q8_0",
+                        help="Engine cache types beside the recipes (eval ppl --baseline specs that quantize each token on its own); '' for none.")
     parser.add_argument("--memory-contexts", default="8192,32768", help="Context lengths of the memory table.")
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="Prefill steps in tokens.")
     parser.add_argument("--only", default="memory,passkey",
                         help="Which parts to run: memory, passkey, report (only rewrite the passkey markdown and plot from its JSON).")
     args = parser.parse_args()
     if args.only == "report":
-        passkey_report(args.model, ["fp", *RECIPES])
+        passkey_report(args.model)
         return
     from kvcal.data import tokenize
     from kvcal.models import load_model
@@ -180,8 +211,9 @@ def main() -> None:
         if "memory" in only:
             memory(model, args.model, bundles, ids, [int(x) for x in args.memory_contexts.split(",")], args.prefill_chunk, started)
         if "passkey" in only:
-            passkey(model, args.model, tokenizer, bundles, ids, [int(x) for x in args.lengths.split(",")], args.samples,
-                    [int(x) for x in args.keys.split(",")], args.asked, args.prefill_chunk, started)
+            passkey(model, args.model, tokenizer, bundles, [s for s in args.baselines.split(",") if s], ids,
+                    [int(x) for x in args.lengths.split(",")], args.samples, [int(x) for x in args.keys.split(",")],
+                    args.asked, args.prefill_chunk, started)
 
 
 if __name__ == "__main__":
