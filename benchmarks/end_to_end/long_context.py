@@ -71,7 +71,7 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     for spec in baselines:
         method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
         methods[method.name] = method
-        bits[method.name] = float(method.layers[0].key_codec.quantize(torch.randn(1, adapter.kv_width)).bits[0]) / adapter.kv_width
+        bits[method.name] = float(method.layers[0].key_codec.quantize(torch.randn(1, adapter.kv_width)).row_bits[0]) / adapter.kv_width
     rows = []
     for keys in variants:
         for length in lengths:
