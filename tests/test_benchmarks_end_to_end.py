@@ -16,3 +16,22 @@ def test_the_closest_recipe_is_the_best_retriever_within_the_bits_bound():
     assert closest_to_fp(rows + [_row("kvquant", 19)], bits, 1, 4096) == "kvquant (3.50 bits): 1 more than fp"
     assert closest_to_fp(rows, bits, 4, 4096) == "-" and closest_to_fp(rows, bits, 1, 8192) == "-"
     assert closest_to_fp(rows, {"kvmix": 4.1}, 1, 4096) == "-"
+
+
+def test_quantized_cache_memory_counts_what_transformers_holds_and_names_its_refusal():
+    """transformers' fp8 QuantizedCache after a 40-token prefill in steps of 16 holds one byte per K/V element and two
+    fp32 scales per layer; transformers refuses QuantizedCache for a hybrid model (the tiny Gemma 3), and the row says so."""
+    import torch
+
+    from benchmarks.end_to_end.long_context import quantized_cache_memory
+    from conftest import tiny_model
+
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    llama = tiny_model("llama")
+    config = llama.config
+    width = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    with torch.inference_mode():
+        held = quantized_cache_memory(llama, ids, "fp8", None, 16)
+        refused = quantized_cache_memory(tiny_model("gemma3_text"), ids, "fp8", None, 16)
+    assert held == {"live_bytes": config.num_hidden_layers * 2 * (40 * width + 4)}
+    assert refused == {"refused": "`QuantizedCache` is only supported for models with only full attention layers"}

@@ -4,8 +4,9 @@ tokens for fp, every recipe's bundle and the engines' cache types (each token qu
 
 Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see docs/results.md for the commands).
 Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3]
-       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--baselines fp8,q4_0,q8_0]
+       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--recipes kvquant,...] [--baselines fp8,q4_0,q8_0]
        [--memory-contexts 8192,32768] [--only memory,passkey]
+The memory table also holds transformers' QuantizedCache (quanto int4/int2 where optimum-quanto imports, fp8).
 Writes benchmarks/results/long_context_{memory,passkey}_<model>.{json,md} and long_context_passkey_<model>.png. A run
 replaces the points it measures and keeps the others (each point names its commit), so the long lengths can be run
 apart: on 2 CPU cores one 32K prompt takes minutes (its fp prefill, shared by the methods).
@@ -22,6 +23,7 @@ import torch
 from benchmarks.common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result
 
 RECIPES = ("kvquant", "mixed", "skvq", "kivi", "kvmix")
+QUANTIZED_CACHES = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers' QuantizedCache (backend, nbits)
 DEFAULT_BUNDLES = {"gemma3-270m": "artifacts/runtime-gemma3", "smollm2-135m": "artifacts/runtime"}
 MIB = 2**20
 BITS_LIMIT = 3.6  # the issue's bound on real bits for "the recipe closest to fp"
@@ -35,9 +37,50 @@ def _merged(name: str, key, new_rows: list[dict]) -> list[dict]:
     return [row for row in old if key(row) not in replaced] + new_rows
 
 
-def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chunk: int, started: dict) -> None:
-    from kvcal.generation import measure_memory
+def _held_bytes(x) -> int:
+    """Bytes of the tensors in x: a tensor, a tensor subclass holding others (quanto's codes, scales and shifts, its
+    packed codes), or a tuple of them."""
+    if isinstance(x, (tuple, list)):
+        return sum(map(_held_bytes, x))
+    if not isinstance(x, torch.Tensor):
+        return 0
+    if type(x) is torch.Tensor or not hasattr(x, "__tensor_flatten__"):
+        return x.numel() * x.element_size()
+    names, _ = x.__tensor_flatten__()
+    return sum(_held_bytes(getattr(x, name)) for name in names)
 
+
+def quantized_cache_memory(model, context_ids, backend: str, nbits: int | None, chunk: int) -> dict:
+    """transformers' QuantizedCache (its defaults besides nbits: groups of 64, 128 fp residual tokens) after a prefill
+    of context_ids (1-D) in steps of `chunk`: the bytes of every tensor its layers hold (codes, scales, residual), or
+    transformers' reason for refusing it on this model."""
+    from transformers import QuantizedCache
+
+    try:
+        cache = QuantizedCache(backend=backend, config=model.config, **({"nbits": nbits} if nbits else {}))
+    except ValueError as exc:
+        return {"refused": str(exc).split(". ")[0]}
+    ids = context_ids[None].to(model.get_input_embeddings().weight.device)
+    for start in range(0, len(context_ids), chunk):
+        model.get_decoder()(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+    held = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return {"live_bytes": sum(_held_bytes(getattr(layer, name, None)) for layer in cache.layers for name in held)}
+
+
+def _quantized_caches() -> list[tuple[str, int | None]]:
+    """The QUANTIZED_CACHES whose backend imports here (quanto is optional: pip install optimum-quanto)."""
+    import importlib.util
+
+    return [(backend, nbits) for backend, nbits in QUANTIZED_CACHES
+            if backend != "quanto" or importlib.util.find_spec("optimum.quanto") is not None]
+
+
+def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chunk: int, started: dict) -> None:
+    from kvcal.adapters import adapt
+    from kvcal.generation import measure_memory
+    from kvcal.runtime.memory import fp16_bytes
+
+    adapter = adapt(model)
     rows = []
     for context in contexts:
         for name, path in bundles.items():
@@ -46,15 +89,29 @@ def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chun
             rows.append({"method": name, "context": context, "commit": started["commit"],
                          "seconds": round(time.perf_counter() - began, 1), **row})
             print(f"memory {name} {context}: {row['live_bytes'] / row['fp16_bytes']:.1%} of fp16", flush=True)
+        for backend, nbits in _quantized_caches():
+            began = time.perf_counter()
+            row = quantized_cache_memory(model, ids[:context], backend, nbits, chunk)
+            name = f"QuantizedCache {backend}" + (f" int{nbits}" if nbits else "")
+            rows.append({"method": name, "context": context, "commit": started["commit"], "seconds": round(time.perf_counter() - began, 1),
+                         "fp16_bytes": fp16_bytes(len(adapter.layers), adapter.kv_width, context, adapter.windows), **row})
+            print(f"memory {name} {context}: {row}", flush=True)
     name = f"long_context_memory_{model_name}"
     rows = sorted(_merged(name, lambda r: (r["method"], r["context"]), rows), key=lambda r: (r["context"], r["method"]))
     write_result(name, {"model": model_name, "prefill_chunk": chunk, "results": rows}, started)
     lines = [f"# KV cache memory at long context ({model_name}, one sequence, prefill in steps of {chunk} tokens)", "",
-             "transformers fp16: the model's own DynamicCache (a sliding-window layer keeps its last window - 1 tokens).", "",
-             "| context | recipe | live MiB | formula MiB | transformers fp16 MiB | vs fp16 | outliers | commit |",
+             "transformers fp16: the model's own DynamicCache (a sliding-window layer keeps its last window - 1 tokens).",
+             "QuantizedCache: transformers' own quantized cache (its defaults: groups of 64 channels, 128 fp residual tokens,",
+             "scales in the model's dtype), every tensor it holds after the prefill; transformers refuses it for hybrid models.", "",
+             "| context | method | live MiB | formula MiB | transformers fp16 MiB | vs fp16 | outliers | commit |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['context']} | {r['method']} | {r['live_bytes'] / MIB:.3f} | {r['formula_bytes'] / MIB:.3f} | "
-              f"{r['fp16_bytes'] / MIB:.3f} | {r['live_bytes'] / r['fp16_bytes']:.1%} | {r['outliers']} | {r['commit']} |" for r in rows]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['context']} | {r['method']} | refused: {r['refused']} | - | {r['fp16_bytes'] / MIB:.3f} | - | - | {r['commit']} |")
+        else:
+            lines.append(f"| {r['context']} | {r['method']} | {r['live_bytes'] / MIB:.3f} | "
+                         + (f"{r['formula_bytes'] / MIB:.3f}" if "formula_bytes" in r else "-")
+                         + f" | {r['fp16_bytes'] / MIB:.3f} | {r['live_bytes'] / r['fp16_bytes']:.1%} | {r.get('outliers', '-')} | {r['commit']} |")
     write_markdown(name, lines)
 
 
@@ -108,7 +165,8 @@ def real_bits(model_name: str, passkey_rows: list[dict]) -> dict[str, float]:
     path = RESULTS / f"long_context_memory_{model_name}.json"
     bits = {row["method"]: row["bits"] for row in passkey_rows if "bits" in row}
     for row in json.loads(path.read_text())["results"] if path.is_file() else []:
-        bits[row["method"]] = max(bits.get(row["method"], 0.0), 16 * row["live_bytes"] / row["fp16_bytes"])
+        if row["method"] in RECIPES:
+            bits[row["method"]] = max(bits.get(row["method"], 0.0), 16 * row["live_bytes"] / row["fp16_bytes"])
     return bits
 
 
@@ -185,6 +243,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20, help="Prompts per length and variant.")
     parser.add_argument("--keys", default="1,4", help="Variants: keys per prompt (1: passkey; more: multi-key).")
     parser.add_argument("--asked", type=int, default=2, help="Multi-key: keys asked per prompt.")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="The recipes' bundles to measure; '' for none.")
     parser.add_argument("--baselines", default="fp8,q4_0,q8_0",
                         help="Engine cache types beside the recipes (eval ppl --baseline specs that quantize each token on its own); '' for none.")
     parser.add_argument("--memory-contexts", default="8192,32768", help="Context lengths of the memory table.")
@@ -200,7 +259,7 @@ def main() -> None:
 
     started = provenance()
     folder = REPO / (args.bundles or DEFAULT_BUNDLES[args.model])
-    bundles = {name: folder / f"{name}.safetensors" for name in RECIPES}
+    bundles = {name: folder / f"{name}.safetensors" for name in args.recipes.split(",") if name}
     missing = [str(path) for path in bundles.values() if not path.is_file()]
     if missing:
         raise SystemExit(f"missing bundles: {', '.join(missing)}; make them as docs/results.md says")
