@@ -98,11 +98,13 @@ def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chun
             print(f"memory {name} {context}: {row}", flush=True)
     name = f"long_context_memory_{model_name}"
     rows = sorted(_merged(name, lambda r: (r["method"], r["context"]), rows), key=lambda r: (r["context"], r["method"]))
-    write_result(name, {"model": model_name, "prefill_chunk": chunk, "results": rows}, started)
+    dtype = str(model.dtype).removeprefix("torch.")
+    write_result(name, {"model": model_name, "dtype": dtype, "prefill_chunk": chunk, "results": rows}, started)
     lines = [f"# KV cache memory at long context ({model_name}, one sequence, prefill in steps of {chunk} tokens)", "",
              "transformers fp16: the model's own DynamicCache (a sliding-window layer keeps its last window - 1 tokens).",
              "QuantizedCache: transformers' own quantized cache (its defaults: groups of 64 channels, 128 fp residual tokens,",
-             "scales in the model's dtype), every tensor it holds after the prefill; transformers refuses it for hybrid models.", "",
+             f"scales in the model's dtype, {dtype}), every tensor it holds after the prefill; transformers refuses it for hybrid",
+             "models.", "",
              "| context | method | live MiB | formula MiB | transformers fp16 MiB | vs fp16 | outliers | commit |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
