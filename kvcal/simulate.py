@@ -238,10 +238,14 @@ class QuantizedOnWrite(DynamicCache):
 
     def load(self, context) -> None:
         """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
-        and values), as its prefill through this cache would."""
+        and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
+        keeps (it drops the others as they are written)."""
         heads = lambda rows: rows.unflatten(2, (self.kv_heads, -1)).transpose(1, 2)  # -> (batch, kv_heads, tokens, head_dim)
         for index, (keys, values) in enumerate(zip(context.keys, context.values)):
-            self.update(heads(keys), heads(values), index)
+            layer, codecs = self.layers[index], self.method.layers[index]
+            kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
+            written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
+            super().update(written(codecs.key_codec, keys), written(codecs.value_codec, values), index)
 
 
 def _stored(codec, states: torch.Tensor) -> torch.Tensor:

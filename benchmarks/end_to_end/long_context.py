@@ -4,7 +4,7 @@ tokens for fp, every recipe's bundle and the engines' cache types (each token qu
 
 Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see docs/results.md for the commands).
 Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3]
-       [--lengths 4096,8192,16384,32768] [--samples 20] [--keys 1,4] [--recipes kvquant,...] [--baselines fp8,q4_0,q8_0]
+       [--lengths 4096,8192,16384,32760] [--samples 20] [--keys 1,4] [--recipes kvquant,...] [--baselines fp8,q4_0,q8_0]
        [--memory-contexts 8192,32768] [--only memory,passkey]
 The memory table also holds transformers' QuantizedCache (quanto int4/int2 where optimum-quanto imports, fp8).
 Writes benchmarks/results/long_context_{memory,passkey}_<model>.{json,md} and long_context_passkey_<model>.png. A run
@@ -121,10 +121,14 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
             variants: list[int], asked: int, chunk: int, started: dict) -> None:
     from kvcal.adapters import adapt
     from kvcal.bundle import load_bundle
-    from kvcal.generation import passkey_accuracy
+    from kvcal.generation import ANSWER_TOKENS, passkey_accuracy
     from kvcal.methods import baseline_method
 
     adapter = adapt(model)
+    too_long = [length for length in lengths if adapter.max_positions and length + ANSWER_TOKENS > adapter.max_positions]
+    if too_long:
+        raise SystemExit(f"--lengths {too_long[0]} + the {ANSWER_TOKENS}-token answer is above the model's {adapter.max_positions} "
+                         f"positions; use at most {adapter.max_positions - ANSWER_TOKENS}")
     methods = {name: load_bundle(path, model=model) for name, path in bundles.items()}
     bits = {}
     for spec in baselines:
@@ -241,7 +245,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3-270m", help="A packaged model (gemma3-270m, smollm2-135m).")
     parser.add_argument("--bundles", default=None, help="Folder of the recipes' bundles (default: per model, see DEFAULT_BUNDLES).")
-    parser.add_argument("--lengths", default="4096,8192,16384,32768", help="Passkey prompt lengths in tokens.")
+    parser.add_argument("--lengths", default="4096,8192,16384,32760",
+                        help="Passkey prompt lengths in tokens (each plus the 8-token answer at most the model's positions).")
     parser.add_argument("--samples", type=int, default=20, help="Prompts per length and variant.")
     parser.add_argument("--keys", default="1,4", help="Variants: keys per prompt (1: passkey; more: multi-key).")
     parser.add_argument("--asked", type=int, default=2, help="Multi-key: keys asked per prompt.")
