@@ -14,6 +14,20 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   (round half away from zero); the stored fp32 scale carries zp in its low 4 mantissa bits, so the read uses s with
   them cleared: x^_rot = (q - zp) * s', x^ = signs * H(x^_rot) / head_dim. Two codes a byte and the fp32 word.
   Source: vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075.
+- Nvfp4 (`nvfp4`, `nvfp4_4over6`): per (token, KV head), blocks of 16 channels in the model dtype, vecMax = max|x|; a
+  candidate scale for denominator d is SF = fp32(vecMax * fp32(1 / d)) * gs, stored as e4m3 (round to nearest even,
+  saturating at 448), and the element scale os = 1 / (SF_e4m3 * (1 / gs)) (0 for SF_e4m3 = 0); each x * os is coded
+  as e2m1 (round to nearest even on 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6). gs = 1 / k_scale with vLLM's default
+  k_scale 1.0 (no checkpoint scales). nvfp4 takes d = 6; nvfp4_4over6 takes d = 4 where its block's squared error
+  is smaller than d = 6's (ties keep 6): error = sum over the 8 pairs, in order, of fma(dx0, dx0, dx1 * dx1) with dx =
+  fma(q, 1 / os, -x), as the compiled kernel contracts it. Read: e2m1 * SF_e4m3 * k_scale. Bits: 4 a code and an e4m3
+  byte a block: 4.5. Source: the vLLM 0.33.0 release (commit 4ba787ec9) csrc/nvfp4_kv_cache_kernels.cu
+  (round_to_nearest_e2m1, nvfp4_candidate_scale, nvfp4_reconstruction_error, cvt_warp_fp16_to_fp4_4over6; global
+  scale 1 / *k_scale_ptr) and csrc/quantization/fp4/nvfp4_utils.cuh (cvt_warp_fp16_to_fp4), the SM100 writer; on
+  other GPUs FlashInfer's nvfp4_quantize_append_paged_kv_cache_with_slot_mapping (flashinfer 0.7.2.post1,
+  include/flashinfer/page.cuh) computes the same bytes at k_scale 1.0 and has no 4over6. Taken as exact: the
+  hardware reciprocals (rcp.approx.ftz) as correctly rounded; the FMAs of the 4over6 error emulated in float64 (a
+  double rounding could flip a choice between two candidates whose errors agree to the last bit).
 - TurboQuant presets (`turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`: TQ_PRESETS,
   key bits, value bits, norm correction): keys either fp8 e4m3 (k8v4: cast saturating at +-448, no scale; the
   Hopper-and-later format, e4nv) or, per (token, KV head), n = ||k|| in fp32, y = (k / (n + 1e-8)) H with H the
@@ -140,6 +154,74 @@ class Int4PerTokenHead:
         restored = (q - zero) * without_low_mantissa(scale)
         values = (hadamard_butterfly(restored) * signs / self.head_dim).view(x.shape)
         return Quantized(values, torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4
+
+NVFP4_BLOCK = 16  # channels per e4m3 block scale
+NVFP4_SCALE_BITS = 8
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_GLOBAL_SCALE = 1.0  # 1 / k_scale at vLLM's default k_scale 1.0
+MODEL_DTYPE = torch.float16
+
+
+def e2m1_nearest_even(x: torch.Tensor) -> torch.Tensor:
+    """cvt.rn.satfinite.e2m1x2.f32 as vLLM's round_to_nearest_e2m1 writes it: ties go to the even code (0.25 -> 0,
+    0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), magnitudes above 5 to 6."""
+    ax = x.abs()
+    index = ((ax > 0.25).int() + (ax >= 0.75).int() + (ax > 1.25).int() + (ax >= 1.75).int() + (ax > 2.5).int()
+             + (ax >= 3.5).int() + (ax > 5.0).int())
+    return torch.copysign(x.new_tensor(E2M1_GRID)[index], x)
+
+
+def _nvfp4_candidate(vec_max: torch.Tensor, denominator: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SF as stored in e4m3, the element scale os) of one candidate denominator; all fp32."""
+    reciprocal = torch.tensor(1.0 / denominator, dtype=torch.float32)
+    scale = (vec_max * reciprocal * NVFP4_GLOBAL_SCALE).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    inverse_global = torch.tensor(1.0 / NVFP4_GLOBAL_SCALE, dtype=torch.float32)
+    return scale, torch.where(scale != 0, 1.0 / (scale * inverse_global), torch.zeros_like(scale))
+
+
+def _nvfp4_error(blocks: torch.Tensor, element_scale: torch.Tensor) -> torch.Tensor:
+    """A block's squared reconstruction error as the 4over6 kernel sums it (per pair fma(dx0, dx0, dx1 * dx1) with
+    dx = fma(q, 1 / os, -x), pairs added in order in fp32)."""
+    dequant = torch.where(element_scale != 0, 1.0 / element_scale, torch.zeros_like(element_scale))
+    q = e2m1_nearest_even(blocks * element_scale)
+    dx = (q.double() * dequant.double() - blocks.double()).float().unflatten(-1, (-1, 2))
+    pairs = (dx[..., 0].double() ** 2 + (dx[..., 1] * dx[..., 1]).double()).float()
+    error = torch.zeros_like(pairs[..., 0])
+    for i in range(pairs.shape[-1]):
+        error = error + pairs[..., i]
+    return error.unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class Nvfp4:
+    head_dim: int
+    four_over_six: bool = False
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
+    block_tokens = 1
+    bits = 4
+
+    def __post_init__(self):
+        if self.head_dim % NVFP4_BLOCK:
+            raise KvcalError(f"vLLM's nvfp4 scales blocks of {NVFP4_BLOCK} channels: head_dim {self.head_dim} is not a multiple of it")
+
+    def row_bits(self, channels: int) -> float:
+        return float(4 * channels + NVFP4_SCALE_BITS * (channels // NVFP4_BLOCK))
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        tokens, channels = x.shape
+        blocks = x.to(MODEL_DTYPE).float().view(tokens, channels // NVFP4_BLOCK, NVFP4_BLOCK)
+        vec_max = blocks.abs().amax(-1, keepdim=True)
+        scale, element_scale = _nvfp4_candidate(vec_max, 6.0)
+        if self.four_over_six:
+            scale4, element_scale4 = _nvfp4_candidate(vec_max, 4.0)
+            use4 = _nvfp4_error(blocks, element_scale4) < _nvfp4_error(blocks, element_scale)
+            scale, element_scale = torch.where(use4, scale4, scale), torch.where(use4, element_scale4, element_scale)
+        values = e2m1_nearest_even(blocks * element_scale) * scale / NVFP4_GLOBAL_SCALE
+        return Quantized(values.view(tokens, channels), torch.full((tokens,), self.row_bits(channels), device=x.device))
 
 
 # ---------------------------------------------------------------------------------------------------------

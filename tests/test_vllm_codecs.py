@@ -13,7 +13,13 @@
   norm; values: scale = (max - min) / (2^b - 1), floored at 1e-8, q = clamp(int((v - min) / scale + 0.5)), fp16
   scale and min) @ 0135d081c30fa476130ae77a152539ce317ab8b1; ops/triton_turboquant_decode.py _tq_full_dequant_kv
   (c = centroids[idx]; NORM_CORRECTION: c * 1 / sqrt(sum c^2 + 1e-16); k = fp16 norm * c, scored against q @ PiT)
-  @ 055e47c28003156421365af985d676fc921cb075."""
+  @ 055e47c28003156421365af985d676fc921cb075.
+- nvfp4 / nvfp4_4over6: the vLLM 0.33.0 release (commit 4ba787ec9), csrc/nvfp4_kv_cache_kernels.cu:
+  round_to_nearest_e2m1 (ax <= 0.25 -> 0, < 0.75 -> 0.5, <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2, < 3.5 -> 3,
+  <= 5 -> 4, else 6; copysign), nvfp4_candidate_scale (SFValue = SFScaleVal * (vecMax * rcp(denominator)); e4m3 cast;
+  outputScale = SF != 0 ? rcp(SF * rcp(SFScaleVal)) : 0), nvfp4_reconstruction_error (dx = q * rcp(outputScale) - x,
+  error += dx0^2 + dx1^2), use4 = err4 < err6; SFScaleVal = 1 / *k_scale_ptr (k_scale 1.0 without checkpoint scales:
+  model_executor/layers/attention/attention.py set_default_quant_scales)."""
 
 import numpy as np
 import pytest
@@ -24,8 +30,8 @@ from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.evaluate import evaluate_ppl
 from kvcal.methods import baseline_method
-from kvcal.vllm_codecs import (Int4PerTokenHead, PerTokenHead, TurboQuantKeys, TurboQuantValues, hadamard_butterfly,
-                               lloyd_max_centroids, rht_signs, sylvester_hadamard)
+from kvcal.vllm_codecs import (Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys, TurboQuantValues, e2m1_nearest_even,
+                               hadamard_butterfly, lloyd_max_centroids, rht_signs, sylvester_hadamard)
 
 
 def test_int8_per_token_head_rounds_half_away_from_zero_with_an_fp32_scale_per_token_and_head():
@@ -95,6 +101,38 @@ def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
     assert baseline_method("fp8_per_token_head;skip=sliding_window", 2, 16, [16, None]).name == "fp8_per_token_head;skip=0"
 
 
+def test_e2m1_rounds_ties_to_the_even_code_and_saturates_at_six():
+    x = torch.tensor([0.25, 0.26, 0.75, 1.25, 1.3, 1.75, 2.5, 3.5, 5.0, 5.01, 9.0, -0.75, -2.6])
+    assert e2m1_nearest_even(x).tolist() == [0.0, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -1.0, -3.0]
+
+
+def test_nvfp4_scales_each_16_channels_by_max_over_6_stored_in_e4m3():
+    """max 6 gives SF = fp32(6 * fp32(1/6)) = 1: codes are the e2m1 of x itself. max 5 gives SF = 0.8333 stored as the
+    e4m3 0.8125 (nearest of 0.8125 / 0.875), os = 1 / 0.8125: 5 * os = 6.15 saturates to 6 (4.875), 1 * os = 1.23 -> 1."""
+    codec = Nvfp4(16)
+    exact = torch.tensor([[6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, 0.3, 0, 0, 0, 0, 0, 0]])
+    assert codec.quantize(exact).values.tolist() == [[6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, 0.5, 0, 0, 0, 0, 0, 0]]
+    rounded = torch.tensor([[5.0] + [1.0] * 15 + [6.0] * 16])
+    assert codec.quantize(rounded).values.tolist() == [[4.875] + [0.8125] * 15 + [6.0] * 16]
+    assert codec.row_bits(256) == 4 * 256 + 8 * 16
+    with pytest.raises(KvcalError, match="blocks of 16 channels"):
+        Nvfp4(40)
+
+
+def test_nvfp4_4over6_takes_max_over_4_where_its_block_error_is_smaller():
+    """16 ones: max/6 stores SF 0.171875 (e4m3 of 1/6), 1 * os = 5.8 codes 6 and reads 1.03125; max/4 stores 0.25 and
+    reads 1 exactly, so 4over6 takes it. [1, 0.1 x 15]: max/4 reads each 0.1 as 0.125 (error 15 * 0.025^2), max/6 as
+    0.0859 (error 0.004 in all), so it keeps max/6; an all-zero block (equal errors) keeps max/6 too."""
+    plain, four_over_six = Nvfp4(16), Nvfp4(16, four_over_six=True)
+    ones = torch.ones(1, 16)
+    assert plain.quantize(ones).values.unique().tolist() == [1.03125]
+    assert four_over_six.quantize(ones).values.unique().tolist() == [1.0]
+    mostly_small = torch.tensor([[1.0] + [0.1] * 15])
+    assert torch.equal(four_over_six.quantize(mostly_small).values, plain.quantize(mostly_small).values)
+    assert plain.quantize(mostly_small).values[0, 1].item() == 0.5 * 0.171875
+    assert four_over_six.quantize(torch.zeros(1, 16)).values.abs().sum() == 0
+
+
 def test_turboquant_centroids_are_lloyd_max_of_the_rotated_coordinate_law():
     """The 1-bit Lloyd-Max quantizer of N(0, s^2) is +-s sqrt(2 / pi); 3 bits: +-0.2451, 0.7560, 1.3440, 2.1520 s
     (Max, 1960). vLLM's solver (200-step trapezoids) lands within 3e-4 s and 2e-3 s of them (here 0.79771 s for
@@ -154,3 +192,11 @@ def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_bou
     fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method("turboquant_k3v4_nc", 6, 16)])
     assert result.effective_bits == pytest.approx((4 * 16 + 2 * (4 + 6) / 2) / 6)
     assert result.ppl != fp.ppl
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "nvfp4_4over6"])
+def test_eval_ppl_counts_nvfp4_as_4_bit_codes_and_an_e4m3_byte_per_16_channels(dtype):
+    model = tiny_model("llama")
+    windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method(dtype, 2, 16)])
+    assert result.effective_bits == 4.5 and result.ppl != fp.ppl

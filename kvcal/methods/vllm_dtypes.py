@@ -1,5 +1,5 @@
 """vLLM's KV cache dtypes (`vllm`, the `eval ppl` baselines int8_per_token_head, fp8_per_token_head,
-int4_per_token_head and the TurboQuant presets turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc,
+int4_per_token_head, nvfp4, nvfp4_4over6 and the TurboQuant presets turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc,
 turboquant_3bit_nc; no calibration): every token quantized when stored, keys after RoPE, nothing kept fp16 (but a
 TurboQuant preset's first and last two layers, which vLLM leaves unquantized), to vLLM's kernels (kvcal.vllm_codecs).
 With `;skip=L+L+...` (kvcal.methods.baseline_method) the named layers stay unquantized too, as vLLM's
@@ -12,13 +12,15 @@ from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import FP16_LAYER, LayerCodecs
 from kvcal.registry import MethodSpec
 from kvcal.simulate import Method, engine_dtype_method
-from kvcal.vllm_codecs import (TQ_PRESETS, Int4PerTokenHead, PerTokenHead, TurboQuantKeys, TurboQuantValues,
+from kvcal.vllm_codecs import (TQ_PRESETS, Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys, TurboQuantValues,
                                tq_boundary_layers)
 
 VLLM_DTYPES = {
     "int8_per_token_head": lambda head_dim: PerTokenHead("int8", head_dim),
     "fp8_per_token_head": lambda head_dim: PerTokenHead("fp8", head_dim),
     "int4_per_token_head": Int4PerTokenHead,
+    "nvfp4": Nvfp4,
+    "nvfp4_4over6": lambda head_dim: Nvfp4(head_dim, four_over_six=True),
 }
 
 
@@ -32,8 +34,8 @@ def turboquant_method(preset: str, num_layers: int, head_dim: int) -> Method:
 
 class VllmDtypeSpec(MethodSpec):
     name = "vllm"
-    description = ("vLLM's KV cache dtypes: per-token-head int8, fp8, int4 (with its Hadamard rotation) and the TurboQuant "
-                   "presets, to its kernels (baseline)")
+    description = ("vLLM's KV cache dtypes: per-token-head int8, fp8, int4 (with its Hadamard rotation), nvfp4 (and its "
+                   "4over6 scale choice) and the TurboQuant presets, to its kernels (baseline)")
 
     def baseline_syntax(self):
         return " | ".join([*VLLM_DTYPES, *TQ_PRESETS])
