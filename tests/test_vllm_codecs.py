@@ -119,6 +119,33 @@ def test_nvfp4_scales_each_16_channels_by_max_over_6_stored_in_e4m3():
         Nvfp4(40)
 
 
+def _round_to_nearest_e2m1(x: np.float32) -> float:
+    """vLLM's round_to_nearest_e2m1, line by line."""
+    ax = abs(x)
+    q = 0.0 if ax <= 0.25 else 0.5 if ax < 0.75 else 1.0 if ax <= 1.25 else 1.5 if ax < 1.75 else 2.0 if ax <= 2.5 else \
+        3.0 if ax < 3.5 else 4.0 if ax <= 5.0 else 6.0
+    return float(np.copysign(q, x))
+
+
+def _nvfp4_scalar(x: np.ndarray) -> list[float]:
+    """One row through vLLM's nvfp4 writer element by element in numpy float32 (k_scale 1.0): SF = vecMax * rcp(6),
+    its e4m3 byte, outputScale = rcp(SF_e4m3), e2m1 of x * outputScale; read e2m1 * SF_e4m3."""
+    out = []
+    for block in x.reshape(-1, 16):
+        vec_max = np.float32(np.abs(block).max())
+        scale = np.float32(vec_max * np.float32(1.0 / 6.0))
+        stored = float(torch.tensor(min(scale, np.float32(448.0))).to(torch.float8_e4m3fn).float())
+        output_scale = np.float32(1.0) / np.float32(stored) if stored != 0.0 else np.float32(0.0)
+        out += [_round_to_nearest_e2m1(np.float32(element * output_scale)) * stored for element in block]
+    return out
+
+
+def test_nvfp4_matches_vllms_writer_element_by_element_on_random_rows():
+    x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, 6)[:, None]).half().float()
+    expected = [_nvfp4_scalar(row.numpy()) for row in x]
+    assert Nvfp4(32).quantize(x).values.tolist() == expected
+
+
 def test_nvfp4_4over6_takes_max_over_4_where_its_block_error_is_smaller():
     """16 ones: max/6 stores SF 0.171875 (e4m3 of 1/6), 1 * os = 5.8 codes 6 and reads 1.03125; max/4 stores 0.25 and
     reads 1 exactly, so 4over6 takes it. [1, 0.1 x 15]: max/4 reads each 0.1 as 0.125 (error 15 * 0.025^2), max/6 as
