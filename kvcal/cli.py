@@ -220,23 +220,24 @@ def profile_gradients_command(
 @reports_errors
 def plan_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients for the served model."),
-    engine: str = typer.Option("vllm", help="The serving engine: vllm (which layers stay unquantized in its --kv-cache-dtype) or llama.cpp (which -ctk / -ctv pair)."),
-    dtype: Optional[str] = typer.Option(None, help="vllm: its KV cache dtype, int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc). llama.cpp: none, the plan chooses the types."),
+    engine: str = typer.Option("vllm", help="The serving engine: vllm (which layers stay unquantized in its --kv-cache-dtype), llama.cpp (which -ctk / -ctv pair) or ik_llama.cpp (the pair and its -ctk/-ctv-first/-last layers)."),
+    dtype: Optional[str] = typer.Option(None, help="vllm: its KV cache dtype, int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, nvfp4, nvfp4_4over6, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc). llama.cpp, ik_llama.cpp: none, the plan chooses the types."),
     budget: float = typer.Option(..., help="Real bits per element the cache may store on average (scales included, at most 16)."),
     by: str = typer.Option("fisher", help="What quantizing costs: fisher (Fisher-weighted error on the profile) or, for vllm, importance (KVmix gradient importance)."),
     context: int = typer.Option(0, help="vllm: tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
 ):
     """The engine's own KV cache types within a budget, chosen from the profile: for vLLM which layers stay unquantized
-    (chosen exactly from per-layer costs), for llama.cpp the -ctk / -ctv pair (kvcal.plan). Prints the engine's
-    arguments and the `eval ppl --baseline` spec that evaluates the same cache; writes nothing else."""
+    (chosen exactly from per-layer costs), for llama.cpp the -ctk / -ctv pair, for ik_llama.cpp the pair and the
+    types of the first and last layers of K and V (kvcal.plan). Prints the engine's arguments and the `eval ppl
+    --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
-    from kvcal.plan import ENGINES, check_cache_type_budget, plan_cache_types, plan_layers
+    from kvcal.plan import ENGINES, check_cache_type_budget, plan_cache_types, plan_first_last, plan_layers
 
     if engine not in ENGINES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
-    if engine == "llama.cpp" and (dtype is not None or by != "fisher" or context):
-        raise KvcalError("--engine llama.cpp takes one type per tensor for the whole model and kvcal plan chooses it by "
+    if engine in ("llama.cpp", "ik_llama.cpp") and (dtype is not None or by != "fisher" or context):
+        raise KvcalError(f"--engine {engine} takes cache types per tensor (and layer range) that kvcal plan chooses by "
                          "Fisher-weighted error: drop --dtype, --by and --context")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=[profile])
@@ -248,6 +249,17 @@ def plan_command(
         _print_table(f"llama.cpp -ctk / -ctv within {budget:g} real bits per element, by fisher: the {len(within)} cheapest",
                      ["-ctk", "-ctv", "real bits", "Fisher-weighted error"],
                      [[pair["type_k"], pair["type_v"], f"{pair['bits']:.3f}", f"{pair['cost']:.4g}"] for pair in within])
+    elif engine == "ik_llama.cpp":
+        check_cache_type_budget(budget)
+        _note("pricing every cache type on the profile's sampled keys and values of every layer")
+        chosen = plan_first_last(str(profile), budget)
+        rows = [[tensor.upper(), setting.base] + [next((f"{t} x {n}" for e, t, n in setting.ends() if e == end), "-")
+                                                  for end in ("first", "last")] + [f"{setting.bits:.3f}", f"{setting.cost:.4g}"]
+                for tensor, setting in (("k", chosen.k), ("v", chosen.v))]
+        rows.append(["best one type each", f"{chosen.pair['type_k']} / {chosen.pair['type_v']}", "-", "-",
+                     f"{chosen.pair['bits']:.3f}", f"{chosen.pair['cost']:.4g}"])
+        _print_table(f"ik_llama.cpp within {budget:g} real bits per element, by fisher: {chosen.bits:.3f} bits",
+                     ["tensor", "type", "first layers", "last layers", "real bits", "Fisher-weighted error"], rows)
     else:
         chosen = plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context)
         _print_table(f"{engine} {chosen.dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",

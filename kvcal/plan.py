@@ -15,11 +15,16 @@ The plan names the engine's arguments and the `eval ppl --baseline` spec that ev
 
 llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): plan_cache_types picks the pair with
 the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
-ggml types but f16 for both is tried; they are few).
+ggml types but f16 for both is tried; they are few). ik_llama.cpp also sets the first N and last M layers of each
+tensor to other types (`-ctk-first T,N`, `-ctk-last T,M`, `-ctv-first`, `-ctv-last`; its PR #1599): plan_first_last
+weighs every such setting of K and of V (a base type, and a type and count for each end), keeps each tensor's
+settings that no other beats on both bits and cost, and takes the K and V pair of least summed cost within the
+budget, exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -39,7 +44,7 @@ from kvcal.rotation_codecs import GGML_BLOCK, GGML_BLOCK_BYTES
 from kvcal.vllm_codecs import TQ_PRESETS
 
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
-ENGINES = (*ENGINE_DTYPES, "llama.cpp")
+ENGINES = (*ENGINE_DTYPES, "llama.cpp", "ik_llama.cpp")
 CRITERIA = ("fisher", "importance")
 # the most count combinations layers_kept_wide weighs: (n + 1)^k for k classes of n layers (k is 1 + the distinct
 # sliding windows: one or two in the models there are)
@@ -196,20 +201,126 @@ def check_cache_type_budget(budget: float) -> None:
                          f"smallest -ctk/-ctv pair stores {least:g}")
 
 
-def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
-    """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
-    check_cache_type_budget(budget)
+def cache_type_costs(profile_path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, float]]]:
+    """Per tensor ("k", "v") and llama.cpp cache type: the Fisher-weighted error of each layer under it, and its real
+    bits per element."""
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     width = kv_heads * head_dim
-    keys = {t: cache_type_codec(t, head_dim, "k") for t in CACHE_TYPES}
-    values = {t: cache_type_codec(t, head_dim, "v") for t in CACHE_TYPES}
+    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor) for t in CACHE_TYPES} for tensor in "kv"}
     with torch.inference_mode():
-        key_costs = {t: sum(_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)) for t, codec in keys.items()}
-        value_costs = {t: sum(_value_cost(profile, i, codec) for i in range(num_layers)) for t, codec in values.items()}
-    pairs = sorted(({"type_k": k, "type_v": v, "bits": (keys[k].row_bits(width) + values[v].row_bits(width)) / (2 * width),
-                     "cost": key_costs[k] + value_costs[v]} for k in CACHE_TYPES for v in CACHE_TYPES if (k, v) != ("f16", "f16")),
-                   key=lambda pair: (pair["cost"], pair["bits"]))
+        costs = {"k": {t: np.array([_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
+                       for t, codec in codecs["k"].items()},
+                 "v": {t: np.array([_value_cost(profile, i, codec) for i in range(num_layers)]) for t, codec in codecs["v"].items()}}
+    bits = {tensor: {t: codec.row_bits(width) / width for t, codec in by_type.items()} for tensor, by_type in codecs.items()}
+    return costs, bits
+
+
+def cache_type_pairs(costs: dict, bits: dict) -> list[dict]:
+    """Every -ctk / -ctv pair but f16 for both (type_k, type_v, bits, cost summed over the layers), cheapest first."""
+    pairs = [{"type_k": k, "type_v": v, "bits": (bits["k"][k] + bits["v"][v]) / 2, "cost": float(costs["k"][k].sum() + costs["v"][v].sum())}
+             for k in CACHE_TYPES for v in CACHE_TYPES if (k, v) != ("f16", "f16")]
+    return sorted(pairs, key=lambda pair: (pair["cost"], pair["bits"]))
+
+
+def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
+    """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
+    check_cache_type_budget(budget)
+    pairs = cache_type_pairs(*cache_type_costs(profile_path))
     best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)
     return CacheTypePlan(budget, best["type_k"], best["type_v"], best["bits"], pairs)
+
+
+@dataclass
+class TensorSetting:
+    """One tensor's ik_llama.cpp cache types: `base` on every layer but the first `first_count` (at `first`) and the
+    last `last_count` (at `last`)."""
+
+    base: str
+    first: str
+    first_count: int
+    last: str
+    last_count: int
+    bits: float  # real bits per element, the mean over the layers
+    cost: float  # Fisher-weighted error summed over the layers
+
+    def ends(self) -> list[tuple[str, str, int]]:
+        """("first" | "last", type, count) of each end set apart."""
+        return [(end, t, n) for end, t, n in (("first", self.first, self.first_count), ("last", self.last, self.last_count)) if n]
+
+
+def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float]) -> list[TensorSetting]:
+    """The settings of one tensor (every base type, and for each end no layers or 1.. of another type) that no other
+    setting beats on both bits and cost, fewest bits first; among equals the one with fewer ends set apart."""
+    num_layers = len(next(iter(costs.values())))
+    sums = {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in costs.items()}
+    first_n, last_n = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
+    candidates = []
+    for base, first, last in itertools.product(CACHE_TYPES, repeat=3):
+        allowed = ((first_n + last_n <= num_layers) & ((first_n == 0) == (first == base)) & ((last_n == 0) == (last == base)))
+        cost = (sums[first][first_n] + sums[base][num_layers - last_n] - sums[base][first_n]
+                + sums[last][num_layers] - sums[last][num_layers - last_n])
+        mean_bits = (first_n * bits[first] + (num_layers - first_n - last_n) * bits[base] + last_n * bits[last]) / num_layers
+        for n, m in zip(*np.nonzero(allowed)):
+            candidates.append(TensorSetting(base, first, int(n), last, int(m), float(mean_bits[n, m]), float(cost[n, m])))
+    candidates.sort(key=lambda c: (round(c.bits, 9), c.cost, len(c.ends()), c.first_count + c.last_count))
+    front, least = [], math.inf
+    for candidate in candidates:
+        if candidate.cost < least:
+            front.append(candidate)
+            least = candidate.cost
+    return front
+
+
+@dataclass
+class FirstLastPlan:
+    """ik_llama.cpp's K and V settings within a budget, against the best one-type-per-tensor pair."""
+
+    budget: float
+    k: TensorSetting
+    v: TensorSetting
+    bits: float
+    cost: float
+    pair: dict  # the best -ctk / -ctv pair within the budget (CacheTypePlan's), for comparison
+
+    def engine_arguments(self) -> str:
+        arguments = [f"-ctk {self.k.base}", f"-ctv {self.v.base}"]
+        arguments += [f"-ct{tensor}-{end} {t},{n}" for tensor, setting in (("k", self.k), ("v", self.v)) for end, t, n in setting.ends()]
+        arguments += [f"-{tensor}had" for tensor, setting in (("k", self.k), ("v", self.v))
+                      if {setting.base, *(t for _, t, _ in setting.ends())} != {"f16"}]
+        return " ".join(arguments)
+
+    def baseline_spec(self) -> str:
+        base = self.k.base if self.k.base == self.v.base else f"{self.k.base}/{self.v.base}"
+        return base + "".join(f";{tensor}_{end}={t},{n}" for tensor, setting in (("k", self.k), ("v", self.v))
+                              for end, t, n in setting.ends())
+
+    def as_dict(self) -> dict:
+        return {"engine": "ik_llama.cpp", **asdict(self), "engine_arguments": self.engine_arguments(),
+                "baseline_spec": self.baseline_spec()}
+
+
+def choose_first_last(costs: dict, bits: dict, budget: float) -> tuple[TensorSetting, TensorSetting]:
+    """The K and V settings (see tensor_settings) of least summed cost whose mean bits are at most `budget`, not both
+    all f16; costs[tensor][type] per layer, bits[tensor][type]."""
+    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor]) for tensor in "kv"}
+    value_bits = [v.bits for v in fronts["v"]]
+    best = None
+    for k in fronts["k"]:
+        fitting = bisect.bisect_right(value_bits, 2 * budget - k.bits + 1e-9)  # along a front cost falls as bits rise
+        if fitting and fronts["v"][fitting - 1].bits == k.bits == FP16_BITS:
+            fitting -= 1  # f16 for both is no quantized cache
+        if fitting and (best is None or k.cost + fronts["v"][fitting - 1].cost < best[0].cost + best[1].cost):
+            best = (k, fronts["v"][fitting - 1])
+    return best
+
+
+def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
+    """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
+    store at most `budget` real bits per element (K and V rows alike), exactly."""
+    check_cache_type_budget(budget)
+    costs, bits = cache_type_costs(profile_path)
+    k, v = choose_first_last(costs, bits, budget)
+    pair = next(pair for pair in cache_type_pairs(costs, bits) if pair["bits"] <= budget + 1e-9)
+    return FirstLastPlan(budget, k, v, (k.bits + v.bits) / 2, k.cost + v.cost, pair)

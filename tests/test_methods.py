@@ -55,6 +55,20 @@ def test_a_llama_cpp_k_v_pair_gives_each_tensor_its_own_type_rotating_only_a_qua
             baseline_method(spec, 2, 64)
 
 
+def test_ik_llama_cpp_first_and_last_layers_take_their_own_types():
+    """`q4_0;k_first=q8_0,2;v_last=f16,1` on 5 layers is -ctk q4_0 -ctv q4_0 -ctk-first q8_0,2 -ctv-last f16,1: keys of
+    layers 0-1 at q8_0, values of layer 4 unquantized, every other tensor q4_0; overlapping ends and other bases are
+    refused."""
+    method = baseline_method("q4_0;v_last=f16,1;k_first=q8_0,2", 5, 64)
+    assert method.name == "q4_0;k_first=q8_0,2;v_last=f16,1"
+    assert [layer.key_codec.bits for layer in method.layers] == [8, 8, 4, 4, 4]
+    assert [layer.value_codec.bits for layer in method.layers] == [4, 4, 4, 4, 16]
+    for spec, message in (("q4_0;k_first=q8_0,3;k_last=q8_0,3", "they overlap"), ("int4-g64;k_first=q8_0,1", "not 'int4-g64'"),
+                          ("q4_0;k_first=q8_0", "k_first=TYPE,N"), ("q4_0;k_first=q9_0,1", "give one of f16")):
+        with pytest.raises(KvcalError, match=message):
+            baseline_method(spec, 5, 64)
+
+
 def test_a_baseline_that_needs_power_of_two_heads_says_so():
     with pytest.raises(KvcalError, match="power of two"):
         baseline_method("hadamard-int4", 2, 48)

@@ -7,7 +7,9 @@ import torch
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
-from kvcal.plan import dtype_bits, layers_kept_wide, plan_cache_types, plan_layers
+from kvcal.methods.llama_cpp import CACHE_TYPES
+from kvcal.plan import (choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
+                        plan_layers)
 from kvcal.rope import rotate_keys
 
 
@@ -121,6 +123,46 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
     tighter = plan_cache_types(str(tiny_profile[1]), 4.5)
     assert tighter.bits == 4.5 and cost[tighter.type_k, tighter.type_v] >= cost[plan.type_k, plan.type_v]
     assert plan.engine_arguments() == f"-ctk {plan.type_k} -ctv {plan.type_v}"
+
+
+def _settings_by_brute_force(costs: dict, num_layers: int):
+    """(bits, cost) of every ik_llama.cpp setting of one tensor, summed layer by layer."""
+    for base in CACHE_TYPES:
+        for first in CACHE_TYPES:
+            for last in CACHE_TYPES:
+                for n in range(num_layers + 1):
+                    for m in range(num_layers + 1 - n):
+                        types = [first] * n + [base] * (num_layers - n - m) + [last] * m
+                        yield types, sum(costs[t][i] for i, t in enumerate(types))
+
+
+def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_budget():
+    """On 3 layers with random per-layer costs (f16 free), choose_first_last's K and V settings cost the least of every
+    pair of settings (first / last counts and types, summed layer by layer) whose mean bits fit the budget."""
+    bits = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
+    rng = np.random.default_rng(0)
+    costs = {tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()} for tensor in "kv"}
+    brute = {tensor: [(sum(bits[t] for t in types) / 3, cost, types)
+                      for types, cost in dict((tuple(ts), c) for ts, c in _settings_by_brute_force(costs[tensor], 3)).items()]
+             for tensor in "kv"}
+    for budget in (4.5, 5.0, 6.2, 9.0, 15.9):
+        k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget)
+        best = min(ck + cv for bk, ck, tk in brute["k"] for bv, cv, tv in brute["v"]
+                   if bk + bv <= 2 * budget + 1e-9 and set(tk + tv) != {"f16"})
+        assert k.cost + v.cost == pytest.approx(best, rel=1e-12) and (k.bits + v.bits) / 2 <= budget + 1e-9
+
+
+def test_an_ik_llama_cpp_plan_stores_its_bits_and_costs_no_more_than_one_type_each(tiny_profile):
+    """On the tiny profile: the plan's baseline spec stores the plan's real bits, its error is at most the best -ctk/-ctv
+    pair's within the budget, and the arguments name ik_llama.cpp's options."""
+    plan = plan_first_last(str(tiny_profile[1]), 5.0)
+    assert plan.bits <= 5.0 and plan.cost <= plan.pair["cost"]
+    fingerprint = read_artifact(str(tiny_profile[1]), "profile")[1]["model"]["fingerprint"]
+    method = baseline_method(plan.baseline_spec(), fingerprint["num_layers"], fingerprint["head_dim"])
+    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+    row_bits = [(layer.key_codec.row_bits(width) + layer.value_codec.row_bits(width)) / (2 * width) for layer in method.layers]
+    assert sum(row_bits) / len(row_bits) == pytest.approx(plan.bits)
+    assert plan.engine_arguments().startswith(f"-ctk {plan.k.base} -ctv {plan.v.base}")
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -15,6 +15,7 @@ from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
 from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
+from kvcal.methods.llama_cpp import FIRST_LAST, first_last_method
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 
@@ -57,30 +58,44 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-SKIP = "skip="
-
-
 def baseline_method(text: str, num_layers: int, head_dim: int, windows: list[int | None] | None = None) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model of
     `num_layers` layers and heads of `head_dim` channels. `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
-    `windows`, the adapter's)."""
-    base, separator, layer_map = text.strip().partition(";")
-    method = _base_baseline(base.strip(), num_layers, head_dim)
-    if not separator:
+    `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
+    `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
+    kvcal.methods.llama_cpp)."""
+    base, *options = [part.strip() for part in text.strip().split(";")]
+    skip, first_last = None, {}
+    for option in options:
+        name, _, value = option.partition("=")
+        cache_type, _, count = value.partition(",")
+        if name == "skip" and value and skip is None:
+            skip = value
+        elif name in FIRST_LAST and name not in first_last and count.isdigit():
+            first_last[name] = (cache_type, int(count))
+        else:
+            raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
+                             "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
+    if first_last:
+        try:
+            method = first_last_method(base, first_last, num_layers, head_dim)
+        except KvcalError as exc:
+            raise KvcalError(f"baseline '{text}': {exc}") from None
+    else:
+        method = _base_baseline(base, num_layers, head_dim)
+    if skip is None:
         return method
-    skipped = skipped_layers(layer_map.strip(), num_layers, windows, text)
+    skipped = skipped_layers(skip, num_layers, windows, text)
     layers = [FP16_LAYER if i in skipped else layer for i, layer in enumerate(method.layers)]
     name = f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}"
     return Method(name, method.nominal_bits, layers, method.policy)
 
 
 def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | None, text: str) -> set[int]:
-    """The layers `skip=L+L+...` names (indices, or `sliding_window`)."""
-    if not layer_map.startswith(SKIP) or not layer_map[len(SKIP):]:
-        raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window)")
+    """The layers `skip=L+L+...` names (indices, or `sliding_window`): layer_map is what follows `skip=`."""
     skipped = set()
-    for entry in layer_map[len(SKIP):].split("+"):
+    for entry in layer_map.split("+"):
         if entry == "sliding_window":
             if windows is None:
                 raise KvcalError(f"baseline '{text}': skip=sliding_window needs the model's layers (give it with a model)")

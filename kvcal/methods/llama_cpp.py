@@ -2,11 +2,17 @@
 no calibration): blocks of 32 channels with ggml's reference rounding, after the Hadamard rotation llama.cpp
 applies to a quantized K and V cache; each token is quantized once, when stored. `K/V` (`q8_0/q4_0`, `f16/q4_0`)
 is `-ctk K -ctv V`: each tensor takes its own type, and llama.cpp rotates only a quantized one (attn_rot_k and
-attn_rot_v in src/llama-kv-cache.cpp each test their own type). Codecs: kvcal.rotation_codecs.LlamaCppKV."""
+attn_rot_v in src/llama-kv-cache.cpp each test their own type). Codecs: kvcal.rotation_codecs.LlamaCppKV.
+
+ik_llama.cpp's mixed cache (ikawrakow/ik_llama.cpp PR #1599: `-ctk-first TYPE,N`, `-ctk-last TYPE,M`, `-ctv-first`,
+`-ctv-last`) sets the first N and the last M layers of K or V to another type: the baseline options
+`;k_first=TYPE,N`, `;k_last=TYPE,M`, `;v_first=...`, `;v_last=...` after the pair (kvcal.methods.baseline_method).
+ik_llama.cpp rotates a quantized cache only when asked (-khad, -vhad); these codecs rotate every quantized tensor."""
 
 from __future__ import annotations
 
 from kvcal import registry
+from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import Fp16Codec, LayerCodecs
 from kvcal.registry import MethodSpec
@@ -19,6 +25,41 @@ CACHE_TYPES = ("f16", *LLAMA_CPP_TYPES)  # what -ctk / -ctv take here (f32 and b
 def cache_type_codec(cache_type: str, head_dim: int, tensor: str):
     """The codec of one tensor ("k" or "v") under a llama.cpp cache type."""
     return Fp16Codec() if cache_type == "f16" else LlamaCppKV(cache_type, head_dim, tensor)
+
+
+FIRST_LAST = ("k_first", "k_last", "v_first", "v_last")  # ik_llama.cpp's -ctk-first, -ctk-last, -ctv-first, -ctv-last
+
+
+def cache_type_pair(text: str) -> tuple[str, str] | None:
+    """(type_k, type_v) of `T` or `K/V`, or None when it is not a llama.cpp cache type (pair)."""
+    type_k, type_v = text.split("/", 1) if "/" in text else (text, text)
+    if type_k not in CACHE_TYPES or type_v not in CACHE_TYPES or type_k == type_v == "f16":
+        return None
+    return type_k, type_v
+
+
+def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers: int, head_dim: int) -> Method:
+    """ik_llama.cpp's mixed cache: the pair `base` (T or K/V) on every layer but the first / last n of K / V, which
+    take another type; options {k_first | k_last | v_first | v_last: (type, n)}."""
+    pair = cache_type_pair(base)
+    if pair is None:
+        raise KvcalError(f"{', '.join(FIRST_LAST)} follow a llama.cpp cache type or K/V pair, not '{base}'")
+    types = {tensor: [pair[i]] * num_layers for i, tensor in enumerate("kv")}
+    for option, (cache_type, count) in options.items():
+        if cache_type not in CACHE_TYPES or not 0 < count <= num_layers:
+            raise KvcalError(f"{option}={cache_type},{count}: give one of {', '.join(CACHE_TYPES)} and 1-{num_layers} layers")
+        layers = range(count) if option.endswith("first") else range(num_layers - count, num_layers)
+        for layer in layers:
+            types[option[0]][layer] = cache_type
+    for tensor in "kv":
+        first, last = options.get(f"{tensor}_first", ("", 0))[1], options.get(f"{tensor}_last", ("", 0))[1]
+        if first + last > num_layers:
+            raise KvcalError(f"{tensor}_first and {tensor}_last name {first} + {last} layers of {num_layers}: they overlap")
+    layers = [LayerCodecs(cache_type_codec(k, head_dim, "k"), cache_type_codec(v, head_dim, "v"), key_pre_rope=False)
+              for k, v in zip(types["k"], types["v"])]
+    name = base + "".join(f";{option}={t},{n}" for option, (t, n) in sorted(options.items(), key=lambda o: FIRST_LAST.index(o[0])))
+    nominal = sum(codecs.key_codec.bits + codecs.value_codec.bits for codecs in layers) / (2 * num_layers)
+    return Method(name, nominal, layers, SegmentPolicy())
 
 
 def llama_cpp_method(type_k: str, type_v: str, num_layers: int, head_dim: int) -> Method:
@@ -37,10 +78,8 @@ class LlamaCppSpec(MethodSpec):
         return " | ".join(LLAMA_CPP_TYPES) + " | K/V (-ctk K -ctv V, each of these or f16)"
 
     def baseline(self, text, num_layers, head_dim):
-        type_k, type_v = text.split("/", 1) if "/" in text else (text, text)
-        if type_k not in CACHE_TYPES or type_v not in CACHE_TYPES or type_k == type_v == "f16":
-            return None
-        return llama_cpp_method(type_k, type_v, num_layers, head_dim)
+        pair = cache_type_pair(text)
+        return None if pair is None else llama_cpp_method(*pair, num_layers, head_dim)
 
 
 registry.register_method(LlamaCppSpec())
