@@ -70,7 +70,7 @@ class Entry:
     @property
     def needs_profile(self) -> bool:
         return ((self.kind in FIT_KINDS and self.spec != ("unit", "tensor")) or (self.kind == "layers" and "plan" in self.spec)
-                or self.kind == "types")
+                or self.kind in ("types", "first_last"))
 
 
 def catalog(seed: int) -> list[Entry]:
@@ -140,7 +140,8 @@ METHOD_SETS = {
                      "own boundary layers), by hand (at each end, the sliding-window ones) and by kvcal plan "
                      "(Fisher-weighted error, gradient importance) at the same bytes",
     "engine-types": "llama.cpp's -ctk / -ctv: one type for K and V, q8_0 keys with q4_0 values, and kvcal plan's pair at the "
-                    "bytes of each",
+                    "bytes of each; ik_llama.cpp's first/last layers: q4_0 with q8_0 at 2 or 4 layers of each end, and "
+                    "kvcal plan's settings at the bytes of each",
 }
 # an engine dtype -> its hand rules: the layers users keep fp16 by hand, on top of those the dtype keeps itself
 # (TurboQuant's first and last two): rule -> the layers kept, of a model of `layers` layers with `windows`
@@ -154,6 +155,9 @@ ENGINE_RULES = {"int4_per_token_head": ("none", "first-last", "two-at-each-end",
                 "turboquant_k3v4_nc": ("none", "three-at-each-end", "four-at-each-end", "sliding")}
 PLAN_EXTRA_LAYERS = (2, 4)  # the names of kvcal plan at the bytes of a dtype's two end rules: layers fp16 beyond its own
 LLAMA_CPP_BY_HAND = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0/q4_0")  # one type for both, or the common q8_0 keys
+# ik_llama.cpp by hand: q4_0 with the first and last N layers of K and V at q8_0 (the "layer adaptive" heuristic)
+IK_LLAMA_CPP_BY_HAND = {f"q4_0-q8_0-ends-{n}": "q4_0" + "".join(f";{t}_{end}=q8_0,{n}" for t in "kv" for end in ("first", "last"))
+                        for n in (2, 4)}
 
 
 def ablations(seed: int) -> list[Entry]:
@@ -186,6 +190,10 @@ def ablations(seed: int) -> list[Entry]:
     for hand in LLAMA_CPP_BY_HAND:  # kvcal plan's pair at the bytes of each hand choice
         entries.append(Entry(f"llama.cpp-plan-{hand.replace('/', '-')}", CALIBRATED, "types", {"bytes_of": hand},
                              ("engine-types",), in_all=False))
+    for name, spec in IK_LLAMA_CPP_BY_HAND.items():  # and kvcal plan's ik_llama.cpp settings at the bytes of each
+        entries.append(Entry(name, BASELINE, "baseline", spec, ("engine-types",), in_all=False))
+        entries.append(Entry(f"ik_llama.cpp-plan-{name}", CALIBRATED, "first_last", {"bytes_of": spec}, ("engine-types",),
+                             in_all=False))
     for strategy, suffix in (("tensor", ""), ("attn_head", "-head")):
         entries.append(Entry(f"fp8-calibrated{suffix}", CALIBRATED, "fp8", ("calibrated", strategy), ("fp8",), in_all=False))
     return entries
@@ -349,6 +357,8 @@ class Fitter:
             return self._plan(entry, num_layers, windows)
         if entry.kind == "types":
             return self._types(entry, num_layers)
+        if entry.kind == "first_last":
+            return self._first_last(entry, num_layers)
         path = self.path_for(entry)
         cached = self.cached(path)
         started = time.perf_counter()
@@ -424,6 +434,19 @@ class Fitter:
 
         return self._engine_plan(entry, num_layers, lambda fingerprint: plan_cache_types(
             str(self.profile), dtype_bits(entry.spec["bytes_of"], fingerprint["head_dim"], fingerprint["num_kv_heads"])))
+
+    def _first_last(self, entry: Entry, num_layers: int):
+        """kvcal plan's ik_llama.cpp settings at the real bits of the hand choice entry.spec['bytes_of']."""
+        from kvcal.methods import baseline_method
+        from kvcal.plan import plan_first_last
+
+        def choose(fingerprint: dict):
+            width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+            hand = baseline_method(entry.spec["bytes_of"], num_layers, fingerprint["head_dim"]).layers
+            bits = sum(layer.key_codec.row_bits(width) + layer.value_codec.row_bits(width) for layer in hand) / (2 * width * num_layers)
+            return plan_first_last(str(self.profile), bits + 1e-9)
+
+        return self._engine_plan(entry, num_layers, choose)
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated
