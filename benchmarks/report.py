@@ -155,7 +155,7 @@ def long_context_lines() -> list[str]:
         points = sorted({(r["keys"], r["length"]) for r in passkey["results"]})
         methods = list(dict.fromkeys(r["method"] for r in passkey["results"]))
         score = {(r["method"], r["keys"], r["length"]): f"{r['correct']}/{r['samples']}" for r in passkey["results"]}
-        header = " / ".join(f"{'passkey' if keys == 1 else f'{keys} keys'} {length // 1024}K" for keys, length in points)
+        header = " / ".join(f"{'passkey' if keys == 1 else f'{keys} keys'} {round(length / 1024)}K" for keys, length in points)
         lines[-1] += (f" Retrieval ({header}): " + "; ".join(f"{m} " + " / ".join(score.get((m, *p), "-") for p in points)
                                                              for m in methods) + ".")
     return lines
