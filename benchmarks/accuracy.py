@@ -437,16 +437,10 @@ class Fitter:
 
     def _first_last(self, entry: Entry, num_layers: int):
         """kvcal plan's ik_llama.cpp settings at the real bits of the hand choice entry.spec['bytes_of']."""
-        from kvcal.methods import baseline_method
-        from kvcal.plan import plan_first_last
+        from kvcal.plan import dtype_bits, plan_first_last
 
-        def choose(fingerprint: dict):
-            width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
-            hand = baseline_method(entry.spec["bytes_of"], num_layers, fingerprint["head_dim"]).layers
-            bits = sum(layer.key_codec.row_bits(width) + layer.value_codec.row_bits(width) for layer in hand) / (2 * width * num_layers)
-            return plan_first_last(str(self.profile), bits + 1e-9)
-
-        return self._engine_plan(entry, num_layers, choose)
+        return self._engine_plan(entry, num_layers, lambda fingerprint: plan_first_last(str(self.profile), dtype_bits(
+            entry.spec["bytes_of"], fingerprint["head_dim"], fingerprint["num_kv_heads"], num_layers) + 1e-9))
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated

@@ -74,11 +74,12 @@ class Plan:
         return {**asdict(self), "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
 
 
-def dtype_bits(dtype: str, head_dim: int, kv_heads: int) -> float:
-    """An engine dtype's real bits per element (codes and scales, K and V) for heads of `head_dim` channels."""
+def dtype_bits(dtype: str, head_dim: int, kv_heads: int, num_layers: int = 1) -> float:
+    """An engine dtype's real bits per element (codes and scales, K and V) for heads of `head_dim` channels, the mean
+    over `num_layers` layers (a spec whose layers differ, such as ik_llama.cpp's first/last ones, needs them all)."""
     width = kv_heads * head_dim
-    codecs = baseline_method(dtype, 1, head_dim).layers[0]
-    return (codecs.key_codec.row_bits(width) + codecs.value_codec.row_bits(width)) / (2 * width)
+    layers = baseline_method(dtype, num_layers, head_dim).layers
+    return sum(codecs.key_codec.row_bits(width) + codecs.value_codec.row_bits(width) for codecs in layers) / (2 * width * num_layers)
 
 
 def _fixed_fp16(codecs) -> bool:

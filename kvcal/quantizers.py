@@ -27,6 +27,7 @@ import torch
 from kvcal.packing import OUTLIER_BYTES, packed_row_bits
 
 FP16_BITS = 16
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 E2M1's values (NVFP4, MXFP4 and SGLang's fp4)
 TINY_SCALE = 2.0**-24  # the smallest positive fp16: stored scales are clamped to it when decoded
 
 

@@ -23,12 +23,11 @@ from typing import ClassVar
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import CodecKind, Quantized
+from kvcal.quantizers import E2M1_MAGNITUDES, CodecKind, Quantized
 
 MODEL_DTYPE = torch.float16
 BLOCK = 16  # channels per exponent scale
 E2M1_MAX = 6.0
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # a magnitude reaching bound i codes as i + 1
 SCALE_FLOOR = 1e-10  # clamps max|x| / 6 before the log (0 in fp16: an all-zero block decodes to zeros all the same)
 EXPONENT_BIAS = 127

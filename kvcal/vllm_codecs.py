@@ -56,7 +56,7 @@ from typing import ClassVar
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.quantizers import CodecKind, Quantized
+from kvcal.quantizers import E2M1_MAGNITUDES, CodecKind, Quantized
 
 SCALE_FLOOR = 1e-6  # vLLM's floor of every per-token-head scale
 FP32_BITS = 32
@@ -161,7 +161,6 @@ class Int4PerTokenHead:
 
 NVFP4_BLOCK = 16  # channels per e4m3 block scale
 NVFP4_SCALE_BITS = 8
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_GLOBAL_SCALE = 1.0  # 1 / k_scale at vLLM's default k_scale 1.0
 MODEL_DTYPE = torch.float16
 
@@ -172,7 +171,7 @@ def e2m1_nearest_even(x: torch.Tensor) -> torch.Tensor:
     ax = x.abs()
     index = ((ax > 0.25).int() + (ax >= 0.75).int() + (ax > 1.25).int() + (ax >= 1.75).int() + (ax > 2.5).int()
              + (ax >= 3.5).int() + (ax > 5.0).int())
-    return torch.copysign(x.new_tensor(E2M1_GRID)[index], x)
+    return torch.copysign(x.new_tensor(E2M1_MAGNITUDES)[index], x)
 
 
 def _nvfp4_candidate(vec_max: torch.Tensor, denominator: float) -> tuple[torch.Tensor, torch.Tensor]:

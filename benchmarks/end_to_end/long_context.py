@@ -134,7 +134,7 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     for spec in baselines:
         method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
         methods[method.name] = method
-        bits[method.name] = float(method.layers[0].key_codec.quantize(torch.randn(1, adapter.kv_width)).row_bits[0]) / adapter.kv_width
+        bits[method.name] = _stored_bits(method, adapter.kv_width)
     rows = []
     for keys in variants:
         for length in lengths:
@@ -151,6 +151,14 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     write_result(name, {"model": model_name, "filler": "wikitext-2 test", "asked": asked, "prefill_chunk": chunk,
                         "results": rows}, started)
     passkey_report(model_name)
+
+
+def _stored_bits(method, width: int) -> float:
+    """A per-token method's real bits per element: the mean over its layers, K and V, of what its codecs store for one
+    token (Quantized.row_bits, which every codec gives; not every codec has a row_bits method)."""
+    row = torch.zeros(1, width)
+    stored = [float(codec.quantize(row).row_bits[0]) for layer in method.layers for codec in (layer.key_codec, layer.value_codec)]
+    return sum(stored) / (len(stored) * width)
 
 
 def _progress(what: str, prompts: int, steps_per_prompt: int, began: float):
