@@ -88,6 +88,26 @@ def test_config_parses_with_compressed_tensors(exports, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_vllms_own_config_class_reads_the_folder(exports, strategy):
+    """Where vLLM imports (its wheel with --no-deps and the pure-Python imports it needs; VLLM_TARGET_DEVICE=cpu): its
+    CompressedTensorsConfig takes the folder's quantization config, its KV-cache method accepts the scheme, and its
+    loader maps every scale the folder holds onto an attention layer's. Skipped where vLLM does not import."""
+    pytest.importorskip("vllm.model_executor.model_loader.weight_utils", reason="vLLM is not importable here")
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig, CompressedTensorsKVCacheMethod)
+    from vllm.model_executor.model_loader.weight_utils import maybe_remap_kv_scale_name
+
+    folder, _ = exports[strategy]
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    scheme = CompressedTensorsConfig.from_config(quantization).kv_cache_scheme
+    CompressedTensorsKVCacheMethod.validate_kv_cache_scheme(scheme)
+    assert scheme["strategy"] == strategy
+    scales = [name for name in safetensors_of(folder) if name.endswith("_scale")]
+    attention = {name.replace("self_attn.", "self_attn.attn.") for name in scales}
+    assert {maybe_remap_kv_scale_name(name, dict.fromkeys(attention)) for name in scales} == attention
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_tensor_names_and_shapes_are_what_vllm_loads(exports, tiny_profile, strategy):
     """The scale tensors vLLM expects, and nothing else beside the model's own weights.
 
