@@ -19,7 +19,8 @@ ggml types but f16 for both is tried; they are few). ik_llama.cpp also sets the 
 tensor to other types (`-ctk-first T,N`, `-ctk-last T,M`, `-ctv-first`, `-ctv-last`; its PR #1599): plan_first_last
 weighs every such setting of K and of V (a base type, and a type and count for each end), keeps each tensor's
 settings that no other beats on both bits and cost, and takes the K and V pair of least summed cost within the
-budget, exactly.
+budget, exactly. Each setting is priced as ik_llama.cpp stores it with -khad / -vhad: rotated on its own blocks when
+the tensor's base type is quantized, plain when it is f16 (kvcal.methods.llama_cpp).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
 from kvcal.methods import baseline_method
-from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec
+from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec, ik_hadamard
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
@@ -202,14 +203,14 @@ def check_cache_type_budget(budget: float) -> None:
                          f"smallest -ctk/-ctv pair stores {least:g}")
 
 
-def cache_type_costs(profile_path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, float]]]:
-    """Per tensor ("k", "v") and llama.cpp cache type: the Fisher-weighted error of each layer under it, and its real
-    bits per element."""
+def cache_type_costs(profile_path: str, hadamard: str | None = "llama.cpp") -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, float]]]:
+    """Per tensor ("k", "v") and llama.cpp cache type, rotated as `hadamard` says (LlamaCppKV): the Fisher-weighted
+    error of each layer under it, and its real bits per element."""
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     width = kv_heads * head_dim
-    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor) for t in CACHE_TYPES} for tensor in "kv"}
+    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in CACHE_TYPES} for tensor in "kv"}
     with torch.inference_mode():
         costs = {"k": {t: np.array([_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
                        for t, codec in codecs["k"].items()},
@@ -251,17 +252,20 @@ class TensorSetting:
         return [(end, t, n) for end, t, n in (("first", self.first, self.first_count), ("last", self.last, self.last_count)) if n]
 
 
-def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float]) -> list[TensorSetting]:
+def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float], plain_costs: dict | None = None) -> list[TensorSetting]:
     """The settings of one tensor (every base type, and for each end no layers or 1.. of another type) that no other
-    setting beats on both bits and cost, fewest bits first; among equals the one with fewer ends set apart."""
+    setting beats on both bits and cost, fewest bits first; among equals the one with fewer ends set apart. The ends
+    of an f16 base are priced by plain_costs (unrotated: ik_llama.cpp rotates nothing then), default costs."""
     num_layers = len(next(iter(costs.values())))
     sums = {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in costs.items()}
+    plain_sums = sums if plain_costs is None else {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in plain_costs.items()}
     first_n, last_n = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
     candidates = []
     for base, first, last in itertools.product(CACHE_TYPES, repeat=3):
         allowed = ((first_n + last_n <= num_layers) & ((first_n == 0) == (first == base)) & ((last_n == 0) == (last == base)))
-        cost = (sums[first][first_n] + sums[base][num_layers - last_n] - sums[base][first_n]
-                + sums[last][num_layers] - sums[last][num_layers - last_n])
+        ends = plain_sums if base == "f16" else sums
+        cost = (ends[first][first_n] + sums[base][num_layers - last_n] - sums[base][first_n]
+                + ends[last][num_layers] - ends[last][num_layers - last_n])
         mean_bits = (first_n * bits[first] + (num_layers - first_n - last_n) * bits[base] + last_n * bits[last]) / num_layers
         for n, m in zip(*np.nonzero(allowed)):
             candidates.append(TensorSetting(base, first, int(n), last, int(m), float(mean_bits[n, m]), float(cost[n, m])))
@@ -288,8 +292,7 @@ class FirstLastPlan:
     def engine_arguments(self) -> str:
         arguments = [f"-ctk {self.k.base}", f"-ctv {self.v.base}"]
         arguments += [f"-ct{tensor}-{end} {t},{n}" for tensor, setting in (("k", self.k), ("v", self.v)) for end, t, n in setting.ends()]
-        arguments += [f"-{tensor}had" for tensor, setting in (("k", self.k), ("v", self.v))
-                      if {setting.base, *(t for _, t, _ in setting.ends())} != {"f16"}]
+        arguments += [f"-{tensor}had" for tensor, setting in (("k", self.k), ("v", self.v)) if ik_hadamard(setting.base)]
         return " ".join(arguments)
 
     def baseline_spec(self) -> str:
@@ -302,10 +305,10 @@ class FirstLastPlan:
                 "baseline_spec": self.baseline_spec()}
 
 
-def choose_first_last(costs: dict, bits: dict, budget: float) -> tuple[TensorSetting, TensorSetting]:
+def choose_first_last(costs: dict, bits: dict, budget: float, plain_costs: dict | None = None) -> tuple[TensorSetting, TensorSetting]:
     """The K and V settings (see tensor_settings) of least summed cost whose mean bits are at most `budget`, not both
-    all f16; costs[tensor][type] per layer, bits[tensor][type]."""
-    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor]) for tensor in "kv"}
+    all f16; costs[tensor][type] per layer (plain_costs likewise, unrotated), bits[tensor][type]."""
+    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor], plain_costs and plain_costs[tensor]) for tensor in "kv"}
     value_bits = [v.bits for v in fronts["v"]]
     best = None
     for k in fronts["k"]:
@@ -321,7 +324,8 @@ def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
     store at most `budget` real bits per element (K and V rows alike), exactly."""
     check_cache_type_budget(budget)
-    costs, bits = cache_type_costs(profile_path)
-    k, v = choose_first_last(costs, bits, budget)
+    costs, bits = cache_type_costs(profile_path, "ik_llama.cpp")
+    plain_costs, _ = cache_type_costs(profile_path, None)
+    k, v = choose_first_last(costs, bits, budget, plain_costs)
     pair = next(pair for pair in cache_type_pairs(costs, bits) if pair["bits"] <= budget + 1e-9)
     return FirstLastPlan(budget, k, v, (k.bits + v.bits) / 2, k.cost + v.cost, pair)

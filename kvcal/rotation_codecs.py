@@ -12,9 +12,9 @@ codes are computed, so decode(stored data) is exactly what `quantize` returns.
   zero per token-head, kvcal.quantizers.TokenUniform with group = head_dim). Bits 2-8.
 - TurboQuant(bits, head_dim, seed): rotation, fp16 L2 norm per token-head, the unit vector's coordinates
   coded with the Lloyd-Max codebook of N(0, 1/head_dim). Bits 1-4.
-- LlamaCppKV(qtype, head_dim, tensor): llama.cpp / ggml KV cache types q8_0, q5_0, q5_1, q4_0, q4_1,
+- LlamaCppKV(qtype, head_dim, tensor, hadamard): llama.cpp / ggml KV cache types q8_0, q5_0, q5_1, q4_0, q4_1,
   iq4_nl (blocks of 32 along the row, ggml's reference rounding), with the Hadamard rotation llama.cpp
-  applies to a quantized K and V cache.
+  applies to a quantized K and V cache (or ik_llama.cpp's under -khad / -vhad, or none).
 
 Bits per element (row_bits / channels), head_dim 64: hadamard-intN N + 0.5 (4.5 / 3.5 / 2.5 for N = 4/3/2);
 turboN N + 0.25; q8_0 8.5, q5_0 5.5, q5_1 6.0, q4_0 4.5, q4_1 5.0, iq4_nl 4.5 (any head_dim). The rotation signs and the TurboQuant codebook follow from (head_dim, seed, bits)
@@ -283,6 +283,7 @@ GGML_CODE_BITS = {"q8_0": 8, "q5_0": 5, "q5_1": 5, "q4_0": 4, "q4_1": 4, "iq4_nl
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: an iq4_nl block with max |x| below it is stored as zeros
 LLAMA_CPP_TYPES = tuple(GGML_BLOCK_BYTES)
+HADAMARDS = ("llama.cpp", "ik_llama.cpp", None)  # LlamaCppKV's rotations: whose, or none
 
 
 def llama_cpp_rotation_size(head_dim: int, tensor: str) -> int:
@@ -299,6 +300,15 @@ def llama_cpp_rotation_size(head_dim: int, tensor: str) -> int:
     while head_dim % (size * 2) == 0:
         size *= 2
     return size
+
+
+def ik_llama_cpp_rotation_size(head_dim: int) -> int:
+    """Hadamard block size ik_llama.cpp uses for K under -khad and for V under -vhad (src/llama-model.h,
+    hadamard_size): head_dim itself when it is a power of two, else the largest of 512, 256, 128, 64 dividing it, else
+    none (0)."""
+    if head_dim & (head_dim - 1) == 0:
+        return head_dim
+    return next((size for size in (512, 256, 128, 64) if head_dim % size == 0), 0)
 
 
 def _c_round(x: torch.Tensor) -> torch.Tensor:
@@ -420,14 +430,15 @@ class LlamaCppKV:
     Rotation (llama.cpp >= ggml-org/llama.cpp#21038, on by default, LLAMA_ATTN_ROT_DISABLE=1 turns it off):
     with a quantized cache type and head_dim % 64 == 0, Q and K are multiplied by the normalized Sylvester
     Hadamard on blocks of llama_cpp_rotation_size(head_dim, "k") channels of each head, V by blocks of 64
-    (and the attention output back), no random signs. `tensor` ("k" or "v") picks the block size; `rotate`
-    False gives the plain cache type. decode() unrotates, so it returns the stored values in model
+    (and the attention output back), no random signs. `tensor` ("k" or "v") picks the block size. `hadamard`
+    "ik_llama.cpp" rotates as ik_llama.cpp does under -khad / -vhad (blocks of ik_llama_cpp_rotation_size, K and V
+    alike; the same Sylvester matrix, its fast_ht in ggml/src/iqk/iqk_cpu_ops.cpp); None gives the plain cache type. decode() unrotates, so it returns the stored values in model
     coordinates (exactly what rotated attention computes, up to float rounding)."""
 
     qtype: str
     head_dim: int
     tensor: str = "k"
-    rotate: bool = True
+    hadamard: str | None = "llama.cpp"  # whose rotation: "llama.cpp", "ik_llama.cpp" or None
     kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
 
@@ -435,6 +446,8 @@ class LlamaCppKV:
         if self.qtype not in GGML_BLOCK_BYTES:
             raise KvcalError(f"unknown llama.cpp cache type '{self.qtype}'; use one of {', '.join(LLAMA_CPP_TYPES)}")
         llama_cpp_rotation_size(self.head_dim, self.tensor)  # validates tensor
+        if self.hadamard not in HADAMARDS:
+            raise KvcalError(f"hadamard must be one of {HADAMARDS}, not {self.hadamard!r}")
 
     @property
     def bits(self) -> int:
@@ -442,7 +455,10 @@ class LlamaCppKV:
 
     @property
     def rotation(self) -> HadamardRotation | None:
-        size = llama_cpp_rotation_size(self.head_dim, self.tensor) if self.rotate else 0
+        if self.hadamard == "llama.cpp":
+            size = llama_cpp_rotation_size(self.head_dim, self.tensor)
+        else:
+            size = ik_llama_cpp_rotation_size(self.head_dim) if self.hadamard == "ik_llama.cpp" else 0
         return HadamardRotation(self.head_dim, block=size, random_signs=False) if size else None
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,16 @@ def test_a_llama_cpp_k_v_pair_gives_each_tensor_its_own_type_rotating_only_a_qua
             baseline_method(spec, 2, 64)
 
 
+def test_ik_llama_cpp_layers_rotate_as_under_khad_and_vhad_unless_the_base_is_f16():
+    """With a quantized base every quantized layer of the tensor is rotated on ik_llama.cpp's blocks (a whole head of
+    256 for V too, where llama.cpp takes 64); with an f16 base ik_llama.cpp rotates nothing, so the ends are plain."""
+    method = baseline_method("f16/q4_0;k_first=q8_0,1;v_last=q8_0,1", 2, 256)
+    keys, values = [layer.key_codec for layer in method.layers], [layer.value_codec for layer in method.layers]
+    assert keys[0].bits == 8 and keys[0].rotation is None and keys[1].bits == 16
+    assert [codec.rotation.block for codec in values] == [256, 256] and [codec.bits for codec in values] == [4, 8]
+    assert baseline_method("q4_0", 2, 256).layers[0].value_codec.rotation.block == 64  # llama.cpp's own
+
+
 def test_ik_llama_cpp_first_and_last_layers_take_their_own_types():
     """`q4_0;k_first=q8_0,2;v_last=f16,1` on 5 layers is -ctk q4_0 -ctv q4_0 -ctk-first q8_0,2 -ctv-last f16,1: keys of
     layers 0-1 at q8_0, values of layer 4 unquantized, every other tensor q4_0; overlapping ends and other bases are

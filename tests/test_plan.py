@@ -8,7 +8,7 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import CACHE_TYPES
-from kvcal.plan import (choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
+from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
                         plan_layers)
 from kvcal.rope import rotate_keys
 
@@ -125,28 +125,31 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
     assert plan.engine_arguments() == f"-ctk {plan.type_k} -ctv {plan.type_v}"
 
 
-def _settings_by_brute_force(costs: dict, num_layers: int):
-    """(bits, cost) of every ik_llama.cpp setting of one tensor, summed layer by layer."""
+def _settings_by_brute_force(costs: dict, num_layers: int, plain_costs: dict):
+    """(types, cost) of every ik_llama.cpp setting of one tensor, summed layer by layer; under an f16 base every
+    quantized layer is an end, priced plain (ik_llama.cpp turns the rotation off)."""
     for base in CACHE_TYPES:
+        table = plain_costs if base == "f16" else costs
         for first in CACHE_TYPES:
             for last in CACHE_TYPES:
                 for n in range(num_layers + 1):
                     for m in range(num_layers + 1 - n):
                         types = [first] * n + [base] * (num_layers - n - m) + [last] * m
-                        yield types, sum(costs[t][i] for i, t in enumerate(types))
+                        yield tuple(types), sum(table[t][i] for i, t in enumerate(types))
 
 
 def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_budget():
-    """On 3 layers with random per-layer costs (f16 free), choose_first_last's K and V settings cost the least of every
-    pair of settings (first / last counts and types, summed layer by layer) whose mean bits fit the budget."""
+    """On 3 layers with random per-layer costs (f16 free; the unrotated ones that an f16 base's ends take apart),
+    choose_first_last's K and V settings cost the least of every pair of settings (first / last counts and types,
+    summed layer by layer) whose mean bits fit the budget."""
     bits = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
     rng = np.random.default_rng(0)
-    costs = {tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()} for tensor in "kv"}
-    brute = {tensor: [(sum(bits[t] for t in types) / 3, cost, types)
-                      for types, cost in dict((tuple(ts), c) for ts, c in _settings_by_brute_force(costs[tensor], 3)).items()]
+    costs, plain = ({tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()}
+                     for tensor in "kv"} for _ in range(2))
+    brute = {tensor: [(sum(bits[t] for t in types) / 3, cost, types) for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])]
              for tensor in "kv"}
-    for budget in (4.5, 5.0, 6.2, 9.0, 15.9):
-        k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget)
+    for budget in (4.5, 5.0, 6.2, 9.0, 12.0, 15.9):
+        k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget, plain)
         best = min(ck + cv for bk, ck, tk in brute["k"] for bv, cv, tv in brute["v"]
                    if bk + bv <= 2 * budget + 1e-9 and set(tk + tv) != {"f16"})
         assert k.cost + v.cost == pytest.approx(best, rel=1e-12) and (k.bits + v.bits) / 2 <= budget + 1e-9
@@ -163,6 +166,16 @@ def test_an_ik_llama_cpp_plan_stores_its_bits_and_costs_no_more_than_one_type_ea
     row_bits = [(layer.key_codec.row_bits(width) + layer.value_codec.row_bits(width)) / (2 * width) for layer in method.layers]
     assert sum(row_bits) / len(row_bits) == pytest.approx(plan.bits)
     assert plan.engine_arguments().startswith(f"-ctk {plan.k.base} -ctv {plan.v.base}")
+
+
+def test_ik_llama_cpp_is_told_to_rotate_only_a_tensor_whose_base_type_is_quantized():
+    """ik_llama.cpp turns -khad / -vhad off when the tensor's base type is f16 (src/llama.cpp, llama_init_from_model),
+    so the plan asks for them only under a quantized base."""
+    k = TensorSetting("f16", "q8_0", 2, "f16", 0, bits=0.0, cost=0.0)
+    v = TensorSetting("q4_0", "q8_0", 1, "f16", 1, bits=0.0, cost=0.0)
+    plan = FirstLastPlan(8.0, k, v, 0.0, 0.0, {})
+    assert plan.engine_arguments() == "-ctk f16 -ctv q4_0 -ctk-first q8_0,2 -ctv-first q8_0,1 -ctv-last f16,1 -vhad"
+    assert plan.baseline_spec() == "f16/q4_0;k_first=q8_0,2;v_first=q8_0,1;v_last=f16,1"
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -17,8 +17,10 @@ from kvcal.rotation_codecs import (
     LlamaCppKV,
     TurboQuant,
     bits_per_element,
+    ik_llama_cpp_rotation_size,
     llama_cpp_rotation_size,
     lloyd_max_gaussian,
+    sylvester_hadamard,
     turbo_codebook,
 )
 
@@ -73,7 +75,18 @@ def test_llama_cpp_rotation_is_the_plain_sylvester_hadamard_on_blocks():
     got = value.rotation.matrix(dtype=torch.float64)
     assert torch.allclose(got, expected, atol=1e-15) and torch.allclose(got, got.T)
     assert LlamaCppKV("q8_0", 80).rotation is None  # head_dim % 64 != 0: llama.cpp does not rotate
-    assert LlamaCppKV("q8_0", 64, rotate=False).rotation is None
+    assert LlamaCppKV("q8_0", 64, hadamard=None).rotation is None
+
+
+def test_ik_llama_cpp_rotates_k_and_v_on_blocks_of_its_own_size():
+    """ik_llama.cpp's -khad / -vhad (src/llama-model.h hadamard_size): a power-of-two head whole, K and V alike; else
+    the largest of 512..64 dividing it. Gemma 3's V (head_dim 256) thus takes blocks of 256 where llama.cpp's take 64."""
+    assert [ik_llama_cpp_rotation_size(d) for d in (64, 128, 256, 192, 80, 32)] == [64, 128, 256, 64, 0, 32]
+    key, value = LlamaCppKV("q4_0", 256, "k", "ik_llama.cpp"), LlamaCppKV("q4_0", 256, "v", "ik_llama.cpp")
+    assert key.rotation.block == value.rotation.block == 256 and LlamaCppKV("q4_0", 256, "v").rotation.block == 64
+    assert torch.equal(value.rotation.matrix(dtype=torch.float64), sylvester_hadamard(256).double())
+    with pytest.raises(KvcalError, match="hadamard must be one of"):
+        LlamaCppKV("q4_0", 64, hadamard="mainline")
 
 
 # ------------------------------------------------------------------- ggml reference loops, in plain Python
@@ -254,7 +267,7 @@ def ggml_test_rows():
 @pytest.mark.parametrize("qtype", LLAMA_CPP_TYPES)
 def test_llama_cpp_types_match_ggml_reference_loops(qtype):
     x = ggml_test_rows()
-    codec = LlamaCppKV(qtype, 64, rotate=False)
+    codec = LlamaCppKV(qtype, 64, hadamard=None)
     encoded = codec.encode(x)
     decoded = codec.decode(encoded)
     expected_codes, expected_values = [], []
@@ -276,7 +289,7 @@ def test_llama_cpp_types_match_ggml_reference_loops(qtype):
 def test_llama_cpp_rotated_cache_quantizes_the_rotated_rows(qtype):
     x = kv_like(heads=2, head_dim=128)
     key = LlamaCppKV(qtype, 128, "k")
-    plain = LlamaCppKV(qtype, 128, rotate=False)
+    plain = LlamaCppKV(qtype, 128, hadamard=None)
     rotated = key.rotation.rotate(x)
     encoded = key.encode(x)
     assert torch.equal(encoded.codes, plain.encode(rotated).codes)
@@ -289,7 +302,7 @@ def test_unknown_llama_cpp_type_and_odd_widths_are_refused():
     with pytest.raises(KvcalError, match="unknown llama.cpp cache type"):
         LlamaCppKV("q3_k", 64)
     with pytest.raises(KvcalError, match="blocks of 32"):
-        LlamaCppKV("q4_0", 16, rotate=False).encode(torch.zeros(2, 48))
+        LlamaCppKV("q4_0", 16, hadamard=None).encode(torch.zeros(2, 48))
 
 
 # ------------------------------------------------------------------------------------------ bits

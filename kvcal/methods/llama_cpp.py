@@ -7,7 +7,10 @@ attn_rot_v in src/llama-kv-cache.cpp each test their own type). Codecs: kvcal.ro
 ik_llama.cpp's mixed cache (ikawrakow/ik_llama.cpp PR #1599: `-ctk-first TYPE,N`, `-ctk-last TYPE,M`, `-ctv-first`,
 `-ctv-last`) sets the first N and the last M layers of K or V to another type: the baseline options
 `;k_first=TYPE,N`, `;k_last=TYPE,M`, `;v_first=...`, `;v_last=...` after the pair (kvcal.methods.baseline_method).
-ik_llama.cpp rotates a quantized cache only when asked (-khad, -vhad); these codecs rotate every quantized tensor."""
+These are what ik_llama.cpp stores with -khad -vhad: it rotates each layer's K (V) on blocks of its own size
+(kvcal.rotation_codecs.ik_llama_cpp_rotation_size) when the tensor's base type is quantized, and turns the
+rotation off when the base type is f16 (src/llama.cpp, llama_init_from_model), so then the ends are stored plain.
+An f16 layer it rotates is stored as the unrotated f16 would be, to fp16 rounding."""
 
 from __future__ import annotations
 
@@ -22,9 +25,14 @@ from kvcal.simulate import Method
 CACHE_TYPES = ("f16", *LLAMA_CPP_TYPES)  # what -ctk / -ctv take here (f32 and bf16 store no fewer bytes than f16)
 
 
-def cache_type_codec(cache_type: str, head_dim: int, tensor: str):
-    """The codec of one tensor ("k" or "v") under a llama.cpp cache type."""
-    return Fp16Codec() if cache_type == "f16" else LlamaCppKV(cache_type, head_dim, tensor)
+def cache_type_codec(cache_type: str, head_dim: int, tensor: str, hadamard: str | None = "llama.cpp"):
+    """The codec of one tensor ("k" or "v") under a llama.cpp cache type, rotated as `hadamard` says (LlamaCppKV)."""
+    return Fp16Codec() if cache_type == "f16" else LlamaCppKV(cache_type, head_dim, tensor, hadamard)
+
+
+def ik_hadamard(base_type: str) -> str | None:
+    """The rotation ik_llama.cpp gives a tensor's layers under -khad / -vhad: none when the base type is f16."""
+    return None if base_type == "f16" else "ik_llama.cpp"
 
 
 FIRST_LAST = ("k_first", "k_last", "v_first", "v_last")  # ik_llama.cpp's -ctk-first, -ctk-last, -ctv-first, -ctv-last
@@ -55,7 +63,9 @@ def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers
         first, last = options.get(f"{tensor}_first", ("", 0))[1], options.get(f"{tensor}_last", ("", 0))[1]
         if first + last > num_layers:
             raise KvcalError(f"{tensor}_first and {tensor}_last name {first} + {last} layers of {num_layers}: they overlap")
-    layers = [LayerCodecs(cache_type_codec(k, head_dim, "k"), cache_type_codec(v, head_dim, "v"), key_pre_rope=False)
+    hadamard = {tensor: ik_hadamard(base) for tensor, base in zip("kv", pair)}
+    layers = [LayerCodecs(cache_type_codec(k, head_dim, "k", hadamard["k"]), cache_type_codec(v, head_dim, "v", hadamard["v"]),
+                          key_pre_rope=False)
               for k, v in zip(types["k"], types["v"])]
     name = base + "".join(f";{option}={t},{n}" for option, (t, n) in sorted(options.items(), key=lambda o: FIRST_LAST.index(o[0])))
     nominal = sum(codecs.key_codec.bits + codecs.value_codec.bits for codecs in layers) / (2 * num_layers)
