@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: provenance of a result and writing it as JSON."""
+"""Helpers shared by the benchmark scripts: provenance of a result, writing it as JSON, and the recipes' bundles."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,3 +51,25 @@ def write_markdown(name: str, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return path
+
+
+def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None, model: str | None = None) -> dict[str, Path]:
+    """{recipe: folder/<recipe>.safetensors}, making the missing ones: fit from `profile` (whose model they serve), or
+    else calibrated on `model` (None: the packaged SmolLM2) and its built-in text, the profile written to
+    folder/profile.safetensors and fit from thereafter."""
+    from kvcal.calibration import calibrate, fit_bundle
+
+    folder.mkdir(parents=True, exist_ok=True)
+    profile = profile or folder / "profile.safetensors"
+    paths = {}
+    for recipe in recipes:
+        out = folder / f"{recipe}.safetensors"
+        if not out.exists():
+            began = time.perf_counter()
+            if not profile.exists():
+                calibrate(model, recipe=recipe, out=out)
+            else:
+                fit_bundle(profile, recipe, out)
+            print(f"made {out} in {time.perf_counter() - began:.0f} s", flush=True)
+        paths[recipe] = out
+    return paths

@@ -2,8 +2,9 @@
 the model (hybrid-aware: Gemma 3's sliding layers keep their window), and passkey / multi-key retrieval at 4K-32K
 tokens for fp, every recipe's bundle and the engines' cache types (each token quantized as it is written).
 
-Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors (see docs/results.md for the commands).
-Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3]
+Bundles: <bundles>/{kvquant,mixed,skvq,kivi,kvmix}.safetensors; missing ones are fit there from --profile, or else
+from a profile of the model on kvcal's built-in text (what `kvcal calibrate` does), written there as profile.safetensors.
+Usage: python -m benchmarks.end_to_end long-context [--model gemma3-270m] [--bundles artifacts/runtime-gemma3] [--profile P]
        [--lengths 4096,8192,16384,32760] [--samples 20] [--keys 1,4] [--recipes kvquant,...] [--baselines fp8,q4_0,q8_0]
        [--memory-contexts 8192,32768] [--only memory,passkey]
 The memory table also holds transformers' QuantizedCache (quanto int4/int2 where optimum-quanto imports, fp8).
@@ -17,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO, RESULTS, SHARED, provenance, write_markdown, write_result
+from benchmarks.common import REPO, RESULTS, SHARED, ensure_bundles, provenance, write_markdown, write_result
 
 RECIPES = ("kvquant", "mixed", "skvq", "kivi", "kvmix")
 QUANTIZED_CACHES = (("quanto", 4), ("quanto", 2), ("fp8", None))  # transformers' QuantizedCache (backend, nbits)
@@ -253,6 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3-270m", help="A packaged model (gemma3-270m, smollm2-135m).")
     parser.add_argument("--bundles", default=None, help="Folder of the recipes' bundles (default: per model, see DEFAULT_BUNDLES).")
+    parser.add_argument("--profile", type=Path, default=None, help="A kvcal profile of the model to fit missing bundles from.")
     parser.add_argument("--lengths", default="4096,8192,16384,32760",
                         help="Passkey prompt lengths in tokens (each plus the 8-token answer at most the model's positions).")
     parser.add_argument("--samples", type=int, default=20, help="Prompts per length and variant.")
@@ -274,10 +277,7 @@ def main() -> None:
 
     started = provenance()
     folder = REPO / (args.bundles or DEFAULT_BUNDLES[args.model])
-    bundles = {name: folder / f"{name}.safetensors" for name in args.recipes.split(",") if name}
-    missing = [str(path) for path in bundles.values() if not path.is_file()]
-    if missing:
-        raise SystemExit(f"missing bundles: {', '.join(missing)}; make them as docs/results.md says")
+    bundles = ensure_bundles(folder, [name for name in args.recipes.split(",") if name], args.profile, args.model)
     model, tokenizer, _ = load_model(args.model, "auto", "cuda" if torch.cuda.is_available() else "cpu")
     ids = tokenize((SHARED / "data" / "wikitext-2" / "test.txt").read_text(), tokenizer)
     only = args.only.split(",")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import SHARED, provenance, write_markdown, write_result
+from benchmarks.common import SHARED, ensure_bundles, provenance, write_markdown, write_result
 
 BASELINES = ("quanto", "hqq")  # transformers' QuantizedCache backends
 BACKEND_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
@@ -104,29 +104,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
-
-
-# ---------------------------------------------------------------------------------------------------------
-# bundles
-
-
-def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None) -> dict[str, Path]:
-    from kvcal.calibration import calibrate, fit_bundle
-
-    folder.mkdir(parents=True, exist_ok=True)
-    profile = profile or folder / "profile.safetensors"
-    paths = {}
-    for recipe in recipes:
-        out = folder / f"{recipe}.safetensors"
-        if not out.exists():
-            began = time.perf_counter()
-            if not profile.exists():
-                calibrate(None, recipe=recipe, out=out)
-            else:
-                fit_bundle(profile, recipe, out)
-            print(f"made {out} in {time.perf_counter() - began:.0f} s", flush=True)
-        paths[recipe] = out
-    return paths
 
 
 # ---------------------------------------------------------------------------------------------------------

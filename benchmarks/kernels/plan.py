@@ -11,8 +11,7 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import provenance, write_markdown, write_result
-from benchmarks.kernels.cpu_step import ensure_bundles
+from benchmarks.common import ensure_bundles, provenance, write_markdown, write_result
 
 PARTS = (("bodies", "bodies"), ("fp16_segments", "fp16 segments"), ("key_append", "K append"), ("value_append", "V append"))
 
