@@ -261,26 +261,37 @@ def annotate(domain: dict) -> dict:
 
 SAME_RUN_KEYS = ("model", "calibration", "evaluation", "seed")
 NO_CALIBRATION = "no calibrated recipe selected"  # a run of baselines only: no profile, so any earlier one's is kept
-SAME_DOMAIN_KEYS = ("dataset", "tokens", "windows", "seqlen", "fp_ppl")
+SAME_DOMAIN_KEYS = ("dataset", "tokens", "windows", "seqlen")
+# fp's perplexity repeats exactly on one machine; CPUs with other vector units (AVX2, AVX-512) sum in other orders and
+# differ near the 5th digit, far below the percent steps between methods
+FP_PPL_TOLERANCE = 1e-4
 
 
-def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
-    """`payload` with the rows of `previous` (an earlier run's JSON) for the methods of `order` (the catalog) this run
-    did not evaluate, each keeping the commit it was measured at; raises ValueError unless both runs evaluated the
-    same way (SAME_RUN_KEYS, and SAME_DOMAIN_KEYS of every domain both have: fp is deterministic, so its perplexity
-    must match exactly; a run of baselines only takes the earlier calibration). Rows of methods no longer in the
-    catalog are dropped."""
+def check_same_run(payload: dict, previous: dict) -> dict:
+    """`payload`, its calibration taken from `previous` when it fits nothing (a run of baselines only reads no
+    profile); raises ValueError unless both runs evaluated the same way (SAME_RUN_KEYS)."""
     if payload["calibration"] == NO_CALIBRATION:
         payload = {**payload, "calibration": previous.get("calibration")}
     for key in SAME_RUN_KEYS:
         if previous.get(key) != payload[key]:
             raise ValueError(f"the earlier results have {key} {previous.get(key)!r}, this run {payload[key]!r}")
+    return payload
+
+
+def merge_previous(payload: dict, previous: dict, order: list[str]) -> dict:
+    """`payload` with the rows of `previous` (an earlier run's JSON) for the methods of `order` (the catalog) this run
+    did not evaluate, each keeping the commit it was measured at; raises ValueError unless both runs evaluated the
+    same way (check_same_run, SAME_DOMAIN_KEYS of every domain both have, and fp's perplexity to FP_PPL_TOLERANCE).
+    Rows of methods no longer in the catalog are dropped."""
+    payload = check_same_run(payload, previous)
     domains = {}
     for name in [*payload["domains"], *(n for n in previous["domains"] if n not in payload["domains"])]:
         new, old = payload["domains"].get(name), previous["domains"].get(name)
         for key in SAME_DOMAIN_KEYS if new and old else ():
             if old[key] != new[key]:
                 raise ValueError(f"domain {name}: the earlier results have {key} {old[key]!r}, this run {new[key]!r}")
+        if new and old and abs(new["fp_ppl"] / old["fp_ppl"] - 1) > FP_PPL_TOLERANCE:
+            raise ValueError(f"domain {name}: the earlier results have fp_ppl {old['fp_ppl']!r}, this run {new['fp_ppl']!r}")
         fresh = new["rows"] if new else []
         evaluated = {r["name"] for r in fresh}
         kept = [{"commit": previous["commit"], **r} for r in (old["rows"] if old else []) if r["name"] not in evaluated]
@@ -730,6 +741,22 @@ def run(args, started_with: dict) -> None:
             method = fp8_method(entry.name, Fp8KvScales.unit(num_layers))
         methods.append(method)
 
+    calibration = NO_CALIBRATION
+    if profile is not None:
+        cal = read_header(str(profile))[1]["calibration"]
+        calibration = (f"profile {profile} ({cal['dataset']}, {cal['nsamples']} x {cal['seqlen']}, seed {cal['seed']}, "
+                       f"sink {cal['sink']}, {cal['max_tokens_per_layer']} rows/layer max)")
+    run_keys = {"model": source.spec, "calibration": calibration,
+                "evaluation": f"seqlen {args.seqlen}, {args.windows} consecutive windows per domain, fake quantization with "
+                              "decode-time semantics (kvcal.evaluate.evaluate_ppl)", "seed": args.seed}
+    previous_path = RESULTS / f"{args.out_name}.json"
+    if args.update:  # refused before the evaluation, not after it
+        try:
+            previous = json.loads(previous_path.read_text())
+            check_same_run(run_keys, previous)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
+
     domains, eval_seconds = {}, 0.0
     for name in args.domains:
         description, dataset = DOMAINS[name]
@@ -761,22 +788,13 @@ def run(args, started_with: dict) -> None:
         domains[name] = annotate({"description": description, "dataset": dataset, "tokens": ids.numel(), "windows": args.windows,
                                   "seqlen": args.seqlen, "fp_ppl": fp.ppl, "fp_seconds": round(seconds[0], 2), "rows": rows})
 
-    calibration = NO_CALIBRATION
-    if profile is not None:
-        cal = read_header(str(profile))[1]["calibration"]
-        calibration = (f"profile {profile} ({cal['dataset']}, {cal['nsamples']} x {cal['seqlen']}, seed {cal['seed']}, "
-                       f"sink {cal['sink']}, {cal['max_tokens_per_layer']} rows/layer max)")
     runs = len(entries) * len(domains) * args.windows
-    payload = {"model": source.spec, "calibration": calibration,
-               "evaluation": f"seqlen {args.seqlen}, {args.windows} consecutive windows per domain, fake quantization with decode-time "
-                             "semantics (kvcal.evaluate.evaluate_ppl)",
-               "seed": args.seed, "methods": [e.name for e in entries], "domains": domains,
+    payload = {**run_keys, "methods": [e.name for e in entries], "domains": domains,
                "seconds_per_window": eval_seconds / runs if runs else float("nan"), "argv": sys.argv[1:]}
     if args.update:
-        previous_path = RESULTS / f"{args.out_name}.json"
         try:
-            payload = merge_previous(payload, json.loads(previous_path.read_text()), [e.name for e in catalog(args.seed)])
-        except (OSError, ValueError, KeyError) as exc:
+            payload = merge_previous(payload, previous, [e.name for e in catalog(args.seed)])
+        except (ValueError, KeyError) as exc:
             raise SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
         log(f"kept the rows of {previous_path} for the methods not evaluated now")
     json_path = write_result(args.out_name, payload, started_with)

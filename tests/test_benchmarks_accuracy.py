@@ -119,7 +119,7 @@ def test_update_of_baselines_only_keeps_the_earlier_calibration(bench):
 
 @pytest.mark.parametrize("change, message", [
     (lambda run: run.update(model="other"), "model 'm'"),
-    (lambda run: run["domains"]["wiki"].update(fp_ppl=25.000001), "domain wiki: the earlier results have fp_ppl 25.0"),
+    (lambda run: run["domains"]["wiki"].update(fp_ppl=25.01), "domain wiki: the earlier results have fp_ppl 25.0"),
     (lambda run: run["domains"]["wiki"].update(windows=40), "windows 2"),
 ])
 def test_update_refuses_results_evaluated_another_way(bench, change, message):
@@ -127,6 +127,13 @@ def test_update_refuses_results_evaluated_another_way(bench, change, message):
     change(now)
     with pytest.raises(ValueError, match=message):
         bench.merge_previous(now, previous, ["nuq8", "q8_0"])
+
+
+def test_update_takes_fp_within_another_cpus_rounding(bench):
+    """fp measured on a CPU with other vector units differs near the 5th digit: still the same evaluation."""
+    previous, now = _run("aaa", {"q8_0": ("baseline", 8.5, 25.1)}), _run("bbb", {"nuq8": ("calibrated", 8.1, 25.05)}, fp_ppl=25.001)
+    merged = bench.merge_previous(now, previous, ["nuq8", "q8_0"])
+    assert [r["name"] for r in merged["domains"]["wiki"]["rows"]] == ["nuq8", "q8_0"]
 
 
 def test_calibration_and_update_options(bench):
