@@ -432,8 +432,9 @@ class LlamaCppKV:
     Hadamard on blocks of llama_cpp_rotation_size(head_dim, "k") channels of each head, V by blocks of 64
     (and the attention output back), no random signs. `tensor` ("k" or "v") picks the block size. `hadamard`
     "ik_llama.cpp" rotates as ik_llama.cpp does under -khad / -vhad (blocks of ik_llama_cpp_rotation_size, K and V
-    alike; the same Sylvester matrix, its fast_ht in ggml/src/iqk/iqk_cpu_ops.cpp); None gives the plain cache type. decode() unrotates, so it returns the stored values in model
-    coordinates (exactly what rotated attention computes, up to float rounding)."""
+    alike; the same Sylvester matrix, its fast_ht in ggml/src/iqk/iqk_cpu_ops.cpp); None gives the plain cache
+    type. decode() unrotates, so it returns the stored values in model coordinates (exactly what rotated attention
+    computes, up to float rounding)."""
 
     qtype: str
     head_dim: int
