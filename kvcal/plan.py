@@ -206,7 +206,11 @@ def check_cache_type_budget(budget: float) -> None:
 def cache_type_costs(profile_path: str, hadamard: str | None = "llama.cpp") -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, float]]]:
     """Per tensor ("k", "v") and llama.cpp cache type, rotated as `hadamard` says (LlamaCppKV): the Fisher-weighted
     error of each layer under it, and its real bits per element."""
-    profile, config = read_artifact(profile_path, "profile")
+    return _priced_cache_types(*read_artifact(profile_path, "profile"), hadamard)
+
+
+def _priced_cache_types(profile: dict, config: dict, hadamard: str | None):
+    """cache_type_costs on a profile already read (its tensors and config)."""
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     width = kv_heads * head_dim
@@ -308,7 +312,7 @@ class FirstLastPlan:
 def choose_first_last(costs: dict, bits: dict, budget: float, plain_costs: dict | None = None) -> tuple[TensorSetting, TensorSetting]:
     """The K and V settings (see tensor_settings) of least summed cost whose mean bits are at most `budget`, not both
     all f16; costs[tensor][type] per layer (plain_costs likewise, unrotated), bits[tensor][type]."""
-    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor], plain_costs and plain_costs[tensor]) for tensor in "kv"}
+    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor], None if plain_costs is None else plain_costs[tensor]) for tensor in "kv"}
     value_bits = [v.bits for v in fronts["v"]]
     best = None
     for k in fronts["k"]:
@@ -324,8 +328,9 @@ def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
     store at most `budget` real bits per element (K and V rows alike), exactly."""
     check_cache_type_budget(budget)
-    costs, bits = cache_type_costs(profile_path, "ik_llama.cpp")
-    plain_costs, _ = cache_type_costs(profile_path, None)
+    profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for both pricings
+    costs, bits = _priced_cache_types(profile, config, "ik_llama.cpp")
+    plain_costs, _ = _priced_cache_types(profile, config, None)
     k, v = choose_first_last(costs, bits, budget, plain_costs)
     pair = next(pair for pair in cache_type_pairs(costs, bits) if pair["bits"] <= budget + 1e-9)
     return FirstLastPlan(budget, k, v, (k.bits + v.bits) / 2, k.cost + v.cost, pair)
