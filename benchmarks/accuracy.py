@@ -750,12 +750,16 @@ def run(args, started_with: dict) -> None:
                 "evaluation": f"seqlen {args.seqlen}, {args.windows} consecutive windows per domain, fake quantization with "
                               "decode-time semantics (kvcal.evaluate.evaluate_ppl)", "seed": args.seed}
     previous_path = RESULTS / f"{args.out_name}.json"
+
+    def cannot_update(exc: Exception) -> SystemExit:
+        return SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update")
+
     if args.update:  # refused before the evaluation, not after it
         try:
             previous = json.loads(previous_path.read_text())
             check_same_run(run_keys, previous)
         except (OSError, ValueError, KeyError) as exc:
-            raise SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
+            raise cannot_update(exc) from exc
 
     domains, eval_seconds = {}, 0.0
     for name in args.domains:
@@ -795,7 +799,7 @@ def run(args, started_with: dict) -> None:
         try:
             payload = merge_previous(payload, previous, [e.name for e in catalog(args.seed)])
         except (ValueError, KeyError) as exc:
-            raise SystemExit(f"accuracy: --update cannot keep the rows of {previous_path}: {exc}; run without --update") from exc
+            raise cannot_update(exc) from exc
         log(f"kept the rows of {previous_path} for the methods not evaluated now")
     json_path = write_result(args.out_name, payload, started_with)
     md_path = write_markdown(args.out_name, markdown({**started_with, **payload}))
