@@ -17,6 +17,11 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace {
 
@@ -81,6 +86,18 @@ inline float half_to_float(uint16_t h) {
     return f;
 }
 #endif
+
+// out[c] = half_to_float(in[c]) for c < n, 8 (F16C) or 4 (NEON) at a time: the fp16 sink and recent rows (the
+// scalar loop does not vectorize, and was a quarter of a decode with a 128-token fp16 window).
+inline void halves_to_floats(const uint16_t* __restrict__ in, float* __restrict__ out, int n) {
+    int c = 0;
+#if defined(__F16C__)
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + c))));
+#elif defined(__aarch64__)
+    for (; c + 4 <= n; c += 4) vst1q_f32(out + c, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(in + c))));
+#endif
+    for (; c < n; ++c) out[c] = half_to_float(in[c]);
+}
 
 // LANES lanes of int32 / float (GCC vector extensions): 16 where the target has AVX-512 (one zmm register), else 8
 // (one ymm register on AVX2; a pair of 128-bit registers on NEON or SSE). The compiler's target decides, so one
@@ -304,6 +321,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
     const float* group_scale = t.scale.data() + (size_t)slot * t.param_slots;  // PERMUTED_GROUPS: this row's
     const float* group_zero = t.zero.data() + (size_t)slot * t.param_slots;
     const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % LANES == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
+    const bool few_groups = s.param_cols <= LANES;  // PERMUTED_GROUPS: a lookup of one register (one vpermps on AVX2)
     const bool vector_layout = LAYOUT == KVMIX3 ? head_channel + D <= KVMIX_MAX_CODES : head_channel % 32 == 0;
     if (vector_layout && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_row;
@@ -321,7 +339,8 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
             } else if (CODEC == PERMUTED_GROUPS) {
                 vi32 group;
                 std::memcpy(&group, t.groups.data() + first, sizeof group);
-                value = (code + lookup<16>(group_zero, group)) * lookup<16>(group_scale, group);
+                value = few_groups ? (code + lookup<LANES>(group_zero, group)) * lookup<LANES>(group_scale, group)
+                                   : (code + lookup<16>(group_zero, group)) * lookup<16>(group_scale, group);
             } else {  // CODEBOOK_TOKEN
                 value = select<LEVELS<LAYOUT>>(levels, code_index);
             }
@@ -390,7 +409,7 @@ void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int 
         } else {
             fp16 = s.recent + b * s.recent_stride + (long long)(len.head + token - len.sink - len.body) * width;
         }
-        for (int c = 0; c < D; ++c) out[(long long)i * D + c] = half_to_float(fp16[head_channel + c]);
+        halves_to_floats(fp16 + head_channel, out + (long long)i * D, D);
     }
     // outliers of the chunk's body rows (rows of the store: from body_head on): tile t's are [offset[t], offset[t + 1]),
     // the last started tile's end is the run's count; within a tile in append (row) order

@@ -61,15 +61,18 @@ CASES = {
 }
 
 
-def _skvq(bits, layout=None):
-    """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, three groups of
-    uneven sizes, keys pre-RoPE behind 5 fp16 sinks and a 64-token window (the CPU kernel serves these)."""
+def _skvq(bits, layout=None, groups=3):
+    """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, `groups` groups of
+    uneven sizes (three: one register of parameters on AVX2; twelve: two), keys pre-RoPE behind 5 fp16 sinks and a
+    64-token window (the CPU kernel serves these)."""
     from kvcal.fit.skvq import SkvqTensor
 
     def codec(seed):
         permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-        starts = torch.tensor([0, WIDTH // 4, WIDTH // 2 + 8, WIDTH], dtype=torch.int32)
-        return SkvqTensor(permutation, starts, torch.tensor([1.0, 0.9, 0.8]), bits, False)
+        inner = [WIDTH // 4, WIDTH // 2 + 8] if groups == 3 else [i * WIDTH // groups + 3 * (i % 2) for i in range(1, groups)]
+        starts = torch.tensor([0, *inner, WIDTH], dtype=torch.int32)
+        clip = torch.tensor([1.0, 0.9, 0.8]) if groups == 3 else torch.linspace(1.0, 0.8, groups)
+        return SkvqTensor(permutation, starts, clip, bits, False)
 
     return codec(1), codec(2), SegmentPolicy(sink=5, window=WINDOW), 0.0, True, layout
 
@@ -79,6 +82,7 @@ CPU_CASES = {
     "skvq2-prerope-sink5-window": lambda: _skvq(2),
     "skvq3-planes": lambda: _skvq(3),
     "skvq4": lambda: _skvq(4),
+    "skvq2-twelve-groups": lambda: _skvq(2, groups=12),
 }
 
 
