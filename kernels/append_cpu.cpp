@@ -241,7 +241,8 @@ extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, in
                 hi = std::fmax(hi, permuted[i]);
             }
             const float low = clip[g] * lo, high = clip[g] * hi;
-            scale[at] = float_to_half(std::fmax((high - low) / (float)levels, TINY_SCALE));
+            // kvcal.fit.skvq.clipped_params: at least |low| / (FP16_MAX / 2), so that the zero (low / scale) fits fp16
+            scale[at] = float_to_half(std::fmax(std::fmax((high - low) / (float)levels, std::fabs(low) / (FP16_MAX / 2.0f)), TINY_SCALE));
             const float s = std::fmax(half_to_float(scale[at]), TINY_SCALE);
             zero[at] = float_to_half(low / s);
             const float z = half_to_float(zero[at]);

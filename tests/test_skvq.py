@@ -64,6 +64,20 @@ def test_clipping_ternary_and_fp8():
     assert stored.row_bits[0] == 3 * 32 + 2 * 8  # 48 ternary codes in 3 words of 20, fp8 scale and zero
 
 
+@pytest.mark.parametrize("fp8", (False, True))
+def test_a_group_of_one_channel_keeps_its_value(fp8):
+    # KMeans gives a model's largest channels groups of their own (Gemma 3's keys): a group's range is then zero,
+    # and its zero, low / scale, must still fit the storage dtype rather than saturate and lose the value
+    x = channels()
+    x[:, 0] = torch.linspace(-60, 70, len(x))
+    permutation = torch.arange(48, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 48], dtype=torch.int32)
+    got = SkvqTensor(permutation, starts, torch.ones(2), 2, fp8=fp8).quantize(x).values
+    # the zero's own rounding (3 mantissa bits in e4m3, 10 in fp16), and near 0 the dtype's smallest scale
+    rtol, atol = (0.07, 0.5) if fp8 else (1e-3, 2e-3)
+    assert torch.allclose(got[:, 0], x[:, 0], rtol=rtol, atol=atol)
+
+
 def test_fit_is_deterministic_and_searches_clipping(tiny_profile, tmp_path):
     _, profile = tiny_profile
     settings = SkvqSettings(kbits=2, vbits=2, group_size=16, window=8, sink=2, clip="group")

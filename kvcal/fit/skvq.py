@@ -4,8 +4,9 @@ window and attention sinks.
 Per layer, separately for keys (pre-RoPE) and values: the channels of the whole KV width are clustered
 by their calibration [min, max] with seeded KMeans into kv_width / group_size groups; the permutation
 (argsort of the labels) and the group boundaries are stored as int32 (groups are unequal). Each token is
-quantized per group with a clipping scale alpha: h = alpha (max - min) / (2^N - 1), z = alpha min / h,
-x^ = h (clamp(round(x / h - z), 0, 2^N - 1) + z). Alpha is chosen from a grid, per layer or per group, to
+quantized per group with a clipping scale alpha: h = alpha (max - min) / (2^N - 1), at least alpha |min| / (M / 2)
+for M the storage dtype's largest value (so that z fits it), z = alpha min / h, x^ = h (clamp(round(x / h - z), 0,
+2^N - 1) + z). Alpha is chosen from a grid, per layer or per group, to
 minimize the MSE of the attention output on the profile's stored windows, with the window and sinks as
 they will be at decode time. Optionally h and z are stored as FP8 (e4m3), simulated during the search.
 1.5-bit values are ternary (three levels, packed 20 to an int32 word: 1.6 bits stored).
@@ -89,11 +90,14 @@ def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, re
 
 
 def clipped_params(block: torch.Tensor, alpha: torch.Tensor, bits: float, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored (scale, zero) of each row (token) of `block`, (tokens, 1) each, in fp8 e4m3 or fp16."""
+    """Stored (scale, zero) of each row (token) of `block`, (tokens, 1) each, in fp8 e4m3 or fp16. The zero is in
+    units of the scale, so the scale is at least |low| / (half the dtype's largest value): a group whose range is
+    (nearly) zero, such as one channel alone, keeps its value instead of a zero saturated at that largest value."""
     steps = levels(bits)
     low, high = alpha * block.amin(1, keepdim=True), alpha * block.amax(1, keepdim=True)
     dtype = torch.float8_e4m3fn if fp8 else torch.float16
-    scale = store_as(((high - low) / steps).clamp(min=TINY_SCALE), dtype)
+    zero_room = torch.finfo(dtype).max / 2  # rounding the scale to the dtype cannot push low / scale past the largest value
+    scale = store_as(torch.maximum((high - low) / steps, low.abs() / zero_room).clamp(min=TINY_SCALE), dtype)
     return scale, store_as(low / scale_in_use(scale), dtype)
 
 

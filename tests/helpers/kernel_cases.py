@@ -61,28 +61,29 @@ CASES = {
 }
 
 
-def _skvq(bits, layout=None, groups=3):
-    """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, `groups` groups of
-    uneven sizes (three: one register of parameters on AVX2; twelve: two), keys pre-RoPE behind 5 fp16 sinks and a
-    64-token window (the CPU kernel serves these)."""
+def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8)):
+    """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, groups of uneven
+    sizes split at `inner` (three by default: one register of parameters on AVX2; TWELVE_GROUPS: two), keys pre-RoPE
+    behind 5 fp16 sinks and a 64-token window (the CPU kernel serves these)."""
     from kvcal.fit.skvq import SkvqTensor
 
     def codec(seed):
         permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-        inner = [WIDTH // 4, WIDTH // 2 + 8] if groups == 3 else [i * WIDTH // groups + 3 * (i % 2) for i in range(1, groups)]
         starts = torch.tensor([0, *inner, WIDTH], dtype=torch.int32)
-        clip = torch.tensor([1.0, 0.9, 0.8]) if groups == 3 else torch.linspace(1.0, 0.8, groups)
+        clip = torch.tensor([1.0, 0.9, 0.8]) if len(inner) == 2 else torch.linspace(1.0, 0.8, len(inner) + 1)
         return SkvqTensor(permutation, starts, clip, bits, False)
 
     return codec(1), codec(2), SegmentPolicy(sink=5, window=WINDOW), 0.0, True, layout
 
+
+TWELVE_GROUPS = tuple(i * WIDTH // 12 + 3 * (i % 2) for i in range(1, 12))
 
 CPU_CASES = {
     **CASES,
     "skvq2-prerope-sink5-window": lambda: _skvq(2),
     "skvq3-planes": lambda: _skvq(3),
     "skvq4": lambda: _skvq(4),
-    "skvq2-twelve-groups": lambda: _skvq(2, groups=12),
+    "skvq2-twelve-groups": lambda: _skvq(2, inner=TWELVE_GROUPS),
 }
 
 
@@ -171,7 +172,9 @@ APPEND_CODECS = {
 }
 # the CPU append (kvcal.runtime.cpu_kernel.CpuAppend): what a decode step appends to every step, and SKVQ
 CPU_APPEND_CODECS = {**{name: make for name, make in APPEND_CODECS.items() if not name.startswith("channel-block")},
-                     "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1]}
+                     "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1],
+                     # a group of one channel: its zero-range groups take the scale floor of clipped_params
+                     "skvq2-one-channel-group": lambda: _skvq(2, inner=(1, WIDTH // 2))[0]}
 
 
 def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels()):
