@@ -87,8 +87,8 @@ inline float half_to_float(uint16_t h) {
 }
 #endif
 
-// out[c] = half_to_float(in[c]) for c < n, 8 (F16C) or 4 (NEON) at a time: the fp16 sink and recent rows (the
-// scalar loop does not vectorize, and was a quarter of a decode with a 128-token fp16 window).
+// out[c] = half_to_float(in[c]) for c < n, 8 (F16C) or 4 (NEON) at a time: the fp16 sink and recent rows (GCC
+// leaves the scalar loop scalar).
 inline void halves_to_floats(const uint16_t* __restrict__ in, float* __restrict__ out, int n) {
     int c = 0;
 #if defined(__F16C__)

@@ -6,11 +6,11 @@ by their calibration [min, max] with seeded KMeans into kv_width / group_size gr
 (argsort of the labels) and the group boundaries are stored as int32 (groups are unequal). Each token is
 quantized per group with a clipping scale alpha: h = alpha (max - min) / (2^N - 1), at least alpha |min| / (M / 2)
 for M the storage dtype's largest value (so that z fits it), z = alpha min / h, x^ = h (clamp(round(x / h - z), 0,
-2^N - 1) + z). Alpha is chosen from a grid, per layer or per group, to
-minimize the MSE of the attention output on the profile's stored windows, with the window and sinks as
-they will be at decode time. Optionally h and z are stored as FP8 (e4m3), simulated during the search.
-1.5-bit values are ternary (three levels, packed 20 to an int32 word: 1.6 bits stored).
-Permutations cross head boundaries, so they are applied inside quantize/dequantize, not folded into W_q/W_o.
+2^N - 1) + z). Alpha is chosen from a grid, per layer or per group, to minimize the MSE of the attention output on
+the profile's stored windows, with the window and sinks as they will be at decode time. Optionally h and z are
+stored as FP8 (e4m3), simulated during the search. 1.5-bit values are ternary (three levels, packed 20 to an int32
+word: 1.6 bits stored). Permutations cross head boundaries, so they are applied inside quantize/dequantize, not
+folded into W_q/W_o.
 """
 
 from __future__ import annotations
