@@ -70,8 +70,7 @@ def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8)):
     def codec(seed):
         permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
         starts = torch.tensor([0, *inner, WIDTH], dtype=torch.int32)
-        clip = torch.tensor([1.0, 0.9, 0.8]) if len(inner) == 2 else torch.linspace(1.0, 0.8, len(inner) + 1)
-        return SkvqTensor(permutation, starts, clip, bits, False)
+        return SkvqTensor(permutation, starts, torch.linspace(1.0, 0.8, len(inner) + 1), bits, False)
 
     return codec(1), codec(2), SegmentPolicy(sink=5, window=WINDOW), 0.0, True, layout
 
