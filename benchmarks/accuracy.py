@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -267,10 +268,19 @@ SAME_DOMAIN_KEYS = ("dataset", "tokens", "windows", "seqlen")
 FP_PPL_TOLERANCE = 1e-4
 
 
+def calibration_settings(calibration: str | None) -> str | None:
+    """A run's calibration without the profile's path: how the profile was made (its corpus, samples, seed, sink
+    and rows), which with the model fixes its content (profiles are deterministic), wherever the file lies."""
+    found = re.fullmatch(r"profile .* (\(.*\))", calibration or "")
+    return found.group(1) if found else calibration
+
+
 def check_same_run(payload: dict, previous: dict) -> dict:
     """`payload`, its calibration taken from `previous` when it fits nothing (a run of baselines only reads no
-    profile); raises ValueError unless both runs evaluated the same way (SAME_RUN_KEYS)."""
-    if payload["calibration"] == NO_CALIBRATION:
+    profile) or from the same settings at another path; raises ValueError unless both runs evaluated the same way
+    (SAME_RUN_KEYS)."""
+    if payload["calibration"] == NO_CALIBRATION or (
+            calibration_settings(payload["calibration"]) == calibration_settings(previous.get("calibration"))):
         payload = {**payload, "calibration": previous.get("calibration")}
     for key in SAME_RUN_KEYS:
         if previous.get(key) != payload[key]:

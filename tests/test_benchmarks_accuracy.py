@@ -117,6 +117,21 @@ def test_update_of_baselines_only_keeps_the_earlier_calibration(bench):
     assert merged["calibration"] == "c" and [r["name"] for r in merged["domains"]["wiki"]["rows"]] == ["nuq4", "q8_0"]
 
 
+def test_update_takes_the_same_profile_settings_at_another_path(bench):
+    """A profile made the same way (model, corpus, samples, seed) is the same profile wherever it lies; other settings
+    are another calibration."""
+    settings = "(wikitext-2 valid, 16 x 512, seed 0, sink 1, 8192 rows/layer max)"
+    previous = _run("aaa", {"nuq4": ("calibrated", 4.4, 26.0)})
+    previous["calibration"] = f"profile /tmp/a/profile.safetensors {settings}"
+    now = _run("bbb", {"nuq3": ("calibrated", 3.4, 27.0)})
+    now["calibration"] = f"profile /tmp/b/profile.safetensors {settings}"
+    merged = bench.merge_previous(now, previous, ["nuq4", "nuq3"])
+    assert merged["calibration"] == previous["calibration"] and len(merged["domains"]["wiki"]["rows"]) == 2
+    now["calibration"] = f"profile /tmp/a/profile.safetensors {settings.replace('seed 0', 'seed 1')}"
+    with pytest.raises(ValueError, match="the earlier results have calibration"):
+        bench.merge_previous(now, previous, ["nuq4", "nuq3"])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda run: run.update(model="other"), "model 'm'"),
     (lambda run: run["domains"]["wiki"].update(fp_ppl=25.01), "domain wiki: the earlier results have fp_ppl 25.0"),
