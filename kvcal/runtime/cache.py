@@ -352,8 +352,8 @@ class WiredCache(Cache):
         if slot is None or slot.wiring is not self._wiring or not slot.running:
             raise KvcalError(f"this quantized cache serves only the model instance it was made for ({self._describe_model()}) "
                              f"and was handed to another one; make a cache for each model with quantized_cache(model, bundle)")
-        self._wiring.check_active()
-        if layer_idx == 0:  # a new step: its first layer makes the plan the others reuse
+        if layer_idx == 0:  # a new step: its first layer checks the wiring and makes the plan the others reuse
+            self._wiring.check_active()
             self._plan = None
         slot.serving = self.layers[layer_idx]
         return key_states, value_states

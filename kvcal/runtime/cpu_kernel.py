@@ -16,6 +16,7 @@ channel.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import enum
 import functools
@@ -189,7 +190,7 @@ def side_descriptor(sink, body, recent) -> list[int]:
     return fields
 
 
-def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> np.ndarray | None:
+def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> array.array | None:
     """(2, batch, META_FIELDS) int32: per side and sequence kernels.side_lengths' four, the body's first live row
     and the first token the query sees; None when the launch holds no token (it adds nothing)."""
     fields, tokens = [], 0
@@ -197,7 +198,7 @@ def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> np
         for b, (sinks, bodies, recent_head, recents) in enumerate(kernels.side_lengths(sink, body, recent, batch)):
             tokens += sinks + bodies + recents
             fields += (sinks, bodies, recent_head, recents, body.head[b] if body else 0, first[b] if first else 0)
-    return np.array(fields, dtype=np.int32) if tokens else None
+    return array.array("i", fields) if tokens else None
 
 
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
@@ -222,18 +223,17 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         if meta is not None:
             descriptor = segments.describe("cpu", lambda: _held_array(side_descriptor(*segments.keys) + side_descriptor(*segments.values)))
             calls.append((descriptor, meta))
-    # the running softmax state (m, l: batch x heads each) and the output, in one buffer
-    state = torch.empty(batch * heads * (head_dim + 2))
-    out = state[2 * batch * heads:].view(batch, heads, head_dim)
+    out = torch.empty(batch, heads, head_dim)  # the kernel's running output, acc
     if not calls:
         return out.zero_()
-    m_pointer = state.data_ptr()
+    # the running softmax state: m, then l, batch x heads each (host arrays: no torch operation per call)
+    state = array.array("f", bytes(8 * batch * heads))
+    m_pointer = state.buffer_info()[0]
     for i, ((_, descriptor), meta) in enumerate(calls):
         lib.kvcal_decode_attention_cpu(
-            query.data_ptr(), descriptor, meta.ctypes.data, 0 if cos is None else cos.data_ptr(),
+            query.data_ptr(), descriptor, meta.buffer_info()[0], 0 if cos is None else cos.data_ptr(),
             0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads, heads // kv_heads, head_dim, scaling,
-            m_pointer, m_pointer + 4 * batch * heads, m_pointer + 8 * batch * heads, i == 0, i == len(calls) - 1,
-            torch.get_num_threads())
+            m_pointer, m_pointer + 4 * batch * heads, out.data_ptr(), i == 0, i == len(calls) - 1, torch.get_num_threads())
     return out
 
 
@@ -271,7 +271,7 @@ class CpuAppend:
 
     def __init__(self, codec, layout: int):
         """One encoder serves one store: its codec (kernel codec id) and kernel layout id do not change."""
-        self.codec_id, self.layout = codec_id(codec), layout
+        self.codec_id, self.layout, self.lib = codec_id(codec), layout, append_library()
         # SKVQ: permutation, group starts and clipping as the kernel reads them
         self.groups = (tuple(t.contiguous() for t in (codec.permutation.to(torch.int32), codec.starts.to(torch.int32),
                                                      codec.clip.float()))
@@ -308,7 +308,9 @@ class CpuAppend:
         if capacity < rows * heads:
             self._rows = np.zeros((3, max(rows * heads, 2 * capacity, 16)), dtype=np.int32)
             self._rows_at, capacity = self._rows.ctypes.data, self._rows.shape[1]
-        if rows == len(seqs):  # a decode step: one row per sequence
+        if rows == 1:  # one sequence's decode step
+            self._rows[0, 0], self._rows[1, 0] = seqs[0], starts[0]
+        elif rows == len(seqs):  # a decode step: one row per sequence
             self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
         else:
             self._rows[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
@@ -318,7 +320,7 @@ class CpuAppend:
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
         parameter buffers already there)."""
-        lib, codec, cid, layout = append_library(), store.codec, self.codec_id, self.layout
+        lib, codec, cid, layout = self.lib, store.codec, self.codec_id, self.layout
         if x.dtype != torch.float16 or not x.is_contiguous():
             x = x.to(torch.float16).contiguous()
         rows, width = x.shape
@@ -334,9 +336,9 @@ class CpuAppend:
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                  clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
             return
-        self._codebook(store, lib, x, seqs, counts, head_dim, found, destination)
+        self._codebook(store, lib, x, seqs, counts, head_dim, found, destination, buffers)
 
-    def _codebook(self, store, lib, x, seqs, counts, head_dim, found, destination) -> None:
+    def _codebook(self, store, lib, x, seqs, counts, head_dim, found, destination, buffers) -> None:
         """Codes and thresholds, and the outliers after each (sequence, KV head)'s own: in the same call where they
         fit the outlier arrays, else after the store made room for exactly the outliers found."""
         rows, width = x.shape
@@ -347,8 +349,8 @@ class CpuAppend:
             self.codebook_arguments = (_ptr(self.tables.get("lo")), _ptr(self.tables.get("hi")), np.float32(1.0 - t),
                                        np.float32(t), int(store.codec.outlier_fraction > 0), self.tables["midpoints"].data_ptr())
         channel_lo, channel_hi, low, high, keep, midpoints = self.codebook_arguments
-        thresholds = self._buffers(store)["thresholds"]
-        outliers = self._buffers(store)["outliers"] if keep else (0,) * 6
+        thresholds = buffers["thresholds"]
+        outliers = buffers["outliers"] if keep else (0,) * 6
         if lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, self.layout, channel_lo, channel_hi, low,
                                          high, keep, midpoints, *destination, *thresholds, found, OUTLIER_TILE_TOKENS, *outliers):
             return

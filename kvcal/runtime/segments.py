@@ -76,26 +76,37 @@ class SegmentedStore:
         """Store new fp16 tokens (tokens, C) of sequence b, quantizing those that leave the fp16 segments."""
         self.append_rows([b], [len(x)], x)
 
+    def _route(self, b: int, n: int) -> tuple[int, int, int, int]:
+        """Where n new tokens of sequence b go: (to its sinks, leaving for the body: its oldest recent tokens, then new
+        ones; of those, from the recent tokens; its RPC count after the step)."""
+        total = self.total(b)
+        to_sink = max(min(self.policy.sink - total, n), 0)
+        rest = n - to_sink
+        stored = self.recent.length[b]
+        fp16_recent = self.policy.fp16_recent(total + n, self.keys)
+        rpc = self.rpc[b]
+        if self.rpc_ratio:
+            rpc = math.floor(self.rpc_ratio * (rest + rpc))
+            fp16_recent = max(fp16_recent, rpc)
+        leaving = max(0, stored + rest - fp16_recent)
+        leaving -= leaving % self.body.block  # per-channel key blocks leave whole
+        return to_sink, leaving, min(leaving, stored), rpc
+
     def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Store new fp16 tokens x (sum(counts), C), counts[i] of them for sequence seqs[i], grouped in that order:
         each sequence's first tokens fill its sinks, the rest join its recent fp16 tokens, and those that leave
         the recent segment (the oldest first: earlier recent tokens, then new ones) are quantized into the body,
         all sequences at once."""
+        routes = [self._route(b, n) for b, n in zip(seqs, counts)]
+        for b, route in zip(seqs, routes):
+            self.rpc[b] = route[3]
+        if len(set(routes)) == 1 and counts[0] == 1 and len(set(counts)) == 1 and self._append_one_each(seqs, routes[0], x):
+            return
         sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, rows of x) each
         old_seqs, old_counts = [], []  # recent tokens leaving from the front of the fp16 segment
         body_seqs, body_counts, from_old_first = [], [], []  # what the body gets, per sequence: old tokens first
         first = 0
-        for b, n in zip(seqs, counts):
-            to_sink = max(min(self.policy.sink - self.total(b), n), 0)
-            rest = n - to_sink
-            stored = self.recent.length[b]
-            fp16_recent = self.policy.fp16_recent(self.total(b) + n, self.keys)
-            if self.rpc_ratio:
-                self.rpc[b] = math.floor(self.rpc_ratio * (rest + self.rpc[b]))
-                fp16_recent = max(fp16_recent, self.rpc[b])
-            leaving = max(0, stored + rest - fp16_recent)
-            leaving -= leaving % self.body.block  # per-channel key blocks leave whole
-            from_old = min(leaving, stored)
+        for b, n, (to_sink, leaving, from_old, _) in zip(seqs, counts, routes):
             from_new = leaving - from_old
             _add(sink, b, range(first, first + to_sink))
             _add(new, b, range(first + to_sink, first + to_sink + from_new))
@@ -124,6 +135,22 @@ class SegmentedStore:
             self.body.append_rows(body_seqs, body_counts, leaving_rows)
         if recent[0]:
             self.recent.write(recent[0], recent[1], _rows(x, recent[2]))
+
+    def _append_one_each(self, seqs: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:
+        """A decode step's steady cases, every sequence one token routed alike (the cases of append_rows, without its
+        row bookkeeping): the token joins the recent tokens, goes straight to the body, or joins the recent tokens as
+        their oldest moves to the body. False for any other route (sinks filling, blocks leaving)."""
+        to_sink, leaving, from_old, _ = route
+        if to_sink or leaving > 1:
+            return False
+        ones = [1] * len(seqs)
+        if leaving and not from_old:
+            self.body.append_rows(seqs, ones, x)
+            return True
+        if leaving:  # the oldest recent token of each sequence is quantized before the recent segment is written
+            self.body.append_rows(seqs, ones, self.recent.take_front(seqs, ones))
+        self.recent.write(seqs, ones, x)
+        return True
 
     def read(self, b: int) -> torch.Tensor:
         """(tokens, C) float32 in position order, the body dequantized."""

@@ -252,9 +252,10 @@ class Fp16Rows:
             self.length[b] += c
 
     def take_front(self, seqs: list[int], counts: list[int]) -> torch.Tensor:
-        """Remove the first counts[i] live rows of sequence seqs[i]; returns them (sum(counts), C) fp16, grouped."""
+        """Remove the first counts[i] live rows of sequence seqs[i]; returns them (sum(counts), C) fp16, grouped (for
+        one sequence a view of the buffer, valid until the next write)."""
         if len(seqs) == 1:
-            rows = self.data[seqs[0], self.head[seqs[0]] : self.head[seqs[0]] + counts[0]].clone()
+            rows = self.data[seqs[0], self.head[seqs[0]] : self.head[seqs[0]] + counts[0]]
         else:
             rows = self.data[row_index(seqs, [self.head[b] for b in seqs], counts, self.data.device)]
         for b, c in zip(seqs, counts):
@@ -359,7 +360,9 @@ class PackedRows:
         """Capacity for counts[i] more rows of sequence seqs[i]: compact the live rows to the front when one would
         run past the end, then grow if still short."""
         ends = lambda: max(self.head[b] + self.length[b] + c for b, c in zip(seqs, counts))
-        if ends() <= self.words.shape[1]:  # a decode step, almost always
+        if len(seqs) == 1 and self.head[seqs[0]] + self.length[seqs[0]] + counts[0] <= self.words.shape[1]:
+            return  # one sequence's decode step, almost always
+        if ends() <= self.words.shape[1]:
             return
         if any(head >= self.aligned for head in self.head):
             self._compact()
@@ -500,19 +503,19 @@ class PackedRows:
     def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Quantize rows x (sum(counts), C), counts[i] of them (a whole number of codec blocks) for sequence
         seqs[i], grouped in that order: one encode (or one kernel launch) and one store per buffer."""
-        seqs, counts = [b for b, c in zip(seqs, counts) if c], [c for c in counts if c]
-        if not seqs:
-            return
+        if 0 in counts:
+            seqs, counts = [b for b, c in zip(seqs, counts) if c], [c for c in counts if c]
+            if not seqs:
+                return
         self._room(seqs, counts)
         starts = [self.head[b] + self.length[b] for b in seqs]
         if self.encoder is not None:
-            if self._columns is None:
-                self._columns = self.encoder.parameter_columns(self.codec, self.width)
-            per_token, per_block = self._columns
-            for name, columns in per_token.items():
-                self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
-            for name, columns in per_block.items():
-                self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, torch.float16)
+            if self._columns is None:  # the encoder's parameter buffers, made once (_resize grows them with the rows)
+                self._columns = per_token, per_block = self.encoder.parameter_columns(self.codec, self.width)
+                for name, columns in per_token.items():
+                    self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
+                for name, columns in per_block.items():
+                    self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, torch.float16)
             self.encoder.encode_rows(self, seqs, starts, counts, x)
         else:
             self._encode_rows(seqs, starts, counts, x)
