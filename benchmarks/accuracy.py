@@ -137,7 +137,7 @@ METHOD_SETS = {
     "skvq-ablation": "SKVQ's components added one at a time at K2V2 (paper Tables 3 and 4), with KIVI-2 (g64) and int2",
     "mixed-widths": "per-layer widths: the Fisher knapsack at 2.6-4.0 bits, KVmix's widths, one width for all layers",
     "fp8": "vLLM's FP8 cache: scale 1.0, absmax / 448 and searched scales, per tensor and per KV head",
-    "engine-layers": "vLLM's int4_per_token_head and turboquant_k3v4_nc with layers kept fp16: none (beyond TurboQuant's "
+    "engine-layers": "vLLM's int4_per_token_head, nvfp4 and turboquant_k3v4_nc with layers kept fp16: none (beyond TurboQuant's "
                      "own boundary layers), by hand (at each end, the sliding-window ones) and by kvcal plan "
                      "(Fisher-weighted error, gradient importance) at the same bytes",
     "engine-types": "llama.cpp's -ctk / -ctv: one type for K and V, q8_0 keys with q4_0 values, and kvcal plan's pair at the "
@@ -153,6 +153,7 @@ HAND_RULES = {
     "sliding": lambda layers, windows: [i for i, window in enumerate(windows) if window is not None],  # vLLM's sliding_window
 }
 ENGINE_RULES = {"int4_per_token_head": ("none", "first-last", "two-at-each-end", "sliding"),
+                "nvfp4": ("none", "first-last", "two-at-each-end", "sliding"),
                 "turboquant_k3v4_nc": ("none", "three-at-each-end", "four-at-each-end", "sliding")}
 PLAN_EXTRA_LAYERS = (2, 4)  # the names of kvcal plan at the bytes of a dtype's two end rules: layers fp16 beyond its own
 LLAMA_CPP_BY_HAND = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0/q4_0")  # one type for both, or the common q8_0 keys
