@@ -77,8 +77,8 @@ class SegmentedStore:
         self.append_rows([b], [len(x)], x)
 
     def _route(self, b: int, n: int) -> tuple[int, int, int, int]:
-        """Where n new tokens of sequence b go: (to its sinks, leaving for the body: its oldest recent tokens, then new
-        ones; of those, from the recent tokens; its RPC count after the step)."""
+        """Where n new tokens of sequence b go: (tokens to its sinks, tokens leaving for the body (its oldest recent
+        tokens first, then new ones), how many of those leave the recent segment, its RPC count after the step)."""
         total = self.total(b)
         to_sink = max(min(self.policy.sink - total, n), 0)
         rest = n - to_sink
@@ -100,7 +100,7 @@ class SegmentedStore:
         routes = [self._route(b, n) for b, n in zip(seqs, counts)]
         for b, route in zip(seqs, routes):
             self.rpc[b] = route[3]
-        if len(set(routes)) == 1 and counts[0] == 1 and len(set(counts)) == 1 and self._append_one_each(seqs, routes[0], x):
+        if counts.count(1) == len(counts) and len(set(routes)) == 1 and self._append_one_each(seqs, routes[0], x):
             return
         sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, rows of x) each
         old_seqs, old_counts = [], []  # recent tokens leaving from the front of the fp16 segment
