@@ -308,9 +308,7 @@ class CpuAppend:
         if capacity < rows * heads:
             self._rows = np.zeros((3, max(rows * heads, 2 * capacity, 16)), dtype=np.int32)
             self._rows_at, capacity = self._rows.ctypes.data, self._rows.shape[1]
-        if rows == 1:  # one sequence's decode step
-            self._rows[0, 0], self._rows[1, 0] = seqs[0], starts[0]
-        elif rows == len(seqs):  # a decode step: one row per sequence
+        if rows == len(seqs):  # a decode step: one row per sequence
             self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
         else:
             self._rows[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)

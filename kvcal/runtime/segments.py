@@ -100,7 +100,7 @@ class SegmentedStore:
         routes = [self._route(b, n) for b, n in zip(seqs, counts)]
         for b, route in zip(seqs, routes):
             self.rpc[b] = route[3]
-        if counts.count(1) == len(counts) and len(set(routes)) == 1 and self._append_one_each(seqs, routes[0], x):
+        if counts.count(1) == len(counts) and len(set(routes)) == 1 and self._append_one_each(seqs, counts, routes[0], x):
             return
         sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, rows of x) each
         old_seqs, old_counts = [], []  # recent tokens leaving from the front of the fp16 segment
@@ -136,14 +136,14 @@ class SegmentedStore:
         if recent[0]:
             self.recent.write(recent[0], recent[1], _rows(x, recent[2]))
 
-    def _append_one_each(self, seqs: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:
-        """A decode step's steady cases, every sequence one token routed alike (the cases of append_rows, without its
-        row bookkeeping): the token joins the recent tokens, goes straight to the body, or joins the recent tokens as
-        their oldest moves to the body. False for any other route (sinks filling, blocks leaving)."""
+    def _append_one_each(self, seqs: list[int], ones: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:
+        """A decode step's steady cases, every sequence one token (ones: its counts) routed alike (the cases of
+        append_rows, without its row bookkeeping): the token joins the recent tokens, goes straight to the body, or
+        joins the recent tokens as their oldest moves to the body. False for any other route (sinks filling, blocks
+        leaving)."""
         to_sink, leaving, from_old, _ = route
         if to_sink or leaving > 1:
             return False
-        ones = [1] * len(seqs)
         if leaving and not from_old:
             self.body.append_rows(seqs, ones, x)
             return True

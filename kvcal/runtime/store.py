@@ -360,9 +360,7 @@ class PackedRows:
         """Capacity for counts[i] more rows of sequence seqs[i]: compact the live rows to the front when one would
         run past the end, then grow if still short."""
         ends = lambda: max(self.head[b] + self.length[b] + c for b, c in zip(seqs, counts))
-        if len(seqs) == 1 and self.head[seqs[0]] + self.length[seqs[0]] + counts[0] <= self.words.shape[1]:
-            return  # one sequence's decode step, almost always
-        if ends() <= self.words.shape[1]:
+        if ends() <= self.words.shape[1]:  # a decode step, almost always
             return
         if any(head >= self.aligned for head in self.head):
             self._compact()
