@@ -12,6 +12,7 @@ from conftest import tiny_model
 from helpers import decode_token_by_token, requires_gpu
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
+from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import kernel_source, kernels
@@ -103,7 +104,7 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(tiny_model("llama", head_dim=64), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("llama", head_dim=64).cuda(), bundle, ids.cuda())
-    for layer, recipe_layer in zip(cache.layers, bundle.layers):  # kivi's and kvmix's key blocks are not served
+    for layer, recipe_layer in zip(cache.layers, load_bundle(bundle).layers):  # kivi's and kvmix's key blocks are not served
         one_width = int(recipe_layer.k_bits) == int(recipe_layer.v_bits)  # mixed: the layers whose K and V widths are equal
         assert layer.decode_path == ("tensor-core" if one_width and recipe not in ("kivi", "kvmix") else "cuda-core")
     fp16_operands = recipe in ("kvquant", "mixed", "nuq4-0%", "nuq4-1%")
