@@ -107,3 +107,14 @@ def test_the_step_time_fit_separates_the_fixed_part_from_the_part_that_grows_wit
     rows.append({"cache": "StaticCache", "batch": 1, "length": 8192, "ms_per_step": 9.0})  # one length: no fit
     (fit,) = generate.fitted_steps(rows)
     assert fit == {"cache": "StaticCache", "batch": 8, "fixed_ms": 5.0, "ms_per_1k_tokens": 0.5}
+
+
+def test_the_end_to_end_script_saves_each_finished_cell_so_a_stopped_run_keeps_them():
+    args = generate.parse_args(["--shape", "tiny", "--device", "cpu", "--lengths", "64", "--batches", "1,2", "--recipes", "kivi",
+                                "--baselines", "static", "--new-tokens", "3", "--profile-seqlen", "64", "--seed", "3"])
+    saved = []
+    final = generate.measure(args, lambda result: saved.append(json.loads(json.dumps(result))))
+    cells = [{(r["length"], r["batch"]) for r in result["results"]} for result in saved]
+    assert cells == [{(64, 1)}, {(64, 1), (64, 2)}]
+    assert [r["cache"] for r in saved[0]["results"]] == ["StaticCache", "kvcal kivi"]
+    assert saved[-1] == json.loads(json.dumps(final))

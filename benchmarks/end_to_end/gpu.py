@@ -27,7 +27,8 @@ time at copy bandwidth is printed beside a.
 Usage: python -m benchmarks.end_to_end gpu [--lengths 8192,32768] [--batches 1,8] [--recipes all]
        [--new-tokens 16] [--profile-windows 2] [--shape llama-8b|tiny] [--device cuda|cpu]      (see --help)
 CPU dry run at a tiny size: python -m benchmarks.end_to_end gpu --shape tiny --device cpu --lengths 64,128 --batches 1,2
-Writes benchmarks/results/generate_<device>.{json,md} (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
+Writes benchmarks/results/generate_<device>.{json,md} after each finished (L, B) cell, so a run stopped part way keeps
+the cells it finished (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
 """
 
 from __future__ import annotations
@@ -354,8 +355,9 @@ def available(baselines: list[str]) -> tuple[list[str], dict[str, str]]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def measure(args) -> dict:
-    """Every cell of the run (see the module docstring): settings, profile timings and one row per (cell, cache)."""
+def measure(args, save) -> dict:
+    """Every cell of the run (see the module docstring): settings, profile timings and one row per (cell, cache).
+    `save(result)` gets the result so far after each finished cell, so a run stopped part way keeps its whole cells."""
     from kvcal.runtime.cache import fp_context
 
     device, clock = args.device, Clock(args.device)
@@ -366,8 +368,14 @@ def measure(args) -> dict:
     weights = sum(p.nbytes for p in model.parameters())
     print(f"model: random {args.shape}, {weights / 2**30:.1f} GiB of {model.dtype} weights on {device}", flush=True)
     rows, traces = [], {}
+    settings = {"shape": args.shape, "config": model.config.to_diff_dict(), "dtype": str(model.dtype),
+                "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
+                "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
+                "seed": args.seed, "weights_gib": gib(weights),
+                "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None}
     with tempfile.TemporaryDirectory() as folder:
         bundles, profile = make_bundles(model, args, Path(folder), clock)
+        record = {"settings": settings, "profile": profile, "results": rows, "fits": [], "torch_profiles": traces}
         generator = torch.Generator().manual_seed(args.seed)
         for length in args.lengths:
             ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(device)
@@ -387,16 +395,13 @@ def measure(args) -> dict:
                           f"cache {result['cache_gib']} GiB  peak {result['peak_gib']} GiB", flush=True)
                 rows += summarized(cell, weights, device)
                 if args.torch_profile and not traces:
-                    traces = {f"{name}, L={length}, B={batch}": profiled(model, prompt, args.torch_profile, make, device)
-                              for name, make in chosen[:-1]}
+                    traces.update({f"{name}, L={length}, B={batch}": profiled(model, prompt, args.torch_profile, make, device)
+                                   for name, make in chosen[:-1]})
+                record["fits"] = fitted_steps(rows)
+                save(record)
             del context
             reset_peak(device)
-    return {"settings": {"shape": args.shape, "config": model.config.to_diff_dict(), "dtype": str(model.dtype),
-                         "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
-                         "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
-                         "seed": args.seed, "weights_gib": gib(weights),
-                         "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None},
-            "profile": profile, "results": rows, "fits": fitted_steps(rows), "torch_profiles": traces}
+    return record
 
 
 def summarized(cell: list[dict], weights: int, device: str) -> list[dict]:
@@ -468,10 +473,8 @@ def table(result: dict, started: dict) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = provenance()
-    result = measure(args)
     name = args.out or f"generate_{device_slug(started['device'])}"
-    write_result(name, result, started)
-    write_markdown(name, table(result, started))
+    measure(args, lambda result: (write_result(name, result, started), write_markdown(name, table(result, started))))
 
 
 if __name__ == "__main__":
