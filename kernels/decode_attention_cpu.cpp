@@ -168,7 +168,8 @@ inline uint32_t code_at(const uint32_t* row, int i) {
 struct HeadTables {
     std::vector<float> half_range, mid;  // CODEBOOK_CHANNEL: per channel: value = codebook[code] * half_range + mid
     std::vector<float> scale, zero;    // UNIFORM_CHANNEL: the current block's D scales and zeros; PERMUTED_GROUPS: the
-                                       // chunk's rows' group parameters, param_slots per row
+                                       // chunk's rows' group parameters, param_slots per row; CODEBOOK_TOKEN: the
+                                       // chunk's rows' half ranges and mids, one per row
     std::vector<int32_t> codes;        // one row's codes of the head
     std::vector<int32_t> groups;       // PERMUTED_GROUPS: the parameter group of each of the head's channels
     std::vector<long long> group_at;   // UNIFORM_TOKEN: per LANES channels of the head, its group's parameter column offset
@@ -195,7 +196,7 @@ void prepare_tables(const Side& s, HeadTables& t, int kv_head, int D) {
         }
     }
     t.param_slots = s.codec == PERMUTED_GROUPS ? (int)std::max(16, s.param_cols) : 0;  // a lookup reads 16
-    t.scale.resize(std::max((size_t)D, (size_t)CHUNK * t.param_slots));
+    t.scale.resize((size_t)std::max(D, CHUNK * std::max(t.param_slots, 1)));
     t.zero.resize(t.scale.size());
     t.codes.resize(D);
     if (s.codec == UNIFORM_TOKEN && s.param_extra > 0) {  // once per head: no division per vector
@@ -254,35 +255,40 @@ inline vf32 select(const vf32* table, vi32 index) {
 #endif
 }
 
-// Codes first .. first + LANES - 1 of a row (first a multiple of LANES) in "lsb" 1/2/4 or planes3 (a unit of 32
-// codes is 1, 2, 4 or 3 words), or kvmix's 11 codes per word (first < KVMIX_MAX_CODES).
+// Words per unit of 32 codes in the "lsb" 1/2/4 and planes3 layouts.
 template <int LAYOUT>
-inline vi32 unpack(const uint32_t* words, int first) {
+constexpr int UNIT_WORDS = LAYOUT == PLANES3 ? 3 : LAYOUT;
+
+// Codes k .. k + LANES - 1 of the unit of 32 codes at `unit` (k a multiple of LANES), in "lsb" 1/2/4 or planes3.
+// Called with a constant k (an unrolled loop over the unit), its shifts are constant vectors.
+template <int LAYOUT>
+inline vi32 unpack_unit(const uint32_t* unit, int k) {
     const vu32 lanes = lane_index();
-    if (LAYOUT == KVMIX3) {  // code i: bits 3 (i % 11) .. of word i / 11 (the eleventh keeps 2 bits: the word ends)
-        const vu32 index = lanes + (uint32_t)first;
-        const vu32 word = (index * 47663u) >> 19;  // index / 11 for index < KVMIX_MAX_CODES, without a division
-        const uint32_t base = (uint32_t)first / 11u, last = (uint32_t)(first + LANES - 1) / 11u;  // words read: no further
-        const vu32 relative = word - base;  // LANES codes span at most 3 words (2 on 8 lanes)
-        vu32 w = relative == 0u ? vu32{} + words[base] : vu32{} + words[std::min(base + 1, last)];
-        if constexpr (LANES > 11) w = relative == 2u ? vu32{} + words[std::min(base + 2, last)] : w;
-        return (vi32)((w >> ((index - word * 11u) * 3u)) & 7u);
-    }
-    if (LAYOUT == LSB1) return (vi32)((words[first >> 5] >> (lanes + (uint32_t)(first & 31))) & 1u);
-    if (LAYOUT == LSB2) return (vi32)((words[first >> 4] >> ((lanes + (uint32_t)(first & 15)) * 2u)) & 3u);
+    if (LAYOUT == LSB1) return (vi32)((unit[0] >> (lanes + (uint32_t)k)) & 1u);
+    if (LAYOUT == LSB2) return (vi32)((unit[k >> 4] >> ((lanes + (uint32_t)(k & 15)) * 2u)) & 3u);
     if (LAYOUT == LSB4) {
         if constexpr (LANES == 8) {
-            return (vi32)((words[first >> 3] >> (lanes * 4u)) & 15u);
+            return (vi32)((unit[k >> 3] >> (lanes * 4u)) & 15u);
         } else {  // two words, 8 codes each, blended from broadcasts (a vector built lane by lane in memory stalls
                   // on store forwarding)
-            const vu32 pair = lanes < 8u ? vu32{} + words[first >> 3] : vu32{} + words[(first >> 3) + 1];
+            const vu32 pair = lanes < 8u ? vu32{} + unit[k >> 3] : vu32{} + unit[(k >> 3) + 1];
             return (vi32)((pair >> ((lanes & 7u) * 4u)) & 15u);
         }
     }
-    // PLANES3: low 2 bits of codes 0-15 and 16-31 of a unit in words 0 and 1, high bits in word 2
-    const uint32_t* unit = words + (first >> 5) * 3;
-    const uint32_t j = (uint32_t)(first & 31);
-    return (vi32)(((unit[j >> 4] >> ((lanes + (j & 15u)) * 2u)) & 3u) | (((unit[2] >> (lanes + j)) & 1u) << 2));
+    // PLANES3: low 2 bits of codes 0-15 and 16-31 in words 0 and 1, high bits in word 2
+    return (vi32)(((unit[k >> 4] >> ((lanes + (uint32_t)(k & 15)) * 2u)) & 3u) | (((unit[2] >> (lanes + (uint32_t)k)) & 1u) << 2));
+}
+
+// kvmix's 11 codes per word: codes first .. first + LANES - 1 of a row (first < KVMIX_MAX_CODES).
+inline vi32 unpack_kvmix(const uint32_t* words, int first) {
+    const vu32 lanes = lane_index();
+    const vu32 index = lanes + (uint32_t)first;  // code i: bits 3 (i % 11) .. of word i / 11 (the eleventh keeps 2 bits)
+    const vu32 word = (index * 47663u) >> 19;  // index / 11 for index < KVMIX_MAX_CODES, without a division
+    const uint32_t base = (uint32_t)first / 11u, last = (uint32_t)(first + LANES - 1) / 11u;  // words read: no further
+    const vu32 relative = word - base;  // LANES codes span at most 3 words (2 on 8 lanes)
+    vu32 w = relative == 0u ? vu32{} + words[base] : vu32{} + words[std::min(base + 1, last)];
+    if constexpr (LANES > 11) w = relative == 2u ? vu32{} + words[std::min(base + 2, last)] : w;
+    return (vi32)((w >> ((index - word * 11u) * 3u)) & 7u);
 }
 
 template <int LAYOUT>
@@ -310,14 +316,10 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
         }
     }
     // CODEBOOK_TOKEN: the row's decoded levels in registers (stored one by one and loaded as a vector, they stalled on
-    // store forwarding: a quarter of the value decode's samples in perf)
+    // store forwarding), from its (half range, mid) in its slot (token_ranges)
     vf32 levels[16 / LANES] = {};
-    if (CODEC == CODEBOOK_TOKEN) {
-        const long long at = b * s.param_stride + row * s.param_row;
-        const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
-        const float half_range = max_or((hi - lo) / 2.0f, MIN_HALF_RANGE), mid = (hi + lo) / 2.0f;
-        for (int k = 0; k < 16 / LANES; ++k) levels[k] = loadv(t.codebook + k * LANES) * half_range + mid;
-    }
+    if (CODEC == CODEBOOK_TOKEN)
+        for (int k = 0; k < 16 / LANES; ++k) levels[k] = loadv(t.codebook + k * LANES) * t.scale[slot] + t.zero[slot];
     const float* group_scale = t.scale.data() + (size_t)slot * t.param_slots;  // PERMUTED_GROUPS: this row's
     const float* group_zero = t.zero.data() + (size_t)slot * t.param_slots;
     const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % LANES == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
@@ -325,8 +327,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
     const bool vector_layout = LAYOUT == KVMIX3 ? head_channel + D <= KVMIX_MAX_CODES : head_channel % 32 == 0;
     if (vector_layout && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_row;
-        for (int first = 0; first < D; first += LANES) {
-            const vi32 code_index = unpack<LAYOUT>(words, head_channel + first);
+        const auto decode_vector = [&](int first, vi32 code_index) {
             const vf32 code = __builtin_convertvector(code_index, vf32);
             vf32 value;
             if (CODEC == UNIFORM_TOKEN) {
@@ -345,6 +346,15 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
                 value = select<LEVELS<LAYOUT>>(levels, code_index);
             }
             storev(out + first, value);
+        };
+        if constexpr (LAYOUT == KVMIX3) {
+            for (int first = 0; first < D; first += LANES) decode_vector(first, unpack_kvmix(words, head_channel + first));
+        } else {
+            for (int first = 0; first < D; first += 32) {
+                const uint32_t* unit = words + ((head_channel + first) >> 5) * UNIT_WORDS<LAYOUT>;
+#pragma GCC unroll 4
+                for (int k = 0; k < 32; k += LANES) decode_vector(first + k, unpack_unit<LAYOUT>(unit, k));
+            }
         }
         return;
     }
@@ -388,15 +398,30 @@ inline void group_parameters(const Side& s, HeadTables& t, int b, int first, int
     }
 }
 
+// CODEBOOK_TOKEN (a codebook scaled per token: value = codebook[code] * half range + mid): the (half range, mid) of
+// body rows first .. first + rows - 1 into slots from `slot` on, in one loop before the rows are decoded, so that a
+// row's scalar conversions are not in the chain of its decode.
+inline void token_ranges(const Side& s, HeadTables& t, int b, int first, int rows, int slot) {
+    const uint16_t* p0 = (const uint16_t*)s.param0;
+    const uint16_t* p1 = (const uint16_t*)s.param1;
+    for (int i = 0; i < rows; ++i) {
+        const long long at = b * s.param_stride + (long long)(first + i) * s.param_row;
+        const float lo = half_to_float(p0[at]), hi = half_to_float(p1[at]);
+        t.scale[slot + i] = max_or((hi - lo) / 2.0f, MIN_HALF_RANGE);
+        t.zero[slot + i] = (hi + lo) / 2.0f;
+    }
+}
+
 // Tokens t0 .. t0 + n - 1 of sequence b on one side (sink | body | recent in position order), channels of the
 // KV head, as floats, token-major: out[i * D + c].
 template <int CODEC, int LAYOUT>
 void decode_tokens(const Side& s, HeadTables& t, const Lengths& len, int b, int kv_head, int kv_heads, int D, int width,
                    int t0, int n, float* out) {
     const int head_channel = kv_head * D;
-    if (CODEC == PERMUTED_GROUPS) {
+    if (CODEC == PERMUTED_GROUPS || CODEC == CODEBOOK_TOKEN) {
         const int first = std::max(t0, len.sink), end = std::min(t0 + n, len.sink + len.body);
-        if (first < end) group_parameters(s, t, b, len.body_head + first - len.sink, end - first, first - t0);
+        if (first < end)
+            (CODEC == PERMUTED_GROUPS ? group_parameters : token_ranges)(s, t, b, len.body_head + first - len.sink, end - first, first - t0);
     }
     for (int i = 0; i < n; ++i) {
         const int token = t0 + i;
