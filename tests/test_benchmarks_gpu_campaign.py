@@ -109,6 +109,7 @@ def test_the_step_time_fit_separates_the_fixed_part_from_the_part_that_grows_wit
     assert fit == {"cache": "StaticCache", "batch": 8, "fixed_ms": 5.0, "ms_per_1k_tokens": 0.5}
 
 
+@pytest.mark.slow  # fits bundles and decodes a tiny model end to end, as the dry run does
 def test_the_end_to_end_script_saves_each_finished_cell_so_a_stopped_run_keeps_them():
     args = generate.parse_args(["--shape", "tiny", "--device", "cpu", "--lengths", "64", "--batches", "1,2", "--recipes", "kivi",
                                 "--baselines", "static", "--new-tokens", "3", "--profile-seqlen", "64", "--seed", "3"])
