@@ -34,6 +34,7 @@ SECTIONS = [
         ("fp8_kv_ppl", "benchmarks/bench_fp8_kv.py", "python -m benchmarks.accuracy --methods fp8"),
         ("engine_layers", "python -m benchmarks.accuracy --methods engine-layers", ""),
         ("engine_types", "python -m benchmarks.accuracy --methods engine-types", ""),
+        ("nvfp4_scales", "python -m benchmarks.nvfp4_scales", ""),
         ("rotation", "benchmarks/bench_rotation.py", "not kept: docs/experiments.md"),
         ("agreement", "benchmarks/bench_agreement.py", "not kept: docs/experiments.md")]),
     ("Decode on CPU", [("decode_step_cpu", "python -m benchmarks.kernels cpu", "")]),

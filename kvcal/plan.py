@@ -93,7 +93,7 @@ def fixed_fp16_layers(dtype: str, num_layers: int, head_dim: int) -> set[int]:
     return {i for i, codecs in enumerate(baseline_method(dtype, num_layers, head_dim).layers) if _fixed_fp16(codecs)}
 
 
-def _key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
+def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
     """Fisher-weighted squared error of `codec` on the layer's sampled keys, cached after RoPE as the engines cache
     them, the error rotated back before RoPE where the Fisher information was taken."""
     positions = profile["samples.position"].long()
@@ -104,14 +104,14 @@ def _key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> 
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
 
 
-def _value_cost(profile: dict, layer: int, codec) -> float:
+def value_cost(profile: dict, layer: int, codec) -> float:
     values = profile[f"layers.{layer}.v.samples"].float()
     return float((profile[f"layers.{layer}.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum())
 
 
 def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: int) -> list[float]:
     return [0.0 if _fixed_fp16(codecs) else
-            _key_cost(profile, config, layer, codecs.key_codec, kv_heads) + _value_cost(profile, layer, codecs.value_codec)
+            key_cost(profile, config, layer, codecs.key_codec, kv_heads) + value_cost(profile, layer, codecs.value_codec)
             for layer, codecs in enumerate(layers)]
 
 
@@ -216,9 +216,9 @@ def _priced_cache_types(profile: dict, config: dict, hadamard: str | None):
     width = kv_heads * head_dim
     codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in CACHE_TYPES} for tensor in "kv"}
     with torch.inference_mode():
-        costs = {"k": {t: np.array([_key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
+        costs = {"k": {t: np.array([key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
                        for t, codec in codecs["k"].items()},
-                 "v": {t: np.array([_value_cost(profile, i, codec) for i in range(num_layers)]) for t, codec in codecs["v"].items()}}
+                 "v": {t: np.array([value_cost(profile, i, codec) for i in range(num_layers)]) for t, codec in codecs["v"].items()}}
     bits = {tensor: {t: codec.row_bits(width) / width for t, codec in by_type.items()} for tensor, by_type in codecs.items()}
     return costs, bits
 

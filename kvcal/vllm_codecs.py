@@ -17,8 +17,10 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
 - Nvfp4 (`nvfp4`, `nvfp4_4over6`): per (token, KV head), blocks of 16 channels in the model dtype, vecMax = max|x|; a
   candidate scale for denominator d is SF = fp32(vecMax * fp32(1 / d)) * gs, stored as e4m3 (round to nearest even,
   saturating at 448), and the element scale os = 1 / (SF_e4m3 * (1 / gs)) (0 for SF_e4m3 = 0); each x * os is coded
-  as e2m1 (round to nearest even on 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6). gs = 1 / k_scale with vLLM's default
-  k_scale 1.0 (no checkpoint scales). nvfp4 takes d = 6; nvfp4_4over6 takes d = 4 where its block's squared error
+  as e2m1 (round to nearest even on 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6). gs = 1 / k_scale (v_scale for
+  values), the layer's scale: vLLM's default 1.0; a per-layer one loads only with a ModelOpt checkpoint
+  (KV_CACHE_QUANT_ALGOS "FP8", "NVFP4" in model_executor/layers/quantization/modelopt.py), whose weights are quantized
+  too (`Nvfp4.k_scale`; kvcal exports none: benchmarks/results/nvfp4_scales.md). nvfp4 takes d = 6; nvfp4_4over6 takes d = 4 where its block's squared error
   is smaller than d = 6's (ties keep 6): error = sum over the 8 pairs, in order, of fma(dx0, dx0, dx1 * dx1) with dx =
   fma(q, 1 / os, -x), as the compiled kernel contracts it. Read: e2m1 * SF_e4m3 * k_scale. Bits: 4 a code and an e4m3
   byte a block: 4.5. Source: the vLLM 0.33.0 release (commit 4ba787ec9) csrc/nvfp4_kv_cache_kernels.cu
@@ -161,7 +163,6 @@ class Int4PerTokenHead:
 
 NVFP4_BLOCK = 16  # channels per e4m3 block scale
 NVFP4_SCALE_BITS = 8
-NVFP4_GLOBAL_SCALE = 1.0  # 1 / k_scale at vLLM's default k_scale 1.0
 MODEL_DTYPE = torch.float16
 
 
@@ -174,11 +175,11 @@ def e2m1_nearest_even(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(x.new_tensor(E2M1_MAGNITUDES)[index], x)
 
 
-def _nvfp4_candidate(vec_max: torch.Tensor, denominator: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_candidate(vec_max: torch.Tensor, denominator: float, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(SF as stored in e4m3, the element scale os) of one candidate denominator; all fp32."""
     reciprocal = torch.tensor(1.0 / denominator, dtype=torch.float32)
-    scale = (vec_max * reciprocal * NVFP4_GLOBAL_SCALE).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
-    inverse_global = torch.tensor(1.0 / NVFP4_GLOBAL_SCALE, dtype=torch.float32)
+    scale = (global_scale * (vec_max * reciprocal)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    inverse_global = 1.0 / global_scale
     return scale, torch.where(scale != 0, 1.0 / (scale * inverse_global), torch.zeros_like(scale))
 
 
@@ -199,6 +200,7 @@ def _nvfp4_error(blocks: torch.Tensor, element_scale: torch.Tensor) -> torch.Ten
 class Nvfp4:
     head_dim: int
     four_over_six: bool = False
+    k_scale: float = 1.0  # the layer's checkpoint k_scale (or v_scale): global scale 1 / k_scale; vLLM's default 1.0
     kind: ClassVar[CodecKind] = CodecKind.SIMULATED
     block_tokens = 1
     bits = 4
@@ -214,12 +216,14 @@ class Nvfp4:
         tokens, channels = x.shape
         blocks = x.to(MODEL_DTYPE).float().view(tokens, channels // NVFP4_BLOCK, NVFP4_BLOCK)
         vec_max = blocks.abs().amax(-1, keepdim=True)
-        scale, element_scale = _nvfp4_candidate(vec_max, 6.0)
+        k_scale = torch.tensor(self.k_scale, dtype=torch.float32)
+        global_scale = 1.0 / k_scale
+        scale, element_scale = _nvfp4_candidate(vec_max, 6.0, global_scale)
         if self.four_over_six:
-            scale4, element_scale4 = _nvfp4_candidate(vec_max, 4.0)
+            scale4, element_scale4 = _nvfp4_candidate(vec_max, 4.0, global_scale)
             use4 = _nvfp4_error(blocks, element_scale4) < _nvfp4_error(blocks, element_scale)
             scale, element_scale = torch.where(use4, scale4, scale), torch.where(use4, element_scale4, element_scale)
-        values = e2m1_nearest_even(blocks * element_scale) * scale / NVFP4_GLOBAL_SCALE
+        values = e2m1_nearest_even(blocks * element_scale) * scale * k_scale
         return Quantized(values.view(tokens, channels), torch.full((tokens,), self.row_bits(channels), device=x.device))
 
 

@@ -127,23 +127,28 @@ def _round_to_nearest_e2m1(x: np.float32) -> float:
     return float(np.copysign(q, x))
 
 
-def _nvfp4_scalar(x: np.ndarray) -> list[float]:
-    """One row through vLLM's nvfp4 writer element by element in numpy float32 (k_scale 1.0): SF = vecMax * rcp(6),
-    its e4m3 byte, outputScale = rcp(SF_e4m3), e2m1 of x * outputScale; read e2m1 * SF_e4m3."""
+def _nvfp4_scalar(x: np.ndarray, k_scale: float = 1.0) -> list[float]:
+    """One row through vLLM's nvfp4 writer element by element in numpy float32: global scale gs = 1 / k_scale,
+    SF = gs * (vecMax * rcp(6)), its e4m3 byte, outputScale = rcp(SF_e4m3 * rcp(gs)), e2m1 of x * outputScale; read
+    e2m1 * SF_e4m3 * k_scale."""
     out = []
+    k = np.float32(k_scale)
+    gs = np.float32(1.0) / k
     for block in x.reshape(-1, 16):
         vec_max = np.float32(np.abs(block).max())
-        scale = np.float32(vec_max * np.float32(1.0 / 6.0))
-        stored = float(torch.tensor(min(scale, np.float32(448.0))).to(torch.float8_e4m3fn).float())
-        output_scale = np.float32(1.0) / np.float32(stored) if stored != 0.0 else np.float32(0.0)
-        out += [_round_to_nearest_e2m1(np.float32(element * output_scale)) * stored for element in block]
+        scale = np.float32(gs * np.float32(vec_max * np.float32(1.0 / 6.0)))
+        stored = np.float32(torch.tensor(min(scale, np.float32(448.0))).to(torch.float8_e4m3fn).float().item())
+        output_scale = np.float32(1.0) / np.float32(stored * (np.float32(1.0) / gs)) if stored != 0.0 else np.float32(0.0)
+        out += [float(np.float32(np.float32(_round_to_nearest_e2m1(np.float32(element * output_scale))) * stored) * k)
+                for element in block]
     return out
 
 
-def test_nvfp4_matches_vllms_writer_element_by_element_on_random_rows():
+@pytest.mark.parametrize("k_scale", [1.0, 0.0123, 3.7])
+def test_nvfp4_matches_vllms_writer_element_by_element_on_random_rows(k_scale):
     x = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, 6)[:, None]).half().float()
-    expected = [_nvfp4_scalar(row.numpy()) for row in x]
-    assert Nvfp4(32).quantize(x).values.tolist() == expected
+    expected = [_nvfp4_scalar(row.numpy(), k_scale) for row in x]
+    assert Nvfp4(32, k_scale=k_scale).quantize(x).values.tolist() == expected
 
 
 def test_nvfp4_4over6_takes_max_over_4_where_its_block_error_is_smaller():
