@@ -81,8 +81,16 @@ def launch(function, grid: tuple, block: tuple, args: tuple, shared: int = 0) ->
     """Launch a CuPy kernel on torch's current stream, with `shared` bytes of dynamic shared memory."""
     import cupy
 
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with _cupy_stream(cupy, torch.cuda.current_stream()):
         function(grid, block, args, shared_mem=shared)
+
+
+def _cupy_stream(cupy, stream: torch.cuda.Stream):
+    """torch's stream as a CuPy stream: by the CUDA stream protocol where both take it (CuPy 14 deprecates
+    ExternalStream for it), else as ExternalStream of its handle."""
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 CODEBOOKS = (CodecKind.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN)
