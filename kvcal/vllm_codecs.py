@@ -16,20 +16,21 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   Source: vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075.
 - Nvfp4 (`nvfp4`, `nvfp4_4over6`): per (token, KV head), blocks of 16 channels in the model dtype, vecMax = max|x|; a
   candidate scale for denominator d is SF = fp32(vecMax * fp32(1 / d)) * gs, stored as e4m3 (round to nearest even,
-  saturating at 448), and the element scale os = 1 / (SF_e4m3 * (1 / gs)) (0 for SF_e4m3 = 0); each x * os is coded
-  as e2m1 (round to nearest even on 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6). gs = 1 / k_scale (v_scale for
-  values), the layer's scale: vLLM's default 1.0; a per-layer one loads only with a ModelOpt checkpoint
-  (KV_CACHE_QUANT_ALGOS "FP8", "NVFP4" in model_executor/layers/quantization/modelopt.py), whose weights are quantized
-  too (`Nvfp4.k_scale`; kvcal exports none: benchmarks/results/nvfp4_scales.md). nvfp4 takes d = 6; nvfp4_4over6 takes d = 4 where its block's squared error
-  is smaller than d = 6's (ties keep 6): error = sum over the 8 pairs, in order, of fma(dx0, dx0, dx1 * dx1) with dx =
-  fma(q, 1 / os, -x), as the compiled kernel contracts it. Read: e2m1 * SF_e4m3 * k_scale. Bits: 4 a code and an e4m3
-  byte a block: 4.5. Source: the vLLM 0.33.0 release (commit 4ba787ec9) csrc/nvfp4_kv_cache_kernels.cu
-  (round_to_nearest_e2m1, nvfp4_candidate_scale, nvfp4_reconstruction_error, cvt_warp_fp16_to_fp4_4over6; global
-  scale 1 / *k_scale_ptr) and csrc/quantization/fp4/nvfp4_utils.cuh (cvt_warp_fp16_to_fp4), the SM100 writer; on
-  other GPUs FlashInfer's nvfp4_quantize_append_paged_kv_cache_with_slot_mapping (flashinfer 0.7.2.post1,
-  include/flashinfer/page.cuh) computes the same bytes at k_scale 1.0 and has no 4over6. Taken as exact: the
-  hardware reciprocals (rcp.approx.ftz) as correctly rounded; the FMAs of the 4over6 error emulated in float64 (a
-  double rounding could flip a choice between two candidates whose errors agree to the last bit).
+  saturating at 448), and the element scale os = 1 / (SF_e4m3 * (1 / gs)) (0 for SF_e4m3 = 0); each x * os is coded as
+  e2m1 (round to nearest even on 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6). gs = 1 / k_scale (v_scale for values),
+  the layer's scale: vLLM's default 1.0; a per-layer one loads only with a ModelOpt checkpoint (KV_CACHE_QUANT_ALGOS
+  "FP8", "NVFP4" in model_executor/layers/quantization/modelopt.py), whose weights are quantized too (`Nvfp4.k_scale`;
+  kvcal exports none: benchmarks/results/nvfp4_scales.md). nvfp4 takes d = 6; nvfp4_4over6 takes d = 4 where its
+  block's squared error is smaller than d = 6's (ties keep 6): error = sum over the 8 pairs, in order, of fma(dx0,
+  dx0, dx1 * dx1) with dx = fma(q, 1 / os, -x), as the compiled kernel contracts it. Read: e2m1 * SF_e4m3 * k_scale.
+  Bits: 4 a code and an e4m3 byte a block: 4.5. Source: the vLLM 0.33.0 release (commit 4ba787ec9)
+  csrc/nvfp4_kv_cache_kernels.cu (round_to_nearest_e2m1, nvfp4_candidate_scale, nvfp4_reconstruction_error,
+  cvt_warp_fp16_to_fp4_4over6; global scale 1 / *k_scale_ptr) and csrc/quantization/fp4/nvfp4_utils.cuh
+  (cvt_warp_fp16_to_fp4), the SM100 writer; on other GPUs FlashInfer's
+  nvfp4_quantize_append_paged_kv_cache_with_slot_mapping (flashinfer 0.7.2.post1, include/flashinfer/page.cuh)
+  computes the same bytes at k_scale 1.0 and has no 4over6. Taken as exact: the hardware reciprocals (rcp.approx.ftz)
+  as correctly rounded; the FMAs of the 4over6 error emulated in float64 (a double rounding could flip a choice
+  between two candidates whose errors agree to the last bit).
 - TurboQuant presets (`turboquant_k8v4`, `turboquant_4bit_nc`, `turboquant_k3v4_nc`, `turboquant_3bit_nc`: TQ_PRESETS,
   key bits, value bits, norm correction): keys either fp8 e4m3 (k8v4: cast saturating at +-448, no scale; the
   Hopper-and-later format, e4nv) or, per (token, KV head), n = ||k|| in fp32, y = (k / (n + 1e-8)) H with H the
