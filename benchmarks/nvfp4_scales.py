@@ -24,7 +24,7 @@ MULTIPLES = (1.0, *(round(0.5 + 0.05 * i, 2) for i in range(31) if i != 10))  # 
 
 
 def layer_costs(profile: dict, config: dict, layer: int, four_over_six: bool) -> dict:
-    """{"k"|"v": {"unit", "absmax", "best", "best_multiple"}} for one layer."""
+    """{"k"|"v": {"unit", "absmax", "best": costs; "best_multiple"; "absmax_scale": absmax / 2688}} for one layer."""
     from kvcal.plan import key_cost, value_cost
     from kvcal.vllm_codecs import Nvfp4
 
