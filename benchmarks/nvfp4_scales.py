@@ -19,14 +19,14 @@ import torch
 
 from benchmarks.common import provenance, write_markdown, write_result
 
-FP8_MAX, E2M1_MAX = 448.0, 6.0
 MULTIPLES = (1.0, *(round(0.5 + 0.05 * i, 2) for i in range(31) if i != 10))  # 1.0 first: ties keep absmax / 2688
 
 
 def layer_costs(profile: dict, config: dict, layer: int, four_over_six: bool) -> dict:
     """{"k"|"v": {"unit", "absmax", "best": costs; "best_multiple"; "absmax_scale": absmax / 2688}} for one layer."""
     from kvcal.plan import key_cost, value_cost
-    from kvcal.vllm_codecs import Nvfp4
+    from kvcal.quantizers import E2M1_MAGNITUDES
+    from kvcal.vllm_codecs import FP8_MAX, Nvfp4
 
     fingerprint = config["model"]["fingerprint"]
     head_dim, kv_heads = fingerprint["head_dim"], fingerprint["num_kv_heads"]
@@ -35,7 +35,7 @@ def layer_costs(profile: dict, config: dict, layer: int, four_over_six: bool) ->
         def cost(k_scale: float) -> float:
             codec = Nvfp4(head_dim, four_over_six, k_scale)
             return key_cost(profile, config, layer, codec, kv_heads) if side == "k" else value_cost(profile, layer, codec)
-        absmax_scale = float(profile[f"layers.{layer}.{absmax_name}"].max()) / (E2M1_MAX * FP8_MAX)
+        absmax_scale = float(profile[f"layers.{layer}.{absmax_name}"].max()) / (E2M1_MAGNITUDES[-1] * FP8_MAX)
         searched = [(cost(absmax_scale * m), m) for m in MULTIPLES]
         best, multiple = min(searched, key=lambda pair: pair[0])  # the first of equal costs: 1.0 where it ties
         out[side] = {"unit": cost(1.0), "absmax": searched[0][0], "best": best, "best_multiple": multiple,
