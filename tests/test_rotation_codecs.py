@@ -1,9 +1,10 @@
 """kvcal.rotation_codecs: rotations, hadamard-int, TurboQuant-style, llama.cpp KV types checked against a
-plain-Python transcription of ggml's reference C loops."""
+plain-Python transcription of ggml's reference C loops and against llama.cpp's gguf-py package."""
 
 import math
 import struct
 
+import gguf
 import pytest
 import torch
 
@@ -283,6 +284,37 @@ def test_llama_cpp_types_match_ggml_reference_loops(qtype):
     assert torch.equal(decoded, torch.tensor(expected_values))
     assert all(t.dtype == torch.float16 and t.shape == (x.shape[0], 4) for t in encoded.token.values())
     assert torch.equal(codec.quantize(x).values, decoded)
+
+
+def ggml_blocks(qtype, encoded):
+    """Our encoding laid out as ggml's block structs (ggml-common.h): fp16 d [, fp16 m] [, uint32 qh of the 5th
+    bits], then the low bits of elements j and j + 16 in one byte (q8_0: the 32 int8 bytes)."""
+    codes = encoded.codes.reshape(-1, 32).to(torch.uint8)
+    scales = [encoded.token[name].reshape(-1, 1).view(torch.uint8) for name in ("d", "m") if name in encoded.token]
+    if qtype == "q8_0":
+        return torch.cat([*scales, codes], dim=1).numpy()
+    packed = (codes[:, :16] & 0x0F) | ((codes[:, 16:] & 0x0F) << 4)
+    if qtype.startswith("q5"):
+        high = ((codes >> 4) & 1).to(torch.int64) << torch.arange(32)
+        qh = high.sum(dim=1).to(torch.int32).reshape(-1, 1).view(torch.uint8)  # little-endian uint32
+        return torch.cat([*scales, qh, packed], dim=1).numpy()
+    return torch.cat([*scales, packed], dim=1).numpy()
+
+
+@pytest.mark.parametrize("qtype", LLAMA_CPP_TYPES)
+def test_llama_cpp_types_match_llama_cpps_gguf_package_byte_for_byte(qtype):
+    """gguf-py (llama.cpp's gguf-py/gguf/quants.py, checked against libggml by its tests/test_quants.py) quantizes
+    q4_0, q4_1, q5_0, q5_1 and q8_0 and dequantizes all six: the same bytes, and the same values from our bytes."""
+    x = ggml_test_rows()
+    codec = LlamaCppKV(qtype, 64, hadamard=None)
+    encoded = codec.encode(x)
+    ours = ggml_blocks(qtype, encoded)
+    gguf_type = getattr(gguf.GGMLQuantizationType, qtype.upper())
+    if qtype != "iq4_nl":  # gguf-py has no iq4_nl quantizer
+        theirs = gguf.quants.quantize(x.numpy().reshape(-1, 32), gguf_type)
+        assert ours.shape == theirs.shape and (ours == theirs).all()
+    values = gguf.quants.dequantize(ours.reshape(-1), gguf_type).reshape(x.shape)
+    assert torch.equal(codec.decode(encoded), torch.from_numpy(values))
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "iq4_nl", "q8_0"])
