@@ -24,7 +24,10 @@
 
 #define WARPS 4
 #define THREADS (WARPS * 32)
-#define GMAX 8  // query heads per KV head served by one block
+// query heads per KV head served by one block: 8, and 4 at head_dim 256 (8 heads' accumulators of 8 channels a lane
+// left ptxas too few registers there: spills)
+template <int D>
+constexpr int GMAX = D == 256 ? 4 : 8;
 
 // Fields of one side (K or V) in the int64 descriptor array written by kvcal/runtime/kernels.py.
 enum SideField {
@@ -182,11 +185,11 @@ __device__ __forceinline__ void accumulate(float* s, const float (*q)[D], int gr
     if (ROPE) {
         const float r1 = k1 * cos_a - k2 * sin_a, r2 = k2 * cos_a + k1 * sin_a;
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GMAX<D>; ++g)
             if (g < group) s[g] += q[g][c] * r1 + q[g][c + D / 2] * r2;
     } else {
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GMAX<D>; ++g)
             if (g < group) s[g] += q[g][c] * k1 + q[g][c + D / 2] * k2;
     }
 }
@@ -360,12 +363,25 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     int batch, int kv_heads, int group, int tokens_per_split, int split_offset, int total_splits,
     float scale_log2, float rope_scale) {
     constexpr int PER_LANE = D / 32;
-    __shared__ float q_s[GMAX][D];
-    __shared__ float p_s[WARPS][GMAX][32];
-    __shared__ SideTables<D> k_tables, v_tables;
-    __shared__ float freq_s[D / 2];
-    __shared__ float m_s[WARPS][GMAX], l_s[WARPS][GMAX];
-    __shared__ float acc_s[WARPS][GMAX][D];
+    // the warps' outputs for the final merge take the place of what the token loop reads (a barrier between): at
+    // head_dim 256 both together passed the 48 KB of static shared memory
+    struct LoopState {
+        float q[GMAX<D>][D];
+        float p[WARPS][GMAX<D>][32];
+        SideTables<D> k_tables, v_tables;
+        float freq[D / 2];
+    };
+    union SharedState {
+        LoopState loop;
+        float acc[WARPS][GMAX<D>][D];
+    };
+    __shared__ SharedState shared;
+    float(&q_s)[GMAX<D>][D] = shared.loop.q;
+    float(&p_s)[WARPS][GMAX<D>][32] = shared.loop.p;
+    SideTables<D>&k_tables = shared.loop.k_tables, &v_tables = shared.loop.v_tables;
+    float(&freq_s)[D / 2] = shared.loop.freq;
+    float(&acc_s)[WARPS][GMAX<D>][D] = shared.acc;
+    __shared__ float m_s[WARPS][GMAX<D>], l_s[WARPS][GMAX<D>];
 
     const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -394,7 +410,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         }
         return;
     }
-    for (int i = threadIdx.x; i < GMAX * D; i += THREADS) {
+    for (int i = threadIdx.x; i < GMAX<D> * D; i += THREADS) {
         int g = i / D, c = i % D;
         q_s[g][c] = g < group ? query[((long long)b * heads + kv_head * group + g) * D + c] * scale_log2 : 0.0f;
     }
@@ -404,9 +420,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     load_tables<VCODEC, D>(vs, v_tables, kv_head);
     __syncthreads();
 
-    float m[GMAX], l[GMAX], acc[GMAX][PER_LANE];
+    float m[GMAX<D>], l[GMAX<D>], acc[GMAX<D>][PER_LANE];
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
+    for (int g = 0; g < GMAX<D>; ++g) {
         m[g] = -KVCAL_INF;
         l[g] = 0.0f;
 #pragma unroll
@@ -418,9 +434,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         const int count = min(32, end - t0);
         const int t = t0 + lane, u = sequence_token(t);
         const bool valid = lane < count;
-        float s[GMAX];
+        float s[GMAX<D>];
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g) s[g] = 0.0f;
+        for (int g = 0; g < GMAX<D>; ++g) s[g] = 0.0f;
 
         // keys: this lane's token against every query head
         if (valid)
@@ -439,18 +455,18 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
                     rope_cos_sin(position0 + u, freq_s[f], &cos_a, &sin_a);
                     const float sign = c < D / 2 ? 1.0f : -1.0f;
 #pragma unroll
-                    for (int g = 0; g < GMAX; ++g)
+                    for (int g = 0; g < GMAX<D>; ++g)
                         if (g < group) s[g] += delta * rope_scale * (q_s[g][c] * cos_a + sign * q_s[g][partner] * sin_a);
                 } else {
 #pragma unroll
-                    for (int g = 0; g < GMAX; ++g)
+                    for (int g = 0; g < GMAX<D>; ++g)
                         if (g < group) s[g] += delta * q_s[g][c];
                 }
             });
 
         // online softmax over the tile
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g) {
+        for (int g = 0; g < GMAX<D>; ++g) {
             if (g >= group) continue;
             const float score = valid ? s[g] : -KVCAL_INF;
             const float m_new = fmaxf(m[g], warp_max(score));
@@ -472,7 +488,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
                 const int c = lane + 32 * j;
                 const float v = token_value<VCODEC, D>(ref, v_tables, v_layout, v_group, head_channel + c, c);
 #pragma unroll
-                for (int g = 0; g < GMAX; ++g)
+                for (int g = 0; g < GMAX<D>; ++g)
                     if (g < group) acc[g][j] += p_s[warp][g][i] * v;
             }
         }
@@ -487,7 +503,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
                 for (int j = 0; j < PER_LANE; ++j) {  // a select, not acc[g][c / 32]: registers cannot be indexed
                     const float owned = j == c / 32 ? delta : 0.0f;
 #pragma unroll
-                    for (int g = 0; g < GMAX; ++g)
+                    for (int g = 0; g < GMAX<D>; ++g)
                         if (g < group) acc[g][j] += p_s[warp][g][tile_token] * owned;
                 }
             });
@@ -495,8 +511,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     }
 
     // merge the warps' partial softmax states, then write this split's (output, lse)
+    __syncthreads();  // every warp has left the token loop: acc_s may overwrite its state
 #pragma unroll
-    for (int g = 0; g < GMAX; ++g) {
+    for (int g = 0; g < GMAX<D>; ++g) {
 #pragma unroll
         for (int j = 0; j < PER_LANE; ++j) acc_s[warp][g][lane + 32 * j] = acc[g][j];
         if (lane == 0) {

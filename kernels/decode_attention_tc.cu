@@ -124,7 +124,8 @@ struct Shape {
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
     // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
-    static constexpr int STAGES = FP16 ? 3 : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
+    // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
+    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
     static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
     static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
     static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
@@ -176,12 +177,12 @@ struct Shape {
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
     static constexpr int MIN_BLOCKS =
-        FP16 || OUT || (ROPE && D == 128) ? 2 : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+        FP16 || OUT || (ROPE && D >= 128) || (D == 256 && (CB || KBLOCKS > 1)) ? 2
+                                                                             : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
-    static_assert(!SHARED_KEY_BLOCK || 2 * D * 2 / 16 <= 32, "a shared key block's parameters: one warp's copies");
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
-    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(D == 64 || D == 128 || (D == 256 && !ROPE), "head_dim 64 or 128, or 256 with post-RoPE keys");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || ((BITS == 4 || BITS == 3) && VG == D), "codebooks: 4- or 3-bit codes; one value threshold pair per token");
@@ -240,24 +241,30 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
 // Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
 // 3u + h the low bits of half h, word 3u + 2 the high bits): the words of their low and high bits, the shift that
 // moves a quarter's low bits to the low half (N = 8), and the prmt selector that moves their high-bit bytes to bytes
-// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8). decode_tc makes a lane's
-// places once (first: a lane constant; pre-RoPE keys and values), so its loop addresses rows without arithmetic.
+// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8); a whole unit (N = 32, head_dim
+// 256) is its first half's place. decode_tc makes a lane's places once (first: a lane constant; pre-RoPE keys and
+// values), so its loop addresses rows without arithmetic.
 struct Planes3Place {
     int low, high;
     unsigned shift, selector;
 };
 template <int N>
 __device__ __forceinline__ Planes3Place planes3_place(int first) {
-    static_assert(N == 16 || N == 8, "a half or a quarter unit");
+    static_assert(N == 32 || N == 16 || N == 8, "a unit, a half or a quarter unit");
     const int unit = first >> 5, half = first >> 4 & 1;
-    if constexpr (N == 16) return {3 * unit + half, 3 * unit + 2, 0u, half ? 0x4342u : 0x4140u};
+    if constexpr (N == 32 || N == 16) return {3 * unit + half, 3 * unit + 2, 0u, half ? 0x4342u : 0x4140u};
     return {3 * unit + half, 3 * unit + 2, 16u * (first >> 3 & 1), 0x4440u + (first >> 3 & 3)};
 }
 
 // Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs.
 template <int N>
 __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, unsigned lut) {
-    planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, prmt(row[at.high], 0u, at.selector), out, lut);
+    if constexpr (N == 32) {  // the unit's two halves: the second's low bits are the next word, its high bits bytes 1, 3
+        planes3_codes<16>(row, at, out, lut);
+        planes3_codes<16>(row, Planes3Place{at.low + 1, at.high, 0u, 0x4342u}, out + 8, lut);
+    } else {
+        planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, prmt(row[at.high], 0u, at.selector), out, lut);
+    }
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, 1024 + code
@@ -483,12 +490,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
-            // a shared key block's (one warp's worth of copies): warp tile % 4 copies them, the warp that makes its Q'
-            const int first_copier = S::SHARED_KEY_BLOCK ? (warp == tile % WARPS ? lane : THREADS) : tid;
+            // a shared key block's: warp tile % 4 copies them, the warp that makes its Q' (it waits on its own copies)
+            constexpr int COPIERS = S::SHARED_KEY_BLOCK ? 32 : THREADS;
+            const int first_copier = S::SHARED_KEY_BLOCK ? (warp == tile % WARPS ? lane : PCOPIES) : tid;
 #pragma unroll
-            for (int i = 0; i < (PCOPIES + THREADS - 1) / THREADS; ++i) {
-                const int c = first_copier + i * THREADS;
-                if (PCOPIES % THREADS == 0 || c < PCOPIES) {
+            for (int i = 0; i < (PCOPIES + COPIERS - 1) / COPIERS; ++i) {
+                const int c = first_copier + i * COPIERS;
+                if ((!S::SHARED_KEY_BLOCK && PCOPIES % THREADS == 0) || c < PCOPIES) {
                     const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
                     const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
                     const bool live = first_token < end;
@@ -816,7 +824,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     };
 
     // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; codebook value parameters of all but the last stored here ----
-    unsigned short pending[2], early[S::STAGES - 2][2];
+    unsigned short pending[2], early[S::STAGES > 2 ? S::STAGES - 2 : 1][2];
 #pragma unroll
     for (int s = 0; s < S::STAGES - 1; ++s) {
         if (s < tiles) {

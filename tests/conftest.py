@@ -262,6 +262,28 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
     return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 
 
+# the tiny Gemma 3 at Gemma's head_dim, its sliding window longer than the kernel tests' 110 tokens (on CUDA a layer
+# whose window bites decodes on the torch reference: the CUDA kernels attend over every stored token)
+HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=128)
+
+
+@pytest.fixture(scope="session")
+def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """Bundles of the tiny Gemma 3 at head_dim 256 (HEAD_DIM_256): the default kvquant recipe (nuq3, 1% outliers,
+    pre-RoPE keys) and kivi4-g32 (post-RoPE int4 bodies the tensor-core kernel serves at that head_dim)."""
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.methods.kivi import KiviSettings
+
+    folder = tmp_path_factory.mktemp("head-dim-256")
+    profile = profile_of(tiny_model_dir("gemma3_text", **HEAD_DIM_256), tiny_corpus, folder)
+    nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    artifacts = {"kvquant": ("kvquant", str(nuq), None), "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
+    return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
+            for name, (recipe, *extra) in artifacts.items()}
+
+
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,

@@ -198,10 +198,15 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "cocktail": Variant(128, 4, G, G, 2)}
 
 
+# and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies (pre-RoPE keys, kvquant's, are
+# rotated by the tensor-core kernel at head_dim 64 and 128 only: the CUDA-core kernel serves them at 256)
+HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2)}
+EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values(), *HEAD_DIM_256_VARIANTS.values())
+
+
 @pytest.fixture(scope="session")
 def tensor_core_library():
-    variants = list(dict.fromkeys([*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()]))  # kvquant-w8 shares kvquant's
-    return tensor_core_emulation.build(variants)
+    return tensor_core_emulation.build(list(dict.fromkeys(EMULATED_VARIANTS)))  # kvquant-w8 shares kvquant's
 
 
 @pytest.fixture
@@ -213,7 +218,7 @@ def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
     def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
         if not function.startswith("decode_tc<"):
             return emulated(function, grid, block, args, shared)
-        variant = next(v for v in (*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values()) if v.name == function)
+        variant = next(v for v in EMULATED_VARIANTS if v.name == function)
         launched.append(function)
         getattr(tensor_core_library, tensor_core_emulation.symbol(variant))(*grid, *(x.item() for x in args))
 
@@ -270,6 +275,30 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     # kvquant-d128; keys one position off give 1.7e-3), fp32 on CUDA cores
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ("kivi4-g32", "kvquant"))
+def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtime(with_tensor_cores, head_dim_256_gemma3_bundles,
+                                                                                  recipe):
+    """A tiny Gemma 3 at head_dim 256 (a sliding layer within its window, a full one) on a left-padded batch:
+    kivi4-g32's bodies on the tensor-core kernel and the rest on the CUDA-core kernel, kvquant's all on the CUDA-core
+    kernel, give the reference runtime's logits."""
+    from conftest import HEAD_DIM_256, tiny_model
+
+    model = tiny_model("gemma3_text", **HEAD_DIM_256)
+    bundle = head_dim_256_gemma3_bundles[recipe]
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        paths = [layer.decode_path for layer in cache.layers]
+        with reference_runtime():
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    served = HEAD_DIM_256_VARIANTS.get(recipe)
+    assert paths == ["tensor-core" if served else "cuda-core"] * len(paths)
+    assert with_tensor_cores == ([served.name] * 10 * len(paths) if served else [])  # one launch per layer and step
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-0%"))

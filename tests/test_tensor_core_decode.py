@@ -3,10 +3,10 @@
 - the CPU emulator (tests/kernel_emulation: fibers, and the PTX models of mma / ldmatrix / cp.async / lop3 / prmt)
   runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
-  tokens, values per token), head_dim 64 / 128, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
+  tokens, values per token), head_dim 64 / 128 / 256, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
   (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
   keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
-  planes3, at head_dim 64 too), with 1% and crowded outliers kept exact (pre-RoPE keys), within 4e-3; pre-RoPE keys
+  planes3, at head_dim 64 and 256 too), with 1% and crowded outliers kept exact (pre-RoPE keys), within 4e-3; pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
   of 65 stages;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
@@ -64,7 +64,11 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")]
          # nuq3 at head_dim 64: 24-byte rows (8-byte copies), 8 codes a lane (planes3 quarters)
          + [("nuq3", 64, 4, "3"), ("nuq3-rope", 64, 2, "3"), ("nuq3-rope", 64, 1, "3-edges"), ("nuq3-out-rope", 64, 4, "3"),
-            ("nuq3-out-rope", 64, 8, "1")])
+            ("nuq3-out-rope", 64, 8, "1")]
+         # head_dim 256 (Gemma 2 / 3), post-RoPE keys: fp16 in 2 stages, 64 channels a lane, nuq3 in whole planes3 units
+         + [("fp16", 256, 4, "3"), ("fp16", 256, 1, "3-edges"), ("int4", 256, 8, "3"), ("int2", 256, 4, "3-edges"),
+            ("int4-g32", 256, 4, "3"), ("int2-g64", 256, 2, "3"), ("nuq4", 256, 4, "3"), ("nuq3", 256, 8, "3"),
+            ("nuq3", 256, 1, "3-edges")])
 
 
 def tolerance(codec: str) -> float:
@@ -328,6 +332,9 @@ MUTANTS = {
     "nuq-table-address": ("nuq4", "0x3FCu, lut", "0x1FCu, lut"),
     "nuq3-table-byte": ("nuq3-rope", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
     "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
+    # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp
+    "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),
+    "shared-key-block-second-round": ("int4", "i < (PCOPIES + COPIERS - 1) / COPIERS; ++i", "i < 1; ++i", "1", 256),
 }
 
 

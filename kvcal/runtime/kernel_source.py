@@ -54,7 +54,7 @@ FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN = (
 # per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds.
 CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
                (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN))
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 APPEND_KERNELS = ("append_token_uniform", "append_channel_block", "append_codebook", "append_codebook_outliers")
 
 

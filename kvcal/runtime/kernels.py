@@ -42,7 +42,13 @@ if TYPE_CHECKING:
 
 THREADS = 128
 TILE = 32
-MAX_GROUP = 8  # query heads per KV head (GMAX in decode_attention.cu)
+
+
+def max_group(head_dim: int) -> int:
+    """Query heads per KV head the CUDA-core kernel serves (GMAX<D> in decode_attention.cu)."""
+    return 4 if head_dim == 256 else 8
+
+
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
 LOG2E = 1.4426950408889634
 _LAYOUTS = src.enum_members("common.cuh", "Layout")
@@ -120,8 +126,8 @@ def heads_refusal(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the decode kernels do not serve a layer of these head counts, or None."""
     if head_dim not in src.HEAD_DIMS:
         return f"they read head_dim {', '.join(map(str, src.HEAD_DIMS))}, not {head_dim}"
-    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
-        return f"they read up to {MAX_GROUP} query heads per KV head, not {heads} over {kv_heads}"
+    if heads % kv_heads or heads // kv_heads > max_group(head_dim):
+        return f"they read up to {max_group(head_dim)} query heads per KV head at head_dim {head_dim}, not {heads} over {kv_heads}"
     return None
 
 

@@ -2,8 +2,8 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), head_dim 64 or 128, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in
-the kernel: pass inv_freq and each sequence's first position).
+"planes3"), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE at head_dim 64 and 128
+(rotated in the kernel: pass inv_freq and each sequence's first position).
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
 (kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
@@ -36,7 +36,7 @@ MODULE = "decode_attention_tc.cu"
 THREADS, WARPS = 128, 4  # tc::THREADS, tc::WARPS
 STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and tc::OUT_TILE), and of the WIDE ones
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 GQA_SIZES = tuple(range(1, 9))
 LOG2E = 1.4426950408889634
 
@@ -74,6 +74,8 @@ class Variant:
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
             if (vg % d and d % vg) or vge // 8 * bits < 16:
                 raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
+        if self.rope and d == 256:
+            raise KvcalError(f"pre-RoPE keys are served at head_dim 64 / 128, not 256 (the rotation's registers spill there): {self}")
         if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
             raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128 and codebooks, not {bits} bits "
                              f"at {d}")
@@ -101,7 +103,7 @@ class Variant:
     def stages(self) -> int:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
         if self.bits == 16:
-            return 3
+            return 2 if self.head_dim == 256 else 3  # a block of 256-channel rows fits an A100's shared memory
         if self.wide:
             return 3 if self.bits == 4 else 4
         if self.outliers:
@@ -153,7 +155,7 @@ def variants() -> list[Variant]:
                             continue
                         out.append(v)
             out += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in (4, 3) for rope in (False, True)
-                    for outliers in ((False, True) if rope else (False,))]
+                    for outliers in ((False, True) if rope else (False,)) if not (rope and d == 256)]
     return out
 
 
