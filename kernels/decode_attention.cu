@@ -35,8 +35,11 @@ enum SideField {
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, SIDE_FIELDS
 };
-// Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS).
-enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_SKIP, META_FIELDS };
+// Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS): sink tokens, body tokens, the
+// recent segment's first live row, recent tokens, the body's first live row (a sliding window drops rows from its
+// front), the body rows another kernel serves, the sequence's first token the query sees (a sliding window; the
+// tokens before it weigh nothing).
+enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_BODY_HEAD, M_SKIP, M_FIRST, META_FIELDS };
 
 struct Side {
     const half_bits* sink; long long sink_stride;
@@ -71,13 +74,14 @@ __device__ __forceinline__ Side load_side(const long long* d) {
 }
 
 struct Lengths {
-    int sink, body, head, recent, skip;
+    int sink, body, head, recent, body_head, skip, first;
 };
 
 __device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int batch, int b) {
     const int* m = meta + ((long long)side * batch + b) * META_FIELDS;
     Lengths n;
-    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.skip = m[M_SKIP];
+    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.body_head = m[M_BODY_HEAD];
+    n.skip = m[M_SKIP]; n.first = m[M_FIRST];
     return n;
 }
 
@@ -127,7 +131,7 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
         return ref;
     }
     t -= n.sink;
-    if (CODEC != FP16_ONLY && t < n.body) return body_ref<CODEC>(s, b, t);
+    if (CODEC != FP16_ONLY && t < n.body) return body_ref<CODEC>(s, b, n.body_head + t);
     t -= n.body;
     ref.fp16_row = s.recent + b * s.recent_stride + (long long)(n.head + t) * width;
     return ref;
@@ -321,30 +325,30 @@ __device__ __forceinline__ void key_scores(float* s, const TokenRef& ref, const 
     }
 }
 
-// For every outlier of one side in body rows [row_lo, row_hi) of sequence b (body rows in all) in the block's
-// KV head that owns(row, c) claims for this lane: apply(row, c, delta), delta = the exact value minus what the
-// codes gave, c = the channel within the head. The rows' tiles are read straight from the offset table: tile t's
-// outliers are [offset[t], offset[t + 1]), the last started tile's end at the run's count; rows within a tile
-// are in append order, so the walk stops at the first row past row_hi.
+// For every outlier of one side in live body rows [row_lo, row_hi) of sequence b (body rows in all, the first live
+// one at store row `head`) in the block's KV head that owns(row, c) claims for this lane: apply(row, c, delta), delta
+// = the exact value minus what the codes gave, c = the channel within the head. The rows' tiles (of store rows) are
+// read straight from the offset table: tile t's outliers are [offset[t], offset[t + 1]), the last started tile's end
+// at the run's count; rows within a tile are in append order, so the walk stops at the first row past row_hi.
 template <int CODEC, int D, typename Owns, typename Apply>
 __device__ __forceinline__ void for_each_outlier(const Side& side, const SideTables<D>& tables, int layout, int param_group,
-                                                 int b, int kv_head, int kv_heads, int body, int row_lo, int row_hi,
+                                                 int b, int kv_head, int kv_heads, int body, int head, int row_lo, int row_hi,
                                                  int head_channel, Owns owns, Apply apply) {
     if (CODEC == FP16_ONLY || side.outlier_counts == nullptr || row_lo >= row_hi) return;
     const long long run = (long long)b * kv_heads + kv_head;
     const unsigned short* positions = side.outlier_positions + run * side.outlier_stride;
     const half_bits* values = side.outlier_values + run * side.outlier_stride;
     const int* offsets = side.outlier_offsets + run * side.offset_stride;
-    const int last_tile = (body - 1) >> side.tile_shift;
-    for (int tile = row_lo >> side.tile_shift; tile <= (row_hi - 1) >> side.tile_shift; ++tile) {
+    const int last_tile = (head + body - 1) >> side.tile_shift;
+    for (int tile = (head + row_lo) >> side.tile_shift; tile <= (head + row_hi - 1) >> side.tile_shift; ++tile) {
         const int end = __ldg(tile < last_tile ? offsets + tile + 1 : side.outlier_counts + run);  // one load, no branch
         for (int i = __ldg(offsets + tile); i < end; ++i) {
             const unsigned position = __ldg(positions + i);
-            const int row = (tile << side.tile_shift) + (int)(position / D), c = (int)(position % D);
+            const int stored = (tile << side.tile_shift) + (int)(position / D), row = stored - head, c = (int)(position % D);
             if (row >= row_hi) break;  // a run is in append order: the rest of the tile is past these rows
             if (row < row_lo || !owns(row, c)) continue;
             apply(row, c, load_half(values + i) -
-                              body_value<CODEC, D>(body_ref<CODEC>(side, b, row), tables, layout, param_group, head_channel + c, c));
+                              body_value<CODEC, D>(body_ref<CODEC>(side, b, stored), tables, layout, param_group, head_channel + c, c));
         }
     }
 }
@@ -433,7 +437,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
         const int count = min(32, end - t0);
         const int t = t0 + lane, u = sequence_token(t);
-        const bool valid = lane < count;
+        const bool valid = lane < count && u >= kn.first;
         float s[GMAX<D>];
 #pragma unroll
         for (int g = 0; g < GMAX<D>; ++g) s[g] = 0.0f;
@@ -445,7 +449,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
 
         // key outliers of this tile's body rows, each on the lane that holds its token
         for_each_outlier<KCODEC, D>(
-            ks, k_tables, k_layout, k_group, b, kv_head, kv_heads, kn.body, max(t0 - kn.sink, 0) + skip,
+            ks, k_tables, k_layout, k_group, b, kv_head, kv_heads, kn.body, kn.body_head, max(t0 - kn.sink, 0) + skip,
             min(t0 + count - kn.sink + skip, kn.body), head_channel,
             [&](int row, int c) { return lane == row + kn.sink - skip - t0; },
             [&](int row, int c, float delta) {
@@ -470,8 +474,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
             if (g >= group) continue;
             const float score = valid ? s[g] : -KVCAL_INF;
             const float m_new = fmaxf(m[g], warp_max(score));
-            const float correction = exp2f(m[g] - m_new);
-            const float p = exp2f(score - m_new);
+            const float m_use = m_new == -KVCAL_INF ? 0.0f : m_new;  // a tile before the window's first token: p = 0
+            const float correction = exp2f(m[g] - m_use);
+            const float p = exp2f(score - m_use);
             l[g] = l[g] * correction + warp_sum(p);
             m[g] = m_new;
 #pragma unroll
@@ -494,7 +499,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
         }
         // value outliers of this tile's body rows, each on the lane that holds its channel
         for_each_outlier<VCODEC, D>(
-            vs, v_tables, v_layout, v_group, b, kv_head, kv_heads, vn.body, max(t0 - vn.sink, 0) + skip,
+            vs, v_tables, v_layout, v_group, b, kv_head, kv_heads, vn.body, vn.body_head, max(t0 - vn.sink, 0) + skip,
             min(t0 + count - vn.sink + skip, vn.body), head_channel,
             [&](int row, int c) { return lane == c % 32; },
             [&](int row, int c, float delta) {

@@ -380,7 +380,7 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
 // per-token lo and hi of the whole row, one group). meta (batch, META) int32: first row (0 for a packed body, so the
 // parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their
-// started outlier tiles). OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions
+// started outlier tiles), the first of the tokens the query sees (a sliding window; the ones before weigh nothing). OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions
 // and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per
 // (sequence, KV head) run in elements; the body starts at row 0. ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
     constexpr bool RAW = !S::FP16 && !CB;
-    constexpr int META = 5;  // meta's fields per sequence
+    constexpr int META = 6;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
@@ -417,10 +417,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int first = meta[META * b], length = meta[META * b + 1];
+    const int first = meta[META * b], length = meta[META * b + 1], visible = meta[META * b + 5];
     const int start = split * per_split, end = min(start + per_split, length);
     const long long out_row = (long long)b * heads + (long long)kvh * GQA, slot = split_offset + split;
-    if (start >= end) {  // an empty split (a short sequence): nothing to merge
+    if (start >= end || end <= visible) {  // an empty split (a short sequence, or before a window): nothing to merge
         for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * total_splits + slot) * D + i % D] = 0.0f;
         if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -__int_as_float(0x7f800000);
         return;
@@ -987,12 +987,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
                 sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
             }
-            if (token0 + TPW > end) {  // the split's last stage: tokens past its end weigh nothing (warp-uniform)
+            // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
+            // sees (warp-uniform)
+            if (token0 + TPW > end || token0 < visible) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int token = token0 + 8 * nt + 2 * t;
-                    sc[nt][0] = token < end ? sc[nt][0] : -__int_as_float(0x7f800000);
-                    sc[nt][1] = token + 1 < end ? sc[nt][1] : -__int_as_float(0x7f800000);
+                    sc[nt][0] = token < end && token >= visible ? sc[nt][0] : -__int_as_float(0x7f800000);
+                    sc[nt][1] = token + 1 < end && token + 1 >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
                 }
             }
             // -- online softmax of head g over these TPW tokens (log2 domain) --

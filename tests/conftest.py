@@ -262,9 +262,7 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
     return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 
 
-# the tiny Gemma 3 at Gemma's head_dim, its sliding window longer than the kernel tests' 110 tokens (on CUDA a layer
-# whose window bites decodes on the torch reference: the CUDA kernels attend over every stored token)
-HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=128)
+HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256)  # the tiny Gemma 3 at Gemma's head_dim
 
 
 @pytest.fixture(scope="session")

@@ -280,9 +280,9 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
 @pytest.mark.parametrize("recipe", ("kivi4-g32", "kvquant"))
 def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtime(with_tensor_cores, head_dim_256_gemma3_bundles,
                                                                                   recipe):
-    """A tiny Gemma 3 at head_dim 256 (a sliding layer within its window, a full one) on a left-padded batch:
-    kivi4-g32's bodies on the tensor-core kernel and the rest on the CUDA-core kernel, kvquant's all on the CUDA-core
-    kernel, give the reference runtime's logits."""
+    """A tiny Gemma 3 at head_dim 256 (a sliding layer whose 16-token window the 110 tokens outgrow, a full one) on a
+    left-padded batch: kivi4-g32's bodies on the tensor-core kernel (but a body whose front the window dropped) and the
+    rest on the CUDA-core kernel, kvquant's all on the CUDA-core kernel, give the reference runtime's logits."""
     from conftest import HEAD_DIM_256, tiny_model
 
     model = tiny_model("gemma3_text", **HEAD_DIM_256)
@@ -297,7 +297,8 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     served = HEAD_DIM_256_VARIANTS.get(recipe)
     assert paths == ["tensor-core" if served else "cuda-core"] * len(paths)
-    assert with_tensor_cores == ([served.name] * 10 * len(paths) if served else [])  # one launch per layer and step
+    # the full layer's body on tensor cores at each of the 10 steps; the sliding layer's while no row left its front
+    assert set(with_tensor_cores) == ({served.name} if served else set()) and len(with_tensor_cores) >= (10 if served else 0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 

@@ -11,7 +11,7 @@ from kvcal import registry
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
-from kvcal.runtime import backends, generate, quantized_cache
+from kvcal.runtime import generate, quantized_cache
 from kvcal.runtime.cache import ATTENTION_NAME
 from kvcal.simulate import StorageTally, simulated
 
@@ -294,28 +294,6 @@ def test_a_sliding_window_model_generates_its_own_fp_tokens(model_type):
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
     assert (torch.stack(unwindowed.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the window matters here
-
-
-def test_sliding_window_layers_decode_with_the_reference_once_the_window_bites(monkeypatch):
-    """The CUDA decode kernels attend over the whole cache: a decode step of a sliding-window layer goes to
-    them only while no sequence is longer than the window (they are made to look chosen here)."""
-    class KernelCalled(Exception):
-        pass
-
-    class CudaLike(backends.LayerDecoder):
-        reads_windows = False
-
-        def decode(self, *args):
-            raise KernelCalled
-
-    monkeypatch.setattr(backends.CudaKernels, "refusal", lambda self, shape: None)
-    monkeypatch.setattr(backends.CudaKernels, "bind", lambda self, layer, shape: CudaLike())
-    with torch.inference_mode():
-        windowed = tiny_model("mistral", sliding_window=8)
-        generate(windowed, fp16_kivi_bundle(windowed), input_ids=prompt(tokens=12), **GREEDY)  # 12 > 8: the reference
-        wide = tiny_model("mistral", sliding_window=64)
-        with pytest.raises(KernelCalled):
-            generate(wide, fp16_kivi_bundle(wide), input_ids=prompt(tokens=12), **GREEDY)
 
 
 # Left padding: which tokens are real is read from the 4-D mask, on every torch pyproject.toml admits.

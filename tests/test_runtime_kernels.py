@@ -111,6 +111,22 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
     torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=6e-3 if fp16_operands else 2e-3)
 
 
+@requires_gpu
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi4-g32"))
+def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):
+    """A tiny Gemma 3 at head_dim 256, 40 tokens one at a time through a 16-token sliding layer and a full one: every
+    layer on the CUDA kernels (kivi4-g32's bodies on tensor cores), the CPU reference runtime's logits within 2e-3."""
+    from conftest import HEAD_DIM_256
+
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    bundle = head_dim_256_gemma3_bundles[recipe]
+    with torch.inference_mode():
+        cpu_logits, _ = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256), bundle, ids)
+        cuda_logits, cache = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256).cuda(), bundle, ids.cuda())
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core" if recipe == "kivi4-g32" else "cuda-core"] * 2
+    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+
+
 def _memory(address: int, dtype, count: int) -> np.ndarray:
     """count elements of dtype at a raw (CPU) address: what a kernel would read from a descriptor pointer."""
     ctype = {np.uint16: ctypes.c_uint16, np.uint32: ctypes.c_uint32, np.int32: ctypes.c_int32, np.int16: ctypes.c_int16,

@@ -153,9 +153,9 @@ def rotated(k: torch.Tensor, first_position: int, inv_freq: torch.Tensor, attent
     return torch.cat((a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]), -1).reshape(tokens, width)
 
 
-def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float, rope=None) -> torch.Tensor:
-    """Softmax attention in float64 over each sequence's first lengths[b] decoded rows; zeros without tokens.
-    rope: (inv_freq, attention_scaling, positions): the keys are pre-RoPE."""
+def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float, rope=None, visible=None) -> torch.Tensor:
+    """Softmax attention in float64 over each sequence's first lengths[b] decoded rows (from row visible[b] on: a
+    sliding window); zeros without tokens. rope: (inv_freq, attention_scaling, positions): the keys are pre-RoPE."""
     batch, heads, d = query.shape
     gqa = heads // KV_HEADS
     out = torch.zeros(batch, heads, d, dtype=torch.float64)
@@ -166,6 +166,8 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
         if rope is not None:
             inv_freq, attention_scaling, positions = rope
             k = rotated(k, positions[b], inv_freq, attention_scaling)
+        first = visible[b] if visible else 0
+        k, v = k[first:], v[first:]
         for h in range(heads):
             kvh = h // gqa
             scores = (k[:, kvh * d:(kvh + 1) * d] @ query[b, h].double().cpu()) * scaling
@@ -173,13 +175,13 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
     return out
 
 
-def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None) -> torch.Tensor:
-    """rope: as `reference`'s."""
+def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None, visible=None) -> torch.Tensor:
+    """rope: as `reference`'s; visible: each sequence's first token the query sees (default 0)."""
     batch, heads, d = query.shape
     assert per_split % v.stage_tokens == 0, "splits hold whole stages (the launcher refuses others)"
     splits = max(1, -(-max(lengths) // per_split))
     inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
-    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions), dtype=torch.int32)
+    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions, visible), dtype=torch.int32)
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
     ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, 0, out_partial,
@@ -246,6 +248,21 @@ def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
     per_split = -(-lengths[0] // v.stage_tokens) * v.stage_tokens
     got = run_emulated(emulator, v, query, keys, values, lengths, 128**-0.5, per_split=per_split, rope=rope)
     assert (got.double() - reference(query, keys, values, lengths, 128**-0.5, rope)).abs().max() < tolerance(codec)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("codec", ("fp16", "int4", "int2-g256", "nuq3-out-rope"))
+def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emulator, codec):
+    """Each sequence's first visible token (a sliding window): past two whole splits (which then count for nothing),
+    inside a stage, and 0; pre-RoPE keys past position 100K."""
+    lengths, visible = [700, 129, 64], [300, 70, 0]
+    v = variant_of(codec, 128, 4)
+    keys, values = filled(codec, lengths, 128)
+    query = torch.randn(3, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(2))
+    rope = rope_of(codec, 128, 3)
+    got = run_emulated(emulator, v, query, keys, values, lengths, 128**-0.5, rope=rope, visible=visible)
+    want = reference(query, keys, values, lengths, 128**-0.5, rope, visible)
+    assert (got.double() - want).abs().max() < tolerance(codec)
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():

@@ -142,7 +142,7 @@ class CudaCoreKernel:
             (r"for \(int part = 0; part < PER_WORD / 8", per_word / 8, None),
             (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
             (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
-            (r"for \(int tile = row_lo >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
+            (r"for \(int tile = \(head \+ row_lo\) >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
             (r"for \(int i = __ldg\(offsets \+ tile\)", self.outlier_scan(case), None),
             (r"for \(int i = 0; i < count; \+\+i\)", self.tile, "values"),
         ]
@@ -158,9 +158,9 @@ class CudaCoreKernel:
             (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
             (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
             (r"default: return lsb_code<3, 11>", 0.0),
-            (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, row\)", self.in_rows_share()),  # a visited outlier in the warp's rows
+            (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, stored\)", self.in_rows_share()),  # a visited outlier in the warp's rows
             (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
-            (r"for \(int tile = row_lo >> side\.tile_shift", 1.0 if case.outliers else 0.0),
+            (r"for \(int tile = \(head \+ row_lo\) >> side\.tile_shift", 1.0 if case.outliers else 0.0),
             (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
             (r"case PLANES3: return planes3_code", 1.0 if case.bits == 3 else 0.0),
         ]
@@ -179,7 +179,7 @@ class CudaCoreKernel:
 
     def conditions(self, case: Case) -> list[tuple[str, int]]:
         """Branches on a runtime value that their comparison with an immediate decides: (regex on the branch's source
-        line, the value). GMAX = 8 query heads are compiled in and the group has 4; the layout id is the code width;
+        line, the value). GMAX<128> = 8 query heads are compiled in and the group has 4; the layout id is the code width;
         a token's fp16 row pointer is null for a body token."""
         return [(r"if \(g >= group\) continue;", SHAPE["group"]), (r"switch \(layout\)", case.bits),
                 (r"ref\.fp16_row != nullptr", int(case.bits == 0))]
@@ -291,7 +291,7 @@ class TensorCoreKernel:
             (r"if \(tid < ST\) \{", 2 / WARPS),
             (r"if \(vp_row_of < end\)", 1.0),
             (r"if \(token0 < end\)", 1.0),
-            (r"if \(token0 \+ TPW > end\)", 0.0),  # masking: the split's last stage only
+            (r"if \(token0 \+ TPW > end \|\| token0 < visible\)", 0.0),  # masking: a split's last stage, a window's first
             # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
             # a shared key block (post-RoPE uniform keys, blocks of whole stages): one warp a stage makes the next one's Q'

@@ -78,7 +78,6 @@ def main() -> None:
               "the planner the runtime binds at a layer's first decode step; no kernel ran). Servers: tensor-core, "
               "cuda-core (the CUDA kernels), cpu-kernel, reference (the torch reference: every token dequantized every step); "
               "appends: cuda-append, cpu-append, torch codec; '-': the layer has no fp16 segment. 'x N': N layers of the "
-              "model's. A sliding-window layer past its window goes to the reference on CUDA (a bundle does not say which "
-              "layers slide).", ""]
+              "model's.", ""]
     write_result(args.name, {"model": model, "recipes": result}, started)
     write_markdown(args.name, header + lines)

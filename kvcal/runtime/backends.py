@@ -10,8 +10,8 @@ and its reasons can be shown before any model runs (`kvcal inspect BUNDLE --devi
 bound to its layer once (`Backend.bind`), at the layer's first decode step, and the bound `LayerDecoder` keeps what
 it made for the layer's stores (kernel descriptors, the tensor-core kernel's share).
 
-A decoder that cannot read a sliding window (`reads_windows` false: the CUDA kernels attend over every stored
-token) hands a layer's decode steps to the torch reference once one of its sequences outgrows the window.
+Every decoder reads sliding windows: a sequence attends over its last `window` tokens, the stored ones before them
+(kept to the block a window drops whole) weigh nothing.
 
 Appends: each packed body quantizes its appends with the CUDA append kernels, on the CPU with the compiled appends
 (kvcal.runtime.cpu_kernel.CpuAppend), else with the torch codec (`append_encoder`, `append_path`).
@@ -46,7 +46,6 @@ class LayerDecoder:
     """A backend bound to one layer: `decode` attends the step's query over the layer's stores (the step's tokens
     already appended); `path` names what serves it."""
 
-    reads_windows = True
     path = ""
 
     def decode(self, query: torch.Tensor, plan, scaling: float, kv_heads: int, window: int | None) -> torch.Tensor:
@@ -179,9 +178,8 @@ def tensor_core_refusal(pair: tuple, shape: LayerShape) -> str | None:
 
 class CudaDecoder(LayerDecoder):
     """The CUDA decode kernels: per launch, the tensor-core kernel over the body where it serves it and the CUDA-core
-    kernel over the rest, merged; they attend over every stored token (no sliding window)."""
-
-    reads_windows = False
+    kernel over the rest, merged; both read sliding windows (the tokens before a sequence's first visible one weigh
+    nothing)."""
 
     def __init__(self, layer, shape: LayerShape):
         self.layer, self.launches = layer, _launches(layer)
@@ -193,9 +191,12 @@ class CudaDecoder(LayerDecoder):
 
     def decode(self, query, plan, scaling, kv_heads, window):
         layer = self.layer
-        out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, [o or 0 for o in plan.offsets],
+        dropped = layer.keys_store.dropped
+        first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
+        out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling,
+                                       [(o or 0) + d for o, d in zip(plan.offsets, dropped)],
                                        layer.inv_freq if layer.pre_rope else None, layer.rope_scaling,
-                                       step=plan.kernel_step(query.device), served=self.served)
+                                       step=plan.kernel_step(query.device), served=self.served, first=first)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -284,8 +285,7 @@ def _has_fp16_segments(recipe) -> bool:
 def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     """Per layer of `bundle` (a kvcal.bundle.Bundle), what serves it on device_type "cpu" (this machine: whether
     the CPU kernel builds here counts) or "cuda" (any CUDA device with CuPy: what the kernels read, whether or not
-    one is here). A sliding-window layer past its window goes to the torch reference on CUDA; a bundle does not
-    say which layers slide."""
+    one is here)."""
     if device_type not in ("cpu", "cuda"):
         raise KvcalError(f"device {device_type!r}: say cpu or cuda")
     fingerprint = bundle.fingerprint

@@ -75,7 +75,6 @@ class RuntimeLayer(CacheLayerMixin):
         self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
         self.choice: backends.Choice | None = None  # the decode backend and why, chosen at the first decode step
         self.decoder: backends.LayerDecoder | None = None  # that backend bound to this layer's stores
-        self._window_decoder: backends.LayerDecoder | None = None  # the reference, past a window the decoder cannot read
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -129,8 +128,7 @@ class RuntimeLayer(CacheLayerMixin):
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            output = self._decoder(heads, kv_heads, head_dim, window_bites).decode(query, plan, scaling, kv_heads,
-                                                                                   window if window_bites else None)
+            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, window if window_bites else None)
         else:
             output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window if window_bites else None)
         self.padded_length += m
@@ -190,18 +188,14 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length = tokens
         self._drop_out_of_window()
 
-    def _decoder(self, heads: int, kv_heads: int, head_dim: int, window_bites: bool) -> backends.LayerDecoder:
+    def _decoder(self, heads: int, kv_heads: int, head_dim: int) -> backends.LayerDecoder:
         """The decoder of this step: the backend chosen at the first decode step (kvcal.runtime.backends.choose),
-        bound to this layer's stores; the reference where a sliding window bites and that backend reads none."""
+        bound to this layer's stores."""
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device)
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
-        if window_bites and not self.decoder.reads_windows:
-            if self._window_decoder is None:
-                self._window_decoder = backends.ReferenceDecoder(self)
-            return self._window_decoder
         return self.decoder
 
     def _read(self, b: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +300,7 @@ class StepPlan:
         return self.shared(("visible", tokens, window, dropped), make)
 
     def kernel_step(self, device):
-        return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep([o or 0 for o in self.offsets], device))
+        return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep(device))
 
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):

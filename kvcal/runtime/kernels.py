@@ -378,15 +378,19 @@ class DecodeStep:
     RoPE frequencies on the device, per-sequence lengths per store layout (layers with the same segment lengths
     share one upload) and the split scratch buffers."""
 
-    def __init__(self, position_offset: list[int], device):
+    def __init__(self, device):
         self.device = device
-        self.offsets = upload(position_offset, device, torch.int32)
         self._shared: dict = {}
 
     def shared(self, key, make):
         if key not in self._shared:
             self._shared[key] = make()
         return self._shared[key]
+
+    def positions(self, position_offset: list[int]) -> torch.Tensor:
+        """Each sequence's position of its first stored token, on the device (the sliding-window layers that dropped
+        tokens have their own)."""
+        return self.shared(("positions", tuple(position_offset)), lambda: upload(position_offset, self.device, torch.int32))
 
     def meta(self, key_lengths: list[list[int]], value_lengths: list[list[int]]) -> torch.Tensor:
         key = (tuple(map(tuple, key_lengths)), tuple(map(tuple, value_lengths)))
@@ -411,20 +415,24 @@ def _multiprocessors(device: torch.device) -> int:
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                    inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
-                   served: list | None = None):
+                   served: list | None = None, first: list[int] | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
-    step: what the layers of a decode step share (made here when None); position_offset is then step's.
+    step: what the layers of a decode step share (made here when None); position_offset: each sequence's position of its
+    first stored token.
     served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
-    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once."""
+    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once.
+    first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
+    are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window)."""
     batch, heads, head_dim = query.shape
     group = heads // kv_heads
     device = query.device
-    step = step or DecodeStep(position_offset, device)
+    step = step or DecodeStep(device)
     query = query.float().contiguous()
     rope = inv_freq is not None
-    freq, offsets = step.freq(inv_freq, head_dim), step.offsets
+    freq, offsets = step.freq(inv_freq, head_dim), step.positions(position_offset)
     blocks_wanted = 2 * _multiprocessors(device)
+    first = first or [0] * batch
     plans, body_plans = [], []
     for segments, served_body in zip(launches, served or [None] * len(launches)):
         sides = (segments.keys, segments.values)
@@ -432,35 +440,38 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         skip = served_body.rows(batch) if served_body is not None else [0] * batch
         if any(skip):  # positions of body row 0: past the sinks
             positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
-            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step))
+            visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
+            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible))
         longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
-        meta = step.meta([row + [s] for row, s in zip(key_lengths, skip)], [row + [s] for row, s in zip(value_lengths, skip)])
+        body_heads = [[side[1].head[b] if side[1] is not None else 0 for b in range(batch)] for side in sides]
+        meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
+                         [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
                       math.ceil(longest / per_split)))
-    first = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
-    total = first + sum(splits for splits, _ in body_plans)
+    slot = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
+    total = slot + sum(splits for splits, _ in body_plans)
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
     tensor_core_launches = []
     for splits, bind in body_plans:
-        tensor_core_launches.append(bind(first, out_partial, lse_partial))
-        first += splits
+        tensor_core_launches.append(bind(slot, out_partial, lse_partial))
+        slot += splits
 
     def run() -> torch.Tensor:
         if total == 0:
             return out
-        first = 0
+        slot = 0
         for name, descriptor, meta, per_split, splits in plans:
             launch(_function("decode_attention.cu", name), (splits, kv_heads, batch), (THREADS,),
                    (_ptr(query), _ptr(descriptor), _ptr(meta), _ptr(offsets), _ptr(freq), _ptr(out_partial), _ptr(lse_partial),
-                    np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(first), np.int32(total),
+                    np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(slot), np.int32(total),
                     np.float32(scaling * LOG2E), np.float32(rope_scaling)))
-            first += splits
+            slot += splits
         for launch_tensor_core in tensor_core_launches:
             launch_tensor_core()
         launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
@@ -472,8 +483,9 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                      inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
-                     served: list | None = None) -> torch.Tensor:
+                     served: list | None = None, first: list[int] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens
-    (keys rotated on the fly when inv_freq is given: pre-RoPE keys); (batch, heads, head_dim) float32. A
-    sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step, served)()
+    (keys rotated on the fly when inv_freq is given: pre-RoPE keys) from each sequence's `first` on (a sliding
+    window; default all); (batch, heads, head_dim) float32. A sequence without tokens gets zeros. step: what the
+    layers of a step share (see DecodeStep)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step, served, first)()

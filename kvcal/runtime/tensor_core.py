@@ -360,14 +360,16 @@ def _outlier_operands(store) -> tuple:
             np.int64(store.outlier_positions.stride(1)), np.int64(store.outlier_offsets.stride(1)))
 
 
-def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None) -> list[list[int]]:
+def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None,
+              visible: list[int] | None = None) -> list[list[int]]:
     """Per sequence: first row, tokens, position of the first row (pre-RoPE keys; default 0), the key and value
-    stores' rows (their started outlier tiles)."""
+    stores' rows (their started outlier tiles), the first of the tokens the query sees (a sliding window; default 0)."""
     first, n = _stores_lengths(keys, values, lengths)
     positions = [0] * len(n) if positions is None else list(positions)
     if len(positions) != len(n) or any(p < 0 or p + c >= 2**29 for p, c in zip(positions, n)):
         raise KvcalError(f"positions {positions}: one per sequence, from 0, below 2^29 with the sequence's tokens")
-    return [[f, c, p, k, v] for f, c, p, k, v in zip(first, n, positions, keys.length, values.length)]
+    visible = [0] * len(n) if visible is None else list(visible)
+    return [[f, c, p, k, v, s] for f, c, p, k, v, s in zip(first, n, positions, keys.length, values.length, visible)]
 
 
 def split_plan(lengths: list[int], pairs: int, slots: int, stage_tokens: int) -> tuple[int, int]:
@@ -492,22 +494,26 @@ class ServedBody:
         self._constants: dict = {}
 
     def rows(self, batch: int) -> list[int]:
-        """Body rows served per sequence."""
+        """Body rows served per sequence: none where a sliding window dropped rows from a body's front (the kernel
+        reads bodies from store row 0: its key blocks, outlier tiles and parameter chunks are aligned there)."""
         none = [0] * batch
         key_sink = self.key_sink.length if self.key_sink is not None else none
         value_sink = self.value_sink.length if self.value_sink is not None else none
-        return [min(k, v) if ks == vs else 0
-                for ks, vs, k, v in zip(key_sink, value_sink, self.keys.length, self.values.length)]
+        return [min(k, v) if ks == vs and not kh and not vh else 0
+                for ks, vs, k, v, kh, vh in zip(key_sink, value_sink, self.keys.length, self.values.length, self.keys.head,
+                                                self.values.head)]
 
-    def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step):
+    def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step,
+                visible: list[int] | None = None):
         """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial) -> the function that
         launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's body row 0;
-        step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep)."""
+        step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first body
+        row the query sees (a sliding window; default 0)."""
         batch, _, head_dim = query.shape
         v, device = self.variant, query.device
         shared = v.shared_bytes()
         per_split, splits = split_plan(rows, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0), v.stage_tokens)
-        meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None)
+        meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None, visible)
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)
         if key not in self._constants:
