@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import RESULTS, provenance, write_markdown, write_result
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
@@ -525,13 +527,32 @@ class Walk:
             ops = [o.strip() for o in writer.operands.split(",")]
             # .EX: the high half of a 64-bit comparison with zero, chained to the low half's predicate
             chained = m and m.group(2) and ops[3] == "RZ" and m.group(1) in ("EQ", "NE")
-            if not m or ops[1] != "PT" or not (ops[4] == "PT" or chained) or not (ops[3] == "RZ" or ops[3].startswith("0x")):
+            if not m or ops[1] != "PT" or not (ops[4] == "PT" or chained):
                 break
-            other = 0 if ops[3] == "RZ" else int(ops[3], 16)
-            result = {"LT": value < other, "LE": value <= other, "GT": value > other, "GE": value >= other,
-                      "EQ": value == other, "NE": value != other}[m.group(1)]
+            a, b = value, None  # the compared value on the left, the immediate on the right
+            if ops[3] == "RZ" or ops[3].startswith("0x"):
+                b = 0 if ops[3] == "RZ" else int(ops[3], 16)
+            elif ops[3].startswith("c[") and (moved := self.moved_immediate(ops[2], j)) is not None:
+                a, b = moved, value  # the immediate moved into a register, compared with the kernel parameter
+            if b is None:
+                break
+            result = {"LT": a < b, "LE": a <= b, "GT": a > b, "GE": a >= b, "EQ": a == b, "NE": a != b}[m.group(1)]
             return result != negate
         raise WalkError(f"branch at {self.code[i].address:#x}: its predicate is not an ISETP against an immediate")
+
+    def moved_immediate(self, register: str, before: int) -> int | None:
+        """The immediate the last write before instruction `before` put in `register` (MOV, IMAD.MOV, or ptxas' HFMA2.MMA
+        of -RZ * RZ plus two fp16 constants, the halves of the word), or None."""
+        for j in range(before - 1, self.header - 1, -1):
+            opcode, ops = self.code[j].opcode, [o.strip() for o in self.code[j].operands.split(",")]
+            if ops[0] != register:
+                continue
+            if opcode == "HFMA2.MMA" and ops[1:3] == ["-RZ", "RZ"]:
+                high, low = (int(np.float16(float(x)).view(np.uint16)) for x in ops[3:5])
+                return high << 16 | low
+            moved = ops[1] if opcode == "MOV" else ops[3] if opcode == "IMAD.MOV.U32" else ""
+            return int(moved, 16) if moved.startswith("0x") else None
+        return None
 
     def describe(self, start: int) -> str:
         return f"{self.code[start].address:#x} {sorted(set(t.strip() for ins in self.block(start) for t in self.text(ins.lines)))}"
@@ -744,7 +765,9 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
                          "smem_bytes": smem, **occupancy(f.registers, smem, arch)})
     by_name = {row["variant"]: row for row in compiled}
     variant = {case: kernel.variant(case) for case in kernel.cases}
-    cubin, _, tagged_names = compile_cubin(kernel, arch, sorted(set(variant.values())), line_info=True)
+    # the same variants as the compile table's: which others share the module can change a variant's SASS (it did
+    # for the CUDA-core kernel's int2 g128 once head_dim 256 joined)
+    cubin, _, tagged_names = compile_cubin(kernel, arch, names, line_info=True)
     tagged = parse_listing(disassemble(cubin, line_info=True))
     source_text = functools.cache(lambda module: src.source(module).splitlines())
     walks = []
