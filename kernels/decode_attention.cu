@@ -382,7 +382,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     __shared__ SharedState shared;
     float(&q_s)[GMAX<D>][D] = shared.loop.q;
     float(&p_s)[WARPS][GMAX<D>][32] = shared.loop.p;
-    SideTables<D>&k_tables = shared.loop.k_tables, &v_tables = shared.loop.v_tables;
+    SideTables<D>& k_tables = shared.loop.k_tables;
+    SideTables<D>& v_tables = shared.loop.v_tables;
     float(&freq_s)[D / 2] = shared.loop.freq;
     float(&acc_s)[WARPS][GMAX<D>][D] = shared.acc;
     __shared__ float m_s[WARPS][GMAX<D>], l_s[WARPS][GMAX<D>];

@@ -380,9 +380,10 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
 // per-token lo and hi of the whole row, one group). meta (batch, META) int32: first row (0 for a packed body, so the
 // parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their
-// started outlier tiles), the first of the tokens the query sees (a sliding window; the ones before weigh nothing). OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions
-// and values, (batch, kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per
-// (sequence, KV head) run in elements; the body starts at row 0. ROPE:
+// started outlier tiles), the first of the tokens the query sees (a sliding window; the ones before weigh nothing).
+// OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions and values, (batch,
+// kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
+// in elements; the body starts at row 0. ROPE:
 // inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial

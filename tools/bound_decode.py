@@ -529,11 +529,11 @@ class Walk:
             chained = m and m.group(2) and ops[3] == "RZ" and m.group(1) in ("EQ", "NE")
             if not m or ops[1] != "PT" or not (ops[4] == "PT" or chained):
                 break
-            a, b = value, None  # the compared value on the left, the immediate on the right
+            a, b = value, None  # the ISETP's left and right operands: the runtime value against an immediate
             if ops[3] == "RZ" or ops[3].startswith("0x"):
                 b = 0 if ops[3] == "RZ" else int(ops[3], 16)
             elif ops[3].startswith("c[") and (moved := self.moved_immediate(ops[2], j)) is not None:
-                a, b = moved, value  # the immediate moved into a register, compared with the kernel parameter
+                a, b = moved, value  # or an immediate moved into a register against the kernel parameter (c[...])
             if b is None:
                 break
             result = {"LT": a < b, "LE": a <= b, "GT": a > b, "GE": a >= b, "EQ": a == b, "NE": a != b}[m.group(1)]

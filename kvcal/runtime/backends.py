@@ -133,10 +133,10 @@ class CpuDecoder(LayerDecoder):
         rope = None
         if layer.pre_rope:
             tokens = max(layer.keys_store.count(b) for b in range(len(dropped)))
-            rope = layer.cache.rope_rows([(o or 0) + d for o, d in zip(plan.offsets, dropped)], tokens, layer.inv_freq,
-                                         layer.rope_scaling, layer.window is not None)
-        first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
-        out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope, first)
+            rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
+                                         layer.window is not None)
+        out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
+                                          plan.first_visible(window, dropped))
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -192,11 +192,10 @@ class CudaDecoder(LayerDecoder):
     def decode(self, query, plan, scaling, kv_heads, window):
         layer = self.layer
         dropped = layer.keys_store.dropped
-        first = None if window is None else [max(after - window - d, 0) for after, d in zip(plan.after, dropped)]
-        out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling,
-                                       [(o or 0) + d for o, d in zip(plan.offsets, dropped)],
+        out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, plan.stored_positions(dropped),
                                        layer.inv_freq if layer.pre_rope else None, layer.rope_scaling,
-                                       step=plan.kernel_step(query.device), served=self.served, first=first)
+                                       step=plan.kernel_step(query.device), served=self.served,
+                                       first=plan.first_visible(window, dropped))
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 

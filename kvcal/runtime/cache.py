@@ -299,6 +299,14 @@ class StepPlan:
             return seen & (index >= after - window) if window is not None else seen
         return self.shared(("visible", tokens, window, dropped), make)
 
+    def stored_positions(self, dropped: list[int]) -> list[int]:
+        """Each sequence's position of its first stored token, past the `dropped` tokens a sliding window let go."""
+        return [(o or 0) + d for o, d in zip(self.offsets, dropped)]
+
+    def first_visible(self, window: int | None, dropped: list[int]) -> list[int] | None:
+        """Each sequence's first stored token its decode query sees (None: all of them, no window)."""
+        return None if window is None else [max(after - window - d, 0) for after, d in zip(self.after, dropped)]
+
     def kernel_step(self, device):
         return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep(device))
 

@@ -140,22 +140,23 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Every variant this module may launch (the NVRTC compile check covers them all)."""
-    out = []
+    """Every variant this module may launch (the NVRTC compile check covers them all): the candidates Variant.check
+    passes."""
+    candidates = []
     for d in HEAD_DIMS:
         for gqa in GQA_SIZES:
-            out.append(Variant(d, 16, 0, 0, gqa))
-            for bits in (4, 2):
-                for group in (32, 64, 128):
-                    for rope in (False, True):
-                        v = Variant(d, bits, group, group, gqa, rope)
-                        try:
-                            v.check()
-                        except KvcalError:
-                            continue
-                        out.append(v)
-            out += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in (4, 3) for rope in (False, True)
-                    for outliers in ((False, True) if rope else (False,)) if not (rope and d == 256)]
+            candidates.append(Variant(d, 16, 0, 0, gqa))
+            candidates += [Variant(d, bits, group, group, gqa, rope) for bits in (4, 2) for group in (32, 64, 128)
+                           for rope in (False, True)]
+            candidates += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in (4, 3) for rope in (False, True)
+                           for outliers in ((False, True) if rope else (False,))]
+    out = []
+    for v in candidates:
+        try:
+            v.check()
+        except KvcalError:
+            continue
+        out.append(v)
     return out
 
 
