@@ -41,6 +41,23 @@ def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_not
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
 
 
+def test_the_tensor_core_mode_at_head_dim_256_keeps_every_post_rope_variant_and_skips_the_pre_rope_ones():
+    from kvcal.errors import KvcalError
+    from kvcal.runtime.tensor_core import variant_for_codecs
+
+    served, skipped = [], []
+    for name, (codecs, rope) in tensor_core.variants(256).items():
+        if codecs is None:
+            continue
+        try:
+            variant_for_codecs(*codecs, 256, cuda_core.HEADS // cuda_core.KV_HEADS, rope=rope)
+            served.append(name)
+        except KvcalError:
+            skipped.append(name)
+    assert served == ["int4-g128", "int4-g32", "int2-g128", "int2-g64"]
+    assert skipped and all("pre-rope" in name for name in skipped)
+
+
 @pytest.mark.parametrize("arguments,problem", [
     (["--baseline", "/nonexistent"], "not a kvcal checkout"),
     (["--baseline", str(REPO) + "/"], "this checkout itself"),

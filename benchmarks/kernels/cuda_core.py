@@ -2,7 +2,8 @@
 device-to-device copy bandwidth, and speedup over torch SDPA in fp16 at the same shapes, L2 flushed before
 every timed launch (CUDA events; the host-side preparation is outside the timed region).
 
-Shapes: B in {1, 8}, 8 KV heads, 32 query heads, head_dim 128, L in {4K, 32K, 128K}. Variants: the fp16
+Shapes: B in {1, 8}, 8 KV heads, 32 query heads, head_dim 128 (Llama's) or 256 (Gemma 3's; --head-dim), L in
+{4K, 32K, 128K}. Variants: the fp16
 kernel path, uniform 4/3/2-bit with groups of 128 and 32 (keys per channel over token blocks, values per
 token, as KIVI/KVmix store them), nuq3 (KVQuant codebooks) post-RoPE, pre-RoPE, and pre-RoPE with 1% outliers.
 Bytes read = the cache's stored bytes (codes, parameters, outliers, fp16 segments) + query + output. --kernel runtime
@@ -10,8 +11,8 @@ Bytes read = the cache's stored bytes (codes, parameters, outliers, fp16 segment
 and the CUDA-core kernel over the rest; --kernel cuda-core the CUDA-core kernel alone. Each row says which ran.
 
 Usage (needs CUDA and CuPy: pip install -e ".[gpu]"):
-    python -m benchmarks.kernels cuda-core [--batches 1,8] [--lengths 4096,32768,131072] [--iters 20]
-Writes benchmarks/results/decode_<device>.{json,md}.
+    python -m benchmarks.kernels cuda-core [--batches 1,8] [--lengths 4096,32768,131072] [--iters 20] [--head-dim 256]
+Writes benchmarks/results/decode_<device>.{json,md} (decode_<device>_d256 at head_dim 256).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import torch
 
 from benchmarks.common import device_slug, provenance, write_markdown, write_result
 
-KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
-WIDTH = KV_HEADS * HEAD_DIM
+KV_HEADS, HEADS = 8, 32
+HEAD_DIMS = (128, 256)  # Llama's, Gemma 3's
 FLUSH_BYTES = 512 * 2**20  # more than any GPU's L2
 
 
-def variants() -> dict:
+def variants(head_dim: int) -> dict:
     """name -> (key codec, value codec, pre-RoPE keys); None = fp16 (no quantized body)."""
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
@@ -39,31 +40,32 @@ def variants() -> dict:
         for group in (128, 32):
             table[f"int{bits}-g{group}"] = (ChannelBlockUniform(bits, group), TokenUniform(bits, group), False)
     codebook = normal_float_codebook(3)
-    lo, hi = -torch.full((WIDTH,), 2.5), torch.full((WIDTH,), 2.5)  # N(0, 1) data: about 1% outside, both sides
+    lo, hi = -torch.full((KV_HEADS * head_dim,), 2.5), torch.full((KV_HEADS * head_dim,), 2.5)  # N(0, 1) data: about 1% outside, both sides
     table["nuq3"] = (CodebookCodec(codebook, lo, hi), CodebookCodec(codebook), False)
     table["nuq3-prerope"] = (CodebookCodec(codebook, lo, hi), CodebookCodec(codebook), True)
     table["nuq3-prerope-1%outliers"] = (CodebookCodec(codebook, lo, hi, 0.01), CodebookCodec(codebook, None, None, 0.01), True)
     return table
 
 
-def filled_stores(key_codec, value_codec, batch: int, length: int):
+def filled_stores(key_codec, value_codec, batch: int, length: int, head_dim: int):
     """K and V stores holding `length` random N(0, 1) tokens per sequence, appended with the kernels."""
     from kvcal.kv import SegmentPolicy
     from kvcal.quantizers import TokenUniform
     from kvcal.runtime.kernels import append_encoder
     from kvcal.runtime.segments import SegmentedStore
 
+    width = KV_HEADS * head_dim
     stores = []
     for codec, keys in ((key_codec, True), (value_codec, False)):
         if codec is None:  # fp16: every token in the recent segment (the body stays empty)
-            store = SegmentedStore(TokenUniform(4, 128), SegmentPolicy(window=length), keys, 0.0, batch, WIDTH, "cuda",
+            store = SegmentedStore(TokenUniform(4, 128), SegmentPolicy(window=length), keys, 0.0, batch, width, "cuda",
                                    encoder_for=append_encoder)
         else:
-            store = SegmentedStore(codec, SegmentPolicy(key_block=codec.block_tokens if keys else 0), keys, 0.0, batch, WIDTH, "cuda",
-                                   encoder_for=append_encoder, head_dim=HEAD_DIM)
+            store = SegmentedStore(codec, SegmentPolicy(key_block=codec.block_tokens if keys else 0), keys, 0.0, batch, width, "cuda",
+                                   encoder_for=append_encoder, head_dim=head_dim)
         generator = torch.Generator(device="cuda").manual_seed(int(keys))
         for b in range(batch):
-            store.append(b, torch.randn(length, WIDTH, device="cuda", dtype=torch.float16, generator=generator))
+            store.append(b, torch.randn(length, width, device="cuda", dtype=torch.float16, generator=generator))
         stores.append(store)
     return stores
 
@@ -72,11 +74,12 @@ def stored_bytes(stores, batch: int) -> int:
     return sum(store.used_bytes(b) for store in stores for b in range(batch))
 
 
-def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict) -> str:
-    """Write benchmarks/results/<prefix>_<this GPU's name>.json with the shapes and constants of the run; the name."""
-    name = f"{prefix}_{device_slug(torch.cuda.get_device_name())}"
+def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict, head_dim: int) -> str:
+    """Write benchmarks/results/<prefix>_<this GPU's name>[_d<head_dim> past 128].json with the shapes and constants of
+    the run; the name."""
+    name = f"{prefix}_{device_slug(torch.cuda.get_device_name())}" + (f"_d{head_dim}" if head_dim != 128 else "")
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
-                        "head_dim": HEAD_DIM, "iterations": iterations, "results": rows}, started)
+                        "head_dim": head_dim, "iterations": iterations, "results": rows}, started)
     return name
 
 
@@ -128,9 +131,9 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() / timed(lambda: target.copy_(source), 10)
 
 
-def sdpa_seconds(batch: int, length: int, iterations: int) -> float:
-    query = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.float16)
-    keys = torch.randn(batch, KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.float16)
+def sdpa_seconds(batch: int, length: int, iterations: int, head_dim: int) -> float:
+    query = torch.randn(batch, HEADS, 1, head_dim, device="cuda", dtype=torch.float16)
+    keys = torch.randn(batch, KV_HEADS, length, head_dim, device="cuda", dtype=torch.float16)
     values = torch.randn_like(keys)
     attention = torch.nn.functional.scaled_dot_product_attention
     return timed(lambda: attention(query, keys, values, enable_gqa=True), iterations)
@@ -145,7 +148,9 @@ def main() -> None:
     parser.add_argument("--kernel", choices=("runtime", "cuda-core"), default="runtime",
                         help="runtime: the tensor-core kernel where it serves the body, as the cache runs (default); "
                              "cuda-core: the CUDA-core kernel alone")
+    parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
     args = parser.parse_args()
+    head_dim = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("the CUDA-core benchmark needs a CUDA GPU; nothing was measured")
     from kvcal.runtime import kernels, tensor_core
@@ -155,23 +160,23 @@ def main() -> None:
         sys.exit("the CUDA-core benchmark needs CuPy: pip install -e '.[gpu]'")
     started = provenance()
     bandwidth = copy_bandwidth()
-    inv_freq = (1.0 / 1e4 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)).cuda()
-    chosen = {name: v for name, v in variants().items() if not args.only or name in args.only.split(",")}
+    inv_freq = (1.0 / 1e4 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).cuda()
+    chosen = {name: v for name, v in variants(head_dim).items() if not args.only or name in args.only.split(",")}
     rows = []
     for batch in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
-            sdpa = sdpa_seconds(batch, length, args.iters)
+            sdpa = sdpa_seconds(batch, length, args.iters, head_dim)
             for name, (key_codec, value_codec, pre_rope) in chosen.items():
-                keys, values = filled_stores(key_codec, value_codec, batch, length)
-                query = torch.randn(batch, HEADS, HEAD_DIM, device="cuda")
+                keys, values = filled_stores(key_codec, value_codec, batch, length, head_dim)
+                query = torch.randn(batch, HEADS, head_dim, device="cuda")
                 if key_codec is None:  # the fp16 kernel variant: no packed body at all
                     launches = [Segments((None, None, keys.recent), (None, None, values.recent))]
                 else:
                     launches = [Segments(k, v) for k, v in zip(keys.kernel_segments(), values.kernel_segments())]
                 rope = inv_freq if pre_rope else None
-                served = [tensor_core.serve(segments, HEADS, KV_HEADS, HEAD_DIM, rope) if args.kernel == "runtime" else None
+                served = [tensor_core.serve(segments, HEADS, KV_HEADS, head_dim, rope) if args.kernel == "runtime" else None
                           for segments in launches]
-                run = prepare_decode(query, launches, KV_HEADS, HEAD_DIM**-0.5, [0] * batch, rope, served=served)
+                run = prepare_decode(query, launches, KV_HEADS, head_dim**-0.5, [0] * batch, rope, served=served)
                 seconds = timed(run, args.iters)
                 read = stored_bytes((keys, values), batch) + 2 * query.numel() * 4
                 rows.append({"variant": name, "kernel": "tensor-core" if any(served) else "cuda-core", "batch": batch,
@@ -183,9 +188,9 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 del keys, values, launches, run
                 torch.cuda.empty_cache()
-    name = write_device_result("decode", bandwidth, args.iters, rows, started)
+    name = write_device_result("decode", bandwidth, args.iters, rows, started, head_dim)
     lines = [f"# Decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
-             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed.", "",
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {head_dim}; L2 flushed.", "",
              "| variant | kernel | B | L | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['kernel']} | {r['batch']} | {r['tokens']} | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | {r['bandwidth_gbps']} | "

@@ -48,13 +48,14 @@ def launch(name: str, tokens: int) -> None:
     """The process ncu watches: 4 launches of one variant's kernel, the L2 flushed before each."""
     import torch
 
-    from benchmarks.kernels.tensor_core import BATCH, HEAD_DIM, HEADS, KV_HEADS, filled_stores, inv_freq, variants
+    from benchmarks.kernels.tensor_core import BATCH, HEADS, KV_HEADS, filled_stores, inv_freq, variants
     from kvcal.runtime import tensor_core
 
-    codecs, rope = variants()[name]
-    keys, values = filled_stores(codecs, BATCH, tokens)
-    query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda")
-    run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, inv_freq=inv_freq() if rope else None)
+    head_dim = 128  # the tensor-core benchmark's default shape
+    codecs, rope = variants(head_dim)[name]
+    keys, values = filled_stores(codecs, BATCH, tokens, head_dim)
+    query = torch.randn(BATCH, HEADS, head_dim, device="cuda")
+    run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, head_dim**-0.5, inv_freq=inv_freq(head_dim) if rope else None)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(4):
         flush.zero_()

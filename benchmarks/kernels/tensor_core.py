@@ -3,11 +3,12 @@ the CUDA-core benchmark's shapes and with its method: latency (median of CUDA-ev
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
-Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128, L = 32768 (--tokens). Variants: fp16 rows, KIVI-style
+Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128 (or 256, --head-dim: Gemma 3's), L = 32768 (--tokens). Variants: fp16 rows, KIVI-style
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
-values and the keys beyond kept exact), each with the launcher's split plan (one wave of resident blocks:
+values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, pre-RoPE keys at 256, is
+skipped and says why), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
@@ -15,8 +16,8 @@ partial splits and the merged rows) poisoned with NaN before the checked launch,
 --seed draws other random data (the campaign passes a fresh one).
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
-                                                          [--tokens 32768] [--kernel-dir DIR] [--seed 0]
-Writes benchmarks/results/decode_tc_<device>.{json,md}. --kernel-dir DIR times the kernels in DIR (a changed copy of
+                                                          [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
+Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256). --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
 prints its rows and writes nothing.
 """
@@ -29,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels.cuda_core import HEAD_DIM, HEADS, KV_HEADS, WIDTH, copy_bandwidth, sdpa_seconds, timed, write_device_result
+from benchmarks.kernels.cuda_core import HEAD_DIMS, HEADS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
 
 BATCH = 8
 
 
-def variants() -> dict:
+def variants(head_dim: int) -> dict:
     """name -> (K and V codecs or None for fp16 rows, pre-RoPE keys)."""
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
@@ -45,7 +46,7 @@ def variants() -> dict:
     for bits in (4, 2):
         table[f"int{bits}-g128-pre-rope"] = ((ChannelBlockUniform(bits, 128), TokenUniform(bits, 128)), True)
     for bits in (4, 3):
-        lo, hi = torch.full((WIDTH,), -3.0), torch.full((WIDTH,), 3.0)
+        lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
         codebook = normal_float_codebook(bits)
         table[f"nuq{bits}-pre-rope"] = ((CodebookCodec(codebook, lo, hi), CodebookCodec(codebook)), True)
         keys = CodebookCodec(codebook, lo + 0.5, hi - 0.5, outlier_fraction=0.01)  # ~1.2% of N(0, 1) beyond 2.5
@@ -53,20 +54,21 @@ def variants() -> dict:
     return table
 
 
-def inv_freq() -> torch.Tensor:
-    """Llama's RoPE frequencies (base 10000) at head_dim 128."""
-    return 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+def inv_freq(head_dim: int) -> torch.Tensor:
+    """Llama's RoPE frequencies (base 10000)."""
+    return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def filled_stores(codecs, batch: int, length: int, width: int = WIDTH, seed: int = 0):
-    """K and V stores of `length` random N(0, 1) tokens per sequence, `width` channels (every KV head) a row (torch
+def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0):
+    """K and V stores of `length` random N(0, 1) tokens per sequence, every KV head's head_dim channels a row (torch
     codecs on the GPU), drawn under `seed`."""
+    width = KV_HEADS * head_dim
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
     stores = []
     for side in range(2):
         store = (Fp16Rows(batch, width, "cuda") if codecs is None
-                 else PackedRows(codecs[side], batch, width, "cuda", head_dim=HEAD_DIM))
+                 else PackedRows(codecs[side], batch, width, "cuda", head_dim=head_dim))
         generator = torch.Generator(device="cuda").manual_seed(2 * seed + side)
         for b in range(batch):
             store.append(b, torch.randn(length, width, device="cuda", dtype=torch.float16, generator=generator))
@@ -81,7 +83,7 @@ def poisoned_run(run) -> torch.Tensor:
     return run().clone()
 
 
-def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, rope: bool) -> float:
+def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, rope: bool, head_dim: int) -> float:
     """Largest |out - SDPA over the decoded rows| (float32), inf where out has a NaN; rope: the keys are rotated first
     (positions 0..)."""
     from kvcal.rope import apply_rope
@@ -90,12 +92,12 @@ def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, r
         k, v = keys.decoded(length), values.decoded(length)
     else:
         k, v = keys.data[:, :length].float(), values.data[:, :length].float()
-    k = k.view(BATCH, length, KV_HEADS, HEAD_DIM)
+    k = k.view(BATCH, length, KV_HEADS, head_dim)
     if rope:
-        k = apply_rope(k, torch.arange(length, device=k.device), inv_freq())
+        k = apply_rope(k, torch.arange(length, device=k.device), inv_freq(head_dim))
     k = k.transpose(1, 2)
-    v = v.view(BATCH, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
-    want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=HEAD_DIM**-0.5, enable_gqa=True)
+    v = v.view(BATCH, length, KV_HEADS, head_dim).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=head_dim**-0.5, enable_gqa=True)
     del k, v
     if out.isnan().any():
         return float("inf")
@@ -113,7 +115,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
     parser.add_argument("--kernel-dir", type=Path, default=None,
                         help="time the kernels of this folder (a changed copy of kernels/); prints, writes nothing")
+    parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
     args = parser.parse_args()
+    head_dim = args.head_dim
     if args.tokens <= 0:
         parser.error(f"--tokens {args.tokens}: a positive number of tokens")
     if args.kernel_dir is not None and not (args.kernel_dir / "decode_attention_tc.cu").is_file():
@@ -126,6 +130,7 @@ def main() -> None:
         parser.error(f"--splits {args.splits}: tokens per split are positive multiples of 64 (whole stages)")
     if not torch.cuda.is_available():
         sys.exit("the tensor-core benchmark needs a CUDA GPU; nothing was measured")
+    from kvcal.errors import KvcalError
     from kvcal.runtime import kernel_source, tensor_core
 
     if args.kernel_dir is not None:  # before the first compile: the modules are built from this folder
@@ -133,26 +138,32 @@ def main() -> None:
     started = provenance()
     bandwidth = copy_bandwidth()
     length = args.tokens
-    sdpa = sdpa_seconds(BATCH, length, args.iters)
+    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     rows = []
-    for name, (codecs, rope) in variants().items():
+    for name, (codecs, rope) in variants(head_dim).items():
         if args.only and name not in args.only.split(","):
             continue
-        keys, values = filled_stores(codecs, BATCH, length, seed=args.seed)
-        query = torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
+        if codecs is not None:
+            try:
+                tensor_core.variant_for_codecs(*codecs, head_dim, HEADS // KV_HEADS, rope=rope)
+            except KvcalError as refused:
+                print(f"{name}: skipped at head_dim {head_dim}: {refused}", flush=True)
+                continue
+        keys, values = filled_stores(codecs, BATCH, length, head_dim, seed=args.seed)
+        query = torch.randn(BATCH, HEADS, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = None
-        variant = tensor_core.variant_for(keys, values, HEAD_DIM, HEADS // KV_HEADS, rope=rope)
+        variant = tensor_core.variant_for(keys, values, head_dim, HEADS // KV_HEADS, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
         for per_split in splits:
             if per_split is not None and per_split % variant.stage_tokens:
                 print(f"{name}: {per_split} tokens per split skipped (stages of {variant.stage_tokens} tokens)", flush=True)
                 continue
-            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, HEAD_DIM**-0.5, per_split=per_split,
-                                                inv_freq=inv_freq() if rope else None)
+            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, head_dim**-0.5, per_split=per_split,
+                                                inv_freq=inv_freq(head_dim) if rope else None)
             if error is None:
-                error = checked(poisoned_run(run), query, keys, values, length, rope)
+                error = checked(poisoned_run(run), query, keys, values, length, rope, head_dim)
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
             rows.append({"variant": name, "batch": BATCH, "tokens": length, "per_split": run.per_split, "splits": run.splits,
@@ -167,9 +178,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.kernel_dir is not None:
         return
-    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started)
+    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim)
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
-             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {HEAD_DIM}; L2 flushed; "
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {head_dim}; L2 flushed; "
              "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
              "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup | max err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
