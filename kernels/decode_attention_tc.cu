@@ -188,7 +188,7 @@ struct Shape {
     static_assert(!CB || ((BITS == 4 || BITS == 3) && VG == D), "codebooks: 4- or 3-bit codes; one value threshold pair per token");
     static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
-    static_assert(FP16 || LANE_V * BITS >= 16, "a lane's value channels per group must fill 16 bits (int4: groups >= 32, int2: >= 64)");
+    static_assert(FP16 || LANE_V * BITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
     static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3)),
                   "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units)");
 };
@@ -1106,8 +1106,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     }
                                 }
                             } else {
-                                unsigned c16[CHUNKS16];
-                                if constexpr (LANE_BITS == 16) {
+                                unsigned c16[CHUNKS16 > 0 ? CHUNKS16 : 1];
+                                if constexpr (LANE_BITS == 8) {  // int2 g32: the lane's byte of each row, at bits 0 and 16
+                                    // (raw_u2's out[0..3] read the low byte of each 16-bit half; the high bytes are junk
+                                    // that only out[4..7] read, and those are dropped)
+                                    const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
+                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
+                                    const unsigned byte = (bit0 >> 3) & 3;
+                                    unsigned codes[8];
+                                    codes_to_half2<BITS, false, RAW>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
+#pragma unroll
+                                    for (int n = 0; n < S::LANE_V; ++n) vf[half][n] = codes[n];
+                                } else if constexpr (LANE_BITS == 16) {
                                     const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
                                     const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
                                     c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);

@@ -180,10 +180,11 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
 
 
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
-# (post-RoPE int4 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE codebook keys, with
-# and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3; also with an 8-token fp16
-# window, fit-nuq --window), and kvquant at head_dim 128
-TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
+# and kivi2-g32 (post-RoPE int4 / int2 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE
+# codebook keys, with and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3; also with
+# an 8-token fp16 window, fit-nuq --window), and kvquant at head_dim 128
+TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Variant(64, 2, 32, 32, 2),
+                        "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
                         "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-w8": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),

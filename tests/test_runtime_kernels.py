@@ -90,11 +90,11 @@ def test_kernels_are_chosen_only_where_they_exist():
 
 
 @requires_gpu
-@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32"))
+@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"))
 def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_dim_64_bundles, recipe):
     """Token by token through transformers: the CUDA model's cache decodes with the kernels (every layer; the
-    tensor-core kernel over the bodies of kvquant, nuq4-0%, nuq4-1% and kivi4-g32), and its logits equal the CPU reference runtime's
-    within 2e-3, or 6e-3 where the tensor-core kernel serves nuq bodies: its fp16 operands (per-token value scales
+    tensor-core kernel over the bodies of kvquant, nuq4-0%, nuq4-1%, kivi4-g32 and kivi2-g32), and its logits equal the
+    CPU reference runtime's within 2e-3, or 6e-3 where the tensor-core kernel serves nuq bodies: its fp16 operands (per-token value scales
     folded into P, pre-RoPE keys rotated in fp16) give 5.2e-3 for kvquant and 2.6e-3 for nuq4-0% here, on the H100
     as in the emulation of the same .cu (5.24e-3 and 2.43e-3 measured, 2026-11-23), where the fp32 reference of a
     served body attends to a few tokens."""

@@ -36,7 +36,7 @@ G = 128  # the key block of the int4 / int2 cases (KIVI's group); lengths around
 LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six splits of 128 tokens
 PER_SPLIT = 128
 KV_HEADS = 2
-CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g64": (2, 64, 64),
+CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g32": (2, 32, 32), "int2-g64": (2, 64, 64),
           "int2-g256": (2, 256, 256),
           "nuq4": (4, 0, 0), "nuq3": (3, 0, 0), "nuq4-out": (4, 0, 0), "nuq3-out": (3, 0, 0),
           "nuq4-crowded": (4, 0, 0)}  # nuq: CodebookCodec (bits, -, -)
@@ -56,6 +56,8 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [(c, 128, gqa, "3") for c in ("int4-rope", "int2-rope") for gqa in (1, 3, 4, 8)]
          + [("int4-rope", 64, 4, "3"), ("int4-rope", 64, 2, "3-edges"), ("int2-rope", 128, 4, "3-edges"),
             ("int4-g32-rope", 128, 4, "3")]
+         # int2 g32 (KIVI's defaults): a lane's byte of each value row, keys in blocks of 32 tokens
+         + [("int2-g32", 128, gqa, "3") for gqa in (1, 4, 8)] + [("int2-g32", 64, 4, "3-edges"), ("int2-g32", 128, 2, "1")]
          + [(c, d, gqa, "3") for c in ("nuq4", "nuq4-rope") for d, gqa in ((128, 1), (128, 4), (128, 8), (64, 3))]
          + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")]
          + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")]
@@ -67,7 +69,7 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("nuq3-out-rope", 64, 8, "1")]
          # head_dim 256 (Gemma 2 / 3), post-RoPE keys: fp16 in 2 stages, 64 channels a lane, nuq3 in whole planes3 units
          + [("fp16", 256, 4, "3"), ("fp16", 256, 1, "3-edges"), ("int4", 256, 8, "3"), ("int2", 256, 4, "3-edges"),
-            ("int4-g32", 256, 4, "3"), ("int2-g64", 256, 2, "3"), ("nuq4", 256, 4, "3"), ("nuq3", 256, 8, "3"),
+            ("int4-g32", 256, 4, "3"), ("int2-g32", 256, 4, "3"), ("int2-g64", 256, 2, "3"), ("nuq4", 256, 4, "3"), ("nuq3", 256, 8, "3"),
             ("nuq3", 256, 1, "3-edges")])
 
 
@@ -320,6 +322,8 @@ MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
     "value-scale-per-token": ("int2", "vp + group * ST + token)));", "vp + group * ST + (token ^ 2))));"),
+    "int2-g32-value-byte": ("int2-g32", "byte | (4 + byte) << 8", "(byte ^ 1) | (4 + (byte ^ 1)) << 8"),
+    "int2-g32-value-token-pair": ("int2-g32", "byte | (4 + byte) << 8", "(4 + byte) | byte << 8"),
     "value-zero-per-token": ("int4", "vp + (S::VGROUPS + group) * ST + token);", "vp + (S::VGROUPS + group) * ST + (token ^ 2));"),
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),

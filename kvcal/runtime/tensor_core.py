@@ -72,7 +72,7 @@ class Variant:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
-            if (vg % d and d % vg) or vge // 8 * bits < 16:
+            if (vg % d and d % vg) or vge // 8 * bits < 8:
                 raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
         if self.rope and d == 256:
             raise KvcalError(f"pre-RoPE keys are served at head_dim 64 / 128, not 256 (the rotation's registers spill there): {self}")
