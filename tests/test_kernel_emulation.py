@@ -192,11 +192,11 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Var
 
 
 # and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4), and Cocktail's int4
-# chunk group (GQA 2)
+# and int2 chunk groups (GQA 2)
 SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
                    "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True),
-                   "cocktail": Variant(128, 4, G, G, 2)}
+                   "cocktail-int4": Variant(128, 4, G, G, 2), "cocktail-int2": Variant(128, 2, G, G, 2)}
 
 
 # and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies (pre-RoPE keys, kvquant's, are
@@ -337,9 +337,9 @@ def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference
     assert bool(with_tensor_cores) == any(rows) and (any(rows) or lengths != SHORT)  # the short batch reaches the body
 
 
-def test_emulated_tensor_core_kernel_serves_cocktails_int4_chunks(with_tensor_cores):
-    """Cocktail's chunk groups with the tensor-core kernel over the int4 group (the int2 group, in groups of 32
-    channels, and the fp16 chunks stay with the CUDA-core kernel): the reference's attention."""
+def test_emulated_tensor_core_kernel_serves_cocktails_int4_and_int2_chunks(with_tensor_cores):
+    """Cocktail's chunk groups with the tensor-core kernel over the int4 and int2 groups (in groups of 32 channels;
+    the fp16 chunks stay with the CUDA-core kernel): the reference's attention."""
     stores, batch = cocktail_stores(device="cpu")
     compare(*stores, batch, group=2, pre_rope=False, device="cpu", decode=served_decode, atol=SERVED_TOLERANCE)
-    assert with_tensor_cores and set(with_tensor_cores) == {SERVED_VARIANTS["cocktail"].name}
+    assert set(with_tensor_cores) == {SERVED_VARIANTS["cocktail-int4"].name, SERVED_VARIANTS["cocktail-int2"].name}

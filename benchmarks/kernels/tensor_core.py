@@ -41,7 +41,7 @@ def variants(head_dim: int) -> dict:
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
     table = {"fp16": (None, False)}
-    for bits, group in ((4, 128), (4, 32), (2, 128), (2, 64)):
+    for bits, group in ((4, 128), (4, 32), (2, 128), (2, 64), (2, 32)):
         table[f"int{bits}-g{group}"] = ((ChannelBlockUniform(bits, group), TokenUniform(bits, group)), False)
     for bits in (4, 2):
         table[f"int{bits}-g128-pre-rope"] = ((ChannelBlockUniform(bits, 128), TokenUniform(bits, 128)), True)
