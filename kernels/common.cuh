@@ -17,6 +17,7 @@ enum Codec {
     UNIFORM_CHANNEL = 2,   // ChannelBlockUniform: fp16 scale/zero per (block of tokens, channel)
     CODEBOOK_CHANNEL = 3,  // CodebookCodec with fixed per-channel thresholds (float32 lo/hi)
     CODEBOOK_TOKEN = 4,    // CodebookCodec with per-token fp16 thresholds
+    PERMUTED_GROUPS = 5,   // SKVQ: codes in channel order, fp16 scale/zero per (token, group of permuted channels)
 };
 
 // fp16 <-> float: PTX conversions; a host build of the kernels (tests/kernel_emulation) brings its own.
@@ -89,6 +90,11 @@ __device__ __forceinline__ int code_bits(int layout) { return layout == KVMIX3 ?
 // kvcal.quantizers: min-max decode, and denormalize of a codebook value.
 __device__ __forceinline__ float min_max_value(unsigned code, float scale, float zero) {
     return (float)code * fmaxf(scale, KVCAL_TINY_SCALE) + zero;
+}
+
+// SKVQ (kvcal.runtime.store's _PermutedGroupsTable): the zero is in units of the scale.
+__device__ __forceinline__ float permuted_group_value(unsigned code, float scale, float zero) {
+    return ((float)code + zero) * fmaxf(scale, KVCAL_TINY_SCALE);
 }
 
 __device__ __forceinline__ float denormalized(float normalized, float lo, float hi) {

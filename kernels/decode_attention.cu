@@ -33,7 +33,7 @@ constexpr int GMAX = D == 256 ? 4 : 8;
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, SIDE_FIELDS
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS): sink tokens, body tokens, the
 // recent segment's first live row, recent tokens, the body's first live row (a sliding window drops rows from its
@@ -55,6 +55,7 @@ struct Side {
     const unsigned short* outlier_positions; const half_bits* outlier_values; long long outlier_stride;
     const int* outlier_offsets; long long offset_stride; const int* outlier_counts; int tile_shift;
     int layout;
+    const int* group_of_channel;  // PERMUTED_GROUPS: the parameter group of every channel of the width
 };
 
 __device__ __forceinline__ Side load_side(const long long* d) {
@@ -70,6 +71,7 @@ __device__ __forceinline__ Side load_side(const long long* d) {
     s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int*)d[OUTLIER_OFFSETS]; s.offset_stride = d[OFFSET_STRIDE];
     s.outlier_counts = (const int*)d[OUTLIER_COUNTS]; s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
     s.layout = (int)d[LAYOUT];
+    s.group_of_channel = (const int*)d[GROUP_OF_CHANNEL];
     return s;
 }
 
@@ -85,13 +87,14 @@ __device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int b
     return n;
 }
 
-// Per-channel tables of a side for the block's KV head: the codebook, and for fixed per-channel
-// thresholds the half range and midpoint of every channel.
+// Per-channel tables of a side for the block's KV head: the codebook, for fixed per-channel thresholds the half
+// range and midpoint of every channel, for SKVQ's permuted groups the parameter group of every channel.
 template <int D>
 struct SideTables {
     float codebook[16];
     float half_range[D];
     float mid[D];
+    int group[D];
 };
 
 // Where token t of sequence b lives on one side: an fp16 row, or a body row with its codes and the
@@ -112,7 +115,7 @@ __device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
     ref.fp16_row = nullptr;
     ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
     long long offset = b * s.param_stride;
-    if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN) offset += (long long)row * s.param_row;
+    if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN || CODEC == PERMUTED_GROUPS) offset += (long long)row * s.param_row;
     if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_row;
     ref.param0 = (const half_bits*)s.param0 + offset;
     ref.param1 = (const half_bits*)s.param1 + offset;
@@ -148,6 +151,9 @@ __device__ __forceinline__ float decoded(const TokenRef& ref, const SideTables<D
         return min_max_value(code, load_half(ref.param0 + channel), load_half(ref.param1 + channel));
     } else if (CODEC == CODEBOOK_CHANNEL) {
         return tables.codebook[code] * tables.half_range[c] + tables.mid[c];
+    } else if (CODEC == PERMUTED_GROUPS) {
+        const int i = tables.group[c] * ref.param_column;
+        return permuted_group_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
     } else {  // CODEBOOK_TOKEN
         return denormalized(tables.codebook[code], load_half(ref.param0), load_half(ref.param1));
     }
@@ -179,6 +185,8 @@ __device__ __forceinline__ void load_tables(const Side& s, SideTables<D>& tables
             tables.mid[c] = (hi + lo) / 2.0f;
         }
     }
+    if (CODEC == PERMUTED_GROUPS)
+        for (int c = threadIdx.x; c < D; c += THREADS) tables.group[c] = s.group_of_channel[kv_head * D + c];
 }
 
 // Scores of one key token against the block's query heads (q already scaled), accumulated into s.

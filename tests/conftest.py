@@ -285,11 +285,13 @@ def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
-    nuq4-1%, kivi4-g32 and kivi2-g32 (KIVI's own 2 bits) are bodies the tensor-core kernel serves; kvquant-w8 keeps its 8 newest tokens fp16."""
+    nuq4-1%, kivi4-g32 and kivi2-g32 (KIVI's own 2 bits) are bodies the tensor-core kernel serves; kvquant-w8 keeps
+    its 8 newest tokens fp16."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+    from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
     folder = tmp_path_factory.mktemp("head-dim-64")
     profile = profile_of(tiny_model_dir("llama", head_dim=64), tiny_corpus, folder)
@@ -298,7 +300,9 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
     nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
+    skvq = write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2)))
     artifacts = {"kvquant": ("kvquant", str(nuq), None), "kvquant-w8": ("kvquant", str(windowed), None),
+                 "skvq": ("skvq", str(skvq), None),
                  "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)),
                  "kvmix": ("kvmix", None, None),
                  "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from helpers import emulator_library, tensor_core_emulation
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
-                                  cocktail_stores, compare, filled, served_decode)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, SKVQ_CASES,
+                                  assert_append_matches_torch, cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.tensor_core import Variant
@@ -118,6 +118,17 @@ def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
 
 
+@pytest.mark.parametrize("lengths", ("3", "short"))
+@pytest.mark.parametrize("case", SKVQ_CASES)
+def test_emulated_decode_attention_reads_skvqs_permuted_groups(on_cpu, case, lengths):
+    """SKVQ's codes in channel order, each channel's group of per-token parameters from its table (pre-RoPE keys,
+    2-4 bits, 3 or 12 groups of uneven sizes), written by the torch codec: the reference's attention."""
+    lengths = BATCHES["3"] if lengths == "3" else SHORT
+    (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
+    assert not key_store.body.use_kernels  # no append kernel for SKVQ
+    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
+
+
 @pytest.mark.parametrize("group", (1, 3, 8))
 def test_emulated_decode_attention_serves_gqa_groups(on_cpu, group):
     (key_store, value_store), pre_rope = filled("nuq4-prerope-crowded-outliers", BATCHES["3"], device="cpu")
@@ -134,7 +145,7 @@ def test_emulated_append_kernels_write_what_the_torch_encoder_writes(on_cpu, nam
     assert_append_matches_torch(name, device="cpu")
 
 
-@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix"))
+@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "skvq", "kivi", "kvmix"))
 def test_emulated_kernels_decode_like_the_reference_runtime(on_cpu, head_dim_64_bundles, recipe):
     """The whole cache path (transformers -> RuntimeLayer -> append and decode kernels) on a tiny Llama with
     head_dim 64 gives the logits of the torch reference runtime, token by token, within 2e-3."""

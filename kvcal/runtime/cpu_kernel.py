@@ -25,7 +25,6 @@ import platform
 import shutil
 import subprocess
 import warnings
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
 from kvcal.build_cache import cached
-from kvcal.runtime.store import channel_slots_and_groups, permuted_groups
 
 DECODE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
                 "-fassociative-math", "-fno-signed-zeros")
@@ -44,7 +42,6 @@ APPEND_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  #
 # that same library and shares torch's thread pool; without OpenMP the kernel builds and runs on one thread.
 THREAD_FLAGS = (("-fopenmp",), ())
 TARGET_VARIABLE = "KVCAL_CPU_TARGET"  # the -march the kernels are built for: native (default), x86-64-v3, armv8-a, ...
-PERMUTED_GROUPS = src.enum_members("decode_attention_cpu.cpp", "Codec")["PERMUTED_GROUPS"]  # beyond the CUDA kernels' codecs
 # the CPU kernel's descriptor: the CUDA kernel's fields (kernels.SideField), then its own (a test checks the order)
 CpuSideField = enum.IntEnum("CpuSideField", src.enum_members("decode_attention_cpu.cpp", "SideField"))
 # per (side, sequence): kernels.side_lengths' four, the body's first row, the first token seen
@@ -153,40 +150,17 @@ def append_library() -> ctypes.CDLL | None:
     return lib
 
 
-def codec_id(codec) -> int | None:
-    if permuted_groups(codec):
-        return PERMUTED_GROUPS if not codec.fp8 else None
-    return kernels.codec_id(codec)
-
-
 def decode_supported(key_codec, value_codec) -> bool:
     """Whether the CPU kernel serves this pair of body codecs (any head_dim, GQA group and batch): the CUDA kernels'
-    codecs and SKVQ's permuted groups with fp16 parameters, in the 1-, 2-, 3- and 4-bit layouts (not SKVQ's
-    1.5-bit ternary values nor fp8 parameters)."""
-    return all(codec_id(c) is not None and kernels.layout_id(c) is not None for c in (key_codec, value_codec))
-
-
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> parameter group of every channel
-
-
-def _channel_groups(codec) -> torch.Tensor:
-    """The parameter group of every channel as int32 (the kernel's pointer stays valid while the codec lives)."""
-    if codec not in _GROUPS:
-        _GROUPS[codec] = channel_slots_and_groups(codec, "cpu")[1].to(torch.int32).contiguous()
-    return _GROUPS[codec]
+    codecs (SKVQ's permuted groups with fp16 parameters among them), in the 1-, 2-, 3- and 4-bit layouts (not SKVQ's
+    1.5-bit ternary values)."""
+    return all(kernels.codec_id(c) is not None and kernels.layout_id(c) is not None for c in (key_codec, value_codec))
 
 
 def side_descriptor(sink, body, recent) -> list[int]:
-    """kernels.side_descriptor's fields, then the codec and, for SKVQ, the parameter group of every channel (its
-    codes are stored in channel order: kvcal.runtime.store.permuted_groups)."""
+    """kernels.side_descriptor's fields, then the codec."""
     fields = kernels.side_descriptor(sink, body, recent) + [0] * (CpuSideField.SIDE_FIELDS - kernels.SIDE_FIELDS)
-    fields[CpuSideField.CODEC] = src.FP16_ONLY
-    if body is not None:
-        fields[CpuSideField.CODEC] = codec_id(body.codec)
-        if fields[CpuSideField.CODEC] == PERMUTED_GROUPS:
-            if "scale" in body.token:
-                fields[kernels.PARAMETERS] = kernels.parameter_fields(body.token["scale"], body.token["zero"], 1)
-            fields[CpuSideField.GROUP_OF_CHANNEL] = _channel_groups(body.codec).data_ptr()
+    fields[CpuSideField.CODEC] = src.FP16_ONLY if body is None else kernels.codec_id(body.codec)
     return fields
 
 
@@ -265,17 +239,15 @@ class CpuAppend:
     into the store, instead of a dozen torch operations (and a numpy placement of outliers) per append."""
 
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
-        if permuted_groups(codec):
-            return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
         return kernels.parameter_columns(codec, width)
 
     def __init__(self, codec, layout: int):
         """One encoder serves one store: its codec (kernel codec id) and kernel layout id do not change."""
-        self.codec_id, self.layout, self.lib = codec_id(codec), layout, append_library()
+        self.codec_id, self.layout, self.lib = kernels.codec_id(codec), layout, append_library()
         # SKVQ: permutation, group starts and clipping as the kernel reads them
         self.groups = (tuple(t.contiguous() for t in (codec.permutation.to(torch.int32), codec.starts.to(torch.int32),
                                                      codec.clip.float()))
-                       if self.codec_id == PERMUTED_GROUPS else None)
+                       if self.codec_id == src.PERMUTED_GROUPS else None)
         self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
         self.codebook_arguments: tuple | None = None  # codebooks: what the append kernel takes of them, made with them
         self._held: tuple = (None, None)  # (store.moves, its buffers' pointers and strides): see _buffers
@@ -329,7 +301,7 @@ class CpuAppend:
         if cid == src.UNIFORM_TOKEN:
             lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, *buffers["token"])
             return
-        if cid == PERMUTED_GROUPS:
+        if cid == src.PERMUTED_GROUPS:
             permutation, group_starts, clip = self.groups
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                  clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
@@ -359,13 +331,13 @@ class CpuAppend:
                                      *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 
 
-APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, PERMUTED_GROUPS)
+APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, src.PERMUTED_GROUPS)
 
 
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
     blocks, which append once per block; layouts without a kernel number)."""
     layout_id = kernels.layout_id(codec, layout)
-    if torch.device(device).type != "cpu" or codec_id(codec) not in APPEND_CODECS or layout_id is None:
+    if torch.device(device).type != "cpu" or kernels.codec_id(codec) not in APPEND_CODECS or layout_id is None:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None

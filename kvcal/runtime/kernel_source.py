@@ -48,12 +48,13 @@ def enum_members(module: str, name: str) -> dict[str, int]:
 # Codec numbers (kernels/common.cuh enum Codec).
 _CODECS = enum_members("common.cuh", "Codec")
 CODEC_NAMES = {number: codec for codec, number in _CODECS.items()}
-FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN = (
-    _CODECS[codec] for codec in ("FP16_ONLY", "UNIFORM_TOKEN", "UNIFORM_CHANNEL", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN"))
+FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN, PERMUTED_GROUPS = (
+    _CODECS[codec] for codec in ("FP16_ONLY", "UNIFORM_TOKEN", "UNIFORM_CHANNEL", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN",
+                                 "PERMUTED_GROUPS"))
 # (key codec, value codec) pairs the recipes produce: Cocktail's fp16 chunks, KIVI/KVmix/Cocktail int-N,
-# per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds.
+# per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds, SKVQ's permuted groups.
 CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
-               (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN))
+               (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN), (PERMUTED_GROUPS, PERMUTED_GROUPS))
 HEAD_DIMS = (64, 128, 256)
 APPEND_KERNELS = ("append_token_uniform", "append_channel_block", "append_codebook", "append_codebook_outliers")
 

@@ -1,8 +1,9 @@
 """CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: fused decode attention over the
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
-permuted groups and 1.5-bit ternary values, head dims other than 64/128 and more than 8 query heads per KV head use the torch
-reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference).
+1.5-bit ternary values and fp8 parameters, head dims other than 64/128/256 and more query heads per KV head than
+`max_group` use the torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the
+reference). SKVQ's appends are the torch codec's (no append kernel).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -35,7 +36,7 @@ from kvcal.packing import OUTLIER_TILE_TOKENS, layout_for
 from kvcal.quantizers import CodecKind
 from kvcal.runtime import kernel_source as src
 
-from kvcal.runtime.store import row_index, started_tiles, upload
+from kvcal.runtime.store import channel_slots_and_groups, row_index, started_tiles, upload
 
 if TYPE_CHECKING:
     from kvcal.runtime.store import Fp16Rows, PackedRows
@@ -101,11 +102,15 @@ def _cupy_stream(cupy, stream: torch.cuda.Stream):
 
 CODEBOOKS = (CodecKind.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN)
 _CODEC_IDS = {CodecKind.UNIFORM_TOKEN: src.UNIFORM_TOKEN, CodecKind.UNIFORM_CHANNEL: src.UNIFORM_CHANNEL,
-              CodecKind.CODEBOOK_CHANNEL: src.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN: src.CODEBOOK_TOKEN}
+              CodecKind.CODEBOOK_CHANNEL: src.CODEBOOK_CHANNEL, CodecKind.CODEBOOK_TOKEN: src.CODEBOOK_TOKEN,
+              CodecKind.PERMUTED_GROUPS: src.PERMUTED_GROUPS}
 
 
 def codec_id(codec) -> int | None:
-    """The kernels' number for a codec's kind (kernels/common.cuh enum Codec), None where they read none."""
+    """The kernels' number for a codec's kind (kernels/common.cuh enum Codec), None where they read none (SKVQ's
+    fp8 parameters)."""
+    if codec.kind is CodecKind.PERMUTED_GROUPS and codec.fp8:
+        return None
     return _CODEC_IDS.get(codec.kind)
 
 
@@ -117,7 +122,7 @@ def layout_id(codec, layout: str | None = None) -> int | None:
 
 def append_supported(codec, width: int, layout: str | None = None) -> bool:
     cid = codec_id(codec)
-    if cid is None or layout_id(codec, layout) is None or width > MAX_WIDTH:
+    if cid in (None, src.PERMUTED_GROUPS) or layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
@@ -150,9 +155,22 @@ def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]
         return {}, {"scale": width, "zero": width}
     if cid == src.CODEBOOK_TOKEN:
         return {"lo": 1, "hi": 1}, {}
+    if codec.kind is CodecKind.PERMUTED_GROUPS:
+        return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
     return {}, {}
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: tables}, gone with the codec
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> {device: group of every channel}
+
+
+def channel_groups(codec, device) -> torch.Tensor:
+    """SKVQ's parameter group of every channel as int32 on `device` (the kernels' pointer stays valid while the codec
+    lives; made once per codec and device)."""
+    per_device = _GROUPS.setdefault(codec, {})
+    key = str(device)
+    if key not in per_device:
+        per_device[key] = channel_slots_and_groups(codec, device)[1].to(torch.int32).contiguous()
+    return per_device[key]
 
 
 def codec_tables(store: PackedRows) -> dict:
@@ -311,12 +329,14 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
         tables = codec_tables(body)
         fields[PARAMETERS] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
     else:
-        params = body.token if cid in (src.UNIFORM_TOKEN, src.CODEBOOK_TOKEN) else body.blocks
+        params = body.token if cid in (src.UNIFORM_TOKEN, src.CODEBOOK_TOKEN, src.PERMUTED_GROUPS) else body.blocks
         names = ("lo", "hi") if cid == src.CODEBOOK_TOKEN else ("scale", "zero")
         extra = codec.group if cid in (src.UNIFORM_TOKEN, src.UNIFORM_CHANNEL) else 1
         fields[F.PARAM_EXTRA] = extra
         if names[0] in params:
             fields[PARAMETERS] = parameter_fields(params[names[0]], params[names[1]], extra)
+    if cid == src.PERMUTED_GROUPS:
+        fields[F.GROUP_OF_CHANNEL] = channel_groups(codec, body.device).data_ptr()
     if codec.kind in CODEBOOKS:
         fields[F.CODEBOOK] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:

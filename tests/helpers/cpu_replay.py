@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvcal.runtime import cpu_kernel, kernels
+from kvcal.runtime import kernel_source as src
 
 # kvcal_decode_attention_cpu's arguments: pointer, int32, int64 or float32, in order
 DECODE_ARGUMENTS = "PPPPPLIIIIFPPPIII"
@@ -96,8 +97,8 @@ def recording(path: Path, stores: list):
                 for body in (store.body,) if hasattr(store, "body") else ():
                     for tensor in kernels.codec_tables(body).values():
                         regions.add_tensor(tensor)
-                    if cpu_kernel.codec_id(body.codec) == cpu_kernel.PERMUTED_GROUPS:
-                        regions.add_tensor(cpu_kernel._channel_groups(body.codec))
+                    if kernels.codec_id(body.codec) == src.PERMUTED_GROUPS:
+                        regions.add_tensor(kernels.channel_groups(body.codec, "cpu"))
             for array in (descriptor, meta):
                 regions.add_array(array)
             batch, heads, head_dim = args[6], args[6] and args[7] * args[8], args[9]

@@ -77,13 +77,14 @@ def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8)):
 
 TWELVE_GROUPS = tuple(i * WIDTH // 12 + 3 * (i % 2) for i in range(1, 12))
 
-CPU_CASES = {
-    **CASES,
+# SKVQ's cases: both kernels decode them; their appends are the torch codec's on CUDA, the CPU append's on the CPU
+SKVQ_CASES = {
     "skvq2-prerope-sink5-window": lambda: _skvq(2),
     "skvq3-planes": lambda: _skvq(3),
     "skvq4": lambda: _skvq(4),
     "skvq2-twelve-groups": lambda: _skvq(2, inner=TWELVE_GROUPS),
 }
+CPU_CASES = {**CASES, **SKVQ_CASES}
 
 
 def filled(case: str, lengths: list[int], device="cuda"):
