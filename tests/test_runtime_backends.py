@@ -47,6 +47,16 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
     assert tiny.why.startswith("not cuda-kernels: they read head_dim ")
 
 
+def test_no_recipe_falls_to_the_torch_reference_on_cuda(head_dim_64_bundles):
+    """Every recipe's bodies and fp16 segments at head_dim 64 are the CUDA kernels' (the reference dequantizes the
+    whole cache every step)."""
+    from kvcal import registry
+
+    for recipe in registry.recipes():
+        for plan in backends.bundle_plan(load_bundle(head_dim_64_bundles[recipe]), "cuda"):
+            assert plan.bodies in ("tensor-core", "cuda-core") and plan.fp16_segments in ("cuda-core", "-"), (recipe, plan)
+
+
 def test_an_unknown_device_is_refused(recipe_bundles):
     with pytest.raises(backends.KvcalError, match="device 'gpu': say cpu or cuda"):
         backends.bundle_plan(load_bundle(recipe_bundles["kivi"]), "gpu")
