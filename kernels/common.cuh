@@ -17,7 +17,7 @@ enum Codec {
     UNIFORM_CHANNEL = 2,   // ChannelBlockUniform: fp16 scale/zero per (block of tokens, channel)
     CODEBOOK_CHANNEL = 3,  // CodebookCodec with fixed per-channel thresholds (float32 lo/hi)
     CODEBOOK_TOKEN = 4,    // CodebookCodec with per-token fp16 thresholds
-    PERMUTED_GROUPS = 5,   // SKVQ: codes in channel order, fp16 scale/zero per (token, group of permuted channels)
+    PERMUTED_GROUPS = 5,   // SKVQ: codes in channel order, fp16 or fp8 scale/zero per (token, group of permuted channels)
 };
 
 // fp16 <-> float: PTX conversions; a host build of the kernels (tests/kernel_emulation) brings its own.
@@ -90,6 +90,14 @@ __device__ __forceinline__ int code_bits(int layout) { return layout == KVMIX3 ?
 // kvcal.quantizers: min-max decode, and denormalize of a codebook value.
 __device__ __forceinline__ float min_max_value(unsigned code, float scale, float zero) {
     return (float)code * fmaxf(scale, KVCAL_TINY_SCALE) + zero;
+}
+
+// fp8 e4m3 (torch.float8_e4m3fn) -> float, exact: bias 7, subnormals m * 2^-9 (its NaN, which kvcal never stores,
+// reads as 480).
+__device__ __forceinline__ float e4m3_to_float(unsigned char v) {
+    const int exponent = (v >> 3) & 15, mantissa = v & 7;
+    const float magnitude = exponent ? __int_as_float(((exponent + 120) << 23) | (mantissa << 20)) : (float)mantissa * 0.001953125f;
+    return v & 0x80 ? -magnitude : magnitude;
 }
 
 // SKVQ (kvcal.runtime.store's _PermutedGroupsTable): the zero is in units of the scale.

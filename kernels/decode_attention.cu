@@ -33,7 +33,7 @@ constexpr int GMAX = D == 256 ? 4 : 8;
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, SIDE_FIELDS
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS): sink tokens, body tokens, the
 // recent segment's first live row, recent tokens, the body's first live row (a sliding window drops rows from its
@@ -56,6 +56,7 @@ struct Side {
     const int* outlier_offsets; long long offset_stride; const int* outlier_counts; int tile_shift;
     int layout;
     const int* group_of_channel;  // PERMUTED_GROUPS: the parameter group of every channel of the width
+    int param_fp8;                // PERMUTED_GROUPS: its parameters are fp8 e4m3 (1 byte), not fp16
 };
 
 __device__ __forceinline__ Side load_side(const long long* d) {
@@ -72,6 +73,7 @@ __device__ __forceinline__ Side load_side(const long long* d) {
     s.outlier_counts = (const int*)d[OUTLIER_COUNTS]; s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
     s.layout = (int)d[LAYOUT];
     s.group_of_channel = (const int*)d[GROUP_OF_CHANNEL];
+    s.param_fp8 = (int)d[PARAM_FP8];
     return s;
 }
 
@@ -95,6 +97,7 @@ struct SideTables {
     float half_range[D];
     float mid[D];
     int group[D];
+    int param_fp8;
 };
 
 // Where token t of sequence b lives on one side: an fp16 row, or a body row with its codes and the
@@ -117,8 +120,9 @@ __device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
     long long offset = b * s.param_stride;
     if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN || CODEC == PERMUTED_GROUPS) offset += (long long)row * s.param_row;
     if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_row;
-    ref.param0 = (const half_bits*)s.param0 + offset;
-    ref.param1 = (const half_bits*)s.param1 + offset;
+    const int bytes = CODEC == PERMUTED_GROUPS && s.param_fp8 ? 1 : 2;  // SKVQ's fp8 parameters: a byte each
+    ref.param0 = (const half_bits*)((const unsigned char*)s.param0 + offset * bytes);
+    ref.param1 = (const half_bits*)((const unsigned char*)s.param1 + offset * bytes);
     ref.param_column = (int)s.param_column;
     return ref;
 }
@@ -153,6 +157,9 @@ __device__ __forceinline__ float decoded(const TokenRef& ref, const SideTables<D
         return tables.codebook[code] * tables.half_range[c] + tables.mid[c];
     } else if (CODEC == PERMUTED_GROUPS) {
         const int i = tables.group[c] * ref.param_column;
+        if (tables.param_fp8)
+            return permuted_group_value(code, e4m3_to_float(__ldg((const unsigned char*)ref.param0 + i)),
+                                        e4m3_to_float(__ldg((const unsigned char*)ref.param1 + i)));
         return permuted_group_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
     } else {  // CODEBOOK_TOKEN
         return denormalized(tables.codebook[code], load_half(ref.param0), load_half(ref.param1));
@@ -185,8 +192,10 @@ __device__ __forceinline__ void load_tables(const Side& s, SideTables<D>& tables
             tables.mid[c] = (hi + lo) / 2.0f;
         }
     }
-    if (CODEC == PERMUTED_GROUPS)
+    if (CODEC == PERMUTED_GROUPS) {
         for (int c = threadIdx.x; c < D; c += THREADS) tables.group[c] = s.group_of_channel[kv_head * D + c];
+        tables.param_fp8 = s.param_fp8;
+    }
 }
 
 // Scores of one key token against the block's query heads (q already scaled), accumulated into s.

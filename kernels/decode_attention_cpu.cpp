@@ -38,12 +38,24 @@ enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL,
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8,
     CODEC, SIDE_FIELDS
 };
 // Per (side, sequence): side_lengths' four (sink, body and recent rows, the recent segment's first row), then the
 // body's first live row (a sliding-window layer drops rows from the front) and the first stored token the query sees.
 enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_BODY_HEAD, M_FIRST, META_FIELDS };
+
+// fp8 e4m3 (torch.float8_e4m3fn) -> float, exact: bias 7, subnormals m * 2^-9 (its NaN, which kvcal never stores,
+// reads as 480). SKVQ's fp8 parameters.
+inline float e4m3_to_float(uint8_t v) {
+    const int exponent = (v >> 3) & 15, mantissa = v & 7;
+    float magnitude = (float)mantissa * 0.001953125f;
+    if (exponent) {
+        const uint32_t bits = (uint32_t)(exponent + 120) << 23 | (uint32_t)mantissa << 20;
+        std::memcpy(&magnitude, &bits, 4);
+    }
+    return v & 0x80 ? -magnitude : magnitude;
+}
 
 // IEEE binary16 -> float, exact (subnormals, infinities and NaN included): the hardware's conversion where the target
 // has one (F16C, AVX512-FP16, aarch64: loops of it vectorize), else by bits.
@@ -128,6 +140,7 @@ struct Side {
     const int32_t* outlier_offsets; long long offset_stride; const int32_t* outlier_counts; int tile_shift;
     int layout, codec;
     const int32_t* group_of_channel;
+    int param_fp8;  // PERMUTED_GROUPS: fp8 e4m3 parameters (1 byte), not fp16
 };
 
 Side load_side(const long long* d) {
@@ -145,6 +158,7 @@ Side load_side(const long long* d) {
     s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
     s.layout = (int)d[LAYOUT]; s.codec = (int)d[CODEC];
     s.group_of_channel = (const int32_t*)d[GROUP_OF_CHANNEL];
+    s.param_fp8 = (int)d[PARAM_FP8];
     return s;
 }
 
@@ -385,15 +399,15 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
 // parameters of body rows first .. first + rows - 1, as floats, into slots from `slot` on; written for the whole chunk
 // before its rows are decoded, so that a row's vector reads of them are not stalled behind their scalar stores.
 inline void group_parameters(const Side& s, HeadTables& t, int b, int first, int rows, int slot) {
-    const uint16_t* p0 = (const uint16_t*)s.param0;
-    const uint16_t* p1 = (const uint16_t*)s.param1;
     for (int i = 0; i < rows; ++i) {
         const long long at = b * s.param_stride + (long long)(first + i) * s.param_row;
         float* scale = t.scale.data() + (size_t)(slot + i) * t.param_slots;
         float* zero = t.zero.data() + (size_t)(slot + i) * t.param_slots;
         for (int g = 0; g < s.param_cols; ++g) {
-            scale[g] = max_or(half_to_float(p0[at + g * s.param_column]), TINY_SCALE);
-            zero[g] = half_to_float(p1[at + g * s.param_column]);
+            const long long k = at + g * s.param_column;
+            const float raw_scale = s.param_fp8 ? e4m3_to_float(((const uint8_t*)s.param0)[k]) : half_to_float(((const uint16_t*)s.param0)[k]);
+            scale[g] = max_or(raw_scale, TINY_SCALE);
+            zero[g] = s.param_fp8 ? e4m3_to_float(((const uint8_t*)s.param1)[k]) : half_to_float(((const uint16_t*)s.param1)[k]);
         }
     }
 }

@@ -24,7 +24,7 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                            "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
-    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "suite", "generate", "ab", "ncu"]
+    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "suite", "generate", "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
     generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())
@@ -53,14 +53,17 @@ def test_a_stage_past_its_limit_is_killed_and_one_the_budget_cannot_hold_is_skip
     assert failing.status == "exit 3"
 
 
-def test_the_summary_flags_a_kernel_past_the_tolerance_and_counts_the_suite(tmp_path):
+def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_and_counts_the_suite(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "logs").mkdir()
     row = {"variant": "int2-g128", "plan": "launcher", "batch": 8, "tokens": 32768, "latency_us": 110.5,
            "fraction_of_copy_bandwidth": 0.46, "speedup_vs_sdpa_fp16": 3.31, "max_abs_error_vs_sdpa_fp32": 1.2e-4}
     (tmp_path / "results" / "decode_tc_gpu.json").write_text(json.dumps({
-        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0,
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128,
         "results": [row, {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")}]}))
+    (tmp_path / "results" / "decode_tc_gpu_d256.json").write_text(json.dumps({
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256,
+        "results": [{**row, "variant": "int2-g32", "latency_us": 190.0}]}))
     (tmp_path / "logs" / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
@@ -70,6 +73,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_and_counts_the_suite(tmp_
     text = "\n".join(campaign.summary(tmp_path, stages))
     assert "| int2-g128 | 110.5 | 46% | 3.31x | 1.2e-04 | ok |" in text
     assert "| nuq3-1%-pre-rope | 110.5 | 46% | 3.31x | inf | FAIL |" in text
+    assert text.index("head_dim 128") < text.index("head_dim 256") < text.index("| int2-g32 | 190.0 |")
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
 
 

@@ -152,8 +152,7 @@ def append_library() -> ctypes.CDLL | None:
 
 def decode_supported(key_codec, value_codec) -> bool:
     """Whether the CPU kernel serves this pair of body codecs (any head_dim, GQA group and batch): the CUDA kernels'
-    codecs (SKVQ's permuted groups with fp16 parameters among them), in the 1-, 2-, 3- and 4-bit layouts (not SKVQ's
-    1.5-bit ternary values)."""
+    codecs, in the 1-, 2-, 3- and 4-bit layouts (not SKVQ's 1.5-bit ternary values)."""
     return all(kernels.codec_id(c) is not None and kernels.layout_id(c) is not None for c in (key_codec, value_codec))
 
 
@@ -336,8 +335,10 @@ APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, sr
 
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
-    blocks, which append once per block; layouts without a kernel number)."""
+    blocks, which append once per block; layouts without a kernel number; SKVQ's fp8 parameters)."""
     layout_id = kernels.layout_id(codec, layout)
     if torch.device(device).type != "cpu" or kernels.codec_id(codec) not in APPEND_CODECS or layout_id is None:
+        return None
+    if kernels.codec_id(codec) == src.PERMUTED_GROUPS and codec.fp8:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None

@@ -1,9 +1,9 @@
 """CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: fused decode attention over the
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
-1.5-bit ternary values and fp8 parameters, head dims other than 64/128/256 and more query heads per KV head than
-`max_group` use the torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the
-reference). SKVQ's appends are the torch codec's (no append kernel).
+1.5-bit ternary values, head dims other than 64/128/256 and more query heads per KV head than `max_group` use the
+torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference). SKVQ's appends
+are the torch codec's (no append kernel).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -107,10 +107,7 @@ _CODEC_IDS = {CodecKind.UNIFORM_TOKEN: src.UNIFORM_TOKEN, CodecKind.UNIFORM_CHAN
 
 
 def codec_id(codec) -> int | None:
-    """The kernels' number for a codec's kind (kernels/common.cuh enum Codec), None where they read none (SKVQ's
-    fp8 parameters)."""
-    if codec.kind is CodecKind.PERMUTED_GROUPS and codec.fp8:
-        return None
+    """The kernels' number for a codec's kind (kernels/common.cuh enum Codec), None where they read none."""
     return _CODEC_IDS.get(codec.kind)
 
 
@@ -337,6 +334,7 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
             fields[PARAMETERS] = parameter_fields(params[names[0]], params[names[1]], extra)
     if cid == src.PERMUTED_GROUPS:
         fields[F.GROUP_OF_CHANNEL] = channel_groups(codec, body.device).data_ptr()
+        fields[F.PARAM_FP8] = int(codec.fp8)
     if codec.kind in CODEBOOKS:
         fields[F.CODEBOOK] = codec_tables(body)["codebook"].data_ptr()
     if body.keeps_outliers:

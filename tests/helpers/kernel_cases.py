@@ -61,7 +61,7 @@ CASES = {
 }
 
 
-def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8)):
+def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8), fp8=False):
     """SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): a seeded permutation of every channel, groups of uneven
     sizes split at `inner` (three by default: one register of parameters on AVX2; TWELVE_GROUPS: two), keys pre-RoPE
     behind 5 fp16 sinks and a 64-token window (the CPU kernel serves these)."""
@@ -70,7 +70,7 @@ def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8)):
     def codec(seed):
         permutation = torch.randperm(WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
         starts = torch.tensor([0, *inner, WIDTH], dtype=torch.int32)
-        return SkvqTensor(permutation, starts, torch.linspace(1.0, 0.8, len(inner) + 1), bits, False)
+        return SkvqTensor(permutation, starts, torch.linspace(1.0, 0.8, len(inner) + 1), bits, fp8)
 
     return codec(1), codec(2), SegmentPolicy(sink=5, window=WINDOW), 0.0, True, layout
 
@@ -83,6 +83,7 @@ SKVQ_CASES = {
     "skvq3-planes": lambda: _skvq(3),
     "skvq4": lambda: _skvq(4),
     "skvq2-twelve-groups": lambda: _skvq(2, inner=TWELVE_GROUPS),
+    "skvq3-fp8-parameters": lambda: _skvq(3, fp8=True),
 }
 CPU_CASES = {**CASES, **SKVQ_CASES}
 
