@@ -5,6 +5,7 @@ that does not fit in what is left of --budget-s is skipped and says so):
   environment  the device, driver, clocks and package versions
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
                fresh random data (--seed) with poisoned outputs, then timed (`benchmarks.kernels gpu`, launcher's plan)
+  kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
@@ -109,6 +110,8 @@ def stages(args) -> list[Stage]:
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
               180, 60, [*bench("kernels", "gpu"), "--help"]),
+        Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
+                               "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 180, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
@@ -147,9 +150,20 @@ if shutil.which("nvidia-smi"):
 # ------------------------------------------------------------------------------------------------ the summary
 
 
-def _load(folder: Path, prefix: str) -> dict | None:
-    found = sorted(folder.glob(f"{prefix}_*.json"))
+def _load(folder: Path, prefix: str, head_dim: int = 128) -> dict | None:
+    """The results file <prefix>_<device>.json (at head_dim 256: <prefix>_<device>_d256.json)."""
+    found = sorted(p for p in folder.glob(f"{prefix}_*.json") if p.stem.endswith("_d256") == (head_dim == 256))
     return json.loads(found[0].read_text()) if found else None
+
+
+def kernel_table(kernels: dict) -> list[str]:
+    """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32."""
+    lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
+             f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}", "",
+             "| variant | us | of copy bw | x SDPA fp16 | max err | check |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {r['variant']} | {r['latency_us']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['speedup_vs_sdpa_fp16']}x | "
+                    f"{r['max_abs_error_vs_sdpa_fp32']:.1e} | {'ok' if r['max_abs_error_vs_sdpa_fp32'] <= TOLERANCE else 'FAIL'} |"
+                    for r in kernels["results"] if r["plan"] == "launcher"]
 
 
 def summary(out: Path, campaign: list[Stage]) -> list[str]:
@@ -157,14 +171,9 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
     results = out / "results"
     lines = ["# GPU campaign", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.note} |" for s in campaign]
-    kernels = _load(results, "decode_tc")
-    if kernels:
-        lines += ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
-                  f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}", "",
-                  "| variant | us | of copy bw | x SDPA fp16 | max err | check |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['variant']} | {r['latency_us']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['speedup_vs_sdpa_fp16']}x | "
-                  f"{r['max_abs_error_vs_sdpa_fp32']:.1e} | {'ok' if r['max_abs_error_vs_sdpa_fp32'] <= TOLERANCE else 'FAIL'} |"
-                  for r in kernels["results"] if r["plan"] == "launcher"]
+    for head_dim in (128, 256):
+        kernels = _load(results, "decode_tc", head_dim)
+        lines += kernel_table(kernels) if kernels else []
     suite = out / "logs" / "suite.xml"
     if suite.is_file():
         lines += ["", "GPU suite: " + suite_counts(suite.read_text())]
