@@ -84,6 +84,47 @@ extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x,
         }, words + row * words_per_row + u * words_per_unit(layout));
 }
 
+// SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor, fp16 parameters): grid = rows. Group g is the channels
+// permutation[starts[g] .. starts[g + 1]); its range, clipped by clip[g], gives clipped_params' scale and zero (in
+// units of the scale, the scale at least |low| / (FP16_MAX / 2) so that the zero fits fp16); codes in channel order
+// (group_of_channel: each channel's group). scale/zero (rows, groups).
+extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ x, int width, int layout,
+                                                  const int* __restrict__ permutation, const int* __restrict__ starts,
+                                                  const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                  unsigned* __restrict__ words, int words_per_row,
+                                                  half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
+    __shared__ float x_s[MAX_WIDTH];
+    __shared__ float scale_s[MAX_GROUPS], zero_s[MAX_GROUPS];
+    const long long row = blockIdx.x;
+    const int levels = code_levels(layout);
+    for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
+    __syncthreads();
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        float lo = KVCAL_INF, hi = -KVCAL_INF;
+        for (int i = starts[g]; i < starts[g + 1]; ++i) {
+            lo = fminf(lo, x_s[permutation[i]]);
+            hi = fmaxf(hi, x_s[permutation[i]]);
+        }
+        const float low = __fmul_rn(clip[g], lo), high = __fmul_rn(clip[g], hi);
+        const float zero_fits = __fdiv_rn(fabsf(low), KVCAL_FP16_MAX / 2.0f);
+        const half_bits s = float_to_half(fmaxf(fmaxf(__fdiv_rn(__fsub_rn(high, low), (float)levels), zero_fits), KVCAL_TINY_SCALE));
+        const float s_in_use = fmaxf(half_to_float(s), KVCAL_TINY_SCALE);
+        const half_bits z = float_to_half(__fdiv_rn(low, s_in_use));
+        scale[row * groups + g] = s;
+        zero[row * groups + g] = z;
+        scale_s[g] = s_in_use;
+        zero_s[g] = half_to_float(z);
+    }
+    __syncthreads();
+    const int units = words_per_row / words_per_unit(layout);
+    for (int u = threadIdx.x; u < units; u += blockDim.x)
+        pack_unit(u, width, layout, [&](int c) {
+            const int g = group_of_channel[c];
+            const float q = rintf(__fsub_rn(__fdiv_rn(x_s[c], scale_s[g]), zero_s[g]));
+            return (unsigned)fminf(fmaxf(q, 0.0f), (float)levels);
+        }, words + row * words_per_row + u * words_per_unit(layout));
+}
+
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).
 extern "C" __global__ void append_channel_block(const half_bits* __restrict__ x, int width, int layout, int block_tokens,
                                                 unsigned* __restrict__ words, int words_per_row,

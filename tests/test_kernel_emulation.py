@@ -33,6 +33,9 @@ SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
     "merge_splits": "const float* out_partial, const float* lse_partial, float* out, int splits, int head_dim",
     "append_token_uniform": "const half_bits* x, int width, int layout, int group, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero, int groups",
+    "append_permuted_groups": "const half_bits* x, int width, int layout, const int* permutation, const int* starts, "
+                              "const float* clip, const int* group_of_channel, unsigned* words, int words_per_row, "
+                              "half_bits* scale, half_bits* zero, int groups",
     "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero",
     "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
@@ -122,10 +125,10 @@ def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
 @pytest.mark.parametrize("case", SKVQ_CASES)
 def test_emulated_decode_attention_reads_skvqs_permuted_groups(on_cpu, case, lengths):
     """SKVQ's codes in channel order, each channel's group of per-token parameters from its table (pre-RoPE keys,
-    2-4 bits, 3 or 12 groups of uneven sizes), written by the torch codec: the reference's attention."""
+    2-4 bits, 3 or 12 groups of uneven sizes, fp16 or fp8 parameters): the reference's attention."""
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
-    assert not key_store.body.use_kernels  # no append kernel for SKVQ
+    assert key_store.body.use_kernels != key_store.body.codec.fp8  # the append kernel writes fp16 parameters
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
 
 

@@ -2,8 +2,8 @@
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
 1.5-bit ternary values, head dims other than 64/128/256 and more query heads per KV head than `max_group` use the
-torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference). SKVQ's appends
-are the torch codec's (no append kernel).
+torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference). SKVQ's fp8
+parameters are appended by the torch codec (the append kernel writes fp16).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -119,8 +119,10 @@ def layout_id(codec, layout: str | None = None) -> int | None:
 
 def append_supported(codec, width: int, layout: str | None = None) -> bool:
     cid = codec_id(codec)
-    if cid in (None, src.PERMUTED_GROUPS) or layout_id(codec, layout) is None or width > MAX_WIDTH:
+    if cid is None or layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
+    if cid == src.PERMUTED_GROUPS:  # fp16 parameters only
+        return not codec.fp8 and codec.clip.numel() <= MAX_GROUPS
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
 
@@ -157,17 +159,24 @@ def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]
     return {}, {}
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> {device: tables}, gone with the codec
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> {device: group of every channel}
+_SKVQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SKVQ codec -> {device: its tables}
+
+
+def _skvq_tables(codec, device) -> tuple[torch.Tensor, ...]:
+    """SKVQ's tables as the kernels read them, on `device` (their pointers stay valid while the codec lives; made once
+    per codec and device): the group of every channel, the permutation and group starts (int32), the clipping."""
+    per_device = _SKVQ.setdefault(codec, {})
+    key = str(device)
+    if key not in per_device:
+        per_device[key] = (channel_slots_and_groups(codec, device)[1].to(torch.int32).contiguous(),
+                           codec.permutation.to(device, torch.int32).contiguous(), codec.starts.to(device, torch.int32).contiguous(),
+                           codec.clip.to(device, torch.float32).contiguous())
+    return per_device[key]
 
 
 def channel_groups(codec, device) -> torch.Tensor:
-    """SKVQ's parameter group of every channel as int32 on `device` (the kernels' pointer stays valid while the codec
-    lives; made once per codec and device)."""
-    per_device = _GROUPS.setdefault(codec, {})
-    key = str(device)
-    if key not in per_device:
-        per_device[key] = channel_slots_and_groups(codec, device)[1].to(torch.int32).contiguous()
-    return per_device[key]
+    """SKVQ's parameter group of every channel, int32 on `device`."""
+    return _skvq_tables(codec, device)[0]
 
 
 def codec_tables(store: PackedRows) -> dict:
@@ -209,6 +218,17 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
                 (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row,
                  _ptr(scale), _ptr(zero), np.int32(groups)))
+        for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
+            buffer.index_put_(target, values)
+        return
+    if cid == src.PERMUTED_GROUPS:
+        groups = codec.clip.numel()
+        scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
+        zero = torch.empty_like(scale)
+        _, permutation, starts, clip = _skvq_tables(codec, device)
+        launch(_function("append.cu", "append_permuted_groups"), (rows,), (THREADS,),
+                (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(channel_groups(codec, device)),
+                 _ptr(words), words_per_row, _ptr(scale), _ptr(zero), np.int32(groups)))
         for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
             buffer.index_put_(target, values)
         return

@@ -77,7 +77,7 @@ def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8), fp8=False):
 
 TWELVE_GROUPS = tuple(i * WIDTH // 12 + 3 * (i % 2) for i in range(1, 12))
 
-# SKVQ's cases: both kernels decode them; their appends are the torch codec's on CUDA, the CPU append's on the CPU
+# SKVQ's cases: both kernels decode them, the append kernels write them (fp16 parameters; fp8: the torch codec)
 SKVQ_CASES = {
     "skvq2-prerope-sink5-window": lambda: _skvq(2),
     "skvq3-planes": lambda: _skvq(3),
@@ -170,19 +170,19 @@ APPEND_CODECS = {
     "codebook-channel-3": lambda: _codebook(3, 3)[0],
     "codebook-channel-4-crowded": lambda: _codebook(4, 4, tail=0.3)[0],
     "codebook-token-3": lambda: _codebook(3, 3)[1],
+    "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1],
+    # a group of one channel: its zero-range groups take the scale floor of clipped_params
+    "skvq2-one-channel-group": lambda: _skvq(2, inner=(1, WIDTH // 2))[0],
 }
-# the CPU append (kvcal.runtime.cpu_kernel.CpuAppend): what a decode step appends to every step, and SKVQ
-CPU_APPEND_CODECS = {**{name: make for name, make in APPEND_CODECS.items() if not name.startswith("channel-block")},
-                     "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1],
-                     # a group of one channel: its zero-range groups take the scale floor of clipped_params
-                     "skvq2-one-channel-group": lambda: _skvq(2, inner=(1, WIDTH // 2))[0]}
+# the CPU append (kvcal.runtime.cpu_kernel.CpuAppend): what a decode step appends to every step
+CPU_APPEND_CODECS = {name: make for name, make in APPEND_CODECS.items() if not name.startswith("channel-block")}
 
 
 def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels()):
     """The append kernels (`encoder_for(codec, width, layout, device)`: the CUDA ones, or the CPU append) write the same codes, parameters
     and outliers (in the same order) as the torch encoders of kvcal.quantizers, bit for bit: a bulk append, then
     appends of one token (one block for per-channel blocks) into sequence 1 of 2."""
-    codec = {**APPEND_CODECS, **CPU_APPEND_CODECS}[name]()
+    codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
     x = seeded_tokens(12 * G, 7).to(device)
     stores = [PackedRows(codec, 2, WIDTH, device, make, layout, HEAD_DIM) for make in (encoder_for, None)]
