@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import runnable_cpu_targets
-from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, CPU_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
+from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, DECODE_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
                                   cocktail_stores, compare, cpu_kernel_decode, filled)
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels
@@ -42,7 +42,7 @@ def build(request):
 
 
 @pytest.mark.parametrize("lengths", ("3", "short", "17", "long"))
-@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_cpu_decode_attention_matches_the_reference(case, lengths):
     lengths = {"short": SHORT, "long": LONG}.get(lengths) or BATCHES[lengths]
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")

@@ -10,19 +10,19 @@ import torch
 
 from conftest import tiny_model
 from helpers import decode_token_by_token, requires_gpu
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE, WIDTH,
-                                  assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE,
+                                  WIDTH, assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
-from kvcal.runtime import kernel_source, kernels
+from kvcal.runtime import backends, kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import PackedRows
 from kvcal.fit.skvq import SkvqTensor
 
 @requires_gpu
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_attention_matches_the_reference(case, batch):
     lengths = BATCHES[batch]
     (key_store, value_store), pre_rope = filled(case, lengths)
@@ -51,7 +51,7 @@ def test_decode_attention_serves_every_gqa_group_size(case, group):
 @requires_gpu
 def test_cocktail_chunks_of_three_widths_are_one_attention():
     """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens; and with
-    the tensor-core kernel over the int4 group, as the cache runs it."""
+    the tensor-core kernel over the int4 and int2 groups, as the cache runs it."""
     stores, batch = cocktail_stores()
     compare(*stores, batch, group=4, pre_rope=False)
     compare(*stores, batch, group=4, pre_rope=False, decode=served_decode, atol=SERVED_TOLERANCE)
@@ -90,7 +90,7 @@ def test_kernels_are_chosen_only_where_they_exist():
 
 
 @requires_gpu
-@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"))
+@pytest.mark.parametrize("recipe", ("kvquant", "mixed", "skvq", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"))
 def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_dim_64_bundles, recipe):
     """Token by token through transformers: the CUDA model's cache decodes with the kernels (every layer; the
     tensor-core kernel over the bodies of kvquant, nuq4-0%, nuq4-1%, kivi4-g32 and kivi2-g32), and its logits equal the
@@ -104,9 +104,10 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(tiny_model("llama", head_dim=64), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("llama", head_dim=64).cuda(), bundle, ids.cuda())
-    for layer, recipe_layer in zip(cache.layers, load_bundle(bundle).layers):  # kivi's and kvmix's key blocks are not served
-        one_width = int(recipe_layer.k_bits) == int(recipe_layer.v_bits)  # mixed: the layers whose K and V widths are equal
-        assert layer.decode_path == ("tensor-core" if one_width and recipe not in ("kivi", "kvmix") else "cuda-core")
+    plans = backends.bundle_plan(load_bundle(bundle), "cuda")  # kivi's groups of 4, skvq, int3: CUDA cores
+    assert [layer.decode_path for layer in cache.layers] == [plan.bodies for plan in plans]
+    if recipe in ("kvquant", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"):
+        assert {plan.bodies for plan in plans} == {"tensor-core"}
     fp16_operands = recipe in ("kvquant", "mixed", "nuq4-0%", "nuq4-1%")
     torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=6e-3 if fp16_operands else 2e-3)
 

@@ -85,12 +85,12 @@ SKVQ_CASES = {
     "skvq2-twelve-groups": lambda: _skvq(2, inner=TWELVE_GROUPS),
     "skvq3-fp8-parameters": lambda: _skvq(3, fp8=True),
 }
-CPU_CASES = {**CASES, **SKVQ_CASES}
+DECODE_CASES = {**CASES, **SKVQ_CASES}
 
 
 def filled(case: str, lengths: list[int], device="cuda"):
     """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
-    key_codec, value_codec, policy, rpc, pre_rope, layout = CPU_CASES[case]()
+    key_codec, value_codec, policy, rpc, pre_rope, layout = DECODE_CASES[case]()
     stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, kernels.append_encoder, HEAD_DIM)
               for codec, keys in ((key_codec, True), (value_codec, False))]
     for b, n in enumerate(lengths):
