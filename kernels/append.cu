@@ -53,24 +53,32 @@ __device__ __forceinline__ void min_max_params(float lo, float hi, int levels, h
     *zero = float_to_half(lo);
 }
 
-// TokenUniform: grid = rows, one block per row. scale/zero (rows, groups).
-extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x, int width, int layout, int group,
-                                                unsigned* __restrict__ words, int words_per_row,
-                                                half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
+// The smallest and largest of value(i), i in [begin, end).
+template <typename Value>
+__device__ __forceinline__ void min_max_over(int begin, int end, Value value, float* lo, float* hi) {
+    *lo = KVCAL_INF, *hi = -KVCAL_INF;
+    for (int i = begin; i < end; ++i) {
+        const float v = value(i);
+        *lo = fminf(*lo, v);
+        *hi = fmaxf(*hi, v);
+    }
+}
+
+// One block per row, whose parameters come per group of channels: the row into shared memory, then each group's
+// stored fp16 (scale, zero) from params_of(g, x_s, &scale, &zero), then each channel's code from code_of(c, x_s,
+// scale_s, zero_s) given the groups' stored values as floats. scale/zero (rows, groups).
+template <typename ParamsOf, typename CodeOf>
+__device__ __forceinline__ void append_grouped_row(const half_bits* __restrict__ x, int width, int layout, int groups,
+                                                   unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ scale,
+                                                   half_bits* __restrict__ zero, ParamsOf params_of, CodeOf code_of) {
     __shared__ float x_s[MAX_WIDTH];
     __shared__ float scale_s[MAX_GROUPS], zero_s[MAX_GROUPS];
     const long long row = blockIdx.x;
-    const int levels = code_levels(layout);
     for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
     __syncthreads();
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        float lo = KVCAL_INF, hi = -KVCAL_INF;
-        for (int c = g * group; c < min((g + 1) * group, width); ++c) {
-            lo = fminf(lo, x_s[c]);
-            hi = fmaxf(hi, x_s[c]);
-        }
         half_bits s, z;
-        min_max_params(lo, hi, levels, &s, &z);
+        params_of(g, x_s, &s, &z);
         scale[row * groups + g] = s;
         zero[row * groups + g] = z;
         scale_s[g] = half_to_float(s);
@@ -79,50 +87,50 @@ extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x,
     __syncthreads();
     const int units = words_per_row / words_per_unit(layout);
     for (int u = threadIdx.x; u < units; u += blockDim.x)
-        pack_unit(u, width, layout, [&](int c) {
+        pack_unit(u, width, layout, [&](int c) { return code_of(c, x_s, scale_s, zero_s); },
+                  words + row * words_per_row + u * words_per_unit(layout));
+}
+
+// TokenUniform: grid = rows, groups of `group` consecutive channels.
+extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x, int width, int layout, int group,
+                                                unsigned* __restrict__ words, int words_per_row,
+                                                half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
+    const int levels = code_levels(layout);
+    append_grouped_row(x, width, layout, groups, words, words_per_row, scale, zero,
+        [&](int g, const float* x_s, half_bits* s, half_bits* z) {
+            float lo, hi;
+            min_max_over(g * group, min((g + 1) * group, width), [&](int c) { return x_s[c]; }, &lo, &hi);
+            min_max_params(lo, hi, levels, s, z);
+        },
+        [&](int c, const float* x_s, const float* scale_s, const float* zero_s) {
             return min_max_code(x_s[c], scale_s[c / group], zero_s[c / group], levels);
-        }, words + row * words_per_row + u * words_per_unit(layout));
+        });
 }
 
 // SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor, fp16 parameters): grid = rows. Group g is the channels
 // permutation[starts[g] .. starts[g + 1]); its range, clipped by clip[g], gives clipped_params' scale and zero (in
 // units of the scale, the scale at least |low| / (FP16_MAX / 2) so that the zero fits fp16); codes in channel order
-// (group_of_channel: each channel's group). scale/zero (rows, groups).
+// (group_of_channel: each channel's group).
 extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ x, int width, int layout,
                                                   const int* __restrict__ permutation, const int* __restrict__ starts,
                                                   const float* __restrict__ clip, const int* __restrict__ group_of_channel,
                                                   unsigned* __restrict__ words, int words_per_row,
                                                   half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
-    __shared__ float x_s[MAX_WIDTH];
-    __shared__ float scale_s[MAX_GROUPS], zero_s[MAX_GROUPS];
-    const long long row = blockIdx.x;
     const int levels = code_levels(layout);
-    for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
-    __syncthreads();
-    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        float lo = KVCAL_INF, hi = -KVCAL_INF;
-        for (int i = starts[g]; i < starts[g + 1]; ++i) {
-            lo = fminf(lo, x_s[permutation[i]]);
-            hi = fmaxf(hi, x_s[permutation[i]]);
-        }
-        const float low = __fmul_rn(clip[g], lo), high = __fmul_rn(clip[g], hi);
-        const float zero_fits = __fdiv_rn(fabsf(low), KVCAL_FP16_MAX / 2.0f);
-        const half_bits s = float_to_half(fmaxf(fmaxf(__fdiv_rn(__fsub_rn(high, low), (float)levels), zero_fits), KVCAL_TINY_SCALE));
-        const float s_in_use = fmaxf(half_to_float(s), KVCAL_TINY_SCALE);
-        const half_bits z = float_to_half(__fdiv_rn(low, s_in_use));
-        scale[row * groups + g] = s;
-        zero[row * groups + g] = z;
-        scale_s[g] = s_in_use;
-        zero_s[g] = half_to_float(z);
-    }
-    __syncthreads();
-    const int units = words_per_row / words_per_unit(layout);
-    for (int u = threadIdx.x; u < units; u += blockDim.x)
-        pack_unit(u, width, layout, [&](int c) {
+    append_grouped_row(x, width, layout, groups, words, words_per_row, scale, zero,
+        [&](int g, const float* x_s, half_bits* s, half_bits* z) {
+            float lo, hi;
+            min_max_over(starts[g], starts[g + 1], [&](int i) { return x_s[permutation[i]]; }, &lo, &hi);
+            const float low = __fmul_rn(clip[g], lo), high = __fmul_rn(clip[g], hi);
+            const float zero_fits = __fdiv_rn(fabsf(low), KVCAL_FP16_MAX / 2.0f);
+            *s = float_to_half(fmaxf(fmaxf(__fdiv_rn(__fsub_rn(high, low), (float)levels), zero_fits), KVCAL_TINY_SCALE));
+            *z = float_to_half(__fdiv_rn(low, fmaxf(half_to_float(*s), KVCAL_TINY_SCALE)));
+        },
+        [&](int c, const float* x_s, const float* scale_s, const float* zero_s) {
             const int g = group_of_channel[c];
-            const float q = rintf(__fsub_rn(__fdiv_rn(x_s[c], scale_s[g]), zero_s[g]));
+            const float q = rintf(__fsub_rn(__fdiv_rn(x_s[c], fmaxf(scale_s[g], KVCAL_TINY_SCALE)), zero_s[g]));
             return (unsigned)fminf(fmaxf(q, 0.0f), (float)levels);
-        }, words + row * words_per_row + u * words_per_unit(layout));
+        });
 }
 
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).
