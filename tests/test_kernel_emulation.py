@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import emulator_library, tensor_core_emulation
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, G, R, SERVED_CASES, SERVED_TOLERANCE, SKVQ_CASES,
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, R, SERVED_CASES, SERVED_TOLERANCE,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
@@ -113,22 +113,15 @@ SHORT = [1, G - 1, G + 1, R + 1, 300]
 
 
 @pytest.mark.parametrize("lengths", ("3", "short"))
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
+    """Every case both decode kernels read (SKVQ's: codes in channel order, each channel's group of per-token
+    parameters from its table, 3 or 12 groups of uneven sizes, fp16 or fp8 parameters), written by the append kernels
+    (SKVQ's fp8 parameters: the torch codec): the reference's attention."""
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
-    assert key_store.body.use_kernels and value_store.body.use_kernels  # the stores were written by the append kernels
-    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
-
-
-@pytest.mark.parametrize("lengths", ("3", "short"))
-@pytest.mark.parametrize("case", SKVQ_CASES)
-def test_emulated_decode_attention_reads_skvqs_permuted_groups(on_cpu, case, lengths):
-    """SKVQ's codes in channel order, each channel's group of per-token parameters from its table (pre-RoPE keys,
-    2-4 bits, 3 or 12 groups of uneven sizes, fp16 or fp8 parameters): the reference's attention."""
-    lengths = BATCHES["3"] if lengths == "3" else SHORT
-    (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
-    assert key_store.body.use_kernels != key_store.body.codec.fp8  # the append kernel writes fp16 parameters
+    by_kernels = not getattr(key_store.body.codec, "fp8", False)  # the SKVQ append kernel writes fp16 parameters
+    assert key_store.body.use_kernels == value_store.body.use_kernels == by_kernels
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
 
 

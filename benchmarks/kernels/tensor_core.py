@@ -62,9 +62,9 @@ def inv_freq(head_dim: int) -> torch.Tensor:
 def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0):
     """K and V stores of `length` random N(0, 1) tokens per sequence, every KV head's head_dim channels a row (torch
     codecs on the GPU), drawn under `seed`."""
-    width = KV_HEADS * head_dim
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
+    width = KV_HEADS * head_dim
     stores = []
     for side in range(2):
         store = (Fp16Rows(batch, width, "cuda") if codecs is None

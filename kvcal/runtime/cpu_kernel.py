@@ -336,9 +336,9 @@ APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, sr
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
     blocks, which append once per block; layouts without a kernel number; SKVQ's fp8 parameters)."""
-    layout_id = kernels.layout_id(codec, layout)
-    if torch.device(device).type != "cpu" or kernels.codec_id(codec) not in APPEND_CODECS or layout_id is None:
+    layout_id, cid = kernels.layout_id(codec, layout), kernels.codec_id(codec)
+    if torch.device(device).type != "cpu" or cid not in APPEND_CODECS or layout_id is None:
         return None
-    if kernels.codec_id(codec) == src.PERMUTED_GROUPS and codec.fp8:
+    if cid == src.PERMUTED_GROUPS and codec.fp8:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None

@@ -154,7 +154,7 @@ def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]
         return {}, {"scale": width, "zero": width}
     if cid == src.CODEBOOK_TOKEN:
         return {"lo": 1, "hi": 1}, {}
-    if codec.kind is CodecKind.PERMUTED_GROUPS:
+    if cid == src.PERMUTED_GROUPS:
         return {"scale": codec.clip.numel(), "zero": codec.clip.numel()}, {}
     return {}, {}
 
@@ -211,24 +211,19 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
     words_per_row = np.int32(store.words.shape[2])
     layout = np.int32(layout_id(codec, store.layout))
-    if cid == src.UNIFORM_TOKEN:
+    if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # an fp16 scale and zero per (token, group of channels)
         groups = store.token["scale"].shape[2]
         scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
         zero = torch.empty_like(scale)
-        launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
-                (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row,
-                 _ptr(scale), _ptr(zero), np.int32(groups)))
-        for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
-            buffer.index_put_(target, values)
-        return
-    if cid == src.PERMUTED_GROUPS:
-        groups = codec.clip.numel()
-        scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
-        zero = torch.empty_like(scale)
-        _, permutation, starts, clip = _skvq_tables(codec, device)
-        launch(_function("append.cu", "append_permuted_groups"), (rows,), (THREADS,),
-                (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(channel_groups(codec, device)),
-                 _ptr(words), words_per_row, _ptr(scale), _ptr(zero), np.int32(groups)))
+        outputs = (_ptr(words), words_per_row, _ptr(scale), _ptr(zero), np.int32(groups))
+        if cid == src.UNIFORM_TOKEN:
+            launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
+                    (_ptr(x), np.int32(width), layout, np.int32(codec.group), *outputs))
+        else:
+            group_of_channel, permutation, starts, clip = _skvq_tables(codec, device)
+            launch(_function("append.cu", "append_permuted_groups"), (rows,), (THREADS,),
+                    (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(group_of_channel),
+                     *outputs))
         for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
             buffer.index_put_(target, values)
         return
