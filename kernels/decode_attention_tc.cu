@@ -106,9 +106,11 @@ __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, in
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
-template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false>
+// BITS: the keys' code width, VBITS the values' (KVmix's and mixed layers' differ).
+template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false, int VBITS = BITS>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
+    static constexpr int WIDEST = BITS > VBITS ? BITS : VBITS;  // the wider side's width sizes the stages
     static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
     // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys take 128
     // (int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64): a stage's fixed work (the
@@ -118,17 +120,17 @@ struct Shape {
     // ran 9% slower (157.3 us against 145.0); int4 g32 ran 8% faster wide (182.0 against 197.9). The others stay at 64:
     // the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory are sized
     // by it
-    static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (BITS == 2 && KG % 128 == 0));
+    static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (WIDEST == 2 && KG % 128 == 0));
     static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
-    // (outliers: fewer, for the patch tiles' shared memory, and a power of 2; 3 stages in flight still hold > 16 KiB per SM)
+    // (outliers: fewer, for the patch tiles' shared memory: 4, 3 in flight still hold > 16 KiB per SM; at head_dim 256,
+    // 3, so that a block of nuq3 fits an A100's 163 KB; nuq4's padded rows do not, and it is not served there)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
     // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
     // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
-    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : WIDE ? (BITS == 4 ? 3 : 4) : (BITS == 4 ? (OUT ? 4 : (CB ? 5 : 6)) : (OUT ? 4 : 8));
-    static constexpr int ROW = D * BITS / 8;  // bytes of one token's head row (K and V alike)
-    static constexpr int CHUNK = ROW % 16 ? 8 : 16;  // bytes per cp.async of the rows (nuq3 at head_dim 64: 24-byte rows)
-    static constexpr int CODES = FP16 ? 2 : 32 / BITS, HALF_CODES = CODES / 2;  // per 32-bit word
+    static constexpr int OUT_STAGES = D == 256 ? 3 : 4;
+    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
+    static constexpr int KROW = D * BITS / 8, VROW = D * VBITS / 8;  // bytes of one token's head row of keys, of values
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
     static constexpr int VGE = FP16 ? D : (VG >= D ? D : VG), VGROUPS = FP16 ? 1 : D / VGE;
@@ -137,8 +139,8 @@ struct Shape {
     // banks: its value loads of rows 2t (t < 4) were 4-way bank conflicts, and nuq4 is bound by shared-memory
     // wavefronts (H100, ncu: L1 87% busy; padded, 13% fewer wavefronts and 3.6% faster). Not for the uniform codes:
     // int4 g128 went 10% slower padded (fewer wavefronts, but its L1 was half idle), int2 g128 2%
-    static constexpr int SROW = CB && BITS == 4 ? ROW + 16 : ROW;
-    static constexpr int K_BYTES = ST * SROW, V_BYTES = ST * SROW;
+    static constexpr int KSROW = CB && BITS == 4 ? KROW + 16 : KROW, VSROW = CB && VBITS == 4 ? VROW + 16 : VROW;
+    static constexpr int K_BYTES = ST * KSROW, V_BYTES = ST * VSROW, CODE_BYTES = K_BYTES + V_BYTES;
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
     static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
     // [scale, zero][group][token] fp16: uniform codes copy each group's run of the stage's tokens (kvcal.runtime.store
@@ -166,32 +168,63 @@ struct Shape {
     static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
     static constexpr int LUT_SLACK = CB ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    static constexpr int PLACES_BYTES = BITS == 3 ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
+    static constexpr int PLACES_BYTES = BITS == 3 || VBITS == 3 ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
+    // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
+    // the rest (ptxas spilled them); codebook keys' one block keeps them in shared memory, [scale, zero][pair / 4][t][4]
+    // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
+    static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256;
+    static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
     // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
     // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
-                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + OUT_SCRATCH_BYTES;
+                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
     static constexpr int MIN_BLOCKS =
         FP16 || OUT || (ROPE && D >= 128) || (D == 256 && (CB || KBLOCKS > 1)) ? 2
-                                                                             : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * BITS > 32 ? 3 : 4);
+                                                                             : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
-    static_assert(D == 64 || D == 128 || (D == 256 && !ROPE), "head_dim 64 or 128, or 256 with post-RoPE keys");
+    static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+    static_assert(!KEY_PAIRS_SHARED || CB, "pre-RoPE keys at head_dim 256: codebook codes (one key block)");
+    static_assert(!CB || STAGES >= 3, "codebooks: a stage's value parameters are stored an iteration before it is read");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
+    static_assert(FP16 == (VBITS == 16) && (FP16 || VBITS == 4 || VBITS == 3 || VBITS == 2), "values: fp16 with fp16 keys, or codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
-    static_assert(!CB || ((BITS == 4 || BITS == 3) && VG == D), "codebooks: 4- or 3-bit codes; one value threshold pair per token");
-    static_assert(BITS != 3 || CB, "3-bit codes: codebooks only");
+    static_assert(!CB || ((BITS == 4 || BITS == 3) && (VBITS == 4 || VBITS == 3) && VG == D),
+                  "codebooks: 4- or 3-bit codes; one value threshold pair per token");
+    static_assert((BITS != 3 && VBITS != 3) || CB, "3-bit codes: codebooks only");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
-    static_assert(FP16 || LANE_V * BITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
+    static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
     static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3)),
                   "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units)");
 };
+
+// One side's rows of a stage, `live` of its ST tokens, from tile (rows `stride` bytes apart) into dst (rows SROW bytes
+// apart), ROW bytes each, by the block's threads in 16-byte cp.async chunks (8-byte ones for nuq3's 24-byte rows at
+// head_dim 64), zero-filled past live. Compile-time trip counts: every thread's copies unroll into straight-line code,
+// offsets within a stage in 32 bits. fp16 rows are read by ldmatrix: their chunks XOR-swizzled by token % 8 (no bank
+// conflicts).
+template <int ST, int ROW, int SROW, bool SWIZZLE>
+__device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned char* tile, int stride, int live_tokens, int tid) {
+    constexpr int C = ROW % 16 ? 8 : 16, CHUNKS = ROW / C, COPIES = ST * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        if (COPIES % THREADS == 0 || c < COPIES) {
+            const int token = c / CHUNKS, chunk = c % CHUNKS;
+            const bool live = token < live_tokens;
+            const int place = SWIZZLE ? (chunk ^ (token & 7)) : chunk;
+            const unsigned char* const src = live ? tile + (token * stride + chunk * C) : tile;
+            if constexpr (C == 16) cp_async_16(dst + token * SROW + place * C, src, live ? 16 : 0);
+            else cp_async_8(dst + token * SROW + place * C, src, live ? 8 : 0);
+        }
+    }
+}
 
 // Position, among a lane's consecutive key codes, of element e of its pair p: the converters' order ({j, j + 8} of
 // a word of 8 int4 codes, {j, j + 16} of int2) or the codebook table's (pairs of neighbours).
@@ -297,6 +330,10 @@ __device__ __forceinline__ RopeTask rope_task(int task) { return {task / (D / 4)
 // two_step_fragment's order (pairs 4j, 4j + 2, 4j + 1, 4j + 3), so that one 16-byte load is one A fragment.
 __device__ __forceinline__ int q_stage_word(int p, int lane) { return ((p >> 2) * 32 + lane) * 4 + ((p & 1) << 1 | (p >> 1 & 1)); }
 
+// Word of the key pairs table (Shape::KEY_PAIRS_SHARED) holding lane part t's pair p: [p / 4][t][4], so that
+// a lane's pairs 4j .. 4j + 3 are one 16-byte load and the four parts' loads fall in different banks.
+__device__ __forceinline__ int key_pair_word(int p, int t) { return ((p >> 2) * 4 + t) * 4 + (p & 3); }
+
 // Word of the rope table holding lane part t's {cos, sin} pair of frequency pair q (key_channel's pairs < D/16) at
 // offset delta: 16-byte quads of two pairs, [delta][quad][t][4], rows of ROPE_ROW words: 16 more than the row's
 // D / 2, so that the two offsets a quarter-warp reads (g and g + 1) fall in different banks, and a lane's loads are
@@ -389,8 +426,8 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
 // kernel fills the others: kvcal.runtime.kernels.prepare_decode).
-template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT>::MIN_BLOCKS) decode_tc(
+template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
@@ -404,7 +441,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
     float scale_log2) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT>;
+    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
@@ -427,8 +464,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         return;
     }
     const int tiles = (end - start + ST - 1) / ST;
-    const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::ROW;
-    const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::ROW;
+    const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
+    const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
     // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages). Its ranges per
     // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES
     // (after the patches of stage s - STAGES, the buffer's last reader of them), from offsets it loaded an iteration
@@ -439,7 +476,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     OutlierRange k_next{0, 0}, v_next{0, 0};  // thread 0: the ranges of the next stage whose header it writes
     // thread 0: stage `tile`'s header into its buffer, then the next stage's ranges loaded
     const auto write_ranges = [&](unsigned char* buffer, int tile) {
-        unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+        unsigned char* const area = buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
         const int k_base = k_next.lo & ~7, v_base = v_next.lo & ~7;
         *reinterpret_cast<OutlierHeader*>(area) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
                                                     v_next.hi - v_base, k_base, v_base,
@@ -472,23 +509,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     auto issue = [&](int tile) {
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
-        // compile-time trip counts: every thread's copies unroll into straight-line code, offsets within a stage in 32 bits
-        constexpr int C = S::CHUNK, CHUNKS = S::ROW / C, COPIES = ST * CHUNKS;
-        const auto copy = [](void* dst, const void* src, bool live) {
-            if constexpr (C == 16) cp_async_16(dst, src, live ? 16 : 0); else cp_async_8(dst, src, live ? 8 : 0);
-        };
-#pragma unroll
-        for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
-            const int c = tid + i * THREADS;
-            if (COPIES % THREADS == 0 || c < COPIES) {
-                const int token = c / CHUNKS, chunk = c % CHUNKS;
-                const bool live = t0 + token < end;
-                // fp16 rows are read by ldmatrix: 16-byte chunks XOR-swizzled by token % 8 (no bank conflicts)
-                const int place = S::FP16 ? (chunk ^ (token & 7)) : chunk;
-                copy(buffer + token * S::SROW + place * C, live ? k_tile + (token * (int)k_row + chunk * C) : k_tile, live);
-                copy(buffer + S::K_BYTES + token * S::SROW + place * C, live ? v_tile + (token * (int)v_row + chunk * C) : v_tile, live);
-            }
-        }
+        copy_rows<ST, S::KROW, S::KSROW, S::FP16>(buffer, k_tile, (int)k_row, end - t0, tid);
+        copy_rows<ST, S::VROW, S::VSROW, S::FP16>(buffer + S::K_BYTES, v_tile, (int)v_row, end - t0, tid);
         if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
             // a shared key block's: warp tile % 4 copies them, the warp that makes its Q' (it waits on its own copies)
@@ -503,7 +525,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const bool live = first_token < end;
                     const unsigned short* const source = which ? key_zero : key_scale;
                     const long long offset = live ? b * kp_seq + (long long)(first_token / S::KB) * kp_row + (long long)kvh * D : 0;
-                    cp_async_16(buffer + 2 * S::K_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
+                    cp_async_16(buffer + S::CODE_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
                                 reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
                 }
             }
@@ -518,7 +540,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const bool live = t0 + chunk * 8 < end;
                     const unsigned short* const source =
                         (run >= S::VGROUPS ? value_zero : value_scale) + vp_tile + (run % S::VGROUPS) * vp_group;
-                    cp_async_16(buffer + 2 * S::K_BYTES + S::KP_BYTES + c * 16, source + (live ? chunk * 8 : 0), live ? 16 : 0);
+                    cp_async_16(buffer + S::CODE_BYTES + S::KP_BYTES + c * 16, source + (live ? chunk * 8 : 0), live ? 16 : 0);
                 }
             }
         }
@@ -527,7 +549,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             // chunk of its values, from the chunk that holds lo on
             constexpr int CHUNKS = S::OUT_SLOTS / 8;
             if (tid < 2 * CHUNKS) {
-                unsigned char* const area = buffer + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
+                unsigned char* const area = buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
                 const int side = tid / CHUNKS, chunk = tid % CHUNKS;
                 const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
                 if (chunk * 8 < (side ? h.v_end : h.k_end)) {  // the chunks past OUT_SLOTS are not copied
@@ -562,7 +584,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     };
     auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
-            unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + 2 * S::K_BYTES + S::KP_BYTES;
+            unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + S::CODE_BYTES + S::KP_BYTES;
             if (tid < ST) {
                 const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
                 reinterpret_cast<float2*>(vp)[tid] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
@@ -606,47 +628,62 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // recomputed them from the lane in every iteration (the kernel is at its register limit)
     Planes3Place* const places = reinterpret_cast<Planes3Place*>(cb_key_params + S::CB_KP_BYTES) + 2 * lane;
     if constexpr (BITS == 3)
-        if (warp == 0) places[0] = planes3_place<D / 8>(t * (D / 8)), places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
+        if (warp == 0) places[0] = planes3_place<D / 8>(t * (D / 8));
+    if constexpr (VBITS == 3)
+        if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
+    // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
+    unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
     // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
     // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
     // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
     // unused} (fp32)
-    unsigned short* const key_patch = reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
+    unsigned short* const key_patch =
+        reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
     unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);
     float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
-    float task_q[TASK_SLOTS][4], task_freq[TASK_SLOTS][2];  // {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in); theta0, theta1
-    // cos / sin of P0 theta for the task's two frequencies, and of ST theta (one stage's step): between exact anchors
-    // every ANCHOR stages, the next stage's angle is this one's plus the step (an fp32 rotation: error ~1e-7 a stage)
+    // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
+    // P0 theta for its two frequencies, and of ST theta (one stage's step), held once. Between exact anchors every
+    // ANCHOR stages, the next stage's angle is this one's plus the step (an fp32 rotation: error ~1e-7 a stage)
+    static_assert(THREADS % (D / 4) == 0, "a thread's rotation tasks share one frequency pair");
+    const RopeTask frequency = rope_task<D>(tid);
     constexpr int ANCHOR = 16;
-    float task_cs[TASK_SLOTS][4], task_step[TASK_SLOTS][4];  // {cos0, sin0, cos1, sin1}
-    unsigned ks2[ROPE ? PAIRS : 1], kz2[ROPE ? PAIRS : 1];  // the key block's scale and zero pairs in key_channel order
+    float task_cs[4], task_step[4];  // {cos0, sin0, cos1, sin1}
+    // the key block's scale and zero pairs in key_channel order (KEY_PAIRS_SHARED: in key_pairs instead)
+    constexpr int KEY_PAIR_REGS = ROPE && !S::KEY_PAIRS_SHARED ? PAIRS : 1;
+    unsigned ks2[KEY_PAIR_REGS], kz2[KEY_PAIR_REGS];
     auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_stage[tile % 2]
         if constexpr (ROPE) {
             const int p0 = meta[META * b + 2] + start + tile * ST;
             unsigned* const out = q_stage + (tile & 1) * S::QSTAGE_WORDS;
+            float* const cs = task_cs;
+            if (tile % ANCHOR == 0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e)  // the frequency reloaded: an anchor is rare, registers are not
+                    exact_cos_sin(p0, __ldg(inv_freq + key_channel<D, BITS, true, CB>(frequency.part, frequency.pair, e)), &cs[2 * e],
+                                  &cs[2 * e + 1]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float c = cs[2 * e], s = cs[2 * e + 1], c1 = task_step[2 * e], s1 = task_step[2 * e + 1];
+                    cs[2 * e] = c * c1 - s * s1;
+                    cs[2 * e + 1] = s * c1 + c * s1;
+                }
+            }
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
                 const int task = tid + i * THREADS;
                 if (TASKS % THREADS == 0 || task < TASKS) {
                     const RopeTask r = rope_task<D>(task);
-                    float* const cs = task_cs[i];
-                    if (tile % ANCHOR == 0) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) exact_cos_sin(p0, task_freq[i][e], &cs[2 * e], &cs[2 * e + 1]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const float c = cs[2 * e], s = cs[2 * e + 1], c1 = task_step[i][2 * e], s1 = task_step[i][2 * e + 1];
-                            cs[2 * e] = c * c1 - s * s1;
-                            cs[2 * e + 1] = s * c1 + c * s1;
-                        }
-                    }
+                    // the task's query pairs reread (L1 holds them): in registers across the loop they cost 4 a task
+                    const float* const q = query + (out_row + r.head) * D;
                     float qa[2], qb[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        qa[e] = task_q[i][e] * cs[2 * e] + task_q[i][2 + e] * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
-                        qb[e] = task_q[i][2 + e] * cs[2 * e] - task_q[i][e] * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
+                        const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
+                        const float a = __ldg(q + c) * scale_log2, b = __ldg(q + c + D / 2) * scale_log2;  // log2(e) / sqrt(d) folded in
+                        qa[e] = a * cs[2 * e] + b * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
+                        qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
                     }
                     const int lane_of = r.head * 4 + r.part;
                     out[q_stage_word(r.pair, lane_of)] = pack_half2(qa[0], qa[1]);
@@ -664,21 +701,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int i = tid; i < 2 * S::QSTAGE_WORDS; i += THREADS)  // rows of heads past GQA stay zero
             if ((i >> 4 & 7) >= GQA) q_stage[i] = 0u;
 #pragma unroll
-        for (int i = 0; i < TASK_SLOTS; ++i) {
-            const int task = tid + i * THREADS;
-            if (TASKS % THREADS == 0 || task < TASKS) {
-                const RopeTask r = rope_task<D>(task);
-                const float* const q = query + (out_row + r.head) * D;
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
-                    task_q[i][e] = q[c] * scale_log2;
-                    task_q[i][2 + e] = q[c + D / 2] * scale_log2;
-                    task_freq[i][e] = inv_freq[c];
-                    exact_cos_sin(ST, inv_freq[c], &task_step[i][2 * e], &task_step[i][2 * e + 1]);
-                }
-            }
-        }
+        for (int e = 0; e < 2; ++e)
+            exact_cos_sin(ST, inv_freq[key_channel<D, BITS, true, CB>(frequency.part, frequency.pair, e)], &task_step[2 * e],
+                          &task_step[2 * e + 1]);
         rotate_query(0);
     }
     if constexpr (CB) {  // the codebook tables and the keys' per-channel scale and zero join stage 0's copies too
@@ -694,6 +719,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             tid % PCHUNKS * 16,
                         16);
     }
+    if constexpr (S::KEY_PAIRS_SHARED) {  // the key pairs, one (pair, lane part) a thread, read after the first barrier
+        static_assert(PAIRS * 4 == THREADS, "a thread per pair and lane part");
+        const int p = tid >> 2, part = tid & 3;
+        const long long c0 = (long long)kvh * D + key_channel<D, BITS, true, CB>(part, p, 0);
+        const long long c1 = (long long)kvh * D + key_channel<D, BITS, true, CB>(part, p, 1);
+        key_pairs[key_pair_word(p, part)] = clamp_scale_pair((unsigned)__ldg(key_scale + c0) | (unsigned)__ldg(key_scale + c1) << 16);
+        key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c0) | (unsigned)__ldg(key_zero + c1) << 16;
+    }
 
     // ---- outliers (OUT): the patches zeroed, the extremes of both codebooks; the pass that patches a stage ----
     // An outlier lies outside its thresholds, so its code is the codebook's first or last entry (the nearest to the
@@ -706,7 +739,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             reinterpret_cast<uint4*>(key_patch)[i] = __ldg(zeros + i % (D / 8));
             reinterpret_cast<uint4*>(value_patch)[i] = uint4{};
         }
-        constexpr int LAST = BITS == 4 ? 255 : 63;  // codebook_pairs' index of {last, last}
+        constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4) and 3
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
         value_first = entry(256), value_last = entry(256 + LAST);
@@ -729,8 +762,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // stage reads what their warps leave unrestored.
     static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
     auto patch_stage = [&](const unsigned char* stage) {  // its buffer
-        const unsigned char* const area = stage + 2 * S::K_BYTES + S::KP_BYTES + S::VP_BYTES;
-        const unsigned char* const vp = stage + 2 * S::K_BYTES + S::KP_BYTES;  // the tokens' value scales and zeros
+        const unsigned char* const area = stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
+        const unsigned char* const vp = stage + S::CODE_BYTES + S::KP_BYTES;  // the tokens' value scales and zeros
         const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
         const auto patch_key = [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
@@ -814,7 +847,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // alternate, so the readers of the other parity are not disturbed; a buffer is rewritten two blocks later, after a
     // barrier). The warps take turns, as the SM's four schedulers do (warp w issues on scheduler w % 4)
     const auto share_key_block = [&](const unsigned char* stage, int block) {
-        const float b = key_fragments(stage + 2 * S::K_BYTES);
+        const float b = key_fragments(stage + S::CODE_BYTES);
         unsigned* const out = q_stage + (block & 1) * S::QSTAGE_WORDS + lane * 4;
 #pragma unroll
         for (int j = 0; j < PAIRS / 4; ++j) {
@@ -880,14 +913,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 bias = key_bias[(block & 1) * 8 + g];
             }
             if constexpr (ROPE) {
-                load_query_fragments(tile & 1);
+                if constexpr (!S::KEY_PAIRS_SHARED) load_query_fragments(tile & 1);
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
                     const unsigned char* const kp =
-                        CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
+                        CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
 #pragma unroll
-                    for (int part = 0; part < 2; ++part) {
+                    for (int part = 0; part < (S::KEY_PAIRS_SHARED ? 0 : 2); ++part) {
                         unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
                         const int c0 = part * (D / 2) + t * (D / 8);
                         load_words(sw, kp + c0 * 2);
@@ -904,7 +937,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    bias = key_fragments(CB ? cb_key_params : buffer + 2 * S::K_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2);
+                    bias = key_fragments(CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2);
                 }
             }
             // -- S = Q K^T for the warp's n-tiles of 8 tokens --
@@ -918,7 +951,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int s2 = 0; s2 < KSTEPS / 2; ++s2) {
                         const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
                         unsigned r[4];
-                        ldmatrix_x4(r, buffer + row * S::SROW + ((chunk ^ (row & 7)) * 16));
+                        ldmatrix_x4(r, buffer + row * S::KSROW + ((chunk ^ (row & 7)) * 16));
                         unsigned a[4];
                         two_step_fragment(a, qk, s2);
                         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -926,61 +959,97 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         mma_m16n8k16_f16(acc2, a, b1);
                     }
                 } else if constexpr (ROPE) {
-                    // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta
-                    constexpr int PART_WORDS = D * BITS / 256, HP = PAIRS / 2;
+                    // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta, CP pairs
+                    // of each half at a time (head_dim 256: four parts of 4; a whole half held too many registers)
+                    constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;
                     const int delta = tb + 8 * nt + g;
-                    const unsigned char* const row = buffer + delta * S::SROW + t * (S::ROW / 8);
-                    unsigned kf[PAIRS], cs[PAIRS];
-                    if constexpr (BITS == 3) {
-                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::SROW);
-                        const Planes3Place key_place = places[0];
-                        planes3_codes<D / 8>(words, key_place, kf, key_lut);
-                        planes3_codes<D / 8>(words + 3 * (D / 64), key_place, kf + HP, key_lut);  // channels + D / 2
-                    } else {
-                        unsigned wa[PART_WORDS], wb[PART_WORDS];
-                        load_words(wa, row);
-                        load_words(wb, row + S::ROW / 2);
+                    const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
+                    const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
+#pragma unroll 1  // (head_dim 256: unrolled, ptxas hoisted the parts' loads past its registers)
+                    for (int c = 0; c < HP / CP; ++c) {
+                        unsigned kf[2 * CP], cs[2 * CP];  // pairs c CP .. c CP + CP - 1 of the first half, then the second's
+                        if constexpr (BITS == 3) {
+                            const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::KSROW);
+                            const Planes3Place key_place = HP / CP == 1 ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
+                            planes3_codes<2 * CP>(words, key_place, kf, key_lut);
+                            planes3_codes<2 * CP>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
+                        } else {
+                            unsigned wa[CW], wb[CW];
+                            load_words(wa, row + c * CW * 4);
+                            load_words(wb, row + S::KROW / 2 + c * CW * 4);
 #pragma unroll
-                        for (int i = 0; i < PART_WORDS; ++i) {
-                            codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
-                            codes_to_half2<BITS, CB>(wb[i], kf + HP + i * (16 / BITS), key_lut);
+                            for (int i = 0; i < CW; ++i) {
+                                codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
+                                codes_to_half2<BITS, CB>(wb[i], kf + CP + i * (16 / BITS), key_lut);
+                            }
                         }
-                    }
 #pragma unroll
-                    for (int j = 0; j < HP / 2; ++j) {
-                        unsigned w[4];
-                        load_words(w, rope_smem + rope_pair_word<D>(delta, t, 2 * j));
-                        cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
-                    }
-                    unsigned za[HP], zb[HP];  // the addends: zero points (outliers: the key tile's zero + patch)
-                    if constexpr (OUT) {
-                        unsigned short* const patch = key_patch + delta * D + t * (D / 8);
-                        load_words(za, patch);
-                        load_words(zb, patch + D / 2);
-                        store_words<HP>(patch, kz2);
-                        store_words<HP>(patch + D / 2, kz2 + HP);
-                    } else {
+                        for (int j = 0; j < CP / 2; ++j) {
+                            unsigned w[4];
+                            load_words(w, rope_smem + rope_pair_word<D>(delta, t, c * CP + 2 * j));
+                            cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
+                        }
+                        unsigned ks[2 * CP], kz[2 * CP];  // the key block's scale and zero pairs, in kf's order
 #pragma unroll
-                        for (int q = 0; q < HP; ++q) za[q] = kz2[q], zb[q] = kz2[HP + q];
-                    }
+                        for (int h = 0; h < 2; ++h) {
+                            if constexpr (S::KEY_PAIRS_SHARED) {
 #pragma unroll
-                    for (int q = 0; q < HP; ++q) {
-                        const unsigned a = hfma2_bits(kf[q], ks2[q], za[q]), r = hfma2_bits(kf[HP + q], ks2[HP + q], zb[q]);
-                        const unsigned c = cs[2 * q], s = cs[2 * q + 1];
-                        kf[q] = hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));  // a cos - b sin
-                        kf[HP + q] = hfma2_bits(r, c, hmul2(a, s));                 // b cos + a sin
+                                for (int j = 0; j < CP / 4; ++j) {
+                                    unsigned w[4], z[4];
+                                    load_words(w, key_pairs + key_pair_word(h * HP + c * CP + 4 * j, t));
+                                    load_words(z, key_pairs + PAIRS * 4 + key_pair_word(h * HP + c * CP + 4 * j, t));
+#pragma unroll
+                                    for (int i = 0; i < 4; ++i) ks[h * CP + 4 * j + i] = w[i], kz[h * CP + 4 * j + i] = z[i];
+                                }
+                            } else {
+#pragma unroll
+                                for (int q = 0; q < CP; ++q) ks[h * CP + q] = ks2[h * HP + c * CP + q], kz[h * CP + q] = kz2[h * HP + c * CP + q];
+                            }
+                        }
+                        unsigned za[CP], zb[CP];  // the addends: zero points (outliers: the key tile's zero + patch)
+                        if constexpr (OUT) {
+                            unsigned short* const patch = key_patch + delta * D + t * (D / 8) + c * CP * 2;
+                            load_words(za, patch);
+                            load_words(zb, patch + D / 2);
+                            store_words<CP>(patch, kz);
+                            store_words<CP>(patch + D / 2, kz + CP);
+                        } else {
+#pragma unroll
+                            for (int q = 0; q < CP; ++q) za[q] = kz[q], zb[q] = kz[CP + q];
+                        }
+#pragma unroll
+                        for (int q = 0; q < CP; ++q) {
+                            const unsigned a = hfma2_bits(kf[q], ks[q], za[q]), r = hfma2_bits(kf[CP + q], ks[CP + q], zb[q]);
+                            const unsigned cos = cs[2 * q], sin = cs[2 * q + 1];
+                            kf[q] = hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));  // a cos - b sin
+                            kf[CP + q] = hfma2_bits(r, cos, hmul2(a, sin));         // b cos + a sin
+                        }
+                        // the k-steps of these pairs (paired_k_steps' order: pair p is k-step p / 2's), the query's A
+                        // fragments from registers or, with KEY_PAIRS_SHARED, from q_stage (one 16-byte load each)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+#pragma unroll
+                            for (int j = 0; j < CP / 4; ++j) {
+                                const int step_pair = (h * HP + c * CP) / 4 + j;
+                                unsigned a[4];
+                                if constexpr (S::KEY_PAIRS_SHARED) load_words(a, q_frag + step_pair * 128);
+                                else two_step_fragment(a, qk, step_pair);
+                                const unsigned* const b = kf + h * CP + 4 * j;
+                                const unsigned b_even[2] = {b[0], b[1]}, b_odd[2] = {b[2], b[3]};
+                                mma_m16n8k16_f16(acc, a, b_even);
+                                mma_m16n8k16_f16(acc2, a, b_odd);
+                            }
                     }
-                    paired_k_steps(acc, acc2, qk, kf);
                 } else {
                     unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
                     if constexpr (BITS == 3) {
-                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::SROW);
+                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::KSROW);
 #pragma unroll
                         for (int h = 0; h < D / 64; ++h) planes3_codes<16>(words, planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
                     } else {
                         constexpr int WORDS = D * BITS / 128;
                         unsigned w[WORDS];
-                        load_words(w, buffer + (tb + 8 * nt + g) * S::SROW + t * (S::ROW / 4));
+                        load_words(w, buffer + (tb + 8 * nt + g) * S::KSROW + t * (S::KROW / 4));
 #pragma unroll
                         for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, RAW>(w[i], kf + i * (16 / BITS), key_lut);
                     }
@@ -1040,13 +1109,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int mt = 0; mt < MTILES; ++mt) {
                         const int i = lane >> 3, row = tk + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
                         unsigned a[4];
-                        ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::SROW + ((chunk ^ (row & 7)) * 16));
+                        ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::VSROW + ((chunk ^ (row & 7)) * 16));
                         mma_m16n8k16_f16(o[mt], a, bp);
                     }
                 } else {
-                    const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + 2 * S::K_BYTES + S::KP_BYTES);
-                    const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::SROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
-                    constexpr int LANE_BITS = S::LANE_V * BITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / BITS;
+                    const unsigned short* const vp = reinterpret_cast<const unsigned short*>(buffer + S::CODE_BYTES + S::KP_BYTES);
+                    const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::VSROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
+                    constexpr int LANE_BITS = S::LANE_V * VBITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / VBITS;
                     unsigned pw[2], zw[RAW ? S::VGROUPS : 1][2];  // uniform codes: fp16(P) of the token pairs; their zeros
                     if constexpr (RAW)
 #pragma unroll
@@ -1073,17 +1142,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             }
                         }
                         // lane g's LANE_V channels of this group in 4 token rows, pairs of rows interleaved per 16 bits
-                        const int bit0 = (group * S::VGE + g * S::LANE_V) * BITS;
+                        const int bit0 = (group * S::VGE + g * S::LANE_V) * VBITS;
                         unsigned vf[2][S::LANE_V];  // [rows 2t/2t+1 or 2t+8/2t+9][code n]: {token even, token odd}
 #pragma unroll
                         for (int half = 0; half < 2; ++half) {
-                            const unsigned char* const r0 = vrow + 8 * half * S::SROW;
-                            if constexpr (BITS == 3) {
+                            const unsigned char* const r0 = vrow + 8 * half * S::VSROW;
+                            if constexpr (VBITS == 3) {
                                 // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
                                 unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
                                 const Planes3Place value_place = places[1];
                                 planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
-                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::SROW), value_place, pb, value_lut);
+                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::VSROW), value_place, pb, value_lut);
 #pragma unroll
                                 for (int m = 0; m < S::LANE_V / 2; ++m) {
                                     vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
@@ -1093,7 +1162,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 constexpr int NW = LANE_BITS / 32;
                                 unsigned wa[NW], wb[NW];
                                 load_words(wa, r0 + (bit0 >> 3));
-                                load_words(wb, r0 + S::SROW + (bit0 >> 3));
+                                load_words(wb, r0 + S::VSROW + (bit0 >> 3));
 #pragma unroll
                                 for (int i = 0; i < NW; ++i) {
                                     // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
@@ -1111,36 +1180,37 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     // (raw_u2's out[0..3] read the low byte of each 16-bit half; the high bytes are junk
                                     // that only out[4..7] read, and those are dropped)
                                     const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
-                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
+                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::VSROW + (bit0 >> 5) * 4);
                                     const unsigned byte = (bit0 >> 3) & 3;
                                     unsigned codes[8];
-                                    codes_to_half2<BITS, false, RAW>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
+                                    codes_to_half2<VBITS, false, RAW>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
 #pragma unroll
                                     for (int n = 0; n < S::LANE_V; ++n) vf[half][n] = codes[n];
                                 } else if constexpr (LANE_BITS == 16) {
                                     const unsigned wa = *reinterpret_cast<const unsigned*>(r0 + (bit0 >> 5) * 4);
-                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::SROW + (bit0 >> 5) * 4);
+                                    const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::VSROW + (bit0 >> 5) * 4);
                                     c16[0] = prmt(wa, wb, (bit0 & 16) ? 0x7632u : 0x5410u);
                                 } else {
                                     constexpr int NW = LANE_BITS / 32;
                                     unsigned wa[NW], wb[NW];
                                     load_words(wa, r0 + (bit0 >> 3));
-                                    load_words(wb, r0 + S::SROW + (bit0 >> 3));
+                                    load_words(wb, r0 + S::VSROW + (bit0 >> 3));
 #pragma unroll
                                     for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                                 }
 #pragma unroll
-                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<BITS, false, RAW>(c16[k], vf[half] + k * PER16, 0u);
+                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<VBITS, false, RAW>(c16[k], vf[half] + k * PER16, 0u);
                             }
                         }
 #pragma unroll
                         for (int ml = 0; ml < S::LANE_V / 2; ++ml) {
                             const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
-                            mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], a, bp);
+                            float (&acc)[4] = o[group * (S::LANE_V / 2) + ml];
+                            mma_m16n8k16_f16(acc, a, bp);
                             if constexpr (RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
                                 constexpr unsigned minus_1024[4] = {magic::FP16_MINUS_1024, magic::FP16_MINUS_1024,
                                                                     magic::FP16_MINUS_1024, magic::FP16_MINUS_1024};
-                                mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], minus_1024, bp);
+                                mma_m16n8k16_f16(acc, minus_1024, bp);
                             }
                         }
                     }
@@ -1203,9 +1273,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int e = 0; e < 4; ++e) {
             float x = o[mt][e];
             if constexpr (RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^s
-                constexpr int MPG = S::LANE_V / 2, PER_WORD = 16 / BITS;
+                constexpr int MPG = S::LANE_V / 2, PER_WORD = 16 / VBITS;
                 const int n = 2 * (mt % MPG) + (e >> 1);
-                x *= 1.0f / (float)(1 << raw_shift<BITS>(n % PER_WORD));
+                x *= 1.0f / (float)(1 << raw_shift<VBITS>(n % PER_WORD));
             }
             merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, BITS, S::VGE>(g, mt, e >> 1)] = x;
         }

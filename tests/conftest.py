@@ -285,8 +285,8 @@ def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 @pytest.fixture(scope="session")
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
-    nuq4-1%, kivi4-g32 and kivi2-g32 (KIVI's own 2 bits) are bodies the tensor-core kernel serves; kvquant-w8 keeps
-    its 8 newest tokens fp16."""
+    nuq4-1%, kivi4-g32, kivi2-g32 (KIVI's own 2 bits) and kvmix-two-widths are bodies the tensor-core kernel serves;
+    kvquant-w8 keeps its 8 newest tokens fp16."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
@@ -307,5 +307,12 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
                  "kvmix": ("kvmix", None, None),
                  "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),
                  "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32)), "kivi2-g32": ("kivi", None, KiviSettings(2, 32, 32))}
-    return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
-            for name, (recipe, *extra) in artifacts.items()}
+    bundles = {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
+               for name, (recipe, *extra) in artifacts.items()}
+    # kvmix-two-widths: KVmix's layers with keys and values of two widths, 2-bit keys with 4-bit values and the reverse
+    # (the tiny profile's allocation gives both layers 2 / 2; a profile-gradients run with 4-bit keys allowed can give these)
+    tensors, config = build_bundle(str(profile), "kvmix")
+    for layer, (k_bits, v_bits) in zip(config["recipe"]["layers"], ((2, 4), (4, 2))):
+        layer["k_bits"], layer["v_bits"] = k_bits, v_bits
+    bundles["kvmix-two-widths"] = write_bundle(folder / "kvmix-two-widths.safetensors", tensors, config)
+    return bundles

@@ -198,6 +198,11 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Var
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
 
 
+# and for KVmix's layers of two widths (head_dim_64_bundles' kvmix-two-widths: 2-bit keys with 4-bit values, then the
+# reverse; blocks and groups of 32)
+TWO_WIDTH_VARIANTS = (Variant(64, 2, 32, 32, 2, value_bits=4), Variant(64, 4, 32, 32, 2, value_bits=2))
+
+
 # and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4), and Cocktail's int4
 # and int2 chunk groups (GQA 2)
 SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
@@ -206,10 +211,11 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "cocktail-int4": Variant(128, 4, G, G, 2), "cocktail-int2": Variant(128, 2, G, G, 2)}
 
 
-# and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies (pre-RoPE keys, kvquant's, are
-# rotated by the tensor-core kernel at head_dim 64 and 128 only: the CUDA-core kernel serves them at 256)
-HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2)}
-EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *SERVED_VARIANTS.values(), *HEAD_DIM_256_VARIANTS.values())
+# and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies, kvquant's pre-RoPE nuq3 with
+# outliers (rotated in the kernel at 256 too)
+HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2),
+                         "kvquant": Variant(256, 3, 0, 256, 2, rope=True, codebook=True, outliers=True)}
+EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *SERVED_VARIANTS.values(), *HEAD_DIM_256_VARIANTS.values())
 
 
 @pytest.fixture(scope="session")
@@ -285,12 +291,36 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)
 
 
+def test_emulated_tensor_core_kernel_serves_kvmix_layers_of_two_widths_like_the_reference_runtime(with_tensor_cores,
+                                                                                                  head_dim_64_bundles):
+    """KVmix's layers whose keys and values differ in width (2 / 4 bits, then 4 / 2) decode on the tensor-core kernel,
+    one launch of each layer's variant per decode step (the fp16 recent-context rows beside them on the CUDA-core
+    kernel), on a left-padded batch, to the reference runtime's logits."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", head_dim=64)
+    bundle = head_dim_64_bundles["kvmix-two-widths"]
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
+        assert with_tensor_cores == [v.name for _ in range(10) for v in TWO_WIDTH_VARIANTS]  # layer 0's, then layer 1's
+        with reference_runtime():
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    # fp16 operands (here 1.2e-3: 2-bit keys' and values' coarse scales, as kivi2-g32's; each layer's kernel alone is
+    # as close to float64 as the one-width variants, tests/test_tensor_core_decode.py)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("recipe", ("kivi4-g32", "kvquant"))
 def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtime(with_tensor_cores, head_dim_256_gemma3_bundles,
                                                                                   recipe):
     """A tiny Gemma 3 at head_dim 256 (a sliding layer whose 16-token window the 110 tokens outgrow, a full one) on a
-    left-padded batch: kivi4-g32's bodies on the tensor-core kernel (but a body whose front the window dropped) and the
-    rest on the CUDA-core kernel, kvquant's all on the CUDA-core kernel, give the reference runtime's logits."""
+    left-padded batch: kivi4-g32's post-RoPE int4 and kvquant's pre-RoPE nuq3 bodies with 1% outliers on the tensor-core
+    kernel (but a body whose front the window dropped) and the rest on the CUDA-core kernel give the reference
+    runtime's logits."""
     from conftest import HEAD_DIM_256, tiny_model
 
     model = tiny_model("gemma3_text", **HEAD_DIM_256)
@@ -303,10 +333,10 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
         paths = [layer.decode_path for layer in cache.layers]
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-    served = HEAD_DIM_256_VARIANTS.get(recipe)
-    assert paths == ["tensor-core" if served else "cuda-core"] * len(paths)
+    served = HEAD_DIM_256_VARIANTS[recipe]
+    assert paths == ["tensor-core"] * len(paths)
     # the full layer's body on tensor cores at each of the 10 steps; the sliding layer's while no row left its front
-    assert set(with_tensor_cores) == ({served.name} if served else set()) and len(with_tensor_cores) >= (10 if served else 0)
+    assert set(with_tensor_cores) == {served.name} and len(with_tensor_cores) >= 10
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 

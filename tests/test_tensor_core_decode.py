@@ -6,7 +6,8 @@
   tokens, values per token), head_dim 64 / 128 / 256, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
   (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
   keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
-  planes3, at head_dim 64 and 256 too), with 1% and crowded outliers kept exact (pre-RoPE keys), within 4e-3; pre-RoPE keys
+  planes3, at head_dim 64 and 256 too), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
+  within 4e-3 (nuq4 with outliers at 256 is refused: past an A100's shared memory); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
   of 65 stages;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
@@ -39,12 +40,18 @@ KV_HEADS = 2
 CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": (4, 32, 32), "int2-g32": (2, 32, 32), "int2-g64": (2, 64, 64),
           "int2-g256": (2, 256, 256),
           "nuq4": (4, 0, 0), "nuq3": (3, 0, 0), "nuq4-out": (4, 0, 0), "nuq3-out": (3, 0, 0),
-          "nuq4-crowded": (4, 0, 0)}  # nuq: CodebookCodec (bits, -, -)
+          "nuq4-crowded": (4, 0, 0), "nuq3-crowded": (3, 0, 0),  # nuq: CodebookCodec (bits, -, -)
+          # keys and values of two widths (KVmix's layers, mixed's): (key bits, key group, value group, value bits)
+          "int4-int2v": (4, 32, 32, 2), "int2-int4v": (2, 32, 32, 4), "int4-int2v-g128": (4, 128, 128, 2),
+          "nuq3-nuq4v": (3, 0, 0, 4), "nuq4-nuq3v": (4, 0, 0, 3), "nuq3-nuq4v-out": (3, 0, 0, 4), "nuq4-nuq3v-out": (4, 0, 0, 3)}
 ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
-        "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded"}
+        "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded",
+        "nuq3-crowded-rope": "nuq3-crowded", "nuq3-nuq4v-out-rope": "nuq3-nuq4v-out", "nuq4-nuq3v-out-rope": "nuq4-nuq3v-out",
+        "nuq3-nuq4v-rope": "nuq3-nuq4v"}
 # nuq with outliers: (fraction kept exact of the per-token value thresholds, half range of the key thresholds): ~1%
 # of N(0, 1) keys beyond 2.5; crowded: ~13% of keys beyond 1.5 and 30% of values, past a stage's copies (OUTLIER_SLOTS)
-OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0.3, 1.5)}
+OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0.3, 1.5), "nuq3-crowded": (0.3, 1.5),
+            "nuq3-nuq4v-out": (0.01, 2.5), "nuq4-nuq3v-out": (0.01, 2.5)}
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
@@ -70,7 +77,15 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          # head_dim 256 (Gemma 2 / 3), post-RoPE keys: fp16 in 2 stages, 64 channels a lane, nuq3 in whole planes3 units
          + [("fp16", 256, 4, "3"), ("fp16", 256, 1, "3-edges"), ("int4", 256, 8, "3"), ("int2", 256, 4, "3-edges"),
             ("int4-g32", 256, 4, "3"), ("int2-g32", 256, 4, "3"), ("int2-g64", 256, 2, "3"), ("nuq4", 256, 4, "3"), ("nuq3", 256, 8, "3"),
-            ("nuq3", 256, 1, "3-edges")])
+            ("nuq3", 256, 1, "3-edges")]
+         # head_dim 256, pre-RoPE codebook keys (Gemma 3's kvquant: nuq3, 1% outliers, GQA 4): the key pairs and the
+         # query fragments in shared memory, the rotation in parts of 4 pairs
+         + [("nuq3-out-rope", 256, 4, "3"), ("nuq3-out-rope", 256, 1, "3-edges"), ("nuq3-rope", 256, 8, "3"),
+            ("nuq4-rope", 256, 4, "3-edges"), ("nuq3-out-rope", 256, 2, "3"), ("nuq3-crowded-rope", 256, 4, "1")]
+         # keys and values of two widths: KVmix's int2 / int4 layers (groups of 32), mixed's nuq3 / nuq4 ones
+         + [("int4-int2v", 128, 4, "3"), ("int2-int4v", 128, 4, "3-edges"), ("int2-int4v", 64, 2, "3"), ("int4-int2v", 256, 4, "3"),
+            ("int4-int2v-g128", 128, 8, "3"), ("nuq4-nuq3v", 128, 4, "3"), ("nuq3-nuq4v-rope", 256, 4, "3-edges"),
+            ("nuq3-nuq4v-out-rope", 128, 4, "3"), ("nuq4-nuq3v-out-rope", 64, 2, "3-edges"), ("nuq4-nuq3v", 256, 2, "1")])
 
 
 def tolerance(codec: str) -> float:
@@ -79,19 +94,22 @@ def tolerance(codec: str) -> float:
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
     store_codec = ROPE.get(codec, codec)
-    bits, kg, vg = CODECS[store_codec]
+    bits, kg, vg, *value_bits = CODECS[store_codec]
+    vb = value_bits[0] if value_bits else 0
     if store_codec.startswith("nuq"):
-        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True, outliers=store_codec in OUTLIERS)
-    return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE)
+        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True, outliers=store_codec in OUTLIERS, value_bits=vb)
+    return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE, value_bits=vb)
 
 
-def nuq_codecs(bits: int, width: int, seed: int = 7, outliers: tuple[float, float] = (0.0, 2.5)) -> tuple[CodebookCodec, CodebookCodec]:
+def nuq_codecs(bits: int, width: int, seed: int = 7, outliers: tuple[float, float] = (0.0, 2.5),
+               value_bits: int | None = None) -> tuple[CodebookCodec, CodebookCodec]:
     """Keys with per-channel thresholds (the channels with an offset in `filled` shifted with it), values with
-    per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows).
+    per-token ones; each a random sorted codebook in [-1, 1] (non-uniform: a wrong entry or order shows), of `bits`
+    entries' width (the values' of value_bits where given).
     outliers: (the values' fraction kept exact, the keys' half range; with a fraction > 0 keys beyond it are kept too)."""
     g = torch.Generator().manual_seed(seed)
 
-    def codebook():
+    def codebook(bits=bits):
         inner = torch.rand(2**bits - 2, generator=g) * 2 - 1
         return torch.cat((torch.tensor([-1.0]), inner, torch.tensor([1.0]))).sort().values
 
@@ -99,7 +117,7 @@ def nuq_codecs(bits: int, width: int, seed: int = 7, outliers: tuple[float, floa
     offset[::7] = 2.0
     fraction, half_range = outliers
     return (CodebookCodec(codebook(), lo=offset - half_range, hi=offset + half_range, outlier_fraction=fraction),
-            CodebookCodec(codebook(), outlier_fraction=fraction))
+            CodebookCodec(codebook(value_bits or bits), outlier_fraction=fraction))
 
 
 def llama_inv_freq(head_dim: int) -> torch.Tensor:
@@ -120,18 +138,19 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
     """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
     blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
     store_codec = ROPE.get(codec, codec)
-    bits, kg, vg = CODECS[store_codec]
+    bits, kg, vg, *value_bits = CODECS[store_codec]
+    vbits = value_bits[0] if value_bits else bits
     width = KV_HEADS * head_dim
     g = torch.Generator().manual_seed(seed)
     if bits == 16:
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
     elif store_codec.startswith("nuq"):
         kg = 1
-        codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)))
+        codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)), value_bits=vbits)
         stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim) for c in codecs)
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
-                  PackedRows(TokenUniform(bits, vg), len(lengths), width, device))
+                  PackedRows(TokenUniform(vbits, vg), len(lengths), width, device))
     for side, store in enumerate(stores):
         for b, n in enumerate(lengths):
             stored = n if bits == 16 else -(-n // kg) * kg
@@ -269,7 +288,8 @@ def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emul
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
     """Per-token key thresholds, 2-bit codebooks, outliers stored per KV head of another head_dim,
-    outliers with post-RoPE keys and pre-RoPE fp16 rows each get a KvcalError from the launcher's variant_for."""
+    outliers with post-RoPE keys, pre-RoPE fp16 rows and pre-RoPE uniform keys at head_dim 256 each get a KvcalError
+    from the launcher's variant_for."""
     from kvcal.errors import KvcalError
 
     keys, values = nuq_codecs(4, KV_HEADS * 128)
@@ -283,6 +303,10 @@ def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
             tensor_core.variant_for(*stores, d, 4)
     with pytest.raises(KvcalError):
         tensor_core.variant_for(*filled("fp16", [3], 128), 128, 4, rope=True)
+    with pytest.raises(KvcalError, match="head_dim 256"):  # pre-RoPE uniform keys at 256: no recipe stores them
+        tensor_core.variant_for(*filled("int4", [3], 256), 256, 4, rope=True)
+    with pytest.raises(KvcalError, match="A100"):  # nuq4 with outliers at 256: past an A100's shared memory
+        tensor_core.variant_for(*filled("nuq4-out", [3], 256), 256, 4, rope=True)
 
 
 @pytest.mark.emulation
@@ -300,6 +324,10 @@ def test_a_sequence_without_tokens_gets_zeros_and_empty_splits_do_not_count(emul
 def test_the_launcher_asks_for_the_shared_memory_the_kernel_uses(emulator):
     for v in EMULATED:
         assert getattr(emulator, f"smem_{symbol(v)}")() == v.shared_bytes(), v
+
+
+def test_every_variant_fits_a_block_of_an_a100():
+    assert max(v.shared_bytes() for v in tensor_core.variants()) <= tensor_core.A100_SHARED_BYTES
 
 
 def test_split_plans_cover_the_longest_sequence_in_whole_stages():
@@ -329,11 +357,11 @@ MUTANTS = {
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
     "raw-key-offset": ("int4", "if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
     # raw value codes: the 1024s out after each mma, 2^-s per output row at the end
-    "raw-value-offset": ("int2", "mma_m16n8k16_f16(o[group * (S::LANE_V / 2) + ml], minus_1024, bp);", ""),
-    "raw-value-shift": ("int4", "raw_shift<BITS>(n % PER_WORD)", "raw_shift<BITS>((n + 1) % PER_WORD)"),
-    "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, c, hneg2_bits(hmul2(r, s)));", "hfma2_bits(a, c, hmul2(r, s));"),
+    "raw-value-offset": ("int2", "mma_m16n8k16_f16(acc, minus_1024, bp);", ""),
+    "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
+    "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));", "hfma2_bits(a, cos, hmul2(r, sin));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
-    "rope-query-rotation-sign": ("int2-rope", "task_q[i][2 + e] * cs[2 * e] - task_q[i][e]", "task_q[i][2 + e] * cs[2 * e] + task_q[i][e]"),
+    "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
     "nuq-key-pairs": ("nuq4-rope", "return CB ? 2 * p + e :", "return CB ? 2 * p + 1 - e :"),
     "nuq-value-zero": ("nuq4", "(hi + lo) * 0.5f}", "(hi - lo) * 0.5f}"),
@@ -342,7 +370,7 @@ MUTANTS = {
     # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them
     "outlier-extreme-code": ("nuq4-out-rope", "(x > e.x ? e.z : e.y)", "(x > e.x ? e.y : e.z)", "3"),
     "outlier-key-patch-half": ("nuq3-out-rope", "load_words(zb, patch + D / 2);", "load_words(zb, patch);", "3"),
-    "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<HP>(patch + D / 2, kz2 + HP);", "store_words<HP>(patch + D / 2, kz2);", "3"),
+    "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<CP>(patch + D / 2, kz + CP);", "store_words<CP>(patch + D / 2, kz);", "3"),
     "outlier-value-token-pair": ("nuq3-out-rope", "<< 1) | (token & 1);", "<< 1) | (~token & 1);", "3"),
     "nuq3-quarter-low-bits": ("nuq3-rope", "16u * (first >> 3 & 1)", "16u * (~first >> 3 & 1)",
                               "1", 64),
@@ -356,6 +384,17 @@ MUTANTS = {
     # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp
     "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),
     "shared-key-block-second-round": ("int4", "i < (PCOPIES + COPIERS - 1) / COPIERS; ++i", "i < 1; ++i", "1", 256),
+    # head_dim 256, pre-RoPE keys: the key pairs' table, the query fragments from shared memory, the rotation's parts
+    "key-pair-table-part": ("nuq4-rope", "key_pairs[PAIRS * 4 + key_pair_word(p, part)] =",
+                            "key_pairs[PAIRS * 4 + key_pair_word(p, part ^ 1)] =", "1", 256),
+    "key-pair-table-zero": ("nuq3-rope", "key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c0)",
+                            "key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c1)", "1", 256),
+    "shared-query-fragment": ("nuq4-rope", "load_words(a, q_frag + step_pair * 128);", "load_words(a, q_frag + (step_pair ^ 1) * 128);", "1", 256),
+    "rope-part-quarter": ("nuq3-rope", "planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP)", "planes3_place<2 * CP>(t * (D / 8))", "1", 256),
+    # keys and values of two widths: each side's rows by its own width
+    "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
+    "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16>", "3"),
+    "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(tid);", "const RopeTask frequency = rope_task<D>(tid ^ 1);", "3", 256),
 }
 
 

@@ -5,10 +5,11 @@ bandwidth, speedup over torch SDPA in fp16.
 
 Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128 (or 256, --head-dim: Gemma 3's), L = 32768 (--tokens). Variants: fp16 rows, KIVI-style
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
-same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), and KVQuant nuq4 / nuq3
+same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
-values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, pre-RoPE keys at 256, is
-skipped and says why), each with the launcher's split plan (one wave of resident blocks:
+values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, at 256 pre-RoPE uniform
+keys and nuq4 with outliers, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
+groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
@@ -51,6 +52,10 @@ def variants(head_dim: int) -> dict:
         table[f"nuq{bits}-pre-rope"] = ((CodebookCodec(codebook, lo, hi), CodebookCodec(codebook)), True)
         keys = CodebookCodec(codebook, lo + 0.5, hi - 0.5, outlier_fraction=0.01)  # ~1.2% of N(0, 1) beyond 2.5
         table[f"nuq{bits}-1%-pre-rope"] = ((keys, CodebookCodec(codebook, outlier_fraction=0.01)), True)
+    # keys and values of two widths: KVmix's int2 keys with int4 values (groups of 32), mixed's nuq3 keys with nuq4 values
+    table["int2k-int4v-g32"] = ((ChannelBlockUniform(2, 32), TokenUniform(4, 32)), False)
+    lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
+    table["nuq3k-nuq4v-pre-rope"] = ((CodebookCodec(normal_float_codebook(3), lo, hi), CodebookCodec(normal_float_codebook(4))), True)
     return table
 
 

@@ -2,8 +2,9 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE at head_dim 64 and 128
-(rotated in the kernel: pass inv_freq and each sequence's first position).
+"planes3"), keys and values of one code width or two (KVmix's and mixed layers), head_dim 64, 128 or 256, 1-8 query
+heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
+pass inv_freq and each sequence's first position), at head_dim 256 codebook keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
 (kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
@@ -38,31 +39,42 @@ STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
 HEAD_DIMS = (64, 128, 256)
 GQA_SIZES = tuple(range(1, 9))
+A100_SHARED_BYTES = 163 * 1024  # the most dynamic shared memory a block of an sm_80 GPU takes (every variant fits it)
 LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4 or 3: codebook codes
+    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4 or 3: codebook codes (the keys', and the values' but for value_bits)
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
     rope: bool = False  # pre-RoPE keys, rotated in the kernel
     codebook: bool = False  # KVQuant's nuq codes (CodebookCodec)
     outliers: bool = False  # codebook codes with outliers kept exact (dense-and-sparse)
+    value_bits: int = 0  # the values' code width where it is not the keys' (KVmix's and mixed layers); 0: the keys'
+
+    @property
+    def vbits(self) -> int:
+        """The values' code width (tc::Shape's VBITS)."""
+        return self.value_bits or self.bits
 
     @property
     def name(self) -> str:
         flag = lambda x: "true" if x else "false"  # noqa: E731
+        widths = f", {self.value_bits}" if self.value_bits else ""  # the template's last parameter defaults to the keys'
         return (f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {flag(self.rope)}, "
-                f"{flag(self.codebook)}, {flag(self.outliers)}>")
+                f"{flag(self.codebook)}, {flag(self.outliers)}{widths}>")
 
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in ((4, 3) if self.codebook else (16, 4, 2)):
+        widths = (4, 3) if self.codebook else (16, 4, 2)
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
+        if self.value_bits and (self.value_bits == bits or self.value_bits not in widths or bits == 16):
+            raise KvcalError(f"value codes of {self.value_bits} bits beside {bits}-bit keys are not served: {self}")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.codebook:
@@ -72,13 +84,16 @@ class Variant:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
-            if (vg % d and d % vg) or vge // 8 * bits < 8:
-                raise KvcalError(f"value groups of {vg} channels with {bits}-bit codes and head_dim {d} are not served")
-        if self.rope and d == 256:
-            raise KvcalError(f"pre-RoPE keys are served at head_dim 64 / 128, not 256 (the rotation's registers spill there): {self}")
+            if (vg % d and d % vg) or vge // 8 * self.vbits < 8:
+                raise KvcalError(f"value groups of {vg} channels with {self.vbits}-bit codes and head_dim {d} are not served")
+        if self.rope and d == 256 and not self.codebook:
+            raise KvcalError(f"pre-RoPE keys at head_dim 256 are served with codebook codes (KVQuant's), not {self}")
         if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
             raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128 and codebooks, not {bits} bits "
                              f"at {d}")
+        if self.shared_bytes() > A100_SHARED_BYTES:  # nuq4 with outliers at head_dim 256
+            raise KvcalError(f"{self.name} takes {self.shared_bytes()} bytes of shared memory a block, past an A100's "
+                             f"{A100_SHARED_BYTES}: not served")
 
     @property
     def wide(self) -> bool:
@@ -86,13 +101,24 @@ class Variant:
         barriers): int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64 (in larger ones it
         keeps more bytes in flight with 6 stages of 64: the kernel's Shape says what the H100 measured)."""
         kg = self.key_group
-        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.bits == 2 and kg % 128 == 0)
+        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.widest == 2 and kg % 128 == 0)
+
+    @property
+    def widest(self) -> int:
+        """tc::Shape<...>::WIDEST: the wider side's code width, which sizes the stages."""
+        return max(self.bits, self.vbits)
 
     @property
     def shared_key_block(self) -> bool:
         """tc::Shape<...>::SHARED_KEY_BLOCK: uniform post-RoPE keys whose blocks hold whole stages have one Q' and bias
         per block, made once into shared memory (two buffers of each, by block parity)."""
         return self.bits != 16 and not (self.codebook or self.rope) and self.key_group >= self.stage_tokens
+
+    @property
+    def key_pairs_shared(self) -> bool:
+        """tc::Shape<...>::KEY_PAIRS_SHARED: pre-RoPE codebook keys at head_dim 256 keep the lanes' scale and zero pairs
+        in shared memory, reloaded per n-tile (in registers they spilled)."""
+        return self.rope and self.head_dim == 256
 
     @property
     def stage_tokens(self) -> int:
@@ -105,10 +131,10 @@ class Variant:
         if self.bits == 16:
             return 2 if self.head_dim == 256 else 3  # a block of 256-channel rows fits an A100's shared memory
         if self.wide:
-            return 3 if self.bits == 4 else 4
+            return 3 if self.widest == 4 else 4
         if self.outliers:
-            return 4
-        if self.bits == 4:
+            return 3 if self.head_dim == 256 else 4  # at 256, a block of nuq3 fits an A100's 163 KB
+        if self.widest == 4:
             return 5 if self.codebook else 6  # nuq4: 2 blocks of its padded rows still fit an A100
         return 8
 
@@ -117,13 +143,13 @@ class Variant:
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         fp16, st = bits == 16, self.stage_tokens
         stages = self.stages
-        row = d * bits // 8
-        srow = row + 16 if self.codebook and bits == 4 else row  # tc::Shape::SROW: nuq4's shared-memory rows are padded
+        # tc::Shape::KSROW / VSROW: a side's row in shared memory (nuq4's padded)
+        srows = [d * b // 8 + (16 if self.codebook and b == 4 else 0) for b in (bits, self.vbits)]
         kblocks = 0 if fp16 or self.codebook else (1 if kg >= st else st // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * st
         value_params = st * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
-        stage = 2 * st * srow + (0 if fp16 else kblocks * 4 * d) + value_params
+        stage = st * sum(srows) + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         if self.shared_key_block:  # Q' and bias, two each
@@ -131,12 +157,18 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
-        places = 32 * 2 * 16 if bits == 3 else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
+        places = 32 * 2 * 16 if 3 in (bits, self.vbits) else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
+        key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
         if self.outliers:  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side; key and value
             stage += 32 + 4 * OUTLIER_SLOTS * 2  # patches, 4 floats per key channel, the two sides' 32-byte run descriptions
             outliers = 2 * st * d * 2 + 4 * d * 4 + 2 * 32
-        return max(stages * stage + query + rope + lut + places + outliers, merge)
+        return max(stages * stage + query + rope + lut + places + key_pairs + outliers, merge)
+
+
+# (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
+UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4))
+CODEBOOK_WIDTHS = ((4, 0), (3, 0), (4, 3), (3, 4))
 
 
 def variants() -> list[Variant]:
@@ -146,10 +178,10 @@ def variants() -> list[Variant]:
     for d in HEAD_DIMS:
         for gqa in GQA_SIZES:
             candidates.append(Variant(d, 16, 0, 0, gqa))
-            candidates += [Variant(d, bits, group, group, gqa, rope) for bits in (4, 2) for group in (32, 64, 128)
-                           for rope in (False, True)]
-            candidates += [Variant(d, bits, 0, d, gqa, rope, True, outliers) for bits in (4, 3) for rope in (False, True)
-                           for outliers in ((False, True) if rope else (False,))]
+            candidates += [Variant(d, bits, group, group, gqa, rope, value_bits=vbits) for bits, vbits in UNIFORM_WIDTHS
+                           for group in (32, 64, 128) for rope in (False, True)]
+            candidates += [Variant(d, bits, 0, d, gqa, rope, True, outliers, vbits) for bits, vbits in CODEBOOK_WIDTHS
+                           for rope in (False, True) for outliers in ((False, True) if rope else (False,))]
     out = []
     for v in candidates:
         try:
@@ -172,21 +204,23 @@ def _is_nuq(kc, vc) -> bool:
 def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bool = False) -> Variant:
     """The kernel variant for bodies of these codecs, packed in the runtime's layouts (kvcal.packing.layout_for) with
     outliers per KV head of head_dim channels: ChannelBlockUniform keys with TokenUniform values, or nuq keys and
-    values (`_is_nuq`), of one code width; rope: the keys are pre-RoPE."""
+    values (`_is_nuq`), each side's codes of the widths the kernel reads (the two may differ); rope: the keys are
+    pre-RoPE."""
     kc, vc = key_codec, value_codec
     uniform = kc.kind is CodecKind.UNIFORM_CHANNEL and vc.kind is CodecKind.UNIFORM_TOKEN
-    if not (uniform or _is_nuq(kc, vc)) or int(kc.bits) != int(vc.bits):
+    if not (uniform or _is_nuq(kc, vc)):
         raise KvcalError("the tensor-core kernel reads uniform per-channel keys with per-token values, or codebook keys with "
-                         "per-channel thresholds and values with per-token ones, of one width")
+                         "per-channel thresholds and values with per-token ones")
+    value_bits = int(vc.bits) if int(vc.bits) != int(kc.bits) else 0
     if uniform:
-        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope)
+        v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope, value_bits=value_bits)
     else:
         outliers = kc.outlier_fraction > 0 or vc.outlier_fraction > 0
         if outliers and OUTLIER_TILE_TOKENS != STAGE_TOKENS:
             raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows")
         if outliers and not rope:
             raise KvcalError("the tensor-core kernel serves outliers with pre-RoPE keys (KVQuant's recipe) only")
-        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers)
+        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers, value_bits=value_bits)
     v.check()
     return v
 
@@ -201,9 +235,10 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
         return v
     if not (_is_packed(keys) and _is_packed(values)):
         raise KvcalError("keys and values must both be fp16 rows or both packed")
-    layout = "planes3" if int(keys.codec.bits) == 3 else "lsb"
-    if keys.layout != layout or values.layout != layout:
-        raise KvcalError(f"the tensor-core kernel reads {keys.codec.bits}-bit codes in the '{layout}' packing")
+    for store in (keys, values):
+        layout = "planes3" if int(store.codec.bits) == 3 else "lsb"
+        if store.layout != layout:
+            raise KvcalError(f"the tensor-core kernel reads {store.codec.bits}-bit codes in the '{layout}' packing")
     if any(s.keeps_outliers and s.head_dim != head_dim for s in (keys, values)):
         raise KvcalError(f"the tensor-core kernel reads outliers per KV head of {head_dim} channels")
     return variant_for_codecs(keys.codec, values.codec, head_dim, gqa, rope)

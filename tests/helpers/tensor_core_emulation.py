@@ -17,7 +17,7 @@ POINTERS, LONGS, INTS = 21, 12, 4  # decode_tc's parameters: tensors, byte / ele
 
 def symbol(v: Variant) -> str:
     return (f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
-            f"_o{int(v.outliers)}")
+            f"_o{int(v.outliers)}_vb{v.vbits}")
 
 
 def driver(variants: list[Variant]) -> str:
@@ -35,8 +35,8 @@ def driver(variants: list[Variant]) -> str:
             " books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, kvh,"
             " per_split, split_offset, total_splits, scale); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
-        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}>"
-                     "::SMEM_BYTES; }")
+        lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
+                     f"{v.vbits}>::SMEM_BYTES; }}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
