@@ -165,8 +165,9 @@ struct Shape {
     static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
-    static constexpr int LUT_WORDS = CB ? 256 : 0;  // per side: codebook_pairs
-    static constexpr int LUT_SLACK = CB ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
+    // per side: codebook_pairs (codebooks; uniform 3-bit keys read their code values 0..7 from the keys' table)
+    static constexpr int LUT_WORDS = CB || BITS == 3 ? 256 : 0;
+    static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = BITS == 3 || VBITS == 3 ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -197,7 +198,8 @@ struct Shape {
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || ((BITS == 4 || BITS == 3) && (VBITS == 4 || VBITS == 3) && VG == D),
                   "codebooks: 4- or 3-bit codes; one value threshold pair per token");
-    static_assert((BITS != 3 && VBITS != 3) || CB, "3-bit codes: codebooks only");
+    static_assert(VBITS != 3 || CB, "3-bit values: codebooks only (uniform ones' groups of 32 give a lane 4 channels)");
+    static_assert(BITS != 3 || CB || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
     static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3)),
@@ -227,11 +229,11 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned cha
 }
 
 // Position, among a lane's consecutive key codes, of element e of its pair p: the converters' order ({j, j + 8} of
-// a word of 8 int4 codes, {j, j + 16} of int2) or the codebook table's (pairs of neighbours).
+// a word of 8 int4 codes, {j, j + 16} of int2) or the tables' (codebooks, 3-bit codes: pairs of neighbours).
 template <int BITS, bool CB>
 __device__ __forceinline__ constexpr int pair_code(int p, int e) {
     constexpr int CODES = 32 / BITS, HALF = CODES / 2;
-    return CB ? 2 * p + e : (p / HALF) * CODES + p % HALF + e * HALF;
+    return CB || BITS == 3 ? 2 * p + e : (p / HALF) * CODES + p % HALF + e * HALF;
 }
 
 // Channel of lane t's key pair p, element e (the k index of both Q K^T operands).
@@ -446,6 +448,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
     constexpr bool RAW = !S::FP16 && !CB;
+    constexpr bool KEY_RAW = RAW && BITS != 3;  // 3-bit keys come from their table as code values
     constexpr int META = 6;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
@@ -620,7 +623,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
     // the lookups take their shared-window addresses
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
-    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (CB ? 1023u : 0u)));
+    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_WORDS ? 1023u : 0u)));
     const unsigned key_lut = shared_address(luts), value_lut = key_lut + S::LUT_WORDS * 4;
     unsigned char* const cb_key_params = lut_area + 2 * S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
     // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
@@ -706,13 +709,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                           &task_step[2 * e + 1]);
         rotate_query(0);
     }
-    if constexpr (CB) {  // the codebook tables and the keys' per-channel scale and zero join stage 0's copies too
-        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16, PCHUNKS = D * 2 / 16;
+    if constexpr (S::LUT_WORDS > 0) {  // the tables join stage 0's copies too
+        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16;
 #pragma unroll
         for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i)
             if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
                 cp_async_16(reinterpret_cast<unsigned char*>(luts) + (tid + i * THREADS) * 16,
                             reinterpret_cast<const unsigned char*>(codebooks) + (tid + i * THREADS) * 16, 16);
+    }
+    if constexpr (CB) {  // and codebook keys' per-channel scale and zero
+        constexpr int PCHUNKS = D * 2 / 16;
         if (tid < 2 * PCHUNKS)
             cp_async_16(cb_key_params + tid * 16,
                         reinterpret_cast<const unsigned char*>((tid < PCHUNKS ? key_scale : key_zero) + (long long)kvh * D) +
@@ -823,13 +829,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             qu[p] = q_shared[p * 32 + lane];
             z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
             unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
-            const int shift = RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
+            const int shift = KEY_RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
             if (shift) scale = hmul2(scale, pow2_down_pair(shift));
             qk[p] = hmul2(qu[p], scale);
             minus_1024[p] = magic::FP16_MINUS_1024;
         }
         paired_k_steps(bacc, bacc2, qu, z2);
-        if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
+        if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
         return bacc[0] + bacc2[2];
     };
     // this stage's query fragments from q_stage[parity]: each 16-byte load is one A fragment (two_step_fragment)
@@ -1051,7 +1057,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         unsigned w[WORDS];
                         load_words(w, buffer + (tb + 8 * nt + g) * S::KSROW + t * (S::KROW / 4));
 #pragma unroll
-                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, RAW>(w[i], kf + i * (16 / BITS), key_lut);
+                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut);
                     }
                     paired_k_steps(acc, acc2, qk, kf);
                 }

@@ -309,10 +309,10 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
                  "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32)), "kivi2-g32": ("kivi", None, KiviSettings(2, 32, 32))}
     bundles = {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
                for name, (recipe, *extra) in artifacts.items()}
-    # kvmix-two-widths: KVmix's layers with keys and values of two widths, 2-bit keys with 4-bit values and the reverse
-    # (the tiny profile's allocation gives both layers 2 / 2; a profile-gradients run with 4-bit keys allowed can give these)
+    # kvmix-two-widths: KVmix's layers with keys and values of two widths, 3-bit keys with 2-bit values, then 2-bit keys
+    # with 4-bit values (KVmix's default widths; the tiny profile's allocation gives both layers 2 / 2)
     tensors, config = build_bundle(str(profile), "kvmix")
-    for layer, (k_bits, v_bits) in zip(config["recipe"]["layers"], ((2, 4), (4, 2))):
+    for layer, (k_bits, v_bits) in zip(config["recipe"]["layers"], ((3, 2), (2, 4))):
         layer["k_bits"], layer["v_bits"] = k_bits, v_bits
     bundles["kvmix-two-widths"] = write_bundle(folder / "kvmix-two-widths.safetensors", tensors, config)
     return bundles

@@ -43,6 +43,7 @@ CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": 
           "nuq4-crowded": (4, 0, 0), "nuq3-crowded": (3, 0, 0),  # nuq: CodebookCodec (bits, -, -)
           # keys and values of two widths (KVmix's layers, mixed's): (key bits, key group, value group, value bits)
           "int4-int2v": (4, 32, 32, 2), "int2-int4v": (2, 32, 32, 4), "int4-int2v-g128": (4, 128, 128, 2),
+          "int3-int4v": (3, 32, 32, 4), "int3-int2v": (3, 32, 32, 2), "int3-int4v-g128": (3, 128, 128, 4),
           "nuq3-nuq4v": (3, 0, 0, 4), "nuq4-nuq3v": (4, 0, 0, 3), "nuq3-nuq4v-out": (3, 0, 0, 4), "nuq4-nuq3v-out": (4, 0, 0, 3)}
 ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
         "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded",
@@ -85,7 +86,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          # keys and values of two widths: KVmix's int2 / int4 layers (groups of 32), mixed's nuq3 / nuq4 ones
          + [("int4-int2v", 128, 4, "3"), ("int2-int4v", 128, 4, "3-edges"), ("int2-int4v", 64, 2, "3"), ("int4-int2v", 256, 4, "3"),
             ("int4-int2v-g128", 128, 8, "3"), ("nuq4-nuq3v", 128, 4, "3"), ("nuq3-nuq4v-rope", 256, 4, "3-edges"),
-            ("nuq3-nuq4v-out-rope", 128, 4, "3"), ("nuq4-nuq3v-out-rope", 64, 2, "3-edges"), ("nuq4-nuq3v", 256, 2, "1")])
+            ("nuq3-nuq4v-out-rope", 128, 4, "3"), ("nuq4-nuq3v-out-rope", 64, 2, "3-edges"), ("nuq4-nuq3v", 256, 2, "1")]
+         # KVmix's 3-bit keys (planes3, code values from a table) with 4- or 2-bit values
+         + [("int3-int4v", 128, 4, "3"), ("int3-int2v", 128, 8, "3-edges"), ("int3-int4v", 64, 2, "3"), ("int3-int2v", 256, 4, "3"),
+            ("int3-int4v", 256, 1, "1"), ("int3-int4v-g128", 128, 4, "3")])
 
 
 def tolerance(codec: str) -> float:
@@ -355,7 +359,7 @@ MUTANTS = {
     "value-zero-per-token": ("int4", "vp + (S::VGROUPS + group) * ST + token);", "vp + (S::VGROUPS + group) * ST + (token ^ 2));"),
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
-    "raw-key-offset": ("int4", "if constexpr (RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
+    "raw-key-offset": ("int4", "if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
     # raw value codes: the 1024s out after each mma, 2^-s per output row at the end
     "raw-value-offset": ("int2", "mma_m16n8k16_f16(acc, minus_1024, bp);", ""),
     "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
@@ -363,7 +367,7 @@ MUTANTS = {
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
-    "nuq-key-pairs": ("nuq4-rope", "return CB ? 2 * p + e :", "return CB ? 2 * p + 1 - e :"),
+    "nuq-key-pairs": ("nuq4-rope", "return CB || BITS == 3 ? 2 * p + e :", "return CB || BITS == 3 ? 2 * p + 1 - e :"),
     "nuq-value-zero": ("nuq4", "(hi + lo) * 0.5f}", "(hi - lo) * 0.5f}"),
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
     "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
@@ -392,6 +396,8 @@ MUTANTS = {
     "shared-query-fragment": ("nuq4-rope", "load_words(a, q_frag + step_pair * 128);", "load_words(a, q_frag + (step_pair ^ 1) * 128);", "1", 256),
     "rope-part-quarter": ("nuq3-rope", "planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP)", "planes3_place<2 * CP>(t * (D / 8))", "1", 256),
     # keys and values of two widths: each side's rows by its own width
+    "int3-key-pairs": ("int3-int4v", "return CB || BITS == 3 ? 2 * p + e :", "return CB ? 2 * p + e :", "3"),
+    "int3-key-raw": ("int3-int2v", "constexpr bool KEY_RAW = RAW && BITS != 3;", "constexpr bool KEY_RAW = RAW;", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
     "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16>", "3"),
     "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(tid);", "const RopeTask frequency = rope_task<D>(tid ^ 1);", "3", 256),

@@ -2,8 +2,8 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), keys and values of one code width or two (KVmix's and mixed layers), head_dim 64, 128 or 256, 1-8 query
-heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
+"planes3"), keys and values of one code width or two (KVmix's and mixed layers; KVmix's uniform 3-bit keys in
+"planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
@@ -70,11 +70,11 @@ class Variant:
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        widths = (4, 3) if self.codebook else (16, 4, 2)
-        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in widths:
+        # uniform 3-bit keys (KVmix's) come with 4- or 2-bit values: 3-bit values' groups of 32 give a lane 4 channels
+        key_widths, value_widths = ((4, 3), (4, 3)) if self.codebook else ((16, 4, 3, 2), (16, 4, 2))
+        two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in key_widths or self.vbits not in value_widths or two_widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
-        if self.value_bits and (self.value_bits == bits or self.value_bits not in widths or bits == 16):
-            raise KvcalError(f"value codes of {self.value_bits} bits beside {bits}-bit keys are not served: {self}")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.codebook:
@@ -86,6 +86,8 @@ class Variant:
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
             if (vg % d and d % vg) or vge // 8 * self.vbits < 8:
                 raise KvcalError(f"value groups of {vg} channels with {self.vbits}-bit codes and head_dim {d} are not served")
+        if self.rope and bits == 3 and not self.codebook:
+            raise KvcalError(f"uniform 3-bit keys are served post-RoPE (KVmix's), not {self}")
         if self.rope and d == 256 and not self.codebook:
             raise KvcalError(f"pre-RoPE keys at head_dim 256 are served with codebook codes (KVQuant's), not {self}")
         if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
@@ -101,7 +103,7 @@ class Variant:
         barriers): int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64 (in larger ones it
         keeps more bytes in flight with 6 stages of 64: the kernel's Shape says what the H100 measured)."""
         kg = self.key_group
-        return self.bits in (4, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.widest == 2 and kg % 128 == 0)
+        return self.bits in (4, 3, 2) and not (self.codebook or self.rope) and kg > 0 and (kg in (32, 64) or self.widest == 2 and kg % 128 == 0)
 
     @property
     def widest(self) -> int:
@@ -156,7 +158,8 @@ class Variant:
             query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
         rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
-        lut = 2 * 256 * 4 + 1008 + 4 * d if self.codebook else 0
+        lut = 2 * 256 * 4 + 1008 if self.codebook or bits == 3 else 0  # uniform 3-bit keys: code values from a table
+        lut += 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if 3 in (bits, self.vbits) else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
@@ -167,7 +170,7 @@ class Variant:
 
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
-UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4))
+UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2))
 CODEBOOK_WIDTHS = ((4, 0), (3, 0), (4, 3), (3, 4))
 
 
@@ -340,6 +343,8 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     """The operands that stay as the stores grow, on `device`: codebook keys' per-channel scale and zero (the whole
     sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys."""
     out = {}
+    if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and int(keys.codec.bits) == 3:  # code values 0..7
+        out["codebooks"] = torch.cat((codebook_pairs(torch.arange(8.0)), torch.zeros(256, dtype=torch.int32))).to(device)
     if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
