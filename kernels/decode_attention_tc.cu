@@ -652,6 +652,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const RopeTask frequency = rope_task<D>(tid);
     constexpr int ANCHOR = 16;
     float task_cs[4], task_step[4];  // {cos0, sin0, cos1, sin1}
+    // a task's query pairs {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in), held per slot across the loop;
+    // KEY_PAIRS_SHARED: reread from L1 per stage instead (4 registers a task, past head_dim 256's limit)
+    const auto read_query_pairs = [&](const RopeTask& r, float (&pairs)[4]) {
+        const float* const q = query + (out_row + r.head) * D;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
+            pairs[e] = q[c] * scale_log2, pairs[2 + e] = q[c + D / 2] * scale_log2;
+        }
+    };
+    float task_q[S::KEY_PAIRS_SHARED ? 1 : TASK_SLOTS][4];
     // the key block's scale and zero pairs in key_channel order (KEY_PAIRS_SHARED: in key_pairs instead)
     constexpr int KEY_PAIR_REGS = ROPE && !S::KEY_PAIRS_SHARED ? PAIRS : 1;
     unsigned ks2[KEY_PAIR_REGS], kz2[KEY_PAIR_REGS];
@@ -678,13 +689,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int task = tid + i * THREADS;
                 if (TASKS % THREADS == 0 || task < TASKS) {
                     const RopeTask r = rope_task<D>(task);
-                    // the task's query pairs reread (L1 holds them): in registers across the loop they cost 4 a task
-                    const float* const q = query + (out_row + r.head) * D;
-                    float qa[2], qb[2];
+                    float pairs[4], qa[2], qb[2];
+                    if constexpr (S::KEY_PAIRS_SHARED) {
+                        read_query_pairs(r, pairs);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) pairs[j] = task_q[i][j];
+                    }
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
-                        const float a = __ldg(q + c) * scale_log2, b = __ldg(q + c + D / 2) * scale_log2;  // log2(e) / sqrt(d) folded in
+                        const float a = pairs[e], b = pairs[2 + e];
                         qa[e] = a * cs[2 * e] + b * cs[2 * e + 1];  // (R(P0)^T q)_a = q_a cos + q_b sin
                         qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];  // (R(P0)^T q)_b = q_b cos - q_a sin
                     }
@@ -707,6 +721,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int e = 0; e < 2; ++e)
             exact_cos_sin(ST, inv_freq[key_channel<D, BITS, true, CB>(frequency.part, frequency.pair, e)], &task_step[2 * e],
                           &task_step[2 * e + 1]);
+#pragma unroll
+        for (int i = 0; i < (S::KEY_PAIRS_SHARED ? 0 : TASK_SLOTS); ++i) {
+            const int task = tid + i * THREADS;
+            if (TASKS % THREADS == 0 || task < TASKS) read_query_pairs(rope_task<D>(task), task_q[i]);
+        }
         rotate_query(0);
     }
     if constexpr (S::LUT_WORDS > 0) {  // the tables join stage 0's copies too
@@ -971,12 +990,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const int delta = tb + 8 * nt + g;
                     const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
                     const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
-#pragma unroll 1  // (head_dim 256: unrolled, ptxas hoisted the parts' loads past its registers)
-                    for (int c = 0; c < HP / CP; ++c) {
-                        unsigned kf[2 * CP], cs[2 * CP];  // pairs c CP .. c CP + CP - 1 of the first half, then the second's
+                    const auto rotated_part = [&](int c) {  // the scores' k-steps of pairs c CP .. c CP + CP - 1 of each half
+                        unsigned kf[2 * CP], cs[2 * CP];  // the first half's pairs, then the second's
                         if constexpr (BITS == 3) {
                             const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::KSROW);
-                            const Planes3Place key_place = HP / CP == 1 ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
+                            const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
                             planes3_codes<2 * CP>(words, key_place, kf, key_lut);
                             planes3_codes<2 * CP>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
                         } else {
@@ -1045,6 +1063,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 mma_m16n8k16_f16(acc, a, b_even);
                                 mma_m16n8k16_f16(acc2, a, b_odd);
                             }
+                    };
+                    if constexpr (HP == CP) {
+                        rotated_part(0);
+                    } else {
+#pragma unroll 1  // (head_dim 256: unrolled, ptxas hoisted the parts' loads past its registers)
+                        for (int c = 0; c < HP / CP; ++c) rotated_part(c);
                     }
                 } else {
                     unsigned kf[PAIRS];  // lane t's D / 4 channels of token g

@@ -9,7 +9,8 @@
   planes3, at head_dim 64 and 256 too), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
   within 4e-3 (nuq4 with outliers at 256 is refused: past an A100's shared memory); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
-  of 65 stages;
+  of 65 stages; keys and values of two widths (KVmix's int4 / int3 / int2 keys with int4 / int2 values, int3 in
+  planes3; mixed's nuq3 / nuq4);
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.

@@ -260,7 +260,7 @@ class TensorCoreKernel:
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
         # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
-        return [(r"exact_cos_sin\(p0, task_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
+        return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
                 (r"patch\(copies\[i\], copies", 1.0), (r"patch\(__ldg\(run\.positions \+ base \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:

@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4 or 2: uniform codes; 4 or 3: codebook codes (the keys', and the values' but for value_bits)
+    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4 or 3: codebook codes (the keys', the values' too but for value_bits)
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
