@@ -938,23 +938,26 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 bias = key_bias[(block & 1) * 8 + g];
             }
             if constexpr (ROPE) {
-                if constexpr (!S::KEY_PAIRS_SHARED) load_query_fragments(tile & 1);
-                const int block = token0 / S::KB;
-                if (block != key_block) {
-                    key_block = block;
-                    const unsigned char* const kp =
-                        CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
+                // (KEY_PAIRS_SHARED: the query's fragments from q_stage per k-step, the key pairs from their table)
+                if constexpr (!S::KEY_PAIRS_SHARED) {
+                    load_query_fragments(tile & 1);
+                    const int block = token0 / S::KB;
+                    if (block != key_block) {
+                        key_block = block;
+                        const unsigned char* const kp =
+                            CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2;
 #pragma unroll
-                    for (int part = 0; part < (S::KEY_PAIRS_SHARED ? 0 : 2); ++part) {
-                        unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
-                        const int c0 = part * (D / 2) + t * (D / 8);
-                        load_words(sw, kp + c0 * 2);
-                        load_words(zw, kp + D * 2 + c0 * 2);
+                        for (int part = 0; part < 2; ++part) {
+                            unsigned sw[D / 16], zw[D / 16];  // lane t's D / 8 channels of this half
+                            const int c0 = part * (D / 2) + t * (D / 8);
+                            load_words(sw, kp + c0 * 2);
+                            load_words(zw, kp + D * 2 + c0 * 2);
 #pragma unroll
-                        for (int q = 0; q < PAIRS / 2; ++q) {
-                            const int i0 = pair_code<BITS, CB>(q, 0), i1 = pair_code<BITS, CB>(q, 1);
-                            ks2[part * (PAIRS / 2) + q] = clamp_scale_pair(half_pair(sw, i0, i1));
-                            kz2[part * (PAIRS / 2) + q] = half_pair(zw, i0, i1);
+                            for (int q = 0; q < PAIRS / 2; ++q) {
+                                const int i0 = pair_code<BITS, CB>(q, 0), i1 = pair_code<BITS, CB>(q, 1);
+                                ks2[part * (PAIRS / 2) + q] = clamp_scale_pair(half_pair(sw, i0, i1));
+                                kz2[part * (PAIRS / 2) + q] = half_pair(zw, i0, i1);
+                            }
                         }
                     }
                 }
