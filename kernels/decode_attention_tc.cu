@@ -1,5 +1,5 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
-// codes or KVQuant's 4- and 3-bit codebook codes (nuq4, nuq3), split over the sequence with a log-sum-exp merge;
+// codes or KVQuant's 4-, 3- and 2-bit codebook codes (nuq4, nuq3, nuq2), split over the sequence with a log-sum-exp merge;
 // kvcal/runtime/tensor_core.py launches it. Its design (block and warp roles, the matrix mapping, how each codec's
 // codes become mma fragments, pre-RoPE rotation, outliers) is written out in docs/kernels.md.
 #include "intrinsics.cuh"
@@ -196,14 +196,14 @@ struct Shape {
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 == (VBITS == 16) && (FP16 || VBITS == 4 || VBITS == 3 || VBITS == 2), "values: fp16 with fp16 keys, or codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
-    static_assert(!CB || ((BITS == 4 || BITS == 3) && (VBITS == 4 || VBITS == 3) && VG == D),
-                  "codebooks: 4- or 3-bit codes; one value threshold pair per token");
+    static_assert(!CB || (BITS != 16 && VG == D), "codebooks: 4-, 3- or 2-bit codes; one value threshold pair per token");
     static_assert(VBITS != 3 || CB, "3-bit values: codebooks only (uniform ones' groups of 32 give a lane 4 channels)");
     static_assert(BITS != 3 || CB || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
-    static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3)),
-                  "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units)");
+    static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3 || CB)),
+                  "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units; "
+                  "2-bit codebooks: half-words)");
 };
 
 // One side's rows of a stage, `live` of its ST tokens, from tile (rows `stride` bytes apart) into dst (rows SROW bytes
@@ -249,11 +249,15 @@ __device__ __forceinline__ int key_channel(int t, int p, int e) {
     }
 }
 
-// Word b of codebook_pairs' 256-word table in shared memory (lut: its shared-window address, a multiple of 1024),
-// b = byte k (compile-time) of x: one shift, and one lop3 that masks the byte offset 4 b into the address's bits 2-9.
+// Word b of codebook_pairs' table in shared memory (lut: its shared-window address, a multiple of 1024), b = field k
+// (compile-time) of x, the two codes of a pair: a byte of 4-bit codes, a nibble of 2-bit ones (16 words, one per bank:
+// no conflicts). One shift, and one lop3 that masks the word offset 4 b into the address's bits 2 and up.
+template <int BITS>
 __device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k) {
+    static_assert(BITS == 4 || BITS == 2, "pairs of 4- or 2-bit codes (3-bit ones: planes3_pairs)");
     constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
-    return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (8 * k - 2), 0x3FCu, lut));
+    constexpr int F = 2 * BITS;                   // bits of a pair's field
+    return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (F * k - 2), ((1u << F) - 1) << 2, lut));
 }
 
 // 16 3-bit codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits, codes 0-7
@@ -304,12 +308,12 @@ __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, 1024 + code
 // * 2^raw_shift), or the codebook table (lut: the shared-window address of codebook_pairs' 256 words; codebook values
-// of the byte's two codes).
-template <int BITS, bool CB, bool RAW = false>
+// of a field's two codes; N: the word's first N pairs, 16 / BITS of them by default).
+template <int BITS, bool CB, bool RAW = false, int N = 16 / BITS>
 __device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut) {
     if constexpr (CB) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out[k] = table_entry(lut, word, k);
+        for (int k = 0; k < N; ++k) out[k] = table_entry<BITS>(lut, word, k);
     } else if constexpr (RAW) {
         if constexpr (BITS == 4) raw_nibbles<4>(word, out); else raw_u2(word, out);
     } else {
@@ -764,7 +768,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             reinterpret_cast<uint4*>(key_patch)[i] = __ldg(zeros + i % (D / 8));
             reinterpret_cast<uint4*>(value_patch)[i] = uint4{};
         }
-        constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4) and 3
+        constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
         value_first = entry(256), value_last = entry(256 + LAST);
@@ -989,7 +993,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 } else if constexpr (ROPE) {
                     // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta, CP pairs
                     // of each half at a time (head_dim 256: four parts of 4; a whole half held too many registers)
-                    constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;
+                    constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;  // CW: words of a part's codes
                     const int delta = tb + 8 * nt + g;
                     const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
                     const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
@@ -1000,6 +1004,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
                             planes3_codes<2 * CP>(words, key_place, kf, key_lut);
                             planes3_codes<2 * CP>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
+                        } else if constexpr (CW == 0) {  // 2-bit codebooks: a part's 2 CP codes of each half in 16 bits
+                            static_assert(2 * CP * BITS == 16, "half-word parts");
+                            const unsigned ha = *reinterpret_cast<const unsigned short*>(row + c * 2);
+                            const unsigned hb = *reinterpret_cast<const unsigned short*>(row + S::KROW / 2 + c * 2);
+                            codes_to_half2<BITS, CB, false, CP>(ha, kf, key_lut);
+                            codes_to_half2<BITS, CB, false, CP>(hb, kf + CP, key_lut);
                         } else {
                             unsigned wa[CW], wb[CW];
                             load_words(wa, row + c * CW * 4);
@@ -1192,19 +1202,27 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
                                 }
                             } else if constexpr (CB) {
-                                constexpr int NW = LANE_BITS / 32;
+                                // words of the lane's codes per row (2-bit at head_dim 64: 16 bits), and the table
+                                // fields of each (a field: the two tokens' codes of one channel)
+                                constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1, FIELDS = LANE_BITS >= 32 ? 16 / VBITS : S::LANE_V / 2;
+                                constexpr unsigned LOW = VBITS == 4 ? 0x0F0F0F0Fu : 0x33333333u;  // the low code of each field
                                 unsigned wa[NW], wb[NW];
-                                load_words(wa, r0 + (bit0 >> 3));
-                                load_words(wb, r0 + S::VSROW + (bit0 >> 3));
+                                if constexpr (LANE_BITS >= 32) {
+                                    load_words(wa, r0 + (bit0 >> 3));
+                                    load_words(wb, r0 + S::VSROW + (bit0 >> 3));
+                                } else {
+                                    wa[0] = *reinterpret_cast<const unsigned short*>(r0 + (bit0 >> 3));
+                                    wb[0] = *reinterpret_cast<const unsigned short*>(r0 + S::VSROW + (bit0 >> 3));
+                                }
 #pragma unroll
                                 for (int i = 0; i < NW; ++i) {
-                                    // byte k: the two tokens' codes of channel 8i + 2k (even) or 8i + 2k + 1 (odd)
-                                    const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << 4, 0x0F0F0F0Fu);
-                                    const unsigned odd = lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu);
+                                    // field k: the two tokens' codes of channel 2k (even) or 2k + 1 (odd) of word i's
+                                    const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << VBITS, LOW);
+                                    const unsigned odd = lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW);
 #pragma unroll
-                                    for (int k = 0; k < 4; ++k) {
-                                        vf[half][8 * i + 2 * k] = table_entry(value_lut, even, k);
-                                        vf[half][8 * i + 2 * k + 1] = table_entry(value_lut, odd, k);
+                                    for (int k = 0; k < FIELDS; ++k) {
+                                        vf[half][2 * FIELDS * i + 2 * k] = table_entry<VBITS>(value_lut, even, k);
+                                        vf[half][2 * FIELDS * i + 2 * k + 1] = table_entry<VBITS>(value_lut, odd, k);
                                     }
                                 }
                             } else {

@@ -56,6 +56,7 @@ def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys_and_nu
             skipped.append(name)
     assert skipped == ["int4-g128-pre-rope", "int2-g128-pre-rope", "nuq4-1%-pre-rope"]
     assert "nuq3-1%-pre-rope" in served and "int2k-int4v-g32" in served  # Gemma 3's default; KVmix's two widths
+    assert "nuq2-1%-pre-rope" in served  # mixed's commonest layer
 
 
 @pytest.mark.parametrize("arguments,problem", [

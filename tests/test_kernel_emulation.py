@@ -201,6 +201,9 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Var
 # and for KVmix's layers of two widths (head_dim_64_bundles' kvmix-two-widths: 3-bit keys with 2-bit values, then 2-bit
 # keys with 4-bit values; blocks and groups of 32)
 TWO_WIDTH_VARIANTS = (Variant(64, 3, 32, 32, 2, value_bits=2), Variant(64, 2, 32, 32, 2, value_bits=4))
+# and for mixed's layers (head_dim_64_bundles' mixed: nuq2 keys with nuq4 values, then with nuq3 values; pre-RoPE keys,
+# 1% outliers)
+MIXED_VARIANTS = tuple(Variant(64, 2, 0, 64, 2, rope=True, codebook=True, outliers=True, value_bits=vb) for vb in (4, 3))
 
 
 # and for the kernel cases it serves (helpers.kernel_cases.SERVED_CASES; head_dim 128, GQA 4), and Cocktail's int4
@@ -215,7 +218,8 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
 # outliers (rotated in the kernel at 256 too)
 HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2),
                          "kvquant": Variant(256, 3, 0, 256, 2, rope=True, codebook=True, outliers=True)}
-EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *SERVED_VARIANTS.values(), *HEAD_DIM_256_VARIANTS.values())
+EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
+                     *HEAD_DIM_256_VARIANTS.values())
 
 
 @pytest.fixture(scope="session")
@@ -310,6 +314,27 @@ def test_emulated_tensor_core_kernel_serves_kvmix_layers_of_two_widths_like_the_
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
+
+
+def test_emulated_tensor_core_kernel_serves_mixed_layers_with_2_bit_codebooks_like_the_reference_runtime(with_tensor_cores,
+                                                                                                        head_dim_64_bundles):
+    """mixed's layers, nuq2 keys with nuq4 and then nuq3 values (widths chosen per layer and side by Fisher
+    sensitivity; pre-RoPE keys, 1% outliers), decode on the tensor-core kernel, one launch of each layer's variant per
+    decode step, on a left-padded batch, to the reference runtime's logits."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", head_dim=64)
+    bundle = head_dim_64_bundles["mixed"]
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
+        assert with_tensor_cores == [v.name for _ in range(10) for v in MIXED_VARIANTS]  # layer 0's, then layer 1's
+        with reference_runtime():
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
 
 
 @pytest.mark.parametrize("recipe", ("kivi4-g32", "kvquant"))

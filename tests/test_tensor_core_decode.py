@@ -4,13 +4,13 @@
   runs the .cu unchanged on stores filled by kvcal.runtime.store with the torch codecs, against softmax attention
   in float64 over the stores' decoded rows: fp16 rows, uniform int4 / int2 (KIVI: keys per channel over blocks of
   tokens, values per token), head_dim 64 / 128 / 256, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
-  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4 and nuq3 (codebook
+  (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4, nuq3 and nuq2 (codebook
   keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
-  planes3, at head_dim 64 and 256 too), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
+  planes3, at head_dim 64 and 256 too; nuq2 by a nibble table), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
   within 4e-3 (nuq4 with outliers at 256 is refused: past an A100's shared memory); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
   of 65 stages; keys and values of two widths (KVmix's int4 / int3 / int2 keys with int4 / int2 values, int3 in
-  planes3; mixed's nuq3 / nuq4);
+  planes3; mixed's nuq2 / nuq3 / nuq4);
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -45,15 +45,20 @@ CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": 
           # keys and values of two widths (KVmix's layers, mixed's): (key bits, key group, value group, value bits)
           "int4-int2v": (4, 32, 32, 2), "int2-int4v": (2, 32, 32, 4), "int4-int2v-g128": (4, 128, 128, 2),
           "int3-int4v": (3, 32, 32, 4), "int3-int2v": (3, 32, 32, 2), "int3-int4v-g128": (3, 128, 128, 4),
-          "nuq3-nuq4v": (3, 0, 0, 4), "nuq4-nuq3v": (4, 0, 0, 3), "nuq3-nuq4v-out": (3, 0, 0, 4), "nuq4-nuq3v-out": (4, 0, 0, 3)}
+          "nuq3-nuq4v": (3, 0, 0, 4), "nuq4-nuq3v": (4, 0, 0, 3), "nuq3-nuq4v-out": (3, 0, 0, 4), "nuq4-nuq3v-out": (4, 0, 0, 3),
+          # mixed's 2-bit codebooks, alone and beside 3- and 4-bit ones
+          "nuq2": (2, 0, 0), "nuq2-out": (2, 0, 0), "nuq2-crowded": (2, 0, 0), "nuq2-nuq4v": (2, 0, 0, 4),
+          "nuq3-nuq2v-out": (3, 0, 0, 2), "nuq2-nuq3v-out": (2, 0, 0, 3), "nuq4-nuq2v-out": (4, 0, 0, 2)}
 ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
         "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded",
         "nuq3-crowded-rope": "nuq3-crowded", "nuq3-nuq4v-out-rope": "nuq3-nuq4v-out", "nuq4-nuq3v-out-rope": "nuq4-nuq3v-out",
-        "nuq3-nuq4v-rope": "nuq3-nuq4v"}
+        "nuq3-nuq4v-rope": "nuq3-nuq4v", "nuq2-rope": "nuq2", "nuq2-out-rope": "nuq2-out", "nuq2-crowded-rope": "nuq2-crowded",
+        "nuq3-nuq2v-out-rope": "nuq3-nuq2v-out", "nuq2-nuq3v-out-rope": "nuq2-nuq3v-out", "nuq4-nuq2v-out-rope": "nuq4-nuq2v-out"}
 # nuq with outliers: (fraction kept exact of the per-token value thresholds, half range of the key thresholds): ~1%
 # of N(0, 1) keys beyond 2.5; crowded: ~13% of keys beyond 1.5 and 30% of values, past a stage's copies (OUTLIER_SLOTS)
 OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0.3, 1.5), "nuq3-crowded": (0.3, 1.5),
-            "nuq3-nuq4v-out": (0.01, 2.5), "nuq4-nuq3v-out": (0.01, 2.5)}
+            "nuq3-nuq4v-out": (0.01, 2.5), "nuq4-nuq3v-out": (0.01, 2.5), "nuq2-out": (0.01, 2.5), "nuq2-crowded": (0.3, 1.5),
+            "nuq3-nuq2v-out": (0.01, 2.5), "nuq2-nuq3v-out": (0.01, 2.5), "nuq4-nuq2v-out": (0.01, 2.5)}
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
@@ -90,7 +95,14 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("nuq3-nuq4v-out-rope", 128, 4, "3"), ("nuq4-nuq3v-out-rope", 64, 2, "3-edges"), ("nuq4-nuq3v", 256, 2, "1")]
          # KVmix's 3-bit keys (planes3, code values from a table) with 4- or 2-bit values
          + [("int3-int4v", 128, 4, "3"), ("int3-int2v", 128, 8, "3-edges"), ("int3-int4v", 64, 2, "3"), ("int3-int2v", 256, 4, "3"),
-            ("int3-int4v", 256, 1, "1"), ("int3-int4v-g128", 128, 4, "3")])
+            ("int3-int4v", 256, 1, "1"), ("int3-int4v-g128", 128, 4, "3")]
+         # mixed's 2-bit codebooks: a nibble table; pre-RoPE keys at 64 and 256 and values at 64 in half-words
+         + [("nuq2", 64, 4, "3"), ("nuq2", 128, 1, "3-edges"), ("nuq2", 256, 4, "3"), ("nuq2-rope", 64, 3, "3"),
+            ("nuq2-rope", 128, 4, "3-edges"), ("nuq2-rope", 256, 2, "3"), ("nuq2-out-rope", 64, 3, "3"),
+            ("nuq2-out-rope", 64, 8, "3-edges"), ("nuq2-out-rope", 128, 4, "3"), ("nuq2-out-rope", 256, 4, "3"),
+            ("nuq2-out-rope", 256, 1, "3-edges"), ("nuq2-crowded-rope", 64, 4, "1"), ("nuq3-nuq2v-out-rope", 64, 3, "3"),
+            ("nuq2-nuq3v-out-rope", 64, 3, "3-edges"), ("nuq4-nuq2v-out-rope", 64, 3, "3"), ("nuq2-nuq4v", 128, 4, "3"),
+            ("nuq3-nuq2v-out-rope", 256, 4, "3")])
 
 
 def tolerance(codec: str) -> float:
@@ -292,14 +304,13 @@ def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emul
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
-    """Per-token key thresholds, 2-bit codebooks, outliers stored per KV head of another head_dim,
-    outliers with post-RoPE keys, pre-RoPE fp16 rows and pre-RoPE uniform keys at head_dim 256 each get a KvcalError
-    from the launcher's variant_for."""
+    """Per-token key thresholds, outliers stored per KV head of another head_dim, outliers with post-RoPE keys,
+    pre-RoPE fp16 rows and pre-RoPE uniform keys at head_dim 256 each get a KvcalError from the launcher's
+    variant_for."""
     from kvcal.errors import KvcalError
 
     keys, values = nuq_codecs(4, KV_HEADS * 128)
     cases = [(CodebookCodec(keys.codebook), values, 128, 128),
-             (*(CodebookCodec(c.codebook[::4], c.lo, c.hi) for c in (keys, values)), 128, 128),
              (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 64),
              (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 128)]  # post-RoPE keys (rope=False)
     for kc, vc, d, store_head_dim in cases:
@@ -367,7 +378,7 @@ MUTANTS = {
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));", "hfma2_bits(a, cos, hmul2(r, sin));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
-    "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> 4, wb[i], 0x0F0F0F0Fu)", "lop3<magic::SELECT>(wa[i], wb[i] >> 4, 0x0F0F0F0Fu)"),
+    "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW)", "lop3<magic::SELECT>(wa[i], wb[i] >> VBITS, LOW)"),
     "nuq-key-pairs": ("nuq4-rope", "return CB || BITS == 3 ? 2 * p + e :", "return CB || BITS == 3 ? 2 * p + 1 - e :"),
     "nuq-value-zero": ("nuq4", "(hi + lo) * 0.5f}", "(hi - lo) * 0.5f}"),
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
@@ -383,7 +394,8 @@ MUTANTS = {
     "outlier-value-channels": ("nuq4-out-rope", "{w.x, w.y, w.z, w.w}", "{w.y, w.x, w.w, w.z}", "3"),
     "outlier-value-lanes": ("nuq4-out-rope", "* 32 + g * 4 + t) * 4", "* 32 + t * 8 + g) * 4", "3"),
     # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range
-    "nuq-table-address": ("nuq4", "0x3FCu, lut", "0x1FCu, lut"),
+    "nuq-table-address": ("nuq4", "x >> (F * k - 2)", "x >> (F * k - 3)"),
+    "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
     "nuq3-table-byte": ("nuq3-rope", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
     "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
     # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp
@@ -401,6 +413,11 @@ MUTANTS = {
     "int3-key-raw": ("int3-int2v", "constexpr bool KEY_RAW = RAW && BITS != 3;", "constexpr bool KEY_RAW = RAW;", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
     "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16>", "3"),
+    # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
+    "nuq2-value-fields": ("nuq2", "0x0F0F0F0Fu : 0x33333333u", "0x0F0F0F0Fu : 0x0F0F0F0Fu", "1", 64),
+    "nuq2-value-half-word": ("nuq2", "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + S::VSROW + (bit0 >> 3));",
+                             "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + (bit0 >> 3));", "1", 64),
+    "nuq2-key-part": ("nuq2-out-rope", "row + S::KROW / 2 + c * 2);", "row + S::KROW / 2);", "3", 256),
     "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(tid);", "const RopeTask frequency = rope_task<D>(tid ^ 1);", "3", 256),
 }
 
@@ -422,10 +439,10 @@ def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
 # ------------------------------------------------------------------------------------------------ NVRTC
 
 # every (head_dim, codec, groups) the launcher serves at GQA 4 and 8 (the most registers: int4 g32 is at its limit
-# there), and GQA 1 of the KIVI-g128 and fp16 cases (all of them take minutes to compile; GQA changes only the query
-# load and the final merge)
-COMPILED = sorted({v for v in tensor_core.variants() if v.gqa in (4, 8) or (v.gqa == 1 and v.key_group in (0, 128))},
-                  key=lambda v: v.name)
+# there), and GQA 1 of the one-width KIVI-g128, codebook and fp16 cases (all of them take minutes to compile; GQA
+# changes only the query load and the final merge)
+COMPILED = sorted({v for v in tensor_core.variants()
+                   if v.gqa in (4, 8) or (v.gqa == 1 and v.key_group in (0, 128) and not v.value_bits)}, key=lambda v: v.name)
 
 
 def nvrtc_report(arch: str):

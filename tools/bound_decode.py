@@ -214,6 +214,7 @@ class TensorCoreKernel:
         Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, measured="nuq4-pre-rope"),
         Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01, measured="nuq3-1%-pre-rope"),
         Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01, measured="nuq4-1%-pre-rope"),
+        Case("nuq2 pre-RoPE 1% (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 2, 0.01, measured="nuq2-1%-pre-rope"),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 

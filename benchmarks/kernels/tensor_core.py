@@ -9,7 +9,7 @@ same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
 values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, at 256 pre-RoPE uniform
 keys and nuq4 with outliers, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
-groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), each with the launcher's split plan (one wave of resident blocks:
+groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), mixed's commonest layer (nuq2, 1% outliers), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
@@ -56,6 +56,9 @@ def variants(head_dim: int) -> dict:
     table["int2k-int4v-g32"] = ((ChannelBlockUniform(2, 32), TokenUniform(4, 32)), False)
     lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
     table["nuq3k-nuq4v-pre-rope"] = ((CodebookCodec(normal_float_codebook(3), lo, hi), CodebookCodec(normal_float_codebook(4))), True)
+    # mixed's commonest layer: nuq2 with 1% outliers
+    keys = CodebookCodec(normal_float_codebook(2), lo + 0.5, hi - 0.5, outlier_fraction=0.01)
+    table["nuq2-1%-pre-rope"] = ((keys, CodebookCodec(normal_float_codebook(2), outlier_fraction=0.01)), True)
     return table
 
 

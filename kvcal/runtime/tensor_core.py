@@ -1,6 +1,6 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
-ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 body (CodebookCodec keys
+ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
 "planes3"), keys and values of one code width or two (KVmix's and mixed layers; KVmix's uniform 3-bit keys in
 "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4 or 3: codebook codes (the keys', the values' too but for value_bits)
+    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4, 3 or 2: codebook codes (the keys', the values' too but for value_bits)
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
@@ -71,7 +71,7 @@ class Variant:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         # uniform 3-bit keys (KVmix's) come with 4- or 2-bit values: 3-bit values' groups of 32 give a lane 4 channels
-        key_widths, value_widths = ((4, 3), (4, 3)) if self.codebook else ((16, 4, 3, 2), (16, 4, 2))
+        key_widths, value_widths = ((4, 3, 2), (4, 3, 2)) if self.codebook else ((16, 4, 3, 2), (16, 4, 2))
         two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
         if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in key_widths or self.vbits not in value_widths or two_widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
@@ -171,7 +171,7 @@ class Variant:
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
 UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2))
-CODEBOOK_WIDTHS = ((4, 0), (3, 0), (4, 3), (3, 4))
+CODEBOOK_WIDTHS = ((4, 0), (3, 0), (2, 0), (4, 3), (3, 4), (4, 2), (2, 4), (3, 2), (2, 3))
 
 
 def variants() -> list[Variant]:
@@ -306,9 +306,10 @@ def _half_words(x: np.ndarray) -> np.ndarray:
 
 
 def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
-    """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for a byte index of two
+    """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for an index of two
     codes a, b: 4 bits, a | b << 4; 3 bits (tc::planes3_pairs), a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5,
-    words 64.. unused (zero)."""
+    words 64.. unused (zero); 2 bits, a | b << 2 (tc::table_entry reads words 0-15), repeated every 16 words so that
+    word 63 too holds the last entry first (the outlier pass reads it)."""
     values = codebook.double().cpu().numpy()
     i = np.arange(256)
     if len(values) == 16:
@@ -316,8 +317,10 @@ def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
     elif len(values) == 8:
         i = i[:64]
         a, b = (i & 3) | (i >> 4 & 1) << 2, (i >> 2 & 3) | (i >> 5 & 1) << 2
+    elif len(values) == 4:
+        a, b = i & 3, i >> 2 & 3
     else:
-        raise KvcalError(f"the tensor-core kernel's codebook tables hold 3- or 4-bit codebooks, not {len(values)} entries")
+        raise KvcalError(f"the tensor-core kernel's codebook tables hold 2-, 3- or 4-bit codebooks, not {len(values)} entries")
     table = np.zeros(256, dtype=np.uint32)
     table[i] = _half_words(np.stack([values[a], values[b]], -1))
     return torch.from_numpy(table.view(np.int32).copy())
