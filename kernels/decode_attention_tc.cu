@@ -123,12 +123,13 @@ struct Shape {
     static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (WIDEST == 2 && KG % 128 == 0));
     static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
     // (outliers: fewer, for the patch tiles' shared memory: 4, 3 in flight still hold > 16 KiB per SM; at head_dim 256,
-    // 3, so that a block of nuq3 fits an A100's 163 KB; nuq4's padded rows do not, and it is not served there)
+    // 3, so that a block of nuq3 fits an A100's 163 KB, and 2 where a side is nuq4 (its padded rows): one stage in
+    // flight while one is computed)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
     // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
     // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
-    static constexpr int OUT_STAGES = D == 256 ? 3 : 4;
+    static constexpr int OUT_STAGES = D == 256 ? (WIDEST == 4 ? 2 : 3) : 4;
     static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
     static constexpr int KROW = D * BITS / 8, VROW = D * VBITS / 8;  // bytes of one token's head row of keys, of values
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
@@ -192,7 +193,6 @@ struct Shape {
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
     static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
     static_assert(!KEY_PAIRS_SHARED || CB, "pre-RoPE keys at head_dim 256: codebook codes (one key block)");
-    static_assert(!CB || STAGES >= 3, "codebooks: a stage's value parameters are stored an iteration before it is read");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
     static_assert(FP16 == (VBITS == 16) && (FP16 || VBITS == 4 || VBITS == 3 || VBITS == 2), "values: fp16 with fp16 keys, or codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
@@ -900,6 +900,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int s = 0; s < S::STAGES - 2; ++s)
         if (s < tiles) store_value_params(s, early[s]);
+    if constexpr (S::STAGES == 2) store_value_params(0, pending);  // (the split has a stage)
     if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (warp 0 copied its parameters), read after the first barrier
         if (warp == 0) {
             cp_async_wait<S::STAGES - 2>();
@@ -916,7 +917,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             __syncthreads();
             if (tid == 0) write_ranges(buffer, tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
         }
-        if (tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);  // fetched an iteration ago
+        // codebook value parameters are stored an iteration after their load, and an iteration before their stage is
+        // read (2 stages: at the end of this one, so before the barrier behind which the next stage's patches read them)
+        if (S::STAGES > 2 && tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
             issue(ahead);
@@ -1289,6 +1292,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
             }
         }
+        if (S::STAGES == 2 && tile + 1 < tiles) store_value_params(tile + 1, pending);  // loaded with its copies above
     }
 
     // ---- merge the four warps through shared memory into this split's (output, lse) ----

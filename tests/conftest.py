@@ -268,7 +268,8 @@ HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256)  # the tiny Gemma 3
 @pytest.fixture(scope="session")
 def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the tiny Gemma 3 at head_dim 256 (HEAD_DIM_256): the default kvquant recipe (nuq3, 1% outliers,
-    pre-RoPE keys) and kivi4-g32 (post-RoPE int4 bodies the tensor-core kernel serves at that head_dim)."""
+    pre-RoPE keys), kvquant at 4 bits (nuq4-1%: the tensor-core kernel's 2-stage variant there) and kivi4-g32
+    (post-RoPE int4 bodies the tensor-core kernel serves at that head_dim)."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
@@ -277,7 +278,9 @@ def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     folder = tmp_path_factory.mktemp("head-dim-256")
     profile = profile_of(tiny_model_dir("gemma3_text", **HEAD_DIM_256), tiny_corpus, folder)
     nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
-    artifacts = {"kvquant": ("kvquant", str(nuq), None), "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
+    nuq4 = write_nuq(folder / "nuq4.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
+    artifacts = {"kvquant": ("kvquant", str(nuq), None), "nuq4-1%": ("kvquant", str(nuq4), None),
+                 "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32))}
     return {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
             for name, (recipe, *extra) in artifacts.items()}
 

@@ -41,7 +41,7 @@ def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_not
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
 
 
-def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys_and_nuq4_with_outliers():
+def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys():
     from kvcal.errors import KvcalError
     from kvcal.runtime.tensor_core import variant_for_codecs
 
@@ -54,7 +54,7 @@ def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys_and_nu
             served.append(name)
         except KvcalError:
             skipped.append(name)
-    assert skipped == ["int4-g128-pre-rope", "int2-g128-pre-rope", "nuq4-1%-pre-rope"]
+    assert skipped == ["int4-g128-pre-rope", "int2-g128-pre-rope"]
     assert "nuq3-1%-pre-rope" in served and "int2k-int4v-g32" in served  # Gemma 3's default; KVmix's two widths
     assert "nuq2-1%-pre-rope" in served  # mixed's commonest layer
 

@@ -214,10 +214,11 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "cocktail-int4": Variant(128, 4, G, G, 2), "cocktail-int2": Variant(128, 2, G, G, 2)}
 
 
-# and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies, kvquant's pre-RoPE nuq3 with
-# outliers (rotated in the kernel at 256 too)
+# and for the tiny Gemma 3 at head_dim 256 (GQA 2): kivi4-g32's post-RoPE int4 bodies, kvquant's pre-RoPE nuq3 and
+# nuq4 with outliers (rotated in the kernel at 256 too; nuq4 in 2 stages)
 HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2),
-                         "kvquant": Variant(256, 3, 0, 256, 2, rope=True, codebook=True, outliers=True)}
+                         "kvquant": Variant(256, 3, 0, 256, 2, rope=True, codebook=True, outliers=True),
+                         "nuq4-1%": Variant(256, 4, 0, 256, 2, rope=True, codebook=True, outliers=True)}
 EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
                      *HEAD_DIM_256_VARIANTS.values())
 
@@ -337,13 +338,13 @@ def test_emulated_tensor_core_kernel_serves_mixed_layers_with_2_bit_codebooks_li
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
 
 
-@pytest.mark.parametrize("recipe", ("kivi4-g32", "kvquant"))
+@pytest.mark.parametrize("recipe", HEAD_DIM_256_VARIANTS)
 def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtime(with_tensor_cores, head_dim_256_gemma3_bundles,
                                                                                   recipe):
     """A tiny Gemma 3 at head_dim 256 (a sliding layer whose 16-token window the 110 tokens outgrow, a full one) on a
-    left-padded batch: kivi4-g32's post-RoPE int4 and kvquant's pre-RoPE nuq3 bodies with 1% outliers on the tensor-core
-    kernel (but a body whose front the window dropped) and the rest on the CUDA-core kernel give the reference
-    runtime's logits."""
+    left-padded batch: kivi4-g32's post-RoPE int4 and kvquant's pre-RoPE nuq3 and nuq4 bodies with 1% outliers on
+    the tensor-core kernel (but a body whose front the window dropped) and the rest on the CUDA-core kernel give the
+    reference runtime's logits."""
     from conftest import HEAD_DIM_256, tiny_model
 
     model = tiny_model("gemma3_text", **HEAD_DIM_256)

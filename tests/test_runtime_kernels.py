@@ -113,7 +113,7 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
 
 
 @requires_gpu
-@pytest.mark.parametrize("recipe", ("kvquant", "kivi4-g32"))
+@pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi4-g32"))
 def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):
     """A tiny Gemma 3 at head_dim 256, 40 tokens one at a time through a 16-token sliding layer and a full one: every
     layer on the CUDA kernels (kivi4-g32's bodies on tensor cores), the CPU reference runtime's logits within 2e-3."""

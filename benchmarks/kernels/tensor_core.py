@@ -8,7 +8,7 @@ uniform int4 / int2 (keys per channel over blocks of G tokens, values per token 
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
 values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, at 256 pre-RoPE uniform
-keys and nuq4 with outliers, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
+keys, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
 groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), mixed's commonest layer (nuq2, 1% outliers), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA

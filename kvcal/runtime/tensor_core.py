@@ -93,7 +93,7 @@ class Variant:
         if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
             raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128 and codebooks, not {bits} bits "
                              f"at {d}")
-        if self.shared_bytes() > A100_SHARED_BYTES:  # nuq4 with outliers at head_dim 256
+        if self.shared_bytes() > A100_SHARED_BYTES:  # none today (the stage counts keep every variant under it)
             raise KvcalError(f"{self.name} takes {self.shared_bytes()} bytes of shared memory a block, past an A100's "
                              f"{A100_SHARED_BYTES}: not served")
 
@@ -134,8 +134,8 @@ class Variant:
             return 2 if self.head_dim == 256 else 3  # a block of 256-channel rows fits an A100's shared memory
         if self.wide:
             return 3 if self.widest == 4 else 4
-        if self.outliers:
-            return 3 if self.head_dim == 256 else 4  # at 256, a block of nuq3 fits an A100's 163 KB
+        if self.outliers:  # at 256, a block of nuq3 fits an A100's 163 KB in 3 stages, one with a nuq4 side in 2
+            return (2 if self.widest == 4 else 3) if self.head_dim == 256 else 4
         if self.widest == 4:
             return 5 if self.codebook else 6  # nuq4: 2 blocks of its padded rows still fit an A100
         return 8
