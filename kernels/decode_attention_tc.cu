@@ -176,9 +176,13 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
-    // outliers: a stage's patch tiles of keys [token][D] and values (value_patch_half's order), ST x D halves each; per
-    // key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in registers)
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? 2 * ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
+    // outliers: a stage's patch tiles of keys [token][PATCH_ROW] and values (value_patch_half's order, ST x D halves);
+    // per key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in
+    // registers). A key patch row is padded so that the rows of lanes g and g + 1, which a quarter-warp's 16-byte loads
+    // and stores read together (lane part t at t D / 8 halves), fall in different banks: unpadded, rows 2^k bytes apart
+    // made those accesses 2-way bank conflicts (4-way at head_dim 256, where the lane parts' own stride leaves 2-way)
+    static constexpr int PATCH_ROW = D + (D == 64 ? 32 : 8);  // halves
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? ST * PATCH_ROW * 2 + ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
                                       2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
@@ -640,13 +644,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
-    // outliers (OUT): the stage's patch tiles: keys [token][D] halves, the channel's zero point or, at an outlier,
+    // outliers (OUT): the stage's patch tiles: keys [token][PATCH_ROW] halves, the channel's zero point or, at an outlier,
     // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
     // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
     // unused} (fp32)
     unsigned short* const key_patch =
         reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * D);
+    unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * S::PATCH_ROW);
     float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
@@ -765,7 +769,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     if constexpr (OUT) {
         const uint4* const zeros = reinterpret_cast<const uint4*>(key_zero + (long long)kvh * D);  // D / 8 chunks a row
         for (int i = tid; i < ST * D / 8; i += THREADS) {
-            reinterpret_cast<uint4*>(key_patch)[i] = __ldg(zeros + i % (D / 8));
+            reinterpret_cast<uint4*>(key_patch + i / (D / 8) * S::PATCH_ROW)[i % (D / 8)] = __ldg(zeros + i % (D / 8));
             reinterpret_cast<uint4*>(value_patch)[i] = uint4{};
         }
         constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
@@ -798,7 +802,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             const int token = (int)(position / D), c = (int)(position % D);
             const float x = half_to_float((unsigned short)value);
             const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
-            key_patch[token * D + c] = patch_half(x - (x > e.x ? e.z : e.y));
+            key_patch[token * S::PATCH_ROW + c] = patch_half(x - (x > e.x ? e.z : e.y));
         };
         const auto patch_value = [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
@@ -1048,7 +1052,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         }
                         unsigned za[CP], zb[CP];  // the addends: zero points (outliers: the key tile's zero + patch)
                         if constexpr (OUT) {
-                            unsigned short* const patch = key_patch + delta * D + t * (D / 8) + c * CP * 2;
+                            unsigned short* const patch = key_patch + delta * S::PATCH_ROW + t * (D / 8) + c * CP * 2;
                             load_words(za, patch);
                             load_words(zb, patch + D / 2);
                             store_words<CP>(patch, kz);

@@ -399,6 +399,7 @@ MUTANTS = {
     "nuq-table-address": ("nuq4", "x >> (F * k - 2)", "x >> (F * k - 3)"),
     "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
     "nuq3-table-byte": ("nuq3-rope", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
+    "outlier-key-patch-row": ("nuq3-out-rope", "key_patch[token * S::PATCH_ROW + c]", "key_patch[token * D + c]", "3"),
     "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
     # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp
     "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),
