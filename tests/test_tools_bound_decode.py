@@ -137,8 +137,20 @@ def test_bound_arithmetic():
     assert math.isclose(b["budget_per_token"], 72 * issue / 3e12)
     assert math.isclose(b["bandwidth_fraction"], 72 * issue / 3e12 / 526)
     assert math.isclose(b["speedup_vs_sdpa"], (512 / (0.9 * 3e12)) / (526 / issue))
+    assert b["limited_by"] == "issue"
     fast = bd.bound(72.0, 10.0, 0.9)  # memory-bound: the whole bandwidth, 512 / 72 bytes fewer than fp16 at 90%
     assert fast["bandwidth_fraction"] == 1.0 and math.isclose(fast["speedup_vs_sdpa"], 512 / 72 / 0.9)
+    assert fast["limited_by"] == "memory"
+    # shared memory: one wavefront a clock per SM, so 40 a token take 4 x the time of 40 warp-instructions
+    shared = bd.bound(72.0, 40.0, 0.9, wavefronts_per_token=40.0)
+    assert shared["limited_by"] == "shared memory"
+    assert math.isclose(shared["bandwidth_fraction"], 72 * issue / 4 / 3e12 / 40)
+
+
+def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
+    widths = ("LDS", "LDS.U16", "LDS.64", "LDS.128", "STS.128", "LDSM.16.M88.4", "LDSM.16.MT88.2", "LDGSTS.E.BYPASS.128",
+              "LDG.E.128", "FFMA")
+    assert [bd.shared_wavefronts(op) for op in widths] == [1, 1, 2, 4, 4, 4, 2, 4, 0, 0]
 
 
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):

@@ -29,9 +29,13 @@ warp visits); if_bodies() for an if whose body no site names. A branch that no r
 state is stated, never guessed), and so is an iteration whose flow does not reach its end. Divergence checks
 (BRA.DIV) are not taken. Predicated instructions count whether or not their predicate holds: the warp issues them.
 
-Bound. t_mem = bytes read / copy bandwidth, t_issue = warp-instructions / (SMs x issue rate x clock);
-bandwidth fraction <= t_mem / max(t_mem, t_issue); speedup over fp16 SDPA <= t_sdpa / max(t_mem, t_issue)
-with t_sdpa = the fp16 cache's bytes / (copy bandwidth x --sdpa-efficiency). Bytes per token are
+Bound. t_mem = bytes read / copy bandwidth, t_issue = warp-instructions / (SMs x issue rate x clock), t_shared =
+shared-memory wavefronts / (SMs x clock) (an SM's shared memory serves one 128-byte wavefront a clock; each access
+counted at its conflict-free minimum: 32 lanes x its width / 128 bytes, one for narrower ones, an ldmatrix one per 8x8
+matrix, a cp.async its shared-memory write; bank conflicts, which depend on the addresses, are not counted, so this
+is a lower bound of the shared-memory time); bandwidth fraction <= t_mem / max(t_mem, t_issue, t_shared); speedup
+over fp16 SDPA <= t_sdpa / max(t_mem, t_issue, t_shared) with t_sdpa = the fp16 cache's bytes / (copy bandwidth x
+--sdpa-efficiency). Bytes per token are
 kvcal.runtime.memory.cache_bytes for a cache that is all quantized body, outliers included; fp16 sinks and
 windows, query and output are left out (< 1% of the bytes at 32K tokens). Bytes in flight per SM = global-load
 bytes (32 lanes x width) issued per iteration of the side's streaming loop, capped by the cache bytes that
@@ -331,6 +335,17 @@ _CLASS_OF = {  # opcode (before the first '.') -> class; anything else is "other
 }
 GLOBAL_LOADS = ("LDG", "LD", "LDGSTS")
 LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # default 4
+
+
+def shared_wavefronts(opcode: str) -> float:
+    """Conflict-free shared-memory wavefronts (128 bytes each) of one warp-instruction: loads, stores and cp.async
+    writes by their width, ldmatrix / stmatrix by their 8x8 matrices; 0 for anything else."""
+    op, *parts = opcode.split(".")
+    if op in ("LDSM", "STSM"):
+        return float(next((int(p) for p in reversed(parts) if p in ("1", "2", "4")), 1))
+    if op in ("LDS", "STS", "LDGSTS", "ATOMS"):
+        return max(1.0, load_bytes(opcode) * 32 / 128)
+    return 0.0
 
 
 def classify(opcode: str) -> str:
@@ -657,16 +672,18 @@ def shared_bytes(log: str, mangled: str) -> int:
     return int(smem.group(1)) if smem else 0
 
 
-def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float) -> dict:
-    """The bound at SHAPE on H100: per KV-head token, all query heads of its group served together."""
+def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float, wavefronts_per_token: float = 0.0) -> dict:
+    """The bound at SHAPE on H100: per KV-head token, all query heads of its group served together; limited_by names
+    the resource whose time is the longest (memory, issue or shared memory)."""
     tokens = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
     issue_rate = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # warp-instructions per second
-    t_mem = tokens * bytes_per_token / H100["copy_bytes_per_s"]
-    t_issue = tokens * instructions_per_token / issue_rate
+    times = {"memory": tokens * bytes_per_token / H100["copy_bytes_per_s"], "issue": tokens * instructions_per_token / issue_rate,
+             "shared memory": tokens * wavefronts_per_token / (H100["sms"] * H100["clock_hz"])}
     t_sdpa = tokens * 2 * SHAPE["head_dim"] * 2 / (H100["copy_bytes_per_s"] * sdpa_efficiency)
-    return {"budget_per_token": bytes_per_token * issue_rate / H100["copy_bytes_per_s"], "t_mem_us": t_mem * 1e6,
-            "t_issue_us": t_issue * 1e6, "t_sdpa_us": t_sdpa * 1e6, "bandwidth_fraction": t_mem / max(t_mem, t_issue),
-            "speedup_vs_sdpa": t_sdpa / max(t_mem, t_issue)}
+    limit = max(times, key=times.get)
+    return {"budget_per_token": bytes_per_token * issue_rate / H100["copy_bytes_per_s"], "t_mem_us": times["memory"] * 1e6,
+            "t_issue_us": times["issue"] * 1e6, "t_shared_us": times["shared memory"] * 1e6, "t_sdpa_us": t_sdpa * 1e6,
+            "bandwidth_fraction": times["memory"] / times[limit], "speedup_vs_sdpa": t_sdpa / times[limit], "limited_by": limit}
 
 
 def bytes_per_token(case: Case) -> float:
@@ -705,8 +722,10 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
     count = walk.run()
     starts = pass_lines(kernel, source_text)
     by_class, by_pass, by_opcode = Counter(), Counter(), Counter()
+    wavefronts = 0.0
     for ins, n in zip(code, count):
         if n:
+            wavefronts += n * shared_wavefronts(ins.opcode) / tile
             outer = ins.lines[-1] if ins.lines else ("", 0)
             name = next((p for first, p in reversed(starts) if outer[0] == kernel.source and outer[1] >= first), starts[0][1])
             by_class[classify(ins.opcode)] += n / tile
@@ -723,7 +742,7 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
         side = walk.streams(header)
         if side and count[header] and side not in in_flight:  # the outermost streaming loop that runs
             in_flight[side] = min(issued(header, end), token_bytes / 2 * tile) / count[header] * warps_per_sm
-    return {"warp_instructions_per_token": sum(count) / tile,
+    return {"warp_instructions_per_token": sum(count) / tile, "shared_wavefronts_per_token": wavefronts,
             "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in kernel.passes},
             "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 
@@ -786,7 +805,8 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
         walks.append({"case": case.name, "variant": variant[case], "layout": layout,
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
-                      "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency)})
+                      "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency,
+                                     walk["shared_wavefronts_per_token"])})
     return compiled, walks
 
 
@@ -813,7 +833,10 @@ def markdown(result: dict) -> list[str]:
         "near the copy rate at long context).",
         "",
         "Per KV-head token (all query heads of its group served by one read). budget = warp-instructions per token that keep "
-        "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue); speedup bound = t_sdpa / max(t_mem, t_issue). "
+        "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue, t_shared); speedup bound = t_sdpa / max(t_mem, "
+        "t_issue, t_shared), with t_shared = shared-memory wavefronts / (SMs x clock) counted conflict-free (each access at "
+        "its width's minimum; bank conflicts are not counted: a lower bound of the shared-memory time); limited by: the "
+        "longest of the three. "
         "In flight: plain loads, the global-load bytes of one iteration of a side's streaming loop x resident warps "
         "(keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration x the stages in flight x "
         "resident warps. "
@@ -856,10 +879,10 @@ def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
         return []
     lines = ["", "The bound beside a measurement (benchmarks/kernels/tensor_core.py on a GPU, same shape, L2 flushed: the fastest "
              "of the split plans it timed; its results file names how it ran). The gap is what the bound does not model: "
-             "stalls that leave issue slots empty, and units other than issue that fill first (benchmarks/kernels/ncu.py "
-             "counts both with Nsight Compute: the H100's int2 and int4 g128 issued in about half their slots with about one "
-             "warp eligible per scheduler and no unit saturated, while the codebook variants were held by shared-memory "
-             "wavefronts, their table lookups' bank conflicts).", "",
+             "stalls that leave issue slots empty, shared-memory bank conflicts, and units other than issue and shared "
+             "memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and int4 "
+             "g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, while "
+             "the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among them).", "",
              "| variant | bandwidth bound | measured, of copy bandwidth | speedup bound | measured speedup vs fp16 SDPA | run |",
              "|---|---|---|---|---|---|"]
     for w, run, row in rows:
@@ -875,15 +898,16 @@ def kernel_section(result: dict, kernel) -> list[str]:
     passes = " + ".join(kernel.passes)
     lines = ["", f"## {kernel.title}", "", (kernel.__doc__ or "").replace("\n    ", " ").strip(), "",
              f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | budget "
-             "| registers | blocks/SM | warps/SM | in flight/SM (B) | bandwidth bound | speedup vs fp16 SDPA, at best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shared wavefronts/token | registers | blocks/SM | warps/SM | in flight/SM (B) | bandwidth bound | limited by "
+             "| speedup vs fp16 SDPA, at best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         p, b = w["by_pass"], w["bound"]
         flight = ", ".join(f"{side} {n:.0f}" for side, n in w["in_flight_per_sm"].items()) or "-"
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
-                     f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} | {w['registers']} "
-                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} "
-                     f"| {b['bandwidth_fraction']:.1%} | {b['speedup_vs_sdpa']:.2f}x |")
+                     f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
+                     f"| {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} | {w['warps_per_sm']} "
+                     f"| {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x |")
     lines += measured_table(cases, kernel, measured_on_gpus())
     lines += ["", "Warp-instructions per KV token by class (sm_90; sm_80's total for comparison). fp32 includes MUFU; "
               "int/logic includes moves and predicates; conversion includes fp16 -> fp32 (HADD2.F32); other: fp64 (RoPE angle "
