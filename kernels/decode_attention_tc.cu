@@ -904,7 +904,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int s = 0; s < S::STAGES - 2; ++s)
         if (s < tiles) store_value_params(s, early[s]);
-    if constexpr (S::STAGES == 2) store_value_params(0, pending);  // (the split has a stage)
+    if constexpr (S::STAGES == 2) store_value_params(0, pending);  // stage 0's (every split has one)
     if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (warp 0 copied its parameters), read after the first barrier
         if (warp == 0) {
             cp_async_wait<S::STAGES - 2>();

@@ -163,9 +163,10 @@ class Variant:
         places = 32 * 2 * 16 if 3 in (bits, self.vbits) else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
-        if self.outliers:  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side; key patches (rows
-            stage += 32 + 4 * OUTLIER_SLOTS * 2  # padded: tc::Shape::PATCH_ROW) and value patches, 4 floats per key
-            patch_row = d + (32 if d == 64 else 8)  # channel, the two sides' 32-byte run descriptions
+        if self.outliers:
+            stage += 32 + 4 * OUTLIER_SLOTS * 2  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side
+            patch_row = d + (32 if d == 64 else 8)  # tc::Shape::PATCH_ROW: the key patch tile's padded rows (halves)
+            # key and value patch tiles, 4 floats per key channel, the two sides' 32-byte run descriptions
             outliers = st * patch_row * 2 + st * d * 2 + 4 * d * 4 + 2 * 32
         return max(stages * stage + query + rope + lut + places + key_pairs + outliers, merge)
 
