@@ -296,46 +296,27 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     torch.testing.assert_close(cuda_core, want, rtol=0, atol=1e-4)
 
 
-def test_emulated_tensor_core_kernel_serves_kvmix_layers_of_two_widths_like_the_reference_runtime(with_tensor_cores,
-                                                                                                  head_dim_64_bundles):
-    """KVmix's layers whose keys and values differ in width (3 / 2 bits, then 2 / 4) decode on the tensor-core kernel,
-    one launch of each layer's variant per decode step (the fp16 recent-context rows beside them on the CUDA-core
-    kernel), on a left-padded batch, to the reference runtime's logits."""
+@pytest.mark.parametrize("bundle_name,variants", [("kvmix-two-widths", TWO_WIDTH_VARIANTS), ("mixed", MIXED_VARIANTS)])
+def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_reference_runtime(with_tensor_cores, head_dim_64_bundles,
+                                                                                            bundle_name, variants):
+    """Layers whose keys and values differ in width decode on the tensor-core kernel, one launch of each layer's
+    variant per decode step (the fp16 rows beside them on the CUDA-core kernel), on a left-padded batch, to the
+    reference runtime's logits: KVmix's (3 / 2 bits, then 2 / 4) and mixed's (nuq2 keys with nuq4, then nuq3 values,
+    widths chosen per layer and side by Fisher sensitivity; pre-RoPE keys, 1% outliers)."""
     from conftest import tiny_model
 
     model = tiny_model("llama", head_dim=64)
-    bundle = head_dim_64_bundles["kvmix-two-widths"]
+    bundle = head_dim_64_bundles[bundle_name]
     ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :17] = 0
     with torch.inference_mode():
         got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
-        assert with_tensor_cores == [v.name for _ in range(10) for v in TWO_WIDTH_VARIANTS]  # layer 0's, then layer 1's
+        assert with_tensor_cores == [v.name for _ in range(10) for v in variants]  # layer 0's, then layer 1's
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
-
-
-def test_emulated_tensor_core_kernel_serves_mixed_layers_with_2_bit_codebooks_like_the_reference_runtime(with_tensor_cores,
-                                                                                                        head_dim_64_bundles):
-    """mixed's layers, nuq2 keys with nuq4 and then nuq3 values (widths chosen per layer and side by Fisher
-    sensitivity; pre-RoPE keys, 1% outliers), decode on the tensor-core kernel, one launch of each layer's variant per
-    decode step, on a left-padded batch, to the reference runtime's logits."""
-    from conftest import tiny_model
-
-    model = tiny_model("llama", head_dim=64)
-    bundle = head_dim_64_bundles["mixed"]
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
-        assert with_tensor_cores == [v.name for _ in range(10) for v in MIXED_VARIANTS]  # layer 0's, then layer 1's
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
 
 
 @pytest.mark.parametrize("recipe", HEAD_DIM_256_VARIANTS)
