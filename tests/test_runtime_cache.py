@@ -21,14 +21,14 @@ TOKENS = 40
 RECIPES = registry.recipes()
 
 
-def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "llama") -> None:
+def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "llama", atol: float = 1e-4) -> None:
     model = tiny_model(model_type)
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         with simulated(model, adapt(model), artifact_method(str(bundle_path)), StorageTally()):
             simulated_logits = model(ids).logits
         runtime_logits, cache = decode_token_by_token(model, bundle_path, ids)
-    torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=atol)
     assert model.config._attn_implementation == "sdpa" and cache.tokens() == [TOKENS, TOKENS]
 
 
@@ -39,8 +39,12 @@ def test_token_by_token_runtime_logits_match_the_simulation(recipe_bundles, reci
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gemma3_runtime_logits_match_the_simulation(gemma3_bundles, recipe, decode_path):
-    """Gemma 3: head_dim 16 here, q/k norms seen heads first, a sliding and a full layer with their own frequencies."""
-    assert_runtime_logits_match_the_simulation(gemma3_bundles[recipe], "gemma3_text")
+    """Gemma 3: head_dim 16 here, q/k norms seen heads first, a sliding and a full layer with their own frequencies.
+    Within 5e-4: a decode step's one-row projections and the simulation's whole-sequence ones can differ in the last
+    bit (BLAS blocking), enough to move a code at a rounding edge: kivi's logits differed by 3.0e-4 on 0.3% of them on
+    a Xeon with AVX-512, with either decode backend, and by less than 1e-4 there with torch's scalar kernels
+    (ATEN_CPU_CAPABILITY=default)."""
+    assert_runtime_logits_match_the_simulation(gemma3_bundles[recipe], "gemma3_text", atol=5e-4)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
