@@ -576,10 +576,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         v_tile += ST * v_row;
         vp_tile += ST;
     };
-    // codebook values' per-token lo and hi go through registers: loaded with the stage's copies at iteration i, stored
-    // to shared memory at iteration i + 1 as the token's scale and zero (fp32), so that the compute pass reads a token
-    // pair's with one load, and a whole iteration hides their latency. Thread tid < ST: token tid's (a running offset
-    // and row, advanced one stage per load, as the copies')
+    // codebook values' per-token lo and hi go through registers: loaded with the stage's copies, stored to shared memory
+    // at the end of that iteration (the prologue's: before the loop) as the token's scale and zero (fp32), so that the
+    // compute pass reads a token pair's with one load, and the iteration's compute hides their latency. Stored before
+    // the barrier behind which their stage's patches and tokens are read, into a buffer every warp has left. Thread
+    // tid < ST: token tid's (a running offset and row, advanced one stage per load, as the copies')
     long long vp_at = b * vp_seq + first + start + tid % ST;
     int vp_row_of = start + tid % ST;
     auto load_value_params = [&](unsigned short (&vp_staged)[2]) {
@@ -890,21 +891,19 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (t == 0) key_bias[(block & 1) * 8 + g] = b;
     };
 
-    // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight; codebook value parameters of all but the last stored here ----
-    unsigned short pending[2], early[S::STAGES > 2 ? S::STAGES - 2 : 1][2];
+    // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight, their codebook value parameters stored ----
+    unsigned short early[S::STAGES - 1][2], pending[2];
 #pragma unroll
     for (int s = 0; s < S::STAGES - 1; ++s) {
         if (s < tiles) {
             issue(s);
-            if (s < S::STAGES - 2) load_value_params(early[s]);
-            else load_value_params(pending);
+            load_value_params(early[s]);
         }
         cp_async_commit();
     }
 #pragma unroll
-    for (int s = 0; s < S::STAGES - 2; ++s)
+    for (int s = 0; s < S::STAGES - 1; ++s)
         if (s < tiles) store_value_params(s, early[s]);
-    if constexpr (S::STAGES == 2) store_value_params(0, pending);  // stage 0's (every split has one)
     if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (warp 0 copied its parameters), read after the first barrier
         if (warp == 0) {
             cp_async_wait<S::STAGES - 2>();
@@ -921,9 +920,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             __syncthreads();
             if (tid == 0) write_ranges(buffer, tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
         }
-        // codebook value parameters are stored an iteration after their load, and an iteration before their stage is
-        // read (2 stages: at the end of this one, so before the barrier behind which the next stage's patches read them)
-        if (S::STAGES > 2 && tile + S::STAGES - 2 < tiles) store_value_params(tile + S::STAGES - 2, pending);
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
             issue(ahead);
@@ -1296,7 +1292,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
             }
         }
-        if (S::STAGES == 2 && tile + 1 < tiles) store_value_params(tile + 1, pending);  // loaded with its copies above
+        if (ahead < tiles) store_value_params(ahead, pending);  // loaded with its copies above
     }
 
     // ---- merge the four warps through shared memory into this split's (output, lse) ----

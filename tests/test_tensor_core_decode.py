@@ -90,7 +90,7 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [("nuq3-out-rope", 256, 4, "3"), ("nuq3-out-rope", 256, 1, "3-edges"), ("nuq3-rope", 256, 8, "3"),
             ("nuq4-rope", 256, 4, "3-edges"), ("nuq3-out-rope", 256, 2, "3"), ("nuq3-crowded-rope", 256, 4, "1")]
          # head_dim 256 with outliers and a nuq4 side (mixed's Gemma 3 layers): 2 stages, value parameters stored at the
-         # end of the iteration before their stage
+         # end of the iteration that loaded them, before the barrier behind which their stage is read
          + [("nuq4-out-rope", 256, 4, "3"), ("nuq4-out-rope", 256, 1, "3-edges"), ("nuq4-crowded-rope", 256, 2, "1"),
             ("nuq3-nuq4v-out-rope", 256, 4, "3"), ("nuq4-nuq3v-out-rope", 256, 8, "3-edges")]
          # keys and values of two widths: KVmix's int2 / int4 layers (groups of 32), mixed's nuq3 / nuq4 ones
@@ -421,8 +421,7 @@ MUTANTS = {
     "nuq2-value-half-word": ("nuq2", "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + S::VSROW + (bit0 >> 3));",
                              "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + (bit0 >> 3));", "1", 64),
     "nuq2-key-part": ("nuq2-out-rope", "row + S::KROW / 2 + c * 2);", "row + S::KROW / 2);", "3", 256),
-    "two-stage-value-parameters": ("nuq4-out-rope", "if (S::STAGES == 2 && tile + 1 < tiles) store_value_params(tile + 1, pending);",
-                                   "", "3", 256),
+    "two-stage-value-parameters": ("nuq4-out-rope", "if (ahead < tiles) store_value_params(ahead, pending);", "", "3", 256),
     "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(tid);", "const RopeTask frequency = rope_task<D>(tid ^ 1);", "3", 256),
 }
 

@@ -288,7 +288,6 @@ class TensorCoreKernel:
         value_param_copies = 2 * max(1, d // group) * stage // 8  # [scale, zero][group] runs of 8-token chunks
         return (
             (r"if \(ahead < tiles\)", 1.0),
-            (r"if \(S::STAGES > 2 && tile \+ S::STAGES - 2 < tiles\)", 1.0),
             (r"c < PCOPIES\)", min(1.0, math.ceil(key_param_copies / 32) / WARPS)),  # warps with a key-parameter copy
             # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
             (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
