@@ -16,6 +16,13 @@ def test_builtin_corpus_is_real_text(tiny_tokenizer):
     assert tokenize(text[:5000], tiny_tokenizer).max() < TINY_VOCAB
 
 
+def test_a_special_tokens_spelling_in_the_text_is_tokenized_as_text(tiny_tokenizer):
+    """wikitext's "<unk>" markers: as text, never as the tokenizer's special token of that spelling."""
+    eos = tiny_tokenizer.convert_tokens_to_ids("<eos>")
+    ids = tokenize("a word <eos> and <eos>", tiny_tokenizer)
+    assert eos not in ids.tolist() and tiny_tokenizer.decode(ids) == "a word <eos> and <eos>"
+
+
 def test_local_txt_is_read_whole_through_datasets(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("first line\n\nsecond paragraph\n")
