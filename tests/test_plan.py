@@ -1,5 +1,9 @@
 """kvcal.plan: which layers an engine leaves unquantized, chosen by the knapsack within a budget."""
 
+import os
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +12,7 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import CACHE_TYPES
+from kvcal.models import resolve_model
 from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
                         plan_layers)
 from kvcal.rope import rotate_keys
@@ -202,3 +207,24 @@ def test_vllms_own_argument_parser_reads_the_printed_arguments(tiny_profile):
     assert parsed.kv_cache_dtype == "int4_per_token_head" and parsed.kv_cache_dtype_skip_layers == [str(plan.skipped[0])]
     for dtype in ENGINE_DTYPES["vllm"]:
         assert parser.parse_args(["--kv-cache-dtype", dtype, "--kv-cache-dtype-skip-layers", "0", "5"]).kv_cache_dtype == dtype
+
+
+def test_llama_cpps_own_binary_runs_the_printed_arguments_and_every_cache_type(tiny_profile, wikitext_valid):
+    """Where KVCAL_LLAMA_CPP names a llama.cpp build's bin folder: its llama-perplexity runs a chunk of the packaged
+    SmolLM2 GGUF under the -ctk / -ctv kvcal plan prints and under every cache type kvcal plans for, on K and on V
+    (a type it does not take exits non-zero, as the bogus one must). Skipped where it is unset."""
+    folder = os.environ.get("KVCAL_LLAMA_CPP")
+    if not folder:
+        pytest.skip("KVCAL_LLAMA_CPP (the bin folder of a llama.cpp build) is not set")
+    source = resolve_model(None)
+
+    def runs(arguments: list[str]) -> bool:
+        command = [Path(folder) / "llama-perplexity", "-m", Path(source.path) / source.gguf_file, "-f", wikitext_valid,
+                   "-c", "64", "-b", "64", "--chunks", "1", "-fa", "on", "-t", "2", *arguments]
+        run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+        return run.returncode == 0 and "Final estimate: PPL" in run.stdout + run.stderr
+
+    assert runs(plan_cache_types(str(tiny_profile[1]), 6.0).engine_arguments().split())
+    for cache_type in CACHE_TYPES:
+        assert runs(["-ctk", cache_type]) and runs(["-ctv", cache_type]), cache_type
+    assert not runs(["-ctk", "q4_bogus"])

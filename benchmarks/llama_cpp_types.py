@@ -1,0 +1,183 @@
+"""llama.cpp's own perplexity under its KV cache types (`-ctk` / `-ctv`), measured by its `llama-perplexity` binary,
+beside kvcal's simulation of the same types (kvcal.methods.llama_cpp) on the same model file and the very same tokens:
+how far the cost kvcal's tables and `kvcal plan --engine llama.cpp` give a cache type is from what llama.cpp measures.
+
+Both sides score what llama-perplexity scores (tools/perplexity/perplexity.cpp, perplexity()): the text tokenized by
+llama.cpp (`llama-tokenize --ids --no-parse-special`, BOS added where the model's GGUF asks for it), chunks of --ctx tokens whose first
+token is replaced by BOS, each token of a chunk's second half predicted from the ones before it. llama.cpp runs its
+quantized weights and its own kernels, kvcal transformers' dequantized fp32 ones, so the two fp16-cache perplexities
+differ a little; what is compared is each type's change against its own side's full-precision cache (llama.cpp's f16,
+kvcal's fp32).
+
+Usage: python -m benchmarks.llama_cpp_types --llama-cpp BUILD/bin [--model gemma3-270m] [--chunks 20] [--types ...]
+Writes benchmarks/results/llama_cpp_types-<model>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import SHARED, provenance, write_markdown, write_result
+
+DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "q8_0/q4_0", "f16/q4_0")
+FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+
+
+def binary(folder: Path, name: str) -> Path:
+    path = folder / name
+    if not path.is_file():
+        raise SystemExit(f"--llama-cpp {folder}: no {name} there; pass the bin folder of a llama.cpp build "
+                         "(cmake -B build && cmake --build build --target llama-perplexity llama-tokenize)")
+    return path
+
+
+def llama_cpp_tokens(folder: Path, gguf: Path, text: Path) -> list[int]:
+    """The text as llama-perplexity tokenizes it (common_tokenize: BOS where the model adds one, special tokens' spellings
+    in the text read as text)."""
+    out = subprocess.run([binary(folder, "llama-tokenize"), "-m", gguf, "-f", text, "--ids", "--no-parse-special", "--log-disable"],
+                         capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, pair: tuple[str, str], threads: int) -> dict:
+    """llama-perplexity's final estimate under -ctk / -ctv = pair, flash attention on (a quantized V cache needs it)."""
+    command = [binary(folder, "llama-perplexity"), "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "--chunks", chunks,
+               "-ctk", pair[0], "-ctv", pair[1], "-fa", "on", "-t", threads]
+    run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+    found = FINAL_ESTIMATE.search(run.stdout + run.stderr)
+    if run.returncode != 0 or found is None:
+        tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
+        raise SystemExit(f"llama-perplexity -ctk {pair[0]} -ctv {pair[1]} failed (exit {run.returncode}): " + " | ".join(tail))
+    return {"ppl": float(found.group(1)), "error": float(found.group(2))}
+
+
+def chunks_of(tokens: list[int], ctx: int, chunks: int, bos: int | None) -> torch.Tensor:
+    """llama-perplexity's chunks: consecutive --ctx tokens, the first of each replaced by BOS where the model adds one."""
+    if len(tokens) < max(2, chunks) * ctx:
+        raise SystemExit(f"the text tokenizes to {len(tokens)} tokens, fewer than {chunks} chunks of {ctx}; lower --chunks")
+    batch = torch.tensor(tokens[:chunks * ctx]).view(chunks, ctx)
+    if bos is not None:
+        batch[:, 0] = bos
+    return batch
+
+
+def kvcal_ppl(model, adapter, batch: torch.Tensor, method) -> float:
+    """exp of the mean NLL over every chunk's second half, as llama-perplexity's process_logits counts it."""
+    from contextlib import nullcontext
+
+    from kvcal.simulate import StorageTally, simulated
+
+    ctx = batch.shape[1]
+    first = ctx // 2
+    nll, count = 0.0, 0
+    with torch.inference_mode(), nullcontext() if method is None else simulated(model, adapter, method, StorageTally()):
+        for chunk in batch:
+            logits = model(input_ids=chunk[None], use_cache=False, logits_to_keep=ctx - first).logits[0, :-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, chunk[first + 1:], reduction="sum"))
+            count += ctx - 1 - first
+    return math.exp(nll / count)
+
+
+def bos_token(gguf: Path) -> int | None:
+    """The BOS id llama.cpp puts first, or None where the GGUF says not to add one."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def scalar(name):
+        field = fields.get(name)
+        return None if field is None else field.parts[field.data[0]][0].item()
+
+    return int(scalar("tokenizer.ggml.bos_token_id")) if scalar("tokenizer.ggml.add_bos_token") else None
+
+
+def measure(args) -> dict:
+    from kvcal.adapters import adapt
+    from kvcal.methods import baseline_method
+    from kvcal.methods.llama_cpp import cache_type_pair
+    from kvcal.models import load_model, resolve_model
+
+    source = resolve_model(args.model)
+    gguf = Path(source.path) / source.gguf_file
+    pairs = [cache_type_pair(spec) for spec in args.types]
+    for spec, pair in zip(args.types, pairs):
+        if pair is None:
+            raise SystemExit(f"--types: '{spec}' is not a llama.cpp cache type or K/V pair of them")
+    tokens = llama_cpp_tokens(args.llama_cpp, gguf, args.text)
+    batch = chunks_of(tokens, args.ctx, args.chunks, bos_token(gguf))
+    model, _, _ = load_model(args.model)
+    adapter = adapt(model)
+    rows = []
+    for spec, pair in [("f16", ("f16", "f16")), *zip(args.types, pairs)]:
+        llama = llama_cpp_ppl(args.llama_cpp, gguf, args.text, args.ctx, args.chunks, pair, args.threads)
+        method = None if spec == "f16" else baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+        rows.append({"type": spec, "llama_cpp": llama, "kvcal": kvcal_ppl(model, adapter, batch, method)})
+        print(f"{spec:>10}: llama.cpp {llama['ppl']:.4f} +/- {llama['error']:.4f}, kvcal {rows[-1]['kvcal']:.4f}", flush=True)
+    return {"model": source.spec, "gguf": gguf.name, "text": str(args.text), "ctx": args.ctx, "chunks": args.chunks,
+            "tokens": len(tokens), "llama_cpp_version": llama_cpp_version(args.llama_cpp), "rows": rows}
+
+
+def llama_cpp_version(folder: Path) -> str:
+    run = subprocess.run([binary(folder, "llama-perplexity"), "--version"], capture_output=True, text=True)
+    return " ".join((run.stdout + run.stderr).split())
+
+
+def markdown(result: dict) -> list[str]:
+    base = result["rows"][0]
+    lines = [f"# llama.cpp's cache types: its own perplexity against kvcal's simulation ({result['model']})", "",
+             f"`python -m benchmarks.llama_cpp_types` at commit {result['commit']}, {result['date']}; llama.cpp "
+             f"{result['llama_cpp_version']}. {result['chunks']} chunks of {result['ctx']} tokens of "
+             f"{Path(result['text']).name} as llama-perplexity reads them (its tokens, BOS first, the second half of each "
+             f"chunk scored); `llama-perplexity -fa on -ctk K -ctv V` on {result['gguf']} beside `kvcal eval ppl`'s "
+             "simulation of the same type on the same tokens. Changes are against each side's own full-precision cache "
+             "(llama.cpp f16, kvcal fp32).", "",
+             "| -ctk / -ctv | llama.cpp ppl | llama.cpp change | kvcal ppl | kvcal change | difference (points) |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        llama = 100 * (row["llama_cpp"]["ppl"] / base["llama_cpp"]["ppl"] - 1)
+        kvcal = 100 * (row["kvcal"] / base["kvcal"] - 1)
+        name = "f16 (kvcal: fp32)" if row is base else row["type"]
+        lines.append(f"| {name} | {row['llama_cpp']['ppl']:.4f} +/- {row['llama_cpp']['error']:.4f} | {llama:+.2f}% | "
+                     f"{row['kvcal']:.4f} | {kvcal:+.2f}% | {kvcal - llama:+.2f} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llama_cpp_types", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True,
+                        help="the folder holding a llama.cpp build's llama-perplexity and llama-tokenize")
+    parser.add_argument("--model", default="gemma3-270m",
+                        help="a kvcal --model that is a .gguf file (the packaged smollm2-135m or gemma3-270m, or a path) "
+                             "(default: %(default)s)")
+    parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
+                        help="evaluation text (default: wikitext-2 test)")
+    parser.add_argument("--ctx", type=int, default=512, help="tokens per chunk, llama-perplexity's -c (default: %(default)s)")
+    parser.add_argument("--chunks", type=int, default=20, help="chunks from the start of the text (default: %(default)s)")
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
+                        help="comma-separated -ctk/-ctv settings, T or K/V; f16 is always run first (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="threads of both sides (default: torch's, %(default)s)")
+    parser.add_argument("--name", default=None, help="result name in benchmarks/results (default: llama_cpp_types-<model>)")
+    args = parser.parse_args(argv)
+    args.types = [t.strip() for t in args.types.split(",") if t.strip()]
+    if args.ctx < 4 or args.chunks < 1:
+        parser.error(f"--ctx must be at least 4 and --chunks at least 1 (got {args.ctx}, {args.chunks})")
+    if not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
+    torch.set_num_threads(args.threads)
+    started = provenance()
+    result = measure(args)
+    name = args.name or f"llama_cpp_types-{Path(result['gguf']).stem.split('.')[0].lower()}"
+    write_result(name, result, started)
+    write_markdown(name, markdown({**started, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""benchmarks.llama_cpp_types: llama.cpp's own perplexity under its cache types beside kvcal's simulation of them."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import llama_cpp_types
+from conftest import tiny_model
+from kvcal.adapters import adapt
+from kvcal.methods import baseline_method
+
+
+def test_chunks_are_llama_perplexitys_consecutive_windows_with_bos_first_and_a_short_text_is_refused():
+    tokens = list(range(100, 150))
+    batch = llama_cpp_types.chunks_of(tokens, 16, 3, bos=7)
+    assert batch.tolist() == [[7, *range(101, 116)], [7, *range(117, 132)], [7, *range(133, 148)]]
+    assert llama_cpp_types.chunks_of(tokens, 16, 3, bos=None)[1, 0] == 116  # a model without BOS keeps its token
+    with pytest.raises(SystemExit, match="fewer than 4 chunks of 16; lower --chunks"):
+        llama_cpp_types.chunks_of(tokens, 16, 4, bos=7)
+
+
+def test_kvcal_scores_the_second_half_of_each_chunk_as_llama_perplexity_does():
+    """Positions ctx/2 .. ctx-2 predict the next token: ctx/2 - 1 tokens a chunk, from the full forward's logits."""
+    model = tiny_model("llama")
+    batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(input_ids=batch, use_cache=False).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits[:, 8:15].reshape(-1, logits.shape[-1]), batch[:, 9:].reshape(-1))
+    adapter = adapt(model)
+    assert llama_cpp_types.kvcal_ppl(model, adapter, batch, None) == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    q4_0 = baseline_method("q4_0", len(adapter.layers), adapter.head_dim, adapter.windows)
+    assert llama_cpp_types.kvcal_ppl(model, adapter, batch, q4_0) != pytest.approx(math.exp(float(nll)), rel=1e-6)
+
+
+def test_the_final_estimate_line_is_what_llama_perplexity_prints():
+    line = "[1]12.3456,[2]13.0001,\nFinal estimate: PPL = 13.0001 +/- 0.41234\n"
+    found = llama_cpp_types.FINAL_ESTIMATE.search(line)
+    assert (float(found.group(1)), float(found.group(2))) == (13.0001, 0.41234)
+
+
+def test_a_folder_without_the_binaries_is_refused_naming_the_build(tmp_path):
+    with pytest.raises(SystemExit, match="no llama-perplexity there; pass the bin folder of a llama.cpp build"):
+        llama_cpp_types.binary(tmp_path, "llama-perplexity")
