@@ -10,7 +10,7 @@ differ a little; what is compared is each type's change against its own side's f
 kvcal's fp32).
 
 Usage: python -m benchmarks.llama_cpp_types --llama-cpp BUILD/bin [--model gemma3-270m] [--chunks 20] [--types ...]
-Writes benchmarks/results/llama_cpp_types-<model>.{json,md}.
+Writes benchmarks/results/llama_cpp_types-<model's name>.{json,md} (gemma3-270m, smollm2-135m, a file's stem).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
                         help="comma-separated -ctk/-ctv settings, T or K/V; f16 is always run first (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="threads of both sides (default: torch's, %(default)s)")
-    parser.add_argument("--name", default=None, help="result name in benchmarks/results (default: llama_cpp_types-<model>)")
+    parser.add_argument("--name", default=None, help="result name in benchmarks/results (default: llama_cpp_types-<model's name>)")
     args = parser.parse_args(argv)
     args.types = [t.strip() for t in args.types.split(",") if t.strip()]
     if args.ctx < 4 or args.chunks < 1:
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     started = provenance()
     result = measure(args)
-    name = args.name or f"llama_cpp_types-{Path(result['gguf']).stem.split('.')[0].lower()}"
+    name = args.name or f"llama_cpp_types-{Path(args.model).stem.lower()}"
     write_result(name, result, started)
     write_markdown(name, markdown({**started, **result}))
 
