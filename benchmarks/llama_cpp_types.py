@@ -25,30 +25,25 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import SHARED, provenance, write_markdown, write_result
+from kvcal.errors import KvcalError
+from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_pair
 
 DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "q8_0/q4_0", "f16/q4_0")
 FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
-
-
-def binary(folder: Path, name: str) -> Path:
-    path = folder / name
-    if not path.is_file():
-        raise SystemExit(f"--llama-cpp {folder}: no {name} there; pass the bin folder of a llama.cpp build "
-                         "(cmake -B build && cmake --build build --target llama-perplexity llama-tokenize)")
-    return path
+BINARIES = ("llama-perplexity", "llama-tokenize")
 
 
 def llama_cpp_tokens(folder: Path, gguf: Path, text: Path) -> list[int]:
     """The text as llama-perplexity tokenizes it (common_tokenize: BOS where the model adds one, special tokens' spellings
     in the text read as text)."""
-    out = subprocess.run([binary(folder, "llama-tokenize"), "-m", gguf, "-f", text, "--ids", "--no-parse-special", "--log-disable"],
+    out = subprocess.run([folder / "llama-tokenize", "-m", gguf, "-f", text, "--ids", "--no-parse-special", "--log-disable"],
                          capture_output=True, text=True, check=True).stdout
     return ast.literal_eval(out.strip().splitlines()[-1])
 
 
 def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, pair: tuple[str, str], threads: int) -> dict:
     """llama-perplexity's final estimate under -ctk / -ctv = pair, flash attention on (a quantized V cache needs it)."""
-    command = [binary(folder, "llama-perplexity"), "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "--chunks", chunks,
+    command = [folder / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "--chunks", chunks,
                "-ctk", pair[0], "-ctv", pair[1], "-fa", "on", "-t", threads]
     run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
     found = FINAL_ESTIMATE.search(run.stdout + run.stderr)
@@ -61,7 +56,8 @@ def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, p
 def chunks_of(tokens: list[int], ctx: int, chunks: int, bos: int | None) -> torch.Tensor:
     """llama-perplexity's chunks: consecutive --ctx tokens, the first of each replaced by BOS where the model adds one."""
     if len(tokens) < max(2, chunks) * ctx:
-        raise SystemExit(f"the text tokenizes to {len(tokens)} tokens, fewer than {chunks} chunks of {ctx}; lower --chunks")
+        raise KvcalError(f"the text tokenizes to {len(tokens)} tokens, fewer than {max(2, chunks)} chunks of {ctx}; "
+                         "lower --chunks or --ctx")
     batch = torch.tensor(tokens[:chunks * ctx]).view(chunks, ctx)
     if bos is not None:
         batch[:, 0] = bos
@@ -101,15 +97,14 @@ def bos_token(gguf: Path) -> int | None:
 def measure(args) -> dict:
     from kvcal.adapters import adapt
     from kvcal.methods import baseline_method
-    from kvcal.methods.llama_cpp import cache_type_pair
     from kvcal.models import load_model, resolve_model
 
     source = resolve_model(args.model)
+    if source.gguf_file is None:
+        raise KvcalError(f"--model {args.model} is not a .gguf file, which llama.cpp reads; pass smollm2-135m, gemma3-270m "
+                         "or a .gguf path")
     gguf = Path(source.path) / source.gguf_file
     pairs = [cache_type_pair(spec) for spec in args.types]
-    for spec, pair in zip(args.types, pairs):
-        if pair is None:
-            raise SystemExit(f"--types: '{spec}' is not a llama.cpp cache type or K/V pair of them")
     tokens = llama_cpp_tokens(args.llama_cpp, gguf, args.text)
     batch = chunks_of(tokens, args.ctx, args.chunks, bos_token(gguf))
     model, _, _ = load_model(args.model)
@@ -125,7 +120,7 @@ def measure(args) -> dict:
 
 
 def llama_cpp_version(folder: Path) -> str:
-    run = subprocess.run([binary(folder, "llama-perplexity"), "--version"], capture_output=True, text=True)
+    run = subprocess.run([folder / "llama-perplexity", "--version"], capture_output=True, text=True)
     return " ".join((run.stdout + run.stderr).split())
 
 
@@ -171,9 +166,19 @@ def main(argv=None) -> None:
         parser.error(f"--ctx must be at least 4 and --chunks at least 1 (got {args.ctx}, {args.chunks})")
     if not args.text.is_file():
         parser.error(f"--text {args.text}: no such file")
+    for name in BINARIES:
+        if not (args.llama_cpp / name).is_file():
+            parser.error(f"--llama-cpp {args.llama_cpp}: no {name} there; pass the bin folder of a llama.cpp build "
+                         f"(cmake -B build && cmake --build build --target {' '.join(BINARIES)})")
+    bad = [spec for spec in args.types if cache_type_pair(spec) is None]
+    if bad:
+        parser.error(f"--types {', '.join(bad)}: not a llama.cpp cache type or K/V pair of them ({', '.join(CACHE_TYPES)})")
     torch.set_num_threads(args.threads)
     started = provenance()
-    result = measure(args)
+    try:
+        result = measure(args)
+    except KvcalError as exc:
+        parser.error(str(exc))
     name = args.name or f"llama_cpp_types-{Path(args.model).stem.lower()}"
     write_result(name, result, started)
     write_markdown(name, markdown({**started, **result}))

@@ -8,6 +8,7 @@ import torch
 from benchmarks import llama_cpp_types
 from conftest import tiny_model
 from kvcal.adapters import adapt
+from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
 
 
@@ -16,7 +17,7 @@ def test_chunks_are_llama_perplexitys_consecutive_windows_with_bos_first_and_a_s
     batch = llama_cpp_types.chunks_of(tokens, 16, 3, bos=7)
     assert batch.tolist() == [[7, *range(101, 116)], [7, *range(117, 132)], [7, *range(133, 148)]]
     assert llama_cpp_types.chunks_of(tokens, 16, 3, bos=None)[1, 0] == 116  # a model without BOS keeps its token
-    with pytest.raises(SystemExit, match="fewer than 4 chunks of 16; lower --chunks"):
+    with pytest.raises(KvcalError, match="fewer than 4 chunks of 16; lower --chunks"):
         llama_cpp_types.chunks_of(tokens, 16, 4, bos=7)
 
 
@@ -39,6 +40,18 @@ def test_the_final_estimate_line_is_what_llama_perplexity_prints():
     assert (float(found.group(1)), float(found.group(2))) == (13.0001, 0.41234)
 
 
-def test_a_folder_without_the_binaries_is_refused_naming_the_build(tmp_path):
-    with pytest.raises(SystemExit, match="no llama-perplexity there; pass the bin folder of a llama.cpp build"):
-        llama_cpp_types.binary(tmp_path, "llama-perplexity")
+@pytest.mark.parametrize("arguments, message", [
+    ([], "no llama-perplexity there; pass the bin folder of a llama.cpp build"),
+    (["--types", "q4_0,q3_k"], "--types q3_k: not a llama.cpp cache type"),
+    (["--chunks", "0"], "--chunks at least 1"),
+])
+def test_bad_input_is_refused_in_one_line_with_exit_2_and_nothing_written(tmp_path, capsys, arguments, message):
+    binaries = tmp_path / "bin"
+    binaries.mkdir()
+    if arguments:  # the binaries' check passes, so the next one speaks
+        for name in llama_cpp_types.BINARIES:
+            (binaries / name).touch()
+    with pytest.raises(SystemExit) as exited:
+        llama_cpp_types.main(["--llama-cpp", str(binaries), "--name", str(tmp_path / "out"), *arguments])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
