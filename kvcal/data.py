@@ -88,9 +88,9 @@ def load_text(spec: str) -> str:
 
 
 def tokenize(text: str, tokenizer) -> torch.Tensor:
-    """The corpus as one 1-D tensor of token ids: no special tokens added, and none parsed from the text, where a
-    special token's spelling is plain text (wikitext's "<unk>" markers are Gemma's <unk> token otherwise: 2.7% of its
-    test tokens a target the model never predicts), as llama.cpp's perplexity tokenizes it."""
+    """The corpus as one 1-D tensor of token ids. No special tokens are added, and a special token's spelling in the
+    text is read as text, as llama.cpp's perplexity reads it: wikitext's "<unk>" markers would otherwise become
+    Gemma's <unk> token, a target the model never predicts."""
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_attention_mask=False,
                     verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
