@@ -3,11 +3,11 @@ beside kvcal's simulation of the same types (kvcal.methods.llama_cpp) on the sam
 how far the cost kvcal's tables and `kvcal plan --engine llama.cpp` give a cache type is from what llama.cpp measures.
 
 Both sides score what llama-perplexity scores (tools/perplexity/perplexity.cpp, perplexity()): the text tokenized by
-llama.cpp (`llama-tokenize --ids --no-parse-special`, BOS added where the model's GGUF asks for it), chunks of --ctx tokens whose first
-token is replaced by BOS, each token of a chunk's second half predicted from the ones before it. llama.cpp runs its
-quantized weights and its own kernels, kvcal transformers' dequantized fp32 ones, so the two fp16-cache perplexities
-differ a little; what is compared is each type's change against its own side's full-precision cache (llama.cpp's f16,
-kvcal's fp32).
+llama.cpp (`llama-tokenize --ids --no-parse-special`, BOS added where the model's GGUF asks for it), chunks of --ctx
+tokens whose first token is replaced by BOS, each token of a chunk's second half predicted from the ones before it.
+llama.cpp runs its quantized weights and its own kernels, kvcal transformers' dequantized fp32 ones, so the two
+unquantized perplexities differ a little; what is compared is each type's change against its own side's unquantized
+cache (llama.cpp's f16, kvcal's fp32).
 
 Usage: python -m benchmarks.llama_cpp_types --llama-cpp BUILD/bin [--model gemma3-270m] [--chunks 20] [--types ...]
 Writes benchmarks/results/llama_cpp_types-<model's name>.{json,md} (gemma3-270m, smollm2-135m, a file's stem).
