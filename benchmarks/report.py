@@ -38,6 +38,7 @@ SECTIONS = [
         ("engine_types", "python -m benchmarks.accuracy --methods engine-types", ""),
         ("nvfp4_scales", "python -m benchmarks.nvfp4_scales", ""),
         ("llama_cpp_types", "python -m benchmarks.llama_cpp_types", ""),
+        ("ik_llama_cpp_types", "python -m benchmarks.llama_cpp_types --engine ik_llama.cpp", ""),
         ("rotation", "benchmarks/bench_rotation.py", "not kept: docs/experiments.md"),
         ("agreement", "benchmarks/bench_agreement.py", "not kept: docs/experiments.md")]),
     ("Decode on CPU", [("decode_step_cpu", "python -m benchmarks.kernels cpu", "")]),

@@ -37,7 +37,7 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
 from kvcal.methods import baseline_method
-from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec, ik_hadamard
+from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec, ik_llama_cpp_arguments
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
@@ -294,10 +294,7 @@ class FirstLastPlan:
     pair: dict  # the best -ctk / -ctv pair within the budget (CacheTypePlan's), for comparison
 
     def engine_arguments(self) -> str:
-        arguments = [f"-ctk {self.k.base}", f"-ctv {self.v.base}"]
-        arguments += [f"-ct{tensor}-{end} {t},{n}" for tensor, setting in (("k", self.k), ("v", self.v)) for end, t, n in setting.ends()]
-        arguments += [f"-{tensor}had" for tensor, setting in (("k", self.k), ("v", self.v)) if ik_hadamard(setting.base)]
-        return " ".join(arguments)
+        return ik_llama_cpp_arguments(self.baseline_spec())
 
     def baseline_spec(self) -> str:
         base = self.k.base if self.k.base == self.v.base else f"{self.k.base}/{self.v.base}"

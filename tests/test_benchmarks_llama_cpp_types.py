@@ -34,15 +34,35 @@ def test_kvcal_scores_the_second_half_of_each_chunk_as_llama_perplexity_does():
     assert llama_cpp_types.kvcal_ppl(model, adapter, batch, q4_0) != pytest.approx(math.exp(float(nll)), rel=1e-6)
 
 
-def test_the_final_estimate_line_is_what_llama_perplexity_prints():
-    line = "[1]12.3456,[2]13.0001,\nFinal estimate: PPL = 13.0001 +/- 0.41234\n"
+@pytest.mark.parametrize("line", [
+    "[1]12.3456,[2]13.0001,\nFinal estimate: PPL = 13.0001 +/- 0.41234\n",  # llama.cpp
+    "[1]12.3456,[2]13.0001,\nFinal estimate: PPL over 2 chunks for n_ctx=512 = 13.0001 +/- 0.41234\n",  # ik_llama.cpp
+])
+def test_the_final_estimate_line_is_what_either_llama_perplexity_prints(line):
     found = llama_cpp_types.FINAL_ESTIMATE.search(line)
     assert (float(found.group(1)), float(found.group(2))) == (13.0001, 0.41234)
 
 
+def test_an_ik_llama_cpp_setting_runs_with_the_arguments_kvcal_plan_prints_and_its_rotation():
+    spec = "q8_0/q4_0;k_first=f16,2;v_last=q8_0,1"
+    assert " ".join(llama_cpp_types.cache_arguments("ik_llama.cpp", spec)) == \
+        "-ctk q8_0 -ctv q4_0 -ctk-first f16,2 -ctv-last q8_0,1 -khad -vhad"
+    assert llama_cpp_types.cache_arguments("llama.cpp", "q8_0/q4_0") == ["-ctk", "q8_0", "-ctv", "q4_0"]
+    assert llama_cpp_types.cache_arguments("ik_llama.cpp", "f16") == ["-ctk", "f16", "-ctv", "f16"]
+    adapter = adapt(tiny_model("llama"))
+    ik = llama_cpp_types.kvcal_method("ik_llama.cpp", "q4_0", adapter)  # -khad: ik_llama.cpp's rotation, not llama.cpp's
+    assert {layer.key_codec.hadamard for layer in ik.layers} == {"ik_llama.cpp"}
+    assert llama_cpp_types.kvcal_method("llama.cpp", "q4_0", adapter).layers[0].key_codec.hadamard == "llama.cpp"
+    first = llama_cpp_types.kvcal_method("ik_llama.cpp", spec, adapter).layers[0].key_codec
+    assert first.bits == 16  # the first two layers' keys stay f16
+
+
 @pytest.mark.parametrize("arguments, message", [
     ([], "no llama-perplexity there; pass the bin folder of a llama.cpp build"),
-    (["--types", "q4_0,q3_k"], "--types q3_k: not a llama.cpp cache type"),
+    (["--types", "q4_0", "q3_k"], "--types q3_k: not a llama.cpp cache type"),
+    (["--types", "q4_0;k_first=q8_0,2"], "--types q4_0;k_first=q8_0,2: not a llama.cpp cache type"),
+    (["--engine", "ik_llama.cpp", "--types", "q4_0;skip=1"], "'q4_0;skip=1' is not an ik_llama.cpp setting"),
+    (["--engine", "ik_llama.cpp", "--types", "q4_0;k_first=q8_0,2;k_first=f16,1"], "at most once each"),
     (["--chunks", "0"], "--chunks at least 1"),
 ])
 def test_bad_input_is_refused_in_one_line_with_exit_2_and_nothing_written(tmp_path, capsys, arguments, message):

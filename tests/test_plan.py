@@ -1,6 +1,7 @@
 """kvcal.plan: which layers an engine leaves unquantized, chosen by the knapsack within a budget."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -209,22 +210,47 @@ def test_vllms_own_argument_parser_reads_the_printed_arguments(tiny_profile):
         assert parser.parse_args(["--kv-cache-dtype", dtype, "--kv-cache-dtype-skip-layers", "0", "5"]).kv_cache_dtype == dtype
 
 
+def llama_perplexity(variable: str, wikitext_valid, arguments: list[str]) -> str | None:
+    """The log of a llama-perplexity run (the build's bin folder in environment `variable`) over one 64-token chunk of the
+    packaged SmolLM2 GGUF under `arguments`, or None where it failed."""
+    source = resolve_model(None)
+    command = [Path(os.environ[variable]) / "llama-perplexity", "-m", Path(source.path) / source.gguf_file, "-f", wikitext_valid,
+               "-c", "64", "-b", "64", "--chunks", "1", "-fa", "on", "-t", "2", *arguments]
+    run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    return log if run.returncode == 0 and "Final estimate: PPL" in log else None
+
+
 def test_llama_cpps_own_binary_runs_the_printed_arguments_and_every_cache_type(tiny_profile, wikitext_valid):
     """Where KVCAL_LLAMA_CPP names a llama.cpp build's bin folder: its llama-perplexity runs a chunk of the packaged
     SmolLM2 GGUF under the -ctk / -ctv kvcal plan prints and under every cache type kvcal plans for, on K and on V
     (a type it does not take exits non-zero, as the bogus one must). Skipped where it is unset."""
-    folder = os.environ.get("KVCAL_LLAMA_CPP")
-    if not folder:
+    if not os.environ.get("KVCAL_LLAMA_CPP"):
         pytest.skip("KVCAL_LLAMA_CPP (the bin folder of a llama.cpp build) is not set")
-    source = resolve_model(None)
 
     def runs(arguments: list[str]) -> bool:
-        command = [Path(folder) / "llama-perplexity", "-m", Path(source.path) / source.gguf_file, "-f", wikitext_valid,
-                   "-c", "64", "-b", "64", "--chunks", "1", "-fa", "on", "-t", "2", *arguments]
-        run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
-        return run.returncode == 0 and "Final estimate: PPL" in run.stdout + run.stderr
+        return llama_perplexity("KVCAL_LLAMA_CPP", wikitext_valid, arguments) is not None
 
     assert runs(plan_cache_types(str(tiny_profile[1]), 6.0).engine_arguments().split())
     for cache_type in CACHE_TYPES:
         assert runs(["-ctk", cache_type]) and runs(["-ctv", cache_type]), cache_type
     assert not runs(["-ctk", "q4_bogus"])
+
+
+def test_ik_llama_cpps_own_binary_sets_the_layers_the_printed_arguments_name(tiny_profile, wikitext_valid):
+    """Where KVCAL_IK_LLAMA_CPP names an ik_llama.cpp build's bin folder: the arguments kvcal plan prints for it run,
+    and under each cache type as the first / last layers' type beside a quantized base (with -khad -vhad, as kvcal
+    prices it) its log sets exactly the layers the option names to that type. Skipped where it is unset."""
+    if not os.environ.get("KVCAL_IK_LLAMA_CPP"):
+        pytest.skip("KVCAL_IK_LLAMA_CPP (the bin folder of an ik_llama.cpp build) is not set")
+    plan = plan_first_last(str(tiny_profile[1]), 5.0)
+    assert llama_perplexity("KVCAL_IK_LLAMA_CPP", wikitext_valid, plan.engine_arguments().split()) is not None
+    for cache_type in CACHE_TYPES:
+        base = "q4_0" if cache_type != "q4_0" else "q8_0"
+        arguments = ["-ctk", base, "-ctv", base, "-ctk-first", f"{cache_type},2", "-ctv-last", f"{cache_type},3", "-khad", "-vhad"]
+        log = llama_perplexity("KVCAL_IK_LLAMA_CPP", wikitext_valid, arguments)
+        assert log is not None, cache_type
+        layers = int(re.search(r"n_layer += (\d+)", log).group(1))
+        assert [int(i) for i in re.findall(rf"Setting K-cache type in layer +(\d+) to {cache_type}\n", log)] == [0, 1]
+        assert [int(i) for i in re.findall(rf"Setting V-cache type in layer +(\d+) to {cache_type}\n", log)] == \
+            [layers - 3, layers - 2, layers - 1]

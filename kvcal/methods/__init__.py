@@ -15,7 +15,7 @@ from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
 from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
-from kvcal.methods.llama_cpp import FIRST_LAST, first_last_method
+from kvcal.methods.llama_cpp import first_last_method, first_last_option
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 
@@ -69,11 +69,11 @@ def baseline_method(text: str, num_layers: int, head_dim: int, windows: list[int
     skip, first_last = None, {}
     for option in options:
         name, _, value = option.partition("=")
-        cache_type, _, count = value.partition(",")
+        end = first_last_option(option)
         if name == "skip" and value and skip is None:
             skip = value
-        elif name in FIRST_LAST and name not in first_last and count.isdigit():
-            first_last[name] = (cache_type, int(count))
+        elif end is not None and end[0] not in first_last:
+            first_last[end[0]] = end[1]
         else:
             raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
                              "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")

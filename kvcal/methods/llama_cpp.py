@@ -46,6 +46,38 @@ def cache_type_pair(text: str) -> tuple[str, str] | None:
     return type_k, type_v
 
 
+def first_last_option(option: str) -> tuple[str, tuple[str, int]] | None:
+    """(name, (type, n)) of one `k_first=TYPE,N` (k_last, v_first, v_last), or None when it is not one."""
+    name, _, value = option.partition("=")
+    cache_type, _, count = value.partition(",")
+    return (name, (cache_type, int(count))) if name in FIRST_LAST and count.isdigit() else None
+
+
+def ik_llama_cpp_setting(spec: str) -> tuple[str, dict[str, tuple[str, int]]]:
+    """The base (T or K/V) and first / last options of an ik_llama.cpp setting written as kvcal's baseline spec
+    (`q4_0`, `q8_0/q4_0;k_first=f16,2;v_last=q8_0,1`), each option at most once."""
+    base, *options = [part.strip() for part in spec.strip().split(";")]
+    parsed = [first_last_option(option) for option in options]
+    names = [option[0] for option in parsed if option is not None]
+    if cache_type_pair(base) is None or None in parsed or len(set(names)) < len(names):
+        raise KvcalError(f"'{spec}' is not an ik_llama.cpp setting: give a cache type or K/V pair ({', '.join(CACHE_TYPES)}), "
+                         "then ;k_first=TYPE,N (k_last, v_first, v_last) at most once each")
+    return base, dict(parsed)
+
+
+def ik_llama_cpp_arguments(spec: str) -> str:
+    """ik_llama.cpp's arguments for a setting (ik_llama_cpp_setting): -ctk / -ctv, -ctk-first TYPE,N ... in FIRST_LAST's
+    order, and -khad / -vhad for each tensor whose base type is quantized (what the codecs here model)."""
+    base, options = ik_llama_cpp_setting(spec)
+    pair = cache_type_pair(base)
+    arguments = [f"-ctk {pair[0]}", f"-ctv {pair[1]}"]
+    for option in (option for option in FIRST_LAST if option in options):  # k_first -> -ctk-first TYPE,N
+        cache_type, count = options[option]
+        arguments.append(f"-ct{option[0]}-{option[2:]} {cache_type},{count}")
+    arguments += [f"-{tensor}had" for tensor, base_type in zip("kv", pair) if ik_hadamard(base_type)]
+    return " ".join(arguments)
+
+
 def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers: int, head_dim: int) -> Method:
     """ik_llama.cpp's mixed cache: the pair `base` (T or K/V) on every layer but the first / last n of K / V, which
     take another type; options {k_first | k_last | v_first | v_last: (type, n)}."""
