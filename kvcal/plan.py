@@ -17,7 +17,8 @@ llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): 
 the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
 ggml types but f16 for both is tried; they are few). ik_llama.cpp also sets the first N and last M layers of each
 tensor to other types (`-ctk-first T,N`, `-ctk-last T,M`, `-ctv-first`, `-ctv-last`; its PR #1599): plan_first_last
-weighs every such setting of K and of V (a base type, and a type and count for each end), keeps each tensor's
+weighs every such setting of K and of V (a base type, and a type and count for each end, of the types ik_llama.cpp's
+CPU flash attention reads: no q5_0 / q5_1), keeps each tensor's
 settings that no other beats on both bits and cost, and takes the K and V pair of least summed cost within the
 budget, exactly. Each setting is priced as ik_llama.cpp stores it with -khad / -vhad: rotated on its own blocks when
 the tensor's base type is quantized, plain when it is f16 (kvcal.methods.llama_cpp).
@@ -37,7 +38,7 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
 from kvcal.methods import baseline_method
-from kvcal.methods.llama_cpp import CACHE_TYPES, cache_type_codec, ik_llama_cpp_arguments
+from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES, cache_type_codec, ik_llama_cpp_arguments
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, rotate_keys
@@ -209,12 +210,12 @@ def cache_type_costs(profile_path: str, hadamard: str | None = "llama.cpp") -> t
     return _priced_cache_types(*read_artifact(profile_path, "profile"), hadamard)
 
 
-def _priced_cache_types(profile: dict, config: dict, hadamard: str | None):
-    """cache_type_costs on a profile already read (its tensors and config)."""
+def _priced_cache_types(profile: dict, config: dict, hadamard: str | None, types: tuple[str, ...] = CACHE_TYPES):
+    """cache_type_costs on a profile already read (its tensors and config), of `types`."""
     fingerprint = config["model"]["fingerprint"]
     num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
     width = kv_heads * head_dim
-    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in CACHE_TYPES} for tensor in "kv"}
+    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in types} for tensor in "kv"}
     with torch.inference_mode():
         costs = {"k": {t: np.array([key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
                        for t, codec in codecs["k"].items()},
@@ -224,9 +225,10 @@ def _priced_cache_types(profile: dict, config: dict, hadamard: str | None):
 
 
 def cache_type_pairs(costs: dict, bits: dict) -> list[dict]:
-    """Every -ctk / -ctv pair but f16 for both (type_k, type_v, bits, cost summed over the layers), cheapest first."""
+    """Every -ctk / -ctv pair of the types priced but f16 for both (type_k, type_v, bits, cost summed over the layers),
+    cheapest first."""
     pairs = [{"type_k": k, "type_v": v, "bits": (bits["k"][k] + bits["v"][v]) / 2, "cost": float(costs["k"][k].sum() + costs["v"][v].sum())}
-             for k in CACHE_TYPES for v in CACHE_TYPES if (k, v) != ("f16", "f16")]
+             for k in costs["k"] for v in costs["v"] if (k, v) != ("f16", "f16")]
     return sorted(pairs, key=lambda pair: (pair["cost"], pair["bits"]))
 
 
@@ -257,7 +259,7 @@ class TensorSetting:
 
 
 def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float], plain_costs: dict | None = None) -> list[TensorSetting]:
-    """The settings of one tensor (every base type, and for each end no layers or 1.. of another type) that no other
+    """The settings of one tensor (every base type priced, and for each end no layers or 1.. of another type) that no other
     setting beats on both bits and cost, fewest bits first; among equals the one with fewer ends set apart. The ends
     of an f16 base are priced by plain_costs (unrotated: ik_llama.cpp rotates nothing then), default costs."""
     num_layers = len(next(iter(costs.values())))
@@ -265,7 +267,7 @@ def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float], plain_
     plain_sums = sums if plain_costs is None else {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in plain_costs.items()}
     first_n, last_n = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
     candidates = []
-    for base, first, last in itertools.product(CACHE_TYPES, repeat=3):
+    for base, first, last in itertools.product(costs, repeat=3):
         allowed = ((first_n + last_n <= num_layers) & ((first_n == 0) == (first == base)) & ((last_n == 0) == (last == base)))
         ends = plain_sums if base == "f16" else sums
         cost = (ends[first][first_n] + sums[base][num_layers - last_n] - sums[base][first_n]
@@ -323,11 +325,11 @@ def choose_first_last(costs: dict, bits: dict, budget: float, plain_costs: dict 
 
 def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
-    store at most `budget` real bits per element (K and V rows alike), exactly."""
+    store at most `budget` real bits per element (K and V rows alike), exactly, of IK_CACHE_TYPES."""
     check_cache_type_budget(budget)
     profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for both pricings
-    costs, bits = _priced_cache_types(profile, config, "ik_llama.cpp")
-    plain_costs, _ = _priced_cache_types(profile, config, None)
+    costs, bits = _priced_cache_types(profile, config, "ik_llama.cpp", IK_CACHE_TYPES)
+    plain_costs, _ = _priced_cache_types(profile, config, None, IK_CACHE_TYPES)
     k, v = choose_first_last(costs, bits, budget, plain_costs)
     pair = next(pair for pair in cache_type_pairs(costs, bits) if pair["bits"] <= budget + 1e-9)
     return FirstLastPlan(budget, k, v, (k.bits + v.bits) / 2, k.cost + v.cost, pair)

@@ -12,7 +12,7 @@ import torch
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
-from kvcal.methods.llama_cpp import CACHE_TYPES
+from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES
 from kvcal.models import resolve_model
 from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
                         plan_layers)
@@ -134,10 +134,10 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
 def _settings_by_brute_force(costs: dict, num_layers: int, plain_costs: dict):
     """(types, cost) of every ik_llama.cpp setting of one tensor, summed layer by layer; under an f16 base every
     quantized layer is an end, priced plain (ik_llama.cpp turns the rotation off)."""
-    for base in CACHE_TYPES:
+    for base in costs:
         table = plain_costs if base == "f16" else costs
-        for first in CACHE_TYPES:
-            for last in CACHE_TYPES:
+        for first in costs:
+            for last in costs:
                 for n in range(num_layers + 1):
                     for m in range(num_layers + 1 - n):
                         types = [first] * n + [base] * (num_layers - n - m) + [last] * m
@@ -166,6 +166,10 @@ def test_an_ik_llama_cpp_plan_stores_its_bits_and_costs_no_more_than_one_type_ea
     pair's within the budget, and the arguments name ik_llama.cpp's options."""
     plan = plan_first_last(str(tiny_profile[1]), 5.0)
     assert plan.bits <= 5.0 and plan.cost <= plan.pair["cost"]
+    for budget in (4.5, 5.0, 6.0, 9.0):  # only types ik_llama.cpp's CPU flash attention reads, the pair's too
+        chosen = plan_first_last(str(tiny_profile[1]), budget)
+        used = {t for setting in (chosen.k, chosen.v) for t in (setting.base, setting.first, setting.last)}
+        assert used | {chosen.pair["type_k"], chosen.pair["type_v"]} <= set(IK_CACHE_TYPES), budget
     fingerprint = read_artifact(str(tiny_profile[1]), "profile")[1]["model"]["fingerprint"]
     method = baseline_method(plan.baseline_spec(), fingerprint["num_layers"], fingerprint["head_dim"])
     width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
@@ -239,13 +243,15 @@ def test_llama_cpps_own_binary_runs_the_printed_arguments_and_every_cache_type(t
 
 def test_ik_llama_cpps_own_binary_sets_the_layers_the_printed_arguments_name(tiny_profile, wikitext_valid):
     """Where KVCAL_IK_LLAMA_CPP names an ik_llama.cpp build's bin folder: the arguments kvcal plan prints for it run,
-    and under each cache type as the first / last layers' type beside a quantized base (with -khad -vhad, as kvcal
-    prices it) its log sets exactly the layers the option names to that type. Skipped where it is unset."""
+    and under each cache type it plans with, as the first / last layers' type beside a quantized base (with -khad
+    -vhad, as kvcal prices it), its log sets exactly the layers the option names to that type. q5_0, which it leaves
+    out, aborts there. Skipped where it is unset."""
     if not os.environ.get("KVCAL_IK_LLAMA_CPP"):
         pytest.skip("KVCAL_IK_LLAMA_CPP (the bin folder of an ik_llama.cpp build) is not set")
     plan = plan_first_last(str(tiny_profile[1]), 5.0)
     assert llama_perplexity("KVCAL_IK_LLAMA_CPP", wikitext_valid, plan.engine_arguments().split()) is not None
-    for cache_type in CACHE_TYPES:
+    assert llama_perplexity("KVCAL_IK_LLAMA_CPP", wikitext_valid, ["-ctk", "q5_0", "-ctv", "q5_0"]) is None
+    for cache_type in IK_CACHE_TYPES:
         base = "q4_0" if cache_type != "q4_0" else "q8_0"
         arguments = ["-ctk", base, "-ctv", base, "-ctk-first", f"{cache_type},2", "-ctv-last", f"{cache_type},3", "-khad", "-vhad"]
         log = llama_perplexity("KVCAL_IK_LLAMA_CPP", wikitext_valid, arguments)

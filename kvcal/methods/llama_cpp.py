@@ -23,6 +23,9 @@ from kvcal.rotation_codecs import LLAMA_CPP_TYPES, LlamaCppKV
 from kvcal.simulate import Method
 
 CACHE_TYPES = ("f16", *LLAMA_CPP_TYPES)  # what -ctk / -ctv take here (f32 and bf16 store no fewer bytes than f16)
+# what ik_llama.cpp's CPU flash attention reads of those (ggml/src/iqk/iqk_flash_attn.cpp, supported_kv_types; it
+# aborts on q5_0 / q5_1): its plans keep to them, so that a setting runs on every backend it has
+IK_CACHE_TYPES = ("f16", "q8_0", "q4_1", "q4_0", "iq4_nl")
 
 
 def cache_type_codec(cache_type: str, head_dim: int, tensor: str, hadamard: str | None = "llama.cpp"):
