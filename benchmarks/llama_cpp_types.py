@@ -25,6 +25,7 @@ import ast
 import math
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -71,9 +72,10 @@ def check_setting(engine: str, spec: str) -> None:
 
 def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, cache: list[str], threads: int) -> dict:
     """llama-perplexity's final estimate under the cache arguments, flash attention on (a quantized V cache needs it)."""
-    command = [folder / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "--chunks", chunks,
-               *cache, "-fa", "on", "-t", threads]
-    run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+    command = [folder.resolve() / "llama-perplexity", "-m", gguf.resolve(), "-f", text.resolve(), "-c", ctx, "-b", ctx,
+               "--chunks", chunks, *cache, "-fa", "on", "-t", threads]
+    with tempfile.TemporaryDirectory() as scratch:  # ik_llama.cpp writes llama.log where it runs
+        run = subprocess.run([str(part) for part in command], capture_output=True, text=True, cwd=scratch)
     found = FINAL_ESTIMATE.search(run.stdout + run.stderr)
     if run.returncode != 0 or found is None:
         tail = (run.stdout + run.stderr).strip().splitlines()[-5:]

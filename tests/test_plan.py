@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -218,9 +219,10 @@ def llama_perplexity(variable: str, wikitext_valid, arguments: list[str]) -> str
     """The log of a llama-perplexity run (the build's bin folder in environment `variable`) over one 64-token chunk of the
     packaged SmolLM2 GGUF under `arguments`, or None where it failed."""
     source = resolve_model(None)
-    command = [Path(os.environ[variable]) / "llama-perplexity", "-m", Path(source.path) / source.gguf_file, "-f", wikitext_valid,
-               "-c", "64", "-b", "64", "--chunks", "1", "-fa", "on", "-t", "2", *arguments]
-    run = subprocess.run([str(part) for part in command], capture_output=True, text=True)
+    command = [Path(os.environ[variable]).resolve() / "llama-perplexity", "-m", Path(source.path) / source.gguf_file,
+               "-f", Path(wikitext_valid).resolve(), "-c", "64", "-b", "64", "--chunks", "1", "-fa", "on", "-t", "2", *arguments]
+    with tempfile.TemporaryDirectory() as scratch:  # ik_llama.cpp writes llama.log where it runs
+        run = subprocess.run([str(part) for part in command], capture_output=True, text=True, cwd=scratch)
     log = run.stdout + run.stderr
     return log if run.returncode == 0 and "Final estimate: PPL" in log else None
 
