@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.common import SHARED, provenance, write_markdown, write_result
 from kvcal.errors import KvcalError
+from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import (CACHE_TYPES, cache_type_pair, first_last_method, ik_llama_cpp_arguments,
                                      ik_llama_cpp_setting)
 
@@ -85,8 +86,6 @@ def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, c
 
 def kvcal_method(engine: str, spec: str, adapter):
     """kvcal's simulation of a setting as the engine stores it (ik_llama.cpp: rotated under -khad / -vhad)."""
-    from kvcal.methods import baseline_method
-
     if engine == "ik_llama.cpp":
         return first_last_method(*ik_llama_cpp_setting(spec), len(adapter.layers), adapter.head_dim)
     return baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
