@@ -64,25 +64,29 @@ __device__ __forceinline__ void min_max_over(int begin, int end, Value value, fl
     }
 }
 
+// A stored parameter as a float: fp16, or SKVQ --fp8's e4m3.
+__device__ __forceinline__ float stored_value(half_bits h) { return half_to_float(h); }
+__device__ __forceinline__ float stored_value(unsigned char v) { return e4m3_to_float(v); }
+
 // One block per row, whose parameters come per group of channels: the row into shared memory, then each group's
-// stored fp16 (scale, zero) from params_of(g, x_s, &scale, &zero), then each channel's code from code_of(c, x_s,
-// scale_s, zero_s) given the groups' stored values as floats. scale/zero (rows, groups).
-template <typename ParamsOf, typename CodeOf>
+// stored (scale, zero) (fp16 half_bits or fp8 e4m3 bytes) from params_of(g, x_s, &scale, &zero), then each channel's
+// code from code_of(c, x_s, scale_s, zero_s) given the groups' stored values as floats. scale/zero (rows, groups).
+template <typename Param, typename ParamsOf, typename CodeOf>
 __device__ __forceinline__ void append_grouped_row(const half_bits* __restrict__ x, int width, int layout, int groups,
-                                                   unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ scale,
-                                                   half_bits* __restrict__ zero, ParamsOf params_of, CodeOf code_of) {
+                                                   unsigned* __restrict__ words, int words_per_row, Param* __restrict__ scale,
+                                                   Param* __restrict__ zero, ParamsOf params_of, CodeOf code_of) {
     __shared__ float x_s[MAX_WIDTH];
     __shared__ float scale_s[MAX_GROUPS], zero_s[MAX_GROUPS];
     const long long row = blockIdx.x;
     for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
     __syncthreads();
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        half_bits s, z;
+        Param s, z;
         params_of(g, x_s, &s, &z);
         scale[row * groups + g] = s;
         zero[row * groups + g] = z;
-        scale_s[g] = half_to_float(s);
-        zero_s[g] = half_to_float(z);
+        scale_s[g] = stored_value(s);
+        zero_s[g] = stored_value(z);
     }
     __syncthreads();
     const int units = words_per_row / words_per_unit(layout);
@@ -107,30 +111,55 @@ extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x,
         });
 }
 
-// SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor, fp16 parameters): grid = rows. Group g is the channels
-// permutation[starts[g] .. starts[g + 1]); its range, clipped by clip[g], gives clipped_params' scale and zero (in
-// units of the scale, the scale at least |low| / (FP16_MAX / 2) so that the zero fits fp16); codes in channel order
+// SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): grid = rows. Group g is the channels
+// permutation[starts[g] .. starts[g + 1]); its range, clipped by clip[g], gives clipped_params' scale and zero, stored
+// as fp16 (Param half_bits, largest value KVCAL_FP16_MAX) or fp8 e4m3 (unsigned char, KVCAL_FP8_MAX): the zero in units
+// of the scale, the scale at least |low| / (largest / 2) so that the zero fits the dtype; codes in channel order
 // (group_of_channel: each channel's group).
-extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ x, int width, int layout,
-                                                  const int* __restrict__ permutation, const int* __restrict__ starts,
-                                                  const float* __restrict__ clip, const int* __restrict__ group_of_channel,
-                                                  unsigned* __restrict__ words, int words_per_row,
-                                                  half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
+template <typename Param>
+__device__ __forceinline__ void append_permuted(const half_bits* __restrict__ x, int width, int layout,
+                                                const int* __restrict__ permutation, const int* __restrict__ starts,
+                                                const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                unsigned* __restrict__ words, int words_per_row, Param* __restrict__ scale,
+                                                Param* __restrict__ zero, int groups, float largest) {
     const int levels = code_levels(layout);
+    const auto stored = [](float f) {
+        if constexpr (sizeof(Param) == 1) return float_to_e4m3(f);
+        else return float_to_half(f);
+    };
     append_grouped_row(x, width, layout, groups, words, words_per_row, scale, zero,
-        [&](int g, const float* x_s, half_bits* s, half_bits* z) {
+        [&](int g, const float* x_s, Param* s, Param* z) {
             float lo, hi;
             min_max_over(starts[g], starts[g + 1], [&](int i) { return x_s[permutation[i]]; }, &lo, &hi);
             const float low = __fmul_rn(clip[g], lo), high = __fmul_rn(clip[g], hi);
-            const float zero_fits = __fdiv_rn(fabsf(low), KVCAL_FP16_MAX / 2.0f);
-            *s = float_to_half(fmaxf(fmaxf(__fdiv_rn(__fsub_rn(high, low), (float)levels), zero_fits), KVCAL_TINY_SCALE));
-            *z = float_to_half(__fdiv_rn(low, fmaxf(half_to_float(*s), KVCAL_TINY_SCALE)));
+            const float zero_fits = __fdiv_rn(fabsf(low), largest / 2.0f);
+            *s = stored(fmaxf(fmaxf(__fdiv_rn(__fsub_rn(high, low), (float)levels), zero_fits), KVCAL_TINY_SCALE));
+            *z = stored(__fdiv_rn(low, fmaxf(stored_value(*s), KVCAL_TINY_SCALE)));
         },
         [&](int c, const float* x_s, const float* scale_s, const float* zero_s) {
             const int g = group_of_channel[c];
             const float q = rintf(__fsub_rn(__fdiv_rn(x_s[c], fmaxf(scale_s[g], KVCAL_TINY_SCALE)), zero_s[g]));
             return (unsigned)fminf(fmaxf(q, 0.0f), (float)levels);
         });
+}
+
+extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ x, int width, int layout,
+                                                  const int* __restrict__ permutation, const int* __restrict__ starts,
+                                                  const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                  unsigned* __restrict__ words, int words_per_row,
+                                                  half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups,
+                    KVCAL_FP16_MAX);
+}
+
+extern "C" __global__ void append_permuted_groups_fp8(const half_bits* __restrict__ x, int width, int layout,
+                                                      const int* __restrict__ permutation, const int* __restrict__ starts,
+                                                      const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                      unsigned* __restrict__ words, int words_per_row,
+                                                      unsigned char* __restrict__ scale, unsigned char* __restrict__ zero,
+                                                      int groups) {
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups,
+                    KVCAL_FP8_MAX);
 }
 
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).

@@ -16,6 +16,7 @@ namespace {
 constexpr float MIN_HALF_RANGE = 1e-8f;  // kvcal.quantizers.normalize's clamp
 constexpr float TINY_SCALE = 5.9604644775390625e-8f;  // kvcal.quantizers.TINY_SCALE (2^-24)
 constexpr float FP16_MAX = 65504.0f;
+constexpr float FP8_MAX = 448.0f;  // the largest finite fp8 e4m3 (torch.float8_e4m3fn)
 enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 
 // IEEE binary16 as the compiler knows it: ARM's __fp16 on aarch64 (GCC's C++ has no _Float16 there before GCC 13),
@@ -38,6 +39,27 @@ inline uint16_t float_to_half(float x) {
     uint16_t h;
     std::memcpy(&h, &f, 2);
     return h;
+}
+
+// fp8 e4m3 (torch.float8_e4m3fn) -> float, exact: bias 7, subnormals m * 2^-9.
+inline float e4m3_to_float(uint8_t v) {
+    const int exponent = (v >> 3) & 15, mantissa = v & 7;
+    const float magnitude = exponent ? std::ldexp(1.0f + (float)mantissa / 8.0f, exponent - 7) : (float)mantissa * 0.001953125f;
+    return v & 0x80 ? -magnitude : magnitude;
+}
+
+// kvcal.quantizers.store_as(x, float8_e4m3fn): saturate at the largest finite e4m3, round to nearest even. Subnormals
+// are m 2^-9, and m = 8 is the bit pattern of the least normal, 2^-6, so a subnormal rounding up carries on.
+inline uint8_t float_to_e4m3(float x) {
+    const float a = std::fmin(std::fabs(x), FP8_MAX);
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    if (a < 0.015625f) return sign | (uint8_t)std::nearbyint(a * 512.0f);
+    int exponent;
+    std::frexp(a, &exponent);  // a = f 2^exponent, f in [0.5, 1)
+    --exponent;                // floor(log2 a), -6 .. 8
+    // a / 2^(exponent - 3), exact, in [8, 16): the implicit bit and 3 mantissa bits; 16 carries into the exponent
+    const unsigned steps = (unsigned)std::nearbyint(std::ldexp(a, 3 - exponent));
+    return sign | (uint8_t)(((unsigned)(exponent + 7) << 3) + steps - 8u);
 }
 
 // kvcal.quantizers.normalize: (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8).
@@ -217,16 +239,27 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
     }
 }
 
-// SKVQ (kvcal.skvq.SkvqTensor, fp16 parameters): channels in permuted order, per (row, group of permuted slots
-// starts[g] .. starts[g + 1]) clipped min-max: low/high = clip[g] x min/max, scale = fp16(max((high - low) / levels,
-// 2^-24)), zero = fp16(low / max(scale, 2^-24)) at scale/zero[seq * param_stride + row * param_row + g * param_column], codes
-// round(x / max(scale, 2^-24) - zero) clamped to [0, levels], packed in channel order (the store's, see
-// kvcal.runtime.store.permuted_groups).
-extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
-                                                 const int32_t* starts, int groups, const float* clip,
-                                                 const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
-                                                 long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
-                                                 long long param_stride, long long param_row, long long param_column) {
+// SKVQ (kvcal.fit.skvq.SkvqTensor): channels in permuted order, per (row, group of permuted slots starts[g] ..
+// starts[g + 1]) clipped min-max: low/high = clip[g] x min/max, scale = stored(max((high - low) / levels, |low| /
+// (largest / 2), 2^-24)), zero = stored(low / max(scale, 2^-24)) at scale/zero[seq * param_stride + row * param_row + g *
+// param_column], codes round(x / max(scale, 2^-24) - zero) clamped to [0, levels], packed in channel order (the store's,
+// see kvcal.runtime.store.permuted_groups). stored: fp16 (Param uint16_t) or fp8 e4m3 (uint8_t), largest its largest
+// finite value.
+template <typename Param>
+void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
+                            const int32_t* starts, int groups, const float* clip, const int32_t* seq_of_row,
+                            const int32_t* row_in_seq, uint32_t* words, long long words_stride, int words_per_row, Param* scale,
+                            Param* zero, long long param_stride, long long param_row, long long param_column) {
+    constexpr bool FP8 = sizeof(Param) == 1;
+    constexpr float LARGEST = FP8 ? FP8_MAX : FP16_MAX;
+    const auto stored = [](float v) -> Param {
+        if constexpr (FP8) return float_to_e4m3(v);
+        else return float_to_half(v);
+    };
+    const auto value = [](Param v) {
+        if constexpr (FP8) return e4m3_to_float(v);
+        else return half_to_float(v);
+    };
     const int levels = (1 << code_bits(layout)) - 1;
     std::vector<float> permuted(width);
     std::vector<uint32_t> codes(width);
@@ -241,11 +274,10 @@ extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, in
                 hi = std::fmax(hi, permuted[i]);
             }
             const float low = clip[g] * lo, high = clip[g] * hi;
-            // kvcal.fit.skvq.clipped_params: at least |low| / (FP16_MAX / 2), so that the zero (low / scale) fits fp16
-            scale[at] = float_to_half(std::fmax(std::fmax((high - low) / (float)levels, std::fabs(low) / (FP16_MAX / 2.0f)), TINY_SCALE));
-            const float s = std::fmax(half_to_float(scale[at]), TINY_SCALE);
-            zero[at] = float_to_half(low / s);
-            const float z = half_to_float(zero[at]);
+            scale[at] = stored(std::fmax(std::fmax((high - low) / (float)levels, std::fabs(low) / (LARGEST / 2.0f)), TINY_SCALE));
+            const float s = std::fmax(value(scale[at]), TINY_SCALE);
+            zero[at] = stored(low / s);
+            const float z = value(zero[at]);
             for (int i = starts[g]; i < starts[g + 1]; ++i) {
                 const float q = std::nearbyint(permuted[i] / s - z);
                 codes[permutation[i]] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);  // stored in channel order
@@ -254,4 +286,19 @@ extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, in
         pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
                  words_per_row);
     }
+}
+
+// SKVQ's append: fp8 != 0 stores the parameters as fp8 e4m3 bytes (SKVQ --fp8), else as fp16.
+extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
+                                                 const int32_t* starts, int groups, const float* clip,
+                                                 const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
+                                                 long long words_stride, int words_per_row, void* scale, void* zero,
+                                                 long long param_stride, long long param_row, long long param_column, int fp8) {
+    if (fp8)
+        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, words,
+                               words_stride, words_per_row, (uint8_t*)scale, (uint8_t*)zero, param_stride, param_row, param_column);
+    else
+        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, words,
+                               words_stride, words_per_row, (uint16_t*)scale, (uint16_t*)zero, param_stride, param_row,
+                               param_column);
 }

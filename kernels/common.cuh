@@ -6,6 +6,7 @@
 #define KVCAL_INF __int_as_float(0x7f800000)
 #define KVCAL_TINY_SCALE 5.9604644775390625e-8f  // 2^-24, the smallest positive fp16 (kvcal.quantizers.TINY_SCALE)
 #define KVCAL_FP16_MAX 65504.0f
+#define KVCAL_FP8_MAX 448.0f  // the largest finite fp8 e4m3 (torch.float8_e4m3fn)
 #define KVCAL_MIN_HALF_RANGE 1e-8f  // kvcal.quantizers.denormalize clamps (hi - lo) / 2 to this
 
 typedef unsigned short half_bits;  // fp16 as stored by torch (IEEE binary16)
@@ -98,6 +99,18 @@ __device__ __forceinline__ float e4m3_to_float(unsigned char v) {
     const int exponent = (v >> 3) & 15, mantissa = v & 7;
     const float magnitude = exponent ? __int_as_float(((exponent + 120) << 23) | (mantissa << 20)) : (float)mantissa * 0.001953125f;
     return v & 0x80 ? -magnitude : magnitude;
+}
+
+// store_as(x, float8_e4m3fn): saturate at the largest finite e4m3, round to nearest even. Subnormals are m 2^-9, and
+// m = 8 is the bit pattern of the least normal, 2^-6, so a subnormal rounding up carries into the exponent as it should.
+__device__ __forceinline__ unsigned char float_to_e4m3(float f) {
+    const float a = fminf(fabsf(f), KVCAL_FP8_MAX);
+    const unsigned sign = (__float_as_uint(f) >> 24) & 0x80u;
+    if (a < 0.015625f) return (unsigned char)(sign | (unsigned)rintf(__fmul_rn(a, 512.0f)));
+    const int exponent = (int)(__float_as_uint(a) >> 23) - 127;  // floor(log2 a), -6 .. 8
+    // a / 2^(exponent - 3), exact, in [8, 16): the implicit bit and 3 mantissa bits; 16 carries into the exponent
+    const unsigned steps = (unsigned)rintf(__fmul_rn(a, __int_as_float((130 - exponent) << 23)));
+    return (unsigned char)(sign | (((unsigned)(exponent + 7) << 3) + steps - 8u));
 }
 
 // SKVQ (kvcal.runtime.store's _PermutedGroupsTable): the zero is in units of the scale.

@@ -19,6 +19,7 @@ from helpers import emulator_library, tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, R, SERVED_CASES, SERVED_TOLERANCE,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
+from kvcal.quantizers import store_as
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.tensor_core import Variant
 
@@ -36,6 +37,9 @@ SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
     "append_permuted_groups": "const half_bits* x, int width, int layout, const int* permutation, const int* starts, "
                               "const float* clip, const int* group_of_channel, unsigned* words, int words_per_row, "
                               "half_bits* scale, half_bits* zero, int groups",
+    "append_permuted_groups_fp8": "const half_bits* x, int width, int layout, const int* permutation, const int* starts, "
+                                  "const float* clip, const int* group_of_channel, unsigned* words, int words_per_row, "
+                                  "unsigned char* scale, unsigned char* zero, int groups",
     "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero",
     "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
@@ -64,6 +68,8 @@ def driver_source() -> str:
     for kernel, signature in SIGNATURES.items():
         if kernel != "decode_attention":
             lines.append(f'extern "C" void run_{kernel}({GRID}, {signature}) {{ LAUNCH({kernel}({_names(signature)})); }}')
+    lines.append('extern "C" void run_float_to_e4m3(const float* x, unsigned char* out, int n) { '
+                 "for (int i = 0; i < n; ++i) out[i] = float_to_e4m3(x[i]); }")
     return "\n".join(lines) + "\n"
 
 
@@ -116,12 +122,11 @@ SHORT = [1, G - 1, G + 1, R + 1, 300]
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
     """Every case both decode kernels read (SKVQ's: codes in channel order, each channel's group of per-token
-    parameters from its table, 3 or 12 groups of uneven sizes, fp16 or fp8 parameters), written by the append kernels
-    (SKVQ's fp8 parameters: the torch codec): the reference's attention."""
+    parameters from its table, 3 or 12 groups of uneven sizes, fp16 or fp8 parameters), written by the append kernels:
+    the reference's attention."""
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
-    by_kernels = not getattr(key_store.body.codec, "fp8", False)  # the SKVQ append kernel writes fp16 parameters
-    assert key_store.body.use_kernels == value_store.body.use_kernels == by_kernels
+    assert key_store.body.use_kernels and value_store.body.use_kernels
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
 
 
@@ -134,6 +139,23 @@ def test_emulated_decode_attention_serves_gqa_groups(on_cpu, group):
 def test_emulated_cocktail_widths(on_cpu):
     stores, batch = cocktail_stores(device="cpu")
     compare(*stores, batch, group=2, pre_rope=False, device="cpu")
+
+
+def test_emulated_fp8_conversion_rounds_as_torch_stores(emulated_library):
+    """common.cuh's float_to_e4m3 (SKVQ --fp8's parameters) gives store_as(x, float8_e4m3fn)'s bytes: every e4m3
+    value, the midpoints between neighbours (ties to even) and the floats beside them, values past 448 (saturated),
+    below the least subnormal, and a log-uniform spread, of both signs."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = values[values.isfinite() & (values >= 0)].sort().values
+    midpoints = (finite[1:] + finite[:-1]) / 2
+    spread = 2 ** (torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 30 - 20)
+    x = torch.cat([finite, midpoints, midpoints.nextafter(torch.tensor(0.0)), midpoints.nextafter(torch.tensor(1e9)),
+                   torch.tensor([448.5, 464.0, 480.0, 1e6, 2.0**-10, 2.0**-11, 1e-30, 0.0]), spread])
+    x = torch.cat([x, -x]).contiguous()
+    out = torch.empty(len(x), dtype=torch.uint8)
+    emulated_library.run_float_to_e4m3(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(len(x)))
+    expected = store_as(x, torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(out, expected), x[out != expected][:8]
 
 
 @pytest.mark.parametrize("name", APPEND_CODECS)

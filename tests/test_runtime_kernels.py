@@ -65,13 +65,14 @@ def test_append_kernels_write_what_the_torch_encoder_writes(name):
 
 @pytest.mark.parametrize("name", APPEND_CODECS)
 def test_kernel_parameter_buffers_have_the_torch_encoders_layout(name):
-    """The kernel path allocates the parameter buffers the torch encoder would fill: names, columns, fp16."""
+    """The kernel path allocates the parameter buffers the torch encoder would fill: names, columns, dtype."""
     codec = APPEND_CODECS[name]()
     encoded = codec.encode(seeded_tokens(G, 1).float())
     per_token, per_block = kernels.parameter_columns(codec, WIDTH)
     assert per_token == {key: value.shape[1] for key, value in encoded.token.items()}
     assert per_block == {key: value.shape[1] for key, value in encoded.block.items()}
-    assert all(value.dtype == torch.float16 for value in [*encoded.token.values(), *encoded.block.values()])
+    dtype = kernels.parameter_dtype(codec)
+    assert all(value.dtype == dtype for value in [*encoded.token.values(), *encoded.block.values()])
     assert kernels.append_supported(codec, WIDTH)
 
 

@@ -144,7 +144,7 @@ def append_library() -> ctypes.CDLL | None:
                                       _I, _P, _P, _L, _P, _L, _P],
         "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
         "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L],
-        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L]})
+        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L, _I]})
     if lib is not None:
         lib.kvcal_append_codebook_cpu.restype = _I  # whether it placed the outliers too (else: room first, then place)
     return lib
@@ -234,11 +234,14 @@ def _ptr(tensor: torch.Tensor | None) -> int:
 class CpuAppend:
     """The encoder a CPU PackedRows quantizes with (kvcal.runtime.store's encoder_for hook) for the codecs a decode
     step appends to at every step: codebooks, per-token uniform values and SKVQ's permuted groups.
-    kernels/append_cpu.cpp writes the torch encoder's codes, fp16 parameters and outliers, bit for bit, straight
+    kernels/append_cpu.cpp writes the torch encoder's codes, parameters (fp16; SKVQ --fp8's e4m3) and outliers, bit for bit, straight
     into the store, instead of a dozen torch operations (and a numpy placement of outliers) per append."""
 
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return kernels.parameter_columns(codec, width)
+
+    def parameter_dtype(self, codec) -> torch.dtype:
+        return kernels.parameter_dtype(codec)
 
     def __init__(self, codec, layout: int):
         """One encoder serves one store: its codec (kernel codec id) and kernel layout id do not change."""
@@ -303,7 +306,7 @@ class CpuAppend:
         if cid == src.PERMUTED_GROUPS:
             permutation, group_starts, clip = self.groups
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
-                                                 clip.numel(), clip.data_ptr(), *destination, *buffers["token"])
+                                                 clip.numel(), clip.data_ptr(), *destination, *buffers["token"], int(codec.fp8))
             return
         self._codebook(store, lib, x, seqs, counts, head_dim, found, destination, buffers)
 
@@ -335,10 +338,8 @@ APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, sr
 
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
-    blocks, which append once per block; layouts without a kernel number; SKVQ's fp8 parameters)."""
+    blocks, which append once per block; layouts without a kernel number)."""
     layout_id, cid = kernels.layout_id(codec, layout), kernels.codec_id(codec)
     if torch.device(device).type != "cpu" or cid not in APPEND_CODECS or layout_id is None:
-        return None
-    if cid == src.PERMUTED_GROUPS and codec.fp8:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None

@@ -56,8 +56,8 @@ FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN, PER
 CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
                (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN), (PERMUTED_GROUPS, PERMUTED_GROUPS))
 HEAD_DIMS = (64, 128, 256)
-APPEND_KERNELS = ("append_token_uniform", "append_permuted_groups", "append_channel_block", "append_codebook",
-                  "append_codebook_outliers")
+APPEND_KERNELS = ("append_token_uniform", "append_permuted_groups", "append_permuted_groups_fp8", "append_channel_block",
+                  "append_codebook", "append_codebook_outliers")
 
 
 def decode_variant(head_dim: int, rope: bool, key_codec: int, value_codec: int) -> str:

@@ -2,8 +2,7 @@
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
 1.5-bit ternary values, head dims other than 64/128/256 and more query heads per KV head than `max_group` use the
-torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference). SKVQ's fp8
-parameters are appended by the torch codec (the append kernel writes fp16).
+torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference).
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -121,8 +120,8 @@ def append_supported(codec, width: int, layout: str | None = None) -> bool:
     cid = codec_id(codec)
     if cid is None or layout_id(codec, layout) is None or width > MAX_WIDTH:
         return False
-    if cid == src.PERMUTED_GROUPS:  # fp16 parameters only
-        return not codec.fp8 and codec.clip.numel() <= MAX_GROUPS
+    if cid == src.PERMUTED_GROUPS:
+        return codec.clip.numel() <= MAX_GROUPS
     return cid != src.UNIFORM_TOKEN or math.ceil(width / codec.group) <= MAX_GROUPS
 
 
@@ -144,8 +143,13 @@ def codecs_decoded(key_codec, value_codec) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # quantize-and-append
 
+def parameter_dtype(codec) -> torch.dtype:
+    """The dtype of a codec's stored parameters: fp16, or fp8 e4m3 for SKVQ --fp8."""
+    return torch.float8_e4m3fn if codec_id(codec) == src.PERMUTED_GROUPS and codec.fp8 else torch.float16
+
+
 def parameter_columns(codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
-    """The fp16 parameters a codec stores (per token, per block): name -> columns, as its torch encode makes them."""
+    """The parameters a codec stores (per token, per block): name -> columns, as its torch encode makes them."""
     cid = codec_id(codec)
     if cid == src.UNIFORM_TOKEN:
         groups = math.ceil(width / codec.group)
@@ -211,9 +215,9 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
     words_per_row = np.int32(store.words.shape[2])
     layout = np.int32(layout_id(codec, store.layout))
-    if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # an fp16 scale and zero per (token, group of channels)
+    if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # a scale and zero per (token, group of channels)
         groups = store.token["scale"].shape[2]
-        scale = torch.empty(rows, groups, dtype=torch.float16, device=device)
+        scale = torch.empty(rows, groups, dtype=parameter_dtype(codec), device=device)
         zero = torch.empty_like(scale)
         outputs = (_ptr(words), words_per_row, _ptr(scale), _ptr(zero), np.int32(groups))
         if cid == src.UNIFORM_TOKEN:
@@ -221,7 +225,8 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
                     (_ptr(x), np.int32(width), layout, np.int32(codec.group), *outputs))
         else:
             group_of_channel, permutation, starts, clip = _skvq_tables(codec, device)
-            launch(_function("append.cu", "append_permuted_groups"), (rows,), (THREADS,),
+            name = "append_permuted_groups_fp8" if codec.fp8 else "append_permuted_groups"
+            launch(_function("append.cu", name), (rows,), (THREADS,),
                     (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(group_of_channel),
                      *outputs))
         for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
@@ -304,6 +309,9 @@ class AppendKernels:
 
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return parameter_columns(codec, width)
+
+    def parameter_dtype(self, codec) -> torch.dtype:
+        return parameter_dtype(codec)
 
     def encode_rows(self, store: PackedRows, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         encode_rows(store, seqs, starts, counts, x)

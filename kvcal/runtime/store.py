@@ -510,10 +510,11 @@ class PackedRows:
         if self.encoder is not None:
             if self._columns is None:  # the encoder's parameter buffers, made once (_resize grows them with the rows)
                 self._columns = per_token, per_block = self.encoder.parameter_columns(self.codec, self.width)
+                dtype = self.encoder.parameter_dtype(self.codec)
                 for name, columns in per_token.items():
-                    self._parameter(self.token, name, self.words.shape[1], columns, torch.float16)
+                    self._parameter(self.token, name, self.words.shape[1], columns, dtype)
                 for name, columns in per_block.items():
-                    self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, torch.float16)
+                    self._parameter(self.blocks, name, self.words.shape[1] // self.block, columns, dtype)
             self.encoder.encode_rows(self, seqs, starts, counts, x)
         else:
             self._encode_rows(seqs, starts, counts, x)

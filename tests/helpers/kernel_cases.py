@@ -77,7 +77,7 @@ def _skvq(bits, layout=None, inner=(WIDTH // 4, WIDTH // 2 + 8), fp8=False):
 
 TWELVE_GROUPS = tuple(i * WIDTH // 12 + 3 * (i % 2) for i in range(1, 12))
 
-# SKVQ's cases: both kernels decode them, the append kernels write them (fp16 parameters; fp8: the torch codec)
+# SKVQ's cases: both kernels decode them, the append kernels write them
 SKVQ_CASES = {
     "skvq2-prerope-sink5-window": lambda: _skvq(2),
     "skvq3-planes": lambda: _skvq(3),
@@ -173,9 +173,16 @@ APPEND_CODECS = {
     "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1],
     # a group of one channel: its zero-range groups take the scale floor of clipped_params
     "skvq2-one-channel-group": lambda: _skvq(2, inner=(1, WIDTH // 2))[0],
+    "skvq3-fp8": lambda: _skvq(3, fp8=True)[0],
+    # rows from 2^-22 to 2^12: fp8 scales that saturate, subnormal ones and ones below fp8's least (stored as 0)
+    "skvq2-fp8-wide-range": lambda: _skvq(2, fp8=True)[1],
 }
 # the CPU append (kvcal.runtime.cpu_kernel.CpuAppend): what a decode step appends to every step
 CPU_APPEND_CODECS = {name: make for name, make in APPEND_CODECS.items() if not name.startswith("channel-block")}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().flatten().view(torch.uint8)
 
 
 def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels()):
@@ -184,7 +191,10 @@ def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_:
     appends of one token (one block for per-channel blocks) into sequence 1 of 2."""
     codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
-    x = seeded_tokens(12 * G, 7).to(device)
+    x = seeded_tokens(12 * G, 7)
+    if "wide-range" in name:
+        x = (x.float() * 2 ** torch.linspace(-22, 12, len(x))[:, None]).half()
+    x = x.to(device)
     stores = [PackedRows(codec, 2, WIDTH, device, make, layout, HEAD_DIM) for make in (encoder_for, None)]
     assert stores[0].use_kernels
     step = codec.block_tokens
@@ -195,10 +205,10 @@ def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_:
     fast, exact = stores
     assert fast.length == exact.length and fast.outliers == exact.outliers
     assert torch.equal(fast.words, exact.words)
-    for key, value in exact.token.items():
-        assert torch.equal(fast.token[key], value), key
-    for key, value in exact.blocks.items():
-        assert torch.equal(fast.blocks[key], value), key
+    for key, value in (*exact.token.items(), *exact.blocks.items()):  # bit for bit (fp8 has no torch.equal)
+        stored = (exact.token | exact.blocks)[key]
+        fast_stored = (fast.token | fast.blocks)[key]
+        assert fast_stored.dtype == stored.dtype and torch.equal(_bits(fast_stored), _bits(stored)), key
     assert fast.outlier_counts() == exact.outlier_counts()
     assert torch.equal(fast.outlier_count, exact.outlier_count)
     for head, count in enumerate(exact.outlier_counts()[1]):
