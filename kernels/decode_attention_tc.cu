@@ -404,11 +404,12 @@ struct OutlierHeader {
     int k_first, k_end, v_first, v_end, k_base, v_base, crowded, unused;
 };
 
+// rows: the store's rows from row 0; first: the row the kernel reads first, a tile's (the run's tiles count from it).
 __device__ __forceinline__ OutlierRun outlier_run(const unsigned short* positions, const unsigned short* values, const int* offsets,
                                                   const int* counts, long long run, long long stride, long long offset_stride,
-                                                  int rows) {
-    OutlierRun r{positions + run * stride, values + run * stride, offsets + run * offset_stride, 0, 0};
-    if (counts != nullptr) r.count = __ldg(counts + run), r.tiles = (rows + OUT_TILE - 1) / OUT_TILE;
+                                                  int rows, int first) {
+    OutlierRun r{positions + run * stride, values + run * stride, offsets + run * offset_stride + first / OUT_TILE, 0, 0};
+    if (counts != nullptr) r.count = __ldg(counts + run), r.tiles = (rows + OUT_TILE - 1) / OUT_TILE - first / OUT_TILE;
     return r;
 }
 
@@ -425,13 +426,14 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters fp16 stored (batch, groups,
 // capacity) (kvcal.runtime.store: each group's column along the tokens), strides of a sequence and a group in halves,
 // multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
-// per-token lo and hi of the whole row, one group). meta (batch, META) int32: first row (0 for a packed body, so the
-// parameter chunks are aligned), tokens, position of the first row (ROPE), the key and value bodies' rows (OUT: their
-// started outlier tiles), the first of the tokens the query sees (a sliding window; the ones before weigh nothing).
+// per-token lo and hi of the whole row, one group). meta (batch, META) int32: the keys' first row, tokens, position of
+// the first row (ROPE), the key and value bodies' rows from row 0 (OUT: their started outlier tiles), the first of the
+// tokens the query sees (a sliding window, or a body's live rows past the first row; the ones before weigh nothing),
+// the values' first row. A packed body's first rows are multiples of its key blocks and outlier tiles, so that the
+// parameter chunks and tiles are aligned.
 // OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions and values, (batch,
 // kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
-// in elements; the body starts at row 0. ROPE:
-// inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
+// in elements. ROPE: inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
@@ -457,7 +459,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
     constexpr bool RAW = !S::FP16 && !CB;
     constexpr bool KEY_RAW = RAW && BITS != 3;  // 3-bit keys come from their table as code values
-    constexpr int META = 6;  // meta's fields per sequence
+    constexpr int META = 7;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
@@ -466,7 +468,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int first = meta[META * b], length = meta[META * b + 1], visible = meta[META * b + 5];
+    const int first = meta[META * b], v_first = meta[META * b + 6], length = meta[META * b + 1], visible = meta[META * b + 5];
     const int start = split * per_split, end = min(start + per_split, length);
     const long long out_row = (long long)b * heads + (long long)kvh * GQA, slot = split_offset + split;
     if (start >= end || end <= visible) {  // an empty split (a short sequence, or before a window): nothing to merge
@@ -477,7 +479,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int tiles = (end - start + ST - 1) / ST;
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
-    // outliers (OUT): a stage is one outlier tile (the body starts at row 0, splits hold whole stages). Its ranges per
+    // outliers (OUT): a stage is one outlier tile (a body's first row starts one, splits hold whole stages). Its ranges per
     // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES
     // (after the patches of stage s - STAGES, the buffer's last reader of them), from offsets it loaded an iteration
     // before, so that the copies of stage s and its patches read them from shared memory. The two sides' runs live in
@@ -499,9 +501,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (tid == 0) {
             const long long run = (long long)b * kv_heads + kvh;
             out_runs[0] = outlier_run(key_outlier_positions, key_outlier_values, key_outlier_offsets, key_outlier_counts, run,
-                                      k_outlier_run, k_offset_run, meta[META * b + 3]);
+                                      k_outlier_run, k_offset_run, meta[META * b + 3], first);
             out_runs[1] = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets, value_outlier_counts,
-                                      run, v_outlier_run, v_offset_run, meta[META * b + 4]);
+                                      run, v_outlier_run, v_offset_run, meta[META * b + 4], v_first);
             k_next = outlier_range(out_runs[0], out_tile0);
             v_next = outlier_range(out_runs[1], out_tile0);
             for (int s = 0; s < S::STAGES; ++s) write_ranges(smem + s * S::STAGE_BYTES, s);  // every buffer's first stage
@@ -512,11 +514,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
     // Stages are issued in order, so the first rows of the next stage are running pointers, advanced by one stage
     // per issue (no 64-bit row arithmetic per stage).
+    if constexpr (!S::FP16 && !CB) {  // the key blocks from the first row's: block 0 of the copies' offsets
+        key_scale += (long long)(first / S::KB) * kp_row;
+        key_zero += (long long)(first / S::KB) * kp_row;
+    }
     const unsigned char* k_tile = k_base + (long long)(first + start) * k_row;
-    const unsigned char* v_tile = v_base + (long long)(first + start) * v_row;
+    const unsigned char* v_tile = v_base + (long long)(v_first + start) * v_row;
     // uniform codes: where the head's first value group's parameter run has the next stage's first token (in halves);
     // the head's other groups are the next columns, vp_group apart
-    long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + first + start;
+    long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + v_first + start;
     auto issue = [&](int tile) {
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
@@ -581,7 +587,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // compute pass reads a token pair's with one load, and the iteration's compute hides their latency. Stored before
     // the barrier behind which their stage's patches and tokens are read, into a buffer every warp has left. Thread
     // tid < ST: token tid's (a running offset and row, advanced one stage per load, as the copies')
-    long long vp_at = b * vp_seq + first + start + tid % ST;
+    long long vp_at = b * vp_seq + v_first + start + tid % ST;
     int vp_row_of = start + tid % ST;
     auto load_value_params = [&](unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {

@@ -21,6 +21,7 @@ from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, R, SE
 from kvcal.bundle import load_bundle
 from kvcal.quantizers import store_as
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
+from kvcal.runtime.segments import out_of_window
 from kvcal.runtime.tensor_core import Variant
 
 pytestmark = pytest.mark.emulation
@@ -346,8 +347,8 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
                                                                                   recipe):
     """A tiny Gemma 3 at head_dim 256 (a sliding layer whose 16-token window the 110 tokens outgrow, a full one) on a
     left-padded batch: kivi4-g32's post-RoPE int4 and kvquant's pre-RoPE nuq3 and nuq4 bodies with 1% outliers on
-    the tensor-core kernel (but a body whose front the window dropped) and the rest on the CUDA-core kernel give the
-    reference runtime's logits."""
+    the tensor-core kernel (the sliding layer's from its first live row once the window dropped its front) and the
+    rest on the CUDA-core kernel give the reference runtime's logits."""
     from conftest import HEAD_DIM_256, tiny_model
 
     model = tiny_model("gemma3_text", **HEAD_DIM_256)
@@ -362,9 +363,10 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     served = HEAD_DIM_256_VARIANTS[recipe]
     assert paths == ["tensor-core"] * len(paths)
-    # the full layer's body on tensor cores at each of the 10 steps; the sliding layer's while no row left its front
-    assert set(with_tensor_cores) == {served.name} and len(with_tensor_cores) >= 10
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+    # both layers' bodies on tensor cores at each of the 10 steps
+    assert set(with_tensor_cores) == {served.name} and len(with_tensor_cores) >= 20
+    # the sliding layer's body holds few tokens, where fp16 operands cost the most: the empty-cache test's bound
+    torch.testing.assert_close(got, want, rtol=0, atol=6e-3)
 
 
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-0%"))
@@ -399,6 +401,24 @@ def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
     assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name}
     assert bool(with_tensor_cores) == any(rows) and (any(rows) or lengths != SHORT)  # the short batch reaches the body
+
+
+@pytest.mark.parametrize(("case", "window"), (("kivi4-sink4", 64), ("kivi4-sink4", 192), ("nuq3-prerope-sink4-window", 150),
+                                             ("nuq4-prerope-crowded-outliers", 150)))
+def test_emulated_tensor_core_kernel_serves_bodies_that_dropped_their_first_tokens(with_tensor_cores, case, window):
+    """Three sequences past a sliding window (their sinks and the body rows before it dropped, the storage compacted;
+    the window longer than the fp16 recent rows; at 192, KIVI's key and value bodies compacted apart): the tensor-core
+    kernel reads each side's body from its first live row rounded down to its key blocks and outlier tiles (the rows
+    before weigh nothing), the CUDA-core kernel the rest: the reference's attention."""
+    (key_store, value_store), pre_rope = filled(case, [600, 300, 70], device="cpu")
+    dropped = out_of_window(key_store, value_store, window)
+    for store in (key_store, value_store):
+        store.drop(dropped)
+    assert any(head % 64 for head in key_store.body.head)  # a first live row inside an outlier tile
+    rows = []
+    decode = functools.partial(served_decode, rows=rows)
+    compare(key_store, value_store, 3, group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
+    assert set(with_tensor_cores) == {SERVED_VARIANTS[case].name} and rows[0] and rows[1]
 
 
 def test_emulated_tensor_core_kernel_serves_cocktails_int4_and_int2_chunks(with_tensor_cores):

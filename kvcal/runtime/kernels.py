@@ -479,7 +479,7 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         sides = (segments.keys, segments.values)
         key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
         skip = served_body.rows(batch) if served_body is not None else [0] * batch
-        if any(skip):  # positions of body row 0: past the sinks
+        if any(skip):  # positions of the bodies' first live rows: past the sinks
             positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
             visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
             body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible))

@@ -249,20 +249,27 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
     return variant_for_codecs(keys.codec, values.codec, head_dim, gqa, rope)
 
 
-def _stores_lengths(keys, values, lengths: list[int] | None) -> tuple[list[int], list[int]]:
-    """(first row, tokens) per sequence. lengths: attend to only the first lengths[b] stored tokens (default: all)."""
-    batch = len(keys.length)
-    first = list(keys.head) if hasattr(keys, "head") else [0] * batch
-    if hasattr(values, "head") and list(values.head) != first:
-        raise KvcalError("fp16 key and value rows must start at the same row")
+def _leads(keys, values) -> list[int | None]:
+    """Per sequence, how many rows before its first live row the kernel reads (the rows it reads first are multiples of
+    both stores' alignment: kvcal.runtime.store.PackedRows.aligned, key blocks and outlier tiles; fp16 rows from the
+    live one), or None where K's and V's live rows sit differently past those multiples (after compactions that
+    moved them by different multiples of a larger alignment)."""
+    if not _is_packed(keys):
+        return [0] * len(keys.head)
+    aligned = math.lcm(keys.aligned, values.aligned)
+    return [k % aligned if k % aligned == v % aligned else None for k, v in zip(keys.head, values.head)]
+
+
+def _stores_lengths(keys, values, lengths: list[int] | None) -> list[int]:
+    """Tokens per sequence: lengths (the first lengths[b] live tokens) checked against the stores, or all."""
     stored = [min(k, v) for k, v in zip(keys.length, values.length)]
     if lengths is None:
         if list(keys.length) != list(values.length):
             raise KvcalError("keys and values hold different numbers of tokens")
-        lengths = stored
+        return stored
     if any(n > s for n, s in zip(lengths, stored)):
         raise KvcalError(f"lengths {lengths} exceed the stored tokens {stored}")
-    return first, list(lengths)
+    return list(lengths)
 
 
 def _value_parameter_strides(scale: torch.Tensor | None, zero: torch.Tensor | None) -> tuple[np.int64, np.int64]:
@@ -365,7 +372,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
              attention_scaling: float = 1.0, constants: dict | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
-    (batch, 5) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
+    (batch, 7) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
     (made here when None). Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
@@ -408,14 +415,23 @@ def _outlier_operands(store) -> tuple:
 
 def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[int] | None = None,
               visible: list[int] | None = None) -> list[list[int]]:
-    """Per sequence: first row, tokens, position of the first row (pre-RoPE keys; default 0), the key and value
-    stores' rows (their started outlier tiles), the first of the tokens the query sees (a sliding window; default 0)."""
-    first, n = _stores_lengths(keys, values, lengths)
-    positions = [0] * len(n) if positions is None else list(positions)
-    if len(positions) != len(n) or any(p < 0 or p + c >= 2**29 for p, c in zip(positions, n)):
+    """Per sequence, as the kernel reads them: the keys' first row, tokens, position of the first row (pre-RoPE keys),
+    the key and value stores' rows from row 0 (their started outlier tiles), the first of the tokens the query sees,
+    the values' first row. lengths: the live tokens attended (default all); positions: of each sequence's first live
+    row; visible: its first live token the query sees (a sliding window; default 0). Packed bodies are read from their
+    first live row rounded down to a multiple of both stores' alignment (`_leads`), the rows before it weighing
+    nothing; positions then default to that row at 0."""
+    n = _stores_lengths(keys, values, lengths)
+    lead = _leads(keys, values)
+    if any(e is None and c for e, c in zip(lead, n)):
+        raise KvcalError("the key and value bodies' live rows sit differently in their blocks: the kernel reads them as one")
+    lead = [e if c else 0 for e, c in zip(lead, n)]
+    positions = lead if positions is None else [p - e for p, e in zip(positions, lead)]
+    if len(positions) != len(n) or any(p < 0 or p + e + c >= 2**29 for p, e, c in zip(positions, lead, n)):
         raise KvcalError(f"positions {positions}: one per sequence, from 0, below 2^29 with the sequence's tokens")
     visible = [0] * len(n) if visible is None else list(visible)
-    return [[f, c, p, k, v, s] for f, c, p, k, v, s in zip(first, n, positions, keys.length, values.length, visible)]
+    return [[kh - e, e + c if c else 0, p, kh + k, vh + v, e + s, vh - e]
+            for kh, vh, e, c, p, k, v, s in zip(keys.head, values.head, lead, n, positions, keys.length, values.length, visible)]
 
 
 def split_plan(lengths: list[int], pairs: int, slots: int, stage_tokens: int) -> tuple[int, int]:
@@ -540,26 +556,27 @@ class ServedBody:
         self._constants: dict = {}
 
     def rows(self, batch: int) -> list[int]:
-        """Body rows served per sequence: none where a sliding window dropped rows from a body's front (the kernel
-        reads bodies from store row 0: its key blocks, outlier tiles and parameter chunks are aligned there)."""
+        """Live body rows served per sequence, from the first: none where the two sides' sinks differ or their live
+        rows sit differently in their blocks (`_leads`)."""
         none = [0] * batch
         key_sink = self.key_sink.length if self.key_sink is not None else none
         value_sink = self.value_sink.length if self.value_sink is not None else none
-        return [min(k, v) if ks == vs and not kh and not vh else 0
-                for ks, vs, k, v, kh, vh in zip(key_sink, value_sink, self.keys.length, self.values.length, self.keys.head,
-                                                self.values.head)]
+        return [min(k, v) if ks == vs and lead is not None else 0
+                for ks, vs, k, v, lead in zip(key_sink, value_sink, self.keys.length, self.values.length,
+                                              _leads(self.keys, self.values))]
 
     def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step,
                 visible: list[int] | None = None):
         """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial) -> the function that
-        launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's body row 0;
-        step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first body
-        row the query sees (a sliding window; default 0)."""
+        launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's first live body
+        row; step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first
+        live body row the query sees (a sliding window; default 0)."""
         batch, _, head_dim = query.shape
         v, device = self.variant, query.device
         shared = v.shared_bytes()
-        per_split, splits = split_plan(rows, batch * kv_heads, resident_blocks(v.name, shared, device.index or 0), v.stage_tokens)
         meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None, visible)
+        per_split, splits = split_plan([row[1] for row in meta_list], batch * kv_heads,
+                                       resident_blocks(v.name, shared, device.index or 0), v.stage_tokens)
         meta = step.shared(("tensor-core meta", tuple(map(tuple, meta_list))), lambda: upload(meta_list, device, torch.int32))
         key = str(device)
         if key not in self._constants:
