@@ -225,7 +225,9 @@ def passkey_report(model_name: str) -> None:
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append(f"| closest at <= {BITS_LIMIT} bits | " + " | ".join(closest_to_fp(rows, bits, keys, length) for length in present) + " |")
         lines.append("")
-    lines.append("Commits: " + ", ".join(sorted({r["commit"] for r in rows})))
+    lines += ["Commits: " + ", ".join(sorted({r["commit"] for r in rows})) + ". The filler reads wikitext's `<unk>` markers as",
+              "text from b9a3fc8 on (kvcal.data.tokenize); points at earlier commits read them as the tokenizer's own unknown",
+              "token where it spells one so (Gemma 3's)."]
     write_markdown(name, lines)
     plot(name, rows, methods)
 
