@@ -433,7 +433,8 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // parameter chunks and tiles are aligned.
 // OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions and values, (batch,
 // kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
-// in elements. ROPE: inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of rope_pair_word's table.
+// in elements. ROPE: inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of
+// rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core

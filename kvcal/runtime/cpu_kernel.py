@@ -234,8 +234,9 @@ def _ptr(tensor: torch.Tensor | None) -> int:
 class CpuAppend:
     """The encoder a CPU PackedRows quantizes with (kvcal.runtime.store's encoder_for hook) for the codecs a decode
     step appends to at every step: codebooks, per-token uniform values and SKVQ's permuted groups.
-    kernels/append_cpu.cpp writes the torch encoder's codes, parameters (fp16; SKVQ --fp8's e4m3) and outliers, bit for bit, straight
-    into the store, instead of a dozen torch operations (and a numpy placement of outliers) per append."""
+    kernels/append_cpu.cpp writes the torch encoder's codes, parameters (fp16; SKVQ --fp8's e4m3) and outliers, bit
+    for bit, straight into the store, instead of a dozen torch operations (and a numpy placement of outliers) per
+    append."""
 
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return kernels.parameter_columns(codec, width)
