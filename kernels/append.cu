@@ -114,14 +114,15 @@ extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x,
 // SKVQ's permuted groups (kvcal.fit.skvq.SkvqTensor): grid = rows. Group g is the channels
 // permutation[starts[g] .. starts[g + 1]); its range, clipped by clip[g], gives clipped_params' scale and zero, stored
 // as fp16 (Param half_bits, largest value KVCAL_FP16_MAX) or fp8 e4m3 (unsigned char, KVCAL_FP8_MAX): the zero in units
-// of the scale, the scale at least |low| / (largest / 2) so that the zero fits the dtype; codes in channel order
+// of the scale, the scale at least |low| / (largest / 2) so that the zero fits the type; codes in channel order
 // (group_of_channel: each channel's group).
 template <typename Param>
 __device__ __forceinline__ void append_permuted(const half_bits* __restrict__ x, int width, int layout,
                                                 const int* __restrict__ permutation, const int* __restrict__ starts,
                                                 const float* __restrict__ clip, const int* __restrict__ group_of_channel,
                                                 unsigned* __restrict__ words, int words_per_row, Param* __restrict__ scale,
-                                                Param* __restrict__ zero, int groups, float largest) {
+                                                Param* __restrict__ zero, int groups) {
+    constexpr float largest = sizeof(Param) == 1 ? KVCAL_FP8_MAX : KVCAL_FP16_MAX;
     const int levels = code_levels(layout);
     const auto stored = [](float f) {
         if constexpr (sizeof(Param) == 1) return float_to_e4m3(f);
@@ -148,8 +149,7 @@ extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ 
                                                   const float* __restrict__ clip, const int* __restrict__ group_of_channel,
                                                   unsigned* __restrict__ words, int words_per_row,
                                                   half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
-    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups,
-                    KVCAL_FP16_MAX);
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups);
 }
 
 extern "C" __global__ void append_permuted_groups_fp8(const half_bits* __restrict__ x, int width, int layout,
@@ -158,8 +158,7 @@ extern "C" __global__ void append_permuted_groups_fp8(const half_bits* __restric
                                                       unsigned* __restrict__ words, int words_per_row,
                                                       unsigned char* __restrict__ scale, unsigned char* __restrict__ zero,
                                                       int groups) {
-    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups,
-                    KVCAL_FP8_MAX);
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups);
 }
 
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).
