@@ -1,7 +1,7 @@
-// Quantize-and-append on the CPU for the codecs a decode step appends to every step: the codebook codec
-// (kvcal.quantizers.CodebookCodec: KVQuant's nuq, the mixed recipe; append.cu's append_codebook and
-// append_codebook_outliers), per-token uniform values (TokenUniform: KIVI, KVmix) and SKVQ's permuted groups,
-// writing the same codes, fp16 parameters and outliers, bit for bit, as the torch encoders that kvcal/runtime/
+// Quantize-and-append on the CPU for every body codec of the recipes: the codebook codec (kvcal.quantizers.CodebookCodec:
+// KVQuant's nuq, the mixed recipe; append.cu's append_codebook and append_codebook_outliers), per-token uniform values
+// (TokenUniform: KIVI, KVmix), per-channel key blocks (ChannelBlockUniform: KIVI's and KVmix's keys) and SKVQ's
+// permuted groups, writing the same codes, fp16 parameters and outliers, bit for bit, as the torch encoders that kvcal/runtime/
 // store.py uses otherwise (tests/test_runtime_cpu_kernel.py checks it), straight into the store's buffers. Launched by
 // kvcal/runtime/cpu_kernel.py; compiled without -ffast-math and with -ffp-contract=off, so that every float
 // operation rounds where torch's does.
@@ -207,9 +207,20 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
     return 1;
 }
 
-// TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max, fp16 scale = (hi - lo) / levels and
-// zero = lo at scale/zero[seq * param_stride + row * param_row + g * param_column] (kvcal.runtime.store: each group
-// runs along the tokens), codes round((x - zero) / max(scale, 2^-24)).
+// kvcal.quantizers._min_max_params over [lo, hi]: fp16 scale = (hi - lo) / levels and zero = lo, stored at *scale, *zero.
+inline void min_max_params(float lo, float hi, int levels, uint16_t* scale, uint16_t* zero) {
+    *scale = float_to_half((hi - lo) / (float)levels);
+    *zero = float_to_half(lo);
+}
+
+// kvcal.quantizers._min_max_codes: round((x - zero) / max(scale, 2^-24)) clamped to [0, levels], from the stored fp16s.
+inline uint32_t min_max_code(float x, uint16_t scale, uint16_t zero, int levels) {
+    const float q = std::nearbyint((x - half_to_float(zero)) / std::fmax(half_to_float(scale), TINY_SCALE));
+    return (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);
+}
+
+// TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max parameters at scale/zero[seq *
+// param_stride + row * param_row + g * param_column] (kvcal.runtime.store: each group runs along the tokens).
 extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int width, int layout, int group,
                                                const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
                                                long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
@@ -226,16 +237,41 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
                 lo = std::fmin(lo, half_to_float(xr[c]));
                 hi = std::fmax(hi, half_to_float(xr[c]));
             }
-            scale[at] = float_to_half((hi - lo) / (float)levels);
-            zero[at] = float_to_half(lo);
-            const float s = std::fmax(half_to_float(scale[at]), TINY_SCALE), z = half_to_float(zero[at]);
-            for (int c = first; c < end; ++c) {
-                const float q = std::nearbyint((half_to_float(xr[c]) - z) / s);
-                codes[c] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);
-            }
+            min_max_params(lo, hi, levels, scale + at, zero + at);
+            for (int c = first; c < end; ++c) codes[c] = min_max_code(half_to_float(xr[c]), scale[at], zero[at], levels);
         }
         pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
                  words_per_row);
+    }
+}
+
+// ChannelBlockUniform (kvcal.quantizers: KIVI's and KVmix's keys): per (block of `block` rows, channel) min-max
+// parameters at scale/zero[seq * param_stride + (row / block) * param_row + c]. Rows come in whole blocks of one
+// sequence each (kvcal.runtime.store appends whole blocks): a block's first row names its sequence and body row.
+extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int width, int layout, int block,
+                                               const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
+                                               long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
+                                               long long param_stride, long long param_row) {
+    const int levels = (1 << code_bits(layout)) - 1;
+    std::vector<float> lo(width), hi(width);
+    std::vector<uint32_t> codes(width);
+    for (int first = 0; first < rows; first += block) {
+        std::fill(lo.begin(), lo.end(), INFINITY);
+        std::fill(hi.begin(), hi.end(), -INFINITY);
+        for (int r = first; r < first + block; ++r)
+            for (int c = 0; c < width; ++c) {
+                const float v = half_to_float(x[(long long)r * width + c]);
+                lo[c] = std::fmin(lo[c], v);
+                hi[c] = std::fmax(hi[c], v);
+            }
+        const long long seq = seq_of_row[first], at = seq * param_stride + (long long)(row_in_seq[first] / block) * param_row;
+        for (int c = 0; c < width; ++c) min_max_params(lo[c], hi[c], levels, scale + at + c, zero + at + c);
+        for (int r = first; r < first + block; ++r) {
+            const uint16_t* xr = x + (long long)r * width;
+            for (int c = 0; c < width; ++c) codes[c] = min_max_code(half_to_float(xr[c]), scale[at + c], zero[at + c], levels);
+            pack_row(codes.data(), width, layout, words + seq * words_stride + (long long)row_in_seq[r] * words_per_row,
+                     words_per_row);
+        }
     }
 }
 

@@ -117,7 +117,7 @@ def test_the_plan_mode_tables_what_serves_each_recipe_on_cuda_and_cpu(recipe_bun
     monkeypatch.setattr(sys, "argv", ["plan", "--bundles", str(recipe_bundles["kivi"].parent), "--name", "plan"])
     plan.main()
     table = (tmp_path / "plan.md").read_text()
-    assert "| kivi | cpu-kernel | cpu-kernel | torch codec | cpu-append |" in table  # KIVI's key blocks: the torch codec
+    assert "| kivi | cpu-kernel | cpu-kernel | cpu-append | cpu-append |" in table  # KIVI's key blocks too
     # the tiny Llama's head_dim 16: no CUDA decode kernel reads it (the append kernels take any head_dim)
     assert "| skvq | reference | reference | cuda-append | cuda-append |" in table
     assert "- kvquant, layers 0-1: not cuda-kernels: they read head_dim 64, 128, 256, not 16" in table

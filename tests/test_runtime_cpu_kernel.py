@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import runnable_cpu_targets
-from helpers.kernel_cases import (BATCHES, CPU_APPEND_CODECS, DECODE_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
                                   cocktail_stores, compare, cpu_kernel_decode, filled)
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels
@@ -95,7 +95,7 @@ def test_cpu_cocktail_width_groups_chain_into_one_softmax():
     compare(*stores, batch, group=2, pre_rope=False, **ON_CPU)
 
 
-@pytest.mark.parametrize("name", CPU_APPEND_CODECS)
+@pytest.mark.parametrize("name", APPEND_CODECS)
 def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
     assert cpu_kernel.append_library() is not None
     assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder)

@@ -144,6 +144,7 @@ def append_library() -> ctypes.CDLL | None:
                                       _I, _P, _P, _L, _P, _L, _P],
         "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
         "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L],
+        "kvcal_append_channel_block_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L],
         "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L, _I]})
     if lib is not None:
         lib.kvcal_append_codebook_cpu.restype = _I  # whether it placed the outliers too (else: room first, then place)
@@ -232,8 +233,8 @@ def _ptr(tensor: torch.Tensor | None) -> int:
 
 
 class CpuAppend:
-    """The encoder a CPU PackedRows quantizes with (kvcal.runtime.store's encoder_for hook) for the codecs a decode
-    step appends to at every step: codebooks, per-token uniform values and SKVQ's permuted groups.
+    """The encoder a CPU PackedRows quantizes with (kvcal.runtime.store's encoder_for hook), for every codec the kernels
+    read: codebooks, per-token uniform values, per-channel key blocks and SKVQ's permuted groups.
     kernels/append_cpu.cpp writes the torch encoder's codes, parameters (fp16; SKVQ --fp8's e4m3) and outliers, bit
     for bit, straight into the store, instead of a dozen torch operations (and a numpy placement of outliers) per
     append."""
@@ -266,6 +267,9 @@ class CpuAppend:
             if "scale" in store.token:
                 scale = store.token["scale"]
                 held["token"] = (scale.data_ptr(), store.token["zero"].data_ptr(), *scale.stride())
+            if "scale" in store.blocks:
+                scale = store.blocks["scale"]
+                held["blocks"] = (scale.data_ptr(), store.blocks["zero"].data_ptr(), *scale.stride()[:2])
             lo, hi = store.token.get("lo"), store.token.get("hi")
             held["thresholds"] = (_ptr(lo), _ptr(hi), 0 if lo is None else lo.stride(0))
             if store.keeps_outliers:
@@ -304,6 +308,9 @@ class CpuAppend:
         if cid == src.UNIFORM_TOKEN:
             lib.kvcal_append_token_uniform_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, *buffers["token"])
             return
+        if cid == src.UNIFORM_CHANNEL:
+            lib.kvcal_append_channel_block_cpu(x.data_ptr(), rows, width, layout, codec.group, *destination, *buffers["blocks"])
+            return
         if cid == src.PERMUTED_GROUPS:
             permutation, group_starts, clip = self.groups
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
@@ -334,13 +341,10 @@ class CpuAppend:
                                      *thresholds, *destination[:2], *self._buffers(store)["outliers"])
 
 
-APPEND_CODECS = (src.CODEBOOK_CHANNEL, src.CODEBOOK_TOKEN, src.UNIFORM_TOKEN, src.PERMUTED_GROUPS)
-
-
 def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
-    """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (per-channel key
-    blocks, which append once per block; layouts without a kernel number)."""
+    """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (codecs and layouts
+    without a kernel number)."""
     layout_id, cid = kernels.layout_id(codec, layout), kernels.codec_id(codec)
-    if torch.device(device).type != "cpu" or cid not in APPEND_CODECS or layout_id is None:
+    if torch.device(device).type != "cpu" or cid is None or layout_id is None:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None

@@ -166,6 +166,7 @@ APPEND_CODECS = {
     "token-uniform-3-group128": lambda: TokenUniform(3, 128),
     "channel-block-4": lambda: ChannelBlockUniform(4, G),
     "channel-block-1": lambda: ChannelBlockUniform(1, G),
+    "channel-block-3-10x3+1x2-words": lambda: ChannelBlockUniform(3, G),
     "token-uniform-3-10x3+1x2-words": lambda: TokenUniform(3, G),
     "codebook-channel-3": lambda: _codebook(3, 3)[0],
     "codebook-channel-4-crowded": lambda: _codebook(4, 4, tail=0.3)[0],
@@ -177,8 +178,6 @@ APPEND_CODECS = {
     # rows from 2^-22 to 2^12: fp8 scales that saturate, subnormal ones and ones below fp8's least (stored as 0)
     "skvq2-fp8-wide-range": lambda: _skvq(2, fp8=True)[1],
 }
-# the CPU append (kvcal.runtime.cpu_kernel.CpuAppend): what a decode step appends to every step
-CPU_APPEND_CODECS = {name: make for name, make in APPEND_CODECS.items() if not name.startswith("channel-block")}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
