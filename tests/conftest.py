@@ -49,18 +49,24 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     return model.eval()
 
 
+def kivi_bundle(model, bits: int, group: int, residual: int):
+    """An in-memory KIVI bundle for `model` (no calibration): bits-bit codes, key blocks of `group` tokens and value
+    groups of `group` channels, an fp16 residual of `residual` tokens, in every layer."""
+    from kvcal.adapters import adapt
+    from kvcal.bundle import Bundle, LayerRecipe
+
+    adapter = adapt(model)
+    layers = [LayerRecipe("uniform", bits, bits, False, group_size=group, residual=residual) for _ in adapter.layers]
+    return Bundle(Path(f"kivi-{adapter.model_type}"), "kivi", layers, {}, {"model": {"fingerprint": adapter.fingerprint()}})
+
+
 def fp16_kivi_bundle(model, residual: int = 256):
     """An in-memory bundle for `model` that stores every token fp16: 4-bit KIVI (G = 16) whose fp16 residual
     of `residual` tokens is longer than anything a test feeds. KIVI moves keys to the quantized body in whole
     blocks of the residual and values out of an fp16 FIFO of the residual, so below `residual` tokens nothing
     is quantized: the cache is an identity quantizer up to fp16 rounding of K/V, and the runtime must give the
     fp model's tokens."""
-    from kvcal.adapters import adapt
-    from kvcal.bundle import Bundle, LayerRecipe
-
-    adapter = adapt(model)
-    layers = [LayerRecipe("uniform", 4, 4, False, group_size=16, residual=residual) for _ in adapter.layers]
-    return Bundle(Path(f"fp16-kivi-{adapter.model_type}"), "kivi", layers, {}, {"model": {"fingerprint": adapter.fingerprint()}})
+    return kivi_bundle(model, 4, 16, residual)
 
 
 def left_padded(lengths, seed: int = 0):

@@ -131,8 +131,9 @@ def test_emulated_decode_attention_matches_the_reference(on_cpu, case, lengths):
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu")
 
 
-@pytest.mark.parametrize("group", (1, 3, 8))
+@pytest.mark.parametrize("group", (1, 3, 8, 11, 16))
 def test_emulated_decode_attention_serves_gqa_groups(on_cpu, group):
+    """Groups past the 8 query heads a launch takes (11: passes of 6 and 5 heads; 16: two of 8) too."""
     (key_store, value_store), pre_rope = filled("nuq4-prerope-crowded-outliers", BATCHES["3"], device="cpu")
     compare(key_store, value_store, 3, group=group, pre_rope=pre_rope, device="cpu")
 
@@ -242,8 +243,10 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
 HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2),
                          "kvquant": Variant(256, 3, 0, 256, 2, rope=True, codebook=True, outliers=True),
                          "nuq4-1%": Variant(256, 4, 0, 256, 2, rope=True, codebook=True, outliers=True)}
+# and GQA 16, in two passes of 8 query heads: kivi4-sink4's case and a tiny Llama with one KV head of 64 under KIVI-4 g32
+GQA_16_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 8), "kivi4-g32": Variant(64, 4, 32, 32, 8)}
 EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
-                     *HEAD_DIM_256_VARIANTS.values())
+                     *HEAD_DIM_256_VARIANTS.values(), *GQA_16_VARIANTS.values())
 
 
 @pytest.fixture(scope="session")
@@ -419,6 +422,39 @@ def test_emulated_tensor_core_kernel_serves_bodies_that_dropped_their_first_toke
     decode = functools.partial(served_decode, rows=rows)
     compare(key_store, value_store, 3, group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
     assert set(with_tensor_cores) == {SERVED_VARIANTS[case].name} and rows[0] and rows[1]
+
+
+def test_emulated_kernels_serve_16_query_heads_per_kv_head_in_two_passes(with_tensor_cores):
+    """GQA 16 (more query heads than a launch takes): each pass of 8 query heads reads the whole cache, the tensor-core
+    kernel over the body and the CUDA-core kernel over the rest: the reference's attention."""
+    (key_store, value_store), pre_rope = filled("kivi4-sink4", SHORT, device="cpu")
+    rows = []
+    decode = functools.partial(served_decode, rows=rows)
+    compare(key_store, value_store, len(SHORT), group=16, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
+    assert with_tensor_cores == [GQA_16_VARIANTS["kivi4-sink4"].name] * 2 and any(rows)
+
+
+def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(with_tensor_cores):
+    """A tiny Llama with 16 query heads over one KV head of 64 channels under KIVI-4 (g32) on a left-padded batch:
+    two tensor-core launches per layer and step (one per pass of 8 query heads), the plan saying so, and the
+    reference runtime's logits."""
+    from conftest import kivi_bundle, tiny_model
+
+    model = tiny_model("llama", head_dim=64, num_attention_heads=16, num_key_value_heads=1)
+    bundle = kivi_bundle(model, 4, 32, 32)
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
+        assert with_tensor_cores == [GQA_16_VARIANTS["kivi4-g32"].name] * (2 * 10 * len(cache.layers))
+        with reference_runtime():
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    plans = backends.bundle_plan(bundle, "cuda")
+    assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "16 query heads per KV head in 2 passes of 8 or fewer "
+                                                                  "(each reads the cache)")}
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (tests above)
 
 
 def test_emulated_tensor_core_kernel_serves_cocktails_int4_and_int2_chunks(with_tensor_cores):

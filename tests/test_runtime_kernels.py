@@ -82,12 +82,20 @@ def test_kernels_are_chosen_only_where_they_exist():
     skvq = SkvqTensor(torch.arange(WIDTH, dtype=torch.int32), torch.tensor([0, WIDTH], dtype=torch.int32), torch.ones(1), 1.5, False)
     assert kernels.codecs_decoded(*uniform) and kernels.heads_refusal(heads=32, kv_heads=8, head_dim=128) is None
     assert kernels.heads_refusal(heads=9, kv_heads=3, head_dim=64) is None
-    assert kernels.heads_refusal(heads=72, kv_heads=8, head_dim=128) is not None  # 9 query heads per KV head
+    assert kernels.heads_refusal(heads=72, kv_heads=8, head_dim=128) is None  # 9 query heads per KV head: in passes
+    assert kernels.heads_refusal(heads=30, kv_heads=4, head_dim=128) is not None
     assert kernels.heads_refusal(heads=32, kv_heads=8, head_dim=96) is not None
     assert not kernels.codecs_decoded(uniform[0], skvq)
     assert not kernels.append_supported(skvq, WIDTH)
     assert not kernels.cuda_ready("cpu")
     assert kernels.append_encoder(uniform[0], WIDTH, "lsb", "cpu") is None and not PackedRows(uniform[0], 1, WIDTH, "cpu").use_kernels
+
+
+def test_a_gqa_group_past_what_a_launch_takes_is_split_into_the_fewest_even_passes():
+    assert kernels.head_passes(8, 128) == [8] and kernels.head_passes(4, 256) == [4]
+    assert kernels.head_passes(16, 128) == [8, 8] and kernels.head_passes(12, 64) == [6, 6]
+    assert kernels.head_passes(11, 128) == [6, 5] and kernels.head_passes(8, 256) == [4, 4]
+    assert kernels.head_passes(17, 128) == [6, 6, 5]
 
 
 @requires_gpu

@@ -170,7 +170,8 @@ def tensor_core_refusal(pair: tuple, shape: LayerShape) -> str | None:
         return "KVCAL_TENSOR_CORE=0"
     key_codec, value_codec = pair
     try:
-        tensor_core.variant_for_codecs(key_codec, value_codec, shape.head_dim, shape.heads // shape.kv_heads, shape.pre_rope)
+        for gqa in set(kernels.head_passes(shape.heads // shape.kv_heads, shape.head_dim)):
+            tensor_core.variant_for_codecs(key_codec, value_codec, shape.head_dim, gqa, shape.pre_rope)
     except KvcalError as exc:
         return f"{_codec_names(pair)}: {exc}"
     return None
@@ -305,6 +306,10 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
                 # the tensor-core kernel reads bodies only: fp16 rows go to a second, CUDA-core launch
                 segments = "cuda-core"
                 why = "; ".join(f"not tensor-core: {reason}" for reason in body_refusals if reason)
+                passes = kernels.head_passes(heads // kv_heads, head_dim)
+                if len(passes) > 1:
+                    why = "; ".join(filter(None, (why, f"{heads // kv_heads} query heads per KV head in {len(passes)} passes "
+                                                        f"of {max(passes)} or fewer (each reads the cache)")))
         else:
             choice = choose(shape)
             bodies = segments = {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[choice.backend.name]

@@ -1,8 +1,9 @@
 """CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: fused decode attention over the
 stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
 layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
-1.5-bit ternary values, head dims other than 64/128/256 and more query heads per KV head than `max_group` use the
-torch reference instead (on CPU the cache decodes with kvcal.runtime.cpu_kernel, or the reference).
+1.5-bit ternary values and head dims other than 64/128/256 use the torch reference instead (on CPU the cache decodes
+with kvcal.runtime.cpu_kernel, or the reference). A GQA group larger than the kernels take (`max_group`) is decoded in
+passes over its query heads (`head_passes`), each reading the whole cache.
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -45,8 +46,16 @@ TILE = 32
 
 
 def max_group(head_dim: int) -> int:
-    """Query heads per KV head the CUDA-core kernel serves (GMAX<D> in decode_attention.cu)."""
+    """Query heads per KV head one launch serves: the CUDA-core kernel's GMAX<D> (decode_attention.cu), within the
+    tensor-core kernel's 8."""
     return 4 if head_dim == 256 else 8
+
+
+def head_passes(group: int, head_dim: int) -> list[int]:
+    """The query heads of a GQA group per decode pass, in order: the fewest passes of at most max_group heads, as
+    even as can be (16 at head_dim 128: [8, 8]; 12: [6, 6]; 11: [6, 5]). Each pass reads the whole cache."""
+    passes = -(-group // max_group(head_dim))
+    return [group // passes + (i < group % passes) for i in range(passes)]
 
 
 MAX_WIDTH, MAX_GROUPS = 4096, 1024  # kernels/append.cu
@@ -129,8 +138,8 @@ def heads_refusal(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Why the decode kernels do not serve a layer of these head counts, or None."""
     if head_dim not in src.HEAD_DIMS:
         return f"they read head_dim {', '.join(map(str, src.HEAD_DIMS))}, not {head_dim}"
-    if heads % kv_heads or heads // kv_heads > max_group(head_dim):
-        return f"they read up to {max_group(head_dim)} query heads per KV head at head_dim {head_dim}, not {heads} over {kv_heads}"
+    if heads % kv_heads:
+        return f"{heads} query heads do not divide into {kv_heads} KV heads"
     return None
 
 
@@ -464,11 +473,25 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
     and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
-    are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window)."""
+    are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
+    launch serves is decoded in passes over its query heads (`head_passes`)."""
     batch, heads, head_dim = query.shape
-    group = heads // kv_heads
     device = query.device
     step = step or DecodeStep(device)
+    passes = head_passes(heads // kv_heads, head_dim)
+    if len(passes) > 1:
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+        heads_before = np.cumsum([0, *passes[:-1]]).tolist()
+        runs = [prepare_decode(grouped[:, :, h : h + n].reshape(batch, kv_heads * n, head_dim), launches, kv_heads, scaling,
+                               position_offset, inv_freq, rope_scaling, step, served, first)
+                for h, n in zip(heads_before, passes)]
+
+        def run_passes() -> torch.Tensor:  # one after another on the stream: the passes share the step's scratch
+            outs = [run().view(batch, kv_heads, n, head_dim) for run, n in zip(runs, passes)]
+            return torch.cat(outs, dim=2).view(batch, heads, head_dim)
+
+        return run_passes
+    group = heads // kv_heads
     query = query.float().contiguous()
     rope = inv_freq is not None
     freq, offsets = step.freq(inv_freq, head_dim), step.positions(position_offset)

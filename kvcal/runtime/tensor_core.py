@@ -548,11 +548,12 @@ class ServedBody:
     serves): per sequence, body rows 0 .. n - 1 with n the rows both sides' bodies hold, where the two sides' fp16
     sinks are equally long (so those rows are the same tokens at the same positions); none elsewhere.
     kvcal.runtime.kernels.prepare_decode gives the launch's other tokens to the CUDA-core kernel. Made once per launch
-    (`serve`); the constant operands are made once per device."""
+    (`serve`); the constant operands are made once per device. variants: per query heads of a pass (the GQA group, or
+    kvcal.runtime.kernels.head_passes' parts of it), the kernel variant."""
 
-    def __init__(self, segments, variant: Variant, inv_freq: torch.Tensor | None, attention_scaling: float):
+    def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float):
         (self.key_sink, self.keys, _), (self.value_sink, self.values, _) = segments.keys, segments.values
-        self.variant, self.inv_freq, self.attention_scaling = variant, inv_freq, attention_scaling
+        self.variants, self.inv_freq, self.attention_scaling = variants, inv_freq, attention_scaling
         self._constants: dict = {}
 
     def rows(self, batch: int) -> list[int]:
@@ -571,8 +572,8 @@ class ServedBody:
         launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's first live body
         row; step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first
         live body row the query sees (a sliding window; default 0)."""
-        batch, _, head_dim = query.shape
-        v, device = self.variant, query.device
+        batch, heads, head_dim = query.shape
+        v, device = self.variants[heads // kv_heads], query.device
         shared = v.shared_bytes()
         meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None, visible)
         per_split, splits = split_plan([row[1] for row in meta_list], batch * kv_heads,
@@ -607,13 +608,14 @@ def enabled() -> bool:
 def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
           attention_scaling: float = 1.0) -> ServedBody | None:
     """The tensor-core kernel's share of a cache launch, or None where it serves no body of it (fp16 only, a codec or
-    layout it does not serve, outliers with post-RoPE keys, a head_dim or GQA group outside its variants). inv_freq:
-    the keys are pre-RoPE."""
+    layout it does not serve, outliers with post-RoPE keys, a head_dim outside its variants). inv_freq: the keys are
+    pre-RoPE."""
     keys, values = segments.keys[1], segments.values[1]
     if keys is None or values is None or heads % kv_heads:
         return None
     try:
-        variant = variant_for(keys, values, head_dim, heads // kv_heads, rope=inv_freq is not None)
+        variants = {gqa: variant_for(keys, values, head_dim, gqa, rope=inv_freq is not None)
+                    for gqa in set(kernels.head_passes(heads // kv_heads, head_dim))}
     except KvcalError:
         return None
-    return ServedBody(segments, variant, inv_freq, attention_scaling)
+    return ServedBody(segments, variants, inv_freq, attention_scaling)
