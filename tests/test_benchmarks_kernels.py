@@ -1,6 +1,7 @@
 """benchmarks.kernels: the harness's modes, the timing rule its GPU measurements share (the timing itself needs a CUDA
 GPU; the rule that retakes a disagreeing median does not), and the arguments the GPU modes refuse before they look."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,25 @@ def test_the_harness_lists_its_modes_and_refuses_an_unknown_one():
     assert listing.returncode == 0 and all(mode in listing.stdout for mode in ("cpu", "gpu", "cuda-core", "ab", "ncu"))
     unknown = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "cpus"], cwd=REPO, capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown mode 'cpus'" in unknown.stderr.strip().splitlines()[-1]
+
+
+def test_the_cpu_append_mode_times_both_encoders_for_every_recipe_side_the_compiled_appends_serve(recipe_bundles, tmp_path,
+                                                                                                 monkeypatch):
+    from benchmarks import common
+    from benchmarks.kernels import cpu_append
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    cpu_append.main(["--bundles", str(recipe_bundles["kivi"].parent), "--batch", "2", "--appends", "1", "--rounds", "1",
+                     "--name", "append"])
+    rows = json.loads((tmp_path / "append.json").read_text())["rows"]
+    assert {(r["recipe"], r["side"]) for r in rows} == {(recipe, side) for recipe in ("kvquant", "mixed", "skvq", "kivi", "kvmix")
+                                                        for side in "KV"}
+    kivi_keys = next(r for r in rows if (r["recipe"], r["side"]) == ("kivi", "K"))
+    assert kivi_keys["codec"].startswith("int") and "per channel" in kivi_keys["codec"] and kivi_keys["rows"] > 1  # a block
+    assert all(r["torch codec"] > 0 and r["cpu-append"] > 0 for r in rows)
+    assert "| kivi | K |" in (tmp_path / "append.md").read_text()
+    with pytest.raises(SystemExit):
+        cpu_append.parse_args(["--rounds", "0"])
 
 
 def test_the_plan_mode_tables_what_serves_each_recipe_on_cuda_and_cpu(recipe_bundles, tmp_path, monkeypatch, capsys):

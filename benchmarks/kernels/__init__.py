@@ -1,10 +1,11 @@
-"""The decode kernels: the CPU decode step (`cpu_step`), the tensor-core and CUDA-core GPU kernels (`tensor_core`,
+"""The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core and CUDA-core GPU kernels (`tensor_core`,
 `cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`), its Nsight Compute counters (`ncu`), and
 what the runtime's planner binds to each part of a decode step per recipe (`plan`)."""
 
 # mode of `python -m benchmarks.kernels` -> (module, what it measures)
 MODES = {
     "cpu": ("benchmarks.kernels.cpu_step", "a decode step of the runtime cache on CPU against DynamicCache, per build and threads"),
+    "cpu-append": ("benchmarks.kernels.cpu_append", "the compiled CPU appends against the torch codec, per recipe and side"),
     "gpu": ("benchmarks.kernels.tensor_core", "every tensor-core variant against fp16 SDPA and copy bandwidth (CUDA)"),
     "cuda-core": ("benchmarks.kernels.cuda_core", "the CUDA-core decode kernel per codec (CUDA)"),
     "ab": ("benchmarks.kernels.ab", "the tensor-core kernel of this tree against another's, interleaved (CUDA)"),
