@@ -1,10 +1,10 @@
 // Quantize-and-append on the CPU for every body codec of the recipes: the codebook codec (kvcal.quantizers.CodebookCodec:
 // KVQuant's nuq, the mixed recipe; append.cu's append_codebook and append_codebook_outliers), per-token uniform values
 // (TokenUniform: KIVI, KVmix), per-channel key blocks (ChannelBlockUniform: KIVI's and KVmix's keys) and SKVQ's
-// permuted groups, writing the same codes, fp16 parameters and outliers, bit for bit, as the torch encoders that kvcal/runtime/
-// store.py uses otherwise (tests/test_runtime_cpu_kernel.py checks it), straight into the store's buffers. Launched by
-// kvcal/runtime/cpu_kernel.py; compiled without -ffast-math and with -ffp-contract=off, so that every float
-// operation rounds where torch's does.
+// permuted groups, writing the same codes, fp16 parameters and outliers, bit for bit, as the torch encoders that
+// kvcal/runtime/store.py uses otherwise (tests/test_runtime_cpu_kernel.py checks it), straight into the store's buffers.
+// Launched by kvcal/runtime/cpu_kernel.py; compiled without -ffast-math and with -ffp-contract=off, so that every
+// float operation rounds where torch's does.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

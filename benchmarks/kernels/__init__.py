@@ -1,6 +1,7 @@
-"""The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core and CUDA-core GPU kernels (`tensor_core`,
-`cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`), its Nsight Compute counters (`ncu`), and
-what the runtime's planner binds to each part of a decode step per recipe (`plan`)."""
+"""The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core
+and CUDA-core GPU kernels (`tensor_core`, `cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`),
+its Nsight Compute counters (`ncu`), and what the runtime's planner binds to each part of a decode step per recipe
+(`plan`)."""
 
 # mode of `python -m benchmarks.kernels` -> (module, what it measures)
 MODES = {
