@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import kivi_bundle, tiny_model
 from helpers import decode_token_by_token, requires_gpu
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE,
                                   WIDTH, assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
@@ -134,6 +134,20 @@ def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_
         cpu_logits, _ = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256).cuda(), bundle, ids.cuda())
     assert [layer.decode_path for layer in cache.layers] == ["tensor-core" if recipe == "kivi4-g32" else "cuda-core"] * 2
+    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+
+
+@requires_gpu
+def test_a_gqa_16_model_decodes_on_cuda_in_two_passes_like_the_cpu_reference():
+    """A tiny Llama with 16 query heads over one KV head of 64 under KIVI-4 (g32), 40 tokens one at a time: every layer
+    on the tensor-core kernel in two passes of 8 query heads, the CPU reference runtime's logits within 2e-3."""
+    gqa_16 = dict(head_dim=64, num_attention_heads=16, num_key_value_heads=1)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    bundle = kivi_bundle(tiny_model("llama", **gqa_16), 4, 32, 32)
+    with torch.inference_mode():
+        cpu_logits, _ = decode_token_by_token(tiny_model("llama", **gqa_16), bundle, ids)
+        cuda_logits, cache = decode_token_by_token(tiny_model("llama", **gqa_16).cuda(), bundle, ids.cuda())
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
     torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
 
 
