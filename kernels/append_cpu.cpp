@@ -92,11 +92,17 @@ void pack_row(const uint32_t* codes, int width, int layout, uint32_t* out, int w
         }
         return;
     }
+    // word by word: no division by the runtime per_word per code
     const int bits = code_bits(layout), per_word = layout == KVMIX3 ? 11 : 32 / bits;
-    for (int c = 0; c < width; ++c) {
-        const int slot = c % per_word;
-        const uint32_t limit = (layout == KVMIX3 && slot == 10) ? 3u : (1u << bits) - 1u;
-        out[c / per_word] |= std::min(codes[c], limit) << (slot * bits);
+    const uint32_t most = (1u << bits) - 1u;
+    for (int first = 0; first < width; first += per_word) {
+        const int n = std::min(per_word, width - first);
+        uint32_t word = 0;
+        for (int slot = 0; slot < n; ++slot) {
+            const uint32_t limit = (layout == KVMIX3 && slot == 10) ? 3u : most;
+            word |= std::min(codes[first + slot], limit) << (slot * bits);
+        }
+        out[first / per_word] = word;
     }
 }
 
@@ -213,10 +219,17 @@ inline void min_max_params(float lo, float hi, int levels, uint16_t* scale, uint
     *zero = float_to_half(lo);
 }
 
-// kvcal.quantizers._min_max_codes: round((x - zero) / max(scale, 2^-24)) clamped to [0, levels], from the stored fp16s.
+// kvcal.quantizers._min_max_codes: round((x - zero) / scale) clamped to [0, levels], scale already max(stored, 2^-24).
+inline uint32_t uniform_code(float x, float zero, float scale, int levels) {
+    float q = std::nearbyint((x - zero) / scale);
+    q = q < 0.0f ? 0.0f : q;  // as max and min instructions take them: the loops over channels vectorize
+    q = q > (float)levels ? (float)levels : q;
+    return (uint32_t)q;
+}
+
+// The same from the stored fp16 scale and zero.
 inline uint32_t min_max_code(float x, uint16_t scale, uint16_t zero, int levels) {
-    const float q = std::nearbyint((x - half_to_float(zero)) / std::fmax(half_to_float(scale), TINY_SCALE));
-    return (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);
+    return uniform_code(x, half_to_float(zero), std::fmax(half_to_float(scale), TINY_SCALE), levels);
 }
 
 // TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max parameters at scale/zero[seq *
@@ -259,16 +272,20 @@ extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int 
         std::fill(lo.begin(), lo.end(), INFINITY);
         std::fill(hi.begin(), hi.end(), -INFINITY);
         for (int r = first; r < first + block; ++r)
-            for (int c = 0; c < width; ++c) {
+            for (int c = 0; c < width; ++c) {  // as min and max instructions take them (rows hold no NaN): vectorized
                 const float v = half_to_float(x[(long long)r * width + c]);
-                lo[c] = std::fmin(lo[c], v);
-                hi[c] = std::fmax(hi[c], v);
+                lo[c] = v < lo[c] ? v : lo[c];
+                hi[c] = v > hi[c] ? v : hi[c];
             }
         const long long seq = seq_of_row[first], at = seq * param_stride + (long long)(row_in_seq[first] / block) * param_row;
-        for (int c = 0; c < width; ++c) min_max_params(lo[c], hi[c], levels, scale + at + c, zero + at + c);
+        for (int c = 0; c < width; ++c) {  // the stored parameters as the codes read them, once per block
+            min_max_params(lo[c], hi[c], levels, scale + at + c, zero + at + c);
+            lo[c] = half_to_float(zero[at + c]);
+            hi[c] = std::fmax(half_to_float(scale[at + c]), TINY_SCALE);
+        }
         for (int r = first; r < first + block; ++r) {
             const uint16_t* xr = x + (long long)r * width;
-            for (int c = 0; c < width; ++c) codes[c] = min_max_code(half_to_float(xr[c]), scale[at + c], zero[at + c], levels);
+            for (int c = 0; c < width; ++c) codes[c] = uniform_code(half_to_float(xr[c]), lo[c], hi[c], levels);
             pack_row(codes.data(), width, layout, words + seq * words_stride + (long long)row_in_seq[r] * words_per_row,
                      words_per_row);
         }

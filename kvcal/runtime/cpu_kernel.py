@@ -37,7 +37,7 @@ from kvcal.build_cache import cached
 
 DECODE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
                 "-fassociative-math", "-fno-signed-zeros")
-APPEND_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
+APPEND_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")  # torch's roundings
 # Threads: OpenMP. torch's CPU wheels load libgomp.so.1 before kvcal builds anything, so the kernel's libgomp.so.1 is
 # that same library and shares torch's thread pool; without OpenMP the kernel builds and runs on one thread.
 THREAD_FLAGS = (("-fopenmp",), ())
