@@ -219,17 +219,16 @@ inline void min_max_params(float lo, float hi, int levels, uint16_t* scale, uint
     *zero = float_to_half(lo);
 }
 
-// kvcal.quantizers._min_max_codes: round((x - zero) / scale) clamped to [0, levels], scale already max(stored, 2^-24).
+// The stored fp16 scale as the codes divide by it: kvcal.quantizers.scale_in_use, max(scale, 2^-24).
+inline float scale_in_use(uint16_t scale) { return std::fmax(half_to_float(scale), TINY_SCALE); }
+
+// kvcal.quantizers._min_max_codes: round((x - zero) / scale) clamped to [0, levels], from the stored zero as a float
+// and scale_in_use.
 inline uint32_t uniform_code(float x, float zero, float scale, int levels) {
     float q = std::nearbyint((x - zero) / scale);
     q = q < 0.0f ? 0.0f : q;  // as max and min instructions take them: the loops over channels vectorize
     q = q > (float)levels ? (float)levels : q;
     return (uint32_t)q;
-}
-
-// The same from the stored fp16 scale and zero.
-inline uint32_t min_max_code(float x, uint16_t scale, uint16_t zero, int levels) {
-    return uniform_code(x, half_to_float(zero), std::fmax(half_to_float(scale), TINY_SCALE), levels);
 }
 
 // TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max parameters at scale/zero[seq *
@@ -254,7 +253,8 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
                 hi = v > hi ? v : hi;
             }
             min_max_params(lo, hi, levels, scale + at, zero + at);
-            for (int c = first; c < end; ++c) codes[c] = min_max_code(half_to_float(xr[c]), scale[at], zero[at], levels);
+            const float z = half_to_float(zero[at]), s = scale_in_use(scale[at]);
+            for (int c = first; c < end; ++c) codes[c] = uniform_code(half_to_float(xr[c]), z, s, levels);
         }
         pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
                  words_per_row);
@@ -269,7 +269,7 @@ extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int 
                                                long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
                                                long long param_stride, long long param_row) {
     const int levels = (1 << code_bits(layout)) - 1;
-    std::vector<float> lo(width), hi(width);
+    std::vector<float> lo(width), hi(width), zeros(width), scales(width);  // scales: scale_in_use
     std::vector<uint32_t> codes(width);
     for (int first = 0; first < rows; first += block) {
         std::fill(lo.begin(), lo.end(), INFINITY);
@@ -283,12 +283,12 @@ extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int 
         const long long seq = seq_of_row[first], at = seq * param_stride + (long long)(row_in_seq[first] / block) * param_row;
         for (int c = 0; c < width; ++c) {  // the stored parameters as the codes read them, once per block
             min_max_params(lo[c], hi[c], levels, scale + at + c, zero + at + c);
-            lo[c] = half_to_float(zero[at + c]);
-            hi[c] = std::fmax(half_to_float(scale[at + c]), TINY_SCALE);
+            zeros[c] = half_to_float(zero[at + c]);
+            scales[c] = scale_in_use(scale[at + c]);
         }
         for (int r = first; r < first + block; ++r) {
             const uint16_t* xr = x + (long long)r * width;
-            for (int c = 0; c < width; ++c) codes[c] = uniform_code(half_to_float(xr[c]), lo[c], hi[c], levels);
+            for (int c = 0; c < width; ++c) codes[c] = uniform_code(half_to_float(xr[c]), zeros[c], scales[c], levels);
             pack_row(codes.data(), width, layout, words + seq * words_stride + (long long)row_in_seq[r] * words_per_row,
                      words_per_row);
         }
