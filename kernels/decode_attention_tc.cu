@@ -1,5 +1,6 @@
 // Decode attention on tensor cores (one query token per sequence) over fp16 rows, KIVI-style uniform int4 / int2
-// codes or KVQuant's 4-, 3- and 2-bit codebook codes (nuq4, nuq3, nuq2), split over the sequence with a log-sum-exp merge;
+// codes, KVQuant's 4-, 3- and 2-bit codebook codes (nuq4, nuq3, nuq2) or SKVQ's int4 / int2 codes in permuted channel
+// groups (dequantized per stage into fp16 rows), split over the sequence with a log-sum-exp merge;
 // kvcal/runtime/tensor_core.py launches it. Its design (block and warp roles, the matrix mapping, how each codec's
 // codes become mma fragments, pre-RoPE rotation, outliers) is written out in docs/kernels.md.
 #include "intrinsics.cuh"
@@ -106,12 +107,19 @@ __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, in
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
-// BITS: the keys' code width, VBITS the values' (KVmix's and mixed layers' differ).
-template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false, int VBITS = BITS>
+// BITS: the keys' code width, VBITS the values' (KVmix's and mixed layers' differ). PG: SKVQ's permuted channel groups
+// (a scale and zero per token and group of channels, any channel in any group), 1 with fp16 parameters, 2 with fp8
+// (e4m3) ones; 0 for the other codecs.
+template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false, int VBITS = BITS, int PG = 0>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
+    // channel groups: each stage is dequantized into fp16 rows in shared memory (dequantize_stage), which the fp16
+    // variants' ldmatrix path then reads: a lane's channels fall in groups that vary per channel and token, which no
+    // folding into the query or P covers
+    static constexpr bool GROUPS = PG != 0;
+    static constexpr bool ROWS16 = FP16 || GROUPS;  // the scores and P V read fp16 rows
     static constexpr int WIDEST = BITS > VBITS ? BITS : VBITS;  // the wider side's width sizes the stages
-    static constexpr int KB = CB ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
+    static constexpr int KB = CB || GROUPS ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
     // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys take 128
     // (int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64): a stage's fixed work (the
     // barrier, the copies' addresses, the key blocks' parameters, the softmax's reductions) is spread over twice the
@@ -130,7 +138,8 @@ struct Shape {
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
     // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
     static constexpr int OUT_STAGES = D == 256 ? (WIDEST == 4 ? 2 : 3) : 4;
-    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
+    // (channel groups: 4, 2 at head_dim 256, beside the fp16 rows of one stage)
+    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : GROUPS ? (D == 256 ? 2 : 4) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
     static constexpr int KROW = D * BITS / 8, VROW = D * VBITS / 8;  // bytes of one token's head row of keys, of values
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
@@ -143,12 +152,17 @@ struct Shape {
     static constexpr int KSROW = CB && BITS == 4 ? KROW + 16 : KROW, VSROW = CB && VBITS == 4 ? VROW + 16 : VROW;
     static constexpr int K_BYTES = ST * KSROW, V_BYTES = ST * VSROW, CODE_BYTES = K_BYTES + V_BYTES;
     // [block][scale, zero][D] fp16 per stage; codebook keys' are the whole sequence's: one copy (CB_KP_BYTES)
-    static constexpr int KP_BYTES = FP16 || CB ? 0 : KBLOCKS * 2 * D * 2;
+    static constexpr int KP_BYTES = FP16 || CB || GROUPS ? 0 : KBLOCKS * 2 * D * 2;
+    // channel groups: per side the stage's [scale, zero][slot][token] parameters of the head's groups (GROUP_SLOTS at
+    // most: kvcal.runtime.tensor_core.group_tables says which), each run padded by 16 bytes so that the runs of different
+    // slots a warp reads at one token start in different banks
+    static constexpr int GROUP_SLOTS = 16, PARAM_BYTES = PG == 2 ? 1 : 2, GROUP_RUN = ST * PARAM_BYTES + 16;
+    static constexpr int GP_BYTES = GROUPS ? 2 * 2 * GROUP_SLOTS * GROUP_RUN : 0;
     // [scale, zero][group][token] fp16: uniform codes copy each group's run of the stage's tokens (kvcal.runtime.store
     // keeps a per-token parameter column along the tokens), 16-byte chunks of 8 tokens
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;
     // codebooks: kvcal.quantizers.denormalize's scale and zero per token (fp32), made from the row's lo and hi
-    static constexpr int VP_BYTES = CB ? ST * 8 : (VP_HALVES * 2 + 15) / 16 * 16;
+    static constexpr int VP_BYTES = CB ? ST * 8 : GROUPS ? GP_BYTES : (VP_HALVES * 2 + 15) / 16 * 16;
     // outliers (OUT): the stage's header (tc::OutlierHeader), then per side OUT_SLOTS
     // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
@@ -165,7 +179,7 @@ struct Shape {
     static constexpr int QSTAGE_WORDS = ROPE || SHARED_KEY_BLOCK ? D / 8 * 32 : 0;
     static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
-    static constexpr int ROPE_TABLE_BYTES = ROPE ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
+    static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     // per side: codebook_pairs (codebooks; uniform 3-bit keys read their code values 0..7 from the keys' table)
     static constexpr int LUT_WORDS = CB || BITS == 3 ? 256 : 0;
     static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
@@ -174,7 +188,7 @@ struct Shape {
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
     // the rest (ptxas spilled them); codebook keys' one block keeps them in shared memory, [scale, zero][pair / 4][t][4]
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
-    static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256;
+    static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
     // outliers: a stage's patch tiles of keys [token][PATCH_ROW] and values (value_patch_half's order, ST x D halves);
     // per key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in
@@ -183,14 +197,18 @@ struct Shape {
     // made those accesses 2-way bank conflicts (4-way at head_dim 256, where the lane parts' own stride leaves 2-way)
     static constexpr int PATCH_ROW = D + (D == 64 ? 32 : 8);  // halves
     static constexpr int OUT_SCRATCH_BYTES = OUT ? ST * PATCH_ROW * 2 + ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
+    // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
+    // the fp16 variants' swizzled layout
+    static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
-                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES;
+                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
+                                      WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
     static constexpr int MIN_BLOCKS =
-        FP16 || OUT || (ROPE && D >= 128) || (D == 256 && (CB || KBLOCKS > 1)) ? 2
+        FP16 || OUT || GROUPS || (ROPE && D >= 128) || (D == 256 && (CB || KBLOCKS > 1)) ? 2
                                                                              : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
@@ -205,7 +223,9 @@ struct Shape {
     static_assert(BITS != 3 || CB || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
-    static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3 || CB)),
+    static_assert(!GROUPS || (ROPE && !CB && !OUT && VG == D && (BITS == 4 || BITS == 2) && (VBITS == 4 || VBITS == 2)),
+                  "channel groups: SKVQ's pre-RoPE keys, 4- or 2-bit codes in lsb words");
+    static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3 || CB || GROUPS)),
                   "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units; "
                   "2-bit codebooks: half-words)");
 };
@@ -419,6 +439,27 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
     return {__ldg(r.offsets + tile), tile + 1 < r.tiles ? __ldg(r.offsets + tile + 1) : r.count};
 }
 
+// fp8 e4m3 (finite) -> float: its 7 magnitude bits placed as an fp16's (exponent bias 15 against 7), times 2^8; exact,
+// subnormals included.
+__device__ __forceinline__ float e4m3_to_float(unsigned x) {
+    return half_to_float((unsigned short)((x & 0x7Fu) << 7 | (x & 0x80u) << 8)) * 256.0f;
+}
+
+// Code c of a row of BITS-bit codes in kvcal/packing.py's "lsb" words.
+template <int BITS>
+__device__ __forceinline__ unsigned lsb_code(const unsigned char* row, int c) {
+    constexpr int PER_WORD = 32 / BITS;
+    return reinterpret_cast<const unsigned*>(row)[c / PER_WORD] >> (c % PER_WORD * BITS) & ((1u << BITS) - 1u);
+}
+
+// x as fp16 at row r, channel c of fp16 rows in the swizzled layout copy_rows gives the fp16 variants (16-byte chunk
+// c / 8 at place (c / 8) ^ (r % 8)), which their ldmatrix loads read.
+template <int D>
+__device__ __forceinline__ void store_row_half(unsigned char* rows, int r, int c, float x) {
+    *reinterpret_cast<unsigned short*>(rows + r * (D * 2) + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+        (unsigned short)(pack_half2(x, 0.0f) & 0xFFFFu);
+}
+
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
@@ -435,12 +476,14 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 // kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
 // in elements. ROPE: inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of
 // rope_pair_word's table.
-// CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs). per_split tokens
+// CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs); PG: in their place the channel group
+// tables (tensor_core.group_tables), the keys' per-token parameters in key_scale / key_zero as the values' (strides
+// kp_seq / kp_row of a sequence and a group's run, in elements: fp8 ones are bytes). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
 // kernel fills the others: kvcal.runtime.kernels.prepare_decode).
-template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS>::MIN_BLOCKS) decode_tc(
+template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
@@ -454,15 +497,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
     float scale_log2) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS>;
+    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
-    constexpr bool RAW = !S::FP16 && !CB;
+    constexpr bool RAW = !S::ROWS16 && !CB;
     constexpr bool KEY_RAW = RAW && BITS != 3;  // 3-bit keys come from their table as code values
     constexpr int META = 7;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
+    constexpr int KEY_ORDER = S::ROWS16 ? 16 : BITS;  // the channel order of the keys' B fragments (key_channel)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
     TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
     unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
@@ -515,7 +559,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
     // Stages are issued in order, so the first rows of the next stage are running pointers, advanced by one stage
     // per issue (no 64-bit row arithmetic per stage).
-    if constexpr (!S::FP16 && !CB) {  // the key blocks from the first row's: block 0 of the copies' offsets
+    if constexpr (!S::FP16 && !CB && !S::GROUPS) {  // the key blocks from the first row's: block 0 of the copies' offsets
         key_scale += (long long)(first / S::KB) * kp_row;
         key_zero += (long long)(first / S::KB) * kp_row;
     }
@@ -524,12 +568,46 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // uniform codes: where the head's first value group's parameter run has the next stage's first token (in halves);
     // the head's other groups are the next columns, vp_group apart
     long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + v_first + start;
+    // channel groups: the runtime's tables (kvcal.runtime.tensor_core.group_tables) come as `codebooks`, int32: per side
+    // (keys, values) and KV head the parameter column of each of its GROUP_SLOTS slots, then per side and KV head the
+    // slots it uses, then per side the slot of every channel of the KV width. A thread's copies of a stage's
+    // parameters are the same runs every stage ([side][scale, zero][slot] runs of GROUP_CHUNKS 16-byte chunks): their
+    // sources are running pointers (null: a slot the head does not use), advanced one stage per issue
+    const int* const group_tables = reinterpret_cast<const int*>(codebooks);
+    constexpr int GROUP_CHUNKS = ST * S::PARAM_BYTES / 16;
+    constexpr int GROUP_COPIES_PER_THREAD = S::GROUPS ? 2 * 2 * S::GROUP_SLOTS * GROUP_CHUNKS / THREADS : 1;
+    static_assert(!S::GROUPS || 2 * 2 * S::GROUP_SLOTS * GROUP_CHUNKS % THREADS == 0, "whole rounds of parameter copies");
+    const unsigned char* group_source[GROUP_COPIES_PER_THREAD] = {};
+    if constexpr (S::GROUPS) {
+#pragma unroll
+        for (int i = 0; i < GROUP_COPIES_PER_THREAD; ++i) {
+            const int run = (tid + i * THREADS) / GROUP_CHUNKS, side = run / (2 * S::GROUP_SLOTS);
+            const int which = run / S::GROUP_SLOTS % 2, slot = run % S::GROUP_SLOTS;
+            if (slot < __ldg(group_tables + 2 * kv_heads * S::GROUP_SLOTS + side * kv_heads + kvh)) {
+                const long long column = __ldg(group_tables + (side * kv_heads + kvh) * S::GROUP_SLOTS + slot);
+                const unsigned short* const base = side ? (which ? value_zero : value_scale) : (which ? key_zero : key_scale);
+                const long long element = side ? b * vp_seq + column * vp_group + v_first + start : b * kp_seq + column * kp_row + first + start;
+                group_source[i] = reinterpret_cast<const unsigned char*>(base) + element * S::PARAM_BYTES;
+            }
+        }
+    }
     auto issue = [&](int tile) {
         unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
         const int t0 = start + tile * ST;
         copy_rows<ST, S::KROW, S::KSROW, S::FP16>(buffer, k_tile, (int)k_row, end - t0, tid);
         copy_rows<ST, S::VROW, S::VSROW, S::FP16>(buffer + S::K_BYTES, v_tile, (int)v_row, end - t0, tid);
-        if constexpr (!S::FP16 && !CB) {
+        if constexpr (S::GROUPS) {
+#pragma unroll
+            for (int i = 0; i < GROUP_COPIES_PER_THREAD; ++i) {
+                const int c = tid + i * THREADS, chunk = c % GROUP_CHUNKS;
+                if (group_source[i] != nullptr) {
+                    const bool live = t0 + chunk * (16 / S::PARAM_BYTES) < end;
+                    cp_async_16(buffer + S::CODE_BYTES + c / GROUP_CHUNKS * S::GROUP_RUN + chunk * 16,
+                                group_source[i] + (live ? chunk * 16 : 0), live ? 16 : 0);
+                    group_source[i] += ST * S::PARAM_BYTES;
+                }
+            }
+        } else if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
             // a shared key block's: warp tile % 4 copies them, the warp that makes its Q' (it waits on its own copies)
             constexpr int COPIERS = S::SHARED_KEY_BLOCK ? 32 : THREADS;
@@ -674,7 +752,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         const float* const q = query + (out_row + r.head) * D;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int c = key_channel<D, BITS, true, CB>(r.part, r.pair, e);
+            const int c = key_channel<D, KEY_ORDER, true, CB>(r.part, r.pair, e);
             pairs[e] = q[c] * scale_log2, pairs[2 + e] = q[c + D / 2] * scale_log2;
         }
     };
@@ -690,7 +768,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (tile % ANCHOR == 0) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e)  // the frequency reloaded: an anchor is rare, registers are not
-                    exact_cos_sin(p0, __ldg(inv_freq + key_channel<D, BITS, true, CB>(frequency.part, frequency.pair, e)), &cs[2 * e],
+                    exact_cos_sin(p0, __ldg(inv_freq + key_channel<D, KEY_ORDER, true, CB>(frequency.part, frequency.pair, e)), &cs[2 * e],
                                   &cs[2 * e + 1]);
             } else {
 #pragma unroll
@@ -735,7 +813,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if ((i >> 4 & 7) >= GQA) q_stage[i] = 0u;
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-            exact_cos_sin(ST, inv_freq[key_channel<D, BITS, true, CB>(frequency.part, frequency.pair, e)], &task_step[2 * e],
+            exact_cos_sin(ST, inv_freq[key_channel<D, KEY_ORDER, true, CB>(frequency.part, frequency.pair, e)], &task_step[2 * e],
                           &task_step[2 * e + 1]);
 #pragma unroll
         for (int i = 0; i < (S::KEY_PAIRS_SHARED ? 0 : TASK_SLOTS); ++i) {
@@ -768,6 +846,50 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         key_pairs[key_pair_word(p, part)] = clamp_scale_pair((unsigned)__ldg(key_scale + c0) | (unsigned)__ldg(key_scale + c1) << 16);
         key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c0) | (unsigned)__ldg(key_zero + c1) << 16;
     }
+
+    // ---- channel groups: a stage's codes into fp16 rows (keys rotated by their offset in the stage) ----
+    // A thread takes channels c and c + D / 2 (a rotation pair) of both sides in tokens r0, r0 + R, ...: its channels'
+    // slots and the rotation's start and step are made once. x = (code + zero) * max(scale, 2^-24), in fp32 as
+    // kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
+    unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
+    constexpr int HALF = D / 2, ROW_STEP = THREADS / HALF;
+    static_assert(THREADS % HALF == 0, "a thread's channel pair is the same in each of its tokens");
+    const int pair_channel = tid % HALF, first_row = tid / HALF;
+    int slot_of[4] = {};  // [side][channel c, c + D / 2]
+    float rotation_start[2] = {1.0f, 0.0f}, rotation_step[2] = {1.0f, 0.0f};  // {cos, sin}
+    if constexpr (S::GROUPS) {
+        const int* const slots = group_tables + 2 * kv_heads * (S::GROUP_SLOTS + 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) slot_of[i] = __ldg(slots + (i >> 1) * kv_heads * D + kvh * D + pair_channel + (i & 1) * HALF);
+        const float theta = __ldg(inv_freq + pair_channel);
+        exact_cos_sin(first_row, theta, &rotation_start[0], &rotation_start[1]);
+        exact_cos_sin(ROW_STEP, theta, &rotation_step[0], &rotation_step[1]);
+    }
+    const auto dequantize_stage = [&](const unsigned char* stage) {
+        const auto param = [&](int side, int which, int slot, int r) {
+            const unsigned char* const at = stage + S::CODE_BYTES + ((side * 2 + which) * S::GROUP_SLOTS + slot) * S::GROUP_RUN + r * S::PARAM_BYTES;
+            return S::PARAM_BYTES == 1 ? e4m3_to_float(*at) : half_to_float(*reinterpret_cast<const unsigned short*>(at));
+        };
+        const auto dequantized = [&](int side, int h, unsigned code, int r) {
+            const int slot = slot_of[2 * side + h];
+            return ((float)code + param(side, 1, slot, r)) * fmaxf(param(side, 0, slot, r), 5.9604644775390625e-8f);
+        };
+        float cos = rotation_start[0], sin = rotation_start[1];
+#pragma unroll 2
+        for (int r = first_row; r < ST; r += ROW_STEP) {
+            const unsigned char* const krow = stage + r * S::KSROW;
+            const unsigned char* const vrow = stage + S::K_BYTES + r * S::VSROW;
+            const float a = dequantized(0, 0, lsb_code<BITS>(krow, pair_channel), r);
+            const float b = dequantized(0, 1, lsb_code<BITS>(krow, pair_channel + HALF), r);
+            store_row_half<D>(work, r, pair_channel, a * cos - b * sin);
+            store_row_half<D>(work, r, pair_channel + HALF, b * cos + a * sin);
+            store_row_half<D>(work + ST * S::ROW16, r, pair_channel, dequantized(1, 0, lsb_code<VBITS>(vrow, pair_channel), r));
+            store_row_half<D>(work + ST * S::ROW16, r, pair_channel + HALF, dequantized(1, 1, lsb_code<VBITS>(vrow, pair_channel + HALF), r));
+            const float next_cos = cos * rotation_step[0] - sin * rotation_step[1];
+            sin = sin * rotation_step[0] + cos * rotation_step[1];
+            cos = next_cos;
+        }
+    };
 
     // ---- outliers (OUT): the patches zeroed, the extremes of both codebooks; the pass that patches a stage ----
     // An outlier lies outside its thresholds, so its code is the codebook's first or last entry (the nearest to the
@@ -935,6 +1057,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         cp_async_commit();
         // the next stage's rotated query: its buffer was last read in iteration tile - 1, which every warp has left
         if (ROPE && tile + 1 < tiles) rotate_query(tile + 1);
+        if constexpr (S::GROUPS) {  // (every warp left the fp16 rows at the barrier above: its last reads were the last stage's)
+            dequantize_stage(buffer);
+            __syncthreads();  // the stage's fp16 rows written before any warp reads them
+        }
+        // the stage's fp16 keys, then values: the copies themselves (fp16) or what dequantize_stage made of them
+        const unsigned char* const rows16 = S::GROUPS ? work : buffer;
 
         const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's TPW tokens
         if (token0 < end) {
@@ -955,7 +1083,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 // (KEY_PAIRS_SHARED: the query's fragments from q_stage per k-step, the key pairs from their table)
                 if constexpr (!S::KEY_PAIRS_SHARED) {
                     load_query_fragments(tile & 1);
-                    const int block = token0 / S::KB;
+                    const int block = S::GROUPS ? key_block : token0 / S::KB;  // (channel groups: no key block parameters)
                     if (block != key_block) {
                         key_block = block;
                         const unsigned char* const kp =
@@ -988,12 +1116,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             for (int nt = 0; nt < NT; ++nt) {
                 // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (paired_k_steps)
                 float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                if constexpr (S::FP16) {
+                if constexpr (S::ROWS16) {
 #pragma unroll
                     for (int s2 = 0; s2 < KSTEPS / 2; ++s2) {
                         const int i = lane >> 3, row = tb + 8 * nt + (lane & 7), chunk = 4 * s2 + i;
                         unsigned r[4];
-                        ldmatrix_x4(r, buffer + row * S::KSROW + ((chunk ^ (row & 7)) * 16));
+                        ldmatrix_x4(r, rows16 + row * S::ROW16 + ((chunk ^ (row & 7)) * 16));
                         unsigned a[4];
                         two_step_fragment(a, qk, s2);
                         const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -1156,13 +1284,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
             for (int kt = 0; kt < KT; ++kt) {
                 const int tk = tb + 16 * kt;  // the k-step's first token in the stage
-                if constexpr (S::FP16) {
+                if constexpr (S::ROWS16) {
                     const unsigned bp[2] = {pack_half2(p[2 * kt][0], p[2 * kt][1]), pack_half2(p[2 * kt + 1][0], p[2 * kt + 1][1])};
 #pragma unroll
                     for (int mt = 0; mt < MTILES; ++mt) {
                         const int i = lane >> 3, row = tk + 8 * (i >> 1) + (lane & 7), chunk = 2 * mt + (i & 1);
                         unsigned a[4];
-                        ldmatrix_x4_trans(a, buffer + S::K_BYTES + row * S::VSROW + ((chunk ^ (row & 7)) * 16));
+                        ldmatrix_x4_trans(a, rows16 + ST * S::ROW16 + row * S::ROW16 + ((chunk ^ (row & 7)) * 16));
                         mma_m16n8k16_f16(o[mt], a, bp);
                     }
                 } else {
@@ -1339,7 +1467,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int n = 2 * (mt % MPG) + (e >> 1);
                 x *= 1.0f / (float)(1 << raw_shift<VBITS>(n % PER_WORD));
             }
-            merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, BITS, S::VGE>(g, mt, e >> 1)] = x;
+            merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, S::ROWS16 ? 16 : BITS, S::VGE>(g, mt, e >> 1)] = x;
         }
     __syncthreads();
     for (int i = tid; i < GQA * D; i += THREADS) {
@@ -1354,7 +1482,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             const float f = mw == -__int_as_float(0x7f800000) ? 0.0f : ex2(mw - most);
             total += merge_l[w * 8 + h] * f;
             float x = merge_o[(w * 8 + h) * D + d];
-            if constexpr (!S::FP16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
+            if constexpr (!S::ROWS16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
             value += x * f;
         }
         out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;

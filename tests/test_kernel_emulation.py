@@ -219,7 +219,8 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Var
                         "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-w8": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
-                        "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True)}
+                        "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True),
+                        "skvq": Variant(64, 2, 0, 64, 2, rope=True, channel_groups=1)}
 
 
 # and for KVmix's layers of two widths (head_dim_64_bundles' kvmix-two-widths: 3-bit keys with 2-bit values, then 2-bit
@@ -235,6 +236,9 @@ MIXED_VARIANTS = tuple(Variant(64, 2, 0, 64, 2, rope=True, codebook=True, outlie
 SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
                    "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True),
+                   "skvq2-prerope-sink5-window": Variant(128, 2, 0, 128, 4, rope=True, channel_groups=1),
+                   "skvq4": Variant(128, 4, 0, 128, 4, rope=True, channel_groups=1),
+                   "skvq2-twelve-groups": Variant(128, 2, 0, 128, 4, rope=True, channel_groups=1),
                    "cocktail-int4": Variant(128, 4, G, G, 2), "cocktail-int2": Variant(128, 2, G, G, 2)}
 
 
@@ -407,7 +411,7 @@ def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference
 
 
 @pytest.mark.parametrize(("case", "window"), (("kivi4-sink4", 64), ("kivi4-sink4", 192), ("nuq3-prerope-sink4-window", 150),
-                                             ("nuq4-prerope-crowded-outliers", 150)))
+                                             ("nuq4-prerope-crowded-outliers", 150), ("skvq2-prerope-sink5-window", 150)))
 def test_emulated_tensor_core_kernel_serves_bodies_that_dropped_their_first_tokens(with_tensor_cores, case, window):
     """Three sequences past a sliding window (their sinks and the body rows before it dropped, the storage compacted;
     the window longer than the fp16 recent rows; at 192, KIVI's key and value bodies compacted apart): the tensor-core

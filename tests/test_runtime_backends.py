@@ -41,7 +41,7 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
     kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant
     assert kivi.bodies == "cuda-core" and kivi.why.startswith("not tensor-core: int2 per channel g4 / int2 per token g4: ")
     skvq = backends.bundle_plan(load_bundle(head_dim_64_bundles["skvq"]), "cuda")[0]  # SKVQ's permuted groups
-    assert (skvq.bodies, skvq.key_append, skvq.value_append) == ("cuda-core", "cuda-append", "cuda-append")
+    assert (skvq.bodies, skvq.key_append, skvq.value_append) == ("tensor-core", "cuda-append", "cuda-append")
     tiny = backends.bundle_plan(load_bundle(recipe_bundles["skvq"]), "cuda")[0]  # head_dim 16
     assert (tiny.bodies, tiny.key_append) == ("reference", "cuda-append")  # the append kernel takes any head_dim
     assert tiny.why.startswith("not cuda-kernels: they read head_dim ")

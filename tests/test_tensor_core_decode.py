@@ -10,7 +10,9 @@
   within 4e-3 (nuq4 with outliers at 256 in 2 stages); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
   of 65 stages; keys and values of two widths (KVmix's int4 / int3 / int2 keys with int4 / int2 values, int3 in
-  planes3; mixed's nuq2 / nuq3 / nuq4);
+  planes3; mixed's nuq2 / nuq3 / nuq4); SKVQ's channel groups (int2 / int4 on either side, fp16 and fp8 parameters,
+  uneven groups across the KV heads, up to 16 in a head) at head_dim 64, 128 and 256, within 2e-3, and the bodies it
+  does not serve refused;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -60,6 +62,9 @@ OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0
             "nuq3-nuq4v-out": (0.01, 2.5), "nuq4-nuq3v-out": (0.01, 2.5), "nuq2-out": (0.01, 2.5), "nuq2-crowded": (0.3, 1.5),
             "nuq3-nuq2v-out": (0.01, 2.5), "nuq2-nuq3v-out": (0.01, 2.5), "nuq4-nuq2v-out": (0.01, 2.5)}
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
+# SKVQ's channel groups (always pre-RoPE keys): (key bits, value bits, fp8 parameters, groups over the KV width)
+GROUPS = {"skvq2": (2, 2, False, 5), "skvq4": (4, 4, False, 5), "skvq2-fp8": (2, 2, True, 5), "skvq4-skvq2v-fp8": (4, 2, True, 3),
+          "skvq2-skvq4v": (2, 4, False, 5), "skvq2-fp8-16g": (2, 2, True, 16)}
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
 CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
@@ -106,7 +111,13 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
             ("nuq2-out-rope", 64, 8, "3-edges"), ("nuq2-out-rope", 128, 4, "3"), ("nuq2-out-rope", 256, 4, "3"),
             ("nuq2-out-rope", 256, 1, "3-edges"), ("nuq2-crowded-rope", 64, 4, "1"), ("nuq3-nuq2v-out-rope", 64, 3, "3"),
             ("nuq2-nuq3v-out-rope", 64, 3, "3-edges"), ("nuq4-nuq2v-out-rope", 64, 3, "3"), ("nuq2-nuq4v", 128, 4, "3"),
-            ("nuq3-nuq2v-out-rope", 256, 4, "3")])
+            ("nuq3-nuq2v-out-rope", 256, 4, "3")]
+         # SKVQ's channel groups: every stage dequantized into fp16 rows, keys rotated there; fp16 and fp8 parameters,
+         # uneven groups that cross the KV heads, up to 16 of them in a head (16 over two heads)
+         + [("skvq2", d, gqa, "3") for d, gqa in ((64, 3), (128, 4), (256, 2))]
+         + [("skvq2-fp8", 128, 8, "3-edges"), ("skvq2-fp8", 64, 1, "1"), ("skvq4", 128, 4, "3"), ("skvq4", 256, 4, "3-edges"),
+            ("skvq4-skvq2v-fp8", 64, 4, "3"), ("skvq2-skvq4v", 128, 2, "3"), ("skvq2-fp8-16g", 128, 4, "3"),
+            ("skvq2-fp8-16g", 256, 1, "3")])
 
 
 def tolerance(codec: str) -> float:
@@ -114,6 +125,9 @@ def tolerance(codec: str) -> float:
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
+    if codec in GROUPS:
+        bits, vbits, fp8, _ = GROUPS[codec]
+        return Variant(head_dim, bits, 0, head_dim, gqa, True, value_bits=vbits if vbits != bits else 0, channel_groups=2 if fp8 else 1)
     store_codec = ROPE.get(codec, codec)
     bits, kg, vg, *value_bits = CODECS[store_codec]
     vb = value_bits[0] if value_bits else 0
@@ -141,6 +155,22 @@ def nuq_codecs(bits: int, width: int, seed: int = 7, outliers: tuple[float, floa
             CodebookCodec(codebook(value_bits or bits), outlier_fraction=fraction))
 
 
+def skvq_codecs(codec: str, width: int) -> tuple:
+    """SKVQ's keys and values (kvcal.fit.skvq.SkvqTensor) of a GROUPS case: a seeded permutation of the KV width per
+    side, split into groups of uneven sizes."""
+    from kvcal.fit.skvq import SkvqTensor
+
+    bits, vbits, fp8, groups = GROUPS[codec]
+
+    def side(b, seed):
+        g = torch.Generator().manual_seed(seed)
+        inner = (torch.randperm(width - 1, generator=g)[: groups - 1] + 1).sort().values.tolist()
+        starts = torch.tensor([0, *inner, width], dtype=torch.int32)
+        return SkvqTensor(torch.randperm(width, generator=g).to(torch.int32), starts, torch.linspace(1.0, 0.8, groups), b, fp8)
+
+    return side(bits, 11), side(vbits, 12)
+
+
 def llama_inv_freq(head_dim: int) -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
@@ -159,22 +189,23 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
     """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
     blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
     store_codec = ROPE.get(codec, codec)
-    bits, kg, vg, *value_bits = CODECS[store_codec]
-    vbits = value_bits[0] if value_bits else bits
+    bits, kg, vg, *value_bits = CODECS.get(store_codec, (0, 0, 0))
     width = KV_HEADS * head_dim
     g = torch.Generator().manual_seed(seed)
-    if bits == 16:
+    if codec in GROUPS:
+        stores = tuple(PackedRows(c, len(lengths), width, device) for c in skvq_codecs(codec, width))
+    elif bits == 16:
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
     elif store_codec.startswith("nuq"):
-        kg = 1
-        codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)), value_bits=vbits)
+        codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)), value_bits=value_bits[0] if value_bits else bits)
         stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim) for c in codecs)
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
-                  PackedRows(TokenUniform(vbits, vg), len(lengths), width, device))
+                  PackedRows(TokenUniform(value_bits[0] if value_bits else bits, vg), len(lengths), width, device))
+    block = getattr(stores[0], "block", 1)  # both sides hold the same tokens: whole key blocks
     for side, store in enumerate(stores):
         for b, n in enumerate(lengths):
-            stored = n if bits == 16 else -(-n // kg) * kg
+            stored = -(-n // block) * block
             x = torch.randn(stored + fifo_offset, width, generator=g) * (1.0 + side)
             x[:, ::7] += 2.0 * (side == 0)  # some channels with an offset, as real keys have
             store.append(b, x.to(torch.float16).to(device))
@@ -246,7 +277,7 @@ def merged(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> torch.Tensor
 
 def rope_of(codec: str, head_dim: int, batch: int):
     """(inv_freq, attention_scaling, positions) for a pre-RoPE codec, else None."""
-    return (llama_inv_freq(head_dim), 0.9, POSITIONS[:batch]) if codec in ROPE else None
+    return (llama_inv_freq(head_dim), 0.9, POSITIONS[:batch]) if codec in ROPE or codec in GROUPS else None
 
 
 def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
@@ -325,6 +356,27 @@ def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
         tensor_core.variant_for(*filled("fp16", [3], 128), 128, 4, rope=True)
     with pytest.raises(KvcalError, match="head_dim 256"):  # pre-RoPE uniform keys at 256: no recipe stores them
         tensor_core.variant_for(*filled("int4", [3], 256), 256, 4, rope=True)
+
+
+def test_channel_groups_the_kernel_does_not_serve_are_refused_not_misread():
+    """SKVQ bodies whose KV head's channels fall in more than GROUP_SLOTS groups, 3-bit (planes3) or ternary codes,
+    fp16 keys' parameters beside fp8 values', or post-RoPE keys get a KvcalError from variant_for."""
+    from kvcal.errors import KvcalError
+    from kvcal.fit.skvq import SkvqTensor
+
+    def skvq(bits, groups=4, fp8=False):
+        width = KV_HEADS * 128
+        starts = torch.tensor([i * width // groups for i in range(groups)] + [width], dtype=torch.int32)
+        permutation = torch.randperm(width, generator=torch.Generator().manual_seed(groups)).to(torch.int32)
+        return SkvqTensor(permutation, starts, torch.ones(groups), bits, fp8)
+
+    cases = [((skvq(2, 40), skvq(2)), True, "at most 16"), ((skvq(3), skvq(2)), True, "4- or 2-bit"),
+             ((skvq(2), skvq(1.5)), True, "1.5-bit"), ((skvq(2), skvq(2, fp8=True)), True, "fp16 or fp8"),
+             ((skvq(2), skvq(2)), False, "pre-RoPE")]
+    for codecs, rope, message in cases:
+        stores = [PackedRows(c, 1, KV_HEADS * 128, "cpu") for c in codecs]
+        with pytest.raises(KvcalError, match=message):
+            tensor_core.variant_for(*stores, 128, 4, rope=rope)
 
 
 @pytest.mark.emulation

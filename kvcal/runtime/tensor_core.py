@@ -2,9 +2,10 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), keys and values of one code width or two (KVmix's and mixed layers; KVmix's uniform 3-bit keys in
+"planes3"), or an SKVQ body (SkvqTensor on both sides: 2- or 4-bit codes in channel order, a scale and zero per token
+and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed layers; KVmix's uniform 3-bit keys in
 "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
-pass inv_freq and each sequence's first position), at head_dim 256 codebook keys only.
+pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
 (kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
@@ -37,6 +38,8 @@ MODULE = "decode_attention_tc.cu"
 THREADS, WARPS = 128, 4  # tc::THREADS, tc::WARPS
 STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and tc::OUT_TILE), and of the WIDE ones
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
+GROUP_SLOTS = 16  # tc::Shape::GROUP_SLOTS: SKVQ's channel groups a KV head's channels may fall in, per side
+PARAMETER_CHUNK_TOKENS = 16  # channel groups: a stage's parameter runs are copied in 16-byte chunks (16 fp8 tokens)
 HEAD_DIMS = (64, 128, 256)
 GQA_SIZES = tuple(range(1, 9))
 A100_SHARED_BYTES = 163 * 1024  # the most dynamic shared memory a block of an sm_80 GPU takes (every variant fits it)
@@ -54,6 +57,7 @@ class Variant:
     codebook: bool = False  # KVQuant's nuq codes (CodebookCodec)
     outliers: bool = False  # codebook codes with outliers kept exact (dense-and-sparse)
     value_bits: int = 0  # the values' code width where it is not the keys' (KVmix's and mixed layers); 0: the keys'
+    channel_groups: int = 0  # SKVQ's permuted channel groups (tc::Shape's PG): 1 with fp16 parameters, 2 with fp8; 0: none
 
     @property
     def vbits(self) -> int:
@@ -63,7 +67,8 @@ class Variant:
     @property
     def name(self) -> str:
         flag = lambda x: "true" if x else "false"  # noqa: E731
-        widths = f", {self.value_bits}" if self.value_bits else ""  # the template's last parameter defaults to the keys'
+        # the template's last two parameters default to the keys' width and no channel groups
+        widths = f", {self.vbits}, {self.channel_groups}" if self.channel_groups else f", {self.value_bits}" if self.value_bits else ""
         return (f"decode_tc<{self.head_dim}, {self.bits}, {self.key_group}, {self.value_group}, {self.gqa}, {flag(self.rope)}, "
                 f"{flag(self.codebook)}, {flag(self.outliers)}{widths}>")
 
@@ -77,7 +82,11 @@ class Variant:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
-        if self.codebook:
+        if self.channel_groups:  # dequantized into fp16 rows per stage, keys rotated there: every head_dim
+            if not (self.channel_groups in (1, 2) and self.rope and not self.codebook and kg == 0 and vg == d
+                    and bits in (4, 2) and self.vbits in (4, 2)):
+                raise KvcalError(f"channel groups are served as SKVQ stores them (pre-RoPE keys, 4- or 2-bit codes), not {self}")
+        elif self.codebook:
             if kg != 0 or vg != d:
                 raise KvcalError(f"codebook codes are served with one key block and one value group per head, not {self}")
         elif bits != 16:
@@ -86,13 +95,14 @@ class Variant:
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
             if (vg % d and d % vg) or vge // 8 * self.vbits < 8:
                 raise KvcalError(f"value groups of {vg} channels with {self.vbits}-bit codes and head_dim {d} are not served")
-        if self.rope and bits == 3 and not self.codebook:
-            raise KvcalError(f"uniform 3-bit keys are served post-RoPE (KVmix's), not {self}")
-        if self.rope and d == 256 and not self.codebook:
-            raise KvcalError(f"pre-RoPE keys at head_dim 256 are served with codebook codes (KVQuant's), not {self}")
-        if self.rope and (bits == 16 or (d * bits < 256 and not self.codebook)):
-            raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128 and codebooks, not {bits} bits "
-                             f"at {d}")
+        if self.rope and not self.channel_groups:
+            if bits == 3 and not self.codebook:
+                raise KvcalError(f"uniform 3-bit keys are served post-RoPE (KVmix's), not {self}")
+            if d == 256 and not self.codebook:
+                raise KvcalError(f"pre-RoPE keys at head_dim 256 are served with codebook codes (KVQuant's), not {self}")
+            if bits == 16 or (d * bits < 256 and not self.codebook):
+                raise KvcalError(f"pre-RoPE keys are served for int4 at head_dim 64 / 128, int2 at 128, codebooks and channel "
+                                 f"groups, not {bits} bits at {d}")
         if self.shared_bytes() > A100_SHARED_BYTES:  # none today (the stage counts keep every variant under it)
             raise KvcalError(f"{self.name} takes {self.shared_bytes()} bytes of shared memory a block, past an A100's "
                              f"{A100_SHARED_BYTES}: not served")
@@ -120,7 +130,7 @@ class Variant:
     def key_pairs_shared(self) -> bool:
         """tc::Shape<...>::KEY_PAIRS_SHARED: pre-RoPE codebook keys at head_dim 256 keep the lanes' scale and zero pairs
         in shared memory, reloaded per n-tile (in registers they spilled)."""
-        return self.rope and self.head_dim == 256
+        return self.rope and self.head_dim == 256 and not self.channel_groups
 
     @property
     def stage_tokens(self) -> int:
@@ -132,6 +142,8 @@ class Variant:
         """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
         if self.bits == 16:
             return 2 if self.head_dim == 256 else 3  # a block of 256-channel rows fits an A100's shared memory
+        if self.channel_groups:  # beside the fp16 rows of the stage computed
+            return 2 if self.head_dim == 256 else 4
         if self.wide:
             return 3 if self.widest == 4 else 4
         if self.outliers:  # at 256, a block of nuq3 fits an A100's 163 KB in 3 stages, one with a nuq4 side in 2
@@ -147,16 +159,19 @@ class Variant:
         stages = self.stages
         # tc::Shape::KSROW / VSROW: a side's row in shared memory (nuq4's padded)
         srows = [d * b // 8 + (16 if self.codebook and b == 4 else 0) for b in (bits, self.vbits)]
-        kblocks = 0 if fp16 or self.codebook else (1 if kg >= st else st // kg)  # per stage
+        kblocks = 0 if fp16 or self.codebook or self.channel_groups else (1 if kg >= st else st // kg)  # per stage
         vgroups = 1 if fp16 else d // min(vg, d)
         vp_halves = 0 if fp16 else 2 * vgroups * st
         value_params = st * 8 if self.codebook else (vp_halves * 2 + 15) // 16 * 16  # codebooks: fp32 scale, zero
+        if self.channel_groups:  # [side][scale, zero][GROUP_SLOTS slots] runs of a stage's parameters, padded by 16 bytes
+            value_params = 2 * 2 * GROUP_SLOTS * (st * (1 if self.channel_groups == 2 else 2) + 16)
         stage = st * sum(srows) + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         if self.shared_key_block:  # Q' and bias, two each
             query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
-        rope = 2 * (d // 8 * 32 * 4) + st * rope_row(d) * 4 if self.rope else 0  # rotated queries, cos / sin table
+        rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
+        rope += 2 * st * d * 2 if self.channel_groups else 0  # the stage computed as fp16 keys and values
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 if self.codebook or bits == 3 else 0  # uniform 3-bit keys: code values from a table
         lut += 4 * d if self.codebook else 0
@@ -174,6 +189,7 @@ class Variant:
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
 UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2))
 CODEBOOK_WIDTHS = ((4, 0), (3, 0), (2, 0), (4, 3), (3, 4), (4, 2), (2, 4), (3, 2), (2, 3))
+GROUP_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4))  # SKVQ's
 
 
 def variants() -> list[Variant]:
@@ -187,6 +203,8 @@ def variants() -> list[Variant]:
                            for group in (32, 64, 128) for rope in (False, True)]
             candidates += [Variant(d, bits, 0, d, gqa, rope, True, outliers, vbits) for bits, vbits in CODEBOOK_WIDTHS
                            for rope in (False, True) for outliers in ((False, True) if rope else (False,))]
+            candidates += [Variant(d, bits, 0, d, gqa, True, value_bits=vbits, channel_groups=pg) for bits, vbits in GROUP_WIDTHS
+                           for pg in (1, 2)]
     out = []
     for v in candidates:
         try:
@@ -208,16 +226,29 @@ def _is_nuq(kc, vc) -> bool:
 
 def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bool = False) -> Variant:
     """The kernel variant for bodies of these codecs, packed in the runtime's layouts (kvcal.packing.layout_for) with
-    outliers per KV head of head_dim channels: ChannelBlockUniform keys with TokenUniform values, or nuq keys and
-    values (`_is_nuq`), each side's codes of the widths the kernel reads (the two may differ); rope: the keys are
-    pre-RoPE."""
+    outliers per KV head of head_dim channels: ChannelBlockUniform keys with TokenUniform values, nuq keys and
+    values (`_is_nuq`), or SKVQ's channel groups on both sides (pre-RoPE keys, each KV head's channels in at most
+    GROUP_SLOTS groups per side), each side's codes of the widths the kernel reads (the two may differ); rope: the
+    keys are pre-RoPE."""
     kc, vc = key_codec, value_codec
     uniform = kc.kind is CodecKind.UNIFORM_CHANNEL and vc.kind is CodecKind.UNIFORM_TOKEN
-    if not (uniform or _is_nuq(kc, vc)):
-        raise KvcalError("the tensor-core kernel reads uniform per-channel keys with per-token values, or codebook keys with "
-                         "per-channel thresholds and values with per-token ones")
+    groups = kc.kind is CodecKind.PERMUTED_GROUPS and vc.kind is CodecKind.PERMUTED_GROUPS
+    if not (uniform or groups or _is_nuq(kc, vc)):
+        raise KvcalError("the tensor-core kernel reads uniform per-channel keys with per-token values, codebook keys with "
+                         "per-channel thresholds and values with per-token ones, or SKVQ's channel groups on both sides")
+    if groups and (float(kc.bits) != int(kc.bits) or float(vc.bits) != int(vc.bits)):
+        raise KvcalError(f"the tensor-core kernel reads whole-bit codes, not {kc.bits} / {vc.bits}-bit channel groups")
     value_bits = int(vc.bits) if int(vc.bits) != int(kc.bits) else 0
-    if uniform:
+    if groups:
+        if kc.fp8 != vc.fp8:
+            raise KvcalError("the tensor-core kernel reads channel groups whose keys and values store parameters alike (fp16 or fp8)")
+        if not rope:
+            raise KvcalError("the tensor-core kernel reads channel groups with pre-RoPE keys (SKVQ's)")
+        most = max(int(slots.max()) + 1 for slots, _ in (head_group_slots(c, head_dim) for c in (kc, vc)))
+        if most > GROUP_SLOTS:
+            raise KvcalError(f"a KV head's channels fall in {most} parameter groups; the tensor-core kernel reads at most {GROUP_SLOTS}")
+        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, True, value_bits=value_bits, channel_groups=2 if kc.fp8 else 1)
+    elif uniform:
         v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope, value_bits=value_bits)
     else:
         outliers = kc.outlier_fraction > 0 or vc.outlier_fraction > 0
@@ -249,6 +280,33 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
     return variant_for_codecs(keys.codec, values.codec, head_dim, gqa, rope)
 
 
+def head_group_slots(codec, head_dim: int) -> tuple[np.ndarray, list[list[int]]]:
+    """SKVQ's channel groups per KV head, as the kernel reads them: the slot of every channel of the KV width among
+    its head's groups (int32, (width,)), and per head the parameter column of each of its slots, in column order."""
+    width = codec.permutation.numel()
+    group = np.empty(width, dtype=np.int64)
+    starts = codec.starts.cpu().numpy()
+    group[codec.permutation.cpu().numpy()] = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    heads = group.reshape(width // head_dim, head_dim)
+    columns = [sorted(set(row.tolist())) for row in heads]
+    slots = np.concatenate([np.searchsorted(np.array(c), row) for c, row in zip(columns, heads)]).astype(np.int32)
+    return slots, columns
+
+
+def group_tables(key_codec, value_codec, head_dim: int) -> torch.Tensor:
+    """The kernel's channel group tables (decode_tc's `codebooks` with channel groups), int32: per side (keys, values)
+    and KV head the parameter column of each of its GROUP_SLOTS slots (0 past the used ones), per side and KV head how
+    many slots it uses, per side the slot of every channel of the KV width."""
+    made = [head_group_slots(c, head_dim) for c in (key_codec, value_codec)]
+    columns = np.zeros((2, len(made[0][1]), GROUP_SLOTS), dtype=np.int32)
+    counts = np.zeros((2, len(made[0][1])), dtype=np.int32)
+    for side, (_, per_head) in enumerate(made):
+        for h, cols in enumerate(per_head):
+            columns[side, h, : len(cols)] = cols
+            counts[side, h] = len(cols)
+    return torch.from_numpy(np.concatenate([columns.ravel(), counts.ravel(), made[0][0], made[1][0]]))
+
+
 def _leads(keys, values) -> list[int | None]:
     """Per sequence, how many rows before its first live row the kernel reads (the rows it reads first are multiples of
     both stores' alignment: kvcal.runtime.store.PackedRows.aligned, key blocks and outlier tiles; fp16 rows from the
@@ -257,6 +315,8 @@ def _leads(keys, values) -> list[int | None]:
     if not _is_packed(keys):
         return [0] * len(keys.head)
     aligned = math.lcm(keys.aligned, values.aligned)
+    if keys.codec.kind is CodecKind.PERMUTED_GROUPS:  # whole chunks of the parameter runs
+        aligned = math.lcm(aligned, PARAMETER_CHUNK_TOKENS)
     return [k % aligned if k % aligned == v % aligned else None for k, v in zip(keys.head, values.head)]
 
 
@@ -273,13 +333,16 @@ def _stores_lengths(keys, values, lengths: list[int] | None) -> list[int]:
 
 
 def _value_parameter_strides(scale: torch.Tensor | None, zero: torch.Tensor | None) -> tuple[np.int64, np.int64]:
-    """(sequence, group) strides in halves of the values' per-token parameters (batch, rows, groups), which the kernel
-    copies 8 tokens to a 16-byte chunk: each group's run along the tokens (kvcal.runtime.store), 16-byte aligned."""
+    """(sequence, group) strides in elements of per-token parameters (batch, rows, groups), which the kernel copies in
+    16-byte chunks (8 fp16 tokens, 16 fp8 ones): each group's run along the tokens (kvcal.runtime.store), 16-byte
+    aligned."""
     if scale is None or scale.numel() == 0:
         return np.int64(0), np.int64(0)
-    aligned = scale.stride(0) % 8 == 0 and scale.stride(2) % 8 == 0 and scale.data_ptr() % 16 == 0 and zero.data_ptr() % 16 == 0
+    per_chunk = 16 // scale.element_size()
+    aligned = (scale.stride(0) % per_chunk == 0 and scale.stride(2) % per_chunk == 0 and scale.data_ptr() % 16 == 0
+               and zero.data_ptr() % 16 == 0)
     if scale.stride() != zero.stride() or scale.stride(1) != 1 or not aligned:
-        raise KvcalError("the tensor-core kernel reads the values' per-token parameters as a store keeps them: each group "
+        raise KvcalError("the tensor-core kernel reads per-token parameters as a store keeps them: each group "
                          "along the tokens, 16-byte aligned (kvcal.runtime.store.PackedRows)")
     return np.int64(scale.stride(0)), np.int64(scale.stride(2))
 
@@ -362,9 +425,13 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
         out["key_zero"] = ((hi + lo) / 2).half().to(device)
         out["codebooks"] = torch.cat((codebook_pairs(keys.codec.codebook), codebook_pairs(values.codec.codebook))).to(device)
+    groups = _is_packed(keys) and keys.codec.kind is CodecKind.PERMUTED_GROUPS
+    if groups:
+        out["codebooks"] = group_tables(keys.codec, values.codec, head_dim).to(device)
     if inv_freq is not None:
         out["freq"] = inv_freq.to(device=device, dtype=torch.float32).contiguous()
-        out["table"] = rope_table(inv_freq, head_dim, int(keys.codec.bits), "codebooks" in out).to(device)
+        if not groups:  # (channel groups rotate their keys as they dequantize them)
+            out["table"] = rope_table(inv_freq, head_dim, int(keys.codec.bits), "codebooks" in out).to(device)
     return out
 
 
@@ -380,20 +447,24 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
-    ks = keys.blocks.get("scale") if packed else None
-    kz = keys.blocks.get("zero") if packed else None
+    groups = packed and keys.codec.kind is CodecKind.PERMUTED_GROUPS
+    key_parameters = keys.token if groups else keys.blocks if packed else {}  # channel groups: per token, like values'
+    ks, kz = key_parameters.get("scale"), key_parameters.get("zero")
     vs = values.token.get("scale") if packed else None
     vz = values.token.get("zero") if packed else None
     codebooks = constants.get("codebooks")
     if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
         ks, kz = constants["key_scale"], constants["key_zero"]
         vs, vz = values.token["lo"], values.token["hi"]
-    for t in (query, k_data, v_data, ks, kz, meta, out_partial, lse_partial):
+    for t in (query, k_data, v_data, *(() if groups else (ks, kz)), meta, out_partial, lse_partial):  # (runs along the tokens: strides checked)
         if t is not None and t.numel() and not t.is_contiguous():
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
     k_seq, k_row = _strides(k_data, True)
     v_seq, v_row = _strides(v_data, True)
-    kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
+    if groups:  # [sequence][column][token], as the values'
+        kp_seq, kp_row = _value_parameter_strides(ks, kz)
+    else:
+        kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
     vp_seq, vp_group = _value_parameter_strides(vs, vz)
     freq, table = constants.get("freq"), constants.get("table")
     if inv_freq is not None:

@@ -43,7 +43,8 @@ def _codebook(k_bits, v_bits, sink=0, window=WINDOW, tail=0.0005, pre_rope=True,
 
 
 # the cases whose bodies the tensor-core kernel serves (KIVI int4 g32, nuq3 / nuq4 with pre-RoPE keys and outliers)
-SERVED_CASES = ("kivi4-sink4", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers")
+SERVED_CASES = ("kivi4-sink4", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers", "skvq2-prerope-sink5-window",
+                "skvq4", "skvq2-twelve-groups")
 # its tolerance: test_tensor_core_decode's 4e-3 on N(0, 1) rows (fp16 operands) times the largest channel scale (3)
 SERVED_TOLERANCE = 1.2e-2
 

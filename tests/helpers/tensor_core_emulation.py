@@ -17,7 +17,7 @@ POINTERS, LONGS, INTS = 21, 12, 4  # decode_tc's parameters: tensors, byte / ele
 
 def symbol(v: Variant) -> str:
     return (f"run_d{v.head_dim}_b{v.bits}_k{v.key_group}_v{v.value_group}_q{v.gqa}_r{int(v.rope)}_c{int(v.codebook)}"
-            f"_o{int(v.outliers)}_vb{v.vbits}")
+            f"_o{int(v.outliers)}_vb{v.vbits}_pg{v.channel_groups}")
 
 
 def driver(variants: list[Variant]) -> str:
@@ -36,7 +36,7 @@ def driver(variants: list[Variant]) -> str:
             " per_split, split_offset, total_splits, scale); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
-                     f"{v.vbits}>::SMEM_BYTES; }}")
+                     f"{v.vbits}, {v.channel_groups}>::SMEM_BYTES; }}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
