@@ -452,14 +452,6 @@ __device__ __forceinline__ unsigned lsb_code(const unsigned char* row, int c) {
     return reinterpret_cast<const unsigned*>(row)[c / PER_WORD] >> (c % PER_WORD * BITS) & ((1u << BITS) - 1u);
 }
 
-// x as fp16 at row r, channel c of fp16 rows in the swizzled layout copy_rows gives the fp16 variants (16-byte chunk
-// c / 8 at place (c / 8) ^ (r % 8)), which their ldmatrix loads read.
-template <int D>
-__device__ __forceinline__ void store_row_half(unsigned char* rows, int r, int c, float x) {
-    *reinterpret_cast<unsigned short*>(rows + r * (D * 2) + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
-        (unsigned short)(pack_half2(x, 0.0f) & 0xFFFFu);
-}
-
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
@@ -848,46 +840,64 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     }
 
     // ---- channel groups: a stage's codes into fp16 rows (keys rotated by their offset in the stage) ----
-    // A thread takes channels c and c + D / 2 (a rotation pair) of both sides in tokens r0, r0 + R, ...: its channels'
-    // slots and the rotation's start and step are made once. x = (code + zero) * max(scale, 2^-24), in fp32 as
+    // A thread takes channels c, c + 1 and their rotation partners c + D / 2, c + D / 2 + 1 of both sides in tokens
+    // r0, r0 + R, ... (a word of two halves per row and half: one store each); its channels' slots and the two
+    // rotations' starts and steps are made once. x = (code + zero) * max(scale, 2^-24), in fp32 as
     // kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
     unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
-    constexpr int HALF = D / 2, ROW_STEP = THREADS / HALF;
-    static_assert(THREADS % HALF == 0, "a thread's channel pair is the same in each of its tokens");
-    const int pair_channel = tid % HALF, first_row = tid / HALF;
-    int slot_of[4] = {};  // [side][channel c, c + D / 2]
-    float rotation_start[2] = {1.0f, 0.0f}, rotation_step[2] = {1.0f, 0.0f};  // {cos, sin}
+    constexpr int HALF = D / 2, QUARTER = D / 4, ROW_STEP = THREADS / QUARTER;
+    static_assert(THREADS % QUARTER == 0, "a thread's channels are the same in each of its tokens");
+    const int pair_channel = 2 * (tid % QUARTER), first_row = tid / QUARTER;
+    int slot_of[2][4] = {};  // [side][channel c, c + 1, c + D / 2, c + D / 2 + 1]
+    float rotation_start[2][2] = {}, rotation_step[2][2] = {};  // [channel c, c + 1][cos, sin]
     if constexpr (S::GROUPS) {
-        const int* const slots = group_tables + 2 * kv_heads * (S::GROUP_SLOTS + 1);
+        const int* const slots = group_tables + 2 * kv_heads * (S::GROUP_SLOTS + 1) + kvh * D + pair_channel;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) slot_of[i] = __ldg(slots + (i >> 1) * kv_heads * D + kvh * D + pair_channel + (i & 1) * HALF);
-        const float theta = __ldg(inv_freq + pair_channel);
-        exact_cos_sin(first_row, theta, &rotation_start[0], &rotation_start[1]);
-        exact_cos_sin(ROW_STEP, theta, &rotation_step[0], &rotation_step[1]);
+        for (int i = 0; i < 8; ++i) slot_of[i >> 2][i & 3] = __ldg(slots + (i >> 2) * kv_heads * D + (i & 1) + (i >> 1 & 1) * HALF);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float theta = __ldg(inv_freq + pair_channel + e);
+            exact_cos_sin(first_row, theta, &rotation_start[e][0], &rotation_start[e][1]);
+            exact_cos_sin(ROW_STEP, theta, &rotation_step[e][0], &rotation_step[e][1]);
+        }
     }
     const auto dequantize_stage = [&](const unsigned char* stage) {
         const auto param = [&](int side, int which, int slot, int r) {
             const unsigned char* const at = stage + S::CODE_BYTES + ((side * 2 + which) * S::GROUP_SLOTS + slot) * S::GROUP_RUN + r * S::PARAM_BYTES;
             return S::PARAM_BYTES == 1 ? e4m3_to_float(*at) : half_to_float(*reinterpret_cast<const unsigned short*>(at));
         };
-        const auto dequantized = [&](int side, int h, unsigned code, int r) {
-            const int slot = slot_of[2 * side + h];
-            return ((float)code + param(side, 1, slot, r)) * fmaxf(param(side, 0, slot, r), 5.9604644775390625e-8f);
+        // the side's four channels of row r (their codes: c and c + 1 share a word, as do their partners)
+        const auto dequantized = [&](int side, const unsigned char* row, int r, float (&x)[4]) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int c = pair_channel + (k & 1) + (k >> 1) * HALF, slot = slot_of[side][k];
+                const unsigned code = side ? lsb_code<VBITS>(row, c) : lsb_code<BITS>(row, c);
+                x[k] = ((float)code + param(side, 1, slot, r)) * fmaxf(param(side, 0, slot, r), 5.9604644775390625e-8f);
+            }
         };
-        float cos = rotation_start[0], sin = rotation_start[1];
+        // channels c, c + 1 (c even) of row r as one word, in the swizzled layout copy_rows gives the fp16 variants
+        const auto store_pair = [&](unsigned char* rows, int r, int c, float lo, float hi) {
+            *reinterpret_cast<unsigned*>(rows + r * S::ROW16 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) = pack_half2(lo, hi);
+        };
+        float cs[2][2] = {{rotation_start[0][0], rotation_start[0][1]}, {rotation_start[1][0], rotation_start[1][1]}};
 #pragma unroll 2
-        for (int r = first_row; r < ST; r += ROW_STEP) {
-            const unsigned char* const krow = stage + r * S::KSROW;
-            const unsigned char* const vrow = stage + S::K_BYTES + r * S::VSROW;
-            const float a = dequantized(0, 0, lsb_code<BITS>(krow, pair_channel), r);
-            const float b = dequantized(0, 1, lsb_code<BITS>(krow, pair_channel + HALF), r);
-            store_row_half<D>(work, r, pair_channel, a * cos - b * sin);
-            store_row_half<D>(work, r, pair_channel + HALF, b * cos + a * sin);
-            store_row_half<D>(work + ST * S::ROW16, r, pair_channel, dequantized(1, 0, lsb_code<VBITS>(vrow, pair_channel), r));
-            store_row_half<D>(work + ST * S::ROW16, r, pair_channel + HALF, dequantized(1, 1, lsb_code<VBITS>(vrow, pair_channel + HALF), r));
-            const float next_cos = cos * rotation_step[0] - sin * rotation_step[1];
-            sin = sin * rotation_step[0] + cos * rotation_step[1];
-            cos = next_cos;
+        for (int j = 0; j < ST / ROW_STEP; ++j) {  // (a compile-time count: no remainder path)
+            const int r = first_row + j * ROW_STEP;
+            float k[4], v[4], rotated[4];
+            dequantized(0, stage + r * S::KSROW, r, k);
+            dequantized(1, stage + S::K_BYTES + r * S::VSROW, r, v);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float a = k[e], b = k[2 + e], cos = cs[e][0], sin = cs[e][1];
+                rotated[e] = a * cos - b * sin;
+                rotated[2 + e] = b * cos + a * sin;
+                cs[e][0] = cos * rotation_step[e][0] - sin * rotation_step[e][1];
+                cs[e][1] = sin * rotation_step[e][0] + cos * rotation_step[e][1];
+            }
+            store_pair(work, r, pair_channel, rotated[0], rotated[1]);
+            store_pair(work, r, pair_channel + HALF, rotated[2], rotated[3]);
+            store_pair(work + ST * S::ROW16, r, pair_channel, v[0], v[1]);
+            store_pair(work + ST * S::ROW16, r, pair_channel + HALF, v[2], v[3]);
         }
     };
 

@@ -71,6 +71,7 @@ LIMITS = {  # per SM: registers, shared memory, warps, blocks; shared memory the
     "sm_80": {"registers": 65536, "smem": 164 * 1024, "warps": 64, "blocks": 32, "reserved_smem": 1024},
 }
 SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768}
+SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvcal fit-skvq's default group size)
 
 THREADS = 128  # threads per block of both kernels (__launch_bounds__)
 
@@ -219,12 +220,16 @@ class TensorCoreKernel:
         Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01, measured="nuq3-1%-pre-rope"),
         Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01, measured="nuq4-1%-pre-rope"),
         Case("nuq2 pre-RoPE 1% (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 2, 0.01, measured="nuq2-1%-pre-rope"),
+        Case("skvq2 pre-RoPE (SKVQ's)", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 2,
+             note=f"each stage dequantized into fp16 rows first; {SKVQ_GROUPS} channel groups, every one in each head"),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
 
     def _variant(self, case: Case):
         from kvcal.runtime.tensor_core import Variant
 
+        if case.key_codec == "PERMUTED_GROUPS":
+            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], True, channel_groups=1)
         if case.key_codec.startswith("CODEBOOK"):
             return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True,
                            outliers=case.outliers > 0)
@@ -260,7 +265,12 @@ class TensorCoreKernel:
 
     def inner_loops(self, case: Case) -> list:
         """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
-        return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None)]
+        from kvcal.runtime.tensor_core import THREADS
+
+        # channel groups: a thread's tokens of the stage's dequantization (#pragma unroll 2)
+        dequantized = self._variant(case).stage_tokens // (THREADS // (SHAPE["head_dim"] // 4)) / 2
+        return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
+                (r"for \(int j = 0; j < ST / ROW_STEP; \+\+j\)", dequantized, None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
@@ -299,7 +309,8 @@ class TensorCoreKernel:
             (r"if \(token0 < end\)", 1.0),
             (r"if \(token0 \+ TPW > end \|\| token0 < visible\)", 0.0),  # masking: a split's last stage, a window's first
             # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again
-            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook else min(1.0, stage / group)),
+            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook or case.key_codec == "PERMUTED_GROUPS" else min(1.0, stage / group)),
+            (r"if \(group_source\[i\] != nullptr\)", min(1.0, SKVQ_GROUPS / 16)),  # the head's groups of its 16 slots
             # a shared key block (post-RoPE uniform keys, blocks of whole stages): one warp a stage makes the next one's Q'
             (r"if \(warp == \(tile \+ 1\) % WARPS && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),
             (r"if \(grew\)", 0.0),
@@ -694,6 +705,9 @@ def bytes_per_token(case: Case) -> float:
     width, tokens = SHAPE["kv_heads"] * SHAPE["head_dim"], SHAPE["tokens"]
     if not case.bits:
         total = fp16_bytes(1, width, tokens)
+    elif case.key_codec == "PERMUTED_GROUPS":  # SKVQ: fp16 scale and zero per token and group
+        recipe = LayerRecipe("skvq", case.bits, case.bits, case.rope, group_size=width // SKVQ_GROUPS)
+        total = cache_bytes([recipe], width, tokens, kv_heads=SHAPE["kv_heads"])
     else:
         uniform = case.key_codec.startswith("UNIFORM")
         recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.bits, case.rope,
@@ -847,7 +861,9 @@ def markdown(result: dict) -> list[str]:
         "KIVI's residual, < 1% of the bytes at 32K tokens, left out). Uniform (KIVI): packed codes + fp16 scale and zero per "
         "group of 128 channels per token (values) and per channel per block of 128 tokens (keys). nuq (KVQuant): packed codes "
         "(3-bit: bit-planes 2 + 1, exactly 3 bits per code), fp16 lo/hi per token for values, 1% outliers per side at 4 B "
-        "each (uint16 position in its tile, fp16 value) plus an int32 offset per KV head and tile of 64 tokens; per-channel key thresholds and codebooks are calibration constants, not cache bytes.",
+        "each (uint16 position in its tile, fp16 value) plus an int32 offset per KV head and tile of 64 tokens; per-channel key thresholds and codebooks are calibration constants, not cache bytes. "
+        f"SKVQ: packed codes + fp16 scale and zero per token and channel group ({SKVQ_GROUPS} groups over the KV width); its "
+        "permutation is a calibration constant.",
     ]
     for kernel in KERNELS:
         lines += kernel_section(result, kernel)
