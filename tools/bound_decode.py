@@ -220,7 +220,7 @@ class TensorCoreKernel:
         Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01, measured="nuq3-1%-pre-rope"),
         Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01, measured="nuq4-1%-pre-rope"),
         Case("nuq2 pre-RoPE 1% (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 2, 0.01, measured="nuq2-1%-pre-rope"),
-        Case("skvq2 pre-RoPE (SKVQ's)", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 2,
+        Case("skvq2 pre-RoPE (SKVQ's)", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 2, measured="skvq2-pre-rope",
              note=f"each stage dequantized into fp16 rows first; {SKVQ_GROUPS} channel groups, every one in each head"),
     )
     GROUP = 128  # key block tokens and value group channels of the uniform cases
