@@ -10,7 +10,7 @@ with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no
 values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, at 256 pre-RoPE uniform
 keys, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
 groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), mixed's commonest layer (nuq2, 1% outliers), SKVQ's default
-(2 bits, groups of 64 channels permuted across the KV width, fp16 parameters, pre-RoPE keys), each with the launcher's split plan (one wave of resident blocks:
+(2 bits, 16 groups permuted across the KV width, fp16 parameters, pre-RoPE keys), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
@@ -60,18 +60,18 @@ def variants(head_dim: int) -> dict:
     # mixed's commonest layer: nuq2 with 1% outliers
     keys = CodebookCodec(normal_float_codebook(2), lo + 0.5, hi - 0.5, outlier_fraction=0.01)
     table["nuq2-1%-pre-rope"] = ((keys, CodebookCodec(normal_float_codebook(2), outlier_fraction=0.01)), True)
-    # SKVQ's default: 2-bit codes, groups of 64 channels permuted across the KV width (16 here), fp16 parameters
+    # SKVQ's default: 2-bit codes, 16 groups permuted across the KV width (of 64 channels at head_dim 128), fp16 parameters
     table["skvq2-pre-rope"] = (tuple(skvq_codec(KV_HEADS * head_dim, seed) for seed in (0, 1)), True)
     return table
 
 
-def skvq_codec(width: int, seed: int):
-    """SKVQ's 2-bit codec (kvcal.fit.skvq.SkvqTensor) over `width` channels in groups of 64, a seeded permutation."""
+def skvq_codec(width: int, seed: int, groups: int = 16):
+    """SKVQ's 2-bit codec (kvcal.fit.skvq.SkvqTensor) over `width` channels in `groups` equal groups, a seeded
+    permutation (16 groups: as many as the tensor-core kernel reads in a KV head)."""
     from kvcal.fit.skvq import SkvqTensor
 
-    groups = width // 64
     permutation = torch.randperm(width, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-    starts = torch.arange(0, width + 1, 64, dtype=torch.int32)
+    starts = torch.arange(0, width + 1, width // groups, dtype=torch.int32)
     return SkvqTensor(permutation, starts, torch.ones(groups), 2, fp8=False)
 
 
