@@ -3,8 +3,8 @@ cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvc
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
 "planes3"), or an SKVQ body (SkvqTensor on both sides: 2- or 4-bit codes in channel order, a scale and zero per token
-and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed layers; KVmix's uniform 3-bit keys in
-"planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
+and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed
+layers; KVmix's uniform 3-bit keys in "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
