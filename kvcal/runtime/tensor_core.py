@@ -32,7 +32,7 @@ from kvcal.quantizers import CodecKind
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
 from kvcal.runtime.kernels import CODEBOOKS
-from kvcal.runtime.store import upload
+from kvcal.runtime.store import channel_slots_and_groups, upload
 
 MODULE = "decode_attention_tc.cu"
 THREADS, WARPS = 128, 4  # tc::THREADS, tc::WARPS
@@ -171,7 +171,7 @@ class Variant:
         if self.shared_key_block:  # Q' and bias, two each
             query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
-        rope += 2 * st * d * 2 if self.channel_groups else 0  # the stage computed as fp16 keys and values
+        work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         lut = 2 * 256 * 4 + 1008 if self.codebook or bits == 3 else 0  # uniform 3-bit keys: code values from a table
         lut += 4 * d if self.codebook else 0
@@ -183,7 +183,7 @@ class Variant:
             patch_row = d + (32 if d == 64 else 8)  # tc::Shape::PATCH_ROW: the key patch tile's padded rows (halves)
             # key and value patch tiles, 4 floats per key channel, the two sides' 32-byte run descriptions
             outliers = st * patch_row * 2 + st * d * 2 + 4 * d * 4 + 2 * 32
-        return max(stages * stage + query + rope + lut + places + key_pairs + outliers, merge)
+        return max(stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
 
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
@@ -283,11 +283,8 @@ def variant_for(keys, values, head_dim: int, gqa: int, rope: bool = False) -> Va
 def head_group_slots(codec, head_dim: int) -> tuple[np.ndarray, list[list[int]]]:
     """SKVQ's channel groups per KV head, as the kernel reads them: the slot of every channel of the KV width among
     its head's groups (int32, (width,)), and per head the parameter column of each of its slots, in column order."""
-    width = codec.permutation.numel()
-    group = np.empty(width, dtype=np.int64)
-    starts = codec.starts.cpu().numpy()
-    group[codec.permutation.cpu().numpy()] = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
-    heads = group.reshape(width // head_dim, head_dim)
+    group = channel_slots_and_groups(codec, "cpu")[1].numpy()
+    heads = group.reshape(-1, head_dim)
     columns = [sorted(set(row.tolist())) for row in heads]
     slots = np.concatenate([np.searchsorted(np.array(c), row) for c, row in zip(columns, heads)]).astype(np.int32)
     return slots, columns
