@@ -102,7 +102,7 @@ def gpu_test_files() -> list[str]:
 
 def stages(args) -> list[Stage]:
     bench = lambda harness, mode: [PYTHON, "-m", f"benchmarks.{harness}", mode]  # noqa: E731
-    xdist = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+    xdist = ["-n", "12"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
                 "--new-tokens", "16", "--seed", str(args.seed)]
@@ -112,7 +112,7 @@ def stages(args) -> list[Stage]:
               180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
-        Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 180, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
+        Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 240, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--profile-seqlen", "64", "--seed", str(args.seed)]),
