@@ -116,9 +116,15 @@ def store_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-limit, limit).to(dtype)
 
 
+def divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor rounded once, on every device. Torch on CUDA multiplies by the reciprocal of a Python-number divisor
+    (one bit lost now and then), so CUDA-made parameters would differ from the CPU's and the append kernels'."""
+    return x / torch.full_like(x, divisor)
+
+
 def _min_max_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored fp16 (scale, zero) of asymmetric min-max quantization over [lo, hi]."""
-    return store_as((hi - lo) / (2**bits - 1), torch.float16), store_as(lo, torch.float16)
+    return store_as(divided(hi - lo, 2**bits - 1), torch.float16), store_as(lo, torch.float16)
 
 
 def _min_max_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:

@@ -125,7 +125,8 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi4-g32"))
 def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):
     """A tiny Gemma 3 at head_dim 256, 40 tokens one at a time through a 16-token sliding layer and a full one: every
-    layer on the CUDA kernels (kivi4-g32's bodies on tensor cores), the CPU reference runtime's logits within 2e-3."""
+    layer's body on the tensor-core kernel, the CPU reference runtime's logits within 2e-3 (6e-3 for the nuq bodies'
+    fp16 operands, as the emulated kernels at head_dim 256)."""
     from conftest import HEAD_DIM_256
 
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -133,8 +134,8 @@ def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("gemma3_text", **HEAD_DIM_256).cuda(), bundle, ids.cuda())
-    assert [layer.decode_path for layer in cache.layers] == ["tensor-core" if recipe == "kivi4-g32" else "cuda-core"] * 2
-    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
+    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3 if recipe == "kivi4-g32" else 6e-3)
 
 
 @requires_gpu

@@ -26,7 +26,7 @@ from sklearn.cluster import KMeans
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
-from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, scale_in_use, store_as
+from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, divided, scale_in_use, store_as
 from kvcal.rope import layer_inv_freq, rotate_keys
 from kvcal.kv import SegmentPolicy, per_query_head
 
@@ -97,7 +97,7 @@ def clipped_params(block: torch.Tensor, alpha: torch.Tensor, bits: float, fp8: b
     low, high = alpha * block.amin(1, keepdim=True), alpha * block.amax(1, keepdim=True)
     dtype = torch.float8_e4m3fn if fp8 else torch.float16
     zero_room = torch.finfo(dtype).max / 2  # rounding the scale to the dtype cannot push low / scale past the largest value
-    scale = store_as(torch.maximum((high - low) / steps, low.abs() / zero_room).clamp(min=TINY_SCALE), dtype)
+    scale = store_as(torch.maximum(divided(high - low, steps), divided(low.abs(), zero_room)).clamp(min=TINY_SCALE), dtype)
     return scale, store_as(low / scale_in_use(scale), dtype)
 
 
