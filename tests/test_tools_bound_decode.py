@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.nvrtc
 
 from tools import bound_decode as bd
+from tools import decode_model as dm
 
 # A token loop (.L_x_0 .. 0x0b0) holding a branch on the GQA group, a branch to rarely run code, an inner loop of
 # 3 iterations (.L_x_3) and its guard; a divergence fallback after EXIT jumps back in, as ptxas lays them out.
@@ -154,24 +155,56 @@ def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
 
 
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
-    """measured_on_gpus keeps the fastest row per variant at the bound's shape; measured_table pairs it with the
-    bound of the case that names it, and gives nothing where no run has the case's variant."""
+    """measured_on_gpus keeps the fastest row per variant at the bound's shape (not another head_dim's run);
+    measured_table pairs it with the bound of the case that names it, and gives nothing where no run has the case's
+    variant."""
     import json
 
-    shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"]}
+    shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"], "bytes_read": 151257088, "sdpa_fp16_latency_us": 255.7}
     rows = [{"variant": "int2-g128", "latency_us": 141.0, "fraction_of_copy_bandwidth": 0.36, "speedup_vs_sdpa_fp16": 2.6, **shape},
             {"variant": "int2-g128", "latency_us": 126.0, "fraction_of_copy_bandwidth": 0.40, "speedup_vs_sdpa_fp16": 2.9, **shape},
             {"variant": "int2-g128", "latency_us": 50.0, "fraction_of_copy_bandwidth": 0.9, "speedup_vs_sdpa_fp16": 9.0,
-             "batch": 1, "tokens": 4096}]  # another shape: not this bound's
-    (tmp_path / "decode_tc_gpu.json").write_text(json.dumps({"device": "GPU", "commit": "abc1234", "date": "2026-11-23",
-                                                              "results": rows}))
+             **shape, "batch": 1, "tokens": 4096}]  # another shape: not this bound's
+    run = {"device": "GPU", "commit": "abc1234", "date": "2026-11-23", "copy_bandwidth_gbps": 3000.0, "results": rows}
+    (tmp_path / "decode_tc_gpu.json").write_text(json.dumps({**run, "head_dim": 128}))
+    (tmp_path / "decode_tc_gpu_d256.json").write_text(json.dumps({**run, "head_dim": 256, "commit": "def5678"}))
     runs = bd.measured_on_gpus(tmp_path)
-    assert runs[0]["variants"]["int2-g128"]["latency_us"] == 126.0
+    assert [r["commit"] for r in runs] == ["abc1234"] and runs[0]["variants"]["int2-g128"]["latency_us"] == 126.0
     kernel = bd.TensorCoreKernel()
-    bound = {"bandwidth_fraction": 0.858, "speedup_vs_sdpa": 6.78}
-    table = bd.measured_table([{"case": "int2 g128 (KIVI)", "bound": bound}], kernel, runs)
-    assert table[-1] == "| int2 g128 (KIVI) | 85.8% | 40.0% | 6.78x | 2.90x | GPU, abc1234, 2026-11-23 |"
-    assert bd.measured_table([{"case": "int4 g128 (KIVI)", "bound": bound}], kernel, runs) == []
+    walk = {"case": "int2 g128 (KIVI)", "bound": {"bandwidth_fraction": 0.858, "speedup_vs_sdpa": 6.78}}
+    table = bd.measured_table([walk], kernel, runs)
+    assert table[-1] == "| int2 g128 (KIVI) | 85.8% | - | 40.0% | 6.78x | - | 2.90x | - | GPU, abc1234, 2026-11-23 |"
+    assert bd.measured_table([{**walk, "case": "int4 g128 (KIVI)"}], kernel, runs) == []
+    # with a calibrated model: its latency on the run's device, and the error against the measured one
+    counts = {"warp_instructions_per_token": 16.0, "shared_wavefronts_per_token": 2.0, "bytes_per_token": 72.0}
+    calibration = {"per_instruction": 0.5, "per_token": 30.0}
+    us = (0.5 * 16 + 4 * 2 + 30) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6  # compute-bound at 3 TB/s
+    assert math.isclose(bd.predicted_us({**walk, **counts}, calibration, 3e12, 151257088), us)
+    cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
+    assert cells[2] == f"{151257088 / 3e12 * 1e6 / us:.1%}" and cells[7] == f"{us / 126.0 - 1:+.0%}"
+
+
+def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
+    """calibrate fits tools.decode_model to the newest run's variants under 80% of copy bandwidth (fp16 rows at the
+    roofline say nothing about the issue side), and reports each one's error in the fit and left out."""
+    kernel = bd.TensorCoreKernel()
+    counts = {"int2 g128 (KIVI)": (16.0, 2.3), "int4 g128 (KIVI)": (22.0, 4.1), "nuq3 pre-RoPE 1%": (48.0, 20.1),
+              "fp16": (18.0, 8.2)}
+    walks = [{"case": case, "warp_instructions_per_token": n, "shared_wavefronts_per_token": w} for case, (n, w) in counts.items()]
+    measured = {c.name: c.measured for c in kernel.cases}
+    truth = dm.Model(0.5, 30.0)
+
+    def run(date, scale):
+        variants = {measured[case]: {"latency_us": scale * truth.slots(n, w) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6,
+                                     "fraction_of_copy_bandwidth": 0.98 if case == "fp16" else 0.4}
+                    for case, (n, w) in counts.items()}
+        return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "variants": variants}
+
+    fitted = bd.calibrate(walks, kernel, [run("2026-11-28", 1.0), run("2026-11-20", 2.0)])
+    assert fitted["date"] == "2026-11-28" and set(fitted["fit_error"]) == set(counts) - {"fp16"}
+    assert math.isclose(fitted["per_instruction"], 0.5) and math.isclose(fitted["per_token"], 30.0)
+    assert all(abs(e) < 1e-9 for e in fitted["leave_one_out"].values())
+    assert bd.calibrate(walks[:2], kernel, [run("2026-11-28", 1.0)]) is None  # two variants: nothing left to check
 
 
 def test_occupancy_from_registers_and_shared_memory():

@@ -42,6 +42,11 @@ bytes (32 lanes x width) issued per iteration of the side's streaming loop, capp
 iteration consumes (lanes reading the same word count once), x resident warps. A bound is an upper limit, never
 a measurement: every issue slot is assumed usable (no dependency stalls, MUFU and fp64 at full issue rate).
 
+Calibrated prediction. tools/decode_model.py turns a case's counts (warp-instructions and shared wavefronts per token)
+into a latency with two constants fitted to the newest GPU run of the tensor-core kernel at SHAPE
+(benchmarks/results/decode_tc_<device>.json); the tables give it beside every measurement with its error, and for every
+case on that run's device: the prediction to write down before a variant is timed.
+
 Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
 Writes benchmarks/results/bound_decode.{json,md}.
 """
@@ -63,6 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import RESULTS, provenance, write_markdown, write_result
+from tools import decode_model
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
 H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
@@ -74,6 +80,8 @@ SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768
 SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvcal fit-skvq's default group size)
 
 THREADS = 128  # threads per block of both kernels (__launch_bounds__)
+KV_HEAD_TOKENS = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
+SLOTS_PER_S = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # the calibrated model's unit, on either device
 
 
 @dataclass(frozen=True)
@@ -871,22 +879,63 @@ def markdown(result: dict) -> list[str]:
 
 
 def measured_on_gpus(results: Path = RESULTS) -> list[dict]:
-    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU: its device, commit, date, and per variant
-    the fastest row at SHAPE's batch and length (the split plans it timed differ only in the split size)."""
+    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU at SHAPE's head_dim: its device, commit,
+    date, copy bandwidth, and per variant the fastest row at SHAPE's batch and length (the split plans it timed differ
+    only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
+        if run.get("head_dim", 128) != SHAPE["head_dim"]:
+            continue
         fastest = {}
         for row in run["results"]:
             if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
                 best = fastest.get(row["variant"])
                 fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
-        runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"], "variants": fastest})
+        runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"],
+                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "variants": fastest})
     return runs
 
 
-def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
-    """The bound beside what a GPU measured for the same variants (none where no run has them)."""
+def _model(calibration: dict) -> decode_model.Model:
+    return decode_model.Model(calibration["per_instruction"], calibration["per_token"])
+
+
+def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_read: float | None = None) -> float:
+    """The calibrated model's latency of a case at SHAPE on a device of that copy bandwidth (bytes_read: a measured
+    row's, else the case's bytes per token)."""
+    total = walk["bytes_per_token"] * KV_HEAD_TOKENS if bytes_read is None else bytes_read
+    return 1e6 * decode_model.predicted_seconds(_model(calibration), walk["warp_instructions_per_token"],
+                                                walk["shared_wavefronts_per_token"], total, copy_bytes_per_s,
+                                                KV_HEAD_TOKENS, SLOTS_PER_S)
+
+
+def calibrate(cases: list[dict], kernel, runs: list[dict]) -> dict | None:
+    """tools.decode_model fitted to the newest run that measured the kernel's cases, with each fitted case's error in
+    the fit and left out of it; None where that run has fewer than three cases off the memory roofline."""
+    names = {c.name: c.measured for c in kernel.cases}
+    measured = [run for run in runs if any(names.get(w["case"]) in run["variants"] for w in cases)]
+    if not measured:
+        return None
+    run = max(measured, key=lambda r: r["date"])
+    points = []
+    for w in cases:
+        row = run["variants"].get(names.get(w["case"]))
+        if row is not None and row["fraction_of_copy_bandwidth"] < decode_model.MEMORY_BOUND:
+            slots = decode_model.measured_slots(row["latency_us"] * 1e-6, KV_HEAD_TOKENS, SLOTS_PER_S)
+            points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots))
+    if len(points) < 3:
+        return None
+    model = decode_model.fit(points)
+    return {"device": run["device"], "commit": run["commit"], "date": run["date"], "copy_bytes_per_s": run["copy_bytes_per_s"],
+            "per_instruction": model.per_instruction, "per_token": model.per_token,
+            "fit_error": {p.name: decode_model.relative_error(model, p) for p in points},
+            "leave_one_out": decode_model.leave_one_out(points)}
+
+
+def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dict | None = None) -> list[str]:
+    """The bound, and the calibrated prediction where there is one, beside what a GPU measured for the same variants
+    (none where no run has them)."""
     names = {c.name: c.measured for c in kernel.cases}
     rows = [(w, run, run["variants"][names[w["case"]]]) for run in runs for w in cases
             if names.get(w["case"]) in run["variants"]]
@@ -897,14 +946,42 @@ def measured_table(cases: list[dict], kernel, runs: list[dict]) -> list[str]:
              "stalls that leave issue slots empty, shared-memory bank conflicts, and units other than issue and shared "
              "memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and int4 "
              "g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, while "
-             "the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among them).", "",
-             "| variant | bandwidth bound | measured, of copy bandwidth | speedup bound | measured speedup vs fp16 SDPA | run |",
-             "|---|---|---|---|---|---|"]
+             "the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among them). "
+             "predicted: the calibrated model below on the run's device (its copy bandwidth and the run's bytes); error: "
+             "predicted over measured latency. A run at another commit than the walked SASS measured other code.", "",
+             "| variant | bandwidth bound | predicted, of copy bandwidth | measured | speedup bound | predicted speedup vs fp16 "
+             "SDPA | measured | error | run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for w, run, row in rows:
         b = w["bound"]
-        lines.append(f"| {w['case']} | {b['bandwidth_fraction']:.1%} | {row['fraction_of_copy_bandwidth']:.1%} "
-                     f"| {b['speedup_vs_sdpa']:.2f}x | {row['speedup_vs_sdpa_fp16']:.2f}x "
+        fraction = speedup = error = "-"
+        if calibration is not None:
+            us = predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"])
+            fraction = f"{row['bytes_read'] / run['copy_bytes_per_s'] * 1e6 / us:.1%}"
+            speedup, error = f"{row['sdpa_fp16_latency_us'] / us:.2f}x", f"{us / row['latency_us'] - 1:+.0%}"
+        lines.append(f"| {w['case']} | {b['bandwidth_fraction']:.1%} | {fraction} | {row['fraction_of_copy_bandwidth']:.1%} "
+                     f"| {b['speedup_vs_sdpa']:.2f}x | {speedup} | {row['speedup_vs_sdpa_fp16']:.2f}x | {error} "
                      f"| {run['device']}, {run['commit']}, {run['date']} |")
+    return lines
+
+
+def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
+    """The fitted constants, each fitted case's error, and every case's prediction on the fitting run's device."""
+    c = calibration
+    lines = ["", f"Calibrated model (tools/decode_model.py), fitted to {c['device']} at {c['commit']}, {c['date']}: per KV-head "
+             f"token max(memory time, slots), slots = {c['per_instruction']:.3f} x warp-instructions + "
+             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {c['per_token']:.1f}, in issue slots of "
+             f"{H100['sms']} SMs x {H100['issue_per_clock']} schedulers at {H100['clock_hz'] / 1e9} GHz (the same unit for "
+             "either device). Fitted on the run's variants under "
+             f"{decode_model.MEMORY_BOUND:.0%} of copy bandwidth; error in the fit, and left out of it (the variant predicted "
+             "from the others), then the prediction of every case on that device (its copy bandwidth, the case's bytes):", "",
+             "| variant | error in the fit | left out | predicted us | predicted, of copy bandwidth |", "|---|---|---|---|---|"]
+    for w in cases:
+        us = predicted_us(w, c, c["copy_bytes_per_s"])
+        fraction = w["bytes_per_token"] * KV_HEAD_TOKENS / c["copy_bytes_per_s"] * 1e6 / us
+        fitted = (f"{c['fit_error'][w['case']]:+.0%} | {c['leave_one_out'][w['case']]:+.0%}" if w["case"] in c["fit_error"]
+                  else "- | -")
+        lines.append(f"| {w['case']} | {fitted} | {us:.1f} | {fraction:.1%} |")
     return lines
 
 
@@ -923,7 +1000,10 @@ def kernel_section(result: dict, kernel) -> list[str]:
                      f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
                      f"| {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} | {w['warps_per_sm']} "
                      f"| {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x |")
-    lines += measured_table(cases, kernel, measured_on_gpus())
+    calibration = result.get("calibration", {}).get(kernel.source)
+    lines += measured_table(cases, kernel, measured_on_gpus(), calibration)
+    if calibration is not None:
+        lines += calibration_section(cases, calibration)
     lines += ["", "Warp-instructions per KV token by class (sm_90; sm_80's total for comparison). fp32 includes MUFU; "
               "int/logic includes moves and predicates; conversion includes fp16 -> fp32 (HADD2.F32); other: fp64 (RoPE angle "
               "reduction), fp16x2, MMA, shuffles, stores.", "",
@@ -972,6 +1052,9 @@ def main(argv: list[str] | None = None) -> None:
         for kernel in KERNELS:
             compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
             result[arch][kernel.source] = {"compiled": compiled, "cases": walks}
+    runs = measured_on_gpus()
+    result["calibration"] = {kernel.source: fitted for kernel in KERNELS
+                             if (fitted := calibrate(result["sm_90"][kernel.source]["cases"], kernel, runs)) is not None}
     result = rounded(result)
     lines = markdown({**started, **result})
     if args.no_write:
