@@ -29,6 +29,7 @@ Usage: python -m benchmarks.gpu_campaign OUTDIR [--budget-s 420] [--baseline-tre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 from benchmarks.common import REPO
 
 PYTHON = sys.executable
+GRACE_S = 10  # seconds an interrupted stage has to write what it has before it is killed
 TOLERANCE = 1e-2  # the kernels' largest |error| against SDPA in fp32 at the benchmark shape (measured: <= 1.5e-4)
 
 
@@ -49,7 +51,7 @@ TOLERANCE = 1e-2  # the kernels' largest |error| against SDPA in fp32 at the ben
 class Stage:
     name: str
     command: list[str]
-    limit_s: int  # killed past this
+    limit_s: int  # interrupted past this
     least_s: int  # skipped when less than this is left of the budget
     dry_command: list[str] | None = None  # the CPU stand-in of --dry-run (None: the command itself)
     status: str = "not run"
@@ -69,13 +71,15 @@ class Campaign:
         return self.budget_s - (time.monotonic() - self.began)
 
     def run(self, stage: Stage, env: dict) -> None:
-        """Run one stage, its output to logs/<name>.log; killed with its process group past its limit or the budget."""
+        """Run one stage, its output to logs/<name>.log. Past its limit or the budget its process is interrupted (SIGINT:
+        pytest then writes its summary and XML report of the tests that ran), and GRACE_S later its process group is
+        killed."""
         command = stage.dry_command if self.dry_run and stage.dry_command is not None else stage.command
         if self.left() < stage.least_s:
             stage.status, stage.note = "skipped", f"{self.left():.0f} s of the budget left, it needs {stage.least_s}"
             print(f"[campaign] {stage.name}: skipped ({stage.note})", flush=True)
             return
-        limit = min(stage.limit_s, self.left())
+        limit = min(stage.limit_s, self.left() - GRACE_S)
         log = self.out / "logs" / f"{stage.name}.log"
         shown = " ".join(part if "\n" not in part else "<script>" for part in command)
         print(f"[campaign] {stage.name}: {shown} (limit {limit:.0f} s)", flush=True)
@@ -86,9 +90,13 @@ class Campaign:
                 code = process.wait(timeout=limit)
                 stage.status = "ok" if code == 0 else f"exit {code}"
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                process.send_signal(signal.SIGINT)  # the stage's own process, as `timeout -s INT` (pytest's workers stay up)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=GRACE_S)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)  # it, if still running, and whatever it started
                 process.wait()
-                stage.status = f"killed at {limit:.0f} s"
+                stage.status = f"stopped at {limit:.0f} s"
         stage.seconds = round(time.monotonic() - began, 1)
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         print(f"[campaign] {stage.name}: {stage.status} in {stage.seconds} s  | {tail[0][:160]}", flush=True)
@@ -112,7 +120,7 @@ def stages(args) -> list[Stage]:
               180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
-        Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 240, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
+        Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 330, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--profile-seqlen", "64", "--seed", str(args.seed)]),
