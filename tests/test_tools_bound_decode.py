@@ -200,11 +200,22 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
                     for case, (n, w) in counts.items()}
         return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "variants": variants}
 
-    fitted = bd.calibrate(walks, kernel, [run("2026-11-28", 1.0), run("2026-11-20", 2.0)])
+    runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0)]
+    fitted = bd.calibrate(walks, kernel, runs, unchanged_since=lambda commit: commit == "28")
     assert fitted["date"] == "2026-11-28" and set(fitted["fit_error"]) == set(counts) - {"fp16"}
     assert math.isclose(fitted["per_instruction"], 0.5) and math.isclose(fitted["per_token"], 30.0)
     assert all(abs(e) < 1e-9 for e in fitted["leave_one_out"].values())
-    assert bd.calibrate(walks[:2], kernel, [run("2026-11-28", 1.0)]) is None  # two variants: nothing left to check
+    # two variants: nothing left to check the fit with
+    assert bd.calibrate(walks[:2], kernel, runs[:1], unchanged_since=lambda commit: True) is None
+    # kernels/ changed since the newest run: its measurements are of other code, and the last fit is kept
+    assert bd.calibrate(walks, kernel, runs, previous=fitted, unchanged_since=lambda commit: False) is fitted
+
+
+def test_kernels_unchanged_since_compares_the_working_tree_with_a_commit():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bd.REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"], cwd=bd.REPO).returncode != 0
+    assert bd.kernels_unchanged_since(head) is not dirty
+    assert not bd.kernels_unchanged_since("0" * 40)  # a commit git does not know
 
 
 def test_occupancy_from_registers_and_shared_memory():

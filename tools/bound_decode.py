@@ -44,8 +44,9 @@ a measurement: every issue slot is assumed usable (no dependency stalls, MUFU an
 
 Calibrated prediction. tools/decode_model.py turns a case's counts (warp-instructions and shared wavefronts per token)
 into a latency with two constants fitted to the newest GPU run of the tensor-core kernel at SHAPE
-(benchmarks/results/decode_tc_<device>.json); the tables give it beside every measurement with its error, and for every
-case on that run's device: the prediction to write down before a variant is timed.
+(benchmarks/results/decode_tc_<device>.json), while kernels/ is still the source that run measured (after a change,
+the constants of the last fit are kept from bound_decode.json); the tables give it beside every measurement with its
+error, and for every case on that run's device: the prediction to write down before a variant is timed.
 
 Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
 Writes benchmarks/results/bound_decode.{json,md}.
@@ -67,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, provenance, write_markdown, write_result
+from benchmarks.common import REPO, RESULTS, provenance, write_markdown, write_result
 from tools import decode_model
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
@@ -910,14 +911,24 @@ def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_r
                                                 KV_HEAD_TOKENS, SLOTS_PER_S)
 
 
-def calibrate(cases: list[dict], kernel, runs: list[dict]) -> dict | None:
+def kernels_unchanged_since(commit: str) -> bool:
+    """Whether kernels/ in the working tree is that commit's (False where git does not know the commit)."""
+    return subprocess.run(["git", "diff", "--quiet", commit, "--", "kernels/"], cwd=REPO, capture_output=True).returncode == 0
+
+
+def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None = None,
+              unchanged_since=kernels_unchanged_since) -> dict | None:
     """tools.decode_model fitted to the newest run that measured the kernel's cases, with each fitted case's error in
-    the fit and left out of it; None where that run has fewer than three cases off the memory roofline."""
+    the fit and left out of it. Only the SASS that run measured can be fitted to it: where kernels/ changed since its
+    commit, the previous calibration (fitted when it was the same) is kept, and the walk's counts of the changed code
+    are predicted with it. None where no run measured three cases off the memory roofline and none was fitted before."""
     names = {c.name: c.measured for c in kernel.cases}
     measured = [run for run in runs if any(names.get(w["case"]) in run["variants"] for w in cases)]
     if not measured:
-        return None
+        return previous
     run = max(measured, key=lambda r: r["date"])
+    if not unchanged_since(run["commit"]):
+        return previous
     points = []
     for w in cases:
         row = run["variants"].get(names.get(w["case"]))
@@ -925,7 +936,7 @@ def calibrate(cases: list[dict], kernel, runs: list[dict]) -> dict | None:
             slots = decode_model.measured_slots(row["latency_us"] * 1e-6, KV_HEAD_TOKENS, SLOTS_PER_S)
             points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots))
     if len(points) < 3:
-        return None
+        return previous
     model = decode_model.fit(points)
     return {"device": run["device"], "commit": run["commit"], "date": run["date"], "copy_bytes_per_s": run["copy_bytes_per_s"],
             "per_instruction": model.per_instruction, "per_token": model.per_token,
@@ -1053,8 +1064,11 @@ def main(argv: list[str] | None = None) -> None:
             compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
             result[arch][kernel.source] = {"compiled": compiled, "cases": walks}
     runs = measured_on_gpus()
+    written = RESULTS / "bound_decode.json"
+    previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}
     result["calibration"] = {kernel.source: fitted for kernel in KERNELS
-                             if (fitted := calibrate(result["sm_90"][kernel.source]["cases"], kernel, runs)) is not None}
+                             if (fitted := calibrate(result["sm_90"][kernel.source]["cases"], kernel, runs,
+                                                     previous.get(kernel.source))) is not None}
     result = rounded(result)
     lines = markdown({**started, **result})
     if args.no_write:
