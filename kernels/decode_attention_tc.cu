@@ -840,16 +840,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     }
 
     // ---- channel groups: a stage's codes into fp16 rows (keys rotated by their offset in the stage) ----
-    // A thread takes channels c, c + 1 and their rotation partners c + D / 2, c + D / 2 + 1 of both sides in tokens
-    // r0, r0 + R, ... (a word of two halves per row and half: one store each); its channels' slots and the two
-    // rotations' starts and steps are made once. x = (code + zero) * max(scale, 2^-24), in fp32 as
-    // kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
+    // A thread takes channels c, c + 1 and their rotation partners c + D / 2, c + D / 2 + 1 of both sides in rounds of
+    // four consecutive tokens r0 .. r0 + 3, r0 = 4 (row_group + j ROW_GROUPS): one load brings a slot's parameters of the
+    // four (8 bytes, fp8 4), and a word of two halves per row and half is one store. Its channels' slots and the two
+    // rotations' starts and steps (a token, and from a round's last token to the next round's first) are made once.
+    // x = (code + zero) * max(scale, 2^-24), in fp32 as kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
     unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
-    constexpr int HALF = D / 2, QUARTER = D / 4, ROW_STEP = THREADS / QUARTER;
-    static_assert(THREADS % QUARTER == 0, "a thread's channels are the same in each of its tokens");
-    const int pair_channel = 2 * (tid % QUARTER), first_row = tid / QUARTER;
+    constexpr int HALF = D / 2, QUARTER = D / 4, ROW_GROUPS = THREADS / QUARTER, ROUND = 4;
+    static_assert(THREADS % QUARTER == 0 && ST % (ROUND * ROW_GROUPS) == 0, "a thread's channels are the same in each of its whole rounds");
+    const int pair_channel = 2 * (tid % QUARTER), first_row = ROUND * (tid / QUARTER);
     int slot_of[2][4] = {};  // [side][channel c, c + 1, c + D / 2, c + D / 2 + 1]
-    float rotation_start[2][2] = {}, rotation_step[2][2] = {};  // [channel c, c + 1][cos, sin]
+    // [channel c, c + 1][cos, sin]: the first row's, a token's step, the step from a round's last row to the next's first
+    float rotation_start[2][2] = {}, rotation_step[2][2] = {}, rotation_jump[2][2] = {};
     if constexpr (S::GROUPS) {
         const int* const slots = group_tables + 2 * kv_heads * (S::GROUP_SLOTS + 1) + kvh * D + pair_channel;
 #pragma unroll
@@ -858,21 +860,38 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int e = 0; e < 2; ++e) {
             const float theta = __ldg(inv_freq + pair_channel + e);
             exact_cos_sin(first_row, theta, &rotation_start[e][0], &rotation_start[e][1]);
-            exact_cos_sin(ROW_STEP, theta, &rotation_step[e][0], &rotation_step[e][1]);
+            exact_cos_sin(1, theta, &rotation_step[e][0], &rotation_step[e][1]);
+            exact_cos_sin(ROUND * ROW_GROUPS - (ROUND - 1), theta, &rotation_jump[e][0], &rotation_jump[e][1]);
         }
     }
     const auto dequantize_stage = [&](const unsigned char* stage) {
-        const auto param = [&](int side, int which, int slot, int r) {
-            const unsigned char* const at = stage + S::CODE_BYTES + ((side * 2 + which) * S::GROUP_SLOTS + slot) * S::GROUP_RUN + r * S::PARAM_BYTES;
-            return S::PARAM_BYTES == 1 ? e4m3_to_float(*at) : half_to_float(*reinterpret_cast<const unsigned short*>(at));
+        // a slot's scale (which 0) or zero (1) of the round's four tokens from r0, as floats
+        const auto params = [&](int side, int which, int slot, int r0, float (&out)[ROUND]) {
+            const unsigned char* const at = stage + S::CODE_BYTES + ((side * 2 + which) * S::GROUP_SLOTS + slot) * S::GROUP_RUN + r0 * S::PARAM_BYTES;
+            if constexpr (S::PARAM_BYTES == 1) {
+                const unsigned word = *reinterpret_cast<const unsigned*>(at);
+#pragma unroll
+                for (int i = 0; i < ROUND; ++i) out[i] = e4m3_to_float((unsigned char)(word >> (8 * i)));
+            } else {
+                const uint2 words = *reinterpret_cast<const uint2*>(at);
+#pragma unroll
+                for (int i = 0; i < ROUND; ++i) out[i] = half_to_float((unsigned short)((i < 2 ? words.x : words.y) >> (16 * (i & 1))));
+            }
         };
-        // the side's four channels of row r (their codes: c and c + 1 share a word, as do their partners)
-        const auto dequantized = [&](int side, const unsigned char* row, int r, float (&x)[4]) {
+        // the side's four channels of the round's rows (their codes: c and c + 1 share a word, as do their partners)
+        const auto dequantized = [&](int side, const unsigned char* rows, int row_bytes, int r0, float (&x)[ROUND][4]) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const int c = pair_channel + (k & 1) + (k >> 1) * HALF, slot = slot_of[side][k];
-                const unsigned code = side ? lsb_code<VBITS>(row, c) : lsb_code<BITS>(row, c);
-                x[k] = ((float)code + param(side, 1, slot, r)) * fmaxf(param(side, 0, slot, r), 5.9604644775390625e-8f);
+                float scale[ROUND], zero[ROUND];
+                params(side, 0, slot, r0, scale);
+                params(side, 1, slot, r0, zero);
+#pragma unroll
+                for (int i = 0; i < ROUND; ++i) {
+                    const unsigned char* const row = rows + (r0 + i) * row_bytes;
+                    const unsigned code = side ? lsb_code<VBITS>(row, c) : lsb_code<BITS>(row, c);
+                    x[i][k] = ((float)code + zero[i]) * fmaxf(scale[i], 5.9604644775390625e-8f);
+                }
             }
         };
         // channels c, c + 1 (c even) of row r as one word, in the swizzled layout copy_rows gives the fp16 variants
@@ -880,24 +899,32 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             *reinterpret_cast<unsigned*>(rows + r * S::ROW16 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) = pack_half2(lo, hi);
         };
         float cs[2][2] = {{rotation_start[0][0], rotation_start[0][1]}, {rotation_start[1][0], rotation_start[1][1]}};
-#pragma unroll 2
-        for (int j = 0; j < ST / ROW_STEP; ++j) {  // (a compile-time count: no remainder path)
-            const int r = first_row + j * ROW_STEP;
-            float k[4], v[4], rotated[4];
-            dequantized(0, stage + r * S::KSROW, r, k);
-            dequantized(1, stage + S::K_BYTES + r * S::VSROW, r, v);
+#pragma unroll 1
+        for (int j = 0; j < ST / (ROUND * ROW_GROUPS); ++j) {  // (a compile-time count: no remainder path)
+            const int r0 = first_row + j * ROUND * ROW_GROUPS;
+            float x[ROUND][4];  // the keys', then the values' (one side at a time: fewer registers live)
+            dequantized(0, stage, S::KSROW, r0, x);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float a = k[e], b = k[2 + e], cos = cs[e][0], sin = cs[e][1];
-                rotated[e] = a * cos - b * sin;
-                rotated[2 + e] = b * cos + a * sin;
-                cs[e][0] = cos * rotation_step[e][0] - sin * rotation_step[e][1];
-                cs[e][1] = sin * rotation_step[e][0] + cos * rotation_step[e][1];
+            for (int i = 0; i < ROUND; ++i) {
+                float rotated[4];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float a = x[i][e], b = x[i][2 + e], cos = cs[e][0], sin = cs[e][1];
+                    rotated[e] = a * cos - b * sin;
+                    rotated[2 + e] = b * cos + a * sin;
+                    const float* const step = i + 1 < ROUND ? rotation_step[e] : rotation_jump[e];
+                    cs[e][0] = cos * step[0] - sin * step[1];
+                    cs[e][1] = sin * step[0] + cos * step[1];
+                }
+                store_pair(work, r0 + i, pair_channel, rotated[0], rotated[1]);
+                store_pair(work, r0 + i, pair_channel + HALF, rotated[2], rotated[3]);
             }
-            store_pair(work, r, pair_channel, rotated[0], rotated[1]);
-            store_pair(work, r, pair_channel + HALF, rotated[2], rotated[3]);
-            store_pair(work + ST * S::ROW16, r, pair_channel, v[0], v[1]);
-            store_pair(work + ST * S::ROW16, r, pair_channel + HALF, v[2], v[3]);
+            dequantized(1, stage + S::K_BYTES, S::VSROW, r0, x);
+#pragma unroll
+            for (int i = 0; i < ROUND; ++i) {
+                store_pair(work + ST * S::ROW16, r0 + i, pair_channel, x[i][0], x[i][1]);
+                store_pair(work + ST * S::ROW16, r0 + i, pair_channel + HALF, x[i][2], x[i][3]);
+            }
         }
     };
 

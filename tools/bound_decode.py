@@ -276,10 +276,10 @@ class TensorCoreKernel:
         """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
         from kvcal.runtime.tensor_core import THREADS
 
-        # channel groups: a thread's tokens of the stage's dequantization (#pragma unroll 2)
-        dequantized = self._variant(case).stage_tokens // (THREADS // (SHAPE["head_dim"] // 4)) / 2
+        # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
+        rounds = self._variant(case).stage_tokens // (4 * (THREADS // (SHAPE["head_dim"] // 4)))
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
-                (r"for \(int j = 0; j < ST / ROW_STEP; \+\+j\)", dequantized, None)]
+                (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a

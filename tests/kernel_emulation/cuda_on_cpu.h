@@ -34,6 +34,9 @@ struct alignas(16) int4 {
 struct alignas(8) float2 {
     float x, y;
 };
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 
 struct Dim3 {
     unsigned x = 1, y = 1, z = 1;
