@@ -97,6 +97,12 @@ class Case:
     outliers: float = 0.0  # fraction of elements kept exact (per side)
     note: str = ""
     measured: str = ""  # the tensor-core benchmark's name for the same variant (the measured column, where a GPU ran it)
+    group: int = 128  # uniform codes: tokens per key block and channels per value group
+    value_bits: int = 0  # the values' code width where it is not the keys' (KVmix's and mixed layers); 0: the keys'
+
+    @property
+    def vbits(self) -> int:
+        return self.value_bits or self.bits
 
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
@@ -222,18 +228,23 @@ class TensorCoreKernel:
         Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, measured="fp16"),
         Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2-g128"),
         Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4, measured="int4-g128"),
+        Case("int4 g32 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4, measured="int4-g32", group=32),
+        Case("int2 g64 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2-g64", group=64),
+        Case("int2 g32 (KIVI's default)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2-g32", group=32),
+        Case("int2 keys, int4 values, g32 (KVmix's)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2k-int4v-g32",
+             group=32, value_bits=4),
         Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2, measured="int2-g128-pre-rope"),
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4, measured="int4-g128-pre-rope"),
         Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, measured="nuq3-pre-rope"),
         Case("nuq4 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, measured="nuq4-pre-rope"),
+        Case("nuq3 keys, nuq4 values, pre-RoPE (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3,
+             measured="nuq3k-nuq4v-pre-rope", value_bits=4),
         Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01, measured="nuq3-1%-pre-rope"),
         Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01, measured="nuq4-1%-pre-rope"),
         Case("nuq2 pre-RoPE 1% (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 2, 0.01, measured="nuq2-1%-pre-rope"),
         Case("skvq2 pre-RoPE (SKVQ's)", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 2, measured="skvq2-pre-rope",
              note=f"each stage dequantized into fp16 rows first; {SKVQ_GROUPS} channel groups, every one in each head"),
     )
-    GROUP = 128  # key block tokens and value group channels of the uniform cases
-
     def _variant(self, case: Case):
         from kvcal.runtime.tensor_core import Variant
 
@@ -241,9 +252,9 @@ class TensorCoreKernel:
             return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], True, channel_groups=1)
         if case.key_codec.startswith("CODEBOOK"):
             return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True,
-                           outliers=case.outliers > 0)
-        group = self.GROUP if case.bits else 0
-        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope)
+                           outliers=case.outliers > 0, value_bits=case.value_bits)
+        group = case.group if case.bits else 0
+        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope, value_bits=case.value_bits)
 
     def tokens_per_iteration(self, case: Case) -> int:
         from kvcal.runtime.tensor_core import WARPS
@@ -302,7 +313,7 @@ class TensorCoreKernel:
     def if_bodies(self, case: Case) -> tuple:
         from kvcal.runtime.tensor_core import WARPS
 
-        d, group, stage = SHAPE["head_dim"], self.GROUP, self._variant(case).stage_tokens
+        d, group, stage = SHAPE["head_dim"], case.group, self._variant(case).stage_tokens
         key_param_copies = (1 if group >= stage else stage // group) * 2 * (d * 2 // 16)
         value_param_copies = 2 * max(1, d // group) * stage // 8  # [scale, zero][group] runs of 8-token chunks
         return (
@@ -719,8 +730,8 @@ def bytes_per_token(case: Case) -> float:
         total = cache_bytes([recipe], width, tokens, kv_heads=SHAPE["kv_heads"])
     else:
         uniform = case.key_codec.startswith("UNIFORM")
-        recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.bits, case.rope,
-                             group_size=128 if uniform else 0, outliers=case.outliers)
+        recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.vbits, case.rope,
+                             group_size=case.group if uniform else 0, outliers=case.outliers)
         total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens), kv_heads=SHAPE["kv_heads"])
     return total / (SHAPE["kv_heads"] * tokens)
 
@@ -824,6 +835,8 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on {arch}: {e}") from None
         layout = f"{layout_for(case.bits)} {case.bits}-bit" if case.bits else "fp16"
+        if case.value_bits:
+            layout += f", values {layout_for(case.value_bits)} {case.value_bits}-bit"
         walks.append({"case": case.name, "variant": variant[case], "layout": layout,
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
