@@ -445,13 +445,6 @@ __device__ __forceinline__ float e4m3_to_float(unsigned x) {
     return half_to_float((unsigned short)((x & 0x7Fu) << 7 | (x & 0x80u) << 8)) * 256.0f;
 }
 
-// Code c of a row of BITS-bit codes in kvcal/packing.py's "lsb" words.
-template <int BITS>
-__device__ __forceinline__ unsigned lsb_code(const unsigned char* row, int c) {
-    constexpr int PER_WORD = 32 / BITS;
-    return reinterpret_cast<const unsigned*>(row)[c / PER_WORD] >> (c % PER_WORD * BITS) & ((1u << BITS) - 1u);
-}
-
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
@@ -878,19 +871,27 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 for (int i = 0; i < ROUND; ++i) out[i] = half_to_float((unsigned short)((i < 2 ? words.x : words.y) >> (16 * (i & 1))));
             }
         };
-        // the side's four channels of the round's rows (their codes: c and c + 1 share a word, as do their partners)
+        // the side's four channels of the round's rows: c and c + 1 (c even) share a code word of kvcal/packing.py's
+        // "lsb" layout, as do their partners, so one load brings a pair's codes of a row
         const auto dequantized = [&](int side, const unsigned char* rows, int row_bytes, int r0, float (&x)[ROUND][4]) {
+            const int bits = side ? VBITS : BITS, per_word = 32 / bits;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int c = pair_channel + (k & 1) + (k >> 1) * HALF, slot = slot_of[side][k];
-                float scale[ROUND], zero[ROUND];
-                params(side, 0, slot, r0, scale);
-                params(side, 1, slot, r0, zero);
+            for (int pair = 0; pair < 2; ++pair) {
+                const int c = pair_channel + pair * HALF;
+                float scale[2][ROUND], zero[2][ROUND];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    params(side, 0, slot_of[side][2 * pair + e], r0, scale[e]);
+                    params(side, 1, slot_of[side][2 * pair + e], r0, zero[e]);
+                }
 #pragma unroll
                 for (int i = 0; i < ROUND; ++i) {
-                    const unsigned char* const row = rows + (r0 + i) * row_bytes;
-                    const unsigned code = side ? lsb_code<VBITS>(row, c) : lsb_code<BITS>(row, c);
-                    x[i][k] = ((float)code + zero[i]) * fmaxf(scale[i], 5.9604644775390625e-8f);
+                    const unsigned word = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes)[c / per_word] >> (c % per_word * bits);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const unsigned code = word >> (e * bits) & ((1u << bits) - 1u);
+                        x[i][2 * pair + e] = ((float)code + zero[e][i]) * fmaxf(scale[e][i], 5.9604644775390625e-8f);
+                    }
                 }
             }
         };
