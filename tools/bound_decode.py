@@ -233,6 +233,8 @@ class TensorCoreKernel:
         Case("int2 g32 (KIVI's default)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2-g32", group=32),
         Case("int2 keys, int4 values, g32 (KVmix's)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2, measured="int2k-int4v-g32",
              group=32, value_bits=4),
+        Case("int3 keys, int4 values, g32 (KVmix's)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 3, measured="int3k-int4v-g32",
+             group=32, value_bits=4),
         Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2, measured="int2-g128-pre-rope"),
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4, measured="int4-g128-pre-rope"),
         Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, measured="nuq3-pre-rope"),

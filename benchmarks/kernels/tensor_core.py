@@ -8,8 +8,8 @@ uniform int4 / int2 (keys per channel over blocks of G tokens, values per token 
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
 values and the keys beyond kept exact; a variant the kernel does not serve at the head_dim, at 256 pre-RoPE uniform
-keys, is skipped and says why), and keys and values of two widths (KVmix's int2 / int4 in
-groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), mixed's commonest layer (nuq2, 1% outliers), SKVQ's default
+keys, is skipped and says why), and keys and values of two widths (KVmix's int2 or int3 keys
+with int4 values in groups of 32, mixed's nuq3 / nuq4 with pre-RoPE keys), mixed's commonest layer (nuq2, 1% outliers), SKVQ's default
 (2 bits, 16 groups permuted across the KV width, fp16 parameters, pre-RoPE keys), each with the launcher's split plan (one wave of resident blocks:
 kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row gives the blocks launched and the
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
@@ -55,6 +55,7 @@ def variants(head_dim: int) -> dict:
         table[f"nuq{bits}-1%-pre-rope"] = ((keys, CodebookCodec(codebook, outlier_fraction=0.01)), True)
     # keys and values of two widths: KVmix's int2 keys with int4 values (groups of 32), mixed's nuq3 keys with nuq4 values
     table["int2k-int4v-g32"] = ((ChannelBlockUniform(2, 32), TokenUniform(4, 32)), False)
+    table["int3k-int4v-g32"] = ((ChannelBlockUniform(3, 32), TokenUniform(4, 32)), False)  # KVmix's 3-bit keys (planes3)
     lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
     table["nuq3k-nuq4v-pre-rope"] = ((CodebookCodec(normal_float_codebook(3), lo, hi), CodebookCodec(normal_float_codebook(4))), True)
     # mixed's commonest layer: nuq2 with 1% outliers
