@@ -110,7 +110,8 @@ def gpu_test_files() -> list[str]:
 
 def stages(args) -> list[Stage]:
     bench = lambda harness, mode: [PYTHON, "-m", f"benchmarks.{harness}", mode]  # noqa: E731
-    xdist = ["-n", "12"] if importlib.util.find_spec("xdist") else []
+    # the tiny-model decodes share session fixtures that profile and fit bundles: one worker per group builds each
+    xdist = ["-n", "12", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
                 "--new-tokens", "16", "--seed", str(args.seed)]

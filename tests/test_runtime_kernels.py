@@ -99,6 +99,7 @@ def test_a_gqa_group_past_what_a_launch_takes_is_split_into_the_fewest_even_pass
 
 
 @requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")  # one worker builds the session fixture, not one per worker
 @pytest.mark.parametrize("recipe", ("kvquant", "mixed", "skvq", "kivi", "kvmix", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"))
 def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_dim_64_bundles, recipe):
     """Token by token through transformers: the CUDA model's cache decodes with the kernels (every layer; the
@@ -122,6 +123,7 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
 
 
 @requires_gpu
+@pytest.mark.xdist_group("head_dim_256_gemma3_bundles")
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi4-g32"))
 def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):
     """A tiny Gemma 3 at head_dim 256, 40 tokens one at a time through a 16-token sliding layer and a full one: every
