@@ -274,3 +274,23 @@ def test_the_kernel_models_decide_every_branch_of_todays_sass(kernel):
         if kernel is bd.KERNELS[1]:
             assert w["in_flight_per_sm"]["pipeline"] >= 16 * 1024
     assert all(row["spill_bytes"] == 0 for row in compiled)
+
+
+def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):
+    """committed_predictions maps the GPU benchmark's variant names to the written walk and calibration (nothing
+    before a calibration was written), and predicted_us gives their latency on a device."""
+    import json
+
+    assert bd.committed_predictions(tmp_path) is None
+    walk = {"case": "int2 g128 (KIVI)", "warp_instructions_per_token": 16.0, "shared_wavefronts_per_token": 2.0,
+            "bytes_per_token": 72.0}
+    calibration = {"per_instruction": 0.5, "per_token": 30.0}
+    bound = {"commit": "abc1234", "sm_90": {"decode_attention_tc.cu": {"cases": [walk]}}}
+    (tmp_path / "bound_decode.json").write_text(json.dumps(bound))
+    assert bd.committed_predictions(tmp_path) is None
+    bound["calibration"] = {"decode_attention_tc.cu": calibration}
+    (tmp_path / "bound_decode.json").write_text(json.dumps(bound))
+    written = bd.committed_predictions(tmp_path)
+    assert written["commit"] == "abc1234" and written["walks"] == {"int2-g128": walk}
+    assert math.isclose(bd.predicted_us(walk, written["calibration"], 3e12),
+                        (0.5 * 16 + 4 * 2 + 30) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6)

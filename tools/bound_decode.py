@@ -991,6 +991,23 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
     return lines
 
 
+def committed_predictions(results: Path = RESULTS) -> dict | None:
+    """What the written bound (bound_decode.json) predicts for the tensor-core benchmark's variants at SHAPE: its
+    commit, its calibration, and per benchmark variant name the case's walk (predicted_us gives the latency on a
+    device); None before a calibration was written."""
+    written = results / "bound_decode.json"
+    if not written.exists():
+        return None
+    bound = json.loads(written.read_text())
+    kernel = TensorCoreKernel()
+    calibration = bound.get("calibration", {}).get(kernel.source)
+    if calibration is None:
+        return None
+    names = {c.name: c.measured for c in kernel.cases if c.measured}
+    walks = {names[w["case"]]: w for w in bound["sm_90"][kernel.source]["cases"] if w["case"] in names}
+    return {"commit": bound["commit"], "calibration": calibration, "walks": walks}
+
+
 def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
     """The fitted constants, each fitted case's error, and every case's prediction on the fitting run's device."""
     c = calibration

@@ -15,7 +15,9 @@ kvcal.runtime.tensor_core.split_plan) and fixed split sizes (--splits). Each row
 blocks the device holds at once (the occupancy API's count x SMs). Before timing, every variant's output is checked against torch SDPA
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
 partial splits and the merged rows) poisoned with NaN before the checked launch, so that an unwritten element fails;
---seed draws other random data (the campaign passes a fresh one).
+--seed draws other random data (the campaign passes a fresh one). At the bound's shape (B = 8, L = 32K, D = 128) each
+variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
+model, on this device's copy bandwidth and the variant's bytes) is printed before it is timed and kept in its row.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
@@ -34,6 +36,7 @@ import torch
 
 from benchmarks.kernels.cuda_core import HEAD_DIMS, HEADS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
+from tools import bound_decode
 
 BATCH = 8
 
@@ -162,6 +165,9 @@ def main() -> None:
     length = args.tokens
     sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
+    # the written bound's prediction, printed before each variant is timed (its shape only: B = 8, L = 32K, D = 128)
+    shape = {"batch": BATCH, "kv_heads": KV_HEADS, "group": HEADS // KV_HEADS, "head_dim": head_dim, "tokens": length}
+    predicted = bound_decode.committed_predictions() if shape == bound_decode.SHAPE else None
     rows = []
     for name, (codecs, rope) in variants(head_dim).items():
         if args.only and name not in args.only.split(","):
@@ -178,6 +184,10 @@ def main() -> None:
         error = None
         variant = tensor_core.variant_for(keys, values, head_dim, HEADS // KV_HEADS, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
+        walk = predicted["walks"].get(name) if predicted else None
+        prediction = round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read), 2) if walk else None
+        if prediction is not None:
+            print(f"{name}: predicted {prediction} us (the calibrated bound at {predicted['commit']})", flush=True)
         for per_split in splits:
             if per_split is not None and per_split % variant.stage_tokens:
                 print(f"{name}: {per_split} tokens per split skipped (stages of {variant.stage_tokens} tokens)", flush=True)
@@ -194,7 +204,7 @@ def main() -> None:
                          "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
                          "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
                          "sdpa_fp16_latency_us": round(sdpa * 1e6, 2), "speedup_vs_sdpa_fp16": round(sdpa / seconds, 2),
-                         "max_abs_error_vs_sdpa_fp32": round(error, 6)})
+                         "max_abs_error_vs_sdpa_fp32": round(error, 6), "predicted_us": prediction})
             print(rows[-1], flush=True)
         del keys, values
         torch.cuda.empty_cache()
@@ -204,9 +214,11 @@ def main() -> None:
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {head_dim}; L2 flushed; "
              "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
-             "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | MB read | GB/s | of copy bw | SDPA fp16 us | speedup | max err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['blocks']} / {r['resident_blocks']} | {r['latency_us']} | {r['bytes_read'] / 1e6:.1f} | "
+             "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us | MB read | GB/s | of copy bw "
+             "| SDPA fp16 us | speedup | max err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['blocks']} / {r['resident_blocks']} | {r['latency_us']} | "
+              f"{r['predicted_us'] if r['predicted_us'] is not None else '-'} | {r['bytes_read'] / 1e6:.1f} | "
               f"{r['bandwidth_gbps']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['sdpa_fp16_latency_us']} | "
               f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} |" for r in rows]
     write_markdown(name, lines)
