@@ -75,11 +75,12 @@ class Campaign:
         pytest then writes its summary and XML report of the tests that ran), and GRACE_S later its process group is
         killed."""
         command = stage.dry_command if self.dry_run and stage.dry_command is not None else stage.command
-        if self.left() < stage.least_s:
-            stage.status, stage.note = "skipped", f"{self.left():.0f} s of the budget left, it needs {stage.least_s}"
+        left = self.left() - GRACE_S  # what a stage may run: its grace, if interrupted, stays inside the budget
+        if left < stage.least_s:
+            stage.status, stage.note = "skipped", f"{left:.0f} s of the budget left, it needs {stage.least_s}"
             print(f"[campaign] {stage.name}: skipped ({stage.note})", flush=True)
             return
-        limit = min(stage.limit_s, self.left() - GRACE_S)
+        limit = min(stage.limit_s, left)
         log = self.out / "logs" / f"{stage.name}.log"
         shown = " ".join(part if "\n" not in part else "<script>" for part in command)
         print(f"[campaign] {stage.name}: {shown} (limit {limit:.0f} s)", flush=True)
