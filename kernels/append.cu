@@ -1,6 +1,7 @@
 // Quantize-and-append: encode fp16 rows into the packed body of kvcal/runtime/store.py (PackedRows) in
-// place, the same codes and parameters as the torch codecs of kvcal/quantizers.py. Every pointer is
-// already offset to the first appended row; one launch serves a prefill (many rows) or a decode step (one).
+// place, the same codes and parameters as the torch codecs of kvcal/quantizers.py. One launch serves a prefill
+// (many rows) or a decode step (one per sequence); the per-token codecs write each row straight into its sequence's
+// rows (RowTarget), per-channel blocks into a staging area the host scatters.
 // Arithmetic uses explicitly rounded intrinsics where torch rounds each operation, so that no fused
 // multiply-add changes a code.
 #include "common.cuh"
@@ -53,6 +54,21 @@ __device__ __forceinline__ void min_max_params(float lo, float hi, int levels, h
     *zero = float_to_half(lo);
 }
 
+// Where row `row` of a launch is stored: row row_in_sequence[row] of sequence sequence_of_row[row] of the store's
+// buffers, words [sequence][row][word] (words_sequence words apart), per-token parameters at sequence *
+// param_sequence + row * param_row + column * param_column elements (kvcal.runtime.store keeps them along the tokens).
+struct RowTarget {
+    const long long* sequence_of_row;
+    const long long* row_in_sequence;
+    long long words_sequence, param_sequence, param_row, param_column;
+    __device__ __forceinline__ long long words(long long row, int words_per_row) const {
+        return sequence_of_row[row] * words_sequence + row_in_sequence[row] * words_per_row;
+    }
+    __device__ __forceinline__ long long parameter(long long row, int column) const {
+        return sequence_of_row[row] * param_sequence + row_in_sequence[row] * param_row + column * param_column;
+    }
+};
+
 // The smallest and largest of value(i), i in [begin, end).
 template <typename Value>
 __device__ __forceinline__ void min_max_over(int begin, int end, Value value, float* lo, float* hi) {
@@ -70,11 +86,12 @@ __device__ __forceinline__ float stored_value(unsigned char v) { return e4m3_to_
 
 // One block per row, whose parameters come per group of channels: the row into shared memory, then each group's
 // stored (scale, zero) (fp16 half_bits or fp8 e4m3 bytes) from params_of(g, x_s, &scale, &zero), then each channel's
-// code from code_of(c, x_s, scale_s, zero_s) given the groups' stored values as floats. scale/zero (rows, groups).
+// code from code_of(c, x_s, scale_s, zero_s) given the groups' stored values as floats, in place (to).
 template <typename Param, typename ParamsOf, typename CodeOf>
 __device__ __forceinline__ void append_grouped_row(const half_bits* __restrict__ x, int width, int layout, int groups,
-                                                   unsigned* __restrict__ words, int words_per_row, Param* __restrict__ scale,
-                                                   Param* __restrict__ zero, ParamsOf params_of, CodeOf code_of) {
+                                                   const RowTarget& to, unsigned* __restrict__ words, int words_per_row,
+                                                   Param* __restrict__ scale, Param* __restrict__ zero, ParamsOf params_of,
+                                                   CodeOf code_of) {
     __shared__ float x_s[MAX_WIDTH];
     __shared__ float scale_s[MAX_GROUPS], zero_s[MAX_GROUPS];
     const long long row = blockIdx.x;
@@ -83,24 +100,30 @@ __device__ __forceinline__ void append_grouped_row(const half_bits* __restrict__
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         Param s, z;
         params_of(g, x_s, &s, &z);
-        scale[row * groups + g] = s;
-        zero[row * groups + g] = z;
+        scale[to.parameter(row, g)] = s;
+        zero[to.parameter(row, g)] = z;
         scale_s[g] = stored_value(s);
         zero_s[g] = stored_value(z);
     }
     __syncthreads();
     const int units = words_per_row / words_per_unit(layout);
+    unsigned* const row_words = words + to.words(row, words_per_row);
     for (int u = threadIdx.x; u < units; u += blockDim.x)
         pack_unit(u, width, layout, [&](int c) { return code_of(c, x_s, scale_s, zero_s); },
-                  words + row * words_per_row + u * words_per_unit(layout));
+                  row_words + u * words_per_unit(layout));
 }
 
 // TokenUniform: grid = rows, groups of `group` consecutive channels.
 extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x, int width, int layout, int group,
+                                                const long long* __restrict__ sequence_of_row,
+                                                const long long* __restrict__ row_in_sequence,
+                                                long long words_sequence, long long param_sequence, long long param_row,
+                                                long long param_column,
                                                 unsigned* __restrict__ words, int words_per_row,
                                                 half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
     const int levels = code_levels(layout);
-    append_grouped_row(x, width, layout, groups, words, words_per_row, scale, zero,
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    append_grouped_row(x, width, layout, groups, to, words, words_per_row, scale, zero,
         [&](int g, const float* x_s, half_bits* s, half_bits* z) {
             float lo, hi;
             min_max_over(g * group, min((g + 1) * group, width), [&](int c) { return x_s[c]; }, &lo, &hi);
@@ -120,15 +143,15 @@ template <typename Param>
 __device__ __forceinline__ void append_permuted(const half_bits* __restrict__ x, int width, int layout,
                                                 const int* __restrict__ permutation, const int* __restrict__ starts,
                                                 const float* __restrict__ clip, const int* __restrict__ group_of_channel,
-                                                unsigned* __restrict__ words, int words_per_row, Param* __restrict__ scale,
-                                                Param* __restrict__ zero, int groups) {
+                                                const RowTarget& to, unsigned* __restrict__ words, int words_per_row,
+                                                Param* __restrict__ scale, Param* __restrict__ zero, int groups) {
     constexpr float largest = sizeof(Param) == 1 ? KVCAL_FP8_MAX : KVCAL_FP16_MAX;
     const int levels = code_levels(layout);
     const auto stored = [](float f) {
         if constexpr (sizeof(Param) == 1) return float_to_e4m3(f);
         else return float_to_half(f);
     };
-    append_grouped_row(x, width, layout, groups, words, words_per_row, scale, zero,
+    append_grouped_row(x, width, layout, groups, to, words, words_per_row, scale, zero,
         [&](int g, const float* x_s, Param* s, Param* z) {
             float lo, hi;
             min_max_over(starts[g], starts[g + 1], [&](int i) { return x_s[permutation[i]]; }, &lo, &hi);
@@ -147,18 +170,28 @@ __device__ __forceinline__ void append_permuted(const half_bits* __restrict__ x,
 extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ x, int width, int layout,
                                                   const int* __restrict__ permutation, const int* __restrict__ starts,
                                                   const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                  const long long* __restrict__ sequence_of_row,
+                                                  const long long* __restrict__ row_in_sequence,
+                                                  long long words_sequence, long long param_sequence, long long param_row,
+                                                  long long param_column,
                                                   unsigned* __restrict__ words, int words_per_row,
                                                   half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
-    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups);
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, to, words, words_per_row, scale, zero, groups);
 }
 
 extern "C" __global__ void append_permuted_groups_fp8(const half_bits* __restrict__ x, int width, int layout,
                                                       const int* __restrict__ permutation, const int* __restrict__ starts,
                                                       const float* __restrict__ clip, const int* __restrict__ group_of_channel,
+                                                      const long long* __restrict__ sequence_of_row,
+                                                      const long long* __restrict__ row_in_sequence,
+                                                      long long words_sequence, long long param_sequence, long long param_row,
+                                                      long long param_column,
                                                       unsigned* __restrict__ words, int words_per_row,
                                                       unsigned char* __restrict__ scale, unsigned char* __restrict__ zero,
                                                       int groups) {
-    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, words, words_per_row, scale, zero, groups);
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, to, words, words_per_row, scale, zero, groups);
 }
 
 // ChannelBlockUniform: grid = blocks of block_tokens rows. scale/zero (blocks, width).
@@ -216,12 +249,16 @@ struct Thresholds {
 
 // CodebookCodec, phase 1: grid = rows. Thresholds per channel (channel_lo/hi, float32) or, when those are
 // null, per token: the q_low/q_high quantiles of the row (min/max when keep_outliers is 0), stored fp16 in
-// token_lo/hi (rows). Codes: the nearest codebook entry of clamp(normalized, -1, 1), by counting the
-// codebook's midpoints below it. With keep_outliers, outlier_counts (rows, width / head_dim), zeroed by the
-// caller, gets the elements with |normalized| > 1 per (row, KV head).
+// token_lo/hi. Codes: the nearest codebook entry of clamp(normalized, -1, 1), by counting the codebook's midpoints
+// below it. Words and thresholds in place (RowTarget). outlier_counts (rows, width / head_dim), zeroed by the caller,
+// gets the elements with |normalized| > 1 per (row, KV head) (null: not counted, as a decode step's outliers are
+// by append_codebook_outliers_step).
 extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int width, int head_dim, int layout,
                                            const float* __restrict__ channel_lo, const float* __restrict__ channel_hi,
                                            float q_low, float q_high, int keep_outliers, const float* __restrict__ midpoints,
+                                           const long long* __restrict__ sequence_of_row,
+                                           const long long* __restrict__ row_in_sequence,
+                                           long long words_sequence, long long param_sequence, long long param_row,
                                            unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ token_lo,
                                            half_bits* __restrict__ token_hi, int* __restrict__ outlier_counts) {
     __shared__ float x_s[MAX_WIDTH];
@@ -229,6 +266,7 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
     __shared__ float mid_s[16];
     __shared__ float bounds_s[2];
     const long long row = blockIdx.x;
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, 0};
     const int entries = 1 << code_bits(layout);
     for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
     for (int i = threadIdx.x; i < entries - 1; i += blockDim.x) mid_s[i] = midpoints[i];
@@ -255,44 +293,56 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
         if (threadIdx.x == 0) {
             const float lo = keep_outliers ? quantile(sorted_s, width, q_low) : sorted_s[0];
             const float hi = keep_outliers ? quantile(sorted_s, width, q_high) : sorted_s[width - 1];
-            token_lo[row] = float_to_half(lo);
-            token_hi[row] = float_to_half(hi);
-            bounds_s[0] = half_to_float(token_lo[row]);
-            bounds_s[1] = half_to_float(token_hi[row]);
+            const long long at = to.parameter(row, 0);
+            token_lo[at] = float_to_half(lo);
+            token_hi[at] = float_to_half(hi);
+            bounds_s[0] = half_to_float(token_lo[at]);
+            bounds_s[1] = half_to_float(token_hi[at]);
         }
     }
     __syncthreads();
     const Thresholds t = {channel_lo, channel_hi, bounds_s[0], bounds_s[1]};
-    int* const head_counts = outlier_counts + row * (width / head_dim);
+    int* const head_counts = outlier_counts ? outlier_counts + row * (width / head_dim) : nullptr;
     const int units = words_per_row / words_per_unit(layout);
+    unsigned* const row_words = words + to.words(row, words_per_row);
     for (int u = threadIdx.x; u < units; u += blockDim.x)
         pack_unit(u, width, layout, [&](int c) {
             const float v = normalized(x_s[c], t.lo(c), t.hi(c));
-            if (keep_outliers && fabsf(v) > 1.0f) atomicAdd(head_counts + c / head_dim, 1);
+            if (head_counts && fabsf(v) > 1.0f) atomicAdd(head_counts + c / head_dim, 1);
             const float clamped = fminf(fmaxf(v, -1.0f), 1.0f);
             unsigned code = 0;
             for (int i = 0; i < entries - 1; ++i) code += mid_s[i] < clamped;
             return code;
-        }, words + row * words_per_row + u * words_per_unit(layout));
+        }, row_words + u * words_per_unit(layout));
 }
 
-// CodebookCodec, phase 2: grid = rows, one warp each. Writes each row's outliers into the store's outlier
-// layout (kvcal/packing.py): in the run of (sequence_of_row[row], KV head), at first_slot[row, head] plus the
-// outlier's rank among the row's outliers (first_slot is where the row's outliers of that head start, less the
-// row's outliers of earlier heads), its uint16 position in its tile of tile_tokens body rows and its exact fp16
-// value. Channel order within a row, rows in append order: each run stays in append order.
+// The thresholds of launch row `row`: per channel, or its token's, read where append_codebook stored them (to).
+__device__ __forceinline__ Thresholds row_thresholds(const float* channel_lo, const float* channel_hi, const half_bits* token_lo,
+                                                     const half_bits* token_hi, const RowTarget& to, long long row) {
+    if (channel_lo) return {channel_lo, channel_hi, 0.0f, 0.0f};
+    const long long at = to.parameter(row, 0);
+    return {nullptr, nullptr, half_to_float(token_lo[at]), half_to_float(token_hi[at])};
+}
+
+// CodebookCodec, phase 2: grid = rows, one warp each (per-token thresholds read in place). Writes each row's
+// outliers into the store's outlier layout (kvcal/packing.py): in the run of (sequence_of_row[row], KV head), at
+// first_slot[row, head] plus the outlier's rank among the row's outliers (first_slot is where the row's outliers
+// of that head start, less the row's outliers of earlier heads), its uint16 position in its tile of tile_tokens
+// body rows and its exact fp16 value. Channel order within a row, rows in append order: each run stays in append
+// order.
 extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict__ x, int width, int head_dim, int tile_tokens,
                                                     const float* __restrict__ channel_lo, const float* __restrict__ channel_hi,
                                                     const half_bits* __restrict__ token_lo, const half_bits* __restrict__ token_hi,
-                                                    const int* __restrict__ sequence_of_row, const int* __restrict__ row_in_sequence,
-                                                    const int* __restrict__ first_slot, int outlier_stride,
+                                                    const long long* __restrict__ sequence_of_row,
+                                                    const long long* __restrict__ row_in_sequence, long long param_sequence,
+                                                    long long param_row, const int* __restrict__ first_slot, int outlier_stride,
                                                     unsigned short* __restrict__ positions, half_bits* __restrict__ values) {
     const long long row = blockIdx.x;
     const int lane = threadIdx.x, heads = width / head_dim;
-    const Thresholds t = {channel_lo, channel_hi, channel_lo ? 0.0f : half_to_float(token_lo[row]),
-                          channel_lo ? 0.0f : half_to_float(token_hi[row])};
-    const long long first_run = (long long)sequence_of_row[row] * heads;
-    const int first_position = (row_in_sequence[row] % tile_tokens) * head_dim;
+    const Thresholds t = row_thresholds(channel_lo, channel_hi, token_lo, token_hi,
+                                        {sequence_of_row, row_in_sequence, 0, param_sequence, param_row, 0}, row);
+    const long long first_run = sequence_of_row[row] * heads;
+    const int first_position = (int)(row_in_sequence[row] % tile_tokens) * head_dim;
     int written = 0;  // the row's outliers so far, every head
     for (int base = 0; base < width; base += 32) {
         const int c = base + lane;
@@ -306,5 +356,48 @@ extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict_
             values[at] = x[row * width + c];
         }
         written += __popc(ballot);
+    }
+}
+
+// CodebookCodec, phase 2 of a decode step (each row the only row of its sequence in the append): grid = rows, one
+// warp each (per-token thresholds read in place). The row's outliers of KV head h go, in channel order, at the
+// device count of run (sequence_of_row[row], h) (run_counts, [sequence][head]) on, and the count grows by as many;
+// a row that starts an outlier tile (row_in_sequence % tile_tokens == 0) writes the count it found as the tile's
+// offset (tile_offsets, [sequence][head] runs of tiles_per_run). Nothing is placed by the host, so a decode step's
+// outliers cost one launch.
+extern "C" __global__ void append_codebook_outliers_step(
+    const half_bits* __restrict__ x, int width, int head_dim, int tile_tokens, const float* __restrict__ channel_lo,
+    const float* __restrict__ channel_hi, const half_bits* __restrict__ token_lo, const half_bits* __restrict__ token_hi,
+    const long long* __restrict__ sequence_of_row, const long long* __restrict__ row_in_sequence, long long param_sequence,
+    long long param_row, int* __restrict__ run_counts, int* __restrict__ tile_offsets, int tiles_per_run, int outlier_stride,
+    unsigned short* __restrict__ positions, half_bits* __restrict__ values) {
+    const long long row = blockIdx.x;
+    const int lane = threadIdx.x, heads = width / head_dim;
+    const Thresholds t = row_thresholds(channel_lo, channel_hi, token_lo, token_hi,
+                                        {sequence_of_row, row_in_sequence, 0, param_sequence, param_row, 0}, row);
+    const int row_of_sequence = (int)row_in_sequence[row];
+    const bool starts_tile = row_of_sequence % tile_tokens == 0;
+    const int first_position = (row_of_sequence % tile_tokens) * head_dim;
+    for (int head = 0; head < heads; ++head) {
+        const long long run = sequence_of_row[row] * heads + head;
+        const int before = run_counts[run];
+        int written = 0;  // the row's outliers of this head so far
+        for (int base = 0; base < head_dim; base += 32) {
+            const int c = head * head_dim + base + lane;
+            const bool outlier =
+                base + lane < head_dim && fabsf(normalized(half_to_float(x[row * width + c]), t.lo(c), t.hi(c))) > 1.0f;
+            const unsigned ballot = __ballot_sync(0xffffffffu, outlier);
+            if (outlier) {
+                const long long at = run * outlier_stride + before + written + __popc(ballot & ((1u << lane) - 1u));
+                positions[at] = (unsigned short)(first_position + base + lane);
+                values[at] = x[row * width + c];
+            }
+            written += __popc(ballot);
+        }
+        __syncwarp();  // every lane read the count before lane 0 replaces it
+        if (lane == 0) {
+            run_counts[run] = before + written;
+            if (starts_tile) tile_offsets[run * tiles_per_run + row_of_sequence / tile_tokens] = before;
+        }
     }
 }

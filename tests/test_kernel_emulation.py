@@ -6,6 +6,7 @@ exactly what the torch encoders write. This checks the kernels' logic (indexing,
 outlier corrections, online softmax, split merge, GQA) on a machine without a GPU; speed, coalescing and
 inter-block races are for the GPU tests (tests/test_runtime_kernels.py)."""
 
+import collections
 import ctypes
 import functools
 from contextlib import contextmanager
@@ -28,28 +29,36 @@ pytestmark = pytest.mark.emulation
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
+ROW_TARGET = ("const long long* sequence_of_row, const long long* row_in_sequence, long long words_sequence, long long param_sequence, "
+              "long long param_row, long long param_column, ")  # append.cu's RowTarget
 SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
     "decode_attention": "const float* q, const long long* descriptor, const int* meta, const int* offsets, const float* freq, "
                         "float* out_partial, float* lse_partial, int batch, int kv_heads, int group, int per_split, int first, "
                         "int total, float scale_log2, float rope_scale",
     "merge_splits": "const float* out_partial, const float* lse_partial, float* out, int splits, int head_dim",
-    "append_token_uniform": "const half_bits* x, int width, int layout, int group, unsigned* words, int words_per_row, "
-                            "half_bits* scale, half_bits* zero, int groups",
+    "append_token_uniform": "const half_bits* x, int width, int layout, int group, " + ROW_TARGET +
+                            "unsigned* words, int words_per_row, half_bits* scale, half_bits* zero, int groups",
     "append_permuted_groups": "const half_bits* x, int width, int layout, const int* permutation, const int* starts, "
-                              "const float* clip, const int* group_of_channel, unsigned* words, int words_per_row, "
-                              "half_bits* scale, half_bits* zero, int groups",
+                              "const float* clip, const int* group_of_channel, " + ROW_TARGET +
+                              "unsigned* words, int words_per_row, half_bits* scale, half_bits* zero, int groups",
     "append_permuted_groups_fp8": "const half_bits* x, int width, int layout, const int* permutation, const int* starts, "
-                                  "const float* clip, const int* group_of_channel, unsigned* words, int words_per_row, "
-                                  "unsigned char* scale, unsigned char* zero, int groups",
+                                  "const float* clip, const int* group_of_channel, " + ROW_TARGET +
+                                  "unsigned* words, int words_per_row, unsigned char* scale, unsigned char* zero, int groups",
     "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero",
     "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
-                       "float q_high, int keep, const float* midpoints, unsigned* words, int words_per_row, half_bits* token_lo, "
-                       "half_bits* token_hi, int* counts",
+                       "float q_high, int keep, const float* midpoints, const long long* sequence_of_row, "
+                       "const long long* row_in_sequence, long long words_sequence, long long param_sequence, long long param_row, "
+                       "unsigned* words, int words_per_row, half_bits* token_lo, half_bits* token_hi, int* counts",
     "append_codebook_outliers": "const half_bits* x, int width, int head_dim, int tile_tokens, const float* lo, const float* hi, "
-                                "const half_bits* token_lo, const half_bits* token_hi, const int* sequence_of_row, "
-                                "const int* row_in_sequence, const int* first_slot, int outlier_stride, unsigned short* positions, "
-                                "half_bits* values",
+                                "const half_bits* token_lo, const half_bits* token_hi, const long long* sequence_of_row, "
+                                "const long long* row_in_sequence, long long param_sequence, long long param_row, "
+                                "const int* first_slot, int outlier_stride, unsigned short* positions, half_bits* values",
+    "append_codebook_outliers_step": "const half_bits* x, int width, int head_dim, int tile_tokens, const float* lo, "
+                                     "const float* hi, const half_bits* token_lo, const half_bits* token_hi, "
+                                     "const long long* sequence_of_row, const long long* row_in_sequence, long long param_sequence, "
+                                     "long long param_row, int* run_counts, int* tile_offsets, int tiles_per_run, "
+                                     "int outlier_stride, unsigned short* positions, half_bits* values",
 }
 
 
@@ -84,6 +93,8 @@ def _c(value):
         return ctypes.c_uint64(int(value))
     if isinstance(value, np.float32):
         return ctypes.c_float(float(value))
+    if isinstance(value, np.int64):
+        return ctypes.c_longlong(int(value))
     return ctypes.c_int(int(value))
 
 
@@ -209,6 +220,22 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
             model(ids[:, -1:], past_key_values=cache, use_cache=True)
     assert set(callers) <= {"_refresh_bound"}, callers
 
+
+
+def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but_the_count_snapshot(on_cpu, head_dim_64_bundles):
+    """A decode step's outliers are found, placed and counted by one launch per side
+    (append_codebook_outliers_step): against the same nuq4 recipe without outliers, its torch operations add only
+    the copy of the device counts the host bound reads (kvcal.runtime.store.PackedRows.snapshot_outlier_count)."""
+    from conftest import tiny_model
+    from helpers import decode_step_operations
+
+    model = tiny_model("llama", head_dim=64)
+    with_outliers, without = (decode_step_operations(model, head_dim_64_bundles[name], 2) for name in ("nuq4-1%", "nuq4-0%"))
+    assert not without - with_outliers, without - with_outliers
+    layers_and_sides = 2 * len(model.model.layers)
+    # the snapshot: a copy (clone on CPU), and the previous one read into the bound (tolist)
+    assert with_outliers - without == collections.Counter(
+        {"aten::clone": layers_and_sides, "aten::resolve_conj": layers_and_sides, "aten::resolve_neg": layers_and_sides})
 
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
 # and kivi2-g32 (post-RoPE int4 / int2 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE

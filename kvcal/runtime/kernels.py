@@ -13,11 +13,12 @@ Within a decode step nothing here waits for the device: small host arrays go up 
 without blocking (kvcal.runtime.store.upload); a store's descriptor is uploaded again only when one of its
 buffers moved (Segments.descriptor); what the layers of a step share (position offsets, RoPE frequencies,
 per-sequence lengths of layers with the same layout, scratch buffers) is made once per step (DecodeStep);
-appends encode the batch's rows with one launch into a staging area and scatter them into the stores; the
-outlier kernel writes straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on
-the device, the host sizing the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room).
-Only a bulk append (a prefill, more than one token of a sequence) reads the number of outliers it made per
-(sequence, KV head), to size the arrays exactly.
+appends encode the batch's rows with one launch straight into the stores (per-channel key blocks, which leave
+the fp16 segment a whole block at a time, through a staging area scattered into them); the outlier kernel writes straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on
+the device, the host sizing the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room);
+in a decode step one launch per side finds, places and counts them (no torch operation places them). Only a bulk
+append (a prefill, more than one token of a sequence) reads the number of outliers it made per (sequence, KV
+head), to size the arrays exactly.
 """
 
 from __future__ import annotations
@@ -210,39 +211,23 @@ def codec_tables(store: PackedRows) -> dict:
 
 def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
     """Quantize fp16 rows x (sum(counts), C), grouped by sequence, into rows starts[i].. of sequence seqs[i] of
-    `store` (capacity reserved, parameter buffers allocated): one launch for the whole batch into a staging
-    area, then one indexed store per buffer. Outliers (codebook codecs) are counted by the append kernel, placed
-    by a prefix sum and written by the outlier kernel into a staging area sized by an upper bound (every element
-    of every row) for a step of at most one token per sequence, so that nothing waits for the device; a bulk
-    append reads their number instead. Each sequence's outliers then go after its own, in row order, and the
-    device counts (store.outlier_count) grow by as many."""
+    `store` (capacity reserved, parameter buffers allocated) with one launch for the whole batch: per-token codecs
+    write each row in place (`_row_target`), per-channel blocks into a staging area then one indexed store per
+    buffer. Outliers (codebook codecs) go into each sequence's arrays after its own, in row order, and the device
+    counts (store.outlier_count) grow by as many: in a step of one token per sequence, found, placed and counted by
+    one kernel in arrays sized by an upper bound (every element of every row), so that nothing waits for the device;
+    in a bulk append, counted by the append kernel, placed by a prefix sum whose totals the host reads, and written
+    by the outlier kernel."""
     codec, cid = store.codec, codec_id(store.codec)
     x = x.to(torch.float16).contiguous()
     rows, width = x.shape
     device = x.device
     target = row_index(seqs, starts, counts, device)
-    words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
     words_per_row = np.int32(store.words.shape[2])
     layout = np.int32(layout_id(codec, store.layout))
-    if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # a scale and zero per (token, group of channels)
-        groups = store.token["scale"].shape[2]
-        scale = torch.empty(rows, groups, dtype=parameter_dtype(codec), device=device)
-        zero = torch.empty_like(scale)
-        outputs = (_ptr(words), words_per_row, _ptr(scale), _ptr(zero), np.int32(groups))
-        if cid == src.UNIFORM_TOKEN:
-            launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
-                    (_ptr(x), np.int32(width), layout, np.int32(codec.group), *outputs))
-        else:
-            group_of_channel, permutation, starts, clip = _skvq_tables(codec, device)
-            name = "append_permuted_groups_fp8" if codec.fp8 else "append_permuted_groups"
-            launch(_function("append.cu", name), (rows,), (THREADS,),
-                    (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(group_of_channel),
-                     *outputs))
-        for buffer, values in ((store.words, words), (store.token["scale"], scale), (store.token["zero"], zero)):
-            buffer.index_put_(target, values)
-        return
     if cid == src.UNIFORM_CHANNEL:
         blocks = rows // codec.group
+        words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
         scale = torch.empty(blocks, width, dtype=torch.float16, device=device)
         zero = torch.empty_like(scale)
         launch(_function("append.cu", "append_channel_block"), (blocks,), (THREADS,),
@@ -252,33 +237,68 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         store.blocks["scale"].index_put_(block_target, scale)
         store.blocks["zero"].index_put_(block_target, zero)
         return
+    to = _row_target(store, target)
+    if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # a scale and zero per (token, group of channels)
+        scale, zero = store.token["scale"], store.token["zero"]
+        outputs = (*to, _ptr(store.words), words_per_row, _ptr(scale), _ptr(zero), np.int32(scale.shape[2]))
+        if cid == src.UNIFORM_TOKEN:
+            launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
+                    (_ptr(x), np.int32(width), layout, np.int32(codec.group), *outputs))
+        else:
+            group_of_channel, permutation, starts, clip = _skvq_tables(codec, device)
+            name = "append_permuted_groups_fp8" if codec.fp8 else "append_permuted_groups"
+            launch(_function("append.cu", name), (rows,), (THREADS,),
+                    (_ptr(x), np.int32(width), layout, _ptr(permutation), _ptr(starts), _ptr(clip), _ptr(group_of_channel),
+                     *outputs))
+        return
     tables = codec_tables(store)
-    per_token = "lo" in store.token
-    token_lo = torch.empty(rows, 1, dtype=torch.float16, device=device) if per_token else None
-    token_hi = torch.empty_like(token_lo) if per_token else None
+    token_lo, token_hi = store.token.get("lo"), store.token.get("hi")  # per-token thresholds (None: per channel)
     keep = codec.outlier_fraction > 0
     t = 1.0 - codec.outlier_fraction / 2
     q_low, q_high = np.float32(1.0 - t), np.float32(t)  # float32, as kvcal.quantizers computes them
-    found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device)  # outliers per (row, KV head)
+    step = max(counts) == 1  # a decode step: the outliers placed on the device alone (_place_step_outliers)
+    # outliers per (row, KV head), for a bulk append's placement
+    found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device) if keep and not step else None
     launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim or width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
-             q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), _ptr(words), words_per_row,
+             q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), *to[:5], _ptr(store.words), words_per_row,
              _ptr(token_lo), _ptr(token_hi), _ptr(found)))
-    store.words.index_put_(target, words)
-    if per_token:
-        store.token["lo"].index_put_(target, token_lo)
-        store.token["hi"].index_put_(target, token_hi)
-    if keep:
-        _place_outliers(store, seqs, starts, counts, x, target, found, tables, token_lo, token_hi)
+    if keep and step:
+        _place_step_outliers(store, seqs, x, to, tables, token_lo, token_hi)
+    elif keep:
+        _place_outliers(store, seqs, starts, counts, x, to, found, tables, token_lo, token_hi)
 
 
-def _place_outliers(store: PackedRows, seqs, starts, counts, x, target, found, tables, token_lo, token_hi) -> None:
-    """Write the outliers that append_codebook counted (found: per row of x and KV head) into each (sequence, KV
-    head) run after its own, and the offsets of the tiles this append starts, with device ops only: where a row's
+def _row_target(store: PackedRows, target: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """append.cu's RowTarget of rows (sequence, row) = target in `store`: the two index arrays, the words' sequence
+    stride and the per-token parameters' sequence, row and column strides (0 where it keeps none), in elements."""
+    parameters = next(iter(store.token.values()), None)
+    strides = parameters.stride() if parameters is not None else (0, 0, 0)
+    if store.words.stride(1) != store.words.shape[2]:
+        raise KvcalError("the append kernels write the body's words as contiguous rows")
+    return (_ptr(target[0]), _ptr(target[1]), np.int64(store.words.stride(0)), *map(np.int64, strides))
+
+
+def _place_step_outliers(store: PackedRows, seqs, x, to, tables, token_lo, token_hi) -> None:
+    """A decode step's outliers (row i: the one new row of sequence seqs[i]; to: its _row_target): one launch finds,
+    places and counts them on the device (append_codebook_outliers_step), the host only growing the arrays for an
+    upper bound."""
+    rows, width = x.shape
+    store.reserve_outlier_room(seqs, [[store.head_dim] * store.kv_heads] * rows)
+    launch(_function("append.cu", "append_codebook_outliers_step"), (rows,), (32,),
+            (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
+             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), to[0], to[1], to[3], to[4],
+             _ptr(store.outlier_count), _ptr(store.outlier_offsets), np.int32(store.outlier_offsets.shape[2]),
+             np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions), _ptr(store.outlier_values)))
+    store.snapshot_outlier_count()
+
+
+def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, tables, token_lo, token_hi) -> None:
+    """Write the outliers that append_codebook counted (found: per row of x and KV head; to: the rows' _row_target)
+    into each (sequence, KV head) run after its own, and the offsets of the tiles this append starts: where a row's
     outliers of a head go is the run's count before the append plus the group's earlier rows' outliers of that head."""
     rows, width = x.shape
     device = x.device
-    heads = store.kv_heads
     row_ends = torch.cumsum(found, 0, dtype=torch.int32)
     row_firsts = row_ends - found  # per (row, head): the outliers of earlier rows of x
     # per group (sequence): its first and last row in x
@@ -291,21 +311,15 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, target, found, t
     tiles = upload(np.stack([tile_group, np.array(seqs, dtype=np.int64)[tile_group], tile, tile_rows]), device)
     group_firsts = row_firsts.index_select(0, groups[0])  # (groups, heads)
     per_group = row_ends.index_select(0, groups[1]) - group_firsts
-    if max(counts) <= 1:  # a decode step: an upper bound, nothing read back
-        most = [[c * store.head_dim] * heads for c in counts]
-    else:  # a bulk append: the exact numbers, read once
-        most = per_group.tolist()
+    most = per_group.tolist()  # a bulk append: the exact numbers, read once
     store.reserve_outlier_room(seqs, most)
     before = store.outlier_count.index_select(0, groups[2])  # (groups, heads): each run's count before this append
     # where row r's outliers of head h start in their run, less r's outliers of heads before h (the kernel adds the rank in r)
     first_slot = (before - group_firsts).index_select(0, group_of_row) + row_firsts - (torch.cumsum(found, 1, dtype=torch.int32) - found)
-    sequence_of_row = groups[2].index_select(0, group_of_row).to(torch.int32)
-    row_in_sequence = target[1].to(torch.int32)
     launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
-             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), _ptr(sequence_of_row), _ptr(row_in_sequence),
-             _ptr(first_slot), np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions),
-             _ptr(store.outlier_values)))
+             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), to[0], to[1], to[3], to[4], _ptr(first_slot),
+             np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions), _ptr(store.outlier_values)))
     # a started tile's offset: its run's count before the tile's first row
     offsets = before.index_select(0, tiles[0]) + row_firsts.index_select(0, tiles[3]) - group_firsts.index_select(0, tiles[0])
     store.outlier_offsets[tiles[1], :, tiles[2]] = offsets
