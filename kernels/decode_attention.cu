@@ -21,6 +21,7 @@
 // position in its tile and an fp16 value, and adds them as corrections. No search, no other head's outliers.
 // Nothing dequantized is written to memory; partial (output, lse) per split go to out/lse_partial.
 #include "common.cuh"
+#include "merge.cuh"
 
 #define WARPS 4
 #define THREADS (WARPS * 32)
@@ -565,22 +566,9 @@ __global__ void __launch_bounds__(THREADS, 2) decode_attention(
     }
 }
 
-// out (rows, D) = the splits' outputs weighted by 2^(lse - max lse); rows without any token give 0. The one merge of
-// both decode kernels' splits (this kernel's and decode_attention_tc.cu's, whose empty splits also write 0 and -inf).
+// out (rows, D): merge.cuh's merge of each row's splits, one block a row. The merge of the CUDA-core kernel's splits
+// (and of decode_attention_tc.cu's where that kernel does not merge them itself).
 extern "C" __global__ void merge_splits(const float* __restrict__ out_partial, const float* __restrict__ lse_partial,
                                         float* __restrict__ out, int splits, int head_dim) {
-    const long long row = blockIdx.x;
-    float m_all = -KVCAL_INF;
-    for (int s = 0; s < splits; ++s) m_all = fmaxf(m_all, lse_partial[row * splits + s]);
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float total = 0.0f, value = 0.0f;
-        if (m_all != -KVCAL_INF) {
-            for (int s = 0; s < splits; ++s) {
-                const float weight = exp2f(lse_partial[row * splits + s] - m_all);
-                total += weight;
-                value += weight * out_partial[(row * splits + s) * head_dim + c];
-            }
-        }
-        out[row * head_dim + c] = total > 0.0f ? value / total : 0.0f;
-    }
+    merge_split_row(out_partial, lse_partial, out, blockIdx.x, splits, head_dim, threadIdx.x, blockDim.x);
 }

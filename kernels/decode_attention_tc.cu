@@ -4,6 +4,7 @@
 // kvcal/runtime/tensor_core.py launches it. Its design (block and warp roles, the matrix mapping, how each codec's
 // codes become mma fragments, pre-RoPE rotation, outliers) is written out in docs/kernels.md.
 #include "intrinsics.cuh"
+#include "merge.cuh"
 
 namespace tc {
 
@@ -445,6 +446,28 @@ __device__ __forceinline__ float e4m3_to_float(unsigned x) {
     return half_to_float((unsigned short)((x & 0x7Fu) << 7 | (x & 0x80u) << 8)) * 256.0f;
 }
 
+// The fused split merge: each block arrives at its (sequence, KV head)'s counter (arrivals[run]) once its split is
+// written; the last of the launch's blocks to arrive merges every split slot of the KV head's GQA query heads into
+// out (the slots earlier launches wrote are done: they ran before this one on the stream) and sets the counter back
+// to 0 for the next launch. flag: a shared word no thread reads any more.
+template <int GQA, int D>
+__device__ __forceinline__ void merge_when_last(const float* out_partial, const float* lse_partial, float* out,
+                                                unsigned* arrivals, int kv_heads, int total_splits, unsigned* flag) {
+    const long long run = (long long)blockIdx.z * kv_heads + blockIdx.y;  // (sequence, KV head)
+    __threadfence();  // this thread's writes of the split are visible device-wide before the block counts as arrived
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const bool last = atomicAdd(arrivals + run, 1u) == gridDim.x - 1;
+        if (last) arrivals[run] = 0u;
+        *flag = last;
+    }
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();  // acquire: the loads below see every split the arrivals counted (the PTX memory model's fence-fence
+                      // synchronization through the counter), not lines an earlier read left in this SM's L1
+    for (int h = 0; h < GQA; ++h) merge_split_row(out_partial, lse_partial, out, run * GQA + h, total_splits, D, threadIdx.x, THREADS);
+}
+
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
@@ -466,7 +489,9 @@ __device__ __forceinline__ float e4m3_to_float(unsigned x) {
 // kp_seq / kp_row of a sequence and a group's run, in elements: fp8 ones are bytes). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
-// kernel fills the others: kvcal.runtime.kernels.prepare_decode).
+// kernel fills the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
+// launch merges all total_splits slots into it (tc::merge_when_last; arrivals (batch, kv_heads) uint32, zero before
+// the launch and after it).
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
 __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
@@ -480,7 +505,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int* __restrict__ value_outlier_counts, long long k_seq, long long k_row, long long v_seq, long long v_row,
     long long kp_seq, long long kp_row, long long vp_seq, long long vp_group, long long k_outlier_run, long long k_offset_run,
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
-    float scale_log2) {
+    float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
@@ -504,6 +529,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     if (start >= end || end <= visible) {  // an empty split (a short sequence, or before a window): nothing to merge
         for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * total_splits + slot) * D + i % D] = 0.0f;
         if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -__int_as_float(0x7f800000);
+        if (out != nullptr)
+            merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
+                                    reinterpret_cast<unsigned*>(smem_words));
         return;
     }
     const int tiles = (end - start + ST - 1) / ST;
@@ -1526,4 +1554,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;
         if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = most + lg2(total);
     }
+    if (out != nullptr)
+        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
+                                reinterpret_cast<unsigned*>(smem_words));
 }

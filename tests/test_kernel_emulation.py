@@ -221,7 +221,6 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
     assert set(callers) <= {"_refresh_bound"}, callers
 
 
-
 def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but_the_count_snapshot(on_cpu, head_dim_64_bundles):
     """A decode step's outliers are found, placed and counted by one launch per side
     (append_codebook_outliers_step): against the same nuq4 recipe without outliers, its torch operations add only
@@ -236,6 +235,7 @@ def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but
     # the snapshot: a copy (clone on CPU), and the previous one read into the bound (tolist)
     assert with_outliers - without == collections.Counter(
         {"aten::clone": layers_and_sides, "aten::resolve_conj": layers_and_sides, "aten::resolve_neg": layers_and_sides})
+
 
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
 # and kivi2-g32 (post-RoPE int4 / int2 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE
@@ -326,9 +326,13 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
     keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, and with an 8-token
     fp16 window that the CUDA-core kernel serves), on a left-padded
-    batch, give the reference runtime's logits; so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0)."""
+    batch, give the reference runtime's logits, the tensor-core launch merging both kernels' splits (no merge launch);
+    so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""
     from conftest import tiny_model
 
+    merges = []
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda function, *args: (merges.append(function == "merge_splits"), launch(function, *args)))
     head_dim = TENSOR_CORE_VARIANTS[recipe].head_dim
     model = tiny_model("llama", head_dim=head_dim)
     bundle = head_dim_128_kvquant_bundle if head_dim == 128 else head_dim_64_bundles[recipe]
@@ -341,9 +345,11 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
         assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"tensor-core"}  # as planned
         assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
         assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
+        assert not any(merges)
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert all(layer.decode_path == "cuda-core" for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
+        assert sum(merges) == 10 * len(cache.layers)
         assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"cuda-core"}
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)

@@ -27,7 +27,7 @@ from helpers import requires_gpu
 from helpers.tensor_core_emulation import build, symbol
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
-from kvcal.runtime import kernel_source, tensor_core
+from kvcal.runtime import kernel_source, kernels, tensor_core
 from kvcal.runtime.store import Fp16Rows, PackedRows
 from kvcal.runtime.tensor_core import Variant
 
@@ -257,22 +257,15 @@ def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_spl
     meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions, visible), dtype=torch.int32)
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
+    out = torch.full((batch, heads, d), float("nan"))
+    arrivals = kernels.arrival_counters(batch, KV_HEADS, "cpu")
     ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, 0, out_partial,
-                               lse_partial, meta, inv_freq, attention_scaling)
+                               lse_partial, meta, inv_freq, attention_scaling, merge=(out, arrivals))
     args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
     assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS, rope=rope is not None) == v
     getattr(lib, symbol(v))(splits, KV_HEADS, batch, *args)
-    return merged(out_partial, lse_partial)
-
-
-def merged(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> torch.Tensor:
-    """The splits merged as the runtime's merge kernel does (decode_attention.cu's merge_splits, emulated in
-    tests/test_kernel_emulation.py): outputs weighted by 2^(lse - max lse), zeros where no split saw a token."""
-    most = lse_partial.amax(-1, keepdim=True)
-    weight = torch.where(lse_partial == float("-inf"), 0.0, torch.exp2(lse_partial - most))
-    total = weight.sum(-1, keepdim=True)
-    out = (weight[..., None] * torch.where(weight[..., None] > 0, out_partial, 0.0)).sum(-2) / total.clamp(min=1e-30)
-    return torch.where(total > 0, out, 0.0)
+    assert not arrivals.any(), "the merging block sets its counter back to zero"
+    return out
 
 
 def rope_of(codec: str, head_dim: int, batch: int):

@@ -14,11 +14,13 @@ without blocking (kvcal.runtime.store.upload); a store's descriptor is uploaded 
 buffers moved (Segments.descriptor); what the layers of a step share (position offsets, RoPE frequencies,
 per-sequence lengths of layers with the same layout, scratch buffers) is made once per step (DecodeStep);
 appends encode the batch's rows with one launch straight into the stores (per-channel key blocks, which leave
-the fp16 segment a whole block at a time, through a staging area scattered into them); the outlier kernel writes straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on
-the device, the host sizing the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room);
-in a decode step one launch per side finds, places and counts them (no torch operation places them). Only a bulk
-append (a prefill, more than one token of a sequence) reads the number of outliers it made per (sequence, KV
-head), to size the arrays exactly.
+the fp16 segment a whole block at a time, through a staging area scattered into them); the outlier kernel writes
+straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on the device, the host sizing
+the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room); in a decode step one launch
+per side finds, places and counts them (no torch operation places them). Only a bulk append (a prefill, more than
+one token of a sequence) reads the number of outliers it made per (sequence, KV head), to size the arrays exactly.
+The tensor-core kernel merges a step's splits itself (its last block per sequence and KV head); merge_splits
+serves the layers it does not.
 """
 
 from __future__ import annotations
@@ -437,10 +439,16 @@ class Segments:
         return self.describe("device", lambda: upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64))
 
 
+def arrival_counters(batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The tensor-core kernel's fused-merge counters, one per (sequence, KV head), zero (each launch that merges leaves
+    them so: decode_attention_tc.cu's merge_when_last)."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+
+
 class DecodeStep:
     """What the decode-attention launches of every layer of one step share, made once: the position offsets and
     RoPE frequencies on the device, per-sequence lengths per store layout (layers with the same segment lengths
-    share one upload) and the split scratch buffers."""
+    share one upload), the split scratch buffers and the fused merge's counters."""
 
     def __init__(self, device):
         self.device = device
@@ -466,6 +474,9 @@ class DecodeStep:
             return freq.to(self.device, torch.float32).contiguous()
         return self.shared(("freq", None if inv_freq is None else inv_freq.data_ptr(), head_dim), make)
 
+    def arrivals(self, batch: int, kv_heads: int) -> torch.Tensor:
+        return self.shared(("arrivals", batch, kv_heads), lambda: arrival_counters(batch, kv_heads, self.device))
+
     def scratch(self, batch: int, heads: int, splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.shared(("scratch", batch, heads, splits, head_dim), lambda: (
             torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=self.device),
@@ -485,7 +496,8 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     step: what the layers of a decode step share (made here when None); position_offset: each sequence's position of its
     first stored token.
     served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
-    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once.
+    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once: by the
+    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`)."""
@@ -536,8 +548,9 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
     tensor_core_launches = []
-    for splits, bind in body_plans:
-        tensor_core_launches.append(bind(slot, out_partial, lse_partial))
+    for i, (splits, bind) in enumerate(body_plans):  # the last merges every slot
+        merge = (out, step.arrivals(batch, kv_heads)) if i == len(body_plans) - 1 else None
+        tensor_core_launches.append(bind(slot, out_partial, lse_partial, merge))
         slot += splits
 
     def run() -> torch.Tensor:
@@ -552,8 +565,9 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
             slot += splits
         for launch_tensor_core in tensor_core_launches:
             launch_tensor_core()
-        launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
-               (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
+        if not tensor_core_launches:
+            launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
+                   (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
         return out
 
     return run

@@ -9,11 +9,12 @@ pass inv_freq and each sequence's first position), at head_dim 256 codebook and 
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
 (kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
-holds alone, to the CUDA-core kernel, and merges both kernels' splits once). Outliers are served with pre-RoPE keys
-(KVQuant's recipe); post-RoPE codebook keys with outliers stay with the CUDA-core kernel. `operands` maps two stores
-to the kernel's arguments (the CPU emulation in tests/helpers/tensor_core_emulation.py calls the same kernel with the
-same arguments); `decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split
-over the sequence, and merges the splits with the CUDA-core module's `merge_splits` (tests and benchmarks).
+holds alone, to the CUDA-core kernel, launched first, so that the last tensor-core launch merges both kernels'
+splits). Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
+the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the CPU emulation in
+tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments); `decode_attention_tc` launches
+it alone over two stores with CuPy on torch's current stream, split over the sequence, the last block of each
+(sequence, KV head) merging the splits (tests and benchmarks): one launch.
 """
 
 from __future__ import annotations
@@ -434,11 +435,13 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
 
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
-             attention_scaling: float = 1.0, constants: dict | None = None) -> tuple:
+             attention_scaling: float = 1.0, constants: dict | None = None, merge: tuple | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
     (batch, 7) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
-    (made here when None). Tensors must be contiguous and on the kernel's device."""
+    (made here when None). merge: (out, arrivals) where the launch merges every slot into out (batch, heads,
+    head_dim) float32 (the kernel's fused merge; arrivals: kvcal.runtime.kernels.arrival_counters), None where it
+    leaves the slots. Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
     if constants is None:
@@ -469,7 +472,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
     return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, *k_outliers[:4],
             *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads,
-            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E))
+            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E), *(merge or (None, None)))
 
 
 def _outlier_operands(store) -> tuple:
@@ -562,7 +565,7 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
                       per_split: int | None = None, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
                       positions: list[int] | None = None):
     """Everything on the host (variant, split plan, buffers, arguments); returns the function that launches the
-    kernel and the merge and returns (batch, heads, head_dim) float32. Benchmarks time that function alone.
+    kernel (which merges its splits) and returns (batch, heads, head_dim) float32. Benchmarks time that function alone.
     inv_freq: the keys are pre-RoPE, each sequence's first row at positions[b] (default 0)."""
     batch, heads, head_dim = query.shape
     if heads % kv_heads:
@@ -583,16 +586,14 @@ def prepare_decode_tc(query: torch.Tensor, keys, values, kv_heads: int, scaling:
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=device)
     lse_partial = torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
+    arrivals = kernels.arrival_counters(batch, kv_heads, device)
     args_source = operands(query, keys, values, kv_heads, scaling, per_split, 0, out_partial, lse_partial, meta, inv_freq,
-                           attention_scaling)
+                           attention_scaling, merge=(out, arrivals))
     args = tuple(_arg(x) for x in args_source)
     kernel = _function(v.name, shared)
-    merge = kernels._function("decode_attention.cu", "merge_splits")
 
     def run() -> torch.Tensor:
         kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
-        kernels.launch(merge, (batch * heads,), (head_dim,), (np.uint64(out_partial.data_ptr()), np.uint64(lse_partial.data_ptr()),
-                                                         np.uint64(out.data_ptr()), np.int32(splits), np.int32(head_dim)))
         return out
 
     run.splits, run.per_split = splits, per_split
@@ -636,10 +637,11 @@ class ServedBody:
 
     def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step,
                 visible: list[int] | None = None):
-        """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial) -> the function that
-        launches it. query: float32 (batch, heads, head_dim) on the device; positions: of each sequence's first live body
-        row; step: the decode step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first
-        live body row the query sees (a sliding window; default 0)."""
+        """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial, merge=None) -> the
+        function that launches it (merge: `operands`' (out, arrivals) where it merges every slot). query: float32
+        (batch, heads, head_dim) on the device; positions: of each sequence's first live body row; step: the decode
+        step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first live body row the
+        query sees (a sliding window; default 0)."""
         batch, heads, head_dim = query.shape
         v, device = self.variants[heads // kv_heads], query.device
         shared = v.shared_bytes()
@@ -653,9 +655,9 @@ class ServedBody:
         constants = self._constants[key]
         kernel = _function(v.name, shared)
 
-        def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor):
+        def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
             source = operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset, out_partial, lse_partial,
-                              meta, self.inv_freq, self.attention_scaling, constants)
+                              meta, self.inv_freq, self.attention_scaling, constants, merge)
             args = tuple(_arg(x) for x in source)
 
             def launch() -> None:

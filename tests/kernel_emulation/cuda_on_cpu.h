@@ -225,11 +225,13 @@ inline void __sincosf(float x, float* s, float* c) {
     *c = cosf(x);
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline int atomicAdd(int* address, int value) {  // fibers never interleave inside a call
-    const int old = *address;
+template <typename T>
+inline T atomicAdd(T* address, T value) {  // fibers never interleave inside a call
+    const T old = *address;
     *address = old + value;
     return old;
 }
+inline void __threadfence() {}  // one block runs at a time: what it wrote is visible to the blocks after it
 
 inline float half_to_float(unsigned short h) {
     _Float16 f;
