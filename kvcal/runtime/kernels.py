@@ -545,7 +545,8 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
                       math.ceil(longest / per_split)))
     slot = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
     total = slot + sum(splits for splits, _ in body_plans)
-    out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=device)
+    # the merge writes every row (zeros where no split saw a token); without a launch, the output is zeros
+    out = (torch.empty if total else torch.zeros)(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
     tensor_core_launches = []
     for i, (splits, bind) in enumerate(body_plans):  # the last merges every slot
