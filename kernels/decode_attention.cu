@@ -22,6 +22,7 @@
 // Nothing dequantized is written to memory; partial (output, lse) per split go to out/lse_partial.
 #include "common.cuh"
 #include "merge.cuh"
+#include "segments.cuh"
 
 #define WARPS 4
 #define THREADS (WARPS * 32)
@@ -29,18 +30,6 @@
 // left ptxas too few registers there: spills)
 template <int D>
 constexpr int GMAX = D == 256 ? 4 : 8;
-
-// Fields of one side (K or V) in the int64 descriptor array written by kvcal/runtime/kernels.py.
-enum SideField {
-    SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
-    PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8, SIDE_FIELDS
-};
-// Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS): sink tokens, body tokens, the
-// recent segment's first live row, recent tokens, the body's first live row (a sliding window drops rows from its
-// front), the body rows another kernel serves, the sequence's first token the query sees (a sliding window; the
-// tokens before it weigh nothing).
-enum MetaField { M_SINK, M_BODY, M_HEAD, M_RECENT, M_BODY_HEAD, M_SKIP, M_FIRST, META_FIELDS };
 
 struct Side {
     const half_bits* sink; long long sink_stride;

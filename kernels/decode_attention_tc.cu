@@ -5,6 +5,7 @@
 // codes become mma fragments, pre-RoPE rotation, outliers) is written out in docs/kernels.md.
 #include "intrinsics.cuh"
 #include "merge.cuh"
+#include "segments.cuh"
 
 namespace tc {
 
@@ -35,11 +36,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 __device__ __forceinline__ float lg2(float x) { return log2f(x); }
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     unsigned d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // the first source goes to the upper half
@@ -442,7 +438,7 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
 
 // fp8 e4m3 (finite) -> float: its 7 magnitude bits placed as an fp16's (exponent bias 15 against 7), times 2^8; exact,
 // subnormals included.
-__device__ __forceinline__ float e4m3_to_float(unsigned x) {
+__device__ __forceinline__ float e4m3_by_half(unsigned x) {
     return half_to_float((unsigned short)((x & 0x7Fu) << 7 | (x & 0x80u) << 8)) * 256.0f;
 }
 
@@ -491,7 +487,9 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
 // kernel fills the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
 // launch merges all total_splits slots into it (tc::merge_when_last; arrivals (batch, kv_heads) uint32, zero before
-// the launch and after it).
+// the launch and after it). The grid's last segment_splits blocks along x are segment blocks: they attend the fp16
+// rows beside the body (segments::attend_fp16_rows over the decode launch's descriptor and meta, segment_positions
+// the position of each sequence's first stored token) into the slots after the body's splits.
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
 __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
@@ -505,7 +503,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int* __restrict__ value_outlier_counts, long long k_seq, long long k_row, long long v_seq, long long v_row,
     long long kp_seq, long long kp_row, long long vp_seq, long long vp_group, long long k_outlier_run, long long k_offset_run,
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
-    float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals) {
+    float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals, const long long* __restrict__ segment_descriptor,
+    const int* __restrict__ segment_meta, const int* __restrict__ segment_positions, int segment_splits) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
@@ -521,6 +520,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
     unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
 
+    if ((int)blockIdx.x >= (int)gridDim.x - segment_splits) {  // a segment block: the fp16 rows beside the body
+        static_assert(segments::SHARED_BYTES<GQA, D> <= S::SMEM_BYTES, "the segment blocks work in the body's shared memory");
+        segments::attend_fp16_rows<GQA, D, ROPE>(query, segment_descriptor, segment_meta, segment_positions, inv_freq, out_partial,
+                                                 lse_partial, blockIdx.z, blockIdx.y, kv_heads, blockIdx.x - (gridDim.x - segment_splits),
+                                                 split_offset + blockIdx.x, total_splits, scale_log2, smem);
+        if (out != nullptr)
+            merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
+                                    reinterpret_cast<unsigned*>(smem_words));
+        return;
+    }
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int first = meta[META * b], v_first = meta[META * b + 6], length = meta[META * b + 1], visible = meta[META * b + 5];
@@ -892,7 +901,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (S::PARAM_BYTES == 1) {
                 const unsigned word = *reinterpret_cast<const unsigned*>(at);
 #pragma unroll
-                for (int i = 0; i < ROUND; ++i) out[i] = e4m3_to_float((unsigned char)(word >> (8 * i)));
+                for (int i = 0; i < ROUND; ++i) out[i] = e4m3_by_half(word >> (8 * i));
             } else {
                 const uint2 words = *reinterpret_cast<const uint2*>(at);
 #pragma unroll

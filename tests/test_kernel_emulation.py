@@ -276,8 +276,10 @@ HEAD_DIM_256_VARIANTS = {"kivi4-g32": Variant(256, 4, 32, 32, 2),
                          "nuq4-1%": Variant(256, 4, 0, 256, 2, rope=True, codebook=True, outliers=True)}
 # and GQA 16, in two passes of 8 query heads: kivi4-sink4's case and a tiny Llama with one KV head of 64 under KIVI-4 g32
 GQA_16_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 8), "kivi4-g32": Variant(64, 4, 32, 32, 8)}
+# and the nuq3 case with a 300-token fp16 window, at GQA 1 and 8
+LONG_WINDOW_VARIANTS = {group: Variant(128, 3, 0, 128, group, rope=True, codebook=True, outliers=True) for group in (1, 8)}
 EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
-                     *HEAD_DIM_256_VARIANTS.values(), *GQA_16_VARIANTS.values())
+                     *HEAD_DIM_256_VARIANTS.values(), *GQA_16_VARIANTS.values(), *LONG_WINDOW_VARIANTS.values())
 
 
 @pytest.fixture(scope="session")
@@ -285,14 +287,24 @@ def tensor_core_library():
     return tensor_core_emulation.build(list(dict.fromkeys(EMULATED_VARIANTS)))  # kvquant-w8 shares kvquant's
 
 
+class Launches(list):
+    """The tensor-core kernel's launches (variant names); cuda_core: the CUDA-core decode kernel's."""
+
+    def __init__(self):
+        super().__init__()
+        self.cuda_core = []
+
+
 @pytest.fixture
 def with_tensor_cores(on_cpu, tensor_core_library, monkeypatch):
-    """on_cpu, plus the tensor-core kernel emulated; returns the list of its launches (variant names)."""
+    """on_cpu, plus the tensor-core kernel emulated; returns its launches (Launches)."""
     emulated = kernels.launch
-    launched = []
+    launched = Launches()
 
     def launch(function: str, grid: tuple, block: tuple, args: tuple, shared: int = 0) -> None:
         if not function.startswith("decode_tc<"):
+            if function.startswith("decode_attention<"):
+                launched.cuda_core.append(function)
             return emulated(function, grid, block, args, shared)
         variant = next(v for v in EMULATED_VARIANTS if v.name == function)
         launched.append(function)
@@ -325,9 +337,10 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
     keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, and with an 8-token
-    fp16 window that the CUDA-core kernel serves), on a left-padded
-    batch, give the reference runtime's logits, the tensor-core launch merging both kernels' splits (no merge launch);
-    so does the CUDA-core kernel alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""
+    fp16 window), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the
+    splits (no merge launch) and, where both sides keep the same tokens fp16 (every recipe here but KIVI's, whose keys
+    wait in fp16 for a whole block), attending the fp16 rows itself: no CUDA-core launch. So does the CUDA-core kernel
+    alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""
     from conftest import tiny_model
 
     merges = []
@@ -346,6 +359,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
         assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
         assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
         assert not any(merges)
+        assert bool(with_tensor_cores.cuda_core) == recipe.startswith("kivi")
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert all(layer.decode_path == "cuda-core" for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
@@ -431,16 +445,29 @@ def test_emulated_tensor_core_kernel_from_an_empty_cache_stays_within_the_gpu_te
 @pytest.mark.parametrize("lengths", ("3", "short"))
 @pytest.mark.parametrize("case", SERVED_CASES)
 def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference(with_tensor_cores, case, lengths):
-    """The kernel cases the tensor-core kernel serves, split between it (the body rows K and V both hold) and the
-    CUDA-core kernel (sinks, windows, residuals, the rows one side holds alone), at the edge lengths, with sequences
-    far from position 0: the reference's attention."""
+    """The kernel cases the tensor-core kernel serves, at the edge lengths, with sequences far from position 0: the
+    reference's attention. The tensor-core launch takes the body rows K and V both hold and, where both sides keep the
+    same tokens fp16 (sinks, windows: all but KIVI's), those rows too in its segment blocks; the CUDA-core kernel
+    the rest (KIVI's residuals and the rows one side holds alone)."""
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
     rows = []
     decode = functools.partial(served_decode, rows=rows)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
-    assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name}
-    assert bool(with_tensor_cores) == any(rows) and (any(rows) or lengths != SHORT)  # the short batch reaches the body
+    kivi = case.startswith("kivi")
+    assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name} and bool(with_tensor_cores) == (any(rows) or not kivi)
+    assert any(rows) or lengths != SHORT  # the short batch reaches the body
+    assert bool(with_tensor_cores.cuda_core) == kivi
+
+
+@pytest.mark.parametrize("group", LONG_WINDOW_VARIANTS)
+def test_emulated_tensor_core_launch_attends_fp16_windows_of_several_segment_blocks(with_tensor_cores, group):
+    """4 fp16 sinks and a 300-token fp16 window (3 segment blocks of 128 rows per sequence; a sequence of 20 tokens
+    with no body) beside nuq3 bodies, GQA 1 and 8, sequences far from position 0: one tensor-core launch, no CUDA-core
+    launch, the reference's attention."""
+    (key_store, value_store), pre_rope = filled("nuq3-prerope-sink4-window300", [700, 304, 20], device="cpu")
+    compare(key_store, value_store, 3, group=group, pre_rope=pre_rope, device="cpu", decode=served_decode, atol=SERVED_TOLERANCE)
+    assert with_tensor_cores == [LONG_WINDOW_VARIANTS[group].name] and not with_tensor_cores.cuda_core
 
 
 @pytest.mark.parametrize(("case", "window"), (("kivi4-sink4", 64), ("kivi4-sink4", 192), ("nuq3-prerope-sink4-window", 150),
@@ -489,8 +516,9 @@ def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(with_
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     plans = backends.bundle_plan(bundle, "cuda")
-    assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "16 query heads per KV head in 2 passes of 8 or fewer "
-                                                                  "(each reads the cache)")}
+    assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "fp16 rows on CUDA cores: K and V keep different tokens "
+                                                                  "fp16; 16 query heads per KV head in 2 passes of 8 or "
+                                                                  "fewer (each reads the cache)")}
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (tests above)
 
 

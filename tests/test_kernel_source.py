@@ -48,10 +48,10 @@ def test_the_cpu_kernel_extends_the_cuda_kernels_descriptor_and_codecs():
     """The host reads every number from the kernels' enums (kernel_source.enum_members); the CPU kernel reads the
     CUDA kernel's descriptor and codec ids with fields and codecs of its own after them, so its enums must begin
     with theirs."""
-    cuda_fields = [name for name in kernel_source.enum_members("decode_attention.cu", "SideField") if name != "SIDE_FIELDS"]
+    cuda_fields = [name for name in kernel_source.enum_members("segments.cuh", "SideField") if name != "SIDE_FIELDS"]
     cpu_fields = list(kernel_source.enum_members("decode_attention_cpu.cpp", "SideField"))
     assert cpu_fields[:len(cuda_fields)] == cuda_fields and cpu_fields[-1] == "SIDE_FIELDS"
-    cuda_meta = list(kernel_source.enum_members("decode_attention.cu", "MetaField"))
+    cuda_meta = list(kernel_source.enum_members("segments.cuh", "MetaField"))
     assert list(kernel_source.enum_members("decode_attention_cpu.cpp", "MetaField"))[:4] == cuda_meta[:4]
     codecs = kernel_source.enum_members("common.cuh", "Codec")
     assert list(kernel_source.enum_members("decode_attention_cpu.cpp", "Codec").items())[:len(codecs)] == list(codecs.items())

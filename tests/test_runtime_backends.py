@@ -36,10 +36,13 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}
     assert {(p.key_append, p.value_append) for p in plan["kvquant"]} == {("cuda-append", "cuda-append")}
-    assert {p.fp16_segments for p in plan["kvquant"]} == {"cuda-core"}  # its sink: a second launch
-    assert {p.fp16_segments for p in plan["nuq4-0%"]} == {"cuda-core"}
+    # its sink: fp16 rows of both sides, in the tensor-core launch
+    assert {p.fp16_segments for p in plan["kvquant"]} == {p.fp16_segments for p in plan["nuq4-0%"]} == {"tensor-core"}
     kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant
     assert kivi.bodies == "cuda-core" and kivi.why.startswith("not tensor-core: int2 per channel g4 / int2 per token g4: ")
+    kivi4 = backends.bundle_plan(load_bundle(head_dim_64_bundles["kivi4-g32"]), "cuda")[0]  # keys wait fp16 for a block
+    assert (kivi4.bodies, kivi4.fp16_segments) == ("tensor-core", "cuda-core")
+    assert kivi4.why == "fp16 rows on CUDA cores: K and V keep different tokens fp16"
     skvq = backends.bundle_plan(load_bundle(head_dim_64_bundles["skvq"]), "cuda")[0]  # SKVQ's permuted groups
     assert (skvq.bodies, skvq.key_append, skvq.value_append) == ("tensor-core", "cuda-append", "cuda-append")
     tiny = backends.bundle_plan(load_bundle(recipe_bundles["skvq"]), "cuda")[0]  # head_dim 16
@@ -54,7 +57,8 @@ def test_no_recipe_falls_to_the_torch_reference_on_cuda(head_dim_64_bundles):
 
     for recipe in registry.recipes():
         for plan in backends.bundle_plan(load_bundle(head_dim_64_bundles[recipe]), "cuda"):
-            assert plan.bodies in ("tensor-core", "cuda-core") and plan.fp16_segments in ("cuda-core", "-"), (recipe, plan)
+            assert plan.bodies in ("tensor-core", "cuda-core"), (recipe, plan)
+            assert plan.fp16_segments in ("tensor-core", "cuda-core", "-"), (recipe, plan)
 
 
 def test_an_unknown_device_is_refused(recipe_bundles):

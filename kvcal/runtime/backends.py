@@ -282,6 +282,14 @@ def _has_fp16_segments(recipe) -> bool:
                 or recipe.format.body_block(recipe, keys=True) > 1)
 
 
+def _fp16_rows_alike(recipe) -> bool:
+    """Whether K and V keep the same tokens fp16 (sinks, windows) at every step: no KIVI residual (values leave it
+    one at a time, keys a block at a time), no per-channel key blocks, equal RPC ratios."""
+    policy = recipe.format.policy(recipe)
+    blocks = {recipe.format.body_block(recipe, keys) for keys in (True, False)}
+    return not policy.residual and not policy.key_block and blocks == {1} and recipe.rpc_k == recipe.rpc_v
+
+
 def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     """Per layer of `bundle` (a kvcal.bundle.Bundle), what serves it on device_type "cpu" (this machine: whether
     the CPU kernel builds here counts) or "cuda" (any CUDA device with CuPy: what the kernels read, whether or not
@@ -303,9 +311,12 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
                 bodies, segments, why = "reference", "reference", f"not cuda-kernels: {refused}"
             else:
                 bodies = "tensor-core" if not any(body_refusals) else "cuda-core"
-                # the tensor-core kernel reads bodies only: fp16 rows go to a second, CUDA-core launch
-                segments = "cuda-core"
+                # the tensor-core launch attends the fp16 rows too where both sides keep the same tokens fp16; rows one
+                # side keeps packed and the other fp16 go to a second, CUDA-core launch
+                segments = "tensor-core" if bodies == "tensor-core" and _fp16_rows_alike(recipe) else "cuda-core"
                 why = "; ".join(f"not tensor-core: {reason}" for reason in body_refusals if reason)
+                if bodies == "tensor-core" and segments == "cuda-core" and _has_fp16_segments(recipe):
+                    why = "; ".join(filter(None, (why, "fp16 rows on CUDA cores: K and V keep different tokens fp16")))
                 passes = kernels.head_passes(heads // kv_heads, head_dim)
                 if len(passes) > 1:
                     why = "; ".join(filter(None, (why, f"{heads // kv_heads} query heads per KV head in {len(passes)} passes "

@@ -20,7 +20,8 @@ the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_roo
 per side finds, places and counts them (no torch operation places them). Only a bulk append (a prefill, more than
 one token of a sequence) reads the number of outliers it made per (sequence, KV head), to size the arrays exactly.
 The tensor-core kernel merges a step's splits itself (its last block per sequence and KV head); merge_splits
-serves the layers it does not.
+serves the layers it does not. It attends the fp16 sinks and windows too where K and V keep the same tokens fp16
+(its segment blocks): such a layer's step is one launch.
 """
 
 from __future__ import annotations
@@ -350,11 +351,12 @@ def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | No
 # ---------------------------------------------------------------------------------------------------------
 # decode attention
 
-# a side's descriptor and the per-sequence meta, field by field as decode_attention.cu's enums number them
-SideField = enum.IntEnum("SideField", src.enum_members("decode_attention.cu", "SideField"))
-MetaField = enum.IntEnum("MetaField", src.enum_members("decode_attention.cu", "MetaField"))
+# a side's descriptor and the per-sequence meta, field by field as segments.cuh's enums number them
+SideField = enum.IntEnum("SideField", src.enum_members("segments.cuh", "SideField"))
+MetaField = enum.IntEnum("MetaField", src.enum_members("segments.cuh", "MetaField"))
 SIDE_FIELDS, META_FIELDS = int(SideField.SIDE_FIELDS), int(MetaField.META_FIELDS)
 PARAMETERS = slice(SideField.PARAM0, SideField.PARAM_COLUMN + 1)  # what parameter_fields fills
+SEGMENT_SPLIT_TOKENS = src.enum_members("segments.cuh", "SegmentShape")["SEGMENT_SPLIT_TOKENS"]  # per segment block
 
 
 def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16Rows | None) -> list[int]:
@@ -497,7 +499,9 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     first stored token.
     served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
     and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once: by the
-    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits.
+    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits. Where the
+    served rows are all of both bodies and both sides' fp16 rows hold the same tokens (sinks, windows), the
+    tensor-core launch attends those rows too (its segment blocks) and the CUDA-core kernel has nothing to do.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`)."""
@@ -528,19 +532,27 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         sides = (segments.keys, segments.values)
         key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
         skip = served_body.rows(batch) if served_body is not None else [0] * batch
-        if any(skip):  # positions of the bodies' first live rows: past the sinks
+        body_heads = [[side[1].head[b] if side[1] is not None else 0 for b in range(batch)] for side in sides]
+        meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
+                         [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
+        # where the served body rows are all of both bodies and the two sides' fp16 rows hold the same tokens, the
+        # tensor-core launch's segment blocks attend those rows too: one launch for the layer
+        rows_too = served_body is not None and all(s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3]
+                                                   for s, k, v in zip(skip, key_lengths, value_lengths))
+        if any(skip) or rows_too:  # positions of the bodies' first live rows: past the sinks
             positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
             visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
-            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible))
+            fp16_rows = max((k[0] + k[3] for k in key_lengths), default=0)
+            segment_blocks = (segments.descriptor(device), meta, offsets, -(-fp16_rows // SEGMENT_SPLIT_TOKENS)) if rows_too else None
+            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
+            if rows_too:
+                continue
         longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
         wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
         per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
-        body_heads = [[side[1].head[b] if side[1] is not None else 0 for b in range(batch)] for side in sides]
-        meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
-                         [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
         plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
                       math.ceil(longest / per_split)))
     slot = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones

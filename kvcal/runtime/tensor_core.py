@@ -7,10 +7,10 @@ and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one 
 layers; KVmix's uniform 3-bit keys in "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
-The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold
-(kvcal.runtime.kernels.prepare_decode gives the rest, fp16 sinks, windows and residuals and the rows one side
-holds alone, to the CUDA-core kernel, launched first, so that the last tensor-core launch merges both kernels'
-splits). Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
+The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold, and its
+segment blocks the fp16 rows beside them where both sides keep the same tokens fp16 (kvcal.runtime.kernels.prepare_decode
+decides; otherwise the fp16 rows and the rows one side holds alone go to the CUDA-core kernel, launched first, so that
+the last tensor-core launch merges both kernels' splits). Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
 the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the CPU emulation in
 tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments); `decode_attention_tc` launches
 it alone over two stores with CuPy on torch's current stream, split over the sequence, the last block of each
@@ -435,13 +435,17 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
 
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
-             attention_scaling: float = 1.0, constants: dict | None = None, merge: tuple | None = None) -> tuple:
+             attention_scaling: float = 1.0, constants: dict | None = None, merge: tuple | None = None,
+             segments: tuple | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
     (batch, 7) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
     (made here when None). merge: (out, arrivals) where the launch merges every slot into out (batch, heads,
     head_dim) float32 (the kernel's fused merge; arrivals: kvcal.runtime.kernels.arrival_counters), None where it
-    leaves the slots. Tensors must be contiguous and on the kernel's device."""
+    leaves the slots. segments: (descriptor, meta, positions, splits) where the launch's last `splits` blocks along the
+    sequence attend the fp16 rows beside the body (a kvcal.runtime.kernels.Segments descriptor, the CUDA-core kernel's
+    meta, each sequence's position of its first stored token), into the slots after the body's; None: no segment
+    blocks. Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
     if constants is None:
@@ -455,7 +459,7 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     codebooks = constants.get("codebooks")
     if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
         ks, kz = constants["key_scale"], constants["key_zero"]
-        vs, vz = values.token["lo"], values.token["hi"]
+        vs, vz = values.token.get("lo"), values.token.get("hi")  # none yet in an empty body
     for t in (query, k_data, v_data, *(() if groups else (ks, kz)), meta, out_partial, lse_partial):  # (runs along the tokens: strides checked)
         if t is not None and t.numel() and not t.is_contiguous():
             raise KvcalError("the tensor-core kernel reads contiguous buffers")
@@ -472,7 +476,8 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
     return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, *k_outliers[:4],
             *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads,
-            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E), *(merge or (None, None)))
+            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E), *(merge or (None, None)),
+            *(segments or (None, None, None, 0)))
 
 
 def _outlier_operands(store) -> tuple:
@@ -636,12 +641,12 @@ class ServedBody:
                                               _leads(self.keys, self.values))]
 
     def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step,
-                visible: list[int] | None = None):
+                visible: list[int] | None = None, segments: tuple | None = None):
         """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial, merge=None) -> the
         function that launches it (merge: `operands`' (out, arrivals) where it merges every slot). query: float32
         (batch, heads, head_dim) on the device; positions: of each sequence's first live body row; step: the decode
         step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first live body row the
-        query sees (a sliding window; default 0)."""
+        query sees (a sliding window; default 0); segments: `operands`' segment blocks (their splits counted in)."""
         batch, heads, head_dim = query.shape
         v, device = self.variants[heads // kv_heads], query.device
         shared = v.shared_bytes()
@@ -654,10 +659,11 @@ class ServedBody:
             self._constants[key] = constant_operands(self.keys, self.values, head_dim, device, self.inv_freq)
         constants = self._constants[key]
         kernel = _function(v.name, shared)
+        splits += segments[3] if segments is not None else 0
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
             source = operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset, out_partial, lse_partial,
-                              meta, self.inv_freq, self.attention_scaling, constants, merge)
+                              meta, self.inv_freq, self.attention_scaling, constants, merge, segments)
             args = tuple(_arg(x) for x in source)
 
             def launch() -> None:

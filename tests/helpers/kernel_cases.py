@@ -56,6 +56,7 @@ CASES = {
     "kvmix-3bit-10x3+1x2-words": lambda: _uniform(3, 3, residual=0, layout="kvmix10x3+1x2"),
     "token-uniform-keys": lambda: (TokenUniform(2, G), TokenUniform(2, 128), SegmentPolicy(sink=4), 0.0, False, None),
     "nuq3-prerope-sink4-window": lambda: _codebook(3, 3, sink=4),
+    "nuq3-prerope-sink4-window300": lambda: _codebook(3, 3, sink=4, window=300),
     "nuq4-prerope-crowded-outliers": lambda: _codebook(4, 4, window=0, tail=0.3),
     "nuq2-postrope-mostly-empty-outlier-tiles": lambda: _codebook(2, 2, tail=0.0, pre_rope=False),
     "nuq3-per-token-keys": lambda: _codebook(3, 2, sink=4, per_token_keys=True),

@@ -12,9 +12,9 @@ from kvcal.runtime import kernel_source
 from kvcal.runtime.tensor_core import Variant
 
 EMULATION = Path(__file__).resolve().parents[1] / "kernel_emulation"
-# decode_tc's parameters: tensors, byte / element strides, ints, then the float scale and the fused merge's output and
-# arrival counters
-POINTERS, LONGS, INTS, MERGE = 21, 12, 4, 2
+# decode_tc's parameters: tensors, byte / element strides, ints, then the float scale, the fused merge's output and
+# arrival counters, and the segment blocks' descriptor, meta and positions and their count
+POINTERS, LONGS, INTS, MERGE, SEGMENTS = 21, 12, 4, 2, 3
 
 
 def symbol(v: Variant) -> str:
@@ -32,10 +32,11 @@ def driver(variants: list[Variant]) -> str:
             " const unsigned short* kov, const int* koo, const int* koc, const unsigned short* vop, const unsigned short* vov,"
             " const int* voo, const int* voc, long long a0, long long a1, long long a2, long long a3, long long a4, long long a5,"
             " long long a6, long long a7, long long a8, long long a9, long long a10, long long a11, int kvh, int per_split,"
-            " int split_offset, int total_splits, float scale, float* out, unsigned* arrivals) {"
+            " int split_offset, int total_splits, float scale, float* out, unsigned* arrivals, const long long* sd, const int* sm,"
+            " const int* sp, int segment_splits) {"
             f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
             " books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, kvh,"
-            " per_split, split_offset, total_splits, scale, out, arrivals); }); }")
+            " per_split, split_offset, total_splits, scale, out, arrivals, sd, sm, sp, segment_splits); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}>::SMEM_BYTES; }}")
@@ -51,5 +52,5 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
-                                            + [ctypes.c_float] + [pointer] * MERGE)
+                                            + [ctypes.c_float] + [pointer] * (MERGE + SEGMENTS) + [integer])
     return lib
