@@ -64,13 +64,22 @@ __device__ __forceinline__ unsigned planes3_code(const unsigned* row, int channe
     return low | (((__ldg(unit + 2) >> i) & 1u) << 2);
 }
 
+template <int LAYOUT>
+__device__ __forceinline__ unsigned code_in(const unsigned* row, int channel) {
+    if (LAYOUT == LSB1) return lsb_code<1, 32>(row, channel);
+    if (LAYOUT == LSB2) return lsb_code<2, 16>(row, channel);
+    if (LAYOUT == PLANES3) return planes3_code(row, channel);
+    if (LAYOUT == LSB4) return lsb_code<4, 8>(row, channel);
+    return lsb_code<3, 11>(row, channel);
+}
+
 __device__ __forceinline__ unsigned code_at(const unsigned* row, int channel, int layout) {
     switch (layout) {
-        case LSB1: return lsb_code<1, 32>(row, channel);
-        case LSB2: return lsb_code<2, 16>(row, channel);
-        case PLANES3: return planes3_code(row, channel);
-        case LSB4: return lsb_code<4, 8>(row, channel);
-        default: return lsb_code<3, 11>(row, channel);
+        case LSB1: return code_in<LSB1>(row, channel);
+        case LSB2: return code_in<LSB2>(row, channel);
+        case PLANES3: return code_in<PLANES3>(row, channel);
+        case LSB4: return code_in<LSB4>(row, channel);
+        default: return code_in<KVMIX3>(row, channel);
     }
 }
 

@@ -31,54 +31,6 @@
 template <int D>
 constexpr int GMAX = D == 256 ? 4 : 8;
 
-struct Side {
-    const half_bits* sink; long long sink_stride;
-    const half_bits* recent; long long recent_stride;
-    const unsigned* words; long long words_stride; int words_per_row;
-    // parameter (row, column) of sequence b at b * param_stride + row * param_row + column * param_column: per-token
-    // parameters run along the tokens column by column (kvcal.runtime.store), per-block ones are rows of channels
-    const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
-    long long param_row, param_column;
-    const float* codebook;
-    // outliers per (sequence, KV head) run: positions and values (stride per run), the offset table (offset_stride
-    // tiles per run), the count of each run (null when the codec keeps no outliers); tiles of 2^tile_shift rows
-    const unsigned short* outlier_positions; const half_bits* outlier_values; long long outlier_stride;
-    const int* outlier_offsets; long long offset_stride; const int* outlier_counts; int tile_shift;
-    int layout;
-    const int* group_of_channel;  // PERMUTED_GROUPS: the parameter group of every channel of the width
-    int param_fp8;                // PERMUTED_GROUPS: its parameters are fp8 e4m3 (1 byte), not fp16
-};
-
-__device__ __forceinline__ Side load_side(const long long* d) {
-    Side s;
-    s.sink = (const half_bits*)d[SINK]; s.sink_stride = d[SINK_STRIDE];
-    s.recent = (const half_bits*)d[RECENT]; s.recent_stride = d[RECENT_STRIDE];
-    s.words = (const unsigned*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
-    s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
-    s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
-    s.param_row = d[PARAM_ROW]; s.param_column = d[PARAM_COLUMN];
-    s.codebook = (const float*)d[CODEBOOK];
-    s.outlier_positions = (const unsigned short*)d[OUTLIER_POSITIONS]; s.outlier_values = (const half_bits*)d[OUTLIER_VALUES];
-    s.outlier_stride = d[OUTLIER_STRIDE]; s.outlier_offsets = (const int*)d[OUTLIER_OFFSETS]; s.offset_stride = d[OFFSET_STRIDE];
-    s.outlier_counts = (const int*)d[OUTLIER_COUNTS]; s.tile_shift = (int)d[OUTLIER_TILE_SHIFT];
-    s.layout = (int)d[LAYOUT];
-    s.group_of_channel = (const int*)d[GROUP_OF_CHANNEL];
-    s.param_fp8 = (int)d[PARAM_FP8];
-    return s;
-}
-
-struct Lengths {
-    int sink, body, head, recent, body_head, skip, first;
-};
-
-__device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int batch, int b) {
-    const int* m = meta + ((long long)side * batch + b) * META_FIELDS;
-    Lengths n;
-    n.sink = m[M_SINK]; n.body = m[M_BODY]; n.head = m[M_HEAD]; n.recent = m[M_RECENT]; n.body_head = m[M_BODY_HEAD];
-    n.skip = m[M_SKIP]; n.first = m[M_FIRST];
-    return n;
-}
-
 // Per-channel tables of a side for the block's KV head: the codebook, for fixed per-channel thresholds the half
 // range and midpoint of every channel, for SKVQ's permuted groups the parameter group of every channel.
 template <int D>
@@ -90,59 +42,12 @@ struct SideTables {
     int param_fp8;
 };
 
-// Where token t of sequence b lives on one side: an fp16 row, or a body row with its codes and the
-// parameter rows that scale it (computed once per token, so that the per-element work is unpack + fma).
-struct TokenRef {
-    const half_bits* fp16_row;  // null for a body token
-    const unsigned* words;
-    const half_bits* param0;
-    const half_bits* param1;
-    // per-token uniform parameters: elements from one channel group's to the next's (int: a sequence holds fewer
-    // than 2^31 parameters, kvcal.runtime.kernels.parameter_fields)
-    int param_column;
-};
-
-template <int CODEC>
-__device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
-    TokenRef ref;
-    ref.fp16_row = nullptr;
-    ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
-    long long offset = b * s.param_stride;
-    if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN || CODEC == PERMUTED_GROUPS) offset += (long long)row * s.param_row;
-    if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_row;
-    const int bytes = CODEC == PERMUTED_GROUPS && s.param_fp8 ? 1 : 2;  // SKVQ's fp8 parameters: a byte each
-    ref.param0 = (const half_bits*)((const unsigned char*)s.param0 + offset * bytes);
-    ref.param1 = (const half_bits*)((const unsigned char*)s.param1 + offset * bytes);
-    ref.param_column = (int)s.param_column;
-    return ref;
-}
-
-template <int CODEC>
-__device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int b, int t, int width) {
-    TokenRef ref;
-    ref.words = nullptr;
-    ref.param0 = ref.param1 = nullptr;
-    ref.param_column = 0;
-    if (t < n.sink) {
-        ref.fp16_row = s.sink + b * s.sink_stride + (long long)t * width;
-        return ref;
-    }
-    t -= n.sink;
-    if (CODEC != FP16_ONLY && t < n.body) return body_ref<CODEC>(s, b, n.body_head + t);
-    t -= n.body;
-    ref.fp16_row = s.recent + b * s.recent_stride + (long long)(n.head + t) * width;
-    return ref;
-}
-
 // The value of a body code at `channel` (c within the KV head): group is channels per parameter group
 // for per-token uniform parameters.
 template <int CODEC, int D>
 __device__ __forceinline__ float decoded(const TokenRef& ref, const SideTables<D>& tables, unsigned code, int group, int channel, int c) {
-    if (CODEC == UNIFORM_TOKEN) {
-        const int i = channel / group * ref.param_column;
-        return min_max_value(code, load_half(ref.param0 + i), load_half(ref.param1 + i));
-    } else if (CODEC == UNIFORM_CHANNEL) {
-        return min_max_value(code, load_half(ref.param0 + channel), load_half(ref.param1 + channel));
+    if (CODEC == UNIFORM_TOKEN || CODEC == UNIFORM_CHANNEL) {
+        return uniform_value<CODEC>(ref, code, group, channel);
     } else if (CODEC == CODEBOOK_CHANNEL) {
         return tables.codebook[code] * tables.half_range[c] + tables.mid[c];
     } else if (CODEC == PERMUTED_GROUPS) {

@@ -464,6 +464,18 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
     for (int h = 0; h < GQA; ++h) merge_split_row(out_partial, lse_partial, out, run * GQA + h, total_splits, D, threadIdx.x, THREADS);
 }
 
+// A segment block: segments::attend_rows into slot `slot`, then the fused merge.
+template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>
+__device__ __forceinline__ void segment_block(const float* query, const long long* descriptor, const int* meta, const int* positions,
+                                           const float* inv_freq, float* out_partial, float* lse_partial, int kv_heads, int split,
+                                           long long slot, int total_splits, float scale_log2, float* out, unsigned* arrivals,
+                                           unsigned char* smem) {
+    segments::attend_rows<GQA, D, ROPE, KCODEC, VCODEC, KLAYOUT, VLAYOUT>(query, descriptor, meta, positions, inv_freq, out_partial, lse_partial,
+                                                        blockIdx.z, blockIdx.y, kv_heads, split, slot, total_splits, scale_log2, smem);
+    if (out != nullptr)
+        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, reinterpret_cast<unsigned*>(smem));
+}
+
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
@@ -487,9 +499,9 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
 // kernel fills the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
 // launch merges all total_splits slots into it (tc::merge_when_last; arrivals (batch, kv_heads) uint32, zero before
-// the launch and after it). The grid's last segment_splits blocks along x are segment blocks: they attend the fp16
-// rows beside the body (segments::attend_fp16_rows over the decode launch's descriptor and meta, segment_positions
-// the position of each sequence's first stored token) into the slots after the body's splits.
+// the launch and after it). The grid's last segment_splits blocks along x are segment blocks: they attend the
+// launch's other tokens (segments::attend_rows over the decode launch's descriptor and meta, segment_positions the
+// position of each sequence's first stored token) into the slots after the body's splits.
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
 __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
@@ -520,14 +532,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
     unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
 
-    if ((int)blockIdx.x >= (int)gridDim.x - segment_splits) {  // a segment block: the fp16 rows beside the body
+    if ((int)blockIdx.x >= (int)gridDim.x - segment_splits) {  // a segment block: the rows beside the served body
         static_assert(segments::SHARED_BYTES<GQA, D> <= S::SMEM_BYTES, "the segment blocks work in the body's shared memory");
-        segments::attend_fp16_rows<GQA, D, ROPE>(query, segment_descriptor, segment_meta, segment_positions, inv_freq, out_partial,
-                                                 lse_partial, blockIdx.z, blockIdx.y, kv_heads, blockIdx.x - (gridDim.x - segment_splits),
-                                                 split_offset + blockIdx.x, total_splits, scale_log2, smem);
-        if (out != nullptr)
-            merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
-                                    reinterpret_cast<unsigned*>(smem_words));
+        // uniform bodies (KIVI's, KVmix's) may hold rows past the served ones on one side, their codes in the layout
+        // numbered as their width (LSB2, PLANES3, LSB4); the others' rows are fp16
+        constexpr bool UNIFORM = !S::FP16 && !CB && !S::GROUPS;
+        static_assert(!UNIFORM || (LSB2 == 2 && PLANES3 == 3 && LSB4 == 4), "the uniform layouts are numbered as their widths");
+        segment_block<GQA, D, ROPE, UNIFORM ? UNIFORM_CHANNEL : FP16_ONLY, UNIFORM ? UNIFORM_TOKEN : FP16_ONLY, BITS, VBITS>(
+            query, segment_descriptor, segment_meta, segment_positions, inv_freq, out_partial, lse_partial, kv_heads,
+            blockIdx.x - (gridDim.x - segment_splits), split_offset + blockIdx.x, total_splits, scale_log2, out, arrivals, smem);
         return;
     }
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;

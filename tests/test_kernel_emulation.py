@@ -338,9 +338,9 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
     keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, and with an 8-token
     fp16 window), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the
-    splits (no merge launch) and, where both sides keep the same tokens fp16 (every recipe here but KIVI's, whose keys
-    wait in fp16 for a whole block), attending the fp16 rows itself: no CUDA-core launch. So does the CUDA-core kernel
-    alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""
+    splits (no merge launch) and attending the other tokens itself (fp16 sinks and windows; KIVI's fp16 keys waiting
+    for a block beside packed values, its fp16 value residual beside packed keys): no CUDA-core launch. So does the
+    CUDA-core kernel alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""
     from conftest import tiny_model
 
     merges = []
@@ -359,7 +359,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
         assert set(with_tensor_cores) == {TENSOR_CORE_VARIANTS[recipe].name}
         assert len(with_tensor_cores) == 10 * len(cache.layers)  # one launch per layer and decode step
         assert not any(merges)
-        assert bool(with_tensor_cores.cuda_core) == recipe.startswith("kivi")
+        assert not with_tensor_cores.cuda_core
         monkeypatch.setenv("KVCAL_TENSOR_CORE", "0")
         cuda_core, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert all(layer.decode_path == "cuda-core" for layer in cache.layers) and len(with_tensor_cores) == 10 * len(cache.layers)
@@ -391,6 +391,7 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
         got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
         assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
         assert with_tensor_cores == [v.name for _ in range(10) for v in variants]  # layer 0's, then layer 1's
+        assert not with_tensor_cores.cuda_core  # KVmix's fp16 keys waiting for a block: in the segment blocks
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
@@ -418,7 +419,7 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
     served = HEAD_DIM_256_VARIANTS[recipe]
     assert paths == ["tensor-core"] * len(paths)
     # both layers' bodies on tensor cores at each of the 10 steps
-    assert set(with_tensor_cores) == {served.name} and len(with_tensor_cores) >= 20
+    assert set(with_tensor_cores) == {served.name} and len(with_tensor_cores) >= 20 and not with_tensor_cores.cuda_core
     # the sliding layer's body holds few tokens, where fp16 operands cost the most: the empty-cache test's bound
     torch.testing.assert_close(got, want, rtol=0, atol=6e-3)
 
@@ -446,18 +447,15 @@ def test_emulated_tensor_core_kernel_from_an_empty_cache_stays_within_the_gpu_te
 @pytest.mark.parametrize("case", SERVED_CASES)
 def test_emulated_tensor_core_and_cuda_core_kernels_together_match_the_reference(with_tensor_cores, case, lengths):
     """The kernel cases the tensor-core kernel serves, at the edge lengths, with sequences far from position 0: the
-    reference's attention. The tensor-core launch takes the body rows K and V both hold and, where both sides keep the
-    same tokens fp16 (sinks, windows: all but KIVI's), those rows too in its segment blocks; the CUDA-core kernel
-    the rest (KIVI's residuals and the rows one side holds alone)."""
+    reference's attention from one tensor-core launch, its body blocks over the body rows K and V both hold, its
+    segment blocks over the rest (sinks, windows, KIVI's residuals and the rows one side holds alone)."""
     lengths = BATCHES["3"] if lengths == "3" else SHORT
     (key_store, value_store), pre_rope = filled(case, lengths, device="cpu")
     rows = []
     decode = functools.partial(served_decode, rows=rows)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
-    kivi = case.startswith("kivi")
-    assert set(with_tensor_cores) <= {SERVED_VARIANTS[case].name} and bool(with_tensor_cores) == (any(rows) or not kivi)
+    assert with_tensor_cores == [SERVED_VARIANTS[case].name] and not with_tensor_cores.cuda_core
     assert any(rows) or lengths != SHORT  # the short batch reaches the body
-    assert bool(with_tensor_cores.cuda_core) == kivi
 
 
 @pytest.mark.parametrize("group", LONG_WINDOW_VARIANTS)
@@ -485,7 +483,7 @@ def test_emulated_tensor_core_kernel_serves_bodies_that_dropped_their_first_toke
     rows = []
     decode = functools.partial(served_decode, rows=rows)
     compare(key_store, value_store, 3, group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
-    assert set(with_tensor_cores) == {SERVED_VARIANTS[case].name} and rows[0] and rows[1]
+    assert with_tensor_cores == [SERVED_VARIANTS[case].name] and rows[0] and rows[1] and not with_tensor_cores.cuda_core
 
 
 def test_emulated_kernels_serve_16_query_heads_per_kv_head_in_two_passes(with_tensor_cores):
@@ -516,9 +514,8 @@ def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(with_
         with reference_runtime():
             want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
     plans = backends.bundle_plan(bundle, "cuda")
-    assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "fp16 rows on CUDA cores: K and V keep different tokens "
-                                                                  "fp16; 16 query heads per KV head in 2 passes of 8 or "
-                                                                  "fewer (each reads the cache)")}
+    assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "16 query heads per KV head in 2 passes of 8 or fewer "
+                                                                  "(each reads the cache)")}
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (tests above)
 
 

@@ -20,8 +20,9 @@ the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_roo
 per side finds, places and counts them (no torch operation places them). Only a bulk append (a prefill, more than
 one token of a sequence) reads the number of outliers it made per (sequence, KV head), to size the arrays exactly.
 The tensor-core kernel merges a step's splits itself (its last block per sequence and KV head); merge_splits
-serves the layers it does not. It attends the fp16 sinks and windows too where K and V keep the same tokens fp16
-(its segment blocks): such a layer's step is one launch.
+serves the layers it does not. Its segment blocks attend the tokens beside the served body rows (fp16 sinks and
+windows, and the rows of uniform bodies one side holds alone): a layer the tensor-core kernel serves is one launch a
+step.
 """
 
 from __future__ import annotations
@@ -499,9 +500,10 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     first stored token.
     served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
     and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once: by the
-    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits. Where the
-    served rows are all of both bodies and both sides' fp16 rows hold the same tokens (sinks, windows), the
-    tensor-core launch attends those rows too (its segment blocks) and the CUDA-core kernel has nothing to do.
+    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits. The
+    tensor-core launch's segment blocks take the rest instead (the CUDA-core kernel then has nothing to do) where
+    they read the bodies (uniform codecs: KIVI's, KVmix's) or the rest is fp16 rows of the same tokens on both sides
+    (sinks, windows).
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`)."""
@@ -535,15 +537,15 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         body_heads = [[side[1].head[b] if side[1] is not None else 0 for b in range(batch)] for side in sides]
         meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
                          [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
-        # where the served body rows are all of both bodies and the two sides' fp16 rows hold the same tokens, the
-        # tensor-core launch's segment blocks attend those rows too: one launch for the layer
-        rows_too = served_body is not None and all(s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3]
-                                                   for s, k, v in zip(skip, key_lengths, value_lengths))
+        # the tensor-core launch's segment blocks attend the launch's other tokens (one launch for the layer) where
+        # they read its uniform bodies' rows, or where those tokens are fp16 rows of the same tokens on both sides
+        rows_too = served_body is not None and (served_body.segments_read_bodies or all(
+            s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3] for s, k, v in zip(skip, key_lengths, value_lengths)))
         if any(skip) or rows_too:  # positions of the bodies' first live rows: past the sinks
             positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
             visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
-            fp16_rows = max((k[0] + k[3] for k in key_lengths), default=0)
-            segment_blocks = (segments.descriptor(device), meta, offsets, -(-fp16_rows // SEGMENT_SPLIT_TOKENS)) if rows_too else None
+            rest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
+            segment_blocks = (segments.descriptor(device), meta, offsets, -(-rest // SEGMENT_SPLIT_TOKENS)) if rows_too else None
             body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
             if rows_too:
                 continue

@@ -8,9 +8,10 @@ layers; KVmix's uniform 3-bit keys in "planes3" too), head_dim 64, 128 or 256, 1
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold, and its
-segment blocks the fp16 rows beside them where both sides keep the same tokens fp16 (kvcal.runtime.kernels.prepare_decode
-decides; otherwise the fp16 rows and the rows one side holds alone go to the CUDA-core kernel, launched first, so that
-the last tensor-core launch merges both kernels' splits). Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
+segment blocks the launch's other tokens (fp16 sinks and windows; uniform bodies' rows one side holds alone).
+kvcal.runtime.kernels.prepare_decode decides: where codebook or SKVQ bodies leave rows one side holds alone, those and
+the fp16 rows go to the CUDA-core kernel, launched first, so that the last tensor-core launch merges both kernels'
+splits. Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
 the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the CPU emulation in
 tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments); `decode_attention_tc` launches
 it alone over two stores with CuPy on torch's current stream, split over the sequence, the last block of each
@@ -628,6 +629,9 @@ class ServedBody:
     def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float):
         (self.key_sink, self.keys, _), (self.value_sink, self.values, _) = segments.keys, segments.values
         self.variants, self.inv_freq, self.attention_scaling = variants, inv_freq, attention_scaling
+        # the segment blocks dequantize uniform body rows (segments.cuh's attend_rows), so they take whatever the body
+        # blocks do not; with other codecs, fp16 rows only
+        self.segments_read_bodies = self.keys.codec.kind is CodecKind.UNIFORM_CHANNEL
         self._constants: dict = {}
 
     def rows(self, batch: int) -> list[int]:
