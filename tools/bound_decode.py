@@ -179,16 +179,16 @@ class CudaCoreKernel:
             (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
             (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
             (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
-            (r"default: return lsb_code<3, 11>", 0.0),
+            (r"default: return code_in<KVMIX3>", 0.0),
             (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, stored\)", self.in_rows_share()),  # a visited outlier in the warp's rows
             (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
             (r"for \(int tile = \(head \+ row_lo\) >> side\.tile_shift", 1.0 if case.outliers else 0.0),
             (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
-            (r"case PLANES3: return planes3_code", 1.0 if case.bits == 3 else 0.0),
+            (r"case PLANES3: return code_in<PLANES3>", 1.0 if case.bits == 3 else 0.0),
         ]
         for b in (1, 2, 4):
             rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
-            rules.append((rf"case LSB{b}: return lsb_code<{b}, ", 1.0 if case.bits == b else 0.0))
+            rules.append((rf"case LSB{b}: return code_in<LSB{b}>", 1.0 if case.bits == b else 0.0))
         return rules
 
     def in_rows_share(self) -> float:
