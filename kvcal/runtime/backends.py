@@ -313,8 +313,8 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
                 bodies = "tensor-core" if not any(body_refusals) else "cuda-core"
                 # the tensor-core launch's segment blocks take the rest where they read the bodies' rows (uniform codecs)
                 # or both sides keep the same tokens fp16; else a second, CUDA-core launch does
-                uniform = all(key.kind is CodecKind.UNIFORM_CHANNEL for key, _ in shape.pairs)
-                segments = "tensor-core" if bodies == "tensor-core" and (uniform or _fp16_rows_alike(recipe)) else "cuda-core"
+                read_bodies = all(tensor_core.segment_blocks_read_bodies(key) for key, _ in shape.pairs)
+                segments = "tensor-core" if bodies == "tensor-core" and (read_bodies or _fp16_rows_alike(recipe)) else "cuda-core"
                 why = "; ".join(f"not tensor-core: {reason}" for reason in body_refusals if reason)
                 if bodies == "tensor-core" and segments == "cuda-core" and _has_fp16_segments(recipe):
                     why = "; ".join(filter(None, (why, "fp16 rows on CUDA cores: K and V keep different tokens fp16")))

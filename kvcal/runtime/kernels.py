@@ -541,15 +541,15 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         # they read its uniform bodies' rows, or where those tokens are fp16 rows of the same tokens on both sides
         rows_too = served_body is not None and (served_body.segments_read_bodies or all(
             s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3] for s, k, v in zip(skip, key_lengths, value_lengths)))
+        # the most tokens of a sequence beside the served body rows
+        longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if any(skip) or rows_too:  # positions of the bodies' first live rows: past the sinks
             positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
             visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
-            rest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
-            segment_blocks = (segments.descriptor(device), meta, offsets, -(-rest // SEGMENT_SPLIT_TOKENS)) if rows_too else None
+            segment_blocks = (segments.descriptor(device), meta, offsets, -(-longest // SEGMENT_SPLIT_TOKENS)) if rows_too else None
             body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
             if rows_too:
                 continue
-        longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
         if longest == 0:
             continue
         # enough blocks to fill the GPU twice over, splits of whole 32-token tiles

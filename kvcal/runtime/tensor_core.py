@@ -444,9 +444,9 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     (made here when None). merge: (out, arrivals) where the launch merges every slot into out (batch, heads,
     head_dim) float32 (the kernel's fused merge; arrivals: kvcal.runtime.kernels.arrival_counters), None where it
     leaves the slots. segments: (descriptor, meta, positions, splits) where the launch's last `splits` blocks along the
-    sequence attend the fp16 rows beside the body (a kvcal.runtime.kernels.Segments descriptor, the CUDA-core kernel's
-    meta, each sequence's position of its first stored token), into the slots after the body's; None: no segment
-    blocks. Tensors must be contiguous and on the kernel's device."""
+    sequence attend its tokens beside the served body rows (fp16 rows, and uniform bodies' rows one side holds alone:
+    `segment_blocks_read_bodies`; a kvcal.runtime.kernels.Segments descriptor, the CUDA-core kernel's meta, each
+    sequence's position of its first stored token), into the slots after the body's; None: no segment blocks. Tensors must be contiguous and on the kernel's device."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
     if constants is None:
@@ -618,6 +618,13 @@ def decode_attention_tc(query: torch.Tensor, keys, values, kv_heads: int, scalin
 
 # ------------------------------------------------------------------------------------------------ in the cache
 
+def segment_blocks_read_bodies(key_codec) -> bool:
+    """Whether the segment blocks of a variant for these keys read body rows (segments.cuh's attend_rows dequantizes
+    uniform ones: KIVI's and KVmix's), so that they take every token the body blocks do not; with other codecs they
+    read fp16 rows only."""
+    return key_codec.kind is CodecKind.UNIFORM_CHANNEL
+
+
 class ServedBody:
     """The tensor-core kernel's share of one cache launch (kvcal.runtime.kernels.Segments whose two packed bodies it
     serves): per sequence, body rows 0 .. n - 1 with n the rows both sides' bodies hold, where the two sides' fp16
@@ -629,9 +636,7 @@ class ServedBody:
     def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float):
         (self.key_sink, self.keys, _), (self.value_sink, self.values, _) = segments.keys, segments.values
         self.variants, self.inv_freq, self.attention_scaling = variants, inv_freq, attention_scaling
-        # the segment blocks dequantize uniform body rows (segments.cuh's attend_rows), so they take whatever the body
-        # blocks do not; with other codecs, fp16 rows only
-        self.segments_read_bodies = self.keys.codec.kind is CodecKind.UNIFORM_CHANNEL
+        self.segments_read_bodies = segment_blocks_read_bodies(self.keys.codec)
         self._constants: dict = {}
 
     def rows(self, batch: int) -> list[int]:

@@ -46,7 +46,6 @@ inline Dim3 threadIdx, blockIdx, blockDim, gridDim;  // of the running fiber (se
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __noinline__  // empty: libstdc++ spells __attribute__((__noinline__)), which then reads __attribute__(())
 #define __launch_bounds__(...)
 #define __restrict__
 #define __shared__ static  // one block runs at a time, so a static is exactly the block's shared memory
