@@ -178,10 +178,10 @@ struct Shape {
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     // per side: codebook_pairs (codebooks; uniform 3-bit keys read their code values 0..7 from the keys' table)
-    static constexpr int LUT_WORDS = CB || BITS == 3 ? 256 : 0;
+    static constexpr int LUT_WORDS = CB || (BITS == 3 && !GROUPS) ? 256 : 0;
     static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    static constexpr int PLACES_BYTES = BITS == 3 || VBITS == 3 ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
+    static constexpr int PLACES_BYTES = !GROUPS && (BITS == 3 || VBITS == 3) ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
     // the rest (ptxas spilled them); codebook keys' one block keeps them in shared memory, [scale, zero][pair / 4][t][4]
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
@@ -212,16 +212,16 @@ struct Shape {
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
     static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
     static_assert(!KEY_PAIRS_SHARED || CB, "pre-RoPE keys at head_dim 256: codebook codes (one key block)");
-    static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2, "fp16, 4-, 3- or 2-bit codes");
-    static_assert(FP16 == (VBITS == 16) && (FP16 || VBITS == 4 || VBITS == 3 || VBITS == 2), "values: fp16 with fp16 keys, or codes");
+    static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2 || (GROUPS && BITS == 1), "fp16, 4-, 3- or 2-bit codes (channel groups: 1 too)");
+    static_assert(FP16 == (VBITS == 16) && (FP16 || VBITS == 4 || VBITS == 3 || VBITS == 2 || (GROUPS && VBITS == 1)),
+                  "values: fp16 with fp16 keys, or codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || (BITS != 16 && VG == D), "codebooks: 4-, 3- or 2-bit codes; one value threshold pair per token");
-    static_assert(VBITS != 3 || CB, "3-bit values: codebooks only (uniform ones' groups of 32 give a lane 4 channels)");
-    static_assert(BITS != 3 || CB || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
+    static_assert(VBITS != 3 || CB || GROUPS, "3-bit values: codebooks or channel groups (uniform ones' groups of 32 give a lane 4 channels)");
+    static_assert(BITS != 3 || CB || GROUPS || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
-    static_assert(!GROUPS || (ROPE && !CB && !OUT && VG == D && (BITS == 4 || BITS == 2) && (VBITS == 4 || VBITS == 2)),
-                  "channel groups: SKVQ's pre-RoPE keys, 4- or 2-bit codes in lsb words");
+    static_assert(!GROUPS || (ROPE && !CB && !OUT && VG == D), "channel groups: SKVQ's pre-RoPE keys, 1- to 4-bit codes");
     static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3 || CB || GROUPS)),
                   "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units; "
                   "2-bit codebooks: half-words)");
@@ -759,9 +759,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
     // recomputed them from the lane in every iteration (the kernel is at its register limit)
     Planes3Place* const places = reinterpret_cast<Planes3Place*>(cb_key_params + S::CB_KP_BYTES) + 2 * lane;
-    if constexpr (BITS == 3)
+    if constexpr (BITS == 3 && !S::GROUPS)
         if (warp == 0) places[0] = planes3_place<D / 8>(t * (D / 8));
-    if constexpr (VBITS == 3)
+    if constexpr (VBITS == 3 && !S::GROUPS)
         if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
@@ -922,7 +922,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         };
         // the side's four channels of the round's rows: c and c + 1 (c even) share a code word of kvcal/packing.py's
-        // "lsb" layout, as do their partners, so one load brings a pair's codes of a row
+        // "lsb" layout (1, 2, 4 bits), and in "planes3" a low-bit word and a high-bit word, as do their partners, so one
+        // load (two) brings a pair's codes of a row
         const auto dequantized = [&](int side, const unsigned char* rows, int row_bytes, int r0, float (&x)[ROUND][4]) {
             const int bits = side ? VBITS : BITS, per_word = 32 / bits;
 #pragma unroll
@@ -936,10 +937,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
 #pragma unroll
                 for (int i = 0; i < ROUND; ++i) {
-                    const unsigned word = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes)[c / per_word] >> (c % per_word * bits);
+                    const unsigned* const row = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes);
+                    // planes3: the pair's low bits (2 a code) and high bits (1 a code) from their unit's words
+                    const unsigned word = bits == 3 ? row[(c >> 5) * 3 + ((c >> 4) & 1)] >> (2 * (c & 15))
+                                                    : row[c / per_word] >> (c % per_word * bits);
+                    const unsigned top = bits == 3 ? row[(c >> 5) * 3 + 2] >> (c & 31) : 0u;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const unsigned code = word >> (e * bits) & ((1u << bits) - 1u);
+                        const unsigned code = bits == 3 ? (word >> (2 * e) & 3u) | (top >> e & 1u) << 2
+                                                        : word >> (e * bits) & ((1u << bits) - 1u);
                         x[i][2 * pair + e] = ((float)code + zero[e][i]) * fmaxf(scale[e][i], 5.9604644775390625e-8f);
                     }
                 }

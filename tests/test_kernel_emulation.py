@@ -264,8 +264,10 @@ SERVED_VARIANTS = {"kivi4-sink4": Variant(128, 4, G, G, 4),
                    "nuq3-prerope-sink4-window": Variant(128, 3, 0, 128, 4, rope=True, codebook=True, outliers=True),
                    "nuq4-prerope-crowded-outliers": Variant(128, 4, 0, 128, 4, rope=True, codebook=True, outliers=True),
                    "skvq2-prerope-sink5-window": Variant(128, 2, 0, 128, 4, rope=True, channel_groups=1),
+                   "skvq3-planes": Variant(128, 3, 0, 128, 4, rope=True, channel_groups=1),
                    "skvq4": Variant(128, 4, 0, 128, 4, rope=True, channel_groups=1),
                    "skvq2-twelve-groups": Variant(128, 2, 0, 128, 4, rope=True, channel_groups=1),
+                   "skvq3-fp8-parameters": Variant(128, 3, 0, 128, 4, rope=True, channel_groups=2),
                    "cocktail-int4": Variant(128, 4, G, G, 2), "cocktail-int2": Variant(128, 2, G, G, 2)}
 
 
@@ -520,8 +522,10 @@ def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(with_
 
 
 def test_emulated_tensor_core_kernel_serves_cocktails_int4_and_int2_chunks(with_tensor_cores):
-    """Cocktail's chunk groups with the tensor-core kernel over the int4 and int2 groups (in groups of 32 channels;
-    the fp16 chunks stay with the CUDA-core kernel): the reference's attention."""
+    """Cocktail's chunk groups with the tensor-core kernel over the int4 and int2 groups (in groups of 32 channels),
+    the int4 launch's segment blocks over the fp16 chunks and recent tokens: the reference's attention, and no
+    CUDA-core launch."""
     stores, batch = cocktail_stores(device="cpu")
     compare(*stores, batch, group=2, pre_rope=False, device="cpu", decode=served_decode, atol=SERVED_TOLERANCE)
     assert set(with_tensor_cores) == {SERVED_VARIANTS["cocktail-int4"].name, SERVED_VARIANTS["cocktail-int2"].name}
+    assert with_tensor_cores.cuda_core == []

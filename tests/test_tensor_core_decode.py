@@ -64,7 +64,8 @@ OUTLIERS = {"nuq4-out": (0.01, 2.5), "nuq3-out": (0.01, 2.5), "nuq4-crowded": (0
 POSITIONS = [0, 100_003, 2**24 + 5]  # of each sequence's first row (pre-RoPE cases)
 # SKVQ's channel groups (always pre-RoPE keys): (key bits, value bits, fp8 parameters, groups over the KV width)
 GROUPS = {"skvq2": (2, 2, False, 5), "skvq4": (4, 4, False, 5), "skvq2-fp8": (2, 2, True, 5), "skvq4-skvq2v-fp8": (4, 2, True, 3),
-          "skvq2-skvq4v": (2, 4, False, 5), "skvq2-fp8-16g": (2, 2, True, 16)}
+          "skvq2-skvq4v": (2, 4, False, 5), "skvq2-fp8-16g": (2, 2, True, 16), "skvq3": (3, 3, False, 5),
+          "skvq3-skvq1v-fp8": (3, 1, True, 5), "skvq1-skvq4v": (1, 4, False, 16), "skvq2-skvq3v": (2, 3, False, 5)}
 
 # the variants the emulation runs: (codec, head_dim, gqa, batch)
 CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
@@ -117,7 +118,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [("skvq2", d, gqa, "3") for d, gqa in ((64, 3), (128, 4), (256, 2))]
          + [("skvq2-fp8", 128, 8, "3-edges"), ("skvq2-fp8", 64, 1, "1"), ("skvq4", 128, 4, "3"), ("skvq4", 256, 4, "3-edges"),
             ("skvq4-skvq2v-fp8", 64, 4, "3"), ("skvq2-skvq4v", 128, 2, "3"), ("skvq2-fp8-16g", 128, 4, "3"),
-            ("skvq2-fp8-16g", 256, 1, "3")])
+            ("skvq2-fp8-16g", 256, 1, "3")]
+         # 3-bit codes in planes3 (a pair's low bits and high bits from two words of their unit), 1-bit ones in lsb words
+         + [("skvq3", 64, 2, "3"), ("skvq3", 128, 4, "3-edges"), ("skvq3", 256, 1, "3"), ("skvq3-skvq1v-fp8", 128, 4, "3"),
+            ("skvq1-skvq4v", 64, 4, "3-edges"), ("skvq2-skvq3v", 256, 2, "3")])
 
 
 def tolerance(codec: str) -> float:
@@ -352,8 +356,8 @@ def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
 
 
 def test_channel_groups_the_kernel_does_not_serve_are_refused_not_misread():
-    """SKVQ bodies whose KV head's channels fall in more than GROUP_SLOTS groups, 3-bit (planes3) or ternary codes,
-    fp16 keys' parameters beside fp8 values', or post-RoPE keys get a KvcalError from variant_for."""
+    """SKVQ bodies whose KV head's channels fall in more than GROUP_SLOTS groups, ternary codes, fp16 keys' parameters
+    beside fp8 values', or post-RoPE keys get a KvcalError from variant_for."""
     from kvcal.errors import KvcalError
     from kvcal.fit.skvq import SkvqTensor
 
@@ -363,8 +367,7 @@ def test_channel_groups_the_kernel_does_not_serve_are_refused_not_misread():
         permutation = torch.randperm(width, generator=torch.Generator().manual_seed(groups)).to(torch.int32)
         return SkvqTensor(permutation, starts, torch.ones(groups), bits, fp8)
 
-    cases = [((skvq(2, 40), skvq(2)), True, "at most 16"), ((skvq(3), skvq(2)), True, "4- or 2-bit"),
-             ((skvq(2), skvq(1.5)), True, "1.5-bit"), ((skvq(2), skvq(2, fp8=True)), True, "fp16 or fp8"),
+    cases = [((skvq(2, 40), skvq(2)), True, "at most 16"), ((skvq(2), skvq(1.5)), True, "1.5-bit"), ((skvq(2), skvq(2, fp8=True)), True, "fp16 or fp8"),
              ((skvq(2), skvq(2)), False, "pre-RoPE")]
     for codecs, rope, message in cases:
         stores = [PackedRows(c, 1, KV_HEADS * 128, "cpu") for c in codecs]
@@ -489,9 +492,11 @@ def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
 
 # every (head_dim, codec, groups) the launcher serves at GQA 4 and 8 (the most registers: int4 g32 is at its limit
 # there), and GQA 1 of the one-width KIVI-g128, codebook and fp16 cases (all of them take minutes to compile; GQA
-# changes only the query load and the final merge)
+# changes only the query load, the segment blocks' head loop and the final merge); SKVQ's channel groups (16 pairs of
+# widths) at GQA 8 alone: their dequantization does not see the GQA group
 COMPILED = sorted({v for v in tensor_core.variants()
-                   if v.gqa in (4, 8) or (v.gqa == 1 and v.key_group in (0, 128) and not v.value_bits)}, key=lambda v: v.name)
+                   if (v.gqa == 8 if v.channel_groups else v.gqa in (4, 8))
+                   or (v.gqa == 1 and v.key_group in (0, 128) and not v.value_bits and not v.channel_groups)}, key=lambda v: v.name)
 
 
 def nvrtc_report(arch: str):

@@ -241,8 +241,10 @@ class CocktailStore:
         return 0
 
     def kernel_segments(self) -> list[tuple]:
-        """One launch for the fp16 chunks with the recent tokens, one per packed width (RoPE is already applied)."""
-        return [(self.parts[16], None, self.recent), (None, self.parts[4], None), (None, self.parts[2], None)]
+        """One launch per packed width, the int4 chunks' also over the fp16 chunks (as its sinks) and the recent
+        tokens: RoPE is already applied, so no token's place matters, and no launch is fp16 alone (the tensor-core
+        kernel's segment blocks read those rows in the int4 launch)."""
+        return [(self.parts[16], self.parts[4], self.recent), (None, self.parts[2], None)]
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]

@@ -2,7 +2,7 @@
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
 ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys
 with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), or an SKVQ body (SkvqTensor on both sides: 2- or 4-bit codes in channel order, a scale and zero per token
+"planes3"), or an SKVQ body (SkvqTensor on both sides: 1- to 4-bit codes in channel order, a scale and zero per token
 and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed
 layers; KVmix's uniform 3-bit keys in "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
@@ -51,7 +51,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4, 3 or 2: codebook codes (the keys', the values' too but for value_bits)
+    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4, 3 or 2: codebook codes; 4 to 1: channel groups (the keys', the values' too but for value_bits)
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
@@ -78,16 +78,16 @@ class Variant:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         # uniform 3-bit keys (KVmix's) come with 4- or 2-bit values: 3-bit values' groups of 32 give a lane 4 channels
-        key_widths, value_widths = ((4, 3, 2), (4, 3, 2)) if self.codebook else ((16, 4, 3, 2), (16, 4, 2))
+        key_widths, value_widths = (((4, 3, 2), (4, 3, 2)) if self.codebook else ((4, 3, 2, 1), (4, 3, 2, 1)) if self.channel_groups
+                                    else ((16, 4, 3, 2), (16, 4, 2)))
         two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
         if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in key_widths or self.vbits not in value_widths or two_widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.channel_groups:  # dequantized into fp16 rows per stage, keys rotated there: every head_dim
-            if not (self.channel_groups in (1, 2) and self.rope and not self.codebook and kg == 0 and vg == d
-                    and bits in (4, 2) and self.vbits in (4, 2)):
-                raise KvcalError(f"channel groups are served as SKVQ stores them (pre-RoPE keys, 4- or 2-bit codes), not {self}")
+            if not (self.channel_groups in (1, 2) and self.rope and not self.codebook and kg == 0 and vg == d):
+                raise KvcalError(f"channel groups are served as SKVQ stores them (pre-RoPE keys, 1- to 4-bit codes), not {self}")
         elif self.codebook:
             if kg != 0 or vg != d:
                 raise KvcalError(f"codebook codes are served with one key block and one value group per head, not {self}")
@@ -175,9 +175,11 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
-        lut = 2 * 256 * 4 + 1008 if self.codebook or bits == 3 else 0  # uniform 3-bit keys: code values from a table
+        uniform3 = not self.channel_groups and bits == 3  # uniform 3-bit keys: code values from a table
+        lut = 2 * 256 * 4 + 1008 if self.codebook or uniform3 else 0
         lut += 4 * d if self.codebook else 0
-        places = 32 * 2 * 16 if 3 in (bits, self.vbits) else 0  # 3-bit codes: a lane's places in a row (tc::Planes3Place)
+        # 3-bit codes: a lane's places in a row (tc::Planes3Place; channel groups read theirs as they dequantize)
+        places = 32 * 2 * 16 if 3 in (bits, self.vbits) and not self.channel_groups else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
         if self.outliers:
@@ -191,7 +193,7 @@ class Variant:
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
 UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2))
 CODEBOOK_WIDTHS = ((4, 0), (3, 0), (2, 0), (4, 3), (3, 4), (4, 2), (2, 4), (3, 2), (2, 3))
-GROUP_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4))  # SKVQ's
+GROUP_WIDTHS = tuple((k, 0 if v == k else v) for k in (4, 3, 2, 1) for v in (4, 3, 2, 1))  # SKVQ's whole-bit ones
 
 
 def variants() -> list[Variant]:

@@ -42,9 +42,10 @@ def _codebook(k_bits, v_bits, sink=0, window=WINDOW, tail=0.0005, pre_rope=True,
     return keys, values, SegmentPolicy(sink=sink, window=window), 0.0, pre_rope, None
 
 
-# the cases whose bodies the tensor-core kernel serves (KIVI int4 g32, nuq3 / nuq4 with pre-RoPE keys and outliers)
+# the cases whose bodies the tensor-core kernel serves (KIVI int4 g32, nuq3 / nuq4 with pre-RoPE keys and outliers,
+# SKVQ's channel groups)
 SERVED_CASES = ("kivi4-sink4", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers", "skvq2-prerope-sink5-window",
-                "skvq4", "skvq2-twelve-groups")
+                "skvq3-planes", "skvq4", "skvq2-twelve-groups", "skvq3-fp8-parameters")
 # its tolerance: test_tensor_core_decode's 4e-3 on N(0, 1) rows (fp16 operands) times the largest channel scale (3)
 SERVED_TOLERANCE = 1.2e-2
 
