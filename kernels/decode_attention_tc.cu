@@ -177,8 +177,8 @@ struct Shape {
     static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
-    // per side: codebook_pairs (codebooks; uniform 3-bit keys read their code values 0..7 from the keys' table)
-    static constexpr int LUT_WORDS = CB || (BITS == 3 && !GROUPS) ? 256 : 0;
+    // per side: codebook_pairs (codebooks; uniform 3-bit codes read their code values 0..7 from their side's table)
+    static constexpr int LUT_WORDS = CB || ((BITS == 3 || VBITS == 3) && !GROUPS) ? 256 : 0;
     static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = !GROUPS && (BITS == 3 || VBITS == 3) ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
@@ -217,10 +217,10 @@ struct Shape {
                   "values: fp16 with fp16 keys, or codes");
     static_assert(FP16 || (KB > 0 && KB % TPW == 0 && (KB >= ST ? KB % ST == 0 : ST % KB == 0)), "key blocks of a multiple of 16 tokens");
     static_assert(!CB || (BITS != 16 && VG == D), "codebooks: 4-, 3- or 2-bit codes; one value threshold pair per token");
-    static_assert(VBITS != 3 || CB || GROUPS, "3-bit values: codebooks or channel groups (uniform ones' groups of 32 give a lane 4 channels)");
     static_assert(BITS != 3 || CB || GROUPS || !ROPE, "3-bit uniform keys: post-RoPE (KVmix's)");
     static_assert(FP16 || (VG % D == 0 || D % VG == 0), "value groups cover whole heads or divide them");
     static_assert(FP16 || LANE_V * VBITS >= 8, "a lane's value channels per group must fill a byte (groups of 32 channels or more)");
+    static_assert(VBITS != 3 || LANE_V >= 4, "3-bit values: at least an eighth of a planes3 unit a lane");
     static_assert(!GROUPS || (ROPE && !CB && !OUT && VG == D), "channel groups: SKVQ's pre-RoPE keys, 1- to 4-bit codes");
     static_assert(!ROPE || (!FP16 && (D * BITS >= 256 || BITS == 3 || CB || GROUPS)),
                   "pre-RoPE keys: packed codes, a lane's D / 8 channels in whole words (planes3: in whole quarter-units; "
@@ -300,20 +300,21 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
 
 // Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
 // 3u + h the low bits of half h, word 3u + 2 the high bits): the words of their low and high bits, the shift that
-// moves a quarter's low bits to the low half (N = 8), and the prmt selector that moves their high-bit bytes to bytes
-// 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8); a whole unit (N = 32, head_dim
-// 256) is its first half's place. decode_tc makes a lane's places once (first: a lane constant; pre-RoPE keys and
-// values), so its loop addresses rows without arithmetic.
+// moves a quarter's (an eighth's) low bits to the bottom (N = 8, 4), and the prmt selector that moves their high-bit
+// bytes to bytes 0 and 2 (N = 16: the first step of spreading their 2-bit fields) or byte 0 (N = 8, 4: an eighth's
+// high bits are that byte's nibble shift / 2 & 4; uniform 3-bit values in groups of 32 channels, 4 a lane); a whole
+// unit (N = 32, head_dim 256) is its first half's place. decode_tc makes a lane's places once (first: a lane
+// constant; pre-RoPE keys and values), so its loop addresses rows without arithmetic.
 struct Planes3Place {
     int low, high;
     unsigned shift, selector;
 };
 template <int N>
 __device__ __forceinline__ Planes3Place planes3_place(int first) {
-    static_assert(N == 32 || N == 16 || N == 8, "a unit, a half or a quarter unit");
+    static_assert(N == 32 || N == 16 || N == 8 || N == 4, "a unit, a half, a quarter or an eighth of a unit");
     const int unit = first >> 5, half = first >> 4 & 1;
     if constexpr (N == 32 || N == 16) return {3 * unit + half, 3 * unit + 2, 0u, half ? 0x4342u : 0x4140u};
-    return {3 * unit + half, 3 * unit + 2, 16u * (first >> 3 & 1), 0x4440u + (first >> 3 & 3)};
+    return {3 * unit + half, 3 * unit + 2, 2u * (first & 15), 0x4440u + (first >> 3 & 3)};
 }
 
 // Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs.
@@ -323,7 +324,8 @@ __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3
         planes3_codes<16>(row, at, out, lut);
         planes3_codes<16>(row, Planes3Place{at.low + 1, at.high, 0u, 0x4342u}, out + 8, lut);
     } else {
-        planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, prmt(row[at.high], 0u, at.selector), out, lut);
+        const unsigned high = prmt(row[at.high], 0u, at.selector);
+        planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, N == 4 ? high >> (at.shift >> 1 & 4) : high, out, lut);
     }
 }
 
@@ -523,7 +525,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
     constexpr bool RAW = !S::ROWS16 && !CB;
-    constexpr bool KEY_RAW = RAW && BITS != 3;  // 3-bit keys come from their table as code values
+    constexpr bool KEY_RAW = RAW && BITS != 3, VALUE_RAW = RAW && VBITS != 3;  // 3-bit codes come from their table as code values
     constexpr int META = 7;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
@@ -884,8 +886,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     // ---- channel groups: a stage's codes into fp16 rows (keys rotated by their offset in the stage) ----
     // A thread takes channels c, c + 1 and their rotation partners c + D / 2, c + D / 2 + 1 of both sides in rounds of
-    // four consecutive tokens r0 .. r0 + 3, r0 = 4 (row_group + j ROW_GROUPS): one load brings a slot's parameters of the
-    // four (8 bytes, fp8 4), and a word of two halves per row and half is one store. Its channels' slots and the two
+    // four consecutive tokens r0 .. r0 + 3, r0 = 4 (row_group + j ROW_GROUPS), a channel at a time (its scales and zeros,
+    // then its codes: fewer values live than a pair's; at head_dim 256 the pair's spilled): one load brings a slot's
+    // parameters of the four (8 bytes, fp8 4), and a word of two halves per row and half is one store. Its channels' slots and the two
     // rotations' starts and steps (a token, and from a round's last token to the next round's first) are made once.
     // x = (code + zero) * max(scale, 2^-24), in fp32 as kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
     unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
@@ -922,31 +925,26 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         };
         // the side's four channels of the round's rows: c and c + 1 (c even) share a code word of kvcal/packing.py's
-        // "lsb" layout (1, 2, 4 bits), and in "planes3" a low-bit word and a high-bit word, as do their partners, so one
-        // load (two) brings a pair's codes of a row
+        // "lsb" layout (1, 2, 4 bits), and in "planes3" a low-bit word and a high-bit word, as do their partners
         const auto dequantized = [&](int side, const unsigned char* rows, int row_bytes, int r0, float (&x)[ROUND][4]) {
             const int bits = side ? VBITS : BITS, per_word = 32 / bits;
 #pragma unroll
             for (int pair = 0; pair < 2; ++pair) {
                 const int c = pair_channel + pair * HALF;
-                float scale[2][ROUND], zero[2][ROUND];
+                // planes3: the pair's low bits (2 a code) and high bits (1 a code) from their unit's words
+                const int low_word = bits == 3 ? (c >> 5) * 3 + ((c >> 4) & 1) : c / per_word;
+                const int low_shift = bits == 3 ? 2 * (c & 15) : c % per_word * bits, top_word = (c >> 5) * 3 + 2;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    params(side, 0, slot_of[side][2 * pair + e], r0, scale[e]);
-                    params(side, 1, slot_of[side][2 * pair + e], r0, zero[e]);
-                }
+                for (int e = 0; e < 2; ++e) {  // a channel at a time: its scales and zeros, then its codes
+                    float scale[ROUND], zero[ROUND];
+                    params(side, 0, slot_of[side][2 * pair + e], r0, scale);
+                    params(side, 1, slot_of[side][2 * pair + e], r0, zero);
 #pragma unroll
-                for (int i = 0; i < ROUND; ++i) {
-                    const unsigned* const row = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes);
-                    // planes3: the pair's low bits (2 a code) and high bits (1 a code) from their unit's words
-                    const unsigned word = bits == 3 ? row[(c >> 5) * 3 + ((c >> 4) & 1)] >> (2 * (c & 15))
-                                                    : row[c / per_word] >> (c % per_word * bits);
-                    const unsigned top = bits == 3 ? row[(c >> 5) * 3 + 2] >> (c & 31) : 0u;
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const unsigned code = bits == 3 ? (word >> (2 * e) & 3u) | (top >> e & 1u) << 2
-                                                        : word >> (e * bits) & ((1u << bits) - 1u);
-                        x[i][2 * pair + e] = ((float)code + zero[e][i]) * fmaxf(scale[e][i], 5.9604644775390625e-8f);
+                    for (int i = 0; i < ROUND; ++i) {
+                        const unsigned* const row = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes);
+                        const unsigned code = bits == 3 ? (row[low_word] >> (low_shift + 2 * e) & 3u) | (row[top_word] >> ((c & 31) + e) & 1u) << 2
+                                                        : row[low_word] >> (low_shift + e * bits) & ((1u << bits) - 1u);
+                        x[i][2 * pair + e] = ((float)code + zero[i]) * fmaxf(scale[i], 5.9604644775390625e-8f);
                     }
                 }
             }
@@ -1423,9 +1421,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         for (int half = 0; half < 2; ++half) {
                             const unsigned char* const r0 = vrow + 8 * half * S::VSROW;
                             if constexpr (VBITS == 3) {
-                                // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves
+                                // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves;
+                                // a group's place is the first group's a whole number of units on (VGE >= 32)
                                 unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
-                                const Planes3Place value_place = places[1];
+                                constexpr int GROUP_WORDS = 3 * S::VGE / 32;
+                                const Planes3Place value_place = {places[1].low + group * GROUP_WORDS, places[1].high + group * GROUP_WORDS,
+                                                                  places[1].shift, places[1].selector};
                                 planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
                                 planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::VSROW), value_place, pb, value_lut);
 #pragma unroll
@@ -1490,7 +1491,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
                             float (&acc)[4] = o[group * (S::LANE_V / 2) + ml];
                             mma_m16n8k16_f16(acc, a, bp);
-                            if constexpr (RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
+                            if constexpr (VALUE_RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
                                 constexpr unsigned minus_1024[4] = {magic::FP16_MINUS_1024, magic::FP16_MINUS_1024,
                                                                     magic::FP16_MINUS_1024, magic::FP16_MINUS_1024};
                                 mma_m16n8k16_f16(acc, minus_1024, bp);
@@ -1556,7 +1557,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float x = o[mt][e];
-            if constexpr (RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^s
+            if constexpr (VALUE_RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^s
                 constexpr int MPG = S::LANE_V / 2, PER_WORD = 16 / VBITS;
                 const int n = 2 * (mt % MPG) + (e >> 1);
                 x *= 1.0f / (float)(1 << raw_shift<VBITS>(n % PER_WORD));

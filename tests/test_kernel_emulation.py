@@ -240,14 +240,17 @@ def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but
 # the tensor-core kernel's variants for the served bodies of the tiny Llama (GQA 2): head_dim_64_bundles' kivi4-g32
 # and kivi2-g32 (post-RoPE int4 / int2 keys in blocks of 32 tokens, values in groups of 32 channels), nuq4 (pre-RoPE
 # codebook keys, with and without outliers) and the default kvquant recipe (nuq3 with 1% outliers in planes3; also with
-# an 8-token fp16 window, fit-nuq --window), and kvquant at head_dim 128
+# an 8-token fp16 window, fit-nuq --window), kvquant at head_dim 128, SKVQ's 2-bit groups and 3-bit keys beside 1-bit
+# values, and KIVI at 3 bits (planes3 both sides)
 TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Variant(64, 2, 32, 32, 2),
                         "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
                         "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-w8": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True),
-                        "skvq": Variant(64, 2, 0, 64, 2, rope=True, channel_groups=1)}
+                        "skvq": Variant(64, 2, 0, 64, 2, rope=True, channel_groups=1),
+                        "kivi3-g32": Variant(64, 3, 32, 32, 2),
+                        "skvq-k3v1": Variant(64, 3, 0, 64, 2, rope=True, value_bits=1, channel_groups=1)}
 
 
 # and for KVmix's layers of two widths (head_dim_64_bundles' kvmix-two-widths: 3-bit keys with 2-bit values, then 2-bit

@@ -9,10 +9,10 @@
   planes3, at head_dim 64 and 256 too; nuq2 by a nibble table), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
   within 4e-3 (nuq4 with outliers at 256 in 2 stages); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
-  of 65 stages; keys and values of two widths (KVmix's int4 / int3 / int2 keys with int4 / int2 values, int3 in
-  planes3; mixed's nuq2 / nuq3 / nuq4); SKVQ's channel groups (int2 / int4 on either side, fp16 and fp8 parameters,
-  uneven groups across the KV heads, up to 16 in a head) at head_dim 64, 128 and 256, within 2e-3, and the bodies it
-  does not serve refused;
+  of 65 stages; uniform int3 (planes3) on either side, values in groups of 32, 64 and 128 channels; keys and values
+  of two widths (KVmix's int4 / int3 / int2 keys with int4 / int3 / int2 values; mixed's nuq2 / nuq3 / nuq4); SKVQ's
+  channel groups (1- to 4-bit codes on either side, fp16 and fp8 parameters, uneven groups across the KV heads, up to
+  16 in a head) at head_dim 64, 128 and 256, within 2e-3, and the bodies it does not serve refused;
 - the comparison can fail: a kernel with a planted mapping bug is built and must be caught;
 - NVRTC compiles every variant for sm_80 and sm_90 without spills;
 - where CUDA and CuPy are present, the kernel runs on the GPU against the same reference.
@@ -47,11 +47,13 @@ CODECS = {"fp16": (16, 0, 0), "int4": (4, G, G), "int2": (2, G, G), "int4-g32": 
           # keys and values of two widths (KVmix's layers, mixed's): (key bits, key group, value group, value bits)
           "int4-int2v": (4, 32, 32, 2), "int2-int4v": (2, 32, 32, 4), "int4-int2v-g128": (4, 128, 128, 2),
           "int3-int4v": (3, 32, 32, 4), "int3-int2v": (3, 32, 32, 2), "int3-int4v-g128": (3, 128, 128, 4),
+          # uniform 3-bit values (KIVI-3's, KVmix's) in planes3: an eighth (groups of 32), a quarter or a half of a unit a lane
+          "int3-g32": (3, 32, 32), "int3-g64": (3, 64, 64), "int3": (3, G, G), "int4-int3v": (4, 32, 32, 3), "int2-int3v-g128": (2, 128, 128, 3),
           "nuq3-nuq4v": (3, 0, 0, 4), "nuq4-nuq3v": (4, 0, 0, 3), "nuq3-nuq4v-out": (3, 0, 0, 4), "nuq4-nuq3v-out": (4, 0, 0, 3),
           # mixed's 2-bit codebooks, alone and beside 3- and 4-bit ones
           "nuq2": (2, 0, 0), "nuq2-out": (2, 0, 0), "nuq2-crowded": (2, 0, 0), "nuq2-nuq4v": (2, 0, 0, 4),
           "nuq3-nuq2v-out": (3, 0, 0, 2), "nuq2-nuq3v-out": (2, 0, 0, 3), "nuq4-nuq2v-out": (4, 0, 0, 2)}
-ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
+ROPE = {"int4-rope": "int4", "int2-rope": "int2", "int4-g32-rope": "int4-g32", "int4-int3v-rope": "int4-int3v", "nuq4-rope": "nuq4", "nuq3-rope": "nuq3",
         "nuq4-out-rope": "nuq4-out", "nuq3-out-rope": "nuq3-out", "nuq4-crowded-rope": "nuq4-crowded",
         "nuq3-crowded-rope": "nuq3-crowded", "nuq3-nuq4v-out-rope": "nuq3-nuq4v-out", "nuq4-nuq3v-out-rope": "nuq4-nuq3v-out",
         "nuq3-nuq4v-rope": "nuq3-nuq4v", "nuq2-rope": "nuq2", "nuq2-out-rope": "nuq2-out", "nuq2-crowded-rope": "nuq2-crowded",
@@ -106,6 +108,10 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          # KVmix's 3-bit keys (planes3, code values from a table) with 4- or 2-bit values
          + [("int3-int4v", 128, 4, "3"), ("int3-int2v", 128, 8, "3-edges"), ("int3-int4v", 64, 2, "3"), ("int3-int2v", 256, 4, "3"),
             ("int3-int4v", 256, 1, "1"), ("int3-int4v-g128", 128, 4, "3")]
+         # uniform 3-bit values (planes3, code values from the values' table), with 3-, 4- and 2-bit keys
+         + [("int3-g32", 128, 4, "3"), ("int3-g32", 64, 2, "3-edges"), ("int3-g32", 256, 8, "3"), ("int3-g64", 64, 4, "3"),
+            ("int3", 128, 1, "3-edges"), ("int3", 256, 4, "1"), ("int4-int3v", 128, 8, "3"), ("int4-int3v-rope", 64, 4, "3"),
+            ("int2-int3v-g128", 128, 4, "3-edges")]
          # mixed's 2-bit codebooks: a nibble table; pre-RoPE keys at 64 and 256 and values at 64 in half-words
          + [("nuq2", 64, 4, "3"), ("nuq2", 128, 1, "3-edges"), ("nuq2", 256, 4, "3"), ("nuq2-rope", 64, 3, "3"),
             ("nuq2-rope", 128, 4, "3-edges"), ("nuq2-rope", 256, 2, "3"), ("nuq2-out-rope", 64, 3, "3"),
@@ -438,7 +444,7 @@ MUTANTS = {
     "outlier-key-patch-half": ("nuq3-out-rope", "load_words(zb, patch + D / 2);", "load_words(zb, patch);", "3"),
     "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<CP>(patch + D / 2, kz + CP);", "store_words<CP>(patch + D / 2, kz);", "3"),
     "outlier-value-token-pair": ("nuq3-out-rope", "<< 1) | (token & 1);", "<< 1) | (~token & 1);", "3"),
-    "nuq3-quarter-low-bits": ("nuq3-rope", "16u * (first >> 3 & 1)", "16u * (~first >> 3 & 1)",
+    "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-channels": ("nuq4-out-rope", "{w.x, w.y, w.z, w.w}", "{w.y, w.x, w.w, w.z}", "3"),
@@ -461,7 +467,13 @@ MUTANTS = {
     "rope-part-quarter": ("nuq3-rope", "planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP)", "planes3_place<2 * CP>(t * (D / 8))", "1", 256),
     # keys and values of two widths: each side's rows by its own width
     "int3-key-pairs": ("int3-int4v", "return CB || BITS == 3 ? 2 * p + e :", "return CB ? 2 * p + e :", "3"),
-    "int3-key-raw": ("int3-int2v", "constexpr bool KEY_RAW = RAW && BITS != 3;", "constexpr bool KEY_RAW = RAW;", "3"),
+    "int3-key-raw": ("int3-int2v", "KEY_RAW = RAW && BITS != 3,", "KEY_RAW = RAW,", "3"),
+    # uniform 3-bit values: code values from their table, a group's units past the first's, an eighth's high bits
+    "int3-value-raw": ("int4-int3v", "VALUE_RAW = RAW && VBITS != 3;", "VALUE_RAW = RAW;", "3"),
+    "int3-value-group-units": ("int3-g32", "places[1].low + group * GROUP_WORDS,", "places[1].low,", "3"),
+    "int3-value-eighth-high-bits": ("int3-g32", "N == 4 ? high >> (at.shift >> 1 & 4) : high", "high", "3"),
+    # SKVQ's 3-bit codes: each channel of a pair its own high bit
+    "skvq3-pair-high-bits": ("skvq3", "row[top_word] >> ((c & 31) + e)", "row[top_word] >> (c & 31)", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
     "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16>", "3"),
     # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
@@ -493,9 +505,9 @@ def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
 # every (head_dim, codec, groups) the launcher serves at GQA 4 and 8 (the most registers: int4 g32 is at its limit
 # there), and GQA 1 of the one-width KIVI-g128, codebook and fp16 cases (all of them take minutes to compile; GQA
 # changes only the query load, the segment blocks' head loop and the final merge); SKVQ's channel groups (16 pairs of
-# widths) at GQA 8 alone: their dequantization does not see the GQA group
+# widths) at GQA 8, and 4 at head_dim 256, where they are within a few registers of the 255 they may take
 COMPILED = sorted({v for v in tensor_core.variants()
-                   if (v.gqa == 8 if v.channel_groups else v.gqa in (4, 8))
+                   if (v.gqa in ((4, 8) if v.head_dim == 256 else (8,)) if v.channel_groups else v.gqa in (4, 8))
                    or (v.gqa == 1 and v.key_group in (0, 128) and not v.value_bits and not v.channel_groups)}, key=lambda v: v.name)
 
 

@@ -51,7 +51,7 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class Variant:
     head_dim: int
-    bits: int  # 16: fp16 rows; 4, 3 (keys) or 2: uniform codes; 4, 3 or 2: codebook codes; 4 to 1: channel groups (the keys', the values' too but for value_bits)
+    bits: int  # 16: fp16 rows; 4, 3 or 2: uniform or codebook codes; 4 to 1: channel groups (the keys', the values' too but for value_bits)
     key_group: int  # tokens per key block (0 for fp16 and codebooks)
     value_group: int  # channels per value group (0 for fp16; head_dim for codebooks)
     gqa: int
@@ -77,9 +77,7 @@ class Variant:
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        # uniform 3-bit keys (KVmix's) come with 4- or 2-bit values: 3-bit values' groups of 32 give a lane 4 channels
-        key_widths, value_widths = (((4, 3, 2), (4, 3, 2)) if self.codebook else ((4, 3, 2, 1), (4, 3, 2, 1)) if self.channel_groups
-                                    else ((16, 4, 3, 2), (16, 4, 2)))
+        key_widths, value_widths = ((4, 3, 2), (4, 3, 2)) if self.codebook else ((4, 3, 2, 1), (4, 3, 2, 1)) if self.channel_groups else ((16, 4, 3, 2), (16, 4, 3, 2))
         two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
         if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in key_widths or self.vbits not in value_widths or two_widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
@@ -95,7 +93,7 @@ class Variant:
             vge = min(vg, d)
             if kg % 16 or (kg % STAGE_TOKENS if kg >= STAGE_TOKENS else STAGE_TOKENS % kg):
                 raise KvcalError(f"key blocks of {kg} tokens: the kernel needs a multiple of 64, or 16 / 32")
-            if (vg % d and d % vg) or vge // 8 * self.vbits < 8:
+            if (vg % d and d % vg) or vge // 8 * self.vbits < 8 or (self.vbits == 3 and vge < 32):  # 3-bit: whole eighths of units a lane
                 raise KvcalError(f"value groups of {vg} channels with {self.vbits}-bit codes and head_dim {d} are not served")
         if self.rope and not self.channel_groups:
             if bits == 3 and not self.codebook:
@@ -175,7 +173,7 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
-        uniform3 = not self.channel_groups and bits == 3  # uniform 3-bit keys: code values from a table
+        uniform3 = not self.channel_groups and 3 in (bits, self.vbits)  # uniform 3-bit codes: code values from a table
         lut = 2 * 256 * 4 + 1008 if self.codebook or uniform3 else 0
         lut += 4 * d if self.codebook else 0
         # 3-bit codes: a lane's places in a row (tc::Planes3Place; channel groups read theirs as they dequantize)
@@ -191,7 +189,7 @@ class Variant:
 
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
-UNIFORM_WIDTHS = ((4, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2))
+UNIFORM_WIDTHS = ((4, 0), (3, 0), (2, 0), (4, 2), (2, 4), (3, 4), (3, 2), (4, 3), (2, 3))
 CODEBOOK_WIDTHS = ((4, 0), (3, 0), (2, 0), (4, 3), (3, 4), (4, 2), (2, 4), (3, 2), (2, 3))
 GROUP_WIDTHS = tuple((k, 0 if v == k else v) for k in (4, 3, 2, 1) for v in (4, 3, 2, 1))  # SKVQ's whole-bit ones
 
@@ -419,8 +417,10 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     """The operands that stay as the stores grow, on `device`: codebook keys' per-channel scale and zero (the whole
     sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys."""
     out = {}
-    if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and int(keys.codec.bits) == 3:  # code values 0..7
-        out["codebooks"] = torch.cat((codebook_pairs(torch.arange(8.0)), torch.zeros(256, dtype=torch.int32))).to(device)
+    if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and 3 in (int(keys.codec.bits), int(values.codec.bits)):
+        # uniform 3-bit codes: their side's table gives code values 0..7
+        out["codebooks"] = torch.cat([codebook_pairs(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(256, dtype=torch.int32)
+                                      for store in (keys, values)]).to(device)
     if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
@@ -432,7 +432,7 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     if inv_freq is not None:
         out["freq"] = inv_freq.to(device=device, dtype=torch.float32).contiguous()
         if not groups:  # (channel groups rotate their keys as they dequantize them)
-            out["table"] = rope_table(inv_freq, head_dim, int(keys.codec.bits), "codebooks" in out).to(device)
+            out["table"] = rope_table(inv_freq, head_dim, int(keys.codec.bits), _is_packed(keys) and keys.codec.kind in CODEBOOKS).to(device)
     return out
 
 
