@@ -235,6 +235,7 @@ class TensorCoreKernel:
              group=32, value_bits=4),
         Case("int3 keys, int4 values, g32 (KVmix's)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 3, measured="int3k-int4v-g32",
              group=32, value_bits=4),
+        Case("int3 g32 (KIVI-3)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 3, measured="int3-g32", group=32),
         Case("int2 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 2, measured="int2-g128-pre-rope"),
         Case("int4 g128, pre-RoPE keys", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", True, 4, measured="int4-g128-pre-rope"),
         Case("nuq3 pre-RoPE, no outliers", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, measured="nuq3-pre-rope"),
@@ -246,6 +247,8 @@ class TensorCoreKernel:
         Case("nuq2 pre-RoPE 1% (mixed's)", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 2, 0.01, measured="nuq2-1%-pre-rope"),
         Case("skvq2 pre-RoPE (SKVQ's)", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 2, measured="skvq2-pre-rope",
              note=f"each stage dequantized into fp16 rows first; {SKVQ_GROUPS} channel groups, every one in each head"),
+        Case("skvq3 pre-RoPE", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 3, measured="skvq3-pre-rope",
+             note="as skvq2, its codes in planes3"),
     )
     def _variant(self, case: Case):
         from kvcal.runtime.tensor_core import Variant

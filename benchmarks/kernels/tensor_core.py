@@ -59,6 +59,7 @@ def variants(head_dim: int) -> dict:
     # keys and values of two widths: KVmix's int2 keys with int4 values (groups of 32), mixed's nuq3 keys with nuq4 values
     table["int2k-int4v-g32"] = ((ChannelBlockUniform(2, 32), TokenUniform(4, 32)), False)
     table["int3k-int4v-g32"] = ((ChannelBlockUniform(3, 32), TokenUniform(4, 32)), False)  # KVmix's 3-bit keys (planes3)
+    table["int3-g32"] = ((ChannelBlockUniform(3, 32), TokenUniform(3, 32)), False)  # KIVI-3: planes3 values too
     lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
     table["nuq3k-nuq4v-pre-rope"] = ((CodebookCodec(normal_float_codebook(3), lo, hi), CodebookCodec(normal_float_codebook(4))), True)
     # mixed's commonest layer: nuq2 with 1% outliers
@@ -66,17 +67,18 @@ def variants(head_dim: int) -> dict:
     table["nuq2-1%-pre-rope"] = ((keys, CodebookCodec(normal_float_codebook(2), outlier_fraction=0.01)), True)
     # SKVQ's default: 2-bit codes, 16 groups permuted across the KV width (of 64 channels at head_dim 128), fp16 parameters
     table["skvq2-pre-rope"] = (tuple(skvq_codec(KV_HEADS * head_dim, seed) for seed in (0, 1)), True)
+    table["skvq3-pre-rope"] = (tuple(skvq_codec(KV_HEADS * head_dim, seed, bits=3) for seed in (0, 1)), True)  # planes3
     return table
 
 
-def skvq_codec(width: int, seed: int, groups: int = 16):
-    """SKVQ's 2-bit codec (kvcal.fit.skvq.SkvqTensor) over `width` channels in `groups` equal groups, a seeded
-    permutation (16 groups: as many as the tensor-core kernel reads in a KV head)."""
+def skvq_codec(width: int, seed: int, groups: int = 16, bits: int = 2):
+    """SKVQ's codec (kvcal.fit.skvq.SkvqTensor) of `bits`-bit codes over `width` channels in `groups` equal groups, a
+    seeded permutation (16 groups: as many as the tensor-core kernel reads in a KV head)."""
     from kvcal.fit.skvq import SkvqTensor
 
     permutation = torch.randperm(width, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     starts = torch.arange(0, width + 1, width // groups, dtype=torch.int32)
-    return SkvqTensor(permutation, starts, torch.ones(groups), 2, fp8=False)
+    return SkvqTensor(permutation, starts, torch.ones(groups), bits, fp8=False)
 
 
 def inv_freq(head_dim: int) -> torch.Tensor:
