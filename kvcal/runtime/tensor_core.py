@@ -1,10 +1,10 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
-cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int2 body (kvcal.runtime.store.PackedRows with
-ChannelBlockUniform keys and TokenUniform values, "lsb" packing) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys
-with per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys; nuq3 in
-"planes3"), or an SKVQ body (SkvqTensor on both sides: 1- to 4-bit codes in channel order, a scale and zero per token
+cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int3 / int2 body (kvcal.runtime.store.PackedRows
+with ChannelBlockUniform keys and TokenUniform values) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys with
+per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys), 3-bit codes in
+"planes3", the others "lsb", or an SKVQ body (SkvqTensor on both sides: 1- to 4-bit codes in channel order, a scale and zero per token
 and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed
-layers; KVmix's uniform 3-bit keys in "planes3" too), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
+layers), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
 The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold, and its
@@ -77,9 +77,9 @@ class Variant:
     def check(self) -> None:
         """The constraints of kernels/decode_attention_tc.cu's static_asserts, as a KvcalError on the host."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        key_widths, value_widths = ((4, 3, 2), (4, 3, 2)) if self.codebook else ((4, 3, 2, 1), (4, 3, 2, 1)) if self.channel_groups else ((16, 4, 3, 2), (16, 4, 3, 2))
+        widths = (4, 3, 2, 1) if self.channel_groups else (4, 3, 2) if self.codebook else (16, 4, 3, 2)
         two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
-        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in key_widths or self.vbits not in value_widths or two_widths:
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in widths or self.vbits not in widths or two_widths:
             raise KvcalError(f"no tensor-core decode kernel for {self}")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
@@ -419,8 +419,9 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     out = {}
     if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and 3 in (int(keys.codec.bits), int(values.codec.bits)):
         # uniform 3-bit codes: their side's table gives code values 0..7
-        out["codebooks"] = torch.cat([codebook_pairs(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(256, dtype=torch.int32)
-                                      for store in (keys, values)]).to(device)
+        tables = [codebook_pairs(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(256, dtype=torch.int32)
+                  for store in (keys, values)]
+        out["codebooks"] = torch.cat(tables).to(device)
     if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
