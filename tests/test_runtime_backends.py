@@ -69,7 +69,7 @@ def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
     widths apart too), nuq2-4 (pre-RoPE keys with outliers, post-RoPE without), SKVQ's 1-4-bit channel groups with fp16
     or fp8 parameters, at head_dim 64, 128 and 256 and GQA 1 to 16; what it does not read keeps a reason (the CUDA-core
     kernel serves it)."""
-    from kvcal.fit.skvq import SkvqTensor
+    from helpers.kernel_cases import equal_skvq_groups
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
     kv_heads, widths = 2, (2, 3, 4)
@@ -78,12 +78,6 @@ def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
         return [backends.tensor_core_refusal(pair, backends.LayerShape((pair,), pre_rope, kv_heads * gqa, kv_heads, head_dim,
                                                                        torch.device("cuda")))
                 for gqa in (1, 4, 16)]
-
-    def skvq(bits, head_dim, fp8):
-        width = kv_heads * head_dim
-        starts = torch.arange(0, width + 1, width // 8, dtype=torch.int32)  # 8 groups over the width, permuted
-        permutation = torch.randperm(width, generator=torch.Generator().manual_seed(bits)).to(torch.int32)
-        return SkvqTensor(permutation, starts, torch.ones(8), bits, fp8)
 
     for head_dim in (64, 128, 256):
         for k, v, group in ((k, v, g) for k in widths for v in widths for g in (32, 64, 128)):
@@ -95,7 +89,8 @@ def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
                         CodebookCodec(normal_float_codebook(v), outlier_fraction=fraction))
                 assert refusal(pair, head_dim, pre_rope) == [None] * 3, (k, v, fraction)
         for k, v, fp8 in ((k, v, fp8) for k in (1, *widths) for v in (1, *widths) for fp8 in (False, True)):
-            assert refusal((skvq(k, head_dim, fp8), skvq(v, head_dim, fp8)), head_dim, pre_rope=True) == [None] * 3, (k, v, fp8)
+            pair = tuple(equal_skvq_groups(kv_heads * head_dim, 8, bits, fp8, seed=bits) for bits in (k, v))
+            assert refusal(pair, head_dim, pre_rope=True) == [None] * 3, (k, v, fp8)
     (small_groups,) = set(refusal((ChannelBlockUniform(2, 16), TokenUniform(2, 16)), 128))
     assert small_groups == "int2 per channel g16 / int2 per token g16: value groups of 16 channels with 2-bit codes and head_dim 128 are not served"
 

@@ -91,6 +91,16 @@ SKVQ_CASES = {
 DECODE_CASES = {**CASES, **SKVQ_CASES}
 
 
+def equal_skvq_groups(width: int, groups: int, bits: float, fp8: bool = False, seed: int = 0):
+    """An SKVQ codec (kvcal.fit.skvq.SkvqTensor) of `groups` groups of (nearly) equal size over a seeded permutation of
+    `width` channels: which groups a KV head's channels fall in is what the kernels' checks read."""
+    from kvcal.fit.skvq import SkvqTensor
+
+    starts = torch.tensor([i * width // groups for i in range(groups)] + [width], dtype=torch.int32)
+    permutation = torch.randperm(width, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    return SkvqTensor(permutation, starts, torch.ones(groups), bits, fp8)
+
+
 def filled(case: str, lengths: list[int], device="cuda"):
     """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
     key_codec, value_codec, policy, rpc, pre_rope, layout = DECODE_CASES[case]()
