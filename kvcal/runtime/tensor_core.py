@@ -173,11 +173,12 @@ class Variant:
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
-        uniform3 = not self.channel_groups and 3 in (bits, self.vbits)  # uniform 3-bit codes: code values from a table
-        lut = 2 * 256 * 4 + 1008 if self.codebook or uniform3 else 0
+        # 3-bit codes (channel groups aside: they read theirs as they dequantize) go through a table (uniform ones: code
+        # values 0..7) from a lane's places in a row (tc::Planes3Place)
+        planes3 = not self.channel_groups and 3 in (bits, self.vbits)
+        lut = 2 * 256 * 4 + 1008 if self.codebook or planes3 else 0
         lut += 4 * d if self.codebook else 0
-        # 3-bit codes: a lane's places in a row (tc::Planes3Place; channel groups read theirs as they dequantize)
-        places = 32 * 2 * 16 if 3 in (bits, self.vbits) and not self.channel_groups else 0
+        places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
         if self.outliers:
