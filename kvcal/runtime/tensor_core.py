@@ -24,6 +24,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -152,6 +153,7 @@ class Variant:
             return 5 if self.codebook else 6  # nuq4: 2 blocks of its padded rows still fit an A100
         return 8
 
+    @functools.cache  # asked at every decode step (a variant is a frozen value)
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
@@ -438,6 +440,67 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     return out
 
 
+class StoreOperands(NamedTuple):
+    """decode_tc's arguments that follow from a launch's stores and its layer, the same at every step until a store
+    replaces a buffer (its `moves`): three runs, between which the step's own arguments go (`launch_operands`)."""
+
+    bodies: tuple  # the key and value codes (fp16 rows), the key scale and zero, the value scale and zero
+    tables: tuple  # inv_freq, the rotation table, the codebook or channel group tables
+    rest: tuple  # the outliers' buffers, the buffers' strides, the outliers' strides, kv_heads
+    scale_log2: float
+
+    def converted(self) -> StoreOperands:
+        """The same as the kernel's argument values (`_arg`)."""
+        return StoreOperands(*(tuple(map(_arg, run)) for run in (self.bodies, self.tables, self.rest)), _arg(self.scale_log2))
+
+
+def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict, inv_freq: torch.Tensor | None = None,
+                   attention_scaling: float = 1.0) -> StoreOperands:
+    """The stores' part of decode_tc's arguments (see `operands`); their buffers checked as the kernel reads them."""
+    packed = _is_packed(keys)
+    codebook = packed and keys.codec.kind in CODEBOOKS
+    k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
+    groups = packed and keys.codec.kind is CodecKind.PERMUTED_GROUPS
+    key_parameters = keys.token if groups else keys.blocks if packed else {}  # channel groups: per token, like values'
+    ks, kz = key_parameters.get("scale"), key_parameters.get("zero")
+    vs = values.token.get("scale") if packed else None
+    vz = values.token.get("zero") if packed else None
+    if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
+        ks, kz = constants["key_scale"], constants["key_zero"]
+        vs, vz = values.token.get("lo"), values.token.get("hi")  # none yet in an empty body
+    for t in (k_data, v_data, *(() if groups else (ks, kz))):  # (runs along the tokens: strides checked)
+        if t is not None and t.numel() and not t.is_contiguous():
+            raise KvcalError("the tensor-core kernel reads contiguous buffers")
+    k_seq, k_row = _strides(k_data, True)
+    v_seq, v_row = _strides(v_data, True)
+    if groups:  # [sequence][column][token], as the values'
+        kp_seq, kp_row = _value_parameter_strides(ks, kz)
+    else:
+        kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
+    vp_seq, vp_group = _value_parameter_strides(vs, vz)
+    if inv_freq is not None:
+        scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
+    k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
+    return StoreOperands((k_data, v_data, ks, kz, vs, vz), (constants.get("freq"), constants.get("table"), constants.get("codebooks")),
+                         (*k_outliers[:4], *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group,
+                          *k_outliers[4:], *v_outliers[4:], kv_heads), float(scaling * LOG2E))
+
+
+def step_operands(query, meta, out_partial, lse_partial, per_split: int, split_offset: int, merge: tuple | None = None,
+                  segments: tuple | None = None) -> tuple:
+    """decode_tc's arguments that change from step to step (see `operands`), in the order `launch_operands` takes them."""
+    return (query, meta, out_partial, lse_partial, per_split, split_offset, out_partial.shape[2], *(merge or (None, None)),
+            *(segments or (None, None, None, 0)))
+
+
+def launch_operands(stores: StoreOperands, step: tuple) -> tuple:
+    """decode_tc's arguments in order: the stores' runs with the step's own (`step_operands`), as given (tensors, or
+    already the kernel's argument values)."""
+    query, meta, out_partial, lse_partial, per_split, split_offset, total_splits, *merge_and_segments = step
+    return (query, *stores.bodies, meta, *stores.tables, out_partial, lse_partial, *stores.rest, per_split, split_offset,
+            total_splits, stores.scale_log2, *merge_and_segments)
+
+
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
              attention_scaling: float = 1.0, constants: dict | None = None, merge: tuple | None = None,
@@ -451,38 +514,16 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     sequence attend its tokens beside the served body rows (fp16 rows, and uniform bodies' rows one side holds alone:
     `segment_blocks_read_bodies`; a kvcal.runtime.kernels.Segments descriptor, the CUDA-core kernel's meta, each
     sequence's position of its first stored token), into the slots after the body's; None: no segment blocks. Tensors must be contiguous and on the kernel's device."""
-    packed = _is_packed(keys)
-    codebook = packed and keys.codec.kind in CODEBOOKS
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
-    k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
-    groups = packed and keys.codec.kind is CodecKind.PERMUTED_GROUPS
-    key_parameters = keys.token if groups else keys.blocks if packed else {}  # channel groups: per token, like values'
-    ks, kz = key_parameters.get("scale"), key_parameters.get("zero")
-    vs = values.token.get("scale") if packed else None
-    vz = values.token.get("zero") if packed else None
-    codebooks = constants.get("codebooks")
-    if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
-        ks, kz = constants["key_scale"], constants["key_zero"]
-        vs, vz = values.token.get("lo"), values.token.get("hi")  # none yet in an empty body
-    for t in (query, k_data, v_data, *(() if groups else (ks, kz)), meta, out_partial, lse_partial):  # (runs along the tokens: strides checked)
-        if t is not None and t.numel() and not t.is_contiguous():
-            raise KvcalError("the tensor-core kernel reads contiguous buffers")
-    k_seq, k_row = _strides(k_data, True)
-    v_seq, v_row = _strides(v_data, True)
-    if groups:  # [sequence][column][token], as the values'
-        kp_seq, kp_row = _value_parameter_strides(ks, kz)
-    else:
-        kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
-    vp_seq, vp_group = _value_parameter_strides(vs, vz)
-    freq, table = constants.get("freq"), constants.get("table")
-    if inv_freq is not None:
-        scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
-    k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
-    return (query, k_data, v_data, ks, kz, vs, vz, meta, freq, table, codebooks, out_partial, lse_partial, *k_outliers[:4],
-            *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads,
-            per_split, split_offset, out_partial.shape[2], float(scaling * LOG2E), *(merge or (None, None)),
-            *(segments or (None, None, None, 0)))
+    _check_step_buffers(query, meta, out_partial, lse_partial)
+    stores = store_operands(keys, values, kv_heads, scaling, constants, inv_freq, attention_scaling)
+    return launch_operands(stores, step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments))
+
+
+def _check_step_buffers(*tensors: torch.Tensor) -> None:
+    if any(t.numel() and not t.is_contiguous() for t in tensors):
+        raise KvcalError("the tensor-core kernel reads contiguous buffers")
 
 
 def _outlier_operands(store) -> tuple:
@@ -634,7 +675,8 @@ class ServedBody:
     serves): per sequence, body rows 0 .. n - 1 with n the rows both sides' bodies hold, where the two sides' fp16
     sinks are equally long (so those rows are the same tokens at the same positions); none elsewhere.
     kvcal.runtime.kernels.prepare_decode gives the launch's other tokens to the CUDA-core kernel. Made once per launch
-    (`serve`); the constant operands are made once per device. variants: per query heads of a pass (the GQA group, or
+    (`serve`); the constant operands are made once per device, the stores' operands again only after a store
+    replaced a buffer (`store_operands`). variants: per query heads of a pass (the GQA group, or
     kvcal.runtime.kernels.head_passes' parts of it), the kernel variant."""
 
     def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float):
@@ -642,6 +684,15 @@ class ServedBody:
         self.variants, self.inv_freq, self.attention_scaling = variants, inv_freq, attention_scaling
         self.segments_read_bodies = segment_blocks_read_bodies(self.keys.codec)
         self._constants: dict = {}
+        self._stores: tuple | None = None  # (what they were made at, StoreOperands, converted)
+
+    def store_operands(self, kv_heads: int, scaling: float, constants: dict) -> tuple[StoreOperands, StoreOperands]:
+        """The stores' operands and their argument values, made again only after a store replaced a buffer."""
+        made_at = (self.keys.moves, self.values.moves, kv_heads, scaling, id(constants))
+        if self._stores is None or self._stores[0] != made_at:
+            stores = store_operands(self.keys, self.values, kv_heads, scaling, constants, self.inv_freq, self.attention_scaling)
+            self._stores = (made_at, stores, stores.converted())
+        return self._stores[1], self._stores[2]
 
     def rows(self, batch: int) -> list[int]:
         """Live body rows served per sequence, from the first: none where the two sides' sinks differ or their live
@@ -675,9 +726,11 @@ class ServedBody:
         splits += segments[3] if segments is not None else 0
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
-            source = operands(query, self.keys, self.values, kv_heads, scaling, per_split, split_offset, out_partial, lse_partial,
-                              meta, self.inv_freq, self.attention_scaling, constants, merge, segments)
-            args = tuple(_arg(x) for x in source)
+            _check_step_buffers(query, meta, out_partial, lse_partial)
+            stores, store_args = self.store_operands(kv_heads, scaling, constants)
+            step = step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments)
+            source = launch_operands(stores, step)
+            args = launch_operands(store_args, tuple(map(_arg, step)))
 
             def launch() -> None:
                 kernels.launch(kernel, (splits, kv_heads, batch), (THREADS,), args, shared)
