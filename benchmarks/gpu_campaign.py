@@ -9,7 +9,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
-               StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`)
+               StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`), with two
+               steps of each cache of the first cell traced (the first batch, 1 by default: where the host side shows)
   ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`); skipped
                without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
@@ -115,7 +116,7 @@ def stages(args) -> list[Stage]:
     xdist = ["-n", "12", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
-                "--new-tokens", "16", "--seed", str(args.seed)]
+                "--new-tokens", "16", "--torch-profile", "2", "--seed", str(args.seed)]
     found = [
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
@@ -125,7 +126,8 @@ def stages(args) -> list[Stage]:
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 330, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
-               "--recipes", args.generate_recipes, "--new-tokens", "4", "--profile-seqlen", "64", "--seed", str(args.seed)]),
+               "--recipes", args.generate_recipes, "--new-tokens", "4", "--torch-profile", "1", "--profile-seqlen", "64",
+               "--seed", str(args.seed)]),
     ]
     if args.baseline_tree is not None:
         found.append(Stage("ab", [*bench("kernels", "ab"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,

@@ -46,6 +46,7 @@ SECTIONS = [
     ("Decode on GPU", [("decode_plan", "python -m benchmarks.kernels plan", ""),
                        ("gpu_campaign_", "python -m benchmarks.gpu_campaign", ""),
                        ("generate_", "python -m benchmarks.end_to_end gpu", ""),
+                       ("host_step_", "python -m benchmarks.end_to_end host", ""),
                        ("decode_tc_", "python -m benchmarks.kernels gpu", ""),
                        ("decode_nvidia", "python -m benchmarks.kernels cuda-core", ""),
                        ("profile_decode_tc_", "python -m benchmarks.kernels ncu", ""),

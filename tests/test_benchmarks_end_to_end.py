@@ -35,3 +35,19 @@ def test_quantized_cache_memory_counts_what_transformers_holds_and_names_its_ref
         refused = quantized_cache_memory(tiny_model("gemma3_text"), ids, "fp8", None, 16)
     assert held == {"live_bytes": config.num_hidden_layers * 2 * (40 * width + 4)}
     assert refused == {"refused": "`QuantizedCache` is only supported for models with only full attention layers"}
+
+
+def test_the_host_benchmark_times_the_cuda_path_of_every_cache_it_names():
+    """A run at a tiny size: the kvcal cache decodes on the CUDA path with its launches skipped (past KIVI's 128-token
+    residual: the value append and one tensor-core decode launch per layer and step, a key block's append now and
+    then), and StaticCache and DynamicCache rows give their torch operations only."""
+    from benchmarks.end_to_end import host
+
+    args = host.parse_args(["--recipes", "kivi", "--batches", "2", "--length", "160", "--new-tokens", "4", "--rounds", "1",
+                            "--layers", "1"])
+    rows = host.measure(args)["results"]
+    assert [r["cache"] for r in rows] == ["StaticCache", "DynamicCache", "kvcal kivi"]
+    kivi = rows[-1]
+    assert {"append_token_uniform", "decode_tc"} <= set(kivi["launched"]) and 2 <= kivi["launches_per_layer"] < 3
+    assert kivi["host_us_per_layer"] > 0 and kivi["host_ms_32_layers"] == round(32 * kivi["host_us_per_layer"] / 1000, 2)
+    assert all("host_us_per_layer" not in r and r["torch_ops_per_layer"] > 0 for r in rows[:2])

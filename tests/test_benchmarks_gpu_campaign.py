@@ -31,6 +31,7 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     caches = {r["cache"] for r in generated["results"]}
     assert caches == {"StaticCache", "DynamicCache", "kvcal kivi"}
     assert {(r["length"], r["batch"]) for r in generated["results"]} == {(64, 1), (64, 2), (128, 1), (128, 2)}
+    assert sorted(generated["torch_profiles"]) == [f"{cache}, L=64, B=1" for cache in ("DynamicCache", "StaticCache", "kvcal kivi")]
     summary = (out / "summary.md").read_text()
     assert done.stdout.rstrip().endswith(summary.rstrip())
     assert "| generate | ok |" in summary and "| kvcal kivi |" in summary

@@ -51,6 +51,11 @@ SHAPES = {  # LlamaConfig fields: Llama-3.1-8B's shape, and a tiny one for CPU d
                      num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Llama-3.1-8B's attention with a small hidden size and vocabulary: the cache's host side at the 8B's head shapes
+    "llama-8b-attention": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=1024, max_position_embeddings=131072,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                  head_dim=128, vocab_size=1024, max_position_embeddings=4096,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),

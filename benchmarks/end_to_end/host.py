@@ -1,0 +1,209 @@
+"""The host side of kvcal's decode step on the CUDA path, per layer, measured on the CPU: what the cache does in Python
+and torch around its kernels (the appends' bookkeeping and launches; the decode's lengths, uploads and launch
+arguments), with the kernel launches skipped.
+
+Why: at batch 1 a GPU decode step waits on the host (benchmarks/results/generate_nvidia-h200.md: at 32K tokens and
+batch 1 every kvcal cache was slower than StaticCache, at batch 8 faster), and what the cache adds per layer is host
+work that a CPU shows as well as a GPU machine does. The model is a random Llama with Llama-3.1-8B's attention (32
+query and 8 KV heads, head_dim 128; `benchmarks.end_to_end.gpu`'s llama-8b-attention shape: small hidden size and
+vocabulary) on the CPU. The cache runs the decoder and appends it runs on a GPU (kvcal.runtime.backends.CudaDecoder:
+tensor-core launch arguments, meta, splits; kvcal.runtime.kernels.encode_rows) on CPU tensors, with
+kvcal.runtime.kernels.launch replaced by a function that counts the launch and returns: no kernel runs, so the
+outputs are not checked (tests/test_kernel_emulation.py runs the same path with the kernels emulated). The bundles
+are fitted for this model from a short profile of random token ids (`gpu.make_bundles`).
+
+Per (batch, recipe), each cache decoding --new-tokens steps after a --length-token prompt (the fp prefill loaded into
+it, as `gpu` does), --rounds runs in turn: the time of kvcal's attention call per layer and step (both appends and
+the decode; the median over the timed steps of every run; `32 layers`: that times an 8B's 32 layers), the kernel
+launches per layer and step, and the torch operations per layer of one more step (torch.profiler's top-level CPU
+events of the whole forward, divided by the layers) beside DynamicCache's (its cache update and SDPA; on a GPU each
+operation is a launch of its own). DynamicCache's time is not a row: its attention computes here.
+
+Usage: python -m benchmarks.end_to_end host [--batches 1,8] [--recipes all] [--length 1024] [--new-tokens 24]
+       [--rounds 3] [--layers 8]      (see --help)
+Writes benchmarks/results/host_step_<cpu>.{json,md} (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import device_slug, provenance, write_markdown, write_result
+from benchmarks.end_to_end import gpu
+
+SHAPE = "llama-8b-attention"
+WARM_STEPS = 2  # decode steps of each run not timed (the first binds the decoders)
+SMS = 132  # the multiprocessors the split plans are made for: an H100 SXM's (two resident blocks each)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from kvcal import registry
+    from kvcal.errors import KvcalError
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, or 'all' ({', '.join(registry.recipes())}) "
+                                                         "(default: %(default)s)")
+    parser.add_argument("--length", type=int, default=1024, help="prompt tokens (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=24, help=f"decode steps per run; the first {WARM_STEPS} are not timed "
+                                                                   "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every cache per batch, in turn (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt and profile (default: %(default)s)")
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: host_step_<cpu>)")
+    args = parser.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        parser.error("--batches are whole numbers, comma-separated")
+    args.recipes = registry.recipes() if args.recipes == "all" else [r.strip() for r in args.recipes.split(",")]
+    for recipe in args.recipes:
+        try:
+            registry.recipe(recipe)
+        except KvcalError as exc:  # an unknown name, with the list
+            parser.error(f"--recipes: {exc}")
+    if min(args.batches) < 1 or args.length < 2 or args.layers < 1 or args.rounds < 1 or args.threads < 1:
+        parser.error("--batches, --layers, --rounds and --threads are at least 1 and --length at least 2")
+    if args.new_tokens <= WARM_STEPS:
+        parser.error(f"--new-tokens must be more than {WARM_STEPS} (the first {WARM_STEPS} steps are not timed)")
+    return args
+
+
+@contextmanager
+def launches_skipped(counts: collections.Counter):
+    """Within the block the runtime takes the CPU for a CUDA device with CuPy and its kernel launches return at once,
+    each counted in `counts` by kernel name (its template arguments left out)."""
+    from kvcal.runtime import kernels, tensor_core
+
+    patches = [(kernels, "cuda_ready", lambda device: True), (kernels, "_function", lambda module, name: name),
+               (kernels, "launch", lambda function, *args, **kwargs: counts.update([function.split("<")[0]])),
+               (kernels, "_multiprocessors", lambda device: SMS), (tensor_core, "_function", lambda name, shared=0: name),
+               (tensor_core, "resident_blocks", lambda name, shared, device: 2 * SMS)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, replacement in patches:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+@contextmanager
+def attention_timed(spent: list[float]):
+    """Within the block every call of kvcal's attention (appends and decode of one layer) appends its seconds to spent."""
+    from kvcal.runtime import cache
+
+    original = cache._runtime_attention
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        out = original(*args, **kwargs)
+        spent.append(time.perf_counter() - began)
+        return out
+
+    cache._runtime_attention = timed  # (the cache registers it with transformers when it opens)
+    try:
+        yield
+    finally:
+        cache._runtime_attention = original
+
+
+def operations_per_layer(model, prompt: torch.Tensor, make) -> float:
+    """Torch operations (top-level CPU events) of one decode step of the cache make() returns, per layer."""
+    cache, _ = make()
+    gpu.generate_steps(model, prompt, cache, WARM_STEPS)
+    longer = torch.cat([prompt, prompt[:, -1:].expand(-1, WARM_STEPS)], dim=1)
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        model(longer[:, -1:], past_key_values=cache, use_cache=True)
+    gpu.closed(cache)
+    return sum(event.cpu_parent is None for event in trace.events()) / model.config.num_hidden_layers
+
+
+def measure(args) -> dict:
+    from kvcal.runtime.cache import fp_context
+
+    torch.set_num_threads(args.threads)
+    model = gpu.random_model(SHAPE, "cpu", args.seed, args.layers)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(args.seed))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        fitting = argparse.Namespace(recipes=args.recipes, profile_windows=1, profile_seqlen=256, seed=args.seed,
+                                     shape=SHAPE, device="cpu")  # gpu.make_bundles' settings: one profile window
+        bundles, _ = gpu.make_bundles(model, fitting, Path(folder), gpu.Clock("cpu"))
+        with torch.inference_mode():
+            context = fp_context(model, ids[:, :-1])
+        for batch in args.batches:
+            prompt = ids.expand(batch, args.length)
+            chosen = gpu.makers(model, context, batch, args.length, args.new_tokens + 2 * WARM_STEPS + 1, bundles, ["dynamic"])
+            kvcal_caches = [(name, make) for name, make in chosen if name.startswith("kvcal")]
+            spent = {name: [] for name, _ in kvcal_caches}
+            launches = {name: collections.Counter() for name, _ in kvcal_caches}
+            for _ in range(args.rounds):
+                for name, make in kvcal_caches:
+                    calls, launched = [], collections.Counter()
+                    with launches_skipped(launched), attention_timed(calls):
+                        cache, _ = make()
+                        launched.clear()  # (the prefill's appends)
+                        gpu.generate_steps(model, prompt, cache, args.new_tokens)
+                        gpu.closed(cache)
+                    spent[name] += calls[WARM_STEPS * layers:]
+                    launches[name] += launched
+            for name, make in chosen[:2] + kvcal_caches:  # StaticCache, DynamicCache (makers' order), kvcal's
+                with launches_skipped(collections.Counter()):
+                    operations = operations_per_layer(model, prompt, make)
+                row = {"cache": name, "batch": batch, "torch_ops_per_layer": round(operations, 2)}
+                if name in spent:
+                    median = statistics.median(spent[name])
+                    row.update(host_us_per_layer=round(1e6 * median, 1), host_ms_32_layers=round(32e3 * median, 2),
+                               launches_per_layer=round(sum(launches[name].values()) / (args.rounds * args.new_tokens * layers), 2),
+                               launched=sorted(launches[name]))
+                rows.append(row)
+                print(f"B={batch:<2d} {name:24s} " + "  ".join(f"{k} {v}" for k, v in row.items() if k not in ("cache", "batch")),
+                      flush=True)
+    settings = {"shape": SHAPE, "layers": layers, "length": args.length, "new_tokens": args.new_tokens,
+                "timed_steps": args.new_tokens - WARM_STEPS, "rounds": args.rounds, "threads": args.threads, "seed": args.seed,
+                "recipes": args.recipes, "batches": args.batches}
+    return {"settings": settings, "results": rows}
+
+
+def table(result: dict, started: dict) -> list[str]:
+    settings = result["settings"]
+    lines = [f"# Host side of a CUDA decode step, per layer, on {started['device']}", "",
+             f"Commit {started['commit']}, {started['date']}. `python -m benchmarks.end_to_end host`: a random Llama with "
+             f"Llama-3.1-8B's attention ({settings['layers']} layers) on the CPU, each cache decoding "
+             f"{settings['new_tokens']} steps after a {settings['length']}-token prompt, {settings['rounds']} runs in turn, "
+             f"{settings['threads']} thread(s); kvcal's CUDA decoder and appends with the kernel launches skipped (no kernel "
+             "runs). host us: kvcal's attention call per layer and step (both appends and the decode; median of the "
+             f"{settings['timed_steps']} timed steps of every run); 32 layers: that times 32 (an 8B model's step); torch ops: "
+             "top-level operations of one decode step per layer, the model's own included (StaticCache and DynamicCache "
+             "for comparison: their cache update and SDPA).", "",
+             "| B | cache | host us per layer | 32 layers ms | launches per layer | torch ops per layer |",
+             "|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        lines.append(f"| {r['batch']} | {r['cache']} | {r.get('host_us_per_layer', '-')} | {r.get('host_ms_32_layers', '-')} | "
+                     f"{r.get('launches_per_layer', '-')} | {r['torch_ops_per_layer']} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = provenance()
+    name = args.out or f"host_step_{device_slug(started['device'])}"
+    result = measure(args)
+    write_result(name, result, started)
+    write_markdown(name, table(result, started))
+
+
+if __name__ == "__main__":
+    main()
