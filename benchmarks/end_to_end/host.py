@@ -15,9 +15,9 @@ are fitted for this model from a short profile of random token ids (`gpu.make_bu
 Per (batch, recipe), each cache decoding --new-tokens steps after a --length-token prompt (the fp prefill loaded into
 it, as `gpu` does), --rounds runs in turn: the time of kvcal's attention call per layer and step (both appends and
 the decode; the median over the timed steps of every run; `32 layers`: that times an 8B's 32 layers), the kernel
-launches per layer and step, and the torch operations per layer of one more step (torch.profiler's top-level CPU
-events of the whole forward, divided by the layers) beside DynamicCache's (its cache update and SDPA; on a GPU each
-operation is a launch of its own). DynamicCache's time is not a row: its attention computes here.
+launches per layer and step, and the torch operations per layer of a step (torch.profiler's top-level CPU events
+of the whole forward, divided by the layers; the median of 3 steps) beside DynamicCache's (its cache update and
+SDPA; on a GPU each operation is a launch of its own). DynamicCache's time is not a row: its attention computes here.
 
 Usage: python -m benchmarks.end_to_end host [--batches 1,8] [--recipes all] [--length 1024] [--new-tokens 24]
        [--rounds 3] [--layers 8]      (see --help)
@@ -118,15 +118,19 @@ def attention_timed(spent: list[float]):
         cache._runtime_attention = original
 
 
-def operations_per_layer(model, prompt: torch.Tensor, make) -> float:
-    """Torch operations (top-level CPU events) of one decode step of the cache make() returns, per layer."""
+def operations_per_layer(model, prompt: torch.Tensor, make, steps: int = 3) -> float:
+    """Torch operations (top-level CPU events) of a decode step of the cache make() returns, per layer: the median of
+    `steps` steps (one may be a step whose store grows its buffers)."""
     cache, _ = make()
     gpu.generate_steps(model, prompt, cache, WARM_STEPS)
-    longer = torch.cat([prompt, prompt[:, -1:].expand(-1, WARM_STEPS)], dim=1)
-    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
-        model(longer[:, -1:], past_key_values=cache, use_cache=True)
+    counts = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+                model(prompt[:, -1:], past_key_values=cache, use_cache=True)
+            counts.append(sum(event.cpu_parent is None for event in trace.events()))
     gpu.closed(cache)
-    return sum(event.cpu_parent is None for event in trace.events()) / model.config.num_hidden_layers
+    return statistics.median(counts) / model.config.num_hidden_layers
 
 
 def measure(args) -> dict:
@@ -145,7 +149,7 @@ def measure(args) -> dict:
             context = fp_context(model, ids[:, :-1])
         for batch in args.batches:
             prompt = ids.expand(batch, args.length)
-            chosen = gpu.makers(model, context, batch, args.length, args.new_tokens + 2 * WARM_STEPS + 1, bundles, ["dynamic"])
+            chosen = gpu.makers(model, context, batch, args.length, args.new_tokens + WARM_STEPS + 4, bundles, ["dynamic"])
             kvcal_caches = [(name, make) for name, make in chosen if name.startswith("kvcal")]
             spent = {name: [] for name, _ in kvcal_caches}
             launches = {name: collections.Counter() for name, _ in kvcal_caches}
@@ -186,7 +190,7 @@ def table(result: dict, started: dict) -> list[str]:
              f"{settings['threads']} thread(s); kvcal's CUDA decoder and appends with the kernel launches skipped (no kernel "
              "runs). host us: kvcal's attention call per layer and step (both appends and the decode; median of the "
              f"{settings['timed_steps']} timed steps of every run); 32 layers: that times 32 (an 8B model's step); torch ops: "
-             "top-level operations of one decode step per layer, the model's own included (StaticCache and DynamicCache "
+             "top-level operations of a decode step per layer (median of 3 steps), the model's own included (StaticCache and DynamicCache "
              "for comparison: their cache update and SDPA).", "",
              "| B | cache | host us per layer | 32 layers ms | launches per layer | torch ops per layer |",
              "|---|---|---|---|---|---|"]
