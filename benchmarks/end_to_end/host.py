@@ -14,21 +14,30 @@ are fitted for this model from a short profile of random token ids (`gpu.make_bu
 
 Per (batch, recipe), each cache decoding --new-tokens steps after a --length-token prompt (the fp prefill loaded into
 it, as `gpu` does), --rounds runs in turn: the time of kvcal's attention call per layer and step (both appends and
-the decode; the median over the timed steps of every run; `32 layers`: that times an 8B's 32 layers), the kernel
+the decode; the fastest tenth of the timed calls of every run, and their median: the work is the same at every
+step, and a machine shared with other work only adds to it; `32 layers`: that times an 8B's 32 layers), the kernel
 launches per layer and step, and the torch operations per layer of a step (torch.profiler's top-level CPU events
 of the whole forward, divided by the layers; the median of 3 steps) beside DynamicCache's (its cache update and
 SDPA; on a GPU each operation is a launch of its own). DynamicCache's time is not a row: its attention computes here.
 
+A/B (--baseline-tree DIR, another commit's tree, e.g. `git worktree add /tmp/base <commit>`): one run of each tree's
+kvcal package in turn (this tree, then the baseline), --rounds times, each a subprocess of this script; a row gives
+both sides' medians over the rounds of a run's fastest tenth, and the median of the rounds' ratios.
+
 Usage: python -m benchmarks.end_to_end host [--batches 1,8] [--recipes all] [--length 1024] [--new-tokens 24]
-       [--rounds 3] [--layers 8]      (see --help)
-Writes benchmarks/results/host_step_<cpu>.{json,md} (--out).
+       [--rounds 3] [--layers 8] [--baseline-tree DIR]      (see --help)
+Writes benchmarks/results/host_step_<cpu>.{json,md}, with a baseline host_step_ab_<cpu>.{json,md} (--out).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -36,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_slug, provenance, write_markdown, write_result
+from benchmarks.common import REPO, device_slug, provenance, write_markdown, write_result
 from benchmarks.end_to_end import gpu
 
 SHAPE = "llama-8b-attention"
@@ -59,8 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the model (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt and profile (default: %(default)s)")
-    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: host_step_<cpu>)")
+    parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                        help="another checkout to compare with, run by run in turn (see the A/B above)")
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: host_step_<cpu>, "
+                                                    "host_step_ab_<cpu> with a baseline)")
     args = parser.parse_args(argv)
+    if args.baseline_tree is not None and not (args.baseline_tree / "kvcal" / "__init__.py").is_file():
+        parser.error(f"--baseline-tree {args.baseline_tree}: no kvcal package there; give a checkout of this repository")
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -168,8 +182,9 @@ def measure(args) -> dict:
                     operations = operations_per_layer(model, prompt, make)
                 row = {"cache": name, "batch": batch, "torch_ops_per_layer": round(operations, 2)}
                 if name in spent:
-                    median = statistics.median(spent[name])
-                    row.update(host_us_per_layer=round(1e6 * median, 1), host_ms_32_layers=round(32e3 * median, 2),
+                    fastest_tenth = sorted(spent[name])[len(spent[name]) // 10]
+                    row.update(host_us_per_layer=round(1e6 * fastest_tenth, 1), host_ms_32_layers=round(32e3 * fastest_tenth, 2),
+                               host_us_median=round(1e6 * statistics.median(spent[name]), 1),
                                launches_per_layer=round(sum(launches[name].values()) / (args.rounds * args.new_tokens * layers), 2),
                                launched=sorted(launches[name]))
                 rows.append(row)
@@ -188,22 +203,102 @@ def table(result: dict, started: dict) -> list[str]:
              f"Llama-3.1-8B's attention ({settings['layers']} layers) on the CPU, each cache decoding "
              f"{settings['new_tokens']} steps after a {settings['length']}-token prompt, {settings['rounds']} runs in turn, "
              f"{settings['threads']} thread(s); kvcal's CUDA decoder and appends with the kernel launches skipped (no kernel "
-             "runs). host us: kvcal's attention call per layer and step (both appends and the decode; median of the "
-             f"{settings['timed_steps']} timed steps of every run); 32 layers: that times 32 (an 8B model's step); torch ops: "
+             "runs). host us: kvcal's attention call per layer and step (both appends and the decode), the fastest tenth "
+             f"of the {settings['timed_steps']} timed steps of every run, and their median; 32 layers: the fastest tenth times "
+             "32 (an 8B model's step); torch ops: "
              "top-level operations of a decode step per layer (median of 3 steps), the model's own included (StaticCache and DynamicCache "
              "for comparison: their cache update and SDPA).", "",
-             "| B | cache | host us per layer | 32 layers ms | launches per layer | torch ops per layer |",
+             "| B | cache | host us per layer | median | 32 layers ms | launches per layer | torch ops per layer |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        lines.append(f"| {r['batch']} | {r['cache']} | {r.get('host_us_per_layer', '-')} | {r.get('host_us_median', '-')} | "
+                     f"{r.get('host_ms_32_layers', '-')} | {r.get('launches_per_layer', '-')} | {r['torch_ops_per_layer']} |")
+    return lines
+
+
+def one_run(argv: list[str], tree: Path | None, folder: Path, name: str) -> dict:
+    """This script's result for argv at one round, in a subprocess with `tree`'s kvcal package (None: this tree's):
+    a path entry holding a link to that package comes first, this tree's benchmarks after it (kvcal finds its kernels
+    from its resolved path: the tree's own)."""
+    path = [str(REPO)]
+    if tree is not None:
+        shim = folder / "baseline-package"
+        if not shim.exists():
+            shim.mkdir()
+            (shim / "kvcal").symlink_to(tree.resolve() / "kvcal")
+        path.insert(0, str(shim))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    if tree is not None:  # (provenance reads this tree's git)
+        env["KVCAL_COMMIT"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                                             text=True).stdout.strip() or str(tree)
+    out = folder / name
+    # run from the temporary folder: `python -m` puts its working directory first on the path
+    done = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "host", *argv, "--rounds", "1", "--out", str(out)],
+                          cwd=folder, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"a run in {tree or REPO} failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def compared(argv: list[str], args) -> dict:
+    """--rounds rounds of one run per tree (this tree first): per (batch, cache) both sides' per-run rows."""
+    runs = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            for side, tree in (("this", None), ("baseline", args.baseline_tree)):
+                runs[side].append(one_run(argv, tree, Path(folder), f"{side}-{round_}"))
+                print(f"round {round_ + 1}: {side} tree at {runs[side][-1]['commit']} done", flush=True)
+    rows = []
+    for i, row in enumerate(runs["this"][0]["results"]):
+        per_run = {side: [run["results"][i] for run in side_runs] for side, side_runs in runs.items()}
+        entry = {"cache": row["cache"], "batch": row["batch"]}
+        for side, rounds in per_run.items():
+            entry[f"{side}_torch_ops_per_layer"] = rounds[0]["torch_ops_per_layer"]
+            if "host_us_per_layer" in row:
+                entry[f"{side}_host_us_per_layer"] = round(statistics.median(r["host_us_per_layer"] for r in rounds), 1)
+                entry[f"{side}_launches_per_layer"] = rounds[0]["launches_per_layer"]
+        if "host_us_per_layer" in row:
+            entry["ratio"] = round(statistics.median(a["host_us_per_layer"] / b["host_us_per_layer"]
+                                                     for a, b in zip(per_run["this"], per_run["baseline"])), 3)
+        rows.append(entry)
+    return {"settings": {**runs["this"][0]["settings"], "rounds": args.rounds}, "baseline_commit": runs["baseline"][0]["commit"],
+            "this_commit": runs["this"][0]["commit"], "results": rows}
+
+
+def ab_table(result: dict, started: dict) -> list[str]:
+    settings = result["settings"]
+    lines = [f"# Host side of a CUDA decode step, per layer: {result['this_commit']} against {result['baseline_commit']}, on "
+             f"{started['device']}", "",
+             f"{started['date']}. `python -m benchmarks.end_to_end host --baseline-tree DIR`: {settings['rounds']} rounds of one "
+             f"run per tree, this tree first (each run: {settings['layers']} layers, {settings['new_tokens']} steps after a "
+             f"{settings['length']}-token prompt, kernel launches skipped; host us: the median over the rounds of a run's "
+             "fastest tenth per layer and step); ratio: this tree's over the baseline's, the median of the rounds' ratios "
+             "(below 1: this tree spends less).", "",
+             "| B | cache | host us per layer (this / baseline) | ratio | launches per layer | torch ops per layer |",
              "|---|---|---|---|---|---|"]
     for r in result["results"]:
-        lines.append(f"| {r['batch']} | {r['cache']} | {r.get('host_us_per_layer', '-')} | {r.get('host_ms_32_layers', '-')} | "
-                     f"{r.get('launches_per_layer', '-')} | {r['torch_ops_per_layer']} |")
+        if "ratio" not in r:
+            continue
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['this_host_us_per_layer']} / {r['baseline_host_us_per_layer']} | "
+                     f"{r['ratio']} | {r['this_launches_per_layer']} / {r['baseline_launches_per_layer']} | "
+                     f"{r['this_torch_ops_per_layer']} / {r['baseline_torch_ops_per_layer']} |")
     return lines
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = provenance()
-    name = args.out or f"host_step_{device_slug(started['device'])}"
+    cpu = device_slug(started["device"])
+    if args.baseline_tree is not None:
+        forwarded = [a for i, a in enumerate(argv) if not a.startswith("--baseline-tree")
+                     and (i == 0 or argv[i - 1] != "--baseline-tree")]
+        result = compared(forwarded, args)
+        name = args.out or f"host_step_ab_{cpu}"
+        write_result(name, result, started)
+        write_markdown(name, ab_table(result, started))
+        return
+    name = args.out or f"host_step_{cpu}"
     result = measure(args)
     write_result(name, result, started)
     write_markdown(name, table(result, started))
