@@ -1,5 +1,13 @@
-"""benchmarks.end_to_end: what the long-context passkey report names as the recipe closest to fp."""
+"""benchmarks.end_to_end: what the long-context passkey report names as the recipe closest to fp, and the host-side
+benchmark of the CUDA decode step (a run, and an A/B of two trees)."""
 
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import REPO
 from benchmarks.end_to_end.long_context import closest_to_fp
 
 
@@ -51,3 +59,19 @@ def test_the_host_benchmark_times_the_cuda_path_of_every_cache_it_names():
     assert {"append_token_uniform", "decode_tc"} <= set(kivi["launched"]) and 2 <= kivi["launches_per_layer"] < 3
     assert kivi["host_us_per_layer"] > 0 and kivi["host_ms_32_layers"] == round(32 * kivi["host_us_per_layer"] / 1000, 2)
     assert all("host_us_per_layer" not in r and r["torch_ops_per_layer"] > 0 for r in rows[:2])
+
+
+@pytest.mark.slow
+def test_the_host_benchmark_compares_two_trees_run_by_run(tmp_path):
+    """--baseline-tree with this checkout as the baseline: a round runs both trees' packages in turn and a row gives
+    both sides and their ratio; the baseline's runs name its commit."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "host", "--recipes", "kivi", "--batches", "1",
+                           "--length", "160", "--new-tokens", "4", "--rounds", "1", "--layers", "1", "--baseline-tree", str(REPO),
+                           "--out", str(tmp_path / "ab")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "ab.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert result["baseline_commit"] == head and result["settings"]["rounds"] == 1
+    (kivi,) = [r for r in result["results"] if r["cache"] == "kvcal kivi"]
+    assert kivi["this_launches_per_layer"] == kivi["baseline_launches_per_layer"] and kivi["ratio"] > 0
+    assert "| 1 | kvcal kivi |" in (tmp_path / "ab.md").read_text()
