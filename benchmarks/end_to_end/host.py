@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt and profile (default: %(default)s)")
     parser.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
-                        help="another checkout to compare with, run by run in turn (see the A/B above)")
+                        help="another checkout to compare with (e.g. `git worktree add /tmp/base <commit>`): one run of "
+                             "each tree in turn, --rounds times, and the ratio of their fastest tenths")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: host_step_<cpu>, "
                                                     "host_step_ab_<cpu> with a baseline)")
     args = parser.parse_args(argv)
