@@ -247,12 +247,50 @@ struct Thresholds {
     __device__ __forceinline__ float hi(int c) const { return channel_hi ? channel_hi[c] : token_hi; }
 };
 
+// CodebookCodec, a decode step's outliers (each row the only row of its sequence in the append), one warp (lane):
+// row `row`'s outliers of KV head h go, in channel order, at the device count of run (sequence_of_row[row], h)
+// (run_counts, [sequence][head]) on, and the count grows by as many; a row that starts an outlier tile
+// (row_in_sequence % tile_tokens == 0) writes the count it found as the tile's offset (tile_offsets, [sequence][head]
+// runs of tiles_per_run). Nothing is placed by the host, so a decode step's codes and outliers cost one launch.
+__device__ __forceinline__ void place_step_outliers(long long row, int lane, const half_bits* x, int width, int head_dim,
+                                                    int tile_tokens, const Thresholds& t, const long long* sequence_of_row,
+                                                    const long long* row_in_sequence, int* run_counts, int* tile_offsets,
+                                                    int tiles_per_run, int outlier_stride, unsigned short* positions,
+                                                    half_bits* values) {
+    const int heads = width / head_dim, row_of_sequence = (int)row_in_sequence[row];
+    const bool starts_tile = row_of_sequence % tile_tokens == 0;
+    const int first_position = (row_of_sequence % tile_tokens) * head_dim;
+    for (int head = 0; head < heads; ++head) {
+        const long long run = sequence_of_row[row] * heads + head;
+        const int before = run_counts[run];
+        int written = 0;  // the row's outliers of this head so far
+        for (int base = 0; base < head_dim; base += 32) {
+            const int c = head * head_dim + base + lane;
+            const bool outlier =
+                base + lane < head_dim && fabsf(normalized(half_to_float(x[row * width + c]), t.lo(c), t.hi(c))) > 1.0f;
+            const unsigned ballot = __ballot_sync(0xffffffffu, outlier);
+            if (outlier) {
+                const long long at = run * outlier_stride + before + written + __popc(ballot & ((1u << lane) - 1u));
+                positions[at] = (unsigned short)(first_position + base + lane);
+                values[at] = x[row * width + c];
+            }
+            written += __popc(ballot);
+        }
+        __syncwarp();  // every lane read the count before lane 0 replaces it
+        if (lane == 0) {
+            run_counts[run] = before + written;
+            if (starts_tile) tile_offsets[run * tiles_per_run + row_of_sequence / tile_tokens] = before;
+        }
+    }
+}
+
 // CodebookCodec, phase 1: grid = rows. Thresholds per channel (channel_lo/hi, float32) or, when those are
 // null, per token: the q_low/q_high quantiles of the row (min/max when keep_outliers is 0), stored fp16 in
 // token_lo/hi. Codes: the nearest codebook entry of clamp(normalized, -1, 1), by counting the codebook's midpoints
 // below it. Words and thresholds in place (RowTarget). outlier_counts (rows, width / head_dim), zeroed by the caller,
-// gets the elements with |normalized| > 1 per (row, KV head) (null: not counted, as a decode step's outliers are
-// by append_codebook_outliers_step).
+// gets the elements with |normalized| > 1 per (row, KV head) (null: not counted). In a decode step (run_counts not
+// null) the block's first warp then places the row's outliers itself (place_step_outliers, with tile_tokens ..
+// values).
 extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int width, int head_dim, int layout,
                                            const float* __restrict__ channel_lo, const float* __restrict__ channel_hi,
                                            float q_low, float q_high, int keep_outliers, const float* __restrict__ midpoints,
@@ -260,7 +298,10 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
                                            const long long* __restrict__ row_in_sequence,
                                            long long words_sequence, long long param_sequence, long long param_row,
                                            unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ token_lo,
-                                           half_bits* __restrict__ token_hi, int* __restrict__ outlier_counts) {
+                                           half_bits* __restrict__ token_hi, int* __restrict__ outlier_counts, int tile_tokens,
+                                           int* __restrict__ run_counts, int* __restrict__ tile_offsets, int tiles_per_run,
+                                           int outlier_stride, unsigned short* __restrict__ positions,
+                                           half_bits* __restrict__ values) {
     __shared__ float x_s[MAX_WIDTH];
     __shared__ float sorted_s[MAX_WIDTH];
     __shared__ float mid_s[16];
@@ -314,6 +355,9 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
             for (int i = 0; i < entries - 1; ++i) code += mid_s[i] < clamped;
             return code;
         }, row_words + u * words_per_unit(layout));
+    if (run_counts != nullptr && threadIdx.x < 32)
+        place_step_outliers(row, threadIdx.x, x, width, head_dim, tile_tokens, t, sequence_of_row, row_in_sequence, run_counts,
+                            tile_offsets, tiles_per_run, outlier_stride, positions, values);
 }
 
 // The thresholds of launch row `row`: per channel, or its token's, read where append_codebook stored them (to).
@@ -356,48 +400,5 @@ extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict_
             values[at] = x[row * width + c];
         }
         written += __popc(ballot);
-    }
-}
-
-// CodebookCodec, phase 2 of a decode step (each row the only row of its sequence in the append): grid = rows, one
-// warp each (per-token thresholds read in place). The row's outliers of KV head h go, in channel order, at the
-// device count of run (sequence_of_row[row], h) (run_counts, [sequence][head]) on, and the count grows by as many;
-// a row that starts an outlier tile (row_in_sequence % tile_tokens == 0) writes the count it found as the tile's
-// offset (tile_offsets, [sequence][head] runs of tiles_per_run). Nothing is placed by the host, so a decode step's
-// outliers cost one launch.
-extern "C" __global__ void append_codebook_outliers_step(
-    const half_bits* __restrict__ x, int width, int head_dim, int tile_tokens, const float* __restrict__ channel_lo,
-    const float* __restrict__ channel_hi, const half_bits* __restrict__ token_lo, const half_bits* __restrict__ token_hi,
-    const long long* __restrict__ sequence_of_row, const long long* __restrict__ row_in_sequence, long long param_sequence,
-    long long param_row, int* __restrict__ run_counts, int* __restrict__ tile_offsets, int tiles_per_run, int outlier_stride,
-    unsigned short* __restrict__ positions, half_bits* __restrict__ values) {
-    const long long row = blockIdx.x;
-    const int lane = threadIdx.x, heads = width / head_dim;
-    const Thresholds t = row_thresholds(channel_lo, channel_hi, token_lo, token_hi,
-                                        {sequence_of_row, row_in_sequence, 0, param_sequence, param_row, 0}, row);
-    const int row_of_sequence = (int)row_in_sequence[row];
-    const bool starts_tile = row_of_sequence % tile_tokens == 0;
-    const int first_position = (row_of_sequence % tile_tokens) * head_dim;
-    for (int head = 0; head < heads; ++head) {
-        const long long run = sequence_of_row[row] * heads + head;
-        const int before = run_counts[run];
-        int written = 0;  // the row's outliers of this head so far
-        for (int base = 0; base < head_dim; base += 32) {
-            const int c = head * head_dim + base + lane;
-            const bool outlier =
-                base + lane < head_dim && fabsf(normalized(half_to_float(x[row * width + c]), t.lo(c), t.hi(c))) > 1.0f;
-            const unsigned ballot = __ballot_sync(0xffffffffu, outlier);
-            if (outlier) {
-                const long long at = run * outlier_stride + before + written + __popc(ballot & ((1u << lane) - 1u));
-                positions[at] = (unsigned short)(first_position + base + lane);
-                values[at] = x[row * width + c];
-            }
-            written += __popc(ballot);
-        }
-        __syncwarp();  // every lane read the count before lane 0 replaces it
-        if (lane == 0) {
-            run_counts[run] = before + written;
-            if (starts_tile) tile_offsets[run * tiles_per_run + row_of_sequence / tile_tokens] = before;
-        }
     }
 }

@@ -49,16 +49,13 @@ SIGNATURES = {  # the kernels' parameter lists (kernels/*.cu)
     "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
                        "float q_high, int keep, const float* midpoints, const long long* sequence_of_row, "
                        "const long long* row_in_sequence, long long words_sequence, long long param_sequence, long long param_row, "
-                       "unsigned* words, int words_per_row, half_bits* token_lo, half_bits* token_hi, int* counts",
+                       "unsigned* words, int words_per_row, half_bits* token_lo, half_bits* token_hi, int* counts, int tile_tokens, "
+                       "int* run_counts, int* tile_offsets, int tiles_per_run, int outlier_stride, unsigned short* positions, "
+                       "half_bits* values",
     "append_codebook_outliers": "const half_bits* x, int width, int head_dim, int tile_tokens, const float* lo, const float* hi, "
                                 "const half_bits* token_lo, const half_bits* token_hi, const long long* sequence_of_row, "
                                 "const long long* row_in_sequence, long long param_sequence, long long param_row, "
                                 "const int* first_slot, int outlier_stride, unsigned short* positions, half_bits* values",
-    "append_codebook_outliers_step": "const half_bits* x, int width, int head_dim, int tile_tokens, const float* lo, "
-                                     "const float* hi, const half_bits* token_lo, const half_bits* token_hi, "
-                                     "const long long* sequence_of_row, const long long* row_in_sequence, long long param_sequence, "
-                                     "long long param_row, int* run_counts, int* tile_offsets, int tiles_per_run, "
-                                     "int outlier_stride, unsigned short* positions, half_bits* values",
 }
 
 
@@ -222,9 +219,9 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
 
 
 def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but_the_count_snapshot(on_cpu, head_dim_64_bundles):
-    """A decode step's outliers are found, placed and counted by one launch per side
-    (append_codebook_outliers_step): against the same nuq4 recipe without outliers, its torch operations add only
-    the copy of the device counts the host bound reads (kvcal.runtime.store.PackedRows.snapshot_outlier_count)."""
+    """A decode step's outliers are found, placed and counted by the launch that writes its codes (append_codebook's
+    first warp), one per side: against the same nuq4 recipe without outliers, its torch operations add only the copy
+    of the device counts the host bound reads (kvcal.runtime.store.PackedRows.snapshot_outlier_count)."""
     from conftest import tiny_model
     from helpers import decode_step_operations
 

@@ -57,7 +57,7 @@ CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFOR
                (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN), (PERMUTED_GROUPS, PERMUTED_GROUPS))
 HEAD_DIMS = (64, 128, 256)
 APPEND_KERNELS = ("append_token_uniform", "append_permuted_groups", "append_permuted_groups_fp8", "append_channel_block",
-                  "append_codebook", "append_codebook_outliers", "append_codebook_outliers_step")
+                  "append_codebook", "append_codebook_outliers")
 
 
 def decode_variant(head_dim: int, rope: bool, key_codec: int, value_codec: int) -> str:

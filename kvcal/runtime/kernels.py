@@ -260,15 +260,15 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     keep = codec.outlier_fraction > 0
     t = 1.0 - codec.outlier_fraction / 2
     q_low, q_high = np.float32(1.0 - t), np.float32(t)  # float32, as kvcal.quantizers computes them
-    step = max(counts) == 1  # a decode step: the outliers placed on the device alone (_place_step_outliers)
+    step = keep and max(counts) == 1  # a decode step: the same launch places the outliers (_step_outliers)
     # outliers per (row, KV head), for a bulk append's placement
     found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device) if keep and not step else None
     launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim or width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
              q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), *to[:5], _ptr(store.words), words_per_row,
-             _ptr(token_lo), _ptr(token_hi), _ptr(found)))
-    if keep and step:
-        _place_step_outliers(store, seqs, x, to, tables, token_lo, token_hi)
+             _ptr(token_lo), _ptr(token_hi), _ptr(found), *_step_outliers(store, seqs, rows, step)))
+    if step:
+        store.snapshot_outlier_count()
     elif keep:
         _place_outliers(store, seqs, starts, counts, x, to, found, tables, token_lo, token_hi)
 
@@ -283,18 +283,16 @@ def _row_target(store: PackedRows, target: tuple[torch.Tensor, torch.Tensor]) ->
     return (_ptr(target[0]), _ptr(target[1]), np.int64(store.words.stride(0)), *map(np.int64, strides))
 
 
-def _place_step_outliers(store: PackedRows, seqs, x, to, tables, token_lo, token_hi) -> None:
-    """A decode step's outliers (row i: the one new row of sequence seqs[i]; to: its _row_target): one launch finds,
-    places and counts them on the device (append_codebook_outliers_step), the host only growing the arrays for an
-    upper bound."""
-    rows, width = x.shape
+def _step_outliers(store: PackedRows, seqs: list[int], rows: int, step: bool) -> tuple:
+    """append_codebook's last arguments: in a decode step (row i: the one new row of sequence seqs[i]) the outlier
+    arrays it places the rows' outliers in itself, found, placed and counted on the device, the host only growing the
+    arrays for an upper bound (every element of every row); else none."""
+    if not step:
+        return (np.int32(0), _ptr(None), _ptr(None), np.int32(0), np.int32(0), _ptr(None), _ptr(None))
     store.reserve_outlier_room(seqs, [[store.head_dim] * store.kv_heads] * rows)
-    launch(_function("append.cu", "append_codebook_outliers_step"), (rows,), (32,),
-            (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
-             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), to[0], to[1], to[3], to[4],
-             _ptr(store.outlier_count), _ptr(store.outlier_offsets), np.int32(store.outlier_offsets.shape[2]),
-             np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions), _ptr(store.outlier_values)))
-    store.snapshot_outlier_count()
+    return (np.int32(OUTLIER_TILE_TOKENS), _ptr(store.outlier_count), _ptr(store.outlier_offsets),
+            np.int32(store.outlier_offsets.shape[2]), np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions),
+            _ptr(store.outlier_values))
 
 
 def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, tables, token_lo, token_hi) -> None:
