@@ -468,9 +468,7 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
     if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
         ks, kz = constants["key_scale"], constants["key_zero"]
         vs, vz = values.token.get("lo"), values.token.get("hi")  # none yet in an empty body
-    for t in (k_data, v_data, *(() if groups else (ks, kz))):  # (runs along the tokens: strides checked)
-        if t is not None and t.numel() and not t.is_contiguous():
-            raise KvcalError("the tensor-core kernel reads contiguous buffers")
+    _check_contiguous(k_data, v_data, *(() if groups else (ks, kz)))  # (runs along the tokens: strides checked)
     k_seq, k_row = _strides(k_data, True)
     v_seq, v_row = _strides(v_data, True)
     if groups:  # [sequence][column][token], as the values'
@@ -516,13 +514,13 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     sequence's position of its first stored token), into the slots after the body's; None: no segment blocks. Tensors must be contiguous and on the kernel's device."""
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
-    _check_step_buffers(query, meta, out_partial, lse_partial)
+    _check_contiguous(query, meta, out_partial, lse_partial)
     stores = store_operands(keys, values, kv_heads, scaling, constants, inv_freq, attention_scaling)
     return launch_operands(stores, step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments))
 
 
-def _check_step_buffers(*tensors: torch.Tensor) -> None:
-    if any(t.numel() and not t.is_contiguous() for t in tensors):
+def _check_contiguous(*tensors: torch.Tensor | None) -> None:
+    if any(t is not None and t.numel() and not t.is_contiguous() for t in tensors):
         raise KvcalError("the tensor-core kernel reads contiguous buffers")
 
 
@@ -726,7 +724,7 @@ class ServedBody:
         splits += segments[3] if segments is not None else 0
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
-            _check_step_buffers(query, meta, out_partial, lse_partial)
+            _check_contiguous(query, meta, out_partial, lse_partial)
             stores, store_args = self.store_operands(kv_heads, scaling, constants)
             step = step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments)
             source = launch_operands(stores, step)
