@@ -295,7 +295,8 @@ def head_dim_256_gemma3_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     """Bundles of the kernel-backed recipes for a tiny Llama with head_dim 64 (the conftest one has 16); nuq4-0%,
     nuq4-1%, kivi4-g32, kivi2-g32 (KIVI's own 2 bits), kivi3-g32, skvq-k3v1 (3-bit keys, 1-bit values) and
-    kvmix-two-widths are bodies the tensor-core kernel serves; kvquant-w8 keeps its 8 newest tokens fp16."""
+    kvmix-two-widths are bodies the tensor-core kernel serves; kvquant-w8 keeps its 8 newest tokens fp16;
+    kvquant-post-rope quantizes post-RoPE keys (KVQuant's ablation) with 1% outliers."""
     from kvcal.bundle import write_bundle
     from kvcal.calibration import build_bundle
     from kvcal.methods.kivi import KiviSettings
@@ -309,9 +310,11 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
     nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
     nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
+    post_rope = write_nuq(folder / "nuq-post.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3, key_rope="post")))
     skvq = write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2)))
     skvq31 = write_skvq(folder / "skvq-k3v1.safetensors", *fit_skvq(str(profile), SkvqSettings(3, 1, group_size=16, window=8, sink=2)))
     artifacts = {"kvquant": ("kvquant", str(nuq), None), "kvquant-w8": ("kvquant", str(windowed), None),
+                 "kvquant-post-rope": ("kvquant", str(post_rope), None),
                  "skvq": ("skvq", str(skvq), None), "skvq-k3v1": ("skvq", str(skvq31), None),
                  "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)),
                  "kvmix": ("kvmix", None, None),

@@ -243,6 +243,8 @@ TENSOR_CORE_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 2), "kivi2-g32": Var
                         "nuq4-0%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True),
                         "kvquant": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-w8": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
+                        # post-RoPE keys with outliers: the pre-RoPE variant, rotating them by angle 0
+                        "kvquant-post-rope": Variant(64, 3, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "nuq4-1%": Variant(64, 4, 0, 64, 2, rope=True, codebook=True, outliers=True),
                         "kvquant-d128": Variant(128, 3, 0, 128, 2, rope=True, codebook=True, outliers=True),
                         "skvq": Variant(64, 2, 0, 64, 2, rope=True, channel_groups=1),
@@ -286,7 +288,7 @@ EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED
 
 @pytest.fixture(scope="session")
 def tensor_core_library():
-    return tensor_core_emulation.build(list(dict.fromkeys(EMULATED_VARIANTS)))  # kvquant-w8 shares kvquant's
+    return tensor_core_emulation.build(list(dict.fromkeys(EMULATED_VARIANTS)))  # kvquant-w8 and -post-rope share kvquant's
 
 
 class Launches(list):
@@ -338,8 +340,8 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
                                                                                         monkeypatch):
     """The cache's decode steps with the tensor-core kernel over the bodies both sides hold and the CUDA-core kernel
     over the rest (kivi4-g32: a key body longer than the value body, fp16 residuals of both; nuq4: a sink, pre-RoPE
-    keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, and with an 8-token
-    fp16 window), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the
+    keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at head_dim 64 and 128, with an 8-token
+    fp16 window, and with post-RoPE keys, which the pre-RoPE variant rotates by angle 0), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the
     splits (no merge launch) and attending the other tokens itself (fp16 sinks and windows; KIVI's fp16 keys waiting
     for a block beside packed values, its fp16 value residual beside packed keys): no CUDA-core launch. So does the
     CUDA-core kernel alone (KVCAL_TENSOR_CORE=0), with a merge launch per layer and step."""

@@ -58,7 +58,7 @@ def test_no_recipe_falls_to_the_torch_reference_or_a_second_decode_kernel_on_cud
     from kvcal import registry
 
     names = [*(recipe for recipe in registry.recipes() if recipe != "kivi"), "kivi2-g32", "kivi3-g32", "kivi4-g32",
-             "kvmix-two-widths", "skvq-k3v1"]
+             "kvmix-two-widths", "skvq-k3v1", "kvquant-post-rope"]
     for name in names:
         for plan in backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda"):
             assert (plan.bodies, plan.fp16_segments in ("tensor-core", "-")) == ("tensor-core", True), (name, plan)
@@ -66,7 +66,7 @@ def test_no_recipe_falls_to_the_torch_reference_or_a_second_decode_kernel_on_cud
 
 def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
     """Beyond each recipe's defaults: KIVI and KVmix's uniform 2-4-bit codes in groups of 32, 64 and 128 (K and V
-    widths apart too), nuq2-4 (pre-RoPE keys with outliers, post-RoPE without), SKVQ's 1-4-bit channel groups with fp16
+    widths apart too), nuq2-4 (pre- and post-RoPE keys, with outliers and without), SKVQ's 1-4-bit channel groups with fp16
     or fp8 parameters, at head_dim 64, 128 and 256 and GQA 1 to 16; what it does not read keeps a reason (the CUDA-core
     kernel serves it)."""
     from helpers.kernel_cases import equal_skvq_groups
@@ -84,10 +84,10 @@ def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
             assert refusal((ChannelBlockUniform(k, group), TokenUniform(v, group)), head_dim) == [None] * 3, (k, v, group)
         for k, v in ((k, v) for k in widths for v in widths):
             lo, hi = -torch.ones(kv_heads * head_dim), torch.ones(kv_heads * head_dim)
-            for fraction, pre_rope in ((0.01, True), (0.0, False)):
+            for fraction, pre_rope in ((f, r) for f in (0.01, 0.0) for r in (True, False)):
                 pair = (CodebookCodec(normal_float_codebook(k), lo, hi, outlier_fraction=fraction),
                         CodebookCodec(normal_float_codebook(v), outlier_fraction=fraction))
-                assert refusal(pair, head_dim, pre_rope) == [None] * 3, (k, v, fraction)
+                assert refusal(pair, head_dim, pre_rope) == [None] * 3, (k, v, fraction, pre_rope)
         for k, v, fp8 in ((k, v, fp8) for k in (1, *widths) for v in (1, *widths) for fp8 in (False, True)):
             pair = tuple(equal_skvq_groups(kv_heads * head_dim, 8, bits, fp8, seed=bits) for bits in (k, v))
             assert refusal(pair, head_dim, pre_rope=True) == [None] * 3, (k, v, fp8)

@@ -6,8 +6,8 @@
   tokens, values per token), head_dim 64 / 128 / 256, GQA 1 / 2 / 4 / 8, batches of 1 and 3 with ragged lengths
   (0, 1, G - 1, G, G + 1 and a length over several splits), within 2e-3; KVQuant's nuq4, nuq3 and nuq2 (codebook
   keys with per-channel thresholds, values with per-token thresholds; random non-uniform codebooks; nuq3 in
-  planes3, at head_dim 64 and 256 too; nuq2 by a nibble table), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too),
-  within 4e-3 (nuq4 with outliers at 256 in 2 stages); pre-RoPE keys
+  planes3, at head_dim 64 and 256 too; nuq2 by a nibble table), with 1% and crowded outliers kept exact (pre-RoPE keys, at head_dim 256 too;
+  post-RoPE keys on the same variants, rotated by angle 0), within 4e-3 (nuq4 with outliers at 256 in 2 stages); pre-RoPE keys
   rotated at float64 angles in the reference, sequences starting at positions past 100K and past 2^24, and one split
   of 65 stages; uniform int3 (planes3) on either side, values in groups of 32, 64 and 128 channels; keys and values
   of two widths (KVmix's int4 / int3 / int2 keys with int4 / int3 / int2 values; mixed's nuq2 / nuq3 / nuq4); SKVQ's
@@ -86,6 +86,8 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [(c, 128, gqa, "3") for c in ("nuq4-out-rope", "nuq3-out-rope") for gqa in (1, 4, 8)]
          + [("nuq4-out-rope", 64, 3, "3"), ("nuq4-out-rope", 64, 8, "3-edges"), ("nuq3-out-rope", 128, 2, "3-edges"),
             ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")]
+         # post-RoPE keys with outliers: the pre-RoPE variants, every rotation by angle 0
+         + [("nuq3-out", 128, 4, "3"), ("nuq4-out", 64, 3, "3-edges")]
          # nuq3 at head_dim 64: 24-byte rows (8-byte copies), 8 codes a lane (planes3 quarters)
          + [("nuq3", 64, 4, "3"), ("nuq3-rope", 64, 2, "3"), ("nuq3-rope", 64, 1, "3-edges"), ("nuq3-out-rope", 64, 4, "3"),
             ("nuq3-out-rope", 64, 8, "1")]
@@ -142,7 +144,8 @@ def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
     bits, kg, vg, *value_bits = CODECS[store_codec]
     vb = value_bits[0] if value_bits else 0
     if store_codec.startswith("nuq"):
-        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE, codebook=True, outliers=store_codec in OUTLIERS, value_bits=vb)
+        outliers = store_codec in OUTLIERS  # (with post-RoPE keys too: the pre-RoPE variant rotates them by angle 0)
+        return Variant(head_dim, bits, 0, head_dim, gqa, codec in ROPE or outliers, codebook=True, outliers=outliers, value_bits=vb)
     return Variant(head_dim, bits, kg, vg, gqa, codec in ROPE, value_bits=vb)
 
 
@@ -342,15 +345,13 @@ def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emul
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():
-    """Per-token key thresholds, outliers stored per KV head of another head_dim, outliers with post-RoPE keys,
-    pre-RoPE fp16 rows and pre-RoPE uniform keys at head_dim 256 each get a KvcalError from the launcher's
-    variant_for."""
+    """Per-token key thresholds, outliers stored per KV head of another head_dim, pre-RoPE fp16 rows and pre-RoPE
+    uniform keys at head_dim 256 each get a KvcalError from the launcher's variant_for."""
     from kvcal.errors import KvcalError
 
     keys, values = nuq_codecs(4, KV_HEADS * 128)
     cases = [(CodebookCodec(keys.codebook), values, 128, 128),
-             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 64),
-             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 128)]  # post-RoPE keys (rope=False)
+             (keys, CodebookCodec(values.codebook, outlier_fraction=0.01), 128, 64)]
     for kc, vc, d, store_head_dim in cases:
         stores = [PackedRows(c, 1, KV_HEADS * d, "cpu", head_dim=store_head_dim) for c in (kc, vc)]
         with pytest.raises(KvcalError):

@@ -108,9 +108,9 @@ class Case:
 # ---- What the walk knows about each kernel: update it with the kernel. ----
 class CudaCoreKernel:
     """kernels/decode_attention.cu, the runtime's kernel for fp16 segments and the bodies the tensor-core kernel does
-    not serve (other widths and layouts, post-RoPE codebook keys with outliers): a warp's loop over tiles of 32
-    tokens; the key pass handles one token per lane (its inner loops run over the words of the lane's own token), the
-    value pass is the loop over the tile's tokens, one token per iteration for the whole warp."""
+    not serve (other widths and layouts): a warp's loop over tiles of 32 tokens; the key pass handles one token per
+    lane (its inner loops run over the words of the lane's own token), the value pass is the loop over the tile's
+    tokens, one token per iteration for the whole warp."""
 
     source = "decode_attention.cu"
     title = ("CUDA-core kernel (kernels/decode_attention.cu: the runtime's for fp16 segments and the bodies the tensor-core "

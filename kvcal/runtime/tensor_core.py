@@ -1,7 +1,7 @@
 """Decode attention on tensor cores (kernels/decode_attention_tc.cu): one query token per sequence over an fp16
 cache (kvcal.runtime.store.Fp16Rows), a KIVI-style uniform int4 / int3 / int2 body (kvcal.runtime.store.PackedRows
 with ChannelBlockUniform keys and TokenUniform values) or a KVQuant nuq4 / nuq3 / nuq2 body (CodebookCodec keys with
-per-channel thresholds and values with per-token thresholds, outliers kept exact with pre-RoPE keys), 3-bit codes in
+per-channel thresholds and values with per-token thresholds, outliers kept exact), 3-bit codes in
 "planes3", the others "lsb", or an SKVQ body (SkvqTensor on both sides: 1- to 4-bit codes in channel order, a scale and zero per token
 and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one code width or two (KVmix's and mixed
 layers), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
@@ -11,8 +11,8 @@ The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows bo
 segment blocks the launch's other tokens (fp16 sinks and windows; uniform bodies' rows one side holds alone).
 kvcal.runtime.kernels.prepare_decode decides: where codebook or SKVQ bodies leave rows one side holds alone, those and
 the fp16 rows go to the CUDA-core kernel, launched first, so that the last tensor-core launch merges both kernels'
-splits. Outliers are served with pre-RoPE keys (KVQuant's recipe); post-RoPE codebook keys with outliers stay with
-the CUDA-core kernel. `operands` maps two stores to the kernel's arguments (the CPU emulation in
+splits. Outliers are patched in the pre-RoPE variants (KVQuant's recipe); post-RoPE codebook keys with outliers take
+them too, rotated by angle 0 (`rotates_by_zero`). `operands` maps two stores to the kernel's arguments (the CPU emulation in
 tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments); `decode_attention_tc` launches
 it alone over two stores with CuPy on torch's current stream, split over the sequence, the last block of each
 (sequence, KV head) merging the splits (tests and benchmarks): one launch.
@@ -224,6 +224,17 @@ def _is_packed(store) -> bool:
     return hasattr(store, "words")
 
 
+def _keeps_outliers(kc, vc) -> bool:
+    return kc.outlier_fraction > 0 or vc.outlier_fraction > 0
+
+
+def rotates_by_zero(keys, values, inv_freq: torch.Tensor | None) -> bool:
+    """Whether the stores' post-RoPE keys (inv_freq None) decode on the pre-RoPE variant, rotated by angle 0 (inv_freq
+    zero: every rotation the identity): codebook bodies with outliers (`variant_for_codecs`)."""
+    return (inv_freq is None and _is_packed(keys) and _is_nuq(keys.codec, values.codec)
+            and _keeps_outliers(keys.codec, values.codec))
+
+
 def _is_nuq(kc, vc) -> bool:
     """KVQuant's pair the kernel serves: codebook keys with per-channel thresholds, values with per-token ones."""
     return kc.kind is CodecKind.CODEBOOK_CHANNEL and vc.kind is CodecKind.CODEBOOK_TOKEN
@@ -256,12 +267,12 @@ def variant_for_codecs(key_codec, value_codec, head_dim: int, gqa: int, rope: bo
     elif uniform:
         v = Variant(head_dim, int(kc.bits), kc.group, vc.group, gqa, rope, value_bits=value_bits)
     else:
-        outliers = kc.outlier_fraction > 0 or vc.outlier_fraction > 0
+        outliers = _keeps_outliers(kc, vc)
         if outliers and OUTLIER_TILE_TOKENS != STAGE_TOKENS:
             raise KvcalError(f"the tensor-core kernel reads outliers in tiles of {STAGE_TOKENS} rows")
-        if outliers and not rope:
-            raise KvcalError("the tensor-core kernel serves outliers with pre-RoPE keys (KVQuant's recipe) only")
-        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope, codebook=True, outliers=outliers, value_bits=value_bits)
+        # post-RoPE keys with outliers: the pre-RoPE variant (its outlier pass patches keys as it dequantizes them),
+        # rotating them by angle 0 (`constant_operands`)
+        v = Variant(head_dim, int(kc.bits), 0, head_dim, gqa, rope or outliers, codebook=True, outliers=outliers, value_bits=value_bits)
     v.check()
     return v
 
@@ -418,7 +429,8 @@ def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool 
 
 def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tensor | None = None) -> dict:
     """The operands that stay as the stores grow, on `device`: codebook keys' per-channel scale and zero (the whole
-    sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys."""
+    sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys (zeros where
+    post-RoPE keys take the pre-RoPE variant: `rotates_by_zero`)."""
     out = {}
     if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and 3 in (int(keys.codec.bits), int(values.codec.bits)):
         # uniform 3-bit codes: their side's table gives code values 0..7
@@ -433,6 +445,8 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     groups = _is_packed(keys) and keys.codec.kind is CodecKind.PERMUTED_GROUPS
     if groups:
         out["codebooks"] = group_tables(keys.codec, values.codec, head_dim).to(device)
+    if rotates_by_zero(keys, values, inv_freq):
+        inv_freq = torch.zeros(head_dim // 2)
     if inv_freq is not None:
         out["freq"] = inv_freq.to(device=device, dtype=torch.float32).contiguous()
         if not groups:  # (channel groups rotate their keys as they dequantize them)
@@ -748,7 +762,7 @@ def enabled() -> bool:
 def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
           attention_scaling: float = 1.0) -> ServedBody | None:
     """The tensor-core kernel's share of a cache launch, or None where it serves no body of it (fp16 only, a codec or
-    layout it does not serve, outliers with post-RoPE keys, a head_dim outside its variants). inv_freq: the keys are
+    layout it does not serve, a head_dim outside its variants). inv_freq: the keys are
     pre-RoPE."""
     keys, values = segments.keys[1], segments.values[1]
     if keys is None or values is None or heads % kv_heads:
