@@ -243,7 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="seed of the random data (default: from the clock; recorded)")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`)")
-    parser.add_argument("--ab-variants", default="int2-g128,int4-g128", help="tensor-core variants of the A/B (default: %(default)s)")
+    parser.add_argument("--ab-variants", default="int2-g128,int4-g128,nuq3-1%-pre-rope",
+                        help="tensor-core variants of the A/B (default: %(default)s)")
     parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
                         help="variants profiled with Nsight Compute (default: %(default)s)")
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")

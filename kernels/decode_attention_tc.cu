@@ -180,6 +180,12 @@ struct Shape {
     // per side: codebook_pairs (codebooks; uniform 3-bit codes read their code values 0..7 from their side's table)
     static constexpr int LUT_WORDS = CB || ((BITS == 3 || VBITS == 3) && !GROUPS) ? 256 : 0;
     static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
+    // a 3-bit codebook side of the pre-RoPE variants at head_dim 64 / 128 keeps its 64-entry table once per lane (entry
+    // e of lane L at word 32 e + L: each lane reads its own bank, a warp's lookup one wavefront); in one copy two
+    // entries share each bank, and a warp's 32 lookups nearly always ask some bank for both (two wavefronts). 8 KB a
+    // side, which still allows the blocks per SM that these variants' registers allow
+    static constexpr bool KEY_LANE_LUT = CB && ROPE && D <= 128 && BITS == 3, VALUE_LANE_LUT = CB && ROPE && D <= 128 && VBITS == 3;
+    static constexpr int KEY_LUT_WORDS = KEY_LANE_LUT ? 64 * 32 : LUT_WORDS, VALUE_LUT_WORDS = VALUE_LANE_LUT ? 64 * 32 : LUT_WORDS;
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = !GROUPS && (BITS == 3 || VBITS == 3) ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -198,7 +204,7 @@ struct Shape {
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
-                                      2 * LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
+                                      (KEY_LUT_WORDS + VALUE_LUT_WORDS) * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
                                       WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -284,9 +290,10 @@ __device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k)
 // 16 3-bit codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits, codes 0-7
 // in byte 0 and 8-15 in byte 2, code j at bit j % 8) -> 8 fp16 pairs {code 2m, code 2m + 1} from codebook_pairs'
 // 3-bit table, whose index is the pair's low nibble (code 2m's low bits, then 2m + 1's) | their high bits << 4.
-// The indices are assembled times 4, one per byte (6 bits + 2): byte offsets in the table.
+// The indices are assembled times 4, one per byte (6 bits + 2): byte offsets in the table, or (LANE: lut the lane's
+// column of a lane-private table, Shape::KEY_LANE_LUT) in its rows of 32 words, after a shift.
 // N = 4: the first 8 codes only (4 pairs).
-template <int N = 8>
+template <int N = 8, bool LANE = false>
 __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, unsigned lut) {
     constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
     high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // the 8 two-bit fields (pairs' high bits) to nibbles 0..7
@@ -294,8 +301,14 @@ __device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsig
     const unsigned even = lop3<magic::SELECT>(low << 2, high << 6, 0x3C3C3C3Cu);  // byte k: 4 x pair 2k's index
     const unsigned odd = lop3<magic::SELECT>(low >> 2, high << 2, 0x3C3C3C3Cu);   // byte k: 4 x pair 2k + 1's
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k)  // byte k of the index words under the table's address (a multiple of 256)
-        out[2 * k] = load_shared_word(prmt(even, lut, 0x7650u + k)), out[2 * k + 1] = load_shared_word(prmt(odd, lut, 0x7650u + k));
+    for (int k = 0; k < N / 2; ++k) {
+        if constexpr (LANE) {  // byte k of the index words alone, times 32 words, on the lane's column
+            out[2 * k] = load_shared_word(lut + (prmt(even, 0u, 0x4440u + k) << 5));
+            out[2 * k + 1] = load_shared_word(lut + (prmt(odd, 0u, 0x4440u + k) << 5));
+        } else {  // byte k of the index words under the table's address (a multiple of 256)
+            out[2 * k] = load_shared_word(prmt(even, lut, 0x7650u + k)), out[2 * k + 1] = load_shared_word(prmt(odd, lut, 0x7650u + k));
+        }
+    }
 }
 
 // Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
@@ -317,15 +330,15 @@ __device__ __forceinline__ Planes3Place planes3_place(int first) {
     return {3 * unit + half, 3 * unit + 2, 2u * (first & 15), 0x4440u + (first >> 3 & 3)};
 }
 
-// Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs.
-template <int N>
+// Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs (LANE: planes3_pairs').
+template <int N, bool LANE = false>
 __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, unsigned lut) {
     if constexpr (N == 32) {  // the unit's two halves: the second's low bits are the next word, its high bits bytes 1, 3
-        planes3_codes<16>(row, at, out, lut);
-        planes3_codes<16>(row, Planes3Place{at.low + 1, at.high, 0u, 0x4342u}, out + 8, lut);
+        planes3_codes<16, LANE>(row, at, out, lut);
+        planes3_codes<16, LANE>(row, Planes3Place{at.low + 1, at.high, 0u, 0x4342u}, out + 8, lut);
     } else {
         const unsigned high = prmt(row[at.high], 0u, at.selector);
-        planes3_pairs<N / 2>(N == 16 ? row[at.low] : row[at.low] >> at.shift, N == 4 ? high >> (at.shift >> 1 & 4) : high, out, lut);
+        planes3_pairs<N / 2, LANE>(N == 16 ? row[at.low] : row[at.low] >> at.shift, N == 4 ? high >> (at.shift >> 1 & 4) : high, out, lut);
     }
 }
 
@@ -752,11 +765,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float* const key_bias = reinterpret_cast<float*>(q_stage + 2 * S::QSTAGE_WORDS);  // [parity][head]
     unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS + S::KEY_BIAS_BYTES / 4;
     // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
-    // the lookups take their shared-window addresses
+    // the lookups take their shared-window addresses (a lane-private table: the lane's column)
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
     unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_WORDS ? 1023u : 0u)));
-    const unsigned key_lut = shared_address(luts), value_lut = key_lut + S::LUT_WORDS * 4;
-    unsigned char* const cb_key_params = lut_area + 2 * S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
+    const unsigned key_lut = shared_address(luts) + (S::KEY_LANE_LUT ? 4 * lane : 0);
+    const unsigned value_lut = shared_address(luts + S::KEY_LUT_WORDS) + (S::VALUE_LANE_LUT ? 4 * lane : 0);
+    unsigned char* const cb_key_params = lut_area + (S::KEY_LUT_WORDS + S::VALUE_LUT_WORDS) * 4 + S::LUT_SLACK;  // codebooks' one key block
     // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
     // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
     // recomputed them from the lane in every iteration (the kernel is at its register limit)
@@ -859,13 +873,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         rotate_query(0);
     }
-    if constexpr (S::LUT_WORDS > 0) {  // the tables join stage 0's copies too
-        constexpr int CHUNKS = 2 * S::LUT_WORDS * 4 / 16;
-#pragma unroll
-        for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i)
-            if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
-                cp_async_16(reinterpret_cast<unsigned char*>(luts) + (tid + i * THREADS) * 16,
-                            reinterpret_cast<const unsigned char*>(codebooks) + (tid + i * THREADS) * 16, 16);
+    if constexpr (S::LUT_WORDS > 0) {  // the tables join stage 0's copies too (lane-private ones: stores, read after
+        // the same first barrier)
+        const auto table = [&](unsigned* to, const unsigned* from, bool lane_private) {
+            if (lane_private) {
+                for (int i = tid; i < 64 * 32; i += THREADS) to[i] = __ldg(from + i / 32);  // entry i / 32 of lane i % 32
+            } else {
+                static_assert(S::LUT_WORDS / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
+                if (tid < S::LUT_WORDS / 4) cp_async_16(to + 4 * tid, from + 4 * tid, 16);
+            }
+        };
+        table(luts, codebooks, S::KEY_LANE_LUT);
+        table(luts + S::KEY_LUT_WORDS, codebooks + S::LUT_WORDS, S::VALUE_LANE_LUT);
     }
     if constexpr (CB) {  // and codebook keys' per-channel scale and zero
         constexpr int PCHUNKS = D * 2 / 16;
@@ -1232,8 +1251,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         if constexpr (BITS == 3) {
                             const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::KSROW);
                             const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
-                            planes3_codes<2 * CP>(words, key_place, kf, key_lut);
-                            planes3_codes<2 * CP>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
+                            planes3_codes<2 * CP, S::KEY_LANE_LUT>(words, key_place, kf, key_lut);
+                            planes3_codes<2 * CP, S::KEY_LANE_LUT>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
                         } else if constexpr (CW == 0) {  // 2-bit codebooks: a part's 2 CP codes of each half in 16 bits
                             static_assert(2 * CP * BITS == 16, "half-word parts");
                             const unsigned ha = *reinterpret_cast<const unsigned short*>(row + c * 2);
@@ -1427,8 +1446,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 constexpr int GROUP_WORDS = 3 * S::VGE / 32;
                                 const Planes3Place value_place = {places[1].low + group * GROUP_WORDS, places[1].high + group * GROUP_WORDS,
                                                                   places[1].shift, places[1].selector};
-                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
-                                planes3_codes<S::LANE_V>(reinterpret_cast<const unsigned*>(r0 + S::VSROW), value_place, pb, value_lut);
+                                planes3_codes<S::LANE_V, S::VALUE_LANE_LUT>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
+                                planes3_codes<S::LANE_V, S::VALUE_LANE_LUT>(reinterpret_cast<const unsigned*>(r0 + S::VSROW), value_place, pb,
+                                                                            value_lut);
 #pragma unroll
                                 for (int m = 0; m < S::LANE_V / 2; ++m) {
                                     vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);

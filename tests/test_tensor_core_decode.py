@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import requires_gpu
-from helpers.tensor_core_emulation import build, symbol
+from helpers.tensor_core_emulation import build, symbol, take_lookups
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source, kernels, tensor_core
@@ -330,6 +330,26 @@ def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
 
 
 @pytest.mark.emulation
+def test_emulated_table_lookups_take_one_wavefront_where_each_lane_reads_its_own_bank(emulator):
+    """The emulator's bank-conflict count of the codebook tables' lookups (4 warp-wide loads per KV-head token at
+    head_dim 128): one wavefront each for the 2-bit table (16 words, one per bank) and for the 3-bit tables the
+    pre-RoPE variants keep once per lane (Shape::KEY_LANE_LUT); more where one copy of 64 or 256 entries is shared by
+    the warp's lanes (post-RoPE nuq3, nuq4), so the count sees conflicts where they are."""
+    per_lookup = {}
+    for codec in ("nuq2-out-rope", "nuq3-out-rope", "nuq3-nuq4v-out-rope", "nuq3", "nuq4-out-rope"):
+        lengths = [700, 129]
+        keys, values = filled(codec, lengths, 128)
+        query = torch.randn(2, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(1))
+        take_lookups(emulator)
+        run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 0.1, rope=rope_of(codec, 128, 2))
+        loads, wavefronts = take_lookups(emulator)
+        assert loads == 4 * KV_HEADS * sum(-(-n // 16) * 16 for n in lengths), codec  # whole 16-token steps of a warp
+        per_lookup[codec] = wavefronts / loads
+    assert per_lookup["nuq2-out-rope"] == per_lookup["nuq3-out-rope"] == 1.0
+    assert 1.0 < per_lookup["nuq3-nuq4v-out-rope"] < per_lookup["nuq4-out-rope"] and per_lookup["nuq3"] > 1.5
+
+
+@pytest.mark.emulation
 @pytest.mark.parametrize("codec", ("fp16", "int4", "int2-g256", "nuq3-out-rope"))
 def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emulator, codec):
     """Each sequence's first visible token (a sliding window): past two whole splits (which then count for nothing),
@@ -450,7 +470,10 @@ MUTANTS = {
     # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range
     "nuq-table-address": ("nuq4", "x >> (F * k - 2)", "x >> (F * k - 3)"),
     "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
-    "nuq3-table-byte": ("nuq3-rope", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
+    "nuq3-table-byte": ("nuq3", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
+    # a lane-private 3-bit table (pre-RoPE codebooks at 64 / 128): the index byte, the entry each lane's column holds
+    "nuq3-lane-table-byte": ("nuq3-rope", "prmt(odd, 0u, 0x4440u + k)", "prmt(odd, 0u, 0x4440u + (k ^ 1))"),
+    "nuq3-lane-table-entry": ("nuq3-out-rope", "__ldg(from + i / 32)", "__ldg(from + i % 64)", "3"),
     "outlier-key-patch-row": ("nuq3-out-rope", "key_patch[token * S::PATCH_ROW + c]", "key_patch[token * D + c]", "3"),
     "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
     # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp

@@ -178,7 +178,9 @@ class Variant:
         # 3-bit codes (channel groups aside: they read theirs as they dequantize) go through a table (uniform ones: code
         # values 0..7) from a lane's places in a row (tc::Planes3Place)
         planes3 = not self.channel_groups and 3 in (bits, self.vbits)
-        lut = 2 * 256 * 4 + 1008 if self.codebook or planes3 else 0
+        # a 3-bit codebook side with pre-RoPE keys at head_dim 64 / 128: 64 entries once per lane (Shape::KEY_LANE_LUT)
+        lane_private = [self.codebook and self.rope and d <= 128 and b == 3 for b in (bits, self.vbits)]
+        lut = sum(64 * 32 * 4 if own else 256 * 4 for own in lane_private) + 1008 if self.codebook or planes3 else 0
         lut += 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]

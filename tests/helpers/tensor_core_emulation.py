@@ -40,6 +40,8 @@ def driver(variants: list[Variant]) -> str:
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}>::SMEM_BYTES; }}")
+    lines.append("void take_lookups(unsigned long long* out) { out[0] = emulation::lookups.loads; out[1] = "
+                 "emulation::lookups.wavefronts; emulation::lookups.loads = emulation::lookups.wavefronts = 0; }")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -50,7 +52,16 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     library = emulator_library(driver(variants), [EMULATION, kernel_dir, kernel_source.KERNEL_DIR], "decode_tc_on_cpu.so")
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+    lib.take_lookups.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
                                             + [ctypes.c_float] + [pointer] * (MERGE + SEGMENTS) + [integer])
     return lib
+
+
+def take_lookups(lib: ctypes.CDLL) -> tuple[int, int]:
+    """(warp-wide table lookups, their shared-memory wavefronts) of the launches since the last call (the emulator's
+    bank-conflict count: tests/kernel_emulation/cuda_on_cpu.h's Lookups)."""
+    counts = (ctypes.c_ulonglong * 2)()
+    lib.take_lookups(counts)
+    return counts[0], counts[1]

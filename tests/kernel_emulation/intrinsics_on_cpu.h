@@ -294,6 +294,7 @@ static inline unsigned load_shared_word(unsigned address) {
     const auto& window = emulation::intrinsics::shared_window;
     if (!window.known) emulation::intrinsics::fail("load_shared_word: no shared_address was taken");
     if (address % 4) emulation::intrinsics::fail("ld.shared.b32 address is not 4-byte aligned");
+    emulation::record_lookup(threadIdx.x, address);
     return *reinterpret_cast<const unsigned*>(window.upper | address);
 }
 
