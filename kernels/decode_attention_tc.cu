@@ -177,8 +177,10 @@ struct Shape {
     static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
+    // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) go through a table
+    static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
     // per side: codebook_pairs (codebooks; uniform 3-bit codes read their code values 0..7 from their side's table)
-    static constexpr int LUT_WORDS = CB || ((BITS == 3 || VBITS == 3) && !GROUPS) ? 256 : 0;
+    static constexpr int LUT_WORDS = CB || PLANES3 ? 256 : 0;
     static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
     // a 3-bit codebook side of the pre-RoPE variants at head_dim 64 / 128 keeps its 64-entry table once per lane (entry
     // e of lane L at word 32 e + L: each lane reads its own bank, a warp's lookup one wavefront); in one copy two
@@ -187,7 +189,7 @@ struct Shape {
     static constexpr bool KEY_LANE_LUT = CB && ROPE && D <= 128 && BITS == 3, VALUE_LANE_LUT = CB && ROPE && D <= 128 && VBITS == 3;
     static constexpr int KEY_LUT_WORDS = KEY_LANE_LUT ? 64 * 32 : LUT_WORDS, VALUE_LUT_WORDS = VALUE_LANE_LUT ? 64 * 32 : LUT_WORDS;
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
-    static constexpr int PLACES_BYTES = !GROUPS && (BITS == 3 || VBITS == 3) ? 32 * 2 * 16 : 0;  // 3-bit codes: [lane][keys, values] Planes3Place
+    static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
     // the rest (ptxas spilled them); codebook keys' one block keeps them in shared memory, [scale, zero][pair / 4][t][4]
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
