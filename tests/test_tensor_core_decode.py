@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from helpers import requires_gpu
-from helpers.tensor_core_emulation import build, symbol, take_lookups
+from helpers.tensor_core_emulation import build, decode, symbol, take_lookups
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
-from kvcal.runtime import kernel_source, kernels, tensor_core
+from kvcal.runtime import kernel_source, tensor_core
 from kvcal.runtime.store import Fp16Rows, PackedRows
 from kvcal.runtime.tensor_core import Variant
 
@@ -263,20 +263,11 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
 
 def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None, visible=None) -> torch.Tensor:
     """rope: as `reference`'s; visible: each sequence's first token the query sees (default 0)."""
-    batch, heads, d = query.shape
     assert per_split % v.stage_tokens == 0, "splits hold whole stages (the launcher refuses others)"
-    splits = max(1, -(-max(lengths) // per_split))
+    assert tensor_core.variant_for(keys, values, query.shape[2], query.shape[1] // KV_HEADS, rope=rope is not None) == v
     inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
-    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions, visible), dtype=torch.int32)
-    out_partial = torch.full((batch, heads, splits, d), float("nan"))
-    lse_partial = torch.full((batch, heads, splits), float("nan"))
-    out = torch.full((batch, heads, d), float("nan"))
-    arrivals = kernels.arrival_counters(batch, KV_HEADS, "cpu")
-    ops = tensor_core.operands(query.float().contiguous(), keys, values, KV_HEADS, scaling, per_split, 0, out_partial,
-                               lse_partial, meta, inv_freq, attention_scaling, merge=(out, arrivals))
-    args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
-    assert tensor_core.variant_for(keys, values, d, heads // KV_HEADS, rope=rope is not None) == v
-    getattr(lib, symbol(v))(splits, KV_HEADS, batch, *args)
+    out, arrivals = decode(lib, v, query, keys, values, KV_HEADS, lengths, scaling, per_split, inv_freq, attention_scaling,
+                           positions, visible)
     assert not arrivals.any(), "the merging block sets its counter back to zero"
     return out
 

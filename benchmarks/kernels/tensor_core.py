@@ -86,19 +86,19 @@ def inv_freq(head_dim: int) -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0):
+def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda"):
     """K and V stores of `length` random N(0, 1) tokens per sequence, every KV head's head_dim channels a row (torch
-    codecs on the GPU), drawn under `seed`."""
+    codecs on `device`), drawn under `seed`."""
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
     width = KV_HEADS * head_dim
     stores = []
     for side in range(2):
-        store = (Fp16Rows(batch, width, "cuda") if codecs is None
-                 else PackedRows(codecs[side], batch, width, "cuda", head_dim=head_dim))
-        generator = torch.Generator(device="cuda").manual_seed(2 * seed + side)
+        store = (Fp16Rows(batch, width, device) if codecs is None
+                 else PackedRows(codecs[side], batch, width, device, head_dim=head_dim))
+        generator = torch.Generator(device=device).manual_seed(2 * seed + side)
         for b in range(batch):
-            store.append(b, torch.randn(length, width, device="cuda", dtype=torch.float16, generator=generator))
+            store.append(b, torch.randn(length, width, device=device, dtype=torch.float16, generator=generator))
         stores.append(store)
     return stores
 

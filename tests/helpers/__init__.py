@@ -1,10 +1,7 @@
 """Helpers shared by several test modules (test modules never import each other)."""
 
 import collections
-import shutil
-import subprocess
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,38 +9,15 @@ import pytest
 import torch
 
 from kvcal.runtime import kernels, quantized_cache
-from kvcal.build_cache import cached
-
-# g++ flags of every build of the CUDA emulation (tests/kernel_emulation). -U_FORTIFY_SOURCE: distributions that
-# fortify by default (Ubuntu) turn the fibers' _longjmp between stacks into __longjmp_chk, which aborts ("longjmp
-# causes uninitialized stack frame"). -fno-gnu-unique: a test process loads several emulator libraries, and g++ gives
-# static locals of templates (a kernel variant's shared-memory array) STB_GNU_UNIQUE binding, one copy per process, so
-# a variant built into two libraries ran on the first library's array while the second library's shared-window record
-# (intrinsics_on_cpu.h) held its own arrays' upper address bits: where the two libraries lay in different 4 GiB
-# regions of the address space, the emulated shared_address aborted ("shared memory straddles a 4 GiB boundary").
-EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
-                   "-DKVCAL_HOST_EMULATION"]
+from tools import kernel_emulation
 
 
 def emulator_library(driver: str, include_dirs: list[Path], name: str) -> Path:
-    """The C++ `driver` built with g++ and EMULATION_FLAGS against `include_dirs` into a shared library `name`, once
-    per content: the build cache (kvcal.build_cache) keys it by the driver, the flags, the compiler and every
-    source file of the include folders, so a rerun over unchanged kernels builds nothing."""
-    compiler = shutil.which("g++")
-    if compiler is None:
+    """tools.kernel_emulation.emulator_library (the C++ `driver` built with g++, cached by content), skipped where no
+    g++ is."""
+    if kernel_emulation.compiler_missing():
         pytest.skip("the kernel emulation needs g++")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = [f"{i}/{p.name}\0{p.read_text()}" for i, folder in enumerate(include_dirs) for p in sorted(folder.iterdir())
-               if p.suffix in (".h", ".cuh", ".cu")]
-
-    def build(target: Path) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            (Path(folder) / "driver.cpp").write_text(driver)
-            command = [compiler, *EMULATION_FLAGS, *(f"-I{d}" for d in include_dirs), str(Path(folder) / "driver.cpp"), "-o", str(target)]
-            built = subprocess.run(command, capture_output=True, text=True)
-            assert built.returncode == 0, built.stderr[-6000:]
-
-    return cached(name, [driver, *EMULATION_FLAGS, compiler, version, *sources], build)
+    return kernel_emulation.emulator_library(driver, include_dirs, name)
 
 
 AVX2_LEVEL = ("x86-64-v3", {"avx2", "fma", "bmi2", "f16c", "movbe"})  # the 8-lane build
