@@ -1059,13 +1059,12 @@ def table_conflicts(kernel) -> dict[str, float]:
     import torch
 
     from benchmarks.kernels import tensor_core as bench
-    from tools import kernel_emulation
 
     if not isinstance(kernel, TensorCoreKernel):
         return {}
     d = SHAPE["head_dim"]
     table = bench.variants(d)
-    variants = {case.name: kernel._variant(case) for case in kernel.cases if reads_table(kernel._variant(case))}
+    variants = {case.name: v for case in kernel.cases if reads_table(v := kernel._variant(case))}
     lib = kernel_emulation.build(sorted(set(variants.values()), key=lambda v: v.name))
     out = {}
     for case in kernel.cases:
