@@ -59,6 +59,22 @@ def test_the_cpu_kernel_extends_the_cuda_kernels_descriptor_and_codecs():
     assert kernels.SIDE_FIELDS == len(cuda_fields) and kernels.SideField.LAYOUT == cuda_fields.index("LAYOUT")
 
 
+def test_a_build_is_keyed_by_the_files_it_includes_and_theirs_only(tmp_path):
+    """kernel_source.included_sources: what a build of a text reads, found in the first folder that holds each name;
+    a header no folder holds (a system one) is left out, and a file of the folder nobody includes is not read."""
+    (first := tmp_path / "first").mkdir()
+    (second := tmp_path / "second").mkdir()
+    (first / "a.cuh").write_text('#pragma once\n#include "b.cuh"\n#include <cmath>\n')
+    (second / "a.cuh").write_text("shadowed")
+    (second / "b.cuh").write_text('#include "a.cuh"\nint b;\n')
+    (second / "unrelated.cu").write_text("int unrelated;\n")
+    found = kernel_source.included_sources('#include "a.cuh"\n  #  include "missing.h"\n', [first, second])
+    assert found == ['a.cuh\0#pragma once\n#include "b.cuh"\n#include <cmath>\n', 'b.cuh\0#include "a.cuh"\nint b;\n']
+    names = [x.split("\0")[0] for x in kernel_source.included_sources(kernel_source.source("decode_attention_tc.cu"),
+                                                                      [kernel_source.KERNEL_DIR])]
+    assert sorted(names) == ["common.cuh", "intrinsics.cuh", "merge.cuh", "segments.cuh"]  # not append.cu or the other decode kernel
+
+
 def test_enum_members_counts_on_from_explicit_values(tmp_path, monkeypatch):
     (tmp_path / "probe.cuh").write_text("enum Probe {\n    A,  // first\n    B = 4,\n    C\n};\n")
     monkeypatch.setattr(kernel_source, "KERNEL_DIR", tmp_path)

@@ -39,14 +39,13 @@ def compiler_missing() -> bool:
 
 def emulator_library(driver: str, include_dirs: list[Path], name: str) -> Path:
     """The C++ `driver` built with g++ and EMULATION_FLAGS against `include_dirs` into a shared library `name`, once
-    per content: the build cache (kvcal.build_cache) keys it by the driver, the flags, the compiler and every
-    source file of the include folders, so a rerun over unchanged kernels builds nothing."""
+    per content: the build cache (kvcal.build_cache) keys it by the driver, the flags, the compiler and the files
+    the driver includes (kernel_source.included_sources), so a rerun over unchanged kernels builds nothing."""
     if compiler_missing():
         raise RuntimeError("the kernel emulation needs g++ (install the distribution's g++ package)")
     compiler = shutil.which("g++")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = [f"{i}/{p.name}\0{p.read_text()}" for i, folder in enumerate(include_dirs) for p in sorted(folder.iterdir())
-               if p.suffix in (".h", ".cuh", ".cu")]
+    sources = kernel_source.included_sources(driver, include_dirs)
 
     def build(target: Path) -> None:
         with tempfile.TemporaryDirectory() as folder:

@@ -73,6 +73,27 @@ def variants(module: str) -> list[str]:
     return [*decode_variants(), "merge_splits"] if module == "decode_attention.cu" else list(APPEND_KERNELS)
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def included_sources(text: str, include_dirs: list[Path]) -> list[str]:
+    """The files `text` includes with #include "...", and theirs, each found in the first of include_dirs that holds
+    it (names found in none, system headers, are left out), each as its name, a NUL and its content, in the order
+    first met: what a build of `text` reads, so that a build cache keyed by them is not re-keyed by an edit to an
+    unrelated kernel."""
+    found, pending, seen = [], [text], set()
+    while pending:
+        for name in _INCLUDE.findall(pending.pop(0)):
+            path = next((folder / name for folder in include_dirs if (folder / name).is_file()), None)
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            content = path.read_text()
+            found.append(f"{name}\0{content}")
+            pending.append(content)
+    return found
+
+
 @dataclass
 class CompiledFunction:
     name: str  # the mangled name
@@ -101,12 +122,12 @@ class Compiled:
 def nvrtc_compile(text: str, filename: str, arch: str, names=(), extra_options=()) -> Compiled:
     """Compile CUDA source `text` (includes resolved in kernels/) to SASS for `arch` with NVRTC and the runtime's
     options, instantiating the name expressions `names`. Raises KvcalError with the log when compilation fails.
-    The result is kept in the build cache (kvcal.build_cache) by the hash of the text, every file of kernels/,
-    the options and NVRTC's version: a rerun over unchanged sources compiles nothing."""
+    The result is kept in the build cache (kvcal.build_cache) by the hash of the text, the files it includes
+    (`included_sources`), the options and NVRTC's version: a rerun over unchanged sources compiles nothing."""
     from cuda.bindings import nvrtc
 
     options = [*OPTIONS, f"--gpu-architecture={arch}", f"--include-path={KERNEL_DIR}", "--ptxas-options=-v", *extra_options]
-    includes = [f"{p.name}\0{p.read_text()}" for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh", ".h")]
+    includes = included_sources(text, [KERNEL_DIR])
     version = ".".join(map(str, _check(nvrtc.nvrtcVersion(), "version")))
 
     def build(path: Path) -> None:
