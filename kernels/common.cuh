@@ -73,16 +73,6 @@ __device__ __forceinline__ unsigned code_in(const unsigned* row, int channel) {
     return lsb_code<3, 11>(row, channel);
 }
 
-__device__ __forceinline__ unsigned code_at(const unsigned* row, int channel, int layout) {
-    switch (layout) {
-        case LSB1: return code_in<LSB1>(row, channel);
-        case LSB2: return code_in<LSB2>(row, channel);
-        case PLANES3: return code_in<PLANES3>(row, channel);
-        case LSB4: return code_in<LSB4>(row, channel);
-        default: return code_in<KVMIX3>(row, channel);
-    }
-}
-
 __device__ __forceinline__ int codes_per_unit(int layout) {
     switch (layout) {
         case LSB1: return 32;
@@ -97,7 +87,7 @@ __device__ __forceinline__ int words_per_unit(int layout) { return layout == PLA
 
 __device__ __forceinline__ int code_bits(int layout) { return layout == KVMIX3 ? 3 : layout; }
 
-// kvcal.quantizers: min-max decode, and denormalize of a codebook value.
+// kvcal.quantizers: min-max decode.
 __device__ __forceinline__ float min_max_value(unsigned code, float scale, float zero) {
     return (float)code * fmaxf(scale, KVCAL_TINY_SCALE) + zero;
 }
@@ -120,15 +110,6 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float f) {
     // a / 2^(exponent - 3), exact, in [8, 16): the implicit bit and 3 mantissa bits; 16 carries into the exponent
     const unsigned steps = (unsigned)rintf(__fmul_rn(a, __int_as_float((130 - exponent) << 23)));
     return (unsigned char)(sign | (((unsigned)(exponent + 7) << 3) + steps - 8u));
-}
-
-// SKVQ (kvcal.runtime.store's _PermutedGroupsTable): the zero is in units of the scale.
-__device__ __forceinline__ float permuted_group_value(unsigned code, float scale, float zero) {
-    return ((float)code + zero) * fmaxf(scale, KVCAL_TINY_SCALE);
-}
-
-__device__ __forceinline__ float denormalized(float normalized, float lo, float hi) {
-    return normalized * fmaxf((hi - lo) / 2.0f, KVCAL_MIN_HALF_RANGE) + (hi + lo) / 2.0f;
 }
 
 // cos and sin of angle = float(position) * inv_freq (rounded to float32 as torch computes it). The angle

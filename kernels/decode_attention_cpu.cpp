@@ -1,5 +1,5 @@
 // Fused decode attention over the quantized cache on the CPU (one query token per sequence): the CPU
-// counterpart of decode_attention.cu, reading the same stores through the same descriptor (kvcal/runtime/
+// counterpart of the CUDA decode, reading the same stores through the same descriptor (kvcal/runtime/
 // kernels.py's SideField order, plus the CPU fields below), so that a decode step neither dequantizes the
 // whole cache into memory nor concatenates it. The specification is kvcal/runtime/reference.py; the tests
 // (tests/test_runtime_cpu_kernel.py) compare the two on every codec, layout and segment arrangement.
@@ -34,7 +34,7 @@ constexpr float MIN_HALF_RANGE = 1e-8f;          // kvcal.quantizers.denormalize
 enum Codec { FP16_ONLY = 0, UNIFORM_TOKEN = 1, UNIFORM_CHANNEL = 2, CODEBOOK_CHANNEL = 3, CODEBOOK_TOKEN = 4, PERMUTED_GROUPS = 5 };
 enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 
-// decode_attention.cu's SideField order, then the CPU kernel's own fields.
+// segments.cuh's SideField order, then the CPU kernel's own fields.
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
@@ -132,7 +132,7 @@ struct Side {
     const uint16_t* sink; long long sink_stride;
     const uint16_t* recent; long long recent_stride;
     const uint32_t* words; long long words_stride; int words_per_row;
-    // parameter (row, column) at b * param_stride + row * param_row + column * param_column (decode_attention.cu's Side)
+    // parameter (row, column) at b * param_stride + row * param_row + column * param_column (segments.cuh's Side)
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
     long long param_row, param_column;
     const float* codebook;
@@ -166,7 +166,7 @@ struct Lengths {
     int sink, body, head, recent, body_head;
 };
 
-// The code of slot `i` of a packed row (kvcal/packing.py layouts; decode_attention.cu's code_at).
+// The code of slot `i` of a packed row (kvcal/packing.py layouts; common.cuh's code_in).
 template <int LAYOUT>
 inline uint32_t code_at(const uint32_t* row, int i) {
     if (LAYOUT == PLANES3) {

@@ -187,7 +187,8 @@ struct Shape {
     // entries share each bank, and a warp's 32 lookups nearly always ask some bank for both (two wavefronts). 8 KB a
     // side, which still allows the blocks per SM that these variants' registers allow
     static constexpr bool KEY_LANE_LUT = CB && ROPE && D <= 128 && BITS == 3, VALUE_LANE_LUT = CB && ROPE && D <= 128 && VBITS == 3;
-    static constexpr int KEY_LUT_WORDS = KEY_LANE_LUT ? 64 * 32 : LUT_WORDS, VALUE_LUT_WORDS = VALUE_LANE_LUT ? 64 * 32 : LUT_WORDS;
+    static constexpr int LANE_LUT_WORDS = 64 * 32;  // a lane-private table: 64 entries x 32 lanes
+    static constexpr int KEY_LUT_WORDS = KEY_LANE_LUT ? LANE_LUT_WORDS : LUT_WORDS, VALUE_LUT_WORDS = VALUE_LANE_LUT ? LANE_LUT_WORDS : LUT_WORDS;
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -513,8 +514,8 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // tables (tensor_core.group_tables), the keys' per-token parameters in key_scale / key_zero as the values' (strides
 // kp_seq / kp_row of a sequence and a group's run, in elements: fp8 ones are bytes). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
-// (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (the runtime's CUDA-core
-// kernel fills the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
+// (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (a layer's other launches
+// fill the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
 // launch merges all total_splits slots into it (tc::merge_when_last; arrivals (batch, kv_heads) uint32, zero before
 // the launch and after it). The grid's last segment_splits blocks along x are segment blocks: they attend the
 // launch's other tokens (segments::attend_rows over the decode launch's descriptor and meta, segment_positions the
@@ -879,7 +880,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         // the same first barrier)
         const auto table = [&](unsigned* to, const unsigned* from, bool lane_private) {
             if (lane_private) {
-                for (int i = tid; i < 64 * 32; i += THREADS) to[i] = __ldg(from + i / 32);  // entry i / 32 of lane i % 32
+                for (int i = tid; i < S::LANE_LUT_WORDS; i += THREADS) to[i] = __ldg(from + i / 32);  // entry i / 32 of lane i % 32
             } else {
                 static_assert(S::LUT_WORDS / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
                 if (tid < S::LUT_WORDS / 4) cp_async_16(to + 4 * tid, from + 4 * tid, 16);

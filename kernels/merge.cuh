@@ -1,6 +1,5 @@
-// The log-sum-exp merge of a decode step's split outputs, one definition for both decode kernels: decode_attention.cu's
-// merge_splits runs it as a launch of its own, decode_attention_tc.cu in the last block of a (sequence, KV head) to
-// finish (tc::merge_when_last).
+// The log-sum-exp merge of a decode step's split outputs: decode_attention_tc.cu runs it in the last block of a
+// (sequence, KV head) to finish (tc::merge_when_last).
 #pragma once
 
 // out[row] (head_dim floats) = the row's split outputs weighted by 2^(lse - max lse), 0 for a row no split saw a token

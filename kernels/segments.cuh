@@ -1,6 +1,6 @@
 // What a decode launch reads besides the body rows the tensor-core kernel serves: the descriptor of its stores and
-// the per-sequence lengths as kvcal/runtime/kernels.py writes them, where each token of a side lives (both decode
-// kernels read these), and the attention over those other tokens (fp16 sinks, windows, residuals of
+// the per-sequence lengths as kvcal/runtime/kernels.py writes them (the CPU kernel reads the same descriptor), where
+// each token of a side lives, and the attention over those other tokens (fp16 sinks, windows, residuals of
 // kvcal.runtime.segments; rows of a uniform body one side holds alone) that decode_attention_tc.cu's segment blocks run.
 #pragma once
 
@@ -80,17 +80,16 @@ struct TokenRef {
     int param_column;
 };
 
+// A uniform body row (the segment blocks read no other codec's): its codes and the fp16 parameter rows that scale it.
 template <int CODEC>
 __device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
+    static_assert(CODEC == UNIFORM_TOKEN || CODEC == UNIFORM_CHANNEL, "the segment blocks read uniform bodies");
     TokenRef ref;
     ref.fp16_row = nullptr;
     ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
-    long long offset = b * s.param_stride;
-    if (CODEC == UNIFORM_TOKEN || CODEC == CODEBOOK_TOKEN || CODEC == PERMUTED_GROUPS) offset += (long long)row * s.param_row;
-    if (CODEC == UNIFORM_CHANNEL) offset += (long long)(row / s.param_extra) * s.param_row;
-    const int bytes = CODEC == PERMUTED_GROUPS && s.param_fp8 ? 1 : 2;  // SKVQ's fp8 parameters: a byte each
-    ref.param0 = (const half_bits*)((const unsigned char*)s.param0 + offset * bytes);
-    ref.param1 = (const half_bits*)((const unsigned char*)s.param1 + offset * bytes);
+    const long long offset = b * s.param_stride + (long long)(CODEC == UNIFORM_TOKEN ? row : row / s.param_extra) * s.param_row;
+    ref.param0 = (const half_bits*)s.param0 + offset;
+    ref.param1 = (const half_bits*)s.param1 + offset;
     ref.param_column = (int)s.param_column;
     return ref;
 }
@@ -106,7 +105,8 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
         return ref;
     }
     t -= n.sink;
-    if (CODEC != FP16_ONLY && t < n.body) return body_ref<CODEC>(s, b, n.body_head + t);
+    if constexpr (CODEC != FP16_ONLY)
+        if (t < n.body) return body_ref<CODEC>(s, b, n.body_head + t);
     t -= n.body;
     ref.fp16_row = s.recent + b * s.recent_stride + (long long)(n.head + t) * width;
     return ref;
@@ -150,7 +150,7 @@ __device__ __forceinline__ float element(const TokenRef& ref, const Side& side, 
 // log2 units; 0 and -inf where no token counts). KCODEC / VCODEC: FP16_ONLY where the two sides keep the same tokens
 // fp16 around the served rows (no body row to read), UNIFORM_CHANNEL / UNIFORM_TOKEN where a side's body rows past
 // the served ones are read too (KIVI's and KVmix's), their codes in KLAYOUT / VLAYOUT (enum Layout). Tokens are at
-// positions positions[b] + u; ROPE: the keys are pre-RoPE, rotated here (rope_cos_sin, as the CUDA-core kernel);
+// positions positions[b] + u; ROPE: the keys are pre-RoPE, rotated here (rope_cos_sin);
 // tokens before meta's M_FIRST weigh nothing. query (batch, heads, D) float32 unscaled; scale_log2 carries log2(e)
 // and any RoPE attention scaling. smem: SHARED_BYTES<GQA, D>, 16-byte aligned.
 template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>

@@ -268,6 +268,19 @@ def head_dim_128_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
     return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 
 
+@pytest.fixture(scope="session")
+def qwen3_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """The default kvquant recipe for a tiny Qwen3 at Qwen3's head_dim 128 (keys normalised per head before RoPE)."""
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    profile = profile_of(tiny_model_dir("qwen3", head_dim=128), tiny_corpus, folder)
+    nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
+
+
 HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256)  # the tiny Gemma 3 at Gemma's head_dim
 
 

@@ -1,5 +1,6 @@
-"""The CUDA kernels compile without a GPU: every variant the runtime may launch, for sm_80 and sm_90, with
-NVRTC (the README test command installs cuda-bindings and nvidia-cuda-nvrtc-cu12), and no register spills."""
+"""The append kernels compile without a GPU, for sm_80 and sm_90, with NVRTC (the README test command installs
+cuda-bindings and nvidia-cuda-nvrtc-cu12), and no register spills (the tensor-core decode's variants:
+tests/test_tensor_core_decode.py); a compile keeps what it read by its includes; the enums the host reads."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,30 +10,20 @@ from kvcal.runtime import kernel_source, kernels
 
 pytestmark = pytest.mark.nvrtc
 
-MODULES = ("decode_attention.cu", "append.cu")
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    """(module, arch) -> ptxas report; the compilations run side by side (NVRTC releases the GIL)."""
-    jobs = [(module, arch) for module in MODULES for arch in kernel_source.ARCHITECTURES]
+    """arch -> append.cu's ptxas report; the compilations run side by side (NVRTC releases the GIL)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        reports = pool.map(lambda job: kernel_source.compile_check(*job)[0], jobs)
-    return dict(zip(jobs, reports))
+        reports = pool.map(lambda arch: kernel_source.compile_check("append.cu", arch)[0], kernel_source.ARCHITECTURES)
+    return dict(zip(kernel_source.ARCHITECTURES, reports))
 
 
 @pytest.mark.parametrize("arch", kernel_source.ARCHITECTURES)
-@pytest.mark.parametrize("module", MODULES)
-def test_every_kernel_variant_compiles_without_spills(compiled, module, arch):
-    report = compiled[module, arch]
-    assert len(report) == len(kernel_source.variants(module))
+def test_every_append_kernel_compiles_without_spills(compiled, arch):
+    report = compiled[arch]
+    assert len(report) == len(kernel_source.variants("append.cu"))
     assert {f.name: f.spill_bytes for f in report if f.spill_bytes} == {}
     assert {f.name: f.stack_bytes for f in report if f.stack_bytes} == {}  # nothing in local memory at all
-
-
-def test_decode_variants_cover_every_codec_pair_head_dim_and_rope():
-    names = kernel_source.decode_variants()
-    assert len(names) == len(set(names)) == len(kernel_source.CODEC_PAIRS) * len(kernel_source.HEAD_DIMS) * 2
 
 
 def test_a_compile_error_is_reported_with_the_compiler_log(monkeypatch):
@@ -72,7 +63,7 @@ def test_a_build_is_keyed_by_the_files_it_includes_and_theirs_only(tmp_path):
     assert found == ['a.cuh\0#pragma once\n#include "b.cuh"\n#include <cmath>\n', 'b.cuh\0#include "a.cuh"\nint b;\n']
     names = [x.split("\0")[0] for x in kernel_source.included_sources(kernel_source.source("decode_attention_tc.cu"),
                                                                       [kernel_source.KERNEL_DIR])]
-    assert sorted(names) == ["common.cuh", "intrinsics.cuh", "merge.cuh", "segments.cuh"]  # not append.cu or the other decode kernel
+    assert sorted(names) == ["common.cuh", "intrinsics.cuh", "merge.cuh", "segments.cuh"]  # not append.cu
 
 
 def test_enum_members_counts_on_from_explicit_values(tmp_path, monkeypatch):

@@ -38,8 +38,9 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
     assert {(p.key_append, p.value_append) for p in plan["kvquant"]} == {("cuda-append", "cuda-append")}
     # its sink: fp16 rows of both sides, in the tensor-core launch
     assert {p.fp16_segments for p in plan["kvquant"]} == {p.fp16_segments for p in plan["nuq4-0%"]} == {"tensor-core"}
-    kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant
-    assert kivi.bodies == "cuda-core" and kivi.why.startswith("not tensor-core: int2 per channel g4 / int2 per token g4: ")
+    kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant, so the torch reference
+    assert (kivi.bodies, kivi.fp16_segments) == ("reference", "reference")
+    assert kivi.why.startswith("not cuda-kernels: int2 per channel g4 / int2 per token g4: key blocks of 4 tokens")
     # keys wait fp16 for a block while values are packed: the segment blocks read uniform bodies too
     kivi4 = backends.bundle_plan(load_bundle(head_dim_64_bundles["kivi4-g32"]), "cuda")[0]
     assert (kivi4.bodies, kivi4.fp16_segments, kivi4.why) == ("tensor-core", "tensor-core", "")
@@ -52,9 +53,8 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
 
 def test_no_recipe_falls_to_the_torch_reference_or_a_second_decode_kernel_on_cuda(head_dim_64_bundles):
     """Every recipe's bodies and fp16 segments at head_dim 64 are the tensor-core kernel's, in one launch a step (the
-    reference dequantizes the whole cache every step; the CUDA-core kernel reads 1-2% of copy bandwidth): KIVI at its
-    own groups of 32 (the kivi bundle's groups of 4 channels are the CUDA-core kernel's), and the other widths the
-    fixtures hold."""
+    reference dequantizes the whole cache every step): KIVI at its own groups of 32 (the kivi bundle's groups of 4
+    channels are the reference's), and the other widths the fixtures hold."""
     from kvcal import registry
 
     names = [*(recipe for recipe in registry.recipes() if recipe != "kivi"), "kivi2-g32", "kivi3-g32", "kivi4-g32",
@@ -67,16 +67,15 @@ def test_no_recipe_falls_to_the_torch_reference_or_a_second_decode_kernel_on_cud
 def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
     """Beyond each recipe's defaults: KIVI and KVmix's uniform 2-4-bit codes in groups of 32, 64 and 128 (K and V
     widths apart too), nuq2-4 (pre- and post-RoPE keys, with outliers and without), SKVQ's 1-4-bit channel groups with fp16
-    or fp8 parameters, at head_dim 64, 128 and 256 and GQA 1 to 16; what it does not read keeps a reason (the CUDA-core
-    kernel serves it)."""
+    or fp8 parameters, at head_dim 64, 128 and 256 and GQA 1 to 16; what it does not read keeps a reason (the torch
+    reference serves it)."""
     from helpers.kernel_cases import equal_skvq_groups
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
     kv_heads, widths = 2, (2, 3, 4)
 
     def refusal(pair, head_dim, pre_rope=False):
-        return [backends.tensor_core_refusal(pair, backends.LayerShape((pair,), pre_rope, kv_heads * gqa, kv_heads, head_dim,
-                                                                       torch.device("cuda")))
+        return [backends.cuda_refusal(backends.LayerShape((pair,), pre_rope, kv_heads * gqa, kv_heads, head_dim, torch.device("cuda")))
                 for gqa in (1, 4, 16)]
 
     for head_dim in (64, 128, 256):
@@ -93,6 +92,24 @@ def test_the_tensor_core_kernel_reads_every_whole_bit_width_the_recipes_offer():
             assert refusal(pair, head_dim, pre_rope=True) == [None] * 3, (k, v, fp8)
     (small_groups,) = set(refusal((ChannelBlockUniform(2, 16), TokenUniform(2, 16)), 128))
     assert small_groups == "int2 per channel g16 / int2 per token g16: value groups of 16 channels with 2-bit codes and head_dim 128 are not served"
+
+
+def test_codebook_bodies_whose_k_and_v_keep_different_fp16_tokens_go_to_the_reference_on_cuda():
+    """The tensor-core kernel's segment blocks read fp16 rows beside codebook and SKVQ bodies only where K and V keep
+    the same tokens fp16 (no recipe keeps them otherwise); uniform bodies' rows they read themselves."""
+    from kvcal.kv import SegmentPolicy
+    from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
+    from kvcal.runtime.segments import fp16_rows_alike
+
+    lo, hi = -torch.ones(128), torch.ones(128)
+    nuq = (CodebookCodec(normal_float_codebook(3), lo, hi, 0.01), CodebookCodec(normal_float_codebook(3), outlier_fraction=0.01))
+    kivi = (ChannelBlockUniform(2, 32), TokenUniform(2, 32))
+    assert fp16_rows_alike(SegmentPolicy(sink=1, window=8), (1, 1), (0.1, 0.1))
+    assert not fp16_rows_alike(SegmentPolicy(residual=32), (1, 1), (0.0, 0.0))
+    assert not fp16_rows_alike(SegmentPolicy(), (1, 1), (0.1, 0.0))
+    shape = lambda pair, alike: backends.LayerShape((pair,), True, 4, 1, 128, torch.device("cuda"), alike)  # noqa: E731
+    assert backends.cuda_refusal(shape(nuq, True)) is None and backends.cuda_refusal(shape(kivi, False)) is None
+    assert backends.cuda_refusal(shape(nuq, False)).startswith("K and V keep different tokens fp16 beside nuq3 ")
 
 
 def test_an_unknown_device_is_refused(recipe_bundles):

@@ -1,6 +1,6 @@
-"""kvcal.runtime.kernels: the CUDA kernels against the torch reference on the same packed data (the tests
-marked `gpu` run only where CUDA and CuPy are present: `pip install -e ".[gpu]"`), and the launcher's
-host-side bookkeeping (everywhere)."""
+"""kvcal.runtime.kernels: the CUDA kernels (the append kernels, the tensor-core decode as the cache launches it)
+against the torch reference on the same packed data (the tests marked `gpu` run only where CUDA and CuPy are present:
+`pip install -e ".[gpu]"`), and the launcher's host-side bookkeeping (everywhere)."""
 
 import ctypes
 
@@ -10,8 +10,8 @@ import torch
 
 from conftest import kivi_bundle, tiny_model
 from helpers import decode_token_by_token, requires_gpu
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, SERVED_TOLERANCE,
-                                  WIDTH, assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens, served_decode)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
+                                  assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
@@ -22,22 +22,13 @@ from kvcal.fit.skvq import SkvqTensor
 
 @requires_gpu
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_decode_attention_matches_the_reference(case, batch):
+@pytest.mark.parametrize("case", SERVED_CASES)
+def test_tensor_core_decode_matches_the_reference(case, batch):
+    """As the cache runs it: one tensor-core launch, its body blocks over the body rows both sides hold, its segment
+    blocks over the rest, its last block per (sequence, KV head) merging the splits."""
     lengths = BATCHES[batch]
     (key_store, value_store), pre_rope = filled(case, lengths)
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope)
-
-
-@requires_gpu
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("case", SERVED_CASES)
-def test_tensor_core_bodies_with_the_cuda_core_kernel_match_the_reference(case, batch):
-    """As the cache runs them: the tensor-core kernel over the body rows both sides hold, the CUDA-core kernel over the
-    rest, one merge."""
-    lengths = BATCHES[batch]
-    (key_store, value_store), pre_rope = filled(case, lengths)
-    compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
 @requires_gpu
@@ -50,11 +41,11 @@ def test_decode_attention_serves_every_gqa_group_size(case, group):
 
 @requires_gpu
 def test_cocktail_chunks_of_three_widths_are_one_attention():
-    """Cocktail: fp16 | int4 | int2 chunk groups (separate launches, one merge) and the fp16 recent tokens; and with
-    the tensor-core kernel over the int4 and int2 groups, as the cache runs it."""
+    """Cocktail: fp16 | int4 | int2 chunk groups and the fp16 recent tokens, as the cache runs them: a tensor-core
+    launch over the int4 groups (its segment blocks over the fp16 chunks and recent tokens), one over the int2 groups,
+    the last merging both."""
     stores, batch = cocktail_stores()
     compare(*stores, batch, group=4, pre_rope=False)
-    compare(*stores, batch, group=4, pre_rope=False, decode=served_decode, atol=SERVED_TOLERANCE)
 
 
 @requires_gpu
@@ -80,22 +71,37 @@ def test_kernels_are_chosen_only_where_they_exist():
 
     uniform = (ChannelBlockUniform(2, G), TokenUniform(2, G))
     skvq = SkvqTensor(torch.arange(WIDTH, dtype=torch.int32), torch.tensor([0, WIDTH], dtype=torch.int32), torch.ones(1), 1.5, False)
-    assert kernels.codecs_decoded(*uniform) and kernels.heads_refusal(heads=32, kv_heads=8, head_dim=128) is None
+    assert kernels.heads_refusal(heads=32, kv_heads=8, head_dim=128) is None
     assert kernels.heads_refusal(heads=9, kv_heads=3, head_dim=64) is None
     assert kernels.heads_refusal(heads=72, kv_heads=8, head_dim=128) is None  # 9 query heads per KV head: in passes
     assert kernels.heads_refusal(heads=30, kv_heads=4, head_dim=128) is not None
     assert kernels.heads_refusal(heads=32, kv_heads=8, head_dim=96) is not None
-    assert not kernels.codecs_decoded(uniform[0], skvq)
     assert not kernels.append_supported(skvq, WIDTH)
     assert not kernels.cuda_ready("cpu")
     assert kernels.append_encoder(uniform[0], WIDTH, "lsb", "cpu") is None and not PackedRows(uniform[0], 1, WIDTH, "cpu").use_kernels
 
 
+def test_the_cases_the_tensor_core_kernel_does_not_read_decode_on_the_reference_on_cuda_with_a_reason():
+    """1-bit and per-token uniform keys, per-token codebook key thresholds: the planner names the reason (codecs), and a
+    store in a layout the kernel does not read (KVmix's 10x3+1x2 words, which no recipe's runtime store keeps) is
+    refused by `serve`, never decoded wrong."""
+    from kvcal.runtime import tensor_core
+
+    for case, reason in (("kvmix-k1-v4", "no tensor-core decode kernel for "),
+                         ("token-uniform-keys", "the tensor-core kernel reads uniform per-channel keys"),
+                         ("nuq3-per-token-keys", "the tensor-core kernel reads uniform per-channel keys")):
+        key_codec, value_codec, *_ = DECODE_CASES[case]()
+        shape = backends.LayerShape(((key_codec, value_codec),), False, 32, 8, HEAD_DIM, torch.device("cuda"))
+        assert reason in backends.cuda_refusal(shape), case
+    (keys, values), _ = filled("kvmix-3bit-10x3+1x2-words", [5], device="cpu")
+    with pytest.raises(KvcalError, match="reads 3-bit codes in the 'planes3' packing"):
+        tensor_core.serve(kernels.Segments(keys.kernel_segments()[0], values.kernel_segments()[0]), 32, 8, HEAD_DIM)
+
+
 def test_a_gqa_group_past_what_a_launch_takes_is_split_into_the_fewest_even_passes():
-    assert kernels.head_passes(8, 128) == [8] and kernels.head_passes(4, 256) == [4]
-    assert kernels.head_passes(16, 128) == [8, 8] and kernels.head_passes(12, 64) == [6, 6]
-    assert kernels.head_passes(11, 128) == [6, 5] and kernels.head_passes(8, 256) == [4, 4]
-    assert kernels.head_passes(17, 128) == [6, 6, 5]
+    assert kernels.head_passes(8) == [8] and kernels.head_passes(4) == [4]
+    assert kernels.head_passes(16) == [8, 8] and kernels.head_passes(12) == [6, 6]
+    assert kernels.head_passes(11) == [6, 5] and kernels.head_passes(17) == [6, 6, 5]
 
 
 @requires_gpu
@@ -114,7 +120,7 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(tiny_model("llama", head_dim=64), bundle, ids)
         cuda_logits, cache = decode_token_by_token(tiny_model("llama", head_dim=64).cuda(), bundle, ids.cuda())
-    plans = backends.bundle_plan(load_bundle(bundle), "cuda")  # kivi's groups of 4, skvq, int3: CUDA cores
+    plans = backends.bundle_plan(load_bundle(bundle), "cuda")  # kivi's groups of 4: the reference
     assert [layer.decode_path for layer in cache.layers] == [plan.bodies for plan in plans]
     if recipe in ("kvquant", "nuq4-0%", "nuq4-1%", "kivi4-g32", "kivi2-g32"):
         assert {plan.bodies for plan in plans} == {"tensor-core"}
@@ -178,7 +184,7 @@ def _codes(words: np.ndarray, layout: int) -> tuple[np.ndarray, int]:
 
 def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: int) -> np.ndarray:
     """Sequence b's (tokens, WIDTH) rows read only through a side's descriptor and lengths, following
-    decode_attention.cu's locate/body_value/for_each_outlier formulas."""
+    the kernels' formulas (segments.cuh's locate, the CPU kernel's body values and outliers)."""
     sink, body, head, recent = lengths
     f = dict(zip(("sink", "sink_stride", "recent", "recent_stride", "words", "words_stride", "words_per_row", "param0", "param1",
                   "param_stride", "param_cols", "param_extra", "param_row", "param_column", "codebook", "outlier_positions",

@@ -57,13 +57,22 @@ kern:
 SOURCE = {"k.cu": ["for (token loop) {", "  work();", "  if (g >= group) continue;", "  rare();", "  for (inner loop) {"]}
 
 
-class ToyKernel(bd.CudaCoreKernel):
-    """A kernel model for LISTING: an inner loop of 3 that streams values, rare() runs a quarter of the time."""
+class ToyKernel:
+    """A kernel model for LISTING: a token loop of 4 tokens an iteration with plain loads, an inner loop of 3 that
+    streams values, rare() runs a quarter of the time."""
 
     source = "k.cu"
-    tile = 4
     token_loop = r"for \(token loop\)"
     passes = {"keys": "token loop", "softmax": "if", "values": "rare"}  # from lines 1, 3, 4
+
+    def tokens_per_iteration(self, case):
+        return 4
+
+    def stages(self, case):
+        return 1
+
+    def if_bodies(self, case):
+        return ()
 
     def inner_loops(self, case):
         return [(r"for \(inner loop\)", 3, "values")]
@@ -75,6 +84,9 @@ class ToyKernel(bd.CudaCoreKernel):
         return [(r"if \(g >= group\)", 4)]
 
 
+CASE = bd.Case("int2 g128", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2)
+
+
 @pytest.fixture
 def model():
     return ToyKernel()
@@ -82,7 +94,7 @@ def model():
 
 def walk(kernel):
     code = bd.parse_listing(LISTING)["kern"].code
-    w = bd.Walk(code, SOURCE.__getitem__, bd.CudaCoreKernel.cases[1], kernel)
+    w = bd.Walk(code, SOURCE.__getitem__, CASE, kernel)
     return code, w, w.run()
 
 
@@ -107,7 +119,7 @@ def test_walk_counts_one_token_loop_iteration(model):
 
 def test_analyse_classes_passes_and_bytes_in_flight(model):
     code = bd.parse_listing(LISTING)["kern"].code
-    result = bd.analyse(model, code, bd.CudaCoreKernel.cases[1], SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
+    result = bd.analyse(model, code, CASE, SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
     assert result["warp_instructions_per_token"] == 14.0 / 4
     assert result["by_pass"] == {"keys": 5.75 / 4, "softmax": 2 / 4, "values": 6.25 / 4}  # by the outermost line
     assert result["by_class"]["loads"] == (1 + 3) / 4 and result["by_class"]["conversion"] == 0.25 / 4
@@ -233,14 +245,13 @@ def test_the_calibration_weighs_the_table_lookups_conflicts_where_the_walks_have
 @pytest.mark.emulation
 def test_the_table_cases_conflicts_are_counted_by_the_kernels_emulation():
     """table_conflicts runs the tensor-core kernel's emulation on every case that reads a table: none for the lane-private
-    3-bit tables and the 2-bit one, several wavefronts a token for nuq4's 256 entries; the CUDA-core kernel has none."""
+    3-bit tables and the 2-bit one, several wavefronts a token for nuq4's 256 entries."""
     if kernel_emulation.compiler_missing():
         pytest.skip("the kernel emulation needs g++")
     counted = bd.table_conflicts(bd.TensorCoreKernel())
     assert set(counted) == {c.name for c in bd.TensorCoreKernel().cases if bd.reads_table(bd.TensorCoreKernel()._variant(c))}
     assert counted["nuq3 pre-RoPE 1%"] == counted["nuq2 pre-RoPE 1% (mixed's)"] == 0.0
     assert counted["nuq4 pre-RoPE 1%"] > 4.0 and counted["int3 g32 (KIVI-3)"] > 1.0
-    assert bd.table_conflicts(bd.CudaCoreKernel()) == {}
 
 
 def test_kernels_unchanged_since_compares_the_working_tree_with_a_commit():
@@ -257,7 +268,7 @@ def test_occupancy_from_registers_and_shared_memory():
 
 
 def test_the_installed_nvdisasm_prints_what_the_parser_reads(tmp_path):
-    """Three sm_90 instructions of merge_splits (a load, a compare, the loop's predicated branch) as raw encodings
+    """Three sm_90 instructions of a split merge's loop (a load, a compare, the loop's predicated branch) as raw encodings
     (no NVRTC: its first compile alone takes seconds)."""
     try:
         tool = bd.nvdisasm()
@@ -286,13 +297,13 @@ def test_a_cp_async_pipeline_keeps_its_stages_in_flight(model, monkeypatch):
     loop issues one 16-byte load and three 2-byte loads per lane per iteration."""
     monkeypatch.setattr(model, "stages", lambda case: 3)
     code = bd.parse_listing(LISTING)["kern"].code
-    result = bd.analyse(model, code, bd.CudaCoreKernel.cases[1], SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
+    result = bd.analyse(model, code, CASE, SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
     assert result["in_flight_per_sm"]["pipeline"] == (16 + 3 * 2) * 32 * 3 * 8
 
 
 @pytest.mark.parametrize("kernel", bd.KERNELS, ids=lambda k: k.source)
 def test_the_kernel_models_decide_every_branch_of_todays_sass(kernel):
-    """Every case of both kernels walks on sm_90 (a kernel change that adds a branch no rule decides fails here, not
+    """Every case of the kernel model walks on sm_90 (a kernel change that adds a branch no rule decides fails here, not
     in the benchmark); the tensor-core kernel keeps the 16 KiB per SM in flight that HBM latency needs."""
     try:
         bd.nvdisasm()

@@ -1,10 +1,10 @@
-"""Static performance bound of the decode-attention kernels from their SASS: no GPU needed.
+"""Static performance bound of the decode-attention kernel from its SASS: no GPU needed.
 
-Two kernels (KERNELS): the CUDA-core kernel the runtime launches (kernels/decode_attention.cu; every variant
-kvcal.runtime.kernel_source lists) and the tensor-core kernel (kernels/decode_attention_tc.cu; the variants of its
-cases). Each is compiled with NVRTC (kernel_source's options) for sm_90 and sm_80 to a cubin (registers, spills,
-occupancy) and disassembled with nvdisasm (PyPI wheel nvidia-cuda-nvdisasm). The variants of the cases below are compiled again with -lineinfo, which tags every
-instruction with its inlined source lines (the script checks that the SASS is otherwise identical), and walked:
+The kernel model (KERNELS): the tensor-core kernel the runtime launches (kernels/decode_attention_tc.cu; the variants
+of its cases). It is compiled with NVRTC (kernel_source's options) for sm_90 and sm_80 to a cubin (registers, spills,
+occupancy) and disassembled with nvdisasm (PyPI wheel nvidia-cuda-nvdisasm). The variants of the cases below are
+compiled again with -lineinfo, which tags every instruction with its inlined source lines (the script checks that the
+SASS is otherwise identical), and walked:
 
 Loops. nvdisasm 13 turns its own dataflow analysis (and so -cfg) off for these cubins, so the control flow is
 read from the listing's branch targets. Every backward branch closes a loop: its target is the header and the
@@ -84,7 +84,7 @@ LIMITS = {  # per SM: registers, shared memory, warps, blocks; shared memory the
 SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768}
 SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvcal fit-skvq's default group size)
 
-THREADS = 128  # threads per block of both kernels (__launch_bounds__)
+THREADS = 128  # threads per block of the kernel (__launch_bounds__)
 KV_HEAD_TOKENS = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
 SLOTS_PER_S = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # the calibrated model's unit, on either device
 
@@ -110,111 +110,6 @@ class Case:
 
 
 # ---- What the walk knows about each kernel: update it with the kernel. ----
-class CudaCoreKernel:
-    """kernels/decode_attention.cu, the runtime's kernel for fp16 segments and the bodies the tensor-core kernel does
-    not serve (other widths and layouts): a warp's loop over tiles of 32 tokens; the key pass handles one token per
-    lane (its inner loops run over the words of the lane's own token), the value pass is the loop over the tile's
-    tokens, one token per iteration for the whole warp."""
-
-    source = "decode_attention.cu"
-    title = ("CUDA-core kernel (kernels/decode_attention.cu: the runtime's for fp16 segments and the bodies the tensor-core "
-             "kernel does not serve)")
-    tile = 32  # tokens per iteration of a warp's token loop (kvcal.runtime.kernels.TILE)
-    token_loop = r"for \(int t0 = "
-    passes = {"keys": r"// keys:", "softmax": r"// online softmax", "values": r"// values:"}  # source markers, in order
-    cases = (
-        Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, note="every token in the fp16 recent segment"),
-        Case("int2 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2),
-        Case("int4 g128 (KIVI)", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 4),
-        Case("nuq3 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 3, 0.01,
-             note="3-bit codes as bit-planes (planes3, exactly 3 bits): keys by word, values element by element"),
-        Case("nuq4 pre-RoPE 1%", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN", True, 4, 0.01),
-    )
-
-    def tokens_per_iteration(self, case: Case) -> int:
-        return self.tile
-
-    def variant(self, case: Case) -> str:
-        return f"decode_attention<{SHAPE['head_dim']}, {str(case.rope).lower()}, {case.key_codec}, {case.value_codec}>"
-
-    def variants(self) -> list[str]:
-        """Every variant of the source the runtime may compile (the compile table)."""
-        from kvcal.runtime import kernel_source as src
-
-        return src.decode_variants()
-
-    def shared_bytes(self, variant: str, static: int) -> int:
-        return static
-
-    def stages(self, case: Case) -> int:
-        return 1  # plain loads: what an iteration of a streaming loop issues is what is in flight
-
-    def outlier_scan(self, case: Case) -> float:
-        """Outliers a warp visits per tile of self.tile tokens, on average: its own KV head's outliers of the store tile of
-        OUTLIER_TILE_TOKENS rows its tokens lie in, from the tile's start (the offset table) to its own last row (one
-        past it, where it stops, unless its rows end the store tile)."""
-        from kvcal.packing import OUTLIER_TILE_TOKENS
-
-        warps = OUTLIER_TILE_TOKENS // self.tile  # warp tiles per store tile; the k-th walks k + 1 warp tiles' outliers
-        return case.outliers * self.tile * SHAPE["head_dim"] * (warps + 1) / 2 + (warps - 1) / warps
-
-    def inner_loops(self, case: Case) -> list[tuple[str, float, str | None]]:
-        """(regex on the source line of an inner loop's backward branch, iterations per entry at the steady state, the
-        side whose codes it streams or None). The streaming loops give the bytes in flight."""
-        d, bits = SHAPE["head_dim"], case.bits or 1
-        per_word = 16 if bits == 3 else 32 // bits  # planes3: a step is half a unit, 16 codes' low-bit word
-        return [
-            (r"for \(int w = 0; w < HALF_WORDS", d / 2 / per_word, "keys"),
-            (r"for \(int part = 0; part < PER_WORD / 8", per_word / 8, None),
-            (r"for \(int c = 0; c < D / 2; \+\+c\)", d / 2 / 2, "keys"),  # #pragma unroll 2
-            (r"for \(int v = 0; v < D / 16", d / 16, "keys"),
-            (r"for \(int tile = \(head \+ row_lo\) >> side\.tile_shift", 1, None),  # a warp's rows lie in one store tile
-            (r"for \(int i = __ldg\(offsets \+ tile\)", self.outlier_scan(case), None),
-            (r"for \(int i = 0; i < count; \+\+i\)", self.tile, "values"),
-        ]
-
-    def sites(self, case: Case) -> list[tuple[str, float]]:
-        """(regex on a source line, probability that its code runs when the warp reaches it) for a steady-state token:
-        a body token (an fp16 token for the fp16 case) of the case's code width, every lane valid."""
-        fp16 = case.bits == 0
-        rules = [
-            (r"ref\.fp16_row = s\.sink \+", 0.0),
-            (r"ref\.fp16_row = s\.recent \+", 1.0 if fp16 else 0.0),
-            (r"key_scores_fp16<D, ROPE>\(s, ref\.fp16_row", 1.0 if fp16 else 0.0),
-            (r"return load_half\(ref\.fp16_row \+ channel\)", 1.0 if fp16 else 0.0),
-            (r"key_scores_by_element<CODEC, D, ROPE>\(s, ref", 0.0),  # KVmix's 10x3+1x2 words only
-            (r"default: return code_in<KVMIX3>", 0.0),
-            (r"body_value<CODEC, D>\(body_ref<CODEC>\(side, b, stored\)", self.in_rows_share()),  # a visited outlier in the warp's rows
-            (r"const long long run = \(long long\)b \* kv_heads \+ kv_head", 1.0 if case.outliers else 0.0),
-            (r"for \(int tile = \(head \+ row_lo\) >> side\.tile_shift", 1.0 if case.outliers else 0.0),
-            (r"case 3: key_scores_by_word<CODEC, D, ROPE, PLANES3>", 1.0 if case.bits == 3 else 0.0),
-            (r"case PLANES3: return code_in<PLANES3>", 1.0 if case.bits == 3 else 0.0),
-        ]
-        for b in (1, 2, 4):
-            rules.append((rf"case {b}: key_scores_by_word<CODEC, D, ROPE, {b}>", 1.0 if case.bits == b else 0.0))
-            rules.append((rf"case LSB{b}: return code_in<LSB{b}>", 1.0 if case.bits == b else 0.0))
-        return rules
-
-    def in_rows_share(self) -> float:
-        """Of the outliers a warp visits (outlier_scan), the share in its own rows: the k-th warp tile of a store tile
-        visits k + 1 warp tiles' outliers and keeps one's."""
-        from kvcal.packing import OUTLIER_TILE_TOKENS
-
-        warps = OUTLIER_TILE_TOKENS // self.tile
-        return warps / sum(k + 1 for k in range(warps))
-
-    def conditions(self, case: Case) -> list[tuple[str, int]]:
-        """Branches on a runtime value that their comparison with an immediate decides: (regex on the branch's source
-        line, the value). GMAX<128> = 8 query heads are compiled in and the group has 4; the layout id is the code width;
-        a token's fp16 row pointer is null for a body token."""
-        return [(r"if \(g >= group\) continue;", SHAPE["group"]), (r"switch \(layout\)", case.bits),
-                (r"ref\.fp16_row != nullptr", int(case.bits == 0))]
-
-    def if_bodies(self, case: Case) -> tuple:
-        """Ifs without else whose body no site names: (regex on the branch's source line, probability the body runs)."""
-        return ((r"if \(valid\)", 1.0),)
-
-
 class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
     warps stream stages of ST tokens (Variant.stage_tokens: 64, or 128 for the WIDE variants) through a cp.async
@@ -355,7 +250,7 @@ class TensorCoreKernel:
         )
 
 
-KERNELS = (CudaCoreKernel(), TensorCoreKernel())
+KERNELS = (TensorCoreKernel(),)
 # ---- end of the kernel model ----
 
 
@@ -827,8 +722,8 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
                          "smem_bytes": smem, **occupancy(f.registers, smem, arch)})
     by_name = {row["variant"]: row for row in compiled}
     variant = {case: kernel.variant(case) for case in kernel.cases}
-    # the same variants as the compile table's: which others share the module can change a variant's SASS (it did
-    # for the CUDA-core kernel's int2 g128 once head_dim 256 joined)
+    # the same variants as the compile table's: which others share the module can change a variant's SASS (it did for
+    # an int2 g128 variant once head_dim 256 joined)
     cubin, _, tagged_names = compile_cubin(kernel, arch, names, line_info=True)
     tagged = parse_listing(disassemble(cubin, line_info=True))
     source_text = functools.cache(lambda module: src.source(module).splitlines())
@@ -1055,13 +950,11 @@ def table_conflicts(kernel) -> dict[str, float]:
     """Per case of the tensor-core kernel whose variant reads a table: the extra shared-memory wavefronts per KV-head
     token its lookups' bank conflicts take, counted by the kernel's CPU emulation (tools.kernel_emulation) on the
     tensor-core benchmark's codecs and random N(0, 1) rows (benchmarks.kernels.tensor_core: its variants and stores),
-    at SHAPE's head_dim and group, one sequence of CONFLICT_TOKENS tokens. The other kernel's: none."""
+    at SHAPE's head_dim and group, one sequence of CONFLICT_TOKENS tokens."""
     import torch
 
     from benchmarks.kernels import tensor_core as bench
 
-    if not isinstance(kernel, TensorCoreKernel):
-        return {}
     d = SHAPE["head_dim"]
     table = bench.variants(d)
     variants = {case.name: v for case in kernel.cases if reads_table(v := kernel._variant(case))}

@@ -101,7 +101,7 @@ def launches_skipped(counts: collections.Counter):
 
     patches = [(kernels, "cuda_ready", lambda device: True), (kernels, "_function", lambda module, name: name),
                (kernels, "launch", lambda function, *args, **kwargs: counts.update([function.split("<")[0]])),
-               (kernels, "_multiprocessors", lambda device: SMS), (tensor_core, "_function", lambda name, shared=0: name),
+               (tensor_core, "_function", lambda name, shared=0: name),
                (tensor_core, "resident_blocks", lambda name, shared, device: 2 * SMS)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:

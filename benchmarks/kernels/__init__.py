@@ -1,5 +1,6 @@
-"""The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core
-and CUDA-core GPU kernels (`tensor_core`, `cuda_core`), an A/B of the tensor-core kernel against another tree (`ab`),
+"""The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core GPU
+kernel alone (`tensor_core`) and as the runtime launches it (`runtime_decode`; both time with `gpu_timing`), an A/B
+of the tensor-core kernel against another tree (`ab`),
 its Nsight Compute counters (`ncu`), and what the runtime's planner binds to each part of a decode step per recipe
 (`plan`)."""
 
@@ -8,7 +9,7 @@ MODES = {
     "cpu": ("benchmarks.kernels.cpu_step", "a decode step of the runtime cache on CPU against DynamicCache, per build and threads"),
     "cpu-append": ("benchmarks.kernels.cpu_append", "the compiled CPU appends against the torch codec, per recipe and side"),
     "gpu": ("benchmarks.kernels.tensor_core", "every tensor-core variant against fp16 SDPA and copy bandwidth (CUDA)"),
-    "cuda-core": ("benchmarks.kernels.cuda_core", "the CUDA-core decode kernel per codec (CUDA)"),
+    "runtime": ("benchmarks.kernels.runtime_decode", "a layer's decode step as the cache launches it, per codec (CUDA)"),
     "ab": ("benchmarks.kernels.ab", "the tensor-core kernel of this tree against another's, interleaved (CUDA)"),
     "ncu": ("benchmarks.kernels.ncu", "Nsight Compute counters of tensor-core variants (CUDA, ncu)"),
     "plan": ("benchmarks.kernels.plan", "what serves each part of a decode step per recipe, on CUDA and CPU (no kernel runs)"),

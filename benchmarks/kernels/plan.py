@@ -75,8 +75,9 @@ def main() -> None:
     header = [f"# What serves a decode step, per recipe ({model['architecture']}: {model['num_layers']} layers, "
               f"{model['num_heads']} heads over {model['num_kv_heads']} KV heads of {model['head_dim']})", "",
               f"Commit {started['commit']}, {started['date']}. From `python -m benchmarks.kernels plan` (kvcal.runtime.backends: "
-              "the planner the runtime binds at a layer's first decode step; no kernel ran). Servers: tensor-core, "
-              "cuda-core (the CUDA kernels), cpu-kernel, reference (the torch reference: every token dequantized every step); "
+              "the planner the runtime binds at a layer's first decode step; no kernel ran). Servers: tensor-core (one "
+              "launch of the tensor-core kernel per layer and step), cpu-kernel, reference (the torch reference: every token "
+              "dequantized every step); "
               "appends: cuda-append, cpu-append, torch codec; '-': the layer has no fp16 segment. 'x N': N layers of the "
               "model's.", ""]
     write_result(args.name, {"model": model, "recipes": result}, started)

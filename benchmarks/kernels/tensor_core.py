@@ -1,5 +1,5 @@
 """The tensor-core decode kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core) on a CUDA GPU, at
-the CUDA-core benchmark's shapes and with its method: latency (median of CUDA-event timings, L2 flushed before every timed
+the GPU benchmarks' shapes and with their method (benchmarks/kernels/gpu_timing.py): latency (median of CUDA-event timings, L2 flushed before every timed
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels.cuda_core import HEAD_DIMS, HEADS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
+from benchmarks.kernels.gpu_timing import HEAD_DIMS, HEADS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
 from tools import bound_decode
 

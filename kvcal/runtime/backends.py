@@ -1,8 +1,9 @@
 """Decode backends of the runtime cache: what attends over one layer's stores at a decode step, and what encodes
 its appends.
 
-Three decode backends, tried in this order for each layer by `choose`: the CUDA kernels (kvcal.runtime.kernels, with
-kvcal.runtime.tensor_core over the bodies it serves) on a CUDA device with CuPy, the compiled CPU kernel
+Three decode backends, tried in this order for each layer by `choose`: the CUDA kernels (the tensor-core kernel,
+kvcal.runtime.tensor_core, one launch per layer and step over its bodies and fp16 segments; kvcal.runtime.kernels
+prepares it) on a CUDA device with CuPy, the compiled CPU kernel
 (kvcal.runtime.cpu_kernel) on the CPU, and the torch reference (kvcal.runtime.reference), which serves everything
 and is the specification the others are tested against. A backend says why it does not serve a layer
 (`Backend.refusal`, from the layer's `LayerShape` alone: codecs, packing layouts, head counts, device), so the choice
@@ -27,12 +28,14 @@ from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
 from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
+from kvcal.runtime.segments import fp16_rows_alike
 
 
 @dataclass(frozen=True)
 class LayerShape:
     """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
-    store has several), whether keys are stored before RoPE, the attention's head counts and the device."""
+    store has several), whether keys are stored before RoPE, the attention's head counts, the device, and whether K
+    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike)."""
 
     pairs: tuple[tuple, ...]
     pre_rope: bool
@@ -40,6 +43,7 @@ class LayerShape:
     kv_heads: int
     head_dim: int
     device: torch.device
+    fp16_rows_alike: bool = True
 
 
 class LayerDecoder:
@@ -153,49 +157,39 @@ class CudaKernels(Backend):
 
 
 def cuda_refusal(shape: LayerShape) -> str | None:
-    """Why the CUDA decode kernels would not serve a layer of this shape on any CUDA device, or None."""
+    """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
-    unserved = [pair for pair in shape.pairs if not kernels.codecs_decoded(*pair)]
-    if unserved:
-        return f"they read no {_codec_names(unserved[0])} bodies"
-    return None
-
-
-def tensor_core_refusal(pair: tuple, shape: LayerShape) -> str | None:
-    """Why the tensor-core kernel would not serve a (key codec, value codec) body of a layer of this shape (the
-    CUDA-core kernel then does), or None."""
-    if not tensor_core.enabled():
-        return "KVCAL_TENSOR_CORE=0"
-    key_codec, value_codec = pair
-    try:
-        for gqa in set(kernels.head_passes(shape.heads // shape.kv_heads, shape.head_dim)):
-            tensor_core.variant_for_codecs(key_codec, value_codec, shape.head_dim, gqa, shape.pre_rope)
-    except KvcalError as exc:
-        return f"{_codec_names(pair)}: {exc}"
+    for pair in shape.pairs:
+        try:
+            for gqa in set(kernels.head_passes(shape.heads // shape.kv_heads)):
+                tensor_core.variant_for_codecs(*pair, shape.head_dim, gqa, shape.pre_rope)
+        except KvcalError as exc:
+            return f"{_codec_names(pair)}: {exc}"
+        if not (tensor_core.segment_blocks_read_bodies(pair[0]) or shape.fp16_rows_alike):
+            return (f"K and V keep different tokens fp16 beside {_codec_names(pair)} bodies; the tensor-core kernel's "
+                    "segment blocks read only fp16 rows of the same tokens there")
     return None
 
 
 class CudaDecoder(LayerDecoder):
-    """The CUDA decode kernels: per launch, the tensor-core kernel over the body where it serves it and the CUDA-core
-    kernel over the rest, merged; both read sliding windows (the tokens before a sequence's first visible one weigh
-    nothing)."""
+    """The tensor-core kernel, one launch per cache launch (its body blocks over the body rows K and V both hold, its
+    segment blocks over the other tokens), the last merging every launch's splits; it reads sliding windows (the
+    tokens before a sequence's first visible one weigh nothing)."""
+
+    path = "tensor-core"
 
     def __init__(self, layer, shape: LayerShape):
         self.layer, self.launches = layer, _launches(layer)
         inv_freq = layer.inv_freq if layer.pre_rope else None
         self.served = [tensor_core.serve(segments, shape.heads, shape.kv_heads, shape.head_dim, inv_freq, layer.rope_scaling)
-                       if tensor_core.enabled() else None for segments in self.launches]
-        served = [body is not None for body in self.served]
-        self.path = "tensor-core" if all(served) else "cuda-core" if not any(served) else "tensor-core+cuda-core"
+                       for segments in self.launches]
 
     def decode(self, query, plan, scaling, kv_heads, window):
-        layer = self.layer
-        dropped = layer.keys_store.dropped
+        dropped = self.layer.keys_store.dropped
         out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, plan.stored_positions(dropped),
-                                       layer.inv_freq if layer.pre_rope else None, layer.rope_scaling,
-                                       step=plan.kernel_step(query.device), served=self.served,
+                                       self.served, step=plan.kernel_step(query.device),
                                        first=plan.first_visible(window, dropped))
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
@@ -282,14 +276,6 @@ def _has_fp16_segments(recipe) -> bool:
                 or recipe.format.body_block(recipe, keys=True) > 1)
 
 
-def _fp16_rows_alike(recipe) -> bool:
-    """Whether K and V keep the same tokens fp16 (sinks, windows) at every step: no KIVI residual (values leave it
-    one at a time, keys a block at a time), no per-channel key blocks, equal RPC ratios."""
-    policy = recipe.format.policy(recipe)
-    blocks = {recipe.format.body_block(recipe, keys) for keys in (True, False)}
-    return not policy.residual and not policy.key_block and blocks == {1} and recipe.rpc_k == recipe.rpc_v
-
-
 def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     """Per layer of `bundle` (a kvcal.bundle.Bundle), what serves it on device_type "cpu" (this machine: whether
     the CPU kernel builds here counts) or "cuda" (any CUDA device with CuPy: what the kernels read, whether or not
@@ -303,25 +289,16 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     plans = []
     for i, recipe in enumerate(bundle.layers):
         codecs = bundle.layer_codecs(i)
-        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device)
+        blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
+        alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
-            body_refusals = [] if refused else [tensor_core_refusal(pair, shape) for pair in shape.pairs]
-            if refused:
-                bodies, segments, why = "reference", "reference", f"not cuda-kernels: {refused}"
-            else:
-                bodies = "tensor-core" if not any(body_refusals) else "cuda-core"
-                # the tensor-core launch's segment blocks take the rest where they read the bodies' rows (uniform codecs)
-                # or both sides keep the same tokens fp16; else a second, CUDA-core launch does
-                read_bodies = all(tensor_core.segment_blocks_read_bodies(key) for key, _ in shape.pairs)
-                segments = "tensor-core" if bodies == "tensor-core" and (read_bodies or _fp16_rows_alike(recipe)) else "cuda-core"
-                why = "; ".join(f"not tensor-core: {reason}" for reason in body_refusals if reason)
-                if bodies == "tensor-core" and segments == "cuda-core" and _has_fp16_segments(recipe):
-                    why = "; ".join(filter(None, (why, "fp16 rows on CUDA cores: K and V keep different tokens fp16")))
-                passes = kernels.head_passes(heads // kv_heads, head_dim)
-                if len(passes) > 1:
-                    why = "; ".join(filter(None, (why, f"{heads // kv_heads} query heads per KV head in {len(passes)} passes "
-                                                        f"of {max(passes)} or fewer (each reads the cache)")))
+            bodies = segments = "reference" if refused else "tensor-core"
+            why = f"not cuda-kernels: {refused}" if refused else ""
+            passes = kernels.head_passes(heads // kv_heads)
+            if not refused and len(passes) > 1:
+                why = f"{heads // kv_heads} query heads per KV head in {len(passes)} passes of {max(passes)} or fewer (each reads the cache)"
         else:
             choice = choose(shape)
             bodies = segments = {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[choice.backend.name]

@@ -25,8 +25,8 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
   as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
   does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
   window - 1 are kept, as in transformers' cache); the body drops rows in place and its storage is compacted
-  now and then (kvcal.runtime.store.PackedRows.drop_front), never copied per step. Past the window such a layer
-  decodes with a backend that reads windows (the CPU kernel, the reference), not the CUDA kernels.
+  now and then (kvcal.runtime.store.PackedRows.drop_front), never copied per step; every decode backend reads
+  windows.
 
 One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
 sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
@@ -94,9 +94,8 @@ class RuntimeLayer(CacheLayerMixin):
 
     @property
     def decode_path(self) -> str | None:
-        """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (the
-        tensor-core kernel over every launch's body, the CUDA-core kernel over the rest of it), "cuda-core" (the
-        CUDA-core kernel alone), "tensor-core+cuda-core" (some launches each), "cpu-kernel" or "reference"."""
+        """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
+        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference"."""
         return self.decoder.path if self.decoder is not None else None
 
     def _allocate(self, batch: int, width: int, device) -> None:
@@ -193,7 +192,8 @@ class RuntimeLayer(CacheLayerMixin):
         bound to this layer's stores."""
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
-            shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device)
+            shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
+                                        self.keys_store.fp16_rows_like(self.values_store))
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder

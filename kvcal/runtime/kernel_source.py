@@ -1,9 +1,9 @@
 """The CUDA sources in kernels/ and every variant the runtime may launch, and a compile check with NVRTC
 that needs no GPU (cuda-bindings + nvidia-cuda-nvrtc-cu12 from PyPI).
 
-Variants: decode attention is a template over head_dim, RoPE on the fly, and the key and value codecs
-(code widths and layouts are runtime arguments); the append kernels are one per codec. CuPy compiles the
-same sources with the same options on the GPU (kvcal.runtime.kernels).
+Variants: the append kernels are one per codec (append.cu); decode attention is decode_attention_tc.cu's template
+(its variants: kvcal.runtime.tensor_core). CuPy compiles the same sources with the same options on the GPU
+(kvcal.runtime.kernels, kvcal.runtime.tensor_core).
 """
 
 from __future__ import annotations
@@ -47,30 +47,20 @@ def enum_members(module: str, name: str) -> dict[str, int]:
 
 # Codec numbers (kernels/common.cuh enum Codec).
 _CODECS = enum_members("common.cuh", "Codec")
-CODEC_NAMES = {number: codec for codec, number in _CODECS.items()}
 FP16_ONLY, UNIFORM_TOKEN, UNIFORM_CHANNEL, CODEBOOK_CHANNEL, CODEBOOK_TOKEN, PERMUTED_GROUPS = (
     _CODECS[codec] for codec in ("FP16_ONLY", "UNIFORM_TOKEN", "UNIFORM_CHANNEL", "CODEBOOK_CHANNEL", "CODEBOOK_TOKEN",
                                  "PERMUTED_GROUPS"))
-# (key codec, value codec) pairs the recipes produce: Cocktail's fp16 chunks, KIVI/KVmix/Cocktail int-N,
-# per-token uniform keys, KVQuant/mixed codebooks with fixed or per-token key thresholds, SKVQ's permuted groups.
-CODEC_PAIRS = ((FP16_ONLY, FP16_ONLY), (UNIFORM_CHANNEL, UNIFORM_TOKEN), (UNIFORM_TOKEN, UNIFORM_TOKEN),
-               (CODEBOOK_CHANNEL, CODEBOOK_TOKEN), (CODEBOOK_TOKEN, CODEBOOK_TOKEN), (PERMUTED_GROUPS, PERMUTED_GROUPS))
 HEAD_DIMS = (64, 128, 256)
 APPEND_KERNELS = ("append_token_uniform", "append_permuted_groups", "append_permuted_groups_fp8", "append_channel_block",
                   "append_codebook", "append_codebook_outliers")
 
 
-def decode_variant(head_dim: int, rope: bool, key_codec: int, value_codec: int) -> str:
-    return f"decode_attention<{head_dim}, {str(rope).lower()}, {CODEC_NAMES[key_codec]}, {CODEC_NAMES[value_codec]}>"
-
-
-def decode_variants() -> list[str]:
-    return [decode_variant(d, rope, k, v) for d in HEAD_DIMS for rope in (False, True) for k, v in CODEC_PAIRS]
-
-
 def variants(module: str) -> list[str]:
-    """Kernel names (template name expressions) of a source file in kernels/."""
-    return [*decode_variants(), "merge_splits"] if module == "decode_attention.cu" else list(APPEND_KERNELS)
+    """Kernel names of append.cu, the module whose kernels are not templates (decode_attention_tc.cu's variants:
+    kvcal.runtime.tensor_core.variants)."""
+    if module != "append.cu":
+        raise KvcalError(f"kernel_source.variants lists append.cu's kernels, not {module}'s")
+    return list(APPEND_KERNELS)
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

@@ -1,9 +1,9 @@
-"""CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: fused decode attention over the
-stores and quantize-and-append into them. The cache selects them on its own for CUDA tensors when the
-layer's codecs and head counts have a kernel (`codecs_decoded`, `heads_refusal`, `append_supported`); SKVQ's
-1.5-bit ternary values and head dims other than 64/128/256 use the torch reference instead (on CPU the cache decodes
-with kvcal.runtime.cpu_kernel, or the reference). A GQA group larger than the kernels take (`max_group`) is decoded in
-passes over its query heads (`head_passes`), each reading the whole cache.
+"""CUDA kernels (kernels/*.cu, CuPy RawModule) for the runtime cache: quantize-and-append into the stores
+(append.cu) and the decode step's launch data for the tensor-core kernel (kvcal.runtime.tensor_core: one launch per
+layer and step attends the bodies and the fp16 segments beside them, and merges its splits). The cache selects them
+on its own for CUDA tensors where the layer's codecs and head counts have a kernel (`heads_refusal`,
+`append_supported`, kvcal.runtime.backends); the others decode on the torch reference. A GQA group larger than one
+launch takes (`MAX_GQA`) is decoded in passes over its query heads (`head_passes`), each reading the whole cache.
 
 Torch tensors are shared with the kernels by pointer (no copy) and the kernels run on torch's current
 stream. Per launch the host writes two small int arrays (store descriptors and per-sequence lengths);
@@ -11,18 +11,14 @@ the cache itself is never copied, transposed or concatenated.
 
 Within a decode step nothing here waits for the device: small host arrays go up through pinned memory
 without blocking (kvcal.runtime.store.upload); a store's descriptor is uploaded again only when one of its
-buffers moved (Segments.descriptor); what the layers of a step share (position offsets, RoPE frequencies,
-per-sequence lengths of layers with the same layout, scratch buffers) is made once per step (DecodeStep);
+buffers moved (Segments.descriptor); what the layers of a step share (position offsets, per-sequence lengths of
+layers with the same layout, scratch buffers) is made once per step (DecodeStep);
 appends encode the batch's rows with one launch straight into the stores (per-channel key blocks, which leave
 the fp16 segment a whole block at a time, through a staging area scattered into them); the outlier kernel writes
 straight into the stores' per-(sequence, KV head) outlier arrays, whose counts stay on the device, the host sizing
 the arrays by an upper bound (kvcal.runtime.store.PackedRows.reserve_outlier_room); in a decode step one launch
 per side finds, places and counts them (no torch operation places them). Only a bulk append (a prefill, more than
 one token of a sequence) reads the number of outliers it made per (sequence, KV head), to size the arrays exactly.
-The tensor-core kernel merges a step's splits itself (its last block per sequence and KV head); merge_splits
-serves the layers it does not. Its segment blocks attend the tokens beside the served body rows (fp16 sinks and
-windows, and the rows of uniform bodies one side holds alone): a layer the tensor-core kernel serves is one launch a
-step.
 """
 
 from __future__ import annotations
@@ -46,20 +42,14 @@ from kvcal.runtime.store import channel_slots_and_groups, row_index, started_til
 if TYPE_CHECKING:
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
-THREADS = 128
-TILE = 32
+THREADS = 128  # append.cu's blocks
+MAX_GQA = 8  # query heads per KV head one tensor-core launch serves (decode_attention_tc.cu: GQA 1 to 8)
 
 
-def max_group(head_dim: int) -> int:
-    """Query heads per KV head one launch serves: the CUDA-core kernel's GMAX<D> (decode_attention.cu), within the
-    tensor-core kernel's 8."""
-    return 4 if head_dim == 256 else 8
-
-
-def head_passes(group: int, head_dim: int) -> list[int]:
-    """The query heads of a GQA group per decode pass, in order: the fewest passes of at most max_group heads, as
-    even as can be (16 at head_dim 128: [8, 8]; 12: [6, 6]; 11: [6, 5]). Each pass reads the whole cache."""
-    passes = -(-group // max_group(head_dim))
+def head_passes(group: int) -> list[int]:
+    """The query heads of a GQA group per decode pass, in order: the fewest passes of at most MAX_GQA heads, as
+    even as can be (16: [8, 8]; 12: [6, 6]; 11: [6, 5]). Each pass reads the whole cache."""
+    passes = -(-group // MAX_GQA)
     return [group // passes + (i < group % passes) for i in range(passes)]
 
 
@@ -146,12 +136,6 @@ def heads_refusal(heads: int, kv_heads: int, head_dim: int) -> str | None:
     if heads % kv_heads:
         return f"{heads} query heads do not divide into {kv_heads} KV heads"
     return None
-
-
-def codecs_decoded(key_codec, value_codec) -> bool:
-    """Whether the decode kernels read bodies of this (key codec, value codec) pair in the runtime's layouts."""
-    pair = (codec_id(key_codec), codec_id(value_codec))
-    return pair in src.CODEC_PAIRS and layout_id(key_codec) is not None and layout_id(value_codec) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -424,9 +408,6 @@ class Segments:
         self._parts = [part for side in (keys, values) for part in side if part is not None]
         self._made: dict = {}  # what describe() made, with the stores' buffer moves it was made at
 
-    def codecs(self) -> tuple[int, int]:
-        return tuple(codec_id(side[1].codec) if side[1] is not None else src.FP16_ONLY for side in (self.keys, self.values))
-
     def describe(self, name: str, make):
         """make() (a descriptor of the stores' buffers), made again only after a store replaced a buffer."""
         moves = [part.moves for part in self._parts]
@@ -447,8 +428,8 @@ def arrival_counters(batch: int, kv_heads: int, device) -> torch.Tensor:
 
 
 class DecodeStep:
-    """What the decode-attention launches of every layer of one step share, made once: the position offsets and
-    RoPE frequencies on the device, per-sequence lengths per store layout (layers with the same segment lengths
+    """What the decode-attention launches of every layer of one step share, made once: the position offsets on the
+    device, per-sequence lengths per store layout (layers with the same segment lengths
     share one upload), the split scratch buffers and the fused merge's counters."""
 
     def __init__(self, device):
@@ -469,12 +450,6 @@ class DecodeStep:
         key = (tuple(map(tuple, key_lengths)), tuple(map(tuple, value_lengths)))
         return self.shared(("meta", key), lambda: upload([key_lengths, value_lengths], self.device, torch.int32))
 
-    def freq(self, inv_freq: torch.Tensor | None, head_dim: int) -> torch.Tensor:
-        def make():
-            freq = inv_freq if inv_freq is not None else torch.zeros(head_dim // 2)
-            return freq.to(self.device, torch.float32).contiguous()
-        return self.shared(("freq", None if inv_freq is None else inv_freq.data_ptr(), head_dim), make)
-
     def arrivals(self, batch: int, kv_heads: int) -> torch.Tensor:
         return self.shared(("arrivals", batch, kv_heads), lambda: arrival_counters(batch, kv_heads, self.device))
 
@@ -484,36 +459,27 @@ class DecodeStep:
             torch.empty(batch, heads, splits, dtype=torch.float32, device=self.device)))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                   inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
-                   served: list | None = None, first: list[int] | None = None):
+                   served: list, step: DecodeStep | None = None, first: list[int] | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
-    step: what the layers of a decode step share (made here when None); position_offset: each sequence's position of its
-    first stored token.
-    served: per launch, the tensor-core kernel's share of its body (kvcal.runtime.tensor_core.ServedBody: `rows`
-    and `prepare`) or None; the CUDA-core kernel skips those rows, and both kernels' splits are merged once: by the
-    last tensor-core launch (its fused merge; the CUDA-core launches run before it), else by merge_splits. The
-    tensor-core launch's segment blocks take the rest instead (the CUDA-core kernel then has nothing to do) where
-    they read the bodies (uniform codecs: KIVI's, KVmix's) or the rest is fp16 rows of the same tokens on both sides
-    (sinks, windows).
+    served: per launch, the tensor-core kernel's share of it (kvcal.runtime.tensor_core.ServedBody: `rows` and
+    `prepare`): its body blocks take the body rows both sides hold, its segment blocks the launch's other tokens
+    (fp16 sinks and windows, and where they read the bodies, uniform codecs: the rows one side holds alone); the last
+    launch merges every launch's splits. step: what the layers of a decode step share (made here when None);
+    position_offset: each sequence's position of its first stored token.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`)."""
     batch, heads, head_dim = query.shape
     device = query.device
     step = step or DecodeStep(device)
-    passes = head_passes(heads // kv_heads, head_dim)
+    passes = head_passes(heads // kv_heads)
     if len(passes) > 1:
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         heads_before = np.cumsum([0, *passes[:-1]]).tolist()
         runs = [prepare_decode(grouped[:, :, h : h + n].reshape(batch, kv_heads * n, head_dim), launches, kv_heads, scaling,
-                               position_offset, inv_freq, rope_scaling, step, served, first)
+                               position_offset, served, step, first)
                 for h, n in zip(heads_before, passes)]
 
         def run_passes() -> torch.Tensor:  # one after another on the stream: the passes share the step's scratch
@@ -521,76 +487,49 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
             return torch.cat(outs, dim=2).view(batch, heads, head_dim)
 
         return run_passes
-    group = heads // kv_heads
     query = query.float().contiguous()
-    rope = inv_freq is not None
-    freq, offsets = step.freq(inv_freq, head_dim), step.positions(position_offset)
-    blocks_wanted = 2 * _multiprocessors(device)
+    offsets = step.positions(position_offset)
     first = first or [0] * batch
-    plans, body_plans = [], []
-    for segments, served_body in zip(launches, served or [None] * len(launches)):
+    body_plans = []
+    for segments, served_body in zip(launches, served):
         sides = (segments.keys, segments.values)
         key_lengths, value_lengths = (side_lengths(*side, batch) for side in sides)
-        skip = served_body.rows(batch) if served_body is not None else [0] * batch
-        body_heads = [[side[1].head[b] if side[1] is not None else 0 for b in range(batch)] for side in sides]
-        meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
-                         [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
-        # the tensor-core launch's segment blocks attend the launch's other tokens (one launch for the layer) where
-        # they read its uniform bodies' rows, or where those tokens are fp16 rows of the same tokens on both sides
-        rows_too = served_body is not None and (served_body.segments_read_bodies or all(
-            s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3] for s, k, v in zip(skip, key_lengths, value_lengths)))
+        skip = served_body.rows(batch)
         # the most tokens of a sequence beside the served body rows
         longest = max((sink + body_rows + recent - s for (sink, body_rows, _, recent), s in zip(key_lengths, skip)), default=0)
-        if any(skip) or rows_too:  # positions of the bodies' first live rows: past the sinks
-            positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]
-            visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
-            segment_blocks = (segments.descriptor(device), meta, offsets, -(-longest // SEGMENT_SPLIT_TOKENS)) if rows_too else None
-            body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
-            if rows_too:
-                continue
-        if longest == 0:
-            continue
-        # enough blocks to fill the GPU twice over, splits of whole 32-token tiles
-        wanted = max(1, math.ceil(blocks_wanted / (batch * kv_heads)))
-        per_split = math.ceil(math.ceil(longest / wanted) / TILE) * TILE
-        plans.append((src.decode_variant(head_dim, rope, *segments.codecs()), segments.descriptor(device), meta, per_split,
-                      math.ceil(longest / per_split)))
-    slot = sum(plan[-1] for plan in plans)  # the tensor-core launches write the slots after the CUDA-core ones
-    total = slot + sum(splits for splits, _ in body_plans)
-    # the merge writes every row (zeros where no split saw a token); without a launch, the output is zeros
-    out = (torch.empty if total else torch.zeros)(batch, heads, head_dim, dtype=torch.float32, device=device)
-    out_partial, lse_partial = step.scratch(batch, heads, max(total, 1), head_dim)
-    tensor_core_launches = []
+        # the segment blocks read the bodies' rows (uniform codecs), or else fp16 rows of the same tokens on both sides
+        rows_alike = served_body.segments_read_bodies or all(
+            s == k[1] == v[1] and k[0] == v[0] and k[3] == v[3] for s, k, v in zip(skip, key_lengths, value_lengths))
+        if longest and not rows_alike:  # kvcal.runtime.backends refuses such layers: a store broke its policy
+            raise KvcalError("K and V keep different tokens fp16 beside a body the tensor-core kernel's segment blocks do not read")
+        body_heads = [[side[1].head[b] for b in range(batch)] for side in sides]
+        meta = step.meta([row + [h, s, f] for row, h, s, f in zip(key_lengths, body_heads[0], skip, first)],
+                         [row + [h, s, f] for row, h, s, f in zip(value_lengths, body_heads[1], skip, first)])
+        positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]  # of the bodies' first live rows: past the sinks
+        visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
+        segment_blocks = (segments.descriptor(device), meta, offsets, -(-longest // SEGMENT_SPLIT_TOKENS))
+        body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
+    total = sum(splits for splits, _ in body_plans)  # at least one split per launch: the merge writes every row
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
+    out_partial, lse_partial = step.scratch(batch, heads, total, head_dim)
+    tensor_core_launches, slot = [], 0
     for i, (splits, bind) in enumerate(body_plans):  # the last merges every slot
         merge = (out, step.arrivals(batch, kv_heads)) if i == len(body_plans) - 1 else None
         tensor_core_launches.append(bind(slot, out_partial, lse_partial, merge))
         slot += splits
 
     def run() -> torch.Tensor:
-        if total == 0:
-            return out
-        slot = 0
-        for name, descriptor, meta, per_split, splits in plans:
-            launch(_function("decode_attention.cu", name), (splits, kv_heads, batch), (THREADS,),
-                   (_ptr(query), _ptr(descriptor), _ptr(meta), _ptr(offsets), _ptr(freq), _ptr(out_partial), _ptr(lse_partial),
-                    np.int32(batch), np.int32(kv_heads), np.int32(group), np.int32(per_split), np.int32(slot), np.int32(total),
-                    np.float32(scaling * LOG2E), np.float32(rope_scaling)))
-            slot += splits
         for launch_tensor_core in tensor_core_launches:
             launch_tensor_core()
-        if not tensor_core_launches:
-            launch(_function("decode_attention.cu", "merge_splits"), (batch * heads,), (min(head_dim, 256),),
-                   (_ptr(out_partial), _ptr(lse_partial), _ptr(out), np.int32(total), np.int32(head_dim)))
         return out
 
     return run
 
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                     inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0, step: DecodeStep | None = None,
-                     served: list | None = None, first: list[int] | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens
-    (keys rotated on the fly when inv_freq is given: pre-RoPE keys) from each sequence's `first` on (a sliding
-    window; default all); (batch, heads, head_dim) float32. A sequence without tokens gets zeros. step: what the
-    layers of a step share (see DecodeStep)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, inv_freq, rope_scaling, step, served, first)()
+                     served: list, step: DecodeStep | None = None, first: list[int] | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens from
+    each sequence's `first` on (a sliding window; default all), each launch's share served by the tensor-core kernel
+    (`served`, kvcal.runtime.tensor_core.serve: pre-RoPE keys rotated there); (batch, heads, head_dim) float32. A
+    sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first)()

@@ -177,6 +177,11 @@ class SegmentedStore:
         """(fp16 sink, packed body, fp16 recent) per decode-attention launch (kvcal.runtime.kernels), in position order."""
         return [(self.sink, self.body, self.recent)]
 
+    def fp16_rows_like(self, other: SegmentedStore) -> bool:
+        """Whether this store (a layer's K) and `other` (its V) keep the same tokens fp16 at every step."""
+        return self.policy == other.policy and fp16_rows_alike(self.policy, (self.body.block, other.body.block),
+                                                               (self.rpc_ratio, other.rpc_ratio))
+
     def packed_codecs(self) -> list:
         return [self.body.codec]
 
@@ -240,6 +245,10 @@ class CocktailStore:
     def outliers(self, b: int) -> int:
         return 0
 
+    def fp16_rows_like(self, other: CocktailStore) -> bool:
+        """K's and V's chunks move together (`compress`): their fp16 chunks and recent tokens are the same tokens."""
+        return True
+
     def kernel_segments(self) -> list[tuple]:
         """One launch per packed width, the int4 chunks' also over the fp16 chunks (as its sinks) and the recent
         tokens: RoPE is already applied, so no token's place matters, and no launch is fp16 alone (the tensor-core
@@ -248,6 +257,13 @@ class CocktailStore:
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]
+
+
+def fp16_rows_alike(policy: SegmentPolicy, blocks: tuple[int, int], rpc: tuple[float, float]) -> bool:
+    """Whether a layer's K and V stores under one segment policy (blocks: their bodies' row blocks, rpc: their RPC
+    ratios; keys' first) keep the same tokens fp16 at every step: sinks and windows do; a KIVI residual (values leave
+    it a token at a time, keys a block at a time), per-channel key blocks and unequal RPC ratios do not."""
+    return not policy.residual and not policy.key_block and blocks == (1, 1) and rpc[0] == rpc[1]
 
 
 def out_of_window(keys: SegmentedStore, values: SegmentedStore, window: int) -> list[int]:

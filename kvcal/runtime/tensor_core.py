@@ -7,22 +7,20 @@ and permuted channel group, fp16 or fp8; pre-RoPE keys), keys and values of one 
 layers), head_dim 64, 128 or 256, 1-8 query heads per KV head; packed keys may be pre-RoPE (rotated in the kernel:
 pass inv_freq and each sequence's first position), at head_dim 256 codebook and SKVQ keys only.
 
-The cache on CUDA uses it through `serve`: a `ServedBody` takes the body rows both sides of a launch hold, and its
-segment blocks the launch's other tokens (fp16 sinks and windows; uniform bodies' rows one side holds alone).
-kvcal.runtime.kernels.prepare_decode decides: where codebook or SKVQ bodies leave rows one side holds alone, those and
-the fp16 rows go to the CUDA-core kernel, launched first, so that the last tensor-core launch merges both kernels'
-splits. Outliers are patched in the pre-RoPE variants (KVQuant's recipe); post-RoPE codebook keys with outliers take
-them too, rotated by angle 0 (`rotates_by_zero`). `operands` maps two stores to the kernel's arguments (the CPU emulation in
-tests/helpers/tensor_core_emulation.py calls the same kernel with the same arguments); `decode_attention_tc` launches
-it alone over two stores with CuPy on torch's current stream, split over the sequence, the last block of each
-(sequence, KV head) merging the splits (tests and benchmarks): one launch.
+The cache on CUDA decodes with it alone (kvcal.runtime.backends decides which layers: the others go to the torch
+reference), through `serve`: a `ServedBody` takes the body rows both sides of a launch hold, and its segment blocks
+the launch's other tokens (fp16 sinks and windows; uniform bodies' rows one side holds alone), so that a layer is one
+launch a step (kvcal.runtime.kernels.prepare_decode). Outliers are patched in the pre-RoPE variants (KVQuant's
+recipe); post-RoPE codebook keys with outliers take them too, rotated by angle 0 (`rotates_by_zero`). `operands` maps
+two stores to the kernel's arguments (the CPU emulation in tools/kernel_emulation.py calls the same kernel with the
+same arguments); `decode_attention_tc` launches it alone over two stores with CuPy on torch's current stream, split
+over the sequence, the last block of each (sequence, KV head) merging the splits (tests and benchmarks): one launch.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,8 +41,8 @@ STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
 GROUP_SLOTS = 16  # tc::Shape::GROUP_SLOTS: SKVQ's channel groups a KV head's channels may fall in, per side
 PARAMETER_CHUNK_TOKENS = 16  # channel groups: a stage's parameter runs are copied in 16-byte chunks (16 fp8 tokens)
-HEAD_DIMS = (64, 128, 256)
-GQA_SIZES = tuple(range(1, 9))
+HEAD_DIMS = src.HEAD_DIMS
+GQA_SIZES = tuple(range(1, kernels.MAX_GQA + 1))
 A100_SHARED_BYTES = 163 * 1024  # the most dynamic shared memory a block of an sm_80 GPU takes (every variant fits it)
 LOG2E = 1.4426950408889634
 
@@ -526,8 +524,9 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     head_dim) float32 (the kernel's fused merge; arrivals: kvcal.runtime.kernels.arrival_counters), None where it
     leaves the slots. segments: (descriptor, meta, positions, splits) where the launch's last `splits` blocks along the
     sequence attend its tokens beside the served body rows (fp16 rows, and uniform bodies' rows one side holds alone:
-    `segment_blocks_read_bodies`; a kvcal.runtime.kernels.Segments descriptor, the CUDA-core kernel's meta, each
-    sequence's position of its first stored token), into the slots after the body's; None: no segment blocks. Tensors must be contiguous and on the kernel's device."""
+    `segment_blocks_read_bodies`; a kvcal.runtime.kernels.Segments descriptor, the segments' meta (segments.cuh's
+    MetaField), each sequence's position of its first stored token), into the slots after the body's; None: no segment
+    blocks. Tensors must be contiguous and on the kernel's device."""
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
     _check_contiguous(query, meta, out_partial, lse_partial)
@@ -687,8 +686,8 @@ def segment_blocks_read_bodies(key_codec) -> bool:
 class ServedBody:
     """The tensor-core kernel's share of one cache launch (kvcal.runtime.kernels.Segments whose two packed bodies it
     serves): per sequence, body rows 0 .. n - 1 with n the rows both sides' bodies hold, where the two sides' fp16
-    sinks are equally long (so those rows are the same tokens at the same positions); none elsewhere.
-    kvcal.runtime.kernels.prepare_decode gives the launch's other tokens to the CUDA-core kernel. Made once per launch
+    sinks are equally long (so those rows are the same tokens at the same positions); none elsewhere. The launch's
+    segment blocks take its other tokens (kvcal.runtime.kernels.prepare_decode). Made once per launch
     (`serve`); the constant operands are made once per device, the stores' operands again only after a store
     replaced a buffer (`store_operands`). variants: per query heads of a pass (the GQA group, or
     kvcal.runtime.kernels.head_passes' parts of it), the kernel variant."""
@@ -755,23 +754,14 @@ class ServedBody:
         return splits, bind
 
 
-def enabled() -> bool:
-    """Whether the cache uses the tensor-core kernel where it serves a body (KVCAL_TENSOR_CORE=0 turns it off: every
-    token then goes to the CUDA-core kernel)."""
-    return os.environ.get("KVCAL_TENSOR_CORE", "1") != "0"
-
-
 def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
-          attention_scaling: float = 1.0) -> ServedBody | None:
-    """The tensor-core kernel's share of a cache launch, or None where it serves no body of it (fp16 only, a codec or
-    layout it does not serve, a head_dim outside its variants). inv_freq: the keys are
-    pre-RoPE."""
+          attention_scaling: float = 1.0) -> ServedBody:
+    """The tensor-core kernel's share of a cache launch (kvcal.runtime.kernels.Segments with a packed body or an
+    Fp16Rows one per side); a KvcalError where no variant reads its bodies (kvcal.runtime.backends refuses such
+    layers first). inv_freq: the keys are pre-RoPE."""
     keys, values = segments.keys[1], segments.values[1]
     if keys is None or values is None or heads % kv_heads:
-        return None
-    try:
-        variants = {gqa: variant_for(keys, values, head_dim, gqa, rope=inv_freq is not None)
-                    for gqa in set(kernels.head_passes(heads // kv_heads, head_dim))}
-    except KvcalError:
-        return None
+        raise KvcalError("the tensor-core kernel serves launches with a body on both sides and whole GQA groups")
+    variants = {gqa: variant_for(keys, values, head_dim, gqa, rope=inv_freq is not None)
+                for gqa in set(kernels.head_passes(heads // kv_heads))}
     return ServedBody(segments, variants, inv_freq, attention_scaling)

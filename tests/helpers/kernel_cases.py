@@ -1,6 +1,6 @@
 """Packed K/V stores of every codec the kernels serve, filled with seeded data, and the checks that the
-GPU suite (tests/test_runtime_kernels.py) and the CPU emulation (tests/test_kernel_emulation.py) share:
-the kernel against the torch reference on the same packed data, and the append kernels against the
+GPU suite (tests/test_runtime_kernels.py), the CPU emulation (tests/test_kernel_emulation.py) and the CPU kernel's
+tests share: a decode against the torch reference on the same packed data, and the append kernels against the
 torch encoders."""
 
 import torch
@@ -42,10 +42,12 @@ def _codebook(k_bits, v_bits, sink=0, window=WINDOW, tail=0.0005, pre_rope=True,
     return keys, values, SegmentPolicy(sink=sink, window=window), 0.0, pre_rope, None
 
 
-# the cases whose bodies the tensor-core kernel serves (KIVI int4 g32, nuq3 / nuq4 with pre-RoPE keys and outliers,
-# SKVQ's channel groups)
-SERVED_CASES = ("kivi4-sink4", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers", "skvq2-prerope-sink5-window",
-                "skvq3-planes", "skvq4", "skvq2-twelve-groups", "skvq3-fp8-parameters")
+# the cases the tensor-core kernel serves (KIVI int2 / int4 g32, KVmix's int3 keys with int2 values and RPC tokens,
+# nuq2 / nuq3 / nuq4 with outliers, pre- and post-RoPE keys, SKVQ's channel groups); on CUDA the others (1-bit and
+# per-token uniform keys, per-token codebook key thresholds, KVmix's 10x3+1x2 words) decode on the torch reference
+SERVED_CASES = ("kivi2", "kivi4-sink4", "kvmix-k3-v2-rpc", "nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers",
+                "nuq2-postrope-mostly-empty-outlier-tiles", "skvq2-prerope-sink5-window", "skvq3-planes", "skvq4",
+                "skvq2-twelve-groups", "skvq3-fp8-parameters")
 # its tolerance: test_tensor_core_decode's 4e-3 on N(0, 1) rows (fp16 operands) times the largest channel scale (3)
 SERVED_TOLERANCE = 1.2e-2
 
@@ -121,12 +123,12 @@ def _inv_freq() -> torch.Tensor:
 
 
 def served_decode(query, launches, kv_heads, scaling, offsets, inv_freq, rows: list | None = None):
-    """kernels.decode_attention with the tensor-core kernel over the bodies it serves, as the cache runs it; rows
-    collects the body rows it took per sequence."""
+    """kernels.decode_attention on the tensor-core kernel, as the cache runs it; rows collects the body rows its body
+    blocks took per sequence."""
     served = [tensor_core.serve(segments, query.shape[1], kv_heads, query.shape[2], inv_freq) for segments in launches]
     if rows is not None:
-        rows.extend(row for body in served if body is not None for row in body.rows(query.shape[0]))
-    return kernels.decode_attention(query, launches, kv_heads, scaling, offsets, inv_freq, served=served)
+        rows.extend(row for body in served for row in body.rows(query.shape[0]))
+    return kernels.decode_attention(query, launches, kv_heads, scaling, offsets, served)
 
 
 def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
@@ -142,7 +144,7 @@ def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
 
 
 def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, device="cuda", seed: int = 0,
-            decode=kernels.decode_attention, atol: float = 2e-3, rtol: float = 0.0):
+            decode=served_decode, atol: float = SERVED_TOLERANCE, rtol: float = 0.0):
     """Kernel output (`decode`: the CUDA launcher, or cpu_kernel_decode) vs reference.attention on the same
     stores, one query token per sequence; the query is a non-contiguous view and positions start far from 0 (RoPE
     angles of tens of thousands). Stores that dropped their first tokens (a sliding window) start at the first kept."""
