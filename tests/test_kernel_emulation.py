@@ -264,13 +264,27 @@ def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> tuple[torch.Te
     return torch.stack(logits, dim=1), cache
 
 
+def kernels_and_reference(model, bundle) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """(logits of 10 decode steps after a 100-token prefill on the emulated kernels, their cache, the reference
+    runtime's logits), over a ragged batch: two 110-token prompts, the second left-padded (its positions start 17
+    columns in)."""
+    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    with torch.inference_mode():
+        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+        with reference_runtime():
+            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    return got, cache, want
+
+
 @pytest.mark.parametrize("recipe", TENSOR_CORE_VARIANTS)
 def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_runtime(on_cpu, head_dim_64_bundles,
                                                                                         head_dim_128_kvquant_bundle, recipe):
     """The cache's decode steps on the tensor-core kernel (kivi4-g32: a key body longer than the value body, fp16
-    residuals of both; kvmix: RPC tokens; nuq4: a sink, pre-RoPE keys, 1% outliers or none; kvquant: nuq3 with 1% outliers in planes3, at
-    head_dim 64 and 128, with an 8-token fp16 window, and with post-RoPE keys, which the pre-RoPE variant rotates by
-    angle 0), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the splits
+    residuals of both; kvmix: RPC tokens; nuq4: a sink, pre-RoPE keys, 1% outliers or none; kvquant: nuq3 with 1%
+    outliers in planes3, at head_dim 64 and 128, with an 8-token fp16 window, and with post-RoPE keys, which the
+    pre-RoPE variant rotates by angle 0), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the splits
     and attending the other tokens itself (fp16 sinks and windows; KIVI's fp16 keys waiting for a block beside packed
     values, its fp16 value residual beside packed keys): one launch per layer and step."""
     from conftest import tiny_model
@@ -278,17 +292,11 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     head_dim = TENSOR_CORE_VARIANTS[recipe].head_dim
     model = tiny_model("llama", head_dim=head_dim)
     bundle = head_dim_128_kvquant_bundle if head_dim == 128 else head_dim_64_bundles[recipe]
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0  # a ragged batch: the second prompt left-padded (its positions start 17 columns in)
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert all(layer.decode_path == "tensor-core" for layer in cache.layers)
-        assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"tensor-core"}  # as planned
-        assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
-        assert len(on_cpu) == 10 * len(cache.layers)  # one launch per layer and decode step
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    got, cache, want = kernels_and_reference(model, bundle)
+    assert all(layer.decode_path == "tensor-core" for layer in cache.layers)
+    assert {plan.bodies for plan in backends.bundle_plan(load_bundle(bundle), "cuda")} == {"tensor-core"}  # as planned
+    assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
+    assert len(on_cpu) == 10 * len(cache.layers)  # one launch per layer and decode step
     # fp16 operands on tensor cores (here 4.4e-4 for nuq4-0%, 4.2e-4 for nuq4-1%, 5.9e-4 for kvquant, 6.4e-4 for
     # kvquant-d128; keys one position off give 1.7e-3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
@@ -300,16 +308,9 @@ def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_run
     and step, the reference runtime's logits."""
     from conftest import tiny_model
 
-    model = tiny_model("qwen3", head_dim=128)
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, qwen3_kvquant_bundle, ids, mask, prompt=100)
-        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
-        assert on_cpu == [TENSOR_CORE_VARIANTS["kvquant-d128"].name] * (10 * len(cache.layers))
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, qwen3_kvquant_bundle, ids, mask, prompt=100)
+    got, cache, want = kernels_and_reference(tiny_model("qwen3", head_dim=128), qwen3_kvquant_bundle)
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
+    assert on_cpu == [TENSOR_CORE_VARIANTS["kvquant-d128"].name] * (10 * len(cache.layers))
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)  # fp16 operands on tensor cores: 1.3e-3 here
 
 
@@ -322,18 +323,10 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
     widths chosen per layer and side by Fisher sensitivity; pre-RoPE keys, 1% outliers)."""
     from conftest import tiny_model
 
-    model = tiny_model("llama", head_dim=64)
-    bundle = head_dim_64_bundles[bundle_name]
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
-        # layer 0's, then layer 1's; KVmix's fp16 keys waiting for a block: in the segment blocks
-        assert on_cpu == [v.name for _ in range(10) for v in variants]
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    got, cache, want = kernels_and_reference(tiny_model("llama", head_dim=64), head_dim_64_bundles[bundle_name])
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
+    # layer 0's, then layer 1's; KVmix's fp16 keys waiting for a block: in the segment blocks
+    assert on_cpu == [v.name for _ in range(10) for v in variants]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
 
 
@@ -346,18 +339,9 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
     rows in the same launch, give the reference runtime's logits."""
     from conftest import HEAD_DIM_256, tiny_model
 
-    model = tiny_model("gemma3_text", **HEAD_DIM_256)
-    bundle = head_dim_256_gemma3_bundles[recipe]
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        paths = [layer.decode_path for layer in cache.layers]
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    got, cache, want = kernels_and_reference(tiny_model("gemma3_text", **HEAD_DIM_256), head_dim_256_gemma3_bundles[recipe])
     served = HEAD_DIM_256_VARIANTS[recipe]
-    assert paths == ["tensor-core"] * len(paths)
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
     # both layers' bodies on tensor cores at each of the 10 steps
     assert set(on_cpu) == {served.name} and len(on_cpu) >= 20
     # the sliding layer's body holds few tokens, where fp16 operands cost the most: the empty-cache test's bound
@@ -445,15 +429,9 @@ def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(on_cp
 
     model = tiny_model("llama", head_dim=64, num_attention_heads=16, num_key_value_heads=1)
     bundle = kivi_bundle(model, 4, 32, 32)
-    ids = torch.randint(3, 512, (2, 110), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    with torch.inference_mode():
-        got, cache = prefill_then_decode(model, bundle, ids, mask, prompt=100)
-        assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
-        assert on_cpu == [GQA_16_VARIANTS["kivi4-g32"].name] * (2 * 10 * len(cache.layers))
-        with reference_runtime():
-            want, _ = prefill_then_decode(model, bundle, ids, mask, prompt=100)
+    got, cache, want = kernels_and_reference(model, bundle)
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
+    assert on_cpu == [GQA_16_VARIANTS["kivi4-g32"].name] * (2 * 10 * len(cache.layers))
     plans = backends.bundle_plan(bundle, "cuda")
     assert {(p.bodies, p.why) for p in plans} == {("tensor-core", "16 query heads per KV head in 2 passes of 8 or fewer "
                                                                   "(each reads the cache)")}
