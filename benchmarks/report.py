@@ -48,7 +48,7 @@ SECTIONS = [
                        ("generate_", "python -m benchmarks.end_to_end gpu", ""),
                        ("host_step_", "python -m benchmarks.end_to_end host", ""),
                        ("decode_tc_", "python -m benchmarks.kernels gpu", ""),
-                       ("decode_nvidia", "python -m benchmarks.kernels runtime", "`cuda-core` before the CUDA-core kernel's retirement"),
+                       ("decode_nvidia", "python -m benchmarks.kernels runtime", ""),
                        ("profile_decode_tc_", "python -m benchmarks.kernels ncu", ""),
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
