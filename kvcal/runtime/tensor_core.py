@@ -78,8 +78,16 @@ class Variant:
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         widths = (4, 3, 2, 1) if self.channel_groups else (4, 3, 2) if self.codebook else (16, 4, 3, 2)
         two_widths = self.value_bits and (self.value_bits == bits or 16 in (bits, self.value_bits))
-        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES or bits not in widths or self.vbits not in widths or two_widths:
-            raise KvcalError(f"no tensor-core decode kernel for {self}")
+        if d not in HEAD_DIMS or self.gqa not in GQA_SIZES:
+            raise KvcalError(f"the tensor-core kernel reads head_dim {', '.join(map(str, HEAD_DIMS))} with 1 to "
+                             f"{GQA_SIZES[-1]} query heads per KV head in a launch, not {d} with {self.gqa}")
+        if two_widths:
+            raise KvcalError(f"value_bits is the packed values' width where it differs from the packed keys', not {self}")
+        if bits not in widths or self.vbits not in widths:
+            kind = "channel-group" if self.channel_groups else "codebook" if self.codebook else "uniform"
+            codes = [w for w in widths if w != 16]  # whole widths from 1 or 2 to 4
+            raise KvcalError(f"the tensor-core kernel reads {min(codes)}-{max(codes)}-bit {kind} codes, not {bits}-bit keys "
+                             f"with {self.vbits}-bit values")
         if self.outliers and not (self.codebook and self.rope):
             raise KvcalError(f"outliers are served with codebook codes and pre-RoPE keys (KVQuant's), not {self}")
         if self.channel_groups:  # dequantized into fp16 rows per stage, keys rotated there: every head_dim
