@@ -10,9 +10,9 @@ import pytest
 
 pytestmark = pytest.mark.nvrtc
 
+from helpers import skip_without_gxx
 from tools import bound_decode as bd
 from tools import decode_model as dm
-from tools import kernel_emulation
 
 # A token loop (.L_x_0 .. 0x0b0) holding a branch on the GQA group, a branch to rarely run code, an inner loop of
 # 3 iterations (.L_x_3) and its guard; a divergence fallback after EXIT jumps back in, as ptxas lays them out.
@@ -246,8 +246,7 @@ def test_the_calibration_weighs_the_table_lookups_conflicts_where_the_walks_have
 def test_the_table_cases_conflicts_are_counted_by_the_kernels_emulation():
     """table_conflicts runs the tensor-core kernel's emulation on every case that reads a table: none for the lane-private
     3-bit tables and the 2-bit one, several wavefronts a token for nuq4's 256 entries."""
-    if kernel_emulation.compiler_missing():
-        pytest.skip("the kernel emulation needs g++")
+    skip_without_gxx()
     counted = bd.table_conflicts(bd.TensorCoreKernel())
     assert set(counted) == {c.name for c in bd.TensorCoreKernel().cases if bd.reads_table(bd.TensorCoreKernel()._variant(c))}
     assert counted["nuq3 pre-RoPE 1%"] == counted["nuq2 pre-RoPE 1% (mixed's)"] == 0.0

@@ -12,11 +12,16 @@ from kvcal.runtime import kernels, quantized_cache
 from tools import kernel_emulation
 
 
+def skip_without_gxx() -> None:
+    """Skips the calling test where no g++ builds the kernel emulation (tools.kernel_emulation)."""
+    if kernel_emulation.compiler_missing():
+        pytest.skip("the kernel emulation needs g++")
+
+
 def emulator_library(driver: str, include_dirs: list[Path], name: str) -> Path:
     """tools.kernel_emulation.emulator_library (the C++ `driver` built with g++, cached by content), skipped where no
     g++ is."""
-    if kernel_emulation.compiler_missing():
-        pytest.skip("the kernel emulation needs g++")
+    skip_without_gxx()
     return kernel_emulation.emulator_library(driver, include_dirs, name)
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import pytest
-
+from helpers import skip_without_gxx
 from kvcal.runtime import kernel_source
 from kvcal.runtime.tensor_core import Variant
 from tools import kernel_emulation
@@ -17,6 +16,5 @@ __all__ = ["build", "decode", "symbol", "take_lookups"]
 
 
 def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:
-    if kernel_emulation.compiler_missing():
-        pytest.skip("the kernel emulation needs g++")
+    skip_without_gxx()
     return kernel_emulation.build(variants, kernel_dir)
