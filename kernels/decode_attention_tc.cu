@@ -117,7 +117,7 @@ struct Shape {
     static constexpr bool ROWS16 = FP16 || GROUPS;  // the scores and P V read fp16 rows
     static constexpr int WIDEST = BITS > VBITS ? BITS : VBITS;  // the wider side's width sizes the stages
     static constexpr int KB = CB || GROUPS ? 1 << 24 : KG;  // tokens per key block (codebooks: the whole sequence)
-    // tokens per stage, TPW of them per warp between two barriers. The uniform codes with post-RoPE keys take 128
+    // tokens per iteration of the block (BLOCK_ST), TPW of them per warp. The uniform codes with post-RoPE keys take 128
     // (int2 in key blocks of 32, 64 or a multiple of 128 tokens, int4 in blocks of 32 or 64): a stage's fixed work (the
     // barrier, the copies' addresses, the key blocks' parameters, the softmax's reductions) is spread over twice the
     // tokens. int4 in blocks of 128+ stays at 64: the 3 stages of 128 its shared memory allows keep 2 in flight, fewer
@@ -126,7 +126,15 @@ struct Shape {
     // the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory are sized
     // by it
     static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (WIDEST == 2 && KG % 128 == 0));
-    static constexpr int ST = WIDE ? 128 : 64, TPW = ST / WARPS;
+    // uniform codes with post-RoPE keys stream warp-private pipelines: warp w owns a contiguous quarter of the split and
+    // copies, waits for and computes only its own tokens, TPW a stage, behind __syncwarp: no barrier of the block's warps
+    // in the loop (the H200 profile of int2 g128 at 94c61ae: 15.9% of stall samples at the block's barrier), and each
+    // warp makes its own key block's Q' once a block. The others share work across warps each stage (the rotated query,
+    // the outlier patches, the dequantized fp16 rows of channel groups), and fp16 rows stream at bandwidth already
+    static constexpr bool PRIVATE = !FP16 && !ROPE && !CB && !GROUPS;
+    static constexpr int BLOCK_ST = WIDE ? 128 : 64, TPW = BLOCK_ST / WARPS;  // tokens per iteration: the block's, a warp's
+    static constexpr int ST = PRIVATE ? TPW : BLOCK_ST;  // tokens per stage buffer (PRIVATE: a warp's own)
+    static constexpr int RINGS = PRIVATE ? WARPS : 1;    // pipelines of STAGES buffers
     // (outliers: fewer, for the patch tiles' shared memory: 4, 3 in flight still hold > 16 KiB per SM; at head_dim 256,
     // 3, so that a block of nuq3 fits an A100's 163 KB, and 2 where a side is nuq4 (its padded rows): one stage in
     // flight while one is computed)
@@ -168,13 +176,9 @@ struct Shape {
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
-    // uniform post-RoPE keys whose blocks hold whole stages: every warp of a stage has the same Q' and bias, so one warp
-    // makes them once per block into shared memory and the others read them (share_key_block)
-    static constexpr bool SHARED_KEY_BLOCK = !FP16 && !ROPE && !CB && KB >= ST;
-    // the query as a stage's A fragments, two buffers of [pair / 4][lane][4] words (q_stage_word): pre-RoPE keys, the
-    // query rotated to the stage's first position (by stage parity); a shared key block, Q' (by block parity)
-    static constexpr int QSTAGE_WORDS = ROPE || SHARED_KEY_BLOCK ? D / 8 * 32 : 0;
-    static constexpr int KEY_BIAS_BYTES = SHARED_KEY_BLOCK ? 2 * 8 * 4 : 0;  // a shared key block's bias per head, by parity
+    // pre-RoPE keys: the query rotated to the stage's first position as the stage's A fragments, two buffers (by stage
+    // parity) of [pair / 4][lane][4] words (q_stage_word)
+    static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0;
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
     // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) go through a table
@@ -206,16 +210,17 @@ struct Shape {
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
-    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + KEY_BIAS_BYTES + ROPE_TABLE_BYTES +
+    static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
                                       (KEY_LUT_WORDS + VALUE_LUT_WORDS) * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
                                       WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
     // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
+    // (KB < BLOCK_ST: key blocks of 32 or 64 tokens, whose Q' a warp remakes every iteration or two)
     static constexpr int MIN_BLOCKS =
-        FP16 || OUT || GROUPS || (ROPE && D >= 128) || (D == 256 && (CB || KBLOCKS > 1)) ? 2
-                                                                             : (ROPE || KBLOCKS > 1 || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
+        FP16 || OUT || GROUPS || (ROPE && D >= 128) || (D == 256 && (CB || KB < BLOCK_ST)) ? 2
+                                                                             : (ROPE || KB < BLOCK_ST || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
     static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
@@ -237,17 +242,17 @@ struct Shape {
 };
 
 // One side's rows of a stage, `live` of its ST tokens, from tile (rows `stride` bytes apart) into dst (rows SROW bytes
-// apart), ROW bytes each, by the block's threads in 16-byte cp.async chunks (8-byte ones for nuq3's 24-byte rows at
-// head_dim 64), zero-filled past live. Compile-time trip counts: every thread's copies unroll into straight-line code,
-// offsets within a stage in 32 bits. fp16 rows are read by ldmatrix: their chunks XOR-swizzled by token % 8 (no bank
-// conflicts).
-template <int ST, int ROW, int SROW, bool SWIZZLE>
-__device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned char* tile, int stride, int live_tokens, int tid) {
+// apart), ROW bytes each, by COPIERS threads (the block's, or a warp's lanes for its own stage; `copier` numbers them)
+// in 16-byte cp.async chunks (8-byte ones for nuq3's 24-byte rows at head_dim 64), zero-filled past live.
+// Compile-time trip counts: every thread's copies unroll into straight-line code, offsets within a stage in 32 bits.
+// fp16 rows are read by ldmatrix: their chunks XOR-swizzled by token % 8 (no bank conflicts).
+template <int ST, int ROW, int SROW, bool SWIZZLE, int COPIERS>
+__device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned char* tile, int stride, int live_tokens, int copier) {
     constexpr int C = ROW % 16 ? 8 : 16, CHUNKS = ROW / C, COPIES = ST * CHUNKS;
 #pragma unroll
-    for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; ++i) {
-        const int c = tid + i * THREADS;
-        if (COPIES % THREADS == 0 || c < COPIES) {
+    for (int i = 0; i < (COPIES + COPIERS - 1) / COPIERS; ++i) {
+        const int c = copier + i * COPIERS;
+        if (COPIES % COPIERS == 0 || c < COPIES) {
             const int token = c / CHUNKS, chunk = c % CHUNKS;
             const bool live = token < live_tokens;
             const int place = SWIZZLE ? (chunk ^ (token & 7)) : chunk;
@@ -574,7 +579,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     reinterpret_cast<unsigned*>(smem_words));
         return;
     }
-    const int tiles = (end - start + ST - 1) / ST;
+    // the tokens [lo, hi) this thread's pipeline streams: the split's, or (PRIVATE) its warp's quarter of whole stages
+    const int quarter = (end - start + WARPS * ST - 1) / (WARPS * ST) * ST;
+    const int lo = S::PRIVATE ? min(end, start + warp * quarter) : start, hi = S::PRIVATE ? min(end, lo + quarter) : end;
+    const int tiles = (hi - lo + ST - 1) / ST;
+    const int copier = S::PRIVATE ? lane : tid;  // (its number among its pipeline's copiers)
+    constexpr int COPIERS = S::PRIVATE ? 32 : THREADS;
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
     // outliers (OUT): a stage is one outlier tile (a body's first row starts one, splits hold whole stages). Its ranges per
@@ -616,11 +626,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         key_scale += (long long)(first / S::KB) * kp_row;
         key_zero += (long long)(first / S::KB) * kp_row;
     }
-    const unsigned char* k_tile = k_base + (long long)(first + start) * k_row;
-    const unsigned char* v_tile = v_base + (long long)(v_first + start) * v_row;
+    const unsigned char* k_tile = k_base + (long long)(first + lo) * k_row;
+    const unsigned char* v_tile = v_base + (long long)(v_first + lo) * v_row;
     // uniform codes: where the head's first value group's parameter run has the next stage's first token (in halves);
     // the head's other groups are the next columns, vp_group apart
-    long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + v_first + start;
+    long long vp_tile = b * vp_seq + (long long)(kvh * D / (S::FP16 || CB ? 1 : VG)) * vp_group + v_first + lo;
     // channel groups: the runtime's tables (kvcal.runtime.tensor_core.group_tables) come as `codebooks`, int32: per side
     // (keys, values) and KV head the parameter column of each of its GROUP_SLOTS slots, then per side and KV head the
     // slots it uses, then per side the slot of every channel of the KV width. A thread's copies of a stage's
@@ -644,11 +654,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         }
     }
+    // stage `tile`'s buffer in this thread's pipeline
+    const auto stage_buffer = [&](int tile) { return smem + ((S::PRIVATE ? warp * S::STAGES : 0) + tile % S::STAGES) * S::STAGE_BYTES; };
     auto issue = [&](int tile) {
-        unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
-        const int t0 = start + tile * ST;
-        copy_rows<ST, S::KROW, S::KSROW, S::FP16>(buffer, k_tile, (int)k_row, end - t0, tid);
-        copy_rows<ST, S::VROW, S::VSROW, S::FP16>(buffer + S::K_BYTES, v_tile, (int)v_row, end - t0, tid);
+        unsigned char* const buffer = stage_buffer(tile);
+        const int t0 = lo + tile * ST;
+        copy_rows<ST, S::KROW, S::KSROW, S::FP16, COPIERS>(buffer, k_tile, (int)k_row, hi - t0, copier);
+        copy_rows<ST, S::VROW, S::VSROW, S::FP16, COPIERS>(buffer + S::K_BYTES, v_tile, (int)v_row, hi - t0, copier);
         if constexpr (S::GROUPS) {
 #pragma unroll
             for (int i = 0; i < GROUP_COPIES_PER_THREAD; ++i) {
@@ -662,31 +674,32 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         } else if constexpr (!S::FP16 && !CB) {
             constexpr int PCHUNKS = D * 2 / 16, PCOPIES = S::KBLOCKS * 2 * PCHUNKS;  // 16-byte chunks of block parameters
-            // a shared key block's: warp tile % 4 copies them, the warp that makes its Q' (it waits on its own copies)
-            constexpr int COPIERS = S::SHARED_KEY_BLOCK ? 32 : THREADS;
-            const int first_copier = S::SHARED_KEY_BLOCK ? (warp == tile % WARPS ? lane : PCOPIES) : tid;
+            // (PRIVATE: only a stage that enters a key block, or the pipeline's first, copies its parameters: its warp
+            // makes the block's Q' there, from them)
+            if (!S::PRIVATE || tile == 0 || t0 % S::KB == 0) {
 #pragma unroll
-            for (int i = 0; i < (PCOPIES + COPIERS - 1) / COPIERS; ++i) {
-                const int c = first_copier + i * COPIERS;
-                if ((!S::SHARED_KEY_BLOCK && PCOPIES % THREADS == 0) || c < PCOPIES) {
-                    const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
-                    const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
-                    const bool live = first_token < end;
-                    const unsigned short* const source = which ? key_zero : key_scale;
-                    const long long offset = live ? b * kp_seq + (long long)(first_token / S::KB) * kp_row + (long long)kvh * D : 0;
-                    cp_async_16(buffer + S::CODE_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
-                                reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
+                for (int i = 0; i < (PCOPIES + COPIERS - 1) / COPIERS; ++i) {
+                    const int c = copier + i * COPIERS;
+                    if (PCOPIES % COPIERS == 0 || c < PCOPIES) {
+                        const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
+                        const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
+                        const bool live = first_token < hi;
+                        const unsigned short* const source = which ? key_zero : key_scale;
+                        const long long offset = live ? b * kp_seq + (long long)(first_token / S::KB) * kp_row + (long long)kvh * D : 0;
+                        cp_async_16(buffer + S::CODE_BYTES + (block * 2 + which) * D * 2 + chunk * 16,
+                                    reinterpret_cast<const unsigned char*>(source + offset) + (live ? chunk * 16 : 0), live ? 16 : 0);
+                    }
                 }
             }
             // the value parameters: [scale, zero][group] runs of the stage's ST tokens, ST / 8 chunks each (chunks
             // wholly past the end are zero-filled; the tokens past the end in a live chunk are masked, P = 0)
             constexpr int VCHUNKS = ST / 8, VCOPIES = 2 * S::VGROUPS * VCHUNKS;
 #pragma unroll
-            for (int i = 0; i < (VCOPIES + THREADS - 1) / THREADS; ++i) {
-                const int c = tid + i * THREADS;
-                if (VCOPIES % THREADS == 0 || c < VCOPIES) {
+            for (int i = 0; i < (VCOPIES + COPIERS - 1) / COPIERS; ++i) {
+                const int c = copier + i * COPIERS;
+                if (VCOPIES % COPIERS == 0 || c < VCOPIES) {
                     const int run = c / VCHUNKS, chunk = c % VCHUNKS;  // run: [which][group]
-                    const bool live = t0 + chunk * 8 < end;
+                    const bool live = t0 + chunk * 8 < hi;
                     const unsigned short* const source =
                         (run >= S::VGROUPS ? value_zero : value_scale) + vp_tile + (run % S::VGROUPS) * vp_group;
                     cp_async_16(buffer + S::CODE_BYTES + S::KP_BYTES + c * 16, source + (live ? chunk * 8 : 0), live ? 16 : 0);
@@ -734,7 +747,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     };
     auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
-            unsigned char* const vp = smem + (tile % S::STAGES) * S::STAGE_BYTES + S::CODE_BYTES + S::KP_BYTES;
+            unsigned char* const vp = stage_buffer(tile) + S::CODE_BYTES + S::KP_BYTES;
             if (tid < ST) {
                 const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
                 reinterpret_cast<float2*>(vp)[tid] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
@@ -744,7 +757,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     // ---- the query rows of the group as A fragments (fp16 pairs in key_channel order, log2(e) / sqrt(d) folded in) ----
     unsigned qk[PAIRS];
-    unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::STAGES * S::STAGE_BYTES);
+    unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::RINGS * S::STAGES * S::STAGE_BYTES);
     if constexpr (!ROPE) {
         const float* const q = query + (out_row + g) * D;
 #pragma unroll
@@ -756,17 +769,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
             qk[p] = pack_half2(x0, x1);
             if constexpr (!S::FP16)
-                if (warp == 0) q_shared[p * 32 + lane] = qk[p];  // read after the pipeline's first barrier
+                if (warp == 0) q_shared[p * 32 + lane] = qk[p];  // read after the block's first barrier
         }
     }
     float bias = 0.0f;  // Q . zero of the current key block, head g
     int key_block = -1;
 
     // ---- the query's fragments per stage (pre-RoPE keys: rotated by -P0 per stage, a task = (head, lane part,
-    // frequency pair); a shared key block: its Q') ----
+    // frequency pair)) ----
     unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
-    float* const key_bias = reinterpret_cast<float*>(q_stage + 2 * S::QSTAGE_WORDS);  // [parity][head]
-    unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS + S::KEY_BIAS_BYTES / 4;
+    unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS;
     // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
     // the lookups take their shared-window addresses (a lane-private table: the lane's column)
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
@@ -915,7 +927,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // x = (code + zero) * max(scale, 2^-24), in fp32 as kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
     unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
     constexpr int HALF = D / 2, QUARTER = D / 4, ROW_GROUPS = THREADS / QUARTER, ROUND = 4;
-    static_assert(THREADS % QUARTER == 0 && ST % (ROUND * ROW_GROUPS) == 0, "a thread's channels are the same in each of its whole rounds");
+    static_assert(!S::GROUPS || (THREADS % QUARTER == 0 && ST % (ROUND * ROW_GROUPS) == 0), "a thread's channels are the same in each of its whole rounds");
     const int pair_channel = 2 * (tid % QUARTER), first_row = ROUND * (tid / QUARTER);
     int slot_of[2][4] = {};  // [side][channel c, c + 1, c + D / 2, c + D / 2 + 1]
     // [channel c, c + 1][cos, sin]: the first row's, a token's step, the step from a round's last row to the next's first
@@ -1119,22 +1131,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             qk[4 * j] = w[0], qk[4 * j + 2] = w[1], qk[4 * j + 1] = w[2], qk[4 * j + 3] = w[3];
         }
     };
-    // (SHARED_KEY_BLOCK) warp s % 4 for stage s, which copied its parameters: the Q' and bias of key block `block`,
-    // whose parameters came with the stage in buffer `stage`, into q_stage and key_bias [block % 2] (consecutive blocks
-    // alternate, so the readers of the other parity are not disturbed; a buffer is rewritten two blocks later, after a
-    // barrier). The warps take turns, as the SM's four schedulers do (warp w issues on scheduler w % 4)
-    const auto share_key_block = [&](const unsigned char* stage, int block) {
-        const float b = key_fragments(stage + S::CODE_BYTES);
-        unsigned* const out = q_stage + (block & 1) * S::QSTAGE_WORDS + lane * 4;
-#pragma unroll
-        for (int j = 0; j < PAIRS / 4; ++j) {
-            const unsigned w[4] = {qk[4 * j], qk[4 * j + 2], qk[4 * j + 1], qk[4 * j + 3]};
-            store_words<4>(out + j * 128, w);
-        }
-        if (t == 0) key_bias[(block & 1) * 8 + g] = b;
-    };
 
     // ---- pipeline prologue: stages 0 .. STAGES - 2 in flight, their codebook value parameters stored ----
+    // (PRIVATE: what warps read of each other's before the loop, the unscaled query, 3-bit tables and places, in a group
+    // of its own, waited for at the block's one barrier below)
+    if constexpr (S::PRIVATE) cp_async_commit();
     unsigned short early[S::STAGES - 1][2], pending[2];
 #pragma unroll
     for (int s = 0; s < S::STAGES - 1; ++s) {
@@ -1147,17 +1148,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int s = 0; s < S::STAGES - 1; ++s)
         if (s < tiles) store_value_params(s, early[s]);
-    if constexpr (S::SHARED_KEY_BLOCK)  // stage 0's key block (warp 0 copied its parameters), read after the first barrier
-        if (warp == 0) {
-            cp_async_wait<S::STAGES - 2>();
-            __syncwarp();
-            share_key_block(smem, start / S::KB);
-        }
+    if constexpr (S::PRIVATE) {
+        cp_async_wait<S::STAGES - 1>();
+        __syncthreads();
+    }
 
     for (int tile = 0; tile < tiles; ++tile) {
         cp_async_wait<S::STAGES - 2>();
-        __syncthreads();  // stage `tile` landed for every thread; buffer (tile - 1) % STAGES is free
-        unsigned char* const buffer = smem + (tile % S::STAGES) * S::STAGE_BYTES;
+        // stage `tile` landed for every thread that reads it (PRIVATE: the warp's); buffer (tile - 1) % STAGES is free
+        if constexpr (S::PRIVATE) __syncwarp();
+        else __syncthreads();
+        unsigned char* const buffer = stage_buffer(tile);
         if constexpr (OUT) {  // this stage's patches, before its tokens are computed
             patch_stage(buffer);
             __syncthreads();
@@ -1178,21 +1179,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         // the stage's fp16 keys, then values: the copies themselves (fp16) or what dequantize_stage made of them
         const unsigned char* const rows16 = S::GROUPS ? work : buffer;
 
-        const int tb = warp * TPW, token0 = start + tile * ST + tb;  // the warp's TPW tokens
-        if (token0 < end) {
+        const int tb = S::PRIVATE ? 0 : warp * TPW, token0 = lo + tile * ST + tb;  // the warp's TPW tokens, tb on in the buffer
+        if (token0 < hi) {
             // -- key block parameters: Q' = q * scale and bias = Q . zero (ROPE: the query rotated to the stage, and the
-            // lane's scale and zero pairs), when the warp enters a new block (a shared one's made by one warp) --
-            if constexpr (S::SHARED_KEY_BLOCK) {
-                const int block = token0 / S::KB;
-                // the next stage's copier makes its block first: qk is its scratch, this stage's are loaded after
-                if (warp == (tile + 1) % WARPS && tile + 1 < tiles && (start + (tile + 1) * ST) / S::KB != block) {
-                    cp_async_wait<S::STAGES - 2>();  // stage tile + 1 landed too (its block parameters: this warp's copies)
-                    __syncwarp();
-                    share_key_block(smem + ((tile + 1) % S::STAGES) * S::STAGE_BYTES, block + 1);
-                }
-                load_query_fragments(block & 1);
-                bias = key_bias[(block & 1) * 8 + g];
-            }
+            // lane's scale and zero pairs), when the warp enters a new block --
             if constexpr (ROPE) {
                 // (KEY_PAIRS_SHARED: the query's fragments from q_stage per k-step, the key pairs from their table)
                 if constexpr (!S::KEY_PAIRS_SHARED) {
@@ -1217,7 +1207,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         }
                     }
                 }
-            } else if constexpr (!S::FP16 && !S::SHARED_KEY_BLOCK) {
+            } else if constexpr (!S::FP16) {
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
@@ -1354,12 +1344,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
             // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
             // sees (warp-uniform)
-            if (token0 + TPW > end || token0 < visible) {
+            if (token0 + TPW > hi || token0 < visible) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int token = token0 + 8 * nt + 2 * t;
-                    sc[nt][0] = token < end && token >= visible ? sc[nt][0] : -__int_as_float(0x7f800000);
-                    sc[nt][1] = token + 1 < end && token + 1 >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
+                    sc[nt][0] = token < hi && token >= visible ? sc[nt][0] : -__int_as_float(0x7f800000);
+                    sc[nt][1] = token + 1 < hi && token + 1 >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
                 }
             }
             // -- online softmax of head g over these TPW tokens (log2 domain) --

@@ -277,13 +277,13 @@ def rope_of(codec: str, head_dim: int, batch: int):
     return (llama_inv_freq(head_dim), 0.9, POSITIONS[:batch]) if codec in ROPE or codec in GROUPS else None
 
 
-def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0) -> float:
+def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0, per_split=PER_SPLIT) -> float:
     lengths = LENGTHS[batch]
     keys, values = filled(codec, lengths, head_dim, fifo_offset=fifo_offset)
     query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
     scaling = head_dim**-0.5
     rope = rope_of(codec, head_dim, len(lengths))
-    got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling, rope=rope)
+    got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling, per_split, rope=rope)
     want = reference(query, keys, values, lengths, scaling, rope)
     assert torch.isfinite(got).all()
     return (got.double() - want).abs().max().item()
@@ -306,9 +306,9 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
 @pytest.mark.emulation
 @pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "int2", "int4-g32", "int2-g256"))
 def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
-    """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipeline's buffers wrap around many
-    times, and the warps take turns making a shared key block's Q', every stage or, at 256 tokens, every other one),
-    past position 100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors every 16
+    """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipelines' buffers wrap around many
+    times, and a warp's own quarter of the split crosses key blocks, whose Q' it makes from the parameters the block's
+    first stage copied), past position 100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors every 16
     stages (tc::rotate_query), so an error that grew with the stages would show here."""
     lengths = [4096 + 13]
     v = variant_of(codec, 128, 4)
@@ -425,8 +425,8 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     assert tensor_core.split_plan([32768] * 300, 2400, 528, 64) == (32768, 1)  # more pairs than a wave holds: no split
 
 
-# a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128; optional fourth and
-# fifth fields: another batch, another head_dim)
+# a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128 in splits of
+# PER_SPLIT tokens; optional fourth to sixth fields: another batch, head_dim, split)
 MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
@@ -467,9 +467,9 @@ MUTANTS = {
     "nuq3-lane-table-entry": ("nuq3-out-rope", "__ldg(from + i / 32)", "__ldg(from + i % 64)", "3"),
     "outlier-key-patch-row": ("nuq3-out-rope", "key_patch[token * S::PATCH_ROW + c]", "key_patch[token * D + c]", "3"),
     "outlier-key-first-round": ("nuq3-out-rope", "if (k < h.k_end) patch_key", "if (k < h.k_first) patch_key", "3"),
-    # head_dim 256: a whole planes3 unit's second half, a shared key block's parameters in two rounds of one warp
+    # head_dim 256: a whole planes3 unit's second half, a key block's parameters in two rounds of a warp's lanes
     "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),
-    "shared-key-block-second-round": ("int4", "i < (PCOPIES + COPIERS - 1) / COPIERS; ++i", "i < 1; ++i", "1", 256),
+    "key-block-second-round": ("int4", "i < (PCOPIES + COPIERS - 1) / COPIERS; ++i", "i < 1; ++i", "1", 256),
     # head_dim 256, pre-RoPE keys: the key pairs' table, the query fragments from shared memory, the rotation's parts
     "key-pair-table-part": ("nuq4-rope", "key_pairs[PAIRS * 4 + key_pair_word(p, part)] =",
                             "key_pairs[PAIRS * 4 + key_pair_word(p, part ^ 1)] =", "1", 256),
@@ -487,7 +487,11 @@ MUTANTS = {
     # SKVQ's 3-bit codes: each channel of a pair its own high bit
     "skvq3-pair-high-bits": ("skvq3", "row[top_word] >> ((c & 31) + e)", "row[top_word] >> (c & 31)", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
-    "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16>", "3"),
+    # a warp-private pipeline: each warp's own quarter of the split, the key parameters of each block it enters (one
+    # split of 700 tokens: quarters of 256, two key blocks of 128 each)
+    "private-warp-quarter": ("int4", "hi = S::PRIVATE ? min(end, lo + quarter) : end", "hi = S::PRIVATE ? min(end, lo + quarter / 2) : end"),
+    "private-key-block-copies": ("int2", "tile == 0 || t0 % S::KB == 0", "tile == 0 || t0 % S::KB == 1", "1", 128, 768),
+    "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16, COPIERS>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16, COPIERS>", "3"),
     # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
     "nuq2-value-fields": ("nuq2", "0x0F0F0F0Fu : 0x33333333u", "0x0F0F0F0Fu : 0x0F0F0F0Fu", "1", 64),
     "nuq2-value-half-word": ("nuq2", "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + S::VSROW + (bit0 >> 3));",
@@ -502,14 +506,14 @@ MUTANTS = {
 @pytest.mark.parametrize("name", MUTANTS)
 def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
     codec, old, new, *other = MUTANTS[name]
-    batch, head_dim = (*other, *("1", 128)[len(other):])
+    batch, head_dim, per_split = (*other, *("1", 128, PER_SPLIT)[len(other):])
     text = KERNEL.read_text()
     assert text.count(old) == 1, old
     (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
     (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
     v = variant_of(codec, head_dim, 2)
     lib = build([v], kernel_dir=tmp_path)
-    assert max_error(codec, head_dim, 2, batch, lib) > 10 * tolerance(codec)
+    assert max_error(codec, head_dim, 2, batch, lib, per_split=per_split) > 10 * tolerance(codec)
 
 
 # ------------------------------------------------------------------------------------------------ NVRTC

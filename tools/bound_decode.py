@@ -112,16 +112,18 @@ class Case:
 # ---- What the walk knows about each kernel: update it with the kernel. ----
 class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
-    warps stream stages of ST tokens (Variant.stage_tokens: 64, or 128 for the WIDE variants) through a cp.async
-    pipeline; in each iteration of the tile loop every thread issues its share of the next stage's copies and warp w
-    computes ST / 4 of the stage's tokens with mma. So one iteration serves ST / 4 tokens per warp, copies included.
-    Steady state: every copy live, a new key block every KG / ST tiles, and no running maximum growing (its rescale
-    is skipped; at 32K tokens a new maximum is rare)."""
+    warps stream ST tokens an iteration (Variant.stage_tokens: 64, or 128 for the WIDE variants) through cp.async
+    pipelines, TPW = ST / 4 of them per warp: uniform codes with post-RoPE keys in a pipeline per warp (Variant.private:
+    each warp copies and computes its own quarter of the split, behind __syncwarp), the others in one of the block
+    (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the stage, behind
+    __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every copy live, a new
+    key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at 32K tokens a new
+    maximum is rare)."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
     token_loop = r"for \(int tile = 0; tile < tiles; \+\+tile\)"
-    passes = {"copies": r"__syncthreads\(\);  // stage `tile` landed", "keys": r"// -- key block parameters",
+    passes = {"copies": r"// stage `tile` landed for every thread that reads it", "keys": r"// -- key block parameters",
               "softmax": r"// -- online softmax", "values": r"// -- O\^T \+= V\^T P\^T"}
     cases = (
         Case("fp16", "FP16_ONLY", "FP16_ONLY", False, 0, measured="fp16"),
@@ -210,6 +212,8 @@ class TensorCoreKernel:
         thread)."""
         from kvcal.runtime.tensor_core import THREADS, WARPS
 
+        if self._variant(case).private:  # a warp copies its own stage: every round has work for it
+            return 1.0
         copies = self._variant(case).stage_tokens * self._variant(case).head_dim * (case.bits or 16) // 8 // 16
         last = copies % THREADS or THREADS
         return math.ceil(last / 32) / WARPS
@@ -217,26 +221,29 @@ class TensorCoreKernel:
     def if_bodies(self, case: Case) -> tuple:
         from kvcal.runtime.tensor_core import WARPS
 
-        d, group, stage = SHAPE["head_dim"], case.group, self._variant(case).stage_tokens
+        variant = self._variant(case)
+        d, group, stage, tpw = SHAPE["head_dim"], case.group, variant.buffer_tokens, self.tokens_per_iteration(case)
         key_param_copies = (1 if group >= stage else stage // group) * 2 * (d * 2 // 16)
         value_param_copies = 2 * max(1, d // group) * stage // 8  # [scale, zero][group] runs of 8-token chunks
+        # warps with a copy in a round of a stage's parameter copies: a private pipeline's own warp, else the first ones
+        copying = (lambda copies: 1.0) if variant.private else (lambda copies: min(1.0, math.ceil(copies / 32) / WARPS))
         return (
             (r"if \(ahead < tiles\)", 1.0),
-            (r"c < PCOPIES\)", min(1.0, math.ceil(key_param_copies / 32) / WARPS)),  # warps with a key-parameter copy
+            # a private pipeline copies a key block's parameters with the stage that enters it
+            (r"if \(!S::PRIVATE \|\| tile == 0 \|\| t0 % S::KB == 0\)", min(1.0, tpw / group)),
+            (r"c < PCOPIES\)", copying(key_param_copies)),
             # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
-            (r"COPIES % THREADS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
+            (r"COPIES % COPIERS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
             # value parameters: uniform codes copy 16-byte chunks; codebooks load a token's lo and hi in threads 0 .. ST - 1
-            (r"c < VCOPIES\)", min(1.0, math.ceil(value_param_copies / 32) / WARPS)),  # warps with a value-parameter copy
+            (r"c < VCOPIES\)", copying(value_param_copies)),
             (r"if \(tid < ST\) \{", 2 / WARPS),
             (r"if \(vp_row_of < end\)", 1.0),
-            (r"if \(token0 < end\)", 1.0),
-            (r"if \(token0 \+ TPW > end \|\| token0 < visible\)", 0.0),  # masking: a split's last stage, a window's first
-            # a new key block every KG / ST tiles; codebook keys have one block (per-channel thresholds): never again
-            (r"if \(block != key_block\)", 0.0 if self._variant(case).codebook or case.key_codec == "PERMUTED_GROUPS" else min(1.0, stage / group)),
+            (r"if \(token0 < hi\)", 1.0),
+            (r"if \(token0 \+ TPW > hi \|\| token0 < visible\)", 0.0),  # masking: a pipeline's last stage, a window's first
+            # a new key block every KG / TPW iterations; codebook keys have one block (per-channel thresholds): never again
+            (r"if \(block != key_block\)", 0.0 if variant.codebook or case.key_codec == "PERMUTED_GROUPS" else min(1.0, tpw / group)),
             (r"if \(group_source\[i\] != nullptr\)", min(1.0, SKVQ_GROUPS / 16)),  # the head's groups of its 16 slots
-            # a shared key block (post-RoPE uniform keys, blocks of whole stages): one warp a stage makes the next one's Q'
-            (r"if \(warp == \(tile \+ 1\) % WARPS && tile \+ 1 < tiles", min(1.0, stage / group) / WARPS),
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)

@@ -37,7 +37,7 @@ from kvcal.runtime.store import channel_slots_and_groups, upload
 
 MODULE = "decode_attention_tc.cu"
 THREADS, WARPS = 128, 4  # tc::THREADS, tc::WARPS
-STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::ST of most variants (and tc::OUT_TILE), and of the WIDE ones
+STAGE_TOKENS, WIDE_STAGE_TOKENS = 64, 128  # tc::Shape::BLOCK_ST of most variants (and tc::OUT_TILE), and of the WIDE ones
 OUTLIER_SLOTS = 192  # tc::Shape::OUT_SLOTS: outliers per side a stage copies (a crowded tile's rest is read from global memory)
 GROUP_SLOTS = 16  # tc::Shape::GROUP_SLOTS: SKVQ's channel groups a KV head's channels may fall in, per side
 PARAMETER_CHUNK_TOKENS = 16  # channel groups: a stage's parameter runs are copied in 16-byte chunks (16 fp8 tokens)
@@ -128,10 +128,10 @@ class Variant:
         return max(self.bits, self.vbits)
 
     @property
-    def shared_key_block(self) -> bool:
-        """tc::Shape<...>::SHARED_KEY_BLOCK: uniform post-RoPE keys whose blocks hold whole stages have one Q' and bias
-        per block, made once into shared memory (two buffers of each, by block parity)."""
-        return self.bits != 16 and not (self.codebook or self.rope) and self.key_group >= self.stage_tokens
+    def private(self) -> bool:
+        """tc::Shape<...>::PRIVATE: uniform codes with post-RoPE keys stream warp-private pipelines (each warp copies,
+        waits for and computes its own quarter of the split; no barrier of the block in the loop)."""
+        return self.bits != 16 and not (self.codebook or self.rope or self.channel_groups)
 
     @property
     def key_pairs_shared(self) -> bool:
@@ -141,8 +141,14 @@ class Variant:
 
     @property
     def stage_tokens(self) -> int:
-        """tc::Shape<...>::ST: tokens per stage; splits hold whole stages."""
+        """tc::Shape<...>::BLOCK_ST: tokens the block streams per iteration, a quarter of them per warp; splits hold
+        whole ones."""
         return WIDE_STAGE_TOKENS if self.wide else STAGE_TOKENS
+
+    @property
+    def buffer_tokens(self) -> int:
+        """tc::Shape<...>::ST: tokens per stage buffer (a warp's quarter of the block's where its pipeline is private)."""
+        return self.stage_tokens // WARPS if self.private else self.stage_tokens
 
     @property
     def stages(self) -> int:
@@ -163,7 +169,7 @@ class Variant:
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
-        fp16, st = bits == 16, self.stage_tokens
+        fp16, st = bits == 16, self.buffer_tokens
         stages = self.stages
         # tc::Shape::KSROW / VSROW: a side's row in shared memory (nuq4's padded)
         srows = [d * b // 8 + (16 if self.codebook and b == 4 else 0) for b in (bits, self.vbits)]
@@ -176,8 +182,6 @@ class Variant:
         stage = st * sum(srows) + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
-        if self.shared_key_block:  # Q' and bias, two each
-            query += 2 * (d // 8 * 32 * 4) + 2 * 8 * 4
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
@@ -196,7 +200,8 @@ class Variant:
             patch_row = d + (32 if d == 64 else 8)  # tc::Shape::PATCH_ROW: the key patch tile's padded rows (halves)
             # key and value patch tiles, 4 floats per key channel, the two sides' 32-byte run descriptions
             outliers = st * patch_row * 2 + st * d * 2 + 4 * d * 4 + 2 * 32
-        return max(stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
+        rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
+        return max(rings * stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
 
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
