@@ -200,13 +200,15 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
-    // outliers: a stage's patch tiles of keys [token][PATCH_ROW] and values (value_patch_half's order, ST x D halves);
-    // per key channel 4 floats (decode_tc's key_extremes); the two sides' OutlierRun (in shared memory, not in
-    // registers). A key patch row is padded so that the rows of lanes g and g + 1, which a quarter-warp's 16-byte loads
-    // and stores read together (lane part t at t D / 8 halves), fall in different banks: unpadded, rows 2^k bytes apart
-    // made those accesses 2-way bank conflicts (4-way at head_dim 256, where the lane parts' own stride leaves 2-way)
+    // outliers: a stage's patch tile of keys [token][PATCH_ROW] halves; per warp the value outliers' corrections of its
+    // output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's P [head][token]
+    // (fp16) and the previous stage's OutlierHeader, which the value corrections read an iteration later; the two sides'
+    // OutlierRun (in shared memory, not in registers). A key patch row is padded so that the rows of lanes g and g + 1,
+    // which a quarter-warp's 16-byte loads and stores read together (lane part t at t D / 8 halves), fall in different
+    // banks: unpadded, rows 2^k bytes apart made those accesses 2-way bank conflicts (4-way at head_dim 256, where the
+    // lane parts' own stride leaves 2-way)
     static constexpr int PATCH_ROW = D + (D == 64 ? 32 : 8);  // halves
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? ST * PATCH_ROW * 2 + ST * D * 2 + 4 * D * 4 + 2 * 32 : 0;
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? ST * PATCH_ROW * 2 + WARPS * 8 * D * 4 + 4 * D * 4 + ST * 8 * 2 + 32 + 2 * 32 : 0;
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
@@ -223,7 +225,8 @@ struct Shape {
                                                                              : (ROPE || KB < BLOCK_ST || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
-    static_assert(!OUT || VGE == D, "outliers: one value group (value_patch_half)");
+    static_assert(!OUT || VGE == D, "outliers: one value scale per token (the value corrections read it)");
+    static_assert(!OUT || MERGE_BYTES <= PIPE_BYTES - OUT_SCRATCH_BYTES, "the warps' merge leaves the value corrections alone");
     static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
     static_assert(!KEY_PAIRS_SHARED || CB, "pre-RoPE keys at head_dim 256: codebook codes (one key block)");
     static_assert(FP16 || BITS == 4 || BITS == 3 || BITS == 2 || (GROUPS && BITS == 1), "fp16, 4-, 3- or 2-bit codes (channel groups: 1 too)");
@@ -411,18 +414,6 @@ __device__ __forceinline__ int value_channel(int g, int mt, int r) {
         constexpr int MPG = VGE / 16, LANE_V = VGE / 8;
         return (mt / MPG) * VGE + g * LANE_V + 2 * (mt % MPG) + r;
     }
-}
-
-// Half index of (token in the stage, channel c) in the value patch tile (OUT; one value group, so channel c is lane
-// g = c / (D / 8)'s code c % (D / 8), value_channel): 16-byte chunks [warp][m-tile][lane], the chunk of lane (g, t) its
-// A fragment {rows g, g + 8} x {tokens 2t, 2t + 1 | 2t + 8, 2t + 9}, one word per token pair. A warp reads an m-tile's
-// 32 chunks at once, 512 consecutive bytes: no bank conflicts, no address arithmetic per m-tile.
-template <int D>
-__device__ __forceinline__ int value_patch_half(int token, int c) {
-    constexpr int LANE_V = D / 8, MTILES = D / 16;
-    const int warp = token >> 4, pair = (token >> 1) & 7, t = pair & 3, upper = pair >> 2;
-    const int g = c / LANE_V, j = c % LANE_V;
-    return ((((warp * MTILES + (j >> 1)) * 32 + g * 4 + t) * 4 + upper * 2 + (j & 1)) << 1) | (token & 1);
 }
 
 // One side's outliers of the block's (sequence, KV head) (kvcal/packing.py): positions (uint16: token in the tile of
@@ -796,14 +787,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
-    // outliers (OUT): the stage's patch tiles: keys [token][PATCH_ROW] halves, the channel's zero point or, at an outlier,
-    // exact - code * scale; values in value_patch_half's order, exact - dequantized at an outlier and zero elsewhere;
-    // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale,
-    // unused} (fp32)
+    // outliers (OUT): the stage's key patch tile [token][PATCH_ROW] halves, the channel's zero point or, at an outlier,
+    // exact - code * scale; each warp's value corrections [warp][head][D], sum over its tokens' value outliers of
+    // P (exact - dequantized), in the units and softmax scale of its output; per key channel {midpoint of the
+    // dequantized first and last codes, first * scale, last * scale, unused} (fp32); the stage's P [head][token] (fp16;
+    // rows past GQA unused) and the previous stage's header, for the corrections made an iteration later
     unsigned short* const key_patch =
         reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    unsigned* const value_patch = reinterpret_cast<unsigned*>(key_patch + ST * S::PATCH_ROW);
-    float* const key_extremes = reinterpret_cast<float*>(value_patch + ST / 2 * D);
+    float* const value_corrections = reinterpret_cast<float*>(key_patch + ST * S::PATCH_ROW);
+    float* const key_extremes = value_corrections + WARPS * 8 * D;
+    unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
+    OutlierHeader* const last_header = reinterpret_cast<OutlierHeader*>(stage_p + ST * 8);
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
     // P0 theta for its two frequencies, and of ST theta (one stage's step), held once. Between exact anchors every
@@ -1026,8 +1020,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         const uint4* const zeros = reinterpret_cast<const uint4*>(key_zero + (long long)kvh * D);  // D / 8 chunks a row
         for (int i = tid; i < ST * D / 8; i += THREADS) {
             reinterpret_cast<uint4*>(key_patch + i / (D / 8) * S::PATCH_ROW)[i % (D / 8)] = __ldg(zeros + i % (D / 8));
-            reinterpret_cast<uint4*>(value_patch)[i] = uint4{};
         }
+        for (int i = tid; i < WARPS * 8 * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
+        for (int i = tid; i < ST * 8 / 2; i += THREADS) reinterpret_cast<unsigned*>(stage_p)[i] = 0u;  // (a token no warp computes: 0)
         constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
@@ -1043,33 +1038,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const auto patch_half = [](float delta) {  // fp16 bits, clamped to fp16's range
         return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu);
     };
-    // The stage's patches: every warp's tokens' outliers, written by all threads (each element is one outlier: no
-    // conflicts), read and restored by the warp that owns the token. Thread tid takes outlier lo + tid of each side in
-    // one straight round from the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's
-    // rest, lo + tid + THREADS, ..., from the copies while they last and from global memory past them. Tokens past the
-    // split's end get patches too: their scores are masked (P = 0), and theirs is the split's last stage, so no later
-    // stage reads what their warps leave unrestored.
+    // A stage's outliers, a side at a time, by all threads: thread tid takes outlier lo + tid in one straight round from
+    // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
+    // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
     static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
-    auto patch_stage = [&](const unsigned char* stage) {  // its buffer
-        const unsigned char* const area = stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
-        const unsigned char* const vp = stage + S::CODE_BYTES + S::KP_BYTES;  // the tokens' value scales and zeros
-        const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
-        const auto patch_key = [&](unsigned position, unsigned value) {
-            const int token = (int)(position / D), c = (int)(position % D);
-            const float x = half_to_float((unsigned short)value);
-            const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
-            key_patch[token * S::PATCH_ROW + c] = patch_half(x - (x > e.x ? e.z : e.y));
-        };
-        const auto patch_value = [&](unsigned position, unsigned value) {
-            const int token = (int)(position / D), c = (int)(position % D);
-            const float x = half_to_float((unsigned short)value);
-            const float2 sz = reinterpret_cast<const float2*>(vp)[token];  // the token's scale and zero
-            reinterpret_cast<unsigned short*>(value_patch)[value_patch_half<D>(token, c)] =
-                patch_half(x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y));
-        };
-        const unsigned short* const staged = reinterpret_cast<const unsigned short*>(area + sizeof(OutlierHeader));
-        const auto each = [&](int side, int from, int to, int base, auto patch) {  // the rest: from + tid + THREADS, ...
-            const unsigned short* const copies = staged + 2 * side * S::OUT_SLOTS;
+    const auto each_outlier = [&](const unsigned char* stage, int side, int from, int to, int base, bool crowded, auto patch) {
+        const unsigned short* const copies =
+            reinterpret_cast<const unsigned short*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES + sizeof(OutlierHeader)) +
+            2 * side * S::OUT_SLOTS;
+        if (from + tid < to) patch(copies[from + tid], copies[S::OUT_SLOTS + from + tid]);
+        if (crowded) {  // the same for every thread
 #pragma unroll 1
             for (int i = from + tid + THREADS; i < to; i += THREADS) {
                 if (i < S::OUT_SLOTS) {
@@ -1079,14 +1057,39 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     patch(__ldg(run.positions + base + i), __ldg(run.values + base + i));
                 }
             }
-        };
-        const int k = h.k_first + tid, v = h.v_first + tid;
-        if (k < h.k_end) patch_key(staged[k], staged[S::OUT_SLOTS + k]);
-        if (v < h.v_end) patch_value(staged[2 * S::OUT_SLOTS + v], staged[3 * S::OUT_SLOTS + v]);
-        if (h.crowded) {  // the same for every thread
-            each(0, h.k_first, h.k_end, h.k_base, patch_key);
-            each(1, h.v_first, h.v_end, h.v_base, patch_value);
         }
+    };
+    // The stage's key patches, before its tokens are computed: written by all threads (each element is one outlier: no
+    // conflicts), read and restored by the warp that owns the token. Tokens past the split's end get patches too: their
+    // scores are masked (P = 0), and theirs is the split's last stage, so no later stage reads what their warps leave
+    // unrestored.
+    const auto patch_keys = [&](const unsigned char* stage) {  // its buffer
+        const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+        each_outlier(stage, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
+            const int token = (int)(position / D), c = (int)(position % D);
+            const float x = half_to_float((unsigned short)value);
+            const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
+            key_patch[token * S::PATCH_ROW + c] = patch_half(x - (x > e.x ? e.z : e.y));
+        });
+    };
+    // A computed stage's value outliers as sparse corrections, once its P is known (an iteration later, or after the
+    // loop): the warp that owns the token gets P (exact - dequantized) per head in its corrections, fp32, added
+    // atomically (two outliers of one channel in a warp's tokens meet); tokens past the split's end (P = 0, or not
+    // computed at all) add nothing. The stage's copies and token parameters are still in its buffer: the next copy into
+    // it is issued after this pass.
+    const auto correct_values = [&](const unsigned char* stage, int tile) {
+        const OutlierHeader& h = *last_header;
+        const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // tokens' scale, zero
+        const int first_token = lo + tile * ST;
+        each_outlier(stage, 1, h.v_first, h.v_end, h.v_base, h.crowded, [&](unsigned position, unsigned value) {
+            const int token = (int)(position / D), c = (int)(position % D);
+            const float x = half_to_float((unsigned short)value);
+            const float2 sz = vp[token];
+            const float delta = first_token + token < hi ? x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y) : 0.0f;
+            float* const corrections = value_corrections + token / TPW * 8 * D + c;
+#pragma unroll
+            for (int head = 0; head < GQA; ++head) atomicAdd(corrections + head * D, half_to_float(stage_p[head * ST + token]) * delta);
+        });
     };
 
     float o[MTILES][4];
@@ -1159,10 +1162,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (S::PRIVATE) __syncwarp();
         else __syncthreads();
         unsigned char* const buffer = stage_buffer(tile);
-        if constexpr (OUT) {  // this stage's patches, before its tokens are computed
-            patch_stage(buffer);
+        if constexpr (OUT) {  // this stage's key patches, the last one's value corrections
+            patch_keys(buffer);
+            if (tile > 0) correct_values(stage_buffer(tile - 1), tile - 1);
             __syncthreads();
-            if (tid == 0) write_ranges(buffer, tile + S::STAGES);  // into this stage's buffer, which the patches no longer read
+            if (tid == 0) {  // the header into the last one's place, then the next ranges into this stage's buffer
+                *last_header = *reinterpret_cast<const OutlierHeader*>(buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+                write_ranges(buffer, tile + S::STAGES);
+            }
         }
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
@@ -1375,6 +1382,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int i = 0; i < (RAW ? ZPAIRS : 0); ++i)
                     zacc[i][0] *= alpha0, zacc[i][1] *= alpha1, zacc[i][2] *= alpha0, zacc[i][3] *= alpha1;
+                if constexpr (OUT) {  // head g's value corrections, lane t's quarter of them
+                    float4* const row = reinterpret_cast<float4*>(value_corrections + (warp * 8 + g) * D) + t * (D / 16);
+#pragma unroll
+                    for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha, row[i].y * alpha, row[i].z * alpha, row[i].w * alpha};
+                }
             }
             float p[NT][2];
             l *= alpha;
@@ -1519,18 +1531,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             mma_m16n8k16_f16(zacc[i], za, pw);
                         }
                     }
-                    if constexpr (OUT) {  // value outliers: O^T += patch^T P^T (P unscaled); each m-tile's A fragment is one
-                        // 16-byte load of the lane's chunk (value_patch_half), zeroed after
-                        static_assert(KT == 1, "outliers: a warp's 16 tokens of the stage are one k-step (ST == OUT_TILE)");
-                        const unsigned bp[2] = {pack_half2(p[0][0], p[0][1]), pack_half2(p[1][0], p[1][1])};
-                        uint4* const chunks = reinterpret_cast<uint4*>(value_patch) + warp * MTILES * 32 + lane;
-#pragma unroll
-                        for (int mt = 0; mt < MTILES; ++mt) {
-                            const uint4 w = chunks[mt * 32];
-                            chunks[mt * 32] = uint4{};
-                            const unsigned a[4] = {w.x, w.y, w.z, w.w};
-                            mma_m16n8k16_f16(o[mt], a, bp);
-                        }
+                    if constexpr (OUT) {  // P of head g at the warp's tokens, for the stage's value corrections (correct_values)
+                        static_assert(NT == 2, "outliers: a warp's 16 tokens of the stage are two n-tiles (ST == OUT_TILE)");
+                        unsigned* const row = reinterpret_cast<unsigned*>(stage_p + g * ST + tb + 2 * t);
+                        row[0] = pack_half2(p[0][0], p[0][1]);
+                        row[4] = pack_half2(p[1][0], p[1][1]);  // tokens 2t + 8, 2t + 9
                     }
                 }
             }
@@ -1541,6 +1546,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- merge the four warps through shared memory into this split's (output, lse) ----
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (OUT) {  // the last stage's value corrections
+        if (tiles > 0) correct_values(stage_buffer(tiles - 1), tiles - 1);
+        __syncthreads();
+    }
     float* const merge_o = reinterpret_cast<float*>(smem);                 // [warp][8 heads][D]
     float* const merge_m = merge_o + WARPS * 8 * D;                        // [warp][8]
     float* const merge_l = merge_m + WARPS * 8;                            // [warp][8]
@@ -1591,6 +1600,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             total += merge_l[w * 8 + h] * f;
             float x = merge_o[(w * 8 + h) * D + d];
             if constexpr (!S::ROWS16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
+            if constexpr (OUT) x += value_corrections[(w * 8 + h) * D + d];
             value += x * f;
         }
         out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;

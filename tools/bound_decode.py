@@ -190,12 +190,16 @@ class TensorCoreKernel:
         return [min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) / WARPS for r in range(max(1, math.ceil(n / THREADS)))]
 
     def inner_loops(self, case: Case) -> list:
-        """The crowded tiles' outlier loop (the rounds past the first); everything else in the tile loop unrolls."""
+        """The crowded tiles' outlier loop (the rounds past the first) and the atomics' retries; the rest of the tile
+        loop unrolls."""
         from kvcal.runtime.tensor_core import THREADS
 
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
         rounds = self._variant(case).stage_tokens // (4 * (THREADS // (SHAPE["head_dim"] // 4)))
+        # a value correction's shared-memory atomicAdd is a compare-and-swap loop: one trip where no other lane adds to the
+        # same (warp, head, channel) at once
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
+                (r"atomicAdd\(corrections \+ head \* D", 1.0, None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None)]
 
     def sites(self, case: Case) -> list:
@@ -246,14 +250,15 @@ class TensorCoreKernel:
             (r"if \(group_source\[i\] != nullptr\)", min(1.0, SKVQ_GROUPS / 16)),  # the head's groups of its 16 slots
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
-            # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a chunk of a side each (chunk 0 is live)
-            (r"if \(tid == 0\) write_ranges", 1 / WARPS),
+            # outliers: thread 0 keeps a stage's header, writes another's ranges; threads 0-47 copy a side's chunk each (chunk 0 live)
+            (r"if \(tid == 0\) \{  // the header into the last one's place", 1 / WARPS),
             (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),
             (r"if \(chunk \* 8 < \(side \? h\.v_end : h\.k_end\)\)", 2 / WARPS),
             (r"if \(tile >= r\.tiles\) return", 0.0),
-            (r"if \(k < h\.k_end\)", self.outlier_warps(case)[0]),
-            (r"if \(v < h\.v_end\)", self.outlier_warps(case)[0]),
-            (r"if \(h\.crowded\)", float(len(self.outlier_warps(case)) > 1)),
+            # a side's first round of outliers (keys: this stage's; values: the last stage's, once its P is known)
+            (r"if \(from \+ tid < to\) patch\(", self.outlier_warps(case)[0]),
+            (r"if \(crowded\)", float(len(self.outlier_warps(case)) > 1)),
+            (r"if \(tile > 0\) correct_values", 1.0),
         )
 
 
