@@ -62,13 +62,6 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
 
-// N words (a multiple of 4) of shared memory set to w, 16 bytes a store.
-template <int N>
-__device__ __forceinline__ void store_words(void* p, const unsigned* w) {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) static_cast<uint4*>(p)[i] = uint4{w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]};
-}
-
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
 __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
 
@@ -130,14 +123,14 @@ struct Shape {
     // copies, waits for and computes only its own tokens, TPW a stage, behind __syncwarp: no barrier of the block's warps
     // in the loop (the H200 profile of int2 g128 at 94c61ae: 15.9% of stall samples at the block's barrier), and each
     // warp makes its own key block's Q' once a block. The others share work across warps each stage (the rotated query,
-    // the outlier patches, the dequantized fp16 rows of channel groups), and fp16 rows stream at bandwidth already
+    // the outlier corrections, the dequantized fp16 rows of channel groups), and fp16 rows stream at bandwidth already
     static constexpr bool PRIVATE = !FP16 && !ROPE && !CB && !GROUPS;
     static constexpr int BLOCK_ST = WIDE ? 128 : 64, TPW = BLOCK_ST / WARPS;  // tokens per iteration: the block's, a warp's
     static constexpr int ST = PRIVATE ? TPW : BLOCK_ST;  // tokens per stage buffer (PRIVATE: a warp's own)
     static constexpr int RINGS = PRIVATE ? WARPS : 1;    // pipelines of STAGES buffers
-    // (outliers: fewer, for the patch tiles' shared memory: 4, 3 in flight still hold > 16 KiB per SM; at head_dim 256,
-    // 3, so that a block of nuq3 fits an A100's 163 KB, and 2 where a side is nuq4 (its padded rows): one stage in
-    // flight while one is computed)
+    // (outliers: fewer, chosen beside the dense patch tiles that sparse corrections have since replaced, not retuned: 4,
+    // 3 in flight still hold > 16 KiB per SM; at head_dim 256, 3, so that a block of nuq3 fitted an A100's 163 KB, and 2
+    // where a side is nuq4 (its padded rows): one stage in flight while one is computed)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
     // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
@@ -200,15 +193,11 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
-    // outliers: a stage's patch tile of keys [token][PATCH_ROW] halves; per warp the value outliers' corrections of its
-    // output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's P [head][token]
-    // (fp16) and the previous stage's OutlierHeader, which the value corrections read an iteration later; the two sides'
-    // OutlierRun (in shared memory, not in registers). A key patch row is padded so that the rows of lanes g and g + 1,
-    // which a quarter-warp's 16-byte loads and stores read together (lane part t at t D / 8 halves), fall in different
-    // banks: unpadded, rows 2^k bytes apart made those accesses 2-way bank conflicts (4-way at head_dim 256, where the
-    // lane parts' own stride leaves 2-way)
-    static constexpr int PATCH_ROW = D + (D == 64 ? 32 : 8);  // halves
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? ST * PATCH_ROW * 2 + WARPS * 8 * D * 4 + 4 * D * 4 + ST * 8 * 2 + 32 + 2 * 32 : 0;
+    // outliers: the stage's key outliers' score corrections [head][token] (fp32); per warp the value outliers'
+    // corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's
+    // P [head][token] (fp16) and the previous stage's OutlierHeader, which the value corrections read an iteration later;
+    // the two sides' OutlierRun (in shared memory, not in registers)
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? 8 * ST * 4 + WARPS * 8 * D * 4 + 4 * D * 4 + ST * 8 * 2 + 32 + 2 * 32 : 0;
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
@@ -787,14 +776,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
-    // outliers (OUT): the stage's key patch tile [token][PATCH_ROW] halves, the channel's zero point or, at an outlier,
-    // exact - code * scale; each warp's value corrections [warp][head][D], sum over its tokens' value outliers of
-    // P (exact - dequantized), in the units and softmax scale of its output; per key channel {midpoint of the
-    // dequantized first and last codes, first * scale, last * scale, unused} (fp32); the stage's P [head][token] (fp16;
-    // rows past GQA unused) and the previous stage's header, for the corrections made an iteration later
-    unsigned short* const key_patch =
-        reinterpret_cast<unsigned short*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    float* const value_corrections = reinterpret_cast<float*>(key_patch + ST * S::PATCH_ROW);
+    // outliers (OUT): the stage's score corrections [head][token], sum over the token's key outliers of the query's
+    // product with the rotated (exact - dequantized) key, in the scores' log2 units; each warp's value corrections
+    // [warp][head][D], sum over its tokens' value outliers of P (exact - dequantized), in the units and softmax scale of
+    // its output; per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero}
+    // (fp32); the stage's P [head][token] (fp16; rows past GQA unused) and the previous stage's header, for the value
+    // corrections made an iteration later
+    float* const score_corrections = reinterpret_cast<float*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
+    float* const value_corrections = score_corrections + 8 * ST;
     float* const key_extremes = value_corrections + WARPS * 8 * D;
     unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
     OutlierHeader* const last_header = reinterpret_cast<OutlierHeader*>(stage_p + ST * 8);
@@ -1011,16 +1000,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
     };
 
-    // ---- outliers (OUT): the patches zeroed, the extremes of both codebooks; the pass that patches a stage ----
+    // ---- outliers (OUT): the corrections zeroed, the extremes of both codebooks; the passes that correct a stage ----
     // An outlier lies outside its thresholds, so its code is the codebook's first or last entry (the nearest to the
     // clamped value, kvcal.quantizers.CodebookCodec.encode) and which one follows the side of the midpoint it lies on:
-    // its patch is the exact value minus that entry dequantized (clamped to fp16's range).
+    // its correction is the exact value minus that entry dequantized.
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        const uint4* const zeros = reinterpret_cast<const uint4*>(key_zero + (long long)kvh * D);  // D / 8 chunks a row
-        for (int i = tid; i < ST * D / 8; i += THREADS) {
-            reinterpret_cast<uint4*>(key_patch + i / (D / 8) * S::PATCH_ROW)[i % (D / 8)] = __ldg(zeros + i % (D / 8));
-        }
+        for (int i = tid; i < 8 * ST / 4; i += THREADS) reinterpret_cast<float4*>(score_corrections)[i] = float4{};
         for (int i = tid; i < WARPS * 8 * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
         for (int i = tid; i < ST * 8 / 2; i += THREADS) reinterpret_cast<unsigned*>(stage_p)[i] = 0u;  // (a token no warp computes: 0)
         constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
@@ -1033,11 +1019,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             key_extremes[4 * c] = 0.5f * (key_first + key_last) * scale + zero;
             key_extremes[4 * c + 1] = key_first * scale;
             key_extremes[4 * c + 2] = key_last * scale;
+            key_extremes[4 * c + 3] = zero;
         }
     }
-    const auto patch_half = [](float delta) {  // fp16 bits, clamped to fp16's range
-        return (unsigned short)(pack_half2(fminf(fmaxf(delta, -65504.0f), 65504.0f), 0.0f) & 0xFFFFu);
-    };
     // A stage's outliers, a side at a time, by all threads: thread tid takes outlier lo + tid in one straight round from
     // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
     // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
@@ -1059,17 +1043,31 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         }
     };
-    // The stage's key patches, before its tokens are computed: written by all threads (each element is one outlier: no
-    // conflicts), read and restored by the warp that owns the token. Tokens past the split's end get patches too: their
-    // scores are masked (P = 0), and theirs is the split's last stage, so no later stage reads what their warps leave
-    // unrestored.
-    const auto patch_keys = [&](const unsigned char* stage) {  // its buffer
+    // The stage's key outliers as score corrections, before its tokens are computed (the query rotated to the stage is
+    // ready: iteration tile - 1 made it). The key at offset delta rotates by R(delta), so an error e in channel c of the
+    // first half (a) moves the rotated channels c and c + D / 2 by e cos and e sin, one in the second half (b) by
+    // -e sin and e cos: the score of head h moves by e (q[c] cos + q[c + D / 2] sin), or e (q[c] cos - q[c - D / 2] sin),
+    // with the very fp16 query fragments and rotation table the scores use. Two outliers of one token meet: atomics.
+    const auto correct_keys = [&](const unsigned char* stage, int tile) {
         const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+        const unsigned short* const q_halves = reinterpret_cast<const unsigned short*>(q_stage + (tile & 1) * S::QSTAGE_WORDS);
+        const unsigned short* const rope_halves = reinterpret_cast<const unsigned short*>(rope_smem);
         each_outlier(stage, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
             const float x = half_to_float((unsigned short)value);
-            const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];  // the addend: zero + (exact - dequantized)
-            key_patch[token * S::PATCH_ROW + c] = patch_half(x - (x > e.x ? e.z : e.y));
+            const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];
+            const float error = x - (x > e.x ? e.z : e.y) - e.w;
+            // channel c's place: lane part t, pair q of the half (key_channel: codebook pairs are neighbours), element i
+            const int a = c % (D / 2), part = a / (D / 8), q = a % (D / 8) / 2, i = a & 1;
+            const float cos = half_to_float(rope_halves[2 * rope_pair_word<D>(token, part, q) + i]);
+            const float sin = half_to_float(rope_halves[2 * (rope_pair_word<D>(token, part, q) + 1) + i]);
+            const float first = c < D / 2 ? cos : -sin, second = c < D / 2 ? sin : cos;  // the weights of q[a], q[a + D / 2]
+#pragma unroll
+            for (int head = 0; head < GQA; ++head) {
+                const float qa = half_to_float(q_halves[2 * q_stage_word(q, head * 4 + part) + i]);
+                const float qb = half_to_float(q_halves[2 * q_stage_word(q + D / 16, head * 4 + part) + i]);
+                atomicAdd(score_corrections + head * ST + token, error * (qa * first + qb * second));
+            }
         });
     };
     // A computed stage's value outliers as sparse corrections, once its P is known (an iteration later, or after the
@@ -1162,8 +1160,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (S::PRIVATE) __syncwarp();
         else __syncthreads();
         unsigned char* const buffer = stage_buffer(tile);
-        if constexpr (OUT) {  // this stage's key patches, the last one's value corrections
-            patch_keys(buffer);
+        if constexpr (OUT) {  // this stage's score corrections, the last one's value corrections
+            correct_keys(buffer, tile);
             if (tile > 0) correct_values(stage_buffer(tile - 1), tile - 1);
             __syncthreads();
             if (tid == 0) {  // the header into the last one's place, then the next ranges into this stage's buffer
@@ -1292,20 +1290,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 for (int q = 0; q < CP; ++q) ks[h * CP + q] = ks2[h * HP + c * CP + q], kz[h * CP + q] = kz2[h * HP + c * CP + q];
                             }
                         }
-                        unsigned za[CP], zb[CP];  // the addends: zero points (outliers: the key tile's zero + patch)
-                        if constexpr (OUT) {
-                            unsigned short* const patch = key_patch + delta * S::PATCH_ROW + t * (D / 8) + c * CP * 2;
-                            load_words(za, patch);
-                            load_words(zb, patch + D / 2);
-                            store_words<CP>(patch, kz);
-                            store_words<CP>(patch + D / 2, kz + CP);
-                        } else {
-#pragma unroll
-                            for (int q = 0; q < CP; ++q) za[q] = kz[q], zb[q] = kz[CP + q];
-                        }
 #pragma unroll
                         for (int q = 0; q < CP; ++q) {
-                            const unsigned a = hfma2_bits(kf[q], ks[q], za[q]), r = hfma2_bits(kf[CP + q], ks[CP + q], zb[q]);
+                            const unsigned a = hfma2_bits(kf[q], ks[q], kz[q]), r = hfma2_bits(kf[CP + q], ks[CP + q], kz[CP + q]);
                             const unsigned cos = cs[2 * q], sin = cs[2 * q + 1];
                             kf[q] = hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));  // a cos - b sin
                             kf[CP + q] = hfma2_bits(r, cos, hmul2(a, sin));         // b cos + a sin
@@ -1348,6 +1335,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     paired_k_steps(acc, acc2, qk, kf);
                 }
                 sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
+            }
+            if constexpr (OUT) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float2* const at = reinterpret_cast<float2*>(score_corrections + g * ST + tb + 8 * nt + 2 * t);
+                    const float2 d = *at;
+                    *at = float2{0.0f, 0.0f};
+                    sc[nt][0] += d.x, sc[nt][1] += d.y;
+                }
             }
             // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
             // sees (warp-uniform)

@@ -450,8 +450,8 @@ MUTANTS = {
     "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
     # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them
     "outlier-extreme-code": ("nuq4-out-rope", "(x > e.x ? e.z : e.y)", "(x > e.x ? e.y : e.z)", "3"),
-    "outlier-key-patch-half": ("nuq3-out-rope", "load_words(zb, patch + D / 2);", "load_words(zb, patch);", "3"),
-    "outlier-key-zero-restored": ("nuq4-out-rope", "store_words<CP>(patch + D / 2, kz + CP);", "store_words<CP>(patch + D / 2, kz);", "3"),
+    "outlier-key-rotation-half": ("nuq3-out-rope", "c < D / 2 ? cos : -sin", "c < D / 2 ? cos : sin", "3"),
+    "outlier-key-zero": ("nuq4-out-rope", "(x > e.x ? e.z : e.y) - e.w;", "(x > e.x ? e.z : e.y);", "3"),
     "outlier-value-token": ("nuq3-out-rope", "stage_p[head * ST + token]", "stage_p[head * ST + (token ^ 1)]", "3"),
     "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
@@ -466,7 +466,7 @@ MUTANTS = {
     # a lane-private 3-bit table (pre-RoPE codebooks at 64 / 128): the index byte, the entry each lane's column holds
     "nuq3-lane-table-byte": ("nuq3-rope", "prmt(odd, 0u, 0x4440u + k)", "prmt(odd, 0u, 0x4440u + (k ^ 1))"),
     "nuq3-lane-table-entry": ("nuq3-out-rope", "__ldg(from + i / 32)", "__ldg(from + i % 64)", "3"),
-    "outlier-key-patch-row": ("nuq3-out-rope", "key_patch[token * S::PATCH_ROW + c]", "key_patch[token * D + c]", "3"),
+    "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * ST + token,", "score_corrections + head * ST + (token ^ 1),", "3"),
     "outlier-first-round": ("nuq3-out-rope", "if (from + tid < to) patch(", "if (from + tid < from) patch(", "3"),
     # head_dim 256: a whole planes3 unit's second half, a key block's parameters in two rounds of a warp's lanes
     "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),

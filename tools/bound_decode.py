@@ -196,10 +196,11 @@ class TensorCoreKernel:
 
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
         rounds = self._variant(case).stage_tokens // (4 * (THREADS // (SHAPE["head_dim"] // 4)))
-        # a value correction's shared-memory atomicAdd is a compare-and-swap loop: one trip where no other lane adds to the
-        # same (warp, head, channel) at once
+        # an outlier correction's shared-memory atomicAdd is a compare-and-swap loop: one trip where no other lane adds to
+        # the same (warp, head, channel) or (head, token) at once
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
                 (r"atomicAdd\(corrections \+ head \* D", 1.0, None),
+                (r"atomicAdd\(score_corrections \+ head \* ST \+ token", 1.0, None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None)]
 
     def sites(self, case: Case) -> list:

@@ -197,10 +197,10 @@ class Variant:
         outliers = 0
         if self.outliers:
             stage += 32 + 4 * OUTLIER_SLOTS * 2  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side
-            patch_row = d + (32 if d == 64 else 8)  # tc::Shape::PATCH_ROW: the key patch tile's padded rows (halves)
-            # the key patch tile, the warps' value corrections (fp32 [warp][8 heads][d]), 4 floats per key channel, the
-            # stage's P (fp16 [8 heads][st]), the last stage's 32-byte header, the two sides' 32-byte run descriptions
-            outliers = st * patch_row * 2 + WARPS * 8 * d * 4 + 4 * d * 4 + st * 8 * 2 + 32 + 2 * 32
+            # the stage's score corrections (fp32 [8 heads][st]), the warps' value corrections (fp32 [warp][8 heads][d]),
+            # 4 floats per key channel, the stage's P (fp16 [8 heads][st]), the last stage's 32-byte header, the two
+            # sides' 32-byte run descriptions
+            outliers = 8 * st * 4 + WARPS * 8 * d * 4 + 4 * d * 4 + st * 8 * 2 + 32 + 2 * 32
         rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
         return max(rings * stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
 
