@@ -112,13 +112,13 @@ class Case:
 # ---- What the walk knows about each kernel: update it with the kernel. ----
 class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
-    warps stream ST tokens an iteration (Variant.stage_tokens: 64, or 128 for the WIDE variants) through cp.async
-    pipelines, TPW = ST / 4 of them per warp: uniform codes with post-RoPE keys in a pipeline per warp (Variant.private:
-    each warp copies and computes its own quarter of the split, behind __syncwarp), the others in one of the block
-    (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the stage, behind
-    __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every copy live, a new
-    key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at 32K tokens a new
-    maximum is rare)."""
+    warps stream BLOCK_ST tokens an iteration (Variant.stage_tokens: 64, or 128 for the WIDE variants) through
+    cp.async pipelines, TPW = BLOCK_ST / 4 of them per warp: uniform codes with post-RoPE keys in a pipeline per warp
+    (Variant.private: each warp copies and computes its own quarter of the split, behind __syncwarp), the others in
+    one of the block (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the
+    stage, behind __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every
+    copy live, a new key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at
+    32K tokens a new maximum is rare)."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
