@@ -135,6 +135,28 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, r
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_context_loaded_a_sequence_at_a_time_is_stored_as_in_one_append(recipe_bundles, recipe):
+    """WiredCache.load's chunks (whole sequences, chunk_bytes of fp16 rows at most) change nothing it stores: three
+    sequences loaded one per append read back exactly as loaded in one append, every layer, and the next step's
+    logits are equal."""
+    from kvcal.runtime.cache import fp_context
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (3, 150), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        context = fp_context(model, ids[:, :-1])
+        stored, logits = [], []
+        for chunk_bytes in (2**30, 1):
+            with quantized_cache(model, recipe_bundles[recipe]) as cache:
+                cache.load(context, chunk_bytes=chunk_bytes)
+                stored.append([store.read(b) for store, b in cache.stores()])
+                logits.append(model(ids[:, -1:], past_key_values=cache, use_cache=True).logits)
+    assert len(stored[0]) == 3 * 2 * model.config.num_hidden_layers
+    assert all(torch.equal(whole, chunked) for whole, chunked in zip(*stored))
+    assert torch.equal(*logits)
+
+
 def test_an_fp_context_prefilled_in_steps_holds_every_token_of_a_sliding_layer(gemma3_bundles):
     """fp_context in steps of 7 tokens on the tiny Gemma 3 (a 16-token window): every layer holds all 49 tokens, as
     one step gives them, its cache continues with the model's own next-token logits, and a bundle's cache loading it

@@ -57,6 +57,7 @@ from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import upload
 
 ATTENTION_NAME = "kvcal_runtime"
+LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
 
 
 class RuntimeLayer(CacheLayerMixin):
@@ -174,16 +175,21 @@ class RuntimeLayer(CacheLayerMixin):
         for store, new in ((self.keys_store, new_keys), (self.values_store, new_values)):
             store.append_rows(seqs, counts, plan.real_rows(new, seqs))
 
-    def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor, offsets: list[int]) -> None:
+    def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor, offsets: list[int],
+             chunk_bytes: int) -> None:
         """Store a context computed elsewhere, rows (batch, tokens, width) unpadded at positions 0.., as if it
-        had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE)."""
+        had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE), a few whole sequences at a
+        time: at most chunk_bytes of fp16 rows per append, or one sequence."""
         batch, tokens, width = values.shape
         self._allocate(batch, width, values.device)
         self.position_offset = offsets
         stored_keys = pre_rope_keys if self.pre_rope else keys
-        seqs, counts = list(range(batch)), [tokens] * batch
-        self.keys_store.append_rows(seqs, counts, stored_keys.reshape(batch * tokens, width).half())
-        self.values_store.append_rows(seqs, counts, values.reshape(batch * tokens, width).half())
+        step = max(1, chunk_bytes // (2 * tokens * width))
+        for first in range(0, batch, step):
+            seqs = list(range(first, min(first + step, batch)))
+            counts = [tokens] * len(seqs)
+            for store, rows in ((self.keys_store, stored_keys), (self.values_store, values)):
+                store.append_rows(seqs, counts, rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, width).half())
         self.padded_length = tokens
         self._drop_out_of_window()
 
@@ -424,13 +430,16 @@ class WiredCache(Cache):
     def outliers(self) -> int:
         return sum(store.outliers(b) for store, b in self.stores())
 
-    def load(self, context: FpContext) -> None:
-        """Fill the empty cache with a context's keys and values (see FpContext)."""
+    def load(self, context: FpContext, chunk_bytes: int = LOAD_CHUNK_BYTES) -> None:
+        """Fill the empty cache with a context's keys and values (see FpContext), a layer at a time and within a
+        layer a few whole sequences at a time: besides the cache, the load holds at most chunk_bytes of fp16 rows (or
+        one sequence's) and what the encoders make of them, whatever the batch (a context's rows may be views of one
+        sequence's, expanded)."""
         self._check_open()
         batch, tokens = context.values[0].shape[:2]
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
         for layer, keys, pre_rope_keys, values in zip(self.layers, context.keys, context.pre_rope_keys, context.values):
-            layer.load(keys, pre_rope_keys, values, self.position_offset)
+            layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
 
     def tokens(self) -> list[int]:
         """Tokens each sequence has had (its sliding-window layers hold fewer)."""

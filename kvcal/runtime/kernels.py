@@ -293,7 +293,7 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, table
     tile_group, tile = started_tiles(starts, counts)
     tile_rows = np.array(first_rows, dtype=np.int64)[tile_group] + tile * OUTLIER_TILE_TOKENS - np.array(starts, dtype=np.int64)[tile_group]
     groups = upload([first_rows, last_rows, seqs], device)
-    group_of_row = upload([g for g, c in enumerate(counts) for _ in range(c)], device)
+    group_of_row = upload(np.repeat(np.arange(len(counts)), counts), device)
     tiles = upload(np.stack([tile_group, np.array(seqs, dtype=np.int64)[tile_group], tile, tile_rows]), device)
     group_firsts = row_firsts.index_select(0, groups[0])  # (groups, heads)
     per_group = row_ends.index_select(0, groups[1]) - group_firsts

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from kvcal.runtime.store import Fp16Rows, PackedRows, upload
+from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
 from kvcal.kv import SegmentPolicy, window_dropped
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
@@ -102,15 +102,15 @@ class SegmentedStore:
             self.rpc[b] = route[3]
         if counts.count(1) == len(counts) and len(set(routes)) == 1 and self._append_one_each(seqs, counts, routes[0], x):
             return
-        sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, rows of x) each
+        sink, new, recent = ([], [], []), ([], [], []), ([], [], [])  # (sequences, counts, first rows in x) each
         old_seqs, old_counts = [], []  # recent tokens leaving from the front of the fp16 segment
         body_seqs, body_counts, from_old_first = [], [], []  # what the body gets, per sequence: old tokens first
         first = 0
         for b, n, (to_sink, leaving, from_old, _) in zip(seqs, counts, routes):
             from_new = leaving - from_old
-            _add(sink, b, range(first, first + to_sink))
-            _add(new, b, range(first + to_sink, first + to_sink + from_new))
-            _add(recent, b, range(first + to_sink + from_new, first + n))
+            _add(sink, b, first, to_sink)
+            _add(new, b, first + to_sink, from_new)
+            _add(recent, b, first + to_sink + from_new, n - to_sink - from_new)
             if from_old:
                 old_seqs.append(b)
                 old_counts.append(from_old)
@@ -120,21 +120,21 @@ class SegmentedStore:
                 from_old_first.append(from_old)
             first += n
         if sink[0]:
-            self.sink.write(sink[0], sink[1], _rows(x, sink[2]))
+            self.sink.write(sink[0], sink[1], _rows(x, sink[2], sink[1]))
         if body_seqs:
             old = self.recent.take_front(old_seqs, old_counts) if old_seqs else None
-            fresh = _rows(x, new[2]) if new[2] else None
+            fresh = _rows(x, new[2], new[1]) if new[0] else None
             if old is None or fresh is None:
                 leaving_rows = fresh if old is None else old
-            else:  # each sequence's old tokens, then its new ones
-                order, next_old, next_new = [], 0, len(old)
-                for count, from_old in zip(body_counts, from_old_first):
-                    order += [*range(next_old, next_old + from_old), *range(next_new, next_new + count - from_old)]
-                    next_old, next_new = next_old + from_old, next_new + count - from_old
+            else:  # each sequence's old tokens, then its new ones: runs of cat([old, fresh]), interleaved
+                from_old = np.asarray(from_old_first, dtype=np.int64)
+                from_new = np.asarray(body_counts, dtype=np.int64) - from_old
+                firsts = np.stack([np.cumsum(from_old) - from_old, len(old) + np.cumsum(from_new) - from_new], 1)
+                order = spans(firsts.reshape(-1), np.stack([from_old, from_new], 1).reshape(-1))
                 leaving_rows = torch.cat([old, fresh.to(old.dtype)]).index_select(0, upload(order, old.device))
             self.body.append_rows(body_seqs, body_counts, leaving_rows)
         if recent[0]:
-            self.recent.write(recent[0], recent[1], _rows(x, recent[2]))
+            self.recent.write(recent[0], recent[1], _rows(x, recent[2], recent[1]))
 
     def _append_one_each(self, seqs: list[int], ones: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:
         """A decode step's steady cases, every sequence one token (ones: its counts) routed alike (the cases of
@@ -274,16 +274,18 @@ def out_of_window(keys: SegmentedStore, values: SegmentedStore, window: int) -> 
             for b in range(len(keys.dropped))]
 
 
-def _add(target: tuple[list, list, list], b: int, rows: range) -> None:
-    if len(rows):
+def _add(target: tuple[list, list, list], b: int, first: int, count: int) -> None:
+    if count:
         target[0].append(b)
-        target[1].append(len(rows))
-        target[2].extend(rows)
+        target[1].append(count)
+        target[2].append(first)
 
 
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows], without a copy when rows are all of x in order."""
-    return x if len(rows) == len(x) and (not rows or rows[-1] == len(x) - 1) else x.index_select(0, upload(rows, x.device))
+def _rows(x: torch.Tensor, firsts: list[int], counts: list[int]) -> torch.Tensor:
+    """Rows firsts[i] .. firsts[i] + counts[i] - 1 of x for every i, in order: a view when they are one run."""
+    if all(firsts[i + 1] == firsts[i] + counts[i] for i in range(len(firsts) - 1)):
+        return x[firsts[0] : firsts[0] + sum(counts)]
+    return x.index_select(0, upload(spans(firsts, counts), x.device))
 
 
 def assemble(parts: list[tuple[torch.Tensor, list[int], list[int]]], memo: dict | None = None, heads: int | None = None) -> torch.Tensor:
