@@ -10,7 +10,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
                StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`), with two
-               steps of each cache of the first cell traced (the first batch, 1 by default: where the host side shows)
+               steps of each cache of the first cell traced (the first batch, 1 by default: where the host side shows),
+               then the largest batch StaticCache and each recipe decode at the longest length (--generate-largest tries)
   ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`); skipped
                without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
@@ -116,7 +117,7 @@ def stages(args) -> list[Stage]:
     xdist = ["-n", "12", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
-                "--new-tokens", "16", "--torch-profile", "2", "--seed", str(args.seed)]
+                "--new-tokens", "16", "--torch-profile", "2", "--largest-batch", str(args.generate_largest), "--seed", str(args.seed)]
     found = [
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
@@ -124,10 +125,10 @@ def stages(args) -> list[Stage]:
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 330, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
-        Stage("generate", [*bench("end_to_end", "gpu"), *generate], 240, 90,
+        Stage("generate", [*bench("end_to_end", "gpu"), *generate], 330, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--torch-profile", "1", "--profile-seqlen", "64",
-               "--seed", str(args.seed)]),
+               "--largest-batch", str(min(args.generate_largest, 2)), "--seed", str(args.seed)]),
     ]
     if args.baseline_tree is not None:
         found.append(Stage("ab", [*bench("kernels", "ab"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,
@@ -208,6 +209,12 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
                   "| cache | ms/step | tokens/s | x Static | cache GiB | max batch (predicted) |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['cache']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['speedup_vs_static']:.2f} | {r['cache_gib']} | "
                   f"{r['max_batch_predicted']} |" for r in generate["results"] if r["length"] == longest and r["batch"] == widest]
+        if generate.get("largest"):
+            lines += ["", f"The largest batch at L={longest}, tried:", "",
+                      "| cache | predicted | largest that ran | smallest that failed | tokens/s there | tokens/s x Static |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {r['cache']} | {r['predicted']} | {r['largest_batch']} | {r['first_failed']} | {r['tokens_per_s']} | "
+                      f"{r['tokens_per_s_vs_static']} |" for r in generate["largest"]]
     profile = _load(results, "profile_decode_tc")
     if profile:
         lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 | tensor | shared wavefronts | top stalls |",
@@ -250,6 +257,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-batches", default="1,8", help="batches of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-recipes", default="kvquant,kivi,kvmix", help="kvcal recipes of the end-to-end stage (default: %(default)s)")
+    parser.add_argument("--generate-largest", type=int, default=3, metavar="TRIES",
+                        help="largest-batch tries per cache at the longest generate length (0: none; default: %(default)s)")
     parser.add_argument("--only", default="", help="run only these stages, comma-separated (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="CPU stand-ins for the GPU stages (see above)")
     args = parser.parse_args(argv)
@@ -259,6 +268,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--baseline-tree {args.baseline_tree}: no kernels/decode_attention_tc.cu there; give a kvcal tree")
     if args.budget_s <= 0:
         parser.error("--budget-s is a positive number of seconds")
+    if args.generate_largest < 0:
+        parser.error("--generate-largest is 0 or more tries")
     known = {"environment", "kernels", "suite", "generate", "ab", "ncu"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")

@@ -32,9 +32,10 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     assert caches == {"StaticCache", "DynamicCache", "kvcal kivi"}
     assert {(r["length"], r["batch"]) for r in generated["results"]} == {(64, 1), (64, 2), (128, 1), (128, 2)}
     assert sorted(generated["torch_profiles"]) == [f"{cache}, L=64, B=1" for cache in ("DynamicCache", "StaticCache", "kvcal kivi")]
+    assert [(r["cache"], r["length"], len(r["tries"])) for r in generated["largest"]] == [("StaticCache", 128, 2), ("kvcal kivi", 128, 2)]
     summary = (out / "summary.md").read_text()
     assert done.stdout.rstrip().endswith(summary.rstrip())
-    assert "| generate | ok |" in summary and "| kvcal kivi |" in summary
+    assert "| generate | ok |" in summary and "| kvcal kivi |" in summary and "The largest batch at L=128, tried:" in summary
 
 
 def test_a_stage_past_its_limit_is_interrupted_then_killed_and_one_the_budget_cannot_hold_is_skipped(tmp_path):
@@ -91,6 +92,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_i
     (["{new}", "--baseline-tree", "{new}"], "no kernels/decode_attention_tc.cu there"),
     (["{new}", "--only", "kernels,lunch"], "stages are"),
     (["{new}", "--budget-s", "0"], "a positive number of seconds"),
+    (["{new}", "--generate-largest", "-1"], "0 or more tries"),
 ])
 def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, tmp_path, capsys):
     (tmp_path / "nonempty").mkdir()
@@ -108,6 +110,7 @@ def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arg
     (["--baselines", "static,flash", "--device", "cpu"], "unknown baseline(s) flash"),
     (["--new-tokens", "2", "--device", "cpu"], "at least 3"),
     (["--layers", "0", "--device", "cpu"], "--layers is at least 1"),
+    (["--largest-batch", "-2", "--device", "cpu"], "--largest-batch 0 or more tries"),
 ])
 def test_the_end_to_end_script_refuses_bad_arguments_with_one_line(arguments, problem, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -132,3 +135,34 @@ def test_the_end_to_end_script_saves_each_finished_cell_so_a_stopped_run_keeps_t
     assert cells == [{(64, 1)}, {(64, 1), (64, 2)}]
     assert [r["cache"] for r in saved[0]["results"]] == ["StaticCache", "kvcal kivi"]
     assert saved[-1] == json.loads(json.dumps(final))
+
+
+def test_the_largest_batch_search_climbs_while_batches_run_then_halves_the_gap_to_the_first_that_failed():
+    runs = lambda most: lambda batch: {"batch": batch} if batch <= most else None  # noqa: E731
+    done, failed, tried = generate.largest_batch(runs(31), 27, 8)
+    assert (done, failed) == (31, 32) and [(b, r is not None) for b, r in tried] == [
+        (27, True), (30, True), (33, False), (31, True), (32, False)]
+    done, failed, tried = generate.largest_batch(runs(20), 27, 3)  # down from a prediction that failed, tries spent
+    assert (done, failed) == (None, 21) and [b for b, _ in tried] == [27, 24, 21]
+    done, failed, tried = generate.largest_batch(runs(20), 27, 8)
+    assert (done, failed) == (20, 21) and [b for b, _ in tried] == [27, 24, 21, 19, 20]
+    assert generate.largest_batch(runs(0), 2, 5)[:2] == (None, 1)  # not even one sequence: it stops at 1
+
+
+def test_a_kvcal_cache_that_fails_to_load_leaves_the_model_unwired(recipe_bundles):
+    """A largest-batch try that runs out of memory while loading must not leave the model wired to the cache it was
+    making: here the load fails on a context of the wrong width, and the model decodes with its own SDPA after it."""
+    import torch
+
+    from conftest import tiny_model
+    from kvcal.runtime.cache import FpContext, fp_context
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        context = fp_context(model, ids[:, :-1])
+        narrow = FpContext(context.keys, context.pre_rope_keys, [v[..., :-8] for v in context.values], context.cache)
+        make = dict(generate.makers(model, narrow, 2, 40, 4, {"kivi": recipe_bundles["kivi"]}, []))["kvcal kivi"]
+        with pytest.raises(RuntimeError):
+            make()
+        assert model.config._attn_implementation == "sdpa"

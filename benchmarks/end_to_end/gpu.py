@@ -17,15 +17,20 @@ first and last in each cell; ratios are to the mean of the two.
 
 Memory: the cache's own bytes (kvcal: WiredCache.used_bytes; StaticCache / DynamicCache: their tensors) and the peak
 GPU memory above what was allocated before the cache was made (torch.cuda.max_memory_allocated: the cache, its
-loading and the decode steps). The largest batch at L is predicted, not tried: (device memory - model weights) / that
-peak per sequence, rounded down.
+loading and the decode steps). The largest batch at L is predicted: (device memory - model weights) / that peak per
+sequence, rounded down. With --largest-batch TRIES it is also tried, at the longest length, for StaticCache and every
+kvcal recipe: from the prediction up by 10% while a batch loads and decodes, down once one runs out of device memory,
+then halving the gap (largest_batch), TRIES tries at most per cache; each try loads the context and times
+LARGEST_STEPS - 1 decode steps, so that the table gives tokens/s at the largest batch that ran (memory turned into
+throughput). On a CPU nothing runs out: the tries only climb.
 
 Where the Python side of a step dominates: with two lengths the step time is fitted as a + b L per cache (a: the
 part that does not grow with the context: weights read, launches and Python; b: reading the cache); the weights' read
 time at copy bandwidth is printed beside a.
 
 Usage: python -m benchmarks.end_to_end gpu [--lengths 8192,32768] [--batches 1,8] [--recipes all]
-       [--new-tokens 16] [--profile-windows 2] [--shape llama-8b|tiny] [--device cuda|cpu]      (see --help)
+       [--new-tokens 16] [--profile-windows 2] [--largest-batch TRIES] [--shape llama-8b|tiny] [--device cuda|cpu]
+       (see --help)
 CPU dry run at a tiny size: python -m benchmarks.end_to_end gpu --shape tiny --device cpu --lengths 64,128 --batches 1,2
 Writes benchmarks/results/generate_<device>.{json,md} after each finished (L, B) cell, so a run stopped part way keeps
 the cells it finished (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
@@ -61,6 +66,8 @@ SHAPES = {  # LlamaConfig fields: Llama-3.1-8B's shape, and a tiny one for CPU d
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 BASELINE = "StaticCache"
+LARGEST_STEPS = 4  # new tokens per largest-batch try (the first step is not timed)
+LARGEST_GROWTH = 1.1  # a largest-batch try after one that ran asks for this much more, after one that did not this much less
 QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}  # transformers' QuantizedCache backends
 
 
@@ -87,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                         help="also trace STEPS decode steps of each cache of the first cell with torch.profiler; the "
                              "tables go into the Markdown (default: none)")
+    parser.add_argument("--largest-batch", type=int, default=0, metavar="TRIES",
+                        help="at the longest length, try up to TRIES batches per cache (StaticCache, kvcal's) for the "
+                             "largest that loads and decodes, from the predicted one (default: 0, predicted only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: generate_<device>)")
     args = parser.parse_args(argv)
@@ -110,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from static, dynamic, quanto, hqq")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first step is not timed)")
-    if args.layers is not None and args.layers < 1 or args.torch_profile < 0:
-        parser.error("--layers is at least 1 and --torch-profile 0 or more steps")
+    if args.layers is not None and args.layers < 1 or args.torch_profile < 0 or args.largest_batch < 0:
+        parser.error("--layers is at least 1, --torch-profile 0 or more steps and --largest-batch 0 or more tries")
     if args.profile_windows < 1 or args.profile_seqlen < 2:
         parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -258,7 +268,11 @@ def makers(model, context, batch: int, length: int, new_tokens: int, bundles: di
     def kvcal_cache(bundle):
         def make():
             cache = quantized_cache(model, bundle)
-            cache.load(batched(context, batch))
+            try:
+                cache.load(batched(context, batch))
+            except BaseException:  # (out of device memory in a largest-batch try: the model is unwired again)
+                cache.close()
+                raise
             return cache, lambda cache: cache.used_bytes()
         return make
 
@@ -304,9 +318,11 @@ def run_cache(model, prompt: torch.Tensor, new_tokens: int, make, device: str, c
     cache, bytes_of = make()
     loaded = clock() - began
     stamps = Stamps(clock)
-    generate_steps(model, prompt, cache, new_tokens, stamps)
-    stored = bytes_of(cache)
-    closed(cache)
+    try:
+        generate_steps(model, prompt, cache, new_tokens, stamps)
+        stored = bytes_of(cache)
+    finally:
+        closed(cache)
     del cache
     steps = sorted(b - a for a, b in zip(stamps.times, stamps.times[1:]))
     return {"ms_per_step": round(1000 * steps[len(steps) // 2], 3), "ms_per_step_min": round(1000 * steps[0], 3),
@@ -358,6 +374,72 @@ def available(baselines: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the largest batch
+
+
+def largest_batch(run, start: int, tries: int) -> tuple[int | None, int | None, list]:
+    """The largest batch run(batch) completes (returns a result; None: it ran out of memory), in `tries` tries at
+    most: from `start` up by LARGEST_GROWTH while it completes, down by it until one does, then halving the gap
+    between the largest that completed and the smallest that did not. Returns (that largest or None, that smallest
+    or None, [(batch, result), ...] in the order tried)."""
+    done, failed, tried, batch = None, None, [], start
+    while len(tried) < tries and batch >= 1:
+        result = run(batch)
+        tried.append((batch, result))
+        if result is None:
+            failed = batch
+        else:
+            done = batch
+        if done is not None and failed is not None:
+            batch = (done + failed) // 2
+            if batch == done:  # nothing left between them
+                break
+        elif result is None:
+            batch = min(batch - 1, math.floor(batch / LARGEST_GROWTH))
+        else:
+            batch = max(batch + 1, math.ceil(batch * LARGEST_GROWTH))
+    return done, failed, tried
+
+
+OUT_OF_MEMORY = (torch.OutOfMemoryError,)
+
+
+def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles: dict, args, clock: Clock):
+    """For StaticCache, then each kvcal recipe at this length (rows: its cells), the largest batch that loads and
+    decodes, args.largest_batch tries each from its predicted largest batch (or, where none is predicted, twice the
+    cells' largest), with tokens/s there: a row per cache as each is done."""
+    length = ids.shape[1]
+    static = None
+    for name in [BASELINE, *(f"kvcal {recipe}" for recipe in bundles)]:
+        cells = [r for r in rows if r["cache"] == name and r["length"] == length]
+        widest = max(cells, key=lambda r: r["batch"])
+        start = widest["max_batch_predicted"] or 2 * widest["batch"]
+
+        def run(batch: int, name=name):
+            make = dict(makers(model, context, batch, length, LARGEST_STEPS, bundles, []))[name]
+            try:
+                result = run_cache(model, ids.expand(batch, length), LARGEST_STEPS, make, args.device, clock)
+            except OUT_OF_MEMORY:
+                result = None
+            reset_peak(args.device)
+            print(f"  largest batch, {name}: B={batch} " + ("out of memory" if result is None else
+                  f"ran, {result['ms_per_step']:.2f} ms/step, peak {result['peak_gib']} GiB"), flush=True)
+            return result
+
+        done, failed, tried = largest_batch(run, start, args.largest_batch)
+        best = dict(tried)[done] if done is not None else {}
+        row = {"cache": name, "length": length, "predicted": widest["max_batch_predicted"], "largest_batch": done,
+               "first_failed": failed, "tries": [[b, r is not None] for b, r in tried],
+               "ms_per_step": best.get("ms_per_step"), "peak_gib": best.get("peak_gib"),
+               "tokens_per_s": round(1000 * done / best["ms_per_step"], 1) if best else None}
+        static = static or row
+        both = static["largest_batch"] and row["largest_batch"]
+        row["batch_vs_static"] = round(row["largest_batch"] / static["largest_batch"], 2) if both else None
+        row["tokens_per_s_vs_static"] = round(row["tokens_per_s"] / static["tokens_per_s"], 2) if both else None
+        yield row
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def measure(args, save) -> dict:
@@ -376,11 +458,11 @@ def measure(args, save) -> dict:
     settings = {"shape": args.shape, "config": model.config.to_diff_dict(), "dtype": str(model.dtype),
                 "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
                 "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
-                "seed": args.seed, "weights_gib": gib(weights),
+                "seed": args.seed, "weights_gib": gib(weights), "largest_batch_tries": args.largest_batch,
                 "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None}
     with tempfile.TemporaryDirectory() as folder:
         bundles, profile = make_bundles(model, args, Path(folder), clock)
-        record = {"settings": settings, "profile": profile, "results": rows, "fits": [], "torch_profiles": traces}
+        record = {"settings": settings, "profile": profile, "results": rows, "fits": [], "torch_profiles": traces, "largest": []}
         generator = torch.Generator().manual_seed(args.seed)
         for length in args.lengths:
             ids = torch.randint(model.config.vocab_size, (1, length), generator=generator).to(device)
@@ -404,6 +486,12 @@ def measure(args, save) -> dict:
                                    for name, make in chosen[:-1]})
                 record["fits"] = fitted_steps(rows)
                 save(record)
+            if args.largest_batch and length == max(args.lengths):
+                print(f"\n{length} tokens: the largest batch, {args.largest_batch} tries per cache", flush=True)
+                with torch.inference_mode():
+                    for row in largest_batches(model, context, ids, rows, bundles, args, clock):
+                        record["largest"].append(row)
+                        save(record)
             del context
             reset_peak(device)
     return record
@@ -452,7 +540,7 @@ def table(result: dict, started: dict) -> list[str]:
              "the same tokens; every cache on the same eager model); x Static: StaticCache's step time (the mean of its runs "
              "first and last in the cell) over the cache's; x fastest fp: the same with the faster of StaticCache and "
              "DynamicCache; peak: GPU memory above what was allocated before the cache; max batch: (device memory - weights) / "
-             "peak per sequence, predicted, not tried.", ""]
+             "peak per sequence, predicted.", ""]
     lines += [f"Left out: {why}" for why in settings["left_out"].values()]
     profile = result["profile"]
     if "profile_window_s" in profile:
@@ -470,6 +558,16 @@ def table(result: dict, started: dict) -> list[str]:
         lines += ["", "Step time fitted as a + b L (a: what does not grow with the context: weights, launches, Python; "
                   f"weights alone: {settings['weights_gib']} GiB):", "", "| cache | B | a ms | b ms per 1K tokens |", "|---|---|---|---|"]
         lines += [f"| {f['cache']} | {f['batch']} | {f['fixed_ms']} | {f['ms_per_1k_tokens']} |" for f in result["fits"]]
+    if result.get("largest"):
+        length = result["largest"][0]["length"]
+        lines += ["", f"The largest batch at L={length}, tried ({settings['largest_batch_tries']} tries per cache from the predicted "
+                  f"one; each loads the context and times {LARGEST_STEPS - 1} decode steps; ran: loaded and decoded, failed: "
+                  "ran out of device memory):", "",
+                  "| cache | predicted | largest that ran | smallest that failed | ms/step there | tokens/s there | peak GiB | "
+                  "batch x Static | tokens/s x Static | tries |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['predicted']} | {r['largest_batch']} | {r['first_failed']} | {r['ms_per_step']} | "
+                  f"{r['tokens_per_s']} | {r['peak_gib']} | {r['batch_vs_static']} | {r['tokens_per_s_vs_static']} | "
+                  + ", ".join(f"{b} {'ran' if ok else 'failed'}" for b, ok in r["tries"]) + " |" for r in result["largest"]]
     for title, trace in result["torch_profiles"].items():
         lines += ["", f"torch.profiler, {title} (its own overhead included):", "", "```", trace.rstrip(), "```"]
     return lines
