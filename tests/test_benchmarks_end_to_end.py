@@ -48,7 +48,8 @@ def test_quantized_cache_memory_counts_what_transformers_holds_and_names_its_ref
 def test_the_host_benchmark_times_the_cuda_path_of_every_cache_it_names():
     """A run at a tiny size: the kvcal cache decodes on the CUDA path with its launches skipped (past KIVI's 128-token
     residual: the value append and one tensor-core decode launch per layer and step, a key block's append now and
-    then), and StaticCache and DynamicCache rows give their torch operations only."""
+    then) and its load of the prompt's context is timed, and StaticCache and DynamicCache rows give their torch
+    operations only."""
     from benchmarks.end_to_end import host
 
     args = host.parse_args(["--recipes", "kivi", "--batches", "2", "--length", "160", "--new-tokens", "4", "--rounds", "1",
@@ -58,6 +59,7 @@ def test_the_host_benchmark_times_the_cuda_path_of_every_cache_it_names():
     kivi = rows[-1]
     assert {"append_token_uniform", "decode_tc"} <= set(kivi["launched"]) and 2 <= kivi["launches_per_layer"] < 3
     assert kivi["host_us_per_layer"] > 0 and kivi["host_ms_32_layers"] == round(32 * kivi["host_us_per_layer"] / 1000, 2)
+    assert kivi["load_ms_per_layer"] > 0 and 0 <= kivi["load_host_ms_per_layer"] <= kivi["load_ms_per_layer"]
     assert all("host_us_per_layer" not in r and r["torch_ops_per_layer"] > 0 for r in rows[:2])
 
 
@@ -74,4 +76,5 @@ def test_the_host_benchmark_compares_two_trees_run_by_run(tmp_path):
     assert result["baseline_commit"] == head and result["settings"]["rounds"] == 1
     (kivi,) = [r for r in result["results"] if r["cache"] == "kvcal kivi"]
     assert kivi["this_launches_per_layer"] == kivi["baseline_launches_per_layer"] and kivi["ratio"] > 0
+    assert kivi["this_load_host_ms_per_layer"] >= 0 and kivi["baseline_load_host_ms_per_layer"] >= 0
     assert "| 1 | kvcal kivi |" in (tmp_path / "ab.md").read_text()

@@ -19,6 +19,9 @@ step, and a machine shared with other work only adds to it; `32 layers`: that ti
 launches per layer and step, and the torch operations per layer of a step (torch.profiler's top-level CPU events
 of the whole forward, divided by the layers; the median of 3 steps) beside DynamicCache's (its cache update and
 SDPA; on a GPU each operation is a launch of its own). DynamicCache's time is not a row: its attention computes here.
+Also the load of the prompt's context into each kvcal cache (B x --length tokens a layer: the bulk append a prefill
+makes), per layer: its time, and its time outside torch operations (what stays on the host on a GPU, where the
+operations' own work runs on the device), the median of the runs.
 
 A/B (--baseline-tree DIR, another commit's tree, e.g. `git worktree add /tmp/base <commit>`): one run of each tree's
 kvcal package in turn (this tree, then the baseline), --rounds times, each a subprocess of this script; a row gives
@@ -133,6 +136,17 @@ def attention_timed(spent: list[float]):
         cache._runtime_attention = original
 
 
+def timed_load(make) -> tuple:
+    """(the cache make() returns, (its seconds, its seconds outside torch operations)): make() builds a kvcal cache and
+    loads the prompt's context into it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        began = time.perf_counter()
+        cache, _ = make()
+        wall = time.perf_counter() - began
+    inside = sum(event.cpu_time_total for event in trace.events() if event.cpu_parent is None) / 1e6  # us -> s
+    return cache, (wall, max(wall - inside, 0.0))
+
+
 def operations_per_layer(model, prompt: torch.Tensor, make, steps: int = 3) -> float:
     """Torch operations (top-level CPU events) of a decode step of the cache make() returns, per layer: the median of
     `steps` steps (one may be a step whose store grows its buffers)."""
@@ -168,11 +182,13 @@ def measure(args) -> dict:
             kvcal_caches = [(name, make) for name, make in chosen if name.startswith("kvcal")]
             spent = {name: [] for name, _ in kvcal_caches}
             launches = {name: collections.Counter() for name, _ in kvcal_caches}
+            loads = {name: [] for name, _ in kvcal_caches}
             for _ in range(args.rounds):
                 for name, make in kvcal_caches:
                     calls, launched = [], collections.Counter()
                     with launches_skipped(launched), attention_timed(calls):
-                        cache, _ = make()
+                        cache, loaded = timed_load(make)
+                        loads[name].append(loaded)
                         launched.clear()  # (the prefill's appends)
                         gpu.generate_steps(model, prompt, cache, args.new_tokens)
                         gpu.closed(cache)
@@ -188,7 +204,9 @@ def measure(args) -> dict:
                     row.update(host_us_per_layer=per_layer_us, host_ms_32_layers=round(32 * per_layer_us / 1000, 2),
                                host_us_median=round(1e6 * statistics.median(spent[name]), 1),
                                launches_per_layer=round(sum(launches[name].values()) / (args.rounds * args.new_tokens * layers), 2),
-                               launched=sorted(launches[name]))
+                               launched=sorted(launches[name]),
+                               load_ms_per_layer=round(1e3 * statistics.median(w for w, _ in loads[name]) / layers, 2),
+                               load_host_ms_per_layer=round(1e3 * statistics.median(h for _, h in loads[name]) / layers, 2))
                 rows.append(row)
                 print(f"B={batch:<2d} {name:24s} " + "  ".join(f"{k} {v}" for k, v in row.items() if k not in ("cache", "batch")),
                       flush=True)
@@ -209,12 +227,15 @@ def table(result: dict, started: dict) -> list[str]:
              f"of the {settings['timed_steps']} timed steps of every run, and their median; 32 layers: the fastest tenth times "
              "32 (an 8B model's step); torch ops: "
              "top-level operations of a decode step per layer (median of 3 steps), the model's own included (StaticCache and DynamicCache "
-             "for comparison: their cache update and SDPA).", "",
-             "| B | cache | host us per layer | median | 32 layers ms | launches per layer | torch ops per layer |",
-             "|---|---|---|---|---|---|---|"]
+             "for comparison: their cache update and SDPA); load ms: the prompt's context loaded, per layer (B x "
+             f"{settings['length']} tokens), and of that outside torch operations (the host's share on a GPU).", "",
+             "| B | cache | host us per layer | median | 32 layers ms | launches per layer | torch ops per layer | "
+             "load ms per layer | outside torch ops |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         lines.append(f"| {r['batch']} | {r['cache']} | {r.get('host_us_per_layer', '-')} | {r.get('host_us_median', '-')} | "
-                     f"{r.get('host_ms_32_layers', '-')} | {r.get('launches_per_layer', '-')} | {r['torch_ops_per_layer']} |")
+                     f"{r.get('host_ms_32_layers', '-')} | {r.get('launches_per_layer', '-')} | {r['torch_ops_per_layer']} | "
+                     f"{r.get('load_ms_per_layer', '-')} | {r.get('load_host_ms_per_layer', '-')} |")
     return lines
 
 
@@ -259,6 +280,7 @@ def compared(argv: list[str], args) -> dict:
             if "host_us_per_layer" in row:
                 entry[f"{side}_host_us_per_layer"] = round(statistics.median(r["host_us_per_layer"] for r in rounds), 1)
                 entry[f"{side}_launches_per_layer"] = rounds[0]["launches_per_layer"]
+                entry[f"{side}_load_host_ms_per_layer"] = round(statistics.median(r["load_host_ms_per_layer"] for r in rounds), 2)
         if "host_us_per_layer" in row:
             entry["ratio"] = round(statistics.median(a["host_us_per_layer"] / b["host_us_per_layer"]
                                                      for a, b in zip(per_run["this"], per_run["baseline"])), 3)
@@ -275,15 +297,18 @@ def ab_table(result: dict, started: dict) -> list[str]:
              f"run per tree, this tree first (each run: {settings['layers']} layers, {settings['new_tokens']} steps after a "
              f"{settings['length']}-token prompt, kernel launches skipped; host us: the median over the rounds of a run's "
              "fastest tenth per layer and step); ratio: this tree's over the baseline's, the median of the rounds' ratios "
-             "(below 1: this tree spends less).", "",
-             "| B | cache | host us per layer (this / baseline) | ratio | launches per layer | torch ops per layer |",
-             "|---|---|---|---|---|---|"]
+             "(below 1: this tree spends less); load: the prompt's context loaded, ms per layer outside torch operations, "
+             "the median over the rounds.", "",
+             "| B | cache | host us per layer (this / baseline) | ratio | launches per layer | torch ops per layer | "
+             "load host ms per layer |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         if "ratio" not in r:
             continue
         lines.append(f"| {r['batch']} | {r['cache']} | {r['this_host_us_per_layer']} / {r['baseline_host_us_per_layer']} | "
                      f"{r['ratio']} | {r['this_launches_per_layer']} / {r['baseline_launches_per_layer']} | "
-                     f"{r['this_torch_ops_per_layer']} / {r['baseline_torch_ops_per_layer']} |")
+                     f"{r['this_torch_ops_per_layer']} / {r['baseline_torch_ops_per_layer']} | "
+                     f"{r['this_load_host_ms_per_layer']} / {r['baseline_load_host_ms_per_layer']} |")
     return lines
 
 
