@@ -401,9 +401,6 @@ def largest_batch(run, start: int, tries: int) -> tuple[int | None, int | None, 
     return done, failed, tried
 
 
-OUT_OF_MEMORY = (torch.OutOfMemoryError,)
-
-
 def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles: dict, args, clock: Clock):
     """For StaticCache, then each kvcal recipe at this length (rows: its cells), the largest batch that loads and
     decodes, args.largest_batch tries each from its predicted largest batch (or, where none is predicted, twice the
@@ -419,7 +416,7 @@ def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles
             make = dict(makers(model, context, batch, length, LARGEST_STEPS, bundles, []))[name]
             try:
                 result = run_cache(model, ids.expand(batch, length), LARGEST_STEPS, make, args.device, clock)
-            except OUT_OF_MEMORY:
+            except torch.OutOfMemoryError:
                 result = None
             reset_peak(args.device)
             print(f"  largest batch, {name}: B={batch} " + ("out of memory" if result is None else

@@ -184,7 +184,7 @@ class RuntimeLayer(CacheLayerMixin):
         self._allocate(batch, width, values.device)
         self.position_offset = offsets
         stored_keys = pre_rope_keys if self.pre_rope else keys
-        step = max(1, chunk_bytes // (2 * tokens * width))
+        step = max(1, chunk_bytes // max(2 * tokens * width, 1))
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
             counts = [tokens] * len(seqs)

@@ -72,8 +72,8 @@ def upload(values, device, dtype=torch.long) -> torch.Tensor:
 
 
 def spans(starts, counts) -> np.ndarray:
-    """starts[i] .. starts[i] + counts[i] - 1 for every i in order, one int64 array (made by numpy: a bulk append's
-    hundreds of thousands of rows cost milliseconds of host time, not the tenths of a second of a Python list)."""
+    """starts[i] .. starts[i] + counts[i] - 1 for every i in order, one int64 array, made by numpy (a bulk append has
+    a row per token of every sequence: no Python object per row)."""
     counts = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(counts)
     return np.arange(ends[-1] if len(ends) else 0) + np.repeat(np.asarray(starts, dtype=np.int64) - (ends - counts), counts)
