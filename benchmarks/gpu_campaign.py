@@ -207,8 +207,9 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
         widest = max(r["batch"] for r in generate["results"] if r["length"] == longest)
         lines += ["", f"generate() on {generate['device']}, random {generate['settings']['shape']}, L={longest}, B={widest}:", "",
                   "| cache | ms/step | tokens/s | x Static | cache GiB | max batch (predicted) |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['cache']} | {r['ms_per_step']} | {r['tokens_per_s']} | {r['speedup_vs_static']:.2f} | {r['cache_gib']} | "
-                  f"{r['max_batch_predicted']} |" for r in generate["results"] if r["length"] == longest and r["batch"] == widest]
+        lines += [f"| {r['cache']} | {r['ms_per_step'] or 'out of memory'} | {r['tokens_per_s']} | {r['speedup_vs_static']} | "
+                  f"{r['cache_gib']} | {r['max_batch_predicted']} |"
+                  for r in generate["results"] if r["length"] == longest and r["batch"] == widest]
         if generate.get("largest"):
             lines += ["", f"The largest batch at L={longest}, tried:", "",
                       "| cache | predicted | largest that ran | smallest that failed | tokens/s there | tokens/s x Static |",

@@ -125,6 +125,23 @@ def test_the_step_time_fit_separates_the_fixed_part_from_the_part_that_grows_wit
     assert fit == {"cache": "StaticCache", "batch": 8, "fixed_ms": 5.0, "ms_per_1k_tokens": 0.5}
 
 
+def test_a_cell_where_the_fp16_caches_run_out_of_memory_keeps_the_quantized_rows_without_ratios():
+    """At a batch only a quantized cache holds (StaticCache and DynamicCache out of device memory), the cell keeps one
+    StaticCache row and a DynamicCache row marked out of memory, and kvcal's row its tokens/s but no ratio to either."""
+    ran = {"ms_per_step": 50.0, "ms_per_step_min": 49.0, "load_s": 1.0, "cache_gib": 6.0, "peak_gib": None, "out_of_memory": False}
+    cell = [{"cache": name, "length": 32768, "batch": 32, **(ran if name == "kvcal kivi" else generate.OUT_OF_MEMORY)}
+            for name in ("StaticCache", "DynamicCache", "kvcal kivi", "StaticCache")]
+    rows = generate.summarized(cell, weights=0, device="cpu")
+    assert [(r["cache"], r["out_of_memory"]) for r in rows] == [("StaticCache", True), ("DynamicCache", True), ("kvcal kivi", False)]
+    assert rows[2]["tokens_per_s"] == 640.0 and rows[2]["speedup_vs_static"] is None and rows[2]["speedup_vs_fastest_fp"] is None
+    assert generate.fitted_steps(rows) == []
+    text = "\n".join(generate.table({"settings": {"shape": "llama-8b", "config": {}, "dtype": "bf16", "timed_steps": 15,
+                                                   "left_out": {}, "weights_gib": 15.0},
+                                      "profile": {}, "results": rows, "fits": [], "torch_profiles": {}},
+                                     {"device": "GPU", "commit": "abc", "date": "today"}))
+    assert "| 32768 | 32 | StaticCache | out of memory |" in text and "| 32768 | 32 | kvcal kivi | 50.00 | 640.0 | - | - |" in text
+
+
 @pytest.mark.slow  # fits bundles and decodes a tiny model end to end, as the dry run does
 def test_the_end_to_end_script_saves_each_finished_cell_so_a_stopped_run_keeps_them():
     args = generate.parse_args(["--shape", "tiny", "--device", "cpu", "--lengths", "64", "--batches", "1,2", "--recipes", "kivi",

@@ -15,6 +15,9 @@ timed one by one (the device synchronized at each), never the prefill. Every cac
 generate()'s automatic torch.compile for static caches on CUDA is turned off (disable_compile). StaticCache is measured
 first and last in each cell; ratios are to the mean of the two.
 
+A cache that runs out of device memory in a cell (an fp16 cache at a batch only the quantized ones hold) gets a row
+that says so, without step times or ratios, and the run goes on.
+
 Memory: the cache's own bytes (kvcal: WiredCache.used_bytes; StaticCache / DynamicCache: their tensors) and the peak
 GPU memory above what was allocated before the cache was made (torch.cuda.max_memory_allocated: the cache, its
 loading and the decode steps). The largest batch at L is predicted: (device memory - model weights) / that peak per
@@ -66,6 +69,8 @@ SHAPES = {  # LlamaConfig fields: Llama-3.1-8B's shape, and a tiny one for CPU d
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 BASELINE = "StaticCache"
+OUT_OF_MEMORY = {"ms_per_step": None, "ms_per_step_min": None, "load_s": None, "cache_gib": None, "peak_gib": None,
+                 "out_of_memory": True}  # a cell's row for a cache that ran out of device memory
 LARGEST_STEPS = 4  # new tokens per largest-batch try (the first step is not timed)
 LARGEST_GROWTH = 1.1  # a largest-batch try after one that ran asks for this much more, after one that did not this much less
 QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}  # transformers' QuantizedCache backends
@@ -327,7 +332,7 @@ def run_cache(model, prompt: torch.Tensor, new_tokens: int, make, device: str, c
     steps = sorted(b - a for a, b in zip(stamps.times, stamps.times[1:]))
     return {"ms_per_step": round(1000 * steps[len(steps) // 2], 3), "ms_per_step_min": round(1000 * steps[0], 3),
             "load_s": round(loaded, 2), "cache_gib": None if stored is None else gib(stored),
-            "peak_gib": gib(peak(device) - base) if device == "cuda" else None}
+            "peak_gib": gib(peak(device) - base) if device == "cuda" else None, "out_of_memory": False}
 
 
 def profiled(model, prompt: torch.Tensor, steps: int, make, device: str) -> str:
@@ -408,7 +413,9 @@ def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles
     length = ids.shape[1]
     static = None
     for name in [BASELINE, *(f"kvcal {recipe}" for recipe in bundles)]:
-        cells = [r for r in rows if r["cache"] == name and r["length"] == length]
+        cells = [r for r in rows if r["cache"] == name and r["length"] == length and not r["out_of_memory"]]
+        if not cells:  # (it ran out of memory at every batch of the cells)
+            continue
         widest = max(cells, key=lambda r: r["batch"])
         start = widest["max_batch_predicted"] or 2 * widest["batch"]
 
@@ -473,7 +480,13 @@ def measure(args, save) -> dict:
                 room = args.new_tokens + 2 * args.torch_profile + 1  # StaticCache's tokens past the prompt
                 chosen = makers(model, context, batch, length, room, bundles, baselines)
                 for name, make in chosen:
-                    result = run_cache(model, prompt, args.new_tokens, make, device, clock)
+                    try:
+                        result = run_cache(model, prompt, args.new_tokens, make, device, clock)
+                    except torch.OutOfMemoryError:  # (fp16 caches at a batch only the quantized ones hold)
+                        reset_peak(device)
+                        cell.append({"cache": name, "length": length, "batch": batch, **OUT_OF_MEMORY})
+                        print(f"  B={batch:<3d} {name:28s} out of device memory", flush=True)
+                        continue
                     cell.append({"cache": name, "length": length, "batch": batch, **result})
                     print(f"  B={batch:<3d} {name:28s} {result['ms_per_step']:9.2f} ms/step  load {result['load_s']:6.2f} s  "
                           f"cache {result['cache_gib']} GiB  peak {result['peak_gib']} GiB", flush=True)
@@ -496,18 +509,24 @@ def measure(args, save) -> dict:
 
 def summarized(cell: list[dict], weights: int, device: str) -> list[dict]:
     """The cell's rows with tokens/s, the ratios to StaticCache (the mean of its two runs, kept as one row) and to the
-    faster of the unquantized caches, and the predicted largest batch."""
-    static = [r["ms_per_step"] for r in cell if r["cache"] == BASELINE]
-    reference = sum(static) / len(static)
-    first, last = cell[0], cell.pop()
-    first.update(ms_per_step=round(reference, 3), static_runs_ms=static,
-                 peak_gib=None if first["peak_gib"] is None else max(first["peak_gib"], last["peak_gib"]))
-    fastest_fp = min(r["ms_per_step"] for r in cell if r["cache"] in (BASELINE, "DynamicCache"))
+    faster of the unquantized caches, and the predicted largest batch; a cache that ran out of memory has none of
+    them (and where StaticCache or both unquantized caches did, no cache has that ratio)."""
+    static = [r["ms_per_step"] for r in cell if r["cache"] == BASELINE and not r["out_of_memory"]]
+    reference = sum(static) / len(static) if static else None
+    first, last = cell[0], cell.pop()  # StaticCache's two runs, kept as one row
+    if first["out_of_memory"]:
+        first.update(last)  # (the run that ran, if either did)
+    if static:
+        first.update(ms_per_step=round(reference, 3), static_runs_ms=static,
+                     peak_gib=max((r["peak_gib"] for r in (first, last) if r["peak_gib"] is not None), default=None))
+    ran_fp = [r["ms_per_step"] for r in cell if r["cache"] in (BASELINE, "DynamicCache") and not r["out_of_memory"]]
+    fastest_fp = min(ran_fp, default=None)
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     for row in cell:
-        row["tokens_per_s"] = round(1000 * row["batch"] / row["ms_per_step"], 1)
-        row["speedup_vs_static"] = round(reference / row["ms_per_step"], 3)
-        row["speedup_vs_fastest_fp"] = round(fastest_fp / row["ms_per_step"], 3)
+        ms = row["ms_per_step"]
+        row["tokens_per_s"] = None if ms is None else round(1000 * row["batch"] / ms, 1)
+        row["speedup_vs_static"] = None if ms is None or reference is None else round(reference / ms, 3)
+        row["speedup_vs_fastest_fp"] = None if ms is None or fastest_fp is None else round(fastest_fp / ms, 3)
         per_sequence = None if row["peak_gib"] is None else row["peak_gib"] * 2**30 / row["batch"]
         row["max_batch_predicted"] = (math.floor((total - weights) / per_sequence) if total and per_sequence else None)
     return cell
@@ -517,7 +536,8 @@ def fitted_steps(rows: list[dict]) -> list[dict]:
     """Per (cache, batch) measured at two lengths or more: step time = a + b L by least squares."""
     fits = []
     for cache, batch in dict.fromkeys((r["cache"], r["batch"]) for r in rows):
-        points = [(r["length"], r["ms_per_step"]) for r in rows if r["cache"] == cache and r["batch"] == batch]
+        points = [(r["length"], r["ms_per_step"]) for r in rows if r["cache"] == cache and r["batch"] == batch
+                  and r["ms_per_step"] is not None]
         if len(points) < 2:
             continue
         n, sx, sy = len(points), sum(p[0] for p in points), sum(p[1] for p in points)
@@ -526,6 +546,10 @@ def fitted_steps(rows: list[dict]) -> list[dict]:
         fits.append({"cache": cache, "batch": batch, "fixed_ms": round((sy - slope * sx) / n, 3),
                      "ms_per_1k_tokens": round(1000 * slope, 4)})
     return fits
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def table(result: dict, started: dict) -> list[str]:
@@ -548,8 +572,11 @@ def table(result: dict, started: dict) -> list[str]:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["results"]:
         runs = f" ({' / '.join(f'{t:.1f}' for t in r['static_runs_ms'])})" if "static_runs_ms" in r else ""
+        if r["out_of_memory"]:
+            lines.append(f"| {r['length']} | {r['batch']} | {r['cache']} | out of memory | - | - | - | - | - | - |")
+            continue
         lines.append(f"| {r['length']} | {r['batch']} | {r['cache']} | {r['ms_per_step']:.2f}{runs} | {r['tokens_per_s']} | "
-                     f"{r['speedup_vs_static']:.2f} | {r['speedup_vs_fastest_fp']:.2f} | {r['cache_gib']} | {r['peak_gib']} | "
+                     f"{ratio(r['speedup_vs_static'])} | {ratio(r['speedup_vs_fastest_fp'])} | {r['cache_gib']} | {r['peak_gib']} | "
                      f"{r['max_batch_predicted']} |")
     if result["fits"]:
         lines += ["", "Step time fitted as a + b L (a: what does not grow with the context: weights, launches, Python; "
