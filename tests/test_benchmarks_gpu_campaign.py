@@ -142,6 +142,28 @@ def test_a_cell_where_the_fp16_caches_run_out_of_memory_keeps_the_quantized_rows
     assert "| 32768 | 32 | StaticCache | out of memory |" in text and "| 32768 | 32 | kvcal kivi | 50.00 | 640.0 | - | - |" in text
 
 
+def test_the_largest_batch_rows_have_no_ratio_where_static_cache_never_ran(recipe_bundles):
+    """StaticCache out of memory in every cell at the length: it gets no largest-batch row, and kvcal's rows no ratio
+    to it (not a ratio to the first row that did run)."""
+    import argparse
+
+    import torch
+
+    from conftest import tiny_model
+    from kvcal.runtime.cache import fp_context
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        context = fp_context(model, ids[:, :-1])
+        rows = [{"cache": "StaticCache", "length": 40, "batch": 2, **generate.OUT_OF_MEMORY},
+                {"cache": "kvcal kivi", "length": 40, "batch": 2, "out_of_memory": False, "max_batch_predicted": None}]
+        found = list(generate.largest_batches(model, context, ids, rows, {"kivi": recipe_bundles["kivi"]},
+                                              argparse.Namespace(largest_batch=1, device="cpu"), generate.Clock("cpu")))
+    assert [(r["cache"], r["largest_batch"], r["tries"]) for r in found] == [("kvcal kivi", 4, [[4, True]])]
+    assert found[0]["batch_vs_static"] is None and found[0]["tokens_per_s_vs_static"] is None
+
+
 @pytest.mark.slow  # fits bundles and decodes a tiny model end to end, as the dry run does
 def test_the_end_to_end_script_saves_each_finished_cell_so_a_stopped_run_keeps_them():
     args = generate.parse_args(["--shape", "tiny", "--device", "cpu", "--lengths", "64", "--batches", "1,2", "--recipes", "kivi",

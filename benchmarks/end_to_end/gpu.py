@@ -436,8 +436,9 @@ def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles
                "first_failed": failed, "tries": [[b, r is not None] for b, r in tried],
                "ms_per_step": best.get("ms_per_step"), "peak_gib": best.get("peak_gib"),
                "tokens_per_s": round(1000 * done / best["ms_per_step"], 1) if best else None}
-        static = static or row
-        both = static["largest_batch"] and row["largest_batch"]
+        if name == BASELINE:
+            static = row
+        both = static is not None and static["largest_batch"] and row["largest_batch"]
         row["batch_vs_static"] = round(row["largest_batch"] / static["largest_batch"], 2) if both else None
         row["tokens_per_s_vs_static"] = round(row["tokens_per_s"] / static["tokens_per_s"], 2) if both else None
         yield row
