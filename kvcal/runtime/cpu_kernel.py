@@ -33,6 +33,7 @@ import torch
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime import kernel_source as src
 from kvcal.runtime import kernels
+from kvcal.runtime.store import spans
 from kvcal.build_cache import cached
 
 DECODE_FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
@@ -291,7 +292,7 @@ class CpuAppend:
             self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
         else:
             self._rows[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
-            self._rows[1, :rows] = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+            self._rows[1, :rows] = spans(starts, counts)
         return self._rows_at, self._rows_at + 4 * capacity, self._rows_at + 8 * capacity
 
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
