@@ -342,16 +342,17 @@ __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3
     }
 }
 
-// Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, 1024 + code
-// * 2^raw_shift), or the codebook table (lut: the shared-window address of codebook_pairs' 256 words; codebook values
-// of a field's two codes; N: the word's first N pairs, 16 / BITS of them by default).
-template <int BITS, bool CB, bool RAW = false, int N = 16 / BITS>
+// Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, BASE + code
+// * 2^raw_shift: 1024 + ..., or with FP16_SUBNORMAL code * 2^(raw_shift - 24)), or the codebook table (lut: the
+// shared-window address of codebook_pairs' 256 words; codebook values of a field's two codes; N: the word's first N
+// pairs, 16 / BITS of them by default).
+template <int BITS, bool CB, bool RAW = false, int N = 16 / BITS, unsigned BASE = magic::FP16_1024>
 __device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut) {
     if constexpr (CB) {
 #pragma unroll
         for (int k = 0; k < N; ++k) out[k] = table_entry<BITS>(lut, word, k);
     } else if constexpr (RAW) {
-        if constexpr (BITS == 4) raw_nibbles<4>(word, out); else raw_u2(word, out);
+        if constexpr (BITS == 4) raw_nibbles<4, BASE>(word, out); else raw_u2<BASE>(word, out);
     } else {
         unsigned pairs[16 / BITS];
         if constexpr (BITS == 4) u4_to_half2(word, pairs); else u2_to_half2(word, pairs);
@@ -524,9 +525,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
-    // uniform codes are read raw, 1024 + code * 2^s (codes_to_half2's lop3 half): post-RoPE keys and all values
+    // uniform codes are read raw (codes_to_half2's lop3 half): post-RoPE keys as 1024 + code * 2^s, all values as fp16
+    // subnormals, code * 2^(s - 24), exact and without an offset: the output's accumulators hold no 1024s to take out
+    // (their sums truncate to the largest term, so 1024s there would cost the codes' bits)
     constexpr bool RAW = !S::ROWS16 && !CB;
     constexpr bool KEY_RAW = RAW && BITS != 3, VALUE_RAW = RAW && VBITS != 3;  // 3-bit codes come from their table as code values
+    constexpr unsigned VALUE_BASE = magic::FP16_SUBNORMAL;
     constexpr int META = 7;  // meta's fields per sequence
     static_assert(GQA >= 1 && GQA <= 8, "1 to 8 query heads per KV head");
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
@@ -1488,7 +1492,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::VSROW + (bit0 >> 5) * 4);
                                     const unsigned byte = (bit0 >> 3) & 3;
                                     unsigned codes[8];
-                                    codes_to_half2<VBITS, false, RAW>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
+                                    codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
 #pragma unroll
                                     for (int n = 0; n < S::LANE_V; ++n) vf[half][n] = codes[n];
                                 } else if constexpr (LANE_BITS == 16) {
@@ -1504,7 +1508,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                                 }
 #pragma unroll
-                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<VBITS, false, RAW>(c16[k], vf[half] + k * PER16, 0u);
+                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(c16[k], vf[half] + k * PER16, 0u);
                             }
                         }
 #pragma unroll
@@ -1512,11 +1516,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             const unsigned a[4] = {vf[0][2 * ml], vf[0][2 * ml + 1], vf[1][2 * ml], vf[1][2 * ml + 1]};
                             float (&acc)[4] = o[group * (S::LANE_V / 2) + ml];
                             mma_m16n8k16_f16(acc, a, bp);
-                            if constexpr (VALUE_RAW) {  // the raw codes' 1024s out again at once: O^T -= 1024 sum P'
-                                constexpr unsigned minus_1024[4] = {magic::FP16_MINUS_1024, magic::FP16_MINUS_1024,
-                                                                    magic::FP16_MINUS_1024, magic::FP16_MINUS_1024};
-                                mma_m16n8k16_f16(acc, minus_1024, bp);
-                            }
                         }
                     }
                     if constexpr (RAW) {  // P z: an mma of the zeros (rows g: group 2i, rows g + 8: group 2i + 1) with fp16(P)
@@ -1575,10 +1574,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float x = o[mt][e];
-            if constexpr (VALUE_RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^s
+            if constexpr (VALUE_RAW) {  // row g + 8 (e >> 1) of m-tile mt: the lane's raw code n of its group, times 2^(s - 24)
                 constexpr int MPG = S::LANE_V / 2, PER_WORD = 16 / VBITS;
                 const int n = 2 * (mt % MPG) + (e >> 1);
-                x *= 1.0f / (float)(1 << raw_shift<VBITS>(n % PER_WORD));
+                x *= 16777216.0f / (float)(1 << raw_shift<VBITS>(n % PER_WORD));
             }
             merge_o[(warp * 8 + 2 * t + (e & 1)) * D + value_channel<D, S::ROWS16 ? 16 : BITS, S::VGE>(g, mt, e >> 1)] = x;
         }

@@ -175,6 +175,8 @@ __device__ __forceinline__ unsigned hmax2_bits(unsigned a, unsigned b) {
 
 namespace magic {
 constexpr unsigned FP16_1024 = 0x64006400u, FP16_MINUS_1024 = 0xE400E400u;  // {1024, 1024}, {-1024, -1024}
+// exponent field 0: a code c placed s bits up the mantissa reads c * 2^(s - 24), an fp16 subnormal, with no offset
+constexpr unsigned FP16_SUBNORMAL = 0u;
 constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
 constexpr int SELECT = (0xF0 & 0xAA) | (0xCC & ~0xAA & 0xFF);  // lop3 LUT of c ? a : b, bit by bit
 // {2^-s, 2^-s} and {-1024 * 2^-s, ...} as fp16 pairs, for s = 2, 4, 6
@@ -185,7 +187,9 @@ constexpr unsigned FP16_64TH = 0x24002400u, FP16_MINUS_16 = 0xCC00CC00u;
 
 // The converters in two halves. The lop3 half (raw_*) leaves out[j] = {1024 + c * 2^s, ...} with s = raw_shift(j);
 // the fix-up (raw_fixed: one hsub2 / hfma2 per word) leaves c. A caller that multiplies the raw words by an operand it
-// can scale by 2^-s, and subtracts 1024 times that operand's sum elsewhere, skips the fix-up (decode_tc's uniform codes).
+// can scale by 2^-s, and subtracts 1024 times that operand's sum elsewhere, skips the fix-up (decode_tc's uniform keys).
+// With BASE = FP16_SUBNORMAL the lop3 half leaves {c * 2^(s - 24), ...}: no offset, for a caller that scales the
+// products by 2^(24 - s) afterwards (decode_tc's uniform values; the tensor core multiplies subnormal fp16 exactly).
 
 // s of a raw word: out[j] of raw_u2 (BITS 2) or raw_nibbles (BITS 3, 4) reads 1024 + c * 2^raw_shift<BITS>(j).
 template <int BITS>
@@ -205,14 +209,14 @@ __device__ __forceinline__ unsigned raw_fixed(unsigned x, int s) {
 // Four codes of up to 4 bits in nibbles 0, 4 (and 1, 5 through the high-mask path) of q: nibble values
 // masked to BITS bits. out[0] = {nibble 0, nibble 4}, out[1] = {nibble 1, nibble 5}, out[2] = {2, 6},
 // out[3] = {3, 7}. Raw: 4 lop3, 1 shift (s = 0, 4, 0, 4); fixed: 2 sub and 2 fma more.
-template <int BITS>
+template <int BITS, unsigned BASE = magic::FP16_1024>
 __device__ __forceinline__ void raw_nibbles(unsigned q, unsigned* out) {
     constexpr unsigned LOW = 0x00010001u * ((1u << BITS) - 1u), HIGH = LOW << 4;
     const unsigned upper = q >> 8;  // nibbles 2, 3 and 6, 7 moved to where 0, 1 and 4, 5 were
-    out[0] = lop3<magic::AND_OR>(q, LOW, magic::FP16_1024);
-    out[1] = lop3<magic::AND_OR>(q, HIGH, magic::FP16_1024);
-    out[2] = lop3<magic::AND_OR>(upper, LOW, magic::FP16_1024);
-    out[3] = lop3<magic::AND_OR>(upper, HIGH, magic::FP16_1024);
+    out[0] = lop3<magic::AND_OR>(q, LOW, BASE);
+    out[1] = lop3<magic::AND_OR>(q, HIGH, BASE);
+    out[2] = lop3<magic::AND_OR>(upper, LOW, BASE);
+    out[3] = lop3<magic::AND_OR>(upper, HIGH, BASE);
 }
 template <int BITS>
 __device__ __forceinline__ void nibbles_to_half2(unsigned q, unsigned* out) {
@@ -228,12 +232,13 @@ __device__ __forceinline__ void u4_to_half2(unsigned q, unsigned (&out)[4]) { ni
 // The codes of out[k], k < 4, sit at bits 2k of each 16-bit half: masked in place they read
 // 1024 + c * 4^k (s = 2k); q >> 8 brings those of out[4 + k] to the same bits. Raw: 9 instructions for 16 codes;
 // fixed: 17.
+template <unsigned BASE = magic::FP16_1024>
 __device__ __forceinline__ void raw_u2(unsigned q, unsigned* out) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const unsigned word = half ? q >> 8 : q;  // codes 4..7 and 12..15 moved to where 0..3 and 8..11 were
 #pragma unroll
-        for (int k = 0; k < 4; ++k) out[4 * half + k] = lop3<magic::AND_OR>(word, 0x00030003u << (2 * k), magic::FP16_1024);
+        for (int k = 0; k < 4; ++k) out[4 * half + k] = lop3<magic::AND_OR>(word, 0x00030003u << (2 * k), BASE);
     }
 }
 __device__ __forceinline__ void u2_to_half2(unsigned q, unsigned (&out)[8]) {

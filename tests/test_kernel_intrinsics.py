@@ -240,6 +240,15 @@ def mma_inputs(dtype, seed: int):
     return a, b, torch.randn(16, 16, generator=g) * scale * (seed % 3)
 
 
+def subnormal_code_inputs(seed: int):
+    """A as the tensor-core kernel reads raw value codes: fp16 subnormals code * 2^(s - 24) (2-bit codes s = 0, 2, 4
+    or 6 bits up the mantissa, exponent field 0); B as its P' (probabilities times a scale); C a running sum."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randint(0, 4, (16, 16), generator=g) << 2 * torch.randint(0, 4, (16, 16), generator=g)).to(torch.int16).view(torch.float16)
+    b = (torch.rand(16, 16, generator=g) * 2.0 ** -(seed % 12)).to(torch.float16)
+    return a, b, (a.float() @ b.float()) * torch.rand(16, 16, generator=g) * 100
+
+
 def assert_is_the_product(d, a, b, c):
     """D = A @ B + C up to fp32 summation error: |D - exact| <= 17 u (|C| + |A| @ |B|), u = 2^-24. A wrong
     fragment, register or half mapping moves whole products and fails by orders of magnitude more."""
@@ -264,6 +273,9 @@ def test_emulated_mma_is_the_matrix_product(emulated, dtype, path):
     c = torch.arange(256, dtype=torch.float32).reshape(16, 16)
     torch.testing.assert_close(run_mma(emulated, a, b, c, path), a.double() @ b.double() + c.double(), rtol=0, atol=0,
                                check_dtype=False)
+    a, b, c = subnormal_code_inputs(path)
+    assert (a.view(torch.int16) < 1024).all() and a.abs().max() < 2.0**-14  # every element subnormal
+    assert_is_the_product(run_mma(emulated, a, b, c, path), a, b, c)
 
 
 # ------------------------------------------------------------------------------------------------ ldmatrix
@@ -492,3 +504,8 @@ def test_the_gpu_runs_the_probe_kernels_as_the_emulator_does(emulated):
             on_gpu = run_mma(gpu, a, b, c, seed % 4)
             assert_is_the_product(on_gpu, a, b, c)
             torch.testing.assert_close(on_gpu, run_mma(emulated, a, b, c, seed % 4), rtol=0, atol=0)
+    for seed in range(24):  # the decode kernel's raw value codes, fp16 subnormals: exact products on the tensor core
+        a, b, c = subnormal_code_inputs(seed)
+        on_gpu = run_mma(gpu, a, b, c, seed % 4)
+        assert_is_the_product(on_gpu, a, b, c)
+        torch.testing.assert_close(on_gpu, run_mma(emulated, a, b, c, seed % 4), rtol=0, atol=0)

@@ -437,8 +437,8 @@ MUTANTS = {
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
     "raw-key-offset": ("int4", "if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
-    # raw value codes: the 1024s out after each mma, 2^-s per output row at the end
-    "raw-value-offset": ("int2", "mma_m16n8k16_f16(acc, minus_1024, bp);", ""),
+    # raw value codes: fp16 subnormals, code * 2^(s - 24) (no offset), 2^(24 - s) per output row at the end
+    "raw-value-offset": ("int2", "VALUE_BASE = magic::FP16_SUBNORMAL;", "VALUE_BASE = magic::FP16_1024;"),
     "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));", "hfma2_bits(a, cos, hmul2(r, sin));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
