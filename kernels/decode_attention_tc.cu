@@ -742,6 +742,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- the query rows of the group as A fragments (fp16 pairs in key_channel order, log2(e) / sqrt(d) folded in) ----
     unsigned qk[PAIRS];
     unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::RINGS * S::STAGES * S::STAGE_BYTES);
+    // key blocks shorter than a stage (a warp's Q' remade every iteration or two; 3 blocks an SM leave the registers, at
+    // head_dim 64 and 128): the unscaled query held in registers, else read back from q_shared per key block
+    constexpr bool HOLD_QUERY = !ROPE && !S::FP16 && S::KB < S::BLOCK_ST && D <= 128;
+    unsigned q_held[HOLD_QUERY ? PAIRS : 1];
     if constexpr (!ROPE) {
         const float* const q = query + (out_row + g) * D;
 #pragma unroll
@@ -752,7 +756,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 x1 = q[key_channel<D, BITS, false, CB>(t, p, 1)] * scale_log2;
             }
             qk[p] = pack_half2(x0, x1);
-            if constexpr (!S::FP16)
+            if constexpr (HOLD_QUERY) q_held[p] = qk[p];
+            else if constexpr (!S::FP16)
                 if (warp == 0) q_shared[p * 32 + lane] = qk[p];  // read after the block's first barrier
         }
     }
@@ -1114,7 +1119,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         unsigned z2[PAIRS], qu[PAIRS], minus_1024[PAIRS];  // zeros and the unscaled query in key_channel order
 #pragma unroll
         for (int p = 0; p < PAIRS; ++p) {
-            qu[p] = q_shared[p * 32 + lane];
+            qu[p] = HOLD_QUERY ? q_held[HOLD_QUERY ? p : 0] : q_shared[p * 32 + lane];
             z2[p] = half_pair(zw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1));
             unsigned scale = clamp_scale_pair(half_pair(sw, pair_code<BITS, CB>(p, 0), pair_code<BITS, CB>(p, 1)));
             const int shift = KEY_RAW ? raw_shift<BITS>(p % (16 / BITS)) : 0;
@@ -1541,8 +1546,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- merge the four warps through shared memory into this split's (output, lse) ----
     cp_async_wait<0>();
     __syncthreads();
-    if constexpr (OUT) {  // the last stage's value corrections
-        if (tiles > 0) correct_values(stage_buffer(tiles - 1), tiles - 1);
+    if constexpr (OUT) {  // the last stage's value corrections (one pipeline of the block: every split here has a stage)
+        static_assert(!OUT || !S::PRIVATE, "outliers: the block's pipeline, whose tiles cover the split");
+        correct_values(stage_buffer(tiles - 1), tiles - 1);
         __syncthreads();
     }
     float* const merge_o = reinterpret_cast<float*>(smem);                 // [warp][8 heads][D]

@@ -440,6 +440,8 @@ MUTANTS = {
     # raw value codes: fp16 subnormals, code * 2^(s - 24) (no offset), 2^(24 - s) per output row at the end
     "raw-value-offset": ("int2", "VALUE_BASE = magic::FP16_SUBNORMAL;", "VALUE_BASE = magic::FP16_1024;"),
     "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
+    # key blocks shorter than a stage: the unscaled query the warp holds for their Q'
+    "held-query-pairs": ("int2-g32", "q_held[HOLD_QUERY ? p : 0]", "q_held[HOLD_QUERY ? p ^ 1 : 0]"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));", "hfma2_bits(a, cos, hmul2(r, sin));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
