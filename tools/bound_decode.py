@@ -665,7 +665,8 @@ def pass_lines(kernel, source_text) -> list[tuple[int, str]]:
 
 
 def analyse(kernel, code: list[Instruction], case: Case, source_text, token_bytes: float, warps_per_sm: int) -> dict:
-    """Warp-instructions per KV token by class and by pass, and bytes in flight per SM, from one walk. Plain loads:
+    """Warp-instructions per KV token by class and by pass, mma.sync (HMMA) per KV token, and bytes in flight per SM,
+    from one walk. Plain loads:
     a streaming loop's iteration is credited at most its share of the side's bytes (half the token's: K and V alike
     here). A cp.async pipeline: the global-load bytes of one token-loop iteration times the stages in flight."""
     walk, tile = Walk(code, source_text, case, kernel), kernel.tokens_per_iteration(case)
@@ -694,7 +695,7 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
             in_flight[side] = min(issued(header, end), token_bytes / 2 * tile) / count[header] * warps_per_sm
     return {"warp_instructions_per_token": sum(count) / tile, "shared_wavefronts_per_token": wavefronts,
             "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in kernel.passes},
-            "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
+            "mma_per_token": by_opcode["HMMA"], "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -791,7 +792,8 @@ def markdown(result: dict) -> list[str]:
         "longest of the three. Conflict wavefronts/token: the extra wavefronts the tensor-core kernel's table lookups take "
         "for their bank conflicts, counted by its CPU emulation on the tensor-core benchmark's codecs and random rows "
         f"({CONFLICT_TOKENS} tokens; tools.kernel_emulation); the bound leaves them out, the calibrated model weighs them. "
-        "In flight: plain loads, the global-load bytes of one iteration of a side's streaming loop x resident warps "
+        "mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the bound nor the "
+        "calibrated model weighs. In flight: plain loads, the global-load bytes of one iteration of a side's streaming loop x resident warps "
         "(keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration x the stages in flight x "
         "resident warps. "
         f"{h['copy_bytes_per_s'] * h['latency_s'] / h['sms'] / 1024:.1f} KiB per SM covers {h['latency_s'] * 1e9:.0f} ns of HBM "
@@ -992,15 +994,16 @@ def kernel_section(result: dict, kernel) -> list[str]:
     passes = " + ".join(kernel.passes)
     lines = ["", f"## {kernel.title}", "", (kernel.__doc__ or "").replace("\n    ", " ").strip(), "",
              f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | budget "
-             "| shared wavefronts/token | conflict wavefronts/token | registers | blocks/SM | warps/SM | in flight/SM (B) "
-             "| bandwidth bound | limited by | speedup vs fp16 SDPA, at best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shared wavefronts/token | conflict wavefronts/token | mma/token | registers | blocks/SM | warps/SM "
+             "| in flight/SM (B) | bandwidth bound | limited by | speedup vs fp16 SDPA, at best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         p, b = w["by_pass"], w["bound"]
         flight = ", ".join(f"{side} {n:.0f}" for side, n in w["in_flight_per_sm"].items()) or "-"
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
                      f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
-                     f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['registers']} | {w['blocks_per_sm']} "
+                     f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['mma_per_token']:.2f} | {w['registers']} "
+                     f"| {w['blocks_per_sm']} "
                      f"| {w['warps_per_sm']} "
                      f"| {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x |")
     calibration = result.get("calibration", {}).get(kernel.source)
