@@ -88,6 +88,20 @@ __device__ __forceinline__ void paired_k_steps(float (&even)[4], float (&odd)[4]
     }
 }
 
+// Q K^T with 16 tokens in M and the query heads in N, k0 and k1 the B-fragment pairs (two per k-step, as paired_k_steps
+// reads them) of tokens g and g + 8, q the query's pairs: a query pair in two_step_fragment's rows g is head g's
+// column of a B fragment, so q serves as it is. The even k-steps accumulate in `even`, the odd ones in `odd` (two
+// chains of half the length); the sum is even + odd: rows g and g + 8 tokens g and g + 8, columns heads 2t, 2t + 1.
+template <int N>
+__device__ __forceinline__ void tokens_in_m_steps(float (&even)[4], float (&odd)[4], const unsigned (&k0)[N], const unsigned (&k1)[N],
+                                                  const unsigned (&q)[N]) {
+#pragma unroll
+    for (int s = 0; s < N / 2; ++s) {
+        const unsigned a[4] = {k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1]}, b[2] = {q[2 * s], q[2 * s + 1]};
+        mma_m16n8k16_f16(s & 1 ? odd : even, a, b);
+    }
+}
+
 // The halves i0 and i1 (compile-time after unrolling) of the word array w, as one pair {w[i0], w[i1]}.
 template <int N>
 __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, int i1) {
@@ -536,6 +550,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KEY_ORDER = S::ROWS16 ? 16 : BITS;  // the channel order of the keys' B fragments (key_channel)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
+    // warp-private pipelines put a k-step's 16 tokens in M and the GQA group in N (tokens_in_m_steps): half the mma of
+    // heads in M with paired k-steps (paired_k_steps, whose rows carry at most 8 heads a k-step), for the price of a
+    // movmatrix per 8 tokens to make P's B fragments. A lane's scores are then heads 2t and 2t + 1's (HL of them), as
+    // its output columns are, where the other layout gives it head g's
+    constexpr bool TOKENS_IN_M = S::PRIVATE;
+    constexpr int HL = TOKENS_IN_M ? 2 : 1;
     TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
     unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
 
@@ -739,7 +759,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
     };
 
-    // ---- the query rows of the group as A fragments (fp16 pairs in key_channel order, log2(e) / sqrt(d) folded in) ----
+    // ---- the query rows of the group as A fragments, the same registers B ones with tokens in M (fp16 pairs in
+    // key_channel order, log2(e) / sqrt(d) folded in) ----
     unsigned qk[PAIRS];
     unsigned* const q_shared = reinterpret_cast<unsigned*>(smem + S::RINGS * S::STAGES * S::STAGE_BYTES);
     // key blocks shorter than a stage (a warp's Q' remade every iteration or two; 3 blocks an SM leave the registers, at
@@ -761,7 +782,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 if (warp == 0) q_shared[p * 32 + lane] = qk[p];  // read after the block's first barrier
         }
     }
-    float bias = 0.0f;  // Q . zero of the current key block, head g
+    float bias[HL] = {};  // Q . zero of the current key block: head g, or (TOKENS_IN_M) heads 2t and 2t + 1
     int key_block = -1;
 
     // ---- the query's fragments per stage (pre-RoPE keys: rotated by -P0 per stage, a task = (head, lane part,
@@ -1106,12 +1127,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // 2t + 1 in o's accumulator layout (uniform codes: zacc, an mma per 16 tokens and two groups: rows g group 2i, rows
     // g + 8 group 2i + 1)
     constexpr int ZPAIRS = RAW ? (S::VGROUPS + 1) / 2 : 1;
-    float m = -__int_as_float(0x7f800000), l = 0.0f, zsum[CB ? S::VGROUPS : 1] = {}, zacc[ZPAIRS][4] = {};
+    float m[HL], l[HL] = {}, zsum[CB ? S::VGROUPS : 1] = {}, zacc[ZPAIRS][4] = {};  // the softmax's state of the lane's heads
+#pragma unroll
+    for (int h = 0; h < HL; ++h) m[h] = -__int_as_float(0x7f800000);
 
     // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
     // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
     // fp16 Q' the scores' mma multiplies: exact products; the sums' truncation costs about what Q's fp16 rounding does)
-    const auto key_fragments = [&](const unsigned char* kp) {  // the block's parameters at kp; Q' into qk, returns the bias
+    const auto key_fragments = [&](const unsigned char* kp) {  // the block's parameters at kp; Q' into qk, the bias into bias
         unsigned sw[D / 8], zw[D / 8];  // lane t's D / 4 channels
         load_words(sw, kp + t * (D / 4) * 2);
         load_words(zw, kp + D * 2 + t * (D / 4) * 2);
@@ -1127,9 +1150,31 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             qk[p] = hmul2(qu[p], scale);
             minus_1024[p] = magic::FP16_MINUS_1024;
         }
-        paired_k_steps(bacc, bacc2, qu, z2);
-        if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
-        return bacc[0] + bacc2[2];
+        if constexpr (TOKENS_IN_M) {  // zeros (and -1024s) as the rows of every token
+            tokens_in_m_steps(bacc, bacc2, z2, z2, qu);
+            if constexpr (KEY_RAW) tokens_in_m_steps(bacc, bacc2, minus_1024, minus_1024, qk);
+            bias[0] = bacc[0] + bacc2[0], bias[HL - 1] = bacc[1] + bacc2[1];
+        } else {
+            paired_k_steps(bacc, bacc2, qu, z2);
+            if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);
+            bias[0] = bacc[0] + bacc2[2];
+        }
+    };
+    // post-RoPE codes: a token's key row (at `row` in the stage) as B-fragment pairs, lane t's D / 4 channels
+    const auto key_row_pairs = [&](unsigned (&kf)[PAIRS], const unsigned char* row) {
+        if constexpr (!S::ROWS16 && !ROPE) {
+            if constexpr (BITS == 3) {
+#pragma unroll
+                for (int h = 0; h < D / 64; ++h)
+                    planes3_codes<16>(reinterpret_cast<const unsigned*>(row), planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
+            } else {
+                constexpr int WORDS = D * BITS / 128;
+                unsigned w[WORDS];
+                load_words(w, row + t * (S::KROW / 4));
+#pragma unroll
+                for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut);
+            }
+        }
     };
     // this stage's query fragments from q_stage[parity]: each 16-byte load is one A fragment (two_step_fragment)
     const auto load_query_fragments = [&](int parity) {
@@ -1225,15 +1270,26 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 const int block = token0 / S::KB;
                 if (block != key_block) {
                     key_block = block;
-                    bias = key_fragments(CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2);
+                    key_fragments(CB ? cb_key_params : buffer + S::CODE_BYTES + (S::KB >= ST ? 0 : tb / S::KB) * 2 * D * 2);
                 }
             }
-            // -- S = Q K^T for the warp's n-tiles of 8 tokens --
+            // -- S = Q K^T for the warp's n-tiles of 8 tokens: sc[nt] holds tokens 8 nt + 2t, 2t + 1 of head g, or
+            // (TOKENS_IN_M) token 8 nt + g of heads 2t, 2t + 1 --
             float sc[NT][2];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int kt = 0; kt < (TOKENS_IN_M ? KT : 0); ++kt) {
+                unsigned k0[PAIRS], k1[PAIRS];  // tokens g and g + 8 of the k-step
+                key_row_pairs(k0, buffer + (tb + 16 * kt + g) * S::KSROW);
+                key_row_pairs(k1, buffer + (tb + 16 * kt + 8 + g) * S::KSROW);
+                float acc[4] = {bias[0], bias[HL - 1], bias[0], bias[HL - 1]}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                tokens_in_m_steps(acc, acc2, k0, k1, qk);
+                sc[2 * kt][0] = acc[0] + acc2[0], sc[2 * kt][1] = acc[1] + acc2[1];
+                sc[2 * kt + 1][0] = acc[2] + acc2[2], sc[2 * kt + 1][1] = acc[3] + acc2[3];
+            }
+#pragma unroll
+            for (int nt = 0; nt < (TOKENS_IN_M ? 0 : NT); ++nt) {
                 // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (paired_k_steps)
-                float acc[4] = {bias, bias, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float acc[4] = {bias[0], bias[0], 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::ROWS16) {
 #pragma unroll
                     for (int s2 = 0; s2 < KSTEPS / 2; ++s2) {
@@ -1330,17 +1386,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                 } else {
                     unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
-                    if constexpr (BITS == 3) {
-                        const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + (tb + 8 * nt + g) * S::KSROW);
-#pragma unroll
-                        for (int h = 0; h < D / 64; ++h) planes3_codes<16>(words, planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
-                    } else {
-                        constexpr int WORDS = D * BITS / 128;
-                        unsigned w[WORDS];
-                        load_words(w, buffer + (tb + 8 * nt + g) * S::KSROW + t * (S::KROW / 4));
-#pragma unroll
-                        for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut);
-                    }
+                    key_row_pairs(kf, buffer + (tb + 8 * nt + g) * S::KSROW);
                     paired_k_steps(acc, acc2, qk, kf);
                 }
                 sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
@@ -1359,29 +1405,38 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (token0 + TPW > hi || token0 < visible) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const int token = token0 + 8 * nt + 2 * t;
+                    const int token = token0 + 8 * nt + (TOKENS_IN_M ? g : 2 * t), other = TOKENS_IN_M ? token : token + 1;
                     sc[nt][0] = token < hi && token >= visible ? sc[nt][0] : -__int_as_float(0x7f800000);
-                    sc[nt][1] = token + 1 < hi && token + 1 >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
+                    sc[nt][1] = other < hi && other >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
                 }
             }
-            // -- online softmax of head g over these TPW tokens (log2 domain) --
-            float part[NT];  // the n-tiles' maxima, reduced as a tree
+            // -- online softmax of the lane's heads over these TPW tokens (log2 domain) --
+            float m_new[HL], m_use[HL], alpha[HL];
+            bool rose = false;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) part[nt] = fmaxf(sc[nt][0], sc[nt][1]);
+            for (int h = 0; h < HL; ++h) {
+                float part[NT];  // the n-tiles' maxima, reduced as a tree
 #pragma unroll
-            for (int w = NT / 2; w >= 1; w /= 2)
+                for (int nt = 0; nt < NT; ++nt) part[nt] = TOKENS_IN_M ? sc[nt][h] : fmaxf(sc[nt][0], sc[nt][1]);
 #pragma unroll
-                for (int i = 0; i < w; ++i) part[i] = fmaxf(part[i], part[i + w]);
-            float mx = part[0];
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m, mx), m_use = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
+                for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+                    for (int i = 0; i < w; ++i) part[i] = fmaxf(part[i], part[i + w]);
+                float mx = part[0];  // then across the lanes that hold the head's other tokens: those of its g, or t
+#pragma unroll
+                for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+                m_new[h] = fmaxf(m[h], mx), m_use[h] = m_new[h] == -__int_as_float(0x7f800000) ? 0.0f : m_new[h];
+                rose = rose || m_new[h] > m[h];
+                alpha[h] = 1.0f;
+            }
             // rescale only when some head's maximum grew (warp-uniform; otherwise alpha is exactly 1, or l = o = 0)
-            const bool grew = __ballot_sync(0xffffffffu, m_new > m) != 0u;
-            float alpha = 1.0f;
+            const bool grew = __ballot_sync(0xffffffffu, rose) != 0u;
             if (grew) {
-                alpha = ex2(m - m_use);
-                const float alpha0 = shfl_idx(alpha, 8 * t), alpha1 = shfl_idx(alpha, 8 * t + 4);  // heads 2t, 2t+1
+#pragma unroll
+                for (int h = 0; h < HL; ++h) alpha[h] = ex2(m[h] - m_use[h]);
+                // heads 2t, 2t+1 of o's columns: the lane's own, or lanes 8t and 8t + 4's head g
+                const float alpha0 = TOKENS_IN_M ? alpha[0] : shfl_idx(alpha[0], 8 * t);
+                const float alpha1 = TOKENS_IN_M ? alpha[HL - 1] : shfl_idx(alpha[0], 8 * t + 4);
 #pragma unroll
                 for (int i = 0; i < MTILES; ++i) o[i][0] *= alpha0, o[i][1] *= alpha1, o[i][2] *= alpha0, o[i][3] *= alpha1;
 #pragma unroll
@@ -1390,17 +1445,20 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 if constexpr (OUT) {  // head g's value corrections, lane t's quarter of them
                     float4* const row = reinterpret_cast<float4*>(value_corrections + (warp * 8 + g) * D) + t * (D / 16);
 #pragma unroll
-                    for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha, row[i].y * alpha, row[i].z * alpha, row[i].w * alpha};
+                    for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha[0], row[i].y * alpha[0], row[i].z * alpha[0], row[i].w * alpha[0]};
                 }
             }
-            float p[NT][2];
-            l *= alpha;
+            float p[NT][2];  // as sc
+#pragma unroll
+            for (int h = 0; h < HL; ++h) l[h] *= alpha[h];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                p[nt][0] = ex2(sc[nt][0] - m_use), p[nt][1] = ex2(sc[nt][1] - m_use);
-                l += p[nt][0] + p[nt][1];
+                p[nt][0] = ex2(sc[nt][0] - m_use[0]), p[nt][1] = ex2(sc[nt][1] - m_use[HL - 1]);
+                if constexpr (TOKENS_IN_M) l[0] += p[nt][0], l[1] += p[nt][1];
+                else l[0] += p[nt][0] + p[nt][1];
             }
-            m = m_new;
+#pragma unroll
+            for (int h = 0; h < HL; ++h) m[h] = m_new[h];
             // -- O^T += V^T P^T, one k-step of 16 tokens at a time (P's n-tiles 2 kt and 2 kt + 1) --
 #pragma unroll
             for (int kt = 0; kt < KT; ++kt) {
@@ -1419,9 +1477,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const unsigned char* const vrow = buffer + S::K_BYTES + (tk + 2 * t) * S::VSROW;  // tokens 2t, 2t+1; +8 rows: 2t+8, 2t+9
                     constexpr int LANE_BITS = S::LANE_V * VBITS, CHUNKS16 = LANE_BITS / 16, PER16 = 16 / VBITS;
                     unsigned pw[2], zw[RAW ? S::VGROUPS : 1][2];  // uniform codes: fp16(P) of the token pairs; their zeros
-                    if constexpr (RAW)
+                    if constexpr (RAW) {
 #pragma unroll
-                        for (int half = 0; half < 2; ++half) pw[half] = pack_half2(p[2 * kt + half][0], p[2 * kt + half][1]);
+                        for (int half = 0; half < 2; ++half) {
+                            pw[half] = pack_half2(p[2 * kt + half][0], p[2 * kt + half][1]);
+                            // TOKENS_IN_M: token g (+ 8)'s heads 2t, 2t + 1 become head g's tokens 2t, 2t + 1 (+ 8)
+                            if constexpr (TOKENS_IN_M) pw[half] = movmatrix_trans(pw[half]);
+                        }
+                    }
 #pragma unroll
                     for (int group = 0; group < S::VGROUPS; ++group) {
                         // P' = P * scale (per token), and the zero points' running sum
@@ -1432,7 +1495,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                 const float4 sz = reinterpret_cast<const float4*>(vp)[(tk + 2 * t + 8 * half) / 2];
                                 const float* const pt = p[2 * kt + half];
                                 bp[half] = pack_half2(pt[0] * sz.x, pt[1] * sz.z);
-                                zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha) + pt[0] * sz.y + pt[1] * sz.w;
+                                zsum[group] = (kt || half ? zsum[group] : zsum[group] * alpha[0]) + pt[0] * sz.y + pt[1] * sz.w;
                             }
                         } else {  // uniform: the token pair's fp16 scales (kvcal.quantizers.scale_in_use clamps them at
                             // 2^-24) and zeros as words; P' = fp16(P) * scale in fp16x2 (P z: after the groups)
@@ -1555,8 +1618,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float* const merge_m = merge_o + WARPS * 8 * D;                        // [warp][8]
     float* const merge_l = merge_m + WARPS * 8;                            // [warp][8]
     float* const merge_z = merge_l + WARPS * 8;                            // [warp][8][VGROUPS]
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (int h = 0; h < HL; ++h)  // across the lanes of the head's other tokens, as its maximum
+#pragma unroll
+        for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
     if constexpr (CB) {
 #pragma unroll
         for (int i = 0; i < S::VGROUPS; ++i) {
@@ -1571,9 +1636,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int e = 0; e < 2; ++e) merge_z[(warp * 8 + 2 * t + e) * S::VGROUPS + i] = zacc[i / 2][(i & 1) * 2 + e];
     }
-    if (t == 0) {
-        merge_m[warp * 8 + g] = m;
-        merge_l[warp * 8 + g] = l;
+    if (TOKENS_IN_M ? g == 0 : t == 0) {
+#pragma unroll
+        for (int h = 0; h < HL; ++h) {
+            const int head = TOKENS_IN_M ? 2 * t + h : g;
+            merge_m[warp * 8 + head] = m[h];
+            merge_l[warp * 8 + head] = l[h];
+        }
     }
 #pragma unroll
     for (int mt = 0; mt < MTILES; ++mt)

@@ -10,6 +10,7 @@
 // References are to sections of the PTX ISA by title (their numbers move between versions):
 //   [mma16816]  "Matrix Fragments for mma.m16n8k16 with floating point type"
 //   [ldmatrix]  "Warp-level matrix load instruction: ldmatrix"
+//   [movmatrix] "Warp-level matrix transpose instruction: movmatrix"
 //   [cp.async]  "Data Movement and Conversion Instructions: cp.async" (and cp.async.commit_group / wait_group)
 //   [lop3]      "Logic and Shift Instructions: lop3"
 //   [prmt]      "Data Movement and Conversion Instructions: prmt"
@@ -74,6 +75,16 @@ __device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* 
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(shared_address(row)));
+}
+
+// ---- movmatrix: an 8x8 matrix of 16-bit elements transposed in registers [movmatrix] ----
+// Lane L holds row L/4, columns 2(L%4) and 2(L%4)+1 of the matrix (the lower one in bits 0-15), as an mma
+// accumulator's rows g or g + 8 do once packed; it receives the same places of the transpose: column L/4, rows
+// 2(L%4) and 2(L%4)+1 of the matrix, as a B fragment's register holds them.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned a) {
+    unsigned d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+    return d;
 }
 
 // ---- cp.async: 16 bytes global -> shared without a register round trip [cp.async] ----

@@ -38,6 +38,7 @@ void run_probe_mma(unsigned gx, unsigned bx, const unsigned short* a, const unsi
                    int bf16, int path) { LAUNCH(probe_mma(a, b, c, d, bf16, path)); }
 void run_probe_ldmatrix(unsigned gx, unsigned bx, const unsigned short* tile, unsigned* out, int variant) {
     LAUNCH(probe_ldmatrix(tile, out, variant)); }
+void run_probe_movmatrix(unsigned gx, unsigned bx, const unsigned* in, unsigned* out) { LAUNCH(probe_movmatrix(in, out)); }
 void run_probe_cp_async(unsigned gx, unsigned bx, const unsigned char* src, int bytes, uint4* dst, int stages, int bug) {
     LAUNCH(probe_cp_async(src, bytes, dst, stages, bug)); }
 void run_probe_bits(unsigned gx, unsigned bx, const unsigned* a, const unsigned* b, const unsigned* c, unsigned* out,
@@ -99,6 +100,12 @@ def run_mma(runner, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, path: int
 def run_ldmatrix(runner, tile: np.ndarray, variant: int) -> np.ndarray:
     out = np.zeros((WARP, 4), np.uint32)
     runner.launch("probe_ldmatrix", 1, WARP, tile, out, variant)
+    return out
+
+
+def run_movmatrix(runner, words: np.ndarray) -> np.ndarray:
+    out = np.zeros(WARP, np.uint32)
+    runner.launch("probe_movmatrix", 1, WARP, words, out)
     return out
 
 
@@ -178,12 +185,14 @@ def gpu_runner():
 
 # ------------------------------------------------------------------------------------------------ NVRTC
 
-PROBE_KERNELS = ("probe_mma", "probe_ldmatrix", "probe_cp_async", "probe_bits", "probe_dequant", "probe_shared_table")
-# SASS each primitive must become (sm_80 and sm_90): tensor-core HMMA, LDSM (.MT88 = transposed), LDGSTS
+PROBE_KERNELS = ("probe_mma", "probe_ldmatrix", "probe_movmatrix", "probe_cp_async", "probe_bits", "probe_dequant",
+                 "probe_shared_table")
+# SASS each primitive must become (sm_80 and sm_90): tensor-core HMMA, LDSM (.MT88 = transposed), MOVM, LDGSTS
 # (cp.async) with its barrier-free waits (LDGDEPBAR / DEPBAR), LOP3, PRMT, paired fp16 arithmetic.
 SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDSM.16.M88.2",
                       "LDSM.16.MT88.2"),
         "probe_ldmatrix": ("LDSM.16.M88.4", "LDSM.16.MT88.4", "LDSM.16.M88.2", "LDSM.16.MT88.2"),
+        "probe_movmatrix": ("MOVM.16.MT88",),
         "probe_cp_async": ("LDGSTS.E.BYPASS.128", "LDGDEPBAR", "DEPBAR"),
         "probe_bits": ("LOP3.LUT", "PRMT", "HMNMX2"),
         "probe_dequant": ("LOP3.LUT", "HADD2", "HFMA2", "PRMT"),
@@ -304,6 +313,22 @@ def ldmatrix_expected(tile: np.ndarray, variant: int) -> np.ndarray:
 def test_emulated_ldmatrix_follows_the_ptx_layout(emulated, variant):
     tile = np.arange(256, dtype=np.uint16).reshape(16, 16) * 3 + 1  # every element distinct
     np.testing.assert_array_equal(run_ldmatrix(emulated, tile, variant), ldmatrix_expected(tile, variant))
+
+
+def movmatrix_expected(words: np.ndarray) -> np.ndarray:
+    """The PTX ISA's movmatrix section, written out: lane L holds row L/4, columns 2(L%4) + {0, 1} of an 8x8 matrix
+    (the first in the low 16 bits) and receives the transpose's: column L/4, rows 2(L%4) + {0, 1}."""
+    matrix = np.zeros((8, 8), np.uint32)
+    for lane, word in enumerate(words):
+        matrix[lane // 4, 2 * (lane % 4)], matrix[lane // 4, 2 * (lane % 4) + 1] = word & 0xFFFF, word >> 16
+    return np.array([matrix[2 * (lane % 4), lane // 4] | matrix[2 * (lane % 4) + 1, lane // 4] << 16 for lane in range(WARP)],
+                    np.uint32)
+
+
+def test_emulated_movmatrix_transposes_the_warps_matrix(emulated):
+    words = np.random.default_rng(7).integers(0, 2**32, WARP, dtype=np.uint64).astype(np.uint32)
+    np.testing.assert_array_equal(run_movmatrix(emulated, words), movmatrix_expected(words))
+    np.testing.assert_array_equal(run_movmatrix(emulated, run_movmatrix(emulated, words)), words)  # its own inverse
 
 
 # ------------------------------------------------------------------------------------------------ cp.async
@@ -446,6 +471,7 @@ MUTANTS = {  # planted emulator bugs, each of which one of the checks above must
     "a-registers-swapped": ("[(row >> 3) + 2 * (k >> 3)]", "[2 * (row >> 3) + (k >> 3)]"),
     "b-lanes-by-row": ("slots[base + col * 4 + (k & 7u) / 2].b[k >> 3]", "slots[base + ((k & 7u) / 2) * 8 + col / 2].b[k >> 3]"),
     "ldmatrix-trans-halves-swapped": ("out[i] = lo | (unsigned)hi << 16;", "out[i] = hi | (unsigned)lo << 16;"),
+    "movmatrix-not-transposed": ("element(row, column) | element(row + 1, column) << 16", "element(column, row) | element(column, row + 1) << 16"),
     "cp-async-lands-at-issue": ("std::memset(shared_dst, 0xFF, size);", "std::memcpy(shared_dst, copy.bytes, size);"),
 }
 
@@ -461,6 +487,9 @@ def test_a_planted_emulator_bug_is_caught(tmp_path_factory, name):
         np.testing.assert_array_equal(run_cp_async(broken, src, 2, bug=0), src)
         with pytest.raises(AssertionError, match="went unnoticed"):
             test_emulated_cp_async_exposes_a_pipeline_that_does_not_wait(broken, 2, 1)
+    elif name.startswith("movmatrix"):
+        with pytest.raises(AssertionError):
+            test_emulated_movmatrix_transposes_the_warps_matrix(broken)
     elif name.startswith("ldmatrix"):
         with pytest.raises(AssertionError):
             test_emulated_ldmatrix_follows_the_ptx_layout(broken, 1)
@@ -482,6 +511,8 @@ def test_the_gpu_runs_the_probe_kernels_as_the_emulator_does(emulated):
     tile = np.arange(256, dtype=np.uint16).reshape(16, 16) * 3 + 1
     for variant in range(4):
         np.testing.assert_array_equal(run_ldmatrix(gpu, tile, variant), ldmatrix_expected(tile, variant))
+    words = np.random.default_rng(7).integers(0, 2**32, WARP, dtype=np.uint64).astype(np.uint32)
+    np.testing.assert_array_equal(run_movmatrix(gpu, words), movmatrix_expected(words))
     for stages in (2, 3, 4):
         src = np.random.default_rng(stages).integers(0, 256, 3007, dtype=np.uint8)
         dst = run_cp_async(gpu, src, stages)

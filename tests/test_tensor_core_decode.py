@@ -436,7 +436,7 @@ MUTANTS = {
     "value-zero-per-token": ("int4", "vp + (S::VGROUPS + group) * ST + token);", "vp + (S::VGROUPS + group) * ST + (token ^ 2));"),
     # raw key codes (1024 + code * 2^s): Q' takes 2^-s, the bias -1024 sum Q'
     "raw-key-shift": ("int2", "raw_shift<BITS>(p % (16 / BITS)) : 0;", "raw_shift<BITS>((p + 1) % (16 / BITS)) : 0;"),
-    "raw-key-offset": ("int4", "if constexpr (KEY_RAW) paired_k_steps(bacc, bacc2, qk, minus_1024);", ""),
+    "raw-key-offset": ("int4", "if constexpr (KEY_RAW) tokens_in_m_steps(bacc, bacc2, minus_1024, minus_1024, qk);", ""),
     # raw value codes: fp16 subnormals, code * 2^(s - 24) (no offset), 2^(24 - s) per output row at the end
     "raw-value-offset": ("int2", "VALUE_BASE = magic::FP16_SUBNORMAL;", "VALUE_BASE = magic::FP16_1024;"),
     "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
@@ -460,7 +460,7 @@ MUTANTS = {
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-warp": ("nuq4-out-rope", "value_corrections + token / TPW * 8 * D + c", "value_corrections + (token / TPW ^ 1) * 8 * D + c", "3"),
     "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
-    "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha,", "row[i] = float4{row[i].x,", "3"),
+    "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
     # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range
     "nuq-table-address": ("nuq4", "x >> (F * k - 2)", "x >> (F * k - 3)"),
     "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
@@ -490,6 +490,11 @@ MUTANTS = {
     # SKVQ's 3-bit codes: each channel of a pair its own high bit
     "skvq3-pair-high-bits": ("skvq3", "row[top_word] >> ((c & 31) + e)", "row[top_word] >> (c & 31)", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
+    # 16 tokens in M and the query heads in N: the k-step's second eight tokens, P's transpose, the merged heads
+    "tokens-in-m-second-rows": ("int4", "key_row_pairs(k1, buffer + (tb + 16 * kt + 8 + g) * S::KSROW);",
+                                "key_row_pairs(k1, buffer + (tb + 16 * kt + g) * S::KSROW);"),
+    "tokens-in-m-p-transpose": ("int2", "if constexpr (TOKENS_IN_M) pw[half] = movmatrix_trans(pw[half]);", ""),
+    "tokens-in-m-merged-heads": ("int2-g32", "const int head = TOKENS_IN_M ? 2 * t + h : g;", "const int head = TOKENS_IN_M ? 2 * t + (h ^ 1) : g;"),
     # a warp-private pipeline: each warp's own quarter of the split, the key parameters of each block it enters (one
     # split of 700 tokens: quarters of 256, two key blocks of 128 each)
     "private-warp-quarter": ("int4", "hi = S::PRIVATE ? min(end, lo + quarter) : end", "hi = S::PRIVATE ? min(end, lo + quarter / 2) : end"),

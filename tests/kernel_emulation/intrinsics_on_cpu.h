@@ -29,7 +29,7 @@
 namespace emulation {
 namespace intrinsics {
 
-enum Collective : unsigned { MMA_F16 = 1, MMA_BF16, LDMATRIX_X2, LDMATRIX_X4, LDMATRIX_X2_TRANS, LDMATRIX_X4_TRANS };
+enum Collective : unsigned { MMA_F16 = 1, MMA_BF16, LDMATRIX_X2, LDMATRIX_X4, LDMATRIX_X2_TRANS, LDMATRIX_X4_TRANS, MOVMATRIX };
 
 struct Slot {  // what one lane contributes to a warp-collective instruction
     unsigned op = 0;
@@ -163,6 +163,22 @@ inline void ldmatrix(unsigned* r, const void* row) {
     std::memcpy(r, out, sizeof out);
 }
 
+// movmatrix .m8n8 .trans .b16 [movmatrix]: lane L holds row L/4, columns 2(L%4), 2(L%4)+1 and gets
+// column L/4, rows 2(L%4), 2(L%4)+1: element (r, c) is in lane 4r + c/2, half c % 2.
+inline unsigned movmatrix_trans(unsigned a) {
+    Slot& mine = my_slot();
+    const unsigned lane = threadIdx.x & 31u, base = threadIdx.x & ~31u, column = lane / 4, row = 2 * (lane % 4);
+    mine.op = MOVMATRIX;
+    mine.a[0] = a;
+    warp_rendezvous();
+    check_same_collective();
+    const auto element = [&](unsigned r, unsigned c) { return slots[base + 4 * r + c / 2].a[0] >> (16 * (c % 2)) & 0xFFFFu; };
+    const unsigned out = element(row, column) | element(row + 1, column) << 16;
+    warp_rendezvous();
+    mine.op = 0;
+    return out;
+}
+
 // cp.async state of each thread of the running block: its copies since the last commit, then its
 // committed groups, oldest first ([cp.async]: groups are per thread and complete in order).
 struct Copy {
@@ -207,6 +223,7 @@ inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { emulation::intrinsi
 inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { emulation::intrinsics::ldmatrix<4, true>(r, row); }
 inline void ldmatrix_x2(unsigned (&r)[2], const void* row) { emulation::intrinsics::ldmatrix<2, false>(r, row); }
 inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) { emulation::intrinsics::ldmatrix<2, true>(r, row); }
+inline unsigned movmatrix_trans(unsigned a) { return emulation::intrinsics::movmatrix_trans(a); }
 
 namespace emulation {
 namespace intrinsics {

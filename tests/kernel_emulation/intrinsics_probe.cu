@@ -76,6 +76,11 @@ extern "C" __global__ void probe_ldmatrix(const unsigned short* tile, unsigned* 
     for (int i = 0; i < 4; ++i) out[lane * 4 + i] = r[i];
 }
 
+// One warp: movmatrix.trans of each lane's word, out[lane].
+extern "C" __global__ void probe_movmatrix(const unsigned* in, unsigned* out) {
+    out[threadIdx.x] = movmatrix_trans(in[threadIdx.x]);
+}
+
 // cp.async through a STAGES-deep ring of shared buffers, one 16-byte chunk per thread and stage (64
 // threads, 1 KiB stages): src (bytes long, any length) to dst (whole stages; the tail zero-filled by the
 // src-size form). Each thread stores the chunk its neighbour copied, so the data must cross the barrier.
