@@ -12,8 +12,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
                StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`), with two
                steps of each cache of the first cell traced (the first batch, 1 by default: where the host side shows),
                then the largest batch StaticCache and each recipe decode at the longest length (--generate-largest tries)
-  ab           this tree's kernel against --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`); skipped
-               without a baseline tree
+  ab           this tree's kernel against each --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`);
+               skipped without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
 
 Everything is written under OUTDIR: results/ (the benchmarks' JSON and Markdown, as benchmarks/results would hold
@@ -24,7 +24,7 @@ is also printed last.
 --help, the GPU suite collected but not run, the end-to-end script on a tiny model on CPU) and the summary reads what
 came out.
 
-Usage: python -m benchmarks.gpu_campaign OUTDIR [--budget-s 420] [--baseline-tree DIR] [--seed N] [--dry-run]
+Usage: python -m benchmarks.gpu_campaign OUTDIR [--budget-s 420] [--baseline-tree DIR ...] [--seed N] [--dry-run]
        (see --help). On the device: PYTHONPATH=$PWD KVCAL_COMMIT=<commit> python3 -m benchmarks.gpu_campaign /tmp/c ...
 """
 
@@ -130,9 +130,10 @@ def stages(args) -> list[Stage]:
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--torch-profile", "1", "--profile-seqlen", "64",
                "--largest-batch", str(min(args.generate_largest, 2)), "--seed", str(args.seed)]),
     ]
-    if args.baseline_tree is not None:
-        found.append(Stage("ab", [*bench("kernels", "ab"), "--baseline", str(args.baseline_tree), "--only", args.ab_variants,
-                                  "--rounds", "2", "--iters", "30"], 150, 60, [*bench("kernels", "ab"), "--help"]))
+    if args.baseline_tree:  # each tree's runs compile its variants once (the first round) and time them twice
+        trees = [argument for tree in args.baseline_tree for argument in ("--baseline", str(tree))]
+        found.append(Stage("ab", [*bench("kernels", "ab"), *trees, "--only", args.ab_variants, "--rounds", "2", "--iters", "30"],
+                           90 + 60 * len(args.baseline_tree), 60, [*bench("kernels", "ab"), "--help"]))
     found.append(Stage("ncu", [*bench("kernels", "ncu"), "--only", args.ncu_variants,
                                "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("kernels", "ncu"), "--help"]))
     return [s for s in found if not args.only or s.name in args.only.split(",")]
@@ -199,8 +200,9 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
         lines += ["", "GPU suite: " + suite_counts(suite.read_text())]
     ab = out / "logs" / "ab.log"
     if ab.is_file():
-        table = [line for line in ab.read_text().splitlines() if line.startswith("|")]
-        lines += ["", "A/B (this tree against the baseline, interleaved):", "", *table] if table else []
+        log = ab.read_text().splitlines()
+        named, table = [line for line in log if line.startswith("baselines:")], [line for line in log if line.startswith("|")]
+        lines += ["", "A/B (this tree against the baselines, interleaved):", *named, "", *table] if table else []
     generate = _load(results, "generate")
     if generate:
         longest = max(r["length"] for r in generate["results"])
@@ -249,8 +251,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="output folder (created; must be empty or absent)")
     parser.add_argument("--budget-s", type=float, default=420, help="seconds the whole campaign may take (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random data (default: from the clock; recorded)")
-    parser.add_argument("--baseline-tree", type=Path, default=None,
-                        help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`)")
+    parser.add_argument("--baseline-tree", type=Path, default=[], action="append",
+                        help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`); "
+                             "repeat it for several, each in a folder of its own name")
     parser.add_argument("--ab-variants", default="int2-g128,int4-g128,nuq3-1%-pre-rope",
                         help="tensor-core variants of the A/B (default: %(default)s)")
     parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
@@ -265,8 +268,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         parser.error(f"{args.out}: exists and is not an empty folder; give a new one (nothing is written over)")
-    if args.baseline_tree is not None and not (args.baseline_tree / "kernels" / "decode_attention_tc.cu").is_file():
-        parser.error(f"--baseline-tree {args.baseline_tree}: no kernels/decode_attention_tc.cu there; give a kvcal tree")
+    for tree in args.baseline_tree:
+        if not (tree / "kernels" / "decode_attention_tc.cu").is_file():
+            parser.error(f"--baseline-tree {tree}: no kernels/decode_attention_tc.cu there; give a kvcal tree")
+    if len({tree.resolve().name for tree in args.baseline_tree}) < len(args.baseline_tree):
+        parser.error("--baseline-tree: two trees in folders of one name; the A/B names each by its folder")
     if args.budget_s <= 0:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
@@ -276,8 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed
     args.out = args.out.resolve()
-    if args.baseline_tree is not None:
-        args.baseline_tree = args.baseline_tree.resolve()
+    args.baseline_tree = [tree.resolve() for tree in args.baseline_tree]
     return args
 
 

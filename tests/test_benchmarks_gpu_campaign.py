@@ -79,9 +79,14 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_i
         '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
         '<testcase classname="tests.test_x" name="test_b"/><testcase classname="tests.test_x" name="test_c"><skipped/></testcase>'
         "</testsuite></testsuites>")
+    (tmp_path / "logs" / "ab.log").write_text("round 1 this tree: int2-g128 99.00 us\n\nbaselines: a = /t/a, b = /t/b\n\n"
+                                              "| variant | this tree us | a us | b us | this / a | this / b |\n"
+                                              "| int2-g128 | 99.00 | 110.00 | 100.00 | 0.900 | 0.990 |\n")
     stages = [campaign.Stage("kernels", [], 1, 1, status="ok", seconds=12.0)]
     text = "\n".join(campaign.summary(tmp_path, stages))
     assert "| int2-g128 | 110.5 | 99.45 (-10%) | 46% | 3.31x | 1.2e-04 | ok |" in text  # beside the bound's prediction
+    assert "interleaved):\nbaselines: a = /t/a, b = /t/b\n\n| variant | this tree us | a us | b us |" in text
+    assert "round 1" not in text
     assert "| nuq3-1%-pre-rope | 110.5 | - | 46% | 3.31x | inf | FAIL |" in text
     assert text.index("head_dim 128") < text.index("head_dim 256") < text.index("| int2-g32 | 190.0 |")
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
@@ -90,6 +95,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_i
 @pytest.mark.parametrize("arguments,problem", [
     (["{nonempty}"], "exists and is not an empty folder"),
     (["{new}", "--baseline-tree", "{new}"], "no kernels/decode_attention_tc.cu there"),
+    (["{new}", "--baseline-tree", "{tree}", "--baseline-tree", "{tree}/../tree"], "two trees in folders of one name"),
     (["{new}", "--only", "kernels,lunch"], "stages are"),
     (["{new}", "--budget-s", "0"], "a positive number of seconds"),
     (["{new}", "--generate-largest", "-1"], "0 or more tries"),
@@ -97,11 +103,26 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_i
 def test_the_campaign_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, tmp_path, capsys):
     (tmp_path / "nonempty").mkdir()
     (tmp_path / "nonempty" / "kept.txt").write_text("mine")
-    arguments = [a.format(nonempty=tmp_path / "nonempty", new=tmp_path / "new") for a in arguments]
+    (tmp_path / "tree" / "kernels").mkdir(parents=True)
+    (tmp_path / "tree" / "kernels" / "decode_attention_tc.cu").write_text("")
+    arguments = [a.format(nonempty=tmp_path / "nonempty", new=tmp_path / "new", tree=tmp_path / "tree") for a in arguments]
     with pytest.raises(SystemExit) as exit_:
         campaign.main(arguments)
     assert exit_.value.code == 2 and problem in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "nonempty") == ["kept.txt"]
+
+
+def test_the_ab_stage_times_every_baseline_tree_in_one_run_with_a_minute_more_for_each(tmp_path):
+    trees = []
+    for name in ("before-private", "before-tokens-in-m"):
+        (tmp_path / name / "kernels").mkdir(parents=True)
+        (tmp_path / name / "kernels" / "decode_attention_tc.cu").write_text("")
+        trees += ["--baseline-tree", str(tmp_path / name)]
+    args = campaign.parse_args([str(tmp_path / "out"), *trees, "--only", "ab"])
+    (stage,) = campaign.stages(args)
+    baselines = [stage.command[i + 1] for i, word in enumerate(stage.command) if word == "--baseline"]
+    assert baselines == [str(tmp_path / "before-private"), str(tmp_path / "before-tokens-in-m")] and stage.limit_s == 210
+    assert campaign.stages(campaign.parse_args([str(tmp_path / "out2"), "--only", "ab"])) == []  # no tree, no A/B
 
 
 @pytest.mark.parametrize("arguments,problem", [

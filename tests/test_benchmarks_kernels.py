@@ -66,12 +66,13 @@ def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys():
     (["--baseline", str(REPO) + "/"], "this checkout itself"),
     (["--rounds", "1"], "required: --baseline"),
     (["--baseline", "{other}", "--rounds", "0"], "positive numbers"),
+    (["--baseline", "{other}", "--baseline", "{other}/../{name}"], "a second baseline named"),
 ])
 def test_the_ab_mode_refuses_what_it_cannot_compare_with_one_line(arguments, problem, tmp_path, monkeypatch, capsys):
     for name in ("benchmarks/kernels/tensor_core.py", "kernels/decode_attention_tc.cu"):  # another checkout's shape
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
-    arguments = [a.format(other=tmp_path) for a in arguments]
+    arguments = [a.format(other=tmp_path, name=tmp_path.name) for a in arguments]
     assert problem in refused(ab.main, arguments, monkeypatch, capsys)
 
 

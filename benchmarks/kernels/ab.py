@@ -1,14 +1,16 @@
-"""A/B of the tensor-core decode kernel: this checkout against another (the baseline: another commit's tree, e.g.
+"""A/B of the tensor-core decode kernel: this checkout against others (the baselines: other commits' trees, e.g.
 `git worktree add /tmp/base <commit>`), side by side on one GPU. The tensor-core benchmark runs in each tree in turn, with
-that tree's kvcal package and kernels, alternating (this tree, baseline, this tree, ...) for --rounds rounds, at the
-launcher's split plan. The table gives each variant's median latency per side and the ratio. Timings from two runs
-on different machines or sessions are not comparable; two sides of one run are.
+that tree's kvcal package and kernels, alternating (this tree, each baseline, this tree, ...) for --rounds rounds, at the
+launcher's split plan. The table gives each variant's median latency per side and this tree's ratio to each baseline.
+Several baselines (the commits between which kernel changes landed, oldest first) time each change's step in one run,
+to set beside the prediction written for it. Timings from two runs on different machines or sessions are not
+comparable; two sides of one run are.
 
 The tensor-core benchmark's --kernel-dir swaps kernels/ alone; a change that also moves the host side (shared memory,
 stage sizes, split plans in kvcal.runtime.tensor_core) needs both trees whole, which this script runs.
 
-Usage (CUDA + CuPy): python -m benchmarks.kernels ab --baseline DIR [--only int2-g128,int4-g128] [--rounds 2]
-                                                       [--tokens 32768] [--iters 20]
+Usage (CUDA + CuPy): python -m benchmarks.kernels ab --baseline DIR [--baseline DIR2 ...] [--only int2-g128,int4-g128]
+                                                       [--rounds 2] [--tokens 32768] [--iters 20]
 Prints; writes nothing (each run is the tensor-core benchmark's print-only mode).
 """
 
@@ -48,33 +50,43 @@ def latencies(tree: Path, args) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=Path, required=True, help="another kvcal checkout (the A side)")
+    parser.add_argument("--baseline", type=Path, required=True, action="append",
+                        help="another kvcal checkout (an A side); repeat it for several, named by their folders")
     parser.add_argument("--only", default="int2-g128,int4-g128", help="comma-separated variant names of the tensor-core benchmark")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--tokens", type=int, default=32768, help="cached tokens per sequence")
     parser.add_argument("--iters", type=int, default=20, help="timed launches per measurement (median reported)")
     args = parser.parse_args()
-    baseline = args.baseline.resolve()
-    if benchmark_command(baseline) is None or not (baseline / "kernels" / "decode_attention_tc.cu").is_file():
-        parser.error(f"--baseline {args.baseline}: not a kvcal checkout (no tensor-core benchmark and kernels/ there)")
-    if baseline == HERE:
-        parser.error(f"--baseline {args.baseline}: this checkout itself; give another commit's tree (git worktree add)")
+    baselines = {}
+    for given in args.baseline:
+        tree = given.resolve()
+        if benchmark_command(tree) is None or not (tree / "kernels" / "decode_attention_tc.cu").is_file():
+            parser.error(f"--baseline {given}: not a kvcal checkout (no tensor-core benchmark and kernels/ there)")
+        if tree == HERE:
+            parser.error(f"--baseline {given}: this checkout itself; give another commit's tree (git worktree add)")
+        if tree.name in baselines or tree.name == "this tree":
+            parser.error(f"--baseline {given}: a second baseline named {tree.name}; give each tree a folder name of its own")
+        baselines[tree.name] = tree
     if args.rounds <= 0 or args.tokens <= 0 or args.iters <= 0:
         parser.error("--rounds, --tokens and --iters are positive numbers")
     if not torch.cuda.is_available():
         sys.exit("the A/B benchmark needs a CUDA GPU; nothing was measured")
-    sides = {"this tree": HERE, "baseline": baseline}
+    sides = {"this tree": HERE, **baselines}
     measured = {side: {} for side in sides}
     for round_ in range(args.rounds):
         for side, tree in sides.items():
             for variant, us in latencies(tree, args).items():
                 measured[side].setdefault(variant, []).append(us)
                 print(f"round {round_ + 1} {side}: {variant} {us:.2f} us", flush=True)
-    print(f"\n| variant | this tree us | baseline us ({baseline}) | this / baseline |\n|---|---|---|---|")
+    print(f"\nbaselines: {', '.join(f'{name} = {tree}' for name, tree in baselines.items())}")
+    print("\n| variant | this tree us | " + " | ".join(f"{name} us" for name in baselines) + " | "
+          + " | ".join(f"this / {name}" for name in baselines) + " |")
+    print("|---" * (2 + 2 * len(baselines)) + "|")
     for variant in measured["this tree"]:
-        b = statistics.median(measured["this tree"][variant])
-        a = statistics.median(measured["baseline"].get(variant, [float("nan")]))
-        print(f"| {variant} | {b:.2f} | {a:.2f} | {b / a:.3f} |")
+        this = statistics.median(measured["this tree"][variant])
+        other = [statistics.median(measured[name].get(variant, [float("nan")])) for name in baselines]
+        print(f"| {variant} | {this:.2f} | " + " | ".join(f"{us:.2f}" for us in other) + " | "
+              + " | ".join(f"{this / us:.3f}" for us in other) + " |")
 
 
 if __name__ == "__main__":
