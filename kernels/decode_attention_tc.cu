@@ -1411,29 +1411,34 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
             }
             // -- online softmax of the lane's heads over these TPW tokens (log2 domain) --
-            float m_new[HL], m_use[HL], alpha[HL];
+            float mx[HL], alpha[HL];  // the lane's own maxima of its heads, reduced as a tree
             bool rose = false;
 #pragma unroll
             for (int h = 0; h < HL; ++h) {
-                float part[NT];  // the n-tiles' maxima, reduced as a tree
+                float part[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) part[nt] = TOKENS_IN_M ? sc[nt][h] : fmaxf(sc[nt][0], sc[nt][1]);
 #pragma unroll
                 for (int w = NT / 2; w >= 1; w /= 2)
 #pragma unroll
                     for (int i = 0; i < w; ++i) part[i] = fmaxf(part[i], part[i + w]);
-                float mx = part[0];  // then across the lanes that hold the head's other tokens: those of its g, or t
-#pragma unroll
-                for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-                m_new[h] = fmaxf(m[h], mx), m_use[h] = m_new[h] == -__int_as_float(0x7f800000) ? 0.0f : m_new[h];
-                rose = rose || m_new[h] > m[h];
-                alpha[h] = 1.0f;
+                mx[h] = part[0], alpha[h] = 1.0f;
+                rose = rose || mx[h] > m[h];
             }
-            // rescale only when some head's maximum grew (warp-uniform; otherwise alpha is exactly 1, or l = o = 0)
+            // only when some lane's maximum passed its head's running one (warp-uniform) are the maxima reduced across
+            // the lanes that hold the heads' other tokens (those of the lane's g, or t) and the state rescaled:
+            // otherwise every head's maximum stays as it is, and alpha is exactly 1 (or l = o = 0)
             const bool grew = __ballot_sync(0xffffffffu, rose) != 0u;
             if (grew) {
 #pragma unroll
-                for (int h = 0; h < HL; ++h) alpha[h] = ex2(m[h] - m_use[h]);
+                for (int h = 0; h < HL; ++h) {
+#pragma unroll
+                    for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2)
+                        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+                    const float m_new = fmaxf(m[h], mx[h]);
+                    alpha[h] = ex2(m[h] - (m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new));
+                    m[h] = m_new;
+                }
                 // heads 2t, 2t+1 of o's columns: the lane's own, or lanes 8t and 8t + 4's head g
                 const float alpha0 = TOKENS_IN_M ? alpha[0] : shfl_idx(alpha[0], 8 * t);
                 const float alpha1 = TOKENS_IN_M ? alpha[HL - 1] : shfl_idx(alpha[0], 8 * t + 4);
@@ -1448,17 +1453,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha[0], row[i].y * alpha[0], row[i].z * alpha[0], row[i].w * alpha[0]};
                 }
             }
-            float p[NT][2];  // as sc
+            float p[NT][2], m_use[HL];  // p as sc
 #pragma unroll
-            for (int h = 0; h < HL; ++h) l[h] *= alpha[h];
+            for (int h = 0; h < HL; ++h) l[h] *= alpha[h], m_use[h] = m[h] == -__int_as_float(0x7f800000) ? 0.0f : m[h];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 p[nt][0] = ex2(sc[nt][0] - m_use[0]), p[nt][1] = ex2(sc[nt][1] - m_use[HL - 1]);
                 if constexpr (TOKENS_IN_M) l[0] += p[nt][0], l[1] += p[nt][1];
                 else l[0] += p[nt][0] + p[nt][1];
             }
-#pragma unroll
-            for (int h = 0; h < HL; ++h) m[h] = m_new[h];
             // -- O^T += V^T P^T, one k-step of 16 tokens at a time (P's n-tiles 2 kt and 2 kt + 1) --
 #pragma unroll
             for (int kt = 0; kt < KT; ++kt) {
