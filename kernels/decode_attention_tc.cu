@@ -556,6 +556,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // its output columns are, where the other layout gives it head g's
     constexpr bool TOKENS_IN_M = S::PRIVATE;
     constexpr int HL = TOKENS_IN_M ? 2 : 1;
+    // the lanes that hold a head's other tokens are the lane's xor partners HEAD_LANES_FROM, 2 HEAD_LANES_FROM, ...
+    // below HEAD_LANES_TO: those of its t (tokens in M), or of its g
+    constexpr int HEAD_LANES_FROM = TOKENS_IN_M ? 4 : 1, HEAD_LANES_TO = TOKENS_IN_M ? 32 : 4;
     TC_SHARED_ARRAY(smem_words, S::SMEM_BYTES);
     unsigned char* const smem = reinterpret_cast<unsigned char*>(smem_words);
 
@@ -1130,6 +1133,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float m[HL], l[HL] = {}, zsum[CB ? S::VGROUPS : 1] = {}, zacc[ZPAIRS][4] = {};  // the softmax's state of the lane's heads
 #pragma unroll
     for (int h = 0; h < HL; ++h) m[h] = -__int_as_float(0x7f800000);
+    // a running maximum as ex2's offset: 0 while it is -inf (no token seen), so that ex2 gives 0, not NaN
+    const auto exponent_offset = [](float running) { return running == -__int_as_float(0x7f800000) ? 0.0f : running; };
 
     // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
     // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
@@ -1433,10 +1438,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int h = 0; h < HL; ++h) {
 #pragma unroll
-                    for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2)
-                        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
+                    for (int x = HEAD_LANES_FROM; x < HEAD_LANES_TO; x *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
                     const float m_new = fmaxf(m[h], mx[h]);
-                    alpha[h] = ex2(m[h] - (m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new));
+                    alpha[h] = ex2(m[h] - exponent_offset(m_new));
                     m[h] = m_new;
                 }
                 // heads 2t, 2t+1 of o's columns: the lane's own, or lanes 8t and 8t + 4's head g
@@ -1455,7 +1459,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
             float p[NT][2], m_use[HL];  // p as sc
 #pragma unroll
-            for (int h = 0; h < HL; ++h) l[h] *= alpha[h], m_use[h] = m[h] == -__int_as_float(0x7f800000) ? 0.0f : m[h];
+            for (int h = 0; h < HL; ++h) l[h] *= alpha[h], m_use[h] = exponent_offset(m[h]);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 p[nt][0] = ex2(sc[nt][0] - m_use[0]), p[nt][1] = ex2(sc[nt][1] - m_use[HL - 1]);
@@ -1613,7 +1617,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     cp_async_wait<0>();
     __syncthreads();
     if constexpr (OUT) {  // the last stage's value corrections (one pipeline of the block: every split here has a stage)
-        static_assert(!OUT || !S::PRIVATE, "outliers: the block's pipeline, whose tiles cover the split");
+        static_assert(!S::PRIVATE, "outliers: the block's pipeline, whose tiles cover the split");
         correct_values(stage_buffer(tiles - 1), tiles - 1);
         __syncthreads();
     }
@@ -1624,7 +1628,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
     for (int h = 0; h < HL; ++h)  // across the lanes of the head's other tokens, as its maximum
 #pragma unroll
-        for (int x = TOKENS_IN_M ? 4 : 1; x < (TOKENS_IN_M ? 32 : 4); x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
+        for (int x = HEAD_LANES_FROM; x < HEAD_LANES_TO; x *= 2) l[h] += __shfl_xor_sync(0xffffffffu, l[h], x);
     if constexpr (CB) {
 #pragma unroll
         for (int i = 0; i < S::VGROUPS; ++i) {

@@ -794,8 +794,8 @@ def markdown(result: dict) -> list[str]:
         f"({CONFLICT_TOKENS} tokens; tools.kernel_emulation); the bound leaves them out, the calibrated model weighs them. "
         "mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the bound nor the "
         "calibrated model weighs. In flight: plain loads, the global-load bytes of one iteration of a side's streaming "
-        "loop x resident warps (keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration x the stages in flight x "
-        "resident warps. "
+        "loop x resident warps (keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration "
+        "x the stages in flight x resident warps. "
         f"{h['copy_bytes_per_s'] * h['latency_s'] / h['sms'] / 1024:.1f} KiB per SM covers {h['latency_s'] * 1e9:.0f} ns of HBM "
         "latency at this bandwidth (Little's law). A bound is an upper limit, never a measurement: it assumes every issue "
         "slot is used (no dependency stalls; MUFU and fp64 at the full issue rate).",
@@ -1003,7 +1003,8 @@ def kernel_section(result: dict, kernel) -> list[str]:
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
                      f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
                      f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['mma_per_token']:.2f} | {w['registers']} "
-                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x |")
+                     f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} "
+                     f"| {b['speedup_vs_sdpa']:.2f}x |")
     calibration = result.get("calibration", {}).get(kernel.source)
     lines += measured_table(cases, kernel, measured_on_gpus(), calibration)
     if calibration is not None:
