@@ -207,9 +207,9 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
-    // outliers: the stage's key outliers' score corrections [head][token] (fp32); per warp the value outliers'
+    // outliers: the stage's key outliers' score corrections [head][token] (int, fixed point); per warp the value outliers'
     // corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's
-    // P [head][token] (fp16) and the previous stage's OutlierHeader, which the value corrections read an iteration later;
+    // P [head][token] (fp16) and where each warp's value outliers start among the stage's (32 bytes);
     // the two sides' OutlierRun (in shared memory, not in registers)
     static constexpr int OUT_SCRATCH_BYTES = OUT ? 8 * ST * 4 + WARPS * 8 * D * 4 + 4 * D * 4 + ST * 8 * 2 + 32 + 2 * 32 : 0;
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
@@ -595,9 +595,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
     // outliers (OUT): a stage is one outlier tile (a body's first row starts one, splits hold whole stages). Its ranges per
-    // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES
-    // (after the patches of stage s - STAGES, the buffer's last reader of them), from offsets it loaded an iteration
-    // before, so that the copies of stage s and its patches read them from shared memory. The two sides' runs live in
+    // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES + 1, the one that
+    // issues its copies (after the barrier at which every warp has left the buffer's stage s - STAGES, and before the
+    // one behind which the copies read them), from offsets it loaded an iteration before, so that the copies of stage s
+    // and its corrections read them from shared memory. The two sides' runs live in
     // shared memory too (the last bytes of the pipeline's area): in registers they pushed the kernel to its limit
     const int out_tile0 = start / ST;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
@@ -621,7 +622,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                       run, v_outlier_run, v_offset_run, meta[META * b + 4], v_first);
             k_next = outlier_range(out_runs[0], out_tile0);
             v_next = outlier_range(out_runs[1], out_tile0);
-            for (int s = 0; s < S::STAGES; ++s) write_ranges(smem + s * S::STAGE_BYTES, s);  // every buffer's first stage
+            for (int s = 0; s < S::STAGES - 1; ++s) write_ranges(smem + s * S::STAGE_BYTES, s);  // the stages issued first
         }
         __syncthreads();  // the runs and the first headers written before the first issue reads them
     }
@@ -810,16 +811,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
     // outliers (OUT): the stage's score corrections [head][token], sum over the token's key outliers of the query's
-    // product with the rotated (exact - dequantized) key, in the scores' log2 units; each warp's value corrections
-    // [warp][head][D], sum over its tokens' value outliers of P (exact - dequantized), in the units and softmax scale of
-    // its output; per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero}
-    // (fp32); the stage's P [head][token] (fp16; rows past GQA unused) and the previous stage's header, for the value
-    // corrections made an iteration later
-    float* const score_corrections = reinterpret_cast<float*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    float* const value_corrections = score_corrections + 8 * ST;
+    // product with the rotated (exact - dequantized) key, in fixed point (SCORE_UNIT per log2 unit of the scores: an
+    // int sum is the same in whatever order the threads' atomics add); each warp's value corrections [warp][head][D],
+    // sum over its tokens' value outliers of P (exact - dequantized), in the units and softmax scale of its output;
+    // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero} (fp32);
+    // the stage's P [head][token] (fp16; rows past GQA unused); where each warp's value outliers start among the
+    // stage's, and their end (value_runs, WARPS + 1)
+    int* const score_corrections = reinterpret_cast<int*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
+    float* const value_corrections = reinterpret_cast<float*>(score_corrections + 8 * ST);
     float* const key_extremes = value_corrections + WARPS * 8 * D;
     unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
-    OutlierHeader* const last_header = reinterpret_cast<OutlierHeader*>(stage_p + ST * 8);
+    int* const value_runs = reinterpret_cast<int*>(stage_p + ST * 8);
+    static_assert((WARPS + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds value_runs in 32 bytes");
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
     // P0 theta for its two frequencies, and of ST theta (one stage's step), held once. Between exact anchors every
@@ -1039,9 +1042,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // its correction is the exact value minus that entry dequantized.
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        for (int i = tid; i < 8 * ST / 4; i += THREADS) reinterpret_cast<float4*>(score_corrections)[i] = float4{};
+        for (int i = tid; i < 8 * ST / 4; i += THREADS) reinterpret_cast<int4*>(score_corrections)[i] = int4{};
         for (int i = tid; i < WARPS * 8 * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
-        for (int i = tid; i < ST * 8 / 2; i += THREADS) reinterpret_cast<unsigned*>(stage_p)[i] = 0u;  // (a token no warp computes: 0)
         constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
@@ -1059,30 +1061,37 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
     // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
     static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
+    const auto header_of = [&](const unsigned char* stage) -> const OutlierHeader& {
+        return *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+    };
+    // a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
+    const auto copies_of = [&](const unsigned char* stage, int side) {
+        return reinterpret_cast<const unsigned short*>(&header_of(stage) + 1) + 2 * side * S::OUT_SLOTS;
+    };
+    // outlier i of a side (indexed as the header's ranges): from the copies while they last, from global memory past them
+    const auto position_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
+        return i < S::OUT_SLOTS ? copies[i] : __ldg(out_runs[side].positions + base + i);
+    };
+    const auto value_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
+        return i < S::OUT_SLOTS ? copies[S::OUT_SLOTS + i] : __ldg(out_runs[side].values + base + i);
+    };
     const auto each_outlier = [&](const unsigned char* stage, int side, int from, int to, int base, bool crowded, auto patch) {
-        const unsigned short* const copies =
-            reinterpret_cast<const unsigned short*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES + sizeof(OutlierHeader)) +
-            2 * side * S::OUT_SLOTS;
+        const unsigned short* const copies = copies_of(stage, side);
         if (from + tid < to) patch(copies[from + tid], copies[S::OUT_SLOTS + from + tid]);
         if (crowded) {  // the same for every thread
 #pragma unroll 1
-            for (int i = from + tid + THREADS; i < to; i += THREADS) {
-                if (i < S::OUT_SLOTS) {
-                    patch(copies[i], copies[S::OUT_SLOTS + i]);
-                } else {
-                    const OutlierRun& run = out_runs[side];
-                    patch(__ldg(run.positions + base + i), __ldg(run.values + base + i));
-                }
-            }
+            for (int i = from + tid + THREADS; i < to; i += THREADS) patch(position_of(copies, side, base, i), value_of(copies, side, base, i));
         }
     };
     // The stage's key outliers as score corrections, before its tokens are computed (the query rotated to the stage is
     // ready: iteration tile - 1 made it). The key at offset delta rotates by R(delta), so an error e in channel c of the
     // first half (a) moves the rotated channels c and c + D / 2 by e cos and e sin, one in the second half (b) by
     // -e sin and e cos: the score of head h moves by e (q[c] cos + q[c + D / 2] sin), or e (q[c] cos - q[c - D / 2] sin),
-    // with the very fp16 query fragments and rotation table the scores use. Two outliers of one token meet: atomics.
+    // with the very fp16 query fragments and rotation table the scores use. Two outliers of one token meet: int atomics
+    // in fixed point, each term clamped to SCORE_TERM, so that a token's outliers (D at most) sum within an int.
+    constexpr float SCORE_UNIT = 16384.0f, SCORE_TERM = (float)(1 << 30) / D;
     const auto correct_keys = [&](const unsigned char* stage, int tile) {
-        const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+        const OutlierHeader& h = header_of(stage);
         const unsigned short* const q_halves = reinterpret_cast<const unsigned short*>(q_stage + (tile & 1) * S::QSTAGE_WORDS);
         const unsigned short* const rope_halves = reinterpret_cast<const unsigned short*>(rope_smem);
         each_outlier(stage, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
@@ -1095,32 +1104,64 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             const float cos = half_to_float(rope_halves[2 * rope_pair_word<D>(token, part, q) + i]);
             const float sin = half_to_float(rope_halves[2 * (rope_pair_word<D>(token, part, q) + 1) + i]);
             const float first = c < D / 2 ? cos : -sin, second = c < D / 2 ? sin : cos;  // the weights of q[a], q[a + D / 2]
+            // head h's query pairs are lanes 4 h + part's: 16 words on per head (q_stage_word)
+            const unsigned short* const qa = q_halves + 2 * q_stage_word(q, part) + i;
+            const unsigned short* const qb = q_halves + 2 * q_stage_word(q + D / 16, part) + i;
+            const float scaled = error * SCORE_UNIT;
 #pragma unroll
             for (int head = 0; head < GQA; ++head) {
-                const float qa = half_to_float(q_halves[2 * q_stage_word(q, head * 4 + part) + i]);
-                const float qb = half_to_float(q_halves[2 * q_stage_word(q + D / 16, head * 4 + part) + i]);
-                atomicAdd(score_corrections + head * ST + token, error * (qa * first + qb * second));
+                const float x = scaled * (half_to_float(qa[32 * head]) * first + half_to_float(qb[32 * head]) * second);
+                atomicAdd(score_corrections + head * ST + token, __float2int_rn(fminf(fmaxf(x, -SCORE_TERM), SCORE_TERM)));
             }
         });
     };
-    // A computed stage's value outliers as sparse corrections, once its P is known (an iteration later, or after the
-    // loop): the warp that owns the token gets P (exact - dequantized) per head in its corrections, fp32, added
-    // atomically (two outliers of one channel in a warp's tokens meet); tokens past the split's end (P = 0, or not
-    // computed at all) add nothing. The stage's copies and token parameters are still in its buffer: the next copy into
-    // it is issued after this pass.
-    const auto correct_values = [&](const unsigned char* stage, int tile) {
-        const OutlierHeader& h = *last_header;
-        const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // tokens' scale, zero
-        const int first_token = lo + tile * ST;
-        each_outlier(stage, 1, h.v_first, h.v_end, h.v_base, h.crowded, [&](unsigned position, unsigned value) {
-            const int token = (int)(position / D), c = (int)(position % D);
-            const float x = half_to_float((unsigned short)value);
-            const float2 sz = vp[token];
-            const float delta = first_token + token < hi ? x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y) : 0.0f;
-            float* const corrections = value_corrections + token / TPW * 8 * D + c;
+    // Where each warp's value outliers start among the stage's (value_runs[w]; value_runs[WARPS]: their end), by all
+    // threads before the stage is computed. A tile's outliers are in position order (kvcal/packing.py: rows appended
+    // in order, a row's outliers in channel order), so warp w's are a run, from the first at or past its first token's
+    // row: the thread at outlier i marks the warps whose first token lies past outlier i - 1's and not past i's.
+    const auto mark_value_runs = [&](const unsigned char* stage) {
+        const OutlierHeader& h = header_of(stage);
+        const int first = h.v_first, end = h.v_end, base = h.v_base;
+        const unsigned short* const copies = copies_of(stage, 1);
+        const auto warp_of = [&](int i) { return (int)(position_of(copies, 1, base, i) / D) / TPW; };
+#pragma unroll 1
+        for (int i = first + tid; i <= end; i += THREADS) {
+            const int w0 = i == first ? 0 : warp_of(i - 1) + 1, w1 = i == end ? WARPS : warp_of(i);
 #pragma unroll
-            for (int head = 0; head < GQA; ++head) atomicAdd(corrections + head * D, half_to_float(stage_p[head * ST + token]) * delta);
-        });
+            for (int w = 0; w <= WARPS; ++w)
+                if (w0 <= w && w <= w1) value_runs[w] = i;
+        }
+    };
+    // The warp's value outliers of its computed stage as sparse corrections, once its P is in stage_p: P (exact -
+    // dequantized) per head into the warp's corrections (fp32), a lane an outlier. Outliers of one channel (at different
+    // tokens) take turns, lowest lane first, so that a channel's adds come in one order (no float atomics, which add in
+    // whatever order the threads arrive). Tokens past the split's end (P = 0) add nothing.
+    const auto correct_values = [&](const unsigned char* stage, int tile) {
+        const OutlierHeader& h = header_of(stage);
+        const unsigned short* const copies = copies_of(stage, 1);
+        const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // tokens' scale, zero
+        const int first_token = lo + tile * ST, end = value_runs[warp + 1];
+        float* const corrections = value_corrections + warp * 8 * D;
+#pragma unroll 1
+        for (int i = value_runs[warp] + lane; i - lane < end; i += 32) {
+            const bool mine = i < end;
+            const unsigned position = mine ? position_of(copies, 1, h.v_base, i) : 0u;
+            const int token = (int)(position / D), c = mine ? (int)(position % D) : D + lane;  // (a unique channel: no turn)
+            const float x = mine ? half_to_float((unsigned short)value_of(copies, 1, h.v_base, i)) : 0.0f;
+            const float2 sz = vp[token];
+            const float delta = mine && first_token + token < hi ? x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y) : 0.0f;
+            float add[GQA];
+#pragma unroll
+            for (int head = 0; head < GQA; ++head) add[head] = half_to_float(stage_p[head * ST + token]) * delta;
+            const int turn = __popc(__match_any_sync(0xffffffffu, (unsigned)c) & ((1u << lane) - 1u));
+#pragma unroll 1
+            for (int r = 0; __ballot_sync(0xffffffffu, turn >= r) != 0u; ++r) {
+                if (mine && turn == r)
+#pragma unroll
+                    for (int head = 0; head < GQA; ++head) corrections[head * D + c] += add[head];
+                __syncwarp();
+            }
+        }
     };
 
     float o[MTILES][4];
@@ -1219,14 +1260,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (S::PRIVATE) __syncwarp();
         else __syncthreads();
         unsigned char* const buffer = stage_buffer(tile);
-        if constexpr (OUT) {  // this stage's score corrections, the last one's value corrections
+        if constexpr (OUT) {  // this stage's score corrections and warps' value runs; the header of the stage issued below
             correct_keys(buffer, tile);
-            if (tile > 0) correct_values(stage_buffer(tile - 1), tile - 1);
+            mark_value_runs(buffer);
+            if (tid == 0) write_ranges(stage_buffer(tile + S::STAGES - 1), tile + S::STAGES - 1);  // (stage tile - 1's, left)
             __syncthreads();
-            if (tid == 0) {  // the header into the last one's place, then the next ranges into this stage's buffer
-                *last_header = *reinterpret_cast<const OutlierHeader*>(buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
-                write_ranges(buffer, tile + S::STAGES);
-            }
         }
         const int ahead = tile + S::STAGES - 1;
         if (ahead < tiles) {
@@ -1399,10 +1437,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (OUT) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    float2* const at = reinterpret_cast<float2*>(score_corrections + g * ST + tb + 8 * nt + 2 * t);
-                    const float2 d = *at;
-                    *at = float2{0.0f, 0.0f};
-                    sc[nt][0] += d.x, sc[nt][1] += d.y;
+                    int2* const at = reinterpret_cast<int2*>(score_corrections + g * ST + tb + 8 * nt + 2 * t);
+                    const int2 d = *at;
+                    *at = int2{0, 0};
+                    sc[nt][0] += (float)d.x * (1.0f / SCORE_UNIT), sc[nt][1] += (float)d.y * (1.0f / SCORE_UNIT);
                 }
             }
             // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
@@ -1609,6 +1647,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     }
                 }
             }
+            if constexpr (OUT) {
+                __syncwarp();  // the warp's P in stage_p
+                correct_values(buffer, tile);
+            }
         }
         if (ahead < tiles) store_value_params(ahead, pending);  // loaded with its copies above
     }
@@ -1616,11 +1658,6 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // ---- merge the four warps through shared memory into this split's (output, lse) ----
     cp_async_wait<0>();
     __syncthreads();
-    if constexpr (OUT) {  // the last stage's value corrections (one pipeline of the block: every split here has a stage)
-        static_assert(!S::PRIVATE, "outliers: the block's pipeline, whose tiles cover the split");
-        correct_values(stage_buffer(tiles - 1), tiles - 1);
-        __syncthreads();
-    }
     float* const merge_o = reinterpret_cast<float*>(smem);                 // [warp][8 heads][D]
     float* const merge_m = merge_o + WARPS * 8 * D;                        // [warp][8]
     float* const merge_l = merge_m + WARPS * 8;                            // [warp][8]

@@ -130,8 +130,9 @@ def test_segmented_batches_equal_one_sequence_at_a_time(case):
 
 
 def test_outliers_are_kept_per_kv_head_and_tile_at_4_bytes_each_plus_an_offset_table():
-    """kvcal.packing's outlier layout, by hand: per (sequence, KV head) in append order, positions in the tile and
-    values; offset[t] = the head's outliers before tile t; used_bytes counts 4 bytes per outlier and per entry."""
+    """kvcal.packing's outlier layout, by hand: per (sequence, KV head) in append order, which is position order within
+    each tile (the tensor-core kernel finds each warp's outliers by it), positions in the tile and values; offset[t] =
+    the head's outliers before tile t; used_bytes counts 4 bytes per outlier and per entry."""
     codec = _codebook(3, 3, tail=0.3)[0]  # fixed per-channel thresholds: rows encode alone, crowded with outliers
     store = PackedRows(codec, 2, WIDTH, "cpu", None, None, HEAD_DIM)
     tokens = 2 * OUTLIER_TILE_TOKENS + 22
@@ -149,6 +150,10 @@ def test_outliers_are_kept_per_kv_head_and_tile_at_4_bytes_each_plus_an_offset_t
         assert store.outlier_offsets[1, head, :tiles].tolist() == [int((row < t * OUTLIER_TILE_TOKENS).sum()) for t in range(tiles)]
         positions = store.outlier_positions[1, head, : len(row)].long() & 0xFFFF
         assert torch.equal(positions, row % OUTLIER_TILE_TOKENS * HEAD_DIM + channel)
+        ends = [*store.outlier_offsets[1, head, :tiles].tolist(), len(row)]
+        for t in range(tiles):
+            in_tile = positions[ends[t] : ends[t + 1]]
+            assert len(in_tile) > 1 and (in_tile[1:] > in_tile[:-1]).all()
         assert torch.equal(store.outlier_values[1, head, : len(row)], values[mine])
     assert store.words.shape[2] * 32 == WIDTH * 3  # 3-bit codes in exactly 3 bits
     assert store.used_bytes(1) == tokens * WIDTH * 3 // 8 + sum(counts) * 4 + KV_HEADS * tiles * 4

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import requires_gpu
-from helpers.tensor_core_emulation import build, decode, symbol, take_lookups
+from helpers.tensor_core_emulation import build, decode, schedule_in_reverse, symbol, take_lookups
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source, tensor_core
@@ -341,6 +341,25 @@ def test_emulated_table_lookups_take_one_wavefront_where_each_lane_reads_its_own
 
 
 @pytest.mark.emulation
+@pytest.mark.parametrize("codec,head_dim,gqa", (("nuq4-crowded-rope", 128, 4), ("nuq3-out-rope", 128, 4), ("nuq4-out-rope", 64, 3)))
+def test_emulated_outlier_corrections_give_the_same_bits_whatever_order_the_threads_run_in(emulator, codec, head_dim, gqa):
+    """Several outliers correct one token's scores or one channel of a warp's output: the kernel's result may not
+    depend on which thread adds first (the GPU promises no order), so the emulator's reversed schedule gives the
+    same bits. Crowded outliers meet in most tokens and channels."""
+    lengths = LENGTHS["3"]
+    keys, values = filled(codec, lengths, head_dim)
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
+    v, rope = variant_of(codec, head_dim, gqa), rope_of(codec, head_dim, len(lengths))
+    forward = run_emulated(emulator, v, query, keys, values, lengths, head_dim**-0.5, rope=rope)
+    schedule_in_reverse(emulator, True)
+    try:
+        backward = run_emulated(emulator, v, query, keys, values, lengths, head_dim**-0.5, rope=rope)
+    finally:
+        schedule_in_reverse(emulator, False)
+    assert torch.equal(forward, backward)
+
+
+@pytest.mark.emulation
 @pytest.mark.parametrize("codec", ("fp16", "int4", "int2-g256", "nuq3-out-rope"))
 def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emulator, codec):
     """Each sequence's first visible token (a sliding window): past two whole splits (which then count for nothing),
@@ -458,7 +477,10 @@ MUTANTS = {
     "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
-    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + token / TPW * 8 * D + c", "value_corrections + (token / TPW ^ 1) * 8 * D + c", "3"),
+    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * 8 * D;", "value_corrections + (warp ^ 1) * 8 * D;", "3"),
+    # each warp's run of the stage's value outliers, and the turns of a channel's outliers within it
+    "outlier-value-runs": ("nuq4-out-rope", "? 0 : warp_of(i - 1) + 1,", "? 0 : warp_of(i - 1),", "3"),
+    "outlier-value-turns": ("nuq4-crowded-rope", "if (mine && turn == r)", "if (mine)", "3"),
     "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
     "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
     # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range

@@ -180,34 +180,50 @@ class TensorCoreKernel:
     def stages(self, case: Case) -> int:
         return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
 
-    def outlier_warps(self, case: Case) -> list[float]:
-        """Per round of a stage side's outliers (patch_stage: thread tid takes lo + tid, lo + tid + 128, ...),
-        the fraction of warps with work in it, on average: a stage's outliers are case.outliers of its 64 x D
-        elements, and warp w has work in round r where lo + 128 r + 32 w is below hi."""
+    def stage_outliers(self, case: Case) -> float:
+        """A side's outliers in a stage: case.outliers of its tokens x D elements."""
+        return case.outliers * self._variant(case).stage_tokens * SHAPE["head_dim"]
+
+    def outlier_warps(self, case: Case, extra: int = 0) -> list[float]:
+        """Per round of a block-wide pass over a stage side's outliers (each_outlier: thread tid takes lo + tid,
+        lo + tid + 128, ...; extra: tasks past them, mark_value_runs' end), the fraction of warps with work in it, on
+        average: warp w has work in round r where lo + 128 r + 32 w is below hi."""
         from kvcal.runtime.tensor_core import THREADS, WARPS
 
-        n = case.outliers * self._variant(case).stage_tokens * SHAPE["head_dim"]
+        n = self.stage_outliers(case) + extra
         return [min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) / WARPS for r in range(max(1, math.ceil(n / THREADS)))]
 
+    def channel_turns(self, case: Case) -> float:
+        """Expected turns of a warp's value outliers (correct_values: outliers of one channel take turns), its
+        stage_outliers / WARPS of them in D channels at random: 1, plus the chance two share a channel, plus (Poisson)
+        the chance three do."""
+        from kvcal.runtime.tensor_core import WARPS
+
+        k, d = self.stage_outliers(case) / WARPS, SHAPE["head_dim"]
+        two = 1.0 - math.prod(1.0 - j / d for j in range(1, math.ceil(k)))
+        three = 1.0 - math.exp(-math.comb(math.ceil(k), 3) / d**2)
+        return 1.0 + two + three
+
     def inner_loops(self, case: Case) -> list:
-        """The crowded tiles' outlier loop (the rounds past the first) and the atomics' retries; the rest of the tile
-        loop unrolls."""
-        from kvcal.runtime.tensor_core import THREADS
+        """The outlier passes' loops (the crowded tiles' rounds past the first, the warps' runs of value outliers and
+        their channels' turns); the rest of the tile loop unrolls."""
+        from kvcal.runtime.tensor_core import THREADS, WARPS
 
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
         rounds = self._variant(case).stage_tokens // (4 * (THREADS // (SHAPE["head_dim"] // 4)))
-        # an outlier correction's shared-memory atomicAdd is a compare-and-swap loop: one trip where no other lane adds to
-        # the same (warp, head, channel) or (head, token) at once
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
-                (r"atomicAdd\(corrections \+ head \* D", 1.0, None),
-                (r"atomicAdd\(score_corrections \+ head \* ST \+ token", 1.0, None),
+                # mark_value_runs: a round per THREADS of the outliers and their end
+                (r"for \(int i = first \+ tid; i <= end; i \+= THREADS\)", sum(self.outlier_warps(case, 1)), None),
+                # correct_values: a warp's run of the stage's value outliers, 32 at a time, in turns by channel
+                (r"for \(int i = value_runs\[warp\] \+ lane;", math.ceil(self.stage_outliers(case) / WARPS / 32), None),
+                (r"for \(int r = 0; __ballot_sync", self.channel_turns(case), None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
         # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
         return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
-                (r"patch\(copies\[i\], copies", 1.0), (r"patch\(__ldg\(run\.positions \+ base \+ i\)", 0.0)]
+                (r"i < S::OUT_SLOTS \? copies\[", 1.0), (r"__ldg\(out_runs\[side\]\.(positions|values) \+ base \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:
         return []
@@ -251,15 +267,15 @@ class TensorCoreKernel:
             (r"if \(group_source\[i\] != nullptr\)", min(1.0, SKVQ_GROUPS / 16)),  # the head's groups of its 16 slots
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
-            # outliers: thread 0 keeps a stage's header, writes another's ranges; threads 0-47 copy a side's chunk each (chunk 0 live)
-            (r"if \(tid == 0\) \{  // the header into the last one's place", 1 / WARPS),
+            # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a side's chunk each (chunk 0 live)
+            (r"if \(tid == 0\) write_ranges", 1 / WARPS),
             (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),
             (r"if \(chunk \* 8 < \(side \? h\.v_end : h\.k_end\)\)", 2 / WARPS),
             (r"if \(tile >= r\.tiles\) return", 0.0),
-            # a side's first round of outliers (keys: this stage's; values: the last stage's, once its P is known)
+            # the keys' first round of outliers; a turn of a warp's value outliers has a lane whose turn it is
             (r"if \(from \+ tid < to\) patch\(", self.outlier_warps(case)[0]),
             (r"if \(crowded\)", float(len(self.outlier_warps(case)) > 1)),
-            (r"if \(tile > 0\) correct_values", 1.0),
+            (r"if \(mine && turn == r\)", 1.0),
         )
 
 

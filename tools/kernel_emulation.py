@@ -81,6 +81,7 @@ def driver(variants: list[Variant]) -> str:
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}>::SMEM_BYTES; }}")
+    lines.append("void schedule_in_reverse(int on) { emulation::reverse_schedule = on != 0; }")
     lines.append("void take_lookups(unsigned long long* out) { out[0] = emulation::lookups.loads; out[1] = "
                  "emulation::lookups.wavefronts; emulation::lookups.loads = emulation::lookups.wavefronts = 0; }")
     lines.append("}")
@@ -94,6 +95,7 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
     lib.take_lookups.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.schedule_in_reverse.argtypes = [ctypes.c_int]
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
                                             + [ctypes.c_float] + [pointer] * (MERGE + SEGMENTS) + [integer])
@@ -120,6 +122,12 @@ def decode(lib: ctypes.CDLL, v: Variant, query: torch.Tensor, keys, values, kv_h
     args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
     getattr(lib, symbol(v))(splits, kv_heads, batch, *args)
     return out, arrivals
+
+
+def schedule_in_reverse(lib: ctypes.CDLL, on: bool) -> None:
+    """Run each block's threads last to first between synchronization points (on) or first to last (the default):
+    a kernel whose results depend on that order (floating-point atomics into one word) gives other bits."""
+    lib.schedule_in_reverse(int(on))
 
 
 def take_lookups(lib: ctypes.CDLL) -> tuple[int, int]:

@@ -37,6 +37,9 @@ struct alignas(8) float2 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+struct alignas(8) int2 {
+    int x, y;
+};
 
 struct Dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -78,6 +81,10 @@ struct Block {
 
 constexpr size_t STACK_BYTES = 128 * 1024;
 inline Block* running = nullptr;
+// Which runnable fiber goes first: thread 0 (the default) or the block's last thread. A kernel whose results
+// depend on the order its threads reach shared memory between two synchronization points (floating-point atomics
+// into one word) gives other bits in reverse; the GPU promises neither order.
+inline bool reverse_schedule = false;
 inline std::vector<std::vector<char>> stacks;  // reused by every block
 
 // Bank conflicts of the table lookups (intrinsics_on_cpu.h's load_shared_word, the kernels' only scattered 32-bit
@@ -151,7 +158,8 @@ inline void run_block(unsigned threads, const std::function<void()>& body) {
     while (stacks.size() < threads) stacks.emplace_back(STACK_BYTES);
     for (;;) {
         bool ran = false, left = false;
-        for (unsigned t = 0; t < threads; ++t) {
+        for (unsigned i = 0; i < threads; ++i) {
+            const unsigned t = reverse_schedule ? threads - 1 - i : i;
             Fiber& fiber = block.fibers[t];
             if (fiber.done) continue;
             left = true;
@@ -239,6 +247,18 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
     return ballot;
 }
 
+inline unsigned __match_any_sync(unsigned, unsigned value) {  // the lanes whose value equals this lane's
+    emulation::Block& block = *emulation::running;
+    const unsigned me = threadIdx.x, base = me & ~31u;
+    block.exchange[me] = value;
+    emulation::wait(block.warps[me / 32]);
+    unsigned same = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) same |= (block.exchange[base + lane] == value ? 1u : 0u) << lane;
+    emulation::wait(block.warps[me / 32]);
+    threadIdx = {me, 0, 0};
+    return same;
+}
+
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);
@@ -260,6 +280,10 @@ inline void __sincosf(float x, float* s, float* c) {
     *c = cosf(x);
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __float2int_rn(float x) {  // cvt.rni.s32.f32: to nearest even, saturated, NaN to 0
+    if (x != x) return 0;
+    return x >= 2147483648.0f ? 2147483647 : x < -2147483648.0f ? (-2147483647 - 1) : (int)nearbyintf(x);
+}
 template <typename T>
 inline T atomicAdd(T* address, T value) {  // fibers never interleave inside a call
     const T old = *address;
