@@ -171,20 +171,25 @@ def _load(folder: Path, prefix: str, head_dim: int = 128) -> dict | None:
 
 
 def kernel_table(kernels: dict) -> list[str]:
-    """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32, beside the written bound's
-    prediction where it has one (its error: predicted over measured)."""
+    """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32 and for the same bits on a
+    second launch (results written before that check say '-'), beside the written bound's prediction where it has one
+    (its error: predicted over measured)."""
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
              f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}", "",
-             "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | check |", "|---|---|---|---|---|---|---|"]
+             "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def predicted(r: dict) -> str:
         us = r.get("predicted_us")
         return "-" if us is None else f"{us} ({us / r['latency_us'] - 1:+.0%})"
 
+    def check(r: dict) -> str:
+        return "ok" if r["max_abs_error_vs_sdpa_fp32"] <= TOLERANCE and r.get("same_bits_twice") is not False else "FAIL"
+
+    repeats = {True: "yes", False: "NO", None: "-"}
     return lines + [f"| {r['variant']} | {r['latency_us']} | {predicted(r)} | {r['fraction_of_copy_bandwidth']:.0%} | "
-                    f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} | "
-                    f"{'ok' if r['max_abs_error_vs_sdpa_fp32'] <= TOLERANCE else 'FAIL'} |"
-                    for r in kernels["results"] if r["plan"] == "launcher"]
+                    f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} | {repeats[r.get('same_bits_twice')]} | "
+                    f"{check(r)} |" for r in kernels["results"] if r["plan"] == "launcher"]
 
 
 def summary(out: Path, campaign: list[Stage]) -> list[str]:

@@ -63,14 +63,16 @@ def test_a_stage_past_its_limit_is_interrupted_then_killed_and_one_the_budget_ca
     assert failing.status == "exit 3"
 
 
-def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_its_prediction_and_counts_the_suite(tmp_path):
+def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_beside_its_prediction_and_counts_the_suite(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "logs").mkdir()
     row = {"variant": "int2-g128", "plan": "launcher", "batch": 8, "tokens": 32768, "latency_us": 110.5,
            "fraction_of_copy_bandwidth": 0.46, "speedup_vs_sdpa_fp16": 3.31, "max_abs_error_vs_sdpa_fp32": 1.2e-4}
     (tmp_path / "results" / "decode_tc_gpu.json").write_text(json.dumps({
         "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128,
-        "results": [{**row, "predicted_us": 99.45}, {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")}]}))
+        "results": [{**row, "predicted_us": 99.45, "same_bits_twice": True},
+                    {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")},
+                    {**row, "variant": "nuq4-1%-pre-rope", "same_bits_twice": False}]}))
     (tmp_path / "results" / "decode_tc_gpu_d256.json").write_text(json.dumps({
         "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256,
         "results": [{**row, "variant": "int2-g32", "latency_us": 190.0}]}))
@@ -84,10 +86,11 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_at_each_head_dim_beside_i
                                               "| int2-g128 | 99.00 | 110.00 | 100.00 | 0.900 | 0.990 |\n")
     stages = [campaign.Stage("kernels", [], 1, 1, status="ok", seconds=12.0)]
     text = "\n".join(campaign.summary(tmp_path, stages))
-    assert "| int2-g128 | 110.5 | 99.45 (-10%) | 46% | 3.31x | 1.2e-04 | ok |" in text  # beside the bound's prediction
+    assert "| int2-g128 | 110.5 | 99.45 (-10%) | 46% | 3.31x | 1.2e-04 | yes | ok |" in text  # beside the bound's prediction
     assert "interleaved):\nbaselines: a = /t/a, b = /t/b\n\n| variant | this tree us | a us | b us |" in text
     assert "round 1" not in text
-    assert "| nuq3-1%-pre-rope | 110.5 | - | 46% | 3.31x | inf | FAIL |" in text
+    assert "| nuq3-1%-pre-rope | 110.5 | - | 46% | 3.31x | inf | - | FAIL |" in text  # (a result without the second launch)
+    assert "| nuq4-1%-pre-rope | 110.5 | - | 46% | 3.31x | 1.2e-04 | NO | FAIL |" in text
     assert text.index("head_dim 128") < text.index("head_dim 256") < text.index("| int2-g32 | 190.0 |")
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
 
