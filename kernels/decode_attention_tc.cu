@@ -1070,10 +1070,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     };
     // outlier i of a side (indexed as the header's ranges): from the copies while they last, from global memory past them
     const auto position_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
-        return i < S::OUT_SLOTS ? copies[i] : __ldg(out_runs[side].positions + base + i);
+        if (i < S::OUT_SLOTS) return copies[i];
+        return __ldg(out_runs[side].positions + base + i);
     };
     const auto value_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
-        return i < S::OUT_SLOTS ? copies[S::OUT_SLOTS + i] : __ldg(out_runs[side].values + base + i);
+        if (i < S::OUT_SLOTS) return copies[S::OUT_SLOTS + i];
+        return __ldg(out_runs[side].values + base + i);
     };
     const auto each_outlier = [&](const unsigned char* stage, int side, int from, int to, int base, bool crowded, auto patch) {
         const unsigned short* const copies = copies_of(stage, side);

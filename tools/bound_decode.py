@@ -223,7 +223,7 @@ class TensorCoreKernel:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
         # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
         return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
-                (r"i < S::OUT_SLOTS \? copies\[", 1.0), (r"__ldg\(out_runs\[side\]\.(positions|values) \+ base \+ i\)", 0.0)]
+                (r"if \(i < S::OUT_SLOTS\) return copies\[", 1.0), (r"return __ldg\(out_runs\[side\]\.(positions|values) \+ base \+ i\)", 0.0)]
 
     def conditions(self, case: Case) -> list:
         return []
@@ -463,11 +463,12 @@ class Walk:
 
     def runs(self, start: int) -> float | None:
         """Probability that the block at `start` runs when reached, from sites(); None when no rule names it or when
-        other paths join there."""
+        other paths join there. A block that holds the code of several sites (ptxas predicated a rare path into the
+        block of a likely one) runs as often as the likeliest."""
         if self.joins(start):
             return None
         found = {p for ins in self.block(start) for pattern, p in self.sites if self.matches(ins.lines, pattern)}
-        return min(found) if found else None
+        return max(found) if found else None
 
     def taken(self, i: int) -> float:
         """Probability that the conditional branch at i jumps."""
