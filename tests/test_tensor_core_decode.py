@@ -341,11 +341,13 @@ def test_emulated_table_lookups_take_one_wavefront_where_each_lane_reads_its_own
 
 
 @pytest.mark.emulation
-@pytest.mark.parametrize("codec,head_dim,gqa", (("nuq4-crowded-rope", 128, 4), ("nuq3-out-rope", 128, 4), ("nuq4-out-rope", 64, 3)))
-def test_emulated_outlier_corrections_give_the_same_bits_whatever_order_the_threads_run_in(emulator, codec, head_dim, gqa):
-    """Several outliers correct one token's scores or one channel of a warp's output: the kernel's result may not
-    depend on which thread adds first (the GPU promises no order), so the emulator's reversed schedule gives the
-    same bits. Crowded outliers meet in most tokens and channels."""
+@pytest.mark.parametrize("codec,head_dim,gqa", (("nuq4-crowded-rope", 128, 4), ("nuq3-out-rope", 128, 4), ("nuq4-out-rope", 64, 3),
+                                                ("int2", 128, 4), ("fp16", 128, 4), ("nuq3-rope", 128, 4), ("skvq2", 128, 4)))
+def test_emulated_kernel_gives_the_same_bits_whatever_order_the_threads_run_in(emulator, codec, head_dim, gqa):
+    """The GPU promises no order among a block's threads between two synchronization points, so no result may depend
+    on it: the emulator's reversed schedule gives the same bits. Where it could: several outliers correcting one
+    token's scores or one channel of a warp's output (crowded outliers meet in most tokens and channels), the block's
+    shared passes (the rotated query, SKVQ's dequantized rows), the warp-private pipelines, the fused merge."""
     lengths = LENGTHS["3"]
     keys, values = filled(codec, lengths, head_dim)
     query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
