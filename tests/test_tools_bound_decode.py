@@ -133,6 +133,13 @@ def test_a_branch_no_rule_decides_is_an_error(model, monkeypatch):
         walk(model)
 
 
+def test_a_line_two_site_rules_name_at_different_rates_is_an_error(model, monkeypatch):
+    """A line holding the code of a likely and a rare path (a ternary) cannot tell the walk which path a block is."""
+    monkeypatch.setattr(model, "sites", lambda case: [(r"rare\(\)", 0.25), (r"rare", 1.0)])
+    with pytest.raises(bd.WalkError, match="give each path a line of its own"):
+        walk(model)
+
+
 def test_a_wrong_trip_rule_is_an_error(model, monkeypatch):
     monkeypatch.setattr(model, "inner_loops", lambda case: [])
     with pytest.raises(bd.WalkError, match="0 iteration rules"):

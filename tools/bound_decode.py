@@ -467,7 +467,13 @@ class Walk:
         block of a likely one) runs as often as the likeliest."""
         if self.joins(start):
             return None
-        found = {p for ins in self.block(start) for pattern, p in self.sites if self.matches(ins.lines, pattern)}
+        found = set()
+        for ins in self.block(start):
+            rates = {p for pattern, p in self.sites if self.matches(ins.lines, pattern)}
+            if len(rates) > 1:  # the rules cannot tell this instruction's path: its source line holds two sites' code
+                raise WalkError(f"{ins.address:#x} ({self.text(ins.lines[:1])}): rules of rates {sorted(rates)} name its "
+                                "lines; give each path a line of its own")
+            found |= rates
         return max(found) if found else None
 
     def taken(self, i: int) -> float:
