@@ -28,9 +28,10 @@ packed_words(C, bits, layout_for(bits)) words; with head_dim a multiple of 32, n
 Outliers (dense-and-sparse codecs) are kept per (sequence, KV head) in append order, each OUTLIER_BYTES: a uint16
 position inside its tile of OUTLIER_TILE_TOKENS body rows (token_in_tile * head_dim + channel_in_head) and its
 fp16 value. Rows are appended in order and a row's outliers in channel order, so a tile's positions increase (the
-tensor-core decode kernel finds each warp's tokens' outliers by it). An int32 offset table per (sequence, KV head, tile) says where each started tile's outliers begin:
-tile t's are [offset[t], offset[t + 1]), the last started tile's end at the (sequence, KV head) count. The cache
-stores OUTLIER_BYTES per outlier and OUTLIER_OFFSET_BYTES per table entry (`outlier_table_bytes`).
+tensor-core decode kernel finds each warp's tokens' outliers by it). An int32 offset table per (sequence, KV head,
+tile) says where each started tile's outliers begin: tile t's are [offset[t], offset[t + 1]), the last started
+tile's end at the (sequence, KV head) count. The cache stores OUTLIER_BYTES per outlier and OUTLIER_OFFSET_BYTES per
+table entry (`outlier_table_bytes`).
 """
 
 from __future__ import annotations
