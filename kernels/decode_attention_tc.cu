@@ -1057,14 +1057,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             key_extremes[4 * c + 3] = zero;
         }
     }
-    // A stage's outliers, a side at a time, by all threads: thread tid takes outlier lo + tid in one straight round from
-    // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
-    // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
-    static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
+    // A stage's outlier header; a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
     const auto header_of = [&](const unsigned char* stage) -> const OutlierHeader& {
         return *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
     };
-    // a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
     const auto copies_of = [&](const unsigned char* stage, int side) {
         return reinterpret_cast<const unsigned short*>(&header_of(stage) + 1) + 2 * side * S::OUT_SLOTS;
     };
@@ -1077,6 +1073,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (i < S::OUT_SLOTS) return copies[S::OUT_SLOTS + i];
         return __ldg(out_runs[side].values + base + i);
     };
+    // A stage's outliers, a side at a time, by all threads: thread tid takes outlier lo + tid in one straight round from
+    // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
+    // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
+    static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
     const auto each_outlier = [&](const unsigned char* stage, int side, int from, int to, int base, bool crowded, auto patch) {
         const unsigned short* const copies = copies_of(stage, side);
         if (from + tid < to) patch(copies[from + tid], copies[S::OUT_SLOTS + from + tid]);
@@ -1265,7 +1265,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (OUT) {  // this stage's score corrections and warps' value runs; the header of the stage issued below
             correct_keys(buffer, tile);
             mark_value_runs(buffer);
-            if (tid == 0) write_ranges(stage_buffer(tile + S::STAGES - 1), tile + S::STAGES - 1);  // (stage tile - 1's, left)
+            if (tid == 0) write_ranges(stage_buffer(tile + S::STAGES - 1), tile + S::STAGES - 1);  // into stage tile - 1's buffer
             __syncthreads();
         }
         const int ahead = tile + S::STAGES - 1;
