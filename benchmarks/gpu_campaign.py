@@ -4,7 +4,8 @@ Stages, in order of what a short lease should not miss (each a subprocess with i
 that does not fit in what is left of --budget-s is skipped and says so):
   environment  the device, driver, clocks and package versions
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
-               fresh random data (--seed) with poisoned outputs, then timed (`benchmarks.kernels gpu`, launcher's plan)
+               fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
+               (`benchmarks.kernels gpu`, launcher's plan)
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
