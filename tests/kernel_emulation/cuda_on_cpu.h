@@ -212,6 +212,20 @@ inline uint32_t exchange_in_warp(uint32_t mine, unsigned source_lane) {
     return theirs;
 }
 
+// The lanes of this thread's warp whose posted word passes `keep`, as a mask: every lane posts `mine`, then reads all.
+template <typename Keep>
+inline unsigned lanes_where(uint32_t mine, Keep keep) {
+    Block& block = *running;
+    const unsigned me = threadIdx.x, base = me & ~31u;
+    block.exchange[me] = mine;
+    wait(block.warps[me / 32]);
+    unsigned lanes = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) lanes |= (keep(block.exchange[base + lane]) ? 1u : 0u) << lane;
+    wait(block.warps[me / 32]);
+    threadIdx = {me, 0, 0};
+    return lanes;
+}
+
 }  // namespace emulation
 
 inline void __syncthreads() {
@@ -236,27 +250,11 @@ inline float __shfl_xor_sync(unsigned, float x, int offset) {
 }
 
 inline unsigned __ballot_sync(unsigned, bool predicate) {
-    emulation::Block& block = *emulation::running;
-    const unsigned me = threadIdx.x, base = me & ~31u;
-    block.exchange[me] = predicate;
-    emulation::wait(block.warps[me / 32]);
-    unsigned ballot = 0;
-    for (unsigned lane = 0; lane < 32; ++lane) ballot |= (block.exchange[base + lane] ? 1u : 0u) << lane;
-    emulation::wait(block.warps[me / 32]);
-    threadIdx = {me, 0, 0};
-    return ballot;
+    return emulation::lanes_where(predicate, [](uint32_t theirs) { return theirs != 0; });
 }
 
 inline unsigned __match_any_sync(unsigned, unsigned value) {  // the lanes whose value equals this lane's
-    emulation::Block& block = *emulation::running;
-    const unsigned me = threadIdx.x, base = me & ~31u;
-    block.exchange[me] = value;
-    emulation::wait(block.warps[me / 32]);
-    unsigned same = 0;
-    for (unsigned lane = 0; lane < 32; ++lane) same |= (block.exchange[base + lane] == value ? 1u : 0u) << lane;
-    emulation::wait(block.warps[me / 32]);
-    threadIdx = {me, 0, 0};
-    return same;
+    return emulation::lanes_where(value, [value](uint32_t theirs) { return theirs == value; });
 }
 
 inline float __int_as_float(int i) {
