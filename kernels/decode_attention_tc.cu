@@ -603,11 +603,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const int out_tile0 = start / ST;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
     OutlierRange k_next{0, 0}, v_next{0, 0};  // thread 0: the ranges of the next stage whose header it writes
+    // a stage buffer's outlier area: its OutlierHeader, then per side OUT_SLOTS positions and OUT_SLOTS values
+    const auto outlier_area = [&](auto* buffer) { return buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES; };
+    const auto outlier_copies = [&](auto* buffer, int side) { return outlier_area(buffer) + sizeof(OutlierHeader) + side * (2 * S::OUT_SLOTS * 2); };
     // thread 0: stage `tile`'s header into its buffer, then the next stage's ranges loaded
     const auto write_ranges = [&](unsigned char* buffer, int tile) {
-        unsigned char* const area = buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
         const int k_base = k_next.lo & ~7, v_base = v_next.lo & ~7;
-        *reinterpret_cast<OutlierHeader*>(area) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
+        *reinterpret_cast<OutlierHeader*>(outlier_area(buffer)) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
                                                     v_next.hi - v_base, k_base, v_base,
                                                     max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > THREADS, 0};
         k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
@@ -719,13 +721,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             // chunk of its values, from the chunk that holds lo on
             constexpr int CHUNKS = S::OUT_SLOTS / 8;
             if (tid < 2 * CHUNKS) {
-                unsigned char* const area = buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES;
                 const int side = tid / CHUNKS, chunk = tid % CHUNKS;
-                const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
+                const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(outlier_area(buffer));
                 if (chunk * 8 < (side ? h.v_end : h.k_end)) {  // the chunks past OUT_SLOTS are not copied
                     const OutlierRun& run = out_runs[side];
                     const int i = (side ? h.v_base : h.k_base) + chunk * 8;
-                    unsigned char* const staged = area + sizeof(OutlierHeader) + side * (2 * S::OUT_SLOTS * 2) + chunk * 16;
+                    unsigned char* const staged = outlier_copies(buffer, side) + chunk * 16;
                     cp_async_16(staged, run.positions + i, 16);
                     cp_async_16(staged + S::OUT_SLOTS * 2, run.values + i, 16);
                 }
@@ -1059,11 +1060,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     }
     // A stage's outlier header; a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
     const auto header_of = [&](const unsigned char* stage) -> const OutlierHeader& {
-        return *reinterpret_cast<const OutlierHeader*>(stage + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES);
+        return *reinterpret_cast<const OutlierHeader*>(outlier_area(stage));
     };
-    const auto copies_of = [&](const unsigned char* stage, int side) {
-        return reinterpret_cast<const unsigned short*>(&header_of(stage) + 1) + 2 * side * S::OUT_SLOTS;
-    };
+    const auto copies_of = [&](const unsigned char* stage, int side) { return reinterpret_cast<const unsigned short*>(outlier_copies(stage, side)); };
     // outlier i of a side (indexed as the header's ranges): from the copies while they last, from global memory past them
     const auto position_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
         if (i < S::OUT_SLOTS) return copies[i];
