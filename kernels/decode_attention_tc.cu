@@ -11,7 +11,7 @@ namespace tc {
 
 constexpr int WARPS = 4, THREADS = WARPS * 32;
 constexpr int OUT_TILE = 64;  // rows of kvcal/packing.py's outlier tiles: one stage of the variants that read outliers
-constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u;
+constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u, FP16_ONE2 = 0x3C003C00u;
 
 #ifdef KVCAL_HOST_EMULATION
 inline float shfl_idx(float x, int lane) {
@@ -61,6 +61,7 @@ __device__ __forceinline__ void load_words(unsigned (&w)[N], const void* p) {
 #endif
 
 __device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) { return hfma2_bits(a, b, FP16_MINUS_ZERO2); }
+__device__ __forceinline__ unsigned hadd2(unsigned a, unsigned b) { return hfma2_bits(a, FP16_ONE2, b); }
 
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
 __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
@@ -454,10 +455,11 @@ __device__ __forceinline__ OutlierRange outlier_range(const OutlierRun& r, int t
     return {__ldg(r.offsets + tile), tile + 1 < r.tiles ? __ldg(r.offsets + tile + 1) : r.count};
 }
 
-// fp8 e4m3 (finite) -> float: its 7 magnitude bits placed as an fp16's (exponent bias 15 against 7), times 2^8; exact,
-// subnormals included.
-__device__ __forceinline__ float e4m3_by_half(unsigned x) {
-    return half_to_float((unsigned short)((x & 0x7Fu) << 7 | (x & 0x80u) << 8)) * 256.0f;
+// The two fp8 e4m3 (finite) bytes in x's low 16 bits -> an fp16 pair {byte 0, byte 1}: each one's 7 magnitude bits
+// placed as an fp16's (exponent bias 15 against 7), times 2^8 (0x5C00); exact, subnormals included.
+__device__ __forceinline__ unsigned e4m3_pair_by_half(unsigned x) {
+    const unsigned spread = prmt(x, 0u, 0x4140u);  // bytes: x's byte 0, 0, x's byte 1, 0
+    return hmul2(lop3<magic::AND_OR>(spread << 7, 0x3F803F80u, (spread << 8) & 0x80008000u), 0x5C005C00u);
 }
 
 // The fused split merge: each block arrives at its (sequence, KV head)'s counter (arrivals[run]) once its split is
@@ -940,11 +942,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     // ---- channel groups: a stage's codes into fp16 rows (keys rotated by their offset in the stage) ----
     // A thread takes channels c, c + 1 and their rotation partners c + D / 2, c + D / 2 + 1 of both sides in rounds of
-    // four consecutive tokens r0 .. r0 + 3, r0 = 4 (row_group + j ROW_GROUPS), a channel at a time (its scales and zeros,
-    // then its codes: fewer values live than a pair's; at head_dim 256 the pair's spilled): one load brings a slot's
-    // parameters of the four (8 bytes, fp8 4), and a word of two halves per row and half is one store. Its channels' slots and the two
-    // rotations' starts and steps (a token, and from a round's last token to the next round's first) are made once.
-    // x = (code + zero) * max(scale, 2^-24), in fp32 as kvcal.fit.skvq.SkvqTensor.decode, then rounded to fp16 once.
+    // four consecutive tokens r0 .. r0 + 3, r0 = 4 (row_group + j ROW_GROUPS). One load brings a slot's parameters of the
+    // four (8 bytes, fp8 4) as fp16 pairs along the rows, and a channel's codes of two rows meet in one word's halves:
+    // the values' arithmetic runs on those pairs (an f16x2 instruction for two values), a prmt turning them into the
+    // rows' words of two channels, one store each; the keys' runs in fp32 and rounds to fp16 once, after the rotation
+    // (rounded twice, as f16x2 pairs round them, a sharp softmax moved its output by twice as much). Its channels'
+    // slots and the two rotations' starts and steps (a token, and from a round's last token to the next round's first)
+    // are made once.
     unsigned char* const work = smem + S::PIPE_BYTES - S::WORK_BYTES;  // the computed stage's fp16 keys, then values
     constexpr int HALF = D / 2, QUARTER = D / 4, ROW_GROUPS = THREADS / QUARTER, ROUND = 4;
     static_assert(!S::GROUPS || (THREADS % QUARTER == 0 && ST % (ROUND * ROW_GROUPS) == 0), "a thread's channels are the same in each of its whole rounds");
@@ -965,54 +969,77 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
     }
     const auto dequantize_stage = [&](const unsigned char* stage) {
-        // a slot's scale (which 0) or zero (1) of the round's four tokens from r0, as floats
-        const auto params = [&](int side, int which, int slot, int r0, float (&out)[ROUND]) {
+        // a slot's scale (which 0) or zero (1) of the round's tokens as fp16 pairs {r0, r0 + 1}, {r0 + 2, r0 + 3}
+        const auto param_pairs = [&](int side, int which, int slot, int r0, unsigned (&out)[2]) {
             const unsigned char* const at = stage + S::CODE_BYTES + ((side * 2 + which) * S::GROUP_SLOTS + slot) * S::GROUP_RUN + r0 * S::PARAM_BYTES;
             if constexpr (S::PARAM_BYTES == 1) {
                 const unsigned word = *reinterpret_cast<const unsigned*>(at);
-#pragma unroll
-                for (int i = 0; i < ROUND; ++i) out[i] = e4m3_by_half(word >> (8 * i));
+                out[0] = e4m3_pair_by_half(word), out[1] = e4m3_pair_by_half(word >> 16);
             } else {
                 const uint2 words = *reinterpret_cast<const uint2*>(at);
-#pragma unroll
-                for (int i = 0; i < ROUND; ++i) out[i] = half_to_float((unsigned short)((i < 2 ? words.x : words.y) >> (16 * (i & 1))));
+                out[0] = words.x, out[1] = words.y;
             }
         };
-        // the side's four channels of the round's rows: c and c + 1 (c even) share a code word of kvcal/packing.py's
-        // "lsb" layout (1, 2, 4 bits), and in "planes3" a low-bit word and a high-bit word, as do their partners
-        const auto dequantized = [&](int side, const unsigned char* rows, int row_bytes, int r0, float (&x)[ROUND][4]) {
-            const int bits = side ? VBITS : BITS, per_word = 32 / bits;
+        // channels c, c + 1 (c even) of rows r and r + 1 as {row r, row r + 1} pairs of fp16 codes, one a channel: c and
+        // c + 1 share a code word of kvcal/packing.py's "lsb" layout (1, 2, 4 bits), and in "planes3" a low-bit word and a
+        // high-bit word; their bits of the two rows' words meet in one word's halves (bytes 0 and 2), 1024 + code there
+        const auto code_pairs = [&](const unsigned char* rows, int row_bytes, int bits, int c, int r, unsigned (&out)[2]) {
+            const unsigned* const a = reinterpret_cast<const unsigned*>(rows + r * row_bytes);
+            const unsigned* const b = reinterpret_cast<const unsigned*>(rows + (r + 1) * row_bytes);
+            const auto meet = [&](int word, int shift) { return prmt(a[word] >> shift, b[word] >> shift, 0x0400u); };
+            if (bits == 3) {
+                const unsigned low = meet((c >> 5) * 3 + ((c >> 4) & 1), 2 * (c & 15)), top = meet((c >> 5) * 3 + 2, c & 31);
+                out[0] = lop3<magic::AND_OR>(low, 0x00030003u, lop3<magic::AND_OR>(top << 2, 0x00040004u, magic::FP16_1024));
+                out[1] = lop3<magic::AND_OR>(low >> 2, 0x00030003u, lop3<magic::AND_OR>(top << 1, 0x00040004u, magic::FP16_1024));
+            } else {
+                const int per_word = 32 / bits;
+                const unsigned both = meet(c / per_word, c % per_word * bits), mask = ((1u << bits) - 1u) * 0x00010001u;
+                out[0] = lop3<magic::AND_OR>(both, mask, magic::FP16_1024);
+                out[1] = lop3<magic::AND_OR>(both >> bits, mask, magic::FP16_1024);
+            }
+            out[0] = hsub2_bits(out[0], magic::FP16_1024), out[1] = hsub2_bits(out[1], magic::FP16_1024);
+        };
+        // a side's channels c, c + 1, c + D / 2, c + D / 2 + 1 of the round's rows, a channel at a time (its scales and
+        // zeros, then its codes: fewer values live): `channel(k, codes, scale, zero)` gets channel k's {row, row + 1}
+        // pairs of codes, max(stored scale, 2^-24) (as kvcal.fit.skvq.SkvqTensor.decode) and zero, per row pair
+        const auto each_channel = [&](int side, const unsigned char* rows, int row_bytes, int r0, auto channel) {
 #pragma unroll
             for (int pair = 0; pair < 2; ++pair) {
-                const int c = pair_channel + pair * HALF;
-                // planes3: the pair's low bits (2 a code) and high bits (1 a code) from their unit's words
-                const int low_word = bits == 3 ? (c >> 5) * 3 + ((c >> 4) & 1) : c / per_word;
-                const int low_shift = bits == 3 ? 2 * (c & 15) : c % per_word * bits, top_word = (c >> 5) * 3 + 2;
+                unsigned codes[2][2];  // [row pair][channel c, c + 1]
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {  // a channel at a time: its scales and zeros, then its codes
-                    float scale[ROUND], zero[ROUND];
-                    params(side, 0, slot_of[side][2 * pair + e], r0, scale);
-                    params(side, 1, slot_of[side][2 * pair + e], r0, zero);
+                for (int p = 0; p < 2; ++p) code_pairs(rows, row_bytes, side ? VBITS : BITS, pair_channel + pair * HALF, r0 + 2 * p, codes[p]);
 #pragma unroll
-                    for (int i = 0; i < ROUND; ++i) {
-                        const unsigned* const row = reinterpret_cast<const unsigned*>(rows + (r0 + i) * row_bytes);
-                        const unsigned code = bits == 3 ? (row[low_word] >> (low_shift + 2 * e) & 3u) | (row[top_word] >> ((c & 31) + e) & 1u) << 2
-                                                        : row[low_word] >> (low_shift + e * bits) & ((1u << bits) - 1u);
-                        x[i][2 * pair + e] = ((float)code + zero[i]) * fmaxf(scale[i], 5.9604644775390625e-8f);
-                    }
+                for (int e = 0; e < 2; ++e) {
+                    unsigned scale[2], zero[2];
+                    param_pairs(side, 0, slot_of[side][2 * pair + e], r0, scale);
+                    param_pairs(side, 1, slot_of[side][2 * pair + e], r0, zero);
+                    const unsigned k_codes[2] = {codes[0][e], codes[1][e]}, k_scale[2] = {clamp_scale_pair(scale[0]), clamp_scale_pair(scale[1])};
+                    channel(2 * pair + e, k_codes, k_scale, zero);
                 }
             }
         };
-        // channels c, c + 1 (c even) of row r as one word, in the swizzled layout copy_rows gives the fp16 variants
-        const auto store_pair = [&](unsigned char* rows, int r, int c, float lo, float hi) {
-            *reinterpret_cast<unsigned*>(rows + r * S::ROW16 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) = pack_half2(lo, hi);
+        // rows r0 + k and r0 + k + 1 of channels c, c + 1 (c even) from their pairs along the rows, in the swizzled
+        // layout copy_rows gives the fp16 variants: a word of the two channels per row (a round's first row r0 is
+        // first_row + a multiple of 8, so the swizzle depends on the thread and k alone)
+        static_assert(ROUND * ROW_GROUPS % 8 == 0, "rounds start a multiple of 8 rows apart");
+        const auto row_word = [&](unsigned char* rows, int r0, int k, int c) {
+            return reinterpret_cast<unsigned*>(rows + (r0 + k) * S::ROW16 + (((c >> 3) ^ ((first_row + k) & 7)) << 4) + (c & 7) * 2);
         };
+        const auto store_rows = [&](unsigned char* rows, int r0, int k, int c, unsigned along_c, unsigned along_c1) {
+            *row_word(rows, r0, k, c) = prmt(along_c, along_c1, 0x5410u);
+            *row_word(rows, r0, k + 1, c) = prmt(along_c, along_c1, 0x7632u);
+        };
+        const auto half_of = [](unsigned pair, int i) { return half_to_float((unsigned short)(pair >> 16 * i)); };
         float cs[2][2] = {{rotation_start[0][0], rotation_start[0][1]}, {rotation_start[1][0], rotation_start[1][1]}};
 #pragma unroll 1
         for (int j = 0; j < ST / (ROUND * ROW_GROUPS); ++j) {  // (a compile-time count: no remainder path)
             const int r0 = first_row + j * ROUND * ROW_GROUPS;
-            float x[ROUND][4];  // the keys', then the values' (one side at a time: fewer registers live)
-            dequantized(0, stage, S::KSROW, r0, x);
+            // keys: x = (code + zero) scale in fp32, rotated, rounded to fp16 once
+            float x[ROUND][4];
+            each_channel(0, stage, S::KSROW, r0, [&](int k, const unsigned (&codes)[2], const unsigned (&scale)[2], const unsigned (&zero)[2]) {
+#pragma unroll
+                for (int i = 0; i < ROUND; ++i) x[i][k] = (half_of(codes[i / 2], i % 2) + half_of(zero[i / 2], i % 2)) * half_of(scale[i / 2], i % 2);
+            });
 #pragma unroll
             for (int i = 0; i < ROUND; ++i) {
                 float rotated[4];
@@ -1025,14 +1052,19 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     cs[e][0] = cos * step[0] - sin * step[1];
                     cs[e][1] = sin * step[0] + cos * step[1];
                 }
-                store_pair(work, r0 + i, pair_channel, rotated[0], rotated[1]);
-                store_pair(work, r0 + i, pair_channel + HALF, rotated[2], rotated[3]);
+                *row_word(work, r0, i, pair_channel) = pack_half2(rotated[0], rotated[1]);
+                *row_word(work, r0, i, pair_channel + HALF) = pack_half2(rotated[2], rotated[3]);
             }
-            dequantized(1, stage + S::K_BYTES, S::VSROW, r0, x);
+            // values: x = (code + zero) scale in fp16 pairs of two rows
+            unsigned v[4][2];
+            each_channel(1, stage + S::K_BYTES, S::VSROW, r0, [&](int k, const unsigned (&codes)[2], const unsigned (&scale)[2], const unsigned (&zero)[2]) {
 #pragma unroll
-            for (int i = 0; i < ROUND; ++i) {
-                store_pair(work + ST * S::ROW16, r0 + i, pair_channel, x[i][0], x[i][1]);
-                store_pair(work + ST * S::ROW16, r0 + i, pair_channel + HALF, x[i][2], x[i][3]);
+                for (int p = 0; p < 2; ++p) v[k][p] = hmul2(hadd2(codes[p], zero[p]), scale[p]);
+            });
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                store_rows(work + ST * S::ROW16, r0, 2 * p, pair_channel, v[0][p], v[1][p]);
+                store_rows(work + ST * S::ROW16, r0, 2 * p, pair_channel + HALF, v[2][p], v[3][p]);
             }
         }
     };

@@ -36,6 +36,10 @@ TOLERANCE = 2e-3
 # nuq values: the per-token scale (hi - lo) / 2 is not an fp16 number, so P * scale (an fp16 operand) rounds by up
 # to 2^-11 of the token's half range (here up to ~7): a one-token sequence's output is off by up to ~3.4e-3
 NUQ_TOLERANCE = 4e-3
+# SKVQ's channel groups: the values' (code + zero) * scale in fp16 pairs rounds the sum (where it leaves zero's binade)
+# and then the product, up to 1.5 ulp of the value where one rounding is half an ulp: a one-token sequence's output is
+# that value
+GROUPS_TOLERANCE = 4e-3
 G = 128  # the key block of the int4 / int2 cases (KIVI's group); lengths around it
 LENGTHS = {"1": [700], "3": [0, 129, 700], "3-edges": [1, G - 1, G]}  # 700: six splits of 128 tokens
 PER_SPLIT = 128
@@ -133,7 +137,7 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
 
 
 def tolerance(codec: str) -> float:
-    return NUQ_TOLERANCE if codec.startswith("nuq") else TOLERANCE
+    return NUQ_TOLERANCE if codec.startswith("nuq") else GROUPS_TOLERANCE if codec in GROUPS else TOLERANCE
 
 
 def variant_of(codec: str, head_dim: int, gqa: int) -> Variant:
@@ -511,8 +515,12 @@ MUTANTS = {
     "int3-value-raw": ("int4-int3v", "VALUE_RAW = RAW && VBITS != 3;", "VALUE_RAW = RAW;", "3"),
     "int3-value-group-units": ("int3-g32", "places[1].low + group * GROUP_WORDS,", "places[1].low,", "3"),
     "int3-value-eighth-high-bits": ("int3-g32", "N == 4 ? high >> (at.shift >> 1 & 4) : high", "high", "3"),
-    # SKVQ's 3-bit codes: each channel of a pair its own high bit
-    "skvq3-pair-high-bits": ("skvq3", "row[top_word] >> ((c & 31) + e)", "row[top_word] >> (c & 31)", "3"),
+    # SKVQ's channel groups: each channel of a 3-bit pair its own high bit, a code pair's second row, the rows' words
+    # from the pairs along them, an fp8 parameter word's second pair of rows
+    "skvq3-pair-high-bits": ("skvq3", "lop3<magic::AND_OR>(top << 1, 0x00040004u", "lop3<magic::AND_OR>(top << 2, 0x00040004u", "3"),
+    "skvq-code-second-row": ("skvq2", "rows + (r + 1) * row_bytes", "rows + r * row_bytes", "3"),
+    "skvq-row-words": ("skvq4", "k + 1, c) = prmt(along_c, along_c1, 0x7632u);", "k + 1, c) = prmt(along_c, along_c1, 0x3276u);", "3"),
+    "skvq-fp8-parameter-rows": ("skvq2-fp8", "e4m3_pair_by_half(word >> 16)", "e4m3_pair_by_half(word)", "3"),
     "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
     # 16 tokens in M and the query heads in N: the k-step's second eight tokens, P's transpose, the merged heads
     "tokens-in-m-second-rows": ("int4", "key_row_pairs(k1, buffer + (tb + 16 * kt + 8 + g) * S::KSROW);",
