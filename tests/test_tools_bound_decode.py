@@ -127,6 +127,26 @@ def test_analyse_classes_passes_and_bytes_in_flight(model):
     assert result["in_flight_per_sm"] == {"values": 64 * 8}
 
 
+def test_line_profile_puts_each_instruction_under_its_innermost_line(model):
+    code, _, count = walk(model)
+    rows = bd.line_profile(code, count, model.tokens_per_iteration(CASE))
+    # line 5: the inner loop's load and latch, 3 times; line 2: the load inlined into line 1 and the branches around
+    # rare() (line 4, a quarter of the time)
+    assert [(where, n) for where, n, _ in rows] == [(("k.cu", 5), 6 / 4), (("k.cu", 2), 4.75 / 4), (("k.cu", 3), 2 / 4),
+                                                    (("k.cu", 1), 1 / 4), (("k.cu", 4), 0.25 / 4)]
+    assert math.isclose(sum(n for _, n, _ in rows), sum(count) / 4) and all(w == 0 for *_, w in rows)  # no shared memory
+
+
+def test_lines_prints_a_cases_profile_by_source_line(capsys):
+    bd.main(["--lines", "int2 g128 (KIVI)"])
+    out = capsys.readouterr().out
+    assert "## int2 g128 (KIVI) (`decode_tc<128, 2, 128, 128, 4, false, false, false>`, sm_90)" in out
+    assert " intrinsics.cuh:" in out and "lop3.b32" in out  # the converters' lines, read from the included header
+    with pytest.raises(SystemExit) as error:
+        bd.main(["--lines", "int9"])
+    assert error.value.code == 2 and "'int9': no such case" in capsys.readouterr().err
+
+
 def test_a_branch_no_rule_decides_is_an_error(model, monkeypatch):
     monkeypatch.setattr(model, "sites", lambda case: [])
     with pytest.raises(bd.WalkError, match="no rule decides"):

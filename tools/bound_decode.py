@@ -52,8 +52,12 @@ wavefronts per token) into a latency with constants fitted to the newest GPU run
 the constants of the last fit are kept from bound_decode.json); the tables give it beside every measurement with its
 error, and for every case on that run's device: the prediction to write down before a variant is timed.
 
-Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
-Writes benchmarks/results/bound_decode.{json,md}.
+Where a case's counts come from. --lines CASE prints its warp-instructions and shared wavefronts per token by
+innermost source line (the kernel's, or the header's it inlines), most first: what a kernel change should aim at,
+and what it moved.
+
+Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write] [--lines CASE ...]
+Writes benchmarks/results/bound_decode.{json,md} (not with --lines).
 """
 
 from __future__ import annotations
@@ -721,6 +725,51 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
             "mma_per_token": by_opcode["HMMA"], "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 
 
+def line_profile(code: list[Instruction], count: list[float], tokens: int) -> list[tuple[tuple, float, float]]:
+    """(innermost source line, warp-instructions per KV token, shared wavefronts per KV token) of each line the walk's
+    count reaches, most instructions first; instructions without a line fall under ("", 0)."""
+    instructions, wavefronts = Counter(), Counter()
+    for ins, n in zip(code, count):
+        if n:
+            where = ins.lines[0] if ins.lines else ("", 0)
+            instructions[where] += n / tokens
+            wavefronts[where] += n * shared_wavefronts(ins.opcode) / tokens
+    return [(where, instructions[where], wavefronts[where]) for where in sorted(instructions, key=lambda w: (-instructions[w], w))]
+
+
+def print_line_profiles(case_names: list[str], least: float = 0.05) -> None:
+    """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90, by innermost
+    source line (lines under `least` of both summed into one row). The variants are compiled alone, so their SASS can
+    differ slightly from the module of every variant that the bound's tables walk."""
+    from kvcal.runtime import kernel_source as src
+
+    source_text = functools.cache(lambda module: src.source(module).splitlines())
+    for kernel in KERNELS:
+        cases = [case for case in kernel.cases if case.name in case_names]
+        if not cases:
+            continue
+        names = sorted({kernel.variant(case) for case in cases})
+        cubin, _, mangled = compile_cubin(kernel, "sm_90", names, line_info=True)
+        functions = parse_listing(disassemble(cubin, line_info=True))
+        for case in cases:
+            code = functions[mangled[kernel.variant(case)]].code
+            try:
+                count = Walk(code, source_text, case, kernel).run()
+            except WalkError as e:
+                raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
+            rows = line_profile(code, count, kernel.tokens_per_iteration(case))
+            shown = [row for row in rows if row[1] >= least or row[2] >= least]
+            print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90): {sum(r[1] for r in rows):.2f} warp-instructions, "
+                  f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
+            print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
+            for (module, line), instructions, wavefronts in shown:
+                text = source_text(module)[line - 1].strip() if module else "(no line)"
+                print(f"| {instructions:.2f} | {wavefronts:.2f} | {Path(module).name}:{line} | `{text[:100]}` |")
+            if len(shown) < len(rows):
+                rest = [row for row in rows if row not in shown]
+                print(f"| {sum(r[1] for r in rest):.2f} | {sum(r[2] for r in rest):.2f} | {len(rest)} other lines | |")
+
+
 # ------------------------------------------------------------------------------------------------- report
 
 def same_code(a: Function, b: Function) -> bool:
@@ -1066,7 +1115,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sdpa-efficiency", type=float, default=0.9,
                         help="fraction of copy bandwidth the fp16 SDPA reference reaches (default 0.9)")
     parser.add_argument("--no-write", action="store_true", help="print the tables without writing benchmarks/results/")
+    parser.add_argument("--lines", action="append", default=[], metavar="CASE",
+                        help="only print where CASE's warp-instructions and shared wavefronts per token go, by innermost "
+                             "source line (sm_90; nothing written); repeatable, a case as the bound's tables name it")
     args = parser.parse_args(argv)
+    if args.lines:
+        known = [case.name for kernel in KERNELS for case in kernel.cases]
+        if unknown := [name for name in args.lines if name not in known]:
+            parser.error(f"--lines {unknown[0]!r}: no such case; the cases: {', '.join(known)}")
+        nvdisasm()
+        print_line_profiles(args.lines)
+        return
     archs = args.arch.split(",")
     if "sm_90" not in archs or not set(archs) <= set(src.ARCHITECTURES):
         parser.error(f"--arch must list sm_90 and only {', '.join(src.ARCHITECTURES)}; got {args.arch!r}")
