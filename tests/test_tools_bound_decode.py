@@ -2,6 +2,7 @@
 instruction classes, occupancy and the bound arithmetic on hand-written input; the installed nvdisasm's output
 format where it is installed."""
 
+import functools
 import math
 import struct
 import subprocess
@@ -345,6 +346,28 @@ def test_the_kernel_models_decide_every_branch_of_todays_sass(kernel):
     if isinstance(kernel, bd.TensorCoreKernel):  # one mma per 16 tokens for Q K (tokens in M) and for each m-tile of P V
         int2 = next(w for w in walks if w["case"] == "int2 g128 (KIVI)")
         assert 1.0 < int2["mma_per_token"] < 1.25  # Q K's 1/2 a token, P V's 1/2, the zeros' and the key blocks' bias
+
+
+def test_the_tensor_core_model_decides_every_branch_at_head_dim_256():
+    """Gemma 3's head_dim (one KV head), the issue's second shape: every case the runtime serves there walks on sm_90,
+    the pre-RoPE keys' rolled loop over a rotated key's parts included."""
+    from kvcal.runtime import kernel_source, tensor_core
+
+    try:
+        bd.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvidia-cuda-nvdisasm is not installed")
+    kernel = bd.TensorCoreKernel({**bd.SHAPE, "head_dim": 256, "kv_heads": 1})
+    served = {v.name for v in tensor_core.variants()}
+    cases = [case for case in kernel.cases if kernel.variant(case) in served]
+    assert {case.name for case in kernel.cases} - {case.name for case in cases} == {"int2 g128, pre-RoPE keys", "int4 g128, pre-RoPE keys"}
+    cubin, _, mangled = bd.compile_cubin(kernel, "sm_90", sorted({kernel.variant(case) for case in cases}), line_info=True)
+    functions = bd.parse_listing(bd.disassemble(cubin, line_info=True))
+    source_text = functools.cache(lambda module: kernel_source.source(module).splitlines())
+    for case in cases:
+        walk = bd.analyse(kernel, functions[mangled[kernel.variant(case)]].code, case, source_text, token_bytes=1.0, warps_per_sm=8)
+        assert math.isclose(sum(walk["by_pass"].values()), walk["warp_instructions_per_token"], rel_tol=1e-9)
+        assert walk["warp_instructions_per_token"] > 0 and walk["mma_per_token"] > 0
 
 
 def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):

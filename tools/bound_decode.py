@@ -122,7 +122,7 @@ class TensorCoreKernel:
     one of the block (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the
     stage, behind __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every
     copy live, a new key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at
-    32K tokens a new maximum is rare)."""
+    32K tokens a new maximum is rare). shape: SHAPE's head_dim and group are the variants'."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
@@ -155,16 +155,20 @@ class TensorCoreKernel:
         Case("skvq3 pre-RoPE", "PERMUTED_GROUPS", "PERMUTED_GROUPS", True, 3, measured="skvq3-pre-rope",
              note="as skvq2, its codes in planes3"),
     )
+
+    def __init__(self, shape: dict = SHAPE):
+        self.shape = shape
+
     def _variant(self, case: Case):
         from kvcal.runtime.tensor_core import Variant
 
+        d, gqa = self.shape["head_dim"], self.shape["group"]
         if case.key_codec == "PERMUTED_GROUPS":
-            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], True, channel_groups=1)
+            return Variant(d, case.bits, 0, d, gqa, True, channel_groups=1)
         if case.key_codec.startswith("CODEBOOK"):
-            return Variant(SHAPE["head_dim"], case.bits, 0, SHAPE["head_dim"], SHAPE["group"], case.rope, codebook=True,
-                           outliers=case.outliers > 0, value_bits=case.value_bits)
+            return Variant(d, case.bits, 0, d, gqa, case.rope, codebook=True, outliers=case.outliers > 0, value_bits=case.value_bits)
         group = case.group if case.bits else 0
-        return Variant(SHAPE["head_dim"], case.bits or 16, group, group, SHAPE["group"], case.rope, value_bits=case.value_bits)
+        return Variant(d, case.bits or 16, group, group, gqa, case.rope, value_bits=case.value_bits)
 
     def tokens_per_iteration(self, case: Case) -> int:
         from kvcal.runtime.tensor_core import WARPS
@@ -186,7 +190,7 @@ class TensorCoreKernel:
 
     def stage_outliers(self, case: Case) -> float:
         """A side's outliers in a stage: case.outliers of its tokens x D elements."""
-        return case.outliers * self._variant(case).stage_tokens * SHAPE["head_dim"]
+        return case.outliers * self._variant(case).stage_tokens * self.shape["head_dim"]
 
     def outlier_warps(self, case: Case, extra: int = 0) -> list[float]:
         """Per round of a block-wide pass over a stage side's outliers (each_outlier: thread tid takes lo + tid,
@@ -203,25 +207,29 @@ class TensorCoreKernel:
         the chance three do."""
         from kvcal.runtime.tensor_core import WARPS
 
-        k, d = self.stage_outliers(case) / WARPS, SHAPE["head_dim"]
+        k, d = self.stage_outliers(case) / WARPS, self.shape["head_dim"]
         two = 1.0 - math.prod(1.0 - j / d for j in range(1, math.ceil(k)))
         three = 1.0 - math.exp(-math.comb(math.ceil(k), 3) / d**2)
         return 1.0 + two + three
 
     def inner_loops(self, case: Case) -> list:
         """The outlier passes' loops (the crowded tiles' rounds past the first, the warps' runs of value outliers and
-        their channels' turns); the rest of the tile loop unrolls."""
+        their channels' turns), channel groups' rounds, head_dim 256's parts of a rotated key; the rest of the tile
+        loop unrolls."""
         from kvcal.runtime.tensor_core import THREADS, WARPS
 
+        d = self.shape["head_dim"]
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
-        rounds = self._variant(case).stage_tokens // (4 * (THREADS // (SHAPE["head_dim"] // 4)))
+        rounds = self._variant(case).stage_tokens // (4 * (THREADS // (d // 4)))
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
                 # mark_value_runs: a round per THREADS of the outliers and their end
                 (r"for \(int i = first \+ tid; i <= end; i \+= THREADS\)", sum(self.outlier_warps(case, 1)), None),
                 # correct_values: a warp's run of the stage's value outliers, 32 at a time, in turns by channel
                 (r"for \(int i = value_runs\[warp\] \+ lane;", math.ceil(self.stage_outliers(case) / WARPS / 32), None),
                 (r"for \(int r = 0; __ballot_sync", self.channel_turns(case), None),
-                (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None)]
+                (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None),
+                # pre-RoPE keys: a lane's HP = D / 8 pairs of each half in parts of CP = 4 past 8 (#pragma unroll 1)
+                (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", d // 8 // (4 if d // 8 > 8 else d // 8), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
@@ -247,7 +255,7 @@ class TensorCoreKernel:
         from kvcal.runtime.tensor_core import WARPS
 
         variant = self._variant(case)
-        d, group, stage, tpw = SHAPE["head_dim"], case.group, variant.buffer_tokens, self.tokens_per_iteration(case)
+        d, group, stage, tpw = self.shape["head_dim"], case.group, variant.buffer_tokens, self.tokens_per_iteration(case)
         key_param_copies = (1 if group >= stage else stage // group) * 2 * (d * 2 // 16)
         value_param_copies = 2 * max(1, d // group) * stage // 8  # [scale, zero][group] runs of 8-token chunks
         # warps with a copy in a round of a stage's parameter copies: a private pipeline's own warp, else the first ones
