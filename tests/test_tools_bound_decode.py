@@ -2,7 +2,6 @@
 instruction classes, occupancy and the bound arithmetic on hand-written input; the installed nvdisasm's output
 format where it is installed."""
 
-import functools
 import math
 import struct
 import subprocess
@@ -348,26 +347,23 @@ def test_the_kernel_models_decide_every_branch_of_todays_sass(kernel):
         assert 1.0 < int2["mma_per_token"] < 1.25  # Q K's 1/2 a token, P V's 1/2, the zeros' and the key blocks' bias
 
 
-def test_the_tensor_core_model_decides_every_branch_at_head_dim_256():
-    """Gemma 3's head_dim (one KV head), the issue's second shape: every case the runtime serves there walks on sm_90,
-    the pre-RoPE keys' rolled loop over a rotated key's parts included."""
-    from kvcal.runtime import kernel_source, tensor_core
-
+def test_the_tensor_core_model_walks_every_case_it_serves_at_head_dim_256():
+    """The benchmark's second shape (Gemma 3's head_dim): every case the runtime serves there walks on sm_90, the
+    pre-RoPE keys' rolled loop over a rotated key's parts included, and is bounded at that shape."""
     try:
         bd.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
-    kernel = bd.TensorCoreKernel({**bd.SHAPE, "head_dim": 256, "kv_heads": 1})
-    served = {v.name for v in tensor_core.variants()}
-    cases = [case for case in kernel.cases if kernel.variant(case) in served]
+    kernel = bd.TensorCoreKernel(bd.SHAPE_256)
+    cases = kernel.served_cases()
     assert {case.name for case in kernel.cases} - {case.name for case in cases} == {"int2 g128, pre-RoPE keys", "int4 g128, pre-RoPE keys"}
-    cubin, _, mangled = bd.compile_cubin(kernel, "sm_90", sorted({kernel.variant(case) for case in cases}), line_info=True)
-    functions = bd.parse_listing(bd.disassemble(cubin, line_info=True))
-    source_text = functools.cache(lambda module: kernel_source.source(module).splitlines())
-    for case in cases:
-        walk = bd.analyse(kernel, functions[mangled[kernel.variant(case)]].code, case, source_text, token_bytes=1.0, warps_per_sm=8)
-        assert math.isclose(sum(walk["by_pass"].values()), walk["warp_instructions_per_token"], rel_tol=1e-9)
-        assert walk["warp_instructions_per_token"] > 0 and walk["mma_per_token"] > 0
+    compiled, walks = bd.measure(kernel, "sm_90", 0.9)
+    assert [w["case"] for w in walks] == [case.name for case in cases] and all(w["variant"].startswith("decode_tc<256,") for w in walks)
+    assert all(row["spill_bytes"] == 0 for row in compiled)
+    fp16 = walks[0]
+    assert fp16["bytes_per_token"] == 2 * 256 * 2 and fp16["bound"]["t_sdpa_us"] == 2 * bd.bound(512, 1, 0.9)["t_sdpa_us"]
+    for w in walks:
+        assert math.isclose(sum(w["by_pass"].values()), w["warp_instructions_per_token"], rel_tol=1e-9)
 
 
 def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):
@@ -388,3 +384,10 @@ def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):
     assert written["commit"] == "abc1234" and written["walks"] == {"int2-g128": walk}
     assert math.isclose(bd.predicted_us(walk, written["calibration"], 3e12),
                         (0.5 * 16 + 4 * 2 + 30) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6)
+    # head_dim 256: its own walks where they were written; no other shape
+    assert bd.committed_predictions(tmp_path, bd.SHAPE_256) is None
+    wide = {**walk, "bytes_per_token": 144.0}
+    bound["sm_90_d256"] = {"decode_attention_tc.cu": {"cases": [wide]}}
+    (tmp_path / "bound_decode.json").write_text(json.dumps(bound))
+    assert bd.committed_predictions(tmp_path, bd.SHAPE_256)["walks"] == {"int2-g128": wide}
+    assert bd.committed_predictions(tmp_path, {**bd.SHAPE, "tokens": 4096}) is None

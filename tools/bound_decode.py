@@ -52,6 +52,10 @@ wavefronts per token) into a latency with constants fitted to the newest GPU run
 the constants of the last fit are kept from bound_decode.json); the tables give it beside every measurement with its
 error, and for every case on that run's device: the prediction to write down before a variant is timed.
 
+Head_dim 256. The tensor-core kernel is walked and bounded again at SHAPE_256 (the benchmark's --head-dim 256, Gemma
+3's head size) on sm_90, every case the runtime serves there, with the model fitted at SHAPE's head_dim: a prediction
+at a shape it was not fitted on, beside what a GPU measured at 256.
+
 Where a case's counts come from. --lines CASE prints its warp-instructions and shared wavefronts per token by
 innermost source line (the kernel's, or the header's it inlines), most first: what a kernel change should aim at,
 and what it moved.
@@ -90,6 +94,8 @@ SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvca
 
 THREADS = 128  # threads per block of the kernel (__launch_bounds__)
 KV_HEAD_TOKENS = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
+# the tensor-core benchmark's second shape (--head-dim 256: Gemma 3's head size), as many KV-head tokens
+SHAPE_256 = {**SHAPE, "head_dim": 256}
 SLOTS_PER_S = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # the calibrated model's unit, on either device
 
 
@@ -179,7 +185,14 @@ class TensorCoreKernel:
         return self._variant(case).name
 
     def variants(self) -> list[str]:
-        return [self.variant(case) for case in self.cases]
+        return [self.variant(case) for case in self.served_cases()]
+
+    def served_cases(self) -> list[Case]:
+        """The cases whose variant the runtime serves at the shape (at head_dim 256 not the pre-RoPE uniform keys)."""
+        from kvcal.runtime import tensor_core
+
+        served = {v.name for v in tensor_core.variants()}
+        return [case for case in self.cases if self.variant(case) in served]
 
     def shared_bytes(self, variant: str, static: int) -> int:
         """Dynamic shared memory (the launcher's), which the ptxas report does not show."""
@@ -654,38 +667,39 @@ def shared_bytes(log: str, mangled: str) -> int:
     return int(smem.group(1)) if smem else 0
 
 
-def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float, wavefronts_per_token: float = 0.0) -> dict:
-    """The bound at SHAPE on H100: per KV-head token, all query heads of its group served together; limited_by names
+def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float, wavefronts_per_token: float = 0.0,
+          shape: dict = SHAPE) -> dict:
+    """The bound at `shape` on H100: per KV-head token, all query heads of its group served together; limited_by names
     the resource whose time is the longest (memory, issue or shared memory)."""
-    tokens = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
+    tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
     issue_rate = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # warp-instructions per second
     times = {"memory": tokens * bytes_per_token / H100["copy_bytes_per_s"], "issue": tokens * instructions_per_token / issue_rate,
              "shared memory": tokens * wavefronts_per_token / (H100["sms"] * H100["clock_hz"])}
-    t_sdpa = tokens * 2 * SHAPE["head_dim"] * 2 / (H100["copy_bytes_per_s"] * sdpa_efficiency)
+    t_sdpa = tokens * 2 * shape["head_dim"] * 2 / (H100["copy_bytes_per_s"] * sdpa_efficiency)
     limit = max(times, key=times.get)
     return {"budget_per_token": bytes_per_token * issue_rate / H100["copy_bytes_per_s"], "t_mem_us": times["memory"] * 1e6,
             "t_issue_us": times["issue"] * 1e6, "t_shared_us": times["shared memory"] * 1e6, "t_sdpa_us": t_sdpa * 1e6,
             "bandwidth_fraction": times["memory"] / times[limit], "speedup_vs_sdpa": t_sdpa / times[limit], "limited_by": limit}
 
 
-def bytes_per_token(case: Case) -> float:
+def bytes_per_token(case: Case, shape: dict = SHAPE) -> float:
     """Cache bytes of one KV-head token, K and V: kvcal.runtime.memory's formula for a cache that is all quantized
     body (no fp16 sink, window or residual), outliers included."""
     from kvcal.bundle import LayerRecipe
     from kvcal.runtime.memory import cache_bytes, fp16_bytes
 
-    width, tokens = SHAPE["kv_heads"] * SHAPE["head_dim"], SHAPE["tokens"]
+    width, tokens, kv_heads = shape["kv_heads"] * shape["head_dim"], shape["tokens"], shape["kv_heads"]
     if not case.bits:
         total = fp16_bytes(1, width, tokens)
     elif case.key_codec == "PERMUTED_GROUPS":  # SKVQ: fp16 scale and zero per token and group
         recipe = LayerRecipe("skvq", case.bits, case.bits, case.rope, group_size=width // SKVQ_GROUPS)
-        total = cache_bytes([recipe], width, tokens, kv_heads=SHAPE["kv_heads"])
+        total = cache_bytes([recipe], width, tokens, kv_heads=kv_heads)
     else:
         uniform = case.key_codec.startswith("UNIFORM")
         recipe = LayerRecipe("uniform" if uniform else "nuq", case.bits, case.vbits, case.rope,
                              group_size=case.group if uniform else 0, outliers=case.outliers)
-        total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens), kv_heads=SHAPE["kv_heads"])
-    return total / (SHAPE["kv_heads"] * tokens)
+        total = cache_bytes([recipe], width, tokens, outliers=round(2 * case.outliers * width * tokens), kv_heads=kv_heads)
+    return total / (kv_heads * tokens)
 
 
 def pass_lines(kernel, source_text) -> list[tuple[int, str]]:
@@ -798,8 +812,8 @@ def rounded(x):
 
 
 def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None = None) -> tuple[list[dict], list[dict]]:
-    """(the compile figures of `names`, by default every variant the kernel lists, and every case's walk) of one
-    kernel for one architecture."""
+    """(the compile figures of `names`, by default every variant the kernel lists, and the walk of every case it
+    serves) of one kernel for one architecture, at the kernel's shape."""
     from kvcal.packing import layout_for
     from kvcal.runtime import kernel_source as src
 
@@ -815,19 +829,20 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
         compiled.append({"variant": name, "registers": f.registers, "spill_bytes": f.spill_bytes, "stack_bytes": f.stack_bytes,
                          "smem_bytes": smem, **occupancy(f.registers, smem, arch)})
     by_name = {row["variant"]: row for row in compiled}
-    variant = {case: kernel.variant(case) for case in kernel.cases}
+    cases = kernel.served_cases()
+    variant = {case: kernel.variant(case) for case in cases}
     # the same variants as the compile table's: which others share the module can change a variant's SASS (it did for
     # an int2 g128 variant once head_dim 256 joined)
     cubin, _, tagged_names = compile_cubin(kernel, arch, names, line_info=True)
     tagged = parse_listing(disassemble(cubin, line_info=True))
     source_text = functools.cache(lambda module: src.source(module).splitlines())
     walks = []
-    for case in kernel.cases:
+    for case in cases:
         function = tagged[tagged_names[variant[case]]]
         if not same_code(function, plain[mangled[variant[case]]]):
             raise SystemExit(f"error: -lineinfo changed the {arch} SASS of {variant[case]}; the walk would not be of the compiled code")
         row = by_name[variant[case]]
-        token_bytes = bytes_per_token(case)
+        token_bytes = bytes_per_token(case, kernel.shape)
         try:
             walk = analyse(kernel, function.code, case, source_text, token_bytes, row["warps_per_sm"])
         except WalkError as e:
@@ -839,7 +854,7 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
                       "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency,
-                                     walk["shared_wavefronts_per_token"])})
+                                     walk["shared_wavefronts_per_token"], kernel.shape)})
     return compiled, walks
 
 
@@ -890,17 +905,46 @@ def markdown(result: dict) -> list[str]:
     ]
     for kernel in KERNELS:
         lines += kernel_section(result, kernel)
+    if "sm_90_d256" in result:
+        lines += head_dim_256_section(result)
     return lines
 
 
-def measured_on_gpus(results: Path = RESULTS) -> list[dict]:
-    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU at SHAPE's head_dim: its device, commit,
+def head_dim_256_section(result: dict) -> list[str]:
+    """The tensor-core kernel at SHAPE_256: its walk and bound, the calibrated model's prediction (fitted at SHAPE's
+    head_dim) on the fitting run's device, and what a GPU measured at that head_dim."""
+    kernel = TensorCoreKernel(SHAPE_256)
+    cases = result["sm_90_d256"][kernel.source]["cases"]
+    calibration = result.get("calibration", {}).get(kernel.source)
+    on = f" on {calibration['device']}" if calibration else ""
+    lines = ["", "## The tensor-core kernel at head_dim 256", "",
+             f"The tensor-core benchmark's --head-dim 256 (Gemma 3's head size; B={SHAPE_256['batch']}, {SHAPE_256['kv_heads']} "
+             f"KV heads, GQA {SHAPE_256['group']}, L={SHAPE_256['tokens']}): the cases the runtime serves there (not the pre-RoPE "
+             "uniform keys), walked on the sm_90 SASS compiled at 256, bounded as above. The prediction is the calibrated "
+             "model fitted at head_dim 128 (above): a shape it was not fitted on, which the GPU campaign's kernels-d256 "
+             "stage measures.", "",
+             "| variant | kernel variant | bytes/token | warp-instr/token | shared wavefronts/token | conflict wavefronts/token "
+             f"| registers | blocks/SM | bandwidth bound | limited by | speedup vs fp16 SDPA, at best | predicted us{on} "
+             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in cases:
+        b, predicted = w["bound"], "- | -"
+        if calibration is not None:
+            us = predicted_us(w, calibration, calibration["copy_bytes_per_s"])
+            predicted = f"{us:.1f} | {w['bytes_per_token'] * KV_HEAD_TOKENS / calibration['copy_bytes_per_s'] * 1e6 / us:.1%}"
+        lines.append(f"| {w['case']} | `{w['variant']}` | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.1f} "
+                     f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['registers']} | {w['blocks_per_sm']} "
+                     f"| {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x | {predicted} |")
+    return lines + measured_table(cases, kernel, measured_on_gpus(head_dim=SHAPE_256["head_dim"]), calibration)
+
+
+def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
+    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
     date, copy bandwidth, and per variant the fastest row at SHAPE's batch and length (the split plans it timed differ
     only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
-        if run.get("head_dim", 128) != SHAPE["head_dim"]:
+        if run.get("head_dim", 128) != head_dim:
             continue
         fastest = {}
         for row in run["results"]:
@@ -991,20 +1035,21 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
     return lines
 
 
-def committed_predictions(results: Path = RESULTS) -> dict | None:
-    """What the written bound (bound_decode.json) predicts for the tensor-core benchmark's variants at SHAPE: its
-    commit, its calibration, and per benchmark variant name the case's walk (predicted_us gives the latency on a
-    device); None before a calibration was written."""
+def committed_predictions(results: Path = RESULTS, shape: dict = SHAPE) -> dict | None:
+    """What the written bound (bound_decode.json) predicts for the tensor-core benchmark's variants at `shape` (SHAPE
+    or SHAPE_256): its commit, its calibration, and per benchmark variant name the case's walk (predicted_us gives the
+    latency on a device); None before a calibration was written, or for a shape it did not walk."""
     written = results / "bound_decode.json"
     if not written.exists():
         return None
     bound = json.loads(written.read_text())
     kernel = TensorCoreKernel()
     calibration = bound.get("calibration", {}).get(kernel.source)
-    if calibration is None:
+    walked = bound.get({json.dumps(SHAPE): "sm_90", json.dumps(SHAPE_256): "sm_90_d256"}.get(json.dumps(shape), ""), {})
+    if calibration is None or kernel.source not in walked:
         return None
     names = {c.name: c.measured for c in kernel.cases if c.measured}
-    walks = {names[w["case"]]: w for w in bound["sm_90"][kernel.source]["cases"] if w["case"] in names}
+    walks = {names[w["case"]]: w for w in walked[kernel.source]["cases"] if w["case"] in names}
     return {"commit": bound["commit"], "calibration": calibration, "walks": walks}
 
 
@@ -1045,14 +1090,14 @@ def table_conflicts(kernel) -> dict[str, float]:
     """Per case of the tensor-core kernel whose variant reads a table: the extra shared-memory wavefronts per KV-head
     token its lookups' bank conflicts take, counted by the kernel's CPU emulation (tools.kernel_emulation) on the
     tensor-core benchmark's codecs and random N(0, 1) rows (benchmarks.kernels.tensor_core: its variants and stores),
-    at SHAPE's head_dim and group, one sequence of CONFLICT_TOKENS tokens."""
+    at the kernel's shape, one sequence of CONFLICT_TOKENS tokens."""
     import torch
 
     from benchmarks.kernels import tensor_core as bench
 
-    d = SHAPE["head_dim"]
+    d = kernel.shape["head_dim"]
     table = bench.variants(d)
-    variants = {case.name: v for case in kernel.cases if reads_table(v := kernel._variant(case))}
+    variants = {case.name: v for case in kernel.served_cases() if reads_table(v := kernel._variant(case))}
     lib = kernel_emulation.build(sorted(set(variants.values()), key=lambda v: v.name))
     out = {}
     for case in kernel.cases:
@@ -1060,7 +1105,7 @@ def table_conflicts(kernel) -> dict[str, float]:
             continue
         codecs, rope = table[case.measured]
         keys, values = bench.filled_stores(codecs, 1, CONFLICT_TOKENS, d, device="cpu")
-        query = torch.randn(1, bench.KV_HEADS * SHAPE["group"], d, generator=torch.Generator().manual_seed(0))
+        query = torch.randn(1, bench.KV_HEADS * kernel.shape["group"], d, generator=torch.Generator().manual_seed(0))
         kernel_emulation.take_lookups(lib)
         kernel_emulation.decode(lib, variants[case.name], query, keys, values, bench.KV_HEADS, [CONFLICT_TOKENS], d**-0.5,
                                 CONFLICT_TOKENS, bench.inv_freq(d) if rope else None)
@@ -1153,6 +1198,14 @@ def main(argv: list[str] | None = None) -> None:
                 if w["case"] in counted[kernel.source]:
                     w["table_conflicts_per_token"] = counted[kernel.source][w["case"]]
             result[arch][kernel.source] = {"compiled": compiled, "cases": walks}
+    # the tensor-core kernel at its benchmark's second shape, sm_90 (the bound's architecture)
+    wide = TensorCoreKernel(SHAPE_256)
+    wide_compiled, wide_walks = measure(wide, "sm_90", args.sdpa_efficiency)
+    wide_conflicts = table_conflicts(wide)
+    for w in wide_walks:
+        if w["case"] in wide_conflicts:
+            w["table_conflicts_per_token"] = wide_conflicts[w["case"]]
+    result["sm_90_d256"] = {wide.source: {"compiled": wide_compiled, "cases": wide_walks}}
     runs = measured_on_gpus()
     written = RESULTS / "bound_decode.json"
     previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}

@@ -16,8 +16,8 @@ blocks the device holds at once (the occupancy API's count x SMs). Before timing
 (float32) over the stores' decoded rows (pre-RoPE keys rotated by kvcal.rope) at the benchmark shape, its outputs (the
 partial splits and the merged rows) poisoned with NaN before the checked launch, so that an unwritten element fails,
 and launched once more, poisoned again, for the same bits (same_bits_twice: no result may depend on the GPU's schedule);
---seed draws other random data (the campaign passes a fresh one). At the bound's shape (B = 8, L = 32K, D = 128) each
-variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
+--seed draws other random data (the campaign passes a fresh one). At the bound's shapes (B = 8, L = 32K, D = 128 or 256)
+each variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
 model, on this device's copy bandwidth and the variant's bytes) is printed before it is timed and kept in its row.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
@@ -168,9 +168,9 @@ def main() -> None:
     length = args.tokens
     sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
-    # the written bound's prediction, printed before each variant is timed (its shape only: B = 8, L = 32K, D = 128)
+    # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or 256)
     shape = {"batch": BATCH, "kv_heads": KV_HEADS, "group": HEADS // KV_HEADS, "head_dim": head_dim, "tokens": length}
-    predicted = bound_decode.committed_predictions() if shape == bound_decode.SHAPE else None
+    predicted = bound_decode.committed_predictions(shape=shape)
     rows = []
     for name, (codecs, rope) in variants(head_dim).items():
         if args.only and name not in args.only.split(","):
