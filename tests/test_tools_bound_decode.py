@@ -140,11 +140,16 @@ def test_line_profile_puts_each_instruction_under_its_innermost_line(model):
 def test_lines_prints_a_cases_profile_by_source_line(capsys):
     bd.main(["--lines", "int2 g128 (KIVI)"])
     out = capsys.readouterr().out
-    assert "## int2 g128 (KIVI) (`decode_tc<128, 2, 128, 128, 4, false, false, false>`, sm_90)" in out
+    assert "## int2 g128 (KIVI) (`decode_tc<128, 2, 128, 128, 4, false, false, false>`, sm_90, head_dim 128)" in out
     assert " intrinsics.cuh:" in out and "lop3.b32" in out  # the converters' lines, read from the included header
-    with pytest.raises(SystemExit) as error:
-        bd.main(["--lines", "int9"])
-    assert error.value.code == 2 and "'int9': no such case" in capsys.readouterr().err
+    bd.main(["--lines", "nuq3 pre-RoPE 1%", "--head-dim", "256"])
+    assert "(`decode_tc<256, 3, 0, 256, 4, true, true, true>`, sm_90, head_dim 256)" in capsys.readouterr().out
+    for argv, message in ((["--lines", "int9"], "'int9': no such case at head_dim 128"),
+                          (["--lines", "int2 g128, pre-RoPE keys", "--head-dim", "256"], "no such case at head_dim 256"),
+                          (["--head-dim", "256"], "--head-dim goes with --lines")):
+        with pytest.raises(SystemExit) as error:
+            bd.main(argv)
+        assert error.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_branch_no_rule_decides_is_an_error(model, monkeypatch):

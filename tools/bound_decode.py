@@ -60,7 +60,8 @@ Where a case's counts come from. --lines CASE prints its warp-instructions and s
 innermost source line (the kernel's, or the header's it inlines), most first: what a kernel change should aim at,
 and what it moved.
 
-Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write] [--lines CASE ...]
+Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
+       python -m tools.bound_decode --lines CASE [--lines CASE ...] [--head-dim 256]
 Writes benchmarks/results/bound_decode.{json,md} (not with --lines).
 """
 
@@ -759,15 +760,15 @@ def line_profile(code: list[Instruction], count: list[float], tokens: int) -> li
     return [(where, instructions[where], wavefronts[where]) for where in sorted(instructions, key=lambda w: (-instructions[w], w))]
 
 
-def print_line_profiles(case_names: list[str], least: float = 0.05) -> None:
-    """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90, by innermost
-    source line (lines under `least` of both summed into one row). The variants are compiled alone, so their SASS can
-    differ slightly from the module of every variant that the bound's tables walk."""
+def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float = 0.05) -> None:
+    """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90 at `shape`, by
+    innermost source line (lines under `least` of both summed into one row). The variants are compiled alone, so their
+    SASS can differ slightly from the module of every variant that the bound's tables walk."""
     from kvcal.runtime import kernel_source as src
 
     source_text = functools.cache(lambda module: src.source(module).splitlines())
-    for kernel in KERNELS:
-        cases = [case for case in kernel.cases if case.name in case_names]
+    for kernel in (TensorCoreKernel(shape),):
+        cases = [case for case in kernel.served_cases() if case.name in case_names]
         if not cases:
             continue
         names = sorted({kernel.variant(case) for case in cases})
@@ -781,7 +782,7 @@ def print_line_profiles(case_names: list[str], least: float = 0.05) -> None:
                 raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
             rows = line_profile(code, count, kernel.tokens_per_iteration(case))
             shown = [row for row in rows if row[1] >= least or row[2] >= least]
-            print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90): {sum(r[1] for r in rows):.2f} warp-instructions, "
+            print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90, head_dim {shape['head_dim']}): {sum(r[1] for r in rows):.2f} warp-instructions, "
                   f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
             print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
             for (module, line), instructions, wavefronts in shown:
@@ -1171,14 +1172,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lines", action="append", default=[], metavar="CASE",
                         help="only print where CASE's warp-instructions and shared wavefronts per token go, by innermost "
                              "source line (sm_90; nothing written); repeatable, a case as the bound's tables name it")
+    parser.add_argument("--head-dim", type=int, choices=(SHAPE["head_dim"], SHAPE_256["head_dim"]), default=SHAPE["head_dim"],
+                        help="with --lines: the shape whose variants to compile (default %(default)s)")
     args = parser.parse_args(argv)
     if args.lines:
-        known = [case.name for kernel in KERNELS for case in kernel.cases]
+        shape = SHAPE if args.head_dim == SHAPE["head_dim"] else SHAPE_256
+        known = [case.name for case in TensorCoreKernel(shape).served_cases()]
         if unknown := [name for name in args.lines if name not in known]:
-            parser.error(f"--lines {unknown[0]!r}: no such case; the cases: {', '.join(known)}")
+            parser.error(f"--lines {unknown[0]!r}: no such case at head_dim {args.head_dim}; the cases: {', '.join(known)}")
         nvdisasm()
-        print_line_profiles(args.lines)
+        print_line_profiles(args.lines, shape)
         return
+    if args.head_dim != SHAPE["head_dim"]:
+        parser.error("--head-dim goes with --lines (the tables walk both shapes)")
     archs = args.arch.split(",")
     if "sm_90" not in archs or not set(archs) <= set(src.ARCHITECTURES):
         parser.error(f"--arch must list sm_90 and only {', '.join(src.ARCHITECTURES)}; got {args.arch!r}")
