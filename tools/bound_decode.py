@@ -767,30 +767,27 @@ def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float
     from kvcal.runtime import kernel_source as src
 
     source_text = functools.cache(lambda module: src.source(module).splitlines())
-    for kernel in (TensorCoreKernel(shape),):
-        cases = [case for case in kernel.served_cases() if case.name in case_names]
-        if not cases:
-            continue
-        names = sorted({kernel.variant(case) for case in cases})
-        cubin, _, mangled = compile_cubin(kernel, "sm_90", names, line_info=True)
-        functions = parse_listing(disassemble(cubin, line_info=True))
-        for case in cases:
-            code = functions[mangled[kernel.variant(case)]].code
-            try:
-                count = Walk(code, source_text, case, kernel).run()
-            except WalkError as e:
-                raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
-            rows = line_profile(code, count, kernel.tokens_per_iteration(case))
-            shown = [row for row in rows if row[1] >= least or row[2] >= least]
-            print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90, head_dim {shape['head_dim']}): {sum(r[1] for r in rows):.2f} warp-instructions, "
-                  f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
-            print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
-            for (module, line), instructions, wavefronts in shown:
-                text = source_text(module)[line - 1].strip() if module else "(no line)"
-                print(f"| {instructions:.2f} | {wavefronts:.2f} | {Path(module).name}:{line} | `{text[:100]}` |")
-            if len(shown) < len(rows):
-                rest = [row for row in rows if row not in shown]
-                print(f"| {sum(r[1] for r in rest):.2f} | {sum(r[2] for r in rest):.2f} | {len(rest)} other lines | |")
+    kernel = TensorCoreKernel(shape)
+    cases = [case for case in kernel.served_cases() if case.name in case_names]
+    cubin, _, mangled = compile_cubin(kernel, "sm_90", sorted({kernel.variant(case) for case in cases}), line_info=True)
+    functions = parse_listing(disassemble(cubin, line_info=True))
+    for case in cases:
+        code = functions[mangled[kernel.variant(case)]].code
+        try:
+            count = Walk(code, source_text, case, kernel).run()
+        except WalkError as e:
+            raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
+        rows = line_profile(code, count, kernel.tokens_per_iteration(case))
+        shown = [row for row in rows if row[1] >= least or row[2] >= least]
+        print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90, head_dim {shape['head_dim']}): {sum(r[1] for r in rows):.2f} warp-instructions, "
+              f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
+        print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
+        for (module, line), instructions, wavefronts in shown:
+            text = source_text(module)[line - 1].strip() if module else "(no line)"
+            print(f"| {instructions:.2f} | {wavefronts:.2f} | {Path(module).name}:{line} | `{text[:100]}` |")
+        if len(shown) < len(rows):
+            rest = [row for row in rows if row not in shown]
+            print(f"| {sum(r[1] for r in rest):.2f} | {sum(r[2] for r in rest):.2f} | {len(rest)} other lines | |")
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -1046,7 +1043,7 @@ def committed_predictions(results: Path = RESULTS, shape: dict = SHAPE) -> dict 
     bound = json.loads(written.read_text())
     kernel = TensorCoreKernel()
     calibration = bound.get("calibration", {}).get(kernel.source)
-    walked = bound.get({json.dumps(SHAPE): "sm_90", json.dumps(SHAPE_256): "sm_90_d256"}.get(json.dumps(shape), ""), {})
+    walked = bound.get("sm_90" if shape == SHAPE else "sm_90_d256" if shape == SHAPE_256 else "", {})
     if calibration is None or kernel.source not in walked:
         return None
     names = {c.name: c.measured for c in kernel.cases if c.measured}
@@ -1195,23 +1192,21 @@ def main(argv: list[str] | None = None) -> None:
     result = {"tools": tool_versions(), "h100": H100, "limits": LIMITS, "shape": SHAPE, "sdpa_efficiency": args.sdpa_efficiency}
     if kernel_emulation.compiler_missing():
         parser.error("the table lookups' bank conflicts are counted by the kernels' CPU emulation, which needs g++")
+    def walked(kernel, arch: str, counted: dict[str, float]) -> dict:
+        """measure's figures, each table case's walk with its counted conflicts (the same code on either architecture:
+        the emulator runs the source)."""
+        compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
+        for w in walks:
+            if w["case"] in counted:
+                w["table_conflicts_per_token"] = counted[w["case"]]
+        return {"compiled": compiled, "cases": walks}
+
     counted = {kernel.source: table_conflicts(kernel) for kernel in KERNELS}
     for arch in sorted(archs, reverse=True):
-        result[arch] = {}
-        for kernel in KERNELS:
-            compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
-            for w in walks:  # (the same code on either architecture: the emulator runs the source)
-                if w["case"] in counted[kernel.source]:
-                    w["table_conflicts_per_token"] = counted[kernel.source][w["case"]]
-            result[arch][kernel.source] = {"compiled": compiled, "cases": walks}
+        result[arch] = {kernel.source: walked(kernel, arch, counted[kernel.source]) for kernel in KERNELS}
     # the tensor-core kernel at its benchmark's second shape, sm_90 (the bound's architecture)
     wide = TensorCoreKernel(SHAPE_256)
-    wide_compiled, wide_walks = measure(wide, "sm_90", args.sdpa_efficiency)
-    wide_conflicts = table_conflicts(wide)
-    for w in wide_walks:
-        if w["case"] in wide_conflicts:
-            w["table_conflicts_per_token"] = wide_conflicts[w["case"]]
-    result["sm_90_d256"] = {wide.source: {"compiled": wide_compiled, "cases": wide_walks}}
+    result["sm_90_d256"] = {wide.source: walked(wide, "sm_90", table_conflicts(wide))}
     runs = measured_on_gpus()
     written = RESULTS / "bound_decode.json"
     previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}
