@@ -557,6 +557,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // movmatrix per 8 tokens to make P's B fragments. A lane's scores are then heads 2t and 2t + 1's (HL of them), as
     // its output columns are, where the other layout gives it head g's
     constexpr bool TOKENS_IN_M = S::PRIVATE;
+    constexpr bool ROTATED_KEYS = ROPE && !S::ROWS16;  // pre-RoPE codes rotated in registers, per part of the channels
     constexpr int HL = TOKENS_IN_M ? 2 : 1;
     // the lanes that hold a head's other tokens are the lane's xor partners HEAD_LANES_FROM, 2 HEAD_LANES_FROM, ...
     // below HEAD_LANES_TO: those of its t (tokens in M), or of its g
@@ -1363,7 +1364,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 sc[2 * kt + 1][0] = acc[2] + acc2[2], sc[2 * kt + 1][1] = acc[3] + acc2[3];
             }
 #pragma unroll
-            for (int nt = 0; nt < (TOKENS_IN_M ? 0 : NT); ++nt) {
+            for (int nt = 0; nt < (TOKENS_IN_M || ROTATED_KEYS ? 0 : NT); ++nt) {
                 // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8 (paired_k_steps)
                 float acc[4] = {bias[0], bias[0], 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 if constexpr (S::ROWS16) {
@@ -1378,18 +1379,61 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         mma_m16n8k16_f16(acc, a, b0);
                         mma_m16n8k16_f16(acc2, a, b1);
                     }
-                } else if constexpr (ROPE) {
-                    // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta, CP pairs
-                    // of each half at a time (head_dim 256: four parts of 4; a whole half held too many registers)
-                    constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;  // CW: words of a part's codes
-                    const int delta = tb + 8 * nt + g;
-                    const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
-                    const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
-                    const auto rotated_part = [&](int c) {  // the scores' k-steps of pairs c CP .. c CP + CP - 1 of each half
+                } else {
+                    unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
+                    key_row_pairs(kf, buffer + (tb + 8 * nt + g) * S::KSROW);
+                    paired_k_steps(acc, acc2, qk, kf);
+                }
+                sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
+            }
+            if constexpr (ROTATED_KEYS) {
+                // lane t's D / 8 channels of each half, dequantized (code * scale + zero), rotated by delta, CP pairs of
+                // each half at a time (head_dim 256: four parts of 4; a whole half held too many registers). The parts
+                // run outside the warp's n-tiles: a part's key pairs and query fragments serve both n-tiles' tokens
+                constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;  // CW: words of a part's codes
+                const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
+                float acc[NT][4], acc2[NT][4];  // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[nt][i] = i < 2 ? bias[0] : 0.0f, acc2[nt][i] = 0.0f;
+                const auto rotated_part = [&](int c) {  // the scores' k-steps of pairs c CP .. c CP + CP - 1 of each half
+                    unsigned ks[2 * CP], kz[2 * CP];  // the key block's scale and zero pairs: the first half's, then the second's
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if constexpr (S::KEY_PAIRS_SHARED) {
+#pragma unroll
+                            for (int j = 0; j < CP / 4; ++j) {
+                                unsigned w[4], z[4];
+                                load_words(w, key_pairs + key_pair_word(h * HP + c * CP + 4 * j, t));
+                                load_words(z, key_pairs + PAIRS * 4 + key_pair_word(h * HP + c * CP + 4 * j, t));
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) ks[h * CP + 4 * j + i] = w[i], kz[h * CP + 4 * j + i] = z[i];
+                            }
+                        } else {
+#pragma unroll
+                            for (int q = 0; q < CP; ++q) ks[h * CP + q] = ks2[h * HP + c * CP + q], kz[h * CP + q] = kz2[h * HP + c * CP + q];
+                        }
+                    }
+                    // the query's A fragments of these pairs' k-steps (paired_k_steps' order: pair p is k-step p / 2's),
+                    // from registers or, with KEY_PAIRS_SHARED, from q_stage (one 16-byte load each)
+                    unsigned a[2][CP / 4][4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int j = 0; j < CP / 4; ++j) {
+                            const int step_pair = (h * HP + c * CP) / 4 + j;
+                            if constexpr (S::KEY_PAIRS_SHARED) load_words(a[h][j], q_frag + step_pair * 128);
+                            else two_step_fragment(a[h][j], qk, step_pair);
+                        }
+                    const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int delta = tb + 8 * nt + g;
+                        const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
                         unsigned kf[2 * CP], cs[2 * CP];  // the first half's pairs, then the second's
                         if constexpr (BITS == 3) {
                             const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::KSROW);
-                            const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
                             planes3_codes<2 * CP, S::KEY_LANE_LUT>(words, key_place, kf, key_lut);
                             planes3_codes<2 * CP, S::KEY_LANE_LUT>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
                         } else if constexpr (CW == 0) {  // 2-bit codebooks: a part's 2 CP codes of each half in 16 bits
@@ -1414,58 +1458,32 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             load_words(w, rope_smem + rope_pair_word<D>(delta, t, c * CP + 2 * j));
                             cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
                         }
-                        unsigned ks[2 * CP], kz[2 * CP];  // the key block's scale and zero pairs, in kf's order
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            if constexpr (S::KEY_PAIRS_SHARED) {
-#pragma unroll
-                                for (int j = 0; j < CP / 4; ++j) {
-                                    unsigned w[4], z[4];
-                                    load_words(w, key_pairs + key_pair_word(h * HP + c * CP + 4 * j, t));
-                                    load_words(z, key_pairs + PAIRS * 4 + key_pair_word(h * HP + c * CP + 4 * j, t));
-#pragma unroll
-                                    for (int i = 0; i < 4; ++i) ks[h * CP + 4 * j + i] = w[i], kz[h * CP + 4 * j + i] = z[i];
-                                }
-                            } else {
-#pragma unroll
-                                for (int q = 0; q < CP; ++q) ks[h * CP + q] = ks2[h * HP + c * CP + q], kz[h * CP + q] = kz2[h * HP + c * CP + q];
-                            }
-                        }
 #pragma unroll
                         for (int q = 0; q < CP; ++q) {
-                            const unsigned a = hfma2_bits(kf[q], ks[q], kz[q]), r = hfma2_bits(kf[CP + q], ks[CP + q], kz[CP + q]);
+                            const unsigned x = hfma2_bits(kf[q], ks[q], kz[q]), y = hfma2_bits(kf[CP + q], ks[CP + q], kz[CP + q]);
                             const unsigned cos = cs[2 * q], sin = cs[2 * q + 1];
-                            kf[q] = hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));  // a cos - b sin
-                            kf[CP + q] = hfma2_bits(r, cos, hmul2(a, sin));         // b cos + a sin
+                            kf[q] = hfma2_bits(x, cos, hneg2_bits(hmul2(y, sin)));  // x cos - y sin
+                            kf[CP + q] = hfma2_bits(y, cos, hmul2(x, sin));         // y cos + x sin
                         }
-                        // the k-steps of these pairs (paired_k_steps' order: pair p is k-step p / 2's), the query's A
-                        // fragments from registers or, with KEY_PAIRS_SHARED, from q_stage (one 16-byte load each)
 #pragma unroll
                         for (int h = 0; h < 2; ++h)
 #pragma unroll
                             for (int j = 0; j < CP / 4; ++j) {
-                                const int step_pair = (h * HP + c * CP) / 4 + j;
-                                unsigned a[4];
-                                if constexpr (S::KEY_PAIRS_SHARED) load_words(a, q_frag + step_pair * 128);
-                                else two_step_fragment(a, qk, step_pair);
                                 const unsigned* const b = kf + h * CP + 4 * j;
                                 const unsigned b_even[2] = {b[0], b[1]}, b_odd[2] = {b[2], b[3]};
-                                mma_m16n8k16_f16(acc, a, b_even);
-                                mma_m16n8k16_f16(acc2, a, b_odd);
+                                mma_m16n8k16_f16(acc[nt], a[h][j], b_even);
+                                mma_m16n8k16_f16(acc2[nt], a[h][j], b_odd);
                             }
-                    };
-                    if constexpr (HP == CP) {
-                        rotated_part(0);
-                    } else {
-#pragma unroll 1  // (head_dim 256: unrolled, ptxas hoisted the parts' loads past its registers)
-                        for (int c = 0; c < HP / CP; ++c) rotated_part(c);
                     }
+                };
+                if constexpr (HP == CP) {
+                    rotated_part(0);
                 } else {
-                    unsigned kf[PAIRS];  // lane t's D / 4 channels of token g
-                    key_row_pairs(kf, buffer + (tb + 8 * nt + g) * S::KSROW);
-                    paired_k_steps(acc, acc2, qk, kf);
+#pragma unroll 1  // (head_dim 256: unrolled, ptxas hoisted the parts' loads past its registers)
+                    for (int c = 0; c < HP / CP; ++c) rotated_part(c);
                 }
-                sc[nt][0] = acc[0] + acc2[2], sc[nt][1] = acc[1] + acc2[3];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) sc[nt][0] = acc[nt][0] + acc2[nt][2], sc[nt][1] = acc[nt][1] + acc2[nt][3];
             }
             if constexpr (OUT) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
 #pragma unroll

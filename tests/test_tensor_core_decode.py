@@ -467,7 +467,7 @@ MUTANTS = {
     "raw-value-shift": ("int4", "raw_shift<VBITS>(n % PER_WORD)", "raw_shift<VBITS>((n + 1) % PER_WORD)"),
     # key blocks shorter than a stage: the unscaled query the warp holds for their Q'
     "held-query-pairs": ("int2-g32", "q_held[HOLD_QUERY ? p : 0]", "q_held[HOLD_QUERY ? p ^ 1 : 0]"),
-    "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(a, cos, hneg2_bits(hmul2(r, sin)));", "hfma2_bits(a, cos, hmul2(r, sin));"),
+    "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(x, cos, hneg2_bits(hmul2(y, sin)));", "hfma2_bits(x, cos, hmul2(y, sin));"),
     "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW)", "lop3<magic::SELECT>(wa[i], wb[i] >> VBITS, LOW)"),
@@ -506,7 +506,7 @@ MUTANTS = {
                             "key_pairs[PAIRS * 4 + key_pair_word(p, part ^ 1)] =", "1", 256),
     "key-pair-table-zero": ("nuq3-rope", "key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c0)",
                             "key_pairs[PAIRS * 4 + key_pair_word(p, part)] = (unsigned)__ldg(key_zero + c1)", "1", 256),
-    "shared-query-fragment": ("nuq4-rope", "load_words(a, q_frag + step_pair * 128);", "load_words(a, q_frag + (step_pair ^ 1) * 128);", "1", 256),
+    "shared-query-fragment": ("nuq4-rope", "load_words(a[h][j], q_frag + step_pair * 128);", "load_words(a[h][j], q_frag + (step_pair ^ 1) * 128);", "1", 256),
     "rope-part-quarter": ("nuq3-rope", "planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP)", "planes3_place<2 * CP>(t * (D / 8))", "1", 256),
     # keys and values of two widths: each side's rows by its own width
     "int3-key-pairs": ("int3-int4v", "return CB || BITS == 3 ? 2 * p + e :", "return CB ? 2 * p + e :", "3"),

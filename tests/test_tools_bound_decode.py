@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.nvrtc
 
 from helpers import skip_without_gxx
+from kvcal.runtime import kernel_source
 from tools import bound_decode as bd
 from tools import decode_model as dm
 
@@ -369,6 +370,23 @@ def test_the_tensor_core_model_walks_every_case_it_serves_at_head_dim_256():
     assert fp16["bytes_per_token"] == 2 * 256 * 2 and fp16["bound"]["t_sdpa_us"] == 2 * bd.bound(512, 1, 0.9)["t_sdpa_us"]
     for w in walks:
         assert math.isclose(sum(w["by_pass"].values()), w["warp_instructions_per_token"], rel_tol=1e-9)
+
+
+def test_the_walk_reads_a_tokens_rope_row_once_at_both_head_dims():
+    """Pre-RoPE codebook keys read each token's {cos, sin} row, D / 2 words, once: D / 2 x 4 bytes per KV token in
+    16-byte loads of a whole warp (512 bytes each). Counts the rolled loop over a rotated key's parts at head_dim
+    256 (its trip rule) against that."""
+    try:
+        bd.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvidia-cuda-nvdisasm is not installed")
+    source = kernel_source.source("decode_attention_tc.cu").splitlines()
+    for shape in (bd.SHAPE, bd.SHAPE_256):
+        [(_, _, code, per_token)] = bd.walks_with_lines(["nuq3 pre-RoPE 1%"], shape)
+        rope_loads = sum(n for ins, n in zip(code, per_token) if ins.opcode.startswith("LDS.128")
+                         and any(module == "decode_attention_tc.cu" and "load_words(w, rope_smem + rope_pair_word" in source[line - 1]
+                                for module, line in ins.lines))
+        assert math.isclose(rope_loads, shape["head_dim"] // 2 * 4 / 512), shape
 
 
 def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):

@@ -242,8 +242,8 @@ class TensorCoreKernel:
                 (r"for \(int i = value_runs\[warp\] \+ lane;", math.ceil(self.stage_outliers(case) / WARPS / 32), None),
                 (r"for \(int r = 0; __ballot_sync", self.channel_turns(case), None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None),
-                # pre-RoPE keys: a lane's HP = D / 8 pairs of each half in parts of CP = 4 past 8 (#pragma unroll 1)
-                (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", d // 8 // (4 if d // 8 > 8 else d // 8), None)]
+                # pre-RoPE keys: a lane's HP = D / 16 pairs of each half in parts of CP = 4 past 8 (#pragma unroll 1)
+                (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", d // 16 // (4 if d // 16 > 8 else d // 16), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
@@ -760,10 +760,10 @@ def line_profile(code: list[Instruction], count: list[float], tokens: int) -> li
     return [(where, instructions[where], wavefronts[where]) for where in sorted(instructions, key=lambda w: (-instructions[w], w))]
 
 
-def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float = 0.05) -> None:
-    """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90 at `shape`, by
-    innermost source line (lines under `least` of both summed into one row). The variants are compiled alone, so their
-    SASS can differ slightly from the module of every variant that the bound's tables walk."""
+def walks_with_lines(case_names: list[str], shape: dict = SHAPE):
+    """(case, variant, code, each instruction's executions per KV-head token) of each named case at `shape` on sm_90,
+    walked; its variant compiled alone with -lineinfo
+    (so its SASS can differ slightly from the module of every variant that the bound's tables walk)."""
     from kvcal.runtime import kernel_source as src
 
     source_text = functools.cache(lambda module: src.source(module).splitlines())
@@ -777,9 +777,19 @@ def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float
             count = Walk(code, source_text, case, kernel).run()
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
-        rows = line_profile(code, count, kernel.tokens_per_iteration(case))
+        yield case, kernel.variant(case), code, [n / kernel.tokens_per_iteration(case) for n in count]
+
+
+def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float = 0.05) -> None:
+    """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90 at `shape`, by
+    innermost source line (lines under `least` of both summed into one row; walks_with_lines)."""
+    from kvcal.runtime import kernel_source as src
+
+    source_text = functools.cache(lambda module: src.source(module).splitlines())
+    for case, variant, code, per_token in walks_with_lines(case_names, shape):
+        rows = line_profile(code, per_token, 1)
         shown = [row for row in rows if row[1] >= least or row[2] >= least]
-        print(f"\n## {case.name} (`{kernel.variant(case)}`, sm_90, head_dim {shape['head_dim']}): {sum(r[1] for r in rows):.2f} warp-instructions, "
+        print(f"\n## {case.name} (`{variant}`, sm_90, head_dim {shape['head_dim']}): {sum(r[1] for r in rows):.2f} warp-instructions, "
               f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
         print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
         for (module, line), instructions, wavefronts in shown:
