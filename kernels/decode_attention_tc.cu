@@ -112,10 +112,22 @@ __device__ __forceinline__ unsigned half_pair(const unsigned (&w)[N], int i0, in
     return prmt(w[i0 >> 1], w[i1 >> 1], selector);
 }
 
+// Word of the rope table holding lane part t's {cos, sin} pair of frequency pair q (key_channel's pairs < D/16) at
+// offset delta: 16-byte quads of two pairs, [delta][quad][t][4], rows of D / 2 words with 16 words of padding after
+// each odd row (rope_row_start), so that the two offsets a quarter-warp reads (g and g + 1, an even and the next odd
+// one) fall in different banks, and a lane's loads are one base plus immediates.
+template <int D>
+__device__ __forceinline__ constexpr int rope_row_start(int delta) { return delta * (D / 2) + (delta + 1) / 2 * 16; }
+template <int D>
+__device__ __forceinline__ int rope_pair_word(int delta, int t, int q) {
+    return rope_row_start<D>(delta) + ((q >> 1) * 4 + t) * 4 + 2 * (q & 1);
+}
+
 // BITS: the keys' code width, VBITS the values' (KVmix's and mixed layers' differ). PG: SKVQ's permuted channel groups
 // (a scale and zero per token and group of channels, any channel in any group), 1 with fp16 parameters, 2 with fp8
-// (e4m3) ones; 0 for the other codecs.
-template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false, int VBITS = BITS, int PG = 0>
+// (e4m3) ones; 0 for the other codecs. GQA: the launch's query heads per KV head (the outliers' scratch holds theirs).
+template <int D, int BITS, int KG, int VG, bool ROPE = false, bool CB = false, bool OUT = false, int VBITS = BITS, int PG = 0,
+          int GQA = 8>
 struct Shape {
     static constexpr bool FP16 = BITS == 16;
     // channel groups: each stage is dequantized into fp16 rows in shared memory (dequantize_stage), which the fp16
@@ -188,7 +200,7 @@ struct Shape {
     // parity) of [pair / 4][lane][4] words (q_stage_word)
     static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0;
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
-    static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? ST * (D / 2 + 16) * 4 : 0;  // ST rows of ROPE_ROW words
+    static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (ST * (D / 2) + ST / 2 * 16) * 4 : 0;  // rope_row_start(ST)
     // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) go through a table
     static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
     // per side: codebook_pairs (codebooks; uniform 3-bit codes read their code values 0..7 from their side's table)
@@ -205,14 +217,15 @@ struct Shape {
     static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
     // the rest (ptxas spilled them); codebook keys' one block keeps them in shared memory, [scale, zero][pair / 4][t][4]
-    // words (key_pair_word), made once, and a lane reloads them per n-tile, 16 bytes a load
+    // words (key_pair_word), made once, and a lane reloads them per part of a rotated key, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
     // outliers: the stage's key outliers' score corrections [head][token] (int, fixed point); per warp the value outliers'
     // corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's
     // P [head][token] (fp16) and where each warp's value outliers start among the stage's (32 bytes);
-    // the two sides' OutlierRun (in shared memory, not in registers)
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? 8 * ST * 4 + WARPS * 8 * D * 4 + 4 * D * 4 + ST * 8 * 2 + 32 + 2 * 32 : 0;
+    // the two sides' OutlierRun (in shared memory, not in registers). GQA heads, not M's 8 rows: at head_dim 256 the
+    // padding rows' 17.5 KB kept nuq3 / nuq4 / nuq2 with outliers to one block per SM on sm_90
+    static constexpr int OUT_SCRATCH_BYTES = OUT ? GQA * ST * 4 + WARPS * GQA * D * 4 + 4 * D * 4 + ST * GQA * 2 + 32 + 2 * 32 : 0;
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
@@ -392,16 +405,6 @@ __device__ __forceinline__ int q_stage_word(int p, int lane) { return ((p >> 2) 
 // a lane's pairs 4j .. 4j + 3 are one 16-byte load and the four parts' loads fall in different banks.
 __device__ __forceinline__ int key_pair_word(int p, int t) { return ((p >> 2) * 4 + t) * 4 + (p & 3); }
 
-// Word of the rope table holding lane part t's {cos, sin} pair of frequency pair q (key_channel's pairs < D/16) at
-// offset delta: 16-byte quads of two pairs, [delta][quad][t][4], rows of ROPE_ROW words: 16 more than the row's
-// D / 2, so that the two offsets a quarter-warp reads (g and g + 1) fall in different banks, and a lane's loads are
-// one base plus immediates.
-template <int D>
-constexpr int ROPE_ROW = D / 2 + 16;
-template <int D>
-__device__ __forceinline__ int rope_pair_word(int delta, int t, int q) {
-    return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t) * 4 + 2 * (q & 1);
-}
 
 // cos and sin of the angle position * inv_freq, exact in double (below 2^29 positions) and reduced modulo 2 pi there,
 // so that the fast sincos sees |x| <= pi at any position.
@@ -510,7 +513,7 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // parameter chunks and tiles are aligned.
 // OUT: per side the outliers of kvcal.runtime.store (batch, kv_heads, capacity) positions and values, (batch,
 // kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
-// in elements. ROPE: inv_freq (D / 2) float32 and rope_table (ST * ROPE_ROW) words, the shared-memory image of
+// in elements. ROPE: inv_freq (D / 2) float32 and rope_table (rope_row_start(ST)) words, the shared-memory image of
 // rope_pair_word's table.
 // CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs); PG: in their place the channel group
 // tables (tensor_core.group_tables), the keys' per-token parameters in key_scale / key_zero as the values' (strides
@@ -523,7 +526,7 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // launch's other tokens (segments::attend_rows over the decode launch's descriptor and meta, segment_positions the
 // position of each sequence's first stored token) into the slots after the body's splits.
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
-__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>::MIN_BLOCKS) decode_tc(
+__global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG, GQA>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
     const unsigned short* __restrict__ key_scale, const unsigned short* __restrict__ key_zero,
     const unsigned short* __restrict__ value_scale, const unsigned short* __restrict__ value_zero, const int* __restrict__ meta,
@@ -538,7 +541,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals, const long long* __restrict__ segment_descriptor,
     const int* __restrict__ segment_meta, const int* __restrict__ segment_positions, int segment_splits) {
     using namespace tc;
-    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG>;
+    using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG, GQA>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
     constexpr int NT = TPW / 8, KT = TPW / 16;  // a warp's n-tiles of 8 tokens (Q K^T) and k-steps of 16 (P V)
     // uniform codes are read raw (codes_to_half2's lop3 half): post-RoPE keys as 1024 + code * 2^s, all values as fp16
@@ -819,13 +822,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // int sum is the same in whatever order the threads' atomics add); each warp's value corrections [warp][head][D],
     // sum over its tokens' value outliers of P (exact - dequantized), in the units and softmax scale of its output;
     // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero} (fp32);
-    // the stage's P [head][token] (fp16; rows past GQA unused); where each warp's value outliers start among the
+    // the stage's P [head][token] (fp16); where each warp's value outliers start among the
     // stage's, and their end (value_runs, WARPS + 1)
     int* const score_corrections = reinterpret_cast<int*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    float* const value_corrections = reinterpret_cast<float*>(score_corrections + 8 * ST);
-    float* const key_extremes = value_corrections + WARPS * 8 * D;
+    float* const value_corrections = reinterpret_cast<float*>(score_corrections + GQA * ST);
+    float* const key_extremes = value_corrections + WARPS * GQA * D;
     unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
-    int* const value_runs = reinterpret_cast<int*>(stage_p + ST * 8);
+    int* const value_runs = reinterpret_cast<int*>(stage_p + ST * GQA);
     static_assert((WARPS + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds value_runs in 32 bytes");
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
     // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
@@ -1076,8 +1079,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // its correction is the exact value minus that entry dequantized.
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        for (int i = tid; i < 8 * ST / 4; i += THREADS) reinterpret_cast<int4*>(score_corrections)[i] = int4{};
-        for (int i = tid; i < WARPS * 8 * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
+        for (int i = tid; i < GQA * ST / 4; i += THREADS) reinterpret_cast<int4*>(score_corrections)[i] = int4{};
+        for (int i = tid; i < WARPS * GQA * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
         constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry(LAST);
@@ -1175,7 +1178,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         const unsigned short* const copies = copies_of(stage, 1);
         const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // tokens' scale, zero
         const int first_token = lo + tile * ST, end = value_runs[warp + 1];
-        float* const corrections = value_corrections + warp * 8 * D;
+        float* const corrections = value_corrections + warp * GQA * D;
 #pragma unroll 1
         for (int i = value_runs[warp] + lane; i - lane < end; i += 32) {
             const bool mine = i < end;
@@ -1485,7 +1488,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) sc[nt][0] = acc[nt][0] + acc2[nt][2], sc[nt][1] = acc[nt][1] + acc2[nt][3];
             }
-            if constexpr (OUT) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
+            if (OUT && g < GQA) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     int2* const at = reinterpret_cast<int2*>(score_corrections + g * ST + tb + 8 * nt + 2 * t);
@@ -1540,8 +1543,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int i = 0; i < (RAW ? ZPAIRS : 0); ++i)
                     zacc[i][0] *= alpha0, zacc[i][1] *= alpha1, zacc[i][2] *= alpha0, zacc[i][3] *= alpha1;
-                if constexpr (OUT) {  // head g's value corrections, lane t's quarter of them
-                    float4* const row = reinterpret_cast<float4*>(value_corrections + (warp * 8 + g) * D) + t * (D / 16);
+                if (OUT && g < GQA) {  // head g's value corrections, lane t's quarter of them
+                    float4* const row = reinterpret_cast<float4*>(value_corrections + (warp * GQA + g) * D) + t * (D / 16);
 #pragma unroll
                     for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha[0], row[i].y * alpha[0], row[i].z * alpha[0], row[i].w * alpha[0]};
                 }
@@ -1690,8 +1693,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             mma_m16n8k16_f16(zacc[i], za, pw);
                         }
                     }
-                    if constexpr (OUT) {  // P of head g at the warp's tokens, for the stage's value corrections (correct_values)
-                        static_assert(NT == 2, "outliers: a warp's 16 tokens of the stage are two n-tiles (ST == OUT_TILE)");
+                    static_assert(!OUT || NT == 2, "outliers: a warp's 16 tokens of the stage are two n-tiles (ST == OUT_TILE)");
+                    if (OUT && g < GQA) {  // P of head g at the warp's tokens, for the stage's value corrections (correct_values)
                         unsigned* const row = reinterpret_cast<unsigned*>(stage_p + g * ST + tb + 2 * t);
                         row[0] = pack_half2(p[0][0], p[0][1]);
                         row[4] = pack_half2(p[1][0], p[1][1]);  // tokens 2t + 8, 2t + 9
@@ -1765,7 +1768,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             total += merge_l[w * 8 + h] * f;
             float x = merge_o[(w * 8 + h) * D + d];
             if constexpr (!S::ROWS16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
-            if constexpr (OUT) x += value_corrections[(w * 8 + h) * D + d];
+            if constexpr (OUT) x += value_corrections[(w * GQA + h) * D + d];
             value += x * f;
         }
         out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;

@@ -468,7 +468,7 @@ MUTANTS = {
     # key blocks shorter than a stage: the unscaled query the warp holds for their Q'
     "held-query-pairs": ("int2-g32", "q_held[HOLD_QUERY ? p : 0]", "q_held[HOLD_QUERY ? p ^ 1 : 0]"),
     "rope-key-rotation-sign": ("int4-rope", "hfma2_bits(x, cos, hneg2_bits(hmul2(y, sin)));", "hfma2_bits(x, cos, hmul2(y, sin));"),
-    "rope-table-row": ("int4-rope", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + t)", "return delta * ROPE_ROW<D> + ((q >> 1) * 4 + (t ^ 1))"),
+    "rope-table-row": ("int4-rope", "return rope_row_start<D>(delta) + ((q >> 1) * 4 + t)", "return rope_row_start<D>(delta) + ((q >> 1) * 4 + (t ^ 1))"),
     "rope-query-rotation-sign": ("int2-rope", "qb[e] = b * cs[2 * e] - a * cs[2 * e + 1];", "qb[e] = b * cs[2 * e] + a * cs[2 * e + 1];"),
     "nuq-value-nibbles": ("nuq4", "lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW)", "lop3<magic::SELECT>(wa[i], wb[i] >> VBITS, LOW)"),
     "nuq-key-pairs": ("nuq4-rope", "return CB || BITS == 3 ? 2 * p + e :", "return CB || BITS == 3 ? 2 * p + 1 - e :"),
@@ -483,10 +483,13 @@ MUTANTS = {
     "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
-    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * 8 * D;", "value_corrections + (warp ^ 1) * 8 * D;", "3"),
+    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * GQA * D;", "value_corrections + (warp ^ 1) * GQA * D;", "3"),
     # each warp's run of the stage's value outliers, and the turns of a channel's outliers within it
     "outlier-value-runs": ("nuq4-out-rope", "? 0 : warp_of(i - 1) + 1,", "? 0 : warp_of(i - 1),", "3"),
     "outlier-value-turns": ("nuq4-crowded-rope", "if (mine && turn == r)", "if (mine)", "3"),
+    # the outliers' scratch holds the launch's GQA heads: M's padding rows (g >= GQA) must not touch it (the other two
+    # such writes, unguarded, run past the emulated shared memory)
+    "outlier-score-padding-rows": ("nuq3-out-rope", "if (OUT && g < GQA) {  // the stage's key outliers", "if (OUT) {  // the stage's key outliers", "3"),
     "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
     "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
     # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range

@@ -80,7 +80,7 @@ def driver(variants: list[Variant]) -> str:
             " per_split, split_offset, total_splits, scale, out, arrivals, sd, sm, sp, segment_splits); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
-                     f"{v.vbits}, {v.channel_groups}>::SMEM_BYTES; }}")
+                     f"{v.vbits}, {v.channel_groups}, {v.gqa}>::SMEM_BYTES; }}")
     lines.append("void schedule_in_reverse(int on) { emulation::reverse_schedule = on != 0; }")
     lines.append("void take_lookups(unsigned long long* out) { out[0] = emulation::lookups.loads; out[1] = "
                  "emulation::lookups.wavefronts; emulation::lookups.loads = emulation::lookups.wavefronts = 0; }")

@@ -182,7 +182,7 @@ class Variant:
         stage = st * sum(srows) + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
-        rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else st * rope_row(d) * 4) if self.rope else 0  # rotated queries, cos / sin table
+        rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(st, d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
         # 3-bit codes (channel groups aside: they read theirs as they dequantize) go through a table (uniform ones: code
@@ -197,10 +197,10 @@ class Variant:
         outliers = 0
         if self.outliers:
             stage += 32 + 4 * OUTLIER_SLOTS * 2  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side
-            # the stage's score corrections (fp32 [8 heads][st]), the warps' value corrections (fp32 [warp][8 heads][d]),
-            # 4 floats per key channel, the stage's P (fp16 [8 heads][st]), the last stage's 32-byte header, the two
-            # sides' 32-byte run descriptions
-            outliers = 8 * st * 4 + WARPS * 8 * d * 4 + 4 * d * 4 + st * 8 * 2 + 32 + 2 * 32
+            # the stage's score corrections (int [head][st]), the warps' value corrections (fp32 [warp][head][d]), 4
+            # floats per key channel, the stage's P (fp16 [head][st]), the last stage's 32-byte header, the two sides'
+            # 32-byte run descriptions; the launch's gqa heads
+            outliers = self.gqa * st * 4 + WARPS * self.gqa * d * 4 + 4 * d * 4 + st * self.gqa * 2 + 32 + 2 * 32
         rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
         return max(rings * stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
 
@@ -382,9 +382,10 @@ def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[np.int64, np.int64
     return np.int64(t.stride(0) * scale), np.int64(t.stride(1) * scale)
 
 
-def rope_row(head_dim: int) -> int:
-    """tc::ROPE_ROW: words per token offset in the rotation table (16 of them padding)."""
-    return head_dim // 2 + 16
+def rope_row_start(delta, head_dim: int):
+    """tc::rope_row_start: the rotation table's first word of token offset delta (ints or an array of them): rows of
+    D / 2 words, 16 words of padding after each odd one."""
+    return delta * (head_dim // 2) + (delta + 1) // 2 * 16
 
 
 def rope_channels(head_dim: int, bits: int, codebook: bool) -> np.ndarray:
@@ -434,8 +435,8 @@ def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool 
     angles = delta * inv_freq.double().cpu().numpy()[channels][None]  # (64, 4, D/16, 2)
 
     d_, t_, q_ = np.meshgrid(np.arange(STAGE_TOKENS), np.arange(4), np.arange(head_dim // 16), indexing="ij")
-    word = d_ * rope_row(head_dim) + ((q_ >> 1) * 4 + t_) * 4 + 2 * (q_ & 1)
-    table = np.zeros(STAGE_TOKENS * rope_row(head_dim), dtype=np.uint32)
+    word = rope_row_start(d_, head_dim) + ((q_ >> 1) * 4 + t_) * 4 + 2 * (q_ & 1)
+    table = np.zeros(rope_row_start(STAGE_TOKENS, head_dim), dtype=np.uint32)
     table[word] = _half_words(np.cos(angles))
     table[word + 1] = _half_words(np.sin(angles))
     return torch.from_numpy(table.view(np.int32).copy())
