@@ -164,7 +164,10 @@ struct Shape {
     // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
     static constexpr int OUT_STAGES = D == 256 ? (WIDEST == 4 ? 2 : 3) : 4;
     // (channel groups: 4, 2 at head_dim 256, beside the fp16 rows of one stage)
-    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : GROUPS ? (D == 256 ? 2 : 4) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
+    // (pre-RoPE codebooks at head_dim 256: 3 where a side is nuq4, else 5, so that two blocks (8 warps) fit an SM of
+    // sm_90 beside the rotation table, where 5-8 stages left one block alone on it)
+    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : GROUPS ? (D == 256 ? 2 : 4) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES :
+                                  ROPE && CB && D == 256 ? (WIDEST == 4 ? 3 : 5) : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
     static constexpr int KROW = D * BITS / 8, VROW = D * VBITS / 8;  // bytes of one token's head row of keys, of values
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
@@ -404,7 +407,6 @@ __device__ __forceinline__ int q_stage_word(int p, int lane) { return ((p >> 2) 
 // Word of the key pairs table (Shape::KEY_PAIRS_SHARED) holding lane part t's pair p: [p / 4][t][4], so that
 // a lane's pairs 4j .. 4j + 3 are one 16-byte load and the four parts' loads fall in different banks.
 __device__ __forceinline__ int key_pair_word(int p, int t) { return ((p >> 2) * 4 + t) * 4 + (p & 3); }
-
 
 // cos and sin of the angle position * inv_freq, exact in double (below 2^29 positions) and reduced modulo 2 pi there,
 // so that the fast sincos sees |x| <= pi at any position.

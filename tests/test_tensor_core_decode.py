@@ -436,6 +436,13 @@ def test_every_variant_fits_a_block_of_an_a100():
     assert max(v.shared_bytes() for v in tensor_core.variants()) <= tensor_core.A100_SHARED_BYTES
 
 
+def test_pre_rope_codebooks_at_256_run_two_blocks_on_an_sm_90():
+    """Gemma 3's head_dim and default bundle's keys: at up to 4 query heads per KV head (every Gemma 3 size), two
+    blocks (8 warps) share an SM of an H100 / H200 (228 KB, 1 KB reserved per block), not one block of 4 warps."""
+    served = [v for v in tensor_core.variants() if v.head_dim == 256 and v.rope and v.codebook and v.gqa <= 4]
+    assert served and all(2 * (v.shared_bytes() + 1024) <= 228 * 1024 for v in served)
+
+
 def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     for stage in (tensor_core.STAGE_TOKENS, tensor_core.WIDE_STAGE_TOKENS):
         for lengths, pairs, slots in (([32768] * 8, 64, 264), ([0, 5, 70000], 24, 396), ([1], 1, 132), ([], 8, 100)):

@@ -161,6 +161,8 @@ class Variant:
             return 3 if self.widest == 4 else 4
         if self.outliers:  # at 256, a block of nuq3 fits an A100's 163 KB in 3 stages, one with a nuq4 side in 2
             return (2 if self.widest == 4 else 3) if self.head_dim == 256 else 4
+        if self.rope and self.codebook and self.head_dim == 256:  # two blocks on an SM of sm_90 beside the rotation table
+            return 3 if self.widest == 4 else 5
         if self.widest == 4:
             return 5 if self.codebook else 6  # nuq4: 2 blocks of its padded rows still fit an A100
         return 8
