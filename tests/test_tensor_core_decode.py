@@ -436,6 +436,17 @@ def test_every_variant_fits_a_block_of_an_a100():
     assert max(v.shared_bytes() for v in tensor_core.variants()) <= tensor_core.A100_SHARED_BYTES
 
 
+def test_a_quarter_warps_rope_table_loads_fall_in_distinct_banks():
+    """tc::rope_pair_word: a 16-byte load of lanes g, t reads row delta = 8 n + g; the 8 lanes a quarter-warp's load
+    serves (g = 2i, 2i + 1; t = 0..3) must cover all 32 banks once (rope_row_start's padding after each odd row)."""
+    for head_dim in tensor_core.HEAD_DIMS:
+        for quad in range(head_dim // 32):  # a lane's 16-byte quads of two frequency pairs
+            for first_row in range(0, tensor_core.STAGE_TOKENS, 2):
+                starts = [tensor_core.rope_row_start(first_row + g, head_dim) + (quad * 4 + t) * 4 for g in (0, 1) for t in range(4)]
+                banks = sorted(start % 32 + w for start in starts for w in range(4))
+                assert banks == list(range(32)), (head_dim, quad, first_row)
+
+
 def test_pre_rope_codebooks_at_256_run_two_blocks_on_an_sm_90():
     """Gemma 3's head_dim and default bundle's keys: at up to 4 query heads per KV head (every Gemma 3 size), two
     blocks (8 warps) share an SM of an H100 / H200 (228 KB, 1 KB reserved per block), not one block of 4 warps."""
