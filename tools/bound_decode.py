@@ -233,6 +233,7 @@ class TensorCoreKernel:
         from kvcal.runtime.tensor_core import THREADS, WARPS
 
         d = self.shape["head_dim"]
+        pairs_per_half = d // 16  # the kernel's HP
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
         rounds = self._variant(case).stage_tokens // (4 * (THREADS // (d // 4)))
         return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
@@ -243,7 +244,7 @@ class TensorCoreKernel:
                 (r"for \(int r = 0; __ballot_sync", self.channel_turns(case), None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None),
                 # pre-RoPE keys: a lane's HP = D / 16 pairs of each half in parts of CP = 4 past 8 (#pragma unroll 1)
-                (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", d // 16 // (4 if d // 16 > 8 else d // 16), None)]
+                (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", pairs_per_half // (4 if pairs_per_half > 8 else pairs_per_half), None)]
 
     def sites(self, case: Case) -> list:
         # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
@@ -763,13 +764,18 @@ def line_profile(code: list[Instruction], count: list[float], tokens: int) -> li
     return [(where, instructions[where], wavefronts[where]) for where in sorted(instructions, key=lambda w: (-instructions[w], w))]
 
 
-def walks_with_lines(case_names: list[str], shape: dict = SHAPE):
-    """(case, variant, code, each instruction's executions per KV-head token) of each named case at `shape` on sm_90,
-    walked; its variant compiled alone with -lineinfo
-    (so its SASS can differ slightly from the module of every variant that the bound's tables walk)."""
+@functools.cache
+def source_lines(module: str) -> list[str]:
+    """The lines of a kernel source file (kernel_source's reader), which the walk's rules match by line number."""
     from kvcal.runtime import kernel_source as src
 
-    source_text = functools.cache(lambda module: src.source(module).splitlines())
+    return src.source(module).splitlines()
+
+
+def walks_with_lines(case_names: list[str], shape: dict = SHAPE):
+    """(case, variant, code, each instruction's executions per KV-head token) of each named case at `shape` on sm_90,
+    walked; its variant compiled alone with -lineinfo (so its SASS can differ slightly from the module of every
+    variant that the bound's tables walk)."""
     kernel = TensorCoreKernel(shape)
     cases = [case for case in kernel.served_cases() if case.name in case_names]
     cubin, _, mangled = compile_cubin(kernel, "sm_90", sorted({kernel.variant(case) for case in cases}), line_info=True)
@@ -777,7 +783,7 @@ def walks_with_lines(case_names: list[str], shape: dict = SHAPE):
     for case in cases:
         code = functions[mangled[kernel.variant(case)]].code
         try:
-            count = Walk(code, source_text, case, kernel).run()
+            count = Walk(code, source_lines, case, kernel).run()
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on sm_90: {e}") from None
         yield case, kernel.variant(case), code, [n / kernel.tokens_per_iteration(case) for n in count]
@@ -786,9 +792,6 @@ def walks_with_lines(case_names: list[str], shape: dict = SHAPE):
 def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float = 0.05) -> None:
     """Where each named case's warp-instructions and shared wavefronts per KV-head token go on sm_90 at `shape`, by
     innermost source line (lines under `least` of both summed into one row; walks_with_lines)."""
-    from kvcal.runtime import kernel_source as src
-
-    source_text = functools.cache(lambda module: src.source(module).splitlines())
     for case, variant, code, per_token in walks_with_lines(case_names, shape):
         rows = line_profile(code, per_token, 1)
         shown = [row for row in rows if row[1] >= least or row[2] >= least]
@@ -796,7 +799,7 @@ def print_line_profiles(case_names: list[str], shape: dict = SHAPE, least: float
               f"{sum(r[2] for r in rows):.2f} shared wavefronts per KV-head token\n")
         print("| warp-instr/token | wavefronts/token | line | source |\n|---|---|---|---|")
         for (module, line), instructions, wavefronts in shown:
-            text = source_text(module)[line - 1].strip() if module else "(no line)"
+            text = source_lines(module)[line - 1].strip() if module else "(no line)"
             print(f"| {instructions:.2f} | {wavefronts:.2f} | {Path(module).name}:{line} | `{text[:100]}` |")
         if len(shown) < len(rows):
             rest = [row for row in rows if row not in shown]
@@ -846,7 +849,6 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
     # an int2 g128 variant once head_dim 256 joined)
     cubin, _, tagged_names = compile_cubin(kernel, arch, names, line_info=True)
     tagged = parse_listing(disassemble(cubin, line_info=True))
-    source_text = functools.cache(lambda module: src.source(module).splitlines())
     walks = []
     for case in cases:
         function = tagged[tagged_names[variant[case]]]
@@ -855,7 +857,7 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
         row = by_name[variant[case]]
         token_bytes = bytes_per_token(case, kernel.shape)
         try:
-            walk = analyse(kernel, function.code, case, source_text, token_bytes, row["warps_per_sm"])
+            walk = analyse(kernel, function.code, case, source_lines, token_bytes, row["warps_per_sm"])
         except WalkError as e:
             raise SystemExit(f"error: {case.name} on {arch}: {e}") from None
         layout = f"{layout_for(case.bits)} {case.bits}-bit" if case.bits else "fp16"
