@@ -205,17 +205,15 @@ struct Shape {
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (ST * (D / 2) + ST / 2 * 16) * 4 : 0;  // rope_row_start(ST)
     // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) go through a table
+    // of 8 entries held as byte planes (Planes3Table), looked up by prmt in registers (codebooks; uniform 3-bit codes:
+    // the code values 0..7); 2- and 4-bit codebooks keep codebook_pairs' 256 words a side in shared memory, from a
+    // multiple of 1024 (table_entry). A warp's lookups of one copy of the 3-bit table's 64 pairs had nearly always
+    // asked some bank for two words (two wavefronts each); a copy per lane took 8 KB a side
     static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
-    // per side: codebook_pairs (codebooks; uniform 3-bit codes read their code values 0..7 from their side's table)
-    static constexpr int LUT_WORDS = CB || PLANES3 ? 256 : 0;
-    static constexpr int LUT_SLACK = LUT_WORDS ? 1024 - 16 : 0;  // the tables start at a multiple of 1024 (table_entry)
-    // a 3-bit codebook side of the pre-RoPE variants at head_dim 64 / 128 keeps its 64-entry table once per lane (entry
-    // e of lane L at word 32 e + L: each lane reads its own bank, a warp's lookup one wavefront); in one copy two
-    // entries share each bank, and a warp's 32 lookups nearly always ask some bank for both (two wavefronts). 8 KB a
-    // side, which still allows the blocks per SM that these variants' registers allow
-    static constexpr bool KEY_LANE_LUT = CB && ROPE && D <= 128 && BITS == 3, VALUE_LANE_LUT = CB && ROPE && D <= 128 && VBITS == 3;
-    static constexpr int LANE_LUT_WORDS = 64 * 32;  // a lane-private table: 64 entries x 32 lanes
-    static constexpr int KEY_LUT_WORDS = KEY_LANE_LUT ? LANE_LUT_WORDS : LUT_WORDS, VALUE_LUT_WORDS = VALUE_LANE_LUT ? LANE_LUT_WORDS : LUT_WORDS;
+    static constexpr bool KEY_PLANES = !GROUPS && BITS == 3, VALUE_PLANES = !GROUPS && VBITS == 3;
+    static constexpr int KEY_TABLE_WORDS = CB && !KEY_PLANES ? 256 : 0, VALUE_TABLE_WORDS = CB && !VALUE_PLANES ? 256 : 0;
+    static constexpr int LUT_SLACK = KEY_TABLE_WORDS + VALUE_TABLE_WORDS ? 1024 - 16 : 0;
+    static constexpr int LUT_WORDS = KEY_TABLE_WORDS + VALUE_TABLE_WORDS + 4 * (KEY_PLANES + VALUE_PLANES);  // the planes after the tables
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -233,7 +231,7 @@ struct Shape {
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
     static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
-                                      (KEY_LUT_WORDS + VALUE_LUT_WORDS) * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
+                                      LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
                                       WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -312,34 +310,62 @@ __device__ __forceinline__ int key_channel(int t, int p, int e) {
 // no conflicts). One shift, and one lop3 that masks the word offset 4 b into the address's bits 2 and up.
 template <int BITS>
 __device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k) {
-    static_assert(BITS == 4 || BITS == 2, "pairs of 4- or 2-bit codes (3-bit ones: planes3_pairs)");
+    static_assert(BITS == 4 || BITS == 2, "pairs of 4- or 2-bit codes (3-bit ones: table_pairs)");
     constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
     constexpr int F = 2 * BITS;                   // bits of a pair's field
     return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (F * k - 2), ((1u << F) - 1) << 2, lut));
 }
 
-// 16 3-bit codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits, codes 0-7
-// in byte 0 and 8-15 in byte 2, code j at bit j % 8) -> 8 fp16 pairs {code 2m, code 2m + 1} from codebook_pairs'
-// 3-bit table, whose index is the pair's low nibble (code 2m's low bits, then 2m + 1's) | their high bits << 4.
-// The indices are assembled times 4, one per byte (6 bits + 2): byte offsets in the table, or (LANE: lut the lane's
-// column of a lane-private table, Shape::KEY_LANE_LUT) in its rows of 32 words, after a shift.
-// N = 4: the first 8 codes only (4 pairs).
-template <int N = 8, bool LANE = false>
-__device__ __forceinline__ void planes3_pairs(unsigned low, unsigned high, unsigned* out, unsigned lut) {
-    constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
-    high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // the 8 two-bit fields (pairs' high bits) to nibbles 0..7
-    high = lop3<OR_AND>(high, high << 2, 0x33333333u);
-    const unsigned even = lop3<magic::SELECT>(low << 2, high << 6, 0x3C3C3C3Cu);  // byte k: 4 x pair 2k's index
-    const unsigned odd = lop3<magic::SELECT>(low >> 2, high << 2, 0x3C3C3C3Cu);   // byte k: 4 x pair 2k + 1's
+// A 3-bit table (8 fp16 entries) as byte planes: the low bytes of entries 0-3 and 4-7, then their high bytes, so that
+// one prmt looks up 4 entries' low (or high) bytes by a selector of 4 indices, in registers: no shared-memory lookups
+struct alignas(16) Planes3Table {
+    unsigned low[2], high[2];
+};
+
+// Word w of a Planes3Table from codebook_pairs' 3-bit table (global memory), whose index x & 3 | (x >> 2) << 4 holds
+// entry x in its low half
+__device__ __forceinline__ void planes3_table_word(Planes3Table* to, const unsigned* __restrict__ pairs, int w) {
+    unsigned word = 0;
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k) {
-        if constexpr (LANE) {  // byte k of the index words alone, times 32 words, on the lane's column
-            out[2 * k] = load_shared_word(lut + (prmt(even, 0u, 0x4440u + k) << 5));
-            out[2 * k + 1] = load_shared_word(lut + (prmt(odd, 0u, 0x4440u + k) << 5));
-        } else {  // byte k of the index words under the table's address (a multiple of 256)
-            out[2 * k] = load_shared_word(prmt(even, lut, 0x7650u + k)), out[2 * k + 1] = load_shared_word(prmt(odd, lut, 0x7650u + k));
-        }
+    for (int i = 0; i < 4; ++i) {
+        const int x = (w & 1) * 4 + i;
+        const unsigned entry = __ldg(pairs + ((x & 3) | (x >> 2) << 4)) & 0xFFFFu;
+        word |= (w < 2 ? entry & 0xFFu : entry >> 8) << (8 * i);
     }
+    reinterpret_cast<unsigned*>(to)[w] = word;
+}
+
+// out[i] = {entry a_i, entry b_i}, i < N (2 or 4): a_i, b_i the indices in nibble i of a and b (bit 3 clear: prmt's
+// sign mode). The four planes' lookups, then each entry's low and high bytes interleaved across a and b.
+template <int N = 4>
+__device__ __forceinline__ void table_pairs(const Planes3Table& table, unsigned a, unsigned b, unsigned* out) {
+    const unsigned la = prmt(table.low[0], table.low[1], a), ha = prmt(table.high[0], table.high[1], a);
+    const unsigned lb = prmt(table.low[0], table.low[1], b), hb = prmt(table.high[0], table.high[1], b);
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {  // {low byte of a_2k, of b_2k, of a_2k+1, of b_2k+1}, the same of the high bytes
+        const unsigned lo = prmt(la, lb, k ? 0x7362u : 0x5140u), hi = prmt(ha, hb, k ? 0x7362u : 0x5140u);
+        out[2 * k] = prmt(lo, hi, 0x5140u), out[2 * k + 1] = prmt(lo, hi, 0x7362u);
+    }
+}
+
+// out[i] = {entry n_i, entry n_(i+2)}, i < 2: n_i the index in nibble i of x (two rows' codes side by side).
+__device__ __forceinline__ void table_pairs_of_halves(const Planes3Table& table, unsigned x, unsigned* out) {
+    const unsigned lo = prmt(table.low[0], table.low[1], x), hi = prmt(table.high[0], table.high[1], x);
+    out[0] = prmt(lo, hi, 0x6240u), out[1] = prmt(lo, hi, 0x7351u);
+}
+
+// The 3-bit indices of 16 codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits,
+// codes 0-7 in byte 0 and 8-15 in byte 2, code j at bit j % 8): nibble m of even holds code 2m's, of odd code 2m + 1's
+// (codes 0-7's in the low 16 bits, 8-15's above), as table_pairs reads them.
+struct Planes3Indices {
+    unsigned even, odd;
+};
+__device__ __forceinline__ Planes3Indices planes3_indices(unsigned low, unsigned high) {
+    constexpr int OR_AND = (0xF0 | 0xCC) & 0xAA;  // lop3 LUT of (a | b) & c
+    high = lop3<OR_AND>(high, high << 4, 0x0F0F0F0Fu);  // codes 4k .. 4k + 3 in byte k's low nibble
+    high = lop3<OR_AND>(high, high << 2, 0x33333333u);  // codes 2m, 2m + 1 at bits 4m, 4m + 1
+    high = lop3<OR_AND>(high, high << 1, 0x55555555u);  // code j at bit 2j
+    return {lop3<magic::SELECT>(low, high << 2, 0x33333333u), lop3<magic::SELECT>(low >> 2, high, 0x33333333u)};
 }
 
 // Where codes first .. first + N - 1 of a planes3 row lie (kvcal/packing.py: units of 32 codes in 3 words, word
@@ -361,15 +387,64 @@ __device__ __forceinline__ Planes3Place planes3_place(int first) {
     return {3 * unit + half, 3 * unit + 2, 2u * (first & 15), 0x4440u + (first >> 3 & 3)};
 }
 
-// Codes at `at` (planes3_place<N>) of a planes3 row as N / 2 pairs (LANE: planes3_pairs').
-template <int N, bool LANE = false>
-__device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, unsigned lut) {
-    if constexpr (N == 32) {  // the unit's two halves: the second's low bits are the next word, its high bits bytes 1, 3
-        planes3_codes<16, LANE>(row, at, out, lut);
-        planes3_codes<16, LANE>(row, Planes3Place{at.low + 1, at.high, 0u, 0x4342u}, out + 8, lut);
+// The indices (planes3_indices) of the 16 codes at `at` (planes3_place<16>) of a planes3 row.
+__device__ __forceinline__ Planes3Indices planes3_indices_at(const unsigned* row, const Planes3Place& at) {
+    return planes3_indices(row[at.low], prmt(row[at.high], 0u, at.selector));
+}
+
+// The indices of the N codes at `at` (planes3_place<N>, N = 8 or 4) of two planes3 rows in one word: a's as codes
+// 0 .. N - 1, b's as codes N .. 2 N - 1 (one planes3_indices for both).
+template <int N>
+__device__ __forceinline__ Planes3Indices planes3_indices_of_rows(const unsigned* a, const unsigned* b, const Planes3Place& at) {
+    static_assert(N == 8 || N == 4, "a quarter or an eighth of a unit a row");
+    const unsigned la = a[at.low] >> at.shift, lb = b[at.low] >> at.shift;  // the codes' low bits at the bottom
+    const unsigned ha = prmt(a[at.high], 0u, at.selector), hb = prmt(b[at.high], 0u, at.selector);  // high bits: byte 0
+    if constexpr (N == 8) return planes3_indices(prmt(la, lb, 0x5410u), prmt(ha, hb, 0x5410u));
+    const unsigned s = at.shift >> 1 & 4;  // an eighth's high bits: a nibble of byte 0
+    return planes3_indices(prmt(la, lb, 0x5140u), lop3<magic::SELECT>(ha >> s, hb >> s << 4, 0xFFFFFF0Fu));  // (ha >> s: 0 above byte 0)
+}
+
+// A whole unit (N = 32): its second half's place, the next low-bits word and high-bit bytes 1 and 3.
+__device__ __forceinline__ Planes3Place second_half(const Planes3Place& at) { return {at.low + 1, at.high, 0u, 0x4342u}; }
+
+// Codes at `at` (planes3_place<N>, N = 16 or 32) of a planes3 row as N / 2 pairs {code 2m, code 2m + 1} of the
+// table's entries.
+template <int N>
+__device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, const Planes3Table& table) {
+    static_assert(N == 16 || N == 32, "a half or a whole unit");
+    if constexpr (N == 32) {
+        planes3_codes<16>(row, at, out, table);
+        planes3_codes<16>(row, second_half(at), out + 8, table);
     } else {
-        const unsigned high = prmt(row[at.high], 0u, at.selector);
-        planes3_pairs<N / 2, LANE>(N == 16 ? row[at.low] : row[at.low] >> at.shift, N == 4 ? high >> (at.shift >> 1 & 4) : high, out, lut);
+        const Planes3Indices x = planes3_indices_at(row, at);
+        table_pairs(table, x.even, x.odd, out);
+        table_pairs(table, x.even >> 16, x.odd >> 16, out + 4);
+    }
+}
+
+// Codes at `at` (planes3_place<N>, N = 4 .. 32) of two planes3 rows a and b as N pairs {a's code c, b's code c} of
+// the table's entries, c = 0 .. N - 1 (values: a token pair's fragment of each channel).
+template <int N>
+__device__ __forceinline__ void planes3_token_pairs(const unsigned* a, const unsigned* b, const Planes3Place& at, unsigned* out,
+                                                    const Planes3Table& table) {
+    if constexpr (N == 32) {
+        planes3_token_pairs<16>(a, b, at, out, table);
+        planes3_token_pairs<16>(a, b, second_half(at), out + 16, table);
+    } else {
+        unsigned even[N / 2], odd[N / 2];  // {a's, b's} code 2m, code 2m + 1
+        if constexpr (N == 16) {
+            const Planes3Indices x = planes3_indices_at(a, at), y = planes3_indices_at(b, at);
+            table_pairs(table, x.even, y.even, even), table_pairs(table, x.odd, y.odd, odd);
+            table_pairs(table, x.even >> 16, y.even >> 16, even + 4), table_pairs(table, x.odd >> 16, y.odd >> 16, odd + 4);
+        } else if constexpr (N == 8) {  // a's codes in the indices' low 16 bits, b's above
+            const Planes3Indices x = planes3_indices_of_rows<8>(a, b, at);
+            table_pairs(table, x.even, x.even >> 16, even), table_pairs(table, x.odd, x.odd >> 16, odd);
+        } else {  // a's codes in nibbles 0-1 of each parity, b's in 2-3
+            const Planes3Indices x = planes3_indices_of_rows<4>(a, b, at);
+            table_pairs_of_halves(table, x.even, even), table_pairs_of_halves(table, x.odd, odd);
+        }
+#pragma unroll
+        for (int m = 0; m < N / 2; ++m) out[2 * m] = even[m], out[2 * m + 1] = odd[m];
     }
 }
 
@@ -802,13 +877,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // frequency pair)) ----
     unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
     unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS;
-    // codebooks: codebook_pairs' tables, keys' then values', from the first multiple of 1024 in their area (table_entry);
-    // the lookups take their shared-window addresses (a lane-private table: the lane's column)
+    // codebooks: codebook_pairs' tables of 2- and 4-bit sides, keys' then values', from the first multiple of 1024 in
+    // their area (table_entry: the lookups take their shared-window addresses); then 3-bit sides' Planes3Table
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
-    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_WORDS ? 1023u : 0u)));
-    const unsigned key_lut = shared_address(luts) + (S::KEY_LANE_LUT ? 4 * lane : 0);
-    const unsigned value_lut = shared_address(luts + S::KEY_LUT_WORDS) + (S::VALUE_LANE_LUT ? 4 * lane : 0);
-    unsigned char* const cb_key_params = lut_area + (S::KEY_LUT_WORDS + S::VALUE_LUT_WORDS) * 4 + S::LUT_SLACK;  // codebooks' one key block
+    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_SLACK ? 1023u : 0u)));
+    const unsigned key_lut = shared_address(luts), value_lut = shared_address(luts + S::KEY_TABLE_WORDS);
+    Planes3Table* const key_planes = reinterpret_cast<Planes3Table*>(luts + S::KEY_TABLE_WORDS + S::VALUE_TABLE_WORDS);
+    const Planes3Table* const value_planes = key_planes + S::KEY_PLANES;
+    unsigned char* const cb_key_params = lut_area + S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
     // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
     // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
     // recomputed them from the lane in every iteration (the kernel is at its register limit)
@@ -916,18 +992,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         rotate_query(0);
     }
-    if constexpr (S::LUT_WORDS > 0) {  // the tables join stage 0's copies too (lane-private ones: stores, read after
-        // the same first barrier)
-        const auto table = [&](unsigned* to, const unsigned* from, bool lane_private) {
-            if (lane_private) {
-                for (int i = tid; i < S::LANE_LUT_WORDS; i += THREADS) to[i] = __ldg(from + i / 32);  // entry i / 32 of lane i % 32
-            } else {
-                static_assert(S::LUT_WORDS / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
-                if (tid < S::LUT_WORDS / 4) cp_async_16(to + 4 * tid, from + 4 * tid, 16);
-            }
-        };
-        table(luts, codebooks, S::KEY_LANE_LUT);
-        table(luts + S::KEY_LUT_WORDS, codebooks + S::LUT_WORDS, S::VALUE_LANE_LUT);
+    if constexpr (S::LUT_WORDS > 0) {  // 256-word tables join stage 0's copies; a 3-bit side's planes are stores, read
+        // after the same first barrier
+        static_assert(256 / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
+        if (S::KEY_TABLE_WORDS && tid < 64) cp_async_16(luts + 4 * tid, codebooks + 4 * tid, 16);
+        if (S::VALUE_TABLE_WORDS && tid < 64) cp_async_16(luts + S::KEY_TABLE_WORDS + 4 * tid, codebooks + 256 + 4 * tid, 16);
+        if (S::KEY_PLANES && tid < 4) planes3_table_word(key_planes, codebooks, tid);
+        if (S::VALUE_PLANES && tid >= 32 && tid < 36) planes3_table_word(key_planes + S::KEY_PLANES, codebooks + 256, tid - 32);
     }
     if constexpr (CB) {  // and codebook keys' per-channel scale and zero
         constexpr int PCHUNKS = D * 2 / 16;
@@ -1251,7 +1322,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (BITS == 3) {
 #pragma unroll
                 for (int h = 0; h < D / 64; ++h)
-                    planes3_codes<16>(reinterpret_cast<const unsigned*>(row), planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, key_lut);
+                    planes3_codes<16>(reinterpret_cast<const unsigned*>(row), planes3_place<16>(t * (D / 4) + 16 * h), kf + 8 * h, *key_planes);
             } else {
                 constexpr int WORDS = D * BITS / 128;
                 unsigned w[WORDS];
@@ -1431,7 +1502,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             if constexpr (S::KEY_PAIRS_SHARED) load_words(a[h][j], q_frag + step_pair * 128);
                             else two_step_fragment(a[h][j], qk, step_pair);
                         }
-                    const Planes3Place key_place = HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
+                    const Planes3Place key_place = BITS != 3 ? Planes3Place{} : HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const int delta = tb + 8 * nt + g;
@@ -1439,8 +1510,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         unsigned kf[2 * CP], cs[2 * CP];  // the first half's pairs, then the second's
                         if constexpr (BITS == 3) {
                             const unsigned* const words = reinterpret_cast<const unsigned*>(buffer + delta * S::KSROW);
-                            planes3_codes<2 * CP, S::KEY_LANE_LUT>(words, key_place, kf, key_lut);
-                            planes3_codes<2 * CP, S::KEY_LANE_LUT>(words + 3 * (D / 64), key_place, kf + CP, key_lut);  // channels + D / 2
+                            const unsigned* const second = words + 3 * (D / 64);  // channels + D / 2
+                            if constexpr (CP == 8) {
+                                planes3_codes<16>(words, key_place, kf, *key_planes);
+                                planes3_codes<16>(second, key_place, kf + CP, *key_planes);
+                            } else {  // a quarter unit of each half, in one word of indices
+                                const Planes3Indices x = planes3_indices_of_rows<8>(words, second, key_place);
+                                table_pairs(*key_planes, x.even, x.odd, kf);
+                                table_pairs(*key_planes, x.even >> 16, x.odd >> 16, kf + CP);
+                            }
                         } else if constexpr (CW == 0) {  // 2-bit codebooks: a part's 2 CP codes of each half in 16 bits
                             static_assert(2 * CP * BITS == 16, "half-word parts");
                             const unsigned ha = *reinterpret_cast<const unsigned short*>(row + c * 2);
@@ -1614,20 +1692,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                         for (int half = 0; half < 2; ++half) {
                             const unsigned char* const r0 = vrow + 8 * half * S::VSROW;
                             if constexpr (VBITS == 3) {
-                                // each token's channel pairs from the table, then {A(c), B(c)} pairs by swapping halves;
                                 // a group's place is the first group's a whole number of units on (VGE >= 32)
-                                unsigned pa[S::LANE_V / 2], pb[S::LANE_V / 2];
                                 constexpr int GROUP_WORDS = 3 * S::VGE / 32;
                                 const Planes3Place value_place = {places[1].low + group * GROUP_WORDS, places[1].high + group * GROUP_WORDS,
                                                                   places[1].shift, places[1].selector};
-                                planes3_codes<S::LANE_V, S::VALUE_LANE_LUT>(reinterpret_cast<const unsigned*>(r0), value_place, pa, value_lut);
-                                planes3_codes<S::LANE_V, S::VALUE_LANE_LUT>(reinterpret_cast<const unsigned*>(r0 + S::VSROW), value_place, pb,
-                                                                            value_lut);
-#pragma unroll
-                                for (int m = 0; m < S::LANE_V / 2; ++m) {
-                                    vf[half][2 * m] = prmt(pa[m], pb[m], 0x5410u);
-                                    vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);
-                                }
+                                planes3_token_pairs<S::LANE_V>(reinterpret_cast<const unsigned*>(r0), reinterpret_cast<const unsigned*>(r0 + S::VSROW),
+                                                               value_place, vf[half], *value_planes);
                             } else if constexpr (CB) {
                                 // words of the lane's codes per row (2-bit at head_dim 64: 16 bits), and the table
                                 // fields of each (a field: the two tokens' codes of one channel)

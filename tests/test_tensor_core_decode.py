@@ -325,23 +325,23 @@ def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
 
 
 @pytest.mark.emulation
-def test_emulated_table_lookups_take_one_wavefront_where_each_lane_reads_its_own_bank(emulator):
-    """The emulator's bank-conflict count of the codebook tables' lookups (4 warp-wide loads per KV-head token at
-    head_dim 128): one wavefront each for the 2-bit table (16 words, one per bank) and for the 3-bit tables the
-    pre-RoPE variants keep once per lane (Shape::KEY_LANE_LUT); more where one copy of 64 or 256 entries is shared by
-    the warp's lanes (post-RoPE nuq3, nuq4), so the count sees conflicts where they are."""
+def test_emulated_table_lookups_are_the_2_and_4_bit_sides_and_count_their_conflicts(emulator):
+    """The emulator's count of the codebook tables' shared-memory lookups (2 warp-wide loads per KV-head token and side
+    at head_dim 128): none for a 3-bit side (its 8 entries in registers, table_pairs), one wavefront each for the
+    2-bit table (16 words, one per bank), more for nuq4's 256 entries, so the count sees conflicts where they are."""
     per_lookup = {}
-    for codec in ("nuq2-out-rope", "nuq3-out-rope", "nuq3-nuq4v-out-rope", "nuq3", "nuq4-out-rope"):
+    for codec, table_sides in (("nuq2-out-rope", 2), ("nuq3-out-rope", 0), ("nuq3", 0), ("nuq3-nuq4v-out-rope", 1), ("nuq4-out-rope", 2)):
         lengths = [700, 129]
         keys, values = filled(codec, lengths, 128)
         query = torch.randn(2, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(1))
         take_lookups(emulator)
         run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 0.1, rope=rope_of(codec, 128, 2))
         loads, wavefronts = take_lookups(emulator)
-        assert loads == 4 * KV_HEADS * sum(-(-n // 16) * 16 for n in lengths), codec  # whole 16-token steps of a warp
-        per_lookup[codec] = wavefronts / loads
-    assert per_lookup["nuq2-out-rope"] == per_lookup["nuq3-out-rope"] == 1.0
-    assert 1.0 < per_lookup["nuq3-nuq4v-out-rope"] < per_lookup["nuq4-out-rope"] and per_lookup["nuq3"] > 1.5
+        assert loads == 2 * table_sides * KV_HEADS * sum(-(-n // 16) * 16 for n in lengths), codec  # whole 16-token steps of a warp
+        if loads:
+            per_lookup[codec] = wavefronts / loads
+    assert per_lookup["nuq2-out-rope"] == 1.0
+    assert per_lookup["nuq3-nuq4v-out-rope"] > 1.5 and per_lookup["nuq4-out-rope"] > 1.5
 
 
 @pytest.mark.emulation
@@ -492,7 +492,9 @@ MUTANTS = {
     "nuq-key-pairs": ("nuq4-rope", "return CB || BITS == 3 ? 2 * p + e :", "return CB || BITS == 3 ? 2 * p + 1 - e :"),
     "nuq-value-zero": ("nuq4", "(hi + lo) * 0.5f}", "(hi - lo) * 0.5f}"),
     "nuq3-high-plane-half": ("nuq3-rope", "half ? 0x4342u : 0x4140u", "half ? 0x4140u : 0x4342u"),
-    "nuq3-value-token-pairs": ("nuq3", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x7632u);", "vf[half][2 * m + 1] = prmt(pa[m], pb[m], 0x3276u);"),
+    "nuq3-value-token-pairs": ("nuq3", "table_pairs(table, x.odd, y.odd, odd)", "table_pairs(table, x.odd, x.odd, odd)"),
+    # two rows' quarter units in one word of indices (values at head_dim 64)
+    "nuq3-value-rows-merged": ("nuq3", "table_pairs(table, x.even, x.even >> 16, even)", "table_pairs(table, x.even, x.even, even)", "1", 64),
     # outliers: ~1% of the elements, each a small correction: the three-sequence batch shows them
     "outlier-extreme-code": ("nuq4-out-rope", "(x > e.x ? e.z : e.y)", "(x > e.x ? e.y : e.z)", "3"),
     "outlier-key-rotation-half": ("nuq3-out-rope", "c < D / 2 ? cos : -sin", "c < D / 2 ? cos : sin", "3"),
@@ -510,13 +512,14 @@ MUTANTS = {
     "outlier-score-padding-rows": ("nuq3-out-rope", "if (OUT && g < GQA) {  // the stage's key outliers", "if (OUT) {  // the stage's key outliers", "3"),
     "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
     "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
-    # the lookups' shared addresses (table_entry's lop3 mask, planes3_pairs' prmt byte) and the outlier header's range
+    # the lookups' shared addresses (table_entry's lop3 mask), a 3-bit table's bytes in registers (table_pairs) and
+    # the outlier header's range
     "nuq-table-address": ("nuq4", "x >> (F * k - 2)", "x >> (F * k - 3)"),
     "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
-    "nuq3-table-byte": ("nuq3", "prmt(odd, lut, 0x7650u + k)", "prmt(odd, lut, 0x7650u + (k ^ 1))"),
-    # a lane-private 3-bit table (pre-RoPE codebooks at 64 / 128): the index byte, the entry each lane's column holds
-    "nuq3-lane-table-byte": ("nuq3-rope", "prmt(odd, 0u, 0x4440u + k)", "prmt(odd, 0u, 0x4440u + (k ^ 1))"),
-    "nuq3-lane-table-entry": ("nuq3-out-rope", "__ldg(from + i / 32)", "__ldg(from + i % 64)", "3"),
+    "nuq3-table-high-byte": ("nuq3", "out[2 * k + 1] = prmt(lo, hi, 0x7362u);", "out[2 * k + 1] = prmt(lo, hi, 0x7632u);"),
+    # a 3-bit table's planes from codebook_pairs' entries, an odd code's high bit in its index (pre-RoPE at 64 / 128)
+    "nuq3-table-plane-entry": ("nuq3-out-rope", "((x & 3) | (x >> 2) << 4)", "((x & 3) | (x >> 2) << 2)", "3"),
+    "nuq3-odd-index-high-bit": ("nuq3-rope", "lop3<magic::SELECT>(low >> 2, high, 0x33333333u)", "lop3<magic::SELECT>(low >> 2, high >> 2, 0x33333333u)"),
     "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * ST + token,", "score_corrections + head * ST + (token ^ 1),", "3"),
     "outlier-first-round": ("nuq3-out-rope", "if (from + tid < to) patch(", "if (from + tid < from) patch(", "3"),
     # head_dim 256: a whole planes3 unit's second half, a key block's parameters in two rounds of a warp's lanes
@@ -535,7 +538,7 @@ MUTANTS = {
     # uniform 3-bit values: code values from their table, a group's units past the first's, an eighth's high bits
     "int3-value-raw": ("int4-int3v", "VALUE_RAW = RAW && VBITS != 3;", "VALUE_RAW = RAW;", "3"),
     "int3-value-group-units": ("int3-g32", "places[1].low + group * GROUP_WORDS,", "places[1].low,", "3"),
-    "int3-value-eighth-high-bits": ("int3-g32", "N == 4 ? high >> (at.shift >> 1 & 4) : high", "high", "3"),
+    "int3-value-eighth-high-bits": ("int3-g32", "lop3<magic::SELECT>(ha >> s, hb >> s << 4, 0xFFFFFF0Fu)", "lop3<magic::SELECT>(ha, hb << 4, 0xFFFFFF0Fu)", "3"),
     # SKVQ's channel groups: each channel of a 3-bit pair its own high bit, a code pair's second row, the rows' words
     # from the pairs along them, an fp8 parameter word's second pair of rows
     "skvq3-pair-high-bits": ("skvq3", "lop3<magic::AND_OR>(top << 1, 0x00040004u", "lop3<magic::AND_OR>(top << 2, 0x00040004u", "3"),

@@ -1095,8 +1095,9 @@ CONFLICT_TOKENS = 1024  # tokens of the one sequence each table case's emulated 
 
 
 def reads_table(variant) -> bool:
-    """Whether a tensor-core variant looks its codes up in a shared-memory table (codebooks, uniform 3-bit codes)."""
-    return variant.codebook or (not variant.channel_groups and 3 in (variant.bits, variant.vbits))
+    """Whether a tensor-core variant looks its codes up in a shared-memory table: a 2- or 4-bit codebook side (3-bit
+    codes, codebook or uniform, look theirs up in registers)."""
+    return variant.codebook and (variant.bits != 3 or variant.vbits != 3)
 
 
 def table_conflicts(kernel) -> dict[str, float]:

@@ -186,13 +186,12 @@ class Variant:
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(st, d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
-        # the tables (from a multiple of 1024: 1008 bytes of slack) and the keys' one block of parameters
-        # 3-bit codes (channel groups aside: they read theirs as they dequantize) go through a table (uniform ones: code
-        # values 0..7) from a lane's places in a row (tc::Planes3Place)
+        # 2- and 4-bit codebooks' 256-word tables (from a multiple of 1024: 1008 bytes of slack), 3-bit sides' 16-byte
+        # tc::Planes3Table (channel groups aside: they read theirs as they dequantize; uniform ones: code values 0..7),
+        # read from a lane's places in a row (tc::Planes3Place); codebook keys' one block of parameters
         planes3 = not self.channel_groups and 3 in (bits, self.vbits)
-        # a 3-bit codebook side with pre-RoPE keys at head_dim 64 / 128: 64 entries once per lane (Shape::KEY_LANE_LUT)
-        lane_private = [self.codebook and self.rope and d <= 128 and b == 3 for b in (bits, self.vbits)]
-        lut = sum(64 * 32 * 4 if own else 256 * 4 for own in lane_private) + 1008 if self.codebook or planes3 else 0
+        tables = sum(256 * 4 for b in (bits, self.vbits) if self.codebook and b != 3)
+        lut = tables + (1008 if tables else 0) + sum(16 for b in (bits, self.vbits) if planes3 and b == 3)
         lut += 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
@@ -409,9 +408,10 @@ def _half_words(x: np.ndarray) -> np.ndarray:
 
 def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
     """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for an index of two
-    codes a, b: 4 bits, a | b << 4; 3 bits (tc::planes3_pairs), a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5,
-    words 64.. unused (zero); 2 bits, a | b << 2 (tc::table_entry reads words 0-15), repeated every 16 words so that
-    word 63 too holds the last entry first (the outlier pass reads it)."""
+    codes a, b: 4 bits, a | b << 4; 3 bits, a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5, words 64.. unused
+    (zero; the kernel makes its tc::Planes3Table from the 8 entries b = 0 holds); 2 bits, a | b << 2 (tc::table_entry
+    reads words 0-15), repeated every 16 words so that word 63 too holds the last entry first (the outlier pass reads
+    it)."""
     values = codebook.double().cpu().numpy()
     i = np.arange(256)
     if len(values) == 16:
