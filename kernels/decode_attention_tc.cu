@@ -204,16 +204,17 @@ struct Shape {
     static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0;
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (ST * (D / 2) + ST / 2 * 16) * 4 : 0;  // rope_row_start(ST)
-    // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) go through a table
-    // of 8 entries held as byte planes (Planes3Table), looked up by prmt in registers (codebooks; uniform 3-bit codes:
-    // the code values 0..7); 2- and 4-bit codebooks keep codebook_pairs' 256 words a side in shared memory, from a
-    // multiple of 1024 (table_entry). A warp's lookups of one copy of the 3-bit table's 64 pairs had nearly always
-    // asked some bank for two words (two wavefronts each); a copy per lane took 8 KB a side
+    // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) and 4-bit codebooks
+    // look their entries up in registers from byte planes (EntryPlanes: 16 or 32 bytes a side; uniform 3-bit codes:
+    // the code values 0..7); 2-bit codebooks keep codebook_pairs' 256 words a side in shared memory, from a multiple of
+    // 1024 (table_entry). Warps' lookups in one copy of the 3- or 4-bit tables' pairs had asked some bank for two or
+    // more words nearly every time (1.97 and 3.51 wavefronts each); a 3-bit copy per lane took 8 KB a side
     static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
-    static constexpr bool KEY_PLANES = !GROUPS && BITS == 3, VALUE_PLANES = !GROUPS && VBITS == 3;
-    static constexpr int KEY_TABLE_WORDS = CB && !KEY_PLANES ? 256 : 0, VALUE_TABLE_WORDS = CB && !VALUE_PLANES ? 256 : 0;
+    static constexpr int KEY_PLANE_WORDS = GROUPS ? 0 : BITS == 3 ? 4 : CB && BITS == 4 ? 8 : 0;
+    static constexpr int VALUE_PLANE_WORDS = GROUPS ? 0 : VBITS == 3 ? 4 : CB && VBITS == 4 ? 8 : 0;
+    static constexpr int KEY_TABLE_WORDS = CB && !KEY_PLANE_WORDS ? 256 : 0, VALUE_TABLE_WORDS = CB && !VALUE_PLANE_WORDS ? 256 : 0;
     static constexpr int LUT_SLACK = KEY_TABLE_WORDS + VALUE_TABLE_WORDS ? 1024 - 16 : 0;
-    static constexpr int LUT_WORDS = KEY_TABLE_WORDS + VALUE_TABLE_WORDS + 4 * (KEY_PLANES + VALUE_PLANES);  // the planes after the tables
+    static constexpr int LUT_WORDS = KEY_TABLE_WORDS + VALUE_TABLE_WORDS + KEY_PLANE_WORDS + VALUE_PLANE_WORDS;  // the planes after the tables
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -316,23 +317,41 @@ __device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k)
     return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (F * k - 2), ((1u << F) - 1) << 2, lut));
 }
 
-// A 3-bit table (8 fp16 entries) as byte planes: the low bytes of entries 0-3 and 4-7, then their high bytes, so that
-// one prmt looks up 4 entries' low (or high) bytes by a selector of 4 indices, in registers: no shared-memory lookups
-struct alignas(16) Planes3Table {
-    unsigned low[2], high[2];
+// A table of E fp16 entries (a 3- or 4-bit codebook) as byte planes: the low bytes of entries 0-3, 4-7, .., then
+// their high bytes, so that one prmt looks up 4 entries' low (or high) bytes of 8 by a selector of 4 indices, in
+// registers: no shared-memory lookups
+template <int E>
+struct alignas(16) EntryPlanes {
+    unsigned low[E / 4], high[E / 4];
 };
+using Planes3Table = EntryPlanes<8>;
 
-// Word w of a Planes3Table from codebook_pairs' 3-bit table (global memory), whose index x & 3 | (x >> 2) << 4 holds
-// entry x in its low half
-__device__ __forceinline__ void planes3_table_word(Planes3Table* to, const unsigned* __restrict__ pairs, int w) {
+// Word w of an EntryPlanes<E> from codebook_pairs' table (global memory), whose index x & 3 | (x >> 2) << 4 (3 bits)
+// or x (4 bits) holds entry x in its low half
+template <int E>
+__device__ __forceinline__ void table_planes_word(EntryPlanes<E>* to, const unsigned* __restrict__ pairs, int w) {
     unsigned word = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int x = (w & 1) * 4 + i;
-        const unsigned entry = __ldg(pairs + ((x & 3) | (x >> 2) << 4)) & 0xFFFFu;
-        word |= (w < 2 ? entry & 0xFFu : entry >> 8) << (8 * i);
+        const int x = w % (E / 4) * 4 + i;
+        const unsigned entry = __ldg(pairs + (E == 8 ? (x & 3) | (x >> 2) << 4 : x)) & 0xFFFFu;
+        word |= (w < E / 4 ? entry & 0xFFu : entry >> 8) << (8 * i);
     }
     reinterpret_cast<unsigned*>(to)[w] = word;
+}
+
+// out[k] = {entry of byte k's low nibble, of its high nibble} of x, k < 4 (table_entry<4>'s fields) from a 4-bit
+// codebook's planes: each half's 4 indices looked up in entries 0-7 and 8-15 (within: their bit 3 clear, which is
+// prmt's sign mode), then each picked by its bit 3
+__device__ __forceinline__ void table16_fields(const EntryPlanes<16>& table, unsigned x, unsigned* out) {
+    constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned s = x >> 16 * h, within = s & 0x7777u, pick = lop3<AND_OR>(s >> 1, 0x4444u, 0x3210u);
+        const unsigned lo = prmt(prmt(table.low[0], table.low[1], within), prmt(table.low[2], table.low[3], within), pick);
+        const unsigned hi = prmt(prmt(table.high[0], table.high[1], within), prmt(table.high[2], table.high[3], within), pick);
+        out[2 * h] = prmt(lo, hi, 0x5140u), out[2 * h + 1] = prmt(lo, hi, 0x7362u);
+    }
 }
 
 // out[i] = {entry a_i, entry b_i}, i < N (2 or 4): a_i, b_i the indices in nibble i of a and b (bit 3 clear: prmt's
@@ -449,12 +468,14 @@ __device__ __forceinline__ void planes3_token_pairs(const unsigned* a, const uns
 }
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, BASE + code
-// * 2^raw_shift: 1024 + ..., or with FP16_SUBNORMAL code * 2^(raw_shift - 24)), or the codebook table (lut: the
-// shared-window address of codebook_pairs' 256 words; codebook values of a field's two codes; N: the word's first N
-// pairs, 16 / BITS of them by default).
+// * 2^raw_shift: 1024 + ..., or with FP16_SUBNORMAL code * 2^(raw_shift - 24)), or codebook values of a field's two
+// codes: 4 bits from the planes, 2 bits from the table (lut: the shared-window address of codebook_pairs' 256 words;
+// N: the word's first N pairs, 16 / BITS of them by default).
 template <int BITS, bool CB, bool RAW = false, int N = 16 / BITS, unsigned BASE = magic::FP16_1024>
-__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut) {
-    if constexpr (CB) {
+__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut, const EntryPlanes<16>* planes = nullptr) {
+    if constexpr (CB && BITS == 4) {
+        table16_fields(*planes, word, out);
+    } else if constexpr (CB) {
 #pragma unroll
         for (int k = 0; k < N; ++k) out[k] = table_entry<BITS>(lut, word, k);
     } else if constexpr (RAW) {
@@ -877,13 +898,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // frequency pair)) ----
     unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
     unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS;
-    // codebooks: codebook_pairs' tables of 2- and 4-bit sides, keys' then values', from the first multiple of 1024 in
-    // their area (table_entry: the lookups take their shared-window addresses); then 3-bit sides' Planes3Table
+    // codebooks: codebook_pairs' tables of 2-bit sides, keys' then values', from the first multiple of 1024 in
+    // their area (table_entry: the lookups take their shared-window addresses); then 3- and 4-bit sides' EntryPlanes
     unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
     unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_SLACK ? 1023u : 0u)));
     const unsigned key_lut = shared_address(luts), value_lut = shared_address(luts + S::KEY_TABLE_WORDS);
-    Planes3Table* const key_planes = reinterpret_cast<Planes3Table*>(luts + S::KEY_TABLE_WORDS + S::VALUE_TABLE_WORDS);
-    const Planes3Table* const value_planes = key_planes + S::KEY_PLANES;
+    using KeyPlanes = EntryPlanes<BITS == 3 ? 8 : 16>;
+    using ValuePlanes = EntryPlanes<VBITS == 3 ? 8 : 16>;
+    unsigned* const plane_words = luts + S::KEY_TABLE_WORDS + S::VALUE_TABLE_WORDS;
+    const KeyPlanes* const key_planes = reinterpret_cast<const KeyPlanes*>(plane_words);
+    const ValuePlanes* const value_planes = reinterpret_cast<const ValuePlanes*>(plane_words + S::KEY_PLANE_WORDS);
     unsigned char* const cb_key_params = lut_area + S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
     // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
     // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
@@ -997,8 +1021,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         static_assert(256 / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
         if (S::KEY_TABLE_WORDS && tid < 64) cp_async_16(luts + 4 * tid, codebooks + 4 * tid, 16);
         if (S::VALUE_TABLE_WORDS && tid < 64) cp_async_16(luts + S::KEY_TABLE_WORDS + 4 * tid, codebooks + 256 + 4 * tid, 16);
-        if (S::KEY_PLANES && tid < 4) planes3_table_word(key_planes, codebooks, tid);
-        if (S::VALUE_PLANES && tid >= 32 && tid < 36) planes3_table_word(key_planes + S::KEY_PLANES, codebooks + 256, tid - 32);
+        if (tid < S::KEY_PLANE_WORDS) table_planes_word(reinterpret_cast<KeyPlanes*>(plane_words), codebooks, tid);
+        if (tid >= 32 && tid < 32 + S::VALUE_PLANE_WORDS)
+            table_planes_word(reinterpret_cast<ValuePlanes*>(plane_words + S::KEY_PLANE_WORDS), codebooks + 256, tid - 32);
     }
     if constexpr (CB) {  // and codebook keys' per-channel scale and zero
         constexpr int PCHUNKS = D * 2 / 16;
@@ -1328,7 +1353,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 unsigned w[WORDS];
                 load_words(w, row + t * (S::KROW / 4));
 #pragma unroll
-                for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut);
+                for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut, key_planes);
             }
         }
     };
@@ -1531,8 +1556,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             load_words(wb, row + S::KROW / 2 + c * CW * 4);
 #pragma unroll
                             for (int i = 0; i < CW; ++i) {
-                                codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut);
-                                codes_to_half2<BITS, CB>(wb[i], kf + CP + i * (16 / BITS), key_lut);
+                                codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut, key_planes);
+                                codes_to_half2<BITS, CB>(wb[i], kf + CP + i * (16 / BITS), key_lut, key_planes);
                             }
                         }
 #pragma unroll
@@ -1716,11 +1741,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     // field k: the two tokens' codes of channel 2k (even) or 2k + 1 (odd) of word i's
                                     const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << VBITS, LOW);
                                     const unsigned odd = lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW);
+                                    unsigned fe[FIELDS], fo[FIELDS];
+                                    static_assert(VBITS != 4 || FIELDS == 4, "4-bit codebook values: whole words");
+                                    if constexpr (VBITS == 4) {
+                                        table16_fields(*value_planes, even, fe), table16_fields(*value_planes, odd, fo);
+                                    } else {
 #pragma unroll
-                                    for (int k = 0; k < FIELDS; ++k) {
-                                        vf[half][2 * FIELDS * i + 2 * k] = table_entry<VBITS>(value_lut, even, k);
-                                        vf[half][2 * FIELDS * i + 2 * k + 1] = table_entry<VBITS>(value_lut, odd, k);
+                                        for (int k = 0; k < FIELDS; ++k) fe[k] = table_entry<VBITS>(value_lut, even, k), fo[k] = table_entry<VBITS>(value_lut, odd, k);
                                     }
+#pragma unroll
+                                    for (int k = 0; k < FIELDS; ++k) vf[half][2 * FIELDS * i + 2 * k] = fe[k], vf[half][2 * FIELDS * i + 2 * k + 1] = fo[k];
                                 }
                             } else {
                                 unsigned c16[CHUNKS16 > 0 ? CHUNKS16 : 1];

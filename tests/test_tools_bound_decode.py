@@ -277,13 +277,12 @@ def test_the_calibration_weighs_the_table_lookups_conflicts_where_the_walks_have
 
 @pytest.mark.emulation
 def test_the_table_cases_conflicts_are_counted_by_the_kernels_emulation():
-    """table_conflicts runs the tensor-core kernel's emulation on every case that reads a shared-memory table: none
-    for the 2-bit one, several wavefronts a token for nuq4's 256 entries; the 3-bit cases read none."""
+    """table_conflicts runs the tensor-core kernel's emulation on every case that reads a shared-memory table (a 2-bit
+    codebook side; 3- and 4-bit ones look up in registers) and counts no conflict there: 16 words, one per bank."""
     skip_without_gxx()
     counted = bd.table_conflicts(bd.TensorCoreKernel())
     assert set(counted) == {c.name for c in bd.TensorCoreKernel().cases if bd.reads_table(bd.TensorCoreKernel()._variant(c))}
-    assert counted["nuq2 pre-RoPE 1% (mixed's)"] == 0.0 and counted["nuq4 pre-RoPE 1%"] > 4.0
-    assert "nuq3 pre-RoPE 1%" not in counted and "int3 g32 (KIVI-3)" not in counted
+    assert counted == {"nuq2 pre-RoPE 1% (mixed's)": 0.0}
 
 
 def test_kernels_unchanged_since_compares_the_working_tree_with_a_commit():

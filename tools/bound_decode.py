@@ -1095,9 +1095,9 @@ CONFLICT_TOKENS = 1024  # tokens of the one sequence each table case's emulated 
 
 
 def reads_table(variant) -> bool:
-    """Whether a tensor-core variant looks its codes up in a shared-memory table: a 2- or 4-bit codebook side (3-bit
-    codes, codebook or uniform, look theirs up in registers)."""
-    return variant.codebook and (variant.bits != 3 or variant.vbits != 3)
+    """Whether a tensor-core variant looks its codes up in a shared-memory table: a 2-bit codebook side (3- and 4-bit
+    codes look theirs up in registers)."""
+    return variant.codebook and 2 in (variant.bits, variant.vbits)
 
 
 def table_conflicts(kernel) -> dict[str, float]:

@@ -190,8 +190,9 @@ class Variant:
         # tc::Planes3Table (channel groups aside: they read theirs as they dequantize; uniform ones: code values 0..7),
         # read from a lane's places in a row (tc::Planes3Place); codebook keys' one block of parameters
         planes3 = not self.channel_groups and 3 in (bits, self.vbits)
-        tables = sum(256 * 4 for b in (bits, self.vbits) if self.codebook and b != 3)
-        lut = tables + (1008 if tables else 0) + sum(16 for b in (bits, self.vbits) if planes3 and b == 3)
+        tables = sum(256 * 4 for b in (bits, self.vbits) if self.codebook and b == 2)
+        planes = sum(16 if b == 3 else 32 for b in (bits, self.vbits) if (planes3 and b == 3) or (self.codebook and b == 4))
+        lut = tables + (1008 if tables else 0) + planes
         lut += 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
