@@ -11,7 +11,6 @@ import pytest
 pytestmark = pytest.mark.nvrtc
 
 from helpers import skip_without_gxx
-from kvcal.runtime import kernel_source
 from tools import bound_decode as bd
 from tools import decode_model as dm
 
@@ -379,7 +378,7 @@ def test_the_walk_reads_a_tokens_rope_row_once_at_both_head_dims():
         bd.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
-    source = kernel_source.source("decode_attention_tc.cu").splitlines()
+    source = bd.source_lines("decode_attention_tc.cu")
     for shape in (bd.SHAPE, bd.SHAPE_256):
         [(_, _, code, per_token)] = bd.walks_with_lines(["nuq3 pre-RoPE 1%"], shape)
         rope_loads = sum(n for ins, n in zip(code, per_token) if ins.opcode.startswith("LDS.128")
