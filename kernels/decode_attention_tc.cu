@@ -204,17 +204,15 @@ struct Shape {
     static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0;
     // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (ST * (D / 2) + ST / 2 * 16) * 4 : 0;  // rope_row_start(ST)
-    // 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) and 4-bit codebooks
-    // look their entries up in registers from byte planes (EntryPlanes: 16 or 32 bytes a side; uniform 3-bit codes:
-    // the code values 0..7); 2-bit codebooks keep codebook_pairs' 256 words a side in shared memory, from a multiple of
-    // 1024 (table_entry). Warps' lookups in one copy of the 3- or 4-bit tables' pairs had asked some bank for two or
-    // more words nearly every time (1.97 and 3.51 wavefronts each); a 3-bit copy per lane took 8 KB a side
+    // codebooks and 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) look
+    // their 2^bits entries up in registers from byte planes (EntryPlanes: 2^bits / 2 words a side, keys' then values',
+    // each from a 16-byte boundary; uniform 3-bit codes: the code values 0..7). Shared-memory tables of the entries'
+    // pairs had cost a wavefront or more a lookup: 1.97 and 3.51 a warp's lookup for one 3- and 4-bit copy
     static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
-    static constexpr int KEY_PLANE_WORDS = GROUPS ? 0 : BITS == 3 ? 4 : CB && BITS == 4 ? 8 : 0;
-    static constexpr int VALUE_PLANE_WORDS = GROUPS ? 0 : VBITS == 3 ? 4 : CB && VBITS == 4 ? 8 : 0;
-    static constexpr int KEY_TABLE_WORDS = CB && !KEY_PLANE_WORDS ? 256 : 0, VALUE_TABLE_WORDS = CB && !VALUE_PLANE_WORDS ? 256 : 0;
-    static constexpr int LUT_SLACK = KEY_TABLE_WORDS + VALUE_TABLE_WORDS ? 1024 - 16 : 0;
-    static constexpr int LUT_WORDS = KEY_TABLE_WORDS + VALUE_TABLE_WORDS + KEY_PLANE_WORDS + VALUE_PLANE_WORDS;  // the planes after the tables
+    static constexpr int KEY_PLANE_WORDS = !GROUPS && (CB || BITS == 3) ? (1 << BITS) / 2 : 0;
+    static constexpr int VALUE_PLANE_WORDS = !GROUPS && (CB || VBITS == 3) ? (1 << VBITS) / 2 : 0;
+    static constexpr int VALUE_PLANES_AT = (KEY_PLANE_WORDS + 3) / 4 * 4;
+    static constexpr int PLANE_WORDS = VALUE_PLANES_AT + (VALUE_PLANE_WORDS + 3) / 4 * 4;
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
     static constexpr int PLACES_BYTES = PLANES3 ? 32 * 2 * 16 : 0;  // [lane][keys, values] Planes3Place
     // pre-RoPE keys at head_dim 256: a lane's scale and zero pairs (2 x D / 8 words) do not fit in registers beside
@@ -232,7 +230,7 @@ struct Shape {
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
     static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
-                                      LUT_WORDS * 4 + LUT_SLACK + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
+                                      PLANE_WORDS * 4 + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
                                       WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
@@ -306,28 +304,17 @@ __device__ __forceinline__ int key_channel(int t, int p, int e) {
     }
 }
 
-// Word b of codebook_pairs' table in shared memory (lut: its shared-window address, a multiple of 1024), b = field k
-// (compile-time) of x, the two codes of a pair: a byte of 4-bit codes, a nibble of 2-bit ones (16 words, one per bank:
-// no conflicts). One shift, and one lop3 that masks the word offset 4 b into the address's bits 2 and up.
-template <int BITS>
-__device__ __forceinline__ unsigned table_entry(unsigned lut, unsigned x, int k) {
-    static_assert(BITS == 4 || BITS == 2, "pairs of 4- or 2-bit codes (3-bit ones: table_pairs)");
-    constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
-    constexpr int F = 2 * BITS;                   // bits of a pair's field
-    return load_shared_word(lop3<AND_OR>(k == 0 ? x << 2 : x >> (F * k - 2), ((1u << F) - 1) << 2, lut));
-}
-
-// A table of E fp16 entries (a 3- or 4-bit codebook) as byte planes: the low bytes of entries 0-3, 4-7, .., then
+// A table of E fp16 entries (a 2-, 3- or 4-bit codebook) as byte planes: the low bytes of entries 0-3, 4-7, .., then
 // their high bytes, so that one prmt looks up 4 entries' low (or high) bytes of 8 by a selector of 4 indices, in
-// registers: no shared-memory lookups
+// registers: no shared-memory lookups. Aligned for its loads' width (a 2-bit table: two words).
 template <int E>
-struct alignas(16) EntryPlanes {
+struct alignas(E == 4 ? 8 : 16) EntryPlanes {
     unsigned low[E / 4], high[E / 4];
 };
 using Planes3Table = EntryPlanes<8>;
 
 // Word w of an EntryPlanes<E> from codebook_pairs' table (global memory), whose index x & 3 | (x >> 2) << 4 (3 bits)
-// or x (4 bits) holds entry x in its low half
+// or x (2 and 4 bits) holds entry x in its low half
 template <int E>
 __device__ __forceinline__ void table_planes_word(EntryPlanes<E>* to, const unsigned* __restrict__ pairs, int w) {
     unsigned word = 0;
@@ -340,14 +327,15 @@ __device__ __forceinline__ void table_planes_word(EntryPlanes<E>* to, const unsi
     reinterpret_cast<unsigned*>(to)[w] = word;
 }
 
-// out[k] = {entry of byte k's low nibble, of its high nibble} of x, k < 4 (table_entry<4>'s fields) from a 4-bit
-// codebook's planes: each half's 4 indices looked up in entries 0-7 and 8-15 (within: their bit 3 clear, which is
-// prmt's sign mode), then each picked by its bit 3
-__device__ __forceinline__ void table16_fields(const EntryPlanes<16>& table, unsigned x, unsigned* out) {
-    constexpr int AND_OR = (0xF0 & 0xCC) | 0xAA;  // lop3 LUT of (a & b) | c
+// out[k] = {entry of byte k's low nibble, of its high nibble} of x, k < N = 4 (a field: the two 4-bit codes of a
+// pair) from a 4-bit codebook's planes: each half's 4 indices looked up in entries 0-7 and 8-15 (within: their bit 3
+// clear, which is prmt's sign mode), then each picked by its bit 3
+template <int N>
+__device__ __forceinline__ void table_fields(const EntryPlanes<16>& table, unsigned x, unsigned* out) {
+    static_assert(N == 4, "a word of 4-bit codes");
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const unsigned s = x >> 16 * h, within = s & 0x7777u, pick = lop3<AND_OR>(s >> 1, 0x4444u, 0x3210u);
+        const unsigned s = x >> 16 * h, within = s & 0x7777u, pick = lop3<magic::AND_OR>(s >> 1, 0x4444u, 0x3210u);
         const unsigned lo = prmt(prmt(table.low[0], table.low[1], within), prmt(table.low[2], table.low[3], within), pick);
         const unsigned hi = prmt(prmt(table.high[0], table.high[1], within), prmt(table.high[2], table.high[3], within), pick);
         out[2 * h] = prmt(lo, hi, 0x5140u), out[2 * h + 1] = prmt(lo, hi, 0x7362u);
@@ -355,16 +343,28 @@ __device__ __forceinline__ void table16_fields(const EntryPlanes<16>& table, uns
 }
 
 // out[i] = {entry a_i, entry b_i}, i < N (2 or 4): a_i, b_i the indices in nibble i of a and b (bit 3 clear: prmt's
-// sign mode). The four planes' lookups, then each entry's low and high bytes interleaved across a and b.
-template <int N = 4>
-__device__ __forceinline__ void table_pairs(const Planes3Table& table, unsigned a, unsigned b, unsigned* out) {
-    const unsigned la = prmt(table.low[0], table.low[1], a), ha = prmt(table.high[0], table.high[1], a);
-    const unsigned lb = prmt(table.low[0], table.low[1], b), hb = prmt(table.high[0], table.high[1], b);
+// sign mode; E = 4: bit 2 clear too, so the planes' one word is both prmt sources). The four planes' lookups, then
+// each entry's low and high bytes interleaved across a and b.
+template <int N = 4, int E>
+__device__ __forceinline__ void table_pairs(const EntryPlanes<E>& table, unsigned a, unsigned b, unsigned* out) {
+    static_assert(E == 8 || E == 4, "3- or 2-bit indices");
+    const unsigned la = prmt(table.low[0], table.low[E / 4 - 1], a), ha = prmt(table.high[0], table.high[E / 4 - 1], a);
+    const unsigned lb = prmt(table.low[0], table.low[E / 4 - 1], b), hb = prmt(table.high[0], table.high[E / 4 - 1], b);
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {  // {low byte of a_2k, of b_2k, of a_2k+1, of b_2k+1}, the same of the high bytes
         const unsigned lo = prmt(la, lb, k ? 0x7362u : 0x5140u), hi = prmt(ha, hb, k ? 0x7362u : 0x5140u);
         out[2 * k] = prmt(lo, hi, 0x5140u), out[2 * k + 1] = prmt(lo, hi, 0x7362u);
     }
+}
+
+// out[k] = {entry of nibble k's low 2 bits, of its high 2 bits} of x, k < N (2, 4 or 8; a field: the two 2-bit codes
+// of a pair) from a 2-bit codebook's planes: the fields' first and second codes spread to nibbles, then table_pairs.
+template <int N>
+__device__ __forceinline__ void table_fields(const EntryPlanes<4>& table, unsigned x, unsigned* out) {
+    static_assert(N == 2 || N == 4 || N == 8, "fields of a half-word or a word");
+    const unsigned first = x & 0x33333333u, second = x >> 2 & 0x33333333u;
+    table_pairs<N == 2 ? 2 : 4>(table, first, second, out);
+    if constexpr (N == 8) table_pairs(table, first >> 16, second >> 16, out + 4);
 }
 
 // out[i] = {entry n_i, entry n_(i+2)}, i < 2: n_i the index in nibble i of x (two rows' codes side by side).
@@ -469,15 +469,11 @@ __device__ __forceinline__ void planes3_token_pairs(const unsigned* a, const uns
 
 // Codes -> fp16 pairs: the magic-number converters (uniform codes: code values; RAW: their lop3 half, BASE + code
 // * 2^raw_shift: 1024 + ..., or with FP16_SUBNORMAL code * 2^(raw_shift - 24)), or codebook values of a field's two
-// codes: 4 bits from the planes, 2 bits from the table (lut: the shared-window address of codebook_pairs' 256 words;
-// N: the word's first N pairs, 16 / BITS of them by default).
+// codes from the codebook's planes (N: the word's first N pairs, 16 / BITS of them by default).
 template <int BITS, bool CB, bool RAW = false, int N = 16 / BITS, unsigned BASE = magic::FP16_1024>
-__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, unsigned lut, const EntryPlanes<16>* planes = nullptr) {
-    if constexpr (CB && BITS == 4) {
-        table16_fields(*planes, word, out);
-    } else if constexpr (CB) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) out[k] = table_entry<BITS>(lut, word, k);
+__device__ __forceinline__ void codes_to_half2(unsigned word, unsigned* out, const EntryPlanes<(1 << BITS)>* planes = nullptr) {
+    if constexpr (CB) {
+        table_fields<N>(*planes, word, out);
     } else if constexpr (RAW) {
         if constexpr (BITS == 4) raw_nibbles<4, BASE>(word, out); else raw_u2<BASE>(word, out);
     } else {
@@ -898,17 +894,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // frequency pair)) ----
     unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
     unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS;
-    // codebooks: codebook_pairs' tables of 2-bit sides, keys' then values', from the first multiple of 1024 in
-    // their area (table_entry: the lookups take their shared-window addresses); then 3- and 4-bit sides' EntryPlanes
-    unsigned char* const lut_area = reinterpret_cast<unsigned char*>(rope_smem + S::ROPE_TABLE_BYTES / 4);
-    unsigned* const luts = reinterpret_cast<unsigned*>(lut_area + ((0u - shared_address(lut_area)) & (S::LUT_SLACK ? 1023u : 0u)));
-    const unsigned key_lut = shared_address(luts), value_lut = shared_address(luts + S::KEY_TABLE_WORDS);
-    using KeyPlanes = EntryPlanes<BITS == 3 ? 8 : 16>;
-    using ValuePlanes = EntryPlanes<VBITS == 3 ? 8 : 16>;
-    unsigned* const plane_words = luts + S::KEY_TABLE_WORDS + S::VALUE_TABLE_WORDS;
+    // the sides' EntryPlanes (codebooks, 3-bit codes), keys' then values'
+    unsigned* const plane_words = rope_smem + S::ROPE_TABLE_BYTES / 4;
+    using KeyPlanes = EntryPlanes<(1 << BITS)>;
+    using ValuePlanes = EntryPlanes<(1 << VBITS)>;
     const KeyPlanes* const key_planes = reinterpret_cast<const KeyPlanes*>(plane_words);
-    const ValuePlanes* const value_planes = reinterpret_cast<const ValuePlanes*>(plane_words + S::KEY_PLANE_WORDS);
-    unsigned char* const cb_key_params = lut_area + S::LUT_WORDS * 4 + S::LUT_SLACK;  // codebooks' one key block
+    const ValuePlanes* const value_planes = reinterpret_cast<const ValuePlanes*>(plane_words + S::VALUE_PLANES_AT);
+    unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(plane_words + S::PLANE_WORDS);  // codebooks' one key block
     // 3-bit codes: where lane (g, t)'s codes lie in a row, keys' (pre-RoPE: of the first half of the head; the second
     // half's are 3 D / 64 words on) and values', in shared memory: read where used, they cost a load each, where ptxas
     // recomputed them from the lane in every iteration (the kernel is at its register limit)
@@ -1016,14 +1008,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
         rotate_query(0);
     }
-    if constexpr (S::LUT_WORDS > 0) {  // 256-word tables join stage 0's copies; a 3-bit side's planes are stores, read
-        // after the same first barrier
-        static_assert(256 / 4 <= THREADS, "a table's 16-byte chunks: one round of the block's threads");
-        if (S::KEY_TABLE_WORDS && tid < 64) cp_async_16(luts + 4 * tid, codebooks + 4 * tid, 16);
-        if (S::VALUE_TABLE_WORDS && tid < 64) cp_async_16(luts + S::KEY_TABLE_WORDS + 4 * tid, codebooks + 256 + 4 * tid, 16);
+    if constexpr (S::PLANE_WORDS > 0) {  // stores, read after the block's first barrier
         if (tid < S::KEY_PLANE_WORDS) table_planes_word(reinterpret_cast<KeyPlanes*>(plane_words), codebooks, tid);
         if (tid >= 32 && tid < 32 + S::VALUE_PLANE_WORDS)
-            table_planes_word(reinterpret_cast<ValuePlanes*>(plane_words + S::KEY_PLANE_WORDS), codebooks + 256, tid - 32);
+            table_planes_word(reinterpret_cast<ValuePlanes*>(plane_words + S::VALUE_PLANES_AT), codebooks + 256, tid - 32);
     }
     if constexpr (CB) {  // and codebook keys' per-channel scale and zero
         constexpr int PCHUNKS = D * 2 / 16;
@@ -1353,7 +1341,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 unsigned w[WORDS];
                 load_words(w, row + t * (S::KROW / 4));
 #pragma unroll
-                for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_lut, key_planes);
+                for (int i = 0; i < WORDS; ++i) codes_to_half2<BITS, CB, KEY_RAW>(w[i], kf + i * (16 / BITS), key_planes);
             }
         }
     };
@@ -1548,16 +1536,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             static_assert(2 * CP * BITS == 16, "half-word parts");
                             const unsigned ha = *reinterpret_cast<const unsigned short*>(row + c * 2);
                             const unsigned hb = *reinterpret_cast<const unsigned short*>(row + S::KROW / 2 + c * 2);
-                            codes_to_half2<BITS, CB, false, CP>(ha, kf, key_lut);
-                            codes_to_half2<BITS, CB, false, CP>(hb, kf + CP, key_lut);
+                            codes_to_half2<BITS, CB, false, CP>(ha, kf, key_planes);
+                            codes_to_half2<BITS, CB, false, CP>(hb, kf + CP, key_planes);
                         } else {
                             unsigned wa[CW], wb[CW];
                             load_words(wa, row + c * CW * 4);
                             load_words(wb, row + S::KROW / 2 + c * CW * 4);
 #pragma unroll
                             for (int i = 0; i < CW; ++i) {
-                                codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_lut, key_planes);
-                                codes_to_half2<BITS, CB>(wb[i], kf + CP + i * (16 / BITS), key_lut, key_planes);
+                                codes_to_half2<BITS, CB>(wa[i], kf + i * (16 / BITS), key_planes);
+                                codes_to_half2<BITS, CB>(wb[i], kf + CP + i * (16 / BITS), key_planes);
                             }
                         }
 #pragma unroll
@@ -1742,13 +1730,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     const unsigned even = lop3<magic::SELECT>(wa[i], wb[i] << VBITS, LOW);
                                     const unsigned odd = lop3<magic::SELECT>(wa[i] >> VBITS, wb[i], LOW);
                                     unsigned fe[FIELDS], fo[FIELDS];
-                                    static_assert(VBITS != 4 || FIELDS == 4, "4-bit codebook values: whole words");
-                                    if constexpr (VBITS == 4) {
-                                        table16_fields(*value_planes, even, fe), table16_fields(*value_planes, odd, fo);
-                                    } else {
-#pragma unroll
-                                        for (int k = 0; k < FIELDS; ++k) fe[k] = table_entry<VBITS>(value_lut, even, k), fo[k] = table_entry<VBITS>(value_lut, odd, k);
-                                    }
+                                    table_fields<FIELDS>(*value_planes, even, fe), table_fields<FIELDS>(*value_planes, odd, fo);
 #pragma unroll
                                     for (int k = 0; k < FIELDS; ++k) vf[half][2 * FIELDS * i + 2 * k] = fe[k], vf[half][2 * FIELDS * i + 2 * k + 1] = fo[k];
                                 }
@@ -1761,7 +1743,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     const unsigned wb = *reinterpret_cast<const unsigned*>(r0 + S::VSROW + (bit0 >> 5) * 4);
                                     const unsigned byte = (bit0 >> 3) & 3;
                                     unsigned codes[8];
-                                    codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(prmt(wa, wb, byte | (4 + byte) << 8), codes, 0u);
+                                    codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(prmt(wa, wb, byte | (4 + byte) << 8), codes);
 #pragma unroll
                                     for (int n = 0; n < S::LANE_V; ++n) vf[half][n] = codes[n];
                                 } else if constexpr (LANE_BITS == 16) {
@@ -1777,7 +1759,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                     for (int i = 0; i < NW; ++i) c16[2 * i] = prmt(wa[i], wb[i], 0x5410u), c16[2 * i + 1] = prmt(wa[i], wb[i], 0x7632u);
                                 }
 #pragma unroll
-                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(c16[k], vf[half] + k * PER16, 0u);
+                                for (int k = 0; k < CHUNKS16; ++k) codes_to_half2<VBITS, false, RAW, PER16, VALUE_BASE>(c16[k], vf[half] + k * PER16);
                             }
                         }
 #pragma unroll

@@ -133,15 +133,6 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned select
     return d;
 }
 
-// ---- A word of shared memory at a 32-bit shared-window address (shared_address) ----
-// For table lookups whose index an instruction merges into the table's address bits (prmt, lop3): a lookup is then
-// that instruction and one load, whatever register ptxas keeps the table's base in.
-__device__ __forceinline__ unsigned load_shared_word(unsigned address) {
-    unsigned w;
-    asm("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(address));  // for constant tables: not ordered with stores
-    return w;
-}
-
 // ---- Two fp16 lanes in one word, IEEE round to nearest even per lane [f16x2] ----
 __device__ __forceinline__ unsigned hsub2_bits(unsigned a, unsigned b) {
     unsigned d;

@@ -45,8 +45,6 @@ void run_probe_bits(unsigned gx, unsigned bx, const unsigned* a, const unsigned*
                     int n) { LAUNCH(probe_bits(a, b, c, out, n)); }
 void run_probe_dequant(unsigned gx, unsigned bx, const unsigned* words, unsigned* out, int n, int bits) {
     LAUNCH(probe_dequant(words, out, n, bits)); }
-void run_probe_shared_table(unsigned gx, unsigned bx, const unsigned* table, const unsigned* x, unsigned* out, int n) {
-    LAUNCH(probe_shared_table(table, x, out, n)); }
 }
 """
 WARP, BLOCK = 32, 64
@@ -122,12 +120,6 @@ def run_bits(runner, a, b, c) -> np.ndarray:
     return out
 
 
-def run_shared_table(runner, table: np.ndarray, x: np.ndarray) -> np.ndarray:
-    out = np.zeros((len(x), 5), np.uint32)
-    runner.launch("probe_shared_table", -(-len(x) // BLOCK), BLOCK, table, x, out, len(x))
-    return out
-
-
 def run_dequant(runner, words: np.ndarray, bits: int) -> np.ndarray:
     n = len(words) // 2 if bits == 3 else len(words)
     out = np.zeros((n, {4: 4, 2: 8, 3: 8, 8: 2}[bits]), np.uint32)
@@ -185,8 +177,7 @@ def gpu_runner():
 
 # ------------------------------------------------------------------------------------------------ NVRTC
 
-PROBE_KERNELS = ("probe_mma", "probe_ldmatrix", "probe_movmatrix", "probe_cp_async", "probe_bits", "probe_dequant",
-                 "probe_shared_table")
+PROBE_KERNELS = ("probe_mma", "probe_ldmatrix", "probe_movmatrix", "probe_cp_async", "probe_bits", "probe_dequant")
 # SASS each primitive must become (sm_80 and sm_90): tensor-core HMMA, LDSM (.MT88 = transposed), MOVM, LDGSTS
 # (cp.async) with its barrier-free waits (LDGDEPBAR / DEPBAR), LOP3, PRMT, paired fp16 arithmetic.
 SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDSM.16.M88.2",
@@ -195,8 +186,7 @@ SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", 
         "probe_movmatrix": ("MOVM.16.MT88",),
         "probe_cp_async": ("LDGSTS.E.BYPASS.128", "LDGDEPBAR", "DEPBAR"),
         "probe_bits": ("LOP3.LUT", "PRMT", "HMNMX2"),
-        "probe_dequant": ("LOP3.LUT", "HADD2", "HFMA2", "PRMT"),
-        "probe_shared_table": ("PRMT", "LOP3.LUT", "LDS")}
+        "probe_dequant": ("LOP3.LUT", "HADD2", "HFMA2", "PRMT")}
 
 
 @pytest.mark.nvrtc
@@ -408,15 +398,6 @@ def test_emulated_lop3_prmt_hmax2_and_hneg2_compute_their_ptx_definitions(emulat
         np.testing.assert_array_equal(out[:, column], want, err_msg=f"probe_bits column {column}")
 
 
-def test_emulated_shared_table_lookups_read_the_word_their_address_names(emulated):
-    table = np.random.default_rng(5).integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32)
-    x = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101, bit_words(2048, seed=6)[0]])
-    out = run_shared_table(emulated, table, x)
-    for k in range(4):
-        np.testing.assert_array_equal(out[:, k], table[(x >> np.uint32(8 * k) & np.uint32(0xFC)) // 4], err_msg=f"byte {k}")
-    np.testing.assert_array_equal(out[:, 4], table[x & np.uint32(0xFF)])
-
-
 # ------------------------------------------------------------------------------------------------ converters
 
 def half_bits(values) -> np.ndarray:
@@ -527,8 +508,6 @@ def test_the_gpu_runs_the_probe_kernels_as_the_emulator_does(emulated):
     for bits, words in ((2, code_words(2, 16, 2000, 2)[0]), (4, code_words(4, 8, 2000, 4)[0]), (8, code_words(8, 4, 2000, 8)[0]),
                         (3, three_bit_planes(2000, 3)[0])):
         np.testing.assert_array_equal(run_dequant(gpu, words, bits), run_dequant(emulated, words, bits))
-    table, x = bit_words(256, seed=5)[0], bit_words(2048, seed=6)[0]
-    np.testing.assert_array_equal(run_shared_table(gpu, table, x), run_shared_table(emulated, table, x))
     for dtype in (torch.float16, torch.bfloat16):
         for seed in range(40):
             a, b, c = mma_inputs(dtype, seed)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import requires_gpu
-from helpers.tensor_core_emulation import build, decode, schedule_in_reverse, symbol, take_lookups
+from helpers.tensor_core_emulation import build, decode, schedule_in_reverse, symbol
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
 from kvcal.runtime import kernel_source, tensor_core
@@ -325,22 +325,6 @@ def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
 
 
 @pytest.mark.emulation
-def test_emulated_table_lookups_are_the_2_bit_sides_one_wavefront_each(emulator):
-    """The emulator's count of the codebook tables' shared-memory lookups (2 warp-wide loads per KV-head token and side
-    at head_dim 128): one wavefront each for the 2-bit table (16 words, one per bank); none for 3- and 4-bit sides,
-    whose entries are looked up in registers (table_pairs, table16_fields)."""
-    for codec, table_sides in (("nuq2-out-rope", 2), ("nuq3-out-rope", 0), ("nuq3", 0), ("nuq3-nuq4v-out-rope", 0), ("nuq4-out-rope", 0)):
-        lengths = [700, 129]
-        keys, values = filled(codec, lengths, 128)
-        query = torch.randn(2, KV_HEADS * 4, 128, generator=torch.Generator().manual_seed(1))
-        take_lookups(emulator)
-        run_emulated(emulator, variant_of(codec, 128, 4), query, keys, values, lengths, 0.1, rope=rope_of(codec, 128, 2))
-        loads, wavefronts = take_lookups(emulator)
-        assert loads == 2 * table_sides * KV_HEADS * sum(-(-n // 16) * 16 for n in lengths), codec  # whole 16-token steps of a warp
-        assert wavefronts == loads, codec
-
-
-@pytest.mark.emulation
 @pytest.mark.parametrize("codec,head_dim,gqa", (("nuq4-crowded-rope", 128, 4), ("nuq3-out-rope", 128, 4), ("nuq4-out-rope", 64, 3),
                                                 ("int2", 128, 4), ("fp16", 128, 4), ("nuq3-rope", 128, 4), ("skvq2", 128, 4)))
 def test_emulated_kernel_gives_the_same_bits_whatever_order_the_threads_run_in(emulator, codec, head_dim, gqa):
@@ -508,15 +492,14 @@ MUTANTS = {
     "outlier-score-padding-rows": ("nuq3-out-rope", "if (OUT && g < GQA) {  // the stage's key outliers", "if (OUT) {  // the stage's key outliers", "3"),
     "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
     "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
-    # the lookups' shared addresses (table_entry's lop3 mask), a 3-bit table's bytes in registers (table_pairs) and
-    # the outlier header's range
-    "nuq-table-address": ("nuq2", "x >> (F * k - 2)", "x >> (F * k - 3)"),
-    "nuq2-table-address": ("nuq2", "((1u << F) - 1) << 2", "((1u << F) - 2) << 2", "1", 64),
+    # a 2-bit table's fields: a pair's second code, the upper half-word's fields; a 3-bit table's bytes (table_pairs)
+    "nuq2-table-second-code": ("nuq2", "second = x >> 2 & 0x33333333u", "second = x >> 1 & 0x33333333u"),
+    "nuq2-table-upper-fields": ("nuq2", "table_pairs(table, first >> 16, second >> 16, out + 4)", "table_pairs(table, first, second, out + 4)"),
     "nuq3-table-high-byte": ("nuq3", "out[2 * k + 1] = prmt(lo, hi, 0x7362u);", "out[2 * k + 1] = prmt(lo, hi, 0x7632u);"),
     # a 3-bit table's planes from codebook_pairs' entries, an odd code's high bit in its index (pre-RoPE at 64 / 128)
     "nuq3-table-plane-entry": ("nuq3-out-rope", "(x & 3) | (x >> 2) << 4 : x)", "(x & 3) | (x >> 2) << 2 : x)", "3"),
     # a 4-bit table's planes: an index's half (bit 3), the entries of the second half's planes
-    "nuq4-table-half": ("nuq4", "lop3<AND_OR>(s >> 1, 0x4444u, 0x3210u)", "lop3<AND_OR>(s >> 2, 0x4444u, 0x3210u)"),
+    "nuq4-table-half": ("nuq4", "lop3<magic::AND_OR>(s >> 1, 0x4444u, 0x3210u)", "lop3<magic::AND_OR>(s >> 2, 0x4444u, 0x3210u)"),
     "nuq4-table-plane-entry": ("nuq4-out-rope", "(x & 3) | (x >> 2) << 4 : x)", "(x & 3) | (x >> 2) << 4 : x & 7)", "3"),
     "nuq3-odd-index-high-bit": ("nuq3-rope", "lop3<magic::SELECT>(low >> 2, high, 0x33333333u)", "lop3<magic::SELECT>(low >> 2, high >> 2, 0x33333333u)"),
     "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * ST + token,", "score_corrections + head * ST + (token ^ 1),", "3"),

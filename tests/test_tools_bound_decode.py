@@ -10,7 +10,6 @@ import pytest
 
 pytestmark = pytest.mark.nvrtc
 
-from helpers import skip_without_gxx
 from tools import bound_decode as bd
 from tools import decode_model as dm
 
@@ -254,34 +253,6 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
     assert bd.calibrate(walks[:2], kernel, runs[:1], unchanged_since=lambda commit: True) is None
     # kernels/ changed since the newest run: its measurements are of other code, and the last fit is kept
     assert bd.calibrate(walks, kernel, runs, previous=fitted, unchanged_since=lambda commit: False) is fitted
-
-
-def test_the_calibration_weighs_the_table_lookups_conflicts_where_the_walks_have_them():
-    """A walk's conflict wavefronts (table_conflicts) enter the fit as their own term, and the prediction."""
-    kernel = bd.TensorCoreKernel()
-    counts = {"int2 g128 (KIVI)": (16.0, 2.3, 0.0), "int4 g128 (KIVI)": (22.0, 4.1, 0.0), "nuq3 pre-RoPE 1%": (48.0, 20.1, 3.9),
-              "nuq4 pre-RoPE 1%": (44.0, 19.4, 10.0), "skvq2 pre-RoPE (SKVQ's)": (146.0, 34.8, 0.0)}
-    walks = [{"case": case, "warp_instructions_per_token": n, "shared_wavefronts_per_token": w, "table_conflicts_per_token": c,
-              "bytes_per_token": 100.0} for case, (n, w, c) in counts.items()]
-    measured = {c.name: c.measured for c in kernel.cases}
-    truth = dm.Model(0.46, 29.7, 1.6)
-    variants = {measured[case]: {"latency_us": truth.slots(n, w, c) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6,
-                                 "fraction_of_copy_bandwidth": 0.4} for case, (n, w, c) in counts.items()}
-    run = {"device": "GPU", "commit": "28", "date": "2026-11-28", "copy_bytes_per_s": 3e12, "variants": variants}
-    fitted = bd.calibrate(walks, kernel, [run], unchanged_since=lambda commit: True)
-    assert math.isclose(fitted["per_conflict"], 1.6) and math.isclose(fitted["per_instruction"], 0.46)
-    nuq4 = walks[3]
-    assert math.isclose(bd.predicted_us(nuq4, fitted, 3e12), variants["nuq4-1%-pre-rope"]["latency_us"])
-
-
-@pytest.mark.emulation
-def test_the_table_cases_conflicts_are_counted_by_the_kernels_emulation():
-    """table_conflicts runs the tensor-core kernel's emulation on every case that reads a shared-memory table (a 2-bit
-    codebook side; 3- and 4-bit ones look up in registers) and counts no conflict there: 16 words, one per bank."""
-    skip_without_gxx()
-    counted = bd.table_conflicts(bd.TensorCoreKernel())
-    assert set(counted) == {c.name for c in bd.TensorCoreKernel().cases if bd.reads_table(bd.TensorCoreKernel()._variant(c))}
-    assert counted == {"nuq2 pre-RoPE 1% (mixed's)": 0.0}
 
 
 def test_kernels_unchanged_since_compares_the_working_tree_with_a_commit():

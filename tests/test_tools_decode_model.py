@@ -19,19 +19,6 @@ def test_the_fit_recovers_the_constants_that_made_the_measurements():
     assert all(abs(e) < 1e-9 for e in dm.leave_one_out(points).values())
 
 
-def test_the_fit_prices_the_bank_conflicts_where_four_variants_or_more_have_counts():
-    """With conflict wavefronts on some points and four points or more, b is fitted beside a and c; with three, or
-    without conflicts, it stays 0 (the conflicts then fall in the other constants)."""
-    truth = dm.Model(0.46, 29.7, 1.6)
-    counts = [(16, 2.3, 0.0), (31, 6.1, 0.0), (40, 10.4, 3.7), (35, 9.9, 10.0), (146, 34.8, 0.0)]
-    points = [dm.Point(f"v{i}", n, w, truth.slots(n, w, c), c) for i, (n, w, c) in enumerate(counts)]
-    fitted = dm.fit(points)
-    assert all(math.isclose(x, y, rel_tol=1e-9) for x, y in
-               zip((fitted.per_instruction, fitted.per_token, fitted.per_conflict), (0.46, 29.7, 1.6)))
-    assert dm.fit(points[:3]).per_conflict == 0.0
-    assert dm.fit([dm.Point(p.name, p.instructions, p.wavefronts, p.slots) for p in points]).per_conflict == 0.0
-
-
 def test_shared_wavefronts_cost_one_clock_of_every_scheduler_and_are_not_fitted():
     model = dm.Model(0.0, 0.0)
     assert model.slots(100.0, 10.0) == 40.0  # 4 schedulers x 10 clocks

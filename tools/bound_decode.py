@@ -42,12 +42,8 @@ bytes (32 lanes x width) issued per iteration of the side's streaming loop, capp
 iteration consumes (lanes reading the same word count once), x resident warps. A bound is an upper limit, never
 a measurement: every issue slot is assumed usable (no dependency stalls, MUFU and fp64 at full issue rate).
 
-Conflicts. The tensor-core kernel's table lookups (codebooks, uniform 3-bit codes) are counted by its CPU emulation
-(tools.kernel_emulation, which needs g++) on the tensor-core benchmark's codecs and random rows: the extra wavefronts
-their bank conflicts take per token, which the bound leaves out and the calibrated model weighs.
-
-Calibrated prediction. tools/decode_model.py turns a case's counts (warp-instructions, shared wavefronts and conflict
-wavefronts per token) into a latency with constants fitted to the newest GPU run of the tensor-core kernel at SHAPE
+Calibrated prediction. tools/decode_model.py turns a case's counts (warp-instructions and shared wavefronts per
+token) into a latency with constants fitted to the newest GPU run of the tensor-core kernel at SHAPE
 (benchmarks/results/decode_tc_<device>.json), while kernels/ is still the source that run measured (after a change,
 the constants of the last fit are kept from bound_decode.json); the tables give it beside every measurement with its
 error, and for every case on that run's device: the prediction to write down before a variant is timed.
@@ -82,7 +78,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import REPO, RESULTS, provenance, write_markdown, write_result
-from tools import decode_model, kernel_emulation
+from tools import decode_model
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
 H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
@@ -897,10 +893,7 @@ def markdown(result: dict) -> list[str]:
         "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue, t_shared); speedup bound = t_sdpa / max(t_mem, "
         "t_issue, t_shared), with t_shared = shared-memory wavefronts / (SMs x clock) counted conflict-free (each access at "
         "its width's minimum; bank conflicts are not counted: a lower bound of the shared-memory time); limited by: the "
-        "longest of the three. Conflict wavefronts/token: the extra wavefronts the tensor-core kernel's table lookups take "
-        "for their bank conflicts, counted by its CPU emulation on the tensor-core benchmark's codecs and random rows "
-        f"({CONFLICT_TOKENS} tokens; tools.kernel_emulation); the bound leaves them out, the calibrated model weighs them. "
-        "mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the bound nor the "
+        "longest of the three. mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the bound nor the "
         "calibrated model weighs. In flight: plain loads, the global-load bytes of one iteration of a side's streaming "
         "loop x resident warps (keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration "
         "x the stages in flight x resident warps. "
@@ -936,16 +929,16 @@ def head_dim_256_section(result: dict) -> list[str]:
              "uniform keys), walked on the sm_90 SASS compiled at 256, bounded as above. The prediction is the calibrated "
              "model fitted at head_dim 128 (above): a shape it was not fitted on, which the GPU campaign's kernels-d256 "
              "stage measures.", "",
-             "| variant | kernel variant | bytes/token | warp-instr/token | shared wavefronts/token | conflict wavefronts/token "
+             "| variant | kernel variant | bytes/token | warp-instr/token | shared wavefronts/token "
              f"| registers | blocks/SM | bandwidth bound | limited by | speedup vs fp16 SDPA, at best | predicted us{on} "
-             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         b, predicted = w["bound"], "- | -"
         if calibration is not None:
             us = predicted_us(w, calibration, calibration["copy_bytes_per_s"])
             predicted = f"{us:.1f} | {w['bytes_per_token'] * KV_HEAD_TOKENS / calibration['copy_bytes_per_s'] * 1e6 / us:.1%}"
         lines.append(f"| {w['case']} | `{w['variant']}` | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.1f} "
-                     f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['registers']} | {w['blocks_per_sm']} "
+                     f"| {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} "
                      f"| {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x | {predicted} |")
     return lines + measured_table(cases, kernel, measured_on_gpus(head_dim=SHAPE_256["head_dim"]), calibration)
 
@@ -970,7 +963,7 @@ def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"])
 
 
 def _model(calibration: dict) -> decode_model.Model:
-    return decode_model.Model(calibration["per_instruction"], calibration["per_token"], calibration.get("per_conflict", 0.0))
+    return decode_model.Model(calibration["per_instruction"], calibration["per_token"])
 
 
 def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_read: float | None = None) -> float:
@@ -979,7 +972,7 @@ def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_r
     total = walk["bytes_per_token"] * KV_HEAD_TOKENS if bytes_read is None else bytes_read
     return 1e6 * decode_model.predicted_seconds(_model(calibration), walk["warp_instructions_per_token"],
                                                 walk["shared_wavefronts_per_token"], total, copy_bytes_per_s,
-                                                KV_HEAD_TOKENS, SLOTS_PER_S, walk.get("table_conflicts_per_token", 0.0))
+                                                KV_HEAD_TOKENS, SLOTS_PER_S)
 
 
 def kernels_unchanged_since(commit: str) -> bool:
@@ -1005,13 +998,12 @@ def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None
         row = run["variants"].get(names.get(w["case"]))
         if row is not None and row["fraction_of_copy_bandwidth"] < decode_model.MEMORY_BOUND:
             slots = decode_model.measured_slots(row["latency_us"] * 1e-6, KV_HEAD_TOKENS, SLOTS_PER_S)
-            points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots,
-                                             w.get("table_conflicts_per_token", 0.0)))
+            points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots))
     if len(points) < 3:
         return previous
     model = decode_model.fit(points)
     return {"device": run["device"], "commit": run["commit"], "date": run["date"], "copy_bytes_per_s": run["copy_bytes_per_s"],
-            "per_instruction": model.per_instruction, "per_token": model.per_token, "per_conflict": model.per_conflict,
+            "per_instruction": model.per_instruction, "per_token": model.per_token,
             "fit_error": {p.name: decode_model.relative_error(model, p) for p in points},
             "leave_one_out": decode_model.leave_one_out(points)}
 
@@ -1071,8 +1063,7 @@ def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
     c = calibration
     lines = ["", f"Calibrated model (tools/decode_model.py), fitted to {c['device']} at {c['commit']}, {c['date']}: per KV-head "
              f"token max(memory time, slots), slots = {c['per_instruction']:.3f} x warp-instructions + "
-             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {c.get('per_conflict', 0.0):.2f} x conflict "
-             f"wavefronts + {c['per_token']:.1f}, in issue slots of "
+             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {c['per_token']:.1f}, in issue slots of "
              f"{H100['sms']} SMs x {H100['issue_per_clock']} schedulers at {H100['clock_hz'] / 1e9} GHz (the same unit for "
              "either device). Fitted on the run's variants under "
              f"{decode_model.MEMORY_BOUND:.0%} of copy bandwidth; error in the fit, and left out of it (the variant predicted "
@@ -1087,61 +1078,20 @@ def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
     return lines
 
 
-def conflicts(walk: dict) -> str:
-    return f"{walk['table_conflicts_per_token']:.1f}" if "table_conflicts_per_token" in walk else "-"
-
-
-CONFLICT_TOKENS = 1024  # tokens of the one sequence each table case's emulated launch reads
-
-
-def reads_table(variant) -> bool:
-    """Whether a tensor-core variant looks its codes up in a shared-memory table: a 2-bit codebook side (3- and 4-bit
-    codes look theirs up in registers)."""
-    return variant.codebook and 2 in (variant.bits, variant.vbits)
-
-
-def table_conflicts(kernel) -> dict[str, float]:
-    """Per case of the tensor-core kernel whose variant reads a table: the extra shared-memory wavefronts per KV-head
-    token its lookups' bank conflicts take, counted by the kernel's CPU emulation (tools.kernel_emulation) on the
-    tensor-core benchmark's codecs and random N(0, 1) rows (benchmarks.kernels.tensor_core: its variants and stores),
-    at the kernel's shape, one sequence of CONFLICT_TOKENS tokens."""
-    import torch
-
-    from benchmarks.kernels import tensor_core as bench
-
-    d = kernel.shape["head_dim"]
-    table = bench.variants(d)
-    variants = {case.name: v for case in kernel.served_cases() if reads_table(v := kernel._variant(case))}
-    lib = kernel_emulation.build(sorted(set(variants.values()), key=lambda v: v.name))
-    out = {}
-    for case in kernel.cases:
-        if case.name not in variants:
-            continue
-        codecs, rope = table[case.measured]
-        keys, values = bench.filled_stores(codecs, 1, CONFLICT_TOKENS, d, device="cpu")
-        query = torch.randn(1, bench.KV_HEADS * kernel.shape["group"], d, generator=torch.Generator().manual_seed(0))
-        kernel_emulation.take_lookups(lib)
-        kernel_emulation.decode(lib, variants[case.name], query, keys, values, bench.KV_HEADS, [CONFLICT_TOKENS], d**-0.5,
-                                CONFLICT_TOKENS, bench.inv_freq(d) if rope else None)
-        loads, wavefronts = kernel_emulation.take_lookups(lib)
-        out[case.name] = (wavefronts - loads) / (CONFLICT_TOKENS * bench.KV_HEADS)
-    return out
-
-
 def kernel_section(result: dict, kernel) -> list[str]:
     cases = result["sm_90"][kernel.source]["cases"]
     passes = " + ".join(kernel.passes)
     lines = ["", f"## {kernel.title}", "", (kernel.__doc__ or "").replace("\n    ", " ").strip(), "",
              f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | budget "
-             "| shared wavefronts/token | conflict wavefronts/token | mma/token | registers | blocks/SM | warps/SM "
+             "| shared wavefronts/token | mma/token | registers | blocks/SM | warps/SM "
              "| in flight/SM (B) | bandwidth bound | limited by | speedup vs fp16 SDPA, at best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         p, b = w["by_pass"], w["bound"]
         flight = ", ".join(f"{side} {n:.0f}" for side, n in w["in_flight_per_sm"].items()) or "-"
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
                      f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
-                     f"| {w['shared_wavefronts_per_token']:.1f} | {conflicts(w)} | {w['mma_per_token']:.2f} | {w['registers']} "
+                     f"| {w['shared_wavefronts_per_token']:.1f} | {w['mma_per_token']:.2f} | {w['registers']} "
                      f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} "
                      f"| {b['speedup_vs_sdpa']:.2f}x |")
     calibration = result.get("calibration", {}).get(kernel.source)
@@ -1206,23 +1156,15 @@ def main(argv: list[str] | None = None) -> None:
     nvdisasm()  # fail before compiling when it is missing
     started = provenance()
     result = {"tools": tool_versions(), "h100": H100, "limits": LIMITS, "shape": SHAPE, "sdpa_efficiency": args.sdpa_efficiency}
-    if kernel_emulation.compiler_missing():
-        parser.error("the table lookups' bank conflicts are counted by the kernels' CPU emulation, which needs g++")
-    def walked(kernel, arch: str, counted: dict[str, float]) -> dict:
-        """measure's figures, each table case's walk with its counted conflicts (the same code on either architecture:
-        the emulator runs the source)."""
+    def walked(kernel, arch: str) -> dict:
         compiled, walks = measure(kernel, arch, args.sdpa_efficiency)
-        for w in walks:
-            if w["case"] in counted:
-                w["table_conflicts_per_token"] = counted[w["case"]]
         return {"compiled": compiled, "cases": walks}
 
-    counted = {kernel.source: table_conflicts(kernel) for kernel in KERNELS}
     for arch in sorted(archs, reverse=True):
-        result[arch] = {kernel.source: walked(kernel, arch, counted[kernel.source]) for kernel in KERNELS}
+        result[arch] = {kernel.source: walked(kernel, arch) for kernel in KERNELS}
     # the tensor-core kernel at its benchmark's second shape, sm_90 (the bound's architecture)
     wide = TensorCoreKernel(SHAPE_256)
-    result["sm_90_d256"] = {wide.source: walked(wide, "sm_90", table_conflicts(wide))}
+    result["sm_90_d256"] = {wide.source: walked(wide, "sm_90")}
     runs = measured_on_gpus()
     written = RESULTS / "bound_decode.json"
     previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}

@@ -3,17 +3,14 @@ constants fitted to one GPU run's measurements (tools/bound_decode.py prints it 
 
 Per KV-head token, in issue slots of an SM (its schedulers x the bound's clock):
 
-    slots = a x warp-instructions + SLOTS_PER_WAVEFRONT x shared wavefronts + b x conflict wavefronts + c
+    slots = a x warp-instructions + SLOTS_PER_WAVEFRONT x shared wavefronts + c
 
 and the kernel takes the longer of those slots and the memory time of its bytes. SLOTS_PER_WAVEFRONT is not fitted: an
 SM's shared memory serves one wavefront a clock, the time of one issue slot on each of its 4 schedulers. a (the share of
 an instruction's slot the other warps cannot fill) and c (slots a token costs whatever it executes: each stage's
 barriers and the dependent chain of ldmatrix, mma, exp and mma that no warp of the block can overlap) are fitted by
-least squares on the relative error, over the run's variants that are not at the memory roofline; so is b, the cost of
-the extra wavefronts the table lookups' bank conflicts take (counted by the kernel's emulation on the benchmark's data,
-tools.kernel_emulation; partly hidden behind other work, so not SLOTS_PER_WAVEFRONT), where the run's variants have
-conflicts and are four or more (else b is 0 and the conflicts fall in the other constants). Leave-one-out errors (each
-variant predicted from a fit without it) say how well the model predicts a variant it has not seen.
+least squares on the relative error, over the run's variants that are not at the memory roofline. Leave-one-out errors
+(each variant predicted from a fit without it) say how well the model predicts a variant it has not seen.
 """
 
 from __future__ import annotations
@@ -34,17 +31,15 @@ class Point:
     instructions: float
     wavefronts: float
     slots: float
-    conflicts: float = 0.0  # the bank conflicts' extra wavefronts
 
 
 @dataclass(frozen=True)
 class Model:
     per_instruction: float  # a
     per_token: float  # c
-    per_conflict: float = 0.0  # b
 
-    def slots(self, instructions: float, wavefronts: float, conflicts: float = 0.0) -> float:
-        return self.per_instruction * instructions + SLOTS_PER_WAVEFRONT * wavefronts + self.per_conflict * conflicts + self.per_token
+    def slots(self, instructions: float, wavefronts: float) -> float:
+        return self.per_instruction * instructions + SLOTS_PER_WAVEFRONT * wavefronts + self.per_token
 
 
 def measured_slots(latency_s: float, kv_head_tokens: int, slots_per_s: float) -> float:
@@ -53,22 +48,18 @@ def measured_slots(latency_s: float, kv_head_tokens: int, slots_per_s: float) ->
 
 
 def fit(points: list[Point]) -> Model:
-    """a, c and (where some point has conflicts and there are four points or more) b that minimise the squared relative
-    error of the predicted slots over points (at least two)."""
+    """a and c that minimise the squared relative error of the predicted slots over points (at least two)."""
     if len(points) < 2:
         raise ValueError(f"fitting two constants needs two measured variants; got {len(points)}")
     slots = np.array([p.slots for p in points])
-    columns = [[p.instructions for p in points], np.ones(len(points))]
-    with_conflicts = len(points) >= 4 and any(p.conflicts for p in points)
-    if with_conflicts:
-        columns.append([p.conflicts for p in points])
+    columns = np.c_[[p.instructions for p in points], np.ones(len(points))]
     target = 1.0 - SLOTS_PER_WAVEFRONT * np.array([p.wavefronts for p in points]) / slots
-    constants, *_ = np.linalg.lstsq(np.c_[tuple(columns)] / slots[:, None], target, rcond=None)
-    return Model(float(constants[0]), float(constants[1]), float(constants[2]) if with_conflicts else 0.0)
+    constants, *_ = np.linalg.lstsq(columns / slots[:, None], target, rcond=None)
+    return Model(float(constants[0]), float(constants[1]))
 
 
 def relative_error(model: Model, point: Point) -> float:
-    return model.slots(point.instructions, point.wavefronts, point.conflicts) / point.slots - 1.0
+    return model.slots(point.instructions, point.wavefronts) / point.slots - 1.0
 
 
 def leave_one_out(points: list[Point]) -> dict[str, float]:
@@ -77,7 +68,7 @@ def leave_one_out(points: list[Point]) -> dict[str, float]:
 
 
 def predicted_seconds(model: Model, instructions: float, wavefronts: float, bytes_read: float, copy_bytes_per_s: float,
-                      kv_head_tokens: int, slots_per_s: float, conflicts: float = 0.0) -> float:
+                      kv_head_tokens: int, slots_per_s: float) -> float:
     """The longer of the compute time the model gives and the memory time of the bytes at copy bandwidth."""
-    compute = model.slots(instructions, wavefronts, conflicts) * kv_head_tokens / slots_per_s
+    compute = model.slots(instructions, wavefronts) * kv_head_tokens / slots_per_s
     return max(compute, bytes_read / copy_bytes_per_s)

@@ -1,8 +1,7 @@
 """The CUDA kernels on the CPU (tests/kernel_emulation: every CUDA thread a fiber, the PTX primitives modelled), built
 with g++ into shared libraries; for kernels/decode_attention_tc.cu a driver with one C entry point per variant (the
-kernel compiled unchanged), its launch over two stores, and what the emulator counts besides the outputs: the table
-lookups' bank conflicts. Used by the tests (tests/test_tensor_core_decode.py, tests/test_kernel_emulation.py, through
-tests/helpers, which skip where no g++ is) and by tools.bound_decode (the conflicts of each case)."""
+kernel compiled unchanged) and its launch over two stores. Used by the tests (tests/test_tensor_core_decode.py,
+tests/test_kernel_emulation.py, through tests/helpers, which skip where no g++ is)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,7 @@ EMULATION = Path(__file__).resolve().parents[1] / "tests" / "kernel_emulation"
 # turn the fibers' _longjmp between stacks into __longjmp_chk, which aborts ("longjmp causes uninitialized stack
 # frame"). -fno-gnu-unique: a process loads several emulator libraries, and g++ gives static locals of templates (a
 # kernel variant's shared-memory array) STB_GNU_UNIQUE binding, one copy per process, so a variant built into two
-# libraries ran on the first library's array while the second library's shared-window record (intrinsics_on_cpu.h)
-# held its own arrays' upper address bits: where the two libraries lay in different 4 GiB regions of the address
-# space, the emulated shared_address aborted ("shared memory straddles a 4 GiB boundary").
+# libraries (the kernel and a mutant of it) would run on the first library's array, sized by that library's shape.
 EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
                    "-DKVCAL_HOST_EMULATION"]
 # decode_tc's parameters: tensors, byte / element strides, ints, then the float scale, the fused merge's output and
@@ -82,8 +79,6 @@ def driver(variants: list[Variant]) -> str:
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}, {v.gqa}>::SMEM_BYTES; }}")
     lines.append("void schedule_in_reverse(int on) { emulation::reverse_schedule = on != 0; }")
-    lines.append("void take_lookups(unsigned long long* out) { out[0] = emulation::lookups.loads; out[1] = "
-                 "emulation::lookups.wavefronts; emulation::lookups.loads = emulation::lookups.wavefronts = 0; }")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -94,7 +89,6 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     library = emulator_library(driver(variants), [EMULATION, kernel_dir, kernel_source.KERNEL_DIR], "decode_tc_on_cpu.so")
     lib = ctypes.CDLL(str(library))
     pointer, long, integer = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-    lib.take_lookups.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
     lib.schedule_in_reverse.argtypes = [ctypes.c_int]
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
@@ -129,10 +123,3 @@ def schedule_in_reverse(lib: ctypes.CDLL, on: bool) -> None:
     a kernel whose results depend on that order (floating-point atomics into one word) gives other bits."""
     lib.schedule_in_reverse(int(on))
 
-
-def take_lookups(lib: ctypes.CDLL) -> tuple[int, int]:
-    """(warp-wide table lookups, their shared-memory wavefronts) of the launches since the last call (the emulator's
-    bank-conflict count: tests/kernel_emulation/cuda_on_cpu.h's Lookups)."""
-    counts = (ctypes.c_ulonglong * 2)()
-    lib.take_lookups(counts)
-    return counts[0], counts[1]

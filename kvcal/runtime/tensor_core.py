@@ -186,15 +186,12 @@ class Variant:
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
         rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(st, d) * 4) if self.rope else 0  # rotated queries, cos / sin table
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
-        # 2-bit codebooks' 256-word tables (from a multiple of 1024: 1008 bytes of slack); 3-bit sides' (channel groups
-        # aside: they read theirs as they dequantize; uniform ones: code values 0..7) and 4-bit codebooks' tc::EntryPlanes,
-        # 16 and 32 bytes; 3-bit codes read from a lane's places in a row (tc::Planes3Place); codebook keys' one block of
-        # parameters
+        # codebooks' and 3-bit sides' tc::EntryPlanes (channel groups aside: they read theirs as they dequantize;
+        # uniform ones: code values 0..7), 2^bits / 2 words a side from a 16-byte boundary; 3-bit codes read from a
+        # lane's places in a row (tc::Planes3Place); codebook keys' one block of parameters
         planes3 = not self.channel_groups and 3 in (bits, self.vbits)
-        tables = sum(256 * 4 for b in (bits, self.vbits) if self.codebook and b == 2)
-        planes = sum(16 if b == 3 else 32 for b in (bits, self.vbits) if (planes3 and b == 3) or (self.codebook and b == 4))
-        lut = tables + (1008 if tables else 0) + planes
-        lut += 4 * d if self.codebook else 0
+        planes = sum(max(16, 2**b * 2) for b in (bits, self.vbits) if self.codebook or (planes3 and b == 3))
+        key_block = 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
         outliers = 0
@@ -205,7 +202,7 @@ class Variant:
             # 32-byte run descriptions; the launch's gqa heads
             outliers = self.gqa * st * 4 + WARPS * self.gqa * d * 4 + 4 * d * 4 + st * self.gqa * 2 + 32 + 2 * 32
         rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
-        return max(rings * stages * stage + query + rope + lut + places + key_pairs + outliers + work, merge)
+        return max(rings * stages * stage + query + rope + planes + key_block + places + key_pairs + outliers + work, merge)
 
 
 # (key bits, value bits; 0: the keys') of the packed variants: one width, or KVmix's and mixed layers' two
@@ -411,9 +408,8 @@ def _half_words(x: np.ndarray) -> np.ndarray:
 def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
     """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for an index of two
     codes a, b: 4 bits, a | b << 4; 3 bits, a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5, words 64.. unused
-    (zero); 2 bits, a | b << 2 (tc::table_entry reads words 0-15), repeated every 16 words so that word 63 too holds
-    the last entry first (the outlier pass reads it). The kernel makes a 3- or 4-bit side's tc::EntryPlanes from the
-    entries that b = 0 holds."""
+    (zero); 2 bits, a | b << 2, repeated every 16 words so that word 63 too holds the last entry first (the outlier
+    pass reads it). The kernel makes each side's tc::EntryPlanes from the entries that b = 0 holds."""
     values = codebook.double().cpu().numpy()
     i = np.arange(256)
     if len(values) == 16:

@@ -10,9 +10,9 @@ from helpers import skip_without_gxx
 from kvcal.runtime import kernel_source
 from kvcal.runtime.tensor_core import Variant
 from tools import kernel_emulation
-from tools.kernel_emulation import decode, schedule_in_reverse, symbol, take_lookups
+from tools.kernel_emulation import decode, schedule_in_reverse, symbol
 
-__all__ = ["build", "decode", "schedule_in_reverse", "symbol", "take_lookups"]
+__all__ = ["build", "decode", "schedule_in_reverse", "symbol"]
 
 
 def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) -> ctypes.CDLL:

@@ -87,40 +87,6 @@ inline Block* running = nullptr;
 inline bool reverse_schedule = false;
 inline std::vector<std::vector<char>> stacks;  // reused by every block
 
-// Bank conflicts of the table lookups (intrinsics_on_cpu.h's load_shared_word, the kernels' only scattered 32-bit
-// shared loads): each thread's lookup addresses in order, per block. At the block's end the n-th lookups of a warp's
-// lanes are one warp-wide load, served in as many wavefronts as the most distinct words any one of the 32 banks
-// (4 bytes each) holds among them: the GPU's rule, on the same addresses.
-struct Lookups {
-    std::vector<std::vector<unsigned>> by_thread;
-    unsigned long long loads = 0, wavefronts = 0;  // since the last read (take_lookups)
-};
-inline Lookups lookups;
-
-inline void record_lookup(unsigned thread, unsigned address) {
-    if (lookups.by_thread.size() <= thread) lookups.by_thread.resize(thread + 1);
-    lookups.by_thread[thread].push_back(address);
-}
-
-inline void tally_lookups(unsigned threads) {
-    for (unsigned warp = 0; warp < threads; warp += 32) {
-        size_t n = 0;
-        for (unsigned lane = warp; lane < warp + 32 && lane < lookups.by_thread.size(); ++lane)
-            n = std::max(n, lookups.by_thread[lane].size());
-        for (size_t i = 0; i < n; ++i) {
-            unsigned words[32][32], held[32] = {};  // per bank, the distinct words asked of it
-            for (unsigned lane = warp; lane < warp + 32 && lane < lookups.by_thread.size(); ++lane) {
-                if (i >= lookups.by_thread[lane].size()) continue;
-                const unsigned word = lookups.by_thread[lane][i] >> 2, bank = word & 31u;
-                if (std::find(words[bank], words[bank] + held[bank], word) == words[bank] + held[bank]) words[bank][held[bank]++] = word;
-            }
-            lookups.loads += 1;
-            lookups.wavefronts += *std::max_element(held, held + 32);
-        }
-    }
-    lookups.by_thread.clear();
-}
-
 inline void yield_to_scheduler() {
     Block& block = *running;
     if (!_setjmp(block.fibers[block.current].resume)) _longjmp(block.scheduler, 1);
@@ -184,7 +150,6 @@ inline void run_block(unsigned threads, const std::function<void()>& body) {
             std::abort();
         }
     }
-    tally_lookups(threads);
     running = nullptr;
 }
 

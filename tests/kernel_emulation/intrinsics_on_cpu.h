@@ -285,36 +285,6 @@ inline unsigned prmt(unsigned a, unsigned b, unsigned selector) {
     return d;
 }
 
-// Shared-window addresses: the low 32 bits of the host address. A build's shared memory is its static arrays, which
-// share the upper 32 bits: shared_address records (and checks) them and load_shared_word restores them. The record
-// has internal linkage, one per build: a process loads several emulator libraries, each at its own addresses.
-namespace emulation {
-namespace intrinsics {
-namespace {
-struct {
-    bool known = false;
-    uintptr_t upper = 0;
-} shared_window;
-}  // namespace
-}  // namespace intrinsics
-}  // namespace emulation
-
-static inline unsigned shared_address(const void* p) {  // internal linkage, as its record
-    auto& window = emulation::intrinsics::shared_window;
-    const uintptr_t address = reinterpret_cast<uintptr_t>(p), upper = address & ~(uintptr_t)0xFFFFFFFFu;
-    if (window.known && window.upper != upper) emulation::intrinsics::fail("shared memory straddles a 4 GiB boundary of the host's addresses");
-    window.known = true, window.upper = upper;
-    return (unsigned)address;
-}
-
-static inline unsigned load_shared_word(unsigned address) {
-    const auto& window = emulation::intrinsics::shared_window;
-    if (!window.known) emulation::intrinsics::fail("load_shared_word: no shared_address was taken");
-    if (address % 4) emulation::intrinsics::fail("ld.shared.b32 address is not 4-byte aligned");
-    emulation::record_lookup(threadIdx.x, address);
-    return *reinterpret_cast<const unsigned*>(window.upper | address);
-}
-
 // .f16x2 arithmetic, IEEE round to nearest even per lane. In double, a - b is exact and a * b + c is exact
 // whenever it spans at most 53 bits (every use in kernels/intrinsics.cuh), so one rounding to fp16 remains.
 namespace emulation {

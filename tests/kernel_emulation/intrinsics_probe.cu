@@ -157,19 +157,3 @@ extern "C" __global__ void probe_dequant(const unsigned* words, unsigned* out, i
         for (int j = 0; j < 2; ++j) out[2 * i + j] = h[j];
     }
 }
-
-// Table lookups through shared-window addresses (shared_address, load_shared_word): a 256-word table copied to the
-// first multiple of 1024 in a shared array; out[i][k] (k < 4) = the word at byte offset (byte k of x[i]) & 0xFC, its
-// address made by one prmt into the table's address; out[i][4] = word x[i] & 0xFF, its address made by one lop3
-// ((x << 2) & 0x3FC | table address), as the tensor-core kernel's codebook lookups make them.
-extern "C" __global__ void probe_shared_table(const unsigned* table, const unsigned* x, unsigned* out, int n) {
-    __shared__ unsigned raw[2 * 256];
-    unsigned* const t = raw + ((0u - shared_address(raw)) & 1023u) / 4;
-    for (int j = threadIdx.x; j < 256; j += blockDim.x) t[j] = table[j];
-    __syncthreads();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const unsigned base = shared_address(t), offsets = x[i] & 0xFCFCFCFCu;
-    for (int k = 0; k < 4; ++k) out[5 * i + k] = load_shared_word(prmt(offsets, base, 0x7650u + k));
-    out[5 * i + 4] = load_shared_word(lop3<(0xF0 & 0xCC) | 0xAA>(x[i] << 2, 0x3FCu, base));
-}
