@@ -63,7 +63,7 @@ def test_a_build_is_keyed_by_the_files_it_includes_and_theirs_only(tmp_path):
     assert found == ['a.cuh\0#pragma once\n#include "b.cuh"\n#include <cmath>\n', 'b.cuh\0#include "a.cuh"\nint b;\n']
     names = [x.split("\0")[0] for x in kernel_source.included_sources(kernel_source.source("decode_attention_tc.cu"),
                                                                       [kernel_source.KERNEL_DIR])]
-    assert sorted(names) == ["common.cuh", "intrinsics.cuh", "merge.cuh", "segments.cuh"]  # not append.cu
+    assert sorted(names) == ["code_lookups.cuh", "common.cuh", "intrinsics.cuh", "merge.cuh", "segments.cuh"]  # not append.cu
 
 
 def test_enum_members_counts_on_from_explicit_values(tmp_path, monkeypatch):

@@ -448,8 +448,8 @@ def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     assert tensor_core.split_plan([32768] * 300, 2400, 528, 64) == (32768, 1)  # more pairs than a wave holds: no split
 
 
-# a planted bug in each operand mapping: the comparison must catch it (on batch "1" at head_dim 128 in splits of
-# PER_SPLIT tokens; optional fourth to sixth fields: another batch, head_dim, split)
+# a planted bug in each operand mapping, in the kernel or a header it includes: the comparison must catch it (on batch
+# "1" at head_dim 128 in splits of PER_SPLIT tokens; optional fourth to sixth fields: another batch, head_dim, split)
 MUTANTS = {
     "fp16-value-channels": ("fp16", "return 16 * mt + 8 * r + g;", "return 16 * mt + 8 * r + (g ^ 1);"),
     "quantized-key-pairs": ("int4", "p % HALF + e * HALF;", "p % HALF + (1 - e) * HALF;"),
@@ -553,10 +553,11 @@ MUTANTS = {
 def test_the_comparison_catches_a_planted_mapping_bug(tmp_path, name):
     codec, old, new, *other = MUTANTS[name]
     batch, head_dim, per_split = (*other, *("1", 128, PER_SPLIT)[len(other):])
-    text = KERNEL.read_text()
-    assert text.count(old) == 1, old
-    (tmp_path / tensor_core.MODULE).write_text(text.replace(old, new))
-    (tmp_path / "intrinsics.cuh").write_text((kernel_source.KERNEL_DIR / "intrinsics.cuh").read_text())
+    # the mutated copy sits beside the kernel's, whose includes find it first
+    holders = [path for path in sorted(kernel_source.KERNEL_DIR.glob("*.cu*")) if old in path.read_text()]
+    assert len(holders) == 1 and holders[0].read_text().count(old) == 1, old
+    (tmp_path / tensor_core.MODULE).write_text(KERNEL.read_text())
+    (tmp_path / holders[0].name).write_text(holders[0].read_text().replace(old, new))
     v = variant_of(codec, head_dim, 2)
     lib = build([v], kernel_dir=tmp_path)
     assert max_error(codec, head_dim, 2, batch, lib, per_split=per_split) > 10 * tolerance(codec)
