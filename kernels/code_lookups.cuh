@@ -16,15 +16,15 @@ struct alignas(E == 4 ? 8 : 16) EntryPlanes {
 };
 using Planes3Table = EntryPlanes<8>;
 
-// Word w of an EntryPlanes<E> from codebook_pairs' table (global memory), whose index x & 3 | (x >> 2) << 4 (3 bits)
-// or x (2 and 4 bits) holds entry x in its low half
+// Word w of an EntryPlanes<E> from a side's entries in global memory (kvcal.runtime.tensor_core.codebook_entries:
+// word x holds entry x in its low half)
 template <int E>
-__device__ __forceinline__ void table_planes_word(EntryPlanes<E>* to, const unsigned* __restrict__ pairs, int w) {
+__device__ __forceinline__ void table_planes_word(EntryPlanes<E>* to, const unsigned* __restrict__ entries, int w) {
     unsigned word = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int x = w % (E / 4) * 4 + i;
-        const unsigned entry = __ldg(pairs + (E == 8 ? (x & 3) | (x >> 2) << 4 : x)) & 0xFFFFu;
+        const unsigned entry = __ldg(entries + x) & 0xFFFFu;
         word |= (w < E / 4 ? entry & 0xFFu : entry >> 8) << (8 * i);
     }
     reinterpret_cast<unsigned*>(to)[w] = word;

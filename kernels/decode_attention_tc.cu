@@ -12,6 +12,7 @@ namespace tc {
 
 constexpr int WARPS = 4, THREADS = WARPS * 32;
 constexpr int OUT_TILE = 64;  // rows of kvcal/packing.py's outlier tiles: one stage of the variants that read outliers
+constexpr int CODEBOOK_WORDS = 16;  // a side of the codebooks operand (kvcal.runtime.tensor_core.codebook_entries)
 constexpr unsigned FP16_MINUS_ZERO2 = 0x80008000u, FP16_ONE2 = 0x3C003C00u;
 
 #ifdef KVCAL_HOST_EMULATION
@@ -447,7 +448,7 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // kv_heads, tiles) offsets, (batch, kv_heads) counts (null: that side keeps none), strides per (sequence, KV head) run
 // in elements. ROPE: inv_freq (D / 2) float32 and rope_table (rope_row_start(ST)) words, the shared-memory image of
 // rope_pair_word's table.
-// CB: codebooks, the keys' and then the values' 256-word tables (codebook_pairs); PG: in their place the channel group
+// CB: codebooks, the keys' and then the values' CODEBOOK_WORDS entries (codebook_entries); PG: in their place the channel group
 // tables (tensor_core.group_tables), the keys' per-token parameters in key_scale / key_zero as the values' (strides
 // kp_seq / kp_row of a sequence and a group's run, in elements: fp8 ones are bytes). per_split tokens
 // (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
@@ -849,7 +850,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     if constexpr (S::PLANE_WORDS > 0) {  // stores, read after the block's first barrier
         if (tid < S::KEY_PLANE_WORDS) table_planes_word(reinterpret_cast<KeyPlanes*>(plane_words), codebooks, tid);
         if (tid >= 32 && tid < 32 + S::VALUE_PLANE_WORDS)
-            table_planes_word(reinterpret_cast<ValuePlanes*>(plane_words + S::VALUE_PLANES_AT), codebooks + 256, tid - 32);
+            table_planes_word(reinterpret_cast<ValuePlanes*>(plane_words + S::VALUE_PLANES_AT), codebooks + CODEBOOK_WORDS, tid - 32);
     }
     if constexpr (CB) {  // and codebook keys' per-channel scale and zero
         constexpr int PCHUNKS = D * 2 / 16;
@@ -1005,10 +1006,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     if constexpr (OUT) {
         for (int i = tid; i < GQA * ST / 4; i += THREADS) reinterpret_cast<int4*>(score_corrections)[i] = int4{};
         for (int i = tid; i < WARPS * GQA * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
-        constexpr int LAST = 63;  // an index of codebook_pairs whose low half is the last entry, at 4 bits (15 | 3 << 4), 3 and 2
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
-        const float key_first = entry(0), key_last = entry(LAST);
-        value_first = entry(256), value_last = entry(256 + LAST);
+        const float key_first = entry(0), key_last = entry((1 << BITS) - 1);
+        value_first = entry(CODEBOOK_WORDS), value_last = entry(CODEBOOK_WORDS + (1 << VBITS) - 1);
         for (int c = tid; c < D; c += THREADS) {
             const long long channel = (long long)kvh * D + c;
             const float scale = fmaxf(half_to_float(key_scale[channel]), 5.9604644775390625e-8f), zero = half_to_float(key_zero[channel]);

@@ -496,12 +496,14 @@ MUTANTS = {
     "nuq2-table-second-code": ("nuq2", "second = x >> 2 & 0x33333333u", "second = x >> 1 & 0x33333333u"),
     "nuq2-table-upper-fields": ("nuq2", "table_pairs(table, first >> 16, second >> 16, out + 4)", "table_pairs(table, first, second, out + 4)"),
     "nuq3-table-high-byte": ("nuq3", "out[2 * k + 1] = prmt(lo, hi, 0x7362u);", "out[2 * k + 1] = prmt(lo, hi, 0x7632u);"),
-    # a 3-bit table's planes from codebook_pairs' entries, an odd code's high bit in its index (pre-RoPE at 64 / 128)
-    "nuq3-table-plane-entry": ("nuq3-out-rope", "(x & 3) | (x >> 2) << 4 : x)", "(x & 3) | (x >> 2) << 2 : x)", "3"),
+    # a 3-bit table's planes from the side's entries (pre-RoPE at 64 / 128), an odd code's high bit in its index
+    "nuq3-table-plane-entry": ("nuq3-out-rope", "__ldg(entries + x)", "__ldg(entries + (x ^ 1))", "3"),
+    "nuq3-odd-index-high-bit": ("nuq3-rope", "lop3<magic::SELECT>(low >> 2, high, 0x33333333u)", "lop3<magic::SELECT>(low >> 2, high >> 2, 0x33333333u)"),
     # a 4-bit table's planes: an index's half (bit 3), the entries of the second half's planes
     "nuq4-table-half": ("nuq4", "lop3<magic::AND_OR>(s >> 1, 0x4444u, 0x3210u)", "lop3<magic::AND_OR>(s >> 2, 0x4444u, 0x3210u)"),
-    "nuq4-table-plane-entry": ("nuq4-out-rope", "(x & 3) | (x >> 2) << 4 : x)", "(x & 3) | (x >> 2) << 4 : x & 7)", "3"),
-    "nuq3-odd-index-high-bit": ("nuq3-rope", "lop3<magic::SELECT>(low >> 2, high, 0x33333333u)", "lop3<magic::SELECT>(low >> 2, high >> 2, 0x33333333u)"),
+    "nuq4-table-plane-entry": ("nuq4-out-rope", "__ldg(entries + x)", "__ldg(entries + (x & 7))", "3"),
+    # outliers: a side's last codebook entry by its width (nuq3 keys, nuq4 values)
+    "outlier-last-entry": ("nuq3-nuq4v-out-rope", "entry(CODEBOOK_WORDS + (1 << VBITS) - 1)", "entry(CODEBOOK_WORDS + (1 << BITS) - 1)", "3"),
     "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * ST + token,", "score_corrections + head * ST + (token ^ 1),", "3"),
     "outlier-first-round": ("nuq3-out-rope", "if (from + tid < to) patch(", "if (from + tid < from) patch(", "3"),
     # head_dim 256: a whole planes3 unit's second half, a key block's parameters in two rounds of a warp's lanes

@@ -405,25 +405,18 @@ def _half_words(x: np.ndarray) -> np.ndarray:
     return bits16[..., 0] | bits16[..., 1] << 16
 
 
-def codebook_pairs(codebook: torch.Tensor) -> torch.Tensor:
-    """The kernel's codebook table, 256 int32 words of fp16 pairs {codebook[a], codebook[b]} for an index of two
-    codes a, b: 4 bits, a | b << 4; 3 bits, a & 3 | (b & 3) << 2 | (a >> 2) << 4 | (b >> 2) << 5, words 64.. unused
-    (zero); 2 bits, a | b << 2, repeated every 16 words so that word 63 too holds the last entry first (the outlier
-    pass reads it). The kernel makes each side's tc::EntryPlanes from the entries that b = 0 holds."""
-    values = codebook.double().cpu().numpy()
-    i = np.arange(256)
-    if len(values) == 16:
-        a, b = i & 15, i >> 4
-    elif len(values) == 8:
-        i = i[:64]
-        a, b = (i & 3) | (i >> 4 & 1) << 2, (i >> 2 & 3) | (i >> 5 & 1) << 2
-    elif len(values) == 4:
-        a, b = i & 3, i >> 2 & 3
-    else:
-        raise KvcalError(f"the tensor-core kernel's codebook tables hold 2-, 3- or 4-bit codebooks, not {len(values)} entries")
-    table = np.zeros(256, dtype=np.uint32)
-    table[i] = _half_words(np.stack([values[a], values[b]], -1))
-    return torch.from_numpy(table.view(np.int32).copy())
+CODEBOOK_WORDS = 16  # a side of the kernel's codebooks operand (tc::CODEBOOK_WORDS): the largest codebook's entries
+
+
+def codebook_entries(codebook: torch.Tensor) -> torch.Tensor:
+    """A side of the kernel's codebooks operand: CODEBOOK_WORDS int32 words, word x the fp16 bits of entry x (zero
+    past the codebook). The kernel makes the side's tc::EntryPlanes of them, and its outlier pass reads the first and
+    last entries."""
+    if len(codebook) not in (4, 8, 16):
+        raise KvcalError(f"the tensor-core kernel's codebook tables hold 2-, 3- or 4-bit codebooks, not {len(codebook)} entries")
+    words = np.zeros(CODEBOOK_WORDS, dtype=np.uint32)
+    words[: len(codebook)] = codebook.double().cpu().numpy().astype(np.float16).view(np.uint16)
+    return torch.from_numpy(words.view(np.int32).copy())
 
 
 def rope_table(inv_freq: torch.Tensor, head_dim: int, bits: int, codebook: bool = False) -> torch.Tensor:
@@ -449,14 +442,14 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     out = {}
     if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and 3 in (int(keys.codec.bits), int(values.codec.bits)):
         # uniform 3-bit codes: their side's table gives code values 0..7
-        tables = [codebook_pairs(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(256, dtype=torch.int32)
+        tables = [codebook_entries(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(CODEBOOK_WORDS, dtype=torch.int32)
                   for store in (keys, values)]
         out["codebooks"] = torch.cat(tables).to(device)
     if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
         out["key_zero"] = ((hi + lo) / 2).half().to(device)
-        out["codebooks"] = torch.cat((codebook_pairs(keys.codec.codebook), codebook_pairs(values.codec.codebook))).to(device)
+        out["codebooks"] = torch.cat((codebook_entries(keys.codec.codebook), codebook_entries(values.codec.codebook))).to(device)
     groups = _is_packed(keys) and keys.codec.kind is CodecKind.PERMUTED_GROUPS
     if groups:
         out["codebooks"] = group_tables(keys.codec, values.codec, head_dim).to(device)
