@@ -148,12 +148,14 @@ struct Shape {
     // the outlier tiles (OUT_TILE), the rotation table's rows (ROPE) and the codebook variants' shared memory are sized
     // by it
     static constexpr bool WIDE = !FP16 && !ROPE && !CB && KG > 0 && (KG == 32 || KG == 64 || (WIDEST == 2 && KG % 128 == 0));
-    // uniform codes with post-RoPE keys stream warp-private pipelines: warp w owns a contiguous quarter of the split and
-    // copies, waits for and computes only its own tokens, TPW a stage, behind __syncwarp: no barrier of the block's warps
-    // in the loop (the H200 profile of int2 g128 at 94c61ae: 15.9% of stall samples at the block's barrier), and each
-    // warp makes its own key block's Q' once a block. The others share work across warps each stage (the rotated query,
-    // the outlier corrections, the dequantized fp16 rows of channel groups), and fp16 rows stream at bandwidth already
-    static constexpr bool PRIVATE = !FP16 && !ROPE && !CB && !GROUPS;
+    // packed codes stream warp-private pipelines: warp w owns a contiguous quarter of the split and copies, waits for
+    // and computes only its own tokens, TPW a stage, behind __syncwarp: no barrier of the block's warps in the loop (the
+    // H200 profile of int2 g128 at 94c61ae: 15.9% of stall samples at the block's barrier); each warp makes its own key
+    // block's Q' once a block and (pre-RoPE keys) rotates its own query every BLOCK_ST tokens. The others share work
+    // across warps each stage (the outlier corrections, the dequantized fp16 rows of channel groups), or rotate the
+    // query at head_dim 256, where a lane's rotation tasks would span several frequency pairs' state, past its
+    // registers; fp16 rows stream at bandwidth already
+    static constexpr bool PRIVATE = !FP16 && !GROUPS && !OUT && !(ROPE && D > 128);
     static constexpr int BLOCK_ST = WIDE ? 128 : 64, TPW = BLOCK_ST / WARPS;  // tokens per iteration: the block's, a warp's
     static constexpr int ST = PRIVATE ? TPW : BLOCK_ST;  // tokens per stage buffer (PRIVATE: a warp's own)
     static constexpr int RINGS = PRIVATE ? WARPS : 1;    // pipelines of STAGES buffers
@@ -201,11 +203,13 @@ struct Shape {
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
-    // pre-RoPE keys: the query rotated to the stage's first position as the stage's A fragments, two buffers (by stage
-    // parity) of [pair / 4][lane][4] words (q_stage_word)
-    static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0;
-    // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < ST (rope_pair_word)
-    static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (ST * (D / 2) + ST / 2 * 16) * 4 : 0;  // rope_row_start(ST)
+    // pre-RoPE keys: the query rotated to a position as A fragments, buffers of [pair / 4][lane][4] words (q_stage_word):
+    // the block's two by stage parity (rotated to each stage's first position), or (PRIVATE) one per warp (rotated every
+    // ROTATE_EVERY of its stages, to the first position of their BLOCK_ST tokens)
+    static constexpr int QSTAGE_WORDS = ROPE ? D / 8 * 32 : 0, QSTAGE_BUFFERS = PRIVATE ? WARPS : 2;
+    static constexpr int ROTATE_EVERY = BLOCK_ST / ST;
+    // pre-RoPE keys: the table of {cos, sin} (delta theta) pairs for delta < BLOCK_ST (rope_pair_word)
+    static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (BLOCK_ST * (D / 2) + BLOCK_ST / 2 * 16) * 4 : 0;  // rope_row_start(BLOCK_ST)
     // codebooks and 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) look
     // their 2^bits entries up in registers from byte planes (EntryPlanes: 2^bits / 2 words a side, keys' then values',
     // each from a 16-byte boundary; uniform 3-bit codes: the code values 0..7). Shared-memory tables of the entries'
@@ -231,7 +235,7 @@ struct Shape {
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
-    static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + 2 * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
+    static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + QSTAGE_BUFFERS * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
                                       PLANE_WORDS * 4 + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
                                       WORK_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
@@ -488,11 +492,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int PAIRS = D / 8;  // key fragment registers per lane (two per k-step)
     constexpr int KEY_ORDER = S::ROWS16 ? 16 : BITS;  // the channel order of the keys' B fragments (key_channel)
     constexpr int KSTEPS = D / 16, MTILES = D / 16;
-    // warp-private pipelines put a k-step's 16 tokens in M and the GQA group in N (tokens_in_m_steps): half the mma of
-    // heads in M with paired k-steps (paired_k_steps, whose rows carry at most 8 heads a k-step), for the price of a
-    // movmatrix per 8 tokens to make P's B fragments. A lane's scores are then heads 2t and 2t + 1's (HL of them), as
-    // its output columns are, where the other layout gives it head g's
-    constexpr bool TOKENS_IN_M = S::PRIVATE;
+    // warp-private pipelines of post-RoPE uniform codes put a k-step's 16 tokens in M and the GQA group in N
+    // (tokens_in_m_steps): half the mma of heads in M with paired k-steps (paired_k_steps, whose rows carry at most 8
+    // heads a k-step), for the price of a movmatrix per 8 tokens to make P's B fragments. A lane's scores are then heads
+    // 2t and 2t + 1's (HL of them), as its output columns are, where the other layout gives it head g's. Pre-RoPE keys
+    // keep heads in M (the rotation works on one token's row at a time), codebooks their lookups' fragment order
+    constexpr bool TOKENS_IN_M = S::PRIVATE && !ROPE && !CB;
     constexpr bool ROTATED_KEYS = ROPE && !S::ROWS16;  // pre-RoPE codes rotated in registers, per part of the channels
     constexpr int HL = TOKENS_IN_M ? 2 : 1;
     // the lanes that hold a head's other tokens are the lane's xor partners HEAD_LANES_FROM, 2 HEAD_LANES_FROM, ...
@@ -678,14 +683,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // codebook values' per-token lo and hi go through registers: loaded with the stage's copies, stored to shared memory
     // at the end of that iteration (the prologue's: before the loop) as the token's scale and zero (fp32), so that the
     // compute pass reads a token pair's with one load, and the iteration's compute hides their latency. Stored before
-    // the barrier behind which their stage's patches and tokens are read, into a buffer every warp has left. Thread
-    // tid < ST: token tid's (a running offset and row, advanced one stage per load, as the copies')
-    long long vp_at = b * vp_seq + v_first + start + tid % ST;
-    int vp_row_of = start + tid % ST;
+    // the barrier (PRIVATE: __syncwarp) behind which their stage's tokens are read, into a buffer every thread that
+    // reads it has left. Copier c < ST of the pipeline: token c's (a running offset and row, advanced one stage per
+    // load, as the copies')
+    long long vp_at = b * vp_seq + v_first + lo + copier % ST;
+    int vp_row_of = lo + copier % ST;
     auto load_value_params = [&](unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
             unsigned short lo = 0, hi = 0;
-            if (tid < ST) {
+            if (copier < ST) {
                 if (vp_row_of < end) lo = __ldg(value_scale + vp_at), hi = __ldg(value_zero + vp_at);
                 vp_row_of += ST;
                 vp_at += ST;
@@ -696,9 +702,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
             unsigned char* const vp = stage_buffer(tile) + S::CODE_BYTES + S::KP_BYTES;
-            if (tid < ST) {
+            if (copier < ST) {
                 const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
-                reinterpret_cast<float2*>(vp)[tid] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
+                reinterpret_cast<float2*>(vp)[copier] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
             }
         }
     };
@@ -729,10 +735,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     float bias[HL] = {};  // Q . zero of the current key block: head g, or (TOKENS_IN_M) heads 2t and 2t + 1
     int key_block = -1;
 
-    // ---- the query's fragments per stage (pre-RoPE keys: rotated by -P0 per stage, a task = (head, lane part,
-    // frequency pair)) ----
-    unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [parity][pair / 4][lane][4]
-    unsigned* const rope_smem = q_stage + 2 * S::QSTAGE_WORDS;
+    // ---- the rotated query's fragments (pre-RoPE keys: rotated by -P0, a task = (head, lane part, frequency pair)) ----
+    unsigned* const q_stage = q_shared + S::Q_BYTES / 4;  // [buffer][pair / 4][lane][4]
+    // the buffer stage `tile` reads its query from: the block's by stage parity, or (PRIVATE) the warp's own
+    const auto q_buffer = [&](int tile) { return q_stage + (S::PRIVATE ? warp : tile & 1) * S::QSTAGE_WORDS; };
+    unsigned* const rope_smem = q_stage + S::QSTAGE_BUFFERS * S::QSTAGE_WORDS;
     // the sides' EntryPlanes (codebooks, 3-bit codes), keys' then values'
     unsigned* const plane_words = rope_smem + S::ROPE_TABLE_BYTES / 4;
     using KeyPlanes = EntryPlanes<(1 << BITS)>;
@@ -763,16 +770,21 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
     int* const value_runs = reinterpret_cast<int*>(stage_p + ST * GQA);
     static_assert((WARPS + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds value_runs in 32 bytes");
-    constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > THREADS ? (TASKS + THREADS - 1) / THREADS : 1;
-    // A thread's tasks share their frequency pair (tasks THREADS apart are the same pair of another head): cos / sin of
-    // P0 theta for its two frequencies, and of ST theta (one stage's step), held once. Between exact anchors every
-    // ANCHOR stages, the next stage's angle is this one's plus the step (an fp32 rotation: error ~1e-7 a stage)
-    static_assert(THREADS % (D / 4) == 0, "a thread's rotation tasks share one frequency pair");
-    const RopeTask frequency = rope_task<D>(tid);
+    // a rotation's tasks are shared among its rotators: the block's threads, or (PRIVATE) the warp's lanes
+    constexpr int ROTATORS = S::PRIVATE ? 32 : THREADS;
+    const int rotator = S::PRIVATE ? lane : tid;
+    constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > ROTATORS ? (TASKS + ROTATORS - 1) / ROTATORS : 1;
+    // A rotator's tasks share their frequency pair (tasks ROTATORS apart are the same pair of another head): cos / sin
+    // of P0 theta for its two frequencies, and of BLOCK_ST theta (the step between rotations), held once. Between exact
+    // anchors every ANCHOR rotations, the next angle is this one's plus the step (an fp32 rotation: error ~1e-7 a step)
+    static_assert(!ROPE || ROTATORS % (D / 4) == 0, "a rotator's tasks share one frequency pair");
+    const RopeTask frequency = rope_task<D>(rotator);
     constexpr int ANCHOR = 16;
-    float task_cs[4], task_step[4];  // {cos0, sin0, cos1, sin1}
+    float task_cs[4] = {}, task_step[4];  // {cos0, sin0, cos1, sin1}
     // a task's query pairs {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in), held per slot across the loop;
-    // KEY_PAIRS_SHARED: reread from L1 per stage instead (4 registers a task, past head_dim 256's limit)
+    // KEY_PAIRS_SHARED and PRIVATE: reread from L1 per rotation instead (4 registers a task: past head_dim 256's limit,
+    // and a lane has GQA tasks where a thread of the block has GQA / 4)
+    constexpr bool HOLD_TASK_QUERY = !S::KEY_PAIRS_SHARED && !S::PRIVATE;
     const auto read_query_pairs = [&](const RopeTask& r, float (&pairs)[4]) {
         const float* const q = query + (out_row + r.head) * D;
 #pragma unroll
@@ -781,39 +793,41 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             pairs[e] = q[c] * scale_log2, pairs[2 + e] = q[c + D / 2] * scale_log2;
         }
     };
-    float task_q[S::KEY_PAIRS_SHARED ? 1 : TASK_SLOTS][4];
+    float task_q[HOLD_TASK_QUERY ? TASK_SLOTS : 1][4];
     // the key block's scale and zero pairs in key_channel order (KEY_PAIRS_SHARED: in key_pairs instead)
     constexpr int KEY_PAIR_REGS = ROPE && !S::KEY_PAIRS_SHARED ? PAIRS : 1;
     unsigned ks2[KEY_PAIR_REGS], kz2[KEY_PAIR_REGS];
-    auto rotate_query = [&](int tile) {  // the query at stage `tile`: R(P0)^T q into q_stage[tile % 2]
+    // the query at stage `tile`'s first position P0: R(P0)^T q into its buffer (PRIVATE: every ROTATE_EVERY stages)
+    auto rotate_query = [&](int tile) {
         if constexpr (ROPE) {
-            const int p0 = meta[META * b + 2] + start + tile * ST;
-            unsigned* const out = q_stage + (tile & 1) * S::QSTAGE_WORDS;
+            const int p0 = meta[META * b + 2] + lo + tile * ST;
+            unsigned* const out = q_buffer(tile);
             float* const cs = task_cs;
-            if (tile % ANCHOR == 0) {
+            // the last rotation's angle advanced by the step, replaced by the exact one at an anchor (the step runs
+            // unconditionally: predicated into the rotation, it had made its block as rare as the anchors are not)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float c = cs[2 * e], s = cs[2 * e + 1], c1 = task_step[2 * e], s1 = task_step[2 * e + 1];
+                cs[2 * e] = c * c1 - s * s1;
+                cs[2 * e + 1] = s * c1 + c * s1;
+            }
+            if (tile / S::ROTATE_EVERY % ANCHOR == 0) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e)  // the frequency reloaded: an anchor is rare, registers are not
                     exact_cos_sin(p0, __ldg(inv_freq + key_channel<D, KEY_ORDER, true, CB>(frequency.part, frequency.pair, e)), &cs[2 * e],
                                   &cs[2 * e + 1]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float c = cs[2 * e], s = cs[2 * e + 1], c1 = task_step[2 * e], s1 = task_step[2 * e + 1];
-                    cs[2 * e] = c * c1 - s * s1;
-                    cs[2 * e + 1] = s * c1 + c * s1;
-                }
             }
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
-                const int task = tid + i * THREADS;
-                if (TASKS % THREADS == 0 || task < TASKS) {
+                const int task = rotator + i * ROTATORS;
+                if (TASKS % ROTATORS == 0 || task < TASKS) {
                     const RopeTask r = rope_task<D>(task);
                     float pairs[4], qa[2], qb[2];
-                    if constexpr (S::KEY_PAIRS_SHARED) {
-                        read_query_pairs(r, pairs);
-                    } else {
+                    if constexpr (HOLD_TASK_QUERY) {
 #pragma unroll
                         for (int j = 0; j < 4; ++j) pairs[j] = task_q[i][j];
+                    } else {
+                        read_query_pairs(r, pairs);
                     }
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
@@ -834,18 +848,18 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int i = 0; i < CHUNKS / THREADS; ++i)
             cp_async_16(reinterpret_cast<unsigned char*>(rope_smem) + (tid + i * THREADS) * 16,
                         reinterpret_cast<const unsigned char*>(rope_table) + (tid + i * THREADS) * 16, 16);
-        for (int i = tid; i < 2 * S::QSTAGE_WORDS; i += THREADS)  // rows of heads past GQA stay zero
+        for (int i = tid; i < S::QSTAGE_BUFFERS * S::QSTAGE_WORDS; i += THREADS)  // rows of heads past GQA stay zero
             if ((i >> 4 & 7) >= GQA) q_stage[i] = 0u;
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-            exact_cos_sin(ST, inv_freq[key_channel<D, KEY_ORDER, true, CB>(frequency.part, frequency.pair, e)], &task_step[2 * e],
-                          &task_step[2 * e + 1]);
+            exact_cos_sin(S::BLOCK_ST, inv_freq[key_channel<D, KEY_ORDER, true, CB>(frequency.part, frequency.pair, e)],
+                          &task_step[2 * e], &task_step[2 * e + 1]);
 #pragma unroll
-        for (int i = 0; i < (S::KEY_PAIRS_SHARED ? 0 : TASK_SLOTS); ++i) {
-            const int task = tid + i * THREADS;
-            if (TASKS % THREADS == 0 || task < TASKS) read_query_pairs(rope_task<D>(task), task_q[i]);
+        for (int i = 0; i < (HOLD_TASK_QUERY ? TASK_SLOTS : 0); ++i) {
+            const int task = rotator + i * ROTATORS;
+            if (TASKS % ROTATORS == 0 || task < TASKS) read_query_pairs(rope_task<D>(task), task_q[i]);
         }
-        rotate_query(0);
+        if constexpr (!S::PRIVATE) rotate_query(0);  // (a private pipeline's warp rotates its own in the loop)
     }
     if constexpr (S::PLANE_WORDS > 0) {  // stores, read after the block's first barrier
         if (tid < S::KEY_PLANE_WORDS) table_planes_word(reinterpret_cast<KeyPlanes*>(plane_words), codebooks, tid);
@@ -1053,7 +1067,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr float SCORE_UNIT = 16384.0f, SCORE_TERM = (float)(1 << 30) / D;
     const auto correct_keys = [&](const unsigned char* stage, int tile) {
         const OutlierHeader& h = header_of(stage);
-        const unsigned short* const q_halves = reinterpret_cast<const unsigned short*>(q_stage + (tile & 1) * S::QSTAGE_WORDS);
+        const unsigned short* const q_halves = reinterpret_cast<const unsigned short*>(q_buffer(tile));
         const unsigned short* const rope_halves = reinterpret_cast<const unsigned short*>(rope_smem);
         each_outlier(stage, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
@@ -1183,9 +1197,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
         }
     };
-    // this stage's query fragments from q_stage[parity]: each 16-byte load is one A fragment (two_step_fragment)
-    const auto load_query_fragments = [&](int parity) {
-        const unsigned* const qr = q_stage + parity * S::QSTAGE_WORDS + lane * 4;
+    // stage `tile`'s query fragments from its buffer: each 16-byte load is one A fragment (two_step_fragment)
+    const auto load_query_fragments = [&](int tile) {
+        const unsigned* const qr = q_buffer(tile) + lane * 4;
 #pragma unroll
         for (int j = 0; j < PAIRS / 4; ++j) {
             unsigned w[4];
@@ -1233,8 +1247,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             load_value_params(pending);
         }
         cp_async_commit();
-        // the next stage's rotated query: its buffer was last read in iteration tile - 1, which every warp has left
-        if (ROPE && tile + 1 < tiles) rotate_query(tile + 1);
+        if constexpr (ROPE && S::PRIVATE) {
+            // the warp's rotated query, every ROTATE_EVERY stages: its lanes last read the buffer in iteration
+            // tile - ROTATE_EVERY, before the __syncwarp above
+            if (tile % S::ROTATE_EVERY == 0) {
+                rotate_query(tile);
+                __syncwarp();  // written before the warp's lanes read it
+                load_query_fragments(tile);
+            }
+        } else if (ROPE && tile + 1 < tiles) {
+            rotate_query(tile + 1);  // the next stage's: its buffer was last read in iteration tile - 1, which every warp has left
+        }
         if constexpr (S::GROUPS) {  // (every warp left the fp16 rows at the barrier above: its last reads were the last stage's)
             dequantize_stage(buffer);
             __syncthreads();  // the stage's fp16 rows written before any warp reads them
@@ -1249,7 +1272,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (ROPE) {
                 // (KEY_PAIRS_SHARED: the query's fragments from q_stage per k-step, the key pairs from their table)
                 if constexpr (!S::KEY_PAIRS_SHARED) {
-                    load_query_fragments(tile & 1);
+                    if constexpr (!S::PRIVATE) load_query_fragments(tile);
                     const int block = S::GROUPS ? key_block : token0 / S::KB;  // (channel groups: no key block parameters)
                     if (block != key_block) {
                         key_block = block;
@@ -1318,7 +1341,11 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 // each half at a time (head_dim 256: four parts of 4; a whole half held too many registers). The parts
                 // run outside the warp's n-tiles: a part's key pairs and query fragments serve both n-tiles' tokens
                 constexpr int HP = PAIRS / 2, CP = HP > 8 ? 4 : HP, CW = CP * BITS / 16;  // CW: words of a part's codes
-                const unsigned* const q_frag = q_stage + (tile & 1) * S::QSTAGE_WORDS + lane * 4;
+                const unsigned* const q_frag = q_buffer(tile) + lane * 4;
+                // lane (g, t)'s words of the rotation table at its token of n-tile 0, whose offset from the rotated query's
+                // position counts a private warp's stages since it rotated it; rope_row_start adds up over even offsets,
+                // so n-tile nt's are rope_row_start(8 nt) on
+                const unsigned* const rope_lane = rope_smem + rope_pair_word<D>((S::PRIVATE ? tile % S::ROTATE_EVERY * ST : 0) + tb + g, t, 0);
                 float acc[NT][4], acc2[NT][4];  // even k-steps accumulate in acc's rows g, odd ones in acc2's rows g + 8
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -1356,7 +1383,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     const Planes3Place key_place = BITS != 3 ? Planes3Place{} : HP == CP ? places[0] : planes3_place<2 * CP>(t * (D / 8) + c * 2 * CP);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const int delta = tb + 8 * nt + g;
+                        const int delta = tb + 8 * nt + g;  // the token's row in the buffer
                         const unsigned char* const row = buffer + delta * S::KSROW + t * (S::KROW / 8);
                         unsigned kf[2 * CP], cs[2 * CP];  // the first half's pairs, then the second's
                         if constexpr (BITS == 3) {
@@ -1389,7 +1416,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                         for (int j = 0; j < CP / 2; ++j) {
                             unsigned w[4];
-                            load_words(w, rope_smem + rope_pair_word<D>(delta, t, c * CP + 2 * j));
+                            load_words(w, rope_lane + rope_row_start<D>(8 * nt) + rope_pair_word<D>(0, 0, c * CP + 2 * j));
                             cs[4 * j] = w[0], cs[4 * j + 1] = w[1], cs[4 * j + 2] = w[2], cs[4 * j + 3] = w[3];
                         }
 #pragma unroll

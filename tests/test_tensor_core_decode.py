@@ -312,8 +312,8 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
 def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
     """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipelines' buffers wrap around many
     times, and a warp's own quarter of the split crosses key blocks, whose Q' it makes from the parameters the block's
-    first stage copied), past position 100K for pre-RoPE keys: the query's angle advances a stage at a time between exact anchors every 16
-    stages (tc::rotate_query), so an error that grew with the stages would show here."""
+    first stage copied), past position 100K for pre-RoPE keys: a warp's query angle advances 64 tokens at a time between exact
+    anchors every 16 rotations (tc::rotate_query), so an error that grew with the steps would show here."""
     lengths = [4096 + 13]
     v = variant_of(codec, 128, 4)
     keys, values = filled(codec, lengths, 128)
@@ -539,6 +539,11 @@ MUTANTS = {
     # split of 700 tokens: quarters of 256, two key blocks of 128 each)
     "private-warp-quarter": ("int4", "hi = S::PRIVATE ? min(end, lo + quarter) : end", "hi = S::PRIVATE ? min(end, lo + quarter / 2) : end"),
     "private-key-block-copies": ("int2", "tile == 0 || t0 % S::KB == 0", "tile == 0 || t0 % S::KB == 1", "1", 128, 768),
+    # pre-RoPE keys in a private pipeline: a token's offset from the warp's rotated query, the step between rotations
+    # (768 tokens: quarters of 192, three rotations a warp), codebook values' parameters from the warp's own tokens
+    "private-rope-offset": ("nuq3-rope", "(S::PRIVATE ? tile % S::ROTATE_EVERY * ST : 0) + tb + g, t, 0)", "tb + g, t, 0)"),
+    "private-rope-step": ("int4-rope", "exact_cos_sin(S::BLOCK_ST,", "exact_cos_sin(ST,", "1", 128, 768),
+    "private-value-parameters": ("nuq4-rope", "v_first + lo + copier % ST;", "v_first + start + copier % ST;"),
     "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16, COPIERS>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16, COPIERS>", "3"),
     # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
     "nuq2-value-fields": ("nuq2", "0x0F0F0F0Fu : 0x33333333u", "0x0F0F0F0Fu : 0x0F0F0F0Fu", "1", 64),
@@ -546,7 +551,7 @@ MUTANTS = {
                              "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + (bit0 >> 3));", "1", 64),
     "nuq2-key-part": ("nuq2-out-rope", "row + S::KROW / 2 + c * 2);", "row + S::KROW / 2);", "3", 256),
     "two-stage-value-parameters": ("nuq4-out-rope", "if (ahead < tiles) store_value_params(ahead, pending);", "", "3", 256),
-    "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(tid);", "const RopeTask frequency = rope_task<D>(tid ^ 1);", "3", 256),
+    "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(rotator);", "const RopeTask frequency = rope_task<D>(rotator ^ 1);", "3", 256),
 }
 
 

@@ -343,19 +343,20 @@ def test_the_tensor_core_model_walks_every_case_it_serves_at_head_dim_256():
 
 def test_the_walk_reads_a_tokens_rope_row_once_at_both_head_dims():
     """Pre-RoPE codebook keys read each token's {cos, sin} row, D / 2 words, once: D / 2 x 4 bytes per KV token in
-    16-byte loads of a whole warp (512 bytes each). Counts the rolled loop over a rotated key's parts at head_dim
-    256 (its trip rule) against that."""
+    16-byte loads of a whole warp (512 bytes each), in the block's pipeline and in a warp's own (its offset from the
+    rotated query's position held per stage). Counts the rolled loop over a rotated key's parts at head_dim 256 (its
+    trip rule) against that."""
     try:
         bd.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
     source = bd.source_lines("decode_attention_tc.cu")
-    for shape in (bd.SHAPE, bd.SHAPE_256):
-        [(_, _, code, per_token)] = bd.walks_with_lines(["nuq3 pre-RoPE 1%"], shape)
+    for shape, case in ((bd.SHAPE, "nuq3 pre-RoPE 1%"), (bd.SHAPE, "nuq3 pre-RoPE, no outliers"), (bd.SHAPE_256, "nuq3 pre-RoPE 1%")):
+        [(_, _, code, per_token)] = bd.walks_with_lines([case], shape)
         rope_loads = sum(n for ins, n in zip(code, per_token) if ins.opcode.startswith("LDS.128")
-                         and any(module == "decode_attention_tc.cu" and "load_words(w, rope_smem + rope_pair_word" in source[line - 1]
+                         and any(module == "decode_attention_tc.cu" and "load_words(w, rope_lane + rope_row_start" in source[line - 1]
                                 for module, line in ins.lines))
-        assert math.isclose(rope_loads, shape["head_dim"] // 2 * 4 / 512), shape
+        assert math.isclose(rope_loads, shape["head_dim"] // 2 * 4 / 512), (shape, case)
 
 
 def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):

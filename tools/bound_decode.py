@@ -120,10 +120,11 @@ class Case:
 class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
     warps stream BLOCK_ST tokens an iteration (Variant.stage_tokens: 64, or 128 for the WIDE variants) through
-    cp.async pipelines, TPW = BLOCK_ST / 4 of them per warp: uniform codes with post-RoPE keys in a pipeline per warp
-    (Variant.private: each warp copies and computes its own quarter of the split, behind __syncwarp), the others in
-    one of the block (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the
-    stage, behind __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every
+    cp.async pipelines, TPW = BLOCK_ST / 4 of them per warp: packed codes in a pipeline per warp (Variant.private:
+    each warp copies and computes its own quarter of the split, behind __syncwarp, and rotates its own query for
+    pre-RoPE keys every BLOCK_ST tokens), outliers, channel groups and pre-RoPE keys at head_dim 256 in one of the
+    block (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the stage,
+    behind __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every
     copy live, a new key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at
     32K tokens a new maximum is rare). The model's shape (SHAPE unless given) sets its variants' head_dim and group."""
 
@@ -243,9 +244,9 @@ class TensorCoreKernel:
                 (r"for \(int c = 0; c < HP / CP; \+\+c\) rotated_part\(c\);", pairs_per_half // (4 if pairs_per_half > 8 else pairs_per_half), None)]
 
     def sites(self, case: Case) -> list:
-        # pre-RoPE keys: the query's angle exact every 16 stages, advanced by a step in between (tc::rotate_query); a
-        # stage's outliers beyond its copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
-        return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16), (r"cs\[2 \* e\] = c \* c1 - s \* s1", 15 / 16),
+        # pre-RoPE keys: the query's angle exact every 16 rotations (tc::rotate_query); a stage's outliers beyond its
+        # copies (OUT_SLOTS = 192 per side; 1% is 82) are read from global memory: never
+        return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16),
                 (r"if \(i < S::OUT_SLOTS\) return copies\[", 1.0), (r"return __ldg\(out_runs\[side\]\.(positions|values) \+ base \+ i\)", 0.0),
                 # outliers' work on M's rows of real heads (g < GQA): lanes of every warp, so every warp runs it
                 (r"\*at = int2\{0, 0\};", 1.0), (r"row\[0\] = pack_half2\(p\[0\]\[0\], p\[0\]\[1\]\);", 1.0),
@@ -282,9 +283,10 @@ class TensorCoreKernel:
             # 3-bit rows are 3 chunks: the last round of a stage's code copies has work for some warps only
             (r"COPIES % COPIERS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
-            # value parameters: uniform codes copy 16-byte chunks; codebooks load a token's lo and hi in threads 0 .. ST - 1
+            # value parameters: uniform codes copy 16-byte chunks; codebooks load a token's lo and hi in the pipeline's
+            # copiers 0 .. ST - 1 (a private pipeline's: half its warp's lanes)
             (r"c < VCOPIES\)", copying(value_param_copies)),
-            (r"if \(tid < ST\) \{", 2 / WARPS),
+            (r"if \(copier < ST\) \{", 1.0 if variant.private else 2 / WARPS),
             (r"if \(vp_row_of < end\)", 1.0),
             (r"if \(token0 < hi\)", 1.0),
             (r"if \(token0 \+ TPW > hi \|\| token0 < visible\)", 0.0),  # masking: a pipeline's last stage, a window's first
@@ -293,6 +295,7 @@ class TensorCoreKernel:
             (r"if \(group_source\[i\] != nullptr\)", min(1.0, SKVQ_GROUPS / 16)),  # the head's groups of its 16 slots
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
+            (r"if \(tile % S::ROTATE_EVERY == 0\)", variant.buffer_tokens / variant.stage_tokens),  # a private warp's own rotation
             # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a side's chunk each (chunk 0 live)
             (r"if \(tid == 0\) write_ranges", 1 / WARPS),
             (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),

@@ -129,9 +129,10 @@ class Variant:
 
     @property
     def private(self) -> bool:
-        """tc::Shape<...>::PRIVATE: uniform codes with post-RoPE keys stream warp-private pipelines (each warp copies,
-        waits for and computes its own quarter of the split; no barrier of the block in the loop)."""
-        return self.bits != 16 and not (self.codebook or self.rope or self.channel_groups)
+        """tc::Shape<...>::PRIVATE: packed codes stream warp-private pipelines (each warp copies, waits for and computes
+        its own quarter of the split, pre-RoPE keys rotating its own query; no barrier of the block in the loop), but for
+        outliers and channel groups (work shared per stage) and pre-RoPE keys at head_dim 256."""
+        return self.bits != 16 and not (self.outliers or self.channel_groups or (self.rope and self.head_dim > 128))
 
     @property
     def key_pairs_shared(self) -> bool:
@@ -184,7 +185,9 @@ class Variant:
         stage = st * sum(srows) + (0 if fp16 else kblocks * 4 * d) + value_params
         merge = WARPS * (8 * d + 16 + 8 * vgroups) * 4
         query = 0 if fp16 or self.rope else d // 8 * 32 * 4
-        rope = 2 * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(st, d) * 4) if self.rope else 0  # rotated queries, cos / sin table
+        # rotated queries (the block's two, or a warp's own), the cos / sin table of a block stage's offsets
+        queries = WARPS if self.private else 2
+        rope = queries * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(self.stage_tokens, d) * 4) if self.rope else 0
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
         # codebooks' and 3-bit sides' tc::EntryPlanes (channel groups aside: they read theirs as they dequantize;
         # uniform ones: code values 0..7), 2^bits / 2 words a side from a 16-byte boundary; 3-bit codes read from a
