@@ -131,10 +131,11 @@ def stages(args) -> list[Stage]:
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--torch-profile", "1", "--profile-seqlen", "64",
                "--largest-batch", str(min(args.generate_largest, 2)), "--seed", str(args.seed)]),
     ]
-    if args.baseline_tree:  # each tree's runs compile its variants once (the first round) and time them twice
+    if args.baseline_tree:  # each tree compiles its variants once (the first round; 20 s allowed a variant), times them twice
         trees = [argument for tree in args.baseline_tree for argument in ("--baseline", str(tree))]
+        variants = len(args.ab_variants.split(","))
         found.append(Stage("ab", [*bench("kernels", "ab"), *trees, "--only", args.ab_variants, "--rounds", "2", "--iters", "30"],
-                           90 + 60 * len(args.baseline_tree), 60, [*bench("kernels", "ab"), "--help"]))
+                           90 + 20 * variants * len(args.baseline_tree), 60, [*bench("kernels", "ab"), "--help"]))
     found.append(Stage("ncu", [*bench("kernels", "ncu"), "--only", args.ncu_variants,
                                "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("kernels", "ncu"), "--help"]))
     return [s for s in found if not args.only or s.name in args.only.split(",")]
@@ -260,7 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline-tree", type=Path, default=[], action="append",
                         help="another kvcal tree for the A/B stage (e.g. `git archive <commit> kvcal kernels benchmarks`); "
                              "repeat it for several, each in a folder of its own name")
-    parser.add_argument("--ab-variants", default="int2-g128,int4-g128,nuq3-1%-pre-rope",
+    parser.add_argument("--ab-variants", default="int2-g128,int4-g128,nuq3-pre-rope,nuq3-1%-pre-rope",
                         help="tensor-core variants of the A/B (default: %(default)s)")
     parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
                         help="variants profiled with Nsight Compute (default: %(default)s)")
