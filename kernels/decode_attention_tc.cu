@@ -151,22 +151,22 @@ struct Shape {
     // packed codes stream warp-private pipelines: warp w owns a contiguous quarter of the split and copies, waits for
     // and computes only its own tokens, TPW a stage, behind __syncwarp: no barrier of the block's warps in the loop (the
     // H200 profile of int2 g128 at 94c61ae: 15.9% of stall samples at the block's barrier); each warp makes its own key
-    // block's Q' once a block and (pre-RoPE keys) rotates its own query every BLOCK_ST tokens. The others share work
-    // across warps each stage (the outlier corrections, the dequantized fp16 rows of channel groups), or rotate the
-    // query at head_dim 256, where a lane's rotation tasks would span several frequency pairs' state, past its
-    // registers; fp16 rows stream at bandwidth already
-    static constexpr bool PRIVATE = !FP16 && !GROUPS && !OUT && !(ROPE && D > 128);
+    // block's Q' once a block, (pre-RoPE keys) rotates its own query every BLOCK_ST tokens and (outliers) corrects its
+    // own outlier tiles. The others share work across warps each stage (the dequantized fp16 rows of channel groups),
+    // or rotate the query at head_dim 256, where a lane's rotation tasks would span several frequency pairs' state,
+    // past its registers; fp16 rows stream at bandwidth already
+    static constexpr bool PRIVATE = !FP16 && !GROUPS && !(ROPE && D > 128);
     static constexpr int BLOCK_ST = WIDE ? 128 : 64, TPW = BLOCK_ST / WARPS;  // tokens per iteration: the block's, a warp's
     static constexpr int ST = PRIVATE ? TPW : BLOCK_ST;  // tokens per stage buffer (PRIVATE: a warp's own)
     static constexpr int RINGS = PRIVATE ? WARPS : 1;    // pipelines of STAGES buffers
-    // (outliers: fewer, chosen beside the dense patch tiles that sparse corrections have since replaced, not retuned: 4,
-    // 3 in flight still hold > 16 KiB per SM; at head_dim 256, 3, so that a block of nuq3 fitted an A100's 163 KB, and 2
-    // where a side is nuq4 (its padded rows): one stage in flight while one is computed)
+    // (outliers: 5 a warp, the most its ring of two outlier tiles allows (OUT_AREAS); 4 in flight still hold > 16 KiB
+    // per SM; at head_dim 256 (the block's pipeline), 3, so that a block of nuq3 fitted an A100's 163 KB, and 2 where a
+    // side is nuq4 (its padded rows): one stage in flight while one is computed)
     // (nuq4: 5, so that 2 blocks of its padded rows (SROW) still fit an A100's 164 KB)
     // (WIDE: fewer stages of twice the tokens, int2 4 and int4 3: an H100 holds 4 and 3 blocks, an A100 3 and 2; int2
     // g128 at 5 blocks (96 registers, spilling) ran 10% slower on the H100: 123.2 us against 112.2)
     // (fp16 at head_dim 256: 2, 128 KiB, so that a block fits an A100's 164 KB)
-    static constexpr int OUT_STAGES = D == 256 ? (WIDEST == 4 ? 2 : 3) : 4;
+    static constexpr int OUT_STAGES = PRIVATE ? 5 : WIDEST == 4 ? 2 : 3;
     // (channel groups: 4, 2 at head_dim 256, beside the fp16 rows of one stage)
     // (pre-RoPE codebooks at head_dim 256: 3 where a side is nuq4, else 5, so that two blocks (8 warps) fit an SM of
     // sm_90 beside the rotation table, where 5-8 stages left one block alone on it)
@@ -195,11 +195,14 @@ struct Shape {
     static constexpr int VP_HALVES = FP16 ? 0 : 2 * VGROUPS * ST;
     // codebooks: kvcal.quantizers.denormalize's scale and zero per token (fp32), made from the row's lo and hi
     static constexpr int VP_BYTES = CB ? ST * 8 : GROUPS ? GP_BYTES : (VP_HALVES * 2 + 15) / 16 * 16;
-    // outliers (OUT): the stage's header (tc::OutlierHeader), then per side OUT_SLOTS
-    // positions and OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES;
+    // outliers (OUT): an outlier tile's area, its header (tc::OutlierHeader), then per side OUT_SLOTS positions and
+    // OUT_SLOTS values (uint16 / fp16), copied from the 16-byte chunk that holds lo on, with the tile's first stage.
+    // TILE_STAGES of a pipeline's stages make a tile: the block's one, or (PRIVATE) 4 of its warp's. Areas per
+    // pipeline (OUT_AREAS): one a stage buffer, or (PRIVATE) a ring of two tiles', written STAGES - 1 stages ahead
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
     static constexpr int OUT_BYTES = OUT ? 32 + 2 * 2 * OUT_SLOTS * 2 : 0;
-    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES + KP_BYTES + VP_BYTES + OUT_BYTES;
+    static constexpr int TILE_STAGES = OUT ? OUT_TILE / ST : 1, OUT_AREAS = PRIVATE ? 2 : STAGES;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
@@ -226,12 +229,13 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per part of a rotated key, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
-    // outliers: the stage's key outliers' score corrections [head][token] (int, fixed point); per warp the value outliers'
-    // corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's key_extremes); the stage's
-    // P [head][token] (fp16) and where each warp's value outliers start among the stage's (32 bytes);
-    // the two sides' OutlierRun (in shared memory, not in registers). GQA heads, not M's 8 rows: at head_dim 256 the
-    // padding rows' 17.5 KB kept nuq3 / nuq4 / nuq2 with outliers to one block per SM on sm_90
-    static constexpr int OUT_SCRATCH_BYTES = OUT ? GQA * ST * 4 + WARPS * GQA * D * 4 + 4 * D * 4 + ST * GQA * 2 + 32 + 2 * 32 : 0;
+    // outliers: the pipelines' outlier areas; per pipeline its tile's key outliers' score corrections [head][token]
+    // (int, fixed point), the tile's P [head][token] (fp16) and where its slices' value outliers start (32 bytes); per
+    // warp the value outliers' corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's
+    // key_extremes); the two sides' OutlierRun (in shared memory, not in registers). GQA heads, not M's 8 rows: at
+    // head_dim 256 the padding rows' 17.5 KB kept nuq3 / nuq4 / nuq2 with outliers to one block per SM on sm_90
+    static constexpr int OUT_SCRATCH_BYTES =
+        OUT ? RINGS * (OUT_AREAS * OUT_BYTES + GQA * OUT_TILE * (4 + 2) + 32) + WARPS * GQA * D * 4 + 4 * D * 4 + 2 * 32 : 0;
     // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
     // the fp16 variants' swizzled layout
     static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
@@ -247,7 +251,8 @@ struct Shape {
         FP16 || OUT || GROUPS || (ROPE && D >= 128) || (D == 256 && (CB || KB < BLOCK_ST)) ? 2
                                                                              : (ROPE || KB < BLOCK_ST || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
-    static_assert(!OUT || ST == OUT_TILE, "outliers: a stage is one outlier tile");
+    static_assert(!OUT || BLOCK_ST == OUT_TILE, "outliers: a block's stage is one outlier tile, four stages of a warp's one");
+    static_assert(!OUT || STAGES - 1 <= TILE_STAGES * (OUT_AREAS - 1), "a tile's area is rewritten only past its last reads");
     static_assert(!OUT || VGE == D, "outliers: one value scale per token (the value corrections read it)");
     static_assert(!OUT || MERGE_BYTES <= PIPE_BYTES - OUT_SCRATCH_BYTES, "the warps' merge leaves the value corrections alone");
     static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
@@ -531,33 +536,41 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         return;
     }
     // the tokens [lo, hi) this thread's pipeline streams: the split's, or (PRIVATE) its warp's quarter of whole stages
-    const int quarter = (end - start + WARPS * ST - 1) / (WARPS * ST) * ST;
+    // (outliers: of whole outlier tiles)
+    constexpr int QUARTER_UNIT = OUT ? OUT_TILE : ST;
+    const int quarter = (end - start + WARPS * QUARTER_UNIT - 1) / (WARPS * QUARTER_UNIT) * QUARTER_UNIT;
     const int lo = S::PRIVATE ? min(end, start + warp * quarter) : start, hi = S::PRIVATE ? min(end, lo + quarter) : end;
     const int tiles = (hi - lo + ST - 1) / ST;
-    const int copier = S::PRIVATE ? lane : tid;  // (its number among its pipeline's copiers)
-    constexpr int COPIERS = S::PRIVATE ? 32 : THREADS;
+    // the threads that share this thread's pipeline's work (its copies, the query's rotation, the outlier passes): the
+    // block's, or (PRIVATE) the warp's lanes; `member` numbers this thread among them
+    constexpr int CREW = S::PRIVATE ? 32 : THREADS;
+    const int member = S::PRIVATE ? lane : tid;
     const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
     const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
-    // outliers (OUT): a stage is one outlier tile (a body's first row starts one, splits hold whole stages). Its ranges per
-    // side (OutlierHeader) head its outlier area: thread 0 writes stage s's in iteration s - STAGES + 1, the one that
-    // issues its copies (after the barrier at which every warp has left the buffer's stage s - STAGES, and before the
-    // one behind which the copies read them), from offsets it loaded an iteration before, so that the copies of stage s
-    // and its corrections read them from shared memory. The two sides' runs live in
-    // shared memory too (the last bytes of the pipeline's area): in registers they pushed the kernel to its limit
-    const int out_tile0 = start / ST;
+    // outliers (OUT): an outlier tile is a stage of the block's pipeline, or (PRIVATE) TILE_STAGES of a warp's (a body's
+    // first row starts one, splits and quarters hold whole ones); outlier tile n of a pipeline starts at lo + n OUT_TILE.
+    // Its ranges per side (OutlierHeader) head its outlier area, written by the pipeline's member 0 from offsets it
+    // loaded a tile before, so that the copies and passes of the tile read them from shared memory: the block's thread
+    // 0 in iteration n - STAGES + 1 (after the barrier at which every warp has left the area's tile n - STAGES, and
+    // before the one behind which the copies read them), a warp's lane 0 as it issues the tile's first stage (behind
+    // __syncwarp). The two sides' runs live in shared memory too (the last bytes of the pipeline's area): in registers
+    // they pushed the kernel to its limit
+    const int out_tile0 = lo / OUT_TILE;
     OutlierRun* const out_runs = reinterpret_cast<OutlierRun*>(smem + S::PIPE_BYTES - 2 * sizeof(OutlierRun));
-    OutlierRange k_next{0, 0}, v_next{0, 0};  // thread 0: the ranges of the next stage whose header it writes
-    // a stage buffer's outlier area: its OutlierHeader, then per side OUT_SLOTS positions and OUT_SLOTS values
-    const auto outlier_area = [&](auto* buffer) { return buffer + S::CODE_BYTES + S::KP_BYTES + S::VP_BYTES; };
-    const auto outlier_copies = [&](auto* buffer, int side) { return outlier_area(buffer) + sizeof(OutlierHeader) + side * (2 * S::OUT_SLOTS * 2); };
-    // thread 0: stage `tile`'s header into its buffer, then the next stage's ranges loaded
-    const auto write_ranges = [&](unsigned char* buffer, int tile) {
+    OutlierRange k_next{0, 0}, v_next{0, 0};  // member 0: the ranges of the next tile whose header it writes
+    // outlier tile n's area in this thread's pipeline: its OutlierHeader, then per side OUT_SLOTS positions and
+    // OUT_SLOTS values; the outlier scratch (OUT_SCRATCH_BYTES) begins with the pipelines' areas
+    unsigned char* const out_scratch = smem + S::PIPE_BYTES - S::OUT_SCRATCH_BYTES;
+    const auto outlier_area = [&](int n) { return out_scratch + ((S::PRIVATE ? warp * S::OUT_AREAS : 0) + n % S::OUT_AREAS) * S::OUT_BYTES; };
+    const auto outlier_copies = [&](auto* area, int side) { return area + sizeof(OutlierHeader) + side * (2 * S::OUT_SLOTS * 2); };
+    // member 0: outlier tile n's header into its area, then the next tile's ranges loaded
+    const auto write_ranges = [&](int n) {
         const int k_base = k_next.lo & ~7, v_base = v_next.lo & ~7;
-        *reinterpret_cast<OutlierHeader*>(outlier_area(buffer)) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
-                                                    v_next.hi - v_base, k_base, v_base,
-                                                    max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > THREADS, 0};
-        k_next = outlier_range(out_runs[0], out_tile0 + tile + 1);
-        v_next = outlier_range(out_runs[1], out_tile0 + tile + 1);
+        *reinterpret_cast<OutlierHeader*>(outlier_area(n)) = {k_next.lo - k_base, k_next.hi - k_base, v_next.lo - v_base,
+                                                              v_next.hi - v_base, k_base, v_base,
+                                                              max(k_next.hi - k_next.lo, v_next.hi - v_next.lo) > CREW, 0};
+        k_next = outlier_range(out_runs[0], out_tile0 + n + 1);
+        v_next = outlier_range(out_runs[1], out_tile0 + n + 1);
     };
     if constexpr (OUT) {
         if (tid == 0) {
@@ -566,11 +579,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                                       k_outlier_run, k_offset_run, meta[META * b + 3], first);
             out_runs[1] = outlier_run(value_outlier_positions, value_outlier_values, value_outlier_offsets, value_outlier_counts,
                                       run, v_outlier_run, v_offset_run, meta[META * b + 4], v_first);
+        }
+        __syncthreads();  // the runs written before member 0 of each pipeline reads them
+        if (member == 0) {
             k_next = outlier_range(out_runs[0], out_tile0);
             v_next = outlier_range(out_runs[1], out_tile0);
-            for (int s = 0; s < S::STAGES - 1; ++s) write_ranges(smem + s * S::STAGE_BYTES, s);  // the stages issued first
+            if constexpr (!S::PRIVATE)
+                for (int s = 0; s < S::STAGES - 1; ++s) write_ranges(s);  // the stages issued first
         }
-        __syncthreads();  // the runs and the first headers written before the first issue reads them
+        if constexpr (!S::PRIVATE) __syncthreads();  // the first headers written before the first issue reads them
     }
 
     // ---- the asynchronous copy of stage `tile` (tokens start + ST tile ..) into buffer tile % STAGES ----
@@ -613,8 +630,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     auto issue = [&](int tile) {
         unsigned char* const buffer = stage_buffer(tile);
         const int t0 = lo + tile * ST;
-        copy_rows<ST, S::KROW, S::KSROW, S::FP16, COPIERS>(buffer, k_tile, (int)k_row, hi - t0, copier);
-        copy_rows<ST, S::VROW, S::VSROW, S::FP16, COPIERS>(buffer + S::K_BYTES, v_tile, (int)v_row, hi - t0, copier);
+        copy_rows<ST, S::KROW, S::KSROW, S::FP16, CREW>(buffer, k_tile, (int)k_row, hi - t0, member);
+        copy_rows<ST, S::VROW, S::VSROW, S::FP16, CREW>(buffer + S::K_BYTES, v_tile, (int)v_row, hi - t0, member);
         if constexpr (S::GROUPS) {
 #pragma unroll
             for (int i = 0; i < GROUP_COPIES_PER_THREAD; ++i) {
@@ -632,9 +649,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             // makes the block's Q' there, from them)
             if (!S::PRIVATE || tile == 0 || t0 % S::KB == 0) {
 #pragma unroll
-                for (int i = 0; i < (PCOPIES + COPIERS - 1) / COPIERS; ++i) {
-                    const int c = copier + i * COPIERS;
-                    if (PCOPIES % COPIERS == 0 || c < PCOPIES) {
+                for (int i = 0; i < (PCOPIES + CREW - 1) / CREW; ++i) {
+                    const int c = member + i * CREW;
+                    if (PCOPIES % CREW == 0 || c < PCOPIES) {
                         const int block = c / (2 * PCHUNKS), which = (c / PCHUNKS) & 1, chunk = c % PCHUNKS;
                         const int first_token = t0 + block * S::KB;  // KBLOCKS > 1 only when KB < ST
                         const bool live = first_token < hi;
@@ -649,9 +666,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             // wholly past the end are zero-filled; the tokens past the end in a live chunk are masked, P = 0)
             constexpr int VCHUNKS = ST / 8, VCOPIES = 2 * S::VGROUPS * VCHUNKS;
 #pragma unroll
-            for (int i = 0; i < (VCOPIES + COPIERS - 1) / COPIERS; ++i) {
-                const int c = copier + i * COPIERS;
-                if (VCOPIES % COPIERS == 0 || c < VCOPIES) {
+            for (int i = 0; i < (VCOPIES + CREW - 1) / CREW; ++i) {
+                const int c = member + i * CREW;
+                if (VCOPIES % CREW == 0 || c < VCOPIES) {
                     const int run = c / VCHUNKS, chunk = c % VCHUNKS;  // run: [which][group]
                     const bool live = t0 + chunk * 8 < hi;
                     const unsigned short* const source =
@@ -660,19 +677,27 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 }
             }
         }
-        if constexpr (OUT) {
-            // threads 0 .. 2 CHUNKS - 1 (one and a half warps) copy a 16-byte chunk of a side's positions and the same
-            // chunk of its values, from the chunk that holds lo on
+        if (OUT && tile % S::TILE_STAGES == 0) {
+            // a tile's first stage copies its outliers: 2 CHUNKS copiers (one and a half warps of the block, two rounds
+            // of a warp's lanes) a 16-byte chunk of a side's positions and the same chunk of its values each, from the
+            // chunk that holds lo on
+            const int n = tile / S::TILE_STAGES;
+            if constexpr (S::PRIVATE) {
+                if (member == 0) write_ranges(n);
+                __syncwarp();  // the header written before the warp's lanes read it
+            }
+            unsigned char* const area = outlier_area(n);
+            const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(area);
             constexpr int CHUNKS = S::OUT_SLOTS / 8;
-            if (tid < 2 * CHUNKS) {
-                const int side = tid / CHUNKS, chunk = tid % CHUNKS;
-                const OutlierHeader& h = *reinterpret_cast<const OutlierHeader*>(outlier_area(buffer));
-                if (chunk * 8 < (side ? h.v_end : h.k_end)) {  // the chunks past OUT_SLOTS are not copied
+#pragma unroll
+            for (int i = 0; i < (2 * CHUNKS + CREW - 1) / CREW; ++i) {
+                const int c = member + i * CREW, side = c / CHUNKS, chunk = c % CHUNKS;
+                if (c < 2 * CHUNKS && chunk * 8 < (side ? h.v_end : h.k_end)) {  // the chunks past OUT_SLOTS are not copied
                     const OutlierRun& run = out_runs[side];
-                    const int i = (side ? h.v_base : h.k_base) + chunk * 8;
-                    unsigned char* const staged = outlier_copies(buffer, side) + chunk * 16;
-                    cp_async_16(staged, run.positions + i, 16);
-                    cp_async_16(staged + S::OUT_SLOTS * 2, run.values + i, 16);
+                    const int at = (side ? h.v_base : h.k_base) + chunk * 8;
+                    unsigned char* const staged = outlier_copies(area, side) + chunk * 16;
+                    cp_async_16(staged, run.positions + at, 16);
+                    cp_async_16(staged + S::OUT_SLOTS * 2, run.values + at, 16);
                 }
             }
         }
@@ -684,14 +709,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // at the end of that iteration (the prologue's: before the loop) as the token's scale and zero (fp32), so that the
     // compute pass reads a token pair's with one load, and the iteration's compute hides their latency. Stored before
     // the barrier (PRIVATE: __syncwarp) behind which their stage's tokens are read, into a buffer every thread that
-    // reads it has left. Copier c < ST of the pipeline: token c's (a running offset and row, advanced one stage per
+    // reads it has left. Member c < ST of the crew: token c's (a running offset and row, advanced one stage per
     // load, as the copies')
-    long long vp_at = b * vp_seq + v_first + lo + copier % ST;
-    int vp_row_of = lo + copier % ST;
+    long long vp_at = b * vp_seq + v_first + lo + member % ST;
+    int vp_row_of = lo + member % ST;
     auto load_value_params = [&](unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
             unsigned short lo = 0, hi = 0;
-            if (copier < ST) {
+            if (member < ST) {
                 if (vp_row_of < end) lo = __ldg(value_scale + vp_at), hi = __ldg(value_zero + vp_at);
                 vp_row_of += ST;
                 vp_at += ST;
@@ -702,9 +727,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     auto store_value_params = [&](int tile, const unsigned short (&vp_staged)[2]) {
         if constexpr (CB) {
             unsigned char* const vp = stage_buffer(tile) + S::CODE_BYTES + S::KP_BYTES;
-            if (copier < ST) {
+            if (member < ST) {
                 const float lo = half_to_float(vp_staged[0]), hi = half_to_float(vp_staged[1]);
-                reinterpret_cast<float2*>(vp)[copier] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
+                reinterpret_cast<float2*>(vp)[member] = float2{fmaxf((hi - lo) * 0.5f, 1e-8f), (hi + lo) * 0.5f};
             }
         }
     };
@@ -757,28 +782,29 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (warp == 0) places[1] = planes3_place<S::LANE_V>(g * S::LANE_V);
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
-    // outliers (OUT): the stage's score corrections [head][token], sum over the token's key outliers of the query's
-    // product with the rotated (exact - dequantized) key, in fixed point (SCORE_UNIT per log2 unit of the scores: an
-    // int sum is the same in whatever order the threads' atomics add); each warp's value corrections [warp][head][D],
-    // sum over its tokens' value outliers of P (exact - dequantized), in the units and softmax scale of its output;
-    // per key channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero} (fp32);
-    // the stage's P [head][token] (fp16); where each warp's value outliers start among the
-    // stage's, and their end (value_runs, WARPS + 1)
-    int* const score_corrections = reinterpret_cast<int*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES + S::KEY_PAIRS_BYTES);
-    float* const value_corrections = reinterpret_cast<float*>(score_corrections + GQA * ST);
+    // outliers (OUT), after the pipelines' areas: the pipeline's tile's score corrections [head][token], sum over the
+    // token's key outliers of the query's product with the rotated (exact - dequantized) key, in fixed point
+    // (SCORE_UNIT per log2 unit of the scores: an int sum is the same in whatever order the threads' atomics add); each
+    // warp's value corrections [warp][head][D], sum over its tokens' value outliers of P (exact - dequantized), in the
+    // units and softmax scale of its output; per key channel {midpoint of the dequantized first and last codes, first *
+    // scale, last * scale, zero} (fp32); the pipeline's P of its tile [head][token] (fp16); where the value outliers
+    // of each slice of the tile (the TPW tokens a warp computes in an iteration) start among the tile's, and their
+    // end (value_runs, SLICES + 1)
+    constexpr int SLICES = OUT_TILE / TPW;
+    static_assert((SLICES + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds a pipeline's value_runs in 32 bytes");
+    const int ring = S::PRIVATE ? warp : 0;
+    int* const all_score_corrections = reinterpret_cast<int*>(out_scratch + S::RINGS * S::OUT_AREAS * S::OUT_BYTES);
+    int* const score_corrections = all_score_corrections + ring * GQA * OUT_TILE;
+    float* const value_corrections = reinterpret_cast<float*>(all_score_corrections + S::RINGS * GQA * OUT_TILE);
     float* const key_extremes = value_corrections + WARPS * GQA * D;
-    unsigned short* const stage_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
-    int* const value_runs = reinterpret_cast<int*>(stage_p + ST * GQA);
-    static_assert((WARPS + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds value_runs in 32 bytes");
-    // a rotation's tasks are shared among its rotators: the block's threads, or (PRIVATE) the warp's lanes
-    constexpr int ROTATORS = S::PRIVATE ? 32 : THREADS;
-    const int rotator = S::PRIVATE ? lane : tid;
-    constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > ROTATORS ? (TASKS + ROTATORS - 1) / ROTATORS : 1;
-    // A rotator's tasks share their frequency pair (tasks ROTATORS apart are the same pair of another head): cos / sin
+    unsigned short* const tile_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D) + ring * GQA * OUT_TILE;
+    int* const value_runs = reinterpret_cast<int*>(reinterpret_cast<unsigned short*>(key_extremes + 4 * D) + S::RINGS * GQA * OUT_TILE) + ring * 8;
+    constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > CREW ? (TASKS + CREW - 1) / CREW : 1;
+    // A member's tasks share their frequency pair (tasks CREW apart are the same pair of another head): cos / sin
     // of P0 theta for its two frequencies, and of BLOCK_ST theta (the step between rotations), held once. Between exact
     // anchors every ANCHOR rotations, the next angle is this one's plus the step (an fp32 rotation: error ~1e-7 a step)
-    static_assert(!ROPE || ROTATORS % (D / 4) == 0, "a rotator's tasks share one frequency pair");
-    const RopeTask frequency = rope_task<D>(rotator);
+    static_assert(!ROPE || CREW % (D / 4) == 0, "a member's tasks share one frequency pair");
+    const RopeTask frequency = rope_task<D>(member);
     constexpr int ANCHOR = 16;
     float task_cs[4] = {}, task_step[4];  // {cos0, sin0, cos1, sin1}
     // a task's query pairs {a0, a1, b0, b1} (log2(e) / sqrt(d) folded in), held per slot across the loop;
@@ -819,8 +845,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
 #pragma unroll
             for (int i = 0; i < TASK_SLOTS; ++i) {
-                const int task = rotator + i * ROTATORS;
-                if (TASKS % ROTATORS == 0 || task < TASKS) {
+                const int task = member + i * CREW;
+                if (TASKS % CREW == 0 || task < TASKS) {
                     const RopeTask r = rope_task<D>(task);
                     float pairs[4], qa[2], qb[2];
                     if constexpr (HOLD_TASK_QUERY) {
@@ -856,8 +882,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                           &task_step[2 * e], &task_step[2 * e + 1]);
 #pragma unroll
         for (int i = 0; i < (HOLD_TASK_QUERY ? TASK_SLOTS : 0); ++i) {
-            const int task = rotator + i * ROTATORS;
-            if (TASKS % ROTATORS == 0 || task < TASKS) read_query_pairs(rope_task<D>(task), task_q[i]);
+            const int task = member + i * CREW;
+            if (TASKS % CREW == 0 || task < TASKS) read_query_pairs(rope_task<D>(task), task_q[i]);
         }
         if constexpr (!S::PRIVATE) rotate_query(0);  // (a private pipeline's warp rotates its own in the loop)
     }
@@ -1012,13 +1038,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         }
     };
 
-    // ---- outliers (OUT): the corrections zeroed, the extremes of both codebooks; the passes that correct a stage ----
+    // ---- outliers (OUT): the corrections zeroed, the extremes of both codebooks; the passes that correct a tile ----
     // An outlier lies outside its thresholds, so its code is the codebook's first or last entry (the nearest to the
     // clamped value, kvcal.quantizers.CodebookCodec.encode) and which one follows the side of the midpoint it lies on:
     // its correction is the exact value minus that entry dequantized.
     float value_first = 0.0f, value_last = 0.0f;  // the value codebook's first and last entries
     if constexpr (OUT) {
-        for (int i = tid; i < GQA * ST / 4; i += THREADS) reinterpret_cast<int4*>(score_corrections)[i] = int4{};
+        for (int i = tid; i < S::RINGS * GQA * OUT_TILE / 4; i += THREADS) reinterpret_cast<int4*>(all_score_corrections)[i] = int4{};
         for (int i = tid; i < WARPS * GQA * D / 4; i += THREADS) reinterpret_cast<float4*>(value_corrections)[i] = float4{};
         const auto entry = [&](int word) { return half_to_float((unsigned short)(codebooks[word] & 0xFFFFu)); };
         const float key_first = entry(0), key_last = entry((1 << BITS) - 1);
@@ -1032,11 +1058,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             key_extremes[4 * c + 3] = zero;
         }
     }
-    // A stage's outlier header; a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
-    const auto header_of = [&](const unsigned char* stage) -> const OutlierHeader& {
-        return *reinterpret_cast<const OutlierHeader*>(outlier_area(stage));
-    };
-    const auto copies_of = [&](const unsigned char* stage, int side) { return reinterpret_cast<const unsigned short*>(outlier_copies(stage, side)); };
+    // A tile's outlier header; a side's copies: OUT_SLOTS positions, then OUT_SLOTS values
+    const auto header_of = [&](const unsigned char* area) -> const OutlierHeader& { return *reinterpret_cast<const OutlierHeader*>(area); };
+    const auto copies_of = [&](const unsigned char* area, int side) { return reinterpret_cast<const unsigned short*>(outlier_copies(area, side)); };
     // outlier i of a side (indexed as the header's ranges): from the copies while they last, from global memory past them
     const auto position_of = [&](const unsigned short* copies, int side, int base, int i) -> unsigned {
         if (i < S::OUT_SLOTS) return copies[i];
@@ -1046,30 +1070,30 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (i < S::OUT_SLOTS) return copies[S::OUT_SLOTS + i];
         return __ldg(out_runs[side].values + base + i);
     };
-    // A stage's outliers, a side at a time, by all threads: thread tid takes outlier lo + tid in one straight round from
-    // the stage's copies (they hold lo - base + THREADS <= OUT_SLOTS), then a crowded tile's rest, lo + tid + THREADS,
-    // ..., from the copies while they last and from global memory past them. `patch` gets (position, value).
-    static_assert(!OUT || 7 + THREADS <= S::OUT_SLOTS, "the first round of outliers lies in the stage's copies");
-    const auto each_outlier = [&](const unsigned char* stage, int side, int from, int to, int base, bool crowded, auto patch) {
-        const unsigned short* const copies = copies_of(stage, side);
-        if (from + tid < to) patch(copies[from + tid], copies[S::OUT_SLOTS + from + tid]);
-        if (crowded) {  // the same for every thread
+    // A tile's outliers, a side at a time, by the pipeline's crew: member m takes outlier lo + m in one straight round
+    // from the tile's copies (they hold lo - base + CREW <= OUT_SLOTS), then a crowded tile's rest, lo + m + CREW, ...,
+    // from the copies while they last and from global memory past them. `patch` gets (position, value).
+    static_assert(!OUT || 7 + CREW <= S::OUT_SLOTS, "the first round of outliers lies in the tile's copies");
+    const auto each_outlier = [&](const unsigned char* area, int side, int from, int to, int base, bool crowded, auto patch) {
+        const unsigned short* const copies = copies_of(area, side);
+        if (from + member < to) patch(copies[from + member], copies[S::OUT_SLOTS + from + member]);
+        if (crowded) {  // the same for the whole crew
 #pragma unroll 1
-            for (int i = from + tid + THREADS; i < to; i += THREADS) patch(position_of(copies, side, base, i), value_of(copies, side, base, i));
+            for (int i = from + member + CREW; i < to; i += CREW) patch(position_of(copies, side, base, i), value_of(copies, side, base, i));
         }
     };
-    // The stage's key outliers as score corrections, before its tokens are computed (the query rotated to the stage is
-    // ready: iteration tile - 1 made it). The key at offset delta rotates by R(delta), so an error e in channel c of the
+    // The tile's key outliers as score corrections, before its tokens are computed, with the query rotated to the
+    // tile's first position (q_buffer(tile)). The key at offset delta rotates by R(delta), so an error e in channel c of the
     // first half (a) moves the rotated channels c and c + D / 2 by e cos and e sin, one in the second half (b) by
     // -e sin and e cos: the score of head h moves by e (q[c] cos + q[c + D / 2] sin), or e (q[c] cos - q[c - D / 2] sin),
     // with the very fp16 query fragments and rotation table the scores use. Two outliers of one token meet: int atomics
     // in fixed point, each term clamped to SCORE_TERM, so that a token's outliers (D at most) sum within an int.
     constexpr float SCORE_UNIT = 16384.0f, SCORE_TERM = (float)(1 << 30) / D;
-    const auto correct_keys = [&](const unsigned char* stage, int tile) {
-        const OutlierHeader& h = header_of(stage);
+    const auto correct_keys = [&](const unsigned char* area, int tile) {
+        const OutlierHeader& h = header_of(area);
         const unsigned short* const q_halves = reinterpret_cast<const unsigned short*>(q_buffer(tile));
         const unsigned short* const rope_halves = reinterpret_cast<const unsigned short*>(rope_smem);
-        each_outlier(stage, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
+        each_outlier(area, 0, h.k_first, h.k_end, h.k_base, h.crowded, [&](unsigned position, unsigned value) {
             const int token = (int)(position / D), c = (int)(position % D);
             const float x = half_to_float((unsigned short)value);
             const float4 e = reinterpret_cast<const float4*>(key_extremes)[c];
@@ -1086,48 +1110,49 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
             for (int head = 0; head < GQA; ++head) {
                 const float x = scaled * (half_to_float(qa[32 * head]) * first + half_to_float(qb[32 * head]) * second);
-                atomicAdd(score_corrections + head * ST + token, __float2int_rn(fminf(fmaxf(x, -SCORE_TERM), SCORE_TERM)));
+                atomicAdd(score_corrections + head * OUT_TILE + token, __float2int_rn(fminf(fmaxf(x, -SCORE_TERM), SCORE_TERM)));
             }
         });
     };
-    // Where each warp's value outliers start among the stage's (value_runs[w]; value_runs[WARPS]: their end), by all
-    // threads before the stage is computed. A tile's outliers are in position order (kvcal/packing.py: rows appended
-    // in order, a row's outliers in channel order), so warp w's are a run, from the first at or past its first token's
-    // row: the thread at outlier i marks the warps whose first token lies past outlier i - 1's and not past i's.
-    const auto mark_value_runs = [&](const unsigned char* stage) {
-        const OutlierHeader& h = header_of(stage);
+    // Where each slice's value outliers start among the tile's (value_runs[s]; value_runs[SLICES]: their end), by the
+    // crew before the tile is computed. A tile's outliers are in position order (kvcal/packing.py: rows appended in
+    // order, a row's outliers in channel order), so slice s's are a run, from the first at or past its first token's
+    // row: the member at outlier i marks the slices whose first token lies past outlier i - 1's and not past i's.
+    const auto mark_value_runs = [&](const unsigned char* area) {
+        const OutlierHeader& h = header_of(area);
         const int first = h.v_first, end = h.v_end, base = h.v_base;
-        const unsigned short* const copies = copies_of(stage, 1);
-        const auto warp_of = [&](int i) { return (int)(position_of(copies, 1, base, i) / D) / TPW; };
+        const unsigned short* const copies = copies_of(area, 1);
+        const auto slice_of = [&](int i) { return (int)(position_of(copies, 1, base, i) / D) / TPW; };
 #pragma unroll 1
-        for (int i = first + tid; i <= end; i += THREADS) {
-            const int w0 = i == first ? 0 : warp_of(i - 1) + 1, w1 = i == end ? WARPS : warp_of(i);
+        for (int i = first + member; i <= end; i += CREW) {
+            const int s0 = i == first ? 0 : slice_of(i - 1) + 1, s1 = i == end ? SLICES : slice_of(i);
 #pragma unroll
-            for (int w = 0; w <= WARPS; ++w)
-                if (w0 <= w && w <= w1) value_runs[w] = i;
+            for (int s = 0; s <= SLICES; ++s)
+                if (s0 <= s && s <= s1) value_runs[s] = i;
         }
     };
-    // The warp's value outliers of its computed stage as sparse corrections, once its P is in stage_p: P (exact -
+    // The warp's value outliers of its computed slice as sparse corrections, once its P is in tile_p: P (exact -
     // dequantized) per head into the warp's corrections (fp32), a lane an outlier. Outliers of one channel (at different
     // tokens) take turns, lowest lane first, so that a channel's adds come in one order (no float atomics, which add in
-    // whatever order the threads arrive). Tokens past the split's end (P = 0) add nothing.
-    const auto correct_values = [&](const unsigned char* stage, int tile) {
-        const OutlierHeader& h = header_of(stage);
-        const unsigned short* const copies = copies_of(stage, 1);
-        const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // tokens' scale, zero
-        const int first_token = lo + tile * ST, end = value_runs[warp + 1];
+    // whatever order the threads arrive). Tokens past the split's end (P = 0) add nothing. stage: the slice's stage
+    // buffer (its tokens' value scale and zero), from token `stage_token` of the tile on
+    const auto correct_values = [&](const unsigned char* area, const unsigned char* stage, int tile, int slice, int stage_token) {
+        const OutlierHeader& h = header_of(area);
+        const unsigned short* const copies = copies_of(area, 1);
+        const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // its tokens' scale, zero
+        const int first_token = lo + tile / S::TILE_STAGES * OUT_TILE, end = value_runs[slice + 1];
         float* const corrections = value_corrections + warp * GQA * D;
 #pragma unroll 1
-        for (int i = value_runs[warp] + lane; i - lane < end; i += 32) {
+        for (int i = value_runs[slice] + lane; i - lane < end; i += 32) {
             const bool mine = i < end;
-            const unsigned position = mine ? position_of(copies, 1, h.v_base, i) : 0u;
+            const unsigned position = mine ? position_of(copies, 1, h.v_base, i) : (unsigned)(stage_token * D);
             const int token = (int)(position / D), c = mine ? (int)(position % D) : D + lane;  // (a unique channel: no turn)
             const float x = mine ? half_to_float((unsigned short)value_of(copies, 1, h.v_base, i)) : 0.0f;
-            const float2 sz = vp[token];
+            const float2 sz = vp[token - stage_token];
             const float delta = mine && first_token + token < hi ? x - ((x > sz.y ? value_last : value_first) * sz.x + sz.y) : 0.0f;
             float add[GQA];
 #pragma unroll
-            for (int head = 0; head < GQA; ++head) add[head] = half_to_float(stage_p[head * ST + token]) * delta;
+            for (int head = 0; head < GQA; ++head) add[head] = half_to_float(tile_p[head * OUT_TILE + token]) * delta;
             const int turn = __popc(__match_any_sync(0xffffffffu, (unsigned)c) & ((1u << lane) - 1u));
 #pragma unroll 1
             for (int r = 0; __ballot_sync(0xffffffffu, turn >= r) != 0u; ++r) {
@@ -1235,10 +1260,13 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if constexpr (S::PRIVATE) __syncwarp();
         else __syncthreads();
         unsigned char* const buffer = stage_buffer(tile);
-        if constexpr (OUT) {  // this stage's score corrections and warps' value runs; the header of the stage issued below
-            correct_keys(buffer, tile);
-            mark_value_runs(buffer);
-            if (tid == 0) write_ranges(stage_buffer(tile + S::STAGES - 1), tile + S::STAGES - 1);  // into stage tile - 1's buffer
+        // outliers: the outlier tile this stage lies in, its area, and the slice of it the warp computes
+        const unsigned char* const area = outlier_area(tile / S::TILE_STAGES);
+        const int slice = S::PRIVATE ? tile % S::TILE_STAGES : warp;
+        if constexpr (OUT && !S::PRIVATE) {  // this tile's score corrections and slices' value runs; the header of the tile issued below
+            correct_keys(area, tile);
+            mark_value_runs(area);
+            if (tid == 0) write_ranges(tile + S::STAGES - 1);  // into tile - 1's area
             __syncthreads();
         }
         const int ahead = tile + S::STAGES - 1;
@@ -1254,6 +1282,12 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                 rotate_query(tile);
                 __syncwarp();  // written before the warp's lanes read it
                 load_query_fragments(tile);
+                if constexpr (OUT) {  // a tile's first stage: its score corrections and slices' value runs (the query is
+                                      // rotated to its first position: ROTATE_EVERY == TILE_STAGES)
+                    correct_keys(area, tile);
+                    mark_value_runs(area);
+                    __syncwarp();  // written before the warp's lanes read them
+                }
             }
         } else if (ROPE && tile + 1 < tiles) {
             rotate_query(tile + 1);  // the next stage's: its buffer was last read in iteration tile - 1, which every warp has left
@@ -1449,7 +1483,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if (OUT && g < GQA) {  // the stage's key outliers (correct_keys): head g's corrections at the lane's tokens, zeroed after
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    int2* const at = reinterpret_cast<int2*>(score_corrections + g * ST + tb + 8 * nt + 2 * t);
+                    int2* const at = reinterpret_cast<int2*>(score_corrections + g * OUT_TILE + slice * TPW + 8 * nt + 2 * t);
                     const int2 d = *at;
                     *at = int2{0, 0};
                     sc[nt][0] += (float)d.x * (1.0f / SCORE_UNIT), sc[nt][1] += (float)d.y * (1.0f / SCORE_UNIT);
@@ -1642,17 +1676,17 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                             mma_m16n8k16_f16(zacc[i], za, pw);
                         }
                     }
-                    static_assert(!OUT || NT == 2, "outliers: a warp's 16 tokens of the stage are two n-tiles (ST == OUT_TILE)");
-                    if (OUT && g < GQA) {  // P of head g at the warp's tokens, for the stage's value corrections (correct_values)
-                        unsigned* const row = reinterpret_cast<unsigned*>(stage_p + g * ST + tb + 2 * t);
+                    static_assert(!OUT || NT == 2, "outliers: a warp's slice of a tile is two n-tiles");
+                    if (OUT && g < GQA) {  // P of head g at the warp's tokens, for the slice's value corrections (correct_values)
+                        unsigned* const row = reinterpret_cast<unsigned*>(tile_p + g * OUT_TILE + slice * TPW + 2 * t);
                         row[0] = pack_half2(p[0][0], p[0][1]);
                         row[4] = pack_half2(p[1][0], p[1][1]);  // tokens 2t + 8, 2t + 9
                     }
                 }
             }
             if constexpr (OUT) {
-                __syncwarp();  // the warp's P in stage_p
-                correct_values(buffer, tile);
+                __syncwarp();  // the warp's P in tile_p
+                correct_values(area, buffer, tile, slice, S::PRIVATE ? slice * TPW : 0);
             }
         }
         if (ahead < tiles) store_value_params(ahead, pending);  // loaded with its copies above

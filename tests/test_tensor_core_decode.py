@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -289,8 +291,8 @@ def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0, per_split=PER_SPL
     rope = rope_of(codec, head_dim, len(lengths))
     got = run_emulated(lib, variant_of(codec, head_dim, gqa), query, keys, values, lengths, scaling, per_split, rope=rope)
     want = reference(query, keys, values, lengths, scaling, rope)
-    assert torch.isfinite(got).all()
-    return (got.double() - want).abs().max().item()
+    # a non-finite output is wrong by any margin (NaN compares false either way)
+    return (got.double() - want).abs().nan_to_num(nan=math.inf).max().item()
 
 
 # ------------------------------------------------------------------------------------------------ emulation
@@ -308,12 +310,13 @@ def test_emulated_fp16_kernel_reads_rows_from_the_fifo_head(emulator):
 
 
 @pytest.mark.emulation
-@pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "int2", "int4-g32", "int2-g256"))
+@pytest.mark.parametrize("codec", ("int4-rope", "nuq3-rope", "nuq3-out-rope", "int2", "int4-g32", "int2-g256"))
 def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
     """One split of all 4096 + 13 tokens (65 stages of 64, or 33 of 128: the pipelines' buffers wrap around many
     times, and a warp's own quarter of the split crosses key blocks, whose Q' it makes from the parameters the block's
-    first stage copied), past position 100K for pre-RoPE keys: a warp's query angle advances 64 tokens at a time between exact
-    anchors every 16 rotations (tc::rotate_query), so an error that grew with the steps would show here."""
+    first stage copied; with outliers, a warp's ring of tile areas wraps around too), past position 100K for pre-RoPE
+    keys: a warp's query angle advances 64 tokens at a time between exact anchors every 16 rotations
+    (tc::rotate_query), so an error that grew with the steps would show here."""
     lengths = [4096 + 13]
     v = variant_of(codec, 128, 4)
     keys, values = filled(codec, lengths, 128)
@@ -479,19 +482,19 @@ MUTANTS = {
     "outlier-extreme-code": ("nuq4-out-rope", "(x > e.x ? e.z : e.y)", "(x > e.x ? e.y : e.z)", "3"),
     "outlier-key-rotation-half": ("nuq3-out-rope", "c < D / 2 ? cos : -sin", "c < D / 2 ? cos : sin", "3"),
     "outlier-key-zero": ("nuq4-out-rope", "(x > e.x ? e.z : e.y) - e.w;", "(x > e.x ? e.z : e.y);", "3"),
-    "outlier-value-token": ("nuq3-out-rope", "stage_p[head * ST + token]", "stage_p[head * ST + (token ^ 1)]", "3"),
+    "outlier-value-token": ("nuq3-out-rope", "tile_p[head * OUT_TILE + token]", "tile_p[head * OUT_TILE + (token ^ 1)]", "3"),
     "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
     "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * GQA * D;", "value_corrections + (warp ^ 1) * GQA * D;", "3"),
-    # each warp's run of the stage's value outliers, and the turns of a channel's outliers within it
-    "outlier-value-runs": ("nuq4-out-rope", "? 0 : warp_of(i - 1) + 1,", "? 0 : warp_of(i - 1),", "3"),
+    # each slice's run of the tile's value outliers, and the turns of a channel's outliers within it
+    "outlier-value-runs": ("nuq4-out-rope", "? 0 : slice_of(i - 1) + 1,", "? 0 : slice_of(i - 1),", "3"),
     "outlier-value-turns": ("nuq4-crowded-rope", "if (mine && turn == r)", "if (mine)", "3"),
     # the outliers' scratch holds the launch's GQA heads: M's padding rows (g >= GQA) must not touch it (the other two
     # such writes, unguarded, run past the emulated shared memory)
     "outlier-score-padding-rows": ("nuq3-out-rope", "if (OUT && g < GQA) {  // the stage's key outliers", "if (OUT) {  // the stage's key outliers", "3"),
-    "outlier-value-head": ("nuq4-out-rope", "stage_p[head * ST + token]", "stage_p[(head ^ 1) * ST + token]", "3"),
-    "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "3"),
+    "outlier-value-head": ("nuq4-out-rope", "tile_p[head * OUT_TILE + token]", "tile_p[(head ^ 1) * OUT_TILE + token]", "3"),
+    "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "1", 128, 768),
     # a 2-bit table's fields: a pair's second code, the upper half-word's fields; a 3-bit table's bytes (table_pairs)
     "nuq2-table-second-code": ("nuq2", "second = x >> 2 & 0x33333333u", "second = x >> 1 & 0x33333333u"),
     "nuq2-table-upper-fields": ("nuq2", "table_pairs(table, first >> 16, second >> 16, out + 4)", "table_pairs(table, first, second, out + 4)"),
@@ -504,11 +507,11 @@ MUTANTS = {
     "nuq4-table-plane-entry": ("nuq4-out-rope", "__ldg(entries + x)", "__ldg(entries + (x & 7))", "3"),
     # outliers: a side's last codebook entry by its width (nuq3 keys, nuq4 values)
     "outlier-last-entry": ("nuq3-nuq4v-out-rope", "entry(CODEBOOK_WORDS + (1 << VBITS) - 1)", "entry(CODEBOOK_WORDS + (1 << BITS) - 1)", "3"),
-    "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * ST + token,", "score_corrections + head * ST + (token ^ 1),", "3"),
-    "outlier-first-round": ("nuq3-out-rope", "if (from + tid < to) patch(", "if (from + tid < from) patch(", "3"),
+    "outlier-key-score-token": ("nuq3-out-rope", "score_corrections + head * OUT_TILE + token,", "score_corrections + head * OUT_TILE + (token ^ 1),", "3"),
+    "outlier-first-round": ("nuq3-out-rope", "if (from + member < to) patch(", "if (from + member < from) patch(", "3"),
     # head_dim 256: a whole planes3 unit's second half, a key block's parameters in two rounds of a warp's lanes
     "nuq3-unit-second-half": ("nuq3", "at.high, 0u, 0x4342u}", "at.high, 0u, 0x4140u}", "1", 256),
-    "key-block-second-round": ("int4", "i < (PCOPIES + COPIERS - 1) / COPIERS; ++i", "i < 1; ++i", "1", 256),
+    "key-block-second-round": ("int4", "i < (PCOPIES + CREW - 1) / CREW; ++i", "i < 1; ++i", "1", 256),
     # head_dim 256, pre-RoPE keys: the key pairs' table, the query fragments from shared memory, the rotation's parts
     "key-pair-table-part": ("nuq4-rope", "key_pairs[PAIRS * 4 + key_pair_word(p, part)] =",
                             "key_pairs[PAIRS * 4 + key_pair_word(p, part ^ 1)] =", "1", 256),
@@ -543,15 +546,22 @@ MUTANTS = {
     # (768 tokens: quarters of 192, three rotations a warp), codebook values' parameters from the warp's own tokens
     "private-rope-offset": ("nuq3-rope", "(S::PRIVATE ? tile % S::ROTATE_EVERY * ST : 0) + tb + g, t, 0)", "tb + g, t, 0)"),
     "private-rope-step": ("int4-rope", "exact_cos_sin(S::BLOCK_ST,", "exact_cos_sin(ST,", "1", 128, 768),
-    "private-value-parameters": ("nuq4-rope", "v_first + lo + copier % ST;", "v_first + start + copier % ST;"),
-    "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16, COPIERS>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16, COPIERS>", "3"),
+    "private-value-parameters": ("nuq4-rope", "v_first + lo + member % ST;", "v_first + start + member % ST;"),
+    # outliers in a private pipeline: a warp's quarter of whole tiles, its own ring of tile areas (768 tokens: quarters
+    # of 192, three tiles a warp), the slice of its tile a stage is, the tokens of the stage's own buffer
+    "private-outlier-quarter": ("nuq3-out-rope", "QUARTER_UNIT = OUT ? OUT_TILE : ST;", "QUARTER_UNIT = ST;", "1", 128, 768),
+    "private-outlier-ring": ("nuq4-out-rope", "(S::PRIVATE ? warp * S::OUT_AREAS : 0) + n % S::OUT_AREAS", "n % S::OUT_AREAS", "1", 128, 768),
+    "private-outlier-slice": ("nuq3-out-rope", "const int slice = S::PRIVATE ? tile % S::TILE_STAGES : warp;",
+                              "const int slice = S::PRIVATE ? 0 : warp;", "3"),
+    "private-outlier-stage-token": ("nuq4-out-rope", "S::PRIVATE ? slice * TPW : 0);", "0);", "3"),
+    "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16, CREW>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16, CREW>", "3"),
     # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
     "nuq2-value-fields": ("nuq2", "0x0F0F0F0Fu : 0x33333333u", "0x0F0F0F0Fu : 0x0F0F0F0Fu", "1", 64),
     "nuq2-value-half-word": ("nuq2", "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + S::VSROW + (bit0 >> 3));",
                              "wb[0] = *reinterpret_cast<const unsigned short*>(r0 + (bit0 >> 3));", "1", 64),
     "nuq2-key-part": ("nuq2-out-rope", "row + S::KROW / 2 + c * 2);", "row + S::KROW / 2);", "3", 256),
     "two-stage-value-parameters": ("nuq4-out-rope", "if (ahead < tiles) store_value_params(ahead, pending);", "", "3", 256),
-    "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(rotator);", "const RopeTask frequency = rope_task<D>(rotator ^ 1);", "3", 256),
+    "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(member);", "const RopeTask frequency = rope_task<D>(member ^ 1);", "3", 256),
 }
 
 

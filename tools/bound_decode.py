@@ -121,10 +121,11 @@ class TensorCoreKernel:
     """kernels/decode_attention_tc.cu (kvcal.runtime.tensor_core; the runtime's for the bodies it serves): blocks of 4
     warps stream BLOCK_ST tokens an iteration (Variant.stage_tokens: 64, or 128 for the WIDE variants) through
     cp.async pipelines, TPW = BLOCK_ST / 4 of them per warp: packed codes in a pipeline per warp (Variant.private:
-    each warp copies and computes its own quarter of the split, behind __syncwarp, and rotates its own query for
-    pre-RoPE keys every BLOCK_ST tokens), outliers, channel groups and pre-RoPE keys at head_dim 256 in one of the
-    block (every thread issues its share of the next stage's copies, warp w computes its TPW tokens of the stage,
-    behind __syncthreads). So one iteration serves TPW tokens per warp, copies included. Steady state: every
+    each warp copies and computes its own quarter of the split, behind __syncwarp, rotates its own query for
+    pre-RoPE keys every BLOCK_ST tokens and corrects its own outlier tiles of BLOCK_ST tokens), channel groups and
+    pre-RoPE keys at head_dim 256 in one of the block (every thread issues its share of the next stage's copies, warp
+    w computes its TPW tokens of the stage, behind __syncthreads). So one iteration serves TPW tokens per warp, copies
+    included. Steady state: every
     copy live, a new key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at
     32K tokens a new maximum is rare). The model's shape (SHAPE unless given) sets its variants' head_dim and group."""
 
@@ -200,17 +201,18 @@ class TensorCoreKernel:
         return self._variant(case).stages - 1  # cp.async stages in flight while one is computed
 
     def stage_outliers(self, case: Case) -> float:
-        """A side's outliers in a stage: case.outliers of its tokens x D elements."""
+        """A side's outliers in an outlier tile (a block's stage): case.outliers of its tokens x D elements."""
         return case.outliers * self._variant(case).stage_tokens * self.shape["head_dim"]
 
     def outlier_warps(self, case: Case, extra: int = 0) -> list[float]:
-        """Per round of a block-wide pass over a stage side's outliers (each_outlier: thread tid takes lo + tid,
-        lo + tid + 128, ...; extra: tasks past them, mark_value_runs' end), the fraction of warps with work in it, on
-        average: warp w has work in round r where lo + 128 r + 32 w is below hi."""
-        from kvcal.runtime.tensor_core import THREADS, WARPS
+        """Per round of a pipeline's pass over a tile side's outliers (each_outlier: member m of the crew, the block's
+        128 threads or a private warp's 32 lanes, takes lo + m, lo + m + crew, ...; extra: tasks past them,
+        mark_value_runs' end), the fraction of the crew's warps with work in it, on average: warp w has work in round r
+        where lo + crew r + 32 w is below hi."""
+        from kvcal.runtime.tensor_core import THREADS
 
-        n = self.stage_outliers(case) + extra
-        return [min(max(math.ceil((n - THREADS * r) / 32), 0), WARPS) / WARPS for r in range(max(1, math.ceil(n / THREADS)))]
+        n, crew = self.stage_outliers(case) + extra, 32 if self._variant(case).private else THREADS
+        return [min(max(math.ceil((n - crew * r) / 32), 0), crew // 32) / (crew // 32) for r in range(max(1, math.ceil(n / crew)))]
 
     def channel_turns(self, case: Case) -> float:
         """Expected turns of a warp's value outliers (correct_values: outliers of one channel take turns), its
@@ -233,11 +235,11 @@ class TensorCoreKernel:
         pairs_per_half = d // 16  # the kernel's HP
         # channel groups: a thread's rounds of 4 tokens of the stage's dequantization (#pragma unroll 1)
         rounds = self._variant(case).stage_tokens // (4 * (THREADS // (d // 4)))
-        return [(r"for \(int i = from \+ tid \+ THREADS; i < to; i \+= THREADS\)", sum(self.outlier_warps(case)[1:]), None),
-                # mark_value_runs: a round per THREADS of the outliers and their end
-                (r"for \(int i = first \+ tid; i <= end; i \+= THREADS\)", sum(self.outlier_warps(case, 1)), None),
-                # correct_values: a warp's run of the stage's value outliers, 32 at a time, in turns by channel
-                (r"for \(int i = value_runs\[warp\] \+ lane;", math.ceil(self.stage_outliers(case) / WARPS / 32), None),
+        return [(r"for \(int i = from \+ member \+ CREW; i < to; i \+= CREW\)", sum(self.outlier_warps(case)[1:]), None),
+                # mark_value_runs: a round per crew of the outliers and their end
+                (r"for \(int i = first \+ member; i <= end; i \+= CREW\)", sum(self.outlier_warps(case, 1)), None),
+                # correct_values: a warp's run of its slice's value outliers, 32 at a time, in turns by channel
+                (r"for \(int i = value_runs\[slice\] \+ lane;", math.ceil(self.stage_outliers(case) / WARPS / 32), None),
                 (r"for \(int r = 0; __ballot_sync", self.channel_turns(case), None),
                 (r"for \(int j = 0; j < ST / \(ROUND \* ROW_GROUPS\); \+\+j\)", rounds, None),
                 # pre-RoPE keys: a lane's HP = D / 16 pairs of each half in parts of CP = 4 past 8 (#pragma unroll 1)
@@ -284,9 +286,9 @@ class TensorCoreKernel:
             (r"COPIES % COPIERS == 0 \|\| c < COPIES\)", self._last_round_warps(case)),
             (r"const long long offset = live \?", 1.0),
             # value parameters: uniform codes copy 16-byte chunks; codebooks load a token's lo and hi in the pipeline's
-            # copiers 0 .. ST - 1 (a private pipeline's: half its warp's lanes)
+            # members 0 .. ST - 1 of the crew (a private pipeline's: half its warp's lanes)
             (r"c < VCOPIES\)", copying(value_param_copies)),
-            (r"if \(copier < ST\) \{", 1.0 if variant.private else 2 / WARPS),
+            (r"if \(member < ST\) \{", 1.0 if variant.private else 2 / WARPS),
             (r"if \(vp_row_of < end\)", 1.0),
             (r"if \(token0 < hi\)", 1.0),
             (r"if \(token0 \+ TPW > hi \|\| token0 < visible\)", 0.0),  # masking: a pipeline's last stage, a window's first
@@ -296,13 +298,16 @@ class TensorCoreKernel:
             (r"if \(grew\)", 0.0),
             (r"if \(ROPE && tile \+ 1 < tiles\)", 1.0),
             (r"if \(tile % S::ROTATE_EVERY == 0\)", variant.buffer_tokens / variant.stage_tokens),  # a private warp's own rotation
-            # outliers: thread 0 writes a stage's ranges; threads 0-47 copy a side's chunk each (chunk 0 live)
+            # outliers: a tile's first stage copies its outliers (a private warp's every fourth); member 0 writes a
+            # tile's ranges; members 0-47 copy a side's chunk each (live chunks: the block's first two warps, a warp's
+            # both rounds)
+            (r"if \(OUT && tile % S::TILE_STAGES == 0\)", variant.buffer_tokens / variant.stage_tokens),
             (r"if \(tid == 0\) write_ranges", 1 / WARPS),
-            (r"if \(tid < 2 \* CHUNKS\)", 2 / WARPS),
-            (r"if \(chunk \* 8 < \(side \? h\.v_end : h\.k_end\)\)", 2 / WARPS),
+            (r"if \(member == 0\) write_ranges", 1.0),
+            (r"if \(c < 2 \* CHUNKS && chunk \* 8 < \(side \? h\.v_end : h\.k_end\)\)", 1.0 if variant.private else 2 / WARPS),
             (r"if \(tile >= r\.tiles\) return", 0.0),
             # the keys' first round of outliers; a turn of a warp's value outliers has a lane whose turn it is
-            (r"if \(from \+ tid < to\) patch\(", self.outlier_warps(case)[0]),
+            (r"if \(from \+ member < to\) patch\(", self.outlier_warps(case)[0]),
             (r"if \(crowded\)", float(len(self.outlier_warps(case)) > 1)),
             (r"if \(mine && turn == r\)", 1.0),
         )

@@ -130,9 +130,10 @@ class Variant:
     @property
     def private(self) -> bool:
         """tc::Shape<...>::PRIVATE: packed codes stream warp-private pipelines (each warp copies, waits for and computes
-        its own quarter of the split, pre-RoPE keys rotating its own query; no barrier of the block in the loop), but for
-        outliers and channel groups (work shared per stage) and pre-RoPE keys at head_dim 256."""
-        return self.bits != 16 and not (self.outliers or self.channel_groups or (self.rope and self.head_dim > 128))
+        its own quarter of the split, pre-RoPE keys rotating its own query, outliers corrected per its own tiles; no
+        barrier of the block in the loop), but for channel groups (work shared per stage) and pre-RoPE keys at head_dim
+        256."""
+        return self.bits != 16 and not (self.channel_groups or (self.rope and self.head_dim > 128))
 
     @property
     def key_pairs_shared(self) -> bool:
@@ -160,8 +161,8 @@ class Variant:
             return 2 if self.head_dim == 256 else 4
         if self.wide:
             return 3 if self.widest == 4 else 4
-        if self.outliers:  # at 256, a block of nuq3 fits an A100's 163 KB in 3 stages, one with a nuq4 side in 2
-            return (2 if self.widest == 4 else 3) if self.head_dim == 256 else 4
+        if self.outliers:  # a warp's ring of two outlier tiles allows 5; at 256 (the block's pipeline) a block of nuq3
+            return 5 if self.private else 2 if self.widest == 4 else 3  # fits an A100's 163 KB in 3 stages, nuq4 in 2
         if self.rope and self.codebook and self.head_dim == 256:  # two blocks on an SM of sm_90 beside the rotation table
             return 3 if self.widest == 4 else 5
         if self.widest == 4:
@@ -197,14 +198,17 @@ class Variant:
         key_block = 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
+        rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
         outliers = 0
         if self.outliers:
-            stage += 32 + 4 * OUTLIER_SLOTS * 2  # per stage: a 32-byte header, OUTLIER_SLOTS positions and values per side
-            # the stage's score corrections (int [head][st]), the warps' value corrections (fp32 [warp][head][d]), 4
-            # floats per key channel, the stage's P (fp16 [head][st]), the last stage's 32-byte header, the two sides'
-            # 32-byte run descriptions; the launch's gqa heads
-            outliers = self.gqa * st * 4 + WARPS * self.gqa * d * 4 + 4 * d * 4 + st * self.gqa * 2 + 32 + 2 * 32
-        rings = WARPS if self.private else 1  # a pipeline per warp, or one for the block
+            # per pipeline its tiles' areas (one a stage, or a warp's two: a 32-byte header, OUTLIER_SLOTS positions and
+            # values per side), its tile's score corrections (int [head][tile]) and P (fp16 [head][tile]) and its
+            # slices' 32-byte runs; the warps' value corrections (fp32 [warp][head][d]), 4 floats per key channel, the
+            # two sides' 32-byte run descriptions; the launch's gqa heads
+            areas = 2 if self.private else stages
+            tile = self.stage_tokens
+            outliers = (rings * (areas * (32 + 4 * OUTLIER_SLOTS * 2) + self.gqa * tile * (4 + 2) + 32)
+                        + WARPS * self.gqa * d * 4 + 4 * d * 4 + 2 * 32)
         return max(rings * stages * stage + query + rope + planes + key_block + places + key_pairs + outliers + work, merge)
 
 
