@@ -125,9 +125,9 @@ class TensorCoreKernel:
     pre-RoPE keys every BLOCK_ST tokens and corrects its own outlier tiles of BLOCK_ST tokens), channel groups and
     pre-RoPE keys at head_dim 256 in one of the block (every thread issues its share of the next stage's copies, warp
     w computes its TPW tokens of the stage, behind __syncthreads). So one iteration serves TPW tokens per warp, copies
-    included. Steady state: every
-    copy live, a new key block every KG / TPW iterations, and no running maximum growing (its rescale is skipped; at
-    32K tokens a new maximum is rare). The model's shape (SHAPE unless given) sets its variants' head_dim and group."""
+    included. Steady state: every copy live, a new key block every KG / TPW iterations, and no running maximum growing
+    (its rescale is skipped; at 32K tokens a new maximum is rare). The model's shape (SHAPE unless given) sets its
+    variants' head_dim and group."""
 
     source = "decode_attention_tc.cu"
     title = "Tensor-core kernel (kernels/decode_attention_tc.cu, kvcal.runtime.tensor_core: the runtime's for the bodies it serves)"
