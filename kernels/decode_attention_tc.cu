@@ -170,8 +170,9 @@ struct Shape {
     // (channel groups: 4, 2 at head_dim 256, beside the fp16 rows of one stage)
     // (pre-RoPE codebooks at head_dim 256: 3 where a side is nuq4, else 5, so that two blocks (8 warps) fit an SM of
     // sm_90 beside the rotation table, where 5-8 stages left one block alone on it)
-    static constexpr int STAGES = FP16 ? (D == 256 ? 2 : 3) : GROUPS ? (D == 256 ? 2 : 4) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES :
-                                  ROPE && CB && D == 256 ? (WIDEST == 4 ? 3 : 5) : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
+    // (the most a pipeline takes: at head_dim 256 a private one may take fewer, TWO_BLOCK_STAGES below)
+    static constexpr int MOST_STAGES = FP16 ? (D == 256 ? 2 : 3) : GROUPS ? (D == 256 ? 2 : 4) : WIDE ? (WIDEST == 4 ? 3 : 4) : OUT ? OUT_STAGES :
+                                       ROPE && CB && D == 256 ? (WIDEST == 4 ? 3 : 5) : (WIDEST == 4 ? (CB ? 5 : 6) : 8);
     static constexpr int KROW = D * BITS / 8, VROW = D * VBITS / 8;  // bytes of one token's head row of keys, of values
     // keys: blocks of KG tokens a stage touches; values: channel groups of the head (VGE channels each)
     static constexpr int KBLOCKS = FP16 ? 0 : (KB >= ST ? 1 : ST / KB);
@@ -202,7 +203,7 @@ struct Shape {
     // pipeline (OUT_AREAS): one a stage buffer, or (PRIVATE) a ring of two tiles', written STAGES - 1 stages ahead
     static constexpr int OUT_SLOTS = OUT ? 192 : 0;
     static constexpr int OUT_BYTES = OUT ? 32 + 2 * 2 * OUT_SLOTS * 2 : 0;
-    static constexpr int TILE_STAGES = OUT ? OUT_TILE / ST : 1, OUT_AREAS = PRIVATE ? 2 : STAGES;
+    static constexpr int TILE_STAGES = OUT ? OUT_TILE / ST : 1;
     static constexpr int MERGE_BYTES = WARPS * (8 * D + 16 + 8 * VGROUPS) * 4;
     // the unscaled query fragments, [pair][lane] words, reread when a key block's Q' is made (not kept in registers)
     static constexpr int Q_BYTES = FP16 || ROPE ? 0 : D / 8 * 32 * 4;
@@ -229,6 +230,20 @@ struct Shape {
     // words (key_pair_word), made once, and a lane reloads them per part of a rotated key, 16 bytes a load
     static constexpr bool KEY_PAIRS_SHARED = ROPE && D == 256 && !GROUPS;
     static constexpr int KEY_PAIRS_BYTES = KEY_PAIRS_SHARED ? 2 * (D / 8) * 4 * 4 : 0;
+    // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
+    // the fp16 variants' swizzled layout
+    static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
+    // a block's shared memory but its stage buffers and outlier scratch
+    static constexpr int FIXED_BYTES = Q_BYTES + QSTAGE_BUFFERS * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES + PLANE_WORDS * 4 + CB_KP_BYTES +
+                                       PLACES_BYTES + KEY_PAIRS_BYTES + WORK_BYTES;
+    // At head_dim 256 a private pipeline (post-RoPE codes: no outliers) takes no more stages than let two blocks (8
+    // warps) share an SM of sm_90 (228 KB, 1 KB reserved a block), where that leaves it 3 or more: int4 in key blocks
+    // of 128 took 6, 130 KB, one block of 4 warps alone on an SM, where each warp's stalls idle its scheduler; in 5, 8
+    // warps keep 4 stages each in flight. The wide 4-bit ones keep 3 (one block): 2 would leave a warp one in flight
+    static constexpr int TWO_BLOCK_STAGES = (228 * 1024 / 2 - 1024 - FIXED_BYTES) / (RINGS * STAGE_BYTES);
+    static constexpr int STAGES =
+        D == 256 && PRIVATE && TWO_BLOCK_STAGES >= 3 && TWO_BLOCK_STAGES < MOST_STAGES ? TWO_BLOCK_STAGES : MOST_STAGES;
+    static constexpr int OUT_AREAS = PRIVATE ? 2 : STAGES;
     // outliers: the pipelines' outlier areas; per pipeline its tile's key outliers' score corrections [head][token]
     // (int, fixed point), the tile's P [head][token] (fp16) and where its slices' value outliers start (32 bytes); per
     // warp the value outliers' corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's
@@ -236,12 +251,7 @@ struct Shape {
     // head_dim 256 the padding rows' 17.5 KB kept nuq3 / nuq4 / nuq2 with outliers to one block per SM on sm_90
     static constexpr int OUT_SCRATCH_BYTES =
         OUT ? RINGS * (OUT_AREAS * OUT_BYTES + GQA * OUT_TILE * (4 + 2) + 32) + WARPS * GQA * D * 4 + 4 * D * 4 + 2 * 32 : 0;
-    // channel groups: the computed stage's keys (rotated by their offset in the stage) and values as fp16 rows, in
-    // the fp16 variants' swizzled layout
-    static constexpr int ROW16 = D * 2, WORK_BYTES = GROUPS ? 2 * ST * ROW16 : 0;
-    static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + Q_BYTES + QSTAGE_BUFFERS * QSTAGE_WORDS * 4 + ROPE_TABLE_BYTES +
-                                      PLANE_WORDS * 4 + CB_KP_BYTES + PLACES_BYTES + KEY_PAIRS_BYTES + OUT_SCRATCH_BYTES +
-                                      WORK_BYTES;
+    static constexpr int PIPE_BYTES = RINGS * STAGES * STAGE_BYTES + FIXED_BYTES + OUT_SCRATCH_BYTES;
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE

@@ -437,6 +437,17 @@ def test_pre_rope_codebooks_at_256_run_two_blocks_on_an_sm_90():
     assert served and all(2 * (v.shared_bytes() + 1024) <= 228 * 1024 for v in served)
 
 
+def test_post_rope_codes_at_256_run_two_blocks_on_an_sm_90_but_the_wide_4_bit_ones():
+    """Gemma 3's head_dim with KIVI's and KVmix's caches: every private pipeline's block leaves room for a second one
+    on an SM of an H100 / H200 (int4 in key blocks of 128 in 5 stages, not 6), but for the wide ones with a 4-bit side,
+    which two blocks would leave one stage in flight a warp."""
+    served = [v for v in tensor_core.variants() if v.head_dim == 256 and v.private]
+    alone = {(v.bits, v.vbits, v.key_group) for v in served if 2 * (v.shared_bytes() + 1024) > 228 * 1024}
+    assert alone == {(4, 4, 32), (4, 4, 64), (3, 4, 32), (4, 3, 32)}
+    assert all(v.stages >= 3 for v in served)
+    assert Variant(256, 4, 128, 128, 4).stages == 5
+
+
 def test_split_plans_cover_the_longest_sequence_in_whole_stages():
     for stage in (tensor_core.STAGE_TOKENS, tensor_core.WIDE_STAGE_TOKENS):
         for lengths, pairs, slots in (([32768] * 8, 64, 264), ([0, 5, 70000], 24, 396), ([1], 1, 132), ([], 8, 100)):

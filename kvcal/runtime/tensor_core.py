@@ -44,6 +44,7 @@ PARAMETER_CHUNK_TOKENS = 16  # channel groups: a stage's parameter runs are copi
 HEAD_DIMS = src.HEAD_DIMS
 GQA_SIZES = tuple(range(1, kernels.MAX_GQA + 1))
 A100_SHARED_BYTES = 163 * 1024  # the most dynamic shared memory a block of an sm_80 GPU takes (every variant fits it)
+SM90_SHARED_BYTES, RESERVED_SHARED_BYTES = 228 * 1024, 1024  # an SM of sm_90's shared memory; the driver's per block
 LOG2E = 1.4426950408889634
 
 
@@ -154,7 +155,19 @@ class Variant:
 
     @property
     def stages(self) -> int:
-        """tc::Shape<...>::STAGES: the cp.async pipeline's depth."""
+        """tc::Shape<...>::STAGES: the cp.async pipeline's depth, its most_stages but at head_dim 256, where a private
+        pipeline takes no more than let two blocks share an SM of sm_90, where that leaves it 3 or more."""
+        most = self.most_stages
+        if self.head_dim == 256 and self.private and not self._fits_two_blocks_of_sm_90(most):
+            return next((s for s in range(most - 1, 2, -1) if self._fits_two_blocks_of_sm_90(s)), most)
+        return most
+
+    def _fits_two_blocks_of_sm_90(self, stages: int) -> bool:
+        return 2 * (self._shared_bytes(stages) + RESERVED_SHARED_BYTES) <= SM90_SHARED_BYTES
+
+    @property
+    def most_stages(self) -> int:
+        """tc::Shape<...>::MOST_STAGES: the most stages a variant's pipelines take."""
         if self.bits == 16:
             return 2 if self.head_dim == 256 else 3  # a block of 256-channel rows fits an A100's shared memory
         if self.channel_groups:  # beside the fp16 rows of the stage computed
@@ -172,9 +185,11 @@ class Variant:
     @functools.cache  # asked at every decode step (a variant is a frozen value)
     def shared_bytes(self) -> int:
         """tc::Shape<...>::SMEM_BYTES: the dynamic shared memory of one block."""
+        return self._shared_bytes(self.stages)
+
+    def _shared_bytes(self, stages: int) -> int:
         d, bits, kg, vg = self.head_dim, self.bits, self.key_group, self.value_group
         fp16, st = bits == 16, self.buffer_tokens
-        stages = self.stages
         # tc::Shape::KSROW / VSROW: a side's row in shared memory (nuq4's padded)
         srows = [d * b // 8 + (16 if self.codebook and b == 4 else 0) for b in (bits, self.vbits)]
         kblocks = 0 if fp16 or self.codebook or self.channel_groups else (1 if kg >= st else st // kg)  # per stage
