@@ -68,6 +68,21 @@ __device__ __forceinline__ unsigned hadd2(unsigned a, unsigned b) { return hfma2
 // kvcal.quantizers.scale_in_use: max(stored scale, 2^-24) (fp16 bits 0x0001), both halves of a pair in one max.f16x2.
 __device__ __forceinline__ unsigned clamp_scale_pair(unsigned s) { return hmax2_bits(s, 0x00010001u); }
 
+// W consecutive floats x[e] (W = 1, 2 or 4, from a boundary of W) replaced by f(e, x[e]): one load and one store
+template <int W, class F>
+__device__ __forceinline__ void update_floats(float* at, F f) {
+    static_assert(W == 1 || W == 2 || W == 4, "a float, a float2 or a float4");
+    if constexpr (W == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(at);
+        *reinterpret_cast<float4*>(at) = float4{f(0, x.x), f(1, x.y), f(2, x.z), f(3, x.w)};
+    } else if constexpr (W == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(at);
+        *reinterpret_cast<float2*>(at) = float2{f(0, x.x), f(1, x.y)};
+    } else {
+        *at = f(0, *at);
+    }
+}
+
 // Q K^T's A fragment of k-steps 2j and 2j + 1 from the query's pairs (two per k-step): rows g hold k-step 2j and
 // rows g + 8, unused by the heads (at most 8), k-step 2j + 1. Every pair sits in exactly one fragment, so no mma
 // needs zero registers moved into place; the product with k-step 2j's keys is read from rows g of one accumulator
@@ -246,7 +261,7 @@ struct Shape {
     static constexpr int OUT_AREAS = PRIVATE ? 2 : STAGES;
     // outliers: the pipelines' outlier areas; per pipeline its tile's key outliers' score corrections [head][token]
     // (int, fixed point), the tile's P [head][token] (fp16) and where its slices' value outliers start (32 bytes); per
-    // warp the value outliers' corrections of its output [warp][head][D] (fp32); per key channel 4 floats (decode_tc's
+    // warp the value outliers' corrections of its output [warp][D][head] (fp32); per key channel 4 floats (decode_tc's
     // key_extremes); the two sides' OutlierRun (in shared memory, not in registers). GQA heads, not M's 8 rows: at
     // head_dim 256 the padding rows' 17.5 KB kept nuq3 / nuq4 / nuq2 with outliers to one block per SM on sm_90
     static constexpr int OUT_SCRATCH_BYTES =
@@ -793,22 +808,24 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // pre-RoPE keys at head_dim 256: the keys' scale pairs, then their zero pairs (key_pair_word)
     unsigned* const key_pairs = reinterpret_cast<unsigned*>(cb_key_params + S::CB_KP_BYTES + S::PLACES_BYTES);
     // outliers (OUT), after the pipelines' areas: the pipeline's tile's score corrections [head][token], sum over the
-    // token's key outliers of the query's product with the rotated (exact - dequantized) key, in fixed point
-    // (SCORE_UNIT per log2 unit of the scores: an int sum is the same in whatever order the threads' atomics add); each
-    // warp's value corrections [warp][head][D], sum over its tokens' value outliers of P (exact - dequantized), in the
-    // units and softmax scale of its output; per key channel {midpoint of the dequantized first and last codes, first *
-    // scale, last * scale, zero} (fp32); the pipeline's P of its tile [head][token] (fp16); where the value outliers
-    // of each slice of the tile (the TPW tokens a warp computes in an iteration) start among the tile's, and their
-    // end (value_runs, SLICES + 1)
+    // token's key outliers of the query's product with the rotated (exact - dequantized) key, in fixed point (SCORE_UNIT
+    // per log2 unit of the scores: an int sum is the same in whatever order the threads' atomics add); each warp's value
+    // corrections [warp][D][head], sum over its tokens' value outliers of P (exact - dequantized), in the units and
+    // softmax scale of its output, a channel's heads side by side (read and written HEADS_A_WORD at a time); per key
+    // channel {midpoint of the dequantized first and last codes, first * scale, last * scale, zero} (fp32); the pipeline's
+    // P of its tile [head][token] (fp16); where the value outliers of each slice of the tile (the TPW tokens a warp
+    // computes in an iteration) start among the tile's, and their end (value_runs, SLICES + 1)
     constexpr int SLICES = OUT_TILE / TPW;
     static_assert((SLICES + 1) * 4 <= 32, "Shape's OUT_SCRATCH_BYTES holds a pipeline's value_runs in 32 bytes");
     const int ring = S::PRIVATE ? warp : 0;
+    constexpr int HEADS_A_WORD = GQA % 4 == 0 ? 4 : GQA % 2 == 0 ? 2 : 1;
     int* const all_score_corrections = reinterpret_cast<int*>(out_scratch + S::RINGS * S::OUT_AREAS * S::OUT_BYTES);
     int* const score_corrections = all_score_corrections + ring * GQA * OUT_TILE;
     float* const value_corrections = reinterpret_cast<float*>(all_score_corrections + S::RINGS * GQA * OUT_TILE);
-    float* const key_extremes = value_corrections + WARPS * GQA * D;
-    unsigned short* const tile_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D) + ring * GQA * OUT_TILE;
-    int* const value_runs = reinterpret_cast<int*>(reinterpret_cast<unsigned short*>(key_extremes + 4 * D) + S::RINGS * GQA * OUT_TILE) + ring * 8;
+    float* const key_extremes = value_corrections + WARPS * D * GQA;
+    unsigned short* const all_tile_p = reinterpret_cast<unsigned short*>(key_extremes + 4 * D);
+    unsigned short* const tile_p = all_tile_p + ring * GQA * OUT_TILE;
+    int* const value_runs = reinterpret_cast<int*>(all_tile_p + S::RINGS * GQA * OUT_TILE) + ring * 8;
     constexpr int TASKS = ROPE ? GQA * D / 4 : 0, TASK_SLOTS = TASKS > CREW ? (TASKS + CREW - 1) / CREW : 1;
     // A member's tasks share their frequency pair (tasks CREW apart are the same pair of another head): cos / sin
     // of P0 theta for its two frequencies, and of BLOCK_ST theta (the step between rotations), held once. Between exact
@@ -1145,13 +1162,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // dequantized) per head into the warp's corrections (fp32), a lane an outlier. Outliers of one channel (at different
     // tokens) take turns, lowest lane first, so that a channel's adds come in one order (no float atomics, which add in
     // whatever order the threads arrive). Tokens past the split's end (P = 0) add nothing. stage: the slice's stage
-    // buffer (its tokens' value scale and zero), from token `stage_token` of the tile on
-    const auto correct_values = [&](const unsigned char* area, const unsigned char* stage, int tile, int slice, int stage_token) {
+    // buffer (its tokens' value scale and zero): the tile's, or (PRIVATE) the warp's of the slice alone
+    const auto correct_values = [&](const unsigned char* area, const unsigned char* stage, int tile, int slice) {
+        const int stage_token = S::PRIVATE ? slice * TPW : 0;  // the stage's first token in the tile
         const OutlierHeader& h = header_of(area);
         const unsigned short* const copies = copies_of(area, 1);
         const float2* const vp = reinterpret_cast<const float2*>(stage + S::CODE_BYTES + S::KP_BYTES);  // its tokens' scale, zero
         const int first_token = lo + tile / S::TILE_STAGES * OUT_TILE, end = value_runs[slice + 1];
-        float* const corrections = value_corrections + warp * GQA * D;
+        float* const corrections = value_corrections + warp * D * GQA;
 #pragma unroll 1
         for (int i = value_runs[slice] + lane; i - lane < end; i += 32) {
             const bool mine = i < end;
@@ -1168,7 +1186,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             for (int r = 0; __ballot_sync(0xffffffffu, turn >= r) != 0u; ++r) {
                 if (mine && turn == r)
 #pragma unroll
-                    for (int head = 0; head < GQA; ++head) corrections[head * D + c] += add[head];
+                    for (int j = 0; j < GQA / HEADS_A_WORD; ++j)
+                        update_floats<HEADS_A_WORD>(corrections + c * GQA + j * HEADS_A_WORD, [&](int e, float x) { return x + add[j * HEADS_A_WORD + e]; });
                 __syncwarp();
             }
         }
@@ -1545,10 +1564,16 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int i = 0; i < (RAW ? ZPAIRS : 0); ++i)
                     zacc[i][0] *= alpha0, zacc[i][1] *= alpha1, zacc[i][2] *= alpha0, zacc[i][3] *= alpha1;
-                if (OUT && g < GQA) {  // head g's value corrections, lane t's quarter of them
-                    float4* const row = reinterpret_cast<float4*>(value_corrections + (warp * GQA + g) * D) + t * (D / 16);
+                if constexpr (OUT) {  // the warp's value corrections, a word of heads at a time: head h's alpha is lane 4 h's
+                    float* const corrections = value_corrections + warp * D * GQA;
 #pragma unroll
-                    for (int i = 0; i < D / 16; ++i) row[i] = float4{row[i].x * alpha[0], row[i].y * alpha[0], row[i].z * alpha[0], row[i].w * alpha[0]};
+                    for (int k = 0; k < D * GQA / HEADS_A_WORD / 32; ++k) {
+                        const int word = lane + 32 * k, head = word % (GQA / HEADS_A_WORD) * HEADS_A_WORD;
+                        float scale[HEADS_A_WORD];
+#pragma unroll
+                        for (int e = 0; e < HEADS_A_WORD; ++e) scale[e] = shfl_idx(alpha[0], 4 * (head + e));
+                        update_floats<HEADS_A_WORD>(corrections + word * HEADS_A_WORD, [&](int e, float x) { return x * scale[e]; });
+                    }
                 }
             }
             float p[NT][2], m_use[HL];  // p as sc
@@ -1696,7 +1721,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             }
             if constexpr (OUT) {
                 __syncwarp();  // the warp's P in tile_p
-                correct_values(area, buffer, tile, slice, S::PRIVATE ? slice * TPW : 0);
+                correct_values(area, buffer, tile, slice);
             }
         }
         if (ahead < tiles) store_value_params(ahead, pending);  // loaded with its copies above
@@ -1761,7 +1786,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             total += merge_l[w * 8 + h] * f;
             float x = merge_o[(w * 8 + h) * D + d];
             if constexpr (!S::ROWS16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];
-            if constexpr (OUT) x += value_corrections[(w * GQA + h) * D + d];
+            if constexpr (OUT) x += value_corrections[(w * D + d) * GQA + h];
             value += x * f;
         }
         out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;

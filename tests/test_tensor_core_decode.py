@@ -497,7 +497,7 @@ MUTANTS = {
     "nuq3-quarter-low-bits": ("nuq3-rope", "2u * (first & 15)", "2u * (~first & 8)",
                               "1", 64),
     "nuq3-quarter-high-byte": ("nuq3", "0x4440u + (first >> 3 & 3)", "0x4440u + ((first >> 3 & 3) ^ 1)", "1", 64),
-    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * GQA * D;", "value_corrections + (warp ^ 1) * GQA * D;", "3"),
+    "outlier-value-warp": ("nuq4-out-rope", "value_corrections + warp * D * GQA;\n#pragma unroll 1", "value_corrections + (warp ^ 1) * D * GQA;\n#pragma unroll 1", "3"),
     # each slice's run of the tile's value outliers, and the turns of a channel's outliers within it
     "outlier-value-runs": ("nuq4-out-rope", "? 0 : slice_of(i - 1) + 1,", "? 0 : slice_of(i - 1),", "3"),
     "outlier-value-turns": ("nuq4-crowded-rope", "if (mine && turn == r)", "if (mine)", "3"),
@@ -505,7 +505,7 @@ MUTANTS = {
     # such writes, unguarded, run past the emulated shared memory)
     "outlier-score-padding-rows": ("nuq3-out-rope", "if (OUT && g < GQA) {  // the stage's key outliers", "if (OUT) {  // the stage's key outliers", "3"),
     "outlier-value-head": ("nuq4-out-rope", "tile_p[head * OUT_TILE + token]", "tile_p[(head ^ 1) * OUT_TILE + token]", "3"),
-    "outlier-value-rescale": ("nuq3-out-rope", "row[i] = float4{row[i].x * alpha[0],", "row[i] = float4{row[i].x,", "1", 128, 768),
+    "outlier-value-rescale": ("nuq3-out-rope", "return x * scale[e];", "return x;", "1", 128, 768),
     # a 2-bit table's fields: a pair's second code, the upper half-word's fields; a 3-bit table's bytes (table_pairs)
     "nuq2-table-second-code": ("nuq2", "second = x >> 2 & 0x33333333u", "second = x >> 1 & 0x33333333u"),
     "nuq2-table-upper-fields": ("nuq2", "table_pairs(table, first >> 16, second >> 16, out + 4)", "table_pairs(table, first, second, out + 4)"),
@@ -564,7 +564,7 @@ MUTANTS = {
     "private-outlier-ring": ("nuq4-out-rope", "(S::PRIVATE ? warp * S::OUT_AREAS : 0) + n % S::OUT_AREAS", "n % S::OUT_AREAS", "1", 128, 768),
     "private-outlier-slice": ("nuq3-out-rope", "const int slice = S::PRIVATE ? tile % S::TILE_STAGES : warp;",
                               "const int slice = S::PRIVATE ? 0 : warp;", "3"),
-    "private-outlier-stage-token": ("nuq4-out-rope", "S::PRIVATE ? slice * TPW : 0);", "0);", "3"),
+    "private-outlier-stage-token": ("nuq4-out-rope", "stage_token = S::PRIVATE ? slice * TPW : 0;", "stage_token = 0;", "3"),
     "value-stage-rows": ("int2-int4v", "copy_rows<ST, S::VROW, S::VSROW, S::FP16, CREW>", "copy_rows<ST, S::KROW, S::VSROW, S::FP16, CREW>", "3"),
     # 2-bit codebooks: a value field's two tokens, half-word reads of a lane's values (64) and keys' parts (256)
     "nuq2-value-fields": ("nuq2", "0x0F0F0F0Fu : 0x33333333u", "0x0F0F0F0Fu : 0x0F0F0F0Fu", "1", 64),

@@ -251,8 +251,7 @@ class TensorCoreKernel:
         return [(r"exact_cos_sin\(p0, __ldg\(inv_freq", 1 / 16),
                 (r"if \(i < S::OUT_SLOTS\) return copies\[", 1.0), (r"return __ldg\(out_runs\[side\]\.(positions|values) \+ base \+ i\)", 0.0),
                 # outliers' work on M's rows of real heads (g < GQA): lanes of every warp, so every warp runs it
-                (r"\*at = int2\{0, 0\};", 1.0), (r"row\[0\] = pack_half2\(p\[0\]\[0\], p\[0\]\[1\]\);", 1.0),
-                (r"row\[i\] = float4\{row\[i\]\.x \* alpha\[0\]", 1.0)]
+                (r"\*at = int2\{0, 0\};", 1.0), (r"row\[0\] = pack_half2\(p\[0\]\[0\], p\[0\]\[1\]\);", 1.0)]
 
     def conditions(self, case: Case) -> list:
         return []

@@ -218,7 +218,7 @@ class Variant:
         if self.outliers:
             # per pipeline its tiles' areas (one a stage, or a warp's two: a 32-byte header, OUTLIER_SLOTS positions and
             # values per side), its tile's score corrections (int [head][tile]) and P (fp16 [head][tile]) and its
-            # slices' 32-byte runs; the warps' value corrections (fp32 [warp][head][d]), 4 floats per key channel, the
+            # slices' 32-byte runs; the warps' value corrections (fp32 [warp][d][head]), 4 floats per key channel, the
             # two sides' 32-byte run descriptions; the launch's gqa heads
             areas = 2 if self.private else stages
             tile = self.stage_tokens
