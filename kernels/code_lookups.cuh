@@ -1,6 +1,7 @@
 // Codes looked up in registers for the tensor-core decode kernel (decode_attention_tc.cu): a codebook's entries
-// (or uniform 3-bit codes' values) as byte planes that prmt indexes four at a time, and the 3-bit indices of planes3
-// rows (kvcal/packing.py's bit planes) that those lookups take. docs/kernels.md (Codebooks) walks through them.
+// (or uniform 3-bit codes' values, from constants) as byte planes that prmt indexes four at a time, and the 3-bit
+// indices of planes3 rows (kvcal/packing.py's bit planes) that those lookups take. docs/kernels.md (Codebooks) walks
+// through them.
 #pragma once
 
 #include "intrinsics.cuh"
@@ -76,6 +77,38 @@ __device__ __forceinline__ void table_pairs_of_halves(const Planes3Table& table,
     out[0] = prmt(lo, hi, 0x6240u), out[1] = prmt(lo, hi, 0x7351u);
 }
 
+// Uniform 3-bit codes' table: entry k is fp16(k), k < 8. Its low bytes are all 0 and its high bytes (0x00, 0x3C, 0x40,
+// 0x42, 0x44 .. 0x47) constants below 0x80, so a lookup needs the high plane alone, from immediates, and an entry's
+// low byte is prmt's sign mode on its high byte (bit 3 of the selector's nibble: 0x00): table_pairs and
+// table_pairs_of_halves as for an EntryPlanes<8>, in half the prmt.
+struct Uniform3Table {};
+constexpr unsigned UNIFORM3_HIGH_0_3 = 0x42403C00u, UNIFORM3_HIGH_4_7 = 0x47464544u;
+
+template <int N = 4>
+__device__ __forceinline__ void table_pairs(const Uniform3Table&, unsigned a, unsigned b, unsigned* out) {
+    static_assert(N == 2 || N == 4, "a half-word or a word of indices");
+    const unsigned ha = prmt(UNIFORM3_HIGH_0_3, UNIFORM3_HIGH_4_7, a), hb = prmt(UNIFORM3_HIGH_0_3, UNIFORM3_HIGH_4_7, b);
+#pragma unroll
+    for (int i = 0; i < N; ++i)  // {0, high byte of entry a_i, 0, high byte of entry b_i}
+        out[i] = prmt(ha, hb, (4u + i) << 12 | (8u + i) << 8 | (unsigned)i << 4 | (8u + i));
+}
+
+__device__ __forceinline__ void table_pairs_of_halves(const Uniform3Table&, unsigned x, unsigned* out) {
+    const unsigned hi = prmt(UNIFORM3_HIGH_0_3, UNIFORM3_HIGH_4_7, x);
+    out[0] = prmt(hi, 0u, 0x2808u), out[1] = prmt(hi, 0u, 0x3919u);  // {0, n_i's high byte, 0, n_(i+2)'s}
+}
+
+// A side's lookup table: a codebook's EntryPlanes (made in shared memory from its entries) or uniform 3-bit codes'
+// Uniform3Table; the other uniform codes convert without one (the EntryPlanes type, never read)
+template <bool CB, int BITS>
+struct SideTable {
+    using type = EntryPlanes<(1 << BITS)>;
+};
+template <>
+struct SideTable<false, 3> {
+    using type = Uniform3Table;
+};
+
 // The 3-bit indices of 16 codes of a planes3 half-unit (low: their low bits, code j at bit 2j; high: their high bits,
 // codes 0-7 in byte 0 and 8-15 in byte 2, code j at bit j % 8): nibble m of even holds code 2m's, of odd code 2m + 1's
 // (codes 0-7's in the low 16 bits, 8-15's above), as table_pairs reads them.
@@ -131,8 +164,8 @@ __device__ __forceinline__ Planes3Place second_half(const Planes3Place& at) { re
 
 // Codes at `at` (planes3_place<N>, N = 16 or 32) of a planes3 row as N / 2 pairs {code 2m, code 2m + 1} of the
 // table's entries.
-template <int N>
-__device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, const Planes3Table& table) {
+template <int N, class Table>
+__device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3Place& at, unsigned* out, const Table& table) {
     static_assert(N == 16 || N == 32, "a half or a whole unit");
     if constexpr (N == 32) {
         planes3_codes<16>(row, at, out, table);
@@ -146,9 +179,9 @@ __device__ __forceinline__ void planes3_codes(const unsigned* row, const Planes3
 
 // Codes at `at` (planes3_place<N>, N = 4 .. 32) of two planes3 rows a and b as N pairs {a's code c, b's code c} of
 // the table's entries, c = 0 .. N - 1 (values: a token pair's fragment of each channel).
-template <int N>
+template <int N, class Table>
 __device__ __forceinline__ void planes3_token_pairs(const unsigned* a, const unsigned* b, const Planes3Place& at, unsigned* out,
-                                                    const Planes3Table& table) {
+                                                    const Table& table) {
     if constexpr (N == 32) {
         planes3_token_pairs<16>(a, b, at, out, table);
         planes3_token_pairs<16>(a, b, second_half(at), out + 16, table);

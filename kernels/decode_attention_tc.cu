@@ -231,11 +231,12 @@ struct Shape {
     static constexpr int ROPE_TABLE_BYTES = ROPE && !GROUPS ? (BLOCK_ST * (D / 2) + BLOCK_ST / 2 * 16) * 4 : 0;  // rope_row_start(BLOCK_ST)
     // codebooks and 3-bit codes in planes3 (channel groups aside: they read theirs as they dequantize a stage) look
     // their 2^bits entries up in registers from byte planes (EntryPlanes: 2^bits / 2 words a side, keys' then values',
-    // each from a 16-byte boundary; uniform 3-bit codes: the code values 0..7). Shared-memory tables of the entries'
-    // pairs had cost a wavefront or more a lookup: 1.97 and 3.51 a warp's lookup for one 3- and 4-bit copy
+    // each from a 16-byte boundary, made from the codebooks; uniform 3-bit codes' code values 0..7 are constants,
+    // Uniform3Table). Shared-memory tables of the entries' pairs had cost a wavefront or more a lookup: 1.97 and 3.51
+    // a warp's lookup for one 3- and 4-bit copy
     static constexpr bool PLANES3 = !GROUPS && (BITS == 3 || VBITS == 3);
-    static constexpr int KEY_PLANE_WORDS = !GROUPS && (CB || BITS == 3) ? (1 << BITS) / 2 : 0;
-    static constexpr int VALUE_PLANE_WORDS = !GROUPS && (CB || VBITS == 3) ? (1 << VBITS) / 2 : 0;
+    static constexpr int KEY_PLANE_WORDS = !GROUPS && CB ? (1 << BITS) / 2 : 0;
+    static constexpr int VALUE_PLANE_WORDS = !GROUPS && CB ? (1 << VBITS) / 2 : 0;
     static constexpr int VALUE_PLANES_AT = (KEY_PLANE_WORDS + 3) / 4 * 4;
     static constexpr int PLANE_WORDS = VALUE_PLANES_AT + (VALUE_PLANE_WORDS + 3) / 4 * 4;
     static constexpr int CB_KP_BYTES = CB ? 2 * D * 2 : 0;  // [scale, zero][D] fp16, copied once
@@ -254,7 +255,7 @@ struct Shape {
     // At head_dim 256 a private pipeline (post-RoPE codes: no outliers) takes no more stages than let two blocks (8
     // warps) share an SM of sm_90 (228 KB, 1 KB reserved a block), where that leaves it 3 or more: int4 in key blocks
     // of 128 took 6, 130 KB, one block of 4 warps alone on an SM, where each warp's stalls idle its scheduler; in 5, 8
-    // warps keep 4 stages each in flight. The wide 4-bit ones keep 3 (one block): 2 would leave a warp one in flight
+    // warps keep 4 stages each in flight. The wide int4 ones keep 3 (one block): 2 would leave a warp one in flight
     static constexpr int TWO_BLOCK_STAGES = (228 * 1024 / 2 - 1024 - FIXED_BYTES) / (RINGS * STAGE_BYTES);
     static constexpr int STAGES =
         D == 256 && PRIVATE && TWO_BLOCK_STAGES >= 3 && TWO_BLOCK_STAGES < MOST_STAGES ? TWO_BLOCK_STAGES : MOST_STAGES;
@@ -790,10 +791,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // the buffer stage `tile` reads its query from: the block's by stage parity, or (PRIVATE) the warp's own
     const auto q_buffer = [&](int tile) { return q_stage + (S::PRIVATE ? warp : tile & 1) * S::QSTAGE_WORDS; };
     unsigned* const rope_smem = q_stage + S::QSTAGE_BUFFERS * S::QSTAGE_WORDS;
-    // the sides' EntryPlanes (codebooks, 3-bit codes), keys' then values'
+    // the sides' tables (SideTable): codebooks' EntryPlanes, keys' then values'; uniform 3-bit codes' constants
     unsigned* const plane_words = rope_smem + S::ROPE_TABLE_BYTES / 4;
-    using KeyPlanes = EntryPlanes<(1 << BITS)>;
-    using ValuePlanes = EntryPlanes<(1 << VBITS)>;
+    using KeyPlanes = typename SideTable<CB, BITS>::type;
+    using ValuePlanes = typename SideTable<CB, VBITS>::type;
     const KeyPlanes* const key_planes = reinterpret_cast<const KeyPlanes*>(plane_words);
     const ValuePlanes* const value_planes = reinterpret_cast<const ValuePlanes*>(plane_words + S::VALUE_PLANES_AT);
     unsigned char* const cb_key_params = reinterpret_cast<unsigned char*>(plane_words + S::PLANE_WORDS);  // codebooks' one key block

@@ -437,13 +437,14 @@ def test_pre_rope_codebooks_at_256_run_two_blocks_on_an_sm_90():
     assert served and all(2 * (v.shared_bytes() + 1024) <= 228 * 1024 for v in served)
 
 
-def test_post_rope_codes_at_256_run_two_blocks_on_an_sm_90_but_the_wide_4_bit_ones():
+def test_post_rope_codes_at_256_run_two_blocks_on_an_sm_90_but_the_wide_int4_ones():
     """Gemma 3's head_dim with KIVI's and KVmix's caches: every private pipeline's block leaves room for a second one
-    on an SM of an H100 / H200 (int4 in key blocks of 128 in 5 stages, not 6), but for the wide ones with a 4-bit side,
-    which two blocks would leave one stage in flight a warp."""
+    on an SM of an H100 / H200 (int4 in key blocks of 128 in 5 stages, not 6; KVmix's int3 / int4 in key blocks of 32
+    without a shared table of 3-bit code values), but for the wide int4 ones, which two blocks would leave one stage
+    in flight a warp."""
     served = [v for v in tensor_core.variants() if v.head_dim == 256 and v.private]
     alone = {(v.bits, v.vbits, v.key_group) for v in served if 2 * (v.shared_bytes() + 1024) > 228 * 1024}
-    assert alone == {(4, 4, 32), (4, 4, 64), (3, 4, 32), (4, 3, 32)}
+    assert alone == {(4, 4, 32), (4, 4, 64)}
     assert all(v.stages >= 3 for v in served)
     assert Variant(256, 4, 128, 128, 4).stages == 5
 
@@ -537,6 +538,10 @@ MUTANTS = {
     "int3-value-raw": ("int4-int3v", "VALUE_RAW = RAW && VBITS != 3;", "VALUE_RAW = RAW;", "3"),
     "int3-value-group-units": ("int3-g32", "places[1].low + group * GROUP_WORDS,", "places[1].low,", "3"),
     "int3-value-eighth-high-bits": ("int3-g32", "lop3<magic::SELECT>(ha >> s, hb >> s << 4, 0xFFFFFF0Fu)", "lop3<magic::SELECT>(ha, hb << 4, 0xFFFFFF0Fu)", "3"),
+    # uniform 3-bit codes' constant table: its high plane, a key pair's second code, a value half's second pair
+    "int3-table-high-plane": ("int3-g32", "UNIFORM3_HIGH_4_7 = 0x47464544u", "UNIFORM3_HIGH_4_7 = 0x47464445u", "3"),
+    "int3-table-pair-byte": ("int3-int4v", "(4u + i) << 12 | (8u + i) << 8", "(4u + (i ^ 1)) << 12 | (8u + i) << 8", "3"),
+    "int3-table-halves-second": ("int3-g32", "prmt(hi, 0u, 0x3919u)", "prmt(hi, 0u, 0x3909u)", "3"),
     # SKVQ's channel groups: each channel of a 3-bit pair its own high bit, a code pair's second row, the rows' words
     # from the pairs along them, an fp8 parameter word's second pair of rows
     "skvq3-pair-high-bits": ("skvq3", "lop3<magic::AND_OR>(top << 1, 0x00040004u", "lop3<magic::AND_OR>(top << 2, 0x00040004u", "3"),

@@ -205,11 +205,11 @@ class Variant:
         queries = WARPS if self.private else 2
         rope = queries * (d // 8 * 32 * 4) + (0 if self.channel_groups else rope_row_start(self.stage_tokens, d) * 4) if self.rope else 0
         work = 2 * st * d * 2 if self.channel_groups else 0  # tc::Shape::WORK_BYTES: the stage computed as fp16 rows
-        # codebooks' and 3-bit sides' tc::EntryPlanes (channel groups aside: they read theirs as they dequantize;
-        # uniform ones: code values 0..7), 2^bits / 2 words a side from a 16-byte boundary; 3-bit codes read from a
-        # lane's places in a row (tc::Planes3Place); codebook keys' one block of parameters
+        # codebooks' tc::EntryPlanes, 2^bits / 2 words a side from a 16-byte boundary (uniform 3-bit codes' are
+        # constants); 3-bit codes read from a lane's places in a row (tc::Planes3Place); codebook keys' one block of
+        # parameters
         planes3 = not self.channel_groups and 3 in (bits, self.vbits)
-        planes = sum(max(16, 2**b * 2) for b in (bits, self.vbits) if self.codebook or (planes3 and b == 3))
+        planes = sum(max(16, 2**b * 2) for b in (bits, self.vbits) if self.codebook)
         key_block = 4 * d if self.codebook else 0
         places = 32 * 2 * 16 if planes3 else 0
         key_pairs = 2 * (d // 8) * 4 * 4 if self.key_pairs_shared else 0  # [scale, zero][pair][lane part t]
@@ -462,11 +462,6 @@ def constant_operands(keys, values, head_dim: int, device, inv_freq: torch.Tenso
     sequence's key block) and the two codebook tables; inv_freq and the rotation table for pre-RoPE keys (zeros where
     post-RoPE keys take the pre-RoPE variant: `rotates_by_zero`)."""
     out = {}
-    if _is_packed(keys) and keys.codec.kind is CodecKind.UNIFORM_CHANNEL and 3 in (int(keys.codec.bits), int(values.codec.bits)):
-        # uniform 3-bit codes: their side's table gives code values 0..7
-        tables = [codebook_entries(torch.arange(8.0)) if int(store.codec.bits) == 3 else torch.zeros(CODEBOOK_WORDS, dtype=torch.int32)
-                  for store in (keys, values)]
-        out["codebooks"] = torch.cat(tables).to(device)
     if _is_packed(keys) and keys.codec.kind in CODEBOOKS:  # kvcal.quantizers.denormalize's scale and zero
         lo, hi = keys.codec.lo.float(), keys.codec.hi.float()
         out["key_scale"] = ((hi - lo) / 2).clamp(min=1e-8).half().to(device)
