@@ -271,10 +271,12 @@ struct Shape {
     static constexpr int SMEM_BYTES = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
     // resident blocks per SM the register allocation must allow (ptxas caps registers at 65536 / (128 * MIN_BLOCKS)):
     // fp16 is held to 2 by its shared memory; the packed g128 variants fit 128 registers (4 blocks, 16 warps); pre-RoPE
-    // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2
-    // (KB < BLOCK_ST: key blocks of 32 or 64 tokens, whose Q' a warp remakes every iteration or two)
+    // keys at D = 128 hold the block's scale and zero pairs (32 registers) besides the rotated query: 2; at D = 256
+    // shared memory holds every post-RoPE uniform variant to 2 blocks of sm_90 at most: 2 (3 had ptxas spill int3 keys
+    // in key blocks of 128 on sm_80 at 168 registers) (KB < BLOCK_ST: key blocks of 32 or 64 tokens, whose Q' a warp
+    // remakes every iteration or two)
     static constexpr int MIN_BLOCKS =
-        FP16 || OUT || GROUPS || (ROPE && D >= 128) || (D == 256 && (CB || KB < BLOCK_ST)) ? 2
+        FP16 || OUT || GROUPS || (ROPE && D >= 128) || D == 256 ? 2
                                                                              : (ROPE || KB < BLOCK_ST || VGROUPS > 1 || LANE_V * VBITS > 32 ? 3 : 4);
     static_assert(!OUT || (CB && ROPE), "outliers: codebook codes (KVQuant's dense-and-sparse) with pre-RoPE keys");
     static_assert(!OUT || BLOCK_ST == OUT_TILE, "outliers: a block's stage is one outlier tile, four stages of a warp's one");

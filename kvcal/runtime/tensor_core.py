@@ -155,8 +155,8 @@ class Variant:
 
     @property
     def stages(self) -> int:
-        """tc::Shape<...>::STAGES: the cp.async pipeline's depth, its most_stages but at head_dim 256, where a private
-        pipeline takes no more than let two blocks share an SM of sm_90, where that leaves it 3 or more."""
+        """tc::Shape<...>::STAGES: the cp.async pipeline's depth: most_stages, but at head_dim 256 a private pipeline
+        takes no more than let two blocks share an SM of sm_90, where that leaves it 3 or more (TWO_BLOCK_STAGES)."""
         most = self.most_stages
         if self.head_dim == 256 and self.private and not self._fits_two_blocks_of_sm_90(most):
             return next((s for s in range(most - 1, 2, -1) if self._fits_two_blocks_of_sm_90(s)), most)
