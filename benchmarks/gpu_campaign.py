@@ -7,6 +7,7 @@ that does not fit in what is left of --budget-s is skipped and says so):
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
+  kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape)
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
@@ -125,6 +126,8 @@ def stages(args) -> list[Stage]:
               180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
+        Stage("kernels-d256-kv1", [*bench("kernels", "gpu"), "--head-dim", "256", "--kv-heads", "1", "--splits", "launcher",
+                                   "--iters", "30", "--seed", str(args.seed)], 90, 30, [*bench("kernels", "gpu"), "--help"]),
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 330, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 330, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
@@ -166,9 +169,9 @@ if shutil.which("nvidia-smi"):
 # ------------------------------------------------------------------------------------------------ the summary
 
 
-def _load(folder: Path, prefix: str, head_dim: int = 128) -> dict | None:
-    """The results file <prefix>_<device>.json (at head_dim 256: <prefix>_<device>_d256.json)."""
-    found = sorted(p for p in folder.glob(f"{prefix}_*.json") if p.stem.endswith("_d256") == (head_dim == 256))
+def _load(folder: Path, prefix: str) -> dict | None:
+    """The results file <prefix>_<device>.json."""
+    found = sorted(folder.glob(f"{prefix}_*.json"))
     return json.loads(found[0].read_text()) if found else None
 
 
@@ -177,7 +180,8 @@ def kernel_table(kernels: dict) -> list[str]:
     second launch (results written before that check say '-'), beside the written bound's prediction where it has one
     (its error: predicted over measured)."""
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
-             f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}", "",
+             f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}, "
+             f"{kernels['kv_heads']} KV head{'s' * (kernels['kv_heads'] != 1)}", "",
              "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
              "|---|---|---|---|---|---|---|---|"]
 
@@ -199,9 +203,8 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
     results = out / "results"
     lines = ["# GPU campaign", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.note} |" for s in campaign]
-    for head_dim in (128, 256):
-        kernels = _load(results, "decode_tc", head_dim)
-        lines += kernel_table(kernels) if kernels else []
+    for path in sorted(results.glob("decode_tc_*.json")):  # head_dim 128, 256, then 256 at one KV head
+        lines += kernel_table(json.loads(path.read_text()))
     suite = out / "logs" / "suite.xml"
     if suite.is_file():
         lines += ["", "GPU suite: " + suite_counts(suite.read_text())]
@@ -284,7 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
-    known = {"environment", "kernels", "suite", "generate", "ab", "ncu"}
+    known = {"environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

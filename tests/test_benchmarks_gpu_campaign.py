@@ -24,7 +24,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                            "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
-    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "suite", "generate", "ab", "ncu"]
+    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate",
+                                                           "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
     generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())
@@ -69,13 +70,14 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     row = {"variant": "int2-g128", "plan": "launcher", "batch": 8, "tokens": 32768, "latency_us": 110.5,
            "fraction_of_copy_bandwidth": 0.46, "speedup_vs_sdpa_fp16": 3.31, "max_abs_error_vs_sdpa_fp32": 1.2e-4}
     (tmp_path / "results" / "decode_tc_gpu.json").write_text(json.dumps({
-        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128,
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8,
         "results": [{**row, "predicted_us": 99.45, "same_bits_twice": True},
                     {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")},
                     {**row, "variant": "nuq4-1%-pre-rope", "same_bits_twice": False}]}))
-    (tmp_path / "results" / "decode_tc_gpu_d256.json").write_text(json.dumps({
-        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256,
-        "results": [{**row, "variant": "int2-g32", "latency_us": 190.0}]}))
+    for name, kv_heads, latency in (("d256", 8, 190.0), ("d256_kv1", 1, 30.0)):
+        (tmp_path / "results" / f"decode_tc_gpu_{name}.json").write_text(json.dumps({
+            "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256, "kv_heads": kv_heads,
+            "results": [{**row, "variant": "int2-g32", "latency_us": latency}]}))
     (tmp_path / "logs" / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
@@ -91,7 +93,8 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     assert "round 1" not in text
     assert "| nuq3-1%-pre-rope | 110.5 | - | 46% | 3.31x | inf | - | FAIL |" in text  # (a result without the second launch)
     assert "| nuq4-1%-pre-rope | 110.5 | - | 46% | 3.31x | 1.2e-04 | NO | FAIL |" in text
-    assert text.index("head_dim 128") < text.index("head_dim 256") < text.index("| int2-g32 | 190.0 |")
+    assert (text.index("head_dim 128, 8 KV heads") < text.index("head_dim 256, 8 KV heads") < text.index("| int2-g32 | 190.0 |")
+            < text.index("head_dim 256, 1 KV head\n") < text.index("| int2-g32 | 30.0 |"))
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
 
 

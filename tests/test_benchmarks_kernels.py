@@ -34,6 +34,7 @@ def test_a_median_taken_at_idle_clocks_is_retaken_until_two_agree():
     (["--splits", "100"], "positive multiples of 64"),
     (["--splits", "launcher,big"], "'launcher' or whole numbers"),
     (["--tokens", "0"], "a positive number of tokens"),
+    (["--kv-heads", "0"], "a positive number of KV heads"),
     (["--kernel-dir", "."], "no decode_attention_tc.cu there"),
 ])
 def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, monkeypatch, capsys):

@@ -201,7 +201,7 @@ def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     """measured_on_gpus keeps the fastest row per variant at the bound's shape (not another head_dim's run);
     measured_table pairs it with the bound of the case that names it, and gives nothing where no run has the case's
-    variant."""
+    variant; a run at other KV heads is named so and predicted over its own KV-head tokens."""
     import json
 
     shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"], "bytes_read": 151257088, "sdpa_fp16_latency_us": 255.7}
@@ -226,6 +226,13 @@ def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     assert math.isclose(bd.predicted_us({**walk, **counts}, calibration, 3e12, 151257088), us)
     cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
     assert cells[2] == f"{151257088 / 3e12 * 1e6 / us:.1%}" and cells[7] == f"{us / 126.0 - 1:+.0%}"
+    # one KV head (Gemma 3's): an eighth of the tokens, so an eighth of the predicted latency
+    one = [{**r, "bytes_read": 151257088 // 8, "latency_us": 20.0} for r in rows]
+    (tmp_path / "decode_tc_gpu_kv1.json").write_text(json.dumps({**run, "head_dim": 128, "kv_heads": 1, "results": one}))
+    runs = bd.measured_on_gpus(tmp_path)
+    assert [(r["kv_heads"], r["kv_head_tokens"]) for r in runs] == [(8, bd.KV_HEAD_TOKENS), (1, bd.KV_HEAD_TOKENS // 8)]
+    cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
+    assert cells[7] == f"{us / 8 / 20.0 - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, 1 KV head |"
 
 
 def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
@@ -242,7 +249,8 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
         variants = {measured[case]: {"latency_us": scale * truth.slots(n, w) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6,
                                      "fraction_of_copy_bandwidth": 0.98 if case == "fp16" else 0.4}
                     for case, (n, w) in counts.items()}
-        return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "variants": variants}
+        return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "kv_heads": bd.SHAPE["kv_heads"],
+                "kv_head_tokens": bd.KV_HEAD_TOKENS, "variants": variants}
 
     runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0)]
     fitted = bd.calibrate(walks, kernel, runs, unchanged_since=lambda commit: commit == "28")
@@ -384,3 +392,7 @@ def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):
     (tmp_path / "bound_decode.json").write_text(json.dumps(bound))
     assert bd.committed_predictions(tmp_path, bd.SHAPE_256)["walks"] == {"int2-g128": wide}
     assert bd.committed_predictions(tmp_path, {**bd.SHAPE, "tokens": 4096}) is None
+    # one KV head (Gemma 3's): the same walks, predicted over its KV-head tokens
+    assert bd.committed_predictions(tmp_path, {**bd.SHAPE_256, "kv_heads": 1})["walks"] == {"int2-g128": wide}
+    assert math.isclose(bd.predicted_us(walk, written["calibration"], 3e12, kv_head_tokens=bd.KV_HEAD_TOKENS // 8),
+                        (0.5 * 16 + 4 * 2 + 30) * bd.KV_HEAD_TOKENS / 8 / bd.SLOTS_PER_S * 1e6)

@@ -951,9 +951,9 @@ def head_dim_256_section(result: dict) -> list[str]:
 
 
 def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
-    """Per decode_tc_<device>.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
-    date, copy bandwidth, and per variant the fastest row at SHAPE's batch and length (the split plans it timed differ
-    only in the split size)."""
+    """Per decode_tc_<device>*.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
+    date, copy bandwidth, KV heads and KV-head tokens, and per variant the fastest row at SHAPE's batch and length
+    (the split plans it timed differ only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
@@ -964,8 +964,10 @@ def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"])
             if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
                 best = fastest.get(row["variant"])
                 fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
+        kv_heads = run.get("kv_heads", SHAPE["kv_heads"])
         runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"],
-                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "variants": fastest})
+                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": kv_heads,
+                     "kv_head_tokens": SHAPE["batch"] * kv_heads * SHAPE["tokens"], "variants": fastest})
     return runs
 
 
@@ -973,13 +975,14 @@ def _model(calibration: dict) -> decode_model.Model:
     return decode_model.Model(calibration["per_instruction"], calibration["per_token"])
 
 
-def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_read: float | None = None) -> float:
-    """The calibrated model's latency of a case at SHAPE on a device of that copy bandwidth (bytes_read: a measured
-    row's, else the case's bytes per token)."""
-    total = walk["bytes_per_token"] * KV_HEAD_TOKENS if bytes_read is None else bytes_read
+def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_read: float | None = None,
+                 kv_head_tokens: int = KV_HEAD_TOKENS) -> float:
+    """The calibrated model's latency of a case over kv_head_tokens (SHAPE's unless given) on a device of that copy
+    bandwidth (bytes_read: a measured row's, else the case's bytes per token)."""
+    total = walk["bytes_per_token"] * kv_head_tokens if bytes_read is None else bytes_read
     return 1e6 * decode_model.predicted_seconds(_model(calibration), walk["warp_instructions_per_token"],
                                                 walk["shared_wavefronts_per_token"], total, copy_bytes_per_s,
-                                                KV_HEAD_TOKENS, SLOTS_PER_S)
+                                                kv_head_tokens, SLOTS_PER_S)
 
 
 def kernels_unchanged_since(commit: str) -> bool:
@@ -1004,7 +1007,7 @@ def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None
     for w in cases:
         row = run["variants"].get(names.get(w["case"]))
         if row is not None and row["fraction_of_copy_bandwidth"] < decode_model.MEMORY_BOUND:
-            slots = decode_model.measured_slots(row["latency_us"] * 1e-6, KV_HEAD_TOKENS, SLOTS_PER_S)
+            slots = decode_model.measured_slots(row["latency_us"] * 1e-6, run["kv_head_tokens"], SLOTS_PER_S)
             points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots))
     if len(points) < 3:
         return previous
@@ -1036,28 +1039,32 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
              "|---|---|---|---|---|---|---|---|---|"]
     for w, run, row in rows:
         b = w["bound"]
+        heads = "" if run["kv_heads"] == SHAPE["kv_heads"] else f", {run['kv_heads']} KV head{'s' * (run['kv_heads'] > 1)}"
         fraction = speedup = error = "-"
         if calibration is not None:
-            us = predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"])
+            us = predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"], run["kv_head_tokens"])
             fraction = f"{row['bytes_read'] / run['copy_bytes_per_s'] * 1e6 / us:.1%}"
             speedup, error = f"{row['sdpa_fp16_latency_us'] / us:.2f}x", f"{us / row['latency_us'] - 1:+.0%}"
         lines.append(f"| {w['case']} | {b['bandwidth_fraction']:.1%} | {fraction} | {row['fraction_of_copy_bandwidth']:.1%} "
                      f"| {b['speedup_vs_sdpa']:.2f}x | {speedup} | {row['speedup_vs_sdpa_fp16']:.2f}x | {error} "
-                     f"| {run['device']}, {run['commit']}, {run['date']} |")
+                     f"| {run['device']}, {run['commit']}, {run['date']}{heads} |")
     return lines
 
 
 def committed_predictions(results: Path = RESULTS, shape: dict = SHAPE) -> dict | None:
     """What the written bound (bound_decode.json) predicts for the tensor-core benchmark's variants at `shape` (SHAPE
-    or SHAPE_256): its commit, its calibration, and per benchmark variant name the case's walk (predicted_us gives the
-    latency on a device); None before a calibration was written, or for a shape it did not walk."""
+    or SHAPE_256 at any number of KV heads: a walk counts per KV-head token): its commit, its calibration, and per
+    benchmark variant name the case's walk (predicted_us gives the latency on a device over the shape's KV-head
+    tokens); None before a calibration was written, or for a shape it did not walk."""
     written = results / "bound_decode.json"
     if not written.exists():
         return None
     bound = json.loads(written.read_text())
     kernel = TensorCoreKernel()
     calibration = bound.get("calibration", {}).get(kernel.source)
-    walked = bound.get("sm_90" if shape == SHAPE else "sm_90_d256" if shape == SHAPE_256 else "", {})
+    key = next((key for walked, key in ((SHAPE, "sm_90"), (SHAPE_256, "sm_90_d256"))
+                if {**shape, "kv_heads": walked["kv_heads"]} == walked), "")
+    walked = bound.get(key, {})
     if calibration is None or kernel.source not in walked:
         return None
     names = {c.name: c.measured for c in kernel.cases if c.measured}

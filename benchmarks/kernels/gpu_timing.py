@@ -11,16 +11,19 @@ import torch
 
 from benchmarks.common import device_slug, write_result
 
-KV_HEADS, HEADS = 8, 32
+KV_HEADS, GROUP = 8, 4  # the default shape's KV heads (--kv-heads gives others) and query heads per KV head
+HEADS = KV_HEADS * GROUP
 HEAD_DIMS = (128, 256)  # Llama's, Gemma 3's
 FLUSH_BYTES = 512 * 2**20  # more than any GPU's L2
 
 
-def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict, head_dim: int) -> str:
-    """Write benchmarks/results/<prefix>_<this GPU's name>[_d<head_dim> past 128].json with the shapes and constants of
-    the run; the name."""
-    name = f"{prefix}_{device_slug(torch.cuda.get_device_name())}" + (f"_d{head_dim}" if head_dim != 128 else "")
-    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": KV_HEADS, "heads": HEADS,
+def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict, head_dim: int,
+                        kv_heads: int = KV_HEADS) -> str:
+    """Write benchmarks/results/<prefix>_<this GPU's name>[_d<head_dim> past 128][_kv<kv_heads> but 8].json with the
+    shapes and constants of the run; the name."""
+    name = (f"{prefix}_{device_slug(torch.cuda.get_device_name())}" + (f"_d{head_dim}" if head_dim != 128 else "")
+            + (f"_kv{kv_heads}" if kv_heads != KV_HEADS else ""))
+    write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": kv_heads, "heads": kv_heads * GROUP,
                         "head_dim": head_dim, "iterations": iterations, "results": rows}, started)
     return name
 
@@ -73,9 +76,9 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() / timed(lambda: target.copy_(source), 10)
 
 
-def sdpa_seconds(batch: int, length: int, iterations: int, head_dim: int) -> float:
-    query = torch.randn(batch, HEADS, 1, head_dim, device="cuda", dtype=torch.float16)
-    keys = torch.randn(batch, KV_HEADS, length, head_dim, device="cuda", dtype=torch.float16)
+def sdpa_seconds(batch: int, length: int, iterations: int, head_dim: int, kv_heads: int = KV_HEADS) -> float:
+    query = torch.randn(batch, kv_heads * GROUP, 1, head_dim, device="cuda", dtype=torch.float16)
+    keys = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=torch.float16)
     values = torch.randn_like(keys)
     attention = torch.nn.functional.scaled_dot_product_attention
     return timed(lambda: attention(query, keys, values, enable_gqa=True), iterations)

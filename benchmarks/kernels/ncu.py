@@ -48,7 +48,8 @@ def launch(name: str, tokens: int) -> None:
     """The process ncu watches: 4 launches of one variant's kernel, the L2 flushed before each."""
     import torch
 
-    from benchmarks.kernels.tensor_core import BATCH, HEADS, KV_HEADS, filled_stores, inv_freq, variants
+    from benchmarks.kernels.gpu_timing import HEADS, KV_HEADS
+    from benchmarks.kernels.tensor_core import BATCH, filled_stores, inv_freq, variants
     from kvcal.runtime import tensor_core
 
     head_dim = 128  # the tensor-core benchmark's default shape

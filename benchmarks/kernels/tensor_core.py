@@ -3,7 +3,8 @@ the GPU benchmarks' shapes and with their method (benchmarks/kernels/gpu_timing.
 launch, host preparation outside), bytes read, bandwidth as a fraction of the measured device-to-device copy
 bandwidth, speedup over torch SDPA in fp16.
 
-Shapes: B = 8, 8 KV heads, 32 query heads (GQA 4), head_dim 128 (or 256, --head-dim: Gemma 3's), L = 32768 (--tokens). Variants: fp16 rows, KIVI-style
+Shapes: B = 8, 8 KV heads (--kv-heads: Gemma 3 has one), GQA 4, head_dim 128 (or 256, --head-dim: Gemma 3's), L = 32768
+(--tokens). Variants: fp16 rows, KIVI-style
 uniform int4 / int2 (keys per channel over blocks of G tokens, values per token over groups of G channels), the
 same with pre-RoPE keys (rotated in the kernel; Llama's frequencies, positions 0..L-1), KVQuant nuq4 / nuq3
 with pre-RoPE keys (NormalFloat codebooks; key thresholds +-3 per channel and no outliers, or +-2.5 with 1% of the
@@ -22,7 +23,8 @@ model, on this device's copy bandwidth and the variant's bytes) is printed befor
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
-Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256). --kernel-dir DIR times the kernels in DIR (a changed copy of
+                                                          [--kv-heads 1]
+Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256, _kv1 at one KV head). --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
 prints its rows and writes nothing.
 """
@@ -35,15 +37,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernels.gpu_timing import HEAD_DIMS, HEADS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
+from benchmarks.kernels.gpu_timing import GROUP, HEAD_DIMS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
 from tools import bound_decode
 
 BATCH = 8
 
 
-def variants(head_dim: int) -> dict:
-    """name -> (K and V codecs or None for fp16 rows, pre-RoPE keys)."""
+def variants(head_dim: int, kv_heads: int = KV_HEADS) -> dict:
+    """name -> (K and V codecs of kv_heads heads or None for fp16 rows, pre-RoPE keys)."""
     from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 
     table = {"fp16": (None, False)}
@@ -52,7 +54,7 @@ def variants(head_dim: int) -> dict:
     for bits in (4, 2):
         table[f"int{bits}-g128-pre-rope"] = ((ChannelBlockUniform(bits, 128), TokenUniform(bits, 128)), True)
     for bits in (4, 3):
-        lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
+        lo, hi = torch.full((kv_heads * head_dim,), -3.0), torch.full((kv_heads * head_dim,), 3.0)
         codebook = normal_float_codebook(bits)
         table[f"nuq{bits}-pre-rope"] = ((CodebookCodec(codebook, lo, hi), CodebookCodec(codebook)), True)
         keys = CodebookCodec(codebook, lo + 0.5, hi - 0.5, outlier_fraction=0.01)  # ~1.2% of N(0, 1) beyond 2.5
@@ -61,14 +63,14 @@ def variants(head_dim: int) -> dict:
     table["int2k-int4v-g32"] = ((ChannelBlockUniform(2, 32), TokenUniform(4, 32)), False)
     table["int3k-int4v-g32"] = ((ChannelBlockUniform(3, 32), TokenUniform(4, 32)), False)  # KVmix's 3-bit keys (planes3)
     table["int3-g32"] = ((ChannelBlockUniform(3, 32), TokenUniform(3, 32)), False)  # KIVI-3: planes3 values too
-    lo, hi = torch.full((KV_HEADS * head_dim,), -3.0), torch.full((KV_HEADS * head_dim,), 3.0)
+    lo, hi = torch.full((kv_heads * head_dim,), -3.0), torch.full((kv_heads * head_dim,), 3.0)
     table["nuq3k-nuq4v-pre-rope"] = ((CodebookCodec(normal_float_codebook(3), lo, hi), CodebookCodec(normal_float_codebook(4))), True)
     # mixed's commonest layer: nuq2 with 1% outliers
     keys = CodebookCodec(normal_float_codebook(2), lo + 0.5, hi - 0.5, outlier_fraction=0.01)
     table["nuq2-1%-pre-rope"] = ((keys, CodebookCodec(normal_float_codebook(2), outlier_fraction=0.01)), True)
     # SKVQ's default: 2-bit codes, 16 groups permuted across the KV width (of 64 channels at head_dim 128), fp16 parameters
-    table["skvq2-pre-rope"] = (tuple(skvq_codec(KV_HEADS * head_dim, seed) for seed in (0, 1)), True)
-    table["skvq3-pre-rope"] = (tuple(skvq_codec(KV_HEADS * head_dim, seed, bits=3) for seed in (0, 1)), True)  # planes3
+    table["skvq2-pre-rope"] = (tuple(skvq_codec(kv_heads * head_dim, seed) for seed in (0, 1)), True)
+    table["skvq3-pre-rope"] = (tuple(skvq_codec(kv_heads * head_dim, seed, bits=3) for seed in (0, 1)), True)  # planes3
     return table
 
 
@@ -87,12 +89,12 @@ def inv_freq(head_dim: int) -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda"):
+def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda", kv_heads: int = KV_HEADS):
     """K and V stores of `length` random N(0, 1) tokens per sequence, every KV head's head_dim channels a row (torch
     codecs on `device`), drawn under `seed`."""
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
-    width = KV_HEADS * head_dim
+    width = kv_heads * head_dim
     stores = []
     for side in range(2):
         store = (Fp16Rows(batch, width, device) if codecs is None
@@ -120,11 +122,11 @@ def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, r
         k, v = keys.decoded(length), values.decoded(length)
     else:
         k, v = keys.data[:, :length].float(), values.data[:, :length].float()
-    k = k.view(BATCH, length, KV_HEADS, head_dim)
+    k = k.view(BATCH, length, -1, head_dim)
     if rope:
         k = apply_rope(k, torch.arange(length, device=k.device), inv_freq(head_dim))
     k = k.transpose(1, 2)
-    v = v.view(BATCH, length, KV_HEADS, head_dim).transpose(1, 2)
+    v = v.view(BATCH, length, -1, head_dim).transpose(1, 2)
     want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=head_dim**-0.5, enable_gqa=True)
     del k, v
     if out.isnan().any():
@@ -144,8 +146,12 @@ def main() -> None:
     parser.add_argument("--kernel-dir", type=Path, default=None,
                         help="time the kernels of this folder (a changed copy of kernels/); prints, writes nothing")
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
+                        help=f"KV heads, each with {GROUP} query heads (default: %(default)s; Gemma 3's: 1)")
     args = parser.parse_args()
-    head_dim = args.head_dim
+    head_dim, kv_heads = args.head_dim, args.kv_heads
+    if kv_heads <= 0:
+        parser.error(f"--kv-heads {kv_heads}: a positive number of KV heads")
     if args.tokens <= 0:
         parser.error(f"--tokens {args.tokens}: a positive number of tokens")
     if args.kernel_dir is not None and not (args.kernel_dir / "decode_attention_tc.cu").is_file():
@@ -166,36 +172,37 @@ def main() -> None:
     started = provenance()
     bandwidth = copy_bandwidth()
     length = args.tokens
-    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim)
+    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim, kv_heads)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
-    # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or 256)
-    shape = {"batch": BATCH, "kv_heads": KV_HEADS, "group": HEADS // KV_HEADS, "head_dim": head_dim, "tokens": length}
+    # the written bound's prediction, printed before each variant is timed (a head_dim it walked, GQA 4, any tokens)
+    shape = {"batch": BATCH, "kv_heads": kv_heads, "group": GROUP, "head_dim": head_dim, "tokens": length}
     predicted = bound_decode.committed_predictions(shape=shape)
     rows = []
-    for name, (codecs, rope) in variants(head_dim).items():
+    for name, (codecs, rope) in variants(head_dim, kv_heads).items():
         if args.only and name not in args.only.split(","):
             continue
         if codecs is not None:
             try:
-                tensor_core.variant_for_codecs(*codecs, head_dim, HEADS // KV_HEADS, rope=rope)
+                tensor_core.variant_for_codecs(*codecs, head_dim, GROUP, rope=rope)
             except KvcalError as refused:
                 print(f"{name}: skipped at head_dim {head_dim}: {refused}", flush=True)
                 continue
-        keys, values = filled_stores(codecs, BATCH, length, head_dim, seed=args.seed)
-        query = torch.randn(BATCH, HEADS, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
+        keys, values = filled_stores(codecs, BATCH, length, head_dim, seed=args.seed, kv_heads=kv_heads)
+        query = torch.randn(BATCH, kv_heads * GROUP, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
         error = repeats = None
-        variant = tensor_core.variant_for(keys, values, head_dim, HEADS // KV_HEADS, rope=rope)
+        variant = tensor_core.variant_for(keys, values, head_dim, GROUP, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
         walk = predicted["walks"].get(name) if predicted else None
-        prediction = round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read), 2) if walk else None
+        prediction = (round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read, BATCH * kv_heads * length), 2)
+                      if walk else None)
         if prediction is not None:
             print(f"{name}: predicted {prediction} us (the calibrated bound at {predicted['commit']})", flush=True)
         for per_split in splits:
             if per_split is not None and per_split % variant.stage_tokens:
                 print(f"{name}: {per_split} tokens per split skipped (stages of {variant.stage_tokens} tokens)", flush=True)
                 continue
-            run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, head_dim**-0.5, per_split=per_split,
+            run = tensor_core.prepare_decode_tc(query, keys, values, kv_heads, head_dim**-0.5, per_split=per_split,
                                                 inv_freq=inv_freq(head_dim) if rope else None)
             if error is None:
                 first = poisoned_run(run)
@@ -205,7 +212,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
             rows.append({"variant": name, "batch": BATCH, "tokens": length, "per_split": run.per_split, "splits": run.splits,
-                         "blocks": run.splits * BATCH * KV_HEADS, "resident_blocks": resident,
+                         "blocks": run.splits * BATCH * kv_heads, "resident_blocks": resident,
                          "plan": "launcher" if per_split is None else "fixed",
                          "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
                          "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
@@ -216,9 +223,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.kernel_dir is not None:
         return
-    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim)
+    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim, kv_heads)
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
-             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {KV_HEADS} KV heads, {HEADS} query heads, head_dim {head_dim}; L2 flushed; "
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {kv_heads} KV heads, {kv_heads * GROUP} query heads, head_dim {head_dim}; L2 flushed; "
              "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
              "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us | MB read | GB/s | of copy bw "
              "| SDPA fp16 us | speedup | max err | same bits twice |",
