@@ -7,7 +7,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
-  kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape)
+  kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape), the launcher's
+               plan (tens of splits a run to merge) beside 8 splits of 4096 tokens
   suite        the GPU suite: `pytest -m gpu` over the test modules that have GPU tests (the CUDA kernels against the
                torch reference, tiny models decoding on CUDA)
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
@@ -126,8 +127,11 @@ def stages(args) -> list[Stage]:
               180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
-        Stage("kernels-d256-kv1", [*bench("kernels", "gpu"), "--head-dim", "256", "--kv-heads", "1", "--splits", "launcher",
-                                   "--iters", "30", "--seed", str(args.seed)], 90, 30, [*bench("kernels", "gpu"), "--help"]),
+        # one KV head: 8 (sequence, KV head) runs, to which the launcher's one wave gives tens of splits each to merge;
+        # splits of 4096 tokens give them 8
+        Stage("kernels-d256-kv1", [*bench("kernels", "gpu"), "--head-dim", "256", "--kv-heads", "1", "--splits",
+                                   "launcher,4096", "--iters", "30", "--seed", str(args.seed)], 120, 30,
+              [*bench("kernels", "gpu"), "--help"]),
         Stage("suite", [PYTHON, "-m", "pytest", *xdist, *suite], 330, 60, [PYTHON, "-m", "pytest", "--collect-only", *suite]),
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 330, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",

@@ -435,13 +435,20 @@ __device__ __forceinline__ unsigned e4m3_pair_by_half(unsigned x) {
     return hmul2(lop3<magic::AND_OR>(spread << 7, 0x3F803F80u, (spread << 8) & 0x80008000u), 0x5C005C00u);
 }
 
+// the shared bytes merge_when_last takes: 64 for its flag, then merge::merge_splits' scratch
+template <int GQA, int D>
+constexpr int MERGE_SMEM_BYTES = 64 + merge::Columns<GQA, D, THREADS>::SCRATCH_BYTES;
+
 // The fused split merge: each block arrives at its (sequence, KV head)'s counter (arrivals[run]) once its split is
 // written; the last of the launch's blocks to arrive merges every split slot of the KV head's GQA query heads into
 // out (the slots earlier launches wrote are done: they ran before this one on the stream) and sets the counter back
-// to 0 for the next launch. flag: a shared word no thread reads any more.
+// to 0 for the next launch. smem: MERGE_SMEM_BYTES of shared memory no thread reads any more: the block's flag (is
+// it the last?) in the first word, the merge's scratch 64 bytes on (a thread may still read the flag when another
+// writes the scratch).
 template <int GQA, int D>
 __device__ __forceinline__ void merge_when_last(const float* out_partial, const float* lse_partial, float* out,
-                                                unsigned* arrivals, int kv_heads, int total_splits, unsigned* flag) {
+                                                unsigned* arrivals, int kv_heads, int total_splits, unsigned char* smem) {
+    unsigned* const flag = reinterpret_cast<unsigned*>(smem);
     const long long run = (long long)blockIdx.z * kv_heads + blockIdx.y;  // (sequence, KV head)
     __threadfence();  // this thread's writes of the split are visible device-wide before the block counts as arrived
     __syncthreads();
@@ -454,7 +461,7 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
     if (!*flag) return;
     __threadfence();  // acquire: the loads below see every split the arrivals counted (the PTX memory model's fence-fence
                       // synchronization through the counter), not lines an earlier read left in this SM's L1
-    for (int h = 0; h < GQA; ++h) merge_split_row(out_partial, lse_partial, out, run * GQA + h, total_splits, D, threadIdx.x, THREADS);
+    merge::merge_splits<GQA, D, THREADS>(out_partial, lse_partial, out, run, total_splits, reinterpret_cast<float*>(smem + 64));
 }
 
 // A segment block: segments::attend_rows into slot `slot`, then the fused merge.
@@ -466,7 +473,7 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
     segments::attend_rows<GQA, D, ROPE, KCODEC, VCODEC, KLAYOUT, VLAYOUT>(query, descriptor, meta, positions, inv_freq, out_partial, lse_partial,
                                                         blockIdx.z, blockIdx.y, kv_heads, split, slot, total_splits, scale_log2, smem);
     if (out != nullptr)
-        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, reinterpret_cast<unsigned*>(smem));
+        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
 }
 
 }  // namespace tc
@@ -541,6 +548,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 
     if ((int)blockIdx.x >= (int)gridDim.x - segment_splits) {  // a segment block: the rows beside the served body
         static_assert(segments::SHARED_BYTES<GQA, D> <= S::SMEM_BYTES, "the segment blocks work in the body's shared memory");
+        static_assert(MERGE_SMEM_BYTES<GQA, D> <= S::SMEM_BYTES, "the fused merge works in the body's shared memory");
         // uniform bodies (KIVI's, KVmix's) may hold rows past the served ones on one side, their codes in the layout
         // numbered as their width (LSB2, PLANES3, LSB4); the others' rows are fp16
         constexpr bool UNIFORM = !S::FP16 && !CB && !S::GROUPS;
@@ -559,8 +567,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * total_splits + slot) * D + i % D] = 0.0f;
         if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -__int_as_float(0x7f800000);
         if (out != nullptr)
-            merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
-                                    reinterpret_cast<unsigned*>(smem_words));
+            merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
         return;
     }
     // the tokens [lo, hi) this thread's pipeline streams: the split's, or (PRIVATE) its warp's quarter of whole stages
@@ -1796,6 +1803,5 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = most + lg2(total);
     }
     if (out != nullptr)
-        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits,
-                                reinterpret_cast<unsigned*>(smem_words));
+        merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
 }

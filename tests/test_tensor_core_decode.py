@@ -328,6 +328,24 @@ def test_emulated_kernel_stays_accurate_over_a_long_split(emulator, codec):
 
 
 @pytest.mark.emulation
+@pytest.mark.parametrize("codec,head_dim,gqa", (("fp16", 64, 1), ("nuq4-out-rope", 64, 3), ("int2", 128, 2), ("int2", 128, 8)))
+def test_emulated_kernel_merges_many_splits_and_empty_ones(emulator, codec, head_dim, gqa):
+    """Splits of one stage each: 40 of the longest sequence, whose merge takes several rounds of merge::UNROLL
+    splits and a part-filled last one, 5 of a shorter one and only empty ones of the empty sequence (its output 0).
+    The run's rows hold fewer float4 columns than the block has threads at head_dim 64 with GQA 1 (8 threads a
+    column, each over every 8th split) and 3 (2 a column, 32 threads idle) and at 128 with GQA 2 (2 a column);
+    GQA 8 at 128 gives each thread two columns."""
+    v = variant_of(codec, head_dim, gqa)
+    lengths = [40 * v.stage_tokens - 5, 0, 5 * v.stage_tokens]
+    keys, values = filled(codec, lengths, head_dim)
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(4))
+    rope = rope_of(codec, head_dim, len(lengths))
+    got = run_emulated(emulator, v, query, keys, values, lengths, head_dim**-0.5, per_split=v.stage_tokens, rope=rope)
+    assert got[1].abs().max() == 0
+    assert (got.double() - reference(query, keys, values, lengths, head_dim**-0.5, rope)).abs().max() < tolerance(codec)
+
+
+@pytest.mark.emulation
 @pytest.mark.parametrize("codec,head_dim,gqa", (("nuq4-crowded-rope", 128, 4), ("nuq3-out-rope", 128, 4), ("nuq4-out-rope", 64, 3),
                                                 ("int2", 128, 4), ("fp16", 128, 4), ("nuq3-rope", 128, 4), ("skvq2", 128, 4)))
 def test_emulated_kernel_gives_the_same_bits_whatever_order_the_threads_run_in(emulator, codec, head_dim, gqa):
@@ -578,6 +596,10 @@ MUTANTS = {
     "nuq2-key-part": ("nuq2-out-rope", "row + S::KROW / 2 + c * 2);", "row + S::KROW / 2);", "3", 256),
     "two-stage-value-parameters": ("nuq4-out-rope", "if (ahead < tiles) store_value_params(ahead, pending);", "", "3", 256),
     "rope-shared-frequency": ("nuq3-out-rope", "const RopeTask frequency = rope_task<D>(member);", "const RopeTask frequency = rope_task<D>(member ^ 1);", "3", 256),
+    # the fused merge (6 splits; GQA 2 at 128: two threads a column): the second part's sums, the weight of a slot
+    # past the last split
+    "merge-second-part": ("int2", "for (int p = 0; p < C::PARTS - 1; ++p)", "for (int p = 0; p < C::PARTS - 2; ++p)", "3"),
+    "merge-past-last-split": ("int4", "weight[u] = split < splits ? lse[split] : none;", "weight[u] = split < splits ? lse[split] : 0.0f;", "3"),
 }
 
 
