@@ -24,8 +24,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                            "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
-    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate",
-                                                           "ab", "ncu"]
+    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite",
+                                                     "generate", "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
     generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())

@@ -209,7 +209,7 @@ def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
             {"variant": "int2-g128", "latency_us": 126.0, "fraction_of_copy_bandwidth": 0.40, "speedup_vs_sdpa_fp16": 2.9, **shape},
             {"variant": "int2-g128", "latency_us": 50.0, "fraction_of_copy_bandwidth": 0.9, "speedup_vs_sdpa_fp16": 9.0,
              **shape, "batch": 1, "tokens": 4096}]  # another shape: not this bound's
-    run = {"device": "GPU", "commit": "abc1234", "date": "2026-11-23", "copy_bandwidth_gbps": 3000.0, "results": rows}
+    run = {"device": "GPU", "commit": "abc1234", "date": "2026-11-23", "copy_bandwidth_gbps": 3000.0, "kv_heads": 8, "results": rows}
     (tmp_path / "decode_tc_gpu.json").write_text(json.dumps({**run, "head_dim": 128}))
     (tmp_path / "decode_tc_gpu_d256.json").write_text(json.dumps({**run, "head_dim": 256, "commit": "def5678"}))
     runs = bd.measured_on_gpus(tmp_path)

@@ -964,7 +964,7 @@ def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"])
             if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
                 best = fastest.get(row["variant"])
                 fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
-        kv_heads = run.get("kv_heads", SHAPE["kv_heads"])
+        kv_heads = run["kv_heads"]
         runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"],
                      "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": kv_heads,
                      "kv_head_tokens": SHAPE["batch"] * kv_heads * SHAPE["tokens"], "variants": fastest})

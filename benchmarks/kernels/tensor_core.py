@@ -174,7 +174,8 @@ def main() -> None:
     length = args.tokens
     sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim, kv_heads)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
-    # the written bound's prediction, printed before each variant is timed (a head_dim it walked, GQA 4, any tokens)
+    # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or
+    # 256, at any number of KV heads)
     shape = {"batch": BATCH, "kv_heads": kv_heads, "group": GROUP, "head_dim": head_dim, "tokens": length}
     predicted = bound_decode.committed_predictions(shape=shape)
     rows = []
