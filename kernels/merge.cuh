@@ -4,7 +4,7 @@
 
 namespace merge {
 
-constexpr int UNROLL = 8;  // splits a thread loads before it adds them up: its loads in flight per L2 round trip
+constexpr int UNROLL = 16;  // splits a thread loads before it adds them up: its loads in flight per L2 round trip
 
 // The float4 columns of a run's GQA rows of D channels, and the threads that share a column (PARTS: each takes every
 // PARTS-th split, where the block has more threads than columns).
