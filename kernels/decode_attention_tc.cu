@@ -435,16 +435,17 @@ __device__ __forceinline__ unsigned e4m3_pair_by_half(unsigned x) {
     return hmul2(lop3<magic::AND_OR>(spread << 7, 0x3F803F80u, (spread << 8) & 0x80008000u), 0x5C005C00u);
 }
 
-// the shared bytes merge_when_last takes: 64 for its flag, then merge::merge_splits' scratch
+// the shared bytes merge_when_last takes: MERGE_FLAG_BYTES for its flag, then merge::merge_splits' scratch
+constexpr int MERGE_FLAG_BYTES = 64;
 template <int GQA, int D>
-constexpr int MERGE_SMEM_BYTES = 64 + merge::Columns<GQA, D, THREADS>::SCRATCH_BYTES;
+constexpr int MERGE_SMEM_BYTES = MERGE_FLAG_BYTES + merge::Columns<GQA, D, THREADS>::SCRATCH_BYTES;
 
 // The fused split merge: each block arrives at its (sequence, KV head)'s counter (arrivals[run]) once its split is
 // written; the last of the launch's blocks to arrive merges every split slot of the KV head's GQA query heads into
 // out (the slots earlier launches wrote are done: they ran before this one on the stream) and sets the counter back
 // to 0 for the next launch. smem: MERGE_SMEM_BYTES of shared memory no thread reads any more: the block's flag (is
-// it the last?) in the first word, the merge's scratch 64 bytes on (a thread may still read the flag when another
-// writes the scratch).
+// it the last?) in the first word, the merge's scratch MERGE_FLAG_BYTES on (a thread may still read the flag when
+// another writes the scratch).
 template <int GQA, int D>
 __device__ __forceinline__ void merge_when_last(const float* out_partial, const float* lse_partial, float* out,
                                                 unsigned* arrivals, int kv_heads, int total_splits, unsigned char* smem) {
@@ -461,7 +462,7 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
     if (!*flag) return;
     __threadfence();  // acquire: the loads below see every split the arrivals counted (the PTX memory model's fence-fence
                       // synchronization through the counter), not lines an earlier read left in this SM's L1
-    merge::merge_splits<GQA, D, THREADS>(out_partial, lse_partial, out, run, total_splits, reinterpret_cast<float*>(smem + 64));
+    merge::merge_splits<GQA, D, THREADS>(out_partial, lse_partial, out, run, total_splits, reinterpret_cast<float*>(smem + MERGE_FLAG_BYTES));
 }
 
 // A segment block: segments::attend_rows into slot `slot`, then the fused merge.
@@ -565,7 +566,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const long long out_row = (long long)b * heads + (long long)kvh * GQA, slot = split_offset + split;
     if (start >= end || end <= visible) {  // an empty split (a short sequence, or before a window): nothing to merge
         for (int i = tid; i < GQA * D; i += THREADS) out_partial[((out_row + i / D) * total_splits + slot) * D + i % D] = 0.0f;
-        if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -__int_as_float(0x7f800000);
+        if (tid < GQA) lse_partial[(out_row + tid) * total_splits + slot] = -KVCAL_INF;
         if (out != nullptr)
             merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
         return;
@@ -1212,9 +1213,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     constexpr int ZPAIRS = RAW ? (S::VGROUPS + 1) / 2 : 1;
     float m[HL], l[HL] = {}, zsum[CB ? S::VGROUPS : 1] = {}, zacc[ZPAIRS][4] = {};  // the softmax's state of the lane's heads
 #pragma unroll
-    for (int h = 0; h < HL; ++h) m[h] = -__int_as_float(0x7f800000);
+    for (int h = 0; h < HL; ++h) m[h] = -KVCAL_INF;
     // a running maximum as ex2's offset: 0 while it is -inf (no token seen), so that ex2 gives 0, not NaN
-    const auto exponent_offset = [](float running) { return running == -__int_as_float(0x7f800000) ? 0.0f : running; };
+    const auto exponent_offset = [](float running) { return running == -KVCAL_INF ? 0.0f : running; };
 
     // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
     // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
@@ -1534,8 +1535,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int token = token0 + 8 * nt + (TOKENS_IN_M ? g : 2 * t), other = TOKENS_IN_M ? token : token + 1;
-                    sc[nt][0] = token < hi && token >= visible ? sc[nt][0] : -__int_as_float(0x7f800000);
-                    sc[nt][1] = other < hi && other >= visible ? sc[nt][1] : -__int_as_float(0x7f800000);
+                    sc[nt][0] = token < hi && token >= visible ? sc[nt][0] : -KVCAL_INF;
+                    sc[nt][1] = other < hi && other >= visible ? sc[nt][1] : -KVCAL_INF;
                 }
             }
             // -- online softmax of the lane's heads over these TPW tokens (log2 domain) --
@@ -1785,14 +1786,14 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     __syncthreads();
     for (int i = tid; i < GQA * D; i += THREADS) {
         const int h = i / D, d = i % D;
-        float most = -__int_as_float(0x7f800000);
+        float most = -KVCAL_INF;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) most = fmaxf(most, merge_m[w * 8 + h]);
         float total = 0.0f, value = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float mw = merge_m[w * 8 + h];
-            const float f = mw == -__int_as_float(0x7f800000) ? 0.0f : ex2(mw - most);
+            const float f = mw == -KVCAL_INF ? 0.0f : ex2(mw - most);
             total += merge_l[w * 8 + h] * f;
             float x = merge_o[(w * 8 + h) * D + d];
             if constexpr (!S::ROWS16) x += merge_z[(w * 8 + h) * S::VGROUPS + d / S::VGE];

@@ -2,6 +2,8 @@
 // (sequence, KV head) to finish (tc::merge_when_last).
 #pragma once
 
+#include "common.cuh"
+
 namespace merge {
 
 constexpr int UNROLL = 16;  // splits a thread loads before it adds them up: its loads in flight per L2 round trip
@@ -19,10 +21,11 @@ struct Columns {
 // A column's weighted sum over the splits part, part + parts, ... and its total weight 2^(lse - shift). UNROLL
 // splits' loads are issued before any is added: the merge is a chain of L2 round trips, tens of splits long at one
 // KV head. Plain coherent loads (no __restrict__, which would allow the non-coherent path): in the fused merge an
-// acquire fence before the call makes the other blocks' splits visible.
+// acquire fence before the call makes the other blocks' splits visible (ld.global.cg loads instead cost registers,
+// and spills, in head_dim 256's two-width variants).
 __device__ __forceinline__ void sum_column(const float4* partial, const float* lse, int row_columns, int splits, int part, int parts,
                                            float shift, float4& value, float& total) {
-    const float none = -__int_as_float(0x7f800000);
+    const float none = -KVCAL_INF;
     for (int s = part; s < splits; s += UNROLL * parts) {
         float weight[UNROLL];
         float4 x[UNROLL];
@@ -52,7 +55,7 @@ template <int GQA, int D, int THREADS>
 __device__ __forceinline__ void merge_splits(const float* out_partial, const float* lse_partial, float* __restrict__ out,
                                              long long run, int splits, float* scratch) {
     using C = Columns<GQA, D, THREADS>;
-    const float none = -__int_as_float(0x7f800000);
+    const float none = -KVCAL_INF;
     float* const row_max = scratch;
     float4* const part_sums = reinterpret_cast<float4*>(scratch + 16);  // [PARTS - 1][COUNT]
     float* const part_totals = scratch + 16 + 4 * (C::PARTS - 1) * C::COUNT;
