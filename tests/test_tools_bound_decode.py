@@ -122,6 +122,7 @@ def test_analyse_classes_passes_and_bytes_in_flight(model):
     assert result["warp_instructions_per_token"] == 14.0 / 4
     assert result["by_pass"] == {"keys": 5.75 / 4, "softmax": 2 / 4, "values": 6.25 / 4}  # by the outermost line
     assert result["by_class"]["loads"] == (1 + 3) / 4 and result["by_class"]["conversion"] == 0.25 / 4
+    assert result["alu_per_token"] == 1 / 4  # the ISETP; the MOV before the loop never runs in it
     # the inner loop issues one 2-byte load per lane per iteration: 64 B, under its share of the token's bytes
     assert result["in_flight_per_sm"] == {"values": 64 * 8}
 
@@ -174,6 +175,9 @@ def test_classify_and_load_widths():
     assert [bd.classify(op) for op in ("LDG.E.128", "FFMA", "IMAD.MOV.U32", "I2FP.F32.U32", "HADD2.F32", "BSSY", "SHFL.BFLY")] == \
         ["loads", "fp32", "int/logic", "conversion", "conversion", "control", "other"]
     assert [bd.load_bytes(op) for op in ("LDG.E.128.CONSTANT", "LDG.E.U16", "LDG.E", "LDG.E.64")] == [16, 2, 4, 8]
+    # the ALU pipe: logic, integer add / compare / select and fp32 compares, not the FMA pipe's IMAD
+    assert {"LOP3", "IADD3", "ISETP", "PRMT", "SEL", "FMNMX", "F2FP"} <= bd.ALU_PIPE
+    assert not {"IMAD", "FFMA", "HFMA2", "HMMA", "LDS", "MUFU", "SHFL"} & bd.ALU_PIPE
 
 
 def test_bound_arithmetic():
@@ -190,6 +194,10 @@ def test_bound_arithmetic():
     shared = bd.bound(72.0, 40.0, 0.9, wavefronts_per_token=40.0)
     assert shared["limited_by"] == "shared memory"
     assert math.isclose(shared["bandwidth_fraction"], 72 * issue / 4 / 3e12 / 40)
+    # the ALU pipe retires half the issue rate: 30 of 40 instructions there take the time of 60 issued
+    alu = bd.bound(72.0, 40.0, 0.9, alu_per_token=30.0)
+    assert alu["limited_by"] == "ALU pipe" and math.isclose(alu["bandwidth_fraction"], 72 * issue / 3e12 / 60)
+    assert bd.bound(72.0, 40.0, 0.9, alu_per_token=19.0)["limited_by"] == "issue"  # fewer than half of them
 
 
 def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():

@@ -29,13 +29,15 @@ warp visits); if_bodies() for an if whose body no site names. A branch that no r
 state is stated, never guessed), and so is an iteration whose flow does not reach its end. Divergence checks
 (BRA.DIV) are not taken. Predicated instructions count whether or not their predicate holds: the warp issues them.
 
-Bound. t_mem = bytes read / copy bandwidth, t_issue = warp-instructions / (SMs x issue rate x clock), t_shared =
-shared-memory wavefronts / (SMs x clock) (an SM's shared memory serves one 128-byte wavefront a clock; each access
-counted at its conflict-free minimum: 32 lanes x its width / 128 bytes, one for narrower ones, an ldmatrix one per 8x8
-matrix, a cp.async its shared-memory write; bank conflicts, which depend on the addresses, are not counted, so this
-is a lower bound of the shared-memory time); bandwidth fraction <= t_mem / max(t_mem, t_issue, t_shared); speedup
-over fp16 SDPA <= t_sdpa / max(t_mem, t_issue, t_shared) with t_sdpa = the fp16 cache's bytes / (copy bandwidth x
---sdpa-efficiency). Bytes per token are
+Bound. t_mem = bytes read / copy bandwidth, t_issue = warp-instructions / (SMs x issue rate x clock), t_alu = the
+ALU pipe's warp-instructions (ALU_PIPE) / (SMs x ALU rate x clock) (an SM of sm_80 / sm_90 has 16 INT32 lanes a
+scheduler, half its issue rate: the walk's ALU share of the instructions matches what Nsight Compute counted, see
+docs/findings.md), t_shared = shared-memory wavefronts / (SMs x clock) (an SM's shared memory serves one 128-byte
+wavefront a clock; each access counted at its conflict-free minimum: 32 lanes x its width / 128 bytes, one for
+narrower ones, an ldmatrix one per 8x8 matrix, a cp.async its shared-memory write; bank conflicts, which depend on
+the addresses, are not counted, so this is a lower bound of the shared-memory time); bandwidth fraction <= t_mem /
+max(t_mem, t_issue, t_alu, t_shared); speedup over fp16 SDPA <= t_sdpa / max(t_mem, t_issue, t_alu, t_shared) with
+t_sdpa = the fp16 cache's bytes / (copy bandwidth x --sdpa-efficiency). Bytes per token are
 kvcal.runtime.memory.cache_bytes for a cache that is all quantized body, outliers included; fp16 sinks and
 windows, query and output are left out (< 1% of the bytes at 32K tokens). Bytes in flight per SM = global-load
 bytes (32 lanes x width) issued per iteration of the side's streaming loop, capped by the cache bytes that
@@ -81,7 +83,8 @@ from benchmarks.common import REPO, RESULTS, provenance, write_markdown, write_r
 from tools import decode_model
 
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
-H100 = {"sms": 132, "issue_per_clock": 4, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12, "latency_s": 700e-9}
+H100 = {"sms": 132, "issue_per_clock": 4, "alu_per_clock": 2, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12,
+        "latency_s": 700e-9}
 LIMITS = {  # per SM: registers, shared memory, warps, blocks; shared memory the driver reserves per block
     "sm_90": {"registers": 65536, "smem": 228 * 1024, "warps": 64, "blocks": 32, "reserved_smem": 1024},
     "sm_80": {"registers": 65536, "smem": 164 * 1024, "warps": 64, "blocks": 32, "reserved_smem": 1024},
@@ -329,6 +332,11 @@ _CLASS_OF = {  # opcode (before the first '.') -> class; anything else is "other
     **dict.fromkeys(("BRA", "BRX", "JMP", "JMX", "BSSY", "BSYNC", "BREAK", "BMOV", "EXIT", "RET", "CALL", "WARPSYNC",
                      "NOP", "BAR", "DEPBAR", "YIELD", "ENDCOLLECTIVE", "KILL", "NANOSLEEP"), "control"),
 }
+# the opcodes the ALU pipe executes (Nsight Compute's pipe_alu): bit manipulation and logic, integer add, compare,
+# select and min / max (not IMAD / IMUL: the FMA pipe's), fp32 compare, select and min / max, fp32 -> fp16 packing
+ALU_PIPE = frozenset(("LOP3", "LOP", "IADD3", "IADD", "SHF", "SHL", "SHR", "LEA", "SEL", "PRMT", "ISETP", "IMNMX", "VIMNMX",
+                      "IABS", "BMSK", "BREV", "FLO", "POPC", "SGXT", "PLOP3", "P2R", "R2P", "MOV", "FMNMX", "FSETP", "FSEL",
+                      "FSET", "HMNMX2", "F2FP"))
 GLOBAL_LOADS = ("LDG", "LD", "LDGSTS")
 LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # default 4
 
@@ -676,17 +684,19 @@ def shared_bytes(log: str, mangled: str) -> int:
 
 
 def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency: float, wavefronts_per_token: float = 0.0,
-          shape: dict = SHAPE) -> dict:
+          shape: dict = SHAPE, alu_per_token: float = 0.0) -> dict:
     """The bound at `shape` on H100: per KV-head token, all query heads of its group served together; limited_by names
-    the resource whose time is the longest (memory, issue or shared memory)."""
+    the resource whose time is the longest (memory, issue, the ALU pipe or shared memory)."""
     tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
     issue_rate = H100["sms"] * H100["issue_per_clock"] * H100["clock_hz"]  # warp-instructions per second
     times = {"memory": tokens * bytes_per_token / H100["copy_bytes_per_s"], "issue": tokens * instructions_per_token / issue_rate,
+             "ALU pipe": tokens * alu_per_token / (H100["sms"] * H100["alu_per_clock"] * H100["clock_hz"]),
              "shared memory": tokens * wavefronts_per_token / (H100["sms"] * H100["clock_hz"])}
     t_sdpa = tokens * 2 * shape["head_dim"] * 2 / (H100["copy_bytes_per_s"] * sdpa_efficiency)
     limit = max(times, key=times.get)
     return {"budget_per_token": bytes_per_token * issue_rate / H100["copy_bytes_per_s"], "t_mem_us": times["memory"] * 1e6,
-            "t_issue_us": times["issue"] * 1e6, "t_shared_us": times["shared memory"] * 1e6, "t_sdpa_us": t_sdpa * 1e6,
+            "t_issue_us": times["issue"] * 1e6, "t_alu_us": times["ALU pipe"] * 1e6, "t_shared_us": times["shared memory"] * 1e6,
+            "t_sdpa_us": t_sdpa * 1e6,
             "bandwidth_fraction": times["memory"] / times[limit], "speedup_vs_sdpa": t_sdpa / times[limit], "limited_by": limit}
 
 
@@ -751,6 +761,7 @@ def analyse(kernel, code: list[Instruction], case: Case, source_text, token_byte
         if side and count[header] and side not in in_flight:  # the outermost streaming loop that runs
             in_flight[side] = min(issued(header, end), token_bytes / 2 * tile) / count[header] * warps_per_sm
     return {"warp_instructions_per_token": sum(count) / tile, "shared_wavefronts_per_token": wavefronts,
+            "alu_per_token": sum(n for op, n in by_opcode.items() if op in ALU_PIPE),
             "by_class": {c: by_class[c] for c in CLASSES}, "by_pass": {p: by_pass[p] for p in kernel.passes},
             "mma_per_token": by_opcode["HMMA"], "top_opcodes": dict(by_opcode.most_common(8)), "in_flight_per_sm": in_flight}
 
@@ -870,7 +881,7 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
                       "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
                       "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency,
-                                     walk["shared_wavefronts_per_token"], kernel.shape)})
+                                     walk["shared_wavefronts_per_token"], kernel.shape, walk["alu_per_token"])})
     return compiled, walks
 
 
@@ -897,10 +908,13 @@ def markdown(result: dict) -> list[str]:
         "near the copy rate at long context).",
         "",
         "Per KV-head token (all query heads of its group served by one read). budget = warp-instructions per token that keep "
-        "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue, t_shared); speedup bound = t_sdpa / max(t_mem, "
-        "t_issue, t_shared), with t_shared = shared-memory wavefronts / (SMs x clock) counted conflict-free (each access at "
+        "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue, t_alu, t_shared); speedup bound = t_sdpa / max(t_mem, "
+        f"t_issue, t_alu, t_shared), with t_alu = the ALU pipe's warp-instructions (bit manipulation and logic, integer add, "
+        f"compare and select, fp32 compare, min / max and select, fp32 -> fp16 packing; not IMAD) / (SMs x {h['alu_per_clock']} "
+        "x clock): half the issue rate, so the ALU pipe fills before issue where those are more than half the instructions; "
+        "t_shared = shared-memory wavefronts / (SMs x clock) counted conflict-free (each access at "
         "its width's minimum; bank conflicts are not counted: a lower bound of the shared-memory time); limited by: the "
-        "longest of the three. mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the "
+        "longest of the four. mma/token: mma.sync instructions (HMMA) per token, the tensor pipe's work, which neither the "
         "bound nor the calibrated model weighs. In flight: plain loads, the global-load bytes of one iteration of a side's streaming "
         "loop x resident warps (keys / values); a cp.async pipeline, the global-load bytes of one token-loop iteration "
         "x the stages in flight x resident warps. "
@@ -936,16 +950,16 @@ def head_dim_256_section(result: dict) -> list[str]:
              "uniform keys), walked on the sm_90 SASS compiled at 256, bounded as above. The prediction is the calibrated "
              "model fitted at head_dim 128 (above): a shape it was not fitted on, which the GPU campaign's kernels-d256 "
              "stage measures.", "",
-             "| variant | kernel variant | bytes/token | warp-instr/token | shared wavefronts/token "
+             "| variant | kernel variant | bytes/token | warp-instr/token | of them ALU pipe | shared wavefronts/token "
              f"| registers | blocks/SM | bandwidth bound | limited by | speedup vs fp16 SDPA, at best | predicted us{on} "
-             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         b, predicted = w["bound"], "- | -"
         if calibration is not None:
             us = predicted_us(w, calibration, calibration["copy_bytes_per_s"])
             predicted = f"{us:.1f} | {w['bytes_per_token'] * KV_HEAD_TOKENS / calibration['copy_bytes_per_s'] * 1e6 / us:.1%}"
         lines.append(f"| {w['case']} | `{w['variant']}` | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.1f} "
-                     f"| {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} "
+                     f"| {w['alu_per_token']:.1f} | {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} "
                      f"| {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x | {predicted} |")
     return lines + measured_table(cases, kernel, measured_on_gpus(head_dim=SHAPE_256["head_dim"]), calibration)
 
@@ -1028,10 +1042,11 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
         return []
     lines = ["", "The bound beside a measurement (benchmarks/kernels/tensor_core.py on a GPU, same shape, L2 flushed: the fastest "
              "of the split plans it timed; its results file names how it ran). The gap is what the bound does not model: "
-             "stalls that leave issue slots empty, shared-memory bank conflicts, and units other than issue and shared "
-             "memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and int4 "
-             "g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, while "
-             "the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among them). "
+             "stalls that leave issue slots empty, shared-memory bank conflicts, and units other than issue, the ALU pipe and "
+             "shared memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and "
+             "int4 g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, "
+             "while the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among "
+             "them). "
              "predicted: the calibrated model below on the run's device (its copy bandwidth and the run's bytes); error: "
              "predicted over measured latency. A run at another commit than the walked SASS measured other code.", "",
              "| variant | bandwidth bound | predicted, of copy bandwidth | measured | speedup bound | predicted speedup vs fp16 "
@@ -1096,15 +1111,15 @@ def kernel_section(result: dict, kernel) -> list[str]:
     cases = result["sm_90"][kernel.source]["cases"]
     passes = " + ".join(kernel.passes)
     lines = ["", f"## {kernel.title}", "", (kernel.__doc__ or "").replace("\n    ", " ").strip(), "",
-             f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | budget "
+             f"| variant | kernel variant, runtime layout | bytes/token | warp-instr/token ({passes}) | of them ALU pipe | budget "
              "| shared wavefronts/token | mma/token | registers | blocks/SM | warps/SM "
              "| in flight/SM (B) | bandwidth bound | limited by | speedup vs fp16 SDPA, at best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
         p, b = w["by_pass"], w["bound"]
         flight = ", ".join(f"{side} {n:.0f}" for side, n in w["in_flight_per_sm"].items()) or "-"
         lines.append(f"| {w['case']} | `{w['variant']}`, {w['layout']} | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.0f} "
-                     f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {b['budget_per_token']:.1f} "
+                     f"({' + '.join(f'{p[name]:.0f}' for name in kernel.passes)}) | {w['alu_per_token']:.1f} | {b['budget_per_token']:.1f} "
                      f"| {w['shared_wavefronts_per_token']:.1f} | {w['mma_per_token']:.2f} | {w['registers']} "
                      f"| {w['blocks_per_sm']} | {w['warps_per_sm']} | {flight} | {b['bandwidth_fraction']:.1%} | {b['limited_by']} "
                      f"| {b['speedup_vs_sdpa']:.2f}x |")
