@@ -909,7 +909,7 @@ def markdown(result: dict) -> list[str]:
         "",
         "Per KV-head token (all query heads of its group served by one read). budget = warp-instructions per token that keep "
         "pace with HBM. Bandwidth bound = t_mem / max(t_mem, t_issue, t_alu, t_shared); speedup bound = t_sdpa / max(t_mem, "
-        f"t_issue, t_alu, t_shared), with t_alu = the ALU pipe's warp-instructions (bit manipulation and logic, integer add, "
+        "t_issue, t_alu, t_shared), with t_alu = the ALU pipe's warp-instructions (bit manipulation and logic, integer add, "
         f"compare and select, fp32 compare, min / max and select, fp32 -> fp16 packing; not IMAD) / (SMs x {h['alu_per_clock']} "
         "x clock): half the issue rate, so the ALU pipe fills before issue where those are more than half the instructions; "
         "t_shared = shared-memory wavefronts / (SMs x clock) counted conflict-free (each access at "
@@ -1046,8 +1046,7 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
              "shared memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and "
              "int4 g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, "
              "while the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among "
-             "them). "
-             "predicted: the calibrated model below on the run's device (its copy bandwidth and the run's bytes); error: "
+             "them). predicted: the calibrated model below on the run's device (its copy bandwidth and the run's bytes); error: "
              "predicted over measured latency. A run at another commit than the walked SASS measured other code.", "",
              "| variant | bandwidth bound | predicted, of copy bandwidth | measured | speedup bound | predicted speedup vs fp16 "
              "SDPA | measured | error | run |",
