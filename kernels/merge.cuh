@@ -13,9 +13,10 @@ constexpr int UNROLL = 16;  // splits a thread loads before it adds them up: its
 template <int GQA, int D, int THREADS>
 struct Columns {
     static constexpr int ROW = D / 4, COUNT = GQA * ROW, PARTS = COUNT >= THREADS ? 1 : THREADS / COUNT;
-    // shared scratch: the rows' maxima (16 floats), then the sums and totals of the parts past the first
-    static constexpr int SCRATCH_BYTES = 64 + (PARTS - 1) * COUNT * (16 + 4);
-    static_assert(D % 4 == 0 && GQA <= 16, "whole float4 columns; the rows' maxima fit their 16 floats");
+    // shared scratch: the rows' maxima (MAXIMA floats: 16-byte aligned after them), then the sums and totals of the
+    // parts past the first
+    static constexpr int MAXIMA = 16, SCRATCH_BYTES = 4 * MAXIMA + (PARTS - 1) * COUNT * (16 + 4);
+    static_assert(D % 4 == 0 && GQA <= MAXIMA, "whole float4 columns; the rows' maxima fit their floats");
 };
 
 // A column's weighted sum over the splits part, part + parts, ... and its total weight 2^(lse - shift). UNROLL
@@ -57,8 +58,8 @@ __device__ __forceinline__ void merge_splits(const float* out_partial, const flo
     using C = Columns<GQA, D, THREADS>;
     const float none = -KVCAL_INF;
     float* const row_max = scratch;
-    float4* const part_sums = reinterpret_cast<float4*>(scratch + 16);  // [PARTS - 1][COUNT]
-    float* const part_totals = scratch + 16 + 4 * (C::PARTS - 1) * C::COUNT;
+    float4* const part_sums = reinterpret_cast<float4*>(scratch + C::MAXIMA);  // [PARTS - 1][COUNT]
+    float* const part_totals = scratch + C::MAXIMA + 4 * (C::PARTS - 1) * C::COUNT;
     const int lane = threadIdx.x % 32;
     for (int h = threadIdx.x / 32; h < GQA; h += THREADS / 32) {
         const float* lse = lse_partial + (run * GQA + h) * splits;
