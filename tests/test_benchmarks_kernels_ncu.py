@@ -3,14 +3,11 @@ argument errors."""
 
 import csv
 import io
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.kernels import ncu as profile
-
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+from helpers import refused
 
 # counters of int2 g128's launch as `ncu --page raw --csv` exported them on an H100 (ee93850; a subset of the columns)
 INT2_G128 = [
@@ -69,9 +66,4 @@ def test_a_launch_s_counters_become_one_row_in_microseconds_and_megabytes_with_i
     (["--from-csv", "--csv-dir", ".", "--only", "int2-g128"], "no int2-g128.csv there"),
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem, monkeypatch, capsys):
-    before = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
-    monkeypatch.setattr(sys, "argv", ["ncu", *arguments])
-    with pytest.raises(SystemExit) as exit_:
-        profile.main()
-    assert exit_.value.code == 2 and problem in capsys.readouterr().err.strip().splitlines()[-1]
-    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == before
+    assert problem in refused(profile.main, arguments, monkeypatch, capsys)

@@ -12,6 +12,21 @@ from kvcal.runtime import kernels, quantized_cache
 from tools import kernel_emulation
 
 
+BENCHMARK_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def refused(main, arguments: list[str], monkeypatch, capsys) -> str:
+    """The last stderr line of a benchmark's `main` run with these arguments, which must exit 2 and leave every file
+    under benchmarks/results as it was."""
+    before = {p.name: p.stat().st_mtime_ns for p in BENCHMARK_RESULTS.iterdir()}
+    monkeypatch.setattr(sys, "argv", ["benchmark", *arguments])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert {p.name: p.stat().st_mtime_ns for p in BENCHMARK_RESULTS.iterdir()} == before
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def skip_without_gxx() -> None:
     """Skips the calling test where no g++ builds the kernel emulation (tools.kernel_emulation)."""
     if kernel_emulation.compiler_missing():
