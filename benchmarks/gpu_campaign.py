@@ -3,6 +3,9 @@
 Stages, in order of what a short lease should not miss (each a subprocess with its own time limit and log; a stage
 that does not fit in what is left of --budget-s is skipped and says so):
   environment  the device, driver, clocks and package versions
+  layout       one side of a cache read as the decode blocks read it and nothing else, by piece size, in kvcal's layout
+               (a token's pieces of every KV head together) and per KV head (`benchmarks.kernels layout`): what the
+               layout alone lets the kernels reach
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
@@ -123,6 +126,7 @@ def stages(args) -> list[Stage]:
                 "--new-tokens", "16", "--torch-profile", "2", "--largest-batch", str(args.generate_largest), "--seed", str(args.seed)]
     found = [
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
+        Stage("layout", [*bench("kernels", "layout"), "--seed", str(args.seed)], 90, 30, [*bench("kernels", "layout"), "--help"]),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
               180, 60, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
@@ -202,11 +206,27 @@ def kernel_table(kernels: dict) -> list[str]:
                     f"{check(r)} |" for r in kernels["results"] if r["plan"] == "launcher"]
 
 
+def layout_table(layout: dict) -> list[str]:
+    """The layout benchmark's rows, a piece size a row: both layouts' share of copy bandwidth and their ratio."""
+    by = {(r["piece_bytes"], r["layout"]): r for r in layout["results"]}
+    lines = ["", f"One side of a cache read alone on {layout['device']}: {layout['heads']} KV heads, {layout['tokens']} tokens, "
+             f"copy {layout['copy_bandwidth_gbps']:.0f} GB/s", "",
+             "| piece bytes | kvcal's layout (tokens) | per KV head | tokens / heads time | checked |", "|---|---|---|---|---|"]
+    for piece in sorted({r["piece_bytes"] for r in layout["results"]}):
+        t, h = by[piece, "tokens"], by[piece, "heads"]
+        lines.append(f"| {piece} | {t['fraction_of_copy_bandwidth']:.0%} | {h['fraction_of_copy_bandwidth']:.0%} | "
+                     f"{t['latency_us'] / h['latency_us']:.2f}x | {'ok' if t['checked'] and h['checked'] else 'FAIL'} |")
+    return lines
+
+
 def summary(out: Path, campaign: list[Stage]) -> list[str]:
     """The short table printed last: each stage's status, then the figures each stage's results hold."""
     results = out / "results"
     lines = ["# GPU campaign", "", "| stage | status | seconds | note |", "|---|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.note} |" for s in campaign]
+    layout = _load(results, "layout_read")
+    if layout:
+        lines += layout_table(layout)
     for path in sorted(results.glob("decode_tc_*.json")):  # head_dim 128, 256, then 256 at one KV head
         lines += kernel_table(json.loads(path.read_text()))
     suite = out / "logs" / "suite.xml"
@@ -291,7 +311,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
-    known = {"environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
+    known = {"environment", "layout", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

@@ -50,6 +50,7 @@ SECTIONS = [
                        ("decode_tc_", "python -m benchmarks.kernels gpu", ""),
                        ("decode_nvidia", "python -m benchmarks.kernels runtime", ""),
                        ("profile_decode_tc_", "python -m benchmarks.kernels ncu", ""),
+                       ("layout_read_", "python -m benchmarks.kernels layout", ""),
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
     ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),

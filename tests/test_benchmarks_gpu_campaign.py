@@ -24,8 +24,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                            "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
-    assert [s["name"] for s in record["stages"]] == ["environment", "kernels", "kernels-d256", "kernels-d256-kv1", "suite",
-                                                     "generate", "ab", "ncu"]
+    assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-d256", "kernels-d256-kv1",
+                                                     "suite", "generate", "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
     generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())
@@ -96,6 +96,18 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     assert (text.index("head_dim 128, 8 KV heads") < text.index("head_dim 256, 8 KV heads") < text.index("| int2-g32 | 190.0 |")
             < text.index("head_dim 256, 1 KV head\n") < text.index("| int2-g32 | 30.0 |"))
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
+
+
+def test_the_summary_tables_both_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "layout_read_gpu.json").write_text(json.dumps({
+        "device": "GPU", "heads": 8, "tokens": 65536, "copy_bandwidth_gbps": 4235.0, "results": [
+            {"piece_bytes": 32, "layout": "tokens", "latency_us": 60.0, "fraction_of_copy_bandwidth": 0.52, "checked": True},
+            {"piece_bytes": 32, "layout": "heads", "latency_us": 40.0, "fraction_of_copy_bandwidth": 0.78, "checked": True},
+            {"piece_bytes": 256, "layout": "tokens", "latency_us": 250.0, "fraction_of_copy_bandwidth": 1.01, "checked": False},
+            {"piece_bytes": 256, "layout": "heads", "latency_us": 250.0, "fraction_of_copy_bandwidth": 1.01, "checked": True}]}))
+    text = "\n".join(campaign.summary(tmp_path, [campaign.Stage("layout", [], 1, 1, status="ok", seconds=20.0)]))
+    assert "| 32 | 52% | 78% | 1.50x | ok |\n| 256 | 101% | 101% | 1.00x | FAIL |" in text
 
 
 @pytest.mark.parametrize("arguments,problem", [

@@ -1,7 +1,7 @@
 """The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core GPU
 kernel alone (`tensor_core`) and as the runtime launches it (`runtime_decode`; both time with `gpu_timing`), an A/B
 of the tensor-core kernel against another tree (`ab`),
-its Nsight Compute counters (`ncu`), and what the runtime's planner binds to each part of a decode step per recipe
+its Nsight Compute counters (`ncu`), a cache's reads by layout alone (`layout`), and what the runtime's planner binds to each part of a decode step per recipe
 (`plan`)."""
 
 # mode of `python -m benchmarks.kernels` -> (module, what it measures)
@@ -12,5 +12,6 @@ MODES = {
     "runtime": ("benchmarks.kernels.runtime_decode", "a layer's decode step as the cache launches it, per codec (CUDA)"),
     "ab": ("benchmarks.kernels.ab", "the tensor-core kernel of this tree against another's, interleaved (CUDA)"),
     "ncu": ("benchmarks.kernels.ncu", "Nsight Compute counters of tensor-core variants (CUDA, ncu)"),
+    "layout": ("benchmarks.kernels.layout", "one side of a cache read as the decode blocks read it, by layout, no arithmetic (CUDA)"),
     "plan": ("benchmarks.kernels.plan", "what serves each part of a decode step per recipe, on CUDA and CPU (no kernel runs)"),
 }
