@@ -4,8 +4,8 @@ Stages, in order of what a short lease should not miss (each a subprocess with i
 that does not fit in what is left of --budget-s is skipped and says so):
   environment  the device, driver, clocks and package versions
   layout       one side of a cache read as the decode blocks read it and nothing else, by piece size, in kvcal's layout
-               (a token's pieces of every KV head together) and per KV head (`benchmarks.kernels layout`): what the
-               layout alone lets the kernels reach
+               (a token's pieces of every KV head together), paged (a KV head's run of 64 tokens) and per KV head
+               (`benchmarks.kernels layout`): what the layout alone lets the kernels reach
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
@@ -207,15 +207,18 @@ def kernel_table(kernels: dict) -> list[str]:
 
 
 def layout_table(layout: dict) -> list[str]:
-    """The layout benchmark's rows, a piece size a row: both layouts' share of copy bandwidth and their ratio."""
+    """The layout benchmark's rows, a piece size a row: each layout's share of copy bandwidth, and kvcal's time over
+    the per-head one's."""
     by = {(r["piece_bytes"], r["layout"]): r for r in layout["results"]}
     lines = ["", f"One side of a cache read alone on {layout['device']}: {layout['heads']} KV heads, {layout['tokens']} tokens, "
              f"copy {layout['copy_bandwidth_gbps']:.0f} GB/s", "",
-             "| piece bytes | kvcal's layout (tokens) | per KV head | tokens / heads time | checked |", "|---|---|---|---|---|"]
+             f"| piece bytes | kvcal's (tokens) | paged ({layout['block_tokens']}-token blocks) | per KV head | tokens / heads time "
+             "| checked |", "|---|---|---|---|---|---|"]
     for piece in sorted({r["piece_bytes"] for r in layout["results"]}):
-        t, h = by[piece, "tokens"], by[piece, "heads"]
-        lines.append(f"| {piece} | {t['fraction_of_copy_bandwidth']:.0%} | {h['fraction_of_copy_bandwidth']:.0%} | "
-                     f"{t['latency_us'] / h['latency_us']:.2f}x | {'ok' if t['checked'] and h['checked'] else 'FAIL'} |")
+        t, b, h = by[piece, "tokens"], by[piece, "blocks"], by[piece, "heads"]
+        lines.append(f"| {piece} | {t['fraction_of_copy_bandwidth']:.0%} | {b['fraction_of_copy_bandwidth']:.0%} | "
+                     f"{h['fraction_of_copy_bandwidth']:.0%} | {t['latency_us'] / h['latency_us']:.2f}x | "
+                     f"{'ok' if t['checked'] and b['checked'] and h['checked'] else 'FAIL'} |")
     return lines
 
 

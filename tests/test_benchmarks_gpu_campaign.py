@@ -98,16 +98,19 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
 
 
-def test_the_summary_tables_both_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):
+def test_the_summary_tables_each_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "layout_read_gpu.json").write_text(json.dumps({
-        "device": "GPU", "heads": 8, "tokens": 65536, "copy_bandwidth_gbps": 4235.0, "results": [
+        "device": "GPU", "heads": 8, "tokens": 65536, "block_tokens": 64, "copy_bandwidth_gbps": 4235.0, "results": [
             {"piece_bytes": 32, "layout": "tokens", "latency_us": 60.0, "fraction_of_copy_bandwidth": 0.52, "checked": True},
+            {"piece_bytes": 32, "layout": "blocks", "latency_us": 41.0, "fraction_of_copy_bandwidth": 0.76, "checked": True},
             {"piece_bytes": 32, "layout": "heads", "latency_us": 40.0, "fraction_of_copy_bandwidth": 0.78, "checked": True},
             {"piece_bytes": 256, "layout": "tokens", "latency_us": 250.0, "fraction_of_copy_bandwidth": 1.01, "checked": False},
+            {"piece_bytes": 256, "layout": "blocks", "latency_us": 250.0, "fraction_of_copy_bandwidth": 1.01, "checked": True},
             {"piece_bytes": 256, "layout": "heads", "latency_us": 250.0, "fraction_of_copy_bandwidth": 1.01, "checked": True}]}))
     text = "\n".join(campaign.summary(tmp_path, [campaign.Stage("layout", [], 1, 1, status="ok", seconds=20.0)]))
-    assert "| 32 | 52% | 78% | 1.50x | ok |\n| 256 | 101% | 101% | 1.00x | FAIL |" in text
+    assert "| paged (64-token blocks) |" in text
+    assert "| 32 | 52% | 76% | 78% | 1.50x | ok |\n| 256 | 101% | 101% | 101% | 1.00x | FAIL |" in text
 
 
 @pytest.mark.parametrize("arguments,problem", [

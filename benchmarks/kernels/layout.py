@@ -11,13 +11,14 @@ loads of 16 bytes in flight a thread), beside the same bytes stored per head (ea
 run): what the layout costs before any instruction of the decode kernel runs.
 
 Per piece size (--pieces, bytes: 32 int2, 48 3-bit codes, 64 int4, 128, 256 fp16, at head_dim 128) and layout
-(`tokens`: kvcal's, a token's pieces of every KV head together; `heads`: a KV head's tokens together), the median of
---iters launches with L2 flushed before each (gpu_timing.timed), and the bytes read over it as a fraction of the
-device-to-device copy bandwidth. Before timing, every block's xor of what it read is checked against the host's
-(expected_folds) on random data drawn under --seed.
+(`tokens`: kvcal's, a token's pieces of every KV head together; `blocks`: paged, as vLLM's and FlashInfer's caches,
+blocks of --block-tokens tokens holding a KV head's run of the block's tokens after another's; `heads`: a KV head's
+tokens together), the median of --iters launches with L2 flushed before each (gpu_timing.timed), and the bytes read
+over it as a fraction of the device-to-device copy bandwidth. Before timing, every block's xor of what it read is
+checked against the host's (expected_folds) on random data drawn under --seed.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels layout [--pieces 32,48,64,128,256] [--iters 30] [--blocks-per-sm 4]
-                                                        [--tokens 65536] [--seed 0]
+                                                        [--tokens 65536] [--block-tokens 64] [--seed 0]
 Writes benchmarks/results/layout_read_<device>.{json,md}.
 """
 
@@ -39,17 +40,21 @@ SOURCE = Path(__file__).with_name("read_pieces.cu")
 THREADS = 128  # read_pieces' block
 CHUNK = 16  # bytes a load
 BATCH = 8
-LAYOUTS = ("tokens", "heads")
+LAYOUTS = ("tokens", "blocks", "heads")
 
 
-def strides(layout: str, heads: int, tokens: int, piece_chunks: int) -> tuple[int, int, int]:
-    """(sequence, token, head) strides in 16-byte chunks of one side of a cache of `heads` KV heads, `tokens` tokens a
-    sequence and pieces of `piece_chunks` chunks: `tokens`, a token's row of every head's piece (kvcal's stores);
-    `heads`, a head's run of every token's piece."""
+def strides(layout: str, heads: int, tokens: int, piece_chunks: int, block_tokens: int) -> tuple[int, int, int, int, int]:
+    """read_pieces' (sequence, block, token, head) strides in 16-byte chunks and block shift for one side of a cache of
+    `heads` KV heads, `tokens` tokens a sequence and pieces of `piece_chunks` chunks in `layout`: `tokens`, a token's
+    row of every head's piece (kvcal's stores); `blocks`, paged: blocks of `block_tokens` tokens (a power of two that
+    divides `tokens`), a head's run of the block's tokens in each; `heads`, a head's run of every token's piece."""
+    row = heads * piece_chunks  # a token's pieces of every head
     if layout == "tokens":
-        return tokens * heads * piece_chunks, heads * piece_chunks, piece_chunks
+        return tokens * row, row, 0, piece_chunks, 0
+    if layout == "blocks":
+        return tokens * row, block_tokens * row, piece_chunks, block_tokens * piece_chunks, block_tokens.bit_length() - 1
     if layout == "heads":
-        return heads * tokens * piece_chunks, piece_chunks, tokens * piece_chunks
+        return tokens * row, 0, piece_chunks, tokens * piece_chunks, 30  # one block of every token (fewer than 2^30)
     raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
@@ -62,15 +67,20 @@ def split_plan(tokens: int, pairs: int, slots: int) -> tuple[int, int]:
     return per_split, math.ceil(tokens / per_split)
 
 
-def expected_folds(words: np.ndarray, layout: str, batch: int, heads: int, tokens: int, piece_chunks: int,
+def expected_folds(words: np.ndarray, layout: str, batch: int, heads: int, tokens: int, piece_chunks: int, block_tokens: int,
                    per_split: int, splits: int) -> np.ndarray:
-    """What read_pieces writes for a cache of uint32 `words` read in `layout`: per (sequence, head, split), the xor of
-    every word of its tokens' pieces; (batch, heads, splits) uint32."""
+    """What read_pieces writes for a cache of uint32 `words` read in `layout` (see strides): per (sequence, head,
+    split), the xor of every word of its tokens' pieces; (batch, heads, splits) uint32."""
     piece_words = piece_chunks * CHUNK // 4
-    shape = (batch, tokens, heads, piece_words) if layout == "tokens" else (batch, heads, tokens, piece_words)
-    per_token = np.bitwise_xor.reduce(words.reshape(shape), axis=-1)  # (batch, tokens, heads) or (batch, heads, tokens)
+    if layout == "tokens":
+        per_token = np.bitwise_xor.reduce(words.reshape(batch, tokens, heads, piece_words), axis=-1).transpose(0, 2, 1)
+    elif layout == "blocks":
+        blocks = words.reshape(batch, tokens // block_tokens, heads, block_tokens, piece_words)
+        per_token = np.bitwise_xor.reduce(blocks, axis=-1).transpose(0, 2, 1, 3).reshape(batch, heads, tokens)
+    else:
+        per_token = np.bitwise_xor.reduce(words.reshape(batch, heads, tokens, piece_words), axis=-1)
     padded = np.zeros((batch, heads, per_split * splits), dtype=np.uint32)  # 0, xor's identity, past the last token
-    padded[:, :, :tokens] = per_token.transpose(0, 2, 1) if layout == "tokens" else per_token
+    padded[:, :, :tokens] = per_token
     return np.bitwise_xor.reduce(padded.reshape(batch, heads, splits, per_split), axis=-1)
 
 
@@ -84,14 +94,14 @@ def _function(piece_chunks: int):
     return cupy.RawModule(code=SOURCE.read_text(), options=OPTIONS, name_expressions=[name]).get_function(name)
 
 
-def prepare(cache: torch.Tensor, layout: str, batch: int, heads: int, tokens: int, piece_chunks: int, per_split: int,
-            splits: int):
+def prepare(cache: torch.Tensor, layout: str, batch: int, heads: int, tokens: int, piece_chunks: int, block_tokens: int,
+            per_split: int, splits: int):
     """The launch of read_pieces over `cache` (CUDA, int32 words) in `layout`; returns the function that launches it
     and returns its folds (batch, heads, splits), the buffer they are written to (`folded`)."""
-    sequence, token, head = strides(layout, heads, tokens, piece_chunks)
+    sequence, block, token, head, shift = strides(layout, heads, tokens, piece_chunks, block_tokens)
     folded = torch.empty(batch, heads, splits, dtype=torch.int32, device=cache.device)
-    args = (np.uint64(cache.data_ptr()), np.int64(sequence), np.int64(token), np.int64(head), np.int32(tokens),
-            np.int32(per_split), np.uint64(folded.data_ptr()))
+    args = (np.uint64(cache.data_ptr()), np.int64(sequence), np.int64(block), np.int64(token), np.int64(head), np.int32(shift),
+            np.int32(tokens), np.int32(per_split), np.uint64(folded.data_ptr()))
     function = _function(piece_chunks)
 
     def run() -> torch.Tensor:
@@ -113,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=65536,
                         help="tokens a sequence (default: %(default)s: both sides of a 32K-token cache, as one)")
     parser.add_argument("--heads", type=int, default=KV_HEADS, help="KV heads (default: %(default)s)")
+    parser.add_argument("--block-tokens", type=int, default=64,
+                        help="tokens a block of the paged layout, a power of two that divides --tokens (default: %(default)s, "
+                             "the decode kernel's stage)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random cache (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
@@ -123,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--pieces {','.join(map(str, args.pieces))}: positive multiples of {CHUNK} bytes (whole loads)")
     if min(args.iters, args.blocks_per_sm, args.tokens, args.heads) < 1:
         parser.error("--iters, --blocks-per-sm, --tokens and --heads are at least 1")
+    if args.block_tokens < 1 or args.block_tokens & (args.block_tokens - 1) or args.tokens % args.block_tokens:
+        parser.error(f"--block-tokens {args.block_tokens}: a power of two that divides --tokens {args.tokens}")
+    if args.tokens >= 2**30:
+        parser.error(f"--tokens {args.tokens}: fewer than 2^30")
     return args
 
 
@@ -138,10 +155,11 @@ def measure(args: argparse.Namespace, slots: int, bandwidth: float, device: str 
         cache = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=device, generator=generator)
         host = cache.cpu().numpy().view(np.uint32)
         for layout in LAYOUTS:
-            run = prepare(cache, layout, BATCH, args.heads, args.tokens, chunks, per_split, splits)
+            run = prepare(cache, layout, BATCH, args.heads, args.tokens, chunks, args.block_tokens, per_split, splits)
             run.folded.fill_(-1)  # poisoned: a block that writes nothing shows
             got = run().cpu().numpy().view(np.uint32)
-            correct = bool(np.array_equal(got, expected_folds(host, layout, BATCH, args.heads, args.tokens, chunks, per_split, splits)))
+            want = expected_folds(host, layout, BATCH, args.heads, args.tokens, chunks, args.block_tokens, per_split, splits)
+            correct = bool(np.array_equal(got, want))
             seconds = timed(run, args.iters)
             rows.append({"piece_bytes": piece, "layout": layout, "bytes_read": cache.numel() * 4, "latency_us": round(seconds * 1e6, 2),
                          "bandwidth_gbps": round(cache.numel() * 4 / seconds / 1e9, 1),
@@ -163,21 +181,23 @@ def main(argv=None) -> None:
     per_split, splits, rows = measure(args, slots, bandwidth)
     name = f"layout_read_{device_slug(started['device'])}"
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "batch": BATCH, "heads": args.heads,
-                        "tokens": args.tokens, "blocks_per_sm": args.blocks_per_sm, "tokens_per_split": per_split,
+                        "tokens": args.tokens, "block_tokens": args.block_tokens, "blocks_per_sm": args.blocks_per_sm, "tokens_per_split": per_split,
                         "splits": splits, "iterations": args.iters, "results": rows}, started)
     by = {(r["piece_bytes"], r["layout"]): r for r in rows}
     lines = [f"# One side of a KV cache read by layout alone, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"`python -m benchmarks.kernels layout`: B={BATCH}, {args.heads} KV heads, {args.tokens} tokens a sequence, "
              f"{splits} splits of {per_split} tokens ({args.blocks_per_sm} blocks a multiprocessor); copy bandwidth "
-             f"{bandwidth / 1e9:.0f} GB/s; L2 flushed; tokens: a token's pieces of every KV head together (kvcal's stores), "
-             "heads: a KV head's tokens together.", "",
-             "| piece bytes | MB | tokens: us | of copy bw | heads: us | of copy bw | tokens over heads | checked |",
+             f"{bandwidth / 1e9:.0f} GB/s; L2 flushed. tokens: a token's pieces of every KV head together (kvcal's stores); "
+             f"blocks: paged, {args.block_tokens} tokens a block, a KV head's run of them after another's; heads: a KV head's "
+             "tokens together. Each: latency, and bytes read over it as a share of copy bandwidth.", "",
+             "| piece bytes | MB | tokens | blocks | heads | tokens / heads time | blocks / heads time | checked |",
              "|---|---|---|---|---|---|---|---|"]
     for piece in args.pieces:
-        t, h = by[piece, "tokens"], by[piece, "heads"]
-        lines.append(f"| {piece} | {t['bytes_read'] / 1e6:.1f} | {t['latency_us']} | {t['fraction_of_copy_bandwidth']:.0%} | "
-                     f"{h['latency_us']} | {h['fraction_of_copy_bandwidth']:.0%} | {t['latency_us'] / h['latency_us']:.2f}x | "
-                     f"{'yes' if t['checked'] and h['checked'] else 'NO'} |")
+        t, b, h = (by[piece, layout] for layout in LAYOUTS)
+        lines.append(f"| {piece} | {t['bytes_read'] / 1e6:.1f} | "
+                     + " | ".join(f"{r['latency_us']} us, {r['fraction_of_copy_bandwidth']:.0%}" for r in (t, b, h))
+                     + f" | {t['latency_us'] / h['latency_us']:.2f}x | {b['latency_us'] / h['latency_us']:.2f}x | "
+                     f"{'yes' if t['checked'] and b['checked'] and h['checked'] else 'NO'} |")
     write_markdown(name, lines)
     if not all(r["checked"] for r in rows):
         sys.exit("a launch read other bytes than its pieces' (checked: NO above): its timing is not of this layout")
