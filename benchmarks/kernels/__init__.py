@@ -1,8 +1,7 @@
 """The decode kernels: the CPU decode step (`cpu_step`) and the CPU appends (`cpu_append`), the tensor-core GPU
 kernel alone (`tensor_core`) and as the runtime launches it (`runtime_decode`; both time with `gpu_timing`), an A/B
-of the tensor-core kernel against another tree (`ab`),
-its Nsight Compute counters (`ncu`), a cache's reads by layout alone (`layout`), and what the runtime's planner binds to each part of a decode step per recipe
-(`plan`)."""
+of the tensor-core kernel against another tree (`ab`), its Nsight Compute counters (`ncu`), a cache's reads by
+layout alone (`layout`), and what the runtime's planner binds to each part of a decode step per recipe (`plan`)."""
 
 # mode of `python -m benchmarks.kernels` -> (module, what it measures)
 MODES = {
