@@ -24,7 +24,8 @@ def emulated_reads():
                      "long long bs, long long ts, long long hs, int shift, int tokens, int per_split, unsigned* folded) { "
                      "emulation::launch({gx, gy, gz}, {128, 1, 1}, [&] { "
                      f"read_pieces<{n}>(cache, ss, bs, ts, hs, shift, tokens, per_split, folded); }}); }}")
-    library = ctypes.CDLL(str(emulator_library("\n".join(lines) + "\n", [EMULATION, layout.SOURCE.parent], "read_pieces_on_cpu.so")))
+    library = ctypes.CDLL(str(emulator_library("\n".join(lines) + "\n", [EMULATION, layout.SOURCE.parent, kernel_source.KERNEL_DIR],
+                                                         "read_pieces_on_cpu.so")))
     for n in PIECE_CHUNKS:
         getattr(library, f"run_read_pieces_{n}").argtypes = ([ctypes.c_uint] * 3 + [ctypes.c_void_p] + [ctypes.c_longlong] * 4
                                                              + [ctypes.c_int] * 3 + [ctypes.c_void_p])

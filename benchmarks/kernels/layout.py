@@ -4,11 +4,10 @@ Why: the static bound and its calibrated model (tools/bound_decode.py) take a ca
 bandwidth, and the packed caches decode well below it (benchmarks/results/decode_tc_*.md). kvcal's stores hold a
 token's row of every KV head together (kvcal.runtime.store.PackedRows: (batch, tokens, KV heads x row)), so a decode
 block, which serves one KV head, reads a piece of 32 bytes (int2 at head_dim 128) to 256 (fp16) out of every row, KV
-heads x piece bytes apart.
-This times reading exactly those pieces, block for block as the decode launch reads them (benchmarks/kernels/
-read_pieces.cu: blocks of (split, KV head, sequence) of 128 threads, one wave of --blocks-per-sm a multiprocessor, 8
-loads of 16 bytes in flight a thread), beside the same bytes stored per head (each KV head's tokens one contiguous
-run): what the layout costs before any instruction of the decode kernel runs.
+heads x piece bytes apart. This times reading exactly those pieces, block for block as the decode launch reads them
+(benchmarks/kernels/read_pieces.cu: blocks of (split, KV head, sequence) of 128 threads, one wave of --blocks-per-sm
+a multiprocessor, a cp.async pipeline of 16-byte copies, 12 in flight a thread), beside the same bytes paged and
+stored per KV head: what the layout costs before any instruction of the decode kernel runs.
 
 Per piece size (--pieces, bytes: 32 int2, 48 3-bit codes, 64 int4, 128, 256 fp16, at head_dim 128) and layout
 (`tokens`: kvcal's, a token's pieces of every KV head together; `blocks`: paged, as vLLM's and FlashInfer's caches,
@@ -88,10 +87,11 @@ def expected_folds(words: np.ndarray, layout: str, batch: int, heads: int, token
 def _function(piece_chunks: int):
     import cupy
 
-    from kvcal.runtime.kernel_source import OPTIONS
+    from kvcal.runtime.kernel_source import KERNEL_DIR, OPTIONS
 
-    name = f"read_pieces<{piece_chunks}>"
-    return cupy.RawModule(code=SOURCE.read_text(), options=OPTIONS, name_expressions=[name]).get_function(name)
+    name = f"read_pieces<{piece_chunks}>"  # (it includes kernels/intrinsics.cuh: the decode kernel's cp.async)
+    options = (*OPTIONS, f"--include-path={KERNEL_DIR}")
+    return cupy.RawModule(code=SOURCE.read_text(), options=options, name_expressions=[name]).get_function(name)
 
 
 def prepare(cache: torch.Tensor, layout: str, batch: int, heads: int, tokens: int, piece_chunks: int, block_tokens: int,
