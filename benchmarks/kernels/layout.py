@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace, slots: int, bandwidth: float, device: str 
         chunks = piece // CHUNK
         words = BATCH * args.heads * args.tokens * piece // 4
         cache = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=device, generator=generator)
-        host = cache.cpu().numpy().view(np.uint32)
+        host, read = cache.cpu().numpy().view(np.uint32), 4 * words
         for layout in LAYOUTS:
             run = prepare(cache, layout, BATCH, args.heads, args.tokens, chunks, args.block_tokens, per_split, splits)
             run.folded.fill_(-1)  # poisoned: a block that writes nothing shows
@@ -161,9 +161,9 @@ def measure(args: argparse.Namespace, slots: int, bandwidth: float, device: str 
             want = expected_folds(host, layout, BATCH, args.heads, args.tokens, chunks, args.block_tokens, per_split, splits)
             correct = bool(np.array_equal(got, want))
             seconds = timed(run, args.iters)
-            rows.append({"piece_bytes": piece, "layout": layout, "bytes_read": cache.numel() * 4, "latency_us": round(seconds * 1e6, 2),
-                         "bandwidth_gbps": round(cache.numel() * 4 / seconds / 1e9, 1),
-                         "fraction_of_copy_bandwidth": round(cache.numel() * 4 / seconds / bandwidth, 3), "checked": correct})
+            rows.append({"piece_bytes": piece, "layout": layout, "bytes_read": read, "latency_us": round(seconds * 1e6, 2),
+                         "bandwidth_gbps": round(read / seconds / 1e9, 1),
+                         "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3), "checked": correct})
             print(rows[-1], flush=True)
         del cache
         torch.cuda.empty_cache()
@@ -181,8 +181,8 @@ def main(argv=None) -> None:
     per_split, splits, rows = measure(args, slots, bandwidth)
     name = f"layout_read_{device_slug(started['device'])}"
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "batch": BATCH, "heads": args.heads,
-                        "tokens": args.tokens, "block_tokens": args.block_tokens, "blocks_per_sm": args.blocks_per_sm, "tokens_per_split": per_split,
-                        "splits": splits, "iterations": args.iters, "results": rows}, started)
+                        "tokens": args.tokens, "block_tokens": args.block_tokens, "blocks_per_sm": args.blocks_per_sm,
+                        "tokens_per_split": per_split, "splits": splits, "iterations": args.iters, "results": rows}, started)
     by = {(r["piece_bytes"], r["layout"]): r for r in rows}
     lines = [f"# One side of a KV cache read by layout alone, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"`python -m benchmarks.kernels layout`: B={BATCH}, {args.heads} KV heads, {args.tokens} tokens a sequence, "
