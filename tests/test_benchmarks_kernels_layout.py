@@ -1,6 +1,6 @@
-"""benchmarks/kernels/layout.py: the reading kernel (benchmarks/kernels/read_pieces.cu, run under the CPU emulation) against
-the host's expected folds in both layouts, its NVRTC compile for the GPUs it runs on, and the argument errors (the
-timing itself needs a CUDA GPU)."""
+"""benchmarks/kernels/layout.py: the reading kernel (benchmarks/kernels/read_pieces.cu, run under the CPU emulation)
+against the host's expected folds in each layout, the measurement loop through it, its NVRTC compile for the GPUs it
+runs on, and the argument errors (the timing itself needs a CUDA GPU)."""
 
 import ctypes
 
