@@ -9,6 +9,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
+  kernels-per-head  the A/B variants (--ab-variants) again with the cache laid out per KV head (each (sequence, KV
+               head) a sequence of one): the same kernel and work, another layout
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
   kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape), the launcher's
                plan (tens of splits a run to merge) beside 8 splits of 4096 tokens
@@ -129,6 +131,9 @@ def stages(args) -> list[Stage]:
         Stage("layout", [*bench("kernels", "layout"), "--seed", str(args.seed)], 90, 30, [*bench("kernels", "layout"), "--help"]),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
               180, 60, [*bench("kernels", "gpu"), "--help"]),
+        # the same work with the cache laid out per KV head: beside `kernels`, what the layout costs the kernel itself
+        Stage("kernels-per-head", [*bench("kernels", "gpu"), "--per-head", "--only", args.ab_variants, "--splits", "launcher",
+                                   "--iters", "30", "--seed", str(args.seed)], 120, 40, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
         # one KV head: 8 (sequence, KV head) runs, to which the launcher's one wave gives tens of splits each to merge;
@@ -187,9 +192,11 @@ def kernel_table(kernels: dict) -> list[str]:
     """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32 and for the same bits on a
     second launch (results written before that check say '-'), beside the written bound's prediction where it has one
     (its error: predicted over measured)."""
+    per_head = kernels.get("layout") == "per KV head"  # (--per-head: its B x KV heads launched as sequences of one)
+    kv_heads, batch = kernels["kv_heads"], kernels["results"][0]["batch"] // (kernels["kv_heads"] if per_head else 1)
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
-             f"B={kernels['results'][0]['batch']}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}, "
-             f"{kernels['kv_heads']} KV head{'s' * (kernels['kv_heads'] != 1)}", "",
+             f"B={batch}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}, "
+             f"{kv_heads} KV head{'s' * (kv_heads != 1)}" + (" laid out per head" if per_head else ""), "",
              "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
              "|---|---|---|---|---|---|---|---|"]
 
@@ -230,7 +237,7 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
     layout = _load(results, "layout_read")
     if layout:
         lines += layout_table(layout)
-    for path in sorted(results.glob("decode_tc_*.json")):  # head_dim 128, 256, then 256 at one KV head
+    for path in sorted(results.glob("decode_tc_*.json")):  # head_dim 128, 256, 256 at one KV head, then 128 per head
         lines += kernel_table(json.loads(path.read_text()))
     suite = out / "logs" / "suite.xml"
     if suite.is_file():
@@ -314,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
-    known = {"environment", "layout", "kernels", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
+    known = {"environment", "layout", "kernels", "kernels-per-head", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

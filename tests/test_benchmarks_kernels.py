@@ -27,6 +27,7 @@ def test_a_median_taken_at_idle_clocks_is_retaken_until_two_agree():
     (["--tokens", "0"], "a positive number of tokens"),
     (["--kv-heads", "0"], "a positive number of KV heads"),
     (["--kernel-dir", "."], "no decode_attention_tc.cu there"),
+    (["--per-head", "--kv-heads", "1"], "one KV head is laid out per head already"),
 ])
 def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, monkeypatch, capsys):
     assert problem in refused(tensor_core.main, arguments, monkeypatch, capsys)

@@ -209,7 +209,8 @@ def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     """measured_on_gpus keeps the fastest row per variant at the bound's shape (not another head_dim's run);
     measured_table pairs it with the bound of the case that names it, and gives nothing where no run has the case's
-    variant; a run at other KV heads is named so and predicted over its own KV-head tokens."""
+    variant; a run at other KV heads is named so and predicted over its own KV-head tokens, and one laid out per KV
+    head is named so beside the same prediction."""
     import json
 
     shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"], "bytes_read": 151257088, "sdpa_fp16_latency_us": 255.7}
@@ -241,11 +242,22 @@ def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     assert [(r["kv_heads"], r["kv_head_tokens"]) for r in runs] == [(8, bd.KV_HEAD_TOKENS), (1, bd.KV_HEAD_TOKENS // 8)]
     cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
     assert cells[7] == f"{us / 8 / 20.0 - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, 1 KV head |"
+    # the same work laid out per KV head (B x KV heads sequences of one): the same KV-head tokens and prediction, named so
+    per_head = [{**r, "batch": r["batch"] * 8, "latency_us": r["latency_us"] * 0.8} for r in rows]
+    (tmp_path / "decode_tc_gpu_per_head.json").write_text(json.dumps({**run, "head_dim": 128, "layout": "per KV head",
+                                                                       "results": per_head}))
+    runs = bd.measured_on_gpus(tmp_path)
+    assert [(r["kv_head_tokens"], r["per_head"]) for r in runs] == [(bd.KV_HEAD_TOKENS, False), (bd.KV_HEAD_TOKENS // 8, False),
+                                                                    (bd.KV_HEAD_TOKENS, True)]
+    assert runs[2]["variants"]["int2-g128"]["latency_us"] == 126.0 * 0.8
+    cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
+    assert cells[7] == f"{us / (126.0 * 0.8) - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, laid out per KV head |"
 
 
 def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
     """calibrate fits tools.decode_model to the newest run's variants under 80% of copy bandwidth (fp16 rows at the
-    roofline say nothing about the issue side), and reports each one's error in the fit and left out."""
+    roofline say nothing about the issue side) in the stores' layout, and reports each one's error in the fit and left
+    out."""
     kernel = bd.TensorCoreKernel()
     counts = {"int2 g128 (KIVI)": (16.0, 2.3), "int4 g128 (KIVI)": (22.0, 4.1), "nuq3 pre-RoPE 1%": (48.0, 20.1),
               "fp16": (18.0, 8.2)}
@@ -258,10 +270,11 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
                                      "fraction_of_copy_bandwidth": 0.98 if case == "fp16" else 0.4}
                     for case, (n, w) in counts.items()}
         return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "kv_heads": bd.SHAPE["kv_heads"],
-                "kv_head_tokens": bd.KV_HEAD_TOKENS, "variants": variants}
+                "kv_head_tokens": bd.KV_HEAD_TOKENS, "per_head": False, "variants": variants}
 
-    runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0)]
-    fitted = bd.calibrate(walks, kernel, runs, unchanged_since=lambda commit: commit == "28")
+    # (a newer run laid out per KV head measured other reads than the stores make: never fitted)
+    runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0), {**run("2026-11-29", 0.5), "per_head": True}]
+    fitted = bd.calibrate(walks, kernel, runs, unchanged_since=lambda commit: commit in ("28", "29"))
     assert fitted["date"] == "2026-11-28" and set(fitted["fit_error"]) == set(counts) - {"fp16"}
     assert math.isclose(fitted["per_instruction"], 0.5) and math.isclose(fitted["per_token"], 30.0)
     assert all(abs(e) < 1e-9 for e in fitted["leave_one_out"].values())

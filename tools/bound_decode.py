@@ -966,21 +966,22 @@ def head_dim_256_section(result: dict) -> list[str]:
 
 def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
     """Per decode_tc_<device>*.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
-    date, copy bandwidth, KV heads and KV-head tokens, and per variant the fastest row at SHAPE's batch and length
-    (the split plans it timed differ only in the split size)."""
+    date, copy bandwidth, KV heads, KV-head tokens and layout (per_head: its B x KV heads launched as sequences of one,
+    `benchmarks.kernels gpu --per-head`), and per variant the fastest row at SHAPE's batch and length (the split plans
+    it timed differ only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
         if run.get("head_dim", 128) != head_dim:
             continue
+        kv_heads, per_head = run["kv_heads"], run.get("layout") == "per KV head"
         fastest = {}
         for row in run["results"]:
-            if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
+            if row["batch"] == SHAPE["batch"] * (kv_heads if per_head else 1) and row["tokens"] == SHAPE["tokens"]:
                 best = fastest.get(row["variant"])
                 fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
-        kv_heads = run["kv_heads"]
         runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"],
-                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": kv_heads,
+                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": kv_heads, "per_head": per_head,
                      "kv_head_tokens": SHAPE["batch"] * kv_heads * SHAPE["tokens"], "variants": fastest})
     return runs
 
@@ -1011,7 +1012,8 @@ def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None
     commit, the previous calibration (fitted when it was the same) is kept, and the walk's counts of the changed code
     are predicted with it. None where no run measured three cases off the memory roofline and none was fitted before."""
     names = {c.name: c.measured for c in kernel.cases}
-    measured = [run for run in runs if any(names.get(w["case"]) in run["variants"] for w in cases)]
+    # (a run laid out per KV head measured other reads than the stores make: it is compared, never fitted)
+    measured = [run for run in runs if not run["per_head"] and any(names.get(w["case"]) in run["variants"] for w in cases)]
     if not measured:
         return previous
     run = max(measured, key=lambda r: r["date"])
@@ -1054,6 +1056,7 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
     for w, run, row in rows:
         b = w["bound"]
         heads = "" if run["kv_heads"] == SHAPE["kv_heads"] else f", {run['kv_heads']} KV head{'s' * (run['kv_heads'] > 1)}"
+        heads += ", laid out per KV head" if run["per_head"] else ""
         fraction = speedup = error = "-"
         if calibration is not None:
             us = predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"], run["kv_head_tokens"])

@@ -21,10 +21,17 @@ and launched once more, poisoned again, for the same bits (same_bits_twice: no r
 each variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
 model, on this device's copy bandwidth and the variant's bytes) is printed before it is timed and kept in its row.
 
+--per-head times the same work with the cache laid out per KV head: each (sequence, KV head) becomes a sequence of one
+KV head (B x KV heads sequences), so that its tokens' codes are one run instead of a piece of every token's row of all
+KV heads (kvcal's stores). The kernel, its variant, the (sequence, KV head) pairs and the split plan are the same, and
+so is the bound's prediction (it takes every cache at copy bandwidth): what the two runs' latencies differ by is the
+layout's (benchmarks.kernels layout times the reads alone).
+
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
-                                                          [--kv-heads 1]
-Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256, _kv1 at one KV head). --kernel-dir DIR times the kernels in DIR (a changed copy of
+                                                          [--kv-heads 1] [--per-head]
+Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256, _kv1 at one KV head,
+_per_head laid out per KV head). --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
 prints its rows and writes nothing.
 """
@@ -122,11 +129,11 @@ def checked(out: torch.Tensor, query: torch.Tensor, keys, values, length: int, r
         k, v = keys.decoded(length), values.decoded(length)
     else:
         k, v = keys.data[:, :length].float(), values.data[:, :length].float()
-    k = k.view(BATCH, length, -1, head_dim)
+    k = k.view(query.shape[0], length, -1, head_dim)
     if rope:
         k = apply_rope(k, torch.arange(length, device=k.device), inv_freq(head_dim))
     k = k.transpose(1, 2)
-    v = v.view(BATCH, length, -1, head_dim).transpose(1, 2)
+    v = v.view(query.shape[0], length, -1, head_dim).transpose(1, 2)
     want = torch.nn.functional.scaled_dot_product_attention(query[:, :, None].float(), k, v, scale=head_dim**-0.5, enable_gqa=True)
     del k, v
     if out.isnan().any():
@@ -148,10 +155,16 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
                         help=f"KV heads, each with {GROUP} query heads (default: %(default)s; Gemma 3's: 1)")
+    parser.add_argument("--per-head", action="store_true",
+                        help="lay the cache out per KV head: each (sequence, KV head) a sequence of one KV head (see above)")
     args = parser.parse_args()
     head_dim, kv_heads = args.head_dim, args.kv_heads
     if kv_heads <= 0:
         parser.error(f"--kv-heads {kv_heads}: a positive number of KV heads")
+    if args.per_head and kv_heads == 1:
+        parser.error("--per-head with --kv-heads 1: one KV head is laid out per head already")
+    # the launch's sequences and KV heads: per head, every (sequence, KV head) pair a sequence of its own
+    batch, kv_heads = (BATCH * kv_heads, 1) if args.per_head else (BATCH, kv_heads)
     if args.tokens <= 0:
         parser.error(f"--tokens {args.tokens}: a positive number of tokens")
     if args.kernel_dir is not None and not (args.kernel_dir / "decode_attention_tc.cu").is_file():
@@ -172,10 +185,10 @@ def main() -> None:
     started = provenance()
     bandwidth = copy_bandwidth()
     length = args.tokens
-    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim, kv_heads)
+    sdpa = sdpa_seconds(batch, length, args.iters, head_dim, kv_heads)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or
-    # 256, at any number of KV heads)
+    # 256, at any number of KV heads; per head, the same pairs)
     shape = {"batch": BATCH, "kv_heads": kv_heads, "group": GROUP, "head_dim": head_dim, "tokens": length}
     predicted = bound_decode.committed_predictions(shape=shape)
     rows = []
@@ -188,14 +201,14 @@ def main() -> None:
             except KvcalError as refused:
                 print(f"{name}: skipped at head_dim {head_dim}: {refused}", flush=True)
                 continue
-        keys, values = filled_stores(codecs, BATCH, length, head_dim, seed=args.seed, kv_heads=kv_heads)
-        query = torch.randn(BATCH, kv_heads * GROUP, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
-        read = sum(s.used_bytes(b) for s in (keys, values) for b in range(BATCH)) + 2 * query.numel() * 4
+        keys, values = filled_stores(codecs, batch, length, head_dim, seed=args.seed, kv_heads=kv_heads)
+        query = torch.randn(batch, kv_heads * GROUP, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
+        read = sum(s.used_bytes(b) for s in (keys, values) for b in range(batch)) + 2 * query.numel() * 4
         error = repeats = None
         variant = tensor_core.variant_for(keys, values, head_dim, GROUP, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
         walk = predicted["walks"].get(name) if predicted else None
-        prediction = (round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read, BATCH * kv_heads * length), 2)
+        prediction = (round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read, batch * kv_heads * length), 2)
                       if walk else None)
         if prediction is not None:
             print(f"{name}: predicted {prediction} us (the calibrated bound at {predicted['commit']})", flush=True)
@@ -212,8 +225,8 @@ def main() -> None:
                 del first
                 torch.cuda.empty_cache()
             seconds = timed(run, args.iters)
-            rows.append({"variant": name, "batch": BATCH, "tokens": length, "per_split": run.per_split, "splits": run.splits,
-                         "blocks": run.splits * BATCH * kv_heads, "resident_blocks": resident,
+            rows.append({"variant": name, "batch": batch, "tokens": length, "per_split": run.per_split, "splits": run.splits,
+                         "blocks": run.splits * batch * kv_heads, "resident_blocks": resident,
                          "plan": "launcher" if per_split is None else "fixed",
                          "latency_us": round(seconds * 1e6, 2), "bytes_read": read, "bandwidth_gbps": round(read / seconds / 1e9, 1),
                          "fraction_of_copy_bandwidth": round(read / seconds / bandwidth, 3),
@@ -224,10 +237,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.kernel_dir is not None:
         return
-    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim, kv_heads)
+    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim, args.kv_heads, args.per_head)
+    laid_out = f", laid out per KV head ({batch} sequences of one)" if args.per_head else ""
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
-             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {kv_heads} KV heads, {kv_heads * GROUP} query heads, head_dim {head_dim}; L2 flushed; "
-             "kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.kv_heads} KV heads{laid_out}, {args.kv_heads * GROUP} query heads, "
+             f"head_dim {head_dim}; L2 flushed; kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
              "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us | MB read | GB/s | of copy bw "
              "| SDPA fp16 us | speedup | max err | same bits twice |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
