@@ -3,8 +3,10 @@ instruction classes, occupancy and the bound arithmetic on hand-written input; t
 format where it is installed."""
 
 import math
+import os
 import struct
 import subprocess
+import sys
 
 import pytest
 
@@ -395,6 +397,15 @@ def test_the_walk_reads_a_tokens_rope_row_once_at_both_head_dims():
                 rope_loads += n * (on_rope_line(ins) or (base in written_by and on_rope_line(written_by[base])))
             written_by[ins.operands.split(",")[0].strip()] = ins
         assert math.isclose(rope_loads, shape["head_dim"] // 2 * 4 / 512), (shape, case)
+
+
+def test_a_campaign_writing_its_own_results_elsewhere_still_reads_the_committed_bound(tmp_path):
+    """The GPU campaign points KVCAL_RESULTS_DIR at its output folder; the benchmark's predictions must still come
+    from the bound committed in the repository (a campaign that printed none had nothing written down to compare)."""
+    env = {**os.environ, "KVCAL_RESULTS_DIR": str(tmp_path)}
+    script = "from tools import bound_decode as bd; p = bd.committed_predictions(); print(p is not None and 'int2-g128' in p['walks'])"
+    done = subprocess.run([sys.executable, "-c", script], cwd=bd.REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):

@@ -82,6 +82,9 @@ import numpy as np
 from benchmarks.common import REPO, RESULTS, provenance, write_markdown, write_result
 from tools import decode_model
 
+# where the written bound is committed: RESULTS may be another folder (a GPU campaign's own, KVCAL_RESULTS_DIR)
+COMMITTED_RESULTS = REPO / "benchmarks" / "results"
+
 # H100 SXM: the device the bound is stated for (sm_90); A100 limits give sm_80's occupancy.
 H100 = {"sms": 132, "issue_per_clock": 4, "alu_per_clock": 2, "clock_hz": 1.755e9, "copy_bytes_per_s": 3.0e12,
         "latency_s": 700e-9}
@@ -1068,7 +1071,7 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
     return lines
 
 
-def committed_predictions(results: Path = RESULTS, shape: dict = SHAPE) -> dict | None:
+def committed_predictions(results: Path = COMMITTED_RESULTS, shape: dict = SHAPE) -> dict | None:
     """What the written bound (bound_decode.json) predicts for the tensor-core benchmark's variants at `shape` (SHAPE
     or SHAPE_256 at any number of KV heads: a walk counts per KV-head token): its commit, its calibration, and per
     benchmark variant name the case's walk (predicted_us gives the latency on a device over the shape's KV-head
