@@ -10,7 +10,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
   kernels-per-head  the A/B variants (--ab-variants) again with the cache laid out per KV head (each (sequence, KV
-               head) a sequence of one): the same kernel and work, another layout
+               head) a sequence of one): the same kernel and work, another layout (the variants whose parameters stay
+               within a head: of the defaults int2-g128 and int4-g128)
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
   kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape), the launcher's
                plan (tens of splits a run to merge) beside 8 splits of 4096 tokens

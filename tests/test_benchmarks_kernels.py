@@ -33,6 +33,14 @@ def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_not
     assert problem in refused(tensor_core.main, arguments, monkeypatch, capsys)
 
 
+def test_laid_out_per_head_only_the_variants_whose_parameters_stay_within_a_head_run():
+    """--per-head compares layouts, so a variant whose per-token parameters span the row of every KV head (codebook
+    values' thresholds, SKVQ's groups) would do other work there and is left out."""
+    same = {name for name, (codecs, _) in tensor_core.variants(128).items() if tensor_core.same_work_per_head(codecs, 128)}
+    assert {"fp16", "int2-g128", "int4-g128", "int2-g32", "int2k-int4v-g32", "int3-g32", "int4-g128-pre-rope"} <= same
+    assert not same & {"nuq3-pre-rope", "nuq3-1%-pre-rope", "nuq4-pre-rope", "nuq2-1%-pre-rope", "skvq2-pre-rope"}
+
+
 def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys():
     from kvcal.errors import KvcalError
     from kvcal.runtime.tensor_core import variant_for_codecs

@@ -55,11 +55,8 @@ def test_every_block_folds_exactly_its_heads_pieces_of_its_tokens_in_every_layou
 @pytest.mark.emulation
 def test_a_measurement_checks_every_launch_of_every_layout_and_flags_one_that_read_other_bytes(emulated_reads, monkeypatch):
     """measure() as on a GPU, its launches run by the emulated kernel on CPU tensors (the timer only calls them)."""
-    def emulated(piece_chunks):
-        entry = getattr(emulated_reads, f"run_read_pieces_{piece_chunks}")
-        return lambda grid, block, args: entry(*grid, *(int(a) for a in args))
-
-    monkeypatch.setattr(layout, "_function", emulated)
+    monkeypatch.setattr(layout, "_function", lambda piece_chunks: getattr(emulated_reads, f"run_read_pieces_{piece_chunks}"))
+    monkeypatch.setattr(layout, "launch", lambda entry, grid, block, args: entry(*grid, *(int(a) for a in args)))
     monkeypatch.setattr(layout, "timed", lambda run, iterations: (run(), 1e-3)[1])
     args = layout.parse_args(["--pieces", "32,48", "--tokens", "40", "--block-tokens", "8", "--heads", "3", "--seed", "5"])
     per_split, splits, rows = layout.measure(args, slots=50, bandwidth=1e9, device="cpu")

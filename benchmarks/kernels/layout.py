@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import device_slug, provenance, write_markdown, write_result
 from benchmarks.kernels.gpu_timing import KV_HEADS, copy_bandwidth, timed
+from kvcal.runtime.kernels import launch
 
 SOURCE = Path(__file__).with_name("read_pieces.cu")
 THREADS = 128  # read_pieces' block
@@ -105,7 +106,7 @@ def prepare(cache: torch.Tensor, layout: str, batch: int, heads: int, tokens: in
     function = _function(piece_chunks)
 
     def run() -> torch.Tensor:
-        function((splits, heads, batch), (THREADS,), args)
+        launch(function, (splits, heads, batch), (THREADS,), args)  # (on torch's current stream, as the runtime's)
         return folded
 
     run.folded = folded
@@ -176,6 +177,14 @@ def main(argv=None) -> None:
         sys.exit("the layout benchmark needs a CUDA GPU; nothing was measured")
     started = provenance()
     bandwidth = copy_bandwidth()
+    import cupy
+
+    for piece in args.pieces:  # a wave of blocks_per_sm a multiprocessor must fit at once
+        held = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(_function(piece // CHUNK).kernel.ptr, THREADS, 0)
+        if held < args.blocks_per_sm:
+            print(f"--blocks-per-sm {args.blocks_per_sm}: a multiprocessor holds {held} blocks of read_pieces at {piece}-byte "
+                  f"pieces; give {held} or fewer", file=sys.stderr)
+            sys.exit(2)
     slots = torch.cuda.get_device_properties(0).multi_processor_count * args.blocks_per_sm
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {slots} resident blocks", flush=True)
     per_split, splits, rows = measure(args, slots, bandwidth)

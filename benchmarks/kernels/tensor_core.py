@@ -25,7 +25,10 @@ model, on this device's copy bandwidth and the variant's bytes) is printed befor
 KV head (B x KV heads sequences), so that its tokens' codes are one run instead of a piece of every token's row of all
 KV heads (kvcal's stores). The kernel, its variant, the (sequence, KV head) pairs and the split plan are the same, and
 so is the bound's prediction (it takes every cache at copy bandwidth): what the two runs' latencies differ by is the
-layout's (benchmarks.kernels layout times the reads alone).
+layout's (benchmarks.kernels layout times the reads alone). Only the variants whose codecs do the same work per head
+run (`same_work_per_head`: fp16 rows, uniform codes, codebook keys with per-channel thresholds); the others are
+skipped and say why (codebook values' per-token thresholds and SKVQ's groups span the row of every KV head, so a
+head alone would get other parameters, and other outliers). SDPA's time is the stores' shape's.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
@@ -94,6 +97,16 @@ def skvq_codec(width: int, seed: int, groups: int = 16, bits: int = 2):
 def inv_freq(head_dim: int) -> torch.Tensor:
     """Llama's RoPE frequencies (base 10000)."""
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def same_work_per_head(codecs, head_dim: int) -> bool:
+    """Whether a cache of these K and V codecs (None: fp16 rows) stores and reads the same when each KV head is a
+    sequence of its own (--per-head): every parameter within one head's channels of one token, or one channel's."""
+    from kvcal.quantizers import CodecKind
+
+    within_head = {CodecKind.UNIFORM_CHANNEL, CodecKind.CODEBOOK_CHANNEL}
+    return codecs is None or all(c.kind in within_head or (c.kind is CodecKind.UNIFORM_TOKEN and head_dim % c.group == 0)
+                                 for c in codecs)
 
 
 def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda", kv_heads: int = KV_HEADS):
@@ -185,7 +198,7 @@ def main() -> None:
     started = provenance()
     bandwidth = copy_bandwidth()
     length = args.tokens
-    sdpa = sdpa_seconds(batch, length, args.iters, head_dim, kv_heads)
+    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim, args.kv_heads)  # (per head too: the stores' shape)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or
     # 256, at any number of KV heads; per head, the same pairs)
@@ -194,6 +207,9 @@ def main() -> None:
     rows = []
     for name, (codecs, rope) in variants(head_dim, kv_heads).items():
         if args.only and name not in args.only.split(","):
+            continue
+        if args.per_head and not same_work_per_head(codecs, head_dim):
+            print(f"{name}: skipped per head: its parameters span the row of every KV head (a head alone gets others)", flush=True)
             continue
         if codecs is not None:
             try:
