@@ -193,7 +193,7 @@ def kernel_table(kernels: dict) -> list[str]:
     """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32 and for the same bits on a
     second launch (results written before that check say '-'), beside the written bound's prediction where it has one
     (its error: predicted over measured)."""
-    per_head = kernels.get("layout") == "per KV head"  # (--per-head: its B x KV heads launched as sequences of one)
+    per_head = kernels.get("per_head", False)  # (--per-head: its B x KV heads launched as sequences of one)
     kv_heads, batch = kernels["kv_heads"], kernels["results"][0]["batch"] // (kernels["kv_heads"] if per_head else 1)
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
              f"B={batch}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}, "

@@ -79,7 +79,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
             "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256, "kv_heads": kv_heads,
             "results": [{**row, "variant": "int2-g32", "latency_us": latency}]}))
     (tmp_path / "results" / "decode_tc_gpu_per_head.json").write_text(json.dumps({  # 8 x 8 KV heads as 64 sequences
-        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8, "layout": "per KV head",
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8, "per_head": True,
         "results": [{**row, "batch": 64, "latency_us": 80.0, "fraction_of_copy_bandwidth": 0.64}]}))
     (tmp_path / "logs" / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'

@@ -246,7 +246,7 @@ def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     assert cells[7] == f"{us / 8 / 20.0 - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, 1 KV head |"
     # the same work laid out per KV head (B x KV heads sequences of one): the same KV-head tokens and prediction, named so
     per_head = [{**r, "batch": r["batch"] * 8, "latency_us": r["latency_us"] * 0.8} for r in rows]
-    (tmp_path / "decode_tc_gpu_per_head.json").write_text(json.dumps({**run, "head_dim": 128, "layout": "per KV head",
+    (tmp_path / "decode_tc_gpu_per_head.json").write_text(json.dumps({**run, "head_dim": 128, "per_head": True,
                                                                        "results": per_head}))
     runs = bd.measured_on_gpus(tmp_path)
     assert [(r["kv_head_tokens"], r["per_head"]) for r in runs] == [(bd.KV_HEAD_TOKENS, False), (bd.KV_HEAD_TOKENS // 8, False),

@@ -969,7 +969,7 @@ def head_dim_256_section(result: dict) -> list[str]:
 
 def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
     """Per decode_tc_<device>*.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
-    date, copy bandwidth, KV heads, KV-head tokens and layout (per_head: its B x KV heads launched as sequences of one,
+    date, copy bandwidth, KV heads, KV-head tokens, per_head (its B x KV heads launched as sequences of one,
     `benchmarks.kernels gpu --per-head`), and per variant the fastest row at SHAPE's batch and length (the split plans
     it timed differ only in the split size)."""
     runs = []
@@ -977,7 +977,7 @@ def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"])
         run = json.loads(path.read_text())
         if run.get("head_dim", 128) != head_dim:
             continue
-        kv_heads, per_head = run["kv_heads"], run.get("layout") == "per KV head"
+        kv_heads, per_head = run["kv_heads"], run.get("per_head", False)
         fastest = {}
         for row in run["results"]:
             if row["batch"] == SHAPE["batch"] * (kv_heads if per_head else 1) and row["tokens"] == SHAPE["tokens"]:

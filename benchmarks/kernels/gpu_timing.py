@@ -25,7 +25,7 @@ def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: li
     name = (f"{prefix}_{device_slug(torch.cuda.get_device_name())}" + (f"_d{head_dim}" if head_dim != 128 else "")
             + (f"_kv{kv_heads}" if kv_heads != KV_HEADS else "") + ("_per_head" if per_head else ""))
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": kv_heads, "heads": kv_heads * GROUP,
-                        "head_dim": head_dim, "layout": "per KV head" if per_head else "tokens", "iterations": iterations,
+                        "head_dim": head_dim, "per_head": per_head, "iterations": iterations,
                         "results": rows}, started)
     return name
 
