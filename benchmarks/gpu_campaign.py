@@ -265,11 +265,12 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
                       f"{r['tokens_per_s_vs_static']} |" for r in generate["largest"]]
     profile = _load(results, "profile_decode_tc")
     if profile:
-        lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 | tensor | shared wavefronts | top stalls |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['variant']} | {r['duration_us']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% | {r['tensor_pct']}% | "
-                  f"{r['shared_wavefronts'] / 1e6:.1f}M | " + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |"
-                  for r in profile["results"]]
+        lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 (its busiest parts) | sectors/request | tensor | "
+                  "shared wavefronts | top stalls |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['duration_us']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% "
+                  f"({', '.join(f'{k} {v}%' for k, v in r['l2_parts_pct'].items()) or '-'}) | {r['l2_sectors_per_read_request'] or '-'} | "
+                  f"{r['tensor_pct']}% | {r['shared_wavefronts'] / 1e6:.1f}M | "
+                  + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |" for r in profile["results"]]
     return lines
 
 

@@ -117,6 +117,18 @@ def test_the_summary_tables_each_layouts_reads_per_piece_size_and_fails_a_row_th
     assert "| 32 | 52% | 76% | 78% | 1.50x | ok |\n| 256 | 101% | 101% | 101% | 1.00x | FAIL |" in text
 
 
+def test_the_summary_names_the_l2_s_busiest_parts_beside_its_throughput_or_a_dash_where_ncu_gave_none(tmp_path):
+    (tmp_path / "results").mkdir()
+    row = {"variant": "int2-g128", "duration_us": 92.61, "issue_pct": 46.5, "dram_pct": 34.5, "l2_pct": 59.6, "tensor_pct": 34.4,
+           "shared_wavefronts": 6917198, "stall_samples_pct": {"wait": 21.9}, "l2_parts_pct": {"lts__t_tag_requests": 59.6},
+           "l2_sectors_per_read_request": 1.1}
+    (tmp_path / "results" / "profile_decode_tc_gpu.json").write_text(json.dumps({"device": "GPU", "results": [
+        row, {**row, "variant": "nuq3-1%-pre-rope", "l2_parts_pct": {}, "l2_sectors_per_read_request": None}]}))
+    text = "\n".join(campaign.summary(tmp_path, [campaign.Stage("ncu", [], 1, 1, status="ok", seconds=90.0)]))
+    assert "| int2-g128 | 92.61 | 46.5% | 34.5% | 59.6% (lts__t_tag_requests 59.6%) | 1.1 | 34.4% | 6.9M | wait 21.9% |" in text
+    assert "| nuq3-1%-pre-rope | 92.61 | 46.5% | 34.5% | 59.6% (-) | - | 34.4% |" in text
+
+
 @pytest.mark.parametrize("arguments,problem", [
     (["{nonempty}"], "exists and is not an empty folder"),
     (["{new}", "--baseline-tree", "{new}"], "no kernels/decode_attention_tc.cu there"),

@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from benchmarks import common
 from benchmarks.kernels import ncu as profile
 from helpers import refused
 
@@ -41,6 +42,17 @@ INT2_G128 = [
 ]
 
 
+# the columns profile.EXTRA_METRICS adds, with values made up to check the reading (not a measurement)
+L2_EXTRAS = [
+    ("lts__d_sectors.avg.pct_of_peak_sustained_elapsed", "%", "20.5"),
+    ("lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "%", "31.04"),
+    ("lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed", "%", "55.0"),
+    ("ltcfabric__cycles_active.avg.pct_of_peak_sustained_elapsed", "%", "40.0"),
+    ("lts__t_requests_srcunit_tex_op_read.sum", "", "4,000,000"),
+    ("lts__t_sectors_srcunit_tex_op_read.sum", "sector", "5,000,000"),
+]
+
+
 def exported(columns) -> str:
     out = io.StringIO()
     out.write("==PROF== Connected to process 1\n")  # ncu may print before the table
@@ -59,6 +71,27 @@ def test_a_launch_s_counters_become_one_row_in_microseconds_and_megabytes_with_i
     # shares of all 12,604 samples, the *_not_issued subsets left out
     assert row["stall_samples_pct"] == {"wait": 21.4, "selected": 16.7, "not_selected": 12.7, "short_scoreboard": 10.7,
                                         "math_pipe_throttle": 10.0}
+
+
+def test_the_l2_s_three_busiest_parts_and_its_sectors_per_read_request_are_read_where_ncu_gave_them():
+    row = profile.summary("int2-g128", exported(INT2_G128 + L2_EXTRAS))
+    # the aggregate (lts__throughput) is not one of its own parts
+    assert row["l2_parts_pct"] == {"lts__t_tag_requests": 55.0, "ltcfabric__cycles_active": 40.0, "lts__t_sectors": 31.0}
+    assert row["l2_sectors_per_read_request"] == 1.25
+    plain = profile.summary("int2-g128", exported(INT2_G128))  # an ncu that refused them
+    assert plain["l2_parts_pct"] == {} and plain["l2_sectors_per_read_request"] is None
+
+
+def test_from_csv_tables_each_variant_with_its_l2_parts_or_a_dash_where_its_csv_lacks_them(tmp_path, monkeypatch):
+    (tmp_path / "with.csv").write_text(exported(INT2_G128 + L2_EXTRAS))
+    (tmp_path / "without.csv").write_text(exported(INT2_G128))
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["ncu", "--from-csv", "--csv-dir", str(tmp_path), "--only", "with,without"])
+    profile.main()
+    table = (tmp_path / "results" / "profile_decode_tc_nvidia-h100-80gb-hbm3.md").read_text().splitlines()
+    with_row, without_row = (next(line for line in table if line.startswith(f"| {v} |")) for v in ("with", "without"))
+    assert "| lts__t_tag_requests 55.0%, ltcfabric__cycles_active 40.0%, lts__t_sectors 31.0% | 1.25 |" in with_row
+    assert "| 57.8% | - | - |" in without_row
 
 
 @pytest.mark.parametrize("arguments,problem", [

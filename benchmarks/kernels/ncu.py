@@ -41,6 +41,12 @@ PERCENT = {  # column -> ncu metric (% of peak)
     "fma": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "tensor": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
 }
+# added to `--set full`: the L2's throughput is the busiest of its parts (its fabric between the two partitions, tag
+# lookups, data sectors), and the sectors a read request brings say whether requests or bytes fill it (a token's
+# 32-byte piece of one KV head's row is a request of one sector)
+EXTRA_METRICS = ("breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sectors_srcunit_tex_op_read.sum",
+                 "lts__t_requests_srcunit_tex_op_read.sum")
+L2_PART = re.compile(r"((?:lts|ltcfabric)__(?!throughput\.).+)\.avg\.pct_of_peak_sustained_elapsed")
 SCALE = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}  # to us and MB
 
 
@@ -65,11 +71,16 @@ def launch(name: str, tokens: int) -> None:
 
 
 def profiled_csv(name: str, tokens: int, ncu: str, folder: Path) -> str:
-    """ncu's raw counters of the variant's 4th decode_tc launch, as CSV text."""
+    """ncu's raw counters of the variant's 4th decode_tc launch, as CSV text (without EXTRA_METRICS where this ncu
+    does not know them: the rest of the row is still worth its GPU time)."""
     report = folder / "report"
-    command = [ncu, "--clock-control", "none", "--set", "full", "-k", "regex:decode_tc", "--launch-skip", "3",
-               "--launch-count", "1", "-f", "-o", str(report), sys.executable, __file__, "--launch", name, "--tokens", str(tokens)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    options = ["--clock-control", "none", "--set", "full", "-k", "regex:decode_tc", "--launch-skip", "3", "--launch-count", "1",
+               "-f", "-o", str(report)]
+    target = [sys.executable, __file__, "--launch", name, "--tokens", str(tokens)]
+    done = subprocess.run([ncu, *options, "--metrics", ",".join(EXTRA_METRICS), *target], capture_output=True, text=True)
+    if done.returncode:
+        print(f"ncu refused {','.join(EXTRA_METRICS)} on {name}; profiling it without them", file=sys.stderr, flush=True)
+        done = subprocess.run([ncu, *options, *target], capture_output=True, text=True)
     if done.returncode or not report.with_suffix(".ncu-rep").is_file():
         sys.exit(f"ncu failed on {name} (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return subprocess.run([ncu, "-i", str(report.with_suffix(".ncu-rep")), "--page", "raw", "--csv"],
@@ -90,6 +101,8 @@ def summary(name: str, text: str) -> dict:
     samples = value("smsp__pcsamp_sample_count")
     top = sorted(stalls.items(), key=lambda kv: -kv[1])[:5]
     limits = [value(k) for k in header if k.startswith("launch__occupancy_limit_")]
+    l2_parts = sorted(((m.group(1), round(value(k), 1)) for k in header if (m := L2_PART.fullmatch(k))), key=lambda kv: -kv[1])
+    requests = value("lts__t_requests_srcunit_tex_op_read.sum") if "lts__t_requests_srcunit_tex_op_read.sum" in field else 0
     return {
         "variant": name,
         "device": field["device__attribute_display_name"],
@@ -104,6 +117,9 @@ def summary(name: str, text: str) -> dict:
         "shared_wavefronts": int(value("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum")),
         **{f"{column}_pct": round(value(metric), 1) for column, metric in PERCENT.items()},
         "stall_samples_pct": {reason: round(100 * count / samples, 1) for reason, count in top},
+        # (EXTRA_METRICS: empty and None where the CSV lacks them)
+        "l2_parts_pct": dict(l2_parts[:3]),
+        "l2_sectors_per_read_request": round(value("lts__t_sectors_srcunit_tex_op_read.sum") / requests, 2) if requests else None,
     }
 
 
@@ -147,12 +163,16 @@ def main() -> None:
              f"(commit {started['commit']}, {started['date']})", "",
              f"`python -m benchmarks.kernels ncu`: one launch per variant (B = 8, L = {args.tokens}, the launcher's plan), "
              "`ncu --set full --clock-control none`. Percentages are of each unit's peak; stalls are the share of the warps' "
-             "stall samples (selected = issuing).", "",
-             "| variant | us | regs | blocks/SM | warps / eligible per scheduler | issue | DRAM | L2 | L1+shared | ALU | FMA | tensor | "
-             "shared wavefronts | top stalls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "stall samples (selected = issuing). L2 is the busiest of its parts, the three busiest named (ltcfabric: the "
+             "link between the L2's two partitions; lts__t_tag_requests: tag lookups; lts__t_sectors / lts__d_sectors: "
+             "data); sectors/request: what the L1's read requests brought from it, 32 bytes a sector.", "",
+             "| variant | us | regs | blocks/SM | warps / eligible per scheduler | issue | DRAM | L2 | L2's busiest parts | "
+             "sectors/request | L1+shared | ALU | FMA | tensor | shared wavefronts | top stalls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['duration_us']} | {r['registers']} | {r['blocks_per_sm']} | {r['warps_per_scheduler']} / "
-              f"{r['eligible_per_scheduler']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% | {r['l1_shared_pct']}% | "
+              f"{r['eligible_per_scheduler']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% | "
+              f"{', '.join(f'{k} {v}%' for k, v in r['l2_parts_pct'].items()) or '-'} | "
+              f"{r['l2_sectors_per_read_request'] or '-'} | {r['l1_shared_pct']}% | "
               f"{r['alu_pct']}% | {r['fma_pct']}% | {r['tensor_pct']}% | {r['shared_wavefronts'] / 1e6:.1f}M | "
               + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |" for r in rows]
     write_markdown(name, lines)
