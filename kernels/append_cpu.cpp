@@ -106,6 +106,25 @@ void pack_row(const uint32_t* codes, int width, int layout, uint32_t* out, int w
     }
 }
 
+// Where a store's rows go (kvcal.runtime.store.PackedRows.words; kvcal/runtime/cpu_kernel.py's CpuAppend passes
+// it): {words, sequence stride, row stride, piece stride (in words), words a piece, pieces a row}. A row's pieces lie
+// piece_stride apart: next to each other where the store keeps rows whole, a capacity apart where it keeps each
+// piece's (KV head's) rows together.
+struct RowWords {
+    uint32_t* words;
+    long long seq_stride, row_stride, piece_stride;
+    int piece_words, pieces;
+    explicit RowWords(const long long* d)
+        : words((uint32_t*)d[0]), seq_stride(d[1]), row_stride(d[2]), piece_stride(d[3]), piece_words((int)d[4]), pieces((int)d[5]) {}
+    // a row's codes packed (pack_row, into `packed`), then each piece to its place
+    void put(long long seq, long long row, const uint32_t* codes, int width, int layout, std::vector<uint32_t>& packed) const {
+        packed.resize((size_t)piece_words * pieces);
+        pack_row(codes, width, layout, packed.data(), piece_words * pieces);
+        uint32_t* const at = words + seq * seq_stride + row * row_stride;
+        for (int p = 0; p < pieces; ++p) std::memcpy(at + p * piece_stride, packed.data() + (size_t)p * piece_words, (size_t)piece_words * 4);
+    }
+};
+
 struct Thresholds {
     const float* channel_lo;
     const float* channel_hi;
@@ -150,20 +169,20 @@ extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width,
 // Phase 1, every row r of x (rows, width) fp16, for sequence seq_of_row[r] at body row row_in_seq[r]: thresholds
 // per channel (channel_lo/hi) or per token (the q_low/q_high quantiles of the row, min/max without outliers, stored
 // fp16 at token_lo/hi[seq * token_stride + row]); codes = the codebook midpoints below clamp(normalized, -1, 1),
-// packed into words[seq * words_stride + row * words_per_row]; found (rows, width / head_dim) = the elements with
+// packed into the row's place in `target` (RowWords); found (rows, width / head_dim) = the elements with
 // |normalized| > 1 per (row, KV head) when keep_outliers. Then phase 2 where every run's count plus what it found fits
 // the outlier arrays (outlier_stride entries per run): 1; else 0, and the caller makes room and calls phase 2 (a
 // decode step's few outliers almost always fit: one call instead of two).
 extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width, int head_dim, int layout,
                                          const float* channel_lo, const float* channel_hi, float q_low, float q_high,
                                          int keep_outliers, const float* midpoints, const int32_t* seq_of_row,
-                                         const int32_t* row_in_seq, uint32_t* words, long long words_stride,
-                                         int words_per_row, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
+                                         const int32_t* row_in_seq, const long long* target, uint16_t* token_lo, uint16_t* token_hi, long long token_stride,
                                          int32_t* found, int tile_tokens, uint16_t* positions, uint16_t* values,
                                          long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
     const int entries = 1 << code_bits(layout), heads = width / head_dim;
     std::vector<float> row_values(width), scratch(width);
-    std::vector<uint32_t> codes(width);
+    std::vector<uint32_t> codes(width), packed;
+    const RowWords rows_to(target);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
         for (int c = 0; c < width; ++c) row_values[c] = half_to_float(xr[c]);
@@ -195,8 +214,7 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
             for (int i = 0; i < entries - 1; ++i) code += midpoints[i] < clamped;
             codes[c] = code;
         }
-        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
-                 words_per_row);
+        rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
     }
     if (!keep_outliers) return 1;
     int last_seq = 0;
@@ -234,11 +252,12 @@ inline uint32_t uniform_code(float x, float zero, float scale, int levels) {
 // TokenUniform (kvcal.quantizers): per (row, group of `group` channels) min-max parameters at scale/zero[seq *
 // param_stride + row * param_row + g * param_column] (kvcal.runtime.store: each group runs along the tokens).
 extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int width, int layout, int group,
-                                               const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
-                                               long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
-                                               long long param_stride, long long param_row, long long param_column) {
+                                               const int32_t* seq_of_row, const int32_t* row_in_seq, const long long* target,
+                                               uint16_t* scale, uint16_t* zero, long long param_stride, long long param_row,
+                                               long long param_column) {
     const int levels = (1 << code_bits(layout)) - 1, groups = (width + group - 1) / group;
-    std::vector<uint32_t> codes(width);
+    std::vector<uint32_t> codes(width), packed;
+    const RowWords rows_to(target);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
         for (int g = 0; g < groups; ++g) {
@@ -256,8 +275,7 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
             const float z = half_to_float(zero[at]), s = scale_in_use(scale[at]);
             for (int c = first; c < end; ++c) codes[c] = uniform_code(half_to_float(xr[c]), z, s, levels);
         }
-        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
-                 words_per_row);
+        rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
     }
 }
 
@@ -265,12 +283,12 @@ extern "C" void kvcal_append_token_uniform_cpu(const uint16_t* x, int rows, int 
 // parameters at scale/zero[seq * param_stride + (row / block) * param_row + c]. Rows come in whole blocks of one
 // sequence each (kvcal.runtime.store appends whole blocks): a block's first row names its sequence and body row.
 extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int width, int layout, int block,
-                                               const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
-                                               long long words_stride, int words_per_row, uint16_t* scale, uint16_t* zero,
-                                               long long param_stride, long long param_row) {
+                                               const int32_t* seq_of_row, const int32_t* row_in_seq, const long long* target,
+                                               uint16_t* scale, uint16_t* zero, long long param_stride, long long param_row) {
     const int levels = (1 << code_bits(layout)) - 1;
     std::vector<float> lo(width), hi(width), zeros(width), scales(width);  // scales: scale_in_use
-    std::vector<uint32_t> codes(width);
+    std::vector<uint32_t> codes(width), packed;
+    const RowWords rows_to(target);
     for (int first = 0; first < rows; first += block) {
         std::fill(lo.begin(), lo.end(), INFINITY);
         std::fill(hi.begin(), hi.end(), -INFINITY);
@@ -289,8 +307,7 @@ extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int 
         for (int r = first; r < first + block; ++r) {
             const uint16_t* xr = x + (long long)r * width;
             for (int c = 0; c < width; ++c) codes[c] = uniform_code(half_to_float(xr[c]), zeros[c], scales[c], levels);
-            pack_row(codes.data(), width, layout, words + seq * words_stride + (long long)row_in_seq[r] * words_per_row,
-                     words_per_row);
+            rows_to.put(seq, row_in_seq[r], codes.data(), width, layout, packed);
         }
     }
 }
@@ -304,7 +321,7 @@ extern "C" void kvcal_append_channel_block_cpu(const uint16_t* x, int rows, int 
 template <typename Param>
 void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
                             const int32_t* starts, int groups, const float* clip, const int32_t* seq_of_row,
-                            const int32_t* row_in_seq, uint32_t* words, long long words_stride, int words_per_row, Param* scale,
+                            const int32_t* row_in_seq, const long long* target, Param* scale,
                             Param* zero, long long param_stride, long long param_row, long long param_column) {
     constexpr bool FP8 = sizeof(Param) == 1;
     constexpr float LARGEST = FP8 ? FP8_MAX : FP16_MAX;
@@ -318,7 +335,8 @@ void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, 
     };
     const int levels = (1 << code_bits(layout)) - 1;
     std::vector<float> permuted(width);
-    std::vector<uint32_t> codes(width);
+    std::vector<uint32_t> codes(width), packed;
+    const RowWords rows_to(target);
     for (int r = 0; r < rows; ++r) {
         const uint16_t* xr = x + (long long)r * width;
         for (int i = 0; i < width; ++i) permuted[i] = half_to_float(xr[permutation[i]]);
@@ -339,22 +357,21 @@ void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, 
                 codes[permutation[i]] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);  // stored in channel order
             }
         }
-        pack_row(codes.data(), width, layout, words + seq_of_row[r] * words_stride + (long long)row_in_seq[r] * words_per_row,
-                 words_per_row);
+        rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
     }
 }
 
 // SKVQ's append: fp8 != 0 stores the parameters as fp8 e4m3 bytes (SKVQ --fp8), else as fp16.
 extern "C" void kvcal_append_permuted_groups_cpu(const uint16_t* x, int rows, int width, int layout, const int32_t* permutation,
                                                  const int32_t* starts, int groups, const float* clip,
-                                                 const int32_t* seq_of_row, const int32_t* row_in_seq, uint32_t* words,
-                                                 long long words_stride, int words_per_row, void* scale, void* zero,
+                                                 const int32_t* seq_of_row, const int32_t* row_in_seq, const long long* target,
+                                                 void* scale, void* zero,
                                                  long long param_stride, long long param_row, long long param_column, int fp8) {
     if (fp8)
-        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, words,
-                               words_stride, words_per_row, (uint8_t*)scale, (uint8_t*)zero, param_stride, param_row, param_column);
+        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, target,
+                               (uint8_t*)scale, (uint8_t*)zero, param_stride, param_row, param_column);
     else
-        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, words,
-                               words_stride, words_per_row, (uint16_t*)scale, (uint16_t*)zero, param_stride, param_row,
+        append_permuted_groups(x, rows, width, layout, permutation, starts, groups, clip, seq_of_row, row_in_seq, target,
+                               (uint16_t*)scale, (uint16_t*)zero, param_stride, param_row,
                                param_column);
 }

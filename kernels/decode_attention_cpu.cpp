@@ -39,7 +39,7 @@ enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
     OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8,
-    CODEC, SIDE_FIELDS
+    CODEC, PIECE_STRIDE, PIECE_CHANNELS, SIDE_FIELDS
 };
 // Per (side, sequence): side_lengths' four (sink, body and recent rows, the recent segment's first row), then the
 // body's first live row (a sliding-window layer drops rows from the front) and the first stored token the query sees.
@@ -131,7 +131,9 @@ inline float max_or(float a, float b) { return a > b ? a : b; }
 struct Side {
     const uint16_t* sink; long long sink_stride;
     const uint16_t* recent; long long recent_stride;
-    const uint32_t* words; long long words_stride; int words_per_row;
+    // body row r of sequence b: its piece holding channel c (piece_channels a piece) at words + b * words_stride + r *
+    // words_per_row + (c / piece_channels) * piece_stride (kvcal.runtime.store.PackedRows: a KV head a piece on CPU)
+    const uint32_t* words; long long words_stride; int words_per_row; long long piece_stride; int piece_channels;
     // parameter (row, column) at b * param_stride + row * param_row + column * param_column (segments.cuh's Side)
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
     long long param_row, param_column;
@@ -148,6 +150,7 @@ Side load_side(const long long* d) {
     s.sink = (const uint16_t*)d[SINK]; s.sink_stride = d[SINK_STRIDE];
     s.recent = (const uint16_t*)d[RECENT]; s.recent_stride = d[RECENT_STRIDE];
     s.words = (const uint32_t*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
+    s.piece_stride = d[PIECE_STRIDE]; s.piece_channels = (int)d[PIECE_CHANNELS];
     s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
     s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
     s.param_row = d[PARAM_ROW]; s.param_column = d[PARAM_COLUMN];
@@ -314,7 +317,9 @@ constexpr int KVMIX_MAX_CODES = 90000;  // (index * 47663) >> 19 == index / 11 b
 // (PERMUTED_GROUPS reads its parameters there: group_parameters).
 template <int CODEC, int LAYOUT>
 inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, int head_channel, int D, float* __restrict__ out) {
-    const uint32_t* words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
+    // the piece holding the KV head's channels, from channel code_channel of it (a KV head never spans two pieces)
+    const int piece = head_channel / s.piece_channels, code_channel = head_channel - piece * s.piece_channels;
+    const uint32_t* words = s.words + b * s.words_stride + (long long)row * s.words_per_row + piece * s.piece_stride;
     const uint16_t* p0 = (const uint16_t*)s.param0;
     const uint16_t* p1 = (const uint16_t*)s.param1;
     int32_t* __restrict__ codes = t.codes.data();
@@ -338,7 +343,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
     const float* group_zero = t.zero.data() + (size_t)slot * t.param_slots;
     const bool vector_parameters = CODEC == UNIFORM_TOKEN ? s.param_extra % LANES == 0 : CODEC != PERMUTED_GROUPS || s.param_cols <= 16;
     const bool few_groups = s.param_cols <= LANES;  // PERMUTED_GROUPS: a lookup of one register (one vpermps on AVX2)
-    const bool vector_layout = LAYOUT == KVMIX3 ? head_channel + D <= KVMIX_MAX_CODES : head_channel % 32 == 0;
+    const bool vector_layout = LAYOUT == KVMIX3 ? code_channel + D <= KVMIX_MAX_CODES : code_channel % 32 == 0;
     if (vector_layout && D % 32 == 0 && vector_parameters) {
         const long long token_at = b * s.param_stride + (long long)row * s.param_row;
         const auto decode_vector = [&](int first, vi32 code_index) {
@@ -362,10 +367,10 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
             storev(out + first, value);
         };
         if constexpr (LAYOUT == KVMIX3) {
-            for (int first = 0; first < D; first += LANES) decode_vector(first, unpack_kvmix(words, head_channel + first));
+            for (int first = 0; first < D; first += LANES) decode_vector(first, unpack_kvmix(words, code_channel + first));
         } else {
             for (int first = 0; first < D; first += 32) {
-                const uint32_t* unit = words + ((head_channel + first) >> 5) * UNIT_WORDS<LAYOUT>;
+                const uint32_t* unit = words + ((code_channel + first) >> 5) * UNIT_WORDS<LAYOUT>;
 #pragma GCC unroll 4
                 for (int k = 0; k < 32; k += LANES) decode_vector(first + k, unpack_unit<LAYOUT>(unit, k));
             }
@@ -373,7 +378,7 @@ inline void decode_row(const Side& s, HeadTables& t, int b, int row, int slot, i
         return;
     }
     // code by code: kvmix's 11 codes per word, heads not on a 32-code boundary, groups not a multiple of LANES
-    for (int c = 0; c < D; ++c) codes[c] = (int32_t)code_at<LAYOUT>(words, head_channel + c);
+    for (int c = 0; c < D; ++c) codes[c] = (int32_t)code_at<LAYOUT>(words, code_channel + c);
     if (CODEC == UNIFORM_TOKEN) {  // code * scale + zero, one (scale, zero) per group of channels: a loop per group
         const long long at = b * s.param_stride + (long long)row * s.param_row;
         for (int c = 0; c < D;) {

@@ -15,7 +15,7 @@ from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
-from kvcal.runtime import backends, kernel_source, kernels
+from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import PackedRows
 from kvcal.fit.skvq import SkvqTensor
@@ -183,16 +183,19 @@ def _codes(words: np.ndarray, layout: int) -> tuple[np.ndarray, int]:
 
 
 def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: int) -> np.ndarray:
-    """Sequence b's (tokens, WIDTH) rows read only through a side's descriptor and lengths, following
-    the kernels' formulas (segments.cuh's locate, the CPU kernel's body values and outliers)."""
+    """Sequence b's (tokens, WIDTH) rows read only through a side's CPU descriptor (the CUDA one's fields first) and
+    lengths, following the kernels' formulas (segments.cuh's locate, the CPU kernel's body values, row pieces and
+    outliers)."""
     sink, body, head, recent = lengths
-    f = dict(zip(("sink", "sink_stride", "recent", "recent_stride", "words", "words_stride", "words_per_row", "param0", "param1",
-                  "param_stride", "param_cols", "param_extra", "param_row", "param_column", "codebook", "outlier_positions",
-                  "outlier_values", "outlier_stride", "outlier_offsets", "offset_stride", "outlier_counts", "tile_shift", "layout"),
-                 side))
+    f = {field.name.lower(): side[field] for field in cpu_kernel.CpuSideField if field < len(side)}
     parts = [_halves(f["sink"] + 2 * b * f["sink_stride"], sink * WIDTH).reshape(sink, WIDTH)] if sink else []
     if body:
-        words = _memory(f["words"] + 4 * b * f["words_stride"], np.uint32, body * f["words_per_row"]).reshape(body, -1)
+        # a row's pieces (piece_channels each, piece_stride words apart), joined back into whole rows
+        channels = f["piece_channels"]
+        piece_words = {3: 3 * channels // 32, 5: -(-channels // 11)}.get(f["layout"], channels * f["layout"] // 32)
+        at = (np.arange(body)[:, None, None] * f["words_per_row"] + np.arange(WIDTH // channels)[:, None] * f["piece_stride"]
+              + np.arange(piece_words)).reshape(body, -1)
+        words = _memory(f["words"] + 4 * b * f["words_stride"], np.uint32, int(at.max()) + 1)[at]
         codes, bits = _codes(words, f["layout"])
         channel = np.arange(WIDTH)
         base = b * f["param_stride"]
@@ -217,7 +220,7 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
                 lo, hi = (parameters(p, body) for p in ("param0", "param1"))
             values = codebook[codes] * np.maximum((hi - lo) / 2, 1e-8) + (hi + lo) / 2
         if f["outlier_counts"]:  # per (sequence, KV head) run: tile t's outliers from offset[t], the last to the count
-            kv_heads, tile_tokens = WIDTH // HEAD_DIM, 1 << f["tile_shift"]
+            kv_heads, tile_tokens = WIDTH // HEAD_DIM, 1 << f["outlier_tile_shift"]
             counts = _memory(f["outlier_counts"] + 4 * b * kv_heads, np.int32, kv_heads)
             tiles = -(-body // tile_tokens)
             for kv_head, count in enumerate(counts):
@@ -231,6 +234,21 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
     if recent:
         parts.append(_halves(f["recent"] + 2 * (b * f["recent_stride"] + head * WIDTH), recent * WIDTH).reshape(recent, WIDTH))
     return np.concatenate(parts) if parts else np.zeros((0, WIDTH), np.float32)
+
+
+def test_the_cuda_kernels_refuse_a_body_whose_kv_heads_rows_lie_apart():
+    """A CPU store's layout (each KV head's rows together) handed to the CUDA decode's descriptor or the tensor-core
+    launch's operands is refused, not read as whole rows."""
+    from kvcal.runtime import tensor_core
+
+    keys, values = (PackedRows(codec, 1, WIDTH, "cpu", head_dim=HEAD_DIM) for codec in (ChannelBlockUniform(2, 32), TokenUniform(2, 32)))
+    for store in (keys, values):
+        store.append(0, seeded_tokens(64, 0))
+    assert not keys.rows_together
+    with pytest.raises(KvcalError, match="rows keep their KV heads together"):
+        kernels.Segments((None, keys, None), (None, values, None)).descriptor("cpu")
+    with pytest.raises(KvcalError, match="rows keep their KV heads together"):
+        tensor_core.store_operands(keys, values, WIDTH // HEAD_DIM, 1.0, {})
 
 
 def test_parameter_offsets_past_32_bits_are_refused():
@@ -255,7 +273,7 @@ def test_descriptors_describe_the_stores(case):
             store.append(b, x[n - 2 : n - 1])
             store.append(b, x[n - 1 :])
         (segments,) = store.kernel_segments()
-        side = kernels.side_descriptor(*segments)
+        side = cpu_kernel.side_descriptor(*segments)
         for b, row in enumerate(kernels.side_lengths(*segments, len(lengths))):
             read = _rows_from_descriptor(side, row, kernels.codec_id(codec), b)
             np.testing.assert_allclose(read, store.read(b).numpy(), rtol=0, atol=1e-6)

@@ -48,6 +48,32 @@ def test_batched_appends_and_reads_equal_one_sequence_at_a_time(name):
 
 @pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
 @pytest.mark.parametrize("name", CODECS)
+def test_a_store_keeping_each_kv_heads_rows_together_holds_what_one_keeping_rows_whole_holds(name, encoder):
+    """A CPU store's layout (each KV head's rows together) against rows kept whole, through a bulk append past the
+    first capacity, block appends, drops from the front, a release and compactions: the same word at every (row,
+    piece), the same reads."""
+    codec = CODECS[name]()
+    layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
+    encoder_for = cpu_kernel.append_encoder if encoder == "cpu-append" else None
+    apart, whole = (PackedRows(codec, 2, WIDTH, "cpu", encoder_for, layout, HEAD_DIM, rows_together=together) for together in (False, True))
+    assert whole.words.is_contiguous() and apart.rows_together == (apart.pieces == 1)  # (kvmix's 11 codes a word: one piece)
+    step = codec.block_tokens
+    for round in range(6):
+        counts = [600 // step * step, 300 // step * step] if round == 0 else [step, 2 * step]
+        x = seeded_tokens(sum(counts), round)
+        for store in (apart, whole):
+            store.append_rows([0, 1], counts, x)
+            if round in (1, 3):
+                store.drop_front(0, 5 * step)
+                store.release()
+    assert torch.equal(apart.words, whole.words)
+    for b in range(2):
+        assert torch.equal(apart.read(b), whole.read(b))
+    assert torch.equal(apart.part()[0], whole.part()[0])
+
+
+@pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
+@pytest.mark.parametrize("name", CODECS)
 def test_rows_dropped_from_the_front_leave_the_others_as_stored(name, encoder):
     """A sliding-window layer's body: appends (one long one, then a few blocks at a time) and drops from the front in
     whole blocks, through the release of the storage a long append left and compactions when appends reach the
@@ -155,7 +181,7 @@ def test_outliers_are_kept_per_kv_head_and_tile_at_4_bytes_each_plus_an_offset_t
             in_tile = positions[ends[t] : ends[t + 1]]
             assert len(in_tile) > 1 and (in_tile[1:] > in_tile[:-1]).all()
         assert torch.equal(store.outlier_values[1, head, : len(row)], values[mine])
-    assert store.words.shape[2] * 32 == WIDTH * 3  # 3-bit codes in exactly 3 bits
+    assert store.row_words * 32 == WIDTH * 3  # 3-bit codes in exactly 3 bits
     assert store.used_bytes(1) == tokens * WIDTH * 3 // 8 + sum(counts) * 4 + KV_HEADS * tiles * 4
     assert store.used_bytes(0) == 0
 

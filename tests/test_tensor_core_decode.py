@@ -217,7 +217,8 @@ def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: in
         stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
     elif store_codec.startswith("nuq"):
         codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)), value_bits=value_bits[0] if value_bits else bits)
-        stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim) for c in codecs)
+        # (rows kept whole, as a CUDA store keeps them: the emulated kernels are the CUDA ones)
+        stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim, rows_together=True) for c in codecs)
     else:
         stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
                   PackedRows(TokenUniform(value_bits[0] if value_bits else bits, vg), len(lengths), width, device))

@@ -141,12 +141,12 @@ def describe() -> str:
 def append_library() -> ctypes.CDLL | None:
     """The compiled appends (built on first use), or None."""
     lib = _compiled("append_cpu.cpp", APPEND_FLAGS, {
-        "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _P,
+        "kvcal_append_codebook_cpu": [_P, _I, _I, _I, _I, _P, _P, _F, _F, _I, _P, _P, _P, _P, _P, _P, _L, _P,
                                       _I, _P, _P, _L, _P, _L, _P],
         "kvcal_place_outliers_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _P],
-        "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L],
-        "kvcal_append_channel_block_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _L, _I, _P, _P, _L, _L],
-        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _L, _I, _P, _P, _L, _L, _L, _I]})
+        "kvcal_append_token_uniform_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _L, _L, _L],
+        "kvcal_append_channel_block_cpu": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _L, _L],
+        "kvcal_append_permuted_groups_cpu": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I]})
     if lib is not None:
         lib.kvcal_append_codebook_cpu.restype = _I  # whether it placed the outliers too (else: room first, then place)
     return lib
@@ -159,9 +159,12 @@ def decode_supported(key_codec, value_codec) -> bool:
 
 
 def side_descriptor(sink, body, recent) -> list[int]:
-    """kernels.side_descriptor's fields, then the codec."""
+    """kernels.side_descriptor's fields, then the codec and where a row's pieces lie (words from one to the next, the
+    channels each holds: kvcal.runtime.store.PackedRows)."""
     fields = kernels.side_descriptor(sink, body, recent) + [0] * (CpuSideField.SIDE_FIELDS - kernels.SIDE_FIELDS)
     fields[CpuSideField.CODEC] = src.FP16_ONLY if body is None else kernels.codec_id(body.codec)
+    if body is not None:
+        fields[CpuSideField.PIECE_STRIDE], fields[CpuSideField.PIECE_CHANNELS] = body.words.stride(2), body.width // body.pieces
     return fields
 
 
@@ -240,6 +243,8 @@ class CpuAppend:
     for bit, straight into the store, instead of a dozen torch operations (and a numpy placement of outliers) per
     append."""
 
+    rows_together = False  # the store's layout: the CPU decode kernel reads a KV head's rows in turn
+
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return kernels.parameter_columns(codec, width)
 
@@ -264,7 +269,9 @@ class CpuAppend:
         replaced a buffer (store.moves), not at every append."""
         if self._held[0] != store.moves:
             words = store.words
-            held = {"words": (words.data_ptr(), words.stride(0), words.shape[2])}
+            # append_cpu.cpp's RowWords: the words, the sequence, row and piece strides, words a piece, pieces a row
+            target = np.array([words.data_ptr(), *words.stride()[:3], *words.shape[3:1:-1]], dtype=np.int64)
+            held = {"words": (target.ctypes.data,), "target": target}  # (target: alive while its address is held)
             if "scale" in store.token:
                 scale = store.token["scale"]
                 held["token"] = (scale.data_ptr(), store.token["zero"].data_ptr(), *scale.stride())

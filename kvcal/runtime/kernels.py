@@ -211,17 +211,18 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     rows, width = x.shape
     device = x.device
     target = row_index(seqs, starts, counts, device)
-    words_per_row = np.int32(store.words.shape[2])
+    check_rows_together(store)
+    words_per_row = np.int32(store.row_words)
     layout = np.int32(layout_id(codec, store.layout))
     if cid == src.UNIFORM_CHANNEL:
         blocks = rows // codec.group
-        words = torch.empty(rows, store.words.shape[2], dtype=torch.int32, device=device)
+        words = torch.empty(rows, store.row_words, dtype=torch.int32, device=device)
         scale = torch.empty(blocks, width, dtype=torch.float16, device=device)
         zero = torch.empty_like(scale)
         launch(_function("append.cu", "append_channel_block"), (blocks,), (THREADS,),
                 (_ptr(x), np.int32(width), layout, np.int32(codec.group), _ptr(words), words_per_row, _ptr(scale), _ptr(zero)))
         block_target = row_index(seqs, [s // codec.group for s in starts], [c // codec.group for c in counts], device)
-        store.words.index_put_(target, words)
+        store.words.index_put_(target, words.view(rows, store.pieces, -1))
         store.blocks["scale"].index_put_(block_target, scale)
         store.blocks["zero"].index_put_(block_target, zero)
         return
@@ -262,9 +263,13 @@ def _row_target(store: PackedRows, target: tuple[torch.Tensor, torch.Tensor]) ->
     stride and the per-token parameters' sequence, row and column strides (0 where it keeps none), in elements."""
     parameters = next(iter(store.token.values()), None)
     strides = parameters.stride() if parameters is not None else (0, 0, 0)
-    if store.words.stride(1) != store.words.shape[2]:
-        raise KvcalError("the append kernels write the body's words as contiguous rows")
     return (_ptr(target[0]), _ptr(target[1]), np.int64(store.words.stride(0)), *map(np.int64, strides))
+
+
+def check_rows_together(store: PackedRows) -> None:
+    """The CUDA kernels read and write a store's code words a token's row at a time (a CUDA store's layout)."""
+    if not store.rows_together:
+        raise KvcalError("the CUDA kernels read a body whose rows keep their KV heads together (a CUDA store's layout)")
 
 
 def _step_outliers(store: PackedRows, seqs: list[int], rows: int, step: bool) -> tuple:
@@ -316,6 +321,8 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, table
 class AppendKernels:
     """The encoder a PackedRows on CUDA quantizes with (kvcal.runtime.store): the append kernels of its codec."""
 
+    rows_together = True  # the store's layout: the CUDA kernels write and read a token's row at a time
+
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return parameter_columns(codec, width)
 
@@ -354,7 +361,7 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
         return fields
     codec, cid = body.codec, codec_id(body.codec)
     words = body.words
-    fields[F.WORDS], fields[F.WORDS_STRIDE], fields[F.WORDS_PER_ROW] = words.data_ptr(), words.shape[1] * words.shape[2], words.shape[2]
+    fields[F.WORDS], fields[F.WORDS_STRIDE], fields[F.WORDS_PER_ROW] = words.data_ptr(), words.stride(0), words.stride(1)
     if cid == src.CODEBOOK_CHANNEL:  # fixed thresholds: one row of channels for every token and sequence
         tables = codec_tables(body)
         fields[PARAMETERS] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
@@ -418,6 +425,9 @@ class Segments:
 
     def descriptor(self, device) -> torch.Tensor:
         """Both sides' descriptors (enum SideField order) on the device."""
+        for _, body, _ in (self.keys, self.values):
+            if body is not None:
+                check_rows_together(body)
         return self.describe("device", lambda: upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64))
 
 

@@ -5,9 +5,13 @@ sequence needs more; appends write in place. Each sequence has its own length (l
 stored). Layouts, per sequence:
 - Fp16Rows: fp16 tokens (capacity, C), a FIFO: `head` is the first live row, rows before it are free
   and reused by compacting the live rows to the front when the end is reached.
-- PackedRows: the quantized body. codes (capacity, words) int32 packed with kvcal.packing.layout_for ("planes3"
-  for 3 bits: exactly 3 bits per code); per-token parameters in their storage dtype (fp16 scale/zero or lo/hi,
-  fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs along the tokens, so
+- PackedRows: the quantized body. codes (capacity, pieces, words) int32 packed with kvcal.packing.layout_for
+  ("planes3" for 3 bits: exactly 3 bits per code), a row cut into pieces of whole packing units, one a KV head
+  where the head_dim is known and a head's codes fill whole units (else one piece). A CPU store keeps each
+  piece's rows together (storage (pieces, capacity, words), `words` its permuted view): its decode kernel reads a
+  KV head's tokens in turn. A CUDA store keeps each token's row whole, as the tensor-core kernel's copies read it
+  (until a GPU measures the other: benchmarks.kernels layout). Per-token parameters in their storage dtype (fp16
+  scale/zero or lo/hi, fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs along the tokens, so
   that a KV head's parameters of consecutive tokens are contiguous, as the kernels copy them (`token[name]` is the
   (capacity, P) view of it); per-block parameters (capacity / block_tokens, C) for per-channel
   key blocks; for codecs that keep outliers, kvcal.packing's outlier layout per (sequence, KV head): positions
@@ -57,6 +61,14 @@ def _grown(buffer: torch.Tensor, rows: int, dim: int = 1) -> torch.Tensor:
     kept = min(rows, buffer.shape[dim])
     resized.narrow(dim, 0, kept).copy_(buffer.narrow(dim, 0, kept))
     return resized
+
+
+def _words(batch: int, capacity: int, pieces: int, piece_words: int, rows_together: bool, device) -> torch.Tensor:
+    """Zeroed code words, (batch, capacity, pieces, piece_words): contiguous where rows_together (a row's pieces side
+    by side), else a view of (batch, pieces, capacity, piece_words) storage (a piece's rows together)."""
+    if rows_together:
+        return torch.zeros(batch, capacity, pieces, piece_words, dtype=torch.int32, device=device)
+    return torch.zeros(batch, pieces, capacity, piece_words, dtype=torch.int32, device=device).transpose(1, 2)
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
@@ -300,16 +312,25 @@ class Fp16Rows:
 
 class PackedRows:
     def __init__(self, codec, batch: int, width: int, device, encoder_for=None, layout: str | None = None,
-                 head_dim: int | None = None):
+                 head_dim: int | None = None, rows_together: bool | None = None):
         """encoder_for(codec, width, layout, device): an encoder that quantizes straight into this store (the CUDA
         append kernels, kvcal.runtime.kernels.append_encoder) or None, when the torch codec encodes.
         layout: a kvcal.packing layout, by default layout_for(codec.bits).
-        head_dim: channels per KV head; needed by codecs that keep outliers (stored per KV head)."""
+        head_dim: channels per KV head; needed by codecs that keep outliers (stored per KV head); cuts a row into a
+        piece per KV head (the module docstring says where the pieces lie).
+        rows_together: keep each token's row whole (True) or each piece's rows together (False, where a row has
+        pieces); None: as the store's kernels read it."""
         self.codec, self.width, self.device = codec, width, device
         self.layout = layout or layout_for(codec.bits)
         self.encoder = encoder_for(codec, width, self.layout, device) if encoder_for else None
         self.block = codec.block_tokens
-        self.words = torch.zeros(batch, 0, packed_words(width, codec.bits, self.layout), dtype=torch.int32, device=device)
+        self.row_words = packed_words(width, codec.bits, self.layout)
+        per_unit = unit_shape(codec.bits, self.layout)[1]
+        self.pieces = width // head_dim if head_dim and width % head_dim == 0 and head_dim % per_unit == 0 else 1
+        if rows_together is None:  # the encoder's layout; the torch codec's stores: the CPU kernel's on the CPU
+            rows_together = self.encoder.rows_together if self.encoder is not None else torch.device(device).type != "cpu"
+        self.rows_together = rows_together or self.pieces == 1
+        self.words = _words(batch, 0, self.pieces, self.row_words // self.pieces, self.rows_together, device)
         self.token: dict[str, torch.Tensor] = {}
         self.blocks: dict[str, torch.Tensor] = {}
         self.length = [0] * batch  # live rows
@@ -340,7 +361,7 @@ class PackedRows:
         self._table = _Table.for_codec(codec)
         # the channel of every code slot of a row's units (the row's padding slots count as its last channel)
         words_per_unit, per_unit = unit_shape(codec.bits, self.layout)
-        units = self.words.shape[2] // words_per_unit
+        units = self.row_words // words_per_unit
         self.channel_index = torch.arange(units * per_unit, dtype=torch.int32, device=device).clamp(max=width - 1).view(units, per_unit)
 
     @property
@@ -379,7 +400,10 @@ class PackedRows:
         capacity = max(math.ceil(rows / step), 1) * step
         if capacity == self.words.shape[1]:
             return
-        self.words = _grown(self.words, capacity)
+        words = _words(self.words.shape[0], capacity, self.pieces, self.words.shape[3], self.rows_together, self.device)
+        kept = min(capacity, self.words.shape[1])
+        words[:, :kept] = self.words[:, :kept]
+        self.words = words
         self.token = {name: _grown(t.transpose(1, 2), capacity, dim=2).transpose(1, 2) for name, t in self.token.items()}
         self.blocks = {name: _grown(t, capacity // self.block) for name, t in self.blocks.items()}
         self.outlier_offsets = _grown(self.outlier_offsets, math.ceil(capacity / OUTLIER_TILE_TOKENS), dim=2)
@@ -531,7 +555,7 @@ class PackedRows:
         encoded = self.codec.encode(x.float())
         target = row_index(seqs, starts, counts, self.device)
         codes = _to_channel_order(self.codec, encoded.codes) if permuted_groups(self.codec) else encoded.codes
-        self.words.index_put_(target, pack(codes, self.codec.bits, self.layout, check=False))
+        self.words.index_put_(target, pack(codes, self.codec.bits, self.layout, check=False).view(len(codes), self.pieces, -1))
         for name, values in encoded.token.items():
             self._parameter(self.token, name, self.words.shape[1], values.shape[1], values.dtype).index_put_(target, values)
         if encoded.block:
@@ -609,7 +633,7 @@ class PackedRows:
         n, head = self.length[b], self.head[b]
         if n == 0:
             return torch.zeros(0, self.width, device=self.device)
-        codes = unpack(self.words[b, head : head + n], self.codec.bits, self.width, self.layout)
+        codes = unpack(self.words[b, head : head + n].reshape(n, -1), self.codec.bits, self.width, self.layout)
         if permuted_groups(self.codec):  # the codec decodes its permuted order
             codes = codes.index_select(1, self.codec.permutation.long().to(codes.device))
         encoded = Encoded(codes, token={name: t[b, head : head + n] for name, t in self.token.items()},
@@ -626,7 +650,8 @@ class PackedRows:
         batch = self.words.shape[0]
         if rows == 0:
             return torch.zeros(batch, 0, self.width, device=self.device)
-        codes = unpack_units(self.words[:, :rows], self.codec.bits, self.layout)  # (B, rows, units, per_unit)
+        # (B, rows, units, per_unit), contiguous (the tables index its flat view) whatever order the rows' pieces lie in
+        codes = unpack_units(self.words[:, :rows].reshape(batch, rows, -1).contiguous(), self.codec.bits, self.layout)
         if self._table is not None:
             out = self._table.decode(self, codes, rows)
         else:
@@ -650,7 +675,7 @@ class PackedRows:
     def used_bytes(self, b: int) -> int:
         """Bytes of sequence b's live rows, with the outliers and offset-table entries of every tile that holds one."""
         n, head = self.length[b], self.head[b]
-        per_token = self.words.shape[2] * 4 + sum(t.shape[2] * t.element_size() for t in self.token.values())
+        per_token = self.row_words * 4 + sum(t.shape[2] * t.element_size() for t in self.token.values())
         per_block = sum(t.shape[2] * t.element_size() for t in self.blocks.values())
         outliers = self.outliers[b] * OUTLIER_BYTES + outlier_table_bytes(n, self.kv_heads, head) if self.keeps_outliers else 0
         return n * per_token + (n // self.block) * per_block + outliers

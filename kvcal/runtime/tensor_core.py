@@ -498,6 +498,8 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
     """The stores' part of decode_tc's arguments (see `operands`); their buffers checked as the kernel reads them."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
+    for store in (keys, values) if packed else ():
+        kernels.check_rows_together(store)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
     groups = packed and keys.codec.kind is CodecKind.PERMUTED_GROUPS
     key_parameters = keys.token if groups else keys.blocks if packed else {}  # channel groups: per token, like values'
