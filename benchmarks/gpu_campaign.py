@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.common import REPO
+from benchmarks.kernels.ncu import listed
 
 PYTHON = sys.executable
 GRACE_S = 10  # seconds an interrupted stage has to write what it has before it is killed
@@ -268,9 +269,9 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
         lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 (its busiest parts) | sectors/request | tensor | "
                   "shared wavefronts | top stalls |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['variant']} | {r['duration_us']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% "
-                  f"({', '.join(f'{k} {v}%' for k, v in r['l2_parts_pct'].items()) or '-'}) | {r['l2_sectors_per_read_request'] or '-'} | "
+                  f"({listed(r['l2_parts_pct']) or '-'}) | {r['l2_sectors_per_read_request'] or '-'} | "
                   f"{r['tensor_pct']}% | {r['shared_wavefronts'] / 1e6:.1f}M | "
-                  + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |" for r in profile["results"]]
+                  f"{listed(r['stall_samples_pct'])} |" for r in profile["results"]]
     return lines
 
 

@@ -87,6 +87,11 @@ def profiled_csv(name: str, tokens: int, ncu: str, folder: Path) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
+def listed(percentages: dict) -> str:
+    """'name p%, ...' of a row's stall shares or L2 parts."""
+    return ", ".join(f"{name} {share}%" for name, share in percentages.items())
+
+
 def summary(name: str, text: str) -> dict:
     """One row of the table from ncu's raw CSV (a header row, a units row, one row per profiled kernel)."""
     rows = list(csv.reader(io.StringIO(text[text.index('"ID"'):])))
@@ -171,10 +176,10 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['duration_us']} | {r['registers']} | {r['blocks_per_sm']} | {r['warps_per_scheduler']} / "
               f"{r['eligible_per_scheduler']} | {r['issue_pct']}% | {r['dram_pct']}% | {r['l2_pct']}% | "
-              f"{', '.join(f'{k} {v}%' for k, v in r['l2_parts_pct'].items()) or '-'} | "
+              f"{listed(r['l2_parts_pct']) or '-'} | "
               f"{r['l2_sectors_per_read_request'] or '-'} | {r['l1_shared_pct']}% | "
               f"{r['alu_pct']}% | {r['fma_pct']}% | {r['tensor_pct']}% | {r['shared_wavefronts'] / 1e6:.1f}M | "
-              + ", ".join(f"{k} {v}%" for k, v in r["stall_samples_pct"].items()) + " |" for r in rows]
+              f"{listed(r['stall_samples_pct'])} |" for r in rows]
     write_markdown(name, lines)
 
 

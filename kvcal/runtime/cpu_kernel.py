@@ -270,7 +270,7 @@ class CpuAppend:
         if self._held[0] != store.moves:
             words = store.words
             # append_cpu.cpp's RowWords: the words, the sequence, row and piece strides, words a piece, pieces a row
-            target = np.array([words.data_ptr(), *words.stride()[:3], *words.shape[3:1:-1]], dtype=np.int64)
+            target = np.array([words.data_ptr(), *words.stride()[:3], words.shape[3], words.shape[2]], dtype=np.int64)
             held = {"words": (target.ctypes.data,), "target": target}  # (target: alive while its address is held)
             if "scale" in store.token:
                 scale = store.token["scale"]

@@ -425,10 +425,14 @@ class Segments:
 
     def descriptor(self, device) -> torch.Tensor:
         """Both sides' descriptors (enum SideField order) on the device."""
-        for _, body, _ in (self.keys, self.values):
-            if body is not None:
-                check_rows_together(body)
-        return self.describe("device", lambda: upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64))
+
+        def made() -> torch.Tensor:  # (the stores' layout checked with their buffers, not at every step)
+            for _, body, _ in (self.keys, self.values):
+                if body is not None:
+                    check_rows_together(body)
+            return upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64)
+
+        return self.describe("device", made)
 
 
 def arrival_counters(batch: int, kv_heads: int, device) -> torch.Tensor:
