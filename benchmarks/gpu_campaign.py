@@ -9,9 +9,9 @@ that does not fit in what is left of --budget-s is skipped and says so):
   kernels      copy bandwidth, fp16 SDPA and every tensor-core variant at B=8, L=32K, checked against SDPA in fp32 on
                fresh random data (--seed) with poisoned outputs, launched again for the same bits, then timed
                (`benchmarks.kernels gpu`, launcher's plan)
-  kernels-per-head  the A/B variants (--ab-variants) again with the cache laid out per KV head (each (sequence, KV
-               head) a sequence of one): the same kernel and work, another layout (the variants whose parameters stay
-               within a head: of the defaults int2-g128 and int4-g128)
+  kernels-heads  the A/B variants (--ab-variants) again with the packed bodies keeping each KV head's rows together
+               (`benchmarks.kernels gpu --layout heads`): the same kernel, codes and work, the other layout a CUDA
+               store can take
   kernels-d256 the same at head_dim 256 (Gemma 3's; the variants the tensor-core kernel serves there)
   kernels-d256-kv1  the same with one KV head and 4 query heads (Gemma 3's whole attention shape), the launcher's
                plan (tens of splits a run to merge) beside 8 splits of 4096 tokens
@@ -133,9 +133,9 @@ def stages(args) -> list[Stage]:
         Stage("layout", [*bench("kernels", "layout"), "--seed", str(args.seed)], 90, 30, [*bench("kernels", "layout"), "--help"]),
         Stage("kernels", [*bench("kernels", "gpu"), "--splits", "launcher", "--iters", "30", "--seed", str(args.seed)],
               180, 60, [*bench("kernels", "gpu"), "--help"]),
-        # the same work with the cache laid out per KV head: beside `kernels`, what the layout costs the kernel itself
-        Stage("kernels-per-head", [*bench("kernels", "gpu"), "--per-head", "--only", args.ab_variants, "--splits", "launcher",
-                                   "--iters", "30", "--seed", str(args.seed)], 120, 40, [*bench("kernels", "gpu"), "--help"]),
+        # the same work with each KV head's rows together: beside `kernels`, what the layout costs the kernel itself
+        Stage("kernels-heads", [*bench("kernels", "gpu"), "--layout", "heads", "--only", args.ab_variants, "--splits",
+                                "launcher", "--iters", "30", "--seed", str(args.seed)], 120, 40, [*bench("kernels", "gpu"), "--help"]),
         Stage("kernels-d256", [*bench("kernels", "gpu"), "--head-dim", "256", "--splits", "launcher", "--iters", "30",
                                "--seed", str(args.seed)], 120, 45, [*bench("kernels", "gpu"), "--help"]),
         # one KV head: 8 (sequence, KV head) runs, to which the launcher's one wave gives tens of splits each to merge;
@@ -194,11 +194,11 @@ def kernel_table(kernels: dict) -> list[str]:
     """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32 and for the same bits on a
     second launch (results written before that check say '-'), beside the written bound's prediction where it has one
     (its error: predicted over measured)."""
-    per_head = kernels.get("per_head", False)  # (--per-head: its B x KV heads launched as sequences of one)
-    kv_heads, batch = kernels["kv_heads"], kernels["results"][0]["batch"] // (kernels["kv_heads"] if per_head else 1)
+    kv_heads, first = kernels["kv_heads"], kernels["results"][0]
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
-             f"B={batch}, L={kernels['results'][0]['tokens']}, head_dim {kernels['head_dim']}, "
-             f"{kv_heads} KV head{'s' * (kv_heads != 1)}" + (" laid out per head" if per_head else ""), "",
+             f"B={first['batch']}, L={first['tokens']}, head_dim {kernels['head_dim']}, "
+             f"{kv_heads} KV head{'s' * (kv_heads != 1)}"
+             + (", each KV head's rows together" if kernels.get("layout") == "heads" else ""), "",
              "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
              "|---|---|---|---|---|---|---|---|"]
 
@@ -231,6 +231,23 @@ def layout_table(layout: dict) -> list[str]:
     return lines
 
 
+def layouts_table(rows: dict, heads: dict) -> list[str]:
+    """The variants both tensor-core runs timed (launcher's plan): each store layout's latency and the heads-together
+    one's over the rows-whole one's (below 1: the other layout is faster)."""
+    whole = {r["variant"]: r for r in rows["results"] if r["plan"] == "launcher"}
+    together = [r for r in heads["results"] if r["plan"] == "launcher" and r["variant"] in whole]
+    if not together:
+        return []
+    lines = ["", f"Store layouts on {heads['device']} (the kernels and kernels-heads stages, head_dim {heads['head_dim']}):", "",
+             "| variant | rows whole us | of copy bw | KV heads' rows together us | of copy bw | together / whole |",
+             "|---|---|---|---|---|---|"]
+    for r in together:
+        w = whole[r["variant"]]
+        lines.append(f"| {r['variant']} | {w['latency_us']} | {w['fraction_of_copy_bandwidth']:.0%} | {r['latency_us']} | "
+                     f"{r['fraction_of_copy_bandwidth']:.0%} | {r['latency_us'] / w['latency_us']:.2f}x |")
+    return lines
+
+
 def summary(out: Path, campaign: list[Stage]) -> list[str]:
     """The short table printed last: each stage's status, then the figures each stage's results hold."""
     results = out / "results"
@@ -239,8 +256,13 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
     layout = _load(results, "layout_read")
     if layout:
         lines += layout_table(layout)
-    for path in sorted(results.glob("decode_tc_*.json")):  # head_dim 128, 256, 256 at one KV head, then 128 per head
-        lines += kernel_table(json.loads(path.read_text()))
+    runs = {path.name: json.loads(path.read_text()) for path in sorted(results.glob("decode_tc_*.json"))}
+    for run in runs.values():  # head_dim 128, 256, 256 at one KV head, then 128 heads together
+        lines += kernel_table(run)
+    for name, run in runs.items():
+        whole = runs.get(name.replace("_heads.json", ".json"))
+        if name.endswith("_heads.json") and whole:
+            lines += layouts_table(whole, run)
     suite = out / "logs" / "suite.xml"
     if suite.is_file():
         lines += ["", "GPU suite: " + suite_counts(suite.read_text())]
@@ -303,7 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "repeat it for several, each in a folder of its own name")
     parser.add_argument("--ab-variants", default="int2-g128,int4-g128,nuq3-pre-rope,nuq3-1%-pre-rope",
                         help="tensor-core variants of the A/B (default: %(default)s)")
-    parser.add_argument("--ncu-variants", default="int2-g128,nuq3-1%-pre-rope",
+    parser.add_argument("--ncu-variants", default="int2-g128,int2-g128@heads,nuq3-1%-pre-rope",
                         help="variants profiled with Nsight Compute (default: %(default)s)")
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-batches", default="1,8", help="batches of the end-to-end stage (default: %(default)s)")
@@ -324,7 +346,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
-    known = {"environment", "layout", "kernels", "kernels-per-head", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
+    known = {"environment", "layout", "kernels", "kernels-heads", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

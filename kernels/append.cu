@@ -55,14 +55,19 @@ __device__ __forceinline__ void min_max_params(float lo, float hi, int levels, h
 }
 
 // Where row `row` of a launch is stored: row row_in_sequence[row] of sequence sequence_of_row[row] of the store's
-// buffers, words [sequence][row][word] (words_sequence words apart), per-token parameters at sequence *
-// param_sequence + row * param_row + column * param_column elements (kvcal.runtime.store keeps them along the tokens).
+// buffers. Its code words in pieces of piece_words (kvcal.runtime.store.PackedRows: one a KV head, or one a row),
+// word w at sequence * words_sequence + row * words_row + (w / piece_words) * piece_stride + w % piece_words; its
+// per-token parameters at sequence * param_sequence + row * param_row + column * param_column elements
+// (kvcal.runtime.store keeps them along the tokens).
 struct RowTarget {
     const long long* sequence_of_row;
     const long long* row_in_sequence;
-    long long words_sequence, param_sequence, param_row, param_column;
-    __device__ __forceinline__ long long words(long long row, int words_per_row) const {
-        return sequence_of_row[row] * words_sequence + row_in_sequence[row] * words_per_row;
+    long long words_sequence, words_row, piece_stride;
+    int piece_words;
+    long long param_sequence, param_row, param_column;
+    __device__ __forceinline__ long long word(long long row, int w) const {
+        return sequence_of_row[row] * words_sequence + row_in_sequence[row] * words_row + (w / piece_words) * piece_stride +
+               w % piece_words;
     }
     __device__ __forceinline__ long long parameter(long long row, int column) const {
         return sequence_of_row[row] * param_sequence + row_in_sequence[row] * param_row + column * param_column;
@@ -106,23 +111,24 @@ __device__ __forceinline__ void append_grouped_row(const half_bits* __restrict__
         zero_s[g] = stored_value(z);
     }
     __syncthreads();
-    const int units = words_per_row / words_per_unit(layout);
-    unsigned* const row_words = words + to.words(row, words_per_row);
+    const int units = words_per_row / words_per_unit(layout);  // (a packing unit never spans two pieces)
     for (int u = threadIdx.x; u < units; u += blockDim.x)
         pack_unit(u, width, layout, [&](int c) { return code_of(c, x_s, scale_s, zero_s); },
-                  row_words + u * words_per_unit(layout));
+                  words + to.word(row, u * words_per_unit(layout)));
 }
 
 // TokenUniform: grid = rows, groups of `group` consecutive channels.
 extern "C" __global__ void append_token_uniform(const half_bits* __restrict__ x, int width, int layout, int group,
                                                 const long long* __restrict__ sequence_of_row,
                                                 const long long* __restrict__ row_in_sequence,
-                                                long long words_sequence, long long param_sequence, long long param_row,
+                                                long long words_sequence, long long words_row, long long piece_stride,
+                                                int piece_words, long long param_sequence, long long param_row,
                                                 long long param_column,
                                                 unsigned* __restrict__ words, int words_per_row,
                                                 half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
     const int levels = code_levels(layout);
-    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, words_row, piece_stride, piece_words,
+                          param_sequence, param_row, param_column};
     append_grouped_row(x, width, layout, groups, to, words, words_per_row, scale, zero,
         [&](int g, const float* x_s, half_bits* s, half_bits* z) {
             float lo, hi;
@@ -172,11 +178,13 @@ extern "C" __global__ void append_permuted_groups(const half_bits* __restrict__ 
                                                   const float* __restrict__ clip, const int* __restrict__ group_of_channel,
                                                   const long long* __restrict__ sequence_of_row,
                                                   const long long* __restrict__ row_in_sequence,
-                                                  long long words_sequence, long long param_sequence, long long param_row,
+                                                  long long words_sequence, long long words_row, long long piece_stride,
+                                                  int piece_words, long long param_sequence, long long param_row,
                                                   long long param_column,
                                                   unsigned* __restrict__ words, int words_per_row,
                                                   half_bits* __restrict__ scale, half_bits* __restrict__ zero, int groups) {
-    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, words_row, piece_stride, piece_words,
+                          param_sequence, param_row, param_column};
     append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, to, words, words_per_row, scale, zero, groups);
 }
 
@@ -185,12 +193,14 @@ extern "C" __global__ void append_permuted_groups_fp8(const half_bits* __restric
                                                       const float* __restrict__ clip, const int* __restrict__ group_of_channel,
                                                       const long long* __restrict__ sequence_of_row,
                                                       const long long* __restrict__ row_in_sequence,
-                                                      long long words_sequence, long long param_sequence, long long param_row,
+                                                      long long words_sequence, long long words_row, long long piece_stride,
+                                                      int piece_words, long long param_sequence, long long param_row,
                                                       long long param_column,
                                                       unsigned* __restrict__ words, int words_per_row,
                                                       unsigned char* __restrict__ scale, unsigned char* __restrict__ zero,
                                                       int groups) {
-    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, param_column};
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, words_row, piece_stride, piece_words,
+                          param_sequence, param_row, param_column};
     append_permuted(x, width, layout, permutation, starts, clip, group_of_channel, to, words, words_per_row, scale, zero, groups);
 }
 
@@ -296,7 +306,8 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
                                            float q_low, float q_high, int keep_outliers, const float* __restrict__ midpoints,
                                            const long long* __restrict__ sequence_of_row,
                                            const long long* __restrict__ row_in_sequence,
-                                           long long words_sequence, long long param_sequence, long long param_row,
+                                           long long words_sequence, long long words_row, long long piece_stride,
+                                           int piece_words, long long param_sequence, long long param_row,
                                            unsigned* __restrict__ words, int words_per_row, half_bits* __restrict__ token_lo,
                                            half_bits* __restrict__ token_hi, int* __restrict__ outlier_counts, int tile_tokens,
                                            int* __restrict__ run_counts, int* __restrict__ tile_offsets, int tiles_per_run,
@@ -307,7 +318,8 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
     __shared__ float mid_s[16];
     __shared__ float bounds_s[2];
     const long long row = blockIdx.x;
-    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, param_sequence, param_row, 0};
+    const RowTarget to = {sequence_of_row, row_in_sequence, words_sequence, words_row, piece_stride, piece_words,
+                          param_sequence, param_row, 0};
     const int entries = 1 << code_bits(layout);
     for (int c = threadIdx.x; c < width; c += blockDim.x) x_s[c] = half_to_float(x[row * width + c]);
     for (int i = threadIdx.x; i < entries - 1; i += blockDim.x) mid_s[i] = midpoints[i];
@@ -345,7 +357,6 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
     const Thresholds t = {channel_lo, channel_hi, bounds_s[0], bounds_s[1]};
     int* const head_counts = outlier_counts ? outlier_counts + row * (width / head_dim) : nullptr;
     const int units = words_per_row / words_per_unit(layout);
-    unsigned* const row_words = words + to.words(row, words_per_row);
     for (int u = threadIdx.x; u < units; u += blockDim.x)
         pack_unit(u, width, layout, [&](int c) {
             const float v = normalized(x_s[c], t.lo(c), t.hi(c));
@@ -354,7 +365,7 @@ extern "C" __global__ void append_codebook(const half_bits* __restrict__ x, int 
             unsigned code = 0;
             for (int i = 0; i < entries - 1; ++i) code += mid_s[i] < clamped;
             return code;
-        }, row_words + u * words_per_unit(layout));
+        }, words + to.word(row, u * words_per_unit(layout)));
     if (run_counts != nullptr && threadIdx.x < 32)
         place_step_outliers(row, threadIdx.x, x, width, head_dim, tile_tokens, t, sequence_of_row, row_in_sequence, run_counts,
                             tile_offsets, tiles_per_run, outlier_stride, positions, values);
@@ -384,7 +395,7 @@ extern "C" __global__ void append_codebook_outliers(const half_bits* __restrict_
     const long long row = blockIdx.x;
     const int lane = threadIdx.x, heads = width / head_dim;
     const Thresholds t = row_thresholds(channel_lo, channel_hi, token_lo, token_hi,
-                                        {sequence_of_row, row_in_sequence, 0, param_sequence, param_row, 0}, row);
+                                        {sequence_of_row, row_in_sequence, 0, 0, 0, 1, param_sequence, param_row, 0}, row);
     const long long first_run = sequence_of_row[row] * heads;
     const int first_position = (int)(row_in_sequence[row] % tile_tokens) * head_dim;
     int written = 0;  // the row's outliers so far, every head

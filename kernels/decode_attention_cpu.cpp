@@ -38,8 +38,8 @@ enum Layout { LSB1 = 1, LSB2 = 2, PLANES3 = 3, LSB4 = 4, KVMIX3 = 5 };
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8,
-    CODEC, PIECE_STRIDE, PIECE_CHANNELS, SIDE_FIELDS
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8, PIECE_STRIDE, PIECE_CHANNELS,
+    CODEC, SIDE_FIELDS
 };
 // Per (side, sequence): side_lengths' four (sink, body and recent rows, the recent segment's first row), then the
 // body's first live row (a sliding-window layer drops rows from the front) and the first stored token the query sees.

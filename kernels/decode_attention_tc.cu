@@ -480,7 +480,9 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 }  // namespace tc
 
 // query (batch, heads, D) float32; keys / values: fp16 rows (batch, capacity, kv_heads * D) or int32 words
-// (batch, capacity, words_per_row); *_seq / *_row: strides of a sequence and a row in bytes. Key block parameters
+// (kvcal.runtime.store.PackedRows: (batch, capacity, kv_heads, a KV head's words), rows whole or each KV head's rows
+// together); *_seq / *_head / *_row: strides of a sequence, a KV head's piece (its D channels of a row) and a row in
+// bytes. Key block parameters
 // (batch, capacity / KG, kv_heads * D) fp16, strides in halves; value token parameters fp16 stored (batch, groups,
 // capacity) (kvcal.runtime.store: each group's column along the tokens), strides of a sequence and a group in halves,
 // multiples of 8 (8 tokens' are one 16-byte chunk; codebooks: keys' per-channel scale and zero, strides 0; values'
@@ -513,7 +515,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     const unsigned short* __restrict__ key_outlier_values, const int* __restrict__ key_outlier_offsets,
     const int* __restrict__ key_outlier_counts, const unsigned short* __restrict__ value_outlier_positions,
     const unsigned short* __restrict__ value_outlier_values, const int* __restrict__ value_outlier_offsets,
-    const int* __restrict__ value_outlier_counts, long long k_seq, long long k_row, long long v_seq, long long v_row,
+    const int* __restrict__ value_outlier_counts, long long k_seq, long long k_head, long long k_row, long long v_seq,
+    long long v_head, long long v_row,
     long long kp_seq, long long kp_row, long long vp_seq, long long vp_group, long long k_outlier_run, long long k_offset_run,
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
     float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals, const long long* __restrict__ segment_descriptor,
@@ -581,8 +584,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     // block's, or (PRIVATE) the warp's lanes; `member` numbers this thread among them
     constexpr int CREW = S::PRIVATE ? 32 : THREADS;
     const int member = S::PRIVATE ? lane : tid;
-    const unsigned char* const k_base = keys + b * k_seq + (long long)kvh * S::KROW;
-    const unsigned char* const v_base = values + b * v_seq + (long long)kvh * S::VROW;
+    const unsigned char* const k_base = keys + b * k_seq + kvh * k_head;
+    const unsigned char* const v_base = values + b * v_seq + kvh * v_head;
     // outliers (OUT): an outlier tile is a stage of the block's pipeline, or (PRIVATE) TILE_STAGES of a warp's (a body's
     // first row starts one, splits and quarters hold whole ones); outlier tile n of a pipeline starts at lo + n OUT_TILE.
     // Its ranges per side (OutlierHeader) head its outlier area, written by the pipeline's member 0 from offsets it

@@ -10,7 +10,7 @@
 enum SideField {
     SINK, SINK_STRIDE, RECENT, RECENT_STRIDE, WORDS, WORDS_STRIDE, WORDS_PER_ROW, PARAM0, PARAM1, PARAM_STRIDE,
     PARAM_COLS, PARAM_EXTRA, PARAM_ROW, PARAM_COLUMN, CODEBOOK, OUTLIER_POSITIONS, OUTLIER_VALUES, OUTLIER_STRIDE, OUTLIER_OFFSETS, OFFSET_STRIDE,
-    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8, SIDE_FIELDS
+    OUTLIER_COUNTS, OUTLIER_TILE_SHIFT, LAYOUT, GROUP_OF_CHANNEL, PARAM_FP8, PIECE_STRIDE, PIECE_CHANNELS, SIDE_FIELDS
 };
 // Per-sequence lengths of one side in the int32 meta array (2, batch, META_FIELDS): sink tokens, body tokens, the
 // recent segment's first live row, recent tokens, the body's first live row (a sliding window drops rows from its
@@ -23,7 +23,10 @@ enum SegmentShape { SEGMENT_SPLIT_TOKENS = 128 };
 struct Side {
     const half_bits* sink; long long sink_stride;
     const half_bits* recent; long long recent_stride;
-    const unsigned* words; long long words_stride; int words_per_row;
+    // body row r of sequence b: its piece holding channel c (piece_channels a piece) at words + b * words_stride + r *
+    // words_per_row + (c / piece_channels) * piece_stride (kvcal.runtime.store.PackedRows: a row whole, or a KV head's
+    // rows together)
+    const unsigned* words; long long words_stride; int words_per_row; long long piece_stride; int piece_channels;
     // parameter (row, column) of sequence b at b * param_stride + row * param_row + column * param_column: per-token
     // parameters run along the tokens column by column (kvcal.runtime.store), per-block ones are rows of channels
     const void* param0; const void* param1; long long param_stride; int param_cols; int param_extra;
@@ -43,6 +46,7 @@ __device__ __forceinline__ Side load_side(const long long* d) {
     s.sink = (const half_bits*)d[SINK]; s.sink_stride = d[SINK_STRIDE];
     s.recent = (const half_bits*)d[RECENT]; s.recent_stride = d[RECENT_STRIDE];
     s.words = (const unsigned*)d[WORDS]; s.words_stride = d[WORDS_STRIDE]; s.words_per_row = (int)d[WORDS_PER_ROW];
+    s.piece_stride = d[PIECE_STRIDE]; s.piece_channels = (int)d[PIECE_CHANNELS];
     s.param0 = (const void*)d[PARAM0]; s.param1 = (const void*)d[PARAM1]; s.param_stride = d[PARAM_STRIDE];
     s.param_cols = (int)d[PARAM_COLS]; s.param_extra = (int)d[PARAM_EXTRA];
     s.param_row = d[PARAM_ROW]; s.param_column = d[PARAM_COLUMN];
@@ -72,7 +76,8 @@ __device__ __forceinline__ Lengths load_lengths(const int* meta, int side, int b
 // parameter rows that scale it (computed once per token, so that the per-element work is unpack + fma).
 struct TokenRef {
     const half_bits* fp16_row;  // null for a body token
-    const unsigned* words;
+    const unsigned* words;      // the piece of the row that holds the attended KV head, its first channel piece_channel0
+    int piece_channel0;
     const half_bits* param0;
     const half_bits* param1;
     // per-token uniform parameters: elements from one channel group's to the next's (int: a sequence holds fewer
@@ -80,13 +85,16 @@ struct TokenRef {
     int param_column;
 };
 
-// A uniform body row (the segment blocks read no other codec's): its codes and the fp16 parameter rows that scale it.
+// A uniform body row (the segment blocks read no other codec's): the piece of its codes that holds channel
+// head_channel (a KV head's first: a KV head never spans two pieces) and the fp16 parameter rows that scale it.
 template <int CODEC>
-__device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
+__device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row, int head_channel) {
     static_assert(CODEC == UNIFORM_TOKEN || CODEC == UNIFORM_CHANNEL, "the segment blocks read uniform bodies");
     TokenRef ref;
     ref.fp16_row = nullptr;
-    ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row;
+    const int piece = head_channel / s.piece_channels;
+    ref.words = s.words + b * s.words_stride + (long long)row * s.words_per_row + piece * s.piece_stride;
+    ref.piece_channel0 = piece * s.piece_channels;
     const long long offset = b * s.param_stride + (long long)(CODEC == UNIFORM_TOKEN ? row : row / s.param_extra) * s.param_row;
     ref.param0 = (const half_bits*)s.param0 + offset;
     ref.param1 = (const half_bits*)s.param1 + offset;
@@ -94,10 +102,12 @@ __device__ __forceinline__ TokenRef body_ref(const Side& s, int b, int row) {
     return ref;
 }
 
+// Token t of sequence b on one side, for the KV head whose first channel is head_channel.
 template <int CODEC>
-__device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int b, int t, int width) {
+__device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int b, int t, int width, int head_channel) {
     TokenRef ref;
     ref.words = nullptr;
+    ref.piece_channel0 = 0;
     ref.param0 = ref.param1 = nullptr;
     ref.param_column = 0;
     if (t < n.sink) {
@@ -106,7 +116,7 @@ __device__ __forceinline__ TokenRef locate(const Side& s, const Lengths& n, int 
     }
     t -= n.sink;
     if constexpr (CODEC != FP16_ONLY)
-        if (t < n.body) return body_ref<CODEC>(s, b, n.body_head + t);
+        if (t < n.body) return body_ref<CODEC>(s, b, n.body_head + t, head_channel);
     t -= n.body;
     ref.fp16_row = s.recent + b * s.recent_stride + (long long)(n.head + t) * width;
     return ref;
@@ -140,7 +150,7 @@ constexpr int HEADS_AT_A_TIME = GQA * (D / 32) <= 8 ? GQA : 8 / (D / 32);
 template <int CODEC, int LAYOUT>
 __device__ __forceinline__ float element(const TokenRef& ref, const Side& side, int channel) {
     if (CODEC == FP16_ONLY || ref.fp16_row != nullptr) return load_half(ref.fp16_row + channel);
-    return uniform_value<CODEC>(ref, code_in<LAYOUT>(ref.words, channel), side.param_extra, channel);
+    return uniform_value<CODEC>(ref, code_in<LAYOUT>(ref.words, channel - ref.piece_channel0), side.param_extra, channel);
 }
 
 // Attention of sequence b's GQA query heads of KV head kvh over the launch's tokens split * SEGMENT_SPLIT_TOKENS ..
@@ -186,8 +196,8 @@ __device__ __forceinline__ void attend_rows(const float* query, const long long*
 #pragma unroll
     for (int g = 0; g < GQA; ++g) s[g] = 0.0f;
     if (counts) {
-        const TokenRef key = locate<KCODEC>(ks, kn, b, u, width);
         const int position = ROPE ? positions[b] + u : 0, channel0 = kvh * D;
+        const TokenRef key = locate<KCODEC>(ks, kn, b, u, width, channel0);
 #pragma unroll 1
         for (int c = 0; c < D / 2; ++c) {  // channel pairs (c, c + D/2), rotated together
             float x = element<KCODEC, KLAYOUT>(key, ks, channel0 + c), y = element<KCODEC, KLAYOUT>(key, ks, channel0 + c + D / 2);
@@ -225,7 +235,7 @@ __device__ __forceinline__ void attend_rows(const float* query, const long long*
             for (int c = 0; c < PER_LANE; ++c) acc[h][c] = 0.0f;
 #pragma unroll 1
         for (int i = 0; i < count; ++i) {
-            const TokenRef value = locate<VCODEC>(vs, vn, b, t0 + i < kn.sink ? t0 + i : t0 + i + skip, width);
+            const TokenRef value = locate<VCODEC>(vs, vn, b, t0 + i < kn.sink ? t0 + i : t0 + i + skip, width, kvh * D);
 #pragma unroll
             for (int c = 0; c < PER_LANE; ++c) {
                 const float x = element<VCODEC, VLAYOUT>(value, vs, kvh * D + lane * PER_LANE + c);

@@ -24,7 +24,7 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                            "--generate-recipes", "kivi", "--seed", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
-    assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-per-head", "kernels-d256",
+    assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-heads", "kernels-d256",
                                                      "kernels-d256-kv1", "suite", "generate", "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
@@ -78,9 +78,9 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
         (tmp_path / "results" / f"decode_tc_gpu_{name}.json").write_text(json.dumps({
             "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 256, "kv_heads": kv_heads,
             "results": [{**row, "variant": "int2-g32", "latency_us": latency}]}))
-    (tmp_path / "results" / "decode_tc_gpu_per_head.json").write_text(json.dumps({  # 8 x 8 KV heads as 64 sequences
-        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8, "per_head": True,
-        "results": [{**row, "batch": 64, "latency_us": 80.0, "fraction_of_copy_bandwidth": 0.64}]}))
+    (tmp_path / "results" / "decode_tc_gpu_heads.json").write_text(json.dumps({
+        "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8, "layout": "heads",
+        "results": [{**row, "latency_us": 80.0, "fraction_of_copy_bandwidth": 0.64}]}))
     (tmp_path / "logs" / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
@@ -98,8 +98,10 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     assert "| nuq4-1%-pre-rope | 110.5 | - | 46% | 3.31x | 1.2e-04 | NO | FAIL |" in text
     assert (text.index("head_dim 128, 8 KV heads") < text.index("head_dim 256, 8 KV heads") < text.index("| int2-g32 | 190.0 |")
             < text.index("head_dim 256, 1 KV head\n") < text.index("| int2-g32 | 30.0 |")
-            < text.index("B=8, L=32768, head_dim 128, 8 KV heads laid out per head\n") < text.index("| int2-g128 | 80.0 |"))
+            < text.index("B=8, L=32768, head_dim 128, 8 KV heads, each KV head's rows together\n") < text.index("| int2-g128 | 80.0 |"))
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
+    # the variants both layouts timed, side by side
+    assert "head_dim 128):\n\n| variant | rows whole us |" in text and "| int2-g128 | 110.5 | 46% | 80.0 | 64% | 0.72x |" in text
 
 
 def test_the_summary_tables_each_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.kernels import ab, cpu_step, gpu_timing, tensor_core
 from helpers import refused
@@ -27,18 +28,23 @@ def test_a_median_taken_at_idle_clocks_is_retaken_until_two_agree():
     (["--tokens", "0"], "a positive number of tokens"),
     (["--kv-heads", "0"], "a positive number of KV heads"),
     (["--kernel-dir", "."], "no decode_attention_tc.cu there"),
-    (["--per-head", "--kv-heads", "1"], "one KV head is laid out per head already"),
+    (["--layout", "heads", "--kv-heads", "1"], "a row of one KV head is that head's piece already"),
 ])
 def test_the_tensor_core_mode_refuses_bad_arguments_with_one_line_and_writes_nothing(arguments, problem, monkeypatch, capsys):
     assert problem in refused(tensor_core.main, arguments, monkeypatch, capsys)
 
 
-def test_laid_out_per_head_only_the_variants_whose_parameters_stay_within_a_head_run():
-    """--per-head compares layouts, so a variant whose per-token parameters span the row of every KV head (codebook
-    values' thresholds, SKVQ's groups) would do other work there and is left out."""
-    same = {name for name, (codecs, _) in tensor_core.variants(128).items() if tensor_core.same_work_per_head(codecs, 128)}
-    assert {"fp16", "int2-g128", "int4-g128", "int2-g32", "int2k-int4v-g32", "int3-g32", "int4-g128-pre-rope"} <= same
-    assert not same & {"nuq3-pre-rope", "nuq3-1%-pre-rope", "nuq4-pre-rope", "nuq2-1%-pre-rope", "skvq2-pre-rope"}
+@pytest.mark.parametrize("name", ("int2-g128", "nuq3-1%-pre-rope", "skvq2-pre-rope"))
+def test_laid_out_with_each_kv_heads_rows_together_the_stores_hold_the_same_codes(name):
+    """--layout heads times the same work in the other layout: the same seed gives stores of the same decoded rows,
+    each KV head's rows together."""
+    codecs, _ = tensor_core.variants(64, kv_heads=2)[name]
+    rows, heads = (tensor_core.filled_stores(codecs, 2, 256, 64, seed=3, device="cpu", kv_heads=2, rows_together=together)
+                   for together in (True, False))
+    assert rows[0].rows_together and not heads[0].rows_together and heads[0].pieces == 2
+    for whole, apart in zip(rows, heads):
+        assert torch.equal(whole.words, apart.words) and not apart.words.is_contiguous()
+        assert torch.equal(whole.decoded(256), apart.decoded(256))
 
 
 def test_the_tensor_core_mode_at_head_dim_256_skips_pre_rope_uniform_keys():

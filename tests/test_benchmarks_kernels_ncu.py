@@ -97,6 +97,7 @@ def test_from_csv_tables_each_variant_with_its_l2_parts_or_a_dash_where_its_csv_
 @pytest.mark.parametrize("arguments,problem", [
     (["--from-csv"], "--from-csv reads --csv-dir DIR"),
     (["--from-csv", "--csv-dir", ".", "--only", "int2-g128"], "no int2-g128.csv there"),
+    (["--only", "int2-g128,int2-g129@heads"], "--only int2-g129@heads: not a variant of the tensor-core benchmark"),
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_the_problem_and_write_nothing(arguments, problem, monkeypatch, capsys):
     assert problem in refused(profile.main, arguments, monkeypatch, capsys)

@@ -29,9 +29,11 @@ from kvcal.runtime.tensor_core import Variant
 pytestmark = pytest.mark.emulation
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
+APPEND_ENCODER = kernels.append_encoder  # (tests swap in its other layout)
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
-ROW_TARGET = ("const long long* sequence_of_row, const long long* row_in_sequence, long long words_sequence, long long param_sequence, "
-              "long long param_row, long long param_column, ")  # append.cu's RowTarget
+WORDS_TARGET = ("const long long* sequence_of_row, const long long* row_in_sequence, long long words_sequence, long long words_row, "
+                "long long piece_stride, int piece_words, ")
+ROW_TARGET = WORDS_TARGET + "long long param_sequence, long long param_row, long long param_column, "  # append.cu's RowTarget
 SIGNATURES = {  # the append kernels' parameter lists (kernels/append.cu)
     "append_token_uniform": "const half_bits* x, int width, int layout, int group, " + ROW_TARGET +
                             "unsigned* words, int words_per_row, half_bits* scale, half_bits* zero, int groups",
@@ -44,8 +46,7 @@ SIGNATURES = {  # the append kernels' parameter lists (kernels/append.cu)
     "append_channel_block": "const half_bits* x, int width, int layout, int block_tokens, unsigned* words, int words_per_row, "
                             "half_bits* scale, half_bits* zero",
     "append_codebook": "const half_bits* x, int width, int head_dim, int layout, const float* lo, const float* hi, float q_low, "
-                       "float q_high, int keep, const float* midpoints, const long long* sequence_of_row, "
-                       "const long long* row_in_sequence, long long words_sequence, long long param_sequence, long long param_row, "
+                       "float q_high, int keep, const float* midpoints, " + WORDS_TARGET + "long long param_sequence, long long param_row, "
                        "unsigned* words, int words_per_row, half_bits* token_lo, half_bits* token_hi, int* counts, int tile_tokens, "
                        "int* run_counts, int* tile_offsets, int tiles_per_run, int outlier_stride, unsigned short* positions, "
                        "half_bits* values",
@@ -115,9 +116,10 @@ def test_emulated_fp8_conversion_rounds_as_torch_stores(emulated_library):
     assert torch.equal(out, expected), x[out != expected][:8]
 
 
+@pytest.mark.parametrize("rows_together", (True, False), ids=("rows-whole", "heads-together"))
 @pytest.mark.parametrize("name", APPEND_CODECS)
-def test_emulated_append_kernels_write_what_the_torch_encoder_writes(on_cpu, name):
-    assert_append_matches_torch(name, device="cpu")
+def test_emulated_append_kernels_write_what_the_torch_encoder_writes_in_either_layout(on_cpu, name, rows_together):
+    assert_append_matches_torch(name, device="cpu", rows_together=rows_together)
 
 
 @pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32"))
@@ -330,6 +332,26 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
 
 
+@pytest.mark.parametrize("recipe", ("kivi2-g32", "kvmix", "kvquant"))
+def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_logits(on_cpu, head_dim_64_bundles, recipe,
+                                                                                   monkeypatch):
+    """The cache's CUDA stores made with each KV head's rows together (AppendKernels(rows_together=False)): a prefill
+    and decode steps on the emulated kernels give the same logits, bit for bit, as with rows kept whole."""
+    from conftest import tiny_model
+
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    logits = []
+    for together in (True, False):
+        monkeypatch.setattr(kernels, "append_encoder", functools.partial(APPEND_ENCODER, rows_together=together))
+        with torch.inference_mode():
+            got, cache = prefill_then_decode(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, mask, prompt=30)
+        assert {layer.keys_store.body.rows_together for layer in cache.layers} == {together}
+        logits.append(got)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("recipe", HEAD_DIM_256_VARIANTS)
 def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtime(on_cpu, head_dim_256_gemma3_bundles,
                                                                                   recipe):
@@ -380,6 +402,19 @@ def test_emulated_tensor_core_launch_matches_the_reference(on_cpu, case, lengths
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, device="cpu", decode=decode, atol=SERVED_TOLERANCE)
     assert on_cpu == [SERVED_VARIANTS[case].name]
     assert any(rows) or lengths != SHORT  # the short batch reaches the body
+
+
+@pytest.mark.parametrize("case", SERVED_CASES)
+def test_emulated_tensor_core_launch_reads_each_kv_heads_rows_together_as_rows_whole(on_cpu, case):
+    """Bodies keeping each KV head's rows together (kvcal.runtime.kernels.AppendKernels(rows_together=False)) give the
+    launch's body blocks and segment blocks the same bits as bodies keeping each row whole, and the reference's
+    attention."""
+    outputs = []
+    for together in (True, False):
+        (key_store, value_store), pre_rope = filled(case, SHORT, device="cpu", rows_together=together)
+        assert key_store.body.rows_together == value_store.body.rows_together == together
+        outputs.append(compare(key_store, value_store, len(SHORT), group=4, pre_rope=pre_rope, device="cpu", atol=SERVED_TOLERANCE))
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("group", LONG_WINDOW_VARIANTS)

@@ -32,6 +32,19 @@ def test_tensor_core_decode_matches_the_reference(case, batch):
 
 
 @requires_gpu
+@pytest.mark.parametrize("case", SERVED_CASES)
+def test_tensor_core_decode_reads_each_kv_heads_rows_together_as_rows_whole(case):
+    """Bodies keeping each KV head's rows together (AppendKernels(rows_together=False)): the appends write them and the
+    launch reads them to the same bits as bodies keeping each row whole, and the reference's attention."""
+    outputs = []
+    for together in (True, False):
+        (key_store, value_store), pre_rope = filled(case, BATCHES["3"], rows_together=together)
+        assert key_store.body.rows_together == value_store.body.rows_together == together
+        outputs.append(compare(key_store, value_store, len(BATCHES["3"]), group=4, pre_rope=pre_rope))
+    assert torch.equal(*outputs)
+
+
+@requires_gpu
 @pytest.mark.parametrize("group", (1, 2, 3, 4, 8))
 @pytest.mark.parametrize("case", ("kivi2", "nuq3-prerope-sink4-window"))
 def test_decode_attention_serves_every_gqa_group_size(case, group):
@@ -49,9 +62,10 @@ def test_cocktail_chunks_of_three_widths_are_one_attention():
 
 
 @requires_gpu
+@pytest.mark.parametrize("rows_together", (True, False), ids=("rows-whole", "heads-together"))
 @pytest.mark.parametrize("name", APPEND_CODECS)
-def test_append_kernels_write_what_the_torch_encoder_writes(name):
-    assert_append_matches_torch(name)
+def test_append_kernels_write_what_the_torch_encoder_writes_in_either_layout(name, rows_together):
+    assert_append_matches_torch(name, rows_together=rows_together)
 
 
 @pytest.mark.parametrize("name", APPEND_CODECS)
@@ -236,18 +250,16 @@ def _rows_from_descriptor(side: list[int], lengths: list[int], codec: int, b: in
     return np.concatenate(parts) if parts else np.zeros((0, WIDTH), np.float32)
 
 
-def test_the_cuda_kernels_refuse_a_body_whose_kv_heads_rows_lie_apart():
-    """A CPU store's layout (each KV head's rows together) handed to the CUDA decode's descriptor or the tensor-core
-    launch's operands is refused, not read as whole rows."""
+def test_the_tensor_core_operands_refuse_a_body_cut_in_other_pieces_than_its_kv_heads():
+    """A body whose rows lie in pieces of another head_dim than the launch's (one a KV head or one a row are what the
+    kernel reads) is refused, not read as KV heads."""
     from kvcal.runtime import tensor_core
 
-    keys, values = (PackedRows(codec, 1, WIDTH, "cpu", head_dim=HEAD_DIM) for codec in (ChannelBlockUniform(2, 32), TokenUniform(2, 32)))
+    keys, values = (PackedRows(codec, 1, WIDTH, "cpu", head_dim=HEAD_DIM // 2) for codec in (ChannelBlockUniform(2, 32), TokenUniform(2, 32)))
     for store in (keys, values):
         store.append(0, seeded_tokens(64, 0))
-    assert not keys.rows_together
-    with pytest.raises(KvcalError, match="rows keep their KV heads together"):
-        kernels.Segments((None, keys, None), (None, values, None)).descriptor("cpu")
-    with pytest.raises(KvcalError, match="rows keep their KV heads together"):
+    assert keys.pieces == 2 * (WIDTH // HEAD_DIM)
+    with pytest.raises(KvcalError, match="one piece a KV head"):
         tensor_core.store_operands(keys, values, WIDTH // HEAD_DIM, 1.0, {})
 
 

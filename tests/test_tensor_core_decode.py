@@ -204,24 +204,26 @@ def emulator():
 
 # ------------------------------------------------------------------------------------------------ stores and reference
 
-def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: int = 0, fifo_offset: int = 0):
+def filled(codec: str, lengths: list[int], head_dim: int, device="cpu", seed: int = 0, fifo_offset: int = 0,
+           rows_together: bool = True):
     """K and V stores of `lengths` random N(0, 1) tokens per sequence (quantized bodies: rounded up to whole key
-    blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer."""
+    blocks; the kernel is then told the exact lengths). fifo_offset: fp16 rows start that many rows into the buffer.
+    rows_together: the packed bodies keep each token's row whole (a CUDA store's default), else each KV head's rows
+    together."""
     store_codec = ROPE.get(codec, codec)
     bits, kg, vg, *value_bits = CODECS.get(store_codec, (0, 0, 0))
     width = KV_HEADS * head_dim
     g = torch.Generator().manual_seed(seed)
     if codec in GROUPS:
-        stores = tuple(PackedRows(c, len(lengths), width, device) for c in skvq_codecs(codec, width))
-    elif bits == 16:
-        stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
+        codecs = skvq_codecs(codec, width)
     elif store_codec.startswith("nuq"):
         codecs = nuq_codecs(bits, width, outliers=OUTLIERS.get(store_codec, (0.0, 2.5)), value_bits=value_bits[0] if value_bits else bits)
-        # (rows kept whole, as a CUDA store keeps them: the emulated kernels are the CUDA ones)
-        stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim, rows_together=True) for c in codecs)
     else:
-        stores = (PackedRows(ChannelBlockUniform(bits, kg), len(lengths), width, device),
-                  PackedRows(TokenUniform(value_bits[0] if value_bits else bits, vg), len(lengths), width, device))
+        codecs = (ChannelBlockUniform(bits, kg), TokenUniform(value_bits[0] if value_bits else bits, vg))
+    if bits == 16 and codec not in GROUPS:
+        stores = (Fp16Rows(len(lengths), width, device), Fp16Rows(len(lengths), width, device))
+    else:
+        stores = tuple(PackedRows(c, len(lengths), width, device, head_dim=head_dim, rows_together=rows_together) for c in codecs)
     block = getattr(stores[0], "block", 1)  # both sides hold the same tokens: whole key blocks
     for side, store in enumerate(stores):
         for b, n in enumerate(lengths):
@@ -302,6 +304,25 @@ def max_error(codec, head_dim, gqa, batch, lib, fifo_offset=0, per_split=PER_SPL
 @pytest.mark.parametrize("codec,head_dim,gqa,batch", CASES)
 def test_emulated_kernel_matches_softmax_attention_over_the_decoded_stores(emulator, codec, head_dim, gqa, batch):
     assert max_error(codec, head_dim, gqa, batch, emulator) < tolerance(codec)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("codec,head_dim,gqa", (("int2", 128, 4), ("int4-g32", 128, 4), ("int2-g32", 64, 4), ("int4-rope", 128, 4),
+                                                ("nuq3-out-rope", 128, 4), ("nuq3-rope", 64, 2), ("nuq3-nuq4v-out-rope", 128, 4),
+                                                ("int3-int4v", 128, 4), ("skvq2", 128, 4), ("int2", 256, 4),
+                                                ("nuq3-out-rope", 256, 4)))
+def test_emulated_kernel_reads_each_kv_heads_rows_together_as_rows_whole(emulator, codec, head_dim, gqa):
+    """The same codes kept with each KV head's rows together (a KV head's piece of every row, then the next head's)
+    give the same bits as kept with each row whole: the kernel reads a KV head's piece of a row by its strides."""
+    lengths = LENGTHS["3"]
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(1))
+    v, rope = variant_of(codec, head_dim, gqa), rope_of(codec, head_dim, len(lengths))
+    outputs = []
+    for together in (True, False):
+        keys, values = filled(codec, lengths, head_dim, rows_together=together)
+        assert keys.rows_together == values.rows_together == together
+        outputs.append(run_emulated(emulator, v, query, keys, values, lengths, head_dim**-0.5, rope=rope))
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.emulation

@@ -27,7 +27,7 @@ EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
                    "-DKVCAL_HOST_EMULATION"]
 # decode_tc's parameters: tensors, byte / element strides, ints, then the float scale, the fused merge's output and
 # arrival counters, and the segment blocks' descriptor, meta and positions and their count
-POINTERS, LONGS, INTS, MERGE, SEGMENTS = 21, 12, 4, 2, 3
+POINTERS, LONGS, INTS, MERGE, SEGMENTS = 21, 14, 4, 2, 3
 
 
 def compiler_missing() -> bool:
@@ -60,6 +60,12 @@ def symbol(v: Variant) -> str:
             f"_o{int(v.outliers)}_vb{v.vbits}_pg{v.channel_groups}")
 
 
+# decode_tc's long long arguments (LONGS of them, after the outliers' buffers): the codes', parameters' and outliers'
+# strides
+STRIDE_NAMES = ", ".join(f"a{i}" for i in range(LONGS))
+STRIDES = ", ".join(f"long long a{i}" for i in range(LONGS))
+
+
 def driver(variants: list[Variant]) -> str:
     lines = ['#include "cuda_on_cpu.h"', '#include "decode_attention_tc.cu"', 'extern "C" {']
     for v in variants:
@@ -68,12 +74,11 @@ def driver(variants: list[Variant]) -> str:
             " const unsigned short* ks, const unsigned short* kz, const unsigned short* vs, const unsigned short* vz, const int* meta,"
             " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, const unsigned short* kop,"
             " const unsigned short* kov, const int* koo, const int* koc, const unsigned short* vop, const unsigned short* vov,"
-            " const int* voo, const int* voc, long long a0, long long a1, long long a2, long long a3, long long a4, long long a5,"
-            " long long a6, long long a7, long long a8, long long a9, long long a10, long long a11, int kvh, int per_split,"
+            f" const int* voo, const int* voc, {STRIDES}, int kvh, int per_split,"
             " int split_offset, int total_splits, float scale, float* out, unsigned* arrivals, const long long* sd, const int* sm,"
             " const int* sp, int segment_splits) {"
             f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
-            " books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, kvh,"
+            f" books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, {STRIDE_NAMES}, kvh,"
             " per_split, split_offset, total_splits, scale, out, arrivals, sd, sm, sp, segment_splits); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "

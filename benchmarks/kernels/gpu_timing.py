@@ -18,14 +18,14 @@ FLUSH_BYTES = 512 * 2**20  # more than any GPU's L2
 
 
 def write_device_result(prefix: str, bandwidth: float, iterations: int, rows: list[dict], started: dict, head_dim: int,
-                        kv_heads: int = KV_HEADS, per_head: bool = False) -> str:
-    """Write benchmarks/results/<prefix>_<this GPU's name>[_d<head_dim> past 128][_kv<kv_heads> but 8][_per_head].json
-    with the shapes and constants of the run; the name. per_head: kv_heads KV heads laid out as sequences of one
-    (benchmarks/kernels/tensor_core.py --per-head)."""
+                        kv_heads: int = KV_HEADS, layout: str = "rows") -> str:
+    """Write benchmarks/results/<prefix>_<this GPU's name>[_d<head_dim> past 128][_kv<kv_heads> but 8][_<layout> but
+    rows].json with the shapes and constants of the run; the name. layout: the packed bodies' (benchmarks/kernels/
+    tensor_core.py --layout)."""
     name = (f"{prefix}_{device_slug(torch.cuda.get_device_name())}" + (f"_d{head_dim}" if head_dim != 128 else "")
-            + (f"_kv{kv_heads}" if kv_heads != KV_HEADS else "") + ("_per_head" if per_head else ""))
+            + (f"_kv{kv_heads}" if kv_heads != KV_HEADS else "") + (f"_{layout}" if layout != "rows" else ""))
     write_result(name, {"copy_bandwidth_gbps": round(bandwidth / 1e9, 1), "kv_heads": kv_heads, "heads": kv_heads * GROUP,
-                        "head_dim": head_dim, "per_head": per_head, "iterations": iterations,
+                        "head_dim": head_dim, "layout": layout, "iterations": iterations,
                         "results": rows}, started)
     return name
 

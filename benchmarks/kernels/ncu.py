@@ -9,7 +9,11 @@ Each variant runs in its own process under `ncu --set full --clock-control none`
 which profiles the kernel's 4th launch (ncu flushes the caches before it); `ncu --import --page raw --csv` exports the
 counters, and this script reads them.
 
-Usage (CUDA + CuPy, ncu on PATH): python -m benchmarks.kernels ncu [--only int2-g128,nuq4-pre-rope]
+A variant named with @heads (int2-g128@heads) is profiled with its packed bodies keeping each KV head's rows together
+(the tensor-core benchmark's --layout heads): beside the same variant in the default layout, whether the L2's tag
+lookups or its fabric fill up.
+
+Usage (CUDA + CuPy, ncu on PATH): python -m benchmarks.kernels ncu [--only int2-g128,int2-g128@heads,nuq4-pre-rope]
                                                                          [--tokens 32768] [--csv-dir DIR]
     --csv-dir DIR keeps each variant's raw counters as DIR/<variant>.csv; given with --from-csv, it reads them
     instead of profiling (no GPU needed).
@@ -50,6 +54,9 @@ L2_PART = re.compile(r"((?:lts|ltcfabric)__(?!throughput\.).+)\.avg\.pct_of_peak
 SCALE = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}  # to us and MB
 
 
+HEADS_LAYOUT = "@heads"  # a variant name's suffix: each KV head's rows together
+
+
 def launch(name: str, tokens: int) -> None:
     """The process ncu watches: 4 launches of one variant's kernel, the L2 flushed before each."""
     import torch
@@ -59,8 +66,8 @@ def launch(name: str, tokens: int) -> None:
     from kvcal.runtime import tensor_core
 
     head_dim = 128  # the tensor-core benchmark's default shape
-    codecs, rope = variants(head_dim)[name]
-    keys, values = filled_stores(codecs, BATCH, tokens, head_dim)
+    codecs, rope = variants(head_dim)[name.removesuffix(HEADS_LAYOUT)]
+    keys, values = filled_stores(codecs, BATCH, tokens, head_dim, rows_together=not name.endswith(HEADS_LAYOUT))
     query = torch.randn(BATCH, HEADS, head_dim, device="cuda")
     run = tensor_core.prepare_decode_tc(query, keys, values, KV_HEADS, head_dim**-0.5, inv_freq=inv_freq(head_dim) if rope else None)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -150,6 +157,12 @@ def main() -> None:
         # the counters' device; the commit is this checkout's unless KVCAL_COMMIT names the one profiled
         started = {**started, "device": rows[0]["device"], "source": f"ncu CSV files ({args.csv_dir.name})"}
     else:
+        from benchmarks.kernels.tensor_core import variants
+
+        unknown = [n for n in names if n.removesuffix(HEADS_LAYOUT) not in variants(128)]
+        if unknown:
+            parser.error(f"--only {unknown[0]}: not a variant of the tensor-core benchmark (python -m benchmarks.kernels "
+                         f"gpu --help), optionally with {HEADS_LAYOUT}")
         ncu = shutil.which("ncu")
         if ncu is None:
             sys.exit("the ncu benchmark needs Nsight Compute's ncu on PATH; nothing was profiled")

@@ -21,20 +21,18 @@ and launched once more, poisoned again, for the same bits (same_bits_twice: no r
 each variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
 model, on this device's copy bandwidth and the variant's bytes) is printed before it is timed and kept in its row.
 
---per-head times the same work with the cache laid out per KV head: each (sequence, KV head) becomes a sequence of one
-KV head (B x KV heads sequences), so that its tokens' codes are one run instead of a piece of every token's row of all
-KV heads (kvcal's stores). The kernel, its variant, the (sequence, KV head) pairs and the split plan are the same, and
-so is the bound's prediction (it takes every cache at copy bandwidth): what the two runs' latencies differ by is the
-layout's (benchmarks.kernels layout times the reads alone). Only the variants whose codecs do the same work per head
-run (`same_work_per_head`: fp16 rows, uniform codes, codebook keys with per-channel thresholds); the others are
-skipped and say why (codebook values' per-token thresholds and SKVQ's groups span the row of every KV head, so a
-head alone would get other parameters, and other outliers). SDPA's time is the stores' shape's.
+--layout heads times the same work with the packed bodies keeping each KV head's rows together (kvcal.runtime.store.
+PackedRows with rows_together=False, as kvcal.runtime.kernels.AppendKernels(rows_together=False) lays a CUDA store
+out): a block's tokens are then one run of its KV head's codes instead of a piece of every token's row of all KV heads
+(the CUDA stores' default, --layout rows). The kernel, its variant, the codes, the split plan and the bound's
+prediction (it takes every cache at copy bandwidth) are the same: what the two runs' latencies differ by is the
+layout's (benchmarks.kernels layout times the reads alone). fp16 rows have one layout and are skipped there.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
-                                                          [--kv-heads 1] [--per-head]
+                                                          [--kv-heads 1] [--layout heads]
 Writes benchmarks/results/decode_tc_<device>.{json,md} (decode_tc_<device>_d256 at head_dim 256, _kv1 at one KV head,
-_per_head laid out per KV head). --kernel-dir DIR times the kernels in DIR (a changed copy of
+_heads with --layout heads). --kernel-dir DIR times the kernels in DIR (a changed copy of
 kernels/) instead: an A/B of two kernel sources is two runs on one machine, one with it and one without; such a run
 prints its rows and writes nothing.
 """
@@ -99,26 +97,20 @@ def inv_freq(head_dim: int) -> torch.Tensor:
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def same_work_per_head(codecs, head_dim: int) -> bool:
-    """Whether a cache of these K and V codecs (None: fp16 rows) stores and reads the same when each KV head is a
-    sequence of its own (--per-head): every parameter within one head's channels of one token, or one channel's."""
-    from kvcal.quantizers import CodecKind
-
-    within_head = {CodecKind.UNIFORM_CHANNEL, CodecKind.CODEBOOK_CHANNEL}
-    return codecs is None or all(c.kind in within_head or (c.kind is CodecKind.UNIFORM_TOKEN and head_dim % c.group == 0)
-                                 for c in codecs)
+LAYOUTS = {"rows": True, "heads": False}  # --layout -> PackedRows' rows_together
 
 
-def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda", kv_heads: int = KV_HEADS):
+def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda", kv_heads: int = KV_HEADS,
+                  rows_together: bool = True):
     """K and V stores of `length` random N(0, 1) tokens per sequence, every KV head's head_dim channels a row (torch
-    codecs on `device`), drawn under `seed`."""
+    codecs on `device`; packed bodies keep each row whole, or each KV head's rows together), drawn under `seed`."""
     from kvcal.runtime.store import Fp16Rows, PackedRows
 
     width = kv_heads * head_dim
     stores = []
     for side in range(2):
         store = (Fp16Rows(batch, width, device) if codecs is None
-                 else PackedRows(codecs[side], batch, width, device, head_dim=head_dim))
+                 else PackedRows(codecs[side], batch, width, device, head_dim=head_dim, rows_together=rows_together))
         generator = torch.Generator(device=device).manual_seed(2 * seed + side)
         for b in range(batch):
             store.append(b, torch.randn(length, width, device=device, dtype=torch.float16, generator=generator))
@@ -168,16 +160,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
                         help=f"KV heads, each with {GROUP} query heads (default: %(default)s; Gemma 3's: 1)")
-    parser.add_argument("--per-head", action="store_true",
-                        help="lay the cache out per KV head: each (sequence, KV head) a sequence of one KV head (see above)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="rows",
+                        help="how packed bodies keep their codes: each token's row whole (a CUDA store's default) or each "
+                             "KV head's rows together (default: %(default)s; see above)")
     args = parser.parse_args()
-    head_dim, kv_heads = args.head_dim, args.kv_heads
+    head_dim, kv_heads, batch = args.head_dim, args.kv_heads, BATCH
     if kv_heads <= 0:
         parser.error(f"--kv-heads {kv_heads}: a positive number of KV heads")
-    if args.per_head and kv_heads == 1:
-        parser.error("--per-head with --kv-heads 1: one KV head is laid out per head already")
-    # the launch's sequences and KV heads: per head, every (sequence, KV head) pair a sequence of its own
-    batch, kv_heads = (BATCH * kv_heads, 1) if args.per_head else (BATCH, kv_heads)
+    if args.layout == "heads" and kv_heads == 1:
+        parser.error("--layout heads with --kv-heads 1: a row of one KV head is that head's piece already")
     if args.tokens <= 0:
         parser.error(f"--tokens {args.tokens}: a positive number of tokens")
     if args.kernel_dir is not None and not (args.kernel_dir / "decode_attention_tc.cu").is_file():
@@ -198,18 +189,18 @@ def main() -> None:
     started = provenance()
     bandwidth = copy_bandwidth()
     length = args.tokens
-    sdpa = sdpa_seconds(BATCH, length, args.iters, head_dim, args.kv_heads)  # (per head too: the stores' shape)
+    sdpa = sdpa_seconds(batch, length, args.iters, head_dim, kv_heads)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, SDPA fp16 {sdpa * 1e6:.1f} us", flush=True)
     # the written bound's prediction, printed before each variant is timed (its shapes only: B = 8, L = 32K, D = 128 or
-    # 256, at any number of KV heads; per head, the same pairs)
-    shape = {"batch": BATCH, "kv_heads": kv_heads, "group": GROUP, "head_dim": head_dim, "tokens": length}
+    # 256, at any number of KV heads, in either layout)
+    shape = {"batch": batch, "kv_heads": kv_heads, "group": GROUP, "head_dim": head_dim, "tokens": length}
     predicted = bound_decode.committed_predictions(shape=shape)
     rows = []
     for name, (codecs, rope) in variants(head_dim, kv_heads).items():
         if args.only and name not in args.only.split(","):
             continue
-        if args.per_head and not same_work_per_head(codecs, head_dim):
-            print(f"{name}: skipped per head: its parameters span the row of every KV head (a head alone gets others)", flush=True)
+        if codecs is None and args.layout == "heads":
+            print(f"{name}: skipped with --layout heads: fp16 rows are kept whole", flush=True)
             continue
         if codecs is not None:
             try:
@@ -217,7 +208,8 @@ def main() -> None:
             except KvcalError as refused:
                 print(f"{name}: skipped at head_dim {head_dim}: {refused}", flush=True)
                 continue
-        keys, values = filled_stores(codecs, batch, length, head_dim, seed=args.seed, kv_heads=kv_heads)
+        keys, values = filled_stores(codecs, batch, length, head_dim, seed=args.seed, kv_heads=kv_heads,
+                                     rows_together=LAYOUTS[args.layout])
         query = torch.randn(batch, kv_heads * GROUP, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(batch)) + 2 * query.numel() * 4
         error = repeats = None
@@ -253,10 +245,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.kernel_dir is not None:
         return
-    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim, args.kv_heads, args.per_head)
-    laid_out = f", laid out per KV head ({batch} sequences of one)" if args.per_head else ""
+    name = write_device_result("decode_tc", bandwidth, args.iters, rows, started, head_dim, kv_heads, args.layout)
+    laid_out = ", each KV head's rows together" if args.layout == "heads" else ""
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
-             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.kv_heads} KV heads{laid_out}, {args.kv_heads * GROUP} query heads, "
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {kv_heads} KV heads{laid_out}, {kv_heads * GROUP} query heads, "
              f"head_dim {head_dim}; L2 flushed; kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
              "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us | MB read | GB/s | of copy bw "
              "| SDPA fp16 us | speedup | max err | same bits twice |",

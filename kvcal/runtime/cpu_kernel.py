@@ -159,12 +159,9 @@ def decode_supported(key_codec, value_codec) -> bool:
 
 
 def side_descriptor(sink, body, recent) -> list[int]:
-    """kernels.side_descriptor's fields, then the codec and where a row's pieces lie (words from one to the next, the
-    channels each holds: kvcal.runtime.store.PackedRows)."""
+    """kernels.side_descriptor's fields, then the body's codec."""
     fields = kernels.side_descriptor(sink, body, recent) + [0] * (CpuSideField.SIDE_FIELDS - kernels.SIDE_FIELDS)
     fields[CpuSideField.CODEC] = src.FP16_ONLY if body is None else kernels.codec_id(body.codec)
-    if body is not None:
-        fields[CpuSideField.PIECE_STRIDE], fields[CpuSideField.PIECE_CHANNELS] = body.words.stride(2), body.width // body.pieces
     return fields
 
 

@@ -27,7 +27,7 @@ import enum
 import functools
 import math
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -211,7 +211,6 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     rows, width = x.shape
     device = x.device
     target = row_index(seqs, starts, counts, device)
-    check_rows_together(store)
     words_per_row = np.int32(store.row_words)
     layout = np.int32(layout_id(codec, store.layout))
     if cid == src.UNIFORM_CHANNEL:
@@ -229,7 +228,8 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     to = _row_target(store, target)
     if cid in (src.UNIFORM_TOKEN, src.PERMUTED_GROUPS):  # a scale and zero per (token, group of channels)
         scale, zero = store.token["scale"], store.token["zero"]
-        outputs = (*to, _ptr(store.words), words_per_row, _ptr(scale), _ptr(zero), np.int32(scale.shape[2]))
+        outputs = (*to.rows, *to.words, *to.parameters, _ptr(store.words), words_per_row, _ptr(scale), _ptr(zero),
+                   np.int32(scale.shape[2]))
         if cid == src.UNIFORM_TOKEN:
             launch(_function("append.cu", "append_token_uniform"), (rows,), (THREADS,),
                     (_ptr(x), np.int32(width), layout, np.int32(codec.group), *outputs))
@@ -250,7 +250,8 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
     found = torch.zeros(rows, store.kv_heads, dtype=torch.int32, device=device) if keep and not step else None
     launch(_function("append.cu", "append_codebook"), (rows,), (THREADS,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim or width), layout, _ptr(tables.get("lo")), _ptr(tables.get("hi")),
-             q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), *to[:5], _ptr(store.words), words_per_row,
+             q_low, q_high, np.int32(keep), _ptr(tables["midpoints"]), *to.rows, *to.words, *to.parameters[:2],
+             _ptr(store.words), words_per_row,
              _ptr(token_lo), _ptr(token_hi), _ptr(found), *_step_outliers(store, seqs, rows, step)))
     if step:
         store.snapshot_outlier_count()
@@ -258,18 +259,23 @@ def encode_rows(store: PackedRows, seqs: list[int], starts: list[int], counts: l
         _place_outliers(store, seqs, starts, counts, x, to, found, tables, token_lo, token_hi)
 
 
-def _row_target(store: PackedRows, target: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-    """append.cu's RowTarget of rows (sequence, row) = target in `store`: the two index arrays, the words' sequence
-    stride and the per-token parameters' sequence, row and column strides (0 where it keeps none), in elements."""
+class RowTarget(NamedTuple):
+    """append.cu's RowTarget, as the kernels' arguments: the rows' index arrays; where their code words go (sequence,
+    row and piece strides, words a piece); their per-token parameters' sequence, row and column strides (0 where the
+    store keeps none), in elements."""
+
+    rows: tuple
+    words: tuple
+    parameters: tuple
+
+
+def _row_target(store: PackedRows, target: tuple[torch.Tensor, torch.Tensor]) -> RowTarget:
+    """append.cu's RowTarget of rows (sequence, row) = target in `store`."""
     parameters = next(iter(store.token.values()), None)
     strides = parameters.stride() if parameters is not None else (0, 0, 0)
-    return (_ptr(target[0]), _ptr(target[1]), np.int64(store.words.stride(0)), *map(np.int64, strides))
-
-
-def check_rows_together(store: PackedRows) -> None:
-    """The CUDA kernels read and write a store's code words a token's row at a time (a CUDA store's layout)."""
-    if not store.rows_together:
-        raise KvcalError("the CUDA kernels read a body whose rows keep their KV heads together (a CUDA store's layout)")
+    words = store.words
+    return RowTarget((_ptr(target[0]), _ptr(target[1])), (*map(np.int64, words.stride()[:3]), np.int32(words.shape[3])),
+                     tuple(map(np.int64, strides)))
 
 
 def _step_outliers(store: PackedRows, seqs: list[int], rows: int, step: bool) -> tuple:
@@ -309,7 +315,7 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, table
     first_slot = (before - group_firsts).index_select(0, group_of_row) + row_firsts - (torch.cumsum(found, 1, dtype=torch.int32) - found)
     launch(_function("append.cu", "append_codebook_outliers"), (rows,), (32,),
             (_ptr(x), np.int32(width), np.int32(store.head_dim), np.int32(OUTLIER_TILE_TOKENS), _ptr(tables.get("lo")),
-             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), to[0], to[1], to[3], to[4], _ptr(first_slot),
+             _ptr(tables.get("hi")), _ptr(token_lo), _ptr(token_hi), *to.rows, *to.parameters[:2], _ptr(first_slot),
              np.int32(store.outlier_positions.shape[2]), _ptr(store.outlier_positions), _ptr(store.outlier_values)))
     # a started tile's offset: its run's count before the tile's first row
     offsets = before.index_select(0, tiles[0]) + row_firsts.index_select(0, tiles[3]) - group_firsts.index_select(0, tiles[0])
@@ -319,9 +325,12 @@ def _place_outliers(store: PackedRows, seqs, starts, counts, x, to, found, table
 
 
 class AppendKernels:
-    """The encoder a PackedRows on CUDA quantizes with (kvcal.runtime.store): the append kernels of its codec."""
+    """The encoder a PackedRows on CUDA quantizes with (kvcal.runtime.store): the append kernels of its codec.
+    rows_together: the layout of its stores, each token's row whole or each KV head's rows together (the kernels read
+    and write either)."""
 
-    rows_together = True  # the store's layout: the CUDA kernels write and read a token's row at a time
+    def __init__(self, rows_together: bool = True):
+        self.rows_together = rows_together
 
     def parameter_columns(self, codec, width: int) -> tuple[dict[str, int], dict[str, int]]:
         return parameter_columns(codec, width)
@@ -333,9 +342,10 @@ class AppendKernels:
         encode_rows(store, seqs, starts, counts, x)
 
 
-def append_encoder(codec, width: int, layout: str, device) -> AppendKernels | None:
-    """The CUDA encoder for a store of `codec` on `device`, or None where the torch codec must do (CPU, no kernel)."""
-    return AppendKernels() if cuda_ready(device) and append_supported(codec, width, layout) else None
+def append_encoder(codec, width: int, layout: str, device, rows_together: bool = True) -> AppendKernels | None:
+    """The CUDA encoder for a store of `codec` on `device` laying rows out as `rows_together` says (AppendKernels),
+    or None where the torch codec must do (CPU, no kernel)."""
+    return AppendKernels(rows_together) if cuda_ready(device) and append_supported(codec, width, layout) else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -362,6 +372,7 @@ def side_descriptor(sink: Fp16Rows | None, body: PackedRows | None, recent: Fp16
     codec, cid = body.codec, codec_id(body.codec)
     words = body.words
     fields[F.WORDS], fields[F.WORDS_STRIDE], fields[F.WORDS_PER_ROW] = words.data_ptr(), words.stride(0), words.stride(1)
+    fields[F.PIECE_STRIDE], fields[F.PIECE_CHANNELS] = words.stride(2), body.width // body.pieces
     if cid == src.CODEBOOK_CHANNEL:  # fixed thresholds: one row of channels for every token and sequence
         tables = codec_tables(body)
         fields[PARAMETERS] = [tables["lo"].data_ptr(), tables["hi"].data_ptr(), 0, body.width, 1, 0, 1]
@@ -426,13 +437,8 @@ class Segments:
     def descriptor(self, device) -> torch.Tensor:
         """Both sides' descriptors (enum SideField order) on the device."""
 
-        def made() -> torch.Tensor:  # (the stores' layout checked with their buffers, not at every step)
-            for _, body, _ in (self.keys, self.values):
-                if body is not None:
-                    check_rows_together(body)
-            return upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device, torch.int64)
-
-        return self.describe("device", made)
+        return self.describe("device", lambda: upload(side_descriptor(*self.keys) + side_descriptor(*self.values), device,
+                                                      torch.int64))
 
 
 def arrival_counters(batch: int, kv_heads: int, device) -> torch.Tensor:

@@ -396,12 +396,26 @@ def _value_parameter_strides(scale: torch.Tensor | None, zero: torch.Tensor | No
     return np.int64(scale.stride(0)), np.int64(scale.stride(2))
 
 
-def _strides(t: torch.Tensor | None, in_bytes: bool) -> tuple[np.int64, np.int64]:
-    """(sequence, row) strides of a buffer, as the kernel's long long arguments."""
+def _code_strides(data: torch.Tensor, kv_heads: int) -> tuple[np.int64, np.int64, np.int64]:
+    """(sequence, KV head, row) strides in bytes of a body's codes as the kernel reads them: fp16 rows (batch, capacity,
+    width), or PackedRows' words (batch, capacity, pieces, words a piece) with one piece a KV head, or one a row, its
+    KV heads side by side. Each KV head's codes of a row lie together (its piece's words, or its slice of the row)."""
+    if data.numel() == 0:
+        return np.int64(0), np.int64(0), np.int64(0)
+    size = data.element_size()
+    pieces = data.shape[2] if data.dim() == 4 else 1
+    if data.stride(-1) != 1 or pieces not in (1, kv_heads):
+        raise KvcalError("the tensor-core kernel reads a body whose rows are whole or cut in one piece a KV head, each "
+                         "piece's words together")
+    head = data.stride(2) if pieces > 1 else data.shape[-1] // kv_heads
+    return np.int64(data.stride(0) * size), np.int64(head * size), np.int64(data.stride(1) * size)
+
+
+def _strides(t: torch.Tensor | None) -> tuple[np.int64, np.int64]:
+    """(sequence, row) strides of a buffer in elements, as the kernel's long long arguments."""
     if t is None or t.numel() == 0:
         return np.int64(0), np.int64(0)
-    scale = t.element_size() if in_bytes else 1
-    return np.int64(t.stride(0) * scale), np.int64(t.stride(1) * scale)
+    return np.int64(t.stride(0)), np.int64(t.stride(1))
 
 
 def rope_row_start(delta, head_dim: int):
@@ -498,8 +512,6 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
     """The stores' part of decode_tc's arguments (see `operands`); their buffers checked as the kernel reads them."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
-    for store in (keys, values) if packed else ():
-        kernels.check_rows_together(store)
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
     groups = packed and keys.codec.kind is CodecKind.PERMUTED_GROUPS
     key_parameters = keys.token if groups else keys.blocks if packed else {}  # channel groups: per token, like values'
@@ -509,20 +521,20 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
     if codebook:  # keys: one block of per-channel scale and zero for the whole sequence; values: per-token lo, hi
         ks, kz = constants["key_scale"], constants["key_zero"]
         vs, vz = values.token.get("lo"), values.token.get("hi")  # none yet in an empty body
-    _check_contiguous(k_data, v_data, *(() if groups else (ks, kz)))  # (runs along the tokens: strides checked)
-    k_seq, k_row = _strides(k_data, True)
-    v_seq, v_row = _strides(v_data, True)
+    _check_contiguous(*(() if groups else (ks, kz)))  # (runs along the tokens: strides checked)
+    k_seq, k_head, k_row = _code_strides(k_data, kv_heads)
+    v_seq, v_head, v_row = _code_strides(v_data, kv_heads)
     if groups:  # [sequence][column][token], as the values'
         kp_seq, kp_row = _value_parameter_strides(ks, kz)
     else:
-        kp_seq, kp_row = _strides(ks, False) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
+        kp_seq, kp_row = _strides(ks) if not codebook else (np.int64(0), np.int64(0))  # one block, copied once
     vp_seq, vp_group = _value_parameter_strides(vs, vz)
     if inv_freq is not None:
         scaling = scaling * attention_scaling  # cos and sin scaled (transformers' attention_scaling): the query carries it
     k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
     return StoreOperands((k_data, v_data, ks, kz, vs, vz), (constants.get("freq"), constants.get("table"), constants.get("codebooks")),
-                         (*k_outliers[:4], *v_outliers[:4], k_seq, k_row, v_seq, v_row, kp_seq, kp_row, vp_seq, vp_group,
-                          *k_outliers[4:], *v_outliers[4:], kv_heads), float(scaling * LOG2E))
+                         (*k_outliers[:4], *v_outliers[:4], k_seq, k_head, k_row, v_seq, v_head, v_row, kp_seq, kp_row,
+                          vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads), float(scaling * LOG2E))
 
 
 def step_operands(query, meta, out_partial, lse_partial, per_split: int, split_offset: int, merge: tuple | None = None,

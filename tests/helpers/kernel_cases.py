@@ -3,6 +3,8 @@ GPU suite (tests/test_runtime_kernels.py), the CPU emulation (tests/test_kernel_
 tests share: a decode against the torch reference on the same packed data, and the append kernels against the
 torch encoders."""
 
+import functools
+
 import torch
 
 from kvcal.kv import SegmentPolicy
@@ -103,10 +105,12 @@ def equal_skvq_groups(width: int, groups: int, bits: float, fp8: bool = False, s
     return SkvqTensor(permutation, starts, torch.ones(groups), bits, fp8)
 
 
-def filled(case: str, lengths: list[int], device="cuda"):
-    """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends."""
+def filled(case: str, lengths: list[int], device="cuda", rows_together: bool = True):
+    """K and V stores of `case` holding len(lengths) sequences: a prefill, then 3 decode appends. rows_together: the
+    kernels' stores' layout (kvcal.runtime.kernels.AppendKernels)."""
     key_codec, value_codec, policy, rpc, pre_rope, layout = DECODE_CASES[case]()
-    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, kernels.append_encoder, HEAD_DIM)
+    encoder_for = functools.partial(kernels.append_encoder, rows_together=rows_together)
+    stores = [SegmentedStore(codec, policy, keys, rpc, len(lengths), WIDTH, device, layout, encoder_for, HEAD_DIM)
               for codec, keys in ((key_codec, True), (value_codec, False))]
     for b, n in enumerate(lengths):
         for store, seed in zip(stores, (2 * b, 2 * b + 1)):
@@ -147,7 +151,8 @@ def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, devi
             decode=served_decode, atol: float = SERVED_TOLERANCE, rtol: float = 0.0):
     """Kernel output (`decode`: the CUDA launcher, or cpu_kernel_decode) vs reference.attention on the same
     stores, one query token per sequence; the query is a non-contiguous view and positions start far from 0 (RoPE
-    angles of tens of thousands). Stores that dropped their first tokens (a sliding window) start at the first kept."""
+    angles of tens of thousands). Stores that dropped their first tokens (a sliding window) start at the first kept.
+    Returns the kernel's output."""
     heads = KV_HEADS * group
     query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).to(device).transpose(1, 2)
     offsets = [(37_000 * b) % 100_003 for b in range(batch)]
@@ -160,6 +165,7 @@ def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, devi
             keys = reference.stored_keys(key_store, b, pre_rope, offsets[b], inv_freq, 1.0, KV_HEADS)
             expected[b] = reference.attention(query[b][:, None], keys, value_store.read(b), scaling)[:, 0]
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+    return got
 
 
 def cocktail_stores(device="cuda"):
@@ -199,18 +205,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().flatten().view(torch.uint8)
 
 
-def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels()):
+def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels(),
+                                rows_together: bool | None = None):
     """The append kernels (`encoder_for(codec, width, layout, device)`: the CUDA ones, or the CPU append) write the same codes, parameters
     and outliers (in the same order) as the torch encoders of kvcal.quantizers, bit for bit: a bulk append, then
-    appends of one token (one block for per-channel blocks) into sequence 1 of 2."""
+    appends of one token (one block for per-channel blocks) into sequence 1 of 2. rows_together: the kernels' store's
+    layout (None: the encoder's)."""
     codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
     x = seeded_tokens(12 * G, 7)
     if "wide-range" in name:
         x = (x.float() * 2 ** torch.linspace(-22, 12, len(x))[:, None]).half()
     x = x.to(device)
-    stores = [PackedRows(codec, 2, WIDTH, device, make, layout, HEAD_DIM) for make in (encoder_for, None)]
-    assert stores[0].use_kernels
+    stores = [PackedRows(codec, 2, WIDTH, device, encoder_for, layout, HEAD_DIM, rows_together),
+              PackedRows(codec, 2, WIDTH, device, None, layout, HEAD_DIM)]
+    assert stores[0].use_kernels and (rows_together is None or stores[0].rows_together == (rows_together or stores[0].pieces == 1))
     step = codec.block_tokens
     for store in stores:
         store.append(1, x[: 8 * G])
