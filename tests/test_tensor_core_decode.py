@@ -588,7 +588,7 @@ MUTANTS = {
     "skvq-code-second-row": ("skvq2", "rows + (r + 1) * row_bytes", "rows + r * row_bytes", "3"),
     "skvq-row-words": ("skvq4", "k + 1, c) = prmt(along_c, along_c1, 0x7632u);", "k + 1, c) = prmt(along_c, along_c1, 0x3276u);", "3"),
     "skvq-fp8-parameter-rows": ("skvq2-fp8", "e4m3_pair_by_half(word >> 16)", "e4m3_pair_by_half(word)", "3"),
-    "value-row-width": ("int4-int2v", "(long long)kvh * S::VROW;", "(long long)kvh * S::KROW;", "3"),
+    "value-row-width": ("int4-int2v", "kvh * v_head;", "kvh * k_head;", "3"),
     # 16 tokens in M and the query heads in N: the k-step's second eight tokens, P's transpose, the merged heads
     "tokens-in-m-second-rows": ("int4", "key_row_pairs(k1, buffer + (tb + 16 * kt + 8 + g) * S::KSROW);",
                                 "key_row_pairs(k1, buffer + (tb + 16 * kt + g) * S::KSROW);"),
