@@ -127,7 +127,8 @@ def stages(args) -> list[Stage]:
     xdist = ["-n", "12", "--dist", "loadgroup"] if importlib.util.find_spec("xdist") else []
     suite = ["-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={args.out / 'logs' / 'suite.xml'}", *gpu_test_files()]
     generate = ["--lengths", args.generate_lengths, "--batches", args.generate_batches, "--recipes", args.generate_recipes,
-                "--new-tokens", "16", "--torch-profile", "2", "--largest-batch", str(args.generate_largest), "--seed", str(args.seed)]
+                "--new-tokens", "16", "--torch-profile", "2", "--largest-batch", str(args.generate_largest), "--seed", str(args.seed),
+                "--cuda-layout", args.generate_cuda_layout]
     found = [
         Stage("environment", [PYTHON, "-c", ENVIRONMENT], 30, 5),
         Stage("layout", [*bench("kernels", "layout"), "--seed", str(args.seed)], 90, 30, [*bench("kernels", "layout"), "--help"]),
@@ -147,7 +148,8 @@ def stages(args) -> list[Stage]:
         Stage("generate", [*bench("end_to_end", "gpu"), *generate], 330, 90,
               [*bench("end_to_end", "gpu"), "--shape", "tiny", "--device", "cpu", "--lengths", "64,128", "--batches", "1,2",
                "--recipes", args.generate_recipes, "--new-tokens", "4", "--torch-profile", "1", "--profile-seqlen", "64",
-               "--largest-batch", str(min(args.generate_largest, 2)), "--seed", str(args.seed)]),
+               "--largest-batch", str(min(args.generate_largest, 2)), "--seed", str(args.seed), "--cuda-layout",
+               args.generate_cuda_layout]),
     ]
     if args.baseline_tree:  # each tree compiles its variants once (the first round; 20 s allowed a variant), times them twice
         trees = [argument for tree in args.baseline_tree for argument in ("--baseline", str(tree))]
@@ -330,6 +332,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-batches", default="1,8", help="batches of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-recipes", default="kvquant,kivi,kvmix", help="kvcal recipes of the end-to-end stage (default: %(default)s)")
+    parser.add_argument("--generate-cuda-layout", choices=("rows", "heads"), default="rows",
+                        help="the end-to-end stage's kvcal CUDA stores: rows whole or each KV head's rows together "
+                             "(benchmarks.end_to_end gpu --cuda-layout; default: %(default)s)")
     parser.add_argument("--generate-largest", type=int, default=3, metavar="TRIES",
                         help="largest-batch tries per cache at the longest generate length (0: none; default: %(default)s)")
     parser.add_argument("--only", default="", help="run only these stages, comma-separated (default: all)")

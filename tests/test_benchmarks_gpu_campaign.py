@@ -200,6 +200,16 @@ def test_a_cell_where_the_fp16_caches_run_out_of_memory_keeps_the_quantized_rows
                                       "profile": {}, "results": rows, "fits": [], "torch_profiles": {}},
                                      {"device": "GPU", "commit": "abc", "date": "today"}))
     assert "| 32768 | 32 | StaticCache | out of memory |" in text and "| 32768 | 32 | kvcal kivi | 50.00 | 640.0 | - | - |" in text
+    assert "rows together" not in text  # (the CUDA stores' default layout goes unsaid)
+
+
+def test_the_end_to_end_table_says_when_kvcal_s_cuda_stores_keep_each_kv_heads_rows_together():
+    args = generate.parse_args(["--device", "cpu", "--cuda-layout", "heads"])
+    settings = {"shape": "llama-8b", "config": {}, "dtype": "bf16", "timed_steps": 15, "left_out": {}, "weights_gib": 15.0,
+                "cuda_layout": args.cuda_layout}
+    text = "\n".join(generate.table({"settings": settings, "profile": {}, "results": [], "fits": [], "torch_profiles": {}},
+                                    {"device": "GPU", "commit": "abc", "date": "today"}))
+    assert "kvcal's CUDA stores keep each KV head's rows together (--cuda-layout heads)." in text
 
 
 def test_the_largest_batch_rows_have_no_ratio_where_static_cache_never_ran(recipe_bundles):
@@ -219,7 +229,8 @@ def test_the_largest_batch_rows_have_no_ratio_where_static_cache_never_ran(recip
         rows = [{"cache": "StaticCache", "length": 40, "batch": 2, **generate.OUT_OF_MEMORY},
                 {"cache": "kvcal kivi", "length": 40, "batch": 2, "out_of_memory": False, "max_batch_predicted": None}]
         found = list(generate.largest_batches(model, context, ids, rows, {"kivi": recipe_bundles["kivi"]},
-                                              argparse.Namespace(largest_batch=1, device="cpu"), generate.Clock("cpu")))
+                                              argparse.Namespace(largest_batch=1, device="cpu", cuda_layout="rows"),
+                                              generate.Clock("cpu")))
     assert [(r["cache"], r["largest_batch"], r["tries"]) for r in found] == [("kvcal kivi", 4, [[4, True]])]
     assert found[0]["batch_vs_static"] is None and found[0]["tokens_per_s_vs_static"] is None
 

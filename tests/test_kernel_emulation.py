@@ -29,7 +29,6 @@ from kvcal.runtime.tensor_core import Variant
 pytestmark = pytest.mark.emulation
 
 EMULATION = Path(__file__).resolve().parent / "kernel_emulation"
-APPEND_ENCODER = kernels.append_encoder  # (tests swap in its other layout)
 GRID = "unsigned gx, unsigned gy, unsigned gz, unsigned bx"
 WORDS_TARGET = ("const long long* sequence_of_row, const long long* row_in_sequence, long long words_sequence, long long words_row, "
                 "long long piece_stride, int piece_words, ")
@@ -253,12 +252,12 @@ def on_cpu(emulated_library, tensor_core_library, monkeypatch):
     return launched
 
 
-def prefill_then_decode(model, bundle, ids, mask, prompt: int) -> tuple[torch.Tensor, object]:
+def prefill_then_decode(model, bundle, ids, mask, prompt: int, cuda_layout: str = "rows") -> tuple[torch.Tensor, object]:
     """(logits of the decode steps after a prefill of `prompt` tokens: ids[:, prompt:] one token at a time, the cache)."""
     from kvcal.runtime import quantized_cache
 
     logits = []
-    with quantized_cache(model, bundle) as cache:
+    with quantized_cache(model, bundle, cuda_layout) as cache:
         model(ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True)
         for t in range(prompt, ids.shape[1]):
             out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
@@ -333,9 +332,8 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
 
 
 @pytest.mark.parametrize("recipe", ("kivi2-g32", "kvmix", "kvquant"))
-def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_logits(on_cpu, head_dim_64_bundles, recipe,
-                                                                                   monkeypatch):
-    """The cache's CUDA stores made with each KV head's rows together (AppendKernels(rows_together=False)): a prefill
+def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_logits(on_cpu, head_dim_64_bundles, recipe):
+    """quantized_cache(..., cuda_layout="heads"): the CUDA stores keep each KV head's rows together, and a prefill
     and decode steps on the emulated kernels give the same logits, bit for bit, as with rows kept whole."""
     from conftest import tiny_model
 
@@ -343,10 +341,10 @@ def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_lo
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     logits = []
-    for together in (True, False):
-        monkeypatch.setattr(kernels, "append_encoder", functools.partial(APPEND_ENCODER, rows_together=together))
+    for layout, together in (("rows", True), ("heads", False)):
         with torch.inference_mode():
-            got, cache = prefill_then_decode(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, mask, prompt=30)
+            got, cache = prefill_then_decode(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, mask, prompt=30,
+                                             cuda_layout=layout)
         assert {layer.keys_store.body.rows_together for layer in cache.layers} == {together}
         logits.append(got)
     assert torch.equal(*logits)

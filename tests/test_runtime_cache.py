@@ -201,6 +201,13 @@ def test_a_cache_used_after_it_is_closed_is_refused():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_an_unknown_cuda_layout_is_refused_before_the_model_is_wired():
+    model = tiny_model("llama")
+    with pytest.raises(KvcalError, match="cuda_layout 'columns': give one of 'rows', 'heads'"):
+        quantized_cache(model, fp16_kivi_bundle(model), cuda_layout="columns")
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_a_cache_handed_to_another_model_instance_is_refused():
     """Two instances of one architecture (the bundle fits both): a cache serves only its own, whether the
     other is wired for a cache of its own or not, and is left untouched by the refused call."""

@@ -33,10 +33,11 @@ time at copy bandwidth is printed beside a.
 
 Usage: python -m benchmarks.end_to_end gpu [--lengths 8192,32768] [--batches 1,8] [--recipes all]
        [--new-tokens 16] [--profile-windows 2] [--largest-batch TRIES] [--shape llama-8b|tiny] [--device cuda|cpu]
-       (see --help)
+       [--cuda-layout heads] (see --help)
 CPU dry run at a tiny size: python -m benchmarks.end_to_end gpu --shape tiny --device cpu --lengths 64,128 --batches 1,2
-Writes benchmarks/results/generate_<device>.{json,md} after each finished (L, B) cell, so a run stopped part way keeps
-the cells it finished (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
+Writes benchmarks/results/generate_<device>.{json,md} (generate_<device>_heads with --cuda-layout heads: kvcal's CUDA
+stores keeping each KV head's rows together) after each finished (L, B) cell, so a run stopped part way keeps the
+cells it finished (--out; KVCAL_RESULTS_DIR moves benchmarks/results).
 """
 
 from __future__ import annotations
@@ -103,7 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="at the longest length, try up to TRIES batches per cache (StaticCache, kvcal's) for the "
                              "largest that loads and decodes, from the predicted one (default: 0, predicted only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
-    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: generate_<device>)")
+    parser.add_argument("--cuda-layout", choices=("rows", "heads"), default="rows",
+                        help="how the CUDA append kernels lay out kvcal's packed bodies: each token's row whole, or each KV "
+                             "head's rows together (quantized_cache's cuda_layout; default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help="result name under benchmarks/results (default: generate_<device>, _heads with --cuda-layout heads)")
     args = parser.parse_args(argv)
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -250,8 +255,10 @@ def transformers_cache_bytes(cache) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
 
 
-def makers(model, context, batch: int, length: int, new_tokens: int, bundles: dict, baselines: list[str]):
-    """(name, make) in the order measured in a cell (StaticCache first and last); make() -> (cache, bytes_of(cache))."""
+def makers(model, context, batch: int, length: int, new_tokens: int, bundles: dict, baselines: list[str],
+           cuda_layout: str = "rows"):
+    """(name, make) in the order measured in a cell (StaticCache first and last); make() -> (cache, bytes_of(cache));
+    kvcal's caches with quantized_cache's cuda_layout."""
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     from kvcal.bundle import load_bundle
@@ -272,7 +279,7 @@ def makers(model, context, batch: int, length: int, new_tokens: int, bundles: di
 
     def kvcal_cache(bundle):
         def make():
-            cache = quantized_cache(model, bundle)
+            cache = quantized_cache(model, bundle, cuda_layout)
             try:
                 cache.load(batched(context, batch))
             except BaseException:  # (out of device memory in a largest-batch try: the model is unwired again)
@@ -420,7 +427,7 @@ def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles
         start = widest["max_batch_predicted"] or 2 * widest["batch"]
 
         def run(batch: int, name=name):
-            make = dict(makers(model, context, batch, length, LARGEST_STEPS, bundles, []))[name]
+            make = dict(makers(model, context, batch, length, LARGEST_STEPS, bundles, [], args.cuda_layout))[name]
             try:
                 result = run_cache(model, ids.expand(batch, length), LARGEST_STEPS, make, args.device, clock)
             except torch.OutOfMemoryError:
@@ -464,6 +471,7 @@ def measure(args, save) -> dict:
                 "lengths": args.lengths, "batches": args.batches, "recipes": args.recipes, "baselines": baselines,
                 "left_out": missing, "new_tokens": args.new_tokens, "timed_steps": args.new_tokens - 1,
                 "seed": args.seed, "weights_gib": gib(weights), "largest_batch_tries": args.largest_batch,
+                "cuda_layout": args.cuda_layout,
                 "device_memory_gib": gib(torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else None}
     with tempfile.TemporaryDirectory() as folder:
         bundles, profile = make_bundles(model, args, Path(folder), clock)
@@ -479,7 +487,7 @@ def measure(args, save) -> dict:
                 prompt = ids.expand(batch, length)
                 cell = []
                 room = args.new_tokens + 2 * args.torch_profile + 1  # StaticCache's tokens past the prompt
-                chosen = makers(model, context, batch, length, room, bundles, baselines)
+                chosen = makers(model, context, batch, length, room, bundles, baselines, args.cuda_layout)
                 for name, make in chosen:
                     try:
                         result = run_cache(model, prompt, args.new_tokens, make, device, clock)
@@ -564,6 +572,8 @@ def table(result: dict, started: dict) -> list[str]:
              "DynamicCache; peak: GPU memory above what was allocated before the cache; max batch: (device memory - weights) / "
              "peak per sequence, predicted.", ""]
     lines += [f"Left out: {why}" for why in settings["left_out"].values()]
+    if settings.get("cuda_layout") == "heads":
+        lines += ["kvcal's CUDA stores keep each KV head's rows together (--cuda-layout heads)."]
     profile = result["profile"]
     if "profile_window_s" in profile:
         lines += ["", f"Profile ({profile['profile_windows']} windows of {profile['profile_seqlen']} tokens): "
@@ -601,7 +611,7 @@ def table(result: dict, started: dict) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = provenance()
-    name = args.out or f"generate_{device_slug(started['device'])}"
+    name = args.out or f"generate_{device_slug(started['device'])}" + ("_heads" if args.cuda_layout == "heads" else "")
     measure(args, lambda result: (write_result(name, result, started), write_markdown(name, table(result, started))))
 
 

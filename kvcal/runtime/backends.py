@@ -239,10 +239,11 @@ def codec_name(codec) -> str:
 # appends
 
 
-def append_encoder(codec, width: int, layout: str, device):
-    """What a packed body quantizes its appends with: the CUDA append kernels, on the CPU the compiled appends, or
-    None (the torch codec)."""
-    return kernels.append_encoder(codec, width, layout, device) or cpu_kernel.append_encoder(codec, width, layout, device)
+def append_encoder(codec, width: int, layout: str, device, cuda_rows_together: bool = True):
+    """What a packed body quantizes its appends with: the CUDA append kernels (laying rows out as cuda_rows_together
+    says: kernels.AppendKernels), on the CPU the compiled appends, or None (the torch codec)."""
+    return (kernels.append_encoder(codec, width, layout, device, cuda_rows_together)
+            or cpu_kernel.append_encoder(codec, width, layout, device))
 
 
 def append_path(codec, width: int, device) -> str:

@@ -41,6 +41,7 @@ the step has an attention mask (transformers' own mask building reads it then to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -490,10 +491,19 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     return context
 
 
-def quantized_cache(model, bundle) -> WiredCache:
+CUDA_LAYOUTS = {"rows": True, "heads": False}  # quantized_cache's cuda_layout -> the CUDA stores' rows_together
+
+
+def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
-    past_key_values=cache)`; the model is wired for the cache until it is closed."""
+    past_key_values=cache)`; the model is wired for the cache until it is closed. cuda_layout: how the CUDA append
+    kernels lay out a packed body, each token's row whole ("rows") or each KV head's rows together ("heads"); the
+    kernels read either, to the same bits (kvcal.runtime.kernels.AppendKernels). CPU stores keep each KV head's rows
+    together whatever it says."""
+    if cuda_layout not in CUDA_LAYOUTS:
+        raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, CUDA_LAYOUTS))}")
+    encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=CUDA_LAYOUTS[cuda_layout])
     adapter = adapt(model)
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
@@ -505,7 +515,7 @@ def quantized_cache(model, bundle) -> WiredCache:
         def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
-            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=backends.append_encoder,
+            return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
                                   head_dim=adapter.head_dim)
         layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)
