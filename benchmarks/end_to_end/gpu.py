@@ -80,6 +80,7 @@ QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}  # transformers'
 def parse_args(argv=None) -> argparse.Namespace:
     from kvcal import registry
     from kvcal.errors import KvcalError
+    from kvcal.runtime.store import STORE_LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="model shape (default: %(default)s)")
@@ -104,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="at the longest length, try up to TRIES batches per cache (StaticCache, kvcal's) for the "
                              "largest that loads and decodes, from the predicted one (default: 0, predicted only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
-    parser.add_argument("--cuda-layout", choices=("rows", "heads"), default="rows",
+    parser.add_argument("--cuda-layout", choices=STORE_LAYOUTS, default="rows",
                         help="how the CUDA append kernels lay out kvcal's packed bodies: each token's row whole, or each KV "
                              "head's rows together (quantized_cache's cuda_layout; default: %(default)s)")
     parser.add_argument("--out", default=None,

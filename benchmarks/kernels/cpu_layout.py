@@ -26,7 +26,6 @@ from benchmarks.kernels.tensor_core import inv_freq, variants
 
 HEAD_DIM, KV_HEADS, GROUP = 128, 8, 4
 DEFAULT_VARIANTS = "int2-g128,int4-g128,int2-g32,nuq3-pre-rope,nuq3-1%-pre-rope"
-LAYOUTS = {"rows": True, "heads": False}  # name -> PackedRows' rows_together
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,11 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def stores(codecs, batch: int, length: int, seed: int) -> dict:
     """layout -> (K, V) stores of the same `length` random tokens per sequence."""
-    from kvcal.runtime.store import PackedRows
+    from kvcal.runtime.store import STORE_LAYOUTS, PackedRows
 
     width = KV_HEADS * HEAD_DIM
     made = {name: tuple(PackedRows(codec, batch, width, "cpu", head_dim=HEAD_DIM, rows_together=together) for codec in codecs)
-            for name, together in LAYOUTS.items()}
+            for name, together in STORE_LAYOUTS.items()}
     generator = torch.Generator().manual_seed(seed)
     for b in range(batch):
         for side in range(2):

@@ -47,6 +47,7 @@ import torch
 
 from benchmarks.kernels.gpu_timing import GROUP, HEAD_DIMS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
+from kvcal.runtime.store import STORE_LAYOUTS
 from tools import bound_decode
 
 BATCH = 8
@@ -95,9 +96,6 @@ def skvq_codec(width: int, seed: int, groups: int = 16, bits: int = 2):
 def inv_freq(head_dim: int) -> torch.Tensor:
     """Llama's RoPE frequencies (base 10000)."""
     return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-
-LAYOUTS = {"rows": True, "heads": False}  # --layout -> PackedRows' rows_together
 
 
 def filled_stores(codecs, batch: int, length: int, head_dim: int, seed: int = 0, device: str = "cuda", kv_heads: int = KV_HEADS,
@@ -160,7 +158,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=128, help="channels per head (default: %(default)s)")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS,
                         help=f"KV heads, each with {GROUP} query heads (default: %(default)s; Gemma 3's: 1)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="rows",
+    parser.add_argument("--layout", choices=STORE_LAYOUTS, default="rows",
                         help="how packed bodies keep their codes: each token's row whole (a CUDA store's default) or each "
                              "KV head's rows together (default: %(default)s; see above)")
     args = parser.parse_args()
@@ -209,7 +207,7 @@ def main() -> None:
                 print(f"{name}: skipped at head_dim {head_dim}: {refused}", flush=True)
                 continue
         keys, values = filled_stores(codecs, batch, length, head_dim, seed=args.seed, kv_heads=kv_heads,
-                                     rows_together=LAYOUTS[args.layout])
+                                     rows_together=STORE_LAYOUTS[args.layout])
         query = torch.randn(batch, kv_heads * GROUP, head_dim, device="cuda", generator=torch.Generator(device="cuda").manual_seed(args.seed))
         read = sum(s.used_bytes(b) for s in (keys, values) for b in range(batch)) + 2 * query.numel() * 4
         error = repeats = None

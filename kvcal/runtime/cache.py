@@ -55,7 +55,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
-from kvcal.runtime.store import upload
+from kvcal.runtime.store import STORE_LAYOUTS, upload
 
 ATTENTION_NAME = "kvcal_runtime"
 LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
@@ -491,9 +491,6 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     return context
 
 
-CUDA_LAYOUTS = {"rows": True, "heads": False}  # quantized_cache's cuda_layout -> the CUDA stores' rows_together
-
-
 def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
@@ -501,9 +498,9 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
     kernels lay out a packed body, each token's row whole ("rows") or each KV head's rows together ("heads"); the
     kernels read either, to the same bits (kvcal.runtime.kernels.AppendKernels). CPU stores keep each KV head's rows
     together whatever it says."""
-    if cuda_layout not in CUDA_LAYOUTS:
-        raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, CUDA_LAYOUTS))}")
-    encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=CUDA_LAYOUTS[cuda_layout])
+    if cuda_layout not in STORE_LAYOUTS:
+        raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, STORE_LAYOUTS))}")
+    encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=STORE_LAYOUTS[cuda_layout])
     adapter = adapt(model)
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)

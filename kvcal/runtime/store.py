@@ -9,8 +9,8 @@ stored). Layouts, per sequence:
   ("planes3" for 3 bits: exactly 3 bits per code), a row cut into pieces of whole packing units, one a KV head
   where the head_dim is known and a head's codes fill whole units (else one piece). A CPU store keeps each piece's
   rows together (storage (pieces, capacity, words), `words` its permuted view): its decode kernel reads a KV
-  head's tokens in turn. A CUDA store keeps each token's row whole, as the tensor-core kernel's copies read it
-  (until a GPU measures the other: benchmarks.kernels layout). Per-token parameters in their storage dtype (fp16
+  head's tokens in turn. A CUDA store keeps each token's row whole by default (kvcal.runtime.kernels.AppendKernels;
+  the CUDA kernels read either, until a GPU measures which is faster: STORE_LAYOUTS names both). Per-token parameters in their storage dtype (fp16
   scale/zero or lo/hi, fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs
   along the tokens, so that a KV head's parameters of consecutive tokens are contiguous, as the kernels copy them
   (`token[name]` is the (capacity, P) view of it); per-block parameters (capacity / block_tokens, C) for
@@ -49,6 +49,9 @@ from kvcal.errors import KvcalError
 from kvcal.packing import (OUTLIER_BYTES, OUTLIER_TILE_TOKENS, check_outlier_head_dim, layout_for, outlier_table_bytes, pack,
                            packed_words, unit_shape, unpack, unpack_units)
 from kvcal.quantizers import TINY_SCALE, CodecKind, Encoded
+
+# a store layout's name -> PackedRows' rows_together: each token's row whole, or each KV head's rows together
+STORE_LAYOUTS = {"rows": True, "heads": False}
 
 GROWTH = 256  # tokens added to a buffer's capacity at a time
 
