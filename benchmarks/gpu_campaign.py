@@ -194,19 +194,19 @@ def _load(folder: Path, prefix: str) -> dict | None:
 
 def kernel_table(kernels: dict) -> list[str]:
     """The tensor-core benchmark's launcher-plan rows, each checked against SDPA in fp32 and for the same bits on a
-    second launch (results written before that check say '-'), beside the written bound's prediction where it has one
-    (its error: predicted over measured)."""
+    second launch (results written before that check say '-'), beside the written bound's predictions where it has
+    them, its constant paid per token and per line (each one's error: predicted over measured)."""
     kv_heads, first = kernels["kv_heads"], kernels["results"][0]
     lines = ["", f"Kernels on {kernels['device']} (commit {kernels['commit']}): copy {kernels['copy_bandwidth_gbps']:.0f} GB/s, "
              f"B={first['batch']}, L={first['tokens']}, head_dim {kernels['head_dim']}, "
              f"{kv_heads} KV head{'s' * (kv_heads != 1)}"
              + (", each KV head's rows together" if kernels.get("layout") == "heads" else ""), "",
-             "| variant | us | predicted us | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
+             "| variant | us | predicted us, per token / per line | of copy bw | x SDPA fp16 | max err | same bits twice | check |",
              "|---|---|---|---|---|---|---|---|"]
 
     def predicted(r: dict) -> str:
         us = r.get("predicted_us")
-        return "-" if us is None else f"{us} ({us / r['latency_us'] - 1:+.0%})"
+        return "-" if us is None else " / ".join(f"{u} ({u / r['latency_us'] - 1:+.0%})" for u in us.values())
 
     def check(r: dict) -> str:
         return "ok" if r["max_abs_error_vs_sdpa_fp32"] <= TOLERANCE and r.get("same_bits_twice") is not False else "FAIL"
@@ -235,18 +235,21 @@ def layout_table(layout: dict) -> list[str]:
 
 def layouts_table(rows: dict, heads: dict) -> list[str]:
     """The variants both tensor-core runs timed (launcher's plan): each store layout's latency and the heads-together
-    one's over the rows-whole one's (below 1: the other layout is faster)."""
+    one's over the rows-whole one's (below 1: the other layout is faster), beside that ratio as the written bound
+    predicts it with its constant paid per line (paid per token, it predicts 1.00x)."""
     whole = {r["variant"]: r for r in rows["results"] if r["plan"] == "launcher"}
     together = [r for r in heads["results"] if r["plan"] == "launcher" and r["variant"] in whole]
     if not together:
         return []
     lines = ["", f"Store layouts on {heads['device']} (the kernels and kernels-heads stages, head_dim {heads['head_dim']}):", "",
-             "| variant | rows whole us | of copy bw | KV heads' rows together us | of copy bw | together / whole |",
-             "|---|---|---|---|---|---|"]
+             "| variant | rows whole us | of copy bw | KV heads' rows together us | of copy bw | together / whole "
+             "| predicted, per line |", "|---|---|---|---|---|---|---|"]
     for r in together:
         w = whole[r["variant"]]
+        both = (w.get("predicted_us"), r.get("predicted_us"))
+        predicted = f"{both[1]['line'] / both[0]['line']:.2f}x" if all(both) else "-"
         lines.append(f"| {r['variant']} | {w['latency_us']} | {w['fraction_of_copy_bandwidth']:.0%} | {r['latency_us']} | "
-                     f"{r['fraction_of_copy_bandwidth']:.0%} | {r['latency_us'] / w['latency_us']:.2f}x |")
+                     f"{r['fraction_of_copy_bandwidth']:.0%} | {r['latency_us'] / w['latency_us']:.2f}x | {predicted} |")
     return lines
 
 

@@ -71,7 +71,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
            "fraction_of_copy_bandwidth": 0.46, "speedup_vs_sdpa_fp16": 3.31, "max_abs_error_vs_sdpa_fp32": 1.2e-4}
     (tmp_path / "results" / "decode_tc_gpu.json").write_text(json.dumps({
         "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8,
-        "results": [{**row, "predicted_us": 99.45, "same_bits_twice": True},
+        "results": [{**row, "predicted_us": {"token": 99.45, "line": 104.0}, "same_bits_twice": True},
                     {**row, "variant": "nuq3-1%-pre-rope", "max_abs_error_vs_sdpa_fp32": float("inf")},
                     {**row, "variant": "nuq4-1%-pre-rope", "same_bits_twice": False}]}))
     for name, kv_heads, latency in (("d256", 8, 190.0), ("d256_kv1", 1, 30.0)):
@@ -80,7 +80,7 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
             "results": [{**row, "variant": "int2-g32", "latency_us": latency}]}))
     (tmp_path / "results" / "decode_tc_gpu_heads.json").write_text(json.dumps({
         "device": "GPU", "commit": "abc", "copy_bandwidth_gbps": 3009.0, "head_dim": 128, "kv_heads": 8, "layout": "heads",
-        "results": [{**row, "latency_us": 80.0, "fraction_of_copy_bandwidth": 0.64}]}))
+        "results": [{**row, "latency_us": 80.0, "fraction_of_copy_bandwidth": 0.64, "predicted_us": {"token": 99.45, "line": 52.0}}]}))
     (tmp_path / "logs" / "suite.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
@@ -91,7 +91,8 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
                                               "| int2-g128 | 99.00 | 110.00 | 100.00 | 0.900 | 0.990 |\n")
     stages = [campaign.Stage("kernels", [], 1, 1, status="ok", seconds=12.0)]
     text = "\n".join(campaign.summary(tmp_path, stages))
-    assert "| int2-g128 | 110.5 | 99.45 (-10%) | 46% | 3.31x | 1.2e-04 | yes | ok |" in text  # beside the bound's prediction
+    # beside the bound's predictions, its constant paid per token and per line
+    assert "| int2-g128 | 110.5 | 99.45 (-10%) / 104.0 (-6%) | 46% | 3.31x | 1.2e-04 | yes | ok |" in text
     assert "interleaved):\nbaselines: a = /t/a, b = /t/b\n\n| variant | this tree us | a us | b us |" in text
     assert "round 1" not in text
     assert "| nuq3-1%-pre-rope | 110.5 | - | 46% | 3.31x | inf | - | FAIL |" in text  # (a result without the second launch)
@@ -100,8 +101,8 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
             < text.index("head_dim 256, 1 KV head\n") < text.index("| int2-g32 | 30.0 |")
             < text.index("B=8, L=32768, head_dim 128, 8 KV heads, each KV head's rows together\n") < text.index("| int2-g128 | 80.0 |"))
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
-    # the variants both layouts timed, side by side
-    assert "head_dim 128):\n\n| variant | rows whole us |" in text and "| int2-g128 | 110.5 | 46% | 80.0 | 64% | 0.72x |" in text
+    # the variants both layouts timed, side by side, beside the ratio the per-line reading predicts
+    assert "head_dim 128):\n\n| variant | rows whole us |" in text and "| int2-g128 | 110.5 | 46% | 80.0 | 64% | 0.72x | 0.50x |" in text
 
 
 def test_the_summary_tables_each_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):

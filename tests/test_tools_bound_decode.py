@@ -211,8 +211,8 @@ def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     """measured_on_gpus keeps the fastest row per variant at the bound's shape (not another head_dim's run);
     measured_table pairs it with the bound of the case that names it, and gives nothing where no run has the case's
-    variant; a run at other KV heads is named so and predicted over its own KV-head tokens, and one laid out per KV
-    head is named so beside the same prediction."""
+    variant; a run at other KV heads is named so and predicted over its own KV-head tokens, and one with each KV
+    head's rows together is named so beside the same per-token prediction and a per-line one of its fewer lines."""
     import json
 
     shape = {"batch": bd.SHAPE["batch"], "tokens": bd.SHAPE["tokens"], "bytes_read": 151257088, "sdpa_fp16_latency_us": 255.7}
@@ -230,36 +230,56 @@ def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
     table = bd.measured_table([walk], kernel, runs)
     assert table[-1] == "| int2 g128 (KIVI) | 85.8% | - | 40.0% | 6.78x | - | 2.90x | - | GPU, abc1234, 2026-11-23 |"
     assert bd.measured_table([{**walk, "case": "int4 g128 (KIVI)"}], kernel, runs) == []
-    # with a calibrated model: its latency on the run's device, and the error against the measured one
-    counts = {"warp_instructions_per_token": 16.0, "shared_wavefronts_per_token": 2.0, "bytes_per_token": 72.0}
-    calibration = {"per_instruction": 0.5, "per_token": 30.0}
+    # with a calibrated model: its latencies on the run's device, and their errors against the measured one; int2's
+    # 32-byte pieces of 256-byte rows touch a line each, so the per-line reading pays its constant twice a token
+    counts = {"warp_instructions_per_token": 16.0, "shared_wavefronts_per_token": 2.0, "bytes_per_token": 72.0,
+              "code_bytes": [32, 32]}
+    calibration = {"token": {"per_instruction": 0.5, "constant": 30.0}, "line": {"per_instruction": 0.5, "constant": 15.0}}
     us = (0.5 * 16 + 4 * 2 + 30) * bd.KV_HEAD_TOKENS / bd.SLOTS_PER_S * 1e6  # compute-bound at 3 TB/s
-    assert math.isclose(bd.predicted_us({**walk, **counts}, calibration, 3e12, 151257088), us)
+    for reading in ("token", "line"):
+        assert math.isclose(bd.predicted_us({**walk, **counts}, calibration, 3e12, 151257088, reading=reading), us)
     cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
-    assert cells[2] == f"{151257088 / 3e12 * 1e6 / us:.1%}" and cells[7] == f"{us / 126.0 - 1:+.0%}"
-    # one KV head (Gemma 3's): an eighth of the tokens, so an eighth of the predicted latency
+    fraction, error = f"{151257088 / 3e12 * 1e6 / us:.1%}", f"{us / 126.0 - 1:+.0%}"
+    assert cells[2] == f"{fraction} / {fraction}" and cells[7] == f"{error} / {error}"
+    # one KV head (Gemma 3's): an eighth of the tokens, so an eighth of the per-token latency; its pieces lie end to
+    # end, a quarter of a line a side a token, so the per-line constant is paid half a time
     one = [{**r, "bytes_read": 151257088 // 8, "latency_us": 20.0} for r in rows]
     (tmp_path / "decode_tc_gpu_kv1.json").write_text(json.dumps({**run, "head_dim": 128, "kv_heads": 1, "results": one}))
     runs = bd.measured_on_gpus(tmp_path)
     assert [(r["kv_heads"], r["kv_head_tokens"]) for r in runs] == [(8, bd.KV_HEAD_TOKENS), (1, bd.KV_HEAD_TOKENS // 8)]
     cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
-    assert cells[7] == f"{us / 8 / 20.0 - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, 1 KV head |"
-    # the same work laid out per KV head (B x KV heads sequences of one): the same KV-head tokens and prediction, named so
-    per_head = [{**r, "batch": r["batch"] * 8, "latency_us": r["latency_us"] * 0.8} for r in rows]
-    (tmp_path / "decode_tc_gpu_per_head.json").write_text(json.dumps({**run, "head_dim": 128, "per_head": True,
-                                                                       "results": per_head}))
+    fewer = (0.5 * 16 + 4 * 2 + 15 * 0.5) * bd.KV_HEAD_TOKENS / 8 / bd.SLOTS_PER_S * 1e6
+    assert cells[7] == f"{us / 8 / 20.0 - 1:+.0%} / {fewer / 20.0 - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, 1 KV head |"
+    # the same codes with each KV head's rows together: the same KV-head tokens and per-token prediction, named so
+    heads = [{**r, "latency_us": r["latency_us"] * 0.5} for r in rows]
+    (tmp_path / "decode_tc_gpu_heads.json").write_text(json.dumps({**run, "head_dim": 128, "layout": "heads", "results": heads}))
     runs = bd.measured_on_gpus(tmp_path)
-    assert [(r["kv_head_tokens"], r["per_head"]) for r in runs] == [(bd.KV_HEAD_TOKENS, False), (bd.KV_HEAD_TOKENS // 8, False),
-                                                                    (bd.KV_HEAD_TOKENS, True)]
-    assert runs[2]["variants"]["int2-g128"]["latency_us"] == 126.0 * 0.8
-    cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-1].split(" | ")
-    assert cells[7] == f"{us / (126.0 * 0.8) - 1:+.0%}" and cells[8] == "GPU, abc1234, 2026-11-23, laid out per KV head |"
+    assert [(r["kv_head_tokens"], r["layout"]) for r in runs] == [(bd.KV_HEAD_TOKENS, "rows"), (bd.KV_HEAD_TOKENS, "heads"),
+                                                                  (bd.KV_HEAD_TOKENS // 8, "rows")]
+    cells = bd.measured_table([{**walk, **counts}], kernel, runs, calibration)[-2].split(" | ")
+    fewer *= 8
+    assert cells[7] == f"{us / 63.0 - 1:+.0%} / {fewer / 63.0 - 1:+.0%}"
+    assert cells[8] == "GPU, abc1234, 2026-11-23, each KV head's rows together |"
+
+
+def test_lines_a_token_touches_in_each_layout():
+    """Rows whole, a KV head's piece of each row shares its lines with the other heads' (a 48-byte one straddles a
+    line at a quarter of the heads); each KV head's rows together, its pieces lie end to end."""
+    assert bd.lines_per_token((32, 32), 8, "rows") == 2.0
+    assert bd.lines_per_token((48, 48), 8, "rows") == 2.5
+    assert bd.lines_per_token((256, 256), 8, "rows") == 4.0  # fp16 at head_dim 128: two whole lines a side
+    assert math.isclose(bd.lines_per_token((32, 32), 8, "heads"), 0.5)
+    assert math.isclose(bd.lines_per_token((48, 48), 8, "heads"), 0.75)
+    assert bd.lines_per_token((32, 32), 1, "rows") == bd.lines_per_token((32, 32), 1, "heads")  # one head: one layout
+    assert math.isclose(bd.lines_per_token((32, 64), 2, "rows"), 0.5 + 1.0)  # 64-byte rows: two tokens' keys a line
+    case = next(c for c in bd.TensorCoreKernel.cases if c.name == "int2 keys, int4 values, g32 (KVmix's)")
+    assert bd.code_bytes(case, 128) == (32, 64) and bd.code_bytes(bd.TensorCoreKernel.cases[0], 256) == (512, 512)
 
 
 def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
-    """calibrate fits tools.decode_model to the newest run's variants under 80% of copy bandwidth (fp16 rows at the
-    roofline say nothing about the issue side) in the stores' layout, and reports each one's error in the fit and left
-    out."""
+    """calibrate fits tools.decode_model in both readings to the newest run's variants under 80% of copy bandwidth
+    (fp16 rows at the roofline say nothing about the issue side) with rows whole, and reports each one's error in the
+    fit and left out."""
     kernel = bd.TensorCoreKernel()
     counts = {"int2 g128 (KIVI)": (16.0, 2.3), "int4 g128 (KIVI)": (22.0, 4.1), "nuq3 pre-RoPE 1%": (48.0, 20.1),
               "fp16": (18.0, 8.2)}
@@ -272,25 +292,35 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
                                      "fraction_of_copy_bandwidth": 0.98 if case == "fp16" else 0.4}
                     for case, (n, w) in counts.items()}
         return {"device": "GPU", "commit": date[-2:], "date": date, "copy_bytes_per_s": 3e12, "kv_heads": bd.SHAPE["kv_heads"],
-                "kv_head_tokens": bd.KV_HEAD_TOKENS, "per_head": False, "variants": variants}
+                "kv_head_tokens": bd.KV_HEAD_TOKENS, "layout": "rows", "variants": variants}
 
-    # (a newer run laid out per KV head measured other reads than the stores make: never fitted)
-    runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0), {**run("2026-11-29", 0.5), "per_head": True}]
-    fitted = bd.calibrate(walks, kernel, runs, unchanged_since=lambda commit: commit in ("28", "29"))
-    assert fitted["date"] == "2026-11-28" and set(fitted["fit_error"]) == set(counts) - {"fp16"}
-    assert math.isclose(fitted["per_instruction"], 0.5) and math.isclose(fitted["per_token"], 30.0)
-    assert all(abs(e) < 1e-9 for e in fitted["leave_one_out"].values())
+    # (a newer run with each KV head's rows together tells the readings apart: compared, never fitted)
+    runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0), {**run("2026-11-29", 0.5), "layout": "heads"}]
+    fitted = bd.calibrate(walks, kernel, runs, same_kernels=lambda commit: commit in ("28", "29"))
+    token, line = fitted["token"], fitted["line"]
+    assert fitted["date"] == "2026-11-28" and set(token["fit_error"]) == set(line["fit_error"]) == set(counts) - {"fp16"}
+    assert math.isclose(token["per_instruction"], 0.5) and math.isclose(token["constant"], 30.0)
+    assert all(abs(e) < 1e-9 for e in token["leave_one_out"].values())
+    # every variant here touches 2 lines a token but nuq3 (2.5): the per-line reading fits them nearly as well
+    assert line["constant"] > 0 and max(abs(e) for e in line["fit_error"].values()) < 0.1
     # two variants: nothing left to check the fit with
-    assert bd.calibrate(walks[:2], kernel, runs[:1], unchanged_since=lambda commit: True) is None
+    assert bd.calibrate(walks[:2], kernel, runs[:1], same_kernels=lambda commit: True) is None
     # kernels/ changed since the newest run: its measurements are of other code, and the last fit is kept
-    assert bd.calibrate(walks, kernel, runs, previous=fitted, unchanged_since=lambda commit: False) is fitted
+    assert bd.calibrate(walks, kernel, runs, previous=fitted, same_kernels=lambda commit: False) is fitted
 
 
-def test_kernels_unchanged_since_compares_the_working_tree_with_a_commit():
+def test_walks_from_a_commit_without_a_written_bound_is_refused_before_compiling(capsys):
+    with pytest.raises(SystemExit) as refused:
+        bd.main(["--walks-from", "0" * 40])
+    assert refused.value.code == 2 and "git has no benchmarks/results/bound_decode.json at that commit" in capsys.readouterr().err
+
+
+def test_kernels_same_compares_a_commit_with_the_working_tree_or_another_commit():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bd.REPO, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"], cwd=bd.REPO).returncode != 0
-    assert bd.kernels_unchanged_since(head) is not dirty
-    assert not bd.kernels_unchanged_since("0" * 40)  # a commit git does not know
+    assert bd.kernels_same(head) is not dirty
+    assert bd.kernels_same(head, head)
+    assert not bd.kernels_same("0" * 40)  # a commit git does not know
 
 
 def test_occupancy_from_registers_and_shared_memory():
@@ -415,8 +445,8 @@ def test_the_written_bound_predicts_the_benchmark_variants_it_walked(tmp_path):
 
     assert bd.committed_predictions(tmp_path) is None
     walk = {"case": "int2 g128 (KIVI)", "warp_instructions_per_token": 16.0, "shared_wavefronts_per_token": 2.0,
-            "bytes_per_token": 72.0}
-    calibration = {"per_instruction": 0.5, "per_token": 30.0}
+            "bytes_per_token": 72.0, "code_bytes": [32, 32]}
+    calibration = {"token": {"per_instruction": 0.5, "constant": 30.0}, "line": {"per_instruction": 0.5, "constant": 15.0}}
     bound = {"commit": "abc1234", "sm_90": {"decode_attention_tc.cu": {"cases": [walk]}}}
     (tmp_path / "bound_decode.json").write_text(json.dumps(bound))
     assert bd.committed_predictions(tmp_path) is None

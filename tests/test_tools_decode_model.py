@@ -15,8 +15,20 @@ def test_the_fit_recovers_the_constants_that_made_the_measurements():
     truth = dm.Model(0.55, 29.0)
     points = points_of(truth, [(16, 2.3), (31, 6.1), (40, 10.4), (146, 34.8)])
     fitted = dm.fit(points)
-    assert math.isclose(fitted.per_instruction, 0.55, rel_tol=1e-9) and math.isclose(fitted.per_token, 29.0, rel_tol=1e-9)
+    assert math.isclose(fitted.per_instruction, 0.55, rel_tol=1e-9) and math.isclose(fitted.constant, 29.0, rel_tol=1e-9)
     assert all(abs(e) < 1e-9 for e in dm.leave_one_out(points).values())
+
+
+def test_the_line_reading_pays_its_constant_per_line_and_its_fit_recovers_it():
+    truth = dm.Model(0.5, 14.0, "line")
+    assert truth.slots(10.0, 1.0, lines=2.5) == 0.5 * 10 + 4 * 1 + 14.0 * 2.5
+    counts = [(16, 2.3, 2.0), (31, 6.1, 2.0), (40, 10.4, 2.5), (146, 34.8, 2.0)]
+    points = [dm.Point(f"v{i}", n, w, truth.slots(n, w, lines), lines) for i, (n, w, lines) in enumerate(counts)]
+    fitted = dm.fit(points, "line")
+    assert fitted.reading == "line" and math.isclose(fitted.constant, 14.0, rel_tol=1e-9)
+    assert all(abs(e) < 1e-9 for e in dm.leave_one_out(points, "line").values())
+    # the per-token reading cannot follow the 2.5-line variant exactly
+    assert max(abs(e) for e in dm.leave_one_out(points, "token").values()) > 1e-3
 
 
 def test_shared_wavefronts_cost_one_clock_of_every_scheduler_and_are_not_fitted():

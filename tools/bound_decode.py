@@ -45,10 +45,13 @@ iteration consumes (lanes reading the same word count once), x resident warps. A
 a measurement: every issue slot is assumed usable (no dependency stalls, MUFU and fp64 at full issue rate).
 
 Calibrated prediction. tools/decode_model.py turns a case's counts (warp-instructions and shared wavefronts per
-token) into a latency with constants fitted to the newest GPU run of the tensor-core kernel at SHAPE
+token) into a latency with constants fitted to the newest GPU run of the tensor-core kernel at SHAPE with rows whole
 (benchmarks/results/decode_tc_<device>.json), while kernels/ is still the source that run measured (after a change,
-the constants of the last fit are kept from bound_decode.json); the tables give it beside every measurement with its
-error, and for every case on that run's device: the prediction to write down before a variant is timed.
+the constants of the last fit are kept from bound_decode.json; --walks-from refits them with the walks a bound
+written then holds); the tables give it beside every measurement with its error, and for every case on that run's
+device in both store layouts: the prediction to write down before a variant is timed. Both of the model's readings
+of its constant are fitted and predicted (per token, or per 128-byte line a token's codes touch: lines_per_token),
+until a run with each KV head's rows together tells them apart.
 
 Head_dim 256. The tensor-core kernel is walked and bounded again at SHAPE_256 (the benchmark's --head-dim 256, Gemma
 3's head size) on sm_90, every case the runtime serves there, with the model fitted at SHAPE's head_dim: a prediction
@@ -58,7 +61,7 @@ Where a case's counts come from. --lines CASE prints its warp-instructions and s
 innermost source line (the kernel's, or the header's it inlines), most first: what a kernel change should aim at,
 and what it moved.
 
-Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write]
+Usage: python -m tools.bound_decode [--arch sm_90,sm_80] [--sdpa-efficiency 0.9] [--no-write] [--walks-from COMMIT]
        python -m tools.bound_decode --lines CASE [--lines CASE ...] [--head-dim 256]
 Writes benchmarks/results/bound_decode.{json,md} (not with --lines).
 """
@@ -96,6 +99,8 @@ SHAPE = {"batch": 8, "kv_heads": 8, "group": 4, "head_dim": 128, "tokens": 32768
 SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvcal fit-skvq's default group size)
 
 THREADS = 128  # threads per block of the kernel (__launch_bounds__)
+LINE_BYTES = 128  # an L2 cache line: its tag is looked up once a request that touches it
+LAYOUTS = ("rows", "heads")  # a store's rows whole, or each KV head's rows together (kvcal.runtime.store.STORE_LAYOUTS)
 KV_HEAD_TOKENS = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
 # the tensor-core benchmark's second shape (--head-dim 256: Gemma 3's head size), as many KV-head tokens
 SHAPE_256 = {**SHAPE, "head_dim": 256}
@@ -703,6 +708,29 @@ def bound(bytes_per_token: float, instructions_per_token: float, sdpa_efficiency
             "bandwidth_fraction": times["memory"] / times[limit], "speedup_vs_sdpa": t_sdpa / times[limit], "limited_by": limit}
 
 
+def code_bytes(case: Case, head_dim: int) -> tuple[int, int]:
+    """Bytes of one KV head's keys and values of a token: its pieces of the two rows."""
+    return head_dim * (case.bits or 16) // 8, head_dim * (case.vbits or 16) // 8
+
+
+def lines_per_token(pieces: tuple[int, int], kv_heads: int, layout: str) -> float:
+    """128-byte lines that a long run of one KV head's tokens touches per token, keys' and values' together (pieces:
+    code_bytes). Rows whole, a head's pieces lie a row of kv_heads pieces apart and share their lines with the other
+    heads' (one line a token where a piece is 32 to 128 bytes; more where one straddles a line); each KV head's rows
+    together (or one KV head), they lie end to end: piece / 128 a token. Averaged over the KV heads, counted over whole
+    periods of the pieces' offsets in their lines (the rows start at line boundaries)."""
+    total = 0.0
+    for piece in pieces:
+        heads = kv_heads if layout == "rows" else 1
+        row = piece * heads
+        rows = 256 * LINE_BYTES // math.gcd(row, LINE_BYTES)
+        touched = sum(len({line for r in range(rows) for line in range((r * row + h * piece) // LINE_BYTES,
+                                                                         (r * row + (h + 1) * piece - 1) // LINE_BYTES + 1)})
+                      for h in range(heads))
+        total += touched / (heads * rows)
+    return total
+
+
 def bytes_per_token(case: Case, shape: dict = SHAPE) -> float:
     """Cache bytes of one KV-head token, K and V: kvcal.runtime.memory's formula for a cache that is all quantized
     body (no fp16 sink, window or residual), outliers included."""
@@ -881,7 +909,8 @@ def measure(kernel, arch: str, sdpa_efficiency: float, names: list[str] | None =
         if case.value_bits:
             layout += f", values {layout_for(case.value_bits)} {case.value_bits}-bit"
         walks.append({"case": case.name, "variant": variant[case], "layout": layout,
-                      "note": case.note, "bytes_per_token": token_bytes, "registers": row["registers"],
+                      "note": case.note, "bytes_per_token": token_bytes, "code_bytes": code_bytes(case, kernel.shape["head_dim"]),
+                      "registers": row["registers"],
                       "blocks_per_sm": row["blocks_per_sm"], "warps_per_sm": row["warps_per_sm"], **walk,
                       "bound": bound(token_bytes, walk["warp_instructions_per_token"], sdpa_efficiency,
                                      walk["shared_wavefronts_per_token"], kernel.shape, walk["alu_per_token"])})
@@ -954,13 +983,11 @@ def head_dim_256_section(result: dict) -> list[str]:
              "model fitted at head_dim 128 (above): a shape it was not fitted on, which the GPU campaign's kernels-d256 "
              "stage measures.", "",
              "| variant | kernel variant | bytes/token | warp-instr/token | of them ALU pipe | shared wavefronts/token "
-             f"| registers | blocks/SM | bandwidth bound | limited by | speedup vs fp16 SDPA, at best | predicted us{on} "
-             "| predicted, of copy bandwidth |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| registers | blocks/SM | bandwidth bound | limited by | speedup vs fp16 SDPA, at best | {prediction_columns(on)} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in cases:
-        b, predicted = w["bound"], "- | -"
-        if calibration is not None:
-            us = predicted_us(w, calibration, calibration["copy_bytes_per_s"])
-            predicted = f"{us:.1f} | {w['bytes_per_token'] * KV_HEAD_TOKENS / calibration['copy_bytes_per_s'] * 1e6 / us:.1%}"
+        b = w["bound"]
+        predicted = " | ".join(predictions(w, calibration)) if calibration is not None else "- | - | -"
         lines.append(f"| {w['case']} | `{w['variant']}` | {w['bytes_per_token']:.1f} | {w['warp_instructions_per_token']:.1f} "
                      f"| {w['alu_per_token']:.1f} | {w['shared_wavefronts_per_token']:.1f} | {w['registers']} | {w['blocks_per_sm']} "
                      f"| {b['bandwidth_fraction']:.1%} | {b['limited_by']} | {b['speedup_vs_sdpa']:.2f}x | {predicted} |")
@@ -969,72 +996,96 @@ def head_dim_256_section(result: dict) -> list[str]:
 
 def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
     """Per decode_tc_<device>*.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
-    date, copy bandwidth, KV heads, KV-head tokens, per_head (its B x KV heads launched as sequences of one,
-    `benchmarks.kernels gpu --per-head`), and per variant the fastest row at SHAPE's batch and length (the split plans
-    it timed differ only in the split size)."""
+    date, copy bandwidth, KV heads, KV-head tokens, store layout (LAYOUTS; `benchmarks.kernels gpu --layout`), and per
+    variant the fastest row at SHAPE's batch and length (the split plans it timed differ only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
         if run.get("head_dim", 128) != head_dim:
             continue
-        kv_heads, per_head = run["kv_heads"], run.get("per_head", False)
         fastest = {}
         for row in run["results"]:
-            if row["batch"] == SHAPE["batch"] * (kv_heads if per_head else 1) and row["tokens"] == SHAPE["tokens"]:
+            if row["batch"] == SHAPE["batch"] and row["tokens"] == SHAPE["tokens"]:
                 best = fastest.get(row["variant"])
                 fastest[row["variant"]] = row if best is None or row["latency_us"] < best["latency_us"] else best
         runs.append({"device": run["device"], "commit": run["commit"], "date": run["date"],
-                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": kv_heads, "per_head": per_head,
-                     "kv_head_tokens": SHAPE["batch"] * kv_heads * SHAPE["tokens"], "variants": fastest})
+                     "copy_bytes_per_s": run["copy_bandwidth_gbps"] * 1e9, "kv_heads": run["kv_heads"],
+                     "layout": run.get("layout", "rows"), "kv_head_tokens": SHAPE["batch"] * run["kv_heads"] * SHAPE["tokens"],
+                     "variants": fastest})
     return runs
 
 
-def _model(calibration: dict) -> decode_model.Model:
-    return decode_model.Model(calibration["per_instruction"], calibration["per_token"])
-
-
 def predicted_us(walk: dict, calibration: dict, copy_bytes_per_s: float, bytes_read: float | None = None,
-                 kv_head_tokens: int = KV_HEAD_TOKENS) -> float:
-    """The calibrated model's latency of a case over kv_head_tokens (SHAPE's unless given) on a device of that copy
-    bandwidth (bytes_read: a measured row's, else the case's bytes per token)."""
+                 kv_head_tokens: int = KV_HEAD_TOKENS, reading: str = "token", kv_heads: int = SHAPE["kv_heads"],
+                 layout: str = "rows") -> float:
+    """The calibrated model's latency of a case over kv_head_tokens (SHAPE's unless given) of kv_heads KV heads kept in
+    `layout` on a device of that copy bandwidth (bytes_read: a measured row's, else the case's bytes per token), its
+    constant paid as `reading` says (decode_model.READINGS)."""
+    fitted = calibration[reading]
+    model = decode_model.Model(fitted["per_instruction"], fitted["constant"], reading)
     total = walk["bytes_per_token"] * kv_head_tokens if bytes_read is None else bytes_read
-    return 1e6 * decode_model.predicted_seconds(_model(calibration), walk["warp_instructions_per_token"],
-                                                walk["shared_wavefronts_per_token"], total, copy_bytes_per_s,
-                                                kv_head_tokens, SLOTS_PER_S)
+    return 1e6 * decode_model.predicted_seconds(model, walk["warp_instructions_per_token"], walk["shared_wavefronts_per_token"],
+                                                total, copy_bytes_per_s, kv_head_tokens, SLOTS_PER_S,
+                                                lines_per_token(walk["code_bytes"], kv_heads, layout))
 
 
-def kernels_unchanged_since(commit: str) -> bool:
-    """Whether kernels/ in the working tree is that commit's (False where git does not know the commit)."""
-    return subprocess.run(["git", "diff", "--quiet", commit, "--", "kernels/"], cwd=REPO, capture_output=True).returncode == 0
+def prediction_columns(on: str = "") -> str:
+    """The header of the calibrated predictions the tables give per case (`predictions`), on a device named by `on`."""
+    return f"predicted{on}, per token (either layout) | per line, rows whole | per line, each KV head's rows together"
+
+
+def predictions(walk: dict, calibration: dict) -> list[str]:
+    """prediction_columns' cells for a case at SHAPE's KV-head tokens on the fitting run's device: each latency and
+    its fraction of copy bandwidth."""
+    copy = calibration["copy_bytes_per_s"]
+    cells = []
+    for reading, layout in (("token", "rows"), ("line", "rows"), ("line", "heads")):
+        us = predicted_us(walk, calibration, copy, reading=reading, layout=layout)
+        cells.append(f"{us:.1f} us ({walk['bytes_per_token'] * KV_HEAD_TOKENS / copy * 1e6 / us:.0%})")
+    return cells
+
+
+def kernels_same(commit: str, other: str | None = None) -> bool:
+    """Whether kernels/ is the same at commit and at other (None: the working tree); False where git does not know
+    a commit."""
+    compared = [commit] + ([other] if other else [])
+    return subprocess.run(["git", "diff", "--quiet", *compared, "--", "kernels/"], cwd=REPO, capture_output=True).returncode == 0
 
 
 def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None = None,
-              unchanged_since=kernels_unchanged_since) -> dict | None:
-    """tools.decode_model fitted to the newest run that measured the kernel's cases, with each fitted case's error in
-    the fit and left out of it. Only the SASS that run measured can be fitted to it: where kernels/ changed since its
-    commit, the previous calibration (fitted when it was the same) is kept, and the walk's counts of the changed code
-    are predicted with it. None where no run measured three cases off the memory roofline and none was fitted before."""
+              same_kernels=kernels_same) -> dict | None:
+    """tools.decode_model fitted in both readings to the newest run with rows whole that measured the kernel's cases
+    (the walks `cases`), with each fitted case's error in the fit and left out of it. Only the SASS that run measured
+    can be fitted to it: where same_kernels(its commit) says kernels/ is not what the walks walked, the previous
+    calibration (fitted when it was the same) is kept, and the walk's counts of the changed code are predicted with it.
+    None where no run measured three cases off the memory roofline and none was fitted before."""
     names = {c.name: c.measured for c in kernel.cases}
-    # (a run laid out per KV head measured other reads than the stores make: it is compared, never fitted)
-    measured = [run for run in runs if not run["per_head"] and any(names.get(w["case"]) in run["variants"] for w in cases)]
+    by_name = {c.name: c for c in kernel.cases}
+    # (a run with each KV head's rows together is what tells the readings apart: compared, not fitted)
+    measured = [run for run in runs if run["layout"] == "rows" and any(names.get(w["case"]) in run["variants"] for w in cases)]
     if not measured:
         return previous
     run = max(measured, key=lambda r: r["date"])
-    if not unchanged_since(run["commit"]):
+    if not same_kernels(run["commit"]):
         return previous
     points = []
     for w in cases:
         row = run["variants"].get(names.get(w["case"]))
         if row is not None and row["fraction_of_copy_bandwidth"] < decode_model.MEMORY_BOUND:
             slots = decode_model.measured_slots(row["latency_us"] * 1e-6, run["kv_head_tokens"], SLOTS_PER_S)
-            points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"], slots))
+            lines = lines_per_token(code_bytes(by_name[w["case"]], kernel.shape["head_dim"]), run["kv_heads"], "rows")
+            points.append(decode_model.Point(w["case"], w["warp_instructions_per_token"], w["shared_wavefronts_per_token"],
+                                             slots, lines))
     if len(points) < 3:
         return previous
-    model = decode_model.fit(points)
+    fits = {}
+    for reading in decode_model.READINGS:
+        model = decode_model.fit(points, reading)
+        fits[reading] = {"per_instruction": model.per_instruction, "constant": model.constant,
+                         "fit_error": {p.name: decode_model.relative_error(model, p) for p in points},
+                         "leave_one_out": decode_model.leave_one_out(points, reading)}
     return {"device": run["device"], "commit": run["commit"], "date": run["date"], "copy_bytes_per_s": run["copy_bytes_per_s"],
-            "per_instruction": model.per_instruction, "per_token": model.per_token,
-            "fit_error": {p.name: decode_model.relative_error(model, p) for p in points},
-            "leave_one_out": decode_model.leave_one_out(points)}
+            **fits}
 
 
 def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dict | None = None) -> list[str]:
@@ -1051,20 +1102,23 @@ def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dic
              "shared memory that fill first (benchmarks/kernels/ncu.py counts them with Nsight Compute: the H100's int2 and "
              "int4 g128 issued in about half their slots with about one warp eligible per scheduler and no unit saturated, "
              "while the codebook variants were held by shared-memory wavefronts, their table lookups' bank conflicts among "
-             "them). predicted: the calibrated model below on the run's device (its copy bandwidth and the run's bytes); error: "
-             "predicted over measured latency. A run at another commit than the walked SASS measured other code.", "",
-             "| variant | bandwidth bound | predicted, of copy bandwidth | measured | speedup bound | predicted speedup vs fp16 "
-             "SDPA | measured | error | run |",
+             "them). predicted: the calibrated model below on the run's device (its copy bandwidth, the run's bytes, KV heads "
+             "and store layout), its constant paid per token / per line; error: predicted over measured latency. A run at "
+             "another commit than the walked SASS measured other code.", "",
+             "| variant | bandwidth bound | predicted, of copy bandwidth (per token / per line) | measured | speedup bound "
+             "| predicted speedup vs fp16 SDPA (per token / per line) | measured | error (per token / per line) | run |",
              "|---|---|---|---|---|---|---|---|---|"]
     for w, run, row in rows:
         b = w["bound"]
         heads = "" if run["kv_heads"] == SHAPE["kv_heads"] else f", {run['kv_heads']} KV head{'s' * (run['kv_heads'] > 1)}"
-        heads += ", laid out per KV head" if run["per_head"] else ""
+        heads += ", each KV head's rows together" if run["layout"] == "heads" else ""
         fraction = speedup = error = "-"
         if calibration is not None:
-            us = predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"], run["kv_head_tokens"])
-            fraction = f"{row['bytes_read'] / run['copy_bytes_per_s'] * 1e6 / us:.1%}"
-            speedup, error = f"{row['sdpa_fp16_latency_us'] / us:.2f}x", f"{us / row['latency_us'] - 1:+.0%}"
+            us = [predicted_us(w, calibration, run["copy_bytes_per_s"], row["bytes_read"], run["kv_head_tokens"], reading,
+                               run["kv_heads"], run["layout"]) for reading in decode_model.READINGS]
+            fraction = " / ".join(f"{row['bytes_read'] / run['copy_bytes_per_s'] * 1e6 / u:.1%}" for u in us)
+            speedup = " / ".join(f"{row['sdpa_fp16_latency_us'] / u:.2f}x" for u in us)
+            error = " / ".join(f"{u / row['latency_us'] - 1:+.0%}" for u in us)
         lines.append(f"| {w['case']} | {b['bandwidth_fraction']:.1%} | {fraction} | {row['fraction_of_copy_bandwidth']:.1%} "
                      f"| {b['speedup_vs_sdpa']:.2f}x | {speedup} | {row['speedup_vs_sdpa_fp16']:.2f}x | {error} "
                      f"| {run['device']}, {run['commit']}, {run['date']}{heads} |")
@@ -1093,23 +1147,43 @@ def committed_predictions(results: Path = COMMITTED_RESULTS, shape: dict = SHAPE
 
 
 def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
-    """The fitted constants, each fitted case's error, and every case's prediction on the fitting run's device."""
-    c = calibration
-    lines = ["", f"Calibrated model (tools/decode_model.py), fitted to {c['device']} at {c['commit']}, {c['date']}: per KV-head "
-             f"token max(memory time, slots), slots = {c['per_instruction']:.3f} x warp-instructions + "
-             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {c['per_token']:.1f}, in issue slots of "
-             f"{H100['sms']} SMs x {H100['issue_per_clock']} schedulers at {H100['clock_hz'] / 1e9} GHz (the same unit for "
-             "either device). Fitted on the run's variants under "
-             f"{decode_model.MEMORY_BOUND:.0%} of copy bandwidth; error in the fit, and left out of it (the variant predicted "
-             "from the others), then the prediction of every case on that device (its copy bandwidth, the case's bytes):", "",
-             "| variant | error in the fit | left out | predicted us | predicted, of copy bandwidth |", "|---|---|---|---|---|"]
+    """The fitted constants of both readings, each fitted case's errors, and every case's predictions on the fitting
+    run's device in both store layouts."""
+    c, token, line = calibration, calibration["token"], calibration["line"]
+
+    def rms(errors: dict) -> str:
+        return f"{math.sqrt(sum(e * e for e in errors.values()) / len(errors)):.1%}"
+
+    lines = ["", f"Calibrated model (tools/decode_model.py), fitted to {c['device']} at {c['commit']}, {c['date']} (rows whole, "
+             f"{SHAPE['kv_heads']} KV heads): per KV-head token max(memory time, slots), in issue slots of {H100['sms']} SMs x "
+             f"{H100['issue_per_clock']} schedulers at {H100['clock_hz'] / 1e9} GHz (the same unit for either device), its "
+             "constant read two ways and fitted alike, on the run's variants under "
+             f"{decode_model.MEMORY_BOUND:.0%} of copy bandwidth:", "",
+             f"- per token: slots = {token['per_instruction']:.3f} x warp-instructions + "
+             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {token['constant']:.1f} (rms error "
+             f"{rms(token['fit_error'])} in the fit, {rms(token['leave_one_out'])} left out);",
+             f"- per line: slots = {line['per_instruction']:.3f} x warp-instructions + "
+             f"{decode_model.SLOTS_PER_WAVEFRONT:.0f} x shared wavefronts + {line['constant']:.1f} x the 128-byte lines a "
+             f"token's codes touch (rms error {rms(line['fit_error'])} in the fit, {rms(line['leave_one_out'])} left out).", "",
+             "Rows whole, every fitted variant's codes touch about 2 lines a token (nuq3's 48-byte pieces 2.5), so the two "
+             "readings predict the fitted layout alike; each KV head's rows together, a token's codes touch bytes / 128 lines "
+             "(int2 g128: 0.5), which the per-line reading says is most of the constant. Error in the fit and left out of it "
+             "(the variant predicted from the others), per token / per line, then every case's predictions on that device "
+             "(its copy bandwidth, the case's bytes), latency and fraction of copy bandwidth:", "",
+             f"| variant | error in the fit | left out | lines a token, rows whole / heads together | {prediction_columns()} |",
+             "|---|---|---|---|---|---|---|"]
     for w in cases:
-        us = predicted_us(w, c, c["copy_bytes_per_s"])
-        fraction = w["bytes_per_token"] * KV_HEAD_TOKENS / c["copy_bytes_per_s"] * 1e6 / us
-        fitted = (f"{c['fit_error'][w['case']]:+.0%} | {c['leave_one_out'][w['case']]:+.0%}" if w["case"] in c["fit_error"]
-                  else "- | -")
-        lines.append(f"| {w['case']} | {fitted} | {us:.1f} | {fraction:.1%} |")
+        fitted = (" | ".join(f"{token[key][w['case']]:+.0%} / {line[key][w['case']]:+.0%}" for key in ("fit_error", "leave_one_out"))
+                  if w["case"] in token["fit_error"] else "- | -")
+        counted = " / ".join(f"{lines_per_token(w['code_bytes'], SHAPE['kv_heads'], layout):.2f}" for layout in LAYOUTS)
+        lines.append(f"| {w['case']} | {fitted} | {counted} | {' | '.join(predictions(w, c))} |")
     return lines
+
+
+def written_bound(commit: str) -> dict | None:
+    """The bound_decode.json committed at `commit`; None where git has none there."""
+    shown = subprocess.run(["git", "show", f"{commit}:benchmarks/results/bound_decode.json"], cwd=REPO, capture_output=True, text=True)
+    return None if shown.returncode else json.loads(shown.stdout)
 
 
 def kernel_section(result: dict, kernel) -> list[str]:
@@ -1171,6 +1245,9 @@ def main(argv: list[str] | None = None) -> None:
                              "source line (sm_90; nothing written); repeatable, a case as the bound's tables name it")
     parser.add_argument("--head-dim", type=int, choices=(SHAPE["head_dim"], SHAPE_256["head_dim"]), default=SHAPE["head_dim"],
                         help="with --lines: the shape whose variants to compile (default %(default)s)")
+    parser.add_argument("--walks-from", metavar="COMMIT",
+                        help="fit the calibration with the walks of the bound written at COMMIT (its kernels/ must be what "
+                             "the newest GPU run measured): to refit after kernels/ changed since that run")
     args = parser.parse_args(argv)
     if args.lines:
         shape = SHAPE if args.head_dim == SHAPE["head_dim"] else SHAPE_256
@@ -1182,6 +1259,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.head_dim != SHAPE["head_dim"]:
         parser.error("--head-dim goes with --lines (the tables walk both shapes)")
+    older = written_bound(args.walks_from) if args.walks_from else None
+    if args.walks_from and older is None:
+        parser.error(f"--walks-from {args.walks_from}: git has no benchmarks/results/bound_decode.json at that commit")
     archs = args.arch.split(",")
     if "sm_90" not in archs or not set(archs) <= set(src.ARCHITECTURES):
         parser.error(f"--arch must list sm_90 and only {', '.join(src.ARCHITECTURES)}; got {args.arch!r}")
@@ -1202,9 +1282,12 @@ def main(argv: list[str] | None = None) -> None:
     runs = measured_on_gpus()
     written = RESULTS / "bound_decode.json"
     previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}
+    fitted_walks, same_kernels = result["sm_90"], kernels_same
+    if older is not None:
+        fitted_walks, same_kernels = older["sm_90"], functools.partial(kernels_same, older["commit"])
     result["calibration"] = {kernel.source: fitted for kernel in KERNELS
-                             if (fitted := calibrate(result["sm_90"][kernel.source]["cases"], kernel, runs,
-                                                     previous.get(kernel.source))) is not None}
+                             if (fitted := calibrate(fitted_walks[kernel.source]["cases"], kernel, runs,
+                                                     previous.get(kernel.source), same_kernels)) is not None}
     result = rounded(result)
     lines = markdown({**started, **result})
     if args.no_write:

@@ -18,15 +18,17 @@ blocks the device holds at once (the occupancy API's count x SMs). Before timing
 partial splits and the merged rows) poisoned with NaN before the checked launch, so that an unwritten element fails,
 and launched once more, poisoned again, for the same bits (same_bits_twice: no result may depend on the GPU's schedule);
 --seed draws other random data (the campaign passes a fresh one). At the bound's shapes (B = 8, L = 32K, D = 128 or 256)
-each variant's prediction by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's calibrated
-model, on this device's copy bandwidth and the variant's bytes) is printed before it is timed and kept in its row.
+each variant's predictions by the written bound (benchmarks/results/bound_decode.json: tools/bound_decode.py's
+calibrated model, on this device's copy bandwidth and the variant's bytes, KV heads and layout, its constant paid per
+token and per 128-byte line a token's codes touch) are printed before it is timed and kept in its row.
 
 --layout heads times the same work with the packed bodies keeping each KV head's rows together (kvcal.runtime.store.
 PackedRows with rows_together=False, as kvcal.runtime.kernels.AppendKernels(rows_together=False) lays a CUDA store
 out): a block's tokens are then one run of its KV head's codes instead of a piece of every token's row of all KV heads
-(the CUDA stores' default, --layout rows). The kernel, its variant, the codes, the split plan and the bound's
-prediction (it takes every cache at copy bandwidth) are the same: what the two runs' latencies differ by is the
-layout's (benchmarks.kernels layout times the reads alone). fp16 rows have one layout and are skipped there.
+(the CUDA stores' default, --layout rows). The kernel, its variant, the codes and the split plan are the same: what
+the two runs' latencies differ by is the layout's (benchmarks.kernels layout times the reads alone). The bound
+predicts the same either way with its constant paid per token, and fewer slots with it paid per line (a token's
+codes touch fewer lines): the two runs tell the readings apart. fp16 rows have one layout and are skipped there.
 
 Usage (CUDA + CuPy): python -m benchmarks.kernels gpu [--iters 20] [--only fp16,int2-g128] [--splits launcher,2048,4096]
                                                           [--tokens 32768] [--kernel-dir DIR] [--seed 0] [--head-dim 256]
@@ -48,7 +50,7 @@ import torch
 from benchmarks.kernels.gpu_timing import GROUP, HEAD_DIMS, KV_HEADS, copy_bandwidth, sdpa_seconds, timed, write_device_result
 from benchmarks.common import provenance, write_markdown
 from kvcal.runtime.store import STORE_LAYOUTS
-from tools import bound_decode
+from tools import bound_decode, decode_model
 
 BATCH = 8
 
@@ -214,10 +216,12 @@ def main() -> None:
         variant = tensor_core.variant_for(keys, values, head_dim, GROUP, rope=rope)
         resident = tensor_core.resident_blocks(variant.name, variant.shared_bytes(), 0)
         walk = predicted["walks"].get(name) if predicted else None
-        prediction = (round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read, batch * kv_heads * length), 2)
-                      if walk else None)
+        prediction = ({reading: round(bound_decode.predicted_us(walk, predicted["calibration"], bandwidth, read, batch * kv_heads * length,
+                                                                reading, kv_heads, args.layout), 2)
+                       for reading in decode_model.READINGS} if walk else None)
         if prediction is not None:
-            print(f"{name}: predicted {prediction} us (the calibrated bound at {predicted['commit']})", flush=True)
+            print(f"{name}: predicted {prediction['token']} us with the constant paid per token, {prediction['line']} us per "
+                  f"line (the calibrated bound at {predicted['commit']})", flush=True)
         for per_split in splits:
             if per_split is not None and per_split % variant.stage_tokens:
                 print(f"{name}: {per_split} tokens per split skipped (stages of {variant.stage_tokens} tokens)", flush=True)
@@ -248,11 +252,12 @@ def main() -> None:
     lines = [f"# Tensor-core decode attention, {started['device']} (commit {started['commit']}, {started['date']})", "",
              f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s; {kv_heads} KV heads{laid_out}, {kv_heads * GROUP} query heads, "
              f"head_dim {head_dim}; L2 flushed; kernels/decode_attention_tc.cu via kvcal.runtime.tensor_core.", "",
-             "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us | MB read | GB/s | of copy bw "
+             "| variant | B | L | tokens/split (plan) | blocks / resident | latency us | predicted us (per token / per line) "
+             "| MB read | GB/s | of copy bw "
              "| SDPA fp16 us | speedup | max err | same bits twice |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['batch']} | {r['tokens']} | {r['per_split']} ({r['plan']}) | {r['blocks']} / {r['resident_blocks']} | {r['latency_us']} | "
-              f"{r['predicted_us'] if r['predicted_us'] is not None else '-'} | {r['bytes_read'] / 1e6:.1f} | "
+              f"{'{token} / {line}'.format(**r['predicted_us']) if r['predicted_us'] is not None else '-'} | {r['bytes_read'] / 1e6:.1f} | "
               f"{r['bandwidth_gbps']} | {r['fraction_of_copy_bandwidth']:.0%} | {r['sdpa_fp16_latency_us']} | "
               f"{r['speedup_vs_sdpa_fp16']}x | {r['max_abs_error_vs_sdpa_fp32']:.1e} | {'yes' if r['same_bits_twice'] else 'NO'} |"
               for r in rows]
