@@ -296,9 +296,9 @@ def test_the_calibration_fits_the_newest_run_off_the_memory_roofline():
 
     # (a newer run with each KV head's rows together tells the readings apart: compared, never fitted)
     runs = [run("2026-11-28", 1.0), run("2026-11-20", 2.0), {**run("2026-11-29", 0.5), "layout": "heads"}]
-    fitted = bd.calibrate(walks, kernel, runs, same_kernels=lambda commit: commit in ("28", "29"))
+    fitted = bd.calibrate(walks, kernel, runs, same_kernels=lambda commit: commit in ("28", "29"), walked_at="abc1234")
     token, line = fitted["token"], fitted["line"]
-    assert fitted["date"] == "2026-11-28" and set(token["fit_error"]) == set(line["fit_error"]) == set(counts) - {"fp16"}
+    assert fitted["date"] == "2026-11-28" and fitted["walked_at"] == "abc1234" and set(token["fit_error"]) == set(line["fit_error"]) == set(counts) - {"fp16"}
     assert math.isclose(token["per_instruction"], 0.5) and math.isclose(token["constant"], 30.0)
     assert all(abs(e) < 1e-9 for e in token["leave_one_out"].values())
     # every variant here touches 2 lines a token but nuq3 (2.5): the per-line reading fits them nearly as well

@@ -1053,9 +1053,9 @@ def kernels_same(commit: str, other: str | None = None) -> bool:
 
 
 def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None = None,
-              same_kernels=kernels_same) -> dict | None:
+              same_kernels=kernels_same, walked_at: str = "") -> dict | None:
     """tools.decode_model fitted in both readings to the newest run with rows whole that measured the kernel's cases
-    (the walks `cases`), with each fitted case's error in the fit and left out of it. Only the SASS that run measured
+    (the walks `cases`, of the SASS at commit walked_at), with each fitted case's error in the fit and left out of it. Only the SASS that run measured
     can be fitted to it: where same_kernels(its commit) says kernels/ is not what the walks walked, the previous
     calibration (fitted when it was the same) is kept, and the walk's counts of the changed code are predicted with it.
     None where no run measured three cases off the memory roofline and none was fitted before."""
@@ -1085,7 +1085,7 @@ def calibrate(cases: list[dict], kernel, runs: list[dict], previous: dict | None
                          "fit_error": {p.name: decode_model.relative_error(model, p) for p in points},
                          "leave_one_out": decode_model.leave_one_out(points, reading)}
     return {"device": run["device"], "commit": run["commit"], "date": run["date"], "copy_bytes_per_s": run["copy_bytes_per_s"],
-            **fits}
+            "walked_at": walked_at, **fits}
 
 
 def measured_table(cases: list[dict], kernel, runs: list[dict], calibration: dict | None = None) -> list[str]:
@@ -1155,7 +1155,7 @@ def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
         return f"{math.sqrt(sum(e * e for e in errors.values()) / len(errors)):.1%}"
 
     lines = ["", f"Calibrated model (tools/decode_model.py), fitted to {c['device']} at {c['commit']}, {c['date']} (rows whole, "
-             f"{SHAPE['kv_heads']} KV heads): per KV-head token max(memory time, slots), in issue slots of {H100['sms']} SMs x "
+             f"{SHAPE['kv_heads']} KV heads; the walks of the SASS at {c['walked_at']}): per KV-head token max(memory time, slots), in issue slots of {H100['sms']} SMs x "
              f"{H100['issue_per_clock']} schedulers at {H100['clock_hz'] / 1e9} GHz (the same unit for either device), its "
              "constant read two ways and fitted alike, on the run's variants under "
              f"{decode_model.MEMORY_BOUND:.0%} of copy bandwidth:", "",
@@ -1282,12 +1282,12 @@ def main(argv: list[str] | None = None) -> None:
     runs = measured_on_gpus()
     written = RESULTS / "bound_decode.json"
     previous = json.loads(written.read_text()).get("calibration", {}) if written.exists() else {}
-    fitted_walks, same_kernels = result["sm_90"], kernels_same
+    fitted_walks, same_kernels, walked_at = result["sm_90"], kernels_same, started["commit"]
     if older is not None:
-        fitted_walks, same_kernels = older["sm_90"], functools.partial(kernels_same, older["commit"])
+        fitted_walks, same_kernels, walked_at = older["sm_90"], functools.partial(kernels_same, older["commit"]), older["commit"]
     result["calibration"] = {kernel.source: fitted for kernel in KERNELS
                              if (fitted := calibrate(fitted_walks[kernel.source]["cases"], kernel, runs,
-                                                     previous.get(kernel.source), same_kernels)) is not None}
+                                                     previous.get(kernel.source), same_kernels, walked_at)) is not None}
     result = rounded(result)
     lines = markdown({**started, **result})
     if args.no_write:
