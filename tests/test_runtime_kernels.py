@@ -143,6 +143,23 @@ def test_decoding_on_cuda_runs_the_kernels_and_matches_the_cpu_reference(head_di
 
 
 @requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")
+@pytest.mark.parametrize("recipe", ("kivi2-g32", "kvmix", "kvquant"))
+def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logits(head_dim_64_bundles, recipe):
+    """quantized_cache(..., cuda_layout="heads") on the GPU: the appends write each KV head's rows together and the
+    kernels read them there, token by token through transformers, to the same logits, bit for bit, as rows whole (the
+    emulated cache's test, on the device)."""
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(4)).cuda()
+    logits = []
+    for layout, together in (("rows", True), ("heads", False)):
+        with torch.inference_mode():
+            got, cache = decode_token_by_token(tiny_model("llama", head_dim=64).cuda(), head_dim_64_bundles[recipe], ids, layout)
+        assert {layer.keys_store.body.rows_together for layer in cache.layers} == {together}
+        logits.append(got)
+    assert torch.equal(*logits)
+
+
+@requires_gpu
 @pytest.mark.xdist_group("head_dim_256_gemma3_bundles")
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi4-g32"))
 def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):

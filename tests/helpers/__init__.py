@@ -60,10 +60,10 @@ def requires_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not ready, reason="needs a CUDA GPU and CuPy (pip install -e '.[gpu]')")(test))
 
 
-def decode_token_by_token(model, bundle, ids):
-    """Logits of feeding `ids` one token at a time through the runtime cache."""
+def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
+    """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`)."""
     logits = []
-    with quantized_cache(model, bundle) as cache:
+    with quantized_cache(model, bundle, cuda_layout) as cache:
         for t in range(ids.shape[1]):
             logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, 0])
     return torch.stack(logits, dim=1), cache
