@@ -20,7 +20,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
   generate     end to end: generate() on a Llama-3.1-8B-shaped random model at --generate-lengths x --generate-batches,
                StaticCache / DynamicCache / every --generate-recipes bundle (`benchmarks.end_to_end gpu`), with two
                steps of each cache of the first cell traced (the first batch, 1 by default: where the host side shows),
-               then the largest batch StaticCache and each recipe decode at the longest length (--generate-largest tries)
+               then the largest batch StaticCache and each recipe decode at the longest length (--generate-largest tries);
+               kvcal's CUDA stores in the layout the kernels stages timed faster (--generate-cuda-layout auto)
   ab           this tree's kernel against each --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`);
                skipped without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
@@ -43,6 +44,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -233,12 +235,41 @@ def layout_table(layout: dict) -> list[str]:
     return lines
 
 
+def launcher_ratios(rows: dict, heads: dict) -> dict[str, float]:
+    """Per variant both tensor-core runs timed (launcher's plan): the heads-together latency over the rows-whole one."""
+    whole = {r["variant"]: r["latency_us"] for r in rows["results"] if r["plan"] == "launcher"}
+    return {r["variant"]: r["latency_us"] / whole[r["variant"]] for r in heads["results"]
+            if r["plan"] == "launcher" and r["variant"] in whole}
+
+
+def faster_layout(results: Path) -> tuple[str, str]:
+    """The store layout the generate stage takes with --generate-cuda-layout auto, and why: "heads" where the
+    kernels-heads stage timed the variants it shares with the kernels stage faster (the geometric mean of their
+    latency ratios under 1), else "rows" (the CUDA stores' default)."""
+    for together in sorted(results.glob("decode_tc_*_heads.json")):
+        whole = together.with_name(together.name.replace("_heads.json", ".json"))
+        ratios = launcher_ratios(json.loads(whole.read_text()), json.loads(together.read_text())) if whole.is_file() else {}
+        if ratios:
+            mean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+            return "heads" if mean < 1 else "rows", f"heads together / rows whole {mean:.2f}x over {len(ratios)} variants"
+    return "rows", "no kernels-heads timing beside the kernels stage's"
+
+
+def choose_generate_layout(stage: Stage, results: Path) -> None:
+    """Put faster_layout's choice in the generate stage's commands (--cuda-layout auto there) and say so in its note."""
+    layout, why = faster_layout(results)
+    for command in (stage.command, stage.dry_command):
+        command[command.index("--cuda-layout") + 1] = layout
+    stage.note = f"kvcal's CUDA stores: {layout} ({why})"
+
+
 def layouts_table(rows: dict, heads: dict) -> list[str]:
     """The variants both tensor-core runs timed (launcher's plan): each store layout's latency and the heads-together
     one's over the rows-whole one's (below 1: the other layout is faster), beside that ratio as the written bound
     predicts it with its constant paid per line (paid per token, it predicts 1.00x)."""
     whole = {r["variant"]: r for r in rows["results"] if r["plan"] == "launcher"}
-    together = [r for r in heads["results"] if r["plan"] == "launcher" and r["variant"] in whole]
+    ratios = launcher_ratios(rows, heads)
+    together = [r for r in heads["results"] if r["plan"] == "launcher" and r["variant"] in ratios]
     if not together:
         return []
     lines = ["", f"Store layouts on {heads['device']} (the kernels and kernels-heads stages, head_dim {heads['head_dim']}):", "",
@@ -249,7 +280,7 @@ def layouts_table(rows: dict, heads: dict) -> list[str]:
         both = (w.get("predicted_us"), r.get("predicted_us"))
         predicted = f"{both[1]['line'] / both[0]['line']:.2f}x" if all(both) else "-"
         lines.append(f"| {r['variant']} | {w['latency_us']} | {w['fraction_of_copy_bandwidth']:.0%} | {r['latency_us']} | "
-                     f"{r['fraction_of_copy_bandwidth']:.0%} | {r['latency_us'] / w['latency_us']:.2f}x | {predicted} |")
+                     f"{r['fraction_of_copy_bandwidth']:.0%} | {ratios[r['variant']]:.2f}x | {predicted} |")
     return lines
 
 
@@ -335,9 +366,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--generate-lengths", default="8192,32768", help="prompt lengths of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-batches", default="1,8", help="batches of the end-to-end stage (default: %(default)s)")
     parser.add_argument("--generate-recipes", default="kvquant,kivi,kvmix", help="kvcal recipes of the end-to-end stage (default: %(default)s)")
-    parser.add_argument("--generate-cuda-layout", choices=("rows", "heads"), default="rows",
-                        help="the end-to-end stage's kvcal CUDA stores: rows whole or each KV head's rows together "
-                             "(benchmarks.end_to_end gpu --cuda-layout; default: %(default)s)")
+    parser.add_argument("--generate-cuda-layout", choices=("auto", "rows", "heads"), default="auto",
+                        help="the end-to-end stage's kvcal CUDA stores: rows whole, each KV head's rows together "
+                             "(benchmarks.end_to_end gpu --cuda-layout), or auto: the one the kernels and kernels-heads "
+                             "stages timed faster, rows where they did not both run (default: %(default)s)")
     parser.add_argument("--generate-largest", type=int, default=3, metavar="TRIES",
                         help="largest-batch tries per cache at the longest generate length (0: none; default: %(default)s)")
     parser.add_argument("--only", default="", help="run only these stages, comma-separated (default: all)")
@@ -372,6 +404,8 @@ def main(argv=None) -> int:
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     print(f"[campaign] seed {args.seed}, budget {args.budget_s:.0f} s{', dry run' if args.dry_run else ''}", flush=True)
     for stage in campaign.stages:
+        if stage.name == "generate" and args.generate_cuda_layout == "auto":
+            choose_generate_layout(stage, args.out / "results")
         campaign.run(stage, env)
     record = {"seed": args.seed, "budget_s": args.budget_s, "dry_run": args.dry_run, "commit": os.environ.get("KVCAL_COMMIT"),
               "seconds": round(time.monotonic() - campaign.began, 1), "stages": [asdict(s) for s in campaign.stages]}

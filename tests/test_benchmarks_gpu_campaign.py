@@ -27,6 +27,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-heads", "kernels-d256",
                                                      "kernels-d256-kv1", "suite", "generate", "ab", "ncu"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
+    # (the stand-ins time no kernel: auto keeps kvcal's CUDA stores' default layout)
+    assert record["stages"][7]["note"] == "kvcal's CUDA stores: rows (no kernels-heads timing beside the kernels stage's)"
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
     generated = json.loads(next((out / "results").glob("generate_*.json")).read_text())
     caches = {r["cache"] for r in generated["results"]}
@@ -103,6 +105,30 @@ def test_the_summary_flags_a_kernel_past_the_tolerance_or_with_other_bits_twice_
     assert "GPU suite: 1 passed, 1 failed, 0 errors, 1 skipped; failed: tests.test_x::test_a" in text
     # the variants both layouts timed, side by side, beside the ratio the per-line reading predicts
     assert "head_dim 128):\n\n| variant | rows whole us |" in text and "| int2-g128 | 110.5 | 46% | 80.0 | 64% | 0.72x | 0.50x |" in text
+
+
+@pytest.mark.parametrize("together_us,chosen", [((60.0, 130.0), "heads"), ((90.0, 130.0), "rows"), (None, "rows")],
+                         ids=("heads-faster", "heads-slower", "no-heads-run"))
+def test_auto_gives_the_generate_stage_the_layout_the_kernels_stages_timed_faster(tmp_path, together_us, chosen):
+    """--generate-cuda-layout auto: each KV head's rows together where the kernels-heads stage timed the variants it
+    shares with the kernels stage faster (their latency ratios' geometric mean under 1), else rows whole, and the
+    stage's note says which and why."""
+    row = {"plan": "launcher", "latency_us": 100.0}
+    whole = [{**row, "variant": "int2-g128"}, {**row, "variant": "nuq3-1%-pre-rope"}, {**row, "variant": "fp16"}]
+    (tmp_path / "decode_tc_gpu.json").write_text(json.dumps({"results": whole}))
+    if together_us:
+        together = [{**row, "variant": v, "latency_us": us} for v, us in zip(("int2-g128", "nuq3-1%-pre-rope"), together_us)]
+        (tmp_path / "decode_tc_gpu_heads.json").write_text(json.dumps({"results": together}))
+    args = campaign.parse_args([str(tmp_path / "out"), "--seed", "1"])
+    assert args.generate_cuda_layout == "auto"
+    stage = next(s for s in campaign.stages(args) if s.name == "generate")
+    campaign.choose_generate_layout(stage, tmp_path)
+    for command in (stage.command, stage.dry_command):
+        assert command[command.index("--cuda-layout") + 1] == chosen
+    assert stage.note.startswith(f"kvcal's CUDA stores: {chosen} (")
+    if together_us:
+        mean = (together_us[0] * together_us[1]) ** 0.5 / 100.0
+        assert f"heads together / rows whole {mean:.2f}x over 2 variants" in stage.note
 
 
 def test_the_summary_tables_each_layouts_reads_per_piece_size_and_fails_a_row_that_read_other_bytes(tmp_path):
