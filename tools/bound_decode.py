@@ -1167,7 +1167,7 @@ def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
              f"token's codes touch (rms error {rms(line['fit_error'])} in the fit, {rms(line['leave_one_out'])} left out).", "",
              "Rows whole, every fitted variant's codes touch about 2 lines a token (nuq3's 48-byte pieces 2.5), so the two "
              "readings predict the fitted layout alike; each KV head's rows together, a token's codes touch bytes / 128 lines "
-             "(int2 g128: 0.5), which the per-line reading says is most of the constant. Error in the fit and left out of it "
+             "(int2 g128: 0.5 where rows whole take 2), and the per-line reading charges that fraction of its constant. Error in the fit and left out of it "
              "(the variant predicted from the others), per token / per line, then every case's predictions on that device "
              "(its copy bandwidth, the case's bytes), latency and fraction of copy bandwidth:", "",
              f"| variant | error in the fit | left out | lines a token, rows whole / heads together | {prediction_columns()} |",
