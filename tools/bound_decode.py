@@ -100,7 +100,6 @@ SKVQ_GROUPS = 16  # SKVQ's groups of 64 channels over the 8 KV heads' 1024 (kvca
 
 THREADS = 128  # threads per block of the kernel (__launch_bounds__)
 LINE_BYTES = 128  # an L2 cache line: its tag is looked up once a request that touches it
-LAYOUTS = ("rows", "heads")  # a store's rows whole, or each KV head's rows together (kvcal.runtime.store.STORE_LAYOUTS)
 KV_HEAD_TOKENS = SHAPE["batch"] * SHAPE["kv_heads"] * SHAPE["tokens"]
 # the tensor-core benchmark's second shape (--head-dim 256: Gemma 3's head size), as many KV-head tokens
 SHAPE_256 = {**SHAPE, "head_dim": 256}
@@ -719,9 +718,9 @@ def lines_per_token(pieces: tuple[int, int], kv_heads: int, layout: str) -> floa
     heads' (one line a token where a piece is 32 to 128 bytes; more where one straddles a line); each KV head's rows
     together (or one KV head), they lie end to end: piece / 128 a token. Averaged over the KV heads, counted over whole
     periods of the pieces' offsets in their lines (the rows start at line boundaries)."""
+    heads = kv_heads if layout == "rows" else 1  # the pieces a row holds
     total = 0.0
     for piece in pieces:
-        heads = kv_heads if layout == "rows" else 1
         row = piece * heads
         rows = 256 * LINE_BYTES // math.gcd(row, LINE_BYTES)
         touched = sum(len({line for r in range(rows) for line in range((r * row + h * piece) // LINE_BYTES,
@@ -996,8 +995,9 @@ def head_dim_256_section(result: dict) -> list[str]:
 
 def measured_on_gpus(results: Path = RESULTS, head_dim: int = SHAPE["head_dim"]) -> list[dict]:
     """Per decode_tc_<device>*.json that the tensor-core benchmark wrote on a GPU at head_dim: its device, commit,
-    date, copy bandwidth, KV heads, KV-head tokens, store layout (LAYOUTS; `benchmarks.kernels gpu --layout`), and per
-    variant the fastest row at SHAPE's batch and length (the split plans it timed differ only in the split size)."""
+    date, copy bandwidth, KV heads, KV-head tokens, store layout (a name of kvcal.runtime.store.STORE_LAYOUTS:
+    `benchmarks.kernels gpu --layout`), and per variant the fastest row at SHAPE's batch and length (the split plans
+    it timed differ only in the split size)."""
     runs = []
     for path in sorted(results.glob("decode_tc_*.json")):
         run = json.loads(path.read_text())
@@ -1149,6 +1149,8 @@ def committed_predictions(results: Path = COMMITTED_RESULTS, shape: dict = SHAPE
 def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
     """The fitted constants of both readings, each fitted case's errors, and every case's predictions on the fitting
     run's device in both store layouts."""
+    from kvcal.runtime.store import STORE_LAYOUTS
+
     c, token, line = calibration, calibration["token"], calibration["line"]
 
     def rms(errors: dict) -> str:
@@ -1175,7 +1177,7 @@ def calibration_section(cases: list[dict], calibration: dict) -> list[str]:
     for w in cases:
         fitted = (" | ".join(f"{token[key][w['case']]:+.0%} / {line[key][w['case']]:+.0%}" for key in ("fit_error", "leave_one_out"))
                   if w["case"] in token["fit_error"] else "- | -")
-        counted = " / ".join(f"{lines_per_token(w['code_bytes'], SHAPE['kv_heads'], layout):.2f}" for layout in LAYOUTS)
+        counted = " / ".join(f"{lines_per_token(w['code_bytes'], SHAPE['kv_heads'], layout):.2f}" for layout in STORE_LAYOUTS)
         lines.append(f"| {w['case']} | {fitted} | {counted} | {' | '.join(predictions(w, c))} |")
     return lines
 

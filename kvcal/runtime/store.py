@@ -5,24 +5,23 @@ sequence needs more; appends write in place. Each sequence has its own length (l
 stored). Layouts, per sequence:
 - Fp16Rows: fp16 tokens (capacity, C), a FIFO: `head` is the first live row, rows before it are free
   and reused by compacting the live rows to the front when the end is reached.
-- PackedRows: the quantized body. codes (capacity, pieces, words) int32 packed with kvcal.packing.layout_for
-  ("planes3" for 3 bits: exactly 3 bits per code), a row cut into pieces of whole packing units, one a KV head
-  where the head_dim is known and a head's codes fill whole units (else one piece). A CPU store keeps each piece's
-  rows together (storage (pieces, capacity, words), `words` its permuted view): its decode kernel reads a KV
-  head's tokens in turn. A CUDA store keeps each token's row whole by default (kvcal.runtime.kernels.AppendKernels;
-  the CUDA kernels read either, until a GPU measures which is faster: STORE_LAYOUTS names both). Per-token parameters in their storage dtype (fp16
-  scale/zero or lo/hi, fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs
-  along the tokens, so that a KV head's parameters of consecutive tokens are contiguous, as the kernels copy them
-  (`token[name]` is the (capacity, P) view of it); per-block parameters (capacity / block_tokens, C) for
-  per-channel key blocks; for codecs that keep outliers, kvcal.packing's outlier layout per (sequence, KV head):
-  positions inside the tile (kv_heads, outlier capacity) int16 holding the uint16 pattern, fp16 values beside
-  them, the int32 offset table (kv_heads, capacity / OUTLIER_TILE_TOKENS) of every started tile, and the counts
-  `outlier_count` (batch, kv_heads) int32 on the device (what the decode kernel reads for the last tile's end). A
-  sliding-window layer drops rows from the front (`drop_front`, whole blocks): `head` is the first live row; when
-  an append reaches the end, the live rows move to the front by a multiple of whole blocks and outlier tiles (the
-  tiles that leave take their outliers and table entries along), and `release` gives back what a long prefill grew
-  once its rows are dropped; so a sliding layer's storage stays near its window, with one move per (capacity -
-  window) tokens, never a copy per step.
+- PackedRows: the quantized body. codes (capacity, pieces, words) int32 packed with kvcal.packing.layout_for ("planes3"
+  for 3 bits: exactly 3 bits per code), a row cut into pieces of whole packing units, one a KV head where the head_dim
+  is known and a head's codes fill whole units (else one piece). A CPU store keeps each piece's rows together (storage
+  (pieces, capacity, words), `words` its permuted view): its decode kernel reads a KV head's tokens in turn. A CUDA
+  store keeps each token's row whole by default (kvcal.runtime.kernels.AppendKernels; the CUDA kernels read either,
+  until a GPU measures which is faster: STORE_LAYOUTS names both). Per-token parameters in their storage dtype (fp16
+  scale/zero or lo/hi, fp8 for SKVQ --fp8) stored (P, capacity): each of the P columns (a group of channels) runs along
+  the tokens, so that a KV head's parameters of consecutive tokens are contiguous, as the kernels copy them
+  (`token[name]` is the (capacity, P) view of it); per-block parameters (capacity / block_tokens, C) for per-channel key
+  blocks; for codecs that keep outliers, kvcal.packing's outlier layout per (sequence, KV head): positions inside the
+  tile (kv_heads, outlier capacity) int16 holding the uint16 pattern, fp16 values beside them, the int32 offset table
+  (kv_heads, capacity / OUTLIER_TILE_TOKENS) of every started tile, and the counts `outlier_count` (batch, kv_heads)
+  int32 on the device (what the decode kernel reads for the last tile's end). A sliding-window layer drops rows from the
+  front (`drop_front`, whole blocks): `head` is the first live row; when an append reaches the end, the live rows move
+  to the front by a multiple of whole blocks and outlier tiles (the tiles that leave take their outliers and table
+  entries along), and `release` gives back what a long prefill grew once its rows are dropped; so a sliding layer's
+  storage stays near its window, with one move per (capacity - window) tokens, never a copy per step.
 
 Appends are batched: `write`/`append_rows` take rows of several sequences at once (grouped by sequence, in
 the order of `seqs`), encode them with one call of the codec (or one launch of the CUDA append kernels, see
