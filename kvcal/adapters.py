@@ -1,10 +1,13 @@
 """Architecture adapter: finds, per decoder layer, the projections kvcal hooks, by structure.
 
-Llama, Mistral, Qwen2 (k/v bias), Qwen3 and Gemma 3 (q/k RMSNorm before RoPE) are all "q/k/v/o projections +
-RoPE"; nothing here forks a modeling file. The pre-RoPE key is the tensor RoPE consumes: the
-k_norm output where the model has one, else the k_proj output. Gemma 3's layers are of two types (`layer_types`:
-sliding-window and full attention) that rotate with their own frequencies: the rotary module holds
-`<type>_inv_freq` for each, where the others hold one `inv_freq`.
+Llama, Mistral and Ministral, Mixtral, Qwen2 (k/v bias) and Qwen2-MoE, Qwen3 and Qwen3-MoE (q/k RMSNorm per head before
+RoPE), OLMo 2 and 3 (q/k RMSNorm over the whole projection) and Gemma 3 are all "q/k/v/o projections + RoPE" (the MoE
+models' experts are in the MLP only); nothing here forks a modeling file. Each rotates with rotate-half RoPE over the
+whole head, as kvcal.rope does (tests/test_adapters.py checks it against each model's own cached keys: Cohere's
+interleaved pairs or StableLM's partial rotation would not pass). The pre-RoPE key is the tensor RoPE consumes: the
+k_norm output where the model has one, else the k_proj output. Gemma 3's, Ministral's and OLMo 3's layers are of two
+types (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3,
+OLMo 3) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from torch import nn
 from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
+                         "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text",)

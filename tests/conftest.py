@@ -11,8 +11,10 @@ import torch
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
-TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-GEMMA3_WINDOW = 16  # the tiny Gemma 3's sliding window
+TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
+                      "gemma3_text")
+ALTERNATING = ("ministral", "olmo3", "gemma3_text")  # their tiny models' layer 0 slides over TINY_WINDOW tokens, layer 1 is full
+TINY_WINDOW = 16  # (tests run past it)
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -30,11 +32,20 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         rope_theta=10000.0, tie_word_embeddings=False,
     )
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe", "ministral"):
         common["head_dim"] = 16
-    if model_type == "gemma3_text":  # a sliding layer (16 tokens: tests run past it) and a full one, each with its own RoPE
-        common.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=GEMMA3_WINDOW,
-                      layer_types=["sliding_attention", "full_attention"])
+    # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
+    # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32)
+        if model_type == "qwen2_moe":
+            common["shared_expert_intermediate_size"] = 32
+    if model_type == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=4)
+    if model_type in ALTERNATING:  # (Gemma 3's and OLMo 3's each with its own RoPE)
+        common.update(sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"])
+    if model_type == "gemma3_text":
+        common.update(head_dim=16, query_pre_attn_scalar=16)
         del common["rope_theta"]
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
@@ -210,6 +221,22 @@ def gemma3_bundles(tmp_path_factory, gemma3_profile):
     profile = gemma3_profile
     fitted = fit_tiny_artifacts(profile, tmp_path_factory.mktemp("gemma3-fitted"))
     return bundles_of_every_recipe(profile, fitted, tmp_path_factory.mktemp("gemma3-bundles"))
+
+
+@pytest.fixture(scope="session")
+def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """bundles(model_type): a bundle of every recipe for the tiny model of that architecture, from its own profile
+    (made on first use, once per session)."""
+    made = {}
+
+    def bundles(model_type: str) -> dict[str, Path]:
+        if model_type not in made:
+            folder = tmp_path_factory.mktemp(f"{model_type}-bundles")
+            profile = profile_tiny_model(tiny_model_dir(model_type), tiny_corpus, folder / "profile.safetensors")
+            made[model_type] = bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
+        return made[model_type]
+
+    return bundles
 
 
 @pytest.fixture(scope="session")

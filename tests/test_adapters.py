@@ -1,9 +1,14 @@
 import pytest
 import torch
 
-from conftest import TINY_ARCHITECTURES, tiny_model
+from conftest import ALTERNATING, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
+from kvcal.rope import apply_rope
+
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
+PER_TYPE_FREQUENCIES = ("olmo3", "gemma3_text")
+WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
@@ -13,11 +18,33 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, 2, 16, 32)
     assert adapter.layers[1].k_proj is model.model.layers[1].self_attn.k_proj
-    has_norm = model_type in ("qwen3", "gemma3_text")
+    has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[0].k_norm is not None) == has_norm
     assert adapter.layers[0].key_source is (model.model.layers[0].self_attn.k_norm if has_norm else model.model.layers[0].self_attn.k_proj)
-    assert adapter.inv_freq.shape == ((2, 8) if model_type == "gemma3_text" else (8,)) and adapter.max_positions == 256
+    assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_TYPE_FREQUENCIES else (8,)) and adapter.max_positions == 256
+    assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.fingerprint()["num_kv_heads"] == 2
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
+    """What the runtime and the fits assume of every supported architecture: the model's own cached (post-RoPE) keys
+    are kvcal.rope's rotation of the key source's output by the layer's frequencies, at every position. Weights drawn
+    wide (std 0.25) so that the keys are far from zero and a wrong rotation shows."""
+    model = tiny_model(model_type, initializer_range=0.25)
+    adapter = adapt(model)
+    sources = {}
+    hooks = [layer.key_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
+             for i, layer in enumerate(adapter.layers)]
+    tokens = 12
+    with torch.no_grad():
+        cache = model(torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+    for hook in hooks:
+        hook.remove()
+    for i, layer in enumerate(adapter.layers):
+        pre_rope = layer.source_rows(sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
+        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.rope_attention_scaling)
+        torch.testing.assert_close(rotated, cache.layers[i].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_fingerprint_changes_with_the_config_not_with_the_weights():

@@ -22,7 +22,7 @@ def attention_of(model, layer: int):
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
     post-RoPE keys that the model's own apply_rotary_pos_emb produces."""
-    layers = range(model.config.num_hidden_layers)
+    layers, kinds = range(model.config.num_hidden_layers), adapt(model).layer_types
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
@@ -47,8 +47,8 @@ def independent_reference(model, batch: torch.Tensor):
         key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1) for g in grads[2 * n : 3 * n]])
         value_grads.append([g[0].flatten(1) for g in grads[3 * n :]])
         rotated = []
-        for i in layers:  # Gemma 3's rotary takes the layer's type, whose frequencies it uses
-            layer_type = [model.config.layer_types[i]] if model.config.model_type == "gemma3_text" else []
+        for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
+            layer_type = [kinds[i]] if kinds[i] is not None else []
             cos, sin = model.model.rotary_emb(outputs["k", i], torch.arange(SEQLEN)[None], *layer_type)
             keys = outputs["k", i].detach()
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)

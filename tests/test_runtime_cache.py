@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import fp16_kivi_bundle, left_padded, tiny_model
+from conftest import ALTERNATING, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -45,6 +45,17 @@ def test_gemma3_runtime_logits_match_the_simulation(gemma3_bundles, recipe, deco
     a Xeon with AVX-512, with either decode backend, and by less than 1e-4 there with torch's scalar kernels
     (ATEN_CPU_CAPABILITY=default)."""
     assert_runtime_logits_match_the_simulation(gemma3_bundles[recipe], "gemma3_text", atol=5e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [kind for kind in TINY_ARCHITECTURES if kind not in ("llama", "gemma3_text")])
+def test_every_architecture_decodes_every_recipe_to_the_simulation(architecture_bundles, model_type):
+    """The tiny Llama's and Gemma 3's tests above for every other architecture kvcal supports (MoE MLPs, q/k norms per
+    head or over the whole projection, sliding layers), each with bundles from its own profile, on the default decode
+    path."""
+    bundles = architecture_bundles(model_type)
+    for recipe in RECIPES:
+        assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
@@ -307,8 +318,8 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 
 SLIDING = {"mistral": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
-           "gemma3_text": dict(sliding_window=8)}  # layer 0 sliding, layer 1 full
-UNWINDOWED = {"gemma3_text": dict(layer_types=["full_attention", "full_attention"])}  # its cache needs a window size
+           **{kind: dict(sliding_window=8) for kind in ALTERNATING}}  # layer 0 sliding, layer 1 full
+UNWINDOWED = {kind: dict(layer_types=["full_attention", "full_attention"]) for kind in ALTERNATING}  # their caches need a window size
 
 
 @pytest.mark.parametrize("model_type", SLIDING)

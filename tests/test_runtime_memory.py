@@ -4,7 +4,7 @@ the bytes formula and the live cache agree exactly at the same length."""
 import pytest
 import torch
 
-from conftest import GEMMA3_WINDOW, tiny_model
+from conftest import TINY_WINDOW, tiny_model
 from helpers import decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -63,7 +63,7 @@ def test_bits_are_bytes_where_a_sliding_window_layer_drops_tokens(gemma3_bundles
     assert_bits_are_bytes(gemma3_bundles[recipe], tokens, recipe in OUTLIER_RECIPES, "gemma3_text")
     layers = load_bundle(gemma3_bundles[recipe]).layers
     unwindowed = cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2)
-    assert cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2, windows=[GEMMA3_WINDOW, None]) < unwindowed
+    assert cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2, windows=[TINY_WINDOW, None]) < unwindowed
 
 
 def test_bits_are_bytes_with_a_recent_fp16_window(windowed_kvquant_bundle):
