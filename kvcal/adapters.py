@@ -7,7 +7,9 @@ whole head, as kvcal.rope does (tests/test_adapters.py checks it against each mo
 interleaved pairs or StableLM's partial rotation would not pass). The pre-RoPE key is the tensor RoPE consumes: the
 k_norm output where the model has one, else the k_proj output. Gemma 3's, Ministral's and OLMo 3's layers are of two
 types (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3,
-OLMo 3) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`.
+OLMo 3) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`. SmolLM3 (Llama's
+attention) leaves RoPE out of some layers (`no_rope_layers`, 0 for those): their keys are stored as if rotated by
+frequencies of zero, the identity, which every fit, decode backend and artifact already reads.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "gemma3_text")
+                         "smollm3", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text",)
@@ -74,6 +76,7 @@ class ModelAdapter:
     config_dict: dict
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
+    rotated: list[bool]  # per layer, whether it applies RoPE (SmolLM3's NoPE layers do not)
 
     @property
     def kv_width(self) -> int:
@@ -81,7 +84,8 @@ class ModelAdapter:
 
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,), float32 on the CPU."""
-        return getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
+        inv_freq = getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
+        return inv_freq if self.rotated[layer] else torch.zeros_like(inv_freq)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -214,6 +218,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
     scalings = {float(getattr(rotary, _rotary_name(kind, "attention_scaling"), 1.0)) for kind in kinds}
     if len(scalings) > 1:
         raise KvcalError(f"{where}: its layer types scale RoPE's cos/sin differently ({sorted(scalings)}); kvcal stores one scaling")
+    rotated = [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
+    if not all(rotated) and scalings != {1.0}:
+        # a NoPE layer's keys are rotated by angle 0, which keeps the one cos/sin scaling the artifacts store
+        raise KvcalError(f"{where}: its RoPE scales cos/sin by {scalings.pop():g} and some layers apply no RoPE, which kvcal's one "
+                         "scaling for every layer cannot hold; calibrate it with RoPE unscaled (no YaRN in its rope_parameters)")
     # the fits compute attention with head_dim ** -0.5 (query_pre_attn_scalar = head_dim on Gemma 3 270M and 1B)
     scaling = getattr(handles[0].attention, "scaling", head_dim**-0.5)
     if abs(float(scaling) - head_dim**-0.5) > 1e-6:
@@ -231,4 +240,5 @@ def adapt(model: nn.Module) -> ModelAdapter:
         config_dict=config.to_dict(),
         layer_types=kinds,
         windows=_sliding_windows(config, num_layers),
+        rotated=rotated,
     )

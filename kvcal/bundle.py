@@ -198,8 +198,11 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     expected = {"rope.inv_freq"}
     per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2  # models whose layer types differ
     _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (fingerprint["head_dim"] // 2,), path)
-    if bool((tensors["rope.inv_freq"] <= 0).any()):
-        raise KvcalError(f"bundle '{path}': rope.inv_freq has frequencies that are not positive; re-export the bundle")
+    rows = tensors["rope.inv_freq"].reshape(-1, fingerprint["head_dim"] // 2)
+    # a layer's frequencies are all positive, or all zero where it applies no RoPE (SmolLM3's NoPE layers)
+    if not bool(((rows > 0).all(1) | (rows == 0).all(1)).all()):
+        raise KvcalError(f"bundle '{path}': rope.inv_freq has a layer whose frequencies are neither all positive nor all zero "
+                         "(a layer without RoPE); re-export the bundle")
     for i, layer in enumerate(layers):
         for kind in ("k", "v"):
             expected.add(f"layers.{i}.importance.{kind}")

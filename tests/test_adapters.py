@@ -7,7 +7,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
-PER_TYPE_FREQUENCIES = ("olmo3", "gemma3_text")
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "gemma3_text")  # OLMo 3 and Gemma 3 by layer type; SmolLM3's NoPE layer
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
@@ -21,7 +21,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[0].k_norm is not None) == has_norm
     assert adapter.layers[0].key_source is (model.model.layers[0].self_attn.k_norm if has_norm else model.model.layers[0].self_attn.k_proj)
-    assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_TYPE_FREQUENCIES else (8,)) and adapter.max_positions == 256
+    assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.fingerprint()["num_kv_heads"] == 2
 
@@ -69,6 +69,20 @@ def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
     assert torch.equal(adapter.layer_inv_freq(1), rotary.full_attention_inv_freq)
     assert not torch.equal(adapter.layer_inv_freq(0), adapter.layer_inv_freq(1))
     assert torch.equal(adapter.inv_freq, torch.stack([adapter.layer_inv_freq(0), adapter.layer_inv_freq(1)]))
+
+
+def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies():
+    """SmolLM3's NoPE layers (the tiny one's layer 1): frequencies of zero make kvcal's rotation the identity, as the
+    model applies none (test_kvcal_rotates_the_pre_rope_keys_as_the_model_does checks the keys)."""
+    adapter = adapt(tiny_model("smollm3"))
+    assert adapter.rotated == [True, False]
+    assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
+
+
+def test_a_model_with_scaled_rope_and_layers_without_it_is_refused():
+    with pytest.raises(KvcalError, match=r"scales cos/sin by .* some layers apply no RoPE.*no YaRN"):
+        adapt(tiny_model("smollm3", max_positions=1024, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)))
 
 
 def test_attention_scaled_otherwise_than_by_head_dim_is_refused():

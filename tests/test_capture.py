@@ -47,12 +47,13 @@ def independent_reference(model, batch: torch.Tensor):
         key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1) for g in grads[2 * n : 3 * n]])
         value_grads.append([g[0].flatten(1) for g in grads[3 * n :]])
         rotated = []
-        for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
+        for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses; SmolLM3's
+            # NoPE layers apply none
             layer_type = [kinds[i]] if kinds[i] is not None else []
             cos, sin = model.model.rotary_emb(outputs["k", i], torch.arange(SEQLEN)[None], *layer_type)
             keys = outputs["k", i].detach()
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
-            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin)
+            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if getattr(attention_of(model, i), "use_rope", True) else (heads, heads)
             rotated.append(k_rot.transpose(1, 2)[0].flatten(1))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope

@@ -375,8 +375,9 @@ class WiredCache(Cache):
         return self._plan
 
     def inv_freq_on(self, layer: int, device) -> torch.Tensor:
-        """Layer `layer`'s RoPE frequencies on `device`, one tensor shared by the layers of its type."""
-        key = (str(device), self.adapter.layer_types[layer])
+        """Layer `layer`'s RoPE frequencies on `device`, one tensor shared by the layers of its type that rotate alike
+        (SmolLM3's NoPE layers: zeros)."""
+        key = (str(device), self.adapter.layer_types[layer], self.adapter.rotated[layer])
         if key not in self._inv_freq:
             self._inv_freq[key] = self.adapter.layer_inv_freq(layer).to(device)
         return self._inv_freq[key]
