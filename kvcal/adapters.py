@@ -9,7 +9,9 @@ k_norm output where the model has one, else the k_proj output. Gemma 3's, Minist
 types (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3,
 OLMo 3) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`. SmolLM3 (Llama's
 attention) leaves RoPE out of some layers (`no_rope_layers`, 0 for those): their keys are stored as if rotated by
-frequencies of zero, the identity, which every fit, decode backend and artifact already reads.
+frequencies of zero, the identity, which every fit, decode backend and artifact already reads. Scores are scaled by the
+attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B,
+where head_dim is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "gemma3_text")
+                         "smollm3", "granite", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text",)
@@ -77,6 +79,7 @@ class ModelAdapter:
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (SmolLM3's NoPE layers do not)
+    score_scale: float  # what the attention multiplies q . k by
 
     @property
     def kv_width(self) -> int:
@@ -223,11 +226,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
         # a NoPE layer's keys are rotated by angle 0, which keeps the one cos/sin scaling the artifacts store
         raise KvcalError(f"{where}: its RoPE scales cos/sin by {scalings.pop():g} and some layers apply no RoPE, which kvcal's one "
                          "scaling for every layer cannot hold; calibrate it with RoPE unscaled (no YaRN in its rope_parameters)")
-    # the fits compute attention with head_dim ** -0.5 (query_pre_attn_scalar = head_dim on Gemma 3 270M and 1B)
-    scaling = getattr(handles[0].attention, "scaling", head_dim**-0.5)
-    if abs(float(scaling) - head_dim**-0.5) > 1e-6:
-        raise KvcalError(f"{where}: its attention scales scores by {float(scaling):g}, not head_dim ** -0.5 = {head_dim**-0.5:g}; "
-                         "kvcal's fits assume the latter")
+    scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
+    if len(scales) > 1:
+        raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
     return ModelAdapter(
         architecture=type(model).__name__,
         model_type=model_type,
@@ -241,4 +242,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
         layer_types=kinds,
         windows=_sliding_windows(config, num_layers),
         rotated=rotated,
+        score_scale=scales.pop(),
     )
+
+
+def score_scale(model_config: dict) -> float:
+    """The profiled model's attention score scale, from an artifact's `model` config. Artifacts written before it was
+    recorded came from models that kvcal only accepted when they scaled by head_dim ** -0.5."""
+    return float(model_config.get("score_scale", model_config["fingerprint"]["head_dim"] ** -0.5))

@@ -80,7 +80,7 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
                    capture: CaptureResult, adapter) -> dict:
     kvmix = asdict(request.kvmix)
     return {
-        "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows},
+        "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows, "score_scale": adapter.score_scale},
         "calibration": {
             "dataset": request.dataset,
             "nsamples": request.nsamples,

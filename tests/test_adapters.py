@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import ALTERNATING, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
-from kvcal.adapters import adapt
+from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
@@ -85,6 +85,14 @@ def test_a_model_with_scaled_rope_and_layers_without_it_is_refused():
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)))
 
 
-def test_attention_scaled_otherwise_than_by_head_dim_is_refused():
-    with pytest.raises(KvcalError, match=r"scales scores by .*head_dim \*\* -0.5"):
-        adapt(tiny_model("gemma3_text", query_pre_attn_scalar=64))
+@pytest.mark.parametrize("model_type, overrides, scale", [
+    ("llama", {}, 16**-0.5),
+    ("gemma3_text", dict(query_pre_attn_scalar=64), 64**-0.5),  # as Gemma 3 27B's 168 beside head_dim 128
+    ("granite", dict(attention_multiplier=0.125), 0.125),
+])
+def test_the_attention_score_scale_is_the_models_own(model_type, overrides, scale):
+    """What the fits (SKVQ's clipping search, the FP8 scale search) multiply q . k by, as the model's attention does."""
+    adapter = adapt(tiny_model(model_type, **overrides))
+    assert adapter.score_scale == pytest.approx(scale, rel=1e-6)
+    assert score_scale({"fingerprint": adapter.fingerprint(), "score_scale": adapter.score_scale}) == adapter.score_scale
+    assert score_scale({"fingerprint": adapter.fingerprint()}) == 16**-0.5  # profiles that recorded none: head_dim's

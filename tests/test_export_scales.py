@@ -13,10 +13,21 @@ def test_objective_is_per_kv_head(tiny_profile):
 
     _, profile = tiny_profile
     tensors, config = read_artifact(profile, "profile")
-    objective = WindowAttention(tensors, 0, config["model"]["fingerprint"], config["rope"]["attention_scaling"])
+    objective = WindowAttention(tensors, 0, config)
     base = torch.full((2,), 0.01)
     changed = base.clone()
     changed[1] = 1e-5  # saturates head 1 only (its largest representable value becomes 0.00448)
     a, b = objective.errors(base, base), objective.errors(changed, changed)
     assert a[0] == b[0] and b[1] > a[1]
     assert objective.errors(None, None).abs().max() == 0
+
+
+def test_the_queries_carry_the_profiled_models_score_scale(tiny_profile):
+    """Scores are q . k times what the model's attention multiplies them by, as the profile recorded it (Gemma 3
+    27B's and Granite's are not head_dim ** -0.5)."""
+    from kvcal.artifacts import read_artifact
+
+    tensors, config = read_artifact(tiny_profile[1], "profile")
+    assert config["model"]["score_scale"] == 16**-0.5
+    doubled = {**config, "model": {**config["model"], "score_scale": 2 * 16**-0.5}}
+    torch.testing.assert_close(WindowAttention(tensors, 0, doubled).queries[0], 2 * WindowAttention(tensors, 0, config).queries[0])

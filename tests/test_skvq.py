@@ -90,6 +90,18 @@ def test_fit_is_deterministic_and_searches_clipping(tiny_profile, tmp_path):
     assert method.name == "skvq-K2V2-g16-w8-s2" and method.policy.window == 8 and method.policy.sink == 2
 
 
+def test_the_clipping_search_scores_with_the_profiled_models_score_scale(tiny_profile):
+    """The clipping search's attention multiplies q . k as the model does (the profile's score_scale)."""
+    from kvcal.artifacts import read_artifact
+    from kvcal.fit.skvq import _ClipObjective
+
+    tensors, config = read_artifact(tiny_profile[1], "profile")
+    doubled = {**config, "model": {**config["model"], "score_scale": 2 * config["model"]["score_scale"]}}
+    policy = SkvqSettings(group_size=16, window=8, sink=2).policy
+    one, two = _ClipObjective(tensors, 0, config, policy), _ClipObjective(tensors, 0, doubled, policy)
+    torch.testing.assert_close(two.fp_scores[0], 2 * one.fp_scores[0])
+
+
 @pytest.mark.parametrize("settings, message", [
     (SkvqSettings(group_size=64), "larger than the KV width 32"),
     (SkvqSettings(group_size=16, window=-1), "--window must be 0 or more"),

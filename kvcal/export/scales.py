@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvcal.adapters import score_scale
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
@@ -90,8 +91,10 @@ class WindowAttention:
     it serves, summed over windows. Every query row sees every earlier token quantized (vLLM keeps no
     fp16 sinks or window)."""
 
-    def __init__(self, profile: dict, layer: int, fingerprint: dict, rope_scaling: float):
+    def __init__(self, profile: dict, layer: int, profile_config: dict):
         prefix = f"layers.{layer}.windows"
+        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], profile_config["rope"]["attention_scaling"]
+        scale = score_scale(profile_config["model"])
         heads, self.kv_heads, self.head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
         self.group = heads // self.kv_heads
         inv_freq, positions = layer_inv_freq(profile["rope.inv_freq"], layer), profile["windows.positions"].long()
@@ -100,7 +103,7 @@ class WindowAttention:
         self.blocked = ~torch.ones(tokens, tokens, dtype=torch.bool).tril()
         for w in range(profile[f"{prefix}.k"].shape[0]):
             q = rotate_keys(profile[f"{prefix}.q"][w].float(), positions[w], heads, inv_freq, rope_scaling)
-            self.queries.append(q.view(tokens, self.kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3) * self.head_dim**-0.5)
+            self.queries.append(q.view(tokens, self.kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3) * scale)
             self.keys.append(rotate_keys(profile[f"{prefix}.k"][w].float(), positions[w], self.kv_heads, inv_freq, rope_scaling))
             self.values.append(profile[f"{prefix}.v"][w].float())
         self.reference = [self._probs(w, k) @ self._heads(v) for w, (k, v) in enumerate(zip(self.keys, self.values))]
@@ -190,7 +193,7 @@ def calibrate_scales(profile_path: str | Path, strategy: str, on_layer: Callable
         except KeyError as exc:
             raise KvcalError(f"profile '{profile_path}' lacks tensor {exc}; re-create it with kvcal profile-gradients") from exc
         if has_windows:  # the windows also hold the sink tokens the streaming statistics leave out
-            objective = WindowAttention(profile, layer, fingerprint, config["rope"]["attention_scaling"])
+            objective = WindowAttention(profile, layer, config)
             k_absmax = torch.maximum(k_absmax, _per_head_absmax(torch.stack([k.abs().amax(0) for k in objective.keys]).amax(0), kv_heads))
             v_absmax = torch.maximum(v_absmax, _per_head_absmax(torch.stack([v.abs().amax(0) for v in objective.values]).amax(0), kv_heads))
         k_start, v_start = _starting_scales(k_absmax, strategy), _starting_scales(v_absmax, strategy)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
+from kvcal.adapters import score_scale
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
@@ -169,8 +170,9 @@ class _ClipObjective:
 
     QUERY_ROWS = 128
 
-    def __init__(self, profile: dict, layer: int, fingerprint: dict, rope_scaling: float, policy: SegmentPolicy):
+    def __init__(self, profile: dict, layer: int, profile_config: dict, policy: SegmentPolicy):
         prefix = f"layers.{layer}.windows"
+        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], profile_config["rope"]["attention_scaling"]
         self.kv_heads, self.head_dim = fingerprint["num_kv_heads"], fingerprint["head_dim"]
         heads = fingerprint["num_heads"]
         self.group = heads // self.kv_heads
@@ -185,7 +187,7 @@ class _ClipObjective:
         self.key_mask, self.value_mask = key_mask[self.rows], value_mask[self.rows]
         causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[self.rows]
         self.blocked = ~causal
-        scaling = self.head_dim ** -0.5
+        scaling = score_scale(profile_config["model"])
         self.queries, self.fp_scores, self.reference = [], [], []
         for w in range(self.keys.shape[0]):
             q = rotate_keys(profile[f"{prefix}.q"][w].float(), self.positions[w], heads, self.inv_freq, rope_scaling)
@@ -268,7 +270,7 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
                                                  groups, settings.reorder, settings.seed)
             stored[kind] = SkvqTensor(permutation, starts, torch.ones(groups), bits, settings.fp8)
         if settings.clip != "none":
-            objective = _ClipObjective(profile, layer, fingerprint, profile_config["rope"]["attention_scaling"], settings.policy)
+            objective = _ClipObjective(profile, layer, profile_config, settings.policy)
             if len(objective.rows):  # else the window and sinks cover every calibration token: nothing to clip
                 _search_clip(objective.key_error, stored["k"], settings.clip)
                 objective.cache_keys(stored["k"])
