@@ -218,6 +218,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
     k_out = handles[0].k_proj.out_features
     if k_out != num_kv_heads * head_dim:
         raise KvcalError(f"{where}: k_proj has {k_out} outputs, expected {num_kv_heads} KV heads x head_dim {head_dim}")
+    rope_types = getattr(rotary, "rope_type", "default")
+    for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
+        if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
+            raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
+                             "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
     scalings = {float(getattr(rotary, _rotary_name(kind, "attention_scaling"), 1.0)) for kind in kinds}
     if len(scalings) > 1:
         raise KvcalError(f"{where}: its layer types scale RoPE's cos/sin differently ({sorted(scalings)}); kvcal stores one scaling")

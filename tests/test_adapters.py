@@ -85,6 +85,16 @@ def test_a_model_with_scaled_rope_and_layers_without_it_is_refused():
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)))
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_whose_frequencies_follow_the_sequence_length_is_refused(rope_type):
+    """transformers recomputes dynamic NTK and LongRoPE frequencies in the forward pass, past a length; the stored ones
+    would rotate keys otherwise than the model at long context."""
+    rope = dict(rope_type=rope_type, rope_theta=10000.0, factor=2.0, original_max_position_embeddings=128,
+                short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    with pytest.raises(KvcalError, match=rf"rope_type '{rope_type}'\) changes its frequencies with the sequence length"):
+        adapt(tiny_model("llama", rope_parameters=rope))
+
+
 @pytest.mark.parametrize("model_type, overrides, scale", [
     ("llama", {}, 16**-0.5),
     ("gemma3_text", dict(query_pre_attn_scalar=64), 64**-0.5),  # as Gemma 3 27B's 168 beside head_dim 128
