@@ -1,24 +1,27 @@
 """Architecture adapter: finds, per decoder layer, the projections kvcal hooks, by structure.
 
-Llama, Mistral and Ministral, Mixtral, Qwen2 (k/v bias) and Qwen2-MoE, Qwen3 and Qwen3-MoE (q/k RMSNorm per head before
-RoPE), OLMo 2 and 3 (q/k RMSNorm over the whole projection) and Gemma 3 are all "q/k/v/o projections + RoPE" (the MoE
-models' experts are in the MLP only); nothing here forks a modeling file. Each rotates with rotate-half RoPE over the
-whole head, as kvcal.rope does (tests/test_adapters.py checks it against each model's own cached keys: Cohere's
-interleaved pairs or StableLM's partial rotation would not pass). The pre-RoPE key is the tensor RoPE consumes: the
-k_norm output where the model has one, else the k_proj output. Gemma 3's, Ministral's and OLMo 3's layers are of two
-types (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3,
-OLMo 3) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`. SmolLM3 (Llama's
-attention) leaves RoPE out of some layers (`no_rope_layers`, 0 for those): their keys are stored as if rotated by
-frequencies of zero, the identity, which every fit, decode backend and artifact already reads. Scores are scaled by the
-attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B,
-where head_dim is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits.
+Every supported model's attention is q/k/v/o projections + rotate-half RoPE over whole heads, as kvcal.rope computes
+it (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a modeling file:
+- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite: separate q/k/v_proj (the MoE
+  models' experts are in the MLP only);
+- Qwen3, Qwen3-MoE, Gemma 3: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole projection. The pre-RoPE
+  key is the tensor RoPE consumes: the k_norm output where the model has one, else the k_proj output;
+- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
+Gemma 3's, Ministral's and OLMo 3's layers are of two types (`layer_types`: sliding-window and full attention); where
+the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds `<type>_inv_freq` for each, where
+the others hold one `inv_freq`. SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those): their keys
+are stored as if rotated by frequencies of zero, the identity, which every fit, decode backend and artifact reads.
+Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
+Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite; profiles record it
+(`score_scale`) for the fits. Refused, beside other architectures: RoPE over part of each head (Phi-4-mini's
+partial_rotary_factor) and frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,7 +30,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "granite", "gemma3_text")
+                         "smollm3", "granite", "phi3", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text",)
@@ -41,28 +44,36 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
 class LayerHandles:
     index: int
     attention: nn.Module
-    q_proj: nn.Linear
+    q_proj: nn.Linear  # where q, k and v come from one fused linear (Phi-3's qkv_proj), that one for each
     k_proj: nn.Linear
     v_proj: nn.Linear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
+    # each of q, k, v: its output columns of its projection (all of them, but in a fused one)
+    columns: dict[str, slice] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
 
     @property
     def query_source(self) -> nn.Module:
-        """The module whose output is the pre-RoPE query."""
+        """The module whose output holds the pre-RoPE query."""
         return self.q_norm if self.q_norm is not None else self.q_proj
 
     @property
     def key_source(self) -> nn.Module:
-        """The module whose output is the pre-RoPE key."""
+        """The module whose output holds the pre-RoPE key."""
         return self.k_norm if self.k_norm is not None else self.k_proj
 
-    def source_rows(self, output: torch.Tensor) -> torch.Tensor:
-        """A query or key source's output (or its gradient) as (batch, tokens, heads * head_dim)."""
+    def source_rows(self, kind: str, output: torch.Tensor) -> torch.Tensor:
+        """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, v_proj),
+        or in its gradient, as (batch, tokens, heads * head_dim)."""
         if self.heads_first and output.dim() == 4:
             return output.transpose(1, 2).flatten(2)
-        return output.flatten(2)
+        normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
+        return output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
+
+    def weight_gradient(self, kind: str) -> torch.Tensor:
+        """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection."""
+        return (self.k_proj if kind == "k" else self.v_proj).weight.grad[self.columns[kind]]
 
 
 @dataclass
@@ -141,28 +152,24 @@ def _find_attention(layer: nn.Module, index: int, where: str) -> nn.Module:
     raise KvcalError(f"{where}: decoder layer {index} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
 
 
-def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool) -> LayerHandles:
+def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int) -> LayerHandles:
     attention = _find_attention(layer, index, where)
-    projections = {}
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        module = getattr(attention, name, None)
-        if not isinstance(module, nn.Linear):
-            children = ", ".join(n for n, _ in attention.named_children())
-            raise KvcalError(
-                f"{where}: could not find a separate {name} linear layer in the attention of decoder layer "
-                f"{index} (found: {children}); kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        projections[name] = module
-    return LayerHandles(
-        index=index,
-        attention=attention,
-        q_proj=projections["q_proj"],
-        k_proj=projections["k_proj"],
-        v_proj=projections["v_proj"],
-        q_norm=getattr(attention, "q_norm", None),
-        k_norm=getattr(attention, "k_norm", None),
-        heads_first=heads_first,
-    )
+    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+              if isinstance(module := getattr(attention, name, None), nn.Linear)}
+    norms = dict(q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None), heads_first=heads_first)
+    if "o_proj" in linear and all(name in linear for name in ("q_proj", "k_proj", "v_proj")):
+        if linear["k_proj"].out_features != kv_width:
+            raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
+        return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear["v_proj"], **norms)
+    if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
+        fused = linear["qkv_proj"]
+        if fused.out_features != q_width + 2 * kv_width:
+            raise KvcalError(f"{where}: qkv_proj has {fused.out_features} outputs, expected {q_width} + 2 x {kv_width} (q, k, v)")
+        columns = dict(q=slice(0, q_width), k=slice(q_width, q_width + kv_width), v=slice(q_width + kv_width, None))
+        return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
+    children = ", ".join(n for n, _ in attention.named_children())
+    raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj) and o_proj linear layers in "
+                     f"the attention of decoder layer {index} (found: {children}); kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _rotary_name(kind: str | None, name: str) -> str:
@@ -206,18 +213,20 @@ def adapt(model: nn.Module) -> ModelAdapter:
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     layers = _find_decoder_layers(model, num_layers)
-    handles = [_layer_handles(layer, i, where, model_type in _HEADS_FIRST_NORMS) for i, layer in enumerate(layers)]
+    handles = [_layer_handles(layer, i, where, model_type in _HEADS_FIRST_NORMS, num_heads * head_dim, num_kv_heads * head_dim)
+               for i, layer in enumerate(layers)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     kinds = _layer_types(config, num_layers)
     rotary = _find_rotary(model, kinds, where)
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    k_out = handles[0].k_proj.out_features
-    if k_out != num_kv_heads * head_dim:
-        raise KvcalError(f"{where}: k_proj has {k_out} outputs, expected {num_kv_heads} KV heads x head_dim {head_dim}")
+    rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
+    if rotary_dims != {head_dim}:
+        raise KvcalError(f"{where}: its RoPE rotates {min(rotary_dims)} of a head's {head_dim} channels (partial_rotary_factor); "
+                         "kvcal rotates whole heads")
     rope_types = getattr(rotary, "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update

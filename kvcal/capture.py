@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcal.adapters import ModelAdapter
+from kvcal.adapters import LayerHandles, ModelAdapter
 from kvcal.rope import layer_inv_freq, rotate_keys
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
@@ -111,17 +111,17 @@ class _ActivationHooks:
         self._handles = []
         for handles in adapter.layers:
             i = handles.index
-            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles.source_rows)))
-            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, True, handles.source_rows)))
-            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles.source_rows)))
+            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles)))
+            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, True, handles)))
+            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
 
-    def _hook(self, kind: str, layer: int, with_grad: bool, rows):
+    def _hook(self, kind: str, layer: int, with_grad: bool, handles: LayerHandles):
         def on_forward(module, inputs, output):
             if kind == "q" and not self.keep_queries:
                 return
-            self.activations[kind, layer] = rows(output.detach())
+            self.activations[kind, layer] = handles.source_rows(kind, output.detach())
             if with_grad:
-                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), rows(grad.detach())))
+                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), handles.source_rows(kind, grad.detach())))
 
         return on_forward
 
@@ -180,9 +180,9 @@ def profile_gradients(
             slots = torch.nonzero(rows[:, 0] == w).flatten()
             for handles, recorder in zip(adapter.layers, recorders):
                 i = handles.index
-                for slot, projection in enumerate((handles.k_proj, handles.v_proj)):
-                    importance[slot, i] += projection.weight.grad.double().norm().item()  # importance stays on the CPU
-                    projection.weight.grad = None
+                for slot, kind in enumerate("kv"):
+                    importance[slot, i] += handles.weight_gradient(kind).double().norm().item()  # importance stays on the CPU
+                handles.k_proj.weight.grad = handles.v_proj.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
                 key_post = rotate_keys(key, positions, adapter.num_kv_heads, layer_inv_freq(inv_freq, i), rope_scaling)

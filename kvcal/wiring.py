@@ -181,7 +181,7 @@ def _install_hooks(wiring: Wiring) -> None:
             layer_slot.serving = layer_slot.pre_rope_keys = None
 
         def keep_keys(module, args, output, layer_slot=layer_slot, handles=handles):
-            layer_slot.pre_rope_keys = handles.source_rows(output.detach())
+            layer_slot.pre_rope_keys = handles.source_rows("k", output.detach())
 
         wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
                          handles.attention.register_forward_hook(leave, always_call=True),

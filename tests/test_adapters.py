@@ -17,10 +17,12 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, 2, 16, 32)
-    assert adapter.layers[1].k_proj is model.model.layers[1].self_attn.k_proj
+    attention = model.model.layers[1].self_attn
+    key_projection = attention.qkv_proj if model_type == "phi3" else attention.k_proj  # Phi-3's q, k and v: one linear
+    assert adapter.layers[1].k_proj is key_projection
     has_norm = model_type in NORMED_KEYS
-    assert (adapter.layers[0].k_norm is not None) == has_norm
-    assert adapter.layers[0].key_source is (model.model.layers[0].self_attn.k_norm if has_norm else model.model.layers[0].self_attn.k_proj)
+    assert (adapter.layers[1].k_norm is not None) == has_norm
+    assert adapter.layers[1].key_source is (attention.k_norm if has_norm else key_projection)
     assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.fingerprint()["num_kv_heads"] == 2
@@ -42,7 +44,7 @@ def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
-        pre_rope = layer.source_rows(sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
+        pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.rope_attention_scaling)
         torch.testing.assert_close(rotated, cache.layers[i].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
@@ -54,7 +56,7 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 
 def test_unsupported_architecture_names_what_is_missing():
-    with pytest.raises(KvcalError, match=r"GPT2LMHeadModel.*could not find a separate q_proj.*found: c_attn"):
+    with pytest.raises(KvcalError, match=r"GPT2LMHeadModel.*could not find separate q_proj, k_proj, v_proj \(or one qkv_proj\).*found: c_attn"):
         adapt(tiny_model("gpt2"))
 
 
@@ -93,6 +95,13 @@ def test_rope_whose_frequencies_follow_the_sequence_length_is_refused(rope_type)
                 short_factor=[1.0] * 8, long_factor=[2.0] * 8)
     with pytest.raises(KvcalError, match=rf"rope_type '{rope_type}'\) changes its frequencies with the sequence length"):
         adapt(tiny_model("llama", rope_parameters=rope))
+
+
+def test_rope_over_part_of_each_head_is_refused():
+    """Phi-4-mini's partial_rotary_factor 0.75: kvcal's rotation (every fit's, every decode backend's) is of whole heads."""
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    with pytest.raises(KvcalError, match=r"its RoPE rotates 8 of a head's 16 channels \(partial_rotary_factor\)"):
+        adapt(tiny_model("phi3", rope_parameters=rope))
 
 
 @pytest.mark.parametrize("model_type, overrides, scale", [

@@ -19,39 +19,55 @@ def attention_of(model, layer: int):
     return model.model.layers[layer].self_attn
 
 
+def key_and_value_sources(model, layer: int):
+    """Per side (keys, values): (module whose output holds it, its columns there, the projection whose weight makes
+    it, its rows there). Phi-3's one qkv_proj holds q, k and v side by side."""
+    attention, config = attention_of(model, layer), model.config
+    if hasattr(attention, "qkv_proj"):
+        head_dim = config.hidden_size // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        k, v = slice(q, q + kv), slice(q + kv, q + 2 * kv)
+        return (attention.qkv_proj, k, attention.qkv_proj, k), (attention.qkv_proj, v, attention.qkv_proj, v)
+    everything = slice(None)
+    return ((getattr(attention, "k_norm", None) or attention.k_proj, everything, attention.k_proj, everything),
+            (attention.v_proj, everything, attention.v_proj, everything))
+
+
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
     post-RoPE keys that the model's own apply_rotary_pos_emb produces."""
     layers, kinds = range(model.config.num_hidden_layers), adapt(model).layer_types
+    sources = [key_and_value_sources(model, i) for i in layers]
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
         outputs = {}
         handles = []
         for i in layers:
-            attention = attention_of(model, i)
-            key_module = getattr(attention, "k_norm", None) or attention.k_proj
-            handles.append(key_module.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(("k", i), out)))
-            handles.append(attention.v_proj.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(("v", i), out)))
+            for side, (module, columns, _, _) in zip("kv", sources[i]):
+                handles.append(module.register_forward_hook(lambda m, a, out, key=(side, i): outputs.__setitem__(key, out)))
         ids = window[None]
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         for h in handles:
             h.remove()
-        weights = [attention_of(model, i).k_proj.weight for i in layers] + [attention_of(model, i).v_proj.weight for i in layers]
-        activations = [outputs["k", i] for i in layers] + [outputs["v", i] for i in layers]
+        weights = [sources[i][side][2].weight for side in (0, 1) for i in layers]
+        activations = [outputs[side, i] for side in "kv" for i in layers]
         grads = torch.autograd.grad(loss, weights + activations)
         n = len(layers)
-        norms[0] += torch.stack([g.double().norm() for g in grads[:n]])
-        norms[1] += torch.stack([g.double().norm() for g in grads[n : 2 * n]])
+        rows = [sources[i][side][3] for side in (0, 1) for i in layers]
+        columns = [sources[i][side][1] for side in (0, 1) for i in layers]
+        norms[0] += torch.stack([g[r].double().norm() for g, r in zip(grads[:n], rows[:n])])
+        norms[1] += torch.stack([g[r].double().norm() for g, r in zip(grads[n : 2 * n], rows[n:])])
         heads_first = model.config.model_type == "gemma3_text"  # its k_norm sees (batch, heads, tokens, head_dim)
-        key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1) for g in grads[2 * n : 3 * n]])
-        value_grads.append([g[0].flatten(1) for g in grads[3 * n :]])
+        key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
+        value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses; SmolLM3's
             # NoPE layers apply none
             layer_type = [kinds[i]] if kinds[i] is not None else []
-            cos, sin = model.model.rotary_emb(outputs["k", i], torch.arange(SEQLEN)[None], *layer_type)
             keys = outputs["k", i].detach()
+            keys = keys if heads_first else keys[..., sources[i][0][1]]
+            cos, sin = model.model.rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
             _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if getattr(attention_of(model, i), "use_rope", True) else (heads, heads)
             rotated.append(k_rot.transpose(1, 2)[0].flatten(1))

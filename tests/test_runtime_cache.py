@@ -316,7 +316,7 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 
 # Sliding windows: the runtime attends over each sequence's last `window` tokens, as transformers does.
 
-SLIDING = {"mistral": dict(sliding_window=8),  # every layer
+SLIDING = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
            **{kind: dict(sliding_window=8) for kind in ALTERNATING}}  # layer 0 sliding, layer 1 full
 UNWINDOWED = {kind: dict(layer_types=["full_attention", "full_attention"]) for kind in ALTERNATING}  # their caches need a window size

@@ -471,7 +471,7 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     adapter = adapt(model)
     pre_rope: list[list[torch.Tensor]] = [[] for _ in adapter.layers]
     hooks = [handles.key_source.register_forward_hook(
-        lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows(output.detach())))
+        lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows("k", output.detach())))
         for i, handles in enumerate(adapter.layers)]
     step = chunk or ids.shape[1]
     try:
