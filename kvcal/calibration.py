@@ -83,6 +83,12 @@ def profile(request: ProfileRequest, out: str | Path | None, progress: Progress,
                        on_window=lambda window: progress.advance())
 
 
+def artifacts_beside(out: Path, recipe: str) -> dict[str, Path]:
+    """What `calibrate` writes beside the bundle `out`, by kind: the profile, and the recipe's fitted artifact."""
+    kind = registry.recipe(recipe).artifact_kind
+    return {"profile": out.with_name("profile.safetensors"), **({kind: out.with_name(f"{kind}.safetensors")} if kind else {})}
+
+
 def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str = "kvquant", out: str | Path | None = None,
               bits: float | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
               device: str = "cpu", progress: Progress | None = None) -> Path:
@@ -96,9 +102,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     progress = progress or _Silent()
     inputs = [dataset, model]  # a text file or .gguf given as --dataset / --model must not be written over
     out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors", inputs=inputs)
-    beside = {"profile": out.with_name("profile.safetensors")}
-    if spec.artifact_kind is not None:
-        beside[spec.artifact_kind] = out.with_name(f"{spec.artifact_kind}.safetensors")
+    beside = artifacts_beside(out, recipe)
     for kind, path in beside.items():
         if path.name == out.name:
             raise KvcalError(f"--out '{out}' is where the {kind} is written beside the bundle; name the bundle otherwise "
@@ -124,6 +128,6 @@ def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: flo
         layers = read_header(profile_path)[1]["model"]["fingerprint"]["num_layers"]
         progress.stage(f"{steps[0]} fit {spec.artifact_kind}", layers)
         tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
-        fitted_path = str(write_artifact(out.with_name(f"{spec.artifact_kind}.safetensors"), tensors, spec.artifact_kind, config))
+        fitted_path = str(write_artifact(artifacts_beside(out, recipe)[spec.artifact_kind], tensors, spec.artifact_kind, config))
     progress.stage(f"{steps[1]} export bundle", None)
     return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings))

@@ -448,14 +448,14 @@ def calibrate_command(
     out: Optional[Path] = typer.Option(None, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
 ):
     """Profile, fit and export in one command: the whole calibration with defaults (kvcal.calibrate in Python)."""
-    from kvcal.calibration import calibrate
+    from kvcal.calibration import artifacts_beside, calibrate
 
     started = time.perf_counter()
     with _progress() as progress:
         path = calibrate(model, dataset=dataset, recipe=recipe, out=out, bits=bits, nsamples=nsamples, seqlen=seqlen, seed=seed,
                          dtype=dtype, device=device, progress=_Stages(progress))
     _print_summary(path)
-    beside = ", ".join(p.name for p in sorted(path.parent.glob("*.safetensors")) if p != path)
+    beside = ", ".join(sorted(p.name for p in artifacts_beside(path, recipe).values()))
     _note(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s")
 
 

@@ -499,6 +499,16 @@ def test_progress_in_a_log_is_one_plain_line_per_stage_and_window(tiny_model_dir
     assert len(lines[-1]) > 80  # one line however long: nothing wraps
 
 
+def test_calibrate_names_only_the_artifacts_it_wrote_beside_the_bundle(tiny_model_dir, tiny_corpus, tmp_path):
+    (tmp_path / "another-models-bundle.safetensors").write_bytes(b"left alone")
+    out = tmp_path / "kivi.safetensors"
+    result = run("calibrate", "--model", tiny_model_dir("llama"), "--dataset", tiny_corpus, "--nsamples", 2, "--seqlen", 48,
+                 "--recipe", "kivi", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(rf"wrote {re.escape(str(out))} \(with profile.safetensors beside it\) in \d+\.\d s", result.stderr.splitlines()[-1])
+    assert (tmp_path / "another-models-bundle.safetensors").read_bytes() == b"left alone"
+
+
 @pytest.mark.slow
 def test_progress_in_a_terminal_is_a_live_bar(tiny_model_dir, tiny_corpus, tmp_path):
     """With a terminal on stderr (a pseudo-terminal here) progress is rich's live bar, not the plain log lines."""
