@@ -9,8 +9,9 @@ it (tests/test_adapters.py checks each against the model's own cached keys); not
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
 Gemma 3's, Ministral's and OLMo 3's layers are of two types (`layer_types`: sliding-window and full attention); where
 the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds `<type>_inv_freq` for each, where
-the others hold one `inv_freq`. SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those): their keys
-are stored as if rotated by frequencies of zero, the identity, which every fit, decode backend and artifact reads.
+the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves
+RoPE out of some layers (`no_rope_layers`, 0 for those): their keys are stored as if rotated by frequencies of zero
+and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite; profiles record it
 (`score_scale`) for the fits. Refused, beside other architectures: RoPE over part of each head (Phi-4-mini's
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from kvcal.errors import KvcalError
-from kvcal.rope import stored_inv_freq
+from kvcal.rope import stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
                          "smollm3", "granite", "phi3", "gemma3_text")
@@ -106,10 +107,15 @@ class ModelAdapter:
         """The frequencies artifacts store: (head_dim/2,) shared by every layer, else (layers, head_dim/2)."""
         return stored_inv_freq([self.layer_inv_freq(i) for i in range(len(self.layers))])
 
+    def layer_rope_scaling(self, layer: int) -> float:
+        """Layer `layer`'s cos/sin scaling (YaRN's, for one; 1 where the layer applies no RoPE)."""
+        scaling = float(getattr(self.rotary, _rotary_name(self.layer_types[layer], "attention_scaling"), 1.0))
+        return scaling if self.rotated[layer] else 1.0
+
     @property
-    def rope_attention_scaling(self) -> float:
-        """The cos/sin scaling, one for every layer (adapt refuses a model whose layer types differ in it)."""
-        return float(getattr(self.rotary, _rotary_name(self.layer_types[0], "attention_scaling"), 1.0))
+    def rope_scaling(self) -> float | list[float]:
+        """The cos/sin scaling artifacts record: one number shared by every layer, else one a layer."""
+        return stored_rope_scaling([self.layer_rope_scaling(i) for i in range(len(self.layers))])
 
     def check_seqlen(self, seqlen: int) -> None:
         if self.max_positions and seqlen > self.max_positions:
@@ -232,14 +238,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    scalings = {float(getattr(rotary, _rotary_name(kind, "attention_scaling"), 1.0)) for kind in kinds}
-    if len(scalings) > 1:
-        raise KvcalError(f"{where}: its layer types scale RoPE's cos/sin differently ({sorted(scalings)}); kvcal stores one scaling")
     rotated = [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
-    if not all(rotated) and scalings != {1.0}:
-        # a NoPE layer's keys are rotated by angle 0, which keeps the one cos/sin scaling the artifacts store
-        raise KvcalError(f"{where}: its RoPE scales cos/sin by {scalings.pop():g} and some layers apply no RoPE, which kvcal's one "
-                         "scaling for every layer cannot hold; calibrate it with RoPE unscaled (no YaRN in its rope_parameters)")
     scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvcal.adapters import LayerHandles, ModelAdapter
-from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.rope import rotate_keys
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
 SAMPLE_TENSORS = ("k_pre", "k_post", "v", "k_pre_fisher", "v_fisher")
@@ -161,7 +161,6 @@ def profile_gradients(
     recorders = [_LayerRecorder(len(rows), kv_width, q_width, stored, seqlen) for _ in range(num_layers)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
-    inv_freq, rope_scaling = adapter.inv_freq, adapter.rope_attention_scaling
     input_device = model.get_input_embeddings().weight.device
     counts = {"forward_passes": 0, "backward_passes": 0}
 
@@ -185,7 +184,7 @@ def profile_gradients(
                 handles.k_proj.weight.grad = handles.v_proj.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
-                key_post = rotate_keys(key, positions, adapter.num_kv_heads, layer_inv_freq(inv_freq, i), rope_scaling)
+                key_post = rotate_keys(key, positions, adapter.num_kv_heads, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,
@@ -212,7 +211,7 @@ def profile_gradients(
     tensors = {
         "samples.window": rows[:, 0].to(torch.int32),
         "samples.position": rows[:, 1].to(torch.int32),
-        "rope.inv_freq": inv_freq,
+        "rope.inv_freq": adapter.inv_freq,
     }
     if stored:
         tensors["windows.positions"] = positions.to(torch.int32).expand(stored, seqlen).clone()

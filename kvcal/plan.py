@@ -41,7 +41,7 @@ from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES, cache_type_codec, ik_llama_cpp_arguments
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
-from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 from kvcal.rotation_codecs import GGML_BLOCK, GGML_BLOCK_BYTES
 from kvcal.vllm_codecs import TQ_PRESETS
 
@@ -101,7 +101,7 @@ def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> f
     inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer)
     keys = profile[f"layers.{layer}.k_post.samples"].float()
     error = codec.quantize(keys).values - keys
-    error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / config["rope"]["attention_scaling"])  # scalings undone
+    error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / layer_rope_scaling(config["rope"], layer))  # scalings undone
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
 
 

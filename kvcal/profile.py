@@ -91,7 +91,7 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
             **capture.counts,
         },
         "kvmix": kvmix,
-        "rope": {"attention_scaling": adapter.rope_attention_scaling, "convention": "rotate_half"},
+        "rope": {"attention_scaling": adapter.rope_scaling, "convention": "rotate_half"},
     }
 
 

@@ -1,9 +1,10 @@
 """Rotary position embedding, rotate-half convention (the one Llama/Mistral/Qwen use in transformers).
 
 Everything a consumer needs is `inv_freq` (head_dim/2 frequencies, scaling already folded in) and the
-attention scaling factor, both stored in artifacts, so fitters and the runtime never need the model. Models whose
-layers rotate with different frequencies (Gemma 3: local and global layers) store one row per layer: `inv_freq` is
-(head_dim/2,) when every layer shares it, else (layers, head_dim/2); `layer_inv_freq` reads either.
+attention scaling factor of cos/sin, both stored in artifacts, so fitters and the runtime never need the model. Models
+whose layers rotate with different frequencies (Gemma 3: local and global layers) store one row per layer: `inv_freq`
+is (head_dim/2,) when every layer shares it, else (layers, head_dim/2); `layer_inv_freq` reads either. The scaling
+likewise (OLMo 3: YaRN's on its full-attention layers only), read by `layer_rope_scaling`.
 """
 
 from __future__ import annotations
@@ -45,3 +46,14 @@ def stored_inv_freq(per_layer: list[torch.Tensor]) -> torch.Tensor:
     """What artifacts store for these per-layer frequencies: one row when every layer has the same, else all rows."""
     first = per_layer[0]
     return first if all(torch.equal(first, other) for other in per_layer[1:]) else torch.stack(per_layer)
+
+
+def layer_rope_scaling(rope_config: dict, layer: int) -> float:
+    """Layer `layer`'s cos/sin scaling from an artifact's `rope` config: one number for every layer, or one a layer."""
+    scaling = rope_config["attention_scaling"]
+    return float(scaling[layer] if isinstance(scaling, list) else scaling)
+
+
+def stored_rope_scaling(per_layer: list[float]) -> float | list[float]:
+    """What artifacts record for these per-layer cos/sin scalings: one number when every layer has the same, else all."""
+    return per_layer[0] if len(set(per_layer)) == 1 else per_layer

@@ -202,7 +202,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     if len(method.layers) != len(adapter.layers):
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
-    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.rope_attention_scaling, tally,
+    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally,
                              adapter.windows[i])
               for i, scheme in enumerate(method.layers)]
     owner = object()

@@ -51,6 +51,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "gemma3_text":
         common.update(head_dim=16, query_pre_attn_scalar=16)
         del common["rope_theta"]
+    if model_type == "olmo3":  # as the real ones: YaRN on the full layer (its cos/sin scaled), none on the sliding one
+        common["rope_parameters"] = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0), full_attention=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, original_max_position_embeddings=64))
+        del common["rope_theta"]
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
     return AutoConfig.for_model(model_type, **{**common, **overrides})

@@ -28,12 +28,9 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.fingerprint()["num_kv_heads"] == 2
 
 
-@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
-def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
-    """What the runtime and the fits assume of every supported architecture: the model's own cached (post-RoPE) keys
-    are kvcal.rope's rotation of the key source's output by the layer's frequencies, at every position. Weights drawn
-    wide (std 0.25) so that the keys are far from zero and a wrong rotation shows."""
-    model = tiny_model(model_type, initializer_range=0.25)
+def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
+    """The model's own cached (post-RoPE) keys are kvcal.rope's rotation of the key source's output by each layer's
+    frequencies and cos/sin scaling, at every position."""
     adapter = adapt(model)
     sources = {}
     hooks = [layer.key_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
@@ -45,8 +42,15 @@ def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
         hook.remove()
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
-        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.rope_attention_scaling)
+        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
         torch.testing.assert_close(rotated, cache.layers[i].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
+    """What the runtime and the fits assume of every supported architecture. Weights drawn wide (std 0.25) so that the
+    keys are far from zero and a wrong rotation shows."""
+    assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model(model_type, initializer_range=0.25))
 
 
 def test_fingerprint_changes_with_the_config_not_with_the_weights():
@@ -81,20 +85,16 @@ def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies():
     assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
 
 
-def test_a_model_with_scaled_rope_and_layers_without_it_is_refused():
-    with pytest.raises(KvcalError, match=r"scales cos/sin by .* some layers apply no RoPE.*no YaRN"):
-        adapt(tiny_model("smollm3", max_positions=1024, rope_parameters=dict(
-            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)))
-
-
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_rope_whose_frequencies_follow_the_sequence_length_is_refused(rope_type):
-    """transformers recomputes dynamic NTK and LongRoPE frequencies in the forward pass, past a length; the stored ones
-    would rotate keys otherwise than the model at long context."""
-    rope = dict(rope_type=rope_type, rope_theta=10000.0, factor=2.0, original_max_position_embeddings=128,
-                short_factor=[1.0] * 8, long_factor=[2.0] * 8)
-    with pytest.raises(KvcalError, match=rf"rope_type '{rope_type}'\) changes its frequencies with the sequence length"):
-        adapt(tiny_model("llama", rope_parameters=rope))
+def test_cos_sin_scaled_on_some_layers_only_is_scaled_per_layer():
+    """OLMo 3's YaRN scales its full layers' cos/sin and not its sliding ones' (the tiny one: layer 1 full); SmolLM3's
+    NoPE layers scale nothing, whatever its YaRN does to the others. Artifacts then record one scaling a layer."""
+    olmo3 = adapt(tiny_model("olmo3"))
+    assert olmo3.layer_rope_scaling(0) == 1.0 and olmo3.layer_rope_scaling(1) > 1.0
+    assert olmo3.rope_scaling == [1.0, olmo3.layer_rope_scaling(1)]
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)
+    smollm3 = tiny_model("smollm3", max_positions=1024, rope_parameters=yarn, initializer_range=0.25)
+    assert adapt(smollm3).rope_scaling == [adapt(smollm3).layer_rope_scaling(0), 1.0] and adapt(smollm3).layer_rope_scaling(0) > 1.0
+    assert_kvcal_rotates_the_pre_rope_keys_as(smollm3)
 
 
 def test_rope_over_part_of_each_head_is_refused():

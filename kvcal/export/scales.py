@@ -20,7 +20,7 @@ from kvcal.adapters import score_scale
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
-from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 
 STRATEGIES = ("tensor", "attn_head")
 # Multiples of absmax / 448 tried, 0.5 to 2.0 by 0.025; 1.0 first so that ties keep plain absmax / 448. Below 1
@@ -93,7 +93,7 @@ class WindowAttention:
 
     def __init__(self, profile: dict, layer: int, profile_config: dict):
         prefix = f"layers.{layer}.windows"
-        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], profile_config["rope"]["attention_scaling"]
+        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
         scale = score_scale(profile_config["model"])
         heads, self.kv_heads, self.head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
         self.group = heads // self.kv_heads

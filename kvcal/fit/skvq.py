@@ -28,7 +28,7 @@ from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
 from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, divided, scale_in_use, store_as
-from kvcal.rope import layer_inv_freq, rotate_keys
+from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 from kvcal.kv import SegmentPolicy, per_query_head
 
 SKVQ_KIND = "skvq"
@@ -172,7 +172,7 @@ class _ClipObjective:
 
     def __init__(self, profile: dict, layer: int, profile_config: dict, policy: SegmentPolicy):
         prefix = f"layers.{layer}.windows"
-        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], profile_config["rope"]["attention_scaling"]
+        fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
         self.kv_heads, self.head_dim = fingerprint["num_kv_heads"], fingerprint["head_dim"]
         heads = fingerprint["num_heads"]
         self.group = heads // self.kv_heads

@@ -69,7 +69,7 @@ class RuntimeLayer(CacheLayerMixin):
         super().__init__()
         self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
         self.window = adapter.windows[index] if drop_out_of_window else None  # the window this layer drops tokens for
-        self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.rope_attention_scaling
+        self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.layer_rope_scaling(index)
         self.keys_store = self.values_store = None
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
