@@ -85,6 +85,16 @@ def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies():
     assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
 
 
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="linear", factor=4.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),  # Llama 3.1-3.3
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),  # Qwen's long-context configs
+], ids=lambda rope: rope["rope_type"])
+def test_static_rope_scalings_rotate_as_the_model_does(rope):
+    """The frequencies (and YaRN's cos/sin scaling) transformers computes once for these are the ones kvcal stores."""
+    assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model("llama", rope_parameters=dict(rope_theta=10000.0, **rope), initializer_range=0.25))
+
+
 def test_cos_sin_scaled_on_some_layers_only_is_scaled_per_layer():
     """OLMo 3's YaRN scales its full layers' cos/sin and not its sliding ones' (the tiny one: layer 1 full); SmolLM3's
     NoPE layers scale nothing, whatever its YaRN does to the others. Artifacts then record one scaling a layer."""
