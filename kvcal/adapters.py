@@ -4,18 +4,19 @@ Every supported model's attention is q/k/v/o projections + rotate-half RoPE over
 it (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a modeling file:
 - Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite: separate q/k/v_proj (the MoE
   models' experts are in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole projection. The pre-RoPE
-  key is the tensor RoPE consumes: the k_norm output where the model has one, else the k_proj output;
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole projection.
+  The pre-RoPE key is the tensor RoPE consumes: the k_norm output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
-Gemma 3's, Ministral's and OLMo 3's layers are of two types (`layer_types`: sliding-window and full attention); where
-the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds `<type>_inv_freq` for each, where
-the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves
-RoPE out of some layers (`no_rope_layers`, 0 for those): their keys are stored as if rotated by frequencies of zero
-and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
-Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
-Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite; profiles record it
-(`score_scale`) for the fits. Refused, beside other architectures: RoPE over part of each head (Phi-4-mini's
-partial_rotary_factor) and frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's).
+Gemma 3's, Ministral's, OLMo 3's and EXAONE 4's layers are of two types (`layer_types`: sliding-window and full
+attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
+`<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full
+layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4 out of its
+full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the
+identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention module's `scaling`:
+head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128),
+attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside other
+architectures: RoPE over part of each head (Phi-4-mini's partial_rotary_factor) and frequencies that change with the
+sequence length (dynamic NTK, LongRoPE: Phi-3.5's).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "granite", "phi3", "gemma3_text")
+                         "smollm3", "granite", "phi3", "exaone4", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text",)
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
@@ -211,6 +212,14 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types][:num_layers]
 
 
+def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's full-attention layers
+    where it has sliding ones (its "global NoPE"); every layer elsewhere."""
+    if model_type == "exaone4" and getattr(config, "sliding_window", None) is not None:
+        return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
+    return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
+
+
 def adapt(model: nn.Module) -> ModelAdapter:
     """Build the adapter for a loaded causal LM, or refuse it naming what is missing."""
     config = model.config
@@ -238,7 +247,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    rotated = [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
+    rotated = _rotated_layers(config, model_type, num_layers)
     scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")

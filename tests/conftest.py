@@ -12,8 +12,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                      "smollm3", "granite", "phi3", "gemma3_text")
-ALTERNATING = ("ministral", "olmo3", "gemma3_text")  # their tiny models' layer 0 slides over TINY_WINDOW tokens, layer 1 is full
+                      "smollm3", "granite", "phi3", "exaone4", "gemma3_text")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")  # their tiny models' layer 0 slides over TINY_WINDOW tokens, layer 1 is full
 TINY_WINDOW = 16  # (tests run past it)
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 

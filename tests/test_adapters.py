@@ -6,8 +6,8 @@ from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "gemma3_text")  # OLMo 3 and Gemma 3 by layer type; SmolLM3's NoPE layer
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "gemma3_text")
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "gemma3_text")  # OLMo 3, Gemma 3 by layer type; the others' NoPE layer
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
@@ -77,10 +77,12 @@ def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
     assert torch.equal(adapter.inv_freq, torch.stack([adapter.layer_inv_freq(0), adapter.layer_inv_freq(1)]))
 
 
-def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies():
-    """SmolLM3's NoPE layers (the tiny one's layer 1): frequencies of zero make kvcal's rotation the identity, as the
-    model applies none (test_kvcal_rotates_the_pre_rope_keys_as_the_model_does checks the keys)."""
-    adapter = adapt(tiny_model("smollm3"))
+@pytest.mark.parametrize("model_type", ["smollm3", "exaone4"])
+def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies(model_type):
+    """SmolLM3's NoPE layers, EXAONE 4's full-attention ones (the tiny models' layer 1): frequencies of zero make kvcal's
+    rotation the identity, as the model applies none (test_kvcal_rotates_the_pre_rope_keys_as_the_model_does checks
+    the keys)."""
+    adapter = adapt(tiny_model(model_type))
     assert adapter.rotated == [True, False]
     assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
 

@@ -19,6 +19,15 @@ def attention_of(model, layer: int):
     return model.model.layers[layer].self_attn
 
 
+def applies_rope(model, layer: int) -> bool:
+    """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's "global NoPE" (none on its full layers where
+    it has sliding ones)."""
+    attention = attention_of(model, layer)
+    if model.config.model_type == "exaone4":
+        return attention.sliding_window is None or attention.is_sliding
+    return getattr(attention, "use_rope", True)
+
+
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (module whose output holds it, its columns there, the projection whose weight makes
     it, its rows there). Phi-3's one qkv_proj holds q, k and v side by side."""
@@ -58,18 +67,17 @@ def independent_reference(model, batch: torch.Tensor):
         columns = [sources[i][side][1] for side in (0, 1) for i in layers]
         norms[0] += torch.stack([g[r].double().norm() for g, r in zip(grads[:n], rows[:n])])
         norms[1] += torch.stack([g[r].double().norm() for g, r in zip(grads[n : 2 * n], rows[n:])])
-        heads_first = model.config.model_type == "gemma3_text"  # its k_norm sees (batch, heads, tokens, head_dim)
+        heads_first = model.config.model_type in ("gemma3_text", "exaone4")  # their k_norm sees (batch, heads, tokens, head_dim)
         key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
-        for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses; SmolLM3's
-            # NoPE layers apply none
+        for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach()
             keys = keys if heads_first else keys[..., sources[i][0][1]]
             cos, sin = model.model.rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
-            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if getattr(attention_of(model, i), "use_rope", True) else (heads, heads)
+            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if applies_rope(model, i) else (heads, heads)
             rotated.append(k_rot.transpose(1, 2)[0].flatten(1))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
