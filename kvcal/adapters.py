@@ -91,7 +91,7 @@ class ModelAdapter:
     config_dict: dict
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
-    rotated: list[bool]  # per layer, whether it applies RoPE (SmolLM3's NoPE layers do not)
+    rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
 
     @property

@@ -13,8 +13,9 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
                       "smollm3", "granite", "phi3", "exaone4", "gemma3_text")
-ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")  # their tiny models' layer 0 slides over TINY_WINDOW tokens, layer 1 is full
-TINY_WINDOW = 16  # (tests run past it)
+# their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
+ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")
+TINY_WINDOW = 16
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -46,7 +47,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "phi3":  # one fused qkv_proj; its default pad token id is past TINY_VOCAB
         common["pad_token_id"] = None
-    if model_type in ALTERNATING:  # (Gemma 3's and OLMo 3's each with its own RoPE)
+    if model_type in ALTERNATING:  # Gemma 3's and OLMo 3's layer types each with its own RoPE, EXAONE 4's full one without
         common.update(sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"])
     if model_type == "gemma3_text":
         common.update(head_dim=16, query_pre_attn_scalar=16)

@@ -29,17 +29,14 @@ def applies_rope(model, layer: int) -> bool:
 
 
 def key_and_value_sources(model, layer: int):
-    """Per side (keys, values): (module whose output holds it, its columns there, the projection whose weight makes
-    it, its rows there). Phi-3's one qkv_proj holds q, k and v side by side."""
+    """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
+    that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side."""
     attention, config = attention_of(model, layer), model.config
     if hasattr(attention, "qkv_proj"):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        k, v = slice(q, q + kv), slice(q + kv, q + 2 * kv)
-        return (attention.qkv_proj, k, attention.qkv_proj, k), (attention.qkv_proj, v, attention.qkv_proj, v)
-    everything = slice(None)
-    return ((getattr(attention, "k_norm", None) or attention.k_proj, everything, attention.k_proj, everything),
-            (attention.v_proj, everything, attention.v_proj, everything))
+        return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
+    return (getattr(attention, "k_norm", None) or attention.k_proj, attention.k_proj, slice(None)), (attention.v_proj, attention.v_proj, slice(None))
 
 
 def independent_reference(model, batch: torch.Tensor):
@@ -53,20 +50,19 @@ def independent_reference(model, batch: torch.Tensor):
         outputs = {}
         handles = []
         for i in layers:
-            for side, (module, columns, _, _) in zip("kv", sources[i]):
+            for side, (module, _, _) in zip("kv", sources[i]):
                 handles.append(module.register_forward_hook(lambda m, a, out, key=(side, i): outputs.__setitem__(key, out)))
         ids = window[None]
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         for h in handles:
             h.remove()
-        weights = [sources[i][side][2].weight for side in (0, 1) for i in layers]
+        weights = [sources[i][side][1].weight for side in (0, 1) for i in layers]
         activations = [outputs[side, i] for side in "kv" for i in layers]
         grads = torch.autograd.grad(loss, weights + activations)
         n = len(layers)
-        rows = [sources[i][side][3] for side in (0, 1) for i in layers]
-        columns = [sources[i][side][1] for side in (0, 1) for i in layers]
-        norms[0] += torch.stack([g[r].double().norm() for g, r in zip(grads[:n], rows[:n])])
-        norms[1] += torch.stack([g[r].double().norm() for g, r in zip(grads[n : 2 * n], rows[n:])])
+        columns = [sources[i][side][2] for side in (0, 1) for i in layers]
+        norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
+        norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         heads_first = model.config.model_type in ("gemma3_text", "exaone4")  # their k_norm sees (batch, heads, tokens, head_dim)
         key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
@@ -74,7 +70,7 @@ def independent_reference(model, batch: torch.Tensor):
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach()
-            keys = keys if heads_first else keys[..., sources[i][0][1]]
+            keys = keys if heads_first else keys[..., sources[i][0][2]]
             cos, sin = model.model.rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
             _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if applies_rope(model, i) else (heads, heads)
