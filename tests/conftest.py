@@ -12,7 +12,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                      "smollm3", "granite", "phi3", "exaone4", "gemma3_text")
+                      "smollm3", "granite", "phi3", "exaone4", "seed_oss", "gemma3_text")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")
 TINY_WINDOW = 16
@@ -33,7 +33,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         rope_theta=10000.0, tie_word_embeddings=False,
     )
-    if model_type in ("qwen3", "qwen3_moe", "ministral"):
+    if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss"):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
