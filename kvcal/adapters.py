@@ -4,8 +4,9 @@ Every supported model's attention is q/k/v/o projections + rotate-half RoPE over
 it (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a modeling file:
 - Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite, Seed-OSS: separate q/k/v_proj
   (the MoE models' experts are in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole projection.
-  The pre-RoPE key is the tensor RoPE consumes: the k_norm output where the model has one, else the k_proj output;
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole
+  projection. The pre-RoPE key is the tensor RoPE consumes: the k_norm output where the model has one, else the
+  k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
 Gemma 3's, Ministral's, OLMo 3's and EXAONE 4's layers are of two types (`layer_types`: sliding-window and full
 attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
@@ -33,10 +34,10 @@ from kvcal.rope import stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
                          "smollm3", "granite", "phi3", "exaone4", "seed_oss",
-                         "gemma3_text")
+                         "apertus", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).

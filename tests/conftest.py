@@ -12,7 +12,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                      "smollm3", "granite", "phi3", "exaone4", "seed_oss", "gemma3_text")
+                      "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus",
+                      "gemma3_text")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")
 TINY_WINDOW = 16

@@ -6,7 +6,7 @@ from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "gemma3_text")
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "gemma3_text")
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "gemma3_text")  # OLMo 3, Gemma 3 by layer type; the others' NoPE layer
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 

@@ -63,7 +63,7 @@ def independent_reference(model, batch: torch.Tensor):
         columns = [sources[i][side][2] for side in (0, 1) for i in layers]
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
-        heads_first = model.config.model_type in ("gemma3_text", "exaone4")  # their k_norm sees (batch, heads, tokens, head_dim)
+        heads_first = model.config.model_type in ("gemma3_text", "exaone4", "apertus")  # k_norm sees (batch, heads, tokens, head_dim)
         key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
