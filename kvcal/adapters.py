@@ -33,8 +33,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "granite", "phi3", "exaone4", "seed_oss",
-                         "apertus", "gemma3_text")
+                         "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus")

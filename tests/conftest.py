@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcal.adapters import SUPPORTED_MODEL_TYPES
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
-TINY_ARCHITECTURES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                      "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus",
-                      "gemma3_text")
+TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "gemma3_text")
 TINY_WINDOW = 16
