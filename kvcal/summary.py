@@ -10,12 +10,14 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
+from kvcal.adapters import score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.profile import PROFILE_KIND
 from kvcal.registry import ArtifactSummary
 from kvcal.runtime.backends import bundle_plan
+from kvcal.rope import layer_inv_freq, layer_rope_scaling
 from kvcal.runtime.memory import cache_bytes, segment_lengths
 
 
@@ -40,14 +42,25 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                   f"mean K {bits_k.mean():.3f}, V {bits_v.mean():.3f}"),
         ("kvcal version", config["kvcal_version"]),
     ]
-    columns = ["layer", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
+    provenance.insert(2, ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"))
+    windows = model.get("windows") or [None] * bits_k.numel()  # profiles before windows were recorded: none shown
+    columns = ["layer", "sliding window", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
     rows = [
-        [str(i), f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
+        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i),
+         f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
          str(int(bits_k[i])), str(int(bits_v[i])),
          f"{tensors['kvmix.rpc.k'][i]:.2f}", f"{tensors['kvmix.rpc.v'][i]:.2f}"]
         for i in range(bits_k.numel())
     ]
     return ArtifactSummary("profile", provenance, columns, rows)
+
+
+def _rope_of(inv_freq, rope_config: dict, layer: int) -> str:
+    """A layer's RoPE as the profile records it: "none" (frequencies of zero: a layer that applies none), else its
+    cos/sin scaling."""
+    if not bool(layer_inv_freq(inv_freq, layer).any()):
+        return "none"
+    return f"x{layer_rope_scaling(rope_config, layer):.4g}"
 
 
 def _get(config, *keys):

@@ -18,6 +18,19 @@ def test_every_artifact_kind_has_a_per_layer_summary(tiny_profile, tmp_path):
         plot_profile(nuq, tmp_path / "x.png")
 
 
+def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, tiny_corpus, tmp_path):
+    """Sliding windows and RoPE per layer: OLMo 3's sliding layer 0 (plain RoPE) and full layer 1 (YaRN's cos/sin
+    scaling), SmolLM3's layer 1 without RoPE; and the scores' scale."""
+    from conftest import profile_tiny_model
+
+    olmo3 = summarize(profile_tiny_model(tiny_model_dir("olmo3"), tiny_corpus, tmp_path / "olmo3.safetensors"))
+    window, rope = olmo3.columns.index("sliding window"), olmo3.columns.index("RoPE")
+    assert [(row[window], row[rope]) for row in olmo3.rows] == [("16", "x1"), ("-", "x1.139")]
+    assert dict(olmo3.provenance)["attention"].startswith("scores x 0.25;")
+    smollm3 = summarize(profile_tiny_model(tiny_model_dir("smollm3"), tiny_corpus, tmp_path / "smollm3.safetensors"))
+    assert [row[rope] for row in smollm3.rows] == ["x1", "none"]
+
+
 def test_a_bundle_is_summarized_once_validated_and_missing_provenance_shows_as_a_dash(recipe_bundles, tmp_path):
     from helpers.artifact_files import rewrite
 
