@@ -97,6 +97,39 @@ def test_static_rope_scalings_rotate_as_the_model_does(rope):
     assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model("llama", rope_parameters=dict(rope_theta=10000.0, **rope), initializer_range=0.25))
 
 
+# Attention shaped as these checkpoints' published configs give it (heads, head_dim, RoPE thetas and scalings, windows,
+# the scores' scale; two layers where layer types alternate), everything else tiny: nothing is downloaded
+CHECKPOINT_ATTENTION = {
+    "gemma-3-27b": ("gemma3_text", 131072, dict(
+        hidden_size=5376, num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+        sliding_window=1024, layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)))),
+    "qwen3-30b-a3b": ("qwen3_moe", 40960, dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                rope_theta=1000000.0)),
+    "phi-4": ("phi3", 16384, dict(hidden_size=5120, num_attention_heads=40, num_key_value_heads=10, rope_theta=250000.0)),
+    "olmo-3-7b": ("olmo3", 65536, dict(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, sliding_window=4096,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=500000.0),
+            full_attention=dict(rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=8192)))),
+    "smollm3-3b": ("smollm3", 65536, dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=4,
+                                           no_rope_layers=[1, 1, 1, 0], rope_theta=5000000.0)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", CHECKPOINT_ATTENTION)
+def test_checkpoint_shaped_attention_rotates_as_the_model_does(checkpoint):
+    """head_dim 128 beside other hidden sizes, real thetas and scalings at 128 channels, Gemma 3 27B's score scale."""
+    model_type, positions, attention = CHECKPOINT_ATTENTION[checkpoint]
+    model = tiny_model(model_type, max_positions=positions, intermediate_size=64, initializer_range=0.05, **attention)
+    assert_kvcal_rotates_the_pre_rope_keys_as(model)
+    adapter = adapt(model)
+    assert adapter.head_dim == 128
+    assert adapter.score_scale == pytest.approx(attention.get("query_pre_attn_scalar", 128) ** -0.5, rel=1e-6)
+
+
 def test_cos_sin_scaled_on_some_layers_only_is_scaled_per_layer():
     """OLMo 3's YaRN scales its full layers' cos/sin and not its sliding ones' (the tiny one: layer 1 full); SmolLM3's
     NoPE layers scale nothing, whatever its YaRN does to the others. Artifacts then record one scaling a layer."""
