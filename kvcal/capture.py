@@ -161,6 +161,7 @@ def profile_gradients(
     recorders = [_LayerRecorder(len(rows), kv_width, q_width, stored, seqlen) for _ in range(num_layers)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
+    rope = [(adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i)) for i in range(num_layers)]  # read once, not per window
     input_device = model.get_input_embeddings().weight.device
     counts = {"forward_passes": 0, "backward_passes": 0}
 
@@ -184,7 +185,7 @@ def profile_gradients(
                 handles.k_proj.weight.grad = handles.v_proj.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
-                key_post = rotate_keys(key, positions, adapter.num_kv_heads, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
+                key_post = rotate_keys(key, positions, adapter.num_kv_heads, *rope[i])
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,

@@ -30,6 +30,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
                          f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"),
+        ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),
@@ -42,7 +43,6 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                   f"mean K {bits_k.mean():.3f}, V {bits_v.mean():.3f}"),
         ("kvcal version", config["kvcal_version"]),
     ]
-    provenance.insert(2, ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"))
     windows = model.get("windows") or [None] * bits_k.numel()  # profiles before windows were recorded: none shown
     columns = ["layer", "sliding window", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
     rows = [

@@ -138,7 +138,8 @@ def test_cos_sin_scaled_on_some_layers_only_is_scaled_per_layer():
     assert olmo3.rope_scaling == [1.0, olmo3.layer_rope_scaling(1)]
     yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256)
     smollm3 = tiny_model("smollm3", max_positions=1024, rope_parameters=yarn, initializer_range=0.25)
-    assert adapt(smollm3).rope_scaling == [adapt(smollm3).layer_rope_scaling(0), 1.0] and adapt(smollm3).layer_rope_scaling(0) > 1.0
+    adapter = adapt(smollm3)
+    assert adapter.rope_scaling == [adapter.layer_rope_scaling(0), 1.0] and adapter.layer_rope_scaling(0) > 1.0
     assert_kvcal_rotates_the_pre_rope_keys_as(smollm3)
 
 
