@@ -1,23 +1,28 @@
 """Architecture adapter: finds, per decoder layer, the projections kvcal hooks, by structure.
 
-Every supported model's attention is q/k/v/o projections + rotate-half RoPE over whole heads, as kvcal.rope computes
-it (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a modeling file:
-- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite, Seed-OSS: separate q/k/v_proj
-  (the MoE models' experts are in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus: q/k RMSNorm per head before RoPE; OLMo 2 and 3: over the whole
-  projection. The pre-RoPE key is the tensor RoPE consumes: the k_norm output where the model has one, else the
-  k_proj output;
+Every supported model's attention is q/k/v/o projections + RoPE as kvcal.rope computes it, up to the order of each
+head's channels (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a
+modeling file:
+- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite, Seed-OSS, Cohere, Cohere 2,
+  ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron: separate q/k/v_proj (the MoE models' experts are in the MLP
+  only);
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B
+  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3: over the whole projection. The pre-RoPE key is the
+  tensor RoPE consumes: the key norm's output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
-Gemma 3's, Ministral's, OLMo 3's and EXAONE 4's layers are of two types (`layer_types`: sliding-window and full
-attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
+RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
+GLM, GLM-4.5, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head (partial_rotary_factor).
+kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order: `rope_order`, recorded in the
+fingerprint), where the channels RoPE leaves alone have a frequency of zero.
+Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's and Cohere 2's layers are of two types (`layer_types`: sliding-window
+and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
 `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full
-layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4 out of its
-full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the
-identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention module's `scaling`:
-head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128),
-attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside other
-architectures: RoPE over part of each head (Phi-4-mini's partial_rotary_factor) and frequencies that change with the
-sequence length (dynamic NTK, LongRoPE: Phi-3.5's).
+layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4 and Cohere 2
+out of their full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1,
+the identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention module's
+`scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where head_dim
+is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside other
+architectures: frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's, Phi-4-mini's).
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ import torch
 from torch import nn
 
 from kvcal.errors import KvcalError
-from kvcal.rope import stored_inv_freq, stored_rope_scaling
+from kvcal.rope import padded_inv_freq, rotate_half_order, stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "gemma3_text")
+                         "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere", "cohere2", "ernie4_5",
+                         "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm", "nemotron", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus", "stablelm")
+# RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
+_INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
@@ -53,6 +61,7 @@ class LayerHandles:
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
+    rope_order: torch.Tensor | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one)
     columns: dict[str, slice] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
 
@@ -70,9 +79,11 @@ class LayerHandles:
         """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, v_proj),
         or in its gradient, as (batch, tokens, heads * head_dim)."""
         if self.heads_first and output.dim() == 4:
-            return output.transpose(1, 2).flatten(2)
-        normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
-        return output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
+            rows = output.transpose(1, 2).flatten(2)
+        else:
+            normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
+            rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
+        return rows if kind == "v" else _rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
         """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection."""
@@ -94,15 +105,24 @@ class ModelAdapter:
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
+    rope_order: torch.Tensor | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
 
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def in_rope_order(self, heads: torch.Tensor) -> torch.Tensor:
+        """Queries or keys (..., head_dim) of the model in kvcal's channel order (kvcal.rope.rotate_half_order)."""
+        return heads if self.rope_order is None else heads[..., self.rope_order.to(heads.device)]
+
+    def rows_in_rope_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
+        return _rows_in_order(rows, self.rope_order)
+
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s RoPE frequencies (head_dim/2,), float32 on the CPU."""
+        """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
         inv_freq = getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
-        return inv_freq if self.rotated[layer] else torch.zeros_like(inv_freq)
+        return padded_inv_freq(inv_freq, self.head_dim) if self.rotated[layer] else torch.zeros(self.head_dim // 2)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -131,7 +151,7 @@ class ModelAdapter:
             "rope_theta": self.config_dict.get("rope_theta"),
             "rope_scaling": self.config_dict.get("rope_scaling"),
         }
-        return {
+        fingerprint = {
             "architecture": self.architecture,
             "model_type": self.model_type,
             "num_layers": len(self.layers),
@@ -142,6 +162,14 @@ class ModelAdapter:
             "rope": rope,
             "config_sha256": digest[:16],
         }
+        if self.rope_order is not None:  # the channel order of every key and query an artifact holds
+            fingerprint["rope_order"] = self.rope_order.tolist()
+        return fingerprint
+
+
+def _rows_in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """(..., heads * head_dim) rows with each head's channels taken in `order` (None: as they are)."""
+    return rows if order is None else rows.unflatten(-1, (-1, order.numel()))[..., order.to(rows.device)].flatten(-2)
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -164,7 +192,9 @@ def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, 
     attention = _find_attention(layer, index, where)
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
               if isinstance(module := getattr(attention, name, None), nn.Linear)}
-    norms = dict(q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None), heads_first=heads_first)
+    norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
+                                   if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
+    norms.update(heads_first=heads_first)
     if "o_proj" in linear and all(name in linear for name in ("q_proj", "k_proj", "v_proj")):
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
@@ -214,9 +244,9 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
-    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's full-attention layers
-    where it has sliding ones (its "global NoPE"); every layer elsewhere."""
-    if model_type == "exaone4" and getattr(config, "sliding_window", None) is not None:
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and Cohere 2's
+    full-attention layers where they have sliding ones (their "global NoPE"); every layer elsewhere."""
+    if model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None) is not None:
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 
@@ -240,9 +270,13 @@ def adapt(model: nn.Module) -> ModelAdapter:
     kinds = _layer_types(config, num_layers)
     rotary = _find_rotary(model, kinds, where)
     rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
-    if rotary_dims != {head_dim}:
-        raise KvcalError(f"{where}: its RoPE rotates {min(rotary_dims)} of a head's {head_dim} channels (partial_rotary_factor); "
-                         "kvcal rotates whole heads")
+    if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
+        raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
+                         "number of rotated channels up to head_dim")
+    rope_order = rotate_half_order(head_dim, rotary_dims.pop(), model_type in _INTERLEAVED_ROPE)
+    rope_order = torch.tensor(rope_order) if rope_order is not None else None
+    for handle in handles:
+        handle.rope_order = rope_order
     rope_types = getattr(rotary, "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
@@ -266,6 +300,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         windows=_sliding_windows(config, num_layers),
         rotated=rotated,
         score_scale=scales.pop(),
+        rope_order=rope_order,
     )
 
 

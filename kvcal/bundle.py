@@ -8,7 +8,7 @@ bits, group size, window, sink, residual, pre_rope, outlier fraction, fp8, packi
 provenance; `kvcal.sha256`, a checksum of all the
 metadata and of every tensor's name, dtype, shape and bytes (kvcal.artifacts). load_bundle validates
 schema, checksum, recipe (every field by type and range), tensor names (no missing, no extra ones), shapes,
-dtypes and finite values, positive RoPE frequencies and non-negative importances, each layer's tensors against its
+dtypes and finite values, RoPE frequencies positive then zero and non-negative importances, each layer's tensors against its
 format (kvcal.registry: what the encoders and kernels rely on, such as sorted codebooks and ordered thresholds), and
 the model fingerprint when given a model, and refuses anything else with a message naming the problem: a bundle
 whose checksum was recomputed after an edit never reaches the runtime to be misread.
@@ -199,10 +199,11 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2  # models whose layer types differ
     _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (fingerprint["head_dim"] // 2,), path)
     rows = tensors["rope.inv_freq"].reshape(-1, fingerprint["head_dim"] // 2)
-    # a layer's frequencies are all positive, or all zero where it applies no RoPE (SmolLM3's NoPE layers)
-    if not bool(((rows > 0).all(1) | (rows == 0).all(1)).all()):
-        raise KvcalError(f"bundle '{path}': rope.inv_freq has a layer whose frequencies are neither all positive nor all zero "
-                         "(a layer without RoPE); re-export the bundle")
+    # a layer's frequencies are positive, then zero over the channels RoPE leaves alone (kvcal.rope.rotate_half_order;
+    # all of them on SmolLM3's NoPE layers)
+    if not bool((rows >= 0).all() and (rows > 0).int().diff(dim=1).le(0).all()):
+        raise KvcalError(f"bundle '{path}': rope.inv_freq has a layer whose frequencies are not positive then zero (the "
+                         "channels RoPE leaves alone); re-export the bundle")
     for i, layer in enumerate(layers):
         for kind in ("k", "v"):
             expected.add(f"layers.{i}.importance.{kind}")

@@ -5,6 +5,12 @@ attention scaling factor of cos/sin, both stored in artifacts, so fitters and th
 whose layers rotate with different frequencies (Gemma 3: local and global layers) store one row per layer: `inv_freq`
 is (head_dim/2,) when every layer shares it, else (layers, head_dim/2); `layer_inv_freq` reads either. The scaling
 likewise (OLMo 3: YaRN's on its full-attention layers only), read by `layer_rope_scaling`.
+
+kvcal rotates channel j of a head with channel j + head_dim/2 by frequency j. Models that pair channels otherwise
+(interleaved pairs 2i, 2i+1: Cohere, GLM; RoPE over the first channels of each head only: StableLM, Nemotron) are
+read in that order: `rotate_half_order` gives, per head, the model's channel at each of kvcal's, the channels RoPE
+leaves alone paired with a frequency of zero (the identity). Scores are unchanged when queries and keys are both
+reordered, so kvcal reorders both where they enter (kvcal.adapters), and the model never sees the order.
 """
 
 from __future__ import annotations
@@ -35,6 +41,24 @@ def rotate_keys(x: torch.Tensor, positions: torch.Tensor, heads: int, inv_freq: 
     """apply_rope on (tokens, heads * head_dim) rows, the heads side by side, each token at its position."""
     tokens, width = x.shape
     return apply_rope(x.view(tokens, heads, width // heads), positions, inv_freq, attention_scaling).reshape(tokens, width)
+
+
+def rotate_half_order(head_dim: int, rotary_dims: int, interleaved: bool) -> list[int] | None:
+    """Per head, the model's channel at each of kvcal's positions, for a model that rotates its first `rotary_dims`
+    channels in pairs (2i, 2i+1) (interleaved) or (i, i + rotary_dims/2) by frequency i and leaves the others alone; its
+    frequencies padded with zeros to head_dim/2 (`padded_inv_freq`) then rotate as it does. None: the same order."""
+    half, rest = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    if interleaved:
+        first, second = range(0, rotary_dims, 2), range(1, rotary_dims, 2)
+    else:
+        first, second = range(half), range(half, rotary_dims)
+    order = [*first, *range(rotary_dims, rotary_dims + rest), *second, *range(rotary_dims + rest, head_dim)]
+    return None if order == list(range(head_dim)) else order
+
+
+def padded_inv_freq(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The rotate_half_order frequencies: inv_freq's over the rotated channels, zero over the ones RoPE leaves alone."""
+    return torch.cat((inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.numel())))
 
 
 def layer_inv_freq(inv_freq: torch.Tensor, layer: int) -> torch.Tensor:

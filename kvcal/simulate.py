@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
 import torch
 from transformers import DynamicCache
 
@@ -51,6 +52,32 @@ def engine_dtype_method(name: str, codec, num_layers: int) -> Method:
     """A serving engine's one cache dtype: every layer stores K and V with `codec` as tokens arrive, keys after RoPE,
     nothing kept fp16."""
     return Method(name, codec.bits, [LayerCodecs(codec, codec, key_pre_rope=False)] * num_layers, SegmentPolicy())
+
+
+@dataclass(frozen=True)
+class InModelOrder:
+    """A baseline's codec of post-RoPE keys, which kvcal reads in RoPE pair order (kvcal.rope.rotate_half_order), applied
+    to them in the model's own channel order, as the engine the baseline stands for stores them: its blocks of
+    channels and its rotations mix the channels they mix there."""
+
+    codec: object
+    rope_order: torch.Tensor  # per head, the model's channel at each of kvcal's
+
+    @property
+    def block_tokens(self) -> int:
+        return getattr(self.codec, "block_tokens", 1)
+
+    def quantize(self, rows: torch.Tensor) -> Quantized:
+        order = self.rope_order.to(rows.device)
+        heads = lambda x: x.unflatten(-1, (-1, order.numel()))
+        quantized = self.codec.quantize(heads(rows)[..., torch.argsort(order)].flatten(-2))
+        return replace(quantized, values=heads(quantized.values)[..., order].flatten(-2))
+
+
+def _in_model_order(layer: LayerCodecs, rope_order: torch.Tensor | None) -> LayerCodecs:
+    if rope_order is None or layer.key_pre_rope:
+        return layer
+    return replace(layer, key_codec=InModelOrder(layer.key_codec, rope_order))
 
 
 @dataclass
@@ -187,7 +214,8 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
                          f"{state.window}; kvcal follows the config (transformers' own cache does)")
     state.pre_rope_keys = slot.pre_rope_keys
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return state.attend(query, key, value, scale), None
+    adapter = slot.wiring.adapter
+    return state.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, scale), None
 
 
 def _register_attention() -> None:
@@ -202,8 +230,9 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     if len(method.layers) != len(adapter.layers):
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
-    states = [SimulatedLayer(scheme, method.policy, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally,
-                             adapter.windows[i])
+    baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
+    states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
+                             adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.windows[i])
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

@@ -30,7 +30,8 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
                          f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"),
-        ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"),
+        ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
+                      + ("; q/k channels in RoPE pair order (fingerprint rope_order)" if "rope_order" in fingerprint else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),
@@ -57,10 +58,13 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
 
 def _rope_of(inv_freq, rope_config: dict, layer: int) -> str:
     """A layer's RoPE as the profile records it: "none" (frequencies of zero: a layer that applies none), else its
-    cos/sin scaling."""
-    if not bool(layer_inv_freq(inv_freq, layer).any()):
+    cos/sin scaling and, where it rotates part of each head, how many channels (its nonzero frequencies' pairs)."""
+    frequencies = layer_inv_freq(inv_freq, layer)
+    rotated = int(frequencies.count_nonzero())
+    if not rotated:
         return "none"
-    return f"x{layer_rope_scaling(rope_config, layer):.4g}"
+    part = f" over {2 * rotated} of {2 * frequencies.numel()} channels" if rotated < frequencies.numel() else ""
+    return f"x{layer_rope_scaling(rope_config, layer):.4g}{part}"
 
 
 def _get(config, *keys):

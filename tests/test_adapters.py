@@ -6,8 +6,9 @@ from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "gemma3_text")
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "gemma3_text")  # OLMo 3, Gemma 3 by layer type; the others' NoPE layer
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "cohere", "glm4_moe", "stablelm", "gemma3_text")
+# OLMo 3, Gemma 3 by layer type; the others for their NoPE layer
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "cohere2", "gemma3_text")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
@@ -22,7 +23,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.layers[1].k_proj is key_projection
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
-    assert adapter.layers[1].key_source is (attention.k_norm if has_norm else key_projection)
+    key_norm = attention.k_layernorm if model_type == "stablelm" else getattr(attention, "k_norm", None)
+    assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
     assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.fingerprint()["num_kv_heads"] == 2
@@ -30,7 +32,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
 
 def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
     """The model's own cached (post-RoPE) keys are kvcal.rope's rotation of the key source's output by each layer's
-    frequencies and cos/sin scaling, at every position."""
+    frequencies and cos/sin scaling, at every position, both in kvcal's channel order."""
     adapter = adapt(model)
     sources = {}
     hooks = [layer.key_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
@@ -43,7 +45,8 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
-        torch.testing.assert_close(rotated, cache.layers[i].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        cached = adapter.in_rope_order(cache.layers[i].keys[0].transpose(0, 1))
+        torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
@@ -143,11 +146,16 @@ def test_cos_sin_scaled_on_some_layers_only_is_scaled_per_layer():
     assert_kvcal_rotates_the_pre_rope_keys_as(smollm3)
 
 
-def test_rope_over_part_of_each_head_is_refused():
-    """Phi-4-mini's partial_rotary_factor 0.75: kvcal's rotation (every fit's, every decode backend's) is of whole heads."""
-    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
-    with pytest.raises(KvcalError, match=r"its RoPE rotates 8 of a head's 16 channels \(partial_rotary_factor\)"):
-        adapt(tiny_model("phi3", rope_parameters=rope))
+def test_rope_over_part_of_each_head_rotates_the_rest_by_zero_frequencies():
+    """Phi-4-mini's partial_rotary_factor 0.75 (without its LongRoPE): kvcal's order puts the 4 channels RoPE leaves
+    alone after the 12 it rotates, in each half of the head, at a frequency of zero."""
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)
+    model = tiny_model("phi3", rope_parameters=rope, initializer_range=0.25)
+    adapter = adapt(model)
+    assert adapter.rope_order.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    assert torch.equal(adapter.inv_freq[:6], model.model.rotary_emb.inv_freq) and not adapter.inv_freq[6:].any()
+    assert adapter.fingerprint()["rope_order"] == adapter.rope_order.tolist()
+    assert_kvcal_rotates_the_pre_rope_keys_as(model)
 
 
 @pytest.mark.parametrize("model_type, overrides, scale", [

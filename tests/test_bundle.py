@@ -275,8 +275,8 @@ def _edited(tensor_edit):
     (lambda t: t["layers.0.v.codebook"].__setitem__([2, 3], t["layers.0.v.codebook"][[3, 2]]), "layer 0 v: its codebook is not in ascending"),
     (lambda t: t["layers.0.k.lo"].__setitem__(5, t["layers.0.k.hi"][5] + 0.5), "layer 0 k: a channel's lower threshold lo is above"),
     (lambda t: t["layers.1.importance.v"].fill_(-0.25), "layers.1.importance.v is negative"),
-    (lambda t: t["rope.inv_freq"].__setitem__(0, 0.0), "rope.inv_freq has a layer whose frequencies are neither all positive"),
-    (lambda t: t["rope.inv_freq"].__setitem__(0, -1.0), "rope.inv_freq has a layer whose frequencies are neither all positive"),
+    (lambda t: t["rope.inv_freq"].__setitem__(0, 0.0), "rope.inv_freq has a layer whose frequencies are not positive then zero"),
+    (lambda t: t["rope.inv_freq"].__setitem__(0, -1.0), "rope.inv_freq has a layer whose frequencies are not positive then zero"),
 ])
 def test_a_resealed_bundle_with_values_the_kernels_would_misread_is_refused(bundle_path, tmp_path, edit, message):
     """Each edit keeps shapes, dtypes and finiteness and the checksum is recomputed: only the invariants the encoders

@@ -1,8 +1,9 @@
 """The capture pass against independent computations on tiny random models of every architecture."""
 
+import importlib
+
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
 from kvcal.adapters import adapt
@@ -20,11 +21,13 @@ def attention_of(model, layer: int):
 
 
 def applies_rope(model, layer: int) -> bool:
-    """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's "global NoPE" (none on its full layers where
-    it has sliding ones)."""
+    """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's and Cohere 2's "global NoPE" (none on their
+    full layers where they have sliding ones)."""
     attention = attention_of(model, layer)
     if model.config.model_type == "exaone4":
         return attention.sliding_window is None or attention.is_sliding
+    if model.config.model_type == "cohere2":
+        return attention.sliding_window is not None
     return getattr(attention, "use_rope", True)
 
 
@@ -36,13 +39,25 @@ def key_and_value_sources(model, layer: int):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
-    return (getattr(attention, "k_norm", None) or attention.k_proj, attention.k_proj, slice(None)), (attention.v_proj, attention.v_proj, slice(None))
+    key_source = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None) or attention.k_proj
+    return (key_source, attention.k_proj, slice(None)), (attention.v_proj, attention.v_proj, slice(None))
+
+
+def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The model's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
+    each head), the rest as they are."""
+    rotary_dims = cos.shape[-1]
+    apply_rotary_pos_emb = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+    _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
+    return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
 
 
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
-    post-RoPE keys that the model's own apply_rotary_pos_emb produces."""
-    layers, kinds = range(model.config.num_hidden_layers), adapt(model).layer_types
+    post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys' in kvcal's channel order (its rotation's,
+    checked in test_rope)."""
+    adapter = adapt(model)
+    layers, kinds = range(model.config.num_hidden_layers), adapter.layer_types
     sources = [key_and_value_sources(model, i) for i in layers]
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
@@ -63,8 +78,11 @@ def independent_reference(model, batch: torch.Tensor):
         columns = [sources[i][side][2] for side in (0, 1) for i in layers]
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
-        heads_first = model.config.model_type in ("gemma3_text", "exaone4", "apertus")  # k_norm sees (batch, heads, tokens, head_dim)
-        key_grads.append([(g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
+        # their key norms see (batch, heads, tokens, head_dim)
+        heads_first = model.config.model_type in ("gemma3_text", "exaone4", "apertus", "stablelm")
+        in_kvcal_order = lambda rows: adapter.in_rope_order(rows.unflatten(-1, (-1, adapter.head_dim))).flatten(-2)
+        key_grads.append([in_kvcal_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
+                          for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
@@ -73,8 +91,8 @@ def independent_reference(model, batch: torch.Tensor):
             keys = keys if heads_first else keys[..., sources[i][0][2]]
             cos, sin = model.model.rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
-            _, k_rot = apply_rotary_pos_emb(heads, heads, cos, sin) if applies_rope(model, i) else (heads, heads)
-            rotated.append(k_rot.transpose(1, 2)[0].flatten(1))
+            k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, i) else heads
+            rotated.append(in_kvcal_order(k_rot.transpose(1, 2)[0].flatten(1)))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
 

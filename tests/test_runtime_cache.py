@@ -116,25 +116,28 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
     assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, recipe):
+@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
+                         [pytest.param("glm4", recipe, marks=pytest.mark.slow) for recipe in RECIPES])
+def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
     stores: layer 0's K/V come from the embeddings, so its stores are identical, and the next token's logits
     agree with the cache's own prefill to 2e-3 (that prefill's attention reads its own K/V rounded to fp16,
     fp's does not, so deeper layers' K/V differ by float noise and a 2-4 bit code near a rounding boundary
     can flip: up to 1e-3 here). fp_context is the fp model's prefill also while a cache is open on the model
-    (before the wiring was shared, it was silently the open cache's own prefill there)."""
+    (before the wiring was shared, it was silently the open cache's own prefill there). GLM-4 also: keys the model
+    caches in its channel order are stored in kvcal's."""
     from kvcal.runtime.cache import fp_context
 
-    model = tiny_model("llama")
+    model = tiny_model(model_type)
+    bundle = (recipe_bundles if model_type == "llama" else architecture_bundles(model_type))[recipe]
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
-        with quantized_cache(model, recipe_bundles[recipe]) as prefilled:
+        with quantized_cache(model, bundle) as prefilled:
             model(ids[:, :-1], past_key_values=prefilled, use_cache=True)
             stored = [getattr(prefilled.layers[0], store).read(0) for store in ("keys_store", "values_store")]
             own = model(ids[:, -1:], past_key_values=prefilled, use_cache=True).logits
         context = fp_context(model, ids[:, :-1])
-        with quantized_cache(model, recipe_bundles[recipe]) as loaded:
+        with quantized_cache(model, bundle) as loaded:
             inside = fp_context(model, ids[:, :-1])
             for ours, theirs in zip(inside.keys + inside.values, context.keys + context.values):
                 assert torch.equal(ours, theirs)

@@ -165,12 +165,14 @@ def test_one_simulation_at_a_time_and_only_over_whole_windows():
     assert model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head")])
+@pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head"),
+                                                  ("glm4", "int4_per_token_head")])
 def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_type, spec):
     """QuantizedOnWrite (an engine's cache type in generate()) prefilled in steps and decoding token by token gives the
     simulation's logits for every position: each token is stored once, as its codec quantizes it; on the tiny Gemma 3
-    (16-token windows) the sliding layers keep their window and read it. Loading an fp context stores layer 0 (whose
-    K/V come from the embeddings) as a prefill through the cache does."""
+    (16-token windows) the sliding layers keep their window and read it; on GLM-4, whose keys kvcal reads in another
+    channel order, the simulation rotates them by vLLM's Hadamard transform in the model's order, as the engine does.
+    Loading an fp context stores layer 0 (whose K/V come from the embeddings) as a prefill through the cache does."""
     from kvcal.runtime.cache import fp_context
     from kvcal.simulate import QuantizedOnWrite
 

@@ -184,13 +184,14 @@ class RuntimeLayer(CacheLayerMixin):
         batch, tokens, width = values.shape
         self._allocate(batch, width, values.device)
         self.position_offset = offsets
-        stored_keys = pre_rope_keys if self.pre_rope else keys
         step = max(1, chunk_bytes // max(2 * tokens * width, 1))
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
-            counts = [tokens] * len(seqs)
-            for store, rows in ((self.keys_store, stored_keys), (self.values_store, values)):
-                store.append_rows(seqs, counts, rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, width).half())
+            chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, width).half()
+            # keys in kvcal's channel order, as the model's post-RoPE ones are not (pre_rope_keys are)
+            stored_keys = chunk(pre_rope_keys) if self.pre_rope else self.cache.adapter.rows_in_rope_order(chunk(keys))
+            self.keys_store.append_rows(seqs, [tokens] * len(seqs), stored_keys)
+            self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
         self._drop_out_of_window()
 
@@ -328,7 +329,8 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer.pending_pre_rope = slot.pre_rope_keys
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return layer.attend(query, key, value, plan, scale, sliding_window), None
+    adapter = slot.wiring.adapter
+    return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window), None
 
 
 def _register_attention() -> None:
@@ -451,8 +453,9 @@ class WiredCache(Cache):
 
 @dataclass
 class FpContext:
-    """The KV cache of a context from one fp prefill, per layer (batch, tokens, width) rows: keys after RoPE,
-    keys before RoPE, values; `cache` is the model's own (DynamicCache) copy. Loading it into several
+    """The KV cache of a context from one fp prefill, per layer (batch, tokens, width) rows: keys after RoPE (as the
+    model caches them), keys before RoPE (as kvcal reads them: in its channel order, kvcal.adapters), values; `cache`
+    is the model's own (DynamicCache) copy. Loading it into several
     quantized caches (WiredCache.load) shares one prefill between methods."""
 
     keys: list[torch.Tensor]
