@@ -3,18 +3,18 @@
 Every supported model's attention is q/k/v/o projections + RoPE as kvcal.rope computes it, up to the order of each
 head's channels (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a
 modeling file:
-- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite, Seed-OSS, Cohere, Cohere 2,
-  ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron: separate q/k/v_proj (the MoE models' experts are in the MLP
-  only);
+- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs), Seed-OSS,
+  Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM: separate
+  q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B
-  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3: over the whole projection. The pre-RoPE key is the
+  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, MiniMax-M2: over the whole projection. The pre-RoPE key is the
   tensor RoPE consumes: the key norm's output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
-GLM, GLM-4.5, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head (partial_rotary_factor).
+GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head (partial_rotary_factor).
 kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order: `rope_order`, recorded in the
 fingerprint), where the channels RoPE leaves alone have a frequency of zero.
-Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's and Cohere 2's layers are of two types (`layer_types`: sliding-window
+Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`: sliding-window
 and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
 `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full
 layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4 and Cohere 2
@@ -37,9 +37,11 @@ from torch import nn
 from kvcal.errors import KvcalError
 from kvcal.rope import padded_inv_freq, rotate_half_order, stored_inv_freq, stored_rope_scaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo2", "olmo3",
-                         "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere", "cohere2", "ernie4_5",
-                         "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm", "nemotron", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                         "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
+                         "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm",
+                         "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
+                         "minimax_m2", "gemma3_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus", "stablelm")

@@ -15,7 +15,7 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "gemma3_text")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gemma3_text")
 TINY_WINDOW = 16
 GLM = ("glm", "glm4", "glm4_moe")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -35,7 +35,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         rope_theta=10000.0, tie_word_embeddings=False,
     )
-    if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", *GLM):
+    if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -43,15 +43,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32)
         if model_type == "qwen2_moe":
             common["shared_expert_intermediate_size"] = 32
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "minimax_m2"):
         common.update(num_local_experts=4, num_experts_per_tok=4)
+    if model_type == "olmoe":
+        common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
     if model_type == "smollm3":  # layer 1 without RoPE (the real models: every 4th); its default token ids are past TINY_VOCAB
         common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type in ("phi3", *GLM):  # their default pad token id is past TINY_VOCAB (Phi-3: one fused qkv_proj)
         common["pad_token_id"] = None
     if model_type == "glm4_moe":  # 4 small routed experts, every one routed to (as the Qwen MoEs), after one dense layer
         common.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1, use_qk_norm=True)
-    if model_type in ("stablelm", "nemotron", *GLM):  # RoPE over the first half of each head's channels
+    if model_type in ("stablelm", "nemotron", "minimax_m2", *GLM):  # RoPE over the first half of each head's channels
         common["partial_rotary_factor"] = 0.5
     if model_type in ("cohere", "cohere2"):  # logits unscaled: their default 0.0625 would shrink what the tests compare
         common["logit_scale"] = 1.0

@@ -134,6 +134,16 @@ def test_every_benchmark_command_of_the_readme_and_docs_names_a_module_and_mode_
             assert mode in modes, f"python -m {module} {mode}: no such mode (modes: {', '.join(modes)})"
 
 
+def test_the_supported_architectures_table_names_every_model_type_kvcal_serves():
+    """docs/cli.md's table, which the README links to, against kvcal.adapters' list: an architecture added there is
+    documented, one documented is served."""
+    from kvcal.adapters import SUPPORTED_MODEL_TYPES
+
+    section = (REPO / "docs" / "cli.md").read_text().partition("## Supported architectures")[2].partition("\n## ")[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    assert sorted(name for row in rows for name in re.findall(r"`(\w+)`", row)) == sorted(SUPPORTED_MODEL_TYPES)
+
+
 def test_the_readme_reads_in_two_minutes():
     assert len(README.read_text().splitlines()) <= 200
 
