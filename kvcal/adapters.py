@@ -7,22 +7,23 @@ modeling file:
   Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM: separate
   q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B
-  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, MiniMax-M2: over the whole projection. The pre-RoPE key is the
-  tensor RoPE consumes: the key norm's output where the model has one, else the k_proj output;
+  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, MiniMax-M2: over the whole projection. The
+  pre-RoPE key is the tensor RoPE consumes: the key norm's output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
-GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head (partial_rotary_factor).
-kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order: `rope_order`, recorded in the
-fingerprint), where the channels RoPE leaves alone have a frequency of zero.
-Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`: sliding-window
-and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary module holds
-`<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3 scales its full
-layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4 and Cohere 2
-out of their full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1,
-the identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention module's
-`scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where head_dim
-is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside other
-architectures: frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's, Phi-4-mini's).
+GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head
+(partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
+`rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
+Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
+sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
+module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3
+scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4
+and Cohere 2 out of their full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin
+scaled by 1, the identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention
+module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where
+head_dim is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside
+other architectures: frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's,
+Phi-4-mini's).
 """
 
 from __future__ import annotations

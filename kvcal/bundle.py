@@ -8,10 +8,10 @@ bits, group size, window, sink, residual, pre_rope, outlier fraction, fp8, packi
 provenance; `kvcal.sha256`, a checksum of all the
 metadata and of every tensor's name, dtype, shape and bytes (kvcal.artifacts). load_bundle validates
 schema, checksum, recipe (every field by type and range), tensor names (no missing, no extra ones), shapes,
-dtypes and finite values, RoPE frequencies positive then zero and non-negative importances, each layer's tensors against its
-format (kvcal.registry: what the encoders and kernels rely on, such as sorted codebooks and ordered thresholds), and
-the model fingerprint when given a model, and refuses anything else with a message naming the problem: a bundle
-whose checksum was recomputed after an edit never reaches the runtime to be misread.
+dtypes and finite values, RoPE frequencies positive then zero and non-negative importances, each layer's tensors
+against its format (kvcal.registry: what the encoders and kernels rely on, such as sorted codebooks and ordered
+thresholds), and the model fingerprint when given a model, and refuses anything else with a message naming the
+problem: a bundle whose checksum was recomputed after an edit never reaches the runtime to be misread.
 
 This module knows the format only: which methods write which layers is kvcal.methods' business, and
 building a bundle from a profile is kvcal.calibration's.

@@ -35,7 +35,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         rope_theta=10000.0, tie_word_embeddings=False,
     )
-    if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2", *GLM):
+    if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
+                      *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -52,7 +53,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type in ("phi3", *GLM):  # their default pad token id is past TINY_VOCAB (Phi-3: one fused qkv_proj)
         common["pad_token_id"] = None
     if model_type == "glm4_moe":  # 4 small routed experts, every one routed to (as the Qwen MoEs), after one dense layer
-        common.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1, use_qk_norm=True)
+        common.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                      use_qk_norm=True)
     if model_type in ("stablelm", "nemotron", "minimax_m2", *GLM):  # RoPE over the first half of each head's channels
         common["partial_rotary_factor"] = 0.5
     if model_type in ("cohere", "cohere2"):  # logits unscaled: their default 0.0625 would shrink what the tests compare

@@ -6,8 +6,8 @@ from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "cohere", "glm4_moe", "stablelm", "olmoe", "minimax_m2",
-               "gemma3_text")
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "cohere", "glm4_moe", "stablelm", "olmoe",
+               "minimax_m2", "gemma3_text")
 # OLMo 3, Gemma 3 by layer type; the others for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "cohere2", "gemma3_text")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer

@@ -54,7 +54,7 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
-    post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys' in kvcal's channel order (its rotation's,
+    post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
     checked in test_rope)."""
     adapter = adapt(model)
     layers, kinds = range(model.config.num_hidden_layers), adapter.layer_types

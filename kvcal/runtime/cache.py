@@ -455,8 +455,8 @@ class WiredCache(Cache):
 class FpContext:
     """The KV cache of a context from one fp prefill, per layer (batch, tokens, width) rows: keys after RoPE (as the
     model caches them), keys before RoPE (as kvcal reads them: in its channel order, kvcal.adapters), values; `cache`
-    is the model's own (DynamicCache) copy. Loading it into several
-    quantized caches (WiredCache.load) shares one prefill between methods."""
+    is the model's own (DynamicCache) copy. Loading it into several quantized caches (WiredCache.load) shares one
+    prefill between methods."""
 
     keys: list[torch.Tensor]
     pre_rope_keys: list[torch.Tensor]
