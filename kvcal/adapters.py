@@ -14,6 +14,7 @@ RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and 
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head
 (partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
+Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower: kvcal reads and serves the decoder.
 Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
 sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
 module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3
@@ -42,7 +43,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
                          "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm",
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
-                         "minimax_m2", "gemma3_text")
+                         "minimax_m2", "gemma3_text", "gemma3")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus", "stablelm")
@@ -255,28 +256,33 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
 
 
 def adapt(model: nn.Module) -> ModelAdapter:
-    """Build the adapter for a loaded causal LM, or refuse it naming what is missing."""
-    config = model.config
-    model_type = getattr(config, "model_type", "?")
+    """Build the adapter for a loaded causal LM, or refuse it naming what is missing. A model whose text decoder is
+    one part of it (Gemma 3 4B-27B: Gemma3ForConditionalGeneration, model_type gemma3) is read by that decoder and its
+    text config, and served for text."""
+    model_type = getattr(model.config, "model_type", "?")
     where = f"unsupported architecture {type(model).__name__} (model_type '{model_type}')"
+    config = model.config.get_text_config(decoder=True)
+    text_type = getattr(config, "model_type", model_type)  # what the decoder's attention is
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    layers = _find_decoder_layers(model, num_layers)
-    handles = [_layer_handles(layer, i, where, model_type in _HEADS_FIRST_NORMS, num_heads * head_dim, num_kv_heads * head_dim)
+    decoder = model.get_decoder()  # not a vision tower's layers, whatever their number
+    layers = _find_decoder_layers(decoder, num_layers)
+    heads_first = text_type in _HEADS_FIRST_NORMS
+    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim)
                for i, layer in enumerate(layers)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     kinds = _layer_types(config, num_layers)
-    rotary = _find_rotary(model, kinds, where)
+    rotary = _find_rotary(decoder, kinds, where)
     rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
     if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
         raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
                          "number of rotated channels up to head_dim")
-    rope_order = rotate_half_order(head_dim, rotary_dims.pop(), model_type in _INTERLEAVED_ROPE)
+    rope_order = rotate_half_order(head_dim, rotary_dims.pop(), text_type in _INTERLEAVED_ROPE)
     rope_order = torch.tensor(rope_order) if rope_order is not None else None
     for handle in handles:
         handle.rope_order = rope_order
@@ -285,7 +291,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    rotated = _rotated_layers(config, model_type, num_layers)
+    rotated = _rotated_layers(config, text_type, num_layers)
     scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")

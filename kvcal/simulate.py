@@ -202,6 +202,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
 
 def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
+    if slot is None and wiring.in_a_wired_model(module):
+        raise KvcalError(wiring.outside_the_decoder(module))
     state: SimulatedLayer | None = slot.attached if slot is not None else None
     if state is None:
         raise KvcalError(f"attention implementation '{ATTENTION_NAME}' serves only inside kvcal.simulate.simulated(...)")

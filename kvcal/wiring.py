@@ -91,6 +91,17 @@ def slot(module: torch.nn.Module) -> Slot | None:
     return _SLOTS.get(module)
 
 
+def in_a_wired_model(module: torch.nn.Module) -> bool:
+    """Whether `module` is a part of a wired model (which wires only its decoder's attention layers)."""
+    return any(any(part is module for part in wiring.model.modules()) for wiring in {s.wiring for s in _SLOTS.values()})
+
+
+def outside_the_decoder(module: torch.nn.Module) -> str:
+    """Why a wired model's attention implementation refuses `module`, a part of it outside its decoder's layers."""
+    return (f"{type(module).__name__} is not an attention layer of the model's text decoder, which is all kvcal serves "
+            "(a vision tower runs when the model is given images): call the model with input_ids alone")
+
+
 def wiring_of(adapter: ModelAdapter) -> Wiring | None:
     found = slot(adapter.layers[0].attention)
     return found.wiring if found is not None else None

@@ -15,7 +15,7 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gemma3_text")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gemma3_text", "gemma3")
 TINY_WINDOW = 16
 GLM = ("glm", "glm4", "glm4_moe")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -30,6 +30,11 @@ def pytest_collection_modifyitems(items):
 def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     from transformers import AutoConfig
 
+    if model_type == "gemma3":  # Gemma 3 4B-27B: the text decoder beside a vision tower, here of as many layers
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        text = tiny_config("gemma3_text", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,

@@ -7,9 +7,9 @@ from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "cohere", "glm4_moe", "stablelm", "olmoe",
-               "minimax_m2", "gemma3_text")
+               "minimax_m2", "gemma3_text", "gemma3")
 # OLMo 3, Gemma 3 by layer type; the others for their NoPE layer
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "cohere2", "gemma3_text")
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "cohere2", "gemma3_text", "gemma3")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
@@ -19,7 +19,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, 2, 16, 32)
-    attention = model.model.layers[1].self_attn
+    attention = model.get_decoder().layers[1].self_attn
     key_projection = attention.qkv_proj if model_type == "phi3" else attention.k_proj  # Phi-3's q, k and v: one linear
     assert adapter.layers[1].k_proj is key_projection
     has_norm = model_type in NORMED_KEYS

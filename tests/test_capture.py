@@ -17,16 +17,21 @@ def windows(seed: int = 0) -> torch.Tensor:
 
 
 def attention_of(model, layer: int):
-    return model.model.layers[layer].self_attn
+    return model.get_decoder().layers[layer].self_attn
+
+
+def text_config(model):
+    """The decoder's config (Gemma 3 4B-27B's text_config beside its vision one)."""
+    return model.config.get_text_config(decoder=True)
 
 
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's and Cohere 2's "global NoPE" (none on their
     full layers where they have sliding ones)."""
     attention = attention_of(model, layer)
-    if model.config.model_type == "exaone4":
+    if text_config(model).model_type == "exaone4":
         return attention.sliding_window is None or attention.is_sliding
-    if model.config.model_type == "cohere2":
+    if text_config(model).model_type == "cohere2":
         return attention.sliding_window is not None
     return getattr(attention, "use_rope", True)
 
@@ -34,7 +39,7 @@ def applies_rope(model, layer: int) -> bool:
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
     that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side."""
-    attention, config = attention_of(model, layer), model.config
+    attention, config = attention_of(model, layer), text_config(model)
     if hasattr(attention, "qkv_proj"):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -57,7 +62,7 @@ def independent_reference(model, batch: torch.Tensor):
     post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
     checked in test_rope)."""
     adapter = adapt(model)
-    layers, kinds = range(model.config.num_hidden_layers), adapter.layer_types
+    layers, kinds = range(text_config(model).num_hidden_layers), adapter.layer_types
     sources = [key_and_value_sources(model, i) for i in layers]
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
@@ -79,7 +84,7 @@ def independent_reference(model, batch: torch.Tensor):
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = model.config.model_type in ("gemma3_text", "exaone4", "apertus", "stablelm")
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "apertus", "stablelm")
         in_kvcal_order = lambda rows: adapter.in_rope_order(rows.unflatten(-1, (-1, adapter.head_dim))).flatten(-2)
         key_grads.append([in_kvcal_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
@@ -89,8 +94,9 @@ def independent_reference(model, batch: torch.Tensor):
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach()
             keys = keys if heads_first else keys[..., sources[i][0][2]]
-            cos, sin = model.model.rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
-            heads = keys if heads_first else keys.reshape(1, SEQLEN, model.config.num_key_value_heads, -1).transpose(1, 2)
+            cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
+            kv_heads = text_config(model).num_key_value_heads
+            heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
             k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, i) else heads
             rotated.append(in_kvcal_order(k_rot.transpose(1, 2)[0].flatten(1)))
         post_rope.append(rotated)
@@ -109,7 +115,7 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
     rows_window = result.tensors["samples.window"].long()
     rows_position = result.tensors["samples.position"].long()
     assert len(rows_window) == 40 and int(rows_position.min()) >= 1  # sink excluded
-    for layer in range(model.config.num_hidden_layers):
+    for layer in range(text_config(model).num_hidden_layers):
         expected_fk = torch.stack([key_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_fv = torch.stack([value_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_post = torch.stack([post_rope[w][layer][p] for w, p in zip(rows_window, rows_position)])

@@ -259,6 +259,28 @@ def test_a_wired_model_called_without_its_cache_is_refused():
         assert torch.equal(model.generate(prompt(), **GREEDY), expected)
 
 
+def test_gemma3_given_images_is_refused_in_the_quantized_cache_and_the_simulation():
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) is served for text: given images, its vision tower reaches the
+    wired attention implementation, which names why it refuses (images would also make the decoder's attention
+    bidirectional over them, which kvcal's does not do)."""
+    from kvcal.kv import SegmentPolicy
+    from kvcal.simulate import Method
+
+    model = tiny_model("gemma3")
+    ids = prompt()
+    ids[0, 2:6] = model.config.image_token_id
+    images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, 28, 28))
+    refusal = "Siglip.* is not an attention layer of the model's text decoder, which is all kvcal serves"
+    bundle = fp16_kivi_bundle(model)
+    method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
+    with torch.inference_mode():
+        with quantized_cache(model, bundle) as cache, pytest.raises(KvcalError, match=refusal):
+            model(**images, past_key_values=cache, use_cache=True)
+        with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
+            model(**images, use_cache=False)
+        model(**images)  # its own attention again after both
+
+
 def test_a_changed_attention_implementation_is_refused():
     model = tiny_model("llama")
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:

@@ -321,6 +321,8 @@ class StepPlan:
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
+    if slot is None and wiring.in_a_wired_model(module):
+        raise KvcalError(wiring.outside_the_decoder(module))
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
