@@ -29,6 +29,7 @@ from helpers import requires_gpu
 from helpers.tensor_core_emulation import build, decode, schedule_in_reverse, symbol
 
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform
+from kvcal.rope import padded_inv_freq
 from kvcal.runtime import kernel_source, tensor_core
 from kvcal.runtime.store import Fp16Rows, PackedRows
 from kvcal.runtime.tensor_core import Variant
@@ -323,6 +324,22 @@ def test_emulated_kernel_reads_each_kv_heads_rows_together_as_rows_whole(emulato
         assert keys.rows_together == values.rows_together == together
         outputs.append(run_emulated(emulator, v, query, keys, values, lengths, head_dim**-0.5, rope=rope))
     assert torch.equal(*outputs)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("codec,head_dim", (("nuq3-out-rope", 128), ("int4-rope", 64)))
+@pytest.mark.parametrize("rotated_pairs", (16, 0))
+def test_emulated_kernel_leaves_channels_of_zero_frequency_unrotated(emulator, codec, head_dim, rotated_pairs):
+    """RoPE over the first pairs of each half only (kvcal.rope.rotate_half_order: partial_rotary_factor 0.5 at head_dim
+    64, 0.25 at 128; the other frequencies zero) and over none (a NoPE layer): the kernel's rotation by a frequency of
+    zero is the identity, as the reference's."""
+    lengths = LENGTHS["3"]
+    keys, values = filled(codec, lengths, head_dim)
+    query = torch.randn(len(lengths), KV_HEADS * 4, head_dim, generator=torch.Generator().manual_seed(4))
+    inv_freq = padded_inv_freq(llama_inv_freq(2 * rotated_pairs), head_dim)
+    rope = (inv_freq, 0.9, POSITIONS[: len(lengths)])
+    got = run_emulated(emulator, variant_of(codec, head_dim, 4), query, keys, values, lengths, head_dim**-0.5, rope=rope)
+    assert (got.double() - reference(query, keys, values, lengths, head_dim**-0.5, rope)).abs().max() < tolerance(codec)
 
 
 @pytest.mark.emulation
