@@ -292,6 +292,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
     rotated = _rotated_layers(config, text_type, num_layers)
+    if any(getattr(handle.attention, "is_causal", True) is False for handle in handles):  # use_bidirectional_attention
+        raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
+                         "decoders")
     scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")

@@ -204,6 +204,7 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     slot = wiring.slot(module)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
+    wiring.check_computed(module, kwargs)
     state: SimulatedLayer | None = slot.attached if slot is not None else None
     if state is None:
         raise KvcalError(f"attention implementation '{ATTENTION_NAME}' serves only inside kvcal.simulate.simulated(...)")

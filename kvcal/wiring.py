@@ -91,6 +91,18 @@ def slot(module: torch.nn.Module) -> Slot | None:
     return _SLOTS.get(module)
 
 
+# what an attention call may ask that kvcal's attention does not compute, by the keyword transformers passes it as
+_NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def check_computed(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word."""
+    for name, what in _NOT_COMPUTED.items():
+        if kwargs.get(name) is not None:
+            raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "
+                             "does not compute and would leave out")
+
+
 def in_a_wired_model(module: torch.nn.Module) -> bool:
     """Whether `module` is a part of a wired model (which wires only its decoder's attention layers)."""
     return any(any(part is module for part in wiring.model.modules()) for wiring in {s.wiring for s in _SLOTS.values()})

@@ -57,6 +57,12 @@ def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
     assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model(model_type, initializer_range=0.25))
 
 
+def test_bidirectional_attention_is_refused():
+    """Gemma 3's use_bidirectional_attention (its embedding models'): kvcal's cache and fits attend causally."""
+    with pytest.raises(KvcalError, match=r"its attention is bidirectional \(is_causal False\)"):
+        adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
+
+
 def test_fingerprint_changes_with_the_config_not_with_the_weights():
     one, two = adapt(tiny_model("llama", seed=0)), adapt(tiny_model("llama", seed=1))
     assert one.fingerprint() == two.fingerprint()

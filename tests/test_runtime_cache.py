@@ -281,6 +281,24 @@ def test_gemma3_given_images_is_refused_in_the_quantized_cache_and_the_simulatio
         model(**images)  # its own attention again after both
 
 
+@pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4))])
+def test_an_attention_call_asking_for_what_kvcal_does_not_compute_is_refused(ask):
+    """Score soft-capping (Gemma 2's) and attention sinks (gpt-oss's) reach the attention implementation as keywords,
+    which kvcal's cache and simulation would otherwise take and leave out."""
+    from kvcal.kv import SegmentPolicy
+    from kvcal.simulate import Method
+
+    model = tiny_model("llama")
+    bundle = fp16_kivi_bundle(model)
+    method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
+    refusal = f"LlamaAttention asks its attention for .* \\('{next(iter(ask))}'\\), which kvcal's attention does not compute"
+    with torch.inference_mode():
+        with quantized_cache(model, bundle) as cache, pytest.raises(KvcalError, match=refusal):
+            model(prompt(), past_key_values=cache, use_cache=True, **ask)
+        with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
+            model(prompt(), use_cache=False, **ask)
+
+
 def test_a_changed_attention_implementation_is_refused():
     model = tiny_model("llama")
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:

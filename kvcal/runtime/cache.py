@@ -323,6 +323,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     slot = wiring.slot(module)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
+    wiring.check_computed(module, kwargs)
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
