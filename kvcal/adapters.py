@@ -15,6 +15,8 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the firs
 (partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower: kvcal reads and serves the decoder.
+gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
+s_aux): kvcal.kv.softmax_with_sinks, in the simulation, the fits and the torch reference decoder.
 Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
 sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
 module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3
@@ -43,12 +45,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
                          "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm",
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
-                         "minimax_m2", "gemma3_text", "gemma3")
+                         "minimax_m2", "gpt_oss", "gemma3_text", "gemma3")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus", "stablelm")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
+# attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
+_SINKS = ("gpt_oss",)
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
@@ -66,6 +70,7 @@ class LayerHandles:
     k_norm: nn.Module | None
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: torch.Tensor | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
+    sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one)
     columns: dict[str, slice] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
 
@@ -168,6 +173,8 @@ class ModelAdapter:
         }
         if self.rope_order is not None:  # the channel order of every key and query an artifact holds
             fingerprint["rope_order"] = self.rope_order.tolist()
+        if self.layers[0].sinks is not None:  # which decode backends serve it (kvcal inspect BUNDLE --device)
+            fingerprint["attention_sinks"] = True
         return fingerprint
 
 
@@ -192,13 +199,14 @@ def _find_attention(layer: nn.Module, index: int, where: str) -> nn.Module:
     raise KvcalError(f"{where}: decoder layer {index} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
 
 
-def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int) -> LayerHandles:
+def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
+                   sinks: bool) -> LayerHandles:
     attention = _find_attention(layer, index, where)
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
               if isinstance(module := getattr(attention, name, None), nn.Linear)}
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
-    norms.update(heads_first=heads_first)
+    norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None)
     if "o_proj" in linear and all(name in linear for name in ("q_proj", "k_proj", "v_proj")):
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
@@ -272,7 +280,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     decoder = model.get_decoder()  # not a vision tower's layers, whatever their number
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
-    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim)
+    sinks = text_type in _SINKS
+    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, sinks)
                for i, layer in enumerate(layers)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -314,6 +323,13 @@ def adapt(model: nn.Module) -> ModelAdapter:
         score_scale=scales.pop(),
         rope_order=rope_order,
     )
+
+
+def attention_sinks(model_config: dict, layer: int) -> torch.Tensor | None:
+    """Layer `layer`'s attention sinks' logits (heads,) from an artifact's `model` config (profiles record them for the
+    fits' attention outputs), None for a model without sinks."""
+    sinks = model_config.get("attention_sinks")
+    return torch.tensor(sinks[layer], dtype=torch.float32) if sinks is not None else None
 
 
 def score_scale(model_config: dict) -> float:

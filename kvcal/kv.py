@@ -1,6 +1,6 @@
 """What the simulation, the calibration objectives and the runtime cache agree on about a KV cache:
-it holds fp16, each KV head serves its group of query heads (GQA), and which tokens it keeps fp16
-(sinks, a recent window, a KIVI residual, keys waiting for a whole per-channel block).
+it holds fp16, each KV head serves its group of query heads (GQA), how attention sinks (gpt-oss) join the softmax,
+and which tokens it keeps fp16 (sinks, a recent window, a KIVI residual, keys waiting for a whole per-channel block).
 
 Tensors are (tokens, kv_heads * head_dim): the channels of all KV heads of one token side by side."""
 
@@ -20,6 +20,15 @@ def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
     """(tokens, kv_heads * head_dim) -> (heads, tokens, head_dim): each KV head repeated for its query heads (GQA)."""
     tokens, width = x.shape
     return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with sinks (each row's, broadcasting to scores[..., :1]: a learned logit per query
+    head), each row takes its sink as one more score, which reads no value, as gpt-oss's attention does."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), -1), dim=-1)[..., :-1]
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     if device in ("cuda", "auto") and not torch.cuda.is_available():
         raise KvcalError(f"--device {device} needs a CUDA GPU and none is visible; use --device cpu")
     source = resolve_model(spec)
-    kwargs = {"dtype": resolve_dtype(dtype, device), "attn_implementation": "sdpa"}
+    # no attn_implementation: transformers' default, SDPA where the model has it, else eager (gpt-oss, for its sinks)
+    kwargs = {"dtype": resolve_dtype(dtype, device)}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     if device == "auto":

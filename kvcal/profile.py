@@ -80,7 +80,10 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
                    capture: CaptureResult, adapter) -> dict:
     kvmix = asdict(request.kvmix)
     return {
-        "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows, "score_scale": adapter.score_scale},
+        "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows,
+                  "score_scale": adapter.score_scale,
+                  **({"attention_sinks": [h.sinks.detach().float().tolist() for h in adapter.layers]}
+                     if adapter.layers[0].sinks is not None else {})},
         "calibration": {
             "dataset": request.dataset,
             "nsamples": request.nsamples,

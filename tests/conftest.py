@@ -15,8 +15,9 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gemma3_text", "gemma3")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gpt_oss", "gemma3_text", "gemma3")
 TINY_WINDOW = 16
+OWN_ATTENTION = {"gpt_oss": "eager"}  # the attention implementation of a tiny model, where it is not SDPA (no sinks there)
 GLM = ("glm", "glm4", "glm4_moe")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
@@ -41,7 +42,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         rope_theta=10000.0, tie_word_embeddings=False,
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
-                      *GLM):
+                      "gpt_oss", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -49,7 +50,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32)
         if model_type == "qwen2_moe":
             common["shared_expert_intermediate_size"] = 32
-    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "minimax_m2"):
+    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss"):
         common.update(num_local_experts=4, num_experts_per_tok=4)
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
@@ -73,6 +74,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "gemma3_text":
         common.update(head_dim=16, query_pre_attn_scalar=16)
         del common["rope_theta"]
+    if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
+        common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=64)
+        del common["rope_theta"]
     if model_type == "olmo3":  # as the real ones: YaRN on the full layer (its cos/sin scaled), none on the sliding one
         common["rope_parameters"] = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0), full_attention=dict(
             rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, original_max_position_embeddings=64))
@@ -86,7 +91,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions, **overrides), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions, **overrides),
+                                             attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     return model.eval()
 
 

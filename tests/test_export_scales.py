@@ -31,3 +31,23 @@ def test_the_queries_carry_the_profiled_models_score_scale(tiny_profile):
     assert config["model"]["score_scale"] == 16**-0.5
     doubled = {**config, "model": {**config["model"], "score_scale": 2 * 16**-0.5}}
     torch.testing.assert_close(WindowAttention(tensors, 0, doubled).queries[0], 2 * WindowAttention(tensors, 0, config).queries[0])
+
+
+def test_the_searched_attention_is_the_models_own_with_its_sinks(tiny_model_dir, tiny_corpus, tmp_path):
+    """gpt-oss: the profile records each layer's attention sinks, and the attention the search reads on a stored
+    window is the model's own there (its sinks in each row's softmax), up to the fp16 the windows are kept in."""
+    from conftest import profile_tiny_model, tiny_model
+    from kvcal.artifacts import read_artifact
+
+    model = tiny_model("gpt_oss")  # the weights tiny_model_dir saves
+    profile = profile_tiny_model(tiny_model_dir("gpt_oss"), tiny_corpus, tmp_path / "p.safetensors")
+    tensors, config = read_artifact(profile, "profile")
+    attention = model.model.layers[1].self_attn  # the full-attention layer (the search reads no sliding window)
+    assert config["model"]["attention_sinks"][1] == attention.sinks.tolist()
+    seen = []
+    attention.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0][0]))
+    with torch.no_grad():
+        model(tensors["windows.input_ids"][:1].long())
+    objective = WindowAttention(tensors, 1, config)
+    heads = seen[0].view(seen[0].shape[0], 2, 2, 16).permute(1, 2, 0, 3)  # (kv_heads, group, tokens, head_dim)
+    torch.testing.assert_close(objective.reference[0], heads, rtol=0, atol=2e-3)

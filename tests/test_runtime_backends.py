@@ -32,6 +32,24 @@ def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles
     assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
 
 
+def test_attention_sinks_are_served_by_the_torch_reference_on_either_device():
+    """gpt-oss's sinks join each row's softmax; neither kernel adds them: the planner says so from the bundle's
+    fingerprint and a decoding layer binds the reference."""
+    from conftest import kivi_bundle
+
+    model = tiny_model("gpt_oss")
+    bundle = kivi_bundle(model, 4, 16, 4)
+    assert bundle.fingerprint["attention_sinks"]
+    for device in ("cpu", "cuda"):
+        plans = backends.bundle_plan(bundle, device)
+        assert {p.bodies for p in plans} == {"reference"} and "the kernels add no attention sinks" in plans[0].why
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(model, bundle, ids)
+    assert [layer.decode_path for layer in cache.layers] == ["reference"] * 2
+    assert "not cpu-kernel: the kernels add no attention sinks (gpt-oss)" in cache.layers[0].choice.why()
+
+
 def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import ALTERNATING, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
+from conftest import ALTERNATING, OWN_ATTENTION, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -29,7 +29,7 @@ def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "l
             simulated_logits = model(ids).logits
         runtime_logits, cache = decode_token_by_token(model, bundle_path, ids)
     torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=atol)
-    assert model.config._attn_implementation == "sdpa" and cache.tokens() == [TOKENS, TOKENS]
+    assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa") and cache.tokens() == [TOKENS, TOKENS]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_ARCHITECTURES, tiny_model
+from conftest import OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -33,7 +33,7 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
                 got = model(ids).logits
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)  # the cache holds K/V in fp16
         assert tally.effective_bits == 16.0
-        assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
 
 
 def test_policy_masks():

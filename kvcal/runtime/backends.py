@@ -44,6 +44,10 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
+    sinks: bool = False  # its attention adds sinks (gpt-oss), which only the torch reference computes
+
+
+SINKS_REFUSAL = "the kernels add no attention sinks (gpt-oss)"
 
 
 class LayerDecoder:
@@ -96,7 +100,8 @@ class ReferenceDecoder(LayerDecoder):
         tokens = keys.shape[2]
         if layer.pre_rope:
             keys = reference.rotate(keys, *plan.rope(tokens, layer.inv_freq, layer.rope_scaling, layer.keys_store.dropped))
-        out = reference.decode_attention(query, keys, values, plan.visible(tokens, window, layer.keys_store), scaling)
+        visible = plan.visible(tokens, window, layer.keys_store)
+        out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 
 
@@ -114,6 +119,8 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
+        if shape.sinks:
+            return SINKS_REFUSAL
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
@@ -158,6 +165,8 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
+    if shape.sinks:
+        return SINKS_REFUSAL
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -292,7 +301,9 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
-        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
+        pairs = ((codecs.key_codec, codecs.value_codec),)
+        shape = LayerShape(pairs, codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike,
+                           sinks=fingerprint.get("attention_sinks", False))
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"

@@ -70,6 +70,8 @@ class RuntimeLayer(CacheLayerMixin):
         self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
         self.window = adapter.windows[index] if drop_out_of_window else None  # the window this layer drops tokens for
         self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.layer_rope_scaling(index)
+        sinks = adapter.layers[index].sinks
+        self.sinks = sinks.detach() if sinks is not None else None  # (heads,) attention sinks' logits, or None
         self.keys_store = self.values_store = None
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
@@ -164,7 +166,7 @@ class RuntimeLayer(CacheLayerMixin):
                 own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
-            out = reference.attention(query[b, :, rows], keys, values, scaling, window)
+            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
         if several:
             self._append_columns(several, new_keys, new_values, plan)
@@ -201,7 +203,7 @@ class RuntimeLayer(CacheLayerMixin):
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
-                                        self.keys_store.fp16_rows_like(self.values_store))
+                                        self.keys_store.fp16_rows_like(self.values_store), self.sinks is not None)
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder
@@ -323,7 +325,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     slot = wiring.slot(module)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
-    wiring.check_computed(module, kwargs)
+    wiring.check_computed(module, kwargs, slot)
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
