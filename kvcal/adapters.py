@@ -16,7 +16,7 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the firs
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
-s_aux): kvcal.kv.softmax_with_sinks, in the simulation, the fits and the torch reference decoder.
+s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; the CPU kernel's decode.
 Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
 sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
 module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3

@@ -58,6 +58,15 @@ def test_every_architecture_decodes_every_recipe_to_the_simulation(architecture_
         assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
 
 
+@pytest.mark.slow
+def test_gpt_oss_decodes_its_attention_sinks_to_the_simulation(architecture_bundles, decode_path):
+    """gpt-oss's sinks on each CPU decode path (the kernel's running state takes them after its last launch; the
+    reference adds them to its softmax), against the simulation's softmax with them, which equals the model's own
+    (tests/test_simulate.py)."""
+    for recipe in ("kivi", "kvquant"):
+        assert_runtime_logits_match_the_simulation(architecture_bundles("gpt_oss")[recipe], "gpt_oss", atol=5e-4)
+
+
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
 def test_5_to_8_bit_codes_decode_to_the_simulation(wide_nuq_bundles, bits, decode_path):
     """Codes wider than the kernels serve (planes5-7, 8-bit words) decode with the torch reference on every path."""

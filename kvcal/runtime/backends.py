@@ -44,10 +44,7 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
-    sinks: bool = False  # its attention adds sinks (gpt-oss), which only the torch reference computes
-
-
-SINKS_REFUSAL = "the kernels add no attention sinks (gpt-oss)"
+    sinks: bool = False  # its attention adds sinks (gpt-oss), which the tensor-core kernel does not
 
 
 class LayerDecoder:
@@ -119,8 +116,6 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
-        if shape.sinks:
-            return SINKS_REFUSAL
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
@@ -147,7 +142,7 @@ class CpuDecoder(LayerDecoder):
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
                                          layer.window is not None)
         out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
-                                          plan.first_visible(window, dropped))
+                                          plan.first_visible(window, dropped), layer.sinks)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -166,7 +161,7 @@ class CudaKernels(Backend):
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
     if shape.sinks:
-        return SINKS_REFUSAL
+        return "it adds no attention sinks (gpt-oss)"
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
