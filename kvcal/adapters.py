@@ -16,7 +16,7 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the firs
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
-s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; the CPU kernel's decode.
+s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
 sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
 module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3
@@ -173,8 +173,6 @@ class ModelAdapter:
         }
         if self.rope_order is not None:  # the channel order of every key and query an artifact holds
             fingerprint["rope_order"] = self.rope_order.tolist()
-        if self.layers[0].sinks is not None:  # which decode backends serve it (kvcal inspect BUNDLE --device)
-            fingerprint["attention_sinks"] = True
         return fingerprint
 
 

@@ -93,6 +93,9 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions, **overrides),
                                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
+    if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
     return model.eval()
 
 

@@ -303,6 +303,20 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("heads", (4, 32))
+def test_emulated_tensor_core_kernel_decodes_gpt_oss_attention_sinks_like_the_reference_runtime(on_cpu, heads):
+    """gpt-oss at head_dim 64 over 2 KV heads (a 16-token sliding layer the 110 tokens outgrow, a full one) under KIVI's
+    int4 in blocks of 32, on a left-padded batch: each row's sink joins its softmax after the kernel's fused merge, from
+    the log-sum-exps the splits leave in the scratch, as the reference runtime adds it to its softmax; with 32 query
+    heads, in passes of 8 per KV head, each pass with its own heads' sinks."""
+    from conftest import kivi_bundle, tiny_model
+
+    model = tiny_model("gpt_oss", head_dim=64, num_attention_heads=heads)
+    got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2 and on_cpu
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
 def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_runtime(on_cpu, qwen3_kvquant_bundle):
     """A tiny Qwen3 at head_dim 128 (keys normalised per head, then rotated) under the default kvquant recipe, on a
     left-padded batch: its pre-RoPE nuq3 keys with 1% outliers rotated in the kernel, one tensor-core launch per layer

@@ -32,24 +32,6 @@ def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles
     assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
 
 
-def test_attention_sinks_are_decoded_by_the_cpu_kernel_and_by_the_reference_on_cuda():
-    """gpt-oss's sinks join each row's softmax: the CPU kernel's running state takes them after its last launch, the
-    tensor-core kernel merges its splits itself and does not; the planner says so from the bundle's fingerprint and a
-    decoding layer binds the planned backend."""
-    from conftest import kivi_bundle
-
-    model = tiny_model("gpt_oss")
-    bundle = kivi_bundle(model, 4, 16, 4)
-    assert bundle.fingerprint["attention_sinks"]
-    assert {p.bodies for p in backends.bundle_plan(bundle, "cpu")} == {"cpu-kernel"}
-    cuda = backends.bundle_plan(bundle, "cuda")
-    assert {p.bodies for p in cuda} == {"reference"} and "it adds no attention sinks (gpt-oss)" in cuda[0].why
-    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        _, cache = decode_token_by_token(model, bundle, ids)
-    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel"] * 2
-
-
 def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}

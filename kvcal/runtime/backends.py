@@ -44,7 +44,6 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
-    sinks: bool = False  # its attention adds sinks (gpt-oss), which the tensor-core kernel does not
 
 
 class LayerDecoder:
@@ -160,8 +159,6 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
-    if shape.sinks:
-        return "it adds no attention sinks (gpt-oss)"
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -194,7 +191,7 @@ class CudaDecoder(LayerDecoder):
         dropped = self.layer.keys_store.dropped
         out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, plan.stored_positions(dropped),
                                        self.served, step=plan.kernel_step(query.device),
-                                       first=plan.first_visible(window, dropped))
+                                       first=plan.first_visible(window, dropped), sinks=self.layer.sinks)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -296,9 +293,7 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
-        pairs = ((codecs.key_codec, codecs.value_codec),)
-        shape = LayerShape(pairs, codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike,
-                           sinks=fingerprint.get("attention_sinks", False))
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"

@@ -480,7 +480,8 @@ class DecodeStep:
 
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                   served: list, step: DecodeStep | None = None, first: list[int] | None = None):
+                   served: list, step: DecodeStep | None = None, first: list[int] | None = None,
+                   sinks: torch.Tensor | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
     served: per launch, the tensor-core kernel's share of it (kvcal.runtime.tensor_core.ServedBody: `rows` and
@@ -490,7 +491,8 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     position_offset: each sequence's position of its first stored token.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
-    launch serves is decoded in passes over its query heads (`head_passes`)."""
+    launch serves is decoded in passes over its query heads (`head_passes`). sinks: (heads,) attention sinks' logits,
+    which join each row's softmax after the merge, from the splits' log-sum-exps the kernel leaves in its scratch."""
     batch, heads, head_dim = query.shape
     device = query.device
     step = step or DecodeStep(device)
@@ -498,9 +500,11 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     if len(passes) > 1:
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         heads_before = np.cumsum([0, *passes[:-1]]).tolist()
+        pass_sinks = [None if sinks is None else sinks.view(kv_heads, -1)[:, h : h + n].reshape(-1)
+                      for h, n in zip(heads_before, passes)]
         runs = [prepare_decode(grouped[:, :, h : h + n].reshape(batch, kv_heads * n, head_dim), launches, kv_heads, scaling,
-                               position_offset, served, step, first)
-                for h, n in zip(heads_before, passes)]
+                               position_offset, served, step, first, sink)
+                for h, n, sink in zip(heads_before, passes, pass_sinks)]
 
         def run_passes() -> torch.Tensor:  # one after another on the stream: the passes share the step's scratch
             outs = [run().view(batch, kv_heads, n, head_dim) for run, n in zip(runs, passes)]
@@ -541,15 +545,20 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     def run() -> torch.Tensor:
         for launch_tensor_core in tensor_core_launches:
             launch_tensor_core()
+        if sinks is not None:  # out = acc / Z; with the sink acc / (Z + e^sink) = out * sigmoid(ln Z - sink)
+            log_z = torch.logsumexp(lse_partial * math.log(2.0), dim=-1)  # the splits' lse are in log2 units
+            out.mul_(torch.sigmoid(log_z - sinks.float())[..., None])
         return out
 
     return run
 
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
-                     served: list, step: DecodeStep | None = None, first: list[int] | None = None) -> torch.Tensor:
+                     served: list, step: DecodeStep | None = None, first: list[int] | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens from
     each sequence's `first` on (a sliding window; default all), each launch's share served by the tensor-core kernel
     (`served`, kvcal.runtime.tensor_core.serve: pre-RoPE keys rotated there); (batch, heads, head_dim) float32. A
-    sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first)()
+    sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep); sinks: (heads,)
+    attention sinks' logits (see prepare_decode)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first, sinks)()
