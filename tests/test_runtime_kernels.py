@@ -160,6 +160,23 @@ def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logit
 
 
 @requires_gpu
+@pytest.mark.parametrize("heads", (4, 32))
+def test_gpt_oss_decodes_its_attention_sinks_on_cuda_like_the_cpu_reference(heads):
+    """A tiny gpt-oss at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time through a 16-token
+    sliding layer and a full one: the tensor-core kernel on every layer, each row's sink joined after its fused merge
+    (32 query heads: in passes of 8 per KV head), the CPU runtime's logits within 2e-3 (the emulated kernel's test, on
+    the device)."""
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    model = tiny_model("gpt_oss", head_dim=64, num_attention_heads=heads)
+    bundle = kivi_bundle(model, 4, 32, 32)
+    with torch.inference_mode():
+        cpu_logits, _ = decode_token_by_token(model, bundle, ids)
+        cuda_logits, cache = decode_token_by_token(model.cuda(), bundle, ids.cuda())
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
+    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+
+
+@requires_gpu
 @pytest.mark.xdist_group("head_dim_256_gemma3_bundles")
 @pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi4-g32"))
 def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_reference(head_dim_256_gemma3_bundles, recipe):
