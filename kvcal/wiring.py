@@ -98,11 +98,9 @@ _NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "s
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
     """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word: all
     but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds)."""
-    handles = layer_slot.wiring.adapter.layers[layer_slot.index] if layer_slot is not None else None
+    has_sinks = layer_slot is not None and layer_slot.wiring.adapter.layers[layer_slot.index].sinks is not None
     for name, what in _NOT_COMPUTED.items():
-        if name == "s_aux" and handles is not None and handles.sinks is not None and kwargs.get(name) is handles.sinks:
-            continue
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and not (name == "s_aux" and has_sinks):
             raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "
                              "does not compute and would leave out")
 
