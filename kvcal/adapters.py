@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from kvcal.errors import KvcalError
-from kvcal.rope import padded_inv_freq, rotate_half_order, stored_inv_freq, stored_rope_scaling
+from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
@@ -69,7 +69,7 @@ class LayerHandles:
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
-    rope_order: torch.Tensor | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
+    rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one)
     columns: dict[str, slice] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
@@ -92,7 +92,7 @@ class LayerHandles:
         else:
             normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
-        return rows if kind == "v" else _rows_in_order(rows, self.rope_order)
+        return rows if kind == "v" else rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
         """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection."""
@@ -114,7 +114,7 @@ class ModelAdapter:
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
-    rope_order: torch.Tensor | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
+    rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
 
     @property
     def kv_width(self) -> int:
@@ -122,11 +122,11 @@ class ModelAdapter:
 
     def in_rope_order(self, heads: torch.Tensor) -> torch.Tensor:
         """Queries or keys (..., head_dim) of the model in kvcal's channel order (kvcal.rope.rotate_half_order)."""
-        return heads if self.rope_order is None else heads[..., self.rope_order.to(heads.device)]
+        return in_order(heads, self.rope_order)
 
     def rows_in_rope_order(self, rows: torch.Tensor) -> torch.Tensor:
         """Queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
-        return _rows_in_order(rows, self.rope_order)
+        return rows_in_order(rows, self.rope_order)
 
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
@@ -172,13 +172,8 @@ class ModelAdapter:
             "config_sha256": digest[:16],
         }
         if self.rope_order is not None:  # the channel order of every key and query an artifact holds
-            fingerprint["rope_order"] = self.rope_order.tolist()
+            fingerprint["rope_order"] = list(self.rope_order)
         return fingerprint
-
-
-def _rows_in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """(..., heads * head_dim) rows with each head's channels taken in `order` (None: as they are)."""
-    return rows if order is None else rows.unflatten(-1, (-1, order.numel()))[..., order.to(rows.device)].flatten(-2)
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -290,7 +285,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
                          "number of rotated channels up to head_dim")
     rope_order = rotate_half_order(head_dim, rotary_dims.pop(), text_type in _INTERLEAVED_ROPE)
-    rope_order = torch.tensor(rope_order) if rope_order is not None else None
+    rope_order = tuple(rope_order) if rope_order is not None else None
     for handle in handles:
         handle.rope_order = rope_order
     rope_types = getattr(rotary, "rope_type", "default")

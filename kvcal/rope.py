@@ -9,11 +9,14 @@ likewise (OLMo 3: YaRN's on its full-attention layers only), read by `layer_rope
 kvcal rotates channel j of a head with channel j + head_dim/2 by frequency j. Models that pair channels otherwise
 (interleaved pairs 2i, 2i+1: Cohere, GLM; RoPE over the first channels of each head only: StableLM, Nemotron) are
 read in that order: `rotate_half_order` gives, per head, the model's channel at each of kvcal's, the channels RoPE
-leaves alone paired with a frequency of zero (the identity). Scores are unchanged when queries and keys are both
-reordered, so kvcal reorders both where they enter (kvcal.adapters), and the model never sees the order.
+leaves alone paired with a frequency of zero (the identity), and `in_order` / `rows_in_order` apply it. Scores are
+unchanged when queries and keys are both reordered, so kvcal reorders both where they enter (kvcal.adapters), and the
+model never sees the order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,6 +57,22 @@ def rotate_half_order(head_dim: int, rotary_dims: int, interleaved: bool) -> lis
         first, second = range(half), range(half, rotary_dims)
     order = [*first, *range(rotary_dims, rotary_dims + rest), *second, *range(rotary_dims + rest, head_dim)]
     return None if order == list(range(head_dim)) else order
+
+
+@functools.lru_cache(maxsize=64)
+def _order_index(order: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(order, device=device)
+
+
+def in_order(heads: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """heads (..., head_dim) with each head's channels taken in `order` (None: as they are). The index is made once per
+    order and device: queries and keys are reordered at every decode step."""
+    return heads if order is None else heads[..., _order_index(order, str(heads.device))]
+
+
+def rows_in_order(rows: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """in_order for (..., heads * head_dim) rows, the heads side by side."""
+    return rows if order is None else in_order(rows.unflatten(-1, (-1, len(order))), order).flatten(-2)
 
 
 def padded_inv_freq(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:

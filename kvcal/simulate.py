@@ -32,7 +32,7 @@ from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softmax_with_sinks, window_dropped
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
-from kvcal.rope import rotate_keys
+from kvcal.rope import rotate_keys, rows_in_order
 
 ATTENTION_NAME = "kvcal_simulated"
 
@@ -61,23 +61,23 @@ class InModelOrder:
     channels and its rotations mix the channels they mix there."""
 
     codec: object
-    rope_order: torch.Tensor  # per head, the model's channel at each of kvcal's
+    rope_order: tuple[int, ...]  # per head, the model's channel at each of kvcal's
+    model_order: tuple[int, ...]  # per head, kvcal's channel at each of the model's: rope_order's inverse
 
     @property
     def block_tokens(self) -> int:
         return getattr(self.codec, "block_tokens", 1)
 
     def quantize(self, rows: torch.Tensor) -> Quantized:
-        order = self.rope_order.to(rows.device)
-        heads = lambda x: x.unflatten(-1, (-1, order.numel()))
-        quantized = self.codec.quantize(heads(rows)[..., torch.argsort(order)].flatten(-2))
-        return replace(quantized, values=heads(quantized.values)[..., order].flatten(-2))
+        quantized = self.codec.quantize(rows_in_order(rows, self.model_order))
+        return replace(quantized, values=rows_in_order(quantized.values, self.rope_order))
 
 
-def _in_model_order(layer: LayerCodecs, rope_order: torch.Tensor | None) -> LayerCodecs:
+def _in_model_order(layer: LayerCodecs, rope_order: tuple[int, ...] | None) -> LayerCodecs:
     if rope_order is None or layer.key_pre_rope:
         return layer
-    return replace(layer, key_codec=InModelOrder(layer.key_codec, rope_order))
+    inverse = tuple(sorted(range(len(rope_order)), key=rope_order.__getitem__))
+    return replace(layer, key_codec=InModelOrder(layer.key_codec, rope_order, inverse))
 
 
 @dataclass

@@ -85,8 +85,7 @@ def independent_reference(model, batch: torch.Tensor):
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "apertus", "stablelm")
-        in_kvcal_order = lambda rows: adapter.in_rope_order(rows.unflatten(-1, (-1, adapter.head_dim))).flatten(-2)
-        key_grads.append([in_kvcal_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
+        key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
@@ -98,7 +97,7 @@ def independent_reference(model, batch: torch.Tensor):
             kv_heads = text_config(model).num_key_value_heads
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
             k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, i) else heads
-            rotated.append(in_kvcal_order(k_rot.transpose(1, 2)[0].flatten(1)))
+            rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
 

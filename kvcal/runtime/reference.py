@@ -51,21 +51,21 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
     query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
+
+    def visible(first: int, stop: int) -> torch.Tensor:
+        """(stop - first, n): the tokens queries first .. stop - 1 of the step see."""
+        tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
+        return (tokens <= last) & (tokens > last - window) if banded else tokens <= last
+
     if sinks is not None:
         chunk = max(1, SINK_SCORES_PER_CHUNK // (heads * n))
-        tokens = torch.arange(n, device=query.device)
-        outs = []
-        for first in range(0, m, chunk):
-            last = (n - m + torch.arange(first, min(first + chunk, m), device=query.device))[:, None]
-            visible = (tokens <= last) & (tokens > last - window) if banded else tokens <= last
-            outs.append(sinks_attention(query[:, :, first : first + chunk], keys, values, visible, scaling, sinks))
+        outs = [sinks_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
+                                scaling, sinks) for first in range(0, m, chunk)]
         return torch.cat(outs, 2)[0]
     if (m == n or m == 1) and not banded:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
     else:
-        tokens, last = torch.arange(n, device=query.device)[None, :], (n - m + torch.arange(m, device=query.device))[:, None]
-        visible = (tokens <= last) & (tokens > last - window) if banded else tokens <= last
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible(0, m), scale=scaling)
     return out[0]
 
 
