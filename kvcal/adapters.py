@@ -3,12 +3,13 @@
 Every supported model's attention is q/k/v/o projections + RoPE as kvcal.rope computes it, up to the order of each
 head's channels (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a
 modeling file:
-- Llama, Mistral, Ministral, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs), Seed-OSS,
-  Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM: separate
-  q/k/v_proj (the MoE models' experts are in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B
-  (q/k_layernorm): q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, MiniMax-M2: over the whole projection. The
-  pre-RoPE key is the tensor RoPE consumes: the key norm's output where the model has one, else the k_proj output;
+- Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs),
+  Seed-OSS, Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
+  InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are in the MLP only);
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere),
+  StableLM 2 12B (q/k_layernorm), Mellum, AFMoE: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
+  MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
+  the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head
@@ -17,16 +18,18 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the firs
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
-Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's and CWM's layers are of two types (`layer_types`:
-sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3) the rotary
-module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin scaling: OLMo 3
-scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4
-and Cohere 2 out of their full-attention ones: their keys are stored as if rotated by frequencies of zero and cos/sin
-scaled by 1, the identity, which every fit, decode backend and artifact reads. Scores are scaled by the attention
-module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on Gemma 3 (168 ** -0.5 at 27B, where
-head_dim is 128), attention_multiplier on Granite; profiles record it (`score_scale`) for the fits. Refused, beside
-other architectures: frequencies that change with the sequence length (dynamic NTK, LongRoPE: Phi-3.5's,
-Phi-4-mini's).
+Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
+(`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
+Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
+scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
+those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones: their keys are stored as if rotated
+by frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
+Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
+Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
+it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
+before the attention call: the runtime reads them as scaled, the fits' captured queries are not (exact for windows
+shorter than that). Refused, beside other architectures: frequencies that change with the sequence length (dynamic
+NTK, LongRoPE: Phi-3.5's, Phi-4-mini's).
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
                          "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "glm4_moe", "stablelm",
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
-                         "minimax_m2", "gpt_oss", "gemma3_text", "gemma3")
+                         "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
+                         "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
+                         "afmoe")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "apertus", "stablelm")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
@@ -249,9 +254,11 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
-    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and Cohere 2's
-    full-attention layers where they have sliding ones (their "global NoPE"); every layer elsewhere."""
-    if model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None) is not None:
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and
+    Cohere 2's full-attention layers where they have sliding ones (their "global NoPE"), AFMoE's sliding layers only;
+    every layer elsewhere."""
+    if (model_type in ("exaone4", "exaone_moe", "cohere2") and getattr(config, "sliding_window", None) is not None
+            or model_type == "afmoe"):
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 

@@ -15,7 +15,8 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "cohere2", "cwm", "gpt_oss", "gemma3_text", "gemma3")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma3_text",
+               "gemma3")
 TINY_WINDOW = 16
 OWN_ATTENTION = {"gpt_oss": "eager"}  # the attention implementation of a tiny model, where it is not SDPA (no sinks there)
 GLM = ("glm", "glm4", "glm4_moe")
@@ -42,7 +43,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         rope_theta=10000.0, tie_word_embeddings=False,
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
-                      "gpt_oss", *GLM):
+                      "gpt_oss", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
+                      "hyperclovax", "afmoe", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -54,9 +56,18 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_local_experts=4, num_experts_per_tok=4)
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
+    if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo"):  # as the Qwen MoEs, by their own names
+        experts = {"mellum": "num_local_experts", "solar_open": "n_routed_experts"}.get(model_type, "num_experts")
+        common.update({experts: 4}, num_experts_per_tok=4, moe_intermediate_size=32, pad_token_id=None)
+    if model_type == "exaone_moe":  # as the real ones: a dense first layer, experts after it
+        common.update(mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1)
+    if model_type == "afmoe":
+        common["num_dense_layers"] = 1
+    if model_type == "flex_olmo":  # its default end-of-text id is past TINY_VOCAB
+        common["eos_token_id"] = None
     if model_type == "smollm3":  # layer 1 without RoPE (the real models: every 4th); its default token ids are past TINY_VOCAB
         common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
-    if model_type in ("phi3", *GLM):  # their default pad token id is past TINY_VOCAB (Phi-3: one fused qkv_proj)
+    if model_type in ("phi3", "ministral3", *GLM):  # their default pad token id is past TINY_VOCAB (Phi-3: one fused qkv_proj)
         common["pad_token_id"] = None
     if model_type == "glm4_moe":  # 4 small routed experts, every one routed to (as the Qwen MoEs), after one dense layer
         common.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
@@ -77,6 +88,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=64)
+        del common["rope_theta"]
+    if model_type == "ministral3":  # as the real ones: YaRN, and queries scaled up past original_max_position_embeddings
+        common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 16, beta_fast=32.0,
+                                         beta_slow=1.0, original_max_position_embeddings=16, llama_4_scaling_beta=0.1)
         del common["rope_theta"]
     if model_type == "olmo3":  # as the real ones: YaRN on the full layer (its cos/sin scaled), none on the sliding one
         common["rope_parameters"] = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0), full_attention=dict(

@@ -6,10 +6,10 @@ from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "apertus", "cohere", "glm4_moe", "stablelm", "olmoe",
-               "minimax_m2", "gemma3_text", "gemma3")
-# OLMo 3, Gemma 3 by layer type; the others for their NoPE layer
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "cohere2", "gemma3_text", "gemma3")
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
+               "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3")
+# OLMo 3, Mellum, Gemma 3 by layer type; the others for their NoPE layer
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 

@@ -26,13 +26,15 @@ def text_config(model):
 
 
 def applies_rope(model, layer: int) -> bool:
-    """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's and Cohere 2's "global NoPE" (none on their
-    full layers where they have sliding ones)."""
+    """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
+    (none on their full layers where they have sliding ones), AFMoE's local layers."""
     attention = attention_of(model, layer)
-    if text_config(model).model_type == "exaone4":
+    if text_config(model).model_type in ("exaone4", "exaone_moe"):
         return attention.sliding_window is None or attention.is_sliding
     if text_config(model).model_type == "cohere2":
         return attention.sliding_window is not None
+    if text_config(model).model_type == "afmoe":
+        return attention.is_local_attention
     return getattr(attention, "use_rope", True)
 
 
@@ -84,7 +86,7 @@ def independent_reference(model, batch: torch.Tensor):
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "apertus", "stablelm")
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm")
         key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
