@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from kvcal.build_cache import cache_dir
@@ -122,7 +122,8 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         kwargs["device_map"] = "auto"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
+        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvcalError(f"could not load model '{source.spec}': {first_line}") from exc
@@ -130,3 +131,11 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         model = model.to("cuda")
     model.eval()
     return model, tokenizer, source
+
+
+def _model_class(config):
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a text decoder beside a vision encoder that transformers
+    does not list as a causal LM (Mistral 3: Mistral3ForConditionalGeneration); kvcal.adapters serves its decoder."""
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

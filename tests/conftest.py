@@ -37,6 +37,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       patch_size=14)
         text = tiny_config("gemma3_text", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    if model_type == "mistral3":  # Ministral 3: its decoder beside a Pixtral vision tower, here of as many layers
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                      image_size=28, patch_size=14)
+        text = tiny_config("ministral3", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model("mistral3", text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
@@ -103,11 +108,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
 
 
 def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overrides):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, max_positions, **overrides),
-                                             attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
+    auto = AutoModelForImageTextToText if model_type == "mistral3" else AutoModelForCausalLM  # not a causal LM to transformers
+    model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
+                             attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)

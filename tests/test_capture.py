@@ -51,10 +51,10 @@ def key_and_value_sources(model, layer: int):
 
 
 def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The model's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
+    """The decoder's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
     each head; gpt-oss's cover a pair each), the rest as they are."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
-    apply_rotary_pos_emb = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+    apply_rotary_pos_emb = importlib.import_module(type(attention_of(model, 0)).__module__).apply_rotary_pos_emb
     _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
     return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import profile_tiny_model
 from kvcal.cli import app
 from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
 from kvcal.export.vllm import EXPORT_MARKER, read_export
@@ -303,6 +304,22 @@ def test_eval_ppl_takes_the_fp8_baseline_and_export_folders(exports, absmax_expo
         assert (rows[name]["effective_bits"], rows[name]["key_bits"], rows[name]["value_bits"], rows[name]["outlier_fraction"]) == (8, 8, 8, 0)
         assert rows[name]["ppl"] != rows["fp"]["ppl"]
     assert "fp8 scale 1.0" in result.stdout
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "mistral3"])
+def test_a_decoder_beside_a_vision_tower_exports_under_the_checkpoints_names(model_type, tiny_model_dir, tiny_corpus, tmp_path):
+    """Gemma 3 4B-27B's and Mistral 3's decoder is model.language_model.layers.N in the module tree, which
+    save_pretrained writes as the checkpoint's language_model.model.layers.N (what vLLM loads): the scales are
+    written there, and the marker names them there, so that eval ppl reads the folder back."""
+    model = tiny_model_dir(model_type)
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export").exit_code == 0
+    scales = sorted(name for name in safetensors_of(tmp_path / "export") if name.endswith("_scale"))
+    assert scales == [f"language_model.model.layers.{i}.self_attn.{kind}_scale" for i in range(2) for kind in "kv"]
+    assert [layer.k.numel() for layer in read_export(tmp_path / "export").layers] == [1, 1]
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
+                 tmp_path / "export", "--json", tmp_path / "ppl.json")
+    assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
 
 
 def test_scale_one_saturates_what_absmax_keeps(tiny_model_dir, tiny_corpus, tmp_path):

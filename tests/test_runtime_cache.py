@@ -273,18 +273,25 @@ def test_a_wired_model_called_without_its_cache_is_refused():
         assert torch.equal(model.generate(prompt(), **GREEDY), expected)
 
 
-def test_gemma3_given_images_is_refused_in_the_quantized_cache_and_the_simulation():
-    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) is served for text: given images, its vision tower reaches the
-    wired attention implementation, which names why it refuses (images would also make the decoder's attention
-    bidirectional over them, which kvcal's does not do)."""
+IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral")}  # image tokens, image side, vision attention
+
+
+@pytest.mark.parametrize("model_type", IMAGES)
+def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) and Mistral 3 are served for text: given images, the vision
+    tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder would also attend
+    bidirectionally over them, which kvcal's attention does not do)."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
-    model = tiny_model("gemma3")
+    tokens, side, vision = IMAGES[model_type]
+    model = tiny_model(model_type)
     ids = prompt()
-    ids[0, 2:6] = model.config.image_token_id
-    images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, 28, 28))
-    refusal = "Siglip.* is not an attention layer of the model's text decoder, which is all kvcal serves"
+    ids[0, 2:2 + tokens] = model.config.image_token_id
+    images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
+    if model_type == "mistral3":
+        images["image_sizes"] = torch.tensor([[side, side]])
+    refusal = f"{vision}.* is not an attention layer of the model's text decoder, which is all kvcal serves"
     bundle = fp16_kivi_bundle(model)
     method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
     with torch.inference_mode():

@@ -142,6 +142,35 @@ def _attention_names(model: torch.nn.Module, adapter) -> list[str]:
     return [by_module[id(handles.attention)] for handles in adapter.layers]
 
 
+def _checkpoint_names(folder: Path, names: list[str]) -> list[str]:
+    """Each attention module's name in the checkpoint save_pretrained wrote to `folder`: its own, or for a decoder
+    beside a vision tower, whose weights transformers writes under the checkpoint's names (Mistral 3's
+    model.language_model.layers.N is language_model.model.layers.N there), the one written scale's name that ends as
+    the module's does from its layer list on."""
+    written = [key.removesuffix(".k_scale") for key in _scale_tensors(folder) if key.endswith(".k_scale")]
+    found = []
+    for name in names:
+        parts = name.split(".")
+        tails = (".".join(parts[i:]) for i in range(len(parts)))
+        matches = next((hits for tail in tails if len(hits := [key for key in written if f".{key}".endswith(f".{tail}")]) == 1), None)
+        if matches is None:
+            raise KvcalError(f"save_pretrained wrote no single scale for attention '{name}' (wrote {len(written)}); "
+                             "this model's checkpoint names are not ones kvcal can export to")
+        found.append(matches[0])
+    return found
+
+
+def _scale_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every k_scale / v_scale tensor in the safetensors files of `folder`, by name."""
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith((".k_scale", ".v_scale")):
+                    found[key] = handle.get_tensor(key)
+    return found
+
+
 def _save_folder(folder: Path, model, tokenizer, adapter, names: list[str], fit: ScaleFit, marker: dict) -> None:
     """save_pretrained with the scales registered as buffers on the attention modules (so they are written
     under the modules' own names), the tokenizer, quantization_config in config.json, the marker."""
@@ -157,6 +186,8 @@ def _save_folder(folder: Path, model, tokenizer, adapter, names: list[str], fit:
     finally:
         for module, suffix in registered:
             del module._buffers[suffix]
+    for entry, name in zip(marker["layers"], _checkpoint_names(folder, names)):
+        entry["attention"] = name  # where vLLM and read_export find its scales
     tokenizer.save_pretrained(folder)
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
@@ -214,12 +245,7 @@ def read_export(folder: str | Path) -> ScaleFit:
     if strategy not in STRATEGIES or scales not in SCALE_CHOICES or len(entries) != num_layers:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} (strategy {strategy!r}, scales {scales!r}, {len(entries)} "
                          f"layers for a model of {num_layers!r}); re-export it")
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key.endswith((".k_scale", ".v_scale")):
-                    found[key] = handle.get_tensor(key)
+    found = _scale_tensors(folder)
     fit = ScaleFit(strategy, source, scales, fingerprint)
     for entry in entries:
         try:
