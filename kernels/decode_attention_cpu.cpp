@@ -576,6 +576,17 @@ inline void key_scores(const float* __restrict__ q, const float* __restrict__ ke
     }
 }
 
+// s[i] = softcap tanh(s[i] / softcap) for i < n (Gemma 2's soft-capped scores: kvcal.kv.softcapped) through
+// exp_nonpositive, so that the loop vectorizes: tanh |x| = (1 - e) / (1 + e), e = exp(-2 |x|), the sign put back.
+// Within about softcap x 2^-23 of the exact cap (the subtraction near 0 rounds to the ulp of 1).
+inline void cap_scores(float* __restrict__ s, int n, float softcap) {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) {
+        const float e = exp_nonpositive(-2.0f * std::fabs(s[i] / softcap));
+        s[i] = std::copysign(softcap * ((1.0f - e) / (1.0f + e)), s[i]);
+    }
+}
+
 // The largest of s[0 .. n) (-inf for n = 0; a NaN score is passed over, as std::fmax would), a vector at a time.
 inline float largest(const float* s, int n) {
     vf32 most = vf32{} - INFINITY;
@@ -670,10 +681,11 @@ inline void rotate_row(float* __restrict__ k, const float* __restrict__ cos_row,
 
 // One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
 // partial = per query head (m, l, acc[D]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
-// exp(score - m) v.
+// exp(score - m) v; scores soft-capped at softcap first where it is above 0.
 void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, DecodeTokens decode_values, const Lengths& kn,
                    const Lengths& vn, const float* query, const float* cos_table, const float* sin_table, long long rope_stride,
-                   int b, int kv_head, int kv_heads, int group, int D, float scale, int t_begin, int t_end, float* partial) {
+                   int b, int kv_head, int kv_heads, int group, int D, float scale, float softcap, int t_begin, int t_end,
+                   float* partial) {
     thread_local HeadTables k_tables, v_tables;
     thread_local std::vector<float> q, keys, values, scores;
     const int width = kv_heads * D, half = D / 2, heads = kv_heads * group;
@@ -705,6 +717,7 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
             float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
             float* state = partial + (size_t)g * (D + 2);
             key_scores(q.data() + (size_t)g * D, keys.data(), n, D, s);
+            if (softcap > 0.0f) cap_scores(s, n, softcap);
             const float chunk_max = largest(s, n);
             const float m_new = max_or(chunk_max, state[0]);
             const float correction = state[0] == -INFINITY ? 0.0f : exp_nonpositive(state[0] - m_new);
@@ -730,7 +743,8 @@ struct Task {
 }  // namespace
 
 // One launch's tokens for every (sequence, KV head), folded into the running softmax state of each query head:
-// m (batch, heads) running max of the scaled scores, l (batch, heads) sum of exp(score - m), acc (batch, heads, D)
+// m (batch, heads) running max of the scaled scores (soft-capped at softcap where it is above 0: Gemma 2), l
+// (batch, heads) sum of exp(score - m), acc (batch, heads, D)
 // sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
 // last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
 // query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
@@ -743,7 +757,7 @@ struct Task {
 // number of threads.
 extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
                                            const float* cos_table, const float* sin_table, long long rope_stride,
-                                           int batch, int kv_heads, int group, int head_dim, float scale,
+                                           int batch, int kv_heads, int group, int head_dim, float scale, float softcap,
                                            float* m_state, float* l_state, float* acc_state, int first, int last, int threads) {
     const int D = head_dim, heads = kv_heads * group;
     if (first) {
@@ -780,7 +794,7 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
     for (long long i = 0; i < (long long)tasks.size(); ++i) {
         const Task& task = tasks[i];
         attend_tokens(ks, vs, decode_keys, decode_values, key_lengths[task.b], value_lengths[task.b], query, cos_table, sin_table,
-                      rope_stride, task.b, task.kv_head, kv_heads, group, D, scale, task.t_begin, task.t_end,
+                      rope_stride, task.b, task.kv_head, kv_heads, group, D, scale, softcap, task.t_begin, task.t_end,
                       partials.data() + i * per_task);
     }
     for (size_t i = 0; i < tasks.size(); ++i) {

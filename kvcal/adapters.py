@@ -5,7 +5,8 @@ head's channels (tests/test_adapters.py checks each against the model's own cach
 modeling file:
 - Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs),
   Seed-OSS, Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
-  InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are in the MLP only);
+  Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are
+  in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere),
   StableLM 2 12B (q/k_layernorm), Mellum, AFMoE: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
   MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
@@ -19,7 +20,9 @@ Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower,
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
-Gemma 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
+Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
+attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; the CPU kernel.
+Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
 (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
 scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
@@ -51,7 +54,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
-                         "afmoe", "mistral3")
+                         "afmoe", "mistral3", "gemma2", "vaultgemma")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm")
@@ -120,6 +123,7 @@ class ModelAdapter:
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
+    softcap: float | None = None  # scaled scores soft-capped to (-softcap, softcap) (Gemma 2), or None
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
 
     @property
@@ -322,6 +326,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         windows=_sliding_windows(config, num_layers),
         rotated=rotated,
         score_scale=scales.pop(),
+        softcap=getattr(config, "attn_logit_softcapping", None),
         rope_order=rope_order,
     )
 
@@ -331,6 +336,12 @@ def attention_sinks(model_config: dict, layer: int) -> torch.Tensor | None:
     fits' attention outputs), None for a model without sinks."""
     sinks = model_config.get("attention_sinks")
     return torch.tensor(sinks[layer], dtype=torch.float32) if sinks is not None else None
+
+
+def attention_softcap(model_config: dict) -> float | None:
+    """The profiled model's score soft-cap (Gemma 2's attn_logit_softcapping), from an artifact's `model` config, or
+    None for a model that does not cap its scores."""
+    return model_config.get("attention_softcap")
 
 
 def score_scale(model_config: dict) -> float:

@@ -22,6 +22,12 @@ def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
     return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
 
 
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled scores soft-capped into (-softcap, softcap), tanh(scores / softcap) * softcap, as Gemma 2's attention
+    caps them before its mask and softmax; None: as they are."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim; with sinks (each row's, broadcasting to scores[..., :1]: a learned logit per query
     head), each row takes its sink as one more score, which reads no value, as gpt-oss's attention does."""

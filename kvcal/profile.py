@@ -82,6 +82,7 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
     return {
         "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows,
                   "score_scale": adapter.score_scale,
+                  **({"attention_softcap": adapter.softcap} if adapter.softcap is not None else {}),
                   **({"attention_sinks": [h.sinks.detach().float().tolist() for h in adapter.layers]}
                      if adapter.layers[0].sinks is not None else {})},
         "calibration": {

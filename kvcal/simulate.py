@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
-from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softmax_with_sinks, window_dropped
+from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softmax_with_sinks, window_dropped
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys, rows_in_order
@@ -134,6 +134,7 @@ class SimulatedLayer:
     tally: StorageTally
     window: int | None = None  # the layer's sliding window
     sinks: torch.Tensor | None = None  # (heads,) its attention sinks' logits (gpt-oss)
+    softcap: float | None = None  # its scores' soft-cap (Gemma 2)
     pre_rope_keys: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
 
@@ -176,18 +177,18 @@ class SimulatedLayer:
             self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
             self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
             out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
-                                  key_mask, value_mask, scaling, self.window, self.sinks)
+                                  key_mask, value_mask, scaling, self.window, self.sinks, self.softcap)
             outputs.append(out.transpose(0, 1).to(query.dtype))
         return torch.stack(outputs)
 
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
-                    window: int | None = None, sinks: torch.Tensor | None = None):
+                    window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
     (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a sliding
     window, query t sees tokens t - window + 1 .. t; with sinks (heads,), each head's row of scores takes its sink
-    logit as one more, which reads no value. Keys and values are (tokens, kv_heads * head_dim); GQA shares each KV
-    head across its query heads."""
+    logit as one more, which reads no value; with a softcap, scores are capped first (kvcal.kv.softcapped). Keys and
+    values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query heads."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
@@ -198,7 +199,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     if window is not None:
         causal = causal.triu(1 - window)
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling
-    probs = softmax_with_sinks(scores.masked_fill(~causal, float("-inf")), None if sinks is None else sinks.view(-1, 1, 1))
+    probs = softmax_with_sinks(softcapped(scores, softcap).masked_fill(~causal, float("-inf")),
+                               None if sinks is None else sinks.view(-1, 1, 1))
     return (probs * value_mask) @ per_head(values_hat) + (probs * ~value_mask) @ per_head(values_fp)
 
 
@@ -238,7 +240,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
                              adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.windows[i],
-                             adapter.layers[i].sinks)
+                             adapter.layers[i].sinks, adapter.softcap)
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

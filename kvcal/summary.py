@@ -32,7 +32,8 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                          f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"),
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
                       + ("; q/k channels in RoPE pair order (fingerprint rope_order)" if "rope_order" in fingerprint else "")
-                      + ("; attention sinks" if "attention_sinks" in model else "")),
+                      + ("; attention sinks" if "attention_sinks" in model else "")
+                      + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),

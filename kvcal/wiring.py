@@ -97,12 +97,18 @@ _NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "s
 
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
     """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word: all
-    but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds)."""
-    has_sinks = layer_slot is not None and layer_slot.wiring.adapter.layers[layer_slot.index].sinks is not None
+    but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds) and the
+    soft-cap of a model whose config gives that one (Gemma 2's, which the fits also applied)."""
+    adapter = layer_slot.wiring.adapter if layer_slot is not None else None
+    has_sinks = adapter is not None and adapter.layers[layer_slot.index].sinks is not None
+    softcap = adapter.softcap if adapter is not None else None
     for name, what in _NOT_COMPUTED.items():
-        if kwargs.get(name) is not None and not (name == "s_aux" and has_sinks):
+        if kwargs.get(name) is not None and not (name == "s_aux" and has_sinks or name == "softcap" and softcap is not None):
             raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "
                              "does not compute and would leave out")
+    if softcap is not None and kwargs.get("softcap") != softcap:
+        raise KvcalError(f"{type(module).__name__} asks its attention to soft-cap scores at {kwargs.get('softcap')}, its config "
+                         f"at {softcap} (what kvcal computes and calibrated for); load the model with its own config")
 
 
 def in_a_wired_model(module: torch.nn.Module) -> bool:

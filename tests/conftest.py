@@ -15,10 +15,11 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma3_text",
-               "gemma3")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma2",
+               "vaultgemma", "gemma3_text", "gemma3")
 TINY_WINDOW = 16
-OWN_ATTENTION = {"gpt_oss": "eager"}  # the attention implementation of a tiny model, where it is not SDPA (no sinks there)
+# the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
+OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
@@ -87,6 +88,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["qk_layernorm"] = True
     if model_type in ALTERNATING:  # Gemma 3's and OLMo 3's layer types each with its own RoPE, EXAONE 4's full one without
         common.update(sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"])
+    if model_type in ("gemma2", "vaultgemma"):  # scores capped at 0.05, below their size here (the real ones: 50)
+        common.update(head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=0.05)
     if model_type == "gemma3_text":
         common.update(head_dim=16, query_pre_attn_scalar=16)
         del common["rope_theta"]

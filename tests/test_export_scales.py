@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcal.export.scales import WindowAttention
@@ -33,17 +34,21 @@ def test_the_queries_carry_the_profiled_models_score_scale(tiny_profile):
     torch.testing.assert_close(WindowAttention(tensors, 0, doubled).queries[0], 2 * WindowAttention(tensors, 0, config).queries[0])
 
 
-def test_the_searched_attention_is_the_models_own_with_its_sinks(tiny_model_dir, tiny_corpus, tmp_path):
-    """gpt-oss: the profile records each layer's attention sinks, and the attention the search reads on a stored
-    window is the model's own there (its sinks in each row's softmax), up to the fp16 the windows are kept in."""
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2"])
+def test_the_searched_attention_is_the_models_own_with_its_sinks_or_soft_cap(model_type, tiny_model_dir, tiny_corpus, tmp_path):
+    """gpt-oss, Gemma 2: the profile records each layer's attention sinks, or the scores' soft-cap, and the attention
+    the search reads on a stored window is the model's own there, up to the fp16 the windows are kept in."""
     from conftest import profile_tiny_model, tiny_model
     from kvcal.artifacts import read_artifact
 
-    model = tiny_model("gpt_oss")  # the weights tiny_model_dir saves
-    profile = profile_tiny_model(tiny_model_dir("gpt_oss"), tiny_corpus, tmp_path / "p.safetensors")
+    model = tiny_model(model_type)  # the weights tiny_model_dir saves
+    profile = profile_tiny_model(tiny_model_dir(model_type), tiny_corpus, tmp_path / "p.safetensors")
     tensors, config = read_artifact(profile, "profile")
     attention = model.model.layers[1].self_attn  # the full-attention layer (the search reads no sliding window)
-    assert config["model"]["attention_sinks"][1] == attention.sinks.tolist()
+    if model_type == "gpt_oss":
+        assert config["model"]["attention_sinks"][1] == attention.sinks.tolist()
+    else:
+        assert config["model"]["attention_softcap"] == attention.attn_logit_softcapping
     seen = []
     attention.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0][0]))
     with torch.no_grad():

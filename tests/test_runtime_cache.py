@@ -305,7 +305,7 @@ def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulati
 @pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4))])
 def test_an_attention_call_asking_for_what_kvcal_does_not_compute_is_refused(ask):
     """Score soft-capping (Gemma 2's) and attention sinks (gpt-oss's) reach the attention implementation as keywords,
-    which kvcal's cache and simulation would otherwise take and leave out."""
+    which kvcal's cache and simulation would otherwise take and leave out, here on a model that has neither."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
@@ -318,6 +318,17 @@ def test_an_attention_call_asking_for_what_kvcal_does_not_compute_is_refused(ask
             model(prompt(), past_key_values=cache, use_cache=True, **ask)
         with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
             model(prompt(), use_cache=False, **ask)
+
+
+def test_a_soft_cap_other_than_the_configs_is_refused():
+    """Gemma 2's cap is what its config says, which the fits applied: a call asking for another one is refused."""
+    model = tiny_model("gemma2")
+    bundle = fp16_kivi_bundle(model)
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 30.0
+    with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        with pytest.raises(KvcalError, match="asks its attention to soft-cap scores at 30.0, its config at 0.05"):
+            model(prompt(), past_key_values=cache, use_cache=True)
 
 
 def test_a_changed_attention_implementation_is_refused():

@@ -50,6 +50,16 @@ def test_cpu_decode_attention_matches_the_reference(case, lengths):
     compare(key_store, value_store, len(lengths), group=4, pre_rope=pre_rope, **ON_CPU)
 
 
+@pytest.mark.parametrize("softcap", [0.3, 2.0, 50.0])
+@pytest.mark.parametrize("case", ["kivi4-sink4", "nuq3-prerope-sink4-window", "skvq2-prerope-sink5-window"])
+def test_cpu_decode_attention_soft_caps_scores_as_the_reference(case, softcap):
+    """Gemma 2's capped scores (softcap tanh(score / softcap)): below, near and far above the scores' size here."""
+    (key_store, value_store), pre_rope = filled(case, SHORT, device="cpu")
+    capped = compare(key_store, value_store, len(SHORT), group=4, pre_rope=pre_rope, softcap=softcap, **ON_CPU)
+    plain = compare(key_store, value_store, len(SHORT), group=4, pre_rope=pre_rope, **ON_CPU)
+    assert (capped - plain).abs().max() > (1e-3 if softcap < 50 else 0)
+
+
 @pytest.mark.parametrize("case", ["nuq3-prerope-sink4-window", "nuq4-prerope-crowded-outliers", "kivi4-sink4", "skvq2-prerope-sink5-window"])
 def test_cpu_decode_attention_reads_stores_that_dropped_their_first_tokens(case):
     """Three sequences past a 64-token sliding window: their sinks and the body rows before it dropped (whole blocks),

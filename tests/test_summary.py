@@ -20,8 +20,8 @@ def test_every_artifact_kind_has_a_per_layer_summary(tiny_profile, tmp_path):
 
 def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, tiny_corpus, tmp_path):
     """Sliding windows and RoPE per layer: OLMo 3's sliding layer 0 (plain RoPE) and full layer 1 (YaRN's cos/sin
-    scaling), SmolLM3's layer 1 without RoPE, GLM-4's RoPE over half of each head in interleaved pairs; and the scores'
-    scale."""
+    scaling), SmolLM3's layer 1 without RoPE, GLM-4's RoPE over half of each head in interleaved pairs; the scores'
+    scale, and Gemma 2's soft-cap."""
     from conftest import profile_tiny_model
 
     olmo3 = summarize(profile_tiny_model(tiny_model_dir("olmo3"), tiny_corpus, tmp_path / "olmo3.safetensors"))
@@ -33,6 +33,8 @@ def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, ti
     glm4 = summarize(profile_tiny_model(tiny_model_dir("glm4"), tiny_corpus, tmp_path / "glm4.safetensors"))
     assert [row[rope] for row in glm4.rows] == ["x1 over 8 of 16 channels"] * 2
     assert dict(glm4.provenance)["attention"].endswith("; q/k channels in RoPE pair order (fingerprint rope_order)")
+    gemma2 = summarize(profile_tiny_model(tiny_model_dir("gemma2"), tiny_corpus, tmp_path / "gemma2.safetensors"))
+    assert dict(gemma2.provenance)["attention"].endswith("; scores soft-capped at 0.05")
 
 
 def test_a_bundle_is_summarized_once_validated_and_missing_provenance_shows_as_a_dash(recipe_bundles, tmp_path):

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from kvcal.adapters import attention_sinks, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, score_scale
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
-from kvcal.kv import softmax_with_sinks
+from kvcal.kv import softcapped, softmax_with_sinks
 from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 
 STRATEGIES = ("tensor", "attn_head")
@@ -100,6 +100,7 @@ class WindowAttention:
         self.group = heads // self.kv_heads
         sinks = attention_sinks(profile_config["model"], layer)
         self.sinks = sinks.view(self.kv_heads, self.group, 1, 1) if sinks is not None else None  # per query head
+        self.softcap = attention_softcap(profile_config["model"])
         inv_freq, positions = layer_inv_freq(profile["rope.inv_freq"], layer), profile["windows.positions"].long()
         self.queries, self.keys, self.values, self.reference = [], [], [], []
         tokens = profile[f"{prefix}.k"].shape[1]
@@ -118,7 +119,7 @@ class WindowAttention:
 
     def _probs(self, w: int, keys: torch.Tensor) -> torch.Tensor:
         scores = self.queries[w] @ self._heads(keys).transpose(-1, -2)
-        return softmax_with_sinks(scores.masked_fill(self.blocked, float("-inf")), self.sinks)
+        return softmax_with_sinks(softcapped(scores, self.softcap).masked_fill(self.blocked, float("-inf")), self.sinks)
 
     def errors(self, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
         """Per-KV-head attention-output MSE (kv_heads,) with keys and/or values quantized at these scales

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from kvcal.adapters import attention_sinks, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, score_scale
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
 from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, divided, scale_in_use, store_as
 from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
-from kvcal.kv import SegmentPolicy, per_query_head, softmax_with_sinks
+from kvcal.kv import SegmentPolicy, per_query_head, softcapped, softmax_with_sinks
 
 SKVQ_KIND = "skvq"
 CLIP_GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.00, 0.95, ..., 0.30
@@ -190,6 +190,7 @@ class _ClipObjective:
         scaling = score_scale(profile_config["model"])
         sinks = attention_sinks(profile_config["model"], layer)
         self.sinks = sinks.view(-1, 1, 1) if sinks is not None else None  # per query head
+        self.softcap = attention_softcap(profile_config["model"])
         self.queries, self.fp_scores, self.reference = [], [], []
         for w in range(self.keys.shape[0]):
             q = rotate_keys(profile[f"{prefix}.q"][w].float(), self.positions[w], heads, self.inv_freq, rope_scaling)
@@ -205,7 +206,7 @@ class _ClipObjective:
         return per_query_head(x, self.kv_heads, self.kv_heads * self.group)
 
     def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        return softmax_with_sinks(scores.masked_fill(self.blocked, float("-inf")), self.sinks)
+        return softmax_with_sinks(softcapped(scores, self.softcap).masked_fill(self.blocked, float("-inf")), self.sinks)
 
     def _probs(self, keys: SkvqTensor, w: int) -> torch.Tensor:
         k_hat = rotate_keys(keys.quantize(self.keys[w]).values, self.positions[w], self.kv_heads, self.inv_freq, self.rope_scaling)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcal.adapters import attention_softcap
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
@@ -34,8 +35,9 @@ from kvcal.runtime.segments import fp16_rows_alike
 @dataclass(frozen=True)
 class LayerShape:
     """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
-    store has several), whether keys are stored before RoPE, the attention's head counts, the device, and whether K
-    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike)."""
+    store has several), whether keys are stored before RoPE, the attention's head counts, the device, whether K
+    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike), and whether the attention
+    soft-caps its scores."""
 
     pairs: tuple[tuple, ...]
     pre_rope: bool
@@ -44,6 +46,7 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
+    softcapped: bool = False  # the attention soft-caps its scores (Gemma 2)
 
 
 class LayerDecoder:
@@ -97,7 +100,7 @@ class ReferenceDecoder(LayerDecoder):
         if layer.pre_rope:
             keys = reference.rotate(keys, *plan.rope(tokens, layer.inv_freq, layer.rope_scaling, layer.keys_store.dropped))
         visible = plan.visible(tokens, window, layer.keys_store)
-        out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks)
+        out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks, layer.softcap)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 
 
@@ -141,7 +144,7 @@ class CpuDecoder(LayerDecoder):
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
                                          layer.window is not None)
         out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
-                                          plan.first_visible(window, dropped), layer.sinks)
+                                          plan.first_visible(window, dropped), layer.sinks, layer.softcap)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -159,6 +162,8 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
+    if shape.softcapped:
+        return "its scores are soft-capped (Gemma 2), which the tensor-core kernel does not do"
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -293,7 +298,8 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
-        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike,
+                           attention_softcap(bundle.config["model"]) is not None)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"

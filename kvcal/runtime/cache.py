@@ -72,6 +72,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.layer_rope_scaling(index)
         sinks = adapter.layers[index].sinks
         self.sinks = sinks.detach() if sinks is not None else None  # (heads,) attention sinks' logits, or None
+        self.softcap = adapter.softcap  # the scores' soft-cap (Gemma 2), or None
         self.keys_store = self.values_store = None
         self.position_offset: list[int | None] = []  # the cache's, shared by its layers (WiredCache.position_offset)
         self.padded_length = 0  # tokens fed, padding included: what transformers counts
@@ -166,7 +167,7 @@ class RuntimeLayer(CacheLayerMixin):
                 own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
-            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks)
+            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
         if several:
             self._append_columns(several, new_keys, new_values, plan)
@@ -203,7 +204,7 @@ class RuntimeLayer(CacheLayerMixin):
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
-                                        self.keys_store.fp16_rows_like(self.values_store))
+                                        self.keys_store.fp16_rows_like(self.values_store), self.softcap is not None)
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder

@@ -13,7 +13,8 @@ padded to the longest (the stores' `read_batch`) with a mask of each sequence's 
 rounding of the softmax sums.
 
 Attention sinks (gpt-oss: a learned logit per query head) join each row's softmax as one more score that reads no
-value, as the model's own attention does (`sinks_attention`); without them SDPA computes the softmax.
+value, and soft-capped scores (Gemma 2) are capped before the mask, as the models' own attention does
+(`explicit_attention`); without either SDPA computes the softmax.
 """
 
 from __future__ import annotations
@@ -21,27 +22,28 @@ from __future__ import annotations
 import torch
 
 from kvcal.rope import rope_cos_sin, rotate_keys
-from kvcal.kv import per_query_head, softmax_with_sinks
+from kvcal.kv import per_query_head, softcapped, softmax_with_sinks
 
 
-# scores a step with attention sinks holds at once (float32): its queries are taken this many (heads x tokens) at a time
-SINK_SCORES_PER_CHUNK = 2**24
+# scores a step attending explicitly holds at once (float32): its queries are taken this many (heads x tokens) at a time
+EXPLICIT_SCORES_PER_CHUNK = 2**24
 
 
-def sinks_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scaling: float,
-                    sinks: torch.Tensor) -> torch.Tensor:
-    """Softmax attention whose rows each take their head's sink logit as one more score, which reads no value:
-    query (..., heads, m, d), keys and values (..., heads, n, d), visible broadcasting to (..., heads, m, n), sinks
-    (heads,)."""
-    scores = (query @ keys.transpose(-1, -2) * scaling).masked_fill(~visible, float("-inf"))
-    return softmax_with_sinks(scores, sinks.view(-1, 1, 1)) @ values
+def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scaling: float,
+                       sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """Softmax attention from its scores: soft-capped at `softcap` (None: not capped), then each row taking its head's
+    sink logit as one more score, which reads no value (sinks (heads,), or None): query (..., heads, m, d), keys and
+    values (..., heads, n, d), visible broadcasting to (..., heads, m, n)."""
+    scores = softcapped(query @ keys.transpose(-1, -2) * scaling, softcap).masked_fill(~visible, float("-inf"))
+    return softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1)) @ values
 
 
 def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
     window: each query sees its last `window` tokens (itself included), None: all before it; sinks: (heads,) attention
-    sinks' logits, the queries then taken a chunk at a time (SINK_SCORES_PER_CHUNK scores)."""
+    sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
+    (EXPLICIT_SCORES_PER_CHUNK scores)."""
     heads, m, head_dim = query.shape
     if window is not None and m == 1:  # decode: the window is the last tokens
         keys, values = keys[-window:], values[-window:]
@@ -57,10 +59,10 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
         return (tokens <= last) & (tokens > last - window) if banded else tokens <= last
 
-    if sinks is not None:
-        chunk = max(1, SINK_SCORES_PER_CHUNK // (heads * n))
-        outs = [sinks_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
-                                scaling, sinks) for first in range(0, m, chunk)]
+    if sinks is not None or softcap is not None:
+        chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
+        outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
+                                   scaling, sinks, softcap) for first in range(0, m, chunk)]
         return torch.cat(outs, 2)[0]
     if (m == n or m == 1) and not banded:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
@@ -94,13 +96,14 @@ def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                     scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     scaling: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """query (B, heads, 1, head_dim); keys, values (B, kv_heads, n, head_dim) float32, every sequence's tokens padded
-    to n; visible (B, n): the tokens each sequence's query sees; sinks: (heads,) attention sinks' logits ->
-    (B, heads, 1, head_dim) float32 (a sequence that sees nothing gets NaN, or 0 with sinks: the caller zeroes it)."""
-    if sinks is not None:
+    to n; visible (B, n): the tokens each sequence's query sees; sinks: (heads,) attention sinks' logits; softcap: the
+    scores' soft-cap -> (B, heads, 1, head_dim) float32 (a sequence that sees nothing gets NaN, or 0 with sinks: the
+    caller zeroes it)."""
+    if sinks is not None or softcap is not None:
         groups = query.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        return sinks_attention(query.float(), keys, values, visible[:, None, None, :], scaling, sinks)
+        return explicit_attention(query.float(), keys, values, visible[:, None, None, :], scaling, sinks, softcap)
     return torch.nn.functional.scaled_dot_product_attention(query.float(), keys, values, attn_mask=visible[:, None, None, :],
                                                             scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])

@@ -75,12 +75,15 @@ bool replay_file(const char* path) {
     for (const auto& a : calls) {
         auto p = [&](int i) { return (const void*)(uintptr_t)a[i].bits; };
         auto i32 = [&](int i) { return (int)(int32_t)(uint32_t)a[i].bits; };
-        float scale;
-        const uint32_t scale_bits = (uint32_t)a[10].bits;
-        std::memcpy(&scale, &scale_bits, 4);
+        auto f32 = [&](int i) {
+            float value;
+            const uint32_t bits = (uint32_t)a[i].bits;
+            std::memcpy(&value, &bits, 4);
+            return value;
+        };
         kvcal_decode_attention_cpu((const float*)p(0), (const long long*)p(1), (const int32_t*)p(2), (const float*)p(3),
-                                   (const float*)p(4), (long long)a[5].bits, i32(6), i32(7), i32(8), i32(9), scale,
-                                   (float*)p(11), (float*)p(12), (float*)p(13), i32(14), i32(15), i32(16));
+                                   (const float*)p(4), (long long)a[5].bits, i32(6), i32(7), i32(8), i32(9), f32(10), f32(11),
+                                   (float*)p(12), (float*)p(13), (float*)p(14), i32(15), i32(16), i32(17));
     }
     const float* got = (const float*)(regions[out_region].data() + out_offset);
     float worst = 0.0f;

@@ -24,7 +24,8 @@ from kvcal.runtime import cpu_kernel, kernels
 from kvcal.runtime import kernel_source as src
 
 # kvcal_decode_attention_cpu's arguments: pointer, int32, int64 or float32, in order
-DECODE_ARGUMENTS = "PPPPPLIIIIFPPPIII"
+DECODE_ARGUMENTS = "PPPPPLIIIIFFPPPIII"
+QUERY, COS, SIN, ROPE_STRIDE, BATCH, KV_HEADS, GROUP, HEAD_DIM, M_STATE, L_STATE, ACC_STATE = 0, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14
 _F = cpu_kernel.CpuSideField
 DESCRIPTOR_POINTERS = (_F.SINK, _F.RECENT, _F.WORDS, _F.PARAM0, _F.PARAM1, _F.CODEBOOK, _F.OUTLIER_POSITIONS, _F.OUTLIER_VALUES,
                        _F.OUTLIER_OFFSETS, _F.OUTLIER_COUNTS, _F.GROUP_OF_CHANNEL)  # the fields that hold addresses
@@ -89,7 +90,7 @@ def recording(path: Path, stores: list):
         def kvcal_decode_attention_cpu(self, *args):
             regions = Regions()
             descriptor = np.ctypeslib.as_array(ctypes.cast(args[1], ctypes.POINTER(ctypes.c_longlong)), shape=(2 * SIDE_FIELDS,)).copy()
-            meta_count = 2 * args[6] * cpu_kernel.META_FIELDS
+            meta_count = 2 * args[BATCH] * cpu_kernel.META_FIELDS
             meta = np.ctypeslib.as_array(ctypes.cast(args[2], ctypes.POINTER(ctypes.c_int32)), shape=(meta_count,)).copy()
             for tensor in (t for store in stores for t in tensors_of(store)):
                 regions.add_tensor(tensor)
@@ -101,18 +102,18 @@ def recording(path: Path, stores: list):
                         regions.add_tensor(kernels.channel_groups(body.codec, "cpu"))
             for array in (descriptor, meta):
                 regions.add_array(array)
-            batch, heads, head_dim = args[6], args[6] and args[7] * args[8], args[9]
-            sizes = {0: batch * heads * head_dim, 3: batch * args[5], 4: batch * args[5], 11: batch * heads, 12: batch * heads,
-                     13: batch * heads * head_dim}  # floats: query, cos, sin, m, l, acc
+            batch, heads, head_dim = args[BATCH], args[BATCH] and args[KV_HEADS] * args[GROUP], args[HEAD_DIM]
+            sizes = {QUERY: batch * heads * head_dim, COS: batch * args[ROPE_STRIDE], SIN: batch * args[ROPE_STRIDE],
+                     M_STATE: batch * heads, L_STATE: batch * heads, ACC_STATE: batch * heads * head_dim}  # floats
             for index, floats in sizes.items():
                 if args[index]:
                     regions.add(int(args[index]), 4 * floats)
             arguments = list(args)
             arguments[1], arguments[2] = descriptor.ctypes.data, meta.ctypes.data
             real.kvcal_decode_attention_cpu(*arguments)
-            heads, head_dim = args[6] * args[7] * args[8], args[9]
+            heads, head_dim = args[BATCH] * args[KV_HEADS] * args[GROUP], args[HEAD_DIM]
             # the copies stay alive with the call, so that no later call's copies take their addresses
-            calls.append((regions, arguments, (descriptor, meta), ctypes.string_at(int(args[13]), 4 * heads * head_dim)))
+            calls.append((regions, arguments, (descriptor, meta), ctypes.string_at(int(args[ACC_STATE]), 4 * heads * head_dim)))
 
     original = cpu_kernel.library
     cpu_kernel.library = lambda: Recorder()
@@ -156,5 +157,5 @@ def write(path: Path, calls: list) -> None:
     out.append(struct.pack("<I", len(relocations)))
     out += [struct.pack("<IQIQ", *r) for r in relocations]
     _, last, _, expected = calls[-1]
-    out += [struct.pack("<IQQ", *regions.locate(int(last[13])), len(expected) // 4), expected]
+    out += [struct.pack("<IQQ", *regions.locate(int(last[ACC_STATE])), len(expected) // 4), expected]
     path.write_bytes(b"".join(out))

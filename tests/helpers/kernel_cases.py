@@ -135,7 +135,7 @@ def served_decode(query, launches, kv_heads, scaling, offsets, inv_freq, rows: l
     return kernels.decode_attention(query, launches, kv_heads, scaling, offsets, served)
 
 
-def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
+def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq, softcap=None):
     """kvcal.runtime.cpu_kernel.decode_attention with kernels.decode_attention's arguments: RoPE tables at each
     sequence's positions offset .. offset + tokens - 1, as the cache's StepPlan.rope makes them."""
     rope = None
@@ -144,26 +144,27 @@ def cpu_kernel_decode(query, launches, kv_heads, scaling, offsets, inv_freq):
                      for segments in launches for b in range(len(offsets)))
         positions = torch.arange(tokens)[None, :] + torch.tensor(offsets)[:, None]
         rope = cpu_kernel.half_rope_tables(*reference.rope_tables(positions, inv_freq, 1.0))
-    return cpu_kernel.decode_attention(query, launches, kv_heads, scaling, rope)
+    return cpu_kernel.decode_attention(query, launches, kv_heads, scaling, rope, softcap=softcap)
 
 
 def compare(key_store, value_store, batch: int, group: int, pre_rope: bool, device="cuda", seed: int = 0,
-            decode=served_decode, atol: float = SERVED_TOLERANCE, rtol: float = 0.0):
+            decode=served_decode, atol: float = SERVED_TOLERANCE, rtol: float = 0.0, **softcap):
     """Kernel output (`decode`: the CUDA launcher, or cpu_kernel_decode) vs reference.attention on the same
     stores, one query token per sequence; the query is a non-contiguous view and positions start far from 0 (RoPE
     angles of tens of thousands). Stores that dropped their first tokens (a sliding window) start at the first kept.
-    Returns the kernel's output."""
+    softcap=...: the scores soft-capped (cpu_kernel_decode only). Returns the kernel's output."""
     heads = KV_HEADS * group
     query = torch.randn(batch, HEAD_DIM, heads, generator=torch.Generator().manual_seed(seed)).to(device).transpose(1, 2)
     offsets = [(37_000 * b) % 100_003 for b in range(batch)]
     scaling, inv_freq = HEAD_DIM**-0.5, _inv_freq().to(device)
     launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), value_store.kernel_segments())]
-    got = decode(query, launches, KV_HEADS, scaling, [o + d for o, d in zip(offsets, key_store.dropped)], inv_freq if pre_rope else None)
+    got = decode(query, launches, KV_HEADS, scaling, [o + d for o, d in zip(offsets, key_store.dropped)], inv_freq if pre_rope else None,
+                 **softcap)
     expected = torch.zeros_like(got)
     for b in range(batch):
         if key_store.count(b):
             keys = reference.stored_keys(key_store, b, pre_rope, offsets[b], inv_freq, 1.0, KV_HEADS)
-            expected[b] = reference.attention(query[b][:, None], keys, value_store.read(b), scaling)[:, 0]
+            expected[b] = reference.attention(query[b][:, None], keys, value_store.read(b), scaling, **softcap)[:, 0]
     torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
     return got
 
