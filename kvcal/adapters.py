@@ -11,9 +11,10 @@ modeling file:
   StableLM 2 12B (q/k_layernorm), Mellum, AFMoE: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
   MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
   the model has one, else the k_proj output;
-- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns).
+- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia):
+  each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
-GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron and Phi-4-mini rotate only the first channels of each head
+GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX and Phi-4-mini rotate only the first channels of each head
 (partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
@@ -54,10 +55,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
-                         "afmoe", "mistral3", "gemma2", "vaultgemma")
+                         "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
@@ -80,8 +81,9 @@ class LayerHandles:
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
-    # each of q, k, v: its output columns of its projection (all of them, but in a fused one)
-    columns: dict[str, slice] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
+    # each of q, k, v: its output columns of its projection (all of them, but in a fused one: a slice where the three lie
+    # side by side, an index where they alternate by head)
+    columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
 
     @property
     def query_source(self) -> nn.Module:
@@ -203,10 +205,12 @@ def _find_attention(layer: nn.Module, index: int, where: str) -> nn.Module:
 
 
 def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
-                   sinks: bool) -> LayerHandles:
+                   head_dim: int, sinks: bool) -> LayerHandles:
     attention = _find_attention(layer, index, where)
-    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense")
               if isinstance(module := getattr(attention, name, None), nn.Linear)}
+    if "dense" in linear:  # Phi's and GPT-NeoX's output projection
+        linear.setdefault("o_proj", linear.pop("dense"))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None)
@@ -220,9 +224,18 @@ def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, 
             raise KvcalError(f"{where}: qkv_proj has {fused.out_features} outputs, expected {q_width} + 2 x {kv_width} (q, k, v)")
         columns = dict(q=slice(0, q_width), k=slice(q_width, q_width + kv_width), v=slice(q_width + kv_width, None))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
+    if "o_proj" in linear and "query_key_value" in linear:  # each head's q, k and v in turn (GPT-NeoX)
+        fused = linear["query_key_value"]
+        if q_width != kv_width or fused.out_features != 3 * q_width:
+            raise KvcalError(f"{where}: query_key_value has {fused.out_features} outputs for {q_width // head_dim} query and "
+                             f"{kv_width // head_dim} KV heads; kvcal reads it as q, k and v of every head in turn")
+        first = torch.arange(0, 3 * q_width, 3 * head_dim)[:, None] + torch.arange(head_dim)  # (heads, head_dim): each q
+        columns = {kind: (first + i * head_dim).flatten() for i, kind in enumerate("qkv")}
+        return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     children = ", ".join(n for n, _ in attention.named_children())
-    raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj) and o_proj linear layers in "
-                     f"the attention of decoder layer {index} (found: {children}); kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
+                     f"(or dense) linear layers in the attention of decoder layer {index} (found: {children}); kvcal supports "
+                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _rotary_name(kind: str | None, name: str) -> str:
@@ -286,7 +299,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
-    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, sinks)
+    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
                for i, layer in enumerate(layers)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")

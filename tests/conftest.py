@@ -80,6 +80,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       use_qk_norm=True)
     if model_type in ("stablelm", "nemotron", "minimax_m2", *GLM):  # RoPE over the first half of each head's channels
         common["partial_rotary_factor"] = 0.5
+    if model_type == "phi":  # as Phi-2: RoPE over 0.4 of each head (6 of 16 channels here)
+        common.update(partial_rotary_factor=0.4, pad_token_id=None)
+    if model_type == "gpt_neox":  # as Pythia: RoPE over a quarter of each head; no GQA (a head's q, k, v side by side)
+        del common["num_key_value_heads"]
+        common.update(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+                      pad_token_id=None, bos_token_id=0, eos_token_id=0)
+        del common["rope_theta"]
     if model_type in ("cohere", "cohere2"):  # logits unscaled: their default 0.0625 would shrink what the tests compare
         common["logit_scale"] = 1.0
     if model_type == "cohere":  # as Command R+: a LayerNorm per head on q and k

@@ -18,9 +18,12 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
     assert adapter.model_type == model_type and len(adapter.layers) == 2
-    assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, 2, 16, 32)
-    attention = model.get_decoder().layers[1].self_attn
-    key_projection = attention.qkv_proj if model_type == "phi3" else attention.k_proj  # Phi-3's q, k and v: one linear
+    kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
+    assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
+    layer = model.get_decoder().layers[1]
+    attention = layer.attention if model_type == "gpt_neox" else layer.self_attn
+    # Phi-3's and GPT-NeoX's q, k and v: one linear
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
@@ -28,7 +31,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
     assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
-    assert adapter.fingerprint()["num_kv_heads"] == 2
+    assert adapter.fingerprint()["num_kv_heads"] == kv_heads
 
 
 def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
@@ -70,7 +73,8 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 
 def test_unsupported_architecture_names_what_is_missing():
-    with pytest.raises(KvcalError, match=r"GPT2LMHeadModel.*could not find separate q_proj, k_proj, v_proj \(or one qkv_proj\).*found: c_attn"):
+    missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
+    with pytest.raises(KvcalError, match=rf"GPT2LMHeadModel.*{missing}.*found: c_attn"):
         adapt(tiny_model("gpt2"))
 
 

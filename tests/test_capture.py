@@ -17,7 +17,8 @@ def windows(seed: int = 0) -> torch.Tensor:
 
 
 def attention_of(model, layer: int):
-    return model.get_decoder().layers[layer].self_attn
+    decoder_layer = model.get_decoder().layers[layer]
+    return getattr(decoder_layer, "self_attn", None) or decoder_layer.attention  # GPT-NeoX: attention
 
 
 def text_config(model):
@@ -40,8 +41,14 @@ def applies_rope(model, layer: int) -> bool:
 
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
-    that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side."""
+    that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
+    query_key_value each head's q, k and v in turn."""
     attention, config = attention_of(model, layer), text_config(model)
+    if hasattr(attention, "query_key_value"):
+        head_dim = config.hidden_size // config.num_attention_heads
+        per_head = torch.arange(3 * config.hidden_size).view(config.num_attention_heads, 3, head_dim)
+        fused = attention.query_key_value
+        return (fused, fused, per_head[:, 1].flatten()), (fused, fused, per_head[:, 2].flatten())
     if hasattr(attention, "qkv_proj"):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -96,7 +103,7 @@ def independent_reference(model, batch: torch.Tensor):
             keys = outputs["k", i].detach()
             keys = keys if heads_first else keys[..., sources[i][0][2]]
             cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
-            kv_heads = text_config(model).num_key_value_heads
+            kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
             k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, i) else heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
