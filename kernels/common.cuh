@@ -122,6 +122,13 @@ __device__ __forceinline__ void rope_cos_sin(int position, float inv_freq, float
     __sincosf(reduced, sin_out, cos_out);
 }
 
+// A soft-capped score, cap tanh(s / cap) for cap > 0 (Gemma 2: kvcal.kv.softcapped; s and cap both in log2 units,
+// which leaves s / cap as it is), through e = exp(-2 |s| / cap): within a few ulps of the cap, with no tanh to call.
+__device__ __forceinline__ float soft_capped(float s, float cap) {
+    const float e = exp2f(-2.8853900817779268f * fabsf(s) / cap);  // 2 log2(e)
+    return copysignf(cap * ((1.0f - e) / (1.0f + e)), s);
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int offset = 16; offset; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));

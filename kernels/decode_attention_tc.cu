@@ -469,10 +469,11 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
 template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>
 __device__ __forceinline__ void segment_block(const float* query, const long long* descriptor, const int* meta, const int* positions,
                                            const float* inv_freq, float* out_partial, float* lse_partial, int kv_heads, int split,
-                                           long long slot, int total_splits, float scale_log2, float* out, unsigned* arrivals,
-                                           unsigned char* smem) {
+                                           long long slot, int total_splits, float scale_log2, float softcap_log2, float* out,
+                                           unsigned* arrivals, unsigned char* smem) {
     segments::attend_rows<GQA, D, ROPE, KCODEC, VCODEC, KLAYOUT, VLAYOUT>(query, descriptor, meta, positions, inv_freq, out_partial, lse_partial,
-                                                        blockIdx.z, blockIdx.y, kv_heads, split, slot, total_splits, scale_log2, smem);
+                                                        blockIdx.z, blockIdx.y, kv_heads, split, slot, total_splits, scale_log2,
+                                                        softcap_log2, smem);
     if (out != nullptr)
         merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
 }
@@ -498,7 +499,8 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // CB: codebooks, the keys' and then the values' CODEBOOK_WORDS entries (codebook_entries); PG: in their place the channel group
 // tables (tensor_core.group_tables), the keys' per-token parameters in key_scale / key_zero as the values' (strides
 // kp_seq / kp_row of a sequence and a group's run, in elements: fp8 ones are bytes). per_split tokens
-// (a multiple of ST) per split. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
+// (a multiple of ST) per split. scale_log2: the score scale times log2(e); softcap_log2 > 0: the scores soft-capped
+// there (tc::soft_capped, in log2 units), 0: not capped. out_partial (batch, heads, total_splits, D) float32, normalised; lse_partial
 // (batch, heads, total_splits) in log2 units; this launch's splits are slots split_offset .. (a layer's other launches
 // fill the others: kvcal.runtime.kernels.prepare_decode). out (batch, heads, D) float32: where not null, the
 // launch merges all total_splits slots into it (tc::merge_when_last; arrivals (batch, kv_heads) uint32, zero before
@@ -519,7 +521,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     long long v_head, long long v_row,
     long long kp_seq, long long kp_row, long long vp_seq, long long vp_group, long long k_outlier_run, long long k_offset_run,
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
-    float scale_log2, float* __restrict__ out, unsigned* __restrict__ arrivals, const long long* __restrict__ segment_descriptor,
+    float scale_log2, float softcap_log2, float* __restrict__ out, unsigned* __restrict__ arrivals,
+    const long long* __restrict__ segment_descriptor,
     const int* __restrict__ segment_meta, const int* __restrict__ segment_positions, int segment_splits) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG, GQA>;
@@ -559,7 +562,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         static_assert(!UNIFORM || (LSB2 == 2 && PLANES3 == 3 && LSB4 == 4), "the uniform layouts are numbered as their widths");
         segment_block<GQA, D, ROPE, UNIFORM ? UNIFORM_CHANNEL : FP16_ONLY, UNIFORM ? UNIFORM_TOKEN : FP16_ONLY, BITS, VBITS>(
             query, segment_descriptor, segment_meta, segment_positions, inv_freq, out_partial, lse_partial, kv_heads,
-            blockIdx.x - (gridDim.x - segment_splits), split_offset + blockIdx.x, total_splits, scale_log2, out, arrivals, smem);
+            blockIdx.x - (gridDim.x - segment_splits), split_offset + blockIdx.x, total_splits, scale_log2, softcap_log2, out,
+            arrivals, smem);
         return;
     }
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
@@ -1531,6 +1535,10 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
                     *at = int2{0, 0};
                     sc[nt][0] += (float)d.x * (1.0f / SCORE_UNIT), sc[nt][1] += (float)d.y * (1.0f / SCORE_UNIT);
                 }
+            }
+            if (softcap_log2 > 0.0f) {  // Gemma 2's soft-cap, of whole scores (outliers corrected), before the masks
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) sc[nt][0] = soft_capped(sc[nt][0], softcap_log2), sc[nt][1] = soft_capped(sc[nt][1], softcap_log2);
             }
             // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
             // sees (warp-uniform)

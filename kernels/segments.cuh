@@ -162,12 +162,12 @@ __device__ __forceinline__ float element(const TokenRef& ref, const Side& side, 
 // the served ones are read too (KIVI's and KVmix's), their codes in KLAYOUT / VLAYOUT (enum Layout). Tokens are at
 // positions positions[b] + u; ROPE: the keys are pre-RoPE, rotated here (rope_cos_sin);
 // tokens before meta's M_FIRST weigh nothing. query (batch, heads, D) float32 unscaled; scale_log2 carries log2(e)
-// and any RoPE attention scaling. smem: SHARED_BYTES<GQA, D>, 16-byte aligned.
+// and any RoPE attention scaling; softcap_log2 > 0 soft-caps the scores (soft_capped), 0 leaves them. smem: SHARED_BYTES<GQA, D>, 16-byte aligned.
 template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>
 __device__ __forceinline__ void attend_rows(const float* query, const long long* descriptor, const int* meta, const int* positions,
                                             const float* inv_freq, float* out_partial, float* lse_partial, int b, int kvh,
                                             int kv_heads, int split, long long slot, int total_splits, float scale_log2,
-                                            unsigned char* smem) {
+                                            float softcap_log2, unsigned char* smem) {
     constexpr int PER_LANE = D / 32;  // a lane's channels of a value row (consecutive)
     const int batch = gridDim.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, width = kv_heads * D;
     const long long heads = (long long)kv_heads * GQA, out_row = b * heads + (long long)kvh * GQA;
@@ -211,6 +211,9 @@ __device__ __forceinline__ void attend_rows(const float* query, const long long*
 #pragma unroll
             for (int g = 0; g < GQA; ++g) s[g] += q_s[g * D + c] * x + q_s[g * D + c + D / 2] * y;
         }
+        if (softcap_log2 > 0.0f)
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) s[g] = soft_capped(s[g], softcap_log2);
     }
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {  // the tile's softmax state (a warp's one tile: no rescaling)

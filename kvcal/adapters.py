@@ -22,7 +22,7 @@ Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower,
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
-attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; the CPU kernel.
+attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; both kernels.
 Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
 (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin

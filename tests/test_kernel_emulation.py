@@ -317,6 +317,18 @@ def test_emulated_tensor_core_kernel_decodes_gpt_oss_attention_sinks_like_the_re
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
+def test_emulated_tensor_core_kernel_decodes_gemma2_soft_capped_scores_like_the_reference_runtime(on_cpu):
+    """Gemma 2 at head_dim 64 (scores capped at 0.05, below their size: a kernel that leaves them is far off; a
+    16-token sliding layer, a full one) under KIVI's int4 in blocks of 32, on a left-padded batch: the body blocks and
+    the segment blocks (the fp16 residual) cap every score before the masks, as the reference runtime does."""
+    from conftest import kivi_bundle, tiny_model
+
+    model = tiny_model("gemma2", head_dim=64)
+    got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2 and on_cpu
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
 def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_runtime(on_cpu, qwen3_kvquant_bundle):
     """A tiny Qwen3 at head_dim 128 (keys normalised per head, then rotated) under the default kvquant recipe, on a
     left-padded batch: its pre-RoPE nuq3 keys with 1% outliers rotated in the kernel, one tensor-core launch per layer

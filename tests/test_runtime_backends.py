@@ -51,12 +51,14 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
     assert tiny.why.startswith("not cuda-kernels: they read head_dim ")
 
 
-def test_soft_capped_scores_decode_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):
-    """Gemma 2's capped scores: the CPU kernel caps them, the tensor-core kernel does not, so CUDA takes the reference."""
+def test_soft_capped_scores_decode_on_the_cpu_kernel_and_on_the_tensor_core_kernel(architecture_bundles):
+    """Gemma 2's capped scores: both kernels cap them (at head_dim 64 on CUDA, which the tiny model's 16 is not)."""
+    from conftest import kivi_bundle, tiny_model
+
     bundle = load_bundle(architecture_bundles("gemma2")["kvquant"])
     assert {(p.bodies, p.why) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-kernel", "")}
-    why = "not cuda-kernels: its scores are soft-capped (Gemma 2), which the tensor-core kernel does not do"
-    assert {(p.bodies, p.why) for p in backends.bundle_plan(bundle, "cuda")} == {("reference", why)}
+    bundle = kivi_bundle(tiny_model("gemma2", head_dim=64), 4, 32, 32)
+    assert {(p.bodies, p.why) for p in backends.bundle_plan(bundle, "cuda")} == {("tensor-core", "")}
 
 
 def test_no_recipe_falls_to_the_torch_reference_or_a_second_decode_kernel_on_cuda(head_dim_64_bundles):

@@ -25,8 +25,8 @@ EMULATION = Path(__file__).resolve().parents[1] / "tests" / "kernel_emulation"
 # libraries (the kernel and a mutant of it) would run on the first library's array, sized by that library's shape.
 EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
                    "-DKVCAL_HOST_EMULATION"]
-# decode_tc's parameters: tensors, byte / element strides, ints, then the float scale, the fused merge's output and
-# arrival counters, and the segment blocks' descriptor, meta and positions and their count
+# decode_tc's parameters: tensors, byte / element strides, ints, then the float scale and soft-cap, the fused merge's
+# output and arrival counters, and the segment blocks' descriptor, meta and positions and their count
 POINTERS, LONGS, INTS, MERGE, SEGMENTS = 21, 14, 4, 2, 3
 
 
@@ -75,11 +75,12 @@ def driver(variants: list[Variant]) -> str:
             " const float* freq, const unsigned* table, const unsigned* books, float* op, float* lp, const unsigned short* kop,"
             " const unsigned short* kov, const int* koo, const int* koc, const unsigned short* vop, const unsigned short* vov,"
             f" const int* voo, const int* voc, {STRIDES}, int kvh, int per_split,"
-            " int split_offset, int total_splits, float scale, float* out, unsigned* arrivals, const long long* sd, const int* sm,"
+            " int split_offset, int total_splits, float scale, float softcap, float* out, unsigned* arrivals, const long long* sd,"
+            " const int* sm,"
             " const int* sp, int segment_splits) {"
             f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
             f" books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, {STRIDE_NAMES}, kvh,"
-            " per_split, split_offset, total_splits, scale, out, arrivals, sd, sm, sp, segment_splits); }); }")
+            " per_split, split_offset, total_splits, scale, softcap, out, arrivals, sd, sm, sp, segment_splits); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}, {v.gqa}>::SMEM_BYTES; }}")
@@ -97,7 +98,7 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     lib.schedule_in_reverse.argtypes = [ctypes.c_int]
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
-                                            + [ctypes.c_float] + [pointer] * (MERGE + SEGMENTS) + [integer])
+                                            + [ctypes.c_float] * 2 + [pointer] * (MERGE + SEGMENTS) + [integer])
     return lib
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.adapters import attention_softcap
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
@@ -36,8 +35,7 @@ from kvcal.runtime.segments import fp16_rows_alike
 class LayerShape:
     """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
     store has several), whether keys are stored before RoPE, the attention's head counts, the device, whether K
-    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike), and whether the attention
-    soft-caps its scores."""
+    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike)."""
 
     pairs: tuple[tuple, ...]
     pre_rope: bool
@@ -46,7 +44,6 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
-    softcapped: bool = False  # the attention soft-caps its scores (Gemma 2)
 
 
 class LayerDecoder:
@@ -162,8 +159,6 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
-    if shape.softcapped:
-        return "its scores are soft-capped (Gemma 2), which the tensor-core kernel does not do"
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -189,7 +184,8 @@ class CudaDecoder(LayerDecoder):
     def __init__(self, layer, shape: LayerShape):
         self.layer, self.launches = layer, _launches(layer)
         inv_freq = layer.inv_freq if layer.pre_rope else None
-        self.served = [tensor_core.serve(segments, shape.heads, shape.kv_heads, shape.head_dim, inv_freq, layer.rope_scaling)
+        self.served = [tensor_core.serve(segments, shape.heads, shape.kv_heads, shape.head_dim, inv_freq, layer.rope_scaling,
+                                         layer.softcap)
                        for segments in self.launches]
 
     def decode(self, query, plan, scaling, kv_heads, window):
@@ -298,8 +294,7 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
-        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike,
-                           attention_softcap(bundle.config["model"]) is not None)
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"

@@ -204,7 +204,7 @@ class RuntimeLayer(CacheLayerMixin):
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
-                                        self.keys_store.fp16_rows_like(self.values_store), self.softcap is not None)
+                                        self.keys_store.fp16_rows_like(self.values_store))
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder

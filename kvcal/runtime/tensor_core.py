@@ -501,15 +501,18 @@ class StoreOperands(NamedTuple):
     tables: tuple  # inv_freq, the rotation table, the codebook or channel group tables
     rest: tuple  # the outliers' buffers, the buffers' strides, the outliers' strides, kv_heads
     scale_log2: float
+    softcap_log2: float  # the scores' soft-cap in log2 units, 0.0 where they are not capped
 
     def converted(self) -> StoreOperands:
         """The same as the kernel's argument values (`_arg`)."""
-        return StoreOperands(*(tuple(map(_arg, run)) for run in (self.bodies, self.tables, self.rest)), _arg(self.scale_log2))
+        return StoreOperands(*(tuple(map(_arg, run)) for run in (self.bodies, self.tables, self.rest)), _arg(self.scale_log2),
+                             _arg(self.softcap_log2))
 
 
 def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict, inv_freq: torch.Tensor | None = None,
-                   attention_scaling: float = 1.0) -> StoreOperands:
-    """The stores' part of decode_tc's arguments (see `operands`); their buffers checked as the kernel reads them."""
+                   attention_scaling: float = 1.0, softcap: float | None = None) -> StoreOperands:
+    """The stores' part of decode_tc's arguments (see `operands`); their buffers checked as the kernel reads them.
+    softcap: the layer's scores soft-capped (kvcal.kv.softcapped), None where they are not."""
     packed = _is_packed(keys)
     codebook = packed and keys.codec.kind in CODEBOOKS
     k_data, v_data = (keys.words, values.words) if packed else (keys.data, values.data)
@@ -534,7 +537,8 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
     k_outliers, v_outliers = _outlier_operands(keys), _outlier_operands(values)
     return StoreOperands((k_data, v_data, ks, kz, vs, vz), (constants.get("freq"), constants.get("table"), constants.get("codebooks")),
                          (*k_outliers[:4], *v_outliers[:4], k_seq, k_head, k_row, v_seq, v_head, v_row, kp_seq, kp_row,
-                          vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads), float(scaling * LOG2E))
+                          vp_seq, vp_group, *k_outliers[4:], *v_outliers[4:], kv_heads), float(scaling * LOG2E),
+                         float((softcap or 0.0) * LOG2E))
 
 
 def step_operands(query, meta, out_partial, lse_partial, per_split: int, split_offset: int, merge: tuple | None = None,
@@ -549,7 +553,7 @@ def launch_operands(stores: StoreOperands, step: tuple) -> tuple:
     already the kernel's argument values)."""
     query, meta, out_partial, lse_partial, per_split, split_offset, total_splits, *merge_and_segments = step
     return (query, *stores.bodies, meta, *stores.tables, out_partial, lse_partial, *stores.rest, per_split, split_offset,
-            total_splits, stores.scale_log2, *merge_and_segments)
+            total_splits, stores.scale_log2, stores.softcap_log2, *merge_and_segments)
 
 
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
@@ -731,9 +735,10 @@ class ServedBody:
     replaced a buffer (`store_operands`). variants: per query heads of a pass (the GQA group, or
     kvcal.runtime.kernels.head_passes' parts of it), the kernel variant."""
 
-    def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float):
+    def __init__(self, segments, variants: dict[int, Variant], inv_freq: torch.Tensor | None, attention_scaling: float,
+                 softcap: float | None):
         (self.key_sink, self.keys, _), (self.value_sink, self.values, _) = segments.keys, segments.values
-        self.variants, self.inv_freq, self.attention_scaling = variants, inv_freq, attention_scaling
+        self.variants, self.inv_freq, self.attention_scaling, self.softcap = variants, inv_freq, attention_scaling, softcap
         self.segments_read_bodies = segment_blocks_read_bodies(self.keys.codec)
         self._constants: dict = {}
         self._stores: tuple | None = None  # (what they were made at, StoreOperands, converted)
@@ -742,7 +747,8 @@ class ServedBody:
         """The stores' operands and their argument values, made again only after a store replaced a buffer."""
         made_at = (self.keys.moves, self.values.moves, kv_heads, scaling, id(constants))
         if self._stores is None or self._stores[0] != made_at:
-            stores = store_operands(self.keys, self.values, kv_heads, scaling, constants, self.inv_freq, self.attention_scaling)
+            stores = store_operands(self.keys, self.values, kv_heads, scaling, constants, self.inv_freq, self.attention_scaling,
+                                    self.softcap)
             self._stores = (made_at, stores, stores.converted())
         return self._stores[1], self._stores[2]
 
@@ -794,13 +800,13 @@ class ServedBody:
 
 
 def serve(segments, heads: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor | None = None,
-          attention_scaling: float = 1.0) -> ServedBody:
+          attention_scaling: float = 1.0, softcap: float | None = None) -> ServedBody:
     """The tensor-core kernel's share of a cache launch (kvcal.runtime.kernels.Segments with a packed body or an
     Fp16Rows one per side); a KvcalError where no variant reads its bodies (kvcal.runtime.backends refuses such
-    layers first). inv_freq: the keys are pre-RoPE."""
+    layers first). inv_freq: the keys are pre-RoPE; softcap: the layer's scores soft-capped (Gemma 2), or None."""
     keys, values = segments.keys[1], segments.values[1]
     if keys is None or values is None or heads % kv_heads:
         raise KvcalError("the tensor-core kernel serves launches with a body on both sides and whole GQA groups")
     variants = {gqa: variant_for(keys, values, head_dim, gqa, rope=inv_freq is not None)
                 for gqa in set(kernels.head_passes(heads // kv_heads))}
-    return ServedBody(segments, variants, inv_freq, attention_scaling)
+    return ServedBody(segments, variants, inv_freq, attention_scaling, softcap)
