@@ -7,16 +7,23 @@ modeling file:
   Seed-OSS, Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
   Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are
   in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, GLM-4.5 (glm4_moe), Command R+ (cohere),
-  StableLM 2 12B (q/k_layernorm), Mellum, AFMoE: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
+  (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5
+  and Qwen3-Next, LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
   MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
   the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia):
-  each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense.
+  each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense,
+  LFM2 out_proj.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX and Phi-4-mini rotate only the first channels of each head
 (partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
 `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
+Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
+layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
+only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
+gate beside each head's query: the query is the q norm's output). LFM2 is hybrid too: its short convolution layers
+(conv) keep a state.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
@@ -55,15 +62,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nemotron", "starcoder2", "granitemoe", "granitemoeshared", "arcee", "cwm", "olmoe",
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
-                         "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox")
+                         "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
+                         "qwen3_next", "hy_v3", "dots1", "lfm2")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
+# decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
+# DeltaNet, LFM2's convolutions): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
+_STATE_LAYER_TYPES = ("linear_attention", "conv")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -127,6 +139,14 @@ class ModelAdapter:
     score_scale: float  # what the attention multiplies q . k by
     softcap: float | None = None  # scaled scores soft-capped to (-softcap, softcap) (Gemma 2), or None
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
+    # the decoder layer of each of `layers` (its layer_idx); a hybrid model's others hold a recurrent state instead
+    model_layers: tuple[int, ...] = ()
+    num_model_layers: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some decoder layers are not attention (their state is transformers' to keep)."""
+        return len(self.model_layers) != self.num_model_layers
 
     @property
     def kv_width(self) -> int:
@@ -185,6 +205,8 @@ class ModelAdapter:
         }
         if self.rope_order is not None:  # the channel order of every key and query an artifact holds
             fingerprint["rope_order"] = list(self.rope_order)
+        if self.hybrid:  # which decoder layers an artifact's layers are
+            fingerprint["attention_layers"] = list(self.model_layers)
         return fingerprint
 
 
@@ -195,22 +217,36 @@ def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     raise KvcalError(f"{type(model).__name__}: could not find a list of {num_layers} decoder layers")
 
 
-def _find_attention(layer: nn.Module, index: int, where: str) -> nn.Module:
+def _find_attention(layer: nn.Module, where: str) -> nn.Module:
     for name in _ATTENTION_NAMES:
         attention = getattr(layer, name, None)
         if attention is not None:
             return attention
     children = ", ".join(name for name, _ in layer.named_children())
-    raise KvcalError(f"{where}: decoder layer {index} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
+    raise KvcalError(f"{where} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
 
 
-def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
-                   head_dim: int, sinks: bool) -> LayerHandles:
-    attention = _find_attention(layer, index, where)
-    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense")
-              if isinstance(module := getattr(attention, name, None), nn.Linear)}
-    if "dense" in linear:  # Phi's and GPT-NeoX's output projection
-        linear.setdefault("o_proj", linear.pop("dense"))
+def _attention_layers(config, num_layers: int, where: str) -> list[int]:
+    """The decoder layers that attend: all, or a hybrid model's layers whose type is not one of _STATE_LAYER_TYPES;
+    refuses layer types that are neither."""
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    other = sorted(set(types) - set(_ATTENTION_LAYER_TYPES) - set(_STATE_LAYER_TYPES))
+    if other:
+        raise KvcalError(f"{where}: its layer types {other} are not ones kvcal serves ({', '.join(_ATTENTION_LAYER_TYPES)}, "
+                         f"beside {', '.join(_STATE_LAYER_TYPES)} layers, whose state transformers keeps)")
+    return [i for i, kind in enumerate(types) if kind in _ATTENTION_LAYER_TYPES]
+
+
+def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str, heads_first: bool, q_width: int,
+                   kv_width: int, head_dim: int, sinks: bool) -> LayerHandles:
+    """The handles of decoder layer `decoder_index`, the adapter's layer `index`."""
+    where = f"{where}: decoder layer {decoder_index}"
+    attention = _find_attention(layer, where)
+    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
+                                        "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
+    for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's
+        if name in linear:
+            linear.setdefault("o_proj", linear.pop(name))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None)
@@ -234,7 +270,7 @@ def _layer_handles(layer: nn.Module, index: int, where: str, heads_first: bool, 
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     children = ", ".join(n for n, _ in attention.named_children())
     raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
-                     f"(or dense) linear layers in the attention of decoder layer {index} (found: {children}); kvcal supports "
+                     f"(or dense) linear layers in its attention (found: {children}); kvcal supports "
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
@@ -299,11 +335,13 @@ def adapt(model: nn.Module) -> ModelAdapter:
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
-    handles = [_layer_handles(layer, i, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
-               for i, layer in enumerate(layers)]
+    attending = _attention_layers(config, num_layers, where)
+    handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
+               for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
-    kinds = _layer_types(config, num_layers)
+    attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
+    kinds = attending_only(_layer_types(config, num_layers))
     rotary = _find_rotary(decoder, kinds, where)
     rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
     if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
@@ -318,7 +356,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    rotated = _rotated_layers(config, text_type, num_layers)
+    rotated = attending_only(_rotated_layers(config, text_type, num_layers))
     if any(getattr(handle.attention, "is_causal", True) is False for handle in handles):  # use_bidirectional_attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
@@ -336,11 +374,13 @@ def adapt(model: nn.Module) -> ModelAdapter:
         rotary=rotary,
         config_dict=config.to_dict(),
         layer_types=kinds,
-        windows=_sliding_windows(config, num_layers),
+        windows=attending_only(_sliding_windows(config, num_layers)),
         rotated=rotated,
         score_scale=scales.pop(),
         softcap=getattr(config, "attn_logit_softcapping", None),
         rope_order=rope_order,
+        model_layers=tuple(attending),
+        num_model_layers=num_layers,
     )
 
 

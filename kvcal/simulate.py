@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter
+from kvcal.adapters import ModelAdapter, adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softmax_with_sinks, window_dropped
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
@@ -263,26 +263,31 @@ class QuantizedOnWrite(DynamicCache):
             raise KvcalError(f"{method.name} keeps tokens fp16, groups tokens or quantizes keys before RoPE; only a cache "
                              "type that quantizes each post-RoPE token on its own is written this way (use its bundle)")
         super().__init__(config=model.config)
-        if len(method.layers) != len(self.layers):
-            raise KvcalError(f"{method.name} has {len(method.layers)} layers, the model {len(self.layers)}")
+        attending = adapt(model).model_layers  # (a hybrid model's other layers keep a state, not keys and values)
+        if len(method.layers) != len(attending):
+            raise KvcalError(f"{method.name} has {len(method.layers)} layers, the model {len(attending)}")
         self.method = method
+        self.codecs = {decoder_index: layer for decoder_index, layer in zip(attending, method.layers)}  # by layer_idx
         self.kv_heads = model.config.get_text_config(decoder=True).num_key_value_heads
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer = self.method.layers[layer_idx]
+        layer = self.codecs[layer_idx]
         return super().update(_stored(layer.key_codec, key_states), _stored(layer.value_codec, value_states), layer_idx,
                               *args, **kwargs)
 
     def load(self, context) -> None:
         """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
         and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
-        keeps (it drops the others as they are written)."""
+        keeps (it drops the others as they are written); a hybrid model's other layers get the context's states."""
         heads = lambda rows: rows.unflatten(2, (self.kv_heads, -1)).transpose(1, 2)  # -> (batch, kv_heads, tokens, head_dim)
-        for index, (keys, values) in enumerate(zip(context.keys, context.values)):
-            layer, codecs = self.layers[index], self.method.layers[index]
+        for index, keys, values in zip(self.codecs, context.keys, context.values):
+            layer, codecs = self.layers[index], self.codecs[index]
             kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
             written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
             super().update(written(codecs.key_codec, keys), written(codecs.value_codec, values), index)
+        if len(self.codecs) != len(self.layers):  # a hybrid model: its other layers continue from the context's states
+            for index, layer in context.state_layers(self.codecs).items():
+                self.layers[index] = layer
 
 
 def _stored(codec, states: torch.Tensor) -> torch.Tensor:

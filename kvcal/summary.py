@@ -29,7 +29,9 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     provenance = [
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
-                         f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"),
+                         f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"
+                         + (f"; attention in decoder layers {', '.join(map(str, fingerprint['attention_layers']))}, the others "
+                            "keep a recurrent state" if "attention_layers" in fingerprint else "")),
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
                       + ("; q/k channels in RoPE pair order (fingerprint rope_order)" if "rope_order" in fingerprint else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")

@@ -199,7 +199,9 @@ def _set_attention(model: torch.nn.Module, name: str) -> None:
 
 def _install_hooks(wiring: Wiring) -> None:
     def keep_positions(module, args, kwargs):
-        wiring.positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        # Qwen3.5's multimodal RoPE takes (3, batch, tokens): a text token's three positions are the same
+        wiring.positions = positions[0] if positions is not None and positions.dim() == 3 else positions
 
     wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))
     for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):

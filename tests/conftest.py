@@ -21,6 +21,7 @@ TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2")  # decoder layers of attention and of a recurrent state
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -50,7 +51,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
                       "gpt_oss", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
-                      "hyperclovax", "afmoe", *GLM):
+                      "hyperclovax", "afmoe", "hy_v3", "dots1", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -62,13 +63,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_local_experts=4, num_experts_per_tok=4)
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
-    if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo"):  # as the Qwen MoEs, by their own names
-        experts = {"mellum": "num_local_experts", "solar_open": "n_routed_experts"}.get(model_type, "num_experts")
+    if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo", "hy_v3", "dots1"):  # as the Qwen MoEs
+        experts = {"mellum": "num_local_experts", "solar_open": "n_routed_experts", "dots1": "n_routed_experts"}.get(
+            model_type, "num_experts")
         common.update({experts: 4}, num_experts_per_tok=4, moe_intermediate_size=32, pad_token_id=None)
     if model_type == "exaone_moe":  # as the real ones: a dense first layer, experts after it
         common.update(mlp_layer_types=["dense", "sparse"], first_k_dense_replace=1)
     if model_type == "afmoe":
         common["num_dense_layers"] = 1
+    if model_type == "dots1":  # as the real ones: a shared expert beside the routed ones, after a dense first layer
+        common.update(n_shared_experts=1, first_k_dense_replace=1)
     if model_type == "flex_olmo":  # its default end-of-text id is past TINY_VOCAB
         common["eos_token_id"] = None
     if model_type == "smollm3":  # layer 1 without RoPE (the real models: every 4th); its default token ids are past TINY_VOCAB
@@ -112,6 +116,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["rope_parameters"] = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0), full_attention=dict(
             rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, original_max_position_embeddings=64))
         del common["rope_theta"]
+    if model_type in HYBRID:  # a layer with a recurrent state (gated DeltaNet; LFM2's convolution) before each attention one
+        state = "conv" if model_type == "lfm2" else "linear_attention"
+        common.update(num_hidden_layers=4, layer_types=[state, "full_attention"] * 2, head_dim=16)
+    if model_type in HYBRID[:3]:
+        common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text"):
+        common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
     return AutoConfig.for_model(model_type, **{**common, **overrides})

@@ -1,13 +1,14 @@
 import pytest
 import torch
 
-from conftest import ALTERNATING, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from conftest import ALTERNATING, HYBRID, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
-               "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3")
+               "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
+               *HYBRID)
 # OLMo 3, Mellum, Gemma 3 by layer type; the others for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
@@ -20,14 +21,15 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
-    layer = model.get_decoder().layers[1]
+    assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: DeltaNet layers between
+    layer = model.get_decoder().layers[adapter.model_layers[1]]
     attention = layer.attention if model_type == "gpt_neox" else layer.self_attn
     # Phi-3's and GPT-NeoX's q, k and v: one linear
     key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
-    key_norm = attention.k_layernorm if model_type == "stablelm" else getattr(attention, "k_norm", None)
+    key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
     assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
@@ -49,7 +51,7 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
-        cached = adapter.in_rope_order(cache.layers[i].keys[0].transpose(0, 1))
+        cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1))
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
 
 
@@ -64,6 +66,12 @@ def test_bidirectional_attention_is_refused():
     """Gemma 3's use_bidirectional_attention (its embedding models'): kvcal's cache and fits attend causally."""
     with pytest.raises(KvcalError, match=r"its attention is bidirectional \(is_causal False\)"):
         adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
+
+
+def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused():
+    """Llama 4's chunked attention (a window that restarts every chunk) is no attention kvcal computes."""
+    with pytest.raises(KvcalError, match=r"its layer types \['chunked_attention'\] are not ones kvcal serves"):
+        adapt(tiny_model("llama", layer_types=["chunked_attention", "full_attention"]))
 
 
 def test_fingerprint_changes_with_the_config_not_with_the_weights():

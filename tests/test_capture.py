@@ -61,7 +61,7 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """The decoder's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
     each head; gpt-oss's cover a pair each), the rest as they are."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
-    apply_rotary_pos_emb = importlib.import_module(type(attention_of(model, 0)).__module__).apply_rotary_pos_emb
+    apply_rotary_pos_emb = importlib.import_module(type(model.get_decoder()).__module__).apply_rotary_pos_emb
     _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
     return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
 
@@ -71,8 +71,8 @@ def independent_reference(model, batch: torch.Tensor):
     post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
     checked in test_rope)."""
     adapter = adapt(model)
-    layers, kinds = range(text_config(model).num_hidden_layers), adapter.layer_types
-    sources = [key_and_value_sources(model, i) for i in layers]
+    layers, kinds = range(len(adapter.layers)), adapter.layer_types  # the attention layers (hybrids have others)
+    sources = [key_and_value_sources(model, adapter.model_layers[i]) for i in layers]
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
@@ -93,7 +93,7 @@ def independent_reference(model, batch: torch.Tensor):
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm")
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3")
         key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
@@ -105,7 +105,7 @@ def independent_reference(model, batch: torch.Tensor):
             cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
-            k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, i) else heads
+            k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, adapter.model_layers[i]) else heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
@@ -123,7 +123,7 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
     rows_window = result.tensors["samples.window"].long()
     rows_position = result.tensors["samples.position"].long()
     assert len(rows_window) == 40 and int(rows_position.min()) >= 1  # sink excluded
-    for layer in range(text_config(model).num_hidden_layers):
+    for layer in range(len(adapt(model).layers)):
         expected_fk = torch.stack([key_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_fv = torch.stack([value_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_post = torch.stack([post_rope[w][layer][p] for w, p in zip(rows_window, rows_position)])

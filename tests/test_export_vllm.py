@@ -322,6 +322,20 @@ def test_a_decoder_beside_a_vision_tower_exports_under_the_checkpoints_names(mod
     assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
 
 
+def test_a_hybrid_model_exports_the_scales_of_its_attention_layers_under_their_own_indices(tiny_model_dir, tiny_corpus,
+                                                                                             tmp_path):
+    """Qwen3.5's gated DeltaNet layers (decoder layers 0 and 2 here) hold no KV cache: the scales are those of decoder
+    layers 1 and 3, and eval ppl reads them back, its cache keeping the DeltaNet layers' states beside them."""
+    model = tiny_model_dir("qwen3_5_text")
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export").exit_code == 0
+    scales = sorted(name for name in safetensors_of(tmp_path / "export") if name.endswith("_scale"))
+    assert scales == [f"model.layers.{i}.self_attn.{kind}_scale" for i in (1, 3) for kind in "kv"]
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
+                 tmp_path / "export", "--json", tmp_path / "ppl.json")
+    assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
+
+
 def test_scale_one_saturates_what_absmax_keeps(tiny_model_dir, tiny_corpus, tmp_path):
     """A model whose K and V are scaled up 10^4 (q and o scaled down: the same function) has K/V far beyond
     448: vLLM's default scale 1.0 saturates them and the perplexity moves; absmax / 448 holds them."""

@@ -329,6 +329,19 @@ def test_emulated_tensor_core_kernel_decodes_gemma2_soft_capped_scores_like_the_
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
+def test_emulated_tensor_core_kernel_decodes_a_hybrid_qwen3_5_like_the_reference_runtime(on_cpu):
+    """Qwen3.5 at head_dim 64 (gated DeltaNet layers before each of its two attention layers, RoPE over a quarter of
+    each head) under KIVI's int4 in blocks of 32, on a left-padded batch: one tensor-core launch per attention layer
+    and step, the DeltaNet layers' states in transformers' cache layers among kvcal's, the reference runtime's logits."""
+    from conftest import kivi_bundle, tiny_model
+
+    model = tiny_model("qwen3_5_text", head_dim=64)
+    got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
+    assert [layer.decode_path for layer in cache.attention_layers] == ["tensor-core"] * 2
+    assert len(on_cpu) == 10 * 2  # one launch per attention layer and decode step
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
 def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_runtime(on_cpu, qwen3_kvquant_bundle):
     """A tiny Qwen3 at head_dim 128 (keys normalised per head, then rotated) under the default kvquant recipe, on a
     left-padded batch: its pre-RoPE nuq3 keys with 1% outliers rotated in the kernel, one tensor-core launch per layer

@@ -83,13 +83,15 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
     assert_runtime_logits_match_the_simulation(windowed_kvquant_bundle)
 
 
-@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [("gemma3_text", "kvquant")])
-def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, model_type, recipe,
-                                                                      decode_path):
+@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [("gemma3_text", "kvquant"),
+                                                                                          ("qwen3_5_text", "kvquant")])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
+                                                                      model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
-    different lengths (prefill, then decode) gives each prompt the logits it gets alone."""
+    different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5: its DeltaNet layers'
+    states in transformers' cache layers among kvcal's)."""
     model = tiny_model(model_type)
-    bundles = gemma3_bundles if model_type == "gemma3_text" else recipe_bundles
+    bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     lengths = (21, 9, 14)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 512, (n,), generator=g) for n in lengths]
@@ -131,15 +133,17 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
-                         [pytest.param("glm4", recipe, marks=pytest.mark.slow) for recipe in RECIPES])
+                         [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text") for recipe in RECIPES])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
-    stores: layer 0's K/V come from the embeddings, so its stores are identical, and the next token's logits
+    stores: the first attention layer's K/V come from the embeddings (on Qwen3.5 through a DeltaNet layer, which
+    nothing quantized reaches), so its stores are identical, and the next token's logits
     agree with the cache's own prefill to 2e-3 (that prefill's attention reads its own K/V rounded to fp16,
     fp's does not, so deeper layers' K/V differ by float noise and a 2-4 bit code near a rounding boundary
     can flip: up to 1e-3 here). fp_context is the fp model's prefill also while a cache is open on the model
     (before the wiring was shared, it was silently the open cache's own prefill there). GLM-4 also: keys the model
-    caches in its channel order are stored in kvcal's."""
+    caches in its channel order are stored in kvcal's. Qwen3.5 also: the loaded cache's DeltaNet layers continue from the
+    context's recurrent states (a copy: the context serves other caches after it)."""
     from kvcal.runtime.cache import fp_context
 
     model = tiny_model(model_type)
@@ -148,7 +152,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     with torch.inference_mode():
         with quantized_cache(model, bundle) as prefilled:
             model(ids[:, :-1], past_key_values=prefilled, use_cache=True)
-            stored = [getattr(prefilled.layers[0], store).read(0) for store in ("keys_store", "values_store")]
+            stored = [getattr(prefilled.attention_layers[0], store).read(0) for store in ("keys_store", "values_store")]
             own = model(ids[:, -1:], past_key_values=prefilled, use_cache=True).logits
         context = fp_context(model, ids[:, :-1])
         with quantized_cache(model, bundle) as loaded:
@@ -158,8 +162,11 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
             loaded.load(context)
             assert loaded.tokens() == [149] and loaded.get_seq_length() == 149
             for store, expected in zip(("keys_store", "values_store"), stored):
-                assert torch.equal(getattr(loaded.layers[0], store).read(0), expected)
+                assert torch.equal(getattr(loaded.attention_layers[0], store).read(0), expected)
             shared = model(ids[:, -1:], past_key_values=loaded, use_cache=True).logits
+        # the fp model continues from the context as from its own prefill: the loaded cache's steps left it as it was
+        continued = model(ids[:, -1:], past_key_values=context.cache, use_cache=True).logits
+        torch.testing.assert_close(continued, model(ids).logits[:, -1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
 
 

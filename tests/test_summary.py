@@ -35,6 +35,9 @@ def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, ti
     assert dict(glm4.provenance)["attention"].endswith("; q/k channels in RoPE pair order (fingerprint rope_order)")
     gemma2 = summarize(profile_tiny_model(tiny_model_dir("gemma2"), tiny_corpus, tmp_path / "gemma2.safetensors"))
     assert dict(gemma2.provenance)["attention"].endswith("; scores soft-capped at 0.05")
+    qwen = summarize(profile_tiny_model(tiny_model_dir("qwen3_5_text"), tiny_corpus, tmp_path / "qwen3_5.safetensors"))
+    assert len(qwen.rows) == 2  # its attention layers: DeltaNet layers hold no KV cache
+    assert dict(qwen.provenance)["architecture"].endswith("; attention in decoder layers 1, 3, the others keep a recurrent state")
 
 
 def test_a_bundle_is_summarized_once_validated_and_missing_provenance_shows_as_a_dash(recipe_bundles, tmp_path):

@@ -1,15 +1,16 @@
 """The quantized KV cache for Hugging Face models: `model.generate(..., past_key_values=cache)`.
 
-`quantized_cache(model, bundle)` returns a `WiredCache`, a transformers `Cache` of one `RuntimeLayer` per
-model layer, each with a store for K and one for V built from the bundle's recipe (kvcal.runtime.segments);
-it refuses a bundle made for another model. While open (until `close()` or the end of its `with` block) the
-model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
-AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends
-over them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the CUDA kernels, the
-compiled CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position ids. The
-wiring is shared and reference-counted: several caches may be open on one model (each call is served by the cache
-passed as `past_key_values`), and the model's own attention implementation comes back when the last one closes.
-Storage is allocated at the first forward, when the batch is known.
+`quantized_cache(model, bundle)` returns a `WiredCache`, a transformers `Cache` of one `RuntimeLayer` per attention
+layer, each with a store for K and one for V built from the bundle's recipe (kvcal.runtime.segments); it refuses a
+bundle made for another model. A hybrid model's other layers (Qwen3.5's gated DeltaNet) keep their recurrent state
+in transformers' own cache layers, in place among them. While open (until `close()` or the end of its `with` block)
+the model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
+AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends over
+them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the CUDA kernels, the compiled
+CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position ids. The wiring is shared
+and reference-counted: several caches may be open on one model (each call is served by the cache passed as
+`past_key_values`), and the model's own attention implementation comes back when the last one closes. Storage is
+allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
@@ -41,6 +42,7 @@ the step has an attention mask (transformers' own mask building reads it then to
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -62,8 +64,9 @@ LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
 
 
 class RuntimeLayer(CacheLayerMixin):
-    """Model layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`; with
-    drop_out_of_window (SegmentedStores) a sliding-window layer holds only what its window needs, else all tokens."""
+    """The adapter's attention layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`;
+    with drop_out_of_window (SegmentedStores) a sliding-window layer holds only what its window needs, else all
+    tokens."""
 
     def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter, index: int, drop_out_of_window: bool = True):
         super().__init__()
@@ -344,11 +347,17 @@ def _register_attention() -> None:
 
 
 class WiredCache(Cache):
-    """A transformers Cache of RuntimeLayers for one model, which it wires (kvcal.wiring) while open; serves
-    only that model, only while open (see the module docstring)."""
+    """A transformers Cache of RuntimeLayers for one model (its attention layers, `attention_layers`; a hybrid model's
+    other layers are transformers' own), which it wires (kvcal.wiring) while open; serves only that model, only while
+    open (see the module docstring)."""
 
     def __init__(self, model, adapter: ModelAdapter, layers: list[RuntimeLayer]):
-        super().__init__(layers=layers)
+        every = DynamicCache(config=model.config).layers if adapter.hybrid else list(layers)
+        for decoder_index, layer in zip(adapter.model_layers, layers):
+            every[decoder_index] = layer
+        super().__init__(layers=every)
+        self.attention_layers = layers
+        self._attention_index = {decoder_index: i for i, decoder_index in enumerate(adapter.model_layers)}
         self.model, self.adapter = model, adapter
         self.closed = False
         for layer in layers:
@@ -365,14 +374,15 @@ class WiredCache(Cache):
         """Called by the model's attention before its attention implementation: hand this cache's layer to it,
         or refuse a call that is not from the open, wired model this cache was made for."""
         self._check_open()
-        slot = wiring.slot(self.adapter.layers[layer_idx].attention)
+        index = self._attention_index.get(layer_idx)
+        slot = wiring.slot(self.adapter.layers[index].attention) if index is not None else None
         if slot is None or slot.wiring is not self._wiring or not slot.running:
             raise KvcalError(f"this quantized cache serves only the model instance it was made for ({self._describe_model()}) "
                              f"and was handed to another one; make a cache for each model with quantized_cache(model, bundle)")
-        if layer_idx == 0:  # a new step: its first layer checks the wiring and makes the plan the others reuse
+        if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
-        slot.serving = self.layers[layer_idx]
+        slot.serving = self.attention_layers[index]
         return key_states, value_states
 
     def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
@@ -428,7 +438,7 @@ class WiredCache(Cache):
 
     def stores(self):
         """(store, sequence) for every allocated K and V store of every layer."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             for store in (layer.keys_store, layer.values_store):
                 if store is not None:
                     yield from ((store, b) for b in range(len(layer.position_offset)))
@@ -444,16 +454,19 @@ class WiredCache(Cache):
         """Fill the empty cache with a context's keys and values (see FpContext), a layer at a time and within a
         layer a few whole sequences at a time: besides the cache, the load holds at most chunk_bytes of fp16 rows (or
         one sequence's) and what the encoders make of them, whatever the batch (a context's rows may be views of one
-        sequence's, expanded)."""
+        sequence's, expanded). A hybrid model's other layers get a copy of the context's states."""
         self._check_open()
         batch, tokens = context.values[0].shape[:2]
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
-        for layer, keys, pre_rope_keys, values in zip(self.layers, context.keys, context.pre_rope_keys, context.values):
+        for layer, keys, pre_rope_keys, values in zip(self.attention_layers, context.keys, context.pre_rope_keys, context.values):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
+        if self.adapter.hybrid:
+            for decoder_index, layer in context.state_layers(self._attention_index).items():
+                self.layers[decoder_index] = layer
 
     def tokens(self) -> list[int]:
         """Tokens each sequence has had (its sliding-window layers hold fewer)."""
-        layer = self.layers[0]
+        layer = self.attention_layers[0]
         return [layer.keys_store.total(b) for b in range(len(layer.position_offset))] if layer.keys_store else []
 
 
@@ -468,6 +481,12 @@ class FpContext:
     pre_rope_keys: list[torch.Tensor]
     values: list[torch.Tensor]
     cache: Cache
+
+    def state_layers(self, attention_layers) -> dict:
+        """A copy of each of the cache's layers that is not an attention layer (its decoder index not in
+        `attention_layers`): a hybrid model's recurrent states, which decode steps update in place, one copy for each
+        cache that loads the context."""
+        return {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers) if i not in attention_layers}
 
 
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
@@ -485,7 +504,8 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     step = chunk or ids.shape[1]
     try:
         cache = DynamicCache(config=model.config)
-        for layer in cache.layers:
+        attending = [cache.layers[i] for i in adapter.model_layers]  # (a hybrid model's others keep a state)
+        for layer in attending:
             if layer.is_sliding:
                 layer.activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
@@ -495,9 +515,10 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         for hook in hooks:
             hook.remove()
     rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
-    context = FpContext([rows(layer.keys) for layer in cache.layers], [torch.cat(parts, 1) for parts in pre_rope],
-                        [rows(layer.values) for layer in cache.layers], cache)
-    cache.crop(0)  # sliding layers back to their window; full layers keep everything
+    context = FpContext([rows(layer.keys) for layer in attending], [torch.cat(parts, 1) for parts in pre_rope],
+                        [rows(layer.values) for layer in attending], cache)
+    for layer in attending:
+        layer.crop(0)  # sliding layers back to their window; full layers keep everything
     return context
 
 
