@@ -22,8 +22,9 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX and Phi-4-mini rot
 Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
-gate beside each head's query: the query is the q norm's output). LFM2 is hybrid too: its short convolution layers
-(conv) keep a state.
+gate beside each head's query: the query is the q norm's output). LFM2 is hybrid too, its short convolution layers
+(conv) keeping a state, and Granite 4.0-H (granitemoehybrid), its Mamba 2 layers (linear_attention); where its config
+leaves RoPE out (position_embedding_type), the decoder has no rotary module and every layer is NoPE.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
@@ -63,7 +64,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
-                         "qwen3_next", "hy_v3", "dots1", "lfm2")
+                         "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -71,9 +72,13 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stable
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
+# a config may leave RoPE out of these (Granite 4.0's hybrids: position_embedding_type not "rope"): then the decoder has
+# no rotary module and every layer is NoPE
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid",)
 _ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
-# DeltaNet, LFM2's convolutions): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
+# DeltaNet, LFM2's convolutions, Granite 4.0-H's Mamba 2): kvcal quantizes the other layers' cache and leaves theirs
+# to transformers' own
 _STATE_LAYER_TYPES = ("linear_attention", "conv")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
@@ -131,7 +136,7 @@ class ModelAdapter:
     num_kv_heads: int
     head_dim: int
     max_positions: int
-    rotary: nn.Module
+    rotary: nn.Module | None  # None: no layer applies RoPE (_NOPE_WITHOUT_ROTARY)
     config_dict: dict
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
@@ -162,8 +167,10 @@ class ModelAdapter:
 
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
+        if not self.rotated[layer]:
+            return torch.zeros(self.head_dim // 2)
         inv_freq = getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
-        return padded_inv_freq(inv_freq, self.head_dim) if self.rotated[layer] else torch.zeros(self.head_dim // 2)
+        return padded_inv_freq(inv_freq, self.head_dim)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -279,13 +286,33 @@ def _rotary_name(kind: str | None, name: str) -> str:
     return name if kind is None else f"{kind}_{name}"
 
 
-def _find_rotary(model: nn.Module, kinds: list[str | None], where: str) -> nn.Module:
-    """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type)."""
+def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional: bool = False) -> nn.Module | None:
+    """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type); None where
+    there is none and that is `optional` (a model whose attention then applies no RoPE)."""
     names = {_rotary_name(kind, "inv_freq") for kind in kinds}
     for module in model.modules():
         if all(isinstance(getattr(module, name, None), torch.Tensor) for name in names):
             return module
+    if optional:
+        return None
     raise KvcalError(f"{where}: could not find a rotary position embedding (a module with {', '.join(sorted(names))})")
+
+
+def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dim: int, interleaved: bool, where: str) -> tuple | None:
+    """kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own), refusing
+    RoPE kvcal cannot store: a number of rotated channels that differs between layer types, frequencies that change
+    with the sequence length."""
+    rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
+    if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
+        raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
+                         "number of rotated channels up to head_dim")
+    rope_types = getattr(rotary, "rope_type", "default")
+    for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
+        if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
+            raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
+                             "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
+    order = rotate_half_order(head_dim, rotary_dims.pop(), interleaved)
+    return tuple(order) if order is not None else None
 
 
 def _layer_types(config, num_layers: int) -> list[str | None]:
@@ -342,21 +369,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds = attending_only(_layer_types(config, num_layers))
-    rotary = _find_rotary(decoder, kinds, where)
-    rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
-    if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
-        raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
-                         "number of rotated channels up to head_dim")
-    rope_order = rotate_half_order(head_dim, rotary_dims.pop(), text_type in _INTERLEAVED_ROPE)
-    rope_order = tuple(rope_order) if rope_order is not None else None
+    rotary = _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY)
+    rope_order = _rope_order(rotary, kinds, head_dim, text_type in _INTERLEAVED_ROPE, where) if rotary is not None else None
     for handle in handles:
         handle.rope_order = rope_order
-    rope_types = getattr(rotary, "rope_type", "default")
-    for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
-        if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
-            raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
-                             "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    rotated = attending_only(_rotated_layers(config, text_type, num_layers))
+    rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
     if any(getattr(handle.attention, "is_causal", True) is False for handle in handles):  # use_bidirectional_attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")

@@ -203,7 +203,8 @@ def _install_hooks(wiring: Wiring) -> None:
         # Qwen3.5's multimodal RoPE takes (3, batch, tokens): a text token's three positions are the same
         wiring.positions = positions[0] if positions is not None and positions.dim() == 3 else positions
 
-    wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))
+    if wiring.adapter.rotary is not None:  # (a model without RoPE needs no positions)
+        wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))
     for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):
         def enter(module, args, layer_slot=layer_slot):
             layer_slot.running += 1

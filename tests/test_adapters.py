@@ -8,7 +8,7 @@ from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
-               *HYBRID)
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2")
 # OLMo 3, Mellum, Gemma 3 by layer type; the others for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
@@ -21,7 +21,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
-    assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: DeltaNet layers between
+    assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
     layer = model.get_decoder().layers[adapter.model_layers[1]]
     attention = layer.attention if model_type == "gpt_neox" else layer.self_attn
     # Phi-3's and GPT-NeoX's q, k and v: one linear

@@ -30,6 +30,8 @@ def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones), AFMoE's local layers."""
     attention = attention_of(model, layer)
+    if model.get_decoder().rotary_emb is None:  # Granite 4.0-H: no RoPE anywhere
+        return False
     if text_config(model).model_type in ("exaone4", "exaone_moe"):
         return attention.sliding_window is None or attention.is_sliding
     if text_config(model).model_type == "cohere2":
@@ -102,10 +104,12 @@ def independent_reference(model, batch: torch.Tensor):
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach()
             keys = keys if heads_first else keys[..., sources[i][0][2]]
-            cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
             kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
-            k_rot = models_rope(model, heads, cos, sin) if applies_rope(model, adapter.model_layers[i]) else heads
+            if applies_rope(model, adapter.model_layers[i]):
+                cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
+                heads = models_rope(model, heads, cos, sin)
+            k_rot = heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
