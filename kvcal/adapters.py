@@ -23,8 +23,10 @@ Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and 
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
 gate beside each head's query: the query is the q norm's output). LFM2 is hybrid too, its short convolution layers
-(conv) keeping a state, and Granite 4.0-H (granitemoehybrid), its Mamba 2 layers (linear_attention); where its config
-leaves RoPE out (position_embedding_type), the decoder has no rotary module and every layer is NoPE.
+(conv) keeping a state, Granite 4.0-H (granitemoehybrid) and Nemotron-H, their Mamba 2 layers (linear_attention;
+Nemotron-H's MLP and MoE blocks are layers of their own, holding nothing, and its attention is a block's mixer). Where
+Granite 4.0-H's config leaves RoPE out (position_embedding_type), and always on Nemotron-H, the decoder has no rotary
+module and every layer is NoPE.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
@@ -64,7 +66,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
-                         "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid")
+                         "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -72,14 +74,14 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stable
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
-# a config may leave RoPE out of these (Granite 4.0's hybrids: position_embedding_type not "rope"): then the decoder has
-# no rotary module and every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid",)
-_ATTENTION_NAMES = ("self_attn", "attention", "attn")
+# where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
+# "rope"; Nemotron-H always): every layer is NoPE
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h")
+_ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
-# DeltaNet, LFM2's convolutions, Granite 4.0-H's Mamba 2): kvcal quantizes the other layers' cache and leaves theirs
-# to transformers' own
-_STATE_LAYER_TYPES = ("linear_attention", "conv")
+# DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
+# blocks): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
+_STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).

@@ -21,8 +21,9 @@ TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
-# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Granite 4.0-H's Mamba 2
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "granitemoehybrid")
+# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Granite 4.0-H's and
+# Nemotron-H's Mamba 2 (Nemotron-H's MLP blocks hold nothing)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -119,11 +120,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["rope_theta"]
     if model_type in HYBRID:  # a layer with a recurrent state (gated DeltaNet; LFM2's convolution) before each attention one
         state = "conv" if model_type == "lfm2" else "linear_attention"
-        common.update(num_hidden_layers=4, layer_types=[state, "full_attention"] * 2, head_dim=16)
+        other = "mlp" if model_type == "nemotron_h" else state
+        common.update(num_hidden_layers=4, layer_types=[state, "full_attention", other, "full_attention"], head_dim=16)
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if model_type == "granitemoehybrid":  # no RoPE (as Granite 4.0-H: position_embedding_type left unset)
         common.update(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, num_local_experts=4, num_experts_per_tok=4)
+    if model_type == "nemotron_h":  # no RoPE, as every Nemotron-H
+        common.update(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1)
     if model_type in ("qwen3_next", "qwen3_5_moe_text"):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if model_type == "gpt2":

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from conftest import ALTERNATING, HYBRID, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from helpers import attention_module
 from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
@@ -23,7 +24,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
     layer = model.get_decoder().layers[adapter.model_layers[1]]
-    attention = layer.attention if model_type == "gpt_neox" else layer.self_attn
+    attention = attention_module(layer)
     # Phi-3's and GPT-NeoX's q, k and v: one linear
     key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
+from helpers import attention_module
 from kvcal.adapters import adapt
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 
@@ -17,8 +18,7 @@ def windows(seed: int = 0) -> torch.Tensor:
 
 
 def attention_of(model, layer: int):
-    decoder_layer = model.get_decoder().layers[layer]
-    return getattr(decoder_layer, "self_attn", None) or decoder_layer.attention  # GPT-NeoX: attention
+    return attention_module(model.get_decoder().layers[layer])
 
 
 def text_config(model):
@@ -30,7 +30,7 @@ def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones), AFMoE's local layers."""
     attention = attention_of(model, layer)
-    if model.get_decoder().rotary_emb is None:  # Granite 4.0-H: no RoPE anywhere
+    if getattr(model.get_decoder(), "rotary_emb", None) is None:  # Granite 4.0-H, Nemotron-H: no RoPE anywhere
         return False
     if text_config(model).model_type in ("exaone4", "exaone_moe"):
         return attention.sliding_window is None or attention.is_sliding

@@ -84,12 +84,13 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
-    ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant")])
+    ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
-    different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5 and Granite 4.0-H: their
-    DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; Granite 4.0-H without RoPE)."""
+    different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H and
+    Nemotron-H: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; the last two
+    without RoPE)."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     lengths = (21, 9, 14)

@@ -60,6 +60,11 @@ def requires_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not ready, reason="needs a CUDA GPU and CuPy (pip install -e '.[gpu]')")(test))
 
 
+def attention_module(decoder_layer):
+    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, mixer on Nemotron-H."""
+    return next(getattr(decoder_layer, name) for name in ("self_attn", "attention", "mixer") if hasattr(decoder_layer, name))
+
+
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`)."""
     logits = []
