@@ -160,31 +160,17 @@ def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logit
 
 
 @requires_gpu
-@pytest.mark.parametrize("heads", (4, 32))
-def test_gpt_oss_decodes_its_attention_sinks_on_cuda_like_the_cpu_reference(heads):
-    """A tiny gpt-oss at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time through a 16-token
-    sliding layer and a full one: the tensor-core kernel on every layer, each row's sink joined after its fused merge
-    (32 query heads: in passes of 8 per KV head), the CPU runtime's logits within 2e-3 (the emulated kernel's test, on
+@pytest.mark.parametrize("model_type, overrides", [("gpt_oss", dict(num_attention_heads=4)),
+                                                   ("gpt_oss", dict(num_attention_heads=32)), ("gemma2", {}),
+                                                   ("qwen3_5_text", {})])
+def test_sinks_soft_caps_and_hybrids_decode_on_cuda_like_the_cpu_reference(model_type, overrides):
+    """Tiny models at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time: gpt-oss (a 16-token
+    sliding layer and a full one; each row's sink joined after the fused merge; 32 query heads: in passes of 8 per KV
+    head), Gemma 2 (scores capped at 0.05), Qwen3.5 (gated DeltaNet layers before its two attention layers). The
+    tensor-core kernel on every attention layer, the CPU runtime's logits within 2e-3 (the emulated kernel's tests, on
     the device)."""
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
-    model = tiny_model("gpt_oss", head_dim=64, num_attention_heads=heads)
-    bundle = kivi_bundle(model, 4, 32, 32)
-    with torch.inference_mode():
-        cpu_logits, _ = decode_token_by_token(model, bundle, ids)
-        cuda_logits, cache = decode_token_by_token(model.cuda(), bundle, ids.cuda())
-    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
-    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
-
-
-@requires_gpu
-@pytest.mark.parametrize("model_type", ("gemma2", "qwen3_5_text"))
-def test_soft_capped_and_hybrid_models_decode_on_cuda_like_the_cpu_reference(model_type):
-    """A tiny Gemma 2 (scores capped at 0.05; a 16-token sliding layer and a full one) and a tiny Qwen3.5 (gated DeltaNet
-    layers before its two attention layers) at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time:
-    the tensor-core kernel on every attention layer, the CPU runtime's logits within 2e-3 (the emulated kernel's
-    tests, on the device)."""
-    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
-    model = tiny_model(model_type, head_dim=64)
+    model = tiny_model(model_type, head_dim=64, **overrides)
     bundle = kivi_bundle(model, 4, 32, 32)
     with torch.inference_mode():
         cpu_logits, _ = decode_token_by_token(model, bundle, ids)
