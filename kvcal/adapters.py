@@ -22,11 +22,12 @@ GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX and Phi-4-mini rot
 Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
-gate beside each head's query: the query is the q norm's output). LFM2 is hybrid too, its short convolution layers
-(conv) keeping a state, Granite 4.0-H (granitemoehybrid) and Nemotron-H, their Mamba 2 layers (linear_attention;
-Nemotron-H's MLP and MoE blocks are layers of their own, holding nothing, and its attention is a block's mixer). Where
-Granite 4.0-H's config leaves RoPE out (position_embedding_type), and always on Nemotron-H, the decoder has no rotary
-module and every layer is NoPE.
+gate beside each head's query: the query is the q norm's output). Other hybrids: OLMo Hybrid, its gated DeltaNet
+layers as well; LFM2 and LFM2-MoE, their short convolution layers (conv) keeping a state; Granite 4.0-H
+(granitemoehybrid), Nemotron-H and Jamba, their Mamba layers (linear_attention; Nemotron-H's MLP and MoE blocks are
+layers of their own, holding nothing, and its attention is a block's mixer). Where the config leaves RoPE out (Granite
+4.0-H's position_embedding_type, OLMo Hybrid's missing rope_theta) and always on Nemotron-H and Jamba, the decoder has
+no rotary module and every layer is NoPE.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
@@ -66,7 +67,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "minimax_m2", "gpt_oss", "gemma3_text", "gemma3", "gemma", "internlm3", "iquestcoder",
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
-                         "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h")
+                         "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
+                         "lfm2_moe", "jamba")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -75,8 +77,8 @@ _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", 
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
-# "rope"; Nemotron-H always): every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h")
+# "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
@@ -243,7 +245,10 @@ def _attention_layers(config, num_layers: int, where: str) -> list[int]:
     if other:
         raise KvcalError(f"{where}: its layer types {other} are not ones kvcal serves ({', '.join(_ATTENTION_LAYER_TYPES)}, "
                          f"beside {', '.join(_STATE_LAYER_TYPES)} layers, whose state transformers keeps)")
-    return [i for i, kind in enumerate(types) if kind in _ATTENTION_LAYER_TYPES]
+    attending = [i for i, kind in enumerate(types) if kind in _ATTENTION_LAYER_TYPES]
+    if not attending:
+        raise KvcalError(f"{where}: none of its layers attends (layer types {sorted(set(types))}): it keeps no KV cache")
+    return attending
 
 
 def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str, heads_first: bool, q_width: int,

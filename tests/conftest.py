@@ -21,9 +21,10 @@ TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
-# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Granite 4.0-H's and
-# Nemotron-H's Mamba 2 (Nemotron-H's MLP blocks hold nothing)
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h")
+# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
+# Granite 4.0-H's and Nemotron-H's Mamba 2; Nemotron-H's MLP blocks hold nothing)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
+          "nemotron_h", "jamba")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -119,15 +120,25 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, original_max_position_embeddings=64))
         del common["rope_theta"]
     if model_type in HYBRID:  # a layer with a recurrent state (gated DeltaNet; LFM2's convolution) before each attention one
-        state = "conv" if model_type == "lfm2" else "linear_attention"
+        state = "conv" if model_type.startswith("lfm2") else "linear_attention"
         other = "mlp" if model_type == "nemotron_h" else state
-        common.update(num_hidden_layers=4, layer_types=[state, "full_attention", other, "full_attention"], head_dim=16)
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        common.update(num_hidden_layers=4, head_dim=16)
+        if model_type != "jamba":  # (Jamba's follow from its attention layers' period)
+            common["layer_types"] = [state, "full_attention", other, "full_attention"]
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"):
         common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if model_type == "granitemoehybrid":  # no RoPE (as Granite 4.0-H: position_embedding_type left unset)
         common.update(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, num_local_experts=4, num_experts_per_tok=4)
     if model_type == "nemotron_h":  # no RoPE, as every Nemotron-H
         common.update(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1)
+    if model_type == "jamba":  # attention every other layer, no RoPE (as Jamba), experts on the attention layers' MLPs
+        common.update(attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=4, expert_layer_period=2,
+                      expert_layer_offset=1, mamba_d_state=8)
+    if model_type == "lfm2_moe":
+        common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, num_dense_layers=1)
+    if model_type == "olmo_hybrid":  # no RoPE, as the released checkpoints
+        common.update(pad_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=None))
+        del common["rope_theta"]
     if model_type in ("qwen3_next", "qwen3_5_moe_text"):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if model_type == "gpt2":

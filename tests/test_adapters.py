@@ -9,7 +9,7 @@ from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
-               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2")
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe")
 # OLMo 3, Mellum, Gemma 3 by layer type; the others for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
@@ -73,6 +73,12 @@ def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused():
     """Llama 4's chunked attention (a window that restarts every chunk) is no attention kvcal computes."""
     with pytest.raises(KvcalError, match=r"its layer types \['chunked_attention'\] are not ones kvcal serves"):
         adapt(tiny_model("llama", layer_types=["chunked_attention", "full_attention"]))
+
+
+def test_a_model_none_of_whose_layers_attends_is_refused():
+    """A Jamba whose attention period falls past its 4 layers is all Mamba: no KV cache to quantize."""
+    with pytest.raises(KvcalError, match=r"none of its layers attends \(layer types \['linear_attention'\]\)"):
+        adapt(tiny_model("jamba", attn_layer_period=8, attn_layer_offset=5))
 
 
 def test_fingerprint_changes_with_the_config_not_with_the_weights():

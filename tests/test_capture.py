@@ -26,11 +26,17 @@ def text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
+def models_rotary(model):
+    """The decoder's rotary embedding (LFM2-MoE names it pos_emb), or None where it has none."""
+    decoder = model.get_decoder()
+    return getattr(decoder, "rotary_emb", None) or getattr(decoder, "pos_emb", None)
+
+
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones), AFMoE's local layers."""
     attention = attention_of(model, layer)
-    if getattr(model.get_decoder(), "rotary_emb", None) is None:  # Granite 4.0-H, Nemotron-H: no RoPE anywhere
+    if models_rotary(model) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
     if text_config(model).model_type in ("exaone4", "exaone_moe"):
         return attention.sliding_window is None or attention.is_sliding
@@ -107,7 +113,7 @@ def independent_reference(model, batch: torch.Tensor):
             kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
             if applies_rope(model, adapter.model_layers[i]):
-                cos, sin = model.get_decoder().rotary_emb(keys, torch.arange(SEQLEN)[None], *layer_type)
+                cos, sin = models_rotary(model)(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
