@@ -8,9 +8,9 @@ modeling file:
   Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are
   in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
-  (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5
-  and Qwen3-Next, LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
-  MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
+  (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5,
+  Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo Hybrid, MiniMax-M2: over
+  the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
   the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia):
   each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense,
