@@ -23,6 +23,9 @@ OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
 # Granite 4.0-H's and Nemotron-H's Mamba 2; Nemotron-H's MLP blocks hold nothing)
+# RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
+QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
+                     mrope_interleaved=True)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
           "nemotron_h", "jamba")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)

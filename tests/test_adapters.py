@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import ALTERNATING, HYBRID, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from conftest import ALTERNATING, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from helpers import attention_module
 from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
@@ -114,6 +114,12 @@ def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies(model_
     adapter = adapt(tiny_model(model_type))
     assert adapter.rotated == [True, False]
     assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
+
+
+def test_qwen3_5s_multimodal_rope_sections_rotate_text_as_kvcal_does():
+    """Released Qwen3.5 configs interleave the RoPE frequencies over (time, height, width) sections (mrope_section);
+    a text token's three positions are equal, so its keys rotate by the one set of frequencies kvcal stores."""
+    assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model("qwen3_5_text", initializer_range=0.25, rope_parameters=QWEN3_5_MROPE))
 
 
 @pytest.mark.parametrize("rope", [

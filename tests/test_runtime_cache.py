@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import ALTERNATING, OWN_ATTENTION, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
+from conftest import ALTERNATING, OWN_ATTENTION, QWEN3_5_MROPE, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -109,6 +109,16 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bun
             torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=0, atol=1e-4)
             assert torch.equal(batch.sequences[row, max(lengths):], alone.sequences[0, len(prompt):])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_qwen3_5s_multimodal_position_ids_decode_as_text():
+    """Qwen3.5's rotary takes (3, batch, tokens) position ids (time, height, width; equal for a text token): the runtime
+    reads the first row, and a cache holding every token fp16 decodes as the model does (9.5e-5 here: fp16 K/V)."""
+    model = tiny_model("qwen3_5_text", rope_parameters=QWEN3_5_MROPE)
+    ids = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        decoded, _ = decode_token_by_token(model, fp16_kivi_bundle(model), ids)
+        torch.testing.assert_close(decoded, model(ids).logits, rtol=0, atol=5e-4)
 
 
 def test_a_bundle_for_another_model_is_refused(recipe_bundles):
