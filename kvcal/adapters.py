@@ -25,7 +25,9 @@ only (`model_layers`: their decoder indices, the fingerprint's attention_layers)
 gate beside each head's query: the query is the q norm's output). Other hybrids: OLMo Hybrid, its gated DeltaNet
 layers as well; LFM2 and LFM2-MoE, their short convolution layers (conv) keeping a state; Granite 4.0-H
 (granitemoehybrid), Nemotron-H and Jamba, their Mamba layers (linear_attention; Nemotron-H's MLP and MoE blocks are
-layers of their own, holding nothing, and its attention is a block's mixer). Where the config leaves RoPE out (Granite
+layers of their own, holding nothing, and its attention is a block's mixer). Falcon-H1 runs Mamba 2 beside the
+attention of every layer (layer type hybrid: `keeps_state`) and scales its keys by key_multiplier
+(`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it). Where the config leaves RoPE out (Granite
 4.0-H's position_embedding_type, OLMo Hybrid's missing rope_theta) and always on Nemotron-H and Jamba, the decoder has
 no rotary module and every layer is NoPE.
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
@@ -68,7 +70,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
-                         "lfm2_moe", "jamba")
+                         "lfm2_moe", "jamba", "falcon_h1")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -84,7 +86,10 @@ _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: it
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
 # blocks): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
 _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# layers that attend and also run a recurrent mixer beside their attention (Falcon-H1's Mamba 2), whose state
+# transformers' cache layer keeps next to the keys and values
+_ATTENTION_AND_STATE_TYPES = ("hybrid",)
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", *_ATTENTION_AND_STATE_TYPES)
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -102,6 +107,7 @@ class LayerHandles:
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
+    key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one: a slice where the three lie
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
@@ -116,14 +122,17 @@ class LayerHandles:
         """The module whose output holds the pre-RoPE key."""
         return self.k_norm if self.k_norm is not None else self.k_proj
 
-    def source_rows(self, kind: str, output: torch.Tensor) -> torch.Tensor:
+    def source_rows(self, kind: str, output: torch.Tensor, gradient: bool = False) -> torch.Tensor:
         """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, v_proj),
-        or in its gradient, as (batch, tokens, heads * head_dim)."""
+        or the gradient with respect to it in the gradient with respect to that output (`gradient`), as (batch,
+        tokens, heads * head_dim)."""
         if self.heads_first and output.dim() == 4:
             rows = output.transpose(1, 2).flatten(2)
         else:
             normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
+        if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
+            rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
         return rows if kind == "v" else rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
@@ -151,6 +160,8 @@ class ModelAdapter:
     # the decoder layer of each of `layers` (its layer_idx); a hybrid model's others hold a recurrent state instead
     model_layers: tuple[int, ...] = ()
     num_model_layers: int = 0
+    # per layer, whether a recurrent mixer beside its attention keeps a state in the same cache layer (Falcon-H1)
+    keeps_state: list[bool] = field(default_factory=list)
 
     @property
     def hybrid(self) -> bool:
@@ -237,10 +248,15 @@ def _find_attention(layer: nn.Module, where: str) -> nn.Module:
     raise KvcalError(f"{where} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
 
 
+def _decoder_layer_types(config, num_layers: int) -> list[str]:
+    """Each decoder layer's type: the config's layer_types, full_attention where it has none."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+
+
 def _attention_layers(config, num_layers: int, where: str) -> list[int]:
     """The decoder layers that attend: all, or a hybrid model's layers whose type is not one of _STATE_LAYER_TYPES;
     refuses layer types that are neither."""
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    types = _decoder_layer_types(config, num_layers)
     other = sorted(set(types) - set(_ATTENTION_LAYER_TYPES) - set(_STATE_LAYER_TYPES))
     if other:
         raise KvcalError(f"{where}: its layer types {other} are not ones kvcal serves ({', '.join(_ATTENTION_LAYER_TYPES)}, "
@@ -263,7 +279,10 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
             linear.setdefault("o_proj", linear.pop(name))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
-    norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None)
+    norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None,
+                 key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
+    if norms["key_multiplier"] == 0.0:
+        raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
     if "o_proj" in linear and all(name in linear for name in ("q_proj", "k_proj", "v_proj")):
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
@@ -405,6 +424,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         rope_order=rope_order,
         model_layers=tuple(attending),
         num_model_layers=num_layers,
+        keeps_state=attending_only([kind in _ATTENTION_AND_STATE_TYPES for kind in _decoder_layer_types(config, num_layers)]),
     )
 
 

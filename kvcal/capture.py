@@ -121,7 +121,8 @@ class _ActivationHooks:
                 return
             self.activations[kind, layer] = handles.source_rows(kind, output.detach())
             if with_grad:
-                output.register_hook(lambda grad: self.gradients.__setitem__((kind, layer), handles.source_rows(kind, grad.detach())))
+                output.register_hook(lambda grad: self.gradients.__setitem__(
+                    (kind, layer), handles.source_rows(kind, grad.detach(), gradient=True)))
 
         return on_forward
 

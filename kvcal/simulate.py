@@ -278,16 +278,15 @@ class QuantizedOnWrite(DynamicCache):
     def load(self, context) -> None:
         """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
         and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
-        keeps (it drops the others as they are written); a hybrid model's other layers get the context's states."""
+        keeps (it drops the others as they are written); layers that keep a recurrent state get a copy of the
+        context's."""
+        context.copy_states_into(self)
         heads = lambda rows: rows.unflatten(2, (self.kv_heads, -1)).transpose(1, 2)  # -> (batch, kv_heads, tokens, head_dim)
         for index, keys, values in zip(self.codecs, context.keys, context.values):
             layer, codecs = self.layers[index], self.codecs[index]
             kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
             written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
             super().update(written(codecs.key_codec, keys), written(codecs.value_codec, values), index)
-        if len(self.codecs) != len(self.layers):  # a hybrid model: its other layers continue from the context's states
-            for index, layer in context.state_layers(self.codecs).items():
-                self.layers[index] = layer
 
 
 def _stored(codec, states: torch.Tensor) -> torch.Tensor:

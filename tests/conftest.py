@@ -137,6 +137,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "jamba":  # attention every other layer, no RoPE (as Jamba), experts on the attention layers' MLPs
         common.update(attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=4, expert_layer_period=2,
                       expert_layer_offset=1, mamba_d_state=8)
+    if model_type == "falcon_h1":  # Mamba 2 beside attention in every layer; keys scaled by a multiplier (as the real ones)
+        common.update(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+                      key_multiplier=0.7)
     if model_type == "lfm2_moe":
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, num_dense_layers=1)
     if model_type == "olmo_hybrid":  # no RoPE, as the released checkpoints

@@ -23,6 +23,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
     assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
+    assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
+    assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     layer = model.get_decoder().layers[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's and GPT-NeoX's q, k and v: one linear
@@ -79,6 +81,12 @@ def test_a_model_none_of_whose_layers_attends_is_refused():
     """A Jamba whose attention period falls past its 4 layers is all Mamba: no KV cache to quantize."""
     with pytest.raises(KvcalError, match=r"none of its layers attends \(layer types \['linear_attention'\]\)"):
         adapt(tiny_model("jamba", attn_layer_period=8, attn_layer_offset=5))
+
+
+def test_keys_multiplied_by_zero_are_refused():
+    """A Falcon-H1 with key_multiplier 0 has no key to keep, and its keys' gradients would divide by zero."""
+    with pytest.raises(KvcalError, match=r"decoder layer 0: its key_multiplier is 0"):
+        adapt(tiny_model("falcon_h1", key_multiplier=0.0))
 
 
 def test_fingerprint_changes_with_the_config_not_with_the_weights():

@@ -77,10 +77,11 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
     post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
-    checked in test_rope)."""
+    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier."""
     adapter = adapt(model)
     layers, kinds = range(len(adapter.layers)), adapter.layer_types  # the attention layers (hybrids have others)
     sources = [key_and_value_sources(model, adapter.model_layers[i]) for i in layers]
+    key_multiplier = getattr(text_config(model), "key_multiplier", 1.0)
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
@@ -102,13 +103,13 @@ def independent_reference(model, batch: torch.Tensor):
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3")
-        key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c])
+        key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c]) / key_multiplier
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
-            keys = outputs["k", i].detach()
+            keys = outputs["k", i].detach() * key_multiplier
             keys = keys if heads_first else keys[..., sources[i][0][2]]
             kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
             heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)

@@ -85,13 +85,14 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
-    ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant")])
+    ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
+    ("falcon_h1", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
     different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H and
     Nemotron-H: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; the last two
-    without RoPE)."""
+    without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers)."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     lengths = (21, 9, 14)
@@ -145,7 +146,8 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
-                         [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text") for recipe in RECIPES])
+                         [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
+                          for recipe in RECIPES])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
     stores: the first attention layer's K/V come from the embeddings (on Qwen3.5 through a DeltaNet layer, which
@@ -155,7 +157,8 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     can flip: up to 1e-3 here). fp_context is the fp model's prefill also while a cache is open on the model
     (before the wiring was shared, it was silently the open cache's own prefill there). GLM-4 also: keys the model
     caches in its channel order are stored in kvcal's. Qwen3.5 also: the loaded cache's DeltaNet layers continue from the
-    context's recurrent states (a copy: the context serves other caches after it)."""
+    context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
+    keeping them."""
     from kvcal.runtime.cache import fp_context
 
     model = tiny_model(model_type)
@@ -246,6 +249,21 @@ def test_a_cache_used_after_it_is_closed_is_refused():
         with pytest.raises(KvcalError, match="this quantized cache is closed"):
             cache.load(None)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_context_without_the_recurrent_states_a_hybrid_model_keeps_is_refused():
+    """A context of rows only (a benchmark's batched views) cannot continue Qwen3.5's DeltaNet layers: refused before
+    anything is stored."""
+    from kvcal.runtime.cache import FpContext, fp_context
+
+    model = tiny_model("qwen3_5_text")
+    with torch.inference_mode():
+        context = fp_context(model, prompt())
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            with pytest.raises(KvcalError, match=r"holds rows only \(no cache\), none of the recurrent states of the "
+                                                 r"model's layers \[0, 2\]; load a context made by fp_context"):
+                cache.load(FpContext(context.keys, context.pre_rope_keys, context.values, None))
+            assert cache.tokens() == [] and cache.lengths is None
 
 
 def test_an_unknown_cuda_layout_is_refused_before_the_model_is_wired():

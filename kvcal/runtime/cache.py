@@ -3,14 +3,15 @@
 `quantized_cache(model, bundle)` returns a `WiredCache`, a transformers `Cache` of one `RuntimeLayer` per attention
 layer, each with a store for K and one for V built from the bundle's recipe (kvcal.runtime.segments); it refuses a
 bundle made for another model. A hybrid model's other layers (Qwen3.5's gated DeltaNet) keep their recurrent state
-in transformers' own cache layers, in place among them. While open (until `close()` or the end of its `with` block)
-the model is wired through kvcal.wiring: attention implementation `kvcal_runtime` (registered with transformers'
-AttentionInterface, switched with `model.set_attn_implementation`), which appends to the stores and attends over
-them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the CUDA kernels, the compiled
-CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position ids. The wiring is shared
-and reference-counted: several caches may be open on one model (each call is served by the cache passed as
-`past_key_values`), and the model's own attention implementation comes back when the last one closes. Storage is
-allocated at the first forward, when the batch is known.
+in transformers' own cache layers, in place among them; an attention layer with a recurrent mixer beside it
+(Falcon-H1's Mamba 2) keeps that state in its RuntimeLayer (StatefulRuntimeLayer). While open (until `close()` or
+the end of its `with` block) the model is wired through kvcal.wiring: attention implementation `kvcal_runtime`
+(registered with transformers' AttentionInterface, switched with `model.set_attn_implementation`), which appends to
+the stores and attends over them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the
+CUDA kernels, the compiled CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position
+ids. The wiring is shared and reference-counted: several caches may be open on one model (each call is served by
+the cache passed as `past_key_values`), and the model's own attention implementation comes back when the last one
+closes. Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt
@@ -61,6 +62,8 @@ from kvcal.runtime.store import STORE_LAYOUTS, upload
 
 ATTENTION_NAME = "kvcal_runtime"
 LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
+# what a transformers cache layer's recurrent state is made of (conv and recurrent states, their flags and sizes)
+_STATE_ATTRIBUTES = tuple(vars(LinearAttentionLayer()))
 
 
 class RuntimeLayer(CacheLayerMixin):
@@ -218,6 +221,38 @@ class RuntimeLayer(CacheLayerMixin):
         return keys, self.values_store.read(b)
 
 
+class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
+    """The cache of an attention layer that also runs a recurrent mixer beside its attention (Falcon-H1's Mamba 2):
+    kvcal's K and V stores and transformers' conv and recurrent states, which the mixer finds in the layer by its
+    class (a LinearAttentionCacheLayerMixin) and updates in place. The WiredCache holding it gives it the states'
+    layout of transformers' own layer for it (take_state)."""
+
+    def __init__(self, *args, **kwargs):
+        RuntimeLayer.__init__(self, *args, **kwargs)
+        LinearAttentionLayer.__init__(self)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # the attention's call passes keys and values, the mixer's its states by keyword
+        if args:
+            RuntimeLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+
+def runtime_layer(make_store, pre_rope: bool, adapter: ModelAdapter, index: int, drop_out_of_window: bool = True) -> RuntimeLayer:
+    """The cache of the adapter's attention layer `index` (see RuntimeLayer): one that keeps a recurrent state too
+    where the layer has a mixer beside its attention."""
+    kind = StatefulRuntimeLayer if adapter.keeps_state[index] else RuntimeLayer
+    return kind(make_store, pre_rope, adapter, index, drop_out_of_window)
+
+
+def take_state(layer, source) -> None:
+    """Give a cache layer that keeps a recurrent state (transformers' LinearAttentionCacheLayerMixin) a copy of
+    `source`'s: decode steps update states in place, so no two caches may share one."""
+    for name in _STATE_ATTRIBUTES:
+        setattr(layer, name, copy.deepcopy(getattr(source, name)))
+
+
 class StepPlan:
     """What every layer of one forward step shares, made once (by WiredCache.plan_for at the step's first layer):
     which of the step's tokens are real (`valid` on the device; per sequence `counts`, the sequences with a token
@@ -352,8 +387,10 @@ class WiredCache(Cache):
     open (see the module docstring)."""
 
     def __init__(self, model, adapter: ModelAdapter, layers: list[RuntimeLayer]):
-        every = DynamicCache(config=model.config).layers if adapter.hybrid else list(layers)
+        every = DynamicCache(config=model.config).layers if adapter.hybrid or any(adapter.keeps_state) else list(layers)
         for decoder_index, layer in zip(adapter.model_layers, layers):
+            if isinstance(layer, StatefulRuntimeLayer):
+                take_state(layer, every[decoder_index])  # transformers' empty states, as many as its layer holds
             every[decoder_index] = layer
         super().__init__(layers=every)
         self.attention_layers = layers
@@ -454,15 +491,13 @@ class WiredCache(Cache):
         """Fill the empty cache with a context's keys and values (see FpContext), a layer at a time and within a
         layer a few whole sequences at a time: besides the cache, the load holds at most chunk_bytes of fp16 rows (or
         one sequence's) and what the encoders make of them, whatever the batch (a context's rows may be views of one
-        sequence's, expanded). A hybrid model's other layers get a copy of the context's states."""
+        sequence's, expanded). Layers that keep a recurrent state get a copy of the context's."""
         self._check_open()
+        context.copy_states_into(self)  # first: it refuses a context without the states this model keeps
         batch, tokens = context.values[0].shape[:2]
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
         for layer, keys, pre_rope_keys, values in zip(self.attention_layers, context.keys, context.pre_rope_keys, context.values):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
-        if self.adapter.hybrid:
-            for decoder_index, layer in context.state_layers(self._attention_index).items():
-                self.layers[decoder_index] = layer
 
     def tokens(self) -> list[int]:
         """Tokens each sequence has had (its sliding-window layers hold fewer)."""
@@ -474,19 +509,23 @@ class WiredCache(Cache):
 class FpContext:
     """The KV cache of a context from one fp prefill, per layer (batch, tokens, width) rows: keys after RoPE (as the
     model caches them), keys before RoPE (as kvcal reads them: in its channel order, kvcal.adapters), values; `cache`
-    is the model's own (DynamicCache) copy. Loading it into several quantized caches (WiredCache.load) shares one
-    prefill between methods."""
+    is the model's own (DynamicCache) copy, None in a context of rows only (of a model without recurrent states).
+    Loading it into several quantized caches (WiredCache.load) shares one prefill between methods."""
 
     keys: list[torch.Tensor]
     pre_rope_keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    cache: Cache
+    cache: Cache | None
 
-    def state_layers(self, attention_layers) -> dict:
-        """A copy of each of the cache's layers that is not an attention layer (its decoder index not in
-        `attention_layers`): a hybrid model's recurrent states, which decode steps update in place, one copy for each
-        cache that loads the context."""
-        return {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers) if i not in attention_layers}
+    def copy_states_into(self, cache: Cache) -> None:
+        """Give each layer of `cache` (laid out as the model's) that keeps a recurrent state a copy of the context's
+        (a hybrid model's DeltaNet, Mamba or convolution layers; Falcon-H1's attention layers)."""
+        stateful = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        if stateful and self.cache is None:
+            raise KvcalError(f"this context holds rows only (no cache), none of the recurrent states of the model's layers "
+                             f"{stateful}; load a context made by fp_context")
+        for i in stateful:
+            take_state(cache.layers[i], self.cache.layers[i])
 
 
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
@@ -518,7 +557,8 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     context = FpContext([rows(layer.keys) for layer in attending], [torch.cat(parts, 1) for parts in pre_rope],
                         [rows(layer.values) for layer in attending], cache)
     for layer in attending:
-        layer.crop(0)  # sliding layers back to their window; full layers keep everything
+        if layer.is_sliding:
+            layer.crop(0)  # back to their window; full layers keep everything
     return context
 
 
@@ -545,5 +585,5 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
                                   head_dim=adapter.head_dim)
-        layers.append(RuntimeLayer(make_store, codecs.key_pre_rope, adapter, i))
+        layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)
