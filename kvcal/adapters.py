@@ -30,6 +30,9 @@ attention of every layer (layer type hybrid: `keeps_state`) and scales its keys 
 (`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it). Where the config leaves RoPE out (Granite
 4.0-H's position_embedding_type, OLMo Hybrid's missing rope_theta) and always on Nemotron-H and Jamba, the decoder has
 no rotary module and every layer is NoPE.
+Gemma 3n (gemma3n_text) shares KV: its last num_kv_shared_layers layers (kv_sharing_modes "reuse") read the keys
+and values of the last earlier layer of their type and have no k/v projections (`readers`, ReaderLayer); its values
+are the output of a norm (`LayerHandles.v_norm`, value_source).
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
@@ -70,7 +73,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
-                         "lfm2_moe", "jamba", "falcon_h1")
+                         "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -104,6 +107,7 @@ class LayerHandles:
     v_proj: nn.Linear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
+    v_norm: nn.Module | None = None  # a norm of each value head (Gemma 3n's, without a scale): the value is its output
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
@@ -122,14 +126,19 @@ class LayerHandles:
         """The module whose output holds the pre-RoPE key."""
         return self.k_norm if self.k_norm is not None else self.k_proj
 
+    @property
+    def value_source(self) -> nn.Module:
+        """The module whose output holds the value."""
+        return self.v_norm if self.v_norm is not None else self.v_proj
+
     def source_rows(self, kind: str, output: torch.Tensor, gradient: bool = False) -> torch.Tensor:
-        """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, v_proj),
+        """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, value_source),
         or the gradient with respect to it in the gradient with respect to that output (`gradient`), as (batch,
         tokens, heads * head_dim)."""
         if self.heads_first and output.dim() == 4:
             rows = output.transpose(1, 2).flatten(2)
         else:
-            normed = {"q": self.q_norm, "k": self.k_norm, "v": None}[kind] is not None
+            normed = {"q": self.q_norm, "k": self.k_norm, "v": self.v_norm}[kind] is not None
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
         if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
             rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
@@ -138,6 +147,16 @@ class LayerHandles:
     def weight_gradient(self, kind: str) -> torch.Tensor:
         """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection."""
         return (self.k_proj if kind == "k" else self.v_proj).weight.grad[self.columns[kind]]
+
+
+@dataclass
+class ReaderLayer:
+    """A decoder layer that attends over another layer's keys and values, keeping none of its own (KV sharing: Gemma
+    3n's last layers read those of the last earlier layer of their type)."""
+
+    decoder_index: int
+    attention: nn.Module
+    source: int  # the adapter layer (an index into ModelAdapter.layers) whose cache it reads
 
 
 @dataclass
@@ -162,11 +181,16 @@ class ModelAdapter:
     num_model_layers: int = 0
     # per layer, whether a recurrent mixer beside its attention keeps a state in the same cache layer (Falcon-H1)
     keeps_state: list[bool] = field(default_factory=list)
+    readers: tuple[ReaderLayer, ...] = ()  # the decoder layers reading the cache of one of `layers` (KV sharing)
 
     @property
     def hybrid(self) -> bool:
-        """Whether some decoder layers are not attention (their state is transformers' to keep)."""
+        """Whether some decoder layers keep no keys and values of their own (a recurrent state, transformers' to keep;
+        or another layer's cache, which they read)."""
         return len(self.model_layers) != self.num_model_layers
+
+    def readers_of(self, layer: int) -> list[ReaderLayer]:
+        return [reader for reader in self.readers if reader.source == layer]
 
     @property
     def kv_width(self) -> int:
@@ -278,7 +302,7 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         if name in linear:
             linear.setdefault("o_proj", linear.pop(name))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
-                                   if (norm := getattr(attention, name, None)) is not None), None) for kind in "qk"}
+                                   if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
     if norms["key_multiplier"] == 0.0:
@@ -388,7 +412,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
-    attending = _attention_layers(config, num_layers, where)
+    sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
+    attending = [m for m in _attention_layers(config, num_layers, where) if sharing[m] != "reuse"]
     handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
                for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -400,10 +425,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
     for handle in handles:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
-    if any(getattr(handle.attention, "is_causal", True) is False for handle in handles):  # use_bidirectional_attention
+    readers = _reader_layers(layers, sharing, _decoder_layer_types(config, num_layers), attending, where)
+    if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
-    scales = {float(getattr(handle.attention, "scaling", head_dim**-0.5)) for handle in handles}
+    scales = {float(getattr(layer.attention, "scaling", head_dim**-0.5)) for layer in [*handles, *readers]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
     return ModelAdapter(
@@ -425,7 +451,18 @@ def adapt(model: nn.Module) -> ModelAdapter:
         model_layers=tuple(attending),
         num_model_layers=num_layers,
         keeps_state=attending_only([kind in _ATTENTION_AND_STATE_TYPES for kind in _decoder_layer_types(config, num_layers)]),
+        readers=tuple(readers),
     )
+
+
+def _reader_layers(layers: nn.ModuleList, sharing: list[str | None], types: list[str], attending: list[int],
+                   where: str) -> list[ReaderLayer]:
+    """The decoder layers whose KV sharing mode is "reuse" (the last ones), each reading the cache of the last earlier
+    layer of its type (as transformers' kv_sharing_modes picks it, which checks that there is one)."""
+    first = next((m for m, mode in enumerate(sharing) if mode == "reuse"), len(sharing))
+    return [ReaderLayer(m, _find_attention(layers[m], f"{where}: decoder layer {m}"),
+                        max(i for i, a in enumerate(attending) if a < first and types[a] == types[m]))
+            for m, mode in enumerate(sharing) if mode == "reuse"]
 
 
 def attention_sinks(model_config: dict, layer: int) -> torch.Tensor | None:

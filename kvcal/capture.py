@@ -112,7 +112,7 @@ class _ActivationHooks:
         for handles in adapter.layers:
             i = handles.index
             self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles)))
-            self._handles.append(handles.v_proj.register_forward_hook(self._hook("v", i, True, handles)))
+            self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
             self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
 
     def _hook(self, kind: str, layer: int, with_grad: bool, handles: LayerHandles):

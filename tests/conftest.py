@@ -16,7 +16,7 @@ TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma2",
-               "vaultgemma", "gemma3_text", "gemma3")
+               "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text")
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
@@ -109,6 +109,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=0.05)
     if model_type == "gemma3_text":
         common.update(head_dim=16, query_pre_attn_scalar=16)
+        del common["rope_theta"]
+    if model_type == "gemma3n_text":  # as Gemma 3n: its last layers (here 2 and 3) read layers 0's and 1's cache
+        common.update(head_dim=16, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                      num_kv_shared_layers=2, vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16,
+                      laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
         del common["rope_theta"]
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,

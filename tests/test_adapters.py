@@ -9,9 +9,10 @@ from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
-               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe")
-# OLMo 3, Mellum, Gemma 3 by layer type; the others for their NoPE layer
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3")
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text")
+# OLMo 3, Mellum, Gemma 3, Gemma 3n by layer type; the others for their NoPE layer
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
+                         "gemma3n_text")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
 
 
@@ -25,11 +26,14 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
     assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
+    # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
+    assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type == "gemma3n_text" else [])
     layer = model.get_decoder().layers[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's and GPT-NeoX's q, k and v: one linear
     key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
+    assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n: v_norm
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
     key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm

@@ -62,15 +62,19 @@ def key_and_value_sources(model, layer: int):
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
     key_source = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None) or attention.k_proj
-    return (key_source, attention.k_proj, slice(None)), (attention.v_proj, attention.v_proj, slice(None))
+    value_source = getattr(attention, "v_norm", None) or attention.v_proj  # Gemma 3n: its values normed
+    return (key_source, attention.k_proj, slice(None)), (value_source, attention.v_proj, slice(None))
 
 
 def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The decoder's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
-    each head; gpt-oss's cover a pair each), the rest as they are."""
+    each head; gpt-oss's cover a pair each), the rest as they are. Gemma 3n's rotates one tensor at a time."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
     apply_rotary_pos_emb = importlib.import_module(type(model.get_decoder()).__module__).apply_rotary_pos_emb
-    _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
+    if text_config(model).model_type == "gemma3n_text":
+        rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], cos, sin)
+    else:
+        _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
     return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
 
 

@@ -22,3 +22,24 @@ def test_local_paths_hub_ids_and_missing_paths(tmp_path):
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(KvcalError, match="not a .gguf file"):
         resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_a_gemma3n_checkpoint_loads_as_its_text_model(tiny_model_dir):
+    """Gemma 3n's checkpoints are multimodal (model_type gemma3n, the decoder's weights under model.language_model):
+    load_model reads them as the text model kvcal serves, weights and all (its vision tower would need timm)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3nConfig
+
+    from kvcal.models import load_model
+
+    folder = tiny_model_dir("gemma3n_text")
+    text, _, _ = load_model(str(folder))
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({name.replace("model.", "model.language_model.", 1): tensor for name, tensor in weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    Gemma3nConfig(text_config=text.config.to_dict()).save_pretrained(folder)
+    loaded, _, _ = load_model(str(folder))
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert type(loaded).__name__ == "Gemma3nForCausalLM" and torch.equal(loaded(ids).logits, text(ids).logits)

@@ -86,13 +86,14 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
-    ("falcon_h1", "kvquant")])
+    ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
     different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H and
     Nemotron-H: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; the last two
-    without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers)."""
+    without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers; Gemma 3n: its last layers
+    read the cache of earlier ones, after a prefill what that layer's prefill read)."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     lengths = (21, 9, 14)
@@ -431,7 +432,8 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 SLIDING = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
            **{kind: dict(sliding_window=8) for kind in ALTERNATING}}  # layer 0 sliding, layer 1 full
-UNWINDOWED = {kind: dict(layer_types=["full_attention", "full_attention"]) for kind in ALTERNATING}  # their caches need a window size
+# their caches need a window size (Gemma 3n's tiny model: 4 layers)
+UNWINDOWED = {kind: dict(layer_types=["full_attention"] * (4 if kind == "gemma3n_text" else 2)) for kind in ALTERNATING}
 
 
 @pytest.mark.parametrize("model_type", SLIDING)

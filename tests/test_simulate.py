@@ -32,7 +32,8 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
             expected = model(ids).logits
             with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
                 got = model(ids).logits
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)  # the cache holds K/V in fp16
+        # the cache holds K/V in fp16 (Gemma 3n: 7e-4, its layers reading another's cache see them rounded too; 6e-7 in fp32)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 if model_type == "gemma3n_text" else 5e-4)
         assert tally.effective_bits == 16.0
         assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
 
@@ -168,12 +169,13 @@ def test_one_simulation_at_a_time_and_only_over_whole_windows():
 
 @pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head"),
                                                   ("glm4", "int4_per_token_head"), ("qwen3_5_text", "q4_0"),
-                                                  ("falcon_h1", "q4_0")])
+                                                  ("falcon_h1", "q4_0"), ("gemma3n_text", "int4_per_token_head")])
 def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_type, spec):
     """QuantizedOnWrite (an engine's cache type in generate()) prefilled in steps and decoding token by token gives the
     simulation's logits for every position: each token is stored once, as its codec quantizes it; on the tiny Gemma 3
     (16-token windows) the sliding layers keep their window and read it; on GLM-4, whose keys kvcal reads in another
     channel order, the simulation rotates them by vLLM's Hadamard transform in the model's order, as the engine does.
+    On Gemma 3n the layers reading another's cache read it as stored (transformers hands them what update returned).
     Loading an fp context stores the first attention layer (whose K/V come from the embeddings and, on Qwen3.5, a
     DeltaNet layer) as a prefill through the cache does; Qwen3.5's DeltaNet layers (Falcon-H1's Mamba 2 beside its
     attention) start from the context's states, each cache loading it from its own copy (a step of one leaves the

@@ -86,6 +86,8 @@ class RuntimeLayer(CacheLayerMixin):
         self.cache: WiredCache | None = None  # set by the WiredCache that holds this layer
         self.choice: backends.Choice | None = None  # the decode backend and why, chosen at the first decode step
         self.decoder: backends.LayerDecoder | None = None  # that backend bound to this layer's stores
+        self.readers = len(adapter.readers_of(index))  # layers reading this one's cache (KV sharing)
+        self.step: ReadStep | None = None  # what this step's attend read, while readers have yet to read it
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -134,15 +136,45 @@ class RuntimeLayer(CacheLayerMixin):
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, width)
-        window_bites = window is not None and self.padded_length + m > window  # some sequence may exceed it
+        window = window if window is not None and self.padded_length + m > window else None  # some sequence may exceed it
+        reads = {} if self.readers and m > 1 else None
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, window if window_bites else None)
+            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, window)
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window if window_bites else None)
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window, reads)
         self.padded_length += m
-        self._drop_out_of_window()
+        if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
+            self.step = ReadStep(kv_heads, window, reads, self.readers)
+        else:
+            self._drop_out_of_window()
+        return output
+
+    def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None) -> torch.Tensor:
+        """The attention of a layer reading this one's keys and values (KV sharing), after this layer's attend of the
+        step, over what that read: after a decode step the cache as stored, after a prefill each sequence's cache
+        before the step and its tokens in fp16. The step's last reader lets go of what the window no longer needs."""
+        step = self.step
+        if step is None:
+            raise KvcalError(f"a layer reading layer {self.index}'s keys and values attended before layer {self.index} in "
+                             "this step; kvcal serves KV sharing where the layer read comes first, as transformers runs it")
+        if self.window is not None and window != self.window:
+            raise KvcalError(f"a layer reading layer {self.index}'s keys and values attends over a sliding window of {window} "
+                             f"tokens, layer {self.index} over {self.window}")
+        batch, heads, m, head_dim = query.shape
+        if step.reads is None:
+            output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.window)
+        else:
+            output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
+            for b, (keys, values) in step.reads.items():
+                rows = plan.columns(b)
+                out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks, self.softcap)
+                output[b, rows] = out.transpose(0, 1).to(query.dtype)
+        step.readers_left -= 1
+        if not step.readers_left:
+            self.step = None
+            self._drop_out_of_window()
         return output
 
     def _drop_out_of_window(self) -> None:
@@ -154,9 +186,11 @@ class RuntimeLayer(CacheLayerMixin):
         for store in (self.keys_store, self.values_store):
             store.drop(dropped)
 
-    def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None):
+    def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None,
+                 reads: dict | None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
-        single real token in the step is decoded: appended first, then the cache is read as stored."""
+        single real token in the step is decoded: appended first, then the cache is read as stored. `reads` (a
+        dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache."""
         batch, heads, m, head_dim = query.shape
         output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
         single = [b for b in plan.rows if plan.counts[b] == 1]
@@ -175,6 +209,8 @@ class RuntimeLayer(CacheLayerMixin):
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
             out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
+            if reads is not None:
+                reads[b] = (keys, values)
         if several:
             self._append_columns(several, new_keys, new_values, plan)
         return output
@@ -219,6 +255,17 @@ class RuntimeLayer(CacheLayerMixin):
         keys = reference.stored_keys(self.keys_store, b, self.pre_rope, self.position_offset[b], self.inv_freq,
                                      self.rope_scaling, kv_heads)
         return keys, self.values_store.read(b)
+
+
+@dataclass
+class ReadStep:
+    """What a layer's attend of the step read, for the layers reading its cache: KV heads, the window it applied, and
+    per sequence the keys and values a prefill read (None after a decode step, which read the cache as stored)."""
+
+    kv_heads: int
+    window: int | None
+    reads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+    readers_left: int
 
 
 class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
@@ -370,10 +417,12 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
                          "past_key_values=cache, the cache of `with quantized_cache(model, bundle) as cache` (not None, not "
                          "another kind of cache), or call the model after that block")
-    layer.pending_pre_rope = slot.pre_rope_keys
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
+    if slot.reader:
+        return layer.attend_as_reader(adapter.in_rope_order(query), plan, scale, sliding_window), None
+    layer.pending_pre_rope = slot.pre_rope_keys
     return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window), None
 
 
@@ -419,7 +468,7 @@ class WiredCache(Cache):
         if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
-        slot.serving = self.attention_layers[index]
+        self._wiring.serve(index, self.attention_layers[index])
         return key_states, value_states
 
     def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
