@@ -5,8 +5,8 @@ head's channels (tests/test_adapters.py checks each against the model's own cach
 modeling file:
 - Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs),
   Seed-OSS, Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
-  Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X: separate q/k/v_proj (the MoE models' experts are
-  in the MLP only);
+  Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the first), BitNet: separate q/k/v_proj
+  (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
   (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5,
   Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo Hybrid, MiniMax-M2: over
@@ -73,7 +73,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
-                         "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text")
+                         "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -426,6 +426,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
     readers = _reader_layers(layers, sharing, _decoder_layer_types(config, num_layers), attending, where)
+    if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
+        raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
+                         "where kvcal reads them and their gradients")
     if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")

@@ -87,6 +87,12 @@ def test_a_model_none_of_whose_layers_attends_is_refused():
         adapt(tiny_model("jamba", attn_layer_period=8, attn_layer_offset=5))
 
 
+def test_q_k_and_v_clamped_after_their_projections_are_refused():
+    """OLMo 1.7's clip_qkv clamps the projections' output in place, after kvcal's hooks have read it."""
+    with pytest.raises(KvcalError, match=r"clamps q, k and v in place after their projections \(clip_qkv 8.0\)"):
+        adapt(tiny_model("olmo", clip_qkv=8.0))
+
+
 def test_keys_multiplied_by_zero_are_refused():
     """A Falcon-H1 with key_multiplier 0 has no key to keep, and its keys' gradients would divide by zero."""
     with pytest.raises(KvcalError, match=r"decoder layer 0: its key_multiplier is 0"):
