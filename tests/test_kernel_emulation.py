@@ -342,6 +342,19 @@ def test_emulated_tensor_core_kernel_decodes_a_hybrid_qwen3_5_like_the_reference
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
+def test_emulated_tensor_core_kernel_decodes_gemma3n_layers_reading_another_cache_like_the_reference_runtime(on_cpu):
+    """Gemma 3n at head_dim 64 (decoder layers 2 and 3 read the caches of layers 0, a 16-token sliding one, and 1)
+    under KIVI's int4 in blocks of 32, on a left-padded batch: each reading layer decodes with its own queries over the
+    cache it reads, one more launch on the same stores; the sliding layer drops tokens only after its reader."""
+    from conftest import kivi_bundle, tiny_model
+
+    model = tiny_model("gemma3n_text", head_dim=64)
+    got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
+    assert [layer.decode_path for layer in cache.attention_layers] == ["tensor-core"] * 2
+    assert len(on_cpu) == 10 * 4  # one launch per decoder layer (two of them readers) and decode step
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
 def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_runtime(on_cpu, qwen3_kvquant_bundle):
     """A tiny Qwen3 at head_dim 128 (keys normalised per head, then rotated) under the default kvquant recipe, on a
     left-padded batch: its pre-RoPE nuq3 keys with 1% outliers rotated in the kernel, one tensor-core launch per layer

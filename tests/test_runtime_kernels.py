@@ -162,11 +162,12 @@ def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logit
 @requires_gpu
 @pytest.mark.parametrize("model_type, overrides", [("gpt_oss", dict(num_attention_heads=4)),
                                                    ("gpt_oss", dict(num_attention_heads=32)), ("gemma2", {}),
-                                                   ("qwen3_5_text", {})])
+                                                   ("qwen3_5_text", {}), ("falcon_h1", {}), ("gemma3n_text", {})])
 def test_sinks_soft_caps_and_hybrids_decode_on_cuda_like_the_cpu_reference(model_type, overrides):
     """Tiny models at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time: gpt-oss (a 16-token
     sliding layer and a full one; each row's sink joined after the fused merge; 32 query heads: in passes of 8 per KV
-    head), Gemma 2 (scores capped at 0.05), Qwen3.5 (gated DeltaNet layers before its two attention layers). The
+    head), Gemma 2 (scores capped at 0.05), Qwen3.5 (gated DeltaNet layers before its two attention layers), Falcon-H1
+    (Mamba 2 beside each attention), Gemma 3n (two more layers reading the two attention layers' caches). The
     tensor-core kernel on every attention layer, the CPU runtime's logits within 2e-3 (the emulated kernel's tests, on
     the device)."""
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
