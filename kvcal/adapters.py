@@ -34,7 +34,9 @@ Gemma 3n (gemma3n_text) shares KV: its last num_kv_shared_layers layers (kv_shar
 and values of the last earlier layer of their type and have no k/v projections (`readers`, ReaderLayer); its values
 are the output of a norm (`LayerHandles.v_norm`, value_source).
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
-3.x, Ministral 3) a mistral or ministral3 decoder beside one: kvcal reads and serves the decoder.
+3.x, Ministral 3) a mistral or ministral3 decoder beside one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2
+or Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text (kvcal.wiring refuses others): kvcal
+reads and serves the decoder.
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
@@ -73,7 +75,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "ministral3", "solar_open", "mellum", "flex_olmo", "jais2", "hyperclovax", "exaone_moe",
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
-                         "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet")
+                         "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
+                         "qwen3_vl", "qwen3_vl_moe")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")

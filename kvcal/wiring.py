@@ -218,8 +218,14 @@ def _set_attention(model: torch.nn.Module, name: str) -> None:
 def _install_hooks(wiring: Wiring) -> None:
     def keep_positions(module, args, kwargs):
         positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-        # Qwen3.5's multimodal RoPE takes (3, batch, tokens): a text token's three positions are the same
-        wiring.positions = positions[0] if positions is not None and positions.dim() == 3 else positions
+        if positions is not None and positions.dim() == 3:  # Qwen's multimodal RoPE: (3, batch, tokens)
+            # a text token's three positions (time, height, width) are the same; an image's differ, and kvcal
+            # rotates a key by one position (checked where images can enter: steps of several tokens)
+            if positions.shape[-1] > 1 and not bool((positions == positions[:1]).all()):
+                raise KvcalError("the model was given positions of image or video tokens (multimodal RoPE positions "
+                                 "that differ between time, height and width); kvcal serves text: pass text tokens only")
+            positions = positions[0]
+        wiring.positions = positions
 
     if wiring.adapter.rotary is not None:  # (a model without RoPE needs no positions)
         wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))

@@ -26,6 +26,8 @@ GLM = ("glm", "glm4", "glm4_moe")
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
+# Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
           "nemotron_h", "jamba")
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -50,6 +52,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       image_size=28, patch_size=14)
         text = tiny_config("ministral3", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("mistral3", text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type in QWEN_VL:  # Qwen2-VL to Qwen3-VL: a Qwen2 or Qwen3 decoder with multimodal RoPE beside a vision tower
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        if model_type == "qwen2_vl":  # its vision config names the tower's width embed_dim, its output hidden_size
+            vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        text = tiny_config("qwen3_moe" if model_type == "qwen3_vl_moe" else model_type[:5], max_positions, head_dim=16,
+                           **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
+                                       **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
@@ -161,7 +174,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if model_type == "mistral3" else AutoModelForCausalLM  # not a causal LM to transformers
+    # not causal LMs to transformers
+    auto = AutoModelForImageTextToText if model_type in ("mistral3", *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows

@@ -9,7 +9,8 @@ from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
-               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text")
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
+               "qwen3_vl", "qwen3_vl_moe")
 # OLMo 3, Mellum, Gemma 3, Gemma 3n by layer type; the others for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
                          "gemma3n_text")

@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from conftest import ALTERNATING, OWN_ATTENTION, QWEN3_5_MROPE, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, tiny_model
+from conftest import (ALTERNATING, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL, TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded,
+                      tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -86,14 +87,15 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
-    ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant")])
+    ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"), ("qwen3_vl", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
     different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H and
     Nemotron-H: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; the last two
     without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers; Gemma 3n: its last layers
-    read the cache of earlier ones, after a prefill what that layer's prefill read)."""
+    read the cache of earlier ones, after a prefill what that layer's prefill read; Qwen3-VL: its (3, batch, tokens)
+    positions, each sequence's from its first real token)."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     lengths = (21, 9, 14)
@@ -311,25 +313,36 @@ def test_a_wired_model_called_without_its_cache_is_refused():
         assert torch.equal(model.generate(prompt(), **GREEDY), expected)
 
 
-IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral")}  # image tokens, image side, vision attention
+# image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token), vision attention
+IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral"), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
+
+
+def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
+    """A prompt with one image, as each model's processor gives it (the image's tokens at 2..5)."""
+    tokens, side, _ = IMAGES[model_type]
+    ids[0, 2:2 + tokens] = model.config.image_token_id
+    if model_type in QWEN_VL:
+        patches = (side // 14) ** 2
+        return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
+                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
+                    mm_token_type_ids=(ids == model.config.image_token_id).long())
+    images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
+    if model_type == "mistral3":
+        images["image_sizes"] = torch.tensor([[side, side]])
+    return images
 
 
 @pytest.mark.parametrize("model_type", IMAGES)
 def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
-    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) and Mistral 3 are served for text: given images, the vision
-    tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder would also attend
-    bidirectionally over them, which kvcal's attention does not do)."""
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration), Mistral 3 and Qwen2-VL to Qwen3-VL are served for text: given
+    images, the vision tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder
+    would also attend bidirectionally over them, Qwen's rotate them by three positions, which kvcal does not do)."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
-    tokens, side, vision = IMAGES[model_type]
     model = tiny_model(model_type)
-    ids = prompt()
-    ids[0, 2:2 + tokens] = model.config.image_token_id
-    images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
-    if model_type == "mistral3":
-        images["image_sizes"] = torch.tensor([[side, side]])
-    refusal = f"{vision}.* is not an attention layer of the model's text decoder, which is all kvcal serves"
+    images = image_inputs(model_type, model, prompt())
+    refusal = f"{IMAGES[model_type][2]}.* is not an attention layer of the model's text decoder, which is all kvcal serves"
     bundle = fp16_kivi_bundle(model)
     method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
     with torch.inference_mode():
@@ -338,6 +351,26 @@ def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulati
         with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
             model(**images, use_cache=False)
         model(**images)  # its own attention again after both
+
+
+def test_multimodal_positions_given_without_the_vision_tower_are_refused():
+    """Image tokens' positions handed in directly (embeddings made elsewhere, Qwen2.5-VL's (3, batch, tokens) position
+    ids differing between time, height and width) are refused before anything is stored: kvcal rotates a key by one
+    position. Text positions (the three rows equal) decode."""
+    model = tiny_model("qwen2_5_vl")
+    ids = prompt()
+    text = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    image = text.clone()
+    image[1, 0, 3], image[2, 0, 4] = 2, 2  # two tokens of a 2 x 2 image grid
+    with torch.inference_mode():
+        expected = model(input_ids=ids).logits
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            with pytest.raises(KvcalError, match=r"given positions of image or video tokens \(multimodal RoPE positions "
+                                                 r"that differ between time, height and width\); kvcal serves text"):
+                model(input_ids=ids, position_ids=image, past_key_values=cache, use_cache=True)
+            assert cache.tokens() == []
+            got = model(input_ids=ids, position_ids=text, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4))])
