@@ -178,8 +178,9 @@ class SimulatedLayer:
             dropped = self.dropped(tokens, key_mask[-1], value_mask[-1])
             self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
             self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
-            reads.append((keys_post, keys_hat, values, stored_values.values))
-            outputs.append(self._attend_read(query[b], reads[-1], scaling))
+            read = (keys_post, keys_hat, values, stored_values.values)
+            reads += [read] if self.keep_reads else []  # (held past the loop only for readers)
+            outputs.append(self._attend_read(query[b], read, scaling))
         self.reads = reads if self.keep_reads else None
         return torch.stack(outputs)
 
