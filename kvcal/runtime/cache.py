@@ -286,7 +286,8 @@ class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
 
-def runtime_layer(make_store, pre_rope: bool, adapter: ModelAdapter, index: int, drop_out_of_window: bool = True) -> RuntimeLayer:
+def runtime_layer(make_store, pre_rope: bool, adapter: ModelAdapter, index: int,
+                  drop_out_of_window: bool = True) -> RuntimeLayer:
     """The cache of the adapter's attention layer `index` (see RuntimeLayer): one that keeps a recurrent state too
     where the layer has a mixer beside its attention."""
     kind = StatefulRuntimeLayer if adapter.keeps_state[index] else RuntimeLayer
