@@ -87,9 +87,15 @@ class Wiring:
         for layer_slot in [self.slots[index], *(s for s in self.reader_slots if s.index == index)]:
             layer_slot.serving = serving
 
+    @property
+    def switched(self) -> torch.nn.Module:
+        """The module whose attention implementation the wiring switches: the model, or the decoder alone of a model
+        whose decoder reads image tokens as text (ModelAdapter.images_as_tokens), so that its vision tower keeps its own."""
+        return self.model.get_decoder() if self.adapter.images_as_tokens else self.model
+
     def check_active(self) -> None:
         """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""
-        current = self.model.config._attn_implementation
+        current = self.switched.config._attn_implementation
         if current != self.name:
             raise KvcalError(f"the model's attention implementation was changed to '{current}' while {describe(self.name)} "
                              f"was open on it; close that first, then change the attention implementation")
@@ -152,8 +158,8 @@ def wire(model: torch.nn.Module, adapter: ModelAdapter, name: str, owner, exclus
         if not wiring.uses(owner):
             wiring.users.append(owner)
         return wiring
-    previous = model.config._attn_implementation
-    wiring = Wiring(model, adapter, name, previous, exclusive, users=[owner])
+    wiring = Wiring(model, adapter, name, "", exclusive, users=[owner])
+    wiring.previous = wiring.switched.config._attn_implementation
     for index, handles in enumerate(adapter.layers):
         wiring.slots.append(Slot(wiring, index, attached=attached[index] if attached is not None else None))
     for reader in adapter.readers:
@@ -161,7 +167,7 @@ def wire(model: torch.nn.Module, adapter: ModelAdapter, name: str, owner, exclus
                                         attached=attached[reader.source] if attached is not None else None))
     _install_hooks(wiring)
     try:
-        _set_attention(model, name)
+        _set_attention(wiring.switched, name)
     except BaseException:
         _remove_hooks(wiring)
         raise
@@ -188,7 +194,7 @@ def unwire(wiring: Wiring, owner) -> None:
             del _SLOTS[attention]
         layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = None
     _remove_hooks(wiring)
-    _set_attention(wiring.model, wiring.previous)
+    _set_attention(wiring.switched, wiring.previous)
 
 
 @contextmanager
@@ -200,12 +206,12 @@ def suspended(adapter: ModelAdapter):
         yield
         return
     wiring.check_active()
-    _set_attention(wiring.model, wiring.previous)
+    _set_attention(wiring.switched, wiring.previous)
     try:
         yield
     finally:
         if wiring.users:  # the last user may have unwired inside the block, restoring `previous` itself
-            _set_attention(wiring.model, wiring.name)
+            _set_attention(wiring.switched, wiring.name)
 
 
 def _set_attention(model: torch.nn.Module, name: str) -> None:

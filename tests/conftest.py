@@ -52,6 +52,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       image_size=28, patch_size=14)
         text = tiny_config("ministral3", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("mistral3", text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type in ("llava", "internvl"):  # LLaVA: a Llama decoder beside CLIP; InternVL: a Qwen2 one beside InternViT
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        extra = dict(vision_feature_layer=-1)
+        if model_type == "internvl":  # (pixels shuffled into a quarter of the tokens)
+            vision.update(image_size=[28, 28], patch_size=[14, 14])
+            extra = dict(downsample_ratio=0.5)
+        text = tiny_config("llama" if model_type == "llava" else "qwen2", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1, **extra)
     if model_type in QWEN_VL:  # Qwen2-VL to Qwen3-VL: a Qwen2 or Qwen3 decoder with multimodal RoPE beside a vision tower
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         if model_type == "qwen2_vl":  # its vision config names the tower's width embed_dim, its output hidden_size
@@ -175,7 +184,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
 
     torch.manual_seed(seed)
     # not causal LMs to transformers
-    auto = AutoModelForImageTextToText if model_type in ("mistral3", *QWEN_VL) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llava", "internvl", *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows

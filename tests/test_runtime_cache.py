@@ -314,7 +314,9 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 
 
 # image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token), vision attention
-IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral"), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
+IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
+          **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
+IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl")  # their decoders read an image's tokens as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
@@ -332,11 +334,11 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     return images
 
 
-@pytest.mark.parametrize("model_type", IMAGES)
+@pytest.mark.parametrize("model_type", [kind for kind in IMAGES if kind not in IMAGES_AS_TOKENS])
 def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
-    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration), Mistral 3 and Qwen2-VL to Qwen3-VL are served for text: given
-    images, the vision tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder
-    would also attend bidirectionally over them, Qwen's rotate them by three positions, which kvcal does not do)."""
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) and Qwen2-VL to Qwen3-VL are served for text: given images,
+    the vision tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder would
+    attend bidirectionally over them, Qwen's rotate them by three positions, which kvcal does not do)."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
@@ -351,6 +353,27 @@ def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulati
         with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
             model(**images, use_cache=False)
         model(**images)  # its own attention again after both
+
+
+@pytest.mark.parametrize("model_type", IMAGES_AS_TOKENS)
+def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
+    """Mistral 3's, LLaVA's and InternVL's decoders read an image's tokens as text (causally, at their places in the
+    prompt): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping
+    everything fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16
+    rounding of K/V, the image's tokens in the cache; the model's attention implementations are its own after."""
+    model = tiny_model(model_type)
+    images = image_inputs(model_type, model, prompt())
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(**images, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(**images, **settings, past_key_values=cache)
+            assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [12 + 8 - 1]
+        text_only = model.generate(input_ids=images["input_ids"], **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(text_only.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the image matters here
+    assert {model.config._attn_implementation, model.config.text_config._attn_implementation} == {"sdpa"}
 
 
 def test_multimodal_positions_given_without_the_vision_tower_are_refused():
