@@ -34,10 +34,11 @@ Gemma 3n (gemma3n_text) shares KV: its last num_kv_shared_layers layers (kv_shar
 and values of the last earlier layer of their type and have no k/v projections (`readers`, ReaderLayer); its values
 are the output of a norm (`LayerHandles.v_norm`, value_source).
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
-3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA and InternVL a Llama, Mistral, Qwen2 or Qwen3 one,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3 decoder whose RoPE takes (time, height, width)
-positions, equal for text (kvcal.wiring refuses others): kvcal reads and serves the decoder. Mistral 3's, LLaVA's and
-InternVL's decoders read an image's tokens as text (`images_as_tokens`: kvcal wires the decoder alone, and caches them).
+3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya Vision a
+Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3
+decoder whose RoPE takes (time, height, width) positions, equal for text (kvcal.wiring refuses others): kvcal reads
+and serves the decoder. All but Gemma 3's and Qwen's decoders read an image's tokens as text (`images_as_tokens`:
+kvcal wires the decoder alone, and caches them).
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
@@ -77,7 +78,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
-                         "qwen3_vl", "qwen3_vl_moe", "llava", "internvl")
+                         "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -87,7 +88,7 @@ _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", 
 _SINKS = ("gpt_oss",)
 # composites whose decoder attends over image tokens as over text (causally, at positions 0, 1, 2, ... like text):
 # kvcal wires their decoder alone, the vision tower runs its own attention, and the cache holds image tokens as text
-_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl")
+_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")

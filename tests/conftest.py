@@ -26,6 +26,8 @@ GLM = ("glm", "glm4", "glm4_moe")
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
+# vision-language models whose decoder reads an image's tokens as text, and that decoder's type
+IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
@@ -52,15 +54,19 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       image_size=28, patch_size=14)
         text = tiny_config("ministral3", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("mistral3", text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
-    if model_type in ("llava", "internvl"):  # LLaVA: a Llama decoder beside CLIP; InternVL: a Qwen2 one beside InternViT
+    if model_type in IMAGE_TOWERS:  # a decoder (IMAGE_TOWERS) beside a vision tower (CLIP, InternViT, SigLIP)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                       patch_size=14)
-        extra = dict(vision_feature_layer=-1)
-        if model_type == "internvl":  # (pixels shuffled into a quarter of the tokens)
+        # their images' patches merged into a quarter of the tokens (LLaVA's: one each)
+        extra = dict(llava=dict(vision_feature_layer=-1), internvl=dict(downsample_ratio=0.5), smolvlm=dict(scale_factor=2),
+                     idefics3=dict(scale_factor=2), aya_vision=dict(downsample_factor=2))[model_type]
+        if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
-            extra = dict(downsample_ratio=0.5)
-        text = tiny_config("llama" if model_type == "llava" else "qwen2", max_positions, **overrides).to_dict()
-        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1, **extra)
+        text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type where it has one)
+        image_token = "image_token_index" if model_type == "aya_vision" else "image_token_id"
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **{image_token: TINY_VOCAB - 1},
+                                    **extra)
     if model_type in QWEN_VL:  # Qwen2-VL to Qwen3-VL: a Qwen2 or Qwen3 decoder with multimodal RoPE beside a vision tower
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         if model_type == "qwen2_vl":  # its vision config names the tower's width embed_dim, its output hidden_size
@@ -184,7 +190,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
 
     torch.manual_seed(seed)
     # not causal LMs to transformers
-    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llava", "internvl", *QWEN_VL) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if model_type in ("mistral3", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows

@@ -11,10 +11,10 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe")
-# OLMo 3, Mellum, Gemma 3, Gemma 3n by layer type; the others for their NoPE layer
+# OLMo 3, Mellum, Gemma 3, Gemma 3n by layer type; the others (Aya Vision: Cohere 2's) for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text")
-WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in ALTERNATING}}  # per layer
+                         "gemma3n_text", "aya_vision")
+WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
