@@ -36,9 +36,9 @@ are the output of a norm (`LayerHandles.v_norm`, value_source).
 Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya Vision a
 Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3
-decoder whose RoPE takes (time, height, width) positions, equal for text (kvcal.wiring refuses others): kvcal reads
-and serves the decoder. All but Gemma 3's and Qwen's decoders read an image's tokens as text (`images_as_tokens`:
-kvcal wires the decoder alone, and caches them).
+decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder. All
+but Gemma 3's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone and caches
+them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
@@ -86,9 +86,11 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stable
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
-# composites whose decoder attends over image tokens as over text (causally, at positions 0, 1, 2, ... like text):
-# kvcal wires their decoder alone, the vision tower runs its own attention, and the cache holds image tokens as text
-_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision")
+# composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
+# tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
+# keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
+_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "qwen2_vl", "qwen2_5_vl",
+                     "qwen3_vl", "qwen3_vl_moe")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")

@@ -234,6 +234,8 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if sliding_window != state.window:
         raise KvcalError(f"layer {slot.index} attends over a sliding window of {sliding_window} tokens but its config gives "
                          f"{state.window}; kvcal follows the config (transformers' own cache does)")
+    if slot.wiring.multimodal and state.scheme.key_pre_rope:
+        raise KvcalError(wiring.multimodal_refusal([slot.index]))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
     if slot.reader:

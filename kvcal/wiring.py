@@ -78,6 +78,8 @@ class Wiring:
     reader_slots: list[Slot] = field(default_factory=list)  # one per reader layer (ModelAdapter.readers)
     hooks: list = field(default_factory=list)
     positions: torch.Tensor | None = None  # position ids of the running forward
+    # the running forward holds image or video tokens at multimodal RoPE positions (Qwen-VL's three rows differ)
+    multimodal: bool = False
 
     def uses(self, owner) -> bool:
         return any(user is owner for user in self.users)
@@ -124,6 +126,13 @@ def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | Non
     if softcap is not None and kwargs.get("softcap") != softcap:
         raise KvcalError(f"{type(module).__name__} asks its attention to soft-cap scores at {kwargs.get('softcap')}, its config "
                          f"at {softcap} (what kvcal computes and calibrated for); load the model with its own config")
+
+
+def multimodal_refusal(pre_rope_layers: list[int]) -> str:
+    """Why keys stored before RoPE cannot hold image tokens at multimodal RoPE positions."""
+    return (f"the model was given image or video tokens, at multimodal RoPE positions (time, height and width); layers "
+            f"{pre_rope_layers} store keys before RoPE, which kvcal rotates by one position each: use a bundle or method "
+            "storing keys after RoPE (kivi, kvmix, an engine's cache type) for images")
 
 
 def in_a_wired_model(module: torch.nn.Module) -> bool:
@@ -224,14 +233,11 @@ def _set_attention(model: torch.nn.Module, name: str) -> None:
 def _install_hooks(wiring: Wiring) -> None:
     def keep_positions(module, args, kwargs):
         positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-        if positions is not None and positions.dim() == 3:  # Qwen's multimodal RoPE: (3, batch, tokens)
-            # a text token's three positions (time, height, width) are the same; an image's differ, and kvcal
-            # rotates a key by one position (checked where images can enter: steps of several tokens)
-            if positions.shape[-1] > 1 and not bool((positions == positions[:1]).all()):
-                raise KvcalError("the model was given positions of image or video tokens (multimodal RoPE positions "
-                                 "that differ between time, height and width); kvcal serves text: pass text tokens only")
-            positions = positions[0]
-        wiring.positions = positions
+        # Qwen's multimodal RoPE takes (3, batch, tokens): a text token's three positions (time, height, width) are
+        # the same, an image's differ (looked for where images can enter: steps of several tokens)
+        multimodal = positions is not None and positions.dim() == 3
+        wiring.multimodal = multimodal and positions.shape[-1] > 1 and not bool((positions == positions[:1]).all())
+        wiring.positions = positions[0] if multimodal else positions
 
     if wiring.adapter.rotary is not None:  # (a model without RoPE needs no positions)
         wiring.hooks.append(wiring.adapter.rotary.register_forward_pre_hook(keep_positions, with_kwargs=True))

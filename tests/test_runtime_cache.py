@@ -316,7 +316,7 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 # image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token), vision attention
 IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
-IMAGES_AS_TOKENS = ("mistral3", *IMAGE_TOWERS)  # their decoders read an image's tokens as text
+IMAGES_AS_TOKENS = ("mistral3", *IMAGE_TOWERS, *QWEN_VL)  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
@@ -338,9 +338,9 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("model_type", [kind for kind in IMAGES if kind not in IMAGES_AS_TOKENS])
 def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
-    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) and Qwen2-VL to Qwen3-VL are served for text: given images,
-    the vision tower reaches the wired attention implementation, which names why it refuses (Gemma 3's decoder would
-    attend bidirectionally over them, Qwen's rotate them by three positions, which kvcal does not do)."""
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) is served for text: given images, the vision tower reaches the
+    wired attention implementation, which names why it refuses (its decoder would attend over an image's tokens both
+    ways, which kvcal's attention does not do)."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
@@ -359,8 +359,8 @@ def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulati
 
 @pytest.mark.parametrize("model_type", IMAGES_AS_TOKENS)
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
-    """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's) and Aya Vision's decoders read an image's tokens as text
-    (causally, at their places in the prompt): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping
+    """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's and Qwen-VL's decoders read an image's
+    tokens causally, as text (Qwen's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping
     everything fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16
     rounding of K/V, the image's tokens in the cache; the model's attention implementations are its own after."""
     model = tiny_model(model_type)
@@ -378,24 +378,27 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     assert {model.config._attn_implementation, model.config.text_config._attn_implementation} == {"sdpa"}
 
 
-def test_multimodal_positions_given_without_the_vision_tower_are_refused():
-    """Image tokens' positions handed in directly (embeddings made elsewhere, Qwen2.5-VL's (3, batch, tokens) position
-    ids differing between time, height and width) are refused before anything is stored: kvcal rotates a key by one
-    position. Text positions (the three rows equal) decode."""
+def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles):
+    """Qwen2.5-VL's image tokens sit at (time, height, width) positions; keys stored before RoPE (the kvquant bundle)
+    are rotated by one position each, so a prompt with an image is refused before anything is stored, in the cache and
+    in the simulation; the same prompt's text decodes through it."""
     model = tiny_model("qwen2_5_vl")
-    ids = prompt()
-    text = torch.arange(ids.shape[1]).expand(3, 1, -1)
-    image = text.clone()
-    image[1, 0, 3], image[2, 0, 4] = 2, 2  # two tokens of a 2 x 2 image grid
+    bundle = architecture_bundles("qwen2_5_vl")["kvquant"]
+    images = image_inputs("qwen2_5_vl", model, prompt())
+    refusal = (r"given image or video tokens, at multimodal RoPE positions \(time, height and width\); layers \[0, 1\] "
+               r"store keys before RoPE, which kvcal rotates by one position each: use a bundle or method storing keys "
+               r"after RoPE \(kivi, kvmix, an engine's cache type\) for images")
+    text = images["input_ids"].masked_fill(images["input_ids"] == model.config.image_token_id, 7)
     with torch.inference_mode():
-        expected = model(input_ids=ids).logits
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            with pytest.raises(KvcalError, match=r"given positions of image or video tokens \(multimodal RoPE positions "
-                                                 r"that differ between time, height and width\); kvcal serves text"):
-                model(input_ids=ids, position_ids=image, past_key_values=cache, use_cache=True)
+        with quantized_cache(model, bundle) as cache:
+            with pytest.raises(KvcalError, match=refusal):
+                model(**images, past_key_values=cache, use_cache=True)
             assert cache.tokens() == []
-            got = model(input_ids=ids, position_ids=text, past_key_values=cache, use_cache=True).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+            model(input_ids=text, past_key_values=cache, use_cache=True)
+            assert cache.tokens() == [12]
+        with simulated(model, adapt(model), artifact_method(str(bundle)), StorageTally()):
+            with pytest.raises(KvcalError, match=refusal.replace(r"\[0, 1\]", r"\[0\]")):
+                model(**images, use_cache=False)
 
 
 @pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4))])
