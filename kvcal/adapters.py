@@ -288,10 +288,9 @@ def _decoder_layer_types(config, num_layers: int) -> list[str]:
     return list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
 
 
-def _attention_layers(config, num_layers: int, where: str) -> list[int]:
-    """The decoder layers that attend: all, or a hybrid model's layers whose type is not one of _STATE_LAYER_TYPES;
-    refuses layer types that are neither."""
-    types = _decoder_layer_types(config, num_layers)
+def _attention_layers(types: list[str], where: str) -> list[int]:
+    """The decoder layers that attend, by each one's type (_decoder_layer_types): all, or a hybrid model's layers whose
+    type is not one of _STATE_LAYER_TYPES; refuses layer types that are neither."""
     other = sorted(set(types) - set(_ATTENTION_LAYER_TYPES) - set(_STATE_LAYER_TYPES))
     if other:
         raise KvcalError(f"{where}: its layer types {other} are not ones kvcal serves ({', '.join(_ATTENTION_LAYER_TYPES)}, "
@@ -423,8 +422,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
+    decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
-    attending = [m for m in _attention_layers(config, num_layers, where) if sharing[m] != "reuse"]
+    attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
     handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
                for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -436,7 +436,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     for handle in handles:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
-    readers = _reader_layers(layers, sharing, _decoder_layer_types(config, num_layers), attending, where)
+    readers = _reader_layers(layers, sharing, decoder_types, attending, where)
     if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
         raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
                          "where kvcal reads them and their gradients")
@@ -464,7 +464,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         rope_order=rope_order,
         model_layers=tuple(attending),
         num_model_layers=num_layers,
-        keeps_state=attending_only([kind in _ATTENTION_AND_STATE_TYPES for kind in _decoder_layer_types(config, num_layers)]),
+        keeps_state=[kind in _ATTENTION_AND_STATE_TYPES for kind in attending_only(decoder_types)],
         readers=tuple(readers),
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
     )

@@ -469,9 +469,10 @@ class WiredCache(Cache):
         if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
-            pre_rope = [i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]
-            if self._wiring.multimodal and pre_rope:
-                raise KvcalError(wiring.multimodal_refusal(pre_rope))
+            if self._wiring.multimodal:
+                pre_rope = [i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]
+                if pre_rope:
+                    raise KvcalError(wiring.multimodal_refusal(pre_rope))
         self._wiring.serve(index, self.attention_layers[index])
         return key_states, value_states
 
