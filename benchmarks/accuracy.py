@@ -431,7 +431,7 @@ class Fitter:
         path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
         spec = chosen.baseline_spec()
         log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, num_layers, fingerprint["head_dim"]), path
+        return baseline_method(spec, [fingerprint["head_dim"]] * num_layers), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
@@ -729,19 +729,19 @@ def run(args, started_with: dict) -> None:
     log("loading model")
     model, tokenizer, source = load_model(args.model)
     adapter = adapt(model)
-    num_layers, head_dim = len(adapter.layers), adapter.head_dim
+    num_layers = len(adapter.layers)
     if not any(adapter.windows):  # the sliding-window rule keeps nothing on a model without windows
         entries = [e for e in entries if not (e.kind == "layers" and "sliding" in (e.spec.get("rule"), e.spec.get("bytes_of")))]
     fitter = Fitter(profile, Path(args.work), args.refit, args.seqlen) if profile is not None else None
     methods, artifacts = [], {}
     for entry in entries:
         if entry.kind == "baseline":
-            methods.append(baseline_method(entry.spec, num_layers, head_dim))
+            methods.append(baseline_method(entry.spec, adapter.head_dims))
             continue
         if entry.kind == "layers" and "rule" in entry.spec:
             kept = HAND_RULES[entry.spec["rule"]](num_layers, adapter.windows)
             spec = entry.spec["dtype"] + (f";skip={'+'.join(map(str, kept))}" if kept else "")
-            methods.append(baseline_method(spec, num_layers, head_dim, adapter.windows))
+            methods.append(baseline_method(spec, adapter.head_dims, adapter.windows))
             continue
         if entry.needs_profile:
             method, path = fitter.method(entry, num_layers, adapter.windows)

@@ -32,13 +32,17 @@ attention of every layer (layer type hybrid: `keeps_state`) and scales its keys 
 no rotary module and every layer is NoPE.
 Gemma 3n (gemma3n_text) shares KV: its last num_kv_shared_layers layers (kv_sharing_modes "reuse") read the keys
 and values of the last earlier layer of their type and have no k/v projections (`readers`, ReaderLayer); its values
-are the output of a norm (`LayerHandles.v_norm`, value_source).
-Gemma 3 4B-27B (gemma3) is its text decoder (gemma3_text) beside a vision tower, Mistral 3 (mistral3: Mistral Small
-3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya Vision a
-Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3
-decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder. All
-but Gemma 3's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone and caches
-them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
+are the output of a norm (`LayerHandles.v_norm`, value_source). Gemma 4 (gemma4_text; gemma4 beside its vision and
+audio towers) shares KV likewise and has layers of two shapes (transformers' per-layer config): its full-attention
+layers' heads are global_head_dim wide, fewer where num_global_key_value_heads says (`kv_heads`, `head_dims`: one a
+layer, the fingerprint's layer_kv_heads and layer_head_dims where they differ), and where attention_k_eq_v they have
+no v_proj: the value is the v norm of k_proj's output (`LayerHandles.value_from_key_projection`).
+Gemma 3 4B-27B (gemma3) and Gemma 4 (gemma4) are their text decoder beside a vision tower, Mistral 3 (mistral3:
+Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya
+Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or
+Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder.
+All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
+and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
 gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
 s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
@@ -78,7 +82,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "afmoe", "mistral3", "gemma2", "vaultgemma", "phi", "gpt_neox", "qwen3_5_text", "qwen3_5_moe_text",
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
-                         "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision")
+                         "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
+                         "gemma4_text", "gemma4")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -122,6 +127,8 @@ class LayerHandles:
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
+    # the value is v_norm of k_proj's output, the key k_norm of it (Gemma 4's attention_k_eq_v): v_proj is k_proj
+    value_from_key_projection: bool = False
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one: a slice where the three lie
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
@@ -155,7 +162,8 @@ class LayerHandles:
         return rows if kind == "v" else rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
-        """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection."""
+        """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection (both: the one projection's
+        where the value is made from k_proj's output, value_from_key_projection)."""
         return (self.k_proj if kind == "k" else self.v_proj).weight.grad[self.columns[kind]]
 
 
@@ -175,8 +183,8 @@ class ModelAdapter:
     model_type: str
     layers: list[LayerHandles]
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    kv_heads: list[int]  # per layer, its KV heads (Gemma 4: fewer on its full-attention layers)
+    head_dims: list[int]  # per layer, the channels of each of its heads, query and KV (Gemma 4: twice as many on full ones)
     max_positions: int
     rotary: nn.Module | None  # None: no layer applies RoPE (_NOPE_WITHOUT_ROTARY)
     config_dict: dict
@@ -204,8 +212,9 @@ class ModelAdapter:
         return [reader for reader in self.readers if reader.source == layer]
 
     @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def kv_widths(self) -> list[int]:
+        """Per layer, the channels of one token's keys (or values): its KV heads side by side."""
+        return [kv_heads * head_dim for kv_heads, head_dim in zip(self.kv_heads, self.head_dims)]
 
     def in_rope_order(self, heads: torch.Tensor) -> torch.Tensor:
         """Queries or keys (..., head_dim) of the model in kvcal's channel order (kvcal.rope.rotate_half_order)."""
@@ -218,13 +227,14 @@ class ModelAdapter:
     def layer_inv_freq(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
         if not self.rotated[layer]:
-            return torch.zeros(self.head_dim // 2)
+            return torch.zeros(self.head_dims[layer] // 2)
         inv_freq = getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
-        return padded_inv_freq(inv_freq, self.head_dim)
+        return padded_inv_freq(inv_freq, self.head_dims[layer])
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """The frequencies artifacts store: (head_dim/2,) shared by every layer, else (layers, head_dim/2)."""
+        """The frequencies artifacts store: (head_dim/2,) shared by every layer, else (layers, largest head_dim/2)
+        (kvcal.rope.stored_inv_freq)."""
         return stored_inv_freq([self.layer_inv_freq(i) for i in range(len(self.layers))])
 
     def layer_rope_scaling(self, layer: int) -> float:
@@ -254,8 +264,8 @@ class ModelAdapter:
             "model_type": self.model_type,
             "num_layers": len(self.layers),
             "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            "num_kv_heads": self.kv_heads[0],
+            "head_dim": self.head_dims[0],
             "max_positions": self.max_positions,
             "rope": rope,
             "config_sha256": digest[:16],
@@ -264,7 +274,23 @@ class ModelAdapter:
             fingerprint["rope_order"] = list(self.rope_order)
         if self.hybrid:  # which decoder layers an artifact's layers are
             fingerprint["attention_layers"] = list(self.model_layers)
+        if len(set(zip(self.kv_heads, self.head_dims))) > 1:  # each layer's, where they differ (kv_shapes reads either)
+            fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
         return fingerprint
+
+
+def kv_shapes(fingerprint: dict) -> list[tuple[int, int]]:
+    """Per layer of an artifact's model, (KV heads, head_dim): the fingerprint's per-layer lists where its layers
+    differ (Gemma 4), its one num_kv_heads and head_dim else."""
+    layers = fingerprint["num_layers"]
+    kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
+    head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
+    return list(zip(kv_heads, head_dims))
+
+
+def kv_widths(fingerprint: dict) -> list[int]:
+    """Per layer of an artifact's model, the channels of one token's keys (or values)."""
+    return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint)]
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -321,6 +347,12 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
         return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear["v_proj"], **norms)
+    if ("o_proj" in linear and "q_proj" in linear and "k_proj" in linear and getattr(attention, "v_proj", 0) is None
+            and norms["v_norm"] is not None):  # no v_proj: the value is the v norm of k_proj's output (Gemma 4)
+        if linear["k_proj"].out_features != kv_width:
+            raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
+        return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear["k_proj"], **norms,
+                            value_from_key_projection=True)
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
         if fused.out_features != q_width + 2 * kv_width:
@@ -358,20 +390,26 @@ def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional
     raise KvcalError(f"{where}: could not find a rotary position embedding (a module with {', '.join(sorted(names))})")
 
 
-def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dim: int, interleaved: bool, where: str) -> tuple | None:
+def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int], interleaved: bool,
+                where: str) -> tuple | None:
     """kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own), refusing
-    RoPE kvcal cannot store: a number of rotated channels that differs between layer types, frequencies that change
-    with the sequence length."""
-    rotary_dims = {2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel() for kind in kinds}
-    if len(rotary_dims) > 1 or max(rotary_dims) > head_dim:
-        raise KvcalError(f"{where}: its RoPE rotates {sorted(rotary_dims)} of a head's {head_dim} channels; kvcal takes one "
-                         "number of rotated channels up to head_dim")
+    RoPE kvcal cannot store: a number of rotated channels that differs between layer types (but where they rotate every
+    channel of heads of their own width: Gemma 4), frequencies that change with the sequence length."""
+    rotary_dims = {(2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel(), head_dim)
+                   for kind, head_dim in zip(kinds, head_dims)}
+    if len(rotary_dims) > 1 and any(rotated != head_dim for rotated, head_dim in rotary_dims):
+        raise KvcalError(f"{where}: its RoPE rotates {sorted(r for r, _ in rotary_dims)} of its heads' "
+                         f"{sorted(d for _, d in rotary_dims)} channels; kvcal takes one number of rotated channels up to "
+                         "head_dim, or all of every head's")
+    rotated, head_dim = rotary_dims.pop()
+    if rotated > head_dim:
+        raise KvcalError(f"{where}: its RoPE rotates {rotated} of a head's {head_dim} channels; kvcal takes up to head_dim")
     rope_types = getattr(rotary, "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    order = rotate_half_order(head_dim, rotary_dims.pop(), interleaved)
+    order = rotate_half_order(head_dim, rotated, interleaved)
     return tuple(order) if order is not None else None
 
 
@@ -415,9 +453,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
     decoder = model.get_decoder()  # not a vision tower's layers, whatever their number
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
@@ -425,14 +461,15 @@ def adapt(model: nn.Module) -> ModelAdapter:
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
-    handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dim, num_kv_heads * head_dim, head_dim, sinks)
-               for i, m in enumerate(attending)]
+    handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
+                              head_dims[m], sinks) for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
-    kinds = attending_only(_layer_types(config, num_layers))
+    kinds, kv_heads, head_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims))
     rotary = _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY)
-    rope_order = _rope_order(rotary, kinds, head_dim, text_type in _INTERLEAVED_ROPE, where) if rotary is not None else None
+    rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, where) if rotary is not None
+                  else None)
     for handle in handles:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
@@ -443,7 +480,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
-    scales = {float(getattr(layer.attention, "scaling", head_dim**-0.5)) for layer in [*handles, *readers]}
+    scales = {float(getattr(attention, "scaling", head_dims[layer] ** -0.5))
+              for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
     return ModelAdapter(
@@ -451,8 +489,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
         model_type=model_type,
         layers=handles,
         num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        kv_heads=kv_heads,
+        head_dims=head_dims,
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         rotary=rotary,
         config_dict=config.to_dict(),
@@ -468,6 +506,19 @@ def adapt(model: nn.Module) -> ModelAdapter:
         readers=tuple(readers),
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
     )
+
+
+def _layer_geometry(config, num_layers: int, where: str) -> tuple[int, list[int], list[int]]:
+    """The query heads, and per decoder layer its KV heads and head_dim: transformers' per-layer config where the
+    config is heterogeneous (Gemma 4's full-attention layers: fewer KV heads, twice the head_dim), else the config's."""
+    per_layer = config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers
+    num_heads = {layer.num_attention_heads for layer in per_layer[:num_layers]}
+    if len(num_heads) > 1:
+        raise KvcalError(f"{where}: its layers have {sorted(num_heads)} query heads; kvcal takes one number of query heads")
+    num_heads = num_heads.pop()
+    kv_heads = [getattr(layer, "num_key_value_heads", None) or num_heads for layer in per_layer[:num_layers]]
+    head_dims = [getattr(layer, "head_dim", None) or layer.hidden_size // num_heads for layer in per_layer[:num_layers]]
+    return num_heads, kv_heads, head_dims
 
 
 def _reader_layers(layers: nn.ModuleList, sharing: list[str | None], types: list[str], attending: list[int],

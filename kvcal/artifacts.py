@@ -32,8 +32,9 @@ CHECKSUM_KEY = "kvcal.sha256"
 def describe_fingerprint(f) -> str:
     if not isinstance(f, dict):
         return f"a malformed model fingerprint ({type(f).__name__})"
-    return (f"{f.get('architecture')} {f.get('num_layers')} layers, {f.get('num_kv_heads')} kv heads x {f.get('head_dim')}, "
-            f"config {f.get('config_sha256')}")
+    heads = (f"kv heads x head_dim per layer {list(zip(f['layer_kv_heads'], f['layer_head_dims']))}" if "layer_head_dims" in f
+             else f"{f.get('num_kv_heads')} kv heads x {f.get('head_dim')}")
+    return f"{f.get('architecture')} {f.get('num_layers')} layers, {heads}, config {f.get('config_sha256')}"
 
 
 def check_same_model(expected: dict, actual: dict, subject: str, target: str, fix: str) -> None:

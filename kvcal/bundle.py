@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvcal import registry
-from kvcal.adapters import ModelAdapter, adapt
+from kvcal.adapters import ModelAdapter, adapt, kv_shapes
 from kvcal.artifacts import check_same_model, read_artifact, read_header, write_artifact
 from kvcal.errors import KvcalError
 
@@ -149,16 +149,20 @@ def _check_tensor(tensors: dict, name: str, dtype: str, shape: tuple, path) -> N
         raise KvcalError(f"bundle '{path}': tensor {name} has values that are not finite; re-export the bundle")
 
 
-def _fingerprint_shape(config: dict, path) -> tuple[dict, int, int]:
-    """(fingerprint, layers, KV width) of a bundle's metadata, each number a positive int."""
+def _fingerprint_shape(config: dict, path) -> tuple[dict, list[tuple[int, int]]]:
+    """(fingerprint, per layer (KV heads, head_dim)) of a bundle's metadata, each number a positive int."""
     try:
         fingerprint = config["model"]["fingerprint"]
         numbers = [fingerprint[key] for key in ("num_layers", "num_kv_heads", "head_dim")]
+        for key in ("layer_kv_heads", "layer_head_dims"):  # where the layers differ (kvcal.adapters.kv_shapes)
+            if key in fingerprint:
+                numbers += fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
     except (KeyError, TypeError) as exc:
         raise KvcalError(f"bundle '{path}' has incomplete metadata (missing {exc}); re-export the bundle") from exc
     if not all(_is_count(n) and n > 0 for n in numbers):
-        raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers} are not positive integers; re-export")
-    return fingerprint, numbers[0], numbers[1] * numbers[2]
+        raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers} are not positive integers, one a "
+                         "layer; re-export")
+    return fingerprint, kv_shapes(fingerprint)
 
 
 def _recorded_settings(recipe: dict, name: str, path):
@@ -180,7 +184,8 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     if kind != BUNDLE_KIND:
         raise KvcalError(f"'{path}' is a kvcal {kind}, not a bundle")
     tensors, config = read_artifact(path, BUNDLE_KIND)  # verifies the checksum over metadata and tensors
-    fingerprint, num_layers, width = _fingerprint_shape(config, path)
+    fingerprint, shapes = _fingerprint_shape(config, path)
+    num_layers, halves = len(shapes), [head_dim // 2 for _, head_dim in shapes]
     try:
         entries, name, packing = config["recipe"]["layers"], config["recipe"]["name"], config["recipe"]["packing"]
     except (KeyError, TypeError) as exc:
@@ -196,12 +201,14 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     if packing != PACKING and any(bits in (5, 6, 7) for layer in layers for bits in (layer.k_bits, layer.v_bits)):
         raise KvcalError(f"bundle '{path}' declares packing {packing!r}, which has no layout for its 5-7-bit codes; re-export the bundle")
     expected = {"rope.inv_freq"}
-    per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2  # models whose layer types differ
-    _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (fingerprint["head_dim"] // 2,), path)
-    rows = tensors["rope.inv_freq"].reshape(-1, fingerprint["head_dim"] // 2)
+    # models whose layer types differ: a row a layer, zero past a layer's head_dim / 2 where the layers' differ
+    per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2 or len(set(halves)) > 1
+    _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (max(halves),), path)
+    rows = tensors["rope.inv_freq"].reshape(-1, max(halves))
     # a layer's frequencies are positive, then zero over the channels RoPE leaves alone (kvcal.rope.rotate_half_order;
     # all of them on SmolLM3's NoPE layers)
-    if not bool((rows >= 0).all() and (rows > 0).int().diff(dim=1).le(0).all()):
+    if not bool((rows >= 0).all() and (rows > 0).int().diff(dim=1).le(0).all()) or any(
+            bool(row[half:].any()) for row, half in zip(rows, halves)):
         raise KvcalError(f"bundle '{path}': rope.inv_freq has a layer whose frequencies are not positive then zero (the "
                          "channels RoPE leaves alone); re-export the bundle")
     for i, layer in enumerate(layers):
@@ -211,7 +218,7 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
             if bool((tensors[f"layers.{i}.importance.{kind}"] < 0).any()):
                 raise KvcalError(f"bundle '{path}': layers.{i}.importance.{kind} is negative (an importance is a gradient norm); "
                                  "re-export the bundle")
-            schema = layer.format.tensor_schema(layer, kind, width)
+            schema = layer.format.tensor_schema(layer, kind, shapes[i][0] * shapes[i][1])
             for field, (shape, dtype) in schema.items():
                 expected.add(f"layers.{i}.{kind}.{field}")
                 _check_tensor(tensors, f"layers.{i}.{kind}.{field}", dtype, shape, path)

@@ -7,11 +7,12 @@ From that single backward it collects, per decoder layer:
 - streaming per-channel min / max / absmax over every non-sink token;
 - a few whole windows of pre-RoPE Q, K and V, for fitters whose objective is the attention output.
 
-Host memory is bounded by the settings, not by the calibration set:
-  5 x layers x rows x kv_width x 4 B   (sampled rows, float32; rows = max_tokens_per_layer, by default every
-                                        row past the sink while this stays under SAMPLE_BUDGET_BYTES)
-+ store_windows x layers x seqlen x (q_width + 2 kv_width) x 2 B   (whole windows, float16)
-+ 9 x layers x kv_width x 4 B   (streaming statistics)
+Host memory is bounded by the settings, not by the calibration set (widths summed over the layers, which differ
+where the layers' heads do: Gemma 4):
+  5 x rows x sum(kv_width) x 4 B   (sampled rows, float32; rows = max_tokens_per_layer, by default every
+                                    row past the sink while this stays under SAMPLE_BUDGET_BYTES)
++ store_windows x seqlen x sum(q_width + 2 kv_width) x 2 B   (whole windows, float16)
++ 9 x sum(kv_width) x 4 B   (streaming statistics)
 + the model and one window's activations.
 """
 
@@ -40,11 +41,11 @@ class CaptureSettings:
     store_windows: int = 2
     seed: int = 0
 
-    def row_limit(self, num_layers: int, kv_width: int) -> int:
-        """Token rows per layer to keep as samples."""
+    def row_limit(self, kv_widths: list[int]) -> int:
+        """Token rows per layer to keep as samples, for layers of these KV widths."""
         if self.max_tokens_per_layer is not None:
             return self.max_tokens_per_layer
-        return max(1, SAMPLE_BUDGET_BYTES // (len(SAMPLE_TENSORS) * num_layers * kv_width * 4))
+        return max(1, SAMPLE_BUDGET_BYTES // (len(SAMPLE_TENSORS) * sum(kv_widths) * 4))
 
 
 @dataclass
@@ -102,18 +103,44 @@ class _LayerRecorder:
 
 class _ActivationHooks:
     """Forward hooks that keep each layer's pre-RoPE Q/K and V of the current window, and tensor
-    hooks that keep dL/dK and dL/dV when the backward pass reaches them."""
+    hooks that keep dL/dK and dL/dV when the backward pass reaches them. Where the value is made from k_proj's output
+    (value_from_key_projection), they also keep dL/dW_v, the part of k_proj's weight gradient that flows through
+    the value: the v norm's input is replaced by an alias of it, whose gradient is the value path's alone."""
 
     def __init__(self, adapter: ModelAdapter):
         self.activations: dict[tuple[str, int], torch.Tensor] = {}
         self.gradients: dict[tuple[str, int], torch.Tensor] = {}
+        self.value_weight_gradients: dict[int, torch.Tensor] = {}
         self.keep_queries = False
+        self._projection_inputs: dict[int, torch.Tensor] = {}
         self._handles = []
         for handles in adapter.layers:
             i = handles.index
             self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles)))
             self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
             self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
+            if handles.value_from_key_projection:
+                self._handles.append(handles.k_proj.register_forward_hook(self._keep_projection_input(i)))
+                self._handles.append(handles.v_norm.register_forward_pre_hook(self._split_value_path(i)))
+
+    def _keep_projection_input(self, layer: int):
+        def on_forward(module, inputs, output):
+            self._projection_inputs[layer] = inputs[0].detach()
+
+        return on_forward
+
+    def _split_value_path(self, layer: int):
+        def before_forward(module, inputs):
+            alias = inputs[0].view_as(inputs[0])
+
+            def on_gradient(grad):  # (batch, tokens, kv heads, head_dim) . (batch, tokens, hidden) summed over tokens
+                self.value_weight_gradients[layer] = torch.einsum("btc,bth->ch", grad.flatten(2).double(),
+                                                                  self._projection_inputs[layer].double())
+
+            alias.register_hook(on_gradient)
+            return (alias, *inputs[1:])
+
+        return before_forward
 
     def _hook(self, kind: str, layer: int, with_grad: bool, handles: LayerHandles):
         def on_forward(module, inputs, output):
@@ -129,6 +156,17 @@ class _ActivationHooks:
     def clear(self) -> None:
         self.activations.clear()
         self.gradients.clear()
+        self.value_weight_gradients.clear()
+        self._projection_inputs.clear()
+
+    def weight_gradients(self, handles: LayerHandles) -> dict[str, torch.Tensor]:
+        """dL/dW_k and dL/dW_v of one layer, after the backward pass: its projections' gradients, or where the value
+        is made from k_proj's output, k_proj's split by the path it flowed through."""
+        gradients = {kind: handles.weight_gradient(kind).double() for kind in "kv"}
+        if handles.value_from_key_projection:
+            value = self.value_weight_gradients[handles.index]
+            gradients = {"k": gradients["k"] - value, "v": value}
+        return gradients
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -155,11 +193,11 @@ def profile_gradients(
 ) -> CaptureResult:
     """Run one forward + backward per row of `windows` (nsamples, seqlen) and collect the profile."""
     nsamples, seqlen = windows.shape
-    num_layers, kv_width = len(adapter.layers), adapter.kv_width
-    q_width = adapter.num_heads * adapter.head_dim
-    rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(num_layers, kv_width), settings.seed)
+    num_layers = len(adapter.layers)
+    rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(adapter.kv_widths), settings.seed)
     stored = min(settings.store_windows, nsamples)
-    recorders = [_LayerRecorder(len(rows), kv_width, q_width, stored, seqlen) for _ in range(num_layers)]
+    recorders = [_LayerRecorder(len(rows), kv_width, adapter.num_heads * head_dim, stored, seqlen)
+                 for kv_width, head_dim in zip(adapter.kv_widths, adapter.head_dims)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
     rope = [(adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i)) for i in range(num_layers)]  # read once, not per window
@@ -181,12 +219,12 @@ def profile_gradients(
             slots = torch.nonzero(rows[:, 0] == w).flatten()
             for handles, recorder in zip(adapter.layers, recorders):
                 i = handles.index
-                for slot, kind in enumerate("kv"):
-                    importance[slot, i] += handles.weight_gradient(kind).double().norm().item()  # importance stays on the CPU
+                for slot, gradient in enumerate(hooks.weight_gradients(handles).values()):
+                    importance[slot, i] += gradient.norm().item()  # importance stays on the CPU
                 handles.k_proj.weight.grad = handles.v_proj.weight.grad = None
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
-                key_post = rotate_keys(key, positions, adapter.num_kv_heads, *rope[i])
+                key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,

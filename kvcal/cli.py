@@ -505,14 +505,14 @@ def eval_ppl_command(
         check_writable(json_out, "--json", inputs=quant)
     baselines = [s.strip() for s in baseline.split(",") if s.strip()]
     for spec in baselines:
-        baseline_method(spec.partition(";")[0], 1, 64)  # refuse a bad spec before the model loads
+        baseline_method(spec.partition(";")[0], [64])  # refuse a bad spec before the model loads
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows)
                                                      for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
@@ -651,7 +651,7 @@ def eval_passkey_command(
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
     baselines = [spec.strip() for spec in baseline.split(",") if spec.strip()]
     for spec in baselines:
-        baseline_method(spec.partition(";")[0], 1, 64)  # refuse a bad spec before the model loads
+        baseline_method(spec.partition(";")[0], [64])  # refuse a bad spec before the model loads
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)
@@ -659,7 +659,7 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
     for spec in baselines:
-        method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows)
         QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvcal.adapters import kv_shapes, kv_widths
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
@@ -193,7 +194,7 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     transformers' own fp16 cache for the model."""
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     fingerprint = bundle.fingerprint
-    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
+    widths, kv_heads = kv_widths(fingerprint), [heads for heads, _ in kv_shapes(fingerprint)]
     tokens = len(context_ids)
     ids = context_ids[None].to(model.get_input_embeddings().weight.device)
     step = chunk or tokens
@@ -203,6 +204,6 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     outliers = cache.outliers()
     windows = cache.adapter.windows
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
-            "formula_bytes": cache_bytes(bundle.layers, width, tokens, outliers, chunk, kv_heads=fingerprint["num_kv_heads"],
+            "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
                                          windows=windows),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], width, tokens, windows), "outliers": outliers}
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, windows), "outliers": outliers}

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
@@ -80,8 +81,18 @@ def dtype_bits(dtype: str, head_dim: int, kv_heads: int, num_layers: int = 1) ->
     """An engine dtype's real bits per element (codes and scales, K and V) for heads of `head_dim` channels, the mean
     over `num_layers` layers (a spec whose layers differ, such as ik_llama.cpp's first/last ones, needs them all)."""
     width = kv_heads * head_dim
-    layers = baseline_method(dtype, num_layers, head_dim).layers
+    layers = baseline_method(dtype, [head_dim] * num_layers).layers
     return sum(codecs.key_codec.row_bits(width) + codecs.value_codec.row_bits(width) for codecs in layers) / (2 * width * num_layers)
+
+
+def _one_shape(fingerprint: dict, where: str) -> tuple[int, int, int]:
+    """(layers, head_dim, KV heads) of a model whose layers share one, as the engines' plans price them; refuses one
+    whose layers differ (Gemma 4), whose per-layer prices these plans do not weigh yet."""
+    shapes = kv_shapes(fingerprint)
+    if len(set(shapes)) > 1:
+        raise KvcalError(f"{where}: its model's layers differ in KV heads x head_dim ({', '.join(sorted({f'{h} x {d}' for h, d in shapes}))}); "
+                         "engine plans price one shape for every layer: run kvcal eval ppl with the dtype and skip=L+L+... instead")
+    return fingerprint["num_layers"], shapes[0][1], shapes[0][0]
 
 
 def _fixed_fp16(codecs) -> bool:
@@ -91,15 +102,15 @@ def _fixed_fp16(codecs) -> bool:
 
 def fixed_fp16_layers(dtype: str, num_layers: int, head_dim: int) -> set[int]:
     """The layers the engine keeps fp16 under `dtype` whatever it is told (TurboQuant's first and last two)."""
-    return {i for i, codecs in enumerate(baseline_method(dtype, num_layers, head_dim).layers) if _fixed_fp16(codecs)}
+    return {i for i, codecs in enumerate(baseline_method(dtype, [head_dim] * num_layers).layers) if _fixed_fp16(codecs)}
 
 
 def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
     """Fisher-weighted squared error of `codec` on the layer's sampled keys, cached after RoPE as the engines cache
     them, the error rotated back before RoPE where the Fisher information was taken."""
     positions = profile["samples.position"].long()
-    inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer)
     keys = profile[f"layers.{layer}.k_post.samples"].float()
+    inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, keys.shape[1] // kv_heads)
     error = codec.quantize(keys).values - keys
     error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / layer_rope_scaling(config["rope"], layer))  # scalings undone
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
@@ -128,9 +139,8 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     if context < 0:
         raise KvcalError(f"--context must be 0 or a number of tokens (got {context})")
     profile, config = read_artifact(profile_path, "profile")
-    fingerprint = config["model"]["fingerprint"]
-    num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
-    layers = baseline_method(dtype, num_layers, head_dim).layers
+    num_layers, head_dim, kv_heads = _one_shape(config["model"]["fingerprint"], profile_path)
+    layers = baseline_method(dtype, [head_dim] * num_layers).layers
     fixed = np.array([_fixed_fp16(codecs) for codecs in layers])
     quantized_bits = dtype_bits(dtype, head_dim, kv_heads)
     shares = np.array(stored_shares(config["model"].get("windows"), context, num_layers))
@@ -212,8 +222,7 @@ def cache_type_costs(profile_path: str, hadamard: str | None = "llama.cpp") -> t
 
 def _priced_cache_types(profile: dict, config: dict, hadamard: str | None, types: tuple[str, ...] = CACHE_TYPES):
     """cache_type_costs on a profile already read (its tensors and config), of `types`."""
-    fingerprint = config["model"]["fingerprint"]
-    num_layers, head_dim, kv_heads = fingerprint["num_layers"], fingerprint["head_dim"], fingerprint["num_kv_heads"]
+    num_layers, head_dim, kv_heads = _one_shape(config["model"]["fingerprint"], "the profile")
     width = kv_heads * head_dim
     codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in types} for tensor in "kv"}
     with torch.inference_mode():

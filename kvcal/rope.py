@@ -3,7 +3,8 @@
 Everything a consumer needs is `inv_freq` (head_dim/2 frequencies, scaling already folded in) and the
 attention scaling factor of cos/sin, both stored in artifacts, so fitters and the runtime never need the model. Models
 whose layers rotate with different frequencies (Gemma 3: local and global layers) store one row per layer: `inv_freq`
-is (head_dim/2,) when every layer shares it, else (layers, head_dim/2); `layer_inv_freq` reads either. The scaling
+is (head_dim/2,) when every layer shares it, else (layers, head_dim/2), each row padded with zeros to the largest
+where the layers' head_dim differ (Gemma 4); `layer_inv_freq` reads any. The scaling
 likewise (OLMo 3: YaRN's on its full-attention layers only), read by `layer_rope_scaling`.
 
 kvcal rotates channel j of a head with channel j + head_dim/2 by frequency j. Models that pair channels otherwise
@@ -80,15 +81,19 @@ def padded_inv_freq(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat((inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.numel())))
 
 
-def layer_inv_freq(inv_freq: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer `layer`'s frequencies from (head_dim/2,) shared by every layer or (layers, head_dim/2)."""
-    return inv_freq if inv_freq.dim() == 1 else inv_freq[layer]
+def layer_inv_freq(inv_freq: torch.Tensor, layer: int, head_dim: int) -> torch.Tensor:
+    """Layer `layer`'s frequencies (head_dim/2,) from (head_dim/2,) shared by every layer or (layers, >= head_dim/2)."""
+    return (inv_freq if inv_freq.dim() == 1 else inv_freq[layer])[: head_dim // 2]
 
 
 def stored_inv_freq(per_layer: list[torch.Tensor]) -> torch.Tensor:
-    """What artifacts store for these per-layer frequencies: one row when every layer has the same, else all rows."""
+    """What artifacts store for these per-layer frequencies: one row when every layer has the same, else all rows,
+    padded with zeros to the longest."""
     first = per_layer[0]
-    return first if all(torch.equal(first, other) for other in per_layer[1:]) else torch.stack(per_layer)
+    if all(torch.equal(first, other) for other in per_layer[1:]):
+        return first
+    longest = max(row.numel() for row in per_layer)
+    return torch.stack([torch.cat((row, row.new_zeros(longest - row.numel()))) for row in per_layer])
 
 
 def layer_rope_scaling(rope_config: dict, layer: int) -> float:

@@ -230,7 +230,8 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     tokens = query.shape[2]
     if key.shape[2] != tokens:
         raise KvcalError(f"the simulation evaluates whole windows in one forward, without a cache holding earlier tokens "
-                         f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False")
+                         f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False (and, Gemma 4, "
+                         "logits_to_keep=0: it runs its layers reading another's cache on the kept logits' tokens alone)")
     if sliding_window != state.window:
         raise KvcalError(f"layer {slot.index} attends over a sliding window of {sliding_window} tokens but its config gives "
                          f"{state.window}; kvcal follows the config (transformers' own cache does)")
@@ -282,12 +283,13 @@ class QuantizedOnWrite(DynamicCache):
             raise KvcalError(f"{method.name} keeps tokens fp16, groups tokens or quantizes keys before RoPE; only a cache "
                              "type that quantizes each post-RoPE token on its own is written this way (use its bundle)")
         super().__init__(config=model.config)
-        attending = adapt(model).model_layers  # (a hybrid model's other layers keep a state, not keys and values)
+        adapter = adapt(model)
+        attending = adapter.model_layers  # (a hybrid model's other layers keep a state, not keys and values)
         if len(method.layers) != len(attending):
             raise KvcalError(f"{method.name} has {len(method.layers)} layers, the model {len(attending)}")
         self.method = method
         self.codecs = {decoder_index: layer for decoder_index, layer in zip(attending, method.layers)}  # by layer_idx
-        self.kv_heads = model.config.get_text_config(decoder=True).num_key_value_heads
+        self.kv_heads = dict(zip(attending, adapter.kv_heads))  # by layer_idx
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.codecs[layer_idx]
@@ -300,9 +302,10 @@ class QuantizedOnWrite(DynamicCache):
         keeps (it drops the others as they are written); layers that keep a recurrent state get a copy of the
         context's."""
         context.copy_states_into(self)
-        heads = lambda rows: rows.unflatten(2, (self.kv_heads, -1)).transpose(1, 2)  # -> (batch, kv_heads, tokens, head_dim)
         for index, keys, values in zip(self.codecs, context.keys, context.values):
             layer, codecs = self.layers[index], self.codecs[index]
+            # -> (batch, kv_heads, tokens, head_dim)
+            heads = lambda rows, kv_heads=self.kv_heads[index]: rows.unflatten(2, (kv_heads, -1)).transpose(1, 2)
             kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
             written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
             super().update(written(codecs.key_codec, keys), written(codecs.value_codec, values), index)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import score_scale
+from kvcal.adapters import kv_shapes, score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -29,7 +29,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     provenance = [
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
-                         f"{fingerprint['num_heads']} q / {fingerprint['num_kv_heads']} kv heads, head_dim {fingerprint['head_dim']}"
+                         f"{fingerprint['num_heads']} q / {_kv_heads_text(fingerprint)}"
                          + (f"; attention in decoder layers {', '.join(map(str, fingerprint['attention_layers']))}, the others "
                             "keep a recurrent state" if "attention_layers" in fingerprint else "")),
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
@@ -51,7 +51,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     windows = model.get("windows") or [None] * bits_k.numel()  # profiles before windows were recorded: none shown
     columns = ["layer", "sliding window", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
     rows = [
-        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i),
+        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i, kv_shapes(fingerprint)[i][1]),
          f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
          str(int(bits_k[i])), str(int(bits_v[i])),
          f"{tensors['kvmix.rpc.k'][i]:.2f}", f"{tensors['kvmix.rpc.v'][i]:.2f}"]
@@ -60,10 +60,20 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("profile", provenance, columns, rows)
 
 
-def _rope_of(inv_freq, rope_config: dict, layer: int) -> str:
+def _kv_heads_text(fingerprint: dict) -> str:
+    """The KV heads and head_dim of a model's layers: one pair, or each pair and its layers where they differ."""
+    shapes = kv_shapes(fingerprint)
+    layers = {shape: [str(i) for i, s in enumerate(shapes) if s == shape] for shape in dict.fromkeys(shapes)}
+    if len(layers) == 1:
+        return f"{shapes[0][0]} kv heads, head_dim {shapes[0][1]}"
+    return "; ".join(f"{kv_heads} kv heads, head_dim {head_dim} in layers {', '.join(at)}"
+                     for (kv_heads, head_dim), at in layers.items())
+
+
+def _rope_of(inv_freq, rope_config: dict, layer: int, head_dim: int) -> str:
     """A layer's RoPE as the profile records it: "none" (frequencies of zero: a layer that applies none), else its
     cos/sin scaling and, where it rotates part of each head, how many channels (its nonzero frequencies' pairs)."""
-    frequencies = layer_inv_freq(inv_freq, layer)
+    frequencies = layer_inv_freq(inv_freq, layer, head_dim)
     rotated = int(frequencies.count_nonzero())
     if not rotated:
         return "none"
@@ -94,19 +104,20 @@ def _model_rows(config: dict) -> list[tuple[str, str]]:
 EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 
 
-def effective_bits(layers: list, kv_heads: int, head_dim: int, tokens: int) -> float:
-    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory), with each layer's
-    outlier fraction of its quantized elements as outliers."""
-    width = kv_heads * head_dim
-    outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width for layer in layers for keys in (True, False)))
-    return cache_bytes(layers, width, tokens, outliers, kv_heads=kv_heads) * 8 / (len(layers) * 2 * tokens * width)
+def effective_bits(layers: list, shapes: list[tuple[int, int]], tokens: int) -> float:
+    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory) for layers of these (KV heads,
+    head_dim), with each layer's outlier fraction of its quantized elements as outliers."""
+    kv_heads, widths = [heads for heads, _ in shapes], [heads * head_dim for heads, head_dim in shapes]
+    outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width
+                         for layer, width in zip(layers, widths) for keys in (True, False)))
+    return cache_bytes(layers, widths, tokens, outliers, kv_heads=kv_heads) * 8 / (2 * tokens * sum(widths))
 
 
 def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     """The summary of a bundle that load_bundle validated: layers and tensors are sound, provenance is shown as found."""
     config, layers, tensors = bundle.config, bundle.layers, bundle.tensors
     fingerprint = bundle.fingerprint
-    bits = ", ".join(f"{effective_bits(layers, fingerprint['num_kv_heads'], fingerprint['head_dim'], n):.3f} at {n} tokens"
+    bits = ", ".join(f"{effective_bits(layers, kv_shapes(fingerprint), n):.3f} at {n} tokens"
                      for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "

@@ -16,7 +16,8 @@ TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma2",
-               "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text")
+               "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4")
+GEMMA4 = ("gemma4_text", "gemma4")  # Gemma 4's text model, and its decoder beside a vision tower
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
@@ -49,6 +50,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       patch_size=14)
         text = tiny_config("gemma3_text", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    if model_type == "gemma4":  # Gemma 4 E2B to 31B: the text decoder beside a vision tower (no audio tower: 26B, 31B)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      head_dim=16, patch_size=14, pooling_kernel_size=2)
+        text = tiny_config("gemma4_text", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, audio_config=None)
     if model_type == "mistral3":  # Ministral 3: its decoder beside a Pixtral vision tower, here of as many layers
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
                       image_size=28, patch_size=14)
@@ -142,6 +148,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(head_dim=16, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                       num_kv_shared_layers=2, vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16,
                       laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+        del common["rope_theta"]
+    if model_type == "gemma4_text":  # as Gemma 4 31B: its full layer has twice the head_dim, half the KV heads and K = V
+        # (the value is k_proj's output, normed); its last layers (here 2 and 3) read layers 0's and 1's cache (as E2B)
+        common.update(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                      num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                      vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16)
         del common["rope_theta"]
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import ALTERNATING, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from conftest import ALTERNATING, GEMMA4, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from helpers import attention_module
 from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
@@ -10,10 +10,11 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe")
-# OLMo 3, Mellum, Gemma 3, Gemma 3n by layer type; the others (Aya Vision: Cohere 2's) for their NoPE layer
+               "qwen3_vl", "qwen3_vl_moe", *GEMMA4)
+KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
+# OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type; the others (Aya Vision: Cohere 2's) for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text", "aya_vision")
+                         "gemma3n_text", *GEMMA4, "aya_vision")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
 
@@ -23,23 +24,30 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     assert adapter.model_type == model_type and len(adapter.layers) == 2
     kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
-    assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.kv_width) == (4, kv_heads, 16, 16 * kv_heads)
+    # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
+    shapes = [(2, 16), (1, 32)] if model_type in GEMMA4 else [(kv_heads, 16)] * 2
+    assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
+    assert adapter.kv_widths == [heads * head_dim for heads, head_dim in shapes]
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
     assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
-    assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type == "gemma3n_text" else [])
+    assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     layer = model.get_decoder().layers[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's and GPT-NeoX's q, k and v: one linear
     key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
-    assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n: v_norm
+    assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
+    # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output
+    assert [layer.value_from_key_projection for layer in adapter.layers] == [False, model_type in GEMMA4]
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
     key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
-    assert adapter.inv_freq.shape == ((2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)) and adapter.max_positions == 256
+    # Gemma 4's rows padded to its full layer's 16 frequencies
+    frequencies = (2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)
+    assert adapter.inv_freq.shape == frequencies and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.fingerprint()["num_kv_heads"] == kv_heads
 
@@ -57,7 +65,7 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
-        pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.num_kv_heads, adapter.head_dim)
+        pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.kv_heads[i], adapter.head_dims[i])
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
         cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1))
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
@@ -180,7 +188,7 @@ def test_checkpoint_shaped_attention_rotates_as_the_model_does(checkpoint):
     model = tiny_model(model_type, max_positions=positions, intermediate_size=64, initializer_range=0.05, **attention)
     assert_kvcal_rotates_the_pre_rope_keys_as(model)
     adapter = adapt(model)
-    assert adapter.head_dim == 128
+    assert adapter.head_dims == [128] * len(adapter.layers)
     assert adapter.score_scale == pytest.approx(attention.get("query_pre_attn_scalar", 128) ** -0.5, rel=1e-6)
 
 

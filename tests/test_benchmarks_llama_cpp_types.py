@@ -30,7 +30,7 @@ def test_kvcal_scores_the_second_half_of_each_chunk_as_llama_perplexity_does():
     nll = torch.nn.functional.cross_entropy(logits[:, 8:15].reshape(-1, logits.shape[-1]), batch[:, 9:].reshape(-1))
     adapter = adapt(model)
     assert llama_cpp_types.kvcal_ppl(model, adapter, batch, None) == pytest.approx(math.exp(float(nll)), rel=1e-5)
-    q4_0 = baseline_method("q4_0", len(adapter.layers), adapter.head_dim, adapter.windows)
+    q4_0 = baseline_method("q4_0", adapter.head_dims, adapter.windows)
     assert llama_cpp_types.kvcal_ppl(model, adapter, batch, q4_0) != pytest.approx(math.exp(float(nll)), rel=1e-6)
 
 

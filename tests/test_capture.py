@@ -1,11 +1,12 @@
 """The capture pass against independent computations on tiny random models of every architecture."""
 
+import copy
 import importlib
 
 import pytest
 import torch
 
-from conftest import TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
+from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
 from helpers import attention_module
 from kvcal.adapters import adapt
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
@@ -71,7 +72,7 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     each head; gpt-oss's cover a pair each), the rest as they are. Gemma 3n's rotates one tensor at a time."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
     apply_rotary_pos_emb = importlib.import_module(type(model.get_decoder()).__module__).apply_rotary_pos_emb
-    if text_config(model).model_type == "gemma3n_text":
+    if text_config(model).model_type in ("gemma3n_text", "gemma4_text"):
         rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], cos, sin)
     else:
         _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)
@@ -81,8 +82,22 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
     post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
-    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier."""
+    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where the value is
+    made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a copy of k_proj, for the
+    reference: the values are the same, and autograd gives the value path's dL/dW_v as that copy's gradient."""
     adapter = adapt(model)
+    copied = [attention for attention in map(attention_of, [model] * len(adapter.layers), adapter.model_layers)
+              if getattr(attention, "v_proj", 0) is None]
+    for attention in copied:
+        attention.v_proj = copy.deepcopy(attention.k_proj)
+    try:
+        return _autograd_reference(model, adapter, batch)
+    finally:
+        for attention in copied:
+            attention.v_proj = None
+
+
+def _autograd_reference(model, adapter, batch: torch.Tensor):
     layers, kinds = range(len(adapter.layers)), adapter.layer_types  # the attention layers (hybrids have others)
     sources = [key_and_value_sources(model, adapter.model_layers[i]) for i in layers]
     key_multiplier = getattr(text_config(model), "key_multiplier", 1.0)
@@ -115,8 +130,9 @@ def independent_reference(model, batch: torch.Tensor):
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach() * key_multiplier
             keys = keys if heads_first else keys[..., sources[i][0][2]]
-            kv_heads = getattr(text_config(model), "num_key_value_heads", text_config(model).num_attention_heads)  # GPT-NeoX
-            heads = keys if heads_first else keys.reshape(1, SEQLEN, kv_heads, -1).transpose(1, 2)
+            head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
+                attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
+            heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
             if applies_rope(model, adapter.model_layers[i]):
                 cos, sin = models_rotary(model)(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
@@ -142,8 +158,10 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
         expected_fk = torch.stack([key_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_fv = torch.stack([value_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_post = torch.stack([post_rope[w][layer][p] for w, p in zip(rows_window, rows_position)])
-        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], expected_fk, rtol=1e-4, atol=1e-14)
-        torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], expected_fv, rtol=1e-4, atol=1e-14)
+        # Gemma 4: the reference's copied v_proj sums the hidden states' gradient in another order (last bits)
+        atol = 1e-12 if model_type in GEMMA4 else 1e-14
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], expected_fk, rtol=1e-4, atol=atol)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], expected_fv, rtol=1e-4, atol=atol)
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], expected_post, rtol=1e-5, atol=1e-5)
 
 
@@ -210,8 +228,8 @@ def test_default_rows_are_every_row_past_the_sink_within_the_sample_budget(monke
     adapter = adapt(model)
     result = profile_gradients(model, adapter, windows(), CaptureSettings(sink=2))
     assert result.counts["sampled_rows"] == NSAMPLES * (SEQLEN - 2)
-    per_row = len(capture.SAMPLE_TENSORS) * len(adapter.layers) * adapter.kv_width * 4
+    per_row = len(capture.SAMPLE_TENSORS) * sum(adapter.kv_widths) * 4
     monkeypatch.setattr(capture, "SAMPLE_BUDGET_BYTES", 50 * per_row + per_row // 2)
-    assert CaptureSettings().row_limit(len(adapter.layers), adapter.kv_width) == 50
+    assert CaptureSettings().row_limit(adapter.kv_widths) == 50
     assert profile_gradients(model, adapter, windows(), CaptureSettings(sink=2)).counts["sampled_rows"] == 50
-    assert CaptureSettings(max_tokens_per_layer=7).row_limit(len(adapter.layers), adapter.kv_width) == 7
+    assert CaptureSettings(max_tokens_per_layer=7).row_limit(adapter.kv_widths) == 7

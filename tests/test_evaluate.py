@@ -21,7 +21,7 @@ def test_windows_are_consecutive_and_too_little_text_is_an_error():
 def test_fp_perplexity_is_the_exponent_of_the_mean_token_loss():
     model = tiny_model("qwen2")
     windows = torch.randint(0, 512, (3, 20), generator=torch.Generator().manual_seed(0))
-    results = evaluate_ppl(model, adapt(model), windows, [baseline_method("int4", 2, 16), baseline_method("int1", 2, 16)])
+    results = evaluate_ppl(model, adapt(model), windows, [baseline_method("int4", [16] * 2), baseline_method("int1", [16] * 2)])
     with torch.no_grad():
         losses = [model(input_ids=w[None], labels=w[None]).loss for w in windows]
     assert results[0].method == "fp"

@@ -16,24 +16,24 @@ def test_a_profile_is_not_an_evaluable_method(tiny_profile):
 
 
 def test_specs_and_defaults():
-    method = baseline_method("int4", 3, 64)
+    method = baseline_method("int4", [64] * 3)
     assert method.name == "int4-g64" and method.layers[0] == LayerCodecs(TokenUniform(4, 64), TokenUniform(4, 64), False) and len(method.layers) == 3
-    kivi = baseline_method("kivi2", 2, 64)
+    kivi = baseline_method("kivi2", [64] * 2)
     assert kivi.name == "kivi2-g32-r128" and kivi.layers[0] == kivi_layer(2, 32) and kivi.policy.residual == 128
-    assert baseline_method("kivi3-g64-r64", 1, 64).policy.residual == 64
+    assert baseline_method("kivi3-g64-r64", [64]).policy.residual == 64
 
 
 @pytest.mark.parametrize("spec, message", [("int5", "bits must be 1-4"), ("fp4", "unknown baseline"), ("kivi0", "not one of 1, 2, 3, 4"),
                                            ("kivi2-g32-r100", "multiple of the group"), ("int2-g64-r128", "no residual")])
 def test_bad_specs(spec, message):
     with pytest.raises(KvcalError, match=message):
-        baseline_method(spec, 2, 64)
+        baseline_method(spec, [64] * 2)
 
 
 @pytest.mark.parametrize("spec, bits", [("hadamard-int4", 4.5), ("hadamard-int2", 2.5), ("turbo3", 3.25), ("q4_0", 4.5),
                                         ("q8_0", 8.5), ("q5_1", 6.0), ("iq4_nl", 4.5)])
 def test_rotation_and_llama_cpp_baselines_store_their_real_bits(spec, bits):
-    method = baseline_method(spec, 2, 64)
+    method = baseline_method(spec, [64] * 2)
     assert method.name == spec and len(method.layers) == 2 and not method.layers[0].key_pre_rope
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0))
     for codec in (method.layers[0].key_codec, method.layers[0].value_codec):
@@ -44,49 +44,49 @@ def test_rotation_and_llama_cpp_baselines_store_their_real_bits(spec, bits):
 
 def test_a_llama_cpp_k_v_pair_gives_each_tensor_its_own_type_rotating_only_a_quantized_one():
     """`q8_0/q4_0` is -ctk q8_0 -ctv q4_0; with `f16` on one side that tensor is stored unquantized and unrotated."""
-    pair = baseline_method("q8_0/q4_0", 2, 64).layers[0]
+    pair = baseline_method("q8_0/q4_0", [64] * 2).layers[0]
     assert (pair.key_codec.qtype, pair.value_codec.qtype) == ("q8_0", "q4_0")
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
     assert torch.all(pair.key_codec.quantize(x).row_bits == 8.5 * 128) and torch.all(pair.value_codec.quantize(x).row_bits == 4.5 * 128)
-    half = baseline_method("f16/q4_0", 2, 64).layers[0]
+    half = baseline_method("f16/q4_0", [64] * 2).layers[0]
     assert torch.equal(half.key_codec.quantize(x).values, x.half().float()) and half.value_codec.rotation is not None
     for spec in ("f16", "f16/f16", "q4_0/", "q4_0/q9_0"):
         with pytest.raises(KvcalError, match="unknown baseline"):
-            baseline_method(spec, 2, 64)
+            baseline_method(spec, [64] * 2)
 
 
 def test_ik_llama_cpp_layers_rotate_as_under_khad_and_vhad_unless_the_base_is_f16():
     """With a quantized base every quantized layer of the tensor is rotated on ik_llama.cpp's blocks (a whole head of
     256 for V too, where llama.cpp takes 64); with an f16 base ik_llama.cpp rotates nothing, so the ends are plain."""
-    method = baseline_method("f16/q4_0;k_first=q8_0,1;v_last=q8_0,1", 2, 256)
+    method = baseline_method("f16/q4_0;k_first=q8_0,1;v_last=q8_0,1", [256] * 2)
     keys, values = [layer.key_codec for layer in method.layers], [layer.value_codec for layer in method.layers]
     assert keys[0].bits == 8 and keys[0].rotation is None and keys[1].bits == 16
     assert [codec.rotation.block for codec in values] == [256, 256] and [codec.bits for codec in values] == [4, 8]
-    assert baseline_method("q4_0", 2, 256).layers[0].value_codec.rotation.block == 64  # llama.cpp's own
+    assert baseline_method("q4_0", [256] * 2).layers[0].value_codec.rotation.block == 64  # llama.cpp's own
 
 
 def test_ik_llama_cpp_first_and_last_layers_take_their_own_types():
     """`q4_0;k_first=q8_0,2;v_last=f16,1` on 5 layers is -ctk q4_0 -ctv q4_0 -ctk-first q8_0,2 -ctv-last f16,1: keys of
     layers 0-1 at q8_0, values of layer 4 unquantized, every other tensor q4_0; overlapping ends and other bases are
     refused."""
-    method = baseline_method("q4_0;v_last=f16,1;k_first=q8_0,2", 5, 64)
+    method = baseline_method("q4_0;v_last=f16,1;k_first=q8_0,2", [64] * 5)
     assert method.name == "q4_0;k_first=q8_0,2;v_last=f16,1"
     assert [layer.key_codec.bits for layer in method.layers] == [8, 8, 4, 4, 4]
     assert [layer.value_codec.bits for layer in method.layers] == [4, 4, 4, 4, 16]
     for spec, message in (("q4_0;k_first=q8_0,3;k_last=q8_0,3", "they overlap"), ("int4-g64;k_first=q8_0,1", "not 'int4-g64'"),
                           ("q4_0;k_first=q8_0", "k_first=TYPE,N"), ("q4_0;k_first=q9_0,1", "give one of f16")):
         with pytest.raises(KvcalError, match=message):
-            baseline_method(spec, 5, 64)
+            baseline_method(spec, [64] * 5)
 
 
 def test_a_baseline_that_needs_power_of_two_heads_says_so():
     with pytest.raises(KvcalError, match="power of two"):
-        baseline_method("hadamard-int4", 2, 48)
+        baseline_method("hadamard-int4", [48] * 2)
 
 
 def test_the_fp8_baseline_is_vllms_default_scale():
     """`fp8`: every layer's keys (post-RoPE) and values as fp8_e4m3(x / 1.0) * 1.0, 8 bits per element, no fp16 tokens."""
-    method = baseline_method("fp8", 3, 64)
+    method = baseline_method("fp8", [64] * 3)
     assert method.name == "fp8 scale 1.0" and method.nominal_bits == 8 and len(method.layers) == 3
     assert not method.layers[0].key_pre_rope and method.policy == SegmentPolicy() and method.fingerprint is None
     x = torch.tensor([[0.3, -1000.0, 500.0, 17.0]])

@@ -40,7 +40,7 @@ def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken
     weighted by the pre-RoPE Fisher, plus the values' Fisher-weighted error."""
     _, profile = tiny_profile
     tensors, _ = read_artifact(str(profile), "profile")
-    codec = baseline_method("int8_per_token_head", 1, 16).layers[0].key_codec
+    codec = baseline_method("int8_per_token_head", [16]).layers[0].key_codec
     keys, values = tensors["layers.0.k_post.samples"].float(), tensors["layers.0.v.samples"].float()
     positions = tensors["samples.position"].long()
     back = rotate_keys(codec.quantize(keys).values - keys, -positions, 2, tensors["rope.inv_freq"])
@@ -172,7 +172,7 @@ def test_an_ik_llama_cpp_plan_stores_its_bits_and_costs_no_more_than_one_type_ea
         used = {t for setting in (chosen.k, chosen.v) for t in (setting.base, setting.first, setting.last)}
         assert used | {chosen.pair["type_k"], chosen.pair["type_v"]} <= set(IK_CACHE_TYPES), budget
     fingerprint = read_artifact(str(tiny_profile[1]), "profile")[1]["model"]["fingerprint"]
-    method = baseline_method(plan.baseline_spec(), fingerprint["num_layers"], fingerprint["head_dim"])
+    method = baseline_method(plan.baseline_spec(), [fingerprint["head_dim"]] * fingerprint["num_layers"])
     width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
     row_bits = [(layer.key_codec.row_bits(width) + layer.value_codec.row_bits(width)) / (2 * width) for layer in method.layers]
     assert sum(row_bits) / len(row_bits) == pytest.approx(plan.bits)

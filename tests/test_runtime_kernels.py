@@ -162,7 +162,7 @@ def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logit
 @requires_gpu
 @pytest.mark.parametrize("model_type, overrides", [("gpt_oss", dict(num_attention_heads=4)),
                                                    ("gpt_oss", dict(num_attention_heads=32)), ("gemma2", {}),
-                                                   ("qwen3_5_text", {}), ("falcon_h1", {}), ("gemma3n_text", {})])
+                                                   ("qwen3_5_text", {}), ("falcon_h1", {}), ("gemma3n_text", {}), ("gemma4_text", {})])
 def test_sinks_soft_caps_and_hybrids_decode_on_cuda_like_the_cpu_reference(model_type, overrides):
     """Tiny models at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time: gpt-oss (a 16-token
     sliding layer and a full one; each row's sink joined after the fused merge; 32 query heads: in passes of 8 per KV

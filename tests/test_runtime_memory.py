@@ -27,10 +27,10 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
         _, simulated = evaluate_ppl(model, adapt(model), ids, [artifact_method(str(bundle.path))])
         _, cache = decode_token_by_token(model, bundle, ids)
     adapter = adapt(model)
-    width, kv_heads = adapter.kv_width, adapter.num_kv_heads
-    formula = cache_bytes(bundle.layers, width, tokens, cache.outliers(), step=1, kv_heads=kv_heads,
+    formula = cache_bytes(bundle.layers, adapter.kv_widths, tokens, cache.outliers(), step=1, kv_heads=adapter.kv_heads,
                           windows=adapter.windows)
-    stored_elements = sum(layer.keys_store.count(0) for layer in cache.layers) * width  # per K and V each
+    # per K and V each
+    stored_elements = sum(layer.keys_store.count(0) * width for layer, width in zip(cache.layers, adapter.kv_widths))
     assert cache.used_bytes() == formula
     assert simulated.effective_bits == formula * 8 / (2 * stored_elements)
     assert simulated.outlier_fraction * 2 * stored_elements == cache.outliers()

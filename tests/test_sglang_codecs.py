@@ -65,10 +65,10 @@ def test_fp4_e2m1_stores_four_bits_a_code_and_a_byte_per_sixteen_channels():
     """eval ppl on the tiny Llama (head_dim 16) counts 4 + 8 / 16 bits; a head of 24 channels is refused."""
     model = tiny_model("llama")
     windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
-    method = baseline_method("fp4_e2m1", 2, 16)
+    method = baseline_method("fp4_e2m1", [16] * 2)
     fp, result = evaluate_ppl(model, adapt(model), windows, [method])
     assert result.effective_bits == 4.5 and result.ppl != fp.ppl
     assert BlockFp4(64).row_bits(128) == 4 * 128 + 8 * 8
-    assert baseline_method("fp4_mx_block16", 2, 16).layers == method.layers  # SGLang's later name of the same recipe
+    assert baseline_method("fp4_mx_block16", [16] * 2).layers == method.layers  # SGLang's later name of the same recipe
     with pytest.raises(KvcalError, match="head_dim 24 is not a multiple of"):
-        baseline_method("fp4_e2m1", 2, 24)
+        baseline_method("fp4_e2m1", [24] * 2)

@@ -89,7 +89,7 @@ def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
     evaluated by eval ppl's simulation; a bad map is refused naming it."""
     model = tiny_model("llama")
     windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
-    method = baseline_method("int4_per_token_head;skip=0", 2, 16)
+    method = baseline_method("int4_per_token_head;skip=0", [16] * 2)
     fp, result = evaluate_ppl(model, adapt(model), windows, [method])
     assert result.method == "int4_per_token_head;skip=0" and result.effective_bits == (16 + 4 + 2) / 2
     assert result.ppl != fp.ppl
@@ -97,8 +97,8 @@ def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
                          ("int4_per_token_head;first=1", "give skip=L"),
                          ("int4_per_token_head;skip=sliding_window", "needs the model's layers")):
         with pytest.raises(KvcalError, match=message):
-            baseline_method(bad, 2, 16)
-    assert baseline_method("fp8_per_token_head;skip=sliding_window", 2, 16, [16, None]).name == "fp8_per_token_head;skip=0"
+            baseline_method(bad, [16] * 2)
+    assert baseline_method("fp8_per_token_head;skip=sliding_window", [16] * 2, [16, None]).name == "fp8_per_token_head;skip=0"
 
 
 def test_e2m1_rounds_ties_to_the_even_code_and_saturates_at_six():
@@ -209,11 +209,11 @@ def test_turboquant_values_code_with_the_fp32_scale_and_decode_with_the_fp16_one
 
 
 def test_a_turboquant_preset_leaves_the_first_and_last_two_layers_unquantized():
-    method = baseline_method("turboquant_k3v4_nc;skip=5", 30, 64)
+    method = baseline_method("turboquant_k3v4_nc;skip=5", [64] * 30)
     fp16 = [i for i, layer in enumerate(method.layers) if layer.key_codec.kind.value == "fp16"]
     assert fp16 == [0, 1, 5, 28, 29] and method.nominal_bits == 3.5
     assert [type(c).__name__ for c in (method.layers[2].key_codec, method.layers[2].value_codec)] == ["TurboQuantKeys", "TurboQuantValues"]
-    assert len([i for i, layer in enumerate(baseline_method("turboquant_k8v4", 3, 64).layers) if layer.key_codec.kind.value == "fp16"]) == 2
+    assert len([i for i, layer in enumerate(baseline_method("turboquant_k8v4", [64] * 3).layers) if layer.key_codec.kind.value == "fp16"]) == 2
 
 
 def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_boundary_layers():
@@ -221,7 +221,7 @@ def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_bou
     (3 x 16 + 16) / 16 = 4 bits for keys and (4 x 16 + 32) / 16 = 6 for values."""
     model = tiny_model("llama", num_hidden_layers=6)
     windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
-    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method("turboquant_k3v4_nc", 6, 16)])
+    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method("turboquant_k3v4_nc", [16] * 6)])
     assert result.effective_bits == pytest.approx((4 * 16 + 2 * (4 + 6) / 2) / 6)
     assert result.ppl != fp.ppl
 
@@ -230,5 +230,5 @@ def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_bou
 def test_eval_ppl_counts_nvfp4_as_4_bit_codes_and_an_e4m3_byte_per_16_channels(dtype):
     model = tiny_model("llama")
     windows = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
-    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method(dtype, 2, 16)])
+    fp, result = evaluate_ppl(model, adapt(model), windows, [baseline_method(dtype, [16] * 2)])
     assert result.effective_bits == 4.5 and result.ppl != fp.ppl

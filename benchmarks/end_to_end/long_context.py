@@ -96,7 +96,7 @@ def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chun
             row = quantized_cache_memory(model, ids[:context], backend, nbits, chunk)
             name = f"QuantizedCache {backend}" + (f" int{nbits}" if nbits else "")
             rows.append({"method": name, "context": context, "commit": started["commit"], "seconds": round(time.perf_counter() - began, 1),
-                         "fp16_bytes": fp16_bytes(len(adapter.layers), adapter.kv_width, context, adapter.windows), **row})
+                         "fp16_bytes": fp16_bytes(len(adapter.layers), adapter.kv_widths, context, adapter.windows), **row})
             print(f"memory {name} {context}: {row}", flush=True)
     name = f"long_context_memory_{model_name}"
     rows = sorted(_merged(name, lambda r: (r["method"], r["context"]), rows), key=lambda r: (r["context"], r["method"]))
@@ -134,9 +134,9 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     methods = {name: load_bundle(path, model=model) for name, path in bundles.items()}
     bits = {}
     for spec in baselines:
-        method = baseline_method(spec, len(adapter.layers), adapter.head_dim, adapter.windows)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows)
         methods[method.name] = method
-        bits[method.name] = _stored_bits(method, adapter.kv_width)
+        bits[method.name] = _stored_bits(method, adapter.kv_widths)
     rows = []
     for keys in variants:
         for length in lengths:
@@ -155,12 +155,13 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     passkey_report(model_name)
 
 
-def _stored_bits(method, width: int) -> float:
-    """A per-token method's real bits per element: the mean over its layers, K and V, of what its codecs store for one
-    token (Quantized.row_bits, which every codec gives; not every codec has a row_bits method)."""
-    row = torch.zeros(1, width)
-    stored = [float(codec.quantize(row).row_bits[0]) for layer in method.layers for codec in (layer.key_codec, layer.value_codec)]
-    return sum(stored) / (len(stored) * width)
+def _stored_bits(method, widths: list[int]) -> float:
+    """A per-token method's real bits per element over layers `widths` channels wide: what its codecs store for one
+    token, K and V, over as many elements (Quantized.row_bits, which every codec gives; not every codec has a
+    row_bits method)."""
+    stored = [float(codec.quantize(torch.zeros(1, width)).row_bits[0])
+              for layer, width in zip(method.layers, widths) for codec in (layer.key_codec, layer.value_codec)]
+    return sum(stored) / (2 * sum(widths))
 
 
 def _progress(what: str, prompts: int, steps_per_prompt: int, began: float):

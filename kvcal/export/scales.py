@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.adapters import attention_sinks, attention_softcap, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, score_scale
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
@@ -96,12 +96,13 @@ class WindowAttention:
         prefix = f"layers.{layer}.windows"
         fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
         scale = score_scale(profile_config["model"])
-        heads, self.kv_heads, self.head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
+        heads, (self.kv_heads, self.head_dim) = fingerprint["num_heads"], kv_shapes(fingerprint)[layer]
         self.group = heads // self.kv_heads
         sinks = attention_sinks(profile_config["model"], layer)
         self.sinks = sinks.view(self.kv_heads, self.group, 1, 1) if sinks is not None else None  # per query head
         self.softcap = attention_softcap(profile_config["model"])
-        inv_freq, positions = layer_inv_freq(profile["rope.inv_freq"], layer), profile["windows.positions"].long()
+        inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, self.head_dim)
+        positions = profile["windows.positions"].long()
         self.queries, self.keys, self.values, self.reference = [], [], [], []
         tokens = profile[f"{prefix}.k"].shape[1]
         self.blocked = ~torch.ones(tokens, tokens, dtype=torch.bool).tril()
@@ -187,19 +188,19 @@ def calibrate_scales(profile_path: str | Path, strategy: str, on_layer: Callable
     check_scales(scales)
     profile, config = read_artifact(profile_path, "profile")
     fingerprint = config["model"]["fingerprint"]
-    kv_heads, num_layers = fingerprint["num_kv_heads"], fingerprint["num_layers"]
+    shapes, num_layers = kv_shapes(fingerprint), fingerprint["num_layers"]
     has_windows = "layers.0.windows.q" in profile and "windows.positions" in profile
     fit = ScaleFit(strategy, "windows" if has_windows else "statistics", scales, fingerprint)
     for layer in range(num_layers):
         try:
-            k_absmax = _per_head_absmax(profile[f"layers.{layer}.k_post.absmax"], kv_heads)
-            v_absmax = _per_head_absmax(profile[f"layers.{layer}.v.absmax"], kv_heads)
+            k_absmax = _per_head_absmax(profile[f"layers.{layer}.k_post.absmax"], shapes[layer][0])
+            v_absmax = _per_head_absmax(profile[f"layers.{layer}.v.absmax"], shapes[layer][0])
         except KeyError as exc:
             raise KvcalError(f"profile '{profile_path}' lacks tensor {exc}; re-create it with kvcal profile-gradients") from exc
         if has_windows:  # the windows also hold the sink tokens the streaming statistics leave out
             objective = WindowAttention(profile, layer, config)
-            k_absmax = torch.maximum(k_absmax, _per_head_absmax(torch.stack([k.abs().amax(0) for k in objective.keys]).amax(0), kv_heads))
-            v_absmax = torch.maximum(v_absmax, _per_head_absmax(torch.stack([v.abs().amax(0) for v in objective.values]).amax(0), kv_heads))
+            k_absmax = torch.maximum(k_absmax, _per_head_absmax(torch.stack([k.abs().amax(0) for k in objective.keys]).amax(0), shapes[layer][0]))
+            v_absmax = torch.maximum(v_absmax, _per_head_absmax(torch.stack([v.abs().amax(0) for v in objective.values]).amax(0), shapes[layer][0]))
         k_start, v_start = _starting_scales(k_absmax, strategy), _starting_scales(v_absmax, strategy)
         if fit.searched:
             fit.layers.append(_fit_layer(objective, k_start, v_start, strategy))

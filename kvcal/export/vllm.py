@@ -47,7 +47,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from kvcal.adapters import adapt
+from kvcal.adapters import adapt, kv_shapes
 from kvcal.artifacts import check_same_model, read_header
 from kvcal.errors import KvcalError
 from kvcal.export.compressed_tensors import SCALE_NAMES, quantization_config, scale_tensors
@@ -239,7 +239,7 @@ def read_export(folder: str | Path) -> ScaleFit:
         marker = json.loads((folder / EXPORT_MARKER).read_text())
         strategy, source, scales, entries = marker["strategy"], marker["source"], marker["scales"], list(marker["layers"])
         fingerprint = marker["fingerprint"]
-        num_layers, kv_heads = fingerprint["num_layers"], fingerprint["num_kv_heads"]
+        num_layers = fingerprint["num_layers"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} ({exc!r}); re-export it") from exc
     if strategy not in STRATEGIES or scales not in SCALE_CHOICES or len(entries) != num_layers:
@@ -256,8 +256,8 @@ def read_export(folder: str | Path) -> ScaleFit:
                                           kept_absmax=entry["kept_absmax"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise KvcalError(f"'{folder}' lacks or has a malformed scale entry {exc!r}; re-export it") from exc
-    per_layer = 1 if strategy == "tensor" else kv_heads
-    for i, layer in enumerate(fit.layers):
+    for i, (layer, (kv_heads, _)) in enumerate(zip(fit.layers, kv_shapes(fingerprint))):
+        per_layer = 1 if strategy == "tensor" else kv_heads
         for name, scale in zip(SCALE_NAMES, (layer.k, layer.v)):
             if scale.numel() != per_layer:
                 raise KvcalError(f"'{folder}': layer {i} {name} has {scale.numel()} elements, strategy {strategy} takes "

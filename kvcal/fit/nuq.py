@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
+from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_OFFSET_BYTES, OUTLIER_TILE_TOKENS
@@ -193,6 +194,7 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
             f"re-run profile-gradients with --sink {settings.sink}"
         )
     num_layers = profile_config["model"]["fingerprint"]["num_layers"]
+    head_dims = [head_dim for _, head_dim in kv_shapes(profile_config["model"]["fingerprint"])]
     rows = profile["samples.position"] >= settings.sink
     if not rows.any():
         raise KvcalError(f"the profile has no sampled tokens past --sink {settings.sink}")
@@ -223,7 +225,7 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
                 if len(widths) > 1:
                     lo, hi = thresholds or (None, None)
                     codec = CodebookCodec(codebooks[bits], lo, hi, settings.outliers)
-                    sensitivity[bits] = _sensitivity(samples, fisher, codec, profile_config["model"]["fingerprint"]["head_dim"])
+                    sensitivity[bits] = _sensitivity(samples, fisher, codec, head_dims[layer])
             fitted[layer, kind] = (codebooks, thresholds, sensitivity)
         if on_layer is not None:
             on_layer(layer)

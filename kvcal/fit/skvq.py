@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from kvcal.adapters import attention_sinks, attention_softcap, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, kv_widths, score_scale
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
@@ -173,10 +173,10 @@ class _ClipObjective:
     def __init__(self, profile: dict, layer: int, profile_config: dict, policy: SegmentPolicy):
         prefix = f"layers.{layer}.windows"
         fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
-        self.kv_heads, self.head_dim = fingerprint["num_kv_heads"], fingerprint["head_dim"]
+        self.kv_heads, self.head_dim = kv_shapes(fingerprint)[layer]
         heads = fingerprint["num_heads"]
         self.group = heads // self.kv_heads
-        self.inv_freq, self.rope_scaling = layer_inv_freq(profile["rope.inv_freq"], layer), rope_scaling
+        self.inv_freq, self.rope_scaling = layer_inv_freq(profile["rope.inv_freq"], layer, self.head_dim), rope_scaling
         self.positions = profile["windows.positions"].long()
         self.keys = profile[f"{prefix}.k"].float()
         self.values = profile[f"{prefix}.v"].float()
@@ -257,16 +257,17 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     settings.validate()
     profile, profile_config = read_artifact(profile_path, "profile")
     fingerprint = profile_config["model"]["fingerprint"]
-    width = fingerprint["num_kv_heads"] * fingerprint["head_dim"]
-    if settings.group_size > width:
-        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {width} of this model; use at most {width}")
+    widths = kv_widths(fingerprint)
+    if settings.group_size > min(widths):
+        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {min(widths)} of this model's "
+                         f"layers; use at most {min(widths)}")
     if settings.clip != "none" and "layers.0.windows.q" not in profile:
         raise KvcalError(f"'{profile_path}' has no stored Q/K/V windows, which the clip search needs; re-run "
                          "kvcal profile-gradients with --store-windows 2, or pass --clip none")
-    groups = -(-width // settings.group_size)
     tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
     for layer in range(fingerprint["num_layers"]):
         prefix = f"layers.{layer}"
+        groups = -(-widths[layer] // settings.group_size)
         stored = {}
         for kind, name, bits in (("k", "k_pre", settings.kbits), ("v", "v", settings.vbits)):
             permutation, starts = channel_groups(profile[f"{prefix}.{name}.min"], profile[f"{prefix}.{name}.max"],

@@ -58,9 +58,10 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-def baseline_method(text: str, num_layers: int, head_dim: int, windows: list[int | None] | None = None) -> Method:
-    """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model of
-    `num_layers` layers and heads of `head_dim` channels. `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
+def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None) -> Method:
+    """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
+    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own).
+    `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
     `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
@@ -77,13 +78,12 @@ def baseline_method(text: str, num_layers: int, head_dim: int, windows: list[int
         else:
             raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
                              "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
-    if first_last:
-        try:
-            method = first_last_method(base, first_last, num_layers, head_dim)
-        except KvcalError as exc:
-            raise KvcalError(f"baseline '{text}': {exc}") from None
-    else:
-        method = _base_baseline(base, num_layers, head_dim)
+    num_layers = len(head_dims)
+    by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text) for head_dim in dict.fromkeys(head_dims)}
+    method = by_head_dim[head_dims[0]]
+    if len(by_head_dim) > 1:
+        layers = [by_head_dim[head_dim].layers[i] for i, head_dim in enumerate(head_dims)]
+        method = Method(method.name, method.nominal_bits, layers, method.policy)
     if skip is None:
         return method
     skipped = skipped_layers(skip, num_layers, windows, text)
@@ -107,10 +107,17 @@ def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | 
     return skipped
 
 
-def _base_baseline(text: str, num_layers: int, head_dim: int) -> Method:
+def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, text: str) -> Method:
+    """The Method of baseline `base` (with ik_llama.cpp's first/last layer types where `first_last` gives them) for
+    `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors."""
+    if first_last:
+        try:
+            return first_last_method(base, first_last, num_layers, head_dim)
+        except KvcalError as exc:
+            raise KvcalError(f"baseline '{text}': {exc}") from None
     for spec in registry.methods():
-        method = spec.baseline(text, num_layers, head_dim)
+        method = spec.baseline(base, num_layers, head_dim)
         if method is not None:
             return method
     syntax = "; ".join(s.baseline_syntax() for s in registry.methods() if s.baseline_syntax())
-    raise KvcalError(f"unknown baseline '{text}'; use {syntax}, e.g. int4-g64, kivi2-g32-r128 (any of them ;skip=L+L+...)")
+    raise KvcalError(f"unknown baseline '{base}'; use {syntax}, e.g. int4-g64, kivi2-g32-r128 (any of them ;skip=L+L+...)")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcal.adapters import kv_shapes
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
@@ -285,12 +286,10 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     one is here)."""
     if device_type not in ("cpu", "cuda"):
         raise KvcalError(f"device {device_type!r}: say cpu or cuda")
-    fingerprint = bundle.fingerprint
-    heads, kv_heads, head_dim = fingerprint["num_heads"], fingerprint["num_kv_heads"], fingerprint["head_dim"]
-    width = kv_heads * head_dim
-    device = torch.device(device_type)
+    heads, device = bundle.fingerprint["num_heads"], torch.device(device_type)
     plans = []
-    for i, recipe in enumerate(bundle.layers):
+    for i, (recipe, (kv_heads, head_dim)) in enumerate(zip(bundle.layers, kv_shapes(bundle.fingerprint))):
+        width = kv_heads * head_dim
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))

@@ -154,7 +154,9 @@ class RuntimeLayer(CacheLayerMixin):
     def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None) -> torch.Tensor:
         """The attention of a layer reading this one's keys and values (KV sharing), after this layer's attend of the
         step, over what that read: after a decode step the cache as stored, after a prefill each sequence's cache
-        before the step and its tokens in fp16. The step's last reader lets go of what the window no longer needs."""
+        before the step and its tokens in fp16. Its queries are the step's last ones (all of them, or as many as
+        the logits kept: Gemma 4 runs its reading layers on those alone). The step's last reader lets go of what the
+        window no longer needs."""
         step = self.step
         if step is None:
             raise KvcalError(f"a layer reading layer {self.index}'s keys and values attended before layer {self.index} in "
@@ -167,10 +169,13 @@ class RuntimeLayer(CacheLayerMixin):
             output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.window)
         else:
             output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
+            first = plan.m - m  # the step's column of the first query
             for b, (keys, values) in step.reads.items():
                 rows = plan.columns(b)
-                out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks, self.softcap)
-                output[b, rows] = out.transpose(0, 1).to(query.dtype)
+                rows = rows[rows >= first] - first  # the sequence's real tokens among the queries (its last ones)
+                if len(rows):
+                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks, self.softcap)
+                    output[b, rows] = out.transpose(0, 1).to(query.dtype)
         step.readers_left -= 1
         if not step.readers_left:
             self.step = None
@@ -418,11 +423,11 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
                          "past_key_values=cache, the cache of `with quantized_cache(model, bundle) as cache` (not None, not "
                          "another kind of cache), or call the model after that block")
-    plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
-    if slot.reader:
-        return layer.attend_as_reader(adapter.in_rope_order(query), plan, scale, sliding_window), None
+    if slot.reader:  # the step's plan, made by the layers that store (a reader's queries may be the step's last only)
+        return layer.attend_as_reader(adapter.in_rope_order(query), layer.cache.running_plan(), scale, sliding_window), None
+    plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
     return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window), None
 
@@ -481,6 +486,12 @@ class WiredCache(Cache):
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
+        return self._plan
+
+    def running_plan(self) -> StepPlan:
+        """The running step's StepPlan, for a layer reading another's cache (which made it)."""
+        if self._plan is None:
+            raise KvcalError("a layer reading another's keys and values attended before any layer stored this step's")
         return self._plan
 
     def inv_freq_on(self, layer: int, device) -> torch.Tensor:
@@ -634,10 +645,10 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
     for i, recipe in enumerate(bundle.layers):
         codecs, policy = bundle.layer_codecs(i), recipe.format.policy(recipe)
 
-        def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe):
+        def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe, head_dim=adapter.head_dims[i]):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
-                                  head_dim=adapter.head_dim)
+                                  head_dim=head_dim)
         layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)

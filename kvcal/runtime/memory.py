@@ -39,14 +39,15 @@ def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, step: int | No
     return sink, body, rest - body
 
 
-def cache_bytes(layers: list[LayerRecipe], width: int, tokens: int, outliers: int = 0, step: int | None = None, *,
-                kv_heads: int, windows: list[int | None] | None = None) -> int:
-    """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads after `tokens` came in steps of `step`
-    (see segment_lengths), with `outliers` outliers in all (as the cache counts them); windows:
-    per layer its sliding window or None (kvcal.adapters.ModelAdapter.windows), whose layers hold only the tokens
-    kvcal.kv.window_dropped leaves."""
+def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, outliers: int = 0, step: int | None = None,
+                *, kv_heads: int | list[int], windows: list[int | None] | None = None) -> int:
+    """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads (each one number for every layer, or
+    one a layer) after `tokens` came in steps of `step` (see segment_lengths), with `outliers` outliers in all (as the
+    cache counts them); windows: per layer its sliding window or None (kvcal.adapters.ModelAdapter.windows), whose
+    layers hold only the tokens kvcal.kv.window_dropped leaves."""
     total = outliers * OUTLIER_BYTES
-    for recipe, window in zip(layers, windows or [None] * len(layers)):
+    widths, kv_heads = _per_layer(width, len(layers)), _per_layer(kv_heads, len(layers))
+    for recipe, window, width, heads in zip(layers, windows or [None] * len(layers), widths, kv_heads):
         segments = {keys: segment_lengths(recipe, tokens, keys, step) for keys in (True, False)}
         dropped = 0
         if window is not None:
@@ -59,12 +60,18 @@ def cache_bytes(layers: list[LayerRecipe], width: int, tokens: int, outliers: in
                 sink, body = 0, body - first
             total += (sink + recent) * width * FP16_BYTES + recipe.format.body_bytes(recipe, width, body, keys)
             if recipe.outliers:
-                total += outlier_table_bytes(body, kv_heads, first)
+                total += outlier_table_bytes(body, heads, first)
     return total
 
 
-def fp16_bytes(num_layers: int, width: int, tokens: int, windows: list[int | None] | None = None) -> int:
-    """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence: a sliding-window layer keeps its last
-    window - 1 tokens."""
+def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, windows: list[int | None] | None = None) -> int:
+    """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence of layers `width` channels wide (one number
+    for every layer, or one a layer): a sliding-window layer keeps its last window - 1 tokens."""
     windows = windows or [None] * num_layers
-    return sum(2 * (tokens if w is None else min(tokens, w - 1)) * width * FP16_BYTES for w in windows)
+    return sum(2 * (tokens if w is None else min(tokens, w - 1)) * layer_width * FP16_BYTES
+               for w, layer_width in zip(windows, _per_layer(width, num_layers)))
+
+
+def _per_layer(number: int | list[int], num_layers: int) -> list[int]:
+    """One number a layer, from one for every layer or one a layer."""
+    return [number] * num_layers if isinstance(number, int) else list(number)
