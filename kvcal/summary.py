@@ -66,7 +66,7 @@ def _kv_heads_text(fingerprint: dict) -> str:
     layers = {shape: [str(i) for i, s in enumerate(shapes) if s == shape] for shape in dict.fromkeys(shapes)}
     if len(layers) == 1:
         return f"{shapes[0][0]} kv heads, head_dim {shapes[0][1]}"
-    return "; ".join(f"{kv_heads} kv heads, head_dim {head_dim} in layers {', '.join(at)}"
+    return "; ".join(f"{kv_heads} kv heads, head_dim {head_dim} in layer{'s' * (len(at) > 1)} {', '.join(at)}"
                      for (kv_heads, head_dim), at in layers.items())
 
 

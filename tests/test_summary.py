@@ -3,7 +3,7 @@ import pytest
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
-from kvcal.summary import plot_profile, summarize
+from kvcal.summary import _kv_heads_text, plot_profile, summarize
 
 
 def test_every_artifact_kind_has_a_per_layer_summary(tiny_profile, tmp_path):
@@ -64,3 +64,11 @@ def test_plot_destinations_are_checked_before_drawing(tiny_profile, fitted, tmp_
     with pytest.raises(KvcalError, match="--plot draws a profile's importance; .* is a kvcal nuq"):
         check_plot(tmp_path / "importance.png", fitted["nuq"])
     assert plot_profile(profile, tmp_path / "importance.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_inspect_names_each_layer_shape_where_the_layers_differ():
+    """Gemma 4's fingerprint records each layer's KV heads and head_dim; the summary names each shape and its layers."""
+    uniform = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16}
+    assert _kv_heads_text(uniform) == "2 kv heads, head_dim 16"
+    mixed = {**uniform, "layer_kv_heads": [2, 1, 2], "layer_head_dims": [16, 32, 16]}
+    assert _kv_heads_text(mixed) == "2 kv heads, head_dim 16 in layers 0, 2; 1 kv heads, head_dim 32 in layer 1"
