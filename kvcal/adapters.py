@@ -343,16 +343,13 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
-    if "o_proj" in linear and all(name in linear for name in ("q_proj", "k_proj", "v_proj")):
+    # no v_proj: the value is the v norm of k_proj's output (Gemma 4's attention_k_eq_v)
+    value_from_key = getattr(attention, "v_proj", 0) is None and norms["v_norm"] is not None
+    if "o_proj" in linear and "q_proj" in linear and "k_proj" in linear and ("v_proj" in linear or value_from_key):
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
-        return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear["v_proj"], **norms)
-    if ("o_proj" in linear and "q_proj" in linear and "k_proj" in linear and getattr(attention, "v_proj", 0) is None
-            and norms["v_norm"] is not None):  # no v_proj: the value is the v norm of k_proj's output (Gemma 4)
-        if linear["k_proj"].out_features != kv_width:
-            raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
-        return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear["k_proj"], **norms,
-                            value_from_key_projection=True)
+        return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear.get("v_proj", linear["k_proj"]),
+                            **norms, value_from_key_projection=value_from_key)
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
         if fused.out_features != q_width + 2 * kv_width:

@@ -92,8 +92,8 @@ def stored_inv_freq(per_layer: list[torch.Tensor]) -> torch.Tensor:
     first = per_layer[0]
     if all(torch.equal(first, other) for other in per_layer[1:]):
         return first
-    longest = max(row.numel() for row in per_layer)
-    return torch.stack([torch.cat((row, row.new_zeros(longest - row.numel()))) for row in per_layer])
+    widest = 2 * max(row.numel() for row in per_layer)
+    return torch.stack([padded_inv_freq(row, widest) for row in per_layer])
 
 
 def layer_rope_scaling(rope_config: dict, layer: int) -> float:

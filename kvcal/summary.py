@@ -49,9 +49,10 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
         ("kvcal version", config["kvcal_version"]),
     ]
     windows = model.get("windows") or [None] * bits_k.numel()  # profiles before windows were recorded: none shown
+    head_dims = [head_dim for _, head_dim in kv_shapes(fingerprint)]
     columns = ["layer", "sliding window", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
     rows = [
-        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i, kv_shapes(fingerprint)[i][1]),
+        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i, head_dims[i]),
          f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
          str(int(bits_k[i])), str(int(bits_v[i])),
          f"{tensors['kvmix.rpc.k'][i]:.2f}", f"{tensors['kvmix.rpc.v'][i]:.2f}"]
