@@ -420,6 +420,7 @@ class Fitter:
         """The baseline method of a kvcal plan entry: choose(fingerprint) makes the plan, written as JSON. Never read
         back from an earlier run: a plan takes seconds, and one cached by an older planner would be evaluated as this
         one's."""
+        from kvcal.adapters import kv_shapes
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
 
@@ -431,38 +432,41 @@ class Fitter:
         path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
         spec = chosen.baseline_spec()
         log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, [fingerprint["head_dim"]] * num_layers), path
+        return baseline_method(spec, [head_dim for _, head_dim in kv_shapes(fingerprint)]), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
         layers the dtype keeps fp16 itself), sliding-window layers priced at what they store at --seqlen tokens."""
+        from kvcal.adapters import kv_shapes
         from kvcal.fit.nuq import stored_shares
         from kvcal.plan import dtype_bits, fixed_fp16_layers, plan_layers
 
         def choose(fingerprint: dict):
-            head_dim, dtype = fingerprint["head_dim"], entry.spec["dtype"]
-            wide = fixed_fp16_layers(dtype, num_layers, head_dim)
+            shapes, dtype = kv_shapes(fingerprint), entry.spec["dtype"]
+            wide = fixed_fp16_layers(dtype, [head_dim for _, head_dim in shapes])
             wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
-            quantized_bits = dtype_bits(dtype, head_dim, fingerprint["num_kv_heads"])
-            shares = stored_shares(windows, self.seqlen, num_layers)
-            stored = sum(share * (16.0 if i in wide else quantized_bits) for i, share in enumerate(shares))
-            return plan_layers(str(self.profile), "vllm", dtype, stored / sum(shares) + 1e-9, entry.spec["plan"], self.seqlen)
+            # each layer's elements stored at --seqlen weigh its price, as plan_layers weighs them
+            weights = [share * heads * head_dim for share, (heads, head_dim) in zip(stored_shares(windows, self.seqlen, num_layers), shapes)]
+            stored = sum(weight * (16.0 if i in wide else dtype_bits(dtype, [shapes[i]])) for i, weight in enumerate(weights))
+            return plan_layers(str(self.profile), "vllm", dtype, stored / sum(weights) + 1e-9, entry.spec["plan"], self.seqlen)
 
         return self._engine_plan(entry, num_layers, choose)
 
     def _types(self, entry: Entry, num_layers: int):
         """kvcal plan's llama.cpp -ctk / -ctv pair at the real bits of the hand choice entry.spec['bytes_of']."""
+        from kvcal.adapters import kv_shapes
         from kvcal.plan import dtype_bits, plan_cache_types
 
         return self._engine_plan(entry, num_layers, lambda fingerprint: plan_cache_types(
-            str(self.profile), dtype_bits(entry.spec["bytes_of"], fingerprint["head_dim"], fingerprint["num_kv_heads"])))
+            str(self.profile), dtype_bits(entry.spec["bytes_of"], kv_shapes(fingerprint))))
 
     def _first_last(self, entry: Entry, num_layers: int):
         """kvcal plan's ik_llama.cpp settings at the real bits of the hand choice entry.spec['bytes_of']."""
+        from kvcal.adapters import kv_shapes
         from kvcal.plan import dtype_bits, plan_first_last
 
-        return self._engine_plan(entry, num_layers, lambda fingerprint: plan_first_last(str(self.profile), dtype_bits(
-            entry.spec["bytes_of"], fingerprint["head_dim"], fingerprint["num_kv_heads"], num_layers) + 1e-9))
+        return self._engine_plan(entry, num_layers, lambda fingerprint: plan_first_last(
+            str(self.profile), dtype_bits(entry.spec["bytes_of"], kv_shapes(fingerprint)) + 1e-9))
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated
@@ -736,12 +740,12 @@ def run(args, started_with: dict) -> None:
     methods, artifacts = [], {}
     for entry in entries:
         if entry.kind == "baseline":
-            methods.append(baseline_method(entry.spec, adapter.head_dims))
+            methods.append(baseline_method(entry.spec, adapter.head_dims, hybrid=adapter.hybrid))
             continue
         if entry.kind == "layers" and "rule" in entry.spec:
             kept = HAND_RULES[entry.spec["rule"]](num_layers, adapter.windows)
             spec = entry.spec["dtype"] + (f";skip={'+'.join(map(str, kept))}" if kept else "")
-            methods.append(baseline_method(spec, adapter.head_dims, adapter.windows))
+            methods.append(baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid))
             continue
         if entry.needs_profile:
             method, path = fitter.method(entry, num_layers, adapter.windows)

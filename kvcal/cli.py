@@ -262,9 +262,11 @@ def plan_command(
                      ["tensor", "type", "first layers", "last layers", "real bits", "Fisher-weighted error"], rows)
     else:
         chosen = plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context)
+        numbered = chosen.decoder_layers != list(range(len(chosen.costs)))  # a hybrid: vLLM counts its decoder layers
         _print_table(f"{engine} {chosen.dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",
-                     ["layer", "cost if quantized", "stays fp16"],
-                     [[str(i), f"{cost:.4g}", "yes" if i in chosen.skipped else ""] for i, cost in enumerate(chosen.costs)])
+                     ["layer"] + ["decoder layer"] * numbered + ["cost if quantized", "stays fp16"],
+                     [[str(i)] + [str(chosen.decoder_layers[i])] * numbered + [f"{cost:.4g}", "yes" if i in chosen.skipped else ""]
+                      for i, cost in enumerate(chosen.costs)])
     print(f"{engine} arguments: {chosen.engine_arguments()}")
     print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
     _write_json(json_out, chosen.as_dict())
@@ -512,7 +514,7 @@ def eval_ppl_command(
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows)
+    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid)
                                                      for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
@@ -659,7 +661,7 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
     for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid)
         QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

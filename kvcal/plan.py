@@ -3,19 +3,22 @@
 
 Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16; under a TurboQuant
 preset vLLM keeps its first and last two layers fp16 whatever it is told, so those stay fp16 at no cost and are not
-named. What quantizing a layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the
+named (in a hybrid model, whose decoder layers those are counted among, the presets are refused). What quantizing a layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the
 profile's sampled keys, cached after RoPE as the engine caches them, the error rotated back before RoPE where the
 Fisher information was taken (RoPE rotates channel pairs, so this is exact), plus its value codec's on the values; by
 `importance`: KVmix's gradient importance of its K and V. Staying fp16 costs nothing. Prices: the dtype's real bits
 per element (its K and V row_bits, scales included) and 16;
-the budget bounds their mean over the layers, each weighted by the tokens it stores at `context` (a sliding-window
-layer keeps its window; 0: every layer alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers
-that store alike cost alike to keep fp16, so a plan is how many of each such class stay fp16, the costliest first.
-The plan names the engine's arguments and the `eval ppl --baseline` spec that evaluates the same cache.
+the budget bounds their mean over the elements the cache stores: each layer weighs its KV heads x head_dim (layers
+differ in Gemma 4) times the tokens it stores at `context` (a sliding-window layer keeps its window; 0: every layer
+alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers that store alike cost alike to keep fp16,
+so a plan is how many of each such class stay fp16, the costliest first.
+The plan names the engine's arguments and the `eval ppl --baseline` spec that evaluates the same cache: vLLM counts
+the model's decoder layers, `skip=` kvcal's (the attention layers that keep a cache), which differ in hybrid models.
 
 llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): plan_cache_types picks the pair with
 the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
-ggml types but f16 for both is tried; they are few). ik_llama.cpp also sets the first N and last M layers of each
+ggml types but f16 for both is tried; they are few); bits are a mean over the layers weighted by their KV heads x
+head_dim (per token: these plans take no context). ik_llama.cpp also sets the first N and last M layers of each
 tensor to other types (`-ctk-first T,N`, `-ctk-last T,M`, `-ctv-first`, `-ctv-last`; its PR #1599): plan_first_last
 weighs every such setting of K and of V (a base type, and a type and count for each end, of the types ik_llama.cpp's
 CPU flash attention reads: no q5_0 / q5_1), keeps each tensor's
@@ -61,14 +64,16 @@ class Plan:
     budget: float  # real bits per element, the most the plan may store
     by: str
     context: int
-    skipped: list[int]  # layers left unquantized
-    bits: float  # real bits per element of the plan (weighted by the tokens each layer stores at `context`)
+    skipped: list[int]  # layers left unquantized, as kvcal counts them (the attention layers that keep a cache)
+    bits: float  # real bits per element of the plan (weighted by the elements each layer stores at `context`)
     costs: list[float]  # per layer, what quantizing it costs (Fisher-weighted error or importance)
-    dtype_bits: float  # the dtype's real bits per element
+    dtype_bits: float  # the dtype's real bits per element on the layers it quantizes (weighted alike)
+    decoder_layers: list[int]  # each layer's index among the model's decoder layers, which vLLM's option counts
 
     def engine_arguments(self) -> str:
         arguments = f"--kv-cache-dtype {self.dtype}"
-        return arguments + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, self.skipped))}" if self.skipped else "")
+        skipped = [self.decoder_layers[i] for i in self.skipped]
+        return arguments + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}" if skipped else "")
 
     def baseline_spec(self) -> str:
         return self.dtype + (f";skip={'+'.join(map(str, self.skipped))}" if self.skipped else "")
@@ -77,22 +82,18 @@ class Plan:
         return {**asdict(self), "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
 
 
-def dtype_bits(dtype: str, head_dim: int, kv_heads: int, num_layers: int = 1) -> float:
-    """An engine dtype's real bits per element (codes and scales, K and V) for heads of `head_dim` channels, the mean
-    over `num_layers` layers (a spec whose layers differ, such as ik_llama.cpp's first/last ones, needs them all)."""
-    width = kv_heads * head_dim
-    layers = baseline_method(dtype, [head_dim] * num_layers).layers
-    return sum(codecs.key_codec.row_bits(width) + codecs.value_codec.row_bits(width) for codecs in layers) / (2 * width * num_layers)
+def layer_bits(layers: list, shapes: list[tuple[int, int]]) -> np.ndarray:
+    """Per layer of these codecs (a method's layers) and (KV heads, head_dim), its real bits per element, K and V."""
+    return np.array([(codecs.key_codec.row_bits(heads * dim) + codecs.value_codec.row_bits(heads * dim)) / (2 * heads * dim)
+                     for codecs, (heads, dim) in zip(layers, shapes)])
 
 
-def _one_shape(fingerprint: dict, where: str) -> tuple[int, int, int]:
-    """(layers, head_dim, KV heads) of a model whose layers share one, as the engines' plans price them; refuses one
-    whose layers differ (Gemma 4), whose per-layer prices these plans do not weigh yet."""
-    shapes = kv_shapes(fingerprint)
-    if len(set(shapes)) > 1:
-        raise KvcalError(f"{where}: its model's layers differ in KV heads x head_dim ({', '.join(sorted({f'{h} x {d}' for h, d in shapes}))}); "
-                         "engine plans price one shape for every layer: run kvcal eval ppl with the dtype and skip=L+L+... instead")
-    return fingerprint["num_layers"], shapes[0][1], shapes[0][0]
+def dtype_bits(dtype: str, shapes: list[tuple[int, int]]) -> float:
+    """An engine dtype's real bits per element (codes and scales, K and V) over layers of these (KV heads, head_dim),
+    the mean weighted by their elements (a spec whose layers differ, such as ik_llama.cpp's first/last ones, needs
+    them all)."""
+    widths = np.array([heads * dim for heads, dim in shapes])
+    return float((layer_bits(baseline_method(dtype, [dim for _, dim in shapes]).layers, shapes) * widths).sum() / widths.sum())
 
 
 def _fixed_fp16(codecs) -> bool:
@@ -100,9 +101,10 @@ def _fixed_fp16(codecs) -> bool:
     return codecs.key_codec.kind is CodecKind.FP16
 
 
-def fixed_fp16_layers(dtype: str, num_layers: int, head_dim: int) -> set[int]:
-    """The layers the engine keeps fp16 under `dtype` whatever it is told (TurboQuant's first and last two)."""
-    return {i for i, codecs in enumerate(baseline_method(dtype, [head_dim] * num_layers).layers) if _fixed_fp16(codecs)}
+def fixed_fp16_layers(dtype: str, head_dims: list[int]) -> set[int]:
+    """The layers (of these head_dims) the engine keeps fp16 under `dtype` whatever it is told (TurboQuant's first
+    and last two)."""
+    return {i for i, codecs in enumerate(baseline_method(dtype, head_dims).layers) if _fixed_fp16(codecs)}
 
 
 def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
@@ -121,9 +123,9 @@ def value_cost(profile: dict, layer: int, codec) -> float:
     return float((profile[f"layers.{layer}.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum())
 
 
-def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: int) -> list[float]:
+def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: list[int]) -> list[float]:
     return [0.0 if _fixed_fp16(codecs) else
-            key_cost(profile, config, layer, codecs.key_codec, kv_heads) + value_cost(profile, layer, codecs.value_codec)
+            key_cost(profile, config, layer, codecs.key_codec, kv_heads[layer]) + value_cost(profile, layer, codecs.value_codec)
             for layer, codecs in enumerate(layers)]
 
 
@@ -139,26 +141,31 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     if context < 0:
         raise KvcalError(f"--context must be 0 or a number of tokens (got {context})")
     profile, config = read_artifact(profile_path, "profile")
-    num_layers, head_dim, kv_heads = _one_shape(config["model"]["fingerprint"], profile_path)
-    layers = baseline_method(dtype, [head_dim] * num_layers).layers
+    fingerprint = config["model"]["fingerprint"]
+    shapes = kv_shapes(fingerprint)
+    num_layers = len(shapes)
+    hybrid = "attention_layers" in fingerprint  # kvcal's layers are not all the decoder's
+    layers = baseline_method(dtype, [dim for _, dim in shapes], hybrid=hybrid).layers
     fixed = np.array([_fixed_fp16(codecs) for codecs in layers])
-    quantized_bits = dtype_bits(dtype, head_dim, kv_heads)
-    shares = np.array(stored_shares(config["model"].get("windows"), context, num_layers))
-    least = float((np.where(fixed, FP16_BITS, quantized_bits) * shares).sum() / shares.sum())
+    prices = layer_bits(layers, shapes)  # a fixed layer's is fp16's
+    # what each layer stores: its elements a token times the share of the context's tokens it keeps
+    weights = np.array(stored_shares(config["model"].get("windows"), context, num_layers)) * [heads * dim for heads, dim in shapes]
+    quantized_bits = float((prices * weights)[~fixed].sum() / weights[~fixed].sum()) if not fixed.all() else FP16_BITS
+    least = float((prices * weights).sum() / weights.sum())
     if not least - 1e-9 <= budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: {dtype} stores "
                          f"{quantized_bits:g}, an unquantized layer {FP16_BITS}" + (", and it keeps some layers unquantized"
                                                                                  if fixed.any() else ""))
     with torch.inference_mode():
-        costs = (_fisher_costs(profile, config, layers, kv_heads) if by == "fisher" else
+        costs = (_fisher_costs(profile, config, layers, [heads for heads, _ in shapes]) if by == "fisher" else
                  np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
-    quantized_price = np.where(fixed, float(FP16_BITS), quantized_bits)  # a fixed layer is fp16 either way
-    extra = (FP16_BITS - quantized_price) * shares  # what keeping each layer fp16 adds to the weighted sum of prices
-    slack = max(budget * shares.sum() - (quantized_price * shares).sum(), 0.0)  # the check above allows 1e-9 under
+    extra = (FP16_BITS - prices) * weights  # what keeping each layer fp16 adds to the weighted sum of prices
+    slack = max(budget * weights.sum() - (prices * weights).sum(), 0.0)  # the check above allows 1e-9 under
     skipped = layers_kept_wide(costs, extra, slack)
-    prices = np.where(np.isin(np.arange(num_layers), skipped), FP16_BITS, quantized_price)
-    bits = float((prices * shares).sum() / shares.sum())
-    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits)
+    kept = np.where(np.isin(np.arange(num_layers), skipped), FP16_BITS, prices)
+    bits = float((kept * weights).sum() / weights.sum())
+    decoder_layers = fingerprint.get("attention_layers", list(range(num_layers)))
+    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits, decoder_layers)
 
 
 def layers_kept_wide(costs: list[float], extra: np.ndarray, slack: float) -> list[int]:
@@ -214,37 +221,46 @@ def check_cache_type_budget(budget: float) -> None:
                          f"smallest -ctk/-ctv pair stores {least:g}")
 
 
-def cache_type_costs(profile_path: str, hadamard: str | None = "llama.cpp") -> tuple[dict[str, dict[str, np.ndarray]], dict[str, dict[str, float]]]:
-    """Per tensor ("k", "v") and llama.cpp cache type, rotated as `hadamard` says (LlamaCppKV): the Fisher-weighted
-    error of each layer under it, and its real bits per element."""
-    return _priced_cache_types(*read_artifact(profile_path, "profile"), hadamard)
+@dataclass
+class CacheTypePrices:
+    """What each llama.cpp cache type costs and stores, per tensor ("k", "v") and type, per layer."""
+
+    costs: dict[str, dict[str, np.ndarray]]  # Fisher-weighted error of each layer under the type
+    bits: dict[str, dict[str, np.ndarray]]  # each layer's real bits per element under the type
+    widths: np.ndarray  # each layer's elements a token (KV heads x head_dim): the weights of a mean over the layers
+
+    def mean_bits(self, tensor: str, cache_type: str) -> float:
+        return float((self.bits[tensor][cache_type] * self.widths).sum() / self.widths.sum())
 
 
-def _priced_cache_types(profile: dict, config: dict, hadamard: str | None, types: tuple[str, ...] = CACHE_TYPES):
-    """cache_type_costs on a profile already read (its tensors and config), of `types`."""
-    num_layers, head_dim, kv_heads = _one_shape(config["model"]["fingerprint"], "the profile")
-    width = kv_heads * head_dim
-    codecs = {tensor: {t: cache_type_codec(t, head_dim, tensor, hadamard) for t in types} for tensor in "kv"}
+def cache_type_prices(profile: dict, config: dict, hadamard: str | None, types: tuple[str, ...] = CACHE_TYPES) -> CacheTypePrices:
+    """`types` priced on a profile read (its tensors and config), rotated as `hadamard` says (LlamaCppKV), each
+    layer by the codec of its head_dim."""
+    shapes = kv_shapes(config["model"]["fingerprint"])
+    codecs = {tensor: {t: [cache_type_codec(t, dim, tensor, hadamard) for _, dim in shapes] for t in types} for tensor in "kv"}
     with torch.inference_mode():
-        costs = {"k": {t: np.array([key_cost(profile, config, i, codec, kv_heads) for i in range(num_layers)])
-                       for t, codec in codecs["k"].items()},
-                 "v": {t: np.array([value_cost(profile, i, codec) for i in range(num_layers)]) for t, codec in codecs["v"].items()}}
-    bits = {tensor: {t: codec.row_bits(width) / width for t, codec in by_type.items()} for tensor, by_type in codecs.items()}
-    return costs, bits
+        costs = {"k": {t: np.array([key_cost(profile, config, i, codec, heads) for i, (codec, (heads, _)) in enumerate(zip(by_layer, shapes))])
+                       for t, by_layer in codecs["k"].items()},
+                 "v": {t: np.array([value_cost(profile, i, codec) for i, codec in enumerate(by_layer)]) for t, by_layer in codecs["v"].items()}}
+    widths = np.array([heads * dim for heads, dim in shapes])
+    bits = {tensor: {t: np.array([codec.row_bits(int(w)) / w for codec, w in zip(by_layer, widths)]) for t, by_layer in by_type.items()}
+            for tensor, by_type in codecs.items()}
+    return CacheTypePrices(costs, bits, widths)
 
 
-def cache_type_pairs(costs: dict, bits: dict) -> list[dict]:
+def cache_type_pairs(prices: CacheTypePrices) -> list[dict]:
     """Every -ctk / -ctv pair of the types priced but f16 for both (type_k, type_v, bits, cost summed over the layers),
     cheapest first."""
-    pairs = [{"type_k": k, "type_v": v, "bits": (bits["k"][k] + bits["v"][v]) / 2, "cost": float(costs["k"][k].sum() + costs["v"][v].sum())}
-             for k in costs["k"] for v in costs["v"] if (k, v) != ("f16", "f16")]
+    pairs = [{"type_k": k, "type_v": v, "bits": (prices.mean_bits("k", k) + prices.mean_bits("v", v)) / 2,
+              "cost": float(prices.costs["k"][k].sum() + prices.costs["v"][v].sum())}
+             for k in prices.costs["k"] for v in prices.costs["v"] if (k, v) != ("f16", "f16")]
     return sorted(pairs, key=lambda pair: (pair["cost"], pair["bits"]))
 
 
 def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
     """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
     check_cache_type_budget(budget)
-    pairs = cache_type_pairs(*cache_type_costs(profile_path))
+    pairs = cache_type_pairs(cache_type_prices(*read_artifact(profile_path, "profile"), "llama.cpp"))
     best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)
     return CacheTypePlan(budget, best["type_k"], best["type_v"], best["bits"], pairs)
 
@@ -267,13 +283,23 @@ class TensorSetting:
         return [(end, t, n) for end, t, n in (("first", self.first, self.first_count), ("last", self.last, self.last_count)) if n]
 
 
-def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float], plain_costs: dict | None = None) -> list[TensorSetting]:
+def _running_sums(per_layer: dict) -> dict[str, np.ndarray]:
+    """Per type, the sums of its first 0, 1, ..., all layers' values."""
+    return {t: np.concatenate([[0.0], np.cumsum(values)]) for t, values in per_layer.items()}
+
+
+def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float | np.ndarray], plain_costs: dict | None = None,
+                    widths: np.ndarray | None = None) -> list[TensorSetting]:
     """The settings of one tensor (every base type priced, and for each end no layers or 1.. of another type) that no other
     setting beats on both bits and cost, fewest bits first; among equals the one with fewer ends set apart. The ends
-    of an f16 base are priced by plain_costs (unrotated: ik_llama.cpp rotates nothing then), default costs."""
+    of an f16 base are priced by plain_costs (unrotated: ik_llama.cpp rotates nothing then), default costs. bits: a
+    type's real bits per element, one number or one a layer; a setting's bits are their mean over the layers weighted
+    by `widths` (each layer's elements a token; default alike)."""
     num_layers = len(next(iter(costs.values())))
-    sums = {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in costs.items()}
-    plain_sums = sums if plain_costs is None else {t: np.concatenate([[0.0], np.cumsum(c)]) for t, c in plain_costs.items()}
+    sums = _running_sums(costs)
+    plain_sums = sums if plain_costs is None else _running_sums(plain_costs)
+    weights = np.ones(num_layers) if widths is None else np.asarray(widths, dtype=np.float64)
+    bit_sums = _running_sums({t: weights * b for t, b in bits.items()})  # sums of bits x elements
     first_n, last_n = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
     candidates = []
     for base, first, last in itertools.product(costs, repeat=3):
@@ -281,7 +307,8 @@ def tensor_settings(costs: dict[str, np.ndarray], bits: dict[str, float], plain_
         ends = plain_sums if base == "f16" else sums
         cost = (ends[first][first_n] + sums[base][num_layers - last_n] - sums[base][first_n]
                 + ends[last][num_layers] - ends[last][num_layers - last_n])
-        mean_bits = (first_n * bits[first] + (num_layers - first_n - last_n) * bits[base] + last_n * bits[last]) / num_layers
+        mean_bits = (bit_sums[first][first_n] + bit_sums[base][num_layers - last_n] - bit_sums[base][first_n]
+                     + bit_sums[last][num_layers] - bit_sums[last][num_layers - last_n]) / weights.sum()
         for n, m in zip(*np.nonzero(allowed)):
             candidates.append(TensorSetting(base, first, int(n), last, int(m), float(mean_bits[n, m]), float(cost[n, m])))
     candidates.sort(key=lambda c: (round(c.bits, 9), c.cost, len(c.ends()), c.first_count + c.last_count))
@@ -317,10 +344,12 @@ class FirstLastPlan:
                 "baseline_spec": self.baseline_spec()}
 
 
-def choose_first_last(costs: dict, bits: dict, budget: float, plain_costs: dict | None = None) -> tuple[TensorSetting, TensorSetting]:
+def choose_first_last(costs: dict, bits: dict, budget: float, plain_costs: dict | None = None,
+                      widths: np.ndarray | None = None) -> tuple[TensorSetting, TensorSetting]:
     """The K and V settings (see tensor_settings) of least summed cost whose mean bits are at most `budget`, not both
-    all f16; costs[tensor][type] per layer (plain_costs likewise, unrotated), bits[tensor][type]."""
-    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor], None if plain_costs is None else plain_costs[tensor]) for tensor in "kv"}
+    all f16; costs[tensor][type] per layer (plain_costs likewise, unrotated), bits[tensor][type], widths as there."""
+    fronts = {tensor: tensor_settings(costs[tensor], bits[tensor], None if plain_costs is None else plain_costs[tensor], widths)
+              for tensor in "kv"}
     value_bits = [v.bits for v in fronts["v"]]
     best = None
     for k in fronts["k"]:
@@ -337,8 +366,8 @@ def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     store at most `budget` real bits per element (K and V rows alike), exactly, of IK_CACHE_TYPES."""
     check_cache_type_budget(budget)
     profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for both pricings
-    costs, bits = _priced_cache_types(profile, config, "ik_llama.cpp", IK_CACHE_TYPES)
-    plain_costs, _ = _priced_cache_types(profile, config, None, IK_CACHE_TYPES)
-    k, v = choose_first_last(costs, bits, budget, plain_costs)
-    pair = next(pair for pair in cache_type_pairs(costs, bits) if pair["bits"] <= budget + 1e-9)
+    prices = cache_type_prices(profile, config, "ik_llama.cpp", IK_CACHE_TYPES)
+    plain = cache_type_prices(profile, config, None, IK_CACHE_TYPES)
+    k, v = choose_first_last(prices.costs, prices.bits, budget, plain.costs, prices.widths)
+    pair = next(pair for pair in cache_type_pairs(prices) if pair["bits"] <= budget + 1e-9)
     return FirstLastPlan(budget, k, v, (k.bits + v.bits) / 2, k.cost + v.cost, pair)

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
-from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES
+from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES, cache_type_codec
 from kvcal.models import resolve_model
-from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, layers_kept_wide, plan_cache_types, plan_first_last,
-                        plan_layers)
+from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, key_cost, layers_kept_wide, plan_cache_types,
+                        plan_first_last, plan_layers, value_cost)
 from kvcal.rope import rotate_keys
 
 
@@ -90,7 +91,7 @@ def test_a_budget_that_buys_exactly_n_unquantized_layers_keeps_n():
     """turboquant_k3v4_nc stores 3.59375 bits at head_dim 256 with one KV head (Gemma 3 270M): at the budget of n of 18
     layers fp16 the plan keeps the n costliest; with a sliding layer's price weighted by its 511 of 4096 tokens, the
     same budget keeps at least their cost (prices rounded up to a unit lost one layer there)."""
-    quantized = dtype_bits("turboquant_k3v4_nc", 256, 1)
+    quantized = dtype_bits("turboquant_k3v4_nc", [(1, 256)])
     assert quantized == 3.59375
     costs = [i + 1.0 for i in range(18)]
     for shares in (np.ones(18), np.array([1.0 if i % 6 == 5 else 511 / 4096 for i in range(18)])):
@@ -145,18 +146,22 @@ def _settings_by_brute_force(costs: dict, num_layers: int, plain_costs: dict):
                         yield tuple(types), sum(table[t][i] for i, t in enumerate(types))
 
 
-def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_budget():
+@pytest.mark.parametrize("widths", [None, [32, 64, 32]], ids=["alike", "a-wider-layer"])
+def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_budget(widths):
     """On 3 layers with random per-layer costs (f16 free; the unrotated ones that an f16 base's ends take apart),
     choose_first_last's K and V settings cost the least of every pair of settings (first / last counts and types,
-    summed layer by layer) whose mean bits fit the budget."""
+    summed layer by layer) whose mean bits fit the budget, the mean weighted by each layer's width where they differ
+    (Gemma 4's)."""
     bits = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
+    weights = np.ones(3) if widths is None else np.array(widths, dtype=np.float64)
     rng = np.random.default_rng(0)
     costs, plain = ({tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()}
                      for tensor in "kv"} for _ in range(2))
-    brute = {tensor: [(sum(bits[t] for t in types) / 3, cost, types) for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])]
+    brute = {tensor: [(sum(w * bits[t] for w, t in zip(weights, types)) / weights.sum(), cost, types)
+                      for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])]
              for tensor in "kv"}
     for budget in (4.5, 5.0, 6.2, 9.0, 12.0, 15.9):
-        k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget, plain)
+        k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget, plain, widths)
         best = min(ck + cv for bk, ck, tk in brute["k"] for bv, cv, tv in brute["v"]
                    if bk + bv <= 2 * budget + 1e-9 and set(tk + tv) != {"f16"})
         assert k.cost + v.cost == pytest.approx(best, rel=1e-12) and (k.bits + v.bits) / 2 <= budget + 1e-9
@@ -187,6 +192,95 @@ def test_ik_llama_cpp_is_told_to_rotate_only_a_tensor_whose_base_type_is_quantiz
     plan = FirstLastPlan(8.0, k, v, 0.0, 0.0, {})
     assert plan.engine_arguments() == "-ctk f16 -ctv q4_0 -ctk-first q8_0,2 -ctv-first q8_0,1 -ctv-last f16,1 -vhad"
     assert plan.baseline_spec() == "f16/q4_0;k_first=q8_0,2;v_first=q8_0,1;v_last=f16,1"
+
+
+def test_an_ik_llama_cpp_setting_over_f16_bases_is_evaluated_and_run_as_planned():
+    """A plan may keep f16 as both tensors' base with quantized first / last layers (the costliest layers of a high
+    budget stay f16): its spec evaluates those layers at their types, unrotated, and its arguments ask for no -khad."""
+    k = TensorSetting("f16", "f16", 0, "q8_0", 1, bits=0.0, cost=0.0)
+    v = TensorSetting("f16", "q4_0", 2, "f16", 0, bits=0.0, cost=0.0)
+    plan = FirstLastPlan(12.0, k, v, 0.0, 0.0, {})
+    assert plan.baseline_spec() == "f16;k_last=q8_0,1;v_first=q4_0,2"
+    assert plan.engine_arguments() == "-ctk f16 -ctv f16 -ctk-last q8_0,1 -ctv-first q4_0,2"
+    layers = baseline_method(plan.baseline_spec(), [32] * 4).layers
+    assert [layer.key_codec.row_bits(32) / 32 for layer in layers] == [16, 16, 16, 8.5]
+    assert [layer.value_codec.row_bits(32) / 32 for layer in layers] == [4.5, 4.5, 16, 16]
+    assert layers[3].key_codec.hadamard is None and layers[0].value_codec.hadamard is None  # ik_llama.cpp's, under f16
+
+
+@pytest.fixture(scope="module")
+def gemma4_profile(tiny_model_dir, tiny_corpus, tmp_path_factory) -> Path:
+    """A profile of the tiny Gemma 4 with as many KV heads on its full layer as on its sliding one: the full layer
+    (heads of 32 channels) stores twice the sliding one's (heads of 16) a token."""
+    from conftest import profile_tiny_model
+
+    model = tiny_model_dir("gemma4_text", num_global_key_value_heads=2)
+    return profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("gemma4-plan") / "profile.safetensors")
+
+
+def _stored_bits(spec: str, fingerprint: dict) -> float:
+    """Real bits per element of an eval baseline spec on the profile's model: every layer's K and V rows at its own
+    shape, over every element a token."""
+    shapes = kv_shapes(fingerprint)
+    method = baseline_method(spec, [head_dim for _, head_dim in shapes])
+    stored = sum(layer.key_codec.row_bits(heads * dim) + layer.value_codec.row_bits(heads * dim)
+                 for layer, (heads, dim) in zip(method.layers, shapes))
+    return stored / (2 * sum(heads * dim for heads, dim in shapes))
+
+
+def test_layers_of_two_shapes_are_priced_at_their_own_and_weighed_by_their_elements(gemma4_profile):
+    """The tiny Gemma 4's sliding layer (2 heads of 16: int4_per_token_head stores 4 + 32/16 = 6 bits) and its full
+    layer (2 heads of 32: 5 bits, twice the elements): the least budget is (6 + 2 x 5) / 3, keeping the sliding
+    layer fp16 costs (16 + 10) / 3, the full one (6 + 32) / 3; each plan stores what its eval spec stores."""
+    fingerprint = read_artifact(str(gemma4_profile), "profile")[1]["model"]["fingerprint"]
+    assert kv_shapes(fingerprint) == [(2, 16), (2, 32)]
+    assert dtype_bits("int4_per_token_head", kv_shapes(fingerprint)) == pytest.approx(16 / 3)
+    with pytest.raises(KvcalError, match=r"outside \[5.33333, 16\]"):
+        plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 5.3)
+    sliding = plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 26 / 3 + 1e-9)
+    either = plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 38 / 3 + 1e-9)
+    assert sliding.skipped == [0] and sliding.bits == pytest.approx(26 / 3)
+    assert either.skipped == [max(range(2), key=lambda i: either.costs[i])]
+    for plan in (sliding, either, plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 16.0)):
+        assert plan.bits == pytest.approx(_stored_bits(plan.baseline_spec(), fingerprint), rel=1e-12)
+
+
+def test_llama_cpp_plans_price_each_layer_at_its_own_head_dim(gemma4_profile):
+    """On the tiny Gemma 4: a -ctk / -ctv pair's cost is every layer's Fisher-weighted error under the type's codec
+    for that layer's head_dim, and the llama.cpp and ik_llama.cpp plans store what their eval specs store."""
+    tensors, config = read_artifact(str(gemma4_profile), "profile")
+    fingerprint = config["model"]["fingerprint"]
+    pair = plan_cache_types(str(gemma4_profile), 6.0)
+    by_hand = sum(key_cost(tensors, config, i, cache_type_codec(pair.type_k, dim, "k"), heads)
+                  + value_cost(tensors, i, cache_type_codec(pair.type_v, dim, "v"))
+                  for i, (heads, dim) in enumerate(kv_shapes(fingerprint)))
+    chosen = next(p for p in pair.pairs if (p["type_k"], p["type_v"]) == (pair.type_k, pair.type_v))
+    assert chosen["cost"] == pytest.approx(by_hand, rel=1e-9)
+    assert pair.bits == pytest.approx(_stored_bits(pair.baseline_spec(), fingerprint), rel=1e-12) and pair.bits <= 6.0
+    for budget in (4.6, 6.0, 9.0):
+        ik = plan_first_last(str(gemma4_profile), budget)
+        assert ik.bits == pytest.approx(_stored_bits(ik.baseline_spec(), fingerprint), rel=1e-12) and ik.bits <= budget + 1e-9
+
+
+def test_a_hybrid_models_plan_names_its_decoder_layers_to_vllm(tiny_model_dir, tiny_corpus, tmp_path):
+    """The tiny LFM2's attention layers are decoder layers 1 and 3 (convolutions between): vLLM's option counts
+    decoder layers, so the plan names 1 and 3 there and kvcal's 0 and 1 in the eval spec; the CLI shows both. A
+    TurboQuant preset, whose fp16 boundary layers vLLM picks among decoder layers, is refused."""
+    from typer.testing import CliRunner
+
+    from conftest import profile_tiny_model
+    from kvcal.cli import app
+
+    profile = profile_tiny_model(tiny_model_dir("lfm2"), tiny_corpus, tmp_path / "profile.safetensors")
+    plan = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0)
+    assert plan.skipped == [0, 1] and plan.decoder_layers == [1, 3]
+    assert plan.engine_arguments() == "--kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 1 3"
+    assert plan.baseline_spec() == "int8_per_token_head;skip=0+1"
+    result = CliRunner().invoke(app, ["plan", str(profile), "--dtype", "int8_per_token_head", "--budget", "16"])
+    assert result.exit_code == 0, result.output
+    assert "decoder layer" in result.output and "--kv-cache-dtype-skip-layers 1 3" in result.output
+    with pytest.raises(KvcalError, match="TurboQuant boundary layers are not modelled"):
+        plan_layers(str(profile), "vllm", "turboquant_k3v4_nc", 16.0)
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -226,6 +226,22 @@ def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_bou
     assert result.ppl != fp.ppl
 
 
+def test_eval_ppl_refuses_a_turboquant_preset_on_a_hybrid_model(tiny_model_dir, tiny_corpus):
+    """The tiny Qwen3.5's attention layers are decoder layers 1 and 3 (DeltaNet between): vLLM picks TurboQuant's fp16
+    boundary among decoder layers, none in such a hybrid, which kvcal's layers do not tell: eval ppl refuses the preset
+    in one line, and takes another vLLM dtype."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    model = tiny_model_dir("qwen3_5_text")
+    arguments = ["eval", "ppl", "--model", str(model), "--dataset", str(tiny_corpus), "--seqlen", "16", "--windows", "1"]
+    refused = CliRunner().invoke(app, [*arguments, "--baseline", "turboquant_k8v4"])
+    assert refused.exit_code == 2 and "TurboQuant boundary layers are not modelled" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+    assert CliRunner().invoke(app, [*arguments, "--baseline", "fp8_per_token_head"]).exit_code == 0
+
+
 @pytest.mark.parametrize("dtype", ["nvfp4", "nvfp4_4over6"])
 def test_eval_ppl_counts_nvfp4_as_4_bit_codes_and_an_e4m3_byte_per_16_channels(dtype):
     model = tiny_model("llama")

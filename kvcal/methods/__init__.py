@@ -18,6 +18,7 @@ from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sg
 from kvcal.methods.llama_cpp import first_last_method, first_last_option
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
+from kvcal.vllm_codecs import TQ_PRESETS
 
 __all__ = ["artifact_method", "baseline_method", "bundle_method"]
 
@@ -58,9 +59,12 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None) -> Method:
+def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, hybrid: bool = False) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
-    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own).
+    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own). `hybrid`:
+    some of the model's decoder layers keep no cache of their own (kvcal.adapters.ModelAdapter.hybrid), where a
+    TurboQuant preset is refused: vLLM picks its fp16 boundary layers among decoder layers (none in a Mamba or
+    DeltaNet hybrid), which kvcal's layers do not tell.
     `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
@@ -78,6 +82,9 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
         else:
             raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
                              "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
+    if hybrid and base in TQ_PRESETS:
+        raise KvcalError(f"baseline '{text}': vLLM's TurboQuant boundary layers are not modelled in a model with layers that "
+                         "keep no cache of their own (hybrid or KV-sharing); evaluate another vLLM dtype")
     num_layers = len(head_dims)
     by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text) for head_dim in dict.fromkeys(head_dims)}
     method = by_head_dim[head_dims[0]]

@@ -41,10 +41,11 @@ def ik_hadamard(base_type: str) -> str | None:
 FIRST_LAST = ("k_first", "k_last", "v_first", "v_last")  # ik_llama.cpp's -ctk-first, -ctk-last, -ctv-first, -ctv-last
 
 
-def cache_type_pair(text: str) -> tuple[str, str] | None:
-    """(type_k, type_v) of `T` or `K/V`, or None when it is not a llama.cpp cache type (pair)."""
+def cache_type_pair(text: str, f16_for_both: bool = False) -> tuple[str, str] | None:
+    """(type_k, type_v) of `T` or `K/V`, or None when it is not a llama.cpp cache type (pair); f16 for both is one
+    only where `f16_for_both` (the base of an ik_llama.cpp setting whose first / last layers are quantized)."""
     type_k, type_v = text.split("/", 1) if "/" in text else (text, text)
-    if type_k not in CACHE_TYPES or type_v not in CACHE_TYPES or type_k == type_v == "f16":
+    if type_k not in CACHE_TYPES or type_v not in CACHE_TYPES or (type_k == type_v == "f16" and not f16_for_both):
         return None
     return type_k, type_v
 
@@ -62,7 +63,7 @@ def ik_llama_cpp_setting(spec: str) -> tuple[str, dict[str, tuple[str, int]]]:
     base, *options = [part.strip() for part in spec.strip().split(";")]
     parsed = [first_last_option(option) for option in options]
     names = [option[0] for option in parsed if option is not None]
-    if cache_type_pair(base) is None or None in parsed or len(set(names)) < len(names):
+    if cache_type_pair(base, f16_for_both=bool(options)) is None or None in parsed or len(set(names)) < len(names):
         raise KvcalError(f"'{spec}' is not an ik_llama.cpp setting: give a cache type or K/V pair ({', '.join(CACHE_TYPES)}), "
                          "then ;k_first=TYPE,N (k_last, v_first, v_last) at most once each")
     return base, dict(parsed)
@@ -72,7 +73,7 @@ def ik_llama_cpp_arguments(spec: str) -> str:
     """ik_llama.cpp's arguments for a setting (ik_llama_cpp_setting): -ctk / -ctv, -ctk-first TYPE,N ... in FIRST_LAST's
     order, and -khad / -vhad for each tensor whose base type is quantized (what the codecs here model)."""
     base, options = ik_llama_cpp_setting(spec)
-    pair = cache_type_pair(base)
+    pair = cache_type_pair(base, f16_for_both=True)
     arguments = [f"-ctk {pair[0]}", f"-ctv {pair[1]}"]
     for option in (option for option in FIRST_LAST if option in options):  # k_first -> -ctk-first TYPE,N
         cache_type, count = options[option]
@@ -83,8 +84,9 @@ def ik_llama_cpp_arguments(spec: str) -> str:
 
 def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers: int, head_dim: int) -> Method:
     """ik_llama.cpp's mixed cache: the pair `base` (T or K/V) on every layer but the first / last n of K / V, which
-    take another type; options {k_first | k_last | v_first | v_last: (type, n)}."""
-    pair = cache_type_pair(base)
+    take another type; options {k_first | k_last | v_first | v_last: (type, n)} (under an f16 base, the quantized
+    layers)."""
+    pair = cache_type_pair(base, f16_for_both=True)
     if pair is None:
         raise KvcalError(f"{', '.join(FIRST_LAST)} follow a llama.cpp cache type or K/V pair, not '{base}'")
     types = {tensor: [pair[i]] * num_layers for i, tensor in enumerate("kv")}
