@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
 
 from conftest import tiny_model
 from helpers.artifact_files import read_metadata, rewrite
@@ -321,3 +322,40 @@ def test_a_field_the_layer_format_would_ignore_is_refused(recipe_bundles, tmp_pa
 
     with pytest.raises(KvcalError, match=message):
         load_bundle(rewrite(recipe_bundles[recipe], tmp_path / "ignored.safetensors", config_fn=config_fn))
+
+
+@pytest.fixture(scope="module")
+def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
+    """(model directory, a KIVI bundle) of the tiny Gemma 4: a sliding layer of heads of 16 channels, a full one of 32."""
+    from conftest import profile_tiny_model
+    from kvcal.methods.kivi import KiviSettings
+
+    model = tiny_model_dir("gemma4_text")
+    folder = tmp_path_factory.mktemp("gemma4-bundle")
+    profile = profile_tiny_model(model, tiny_corpus, folder / "profile.safetensors")
+    return model, write_bundle(folder / "kivi.safetensors", *build_bundle(str(profile), "kivi", None, KiviSettings(group=4, residual=8)))
+
+
+@pytest.mark.parametrize("layer_head_dims, message", [
+    ([16], "not positive integers, one a layer"), ([16, "32"], "not positive integers"), ([16, 0], "not positive integers"),
+    ([16, 16], r"rope.inv_freq is torch.float32 \(2, 16\), expected float32 \(2, 8\)"), ([32, 16], None),
+])
+def test_a_resealed_bundle_whose_per_layer_head_dims_were_edited_is_refused(gemma4_bundle, tmp_path, layer_head_dims, message):
+    """Gemma 4's fingerprint names each layer's head_dim: edited (and resealed, so the checksum passes), the bundle is
+    refused in one line where it no longer holds together, and for the model whatever the edit (swapped, a KIVI
+    bundle, which stores no tensor a layer's width sizes, still reads as one for another model)."""
+    model, path = gemma4_bundle
+
+    def config_fn(config):
+        config["model"]["fingerprint"]["layer_head_dims"] = layer_head_dims
+        return config
+
+    edited = rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn)
+    if message is None:
+        assert load_bundle(edited).fingerprint["layer_head_dims"] == [32, 16]
+    else:
+        with pytest.raises(KvcalError, match=message):
+            load_bundle(edited)
+    with pytest.raises(KvcalError, match=message or "was made for .* not for this model"):
+        load_bundle(edited, model=AutoModelForCausalLM.from_pretrained(model))
+    assert load_bundle(path, model=AutoModelForCausalLM.from_pretrained(model)).layers

@@ -314,8 +314,9 @@ def test_a_wired_model_called_without_its_cache_is_refused():
         assert torch.equal(model.generate(prompt(), **GREEDY), expected)
 
 
-# image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token), vision attention
-IMAGES = {"gemma3": (4, 28, "Siglip"), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
+# image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token; Gemma 4's: 2 x 2
+# patches pooled into a token), vision attention
+IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
 IMAGES_AS_TOKENS = ("mistral3", *IMAGE_TOWERS, *QWEN_VL)  # their decoders read an image's tokens causally, as text
 
@@ -329,6 +330,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
                     mm_token_type_ids=(ids == model.config.image_token_id).long())
+    if model_type == "gemma4":  # its patches flattened, each with its (x, y) in the image
+        grid = side // 14
+        where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
+        return dict(input_ids=ids, pixel_values=torch.randn(1, grid * grid, 3 * 14 * 14), image_position_ids=where.reshape(1, -1, 2))
     images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
     if model_type in ("smolvlm", "idefics3"):  # (batch, images, channels, height, width)
         images["pixel_values"] = images["pixel_values"][:, None]
@@ -339,9 +344,9 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("model_type", [kind for kind in IMAGES if kind not in IMAGES_AS_TOKENS])
 def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
-    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration) is served for text: given images, the vision tower reaches the
-    wired attention implementation, which names why it refuses (its decoder would attend over an image's tokens both
-    ways, which kvcal's attention does not do)."""
+    """Gemma 3 4B-27B and Gemma 4 (their ForConditionalGeneration) are served for text: given images, the vision
+    tower reaches the wired attention implementation, which names why it refuses (its decoder would attend over an
+    image's tokens both ways, which kvcal's attention does not do)."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
