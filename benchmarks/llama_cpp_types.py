@@ -87,7 +87,7 @@ def llama_cpp_ppl(folder: Path, gguf: Path, text: Path, ctx: int, chunks: int, c
 def kvcal_method(engine: str, spec: str, adapter):
     """kvcal's simulation of a setting as the engine stores it (ik_llama.cpp: rotated under -khad / -vhad)."""
     if engine == "ik_llama.cpp":
-        return first_last_method(*ik_llama_cpp_setting(spec), len(adapter.layers), adapter.head_dims[0])
+        return first_last_method(*ik_llama_cpp_setting(spec), adapter.head_dims)
     return baseline_method(spec, adapter.head_dims, adapter.windows)
 
 

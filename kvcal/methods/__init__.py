@@ -119,7 +119,7 @@ def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, 
     `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors."""
     if first_last:
         try:
-            return first_last_method(base, first_last, num_layers, head_dim)
+            return first_last_method(base, first_last, [head_dim] * num_layers)
         except KvcalError as exc:
             raise KvcalError(f"baseline '{text}': {exc}") from None
     for spec in registry.methods():

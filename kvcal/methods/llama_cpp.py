@@ -82,10 +82,11 @@ def ik_llama_cpp_arguments(spec: str) -> str:
     return " ".join(arguments)
 
 
-def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers: int, head_dim: int) -> Method:
+def first_last_method(base: str, options: dict[str, tuple[str, int]], head_dims: list[int]) -> Method:
     """ik_llama.cpp's mixed cache: the pair `base` (T or K/V) on every layer but the first / last n of K / V, which
     take another type; options {k_first | k_last | v_first | v_last: (type, n)} (under an f16 base, the quantized
-    layers)."""
+    layers); each layer's codecs for its head_dim (one a layer)."""
+    num_layers = len(head_dims)
     pair = cache_type_pair(base, f16_for_both=True)
     if pair is None:
         raise KvcalError(f"{', '.join(FIRST_LAST)} follow a llama.cpp cache type or K/V pair, not '{base}'")
@@ -103,7 +104,7 @@ def first_last_method(base: str, options: dict[str, tuple[str, int]], num_layers
     hadamard = {tensor: ik_hadamard(base) for tensor, base in zip("kv", pair)}
     layers = [LayerCodecs(cache_type_codec(k, head_dim, "k", hadamard["k"]), cache_type_codec(v, head_dim, "v", hadamard["v"]),
                           key_pre_rope=False)
-              for k, v in zip(types["k"], types["v"])]
+              for k, v, head_dim in zip(types["k"], types["v"], head_dims)]
     name = base + "".join(f";{option}={t},{n}" for option, (t, n) in sorted(options.items(), key=lambda o: FIRST_LAST.index(o[0])))
     nominal = sum(codecs.key_codec.bits + codecs.value_codec.bits for codecs in layers) / (2 * num_layers)
     return Method(name, nominal, layers, SegmentPolicy())
