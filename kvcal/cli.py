@@ -221,7 +221,7 @@ def profile_gradients_command(
 def plan_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients for the served model."),
     engine: str = typer.Option("vllm", help="The serving engine: vllm (which layers stay unquantized in its --kv-cache-dtype), llama.cpp (which -ctk / -ctv pair) or ik_llama.cpp (the pair and its -ctk/-ctv-first/-last layers)."),
-    dtype: Optional[str] = typer.Option(None, help="vllm: its KV cache dtype, int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, nvfp4, nvfp4_4over6, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc). llama.cpp, ik_llama.cpp: none, the plan chooses the types."),
+    dtype: Optional[str] = typer.Option(None, help="vllm: its KV cache dtype, int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, nvfp4, nvfp4_4over6, or a TurboQuant preset (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc); or all: each planned within the budget side by side, the least Fisher-weighted error chosen. llama.cpp, ik_llama.cpp: none, the plan chooses the types."),
     budget: float = typer.Option(..., help="Real bits per element the cache may store on average (scales included, at most 16)."),
     by: str = typer.Option("fisher", help="What quantizing costs: fisher (Fisher-weighted error on the profile) or, for vllm, importance (KVmix gradient importance)."),
     context: int = typer.Option(0, help="vllm: tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
@@ -232,13 +232,16 @@ def plan_command(
     types of the first and last layers of K and V (kvcal.plan). Prints the engine's arguments and the `eval ppl
     --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
-    from kvcal.plan import ENGINES, check_cache_type_budget, plan_cache_types, plan_first_last, plan_layers
+    from kvcal.plan import ENGINES, check_cache_type_budget, compare_dtypes, plan_cache_types, plan_first_last, plan_layers
 
     if engine not in ENGINES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
     if engine in ("llama.cpp", "ik_llama.cpp") and (dtype is not None or by != "fisher" or context):
         raise KvcalError(f"--engine {engine} takes cache types per tensor (and layer range) that kvcal plan chooses by "
                          "Fisher-weighted error: drop --dtype, --by and --context")
+    if dtype == "all" and by != "fisher":
+        raise KvcalError("--dtype all compares the dtypes by Fisher-weighted error, which --by importance does not weigh "
+                         "(the same for every dtype): drop --by or give one --dtype")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=[profile])
     if engine == "llama.cpp":
@@ -260,16 +263,29 @@ def plan_command(
                      f"{chosen.pair['bits']:.3f}", f"{chosen.pair['cost']:.4g}"])
         _print_table(f"ik_llama.cpp within {budget:g} real bits per element, by fisher: {chosen.bits:.3f} bits",
                      ["tensor", "type", "first layers", "last layers", "real bits", "Fisher-weighted error"], rows)
+    elif dtype == "all":
+        _note(f"planning every {engine} dtype on the profile's sampled keys and values of every layer")
+        chosen = compare_dtypes(str(profile), engine, budget, context)
+        _print_table(f"{engine} dtypes within {budget:g} real bits per element, by fisher: least error first",
+                     ["--kv-cache-dtype", "real bits", "layers kept fp16", "Fisher-weighted error"],
+                     [[plan.dtype, f"{plan.bits:.3f}", str(len(plan.skipped)), f"{plan.cost:.4g}"] for plan in chosen.plans]
+                     + [[name, "-", "-", reason] for name, reason in chosen.unfit.items()])
+        _print_layer_plan(chosen.best)
     else:
-        chosen = plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context)
-        numbered = chosen.decoder_layers != list(range(len(chosen.costs)))  # a hybrid: vLLM counts its decoder layers
-        _print_table(f"{engine} {chosen.dtype} within {budget:g} real bits per element, by {by}: {chosen.bits:.3f} bits",
-                     ["layer"] + ["decoder layer"] * numbered + ["cost if quantized", "stays fp16"],
-                     [[str(i)] + [str(chosen.decoder_layers[i])] * numbered + [f"{cost:.4g}", "yes" if i in chosen.skipped else ""]
-                      for i, cost in enumerate(chosen.costs)])
+        _print_layer_plan(chosen := plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context))
     print(f"{engine} arguments: {chosen.engine_arguments()}")
     print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
     _write_json(json_out, chosen.as_dict())
+
+
+def _print_layer_plan(plan) -> None:
+    """A vLLM plan's table (kvcal.plan.Plan): each layer's cost and whether it stays fp16 (and its decoder layer, in
+    a hybrid, which vLLM's option counts)."""
+    numbered = plan.decoder_layers != list(range(len(plan.costs)))
+    _print_table(f"{plan.engine} {plan.dtype} within {plan.budget:g} real bits per element, by {plan.by}: {plan.bits:.3f} bits",
+                 ["layer"] + ["decoder layer"] * numbered + ["cost if quantized", "stays fp16"],
+                 [[str(i)] + [str(plan.decoder_layers[i])] * numbered + [f"{cost:.4g}", "yes" if i in plan.skipped else ""]
+                  for i, cost in enumerate(plan.costs)])
 
 
 @app.command("inspect")

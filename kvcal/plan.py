@@ -14,6 +14,7 @@ alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers that 
 so a plan is how many of each such class stay fp16, the costliest first.
 The plan names the engine's arguments and the `eval ppl --baseline` spec that evaluates the same cache: vLLM counts
 the model's decoder layers, `skip=` kvcal's (the attention layers that keep a cache), which differ in hybrid models.
+compare_dtypes plans each of the engine's dtypes within one budget by Fisher cost and orders them by it.
 
 llama.cpp takes one cache type per tensor for the whole model (`-ctk`, `-ctv`): plan_cache_types picks the pair with
 the least Fisher cost summed over the layers, K and V priced apart, within the budget (every pair of f16 and the
@@ -70,6 +71,11 @@ class Plan:
     dtype_bits: float  # the dtype's real bits per element on the layers it quantizes (weighted alike)
     decoder_layers: list[int]  # each layer's index among the model's decoder layers, which vLLM's option counts
 
+    @property
+    def cost(self) -> float:
+        """What quantizing the layers it quantizes costs (the engine's own fp16 layers cost nothing)."""
+        return float(sum(cost for i, cost in enumerate(self.costs) if i not in self.skipped))
+
     def engine_arguments(self) -> str:
         arguments = f"--kv-cache-dtype {self.dtype}"
         skipped = [self.decoder_layers[i] for i in self.skipped]
@@ -79,7 +85,7 @@ class Plan:
         return self.dtype + (f";skip={'+'.join(map(str, self.skipped))}" if self.skipped else "")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
+        return {**asdict(self), "cost": self.cost, "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
 
 
 def layer_bits(layers: list, shapes: list[tuple[int, int]]) -> np.ndarray:
@@ -129,43 +135,124 @@ def _fisher_costs(profile: dict, config: dict, layers: list, kv_heads: list[int]
             for layer, codecs in enumerate(layers)]
 
 
-def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: str = "fisher", context: int = 0) -> Plan:
-    """The layers to leave unquantized so that `dtype` on the rest stores at most `budget` real bits per element
-    with the least total cost (see the module docstring)."""
+@dataclass
+class _PricedLayers:
+    """A dtype's layers on a profile's model: what each stores and weighs (see plan_layers)."""
+
+    layers: list  # the dtype's codecs per layer
+    fixed: np.ndarray  # per layer, whether the engine keeps it fp16 itself
+    prices: np.ndarray  # per layer, its real bits per element (fp16's where fixed)
+    weights: np.ndarray  # per layer, its elements a token times the share of the context it keeps
+
+    @property
+    def least_bits(self) -> float:
+        return float((self.prices * self.weights).sum() / self.weights.sum())
+
+    @property
+    def quantized_bits(self) -> float:
+        """The dtype's real bits per element on the layers it quantizes."""
+        quantized = ~self.fixed
+        return float((self.prices * self.weights)[quantized].sum() / self.weights[quantized].sum()) if quantized.any() else FP16_BITS
+
+
+def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
+    fingerprint = config["model"]["fingerprint"]
+    shapes = kv_shapes(fingerprint)
+    hybrid = "attention_layers" in fingerprint  # kvcal's layers are not all the decoder's
+    layers = baseline_method(dtype, [dim for _, dim in shapes], hybrid=hybrid).layers
+    shares = stored_shares(config["model"].get("windows"), context, len(shapes))
+    return _PricedLayers(layers, np.array([_fixed_fp16(codecs) for codecs in layers]), layer_bits(layers, shapes),
+                         np.array(shares) * [heads * dim for heads, dim in shapes])
+
+
+def _check_request(engine: str, dtypes: list[str], by: str, context: int) -> None:
     if engine not in ENGINE_DTYPES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINE_DTYPES)}")
-    if dtype not in ENGINE_DTYPES[engine]:
-        raise KvcalError(f"--dtype '{dtype}' is not one of {engine}'s: {', '.join(ENGINE_DTYPES[engine])}")
+    for dtype in dtypes:
+        if dtype not in ENGINE_DTYPES[engine]:
+            raise KvcalError(f"--dtype '{dtype}' is not one of {engine}'s: {', '.join(ENGINE_DTYPES[engine])}")
     if by not in CRITERIA:
         raise KvcalError(f"--by '{by}' is not one of {', '.join(CRITERIA)}")
     if context < 0:
         raise KvcalError(f"--context must be 0 or a number of tokens (got {context})")
+
+
+def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: str = "fisher", context: int = 0) -> Plan:
+    """The layers to leave unquantized so that `dtype` on the rest stores at most `budget` real bits per element
+    with the least total cost (see the module docstring)."""
+    _check_request(engine, [dtype], by, context)
     profile, config = read_artifact(profile_path, "profile")
+    priced = _priced_layers(config, dtype, context)
+    if not priced.least_bits - 1e-9 <= budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside [{priced.least_bits:g}, {FP16_BITS}] real bits per element: {dtype} "
+                         f"stores {priced.quantized_bits:g}, an unquantized layer {FP16_BITS}"
+                         + (", and it keeps some layers unquantized" if priced.fixed.any() else ""))
+    return _plan(profile, config, engine, dtype, budget, by, context, priced)
+
+
+def _plan(profile: dict, config: dict, engine: str, dtype: str, budget: float, by: str, context: int,
+          priced: _PricedLayers) -> Plan:
+    """plan_layers on a profile read, the dtype priced and the budget within its range."""
     fingerprint = config["model"]["fingerprint"]
-    shapes = kv_shapes(fingerprint)
-    num_layers = len(shapes)
-    hybrid = "attention_layers" in fingerprint  # kvcal's layers are not all the decoder's
-    layers = baseline_method(dtype, [dim for _, dim in shapes], hybrid=hybrid).layers
-    fixed = np.array([_fixed_fp16(codecs) for codecs in layers])
-    prices = layer_bits(layers, shapes)  # a fixed layer's is fp16's
-    # what each layer stores: its elements a token times the share of the context's tokens it keeps
-    weights = np.array(stored_shares(config["model"].get("windows"), context, num_layers)) * [heads * dim for heads, dim in shapes]
-    quantized_bits = float((prices * weights)[~fixed].sum() / weights[~fixed].sum()) if not fixed.all() else FP16_BITS
-    least = float((prices * weights).sum() / weights.sum())
-    if not least - 1e-9 <= budget <= FP16_BITS:
-        raise KvcalError(f"--budget {budget} is outside [{least:g}, {FP16_BITS}] real bits per element: {dtype} stores "
-                         f"{quantized_bits:g}, an unquantized layer {FP16_BITS}" + (", and it keeps some layers unquantized"
-                                                                                 if fixed.any() else ""))
+    fixed, prices, weights = priced.fixed, priced.prices, priced.weights
     with torch.inference_mode():
-        costs = (_fisher_costs(profile, config, layers, [heads for heads, _ in shapes]) if by == "fisher" else
+        costs = (_fisher_costs(profile, config, priced.layers, [heads for heads, _ in kv_shapes(fingerprint)]) if by == "fisher" else
                  np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
     extra = (FP16_BITS - prices) * weights  # what keeping each layer fp16 adds to the weighted sum of prices
-    slack = max(budget * weights.sum() - (prices * weights).sum(), 0.0)  # the check above allows 1e-9 under
+    slack = max(budget * weights.sum() - (prices * weights).sum(), 0.0)  # the range check allows 1e-9 under
     skipped = layers_kept_wide(costs, extra, slack)
-    kept = np.where(np.isin(np.arange(num_layers), skipped), FP16_BITS, prices)
+    kept = np.where(np.isin(np.arange(len(prices)), skipped), FP16_BITS, prices)
     bits = float((kept * weights).sum() / weights.sum())
-    decoder_layers = fingerprint.get("attention_layers", list(range(num_layers)))
-    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, quantized_bits, decoder_layers)
+    decoder_layers = fingerprint.get("attention_layers", list(range(len(prices))))
+    return Plan(engine, dtype, budget, by, context, skipped, bits, costs, priced.quantized_bits, decoder_layers)
+
+
+@dataclass
+class DtypeComparison:
+    """Every dtype of an engine planned within one budget by Fisher cost: the plan of least cost, the others beside it."""
+
+    budget: float
+    plans: list[Plan]  # the dtypes that fit the budget, least cost first
+    unfit: dict[str, str]  # dtype -> why it has no plan within the budget
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+    def engine_arguments(self) -> str:
+        return self.best.engine_arguments()
+
+    def baseline_spec(self) -> str:
+        return self.best.baseline_spec()
+
+    def as_dict(self) -> dict:
+        return {**self.best.as_dict(), "compared": [{"dtype": plan.dtype, "bits": plan.bits, "skipped": plan.skipped,
+                                                     "cost": plan.cost} for plan in self.plans], "unfit": self.unfit}
+
+
+def compare_dtypes(profile_path: str, engine: str, budget: float, context: int = 0) -> DtypeComparison:
+    """Each of the engine's dtypes planned within `budget` (plan_layers, by Fisher cost, which is comparable between
+    dtypes: the same samples' weighted error), the least total cost first; refuses a budget no dtype fits."""
+    _check_request(engine, [], "fisher", context)
+    if not 0 < budget <= FP16_BITS:
+        raise KvcalError(f"--budget {budget} is outside (0, {FP16_BITS}] real bits per element")
+    profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for every dtype
+    plans, unfit, leasts = [], {}, []
+    for dtype in ENGINE_DTYPES[engine]:
+        try:
+            priced = _priced_layers(config, dtype, context)
+        except KvcalError as exc:  # (a TurboQuant preset on a hybrid model)
+            unfit[dtype] = str(exc).partition(": ")[2]
+            continue
+        leasts.append(priced.least_bits)
+        if priced.least_bits > budget + 1e-9:
+            unfit[dtype] = f"stores at least {priced.least_bits:.4g} real bits per element"
+        else:
+            plans.append(_plan(profile, config, engine, dtype, budget, "fisher", context, priced))
+    if not plans:
+        raise KvcalError(f"--budget {budget} is below what every {engine} dtype stores (the least: {min(leasts):g} real bits "
+                         "per element)")
+    return DtypeComparison(budget, sorted(plans, key=lambda plan: (plan.cost, plan.bits, plan.dtype)), unfit)
 
 
 def layers_kept_wide(costs: list[float], extra: np.ndarray, slack: float) -> list[int]:

@@ -1,5 +1,6 @@
 """kvcal.plan: which layers an engine leaves unquantized, chosen by the knapsack within a budget."""
 
+import json
 import os
 import re
 import subprocess
@@ -281,6 +282,38 @@ def test_a_hybrid_models_plan_names_its_decoder_layers_to_vllm(tiny_model_dir, t
     assert "decoder layer" in result.output and "--kv-cache-dtype-skip-layers 1 3" in result.output
     with pytest.raises(KvcalError, match="TurboQuant boundary layers are not modelled"):
         plan_layers(str(profile), "vllm", "turboquant_k3v4_nc", 16.0)
+
+
+def test_every_vllm_dtype_is_planned_side_by_side_and_the_least_error_one_chosen(tiny_profile, tmp_path):
+    """compare_dtypes plans each vLLM dtype within the budget exactly as plan_layers does, orders them by the error
+    of the layers they quantize, and names why each other dtype has no plan; the CLI prints the table and the least
+    error's arguments, and refuses a budget no dtype fits and --by importance (no error to compare) in one line."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+    from kvcal.plan import ENGINE_DTYPES, compare_dtypes
+
+    profile = str(tiny_profile[1])
+    compared = compare_dtypes(profile, "vllm", 6.0)
+    assert {plan.dtype for plan in compared.plans} | set(compared.unfit) == set(ENGINE_DTYPES["vllm"])
+    assert [plan.cost for plan in compared.plans] == sorted(plan.cost for plan in compared.plans)
+    for plan in compared.plans:
+        alone = plan_layers(profile, "vllm", plan.dtype, 6.0)
+        assert (plan.skipped, plan.bits, plan.cost) == (alone.skipped, alone.bits, alone.cost) and plan.bits <= 6.0
+    for dtype, reason in compared.unfit.items():
+        assert reason.startswith("stores at least")
+        with pytest.raises(KvcalError, match="is outside"):
+            plan_layers(profile, "vllm", dtype, 6.0)
+    result = CliRunner().invoke(app, ["plan", profile, "--dtype", "all", "--budget", "6", "--json", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    assert f"vllm arguments: {compared.best.engine_arguments()}" in result.output
+    assert all(dtype in result.output for dtype in ENGINE_DTYPES["vllm"])
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["dtype"] == compared.best.dtype and [entry["dtype"] for entry in written["compared"]] == [p.dtype for p in compared.plans]
+    for arguments, message in ((["--budget", "3"], "below what every vllm dtype stores (the least: 4.5"),
+                               (["--budget", "6", "--by", "importance"], "--dtype all compares the dtypes by Fisher")):
+        refused = CliRunner().invoke(app, ["plan", profile, "--dtype", "all", *arguments])
+        assert refused.exit_code == 2 and message in refused.output
 
 
 @pytest.mark.parametrize("arguments, message", [
