@@ -4,7 +4,7 @@ Every supported model's attention is q/k/v/o projections + RoPE as kvcal.rope co
 head's channels (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a
 modeling file:
 - Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs),
-  Seed-OSS, Cohere, Cohere 2, ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
+  Seed-OSS, Cohere, Cohere 2 (and its MoE), ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
   Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the first), BitNet: separate q/k/v_proj
   (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
@@ -51,7 +51,8 @@ Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum'
 (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
 scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
-those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones: their keys are stored as if rotated
+those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix
+layers, where it forces RoPE): their keys are stored as if rotated
 by frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
@@ -83,12 +84,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
-                         "gemma4_text", "gemma4")
+                         "gemma4_text", "gemma4", "cohere2_moe")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
-_INTERLEAVED_ROPE = ("cohere", "cohere2", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
+_INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss",)
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
@@ -430,11 +431,16 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
-    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and
-    Cohere 2's full-attention layers where they have sliding ones (their "global NoPE"), AFMoE's sliding layers only;
-    every layer elsewhere."""
-    if (model_type in ("exaone4", "exaone_moe", "cohere2") and getattr(config, "sliding_window", None) is not None
-            or model_type == "afmoe"):
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and EXAONE MoE's
+    full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers only (none
+    without a window) and Cohere 2 MoE's besides its dense layers where prefix_dense_sliding_window_pattern is 1 (its
+    force_rope), AFMoE's sliding layers only; every layer elsewhere."""
+    if model_type in ("cohere2", "cohere2_moe"):
+        window = getattr(config, "sliding_window", None) is not None
+        forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
+                  for mlp in getattr(config, "mlp_layer_types", None) or [None] * num_layers]
+        return [(kind == "sliding_attention" and window) or force for kind, force in zip(config.layer_types, forced)][:num_layers]
+    if model_type in ("exaone4", "exaone_moe") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 

@@ -15,8 +15,8 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cwm", "gpt_oss", "mellum", "afmoe", "gemma2",
-               "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4")
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
+               "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4")
 GEMMA4 = ("gemma4_text", "gemma4")  # Gemma 4's text model, and its decoder beside a vision tower
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
@@ -91,7 +91,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
                       "gpt_oss", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
-                      "hyperclovax", "afmoe", "hy_v3", "dots1", *GLM):
+                      "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -131,8 +131,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
                       pad_token_id=None, bos_token_id=0, eos_token_id=0)
         del common["rope_theta"]
-    if model_type in ("cohere", "cohere2"):  # logits unscaled: their default 0.0625 would shrink what the tests compare
+    if model_type in ("cohere", "cohere2", "cohere2_moe"):  # logits unscaled: the default 0.0625 would shrink what tests compare
         common["logit_scale"] = 1.0
+    if model_type == "cohere2_moe":  # as the Qwen MoEs; its full layer 1 dense, where force_rope rotates it (pattern 1)
+        common.update(num_experts=4, num_experts_per_tok=4, mlp_layer_types=["sparse", "dense"],
+                      prefix_dense_intermediate_size=128, pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "cohere":  # as Command R+: a LayerNorm per head on q and k
         common["use_qk_norm"] = True
     if model_type == "stablelm":  # as StableLM 2 12B: a LayerNorm per head on q and k

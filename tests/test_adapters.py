@@ -143,6 +143,19 @@ def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies(model_
     assert adapter.layer_inv_freq(0).min() > 0 and torch.equal(adapter.layer_inv_freq(1), torch.zeros(8))
 
 
+@pytest.mark.parametrize("config, rotated", [
+    (dict(mlp_layer_types=["dense", "dense"]), [True, True]),  # force_rope on the full dense layer
+    (dict(mlp_layer_types=["sparse", "sparse"]), [True, False]),  # no dense layer to force
+    (dict(prefix_dense_sliding_window_pattern=2), [True, False]),  # a dense full layer, but no force_rope past pattern 1
+], ids=["dense", "sparse", "pattern-2"])
+def test_cohere_2_moe_rotates_its_sliding_layers_and_its_forced_dense_ones_as_the_model_does(config, rotated):
+    """Cohere 2 MoE rotates its sliding layers' keys and, where prefix_dense_sliding_window_pattern is 1, its dense
+    layers' (force_rope): kvcal reads which, and the model's cached keys agree."""
+    model = tiny_model("cohere2_moe", initializer_range=0.25, **config)
+    assert adapt(model).rotated == rotated
+    assert_kvcal_rotates_the_pre_rope_keys_as(model)
+
+
 def test_qwen3_5s_multimodal_rope_sections_rotate_text_as_kvcal_does():
     """Released Qwen3.5 configs interleave the RoPE frequencies over (time, height, width) sections (mrope_section);
     a text token's three positions are equal, so its keys rotate by the one set of frequencies kvcal stores."""
