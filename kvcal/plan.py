@@ -3,15 +3,15 @@
 
 Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16; under a TurboQuant
 preset vLLM keeps its first and last two layers fp16 whatever it is told, so those stay fp16 at no cost and are not
-named (in a hybrid model, whose decoder layers those are counted among, the presets are refused). What quantizing a layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the
-profile's sampled keys, cached after RoPE as the engine caches them, the error rotated back before RoPE where the
-Fisher information was taken (RoPE rotates channel pairs, so this is exact), plus its value codec's on the values; by
-`importance`: KVmix's gradient importance of its K and V. Staying fp16 costs nothing. Prices: the dtype's real bits
-per element (its K and V row_bits, scales included) and 16;
-the budget bounds their mean over the elements the cache stores: each layer weighs its KV heads x head_dim (layers
-differ in Gemma 4) times the tokens it stores at `context` (a sliding-window layer keeps its window; 0: every layer
-alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers that store alike cost alike to keep fp16,
-so a plan is how many of each such class stay fp16, the costliest first.
+named (in a hybrid model, whose decoder layers those are counted among, the presets are refused). What quantizing a
+layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the profile's sampled keys,
+cached after RoPE as the engine caches them, the error rotated back before RoPE where the Fisher information was
+taken (RoPE rotates channel pairs, so this is exact), plus its value codec's on the values; by `importance`: KVmix's
+gradient importance of its K and V. Staying fp16 costs nothing. Prices: the dtype's real bits per element (its K and
+V row_bits, scales included) and 16; the budget bounds their mean over the elements the cache stores: each layer
+weighs its KV heads x head_dim (layers differ in Gemma 4) times the tokens it stores at `context` (a sliding-window
+layer keeps its window; 0: every layer alike). The choice is exact, prices unrounded (`layers_kept_wide`): layers
+that store alike cost alike to keep fp16, so a plan is how many of each such class stay fp16, the costliest first.
 The plan names the engine's arguments and the `eval ppl --baseline` spec that evaluates the same cache: vLLM counts
 the model's decoder layers, `skip=` kvcal's (the attention layers that keep a cache), which differ in hybrid models.
 compare_dtypes plans each of the engine's dtypes within one budget by Fisher cost and orders them by it.
@@ -85,7 +85,8 @@ class Plan:
         return self.dtype + (f";skip={'+'.join(map(str, self.skipped))}" if self.skipped else "")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "cost": self.cost, "engine_arguments": self.engine_arguments(), "baseline_spec": self.baseline_spec()}
+        return {**asdict(self), "cost": self.cost, "engine_arguments": self.engine_arguments(),
+                "baseline_spec": self.baseline_spec()}
 
 
 def layer_bits(layers: list, shapes: list[tuple[int, int]]) -> np.ndarray:
@@ -152,7 +153,9 @@ class _PricedLayers:
     def quantized_bits(self) -> float:
         """The dtype's real bits per element on the layers it quantizes."""
         quantized = ~self.fixed
-        return float((self.prices * self.weights)[quantized].sum() / self.weights[quantized].sum()) if quantized.any() else FP16_BITS
+        if not quantized.any():
+            return FP16_BITS
+        return float((self.prices * self.weights)[quantized].sum() / self.weights[quantized].sum())
 
 
 def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
@@ -195,8 +198,9 @@ def _plan(profile: dict, config: dict, engine: str, dtype: str, budget: float, b
     """plan_layers on a profile read, the dtype priced and the budget within its range."""
     fingerprint = config["model"]["fingerprint"]
     fixed, prices, weights = priced.fixed, priced.prices, priced.weights
+    kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
     with torch.inference_mode():
-        costs = (_fisher_costs(profile, config, priced.layers, [heads for heads, _ in kv_shapes(fingerprint)]) if by == "fisher" else
+        costs = (_fisher_costs(profile, config, priced.layers, kv_heads) if by == "fisher" else
                  np.where(fixed, 0.0, (profile["importance.k"] + profile["importance.v"]).numpy()).tolist())
     extra = (FP16_BITS - prices) * weights  # what keeping each layer fp16 adds to the weighted sum of prices
     slack = max(budget * weights.sum() - (prices * weights).sum(), 0.0)  # the range check allows 1e-9 under
@@ -326,12 +330,13 @@ def cache_type_prices(profile: dict, config: dict, hadamard: str | None, types: 
     shapes = kv_shapes(config["model"]["fingerprint"])
     codecs = {tensor: {t: [cache_type_codec(t, dim, tensor, hadamard) for _, dim in shapes] for t in types} for tensor in "kv"}
     with torch.inference_mode():
-        costs = {"k": {t: np.array([key_cost(profile, config, i, codec, heads) for i, (codec, (heads, _)) in enumerate(zip(by_layer, shapes))])
+        costs = {"k": {t: np.array([key_cost(profile, config, i, codec, shapes[i][0]) for i, codec in enumerate(by_layer)])
                        for t, by_layer in codecs["k"].items()},
-                 "v": {t: np.array([value_cost(profile, i, codec) for i, codec in enumerate(by_layer)]) for t, by_layer in codecs["v"].items()}}
+                 "v": {t: np.array([value_cost(profile, i, codec) for i, codec in enumerate(by_layer)])
+                       for t, by_layer in codecs["v"].items()}}
     widths = np.array([heads * dim for heads, dim in shapes])
-    bits = {tensor: {t: np.array([codec.row_bits(int(w)) / w for codec, w in zip(by_layer, widths)]) for t, by_layer in by_type.items()}
-            for tensor, by_type in codecs.items()}
+    bits = {tensor: {t: np.array([codec.row_bits(int(w)) / w for codec, w in zip(by_layer, widths)])
+                     for t, by_layer in by_type.items()} for tensor, by_type in codecs.items()}
     return CacheTypePrices(costs, bits, widths)
 
 
