@@ -43,8 +43,10 @@ Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwe
 Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
-gpt-oss adds a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed to attention as
-s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode kernels' callers.
+gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
+to attention as s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode
+kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter.layer_rotaries`), a layer's base in
+config.layer_rope_theta (0: no RoPE).
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
 attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; both kernels.
 Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
@@ -84,14 +86,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
-                         "gemma4_text", "gemma4", "cohere2_moe")
+                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
-_SINKS = ("gpt_oss",)
+_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa")
+# one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
+_ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
@@ -202,6 +206,9 @@ class ModelAdapter:
     keeps_state: list[bool] = field(default_factory=list)
     readers: tuple[ReaderLayer, ...] = ()  # the decoder layers reading the cache of one of `layers` (KV sharing)
     images_as_tokens: bool = False  # a composite whose decoder reads image tokens as text (_IMAGES_AS_TOKENS)
+    # per layer, the module holding its frequencies where the model keeps one per RoPE base (_ROTARY_PER_BASE; None for
+    # a layer without RoPE); empty: `rotary` holds every layer's
+    layer_rotaries: tuple[nn.Module | None, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -229,7 +236,7 @@ class ModelAdapter:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
         if not self.rotated[layer]:
             return torch.zeros(self.head_dims[layer] // 2)
-        inv_freq = getattr(self.rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
+        inv_freq = getattr(self._layer_rotary(layer), _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
         return padded_inv_freq(inv_freq, self.head_dims[layer])
 
     @property
@@ -240,8 +247,11 @@ class ModelAdapter:
 
     def layer_rope_scaling(self, layer: int) -> float:
         """Layer `layer`'s cos/sin scaling (YaRN's, for one; 1 where the layer applies no RoPE)."""
-        scaling = float(getattr(self.rotary, _rotary_name(self.layer_types[layer], "attention_scaling"), 1.0))
+        scaling = float(getattr(self._layer_rotary(layer), _rotary_name(self.layer_types[layer], "attention_scaling"), 1.0))
         return scaling if self.rotated[layer] else 1.0
+
+    def _layer_rotary(self, layer: int) -> nn.Module | None:
+        return self.layer_rotaries[layer] if self.layer_rotaries else self.rotary
 
     @property
     def rope_scaling(self) -> float | list[float]:
@@ -434,12 +444,14 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
     """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and EXAONE MoE's
     full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers only (none
     without a window) and Cohere 2 MoE's besides its dense layers where prefix_dense_sliding_window_pattern is 1 (its
-    force_rope), AFMoE's sliding layers only; every layer elsewhere."""
+    force_rope), AFMoE's sliding layers only, Granite SWA's of a non-zero layer_rope_theta; every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
                   for mlp in getattr(config, "mlp_layer_types", None) or [None] * num_layers]
         return [(kind == "sliding_attention" and window) or force for kind, force in zip(config.layer_types, forced)][:num_layers]
+    if model_type in _ROTARY_PER_BASE:
+        return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
     if model_type in ("exaone4", "exaone_moe") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
@@ -470,7 +482,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds, kv_heads, head_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims))
-    rotary = _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY)
+    layer_rotaries = tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE else ()
+    rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
+              _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
     rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, where) if rotary is not None
                   else None)
     for handle in handles:
@@ -508,7 +522,15 @@ def adapt(model: nn.Module) -> ModelAdapter:
         keeps_state=[kind in _ATTENTION_AND_STATE_TYPES for kind in attending_only(decoder_types)],
         readers=tuple(readers),
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
+        layer_rotaries=layer_rotaries,
     )
+
+
+def _rotaries_per_base(decoder: nn.Module, config, num_layers: int) -> list[nn.Module | None]:
+    """Per decoder layer, the rotary module of its RoPE base (config.layer_rope_theta; None for 0, no RoPE): Granite
+    SWA keeps one per base (`rotary_embs`), its `rotary_emb` left unused."""
+    by_base = {float(module.config.rope_parameters["rope_theta"]): module for module in decoder.rotary_embs}
+    return [by_base[float(theta)] if theta else None for theta in config.layer_rope_theta[:num_layers]]
 
 
 def _layer_geometry(config, num_layers: int, where: str) -> tuple[int, list[int], list[int]]:

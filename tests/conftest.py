@@ -16,11 +16,13 @@ TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
-               "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4")
+               "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4", "granite_swa",
+               "granitemoe_swa")
+GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 GEMMA4 = ("gemma4_text", "gemma4")  # Gemma 4's text model, and its decoder beside a vision tower
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager"}
+OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
 # Granite 4.0-H's and Nemotron-H's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -99,8 +101,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32)
         if model_type == "qwen2_moe":
             common["shared_expert_intermediate_size"] = 32
-    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss"):
+    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "minimax_m2", "gpt_oss", "granitemoe_swa"):
         common.update(num_local_experts=4, num_experts_per_tok=4)
+    if model_type in GRANITE_SWA:  # its default token ids are past TINY_VOCAB
+        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    if model_type == "granite_swa":  # its full layer without RoPE (a RoPE base of 0)
+        common["layer_rope_theta"] = [10000.0, 0.0]
+    if model_type == "granitemoe_swa":  # a RoPE base a layer: one rotary module each
+        common["layer_rope_theta"] = [10000.0, 500000.0]
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
     if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo", "hy_v3", "dots1"):  # as the Qwen MoEs
@@ -208,7 +216,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     auto = AutoModelForImageTextToText if model_type in ("mistral3", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
-    if model_type == "gpt_oss":  # sinks spread over the heads (their init draws them near 0): a head given another's shows
+    if model_type in ("gpt_oss", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
     return model.eval()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import ALTERNATING, GEMMA4, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from conftest import ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from helpers import attention_module
 from kvcal.adapters import adapt, score_scale
 from kvcal.errors import KvcalError
@@ -12,9 +12,10 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
-# OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type; the others (Aya Vision: Cohere 2's) for their NoPE layer
+# OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
+# for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text", *GEMMA4, "aya_vision")
+                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA)
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
 

@@ -27,22 +27,27 @@ def text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
-def models_rotary(model):
-    """The decoder's rotary embedding (LFM2-MoE names it pos_emb), or None where it has none."""
+def models_rotary(model, layer: int):
+    """Decoder layer `layer`'s rotary embedding (LFM2-MoE names it pos_emb; Granite SWA keeps one per RoPE base,
+    rotary_embs, its rotary_emb unused), or None where it has none."""
     decoder = model.get_decoder()
+    if text_config(model).model_type in ("granite_swa", "granitemoe_swa"):
+        theta = text_config(model).layer_rope_theta[layer]
+        return next((r for r in decoder.rotary_embs if r.config.rope_parameters["rope_theta"] == theta), None)
     return getattr(decoder, "rotary_emb", None) or getattr(decoder, "pos_emb", None)
 
 
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
-    (none on their full layers where they have sliding ones), AFMoE's local layers."""
+    (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Granite
+    SWA's RoPE base of 0."""
     attention = attention_of(model, layer)
-    if models_rotary(model) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
+    if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
     if text_config(model).model_type in ("exaone4", "exaone_moe"):
         return attention.sliding_window is None or attention.is_sliding
-    if text_config(model).model_type == "cohere2":
-        return attention.sliding_window is not None
+    if text_config(model).model_type in ("cohere2", "cohere2_moe"):
+        return attention.sliding_window is not None or getattr(attention, "force_rope", False)
     if text_config(model).model_type == "afmoe":
         return attention.is_local_attention
     return getattr(attention, "use_rope", True)
@@ -134,7 +139,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
             if applies_rope(model, adapter.model_layers[i]):
-                cos, sin = models_rotary(model)(keys, torch.arange(SEQLEN)[None], *layer_type)
+                cos, sin = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))

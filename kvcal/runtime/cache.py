@@ -114,7 +114,7 @@ class RuntimeLayer(CacheLayerMixin):
     def _allocate(self, batch: int, width: int, device) -> None:
         self.keys_store = self.make_store("k", batch, width, device)
         self.values_store = self.make_store("v", batch, width, device)
-        self.inv_freq = self.cache.inv_freq_on(self.index, device) if self.cache is not None else self.inv_freq.to(device)
+        self.inv_freq = self.cache.inv_freq_on(self.inv_freq, device) if self.cache is not None else self.inv_freq.to(device)
 
     def _rotated(self, keys: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
@@ -494,12 +494,12 @@ class WiredCache(Cache):
             raise KvcalError("a layer reading another's keys and values attended before any layer stored this step's")
         return self._plan
 
-    def inv_freq_on(self, layer: int, device) -> torch.Tensor:
-        """Layer `layer`'s RoPE frequencies on `device`, one tensor shared by the layers of its type that rotate alike
-        (SmolLM3's NoPE layers: zeros)."""
-        key = (str(device), self.adapter.layer_types[layer], self.adapter.rotated[layer])
+    def inv_freq_on(self, frequencies: torch.Tensor, device) -> torch.Tensor:
+        """A layer's RoPE frequencies on `device`, one tensor shared by the layers of equal ones (rope_rows keeps a
+        table per tensor): a layer type's (Gemma 3), NoPE layers' zeros (SmolLM3), a RoPE base's (Granite SWA)."""
+        key = (str(device), frequencies.detach().cpu().numpy().tobytes())
         if key not in self._inv_freq:
-            self._inv_freq[key] = self.adapter.layer_inv_freq(layer).to(device)
+            self._inv_freq[key] = frequencies.to(device)
         return self._inv_freq[key]
 
     def rope_rows(self, offsets: list[int], tokens: int, inv_freq: torch.Tensor, rope_scaling: float,
