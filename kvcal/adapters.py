@@ -43,6 +43,8 @@ Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwe
 Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
+Gemma 3's decoder attends to an image's tokens both ways (`image_blocks`: wired alone, the step's mask says which
+tokens see later ones, kvcal.wiring.own_tokens_ahead); Gemma 4's images reach its vision tower's attention, refused.
 gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
 to attention as s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode
 kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter.layer_rotaries`), a layer's base in
@@ -101,6 +103,9 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "qwen2_vl", "qwen2_5_vl",
                      "qwen3_vl", "qwen3_vl_moe")
+# composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
+# step's attention mask saying which of its tokens see later ones
+_IMAGE_BLOCKS = ("gemma3",)
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")
@@ -206,6 +211,7 @@ class ModelAdapter:
     keeps_state: list[bool] = field(default_factory=list)
     readers: tuple[ReaderLayer, ...] = ()  # the decoder layers reading the cache of one of `layers` (KV sharing)
     images_as_tokens: bool = False  # a composite whose decoder reads image tokens as text (_IMAGES_AS_TOKENS)
+    image_blocks: bool = False  # a composite whose decoder attends to an image's tokens both ways (_IMAGE_BLOCKS)
     # per layer, the module holding its frequencies where the model keeps one per RoPE base (_ROTARY_PER_BASE; None for
     # a layer without RoPE); empty: `rotary` holds every layer's
     layer_rotaries: tuple[nn.Module | None, ...] = ()
@@ -522,6 +528,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         keeps_state=[kind in _ATTENTION_AND_STATE_TYPES for kind in attending_only(decoder_types)],
         readers=tuple(readers),
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
+        image_blocks=model_type in _IMAGE_BLOCKS,
         layer_rotaries=layer_rotaries,
     )
 

@@ -237,6 +237,10 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
                          f"{state.window}; kvcal follows the config (transformers' own cache does)")
     if slot.wiring.multimodal and state.scheme.key_pre_rope:
         raise KvcalError(wiring.multimodal_refusal([slot.index]))
+    if slot.wiring.adapter.image_blocks and wiring.own_tokens_ahead(
+            attention_mask, wiring.real_tokens(attention_mask, query.shape[0], tokens, query.device)) is not None:
+        raise KvcalError("the simulation scores text with causal attention, and this step's image tokens attend to each "
+                         "other both ways: evaluate without images (kvcal's quantized cache serves them)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
     if slot.reader:

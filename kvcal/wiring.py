@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
+from transformers.utils import is_torch_greater_or_equal
 
 from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
@@ -92,8 +93,9 @@ class Wiring:
     @property
     def switched(self) -> torch.nn.Module:
         """The module whose attention implementation the wiring switches: the model, or the decoder alone of a model
-        whose decoder reads image tokens as text (ModelAdapter.images_as_tokens), so that its vision tower keeps its own."""
-        return self.model.get_decoder() if self.adapter.images_as_tokens else self.model
+        whose decoder reads image tokens (ModelAdapter.images_as_tokens, image_blocks), so that its vision tower keeps
+        its own."""
+        return self.model.get_decoder() if self.adapter.images_as_tokens or self.adapter.image_blocks else self.model
 
     def check_active(self) -> None:
         """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""
@@ -274,19 +276,47 @@ def _remove_hooks(wiring: Wiring) -> None:
     wiring.hooks = []
 
 
-def real_tokens(attention_mask, batch: int, m: int, device) -> torch.Tensor:
+# transformers' SDPA mask fills a row that sees nothing (padding) with True on torch < 2.5, where SDPA gave NaN for it
+PADDING_SEES_ALL = not is_torch_greater_or_equal("2.5")
+
+
+def _visible(attention_mask) -> torch.Tensor:
+    """(batch, m, n): which of the n tokens each of the step's m rows sees, from its 4-D mask (boolean or additive)."""
+    mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bool | None = None) -> torch.Tensor:
     """(batch, m): which of the step's m new tokens are real (not padding), from the 4-D mask of the step.
 
-    A real token sees itself (its own column, the (n - m + i)-th of row i) and never a later token; padding
-    sees nothing. On torch < 2.5 transformers' SDPA mask fills a row that sees nothing with True (SDPA gave
-    NaN for fully masked rows there), so a row that sees the next token of the step is padding too. With
-    left padding (what generate() uses) that tells every row apart; only a right-padded last token of a step
-    would be taken for a real one on torch < 2.5."""
+    A real token sees itself (its own column, the (n - m + i)-th of row i); padding sees nothing. Where padding
+    sees every column instead (torch < 2.5), a real token is one that does not see the next token of the step: with
+    left padding (what generate() uses) that tells every row apart; only a right-padded last token of a step would be
+    taken for a real one, and an image's tokens, which see the next (own_tokens_ahead), for padding (refused there).
+    padding_sees_all: None, as this torch's masks (PADDING_SEES_ALL)."""
     if attention_mask is None:
         return torch.ones(batch, m, dtype=torch.bool, device=device)
-    mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
-    visible = mask if mask.dtype == torch.bool else mask == 0
+    visible = _visible(attention_mask)
     rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
     valid = visible[:, rows, own].clone()
-    valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
+    if PADDING_SEES_ALL if padding_sees_all is None else padding_sees_all:
+        valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
     return valid.expand(batch, m)
+
+
+def own_tokens_ahead(attention_mask, valid: torch.Tensor, padding_sees_all: bool | None = None) -> torch.Tensor | None:
+    """(batch, m, m): which of the step's real tokens (`valid`, real_tokens') each real token sees after itself, from
+    the step's 4-D mask: an image's tokens, which Gemma 3's decoder attends to both ways (ModelAdapter.image_blocks);
+    None where no token sees one, as in every causal step."""
+    m = valid.shape[1]
+    if attention_mask is None or m == 1:
+        return None
+    own = _visible(attention_mask)[..., -m:]
+    rows = torch.arange(m - 1, device=own.device)
+    if not bool((own[:, rows, rows + 1] & valid[:, :-1] & valid[:, 1:]).any()):  # an image's first tokens see their next
+        return None
+    ahead = own & torch.ones(m, m, dtype=torch.bool, device=own.device).triu(1) & valid[:, :, None] & valid[:, None, :]
+    if PADDING_SEES_ALL if padding_sees_all is None else padding_sees_all:
+        raise KvcalError("a step whose tokens see later ones (an image's, attended both ways) needs torch >= 2.5, whose "
+                         "masks tell them from padding; upgrade torch")
+    return ahead

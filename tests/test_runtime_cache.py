@@ -8,7 +8,7 @@ import torch
 from conftest import (ALTERNATING, GEMMA4, IMAGE_TOWERS, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL, TINY_ARCHITECTURES,
                       fp16_kivi_bundle, left_padded, tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
-from kvcal import registry
+from kvcal import registry, wiring
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method
@@ -342,11 +342,44 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     return images
 
 
-@pytest.mark.parametrize("model_type", [kind for kind in IMAGES if kind not in IMAGES_AS_TOKENS])
+def test_gemma3_attends_to_an_image_both_ways_as_its_own_attention_does():
+    """Gemma 3 4B-27B's decoder attends to an image's tokens both ways (token_type_ids): through a cache keeping
+    everything fp16, left-padded prompts with an image (the step's mask says which tokens see later ones) give the
+    model's own prefill logits and generate its own tokens, logits equal up to the fp16 rounding of K/V, the vision
+    tower on its own attention; read causally (no token_type_ids) the image's logits differ, so the two-way attention
+    is what matches. The simulation, which scores text causally, refuses the image in one line."""
+    from kvcal.kv import SegmentPolicy
+    from kvcal.simulate import Method
+
+    model = tiny_model("gemma3")
+    ids, mask = left_padded((16, 12), seed=4)
+    ids[0, 6:10], ids[1, 5:9] = model.config.image_token_id, model.config.image_token_id  # an image in each prompt
+    images = dict(input_ids=ids, attention_mask=mask, pixel_values=torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0)),
+                  token_type_ids=(ids == model.config.image_token_id).long())
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    bundle = fp16_kivi_bundle(model)
+    real = mask.bool()
+    with torch.inference_mode():
+        fp, fp_prefill = model.generate(**images, **settings), model(**images).logits[real]
+        with quantized_cache(model, bundle) as cache:
+            ours_prefill = model(**images, past_key_values=cache, use_cache=True).logits[real]
+        with quantized_cache(model, bundle) as cache:
+            ours = model.generate(**images, **settings, past_key_values=cache)
+            assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [16 + 7, 12 + 7]
+        causal_prefill = model(**{name: x for name, x in images.items() if name != "token_type_ids"}).logits[real]
+        method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
+        with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match="attend to each other both ways"):
+            model(**images, use_cache=False)
+    torch.testing.assert_close(ours_prefill, fp_prefill, rtol=0, atol=1e-3)
+    assert (causal_prefill - fp_prefill).abs().max() > 0.05
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", [kind for kind in IMAGES if kind not in (*IMAGES_AS_TOKENS, "gemma3")])
 def test_a_model_given_images_is_refused_in_the_quantized_cache_and_the_simulation(model_type):
-    """Gemma 3 4B-27B and Gemma 4 (their ForConditionalGeneration) are served for text: given images, the vision
-    tower reaches the wired attention implementation, which names why it refuses (its decoder would attend over an
-    image's tokens both ways, which kvcal's attention does not do)."""
+    """Gemma 4 (Gemma4ForConditionalGeneration) is served for text: given images, the vision tower reaches the wired
+    attention implementation, which names why it refuses."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
@@ -545,6 +578,7 @@ def test_left_padding_on_torch_before_2_5_masks_generates_what_each_prompt_gener
         return mask
 
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, ATTENTION_NAME, mask_function)
+    monkeypatch.setattr(wiring, "PADDING_SEES_ALL", True)  # as on torch < 2.5, whose masks these are
     model = tiny_model("llama")
     bundle = fp16_kivi_bundle(model)
     ids, mask = left_padded((21, 9, 14), seed=6)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvcal.wiring import real_tokens
+from kvcal.errors import KvcalError
+from kvcal.wiring import own_tokens_ahead, real_tokens
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -16,6 +17,34 @@ def test_padding_is_told_apart_on_the_masks_of_every_torch(window):
         m, n = padding.shape[1] - past, padding.shape[1]
         mask = sdpa_mask(batch_size=3, q_length=m, kv_length=n, q_offset=past, mask_function=pattern,
                          attention_mask=padding, allow_is_causal_skip=False)
-        for variant in (mask, mask | (~mask).all(-1, keepdim=True)):  # torch >= 2.5, torch < 2.5
-            assert torch.equal(real_tokens(variant, 3, m, "cpu"), padding[:, past:])
-            assert torch.equal(real_tokens(torch.where(variant, 0.0, float("-inf")), 3, m, "cpu"), padding[:, past:])
+        for variant, padding_sees_all in ((mask, False), (mask | (~mask).all(-1, keepdim=True), True)):  # torch >= 2.5, < 2.5
+            for form in (variant, torch.where(variant, 0.0, float("-inf"))):  # boolean, additive
+                assert torch.equal(real_tokens(form, 3, m, "cpu", padding_sees_all), padding[:, past:])
+
+
+def test_an_images_tokens_are_told_apart_from_padding_and_seen_ahead_as_gemma3s_mask_says():
+    """Gemma 3's mask lets an image's tokens see each other both ways: they are real tokens, and own_tokens_ahead says
+    which later tokens of the step each sees (none in a causal step); where padding rows see every column (torch <
+    2.5), an image's tokens cannot be told from padding and are refused."""
+    from transformers.masking_utils import causal_mask_function, or_masks, sdpa_mask
+
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]]).bool()
+    blocks = torch.tensor([[-1, -1, -1, 0, 0, 0, -1, -1], [-1, 0, 0, -1, -1, -1, -1, -1]])  # an image a row
+
+    def same_image(batch_idx, head_idx, q_idx, kv_idx):
+        return (blocks[batch_idx, q_idx] >= 0) & (blocks[batch_idx, q_idx] == blocks[batch_idx, kv_idx])
+
+    causal = sdpa_mask(batch_size=2, q_length=8, kv_length=8, q_offset=0, mask_function=causal_mask_function,
+                       attention_mask=padding, allow_is_causal_skip=False)
+    images = sdpa_mask(batch_size=2, q_length=8, kv_length=8, q_offset=0, mask_function=or_masks(causal_mask_function, same_image),
+                       attention_mask=padding, allow_is_causal_skip=False)
+    assert not torch.equal(images, causal)
+    valid = real_tokens(images, 2, 8, "cpu", padding_sees_all=False)
+    assert torch.equal(valid, padding)
+    assert own_tokens_ahead(causal, valid, padding_sees_all=False) is None
+    ahead = own_tokens_ahead(images, valid, padding_sees_all=False)
+    expected = torch.zeros(2, 8, 8, dtype=torch.bool)
+    expected[0, 3, 4:6] = expected[0, 4, 5] = expected[1, 1, 2] = True
+    assert torch.equal(ahead, expected)
+    with pytest.raises(KvcalError, match="needs torch >= 2.5"):
+        own_tokens_ahead(images | (~images).all(-1, keepdim=True), valid, padding_sees_all=True)

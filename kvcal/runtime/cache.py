@@ -22,7 +22,8 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 - the cache holds fp16; padding (from the attention mask) is never stored, each sequence has its own length;
 - a one-token step (decode) appends its token first, then attends over the cache as stored;
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
-  (causal), then appends them, quantizing what leaves the fp16 segments;
+  (causal; an image's tokens in Gemma 3 see each other both ways, as the step's mask says), then appends them,
+  quantizing what leaves the fp16 segments;
 - a layer with a sliding window (Gemma 3's sliding layers, Mistral's `sliding_window`: the adapter's `windows`,
   as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
   does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
@@ -212,7 +213,8 @@ class RuntimeLayer(CacheLayerMixin):
                 own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
-            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap)
+            ahead = plan.ahead[b][rows][:, rows] if plan.ahead is not None and plan.counts[b] > 1 else None
+            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap, ahead)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
                 reads[b] = (keys, values)
@@ -314,11 +316,14 @@ class StepPlan:
     store layout, RoPE tables and decode masks per length, and the kernels' launch data (kernels.DecodeStep).
 
     The host reads the device at most once here: which tokens are padding when the step has an attention mask
-    (none when it has no mask), and the position id of a sequence's first token in the step that brings it."""
+    (none when it has no mask), and the position id of a sequence's first token in the step that brings it; and,
+    in a step of several tokens of a model attending to images both ways, whether a token sees a later one."""
 
     def __init__(self, cache: WiredCache, attention_mask, batch: int, m: int, device, positions: torch.Tensor | None):
         self.batch, self.m, self.device = batch, m, device
         self.valid = wiring.real_tokens(attention_mask, batch, m, device)
+        # (batch, m, m): the step's tokens each sees after itself (an image's, in Gemma 3), or None (causal)
+        self.ahead = wiring.own_tokens_ahead(attention_mask, self.valid) if cache.adapter.image_blocks else None
         self.all_valid = attention_mask is None
         self._flags = None if self.all_valid else self.valid.tolist()
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]

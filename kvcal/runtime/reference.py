@@ -39,11 +39,13 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-              window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+              ahead: torch.Tensor | None = None) -> torch.Tensor:
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
     window: each query sees its last `window` tokens (itself included), None: all before it; sinks: (heads,) attention
     sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
-    (EXPLICIT_SCORES_PER_CHUNK scores)."""
+    (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
+    image's, which Gemma 3 attends to both ways), None: none."""
     heads, m, head_dim = query.shape
     if window is not None and m == 1:  # decode: the window is the last tokens
         keys, values = keys[-window:], values[-window:]
@@ -57,14 +59,15 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     def visible(first: int, stop: int) -> torch.Tensor:
         """(stop - first, n): the tokens queries first .. stop - 1 of the step see."""
         tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
-        return (tokens <= last) & (tokens > last - window) if banded else tokens <= last
+        seen = (tokens <= last) & (tokens > last - window) if banded else tokens <= last
+        return seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
 
     if sinks is not None or softcap is not None:
         chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
         outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
                                    scaling, sinks, softcap) for first in range(0, m, chunk)]
         return torch.cat(outs, 2)[0]
-    if (m == n or m == 1) and not banded:
+    if (m == n or m == 1) and not banded and ahead is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible(0, m), scale=scaling)
