@@ -43,8 +43,8 @@ Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwe
 Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
-Gemma 3's decoder attends to an image's tokens both ways (`image_blocks`: wired alone, the step's mask says which
-tokens see later ones, kvcal.wiring.own_tokens_ahead); Gemma 4's images reach its vision tower's attention, refused.
+Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
+both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead).
 gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
 to attention as s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode
 kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter.layer_rotaries`), a layer's base in
@@ -105,7 +105,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_vl", "qwen3_vl_moe")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
-_IMAGE_BLOCKS = ("gemma3",)
+_IMAGE_BLOCKS = ("gemma3", "gemma4")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")

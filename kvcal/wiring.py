@@ -305,17 +305,21 @@ def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bo
 
 
 def own_tokens_ahead(attention_mask, valid: torch.Tensor, padding_sees_all: bool | None = None) -> torch.Tensor | None:
-    """(batch, m, m): which of the step's real tokens (`valid`, real_tokens') each real token sees after itself, from
-    the step's 4-D mask: an image's tokens, which Gemma 3's decoder attends to both ways (ModelAdapter.image_blocks);
-    None where no token sees one, as in every causal step."""
-    m = valid.shape[1]
-    if attention_mask is None or m == 1:
+    """(batch, q, q): which of the step's real tokens (`valid`, real_tokens') each real token of the mask's q queries
+    (the step's last q: all of them, or a KV-sharing layer's kept ones) sees after itself, from its 4-D mask: an
+    image's tokens, which Gemma 3's and 4's decoders attend to both ways (ModelAdapter.image_blocks); None where no
+    token sees one, as in every causal step."""
+    if attention_mask is None:
         return None
-    own = _visible(attention_mask)[..., -m:]
-    rows = torch.arange(m - 1, device=own.device)
+    visible = _visible(attention_mask)
+    q = visible.shape[1]
+    if q == 1:
+        return None
+    own, valid = visible[..., -q:], valid[:, -q:]
+    rows = torch.arange(q - 1, device=own.device)
     if not bool((own[:, rows, rows + 1] & valid[:, :-1] & valid[:, 1:]).any()):  # an image's first tokens see their next
         return None
-    ahead = own & torch.ones(m, m, dtype=torch.bool, device=own.device).triu(1) & valid[:, :, None] & valid[:, None, :]
+    ahead = own & torch.ones(q, q, dtype=torch.bool, device=own.device).triu(1) & valid[:, :, None] & valid[:, None, :]
     if PADDING_SEES_ALL if padding_sees_all is None else padding_sees_all:
         raise KvcalError("a step whose tokens see later ones (an image's, attended both ways) needs torch >= 2.5, whose "
                          "masks tell them from padding; upgrade torch")

@@ -22,8 +22,8 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 - the cache holds fp16; padding (from the attention mask) is never stored, each sequence has its own length;
 - a one-token step (decode) appends its token first, then attends over the cache as stored;
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
-  (causal; an image's tokens in Gemma 3 see each other both ways, as the step's mask says), then appends them,
-  quantizing what leaves the fp16 segments;
+  (causal; an image's tokens in Gemma 3 and 4 see each other both ways, as each layer's mask says), then appends
+  them, quantizing what leaves the fp16 segments;
 - a layer with a sliding window (Gemma 3's sliding layers, Mistral's `sliding_window`: the adapter's `windows`,
   as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
   does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
@@ -121,10 +121,11 @@ class RuntimeLayer(CacheLayerMixin):
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, scaling: float,
-               window: int | None = None):
+               window: int | None = None, ahead: torch.Tensor | None = None):
         """query (B, H, m, d), key/value (B, kv_heads, m, d) of the new tokens (keys post-RoPE); plan: the step's
         (which tokens are real, see StepPlan); window: a sliding window, each query sees its sequence's last
-        `window` tokens (itself included)."""
+        `window` tokens (itself included); ahead: (B, m, m), the step's tokens each sees after itself under this
+        layer's mask (StepPlan.ahead_of), None: none."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
@@ -144,7 +145,7 @@ class RuntimeLayer(CacheLayerMixin):
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
             output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, window)
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window, reads)
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window, reads, ahead)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, window, reads, self.readers)
@@ -152,7 +153,8 @@ class RuntimeLayer(CacheLayerMixin):
             self._drop_out_of_window()
         return output
 
-    def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None) -> torch.Tensor:
+    def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None,
+                         ahead: torch.Tensor | None = None) -> torch.Tensor:
         """The attention of a layer reading this one's keys and values (KV sharing), after this layer's attend of the
         step, over what that read: after a decode step the cache as stored, after a prefill each sequence's cache
         before the step and its tokens in fp16. Its queries are the step's last ones (all of them, or as many as
@@ -172,10 +174,13 @@ class RuntimeLayer(CacheLayerMixin):
             output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
             first = plan.m - m  # the step's column of the first query
             for b, (keys, values) in step.reads.items():
-                rows = plan.columns(b)
-                rows = rows[rows >= first] - first  # the sequence's real tokens among the queries (its last ones)
+                real = plan.columns(b)
+                rows = real[real >= first] - first  # the sequence's real tokens among the queries (its last ones)
                 if len(rows):
-                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks, self.softcap)
+                    # the later tokens each query sees (an image's) are among the queries' own, the step's last
+                    seen = ahead[b][rows][:, rows] if ahead is not None else None  # (ahead: over the queries)
+                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks,
+                                              self.softcap, seen)
                     output[b, rows] = out.transpose(0, 1).to(query.dtype)
         step.readers_left -= 1
         if not step.readers_left:
@@ -193,7 +198,7 @@ class RuntimeLayer(CacheLayerMixin):
             store.drop(dropped)
 
     def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None,
-                 reads: dict | None):
+                 reads: dict | None, ahead: torch.Tensor | None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
         single real token in the step is decoded: appended first, then the cache is read as stored. `reads` (a
         dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache."""
@@ -213,8 +218,8 @@ class RuntimeLayer(CacheLayerMixin):
                 own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
-            ahead = plan.ahead[b][rows][:, rows] if plan.ahead is not None and plan.counts[b] > 1 else None
-            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap, ahead)
+            seen = ahead[b][rows][:, rows] if ahead is not None and plan.counts[b] > 1 else None
+            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap, seen)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
                 reads[b] = (keys, values)
@@ -322,8 +327,7 @@ class StepPlan:
     def __init__(self, cache: WiredCache, attention_mask, batch: int, m: int, device, positions: torch.Tensor | None):
         self.batch, self.m, self.device = batch, m, device
         self.valid = wiring.real_tokens(attention_mask, batch, m, device)
-        # (batch, m, m): the step's tokens each sees after itself (an image's, in Gemma 3), or None (causal)
-        self.ahead = wiring.own_tokens_ahead(attention_mask, self.valid) if cache.adapter.image_blocks else None
+        self.image_blocks = cache.adapter.image_blocks
         self.all_valid = attention_mask is None
         self._flags = None if self.all_valid else self.valid.tolist()
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
@@ -345,6 +349,17 @@ class StepPlan:
             for b, position in zip(first_seen, found):
                 self.offsets[b] = int(position)
         self.memo: dict = {}
+
+    def ahead_of(self, attention_mask) -> torch.Tensor | None:
+        """(batch, q, q): the step's tokens each of the mask's q queries (the step's last q) sees after itself under a
+        layer's mask (an image's, which Gemma 3's layers and Gemma 4's sliding ones attend to both ways:
+        wiring.own_tokens_ahead), None where none does; made once per mask, which the layers of a type share."""
+        if not self.image_blocks:
+            return None
+        # keyed by the mask's identity, the mask kept beside its answer so that no other takes its id this step
+        made = self.shared(("ahead", id(attention_mask)),
+                           lambda: (attention_mask, wiring.own_tokens_ahead(attention_mask, self.valid)))
+        return made[1]
 
     def shared(self, key, make):
         """memo[key], made by make() the first time (once per step, whichever layer asks first)."""
@@ -431,10 +446,13 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
     if slot.reader:  # the step's plan, made by the layers that store (a reader's queries may be the step's last only)
-        return layer.attend_as_reader(adapter.in_rope_order(query), layer.cache.running_plan(), scale, sliding_window), None
+        plan = layer.cache.running_plan()
+        ahead = plan.ahead_of(attention_mask)
+        return layer.attend_as_reader(adapter.in_rope_order(query), plan, scale, sliding_window, ahead), None
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
-    return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window), None
+    return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window,
+                        plan.ahead_of(attention_mask)), None
 
 
 def _register_attention() -> None:
