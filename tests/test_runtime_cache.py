@@ -392,6 +392,20 @@ def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, con
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=atol)
 
 
+def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
+    """Only the decoder's attention is kvcal's: a vision tower switched to kvcal's attention implementation by hand
+    is refused in one line, naming it, and runs its own again once switched back."""
+    model = tiny_model("llava")
+    images = image_inputs("llava", model, prompt())
+    tower = model.model.vision_tower
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+        tower.set_attn_implementation(ATTENTION_NAME)
+        with pytest.raises(KvcalError, match="CLIPAttention is not an attention layer of the model's text decoder"):
+            model(**images, past_key_values=cache, use_cache=True)
+        tower.set_attn_implementation("sdpa")
+        model(**images, past_key_values=cache, use_cache=True)
+
+
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's, Qwen-VL's and Gemma 4's (without
