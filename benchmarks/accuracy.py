@@ -446,7 +446,8 @@ class Fitter:
             wide = fixed_fp16_layers(dtype, [head_dim for _, head_dim in shapes])
             wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
             # each layer's elements stored at --seqlen weigh its price, as plan_layers weighs them
-            weights = [share * heads * head_dim for share, (heads, head_dim) in zip(stored_shares(windows, self.seqlen, num_layers), shapes)]
+            shares = stored_shares(windows, self.seqlen, num_layers)
+            weights = [share * heads * head_dim for share, (heads, head_dim) in zip(shares, shapes)]
             stored = sum(weight * (16.0 if i in wide else dtype_bits(dtype, [shapes[i]])) for i, weight in enumerate(weights))
             return plan_layers(str(self.profile), "vllm", dtype, stored / sum(weights) + 1e-9, entry.spec["plan"], self.seqlen)
 

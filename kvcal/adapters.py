@@ -3,10 +3,10 @@
 Every supported model's attention is q/k/v/o projections + RoPE as kvcal.rope computes it, up to the order of each
 head's channels (tests/test_adapters.py checks each against the model's own cached keys); nothing here forks a
 modeling file:
-- Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs),
-  Seed-OSS, Cohere, Cohere 2 (and its MoE), ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4, Nemotron, StarCoder2, Arcee, CWM, Gemma,
-  Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the first), BitNet: separate q/k/v_proj
-  (the MoE models' experts are in the MLP only);
+- Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2 (k/v bias), Qwen2-MoE, SmolLM3, Granite (and its MoEs,
+  and Granite SWASH), Seed-OSS, Cohere, Cohere 2 (and its MoE), ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4,
+  Nemotron, StarCoder2, Arcee, CWM, Gemma, Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the
+  first), BitNet: separate q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
   (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5,
   Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo Hybrid, MiniMax-M2: over
@@ -56,8 +56,8 @@ Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum'
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
 scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
 those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix
-layers, where it forces RoPE): their keys are stored as if rotated
-by frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
+layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
+frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
@@ -242,7 +242,8 @@ class ModelAdapter:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
         if not self.rotated[layer]:
             return torch.zeros(self.head_dims[layer] // 2)
-        inv_freq = getattr(self._layer_rotary(layer), _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
+        rotary = self._layer_rotary(layer)
+        inv_freq = getattr(rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
         return padded_inv_freq(inv_freq, self.head_dims[layer])
 
     @property
@@ -455,7 +456,8 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
                   for mlp in getattr(config, "mlp_layer_types", None) or [None] * num_layers]
-        return [(kind == "sliding_attention" and window) or force for kind, force in zip(config.layer_types, forced)][:num_layers]
+        return [(kind == "sliding_attention" and window) or force
+                for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
     if model_type in ("exaone4", "exaone_moe") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
@@ -488,7 +490,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds, kv_heads, head_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims))
-    layer_rotaries = tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE else ()
+    layer_rotaries = (tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE
+                      else ())
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
     rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, where) if rotary is not None
