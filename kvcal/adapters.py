@@ -222,6 +222,11 @@ class ModelAdapter:
         or another layer's cache, which they read)."""
         return len(self.model_layers) != self.num_model_layers
 
+    @property
+    def decoder_kind(self) -> str:
+        """What the decoder holds besides its layers' KV caches (decoder_kind of its fingerprint)."""
+        return decoder_kind(self.fingerprint())
+
     def readers_of(self, layer: int) -> list[ReaderLayer]:
         return [reader for reader in self.readers if reader.source == layer]
 
@@ -304,6 +309,23 @@ def kv_shapes(fingerprint: dict) -> list[tuple[int, int]]:
     kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
     head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
     return list(zip(kv_heads, head_dims))
+
+
+# model types whose layers may read another layer's cache (KV sharing), and whose every layer runs a recurrent mixer
+# beside its attention (Falcon-H1): what an artifact's fingerprint tells of its decoder with its attention_layers
+_KV_SHARING_TYPES = ("gemma3n_text", "gemma4_text", "gemma4")
+_STATE_BESIDE_ATTENTION_TYPES = ("falcon_h1",)
+
+
+def decoder_kind(fingerprint: dict) -> str:
+    """What an artifact's model's decoder holds besides its layers' KV caches, as engines tell models apart (vLLM's
+    TurboQuant boundary layers): "dense" (nothing), "recurrent" (a Mamba, DeltaNet or convolution state: hybrids,
+    Falcon-H1) or "shared" (layers reading another's cache: Gemma 3n, Gemma 4 E2B / E4B)."""
+    if "attention_layers" in fingerprint and fingerprint["model_type"] in _KV_SHARING_TYPES:
+        return "shared"
+    if "attention_layers" in fingerprint or fingerprint["model_type"] in _STATE_BESIDE_ATTENTION_TYPES:
+        return "recurrent"
+    return "dense"
 
 
 def kv_widths(fingerprint: dict) -> list[int]:

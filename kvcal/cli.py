@@ -530,7 +530,7 @@ def eval_ppl_command(
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid)
+    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind)
                                                      for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
@@ -677,7 +677,7 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
     for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind)
         QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

@@ -3,7 +3,7 @@
 
 Every layer either takes the engine's dtype (K and V alike, as vLLM's option does) or stays fp16; under a TurboQuant
 preset vLLM keeps its first and last two layers fp16 whatever it is told, so those stay fp16 at no cost and are not
-named (in a hybrid model, whose decoder layers those are counted among, the presets are refused). What quantizing a
+named (none in a hybrid; in a model whose layers read another's cache the presets are refused). What quantizing a
 layer costs, by `fisher`: the Fisher-weighted squared error of the dtype's key codec on the profile's sampled keys,
 cached after RoPE as the engine caches them, the error rotated back before RoPE where the Fisher information was
 taken (RoPE rotates channel pairs, so this is exact), plus its value codec's on the values; by `importance`: KVmix's
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvcal.adapters import kv_shapes
+from kvcal.adapters import decoder_kind, kv_shapes
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
@@ -161,8 +161,7 @@ class _PricedLayers:
 def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
     fingerprint = config["model"]["fingerprint"]
     shapes = kv_shapes(fingerprint)
-    hybrid = "attention_layers" in fingerprint  # kvcal's layers are not all the decoder's
-    layers = baseline_method(dtype, [dim for _, dim in shapes], hybrid=hybrid).layers
+    layers = baseline_method(dtype, [dim for _, dim in shapes], decoder=decoder_kind(fingerprint)).layers
     shares = stored_shares(config["model"].get("windows"), context, len(shapes))
     return _PricedLayers(layers, np.array([_fixed_fp16(codecs) for codecs in layers]), layer_bits(layers, shapes),
                          np.array(shares) * [heads * dim for heads, dim in shapes])
@@ -245,7 +244,7 @@ def compare_dtypes(profile_path: str, engine: str, budget: float, context: int =
     for dtype in ENGINE_DTYPES[engine]:
         try:
             priced = _priced_layers(config, dtype, context)
-        except KvcalError as exc:  # (a TurboQuant preset on a hybrid model)
+        except KvcalError as exc:  # (a TurboQuant preset on a KV-sharing model)
             unfit[dtype] = str(exc).partition(": ")[2]
             continue
         leasts.append(priced.least_bits)

@@ -40,7 +40,8 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   q H . fp16(n) c: the same). Values per (token, KV head): s = max((max - min) / (2^b - 1), 1e-8), codes
   clamp(trunc((v - min) / s + 0.5)) with the fp32 s and min, v^ = code * fp16(s) + fp16(min). Bits: keys
   8 x head_dim, or ceil(head_dim x b / 8) bytes + an fp16 norm; values ceil(head_dim x b / 8) bytes + fp16 scale and
-  zero, per KV head. vLLM keeps the first and last TQ_BOUNDARY_LAYERS layers unquantized (`tq_boundary_layers`).
+  zero, per KV head. vLLM keeps the first and last TQ_BOUNDARY_LAYERS layers unquantized (`tq_boundary_layers`; none in a hybrid
+  model, get_boundary_skip_layers @ 1471680b24719d9d3b2fe1235878196142af89cc).
   Sources @ 0135d081c30fa476130ae77a152539ce317ab8b1 (model_executor/layers/quantization/turboquant/config.py and
   centroids.py; v1/attention/backends/turboquant_attn.py: _build_hadamard, the midpoints; v1/attention/ops/
   triton_turboquant_store.py) and @ 055e47c28003156421365af985d676fc921cb075 (v1/attention/ops/

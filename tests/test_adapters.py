@@ -157,6 +157,15 @@ def test_cohere_2_moe_rotates_its_sliding_layers_and_its_forced_dense_ones_as_th
     assert_kvcal_rotates_the_pre_rope_keys_as(model)
 
 
+@pytest.mark.parametrize("model_type, kind", [("llama", "dense"), ("gemma3_text", "dense"), ("lfm2", "recurrent"),
+                                              ("jamba", "recurrent"), ("falcon_h1", "recurrent"), ("gemma3n_text", "shared"),
+                                              ("gemma4", "shared")])
+def test_the_decoder_kind_names_what_it_holds_besides_kv_caches_as_engines_tell_models_apart(model_type, kind):
+    """vLLM's TurboQuant boundary layers follow it: nothing (dense), a Mamba / DeltaNet / convolution state (hybrids,
+    and Falcon-H1, whose every layer runs Mamba 2 beside its attention), or layers reading another's cache."""
+    assert adapt(tiny_model(model_type)).decoder_kind == kind
+
+
 def test_qwen3_5s_multimodal_rope_sections_rotate_text_as_kvcal_does():
     """Released Qwen3.5 configs interleave the RoPE frequencies over (time, height, width) sections (mrope_section);
     a text token's three positions are equal, so its keys rotate by the one set of frequencies kvcal stores."""

@@ -265,8 +265,8 @@ def test_llama_cpp_plans_price_each_layer_at_its_own_head_dim(gemma4_profile):
 
 def test_a_hybrid_models_plan_names_its_decoder_layers_to_vllm(tiny_model_dir, tiny_corpus, tmp_path):
     """The tiny LFM2's attention layers are decoder layers 1 and 3 (convolutions between): vLLM's option counts
-    decoder layers, so the plan names 1 and 3 there and kvcal's 0 and 1 in the eval spec; the CLI shows both. A
-    TurboQuant preset, whose fp16 boundary layers vLLM picks among decoder layers, is refused."""
+    decoder layers, so the plan names 1 and 3 there and kvcal's 0 and 1 in the eval spec; the CLI shows both. Under a
+    TurboQuant preset vLLM keeps no boundary layer of a hybrid fp16, so every layer is the plan's to weigh."""
     from typer.testing import CliRunner
 
     from conftest import profile_tiny_model
@@ -280,8 +280,16 @@ def test_a_hybrid_models_plan_names_its_decoder_layers_to_vllm(tiny_model_dir, t
     result = CliRunner().invoke(app, ["plan", str(profile), "--dtype", "int8_per_token_head", "--budget", "16"])
     assert result.exit_code == 0, result.output
     assert "decoder layer" in result.output and "--kv-cache-dtype-skip-layers 1 3" in result.output
-    with pytest.raises(KvcalError, match="TurboQuant boundary layers are not modelled"):
-        plan_layers(str(profile), "vllm", "turboquant_k3v4_nc", 16.0)
+    turboquant = plan_layers(str(profile), "vllm", "turboquant_k3v4_nc", 16.0)
+    assert all(cost > 0 for cost in turboquant.costs) and turboquant.skipped == [0, 1]
+    assert turboquant.engine_arguments() == "--kv-cache-dtype turboquant_k3v4_nc --kv-cache-dtype-skip-layers 1 3"
+
+
+def test_a_turboquant_plan_is_refused_where_layers_read_anothers_cache(gemma4_profile):
+    """The tiny Gemma 4's last decoder layers read its first two's caches: vLLM may count them among a TurboQuant
+    preset's boundary layers, which kvcal does not model, so the plan is refused in one line."""
+    with pytest.raises(KvcalError, match="read another's cache"):
+        plan_layers(str(gemma4_profile), "vllm", "turboquant_k3v4_nc", 16.0)
 
 
 def test_every_vllm_dtype_is_planned_side_by_side_and_the_least_error_one_chosen(tiny_profile, tmp_path):

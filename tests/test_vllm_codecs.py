@@ -21,6 +21,8 @@
   error += dx0^2 + dx1^2), use4 = err4 < err6; SFScaleVal = 1 / *k_scale_ptr (k_scale 1.0 without checkpoint scales:
   model_executor/layers/attention/attention.py set_default_quant_scales)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -226,20 +228,27 @@ def test_eval_ppl_counts_a_turboquant_presets_real_bits_with_its_unquantized_bou
     assert result.ppl != fp.ppl
 
 
-def test_eval_ppl_refuses_a_turboquant_preset_on_a_hybrid_model(tiny_model_dir, tiny_corpus):
-    """The tiny Qwen3.5's attention layers are decoder layers 1 and 3 (DeltaNet between): vLLM picks TurboQuant's fp16
-    boundary among decoder layers, none in such a hybrid, which kvcal's layers do not tell: eval ppl refuses the preset
-    in one line, and takes another vLLM dtype."""
+def test_a_turboquant_preset_keeps_no_boundary_layer_in_a_hybrid_and_is_refused_where_layers_share_kv(tiny_model_dir,
+                                                                                                       tiny_corpus):
+    """vLLM keeps a TurboQuant preset's first and last two layers fp16 in a model whose every decoder layer attends,
+    none in a hybrid (its is_hybrid): eval ppl on the tiny Qwen3.5 (DeltaNet layers between its two attention layers)
+    stores both attention layers as turboquant_k3v4_nc, (3 x 16 + 16) / 16 = 4 bits for keys and (4 x 16 + 32) / 16 =
+    6 for values, where the dense rule would keep both fp16. On the tiny Gemma 3n, whose layers read others' caches
+    (which vLLM may count among the boundary), the preset is refused in one line."""
     from typer.testing import CliRunner
 
     from kvcal.cli import app
 
-    model = tiny_model_dir("qwen3_5_text")
-    arguments = ["eval", "ppl", "--model", str(model), "--dataset", str(tiny_corpus), "--seqlen", "16", "--windows", "1"]
-    refused = CliRunner().invoke(app, [*arguments, "--baseline", "turboquant_k8v4"])
-    assert refused.exit_code == 2 and "TurboQuant boundary layers are not modelled" in refused.output
-    assert len(refused.output.strip().splitlines()) == 1
-    assert CliRunner().invoke(app, [*arguments, "--baseline", "fp8_per_token_head"]).exit_code == 0
+    arguments = ["eval", "ppl", "--dataset", str(tiny_corpus), "--seqlen", "16", "--windows", "1", "--baseline",
+                 "turboquant_k3v4_nc", "--json"]
+    hybrid = CliRunner().invoke(app, [*arguments, str(tiny_corpus.parent / "hybrid.json"), "--model", str(tiny_model_dir("qwen3_5_text"))])
+    assert hybrid.exit_code == 0, hybrid.output
+    results = json.loads((tiny_corpus.parent / "hybrid.json").read_text())["results"]
+    assert next(r for r in results if r["method"] == "turboquant_k3v4_nc")["effective_bits"] == pytest.approx(5.0)
+    assert baseline_method("turboquant_k3v4_nc", [16] * 2).layers[0].key_codec.kind.value == "fp16"  # the dense rule
+    shared = CliRunner().invoke(app, [*arguments, str(tiny_corpus.parent / "shared.json"), "--model", str(tiny_model_dir("gemma3n_text"))])
+    assert shared.exit_code == 2 and "read another's cache (KV sharing)" in shared.output
+    assert len(shared.output.strip().splitlines()) == 1 and not (tiny_corpus.parent / "shared.json").exists()
 
 
 @pytest.mark.parametrize("dtype", ["nvfp4", "nvfp4_4over6"])

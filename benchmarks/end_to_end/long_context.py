@@ -134,7 +134,7 @@ def passkey(model, model_name: str, tokenizer, bundles: dict, baselines: list[st
     methods = {name: load_bundle(path, model=model) for name, path in bundles.items()}
     bits = {}
     for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.hybrid)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind)
         methods[method.name] = method
         bits[method.name] = _stored_bits(method, adapter.kv_widths)
     rows = []

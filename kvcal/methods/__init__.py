@@ -16,6 +16,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
 from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
 from kvcal.methods.llama_cpp import first_last_method, first_last_option
+from kvcal.methods.vllm_dtypes import turboquant_method
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 from kvcal.vllm_codecs import TQ_PRESETS
@@ -59,12 +60,12 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, hybrid: bool = False) -> Method:
+def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense") -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
-    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own). `hybrid`:
-    some of the model's decoder layers keep no cache of their own (kvcal.adapters.ModelAdapter.hybrid), where a
-    TurboQuant preset is refused: vLLM picks its fp16 boundary layers among decoder layers (none in a Mamba or
-    DeltaNet hybrid), which kvcal's layers do not tell.
+    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own). `decoder`:
+    the model's kvcal.adapters.decoder_kind, which a TurboQuant preset's fp16 boundary layers follow as vLLM picks them
+    (at 1471680b): the first and last two of a "dense" decoder, none in a "recurrent" one (its is_hybrid), and in a
+    "shared" one (layers reading another's cache, which vLLM may count among them) refused.
     `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
@@ -82,11 +83,12 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
         else:
             raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
                              "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
-    if hybrid and base in TQ_PRESETS:
-        raise KvcalError(f"baseline '{text}': vLLM's TurboQuant boundary layers are not modelled in a model with layers that "
-                         "keep no cache of their own (hybrid or KV-sharing); evaluate another vLLM dtype")
+    if decoder == "shared" and base in TQ_PRESETS:
+        raise KvcalError(f"baseline '{text}': vLLM's TurboQuant boundary layers are not modelled in a model whose layers read "
+                         "another's cache (KV sharing); evaluate another vLLM dtype")
     num_layers = len(head_dims)
-    by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text) for head_dim in dict.fromkeys(head_dims)}
+    by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense")
+                   for head_dim in dict.fromkeys(head_dims)}
     method = by_head_dim[head_dims[0]]
     if len(by_head_dim) > 1:
         layers = [by_head_dim[head_dim].layers[i] for i, head_dim in enumerate(head_dims)]
@@ -114,9 +116,12 @@ def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | 
     return skipped
 
 
-def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, text: str) -> Method:
+def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, text: str, boundary: bool) -> Method:
     """The Method of baseline `base` (with ik_llama.cpp's first/last layer types where `first_last` gives them) for
-    `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors."""
+    `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors; `boundary`: a
+    TurboQuant preset keeps its boundary layers fp16."""
+    if base in TQ_PRESETS and not boundary:
+        return turboquant_method(base, num_layers, head_dim, boundary=False)
     if first_last:
         try:
             return first_last_method(base, first_last, [head_dim] * num_layers)

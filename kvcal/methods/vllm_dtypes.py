@@ -24,10 +24,12 @@ VLLM_DTYPES = {
 }
 
 
-def turboquant_method(preset: str, num_layers: int, head_dim: int) -> Method:
+def turboquant_method(preset: str, num_layers: int, head_dim: int, boundary: bool = True) -> Method:
+    """A TurboQuant preset on every layer but, where `boundary`, the first and last two, which vLLM keeps fp16 in a
+    model whose every decoder layer attends (none in a hybrid: kvcal.methods.baseline_method)."""
     key_bits, value_bits, norm_correction = TQ_PRESETS[preset]
     layer = LayerCodecs(TurboQuantKeys(key_bits, head_dim, norm_correction), TurboQuantValues(value_bits, head_dim), key_pre_rope=False)
-    boundary = tq_boundary_layers(num_layers)
+    boundary = tq_boundary_layers(num_layers) if boundary else set()
     layers = [FP16_LAYER if i in boundary else layer for i in range(num_layers)]
     return Method(preset, (key_bits + value_bits) / 2, layers, SegmentPolicy())
 
