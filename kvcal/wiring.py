@@ -280,6 +280,11 @@ def _remove_hooks(wiring: Wiring) -> None:
 PADDING_SEES_ALL = not is_torch_greater_or_equal("2.5")
 
 
+def _padding_sees_all(asked: bool | None) -> bool:
+    """Whether the masks read let padding see every column: `asked`, or this torch's where None."""
+    return PADDING_SEES_ALL if asked is None else asked
+
+
 def _visible(attention_mask) -> torch.Tensor:
     """(batch, m, n): which of the n tokens each of the step's m rows sees, from its 4-D mask (boolean or additive)."""
     mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
@@ -299,7 +304,7 @@ def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bo
     visible = _visible(attention_mask)
     rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
     valid = visible[:, rows, own].clone()
-    if PADDING_SEES_ALL if padding_sees_all is None else padding_sees_all:
+    if _padding_sees_all(padding_sees_all):
         valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
     return valid.expand(batch, m)
 
@@ -319,8 +324,7 @@ def own_tokens_ahead(attention_mask, valid: torch.Tensor, padding_sees_all: bool
     rows = torch.arange(q - 1, device=own.device)
     if not bool((own[:, rows, rows + 1] & valid[:, :-1] & valid[:, 1:]).any()):  # an image's first tokens see their next
         return None
-    ahead = own & torch.ones(q, q, dtype=torch.bool, device=own.device).triu(1) & valid[:, :, None] & valid[:, None, :]
-    if PADDING_SEES_ALL if padding_sees_all is None else padding_sees_all:
+    if _padding_sees_all(padding_sees_all):
         raise KvcalError("a step whose tokens see later ones (an image's, attended both ways) needs torch >= 2.5, whose "
                          "masks tell them from padding; upgrade torch")
-    return ahead
+    return own & torch.ones(q, q, dtype=torch.bool, device=own.device).triu(1) & valid[:, :, None] & valid[:, None, :]
