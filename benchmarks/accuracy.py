@@ -439,6 +439,7 @@ class Fitter:
         layers the dtype keeps fp16 itself), sliding-window layers priced at what they store at --seqlen tokens."""
         from kvcal.adapters import kv_shapes
         from kvcal.fit.nuq import stored_shares
+        from kvcal.spans import attention_span
         from kvcal.plan import dtype_bits, fixed_fp16_layers, plan_layers
 
         def choose(fingerprint: dict):
@@ -446,7 +447,7 @@ class Fitter:
             wide = fixed_fp16_layers(dtype, [head_dim for _, head_dim in shapes])
             wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
             # each layer's elements stored at --seqlen weigh its price, as plan_layers weighs them
-            shares = stored_shares(windows, self.seqlen, num_layers)
+            shares = stored_shares([attention_span(window, None) for window in windows], self.seqlen)
             weights = [share * heads * head_dim for share, (heads, head_dim) in zip(shares, shapes)]
             stored = sum(weight * (16.0 if i in wide else dtype_bits(dtype, [shapes[i]])) for i, weight in enumerate(weights))
             return plan_layers(str(self.profile), "vllm", dtype, stored / sum(weights) + 1e-9, entry.spec["plan"], self.seqlen)

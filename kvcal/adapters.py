@@ -54,9 +54,13 @@ attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the t
 Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
 (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
-scaling: OLMo 3 scales its full layers' by YaRN's). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
-those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix
-layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
+scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_text: Maverick's; Scout's q/k norms
+after RoPE are refused) attend in chunks (`chunks`: attention_chunk_size on its chunked_attention layers;
+kvcal.spans.AttentionSpan) but every 4th, which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its
+RoPE pairs neighbours, and it scales the queries of its full layers by position before the attention call (as
+Ministral 3 does). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4, K-EXAONE,
+Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix layers, where it forces RoPE),
+Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
 frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
@@ -77,6 +81,7 @@ from torch import nn
 
 from kvcal.errors import KvcalError
 from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
+from kvcal.spans import AttentionSpan, attention_span
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
@@ -88,12 +93,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
-                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa")
+                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
-_INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4")
+_INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa")
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
@@ -117,7 +122,7 @@ _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
 # layers that attend and also run a recurrent mixer beside their attention (Falcon-H1's Mamba 2), whose state
 # transformers' cache layer keeps next to the keys and values
 _ATTENTION_AND_STATE_TYPES = ("hybrid",)
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", *_ATTENTION_AND_STATE_TYPES)
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", *_ATTENTION_AND_STATE_TYPES)
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -200,6 +205,7 @@ class ModelAdapter:
     config_dict: dict
     layer_types: list[str | None]  # per layer, the rotary's name for its frequencies (None: its one `inv_freq`)
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
+    chunks: list[int | None]  # per layer, its attention chunk (Llama 4's chunked layers), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
     softcap: float | None = None  # scaled scores soft-capped to (-softcap, softcap) (Gemma 2), or None
@@ -221,6 +227,11 @@ class ModelAdapter:
         """Whether some decoder layers keep no keys and values of their own (a recurrent state, transformers' to keep;
         or another layer's cache, which they read)."""
         return len(self.model_layers) != self.num_model_layers
+
+    @property
+    def spans(self) -> list[AttentionSpan | None]:
+        """Per layer, the earlier tokens its queries see where not all: its sliding window or attention chunk."""
+        return [attention_span(window, chunk) for window, chunk in zip(self.windows, self.chunks)]
 
     @property
     def decoder_kind(self) -> str:
@@ -331,6 +342,14 @@ def decoder_kind(fingerprint: dict) -> str:
 def kv_widths(fingerprint: dict) -> list[int]:
     """Per layer of an artifact's model, the channels of one token's keys (or values)."""
     return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint)]
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The model's text decoder, without its head (and a composite's vision tower): get_decoder(), but for a model
+    whose get_decoder() finds none under its base_model_prefix and returns the model (Llama4ForCausalLM: prefixed
+    language_model, its decoder at `model`)."""
+    decoder = model.get_decoder()
+    return decoder.model if decoder is model and isinstance(getattr(model, "model", None), nn.Module) else decoder
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -469,6 +488,12 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types][:num_layers]
 
 
+def _attention_chunks(config, num_layers: int) -> list[int | None]:
+    """Per layer, its attention chunk (config.attention_chunk_size on Llama 4's chunked_attention layers), or None."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    return [chunk if kind == "chunked_attention" else None for kind in _decoder_layer_types(config, num_layers)]
+
+
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
     """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and EXAONE MoE's
     full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers only (none
@@ -499,7 +524,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     num_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
-    decoder = model.get_decoder()  # not a vision tower's layers, whatever their number
+    decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
@@ -525,6 +550,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
         raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
                          "where kvcal reads them and their gradients")
+    if any(hasattr(layer.attention, "qk_norm") for layer in handles):  # Llama 4 Scout's use_qk_norm
+        raise KvcalError(f"{where}: it norms q and k after RoPE (use_qk_norm, Llama 4 Scout's), past where kvcal reads its "
+                         "pre-RoPE keys and their gradients; kvcal serves Llama 4 without it (Maverick's config)")
     if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
@@ -544,6 +572,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         config_dict=config.to_dict(),
         layer_types=kinds,
         windows=attending_only(_sliding_windows(config, num_layers)),
+        chunks=attending_only(_attention_chunks(config, num_layers)),
         rotated=rotated,
         score_scale=scales.pop(),
         softcap=getattr(config, "attn_logit_softcapping", None),

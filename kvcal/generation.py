@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import kv_shapes, kv_widths
+from kvcal.adapters import decoder_of, kv_shapes, kv_widths
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
@@ -200,10 +200,10 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     step = chunk or tokens
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         for start in range(0, tokens, step):
-            model.get_decoder()(ids[:, start : start + step], past_key_values=cache, use_cache=True)
+            decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True)
     outliers = cache.outliers()
-    windows = cache.adapter.windows
+    spans = cache.adapter.spans
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
             "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
-                                         windows=windows),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, windows), "outliers": outliers}
+                                         spans=spans),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans), "outliers": outliers}

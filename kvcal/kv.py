@@ -1,6 +1,7 @@
 """What the simulation, the calibration objectives and the runtime cache agree on about a KV cache:
 it holds fp16, each KV head serves its group of query heads (GQA), how attention sinks (gpt-oss) join the softmax,
-and which tokens it keeps fp16 (sinks, a recent window, a KIVI residual, keys waiting for a whole per-channel block).
+and which tokens it keeps fp16 (sinks, a recent window, a KIVI residual, keys waiting for a whole per-channel block),
+and which of them a windowed layer has dropped (kvcal.spans).
 
 Tensors are (tokens, kv_heads * head_dim): the channels of all KV heads of one token side by side."""
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvcal.spans import AttentionSpan
 
 
 def as_cached(x: torch.Tensor) -> torch.Tensor:
@@ -75,14 +78,15 @@ class SegmentPolicy:
         return tuple(past_sink & (j < n - self.fp16_recent(n, keys)) for keys in (True, False))
 
 
-def window_dropped(tokens: int, sinks: int, body_end: int, block: int, window: int) -> int:
-    """How many of a sequence's first tokens a sliding-window layer's cache has dropped once `tokens` are in it:
-    as many as fall before the last `window - 1` (transformers keeps those: the next query sees them and itself),
+def window_dropped(tokens: int, sinks: int, body_end: int, block: int, span: AttentionSpan) -> int:
+    """How many of a sequence's first tokens a windowed layer's cache has dropped once `tokens` are in it:
+    as many as fall before the first the next query (position `tokens`) sees (a sliding window's: the last
+    size - 1, which transformers keeps; a chunk's: its chunk's first),
     taken as a prefix of sinks | body | recent that drops the `sinks` fp16 sinks all at once, body rows (positions
     sinks .. body_end - 1) in whole blocks of `block`, and never fp16 recent tokens (they leave into the body first).
     A function of the layout at `tokens`, so the runtime (trimming after every step), the simulation and the bytes
     formula agree whatever the steps were."""
-    limit = min(tokens - (window - 1), body_end)
+    limit = min(span.first_seen(tokens), body_end)
     if limit <= 0 or limit < sinks:
         return 0
     return sinks + (limit - sinks) // block * block

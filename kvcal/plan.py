@@ -48,6 +48,7 @@ from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 from kvcal.rotation_codecs import GGML_BLOCK, GGML_BLOCK_BYTES
+from kvcal.spans import recorded_spans
 from kvcal.vllm_codecs import TQ_PRESETS
 
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
@@ -162,7 +163,7 @@ def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
     fingerprint = config["model"]["fingerprint"]
     shapes = kv_shapes(fingerprint)
     layers = baseline_method(dtype, [dim for _, dim in shapes], decoder=decoder_kind(fingerprint)).layers
-    shares = stored_shares(config["model"].get("windows"), context, len(shapes))
+    shares = stored_shares(recorded_spans(config["model"], len(shapes)), context)
     return _PricedLayers(layers, np.array([_fixed_fp16(codecs) for codecs in layers]), layer_bits(layers, shapes),
                          np.array(shares) * [heads * dim for heads, dim in shapes])
 

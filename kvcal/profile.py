@@ -81,6 +81,7 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
     kvmix = asdict(request.kvmix)
     return {
         "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows,
+                  **({"chunks": adapter.chunks} if any(adapter.chunks) else {}),
                   "score_scale": adapter.score_scale,
                   **({"attention_softcap": adapter.softcap} if adapter.softcap is not None else {}),
                   **({"attention_sinks": [h.sinks.detach().float().tolist() for h in adapter.layers]}

@@ -7,8 +7,9 @@ each query position t sees, for every earlier token j, either its stored (dequan
 and value, exactly as the cache would hold them when token t is decoded. Pre-RoPE keys are captured
 before RoPE, quantized, and rotated with their own positions.
 
-A sliding-window layer (the adapter's `windows`) lets each query see its last `window` tokens, and stores at the
-end of an evaluated window only what the runtime cache keeps (kvcal.kv.window_dropped).
+A sliding-window layer (the adapter's `windows`) lets each query see its last `window` tokens, a chunked one (its
+`chunks`) its chunk's (kvcal.spans.AttentionSpan), and either stores at the end of an evaluated window only what the
+runtime cache keeps (kvcal.kv.window_dropped).
 
 Windows must be unpadded (evaluation windows are); the runtime cache handles padding.
 
@@ -33,6 +34,7 @@ from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softm
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys, rows_in_order
+from kvcal.spans import AttentionSpan
 
 ATTENTION_NAME = "kvcal_simulated"
 
@@ -132,7 +134,7 @@ class SimulatedLayer:
     inv_freq: torch.Tensor
     rope_scaling: float
     tally: StorageTally
-    window: int | None = None  # the layer's sliding window
+    span: AttentionSpan | None = None  # the earlier tokens its queries see: its sliding window's or chunk's (None: all)
     sinks: torch.Tensor | None = None  # (heads,) its attention sinks' logits (gpt-oss)
     softcap: float | None = None  # its scores' soft-cap (Gemma 2)
     pre_rope_keys: torch.Tensor | None = None
@@ -148,12 +150,12 @@ class SimulatedLayer:
     def dropped(self, tokens: int, key_stored: torch.Tensor, value_stored: torch.Tensor) -> int:
         """The first tokens the runtime cache no longer holds after `tokens` (kvcal.kv.window_dropped, K and V alike);
         *_stored: which tokens are in each body."""
-        if self.window is None:
+        if self.span is None:
             return 0
         sinks = min(self.policy.sink, tokens)
         body_end = min(sinks + int(stored.sum()) for stored in (key_stored, value_stored))
         block = math.lcm(*(getattr(codec, "block_tokens", 1) for codec in (self.scheme.key_codec, self.scheme.value_codec)))
-        return window_dropped(tokens, sinks, body_end, block, self.window)
+        return window_dropped(tokens, sinks, body_end, block, self.span)
 
     def attend(self, query, key, value, scaling: float) -> torch.Tensor:
         batch, heads, tokens, head_dim = query.shape
@@ -193,16 +195,16 @@ class SimulatedLayer:
     def _attend_read(self, query, read, scaling: float) -> torch.Tensor:
         """One sequence's query (heads, tokens, head_dim) over what attend read -> (tokens, heads, head_dim)."""
         key_mask, value_mask = self.masks_for(query.shape[1], query.device)
-        out = mixed_attention(query.float(), *read, key_mask, value_mask, scaling, self.window, self.sinks, self.softcap)
+        out = mixed_attention(query.float(), *read, key_mask, value_mask, scaling, self.span, self.sinks, self.softcap)
         return out.transpose(0, 1).to(query.dtype)
 
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
-                    window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
+                    span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
-    (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a sliding
-    window, query t sees tokens t - window + 1 .. t; with sinks (heads,), each head's row of scores takes its sink
-    logit as one more, which reads no value; with a softcap, scores are capped first (kvcal.kv.softcapped). Keys and
+    (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a span, query t
+    sees only the tokens of its sliding window or chunk (positions from 0); with sinks (heads,), each head's row of
+    scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first (kvcal.kv.softcapped). Keys and
     values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query heads."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
@@ -210,9 +212,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     def per_head(x):
         return per_query_head(x, kv_heads, heads)
 
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
-    if window is not None:
-        causal = causal.triu(1 - window)
+    positions = torch.arange(tokens, device=query.device)
+    causal = span.sees(positions, positions) if span is not None else positions[None, :] <= positions[:, None]
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling
     probs = softmax_with_sinks(softcapped(scores, softcap).masked_fill(~causal, float("-inf")),
                                None if sinks is None else sinks.view(-1, 1, 1))
@@ -232,9 +233,10 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
         raise KvcalError(f"the simulation evaluates whole windows in one forward, without a cache holding earlier tokens "
                          f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False (and, Gemma 4, "
                          "logits_to_keep=0: it runs its layers reading another's cache on the kept logits' tokens alone)")
-    if sliding_window != state.window:
-        raise KvcalError(f"layer {slot.index} attends over a sliding window of {sliding_window} tokens but its config gives "
-                         f"{state.window}; kvcal follows the config (transformers' own cache does)")
+    if sliding_window != (None if state.span is None or state.span.chunked else state.span.size):
+        given = f"a sliding window of {sliding_window} tokens" if sliding_window is not None else "no sliding window"
+        raise KvcalError(f"layer {slot.index} attends with {given} but its config gives it {state.span or 'neither'}; "
+                         "kvcal follows the config (transformers' own cache does)")
     if slot.wiring.multimodal and state.scheme.key_pre_rope:
         raise KvcalError(wiring.multimodal_refusal([slot.index]))
     if slot.wiring.adapter.image_blocks and wiring.own_tokens_ahead(
@@ -263,7 +265,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     _register_attention()
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
-                             adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.windows[i],
+                             adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.spans[i],
                              adapter.layers[i].sinks, adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
               for i, scheme in enumerate(method.layers)]
     owner = object()

@@ -16,9 +16,10 @@ from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.profile import PROFILE_KIND
 from kvcal.registry import ArtifactSummary
-from kvcal.runtime.backends import bundle_plan
 from kvcal.rope import layer_inv_freq, layer_rope_scaling
+from kvcal.runtime.backends import bundle_plan
 from kvcal.runtime.memory import cache_bytes, segment_lengths
+from kvcal.spans import AttentionSpan, recorded_spans
 
 
 def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
@@ -48,11 +49,11 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                   f"mean K {bits_k.mean():.3f}, V {bits_v.mean():.3f}"),
         ("kvcal version", config["kvcal_version"]),
     ]
-    windows = model.get("windows") or [None] * bits_k.numel()  # profiles before windows were recorded: none shown
+    spans = recorded_spans(model, bits_k.numel())
     head_dims = [head_dim for _, head_dim in kv_shapes(fingerprint)]
-    columns = ["layer", "sliding window", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
+    columns = ["layer", "window / chunk", "RoPE", "s_k", "s_v", "bits K", "bits V", "RPC K", "RPC V"]
     rows = [
-        [str(i), str(windows[i] or "-"), _rope_of(tensors["rope.inv_freq"], config["rope"], i, head_dims[i]),
+        [str(i), _span_text(spans[i]), _rope_of(tensors["rope.inv_freq"], config["rope"], i, head_dims[i]),
          f"{tensors['importance.k'][i]:.4g}", f"{tensors['importance.v'][i]:.4g}",
          str(int(bits_k[i])), str(int(bits_v[i])),
          f"{tensors['kvmix.rpc.k'][i]:.2f}", f"{tensors['kvmix.rpc.v'][i]:.2f}"]
@@ -69,6 +70,10 @@ def _kv_heads_text(fingerprint: dict) -> str:
         return f"{shapes[0][0]} kv heads, head_dim {shapes[0][1]}"
     return "; ".join(f"{kv_heads} kv heads, head_dim {head_dim} in layer{'s' * (len(at) > 1)} {', '.join(at)}"
                      for (kv_heads, head_dim), at in layers.items())
+
+
+def _span_text(span: AttentionSpan | None) -> str:
+    return "-" if span is None else f"chunk {span.size}" if span.chunked else str(span.size)
 
 
 def _rope_of(inv_freq, rope_config: dict, layer: int, head_dim: int) -> str:

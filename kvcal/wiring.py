@@ -28,7 +28,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 from transformers.utils import is_torch_greater_or_equal
 
-from kvcal.adapters import ModelAdapter
+from kvcal.adapters import ModelAdapter, decoder_of
 from kvcal.errors import KvcalError
 
 _WHAT: dict[str, str] = {}  # attention name -> what it is, for messages
@@ -95,7 +95,7 @@ class Wiring:
         """The module whose attention implementation the wiring switches: the model, or the decoder alone of a model
         whose decoder reads image tokens (ModelAdapter.images_as_tokens, image_blocks), so that its vision tower keeps
         its own."""
-        return self.model.get_decoder() if self.adapter.images_as_tokens or self.adapter.image_blocks else self.model
+        return decoder_of(self.model) if self.adapter.images_as_tokens or self.adapter.image_blocks else self.model
 
     def check_active(self) -> None:
         """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""

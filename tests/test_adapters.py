@@ -3,7 +3,7 @@ import torch
 
 from conftest import ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
 from helpers import attention_module
-from kvcal.adapters import adapt, score_scale
+from kvcal.adapters import adapt, decoder_of, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
@@ -15,7 +15,7 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 # OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
 # for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA)
+                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
 
@@ -34,7 +34,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
-    layer = model.get_decoder().layers[adapter.model_layers[1]]
+    layer = decoder_of(model).layers[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's and GPT-NeoX's q, k and v: one linear
     key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
@@ -50,6 +50,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     frequencies = (2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)
     assert adapter.inv_freq.shape == frequencies and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
+    assert adapter.chunks == ([TINY_WINDOW, None] if model_type == "llama4_text" else [None, None])  # Llama 4's first layer
     assert adapter.fingerprint()["num_kv_heads"] == kv_heads
 
 
@@ -86,9 +87,15 @@ def test_bidirectional_attention_is_refused():
 
 
 def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused():
-    """Llama 4's chunked attention (a window that restarts every chunk) is no attention kvcal computes."""
-    with pytest.raises(KvcalError, match=r"its layer types \['chunked_attention'\] are not ones kvcal serves"):
-        adapt(tiny_model("llama", layer_types=["chunked_attention", "full_attention"]))
+    """Hy V4's indexed attention (each query reads the tokens an indexer picks) is no attention kvcal computes."""
+    with pytest.raises(KvcalError, match=r"its layer types \['indexed_attention'\] are not ones kvcal serves"):
+        adapt(tiny_model("llama", layer_types=["indexed_attention", "full_attention"]))
+
+
+def test_q_and_k_normed_after_rope_are_refused():
+    """Llama 4 Scout's use_qk_norm norms q and k after RoPE, past where kvcal reads the pre-RoPE keys."""
+    with pytest.raises(KvcalError, match=r"it norms q and k after RoPE \(use_qk_norm, Llama 4 Scout's\)"):
+        adapt(tiny_model("llama4_text", use_qk_norm=True))
 
 
 def test_a_model_none_of_whose_layers_attends_is_refused():

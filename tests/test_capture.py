@@ -8,7 +8,7 @@ import torch
 
 from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
 from helpers import attention_module
-from kvcal.adapters import adapt
+from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 
 NSAMPLES, SEQLEN = 3, 48
@@ -19,7 +19,7 @@ def windows(seed: int = 0) -> torch.Tensor:
 
 
 def attention_of(model, layer: int):
-    return attention_module(model.get_decoder().layers[layer])
+    return attention_module(decoder_of(model).layers[layer])
 
 
 def text_config(model):
@@ -30,7 +30,7 @@ def text_config(model):
 def models_rotary(model, layer: int):
     """Decoder layer `layer`'s rotary embedding (LFM2-MoE names it pos_emb; Granite SWA keeps one per RoPE base,
     rotary_embs, its rotary_emb unused), or None where it has none."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     if text_config(model).model_type in ("granite_swa", "granitemoe_swa"):
         theta = text_config(model).layer_rope_theta[layer]
         return next((r for r in decoder.rotary_embs if r.config.rope_parameters["rope_theta"] == theta), None)
@@ -76,7 +76,7 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """The decoder's own apply_rotary_pos_emb on the channels its cos/sin cover (the first ones, where it rotates part of
     each head; gpt-oss's cover a pair each), the rest as they are. Gemma 3n's rotates one tensor at a time."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
-    apply_rotary_pos_emb = importlib.import_module(type(model.get_decoder()).__module__).apply_rotary_pos_emb
+    apply_rotary_pos_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_pos_emb
     if text_config(model).model_type in ("gemma3n_text", "gemma4_text"):
         rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], cos, sin)
     else:
@@ -138,7 +138,12 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
-            if applies_rope(model, adapter.model_layers[i]):
+            if applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
+                # Llama 4's rotary gives complex frequencies, its apply_rotary_emb takes (batch, tokens, heads, head_dim)
+                frequencies = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None])
+                apply_rotary_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_emb
+                heads = apply_rotary_emb(heads.transpose(1, 2), heads.transpose(1, 2), frequencies)[1].transpose(1, 2)
+            elif applies_rope(model, adapter.model_layers[i]):
                 cos, sin = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads

@@ -25,6 +25,7 @@ from kvcal.quantizers import store_as
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.segments import out_of_window
 from kvcal.runtime.tensor_core import Variant
+from kvcal.spans import AttentionSpan
 
 pytestmark = pytest.mark.emulation
 
@@ -485,7 +486,7 @@ def test_emulated_tensor_core_kernel_serves_bodies_that_dropped_their_first_toke
     kernel reads each side's body from its first live row rounded down to its key blocks and outlier tiles (the rows
     before weigh nothing), its segment blocks the rest: the reference's attention."""
     (key_store, value_store), pre_rope = filled(case, [600, 300, 70], device="cpu")
-    dropped = out_of_window(key_store, value_store, window)
+    dropped = out_of_window(key_store, value_store, AttentionSpan(window))
     for store in (key_store, value_store):
         store.drop(dropped)
     assert any(head % 64 for head in key_store.body.head)  # a first live row inside an outlier tile

@@ -538,14 +538,16 @@ def test_a_simulation_and_a_cache_never_share_a_model():
     assert model.config._attn_implementation == "sdpa"
 
 
-# Sliding windows: the runtime attends over each sequence's last `window` tokens, as transformers does.
+# Sliding windows: the runtime attends over each sequence's last `window` tokens, as transformers does; attention
+# chunks (Llama 4): over its chunk's, counted from its first real token.
 
 SLIDING = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
-           **{kind: dict(sliding_window=8) for kind in ALTERNATING}}  # layer 0 sliding, layer 1 full
+           **{kind: dict(sliding_window=8) for kind in ALTERNATING},  # layer 0 sliding, layer 1 full
+           "llama4_text": dict(attention_chunk_size=8)}  # layer 0 chunked, layer 1 full
 # their caches need a window size (Gemma 3n's tiny model: 4 layers)
-UNWINDOWED = {kind: dict(layer_types=["full_attention"] * (4 if kind in ("gemma3n_text", *GEMMA4) else 2))
-              for kind in ALTERNATING}
+UNWINDOWED = {**{kind: dict(layer_types=["full_attention"] * (4 if kind in ("gemma3n_text", *GEMMA4) else 2))
+                 for kind in ALTERNATING}, "llama4_text": dict(attention_chunk_size=64)}
 
 
 @pytest.mark.parametrize("model_type", SLIDING)
@@ -566,6 +568,20 @@ def test_a_sliding_window_model_generates_its_own_fp_tokens(model_type):
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0,
                                atol=2e-3 if model_type in GEMMA4 else 1e-3)
     assert (torch.stack(unwindowed.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the window matters here
+
+
+def test_attention_chunks_decode_as_the_model_does_on_every_decode_path(decode_path):
+    """Llama 4's chunks of 8 over left-padded prompts of 24 and 17 and 12 new tokens, each decode path reading only
+    the sequence's chunk (the kernels: its first visible token; the reference: its mask), with every token fp16: the
+    model's own tokens and logits (as test_a_sliding_window_model_generates_its_own_fp_tokens on the default path)."""
+    model = tiny_model("llama4_text", attention_chunk_size=8)
+    ids, mask = left_padded((24, 17), seed=3)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        ours = generate(model, fp16_kivi_bundle(model), input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
 
 
 # Left padding: which tokens are real is read from the 4-D mask, on every torch pyproject.toml admits.

@@ -17,6 +17,7 @@ from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM
 from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels
 from kvcal.runtime.segments import out_of_window
+from kvcal.spans import AttentionSpan
 
 SHORT = [1, 31, 33, 129, 300]
 ON_CPU = dict(device="cpu", decode=cpu_kernel_decode, atol=1e-5, rtol=1e-5)  # float32 rounding of two summation orders
@@ -67,7 +68,7 @@ def test_cpu_decode_attention_reads_stores_that_dropped_their_first_tokens(case)
     from its first live row, with RoPE from the first kept position, as the reference reads the stores."""
     (key_store, value_store), pre_rope = filled(case, [600, 300, 70], device="cpu")
     block = math.lcm(key_store.body.block, value_store.body.block)
-    dropped = out_of_window(key_store, value_store, 64)
+    dropped = out_of_window(key_store, value_store, AttentionSpan(64))
     for store in (key_store, value_store):
         capacity = store.body.words.shape[1]
         store.drop(dropped)

@@ -13,6 +13,7 @@ from kvcal.evaluate import evaluate_ppl
 from kvcal.methods import artifact_method
 from kvcal.packing import OUTLIER_TILE_TOKENS
 from kvcal.runtime.memory import cache_bytes
+from kvcal.spans import AttentionSpan
 
 TOKENS = 45  # past the tiny bundles' KIVI residual (8), SKVQ window (8) and KVmix blocks (32)
 TILED_TOKENS = 2 * OUTLIER_TILE_TOKENS + 5  # three outlier tiles per KV head: offset tables of several entries
@@ -28,7 +29,7 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
         _, cache = decode_token_by_token(model, bundle, ids)
     adapter = adapt(model)
     formula = cache_bytes(bundle.layers, adapter.kv_widths, tokens, cache.outliers(), step=1, kv_heads=adapter.kv_heads,
-                          windows=adapter.windows)
+                          spans=adapter.spans)
     # per K and V each
     stored_elements = sum(layer.keys_store.count(0) * width for layer, width in zip(cache.layers, adapter.kv_widths))
     assert cache.used_bytes() == formula
@@ -63,7 +64,7 @@ def test_bits_are_bytes_where_a_sliding_window_layer_drops_tokens(gemma3_bundles
     assert_bits_are_bytes(gemma3_bundles[recipe], tokens, recipe in OUTLIER_RECIPES, "gemma3_text")
     layers = load_bundle(gemma3_bundles[recipe]).layers
     unwindowed = cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2)
-    assert cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2, windows=[TINY_WINDOW, None]) < unwindowed
+    assert cache_bytes(layers, 32, TILED_TOKENS, step=1, kv_heads=2, spans=[AttentionSpan(TINY_WINDOW), None]) < unwindowed
 
 
 def test_bits_are_bytes_with_a_recent_fp16_window(windowed_kvquant_bundle):
@@ -79,3 +80,11 @@ def test_the_formula_counts_every_outlier_byte_and_offset_entry():
     body, codes = TILED_TOKENS - 1, 128 * 3 // 8  # the sink token stays fp16; 3-bit codes in exactly 3 bits
     tables = 2 * 3 * 4  # per K/V: 2 KV heads x 3 started tiles x int32
     assert without == body * (codes + codes + 2 * 2) + 2 * tables + 2 * 128 * 2  # values add fp16 lo/hi per token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ("kivi", "kvquant"))
+def test_bits_are_bytes_where_a_chunked_layer_drops_its_chunks(architecture_bundles, recipe):
+    """The tiny Llama 4's chunked layer (chunks of 16) lets each chunk go once the next begins: the simulation's bits,
+    the formula and the live cache count the same bytes at TILED_TOKENS, where its first chunks are gone."""
+    assert_bits_are_bytes(architecture_bundles("llama4_text")[recipe], TILED_TOKENS, recipe in OUTLIER_RECIPES, "llama4_text")

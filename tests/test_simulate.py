@@ -149,16 +149,23 @@ def test_skvq_window_and_sink_simulation_equals_token_by_token_decode():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
-def test_windows_longer_than_a_sliding_window_see_only_the_window(model_type):
-    """An 8-token sliding window and 33-token windows: with fp16 storage the simulation gives the model's own
-    logits (its mask hides what the window hides; without it they differ), and the model is left as it was."""
-    model = tiny_model(model_type, sliding_window=8)
+# per model, its span of 8 tokens and one past the windows evaluated (Llama 4: its first layer's attention chunk)
+SPANS = {"mistral": ("sliding_window", dict(sliding_window=64)), "gemma3_text": ("sliding_window", dict(sliding_window=64)),
+         "llama4_text": ("attention_chunk_size", dict(attention_chunk_size=64))}
+
+
+@pytest.mark.parametrize("model_type", SPANS)
+def test_windows_longer_than_a_span_see_only_the_span(model_type):
+    """An 8-token sliding window (Llama 4: attention chunks of 8) and 33-token windows: with fp16 storage the
+    simulation gives the model's own logits (its mask hides what the span hides; without it they differ), and the
+    model is left as it was."""
+    name, wider = SPANS[model_type]
+    model = tiny_model(model_type, **{name: 8})
     method = Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1))
     ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = model(ids).logits
-        unwindowed = tiny_model(model_type, sliding_window=64)(ids).logits
+        unwindowed = tiny_model(model_type, **wider)(ids).logits
         with simulated(model, adapt(model), method, StorageTally()):
             got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)

@@ -25,7 +25,7 @@ def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, ti
     from conftest import profile_tiny_model
 
     olmo3 = summarize(profile_tiny_model(tiny_model_dir("olmo3"), tiny_corpus, tmp_path / "olmo3.safetensors"))
-    window, rope = olmo3.columns.index("sliding window"), olmo3.columns.index("RoPE")
+    window, rope = olmo3.columns.index("window / chunk"), olmo3.columns.index("RoPE")
     assert [(row[window], row[rope]) for row in olmo3.rows] == [("16", "x1"), ("-", "x1.139")]
     assert dict(olmo3.provenance)["attention"].startswith("scores x 0.25;")
     smollm3 = summarize(profile_tiny_model(tiny_model_dir("smollm3"), tiny_corpus, tmp_path / "smollm3.safetensors"))

@@ -58,13 +58,15 @@ def quantized_cache_memory(model, context_ids, backend: str, nbits: int | None, 
     transformers' reason for refusing it on this model."""
     from transformers import QuantizedCache
 
+    from kvcal.adapters import decoder_of
+
     try:
         cache = QuantizedCache(backend=backend, config=model.config, **({"nbits": nbits} if nbits else {}))
     except ValueError as exc:
         return {"refused": str(exc).split(". ")[0]}
     ids = context_ids[None].to(model.get_input_embeddings().weight.device)
     for start in range(0, len(context_ids), chunk):
-        model.get_decoder()(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+        decoder_of(model)(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
     return {"live_bytes": sum(_held_bytes(getattr(layer, name, None)) for layer in cache.layers for name in held)}
 
@@ -96,7 +98,7 @@ def memory(model, model_name: str, bundles: dict, ids, contexts: list[int], chun
             row = quantized_cache_memory(model, ids[:context], backend, nbits, chunk)
             name = f"QuantizedCache {backend}" + (f" int{nbits}" if nbits else "")
             rows.append({"method": name, "context": context, "commit": started["commit"], "seconds": round(time.perf_counter() - began, 1),
-                         "fp16_bytes": fp16_bytes(len(adapter.layers), adapter.kv_widths, context, adapter.windows), **row})
+                         "fp16_bytes": fp16_bytes(len(adapter.layers), adapter.kv_widths, context, adapter.spans), **row})
             print(f"memory {name} {context}: {row}", flush=True)
     name = f"long_context_memory_{model_name}"
     rows = sorted(_merged(name, lambda r: (r["method"], r["context"]), rows), key=lambda r: (r["context"], r["method"]))

@@ -39,6 +39,7 @@ from kvcal.quantizers import (
     normalize,
     uniform_codebook,
 )
+from kvcal.spans import AttentionSpan, recorded_spans
 
 NUQ_KIND = "nuq"
 CODEBOOKS = ("nuq", "uniform", "nf")
@@ -166,12 +167,11 @@ def choose_widths(costs: np.ndarray, prices: np.ndarray, target_bits: float, sha
     return chosen[::-1]
 
 
-def stored_shares(windows: list[int | None] | None, context: int, num_layers: int) -> list[float]:
-    """Per layer, the share of a `context`-token sequence its cache stores: min(context, window - 1) / context for a
-    sliding-window layer (what transformers' cache and kvcal's keep), 1 otherwise and for context 0 or a profile
-    without windows."""
-    windows = windows or [None] * num_layers
-    return [1.0 if not context or window is None else min(context, window - 1) / context for window in windows]
+def stored_shares(spans: list[AttentionSpan | None], context: int) -> list[float]:
+    """Per layer, the share of a `context`-token sequence its cache stores: min(context, size - 1) / context for a
+    layer with a sliding window or attention chunk (what transformers' cache keeps, and kvcal's at most), 1 otherwise
+    and for context 0."""
+    return [1.0 if not context or span is None else min(context, span.size - 1) / context for span in spans]
 
 
 def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec, head_dim: int) -> tuple[float, float]:
@@ -233,7 +233,7 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
         keys = list(fitted)
         costs = np.array([[fitted[key][2][b][0] for b in KNAPSACK_WIDTHS] for key in keys])
         prices = np.array([[fitted[key][2][b][1] for b in KNAPSACK_WIDTHS] for key in keys])
-        shares = stored_shares(profile_config["model"].get("windows"), settings.target_context, num_layers)
+        shares = stored_shares(recorded_spans(profile_config["model"], num_layers), settings.target_context)
         picks = choose_widths(costs, prices, settings.target_bits, np.array([shares[layer] for layer, _ in keys]))
         chosen = {key: KNAPSACK_WIDTHS[j] for key, j in zip(keys, picks)}
     else:

@@ -30,6 +30,7 @@ from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
 from kvcal.runtime import cpu_kernel, kernels, reference, tensor_core
 from kvcal.runtime.segments import fp16_rows_alike
+from kvcal.spans import AttentionSpan
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ class LayerDecoder:
 
     path = ""
 
-    def decode(self, query: torch.Tensor, plan, scaling: float, kv_heads: int, window: int | None) -> torch.Tensor:
-        """query (B, H, 1, d) -> (B, 1, H, d) in the query's dtype; window: each sequence sees its last `window`
-        stored tokens (None: all of them)."""
+    def decode(self, query: torch.Tensor, plan, scaling: float, kv_heads: int, span: AttentionSpan | None) -> torch.Tensor:
+        """query (B, H, 1, d) -> (B, 1, H, d) in the query's dtype; span: the stored tokens each sequence's query sees
+        (its sliding window's or chunk's; None: all of them)."""
         raise NotImplementedError
 
 
@@ -83,21 +84,21 @@ class TorchReference(Backend):
 
 class ReferenceDecoder(LayerDecoder):
     """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention with
-    a mask of each sequence's own tokens (and window)."""
+    a mask of each sequence's own tokens (and span)."""
 
     path = "reference"
 
     def __init__(self, layer):
         self.layer = layer
 
-    def decode(self, query, plan, scaling, kv_heads, window):
+    def decode(self, query, plan, scaling, kv_heads, span):
         layer = self.layer
         keys = layer.keys_store.read_batch(plan.memo, kv_heads)  # (B, kv_heads, tokens, head_dim)
         values = layer.values_store.read_batch(plan.memo, kv_heads)
         tokens = keys.shape[2]
         if layer.pre_rope:
             keys = reference.rotate(keys, *plan.rope(tokens, layer.inv_freq, layer.rope_scaling, layer.keys_store.dropped))
-        visible = plan.visible(tokens, window, layer.keys_store)
+        visible = plan.visible(tokens, span, layer.keys_store)
         out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks, layer.softcap)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 
@@ -126,23 +127,24 @@ class CpuKernel(Backend):
 
 
 class CpuDecoder(LayerDecoder):
-    """One call of the CPU kernel per launch, every sequence at once; it reads sliding windows itself."""
+    """One call of the CPU kernel per launch, every sequence at once; it reads spans (each sequence's first visible
+    token) itself."""
 
     path = "cpu-kernel"
 
     def __init__(self, layer):
         self.layer, self.launches = layer, _launches(layer)
 
-    def decode(self, query, plan, scaling, kv_heads, window):
+    def decode(self, query, plan, scaling, kv_heads, span):
         layer = self.layer
         dropped = layer.keys_store.dropped
         rope = None
         if layer.pre_rope:
             tokens = max(layer.keys_store.count(b) for b in range(len(dropped)))
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
-                                         layer.window is not None)
+                                         layer.drops)
         out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
-                                          plan.first_visible(window, dropped), layer.sinks, layer.softcap)
+                                          plan.first_visible(span, dropped), layer.sinks, layer.softcap)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 
@@ -177,8 +179,8 @@ def cuda_refusal(shape: LayerShape) -> str | None:
 
 class CudaDecoder(LayerDecoder):
     """The tensor-core kernel, one launch per cache launch (its body blocks over the body rows K and V both hold, its
-    segment blocks over the other tokens), the last merging every launch's splits; it reads sliding windows (the
-    tokens before a sequence's first visible one weigh nothing)."""
+    segment blocks over the other tokens), the last merging every launch's splits; it reads spans (the tokens before a
+    sequence's first visible one weigh nothing)."""
 
     path = "tensor-core"
 
@@ -189,11 +191,11 @@ class CudaDecoder(LayerDecoder):
                                          layer.softcap)
                        for segments in self.launches]
 
-    def decode(self, query, plan, scaling, kv_heads, window):
+    def decode(self, query, plan, scaling, kv_heads, span):
         dropped = self.layer.keys_store.dropped
         out = kernels.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, plan.stored_positions(dropped),
                                        self.served, step=plan.kernel_step(query.device),
-                                       first=plan.first_visible(window, dropped), sinks=self.layer.sinks)
+                                       first=plan.first_visible(span, dropped), sinks=self.layer.sinks)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 

@@ -26,10 +26,10 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
   them, quantizing what leaves the fp16 segments;
 - a layer with a sliding window (Gemma 3's sliding layers, Mistral's `sliding_window`: the adapter's `windows`,
   as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
-  does, and after every step drops the tokens no later query sees (kvcal.kv.window_dropped: about its last
-  window - 1 are kept, as in transformers' cache); the body drops rows in place and its storage is compacted
-  now and then (kvcal.runtime.store.PackedRows.drop_front), never copied per step; every decode backend reads
-  windows.
+  does; a chunked one (Llama 4's: the adapter's `chunks`) over its chunk's tokens (kvcal.spans.AttentionSpan); after
+  every step each drops the tokens no later query sees (kvcal.kv.window_dropped: at most its last size - 1 are
+  kept, as in transformers' cache); the body drops rows in place and its storage is compacted now and then
+  (kvcal.runtime.store.PackedRows.drop_front), never copied per step; every decode backend reads spans.
 
 One plan per step (StepPlan): what does not change between layers (which tokens are real, tokens stored per
 sequence, RoPE positions and tables, the decode mask, gather indices and kernel launch data of layers that share
@@ -53,13 +53,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter, adapt
+from kvcal.adapters import ModelAdapter, adapt, decoder_of
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import STORE_LAYOUTS, upload
+from kvcal.spans import AttentionSpan, attention_span
 
 ATTENTION_NAME = "kvcal_runtime"
 LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
@@ -69,13 +70,13 @@ _STATE_ATTRIBUTES = tuple(vars(LinearAttentionLayer()))
 
 class RuntimeLayer(CacheLayerMixin):
     """The adapter's attention layer `index`'s cache: K and V stores, made by `make_store(kind, batch, width, device)`;
-    with drop_out_of_window (SegmentedStores) a sliding-window layer holds only what its window needs, else all
-    tokens."""
+    with drop_out_of_window (SegmentedStores) a windowed layer holds only what its span needs, else all tokens."""
 
     def __init__(self, make_store, pre_rope: bool, adapter: ModelAdapter, index: int, drop_out_of_window: bool = True):
         super().__init__()
         self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
-        self.window = adapter.windows[index] if drop_out_of_window else None  # the window this layer drops tokens for
+        self.span = adapter.spans[index]  # the earlier tokens its queries see (None: all)
+        self.drops = drop_out_of_window and self.span is not None  # lets go of the tokens out of every later span
         self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.layer_rope_scaling(index)
         sinks = adapter.layers[index].sinks
         self.sinks = sinks.detach() if sinks is not None else None  # (heads,) attention sinks' logits, or None
@@ -123,35 +124,42 @@ class RuntimeLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, scaling: float,
                window: int | None = None, ahead: torch.Tensor | None = None):
         """query (B, H, m, d), key/value (B, kv_heads, m, d) of the new tokens (keys post-RoPE); plan: the step's
-        (which tokens are real, see StepPlan); window: a sliding window, each query sees its sequence's last
-        `window` tokens (itself included); ahead: (B, m, m), the step's tokens each sees after itself under this
-        layer's mask (StepPlan.ahead_of), None: none."""
+        (which tokens are real, see StepPlan); window: the attention call's sliding window (see _span_for); ahead:
+        (B, m, m), the step's tokens each sees after itself under this layer's mask (StepPlan.ahead_of), None: none."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
-        if self.window is not None and window != self.window:
-            raise KvcalError(f"layer {self.index} attends over a sliding window of {window} tokens but its config gives "
-                             f"{self.window}, which its cache drops tokens for; kvcal follows the config (transformers' own "
-                             "cache does)")
+        span = self._span_for(window, f"layer {self.index}")
         if self.keys_store is None:
             self._allocate(batch, width, query.device)
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, width)
-        window = window if window is not None and self.padded_length + m > window else None  # some sequence may exceed it
+        span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, window)
+            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, window, reads, ahead)
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
-            self.step = ReadStep(kv_heads, window, reads, self.readers)
+            self.step = ReadStep(kv_heads, span, reads, self.readers)
         else:
             self._drop_out_of_window()
         return output
+
+    def _span_for(self, window: int | None, who: str) -> AttentionSpan | None:
+        """The span a step's queries see: the layer's, which the attention call's sliding window must name (none for a
+        chunked layer: Llama 4 passes its chunks in the mask alone); where the layer has none, the call's window."""
+        if self.span is None:
+            return attention_span(window, None)
+        if window != (None if self.span.chunked else self.span.size):
+            given = f"a sliding window of {window} tokens" if window is not None else "no sliding window"
+            raise KvcalError(f"{who} attends with {given} but its config gives layer {self.index} {self.span}, which its "
+                             "cache drops tokens for; kvcal follows the config (transformers' own cache does)")
+        return self.span
 
     def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None,
                          ahead: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,12 +172,10 @@ class RuntimeLayer(CacheLayerMixin):
         if step is None:
             raise KvcalError(f"a layer reading layer {self.index}'s keys and values attended before layer {self.index} in "
                              "this step; kvcal serves KV sharing where the layer read comes first, as transformers runs it")
-        if self.window is not None and window != self.window:
-            raise KvcalError(f"a layer reading layer {self.index}'s keys and values attends over a sliding window of {window} "
-                             f"tokens, layer {self.index} over {self.window}")
+        self._span_for(window, f"a layer reading layer {self.index}'s keys and values")
         batch, heads, m, head_dim = query.shape
         if step.reads is None:
-            output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.window)
+            output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.span)
         else:
             output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
             first = plan.m - m  # the step's column of the first query
@@ -179,8 +185,8 @@ class RuntimeLayer(CacheLayerMixin):
                 if len(rows):
                     # the later tokens each query sees (an image's) are among the queries' own, the step's last
                     seen = ahead[b][rows][:, rows] if ahead is not None else None  # (ahead: over the queries)
-                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.window, self.sinks,
-                                              self.softcap, seen)
+                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.span, self.sinks,
+                                              self.softcap, seen, self.keys_store.dropped[b])
                     output[b, rows] = out.transpose(0, 1).to(query.dtype)
         step.readers_left -= 1
         if not step.readers_left:
@@ -189,16 +195,16 @@ class RuntimeLayer(CacheLayerMixin):
         return output
 
     def _drop_out_of_window(self) -> None:
-        """A sliding-window layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike,
-        at the body boundary and block size both allow)."""
-        if self.window is None:
+        """A windowed layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike, at the
+        body boundary and block size both allow)."""
+        if not self.drops:
             return
-        dropped = out_of_window(self.keys_store, self.values_store, self.window)
+        dropped = out_of_window(self.keys_store, self.values_store, self.span)
         for store in (self.keys_store, self.values_store):
             store.drop(dropped)
 
-    def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int, window: int | None,
-                 reads: dict | None, ahead: torch.Tensor | None):
+    def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
+                 span: AttentionSpan | None, reads: dict | None, ahead: torch.Tensor | None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
         single real token in the step is decoded: appended first, then the cache is read as stored. `reads` (a
         dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache."""
@@ -219,7 +225,8 @@ class RuntimeLayer(CacheLayerMixin):
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
             seen = ahead[b][rows][:, rows] if ahead is not None and plan.counts[b] > 1 else None
-            out = reference.attention(query[b, :, rows], keys, values, scaling, window, self.sinks, self.softcap, seen)
+            out = reference.attention(query[b, :, rows], keys, values, scaling, span, self.sinks, self.softcap, seen,
+                                      self.keys_store.dropped[b])
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
                 reads[b] = (keys, values)
@@ -271,11 +278,11 @@ class RuntimeLayer(CacheLayerMixin):
 
 @dataclass
 class ReadStep:
-    """What a layer's attend of the step read, for the layers reading its cache: KV heads, the window it applied, and
+    """What a layer's attend of the step read, for the layers reading its cache: KV heads, the span it applied, and
     per sequence the keys and values a prefill read (None after a decode step, which read the cache as stored)."""
 
     kv_heads: int
-    window: int | None
+    span: AttentionSpan | None
     reads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
     readers_left: int
 
@@ -403,14 +410,14 @@ class StepPlan:
             return cos[:, None], sin[:, None]
         return self.shared(("rope", tokens, inv_freq.data_ptr(), rope_scaling, tuple(dropped)), make)
 
-    def visible(self, tokens: int, window: int | None, store) -> torch.Tensor:
+    def visible(self, tokens: int, span: AttentionSpan | None, store) -> torch.Tensor:
         """(B, tokens): which of the padded tokens (store.read_batch) each sequence's decode query sees: its stored
-        ones, of them (with a window) those among its last `window`."""
-        if window is not None and not store.ordered:  # tokens not in position order: their own positions
+        ones, of them (with a span) those in its span."""
+        if span is not None and not store.ordered:  # tokens not in position order: their own positions
             positions = [store.positions(b) for b in range(self.batch)]
             padded = torch.stack([torch.cat([p, p.new_full((tokens - len(p),), -1)]) for p in positions]).to(self.device)
             after = torch.tensor(self.after, device=self.device)[:, None]
-            return (torch.arange(tokens, device=self.device)[None, :] < after) & (padded >= after - window)
+            return (torch.arange(tokens, device=self.device)[None, :] < after) & (padded >= span.first_seen(after - 1))
 
         dropped = tuple(store.dropped)
 
@@ -418,16 +425,16 @@ class StepPlan:
             after = torch.tensor(self.after, device=self.device)[:, None]
             index = torch.arange(tokens, device=self.device)[None, :] + torch.tensor(dropped, device=self.device)[:, None]
             seen = index < after
-            return seen & (index >= after - window) if window is not None else seen
-        return self.shared(("visible", tokens, window, dropped), make)
+            return seen & (index >= span.first_seen(after - 1)) if span is not None else seen
+        return self.shared(("visible", tokens, span, dropped), make)
 
     def stored_positions(self, dropped: list[int]) -> list[int]:
-        """Each sequence's position of its first stored token, past the `dropped` tokens a sliding window let go."""
+        """Each sequence's position of its first stored token, past the `dropped` tokens a span let go."""
         return [(o or 0) + d for o, d in zip(self.offsets, dropped)]
 
-    def first_visible(self, window: int | None, dropped: list[int]) -> list[int] | None:
-        """Each sequence's first stored token its decode query sees (None: all of them, no window)."""
-        return None if window is None else [max(after - window - d, 0) for after, d in zip(self.after, dropped)]
+    def first_visible(self, span: AttentionSpan | None, dropped: list[int]) -> list[int] | None:
+        """Each sequence's first stored token its decode query sees (None: all of them, no span)."""
+        return None if span is None else [max(span.first_seen(after - 1) - d, 0) for after, d in zip(self.after, dropped)]
 
     def kernel_step(self, device):
         return self.shared(("kernels", str(device)), lambda: kernels.DecodeStep(device))
@@ -530,7 +537,8 @@ class WiredCache(Cache):
         """cos, sin (1 or batch, >= tokens, head_dim / 2) at each sequence's positions offset .. offset + tokens - 1 for
         the CPU kernel (cpu_kernel.half_rope_tables): one row set for the batch when every sequence starts at the same
         position, kept between steps and grown by doubling (a decode step adds one token: the tables are made again
-        only every so often; for the sliding-window layers, `windowed`, whenever their first stored token moves)."""
+        only every so often; for the layers dropping tokens out of their span, `windowed`, whenever their first stored
+        token moves)."""
         starts = tuple(offsets) if len(set(offsets)) > 1 else (offsets[0],)
         key = (inv_freq.data_ptr(), rope_scaling, windowed)  # one entry per set of frequencies (models may have two)
         held_starts, held = self._rope_rows.get(key, (None, None))
@@ -637,7 +645,7 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
                 layer.activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
-                model.get_decoder()(ids[:, start : start + step], past_key_values=cache, use_cache=True)
+                decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()

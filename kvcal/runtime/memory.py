@@ -16,6 +16,7 @@ import math
 from kvcal.bundle import LayerRecipe
 from kvcal.kv import window_dropped
 from kvcal.packing import OUTLIER_BYTES, outlier_table_bytes
+from kvcal.spans import AttentionSpan
 
 FP16_BYTES = 2
 
@@ -40,20 +41,20 @@ def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, step: int | No
 
 
 def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, outliers: int = 0, step: int | None = None,
-                *, kv_heads: int | list[int], windows: list[int | None] | None = None) -> int:
+                *, kv_heads: int | list[int], spans: list[AttentionSpan | None] | None = None) -> int:
     """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads (each one number for every layer, or
     one a layer) after `tokens` came in steps of `step` (see segment_lengths), with `outliers` outliers in all (as the
-    cache counts them); windows: per layer its sliding window or None (kvcal.adapters.ModelAdapter.windows), whose
-    layers hold only the tokens kvcal.kv.window_dropped leaves."""
+    cache counts them); spans: per layer its sliding window or attention chunk, or None (kvcal.adapters.ModelAdapter
+    .spans), whose layers hold only the tokens kvcal.kv.window_dropped leaves."""
     total = outliers * OUTLIER_BYTES
     widths, kv_heads = _per_layer(width, len(layers)), _per_layer(kv_heads, len(layers))
-    for recipe, window, width, heads in zip(layers, windows or [None] * len(layers), widths, kv_heads):
+    for recipe, span, width, heads in zip(layers, spans or [None] * len(layers), widths, kv_heads):
         segments = {keys: segment_lengths(recipe, tokens, keys, step) for keys in (True, False)}
         dropped = 0
-        if window is not None:
+        if span is not None:
             block = math.lcm(*(recipe.format.body_block(recipe, keys) for keys in (True, False)))
             sinks = segments[True][0]
-            dropped = window_dropped(tokens, sinks, sinks + min(segments[True][1], segments[False][1]), block, window)
+            dropped = window_dropped(tokens, sinks, sinks + min(segments[True][1], segments[False][1]), block, span)
         for keys, (sink, body, recent) in segments.items():
             first = max(dropped - sink, 0)  # body rows dropped
             if dropped:
@@ -64,12 +65,13 @@ def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, 
     return total
 
 
-def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, windows: list[int | None] | None = None) -> int:
+def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, spans: list[AttentionSpan | None] | None = None) -> int:
     """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence of layers `width` channels wide (one number
-    for every layer, or one a layer): a sliding-window layer keeps its last window - 1 tokens."""
-    windows = windows or [None] * num_layers
-    return sum(2 * (tokens if w is None else min(tokens, w - 1)) * layer_width * FP16_BYTES
-               for w, layer_width in zip(windows, _per_layer(width, num_layers)))
+    for every layer, or one a layer): a layer with a sliding window or attention chunks keeps its last size - 1
+    tokens."""
+    spans = spans or [None] * num_layers
+    return sum(2 * (tokens if span is None else min(tokens, span.size - 1)) * layer_width * FP16_BYTES
+               for span, layer_width in zip(spans, _per_layer(width, num_layers)))
 
 
 def _per_layer(number: int | list[int], num_layers: int) -> list[int]:

@@ -5,7 +5,8 @@ For one sequence: read each store (unpack the int32 words, decode with the codec
 add the sparse fp16 outliers, fp16 segments as they are), rotate pre-RoPE keys with each token's own
 position, then softmax attention of the query heads, each KV head serving its group of query heads (GQA).
 Query i of a step of m queries over n tokens sees tokens 0 .. n - m + i (causal within the step), or with a
-sliding window of W tokens (Mistral, Qwen2) only n - m + i - W + 1 .. n - m + i, as transformers' mask does.
+sliding window of W tokens (Mistral, Qwen2) only n - m + i - W + 1 .. n - m + i, with attention chunks (Llama 4)
+only those of its chunk (kvcal.spans.AttentionSpan), as transformers' mask does.
 
 A decode step (one query per sequence) runs batched: `decode_attention` attends over every sequence's tokens
 padded to the longest (the stores' `read_batch`) with a mask of each sequence's own tokens, keys rotated by
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.rope import rope_cos_sin, rotate_keys
 from kvcal.kv import per_query_head, softcapped, softmax_with_sinks
+from kvcal.rope import rope_cos_sin, rotate_keys
+from kvcal.spans import AttentionSpan
 
 
 # scores a step attending explicitly holds at once (float32): its queries are taken this many (heads x tokens) at a time
@@ -39,18 +41,21 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-              window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
-              ahead: torch.Tensor | None = None) -> torch.Tensor:
+              span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+              ahead: torch.Tensor | None = None, first_position: int = 0) -> torch.Tensor:
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
-    window: each query sees its last `window` tokens (itself included), None: all before it; sinks: (heads,) attention
-    sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
+    span: the earlier tokens each query sees (a sliding window's, a chunk's), None: all before it; sinks: (heads,)
+    attention sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
     (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
-    image's, which Gemma 3 attends to both ways), None: none."""
+    image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
+    sequence (the tokens a span let go before it), which places chunks."""
     heads, m, head_dim = query.shape
-    if window is not None and m == 1:  # decode: the window is the last tokens
-        keys, values = keys[-window:], values[-window:]
+    if span is not None and m == 1:  # decode: the span's tokens are the last ones
+        first = max(span.first_seen(first_position + keys.shape[0] - 1) - first_position, 0)
+        keys, values = keys[first:], values[first:]
+        first_position += first
     n = keys.shape[0]
-    banded = window is not None and m > 1 and n > window
+    banded = span is not None and m > 1 and span.first_seen(first_position + n - 1) > first_position
     kv_heads = keys.shape[1] // head_dim
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
@@ -59,7 +64,7 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     def visible(first: int, stop: int) -> torch.Tensor:
         """(stop - first, n): the tokens queries first .. stop - 1 of the step see."""
         tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
-        seen = (tokens <= last) & (tokens > last - window) if banded else tokens <= last
+        seen = span.sees(last[:, 0] + first_position, tokens + first_position) if banded else tokens <= last
         return seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
 
     if sinks is not None or softcap is not None:

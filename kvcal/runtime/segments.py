@@ -25,8 +25,9 @@ import math
 import numpy as np
 import torch
 
-from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
 from kvcal.kv import SegmentPolicy, window_dropped
+from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
+from kvcal.spans import AttentionSpan
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
 
@@ -266,11 +267,11 @@ def fp16_rows_alike(policy: SegmentPolicy, blocks: tuple[int, int], rpc: tuple[f
     return not policy.residual and not policy.key_block and blocks == (1, 1) and rpc[0] == rpc[1]
 
 
-def out_of_window(keys: SegmentedStore, values: SegmentedStore, window: int) -> list[int]:
-    """Per sequence, how many first tokens a sliding-window layer's K and V stores may have dropped, alike
+def out_of_window(keys: SegmentedStore, values: SegmentedStore, span: AttentionSpan) -> list[int]:
+    """Per sequence, how many first tokens a windowed layer's K and V stores may have dropped, alike
     (kvcal.kv.window_dropped at the body end and block size both allow)."""
     block = math.lcm(keys.body.block, values.body.block)
-    return [window_dropped(keys.total(b), keys.sinks(b), min(keys.body_end(b), values.body_end(b)), block, window)
+    return [window_dropped(keys.total(b), keys.sinks(b), min(keys.body_end(b), values.body_end(b)), block, span)
             for b in range(len(keys.dropped))]
 
 
