@@ -204,8 +204,9 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
     (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a span, query t
     sees only the tokens of its sliding window or chunk (positions from 0); with sinks (heads,), each head's row of
-    scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first (kvcal.kv.softcapped). Keys and
-    values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query heads."""
+    scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first
+    (kvcal.kv.softcapped). Keys and values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query
+    heads."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
