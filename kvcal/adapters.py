@@ -488,10 +488,11 @@ def _sliding_windows(config, num_layers: int) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types][:num_layers]
 
 
-def _attention_chunks(config, num_layers: int) -> list[int | None]:
-    """Per layer, its attention chunk (config.attention_chunk_size on Llama 4's chunked_attention layers), or None."""
+def _attention_chunks(config, decoder_types: list[str]) -> list[int | None]:
+    """Per decoder layer (of these types), its attention chunk (config.attention_chunk_size on Llama 4's
+    chunked_attention layers), or None."""
     chunk = getattr(config, "attention_chunk_size", None)
-    return [chunk if kind == "chunked_attention" else None for kind in _decoder_layer_types(config, num_layers)]
+    return [chunk if kind == "chunked_attention" else None for kind in decoder_types]
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
@@ -572,7 +573,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         config_dict=config.to_dict(),
         layer_types=kinds,
         windows=attending_only(_sliding_windows(config, num_layers)),
-        chunks=attending_only(_attention_chunks(config, num_layers)),
+        chunks=attending_only(_attention_chunks(config, decoder_types)),
         rotated=rotated,
         score_scale=scales.pop(),
         softcap=getattr(config, "attn_logit_softcapping", None),

@@ -34,7 +34,7 @@ from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softm
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys, rows_in_order
-from kvcal.spans import AttentionSpan
+from kvcal.spans import AttentionSpan, call_mismatch
 
 ATTENTION_NAME = "kvcal_simulated"
 
@@ -234,10 +234,9 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
         raise KvcalError(f"the simulation evaluates whole windows in one forward, without a cache holding earlier tokens "
                          f"(got {tokens} queries over {key.shape[2]} keys); call the model with use_cache=False (and, Gemma 4, "
                          "logits_to_keep=0: it runs its layers reading another's cache on the kept logits' tokens alone)")
-    if sliding_window != (None if state.span is None or state.span.chunked else state.span.size):
-        given = f"a sliding window of {sliding_window} tokens" if sliding_window is not None else "no sliding window"
-        raise KvcalError(f"layer {slot.index} attends with {given} but its config gives it {state.span or 'neither'}; "
-                         "kvcal follows the config (transformers' own cache does)")
+    mismatch = call_mismatch(sliding_window, state.span)
+    if mismatch is not None:
+        raise KvcalError(f"layer {slot.index} {mismatch}; kvcal follows the config (transformers' own cache does)")
     if slot.wiring.multimodal and state.scheme.key_pre_rope:
         raise KvcalError(wiring.multimodal_refusal([slot.index]))
     if slot.wiring.adapter.image_blocks and wiring.own_tokens_ahead(

@@ -39,6 +39,15 @@ def attention_span(window: int | None, chunk: int | None) -> AttentionSpan | Non
     return AttentionSpan(chunk, chunked=True) if chunk is not None else None
 
 
+def call_mismatch(window: int | None, span: AttentionSpan | None) -> str | None:
+    """Why an attention call asking for sliding window `window` (None: none) does not attend as a layer of this span
+    does, or None where it does (a chunked layer's call names none: transformers passes chunks in the mask alone)."""
+    if window == (None if span is None or span.chunked else span.size):
+        return None
+    given = f"a sliding window of {window} tokens" if window is not None else "no sliding window"
+    return f"attends with {given} but its config gives it {span or 'neither'}"
+
+
 def recorded_spans(model_config: dict, num_layers: int) -> list[AttentionSpan | None]:
     """Per layer, the span an artifact's `model` config records (its `windows` and `chunks`; neither in profiles of
     models without, nor in those written before they were recorded)."""

@@ -1,7 +1,7 @@
 import torch
 
 from kvcal.kv import window_dropped
-from kvcal.spans import AttentionSpan, attention_span, recorded_spans
+from kvcal.spans import AttentionSpan, attention_span, call_mismatch, recorded_spans
 
 
 def test_a_sliding_window_sees_its_last_tokens_and_a_chunk_its_own_chunks():
@@ -27,3 +27,11 @@ def test_a_chunked_layer_drops_each_chunk_once_the_next_begins():
     assert window_dropped(16, 2, 16, 1, AttentionSpan(8, chunked=True)) == 16
     assert window_dropped(13, 2, 13, 4, AttentionSpan(8)) == 2 + 4
     assert window_dropped(13, 2, 13, 1, AttentionSpan(8)) == 6
+
+
+def test_an_attention_call_must_name_its_layers_sliding_window_and_none_for_chunks():
+    assert call_mismatch(8, AttentionSpan(8)) is None and call_mismatch(None, AttentionSpan(8, chunked=True)) is None
+    assert call_mismatch(None, None) is None
+    assert call_mismatch(4, AttentionSpan(8)) == "attends with a sliding window of 4 tokens but its config gives it a " \
+                                                 "sliding window of 8 tokens"
+    assert call_mismatch(8, None) == "attends with a sliding window of 8 tokens but its config gives it neither"

@@ -60,7 +60,7 @@ from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.runtime.store import STORE_LAYOUTS, upload
-from kvcal.spans import AttentionSpan, attention_span
+from kvcal.spans import AttentionSpan, attention_span, call_mismatch
 
 ATTENTION_NAME = "kvcal_runtime"
 LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
@@ -151,14 +151,14 @@ class RuntimeLayer(CacheLayerMixin):
         return output
 
     def _span_for(self, window: int | None, who: str) -> AttentionSpan | None:
-        """The span a step's queries see: the layer's, which the attention call's sliding window must name (none for a
-        chunked layer: Llama 4 passes its chunks in the mask alone); where the layer has none, the call's window."""
+        """The span a step's queries see: the layer's, which the attention call's sliding window must name
+        (spans.call_mismatch); where the layer has none, the call's window."""
         if self.span is None:
             return attention_span(window, None)
-        if window != (None if self.span.chunked else self.span.size):
-            given = f"a sliding window of {window} tokens" if window is not None else "no sliding window"
-            raise KvcalError(f"{who} attends with {given} but its config gives layer {self.index} {self.span}, which its "
-                             "cache drops tokens for; kvcal follows the config (transformers' own cache does)")
+        mismatch = call_mismatch(window, self.span)
+        if mismatch is not None:
+            raise KvcalError(f"{who} {mismatch} (layer {self.index}), which its cache drops tokens for; kvcal follows the "
+                             "config (transformers' own cache does)")
         return self.span
 
     def attend_as_reader(self, query: torch.Tensor, plan: StepPlan, scaling: float, window: int | None,
