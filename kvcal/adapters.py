@@ -54,13 +54,15 @@ attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the t
 Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
 (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
 Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
-scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_text: Maverick's; Scout's q/k norms
-after RoPE are refused) attend in chunks (`chunks`: attention_chunk_size on its chunked_attention layers;
-kvcal.spans.AttentionSpan) but every 4th, which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its
-RoPE pairs neighbours, and it scales the queries of its full layers by position before the attention call (as
-Ministral 3 does). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4, K-EXAONE,
-Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix layers, where it forces RoPE),
-Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
+scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_text: Scout's and Maverick's) attend
+in chunks (`chunks`: attention_chunk_size on its chunked_attention layers; kvcal.spans.AttentionSpan) but every 4th,
+which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its RoPE pairs neighbours, and it scales the
+queries of its full layers by position before the attention call (as Ministral 3 does). Scout's RoPE layers then
+norm q and k (use_qk_norm: an RMS norm per head without a scale, `LayerHandles.rope_norm`), which commutes with
+RoPE: kvcal reads the norm of the projections' output as the pre-RoPE query and key, and takes the key's gradient
+after the norm, rotated back (kvcal.capture). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
+those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix
+layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
 frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
@@ -99,6 +101,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
+# q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm)
+_NORMED_AFTER_ROPE = ("llama4_text",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa")
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
@@ -138,6 +142,10 @@ class LayerHandles:
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     v_norm: nn.Module | None = None  # a norm of each value head (Gemma 3n's, without a scale): the value is its output
+    # a norm of each query and key head after RoPE, without a scale (Llama 4 Scout's qk_norm): it commutes with RoPE, a
+    # rotation, so the pre-RoPE query and key are its output on the projections' output (source_rows)
+    rope_norm: nn.Module | None = None
+    head_dim: int = 0  # the channels of each head, which rope_norm norms together
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
@@ -174,6 +182,11 @@ class LayerHandles:
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
         if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
             rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
+        if kind != "v" and self.rope_norm is not None:
+            if gradient:  # the norm's Jacobian drops the gradient along the key: capture takes it after the norm
+                raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
+            # forward, not __call__: the norm's hooks (capture's) see the model's own calls only
+            rows = self.rope_norm.forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         return rows if kind == "v" else rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
@@ -387,8 +400,9 @@ def _attention_layers(types: list[str], where: str) -> list[int]:
 
 
 def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str, heads_first: bool, q_width: int,
-                   kv_width: int, head_dim: int, sinks: bool) -> LayerHandles:
-    """The handles of decoder layer `decoder_index`, the adapter's layer `index`."""
+                   kv_width: int, head_dim: int, sinks: bool, normed_after_rope: bool) -> LayerHandles:
+    """The handles of decoder layer `decoder_index`, the adapter's layer `index`; `normed_after_rope`: its qk_norm, if
+    it has one, norms q and k after RoPE (_NORMED_AFTER_ROPE)."""
     where = f"{where}: decoder layer {decoder_index}"
     attention = _find_attention(layer, where)
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
@@ -398,7 +412,8 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
             linear.setdefault("o_proj", linear.pop(name))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
-    norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None,
+    norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
+                 rope_norm=getattr(attention, "qk_norm", None) if normed_after_rope else None,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
@@ -533,7 +548,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
     handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
-                              head_dims[m], sinks) for i, m in enumerate(attending)]
+                              head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
@@ -551,9 +566,6 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
         raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
                          "where kvcal reads them and their gradients")
-    if any(hasattr(layer.attention, "qk_norm") for layer in handles):  # Llama 4 Scout's use_qk_norm
-        raise KvcalError(f"{where}: it norms q and k after RoPE (use_qk_norm, Llama 4 Scout's), past where kvcal reads its "
-                         "pre-RoPE keys and their gradients; kvcal serves Llama 4 without it (Maverick's config)")
     if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
@@ -561,7 +573,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
               for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
-    return ModelAdapter(
+    adapter = ModelAdapter(
         architecture=type(model).__name__,
         model_type=model_type,
         layers=handles,
@@ -586,6 +598,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
         image_blocks=model_type in _IMAGE_BLOCKS,
         layer_rotaries=layer_rotaries,
     )
+    scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles if h.rope_norm is not None} - {1.0})
+    if scaled:  # the norm takes cos/sin's scaling out of the keys it makes, where kvcal's rotation would put it back
+        raise KvcalError(f"{where}: it norms q and k after a RoPE that scales cos/sin by {scaled[0]:.4g}; kvcal serves q "
+                         "and k normed after RoPE where cos/sin are unscaled (rope_type default, linear, llama3)")
+    return adapter
 
 
 def _rotaries_per_base(decoder: nn.Module, config, num_layers: int) -> list[nn.Module | None]:

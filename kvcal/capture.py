@@ -105,7 +105,9 @@ class _ActivationHooks:
     """Forward hooks that keep each layer's pre-RoPE Q/K and V of the current window, and tensor
     hooks that keep dL/dK and dL/dV when the backward pass reaches them. Where the value is made from k_proj's output
     (value_from_key_projection), they also keep dL/dW_v, the part of k_proj's weight gradient that flows through
-    the value: the v norm's input is replaced by an alias of it, whose gradient is the value path's alone."""
+    the value: the v norm's input is replaced by an alias of it, whose gradient is the value path's alone. Where q and k
+    are normed after RoPE (LayerHandles.rope_norm), the key's gradient is taken at the norm's output on its second call
+    in the attention (the first norms the query), still rotated: dL/dK_post."""
 
     def __init__(self, adapter: ModelAdapter):
         self.activations: dict[tuple[str, int], torch.Tensor] = {}
@@ -113,10 +115,15 @@ class _ActivationHooks:
         self.value_weight_gradients: dict[int, torch.Tensor] = {}
         self.keep_queries = False
         self._projection_inputs: dict[int, torch.Tensor] = {}
+        self._norm_calls: dict[int, int] = {}
         self._handles = []
         for handles in adapter.layers:
             i = handles.index
-            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, True, handles)))
+            normed_after_rope = handles.rope_norm is not None
+            self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, not normed_after_rope, handles)))
+            if normed_after_rope:
+                self._handles.append(handles.attention.register_forward_pre_hook(self._count_norm_calls_from_zero(i)))
+                self._handles.append(handles.rope_norm.register_forward_hook(self._keep_rotated_key_gradient(i)))
             self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
             self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
             if handles.value_from_key_projection:
@@ -126,6 +133,20 @@ class _ActivationHooks:
     def _keep_projection_input(self, layer: int):
         def on_forward(module, inputs, output):
             self._projection_inputs[layer] = inputs[0].detach()
+
+        return on_forward
+
+    def _count_norm_calls_from_zero(self, layer: int):
+        def before_forward(module, inputs):
+            self._norm_calls[layer] = 0
+
+        return before_forward
+
+    def _keep_rotated_key_gradient(self, layer: int):
+        def on_forward(module, inputs, output):  # output: (batch, tokens, kv heads, head_dim) on the key's call
+            self._norm_calls[layer] += 1
+            if self._norm_calls[layer] == 2:
+                output.register_hook(lambda grad: self.gradients.__setitem__(("k", layer), grad.detach().flatten(2)))
 
         return on_forward
 
@@ -225,11 +246,15 @@ def profile_gradients(
                 key = hooks.activations["k", i][0].float().cpu()
                 value = hooks.activations["v", i][0].float().cpu()
                 key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
+                key_gradient = hooks.gradients["k", i][0].float().cpu()
+                if handles.rope_norm is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
+                    key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient), -positions, adapter.kv_heads[i],
+                                               *rope[i])
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,
                     "v": value,
-                    "k_pre_fisher": hooks.gradients["k", i][0].float().cpu().square(),
+                    "k_pre_fisher": key_gradient.square(),
                     "v_fisher": hooks.gradients["v", i][0].float().cpu().square(),
                 }
                 for name in STAT_TENSORS:

@@ -203,10 +203,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["rope_theta"]
     if model_type in ("qwen3_next", "qwen3_5_moe_text"):
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    if model_type == "llama4_text":  # as Llama 4 Maverick: a chunked layer with RoPE, then a full one without (the real
-        # ones: every 4th), whose queries are scaled up past position 7; experts on every layer (4, every one routed to)
+    if model_type == "llama4_text":  # as Llama 4 Scout: a chunked layer with RoPE and q and k normed after it, then a full
+        # one without either (the real ones: every 4th), whose queries are scaled up past position 7; experts on every
+        # layer (4, every one routed to). Maverick's config differs in use_qk_norm False (tests name it where it matters)
         common.update(head_dim=16, intermediate_size=32, intermediate_size_mlp=128, attention_chunk_size=TINY_WINDOW,
-                      no_rope_layers=[1, 0], num_local_experts=4, num_experts_per_tok=4, use_qk_norm=False, floor_scale=8,
+                      no_rope_layers=[1, 0], num_local_experts=4, num_experts_per_tok=4, use_qk_norm=True, floor_scale=8,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "gpt2":
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)

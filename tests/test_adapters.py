@@ -92,10 +92,24 @@ def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused():
         adapt(tiny_model("llama", layer_types=["indexed_attention", "full_attention"]))
 
 
-def test_q_and_k_normed_after_rope_are_refused():
-    """Llama 4 Scout's use_qk_norm norms q and k after RoPE, past where kvcal reads the pre-RoPE keys."""
-    with pytest.raises(KvcalError, match=r"it norms q and k after RoPE \(use_qk_norm, Llama 4 Scout's\)"):
-        adapt(tiny_model("llama4_text", use_qk_norm=True))
+def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():
+    """Llama 4 Scout's use_qk_norm norms q and k after RoPE on its RoPE layers only, here with its llama3 RoPE scaling
+    (which leaves cos/sin unscaled); Maverick's config norms none (its keys are the k_proj output)."""
+    llama3 = dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                  original_max_position_embeddings=32, rope_theta=10000.0)
+    scout = tiny_model("llama4_text", rope_parameters=llama3, initializer_range=0.25)
+    assert [layer.rope_norm for layer in adapt(scout).layers] == [decoder_of(scout).layers[0].self_attn.qk_norm, None]
+    assert_kvcal_rotates_the_pre_rope_keys_as(scout)
+    maverick = tiny_model("llama4_text", use_qk_norm=False, initializer_range=0.25)
+    assert [layer.rope_norm for layer in adapt(maverick).layers] == [None, None]
+    assert_kvcal_rotates_the_pre_rope_keys_as(maverick)
+
+
+def test_q_and_k_normed_after_a_scaled_rope_are_refused():
+    """The norm takes YaRN's cos/sin scaling out of the keys, which kvcal's rotation of the stored keys puts back."""
+    yarn = dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64)
+    with pytest.raises(KvcalError, match=r"it norms q and k after a RoPE that scales cos/sin by 1\.139; kvcal serves"):
+        adapt(tiny_model("llama4_text", rope_parameters=yarn))
 
 
 def test_a_model_none_of_whose_layers_attends_is_refused():

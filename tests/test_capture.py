@@ -67,7 +67,9 @@ def key_and_value_sources(model, layer: int):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
-    key_source = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None) or attention.k_proj
+    # Llama 4 Scout's qk_norm, called on q then k after RoPE: its last output is the post-RoPE key
+    key_source = (getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)
+                  or getattr(attention, "qk_norm", None) or attention.k_proj)
     value_source = getattr(attention, "v_norm", None) or attention.v_proj  # Gemma 3n: its values normed
     return (key_source, attention.k_proj, slice(None)), (value_source, attention.v_proj, slice(None))
 
@@ -84,10 +86,20 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
 
 
+def llama4_rope(model, layer: int, heads: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Llama 4's own apply_rotary_emb on (batch, heads, tokens, head_dim) at positions from 0 (`inverse`: by the
+    conjugate frequencies, rotating back); its rotary gives complex frequencies, and it takes (batch, tokens, heads, ...)."""
+    frequencies = models_rotary(model, layer)(heads, torch.arange(heads.shape[2])[None])
+    apply_rotary_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_emb
+    heads = heads.transpose(1, 2)
+    return apply_rotary_emb(heads, heads, frequencies.conj() if inverse else frequencies)[1].transpose(1, 2)
+
+
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
     post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
-    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where the value is
+    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where q and k are
+    normed after RoPE (Llama 4 Scout), the norm's output is the post-RoPE key and dL/dK its gradient rotated back. Where the value is
     made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a copy of k_proj, for the
     reference: the values are the same, and autograd gives the value path's dL/dW_v as that copy's gradient."""
     adapter = adapt(model)
@@ -127,8 +139,12 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3")
+        normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm") for i in layers]
         key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c]) / key_multiplier
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
+        for i in (i for i in layers if normed_after_rope[i]):  # (batch, tokens, heads, head_dim), rotated
+            rotated_back = llama4_rope(model, adapter.model_layers[i], grads[2 * n + i].transpose(1, 2), inverse=True)
+            key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1))
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
@@ -138,11 +154,10 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
-            if applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
-                # Llama 4's rotary gives complex frequencies, its apply_rotary_emb takes (batch, tokens, heads, head_dim)
-                frequencies = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None])
-                apply_rotary_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_emb
-                heads = apply_rotary_emb(heads.transpose(1, 2), heads.transpose(1, 2), frequencies)[1].transpose(1, 2)
+            if normed_after_rope[i]:
+                pass  # the norm's output, rotated already
+            elif applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
+                heads = llama4_rope(model, adapter.model_layers[i], heads)
             elif applies_rope(model, adapter.model_layers[i]):
                 cos, sin = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
@@ -154,7 +169,16 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
 def test_importance_fisher_and_rope_match_independent_autograd(model_type):
-    model = tiny_model(model_type)
+    # Gemma 4: the reference's copied v_proj sums the hidden states' gradient in another order (last bits)
+    assert_capture_matches_autograd(tiny_model(model_type), atol=1e-12 if model_type in GEMMA4 else 1e-14)
+
+
+def test_llama4_maverick_capture_matches_independent_autograd():
+    """Maverick's config norms no q and k (the tiny llama4_text is Scout's, which does after RoPE)."""
+    assert_capture_matches_autograd(tiny_model("llama4_text", use_qk_norm=False), atol=1e-14)
+
+
+def assert_capture_matches_autograd(model, atol: float) -> None:
     batch = windows()
     result = profile_gradients(model, adapt(model), batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1, seed=0))
     norms, key_grads, value_grads, post_rope = independent_reference(model, batch)
@@ -168,8 +192,6 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
         expected_fk = torch.stack([key_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_fv = torch.stack([value_grads[w][layer][p] for w, p in zip(rows_window, rows_position)]).square()
         expected_post = torch.stack([post_rope[w][layer][p] for w, p in zip(rows_window, rows_position)])
-        # Gemma 4: the reference's copied v_proj sums the hidden states' gradient in another order (last bits)
-        atol = 1e-12 if model_type in GEMMA4 else 1e-14
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], expected_fk, rtol=1e-4, atol=atol)
         torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], expected_fv, rtol=1e-4, atol=atol)
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], expected_post, rtol=1e-5, atol=1e-5)
