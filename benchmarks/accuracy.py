@@ -342,6 +342,14 @@ def log(message: str) -> None:
 # ------------------------------------------------------------------------------------------ fitting
 
 
+def _bits_of(spec: str, fingerprint: dict) -> float:
+    """The real bits per element of an engine spec (a hand choice) on a profile's model."""
+    from kvcal.adapters import decoder_kind, kv_shapes
+    from kvcal.plan import dtype_bits
+
+    return dtype_bits(spec, kv_shapes(fingerprint), decoder_kind(fingerprint))
+
+
 @dataclass
 class Fitter:
     """Fits calibrated methods from one profile, caching each artifact under work/fits-<profile key>/."""
@@ -420,7 +428,7 @@ class Fitter:
         """The baseline method of a kvcal plan entry: choose(fingerprint) makes the plan, written as JSON. Never read
         back from an earlier run: a plan takes seconds, and one cached by an older planner would be evaluated as this
         one's."""
-        from kvcal.adapters import kv_shapes
+        from kvcal.adapters import decoder_kind, kv_shapes
         from kvcal.artifacts import read_header
         from kvcal.methods import baseline_method
 
@@ -432,43 +440,42 @@ class Fitter:
         path.write_text(json.dumps(chosen.as_dict(), indent=2) + "\n")
         spec = chosen.baseline_spec()
         log(f"plan {entry.name}: {time.perf_counter() - started:.1f} s -> {spec}")
-        return baseline_method(spec, [head_dim for _, head_dim in kv_shapes(fingerprint)]), path
+        return baseline_method(spec, [head_dim for _, head_dim in kv_shapes(fingerprint)],
+                               decoder=decoder_kind(fingerprint)), path
 
     def _plan(self, entry: Entry, num_layers: int, windows: list[int | None]):
         """kvcal plan's layers for entry.spec['dtype'] at the real bits of the hand rule entry.spec['bytes_of'] (with the
         layers the dtype keeps fp16 itself), sliding-window layers priced at what they store at --seqlen tokens."""
-        from kvcal.adapters import kv_shapes
+        from kvcal.adapters import decoder_kind, kv_shapes
         from kvcal.fit.nuq import stored_shares
         from kvcal.spans import attention_span
         from kvcal.plan import dtype_bits, fixed_fp16_layers, plan_layers
 
         def choose(fingerprint: dict):
-            shapes, dtype = kv_shapes(fingerprint), entry.spec["dtype"]
-            wide = fixed_fp16_layers(dtype, [head_dim for _, head_dim in shapes])
+            shapes, dtype, decoder = kv_shapes(fingerprint), entry.spec["dtype"], decoder_kind(fingerprint)
+            wide = fixed_fp16_layers(dtype, [head_dim for _, head_dim in shapes], decoder)
             wide |= set(HAND_RULES[entry.spec["bytes_of"]](num_layers, windows))
             # each layer's elements stored at --seqlen weigh its price, as plan_layers weighs them
             shares = stored_shares([attention_span(window, None) for window in windows], self.seqlen)
             weights = [share * heads * head_dim for share, (heads, head_dim) in zip(shares, shapes)]
-            stored = sum(weight * (16.0 if i in wide else dtype_bits(dtype, [shapes[i]])) for i, weight in enumerate(weights))
+            stored = sum(weight * (16.0 if i in wide else dtype_bits(dtype, [shapes[i]], decoder)) for i, weight in enumerate(weights))
             return plan_layers(str(self.profile), "vllm", dtype, stored / sum(weights) + 1e-9, entry.spec["plan"], self.seqlen)
 
         return self._engine_plan(entry, num_layers, choose)
 
     def _types(self, entry: Entry, num_layers: int):
         """kvcal plan's llama.cpp -ctk / -ctv pair at the real bits of the hand choice entry.spec['bytes_of']."""
-        from kvcal.adapters import kv_shapes
-        from kvcal.plan import dtype_bits, plan_cache_types
+        from kvcal.plan import plan_cache_types
 
         return self._engine_plan(entry, num_layers, lambda fingerprint: plan_cache_types(
-            str(self.profile), dtype_bits(entry.spec["bytes_of"], kv_shapes(fingerprint))))
+            str(self.profile), _bits_of(entry.spec["bytes_of"], fingerprint)))
 
     def _first_last(self, entry: Entry, num_layers: int):
         """kvcal plan's ik_llama.cpp settings at the real bits of the hand choice entry.spec['bytes_of']."""
-        from kvcal.adapters import kv_shapes
-        from kvcal.plan import dtype_bits, plan_first_last
+        from kvcal.plan import plan_first_last
 
         return self._engine_plan(entry, num_layers, lambda fingerprint: plan_first_last(
-            str(self.profile), dtype_bits(entry.spec["bytes_of"], kv_shapes(fingerprint)) + 1e-9))
+            str(self.profile), _bits_of(entry.spec["bytes_of"], fingerprint) + 1e-9))
 
     def fp8_scales(self, strategy: str) -> Path:
         return self.folder / f"fp8-{strategy}-scales.safetensors"  # one calibrate_scales serves absmax and calibrated

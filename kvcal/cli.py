@@ -239,7 +239,7 @@ def plan_command(
     if engine in ("llama.cpp", "ik_llama.cpp") and (dtype is not None or by != "fisher" or context):
         raise KvcalError(f"--engine {engine} takes cache types per tensor (and layer range) that kvcal plan chooses by "
                          "Fisher-weighted error: drop --dtype, --by and --context")
-    if dtype == "all" and by != "fisher":
+    if dtype == "all" and by == "importance":
         raise KvcalError("--dtype all compares the dtypes by Fisher-weighted error, which --by importance does not weigh "
                          "(the same for every dtype): drop --by or give one --dtype")
     if json_out is not None:
@@ -267,12 +267,14 @@ def plan_command(
         _note(f"planning every {engine} dtype on the profile's sampled keys and values of every layer")
         chosen = compare_dtypes(str(profile), engine, budget, context)
         _print_table(f"{engine} dtypes within {budget:g} real bits per element, by fisher: least error first",
-                     ["--kv-cache-dtype", "real bits", "layers kept fp16", "Fisher-weighted error"],
-                     [[plan.dtype, f"{plan.bits:.3f}", str(len(plan.skipped)), f"{plan.cost:.4g}"] for plan in chosen.plans]
-                     + [[name, "-", "-", reason] for name, reason in chosen.unfit.items()])
+                     ["--kv-cache-dtype", "real bits", "layers skipped", "Fisher-weighted error"],
+                     [[plan.dtype, f"{plan.bits:.3f}", str(len(plan.skipped)), f"{plan.cost:.4g}"] for plan in chosen.plans])
+        for name, reason in chosen.unfit.items():
+            print(f"{name}: no plan, {reason}")
         _print_layer_plan(chosen.best)
     else:
-        _print_layer_plan(chosen := plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context))
+        chosen = plan_layers(str(profile), engine, dtype or "int4_per_token_head", budget, by, context)
+        _print_layer_plan(chosen)
     print(f"{engine} arguments: {chosen.engine_arguments()}")
     print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
     _write_json(json_out, chosen.as_dict())
@@ -281,10 +283,10 @@ def plan_command(
 def _print_layer_plan(plan) -> None:
     """A vLLM plan's table (kvcal.plan.Plan): each layer's cost and whether it stays fp16 (and its decoder layer, in
     a hybrid, which vLLM's option counts)."""
-    numbered = plan.decoder_layers != list(range(len(plan.costs)))
+    decoder_column = int(plan.decoder_layers != list(range(len(plan.costs))))  # 1: a column of them, 0: none
     _print_table(f"{plan.engine} {plan.dtype} within {plan.budget:g} real bits per element, by {plan.by}: {plan.bits:.3f} bits",
-                 ["layer"] + ["decoder layer"] * numbered + ["cost if quantized", "stays fp16"],
-                 [[str(i)] + [str(plan.decoder_layers[i])] * numbered + [f"{cost:.4g}", "yes" if i in plan.skipped else ""]
+                 ["layer"] + ["decoder layer"] * decoder_column + ["cost if quantized", "stays fp16"],
+                 [[str(i)] + [str(plan.decoder_layers[i])] * decoder_column + [f"{cost:.4g}", "yes" if i in plan.skipped else ""]
                   for i, cost in enumerate(plan.costs)])
 
 
@@ -514,16 +516,16 @@ def eval_ppl_command(
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
-    from kvcal.methods import artifact_method, baseline_method
+    from kvcal.methods import artifact_method, baseline_method, check_baseline, split_baselines
     from kvcal.models import load_model
 
     if seqlen < 2 or windows < 1:
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
-    baselines = [s.strip() for s in baseline.split(",") if s.strip()]
+    baselines = split_baselines(baseline)
     for spec in baselines:
-        baseline_method(spec.partition(";")[0], [64])  # refuse a bad spec before the model loads
+        check_baseline(spec)  # before the model loads
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
@@ -654,7 +656,7 @@ def eval_passkey_command(
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.generation import ANSWER_TOKENS, DOORS, passkey_accuracy
-    from kvcal.methods import baseline_method
+    from kvcal.methods import baseline_method, check_baseline, split_baselines
     from kvcal.simulate import QuantizedOnWrite
 
     try:
@@ -667,9 +669,9 @@ def eval_passkey_command(
         raise KvcalError(f"--keys must be 1-{len(DOORS)} and --asked 1-{keys} (got --keys {keys}, --asked {asked})")
     if prefill_chunk < 0:
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
-    baselines = [spec.strip() for spec in baseline.split(",") if spec.strip()]
+    baselines = split_baselines(baseline)
     for spec in baselines:
-        baseline_method(spec.partition(";")[0], [64])  # refuse a bad spec before the model loads
+        check_baseline(spec)  # before the model loads
     if json_out is not None:
         check_writable(json_out, "--json", inputs=quant)
     text = load_text(dataset)

@@ -96,12 +96,13 @@ def layer_bits(layers: list, shapes: list[tuple[int, int]]) -> np.ndarray:
                      for codecs, (heads, dim) in zip(layers, shapes)])
 
 
-def dtype_bits(dtype: str, shapes: list[tuple[int, int]]) -> float:
-    """An engine dtype's real bits per element (codes and scales, K and V) over layers of these (KV heads, head_dim),
-    the mean weighted by their elements (a spec whose layers differ, such as ik_llama.cpp's first/last ones, needs
-    them all)."""
+def dtype_bits(dtype: str, shapes: list[tuple[int, int]], decoder: str) -> float:
+    """An engine dtype's real bits per element (codes and scales, K and V) over layers of these (KV heads, head_dim)
+    in a decoder of this kvcal.adapters.decoder_kind, the mean weighted by their elements (a spec whose layers differ,
+    such as ik_llama.cpp's first/last ones or TurboQuant's fp16 boundary, needs them all)."""
     widths = np.array([heads * dim for heads, dim in shapes])
-    return float((layer_bits(baseline_method(dtype, [dim for _, dim in shapes]).layers, shapes) * widths).sum() / widths.sum())
+    layers = baseline_method(dtype, [dim for _, dim in shapes], decoder=decoder).layers
+    return float((layer_bits(layers, shapes) * widths).sum() / widths.sum())
 
 
 def _fixed_fp16(codecs) -> bool:
@@ -109,10 +110,11 @@ def _fixed_fp16(codecs) -> bool:
     return codecs.key_codec.kind is CodecKind.FP16
 
 
-def fixed_fp16_layers(dtype: str, head_dims: list[int]) -> set[int]:
-    """The layers (of these head_dims) the engine keeps fp16 under `dtype` whatever it is told (TurboQuant's first
-    and last two)."""
-    return {i for i, codecs in enumerate(baseline_method(dtype, head_dims).layers) if _fixed_fp16(codecs)}
+def fixed_fp16_layers(dtype: str, head_dims: list[int], decoder: str) -> set[int]:
+    """The layers (of these head_dims, in a decoder of this kvcal.adapters.decoder_kind) the engine keeps fp16 under
+    `dtype` whatever it is told (TurboQuant's boundary layers)."""
+    layers = baseline_method(dtype, head_dims, decoder=decoder).layers
+    return {i for i, codecs in enumerate(layers) if _fixed_fp16(codecs)}
 
 
 def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
@@ -215,7 +217,6 @@ def _plan(profile: dict, config: dict, engine: str, dtype: str, budget: float, b
 class DtypeComparison:
     """Every dtype of an engine planned within one budget by Fisher cost: the plan of least cost, the others beside it."""
 
-    budget: float
     plans: list[Plan]  # the dtypes that fit the budget, least cost first
     unfit: dict[str, str]  # dtype -> why it has no plan within the budget
 
@@ -241,22 +242,22 @@ def compare_dtypes(profile_path: str, engine: str, budget: float, context: int =
     if not 0 < budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside (0, {FP16_BITS}] real bits per element")
     profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for every dtype
+    shared = decoder_kind(config["model"]["fingerprint"]) == "shared"
     plans, unfit, leasts = [], {}, []
     for dtype in ENGINE_DTYPES[engine]:
-        try:
-            priced = _priced_layers(config, dtype, context)
-        except KvcalError as exc:  # (a TurboQuant preset on a KV-sharing model)
-            unfit[dtype] = str(exc).partition(": ")[2]
+        if shared and dtype in TQ_PRESETS:  # (baseline_method refuses it)
+            unfit[dtype] = "its boundary layers are not modelled in a model whose layers read another's cache"
             continue
+        priced = _priced_layers(config, dtype, context)
         leasts.append(priced.least_bits)
         if priced.least_bits > budget + 1e-9:
             unfit[dtype] = f"stores at least {priced.least_bits:.4g} real bits per element"
         else:
             plans.append(_plan(profile, config, engine, dtype, budget, "fisher", context, priced))
     if not plans:
-        raise KvcalError(f"--budget {budget} is below what every {engine} dtype stores (the least: {min(leasts):g} real bits "
-                         "per element)")
-    return DtypeComparison(budget, sorted(plans, key=lambda plan: (plan.cost, plan.bits, plan.dtype)), unfit)
+        raise KvcalError(f"--budget {budget} is below what every {engine} dtype stores: give at least {min(leasts):g} real "
+                         "bits per element")
+    return DtypeComparison(sorted(plans, key=lambda plan: (plan.cost, plan.bits, plan.dtype)), unfit)
 
 
 def layers_kept_wide(costs: list[float], extra: np.ndarray, slack: float) -> list[int]:

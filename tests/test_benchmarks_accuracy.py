@@ -69,7 +69,8 @@ def test_turboquant_rules_and_plans_count_layers_beyond_its_own_boundary(bench):
 
     entries = {e.name: e for e in bench.select(bench.ablations(0), ["engine-layers"])}
     assert entries["turboquant_k3v4_nc-none"].spec == {"dtype": "turboquant_k3v4_nc", "rule": "none"}
-    assert fixed_fp16_layers("turboquant_k3v4_nc", [64] * 10) == {0, 1, 8, 9}  # vLLM's boundary layers
+    assert fixed_fp16_layers("turboquant_k3v4_nc", [64] * 10, "dense") == {0, 1, 8, 9}  # vLLM's boundary layers
+    assert fixed_fp16_layers("turboquant_k3v4_nc", [64] * 10, "recurrent") == set()  # none in a hybrid
     assert bench.HAND_RULES["three-at-each-end"](10, [None] * 10) == [0, 1, 2, 7, 8, 9]  # two layers beyond it
     assert entries["turboquant_k3v4_nc-plan-fisher-2"].spec["bytes_of"] == "three-at-each-end"
     assert {e.spec["bytes_of"] for name, e in entries.items() if name.startswith("turboquant") and "plan" in e.spec} == \

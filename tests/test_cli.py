@@ -166,6 +166,23 @@ def test_plan_prints_vllms_arguments_and_the_eval_spec_then_eval_ppl_takes_it(ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "ppl.json"]
 
 
+def test_eval_ppl_takes_ik_llama_cpp_settings_among_comma_separated_baselines(tiny_profile, tiny_corpus, tmp_path):
+    """A setting's first / last options hold a comma (`k_first=TYPE,N`): --baseline splits only where a spec
+    begins, and the spec kvcal plan prints for ik_llama.cpp is evaluated as printed."""
+    import json
+
+    model, profile = tiny_profile
+    planned = run("plan", profile, "--engine", "ik_llama.cpp", "--budget", 6, "--json", tmp_path / "plan.json")
+    assert planned.exit_code == 0, planned.output
+    setting = json.loads((tmp_path / "plan.json").read_text())["baseline_spec"]
+    specs = f"q4_0;k_first=q8_0,1;v_last=f16,1,{setting},int4"
+    evaluated = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--baseline", specs, "--seqlen", 32,
+                    "--windows", 1, "--json", tmp_path / "ppl.json")
+    assert evaluated.exit_code == 0, evaluated.output
+    names = [result["method"] for result in json.loads((tmp_path / "ppl.json").read_text())["results"][1:]]
+    assert names[0] == "q4_0;k_first=q8_0,1;v_last=f16,1" and names[2] == "int4-g64" and len(names) == 3
+
+
 def test_plan_for_llama_cpp_prints_its_ctk_ctv_and_eval_ppl_stores_the_planned_bits(tiny_profile, tiny_corpus, tmp_path):
     import json
 

@@ -5,7 +5,7 @@ import torch
 
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
-from kvcal.methods import artifact_method, baseline_method
+from kvcal.methods import artifact_method, baseline_method, check_baseline
 from kvcal.methods.kivi import kivi_layer
 from kvcal.quantizers import LayerCodecs, TokenUniform
 
@@ -77,6 +77,21 @@ def test_ik_llama_cpp_first_and_last_layers_take_their_own_types():
                           ("q4_0;k_first=q8_0", "k_first=TYPE,N"), ("q4_0;k_first=q9_0,1", "give one of f16")):
         with pytest.raises(KvcalError, match=message):
             baseline_method(spec, [64] * 5)
+
+
+def test_a_spec_is_checked_before_a_model_as_with_one():
+    """check_baseline takes what baseline_method takes on some model (an f16 base where first / last options follow)
+    and refuses, in baseline_method's words, what it refuses on any (first / last options after a TurboQuant preset,
+    whatever the decoder)."""
+    for spec in ("f16;k_first=q8_0,2;k_last=q8_0,2", "q4_0;v_last=f16,3", "kivi2-g32-r128", "turboquant_k8v4;skip=0"):
+        check_baseline(spec)
+    for spec, message in (("f16", "unknown baseline"), ("q4_0;k_first=q8_0", "k_first=TYPE,N"),
+                          ("turboquant_k8v4;k_first=q8_0,1", "not 'turboquant_k8v4'")):
+        with pytest.raises(KvcalError, match=message):
+            check_baseline(spec)
+    for decoder in ("dense", "recurrent"):
+        with pytest.raises(KvcalError, match="not 'turboquant_k8v4'"):
+            baseline_method("turboquant_k8v4;k_first=q8_0,1", [64] * 6, decoder=decoder)
 
 
 def test_a_baseline_that_needs_power_of_two_heads_says_so():

@@ -16,10 +16,12 @@ from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method
 from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES, cache_type_codec
+from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.models import resolve_model
-from kvcal.plan import (FirstLastPlan, TensorSetting, choose_first_last, dtype_bits, key_cost, layers_kept_wide, plan_cache_types,
-                        plan_first_last, plan_layers, value_cost)
+from kvcal.plan import (ENGINE_DTYPES, FirstLastPlan, TensorSetting, choose_first_last, compare_dtypes, dtype_bits, key_cost,
+                        layers_kept_wide, plan_cache_types, plan_first_last, plan_layers, value_cost)
 from kvcal.rope import rotate_keys
+from kvcal.vllm_codecs import TQ_PRESETS
 
 
 def test_the_budget_buys_fp16_for_the_costliest_layers_first(tiny_profile):
@@ -92,7 +94,7 @@ def test_a_budget_that_buys_exactly_n_unquantized_layers_keeps_n():
     """turboquant_k3v4_nc stores 3.59375 bits at head_dim 256 with one KV head (Gemma 3 270M): at the budget of n of 18
     layers fp16 the plan keeps the n costliest; with a sliding layer's price weighted by its 511 of 4096 tokens, the
     same budget keeps at least their cost (prices rounded up to a unit lost one layer there)."""
-    quantized = dtype_bits("turboquant_k3v4_nc", [(1, 256)])
+    quantized = dtype_bits("turboquant_k3v4_nc", [(1, 256)], "dense")
     assert quantized == 3.59375
     costs = [i + 1.0 for i in range(18)]
     for shares in (np.ones(18), np.array([1.0 if i % 6 == 5 else 511 / 4096 for i in range(18)])):
@@ -235,7 +237,7 @@ def test_layers_of_two_shapes_are_priced_at_their_own_and_weighed_by_their_eleme
     layer fp16 costs (16 + 10) / 3, the full one (6 + 32) / 3; each plan stores what its eval spec stores."""
     fingerprint = read_artifact(str(gemma4_profile), "profile")[1]["model"]["fingerprint"]
     assert kv_shapes(fingerprint) == [(2, 16), (2, 32)]
-    assert dtype_bits("int4_per_token_head", kv_shapes(fingerprint)) == pytest.approx(16 / 3)
+    assert dtype_bits("int4_per_token_head", kv_shapes(fingerprint), "dense") == pytest.approx(16 / 3)
     with pytest.raises(KvcalError, match=r"outside \[5.33333, 16\]"):
         plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 5.3)
     sliding = plan_layers(str(gemma4_profile), "vllm", "int4_per_token_head", 26 / 3 + 1e-9)
@@ -290,6 +292,9 @@ def test_a_turboquant_plan_is_refused_where_layers_read_anothers_cache(gemma4_pr
     preset's boundary layers, which kvcal does not model, so the plan is refused in one line."""
     with pytest.raises(KvcalError, match="read another's cache"):
         plan_layers(str(gemma4_profile), "vllm", "turboquant_k3v4_nc", 16.0)
+    compared = compare_dtypes(str(gemma4_profile), "vllm", 16.0)  # the other dtypes planned, each preset named unfit
+    assert set(compared.unfit) == set(TQ_PRESETS) and all("read another's cache" in why for why in compared.unfit.values())
+    assert {plan.dtype for plan in compared.plans} == set(VLLM_DTYPES)
 
 
 def test_every_vllm_dtype_is_planned_side_by_side_and_the_least_error_one_chosen(tiny_profile, tmp_path):
@@ -299,7 +304,6 @@ def test_every_vllm_dtype_is_planned_side_by_side_and_the_least_error_one_chosen
     from typer.testing import CliRunner
 
     from kvcal.cli import app
-    from kvcal.plan import ENGINE_DTYPES, compare_dtypes
 
     profile = str(tiny_profile[1])
     compared = compare_dtypes(profile, "vllm", 6.0)
@@ -318,7 +322,7 @@ def test_every_vllm_dtype_is_planned_side_by_side_and_the_least_error_one_chosen
     assert all(dtype in result.output for dtype in ENGINE_DTYPES["vllm"])
     written = json.loads((tmp_path / "plan.json").read_text())
     assert written["dtype"] == compared.best.dtype and [entry["dtype"] for entry in written["compared"]] == [p.dtype for p in compared.plans]
-    for arguments, message in ((["--budget", "3"], "below what every vllm dtype stores (the least: 4.5"),
+    for arguments, message in ((["--budget", "3"], "below what every vllm dtype stores: give at least 4.5"),
                                (["--budget", "6", "--by", "importance"], "--dtype all compares the dtypes by Fisher")):
         refused = CliRunner().invoke(app, ["plan", profile, "--dtype", "all", *arguments])
         assert refused.exit_code == 2 and message in refused.output

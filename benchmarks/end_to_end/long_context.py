@@ -278,6 +278,7 @@ def main() -> None:
         passkey_report(args.model)
         return
     from kvcal.data import tokenize
+    from kvcal.methods import split_baselines
     from kvcal.models import load_model
 
     started = provenance()
@@ -290,7 +291,7 @@ def main() -> None:
         if "memory" in only:
             memory(model, args.model, bundles, ids, [int(x) for x in args.memory_contexts.split(",")], args.prefill_chunk, started)
         if "passkey" in only:
-            passkey(model, args.model, tokenizer, bundles, [s for s in args.baselines.split(",") if s], ids,
+            passkey(model, args.model, tokenizer, bundles, split_baselines(args.baselines), ids,
                     [int(x) for x in args.lengths.split(",")], args.samples, [int(x) for x in args.keys.split(",")],
                     args.asked, args.prefill_chunk, started)
 

@@ -6,6 +6,7 @@ way), import it below, and, if it fits from a profile, give it a `kvcal fit-*` c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvcal import registry
@@ -21,7 +22,7 @@ from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 from kvcal.vllm_codecs import TQ_PRESETS
 
-__all__ = ["artifact_method", "baseline_method", "bundle_method"]
+__all__ = ["artifact_method", "baseline_method", "bundle_method", "check_baseline", "split_baselines"]
 
 
 def bundle_method(bundle: Bundle) -> Method:
@@ -71,18 +72,7 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
     `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
     kvcal.methods.llama_cpp)."""
-    base, *options = [part.strip() for part in text.strip().split(";")]
-    skip, first_last = None, {}
-    for option in options:
-        name, _, value = option.partition("=")
-        end = first_last_option(option)
-        if name == "skip" and value and skip is None:
-            skip = value
-        elif end is not None and end[0] not in first_last:
-            first_last[end[0]] = end[1]
-        else:
-            raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
-                             "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
+    base, skip, first_last = _spec_parts(text)
     if decoder == "shared" and base in TQ_PRESETS:
         raise KvcalError(f"baseline '{text}': vLLM's TurboQuant boundary layers are not modelled in a model whose layers read "
                          "another's cache (KV sharing); evaluate another vLLM dtype")
@@ -99,6 +89,37 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     layers = [FP16_LAYER if i in skipped else layer for i, layer in enumerate(method.layers)]
     name = f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}"
     return Method(name, method.nominal_bits, layers, method.policy)
+
+
+def split_baselines(text: str) -> list[str]:
+    """The specs of a comma-separated list (--baseline): split at the commas a spec begins after, not those within
+    its first / last options (`k_first=TYPE,N`), as no spec begins with a digit."""
+    return [spec.strip() for spec in re.split(r",(?!\s*\d)", text) if spec.strip()]
+
+
+def check_baseline(text: str) -> None:
+    """Refuse a baseline spec (baseline_method's) that no model would take: its syntax, its types, before a model is
+    loaded; what depends on the model's layers (their number, windows, KV sharing) is checked by baseline_method."""
+    base, _, first_last = _spec_parts(text)
+    most = max((count for _, count in first_last.values()), default=1)
+    _base_baseline(base, first_last, 2 * most, 64, text, boundary=True)  # room for each first and last option
+
+
+def _spec_parts(text: str) -> tuple[str, str | None, dict[str, tuple[str, int]]]:
+    """A baseline spec's base, its skip= layer map (None without one) and its first / last options."""
+    base, *options = [part.strip() for part in text.strip().split(";")]
+    skip, first_last = None, {}
+    for option in options:
+        name, _, value = option.partition("=")
+        end = first_last_option(option)
+        if name == "skip" and value and skip is None:
+            skip = value
+        elif end is not None and end[0] not in first_last:
+            first_last[end[0]] = end[1]
+        else:
+            raise KvcalError(f"baseline '{text}': after ';' give skip=L+L+... (layer indices, or sliding_window), or after "
+                             "a llama.cpp type k_first=TYPE,N (k_last, v_first, v_last)")
+    return base, skip, first_last
 
 
 def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | None, text: str) -> set[int]:
@@ -120,13 +141,13 @@ def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, 
     """The Method of baseline `base` (with ik_llama.cpp's first/last layer types where `first_last` gives them) for
     `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors; `boundary`: a
     TurboQuant preset keeps its boundary layers fp16."""
-    if base in TQ_PRESETS and not boundary:
-        return turboquant_method(base, num_layers, head_dim, boundary=False)
     if first_last:
         try:
             return first_last_method(base, first_last, [head_dim] * num_layers)
         except KvcalError as exc:
             raise KvcalError(f"baseline '{text}': {exc}") from None
+    if base in TQ_PRESETS and not boundary:
+        return turboquant_method(base, num_layers, head_dim, boundary=False)
     for spec in registry.methods():
         method = spec.baseline(base, num_layers, head_dim)
         if method is not None:

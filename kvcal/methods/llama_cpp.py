@@ -43,7 +43,7 @@ FIRST_LAST = ("k_first", "k_last", "v_first", "v_last")  # ik_llama.cpp's -ctk-f
 
 def cache_type_pair(text: str, f16_for_both: bool = False) -> tuple[str, str] | None:
     """(type_k, type_v) of `T` or `K/V`, or None when it is not a llama.cpp cache type (pair); f16 for both is one
-    only where `f16_for_both` (the base of an ik_llama.cpp setting whose first / last layers are quantized)."""
+    only where `f16_for_both` (the base of an ik_llama.cpp setting, whose first / last options give other types)."""
     type_k, type_v = text.split("/", 1) if "/" in text else (text, text)
     if type_k not in CACHE_TYPES or type_v not in CACHE_TYPES or (type_k == type_v == "f16" and not f16_for_both):
         return None

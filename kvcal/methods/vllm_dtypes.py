@@ -1,7 +1,8 @@
 """vLLM's KV cache dtypes (`vllm`, the `eval ppl` baselines int8_per_token_head, fp8_per_token_head,
 int4_per_token_head, nvfp4, nvfp4_4over6 and the TurboQuant presets turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc,
 turboquant_3bit_nc; no calibration): every token quantized when stored, keys after RoPE, nothing kept fp16 (but a
-TurboQuant preset's first and last two layers, which vLLM leaves unquantized), to vLLM's kernels (kvcal.vllm_codecs).
+TurboQuant preset's first and last two layers where every decoder layer attends, which vLLM leaves unquantized), to
+vLLM's kernels (kvcal.vllm_codecs).
 With `;skip=L+L+...` (kvcal.methods.baseline_method) the named layers stay unquantized too, as vLLM's
 --kv-cache-dtype-skip-layers keeps them."""
 
@@ -29,8 +30,8 @@ def turboquant_method(preset: str, num_layers: int, head_dim: int, boundary: boo
     model whose every decoder layer attends (none in a hybrid: kvcal.methods.baseline_method)."""
     key_bits, value_bits, norm_correction = TQ_PRESETS[preset]
     layer = LayerCodecs(TurboQuantKeys(key_bits, head_dim, norm_correction), TurboQuantValues(value_bits, head_dim), key_pre_rope=False)
-    boundary = tq_boundary_layers(num_layers) if boundary else set()
-    layers = [FP16_LAYER if i in boundary else layer for i in range(num_layers)]
+    fp16_layers = tq_boundary_layers(num_layers) if boundary else set()
+    layers = [FP16_LAYER if i in fp16_layers else layer for i in range(num_layers)]
     return Method(preset, (key_bits + value_bits) / 2, layers, SegmentPolicy())
 
 
