@@ -40,7 +40,8 @@ no v_proj: the value is the v norm of k_proj's output (`LayerHandles.value_from_
 Gemma 3 4B-27B (gemma3) and Gemma 4 (gemma4) are their text decoder beside a vision tower, Mistral 3 (mistral3:
 Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya
 Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or
-Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text: kvcal reads and serves the decoder.
+Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text, Llama 4 (llama4) a llama4_text one,
+which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
@@ -80,6 +81,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 
 from kvcal.errors import KvcalError
 from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
@@ -95,7 +97,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
-                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text")
+                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
@@ -111,7 +113,7 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "qwen2_vl", "qwen2_5_vl",
-                     "qwen3_vl", "qwen3_vl_moe")
+                     "qwen3_vl", "qwen3_vl_moe", "llama4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4")
@@ -358,11 +360,19 @@ def kv_widths(fingerprint: dict) -> list[int]:
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The model's text decoder, without its head (and a composite's vision tower): get_decoder(), but for a model
-    whose get_decoder() finds none under its base_model_prefix and returns the model (Llama4ForCausalLM: prefixed
-    language_model, its decoder at `model`)."""
+    """The model's text decoder, without its head (and a composite's vision tower): get_decoder(), but where that is
+    a causal LM, its decoder (Llama4ForCausalLM's get_decoder() finds none under its base_model_prefix and returns the
+    model, which Llama4ForConditionalGeneration's returns)."""
     decoder = model.get_decoder()
-    return decoder.model if decoder is model and isinstance(getattr(model, "model", None), nn.Module) else decoder
+    return decoder.model if isinstance(decoder, GenerationMixin) else decoder
+
+
+def _served_lm(model: nn.Module) -> nn.Module:
+    """The causal LM that artifacts name for the model: the model, or a composite's language model where that is one
+    of its own (Llama 4's: Llama4ForCausalLM, what AutoModelForCausalLM loads its checkpoints as), so that one bundle
+    serves both."""
+    language_model = getattr(model, "language_model", None)
+    return language_model if isinstance(language_model, GenerationMixin) else model
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -574,8 +584,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
     adapter = ModelAdapter(
-        architecture=type(model).__name__,
-        model_type=model_type,
+        architecture=type(_served_lm(model)).__name__,
+        model_type=_served_lm(model).config.model_type,
         layers=handles,
         num_heads=num_heads,
         kv_heads=kv_heads,

@@ -57,6 +57,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       head_dim=16, patch_size=14, pooling_kernel_size=2)
         text = tiny_config("gemma4_text", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, audio_config=None)
+    if model_type == "llama4":  # Llama 4 Scout / Maverick: the decoder beside a vision tower, whose pixel shuffle merges 2 x 2
+        # patches into a token (4 of an image of 56 x 56 pixels)
+        vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        text = tiny_config("llama4_text", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model("llama4", text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
     if model_type == "mistral3":  # Ministral 3: its decoder beside a Pixtral vision tower, here of as many layers
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
                       image_size=28, patch_size=14)
@@ -219,7 +225,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
 
     torch.manual_seed(seed)
     # not causal LMs to transformers
-    auto = AutoModelForImageTextToText if model_type in ("mistral3", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llama4", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows

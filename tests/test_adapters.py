@@ -15,7 +15,7 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 # OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
 # for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text")
+                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
 
@@ -23,7 +23,8 @@ WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*A
 def test_adapter_finds_projections_heads_and_rope(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
-    assert adapter.model_type == model_type and len(adapter.layers) == 2
+    # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
+    assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
     kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
     shapes = [(2, 16), (1, 32)] if model_type in GEMMA4 else [(kv_heads, 16)] * 2
@@ -50,7 +51,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     frequencies = (2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)
     assert adapter.inv_freq.shape == frequencies and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
-    assert adapter.chunks == ([TINY_WINDOW, None] if model_type == "llama4_text" else [None, None])  # Llama 4's first layer
+    assert adapter.chunks == ([TINY_WINDOW, None] if model_type.startswith("llama4") else [None, None])  # Llama 4's first layer
     assert adapter.fingerprint()["num_kv_heads"] == kv_heads
 
 

@@ -45,22 +45,18 @@ def test_a_gemma3n_checkpoint_loads_as_its_text_model(tiny_model_dir):
         assert type(loaded).__name__ == "Gemma3nForCausalLM" and torch.equal(loaded(ids).logits, text(ids).logits)
 
 
-def test_a_llama4_checkpoint_loads_as_its_text_decoder(tmp_path, tiny_tokenizer):
+def test_a_llama4_checkpoint_loads_as_its_text_decoder_and_names_the_same_model_as_its_composite(tmp_path, tiny_tokenizer):
     """Llama 4's checkpoints are multimodal (model_type llama4: the decoder beside a vision tower): transformers maps
-    that config to Llama4ForCausalLM, so load_model reads the text decoder, weights and all, which kvcal serves."""
+    that config to Llama4ForCausalLM, so load_model reads the text decoder, weights and all, which kvcal serves. The
+    composite (Llama4ForConditionalGeneration, for images) has the same fingerprint: a bundle calibrated on one serves
+    both."""
     import torch
-    from conftest import tiny_config
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from conftest import tiny_model
 
     from kvcal.adapters import adapt
     from kvcal.models import load_model
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
-                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
-    config = AutoConfig.for_model("llama4", text_config=tiny_config("llama4_text").to_dict(), vision_config=vision,
-                                  image_token_index=511)
-    torch.manual_seed(0)
-    composite = AutoModelForImageTextToText.from_config(config).eval()
+    composite = tiny_model("llama4")
     composite.save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     loaded, _, _ = load_model(str(tmp_path))
@@ -68,3 +64,4 @@ def test_a_llama4_checkpoint_loads_as_its_text_decoder(tmp_path, tiny_tokenizer)
     with torch.no_grad():
         assert type(loaded).__name__ == "Llama4ForCausalLM" and torch.equal(loaded(ids).logits, composite(input_ids=ids).logits)
     assert adapt(loaded).chunks == [16, None]
+    assert adapt(loaded).fingerprint() == adapt(composite).fingerprint()
