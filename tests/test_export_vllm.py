@@ -322,6 +322,20 @@ def test_a_decoder_beside_a_vision_tower_exports_under_the_checkpoints_names(mod
     assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
 
 
+def test_a_llama4_checkpoint_exports_its_text_decoder_which_vllm_serves_as_text(tiny_model_dir, tiny_corpus, tmp_path):
+    """kvcal loads a Llama 4 checkpoint (the decoder beside a vision tower) as its text decoder, Llama4ForCausalLM, a
+    model vLLM serves for text: the folder is that model, its scales under its names, and eval ppl reads it back."""
+    model = tiny_model_dir("llama4")
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export").exit_code == 0
+    scales = sorted(name for name in safetensors_of(tmp_path / "export") if name.endswith("_scale"))
+    assert scales == [f"model.layers.{i}.self_attn.{kind}_scale" for i in range(2) for kind in "kv"]
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
+                 tmp_path / "export", "--json", tmp_path / "ppl.json")
+    assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
+
+
 def test_a_hybrid_model_exports_the_scales_of_its_attention_layers_under_their_own_indices(tiny_model_dir, tiny_corpus,
                                                                                              tmp_path):
     """Qwen3.5's gated DeltaNet layers (decoder layers 0 and 2 here) hold no KV cache: the scales are those of decoder
