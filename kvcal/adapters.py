@@ -59,12 +59,14 @@ scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_tex
 in chunks (`chunks`: attention_chunk_size on its chunked_attention layers; kvcal.spans.AttentionSpan) but every 4th,
 which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its RoPE pairs neighbours, and it scales the
 queries of its full layers by position before the attention call (as Ministral 3 does). Scout's RoPE layers then
-norm q and k (use_qk_norm: an RMS norm per head without a scale, `LayerHandles.rope_norm`), which commutes with
+norm q and k (use_qk_norm: an RMS norm per head without a scale, `LayerHandles.rope_norms`), which commutes with
 RoPE: kvcal reads the norm of the projections' output as the pre-RoPE query and key, and takes the key's gradient
-after the norm, rotated back (kvcal.capture). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for
-those), EXAONE 4, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix
-layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by
-frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
+after the norm, rotated back (kvcal.capture). NanoChat norms q and k so too (its q_norm and k_norm, seen heads
+first), and its RoPE rotates by minus the angle: kvcal's rotation of each pair's halves in the other order
+(kvcal.rope.rotate_half_order). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4,
+K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix layers, where it
+forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by frequencies of zero
+and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
@@ -97,14 +99,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_next", "hy_v3", "dots1", "lfm2", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
-                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4")
+                         "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
+                         "nanochat")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3", "nanochat")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
-# q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm)
-_NORMED_AFTER_ROPE = ("llama4_text",)
+# q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
+# q_norm and k_norm)
+_NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
+# RoPE rotating by minus the angle, its halves' roles swapped (NanoChat's rotate_half): kvcal's rotation of the halves
+# in the other order
+_HALVES_SWAPPED_ROPE = ("nanochat",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
 _SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa")
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
@@ -144,10 +151,11 @@ class LayerHandles:
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     v_norm: nn.Module | None = None  # a norm of each value head (Gemma 3n's, without a scale): the value is its output
-    # a norm of each query and key head after RoPE, without a scale (Llama 4 Scout's qk_norm): it commutes with RoPE, a
-    # rotation, so the pre-RoPE query and key are its output on the projections' output (source_rows)
-    rope_norm: nn.Module | None = None
-    head_dim: int = 0  # the channels of each head, which rope_norm norms together
+    # the norms of each query head and each key head after RoPE, without a scale (Llama 4 Scout's one qk_norm for both,
+    # NanoChat's q_norm and k_norm): they commute with RoPE, a rotation, so the pre-RoPE query and key are their output
+    # on the projections' output (source_rows)
+    rope_norms: tuple[nn.Module, nn.Module] | None = None
+    head_dim: int = 0  # the channels of each head, which rope_norms norm together
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
@@ -184,11 +192,11 @@ class LayerHandles:
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
         if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
             rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
-        if kind != "v" and self.rope_norm is not None:
+        if kind != "v" and self.rope_norms is not None:
             if gradient:  # the norm's Jacobian drops the gradient along the key: capture takes it after the norm
                 raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
             # forward, not __call__: the norm's hooks (capture's) see the model's own calls only
-            rows = self.rope_norm.forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            rows = self.rope_norms["qk".index(kind)].forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         return rows if kind == "v" else rows_in_order(rows, self.rope_order)
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
@@ -422,8 +430,11 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
             linear.setdefault("o_proj", linear.pop(name))
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
+    if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
+        shared = getattr(attention, "qk_norm", None)
+        rope_norms = (shared, shared) if shared is not None else (norms.pop("q_norm"), norms.pop("k_norm"))
+        norms.update(q_norm=None, k_norm=None, rope_norms=rope_norms if None not in rope_norms else None)
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
-                 rope_norm=getattr(attention, "qk_norm", None) if normed_after_rope else None,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
@@ -471,7 +482,7 @@ def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional
     raise KvcalError(f"{where}: could not find a rotary position embedding (a module with {', '.join(sorted(names))})")
 
 
-def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int], interleaved: bool,
+def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int], interleaved: bool, swapped: bool,
                 where: str) -> tuple | None:
     """kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own), refusing
     RoPE kvcal cannot store: a number of rotated channels that differs between layer types (but where they rotate every
@@ -490,7 +501,7 @@ def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int]
         if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
             raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
                              "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
-    order = rotate_half_order(head_dim, rotated, interleaved)
+    order = rotate_half_order(head_dim, rotated, interleaved, swapped)
     return tuple(order) if order is not None else None
 
 
@@ -567,8 +578,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
                       else ())
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
-    rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, where) if rotary is not None
-                  else None)
+    rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, text_type in _HALVES_SWAPPED_ROPE,
+                              where) if rotary is not None else None)
     for handle in handles:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
@@ -608,7 +619,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         image_blocks=model_type in _IMAGE_BLOCKS,
         layer_rotaries=layer_rotaries,
     )
-    scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles if h.rope_norm is not None} - {1.0})
+    scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles if h.rope_norms is not None} - {1.0})
     if scaled:  # the norm takes cos/sin's scaling out of the keys it makes, where kvcal's rotation would put it back
         raise KvcalError(f"{where}: it norms q and k after a RoPE that scales cos/sin by {scaled[0]:.4g}; kvcal serves q "
                          "and k normed after RoPE where cos/sin are unscaled (rope_type default, linear, llama3)")

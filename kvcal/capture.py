@@ -106,8 +106,8 @@ class _ActivationHooks:
     hooks that keep dL/dK and dL/dV when the backward pass reaches them. Where the value is made from k_proj's output
     (value_from_key_projection), they also keep dL/dW_v, the part of k_proj's weight gradient that flows through
     the value: the v norm's input is replaced by an alias of it, whose gradient is the value path's alone. Where q and k
-    are normed after RoPE (LayerHandles.rope_norm), the key's gradient is taken at the norm's output on its second call
-    in the attention (the first norms the query), still rotated: dL/dK_post."""
+    are normed after RoPE (LayerHandles.rope_norms), the key's gradient is taken at its norm's output, still rotated
+    (dL/dK_post): on that norm's second call in the attention where one norm serves both (the first norms the query)."""
 
     def __init__(self, adapter: ModelAdapter):
         self.activations: dict[tuple[str, int], torch.Tensor] = {}
@@ -119,11 +119,11 @@ class _ActivationHooks:
         self._handles = []
         for handles in adapter.layers:
             i = handles.index
-            normed_after_rope = handles.rope_norm is not None
+            normed_after_rope = handles.rope_norms is not None
             self._handles.append(handles.key_source.register_forward_hook(self._hook("k", i, not normed_after_rope, handles)))
             if normed_after_rope:
                 self._handles.append(handles.attention.register_forward_pre_hook(self._count_norm_calls_from_zero(i)))
-                self._handles.append(handles.rope_norm.register_forward_hook(self._keep_rotated_key_gradient(i)))
+                self._handles.append(handles.rope_norms[1].register_forward_hook(self._keep_rotated_key_gradient(handles)))
             self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
             self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
             if handles.value_from_key_projection:
@@ -142,11 +142,14 @@ class _ActivationHooks:
 
         return before_forward
 
-    def _keep_rotated_key_gradient(self, layer: int):
-        def on_forward(module, inputs, output):  # output: (batch, tokens, kv heads, head_dim) on the key's call
+    def _keep_rotated_key_gradient(self, handles: LayerHandles):
+        layer, key_call = handles.index, 2 if handles.rope_norms[0] is handles.rope_norms[1] else 1
+
+        def on_forward(module, inputs, output):  # output: (batch, tokens, kv heads, head_dim), heads first where so
             self._norm_calls[layer] += 1
-            if self._norm_calls[layer] == 2:
-                output.register_hook(lambda grad: self.gradients.__setitem__(("k", layer), grad.detach().flatten(2)))
+            if self._norm_calls[layer] == key_call:
+                output.register_hook(lambda grad: self.gradients.__setitem__(
+                    ("k", layer), (grad.transpose(1, 2) if handles.heads_first else grad).detach().flatten(2)))
 
         return on_forward
 
@@ -247,7 +250,7 @@ def profile_gradients(
                 value = hooks.activations["v", i][0].float().cpu()
                 key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
                 key_gradient = hooks.gradients["k", i][0].float().cpu()
-                if handles.rope_norm is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
+                if handles.rope_norms is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
                     key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient), -positions, adapter.kv_heads[i],
                                                *rope[i])
                 per_token = {

@@ -47,15 +47,19 @@ def rotate_keys(x: torch.Tensor, positions: torch.Tensor, heads: int, inv_freq: 
     return apply_rope(x.view(tokens, heads, width // heads), positions, inv_freq, attention_scaling).reshape(tokens, width)
 
 
-def rotate_half_order(head_dim: int, rotary_dims: int, interleaved: bool) -> list[int] | None:
+def rotate_half_order(head_dim: int, rotary_dims: int, interleaved: bool, swapped: bool = False) -> list[int] | None:
     """Per head, the model's channel at each of kvcal's positions, for a model that rotates its first `rotary_dims`
     channels in pairs (2i, 2i+1) (interleaved) or (i, i + rotary_dims/2) by frequency i and leaves the others alone; its
-    frequencies padded with zeros to head_dim/2 (`padded_inv_freq`) then rotate as it does. None: the same order."""
+    frequencies padded with zeros to head_dim/2 (`padded_inv_freq`) then rotate as it does. `swapped`: the model
+    rotates each pair by minus the angle (NanoChat's rotate_half), which is kvcal's rotation of the pair taken in the
+    other order. None: the same order."""
     half, rest = rotary_dims // 2, (head_dim - rotary_dims) // 2
     if interleaved:
         first, second = range(0, rotary_dims, 2), range(1, rotary_dims, 2)
     else:
         first, second = range(half), range(half, rotary_dims)
+    if swapped:
+        first, second = second, first
     order = [*first, *range(rotary_dims, rotary_dims + rest), *second, *range(rotary_dims + rest, head_dim)]
     return None if order == list(range(head_dim)) else order
 

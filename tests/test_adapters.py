@@ -99,10 +99,11 @@ def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():
     llama3 = dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
                   original_max_position_embeddings=32, rope_theta=10000.0)
     scout = tiny_model("llama4_text", rope_parameters=llama3, initializer_range=0.25)
-    assert [layer.rope_norm for layer in adapt(scout).layers] == [decoder_of(scout).layers[0].self_attn.qk_norm, None]
+    qk_norm = decoder_of(scout).layers[0].self_attn.qk_norm
+    assert [layer.rope_norms for layer in adapt(scout).layers] == [(qk_norm, qk_norm), None]
     assert_kvcal_rotates_the_pre_rope_keys_as(scout)
     maverick = tiny_model("llama4_text", use_qk_norm=False, initializer_range=0.25)
-    assert [layer.rope_norm for layer in adapt(maverick).layers] == [None, None]
+    assert [layer.rope_norms for layer in adapt(maverick).layers] == [None, None]
     assert_kvcal_rotates_the_pre_rope_keys_as(maverick)
 
 

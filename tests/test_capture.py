@@ -67,7 +67,7 @@ def key_and_value_sources(model, layer: int):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
-    # Llama 4 Scout's qk_norm, called on q then k after RoPE: its last output is the post-RoPE key
+    # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key), NanoChat's k_norm
     key_source = (getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)
                   or getattr(attention, "qk_norm", None) or attention.k_proj)
     value_source = getattr(attention, "v_norm", None) or attention.v_proj  # Gemma 3n: its values normed
@@ -96,12 +96,13 @@ def llama4_rope(model, layer: int, heads: torch.Tensor, inverse: bool = False) -
 
 
 def independent_reference(model, batch: torch.Tensor):
-    """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the
-    post-RoPE keys that the model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's,
-    checked in test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where q and k are
-    normed after RoPE (Llama 4 Scout), the norm's output is the post-RoPE key and dL/dK its gradient rotated back. Where the value is
-    made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a copy of k_proj, for the
-    reference: the values are the same, and autograd gives the value path's dL/dW_v as that copy's gradient."""
+    """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the post-RoPE keys that the
+    model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
+    test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where q and k are normed
+    after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient rotated
+    back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
+    copy of k_proj, for the reference: the values are the same, and autograd gives the value path's dL/dW_v as that
+    copy's gradient."""
     adapter = adapt(model)
     copied = [attention for attention in map(attention_of, [model] * len(adapter.layers), adapter.model_layers)
               if getattr(attention, "v_proj", 0) is None]
@@ -138,12 +139,19 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3")
-        normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm") for i in layers]
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3",
+                                                         "nanochat")
+        normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
+                             or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c]) / key_multiplier
                           for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
-        for i in (i for i in layers if normed_after_rope[i]):  # (batch, tokens, heads, head_dim), rotated
-            rotated_back = llama4_rope(model, adapter.model_layers[i], grads[2 * n + i].transpose(1, 2), inverse=True)
+        for i in (i for i in layers if normed_after_rope[i]):  # dL/dK_post, rotated back
+            heads = grads[2 * n + i] if heads_first else grads[2 * n + i].transpose(1, 2)  # (batch, heads, tokens, head_dim)
+            if text_config(model).model_type == "nanochat":
+                cos, sin = models_rotary(model, adapter.model_layers[i])(heads, torch.arange(SEQLEN)[None])
+                rotated_back = models_rope(model, heads, cos, -sin)
+            else:
+                rotated_back = llama4_rope(model, adapter.model_layers[i], heads, inverse=True)
             key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1))
         value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
         rotated = []

@@ -52,3 +52,15 @@ def test_rotate_half_order_turns_any_pairing_into_kvcals():
         torch.testing.assert_close(got, pairwise_rope(x, positions, inv_freq, pairs)[..., order], rtol=1e-5, atol=1e-5)
     assert rotate_half_order(8, 4, True) == [0, 2, 4, 5, 1, 3, 6, 7]
     assert rotate_half_order(16, 16, False) is None  # Llama's own order
+
+
+def test_a_rope_by_minus_the_angle_is_kvcals_with_each_pairs_halves_swapped():
+    """NanoChat rotates each pair (i, i + head_dim/2) by minus Llama's angle: kvcal's rotation of the pair taken as
+    (i + head_dim/2, i) is it, reordered."""
+    head_dim = 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    x, positions = torch.randn(5, 3, head_dim), torch.arange(5) * 7
+    order = rotate_half_order(head_dim, head_dim, False, swapped=True)
+    assert order == [*range(8, 16), *range(8)]
+    model_rotated = pairwise_rope(x, -positions, inv_freq, [(i, i + 8) for i in range(8)])
+    torch.testing.assert_close(apply_rope(x[..., order], positions, inv_freq), model_rotated[..., order], rtol=1e-5, atol=1e-5)
