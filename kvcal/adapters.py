@@ -7,11 +7,11 @@ modeling file:
   and Granite SWASH), Seed-OSS, Cohere, Cohere 2 (and its MoE), ERNIE 4.5 (and its MoE), Helium, GLM, GLM-4,
   Nemotron, StarCoder2, Arcee, CWM, Gemma, Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the
   first), BitNet: separate q/k/v_proj (the MoE models' experts are in the MLP only);
-- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Apertus, Hy3 (hy_v3), dots.llm1 (dots1), GLM-4.5
-  (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention layers of Qwen3.5,
-  Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo Hybrid, MiniMax-M2: over
-  the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output where
-  the model has one, else the k_proj output;
+- Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Kolibri-1 (kolibri1), Apertus, Hy3 (hy_v3), dots.llm1
+  (dots1), GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention
+  layers of Qwen3.5, Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo
+  Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output
+  where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia):
   each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense,
   LFM2 out_proj.
@@ -38,10 +38,11 @@ layers' heads are global_head_dim wide, fewer where num_global_key_value_heads s
 layer, the fingerprint's layer_kv_heads and layer_head_dims where they differ), and where attention_k_eq_v they have
 no v_proj: the value is the v norm of k_proj's output (`LayerHandles.value_from_key_projection`).
 Gemma 3 4B-27B (gemma3) and Gemma 4 (gemma4) are their text decoder beside a vision tower, Mistral 3 (mistral3:
-Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and Aya
-Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or
-Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text, Llama 4 (llama4) a llama4_text one,
-which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal reads and serves the decoder.
+Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and
+Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2
+or Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text, Llama 4 (llama4) a llama4_text
+one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal reads and serves the
+decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
@@ -52,21 +53,22 @@ kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter
 config.layer_rope_theta (0: no RoPE).
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
 attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; both kernels.
-Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Cohere 2's, CWM's, Mellum's and AFMoE's layers are of two types
-(`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies (Gemma 3, OLMo 3,
-Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq` (and their cos/sin
-scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_text: Scout's and Maverick's) attend
-in chunks (`chunks`: attention_chunk_size on its chunked_attention layers; kvcal.spans.AttentionSpan) but every 4th,
-which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its RoPE pairs neighbours, and it scales the
-queries of its full layers by position before the attention call (as Ministral 3 does). Scout's RoPE layers then
-norm q and k (use_qk_norm: an RMS norm per head without a scale, `LayerHandles.rope_norms`), which commutes with
-RoPE: kvcal reads the norm of the projections' output as the pre-RoPE query and key, and takes the key's gradient
-after the norm, rotated back (kvcal.capture). NanoChat norms q and k so too (its q_norm and k_norm, seen heads
-first), and its RoPE rotates by minus the angle: kvcal's rotation of each pair's halves in the other order
-(kvcal.rope.rotate_half_order). SmolLM3 leaves RoPE out of some layers (`no_rope_layers`, 0 for those), EXAONE 4,
-K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones (Cohere 2 MoE but its dense prefix layers, where it
-forces RoPE), Granite SWA out of those of RoPE base 0: their keys are stored as if rotated by frequencies of zero
-and cos/sin scaled by 1, the identity, which every fit, decode backend and artifact reads.
+Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Kolibri-1's, Cohere 2's, CWM's, Mellum's and AFMoE's layers
+are of two types (`layer_types`: sliding-window and full attention); where the two rotate with their own frequencies
+(Gemma 3, OLMo 3, Mellum) the rotary module holds `<type>_inv_freq` for each, where the others hold one `inv_freq`
+(and their cos/sin scaling: OLMo 3 scales its full layers' by YaRN's). Llama 4's layers (llama4_text: Scout's and
+Maverick's) attend in chunks (`chunks`: attention_chunk_size on its chunked_attention layers;
+kvcal.spans.AttentionSpan) but every 4th, which is full and leaves RoPE out (`no_rope_layers`, as SmolLM3's); its
+RoPE pairs neighbours, and it scales the queries of its full layers by position before the attention call (as
+Ministral 3 does). Scout's RoPE layers then norm q and k (use_qk_norm: an RMS norm per head without a scale,
+`LayerHandles.rope_norms`), which commutes with RoPE: kvcal reads the norm of the projections' output as the
+pre-RoPE query and key, and takes the key's gradient after the norm, rotated back (kvcal.capture). NanoChat norms q
+and k so too (its q_norm and k_norm, seen heads first), and its RoPE rotates by minus the angle: kvcal's rotation of
+each pair's halves in the other order (kvcal.rope.rotate_half_order). SmolLM3 leaves RoPE out of some layers
+(`no_rope_layers`, 0 for those), EXAONE 4, Kolibri-1, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones
+(Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their
+keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode
+backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
@@ -100,10 +102,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat")
+                         "nanochat", "kolibri1")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "phi", "hy_v3", "nanochat")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3", "nanochat")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
@@ -532,7 +534,7 @@ def _attention_chunks(config, decoder_types: list[str]) -> list[int | None]:
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
-    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's and EXAONE MoE's
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and Kolibri-1's
     full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers only (none
     without a window) and Cohere 2 MoE's besides its dense layers where prefix_dense_sliding_window_pattern is 1 (its
     force_rope), AFMoE's sliding layers only, Granite SWA's of a non-zero layer_rope_theta; every layer elsewhere."""
@@ -544,7 +546,7 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
-    if model_type in ("exaone4", "exaone_moe") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
+    if model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 

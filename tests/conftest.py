@@ -15,7 +15,7 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4", "granite_swa",
                "granitemoe_swa")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
@@ -99,7 +99,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
                       "gpt_oss", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
-                      "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", *GLM):
+                      "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", "kolibri1", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances

@@ -44,7 +44,7 @@ def applies_rope(model, layer: int) -> bool:
     attention = attention_of(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
-    if text_config(model).model_type in ("exaone4", "exaone_moe"):
+    if text_config(model).model_type in ("exaone4", "exaone_moe", "kolibri1"):
         return attention.sliding_window is None or attention.is_sliding
     if text_config(model).model_type in ("cohere2", "cohere2_moe"):
         return attention.sliding_window is not None or getattr(attention, "force_rope", False)
@@ -139,7 +139,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
         norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "apertus", "stablelm", "hy_v3",
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
                                                          "nanochat")
         normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
                              or text_config(model).model_type == "nanochat" for i in layers]
