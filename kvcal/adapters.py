@@ -36,13 +36,14 @@ are the output of a norm (`LayerHandles.v_norm`, value_source). Gemma 4 (gemma4_
 audio towers) shares KV likewise and has layers of two shapes (transformers' per-layer config): its full-attention
 layers' heads are global_head_dim wide, fewer where num_global_key_value_heads says (`kv_heads`, `head_dims`: one a
 layer, the fingerprint's layer_kv_heads and layer_head_dims where they differ), and where attention_k_eq_v they have
-no v_proj: the value is the v norm of k_proj's output (`LayerHandles.value_from_key_projection`).
-Gemma 3 4B-27B (gemma3) and Gemma 4 (gemma4) are their text decoder beside a vision tower, Mistral 3 (mistral3:
-Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM, Idefics3 and
-Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2
-or Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text, Llama 4 (llama4) a llama4_text
-one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal reads and serves the
-decoder.
+no v_proj: the value is the v norm of k_proj's output (`LayerHandles.value_from_key_projection`). Gemma 4 Unified
+(gemma4_unified_text; gemma4_unified beside its vision and audio embedders: Gemma 4 12B) has Gemma 4's attention.
+Gemma 3 4B-27B (gemma3), Gemma 4 (gemma4) and Gemma 4 Unified are their text decoder beside a vision tower, Mistral
+3 (mistral3: Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM,
+Idefics3 and Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+Qwen3-VL-MoE a Qwen2 or Qwen3 decoder whose RoPE takes (time, height, width) positions, equal for text, Llama 4
+(llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal
+reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
@@ -102,7 +103,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat", "kolibri1")
+                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3", "nanochat")
@@ -125,7 +126,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_vl", "qwen3_vl_moe", "llama4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
-_IMAGE_BLOCKS = ("gemma3", "gemma4")
+_IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")
@@ -349,7 +350,7 @@ def kv_shapes(fingerprint: dict) -> list[tuple[int, int]]:
 
 # model types whose layers may read another layer's cache (KV sharing), and whose every layer runs a recurrent mixer
 # beside its attention (Falcon-H1): what an artifact's fingerprint tells of its decoder with its attention_layers
-_KV_SHARING_TYPES = ("gemma3n_text", "gemma4_text", "gemma4")
+_KV_SHARING_TYPES = ("gemma3n_text", "gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 _STATE_BESIDE_ATTENTION_TYPES = ("falcon_h1",)
 
 

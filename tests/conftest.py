@@ -14,12 +14,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
+# Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
+# attended both ways by default)
+GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
-               "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", "gemma4_text", "gemma4", "granite_swa",
+               "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
                "granitemoe_swa")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
-GEMMA4 = ("gemma4_text", "gemma4")  # Gemma 4's text model, and its decoder beside a vision tower
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager"}
@@ -52,11 +54,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       patch_size=14)
         text = tiny_config("gemma3_text", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    if model_type == "gemma4":  # Gemma 4 E2B to 31B: the text decoder beside a vision tower (no audio tower: 26B, 31B)
+    if model_type in ("gemma4", "gemma4_unified"):  # Gemma 4 E2B to 31B, 12B: the text decoder beside a vision tower (no
+        # audio tower: 26B, 31B)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                       head_dim=16, patch_size=14, pooling_kernel_size=2)
-        text = tiny_config("gemma4_text", max_positions, **overrides).to_dict()
-        return AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, audio_config=None)
+        text = tiny_config(f"{model_type}_text", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=None)
     if model_type == "llama4":  # Llama 4 Scout / Maverick: the decoder beside a vision tower, whose pixel shuffle merges 2 x 2
         # patches into a token (4 of an image of 56 x 56 pixels)
         vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
@@ -171,6 +174,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
                       num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                       vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16)
+        del common["rope_theta"]
+    if model_type == "gemma4_unified_text":  # as Gemma 4 31B's layers (above), without per-layer inputs
+        common.update(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                      num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2)
         del common["rope_theta"]
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,

@@ -79,7 +79,7 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     each head; gpt-oss's cover a pair each), the rest as they are. Gemma 3n's rotates one tensor at a time."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
     apply_rotary_pos_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_pos_emb
-    if text_config(model).model_type in ("gemma3n_text", "gemma4_text"):
+    if text_config(model).model_type in ("gemma3n_text", "gemma4_text", "gemma4_unified_text"):
         rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], cos, sin)
     else:
         _, rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], heads[..., :rotary_dims], cos, sin)

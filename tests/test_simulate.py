@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import GEMMA4, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -45,8 +45,10 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
             with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
                 got = model(ids).logits
         # the cache holds K/V in fp16 (Gemma 3n: 7e-4, its layers reading another's cache see them rounded too; 6e-7 in fp32;
-        # Gemma 4: 1.4e-3, as much as its fp model's logits move with its K/V alone rounded to fp16)
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol={"gemma3n_text": 1e-3, "gemma4_text": 2e-3, "gemma4": 2e-3}.get(model_type, 5e-4))
+        # Gemma 4: up to 2.1e-3, Gemma 4 Unified: 2.7e-3, as much as their fp models' logits move with K/V alone rounded
+        # to fp16 in transformers' own cache)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol={"gemma3n_text": 1e-3, **dict.fromkeys(GEMMA4, 3e-3)}.get(model_type, 5e-4),
+                                   msg=lambda message: f"{model_type}: {message}")
         assert tally.effective_bits == 16.0
         assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
 
