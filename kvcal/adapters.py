@@ -106,7 +106,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
-_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3", "nanochat")
+_HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
+                      "nanochat")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
@@ -422,8 +423,8 @@ def _attention_layers(types: list[str], where: str) -> list[int]:
 
 def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str, heads_first: bool, q_width: int,
                    kv_width: int, head_dim: int, sinks: bool, normed_after_rope: bool) -> LayerHandles:
-    """The handles of decoder layer `decoder_index`, the adapter's layer `index`; `normed_after_rope`: its qk_norm, if
-    it has one, norms q and k after RoPE (_NORMED_AFTER_ROPE)."""
+    """The handles of decoder layer `decoder_index`, the adapter's layer `index`; `normed_after_rope`: its qk_norm, or
+    its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE)."""
     where = f"{where}: decoder layer {decoder_index}"
     attention = _find_attention(layer, where)
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
@@ -435,8 +436,8 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
     if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
         shared = getattr(attention, "qk_norm", None)
-        rope_norms = (shared, shared) if shared is not None else (norms.pop("q_norm"), norms.pop("k_norm"))
-        norms.update(q_norm=None, k_norm=None, rope_norms=rope_norms if None not in rope_norms else None)
+        rope_norms = (shared, shared) if shared is not None else (norms["q_norm"], norms["k_norm"])
+        norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms)
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
     if norms["key_multiplier"] == 0.0:
@@ -535,10 +536,11 @@ def _attention_chunks(config, decoder_types: list[str]) -> list[int | None]:
 
 
 def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
-    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and Kolibri-1's
-    full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers only (none
-    without a window) and Cohere 2 MoE's besides its dense layers where prefix_dense_sliding_window_pattern is 1 (its
-    force_rope), AFMoE's sliding layers only, Granite SWA's of a non-zero layer_rope_theta; every layer elsewhere."""
+    """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and
+    Kolibri-1's full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers
+    only (none without a window) and Cohere 2 MoE's besides its dense layers where
+    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's of a
+    non-zero layer_rope_theta; every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
@@ -547,7 +549,8 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
-    if model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None or model_type == "afmoe":
+    global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None
+    if global_nope or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 
