@@ -67,9 +67,10 @@ pre-RoPE query and key, and takes the key's gradient after the norm, rotated bac
 and k so too (its q_norm and k_norm, seen heads first), and its RoPE rotates by minus the angle: kvcal's rotation of
 each pair's halves in the other order (kvcal.rope.rotate_half_order). SmolLM3 leaves RoPE out of some layers
 (`no_rope_layers`, 0 for those), EXAONE 4, Kolibri-1, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones
-(Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0: their
-keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the identity, which every fit, decode
-backend and artifact reads.
+(Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0, Beam out
+of those whose type's rope parameters are None (its full ones, whose queries it scales by position as Llama 4 does):
+their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the identity, which every fit,
+decode backend and artifact reads.
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
@@ -103,7 +104,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified")
+                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -509,6 +510,12 @@ def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int]
     return tuple(order) if order is not None else None
 
 
+def _rope_free_types(config) -> set[str]:
+    """The layer types whose rope parameters are None: layers of these apply no RoPE (Beam's full-attention ones)."""
+    rope = getattr(config, "rope_parameters", None)
+    return {kind for kind, parameters in rope.items() if parameters is None} if isinstance(rope, dict) else set()
+
+
 def _layer_types(config, num_layers: int) -> list[str | None]:
     """Per layer, the name its frequencies go by: the config's layer type where the rope parameters are per type."""
     types, rope = getattr(config, "layer_types", None), getattr(config, "rope_parameters", None)
@@ -540,7 +547,7 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
     Kolibri-1's full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
     prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's of a
-    non-zero layer_rope_theta; every layer elsewhere."""
+    non-zero layer_rope_theta, Beam's of a type with rope parameters; every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
@@ -549,6 +556,8 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
+    if _rope_free_types(config):
+        return [kind not in _rope_free_types(config) for kind in config.layer_types][:num_layers]
     global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None
     if global_nope or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
@@ -582,10 +591,13 @@ def adapt(model: nn.Module) -> ModelAdapter:
     kinds, kv_heads, head_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims))
     layer_rotaries = (tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE
                       else ())
+    rope_free = _rope_free_types(config)
+    rotating = [(kind, head_dim) for kind, head_dim in zip(kinds, head_dims) if kind not in rope_free]
+    rotating_kinds, rotating_dims = [kind for kind, _ in rotating], [head_dim for _, head_dim in rotating]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
-              _find_rotary(decoder, kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
-    rope_order = (_rope_order(rotary, kinds, head_dims, text_type in _INTERLEAVED_ROPE, text_type in _HALVES_SWAPPED_ROPE,
-                              where) if rotary is not None else None)
+              _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
+    rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, text_type in _INTERLEAVED_ROPE,
+                              text_type in _HALVES_SWAPPED_ROPE, where) if rotary is not None else None)
     for handle in handles:
         handle.rope_order = rope_order
     rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)

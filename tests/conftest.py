@@ -18,7 +18,7 @@ TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every archi
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
                "granitemoe_swa")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
@@ -178,6 +178,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "gemma4_unified_text":  # as Gemma 4 31B's layers (above), without per-layer inputs
         common.update(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
                       num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2)
+        del common["rope_theta"]
+    if model_type == "beam":  # as Beam-1.0: RoPE on the sliding layer only (the full one's rope parameters None), its
+        # queries scaled by position; a dense MLP, then experts (4, every one routed to)
+        common.update(head_dim=16, rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                                        full_attention=None),
+                      num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"],
+                      n_group=1, topk_group=1)
         del common["rope_theta"]
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,

@@ -7,14 +7,14 @@ from kvcal.adapters import adapt, decoder_of, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
-NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "apertus", "cohere", "glm4_moe", "stablelm",
+NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
 # for their NoPE layer
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
                          "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4")
 WINDOWS = {"mistral": [4096, 4096], **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision")}}  # per layer
 
@@ -157,10 +157,10 @@ def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
     assert torch.equal(adapter.inv_freq, torch.stack([adapter.layer_inv_freq(0), adapter.layer_inv_freq(1)]))
 
 
-@pytest.mark.parametrize("model_type", ["smollm3", "exaone4", "kolibri1"])
+@pytest.mark.parametrize("model_type", ["smollm3", "exaone4", "kolibri1", "beam"])
 def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies(model_type):
-    """SmolLM3's NoPE layers, EXAONE 4's and Kolibri-1's full-attention ones (the tiny models' layer 1): frequencies of
-    zero make kvcal's rotation the identity, as the model applies none
+    """SmolLM3's NoPE layers, EXAONE 4's, Kolibri-1's and Beam's full-attention ones (the tiny models' layer 1):
+    frequencies of zero make kvcal's rotation the identity, as the model applies none
     (test_kvcal_rotates_the_pre_rope_keys_as_the_model_does checks the keys)."""
     adapter = adapt(tiny_model(model_type))
     assert adapter.rotated == [True, False]
