@@ -556,8 +556,9 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
-    if _rope_free_types(config):
-        return [kind not in _rope_free_types(config) for kind in config.layer_types][:num_layers]
+    rope_free = _rope_free_types(config)
+    if rope_free:
+        return [kind not in rope_free for kind in config.layer_types][:num_layers]
     global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None
     if global_nope or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
@@ -612,9 +613,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
               for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
+    named = _served_lm(model)
     adapter = ModelAdapter(
-        architecture=type(_served_lm(model)).__name__,
-        model_type=_served_lm(model).config.model_type,
+        architecture=type(named).__name__,
+        model_type=named.config.model_type,
         layers=handles,
         num_heads=num_heads,
         kv_heads=kv_heads,

@@ -42,7 +42,7 @@ from kvcal.adapters import decoder_kind, kv_shapes
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
-from kvcal.methods import baseline_method
+from kvcal.methods import baseline_method, decoder_refusal
 from kvcal.methods.llama_cpp import CACHE_TYPES, IK_CACHE_TYPES, cache_type_codec, ik_llama_cpp_arguments
 from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
@@ -242,11 +242,12 @@ def compare_dtypes(profile_path: str, engine: str, budget: float, context: int =
     if not 0 < budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside (0, {FP16_BITS}] real bits per element")
     profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for every dtype
-    shared = decoder_kind(config["model"]["fingerprint"]) == "shared"
+    decoder = decoder_kind(config["model"]["fingerprint"])
     plans, unfit, leasts = [], {}, []
     for dtype in ENGINE_DTYPES[engine]:
-        if shared and dtype in TQ_PRESETS:  # (baseline_method refuses it)
-            unfit[dtype] = "its boundary layers are not modelled in a model whose layers read another's cache"
+        refusal = decoder_refusal(dtype, decoder)  # (baseline_method refuses it)
+        if refusal is not None:
+            unfit[dtype] = refusal
             continue
         priced = _priced_layers(config, dtype, context)
         leasts.append(priced.least_bits)

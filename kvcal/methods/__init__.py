@@ -22,7 +22,8 @@ from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 from kvcal.vllm_codecs import TQ_PRESETS
 
-__all__ = ["artifact_method", "baseline_method", "bundle_method", "check_baseline", "split_baselines"]
+__all__ = ["artifact_method", "baseline_method", "bundle_method", "check_baseline", "decoder_refusal",
+           "split_baselines"]
 
 
 def bundle_method(bundle: Bundle) -> Method:
@@ -73,9 +74,9 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
     kvcal.methods.llama_cpp)."""
     base, skip, first_last = _spec_parts(text)
-    if decoder == "shared" and base in TQ_PRESETS:
-        raise KvcalError(f"baseline '{text}': vLLM's TurboQuant boundary layers are not modelled in a model whose layers read "
-                         "another's cache (KV sharing); evaluate another vLLM dtype")
+    refusal = decoder_refusal(base, decoder)
+    if refusal is not None:
+        raise KvcalError(f"baseline '{text}': {refusal}; evaluate another vLLM dtype")
     num_layers = len(head_dims)
     by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense")
                    for head_dim in dict.fromkeys(head_dims)}
@@ -89,6 +90,14 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     layers = [FP16_LAYER if i in skipped else layer for i, layer in enumerate(method.layers)]
     name = f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}"
     return Method(name, method.nominal_bits, layers, method.policy)
+
+
+def decoder_refusal(base: str, decoder: str) -> str | None:
+    """Why baseline `base` is not modelled on a decoder of this kvcal.adapters.decoder_kind, or None where it is."""
+    if decoder == "shared" and base in TQ_PRESETS:
+        return ("vLLM's TurboQuant boundary layers are not modelled in a model whose layers read another's cache (KV "
+                "sharing)")
+    return None
 
 
 def split_baselines(text: str) -> list[str]:
