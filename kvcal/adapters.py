@@ -75,8 +75,10 @@ Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most,
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
 before the attention call: the runtime reads them as scaled, the fits' captured queries are not (exact for windows
-shorter than that). Refused, beside other architectures: frequencies that change with the sequence length (dynamic
-NTK, LongRoPE: Phi-3.5's, Phi-4-mini's).
+shorter than that). LongRoPE (Phi-3.5's, Phi-4-mini's) rotates by two sets of frequencies: a forward whose positions
+reach past original_max_position_embeddings rotates every token by its long set (`long_rope`), a shorter one by its
+short set, and generate recomputes the sequence when it first crosses over (kvcal.runtime.cache follows). Refused,
+beside other architectures: frequencies that change with every sequence length (dynamic NTK).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcal.errors import KvcalError
 from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
@@ -165,6 +168,10 @@ class LayerHandles:
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
+    # (head_dim,) in kvcal's order: 1 / the cos/sin scaling on the channels RoPE leaves alone, 1 on the others, where RoPE
+    # covers part of each head and scales cos/sin (Phi-4-mini's LongRoPE): kvcal's rotation scales every channel (by
+    # frequency 0 on those), so the pre-RoPE query and key it reads hold those channels divided by it; None: no such
+    unrotated_scale: torch.Tensor | None = None
     # the value is v_norm of k_proj's output, the key k_norm of it (Gemma 4's attention_k_eq_v): v_proj is k_proj
     value_from_key_projection: bool = False
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one: a slice where the three lie
@@ -202,12 +209,28 @@ class LayerHandles:
                 raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
             # forward, not __call__: the norm's hooks (capture's) see the model's own calls only
             rows = self.rope_norms["qk".index(kind)].forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        return rows if kind == "v" else rows_in_order(rows, self.rope_order)
+        if kind == "v":
+            return rows
+        rows = rows_in_order(rows, self.rope_order)
+        if self.unrotated_scale is not None:  # read = output * scale, so dL/dread = dL/doutput / scale
+            scale = self.unrotated_scale.to(rows.device, rows.dtype).repeat(rows.shape[-1] // len(self.unrotated_scale))
+            rows = rows / scale if gradient else rows * scale
+        return rows
 
     def weight_gradient(self, kind: str) -> torch.Tensor:
         """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection (both: the one projection's
         where the value is made from k_proj's output, value_from_key_projection)."""
         return (self.k_proj if kind == "k" else self.v_proj).weight.grad[self.columns[kind]]
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE's second set of frequencies: a forward whose positions reach past `switch` (the config's
+    original_max_position_embeddings) rotates every token by `long_inv_freq`, a shorter forward by the rotary's own
+    (transformers' longrope update)."""
+
+    switch: int
+    long_inv_freq: torch.Tensor  # (rotated channels / 2,) float32 on the CPU, as the rotary holds its own
 
 
 @dataclass
@@ -249,6 +272,7 @@ class ModelAdapter:
     # per layer, the module holding its frequencies where the model keeps one per RoPE base (_ROTARY_PER_BASE; None for
     # a layer without RoPE); empty: `rotary` holds every layer's
     layer_rotaries: tuple[nn.Module | None, ...] = ()
+    long_rope: LongRope | None = None  # LongRoPE's long frequencies and where they take over, None for other RoPE
 
     @property
     def hybrid(self) -> bool:
@@ -282,13 +306,18 @@ class ModelAdapter:
         """Queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
         return rows_in_order(rows, self.rope_order)
 
-    def layer_inv_freq(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU."""
+    def layer_inv_freq(self, layer: int, tokens: int = 0) -> torch.Tensor:
+        """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU, in a forward
+        whose last position is below `tokens`: LongRoPE's long set past its switch, else its short set, which its
+        rotary keeps as `original_inv_freq` (its `inv_freq` holds the last forward's)."""
         if not self.rotated[layer]:
             return torch.zeros(self.head_dims[layer] // 2)
         rotary = self._layer_rotary(layer)
-        inv_freq = getattr(rotary, _rotary_name(self.layer_types[layer], "inv_freq")).detach().float().cpu()
-        return padded_inv_freq(inv_freq, self.head_dims[layer])
+        if self.long_rope is None:
+            inv_freq = getattr(rotary, _rotary_name(self.layer_types[layer], "inv_freq"))
+        else:
+            inv_freq = self.long_rope.long_inv_freq if tokens > self.long_rope.switch else rotary.original_inv_freq
+        return padded_inv_freq(inv_freq.detach().float().cpu(), self.head_dims[layer])
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -503,11 +532,36 @@ def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int]
         raise KvcalError(f"{where}: its RoPE rotates {rotated} of a head's {head_dim} channels; kvcal takes up to head_dim")
     rope_types = getattr(rotary, "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
-        if "dynamic" in rope_type or rope_type == "longrope":  # transformers' dynamic_rope_update
-            raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with the sequence length, "
-                             "and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn)")
+        if "dynamic" in rope_type:  # transformers' dynamic_rope_update
+            raise KvcalError(f"{where}: its RoPE (rope_type '{rope_type}') changes its frequencies with every sequence "
+                             "length, and kvcal stores one set; use a static rope_type (default, linear, llama3, yarn) or "
+                             "longrope")
+        if rope_type == "longrope" and isinstance(rope_types, dict):
+            raise KvcalError(f"{where}: its layer types rotate by RoPE of their own, one of them LongRoPE; kvcal serves "
+                             "LongRoPE shared by every layer")
     order = rotate_half_order(head_dim, rotated, interleaved, swapped)
     return tuple(order) if order is not None else None
+
+
+def _unrotated_scale(adapter: ModelAdapter, layer: int) -> torch.Tensor | None:
+    """LayerHandles.unrotated_scale of the adapter's layer `layer`."""
+    scaling, half = adapter.layer_rope_scaling(layer), adapter.head_dims[layer] // 2
+    if scaling == 1.0:
+        return None
+    pairs = getattr(adapter._layer_rotary(layer), _rotary_name(adapter.layer_types[layer], "inv_freq")).numel()
+    if pairs == half:
+        return None
+    one_half = torch.cat((torch.ones(pairs), torch.full((half - pairs,), 1.0 / scaling)))
+    return torch.cat((one_half, one_half))
+
+
+def _long_rope(rotary: nn.Module) -> LongRope | None:
+    """The rotary's LongRoPE long frequencies, as transformers makes them for a forward past the switch."""
+    if getattr(rotary, "rope_type", None) != "longrope":  # (per layer type: refused by _rope_order)
+        return None
+    switch = int(rotary.config.rope_parameters["original_max_position_embeddings"])
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, "cpu", seq_len=switch + 1)
+    return LongRope(switch, long_inv_freq.float())
 
 
 def _rope_free_types(config) -> set[str]:
@@ -638,7 +692,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
         image_blocks=model_type in _IMAGE_BLOCKS,
         layer_rotaries=layer_rotaries,
+        long_rope=_long_rope(rotary) if rotary is not None else None,
     )
+    for handle in handles:
+        handle.unrotated_scale = _unrotated_scale(adapter, handle.index)
     scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles if h.rope_norms is not None} - {1.0})
     if scaled:  # the norm takes cos/sin's scaling out of the keys it makes, where kvcal's rotation would put it back
         raise KvcalError(f"{where}: it norms q and k after a RoPE that scales cos/sin by {scaled[0]:.4g}; kvcal serves q "

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcal.adapters import LayerHandles, ModelAdapter
-from kvcal.rope import rotate_keys
+from kvcal.rope import rotate_keys, stored_inv_freq
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
 SAMPLE_TENSORS = ("k_pre", "k_post", "v", "k_pre_fisher", "v_fisher")
@@ -224,7 +224,8 @@ def profile_gradients(
                  for kv_width, head_dim in zip(adapter.kv_widths, adapter.head_dims)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
-    rope = [(adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i)) for i in range(num_layers)]  # read once, not per window
+    # read once, not per window: the frequencies of a forward over seqlen tokens (LongRoPE's long ones past its switch)
+    rope = [(adapter.layer_inv_freq(i, seqlen), adapter.layer_rope_scaling(i)) for i in range(num_layers)]
     input_device = model.get_input_embeddings().weight.device
     counts = {"forward_passes": 0, "backward_passes": 0}
 
@@ -279,7 +280,7 @@ def profile_gradients(
     tensors = {
         "samples.window": rows[:, 0].to(torch.int32),
         "samples.position": rows[:, 1].to(torch.int32),
-        "rope.inv_freq": adapter.inv_freq,
+        "rope.inv_freq": stored_inv_freq([inv_freq for inv_freq, _ in rope]),
     }
     if stored:
         tensors["windows.positions"] = positions.to(torch.int32).expand(stored, seqlen).clone()

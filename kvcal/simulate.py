@@ -20,7 +20,9 @@ quantized as it is written, so that generate() reads what the engine's cache wou
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -131,7 +133,7 @@ class SimulatedLayer:
 
     scheme: LayerCodecs
     policy: SegmentPolicy
-    inv_freq: torch.Tensor
+    frequencies: Callable[[int], torch.Tensor]  # its RoPE's for a forward over so many tokens (ModelAdapter.layer_inv_freq)
     rope_scaling: float
     tally: StorageTally
     span: AttentionSpan | None = None  # the earlier tokens its queries see: its sliding window's or chunk's (None: all)
@@ -163,6 +165,7 @@ class SimulatedLayer:
         width = kv_heads * head_dim
         key_mask, value_mask = self.masks_for(tokens, query.device)
         positions = torch.arange(tokens, device=query.device)
+        inv_freq = self.frequencies(tokens)
         outputs, reads = [], []
         for b in range(batch):
             # The cache holds fp16: what is not quantized is read back as fp16, what is, is quantized from it.
@@ -170,9 +173,9 @@ class SimulatedLayer:
             values = as_cached(value[b].transpose(0, 1).reshape(tokens, width))
             if self.scheme.key_pre_rope:
                 keys_pre = as_cached(self.pre_rope_keys[b])
-                keys_post = rotate_keys(keys_pre, positions, kv_heads, self.inv_freq, self.rope_scaling)
+                keys_post = rotate_keys(keys_pre, positions, kv_heads, inv_freq, self.rope_scaling)
                 stored_keys = self.scheme.key_codec.quantize(keys_pre)
-                keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, self.inv_freq, self.rope_scaling)
+                keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, inv_freq, self.rope_scaling)
             else:
                 stored_keys = self.scheme.key_codec.quantize(keys_post)
                 keys_hat = stored_keys.values
@@ -265,8 +268,9 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     _register_attention()
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
-                             adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i), tally, adapter.spans[i],
-                             adapter.layers[i].sinks, adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
+                             functools.partial(adapter.layer_inv_freq, i), adapter.layer_rope_scaling(i), tally,
+                             adapter.spans[i], adapter.layers[i].sinks, adapter.softcap,
+                             keep_reads=bool(adapter.readers_of(i)))
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

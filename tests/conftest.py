@@ -37,6 +37,15 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
           "nemotron_h", "jamba")
+def longrope(switch: int, partial: float = 1.0) -> dict:
+    """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
+    frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it."""
+    pairs = int(16 * partial) // 2  # (the tiny model's head_dim: 16)
+    return dict(original_max_position_embeddings=switch, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=switch, partial_rotary_factor=partial,
+        short_factor=[1.0 + 0.1 * i for i in range(pairs)], long_factor=[2.0 + 3.0 * i for i in range(pairs)]))
+
+
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
 
 
@@ -425,6 +434,15 @@ def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
         return made[model_type]
 
     return bundles
+
+
+@pytest.fixture(scope="session")
+def longrope_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """A bundle of every recipe for the tiny Phi-3 with LongRoPE switching at 16 tokens (longrope(16)), from its own
+    profile (64-token windows: rotated by its long frequencies)."""
+    folder = tmp_path_factory.mktemp("longrope-bundles")
+    profile = profile_tiny_model(tiny_model_dir("phi3", **longrope(16)), tiny_corpus, folder / "profile.safetensors")
+    return bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from conftest import ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, tiny_model
+from conftest import (ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, longrope,
+                      tiny_model)
 from helpers import attention_module
 from kvcal.adapters import adapt, decoder_of, score_scale
 from kvcal.errors import KvcalError
@@ -55,21 +56,20 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.fingerprint()["num_kv_heads"] == kv_heads
 
 
-def assert_kvcal_rotates_the_pre_rope_keys_as(model) -> None:
-    """The model's own cached (post-RoPE) keys are kvcal.rope's rotation of the key source's output by each layer's
-    frequencies and cos/sin scaling, at every position, both in kvcal's channel order."""
+def assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens: int = 12) -> None:
+    """The model's own cached (post-RoPE) keys of a forward over `tokens` tokens are kvcal.rope's rotation of the key
+    source's output by each layer's frequencies and cos/sin scaling, at every position, both in kvcal's channel order."""
     adapter = adapt(model)
     sources = {}
     hooks = [layer.key_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
              for i, layer in enumerate(adapter.layers)]
-    tokens = 12
     with torch.no_grad():
         cache = model(torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.kv_heads[i], adapter.head_dims[i])
-        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
+        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
         cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1))
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
 
@@ -261,6 +261,30 @@ def test_rope_over_part_of_each_head_rotates_the_rest_by_zero_frequencies():
     assert torch.equal(adapter.inv_freq[:6], model.model.rotary_emb.inv_freq) and not adapter.inv_freq[6:].any()
     assert adapter.fingerprint()["rope_order"] == list(adapter.rope_order)
     assert_kvcal_rotates_the_pre_rope_keys_as(model)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_rotates_by_its_long_frequencies_past_its_switch(partial):
+    """Phi-3.5's LongRoPE (Phi-4-mini's over 0.75 of each head), switching at 16 tokens here: a forward over 16 tokens
+    rotates by its short frequencies, one over 17 or more by its long ones, as the model's own keys show; after a long
+    forward (whose frequencies the rotary's inv_freq then holds) a short one is read as short again."""
+    model = tiny_model("phi3", initializer_range=0.25, **longrope(16, partial))
+    adapter = adapt(model)
+    assert adapter.long_rope.switch == 16
+    short, long = adapter.layer_inv_freq(0, 16), adapter.layer_inv_freq(0, 17)
+    assert (short != long).any() and torch.equal(adapter.inv_freq, short)
+    for tokens in (16, 20, 12):
+        assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens)
+    model(torch.arange(20)[None])
+    assert torch.equal(model.model.rotary_emb.inv_freq, long[: len(model.model.rotary_emb.inv_freq)])
+    assert torch.equal(adapter.layer_inv_freq(0, 16), short)
+
+
+def test_rope_recomputed_with_every_sequence_length_is_refused():
+    """Dynamic NTK's frequencies change with every length past max_position_embeddings: kvcal stores one set."""
+    dynamic = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    with pytest.raises(KvcalError, match="changes its frequencies with every sequence length"):
+        adapt(tiny_model("llama", rope_parameters=dynamic))
 
 
 @pytest.mark.parametrize("model_type, overrides, scale", [

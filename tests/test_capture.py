@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, tiny_model
+from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_module
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
@@ -55,6 +55,15 @@ def applies_rope(model, layer: int) -> bool:
     return getattr(attention, "use_rope", True)
 
 
+def unrotated_scale(model, layer: int, head_dim: int) -> torch.Tensor:
+    """Per channel of a head in the model's order: its cos/sin scaling on the channels its RoPE leaves alone (of the
+    first rotated ones), 1 elsewhere: the key's gradient there times this is the one of the key kvcal reads."""
+    rotary, scale = models_rotary(model, layer), torch.ones(head_dim)
+    if applies_rope(model, layer) and hasattr(rotary, "inv_freq"):
+        scale[2 * rotary.inv_freq.numel() :] = rotary.attention_scaling
+    return scale
+
+
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
     that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
@@ -100,7 +109,8 @@ def llama4_rope(model, layer: int, heads: torch.Tensor, inverse: bool = False) -
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the post-RoPE keys that the
     model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
-    test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier. Where q and k are normed
+    test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier; where RoPE leaves channels
+    alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and k are normed
     after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient rotated
     back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
     copy of k_proj, for the reference: the values are the same, and autograd gives the value path's dL/dW_v as that
@@ -145,8 +155,10 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                                                          "nanochat")
         normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
                              or text_config(model).model_type == "nanochat" for i in layers]
-        key_grads.append([adapter.rows_in_rope_order((g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c]) / key_multiplier
-                          for g, c in zip(grads[2 * n : 3 * n], columns[:n])])
+        key_grads.append([adapter.rows_in_rope_order(
+            (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multiplier
+            * unrotated_scale(model, adapter.model_layers[i], adapter.head_dims[i]).repeat(adapter.kv_heads[i]))
+            for i, (g, c) in enumerate(zip(grads[2 * n : 3 * n], columns[:n]))])
         for i in (i for i in layers if normed_after_rope[i]):  # dL/dK_post, rotated back
             heads = grads[2 * n + i] if heads_first else grads[2 * n + i].transpose(1, 2)  # (batch, heads, tokens, head_dim)
             if text_config(model).model_type == "nanochat":
@@ -186,6 +198,16 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
 def test_llama4_maverick_capture_matches_independent_autograd():
     """Maverick's config norms no q and k (the tiny llama4_text is Scout's, which does after RoPE)."""
     assert_capture_matches_autograd(tiny_model("llama4_text", use_qk_norm=False), atol=1e-14)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_capture_matches_independent_autograd(partial):
+    """Phi-3.5's LongRoPE past its switch (16 tokens here; the windows: 48): its long frequencies rotate the keys.
+    Phi-4-mini's covers 0.75 of each head and scales cos/sin: the channels it leaves alone are read divided by the
+    scaling (LayerHandles.unrotated_scale), their gradient multiplied by it."""
+    model = tiny_model("phi3", **longrope(16, partial))
+    assert adapt(model).layers[0].unrotated_scale is not None or partial == 1.0
+    assert_capture_matches_autograd(model, atol=1e-14)
 
 
 def assert_capture_matches_autograd(model, atol: float) -> None:

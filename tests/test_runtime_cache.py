@@ -1,19 +1,21 @@
 """The runtime cache against the simulation of `kvcal eval ppl`, through transformers' own forward and generate()."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from conftest import (ALTERNATING, GEMMA4, IMAGE_TOWERS, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL, TINY_ARCHITECTURES,
-                      fp16_kivi_bundle, left_padded, tiny_model)
+                      fp16_kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
+from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
-from kvcal.methods import artifact_method
+from kvcal.methods import artifact_method, bundle_method
 from kvcal.runtime import generate, quantized_cache
-from kvcal.runtime.cache import ATTENTION_NAME
+from kvcal.runtime.cache import ATTENTION_NAME, fp_context
 from kvcal.simulate import StorageTally, simulated
 
 TOKENS = 40
@@ -588,6 +590,77 @@ def test_attention_chunks_decode_as_the_model_does_on_every_decode_path(decode_p
         ours = generate(model, fp16_kivi_bundle(model), input_ids=ids, attention_mask=mask, **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+
+
+# LongRoPE (Phi-3.5, Phi-4-mini): a forward past its switch rotates every token by its long frequencies, and
+# generate computes the sequence again when it first crosses over. The tiny Phi-3's switch: 16 tokens.
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrope_bundles, recipe, decode_path):
+    """A prefill of 20 tokens, past the switch, then decode steps to 40: each step's logits are the simulation's
+    forward over the 40 tokens, every key rotated by the long frequencies. The first 20 tokens are kept fp16 (sink),
+    as a prefill attends over its own tokens (the simulation: token by token, over them as stored)."""
+    model = tiny_model("phi3", **longrope(16))
+    ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
+    bundle = load_bundle(longrope_bundles[recipe])
+    bundle.layers = [dataclasses.replace(layer, sink=20) for layer in bundle.layers]
+    with torch.inference_mode():
+        with simulated(model, adapt(model), bundle_method(bundle), StorageTally()):
+            simulated_logits = model(ids).logits
+        with quantized_cache(model, bundle) as cache:
+            model(ids[:, :20], past_key_values=cache, use_cache=True)
+            logits = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(20, TOKENS)]
+    torch.testing.assert_close(torch.cat(logits, 1), simulated_logits[:, 20:], rtol=0, atol=1e-4)
+
+
+def fp16_pre_rope_bundle(skvq_bundle):
+    """An SKVQ bundle whose fp16 window (256 tokens) holds every token a test feeds: keys stored before RoPE, in fp16."""
+    bundle = load_bundle(skvq_bundle)
+    bundle.layers = [dataclasses.replace(layer, window=256) for layer in bundle.layers]
+    return bundle
+
+
+@pytest.mark.parametrize("lengths", [(10, 7), (20, 5)])
+def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, decode_path):
+    """12 new tokens after left-padded prompts below and past the switch: with every token fp16, keys stored after
+    RoPE (fp16_kivi_bundle) or before it (fp16_pre_rope_bundle), generate gives the model's own tokens and logits (it
+    empties kvcal's cache where it drops its own at the switch, and prefills the whole sequence again)."""
+    model = tiny_model("phi3", **longrope(16))
+    ids, mask = left_padded(lengths, seed=3)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        for bundle in (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles["skvq"])):
+            with quantized_cache(model, bundle) as cache:
+                ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+                assert cache.long_era and cache.tokens() == [n + 11 for n in lengths]  # (not the last token)
+            assert torch.equal(ours.sequences, fp.sequences)
+            torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+
+
+def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the_cache_is_emptied(longrope_bundles):
+    """Decode steps cross the switch outside generate: refused (the cached tokens' forwards rotated by the short
+    frequencies). After cache.reset(), the whole sequence's prefill gives a new cache's logits."""
+    model = tiny_model("phi3", **longrope(16))
+    ids = torch.randint(3, 512, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), quantized_cache(model, fp16_pre_rope_bundle(longrope_bundles["skvq"])) as cache:
+        model(ids[:, :16], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="past LongRoPE's switch 16"):
+            model(ids[:, 16:], past_key_values=cache, use_cache=True)
+        cache.reset()
+        again = model(ids, past_key_values=cache, use_cache=True).logits
+        assert cache.tokens() == [17]
+    with torch.inference_mode(), quantized_cache(model, fp16_pre_rope_bundle(longrope_bundles["skvq"])) as fresh:
+        torch.testing.assert_close(again, model(ids, past_key_values=fresh, use_cache=True).logits, rtol=0, atol=0)
+
+
+def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():
+    """Its first steps would rotate by the short frequencies, the later ones by the long ones."""
+    model = tiny_model("phi3", **longrope(16))
+    ids = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KvcalError, match="give a chunk of more than 16 tokens"):
+        fp_context(model, ids, chunk=8)
+    assert len(fp_context(model, ids, chunk=17).values[0][0]) == 24
 
 
 # Left padding: which tokens are real is read from the 4-D mask, on every torch pyproject.toml admits.

@@ -94,7 +94,8 @@ def test_kivi_simulation_equals_token_by_token_decode():
     query = torch.randn(1, heads, tokens, head_dim, generator=g)
     keys = torch.randn(1, kv_heads, tokens, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)
     values = torch.randn(1, kv_heads, tokens, head_dim, generator=g)
-    state = SimulatedLayer(kivi_layer(bits=2, group=4), SegmentPolicy(residual=8), torch.ones(4), 1.0, StorageTally())
+    state = SimulatedLayer(kivi_layer(bits=2, group=4), SegmentPolicy(residual=8), lambda tokens: torch.ones(4), 1.0,
+                           StorageTally())
     got = state.attend(query, keys, values, scaling=0.35)[0]
     expected = kivi_decode_reference(query[0], keys[0], values[0], 2, 4, 8, 0.35)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -145,7 +146,8 @@ def test_skvq_window_and_sink_simulation_equals_token_by_token_decode():
     permutation, starts = channel_groups(flat.amin(0), flat.amax(0), 2, reorder=True, seed=0)
     scheme = LayerCodecs(SkvqTensor(permutation, starts, torch.tensor([0.9, 0.7]), 2, fp8=True),
                          SkvqTensor(permutation, starts, torch.tensor([1.0, 0.8]), 1.5, fp8=False), key_pre_rope=False)
-    state = SimulatedLayer(scheme, SegmentPolicy(sink=3, window=6), torch.ones(4), 1.0, StorageTally())
+    state = SimulatedLayer(scheme, SegmentPolicy(sink=3, window=6), lambda tokens: torch.ones(4), 1.0,
+                           StorageTally())
     got = state.attend(query, keys, values, scaling=0.35)[0]
     expected = window_decode_reference(query[0], keys[0], values[0], scheme.key_codec.quantize, scheme.value_codec.quantize, 3, 6, 0.35)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

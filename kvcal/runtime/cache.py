@@ -24,6 +24,9 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
   (causal; an image's tokens in Gemma 3 and 4 see each other both ways, as each layer's mask says), then appends
   them, quantizing what leaves the fp16 segments;
+- keys stored before RoPE are rotated by the frequencies of the first forward after the cache was empty; a LongRoPE
+  model's (Phi-3.5, Phi-4-mini) steps must all reach past its switch or none (WiredCache.rope_era): where generate
+  drops the cache to compute the sequence again past it, kvcal's is emptied and filled again instead (`reset`);
 - a layer with a sliding window (Gemma 3's sliding layers, Mistral's `sliding_window`: the adapter's `windows`,
   as transformers' own cache reads them) attends, per sequence, over its last `window` tokens as transformers
   does; a chunked one (Llama 4's: the adapter's `chunks`) over its chunk's tokens (kvcal.spans.AttentionSpan); after
@@ -77,7 +80,10 @@ class RuntimeLayer(CacheLayerMixin):
         self.make_store, self.pre_rope, self.index = make_store, pre_rope, index
         self.span = adapter.spans[index]  # the earlier tokens its queries see (None: all)
         self.drops = drop_out_of_window and self.span is not None  # lets go of the tokens out of every later span
-        self.inv_freq, self.rope_scaling = adapter.layer_inv_freq(index), adapter.layer_rope_scaling(index)
+        # its RoPE frequencies for a forward over so many tokens (LongRoPE's two sets), chosen when storage is allocated
+        self.frequencies = functools.partial(adapter.layer_inv_freq, index)
+        self.inv_freq: torch.Tensor | None = None
+        self.rope_scaling = adapter.layer_rope_scaling(index)
         sinks = adapter.layers[index].sinks
         self.sinks = sinks.detach() if sinks is not None else None  # (heads,) attention sinks' logits, or None
         self.softcap = adapter.softcap  # the scores' soft-cap (Gemma 2), or None
@@ -113,10 +119,21 @@ class RuntimeLayer(CacheLayerMixin):
         launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference"."""
         return self.decoder.path if self.decoder is not None else None
 
-    def _allocate(self, batch: int, width: int, device) -> None:
+    def reset(self) -> None:
+        """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
+        next step."""
+        self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = None
+        self.choice = self.decoder = self.step = None
+        self.position_offset, self.padded_length = [], 0
+        self.is_initialized = False
+
+    def _allocate(self, batch: int, width: int, device, tokens: int) -> None:
+        """Storage for `batch` sequences, and the RoPE frequencies of a forward over `tokens` tokens, which rotate its
+        keys until it is emptied (WiredCache.rope_era keeps a LongRoPE model's forwards to one set)."""
         self.keys_store = self.make_store("k", batch, width, device)
         self.values_store = self.make_store("v", batch, width, device)
-        self.inv_freq = self.cache.inv_freq_on(self.inv_freq, device) if self.cache is not None else self.inv_freq.to(device)
+        inv_freq = self.frequencies(tokens)
+        self.inv_freq = self.cache.inv_freq_on(inv_freq, device) if self.cache is not None else inv_freq.to(device)
 
     def _rotated(self, keys: torch.Tensor, positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
@@ -131,7 +148,7 @@ class RuntimeLayer(CacheLayerMixin):
         width = kv_heads * head_dim
         span = self._span_for(window, f"layer {self.index}")
         if self.keys_store is None:
-            self._allocate(batch, width, query.device)
+            self._allocate(batch, width, query.device, plan.rope_tokens)
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, width)
@@ -246,7 +263,7 @@ class RuntimeLayer(CacheLayerMixin):
         had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE), a few whole sequences at a
         time: at most chunk_bytes of fp16 rows per append, or one sequence."""
         batch, tokens, width = values.shape
-        self._allocate(batch, width, values.device)
+        self._allocate(batch, width, values.device, tokens)
         self.position_offset = offsets
         step = max(1, chunk_bytes // max(2 * tokens * width, 1))
         for first in range(0, batch, step):
@@ -296,6 +313,10 @@ class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
     def __init__(self, *args, **kwargs):
         RuntimeLayer.__init__(self, *args, **kwargs)
         LinearAttentionLayer.__init__(self)
+
+    def reset(self) -> None:
+        RuntimeLayer.reset(self)
+        LinearAttentionLayer.reset(self)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         # the attention's call passes keys and values, the mixer's its states by keyword
@@ -355,6 +376,8 @@ class StepPlan:
                 found = positions.expand(batch, m)[torch.tensor(first_seen), torch.tensor(columns)].tolist()
             for b, position in zip(first_seen, found):
                 self.offsets[b] = int(position)
+        # the step's last position + 1, over the batch: what transformers' LongRoPE picks its frequencies by
+        self.rope_tokens = max((self.offsets[b] + self.after[b] for b in self.rows), default=0)
         self.memo: dict = {}
 
     def ahead_of(self, attention_mask) -> torch.Tensor | None:
@@ -489,8 +512,11 @@ class WiredCache(Cache):
         self._plan: StepPlan | None = None  # the running step's (made at its first layer)
         self._inv_freq: dict[tuple, torch.Tensor] = {}
         self._rope_rows: dict = {}  # see rope_rows
+        self.long_era: bool | None = None  # LongRoPE: whether the stored keys' forwards reached past its switch
         _register_attention()
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
+        self._regenerate_hook = (model.register_forward_pre_hook(self._take_back_when_dropped, with_kwargs=True)
+                                 if adapter.long_rope is not None else None)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Called by the model's attention before its attention implementation: hand this cache's layer to it,
@@ -516,7 +542,41 @@ class WiredCache(Cache):
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
+            self.rope_era(self._plan.rope_tokens)
         return self._plan
+
+    def rope_era(self, tokens: int) -> None:
+        """Refuse a forward over `tokens` tokens of a LongRoPE model that rotates by the other set of frequencies than
+        the stored keys' forwards did: the model's keys and hidden states would differ from theirs."""
+        long_rope = self.adapter.long_rope
+        if long_rope is None:
+            return
+        long = tokens > long_rope.switch
+        if self.long_era is not None and long != self.long_era:
+            raise KvcalError(f"this step reaches position {tokens - 1}, past LongRoPE's switch {long_rope.switch} "
+                             "(original_max_position_embeddings), where the model rotates by other frequencies than "
+                             "the cached tokens' forwards did; as transformers' generate does, empty the cache "
+                             "(cache.reset()) and prefill the whole sequence again")
+        self.long_era = long
+
+    def _take_back_when_dropped(self, module, args, kwargs):
+        """transformers' generate drops a LongRoPE model's cache (Phi-3's prepare_inputs_for_generation) when the
+        sequence first reaches past the switch, to compute it again with the long frequencies: the model is called with
+        the whole sequence and no cache, which would serve a DynamicCache from then on. This cache, if it held no
+        forward past the switch, is emptied and passed instead, so the call prefills it and generate goes on with it."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = ids if ids is not None else kwargs.get("inputs_embeds")
+        if (kwargs.get("past_key_values") is not None or rows is None or self.closed or self.long_era
+                or rows.shape[1] <= self.adapter.long_rope.switch):
+            return None
+        self.reset()
+        return args, {**kwargs, "past_key_values": self}
+
+    def reset(self) -> None:
+        """Empty the cache (transformers' Cache.reset), to be filled again from the next step on."""
+        super().reset()
+        self.lengths = self.position_offset = self._plan = self.long_era = None
+        self._rope_rows = {}
 
     def running_plan(self) -> StepPlan:
         """The running step's StepPlan, for a layer reading another's cache (which made it)."""
@@ -562,6 +622,8 @@ class WiredCache(Cache):
         if not self.closed:
             self.closed = True
             wiring.unwire(self._wiring, self)
+            if self._regenerate_hook is not None:
+                self._regenerate_hook.remove()
 
     def __enter__(self):
         return self
@@ -591,6 +653,7 @@ class WiredCache(Cache):
         self._check_open()
         context.copy_states_into(self)  # first: it refuses a context without the states this model keeps
         batch, tokens = context.values[0].shape[:2]
+        self.rope_era(tokens)
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
         for layer, keys, pre_rope_keys, values in zip(self.attention_layers, context.keys, context.pre_rope_keys, context.values):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
@@ -637,6 +700,10 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows("k", output.detach())))
         for i, handles in enumerate(adapter.layers)]
     step = chunk or ids.shape[1]
+    if adapter.long_rope is not None and step <= adapter.long_rope.switch < ids.shape[1]:
+        raise KvcalError(f"a prefill of {ids.shape[1]} tokens in steps of {step} rotates its first steps by LongRoPE's "
+                         f"short frequencies and the others by its long ones, past {adapter.long_rope.switch}; give a chunk "
+                         f"of more than {adapter.long_rope.switch} tokens, or none")
     try:
         cache = DynamicCache(config=model.config)
         attending = [cache.layers[i] for i in adapter.model_layers]  # (a hybrid model's others keep a state)
