@@ -376,8 +376,8 @@ class StepPlan:
                 found = positions.expand(batch, m)[torch.tensor(first_seen), torch.tensor(columns)].tolist()
             for b, position in zip(first_seen, found):
                 self.offsets[b] = int(position)
-        # the step's last position + 1, over the batch: what transformers' LongRoPE picks its frequencies by
-        self.rope_tokens = max((self.offsets[b] + self.after[b] for b in self.rows), default=0)
+        # the last position + 1 over the batch after the step: what transformers' LongRoPE picks its frequencies by
+        self.rope_tokens = max((o + n for o, n in zip(self.offsets, self.after) if o is not None), default=0)
         self.memo: dict = {}
 
     def ahead_of(self, attention_mask) -> torch.Tensor | None:
@@ -566,8 +566,8 @@ class WiredCache(Cache):
         forward past the switch, is emptied and passed instead, so the call prefills it and generate goes on with it."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids if ids is not None else kwargs.get("inputs_embeds")
-        if (kwargs.get("past_key_values") is not None or rows is None or self.closed or self.long_era
-                or rows.shape[1] <= self.adapter.long_rope.switch):
+        if (kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False or rows is None
+                or self.closed or self.long_era or rows.shape[1] <= self.adapter.long_rope.switch):
             return None
         self.reset()
         return args, {**kwargs, "past_key_values": self}
