@@ -107,7 +107,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam")
+                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -134,7 +134,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid")
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE

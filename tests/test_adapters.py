@@ -26,7 +26,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
     assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
-    kv_heads = 4 if model_type == "gpt_neox" else 2  # GPT-NeoX has no GQA
+    kv_heads = 4 if model_type in ("gpt_neox", "opt") else 2  # GPT-NeoX and OPT have no GQA
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
     shapes = [(2, 16), (1, 32)] if model_type in GEMMA4 else [(kv_heads, 16)] * 2
     assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
