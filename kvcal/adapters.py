@@ -91,6 +91,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.pytorch_utils import Conv1D
 
 from kvcal.errors import KvcalError
 from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
@@ -107,7 +108,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt")
+                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -134,7 +135,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt")
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
@@ -153,9 +154,9 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
 class LayerHandles:
     index: int
     attention: nn.Module
-    q_proj: nn.Linear  # where q, k and v come from one fused linear (Phi-3's qkv_proj), that one for each
-    k_proj: nn.Linear
-    v_proj: nn.Linear
+    q_proj: nn.Module  # where q, k and v come from one fused linear (Phi-3's qkv_proj), that one for each
+    k_proj: nn.Module  # nn.Linear, or GPT-2's Conv1D (its weight (inputs, outputs))
+    v_proj: nn.Module
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     v_norm: nn.Module | None = None  # a norm of each value head (Gemma 3n's, without a scale): the value is its output
@@ -220,7 +221,10 @@ class LayerHandles:
     def weight_gradient(self, kind: str) -> torch.Tensor:
         """dL/dW_k (kind "k") or dL/dW_v ("v"): the gradient's rows of that projection (both: the one projection's
         where the value is made from k_proj's output, value_from_key_projection)."""
-        return (self.k_proj if kind == "k" else self.v_proj).weight.grad[self.columns[kind]]
+        projection = self.k_proj if kind == "k" else self.v_proj
+        if isinstance(projection, Conv1D):
+            return projection.weight.grad[:, self.columns[kind]].T
+        return projection.weight.grad[self.columns[kind]]
 
 
 @dataclass(frozen=True)
@@ -462,6 +466,9 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
     for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's
         if name in linear:
             linear.setdefault("o_proj", linear.pop(name))
+    # GPT-2's c_attn (q, k, v side by side, as Phi-3's qkv_proj) and c_proj: Conv1D, its weight (inputs, outputs)
+    linear.update({kvcal_name: module for name, kvcal_name in (("c_attn", "qkv_proj"), ("c_proj", "o_proj"))
+                   if isinstance(module := getattr(attention, name, None), Conv1D)})
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
     if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
@@ -481,8 +488,9 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
                             **norms, value_from_key_projection=value_from_key)
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
-        if fused.out_features != q_width + 2 * kv_width:
-            raise KvcalError(f"{where}: qkv_proj has {fused.out_features} outputs, expected {q_width} + 2 x {kv_width} (q, k, v)")
+        outputs = fused.nf if isinstance(fused, Conv1D) else fused.out_features
+        if outputs != q_width + 2 * kv_width:
+            raise KvcalError(f"{where}: qkv_proj has {outputs} outputs, expected {q_width} + 2 x {kv_width} (q, k, v)")
         columns = dict(q=slice(0, q_width), k=slice(q_width, q_width + kv_width), v=slice(q_width + kv_width, None))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     if "o_proj" in linear and "query_key_value" in linear:  # each head's q, k and v in turn (GPT-NeoX)

@@ -24,7 +24,8 @@ ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam"
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager"}
+OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
+                 "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
 # Granite 4.0-H's and Nemotron-H's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -241,8 +242,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    if model_type == "gpt2":
+    if model_type == "gpt2":  # no RoPE (learned positions), no GQA; q, k, v side by side in one Conv1D
         common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    if model_type == "mpt":  # not served (its fused Wqkv): the refusals' example
+        common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
     return AutoConfig.for_model(model_type, **{**common, **overrides})
 
 

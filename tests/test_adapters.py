@@ -3,7 +3,7 @@ import torch
 
 from conftest import (ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, longrope,
                       tiny_model)
-from helpers import attention_module
+from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
@@ -26,7 +26,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
     assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
-    kv_heads = 4 if model_type in ("gpt_neox", "opt") else 2  # GPT-NeoX and OPT have no GQA
+    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2") else 2  # GPT-NeoX, OPT and GPT-2 have no GQA
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
     shapes = [(2, 16), (1, 32)] if model_type in GEMMA4 else [(kv_heads, 16)] * 2
     assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
@@ -36,10 +36,11 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
-    layer = decoder_of(model).layers[adapter.model_layers[1]]
+    layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
-    # Phi-3's and GPT-NeoX's q, k and v: one linear
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value"}.get(model_type, "k_proj"))
+    # Phi-3's, GPT-NeoX's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "gpt2": "c_attn"}.get(
+        model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output
@@ -140,8 +141,8 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 def test_unsupported_architecture_names_what_is_missing():
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
-    with pytest.raises(KvcalError, match=rf"GPT2LMHeadModel.*{missing}.*found: c_attn"):
-        adapt(tiny_model("gpt2"))
+    with pytest.raises(KvcalError, match=rf"MptForCausalLM.*{missing}.*found: Wqkv"):
+        adapt(tiny_model("mpt"))
 
 
 def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
@@ -278,6 +279,12 @@ def test_longrope_rotates_by_its_long_frequencies_past_its_switch(partial):
     model(torch.arange(20)[None])
     assert torch.equal(model.model.rotary_emb.inv_freq, long[: len(model.model.rotary_emb.inv_freq)])
     assert torch.equal(adapter.layer_inv_freq(0, 16), short)
+
+
+def test_a_score_scale_per_layer_is_refused():
+    """GPT-2's scale_attn_by_inverse_layer_idx divides layer i's scores by i + 1: kvcal's fits take one scale."""
+    with pytest.raises(KvcalError, match=r"its layers scale attention scores differently \(\[0.125, 0.25\]\)"):
+        adapt(tiny_model("gpt2", scale_attn_by_inverse_layer_idx=True))
 
 
 def test_rope_recomputed_with_every_sequence_length_is_refused():

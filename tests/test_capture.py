@@ -5,9 +5,10 @@ import importlib
 
 import pytest
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
-from helpers import attention_module
+from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 
@@ -19,7 +20,7 @@ def windows(seed: int = 0) -> torch.Tensor:
 
 
 def attention_of(model, layer: int):
-    return attention_module(decoder_of(model).layers[layer])
+    return attention_module(decoder_layers(model)[layer])
 
 
 def text_config(model):
@@ -67,8 +68,11 @@ def unrotated_scale(model, layer: int, head_dim: int) -> torch.Tensor:
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
     that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
-    query_key_value each head's q, k and v in turn."""
+    query_key_value each head's q, k and v in turn, GPT-2's c_attn side by side (a Conv1D: its weight's columns)."""
     attention, config = attention_of(model, layer), text_config(model)
+    if hasattr(attention, "c_attn"):
+        fused, width = attention.c_attn, config.hidden_size
+        return (fused, fused, slice(width, 2 * width)), (fused, fused, slice(2 * width, None))
     if hasattr(attention, "query_key_value"):
         head_dim = config.hidden_size // config.num_attention_heads
         per_head = torch.arange(3 * config.hidden_size).view(config.num_attention_heads, 3, head_dim)
@@ -148,8 +152,11 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         grads = torch.autograd.grad(loss, weights + activations)
         n = len(layers)
         columns = [sources[i][side][2] for side in (0, 1) for i in layers]
-        norms[0] += torch.stack([g[c].double().norm() for g, c in zip(grads[:n], columns[:n])])
-        norms[1] += torch.stack([g[c].double().norm() for g, c in zip(grads[n : 2 * n], columns[n:])])
+        projections = [sources[i][side][1] for side in (0, 1) for i in layers]
+        rows = [g[:, c] if isinstance(projection, Conv1D) else g[c]  # (Conv1D: weight (inputs, outputs))
+                for g, c, projection in zip(grads[: 2 * n], columns, projections)]
+        norms[0] += torch.stack([r.double().norm() for r in rows[:n]])
+        norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
                                                          "nanochat")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcal.adapters import decoder_of
 from kvcal.runtime import kernels, quantized_cache
 from tools import kernel_emulation
 
@@ -60,9 +61,16 @@ def requires_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not ready, reason="needs a CUDA GPU and CuPy (pip install -e '.[gpu]')")(test))
 
 
+def decoder_layers(model):
+    """A model's decoder layers: its decoder's `layers` on most, `h` on GPT-2."""
+    decoder = decoder_of(model)
+    return getattr(decoder, "layers", None) or decoder.h
+
+
 def attention_module(decoder_layer):
-    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, mixer on Nemotron-H."""
-    return next(getattr(decoder_layer, name) for name in ("self_attn", "attention", "mixer") if hasattr(decoder_layer, name))
+    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, attn on GPT-2, mixer on Nemotron-H."""
+    return next(getattr(decoder_layer, name) for name in ("self_attn", "attention", "attn", "mixer")
+                if hasattr(decoder_layer, name))
 
 
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
