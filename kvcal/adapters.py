@@ -108,7 +108,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "lfm2_moe", "jamba", "falcon_h1", "gemma3n_text", "olmo", "bitnet", "qwen2_vl", "qwen2_5_vl",
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
-                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2")
+                         "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
+                         "gpt_bigcode")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -135,7 +136,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2")
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
@@ -466,9 +467,11 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
     for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's
         if name in linear:
             linear.setdefault("o_proj", linear.pop(name))
-    # GPT-2's c_attn (q, k, v side by side, as Phi-3's qkv_proj) and c_proj: Conv1D, its weight (inputs, outputs)
-    linear.update({kvcal_name: module for name, kvcal_name in (("c_attn", "qkv_proj"), ("c_proj", "o_proj"))
-                   if isinstance(module := getattr(attention, name, None), Conv1D)})
+    fused = getattr(attention, "c_attn", None)
+    if isinstance(fused, (Conv1D, nn.Linear)):  # GPT-2's (Conv1D: its weight (inputs, outputs)), GPT-BigCode's
+        # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
+        side_by_side = isinstance(fused, Conv1D) or attention.multi_query
+        linear.update({"qkv_proj" if side_by_side else "query_key_value": fused, "o_proj": attention.c_proj})
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
     if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
@@ -726,7 +729,9 @@ def _layer_geometry(config, num_layers: int, where: str) -> tuple[int, list[int]
     if len(num_heads) > 1:
         raise KvcalError(f"{where}: its layers have {sorted(num_heads)} query heads; kvcal takes one number of query heads")
     num_heads = num_heads.pop()
-    kv_heads = [getattr(layer, "num_key_value_heads", None) or num_heads for layer in per_layer[:num_layers]]
+    # (GPT-BigCode: one KV head where multi_query)
+    kv_heads = [getattr(layer, "num_key_value_heads", None) or (1 if getattr(layer, "multi_query", False) else num_heads)
+                for layer in per_layer[:num_layers]]
     head_dims = [getattr(layer, "head_dim", None) or layer.hidden_size // num_heads for layer in per_layer[:num_layers]]
     return num_heads, kv_heads, head_dims
 

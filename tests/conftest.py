@@ -242,8 +242,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    if model_type == "gpt2":  # no RoPE (learned positions), no GQA; q, k, v side by side in one Conv1D
-        common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    if model_type in ("gpt2", "gpt_bigcode"):  # no RoPE (learned positions); q, k, v side by side in one c_attn (GPT-2:
+        # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)
+        common = dict(vocab_size=TINY_VOCAB, n_embd=64 if model_type == "gpt2" else 128, n_layer=2, n_head=4,
+                      n_positions=max_positions, bos_token_id=0, eos_token_id=0)
     if model_type == "mpt":  # not served (its fused Wqkv): the refusals' example
         common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
     return AutoConfig.for_model(model_type, **{**common, **overrides})

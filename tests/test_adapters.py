@@ -26,9 +26,11 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
     assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
-    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2") else 2  # GPT-NeoX, OPT and GPT-2 have no GQA
+    # GPT-NeoX, OPT and GPT-2 have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
+    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2") else 1 if model_type == "gpt_bigcode" else 2
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
-    shapes = [(2, 16), (1, 32)] if model_type in GEMMA4 else [(kv_heads, 16)] * 2
+    shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
+              [(kv_heads, 16)] * 2)
     assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
     assert adapter.kv_widths == [heads * head_dim for heads, head_dim in shapes]
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
@@ -39,8 +41,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's, GPT-NeoX's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "gpt2": "c_attn"}.get(
-        model_type, "k_proj"))
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "gpt2": "c_attn",
+                                         "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output
@@ -50,7 +52,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
     # Gemma 4's rows padded to its full layer's 16 frequencies
-    frequencies = (2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else (8,)
+    frequencies = ((2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else
+                   (16,) if model_type == "gpt_bigcode" else (8,))
     assert adapter.inv_freq.shape == frequencies and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
     assert adapter.chunks == ([TINY_WINDOW, None] if model_type.startswith("llama4") else [None, None])  # Llama 4's first layer

@@ -68,16 +68,18 @@ def unrotated_scale(model, layer: int, head_dim: int) -> torch.Tensor:
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
     that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
-    query_key_value each head's q, k and v in turn, GPT-2's c_attn side by side (a Conv1D: its weight's columns)."""
+    query_key_value each head's q, k and v in turn (as GPT-BigCode's c_attn but where multi_query), GPT-2's c_attn side
+    by side (a Conv1D: its weight's columns)."""
     attention, config = attention_of(model, layer), text_config(model)
-    if hasattr(attention, "c_attn"):
-        fused, width = attention.c_attn, config.hidden_size
-        return (fused, fused, slice(width, 2 * width)), (fused, fused, slice(2 * width, None))
-    if hasattr(attention, "query_key_value"):
+    in_turn = getattr(attention, "query_key_value", None) or (attention.c_attn if getattr(attention, "multi_query", 1) is False
+                                                               else None)
+    if in_turn is not None:
         head_dim = config.hidden_size // config.num_attention_heads
         per_head = torch.arange(3 * config.hidden_size).view(config.num_attention_heads, 3, head_dim)
-        fused = attention.query_key_value
-        return (fused, fused, per_head[:, 1].flatten()), (fused, fused, per_head[:, 2].flatten())
+        return (in_turn, in_turn, per_head[:, 1].flatten()), (in_turn, in_turn, per_head[:, 2].flatten())
+    if hasattr(attention, "c_attn"):  # (GPT-BigCode's multi-query: one KV head)
+        fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
+        return (fused, fused, slice(q, q + kv)), (fused, fused, slice(q + kv, None))
     if hasattr(attention, "qkv_proj"):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -205,6 +207,13 @@ def test_importance_fisher_and_rope_match_independent_autograd(model_type):
 def test_llama4_maverick_capture_matches_independent_autograd():
     """Maverick's config norms no q and k (the tiny llama4_text is Scout's, which does after RoPE)."""
     assert_capture_matches_autograd(tiny_model("llama4_text", use_qk_norm=False), atol=1e-14)
+
+
+def test_gpt_bigcode_without_multi_query_capture_matches_independent_autograd():
+    """GPT-BigCode's c_attn without multi_query holds each head's q, k and v in turn (the tiny one: multi_query)."""
+    model = tiny_model("gpt_bigcode", multi_query=False)
+    assert adapt(model).kv_heads == [4, 4]
+    assert_capture_matches_autograd(model, atol=1e-14)
 
 
 @pytest.mark.parametrize("partial", [1.0, 0.75])
