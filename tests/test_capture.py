@@ -68,11 +68,12 @@ def unrotated_scale(model, layer: int, head_dim: int) -> torch.Tensor:
 def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
     that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
-    query_key_value each head's q, k and v in turn (as GPT-BigCode's c_attn but where multi_query), GPT-2's c_attn side
-    by side (a Conv1D: its weight's columns)."""
+    query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query), GPT-2's c_attn
+    side by side (a Conv1D: its weight's columns)."""
     attention, config = attention_of(model, layer), text_config(model)
-    in_turn = getattr(attention, "query_key_value", None) or (attention.c_attn if getattr(attention, "multi_query", 1) is False
-                                                               else None)
+    in_turn = getattr(attention, "query_key_value", None)
+    if getattr(attention, "multi_query", None) is False:
+        in_turn = attention.c_attn
     if in_turn is not None:
         head_dim = config.hidden_size // config.num_attention_heads
         per_head = torch.arange(3 * config.hidden_size).view(config.num_attention_heads, 3, head_dim)
@@ -116,9 +117,9 @@ def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the post-RoPE keys that the
     model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
     test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier; where RoPE leaves channels
-    alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and k are normed
-    after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient rotated
-    back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
+    alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and
+    k are normed after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient
+    rotated back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
     copy of k_proj, for the reference: the values are the same, and autograd gives the value path's dL/dW_v as that
     copy's gradient."""
     adapter = adapt(model)

@@ -647,7 +647,7 @@ def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the
     ids = torch.randint(3, 512, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), quantized_cache(model, fp16_pre_rope_bundle(longrope_bundles["skvq"])) as cache:
         model(ids[:, :16], past_key_values=cache, use_cache=True)
-        with pytest.raises(KvcalError, match="past LongRoPE's switch 16"):
+        with pytest.raises(KvcalError, match="positions end at 16, past LongRoPE's switch 16"):
             model(ids[:, 16:], past_key_values=cache, use_cache=True)
         cache.reset()
         again = model(ids, past_key_values=cache, use_cache=True).logits

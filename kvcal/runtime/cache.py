@@ -553,7 +553,8 @@ class WiredCache(Cache):
             return
         long = tokens > long_rope.switch
         if self.long_era is not None and long != self.long_era:
-            raise KvcalError(f"this step reaches position {tokens - 1}, past LongRoPE's switch {long_rope.switch} "
+            where = "past" if long else "within"
+            raise KvcalError(f"this step's positions end at {tokens - 1}, {where} LongRoPE's switch {long_rope.switch} "
                              "(original_max_position_embeddings), where the model rotates by other frequencies than "
                              "the cached tokens' forwards did; as transformers' generate does, empty the cache "
                              "(cache.reset()) and prefill the whole sequence again")
