@@ -215,7 +215,9 @@ class LayerHandles:
             return rows
         rows = rows_in_order(rows, self.rope_order)
         if self.unrotated_scale is not None:  # read = output * scale, so dL/dread = dL/doutput / scale
-            scale = self.unrotated_scale.to(rows.device, rows.dtype).repeat(rows.shape[-1] // len(self.unrotated_scale))
+            if self.unrotated_scale.device != rows.device:  # moved once: a copy from the host would wait for the device
+                self.unrotated_scale = self.unrotated_scale.to(rows.device)
+            scale = self.unrotated_scale.to(rows.dtype).repeat(rows.shape[-1] // len(self.unrotated_scale))
             rows = rows / scale if gradient else rows * scale
         return rows
 
@@ -236,6 +238,14 @@ class LongRope:
 
     switch: int
     long_inv_freq: torch.Tensor  # (rotated channels / 2,) float32 on the CPU, as the rotary holds its own
+
+    def check_prefill_steps(self, tokens: int, step: int) -> None:
+        """Refuse a prefill of `tokens` tokens in steps of `step` that ends past the switch and whose first step does
+        not: its steps would rotate by both sets, as no forward of the model over those tokens does."""
+        if step <= self.switch < tokens:
+            raise KvcalError(f"a prefill of {tokens} tokens in steps of {step} rotates its first steps by LongRoPE's short "
+                             f"frequencies and the others by its long ones, past {self.switch}; give a prefill chunk of "
+                             f"more than {self.switch} tokens, or none")
 
 
 @dataclass
@@ -326,8 +336,8 @@ class ModelAdapter:
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """The frequencies artifacts store: (head_dim/2,) shared by every layer, else (layers, largest head_dim/2)
-        (kvcal.rope.stored_inv_freq)."""
+        """The frequencies of a forward within LongRoPE's switch (of any forward, for other RoPE), as artifacts store
+        them: (head_dim/2,) shared by every layer, else (layers, largest head_dim/2) (kvcal.rope.stored_inv_freq)."""
         return stored_inv_freq([self.layer_inv_freq(i) for i in range(len(self.layers))])
 
     def layer_rope_scaling(self, layer: int) -> float:
@@ -470,7 +480,7 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
     fused = getattr(attention, "c_attn", None)
     if isinstance(fused, (Conv1D, nn.Linear)):  # GPT-2's (Conv1D: its weight (inputs, outputs)), GPT-BigCode's
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
-        side_by_side = isinstance(fused, Conv1D) or attention.multi_query
+        side_by_side = isinstance(fused, Conv1D) or getattr(attention, "multi_query", False)
         linear.update({"qkv_proj" if side_by_side else "query_key_value": fused, "o_proj": attention.c_proj})
     norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
@@ -531,7 +541,8 @@ def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int]
                 where: str) -> tuple | None:
     """kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own), refusing
     RoPE kvcal cannot store: a number of rotated channels that differs between layer types (but where they rotate every
-    channel of heads of their own width: Gemma 4), frequencies that change with the sequence length."""
+    channel of heads of their own width: Gemma 4), frequencies that change with every sequence length, LongRoPE given
+    per layer type."""
     rotary_dims = {(2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel(), head_dim)
                    for kind, head_dim in zip(kinds, head_dims)}
     if len(rotary_dims) > 1 and any(rotated != head_dim for rotated, head_dim in rotary_dims):

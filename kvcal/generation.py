@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import decoder_of, kv_shapes, kv_widths
+from kvcal.adapters import adapt, decoder_of, kv_shapes, kv_widths
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
@@ -156,6 +156,8 @@ def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, 
     rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.eos_token_id
+    long_rope = adapt(model).long_rope
+    baselines = [name for name, method in methods.items() if isinstance(method, Method)]
     results = []
     for length in lengths:
         correct = {name: 0 for name in ["fp", *methods]}
@@ -169,6 +171,13 @@ def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, 
                 chosen = rng.sample(range(keys), asked)
                 context_ids, questions = multikey_prompt(tokenizer, filler_ids, length, values, [rng.random() for _ in values], chosen)
                 wanted = [values[i] for i in chosen]
+            last = len(context_ids) + max(len(question) for question in questions) + ANSWER_TOKENS
+            if long_rope is not None and baselines and len(context_ids) <= long_rope.switch < last:
+                raise KvcalError(f"a passkey prompt of {length} tokens has its context end within LongRoPE's switch "
+                                 f"({long_rope.switch}) and its answer past it, where generate drops the cache to compute "
+                                 f"the sequence again, and would go on in fp for {', '.join(baselines)} (transformers' own "
+                                 f"cache, quantizing each token it writes); give lengths above {long_rope.switch + 1}, or "
+                                 "far enough below it that the answers end within it")
             with torch.inference_mode():
                 context = fp_context(model, context_ids[None].to(device), chunk)
                 for question, key in zip(questions, wanted):
@@ -199,6 +208,8 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     ids = context_ids[None].to(model.get_input_embeddings().weight.device)
     step = chunk or tokens
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
+        if cache.adapter.long_rope is not None:
+            cache.adapter.long_rope.check_prefill_steps(tokens, step)
         for start in range(0, tokens, step):
             decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True)
     outliers = cache.outliers()

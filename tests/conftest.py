@@ -446,11 +446,20 @@ def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
 @pytest.fixture(scope="session")
 def longrope_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """A bundle of every recipe for the tiny Phi-3 with LongRoPE switching at 16 tokens (longrope(16)), from its own
-    profile (64-token windows: rotated by its long frequencies)."""
-    folder = tmp_path_factory.mktemp("longrope-bundles")
-    profile = profile_tiny_model(tiny_model_dir("phi3", **longrope(16)), tiny_corpus, folder / "profile.safetensors")
-    return bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
+    """bundles(partial): a bundle of every recipe for the tiny Phi-3 with LongRoPE switching at 16 tokens over
+    `partial` of each head (longrope(16, partial)), from its own profile (64-token windows: rotated by its long
+    frequencies; made on first use, once per session)."""
+    made = {}
+
+    def bundles(partial: float) -> dict[str, Path]:
+        if partial not in made:
+            folder = tmp_path_factory.mktemp("longrope-bundles")
+            model = tiny_model_dir("phi3", **longrope(16, partial))
+            profile = profile_tiny_model(model, tiny_corpus, folder / "profile.safetensors")
+            made[partial] = bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
+        return made[partial]
+
+    return bundles
 
 
 @pytest.fixture(scope="session")

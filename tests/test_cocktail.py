@@ -1,9 +1,11 @@
 """Cocktail: thresholds, chunk reordering that keeps every token at its position, the default encoder."""
 
+import pytest
 import torch
 
-from conftest import tiny_model
-from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress
+from conftest import longrope, tiny_model
+from kvcal.errors import KvcalError
+from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress, compressed_cache
 
 
 def test_thresholds_follow_the_paper():
@@ -40,6 +42,16 @@ def test_all_fp16_chunks_decode_like_the_fp_model():
             compress(cache, [[16, 16]])
             got = torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(65, 70)], dim=1)
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)  # the cache holds fp16
+
+
+def test_generate_crossing_longropes_switch_after_compression_is_refused():
+    """Phi-3's generate drops the cache at LongRoPE's switch to compute the sequence again: a prefill would not make
+    the compressed chunks again (the tiny Phi-3's switch: 32 tokens, a chunk of context then 4 query tokens)."""
+    model = tiny_model("phi3", **longrope(32))
+    ids = torch.randint(3, 512, (1, 36), generator=torch.Generator().manual_seed(8))
+    with compressed_cache(model, ids[:, :32], [4]) as cache:
+        with pytest.raises(KvcalError, match="compressed after its prefill"):
+            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
 
 
 def test_default_encoder_ranks_the_matching_text_first():

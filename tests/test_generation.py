@@ -1,10 +1,12 @@
-"""kvcal.generation's prompts: the passkey and multi-key retrieval prompts."""
+"""kvcal.generation's prompts (the passkey and multi-key retrieval prompts) and its refusals."""
 
 import pytest
 import torch
 
+from conftest import fp16_kivi_bundle, longrope, tiny_model
 from kvcal.errors import KvcalError
-from kvcal.generation import DOORS, multikey_prompt
+from kvcal.generation import DOORS, measure_memory, multikey_prompt, passkey_accuracy
+from kvcal.methods import baseline_method
 
 
 def test_a_multikey_prompt_states_each_key_once_in_depth_order_and_asks_the_chosen_ones(tiny_tokenizer):
@@ -19,3 +21,18 @@ def test_a_multikey_prompt_states_each_key_once_in_depth_order_and_asks_the_chos
     assert len(context) + max(map(len, questions)) == 300
     with pytest.raises(KvcalError, match="filler tokens"):
         multikey_prompt(tiny_tokenizer, filler[:10], 300, [11111, 22222], [0.2, 0.4], [0])
+
+
+def test_passkey_baselines_whose_answers_cross_longropes_switch_are_refused(tiny_tokenizer):
+    """Phi-3's generate drops the cache where an answer crosses LongRoPE's switch (99 here; the prompt's context: 99
+    tokens) and goes on in fp: a baseline's cache (transformers' own, quantizing what it writes) would score fp."""
+    model = tiny_model("phi3", **longrope(99))
+    methods = {"int4-g16": baseline_method("int4-g16", [16, 16])}
+    with pytest.raises(KvcalError, match="its answer past it, .* in fp for int4-g16"):
+        passkey_accuracy(model, tiny_tokenizer, methods, torch.arange(3, 403), [100], samples=1, seed=0)
+
+
+def test_a_memory_measure_prefilled_in_steps_across_longropes_switch_is_refused():
+    model = tiny_model("phi3", **longrope(16))
+    with pytest.raises(KvcalError, match="give a prefill chunk of more than 16 tokens"):
+        measure_memory(model, fp16_kivi_bundle(model), torch.arange(3, 27), chunk=8)

@@ -594,17 +594,19 @@ def test_attention_chunks_decode_as_the_model_does_on_every_decode_path(decode_p
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
 
 
-# LongRoPE (Phi-3.5, Phi-4-mini): a forward past its switch rotates every token by its long frequencies, and
-# generate computes the sequence again when it first crosses over. The tiny Phi-3's switch: 16 tokens.
+# LongRoPE (Phi-3.5; Phi-4-mini: over 0.75 of each head, cos/sin scaled): a forward past its switch rotates every
+# token by its long frequencies, and Phi-3's generate computes the sequence again when it first crosses over. The tiny
+# Phi-3's switch: 16 tokens.
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrope_bundles, recipe, decode_path):
+def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrope_bundles, recipe, partial, decode_path):
     """A prefill of 20 tokens, past the switch, then decode steps to 40: each step's logits are the simulation's
     forward over the 40 tokens, every key rotated by the long frequencies. The first 20 tokens are kept fp16 (sink),
     as a prefill attends over its own tokens (the simulation: token by token, over them as stored)."""
-    model = tiny_model("phi3", **longrope(16))
+    model = tiny_model("phi3", **longrope(16, partial))
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
-    bundle = load_bundle(longrope_bundles[recipe])
+    bundle = load_bundle(longrope_bundles(partial)[recipe])
     bundle.layers = [dataclasses.replace(layer, sink=20) for layer in bundle.layers]
     with torch.inference_mode():
         with simulated(model, adapt(model), bundle_method(bundle), StorageTally()):
@@ -622,17 +624,18 @@ def fp16_pre_rope_bundle(skvq_bundle):
     return bundle
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])
 @pytest.mark.parametrize("lengths", [(10, 7), (20, 5)])
-def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, decode_path):
+def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, partial, decode_path):
     """12 new tokens after left-padded prompts below and past the switch: with every token fp16, keys stored after
     RoPE (fp16_kivi_bundle) or before it (fp16_pre_rope_bundle), generate gives the model's own tokens and logits (it
     empties kvcal's cache where it drops its own at the switch, and prefills the whole sequence again)."""
-    model = tiny_model("phi3", **longrope(16))
+    model = tiny_model("phi3", **longrope(16, partial))
     ids, mask = left_padded(lengths, seed=3)
     settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
-        for bundle in (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles["skvq"])):
+        for bundle in (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles(partial)["skvq"])):
             with quantized_cache(model, bundle) as cache:
                 ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
                 assert cache.long_era and cache.tokens() == [n + 11 for n in lengths]  # (not the last token)
@@ -641,27 +644,44 @@ def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles
 
 
 def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the_cache_is_emptied(longrope_bundles):
-    """Decode steps cross the switch outside generate: refused (the cached tokens' forwards rotated by the short
-    frequencies). After cache.reset(), the whole sequence's prefill gives a new cache's logits."""
+    """Decode steps cross the switch outside generate: refused, the cache left as it was (the cached tokens'
+    forwards rotated by the short frequencies); a call without the cache still is. After cache.reset(), the whole
+    sequence's prefill gives a new cache's logits."""
     model = tiny_model("phi3", **longrope(16))
     ids = torch.randint(3, 512, (1, 17), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode(), quantized_cache(model, fp16_pre_rope_bundle(longrope_bundles["skvq"])) as cache:
+    pre_rope = fp16_pre_rope_bundle(longrope_bundles(1.0)["skvq"])
+    with torch.inference_mode(), quantized_cache(model, pre_rope) as cache:
         model(ids[:, :16], past_key_values=cache, use_cache=True)
-        with pytest.raises(KvcalError, match="positions end at 16, past LongRoPE's switch 16"):
+        with pytest.raises(KvcalError, match="positions end at 16, on the other side of LongRoPE's switch 16"):
             model(ids[:, 16:], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="called without one"):
+            model(ids)
+        assert cache.tokens() == [16] and cache.lengths == [16]
         cache.reset()
         again = model(ids, past_key_values=cache, use_cache=True).logits
         assert cache.tokens() == [17]
-    with torch.inference_mode(), quantized_cache(model, fp16_pre_rope_bundle(longrope_bundles["skvq"])) as fresh:
+    with torch.inference_mode(), quantized_cache(model, pre_rope) as fresh:
         torch.testing.assert_close(again, model(ids, past_key_values=fresh, use_cache=True).logits, rtol=0, atol=0)
 
 
+def test_generate_crossing_longropes_switch_with_two_caches_open_is_refused():
+    """Generate drops the cache it was given: with two kvcal caches open on the model, which one is not known."""
+    model = tiny_model("phi3", **longrope(16))
+    ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)), \
+            quantized_cache(model, fp16_kivi_bundle(model)) as second:
+        with pytest.raises(KvcalError, match="other kvcal caches are open on the model"):
+            model.generate(input_ids=ids, past_key_values=second, max_new_tokens=8, do_sample=False)
+
+
 def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():
-    """Its first steps would rotate by the short frequencies, the later ones by the long ones."""
+    """Its first steps would rotate by the short frequencies, the later ones by the long ones; the refusal leaves no
+    hook on the model."""
     model = tiny_model("phi3", **longrope(16))
     ids = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(KvcalError, match="give a chunk of more than 16 tokens"):
+    with pytest.raises(KvcalError, match="give a prefill chunk of more than 16 tokens"):
         fp_context(model, ids, chunk=8)
+    assert not any(module._forward_hooks for module in model.modules())
     assert len(fp_context(model, ids, chunk=17).values[0][0]) == 24
 
 

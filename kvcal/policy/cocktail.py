@@ -92,6 +92,7 @@ def compress(cache, widths: list[list[int]]) -> None:
     """Apply per-sequence chunk widths to every layer of a Cocktail cache after the context's prefill."""
     for store, b in cache.stores():
         store.compress(b, widths[b])
+    cache.refillable = False
 
 
 @contextmanager

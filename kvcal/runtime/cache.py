@@ -365,19 +365,19 @@ class StepPlan:
             cache.lengths, cache.position_offset = [0] * batch, [None] * batch
         self.before = list(cache.lengths)
         self.after = [n + c for n, c in zip(self.before, self.counts)]
-        cache.lengths = list(self.after)
-        self.offsets = cache.position_offset
-        first_seen = [b for b in self.rows if self.offsets[b] is None]
-        if first_seen:  # the position id of each sequence's first real token
-            if positions is None:
-                found = [0] * len(first_seen)
-            else:
-                columns = [0 if self.all_valid else self._flags[b].index(True) for b in first_seen]
-                found = positions.expand(batch, m)[torch.tensor(first_seen), torch.tensor(columns)].tolist()
-            for b, position in zip(first_seen, found):
-                self.offsets[b] = int(position)
+        first_seen = [b for b in self.rows if cache.position_offset[b] is None]
+        found = [0] * len(first_seen)
+        if first_seen and positions is not None:  # the position id of each sequence's first real token
+            columns = [0 if self.all_valid else self._flags[b].index(True) for b in first_seen]
+            found = positions.expand(batch, m)[torch.tensor(first_seen), torch.tensor(columns)].tolist()
+        offsets = list(cache.position_offset)
+        for b, position in zip(first_seen, found):
+            offsets[b] = int(position)
         # the last position + 1 over the batch after the step: what transformers' LongRoPE picks its frequencies by
-        self.rope_tokens = max((o + n for o, n in zip(self.offsets, self.after) if o is not None), default=0)
+        self.rope_tokens = max((o + n for o, n in zip(offsets, self.after) if o is not None), default=0)
+        cache.rope_era(self.rope_tokens)  # (refused before the cache counts the step)
+        cache.lengths, cache.position_offset[:] = list(self.after), offsets
+        self.offsets = cache.position_offset
         self.memo: dict = {}
 
     def ahead_of(self, attention_mask) -> torch.Tensor | None:
@@ -513,6 +513,7 @@ class WiredCache(Cache):
         self._inv_freq: dict[tuple, torch.Tensor] = {}
         self._rope_rows: dict = {}  # see rope_rows
         self.long_era: bool | None = None  # LongRoPE: whether the stored keys' forwards reached past its switch
+        self.refillable = True  # a prefill of its tokens makes it again (not after Cocktail's compress)
         _register_attention()
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
         self._regenerate_hook = (model.register_forward_pre_hook(self._take_back_when_dropped, with_kwargs=True)
@@ -542,7 +543,6 @@ class WiredCache(Cache):
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
-            self.rope_era(self._plan.rope_tokens)
         return self._plan
 
     def rope_era(self, tokens: int) -> None:
@@ -553,23 +553,30 @@ class WiredCache(Cache):
             return
         long = tokens > long_rope.switch
         if self.long_era is not None and long != self.long_era:
-            where = "past" if long else "within"
-            raise KvcalError(f"this step's positions end at {tokens - 1}, {where} LongRoPE's switch {long_rope.switch} "
-                             "(original_max_position_embeddings), where the model rotates by other frequencies than "
-                             "the cached tokens' forwards did; as transformers' generate does, empty the cache "
+            raise KvcalError(f"this step's positions end at {tokens - 1}, on the other side of LongRoPE's switch "
+                             f"{long_rope.switch} (original_max_position_embeddings) than the cached tokens' forwards, "
+                             "which rotated by the other frequencies; as Phi-3's generate does, empty the cache "
                              "(cache.reset()) and prefill the whole sequence again")
         self.long_era = long
 
     def _take_back_when_dropped(self, module, args, kwargs):
-        """transformers' generate drops a LongRoPE model's cache (Phi-3's prepare_inputs_for_generation) when the
-        sequence first reaches past the switch, to compute it again with the long frequencies: the model is called with
-        the whole sequence and no cache, which would serve a DynamicCache from then on. This cache, if it held no
-        forward past the switch, is emptied and passed instead, so the call prefills it and generate goes on with it."""
+        """Phi-3's generate (its prepare_inputs_for_generation) drops a LongRoPE model's cache when the sequence first
+        reaches past the switch, to compute it again with the long frequencies: it calls the model with the whole
+        sequence, no cache and use_cache True, and would go on with a DynamicCache. This cache, the only one open on the
+        model, holding a prefix of that sequence and no forward past the switch, is emptied and passed instead, so the
+        call prefills it and generate goes on with it. Other calls without a cache are left to be refused."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids if ids is not None else kwargs.get("inputs_embeds")
-        if (kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False or rows is None
-                or self.closed or self.long_era or rows.shape[1] <= self.adapter.long_rope.switch):
+        if (kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is not True or rows is None
+                or self.long_era or not self.attention_layers[0].padded_length < rows.shape[1]
+                or rows.shape[1] <= self.adapter.long_rope.switch):
             return None
+        if len(self._wiring.users) > 1 or not self.refillable:
+            why = ("other kvcal caches are open on the model, and which one it dropped is not known" if self.refillable
+                   else "this cache was compressed after its prefill (Cocktail), which a prefill does not make again")
+            raise KvcalError(f"generate dropped the cache at LongRoPE's switch {self.adapter.long_rope.switch}, to "
+                             f"compute the sequence again with the long frequencies, and {why}; keep the sequence on one "
+                             "side of the switch, or open one cache at a time")
         self.reset()
         return args, {**kwargs, "past_key_values": self}
 
@@ -696,15 +703,13 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     model's own DynamicCache, whose sliding-window layers attend over their window only (they record every token
     during the prefill and are trimmed to their window after it)."""
     adapter = adapt(model)
+    step = chunk or ids.shape[1]
+    if adapter.long_rope is not None:
+        adapter.long_rope.check_prefill_steps(ids.shape[1], step)
     pre_rope: list[list[torch.Tensor]] = [[] for _ in adapter.layers]
     hooks = [handles.key_source.register_forward_hook(
         lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows("k", output.detach())))
         for i, handles in enumerate(adapter.layers)]
-    step = chunk or ids.shape[1]
-    if adapter.long_rope is not None and step <= adapter.long_rope.switch < ids.shape[1]:
-        raise KvcalError(f"a prefill of {ids.shape[1]} tokens in steps of {step} rotates its first steps by LongRoPE's "
-                         f"short frequencies and the others by its long ones, past {adapter.long_rope.switch}; give a chunk "
-                         f"of more than {adapter.long_rope.switch} tokens, or none")
     try:
         cache = DynamicCache(config=model.config)
         attending = [cache.layers[i] for i in adapter.model_layers]  # (a hybrid model's others keep a state)
