@@ -38,10 +38,10 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
           "nemotron_h", "jamba")
-def longrope(switch: int, partial: float = 1.0) -> dict:
+def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
     frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it."""
-    pairs = int(16 * partial) // 2  # (the tiny model's head_dim: 16)
+    pairs = int(head_dim * partial) // 2
     return dict(original_max_position_embeddings=switch, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=switch, partial_rotary_factor=partial,
         short_factor=[1.0 + 0.1 * i for i in range(pairs)], long_factor=[2.0 + 3.0 * i for i in range(pairs)]))
@@ -527,6 +527,23 @@ def qwen3_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
     folder = tmp_path_factory.mktemp("qwen3")
     profile = profile_of(tiny_model_dir("qwen3", head_dim=128), tiny_corpus, folder)
+    nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
+    return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
+
+
+# a tiny Phi-4-mini at head_dim 64: LongRoPE over 0.75 of each head (cos/sin scaled), switching at 16 tokens
+PHI4_MINI = dict(hidden_size=256, **longrope(16, 0.75, head_dim=64))
+
+
+@pytest.fixture(scope="session")
+def phi4_mini_kvquant_bundle(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """The default kvquant recipe for the tiny Phi-4-mini (PHI4_MINI), profiled past its switch."""
+    from kvcal.bundle import write_bundle
+    from kvcal.calibration import build_bundle
+    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
+
+    folder = tmp_path_factory.mktemp("phi4-mini")
+    profile = profile_of(tiny_model_dir("phi3", **PHI4_MINI), tiny_corpus, folder)
     nuq = write_nuq(folder / "nuq3.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
     return write_bundle(folder / "kvquant.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 

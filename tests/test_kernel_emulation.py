@@ -368,6 +368,21 @@ def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_run
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)  # fp16 operands on tensor cores: 1.3e-3 here
 
 
+def test_emulated_tensor_core_kernel_decodes_a_tiny_phi4_mini_past_its_longrope_switch_like_the_reference_runtime(
+        on_cpu, phi4_mini_kvquant_bundle):
+    """A tiny Phi-4-mini at head_dim 64 (LongRoPE over 48 of its 64 channels, cos/sin scaled; the 100-token prefill
+    past its switch) under the default kvquant recipe, on a left-padded batch: its pre-RoPE keys rotated in the
+    kernel by the long frequencies, the channels RoPE leaves alone read divided by the scaling, the reference
+    runtime's logits."""
+    from conftest import PHI4_MINI, tiny_model
+
+    got, cache, want = kernels_and_reference(tiny_model("phi3", **PHI4_MINI), phi4_mini_kvquant_bundle)
+    assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers) and cache.long_era
+    assert on_cpu == [TENSOR_CORE_VARIANTS["kvquant"].name] * (10 * len(cache.layers))
+    # fp16 operands on tensor cores: 6.5e-4 here; the kernel rotating by the short frequencies: 6.5e-2
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("bundle_name,variants", [("kvmix-two-widths", TWO_WIDTH_VARIANTS), ("mixed", MIXED_VARIANTS)])
 def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_reference_runtime(on_cpu, head_dim_64_bundles,
                                                                                             bundle_name, variants):
