@@ -46,12 +46,15 @@ def test_all_fp16_chunks_decode_like_the_fp_model():
 
 def test_generate_crossing_longropes_switch_after_compression_is_refused():
     """Phi-3's generate drops the cache at LongRoPE's switch to compute the sequence again: a prefill would not make
-    the compressed chunks again (the tiny Phi-3's switch: 32 tokens, a chunk of context then 4 query tokens)."""
+    the compressed chunks again (the tiny Phi-3's switch: 32 tokens, a chunk of context then 4 query tokens). Emptied,
+    the cache is a prefill's to fill again."""
     model = tiny_model("phi3", **longrope(32))
     ids = torch.randint(3, 512, (1, 36), generator=torch.Generator().manual_seed(8))
     with compressed_cache(model, ids[:, :32], [4]) as cache:
         with pytest.raises(KvcalError, match="compressed after its prefill"):
             model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        cache.reset()  # empty, it is a prefill's to fill again
+        assert cache.refillable and cache.tokens() == []
 
 
 def test_default_encoder_ranks_the_matching_text_first():

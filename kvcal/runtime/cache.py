@@ -584,7 +584,7 @@ class WiredCache(Cache):
         """Empty the cache (transformers' Cache.reset), to be filled again from the next step on."""
         super().reset()
         self.lengths = self.position_offset = self._plan = self.long_era = None
-        self._rope_rows = {}
+        self._rope_rows, self.refillable = {}, True
 
     def running_plan(self) -> StepPlan:
         """The running step's StepPlan, for a layer reading another's cache (which made it)."""
