@@ -618,12 +618,13 @@ def _attention_chunks(config, decoder_types: list[str]) -> list[int | None]:
     return [chunk if kind == "chunked_attention" else None for kind in decoder_types]
 
 
-def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
+def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str]) -> list[bool]:
     """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and
     Kolibri-1's full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
     prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's of a
-    non-zero layer_rope_theta, Beam's of a type with rope parameters; every layer elsewhere."""
+    non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`, _rope_free_types); every
+    layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
@@ -632,7 +633,6 @@ def _rotated_layers(config, model_type: str, num_layers: int) -> list[bool]:
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
     if model_type in _ROTARY_PER_BASE:
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
-    rope_free = _rope_free_types(config)
     if rope_free:
         return [kind not in rope_free for kind in config.layer_types][:num_layers]
     global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None
@@ -677,7 +677,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
                               text_type in _HALVES_SWAPPED_ROPE, where) if rotary is not None else None)
     for handle in handles:
         handle.rope_order = rope_order
-    rotated = attending_only(_rotated_layers(config, text_type, num_layers)) if rotary is not None else [False] * len(handles)
+    rotated = (attending_only(_rotated_layers(config, text_type, num_layers, rope_free)) if rotary is not None
+               else [False] * len(handles))
     readers = _reader_layers(layers, sharing, decoder_types, attending, where)
     if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
         raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
