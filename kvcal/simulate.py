@@ -267,10 +267,11 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
         raise ValueError(f"{method.name} has {len(method.layers)} layers, the model {len(adapter.layers)}")
     _register_attention()
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
+    # each layer's frequencies kept for the last two window lengths: reading them copies from the model's device
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
-                             functools.partial(adapter.layer_inv_freq, i), adapter.layer_rope_scaling(i), tally,
-                             adapter.spans[i], adapter.layers[i].sinks, adapter.softcap,
-                             keep_reads=bool(adapter.readers_of(i)))
+                             functools.lru_cache(maxsize=2)(functools.partial(adapter.layer_inv_freq, i)),
+                             adapter.layer_rope_scaling(i), tally, adapter.spans[i], adapter.layers[i].sinks,
+                             adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)
