@@ -149,6 +149,20 @@ def _settings_by_brute_force(costs: dict, num_layers: int, plain_costs: dict):
                         yield tuple(types), sum(table[t][i] for i, t in enumerate(types))
 
 
+def _least_pair_cost(k_settings: np.ndarray, v_settings: np.ndarray, budget: float) -> float:
+    """The least k cost + v cost over every pair of settings (rows of (mean bits, cost, all f16)) whose mean bits fit
+    `budget`, not both all f16: for each K setting the cheapest V setting within what its bits leave (a prefix
+    minimum over the V settings in order of bits)."""
+    order = np.argsort(v_settings[:, 0], kind="stable")
+    v_bits, v_cost, v_f16 = v_settings[order].T
+    cheapest = np.minimum.accumulate(v_cost)
+    cheapest_quantized = np.minimum.accumulate(np.where(v_f16 == 1, np.inf, v_cost))
+    fitting = np.searchsorted(v_bits, 2 * budget - k_settings[:, 0] + 1e-9, side="right")
+    within = fitting > 0
+    v_best = np.where(k_settings[:, 2] == 1, cheapest_quantized, cheapest)[np.maximum(fitting, 1) - 1]
+    return float(np.min(np.where(within, k_settings[:, 1] + v_best, np.inf)))
+
+
 @pytest.mark.parametrize("widths", [None, [32, 64, 32]], ids=["alike", "a-wider-layer"])
 def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_budget(widths):
     """On 3 layers with random per-layer costs (f16 free; the unrotated ones that an f16 base's ends take apart),
@@ -160,13 +174,12 @@ def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_b
     rng = np.random.default_rng(0)
     costs, plain = ({tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()}
                      for tensor in "kv"} for _ in range(2))
-    brute = {tensor: [(sum(w * bits[t] for w, t in zip(weights, types)) / weights.sum(), cost, types)
-                      for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])]
+    brute = {tensor: np.array([(sum(w * bits[t] for w, t in zip(weights, types)) / weights.sum(), cost, set(types) == {"f16"})
+                               for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])])
              for tensor in "kv"}
     for budget in (4.5, 5.0, 6.2, 9.0, 12.0, 15.9):
         k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget, plain, widths)
-        best = min(ck + cv for bk, ck, tk in brute["k"] for bv, cv, tv in brute["v"]
-                   if bk + bv <= 2 * budget + 1e-9 and set(tk + tv) != {"f16"})
+        best = _least_pair_cost(brute["k"], brute["v"], budget)
         assert k.cost + v.cost == pytest.approx(best, rel=1e-12) and (k.bits + v.bits) / 2 <= budget + 1e-9
 
 
