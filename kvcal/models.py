@@ -3,8 +3,10 @@ on PyPI (DEFAULT_MODEL_NAME, PACKAGED_MODELS)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +125,12 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     if device == "auto":
         kwargs["device_map"] = "auto"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-        config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-        if config.model_type in _LOADED_AS_TEXT_MODEL:
-            config = config.get_text_config(decoder=True)
-        model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
+        with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+            if config.model_type in _LOADED_AS_TEXT_MODEL:
+                config = config.get_text_config(decoder=True)
+            model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvcalError(f"could not load model '{source.spec}': {first_line}") from exc
@@ -135,6 +138,35 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         model = model.to("cuda")
     model.eval()
     return model, tokenizer, source
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """Within the block gguf gives one reader per file and one tensor name map per (architecture, layers): transformers
+    reads a GGUF file's metadata in full for the tokenizer, the config and the weights alike (a reader parses every
+    vocabulary entry when made), and makes the name map again for every module of the model. Both are read-only
+    once made."""
+    import gguf
+
+    readers, name_maps = {}, {}
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = original_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # transformers imports both from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def _model_class(config):

@@ -65,3 +65,34 @@ def test_a_llama4_checkpoint_loads_as_its_text_decoder_and_names_the_same_model_
         assert type(loaded).__name__ == "Llama4ForCausalLM" and torch.equal(loaded(ids).logits, composite(input_ids=ids).logits)
     assert adapt(loaded).chunks == [16, None]
     assert adapt(loaded).fingerprint() == adapt(composite).fingerprint()
+
+
+@pytest.mark.model
+def test_a_gguf_file_is_parsed_once_for_its_tokenizer_config_and_weights(monkeypatch):
+    """transformers reads the packaged SmolLM2's GGUF metadata for the tokenizer, the config and the weights, and makes
+    gguf's tensor name map for every module: load_model has one reader and one name map made, and puts gguf's own
+    functions back after."""
+    import gguf
+    import torch
+
+    from kvcal.models import load_model
+
+    readers, name_maps = [], []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            readers.append(path)
+            super().__init__(path, mode)
+
+    def counted_name_map(arch, n_blocks):
+        name_maps.append((arch, n_blocks))
+        return gguf.tensor_mapping.TensorNameMap(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_name_map)
+    model, tokenizer, _ = load_model(None)
+    assert len(readers) == 1 and len(name_maps) == 1
+    assert gguf.GGUFReader is CountedReader and gguf.get_tensor_name_map is counted_name_map
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids).logits).all()
