@@ -3,6 +3,7 @@ downloaded), a tiny byte-level BPE tokenizer trained on Python's own docs, and t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,11 @@ def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
 
 
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n auto`: as many workers as cores, so each computes on one thread
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):
