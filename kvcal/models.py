@@ -147,14 +147,27 @@ def _gguf_read_once():
     vocabulary entry when made), and makes the name map again for every module of the model. Both are read-only
     once made."""
     import gguf
+    import numpy as np
 
     readers, name_maps = {}, {}
     original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
+    class PlainViewReader(original_reader):
+        """Its file's map held as a plain ndarray: every field and tensor is a view of it, and a view of a np.memmap
+        runs memmap's Python __array_finalize__ (most of a parse's time); the same bytes, still read lazily."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = mapped.view(np.ndarray)
+
     def reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = original_reader(path, mode)
+            readers[key] = PlainViewReader(path, mode)
         return readers[key]
 
     def name_map(arch, n_blocks):
