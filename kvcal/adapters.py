@@ -8,17 +8,18 @@ modeling file:
   Nemotron, StarCoder2, Arcee, CWM, Gemma, Gemma 2, VaultGemma, InternLM3, Solar Open, Jais 2, HyperCLOVA X, OLMo (the
   first), BitNet: separate q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Kolibri-1 (kolibri1), Apertus, Hy3 (hy_v3), dots.llm1
-  (dots1), GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B (q/k_layernorm), Mellum, AFMoE, and the attention
-  layers of Qwen3.5, Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo, OLMo
-  Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's output
-  where the model has one, else the k_proj output;
-- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia):
-  each head's q, k and v in turn in one query_key_value; Phi (Phi-2) and GPT-NeoX name the output projection dense,
-  LFM2 out_proj.
+  (dots1), GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B and Persimmon (q/k_layernorm), Mellum, AFMoE, and
+  the attention layers of Qwen3.5, Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
+  OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's
+  output where the model has one, else the k_proj output;
+- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia)
+  and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon name the
+  output projection dense, LFM2 out_proj.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
-GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX and Phi-4-mini rotate only the first channels of each head
-(partial_rotary_factor). kvcal reads queries and keys of those in its own order (kvcal.rope.rotate_half_order:
-`rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a frequency of zero.
+GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
+of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
+(kvcal.rope.rotate_half_order: `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a
+frequency of zero.
 Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
@@ -109,7 +110,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode")
+                         "gpt_bigcode", "persimmon")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",

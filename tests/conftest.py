@@ -245,6 +245,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(head_dim=16, intermediate_size=32, intermediate_size_mlp=128, attention_chunk_size=TINY_WINDOW,
                       no_rope_layers=[1, 0], num_local_experts=4, num_experts_per_tok=4, use_qk_norm=True, floor_scale=8,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    if model_type == "persimmon":  # as Persimmon-8B: a LayerNorm per head on q and k, RoPE over half of each head, each
+        # head's q, k, v side by side in one query_key_value, no GQA
+        del common["num_key_value_heads"], common["rope_theta"]
+        common.update(qk_layernorm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)

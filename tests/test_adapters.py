@@ -11,7 +11,7 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", *GEMMA4)
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
 # for their NoPE layer
@@ -26,8 +26,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
     assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
-    # GPT-NeoX, OPT and GPT-2 have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
-    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2") else 1 if model_type == "gpt_bigcode" else 2
+    # GPT-NeoX, OPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
+    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
               [(kv_heads, 16)] * 2)
@@ -40,9 +40,9 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
-    # Phi-3's, GPT-NeoX's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "gpt2": "c_attn",
-                                         "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
+    # Phi-3's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "persimmon": "query_key_value",
+                                         "gpt2": "c_attn", "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output

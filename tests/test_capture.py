@@ -66,10 +66,10 @@ def unrotated_scale(model, layer: int, head_dim: int) -> torch.Tensor:
 
 
 def key_and_value_sources(model, layer: int):
-    """Per side (keys, values): (the module whose output holds it, the projection whose weight makes it, its columns of
-    that output and rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
-    query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query), GPT-2's c_attn
-    side by side (a Conv1D: its weight's columns)."""
+    """Per side (keys, values): (the module whose output holds it, its columns of that output, the projection whose
+    weight makes it, its rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
+    query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query; Persimmon's, its
+    keys normed per head after it), GPT-2's c_attn side by side (a Conv1D: its weight's columns)."""
     attention, config = attention_of(model, layer), text_config(model)
     in_turn = getattr(attention, "query_key_value", None)
     if getattr(attention, "multi_query", None) is False:
@@ -77,19 +77,25 @@ def key_and_value_sources(model, layer: int):
     if in_turn is not None:
         head_dim = config.hidden_size // config.num_attention_heads
         per_head = torch.arange(3 * config.hidden_size).view(config.num_attention_heads, 3, head_dim)
-        return (in_turn, in_turn, per_head[:, 1].flatten()), (in_turn, in_turn, per_head[:, 2].flatten())
+        keys, values = per_head[:, 1].flatten(), per_head[:, 2].flatten()
+        normed = getattr(attention, "k_layernorm", None)
+        key_source = (normed, slice(None)) if normed is not None else (in_turn, keys)
+        return (*key_source, in_turn, keys), (in_turn, values, in_turn, values)
     if hasattr(attention, "c_attn"):  # (GPT-BigCode's multi-query: one KV head)
         fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
-        return (fused, fused, slice(q, q + kv)), (fused, fused, slice(q + kv, None))
+        keys, values = slice(q, q + kv), slice(q + kv, None)
+        return (fused, keys, fused, keys), (fused, values, fused, values)
     if hasattr(attention, "qkv_proj"):
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        return (attention.qkv_proj, attention.qkv_proj, slice(q, q + kv)), (attention.qkv_proj, attention.qkv_proj, slice(q + kv, None))
+        fused, keys, values = attention.qkv_proj, slice(q, q + kv), slice(q + kv, None)
+        return (fused, keys, fused, keys), (fused, values, fused, values)
     # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key), NanoChat's k_norm
     key_source = (getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)
                   or getattr(attention, "qk_norm", None) or attention.k_proj)
     value_source = getattr(attention, "v_norm", None) or attention.v_proj  # Gemma 3n: its values normed
-    return (key_source, attention.k_proj, slice(None)), (value_source, attention.v_proj, slice(None))
+    every = slice(None)
+    return (key_source, every, attention.k_proj, every), (value_source, every, attention.v_proj, every)
 
 
 def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,20 +150,20 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         outputs = {}
         handles = []
         for i in layers:
-            for side, (module, _, _) in zip("kv", sources[i]):
+            for side, (module, *_) in zip("kv", sources[i]):
                 handles.append(module.register_forward_hook(lambda m, a, out, key=(side, i): outputs.__setitem__(key, out)))
         ids = window[None]
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         for h in handles:
             h.remove()
-        weights = [sources[i][side][1].weight for side in (0, 1) for i in layers]
+        projections = [sources[i][side][2] for side in (0, 1) for i in layers]
         activations = [outputs[side, i] for side in "kv" for i in layers]
-        grads = torch.autograd.grad(loss, weights + activations)
+        grads = torch.autograd.grad(loss, [projection.weight for projection in projections] + activations)
         n = len(layers)
-        columns = [sources[i][side][2] for side in (0, 1) for i in layers]
-        projections = [sources[i][side][1] for side in (0, 1) for i in layers]
-        rows = [g[:, c] if isinstance(projection, Conv1D) else g[c]  # (Conv1D: weight (inputs, outputs))
-                for g, c, projection in zip(grads[: 2 * n], columns, projections)]
+        columns = [sources[i][side][1] for side in (0, 1) for i in layers]  # of the activations
+        weight_rows = [sources[i][side][3] for side in (0, 1) for i in layers]
+        rows = [g[:, r] if isinstance(projection, Conv1D) else g[r]  # (Conv1D: weight (inputs, outputs))
+                for g, r, projection in zip(grads[: 2 * n], weight_rows, projections)]
         norms[0] += torch.stack([r.double().norm() for r in rows[:n]])
         norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
@@ -182,7 +188,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach() * key_multiplier
-            keys = keys if heads_first else keys[..., sources[i][0][2]]
+            keys = keys if heads_first else keys.flatten(2)[..., sources[i][0][1]]
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
