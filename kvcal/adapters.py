@@ -9,7 +9,7 @@ modeling file:
   first), BitNet: separate q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Kolibri-1 (kolibri1), Apertus, Hy3 (hy_v3), dots.llm1
   (dots1), GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B and Persimmon (q/k_layernorm), Mellum, AFMoE, and
-  the attention layers of Qwen3.5, Qwen3-Next and LFM2: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
+  the attention layers of Qwen3.5, Qwen3-Next, LFM2 and LFM3: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
   OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's
   output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia)
@@ -110,7 +110,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon")
+                         "gpt_bigcode", "persimmon", "lfm3")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -594,9 +594,10 @@ def _rope_free_types(config) -> set[str]:
 
 
 def _layer_types(config, num_layers: int) -> list[str | None]:
-    """Per layer, the name its frequencies go by: the config's layer type where the rope parameters are per type."""
+    """Per layer, the name its frequencies go by: the config's layer type where the rope parameters are per type (of
+    the attention layers: a hybrid's state layers have none)."""
     types, rope = getattr(config, "layer_types", None), getattr(config, "rope_parameters", None)
-    if types and isinstance(rope, dict) and all(kind in rope for kind in types):
+    if types and isinstance(rope, dict) and all(kind in rope for kind in types if kind not in _STATE_LAYER_TYPES):
         return list(types)[:num_layers]
     return [None] * num_layers
 

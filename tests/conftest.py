@@ -37,7 +37,7 @@ QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_fac
 IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "granitemoehybrid",
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid",
           "nemotron_h", "jamba")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
@@ -215,11 +215,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, original_max_position_embeddings=64))
         del common["rope_theta"]
     if model_type in HYBRID:  # a layer with a recurrent state (gated DeltaNet; LFM2's convolution) before each attention one
-        state = "conv" if model_type.startswith("lfm2") else "linear_attention"
+        state = "conv" if model_type.startswith("lfm") else "linear_attention"
         other = "mlp" if model_type == "nemotron_h" else state
         common.update(num_hidden_layers=4, head_dim=16)
         if model_type != "jamba":  # (Jamba's follow from its attention layers' period)
             common["layer_types"] = [state, "full_attention", other, "full_attention"]
+    if model_type == "lfm3":  # as LFM3: its first attention layer slides (its own RoPE), its full one rotates half of each
+        # head (proportional RoPE, its config's default); its default token ids are past TINY_VOCAB
+        del common["rope_theta"]
+        common.update(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=TINY_WINDOW,
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"):
         common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if model_type == "granitemoehybrid":  # no RoPE (as Granite 4.0-H: position_embedding_type left unset)

@@ -552,11 +552,12 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 
 SLIDING = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
-           **{kind: dict(sliding_window=8) for kind in ALTERNATING},  # layer 0 sliding, layer 1 full
+           **{kind: dict(sliding_window=8) for kind in (*ALTERNATING, "lfm3")},  # layer 0 sliding, layer 1 full
            "llama4_text": dict(attention_chunk_size=8)}  # layer 0 chunked, layer 1 full
 # their caches need a window size (Gemma 3n's tiny model: 4 layers)
 UNWINDOWED = {**{kind: dict(layer_types=["full_attention"] * (4 if kind in ("gemma3n_text", *GEMMA4) else 2))
-                 for kind in ALTERNATING}, "llama4_text": dict(attention_chunk_size=64)}
+                 for kind in ALTERNATING}, "llama4_text": dict(attention_chunk_size=64),
+              "lfm3": dict(layer_types=["conv", "full_attention", "conv", "full_attention"])}
 
 
 @pytest.mark.parametrize("model_type", SLIDING)
