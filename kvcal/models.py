@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def default_model_gguf() -> Path:
 def chunked_model_gguf(package: str, install: str) -> Path:
     """The GGUF file a chunked package ships (Gemma 3 270M: four part packages joined by its `assemble()`, which checks
     the sha256): where the package already assembled it, else assembled once into kvcal's cache folder
-    ($KVCAL_CACHE_DIR/models, default ~/.cache/kvcal/models)."""
+    ($KVCAL_CACHE_DIR/models, default ~/.cache/kvcal/models), under a temporary name renamed into place: `assemble()`
+    writes its target in place, which a concurrent first use (another process, a test worker) would read half made."""
     if importlib.util.find_spec(package) is None:
         raise KvcalError(f"the model package {package} is not installed: run `{install}`")
     module = importlib.import_module(package)
@@ -75,7 +77,11 @@ def chunked_model_gguf(package: str, install: str) -> Path:
     if not target.is_file():
         target = cache_dir() / "models" / module.MODEL_NAME
     try:
-        return Path(module.assemble(target))
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+                os.replace(module.assemble(Path(folder) / target.name), target)
+        return Path(module.assemble(target))  # (an existing file: its sha256 checked)
     except (OSError, ValueError) as exc:
         raise KvcalError(f"could not assemble the model of {package} into {target}: {exc}; reinstall it: `{install}`") from exc
 

