@@ -9,9 +9,9 @@ modeling file:
   first), BitNet: separate q/k/v_proj (the MoE models' experts are in the MLP only);
 - Qwen3, Qwen3-MoE, Gemma 3, EXAONE 4, K-EXAONE (exaone_moe), Kolibri-1 (kolibri1), Apertus, Hy3 (hy_v3), dots.llm1
   (dots1), GLM-4.5 (glm4_moe), Command R+ (cohere), StableLM 2 12B and Persimmon (q/k_layernorm), Mellum, AFMoE, and
-  the attention layers of Qwen3.5, Qwen3-Next, LFM2 and LFM3: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE, FlexOlmo,
-  OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key norm's
-  output where the model has one, else the k_proj output;
+  the attention layers of Qwen3.5, Qwen3-Next, LFM2 and LFM3: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE,
+  FlexOlmo, OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key
+  norm's output where the model has one, else the k_proj output;
 - Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia)
   and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon name the
   output projection dense, LFM2 out_proj.

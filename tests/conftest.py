@@ -37,7 +37,8 @@ QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_fac
 IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid",
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
+          "granitemoehybrid",
           "nemotron_h", "jamba")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
@@ -220,8 +221,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_hidden_layers=4, head_dim=16)
         if model_type != "jamba":  # (Jamba's follow from its attention layers' period)
             common["layer_types"] = [state, "full_attention", other, "full_attention"]
-    if model_type == "lfm3":  # as LFM3: its first attention layer slides (its own RoPE), its full one rotates half of each
-        # head (proportional RoPE, its config's default); its default token ids are past TINY_VOCAB
+    if model_type == "lfm3":  # as LFM3: its first attention layer slides (its own RoPE), its full one rotates half of
+        # each head (proportional RoPE, its config's default); its default token ids are past TINY_VOCAB
         del common["rope_theta"]
         common.update(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=TINY_WINDOW,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2)
@@ -251,10 +252,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       no_rope_layers=[1, 0], num_local_experts=4, num_experts_per_tok=4, use_qk_norm=True, floor_scale=8,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "persimmon":  # as Persimmon-8B: a LayerNorm per head on q and k, RoPE over half of each head, each
-        # head's q, k, v side by side in one query_key_value, no GQA
+        # head's q, k and v in turn in one query_key_value, no GQA
         del common["num_key_value_heads"], common["rope_theta"]
-        common.update(qk_layernorm=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
-                      pad_token_id=None, bos_token_id=1, eos_token_id=2)
+        common.update(qk_layernorm=True, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)

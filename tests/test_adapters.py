@@ -42,8 +42,9 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
     # Phi-3's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "persimmon": "query_key_value",
-                                         "gpt2": "c_attn", "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value",
+                                         "persimmon": "query_key_value", "gpt2": "c_attn",
+                                         "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output

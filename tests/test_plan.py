@@ -174,7 +174,8 @@ def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_b
     rng = np.random.default_rng(0)
     costs, plain = ({tensor: {t: (np.zeros(3) if t == "f16" else rng.random(3) * (20 - b)) for t, b in bits.items()}
                      for tensor in "kv"} for _ in range(2))
-    brute = {tensor: np.array([(sum(w * bits[t] for w, t in zip(weights, types)) / weights.sum(), cost, set(types) == {"f16"})
+    brute = {tensor: np.array([(sum(w * bits[t] for w, t in zip(weights, types)) / weights.sum(), cost,
+                                set(types) == {"f16"})
                                for types, cost in _settings_by_brute_force(costs[tensor], 3, plain[tensor])])
              for tensor in "kv"}
     for budget in (4.5, 5.0, 6.2, 9.0, 12.0, 15.9):
