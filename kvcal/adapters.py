@@ -80,6 +80,10 @@ shorter than that). LongRoPE (Phi-3.5's, Phi-4-mini's) rotates by two sets of fr
 reach past original_max_position_embeddings rotates every token by its long set (`long_rope`), a shorter one by its
 short set, and generate recomputes the sequence when it first crosses over (kvcal.runtime.cache follows). Refused,
 beside other architectures: frequencies that change with every sequence length (dynamic NTK).
+Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches per token one latent that every head
+shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
+latent (`value_dims`), attended over exactly as cached (LatentAttention); evaluated in simulation so far, refused
+elsewhere (ModelAdapter.refuse_latent).
 """
 
 from __future__ import annotations
@@ -111,6 +115,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3")
+# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention), evaluated in simulation so far: the runtime cache,
+# the capture and the exports refuse these (kvcal.adapters.latent_refusal)
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -153,6 +160,34 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
 
 
 @dataclass
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2's MLA). A token caches one latent c (kv_lora_rank channels, the
+    kv_a_layernorm output) shared by every head, and one key k_rope of qk_rope_head_dim channels that RoPE rotates;
+    head h's key is [W_UK^h c ; k_rope] and its value W_UV^h c (kv_b_proj's rows: per head nope_dim of W_UK, then
+    value_dim of W_UV). Attention is exact over the cache as stored: q . key = (q_nope W_UK^h) . c + q_rope . k_rope,
+    and the output is W_UV^h (p . c). kvcal caches k_rope as the key (one KV head) and the latent as the value."""
+
+    kv_b_proj: nn.Linear
+    nope_dim: int  # the channels of each head's query and key that RoPE leaves alone, before its rotated ones
+    value_dim: int  # the channels of each head's output
+    # RoPE leaves the query's and key's rotated channels in kvcal's order (rope_interleave de-interleaves them), not the
+    # model's: the query attention is handed, and the rotated key transformers' cache is handed
+    rope_in_order: bool
+
+    def _per_head(self) -> torch.Tensor:
+        """(heads, nope_dim + value_dim, latent channels): W_UK^h above W_UV^h."""
+        return self.kv_b_proj.weight.unflatten(0, (-1, self.nope_dim + self.value_dim))
+
+    def latent_query(self, query: torch.Tensor) -> torch.Tensor:
+        """(..., heads, tokens, nope_dim) -> (..., heads, tokens, latent channels): q_nope W_UK^h, in float32."""
+        return query.float() @ self._per_head()[:, : self.nope_dim].float()
+
+    def head_outputs(self, latent_outputs: torch.Tensor) -> torch.Tensor:
+        """(..., heads, tokens, latent channels) -> (..., heads, tokens, value_dim): W_UV^h (p . c), in float32."""
+        return latent_outputs.float() @ self._per_head()[:, self.nope_dim :].float().transpose(-1, -2)
+
+
+@dataclass
 class LayerHandles:
     index: int
     attention: nn.Module
@@ -180,6 +215,7 @@ class LayerHandles:
     # each of q, k, v: its output columns of its projection (all of them, but in a fused one: a slice where the three lie
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
+    latent: LatentAttention | None = None  # MLA: k_proj and v_proj are kv_a_proj_with_mqa, v_norm its kv_a_layernorm
 
     @property
     def query_source(self) -> nn.Module:
@@ -267,6 +303,8 @@ class ModelAdapter:
     num_heads: int
     kv_heads: list[int]  # per layer, its KV heads (Gemma 4: fewer on its full-attention layers)
     head_dims: list[int]  # per layer, the channels of each of its heads, query and KV (Gemma 4: twice as many on full ones)
+    # per layer, the channels of each of its KV heads' values: head_dims but where the latent is the value (MLA)
+    value_dims: list[int]
     max_positions: int
     rotary: nn.Module | None  # None: no layer applies RoPE (_NOPE_WITHOUT_ROTARY)
     config_dict: dict
@@ -306,13 +344,30 @@ class ModelAdapter:
         """What the decoder holds besides its layers' KV caches (decoder_kind of its fingerprint)."""
         return decoder_kind(self.fingerprint())
 
+    def refuse_latent(self, what: str) -> None:
+        """Refuse `what` (a kvcal cache, the capture, an export) for an MLA model, which kvcal evaluates in simulation
+        so far (and decodes with an engine's cache type in transformers' own cache: kvcal.simulate.QuantizedOnWrite)."""
+        if self.latent:
+            raise KvcalError(f"{self.model_type}: kvcal serves its multi-head latent attention (MLA) in `kvcal eval ppl "
+                             f"--baseline` so far; {what} does not take it yet")
+
     def readers_of(self, layer: int) -> list[ReaderLayer]:
         return [reader for reader in self.readers if reader.source == layer]
 
     @property
     def kv_widths(self) -> list[int]:
-        """Per layer, the channels of one token's keys (or values): its KV heads side by side."""
+        """Per layer, the channels of one token's keys (and values, but of MLA): its KV heads side by side."""
         return [kv_heads * head_dim for kv_heads, head_dim in zip(self.kv_heads, self.head_dims)]
+
+    @property
+    def value_widths(self) -> list[int]:
+        """Per layer, the channels of one token's values: its KV heads side by side."""
+        return [kv_heads * value_dim for kv_heads, value_dim in zip(self.kv_heads, self.value_dims)]
+
+    @property
+    def latent(self) -> bool:
+        """Whether the model's attention is multi-head latent attention (LatentAttention), its values the latent."""
+        return self.layers[0].latent is not None
 
     def in_rope_order(self, heads: torch.Tensor) -> torch.Tensor:
         """Queries or keys (..., head_dim) of the model in kvcal's channel order (kvcal.rope.rotate_half_order)."""
@@ -383,6 +438,8 @@ class ModelAdapter:
             fingerprint["attention_layers"] = list(self.model_layers)
         if len(set(zip(self.kv_heads, self.head_dims))) > 1:  # each layer's, where they differ (kv_shapes reads either)
             fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
+        if self.latent:  # MLA: its values (the latent) are as wide as no head
+            fingerprint["value_dim"] = self.value_dims[0]
         return fingerprint
 
 
@@ -521,6 +578,29 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config) -> LayerHandles:
+    """The handles of an MLA decoder layer (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
+    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query)."""
+    where = f"{where}: decoder layer {decoder_index}"
+    attention = _find_attention(layer, where)
+    parts = {name: getattr(attention, name, None)
+             for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
+    query = getattr(attention, "q_proj", None) or getattr(attention, "q_b_proj", None)
+    if query is None or None in parts.values():
+        children = ", ".join(n for n, _ in attention.named_children())
+        raise KvcalError(f"{where}: could not find q_proj (or q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and "
+                         f"o_proj in its latent attention (found: {children})")
+    rank, rotated = config.kv_lora_rank, config.qk_rope_head_dim
+    if parts["kv_a_proj_with_mqa"].out_features != rank + rotated:
+        raise KvcalError(f"{where}: kv_a_proj_with_mqa has {parts['kv_a_proj_with_mqa'].out_features} outputs, expected "
+                         f"{rank} + {rotated} (kv_lora_rank + qk_rope_head_dim)")
+    latent = LatentAttention(parts["kv_b_proj"], config.qk_nope_head_dim, config.v_head_dim,
+                             rope_in_order=bool(getattr(config, "rope_interleave", False)))
+    projection = parts["kv_a_proj_with_mqa"]
+    return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
+                        columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent)
+
+
 def _rotary_name(kind: str | None, name: str) -> str:
     """The rotary module's attribute `name` for layers of type `kind` (None: the one set of every layer)."""
     return name if kind is None else f"{kind}_{name}"
@@ -655,6 +735,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     num_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
+    latent = text_type in LATENT_ATTENTION_TYPES
+    if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention)
+        kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim] * num_layers
+    value_dims = [config.kv_lora_rank] * num_layers if latent else head_dims
     decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS
@@ -662,12 +746,14 @@ def adapt(model: nn.Module) -> ModelAdapter:
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
-    handles = [_layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
+    handles = [_latent_handles(layers[m], i, m, where, config) if latent else
+               _layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
+        raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
-    kinds, kv_heads, head_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims))
+    kinds, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims,
+                                                                  value_dims))
     layer_rotaries = (tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE
                       else ())
     rope_free = _rope_free_types(config)
@@ -675,7 +761,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotating_kinds, rotating_dims = [kind for kind, _ in rotating], [head_dim for _, head_dim in rotating]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
-    rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, text_type in _INTERLEAVED_ROPE,
+    # MLA's RoPE pairs neighbours in DeepSeek-V2's (complex rotation) and where rope_interleave says so
+    interleaved = text_type in _INTERLEAVED_ROPE or latent and (text_type == "deepseek_v2" or
+                                                                bool(getattr(config, "rope_interleave", False)))
+    rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, interleaved,
                               text_type in _HALVES_SWAPPED_ROPE, where) if rotary is not None else None)
     for handle in handles:
         handle.rope_order = rope_order
@@ -700,6 +789,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         num_heads=num_heads,
         kv_heads=kv_heads,
         head_dims=head_dims,
+        value_dims=value_dims,
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         rotary=rotary,
         config_dict=config.to_dict(),

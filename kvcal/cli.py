@@ -532,8 +532,9 @@ def eval_ppl_command(
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind)
-                                                     for spec in baselines]
+    methods = [method for _, method in artifacts] + [
+        baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims)
+        for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
     with _progress() as progress:
@@ -679,7 +680,7 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
     for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims)
         QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

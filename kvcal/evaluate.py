@@ -69,10 +69,9 @@ def evaluate_ppl(model, adapter: ModelAdapter, windows: torch.Tensor, methods: l
             if method is None:
                 results.append(PplResult("fp", None, 16.0, 16.0, 16.0, None, ppl))
                 continue
-            elements = tally.elements
             results.append(PplResult(
-                method.name, method.nominal_bits, tally.effective_bits, tally.key_bits / elements,
-                tally.value_bits / elements, tally.outliers / (2 * elements), ppl,
+                method.name, method.nominal_bits, tally.effective_bits, tally.key_bits / tally.key_elements,
+                tally.value_bits / tally.value_elements, tally.outliers / tally.elements, ppl,
                 100.0 * (ppl / results[0].ppl - 1.0),
             ))
     return results

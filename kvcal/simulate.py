@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter, adapt
+from kvcal.adapters import LatentAttention, ModelAdapter, adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softmax_with_sinks, window_dropped
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
@@ -94,12 +94,17 @@ class StorageTally:
 
     key_bits: float = 0.0
     value_bits: float = 0.0
-    elements: int = 0  # stored, per tensor kind (K and V each): a sliding-window layer's kept tokens only
+    key_elements: int = 0  # stored: a sliding-window layer's kept tokens only
+    value_elements: int = 0  # (as many as the keys' but in MLA, whose latent is wider than its key)
     outliers: int = 0
 
     @property
+    def elements(self) -> int:
+        return self.key_elements + self.value_elements
+
+    @property
     def effective_bits(self) -> float:
-        return (self.key_bits + self.value_bits) / (2 * self.elements) if self.elements else float("nan")
+        return (self.key_bits + self.value_bits) / self.elements if self.elements else float("nan")
 
     def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int, dropped: int = 0) -> None:
         """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` (the body: a run after the
@@ -121,9 +126,10 @@ class StorageTally:
             bits += 8 * (outlier_table_bytes(body, kv_heads, first) + OUTLIER_BYTES * dead)
         if tensor == "k":
             self.key_bits += bits
-            self.elements += int(kept.sum()) * channels
+            self.key_elements += int(kept.sum()) * channels
         else:
             self.value_bits += bits
+            self.value_elements += int(kept.sum()) * channels
         self.outliers += outliers
 
 
@@ -163,31 +169,51 @@ class SimulatedLayer:
         batch, heads, tokens, head_dim = query.shape
         kv_heads = key.shape[1]
         width = kv_heads * head_dim
-        key_mask, value_mask = self.masks_for(tokens, query.device)
-        positions = torch.arange(tokens, device=query.device)
-        inv_freq = self.frequencies(tokens)
         outputs, reads = [], []
         for b in range(batch):
             # The cache holds fp16: what is not quantized is read back as fp16, what is, is quantized from it.
-            keys_post = as_cached(key[b].transpose(0, 1).reshape(tokens, width))
-            values = as_cached(value[b].transpose(0, 1).reshape(tokens, width))
-            if self.scheme.key_pre_rope:
-                keys_pre = as_cached(self.pre_rope_keys[b])
-                keys_post = rotate_keys(keys_pre, positions, kv_heads, inv_freq, self.rope_scaling)
-                stored_keys = self.scheme.key_codec.quantize(keys_pre)
-                keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, inv_freq, self.rope_scaling)
-            else:
-                stored_keys = self.scheme.key_codec.quantize(keys_post)
-                keys_hat = stored_keys.values
-            stored_values = self.scheme.value_codec.quantize(values)
-            dropped = self.dropped(tokens, key_mask[-1], value_mask[-1])
-            self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
-            self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
-            read = (keys_post, keys_hat, values, stored_values.values)
+            read = self._read(b, as_cached(key[b].transpose(0, 1).reshape(tokens, width)),
+                              as_cached(value[b].transpose(0, 1).reshape(tokens, width)), kv_heads)
             reads += [read] if self.keep_reads else []  # (held past the loop only for readers)
             outputs.append(self._attend_read(query[b], read, scaling))
         self.reads = reads if self.keep_reads else None
         return torch.stack(outputs)
+
+    def attend_latent(self, query, latent_query, latents, latent: LatentAttention, scaling: float) -> torch.Tensor:
+        """MLA's attention (LatentAttention) of query (batch, heads, tokens, rotated channels) and latent_query (batch,
+        heads, tokens, latent channels) over its keys (pre_rope_keys, rotated as the cache holds them) and `latents`
+        (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim)."""
+        tokens = query.shape[2]
+        key_mask, value_mask = self.masks_for(tokens, query.device)
+        positions, inv_freq = torch.arange(tokens, device=query.device), self.frequencies(tokens)
+        outputs = []
+        for b in range(query.shape[0]):
+            keys_post = as_cached(rotate_keys(self.pre_rope_keys[b], positions, 1, inv_freq, self.rope_scaling))
+            read = self._read(b, keys_post, as_cached(latents[b]), 1)
+            out = mixed_attention(query[b].float(), *read, key_mask, value_mask, scaling, self.span, self.sinks,
+                                  self.softcap, latent_query[b])
+            outputs.append(latent.head_outputs(out).transpose(0, 1))
+        return torch.stack(outputs).to(query.dtype)
+
+    def _read(self, b: int, keys_post, values, kv_heads: int) -> tuple:
+        """Sequence b's keys (post-RoPE rows, as the cache holds them) and values as its attention reads them, fp and as
+        stored: (keys_post, keys_hat, values, values_hat); their bits go to the tally."""
+        tokens = keys_post.shape[0]
+        key_mask, value_mask = self.masks_for(tokens, keys_post.device)
+        if self.scheme.key_pre_rope:
+            positions, inv_freq = torch.arange(tokens, device=keys_post.device), self.frequencies(tokens)
+            keys_pre = as_cached(self.pre_rope_keys[b])
+            keys_post = rotate_keys(keys_pre, positions, kv_heads, inv_freq, self.rope_scaling)
+            stored_keys = self.scheme.key_codec.quantize(keys_pre)
+            keys_hat = rotate_keys(stored_keys.values, positions, kv_heads, inv_freq, self.rope_scaling)
+        else:
+            stored_keys = self.scheme.key_codec.quantize(keys_post)
+            keys_hat = stored_keys.values
+        stored_values = self.scheme.value_codec.quantize(values)
+        dropped = self.dropped(tokens, key_mask[-1], value_mask[-1])
+        self.tally.add(stored_keys, key_mask[-1], "k", kv_heads, dropped)
+        self.tally.add(stored_values, value_mask[-1], "v", kv_heads, dropped)
+        return keys_post, keys_hat, values, stored_values.values
 
     def attend_as_reader(self, query, scaling: float) -> torch.Tensor:
         """The attention of a layer reading this one's keys and values (KV sharing) over what its last attend read."""
@@ -203,13 +229,15 @@ class SimulatedLayer:
 
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
-                    span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
+                    span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                    latent_query: torch.Tensor | None = None):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
     (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a span, query t
     sees only the tokens of its sliding window or chunk (positions from 0); with sinks (heads,), each head's row of
     scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first
-    (kvcal.kv.softcapped). Keys and values are (tokens, kv_heads * head_dim); GQA shares each KV head across its query
-    heads."""
+    (kvcal.kv.softcapped). Keys are (tokens, kv_heads * head_dim), values (tokens, kv_heads * value channels); GQA
+    shares each KV head across its query heads. With a latent_query (heads, tokens, value channels) the values take
+    part in the scores as well, by their dot product with it (MLA: kvcal.adapters.LatentAttention)."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
@@ -218,7 +246,11 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
 
     positions = torch.arange(tokens, device=query.device)
     causal = span.sees(positions, positions) if span is not None else positions[None, :] <= positions[:, None]
-    scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2)) * scaling
+    scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2))
+    if latent_query is not None:
+        scores = scores + torch.where(value_mask, latent_query @ per_head(values_hat).transpose(1, 2),
+                                      latent_query @ per_head(values_fp).transpose(1, 2))
+    scores = scores * scaling
     probs = softmax_with_sinks(softcapped(scores, softcap).masked_fill(~causal, float("-inf")),
                                None if sinks is None else sinks.view(-1, 1, 1))
     return (probs * value_mask) @ per_head(values_hat) + (probs * ~value_mask) @ per_head(values_fp)
@@ -251,6 +283,12 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if slot.reader:
         return state.attend_as_reader(adapter.in_rope_order(query), scale), None
     state.pre_rope_keys = slot.pre_rope_keys
+    latent = adapter.layers[slot.index].latent
+    if latent is not None:
+        rotated = query[..., latent.nope_dim:]
+        rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated)
+        return state.attend_latent(rotated, latent.latent_query(query[..., :latent.nope_dim]), slot.latents, latent,
+                                   scale), None
     return state.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, scale), None
 
 
@@ -299,13 +337,20 @@ class QuantizedOnWrite(DynamicCache):
         if len(method.layers) != len(attending):
             raise KvcalError(f"{method.name} has {len(method.layers)} layers, the model {len(attending)}")
         self.method = method
-        self.codecs = {decoder_index: layer for decoder_index, layer in zip(attending, method.layers)}  # by layer_idx
+        # by layer_idx, the codecs of what transformers' cache holds as keys and as values: MLA's (LatentAttention) are
+        # its latent and its rotated key, which the engine stores in the model's channel order
+        self.codecs = {}
+        for decoder_index, layer, handles in zip(attending, method.layers, adapter.layers):
+            latent = handles.latent
+            if latent is not None and latent.rope_in_order:
+                layer = _in_model_order(layer, adapter.rope_order)
+            self.codecs[decoder_index] = ((layer.key_codec, layer.value_codec) if latent is None else
+                                          (layer.value_codec, layer.key_codec))
         self.kv_heads = dict(zip(attending, adapter.kv_heads))  # by layer_idx
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer = self.codecs[layer_idx]
-        return super().update(_stored(layer.key_codec, key_states), _stored(layer.value_codec, value_states), layer_idx,
-                              *args, **kwargs)
+        key_codec, value_codec = self.codecs[layer_idx]
+        return super().update(_stored(key_codec, key_states), _stored(value_codec, value_states), layer_idx, *args, **kwargs)
 
     def load(self, context) -> None:
         """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
@@ -314,12 +359,12 @@ class QuantizedOnWrite(DynamicCache):
         context's."""
         context.copy_states_into(self)
         for index, keys, values in zip(self.codecs, context.keys, context.values):
-            layer, codecs = self.layers[index], self.codecs[index]
+            layer, (key_codec, value_codec) = self.layers[index], self.codecs[index]
             # -> (batch, kv_heads, tokens, head_dim)
             heads = lambda rows, kv_heads=self.kv_heads[index]: rows.unflatten(2, (kv_heads, -1)).transpose(1, 2)
             kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
             written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
-            super().update(written(codecs.key_codec, keys), written(codecs.value_codec, values), index)
+            super().update(written(key_codec, keys), written(value_codec, values), index)
 
 
 def _stored(codec, states: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ class Slot:
     reader: bool = False  # the module reads layer `index`'s keys and values (KV sharing), keeping none of its own
     running: int = 0  # > 0 while the module's forward runs
     pre_rope_keys: torch.Tensor | None = None  # (batch, tokens, kv width) of the running forward
+    latents: torch.Tensor | None = None  # (batch, tokens, latent channels) of the running forward, an MLA layer's values
     serving: object | None = None  # what a cache's update() hands to this forward's attention
     attached: object | None = None  # an exclusive user's per-layer object (the simulation's layer state)
 
@@ -203,7 +204,7 @@ def unwire(wiring: Wiring, owner) -> None:
     for attention, layer_slot in _attention_slots(wiring):
         if _SLOTS.get(attention) is layer_slot:
             del _SLOTS[attention]
-        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = None
+        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
     _remove_hooks(wiring)
     _set_attention(wiring.switched, wiring.previous)
 
@@ -246,18 +247,23 @@ def _install_hooks(wiring: Wiring) -> None:
     for handles, layer_slot in zip(wiring.adapter.layers, wiring.slots):
         def enter(module, args, layer_slot=layer_slot):
             layer_slot.running += 1
-            layer_slot.serving = layer_slot.pre_rope_keys = None
+            layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
 
         def leave(module, args, output, layer_slot=layer_slot):
             layer_slot.running -= 1
-            layer_slot.serving = layer_slot.pre_rope_keys = None
+            layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
 
         def keep_keys(module, args, output, layer_slot=layer_slot, handles=handles):
             layer_slot.pre_rope_keys = handles.source_rows("k", output.detach())
 
+        def keep_latents(module, args, output, layer_slot=layer_slot, handles=handles):
+            layer_slot.latents = handles.source_rows("v", output.detach())
+
         wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
                          handles.attention.register_forward_hook(leave, always_call=True),
                          handles.key_source.register_forward_hook(keep_keys)]
+        if handles.latent is not None:  # (the attention is handed the values made from it, not the latent)
+            wiring.hooks.append(handles.value_source.register_forward_hook(keep_latents))
     for reader, layer_slot in zip(wiring.adapter.readers, wiring.reader_slots):
         def enter_reader(module, args, layer_slot=layer_slot):  # (keeps what the layer it reads was served)
             layer_slot.running += 1

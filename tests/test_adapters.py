@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW, longrope,
-                      tiny_model)
+from conftest import (ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, LATENT, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+                      kivi_bundle, longrope, tiny_model)
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of, score_scale
 from kvcal.errors import KvcalError
@@ -85,6 +85,54 @@ def test_kvcal_rotates_the_pre_rope_keys_as_the_model_does(model_type):
     """What the runtime and the fits assume of every supported architecture. Weights drawn wide (std 0.25) so that the
     keys are far from zero and a wrong rotation shows."""
     assert_kvcal_rotates_the_pre_rope_keys_as(tiny_model(model_type, initializer_range=0.25))
+
+
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_does(model_type):
+    """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
+    and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
+    the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
+    channel order where RoPE leaves it so (rope_interleave), else in the model's."""
+    model = tiny_model(model_type, initializer_range=0.25)
+    adapter = adapt(model)
+    config = model.config
+    assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
+    assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
+    attention = attention_module(decoder_layers(model)[1])
+    handles = adapter.layers[1]
+    assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
+    assert handles.q_proj is (attention.q_b_proj if config.q_lora_rank else attention.q_proj)
+    interleaved = model_type == "deepseek_v2" or getattr(config, "rope_interleave", False)
+    assert (adapter.rope_order is not None) == interleaved
+    sources, tokens = {}, 12
+    hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
+             for i, layer in enumerate(adapter.layers) for kind, module in (("k", layer.key_source), ("v", layer.value_source))]
+    with torch.no_grad():
+        cache = model(torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+    for hook in hooks:
+        hook.remove()
+    for i, layer in enumerate(adapter.layers):
+        pre_rope = layer.source_rows("k", sources["k", i])[0].view(tokens, 1, 64)
+        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
+        cached = cache.layers[i].values[0].transpose(0, 1)
+        cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached)
+        torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[i].keys[0, 0])
+
+
+def test_kvcal_caches_refuse_latent_attention_as_yet():
+    """kvcal's quantized cache and Cocktail's refuse an MLA model in one line naming what serves it (the capture too:
+    tests/test_cli.py)."""
+    from kvcal.policy.cocktail import cocktail_cache
+    from kvcal.runtime.cache import quantized_cache
+
+    model = tiny_model("deepseek_v3")
+    calls = {"kvcal's quantized cache": lambda: quantized_cache(model, kivi_bundle(tiny_model("llama"), 2, 16, 16)),
+             "Cocktail's cache": lambda: cocktail_cache(model)}
+    for what, call in calls.items():
+        with pytest.raises(KvcalError, match=rf"deepseek_v3: kvcal serves its multi-head latent attention \(MLA\) in `kvcal "
+                                             rf"eval ppl --baseline` so far; {what} does not take it yet"):
+            call()
 
 
 def test_bidirectional_attention_is_refused():

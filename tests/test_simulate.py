@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import GEMMA4, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import GEMMA4, LATENT, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -51,6 +52,61 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
                                    msg=lambda message: f"{model_type}: {message}")
         assert tally.effective_bits == 16.0
         assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
+
+
+class _RoundedCache(DynamicCache):
+    """transformers' cache holding what it is handed rounded to fp16, as kvcal's caches hold it."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(as_cached(key_states).float(), as_cached(value_states).float(), layer_idx, *args, **kwargs)
+
+
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
+    """MLA in the simulation (kvcal.adapters.LatentAttention: scores over the latent by the query's absorbed part, plus
+    over the rotated key; outputs by W_UV of the latent's mix) gives the model's logits, within what rounding its cache
+    to fp16 moves them (MiniCPM3 and Youtu: 2e-3 on logits up to 13)."""
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        rounded = model(ids, past_key_values=_RoundedCache(config=model.config), use_cache=True).logits
+        with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
+            got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(5e-4, 1.5 * float((rounded - expected).abs().max())))
+    assert tally.effective_bits == 16.0 and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluates(model_type):
+    """transformers' own MLA over a cache quantizing each token as written (QuantizedOnWrite: its latent with the value
+    codec, its rotated key with the key codec, in the model's channel order as the engine stores it), prefilled then
+    decoding token by token, gives the simulation's logits at every position; a context loaded into it stores its
+    first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does). Effective
+    bits weigh each tensor by its width: q8_0 keys (8.5 bits, 64 channels) beside q4_0 latents (4.5 bits, 96 channels)
+    store 6.1 bits per element."""
+    from kvcal.runtime.cache import fp_context
+    from kvcal.simulate import QuantizedOnWrite
+
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    method = baseline_method("q8_0/q4_0", adapter.head_dims, adapter.windows, value_dims=adapter.value_dims)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fp_logits = model(ids).logits
+        with simulated(model, adapter, method, StorageTally()) as tally:
+            expected = model(ids).logits
+        cache = QuantizedOnWrite(model, method)
+        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 40)]
+        prefilled, loaded = QuantizedOnWrite(model, method), QuantizedOnWrite(model, method)
+        model(ids[:, :39], past_key_values=prefilled, use_cache=True)
+        loaded.load(fp_context(model, ids[:, :39]))
+    torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=1e-4)
+    assert not torch.allclose(fp_logits, expected, atol=1e-3)
+    assert torch.equal(loaded.layers[0].keys, prefilled.layers[0].keys)
+    assert torch.equal(loaded.layers[0].values, prefilled.layers[0].values)
+    assert tally.effective_bits == pytest.approx(6.1)
 
 
 def test_policy_masks():
@@ -108,8 +164,8 @@ def test_effective_bits_count_fp16_tokens_at_the_evaluated_length():
         model(ids)
     # keys: 40 tokens all flushed, 2 bits + fp16 scale and zero per channel per 4 tokens = 10 bits
     # values: 32 quantized tokens at 2 + 32/4 = 10 bits, the last 8 in fp16
-    assert tally.key_bits / tally.elements == 10.0
-    assert tally.value_bits / tally.elements == (32 * 10 + 8 * 16) / 40
+    assert tally.key_bits / tally.key_elements == 10.0
+    assert tally.value_bits / tally.value_elements == (32 * 10 + 8 * 16) / 40
 
 
 def window_decode_reference(query, keys, values, quantize_keys, quantize_values, sink, window, scaling):

@@ -215,6 +215,7 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
     stage("loading model", None)
     loaded, tokenizer, source = load_model(model, dtype=_checkpoint_dtype(model))
     adapter = adapt(loaded)
+    adapter.refuse_latent("kvcal export vllm")
     with _saveable(loaded):  # refuse a model whose weights cannot be written back before the long search
         pass
     check_same_model(profile_config["model"]["fingerprint"], adapter.fingerprint(), f"profile '{profile}'",

@@ -7,6 +7,7 @@ way), import it below, and, if it fits from a profile, give it a `kvcal fit-*` c
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from kvcal import registry
@@ -62,9 +63,11 @@ def artifact_method(path: str) -> Method:
     return spec.artifact_method(tensors, config, path)
 
 
-def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense") -> Method:
+def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense",
+                    value_dims: list[int] | None = None) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
-    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own). `decoder`:
+    heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own), their values
+    `value_dims` where those differ (MLA's latent: the ModelAdapter's value_dims). `decoder`:
     the model's kvcal.adapters.decoder_kind, which a TurboQuant preset's fp16 boundary layers follow as vLLM picks them
     (at 1471680b): the first and last two of a "dense" decoder, none in a "recurrent" one (its is_hybrid), and in a
     "shared" one (layers reading another's cache, which vLLM may count among them) refused.
@@ -77,12 +80,13 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     refusal = decoder_refusal(base, decoder)
     if refusal is not None:
         raise KvcalError(f"baseline '{text}': {refusal}; evaluate another vLLM dtype")
-    num_layers = len(head_dims)
+    num_layers, value_dims = len(head_dims), value_dims or head_dims
     by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense")
-                   for head_dim in dict.fromkeys(head_dims)}
+                   for head_dim in dict.fromkeys(head_dims + value_dims)}
     method = by_head_dim[head_dims[0]]
     if len(by_head_dim) > 1:
-        layers = [by_head_dim[head_dim].layers[i] for i, head_dim in enumerate(head_dims)]
+        layers = [replace(by_head_dim[head_dim].layers[i], value_codec=by_head_dim[value_dim].layers[i].value_codec)
+                  for i, (head_dim, value_dim) in enumerate(zip(head_dims, value_dims))]
         method = Method(method.name, method.nominal_bits, layers, method.policy)
     if skip is None:
         return method

@@ -79,6 +79,7 @@ def cocktail_cache(model, chunk: int = CHUNK):
     """A cache whose layers hold fp16 until `compress(widths)` moves the context's chunks to their widths (every
     token stays: its sliding-window layers mask what their windows hide)."""
     adapter = adapt(model)
+    adapter.refuse_latent("Cocktail's cache")
     settings = CocktailSettings(chunk=chunk)
 
     def make_store(kind, batch, width, device):

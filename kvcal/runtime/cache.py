@@ -742,6 +742,7 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
         raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, STORE_LAYOUTS))}")
     encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=STORE_LAYOUTS[cuda_layout])
     adapter = adapt(model)
+    adapter.refuse_latent("kvcal's quantized cache")
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
     bundle.check_model(adapter)
