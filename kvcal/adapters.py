@@ -82,8 +82,8 @@ short set, and generate recomputes the sequence when it first crosses over (kvca
 beside other architectures: frequencies that change with every sequence length (dynamic NTK).
 Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches per token one latent that every head
 shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
-latent (`value_dims`), attended over exactly as cached (LatentAttention); evaluated in simulation so far, refused
-elsewhere (ModelAdapter.refuse_latent).
+latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated and evaluated in simulation so
+far, refused by kvcal's caches and the exports (ModelAdapter.refuse_latent).
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3")
-# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention), evaluated in simulation so far: the runtime cache,
-# the capture and the exports refuse these (kvcal.adapters.latent_refusal)
+# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention), calibrated and evaluated in simulation so far:
+# kvcal's caches and the exports refuse these (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
@@ -345,11 +345,11 @@ class ModelAdapter:
         return decoder_kind(self.fingerprint())
 
     def refuse_latent(self, what: str) -> None:
-        """Refuse `what` (a kvcal cache, the capture, an export) for an MLA model, which kvcal evaluates in simulation
+        """Refuse `what` (a kvcal cache, an export) for an MLA model, which kvcal calibrates and evaluates in simulation
         so far (and decodes with an engine's cache type in transformers' own cache: kvcal.simulate.QuantizedOnWrite)."""
         if self.latent:
-            raise KvcalError(f"{self.model_type}: kvcal serves its multi-head latent attention (MLA) in `kvcal eval ppl "
-                             f"--baseline` so far; {what} does not take it yet")
+            raise KvcalError(f"{self.model_type}: kvcal serves its multi-head latent attention (MLA) in calibration and "
+                             f"`kvcal eval ppl` so far; {what} does not take it yet")
 
     def readers_of(self, layer: int) -> list[ReaderLayer]:
         return [reader for reader in self.readers if reader.source == layer]
@@ -443,12 +443,15 @@ class ModelAdapter:
         return fingerprint
 
 
-def kv_shapes(fingerprint: dict) -> list[tuple[int, int]]:
-    """Per layer of an artifact's model, (KV heads, head_dim): the fingerprint's per-layer lists where its layers
-    differ (Gemma 4), its one num_kv_heads and head_dim else."""
+def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
+    """Per layer of an artifact's model, (KV heads, channels of each head's keys (kind "k") or values ("v")): the
+    fingerprint's per-layer lists where its layers differ (Gemma 4), its one num_kv_heads and head_dim else; MLA's
+    values are its latent, value_dim wide."""
     layers = fingerprint["num_layers"]
     kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
     head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
+    if kind == "v" and "value_dim" in fingerprint:
+        head_dims = [fingerprint["value_dim"]] * layers
     return list(zip(kv_heads, head_dims))
 
 
@@ -469,9 +472,9 @@ def decoder_kind(fingerprint: dict) -> str:
     return "dense"
 
 
-def kv_widths(fingerprint: dict) -> list[int]:
-    """Per layer of an artifact's model, the channels of one token's keys (or values)."""
-    return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint)]
+def kv_widths(fingerprint: dict, kind: str = "k") -> list[int]:
+    """Per layer of an artifact's model, the channels of one token's keys (kind "k") or values ("v")."""
+    return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint, kind)]
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

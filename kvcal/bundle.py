@@ -149,11 +149,13 @@ def _check_tensor(tensors: dict, name: str, dtype: str, shape: tuple, path) -> N
         raise KvcalError(f"bundle '{path}': tensor {name} has values that are not finite; re-export the bundle")
 
 
-def _fingerprint_shape(config: dict, path) -> tuple[dict, list[tuple[int, int]]]:
-    """(fingerprint, per layer (KV heads, head_dim)) of a bundle's metadata, each number a positive int."""
+def _fingerprint_shape(config: dict, path) -> tuple[dict, dict[str, list[tuple[int, int]]]]:
+    """(fingerprint, per tensor kind ("k", "v") and layer (KV heads, channels of a head)) of a bundle's metadata, each
+    number a positive int."""
     try:
         fingerprint = config["model"]["fingerprint"]
         numbers = [fingerprint[key] for key in ("num_layers", "num_kv_heads", "head_dim")]
+        numbers += [fingerprint["value_dim"]] if "value_dim" in fingerprint else []  # MLA's latent
         for key in ("layer_kv_heads", "layer_head_dims"):  # where the layers differ (kvcal.adapters.kv_shapes)
             if key in fingerprint:
                 numbers += fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
@@ -162,7 +164,7 @@ def _fingerprint_shape(config: dict, path) -> tuple[dict, list[tuple[int, int]]]
     if not all(_is_count(n) and n > 0 for n in numbers):
         raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers} are not positive integers, one a "
                          "layer; re-export")
-    return fingerprint, kv_shapes(fingerprint)
+    return fingerprint, {kind: kv_shapes(fingerprint, kind) for kind in "kv"}
 
 
 def _recorded_settings(recipe: dict, name: str, path):
@@ -185,7 +187,7 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
         raise KvcalError(f"'{path}' is a kvcal {kind}, not a bundle")
     tensors, config = read_artifact(path, BUNDLE_KIND)  # verifies the checksum over metadata and tensors
     fingerprint, shapes = _fingerprint_shape(config, path)
-    num_layers, halves = len(shapes), [head_dim // 2 for _, head_dim in shapes]
+    num_layers, halves = len(shapes["k"]), [head_dim // 2 for _, head_dim in shapes["k"]]
     try:
         entries, name, packing = config["recipe"]["layers"], config["recipe"]["name"], config["recipe"]["packing"]
     except (KeyError, TypeError) as exc:
@@ -218,7 +220,7 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
             if bool((tensors[f"layers.{i}.importance.{kind}"] < 0).any()):
                 raise KvcalError(f"bundle '{path}': layers.{i}.importance.{kind} is negative (an importance is a gradient norm); "
                                  "re-export the bundle")
-            schema = layer.format.tensor_schema(layer, kind, shapes[i][0] * shapes[i][1])
+            schema = layer.format.tensor_schema(layer, kind, shapes[kind][i][0] * shapes[kind][i][1])
             for field, (shape, dtype) in schema.items():
                 expected.add(f"layers.{i}.{kind}.{field}")
                 _check_tensor(tensors, f"layers.{i}.{kind}.{field}", dtype, shape, path)

@@ -47,12 +47,12 @@ def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None,
                          "the profile's model", "fit it from this profile")
     layers, source = spec.bundle_layers(profile, profile_config, fitted, settings)
     recorded = spec.bundle_settings(profile_config, fitted, settings)
-    widths = kv_widths(profile_config["model"]["fingerprint"])
+    widths = {kind: kv_widths(profile_config["model"]["fingerprint"], kind) for kind in "kv"}
     tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
     for i, layer in enumerate(layers):
         for kind in ("k", "v"):
             tensors[f"layers.{i}.importance.{kind}"] = profile[f"importance.{kind}"][i : i + 1].clone()
-            for field in layer.format.tensor_schema(layer, kind, widths[i]):
+            for field in layer.format.tensor_schema(layer, kind, widths[kind][i]):
                 tensors[f"layers.{i}.{kind}.{field}"] = source[f"layers.{i}.{kind}.{field}"]
     config = {"model": profile_config["model"], "rope": profile_config["rope"], "calibration": profile_config["calibration"],
               "recipe": {"name": recipe, "packing": PACKING, "layers": [asdict(layer) for layer in layers]}}

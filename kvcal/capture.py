@@ -5,14 +5,15 @@ From that single backward it collects, per decoder layer:
 - KVQuant Fisher information (dL/dK)^2, (dL/dV)^2 w.r.t. the pre-RoPE key and the value, kept for
   a seeded subsample of token rows, aligned row by row with the stored pre-RoPE K, post-RoPE K and V;
 - streaming per-channel min / max / absmax over every non-sink token;
-- a few whole windows of pre-RoPE Q, K and V, for fitters whose objective is the attention output.
+- a few whole windows of pre-RoPE Q, K and V, for fitters whose objective is the attention output (none of an MLA
+  model, whose attention over them would need its queries absorbed into the latent: kvcal.adapters.LatentAttention).
 
 Host memory is bounded by the settings, not by the calibration set (widths summed over the layers, which differ
-where the layers' heads do: Gemma 4):
-  5 x rows x sum(kv_width) x 4 B   (sampled rows, float32; rows = max_tokens_per_layer, by default every
-                                    row past the sink while this stays under SAMPLE_BUDGET_BYTES)
-+ store_windows x seqlen x sum(q_width + 2 kv_width) x 2 B   (whole windows, float16)
-+ 9 x sum(kv_width) x 4 B   (streaming statistics)
+where the layers' heads do: Gemma 4; values as wide as keys but in MLA, whose value is its latent):
+  rows x (3 sum(k_width) + 2 sum(v_width)) x 4 B   (sampled rows, float32; rows = max_tokens_per_layer, by default
+                                                     every row past the sink while this stays under SAMPLE_BUDGET_BYTES)
++ store_windows x seqlen x sum(q_width + k_width + v_width) x 2 B   (whole windows, float16)
++ 6 x sum(k_width) x 4 B + 3 x sum(v_width) x 4 B   (streaming statistics)
 + the model and one window's activations.
 """
 
@@ -29,6 +30,7 @@ from kvcal.rope import rotate_keys, stored_inv_freq
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
 SAMPLE_TENSORS = ("k_pre", "k_post", "v", "k_pre_fisher", "v_fisher")
+VALUE_TENSORS = ("v", "v_fisher")  # of the values' width, the others of the keys' (they differ in MLA)
 # Default cap on the sampled rows' memory. The rows set the fit's quality (per-channel thresholds are 0.5% tail
 # quantiles): SmolLM2's nuq3 on wikitext-2 test went from +7.78% (2048 rows) to +6.27% (all 8176; mixed_widths.md).
 SAMPLE_BUDGET_BYTES = 2 * 1024**3
@@ -41,11 +43,13 @@ class CaptureSettings:
     store_windows: int = 2
     seed: int = 0
 
-    def row_limit(self, kv_widths: list[int]) -> int:
-        """Token rows per layer to keep as samples, for layers of these KV widths."""
+    def row_limit(self, key_widths: list[int], value_widths: list[int]) -> int:
+        """Token rows per layer to keep as samples, for layers of these key and value widths."""
         if self.max_tokens_per_layer is not None:
             return self.max_tokens_per_layer
-        return max(1, SAMPLE_BUDGET_BYTES // (len(SAMPLE_TENSORS) * sum(kv_widths) * 4))
+        row_bytes = 4 * sum(len(VALUE_TENSORS) * v + (len(SAMPLE_TENSORS) - len(VALUE_TENSORS)) * k
+                            for k, v in zip(key_widths, value_widths))
+        return max(1, SAMPLE_BUDGET_BYTES // row_bytes)
 
 
 @dataclass
@@ -71,14 +75,15 @@ def select_rows(nsamples: int, seqlen: int, sink: int, limit: int, seed: int) ->
 class _LayerRecorder:
     """Per-layer buffers, filled window by window."""
 
-    def __init__(self, rows: int, kv_width: int, q_width: int, windows: int, seqlen: int):
-        self.samples = {name: torch.zeros(rows, kv_width) for name in SAMPLE_TENSORS}
-        self.minimum = {name: torch.full((kv_width,), float("inf")) for name in STAT_TENSORS}
-        self.maximum = {name: torch.full((kv_width,), float("-inf")) for name in STAT_TENSORS}
+    def __init__(self, rows: int, key_width: int, value_width: int, q_width: int, windows: int, seqlen: int):
+        width = {name: value_width if name in VALUE_TENSORS else key_width for name in SAMPLE_TENSORS}
+        self.samples = {name: torch.zeros(rows, width[name]) for name in SAMPLE_TENSORS}
+        self.minimum = {name: torch.full((width[name],), float("inf")) for name in STAT_TENSORS}
+        self.maximum = {name: torch.full((width[name],), float("-inf")) for name in STAT_TENSORS}
         self.windows = {
             "q": torch.zeros(windows, seqlen, q_width, dtype=torch.float16),
-            "k": torch.zeros(windows, seqlen, kv_width, dtype=torch.float16),
-            "v": torch.zeros(windows, seqlen, kv_width, dtype=torch.float16),
+            "k": torch.zeros(windows, seqlen, key_width, dtype=torch.float16),
+            "v": torch.zeros(windows, seqlen, value_width, dtype=torch.float16),
         }
 
     def update_statistics(self, name: str, rows: torch.Tensor) -> None:
@@ -218,10 +223,11 @@ def profile_gradients(
     """Run one forward + backward per row of `windows` (nsamples, seqlen) and collect the profile."""
     nsamples, seqlen = windows.shape
     num_layers = len(adapter.layers)
-    rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(adapter.kv_widths), settings.seed)
-    stored = min(settings.store_windows, nsamples)
-    recorders = [_LayerRecorder(len(rows), kv_width, adapter.num_heads * head_dim, stored, seqlen)
-                 for kv_width, head_dim in zip(adapter.kv_widths, adapter.head_dims)]
+    rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(adapter.kv_widths, adapter.value_widths),
+                       settings.seed)
+    stored = 0 if adapter.latent else min(settings.store_windows, nsamples)
+    recorders = [_LayerRecorder(len(rows), key_width, value_width, adapter.num_heads * head_dim, stored, seqlen)
+                 for key_width, value_width, head_dim in zip(adapter.kv_widths, adapter.value_widths, adapter.head_dims)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
     # read once, not per window: the frequencies of a forward over seqlen tokens (LongRoPE's long ones past its switch)

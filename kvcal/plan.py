@@ -170,6 +170,16 @@ def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
                          np.array(shares) * [heads * dim for heads, dim in shapes])
 
 
+def _read_profile(profile_path) -> tuple[dict, dict]:
+    """A profile's (tensors, config), refused where its model's attention is MLA, whose latent engines store in
+    formats of their own (one scale for the latent and the rotated key) that no plan here models yet."""
+    profile, config = read_artifact(profile_path, "profile")
+    if "value_dim" in config["model"]["fingerprint"]:
+        raise KvcalError(f"'{profile_path}' profiles a multi-head latent attention (MLA) model, whose cache engines store "
+                         "in formats of their own that kvcal plan does not model yet")
+    return profile, config
+
+
 def _check_request(engine: str, dtypes: list[str], by: str, context: int) -> None:
     if engine not in ENGINE_DTYPES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINE_DTYPES)}")
@@ -186,7 +196,7 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     """The layers to leave unquantized so that `dtype` on the rest stores at most `budget` real bits per element
     with the least total cost (see the module docstring)."""
     _check_request(engine, [dtype], by, context)
-    profile, config = read_artifact(profile_path, "profile")
+    profile, config = _read_profile(profile_path)
     priced = _priced_layers(config, dtype, context)
     if not priced.least_bits - 1e-9 <= budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside [{priced.least_bits:g}, {FP16_BITS}] real bits per element: {dtype} "
@@ -241,7 +251,7 @@ def compare_dtypes(profile_path: str, engine: str, budget: float, context: int =
     _check_request(engine, [], "fisher", context)
     if not 0 < budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside (0, {FP16_BITS}] real bits per element")
-    profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for every dtype
+    profile, config = _read_profile(profile_path)  # read and checksummed once for every dtype
     decoder = decoder_kind(config["model"]["fingerprint"])
     plans, unfit, leasts = [], {}, []
     for dtype in ENGINE_DTYPES[engine]:
@@ -354,7 +364,7 @@ def cache_type_pairs(prices: CacheTypePrices) -> list[dict]:
 def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
     """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
     check_cache_type_budget(budget)
-    pairs = cache_type_pairs(cache_type_prices(*read_artifact(profile_path, "profile"), "llama.cpp"))
+    pairs = cache_type_pairs(cache_type_prices(*_read_profile(profile_path), "llama.cpp"))
     best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)
     return CacheTypePlan(budget, best["type_k"], best["type_v"], best["bits"], pairs)
 
@@ -459,7 +469,7 @@ def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
     store at most `budget` real bits per element (K and V rows alike), exactly, of IK_CACHE_TYPES."""
     check_cache_type_budget(budget)
-    profile, config = read_artifact(profile_path, "profile")  # read and checksummed once for both pricings
+    profile, config = _read_profile(profile_path)  # read and checksummed once for both pricings
     prices = cache_type_prices(profile, config, "ik_llama.cpp", IK_CACHE_TYPES)
     plain = cache_type_prices(profile, config, None, IK_CACHE_TYPES)
     k, v = choose_first_last(prices.costs, prices.bits, budget, plain.costs, prices.widths)

@@ -122,7 +122,6 @@ def profile_model(model, ids: torch.Tensor, request: ProfileRequest, model_spec:
     (tensors, config), which write_artifact(path, tensors, PROFILE_KIND, config) writes as run_profile does."""
     request.validate()
     adapter = adapt(model)
-    adapter.refuse_latent("the capture (kvcal profile-gradients, calibrate)")
     adapter.check_seqlen(request.seqlen)
     windows = sample_windows(ids, request.nsamples, request.seqlen, request.seed)
     if on_start is not None:

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import kv_shapes, score_scale
+from kvcal.adapters import kv_shapes, kv_widths, score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -36,7 +36,9 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
                       + ("; q/k channels in RoPE pair order (fingerprint rope_order)" if "rope_order" in fingerprint else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
-                      + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")),
+                      + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
+                      + (f"; multi-head latent attention: the value is a latent of {fingerprint['value_dim']} channels "
+                         "beside the rotated key" if "value_dim" in fingerprint else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),
@@ -110,20 +112,22 @@ def _model_rows(config: dict) -> list[tuple[str, str]]:
 EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 
 
-def effective_bits(layers: list, shapes: list[tuple[int, int]], tokens: int) -> float:
-    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory) for layers of these (KV heads,
-    head_dim), with each layer's outlier fraction of its quantized elements as outliers."""
-    kv_heads, widths = [heads for heads, _ in shapes], [heads * head_dim for heads, head_dim in shapes]
-    outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, keys)[1] * width
-                         for layer, width in zip(layers, widths) for keys in (True, False)))
-    return cache_bytes(layers, widths, tokens, outliers, kv_heads=kv_heads) * 8 / (2 * tokens * sum(widths))
+def effective_bits(layers: list, fingerprint: dict, tokens: int) -> float:
+    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory) for the layers of an artifact's
+    model, with each layer's outlier fraction of its quantized elements as outliers."""
+    kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
+    widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
+    outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, kind == "k")[1] * widths[kind][i]
+                         for i, layer in enumerate(layers) for kind in "kv"))
+    stored = cache_bytes(layers, widths["k"], tokens, outliers, kv_heads=kv_heads, value_width=widths["v"])
+    return stored * 8 / (tokens * (sum(widths["k"]) + sum(widths["v"])))
 
 
 def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     """The summary of a bundle that load_bundle validated: layers and tensors are sound, provenance is shown as found."""
     config, layers, tensors = bundle.config, bundle.layers, bundle.tensors
     fingerprint = bundle.fingerprint
-    bits = ", ".join(f"{effective_bits(layers, kv_shapes(fingerprint), n):.3f} at {n} tokens"
+    bits = ", ".join(f"{effective_bits(layers, fingerprint, n):.3f} at {n} tokens"
                      for n in EFFECTIVE_BITS_CONTEXTS)
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "

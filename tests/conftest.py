@@ -516,6 +516,13 @@ def windowed_kvquant_bundle(tiny_profile, tmp_path_factory):
     return write_bundle(folder / "kvquant-w8.safetensors", *build_bundle(str(profile), "kvquant", str(nuq), None))
 
 
+@pytest.fixture(scope="session")
+def latent_profile(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    """(model folder, profile) of the tiny DeepSeek-V3: MLA, a rotated key of 64 channels beside a latent of 96."""
+    model = tiny_model_dir("deepseek_v3")
+    return model, profile_of(model, tiny_corpus, tmp_path_factory.mktemp("latent-profile"))
+
+
 def profile_of(model_dir, corpus, folder: Path) -> Path:
     """`kvcal profile-gradients` of a tiny model on the tiny corpus (4 x 64 tokens), written into folder."""
     from typer.testing import CliRunner

@@ -121,8 +121,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
 
 
 def test_kvcal_caches_refuse_latent_attention_as_yet():
-    """kvcal's quantized cache and Cocktail's refuse an MLA model in one line naming what serves it (the capture too:
-    tests/test_cli.py)."""
+    """kvcal's quantized cache and Cocktail's refuse an MLA model in one line naming what serves it."""
     from kvcal.policy.cocktail import cocktail_cache
     from kvcal.runtime.cache import quantized_cache
 
@@ -130,8 +129,8 @@ def test_kvcal_caches_refuse_latent_attention_as_yet():
     calls = {"kvcal's quantized cache": lambda: quantized_cache(model, kivi_bundle(tiny_model("llama"), 2, 16, 16)),
              "Cocktail's cache": lambda: cocktail_cache(model)}
     for what, call in calls.items():
-        with pytest.raises(KvcalError, match=rf"deepseek_v3: kvcal serves its multi-head latent attention \(MLA\) in `kvcal "
-                                             rf"eval ppl --baseline` so far; {what} does not take it yet"):
+        with pytest.raises(KvcalError, match=rf"deepseek_v3: kvcal serves its multi-head latent attention \(MLA\) in "
+                                             rf"calibration and `kvcal eval ppl` so far; {what} does not take it yet"):
             call()
 
 

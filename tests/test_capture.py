@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from conftest import GEMMA4, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
+from conftest import GEMMA4, LATENT, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
@@ -252,6 +252,55 @@ def assert_capture_matches_autograd(model, atol: float) -> None:
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], expected_post, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_capture_matches_independent_autograd(model_type):
+    """MLA (kvcal.adapters.LatentAttention): KVmix's dL/dW_k and dL/dW_v are kv_a_proj_with_mqa's gradient rows of the
+    rotated key and of the latent; the key's Fisher is of the rotated key before RoPE (kv_a_proj_with_mqa's last
+    qk_rope_head_dim outputs), the value's of the latent (kv_a_layernorm's output, through both its paths: scores and
+    outputs), each at its own width; the post-RoPE keys are what transformers' cache holds; no whole windows are
+    kept (their attention would need the queries absorbed into the latent)."""
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    rank, rotated = model.config.kv_lora_rank, model.config.qk_rope_head_dim
+    batch = windows()
+    result = profile_gradients(model, adapter, batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1))
+    norms = torch.zeros(2, 2, dtype=torch.float64)
+    key_grads, value_grads, post_rope = [], [], []
+    for window in batch:
+        outputs = {}
+        hooks = [module.register_forward_hook(lambda m, a, out, key=(name, i): outputs.__setitem__(key, out))
+                 for i in range(2) for name, module in (("a", attention_of(model, i).kv_a_proj_with_mqa),
+                                                        ("latent", attention_of(model, i).kv_a_layernorm))]
+        ids = window[None]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        for hook in hooks:
+            hook.remove()
+        weights = [attention_of(model, i).kv_a_proj_with_mqa.weight for i in range(2)]
+        grads = torch.autograd.grad(loss, weights + [outputs["a", i] for i in range(2)] + [outputs["latent", i] for i in range(2)])
+        norms[0] += torch.stack([g[rank:].double().norm() for g in grads[:2]])
+        norms[1] += torch.stack([g[:rank].double().norm() for g in grads[:2]])
+        key_grads.append([adapter.rows_in_rope_order(g[0, :, rank:]) for g in grads[2:4]])
+        value_grads.append([g[0] for g in grads[4:]])
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        post_rope.append([cache.layers[i].values[0, 0] if adapter.layers[i].latent.rope_in_order
+                          else adapter.rows_in_rope_order(cache.layers[i].values[0, 0]) for i in range(2)])
+    torch.testing.assert_close(result.importance_k, (norms[0] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(result.importance_v, (norms[1] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
+    window_of, position_of = result.tensors["samples.window"].long(), result.tensors["samples.position"].long()
+    for layer in range(2):
+        at_rows = lambda per_window: torch.stack([per_window[w][layer][p] for w, p in zip(window_of, position_of)])  # noqa: E731
+        assert result.tensors[f"layers.{layer}.k_pre.samples"].shape == (40, rotated)
+        assert result.tensors[f"layers.{layer}.v.samples"].shape == (40, rank)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], at_rows(key_grads).square(), rtol=1e-4,
+                                   atol=1e-14)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], at_rows(value_grads).square(), rtol=1e-4,
+                                   atol=1e-14)
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], at_rows(post_rope), rtol=1e-5,
+                                   atol=1e-5)
+    assert result.counts["stored_windows"] == 0 and "layers.0.windows.q" not in result.tensors
+
+
 def test_forward_and_backward_passes_equal_nsamples():
     model = tiny_model("llama")
     calls = {"forward": 0, "backward": 0}
@@ -317,6 +366,8 @@ def test_default_rows_are_every_row_past_the_sink_within_the_sample_budget(monke
     assert result.counts["sampled_rows"] == NSAMPLES * (SEQLEN - 2)
     per_row = len(capture.SAMPLE_TENSORS) * sum(adapter.kv_widths) * 4
     monkeypatch.setattr(capture, "SAMPLE_BUDGET_BYTES", 50 * per_row + per_row // 2)
-    assert CaptureSettings().row_limit(adapter.kv_widths) == 50
+    assert CaptureSettings().row_limit(adapter.kv_widths, adapter.value_widths) == 50
     assert profile_gradients(model, adapter, windows(), CaptureSettings(sink=2)).counts["sampled_rows"] == 50
-    assert CaptureSettings(max_tokens_per_layer=7).row_limit(adapter.kv_widths) == 7
+    assert CaptureSettings(max_tokens_per_layer=7).row_limit(adapter.kv_widths, adapter.value_widths) == 7
+    # MLA's rows: three key-wide tensors (64 channels) and two latent-wide ones (96) a layer
+    assert CaptureSettings().row_limit([64, 64], [96, 96]) == capture.SAMPLE_BUDGET_BYTES // (4 * 2 * (3 * 64 + 2 * 96))

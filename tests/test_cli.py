@@ -132,24 +132,30 @@ def test_fit_nuq_then_eval_ppl_with_baselines(tiny_profile, tiny_corpus, tmp_pat
     assert "nuq2-1%" in result.stdout and "effective bits" in result.stdout
 
 
-def test_eval_ppl_takes_a_latent_attention_model_whose_profile_is_refused(tiny_model_dir, tiny_corpus, tmp_path):
-    """MLA (DeepSeek-V3's): eval ppl simulates baselines over its rotated key and latent (64 and 96 channels: q4_0
-    stores 4.5 bits of each); profile-gradients refuses it in one line, writing nothing."""
+def test_a_latent_attention_model_is_calibrated_and_evaluated_in_simulation(latent_profile, tiny_corpus, tmp_path):
+    """MLA (DeepSeek-V3's): its profile's keys are the rotated key, its values the latent (64 and 96 channels); the
+    kvquant bundle fit from it is evaluated by eval ppl beside engines' cache types (q4_0 stores 4.5 bits of each);
+    the plans and SKVQ's clip search, whose models of the cache take no MLA yet, refuse it in one line, writing
+    nothing."""
     import json
 
-    model = tiny_model_dir("deepseek_v3")
-    report = tmp_path / "ppl.json"
-    result = run("eval", "ppl", "--model", model, "--baseline", "q4_0,kivi2-g8-r16", "--dataset", tiny_corpus, "--seqlen", 64,
-                 "--windows", 2, "--json", report)
+    model, profile = latent_profile
+    shown = run("inspect", profile)
+    assert shown.exit_code == 0 and "multi-head latent attention" in shown.stdout
+    nuq, bundle, report = tmp_path / "nuq.safetensors", tmp_path / "kvquant.safetensors", tmp_path / "ppl.json"
+    assert run("fit-nuq", profile, "--bits", 3, "--out", nuq).exit_code == 0
+    exported = run("export", "bundle", "--profile", profile, "--recipe", "kvquant", "--nuq", nuq, "--out", bundle)
+    assert exported.exit_code == 0, exported.output
+    result = run("eval", "ppl", "--model", model, "--quant", bundle, "--baseline", "q4_0,kivi2-g8-r16", "--dataset",
+                 tiny_corpus, "--seqlen", 64, "--windows", 2, "--json", report)
     assert result.exit_code == 0, result.output
     rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
-    assert set(rows) == {"fp", "q4_0", "kivi2-g8-r16"} and rows["q4_0"]["effective_bits"] == 4.5
-    assert rows["q4_0"]["ppl"] != rows["fp"]["ppl"]
-    out = tmp_path / "profile.safetensors"
-    refused(run("profile-gradients", "--model", model, "--dataset", tiny_corpus, "--nsamples", 1, "--seqlen", 32, "--out", out),
-            "deepseek_v3: kvcal serves its multi-head latent attention (MLA) in `kvcal eval ppl --baseline` so far; the "
-            "capture (kvcal profile-gradients, calibrate) does not take it yet")
-    assert not out.exists()
+    assert set(rows) == {"fp", "bundle:kvquant", "q4_0", "kivi2-g8-r16"} and rows["q4_0"]["effective_bits"] == 4.5
+    assert 3 < rows["bundle:kvquant"]["effective_bits"] < 5 and rows["bundle:kvquant"]["ppl"] != rows["fp"]["ppl"]
+    refused(run("plan", profile, "--budget", 8), "profiles a multi-head latent attention (MLA) model")
+    skvq = tmp_path / "skvq.safetensors"
+    refused(run("fit-skvq", profile, "--out", skvq), "an MLA model's profile does not keep")
+    assert not skvq.exists()
 
 
 def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_model_dir, tiny_corpus, tmp_path):

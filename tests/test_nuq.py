@@ -133,6 +133,21 @@ def test_target_context_weighs_a_sliding_layer_by_the_tokens_it_keeps(gemma3_pro
         fit_nuq(str(gemma3_profile), NuqSettings(target_context=4096))
 
 
+def test_target_bits_is_a_budget_of_real_bits_over_every_element_of_keys_and_latents(latent_profile):
+    """MLA's latent (96 channels) is wider than its rotated key (64): the budget is the mean over the elements the
+    cache stores, each tensor weighed by its width, not a mean over tensors."""
+    table = fit_nuq(str(latent_profile[1]), NuqSettings(target_bits=8.0))[1]["nuq"]["knapsack"]
+    width = {"k": 64, "v": 96}
+
+    def real_bits(bits: dict) -> float:
+        return sum(width[name[-1]] * table[name][str(bits[name])][1] for name in table) / (2 * (64 + 96))
+
+    target = real_bits({name: 4 if name.endswith("k") else 2 for name in table}) + 0.005
+    nuq = fit_nuq(str(latent_profile[1]), NuqSettings(target_bits=target))[1]["nuq"]
+    chosen = {f"{layer}.{kind}": bits for kind in "kv" for layer, bits in enumerate(nuq[f"bits_{kind}"])}
+    assert real_bits(chosen) <= target + 1e-4 and len(set(chosen.values())) > 1
+
+
 def test_target_bits_chooses_widths_within_the_budget(tiny_profile):
     _, profile = tiny_profile
     widest = fit_nuq(str(profile), NuqSettings(target_bits=8.0))[1]["nuq"]

@@ -194,7 +194,8 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
             f"re-run profile-gradients with --sink {settings.sink}"
         )
     num_layers = profile_config["model"]["fingerprint"]["num_layers"]
-    head_dims = [head_dim for _, head_dim in kv_shapes(profile_config["model"]["fingerprint"])]
+    fingerprint = profile_config["model"]["fingerprint"]
+    shapes = {kind: kv_shapes(fingerprint, kind) for kind in "kv"}
     rows = profile["samples.position"] >= settings.sink
     if not rows.any():
         raise KvcalError(f"the profile has no sampled tokens past --sink {settings.sink}")
@@ -225,7 +226,7 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
                 if len(widths) > 1:
                     lo, hi = thresholds or (None, None)
                     codec = CodebookCodec(codebooks[bits], lo, hi, settings.outliers)
-                    sensitivity[bits] = _sensitivity(samples, fisher, codec, head_dims[layer])
+                    sensitivity[bits] = _sensitivity(samples, fisher, codec, shapes[kind][layer][1])
             fitted[layer, kind] = (codebooks, thresholds, sensitivity)
         if on_layer is not None:
             on_layer(layer)
@@ -234,7 +235,11 @@ def fit_nuq(profile_path: str, settings: NuqSettings, on_layer: Callable[[int], 
         costs = np.array([[fitted[key][2][b][0] for b in KNAPSACK_WIDTHS] for key in keys])
         prices = np.array([[fitted[key][2][b][1] for b in KNAPSACK_WIDTHS] for key in keys])
         shares = stored_shares(recorded_spans(profile_config["model"], num_layers), settings.target_context)
-        picks = choose_widths(costs, prices, settings.target_bits, np.array([shares[layer] for layer, _ in keys]))
+        # the elements each tensor stores, relative: its layer's share of the context times its width over the widest
+        # (MLA's latent is wider than its key, Gemma 4's full layers than its sliding ones; all 1 where none differ)
+        widths = {key: heads * head_dim for key in keys for heads, head_dim in [shapes[key[1]][key[0]]]}
+        elements = [shares[layer] * widths[layer, kind] / max(widths.values()) for layer, kind in keys]
+        picks = choose_widths(costs, prices, settings.target_bits, np.array(elements))
         chosen = {key: KNAPSACK_WIDTHS[j] for key, j in zip(keys, picks)}
     else:
         chosen = {key: next(iter(codebooks)) for key, (codebooks, _, _) in fitted.items()}

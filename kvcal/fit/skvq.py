@@ -257,19 +257,23 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     settings.validate()
     profile, profile_config = read_artifact(profile_path, "profile")
     fingerprint = profile_config["model"]["fingerprint"]
-    widths = kv_widths(fingerprint)
-    if settings.group_size > min(widths):
-        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {min(widths)} of this model's "
-                         f"layers; use at most {min(widths)}")
+    widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
+    narrowest = min(widths["k"] + widths["v"])
+    if settings.group_size > narrowest:
+        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {narrowest} of this model's "
+                         f"layers; use at most {narrowest}")
+    if settings.clip != "none" and "value_dim" in fingerprint:
+        raise KvcalError("the clip search fits attention outputs over the profile's windows, which an MLA model's profile "
+                         "does not keep (their queries would need absorbing into the latent); pass --clip none")
     if settings.clip != "none" and "layers.0.windows.q" not in profile:
         raise KvcalError(f"'{profile_path}' has no stored Q/K/V windows, which the clip search needs; re-run "
                          "kvcal profile-gradients with --store-windows 2, or pass --clip none")
     tensors = {"rope.inv_freq": profile["rope.inv_freq"]}
     for layer in range(fingerprint["num_layers"]):
         prefix = f"layers.{layer}"
-        groups = -(-widths[layer] // settings.group_size)
         stored = {}
         for kind, name, bits in (("k", "k_pre", settings.kbits), ("v", "v", settings.vbits)):
+            groups = -(-widths[kind][layer] // settings.group_size)
             permutation, starts = channel_groups(profile[f"{prefix}.{name}.min"], profile[f"{prefix}.{name}.max"],
                                                  groups, settings.reorder, settings.seed)
             stored[kind] = SkvqTensor(permutation, starts, torch.ones(groups), bits, settings.fp8)

@@ -41,14 +41,18 @@ def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, step: int | No
 
 
 def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, outliers: int = 0, step: int | None = None,
-                *, kv_heads: int | list[int], spans: list[AttentionSpan | None] | None = None) -> int:
-    """Bytes of one sequence's cache of `width` channels in `kv_heads` KV heads (each one number for every layer, or
-    one a layer) after `tokens` came in steps of `step` (see segment_lengths), with `outliers` outliers in all (as the
-    cache counts them); spans: per layer its sliding window or attention chunk, or None (kvcal.adapters.ModelAdapter
-    .spans), whose layers hold only the tokens kvcal.kv.window_dropped leaves."""
+                *, kv_heads: int | list[int], spans: list[AttentionSpan | None] | None = None,
+                value_width: int | list[int] | None = None) -> int:
+    """Bytes of one sequence's cache of `width` channels of keys in `kv_heads` KV heads (each one number for every
+    layer, or one a layer), its values `value_width` wide (None: as the keys; MLA's latent is wider) after `tokens`
+    came in steps of `step` (see segment_lengths), with `outliers` outliers in all (as the cache counts them); spans:
+    per layer its sliding window or attention chunk, or None (kvcal.adapters.ModelAdapter.spans), whose layers hold
+    only the tokens kvcal.kv.window_dropped leaves."""
     total = outliers * OUTLIER_BYTES
     widths, kv_heads = _per_layer(width, len(layers)), _per_layer(kv_heads, len(layers))
-    for recipe, span, width, heads in zip(layers, spans or [None] * len(layers), widths, kv_heads):
+    value_widths = widths if value_width is None else _per_layer(value_width, len(layers))
+    for recipe, span, key_width, value_width, heads in zip(layers, spans or [None] * len(layers), widths, value_widths,
+                                                           kv_heads):
         segments = {keys: segment_lengths(recipe, tokens, keys, step) for keys in (True, False)}
         dropped = 0
         if span is not None:
@@ -56,6 +60,7 @@ def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, 
             sinks = segments[True][0]
             dropped = window_dropped(tokens, sinks, sinks + min(segments[True][1], segments[False][1]), block, span)
         for keys, (sink, body, recent) in segments.items():
+            width = key_width if keys else value_width
             first = max(dropped - sink, 0)  # body rows dropped
             if dropped:
                 sink, body = 0, body - first
