@@ -82,8 +82,9 @@ short set, and generate recomputes the sequence when it first crosses over (kvca
 beside other architectures: frequencies that change with every sequence length (dynamic NTK).
 Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches per token one latent that every head
 shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
-latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated and evaluated in simulation so
-far, refused by kvcal's caches and the exports (ModelAdapter.refuse_latent).
+latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated, simulated and served by the
+quantized cache (on the torch reference) so far, refused by Cocktail's cache and the exports
+(ModelAdapter.refuse_latent).
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3")
-# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention), calibrated and evaluated in simulation so far:
-# kvcal's caches and the exports refuse these (ModelAdapter.refuse_latent)
+# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
+# far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
@@ -345,11 +346,11 @@ class ModelAdapter:
         return decoder_kind(self.fingerprint())
 
     def refuse_latent(self, what: str) -> None:
-        """Refuse `what` (a kvcal cache, an export) for an MLA model, which kvcal calibrates and evaluates in simulation
-        so far (and decodes with an engine's cache type in transformers' own cache: kvcal.simulate.QuantizedOnWrite)."""
+        """Refuse `what` (Cocktail's cache, an export) for an MLA model, which kvcal calibrates, evaluates in simulation
+        and serves in its quantized cache so far."""
         if self.latent:
-            raise KvcalError(f"{self.model_type}: kvcal serves its multi-head latent attention (MLA) in calibration and "
-                             f"`kvcal eval ppl` so far; {what} does not take it yet")
+            raise KvcalError(f"{self.model_type}: kvcal serves its multi-head latent attention (MLA) in calibration, "
+                             f"`kvcal eval ppl` and its quantized cache so far; {what} does not take it yet")
 
     def readers_of(self, layer: int) -> list[ReaderLayer]:
         return [reader for reader in self.readers if reader.source == layer]

@@ -203,7 +203,8 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     transformers' own fp16 cache for the model."""
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     fingerprint = bundle.fingerprint
-    widths, kv_heads = kv_widths(fingerprint), [heads for heads, _ in kv_shapes(fingerprint)]
+    widths, value_widths = kv_widths(fingerprint), kv_widths(fingerprint, "v")
+    kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
     tokens = len(context_ids)
     ids = context_ids[None].to(model.get_input_embeddings().weight.device)
     step = chunk or tokens
@@ -216,5 +217,5 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
     spans = cache.adapter.spans
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
             "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
-                                         spans=spans),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans), "outliers": outliers}
+                                         spans=spans, value_width=value_widths),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans, value_widths), "outliers": outliers}

@@ -261,7 +261,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # queries of a low rank (but MiniCPM3's own default), dense MLPs (the tiny experts' strides fail grouped_mm)
         del common["num_key_value_heads"]
         common.update(kv_lora_rank=96, q_lora_rank=48, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
-                      first_k_dense_replace=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+                      first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         if model_type == "glm4_moe_lite":
             common["mlp_layer_types"] = ["dense", "dense"]
     if model_type == "opt":  # no RoPE (learned positions), no GQA
@@ -391,8 +391,9 @@ def profile_tiny_model(model_dir: Path, corpus: Path, out: Path) -> Path:
     return out
 
 
-def fit_tiny_artifacts(profile: Path, folder: Path) -> dict[str, Path]:
-    """Fitted nuq (fixed 3 bits, Fisher-knapsack widths, KVmix widths) and SKVQ artifacts of a tiny profile."""
+def fit_tiny_artifacts(profile: Path, folder: Path, latent: bool = False) -> dict[str, Path]:
+    """Fitted nuq (fixed 3 bits, Fisher-knapsack widths, KVmix widths) and SKVQ artifacts of a tiny profile (of an MLA
+    model, `latent`: SKVQ's without its clip search, which takes no MLA profile)."""
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
     from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
 
@@ -401,7 +402,8 @@ def fit_tiny_artifacts(profile: Path, folder: Path) -> dict[str, Path]:
         # the tiny model's 32-channel rows pay ~1.6 bits of per-token thresholds and outliers on top of the codes
         "nuq-fisher": write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=4.6))),
         "nuq-kvmix": write_nuq(folder / "kvmix-widths.safetensors", *fit_nuq(str(profile), NuqSettings(bits_from_profile=True))),
-        "skvq": write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2))),
+        "skvq": write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(
+            group_size=16, window=8, sink=2, **({"clip": "none"} if latent else {})))),
     }
 
 
@@ -463,7 +465,8 @@ def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
         if model_type not in made:
             folder = tmp_path_factory.mktemp(f"{model_type}-bundles")
             profile = profile_tiny_model(tiny_model_dir(model_type), tiny_corpus, folder / "profile.safetensors")
-            made[model_type] = bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
+            fitted = fit_tiny_artifacts(profile, folder, latent=model_type in LATENT)
+            made[model_type] = bundles_of_every_recipe(profile, fitted, folder)
         return made[model_type]
 
     return bundles

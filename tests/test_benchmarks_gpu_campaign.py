@@ -293,6 +293,7 @@ def test_a_kvcal_cache_that_fails_to_load_leaves_the_model_unwired(recipe_bundle
     import torch
 
     from conftest import tiny_model
+    from kvcal.errors import KvcalError
     from kvcal.runtime.cache import FpContext, fp_context
 
     model = tiny_model("llama")
@@ -301,6 +302,6 @@ def test_a_kvcal_cache_that_fails_to_load_leaves_the_model_unwired(recipe_bundle
         context = fp_context(model, ids[:, :-1])
         narrow = FpContext(context.keys, context.pre_rope_keys, [v[..., :-8] for v in context.values], context.cache)
         make = dict(generate.makers(model, narrow, 2, 40, 4, {"kivi": recipe_bundles["kivi"]}, []))["kvcal kivi"]
-        with pytest.raises(RuntimeError):
+        with pytest.raises(KvcalError, match="channels wide, the model's 32 and 32"):
             make()
         assert model.config._attn_implementation == "sdpa"

@@ -132,11 +132,12 @@ def test_fit_nuq_then_eval_ppl_with_baselines(tiny_profile, tiny_corpus, tmp_pat
     assert "nuq2-1%" in result.stdout and "effective bits" in result.stdout
 
 
-def test_a_latent_attention_model_is_calibrated_and_evaluated_in_simulation(latent_profile, tiny_corpus, tmp_path):
+def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_profile, tiny_corpus, tmp_path):
     """MLA (DeepSeek-V3's): its profile's keys are the rotated key, its values the latent (64 and 96 channels); the
-    kvquant bundle fit from it is evaluated by eval ppl beside engines' cache types (q4_0 stores 4.5 bits of each);
-    the plans and SKVQ's clip search, whose models of the cache take no MLA yet, refuse it in one line, writing
-    nothing."""
+    kvquant bundle fit from it is evaluated by eval ppl beside engines' cache types (q4_0 stores 4.5 bits of each)
+    and served by the quantized cache, whose live bytes are the formula's, below transformers' own fp16 cache of the
+    latent and rotated key; the plans, SKVQ's clip search and export vllm, whose models of the cache take no MLA yet,
+    refuse it in one line, writing nothing."""
     import json
 
     model, profile = latent_profile
@@ -152,7 +153,17 @@ def test_a_latent_attention_model_is_calibrated_and_evaluated_in_simulation(late
     rows = {r["method"]: r for r in json.loads(report.read_text())["results"]}
     assert set(rows) == {"fp", "bundle:kvquant", "q4_0", "kivi2-g8-r16"} and rows["q4_0"]["effective_bits"] == 4.5
     assert 3 < rows["bundle:kvquant"]["effective_bits"] < 5 and rows["bundle:kvquant"]["ppl"] != rows["fp"]["ppl"]
+    memory = tmp_path / "memory.json"
+    measured = run("eval", "memory", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--context", 200,
+                   "--json", memory)
+    assert measured.exit_code == 0, measured.output
+    (row,) = json.loads(memory.read_text())["results"]
+    assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"] == 200 * 2 * (64 + 96) * 2
     refused(run("plan", profile, "--budget", 8), "profiles a multi-head latent attention (MLA) model")
+    folder = tmp_path / "vllm"
+    refused(run("export", "vllm", "--profile", profile, "--model", model, "--out", folder),
+            "kvcal export vllm does not take it")
+    assert not folder.exists()
     skvq = tmp_path / "skvq.safetensors"
     refused(run("fit-skvq", profile, "--out", skvq), "an MLA model's profile does not keep")
     assert not skvq.exists()

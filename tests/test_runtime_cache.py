@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, GEMMA4, IMAGE_TOWERS, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL, TINY_ARCHITECTURES,
-                      fp16_kivi_bundle, left_padded, longrope, tiny_model)
+from conftest import (ALTERNATING, GEMMA4, IMAGE_TOWERS, LATENT, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
+                      TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
@@ -69,6 +69,16 @@ def test_every_architecture_decodes_every_recipe_to_the_simulation(architecture_
         assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
 
 
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bundles, model_type):
+    """MLA (kvcal.adapters.LatentAttention): the cache stores the rotated key and the latent, each at its own width,
+    and attends over them as the simulation does (the query's latent part scoring the latent beside its rotated part
+    scoring the key, on the torch reference), for every recipe fit from the model's own profile."""
+    bundles = architecture_bundles(model_type)
+    for recipe in RECIPES:
+        assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
+
+
 @pytest.mark.slow
 def test_gpt_oss_decodes_its_attention_sinks_to_the_simulation(architecture_bundles, decode_path):
     """gpt-oss's sinks on each CPU decode path (the kernel's running state takes them after its last launch; the
@@ -92,7 +102,7 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
     ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"), ("gemma4_text", "kvquant"), ("qwen3_vl", "kvquant"),
-    ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant")])
+    ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
@@ -156,7 +166,8 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES])
+                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3")
+                                                    for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
     stores: the first attention layer's K/V come from the embeddings (on Qwen3.5 through a DeltaNet layer, which

@@ -29,37 +29,21 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
         _, cache = decode_token_by_token(model, bundle, ids)
     adapter = adapt(model)
     formula = cache_bytes(bundle.layers, adapter.kv_widths, tokens, cache.outliers(), step=1, kv_heads=adapter.kv_heads,
-                          spans=adapter.spans)
-    # per K and V each
-    stored_elements = sum(layer.keys_store.count(0) * width for layer, width in zip(cache.layers, adapter.kv_widths))
+                          spans=adapter.spans, value_width=adapter.value_widths)
+    # of K and V together (MLA's values are wider than its keys)
+    stored_elements = sum(layer.keys_store.count(0) * (key + value)
+                          for layer, key, value in zip(cache.layers, adapter.kv_widths, adapter.value_widths))
     assert cache.used_bytes() == formula
-    assert simulated.effective_bits == formula * 8 / (2 * stored_elements)
-    assert simulated.outlier_fraction * 2 * stored_elements == cache.outliers()
+    assert simulated.effective_bits == formula * 8 / stored_elements
+    assert simulated.outlier_fraction * stored_elements == cache.outliers()
     assert (cache.outliers() > 0) == keeps_outliers
 
 
-@pytest.mark.parametrize("recipe", ["kvquant", "kvmix"])
-def test_eval_bits_and_the_formula_agree_for_latent_attention(latent_profile, tmp_path, recipe):
-    """MLA's cache stores a rotated key of 64 channels and a latent of 96 (no kvcal cache serves it yet): the
-    simulation's bits are the formula's with each tensor at its own width."""
-    from kvcal.bundle import write_bundle
-    from kvcal.calibration import build_bundle
-    from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
-
-    model_dir, profile = latent_profile
-    nuq = write_nuq(tmp_path / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings())) if recipe == "kvquant" else None
-    bundle = load_bundle(write_bundle(tmp_path / "bundle.safetensors", *build_bundle(str(profile), recipe, nuq and str(nuq))))
-    model = tiny_model("deepseek_v3")
-    adapter = adapt(model)
-    ids = torch.randint(0, 512, (1, TOKENS), generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        _, simulated = evaluate_ppl(model, adapter, ids, [artifact_method(str(bundle.path))])
-    elements = TOKENS * (sum(adapter.kv_widths) + sum(adapter.value_widths))
-    outliers = round(simulated.outlier_fraction * elements)
-    formula = cache_bytes(bundle.layers, adapter.kv_widths, TOKENS, outliers, step=1, kv_heads=adapter.kv_heads,
-                          value_width=adapter.value_widths)
-    assert simulated.effective_bits == pytest.approx(formula * 8 / elements, rel=1e-12)
-    assert (outliers > 0) == (recipe == "kvquant")
+@pytest.mark.parametrize("recipe", registry.recipes())
+def test_bits_are_bytes_for_latent_attention(architecture_bundles, recipe):
+    """MLA's cache stores a rotated key of 64 channels and a latent of 96: the simulation's bits, the formula and the
+    live cache count each at its own width."""
+    assert_bits_are_bytes(architecture_bundles("deepseek_v3")[recipe], TOKENS, recipe in OUTLIER_RECIPES, "deepseek_v3")
 
 
 @pytest.mark.parametrize("recipe", registry.recipes())

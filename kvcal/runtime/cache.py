@@ -96,6 +96,11 @@ class RuntimeLayer(CacheLayerMixin):
         self.decoder: backends.LayerDecoder | None = None  # that backend bound to this layer's stores
         self.readers = len(adapter.readers_of(index))  # layers reading this one's cache (KV sharing)
         self.step: ReadStep | None = None  # what this step's attend read, while readers have yet to read it
+        # MLA's (kvcal.adapters.LatentAttention): its keys are the rotated key, its values the latent, and its queries'
+        # latent part scores the values too; the latent and rotated key transformers handed the cache this step
+        self.latent = adapter.layers[index].latent
+        self.latent_step: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.widths = (adapter.kv_widths[index], adapter.value_widths[index])  # of one token's keys and values
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -116,22 +121,25 @@ class RuntimeLayer(CacheLayerMixin):
     @property
     def decode_path(self) -> str | None:
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
-        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference"."""
+        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (always MLA's)."""
+        if self.latent is not None:
+            return "reference" if self.keys_store is not None else None
         return self.decoder.path if self.decoder is not None else None
 
     def reset(self) -> None:
         """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
         next step."""
-        self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = None
+        self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = self.latent_step = None
         self.choice = self.decoder = self.step = None
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
 
-    def _allocate(self, batch: int, width: int, device, tokens: int) -> None:
-        """Storage for `batch` sequences, and the RoPE frequencies of a forward over `tokens` tokens, which rotate its
-        keys until it is emptied (WiredCache.rope_era keeps a LongRoPE model's forwards to one set)."""
+    def _allocate(self, batch: int, width: int, value_width: int, device, tokens: int) -> None:
+        """Storage for `batch` sequences of keys `width` and values `value_width` channels wide, and the RoPE
+        frequencies of a forward over `tokens` tokens, which rotate its keys until it is emptied (WiredCache.rope_era
+        keeps a LongRoPE model's forwards to one set)."""
         self.keys_store = self.make_store("k", batch, width, device)
-        self.values_store = self.make_store("v", batch, width, device)
+        self.values_store = self.make_store("v", batch, value_width, device)
         inv_freq = self.frequencies(tokens)
         self.inv_freq = self.cache.inv_freq_on(inv_freq, device) if self.cache is not None else inv_freq.to(device)
 
@@ -139,22 +147,25 @@ class RuntimeLayer(CacheLayerMixin):
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, scaling: float,
-               window: int | None = None, ahead: torch.Tensor | None = None):
-        """query (B, H, m, d), key/value (B, kv_heads, m, d) of the new tokens (keys post-RoPE); plan: the step's
-        (which tokens are real, see StepPlan); window: the attention call's sliding window (see _span_for); ahead:
-        (B, m, m), the step's tokens each sees after itself under this layer's mask (StepPlan.ahead_of), None: none."""
+               window: int | None = None, ahead: torch.Tensor | None = None, latent_query: torch.Tensor | None = None):
+        """query (B, H, m, d), key (B, kv_heads, m, d) and value (B, kv_heads, m, d_v) of the new tokens (keys
+        post-RoPE) -> (B, m, H, d_v); plan: the step's (which tokens are real, see StepPlan); window: the attention
+        call's sliding window (see _span_for); ahead: (B, m, m), the step's tokens each sees after itself under this
+        layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
-        width = kv_heads * head_dim
+        width, value_width = kv_heads * head_dim, kv_heads * value.shape[-1]
         span = self._span_for(window, f"layer {self.index}")
         if self.keys_store is None:
-            self._allocate(batch, width, query.device, plan.rope_tokens)
+            self._allocate(batch, width, value_width, query.device, plan.rope_tokens)
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
-        new_values = value.transpose(1, 2).reshape(batch, m, width)
+        new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
-        if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
+        if latent_query is not None:  # (a decode step too: each sequence's token appended first, then read as stored)
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query)
+        elif m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
             output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
@@ -221,12 +232,14 @@ class RuntimeLayer(CacheLayerMixin):
             store.drop(dropped)
 
     def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
-                 span: AttentionSpan | None, reads: dict | None, ahead: torch.Tensor | None):
+                 span: AttentionSpan | None, reads: dict | None, ahead: torch.Tensor | None,
+                 latent_query: torch.Tensor | None = None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
         single real token in the step is decoded: appended first, then the cache is read as stored. `reads` (a
-        dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache."""
-        batch, heads, m, head_dim = query.shape
-        output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
+        dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache. MLA's
+        latent_query scores the values beside the query the keys: one attention over keys and values side by side."""
+        batch, heads, m, _ = query.shape
+        output = torch.zeros(batch, m, heads, new_values.shape[-1] // kv_heads, dtype=query.dtype, device=query.device)
         single = [b for b in plan.rows if plan.counts[b] == 1]
         several = [b for b in plan.rows if plan.counts[b] > 1]
         if single:
@@ -242,7 +255,10 @@ class RuntimeLayer(CacheLayerMixin):
                 keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
                 values = torch.cat([before_values, new_values[b, rows].half().float()])
             seen = ahead[b][rows][:, rows] if ahead is not None and plan.counts[b] > 1 else None
-            out = reference.attention(query[b, :, rows], keys, values, scaling, span, self.sinks, self.softcap, seen,
+            queries, scored = query[b, :, rows], keys
+            if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
+                queries, scored = torch.cat([queries.float(), latent_query[b, :, rows]], -1), torch.cat([keys, values], -1)
+            out = reference.attention(queries, scored, values, scaling, span, self.sinks, self.softcap, seen,
                                       self.keys_store.dropped[b])
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
@@ -257,20 +273,35 @@ class RuntimeLayer(CacheLayerMixin):
         for store, new in ((self.keys_store, new_keys), (self.values_store, new_values)):
             store.append_rows(seqs, counts, plan.real_rows(new, seqs))
 
+    def context_rows(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A context's rows of this layer as transformers' cache holds them (MLA's latent as its keys, its rotated key
+        as its values) -> its keys and values; refused where their widths are not the model's."""
+        if self.latent is not None:
+            keys, values = values, keys
+        if (keys.shape[-1], values.shape[-1]) != self.widths:
+            raise KvcalError(f"the context's keys and values of layer {self.index} are {keys.shape[-1]} and "
+                             f"{values.shape[-1]} channels wide, the model's {self.widths[0]} and {self.widths[1]}: load "
+                             "a context that fp_context made for this model")
+        return keys, values
+
     def load(self, keys: torch.Tensor, pre_rope_keys: torch.Tensor, values: torch.Tensor, offsets: list[int],
              chunk_bytes: int) -> None:
-        """Store a context computed elsewhere, rows (batch, tokens, width) unpadded at positions 0.., as if it
-        had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE), a few whole sequences at a
-        time: at most chunk_bytes of fp16 rows per append, or one sequence."""
-        batch, tokens, width = values.shape
-        self._allocate(batch, width, values.device, tokens)
+        """Store a context computed elsewhere, rows (batch, tokens, width) unpadded at positions 0.. (context_rows'),
+        as if it had been prefilled into this cache (keys post-RoPE, pre_rope_keys before RoPE), a few whole sequences
+        at a time: at most chunk_bytes of fp16 rows per append, or one sequence."""
+        # post-RoPE keys in kvcal's channel order, as the model's are not (pre_rope_keys are), but MLA's where RoPE
+        # leaves them so
+        in_order = self.latent is not None and self.latent.rope_in_order
+        batch, tokens, width = keys.shape
+        value_width = values.shape[-1]
+        self._allocate(batch, width, value_width, values.device, tokens)
         self.position_offset = offsets
-        step = max(1, chunk_bytes // max(2 * tokens * width, 1))
+        step = max(1, chunk_bytes // max(tokens * (width + value_width), 1))
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
-            chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, width).half()
-            # keys in kvcal's channel order, as the model's post-RoPE ones are not (pre_rope_keys are)
-            stored_keys = chunk(pre_rope_keys) if self.pre_rope else self.cache.adapter.rows_in_rope_order(chunk(keys))
+            chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, rows.shape[-1]).half()
+            stored_keys = (chunk(pre_rope_keys) if self.pre_rope else chunk(keys) if in_order
+                           else self.cache.adapter.rows_in_rope_order(chunk(keys)))
             self.keys_store.append_rows(seqs, [tokens] * len(seqs), stored_keys)
             self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
@@ -481,6 +512,15 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return layer.attend_as_reader(adapter.in_rope_order(query), plan, scale, sliding_window, ahead), None
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
+    latent = layer.latent
+    if latent is not None:  # the step's latent and rotated key, as transformers handed the cache them
+        (latents, rotated_keys), layer.latent_step = layer.latent_step, None
+        rotated = query[..., latent.nope_dim :]
+        if not latent.rope_in_order:
+            rotated, rotated_keys = adapter.in_rope_order(rotated), adapter.in_rope_order(rotated_keys)
+        out = layer.attend(rotated, rotated_keys, latents, plan, scale, sliding_window, None,
+                           latent.latent_query(query[..., : latent.nope_dim]))
+        return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
     return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window,
                         plan.ahead_of(attention_mask)), None
 
@@ -536,6 +576,8 @@ class WiredCache(Cache):
                 if pre_rope:
                     raise KvcalError(wiring.multimodal_refusal(pre_rope))
         self._wiring.serve(index, self.attention_layers[index])
+        if self.adapter.latent:  # MLA's: its latent and rotated key (LatentAttention), which its attention reads
+            self.attention_layers[index].latent_step = (key_states, value_states)
         return key_states, value_states
 
     def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
@@ -659,11 +701,13 @@ class WiredCache(Cache):
         one sequence's) and what the encoders make of them, whatever the batch (a context's rows may be views of one
         sequence's, expanded). Layers that keep a recurrent state get a copy of the context's."""
         self._check_open()
-        context.copy_states_into(self)  # first: it refuses a context without the states this model keeps
+        rows = [layer.context_rows(keys, values)  # first: every layer's widths checked before anything is stored
+                for layer, keys, values in zip(self.attention_layers, context.keys, context.values)]
+        context.copy_states_into(self)  # (it refuses a context without the states this model keeps)
         batch, tokens = context.values[0].shape[:2]
         self.rope_era(tokens)
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
-        for layer, keys, pre_rope_keys, values in zip(self.attention_layers, context.keys, context.pre_rope_keys, context.values):
+        for layer, (keys, values), pre_rope_keys in zip(self.attention_layers, rows, context.pre_rope_keys):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
 
     def tokens(self) -> list[int]:
@@ -742,7 +786,6 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
         raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, STORE_LAYOUTS))}")
     encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=STORE_LAYOUTS[cuda_layout])
     adapter = adapt(model)
-    adapter.refuse_latent("kvcal's quantized cache")
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle)
     bundle.check_model(adapter)
@@ -750,10 +793,11 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
     for i, recipe in enumerate(bundle.layers):
         codecs, policy = bundle.layer_codecs(i), recipe.format.policy(recipe)
 
-        def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe, head_dim=adapter.head_dims[i]):
+        def make_store(kind, batch, width, device, codecs=codecs, policy=policy, recipe=recipe,
+                       head_dims=(adapter.head_dims[i], adapter.value_dims[i])):
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
-                                  head_dim=head_dim)
+                                  head_dim=head_dims[kind == "v"])
         layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
     return WiredCache(model, adapter, layers)

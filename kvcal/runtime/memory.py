@@ -70,13 +70,16 @@ def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, 
     return total
 
 
-def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, spans: list[AttentionSpan | None] | None = None) -> int:
-    """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence of layers `width` channels wide (one number
+def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, spans: list[AttentionSpan | None] | None = None,
+               value_width: int | list[int] | None = None) -> int:
+    """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence of layers whose keys are `width` channels
+    wide, their values `value_width` (None: as the keys; MLA's latent is wider than its rotated key; each one number
     for every layer, or one a layer): a layer with a sliding window or attention chunks keeps its last size - 1
     tokens."""
-    spans = spans or [None] * num_layers
-    return sum(2 * (tokens if span is None else min(tokens, span.size - 1)) * layer_width * FP16_BYTES
-               for span, layer_width in zip(spans, _per_layer(width, num_layers)))
+    spans, widths = spans or [None] * num_layers, _per_layer(width, num_layers)
+    value_widths = widths if value_width is None else _per_layer(value_width, num_layers)
+    return sum((tokens if span is None else min(tokens, span.size - 1)) * (key + value) * FP16_BYTES
+               for span, key, value in zip(spans, widths, value_widths))
 
 
 def _per_layer(number: int | list[int], num_layers: int) -> list[int]:
