@@ -84,7 +84,8 @@ Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches p
 shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
 latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated, simulated and served by the
 quantized cache (on the torch reference) so far, refused by Cocktail's cache and the exports
-(ModelAdapter.refuse_latent).
+(ModelAdapter.refuse_latent). Kimi Linear's and bailing_hybrid's MLA layers sit among gated DeltaNet ones; Kimi
+Linear's apply no RoPE.
 """
 
 from __future__ import annotations
@@ -118,7 +119,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1")
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear",
+                          "bailing_hybrid")
+# MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
+# kvcal's order (DeepSeek-V3's where rope_interleave, and its kin's)
+_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid",)
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -144,8 +149,10 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
-# "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H and Jamba always): every layer is NoPE
-_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode")
+# "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
+# not rotated, always): every layer is NoPE
+_NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
+                        "kimi_linear")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
@@ -582,6 +589,17 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def _latent_rope(config) -> str:
+    """How an MLA model's RoPE pairs channels: "halves" (i, i + d/2, rotate_half), "interleaved" (2i, 2i+1, left so:
+    DeepSeek-V2's complex rotation) or "de-interleaved" (2i, 2i+1, rotated into halves order: where rope_interleave
+    says so, and always on _DEINTERLEAVED_LATENT_ROPE)."""
+    if config.model_type == "deepseek_v2":
+        return "interleaved"
+    if config.model_type in _DEINTERLEAVED_LATENT_ROPE or getattr(config, "rope_interleave", False):
+        return "de-interleaved"
+    return "halves"
+
+
 def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config) -> LayerHandles:
     """The handles of an MLA decoder layer (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
     its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query)."""
@@ -599,7 +617,7 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
         raise KvcalError(f"{where}: kv_a_proj_with_mqa has {parts['kv_a_proj_with_mqa'].out_features} outputs, expected "
                          f"{rank} + {rotated} (kv_lora_rank + qk_rope_head_dim)")
     latent = LatentAttention(parts["kv_b_proj"], config.qk_nope_head_dim, config.v_head_dim,
-                             rope_in_order=bool(getattr(config, "rope_interleave", False)))
+                             rope_in_order=_latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
                         columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent)
@@ -765,9 +783,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotating_kinds, rotating_dims = [kind for kind, _ in rotating], [head_dim for _, head_dim in rotating]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
-    # MLA's RoPE pairs neighbours in DeepSeek-V2's (complex rotation) and where rope_interleave says so
-    interleaved = text_type in _INTERLEAVED_ROPE or latent and (text_type == "deepseek_v2" or
-                                                                bool(getattr(config, "rope_interleave", False)))
+    interleaved = text_type in _INTERLEAVED_ROPE or latent and _latent_rope(config) != "halves"
     rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, interleaved,
                               text_type in _HALVES_SWAPPED_ROPE, where) if rotary is not None else None)
     for handle in handles:

@@ -264,6 +264,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         if model_type == "glm4_moe_lite":
             common["mlp_layer_types"] = ["dense", "dense"]
+        if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
+            # its MLA without RoPE)
+            common.update(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                          mlp_layer_types=["dense"] * 4)
+        if model_type == "kimi_linear":
+            common["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)

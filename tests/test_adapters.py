@@ -98,11 +98,12 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     config = model.config
     assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
-    attention = attention_module(decoder_layers(model)[1])
+    attention = attention_module(decoder_layers(model)[adapter.model_layers[1]])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
-    assert handles.q_proj is (attention.q_b_proj if config.q_lora_rank else attention.q_proj)
-    interleaved = model_type == "deepseek_v2" or getattr(config, "rope_interleave", False)
+    # q_b_proj where the query is of a low rank (Ling's never is)
+    assert handles.q_proj is (attention.q_proj if getattr(attention, "q_proj", None) is not None else attention.q_b_proj)
+    interleaved = model_type in ("deepseek_v2", "bailing_hybrid") or getattr(config, "rope_interleave", False)
     assert (adapter.rope_order is not None) == interleaved
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
@@ -114,10 +115,10 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources["k", i])[0].view(tokens, 1, 64)
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
-        cached = cache.layers[i].values[0].transpose(0, 1)
+        cached = cache.layers[adapter.model_layers[i]].values[0].transpose(0, 1)
         cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[i].keys[0, 0])
+        assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[adapter.model_layers[i]].keys[0, 0])
 
 
 def test_cocktails_cache_refuses_latent_attention_as_yet():

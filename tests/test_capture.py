@@ -268,14 +268,15 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
         outputs = {}
+        attentions = [attention_of(model, m) for m in adapter.model_layers]  # (Kimi Linear's after KDA layers)
         hooks = [module.register_forward_hook(lambda m, a, out, key=(name, i): outputs.__setitem__(key, out))
-                 for i in range(2) for name, module in (("a", attention_of(model, i).kv_a_proj_with_mqa),
-                                                        ("latent", attention_of(model, i).kv_a_layernorm))]
+                 for i in range(2) for name, module in (("a", attentions[i].kv_a_proj_with_mqa),
+                                                        ("latent", attentions[i].kv_a_layernorm))]
         ids = window[None]
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         for hook in hooks:
             hook.remove()
-        weights = [attention_of(model, i).kv_a_proj_with_mqa.weight for i in range(2)]
+        weights = [attention.kv_a_proj_with_mqa.weight for attention in attentions]
         grads = torch.autograd.grad(loss, weights + [outputs["a", i] for i in range(2)] + [outputs["latent", i] for i in range(2)])
         norms[0] += torch.stack([g[rank:].double().norm() for g in grads[:2]])
         norms[1] += torch.stack([g[:rank].double().norm() for g in grads[:2]])
@@ -283,8 +284,9 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
         value_grads.append([g[0] for g in grads[4:]])
         with torch.no_grad():
             cache = model(ids, use_cache=True).past_key_values
-        post_rope.append([cache.layers[i].values[0, 0] if adapter.layers[i].latent.rope_in_order
-                          else adapter.rows_in_rope_order(cache.layers[i].values[0, 0]) for i in range(2)])
+        cached = [cache.layers[m].values[0, 0] for m in adapter.model_layers]
+        post_rope.append([rows if adapter.layers[i].latent.rope_in_order else adapter.rows_in_rope_order(rows)
+                          for i, rows in enumerate(cached)])
     torch.testing.assert_close(result.importance_k, (norms[0] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(result.importance_v, (norms[1] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
     window_of, position_of = result.tensors["samples.window"].long(), result.tensors["samples.position"].long()

@@ -32,6 +32,23 @@ def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles
     assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
 
 
+def test_latent_attention_decodes_on_the_reference_as_planned_on_both_devices(architecture_bundles):
+    """MLA (kvcal.adapters.LatentAttention): no kernel reads a latent yet, so its layers decode on the batched torch
+    reference, as the plan says on the CPU and on CUDA, each with the reason; its appends still use the compiled
+    encoders at each tensor's own width."""
+    bundle = load_bundle(architecture_bundles("deepseek_v3")["kivi"])
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(tiny_model("deepseek_v3"), bundle, ids)
+    assert [layer.decode_path for layer in cache.layers] == ["reference", "reference"]
+    for device in ("cpu", "cuda"):
+        plans = backends.bundle_plan(bundle, device)
+        assert {p.bodies for p in plans} == {"reference"}
+        assert all(p.why.endswith(f"not {'cpu-kernel' if device == 'cpu' else 'cuda-kernels'}: {backends.LATENT_REFUSAL}")
+                   for p in plans)
+    assert {(p.key_append, p.value_append) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-append", "cpu-append")}
+
+
 def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}

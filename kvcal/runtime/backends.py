@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.adapters import kv_shapes
+from kvcal.adapters import kv_shapes, kv_widths
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
@@ -37,7 +37,8 @@ from kvcal.spans import AttentionSpan
 class LayerShape:
     """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
     store has several), whether keys are stored before RoPE, the attention's head counts, the device, whether K
-    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike)."""
+    and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike), whether the values are
+    MLA's latent, which the query's latent part scores too (kvcal.adapters.LatentAttention)."""
 
     pairs: tuple[tuple, ...]
     pre_rope: bool
@@ -46,6 +47,10 @@ class LayerShape:
     head_dim: int
     device: torch.device
     fp16_rows_alike: bool = True
+    latent: bool = False
+
+
+LATENT_REFUSAL = "MLA's latent attention (its values scored too): no kernel reads a latent yet"
 
 
 class LayerDecoder:
@@ -84,7 +89,8 @@ class TorchReference(Backend):
 
 class ReferenceDecoder(LayerDecoder):
     """The batched torch reference: every sequence's cache read at once (padded to the longest), one attention with
-    a mask of each sequence's own tokens (and span)."""
+    a mask of each sequence's own tokens (and span). An MLA layer's query is its rotated part beside its latent one,
+    over keys and values side by side (one KV head: one attention sums both scores)."""
 
     path = "reference"
 
@@ -98,6 +104,8 @@ class ReferenceDecoder(LayerDecoder):
         tokens = keys.shape[2]
         if layer.pre_rope:
             keys = reference.rotate(keys, *plan.rope(tokens, layer.inv_freq, layer.rope_scaling, layer.keys_store.dropped))
+        if layer.latent is not None:
+            keys = torch.cat([keys, values], -1)
         visible = plan.visible(tokens, span, layer.keys_store)
         out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks, layer.softcap)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
@@ -117,6 +125,8 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
+        if shape.latent:
+            return LATENT_REFUSAL
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
@@ -162,6 +172,8 @@ class CudaKernels(Backend):
 
 def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
+    if shape.latent:
+        return LATENT_REFUSAL
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -289,13 +301,15 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     if device_type not in ("cpu", "cuda"):
         raise KvcalError(f"device {device_type!r}: say cpu or cuda")
     heads, device = bundle.fingerprint["num_heads"], torch.device(device_type)
+    latent, value_widths = "value_dim" in bundle.fingerprint, kv_widths(bundle.fingerprint, "v")
     plans = []
     for i, (recipe, (kv_heads, head_dim)) in enumerate(zip(bundle.layers, kv_shapes(bundle.fingerprint))):
-        width = kv_heads * head_dim
+        widths = (kv_heads * head_dim, value_widths[i])
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
-        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device, alike)
+        shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device,
+                           alike, latent)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"
@@ -307,6 +321,7 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
             choice = choose(shape)
             bodies = segments = {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[choice.backend.name]
             why = choice.why() if choice.backend.name != "cpu-kernel" else ""
-        key_append, value_append = (append_path(codec, width, device) for codec in (codecs.key_codec, codecs.value_codec))
+        key_append, value_append = (append_path(codec, width, device)
+                                    for codec, width in zip((codecs.key_codec, codecs.value_codec), widths))
         plans.append(LayerPlan(i, bodies, segments if _has_fp16_segments(recipe) else "-", key_append, value_append, why))
     return plans

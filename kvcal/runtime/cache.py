@@ -121,9 +121,7 @@ class RuntimeLayer(CacheLayerMixin):
     @property
     def decode_path(self) -> str | None:
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
-        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (always MLA's)."""
-        if self.latent is not None:
-            return "reference" if self.keys_store is not None else None
+        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (MLA's, so far)."""
         return self.decoder.path if self.decoder is not None else None
 
     def reset(self) -> None:
@@ -163,14 +161,14 @@ class RuntimeLayer(CacheLayerMixin):
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
-        if latent_query is not None:  # (a decode step too: each sequence's token appended first, then read as stored)
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query)
-        elif m == 1:  # decode: append every sequence's token, then attend over the cache as stored
+        if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
+            if latent_query is not None:  # (the reference's: MLA's query parts side by side, ReferenceDecoder)
+                query = torch.cat([query.float(), latent_query], -1)
             output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead)
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers)
@@ -313,7 +311,7 @@ class RuntimeLayer(CacheLayerMixin):
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
-                                        self.keys_store.fp16_rows_like(self.values_store))
+                                        self.keys_store.fp16_rows_like(self.values_store), self.latent is not None)
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder
