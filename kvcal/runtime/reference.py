@@ -109,9 +109,14 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     to n; visible (B, n): the tokens each sequence's query sees; sinks: (heads,) attention sinks' logits; softcap: the
     scores' soft-cap -> (B, heads, 1, head_dim) float32 (a sequence that sees nothing gets NaN, or 0 with sinks: the
     caller zeroes it)."""
+    batch, heads, _, _ = query.shape
+    kv_heads = keys.shape[1]
     if sinks is not None or softcap is not None:
-        groups = query.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
         return explicit_attention(query.float(), keys, values, visible[:, None, None, :], scaling, sinks, softcap)
-    return torch.nn.functional.scaled_dot_product_attention(query.float(), keys, values, attn_mask=visible[:, None, None, :],
-                                                            scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
+    # each KV head's query heads as rows of one query (one query position each): no copy of the keys per query head
+    # (SDPA's enable_gqa repeats them on the CPU, MLA's 576 channels 16 or 128 times)
+    grouped = query.float().view(batch, kv_heads, heads // kv_heads, query.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :],
+                                                           scale=scaling)
+    return out.view(batch, heads, 1, values.shape[-1])

@@ -1,0 +1,187 @@
+"""generate() on a DeepSeek-V2-Lite-shaped model (multi-head latent attention, MLA) with random weights: ms per decode
+step and cache bytes of transformers' DynamicCache beside kvcal's caches, after a prompt of each --lengths tokens.
+
+Both hold per token and layer what MLA caches: one latent (kv_lora_rank channels) and one rotated key
+(qk_rope_head_dim), not each head's keys and values. transformers' attention expands every cached token into each
+head's key and value at every step (kv_b_proj over the whole history); kvcal's attends in the latent (the query's
+latent part over the latent, kvcal.adapters.LatentAttention), on the torch reference: no kernel reads a latent yet.
+
+The shape: DeepSeek-V2-Lite's attention (16 heads, kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128,
+v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, dense MLPs as wide as one of its experts
+(1408; the cache's work is the attention's) and a vocabulary of 1024 (`--shape tiny`: a small one for dry runs).
+Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
+given the same fp prefill of the prompt but its last token (kvcal's load it, DynamicCache takes it through its own
+update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
+the rounds of each run's median step (the first step, the prompt's last token, not timed).
+
+Usage: python -m benchmarks.end_to_end mla [--lengths 1024,4096,8192] [--batch 1] [--recipes kivi,kvquant]
+       [--layers 4] [--new-tokens 8] [--rounds 2] [--device cpu]      (see --help)
+Writes benchmarks/results/mla_generate_<device>.{json,md} (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import device_slug, provenance, write_markdown, write_result
+from benchmarks.end_to_end import gpu
+
+SHAPES = {  # DeepseekV2Config fields
+    "deepseek-v2-lite": dict(hidden_size=2048, intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16,
+                             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                             v_head_dim=128, vocab_size=1024, max_position_embeddings=32768),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=96,
+                 q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, vocab_size=512,
+                 max_position_embeddings=4096),
+}
+BASELINE = "DynamicCache"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from kvcal import registry
+    from kvcal.errors import KvcalError
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v2-lite", help="model shape (default: %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs (default: %(default)s)")
+    parser.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths in tokens, comma-separated "
+                                                                    "(default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--recipes", default="kivi,kvquant", help=f"kvcal recipes, comma-separated ({', '.join(registry.recipes())}) "
+                                                                  "(default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="new tokens per generate(); the first is not timed "
+                                                                  "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every cache per length, in turn (default: %(default)s)")
+    parser.add_argument("--profile-windows", type=int, default=2, help="windows of the profile the bundles are fitted from "
+                                                                      "(default: %(default)s)")
+    parser.add_argument("--profile-seqlen", type=int, default=256, help="tokens per profile window (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>)")
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        parser.error("--lengths are whole numbers, comma-separated")
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    for recipe in args.recipes:
+        try:
+            registry.recipe(recipe)
+        except KvcalError as exc:  # an unknown name, with the list
+            parser.error(f"--recipes: {exc}")
+    if min(args.lengths) < 2 or args.batch < 1 or args.layers < 1 or args.rounds < 1:
+        parser.error("--lengths are at least 2 tokens, --batch, --layers and --rounds at least 1")
+    if max(args.lengths) + args.new_tokens > SHAPES[args.shape]["max_position_embeddings"]:
+        parser.error(f"--lengths + --new-tokens reach past the shape's {SHAPES[args.shape]['max_position_embeddings']} positions")
+    if args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    if args.profile_windows < 1 or args.profile_seqlen < 2:
+        parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here")
+    return args
+
+
+def random_model(shape: str, layers: int, device: str, seed: int):
+    """A DeepseekV2ForCausalLM of `shape` with `layers` dense decoder layers and random weights (transformers' own
+    initialisation, seeded), bf16 on CUDA and fp32 on CPU."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(**SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=layers, pad_token_id=None,
+                              bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DeepseekV2ForCausalLM._from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    return model.eval()
+
+
+def measure(args) -> dict:
+    from transformers import DynamicCache
+
+    from kvcal.bundle import load_bundle
+    from kvcal.runtime import quantized_cache
+    from kvcal.runtime.cache import fp_context
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = random_model(args.shape, args.layers, args.device, args.seed)
+    clock = gpu.Clock(args.device)
+    with tempfile.TemporaryDirectory() as folder:
+        args.shape_name = f"random {args.shape}"
+        paths, timing = gpu.make_bundles(model, argparse.Namespace(**{**vars(args), "shape": args.shape_name}), Path(folder),
+                                         clock)
+        bundles = {recipe: load_bundle(path) for recipe, path in paths.items()}
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    rows = []
+    for length in args.lengths:
+        prompt = torch.randint(model.config.vocab_size, (args.batch, length), generator=generator).to(args.device)
+        with torch.inference_mode():
+            context = fp_context(model, prompt[:1, :-1])
+
+        stored = []  # each run's cache bytes, exact (run_cache rounds them to GiB)
+
+        def counted(bytes_of):
+            return lambda cache: stored.append(bytes_of(cache)) or stored[-1]
+
+        def dynamic():
+            cache = gpu.filled_transformers_cache(DynamicCache(config=model.config), context, args.batch)
+            return cache, counted(gpu.transformers_cache_bytes)
+
+        def kvcal_cache(bundle):
+            def make():
+                cache = quantized_cache(model, bundle)
+                cache.load(gpu.batched(context, args.batch))
+                return cache, counted(lambda cache: cache.used_bytes())
+            return make
+
+        makers = [(BASELINE, dynamic), *((f"kvcal {recipe}", kvcal_cache(bundle)) for recipe, bundle in bundles.items())]
+        runs = {name: [] for name, _ in makers}
+        for round_ in range(args.rounds):
+            for name, make in makers:
+                runs[name].append({**gpu.run_cache(model, prompt, args.new_tokens, make, args.device, clock),
+                                   "cache_bytes": None})
+                runs[name][-1]["cache_bytes"] = stored[-1]
+                print(f"length {length}, round {round_ + 1}/{args.rounds}: {name} {runs[name][-1]['ms_per_step']} ms/step",
+                      flush=True)
+        del context
+        for name, cell in runs.items():
+            rows.append({"length": length, "cache": name, "ms_per_step": statistics.median(r["ms_per_step"] for r in cell),
+                         "cache_bytes": cell[0]["cache_bytes"]})
+    return {"settings": {k: v for k, v in vars(args).items() if k != "shape_name"}, "config": SHAPES[args.shape],
+            "timing": timing, "results": rows}
+
+
+def table(result: dict, started: dict) -> list[str]:
+    settings = result["settings"]
+    lines = [f"# generate() with MLA: {settings['shape']} attention, {settings['layers']} layers, batch {settings['batch']}",
+             "", f"{started['device']}, torch {started['torch']}, commit {started['commit']}, {started['date']}; "
+             f"median ms per decode step over {settings['rounds']} rounds of {settings['new_tokens']} new tokens "
+             "(the first not timed); cache bytes after the prefill and the new tokens, every layer (DynamicCache's in the "
+             "model's dtype: fp32 on the CPU, twice an fp16 cache's)", "",
+             "| prompt tokens | cache | ms / step | speed vs DynamicCache | cache MiB | bytes vs DynamicCache |",
+             "|---|---|---|---|---|---|"]
+    for length in settings["lengths"]:
+        cell = [row for row in result["results"] if row["length"] == length]
+        base = next(row for row in cell if row["cache"] == BASELINE)
+        lines += [f"| {length} | {row['cache']} | {row['ms_per_step']:.1f} | {base['ms_per_step'] / row['ms_per_step']:.2f}x "
+                  f"| {row['cache_bytes'] / 2**20:.2f} | {row['cache_bytes'] / base['cache_bytes']:.1%} |" for row in cell]
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = provenance()
+    name = args.out or f"mla_generate_{device_slug(started['device'])}"
+    result = measure(args)
+    write_result(name, result, started)
+    write_markdown(name, table(result, started))
+
+
+if __name__ == "__main__":
+    main()
