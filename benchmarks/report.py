@@ -55,6 +55,7 @@ SECTIONS = [
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
     ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),
+    ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", "")]),
 ]
 # README rows: (recipe or baseline, its row in pareto.json, what it is)
 RECIPE_ROWS = [
