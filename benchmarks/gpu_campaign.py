@@ -25,6 +25,9 @@ that does not fit in what is left of --budget-s is skipped and says so):
   ab           this tree's kernel against each --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`);
                skipped without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
+  mla          generate() on a DeepSeek-V2-Lite-shaped random model (multi-head latent attention, its 27 layers) at 8K and
+               32K tokens, batch 8: DynamicCache against kvcal's kivi and kvquant caches, which decode MLA on the torch
+               reference (`benchmarks.end_to_end mla`)
 
 Everything is written under OUTDIR: results/ (the benchmarks' JSON and Markdown, as benchmarks/results would hold
 them), logs/<stage>.log, campaign.json (each stage's command, status and seconds) and summary.md, the short table that
@@ -160,6 +163,11 @@ def stages(args) -> list[Stage]:
                            90 + 20 * variants * len(args.baseline_tree), 60, [*bench("kernels", "ab"), "--help"]))
     found.append(Stage("ncu", [*bench("kernels", "ncu"), "--only", args.ncu_variants,
                                "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("kernels", "ncu"), "--help"]))
+    mla = ["--recipes", "kivi,kvquant", "--new-tokens", "8", "--rounds", "2", "--seed", str(args.seed)]
+    found.append(Stage("mla", [*bench("end_to_end", "mla"), "--device", "cuda", "--lengths", "8192,32768", "--batch", "8",
+                               "--layers", "27", *mla], 150, 60,
+                       [*bench("end_to_end", "mla"), "--shape", "tiny", "--lengths", "64", "--layers", "2",
+                        "--profile-seqlen", "32", *mla]))
     return [s for s in found if not args.only or s.name in args.only.split(",")]
 
 
@@ -386,7 +394,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--budget-s is a positive number of seconds")
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
-    known = {"environment", "layout", "kernels", "kernels-heads", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu"}
+    known = {"environment", "layout", "kernels", "kernels-heads", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu",
+             "mla"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

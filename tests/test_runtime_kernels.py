@@ -199,6 +199,22 @@ def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_
 
 
 @requires_gpu
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_linear"])
+def test_latent_attention_decodes_on_cuda_like_the_cpu_reference(model_type):
+    """MLA under KIVI's int4 in blocks of 32, 40 tokens one at a time: the rotated key (64 channels) and the latent (96)
+    stored on the device, the batched reference decoding over them there (no kernel reads a latent yet), the CPU
+    runtime's logits within 2e-3 (Kimi Linear: its KDA layers' states in transformers' cache layers)."""
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    model = tiny_model(model_type)
+    bundle = kivi_bundle(model, 4, 32, 32)
+    with torch.inference_mode():
+        cpu_logits, _ = decode_token_by_token(model, bundle, ids)
+        cuda_logits, cache = decode_token_by_token(model.cuda(), bundle, ids.cuda())
+    assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
+    torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+
+
+@requires_gpu
 def test_a_gqa_16_model_decodes_on_cuda_in_two_passes_like_the_cpu_reference():
     """A tiny Llama with 16 query heads over one KV head of 64 under KIVI-4 (g32), 40 tokens one at a time: every layer
     on the tensor-core kernel in two passes of 8 query heads, the CPU reference runtime's logits within 2e-3."""
