@@ -15,7 +15,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
-LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA), served in simulation so far
+LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
@@ -257,8 +257,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(qk_layernorm=True, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    if model_type in LATENT:  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64 (two ggml blocks) per token,
-        # queries of a low rank (but MiniCPM3's own default), dense MLPs (the tiny experts' strides fail grouped_mm)
+    if model_type in LATENT:  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64 (two ggml blocks) per
+        # token, queries of a low rank (but Ling's), dense MLPs (the tiny experts' strides fail grouped_mm), no special
+        # tokens (an end-of-text id would stop generate early)
         del common["num_key_value_heads"]
         common.update(kv_lora_rank=96, q_lora_rank=48, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)

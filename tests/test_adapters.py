@@ -92,7 +92,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
-    channel order where RoPE leaves it so (rope_interleave), else in the model's."""
+    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's), else in the model's."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config
@@ -107,9 +107,11 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     assert (adapter.rope_order is not None) == interleaved
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
-             for i, layer in enumerate(adapter.layers) for kind, module in (("k", layer.key_source), ("v", layer.value_source))]
+             for i, layer in enumerate(adapter.layers)
+             for kind, module in (("k", layer.key_source), ("v", layer.value_source))]
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = model(torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+        cache = model(ids, use_cache=True).past_key_values
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
