@@ -458,7 +458,7 @@ def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
     layers = fingerprint["num_layers"]
     kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
     head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
-    if kind == "v" and "value_dim" in fingerprint:
+    if kind == "v" and latent_attention(fingerprint):
         head_dims = [fingerprint["value_dim"]] * layers
     return list(zip(kv_heads, head_dims))
 
@@ -478,6 +478,11 @@ def decoder_kind(fingerprint: dict) -> str:
     if "attention_layers" in fingerprint or fingerprint["model_type"] in _STATE_BESIDE_ATTENTION_TYPES:
         return "recurrent"
     return "dense"
+
+
+def latent_attention(fingerprint: dict) -> bool:
+    """Whether an artifact's model's attention is MLA (LatentAttention): its fingerprint gives its latent's width."""
+    return "value_dim" in fingerprint
 
 
 def kv_widths(fingerprint: dict, kind: str = "k") -> list[int]:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvcal.adapters import decoder_kind, kv_shapes
+from kvcal.adapters import decoder_kind, kv_shapes, latent_attention
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
@@ -174,7 +174,7 @@ def _read_profile(profile_path) -> tuple[dict, dict]:
     """A profile's (tensors, config), refused where its model's attention is MLA, whose latent engines store in
     formats of their own (one scale for the latent and the rotated key) that no plan here models yet."""
     profile, config = read_artifact(profile_path, "profile")
-    if "value_dim" in config["model"]["fingerprint"]:
+    if latent_attention(config["model"]["fingerprint"]):
         raise KvcalError(f"'{profile_path}' profiles a multi-head latent attention (MLA) model, whose cache engines store "
                          "in formats of their own that kvcal plan does not model yet")
     return profile, config

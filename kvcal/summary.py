@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import kv_shapes, kv_widths, score_scale
+from kvcal.adapters import kv_shapes, kv_widths, latent_attention, score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -38,7 +38,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
                       + (f"; multi-head latent attention: the value is a latent of {fingerprint['value_dim']} channels "
-                         "beside the rotated key" if "value_dim" in fingerprint else "")),
+                         "beside the rotated key" if latent_attention(fingerprint) else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, kv_widths, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, kv_widths, latent_attention, score_scale
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
@@ -262,7 +262,7 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     if settings.group_size > narrowest:
         raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {narrowest} of this model's "
                          f"layers; use at most {narrowest}")
-    if settings.clip != "none" and "value_dim" in fingerprint:
+    if settings.clip != "none" and latent_attention(fingerprint):
         raise KvcalError("the clip search fits attention outputs over the profile's windows, which an MLA model's profile "
                          "does not keep (their queries would need absorbing into the latent); pass --clip none")
     if settings.clip != "none" and "layers.0.windows.q" not in profile:

@@ -132,12 +132,12 @@ class RuntimeLayer(CacheLayerMixin):
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
 
-    def _allocate(self, batch: int, width: int, value_width: int, device, tokens: int) -> None:
-        """Storage for `batch` sequences of keys `width` and values `value_width` channels wide, and the RoPE
-        frequencies of a forward over `tokens` tokens, which rotate its keys until it is emptied (WiredCache.rope_era
-        keeps a LongRoPE model's forwards to one set)."""
-        self.keys_store = self.make_store("k", batch, width, device)
-        self.values_store = self.make_store("v", batch, value_width, device)
+    def _allocate(self, batch: int, device, tokens: int) -> None:
+        """Storage for `batch` sequences of the layer's keys and values (`widths`), and the RoPE frequencies of a
+        forward over `tokens` tokens, which rotate its keys until it is emptied (WiredCache.rope_era keeps a LongRoPE
+        model's forwards to one set)."""
+        self.keys_store = self.make_store("k", batch, self.widths[0], device)
+        self.values_store = self.make_store("v", batch, self.widths[1], device)
         inv_freq = self.frequencies(tokens)
         self.inv_freq = self.cache.inv_freq_on(inv_freq, device) if self.cache is not None else inv_freq.to(device)
 
@@ -152,10 +152,10 @@ class RuntimeLayer(CacheLayerMixin):
         layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
-        width, value_width = kv_heads * head_dim, kv_heads * value.shape[-1]
+        width, value_width = self.widths
         span = self._span_for(window, f"layer {self.index}")
         if self.keys_store is None:
-            self._allocate(batch, width, value_width, query.device, plan.rope_tokens)
+            self._allocate(batch, query.device, plan.rope_tokens)
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
@@ -290,9 +290,9 @@ class RuntimeLayer(CacheLayerMixin):
         # post-RoPE keys in kvcal's channel order, as the model's are not (pre_rope_keys are), but MLA's where RoPE
         # leaves them so
         in_order = self.latent is not None and self.latent.rope_in_order
-        batch, tokens, width = keys.shape
-        value_width = values.shape[-1]
-        self._allocate(batch, width, value_width, values.device, tokens)
+        batch, tokens = keys.shape[:2]
+        width, value_width = self.widths
+        self._allocate(batch, values.device, tokens)
         self.position_offset = offsets
         step = max(1, chunk_bytes // max(tokens * (width + value_width), 1))
         for first in range(0, batch, step):

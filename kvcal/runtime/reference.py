@@ -116,7 +116,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         return explicit_attention(query.float(), keys, values, visible[:, None, None, :], scaling, sinks, softcap)
     # each KV head's query heads as rows of one query (one query position each): no copy of the keys per query head
     # (SDPA's enable_gqa repeats them on the CPU, MLA's 576 channels 16 or 128 times)
-    grouped = query.float().view(batch, kv_heads, heads // kv_heads, query.shape[-1])
+    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :],
                                                            scale=scaling)
     return out.view(batch, heads, 1, values.shape[-1])
