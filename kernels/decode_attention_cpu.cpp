@@ -6,8 +6,9 @@
 //
 // Per (sequence, KV head), tokens in chunks of CHUNK: a chunk's keys are decoded token-major into a small
 // buffer, outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
-// step's cos/sin tables, and scored LANES tokens at a time (key_scores); an online softmax (natural exponent)
-// updates the running state; the chunk's values are decoded token-major and accumulated. The running state (max, sum, output) lives in the caller's arrays,
+// step's cos/sin tables, and scored (key_scores, head_scores); an online softmax (natural exponent)
+// updates the running state; the chunk's values are decoded token-major and accumulated. MLA's latent
+// (kvcal.adapters.LatentAttention) is the values, which the query's latent part scores beside the keys. The running state (max, sum, output) lives in the caller's arrays,
 // so launches over different segment groups (Cocktail's widths) chain into one softmax.
 //
 // Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler for the CPU's instruction set; a
@@ -576,6 +577,42 @@ inline void key_scores(const float* __restrict__ q, const float* __restrict__ ke
     }
 }
 
+// Query heads scored together (head_scores): a key vector loaded once serves them all, so that a group of many heads
+// (MLA's 16 to 128 over one latent) reads the chunk from cache a quarter as often as one head at a time would.
+constexpr int SCORED_HEADS = 4;
+
+#if !defined(__clang__)
+// s[h * CHUNK + i] (+)= q[h * q_stride ..] . keys[i * D ..] for the SCORED_HEADS heads h and i < n (written up to the
+// next multiple of LANES / SCORED_HEADS, within CHUNK; keys finite past n), D a multiple of LANES: LANES /
+// SCORED_HEADS tokens at a time, a sum per (head, token) in the lanes of one vector, summed across lanes as
+// key_scores sums them.
+template <bool ADD>
+inline void head_scores(const float* __restrict__ q, int q_stride, const float* __restrict__ keys, int n, int D,
+                        float* __restrict__ s) {
+    constexpr int H = SCORED_HEADS, TOKENS = LANES / H;
+    for (int i0 = 0; i0 < n; i0 += TOKENS) {
+        const float* k = keys + (size_t)i0 * D;
+        vf32 t[LANES] = {};
+        for (int c = 0; c < D; c += LANES) {
+            vf32 key[TOKENS], query[H];
+            for (int j = 0; j < TOKENS; ++j) key[j] = loadv(k + (size_t)j * D + c);
+            for (int h = 0; h < H; ++h) {
+                query[h] = loadv(q + (size_t)h * q_stride + c);
+                asm("" : "+v"(query[h]));  // in a register: GCC would fold its load into each of its TOKENS multiply-adds
+            }
+            for (int h = 0; h < H; ++h)
+                for (int j = 0; j < TOKENS; ++j) t[h * TOKENS + j] += query[h] * key[j];
+        }
+        const vf32 sums = sum_lanes(t);
+        for (int h = 0; h < H; ++h)
+            for (int j = 0; j < TOKENS; ++j) {
+                float& out = s[(size_t)h * CHUNK + i0 + j];
+                out = ADD ? out + sums[h * TOKENS + j] : sums[h * TOKENS + j];
+            }
+    }
+}
+#endif
+
 // s[i] = softcap tanh(s[i] / softcap) for i < n (Gemma 2's soft-capped scores: kvcal.kv.softcapped) through
 // exp_nonpositive, so that the loop vectorizes: tanh |x| = (1 - e) / (1 + e), e = exp(-2 |x|), the sign put back.
 // Within about softcap x 2^-23 of the exact cap (the subtraction near 0 rounds to the ulp of 1).
@@ -680,27 +717,31 @@ inline void rotate_row(float* __restrict__ k, const float* __restrict__ cos_row,
 }
 
 // One (sequence, KV head)'s tokens t_begin .. t_end - 1 for its `group` query heads, from a fresh softmax state:
-// partial = per query head (m, l, acc[D]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
-// exp(score - m) v; scores soft-capped at softcap first where it is above 0.
+// partial = per query head (m, l, acc[Dv]), m the largest scaled score, l the sum of exp(score - m), acc the sum of
+// exp(score - m) v; scores soft-capped at softcap first where it is above 0. Keys are D channels wide, values Dv;
+// values_scored (MLA's latent, kvcal.adapters.LatentAttention): a query row is D + Dv wide and its last Dv channels
+// score the values beside its first D the keys (one attention over keys and values side by side, neither copied).
 void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, DecodeTokens decode_values, const Lengths& kn,
                    const Lengths& vn, const float* query, const float* cos_table, const float* sin_table, long long rope_stride,
-                   int b, int kv_head, int kv_heads, int group, int D, float scale, float softcap, int t_begin, int t_end,
-                   float* partial) {
+                   int b, int kv_head, int kv_heads, int group, int D, int Dv, bool values_scored, float scale, float softcap,
+                   int t_begin, int t_end, float* partial) {
     thread_local HeadTables k_tables, v_tables;
-    thread_local std::vector<float> q, keys, values, scores;
-    const int width = kv_heads * D, half = D / 2, heads = kv_heads * group;
-    q.resize((size_t)group * D);
+    thread_local std::vector<float> q, keys, values, scores, value_scores;
+    const int width = kv_heads * D, value_width = kv_heads * Dv, half = D / 2, heads = kv_heads * group;
+    const int Dq = values_scored ? D + Dv : D;  // a query row
+    q.resize((size_t)group * Dq);
     keys.resize((size_t)CHUNK * D);
-    values.resize((size_t)CHUNK * D);
+    values.resize((size_t)CHUNK * Dv);
     scores.resize((size_t)group * CHUNK);
+    value_scores.resize(CHUNK);
     prepare_tables(ks, k_tables, kv_head, D);
-    prepare_tables(vs, v_tables, kv_head, D);
+    prepare_tables(vs, v_tables, kv_head, Dv);
     const long long first_row = (long long)b * heads + (long long)kv_head * group;
-    for (int i = 0; i < group * D; ++i) q[i] = query[first_row * D + i] * scale;
+    for (int i = 0; i < group * Dq; ++i) q[i] = query[first_row * Dq + i] * scale;
     for (int g = 0; g < group; ++g) {
-        float* state = partial + (size_t)g * (D + 2);
+        float* state = partial + (size_t)g * (Dv + 2);
         state[0] = -INFINITY;
-        std::fill(state + 1, state + D + 2, 0.0f);
+        std::fill(state + 1, state + Dv + 2, 0.0f);
     }
     if (cos_table != nullptr) prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t_begin, std::min(CHUNK, t_end - t_begin), half);
     for (int t0 = t_begin; t0 < t_end; t0 += CHUNK) {
@@ -713,10 +754,29 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
                 const long long row = b * rope_stride + (long long)(t0 + i) * half;
                 rotate_row(keys.data() + (size_t)i * D, cos_table + row, sin_table + row, half);
             }
+        if (values_scored) decode_values(vs, v_tables, vn, b, kv_head, kv_heads, Dv, value_width, t0, n, values.data());
+        int together = 0;  // the query heads scored SCORED_HEADS at a time (head_scores), the rest one by one
+#if !defined(__clang__)
+        if (D % LANES == 0 && (!values_scored || Dv % LANES == 0)) together = group / SCORED_HEADS * SCORED_HEADS;
+        for (int g = 0; g < together; g += SCORED_HEADS) {
+            float* s = scores.data() + (size_t)g * CHUNK;
+            head_scores<false>(q.data() + (size_t)g * Dq, Dq, keys.data(), n, D, s);
+            if (values_scored) head_scores<true>(q.data() + (size_t)g * Dq + D, Dq, values.data(), n, Dv, s);
+        }
+#endif
         for (int g = 0; g < group; ++g) {
             float* __restrict__ s = scores.data() + (size_t)g * CHUNK;
-            float* state = partial + (size_t)g * (D + 2);
-            key_scores(q.data() + (size_t)g * D, keys.data(), n, D, s);
+            float* state = partial + (size_t)g * (Dv + 2);
+            const float* qg = q.data() + (size_t)g * Dq;
+            if (g >= together) {
+                key_scores(qg, keys.data(), n, D, s);
+                if (values_scored) {
+                    float* __restrict__ extra = value_scores.data();
+                    key_scores(qg + D, values.data(), n, Dv, extra);
+#pragma omp simd
+                    for (int i = 0; i < n; ++i) s[i] += extra[i];
+                }
+            }
             if (softcap > 0.0f) cap_scores(s, n, softcap);
             const float chunk_max = largest(s, n);
             const float m_new = max_or(chunk_max, state[0]);
@@ -729,10 +789,10 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
             }
             state[1] = state[1] * correction + sum;
             state[0] = m_new;
-            for (int c = 0; c < D; ++c) state[2 + c] *= correction;
+            for (int c = 0; c < Dv; ++c) state[2 + c] *= correction;
         }
-        decode_values(vs, v_tables, vn, b, kv_head, kv_heads, D, width, t0, n, values.data());
-        accumulate_values(scores.data(), values.data(), n, D, group, partial + 2, D + 2);
+        if (!values_scored) decode_values(vs, v_tables, vn, b, kv_head, kv_heads, Dv, value_width, t0, n, values.data());
+        accumulate_values(scores.data(), values.data(), n, Dv, group, partial + 2, Dv + 2);
     }
 }
 
@@ -747,7 +807,9 @@ struct Task {
 // (batch, heads) sum of exp(score - m), acc (batch, heads, D)
 // sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
 // last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
-// query (batch, heads, D) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
+// Keys are head_dim channels a KV head, values value_dim (acc: (batch, heads, value_dim)); values_scored (MLA's
+// latent): query rows are head_dim + value_dim wide, the last value_dim scoring the values (attend_tokens).
+// query (batch, heads, D or D + value_dim) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D / 2) at each sequence's stored tokens' positions (the first half of each
 // row of kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
 // Work: every (sequence, KV head)'s tokens in splits of SPLIT tokens, or fewer (halved down to CHUNK) while that
@@ -757,13 +819,14 @@ struct Task {
 // number of threads.
 extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* descriptor, const int32_t* meta,
                                            const float* cos_table, const float* sin_table, long long rope_stride,
-                                           int batch, int kv_heads, int group, int head_dim, float scale, float softcap,
-                                           float* m_state, float* l_state, float* acc_state, int first, int last, int threads) {
-    const int D = head_dim, heads = kv_heads * group;
+                                           int batch, int kv_heads, int group, int head_dim, int value_dim, int values_scored,
+                                           float scale, float softcap, float* m_state, float* l_state, float* acc_state,
+                                           int first, int last, int threads) {
+    const int D = head_dim, Dv = value_dim, heads = kv_heads * group;
     if (first) {
         std::fill(m_state, m_state + (size_t)batch * heads, -INFINITY);
         std::fill(l_state, l_state + (size_t)batch * heads, 0.0f);
-        std::fill(acc_state, acc_state + (size_t)batch * heads * D, 0.0f);
+        std::fill(acc_state, acc_state + (size_t)batch * heads * Dv, 0.0f);
     }
     const Side ks = load_side(descriptor), vs = load_side(descriptor + SIDE_FIELDS);
     const DecodeTokens decode_keys = decoder(ks), decode_values = decoder(vs);
@@ -788,33 +851,33 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
     for (int b = 0; b < batch; ++b)
         for (int t0 = seen_from[b]; t0 < tokens[b]; t0 += split)  // a split's KV heads in turn: its RoPE table rows stay in cache
             for (int kv_head = 0; kv_head < kv_heads; ++kv_head) tasks.push_back(Task{b, kv_head, t0, std::min(tokens[b], t0 + split)});
-    const size_t per_task = (size_t)group * (D + 2);
+    const size_t per_task = (size_t)group * (Dv + 2);
     std::vector<float> partials(tasks.size() * per_task);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(threads, 1)) if (threads > 1 && tasks.size() > 1)
     for (long long i = 0; i < (long long)tasks.size(); ++i) {
         const Task& task = tasks[i];
         attend_tokens(ks, vs, decode_keys, decode_values, key_lengths[task.b], value_lengths[task.b], query, cos_table, sin_table,
-                      rope_stride, task.b, task.kv_head, kv_heads, group, D, scale, softcap, task.t_begin, task.t_end,
-                      partials.data() + i * per_task);
+                      rope_stride, task.b, task.kv_head, kv_heads, group, D, Dv, values_scored != 0, scale, softcap,
+                      task.t_begin, task.t_end, partials.data() + i * per_task);
     }
     for (size_t i = 0; i < tasks.size(); ++i) {
         const long long first_row = (long long)tasks[i].b * heads + (long long)tasks[i].kv_head * group;
         for (int g = 0; g < group; ++g) {
-            const float* part = partials.data() + i * per_task + (size_t)g * (D + 2);
+            const float* part = partials.data() + i * per_task + (size_t)g * (Dv + 2);
             float& m = m_state[first_row + g];
             float& l = l_state[first_row + g];
-            float* acc = acc_state + (first_row + g) * D;
+            float* acc = acc_state + (first_row + g) * Dv;
             const float m_new = max_or(part[0], m);
             const float old_weight = m == -INFINITY ? 0.0f : exp_nonpositive(m - m_new);
             const float new_weight = part[0] == -INFINITY ? 0.0f : exp_nonpositive(part[0] - m_new);
             l = l * old_weight + part[1] * new_weight;
-            for (int c = 0; c < D; ++c) acc[c] = acc[c] * old_weight + part[2 + c] * new_weight;
+            for (int c = 0; c < Dv; ++c) acc[c] = acc[c] * old_weight + part[2 + c] * new_weight;
             m = m_new;
         }
     }
     if (last)
         for (size_t row = 0; row < (size_t)batch * heads; ++row)
-            for (int c = 0; c < D; ++c) acc_state[row * D + c] = l_state[row] > 0.0f ? acc_state[row * D + c] / l_state[row] : 0.0f;
+            for (int c = 0; c < Dv; ++c) acc_state[row * Dv + c] = l_state[row] > 0.0f ? acc_state[row * Dv + c] / l_state[row] : 0.0f;
 }
 
 // What this build is, for kvcal.runtime.cpu_kernel.describe: vector lanes, and the OpenMP version (0: no threads).

@@ -32,20 +32,19 @@ def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles
     assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
 
 
-def test_latent_attention_decodes_on_the_reference_as_planned_on_both_devices(architecture_bundles):
-    """MLA (kvcal.adapters.LatentAttention): no kernel reads a latent yet, so its layers decode on the batched torch
-    reference, as the plan says on the CPU and on CUDA, each with the reason; its appends still use the compiled
-    encoders at each tensor's own width."""
+def test_latent_attention_decodes_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):
+    """MLA (kvcal.adapters.LatentAttention): the CPU kernel reads the latent (its query's latent part scoring it), the
+    tensor-core kernel does not yet, so on CUDA its layers decode on the batched torch reference, as the plan says
+    with the reason; its appends use the compiled encoders at each tensor's own width."""
     bundle = load_bundle(architecture_bundles("deepseek_v3")["kivi"])
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         _, cache = decode_token_by_token(tiny_model("deepseek_v3"), bundle, ids)
-    assert [layer.decode_path for layer in cache.layers] == ["reference", "reference"]
-    for device in ("cpu", "cuda"):
-        plans = backends.bundle_plan(bundle, device)
-        assert {p.bodies for p in plans} == {"reference"}
-        assert all(p.why.endswith(f"not {'cpu-kernel' if device == 'cpu' else 'cuda-kernels'}: {backends.LATENT_REFUSAL}")
-                   for p in plans)
+    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "cpu-kernel"]
+    assert {p.bodies for p in backends.bundle_plan(bundle, "cpu")} == {"cpu-kernel"}
+    plans = backends.bundle_plan(bundle, "cuda")
+    assert {p.bodies for p in plans} == {"reference"}
+    assert all(p.why == f"not cuda-kernels: {backends.LATENT_REFUSAL}" for p in plans)
     assert {(p.key_append, p.value_append) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-append", "cpu-append")}
 
 

@@ -70,10 +70,10 @@ def test_every_architecture_decodes_every_recipe_to_the_simulation(architecture_
 
 
 @pytest.mark.parametrize("model_type", LATENT)
-def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bundles, model_type):
+def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bundles, model_type, decode_path):
     """MLA (kvcal.adapters.LatentAttention): the cache stores the rotated key and the latent, each at its own width,
     and attends over them as the simulation does (the query's latent part scoring the latent beside its rotated part
-    scoring the key, on the torch reference), for every recipe fit from the model's own profile."""
+    scoring the key), for every recipe fit from the model's own profile, on both CPU decode paths."""
     bundles = architecture_bundles(model_type)
     for recipe in RECIPES:
         assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)

@@ -13,10 +13,11 @@ import torch
 
 from helpers import runnable_cpu_targets
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
-                                  cocktail_stores, compare, cpu_kernel_decode, filled)
-from kvcal.quantizers import CodebookCodec, TokenUniform, normal_float_codebook
-from kvcal.runtime import cpu_kernel, kernels
-from kvcal.runtime.segments import out_of_window
+                                  cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups, filled)
+from kvcal.kv import SegmentPolicy
+from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
+from kvcal.runtime import cpu_kernel, kernels, reference
+from kvcal.runtime.segments import SegmentedStore, out_of_window
 from kvcal.spans import AttentionSpan
 
 SHORT = [1, 31, 33, 129, 300]
@@ -99,6 +100,62 @@ def test_cpu_decode_attention_gives_the_same_bits_on_any_number_of_threads(case)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+# MLA's cache (kvcal.adapters.LatentAttention) at DeepSeek-V3's widths: one KV head, a rotated key of 64 channels, a
+# latent of 512 that the query's latent part scores beside the key's scores and that the heads' outputs average
+ROPE_DIM, LATENT_DIM = 64, 512
+LATENT_CASES = {
+    "kivi2": lambda: (ChannelBlockUniform(2, 32), TokenUniform(2, 32), SegmentPolicy(residual=128, key_block=32), False),
+    "nuq3-prerope-outliers-sink4-window": lambda: (
+        CodebookCodec(normal_float_codebook(3), -2.5 * torch.ones(ROPE_DIM), 2.5 * torch.ones(ROPE_DIM), outlier_fraction=0.01),
+        CodebookCodec(normal_float_codebook(3), None, None, outlier_fraction=0.01), SegmentPolicy(sink=4, window=64), True),
+    "skvq2-prerope-sink5-window": lambda: (equal_skvq_groups(ROPE_DIM, 2, 2), equal_skvq_groups(LATENT_DIM, 8, 2, seed=1),
+                                           SegmentPolicy(sink=5, window=64), True),
+}
+
+
+def latent_stores(case: str, lengths: list[int]):
+    """The rotated keys' and the latents' stores of `case` holding len(lengths) sequences (a prefill, then 3 decode
+    appends each), and whether the keys are stored before RoPE."""
+    key_codec, latent_codec, policy, pre_rope = LATENT_CASES[case]()
+    stores = [SegmentedStore(codec, policy, keys, 0.0, len(lengths), width, "cpu", None, cpu_kernel.append_encoder, width)
+              for codec, keys, width in ((key_codec, True, ROPE_DIM), (latent_codec, False, LATENT_DIM))]
+    for b, n in enumerate(lengths):
+        for store, seed in zip(stores, (2 * b, 2 * b + 1)):
+            x = torch.randn(n, store.body.width, generator=torch.Generator().manual_seed(seed)).half()
+            if n > 3:
+                store.append(b, x[: n - 3])
+            for t in range(max(0, n - 3), n):
+                store.append(b, x[t : t + 1])
+    return stores, pre_rope
+
+
+@pytest.mark.parametrize("heads", (1, 16, 20))
+@pytest.mark.parametrize("lengths", ("short", "long"))
+@pytest.mark.parametrize("case", LATENT_CASES)
+def test_cpu_decode_attention_scores_mla_latents_as_the_reference(case, lengths, heads):
+    """The query's rotated part scores the keys and its latent part the latents (the values), summed: the reference's
+    one attention over keys and latents side by side; every head's output a (512,) average of latents."""
+    lengths = {"short": SHORT, "long": LONG}[lengths]
+    (key_store, latent_store), pre_rope = latent_stores(case, lengths)
+    batch, scaling = len(lengths), 192**-0.5
+    query = torch.randn(batch, heads, ROPE_DIM + LATENT_DIM, generator=torch.Generator().manual_seed(4))
+    offsets = [(37_000 * b) % 100_003 for b in range(batch)]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM)
+    rope = None
+    if pre_rope:
+        positions = torch.arange(max(lengths))[None, :] + torch.tensor(offsets)[:, None]
+        rope = cpu_kernel.half_rope_tables(*reference.rope_tables(positions, inv_freq, 1.0))
+    launches = [kernels.Segments(k, v) for k, v in zip(key_store.kernel_segments(), latent_store.kernel_segments())]
+    got = cpu_kernel.decode_attention(query, launches, 1, scaling, rope, value_dim=LATENT_DIM, values_scored=True)
+    assert got.shape == (batch, heads, LATENT_DIM)
+    for b in range(batch):
+        keys = reference.stored_keys(key_store, b, pre_rope, offsets[b], inv_freq, 1.0, 1)
+        latents = latent_store.read(b)
+        expected = (reference.attention(query[b][:, None], torch.cat([keys, latents], -1), latents, scaling)[:, 0]
+                    if len(keys) else torch.zeros(heads, LATENT_DIM))
+        torch.testing.assert_close(got[b], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_cocktail_width_groups_chain_into_one_softmax():

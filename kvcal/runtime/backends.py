@@ -50,7 +50,7 @@ class LayerShape:
     latent: bool = False
 
 
-LATENT_REFUSAL = "MLA's latent attention (its values scored too): no kernel reads a latent yet"
+LATENT_REFUSAL = "MLA's latent attention (its values scored too): the tensor-core kernel reads no latent yet"
 
 
 class LayerDecoder:
@@ -125,8 +125,6 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
-        if shape.latent:
-            return LATENT_REFUSAL
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
@@ -138,7 +136,7 @@ class CpuKernel(Backend):
 
 class CpuDecoder(LayerDecoder):
     """One call of the CPU kernel per launch, every sequence at once; it reads spans (each sequence's first visible
-    token) itself."""
+    token) itself. An MLA layer's query is its rotated part beside its latent one, which scores the values."""
 
     path = "cpu-kernel"
 
@@ -154,7 +152,8 @@ class CpuDecoder(LayerDecoder):
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
                                          layer.drops)
         out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
-                                          plan.first_visible(span, dropped), layer.sinks, layer.softcap)
+                                          plan.first_visible(span, dropped), layer.sinks, layer.softcap,
+                                          layer.widths[1] // kv_heads, layer.latent is not None)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
 

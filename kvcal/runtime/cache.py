@@ -121,7 +121,7 @@ class RuntimeLayer(CacheLayerMixin):
     @property
     def decode_path(self) -> str | None:
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
-        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (MLA's, so far)."""
+        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference"."""
         return self.decoder.path if self.decoder is not None else None
 
     def reset(self) -> None:
@@ -164,7 +164,7 @@ class RuntimeLayer(CacheLayerMixin):
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
-            if latent_query is not None:  # (the reference's: MLA's query parts side by side, ReferenceDecoder)
+            if latent_query is not None:  # MLA's query parts side by side, as the decoders take them
                 query = torch.cat([query.float(), latent_query], -1)
             output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
         else:

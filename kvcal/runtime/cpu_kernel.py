@@ -120,7 +120,8 @@ def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list], thr
 def library() -> ctypes.CDLL | None:
     """The compiled decode-attention kernel (built on first use), or None."""
     lib = _compiled("decode_attention_cpu.cpp", DECODE_FLAGS,
-                    {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I, _I]},
+                    {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I,
+                                                   _I]},
                     THREAD_FLAGS)
     if lib is not None:
         for function in ("kvcal_cpu_lanes", "kvcal_cpu_openmp"):
@@ -178,17 +179,24 @@ def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> ar
 
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None,
-                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, softcap: float | None = None,
+                     value_dim: int | None = None, values_scored: bool = False) -> torch.Tensor:
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
     rope: cos, sin (batch or 1, >= tokens, head_dim / 2) float32 contiguous, the first half of each row of
     kvcal.runtime.reference.rope_tables (`half_rope_tables`), at each sequence's stored tokens' positions (one set of
     rows for the whole batch when the first dimension is 1) for keys stored before RoPE (None: keys are stored
     rotated); first: per sequence, its first stored token the query sees (a sliding window; default 0); sinks: (heads,)
     attention sinks' logits, added to the kernel's softmax state after its last launch (kvcal.kv.softmax_with_sinks);
-    softcap: the scores' soft-cap (kvcal.kv.softcapped), which the kernel applies (None: not capped).
-    (batch, heads, head_dim) float32; a sequence without tokens gets zeros. The stores must live on the CPU."""
+    softcap: the scores' soft-cap (kvcal.kv.softcapped), which the kernel applies (None: not capped); value_dim: a
+    KV head's value channels where they are not head_dim's; values_scored (MLA's latent,
+    kvcal.adapters.LatentAttention): the query's last value_dim channels score the values beside its first ones the
+    keys, which are then head_dim - value_dim wide. (batch, heads, value_dim) float32; a sequence without tokens gets
+    zeros. The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
+    value_dim = value_dim or head_dim
+    if values_scored:
+        head_dim -= value_dim
     query = query.float().contiguous()
     cos = sin = None
     rope_stride = 0
@@ -201,7 +209,7 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         if meta is not None:
             descriptor = segments.describe("cpu", lambda: _held_array(side_descriptor(*segments.keys) + side_descriptor(*segments.values)))
             calls.append((descriptor, meta))
-    out = torch.empty(batch, heads, head_dim)  # the kernel's running output, acc
+    out = torch.empty(batch, heads, value_dim)  # the kernel's running output, acc
     if not calls:
         return out.zero_()
     # the running softmax state: m, then l, batch x heads each (host arrays: no torch operation per call)
@@ -210,8 +218,8 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     for i, ((_, descriptor), meta) in enumerate(calls):
         lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor, meta.buffer_info()[0], 0 if cos is None else cos.data_ptr(),
-            0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads, heads // kv_heads, head_dim, scaling,
-            softcap or 0.0, m_pointer, m_pointer + 4 * batch * heads, out.data_ptr(), i == 0, sinks is None and i == len(calls) - 1,
+            0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads, heads // kv_heads, head_dim, value_dim,
+            int(values_scored), scaling, softcap or 0.0, m_pointer, m_pointer + 4 * batch * heads, out.data_ptr(), i == 0, sinks is None and i == len(calls) - 1,
             torch.get_num_threads())
     if sinks is not None:  # the sink joins the running state (m, l, acc), then acc / l as the kernel's last launch does
         m, l = torch.frombuffer(state, dtype=torch.float32).view(2, batch, heads)
