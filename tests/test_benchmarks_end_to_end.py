@@ -64,24 +64,28 @@ def test_the_host_benchmark_times_the_cuda_path_of_every_cache_it_names():
 
 
 def test_the_mla_benchmark_decodes_dynamic_cache_and_kvcals_caches_and_counts_their_bytes(tmp_path, monkeypatch):
-    """A run at the tiny MLA shape: DynamicCache and each kvcal cache decode after the same prompt; the bytes are each
-    cache's own (DynamicCache's latent and rotated key in fp32 on the CPU: 4 bytes of 96 + 64 channels per token and
-    layer; kvcal's fp16 and quantized), and the table's ratios are against DynamicCache's."""
+    """A run at the tiny MLA shape: DynamicCache and each kvcal cache decode after the same prompt, kvcal's on the CPU
+    kernel and (--reference) on the torch reference; the bytes are each cache's own (DynamicCache's latent and rotated
+    key in fp32 on the CPU: 4 bytes of 96 + 64 channels per token and layer; kvcal's fp16 and quantized), and the
+    table's ratios are against DynamicCache's."""
     from benchmarks import common
     from benchmarks.end_to_end import mla
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     mla.main(["--shape", "tiny", "--lengths", "40", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
-              "--profile-seqlen", "32", "--recipes", "kivi,kvquant"])
+              "--profile-seqlen", "32", "--recipes", "kivi,kvquant", "--reference"])
     result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("mla_generate_*.json"))).read_text())
     rows = {row["cache"]: row for row in result["results"]}
-    assert list(rows) == ["DynamicCache", "kvcal kivi", "kvcal kvquant"] and all(r["ms_per_step"] > 0 for r in rows.values())
+    assert list(rows) == ["DynamicCache", "kvcal kivi", "kvcal kivi (torch reference)", "kvcal kvquant",
+                          "kvcal kvquant (torch reference)"] and all(r["ms_per_step"] > 0 for r in rows.values())
+    assert [r["decode_path"] for r in rows.values()] == ["transformers", *["cpu-kernel", "reference"] * 2]
+    assert rows["kvcal kivi (torch reference)"]["cache_bytes"] == rows["kvcal kivi"]["cache_bytes"]
     tokens = 40 + 3 - 1  # the prompt and the new tokens but the last, whose step has not stored it
     assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * (96 + 64) * 4
     assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * (96 + 64) * 2  # all within KIVI's fp16 residual
     assert rows["kvcal kvquant"]["cache_bytes"] < rows["kvcal kivi"]["cache_bytes"]
     table = (tmp_path / next(p.name for p in tmp_path.glob("mla_generate_*.md"))).read_text()
-    assert "| 40 | kvcal kivi |" in table and "| 50.0% |" in table
+    assert "| 40 | kvcal kivi | cpu-kernel |" in table and "| 50.0% |" in table
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ step and cache bytes of transformers' DynamicCache beside kvcal's caches, after 
 Both hold per token and layer what MLA caches: one latent (kv_lora_rank channels) and one rotated key
 (qk_rope_head_dim), not each head's keys and values. transformers' attention expands every cached token into each
 head's key and value at every step (kv_b_proj over the whole history); kvcal's attends in the latent (the query's
-latent part over the latent, kvcal.adapters.LatentAttention), on the torch reference: no kernel reads a latent yet.
+latent part over the latent, kvcal.adapters.LatentAttention): on the CPU with the compiled kernel, and with
+--reference each recipe again with its decode steps on the torch reference (KVCAL_CPU_KERNEL=0 for those runs;
+appends stay compiled), side by side; on CUDA on the torch reference (the tensor-core kernel reads no latent yet).
 
 The shape: DeepSeek-V2-Lite's attention (16 heads, kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128,
 v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, dense MLPs as wide as one of its experts
@@ -15,13 +17,15 @@ update) and decodes --new-tokens greedily; the caches of a length run in turn --
 the rounds of each run's median step (the first step, the prompt's last token, not timed).
 
 Usage: python -m benchmarks.end_to_end mla [--lengths 1024,4096,8192] [--batch 1] [--recipes kivi,kvquant]
-       [--layers 4] [--new-tokens 8] [--rounds 2] [--device cpu]      (see --help)
+       [--layers 4] [--new-tokens 8] [--rounds 2] [--device cpu] [--reference]      (see --help)
 Writes benchmarks/results/mla_generate_<device>.{json,md} (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -40,6 +44,7 @@ SHAPES = {  # DeepseekV2Config fields
                  max_position_embeddings=4096),
 }
 BASELINE = "DynamicCache"
+ON_REFERENCE = " (torch reference)"  # a recipe's row with its decode steps on the torch reference
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-windows", type=int, default=2, help="windows of the profile the bundles are fitted from "
                                                                       "(default: %(default)s)")
     parser.add_argument("--profile-seqlen", type=int, default=256, help="tokens per profile window (default: %(default)s)")
+    parser.add_argument("--reference", action="store_true", help="CPU: time each recipe a second time with its decode "
+                                                                 "steps on the torch reference, beside the CPU kernel")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>)")
@@ -85,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here")
+    if args.device == "cuda" and args.reference:
+        parser.error("--reference compares the CPU kernel with the torch reference: give it with --device cpu")
     return args
 
 
@@ -99,6 +108,25 @@ def random_model(shape: str, layers: int, device: str, seed: int):
     with torch.device(device):
         model = DeepseekV2ForCausalLM._from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     return model.eval()
+
+
+@contextlib.contextmanager
+def decoding_on_the_reference():
+    """Decode steps of the caches made and run inside on the torch reference: the CPU kernel switched off as
+    KVCAL_CPU_KERNEL=0 does (kvcal.runtime.cpu_kernel), then back on."""
+    from kvcal.runtime import cpu_kernel
+
+    before = os.environ.get("KVCAL_CPU_KERNEL")
+    os.environ["KVCAL_CPU_KERNEL"] = "0"
+    cpu_kernel.library.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVCAL_CPU_KERNEL"]
+        else:
+            os.environ["KVCAL_CPU_KERNEL"] = before
+        cpu_kernel.library.cache_clear()
 
 
 def measure(args) -> dict:
@@ -124,35 +152,38 @@ def measure(args) -> dict:
         with torch.inference_mode():
             context = fp_context(model, prompt[:1, :-1])
 
-        stored = []  # each run's cache bytes, exact (run_cache rounds them to GiB)
+        stored = []  # each run's cache bytes, exact (run_cache rounds them to GiB), and what decoded its layers
 
-        def counted(bytes_of):
-            return lambda cache: stored.append(bytes_of(cache)) or stored[-1]
+        def counted(bytes_of, path_of):
+            return lambda cache: stored.append((bytes_of(cache), path_of(cache))) or stored[-1][0]
 
         def dynamic():
             cache = gpu.filled_transformers_cache(DynamicCache(config=model.config), context, args.batch)
-            return cache, counted(gpu.transformers_cache_bytes)
+            return cache, counted(gpu.transformers_cache_bytes, lambda cache: "transformers")
 
         def kvcal_cache(bundle):
             def make():
                 cache = quantized_cache(model, bundle)
                 cache.load(gpu.batched(context, args.batch))
-                return cache, counted(lambda cache: cache.used_bytes())
+                return cache, counted(lambda cache: cache.used_bytes(),
+                                      lambda cache: ",".join(sorted({layer.decode_path for layer in cache.layers})))
             return make
 
-        makers = [(BASELINE, dynamic), *((f"kvcal {recipe}", kvcal_cache(bundle)) for recipe, bundle in bundles.items())]
+        makers = [(BASELINE, dynamic)]
+        for recipe, bundle in bundles.items():
+            makers += [(f"kvcal {recipe}{suffix}", kvcal_cache(bundle)) for suffix in ("", *[ON_REFERENCE] * args.reference)]
         runs = {name: [] for name, _ in makers}
         for round_ in range(args.rounds):
             for name, make in makers:
-                runs[name].append({**gpu.run_cache(model, prompt, args.new_tokens, make, args.device, clock),
-                                   "cache_bytes": None})
-                runs[name][-1]["cache_bytes"] = stored[-1]
+                with decoding_on_the_reference() if name.endswith(ON_REFERENCE) else contextlib.nullcontext():
+                    run = gpu.run_cache(model, prompt, args.new_tokens, make, args.device, clock)
+                runs[name].append({**run, "cache_bytes": stored[-1][0], "decode_path": stored[-1][1]})
                 print(f"length {length}, round {round_ + 1}/{args.rounds}: {name} {runs[name][-1]['ms_per_step']} ms/step",
                       flush=True)
         del context
         for name, cell in runs.items():
             rows.append({"length": length, "cache": name, "ms_per_step": statistics.median(r["ms_per_step"] for r in cell),
-                         "cache_bytes": cell[0]["cache_bytes"]})
+                         "cache_bytes": cell[0]["cache_bytes"], "decode_path": cell[0]["decode_path"]})
     return {"settings": {k: v for k, v in vars(args).items() if k != "shape_name"}, "config": SHAPES[args.shape],
             "timing": timing, "results": rows}
 
@@ -164,12 +195,12 @@ def table(result: dict, started: dict) -> list[str]:
              f"median ms per decode step over {settings['rounds']} rounds of {settings['new_tokens']} new tokens "
              "(the first not timed); cache bytes after the prefill and the new tokens, every layer (DynamicCache's in the "
              "model's dtype: fp32 on the CPU, twice an fp16 cache's)", "",
-             "| prompt tokens | cache | ms / step | speed vs DynamicCache | cache MiB | bytes vs DynamicCache |",
-             "|---|---|---|---|---|---|"]
+             "| prompt tokens | cache | decode steps on | ms / step | speed vs DynamicCache | cache MiB | bytes vs DynamicCache |",
+             "|---|---|---|---|---|---|---|"]
     for length in settings["lengths"]:
         cell = [row for row in result["results"] if row["length"] == length]
         base = next(row for row in cell if row["cache"] == BASELINE)
-        lines += [f"| {length} | {row['cache']} | {row['ms_per_step']:.1f} | {base['ms_per_step'] / row['ms_per_step']:.2f}x "
+        lines += [f"| {length} | {row['cache']} | {row['decode_path']} | {row['ms_per_step']:.1f} | {base['ms_per_step'] / row['ms_per_step']:.2f}x "
                   f"| {row['cache_bytes'] / 2**20:.2f} | {row['cache_bytes'] / base['cache_bytes']:.1%} |" for row in cell]
     return lines
 
