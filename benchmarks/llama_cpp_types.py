@@ -88,7 +88,7 @@ def kvcal_method(engine: str, spec: str, adapter):
     """kvcal's simulation of a setting as the engine stores it (ik_llama.cpp: rotated under -khad / -vhad)."""
     if engine == "ik_llama.cpp":
         return first_last_method(*ik_llama_cpp_setting(spec), adapter.head_dims)
-    return baseline_method(spec, adapter.head_dims, adapter.windows, value_dims=adapter.value_dims)
+    return baseline_method(spec, adapter.head_dims, adapter.windows, value_dims=adapter.value_dims, latent=adapter.latent)
 
 
 def chunks_of(tokens: list[int], ctx: int, chunks: int, bos: int | None) -> torch.Tensor:

@@ -232,10 +232,12 @@ def plan_command(
     types of the first and last layers of K and V (kvcal.plan). Prints the engine's arguments and the `eval ppl
     --baseline` spec that evaluates the same cache; writes nothing else."""
     from kvcal.artifacts import check_writable
-    from kvcal.plan import ENGINES, check_cache_type_budget, compare_dtypes, plan_cache_types, plan_first_last, plan_layers
+    from kvcal.plan import (ENGINES, check_cache_type_budget, check_plannable, compare_dtypes, plan_cache_types, plan_first_last,
+                            plan_layers)
 
     if engine not in ENGINES:
         raise KvcalError(f"--engine '{engine}' is not one of {', '.join(ENGINES)}")
+    check_plannable(profile, engine)
     if engine in ("llama.cpp", "ik_llama.cpp") and (dtype is not None or by != "fisher" or context):
         raise KvcalError(f"--engine {engine} takes cache types per tensor (and layer range) that kvcal plan chooses by "
                          "Fisher-weighted error: drop --dtype, --by and --context")
@@ -533,7 +535,7 @@ def eval_ppl_command(
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
     methods = [method for _, method in artifacts] + [
-        baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims)
+        baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims, adapter.latent)
         for spec in baselines]
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
@@ -680,7 +682,7 @@ def eval_passkey_command(
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
     for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims)
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims, adapter.latent)
         QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

@@ -26,6 +26,12 @@ CPU flash attention reads: no q5_0 / q5_1), keeps each tensor's
 settings that no other beats on both bits and cost, and takes the K and V pair of least summed cost within the
 budget, exactly. Each setting is priced as ik_llama.cpp stores it with -khad / -vhad: rotated on its own blocks when
 the tensor's base type is quantized, plain when it is f16 (kvcal.methods.llama_cpp).
+
+Keys are priced as the engines store them, in the model's channel order (kvcal.simulate.InModelOrder), which blocks
+of channels and rotations mix. MLA models (multi-head latent attention) are planned for llama.cpp alone, where their
+cache is one row a token of one type, the latent and the rotated key unrotated (kvcal.methods.latent_refusal): the
+plan is that type (LLAMA_CPP_LATENT_TYPES: the models llama.cpp caches so). vLLM's MLA attention caches one dtype in
+every layer (fp8 or 16-bit), so a vLLM plan has nothing to choose there; ik_llama.cpp's MLA cache is not modelled.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import numpy as np
 import torch
 
 from kvcal.adapters import decoder_kind, kv_shapes, latent_attention
-from kvcal.artifacts import read_artifact
+from kvcal.artifacts import read_artifact, read_header
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
 from kvcal.methods import baseline_method, decoder_refusal
@@ -48,12 +54,16 @@ from kvcal.methods.vllm_dtypes import VLLM_DTYPES
 from kvcal.quantizers import FP16_BITS, CodecKind
 from kvcal.rope import layer_inv_freq, layer_rope_scaling, rotate_keys
 from kvcal.rotation_codecs import GGML_BLOCK, GGML_BLOCK_BYTES
+from kvcal.simulate import in_model_order
 from kvcal.spans import recorded_spans
 from kvcal.vllm_codecs import TQ_PRESETS
 
 ENGINE_DTYPES = {"vllm": (*VLLM_DTYPES, *TQ_PRESETS)}  # the dtypes whose layers an engine can leave unquantized
 ENGINES = (*ENGINE_DTYPES, "llama.cpp", "ik_llama.cpp")
 CRITERIA = ("fisher", "importance")
+# MLA models whose latent llama.cpp caches as one row a token (src/models/deepseek2.cpp, kimi-linear.cpp; GLM-4.7-Flash
+# converts as deepseek2); MiniCPM3's it caches as per-head keys and values, not modelled
+LLAMA_CPP_LATENT_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear")
 # the most count combinations layers_kept_wide weighs: (n + 1)^k for k classes of n layers (k is 1 + the distinct
 # sliding windows: one or two in the models there are)
 MOST_COMBINATIONS = 10**6
@@ -123,7 +133,7 @@ def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> f
     positions = profile["samples.position"].long()
     keys = profile[f"layers.{layer}.k_post.samples"].float()
     inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, keys.shape[1] // kv_heads)
-    error = codec.quantize(keys).values - keys
+    error = in_model_order(codec, config["model"]["fingerprint"].get("rope_order")).quantize(keys).values - keys
     error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / layer_rope_scaling(config["rope"], layer))  # scalings undone
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
 
@@ -170,14 +180,27 @@ def _priced_layers(config: dict, dtype: str, context: int) -> _PricedLayers:
                          np.array(shares) * [heads * dim for heads, dim in shapes])
 
 
-def _read_profile(profile_path) -> tuple[dict, dict]:
-    """A profile's (tensors, config), refused where its model's attention is MLA, whose latent engines store in
-    formats of their own (one scale for the latent and the rotated key) that no plan here models yet."""
-    profile, config = read_artifact(profile_path, "profile")
-    if latent_attention(config["model"]["fingerprint"]):
-        raise KvcalError(f"'{profile_path}' profiles a multi-head latent attention (MLA) model, whose cache engines store "
-                         "in formats of their own that kvcal plan does not model yet")
-    return profile, config
+def check_plannable(profile_path, engine: str) -> None:
+    """Refuse, from its header alone, a profile of a model whose cache kvcal plan does not model for `engine`: MLA's,
+    but where llama.cpp caches its latent as one row a token (LLAMA_CPP_LATENT_TYPES)."""
+    kind, config = read_header(profile_path)
+    fingerprint = config.get("model", {}).get("fingerprint", {}) if kind == "profile" else {}
+    if not latent_attention(fingerprint):  # (another kind of artifact: read_artifact refuses it)
+        return
+    refusal = {"vllm": "vLLM's MLA attention caches one fp8 or 16-bit dtype in every layer (it reads no "
+                       "--kv-cache-dtype-skip-layers), so there is nothing to plan; --engine llama.cpp plans its type",
+               "ik_llama.cpp": "ik_llama.cpp's MLA cache is not modelled; --engine llama.cpp plans llama.cpp's"}.get(engine)
+    if refusal is None and fingerprint["model_type"] not in LLAMA_CPP_LATENT_TYPES:
+        refusal = (f"llama.cpp's cache of {fingerprint['model_type']} is not modelled (kvcal plans the one-row MLA cache "
+                   f"llama.cpp keeps for {', '.join(LLAMA_CPP_LATENT_TYPES)})")
+    if refusal is not None:
+        raise KvcalError(f"'{profile_path}' profiles a multi-head latent attention (MLA) model: {refusal}")
+
+
+def _read_profile(profile_path, engine: str) -> tuple[dict, dict]:
+    """A profile's (tensors, config) to plan `engine`'s cache (check_plannable)."""
+    check_plannable(profile_path, engine)
+    return read_artifact(profile_path, "profile")
 
 
 def _check_request(engine: str, dtypes: list[str], by: str, context: int) -> None:
@@ -196,7 +219,7 @@ def plan_layers(profile_path: str, engine: str, dtype: str, budget: float, by: s
     """The layers to leave unquantized so that `dtype` on the rest stores at most `budget` real bits per element
     with the least total cost (see the module docstring)."""
     _check_request(engine, [dtype], by, context)
-    profile, config = _read_profile(profile_path)
+    profile, config = _read_profile(profile_path, engine)
     priced = _priced_layers(config, dtype, context)
     if not priced.least_bits - 1e-9 <= budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside [{priced.least_bits:g}, {FP16_BITS}] real bits per element: {dtype} "
@@ -251,7 +274,7 @@ def compare_dtypes(profile_path: str, engine: str, budget: float, context: int =
     _check_request(engine, [], "fisher", context)
     if not 0 < budget <= FP16_BITS:
         raise KvcalError(f"--budget {budget} is outside (0, {FP16_BITS}] real bits per element")
-    profile, config = _read_profile(profile_path)  # read and checksummed once for every dtype
+    profile, config = _read_profile(profile_path, engine)  # read and checksummed once for every dtype
     decoder = decoder_kind(config["model"]["fingerprint"])
     plans, unfit, leasts = [], {}, []
     for dtype in ENGINE_DTYPES[engine]:
@@ -338,9 +361,11 @@ class CacheTypePrices:
 
 def cache_type_prices(profile: dict, config: dict, hadamard: str | None, types: tuple[str, ...] = CACHE_TYPES) -> CacheTypePrices:
     """`types` priced on a profile read (its tensors and config), rotated as `hadamard` says (LlamaCppKV), each
-    layer by the codec of its head_dim."""
-    shapes = kv_shapes(config["model"]["fingerprint"])
-    codecs = {tensor: {t: [cache_type_codec(t, dim, tensor, hadamard) for _, dim in shapes] for t in types} for tensor in "kv"}
+    layer by the codec of its head_dim (MLA's latent: its width)."""
+    fingerprint = config["model"]["fingerprint"]
+    shapes = kv_shapes(fingerprint)
+    codecs = {tensor: {t: [cache_type_codec(t, dim, tensor, hadamard) for _, dim in kv_shapes(fingerprint, tensor)]
+                       for t in types} for tensor in "kv"}
     with torch.inference_mode():
         costs = {"k": {t: np.array([key_cost(profile, config, i, codec, shapes[i][0]) for i, codec in enumerate(by_layer)])
                        for t, by_layer in codecs["k"].items()},
@@ -352,19 +377,22 @@ def cache_type_prices(profile: dict, config: dict, hadamard: str | None, types: 
     return CacheTypePrices(costs, bits, widths)
 
 
-def cache_type_pairs(prices: CacheTypePrices) -> list[dict]:
+def cache_type_pairs(prices: CacheTypePrices, one_type: bool = False) -> list[dict]:
     """Every -ctk / -ctv pair of the types priced but f16 for both (type_k, type_v, bits, cost summed over the layers),
-    cheapest first."""
+    cheapest first; one_type: only a type for both (MLA's one row a token)."""
     pairs = [{"type_k": k, "type_v": v, "bits": (prices.mean_bits("k", k) + prices.mean_bits("v", v)) / 2,
               "cost": float(prices.costs["k"][k].sum() + prices.costs["v"][v].sum())}
-             for k in prices.costs["k"] for v in prices.costs["v"] if (k, v) != ("f16", "f16")]
+             for k in prices.costs["k"] for v in prices.costs["v"] if (k, v) != ("f16", "f16") and (k == v or not one_type)]
     return sorted(pairs, key=lambda pair: (pair["cost"], pair["bits"]))
 
 
 def plan_cache_types(profile_path: str, budget: float) -> CacheTypePlan:
-    """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element."""
+    """The -ctk / -ctv pair of least Fisher-weighted error that stores at most `budget` real bits per element (MLA's:
+    one type, unrotated)."""
     check_cache_type_budget(budget)
-    pairs = cache_type_pairs(cache_type_prices(*_read_profile(profile_path), "llama.cpp"))
+    profile, config = _read_profile(profile_path, "llama.cpp")
+    latent = latent_attention(config["model"]["fingerprint"])
+    pairs = cache_type_pairs(cache_type_prices(profile, config, None if latent else "llama.cpp"), one_type=latent)
     best = next(pair for pair in pairs if pair["bits"] <= budget + 1e-9)
     return CacheTypePlan(budget, best["type_k"], best["type_v"], best["bits"], pairs)
 
@@ -469,7 +497,7 @@ def plan_first_last(profile_path: str, budget: float) -> FirstLastPlan:
     """ik_llama.cpp's -ctk / -ctv with -ctk-first/-last and -ctv-first/-last of least Fisher-weighted error that
     store at most `budget` real bits per element (K and V rows alike), exactly, of IK_CACHE_TYPES."""
     check_cache_type_budget(budget)
-    profile, config = _read_profile(profile_path)  # read and checksummed once for both pricings
+    profile, config = _read_profile(profile_path, "ik_llama.cpp")  # read and checksummed once for both pricings
     prices = cache_type_prices(profile, config, "ik_llama.cpp", IK_CACHE_TYPES)
     plain = cache_type_prices(profile, config, None, IK_CACHE_TYPES)
     k, v = choose_first_last(prices.costs, prices.bits, budget, plain.costs, prices.widths)

@@ -77,11 +77,18 @@ class InModelOrder:
         return replace(quantized, values=rows_in_order(quantized.values, self.rope_order))
 
 
+def in_model_order(key_codec, rope_order: tuple[int, ...] | None):
+    """A baseline's codec of post-RoPE keys applied in the model's channel order (InModelOrder), where kvcal reads them
+    in another (rope_order: the adapter's, or an artifact fingerprint's; None: the same order)."""
+    if rope_order is None:
+        return key_codec
+    return InModelOrder(key_codec, tuple(rope_order), tuple(sorted(range(len(rope_order)), key=rope_order.__getitem__)))
+
+
 def _in_model_order(layer: LayerCodecs, rope_order: tuple[int, ...] | None) -> LayerCodecs:
-    if rope_order is None or layer.key_pre_rope:
+    if layer.key_pre_rope:
         return layer
-    inverse = tuple(sorted(range(len(rope_order)), key=rope_order.__getitem__))
-    return replace(layer, key_codec=InModelOrder(layer.key_codec, rope_order, inverse))
+    return replace(layer, key_codec=in_model_order(layer.key_codec, rope_order))
 
 
 @dataclass

@@ -136,8 +136,8 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
     """MLA (DeepSeek-V3's): its profile's keys are the rotated key, its values the latent (64 and 96 channels); the
     kvquant bundle fit from it is evaluated by eval ppl beside engines' cache types (q4_0 stores 4.5 bits of each)
     and served by the quantized cache, whose live bytes are the formula's, below transformers' own fp16 cache of the
-    latent and rotated key; the plans, SKVQ's clip search and export vllm, whose models of the cache take no MLA yet,
-    refuse it in one line, writing nothing."""
+    latent and rotated key; plan --engine llama.cpp gives one type for both, which eval ppl evaluates; vLLM's plan,
+    vLLM dtypes, SKVQ's clip search and export vllm refuse it in one line, writing nothing."""
     import json
 
     model, profile = latent_profile
@@ -159,7 +159,17 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
     assert measured.exit_code == 0, measured.output
     (row,) = json.loads(memory.read_text())["results"]
     assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"] == 200 * 2 * (64 + 96) * 2
-    refused(run("plan", profile, "--budget", 8), "profiles a multi-head latent attention (MLA) model")
+    planned = run("plan", profile, "--engine", "llama.cpp", "--budget", 6)
+    assert planned.exit_code == 0, planned.output
+    (spec,) = [line.split('"')[1] for line in planned.stdout.splitlines() if line.startswith("kvcal eval ppl --baseline")]
+    assert spec in ("q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl") and f"-ctk {spec} -ctv {spec}" in planned.stdout
+    evaluated = run("eval", "ppl", "--model", model, "--baseline", spec, "--dataset", tiny_corpus, "--seqlen", 64,
+                    "--windows", 1)
+    assert evaluated.exit_code == 0, evaluated.output
+    refused(run("plan", profile, "--budget", 8), "vLLM's MLA attention caches one fp8 or 16-bit dtype in every layer")
+    refused(run("plan", profile, "--engine", "ik_llama.cpp", "--budget", 8), "ik_llama.cpp's MLA cache is not modelled")
+    refused(run("eval", "ppl", "--model", model, "--baseline", "int4_per_token_head", "--dataset", tiny_corpus),
+            "vLLM's MLA attention caches fp8 or 16-bit only")
     folder = tmp_path / "vllm"
     refused(run("export", "vllm", "--profile", profile, "--model", model, "--out", folder),
             "kvcal export vllm does not take it")

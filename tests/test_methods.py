@@ -1,5 +1,7 @@
 """kvcal.methods: every artifact, bundle and baseline spec becomes a simulation Method through the registry."""
 
+import re
+
 import pytest
 import torch
 
@@ -53,6 +55,23 @@ def test_a_llama_cpp_k_v_pair_gives_each_tensor_its_own_type_rotating_only_a_qua
     for spec in ("f16", "f16/f16", "q4_0/", "q4_0/q9_0"):
         with pytest.raises(KvcalError, match="unknown baseline"):
             baseline_method(spec, [64] * 2)
+
+
+def test_an_mla_model_takes_one_unrotated_llama_cpp_type_and_no_format_engines_lack():
+    """MLA (latent=True): llama.cpp stores a token's latent and rotated key as one row of one type, never rotated; two
+    types, ik_llama.cpp's first / last layers, vLLM's dtypes but fp8 and its skipped layers are refused with why."""
+    mla = dict(value_dims=[96] * 2, latent=True)
+    layer = baseline_method("q4_0", [64] * 2, **mla).layers[0]
+    assert (layer.key_codec.qtype, layer.value_codec.qtype) == ("q4_0", "q4_0")
+    assert layer.key_codec.rotation is None and layer.value_codec.rotation is None
+    assert baseline_method("q4_0", [64] * 2, value_dims=[96] * 2).layers[0].key_codec.rotation is not None  # unless MLA
+    for spec in ("fp8", "int4-g32", "kivi2-g32-r128"):
+        baseline_method(spec, [64] * 2, **mla)
+    for spec, reason in (("q8_0/q4_0", "one row of one type"), ("q4_0;k_first=q8_0,1", "ik_llama.cpp's MLA cache"),
+                         ("int4_per_token_head", "fp8 or 16-bit only"), ("turboquant_k8v4", "fp8 or 16-bit only"),
+                         ("fp8;skip=0", "--kv-cache-dtype-skip-layers")):
+        with pytest.raises(KvcalError, match=re.escape(reason)):
+            baseline_method(spec, [64] * 2, **mla)
 
 
 def test_ik_llama_cpp_layers_rotate_as_under_khad_and_vhad_unless_the_base_is_f16():

@@ -136,6 +136,43 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
     assert plan.engine_arguments() == f"-ctk {plan.type_k} -ctv {plan.type_v}"
 
 
+def test_llama_cpp_plans_an_mla_models_row_as_one_unrotated_type_keys_in_the_models_order(latent_profile):
+    """DeepSeek-V3's MLA: llama.cpp's row holds the latent and the rotated key in one type, so each pair is one type;
+    each is priced unrotated, the key in the model's channel order (RoPE pairs adjacent there, not in kvcal's order),
+    here put in that order by indexing. vLLM's and ik_llama.cpp's plans are refused."""
+    from dataclasses import replace
+
+    profile_path = str(latent_profile[1])
+    plan = plan_cache_types(profile_path, 6.0)
+    assert [pair["type_k"] for pair in plan.pairs] == [pair["type_v"] for pair in plan.pairs] and len(plan.pairs) == 6
+    assert plan.type_k == plan.type_v and plan.bits <= 6.0 and plan.baseline_spec() == plan.type_k
+    profile, config = read_artifact(profile_path, "profile")
+    order = config["model"]["fingerprint"].pop("rope_order")  # kvcal's channel i is the model's order[i]
+    assert order != sorted(order)
+
+    class InTheModelsOrder:
+        def __init__(self, codec):
+            self.codec = codec
+
+        def quantize(self, rows):
+            in_model = torch.empty_like(rows)
+            in_model[:, order] = rows
+            stored = self.codec.quantize(in_model)
+            return replace(stored, values=stored.values[:, order])
+
+    keys, values = (cache_type_codec("q4_0", width, tensor, None) for width, tensor in ((64, "k"), (96, "v")))
+    layers = range(len(kv_shapes(config["model"]["fingerprint"])))
+    key_costs = sum(key_cost(profile, config, i, InTheModelsOrder(keys), 1) for i in layers)
+    in_kvcal_order = sum(key_cost(profile, config, i, keys, 1) for i in layers)
+    cost = next(pair["cost"] for pair in plan.pairs if pair["type_k"] == "q4_0")
+    assert cost == pytest.approx(key_costs + sum(value_cost(profile, i, values) for i in layers), rel=1e-6)
+    assert abs(key_costs - in_kvcal_order) > 0.01 * key_costs
+    for engine, plan_it in (("vllm", lambda: plan_layers(profile_path, "vllm", "fp8_per_token_head", 8.0)),
+                            ("ik_llama.cpp", lambda: plan_first_last(profile_path, 6.0))):
+        with pytest.raises(KvcalError, match="multi-head latent attention"):
+            plan_it()
+
+
 def _settings_by_brute_force(costs: dict, num_layers: int, plain_costs: dict):
     """(types, cost) of every ik_llama.cpp setting of one tensor, summed layer by layer; under an f16 base every
     quantized layer is an end, priced plain (ik_llama.cpp turns the rotation off)."""

@@ -17,8 +17,8 @@ from kvcal.errors import KvcalError
 # The order here is the order `kvcal methods` lists them in: calibrated recipes, then baselines.
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
 from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
-from kvcal.methods.llama_cpp import first_last_method, first_last_option
-from kvcal.methods.vllm_dtypes import turboquant_method
+from kvcal.methods.llama_cpp import cache_type_pair, first_last_method, first_last_option, llama_cpp_method
+from kvcal.methods.vllm_dtypes import VLLM_DTYPES, turboquant_method
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 from kvcal.vllm_codecs import TQ_PRESETS
@@ -64,7 +64,7 @@ def artifact_method(path: str) -> Method:
 
 
 def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense",
-                    value_dims: list[int] | None = None) -> Method:
+                    value_dims: list[int] | None = None, latent: bool = False) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
     heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own), their values
     `value_dims` where those differ (MLA's latent: the ModelAdapter's value_dims). `decoder`:
@@ -75,13 +75,17 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
     `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
-    kvcal.methods.llama_cpp)."""
+    kvcal.methods.llama_cpp). `latent`: the model's attention is MLA (ModelAdapter.latent), whose cache engines store
+    in their own way (latent_refusal): a llama.cpp type is then its unrotated MLA row."""
     base, skip, first_last = _spec_parts(text)
     refusal = decoder_refusal(base, decoder)
     if refusal is not None:
         raise KvcalError(f"baseline '{text}': {refusal}; evaluate another vLLM dtype")
+    refusal = latent_refusal(base, skip, first_last) if latent else None
+    if refusal is not None:
+        raise KvcalError(f"baseline '{text}' on a multi-head latent attention (MLA) model: {refusal}")
     num_layers, value_dims = len(head_dims), value_dims or head_dims
-    by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense")
+    by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense", latent)
                    for head_dim in dict.fromkeys(head_dims + value_dims)}
     method = by_head_dim[head_dims[0]]
     if len(by_head_dim) > 1:
@@ -101,6 +105,23 @@ def decoder_refusal(base: str, decoder: str) -> str | None:
     if decoder == "shared" and base in TQ_PRESETS:
         return ("vLLM's TurboQuant boundary layers are not modelled in a model whose layers read another's cache (KV "
                 "sharing)")
+    return None
+
+
+def latent_refusal(base: str, skip: str | None, first_last: dict) -> str | None:
+    """Why a baseline is not what an engine stores for MLA, or None where it is. llama.cpp stores a token's latent and
+    rotated key as one row of -ctk's type, -ctv equal to it (src/llama-context.cpp refuses two), unrotated (the V-less
+    cache's attention in src/llama-graph.cpp applies no Hadamard); vLLM's MLA backends cache fp8 or 16-bit only and
+    read no skipped layers (MLAAttention takes cache_config.cache_dtype for every layer)."""
+    pair = cache_type_pair(base)
+    if pair is not None and pair[0] != pair[1]:
+        return "llama.cpp stores its latent and rotated key as one row of one type (-ctk and -ctv equal): give one type"
+    if first_last:
+        return "ik_llama.cpp's MLA cache (its first / last layer types) is not modelled: give one llama.cpp type"
+    if base in VLLM_DTYPES or base in TQ_PRESETS:
+        return f"vLLM's MLA attention caches fp8 or 16-bit only, not {base}: evaluate fp8, or kvcal's own int or kivi baselines"
+    if skip is not None:
+        return "vLLM's MLA attention leaves no layer unquantized (it reads no --kv-cache-dtype-skip-layers): drop ;skip="
     return None
 
 
@@ -150,10 +171,13 @@ def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | 
     return skipped
 
 
-def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, text: str, boundary: bool) -> Method:
+def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, text: str, boundary: bool,
+                   latent: bool = False) -> Method:
     """The Method of baseline `base` (with ik_llama.cpp's first/last layer types where `first_last` gives them) for
     `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors; `boundary`: a
-    TurboQuant preset keeps its boundary layers fp16."""
+    TurboQuant preset keeps its boundary layers fp16; `latent`: MLA's, a llama.cpp type unrotated (latent_refusal)."""
+    if latent and cache_type_pair(base) is not None:
+        return llama_cpp_method(*cache_type_pair(base), num_layers, head_dim, hadamard=None)
     if first_last:
         try:
             return first_last_method(base, first_last, [head_dim] * num_layers)

@@ -2,7 +2,9 @@
 no calibration): blocks of 32 channels with ggml's reference rounding, after the Hadamard rotation llama.cpp
 applies to a quantized K and V cache; each token is quantized once, when stored. `K/V` (`q8_0/q4_0`, `f16/q4_0`)
 is `-ctk K -ctv V`: each tensor takes its own type, and llama.cpp rotates only a quantized one (attn_rot_k and
-attn_rot_v in src/llama-kv-cache.cpp each test their own type). Codecs: kvcal.rotation_codecs.LlamaCppKV.
+attn_rot_v in src/llama-kv-cache.cpp each test their own type). Codecs: kvcal.rotation_codecs.LlamaCppKV. An MLA
+model's cache (DeepSeek-V2/V3 and kin, arch deepseek2) is one row a token, the latent then the rotated key, of -ctk's
+type (-ctv must equal it) and never rotated: kvcal.methods.latent_refusal and baseline_method(latent=True).
 
 ik_llama.cpp's mixed cache (ikawrakow/ik_llama.cpp PR #1599: `-ctk-first TYPE,N`, `-ctk-last TYPE,M`, `-ctv-first`,
 `-ctv-last`) sets the first N and the last M layers of K or V to another type: the baseline options
@@ -110,9 +112,10 @@ def first_last_method(base: str, options: dict[str, tuple[str, int]], head_dims:
     return Method(name, nominal, layers, SegmentPolicy())
 
 
-def llama_cpp_method(type_k: str, type_v: str, num_layers: int, head_dim: int) -> Method:
-    """`-ctk type_k -ctv type_v` on every layer (llama.cpp has one type per tensor for the whole model)."""
-    keys, values = cache_type_codec(type_k, head_dim, "k"), cache_type_codec(type_v, head_dim, "v")
+def llama_cpp_method(type_k: str, type_v: str, num_layers: int, head_dim: int, hadamard: str | None = "llama.cpp") -> Method:
+    """`-ctk type_k -ctv type_v` on every layer (llama.cpp has one type per tensor for the whole model), rotated as
+    `hadamard` says (LlamaCppKV; None: MLA's cache, which llama.cpp does not rotate)."""
+    keys, values = cache_type_codec(type_k, head_dim, "k", hadamard), cache_type_codec(type_v, head_dim, "v", hadamard)
     name = type_k if type_k == type_v else f"{type_k}/{type_v}"
     return Method(name, (keys.bits + values.bits) / 2, [LayerCodecs(keys, values, key_pre_rope=False)] * num_layers,
                   SegmentPolicy())
