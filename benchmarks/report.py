@@ -55,7 +55,8 @@ SECTIONS = [
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
     ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),
-    ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", "")]),
+    ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", ""),
+                                     ("cpu_latent_", "python -m benchmarks.kernels cpu-latent", "")]),
 ]
 # README rows: (recipe or baseline, its row in pareto.json, what it is)
 RECIPE_ROWS = [
