@@ -598,7 +598,9 @@ inline void head_scores(const float* __restrict__ q, int q_stride, const float* 
             for (int j = 0; j < TOKENS; ++j) key[j] = loadv(k + (size_t)j * D + c);
             for (int h = 0; h < H; ++h) {
                 query[h] = loadv(q + (size_t)h * q_stride + c);
-                asm("" : "+v"(query[h]));  // in a register: GCC would fold its load into each of its TOKENS multiply-adds
+#if defined(__AVX__)  // in a register (one holds a vector from AVX on): GCC would fold its load into each multiply-add
+                asm("" : "+v"(query[h]));
+#endif
             }
             for (int h = 0; h < H; ++h)
                 for (int j = 0; j < TOKENS; ++j) t[h * TOKENS + j] += query[h] * key[j];

@@ -5,6 +5,7 @@ empty sequences, GQA groups and Cocktail's width groups. The whole cache path on
 tests/test_runtime_cache.py (the `decode_path` fixture runs those tests on both paths)."""
 
 import math
+import platform
 import shutil
 import warnings
 
@@ -137,7 +138,10 @@ def latent_stores(case: str, lengths: list[int]):
 def test_cpu_decode_attention_scores_mla_latents_as_the_reference(case, lengths, heads):
     """The query's rotated part scores the keys and its latent part the latents (the values), summed: the reference's
     one attention over keys and latents side by side; every head's output a (512,) average of latents."""
-    lengths = {"short": SHORT, "long": LONG}[lengths]
+    assert_latent_decode_matches_the_reference(case, {"short": SHORT, "long": LONG}[lengths], heads)
+
+
+def assert_latent_decode_matches_the_reference(case: str, lengths: list[int], heads: int) -> None:
     (key_store, latent_store), pre_rope = latent_stores(case, lengths)
     batch, scaling = len(lengths), 192**-0.5
     query = torch.randn(batch, heads, ROPE_DIM + LATENT_DIM, generator=torch.Generator().manual_seed(4))
@@ -156,6 +160,24 @@ def test_cpu_decode_attention_scores_mla_latents_as_the_reference(case, lengths,
         expected = (reference.attention(query[b][:, None], torch.cat([keys, latents], -1), latents, scaling)[:, 0]
                     if len(keys) else torch.zeros(heads, LATENT_DIM))
         torch.testing.assert_close(got[b], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_build_for_the_x86_64_baseline_and_decode_as_the_reference(build, monkeypatch):
+    """-march=x86-64 (SSE2: no register holds a vector of 8 floats, so the source keeps to what compiles without one)
+    builds both kernels, and the decode kernel so built gives the reference's output, MLA's latent scored too."""
+    if build != "native" or platform.machine() != "x86_64":
+        pytest.skip("one build of the baseline, on x86-64")
+    monkeypatch.setenv(cpu_kernel.TARGET_VARIABLE, "x86-64")
+    cpu_kernel.library.cache_clear()
+    cpu_kernel.append_library.cache_clear()
+    try:
+        assert cpu_kernel.library() is not None and cpu_kernel.append_library() is not None
+        (key_store, value_store), pre_rope = filled("nuq3-prerope-sink4-window", SHORT, device="cpu")
+        compare(key_store, value_store, len(SHORT), group=4, pre_rope=pre_rope, **ON_CPU)
+        assert_latent_decode_matches_the_reference("nuq3-prerope-outliers-sink4-window", SHORT, 16)
+    finally:
+        cpu_kernel.library.cache_clear()
+        cpu_kernel.append_library.cache_clear()
 
 
 def test_cpu_cocktail_width_groups_chain_into_one_softmax():
