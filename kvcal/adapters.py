@@ -25,7 +25,7 @@ layers (layer type linear_attention) hold a recurrent state, not keys and values
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
 gate beside each head's query: the query is the q norm's output). Other hybrids: OLMo Hybrid, its gated DeltaNet
 layers as well; LFM2 and LFM2-MoE, their short convolution layers (conv) keeping a state; Granite 4.0-H
-(granitemoehybrid), Nemotron-H and Jamba, their Mamba layers (linear_attention; Nemotron-H's MLP and MoE blocks are
+(granitemoehybrid), Nemotron-H, Jamba and Bamba, their Mamba layers (linear_attention; Nemotron-H's MLP and MoE blocks are
 layers of their own, holding nothing, and its attention is a block's mixer). Falcon-H1 runs Mamba 2 beside the
 attention of every layer (layer type hybrid: `keeps_state`) and scales its keys by key_multiplier
 (`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it). Where the config leaves RoPE out (Granite
@@ -116,7 +116,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon", "lfm3")
+                         "gpt_bigcode", "persimmon", "lfm3", "bamba")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear",
@@ -496,6 +496,12 @@ def decoder_of(model: nn.Module) -> nn.Module:
     model, which Llama4ForConditionalGeneration's returns)."""
     decoder = model.get_decoder()
     return decoder.model if isinstance(decoder, GenerationMixin) else decoder
+
+
+def chunk_positions(start: int, ids: torch.Tensor) -> torch.Tensor:
+    """The position ids of a chunk `ids` (batch, tokens) of prompts from their token `start` on, which a prefill in
+    chunks gives the decoder as generate() gives them: a model may count from 0 in every call given none (Bamba)."""
+    return torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
 
 def _served_lm(model: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import adapt, decoder_of, kv_shapes, kv_widths
+from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
@@ -212,7 +212,8 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
         if cache.adapter.long_rope is not None:
             cache.adapter.long_rope.check_prefill_steps(tokens, step)
         for start in range(0, tokens, step):
-            decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True)
+            decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True,
+                              position_ids=chunk_positions(start, ids[:, start : start + step]))
     outliers = cache.outliers()
     spans = cache.adapter.spans
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),

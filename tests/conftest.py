@@ -30,7 +30,7 @@ OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "
                  "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
-# Granite 4.0-H's and Nemotron-H's Mamba 2; Nemotron-H's MLP blocks hold nothing)
+# Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
@@ -40,7 +40,7 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
           "granitemoehybrid",
-          "nemotron_h", "jamba")
+          "nemotron_h", "jamba", "bamba")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
     frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it."""
@@ -220,7 +220,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         state = "conv" if model_type.startswith("lfm") else "linear_attention"
         other = "mlp" if model_type == "nemotron_h" else state
         common.update(num_hidden_layers=4, head_dim=16)
-        if model_type != "jamba":  # (Jamba's follow from its attention layers' period)
+        if model_type not in ("jamba", "bamba"):  # (theirs follow from their attention layers' period, indices)
             common["layer_types"] = [state, "full_attention", other, "full_attention"]
     if model_type == "lfm3":  # as LFM3: its first attention layer slides (its own RoPE), its full one rotates half of
         # each head (proportional RoPE, its config's default); its default token ids are past TINY_VOCAB
@@ -231,6 +231,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if model_type == "granitemoehybrid":  # no RoPE (as Granite 4.0-H: position_embedding_type left unset)
         common.update(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, num_local_experts=4, num_experts_per_tok=4)
+    if model_type == "bamba":  # as Bamba: Mamba 2 before each attention layer, RoPE over half of each head
+        common.update(attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)
     if model_type == "nemotron_h":  # no RoPE, as every Nemotron-H
         common.update(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1)
     if model_type == "jamba":  # attention every other layer, no RoPE (as Jamba), experts on the attention layers' MLPs

@@ -102,13 +102,14 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
     ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"), ("gemma4_text", "kvquant"), ("qwen3_vl", "kvquant"),
-    ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant")])
+    ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant"),
+    ("bamba", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
-    different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H and
-    Nemotron-H: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's; the last two
-    without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers; Gemma 3n: its last layers
+    different lengths (prefill, then decode) gives each prompt the logits it gets alone (Qwen3.5, Granite 4.0-H,
+    Nemotron-H and Bamba: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's;
+    Granite 4.0-H and Nemotron-H without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers; Gemma 3n: its last layers
     read the cache of earlier ones, after a prefill what that layer's prefill read; Qwen3-VL: its (3, batch, tokens)
     positions, each sequence's from its first real token; OPT, GPT-2 and GPT-BigCode: no RoPE, learned positions
     counted from the mask)."""
@@ -225,6 +226,19 @@ def test_a_context_loaded_a_sequence_at_a_time_is_stored_as_in_one_append(recipe
     assert len(stored[0]) == 3 * 2 * model.config.num_hidden_layers
     assert all(torch.equal(whole, chunked) for whole, chunked in zip(*stored))
     assert torch.equal(*logits)
+
+
+def test_a_prefill_in_steps_gives_each_step_its_positions():
+    """Bamba counts positions from 0 in a call given none: fp_context in steps of 7 tokens gives each step its own, so
+    that its keys are rotated where one step rotates them."""
+    from kvcal.runtime.cache import fp_context
+
+    model = tiny_model("bamba")
+    ids = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        whole, stepped = fp_context(model, ids), fp_context(model, ids, chunk=7)
+    for ours, theirs in zip(stepped.keys + stepped.values, whole.keys + whole.values):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
 def test_an_fp_context_prefilled_in_steps_holds_every_token_of_a_sliding_layer(gemma3_bundles):

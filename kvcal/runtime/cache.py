@@ -56,7 +56,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter, adapt, decoder_of
+from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys
@@ -760,7 +760,8 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
                 layer.activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
-                decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True)
+                decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True,
+                                  position_ids=chunk_positions(start, ids[:, start : start + step]))
     finally:
         for hook in hooks:
             hook.remove()

@@ -74,11 +74,13 @@ def attention_module(decoder_layer):
 
 
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
-    """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`)."""
+    """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`), each
+    at its position (as generate() gives it: Bamba counts from 0 in a call given none)."""
     logits = []
     with quantized_cache(model, bundle, cuda_layout) as cache:
         for t in range(ids.shape[1]):
-            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, 0])
+            position = torch.full((ids.shape[0], 1), t, device=ids.device)
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, position_ids=position).logits[:, 0])
     return torch.stack(logits, dim=1), cache
 
 
