@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (kvcal/runtime/cpu_kernel.py, kernels/decode_attention_cpu.cpp) against the
 torch reference on the same packed stores: every codec and layout the kernels serve plus SKVQ's permuted
 groups, fp16 sinks, windows and residuals, outliers, pre-RoPE keys at positions far from 0, ragged batches with
-empty sequences, GQA groups and Cocktail's width groups. The whole cache path on CPU runs through it in
+empty sequences, GQA groups, Cocktail's width groups and MLA's latent (values the query scores too), in every build
+this machine runs and the x86-64 baseline. The whole cache path on CPU runs through it in
 tests/test_runtime_cache.py (the `decode_path` fixture runs those tests on both paths)."""
 
 import math
