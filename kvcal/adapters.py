@@ -26,7 +26,9 @@ only (`model_layers`: their decoder indices, the fingerprint's attention_layers)
 gate beside each head's query: the query is the q norm's output). Other hybrids: OLMo Hybrid, its gated DeltaNet
 layers as well; LFM2 and LFM2-MoE, their short convolution layers (conv) keeping a state; Granite 4.0-H
 (granitemoehybrid), Nemotron-H, Jamba and Bamba, their Mamba layers (linear_attention; Nemotron-H's MLP and MoE blocks are
-layers of their own, holding nothing, and its attention is a block's mixer). Falcon-H1 runs Mamba 2 beside the
+layers of their own, holding nothing, and its attention is a block's mixer); MiniMax-Text-01 and MiniMax-M1 (minimax),
+their lightning attention layers (linear_attention), whose states its decoder keeps in a cache class of its own
+(kvcal.model_caches). Falcon-H1 runs Mamba 2 beside the
 attention of every layer (layer type hybrid: `keeps_state`) and scales its keys by key_multiplier
 (`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it). Where the config leaves RoPE out (Granite
 4.0-H's position_embedding_type, OLMo Hybrid's missing rope_theta) and always on Nemotron-H and Jamba, the decoder has
@@ -116,7 +118,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon", "lfm3", "bamba")
+                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear",

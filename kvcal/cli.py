@@ -660,7 +660,7 @@ def eval_passkey_command(
     from kvcal.data import load_text, tokenize
     from kvcal.generation import ANSWER_TOKENS, DOORS, passkey_accuracy
     from kvcal.methods import baseline_method, check_baseline, split_baselines
-    from kvcal.simulate import QuantizedOnWrite
+    from kvcal.simulate import quantized_on_write
 
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
@@ -683,7 +683,7 @@ def eval_passkey_command(
     caches = dict(named)
     for spec in baselines:
         method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims, adapter.latent)
-        QuantizedOnWrite(loaded, method)  # refuse a type it cannot write before the first prompt
+        quantized_on_write(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)
     with _progress() as progress:

@@ -18,7 +18,7 @@ from kvcal.runtime import generate as quantized_generate
 from kvcal.runtime import quantized_cache
 from kvcal.runtime.cache import fp_context
 from kvcal.runtime.memory import cache_bytes, fp16_bytes
-from kvcal.simulate import Method, QuantizedOnWrite
+from kvcal.simulate import Method, quantized_on_write
 
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 DOORS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")  # the multi-key variant's key names
@@ -138,7 +138,7 @@ def empty_cache(model, method: Bundle | Method):
     """A context manager giving an empty cache for `model`: a bundle's quantized runtime cache, or for a baseline
     Method (an engine's cache type) transformers' cache quantizing each token on write (kvcal.simulate)."""
     if isinstance(method, Method):
-        return contextlib.nullcontext(QuantizedOnWrite(model, method))
+        return contextlib.nullcontext(quantized_on_write(model, method))
     return quantized_cache(model, method)
 
 

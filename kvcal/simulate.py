@@ -33,6 +33,7 @@ from kvcal import wiring
 from kvcal.adapters import LatentAttention, ModelAdapter, adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softmax_with_sinks, window_dropped
+from kvcal.model_caches import taking
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
 from kvcal.rope import rotate_keys, rows_in_order
@@ -338,7 +339,7 @@ class QuantizedOnWrite(DynamicCache):
         if not per_token or method.policy != SegmentPolicy():
             raise KvcalError(f"{method.name} keeps tokens fp16, groups tokens or quantizes keys before RoPE; only a cache "
                              "type that quantizes each post-RoPE token on its own is written this way (use its bundle)")
-        super().__init__(config=model.config)
+        DynamicCache.__init__(self, config=model.config)  # (by name: kvcal.model_caches.taking)
         adapter = adapt(model)
         attending = adapter.model_layers  # (a hybrid model's other layers keep a state, not keys and values)
         if len(method.layers) != len(attending):
@@ -372,6 +373,11 @@ class QuantizedOnWrite(DynamicCache):
             kept = layer.sliding_window - 1 if layer.is_sliding else keys.shape[1]
             written = lambda codec, rows: torch.cat([heads(rows[:, :-kept]), _stored(codec, heads(rows[:, -kept:]))], 2)
             super().update(written(key_codec, keys), written(value_codec, values), index)
+
+
+def quantized_on_write(model: torch.nn.Module, method: Method) -> QuantizedOnWrite:
+    """A QuantizedOnWrite of `method` that `model`'s decoder takes (kvcal.model_caches.taking)."""
+    return taking(QuantizedOnWrite, model.config.model_type)(model, method)
 
 
 def _stored(codec, states: torch.Tensor) -> torch.Tensor:

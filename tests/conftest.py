@@ -29,8 +29,8 @@ TINY_WINDOW = 16
 OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
                  "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
-# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, Mamba (Jamba's, and
-# Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
+# decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
+# attention, Mamba (Jamba's, and Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
@@ -40,7 +40,7 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
           "granitemoehybrid",
-          "nemotron_h", "jamba", "bamba")
+          "nemotron_h", "jamba", "bamba", "minimax")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
     frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it."""

@@ -103,7 +103,7 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
     ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"), ("gemma4_text", "kvquant"), ("qwen3_vl", "kvquant"),
     ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant"),
-    ("bamba", "kvquant")])
+    ("bamba", "kvquant"), ("minimax", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
     """Padding is never stored and positions are each sequence's own: a left-padded batch of prompts of
@@ -167,7 +167,7 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3")
+                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "minimax")
                                                     for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
@@ -179,7 +179,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     (before the wiring was shared, it was silently the open cache's own prefill there). GLM-4 also: keys the model
     caches in its channel order are stored in kvcal's. Qwen3.5 also: the loaded cache's DeltaNet layers continue from the
     context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
-    keeping them."""
+    keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class."""
     from kvcal.runtime.cache import fp_context
 
     model = tiny_model(model_type)

@@ -251,7 +251,7 @@ def test_one_simulation_at_a_time_and_only_over_whole_windows():
 @pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head"),
                                                   ("glm4", "int4_per_token_head"), ("qwen3_5_text", "q4_0"),
                                                   ("falcon_h1", "q4_0"), ("gemma3n_text", "int4_per_token_head"),
-                                                  ("gemma4_text", "int4_per_token_head")])
+                                                  ("gemma4_text", "int4_per_token_head"), ("minimax", "q4_0")])
 def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_type, spec):
     """QuantizedOnWrite (an engine's cache type in generate()) prefilled in steps and decoding token by token gives the
     simulation's logits for every position: each token is stored once, as its codec quantizes it; on the tiny Gemma 3
@@ -261,9 +261,9 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
     Loading an fp context stores the first attention layer (whose K/V come from the embeddings and, on Qwen3.5, a
     DeltaNet layer) as a prefill through the cache does; Qwen3.5's DeltaNet layers (Falcon-H1's Mamba 2 beside its
     attention) start from the context's states, each cache loading it from its own copy (a step of one leaves the
-    other's as they were)."""
+    other's as they were); MiniMax's lightning attention layers too, in a cache of its decoder's own class."""
     from kvcal.runtime.cache import fp_context
-    from kvcal.simulate import QuantizedOnWrite
+    from kvcal.simulate import quantized_on_write
 
     model = tiny_model(model_type)
     adapter = adapt(model)
@@ -273,10 +273,10 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
         fp_logits = model(ids).logits
         with simulated(model, adapter, method, StorageTally()):
             expected = model(ids).logits
-        cache = QuantizedOnWrite(model, method)
+        cache = quantized_on_write(model, method)
         steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
         steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 40)]
-        prefilled, loaded, again = (QuantizedOnWrite(model, method) for _ in range(3))
+        prefilled, loaded, again = (quantized_on_write(model, method) for _ in range(3))
         model(ids[:, :39], past_key_values=prefilled, use_cache=True)
         context = fp_context(model, ids[:, :39])
         loaded.load(context)
@@ -285,8 +285,11 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
         assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
         assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
         for i in [i for i, layer in enumerate(context.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]:
-            assert torch.equal(loaded.get_conv_state(i), context.cache.get_conv_state(i))
-            assert torch.equal(loaded.get_recurrent_state(i), context.cache.get_recurrent_state(i))
+            for kind in ("conv_states", "recurrent_states"):  # (MiniMax's layers keep no convolution state)
+                ours, theirs = getattr(loaded.layers[i], kind), getattr(context.cache.layers[i], kind)
+                assert ours.keys() == theirs.keys() and all(
+                    ours[k] is None if state is None else torch.equal(ours[k], state) for k, state in theirs.items())
+                assert any(state is not None for state in theirs.values()) or kind == "conv_states"
         continued = [model(ids[:, 39:], past_key_values=cache, use_cache=True).logits for cache in (loaded, again)]
     torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=2e-4)
     assert not torch.allclose(fp_logits, expected, atol=1e-3)

@@ -22,6 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
+from kvcal.model_caches import taking
 from kvcal.runtime.backends import append_encoder
 from kvcal.runtime.cache import WiredCache, runtime_layer
 from kvcal.runtime.segments import CocktailStore
@@ -85,7 +86,7 @@ def cocktail_cache(model, chunk: int = CHUNK):
     def make_store(kind, batch, width, device):
         return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=append_encoder)
 
-    return WiredCache(model, adapter, [runtime_layer(make_store, False, adapter, i, drop_out_of_window=False)
+    return taking(WiredCache, model.config.model_type)(model, adapter, [runtime_layer(make_store, False, adapter, i, drop_out_of_window=False)
                                        for i in range(len(adapter.layers))])
 
 

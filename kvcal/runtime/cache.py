@@ -59,6 +59,7 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.model_caches import model_cache, taking
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
@@ -538,7 +539,7 @@ class WiredCache(Cache):
             if isinstance(layer, StatefulRuntimeLayer):
                 take_state(layer, every[decoder_index])  # transformers' empty states, as many as its layer holds
             every[decoder_index] = layer
-        super().__init__(layers=every)
+        Cache.__init__(self, layers=every)  # (by name: kvcal.model_caches.taking puts a model's cache class next)
         self.attention_layers = layers
         self._attention_index = {decoder_index: i for i, decoder_index in enumerate(adapter.model_layers)}
         self.model, self.adapter = model, adapter
@@ -753,7 +754,7 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         lambda module, inputs, output, h=handles, i=i: pre_rope[i].append(h.source_rows("k", output.detach())))
         for i, handles in enumerate(adapter.layers)]
     try:
-        cache = DynamicCache(config=model.config)
+        cache = model_cache(model)
         attending = [cache.layers[i] for i in adapter.model_layers]  # (a hybrid model's others keep a state)
         for layer in attending:
             if layer.is_sliding:
@@ -799,4 +800,4 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
                                   head_dim=head_dims[kind == "v"])
         layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
-    return WiredCache(model, adapter, layers)
+    return taking(WiredCache, model.config.model_type)(model, adapter, layers)
