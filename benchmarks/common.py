@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: provenance of a result, writing it as JSON, and the recipes' bundles."""
+"""Helpers shared by the benchmark scripts: provenance of a result, writing it as JSON, the recipes' bundles, and
+calls timed in turn."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -73,3 +76,16 @@ def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None, model
             print(f"made {out} in {time.perf_counter() - began:.0f} s", flush=True)
         paths[recipe] = out
     return paths
+
+
+def timed_in_turn(calls: dict[str, Callable[[], object]], rounds: int) -> tuple[dict, dict[str, float]]:
+    """Each call once, untimed (a build made, pages touched), then all of them in turn `rounds` times, so that a slow
+    spell of the machine falls on each alike: (each call's output, its median ms)."""
+    outputs = {name: call() for name, call in calls.items()}
+    seconds = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            began = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - began)
+    return outputs, {name: statistics.median(spent) * 1e3 for name, spent in seconds.items()}

@@ -21,12 +21,10 @@ Writes benchmarks/results/cpu_latent_<cpu>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from benchmarks.common import device_slug, provenance, write_markdown, write_result
+from benchmarks.common import device_slug, provenance, timed_in_turn, write_markdown, write_result
 from benchmarks.kernels.tensor_core import inv_freq, variants
 
 ROPE_DIM, LATENT_DIM = 64, 512  # DeepSeek-V2/V3's qk_rope_head_dim and kv_lora_rank
@@ -102,15 +100,7 @@ def measure(name: str, heads: int, length: int, args) -> dict:
         return reference.decode_attention(query[:, :, None], torch.cat([key_rows, latent_rows], -1), latent_rows, visible,
                                           scaling)[:, :, 0]
 
-    calls = {"kernel": kernel, "reference": torch_reference}
-    outputs = {side: call() for side, call in calls.items()}  # untimed: the kernel built, the pages touched
-    seconds = {side: [] for side in calls}
-    for _ in range(args.rounds):
-        for side, call in calls.items():
-            began = time.perf_counter()
-            call()
-            seconds[side].append(time.perf_counter() - began)
-    ms = {side: statistics.median(s) * 1e3 for side, s in seconds.items()}
+    outputs, ms = timed_in_turn({"kernel": kernel, "reference": torch_reference}, args.rounds)
     multiply_adds = args.batch * heads * length * (ROPE_DIM + 2 * LATENT_DIM)
     return {"variant": name, "heads": heads, "batch": args.batch, "tokens": length, "kernel_ms": round(ms["kernel"], 3),
             "reference_ms": round(ms["reference"], 3), "speedup": round(ms["reference"] / ms["kernel"], 2),

@@ -16,12 +16,10 @@ Writes benchmarks/results/cpu_layout_<cpu>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from benchmarks.common import device_slug, provenance, write_markdown, write_result
+from benchmarks.common import device_slug, provenance, timed_in_turn, write_markdown, write_result
 from benchmarks.kernels.tensor_core import inv_freq, variants
 
 HEAD_DIM, KV_HEADS, GROUP = 128, 8, 4
@@ -81,14 +79,8 @@ def measure(name: str, batch: int, length: int, args) -> dict:
     calls = {layout: (lambda pair=pair: cpu_kernel.decode_attention(query, [kernels.Segments((None, pair[0], None), (None, pair[1], None))],
                                                                     KV_HEADS, HEAD_DIM**-0.5, rope=tables))
              for layout, pair in made.items()}
-    outputs = {layout: call() for layout, call in calls.items()}  # untimed: the kernel built, the pages touched
-    seconds = {layout: [] for layout in calls}
-    for _ in range(args.rounds):
-        for layout, call in calls.items():
-            began = time.perf_counter()
-            call()
-            seconds[layout].append(time.perf_counter() - began)
-    ms = {layout: round(statistics.median(s) * 1e3, 3) for layout, s in seconds.items()}
+    outputs, ms = timed_in_turn(calls, args.rounds)
+    ms = {layout: round(value, 3) for layout, value in ms.items()}
     return {"variant": name, "batch": batch, "tokens": length, "rows_ms": ms["rows"], "heads_ms": ms["heads"],
             "rows_over_heads": round(ms["rows"] / ms["heads"], 3), "same_bits": bool(torch.equal(outputs["rows"], outputs["heads"]))}
 
