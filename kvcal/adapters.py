@@ -118,7 +118,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax")
+                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear",
@@ -139,7 +139,7 @@ _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
 # in the other order
 _HALVES_SWAPPED_ROPE = ("nanochat",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
-_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa")
+_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint")
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
 _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
@@ -737,7 +737,8 @@ def _attention_chunks(config, decoder_types: list[str]) -> list[int | None]:
 
 def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str]) -> list[bool]:
     """Per layer, whether it applies RoPE: not SmolLM3's no_rope_layers (0 there), not EXAONE 4's, EXAONE MoE's and
-    Kolibri-1's full-attention layers where they have sliding ones (their "global NoPE"), Cohere 2's sliding layers
+    Kolibri-1's and Flint's full-attention layers where they have sliding ones (their "global NoPE"; Flint's none
+    without a window), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
     prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's of a
     non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`, _rope_free_types); every
@@ -752,7 +753,8 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
     if rope_free:
         return [kind not in rope_free for kind in config.layer_types][:num_layers]
-    global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1") and getattr(config, "sliding_window", None) is not None
+    window = getattr(config, "sliding_window", None) is not None
+    global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1", "flint") and window
     if global_nope or model_type == "afmoe":
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]

@@ -20,13 +20,13 @@ LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent atten
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "mellum", "afmoe",
+ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
                "granitemoe_swa")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
+OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
                  "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
@@ -119,7 +119,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         rope_theta=10000.0, tie_word_embeddings=False,
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
-                      "gpt_oss", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
+                      "gpt_oss", "flint", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
                       "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", "kolibri1", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
@@ -138,6 +138,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["layer_rope_theta"] = [10000.0, 500000.0]
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
+    if model_type == "flint":  # as the Qwen MoEs, a shared expert beside the routed ones
+        common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo", "hy_v3", "dots1"):  # as the Qwen MoEs
         experts = {"mellum": "num_local_experts", "solar_open": "n_routed_experts", "dots1": "n_routed_experts"}.get(
             model_type, "num_experts")
@@ -293,7 +295,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     auto = AutoModelForImageTextToText if model_type in ("mistral3", "llama4", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
-    if model_type in ("gpt_oss", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
+    if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
     return model.eval()

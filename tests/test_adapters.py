@@ -11,12 +11,13 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", *GEMMA4)
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
 # for their NoPE layer
-PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "gemma3_text", "gemma3",
-                         "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4", "lfm3")
+PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
+                         "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
+                         "lfm3")
 WINDOWS = {"mistral": [4096, 4096],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "lfm3")}}
 

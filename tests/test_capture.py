@@ -40,8 +40,8 @@ def models_rotary(model, layer: int):
 
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
-    (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Granite
-    SWA's RoPE base of 0, Beam's layer types with rope parameters."""
+    (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
+    layers with a window, Granite SWA's RoPE base of 0, Beam's layer types with rope parameters."""
     attention = attention_of(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
@@ -51,6 +51,8 @@ def applies_rope(model, layer: int) -> bool:
         return attention.sliding_window is not None or getattr(attention, "force_rope", False)
     if text_config(model).model_type == "afmoe":
         return attention.is_local_attention
+    if text_config(model).model_type == "flint":
+        return attention.sliding_window is not None
     if text_config(model).model_type == "beam":  # its full layers' rope parameters are None
         return text_config(model).rope_parameters[text_config(model).layer_types[layer]] is not None
     return getattr(attention, "use_rope", True)

@@ -80,12 +80,13 @@ def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bu
 
 
 @pytest.mark.slow
-def test_gpt_oss_decodes_its_attention_sinks_to_the_simulation(architecture_bundles, decode_path):
-    """gpt-oss's sinks on each CPU decode path (the kernel's running state takes them after its last launch; the
-    reference adds them to its softmax), against the simulation's softmax with them, which equals the model's own
-    (tests/test_simulate.py)."""
+@pytest.mark.parametrize("model_type", ["gpt_oss", "flint"])
+def test_attention_sinks_decode_to_the_simulation(architecture_bundles, model_type, decode_path):
+    """gpt-oss's and Flint's sinks on each CPU decode path (the kernel's running state takes them after its last launch;
+    the reference adds them to its softmax), against the simulation's softmax with them, which equals the model's own
+    (tests/test_simulate.py); Flint's full layers without RoPE."""
     for recipe in ("kivi", "kvquant"):
-        assert_runtime_logits_match_the_simulation(architecture_bundles("gpt_oss")[recipe], "gpt_oss", atol=5e-4)
+        assert_runtime_logits_match_the_simulation(architecture_bundles(model_type)[recipe], model_type, atol=5e-4)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
