@@ -133,7 +133,8 @@ def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> f
     positions = profile["samples.position"].long()
     keys = profile[f"layers.{layer}.k_post.samples"].float()
     inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, keys.shape[1] // kv_heads)
-    error = in_model_order(codec, config["model"]["fingerprint"].get("rope_order")).quantize(keys).values - keys
+    stored = in_model_order(codec, config["model"]["fingerprint"].get("rope_order")).quantize(keys).values
+    error = stored - keys
     error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / layer_rope_scaling(config["rope"], layer))  # scalings undone
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())
 
@@ -382,7 +383,8 @@ def cache_type_pairs(prices: CacheTypePrices, one_type: bool = False) -> list[di
     cheapest first; one_type: only a type for both (MLA's one row a token)."""
     pairs = [{"type_k": k, "type_v": v, "bits": (prices.mean_bits("k", k) + prices.mean_bits("v", v)) / 2,
               "cost": float(prices.costs["k"][k].sum() + prices.costs["v"][v].sum())}
-             for k in prices.costs["k"] for v in prices.costs["v"] if (k, v) != ("f16", "f16") and (k == v or not one_type)]
+             for k in prices.costs["k"] for v in prices.costs["v"]
+             if (k, v) != ("f16", "f16") and (k == v or not one_type)]
     return sorted(pairs, key=lambda pair: (pair["cost"], pair["bits"]))
 
 

@@ -86,8 +86,8 @@ def cocktail_cache(model, chunk: int = CHUNK):
     def make_store(kind, batch, width, device):
         return CocktailStore(chunk_codecs(settings, kind == "k"), chunk, batch, width, device, encoder_for=append_encoder)
 
-    return taking(WiredCache, model.config.model_type)(model, adapter, [runtime_layer(make_store, False, adapter, i, drop_out_of_window=False)
-                                       for i in range(len(adapter.layers))])
+    layers = [runtime_layer(make_store, False, adapter, i, drop_out_of_window=False) for i in range(len(adapter.layers))]
+    return taking(WiredCache, model.config.model_type)(model, adapter, layers)
 
 
 def compress(cache, widths: list[list[int]]) -> None:
