@@ -8,8 +8,9 @@
 // buffer, outliers put in (their exact fp16 values, as the reference does), pre-RoPE keys rotated with the
 // step's cos/sin tables, and scored (key_scores, head_scores); an online softmax (natural exponent)
 // updates the running state; the chunk's values are decoded token-major and accumulated. MLA's latent
-// (kvcal.adapters.LatentAttention) is the values, which the query's latent part scores beside the keys. The running state (max, sum, output) lives in the caller's arrays,
-// so launches over different segment groups (Cocktail's widths) chain into one softmax.
+// (kvcal.adapters.LatentAttention) is the values, which the query's latent part scores beside the keys. The
+// running state (max, sum, output) lives in the caller's arrays, so launches over different segment groups
+// (Cocktail's widths) chain into one softmax.
 //
 // Compiled at first use by kvcal/runtime/cpu_kernel.py with the host C++ compiler for the CPU's instruction set; a
 // call runs on the threads torch uses (see kvcal_decode_attention_cpu), one call per layer.
