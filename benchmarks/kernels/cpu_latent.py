@@ -25,7 +25,7 @@ import argparse
 import torch
 
 from benchmarks.common import device_slug, provenance, timed_in_turn, write_markdown, write_result
-from benchmarks.kernels.tensor_core import inv_freq, variants
+from benchmarks.kernels.tensor_core import inv_freq, packed_variant_refusal, variants
 
 ROPE_DIM, LATENT_DIM = 64, 512  # DeepSeek-V2/V3's qk_rope_head_dim and kv_lora_rank
 DEFAULT_VARIANTS = "int2-g32,int4-g32,nuq3-1%-pre-rope,skvq2-pre-rope"
@@ -44,11 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the cached tokens and the query")
     parser.add_argument("--name", default=None, help="results file name (default cpu_latent_<cpu>)")
     args = parser.parse_args(argv)
-    known = variants(ROPE_DIM, 1)
-    unknown = [v for v in args.variants.split(",") if known.get(v, (None,))[0] is None]
-    if unknown:
-        parser.error(f"--variants: {unknown[0]} is not a packed variant of the tensor-core benchmark; choose from "
-                     + ", ".join(name for name, (codecs, _) in known.items() if codecs is not None))
+    refused = packed_variant_refusal(args.variants, ROPE_DIM, 1)
+    if refused:
+        parser.error(refused)
     try:
         args.heads = [int(n) for n in args.heads.split(",")]
         args.lengths = [int(n) for n in args.lengths.split(",")]

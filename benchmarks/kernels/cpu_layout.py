@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from benchmarks.common import device_slug, provenance, timed_in_turn, write_markdown, write_result
-from benchmarks.kernels.tensor_core import inv_freq, variants
+from benchmarks.kernels.tensor_core import inv_freq, packed_variant_refusal, variants
 
 HEAD_DIM, KV_HEADS, GROUP = 128, 8, 4
 DEFAULT_VARIANTS = "int2-g128,int4-g128,int2-g32,nuq3-pre-rope,nuq3-1%-pre-rope"
@@ -37,11 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the cached tokens and the query")
     parser.add_argument("--name", default=None, help="results file name (default cpu_layout_<cpu>)")
     args = parser.parse_args(argv)
-    known = variants(HEAD_DIM)
-    unknown = [v for v in args.variants.split(",") if known.get(v, (None,))[0] is None]
-    if unknown:
-        parser.error(f"--variants: {unknown[0]} is not a packed variant of the tensor-core benchmark; choose from "
-                     + ", ".join(name for name, (codecs, _) in known.items() if codecs is not None))
+    refused = packed_variant_refusal(args.variants, HEAD_DIM)
+    if refused:
+        parser.error(refused)
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
     except ValueError:

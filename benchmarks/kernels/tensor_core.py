@@ -85,6 +85,17 @@ def variants(head_dim: int, kv_heads: int = KV_HEADS) -> dict:
     return table
 
 
+def packed_variant_refusal(names: str, head_dim: int, kv_heads: int = KV_HEADS) -> str | None:
+    """Why a benchmark of packed stores refuses `names` (comma-separated variants): the first that is not a packed
+    variant (fp16's has no codecs), naming those that are; None where every one is."""
+    known = variants(head_dim, kv_heads)
+    unknown = [name for name in names.split(",") if known.get(name, (None,))[0] is None]
+    if not unknown:
+        return None
+    return (f"--variants: {unknown[0]} is not a packed variant of the tensor-core benchmark; choose from "
+            + ", ".join(name for name, (codecs, _) in known.items() if codecs is not None))
+
+
 def skvq_codec(width: int, seed: int, groups: int = 16, bits: int = 2):
     """SKVQ's codec (kvcal.fit.skvq.SkvqTensor) of `bits`-bit codes over `width` channels in `groups` equal groups, a
     seeded permutation (16 groups: as many as the tensor-core kernel reads in a KV head)."""
