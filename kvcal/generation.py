@@ -212,8 +212,8 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
         if cache.adapter.long_rope is not None:
             cache.adapter.long_rope.check_prefill_steps(tokens, step)
         for start in range(0, tokens, step):
-            decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True,
-                              position_ids=chunk_positions(start, ids[:, start : start + step]))
+            piece = ids[:, start : start + step]
+            decoder_of(model)(piece, past_key_values=cache, use_cache=True, position_ids=chunk_positions(start, piece))
     outliers = cache.outliers()
     spans = cache.adapter.spans
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),

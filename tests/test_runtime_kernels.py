@@ -202,8 +202,9 @@ def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_linear"])
 def test_latent_attention_decodes_on_cuda_like_the_cpu_reference(model_type):
     """MLA under KIVI's int4 in blocks of 32, 40 tokens one at a time: the rotated key (64 channels) and the latent (96)
-    stored on the device, the batched reference decoding over them there (no kernel reads a latent yet), the CPU
-    runtime's logits within 2e-3 (Kimi Linear: its KDA layers' states in transformers' cache layers)."""
+    stored on the device, the batched reference decoding over them there (the tensor-core kernel reads no latent yet),
+    the CPU runtime's logits (its kernel's) within 2e-3 (Kimi Linear: its KDA layers' states in transformers' cache
+    layers)."""
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
     model = tiny_model(model_type)
     bundle = kivi_bundle(model, 4, 32, 32)

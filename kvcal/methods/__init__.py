@@ -176,8 +176,9 @@ def _base_baseline(base: str, first_last: dict, num_layers: int, head_dim: int, 
     """The Method of baseline `base` (with ik_llama.cpp's first/last layer types where `first_last` gives them) for
     `num_layers` layers of heads of `head_dim` channels; `text` is the whole spec, for errors; `boundary`: a
     TurboQuant preset keeps its boundary layers fp16; `latent`: MLA's, a llama.cpp type unrotated (latent_refusal)."""
-    if latent and cache_type_pair(base) is not None:
-        return llama_cpp_method(*cache_type_pair(base), num_layers, head_dim, hadamard=None)
+    pair = cache_type_pair(base) if latent else None
+    if pair is not None:
+        return llama_cpp_method(*pair, num_layers, head_dim, hadamard=None)
     if first_last:
         try:
             return first_last_method(base, first_last, [head_dim] * num_layers)

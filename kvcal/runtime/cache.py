@@ -761,8 +761,8 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
                 layer.activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
-                decoder_of(model)(ids[:, start : start + step], past_key_values=cache, use_cache=True,
-                                  position_ids=chunk_positions(start, ids[:, start : start + step]))
+                piece = ids[:, start : start + step]
+                decoder_of(model)(piece, past_key_values=cache, use_cache=True, position_ids=chunk_positions(start, piece))
     finally:
         for hook in hooks:
             hook.remove()
