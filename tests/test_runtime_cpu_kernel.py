@@ -163,6 +163,7 @@ def assert_latent_decode_matches_the_reference(case: str, lengths: list[int], he
         torch.testing.assert_close(got[b], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # (two more builds of the kernels on a cold build cache)
 def test_the_kernels_build_for_the_x86_64_baseline_and_decode_as_the_reference(build, monkeypatch):
     """-march=x86-64 (SSE2: no register holds a vector of 8 floats, so the source keeps to what compiles without one)
     builds both kernels, and the decode kernel so built gives the reference's output, MLA's latent scored too."""
