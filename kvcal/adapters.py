@@ -85,9 +85,11 @@ beside other architectures: frequencies that change with every sequence length (
 Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches per token one latent that every head
 shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
 latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated, simulated and served by the
-quantized cache (on the torch reference) so far, refused by Cocktail's cache and the exports
+quantized cache (decoded by the CPU kernel or the torch reference), refused by Cocktail's cache and the exports
 (ModelAdapter.refuse_latent). Kimi Linear's and bailing_hybrid's MLA layers sit among gated DeltaNet ones; Kimi
-Linear's apply no RoPE.
+Linear's apply no RoPE. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) adds to each MLA layer an indexer
+(LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to: kvcal keeps its keys as
+the model computes them and attends over the tokens it picks (kvcal.wiring.chosen_columns).
 """
 
 from __future__ import annotations
@@ -121,11 +123,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear",
-                          "bailing_hybrid")
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3", "glm4_moe_lite", "youtu",
+                          "axk1", "kimi_linear", "bailing_hybrid")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
-# kvcal's order (DeepSeek-V3's where rope_interleave, and its kin's)
-_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid",)
+# kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
+_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -163,7 +165,10 @@ _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
 # layers that attend and also run a recurrent mixer beside their attention (Falcon-H1's Mamba 2), whose state
 # transformers' cache layer keeps next to the keys and values
 _ATTENTION_AND_STATE_TYPES = ("hybrid",)
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", *_ATTENTION_AND_STATE_TYPES)
+# DeepSeek Sparse Attention's layers (DeepSeek-V3.2, GLM-5): MLA whose indexer picks the tokens each query attends to
+_INDEXED_ATTENTION = "indexed_attention"
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", _INDEXED_ATTENTION,
+                          *_ATTENTION_AND_STATE_TYPES)
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -226,6 +231,9 @@ class LayerHandles:
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
     latent: LatentAttention | None = None  # MLA: k_proj and v_proj are kv_a_proj_with_mqa, v_norm its kv_a_layernorm
+    # DeepSeek Sparse Attention's indexer (an MLA layer's): it keeps keys of its own (Cache.update_indexer) and returns,
+    # per query, the columns of the mask it attends (the top index_topk by the indexer's scores); None: no indexer
+    indexer: nn.Module | None = None
 
     @property
     def query_source(self) -> nn.Module:
@@ -375,6 +383,15 @@ class ModelAdapter:
         return [kv_heads * value_dim for kv_heads, value_dim in zip(self.kv_heads, self.value_dims)]
 
     @property
+    def index_widths(self) -> list[int]:
+        """Per layer, the channels of one token's indexer key (DeepSeek Sparse Attention's), 0 where it has no indexer."""
+        return [handles.indexer.head_dim if handles.indexer is not None else 0 for handles in self.layers]
+
+    def index_bytes(self, dtype: torch.dtype) -> list[int]:
+        """Per layer, the bytes of one token's indexer key kept in `dtype` (the model's: kvcal keeps them as computed)."""
+        return [width * dtype.itemsize for width in self.index_widths]
+
+    @property
     def latent(self) -> bool:
         """Whether the model's attention is multi-head latent attention (LatentAttention), its values the latent."""
         return self.layers[0].latent is not None
@@ -450,6 +467,8 @@ class ModelAdapter:
             fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
         if self.latent:  # MLA: its values (the latent) are as wide as no head
             fingerprint["value_dim"] = self.value_dims[0]
+        if any(self.index_widths):  # DeepSeek Sparse Attention: the indexer keys the cache keeps beside K and V
+            fingerprint["layer_index_dims"] = self.index_widths
         return fingerprint
 
 
@@ -490,6 +509,11 @@ def latent_attention(fingerprint: dict) -> bool:
 def kv_widths(fingerprint: dict, kind: str = "k") -> list[int]:
     """Per layer of an artifact's model, the channels of one token's keys (kind "k") or values ("v")."""
     return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint, kind)]
+
+
+def index_widths(fingerprint: dict) -> list[int]:
+    """Per layer of an artifact's model, the channels of one token's indexer key (DeepSeek Sparse Attention's; 0: none)."""
+    return fingerprint.get("layer_index_dims", [0] * fingerprint["num_layers"])
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -613,9 +637,10 @@ def _latent_rope(config) -> str:
     return "halves"
 
 
-def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config) -> LayerHandles:
+def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config, indexed: bool) -> LayerHandles:
     """The handles of an MLA decoder layer (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
-    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query)."""
+    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query);
+    `indexed`: its attention has DeepSeek Sparse Attention's indexer."""
     where = f"{where}: decoder layer {decoder_index}"
     attention = _find_attention(layer, where)
     parts = {name: getattr(attention, name, None)
@@ -632,8 +657,13 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
     latent = LatentAttention(parts["kv_b_proj"], config.qk_nope_head_dim, config.v_head_dim,
                              rope_in_order=_latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
+    indexer = getattr(attention, "indexer", None) if indexed else None
+    if indexed and not isinstance(getattr(indexer, "head_dim", None), int):
+        raise KvcalError(f"{where}: an indexed attention layer without an indexer (its `indexer`, with a head_dim) in "
+                         f"its attention")
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
-                        columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent)
+                        columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
+                        indexer=indexer)
 
 
 def _rotary_name(kind: str | None, name: str) -> str:
@@ -783,7 +813,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
-    handles = [_latent_handles(layers[m], i, m, where, config) if latent else
+    if _INDEXED_ATTENTION in decoder_types and not latent:
+        raise KvcalError(f"{where}: kvcal serves DeepSeek Sparse Attention's indexed layers in multi-head latent attention "
+                         "(DeepSeek-V3.2's, GLM-5's) only")
+    handles = [_latent_handles(layers[m], i, m, where, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
                _layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:

@@ -164,6 +164,10 @@ def _fingerprint_shape(config: dict, path) -> tuple[dict, dict[str, list[tuple[i
     if not all(_is_count(n) and n > 0 for n in numbers):
         raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers} are not positive integers, one a "
                          "layer; re-export")
+    index = fingerprint.get("layer_index_dims", [0] * numbers[0])  # DeepSeek Sparse Attention's indexer keys
+    if not (isinstance(index, list) and len(index) == numbers[0] and all(_is_count(n) and n >= 0 for n in index)):
+        raise KvcalError(f"bundle '{path}': the model fingerprint's indexer widths {index} are not non-negative integers, one "
+                         "a layer; re-export")
     return fingerprint, {kind: kv_shapes(fingerprint, kind) for kind in "kv"}
 
 

@@ -215,8 +215,9 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
             piece = ids[:, start : start + step]
             decoder_of(model)(piece, past_key_values=cache, use_cache=True, position_ids=chunk_positions(start, piece))
     outliers = cache.outliers()
-    spans = cache.adapter.spans
+    spans, index_bytes = cache.adapter.spans, cache.adapter.index_bytes(model.dtype)
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
             "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
-                                         spans=spans, value_width=value_widths),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans, value_widths), "outliers": outliers}
+                                         spans=spans, value_width=value_widths, index_bytes=index_bytes),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans, value_widths, index_bytes),
+            "outliers": outliers}

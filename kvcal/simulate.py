@@ -105,14 +105,25 @@ class StorageTally:
     key_elements: int = 0  # stored: a sliding-window layer's kept tokens only
     value_elements: int = 0  # (as many as the keys' but in MLA, whose latent is wider than its key)
     outliers: int = 0
+    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside K and V as the model computes them
+    index_bits: float = 0.0
+    index_elements: int = 0
 
     @property
     def elements(self) -> int:
+        """The K and V elements stored (what outlier fractions are of)."""
         return self.key_elements + self.value_elements
 
     @property
     def effective_bits(self) -> float:
-        return (self.key_bits + self.value_bits) / self.elements if self.elements else float("nan")
+        """Bits per element of everything the cache stores: K, V and indexer keys."""
+        elements = self.elements + self.index_elements
+        return (self.key_bits + self.value_bits + self.index_bits) / elements if elements else float("nan")
+
+    def add_index_keys(self, elements: int, dtype: torch.dtype) -> None:
+        """Count `elements` indexer-key elements kept in `dtype`."""
+        self.index_bits += elements * torch.finfo(dtype).bits
+        self.index_elements += elements
 
     def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int, dropped: int = 0) -> None:
         """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` (the body: a run after the
@@ -187,10 +198,12 @@ class SimulatedLayer:
         self.reads = reads if self.keep_reads else None
         return torch.stack(outputs)
 
-    def attend_latent(self, query, latent_query, latents, latent: LatentAttention, scaling: float) -> torch.Tensor:
+    def attend_latent(self, query, latent_query, latents, latent: LatentAttention, scaling: float,
+                      chosen: torch.Tensor | None = None) -> torch.Tensor:
         """MLA's attention (LatentAttention) of query (batch, heads, tokens, rotated channels) and latent_query (batch,
         heads, tokens, latent channels) over its keys (pre_rope_keys, rotated as the cache holds them) and `latents`
-        (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim)."""
+        (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim); chosen (batch, tokens,
+        tokens): the tokens each query attends (DeepSeek Sparse Attention's indexer's choice), None: all it sees."""
         tokens = query.shape[2]
         key_mask, value_mask = self.masks_for(tokens, query.device)
         positions, inv_freq = torch.arange(tokens, device=query.device), self.frequencies(tokens)
@@ -199,7 +212,7 @@ class SimulatedLayer:
             keys_post = as_cached(rotate_keys(self.pre_rope_keys[b], positions, 1, inv_freq, self.rope_scaling))
             read = self._read(b, keys_post, as_cached(latents[b]), 1)
             out = mixed_attention(query[b].float(), *read, key_mask, value_mask, scaling, self.span, self.sinks,
-                                  self.softcap, latent_query[b])
+                                  self.softcap, latent_query[b], None if chosen is None else chosen[b])
             outputs.append(latent.head_outputs(out).transpose(0, 1))
         return torch.stack(outputs).to(query.dtype)
 
@@ -238,14 +251,15 @@ class SimulatedLayer:
 
 def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, value_mask, scaling: float,
                     span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
-                    latent_query: torch.Tensor | None = None):
+                    latent_query: torch.Tensor | None = None, chosen: torch.Tensor | None = None):
     """Causal attention of query (heads, tokens, head_dim) where token j is read from the stored
     (dequantized) keys/values where key_mask/value_mask[t, j] is set and from fp16 elsewhere; with a span, query t
     sees only the tokens of its sliding window or chunk (positions from 0); with sinks (heads,), each head's row of
     scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first
     (kvcal.kv.softcapped). Keys are (tokens, kv_heads * head_dim), values (tokens, kv_heads * value channels); GQA
     shares each KV head across its query heads. With a latent_query (heads, tokens, value channels) the values take
-    part in the scores as well, by their dot product with it (MLA: kvcal.adapters.LatentAttention)."""
+    part in the scores as well, by their dot product with it (MLA: kvcal.adapters.LatentAttention). chosen (tokens,
+    tokens): the tokens each query attends among those it sees (DeepSeek Sparse Attention's indexer's), None: all."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
@@ -254,6 +268,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
 
     positions = torch.arange(tokens, device=query.device)
     causal = span.sees(positions, positions) if span is not None else positions[None, :] <= positions[:, None]
+    if chosen is not None:
+        causal = causal & chosen
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2))
     if latent_query is not None:
         scores = scores + torch.where(value_mask, latent_query @ per_head(values_hat).transpose(1, 2),
@@ -295,8 +311,10 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if latent is not None:
         rotated = query[..., latent.nope_dim:]
         rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated)
+        # DeepSeek Sparse Attention's: the tokens its indexer picked, its keys cached as the model computes them
+        state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
         return state.attend_latent(rotated, latent.latent_query(query[..., :latent.nope_dim]), slot.latents, latent,
-                                   scale), None
+                                   scale, wiring.chosen_columns(kwargs.get("indices"), attention_mask)), None
     return state.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, scale), None
 
 

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import kv_shapes, kv_widths, latent_attention, score_scale
+from kvcal.adapters import index_widths, kv_shapes, kv_widths, latent_attention, score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -18,7 +18,7 @@ from kvcal.profile import PROFILE_KIND
 from kvcal.registry import ArtifactSummary
 from kvcal.rope import layer_inv_freq, layer_rope_scaling
 from kvcal.runtime.backends import bundle_plan
-from kvcal.runtime.memory import cache_bytes, segment_lengths
+from kvcal.runtime.memory import FP16_BYTES, cache_bytes, segment_lengths
 from kvcal.spans import AttentionSpan, recorded_spans
 
 
@@ -113,14 +113,17 @@ EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 
 
 def effective_bits(layers: list, fingerprint: dict, tokens: int) -> float:
-    """Cache bits per K/V element after a prefill of `tokens` (kvcal.runtime.memory) for the layers of an artifact's
-    model, with each layer's outlier fraction of its quantized elements as outliers."""
+    """Cache bits per element after a prefill of `tokens` (kvcal.runtime.memory) for the layers of an artifact's
+    model, with each layer's outlier fraction of its quantized elements as outliers; DeepSeek Sparse Attention's
+    indexer keys count among the elements, at 2 bytes (a bf16 or fp16 model's)."""
     kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
     widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
+    index = index_widths(fingerprint)
     outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, kind == "k")[1] * widths[kind][i]
                          for i, layer in enumerate(layers) for kind in "kv"))
-    stored = cache_bytes(layers, widths["k"], tokens, outliers, kv_heads=kv_heads, value_width=widths["v"])
-    return stored * 8 / (tokens * (sum(widths["k"]) + sum(widths["v"])))
+    stored = cache_bytes(layers, widths["k"], tokens, outliers, kv_heads=kv_heads, value_width=widths["v"],
+                         index_bytes=[width * FP16_BYTES for width in index])
+    return stored * 8 / (tokens * (sum(widths["k"]) + sum(widths["v"]) + sum(index)))
 
 
 def _bundle_summary(bundle: Bundle) -> ArtifactSummary:

@@ -112,18 +112,23 @@ def slot(module: torch.nn.Module) -> Slot | None:
 
 
 # what an attention call may ask that kvcal's attention does not compute, by the keyword transformers passes it as
-_NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "sinks": "attention sinks"}
+_NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "sinks": "attention sinks",
+                 "indices": "the tokens an indexer picked"}
 
 
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
     """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word: all
-    but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds) and the
+    but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds), the tokens
+    a layer's indexer picked where the adapter found it (DeepSeek Sparse Attention's `indices`: chosen_columns) and the
     soft-cap of a model whose config gives that one (Gemma 2's, which the fits also applied)."""
     adapter = layer_slot.wiring.adapter if layer_slot is not None else None
-    has_sinks = adapter is not None and adapter.layers[layer_slot.index].sinks is not None
+    handles = adapter.layers[layer_slot.index] if adapter is not None else None
+    served = {"s_aux": handles is not None and handles.sinks is not None,
+              "indices": handles is not None and handles.indexer is not None,
+              "softcap": adapter is not None and adapter.softcap is not None}
     softcap = adapter.softcap if adapter is not None else None
     for name, what in _NOT_COMPUTED.items():
-        if kwargs.get(name) is not None and not (name == "s_aux" and has_sinks or name == "softcap" and softcap is not None):
+        if kwargs.get(name) is not None and not served.get(name, False):
             raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "
                              "does not compute and would leave out")
     if softcap is not None and kwargs.get("softcap") != softcap:
@@ -291,10 +296,20 @@ def _padding_sees_all(asked: bool | None) -> bool:
     return PADDING_SEES_ALL if asked is None else asked
 
 
-def _visible(attention_mask) -> torch.Tensor:
+def visible(attention_mask) -> torch.Tensor:
     """(batch, m, n): which of the n tokens each of the step's m rows sees, from its 4-D mask (boolean or additive)."""
     mask = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
     return mask if mask.dtype == torch.bool else mask == 0
+
+
+def chosen_columns(indices: torch.Tensor | None, attention_mask) -> torch.Tensor | None:
+    """(batch, queries, columns of the 4-D mask): which columns each query attends, of the `indices` (batch, queries, k)
+    a DeepSeek Sparse Attention layer's indexer picked (the top k by its scores, among them masked columns where a query
+    sees fewer than k), None where it picked every column (no more than k) or is none."""
+    if indices is None or indices.shape[-1] >= attention_mask.shape[-1]:
+        return None
+    chosen = torch.zeros(*indices.shape[:2], attention_mask.shape[-1], dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(-1, indices.long(), True)
 
 
 def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bool | None = None) -> torch.Tensor:
@@ -307,11 +322,11 @@ def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bo
     padding_sees_all: None, as this torch's masks (PADDING_SEES_ALL)."""
     if attention_mask is None:
         return torch.ones(batch, m, dtype=torch.bool, device=device)
-    visible = _visible(attention_mask)
-    rows, own = torch.arange(m, device=visible.device), visible.shape[-1] - m + torch.arange(m, device=visible.device)
-    valid = visible[:, rows, own].clone()
+    seen = visible(attention_mask)
+    rows, own = torch.arange(m, device=seen.device), seen.shape[-1] - m + torch.arange(m, device=seen.device)
+    valid = seen[:, rows, own].clone()
     if _padding_sees_all(padding_sees_all):
-        valid[:, :-1] &= ~visible[:, rows[:-1], own[:-1] + 1]
+        valid[:, :-1] &= ~seen[:, rows[:-1], own[:-1] + 1]
     return valid.expand(batch, m)
 
 
@@ -322,11 +337,11 @@ def own_tokens_ahead(attention_mask, valid: torch.Tensor, padding_sees_all: bool
     token sees one, as in every causal step."""
     if attention_mask is None:
         return None
-    visible = _visible(attention_mask)
-    q = visible.shape[1]
+    seen = visible(attention_mask)
+    q = seen.shape[1]
     if q == 1:
         return None
-    own, valid = visible[..., -q:], valid[:, -q:]
+    own, valid = seen[..., -q:], valid[:, -q:]
     rows = torch.arange(q - 1, device=own.device)
     if not bool((own[:, rows, rows + 1] & valid[:, :-1] & valid[:, 1:]).any()):  # an image's first tokens see their next
         return None

@@ -16,6 +16,8 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
+DSA = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
+TINY_INDEX_TOPK = 8
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
@@ -269,6 +271,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         if model_type == "glm4_moe_lite":
             common["mlp_layer_types"] = ["dense", "dense"]
+        if model_type in DSA:  # as DeepSeek-V3.2 and GLM-5: an indexer per layer picking the 8 tokens each query attends
+            # to (theirs: 2048), of keys of 64 rotated and 16 other channels; 16 heads (with 2, ReLU zeroes every head's
+            # score of a quarter of the tokens, whose ties top-k breaks by the forward's length: a full forward and
+            # transformers' own decode pick differently)
+            common.update(num_key_value_heads=4, index_topk=TINY_INDEX_TOPK, index_n_heads=16, index_head_dim=80,
+                          mlp_layer_types=["dense", "dense"])
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
             # its MLA without RoPE)
             common.update(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, GEMMA4, GRANITE_SWA, HYBRID, LATENT, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of, score_scale
@@ -93,18 +93,23 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
-    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's), else in the model's."""
+    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's), else in the
+    model's."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config
     assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
+    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent
+    indexed = model_type in DSA
+    assert adapter.index_widths == ([80, 80] if indexed else [0, 0])
+    assert adapter.fingerprint().get("layer_index_dims") == ([80, 80] if indexed else None)
     attention = attention_module(decoder_layers(model)[adapter.model_layers[1]])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
     # q_b_proj where the query is of a low rank (Ling's never is)
     assert handles.q_proj is (attention.q_proj if getattr(attention, "q_proj", None) is not None else attention.q_b_proj)
-    interleaved = model_type in ("deepseek_v2", "bailing_hybrid") or getattr(config, "rope_interleave", False)
+    interleaved = model_type in ("deepseek_v2", "bailing_hybrid", *DSA) or getattr(config, "rope_interleave", False)
     assert (adapter.rope_order is not None) == interleaved
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
@@ -140,10 +145,15 @@ def test_bidirectional_attention_is_refused():
         adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
 
 
-def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused():
-    """Hy V4's indexed attention (each query reads the tokens an indexer picks) is no attention kvcal computes."""
-    with pytest.raises(KvcalError, match=r"its layer types \['indexed_attention'\] are not ones kvcal serves"):
-        adapt(tiny_model("llama", layer_types=["indexed_attention", "full_attention"]))
+@pytest.mark.parametrize("kind, refusal", [
+    ("compressed_sparse_attention", r"its layer types \['compressed_sparse_attention'\] are not ones kvcal serves"),
+    ("indexed_attention", "kvcal serves DeepSeek Sparse Attention's indexed layers in multi-head latent attention"),
+])
+def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused(kind, refusal):
+    """DeepSeek-V4's compressed sparse attention is no attention kvcal computes; an indexer's pick (each query reads
+    the tokens an indexer picks: Hy V4's, Qwen's sparse attention) it serves in MLA alone (DeepSeek-V3.2's, GLM-5's)."""
+    with pytest.raises(KvcalError, match=refusal):
+        adapt(tiny_model("llama", layer_types=[kind, "full_attention"]))
 
 
 def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():

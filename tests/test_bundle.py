@@ -336,6 +336,21 @@ def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
     return model, write_bundle(folder / "kivi.safetensors", *build_bundle(str(profile), "kivi", None, KiviSettings(group=4, residual=8)))
 
 
+@pytest.mark.parametrize("index_dims", [[80], [80, -1], [80, "80"], 80])
+def test_a_resealed_bundle_whose_indexer_widths_were_edited_is_refused(architecture_bundles, tmp_path, index_dims):
+    """DeepSeek Sparse Attention's fingerprint names each layer's indexer-key width (what the summary's bits count):
+    edited and resealed into anything but one non-negative integer a layer, the bundle is refused in one line."""
+    path = architecture_bundles("deepseek_v32")["kivi"]
+    assert load_bundle(path).fingerprint["layer_index_dims"] == [80, 80]
+
+    def config_fn(config):
+        config["model"]["fingerprint"]["layer_index_dims"] = index_dims
+        return config
+
+    with pytest.raises(KvcalError, match="indexer widths .* are not non-negative integers, one a layer; re-export"):
+        load_bundle(rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn))
+
+
 @pytest.mark.parametrize("layer_head_dims, message", [
     ([16], "not positive integers, one a layer"), ([16, "32"], "not positive integers"), ([16, 0], "not positive integers"),
     ([16, 16], r"rope.inv_freq is torch.float32 \(2, 16\), expected float32 \(2, 8\)"), ([32, 16], None),

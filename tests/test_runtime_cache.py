@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, GEMMA4, IMAGE_TOWERS, LATENT, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry, wiring
@@ -168,7 +168,7 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "minimax")
+                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minimax")
                                                     for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
@@ -205,6 +205,22 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
         continued = model(ids[:, -1:], past_key_values=context.cache, use_cache=True).logits
         torch.testing.assert_close(continued, model(ids).logits[:, -1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
+
+
+def test_a_context_without_indexer_keys_is_refused_by_sparse_attention():
+    """DeepSeek Sparse Attention's indexer scores every token's indexer key: a context of rows only (or of another
+    batch) is refused before anything is stored."""
+    from kvcal.runtime.cache import FpContext
+
+    model = tiny_model("deepseek_v32")
+    context = fp_context(model, torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2)))
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+        for refused in (FpContext(context.keys, context.pre_rope_keys, context.values, context.cache),
+                        FpContext(context.keys, context.pre_rope_keys, context.values, context.cache,
+                                  [keys.expand(2, -1, -1) for keys in context.index_keys])):
+            with pytest.raises(KvcalError, match=r"holds no indexer keys of layers \[0, 1\] .* for its 1 x 20 tokens"):
+                cache.load(refused)
+            assert cache.tokens() == [] and cache.used_bytes() == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -486,10 +502,12 @@ def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(arc
                 model(**images, use_cache=False)
 
 
-@pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4))])
+@pytest.mark.parametrize("ask", [dict(softcap=30.0), dict(s_aux=torch.zeros(4)),
+                                 dict(indices=torch.zeros(1, 1, 1, dtype=torch.int32))])
 def test_an_attention_call_asking_for_what_kvcal_does_not_compute_is_refused(ask):
-    """Score soft-capping (Gemma 2's) and attention sinks (gpt-oss's) reach the attention implementation as keywords,
-    which kvcal's cache and simulation would otherwise take and leave out, here on a model that has neither."""
+    """Score soft-capping (Gemma 2's), attention sinks (gpt-oss's) and an indexer's pick of tokens (DeepSeek Sparse
+    Attention's) reach the attention implementation as keywords, which kvcal's cache and simulation would otherwise
+    take and leave out, here on a model that has none of them."""
     from kvcal.kv import SegmentPolicy
     from kvcal.simulate import Method
 
@@ -619,6 +637,28 @@ def test_attention_chunks_decode_as_the_model_does_on_every_decode_path(decode_p
         ours = generate(model, fp16_kivi_bundle(model), input_ids=ids, attention_mask=mask, **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", DSA)
+def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's indexer picking the 8 tokens each query attends to) over
+    left-padded prompts of 24 and 17 and 12 new tokens, with every token fp16: the model's own tokens and logits, the
+    cache keeping the indexer's keys as transformers' does (padding too), its attention over the tokens the indexer
+    picked (read by the torch reference), the sequences' tokens told from padding by the mask; the same weights
+    attending to 64 tokens give other logits."""
+    model = tiny_model(model_type)
+    ids, mask = left_padded((24, 17), seed=3)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+            assert [layer.index_keys.shape for layer in cache.attention_layers] == [(2, 35, 80)] * 2
+            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
+        dense = tiny_model(model_type, index_topk=64).generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
 
 
 # LongRoPE (Phi-3.5; Phi-4-mini: over 0.75 of each head, cos/sin scaled): a forward past its switch rotates every

@@ -29,21 +29,23 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
         _, cache = decode_token_by_token(model, bundle, ids)
     adapter = adapt(model)
     formula = cache_bytes(bundle.layers, adapter.kv_widths, tokens, cache.outliers(), step=1, kv_heads=adapter.kv_heads,
-                          spans=adapter.spans, value_width=adapter.value_widths)
-    # of K and V together (MLA's values are wider than its keys)
-    stored_elements = sum(layer.keys_store.count(0) * (key + value)
-                          for layer, key, value in zip(cache.layers, adapter.kv_widths, adapter.value_widths))
+                          spans=adapter.spans, value_width=adapter.value_widths, index_bytes=adapter.index_bytes(model.dtype))
+    # of K and V together (MLA's values are wider than its keys), and DeepSeek Sparse Attention's indexer keys
+    kv_elements, index_elements = (sum(layer.keys_store.count(0) * width for layer, width in zip(cache.layers, widths))
+                                   for widths in (map(sum, zip(adapter.kv_widths, adapter.value_widths)), adapter.index_widths))
     assert cache.used_bytes() == formula
-    assert simulated.effective_bits == formula * 8 / stored_elements
-    assert simulated.outlier_fraction * stored_elements == cache.outliers()
+    assert simulated.effective_bits == formula * 8 / (kv_elements + index_elements)
+    assert simulated.outlier_fraction * kv_elements == cache.outliers()
     assert (cache.outliers() > 0) == keeps_outliers
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32"])
 @pytest.mark.parametrize("recipe", registry.recipes())
-def test_bits_are_bytes_for_latent_attention(architecture_bundles, recipe):
+def test_bits_are_bytes_for_latent_attention(architecture_bundles, recipe, model_type):
     """MLA's cache stores a rotated key of 64 channels and a latent of 96: the simulation's bits, the formula and the
-    live cache count each at its own width."""
-    assert_bits_are_bytes(architecture_bundles("deepseek_v3")[recipe], TOKENS, recipe in OUTLIER_RECIPES, "deepseek_v3")
+    live cache count each at its own width; DeepSeek Sparse Attention's also its indexer's keys of 80 channels, as
+    the model computes them (float32 here)."""
+    assert_bits_are_bytes(architecture_bundles(model_type)[recipe], TOKENS, recipe in OUTLIER_RECIPES, model_type)
 
 
 @pytest.mark.parametrize("recipe", registry.recipes())

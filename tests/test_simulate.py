@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import GEMMA4, LATENT, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import DSA, GEMMA4, LATENT, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -65,7 +65,8 @@ class _RoundedCache(DynamicCache):
 def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     """MLA in the simulation (kvcal.adapters.LatentAttention: scores over the latent by the query's absorbed part, plus
     over the rotated key; outputs by W_UV of the latent's mix) gives the model's logits, within what rounding its cache
-    to fp16 moves them (MiniCPM3 and Youtu: 2e-3 on logits up to 13)."""
+    to fp16 moves them (MiniCPM3 and Youtu: 2e-3 on logits up to 13); DeepSeek Sparse Attention's over the 8 tokens of
+    33 its indexer picks for each query."""
     model = tiny_model(model_type)
     ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -74,7 +75,9 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
         with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
             got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(5e-4, 1.5 * float((rounded - expected).abs().max())))
-    assert tally.effective_bits == 16.0 and model.config._attn_implementation == "sdpa"
+    assert tally.key_bits + tally.value_bits == 16 * tally.elements and model.config._attn_implementation == "sdpa"
+    # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them
+    assert (tally.index_bits, tally.index_elements) == ((32 * 2 * 33 * 80 * 2, 2 * 33 * 80 * 2) if model_type in DSA else (0, 0))
 
 
 @pytest.mark.parametrize("model_type", LATENT)
@@ -107,7 +110,8 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     first = adapter.model_layers[0]  # (Kimi Linear's after a KDA layer, which nothing quantized reaches)
     assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
     assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
-    assert tally.effective_bits == pytest.approx(6.1)
+    # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them)
+    assert tally.effective_bits == pytest.approx((64 * 8.5 + 96 * 4.5 + 80 * 32) / 240 if model_type in DSA else 6.1)
 
 
 def test_policy_masks():

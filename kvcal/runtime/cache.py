@@ -102,6 +102,10 @@ class RuntimeLayer(CacheLayerMixin):
         self.latent = adapter.layers[index].latent
         self.latent_step: tuple[torch.Tensor, torch.Tensor] | None = None
         self.widths = (adapter.kv_widths[index], adapter.value_widths[index])  # of one token's keys and values
+        # DeepSeek Sparse Attention's indexer keys (batch, padded_length, channels), as the model computes them and as
+        # transformers' cache keeps them (padding too: the indexer scores every column of the mask); None: none yet
+        self.index_keys: torch.Tensor | None = None
+        self.picked_decode = False  # a decode step attended to its indexer's pick (read by the torch reference)
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -122,16 +126,29 @@ class RuntimeLayer(CacheLayerMixin):
     @property
     def decode_path(self) -> str | None:
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
-        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference"."""
+        launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (also once a DeepSeek Sparse
+        Attention layer attends to its indexer's pick: past its top-k tokens)."""
+        if self.picked_decode:
+            return "reference"
         return self.decoder.path if self.decoder is not None else None
 
     def reset(self) -> None:
         """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
         next step."""
         self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = self.latent_step = None
-        self.choice = self.decoder = self.step = None
+        self.choice = self.decoder = self.step = self.index_keys = None
+        self.picked_decode = False
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
+
+    def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Append a step's indexer keys (batch, tokens, channels) -> every token's so far (transformers'
+        update_indexer)."""
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], 1)
+        return self.index_keys
+
+    def index_bytes(self) -> int:
+        return 0 if self.index_keys is None else self.index_keys.numel() * self.index_keys.element_size()
 
     def _allocate(self, batch: int, device, tokens: int) -> None:
         """Storage for `batch` sequences of the layer's keys and values (`widths`), and the RoPE frequencies of a
@@ -146,11 +163,15 @@ class RuntimeLayer(CacheLayerMixin):
         return rotate_keys(keys, positions, kv_heads, self.inv_freq, self.rope_scaling) if self.pre_rope else keys
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan, scaling: float,
-               window: int | None = None, ahead: torch.Tensor | None = None, latent_query: torch.Tensor | None = None):
+               window: int | None = None, ahead: torch.Tensor | None = None, latent_query: torch.Tensor | None = None,
+               chosen: torch.Tensor | None = None):
         """query (B, H, m, d), key (B, kv_heads, m, d) and value (B, kv_heads, m, d_v) of the new tokens (keys
         post-RoPE) -> (B, m, H, d_v); plan: the step's (which tokens are real, see StepPlan); window: the attention
         call's sliding window (see _span_for); ahead: (B, m, m), the step's tokens each sees after itself under this
-        layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too."""
+        layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too;
+        chosen: (B, m, columns of the mask), the tokens each query attends among those it sees (DeepSeek Sparse
+        Attention's indexer's pick, wiring.chosen_columns), None: all. A decode step with a choice is read by the torch
+        reference (the decode backends read every token)."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width, value_width = self.widths
@@ -162,14 +183,16 @@ class RuntimeLayer(CacheLayerMixin):
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
-        if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
+        if m == 1 and chosen is None:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
             if latent_query is not None:  # MLA's query parts side by side, as the decoders take them
                 query = torch.cat([query.float(), latent_query], -1)
             output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query)
+            self.picked_decode |= m == 1
+            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query,
+                                   chosen)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers)
@@ -232,11 +255,12 @@ class RuntimeLayer(CacheLayerMixin):
 
     def _prefill(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
                  span: AttentionSpan | None, reads: dict | None, ahead: torch.Tensor | None,
-                 latent_query: torch.Tensor | None = None):
+                 latent_query: torch.Tensor | None = None, chosen: torch.Tensor | None = None):
         """Per sequence: the cache so far plus the step's own tokens in fp16 (then appended). A sequence with a
         single real token in the step is decoded: appended first, then the cache is read as stored. `reads` (a
         dict, or None) keeps each sequence's keys and values read, for the layers reading this one's cache. MLA's
-        latent_query scores the values beside the query the keys: one attention over keys and values side by side."""
+        latent_query scores the values beside the query the keys: one attention over keys and values side by side.
+        chosen: as attend's."""
         batch, heads, m, _ = query.shape
         output = torch.zeros(batch, m, heads, new_values.shape[-1] // kv_heads, dtype=query.dtype, device=query.device)
         single = [b for b in plan.rows if plan.counts[b] == 1]
@@ -257,8 +281,9 @@ class RuntimeLayer(CacheLayerMixin):
             queries, scored = query[b, :, rows], keys
             if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
                 queries, scored = torch.cat([queries.float(), latent_query[b, :, rows]], -1), torch.cat([keys, values], -1)
+            selected = plan.chosen_tokens(chosen, b) if chosen is not None else None
             out = reference.attention(queries, scored, values, scaling, span, self.sinks, self.softcap, seen,
-                                      self.keys_store.dropped[b])
+                                      self.keys_store.dropped[b], selected)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
                 reads[b] = (keys, values)
@@ -384,6 +409,7 @@ class StepPlan:
 
     def __init__(self, cache: WiredCache, attention_mask, batch: int, m: int, device, positions: torch.Tensor | None):
         self.batch, self.m, self.device = batch, m, device
+        self.mask = attention_mask
         self.valid = wiring.real_tokens(attention_mask, batch, m, device)
         self.image_blocks = cache.adapter.image_blocks
         self.all_valid = attention_mask is None
@@ -438,6 +464,18 @@ class StepPlan:
         """The columns of sequence b's real tokens in the step."""
         return self.shared(("columns", b), lambda: torch.arange(self.m, device=self.device) if self.all_valid else
                            torch.tensor([i for i, real in enumerate(self._flags[b]) if real], device=self.device))
+
+    def chosen_tokens(self, chosen: torch.Tensor, b: int) -> torch.Tensor:
+        """(sequence b's real tokens of the step, its tokens: those stored before the step, then the step's): which
+        ones each attends, of `chosen` (batch, m, columns of the mask: a DeepSeek Sparse Attention layer's pick,
+        wiring.chosen_columns). Its columns are the sequence's tokens where its last real token sees them (those layers
+        have no window: it sees all)."""
+        rows = self.columns(b)
+        if self.mask is None:  # (no padding: every column is the sequence's)
+            return chosen[b][rows]
+        last = self.m - 1 - self._flags[b][::-1].index(True)
+        own = self.shared(("own columns", b), lambda: wiring.visible(self.mask)[b, last])
+        return chosen[b][rows][:, own]
 
     def real_rows(self, new: torch.Tensor, seqs: list[int]) -> torch.Tensor:
         """The real tokens (fp16, grouped by sequence) of sequences `seqs` of new (B, m, C)."""
@@ -518,7 +556,8 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         if not latent.rope_in_order:
             rotated, rotated_keys = adapter.in_rope_order(rotated), adapter.in_rope_order(rotated_keys)
         out = layer.attend(rotated, rotated_keys, latents, plan, scale, sliding_window, None,
-                           latent.latent_query(query[..., : latent.nope_dim]))
+                           latent.latent_query(query[..., : latent.nope_dim]),
+                           wiring.chosen_columns(kwargs.get("indices"), attention_mask))
         return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
     return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window,
                         plan.ahead_of(attention_mask)), None
@@ -578,6 +617,15 @@ class WiredCache(Cache):
         if self.adapter.latent:  # MLA's: its latent and rotated key (LatentAttention), which its attention reads
             self.attention_layers[index].latent_step = (key_states, value_states)
         return key_states, value_states
+
+    def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Called by a DeepSeek Sparse Attention layer's indexer: keep the step's indexer keys (batch, tokens,
+        channels) as the model computes them -> the layer's every token's so far."""
+        self._check_open()
+        index = self._attention_index.get(layer_idx)
+        if index is None or self.adapter.layers[index].indexer is None:
+            raise KvcalError(f"decoder layer {layer_idx} has no DeepSeek Sparse Attention indexer whose keys this cache keeps")
+        return self.attention_layers[index].keep_index_keys(indexer_keys)
 
     def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
         """The running step's StepPlan, made by its first layer from that layer's attention mask and position ids."""
@@ -688,8 +736,9 @@ class WiredCache(Cache):
                     yield from ((store, b) for b in range(len(layer.position_offset)))
 
     def used_bytes(self) -> int:
-        """Bytes the cache holds now: codes, parameters, outliers, fp16 segments (not capacity)."""
-        return sum(store.used_bytes(b) for store, b in self.stores())
+        """Bytes the cache holds now: codes, parameters, outliers, fp16 segments, indexer keys (not capacity)."""
+        return sum(store.used_bytes(b) for store, b in self.stores()) + sum(layer.index_bytes()
+                                                                           for layer in self.attention_layers)
 
     def outliers(self) -> int:
         return sum(store.outliers(b) for store, b in self.stores())
@@ -702,12 +751,19 @@ class WiredCache(Cache):
         self._check_open()
         rows = [layer.context_rows(keys, values)  # first: every layer's widths checked before anything is stored
                 for layer, keys, values in zip(self.attention_layers, context.keys, context.values)]
-        context.copy_states_into(self)  # (it refuses a context without the states this model keeps)
         batch, tokens = context.values[0].shape[:2]
+        indexed = [i for i, handles in enumerate(self.adapter.layers) if handles.indexer is not None]
+        if indexed and (context.index_keys is None or any(context.index_keys[i] is None or
+                                                          context.index_keys[i].shape[:2] != (batch, tokens) for i in indexed)):
+            raise KvcalError(f"this context holds no indexer keys of layers {indexed} (DeepSeek Sparse Attention's) for its "
+                             f"{batch} x {tokens} tokens; load a context that fp_context made for this model")
+        context.copy_states_into(self)  # (it refuses a context without the states this model keeps)
         self.rope_era(tokens)
         self.lengths, self.position_offset, self._plan = [tokens] * batch, [0] * batch, None
         for layer, (keys, values), pre_rope_keys in zip(self.attention_layers, rows, context.pre_rope_keys):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
+        for i in indexed:
+            self.attention_layers[i].index_keys = context.index_keys[i]
 
     def tokens(self) -> list[int]:
         """Tokens each sequence has had (its sliding-window layers hold fewer)."""
@@ -726,6 +782,8 @@ class FpContext:
     pre_rope_keys: list[torch.Tensor]
     values: list[torch.Tensor]
     cache: Cache | None
+    # per layer, DeepSeek Sparse Attention's indexer keys (batch, tokens, channels), None where it has none
+    index_keys: list[torch.Tensor | None] | None = None
 
     def copy_states_into(self, cache: Cache) -> None:
         """Give each layer of `cache` (laid out as the model's) that keeps a recurrent state a copy of the context's
@@ -768,7 +826,8 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
             hook.remove()
     rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
     context = FpContext([rows(layer.keys) for layer in attending], [torch.cat(parts, 1) for parts in pre_rope],
-                        [rows(layer.values) for layer in attending], cache)
+                        [rows(layer.values) for layer in attending], cache,
+                        [getattr(layer, "indexer_keys", None) for layer in attending])
     for layer in attending:
         if layer.is_sliding:
             layer.crop(0)  # back to their window; full layers keep everything

@@ -42,13 +42,14 @@ def segment_lengths(recipe: LayerRecipe, tokens: int, keys: bool, step: int | No
 
 def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, outliers: int = 0, step: int | None = None,
                 *, kv_heads: int | list[int], spans: list[AttentionSpan | None] | None = None,
-                value_width: int | list[int] | None = None) -> int:
+                value_width: int | list[int] | None = None, index_bytes: int | list[int] = 0) -> int:
     """Bytes of one sequence's cache of `width` channels of keys in `kv_heads` KV heads (each one number for every
     layer, or one a layer), its values `value_width` wide (None: as the keys; MLA's latent is wider) after `tokens`
     came in steps of `step` (see segment_lengths), with `outliers` outliers in all (as the cache counts them); spans:
     per layer its sliding window or attention chunk, or None (kvcal.adapters.ModelAdapter.spans), whose layers hold
-    only the tokens kvcal.kv.window_dropped leaves."""
-    total = outliers * OUTLIER_BYTES
+    only the tokens kvcal.kv.window_dropped leaves; index_bytes: the bytes of one token's indexer key per layer (DeepSeek
+    Sparse Attention's, kept as the model computes them; 0: none), one number for every layer or one a layer."""
+    total = outliers * OUTLIER_BYTES + tokens * sum(_per_layer(index_bytes, len(layers)))
     widths, kv_heads = _per_layer(width, len(layers)), _per_layer(kv_heads, len(layers))
     value_widths = widths if value_width is None else _per_layer(value_width, len(layers))
     for recipe, span, key_width, value_width, heads in zip(layers, spans or [None] * len(layers), widths, value_widths,
@@ -71,15 +72,16 @@ def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, 
 
 
 def fp16_bytes(num_layers: int, width: int | list[int], tokens: int, spans: list[AttentionSpan | None] | None = None,
-               value_width: int | list[int] | None = None) -> int:
+               value_width: int | list[int] | None = None, index_bytes: int | list[int] = 0) -> int:
     """Bytes of transformers' own fp16 cache (DynamicCache) of one sequence of layers whose keys are `width` channels
     wide, their values `value_width` (None: as the keys; MLA's latent is wider than its rotated key; each one number
     for every layer, or one a layer): a layer with a sliding window or attention chunks keeps its last size - 1
-    tokens."""
+    tokens; index_bytes: as cache_bytes'."""
     spans, widths = spans or [None] * num_layers, _per_layer(width, num_layers)
     value_widths = widths if value_width is None else _per_layer(value_width, num_layers)
-    return sum((tokens if span is None else min(tokens, span.size - 1)) * (key + value) * FP16_BYTES
-               for span, key, value in zip(spans, widths, value_widths))
+    return tokens * sum(_per_layer(index_bytes, num_layers)) + sum(
+        (tokens if span is None else min(tokens, span.size - 1)) * (key + value) * FP16_BYTES
+        for span, key, value in zip(spans, widths, value_widths))
 
 
 def _per_layer(number: int | list[int], num_layers: int) -> list[int]:
