@@ -123,7 +123,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3", "glm4_moe_lite", "youtu",
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "minicpm3", "glm4_moe_lite", "youtu",
                           "axk1", "kimi_linear", "bailing_hybrid")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
@@ -141,7 +141,7 @@ _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
 # in the other order
 _HALVES_SWAPPED_ROPE = ("nanochat",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
-_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint")
+_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "hy_v4")
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
 _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
@@ -231,8 +231,10 @@ class LayerHandles:
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
     latent: LatentAttention | None = None  # MLA: k_proj and v_proj are kv_a_proj_with_mqa, v_norm its kv_a_layernorm
-    # DeepSeek Sparse Attention's indexer (an MLA layer's): it keeps keys of its own (Cache.update_indexer) and returns,
-    # per query, the columns of the mask it attends (the top index_topk by the indexer's scores); None: no indexer
+    # DeepSeek Sparse Attention (an MLA layer's): its attention is handed the columns of the mask each query attends (the
+    # top index_topk by an indexer's scores: `indices`), picked by its own indexer, which keeps keys of its own
+    # (Cache.update_indexer), or by an earlier layer's (Hy V4's shared layers: indexer None)
+    sparse: bool = False
     indexer: nn.Module | None = None
 
     @property
@@ -658,12 +660,11 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
                              rope_in_order=_latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
     indexer = getattr(attention, "indexer", None) if indexed else None
-    if indexed and not isinstance(getattr(indexer, "head_dim", None), int):
-        raise KvcalError(f"{where}: an indexed attention layer without an indexer (its `indexer`, with a head_dim) in "
-                         f"its attention")
+    if indexer is not None and not isinstance(getattr(indexer, "head_dim", None), int):
+        raise KvcalError(f"{where}: its attention's indexer has no head_dim (the channels of its keys)")
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
                         columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
-                        indexer=indexer)
+                        sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in _SINKS else None)
 
 
 def _rotary_name(kind: str | None, name: str) -> str:

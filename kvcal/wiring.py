@@ -124,7 +124,7 @@ def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | Non
     adapter = layer_slot.wiring.adapter if layer_slot is not None else None
     handles = adapter.layers[layer_slot.index] if adapter is not None else None
     served = {"s_aux": handles is not None and handles.sinks is not None,
-              "indices": handles is not None and handles.indexer is not None,
+              "indices": handles is not None and handles.sparse,
               "softcap": adapter is not None and adapter.softcap is not None}
     softcap = adapter.softcap if adapter is not None else None
     for name, what in _NOT_COMPUTED.items():

@@ -16,7 +16,7 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
-DSA = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
+DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4")  # MLA with DeepSeek Sparse Attention's indexer
 TINY_INDEX_TOPK = 8
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
@@ -28,7 +28,7 @@ ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam"
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
+OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
                  "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
@@ -277,6 +277,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             # transformers' own decode pick differently)
             common.update(num_key_value_heads=4, index_topk=TINY_INDEX_TOPK, index_n_heads=16, index_head_dim=80,
                           mlp_layer_types=["dense", "dense"])
+        if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
+            common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
             # its MLA without RoPE)
             common.update(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,

@@ -100,16 +100,18 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     config = model.config
     assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
-    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent
-    indexed = model_type in DSA
-    assert adapter.index_widths == ([80, 80] if indexed else [0, 0])
-    assert adapter.fingerprint().get("layer_index_dims") == ([80, 80] if indexed else None)
+    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent (Hy V4's
+    # layer 1 reads layer 0's pick and keeps none)
+    index = {"hy_v4": [80, 0]}.get(model_type, [80, 80]) if model_type in DSA else None
+    assert adapter.index_widths == (index or [0, 0]) and adapter.fingerprint().get("layer_index_dims") == index
+    assert [handles.sparse for handles in adapter.layers] == [model_type in DSA] * 2
     attention = attention_module(decoder_layers(model)[adapter.model_layers[1]])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
     # q_b_proj where the query is of a low rank (Ling's never is)
     assert handles.q_proj is (attention.q_proj if getattr(attention, "q_proj", None) is not None else attention.q_b_proj)
-    interleaved = model_type in ("deepseek_v2", "bailing_hybrid", *DSA) or getattr(config, "rope_interleave", False)
+    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa")
+                   or getattr(config, "rope_interleave", False))
     assert (adapter.rope_order is not None) == interleaved
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))

@@ -75,9 +75,11 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
         with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
             got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(5e-4, 1.5 * float((rounded - expected).abs().max())))
-    assert tally.key_bits + tally.value_bits == 16 * tally.elements and model.config._attn_implementation == "sdpa"
-    # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them
-    assert (tally.index_bits, tally.index_elements) == ((32 * 2 * 33 * 80 * 2, 2 * 33 * 80 * 2) if model_type in DSA else (0, 0))
+    assert tally.key_bits + tally.value_bits == 16 * tally.elements
+    assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
+    # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them (Hy V4: layer 0's alone)
+    index_width = {"hy_v4": 80}.get(model_type, 2 * 80) if model_type in DSA else 0
+    assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * index_width, 2 * 33 * index_width)
 
 
 @pytest.mark.parametrize("model_type", LATENT)
@@ -110,8 +112,10 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     first = adapter.model_layers[0]  # (Kimi Linear's after a KDA layer, which nothing quantized reaches)
     assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
     assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
-    # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them)
-    assert tally.effective_bits == pytest.approx((64 * 8.5 + 96 * 4.5 + 80 * 32) / 240 if model_type in DSA else 6.1)
+    # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
+    # V4's in one of its two layers)
+    index_width = {"hy_v4": 40}.get(model_type, 80) if model_type in DSA else 0
+    assert tally.effective_bits == pytest.approx((64 * 8.5 + 96 * 4.5 + index_width * 32) / (160 + index_width))
 
 
 def test_policy_masks():
