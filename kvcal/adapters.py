@@ -123,11 +123,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "minicpm3", "glm4_moe_lite", "youtu",
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "glm4_moe_lite", "youtu",
                           "axk1", "kimi_linear", "bailing_hybrid")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
-_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa")
+_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -641,17 +641,22 @@ def _latent_rope(config) -> str:
 
 def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config, indexed: bool) -> LayerHandles:
     """The handles of an MLA decoder layer (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
-    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query);
-    `indexed`: its attention has DeepSeek Sparse Attention's indexer."""
+    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query), or each
+    head's first channels of q_gate_proj's (A.X K2's: a head's query, then its output gate); `indexed`: its attention
+    is DeepSeek Sparse Attention's."""
     where = f"{where}: decoder layer {decoder_index}"
     attention = _find_attention(layer, where)
     parts = {name: getattr(attention, name, None)
              for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
     query = getattr(attention, "q_proj", None) or getattr(attention, "q_b_proj", None)
+    query_columns = slice(None)
+    if query is None and getattr(attention, "q_gate_proj", None) is not None:
+        query, per_head = attention.q_gate_proj, config.qk_nope_head_dim + config.qk_rope_head_dim
+        query_columns = torch.arange(query.out_features).view(-1, per_head + config.v_head_dim)[:, :per_head].flatten()
     if query is None or None in parts.values():
         children = ", ".join(n for n, _ in attention.named_children())
-        raise KvcalError(f"{where}: could not find q_proj (or q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and "
-                         f"o_proj in its latent attention (found: {children})")
+        raise KvcalError(f"{where}: could not find q_proj (or q_b_proj, q_gate_proj), kv_a_proj_with_mqa, kv_a_layernorm, "
+                         f"kv_b_proj and o_proj in its latent attention (found: {children})")
     rank, rotated = config.kv_lora_rank, config.qk_rope_head_dim
     if parts["kv_a_proj_with_mqa"].out_features != rank + rotated:
         raise KvcalError(f"{where}: kv_a_proj_with_mqa has {parts['kv_a_proj_with_mqa'].out_features} outputs, expected "
@@ -663,7 +668,7 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
     if indexer is not None and not isinstance(getattr(indexer, "head_dim", None), int):
         raise KvcalError(f"{where}: its attention's indexer has no head_dim (the channels of its keys)")
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
-                        columns=dict(q=slice(None), k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
+                        columns=dict(q=query_columns, k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
                         sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in _SINKS else None)
 
 

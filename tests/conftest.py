@@ -16,7 +16,7 @@ WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
 TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
-DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4")  # MLA with DeepSeek Sparse Attention's indexer
+DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
 TINY_INDEX_TOPK = 8
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)

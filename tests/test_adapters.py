@@ -93,7 +93,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
-    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's), else in the
+    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's), else in the
     model's."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
@@ -108,9 +108,11 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     attention = attention_module(decoder_layers(model)[adapter.model_layers[1]])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
-    # q_b_proj where the query is of a low rank (Ling's never is)
-    assert handles.q_proj is (attention.q_proj if getattr(attention, "q_proj", None) is not None else attention.q_b_proj)
-    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa")
+    # q_b_proj where the query is of a low rank (Ling's never is), q_gate_proj where it is fused with a gate (A.X K2's)
+    query = next(getattr(attention, name) for name in ("q_proj", "q_b_proj", "q_gate_proj")
+                 if getattr(attention, name, None) is not None)
+    assert handles.q_proj is query
+    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
                    or getattr(config, "rope_interleave", False))
     assert (adapter.rope_order is not None) == interleaved
     sources, tokens = {}, 12
