@@ -236,8 +236,9 @@ def batched(context, batch: int):
     """The context's rows repeated for `batch` sequences, as views (each cache copies what it stores)."""
     from kvcal.runtime.cache import FpContext
 
-    rows = lambda tensors: [t.expand(batch, *t.shape[1:]) for t in tensors]  # noqa: E731
-    return FpContext(rows(context.keys), rows(context.pre_rope_keys), rows(context.values), None)
+    rows = lambda tensors: [t if t is None else t.expand(batch, *t.shape[1:]) for t in tensors]  # noqa: E731
+    return FpContext(rows(context.keys), rows(context.pre_rope_keys), rows(context.values), None,
+                     None if context.index_keys is None else rows(context.index_keys))
 
 
 def filled_transformers_cache(cache, context, batch: int):
@@ -248,12 +249,16 @@ def filled_transformers_cache(cache, context, batch: int):
         keys = layer.keys.expand(batch, *layer.keys.shape[1:]).contiguous()
         values = layer.values.expand(batch, *layer.values.shape[1:]).contiguous()
         cache.update(keys, values, index, {"cache_position": positions})
+        if getattr(layer, "indexer_keys", None) is not None:  # (DeepSeek Sparse Attention's)
+            cache.update_indexer(layer.indexer_keys.expand(batch, -1, -1).contiguous(), index)
         del keys, values
     return cache
 
 
 def transformers_cache_bytes(cache) -> int:
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+    """What a transformers cache holds: keys, values and DeepSeek Sparse Attention's indexer keys."""
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values, getattr(layer, "indexer_keys", None))
+               if isinstance(t, torch.Tensor))
 
 
 def makers(model, context, batch: int, length: int, new_tokens: int, bundles: dict, baselines: list[str],

@@ -11,6 +11,9 @@ appends stay compiled), side by side; on CUDA on the torch reference (the tensor
 The shape: DeepSeek-V2-Lite's attention (16 heads, kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128,
 v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, dense MLPs as wide as one of its experts
 (1408; the cache's work is the attention's) and a vocabulary of 1024 (`--shape tiny`: a small one for dry runs).
+`--shape deepseek-v2-lite-sparse` gives it DeepSeek-V3.2's sparse attention (its low-rank query of 1536 and its
+indexer: 64 heads of 128 channels picking 2048 tokens a query), whose indexer keys both caches keep beside the latent
+(`tiny-sparse`: a small one, picking 64).
 Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
 given the same fp prefill of the prompt but its last token (kvcal's load it, DynamicCache takes it through its own
 update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
@@ -35,13 +38,19 @@ import torch
 from benchmarks.common import device_slug, provenance, write_markdown, write_result
 from benchmarks.end_to_end import gpu
 
-SHAPES = {  # DeepseekV2Config fields
-    "deepseek-v2-lite": dict(hidden_size=2048, intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16,
-                             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
-                             v_head_dim=128, vocab_size=1024, max_position_embeddings=32768),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=96,
-                 q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, vocab_size=512,
-                 max_position_embeddings=4096),
+_LITE = dict(hidden_size=2048, intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+             q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=1024,
+             max_position_embeddings=32768)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=96,
+             q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, vocab_size=512,
+             max_position_embeddings=4096)
+SHAPES = {  # (model_type, its config's fields)
+    "deepseek-v2-lite": ("deepseek_v2", _LITE),
+    "tiny": ("deepseek_v2", _TINY),
+    "deepseek-v2-lite-sparse": ("deepseek_v32", {**_LITE, "q_lora_rank": 1536, "index_n_heads": 64, "index_head_dim": 128,
+                                                 "index_topk": 2048}),
+    "tiny-sparse": ("deepseek_v32", {**_TINY, "q_lora_rank": 48, "index_n_heads": 16, "index_head_dim": 80,
+                                     "index_topk": 64}),
 }
 BASELINE = "DynamicCache"
 ON_REFERENCE = " (torch reference)"  # a recipe's row with its decode steps on the torch reference
@@ -84,8 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--recipes: {exc}")
     if min(args.lengths) < 2 or args.batch < 1 or args.layers < 1 or args.rounds < 1:
         parser.error("--lengths are at least 2 tokens, --batch, --layers and --rounds at least 1")
-    if max(args.lengths) + args.new_tokens > SHAPES[args.shape]["max_position_embeddings"]:
-        parser.error(f"--lengths + --new-tokens reach past the shape's {SHAPES[args.shape]['max_position_embeddings']} positions")
+    positions = SHAPES[args.shape][1]["max_position_embeddings"]
+    if max(args.lengths) + args.new_tokens > positions:
+        parser.error(f"--lengths + --new-tokens reach past the shape's {positions} positions")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first step is not timed)")
     if args.profile_windows < 1 or args.profile_seqlen < 2:
@@ -98,15 +108,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def random_model(shape: str, layers: int, device: str, seed: int):
-    """A DeepseekV2ForCausalLM of `shape` with `layers` dense decoder layers and random weights (transformers' own
-    initialisation, seeded), bf16 on CUDA and fp32 on CPU."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    """A causal LM of `shape` (DeepSeek-V2's, or DeepSeek-V3.2's for the sparse shapes) with `layers` dense decoder
+    layers and random weights (transformers' own initialisation, seeded), bf16 on CUDA and fp32 on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = DeepseekV2Config(**SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=layers, pad_token_id=None,
-                              bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    model_type, fields = SHAPES[shape]
+    config = AutoConfig.for_model(model_type, **fields, num_hidden_layers=layers, first_k_dense_replace=layers,
+                                  mlp_layer_types=["dense"] * layers, pad_token_id=None, bos_token_id=None,
+                                  eos_token_id=None, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = DeepseekV2ForCausalLM._from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     return model.eval()
 
 
@@ -184,7 +196,7 @@ def measure(args) -> dict:
         for name, cell in runs.items():
             rows.append({"length": length, "cache": name, "ms_per_step": statistics.median(r["ms_per_step"] for r in cell),
                          "cache_bytes": cell[0]["cache_bytes"], "decode_path": cell[0]["decode_path"]})
-    return {"settings": {k: v for k, v in vars(args).items() if k != "shape_name"}, "config": SHAPES[args.shape],
+    return {"settings": {k: v for k, v in vars(args).items() if k != "shape_name"}, "config": SHAPES[args.shape][1],
             "timing": timing, "results": rows}
 
 
