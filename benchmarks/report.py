@@ -56,6 +56,8 @@ SECTIONS = [
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", "")]),
     ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),
     ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", ""),
+                                     ("mla_sparse_generate_", "python -m benchmarks.end_to_end mla --shape "
+                                                              "deepseek-v2-lite-sparse", ""),
                                      ("cpu_latent_", "python -m benchmarks.kernels cpu-latent", "")]),
 ]
 # README rows: (recipe or baseline, its row in pareto.json, what it is)

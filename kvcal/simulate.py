@@ -203,7 +203,7 @@ class SimulatedLayer:
         """MLA's attention (LatentAttention) of query (batch, heads, tokens, rotated channels) and latent_query (batch,
         heads, tokens, latent channels) over its keys (pre_rope_keys, rotated as the cache holds them) and `latents`
         (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim); chosen (batch, tokens,
-        tokens): the tokens each query attends (DeepSeek Sparse Attention's indexer's choice), None: all it sees."""
+        tokens): the tokens each query attends (DeepSeek Sparse Attention's indexer's pick), None: all it sees."""
         tokens = query.shape[2]
         key_mask, value_mask = self.masks_for(tokens, query.device)
         positions, inv_freq = torch.arange(tokens, device=query.device), self.frequencies(tokens)

@@ -119,8 +119,8 @@ _NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "s
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
     """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word: all
     but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds), the tokens
-    a layer's indexer picked where the adapter found it (DeepSeek Sparse Attention's `indices`: chosen_columns) and the
-    soft-cap of a model whose config gives that one (Gemma 2's, which the fits also applied)."""
+    an indexer picked for a layer the adapter found sparse (DeepSeek Sparse Attention's `indices`: chosen_columns) and
+    the soft-cap of a model whose config gives that one (Gemma 2's, which the fits also applied)."""
     adapter = layer_slot.wiring.adapter if layer_slot is not None else None
     handles = adapter.layers[layer_slot.index] if adapter is not None else None
     served = {"s_aux": handles is not None and handles.sinks is not None,

@@ -88,6 +88,24 @@ def test_the_mla_benchmark_decodes_dynamic_cache_and_kvcals_caches_and_counts_th
     assert "| 40 | kvcal kivi | cpu-kernel |" in table and "| 50.0% |" in table
 
 
+def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decodes_the_pick(tmp_path, monkeypatch):
+    """At the tiny DeepSeek-V3.2 shape past its pick of 64 tokens: both caches hold the indexer's keys (80 channels, fp32
+    on the CPU) beside the latent and the rotated key, and kvcal's decode steps attend over the pick on the torch
+    reference."""
+    from benchmarks import common
+    from benchmarks.end_to_end import mla
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    mla.main(["--shape", "tiny-sparse", "--lengths", "80", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
+              "--profile-seqlen", "32", "--recipes", "kivi"])
+    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("mla_sparse_generate_*.json"))).read_text())
+    rows = {row["cache"]: row for row in result["results"]}
+    assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference"]
+    tokens = 80 + 3 - 1
+    assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 4 + 80 * 4)
+    assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 2 + 80 * 4)
+
+
 @pytest.mark.slow
 def test_the_host_benchmark_compares_two_trees_run_by_run(tmp_path):
     """--baseline-tree with this checkout as the baseline: a round runs both trees' packages in turn and a row gives

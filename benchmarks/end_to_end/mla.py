@@ -21,7 +21,7 @@ the rounds of each run's median step (the first step, the prompt's last token, n
 
 Usage: python -m benchmarks.end_to_end mla [--lengths 1024,4096,8192] [--batch 1] [--recipes kivi,kvquant]
        [--layers 4] [--new-tokens 8] [--rounds 2] [--device cpu] [--reference]      (see --help)
-Writes benchmarks/results/mla_generate_<device>.{json,md} (--out).
+Writes benchmarks/results/mla_generate_<device>.{json,md}, mla_sparse_generate_<device> at the sparse shapes (--out).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                  "steps on the torch reference, beside the CPU kernel")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
-    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>)")
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>, "
+                                                    "mla_sparse_generate_<device> at the sparse shapes)")
     args = parser.parse_args(argv)
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -220,7 +221,8 @@ def table(result: dict, started: dict) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = provenance()
-    name = args.out or f"mla_generate_{device_slug(started['device'])}"
+    sparse = "_sparse" if SHAPES[args.shape][0] == "deepseek_v32" else ""
+    name = args.out or f"mla{sparse}_generate_{device_slug(started['device'])}"
     result = measure(args)
     write_result(name, result, started)
     write_markdown(name, table(result, started))

@@ -105,7 +105,8 @@ class RuntimeLayer(CacheLayerMixin):
         # DeepSeek Sparse Attention's indexer keys (batch, padded_length, channels), as the model computes them and as
         # transformers' cache keeps them (padding too: the indexer scores every column of the mask); None: none yet
         self.index_keys: torch.Tensor | None = None
-        self.picked_decode = False  # a decode step attended to its indexer's pick (read by the torch reference)
+        # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
+        self.picking: backends.ReferenceDecoder | None = None
 
     # transformers' cache-layer interface: the attention implementation does the appending
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -128,16 +129,15 @@ class RuntimeLayer(CacheLayerMixin):
         """What decodes this layer's steps, known from its first decode step on (None before): "tensor-core" (one
         launch of the tensor-core kernel per cache launch), "cpu-kernel" or "reference" (also once a DeepSeek Sparse
         Attention layer attends to its indexer's pick: past its top-k tokens)."""
-        if self.picked_decode:
-            return "reference"
+        if self.picking is not None:
+            return self.picking.path
         return self.decoder.path if self.decoder is not None else None
 
     def reset(self) -> None:
         """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
         next step."""
         self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = self.latent_step = None
-        self.choice = self.decoder = self.step = self.index_keys = None
-        self.picked_decode = False
+        self.choice = self.decoder = self.step = self.index_keys = self.picking = None
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
 
@@ -170,8 +170,8 @@ class RuntimeLayer(CacheLayerMixin):
         call's sliding window (see _span_for); ahead: (B, m, m), the step's tokens each sees after itself under this
         layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too;
         chosen: (B, m, columns of the mask), the tokens each query attends among those it sees (DeepSeek Sparse
-        Attention's indexer's pick, wiring.chosen_columns), None: all. A decode step with a choice is read by the torch
-        reference (the decode backends read every token)."""
+        Attention's indexer's pick, wiring.chosen_columns), None: all. A decode step with a pick is read by the torch
+        reference (the other decoders read every token)."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width, value_width = self.widths
@@ -183,14 +183,17 @@ class RuntimeLayer(CacheLayerMixin):
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
-        if m == 1 and chosen is None:  # decode: append every sequence's token, then attend over the cache as stored
+        if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
             if latent_query is not None:  # MLA's query parts side by side, as the decoders take them
                 query = torch.cat([query.float(), latent_query], -1)
-            output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
+            if chosen is None:
+                output = self._decoder(heads, kv_heads, head_dim).decode(query, plan, scaling, kv_heads, span)
+            else:
+                self.picking = self.picking or backends.ReferenceDecoder(self)
+                output = self.picking.decode(query, plan, scaling, kv_heads, span, plan.chosen_rows(chosen))
         else:
-            self.picked_decode |= m == 1
             output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query,
                                    chosen)
         self.padded_length += m
@@ -281,9 +284,8 @@ class RuntimeLayer(CacheLayerMixin):
             queries, scored = query[b, :, rows], keys
             if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
                 queries, scored = torch.cat([queries.float(), latent_query[b, :, rows]], -1), torch.cat([keys, values], -1)
-            selected = plan.chosen_tokens(chosen, b) if chosen is not None else None
             out = reference.attention(queries, scored, values, scaling, span, self.sinks, self.softcap, seen,
-                                      self.keys_store.dropped[b], selected)
+                                      self.keys_store.dropped[b], plan.chosen_tokens(chosen, b) if chosen is not None else None)
             output[b, rows] = out.transpose(0, 1).to(query.dtype)
             if reads is not None:
                 reads[b] = (keys, values)
@@ -476,6 +478,16 @@ class StepPlan:
         last = self.m - 1 - self._flags[b][::-1].index(True)
         own = self.shared(("own columns", b), lambda: wiring.visible(self.mask)[b, last])
         return chosen[b][rows][:, own]
+
+    def chosen_rows(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(batch, the longest sequence's stored tokens): which of its stored tokens each sequence's query attends, of a
+        decode step's `chosen` (batch, 1, columns of the mask): its stored tokens are the columns its query sees, in
+        order (no padding is stored; the layers picking have no window)."""
+        own = torch.ones_like(chosen[:, 0]) if self.mask is None else wiring.visible(self.mask)[:, -1]
+        rows = torch.zeros(self.batch, max(self.after), dtype=torch.bool, device=chosen.device)
+        sequence = torch.arange(self.batch, device=chosen.device)[:, None].expand_as(own)
+        rows[sequence[own], (own.cumsum(-1) - 1)[own]] = chosen[:, 0][own]
+        return rows
 
     def real_rows(self, new: torch.Tensor, seqs: list[int]) -> torch.Tensor:
         """The real tokens (fp16, grouped by sequence) of sequences `seqs` of new (B, m, C)."""

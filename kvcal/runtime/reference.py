@@ -7,7 +7,7 @@ position, then softmax attention of the query heads, each KV head serving its gr
 Query i of a step of m queries over n tokens sees tokens 0 .. n - m + i (causal within the step), or with a
 sliding window of W tokens (Mistral, Qwen2) only n - m + i - W + 1 .. n - m + i, with attention chunks (Llama 4)
 only those of its chunk (kvcal.spans.AttentionSpan), as transformers' mask does; with DeepSeek Sparse Attention only
-those of them its indexer chose (`attention`'s `selected`).
+those of them its indexer picked (`attention`'s `chosen`).
 
 A decode step (one query per sequence) runs batched: `decode_attention` attends over every sequence's tokens
 padded to the longest (the stores' `read_batch`) with a mask of each sequence's own tokens, keys rotated by
@@ -44,19 +44,19 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
               span: AttentionSpan | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
               ahead: torch.Tensor | None = None, first_position: int = 0,
-              selected: torch.Tensor | None = None) -> torch.Tensor:
+              chosen: torch.Tensor | None = None) -> torch.Tensor:
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
     span: the earlier tokens each query sees (a sliding window's, a chunk's), None: all before it; sinks: (heads,)
     attention sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
     (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
     image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
-    sequence (the tokens a span let go before it), which places chunks. selected: (m, n), the tokens each query attends
-    among those it sees (DeepSeek Sparse Attention's indexer's choice), None: all."""
+    sequence (the tokens a span let go before it), which places chunks. chosen: (m, n), the tokens each query attends
+    among those it sees (DeepSeek Sparse Attention's indexer's pick), None: all."""
     heads, m, head_dim = query.shape
     if span is not None and m == 1:  # decode: the span's tokens are the last ones
         first = max(span.first_seen(first_position + keys.shape[0] - 1) - first_position, 0)
         keys, values = keys[first:], values[first:]
-        selected = selected[:, first:] if selected is not None else None
+        chosen = chosen[:, first:] if chosen is not None else None
         first_position += first
     n = keys.shape[0]
     banded = span is not None and m > 1 and span.first_seen(first_position + n - 1) > first_position
@@ -70,14 +70,14 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
         seen = span.sees(last[:, 0] + first_position, tokens + first_position) if banded else tokens <= last
         seen = seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
-        return seen if selected is None else seen & selected[first:stop]
+        return seen if chosen is None else seen & chosen[first:stop]
 
     if sinks is not None or softcap is not None:
         chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
         outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
                                    scaling, sinks, softcap) for first in range(0, m, chunk)]
         return torch.cat(outs, 2)[0]
-    if (m == n or m == 1) and not banded and ahead is None and selected is None:
+    if (m == n or m == 1) and not banded and ahead is None and chosen is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=m > 1, scale=scaling)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible(0, m), scale=scaling)
