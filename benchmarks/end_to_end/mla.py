@@ -15,7 +15,7 @@ v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, de
 indexer: 64 heads of 128 channels picking 2048 tokens a query), whose indexer keys both caches keep beside the latent
 (`tiny-sparse`: a small one, picking 64).
 Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
-given the same fp prefill of the prompt but its last token (kvcal's load it, DynamicCache takes it through its own
+given the same fp prefill of the prompt but its last token (in steps of --prefill-chunk tokens) (kvcal's load it, DynamicCache takes it through its own
 update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
 the rounds of each run's median step (the first step, the prompt's last token, not timed).
 
@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-seqlen", type=int, default=256, help="tokens per profile window (default: %(default)s)")
     parser.add_argument("--reference", action="store_true", help="CPU: time each recipe a second time with its decode "
                                                                  "steps on the torch reference, beside the CPU kernel")
+    parser.add_argument("--prefill-chunk", type=int, default=1024, help="the prompt's fp prefill in steps of this many "
+                        "tokens: its attention, and at the sparse shapes its indexer's scores (64 heads x step x prompt "
+                        "floats a layer), stay within memory (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>, "
@@ -92,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             registry.recipe(recipe)
         except KvcalError as exc:  # an unknown name, with the list
             parser.error(f"--recipes: {exc}")
-    if min(args.lengths) < 2 or args.batch < 1 or args.layers < 1 or args.rounds < 1:
-        parser.error("--lengths are at least 2 tokens, --batch, --layers and --rounds at least 1")
+    if min(args.lengths) < 2 or args.batch < 1 or args.layers < 1 or args.rounds < 1 or args.prefill_chunk < 1:
+        parser.error("--lengths are at least 2 tokens, --batch, --layers, --rounds and --prefill-chunk at least 1")
     positions = SHAPES[args.shape][1]["max_position_embeddings"]
     if max(args.lengths) + args.new_tokens > positions:
         parser.error(f"--lengths + --new-tokens reach past the shape's {positions} positions")
@@ -163,7 +166,7 @@ def measure(args) -> dict:
     for length in args.lengths:
         prompt = torch.randint(model.config.vocab_size, (args.batch, length), generator=generator).to(args.device)
         with torch.inference_mode():
-            context = fp_context(model, prompt[:1, :-1])
+            context = fp_context(model, prompt[:1, :-1], args.prefill_chunk)
 
         stored = []  # each run's cache bytes, exact (run_cache rounds them to GiB), and what decoded its layers
 
