@@ -87,9 +87,10 @@ shares and one key that RoPE rotates: kvcal reads one KV head whose key is that 
 latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated, simulated and served by the
 quantized cache (decoded by the CPU kernel or the torch reference), refused by Cocktail's cache and the exports
 (ModelAdapter.refuse_latent). Kimi Linear's and bailing_hybrid's MLA layers sit among gated DeltaNet ones; Kimi
-Linear's apply no RoPE. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) adds to each MLA layer an indexer
-(LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to: kvcal keeps its keys as
-the model computes them and attends over the tokens it picks (kvcal.wiring.chosen_columns).
+Linear's apply no RoPE. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, Hy V4, A.X K2) gives MLA layers an indexer
+(LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to (Hy V4's shared layers
+attend to an earlier layer's pick): kvcal keeps its keys as the model computes them and attends over the tokens it
+picks (kvcal.wiring.chosen_columns).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "glm4_moe_lite", "youtu",
-                          "axk1", "kimi_linear", "bailing_hybrid")
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
+                          "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
@@ -165,7 +166,7 @@ _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
 # layers that attend and also run a recurrent mixer beside their attention (Falcon-H1's Mamba 2), whose state
 # transformers' cache layer keeps next to the keys and values
 _ATTENTION_AND_STATE_TYPES = ("hybrid",)
-# DeepSeek Sparse Attention's layers (DeepSeek-V3.2, GLM-5): MLA whose indexer picks the tokens each query attends to
+# DeepSeek Sparse Attention's layers: MLA whose queries attend to the tokens an indexer picks (LayerHandles.sparse)
 _INDEXED_ATTENTION = "indexed_attention"
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", _INDEXED_ATTENTION,
                           *_ATTENTION_AND_STATE_TYPES)

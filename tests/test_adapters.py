@@ -93,8 +93,8 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
-    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's), else in the
-    model's."""
+    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's),
+    else in the model's."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config

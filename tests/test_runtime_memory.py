@@ -31,8 +31,9 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
     formula = cache_bytes(bundle.layers, adapter.kv_widths, tokens, cache.outliers(), step=1, kv_heads=adapter.kv_heads,
                           spans=adapter.spans, value_width=adapter.value_widths, index_bytes=adapter.index_bytes(model.dtype))
     # of K and V together (MLA's values are wider than its keys), and DeepSeek Sparse Attention's indexer keys
-    kv_elements, index_elements = (sum(layer.keys_store.count(0) * width for layer, width in zip(cache.layers, widths))
-                                   for widths in (map(sum, zip(adapter.kv_widths, adapter.value_widths)), adapter.index_widths))
+    tokens_stored = [layer.keys_store.count(0) for layer in cache.layers]
+    kv_elements = sum(n * (key + value) for n, key, value in zip(tokens_stored, adapter.kv_widths, adapter.value_widths))
+    index_elements = sum(n * index for n, index in zip(tokens_stored, adapter.index_widths))
     assert cache.used_bytes() == formula
     assert simulated.effective_bits == formula * 8 / (kv_elements + index_elements)
     assert simulated.outlier_fraction * kv_elements == cache.outliers()
