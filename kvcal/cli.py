@@ -546,10 +546,13 @@ def eval_ppl_command(
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    indexed = any(r.index_bits is not None for r in results)  # (DeepSeek Sparse Attention's keys: in effective bits)
     rows = [[r.method, fmt(r.nominal_bits, ".2f"), fmt(r.effective_bits, ".3f"), fmt(r.key_bits, ".3f"),
-             fmt(r.value_bits, ".3f"), fmt(r.outlier_fraction, ".2%"), f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%"] for r in results]
+             fmt(r.value_bits, ".3f"), *[fmt(r.index_bits, ".1f")] * indexed, fmt(r.outlier_fraction, ".2%"),
+             f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%"] for r in results]
     _print_table(f"perplexity: {source.spec} on {dataset}, {windows} x {seqlen} tokens",
-                 ["method", "nominal bits", "effective bits", "K bits", "V bits", "outliers", "ppl", "vs fp"], rows)
+                 ["method", "nominal bits", "effective bits", "K bits", "V bits", *["indexer bits"] * indexed, "outliers",
+                  "ppl", "vs fp"], rows)
     _write_json(json_out, {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
                            "results": [r.as_dict() for r in results]})
 

@@ -26,6 +26,9 @@ class PplResult:
     outlier_fraction: float | None
     ppl: float
     delta_pct: float = 0.0
+    # bits per element of DeepSeek Sparse Attention's indexer keys, which effective_bits counts beside K and V (None:
+    # the model keeps none, or the fp row)
+    index_bits: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,5 +76,6 @@ def evaluate_ppl(model, adapter: ModelAdapter, windows: torch.Tensor, methods: l
                 method.name, method.nominal_bits, tally.effective_bits, tally.key_bits / tally.key_elements,
                 tally.value_bits / tally.value_elements, tally.outliers / tally.elements, ppl,
                 100.0 * (ppl / results[0].ppl - 1.0),
+                tally.index_bits / tally.index_elements if tally.index_elements else None,
             ))
     return results

@@ -179,6 +179,35 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
     assert not skvq.exists()
 
 
+def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_dir, tiny_corpus, tmp_path):
+    """DeepSeek-V3.2's (MLA with an indexer picking 8 tokens a query): profiled, fit and exported as MLA; eval ppl's
+    table and JSON give its indexer keys' bits (fp32 here), which its effective bits count beside K and V; eval memory's
+    live bytes are the formula's; plan refuses it in one line (no engine's cache of it is modelled)."""
+    import json
+
+    from conftest import profile_of
+
+    model = tiny_model_dir("deepseek_v32")
+    profile = profile_of(model, tiny_corpus, tmp_path)
+    nuq, bundle, report = tmp_path / "nuq.safetensors", tmp_path / "kvquant.safetensors", tmp_path / "ppl.json"
+    assert run("fit-nuq", profile, "--bits", 3, "--out", nuq).exit_code == 0
+    exported = run("export", "bundle", "--profile", profile, "--recipe", "kvquant", "--nuq", nuq, "--out", bundle)
+    assert exported.exit_code == 0, exported.output
+    result = run("eval", "ppl", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--seqlen", 64,
+                 "--windows", 2, "--json", report)
+    assert result.exit_code == 0, result.output
+    assert "indexer bits" in result.stdout
+    row = next(r for r in json.loads(report.read_text())["results"] if r["method"] == "bundle:kvquant")
+    assert row["index_bits"] == 32.0 and row["key_bits"] < row["effective_bits"] < row["index_bits"]
+    memory = tmp_path / "memory.json"
+    measured = run("eval", "memory", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--context", 200,
+                   "--json", memory)
+    assert measured.exit_code == 0, measured.output
+    (row,) = json.loads(memory.read_text())["results"]
+    assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"] == 200 * 2 * ((64 + 96) * 2 + 80 * 4)
+    refused(run("plan", profile, "--engine", "llama.cpp", "--budget", 6), "llama.cpp's cache of deepseek_v32 is not modelled")
+
+
 def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_model_dir, tiny_corpus, tmp_path):
     _, profile = tiny_profile
     nuq = tmp_path / "nuq.safetensors"

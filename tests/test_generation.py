@@ -36,3 +36,13 @@ def test_a_memory_measure_prefilled_in_steps_across_longropes_switch_is_refused(
     model = tiny_model("phi3", **longrope(16))
     with pytest.raises(KvcalError, match="give a prefill chunk of more than 16 tokens"):
         measure_memory(model, fp16_kivi_bundle(model), torch.arange(3, 27), chunk=8)
+
+
+def test_a_memory_measure_of_sparse_attention_counts_the_indexer_keys():
+    """DeepSeek-V3.2's cache holds its indexer's keys (80 channels a token and layer, fp32 here) beside the latent and
+    the rotated key: the live bytes, the formula's and transformers' own fp16 cache's all count them."""
+    model = tiny_model("deepseek_v32")
+    measured = measure_memory(model, fp16_kivi_bundle(model), torch.arange(3, 43), chunk=16)
+    index_bytes = 2 * 40 * 80 * 4
+    assert measured["live_bytes"] == measured["formula_bytes"] == 2 * 40 * (96 + 64) * 2 + index_bytes
+    assert measured["fp16_bytes"] == measured["live_bytes"]  # (every token fp16 here)
