@@ -72,3 +72,17 @@ def test_inspect_names_each_layer_shape_where_the_layers_differ():
     assert _kv_heads_text(uniform) == "2 kv heads, head_dim 16"
     mixed = {**uniform, "layer_kv_heads": [2, 1, 2], "layer_head_dims": [16, 32, 16]}
     assert _kv_heads_text(mixed) == "2 kv heads, head_dim 16 in layers 0, 2; 1 kv heads, head_dim 32 in layer 1"
+
+
+def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_bits(architecture_bundles):
+    """DeepSeek-V3.2's fingerprint names its indexer-key widths (80 a layer): the summary's effective bits are the
+    K/V bits of the same bundle without them, with 16-bit indexer keys among the elements."""
+    from kvcal.bundle import load_bundle
+    from kvcal.summary import effective_bits
+
+    bundle = load_bundle(architecture_bundles("deepseek_v32")["kvquant"])
+    plain = {key: value for key, value in bundle.fingerprint.items() if key != "layer_index_dims"}
+    kv, index = 2 * (64 + 96), 2 * 80
+    for tokens in (512, 4096):
+        expected = (effective_bits(bundle.layers, plain, tokens) * kv + 16 * index) / (kv + index)
+        assert effective_bits(bundle.layers, bundle.fingerprint, tokens) == pytest.approx(expected, rel=1e-12)
