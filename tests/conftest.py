@@ -271,6 +271,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         if model_type == "glm4_moe_lite":
             common["mlp_layer_types"] = ["dense", "dense"]
+        if model_type == "mistral4":  # as Mistral 4: YaRN, and queries scaled up past original_max_position_embeddings
+            del common["rope_theta"]
+            common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=16.0,
+                                             original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                                             mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1,
+                                             partial_rotary_factor=0.8)
         if model_type in DSA:  # as DeepSeek-V3.2 and GLM-5: an indexer per layer picking the 8 tokens each query attends
             # to (theirs: 2048), of keys of 64 rotated and 16 other channels; 16 heads (with 2, ReLU zeroes every head's
             # score of a quarter of the tokens, whose ties top-k breaks by the forward's length: a full forward and
@@ -302,7 +308,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
 
     torch.manual_seed(seed)
     # not causal LMs to transformers
-    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llama4", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
+    # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
+    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
