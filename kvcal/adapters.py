@@ -30,7 +30,8 @@ layers of their own, holding nothing, and its attention is a block's mixer); Min
 their lightning attention layers (linear_attention), whose states its decoder keeps in a cache class of its own
 (kvcal.model_caches). Falcon-H1 runs Mamba 2 beside the
 attention of every layer (layer type hybrid: `keeps_state`) and scales its keys by key_multiplier
-(`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it). Where the config leaves RoPE out (Granite
+(`LayerHandles.key_multiplier`: kvcal's key is the k_proj output times it); MiMo-V2-Flash scales its values by v_scale
+(`value_multiplier`), narrower than its keys (`value_dims`). Where the config leaves RoPE out (Granite
 4.0-H's position_embedding_type, OLMo Hybrid's missing rope_theta) and always on Nemotron-H and Jamba, the decoder has
 no rotary module and every layer is NoPE.
 Gemma 3n (gemma3n_text) shares KV: its last num_kv_shared_layers layers (kv_sharing_modes "reuse") read the keys
@@ -121,7 +122,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint")
+                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -142,7 +143,11 @@ _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
 # in the other order
 _HALVES_SWAPPED_ROPE = ("nanochat",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
-_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "hy_v4")
+_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "hy_v4", "mimo_v2_flash")
+# values of their own width (config.v_head_dim) beside wider keys, outside MLA (MiMo-V2-Flash's), and twice the KV heads
+# on sliding layers as on full ones
+_NARROW_VALUES = ("mimo_v2_flash",)
+_SLIDING_KV_HEADS_DOUBLED = ("mimo_v2_flash",)
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
 _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
@@ -222,6 +227,7 @@ class LayerHandles:
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
+    value_multiplier: float = 1.0  # the value is the value source's output times this (MiMo-V2-Flash's v_scale)
     # (head_dim,) in kvcal's order: 1 / the cos/sin scaling on the channels RoPE leaves alone, 1 on the others, where RoPE
     # covers part of each head and scales cos/sin (Phi-4-mini's LongRoPE): kvcal's rotation scales every channel (by
     # frequency 0 on those), so the pre-RoPE query and key it reads hold those channels divided by it; None: no such
@@ -269,8 +275,8 @@ class LayerHandles:
                 raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
             # forward, not __call__: the norm's hooks (capture's) see the model's own calls only
             rows = self.rope_norms["qk".index(kind)].forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        if kind == "v":
-            return rows
+        if kind == "v":  # value = output * m, so dL/dvalue = dL/doutput / m
+            return rows if self.value_multiplier == 1.0 else rows / self.value_multiplier if gradient else rows * self.value_multiplier
         rows = rows_in_order(rows, self.rope_order)
         if self.unrotated_scale is not None:  # read = output * scale, so dL/dread = dL/doutput / scale
             if self.unrotated_scale.device != rows.device:  # moved once: a copy from the host would wait for the device
@@ -470,6 +476,8 @@ class ModelAdapter:
             fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
         if self.latent:  # MLA: its values (the latent) are as wide as no head
             fingerprint["value_dim"] = self.value_dims[0]
+        elif self.value_dims != self.head_dims:  # values narrower than keys (MiMo-V2-Flash's)
+            fingerprint["layer_value_dims"] = list(self.value_dims)
         if any(self.index_widths):  # DeepSeek Sparse Attention: the indexer keys the cache keeps beside K and V
             fingerprint["layer_index_dims"] = self.index_widths
         return fingerprint
@@ -478,12 +486,14 @@ class ModelAdapter:
 def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
     """Per layer of an artifact's model, (KV heads, channels of each head's keys (kind "k") or values ("v")): the
     fingerprint's per-layer lists where its layers differ (Gemma 4), its one num_kv_heads and head_dim else; MLA's
-    values are its latent, value_dim wide."""
+    values are its latent, value_dim wide; values narrower than keys are layer_value_dims wide (MiMo-V2-Flash's)."""
     layers = fingerprint["num_layers"]
     kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
     head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
     if kind == "v" and latent_attention(fingerprint):
         head_dims = [fingerprint["value_dim"]] * layers
+    elif kind == "v" and "layer_value_dims" in fingerprint:
+        head_dims = fingerprint["layer_value_dims"]
     return list(zip(kv_heads, head_dims))
 
 
@@ -598,7 +608,8 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         rope_norms = (shared, shared) if shared is not None else (norms["q_norm"], norms["k_norm"])
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms)
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
-                 key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
+                 key_multiplier=float(getattr(attention, "key_multiplier", 1.0)),
+                 value_multiplier=float(getattr(attention, "v_scale", 1.0)))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
     # no v_proj: the value is the v norm of k_proj's output (Gemma 4's attention_k_eq_v)
@@ -812,7 +823,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
     latent = text_type in LATENT_ATTENTION_TYPES
     if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention)
         kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim] * num_layers
-    value_dims = [config.kv_lora_rank] * num_layers if latent else head_dims
+    if text_type in _SLIDING_KV_HEADS_DOUBLED:
+        kv_heads = [2 * heads if kind == "sliding_attention" else heads
+                    for heads, kind in zip(kv_heads, _decoder_layer_types(config, num_layers))]
+    value_dims = ([config.kv_lora_rank] * num_layers if latent else [config.v_head_dim] * num_layers
+                  if text_type in _NARROW_VALUES else head_dims)
     decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
     layers = _find_decoder_layers(decoder, num_layers)
     heads_first = text_type in _HEADS_FIRST_NORMS

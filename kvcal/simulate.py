@@ -187,12 +187,12 @@ class SimulatedLayer:
     def attend(self, query, key, value, scaling: float) -> torch.Tensor:
         batch, heads, tokens, head_dim = query.shape
         kv_heads = key.shape[1]
-        width = kv_heads * head_dim
+        width, value_width = kv_heads * head_dim, kv_heads * value.shape[-1]  # (values may be narrower: MiMo-V2-Flash's)
         outputs, reads = [], []
         for b in range(batch):
             # The cache holds fp16: what is not quantized is read back as fp16, what is, is quantized from it.
             read = self._read(b, as_cached(key[b].transpose(0, 1).reshape(tokens, width)),
-                              as_cached(value[b].transpose(0, 1).reshape(tokens, width)), kv_heads)
+                              as_cached(value[b].transpose(0, 1).reshape(tokens, value_width)), kv_heads)
             reads += [read] if self.keep_reads else []  # (held past the loop only for readers)
             outputs.append(self._attend_read(query[b], read, scaling))
         self.reads = reads if self.keep_reads else None

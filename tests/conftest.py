@@ -28,7 +28,7 @@ ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam"
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
+OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
                  "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
@@ -291,6 +291,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                           mlp_layer_types=["dense"] * 4)
         if model_type == "kimi_linear":
             common["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    if model_type == "mimo_v2_flash":  # as MiMo-V2-Flash: values narrower than keys (16 channels beside 32) and scaled
+        # after v_proj, twice the KV heads and sinks on the sliding layer, RoPE over half of each head, a base a type
+        del common["rope_theta"]
+        common.update(head_dim=32, v_head_dim=16, attention_value_scale=0.707, sliding_window=TINY_WINDOW,
+                      layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"],
+                      rope_parameters={kind: dict(rope_type="default", rope_theta=theta, partial_rotary_factor=0.5)
+                                       for kind, theta in (("full_attention", 500000.0), ("sliding_attention", 10000.0))})
     if model_type == "opt":  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)

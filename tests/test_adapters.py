@@ -13,12 +13,12 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
-# OLMo 3, Mellum, Gemma 3, 3n and 4 by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision: Cohere 2's)
-# for their NoPE layer
+# OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision:
+# Cohere 2's) for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
-                         "lfm3")
-WINDOWS = {"mistral": [4096, 4096],  # per layer
+                         "lfm3", "mimo_v2_flash")
+WINDOWS = {"mistral": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "lfm3")}}
 
 
@@ -30,11 +30,14 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
     # GPT-NeoX, OPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
     kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
-    # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels
+    # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer
+    # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
-              [(kv_heads, 16)] * 2)
+              [(2, 32), (4, 32)] if model_type == "mimo_v2_flash" else [(kv_heads, 16)] * 2)
     assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
     assert adapter.kv_widths == [heads * head_dim for heads, head_dim in shapes]
+    assert adapter.value_widths == ([32, 64] if model_type == "mimo_v2_flash" else adapter.kv_widths)
+    assert [layer.value_multiplier for layer in adapter.layers] == [0.707 if model_type == "mimo_v2_flash" else 1.0] * 2
     assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
     assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2

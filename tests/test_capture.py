@@ -124,7 +124,8 @@ def llama4_rope(model, layer: int, heads: torch.Tensor, inverse: bool = False) -
 def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the post-RoPE keys that the
     model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
-    test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier; where RoPE leaves channels
+    test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier, MiMo-V2-Flash's values its
+    v_proj output times its v_scale; where RoPE leaves channels
     alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and
     k are normed after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient
     rotated back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
@@ -185,7 +186,8 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             else:
                 rotated_back = llama4_rope(model, adapter.model_layers[i], heads, inverse=True)
             key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1))
-        value_grads.append([g[0].flatten(1)[:, c] for g, c in zip(grads[3 * n :], columns[n:])])
+        value_grads.append([g[0].flatten(1)[:, c] / getattr(attention_of(model, adapter.model_layers[i]), "v_scale", 1.0)
+                            for i, (g, c) in enumerate(zip(grads[3 * n :], columns[n:]))])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []

@@ -491,3 +491,18 @@ def test_replaces_an_empty_folder_and_a_previous_export(tiny_profile, tmp_path):
     assert read_export(out).strategy == "tensor"
     assert export(profile, model, out, "attn_head").exit_code == 0
     assert read_export(out).strategy == "attn_head" and not leftovers(tmp_path)
+
+
+def test_values_narrower_than_keys_and_a_value_scale_attribute_export(tiny_model_dir, tiny_corpus, tmp_path):
+    """MiMo-V2-Flash: its values are 16 channels a KV head beside keys of 32, and its attention holds its value scale
+    as a plain attribute named v_scale, the name vLLM's FP8 scale takes in the checkpoint: the scales are fitted over
+    values at their width and written under that name (the attribute set aside while saving), and eval ppl reads the
+    folder back."""
+    model = tiny_model_dir("mimo_v2_flash")
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export").exit_code == 0
+    scales = sorted(name for name in safetensors_of(tmp_path / "export") if name.endswith("_scale"))
+    assert scales == [f"model.layers.{i}.self_attn.{kind}_scale" for i in range(2) for kind in "kv"]
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
+                 tmp_path / "export", "--json", tmp_path / "ppl.json")
+    assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8

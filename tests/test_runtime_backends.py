@@ -48,6 +48,20 @@ def test_latent_attention_decodes_on_the_cpu_kernel_and_on_cuda_on_the_reference
     assert {(p.key_append, p.value_append) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-append", "cpu-append")}
 
 
+def test_values_narrower_than_keys_decode_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):
+    """MiMo-V2-Flash's values (16 channels a KV head beside keys of 32): the CPU kernel reads them at their width, the
+    tensor-core kernel reads values as wide as keys, so on CUDA they decode on the torch reference, as the plan says."""
+    bundle = load_bundle(architecture_bundles("mimo_v2_flash")["kvquant"])
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(tiny_model("mimo_v2_flash"), bundle, ids)
+    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "cpu-kernel"]
+    plans = backends.bundle_plan(bundle, "cuda")
+    assert {p.bodies for p in plans} == {"reference"}
+    assert all(p.why == "not cuda-kernels: values of 16 channels a KV head beside keys of 32: the tensor-core kernel reads "
+               "values as wide as keys" for p in plans)
+
+
 def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}

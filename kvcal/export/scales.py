@@ -115,8 +115,8 @@ class WindowAttention:
         self._cached: tuple[torch.Tensor | None, list[torch.Tensor]] | None = None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(tokens, kv_heads * head_dim) -> (kv_heads, 1, tokens, head_dim)."""
-        return x.view(x.shape[0], self.kv_heads, self.head_dim).transpose(0, 1)[:, None]
+        """(tokens, kv_heads * channels) -> (kv_heads, 1, tokens, channels): keys, or values (MiMo-V2-Flash's narrower)."""
+        return x.view(x.shape[0], self.kv_heads, -1).transpose(0, 1)[:, None]
 
     def _probs(self, w: int, keys: torch.Tensor) -> torch.Tensor:
         scores = self.queries[w] @ self._heads(keys).transpose(-1, -2)

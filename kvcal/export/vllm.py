@@ -175,10 +175,12 @@ def _save_folder(folder: Path, model, tokenizer, adapter, names: list[str], fit:
     """save_pretrained with the scales registered as buffers on the attention modules (so they are written
     under the modules' own names), the tokenizer, quantization_config in config.json, the marker."""
     tensors = scale_tensors(fit, names)
-    registered = []
+    registered, shadowed = [], []  # shadowed: plain attributes of a scale's name (MiMo-V2-Flash's v_scale), set aside
     try:
         for handles, name in zip(adapter.layers, names):
             for suffix in SCALE_NAMES:
+                if suffix in vars(handles.attention):
+                    shadowed.append((handles.attention, suffix, vars(handles.attention).pop(suffix)))
                 handles.attention.register_buffer(suffix, tensors[f"{name}.{suffix}"].clone(), persistent=True)
                 registered.append((handles.attention, suffix))
         with _saveable(model):
@@ -186,6 +188,8 @@ def _save_folder(folder: Path, model, tokenizer, adapter, names: list[str], fit:
     finally:
         for module, suffix in registered:
             del module._buffers[suffix]
+        for module, suffix, value in shadowed:
+            setattr(module, suffix, value)
     for entry, name in zip(marker["layers"], _checkpoint_names(folder, names)):
         entry["attention"] = name  # where vLLM and read_export find its scales
     tokenizer.save_pretrained(folder)

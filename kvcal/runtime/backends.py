@@ -38,7 +38,8 @@ class LayerShape:
     """What decides a layer's backend: its (key codec, value codec) body pairs, one per kernel launch (a Cocktail
     store has several), whether keys are stored before RoPE, the attention's head counts, the device, whether K
     and V keep the same tokens fp16 at every step (kvcal.runtime.segments.fp16_rows_alike), whether the values are
-    MLA's latent, which the query's latent part scores too (kvcal.adapters.LatentAttention)."""
+    MLA's latent, which the query's latent part scores too (kvcal.adapters.LatentAttention), and a KV head's value
+    channels where they are not head_dim's (MiMo-V2-Flash's narrower values; None: head_dim's)."""
 
     pairs: tuple[tuple, ...]
     pre_rope: bool
@@ -48,6 +49,7 @@ class LayerShape:
     device: torch.device
     fp16_rows_alike: bool = True
     latent: bool = False
+    value_dim: int | None = None
 
 
 LATENT_REFUSAL = "MLA's latent attention (its values scored too): the tensor-core kernel reads no latent yet"
@@ -177,6 +179,9 @@ def cuda_refusal(shape: LayerShape) -> str | None:
     """Why the tensor-core kernel would not serve a layer of this shape on any CUDA device, or None."""
     if shape.latent:
         return LATENT_REFUSAL
+    if shape.value_dim not in (None, shape.head_dim):
+        return (f"values of {shape.value_dim} channels a KV head beside keys of {shape.head_dim}: the tensor-core kernel "
+                "reads values as wide as keys")
     refused = kernels.heads_refusal(shape.heads, shape.kv_heads, shape.head_dim)
     if refused is not None:
         return refused
@@ -312,7 +317,7 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))
         alike = fp16_rows_alike(recipe.format.policy(recipe), blocks, (recipe.rpc_k, recipe.rpc_v))
         shape = LayerShape(((codecs.key_codec, codecs.value_codec),), codecs.key_pre_rope, heads, kv_heads, head_dim, device,
-                           alike, latent)
+                           alike, latent, None if latent else value_widths[i] // kv_heads)
         if device_type == "cuda":
             refused = cuda_refusal(shape)
             bodies = segments = "reference" if refused else "tensor-core"

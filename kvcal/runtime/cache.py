@@ -338,8 +338,10 @@ class RuntimeLayer(CacheLayerMixin):
         bound to this layer's stores."""
         if self.decoder is None:
             pairs = tuple(zip(self.keys_store.packed_codecs(), self.values_store.packed_codecs()))
+            latent = self.latent is not None
             shape = backends.LayerShape(pairs, self.pre_rope, heads, kv_heads, head_dim, self.inv_freq.device,
-                                        self.keys_store.fp16_rows_like(self.values_store), self.latent is not None)
+                                        self.keys_store.fp16_rows_like(self.values_store), latent,
+                                        None if latent else self.widths[1] // kv_heads)
             self.choice = backends.choose(shape)
             self.decoder = self.choice.backend.bind(self, shape)
         return self.decoder
