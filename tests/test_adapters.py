@@ -57,8 +57,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert (adapter.layers[1].k_norm is not None) == has_norm
     key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
-    # Gemma 4's rows padded to its full layer's 16 frequencies
-    frequencies = ((2, 16) if model_type in GEMMA4 else (2, 8) if model_type in PER_LAYER_FREQUENCIES else
+    # Gemma 4's rows padded to its full layer's 16 frequencies; MiMo-V2-Flash's heads of 32 channels, half rotated
+    frequencies = ((2, 16) if model_type in (*GEMMA4, "mimo_v2_flash") else (2, 8) if model_type in PER_LAYER_FREQUENCIES else
                    (16,) if model_type == "gpt_bigcode" else (8,))
     assert adapter.inv_freq.shape == frequencies and adapter.max_positions == 256
     assert adapter.windows == WINDOWS.get(model_type, [None, None])
