@@ -275,8 +275,10 @@ class LayerHandles:
                 raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
             # forward, not __call__: the norm's hooks (capture's) see the model's own calls only
             rows = self.rope_norms["qk".index(kind)].forward(rows.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        if kind == "v":  # value = output * m, so dL/dvalue = dL/doutput / m
-            return rows if self.value_multiplier == 1.0 else rows / self.value_multiplier if gradient else rows * self.value_multiplier
+        if kind == "v":
+            if self.value_multiplier != 1.0:  # value = output * m, so dL/dvalue = dL/doutput / m
+                rows = rows / self.value_multiplier if gradient else rows * self.value_multiplier
+            return rows
         rows = rows_in_order(rows, self.rope_order)
         if self.unrotated_scale is not None:  # read = output * scale, so dL/dread = dL/doutput / scale
             if self.unrotated_scale.device != rows.device:  # moved once: a copy from the host would wait for the device
