@@ -351,6 +351,21 @@ def test_a_resealed_bundle_whose_indexer_widths_were_edited_is_refused(architect
         load_bundle(rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn))
 
 
+@pytest.mark.parametrize("value_dims", [[16], [16, 0], [16, "16"]])
+def test_a_resealed_bundle_whose_value_widths_were_edited_is_refused(architecture_bundles, tmp_path, value_dims):
+    """MiMo-V2-Flash's fingerprint names each layer's value width (narrower than its keys'): edited and resealed into
+    anything but one positive integer a layer, the bundle is refused in one line."""
+    path = architecture_bundles("mimo_v2_flash")["kivi"]
+    assert load_bundle(path).fingerprint["layer_value_dims"] == [16, 16]
+
+    def config_fn(config):
+        config["model"]["fingerprint"]["layer_value_dims"] = value_dims
+        return config
+
+    with pytest.raises(KvcalError, match="are not positive integers, one a layer; re-export"):
+        load_bundle(rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn))
+
+
 @pytest.mark.parametrize("layer_head_dims, message", [
     ([16], "not positive integers, one a layer"), ([16, "32"], "not positive integers"), ([16, 0], "not positive integers"),
     ([16, 16], r"rope.inv_freq is torch.float32 \(2, 16\), expected float32 \(2, 8\)"), ([32, 16], None),
