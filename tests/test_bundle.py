@@ -336,33 +336,26 @@ def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
     return model, write_bundle(folder / "kivi.safetensors", *build_bundle(str(profile), "kivi", None, KiviSettings(group=4, residual=8)))
 
 
-@pytest.mark.parametrize("index_dims", [[80], [80, -1], [80, "80"], 80])
-def test_a_resealed_bundle_whose_indexer_widths_were_edited_is_refused(architecture_bundles, tmp_path, index_dims):
-    """DeepSeek Sparse Attention's fingerprint names each layer's indexer-key width (what the summary's bits count):
-    edited and resealed into anything but one non-negative integer a layer, the bundle is refused in one line."""
-    path = architecture_bundles("deepseek_v32")["kivi"]
-    assert load_bundle(path).fingerprint["layer_index_dims"] == [80, 80]
+# per-layer widths a fingerprint names: DeepSeek Sparse Attention's indexer keys (what the summary's bits count),
+# MiMo-V2-Flash's values (narrower than its keys)
+PER_LAYER_WIDTHS = {"layer_index_dims": ("deepseek_v32", [80, 80], "indexer widths .* are not non-negative integers"),
+                    "layer_value_dims": ("mimo_v2_flash", [16, 16], "layer/head counts .* are not positive integers")}
+
+
+@pytest.mark.parametrize("key, edited", [("layer_index_dims", edit) for edit in ([80], [80, -1], [80, "80"], 80)] +
+                         [("layer_value_dims", edit) for edit in ([16], [16, 0], [16, "16"])])
+def test_a_resealed_bundle_whose_per_layer_widths_were_edited_is_refused(architecture_bundles, tmp_path, key, edited):
+    """Edited and resealed (so the checksum passes) into anything but one integer a layer, positive (values) or not
+    negative (indexer keys: 0 where a layer keeps none), the bundle is refused in one line."""
+    model_type, kept, refusal = PER_LAYER_WIDTHS[key]
+    path = architecture_bundles(model_type)["kivi"]
+    assert load_bundle(path).fingerprint[key] == kept
 
     def config_fn(config):
-        config["model"]["fingerprint"]["layer_index_dims"] = index_dims
+        config["model"]["fingerprint"][key] = edited
         return config
 
-    with pytest.raises(KvcalError, match="indexer widths .* are not non-negative integers, one a layer; re-export"):
-        load_bundle(rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn))
-
-
-@pytest.mark.parametrize("value_dims", [[16], [16, 0], [16, "16"]])
-def test_a_resealed_bundle_whose_value_widths_were_edited_is_refused(architecture_bundles, tmp_path, value_dims):
-    """MiMo-V2-Flash's fingerprint names each layer's value width (narrower than its keys'): edited and resealed into
-    anything but one positive integer a layer, the bundle is refused in one line."""
-    path = architecture_bundles("mimo_v2_flash")["kivi"]
-    assert load_bundle(path).fingerprint["layer_value_dims"] == [16, 16]
-
-    def config_fn(config):
-        config["model"]["fingerprint"]["layer_value_dims"] = value_dims
-        return config
-
-    with pytest.raises(KvcalError, match="are not positive integers, one a layer; re-export"):
+    with pytest.raises(KvcalError, match=f"{refusal}, one a layer; re-export"):
         load_bundle(rewrite(path, tmp_path / "edited.safetensors", config_fn=config_fn))
 
 
