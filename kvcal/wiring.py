@@ -123,10 +123,9 @@ def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | Non
     the soft-cap of a model whose config gives that one (Gemma 2's, which the fits also applied)."""
     adapter = layer_slot.wiring.adapter if layer_slot is not None else None
     handles = adapter.layers[layer_slot.index] if adapter is not None else None
-    served = {"s_aux": handles is not None and handles.sinks is not None,
-              "indices": handles is not None and handles.sparse,
-              "softcap": adapter is not None and adapter.softcap is not None}
     softcap = adapter.softcap if adapter is not None else None
+    served = {"s_aux": handles is not None and handles.sinks is not None,
+              "indices": handles is not None and handles.sparse, "softcap": softcap is not None}
     for name, what in _NOT_COMPUTED.items():
         if kwargs.get(name) is not None and not served.get(name, False):
             raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "

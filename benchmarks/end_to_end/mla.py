@@ -15,8 +15,8 @@ v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, de
 indexer: 64 heads of 128 channels picking 2048 tokens a query), whose indexer keys both caches keep beside the latent
 (`tiny-sparse`: a small one, picking 64).
 Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
-given the same fp prefill of the prompt but its last token (in steps of --prefill-chunk tokens) (kvcal's load it, DynamicCache takes it through its own
-update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
+given the same fp prefill of the prompt but its last token, in steps of --prefill-chunk tokens (kvcal's load it,
+DynamicCache takes it through its own update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
 the rounds of each run's median step (the first step, the prompt's last token, not timed).
 
 Usage: python -m benchmarks.end_to_end mla [--lengths 1024,4096,8192] [--batch 1] [--recipes kivi,kvquant]
