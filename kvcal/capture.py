@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvcal.adapters import LayerHandles, ModelAdapter
+from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys, stored_inv_freq
 
 STAT_TENSORS = ("k_pre", "k_post", "v")  # tensors with streaming per-channel statistics
@@ -221,6 +222,9 @@ def profile_gradients(
     on_window: Callable[[int], None] | None = None,
 ) -> CaptureResult:
     """Run one forward + backward per row of `windows` (nsamples, seqlen) and collect the profile."""
+    if torch.is_inference_mode_enabled():
+        raise KvcalError("the gradient profile runs backward passes, which torch.inference_mode() forbids: profile "
+                         "outside that block")
     nsamples, seqlen = windows.shape
     num_layers = len(adapter.layers)
     rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(adapter.kv_widths, adapter.value_widths),
@@ -242,7 +246,8 @@ def profile_gradients(
             hooks.clear()
             hooks.keep_queries = w < stored
             ids = windows[w : w + 1].to(input_device)
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF shifts labels itself
+            with torch.enable_grad():  # (also under a caller's torch.no_grad())
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF shifts labels itself
             counts["forward_passes"] += 1
             loss.backward()
             counts["backward_passes"] += 1

@@ -11,6 +11,7 @@ from conftest import GEMMA4, LATENT, TINY_ARCHITECTURES, TINY_VOCAB, longrope, t
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
+from kvcal.errors import KvcalError
 
 NSAMPLES, SEQLEN = 3, 48
 
@@ -340,6 +341,18 @@ def test_capture_restores_requires_grad_and_leaves_no_gradients():
     profile_gradients(model, adapt(model), windows(), CaptureSettings())
     assert all(p.requires_grad for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_callers_no_grad_profiles_as_without_it_and_inference_mode_is_refused():
+    """A profile called under the caller's torch.no_grad() computes its gradients all the same (the same tensors);
+    under torch.inference_mode(), which forbids backward passes, it is refused with what to do."""
+    model = tiny_model("llama")
+    expected = profile_gradients(model, adapt(model), windows(), CaptureSettings()).tensors
+    with torch.no_grad():
+        got = profile_gradients(model, adapt(model), windows(), CaptureSettings()).tensors
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    with torch.inference_mode(), pytest.raises(KvcalError, match="forbids: profile outside that block"):
+        profile_gradients(model, adapt(model), windows(), CaptureSettings())
 
 
 def test_same_seed_same_tensors_other_seed_other_rows():

@@ -701,9 +701,10 @@ def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles
     model = tiny_model("phi3", **longrope(16, partial))
     ids, mask = left_padded(lengths, seed=3)
     settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    bundles = (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles(partial)["skvq"]))  # (profiled: autograd)
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
-        for bundle in (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles(partial)["skvq"])):
+        for bundle in bundles:
             with quantized_cache(model, bundle) as cache:
                 ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
                 assert cache.long_era and cache.tokens() == [n + 11 for n in lengths]  # (not the last token)
