@@ -47,15 +47,17 @@ OWN_CACHES = {"minimax": _minimax_cache}
 @functools.cache
 def taking(cache_class: type, model_type: str) -> type:
     """`cache_class` (DynamicCache or a subclass of Cache) as a decoder of `model_type` takes it: itself, or a subclass
-    that is the model's own cache class too (LightningStates its interface). A Cache subclass given here calls its
-    base's __init__ by name, not through super(): the model's class comes next in the subclass's order."""
+    that is the model's own cache class too (LightningStates its interface where `cache_class` has none of its own:
+    kvcal's batch edits of its layers before MiniMaxCache's, which edit a list of states kvcal does not keep). A Cache
+    subclass given here calls its base's __init__ by name, not through super(): the model's class comes after it in
+    the subclass's order."""
     own = OWN_CACHES.get(model_type)
     if own is None:
         return cache_class
     own = own()
     if cache_class is DynamicCache:  # (the model's class is already one)
         return type(f"{own.__name__}OnLayers", (LightningStates, own), {"__init__": DynamicCache.__init__})
-    return type(f"{own.__name__}{cache_class.__name__}", (LightningStates, cache_class, own), {})
+    return type(f"{own.__name__}{cache_class.__name__}", (cache_class, LightningStates, own), {})
 
 
 def model_cache(model) -> DynamicCache:

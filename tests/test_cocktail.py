@@ -44,6 +44,28 @@ def test_all_fp16_chunks_decode_like_the_fp_model():
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)  # the cache holds fp16
 
 
+def test_compressed_sequences_taken_decode_as_the_batch_compressed_so(decode_path):
+    """Two contexts compressed to widths of their own, their sequences taken (reordered and one repeated): decoding
+    gives the logits, bytes and positions of the taken contexts compressed so from the start."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 512, (2, 32 * 4 + 9), generator=torch.Generator().manual_seed(4))
+    widths, taken = [[2, 16, 4, 16], [16, 4, 2, 2]], [1, 0, 1]
+    results = []
+    with torch.inference_mode():
+        for fed in ([0, 1], taken):
+            with cocktail_cache(model) as cache:
+                model(ids[fed, :-4], past_key_values=cache, use_cache=True)
+                compress(cache, [widths[b] for b in fed])
+                if fed != taken:
+                    cache.take_sequences(taken)
+                logits = [model(ids[taken, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(ids.shape[1] - 4, ids.shape[1])]
+                store = cache.layers[0].keys_store
+                results.append((torch.cat(logits, 1), cache.used_bytes(), [store.positions(b).tolist() for b in range(3)]))
+    (edited, *edited_state), (fed, *fed_state) = results
+    assert edited_state == fed_state
+    torch.testing.assert_close(edited, fed, rtol=0, atol=1e-4)
+
+
 def test_generate_crossing_longropes_switch_after_compression_is_refused():
     """Phi-3's generate drops the cache at LongRoPE's switch to compute the sequence again: a prefill would not make
     the compressed chunks again (the tiny Phi-3's switch: 32 tokens, a chunk of context then 4 query tokens). Emptied,

@@ -133,6 +133,119 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bun
     assert model.config._attn_implementation == "sdpa"
 
 
+# sequences taken by a cache's batch edit: one dropped, one repeated, the order changed
+TAKEN = [2, 0, 2]
+
+
+@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
+    ("gemma3_text", "kivi"), ("qwen3_5_text", "kvquant"), ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"),
+    ("deepseek_v3", "kvquant"), ("deepseek_v32", "kvquant"), ("minimax", "kvquant")])
+def test_a_cache_whose_sequences_were_taken_decodes_as_the_batch_fed_so(recipe_bundles, gemma3_bundles,
+                                                                         architecture_bundles, model_type, recipe,
+                                                                         decode_path):
+    """take_sequences (beam search's reorder_cache, batch_select_indices, batch_repeat_interleave) between two
+    generate() calls on one cache: the second gives the tokens and logits, bytes and outliers of a cache fed the taken
+    sequences from the start, after decode steps on either path (whose kernel descriptors must follow the moved
+    buffers): codes, parameters, outliers, fp16 segments, KVmix's RPC counts, a sliding window's drops (Gemma 3),
+    recurrent states in transformers' layers (Qwen3.5) and in kvcal's (Falcon-H1), KV sharing (Gemma 3n), MLA,
+    DeepSeek Sparse Attention's indexer keys, and MiniMax's own cache class."""
+    model = tiny_model(model_type)
+    bundle = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
+    bundle = bundle[recipe]
+    ids, mask = left_padded((21, 9, 14), seed=6)
+    settings = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    first, then = dict(max_new_tokens=4, min_new_tokens=4), dict(max_new_tokens=8, min_new_tokens=8)
+    grown = lambda sequences: dict(input_ids=sequences,
+                                   attention_mask=torch.cat([mask[TAKEN], torch.ones(len(TAKEN), 4, dtype=mask.dtype)], 1))
+    results = []
+    with torch.inference_mode():
+        for fed, edit in ((list(range(3)), True), (TAKEN, False)):
+            with quantized_cache(model, bundle) as cache:
+                before = model.generate(input_ids=ids[fed], attention_mask=mask[fed], past_key_values=cache, **settings, **first)
+                sequences = before.sequences
+                if edit:
+                    cache.batch_select_indices(torch.tensor(TAKEN))  # (transformers' name: MiniMax's class has one too)
+                    sequences = sequences[TAKEN]
+                after = model.generate(**grown(sequences), past_key_values=cache, **settings, **then)
+                results.append((after, cache.used_bytes(), cache.outliers(), cache.tokens()))
+    (edited, *edited_state), (fed, *fed_state) = results
+    assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
+    torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_taken_sequences_keep_their_positions_and_segments(recipe_bundles, recipe, decode_path):
+    """Left-padded prompts of 13, 6 and 10 tokens at positions of their own (from 0, 5 and 11), taken after their
+    prefill, keep them: every store's segment lengths and RPC counts (KVmix's differ after prompts of other lengths)
+    are a cache's fed the taken sequences so, and stay so, with the same logits, over a step of 9 tokens and decode
+    steps."""
+    model = tiny_model("llama")
+    ids, mask = left_padded((13, 6, 10), seed=1)
+    new = torch.randint(3, 512, (3, 15), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([0, 5, 11])[:, None] + (mask.cumsum(1) - 1).clamp(min=0)
+    segments = lambda cache: [[list(counts) for counts in (store.rpc, store.sink.length, store.body.length, store.recent.length)]
+                              for layer in cache.attention_layers for store in (layer.keys_store, layer.values_store)]
+    results = []
+    with torch.inference_mode():
+        for fed, edit in ((list(range(3)), True), (TAKEN, False)):
+            with quantized_cache(model, recipe_bundles[recipe]) as cache:
+                model(ids[fed], attention_mask=mask[fed], position_ids=positions[fed], past_key_values=cache, use_cache=True)
+                if edit:
+                    cache.take_sequences(TAKEN)
+                taken = segments(cache)
+                logits = [model(new[TAKEN, t0:t1], past_key_values=cache, use_cache=True,
+                                position_ids=positions[TAKEN, -1:] + 1 + torch.arange(t0, t1)).logits
+                          for t0, t1 in [(0, 9), *((t, t + 1) for t in range(9, 15))]]
+                results.append((torch.cat(logits, 1), [taken, segments(cache)]))
+    (edited, edited_segments), (fed, fed_segments) = results
+    assert edited_segments == fed_segments
+    torch.testing.assert_close(edited, fed, rtol=0, atol=1e-4)
+
+
+def test_beam_search_scores_every_beam_as_a_cache_fed_it_alone(recipe_bundles):
+    """Beam search (num_beams 3, every beam returned) over two left-padded prompts on a kvquant cache (outliers,
+    keys before RoPE): each returned beam's score is the sum of its tokens' log-probabilities in a cache fed that
+    prompt and those tokens alone, so every step's reorder_cache gave each beam its own history."""
+    model = tiny_model("llama")
+    ids, mask = left_padded((17, 11), seed=2)
+    settings = dict(num_beams=3, num_return_sequences=3, length_penalty=0.0, max_new_tokens=6, eos_token_id=None,
+                    do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        beams = generate(model, recipe_bundles["kvquant"], input_ids=ids, attention_mask=mask, **settings)
+        for row, sequence in enumerate(beams.sequences):
+            prompt = ids[row // 3][mask[row // 3].bool()]
+            new = sequence[ids.shape[1]:]
+            with quantized_cache(model, recipe_bundles["kvquant"]) as cache:
+                steps = [model(prompt[None], past_key_values=cache, use_cache=True).logits[0, -1]]
+                steps += [model(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1] for token in new[:-1]]
+            score = sum(torch.log_softmax(logits.float(), -1)[token] for logits, token in zip(steps, new))
+            torch.testing.assert_close(score, beams.sequences_scores[row], rtol=0, atol=1e-4)
+    assert len({tuple(sequence.tolist()) for sequence in beams.sequences}) == 6  # the beams differ
+
+
+def test_a_cache_refuses_other_batches_and_taking_tokens_back(recipe_bundles):
+    """A step of another batch than the cache holds (beam search from a filled context: as many beams as sequences
+    are made with batch_repeat_interleave first), take_sequences outside the batch, and crop (assisted generation's
+    taking back of rejected tokens, which may have left the fp16 segments for the quantized body already) are
+    refused before anything is stored."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
+        model(ids, past_key_values=cache, use_cache=True)
+        held = cache.used_bytes()
+        with pytest.raises(KvcalError, match=r"this step feeds 4 sequences to a cache holding 2: .*batch_repeat_interleave"):
+            model(ids[:, :1].repeat(2, 1), past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match=r"sequences \[0, 2\] asked of a cache holding 2: give indices from 0 to 1"):
+            cache.take_sequences([0, 2])
+        cache.crop(0)  # (nothing taken back: generate's every step may ask it)
+        with pytest.raises(KvcalError, match="takes no tokens back"):
+            cache.crop(-3)
+        assert cache.used_bytes() == held and cache.tokens() == [12, 12]
+        cache.batch_repeat_interleave(2)
+        model(ids[:, :1].repeat_interleave(2, 0), past_key_values=cache, use_cache=True)
+        assert cache.tokens() == [13] * 4 and cache.used_bytes() > 2 * held
+
+
 def test_qwen3_5s_multimodal_position_ids_decode_as_text():
     """Qwen3.5's rotary takes (3, batch, tokens) position ids (time, height, width; equal for a text token): the runtime
     reads the first row, and a cache holding every token fp16 decodes as the model does (9.5e-5 here: fp16 K/V)."""

@@ -108,6 +108,37 @@ def test_rows_dropped_from_the_front_leave_the_others_as_stored(name, encoder):
         trimmed.drop_front(0, trimmed.length[0] + step)
 
 
+@pytest.mark.parametrize("rows_together", [False, True])
+@pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
+@pytest.mark.parametrize("name", CODECS)
+def test_sequences_taken_keep_their_rows_and_the_stores_layout(name, encoder, rows_together):
+    """take_sequences (beam search's reordering: a sequence dropped, one repeated) after appends and a drop from the
+    front: each taken sequence reads back its rows and outliers, every buffer keeps the strides the store made them
+    with (the kernels read them so), and appends after it read back as in a store fed the taken sequences."""
+    codec = CODECS[name]()
+    layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
+    encoder_for = cpu_kernel.append_encoder if encoder == "cpu-append" else None
+    store, fed = (PackedRows(codec, 3, WIDTH, "cpu", encoder_for, layout, HEAD_DIM, rows_together=rows_together)
+                  for _ in range(2))
+    step, taken = codec.block_tokens, [2, 0, 2]
+    rows = [seeded_tokens(n * step, b) for b, n in enumerate((5, 9, 2))]
+    store.append_rows([0, 1, 2], [len(x) for x in rows], torch.cat(rows))
+    store.drop_front(0, step)
+    fed.append_rows([0, 1, 2], [len(rows[b]) for b in taken], torch.cat([rows[b] for b in taken]))
+    fed.drop_front(1, step)
+    reads, outliers = [store.read(b) for b in range(3)], store.outliers
+    strides = lambda: [t.stride() for t in (store.words, *store.token.values(), *store.blocks.values(), store.outlier_positions)]
+    made = strides()
+    store.take_sequences(taken, torch.tensor(taken))
+    assert strides() == made and store.outliers == [outliers[b] for b in taken]
+    assert all(torch.equal(store.read(b), reads[t]) for b, t in enumerate(taken))
+    more = seeded_tokens(6 * step, 7)
+    for target in (store, fed):
+        target.append_rows([0, 1, 2], [step, 2 * step, 3 * step], more)
+    assert store.length == fed.length and store.outliers == fed.outliers
+    assert all(torch.equal(store.read(b), fed.read(b)) for b in range(3))
+
+
 def test_per_token_parameters_run_along_the_tokens_per_channel_group():
     """Each per-token parameter column (a channel group's scale or zero) runs along the tokens, as the tensor-core
     kernel copies them, 8 tokens to a 16-byte chunk, also once the store has grown; it holds what the codec encodes.

@@ -15,8 +15,11 @@ closes. Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
-without its cache (no `past_key_values`, or another cache); a simulation opened while a cache is (see
-kvcal.simulate).
+without its cache (no `past_key_values`, or another cache); a step of another batch than the cache holds; `crop`
+taking tokens back; a simulation opened while a cache is (see kvcal.simulate).
+
+Beam search and batch edits (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`: WiredCache.
+take_sequences) move every sequence's storage with it, as if the batch had been fed so.
 
 Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks logit by logit):
 - the cache holds fp16; padding (from the attention mask) is never stored, each sequence has its own length;
@@ -140,6 +143,15 @@ class RuntimeLayer(CacheLayerMixin):
         self.choice = self.decoder = self.step = self.index_keys = self.picking = None
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
+
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
+        ... (WiredCache.take_sequences)."""
+        for store in (self.keys_store, self.values_store):
+            if store is not None:
+                store.take_sequences(seqs, index)
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys.index_select(0, index)
 
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Append a step's indexer keys (batch, tokens, channels) -> every token's so far (transformers'
@@ -377,6 +389,10 @@ class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
         RuntimeLayer.reset(self)
         LinearAttentionLayer.reset(self)
 
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        RuntimeLayer.take_sequences(self, seqs, index)
+        LinearAttentionLayer.reorder_cache(self, index)  # (its states' index_select: any index)
+
     def lazy_initialization(self, *args, **kwargs) -> None:
         # the attention's call passes keys and values, the mixer's its states by keyword
         if args:
@@ -421,8 +437,12 @@ class StepPlan:
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
         self.rows = [b for b in range(batch) if self.counts[b]]
         self.ones = [1] * len(self.rows)
-        if cache.lengths is None or len(cache.lengths) != batch:
+        if cache.lengths is None:
             cache.lengths, cache.position_offset = [0] * batch, [None] * batch
+        elif len(cache.lengths) != batch:
+            raise KvcalError(f"this step feeds {batch} sequences to a cache holding {len(cache.lengths)}: give the cache the "
+                             f"batch first (cache.batch_repeat_interleave(n) for n beams or samples of each sequence it "
+                             "holds, cache.take_sequences(index)), or empty it (cache.reset())")
         self.before = list(cache.lengths)
         self.after = [n + c for n, c in zip(self.before, self.counts)]
         first_seen = [b for b in self.rows if cache.position_offset[b] is None]
@@ -688,6 +708,52 @@ class WiredCache(Cache):
         super().reset()
         self.lengths = self.position_offset = self._plan = self.long_era = None
         self._rope_rows, self.refillable = {}, True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's step: sequence i goes on from beam beam_idx[i] (transformers' Cache.reorder_cache)."""
+        self.take_sequences(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.take_sequences(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.take_sequences(torch.arange(len(self.lengths or [])).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' Cache.crop with 0 (nothing taken back; its steps may ask for it) is served. Taking tokens back
+        (assisted generation's rejected candidates) is refused: a step of several tokens moves what leaves the fp16
+        segments into the quantized body, which does not give back the fp16 it was made from."""
+        self._check_open()
+        if tokens_to_remove:
+            raise KvcalError(f"crop({tokens_to_remove}): kvcal's quantized cache takes no tokens back (tokens of the step "
+                             "may have been quantized already); generate without assistant_model or prompt_lookup_num_tokens")
+
+    def take_sequences(self, index) -> None:
+        """Keep sequences index[0], index[1], ... (a 1-D integer tensor or list; repeats allowed) as the cache's
+        sequences 0, 1, ...: every layer's stores (codes, parameters, outliers, fp16 rows), indexer keys and recurrent
+        states, and the tokens and RoPE offset of each, as if the batch had been fed so. One host read of the index
+        (beam search's reordering comes every step: its cost is a copy of the cache, as transformers' own caches
+        copy theirs)."""
+        self._check_open()
+        seqs = [int(b) for b in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+        batch = len(self.lengths or [])
+        if any(not 0 <= b < batch for b in seqs):
+            raise KvcalError(f"sequences {seqs} asked of a cache holding {batch}: give indices from 0 to {batch - 1}")
+        self._plan = None
+        if not batch or seqs == list(range(batch)):  # empty (the next forward allocates for its batch), or as it is
+            return
+        on_device = {}  # the index uploaded once per device
+        for layer in self.layers:
+            if isinstance(layer, RuntimeLayer):
+                if layer.inv_freq is not None:  # (allocated: the layer attended)
+                    device = str(layer.inv_freq.device)
+                    if device not in on_device:
+                        on_device[device] = upload(seqs, device)
+                    layer.take_sequences(seqs, on_device[device])
+            else:  # a hybrid model's own layers (transformers' index_select takes any index)
+                layer.reorder_cache(torch.tensor(seqs, dtype=torch.long))
+        self.lengths = [self.lengths[b] for b in seqs]
+        self.position_offset[:] = [self.position_offset[b] for b in seqs]
 
     def running_plan(self) -> StepPlan:
         """The running step's StepPlan, for a layer reading another's cache (which made it)."""

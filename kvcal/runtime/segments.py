@@ -174,6 +174,13 @@ class SegmentedStore:
     def outliers(self, b: int) -> int:
         return self.body.outliers[b]
 
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
+        ... (kvcal.runtime.store.Fp16Rows.take_sequences)."""
+        for segment in (self.sink, self.body, self.recent):
+            segment.take_sequences(seqs, index)
+        self.rpc, self.dropped = [self.rpc[b] for b in seqs], [self.dropped[b] for b in seqs]
+
     def kernel_segments(self) -> list[tuple]:
         """(fp16 sink, packed body, fp16 recent) per decode-attention launch (kvcal.runtime.kernels), in position order."""
         return [(self.sink, self.body, self.recent)]
@@ -245,6 +252,13 @@ class CocktailStore:
 
     def outliers(self, b: int) -> int:
         return 0
+
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        """Keep sequences seqs[0], seqs[1], ... (see SegmentedStore.take_sequences)."""
+        for part in (*self.parts.values(), self.recent):
+            part.take_sequences(seqs, index)
+        self.chunk_starts = {bits: [list(starts[b]) for b in seqs] for bits, starts in self.chunk_starts.items()}
+        self.recent_start, self.dropped = [self.recent_start[b] for b in seqs], [self.dropped[b] for b in seqs]
 
     def fp16_rows_like(self, other: CocktailStore) -> bool:
         """K's and V's chunks move together (`compress`): their fp16 chunks and recent tokens are the same tokens."""

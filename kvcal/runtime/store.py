@@ -73,6 +73,15 @@ def _words(batch: int, capacity: int, pieces: int, piece_words: int, rows_togeth
     return torch.zeros(batch, pieces, capacity, piece_words, dtype=torch.int32, device=device).transpose(1, 2)
 
 
+def sequences_of(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buffer's sequences index[0], index[1], ... (along dim 0; repeats allowed) as its batch, laid out in memory as
+    buffer is (a permuted view stays one: the kernels read the strides a store made)."""
+    order = sorted(range(buffer.dim()), key=lambda d: (-buffer.stride(d), d))  # dims, outermost in memory first
+    shape = [len(index) if d == 0 else buffer.shape[d] for d in order]
+    taken = torch.empty(shape, dtype=buffer.dtype, device=buffer.device).permute([order.index(d) for d in range(buffer.dim())])
+    return taken.copy_(buffer.index_select(0, index))
+
+
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
     """A host list or numpy array as a tensor on `device`, without waiting for the device: through pinned memory
     and a non-blocking copy on CUDA (torch's pinned allocator keeps the source until the copy is done)."""
@@ -306,6 +315,13 @@ class Fp16Rows:
 
     def used_bytes(self, b: int) -> int:
         return self.length[b] * self.data.shape[2] * 2
+
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
+        ...: beam search's reordering, a batch's selection or repetition."""
+        self.data = sequences_of(self.data, index)
+        self.head, self.length = [self.head[b] for b in seqs], [self.length[b] for b in seqs]
+        self.moves += 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -673,6 +689,21 @@ class PackedRows:
         """(decoded rows (B, n, C) float32, first live row, live rows) per sequence (see Fp16Rows.part)."""
         n = max((h + length for h, length in zip(self.head, self.length)), default=0)
         return self.decoded(n), self.head, self.length
+
+    def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
+        """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
+        ... (see Fp16Rows.take_sequences). The kernel path's pending snapshot of outlier counts is let go: the host
+        bounds, taken along, stay upper bounds."""
+        self.words = sequences_of(self.words, index)
+        self.token = {name: sequences_of(t, index) for name, t in self.token.items()}
+        self.blocks = {name: sequences_of(t, index) for name, t in self.blocks.items()}
+        for name in ("outlier_positions", "outlier_values", "outlier_offsets", "outlier_count"):
+            setattr(self, name, sequences_of(getattr(self, name), index))
+        self.length, self.head, self.dropped = ([counts[b] for b in seqs] for counts in (self.length, self.head, self.dropped))
+        self._outliers, self._bound, self._added = ([list(per_head[b]) for b in seqs]
+                                                    for per_head in (self._outliers, self._bound, self._added))
+        self._snapshot = None
+        self.moves += 1
 
     def used_bytes(self, b: int) -> int:
         """Bytes of sequence b's live rows, with the outliers and offset-table entries of every tile that holds one."""
