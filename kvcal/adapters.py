@@ -81,7 +81,9 @@ it (`score_scale`) for the fits. Ministral 3 scales its queries by position past
 before the attention call: the runtime reads them as scaled, the fits' captured queries are not (exact for windows
 shorter than that). LongRoPE (Phi-3.5's, Phi-4-mini's) rotates by two sets of frequencies: a forward whose positions
 reach past original_max_position_embeddings rotates every token by its long set (`long_rope`), a shorter one by its
-short set, and generate recomputes the sequence when it first crosses over (kvcal.runtime.cache follows). Refused,
+short set, and generate recomputes the sequence when it first crosses over (kvcal.runtime.cache follows); PhiMoE's
+(Phi-3.5-MoE's), as transformers runs it, rotates by its short set at any length and scales cos/sin by its mscale
+(LongRope.scaling; served where its short and long mscales are equal). Refused,
 beside other architectures: frequencies that change with every sequence length (dynamic NTK).
 Multi-head latent attention (DeepSeek-V2's MLA: LATENT_ATTENTION_TYPES) caches per token one latent that every head
 shares and one key that RoPE rotates: kvcal reads one KV head whose key is that rotated key and whose value is the
@@ -122,7 +124,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_vl", "qwen3_vl_moe", "llava", "internvl", "smolvlm", "idefics3", "aya_vision",
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
-                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash")
+                         "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
+                         "phimoe")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -130,6 +133,9 @@ LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
+# LongRoPE whose rotary rotates by its short frequencies at any length and scales cos/sin by the config's mscales
+# (transformers' PhiMoE: its rope_init_fn is called without the forward's length)
+_MSCALED_LONGROPE = ("phimoe",)
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
@@ -304,6 +310,7 @@ class LongRope:
 
     switch: int
     long_inv_freq: torch.Tensor  # (rotated channels / 2,) float32 on the CPU, as the rotary holds its own
+    scaling: float | None = None  # the cos/sin scaling of every forward where the rotary's own is not it (PhiMoE's)
 
     def check_prefill_steps(self, tokens: int, step: int) -> None:
         """Refuse a prefill of `tokens` tokens in steps of `step` that ends past the switch and whose first step does
@@ -435,9 +442,12 @@ class ModelAdapter:
         return stored_inv_freq([self.layer_inv_freq(i) for i in range(len(self.layers))])
 
     def layer_rope_scaling(self, layer: int) -> float:
-        """Layer `layer`'s cos/sin scaling (YaRN's, for one; 1 where the layer applies no RoPE)."""
-        scaling = float(getattr(self._layer_rotary(layer), _rotary_name(self.layer_types[layer], "attention_scaling"), 1.0))
-        return scaling if self.rotated[layer] else 1.0
+        """Layer `layer`'s cos/sin scaling (YaRN's, for one; PhiMoE's mscale; 1 where the layer applies no RoPE)."""
+        if not self.rotated[layer]:
+            return 1.0
+        if self.long_rope is not None and self.long_rope.scaling is not None:
+            return self.long_rope.scaling
+        return float(getattr(self._layer_rotary(layer), _rotary_name(self.layer_types[layer], "attention_scaling"), 1.0))
 
     def _layer_rotary(self, layer: int) -> nn.Module | None:
         return self.layer_rotaries[layer] if self.layer_rotaries else self.rotary
@@ -744,10 +754,19 @@ def _unrotated_scale(adapter: ModelAdapter, layer: int) -> torch.Tensor | None:
 
 
 def _long_rope(rotary: nn.Module) -> LongRope | None:
-    """The rotary's LongRoPE long frequencies, as transformers makes them for a forward past the switch."""
+    """The rotary's LongRoPE long frequencies, as transformers makes them for a forward past the switch. PhiMoE's
+    rotary rotates by its short set at any length and scales cos/sin by the config's short_mscale, or long_mscale
+    past the switch: served where the two are equal (the released Phi-3.5-MoE's are), refused where they are not."""
     if getattr(rotary, "rope_type", None) != "longrope":  # (per layer type: refused by _rope_order)
         return None
-    switch = int(rotary.config.rope_parameters["original_max_position_embeddings"])
+    parameters = rotary.config.rope_parameters
+    switch = int(parameters["original_max_position_embeddings"])
+    if rotary.config.model_type in _MSCALED_LONGROPE:
+        if parameters["short_mscale"] != parameters["long_mscale"]:
+            raise KvcalError(f"{rotary.config.model_type}'s RoPE scales cos/sin by short_mscale {parameters['short_mscale']} "
+                             f"up to {switch} positions and by long_mscale {parameters['long_mscale']} past them, which "
+                             "kvcal does not follow: serve a config whose two are equal, as the released model's are")
+        return LongRope(switch, rotary.original_inv_freq.detach().float().cpu(), float(parameters["short_mscale"]))
     long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, "cpu", seq_len=switch + 1)
     return LongRope(switch, long_inv_freq.float())
 

@@ -43,13 +43,20 @@ QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
           "granitemoehybrid",
           "nemotron_h", "jamba", "bamba", "minimax")
-def longrope(switch: int, partial: float = 1.0, head_dim: int = 16) -> dict:
+def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
-    frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it."""
+    frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it.
+    A tiny PhiMoE's (Phi-3.5-MoE) add its cos/sin scalings short_mscale and long_mscale, equal as the released
+    model's."""
     pairs = int(head_dim * partial) // 2
+    mscales = dict(short_mscale=1.25, long_mscale=1.25) if model_type == "phimoe" else {}
     return dict(original_max_position_embeddings=switch, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=switch, partial_rotary_factor=partial,
-        short_factor=[1.0 + 0.1 * i for i in range(pairs)], long_factor=[2.0 + 3.0 * i for i in range(pairs)]))
+        short_factor=[1.0 + 0.1 * i for i in range(pairs)], long_factor=[2.0 + 3.0 * i for i in range(pairs)], **mscales))
+
+
+# (model type, partial) of the tiny LongRoPE models: Phi-3.5's, Phi-4-mini's (over 0.75 of each head), Phi-3.5-MoE's
+LONGROPE = [("phi3", 1.0), ("phi3", 0.75), ("phimoe", 1.0)]
 
 
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -152,6 +159,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["num_dense_layers"] = 1
     if model_type == "dots1":  # as the real ones: a shared expert beside the routed ones, after a dense first layer
         common.update(n_shared_experts=1, first_k_dense_replace=1)
+    if model_type == "phimoe":  # as Phi-3.5-MoE: two of its experts routed to a token (here of 4)
+        common.update(num_local_experts=4, num_experts_per_tok=2)
     if model_type == "flex_olmo":  # its default end-of-text id is past TINY_VOCAB
         common["eos_token_id"] = None
     if model_type == "smollm3":  # layer 1 without RoPE (the real models: every 4th); its default token ids are past TINY_VOCAB
@@ -509,18 +518,18 @@ def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
 @pytest.fixture(scope="session")
 def longrope_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
-    """bundles(partial): a bundle of every recipe for the tiny Phi-3 with LongRoPE switching at 16 tokens over
-    `partial` of each head (longrope(16, partial)), from its own profile (64-token windows: rotated by its long
-    frequencies; made on first use, once per session)."""
+    """bundles(partial, model_type): a bundle of every recipe for the tiny Phi-3 (or PhiMoE) with LongRoPE switching
+    at 16 tokens over `partial` of each head (longrope(16, partial, model_type=...)), from its own profile (64-token
+    windows: rotated by its long frequencies; made on first use, once per session)."""
     made = {}
 
-    def bundles(partial: float) -> dict[str, Path]:
-        if partial not in made:
-            folder = tmp_path_factory.mktemp("longrope-bundles")
-            model = tiny_model_dir("phi3", **longrope(16, partial))
+    def bundles(partial: float, model_type: str = "phi3") -> dict[str, Path]:
+        if (model_type, partial) not in made:
+            folder = tmp_path_factory.mktemp(f"longrope-{model_type}-bundles")
+            model = tiny_model_dir(model_type, **longrope(16, partial, model_type=model_type))
             profile = profile_tiny_model(model, tiny_corpus, folder / "profile.safetensors")
-            made[partial] = bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
-        return made[partial]
+            made[model_type, partial] = bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, folder), folder)
+        return made[model_type, partial]
 
     return bundles
 

@@ -350,6 +350,23 @@ def test_longrope_rotates_by_its_long_frequencies_past_its_switch(partial):
     assert torch.equal(adapter.layer_inv_freq(0, 16), short)
 
 
+def test_phimoe_rotates_by_its_short_frequencies_at_any_length_scaled_by_its_mscale():
+    """PhiMoE's LongRoPE (Phi-3.5-MoE's, switching at 16 tokens here): transformers' rotary rotates by its short
+    frequencies below and past the switch and scales cos/sin by the config's mscale, as the model's own keys show; a
+    config whose short and long mscales differ (a scaling that switches with the forward's length) is refused."""
+    model = tiny_model("phimoe", initializer_range=0.25, **longrope(16, model_type="phimoe"))
+    adapter = adapt(model)
+    assert adapter.long_rope.switch == 16 and adapter.layer_rope_scaling(0) == 1.25
+    assert torch.equal(adapter.layer_inv_freq(0, 17), adapter.layer_inv_freq(0, 16))
+    for tokens in (16, 20, 12):
+        assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens)
+    switching = longrope(16, model_type="phimoe")
+    switching["rope_parameters"]["long_mscale"] = 1.5
+    with pytest.raises(KvcalError, match="phimoe's RoPE scales cos/sin by short_mscale 1.25 up to 16 positions and by "
+                                         "long_mscale 1.5 past them"):
+        adapt(tiny_model("phimoe", **switching))
+
+
 def test_a_score_scale_per_layer_is_refused():
     """GPT-2's scale_attn_by_inverse_layer_idx divides layer i's scores by i + 1: kvcal's fits take one scale."""
     with pytest.raises(KvcalError, match=r"its layers scale attention scores differently \(\[0.125, 0.25\]\)"):

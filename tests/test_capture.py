@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from conftest import GEMMA4, LATENT, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
+from conftest import GEMMA4, LATENT, LONGROPE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
@@ -228,12 +228,13 @@ def test_gpt_bigcode_without_multi_query_capture_matches_independent_autograd():
     assert_capture_matches_autograd(model, atol=1e-14)
 
 
-@pytest.mark.parametrize("partial", [1.0, 0.75])
-def test_longrope_capture_matches_independent_autograd(partial):
+@pytest.mark.parametrize("model_type, partial", LONGROPE)
+def test_longrope_capture_matches_independent_autograd(model_type, partial):
     """Phi-3.5's LongRoPE past its switch (16 tokens here; the windows: 48): its long frequencies rotate the keys.
     Phi-4-mini's covers 0.75 of each head and scales cos/sin: the channels it leaves alone are read divided by the
-    scaling (LayerHandles.unrotated_scale), their gradient multiplied by it."""
-    model = tiny_model("phi3", **longrope(16, partial))
+    scaling (LayerHandles.unrotated_scale), their gradient multiplied by it. Phi-3.5-MoE's rotates by its short
+    frequencies and scales by its mscale."""
+    model = tiny_model(model_type, **longrope(16, partial, model_type=model_type))
     assert (adapt(model).layers[0].unrotated_scale is None) == (partial == 1.0)
     assert_capture_matches_autograd(model, atol=1e-14)
 

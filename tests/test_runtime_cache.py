@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import decode_step_operations, decode_token_by_token
 from kvcal import registry, wiring
@@ -779,15 +779,17 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
 # token by its long frequencies, and Phi-3's generate computes the sequence again when it first crosses over. The tiny
 # Phi-3's switch: 16 tokens.
 
-@pytest.mark.parametrize("partial", [1.0, 0.75])
+@pytest.mark.parametrize("model_type, partial", LONGROPE)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrope_bundles, recipe, partial, decode_path):
+def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrope_bundles, recipe, model_type, partial,
+                                                                          decode_path):
     """A prefill of 20 tokens, past the switch, then decode steps to 40: each step's logits are the simulation's
-    forward over the 40 tokens, every key rotated by the long frequencies. The first 20 tokens are kept fp16 (sink),
-    as a prefill attends over its own tokens (the simulation: token by token, over them as stored)."""
-    model = tiny_model("phi3", **longrope(16, partial))
+    forward over the 40 tokens, every key rotated by the long frequencies (PhiMoE's: its short ones, scaled by its
+    mscale). The first 20 tokens are kept fp16 (sink), as a prefill attends over its own tokens (the simulation:
+    token by token, over them as stored)."""
+    model = tiny_model(model_type, **longrope(16, partial, model_type=model_type))
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(5))
-    bundle = load_bundle(longrope_bundles(partial)[recipe])
+    bundle = load_bundle(longrope_bundles(partial, model_type)[recipe])
     bundle.layers = [dataclasses.replace(layer, sink=20) for layer in bundle.layers]
     with torch.inference_mode():
         with simulated(model, adapt(model), bundle_method(bundle), StorageTally()):
@@ -805,16 +807,18 @@ def fp16_pre_rope_bundle(skvq_bundle):
     return bundle
 
 
-@pytest.mark.parametrize("partial", [1.0, 0.75])
+@pytest.mark.parametrize("model_type, partial", LONGROPE)
 @pytest.mark.parametrize("lengths", [(10, 7), (20, 5)])
-def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, partial, decode_path):
+def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, model_type, partial,
+                                                                decode_path):
     """12 new tokens after left-padded prompts below and past the switch: with every token fp16, keys stored after
     RoPE (fp16_kivi_bundle) or before it (fp16_pre_rope_bundle), generate gives the model's own tokens and logits (it
-    empties kvcal's cache where it drops its own at the switch, and prefills the whole sequence again)."""
-    model = tiny_model("phi3", **longrope(16, partial))
+    empties kvcal's cache where it drops its own at the switch, and prefills the whole sequence again: Phi-3's and
+    PhiMoE's generate both do)."""
+    model = tiny_model(model_type, **longrope(16, partial, model_type=model_type))
     ids, mask = left_padded(lengths, seed=3)
     settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    bundles = (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles(partial)["skvq"]))  # (profiled: autograd)
+    bundles = (fp16_kivi_bundle(model), fp16_pre_rope_bundle(longrope_bundles(partial, model_type)["skvq"]))  # (autograd)
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         for bundle in bundles:
