@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import emulator_library, tensor_core_emulation
+from helpers import emulator_library, generate_taking_sequences, tensor_core_emulation
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
@@ -416,6 +416,23 @@ def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_lo
         assert {layer.keys_store.body.rows_together for layer in cache.layers} == {together}
         logits.append(got)
     assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("cuda_layout", ["rows", "heads"])
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32", "kvmix"))
+def test_emulated_kernels_decode_sequences_taken_as_the_batch_fed_so(on_cpu, head_dim_64_bundles, recipe, cuda_layout):
+    """Beam search's batch edits on the CUDA stores (the append kernels' outlier counts and their host bounds, either
+    layout) and the tensor-core kernel: sequences kept by batch_select_indices after decode steps give the tokens,
+    logits, bytes and outliers of a cache fed them so."""
+    from conftest import left_padded, tiny_model
+
+    ids, mask = left_padded((21, 9, 14), seed=6)
+    runs = generate_taking_sequences(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, mask, [2, 0, 2],
+                                     cuda_layout)
+    (edited, *edited_state), (fed, *fed_state) = runs
+    assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
+    torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
+    assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
 
 
 @pytest.mark.parametrize("recipe", HEAD_DIM_256_VARIANTS)

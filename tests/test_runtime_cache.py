@@ -8,7 +8,7 @@ import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
-from helpers import decode_step_operations, decode_token_by_token
+from helpers import decode_step_operations, decode_token_by_token, generate_taking_sequences
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
 from kvcal.bundle import load_bundle
@@ -150,25 +150,9 @@ def test_a_cache_whose_sequences_were_taken_decodes_as_the_batch_fed_so(recipe_b
     recurrent states in transformers' layers (Qwen3.5) and in kvcal's (Falcon-H1), KV sharing (Gemma 3n), MLA,
     DeepSeek Sparse Attention's indexer keys, and MiniMax's own cache class."""
     model = tiny_model(model_type)
-    bundle = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
-    bundle = bundle[recipe]
+    bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     ids, mask = left_padded((21, 9, 14), seed=6)
-    settings = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    first, then = dict(max_new_tokens=4, min_new_tokens=4), dict(max_new_tokens=8, min_new_tokens=8)
-    grown = lambda sequences: dict(input_ids=sequences,
-                                   attention_mask=torch.cat([mask[TAKEN], torch.ones(len(TAKEN), 4, dtype=mask.dtype)], 1))
-    results = []
-    with torch.inference_mode():
-        for fed, edit in ((list(range(3)), True), (TAKEN, False)):
-            with quantized_cache(model, bundle) as cache:
-                before = model.generate(input_ids=ids[fed], attention_mask=mask[fed], past_key_values=cache, **settings, **first)
-                sequences = before.sequences
-                if edit:
-                    cache.batch_select_indices(torch.tensor(TAKEN))  # (transformers' name: MiniMax's class has one too)
-                    sequences = sequences[TAKEN]
-                after = model.generate(**grown(sequences), past_key_values=cache, **settings, **then)
-                results.append((after, cache.used_bytes(), cache.outliers(), cache.tokens()))
-    (edited, *edited_state), (fed, *fed_state) = results
+    (edited, *edited_state), (fed, *fed_state) = generate_taking_sequences(model, bundles[recipe], ids, mask, TAKEN)
     assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
     torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
 

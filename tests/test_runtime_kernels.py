@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kivi_bundle, tiny_model
-from helpers import decode_token_by_token, requires_gpu
+from conftest import kivi_bundle, left_padded, tiny_model
+from helpers import decode_token_by_token, generate_taking_sequences, requires_gpu
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
 from kvcal.bundle import load_bundle
@@ -157,6 +157,21 @@ def test_a_cuda_cache_keeping_each_kv_heads_rows_together_decodes_the_same_logit
         assert {layer.keys_store.body.rows_together for layer in cache.layers} == {together}
         logits.append(got)
     assert torch.equal(*logits)
+
+
+@requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")
+@pytest.mark.parametrize("cuda_layout", ["rows", "heads"])
+@pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi2-g32", "kvmix"))
+def test_sequences_taken_on_cuda_decode_as_the_batch_fed_so(head_dim_64_bundles, recipe, cuda_layout):
+    """Beam search's batch edits on the device (tensor-core bodies, outliers, each layout): sequences kept by
+    batch_select_indices after decode steps give the tokens, logits, bytes and outliers of a cache fed them so."""
+    model = tiny_model("llama", head_dim=64).cuda()
+    ids, mask = left_padded((21, 9, 14), seed=6)
+    runs = generate_taking_sequences(model, head_dim_64_bundles[recipe], ids.cuda(), mask.cuda(), [2, 0, 2], cuda_layout)
+    (edited, *edited_state), (fed, *fed_state) = runs
+    assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
+    torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
 
 
 @requires_gpu

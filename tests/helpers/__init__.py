@@ -84,6 +84,29 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     return torch.stack(logits, dim=1), cache
 
 
+def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_layout: str = "rows") -> list[tuple]:
+    """Two runs of generate() on the left-padded prompts (ids, mask) through a quantized cache, 4 new tokens then 8:
+    one on a cache whose sequences `taken` are kept by batch_select_indices between the two calls (after decode
+    steps), one on a cache fed those sequences from the start. Each run's (second generate's output, used_bytes,
+    outliers, tokens): a cache whose sequences were taken holds what the fed one holds."""
+    settings = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    grown = torch.cat([mask[taken], torch.ones(len(taken), 4, dtype=mask.dtype, device=mask.device)], 1)
+    results = []
+    with torch.inference_mode():
+        for fed, edit in ((list(range(len(ids))), True), (taken, False)):
+            with quantized_cache(model, bundle, cuda_layout) as cache:
+                before = model.generate(input_ids=ids[fed], attention_mask=mask[fed], past_key_values=cache,
+                                        max_new_tokens=4, min_new_tokens=4, **settings)
+                sequences = before.sequences
+                if edit:
+                    cache.batch_select_indices(torch.tensor(taken))  # (transformers' name: MiniMax's class has one too)
+                    sequences = sequences[taken]
+                after = model.generate(input_ids=sequences, attention_mask=grown, past_key_values=cache,
+                                       max_new_tokens=8, min_new_tokens=8, **settings)
+                results.append((after, cache.used_bytes(), cache.outliers(), cache.tokens()))
+    return results
+
+
 def decode_step_operations(model, bundle, batch: int, prompt_tokens: int = 30) -> collections.Counter:
     """The torch operations called in one decode step after a prefill of `batch` sequences (torch.profiler on CPU:
     the top-level events; the events nested in them are ATen's own decomposition of an operation, which follows
