@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import emulator_library, generate_taking_sequences, tensor_core_emulation
+from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_library, generate_taking_sequences,
+                     tensor_core_emulation)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
@@ -432,6 +433,20 @@ def test_emulated_kernels_decode_sequences_taken_as_the_batch_fed_so(on_cpu, hea
     (edited, *edited_state), (fed, *fed_state) = runs
     assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
     torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
+    assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
+
+
+@pytest.mark.parametrize("cuda_layout", ["rows", "heads"])
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32", "kvmix"))
+def test_emulated_kernels_take_tokens_back_as_a_shorter_step_leaves_the_cache(on_cpu, head_dim_64_bundles, recipe,
+                                                                              cuda_layout):
+    """crop after a step of candidates on the CUDA stores (the append kernels' outliers and their counts on the
+    device, either layout) and the tensor-core kernel: the cache a shorter step leaves, read back and decoded."""
+    from conftest import tiny_model
+
+    ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(7))
+    assert_taking_back_leaves_a_shorter_steps_cache(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, 60,
+                                                    cuda_layout)
     assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
 
 

@@ -8,7 +8,8 @@ import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
-from helpers import decode_step_operations, decode_token_by_token, generate_taking_sequences
+from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
+                     generate_taking_sequences)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
 from kvcal.bundle import load_bundle
@@ -207,11 +208,10 @@ def test_beam_search_scores_every_beam_as_a_cache_fed_it_alone(recipe_bundles):
     assert len({tuple(sequence.tolist()) for sequence in beams.sequences}) == 6  # the beams differ
 
 
-def test_a_cache_refuses_other_batches_and_taking_tokens_back(recipe_bundles):
+def test_a_cache_refuses_other_batches_and_sequences_it_does_not_hold(recipe_bundles):
     """A step of another batch than the cache holds (beam search from a filled context: as many beams as sequences
-    are made with batch_repeat_interleave first), take_sequences outside the batch, and crop (assisted generation's
-    taking back of rejected tokens, which may have left the fp16 segments for the quantized body already) are
-    refused before anything is stored."""
+    are made with batch_repeat_interleave first) and take_sequences outside the batch are refused before anything is
+    stored."""
     model = tiny_model("llama")
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
@@ -221,13 +221,88 @@ def test_a_cache_refuses_other_batches_and_taking_tokens_back(recipe_bundles):
             model(ids[:, :1].repeat(2, 1), past_key_values=cache, use_cache=True)
         with pytest.raises(KvcalError, match=r"sequences \[0, 2\] asked of a cache holding 2: give indices from 0 to 1"):
             cache.take_sequences([0, 2])
-        cache.crop(0)  # (nothing taken back: generate's every step may ask it)
-        with pytest.raises(KvcalError, match="takes no tokens back"):
-            cache.crop(-3)
         assert cache.used_bytes() == held and cache.tokens() == [12, 12]
         cache.batch_repeat_interleave(2)
         model(ids[:, :1].repeat_interleave(2, 0), past_key_values=cache, use_cache=True)
         assert cache.tokens() == [13] * 4 and cache.used_bytes() > 2 * held
+
+
+@pytest.mark.parametrize("model_type, recipe, prompt", [("llama", recipe, prompt) for recipe in RECIPES for prompt in (0, 60)] + [
+    ("gemma3_text", "kivi", 8), ("gemma3n_text", "kvquant", 8), ("deepseek_v3", "kvquant", 60),
+    ("deepseek_v32", "kvquant", 60)])
+def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles, gemma3_bundles, architecture_bundles,
+                                                                 model_type, recipe, prompt, decode_path):
+    """crop(-3) after a step of 7 tokens (assisted generation's check of its candidates) leaves the cache a step of 4
+    leaves: every store's segments, RPC counts (KVmix's after a 60-token prompt: 6, then 1 after 7 tokens and after
+    4), outliers and tokens read back, indexer keys, and the logits and bytes of decode steps after it; also as the
+    first step (its first tokens fp16 sinks), for Gemma 3 and 3n within their windows, for layers reading another's
+    cache (Gemma 3n), MLA and DeepSeek Sparse Attention."""
+    model = tiny_model(model_type)
+    bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
+    ids = torch.randint(3, 512, (2, prompt + 12), generator=torch.Generator().manual_seed(7))
+    assert_taking_back_leaves_a_shorter_steps_cache(model, bundles[recipe], ids, prompt)
+
+
+def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):
+    """generate() with prompt_lookup_num_tokens on a cache holding every token fp16: its candidates checked in steps
+    of several tokens, the rejected ones taken back (crop), it gives the model's own greedy tokens; on a 2-bit kivi
+    cache it runs, taking tokens back as well."""
+    from kvcal.runtime.cache import WiredCache
+
+    taken_back = []
+    crop = WiredCache.crop
+    monkeypatch.setattr(WiredCache, "crop", lambda self, n: (taken_back.append(-n), crop(self, n))[1])
+    model = tiny_model("llama")
+    text = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([text, text[:, :12], text[:, 4:10]], 1)  # repeats that prompt lookup proposes
+    settings = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        own = model.generate(input_ids=ids, **settings)
+        looked_up = generate(model, fp16_kivi_bundle(model), input_ids=ids, prompt_lookup_num_tokens=4, **settings)
+        assert torch.equal(looked_up, own) and any(taken_back)
+        taken_back.clear()
+        generate(model, recipe_bundles["kivi"], input_ids=ids, prompt_lookup_num_tokens=4, **settings)
+    assert any(taken_back)
+
+
+def test_taking_tokens_back_is_refused_where_it_cannot_be_exact(recipe_bundles, gemma3_bundles, architecture_bundles):
+    """crop refuses, with nothing changed: after a decode step or a prefill longer than a step of candidates, more
+    tokens than the step brought, a positive count; after a step whose sliding window let go of tokens; on a hybrid
+    model's recurrent states and on Cocktail's chunks. crop(0) (generate's steps ask it) changes nothing."""
+    from kvcal.policy.cocktail import cocktail_cache
+
+    ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama")
+    with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
+        model(ids[:, :70], past_key_values=cache, use_cache=True)
+        held = cache.used_bytes()
+        cache.crop(0)
+        with pytest.raises(KvcalError, match=r"crop\(-2\): the last step was not one of 2 to 64 tokens a sequence"):
+            cache.crop(-2)
+        model(ids[:, 70:73], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="the last step brought 3 tokens to a sequence, fewer than 4"):
+            cache.crop(-4)
+        with pytest.raises(KvcalError, match="as a negative count"):
+            cache.crop(2)
+        model(ids[:, 73:74], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="the last step was not one of 2 to 64"):
+            cache.crop(-1)
+        assert cache.tokens() == [74, 74] and cache.used_bytes() > held
+    gemma3 = tiny_model("gemma3_text")
+    with torch.inference_mode(), quantized_cache(gemma3, gemma3_bundles["kivi"]) as cache:
+        gemma3(ids[:, :30], past_key_values=cache, use_cache=True)
+        gemma3(ids[:, 30:40], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="a sliding window let go of tokens after that step"):
+            cache.crop(-2)
+    hybrid, hybrid_bundle = tiny_model("qwen3_5_text"), architecture_bundles("qwen3_5_text")["kvquant"]  # (profiled: autograd)
+    with torch.inference_mode(), quantized_cache(hybrid, hybrid_bundle) as cache:
+        hybrid(ids[:, :10], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match=r"layers \[.*\] keep recurrent states"):
+            cache.crop(-2)
+    with torch.inference_mode(), cocktail_cache(model) as cache:
+        model(ids[:, :10], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="Cocktail's chunks take no tokens back"):
+            cache.crop(-2)
 
 
 def test_qwen3_5s_multimodal_position_ids_decode_as_text():

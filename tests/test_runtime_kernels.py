@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import kivi_bundle, left_padded, tiny_model
-from helpers import decode_token_by_token, generate_taking_sequences, requires_gpu
+from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
+                     requires_gpu)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
 from kvcal.bundle import load_bundle
@@ -172,6 +173,18 @@ def test_sequences_taken_on_cuda_decode_as_the_batch_fed_so(head_dim_64_bundles,
     (edited, *edited_state), (fed, *fed_state) = runs
     assert torch.equal(edited.sequences, fed.sequences) and edited_state == fed_state
     torch.testing.assert_close(torch.stack(edited.logits), torch.stack(fed.logits), rtol=0, atol=1e-4)
+
+
+@requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")
+@pytest.mark.parametrize("cuda_layout", ["rows", "heads"])
+@pytest.mark.parametrize("recipe", ("kvquant", "nuq4-1%", "kivi2-g32", "kvmix"))
+def test_tokens_taken_back_on_cuda_leave_the_cache_a_shorter_step_leaves(head_dim_64_bundles, recipe, cuda_layout):
+    """crop after a step of candidates on the device (tensor-core bodies, outliers, each layout): the cache a shorter
+    step leaves, read back and decoded."""
+    ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(7)).cuda()
+    assert_taking_back_leaves_a_shorter_steps_cache(tiny_model("llama", head_dim=64).cuda(), head_dim_64_bundles[recipe],
+                                                    ids, 60, cuda_layout)
 
 
 @requires_gpu

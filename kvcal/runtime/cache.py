@@ -15,11 +15,13 @@ closes. Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
-without its cache (no `past_key_values`, or another cache); a step of another batch than the cache holds; `crop`
-taking tokens back; a simulation opened while a cache is (see kvcal.simulate).
+without its cache (no `past_key_values`, or another cache); a step of another batch than the cache holds; a `crop`
+that cannot take its tokens back exactly (WiredCache.crop); a simulation opened while a cache is (see kvcal.simulate).
 
 Beam search and batch edits (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`: WiredCache.
-take_sequences) move every sequence's storage with it, as if the batch had been fed so.
+take_sequences) move every sequence's storage with it, as if the batch had been fed so. Speculative decoding's `crop`
+takes the rejected candidates of the last step back, leaving what a step without them would have
+(kvcal.runtime.segments.SegmentedStore.take_back).
 
 Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks logit by logit):
 - the cache holds fp16; padding (from the attention mask) is never stored, each sequence has its own length;
@@ -152,6 +154,16 @@ class RuntimeLayer(CacheLayerMixin):
                 store.take_sequences(seqs, index)
         if self.index_keys is not None:
             self.index_keys = self.index_keys.index_select(0, index)
+
+    def take_back(self, tokens: int) -> list[int]:
+        """Take back the last `tokens` tokens of each sequence of the last step (WiredCache.crop, which checked that
+        every store can: SegmentedStore.take_back_refusal) -> those sequences."""
+        stepped = self.keys_store.take_back(tokens)
+        self.values_store.take_back(tokens)
+        self.padded_length -= tokens
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[:, :-tokens]
+        return stepped
 
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Append a step's indexer keys (batch, tokens, channels) -> every token's so far (transformers'
@@ -720,13 +732,33 @@ class WiredCache(Cache):
         self.take_sequences(torch.arange(len(self.lengths or [])).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' Cache.crop with 0 (nothing taken back; its steps may ask for it) is served. Taking tokens back
-        (assisted generation's rejected candidates) is refused: a step of several tokens moves what leaves the fp16
-        segments into the quantized body, which does not give back the fp16 it was made from."""
+        """transformers' Cache.crop(-n): take back the last n tokens of each sequence of the last step (assisted
+        generation's and prompt lookup's rejected candidates), which must have been a step of 2 to UNDO_TOKENS tokens
+        a sequence (its appends logged); the cache is then what it would be had that step brought the others only.
+        Refused, with nothing changed, where it cannot be: after a decode step or a longer one, where a sliding window
+        let go of tokens in that step, on Cocktail's caches and on layers keeping recurrent states."""
         self._check_open()
-        if tokens_to_remove:
-            raise KvcalError(f"crop({tokens_to_remove}): kvcal's quantized cache takes no tokens back (tokens of the step "
-                             "may have been quantized already); generate without assistant_model or prompt_lookup_num_tokens")
+        if tokens_to_remove > 0:
+            raise KvcalError(f"crop({tokens_to_remove}): give the number of tokens to take back as a negative count "
+                             "(transformers' convention)")
+        tokens = -tokens_to_remove
+        if not tokens:
+            return
+        stateful = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        refusal = (f"layers {stateful} keep recurrent states, which take no tokens back" if stateful else None)
+        for layer in self.attention_layers:
+            for store in (layer.keys_store, layer.values_store):
+                if refusal is None and store is not None:
+                    refusal = (store.take_back_refusal(tokens) if isinstance(store, SegmentedStore) else
+                               "Cocktail's chunks take no tokens back")
+        if refusal is None and self.lengths is None:
+            refusal = "the cache is empty"
+        if refusal is not None:
+            raise KvcalError(f"crop({tokens_to_remove}): {refusal}; generate without assistant_model or "
+                             "prompt_lookup_num_tokens here")
+        stepped = [layer.take_back(tokens) for layer in self.attention_layers if layer.keys_store is not None][0]
+        self.lengths = [n - tokens if b in stepped else n for b, n in enumerate(self.lengths)]
+        self._plan = None
 
     def take_sequences(self, index) -> None:
         """Keep sequences index[0], index[1], ... (a 1-D integer tensor or list; repeats allowed) as the cache's

@@ -21,15 +21,36 @@ order, sequence b's tokens first (see `assemble`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, window_dropped
 from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
 from kvcal.spans import AttentionSpan
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
+# a step of 2 to this many tokens a sequence is logged so that its last tokens can be taken back (SegmentedStore.
+# take_back: assisted generation's rejected candidates), at the cost of a copy of its rows until the next step
+UNDO_TOKENS = 64
+
+
+@dataclass
+class _Undo:
+    """What a step of several tokens did to a SegmentedStore: its sequences, their tokens and rows (fp16, grouped by
+    sequence), per sequence before it (sink, body and recent lengths, RPC count, tokens dropped), the recent rows it
+    moved to the body (a copy, grouped by sequence: `moved` of each) and the body's outlier counts before it."""
+
+    seqs: list[int]
+    counts: list[int]
+    rows: torch.Tensor
+    before: list[tuple[int, int, int, int, int]]
+    moved_rows: torch.Tensor | None
+    moved: dict[int, int]
+    outliers: tuple | None
+    body_heads: list[int]  # every sequence's first live body row before it (a compaction moves them)
 
 
 class SegmentedStore:
@@ -43,6 +64,7 @@ class SegmentedStore:
         self.recent = Fp16Rows(batch, width, device)
         self.rpc = [0] * batch
         self.dropped = [0] * batch  # tokens dropped from the front: stored token i is the sequence's token dropped + i
+        self._undo: _Undo | None = None  # the last append's, where it was a step of several tokens (UNDO_TOKENS)
 
     ordered = True  # read_batch gives each sequence's tokens in position order
 
@@ -97,7 +119,12 @@ class SegmentedStore:
         """Store new fp16 tokens x (sum(counts), C), counts[i] of them for sequence seqs[i], grouped in that order:
         each sequence's first tokens fill its sinks, the rest join its recent fp16 tokens, and those that leave
         the recent segment (the oldest first: earlier recent tokens, then new ones) are quantized into the body,
-        all sequences at once."""
+        all sequences at once. A step of 2 to UNDO_TOKENS tokens a sequence is logged for take_back."""
+        logged = 1 < max(counts, default=0) <= UNDO_TOKENS
+        before = [(self.sink.length[b], self.body.length[b], self.recent.length[b], self.rpc[b], self.dropped[b])
+                  for b in seqs] if logged else None
+        outliers, body_heads = (self.body.outlier_state(), list(self.body.head)) if logged else (None, None)
+        self._undo = None
         routes = [self._route(b, n) for b, n in zip(seqs, counts)]
         for b, route in zip(seqs, routes):
             self.rpc[b] = route[3]
@@ -122,6 +149,7 @@ class SegmentedStore:
             first += n
         if sink[0]:
             self.sink.write(sink[0], sink[1], _rows(x, sink[2], sink[1]))
+        old = None
         if body_seqs:
             old = self.recent.take_front(old_seqs, old_counts) if old_seqs else None
             fresh = _rows(x, new[2], new[1]) if new[0] else None
@@ -134,8 +162,53 @@ class SegmentedStore:
                 order = spans(firsts.reshape(-1), np.stack([from_old, from_new], 1).reshape(-1))
                 leaving_rows = torch.cat([old, fresh.to(old.dtype)]).index_select(0, upload(order, old.device))
             self.body.append_rows(body_seqs, body_counts, leaving_rows)
+        if logged:  # (the moved rows copied before the recent segment is written over them)
+            moved_rows = old.clone() if old is not None else None
+            self._undo = _Undo(list(seqs), list(counts), x, before, moved_rows, dict(zip(old_seqs, old_counts)), outliers,
+                               body_heads)
         if recent[0]:
             self.recent.write(recent[0], recent[1], _rows(x, recent[2], recent[1]))
+
+    def take_back_refusal(self, tokens: int) -> str | None:
+        """Why the last `tokens` tokens of each sequence of the last append cannot be taken back, or None."""
+        undo = self._undo
+        if undo is None:
+            return (f"the last step was not one of 2 to {UNDO_TOKENS} tokens a sequence (a decode step or a prefill), whose "
+                    "appends are not logged")
+        if min(undo.counts) < tokens:
+            return f"the last step brought {min(undo.counts)} tokens to a sequence, fewer than {tokens}"
+        if any(self.dropped[b] != before[4] for b, before in zip(undo.seqs, undo.before)):
+            return "a sliding window let go of tokens after that step, which taking its last tokens back needs again"
+        if self.body.head != undo.body_heads:
+            return "that step compacted the quantized body's storage (after a sliding window's drops)"
+        return None
+
+    def take_back(self, tokens: int) -> list[int]:
+        """Take back each sequence's last `tokens` tokens of the last append (a step of several tokens; see
+        take_back_refusal) -> the sequences it brought tokens to. The store is then what it would be had that step
+        brought the others only (its body rows and outliers go, its recent and sink segments and RPC counts are as
+        before it, and the rest of its tokens are appended again, quantized as they were)."""
+        refusal = self.take_back_refusal(tokens)
+        if refusal is not None:
+            raise KvcalError(f"cannot take back {tokens} tokens: {refusal}")
+        undo, self._undo = self._undo, None
+        self.body.truncate(undo.seqs, [before[1] for before in undo.before], undo.outliers)
+        recent, first = [], 0
+        for b, (sink, _, recent_length, rpc, _) in zip(undo.seqs, undo.before):
+            moved = undo.moved.get(b, 0)
+            stayed = self.recent.read(b)[: recent_length - moved]
+            recent.append(stayed if not moved else torch.cat([undo.moved_rows[first : first + moved], stayed]))
+            first += moved
+            self.sink.length[b], self.rpc[b] = sink, rpc
+        rows = torch.cat(recent)  # (a copy: the recent segment is written over below)
+        for b in undo.seqs:
+            self.recent.clear(b)
+        self.recent.write(undo.seqs, [len(r) for r in recent], rows)
+        firsts = list(np.cumsum(undo.counts) - np.asarray(undo.counts))
+        kept = [n - tokens for n in undo.counts]
+        if any(kept):
+            self.append_rows(undo.seqs, kept, _rows(undo.rows, firsts, kept))
+        return undo.seqs
 
     def _append_one_each(self, seqs: list[int], ones: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:
         """A decode step's steady cases, every sequence one token (ones: its counts) routed alike (the cases of

@@ -690,6 +690,20 @@ class PackedRows:
         n = max((h + length for h, length in zip(self.head, self.length)), default=0)
         return self.decoded(n), self.head, self.length
 
+    def outlier_state(self) -> tuple | None:
+        """The outlier counts now (host and device), for truncate; None for a codec that keeps none."""
+        return ([list(heads) for heads in self._outliers], self.outlier_count.clone()) if self.keeps_outliers else None
+
+    def truncate(self, seqs: list[int], lengths: list[int], outliers: tuple | None) -> None:
+        """Sequences seqs[i] back to lengths[i] live rows and the outlier counts back to `outliers` (outlier_state(),
+        taken before the rows past those were appended, with no compaction since): those rows and their outliers go,
+        their storage is written again by the next append. The kernel path's host bounds stay upper bounds."""
+        for b, n in zip(seqs, lengths):
+            self.length[b] = n
+        if outliers is not None:
+            self._outliers = [list(heads) for heads in outliers[0]]
+            self.outlier_count.copy_(outliers[1])
+
     def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
         """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
         ... (see Fp16Rows.take_sequences). The kernel path's pending snapshot of outlier counts is let go: the host

@@ -107,6 +107,42 @@ def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_l
     return results
 
 
+def stored_state(cache) -> list:
+    """Every store's segment lengths, RPC counts and outliers, each sequence's tokens as read back, every layer's indexer
+    keys (a layer's as one tensor on the CPU)."""
+    state = []
+    for layer in cache.attention_layers:
+        for store in (layer.keys_store, layer.values_store):
+            if store is not None:
+                state.append([list(counts) for counts in (store.rpc, store.sink.length, store.body.length, store.recent.length,
+                                                          store.body.outliers)])
+                state.extend(store.read(b).cpu() for b in range(len(store.rpc)))
+        state.append(None if layer.index_keys is None else layer.index_keys.cpu())
+    return state
+
+
+def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: int, cuda_layout: str = "rows") -> None:
+    """crop(-3) after a prompt of `prompt` tokens of ids (none: the step is the first) and a step of 7 leaves the cache a
+    step of 4 leaves: every store's state (stored_state), then the logits and bytes of 8 decode steps."""
+    results = []
+    with torch.inference_mode():
+        for step, taken_back in ((7, 3), (4, 0)):
+            with quantized_cache(model, bundle, cuda_layout) as cache:
+                if prompt:
+                    model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+                model(ids[:, prompt : prompt + step], past_key_values=cache, use_cache=True)
+                cache.crop(-taken_back)
+                state = stored_state(cache)
+                logits = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                          for t in range(prompt + 4, prompt + 12)]
+                results.append((state, torch.cat(logits, 1), cache.used_bytes(), cache.tokens()))
+    (state, logits, *held), (shorter_state, shorter_logits, *shorter_held) = results
+    assert held == shorter_held and len(state) == len(shorter_state)
+    for got, want in zip(state, shorter_state):
+        assert got == want if isinstance(got, list) else (got is want is None or torch.equal(got, want))
+    torch.testing.assert_close(logits, shorter_logits, rtol=0, atol=1e-4)
+
+
 def decode_step_operations(model, bundle, batch: int, prompt_tokens: int = 30) -> collections.Counter:
     """The torch operations called in one decode step after a prefill of `batch` sequences (torch.profiler on CPU:
     the top-level events; the events nested in them are ATen's own decomposition of an operation, which follows
