@@ -1,5 +1,6 @@
 """benchmarks.end_to_end: what the long-context passkey report names as the recipe closest to fp, the host-side
-benchmark of the CUDA decode step (a run, and an A/B of two trees), and the MLA generate() benchmark (a run)."""
+benchmark of the CUDA decode step (a run, and an A/B of two trees), the MLA generate() benchmark (a run) and the prompt
+lookup benchmark (a run)."""
 
 import json
 import subprocess
@@ -104,6 +105,27 @@ def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decod
     tokens = 80 + 3 - 1
     assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 4 + 80 * 4)
     assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 2 + 80 * 4)
+
+
+def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(tmp_path, monkeypatch, tiny_model_dir):
+    """A run on a tiny model (no chat template: the request as plain text): greedy generate() and prompt lookup on
+    DynamicCache and on kvcal's KIVI-2 cache, greedy one forward a new token and its own tokens; a bundle path that
+    does not exist is refused before anything runs or is written."""
+    from benchmarks import common
+    from benchmarks.end_to_end import speculative
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        speculative.main(["--model", str(tiny_model_dir("llama")), "--bundles", str(tmp_path / "none.safetensors")])
+    assert exit_.value.code == 2 and not list(tmp_path.iterdir())
+    speculative.main(["--model", str(tiny_model_dir("llama")), "--samples", "1", "--passage-tokens", "32",
+                      "--new-tokens", "6", "--lookup", "3", "--rounds", "1", "--out", "speculative"])
+    rows = json.loads((tmp_path / "speculative.json").read_text())["results"]
+    assert [(r["cache"], r["decoding"]) for r in rows] == [(cache, way) for cache in ("DynamicCache", "kvcal kivi2-g32")
+                                                           for way in ("greedy", "lookup")]
+    assert all(r["ms_per_token"] > 0 for r in rows) and rows[0]["vs_dynamic_greedy"] == 1.0
+    assert all(r["forwards_per_token"] == 1.0 and r["same_as_greedy"] == 1.0 for r in rows if r["decoding"] == "greedy")
+    assert "| kvcal kivi2-g32 | lookup |" in (tmp_path / "speculative.md").read_text()
 
 
 @pytest.mark.slow

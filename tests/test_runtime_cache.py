@@ -227,20 +227,22 @@ def test_a_cache_refuses_other_batches_and_sequences_it_does_not_hold(recipe_bun
         assert cache.tokens() == [13] * 4 and cache.used_bytes() > 2 * held
 
 
-@pytest.mark.parametrize("model_type, recipe, prompt", [("llama", recipe, prompt) for recipe in RECIPES for prompt in (0, 60)] + [
-    ("gemma3_text", "kivi", 8), ("gemma3n_text", "kvquant", 8), ("deepseek_v3", "kvquant", 60),
-    ("deepseek_v32", "kvquant", 60)])
+@pytest.mark.parametrize("model_type, recipe, prompt, step", [
+    ("llama", recipe, prompt, step) for recipe in RECIPES for prompt, step in ((0, 7), (60, 7), (0, 70))] + [
+    ("gemma3_text", "kivi", 8, 7), ("gemma3n_text", "kvquant", 8, 7), ("deepseek_v3", "kvquant", 60, 7),
+    ("deepseek_v32", "kvquant", 60, 7)])
 def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles, gemma3_bundles, architecture_bundles,
-                                                                 model_type, recipe, prompt, decode_path):
+                                                                 model_type, recipe, prompt, step, decode_path):
     """crop(-3) after a step of 7 tokens (assisted generation's check of its candidates) leaves the cache a step of 4
     leaves: every store's segments, RPC counts (KVmix's after a 60-token prompt: 6, then 1 after 7 tokens and after
     4), outliers and tokens read back, indexer keys, and the logits and bytes of decode steps after it; also as the
-    first step (its first tokens fp16 sinks), for Gemma 3 and 3n within their windows, for layers reading another's
-    cache (Gemma 3n), MLA and DeepSeek Sparse Attention."""
+    first step (its first tokens fp16 sinks), after a first step of 70 (assisted generation's first check comes with
+    the prompt), for Gemma 3 and 3n within their windows, for layers reading another's cache (Gemma 3n), MLA and
+    DeepSeek Sparse Attention."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
-    ids = torch.randint(3, 512, (2, prompt + 12), generator=torch.Generator().manual_seed(7))
-    assert_taking_back_leaves_a_shorter_steps_cache(model, bundles[recipe], ids, prompt)
+    ids = torch.randint(3, 512, (2, prompt + step + 8), generator=torch.Generator().manual_seed(7))
+    assert_taking_back_leaves_a_shorter_steps_cache(model, bundles[recipe], ids, prompt, step=step)
 
 
 def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):
@@ -266,28 +268,28 @@ def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, 
 
 
 def test_taking_tokens_back_is_refused_where_it_cannot_be_exact(recipe_bundles, gemma3_bundles, architecture_bundles):
-    """crop refuses, with nothing changed: after a decode step or a prefill longer than a step of candidates, more
-    tokens than the step brought, a positive count; after a step whose sliding window let go of tokens; on a hybrid
-    model's recurrent states and on Cocktail's chunks. crop(0) (generate's steps ask it) changes nothing."""
+    """crop refuses, with nothing changed: after a decode step, more tokens than the step brought or than 64, a
+    positive count; after a step whose sliding window let go of tokens; on a hybrid model's recurrent states and on
+    Cocktail's chunks. crop(0) (generate's steps ask it) changes nothing."""
     from kvcal.policy.cocktail import cocktail_cache
 
-    ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 512, (2, 160), generator=torch.Generator().manual_seed(0))
     model = tiny_model("llama")
     with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
-        model(ids[:, :70], past_key_values=cache, use_cache=True)
+        model(ids[:, :150], past_key_values=cache, use_cache=True)
         held = cache.used_bytes()
         cache.crop(0)
-        with pytest.raises(KvcalError, match=r"crop\(-2\): the last step was not one of 2 to 64 tokens a sequence"):
-            cache.crop(-2)
-        model(ids[:, 70:73], past_key_values=cache, use_cache=True)
-        with pytest.raises(KvcalError, match="the last step brought 3 tokens to a sequence, fewer than 4"):
+        with pytest.raises(KvcalError, match=r"crop\(-65\): the last step brought 150 tokens to a sequence; up to 64"):
+            cache.crop(-65)
+        model(ids[:, 150:153], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="the last step brought 3 tokens to a sequence; up to 64 of them can go"):
             cache.crop(-4)
         with pytest.raises(KvcalError, match="as a negative count"):
             cache.crop(2)
-        model(ids[:, 73:74], past_key_values=cache, use_cache=True)
-        with pytest.raises(KvcalError, match="the last step was not one of 2 to 64"):
+        model(ids[:, 153:154], past_key_values=cache, use_cache=True)
+        with pytest.raises(KvcalError, match="the last step brought one token a sequence"):
             cache.crop(-1)
-        assert cache.tokens() == [74, 74] and cache.used_bytes() > held
+        assert cache.tokens() == [154, 154] and cache.used_bytes() > held
     gemma3 = tiny_model("gemma3_text")
     with torch.inference_mode(), quantized_cache(gemma3, gemma3_bundles["kivi"]) as cache:
         gemma3(ids[:, :30], past_key_values=cache, use_cache=True)

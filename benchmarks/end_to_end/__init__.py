@@ -1,8 +1,8 @@
 """End to end: generate(), passkey retrieval and cache memory on SmolLM2 on CPU (`cpu`), memory and passkey /
 multi-key retrieval at 4K-32K tokens on Gemma 3 (`long-context`), generate() on a Llama-3.1-8B-shaped model on a GPU
 (`gpu`) and on a DeepSeek-V2-Lite-shaped one, multi-head latent attention (`mla`), the host side of kvcal's decode
-step on the CUDA path, measured on the CPU (`host`), and `kvcal profile-gradients`' time and memory
-(`profile_gradients`)."""
+step on the CUDA path, measured on the CPU (`host`), `kvcal profile-gradients`' time and memory
+(`profile_gradients`), and prompt lookup decoding through the cache (`speculative`)."""
 
 # mode of `python -m benchmarks.end_to_end` -> (module, what it measures)
 MODES = {
@@ -12,4 +12,5 @@ MODES = {
     "host": ("benchmarks.end_to_end.host", "the host side of kvcal's CUDA decode step per layer, launches skipped (CPU)"),
     "profile": ("benchmarks.end_to_end.profile_gradients", "wall time and peak memory of kvcal profile-gradients"),
     "mla": ("benchmarks.end_to_end.mla", "generate() on a DeepSeek-V2-Lite-shaped model (MLA) against DynamicCache"),
+    "speculative": ("benchmarks.end_to_end.speculative", "prompt lookup decoding against greedy, DynamicCache and kvcal's caches"),
 }

@@ -732,11 +732,11 @@ class WiredCache(Cache):
         self.take_sequences(torch.arange(len(self.lengths or [])).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' Cache.crop(-n): take back the last n tokens of each sequence of the last step (assisted
-        generation's and prompt lookup's rejected candidates), which must have been a step of 2 to UNDO_TOKENS tokens
-        a sequence (its appends logged); the cache is then what it would be had that step brought the others only.
-        Refused, with nothing changed, where it cannot be: after a decode step or a longer one, where a sliding window
-        let go of tokens in that step, on Cocktail's caches and on layers keeping recurrent states."""
+        """transformers' Cache.crop(-n): take back the last n tokens (up to UNDO_TOKENS) of each sequence of the last
+        step (assisted generation's and prompt lookup's rejected candidates), which must have brought several tokens a
+        sequence (its appends logged: SegmentedStore.take_back); the cache is then what it would be had that step
+        brought the others only. Refused, with nothing changed, where it cannot be: after a decode step, where a
+        sliding window let go of tokens in that step, on Cocktail's caches and on layers keeping recurrent states."""
         self._check_open()
         if tokens_to_remove > 0:
             raise KvcalError(f"crop({tokens_to_remove}): give the number of tokens to take back as a negative count "

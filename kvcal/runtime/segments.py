@@ -32,25 +32,23 @@ from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
 from kvcal.spans import AttentionSpan
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
-# a step of 2 to this many tokens a sequence is logged so that its last tokens can be taken back (SegmentedStore.
-# take_back: assisted generation's rejected candidates), at the cost of a copy of its rows until the next step
+# a step of several tokens keeps a copy of the last UNDO_TOKENS (+ a block) tokens it moved to the body, so that up to
+# this many of its last tokens can be taken back (SegmentedStore.take_back: speculative decoding's rejected candidates)
 UNDO_TOKENS = 64
 
 
 @dataclass
 class _Undo:
-    """What a step of several tokens did to a SegmentedStore: its sequences, their tokens and rows (fp16, grouped by
-    sequence), per sequence before it (sink, body and recent lengths, RPC count, tokens dropped), the recent rows it
-    moved to the body (a copy, grouped by sequence: `moved` of each) and the body's outlier counts before it."""
+    """What a step of several tokens did to a SegmentedStore: its sequences and their tokens, per sequence before it
+    (sink, body and recent lengths, RPC count, tokens dropped) and its route (SegmentedStore._route), and a copy of
+    the last tokens it moved to the body (fp16, grouped by sequence: `tail` of each, the last of its moved ones)."""
 
     seqs: list[int]
     counts: list[int]
-    rows: torch.Tensor
     before: list[tuple[int, int, int, int, int]]
-    moved_rows: torch.Tensor | None
-    moved: dict[int, int]
-    outliers: tuple | None
-    body_heads: list[int]  # every sequence's first live body row before it (a compaction moves them)
+    routes: list[tuple[int, int, int, int]]
+    tail_rows: torch.Tensor | None
+    tail: dict[int, int]
 
 
 class SegmentedStore:
@@ -102,12 +100,13 @@ class SegmentedStore:
     def _route(self, b: int, n: int) -> tuple[int, int, int, int]:
         """Where n new tokens of sequence b go: (tokens to its sinks, tokens leaving for the body (its oldest recent
         tokens first, then new ones), how many of those leave the recent segment, its RPC count after the step)."""
-        total = self.total(b)
+        return self._route_from(self.total(b), self.recent.length[b], self.rpc[b], n)
+
+    def _route_from(self, total: int, stored: int, rpc: int, n: int) -> tuple[int, int, int, int]:
+        """_route of a sequence that has had `total` tokens, `stored` of them fp16 recent ones, after RPC count `rpc`."""
         to_sink = max(min(self.policy.sink - total, n), 0)
         rest = n - to_sink
-        stored = self.recent.length[b]
         fp16_recent = self.policy.fp16_recent(total + n, self.keys)
-        rpc = self.rpc[b]
         if self.rpc_ratio:
             rpc = math.floor(self.rpc_ratio * (rest + rpc))
             fp16_recent = max(fp16_recent, rpc)
@@ -119,11 +118,10 @@ class SegmentedStore:
         """Store new fp16 tokens x (sum(counts), C), counts[i] of them for sequence seqs[i], grouped in that order:
         each sequence's first tokens fill its sinks, the rest join its recent fp16 tokens, and those that leave
         the recent segment (the oldest first: earlier recent tokens, then new ones) are quantized into the body,
-        all sequences at once. A step of 2 to UNDO_TOKENS tokens a sequence is logged for take_back."""
-        logged = 1 < max(counts, default=0) <= UNDO_TOKENS
+        all sequences at once. A step of several tokens a sequence is logged for take_back."""
+        logged = max(counts, default=0) > 1
         before = [(self.sink.length[b], self.body.length[b], self.recent.length[b], self.rpc[b], self.dropped[b])
                   for b in seqs] if logged else None
-        outliers, body_heads = (self.body.outlier_state(), list(self.body.head)) if logged else (None, None)
         self._undo = None
         routes = [self._route(b, n) for b, n in zip(seqs, counts)]
         for b, route in zip(seqs, routes):
@@ -149,7 +147,7 @@ class SegmentedStore:
             first += n
         if sink[0]:
             self.sink.write(sink[0], sink[1], _rows(x, sink[2], sink[1]))
-        old = None
+        leaving_rows = None
         if body_seqs:
             old = self.recent.take_front(old_seqs, old_counts) if old_seqs else None
             fresh = _rows(x, new[2], new[1]) if new[0] else None
@@ -162,52 +160,74 @@ class SegmentedStore:
                 order = spans(firsts.reshape(-1), np.stack([from_old, from_new], 1).reshape(-1))
                 leaving_rows = torch.cat([old, fresh.to(old.dtype)]).index_select(0, upload(order, old.device))
             self.body.append_rows(body_seqs, body_counts, leaving_rows)
-        if logged:  # (the moved rows copied before the recent segment is written over them)
-            moved_rows = old.clone() if old is not None else None
-            self._undo = _Undo(list(seqs), list(counts), x, before, moved_rows, dict(zip(old_seqs, old_counts)), outliers,
-                               body_heads)
+        if logged:  # (copied before the recent segment is written over the rows that left it)
+            self._undo = self._log(seqs, counts, before, routes, body_seqs, body_counts, leaving_rows)
         if recent[0]:
             self.recent.write(recent[0], recent[1], _rows(x, recent[2], recent[1]))
 
-    def take_back_refusal(self, tokens: int) -> str | None:
-        """Why the last `tokens` tokens of each sequence of the last append cannot be taken back, or None."""
+    def _log(self, seqs, counts, before, routes, body_seqs, body_counts, leaving_rows) -> _Undo:
+        """The undo log of an append (see _Undo): a copy of the last UNDO_TOKENS + a block of each sequence's rows that
+        left for the body (leaving_rows, grouped as body_seqs), which a take_back may need in fp16 again."""
+        tail = {b: min(n, UNDO_TOKENS + self.body.block) for b, n in zip(body_seqs, body_counts)}
+        tail_rows = None
+        if body_seqs:
+            copied = [tail[b] for b in body_seqs]
+            tail_rows = _rows(leaving_rows, list(np.cumsum(body_counts) - copied), copied).clone()
+        return _Undo(list(seqs), list(counts), before, routes, tail_rows, tail)
+
+    def _taken_back(self, tokens: int) -> list[tuple] | str:
+        """Per sequence of the last append, what taking back its last `tokens` tokens leaves: (sequence, body rows,
+        RPC count, recent tokens the step moved to the body and are fp16 again (from its tail copy), recent tokens
+        still stored that stay); or why that cannot be done exactly."""
         undo = self._undo
         if undo is None:
-            return (f"the last step was not one of 2 to {UNDO_TOKENS} tokens a sequence (a decode step or a prefill), whose "
-                    "appends are not logged")
-        if min(undo.counts) < tokens:
-            return f"the last step brought {min(undo.counts)} tokens to a sequence, fewer than {tokens}"
-        if any(self.dropped[b] != before[4] for b, before in zip(undo.seqs, undo.before)):
-            return "a sliding window let go of tokens after that step, which taking its last tokens back needs again"
-        if self.body.head != undo.body_heads:
-            return "that step compacted the quantized body's storage (after a sliding window's drops)"
-        return None
+            return "the last step brought one token a sequence (a decode step), which is not logged"
+        if min(undo.counts) < tokens or tokens > UNDO_TOKENS:
+            return f"the last step brought {min(undo.counts)} tokens to a sequence; up to {UNDO_TOKENS} of them can go"
+        kept, first = [], 0
+        for b, n, (sink, body, recent, rpc, dropped), (to_sink, leaving, _, _) in zip(undo.seqs, undo.counts, undo.before,
+                                                                                    undo.routes):
+            if self.dropped[b] != dropped:
+                return "a sliding window let go of tokens after that step, which taking its last tokens back needs again"
+            to_sink_kept, leaving_kept, _, rpc_kept = self._route_from(dropped + sink + body + recent, recent, rpc,
+                                                                       n - tokens)
+            if to_sink_kept != to_sink:
+                return "the tokens it takes back reach into the fp16 sinks"
+            stream = recent + n - to_sink - tokens  # the tokens after the sinks the shorter step leaves, from the body's
+            copied = undo.tail.get(b, 0)  # the step's last tokens moved to the body that its tail copy holds
+            if leaving_kept < leaving - copied:
+                return "the shorter step would keep fp16 more tokens than the step moved to the body and logged"
+            back = (first + leaving_kept - (leaving - copied), first + min(stream, leaving) - (leaving - copied))
+            kept.append((b, body + leaving_kept, rpc_kept, back, max(stream - leaving, 0)))
+            first += copied
+        return kept
+
+    def take_back_refusal(self, tokens: int) -> str | None:
+        """Why the last `tokens` tokens of each sequence of the last append cannot be taken back exactly, or None."""
+        kept = self._taken_back(tokens)
+        return kept if isinstance(kept, str) else None
 
     def take_back(self, tokens: int) -> list[int]:
         """Take back each sequence's last `tokens` tokens of the last append (a step of several tokens; see
-        take_back_refusal) -> the sequences it brought tokens to. The store is then what it would be had that step
-        brought the others only (its body rows and outliers go, its recent and sink segments and RPC counts are as
-        before it, and the rest of its tokens are appended again, quantized as they were)."""
-        refusal = self.take_back_refusal(tokens)
-        if refusal is not None:
-            raise KvcalError(f"cannot take back {tokens} tokens: {refusal}")
+        take_back_refusal) -> the sequences it brought tokens to. The store is then what a step without them would
+        have left: the body keeps the rows such a step moves to it (each quantized alike: codecs quantize rows and
+        blocks on their own), its later rows and their outliers go, and the recent segment holds the tokens after
+        them in fp16, from the step's tail copy and from itself; RPC counts are the shorter step's."""
+        kept = self._taken_back(tokens)
+        if isinstance(kept, str):
+            raise KvcalError(f"cannot take back {tokens} tokens: {kept}")
         undo, self._undo = self._undo, None
-        self.body.truncate(undo.seqs, [before[1] for before in undo.before], undo.outliers)
-        recent, first = [], 0
-        for b, (sink, _, recent_length, rpc, _) in zip(undo.seqs, undo.before):
-            moved = undo.moved.get(b, 0)
-            stayed = self.recent.read(b)[: recent_length - moved]
-            recent.append(stayed if not moved else torch.cat([undo.moved_rows[first : first + moved], stayed]))
-            first += moved
-            self.sink.length[b], self.rpc[b] = sink, rpc
-        rows = torch.cat(recent)  # (a copy: the recent segment is written over below)
-        for b in undo.seqs:
+        self.body.truncate([b for b, *_ in kept], [body for _, body, *_ in kept])
+        pieces, counts = [], []
+        for b, _, _, (first, last), stayed in kept:
+            pieces += [undo.tail_rows[first:last]] if last > first else []
+            pieces.append(self.recent.read(b)[:stayed])
+            counts.append(max(last - first, 0) + stayed)
+        rows = torch.cat(pieces)  # (a copy: the recent segment is written over below)
+        for b, _, rpc, _, _ in kept:
             self.recent.clear(b)
-        self.recent.write(undo.seqs, [len(r) for r in recent], rows)
-        firsts = list(np.cumsum(undo.counts) - np.asarray(undo.counts))
-        kept = [n - tokens for n in undo.counts]
-        if any(kept):
-            self.append_rows(undo.seqs, kept, _rows(undo.rows, firsts, kept))
+            self.rpc[b] = rpc
+        self.recent.write(undo.seqs, counts, rows)
         return undo.seqs
 
     def _append_one_each(self, seqs: list[int], ones: list[int], route: tuple[int, int, int, int], x: torch.Tensor) -> bool:

@@ -690,19 +690,24 @@ class PackedRows:
         n = max((h + length for h, length in zip(self.head, self.length)), default=0)
         return self.decoded(n), self.head, self.length
 
-    def outlier_state(self) -> tuple | None:
-        """The outlier counts now (host and device), for truncate; None for a codec that keeps none."""
-        return ([list(heads) for heads in self._outliers], self.outlier_count.clone()) if self.keeps_outliers else None
-
-    def truncate(self, seqs: list[int], lengths: list[int], outliers: tuple | None) -> None:
-        """Sequences seqs[i] back to lengths[i] live rows and the outlier counts back to `outliers` (outlier_state(),
-        taken before the rows past those were appended, with no compaction since): those rows and their outliers go,
-        their storage is written again by the next append. The kernel path's host bounds stay upper bounds."""
+    def truncate(self, seqs: list[int], lengths: list[int]) -> None:
+        """Sequences seqs[i] back to their first lengths[i] live rows: the later rows and their outliers go (their
+        storage is written again by the next append). Outliers lie in row order per (sequence, KV head), so each count
+        becomes that of the outliers before the cut (on the kernel path this reads the device: not for a decode step;
+        its host bounds stay upper bounds)."""
+        if self.keeps_outliers:
+            sequence, rows, _, _ = self._live_outliers(seqs)
+            cut = torch.tensor([self.head[b] + n for b, n in zip(seqs, lengths)], device=self.device)
+            entries = torch.repeat_interleave(torch.arange(len(seqs) * self.kv_heads, device=self.device),
+                                              torch.tensor([n for b in seqs for n in self.outlier_counts()[b]],
+                                                           device=self.device))
+            before = torch.bincount(entries[rows < cut[sequence]], minlength=len(seqs) * self.kv_heads)
+            counts = before.view(len(seqs), self.kv_heads).to(torch.int32)
+            self.outlier_count[torch.tensor(seqs, device=self.device)] = counts
+            for i, b in enumerate(seqs):
+                self._outliers[b] = counts[i].tolist()
         for b, n in zip(seqs, lengths):
             self.length[b] = n
-        if outliers is not None:
-            self._outliers = [list(heads) for heads in outliers[0]]
-            self.outlier_count.copy_(outliers[1])
 
     def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
         """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,

@@ -121,25 +121,31 @@ def stored_state(cache) -> list:
     return state
 
 
-def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: int, cuda_layout: str = "rows") -> None:
-    """crop(-3) after a prompt of `prompt` tokens of ids (none: the step is the first) and a step of 7 leaves the cache a
-    step of 4 leaves: every store's state (stored_state), then the logits and bytes of 8 decode steps."""
+def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: int, cuda_layout: str = "rows",
+                                                    step: int = 7) -> None:
+    """crop(-3) after a prompt of `prompt` tokens of ids (none: the step is the first) and a step of `step` leaves the
+    cache a step of step - 3 leaves: every store's state (stored_state), then the logits and bytes of 8 decode steps.
+    The tokens read back within 1e-3: the model's keys and values of a forward over 70 tokens and over 67 can differ
+    in their last bit (BLAS blocking), one fp16 step of a stored token here."""
     results = []
     with torch.inference_mode():
-        for step, taken_back in ((7, 3), (4, 0)):
+        for fed, taken_back in ((step, 3), (step - 3, 0)):
             with quantized_cache(model, bundle, cuda_layout) as cache:
                 if prompt:
                     model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-                model(ids[:, prompt : prompt + step], past_key_values=cache, use_cache=True)
+                model(ids[:, prompt : prompt + fed], past_key_values=cache, use_cache=True)
                 cache.crop(-taken_back)
                 state = stored_state(cache)
                 logits = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
-                          for t in range(prompt + 4, prompt + 12)]
+                          for t in range(prompt + step - 3, prompt + step + 5)]
                 results.append((state, torch.cat(logits, 1), cache.used_bytes(), cache.tokens()))
     (state, logits, *held), (shorter_state, shorter_logits, *shorter_held) = results
     assert held == shorter_held and len(state) == len(shorter_state)
     for got, want in zip(state, shorter_state):
-        assert got == want if isinstance(got, list) else (got is want is None or torch.equal(got, want))
+        if isinstance(got, list) or got is None:
+            assert got == want
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     torch.testing.assert_close(logits, shorter_logits, rtol=0, atol=1e-4)
 
 
