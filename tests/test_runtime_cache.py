@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
-                      TINY_ARCHITECTURES, fp16_kivi_bundle, left_padded, longrope, tiny_model)
+                      TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences)
 from kvcal import registry, wiring
@@ -229,20 +229,22 @@ def test_a_cache_refuses_other_batches_and_sequences_it_does_not_hold(recipe_bun
 
 @pytest.mark.parametrize("model_type, recipe, prompt, step", [
     ("llama", recipe, prompt, step) for recipe in RECIPES for prompt, step in ((0, 7), (60, 7), (0, 70))] + [
-    ("gemma3_text", "kivi", 8, 7), ("gemma3n_text", "kvquant", 8, 7), ("deepseek_v3", "kvquant", 60, 7),
-    ("deepseek_v32", "kvquant", 60, 7)])
+    ("llama", "kivi-r128", 0, 130), ("gemma3_text", "kivi", 8, 7), ("gemma3n_text", "kvquant", 8, 7),
+    ("deepseek_v3", "kvquant", 60, 7), ("deepseek_v32", "kvquant", 60, 7)])
 def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                  model_type, recipe, prompt, step, decode_path):
     """crop(-3) after a step of 7 tokens (assisted generation's check of its candidates) leaves the cache a step of 4
     leaves: every store's segments, RPC counts (KVmix's after a 60-token prompt: 6, then 1 after 7 tokens and after
     4), outliers and tokens read back, indexer keys, and the logits and bytes of decode steps after it; also as the
     first step (its first tokens fp16 sinks), after a first step of 70 (assisted generation's first check comes with
-    the prompt), for Gemma 3 and 3n within their windows, for layers reading another's cache (Gemma 3n), MLA and
-    DeepSeek Sparse Attention."""
+    the prompt), where the shorter step keeps a whole KIVI residual of keys fp16 that the step moved to the body (130
+    tokens and 127 with a residual of 128), for Gemma 3 and 3n within their windows, for layers reading another's
+    cache (Gemma 3n), MLA and DeepSeek Sparse Attention."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
+    bundle = kivi_bundle(model, 2, 32, 128) if recipe == "kivi-r128" else bundles[recipe]
     ids = torch.randint(3, 512, (2, prompt + step + 8), generator=torch.Generator().manual_seed(7))
-    assert_taking_back_leaves_a_shorter_steps_cache(model, bundles[recipe], ids, prompt, step=step)
+    assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt, step=step)
 
 
 def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):

@@ -32,8 +32,8 @@ from kvcal.runtime.store import Fp16Rows, PackedRows, spans, upload
 from kvcal.spans import AttentionSpan
 
 POSITION_BYTES = 4  # a Cocktail chunk's start position, int32
-# a step of several tokens keeps a copy of the last UNDO_TOKENS (+ a block) tokens it moved to the body, so that up to
-# this many of its last tokens can be taken back (SegmentedStore.take_back: speculative decoding's rejected candidates)
+# a step of several tokens keeps a copy of the last tokens it moved to the body (SegmentedStore.undo_rows), so that up
+# to this many of its last tokens can be taken back (SegmentedStore.take_back: speculative decoding's rejected ones)
 UNDO_TOKENS = 64
 
 
@@ -63,6 +63,10 @@ class SegmentedStore:
         self.rpc = [0] * batch
         self.dropped = [0] * batch  # tokens dropped from the front: stored token i is the sequence's token dropped + i
         self._undo: _Undo | None = None  # the last append's, where it was a step of several tokens (UNDO_TOKENS)
+        # how many of the last tokens a step moves to the body its log copies: the fp16 tokens after a step of n - t
+        # tokens are at most t plus what the count kept fp16 may swing by (keys leave a KIVI residual whole, and
+        # per-channel blocks whole) more than after n
+        self.undo_rows = UNDO_TOKENS + max((self.body.block, *((policy.residual, policy.key_block) if keys else ())))
 
     ordered = True  # read_batch gives each sequence's tokens in position order
 
@@ -166,9 +170,9 @@ class SegmentedStore:
             self.recent.write(recent[0], recent[1], _rows(x, recent[2], recent[1]))
 
     def _log(self, seqs, counts, before, routes, body_seqs, body_counts, leaving_rows) -> _Undo:
-        """The undo log of an append (see _Undo): a copy of the last UNDO_TOKENS + a block of each sequence's rows that
-        left for the body (leaving_rows, grouped as body_seqs), which a take_back may need in fp16 again."""
-        tail = {b: min(n, UNDO_TOKENS + self.body.block) for b, n in zip(body_seqs, body_counts)}
+        """The undo log of an append (see _Undo): a copy of the last `undo_rows` of each sequence's rows that left for
+        the body (leaving_rows, grouped as body_seqs), which a take_back may need in fp16 again."""
+        tail = {b: min(n, self.undo_rows) for b, n in zip(body_seqs, body_counts)}
         tail_rows = None
         if body_seqs:
             copied = [tail[b] for b in body_seqs]
@@ -193,11 +197,14 @@ class SegmentedStore:
                                                                        n - tokens)
             if to_sink_kept != to_sink:
                 return "the tokens it takes back reach into the fp16 sinks"
-            stream = recent + n - to_sink - tokens  # the tokens after the sinks the shorter step leaves, from the body's
-            copied = undo.tail.get(b, 0)  # the step's last tokens moved to the body that its tail copy holds
-            if leaving_kept < leaving - copied:
+            # the step's stream: its recent tokens before it, then its tokens past the sinks; it moved the stream's
+            # first `leaving` to the body (the copy holds the last `copied` of those), the shorter step its first
+            # `leaving_kept`, and keeps the rest of its `stream` tokens fp16
+            stream, copied = recent + n - to_sink - tokens, undo.tail.get(b, 0)
+            copy_start = leaving - copied
+            if leaving_kept < copy_start:
                 return "the shorter step would keep fp16 more tokens than the step moved to the body and logged"
-            back = (first + leaving_kept - (leaving - copied), first + min(stream, leaving) - (leaving - copied))
+            back = (first + leaving_kept - copy_start, first + min(stream, leaving) - copy_start)  # rows of the copy
             kept.append((b, body + leaving_kept, rpc_kept, back, max(stream - leaving, 0)))
             first += copied
         return kept
@@ -273,6 +280,7 @@ class SegmentedStore:
         for segment in (self.sink, self.body, self.recent):
             segment.take_sequences(seqs, index)
         self.rpc, self.dropped = [self.rpc[b] for b in seqs], [self.dropped[b] for b in seqs]
+        self._undo = None  # (its sequences are no longer these)
 
     def kernel_segments(self) -> list[tuple]:
         """(fp16 sink, packed body, fp16 recent) per decode-attention launch (kvcal.runtime.kernels), in position order."""

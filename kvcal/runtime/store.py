@@ -696,13 +696,11 @@ class PackedRows:
         becomes that of the outliers before the cut (on the kernel path this reads the device: not for a decode step;
         its host bounds stay upper bounds)."""
         if self.keeps_outliers:
-            sequence, rows, _, _ = self._live_outliers(seqs)
-            cut = torch.tensor([self.head[b] + n for b, n in zip(seqs, lengths)], device=self.device)
-            entries = torch.repeat_interleave(torch.arange(len(seqs) * self.kv_heads, device=self.device),
-                                              torch.tensor([n for b in seqs for n in self.outlier_counts()[b]],
-                                                           device=self.device))
-            before = torch.bincount(entries[rows < cut[sequence]], minlength=len(seqs) * self.kv_heads)
-            counts = before.view(len(seqs), self.kv_heads).to(torch.int32)
+            sequence, rows, channels, _ = self._live_outliers(seqs)
+            cut = torch.tensor([self.head[b] + n for b, n in zip(seqs, lengths)], device=self.device)[sequence]
+            run = sequence * self.kv_heads + torch.div(channels, self.head_dim, rounding_mode="floor")
+            counts = torch.bincount(run[rows < cut], minlength=len(seqs) * self.kv_heads).view(len(seqs), self.kv_heads)
+            counts = counts.to(torch.int32)
             self.outlier_count[torch.tensor(seqs, device=self.device)] = counts
             for i, b in enumerate(seqs):
                 self._outliers[b] = counts[i].tolist()
