@@ -744,21 +744,26 @@ class WiredCache(Cache):
         tokens = -tokens_to_remove
         if not tokens:
             return
-        stateful = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        refusal = (f"layers {stateful} keep recurrent states, which take no tokens back" if stateful else None)
-        for layer in self.attention_layers:
-            for store in (layer.keys_store, layer.values_store):
-                if refusal is None and store is not None:
-                    refusal = (store.take_back_refusal(tokens) if isinstance(store, SegmentedStore) else
-                               "Cocktail's chunks take no tokens back")
-        if refusal is None and self.lengths is None:
-            refusal = "the cache is empty"
+        refusal = self._take_back_refusal(tokens)
         if refusal is not None:
             raise KvcalError(f"crop({tokens_to_remove}): {refusal}; generate without assistant_model or "
                              "prompt_lookup_num_tokens here")
         stepped = [layer.take_back(tokens) for layer in self.attention_layers if layer.keys_store is not None][0]
         self.lengths = [n - tokens if b in stepped else n for b, n in enumerate(self.lengths)]
         self._plan = None
+
+    def _take_back_refusal(self, tokens: int) -> str | None:
+        """Why crop cannot take back `tokens` tokens exactly, or None (every store checked before any changes)."""
+        stateful = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        if stateful:
+            return f"layers {stateful} keep recurrent states, which take no tokens back"
+        if self.lengths is None:
+            return "the cache is empty"
+        stores = [store for layer in self.attention_layers for store in (layer.keys_store, layer.values_store)
+                  if store is not None]
+        if not all(isinstance(store, SegmentedStore) for store in stores):
+            return "Cocktail's chunks take no tokens back"
+        return next(filter(None, (store.take_back_refusal(tokens) for store in stores)), None)
 
     def take_sequences(self, index) -> None:
         """Keep sequences index[0], index[1], ... (a 1-D integer tensor or list; repeats allowed) as the cache's
