@@ -120,7 +120,7 @@ def main(argv=None) -> None:
              "vs_dynamic_greedy": round(mean(found, "ms_per_token") / baseline, 3),
              "forwards_per_token": round(mean(found, "forwards_per_token"), 3),
              "same_as_greedy": round(mean(found, "same_as_greedy"), 3)} for (name, way), found in per_prompt.items()]
-    name = args.out or f"speculative_{device_slug(started['device'].split(',')[0])}"
+    name = args.out or f"speculative_{device_slug(started['device'])}"
     settings = {key: getattr(args, key) for key in ("samples", "passage_tokens", "new_tokens", "lookup", "rounds")}
     write_result(name, {"model": source.name, **settings, "results": rows}, started)
     lines = [f"# Prompt lookup decoding through the cache ({source.name}, {started['device']}, {started['commit']})", "",
