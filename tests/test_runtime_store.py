@@ -14,6 +14,7 @@ from kvcal.quantizers import ChannelBlockUniform, TokenUniform
 from kvcal.runtime import cpu_kernel, tensor_core
 from kvcal.runtime.segments import SegmentedStore
 from kvcal.runtime.store import GROWTH, PackedRows
+from kvcal.bundle import load_bundle
 from kvcal.fit.skvq import SkvqTensor
 
 
@@ -137,6 +138,54 @@ def test_sequences_taken_keep_their_rows_and_the_stores_layout(name, encoder, ro
         target.append_rows([0, 1, 2], [step, 2 * step, 3 * step], more)
     assert store.length == fed.length and store.outliers == fed.outliers
     assert all(torch.equal(store.read(b), fed.read(b)) for b in range(3))
+
+
+def recipe_store(bundle, keys: bool, encoder_for, batch: int) -> SegmentedStore:
+    """The store of layer 0's keys (or values) of a bundle, as quantized_cache makes it (tiny Llama: 2 KV heads of 16)."""
+    recipe, codecs = bundle.layers[0], bundle.layer_codecs(0)
+    return SegmentedStore(codecs.key_codec if keys else codecs.value_codec, recipe.format.policy(recipe), keys,
+                          recipe.rpc_k if keys else recipe.rpc_v, batch, 32, "cpu", encoder_for=encoder_for, head_dim=16)
+
+
+@pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
+def test_tokens_taken_back_leave_the_store_a_shorter_step_leaves(recipe_bundles, encoder):
+    """200 random cases over every recipe's K and V stores and KIVI with a residual of 128 (its keys leave it 128 at a
+    time): after random steps of two sequences (decode steps among them), a step of 2 to 120 tokens each, and
+    take_back of 1 to 64 of them, the store holds what one given the shorter step holds, bit for bit (segments, RPC
+    counts, outliers, every token read back), and stays so through the next append."""
+    from conftest import kivi_bundle, tiny_model
+
+    bundles = {**{name: load_bundle(path) for name, path in recipe_bundles.items()},
+               "kivi-r128": kivi_bundle(tiny_model("llama"), 2, 32, 128)}
+    encoder_for = cpu_kernel.append_encoder if encoder == "cpu-append" else None
+    state = lambda store: ([list(counts) for counts in (store.rpc, store.sink.length, store.body.length,
+                                                        store.recent.length, store.body.outliers)],
+                           [store.read(b) for b in range(2)])
+    rng = random.Random(0)
+    for case in range(200):
+        bundle, keys = bundles[rng.choice(sorted(bundles))], rng.random() < 0.5
+        taken, shorter = (recipe_store(bundle, keys, encoder_for, 2) for _ in range(2))
+        rows = (seeded_tokens(1100, case)[:, :32] * 3).half()
+        fed = [0, 550]
+
+        def feed(stores, counts):
+            for store in stores:
+                store.append_rows([0, 1], counts, torch.cat([rows[fed[b] : fed[b] + n] for b, n in enumerate(counts)]))
+            fed[:] = [start + n for start, n in zip(fed, counts)]
+
+        for _ in range(rng.randint(0, 4)):
+            feed((taken, shorter), [rng.choice([1, 2, 5, 17, 40, 90]) for _ in range(2)])
+        step = [rng.randint(2, 120) for _ in range(2)]
+        back = rng.randint(1, min(min(step), 64))
+        feed((taken,), step)
+        fed[:] = [start - n for start, n in zip(fed, step)]
+        taken.take_back(back)
+        feed((shorter,), [n - back for n in step])
+        for when in ("after the take-back", "after the next append"):
+            (counts, reads), (want_counts, want_reads) = state(taken), state(shorter)
+            assert counts == want_counts, (case, when)
+            assert all(torch.equal(got, want) for got, want in zip(reads, want_reads)), (case, when)
+            feed((taken, shorter), [3, 7])
 
 
 def test_per_token_parameters_run_along_the_tokens_per_channel_group():

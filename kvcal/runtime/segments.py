@@ -180,9 +180,9 @@ class SegmentedStore:
         return _Undo(list(seqs), list(counts), before, routes, tail_rows, tail)
 
     def _taken_back(self, tokens: int) -> list[tuple] | str:
-        """Per sequence of the last append, what taking back its last `tokens` tokens leaves: (sequence, body rows,
-        RPC count, recent tokens the step moved to the body and are fp16 again (from its tail copy), recent tokens
-        still stored that stay); or why that cannot be done exactly."""
+        """Per sequence of the last append, what taking back its last `tokens` tokens leaves: (sequence, sinks, body
+        rows, RPC count, the rows of its tail copy that are fp16 again, recent tokens still stored that stay); or why
+        that cannot be done exactly."""
         undo = self._undo
         if undo is None:
             return "the last step brought one token a sequence (a decode step), which is not logged"
@@ -195,17 +195,16 @@ class SegmentedStore:
                 return "a sliding window let go of tokens after that step, which taking its last tokens back needs again"
             to_sink_kept, leaving_kept, _, rpc_kept = self._route_from(dropped + sink + body + recent, recent, rpc,
                                                                        n - tokens)
-            if to_sink_kept != to_sink:
-                return "the tokens it takes back reach into the fp16 sinks"
             # the step's stream: its recent tokens before it, then its tokens past the sinks; it moved the stream's
             # first `leaving` to the body (the copy holds the last `copied` of those), the shorter step its first
-            # `leaving_kept`, and keeps the rest of its `stream` tokens fp16
-            stream, copied = recent + n - to_sink - tokens, undo.tail.get(b, 0)
+            # `leaving_kept`, and keeps the rest of its `stream` tokens fp16 (a shorter step that only fills sinks
+            # has none: the sinks fill before anything else is stored)
+            stream, copied = recent + n - tokens - to_sink_kept, undo.tail.get(b, 0)
             copy_start = leaving - copied
             if leaving_kept < copy_start:
                 return "the shorter step would keep fp16 more tokens than the step moved to the body and logged"
             back = (first + leaving_kept - copy_start, first + min(stream, leaving) - copy_start)  # rows of the copy
-            kept.append((b, body + leaving_kept, rpc_kept, back, max(stream - leaving, 0)))
+            kept.append((b, sink + to_sink_kept, body + leaving_kept, rpc_kept, back, max(stream - leaving, 0)))
             first += copied
         return kept
 
@@ -224,16 +223,16 @@ class SegmentedStore:
         if isinstance(kept, str):
             raise KvcalError(f"cannot take back {tokens} tokens: {kept}")
         undo, self._undo = self._undo, None
-        self.body.truncate([b for b, *_ in kept], [body for _, body, *_ in kept])
+        self.body.truncate([b for b, *_ in kept], [body for _, _, body, *_ in kept])
         pieces, counts = [], []
-        for b, _, _, (first, last), stayed in kept:
+        for b, _, _, _, (first, last), stayed in kept:
             pieces += [undo.tail_rows[first:last]] if last > first else []
             pieces.append(self.recent.read(b)[:stayed])
             counts.append(max(last - first, 0) + stayed)
         rows = torch.cat(pieces)  # (a copy: the recent segment is written over below)
-        for b, _, rpc, _, _ in kept:
+        for b, sink, _, rpc, _, _ in kept:
             self.recent.clear(b)
-            self.rpc[b] = rpc
+            self.sink.length[b], self.rpc[b] = sink, rpc
         self.recent.write(undo.seqs, counts, rows)
         return undo.seqs
 
