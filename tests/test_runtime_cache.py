@@ -248,9 +248,9 @@ def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles,
 
 
 def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):
-    """generate() with prompt_lookup_num_tokens on a cache holding every token fp16: its candidates checked in steps
-    of several tokens, the rejected ones taken back (crop), it gives the model's own greedy tokens; on a 2-bit kivi
-    cache it runs, taking tokens back as well."""
+    """generate() with prompt_lookup_num_tokens, and with an assistant model of other weights, on a cache holding
+    every token fp16: the candidates checked in steps of several tokens, the rejected ones taken back (crop), each
+    gives the model's own greedy tokens; on a 2-bit kivi cache prompt lookup runs, taking tokens back as well."""
     from kvcal.runtime.cache import WiredCache
 
     taken_back = []
@@ -264,6 +264,10 @@ def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, 
         own = model.generate(input_ids=ids, **settings)
         looked_up = generate(model, fp16_kivi_bundle(model), input_ids=ids, prompt_lookup_num_tokens=4, **settings)
         assert torch.equal(looked_up, own) and any(taken_back)
+        taken_back.clear()
+        assisted = generate(model, fp16_kivi_bundle(model), input_ids=ids, assistant_model=tiny_model("llama", seed=3),
+                            **settings)
+        assert torch.equal(assisted, own) and any(taken_back)
         taken_back.clear()
         generate(model, recipe_bundles["kivi"], input_ids=ids, prompt_lookup_num_tokens=4, **settings)
     assert any(taken_back)
