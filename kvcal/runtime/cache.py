@@ -148,10 +148,9 @@ class RuntimeLayer(CacheLayerMixin):
 
     def take_sequences(self, seqs: list[int], index: torch.Tensor) -> None:
         """Keep sequences seqs[0], seqs[1], ... (repeats allowed; `index` the same on the device) as sequences 0, 1,
-        ... (WiredCache.take_sequences)."""
-        for store in (self.keys_store, self.values_store):
-            if store is not None:
-                store.take_sequences(seqs, index)
+        ... (WiredCache.take_sequences; the layer has attended)."""
+        self.keys_store.take_sequences(seqs, index)
+        self.values_store.take_sequences(seqs, index)
         if self.index_keys is not None:
             self.index_keys = self.index_keys.index_select(0, index)
 
@@ -780,6 +779,7 @@ class WiredCache(Cache):
         if not batch or seqs == list(range(batch)):  # empty (the next forward allocates for its batch), or as it is
             return
         on_device = {}  # the index uploaded once per device
+        host_index = torch.tensor(seqs, dtype=torch.long)
         for layer in self.layers:
             if isinstance(layer, RuntimeLayer):
                 if layer.inv_freq is not None:  # (allocated: the layer attended)
@@ -788,7 +788,7 @@ class WiredCache(Cache):
                         on_device[device] = upload(seqs, device)
                     layer.take_sequences(seqs, on_device[device])
             else:  # a hybrid model's own layers (transformers' index_select takes any index)
-                layer.reorder_cache(torch.tensor(seqs, dtype=torch.long))
+                layer.reorder_cache(host_index)
         self.lengths = [self.lengths[b] for b in seqs]
         self.position_offset[:] = [self.position_offset[b] for b in seqs]
 

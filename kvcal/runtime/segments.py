@@ -51,6 +51,20 @@ class _Undo:
     tail: dict[int, int]
 
 
+@dataclass
+class _Kept:
+    """What taking tokens back leaves of one sequence (SegmentedStore._taken_back): its sink and body lengths, RPC
+    count, the rows of the step's tail copy that are fp16 recent tokens again, and how many stored recent tokens stay
+    after them."""
+
+    seq: int
+    sinks: int
+    body: int
+    rpc: int
+    copied_back: slice
+    stayed: int
+
+
 class SegmentedStore:
     def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device,
                  layout: str | None = None, encoder_for=None, head_dim: int | None = None):
@@ -179,10 +193,9 @@ class SegmentedStore:
             tail_rows = _rows(leaving_rows, list(np.cumsum(body_counts) - copied), copied).clone()
         return _Undo(list(seqs), list(counts), before, routes, tail_rows, tail)
 
-    def _taken_back(self, tokens: int) -> list[tuple] | str:
-        """Per sequence of the last append, what taking back its last `tokens` tokens leaves: (sequence, sinks, body
-        rows, RPC count, the rows of its tail copy that are fp16 again, recent tokens still stored that stay); or why
-        that cannot be done exactly."""
+    def _taken_back(self, tokens: int) -> list[_Kept] | str:
+        """Per sequence of the last append, what taking back its last `tokens` tokens leaves; or why that cannot be
+        done exactly."""
         undo = self._undo
         if undo is None:
             return "the last step brought one token a sequence (a decode step), which is not logged"
@@ -203,8 +216,8 @@ class SegmentedStore:
             copy_start = leaving - copied
             if leaving_kept < copy_start:
                 return "the shorter step would keep fp16 more tokens than the step moved to the body and logged"
-            back = (first + leaving_kept - copy_start, first + min(stream, leaving) - copy_start)  # rows of the copy
-            kept.append((b, sink + to_sink_kept, body + leaving_kept, rpc_kept, back, max(stream - leaving, 0)))
+            copied_back = slice(first + leaving_kept - copy_start, first + min(stream, leaving) - copy_start)
+            kept.append(_Kept(b, sink + to_sink_kept, body + leaving_kept, rpc_kept, copied_back, max(stream - leaving, 0)))
             first += copied
         return kept
 
@@ -223,16 +236,17 @@ class SegmentedStore:
         if isinstance(kept, str):
             raise KvcalError(f"cannot take back {tokens} tokens: {kept}")
         undo, self._undo = self._undo, None
-        self.body.truncate([b for b, *_ in kept], [body for _, _, body, *_ in kept])
+        self.body.truncate([part.seq for part in kept], [part.body for part in kept])
         pieces, counts = [], []
-        for b, _, _, _, (first, last), stayed in kept:
-            pieces += [undo.tail_rows[first:last]] if last > first else []
-            pieces.append(self.recent.read(b)[:stayed])
-            counts.append(max(last - first, 0) + stayed)
+        for part in kept:
+            back = part.copied_back
+            pieces += [undo.tail_rows[back]] if back.stop > back.start else []  # (no copy where nothing left)
+            pieces.append(self.recent.read(part.seq)[: part.stayed])
+            counts.append(max(back.stop - back.start, 0) + part.stayed)
         rows = torch.cat(pieces)  # (a copy: the recent segment is written over below)
-        for b, sink, _, rpc, _, _ in kept:
-            self.recent.clear(b)
-            self.sink.length[b], self.rpc[b] = sink, rpc
+        for part in kept:
+            self.recent.clear(part.seq)
+            self.sink.length[part.seq], self.rpc[part.seq] = part.sinks, part.rpc
         self.recent.write(undo.seqs, counts, rows)
         return undo.seqs
 
