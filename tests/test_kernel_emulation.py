@@ -10,7 +10,9 @@ and inter-block races are for the GPU tests (tests/test_runtime_kernels.py)."""
 import collections
 import ctypes
 import functools
+import itertools
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_library, generate_taking_sequences,
-                     tensor_core_emulation)
+                     logits_in_steps, tensor_core_emulation)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
@@ -220,9 +222,12 @@ PASS_VARIANTS = {gqa: Variant(128, 4, G, G, gqa) for gqa in (8, 6, 5)}
 GQA_16_VARIANTS = {"kivi4-g32": Variant(64, 4, 32, 32, 8)}
 # and the nuq3 case with a 300-token fp16 window, at GQA 1 and 8
 LONG_WINDOW_VARIANTS = {group: Variant(128, 3, 0, 128, group, rope=True, codebook=True, outliers=True) for group in (1, 8)}
+# and the short steps of 7 and 4 tokens over GQA 2 (their queries as more query heads: passes of 7 + 7, and of 8)
+SHORT_STEP_VARIANTS = {recipe: tuple(replace(TENSOR_CORE_VARIANTS[recipe], gqa=gqa) for gqa in (7, 8))
+                       for recipe in ("kvquant", "kivi2-g32", "kvmix")}
 EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
                      *HEAD_DIM_256_VARIANTS.values(), *PASS_VARIANTS.values(), *GQA_16_VARIANTS.values(),
-                     *LONG_WINDOW_VARIANTS.values())
+                     *LONG_WINDOW_VARIANTS.values(), *itertools.chain(*SHORT_STEP_VARIANTS.values()))
 
 
 @pytest.fixture(scope="session")
@@ -400,6 +405,28 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # fp16 operands on tensor cores (test above)
 
 
+@pytest.mark.parametrize("recipe", SHORT_STEP_VARIANTS)
+def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_reference_runtime(on_cpu, head_dim_64_bundles,
+                                                                                                recipe):
+    """A step of 4 tokens between decode steps (speculative decoding's check), on a left-padded batch: the tensor-core
+    kernel attends over the stored tokens with the step's 4 queries as more query heads (8 a KV head, one pass), its
+    log-sum-exps merged with the step's own tokens' in fp16, to the reference runtime's logits."""
+    from conftest import left_padded, tiny_model
+
+    model = tiny_model("llama", head_dim=64)
+    ids, mask = left_padded((70, 55), seed=3)
+    steps = [62, 1, 4, 1, 1]
+    with torch.inference_mode():
+        got = logits_in_steps(model, head_dim_64_bundles[recipe], ids, mask, steps)
+        with reference_runtime():
+            want = logits_in_steps(model, head_dim_64_bundles[recipe], ids, mask, steps)
+    eight = SHORT_STEP_VARIANTS[recipe][1]
+    assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name, eight.name}
+    assert on_cpu.count(eight.name) == 2  # the step of 4, on each of the 2 layers
+    for got_step, want_step in zip(got, want):
+        torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
+
+
 @pytest.mark.parametrize("recipe", ("kivi2-g32", "kvmix", "kvquant"))
 def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_logits(on_cpu, head_dim_64_bundles, recipe):
     """quantized_cache(..., cuda_layout="heads"): the CUDA stores keep each KV head's rows together, and a prefill
@@ -441,13 +468,14 @@ def test_emulated_kernels_decode_sequences_taken_as_the_batch_fed_so(on_cpu, hea
 def test_emulated_kernels_take_tokens_back_as_a_shorter_step_leaves_the_cache(on_cpu, head_dim_64_bundles, recipe,
                                                                               cuda_layout):
     """crop after a step of candidates on the CUDA stores (the append kernels' outliers and their counts on the
-    device, either layout) and the tensor-core kernel: the cache a shorter step leaves, read back and decoded."""
+    device, either layout) and the tensor-core kernel (the steps of 7 and 4 too): the cache a shorter step leaves, read
+    back and decoded."""
     from conftest import tiny_model
 
     ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(7))
     assert_taking_back_leaves_a_shorter_steps_cache(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, 60,
                                                     cuda_layout)
-    assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name}
+    assert set(on_cpu) == {v.name for v in (TENSOR_CORE_VARIANTS[recipe], *SHORT_STEP_VARIANTS[recipe])}
 
 
 @pytest.mark.parametrize("recipe", HEAD_DIM_256_VARIANTS)

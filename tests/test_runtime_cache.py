@@ -9,13 +9,13 @@ import torch
 from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
-                     generate_taking_sequences)
+                     generate_taking_sequences, logits_in_steps)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method, bundle_method
-from kvcal.runtime import generate, quantized_cache
+from kvcal.runtime import cpu_kernel, generate, quantized_cache
 from kvcal.runtime.cache import ATTENTION_NAME, fp_context
 from kvcal.simulate import StorageTally, simulated
 
@@ -245,6 +245,38 @@ def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles,
     bundle = kivi_bundle(model, 2, 32, 128) if recipe == "kivi-r128" else bundles[recipe]
     ids = torch.randint(3, 512, (2, prompt + step + 8), generator=torch.Generator().manual_seed(7))
     assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt, step=step)
+
+
+@pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
+    ("gpt_oss", "kvquant"), ("gemma2", "kivi"), ("deepseek_v3", "kvquant"), ("gemma3_text", "kvquant")])
+def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(recipe_bundles, gemma3_bundles,
+                                                                              architecture_bundles, model_type, recipe,
+                                                                              monkeypatch):
+    """A step of a few tokens over a stored cache (speculative decoding's check of its candidates) attends over the
+    stored tokens through the CPU kernel, merged with the step's own tokens in fp16 by log-sum-exp: the logits the
+    torch reference gives, reading each sequence's cache whole (1e-4), on a left-padded batch; with attention sinks
+    (gpt-oss: joining the merged softmax once), soft-capped scores (Gemma 2), MLA's latent (DeepSeek-V3), and a full
+    layer beside a sliding one past its window (Gemma 3: the reference serves that one's steps, as their queries see
+    different stored tokens)."""
+    from kvcal.runtime.cache import RuntimeLayer
+
+    model = tiny_model(model_type)
+    bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
+    bundle = bundles[recipe]
+    ids, mask = left_padded((30, 22), seed=8)
+    mask = torch.cat([mask, torch.ones(2, 12, dtype=mask.dtype)], 1)
+    ids = torch.cat([ids, torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(9))], 1)
+    steps = [30, 1, 1, 5, 1, 5]
+    served = []
+    short_step = RuntimeLayer._short_step
+    monkeypatch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
+    through_kernel = logits_in_steps(model, bundle, ids, mask, steps)
+    layers = len(served) // 3  # the prefill finds nothing stored; each step of 5 is served
+    assert served and [out is None for out in served] == [True] * layers + [False] * (2 * layers)
+    monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+    by_reference = logits_in_steps(model, bundle, ids, mask, steps)
+    for got, want in zip(through_kernel, by_reference):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):

@@ -52,6 +52,14 @@ class LayerShape:
     value_dim: int | None = None
 
 
+# The most tokens a step the CPU kernel reads the stored cache for, as more query heads (stored_attention): past them
+# one dequantization of the cache and a matrix product are faster (benchmarks/results/short_steps_*).
+CPU_SHORT_STEP_TOKENS = 256
+# The most passes of the tensor-core kernel over the cache a step's queries may take (kernels.head_passes): 8 passes
+# over 4-bit codes read as many bytes as two fp16 reads, the torch reference writes and reads an fp32 copy of it (a
+# bound by bytes; the GPU campaign has not measured it).
+CUDA_SHORT_STEP_PASSES = 8
+
 LATENT_REFUSAL = "MLA's latent attention (its values scored too): the tensor-core kernel reads no latent yet"
 
 
@@ -65,6 +73,27 @@ class LayerDecoder:
         """query (B, H, 1, d) -> (B, 1, H, d) in the query's dtype; span: the stored tokens each sequence's query sees
         (its sliding window's or chunk's; None: all of them)."""
         raise NotImplementedError
+
+    def stored_attention(self, query: torch.Tensor, plan, scaling: float, kv_heads: int):
+        """Attention of a step of m queries a sequence over its tokens stored before the step, every one of them seen
+        (no span), without sinks: query (B, H, m, d) -> (out (B, m, H, d_v), log-sum-exp of each row's scores
+        (B, m, H); -inf where a sequence has none) float32, to merge with the step's own tokens' (RuntimeLayer's
+        short steps); None where this decoder does not serve it, or a step this long reads faster the reference's way
+        (the caller reads the stores itself)."""
+        return None
+
+
+def _step_as_heads(query: torch.Tensor) -> torch.Tensor:
+    """(B, H, m, d) -> (B, H * m, d): a step's queries as more query heads of each KV head's group (its heads' rows
+    stay together: GQA group g becomes g * m)."""
+    batch, heads, m, dim = query.shape
+    return query.reshape(batch, heads * m, dim)
+
+
+def _heads_as_step(out: torch.Tensor, lse: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_step_as_heads' inverse on the outputs: (B, H * m, d_v), (B, H * m) -> (B, m, H, d_v), (B, m, H)."""
+    batch = out.shape[0]
+    return out.view(batch, -1, m, out.shape[-1]).transpose(1, 2), lse.view(batch, -1, m).transpose(1, 2)
 
 
 class Backend:
@@ -150,6 +179,17 @@ class CpuDecoder(LayerDecoder):
         self.layer, self.launches = layer, _launches(layer)
 
     def decode(self, query, plan, scaling, kv_heads, span):
+        out = self._attend(query[:, :, 0], plan, scaling, kv_heads, plan.first_visible(span, self.layer.keys_store.dropped))
+        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+
+    def stored_attention(self, query, plan, scaling, kv_heads):
+        if query.shape[2] > CPU_SHORT_STEP_TOKENS:
+            return None
+        out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, None, with_lse=True)
+        return _heads_as_step(out, lse, query.shape[2])
+
+    def _attend(self, query, plan, scaling, kv_heads, first, with_lse=False):
+        """cpu_kernel.decode_attention of query (B, heads, d) over the stores as they are."""
         layer = self.layer
         dropped = layer.keys_store.dropped
         rope = None
@@ -157,10 +197,9 @@ class CpuDecoder(LayerDecoder):
             tokens = max(layer.keys_store.count(b) for b in range(len(dropped)))
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
                                          layer.drops)
-        out = cpu_kernel.decode_attention(query[:, :, 0], self.launches, kv_heads, scaling, rope,
-                                          plan.first_visible(span, dropped), layer.sinks, layer.softcap,
-                                          layer.widths[1] // kv_heads, layer.latent is not None)
-        return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+        return cpu_kernel.decode_attention(query, self.launches, kv_heads, scaling, rope, first,
+                                           None if with_lse else layer.sinks, layer.softcap, layer.widths[1] // kv_heads,
+                                           layer.latent is not None, with_lse)
 
 
 class CudaKernels(Backend):
@@ -217,6 +256,16 @@ class CudaDecoder(LayerDecoder):
                                        self.served, step=plan.kernel_step(query.device),
                                        first=plan.first_visible(span, dropped), sinks=self.layer.sinks)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
+
+    def stored_attention(self, query, plan, scaling, kv_heads):
+        batch, heads, m, _ = query.shape
+        if len(kernels.head_passes(heads // kv_heads * m)) > CUDA_SHORT_STEP_PASSES:
+            return None
+        dropped = self.layer.keys_store.dropped
+        out, lse = kernels.decode_attention(_step_as_heads(query), self.launches, kv_heads, scaling,
+                                            plan.stored_positions(dropped), self.served,
+                                            step=plan.kernel_step(query.device), with_lse=True)
+        return _heads_as_step(out, lse, query.shape[2])
 
 
 BACKENDS: tuple[Backend, ...] = (CudaKernels(), CpuKernel(), TorchReference())

@@ -217,8 +217,10 @@ class RuntimeLayer(CacheLayerMixin):
                 self.picking = self.picking or backends.ReferenceDecoder(self)
                 output = self.picking.decode(query, plan, scaling, kv_heads, span, plan.chosen_rows(chosen))
         else:
-            output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead, latent_query,
-                                   chosen)
+            short = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, ahead, latent_query)
+                     if span is None and reads is None and chosen is None else None)
+            output = short if short is not None else self._prefill(query, new_keys, new_values, plan, scaling, kv_heads,
+                                                                   span, reads, ahead, latent_query, chosen)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers)
@@ -314,6 +316,38 @@ class RuntimeLayer(CacheLayerMixin):
                 reads[b] = (keys, values)
         if several:
             self._append_columns(several, new_keys, new_values, plan)
+        return output
+
+    def _short_step(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
+                    ahead: torch.Tensor | None, latent_query: torch.Tensor | None) -> torch.Tensor | None:
+        """A step of several tokens a sequence over a stored cache (speculative decoding's candidates, a chat turn),
+        no span: the decoder's attention over each sequence's stored tokens (LayerDecoder.stored_attention: a decode
+        kernel reads them as at a decode step, the cache not dequantized), merged by log-sum-exp with attention over
+        the step's own tokens in fp16 (then appended); _prefill's attention up to float rounding. None, nothing done,
+        where _prefill serves it: a sequence of one token (a decode, read as stored), nothing stored yet, a decoder
+        that does not serve it or not a step this long (the torch reference: _prefill is its way)."""
+        batch, heads, m, head_dim = query.shape
+        if any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows):
+            return None
+        queries = query if latent_query is None else torch.cat([query.float(), latent_query], -1)
+        stored = self._decoder(heads, kv_heads, head_dim).stored_attention(queries, plan, scaling, kv_heads)
+        if stored is None:
+            return None
+        stored_out, stored_lse = stored
+        output = torch.zeros(batch, m, heads, new_values.shape[-1] // kv_heads, dtype=query.dtype, device=query.device)
+        for b in plan.rows:
+            rows = plan.columns(b)
+            count = plan.before[b]
+            own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
+            keys = self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)
+            values = new_values[b, rows].half().float()
+            scored = keys if latent_query is None else torch.cat([keys, values], -1)
+            seen = ahead[b][rows][:, rows] if ahead is not None else None
+            own_out, own_lse = reference.own_attention(queries[b, :, rows], scored, values, scaling, self.softcap, seen)
+            merged = reference.merge_attention(stored_out[b, rows], stored_lse[b, rows], own_out.transpose(0, 1),
+                                               own_lse.transpose(0, 1), self.sinks)
+            output[b, rows] = merged.to(query.dtype)
+        self._append_columns(plan.rows, new_keys, new_values, plan)
         return output
 
     def _append_columns(self, seqs: list[int], new_keys, new_values, plan: StepPlan) -> None:

@@ -180,7 +180,7 @@ def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> ar
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None,
                      sinks: torch.Tensor | None = None, softcap: float | None = None,
-                     value_dim: int | None = None, values_scored: bool = False) -> torch.Tensor:
+                     value_dim: int | None = None, values_scored: bool = False, with_lse: bool = False):
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
     rope: cos, sin (batch or 1, >= tokens, head_dim / 2) float32 contiguous, the first half of each row of
     kvcal.runtime.reference.rope_tables (`half_rope_tables`), at each sequence's stored tokens' positions (one set of
@@ -191,7 +191,8 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     KV head's value channels where they are not head_dim's; values_scored (MLA's latent,
     kvcal.adapters.LatentAttention): the query's last value_dim channels score the values beside its first ones the
     keys, which are then head_dim - value_dim wide. (batch, heads, value_dim) float32; a sequence without tokens gets
-    zeros. The stores must live on the CPU."""
+    zeros. with_lse (no sinks): also each row's log-sum-exp of its scores, (batch, heads), -inf where it saw no token,
+    to merge with attention over other tokens. The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
     value_dim = value_dim or head_dim
@@ -209,9 +210,12 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         if meta is not None:
             descriptor = segments.describe("cpu", lambda: _held_array(side_descriptor(*segments.keys) + side_descriptor(*segments.values)))
             calls.append((descriptor, meta))
+    if with_lse and sinks is not None:
+        raise ValueError("a log-sum-exp is asked without sinks: the caller adds them where it merges")
     out = torch.empty(batch, heads, value_dim)  # the kernel's running output, acc
     if not calls:
-        return out.zero_()
+        out.zero_()
+        return (out, torch.full((batch, heads), float("-inf"))) if with_lse else out
     # the running softmax state: m, then l, batch x heads each (host arrays: no torch operation per call)
     state = array.array("f", bytes(8 * batch * heads))
     m_pointer = state.buffer_info()[0]
@@ -226,6 +230,9 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         top = torch.maximum(m, sinks.float())
         kept = torch.exp(m - top)  # 0 where no token was seen (m = -inf)
         out *= (kept / (l * kept + torch.exp(sinks.float() - top)))[..., None]
+    if with_lse:
+        m, l = torch.frombuffer(state, dtype=torch.float32).view(2, batch, heads)
+        return out, m + torch.log(l)  # (l = 0 where no token was seen: -inf)
     return out
 
 

@@ -481,7 +481,7 @@ class DecodeStep:
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                    served: list, step: DecodeStep | None = None, first: list[int] | None = None,
-                   sinks: torch.Tensor | None = None):
+                   sinks: torch.Tensor | None = None, with_lse: bool = False):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
     served: per launch, the tensor-core kernel's share of it (kvcal.runtime.tensor_core.ServedBody: `rows` and
@@ -492,9 +492,13 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
     are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`). sinks: (heads,) attention sinks' logits,
-    which join each row's softmax after the merge, from the splits' log-sum-exps the kernel leaves in its scratch."""
+    which join each row's softmax after the merge, from the splits' log-sum-exps the kernel leaves in its scratch.
+    with_lse (no sinks): the function returns (output, each row's log-sum-exp of its scores (batch, heads), natural
+    log, -inf where it saw no token)."""
     batch, heads, head_dim = query.shape
     device = query.device
+    if with_lse and sinks is not None:
+        raise ValueError("a log-sum-exp is asked without sinks: the caller adds them where it merges")
     step = step or DecodeStep(device)
     passes = head_passes(heads // kv_heads)
     if len(passes) > 1:
@@ -503,12 +507,16 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         pass_sinks = [None if sinks is None else sinks.view(kv_heads, -1)[:, h : h + n].reshape(-1)
                       for h, n in zip(heads_before, passes)]
         runs = [prepare_decode(grouped[:, :, h : h + n].reshape(batch, kv_heads * n, head_dim), launches, kv_heads, scaling,
-                               position_offset, served, step, first, sink)
+                               position_offset, served, step, first, sink, with_lse)
                 for h, n, sink in zip(heads_before, passes, pass_sinks)]
 
-        def run_passes() -> torch.Tensor:  # one after another on the stream: the passes share the step's scratch
-            outs = [run().view(batch, kv_heads, n, head_dim) for run, n in zip(runs, passes)]
-            return torch.cat(outs, dim=2).view(batch, heads, head_dim)
+        def run_passes():  # one after another on the stream: the passes share the step's scratch
+            results = [run() if with_lse else (run(), None) for run in runs]
+            out = torch.cat([o.view(batch, kv_heads, n, head_dim) for (o, _), n in zip(results, passes)], 2)
+            if not with_lse:
+                return out.view(batch, heads, head_dim)
+            lse = torch.cat([l.view(batch, kv_heads, n) for (_, l), n in zip(results, passes)], 2)
+            return out.view(batch, heads, head_dim), lse.view(batch, heads)
 
         return run_passes
     query = query.float().contiguous()
@@ -542,12 +550,16 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         tensor_core_launches.append(bind(slot, out_partial, lse_partial, merge))
         slot += splits
 
-    def run() -> torch.Tensor:
+    def run():
         for launch_tensor_core in tensor_core_launches:
             launch_tensor_core()
-        if sinks is not None:  # out = acc / Z; with the sink acc / (Z + e^sink) = out * sigmoid(ln Z - sink)
-            log_z = torch.logsumexp(lse_partial * math.log(2.0), dim=-1)  # the splits' lse are in log2 units
-            out.mul_(torch.sigmoid(log_z - sinks.float())[..., None])
+        if sinks is None and not with_lse:
+            return out
+        log_z = torch.logsumexp(lse_partial * math.log(2.0), dim=-1)  # the splits' lse are in log2 units
+        if with_lse:  # (a tensor of its own: the next pass or layer writes the scratch)
+            return out, log_z
+        # out = acc / Z; with the sink acc / (Z + e^sink) = out * sigmoid(ln Z - sink)
+        out.mul_(torch.sigmoid(log_z - sinks.float())[..., None])
         return out
 
     return run
@@ -555,10 +567,10 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                      served: list, step: DecodeStep | None = None, first: list[int] | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, with_lse: bool = False):
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens from
     each sequence's `first` on (a sliding window; default all), each launch's share served by the tensor-core kernel
     (`served`, kvcal.runtime.tensor_core.serve: pre-RoPE keys rotated there); (batch, heads, head_dim) float32. A
     sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep); sinks: (heads,)
-    attention sinks' logits (see prepare_decode)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first, sinks)()
+    attention sinks' logits; with_lse: also each row's log-sum-exp (see prepare_decode)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first, sinks, with_lse)()

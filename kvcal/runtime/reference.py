@@ -84,6 +84,36 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     return out[0]
 
 
+def own_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                  softcap: float | None = None, ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a step's m queries over the step's own m tokens alone, each query seeing those up to itself (and
+    `ahead`'s, (m, m): see `attention`), without sinks: query (heads, m, d); keys (m, kv_heads * d), values (m,
+    kv_heads * d_v) float32 -> (out (heads, m, d_v), log-sum-exp of each row's scores (heads, m)), for
+    `merge_attention`."""
+    heads, m, head_dim = query.shape
+    kv_heads = keys.shape[1] // head_dim
+    keys, values = per_query_head(keys, kv_heads, heads), per_query_head(values, kv_heads, heads)
+    seen = torch.ones(m, m, dtype=torch.bool, device=query.device).tril()
+    seen = seen if ahead is None else seen | ahead
+    scores = softcapped(query.float() @ keys.transpose(-1, -2) * scaling, softcap).masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - lse[..., None]) @ values, lse
+
+
+def merge_attention(out: torch.Tensor, lse: torch.Tensor, other_out: torch.Tensor, other_lse: torch.Tensor,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention over two disjoint sets of tokens from each set's: outputs (..., d_v) and their rows'
+    log-sum-exps (...), -inf where a set holds no token (its output finite: weighed 0); sinks: attention sinks' logits
+    broadcasting against the last dim of lse (heads), one more score each row that reads no value."""
+    top = torch.maximum(lse, other_lse)
+    if sinks is not None:
+        sinks = sinks.float()
+        top = torch.maximum(top, sinks)
+    weight, other_weight = torch.exp(lse - top), torch.exp(other_lse - top)
+    total = weight + other_weight + (torch.exp(sinks - top) if sinks is not None else 0)
+    return out * (weight / total)[..., None] + other_out * (other_weight / total)[..., None]
+
+
 def stored_keys(store, b: int, pre_rope: bool, position_offset: int, inv_freq: torch.Tensor, rope_scaling: float,
                 kv_heads: int) -> torch.Tensor:
     """Sequence b's keys as attention reads them: dequantized, and rotated when stored pre-RoPE."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -752,6 +752,15 @@ class ServedBody:
             self._stores = (made_at, stores, stores.converted())
         return self._stores[1], self._stores[2]
 
+    def variant(self, gqa: int) -> Variant:
+        """The variant of a pass of `gqa` query heads a KV head: serve's, or one more group size (a short step's
+        queries are more query heads: kvcal.runtime.backends' stored_attention), which differs in nothing else."""
+        if gqa not in self.variants:
+            v = replace(next(iter(self.variants.values())), gqa=gqa)
+            v.check()
+            self.variants[gqa] = v
+        return self.variants[gqa]
+
     def rows(self, batch: int) -> list[int]:
         """Live body rows served per sequence, from the first: none where the two sides' sinks differ or their live
         rows sit differently in their blocks (`_leads`)."""
@@ -770,7 +779,7 @@ class ServedBody:
         step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first live body row the
         query sees (a sliding window; default 0); segments: `operands`' segment blocks (their splits counted in)."""
         batch, heads, head_dim = query.shape
-        v, device = self.variants[heads // kv_heads], query.device
+        v, device = self.variant(heads // kv_heads), query.device
         shared = v.shared_bytes()
         meta_list = meta_rows(self.keys, self.values, rows, positions if v.rope else None, visible)
         per_split, splits = split_plan([row[1] for row in meta_list], batch * kv_heads,

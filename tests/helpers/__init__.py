@@ -84,6 +84,20 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     return torch.stack(logits, dim=1), cache
 
 
+def logits_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows") -> list[torch.Tensor]:
+    """The logits of feeding the left-padded (ids, mask) through a quantized cache in steps of `steps` tokens, each
+    token at its sequence's own position (as generate() gives them)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits, first = [], 0
+    with torch.inference_mode(), quantized_cache(model, bundle, cuda_layout) as cache:
+        for step in steps:
+            part = slice(first, first + step)
+            logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
+                                past_key_values=cache, use_cache=True).logits)
+            first += step
+    return logits
+
+
 def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_layout: str = "rows") -> list[tuple]:
     """Two runs of generate() on the left-padded prompts (ids, mask) through a quantized cache, 4 new tokens then 8:
     one on a cache whose sequences `taken` are kept by batch_select_indices between the two calls (after decode
