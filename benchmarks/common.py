@@ -78,6 +78,16 @@ def ensure_bundles(folder: Path, recipes: list[str], profile: Path | None, model
     return paths
 
 
+def kivi2_bundle(model):
+    """An in-memory 2-bit KIVI bundle for `model` (G = 32, an fp16 residual of 128: no calibration), named kivi2-g32."""
+    from kvcal.adapters import adapt
+    from kvcal.bundle import Bundle, LayerRecipe
+
+    adapter = adapt(model)
+    return Bundle(Path("kivi2-g32"), "kivi", [LayerRecipe("uniform", 2, 2, False, group_size=32, residual=128)
+                                             for _ in adapter.layers], {}, {"model": {"fingerprint": adapter.fingerprint()}})
+
+
 def timed_in_turn(calls: dict[str, Callable[[], object]], rounds: int) -> tuple[dict, dict[str, float]]:
     """Each call once, untimed (a build made, pages touched), then all of them in turn `rounds` times, so that a slow
     spell of the machine falls on each alike: (each call's output, its median ms)."""

@@ -1,6 +1,6 @@
 """benchmarks.end_to_end: what the long-context passkey report names as the recipe closest to fp, the host-side
-benchmark of the CUDA decode step (a run, and an A/B of two trees), the MLA generate() benchmark (a run) and the prompt
-lookup benchmark (a run)."""
+benchmark of the CUDA decode step (a run, and an A/B of two trees), the MLA generate() benchmark (a run), the prompt
+lookup benchmark (a run) and the short steps' (a run)."""
 
 import json
 import subprocess
@@ -126,6 +126,28 @@ def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(
     assert all(r["ms_per_token"] > 0 for r in rows) and rows[0]["vs_dynamic_greedy"] == 1.0
     assert all(r["forwards_per_token"] == 1.0 and r["same_as_greedy"] == 1.0 for r in rows if r["decoding"] == "greedy")
     assert "| kvcal kivi2-g32 | lookup |" in (tmp_path / "speculative.md").read_text()
+
+
+def test_the_short_steps_benchmark_times_both_ways_and_names_the_runtimes(tmp_path, monkeypatch, tiny_model_dir):
+    """A run on a tiny model: each step length after each context timed through the kernel and the reference on
+    KIVI-2 and DynamicCache, the runtime's way named by the backends' limit, which the run leaves as it found it; a
+    step list that is not numbers is refused before anything runs or is written."""
+    from benchmarks import common
+    from benchmarks.end_to_end import short_steps
+    from kvcal.runtime import backends
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        short_steps.main(["--model", str(tiny_model_dir("llama")), "--steps", "4,many"])
+    assert exit_.value.code == 2 and not list(tmp_path.iterdir())
+    monkeypatch.setattr(backends, "CPU_SHORT_STEP_TOKENS", 10)
+    short_steps.main(["--model", str(tiny_model_dir("llama")), "--contexts", "20", "--steps", "3,40", "--rounds", "1",
+                      "--out", "short_steps"])
+    rows = json.loads((tmp_path / "short_steps.json").read_text())["results"]
+    assert [(r["cache"], r["context"], r["step"], r["runtime"]) for r in rows] == [
+        ("kvcal kivi2-g32", 20, 3, "kernel"), ("kvcal kivi2-g32", 20, 40, "reference")]
+    assert all(r["ms_kernel"] > 0 and r["ms_reference"] > 0 and r["ms_dynamic_cache"] > 0 for r in rows)
+    assert backends.CPU_SHORT_STEP_TOKENS == 10 and "| kvcal kivi2-g32 | 20 | 40 |" in (tmp_path / "short_steps.md").read_text()
 
 
 @pytest.mark.slow

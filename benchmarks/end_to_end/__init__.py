@@ -2,7 +2,8 @@
 multi-key retrieval at 4K-32K tokens on Gemma 3 (`long-context`), generate() on a Llama-3.1-8B-shaped model on a GPU
 (`gpu`) and on a DeepSeek-V2-Lite-shaped one, multi-head latent attention (`mla`), the host side of kvcal's decode
 step on the CUDA path, measured on the CPU (`host`), `kvcal profile-gradients`' time and memory
-(`profile_gradients`), and prompt lookup decoding through the cache (`speculative`)."""
+(`profile_gradients`), prompt lookup decoding through the cache (`speculative`), and a step of several tokens over a
+stored cache read by the decode kernel and by the torch reference (`short-steps`)."""
 
 # mode of `python -m benchmarks.end_to_end` -> (module, what it measures)
 MODES = {
@@ -13,4 +14,5 @@ MODES = {
     "profile": ("benchmarks.end_to_end.profile_gradients", "wall time and peak memory of kvcal profile-gradients"),
     "mla": ("benchmarks.end_to_end.mla", "generate() on a DeepSeek-V2-Lite-shaped model (MLA) against DynamicCache"),
     "speculative": ("benchmarks.end_to_end.speculative", "prompt lookup decoding against greedy, DynamicCache and kvcal's caches"),
+    "short-steps": ("benchmarks.end_to_end.short_steps", "a step of several tokens over a stored cache: kernel or reference"),
 }

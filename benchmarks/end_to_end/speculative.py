@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import SHARED, device_slug, provenance, timed_in_turn, write_markdown, write_result
+from benchmarks.common import (SHARED, device_slug, kivi2_bundle, provenance, timed_in_turn, write_markdown,
+                               write_result)
 
 BASELINE = "DynamicCache"
 
@@ -66,13 +67,9 @@ def prompts(tokenizer, samples: int, passage_tokens: int) -> list[torch.Tensor]:
 
 def caches(model, bundle_paths: list[str]) -> dict:
     """name -> the bundle a cache is made of (None: DynamicCache)."""
-    from kvcal.adapters import adapt
-    from kvcal.bundle import Bundle, LayerRecipe, load_bundle
+    from kvcal.bundle import load_bundle
 
-    kivi = Bundle(Path("kivi2-g32"), "kivi", [LayerRecipe("uniform", 2, 2, False, group_size=32, residual=128)
-                                               for _ in adapt(model).layers], {},
-                  {"model": {"fingerprint": adapt(model).fingerprint()}})
-    return {BASELINE: None, "kvcal kivi2-g32": kivi,
+    return {BASELINE: None, "kvcal kivi2-g32": kivi2_bundle(model),
             **{f"kvcal {Path(path).stem}": load_bundle(path, model=model) for path in bundle_paths}}
 
 

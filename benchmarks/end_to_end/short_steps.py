@@ -1,0 +1,154 @@
+"""A step of several tokens over a stored cache (speculative decoding's check of its candidates, a chat turn's
+prompt): ms of one forward of m new tokens after a context of n, the attention over the stored tokens read two ways,
+side by side: by the decode kernel, the step's queries as more query heads, merged with the step's own tokens'
+attention by log-sum-exp (kvcal.runtime.cache.RuntimeLayer._short_step), and by the torch reference (each sequence's
+cache dequantized, one attention over it and the step). The runtime takes the kernel's way up to a step length
+(kvcal.runtime.backends.CPU_SHORT_STEP_TOKENS on the CPU, CUDA_SHORT_STEP_PASSES on a GPU): the `runtime` column says
+which way it takes at each m. DynamicCache's step gives the scale.
+
+Each measurement loads the context, made once per length by the fp model (kvcal.runtime.fp_context), into a fresh
+cache, runs one decode step (the decoders bound, tables made), then times the step of m tokens; the median of --rounds.
+
+Usage: python -m benchmarks.end_to_end short-steps [--model SPEC] [--bundles PATH,...] [--contexts 300,2000]
+       [--steps 4,16,64,256,512] [--rounds 3] [--device cpu] [--out NAME]      (see --help)
+Writes benchmarks/results/short_steps_<device>.{json,md} (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import device_slug, kivi2_bundle, provenance, write_markdown, write_result
+
+WAYS = ("kernel", "reference")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="A model spec as kvcal takes it (default: the packaged SmolLM2).")
+    parser.add_argument("--bundles", default="", help="Comma-separated bundle paths for this model, beside KIVI-2.")
+    parser.add_argument("--contexts", default="300,2000", help="Comma-separated tokens stored before the step.")
+    parser.add_argument("--steps", default="4,16,64,256,512", help="Comma-separated tokens of the step.")
+    parser.add_argument("--rounds", type=int, default=3, help="Timed steps per configuration (the median kept).")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="Where the model and cache run.")
+    parser.add_argument("--out", default=None, help="Result name (default short_steps_<device>).")
+    args = parser.parse_args(argv)
+    for name in ("contexts", "steps"):
+        try:
+            values = [int(v) for v in getattr(args, name).split(",")]
+        except ValueError:
+            parser.error(f"--{name}: comma-separated whole numbers, not {getattr(args, name)!r}")
+        if min(values) < 1:
+            parser.error(f"--{name}: every value at least 1")
+        setattr(args, name, values)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    missing = [path for path in filter(None, args.bundles.split(",")) if not Path(path).is_file()]
+    if missing:
+        parser.error(f"--bundles: no bundle at {', '.join(missing)}; make one with kvcal calibrate")
+    return args
+
+
+@contextmanager
+def way(name: str):
+    """Within the block a step of several tokens reads the stored cache the `name` way at any length."""
+    from kvcal.runtime import backends
+
+    held = backends.CPU_SHORT_STEP_TOKENS, backends.CUDA_SHORT_STEP_PASSES
+    backends.CPU_SHORT_STEP_TOKENS, backends.CUDA_SHORT_STEP_PASSES = (2**31, 2**31) if name == "kernel" else (0, 0)
+    try:
+        yield
+    finally:
+        backends.CPU_SHORT_STEP_TOKENS, backends.CUDA_SHORT_STEP_PASSES = held
+
+
+def runtime_way(model, device: str, step: int) -> str:
+    """The way the runtime takes for a step of `step` tokens by default."""
+    from kvcal.runtime import backends, kernels
+
+    if device == "cpu":
+        return WAYS[step > backends.CPU_SHORT_STEP_TOKENS]
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    return WAYS[len(kernels.head_passes(group * step)) > backends.CUDA_SHORT_STEP_PASSES]
+
+
+def step_ms(model, bundle, context, ids: torch.Tensor) -> float:
+    """ms of the forward of ids (1, m) after `context` (an FpContext) loaded into a fresh cache of `bundle` (None:
+    a copy of the context's DynamicCache) and one decode step."""
+    from kvcal.runtime import quantized_cache
+
+    stored = context.cache.get_seq_length()
+    positions = torch.arange(stored, stored + 1 + ids.shape[1], device=ids.device)[None]
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+
+    def timed(cache) -> float:
+        model(ids[:, :1], past_key_values=cache, use_cache=True, position_ids=positions[:, :1])
+        sync()
+        began = time.perf_counter()
+        model(ids, past_key_values=cache, use_cache=True, position_ids=positions[:, 1:])
+        sync()
+        return (time.perf_counter() - began) * 1e3
+
+    if bundle is None:
+        return timed(copy.deepcopy(context.cache))
+    with quantized_cache(model, bundle) as cache:
+        cache.load(context)
+        return timed(cache)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from kvcal.bundle import load_bundle
+    from kvcal.models import load_model
+    from kvcal.runtime.cache import fp_context
+
+    started = provenance()
+    model, _, source = load_model(args.model)
+    model = model.to(args.device)
+    bundles = {"kvcal kivi2-g32": kivi2_bundle(model),
+               **{f"kvcal {Path(path).stem}": load_bundle(path, model=model) for path in filter(None, args.bundles.split(","))}}
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, max(args.contexts) + 1 + max(args.steps)), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+    rows = []
+    with torch.inference_mode():
+        for n in args.contexts:
+            context = fp_context(model, ids[:, :n])
+            for m in args.steps:
+                step = ids[:, n + 1 : n + 1 + m]
+                dynamic = statistics.median(step_ms(model, None, context, step) for _ in range(args.rounds))
+                for name, bundle in bundles.items():
+                    ms = {}
+                    for taken in WAYS:
+                        with way(taken):
+                            ms[taken] = statistics.median(step_ms(model, bundle, context, step) for _ in range(args.rounds))
+                    rows.append({"cache": name, "context": n, "step": m, "ms_dynamic_cache": round(dynamic, 2),
+                                 "ms_kernel": round(ms["kernel"], 2), "ms_reference": round(ms["reference"], 2),
+                                 "kernel_vs_reference": round(ms["kernel"] / ms["reference"], 3),
+                                 "runtime": runtime_way(model, args.device, m)})
+                    print(f"{name}, context {n}, step {m}: kernel {ms['kernel']:.1f} ms, reference {ms['reference']:.1f} "
+                          f"ms, DynamicCache {dynamic:.1f} ms", flush=True)
+    name = args.out or f"short_steps_{device_slug(started['device'])}"
+    write_result(name, {"model": source.name, "rounds": args.rounds, "results": rows}, started)
+    lines = [f"# A step of several tokens over a stored cache ({source.name}, {started['device']}, {started['commit']})", "",
+             f"ms of one forward of the step's tokens after the context (one sequence), median of {args.rounds}; "
+             "`kernel`: the stored tokens read by the decode kernel, the step's queries as more query heads; "
+             "`reference`: each sequence's cache dequantized; `runtime`: the way kvcal takes at that step length.", "",
+             "| cache | context | step | DynamicCache ms | kernel ms | reference ms | kernel / reference | runtime |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['cache']} | {r['context']} | {r['step']} | {r['ms_dynamic_cache']:.1f} | {r['ms_kernel']:.1f} | "
+              f"{r['ms_reference']:.1f} | {r['kernel_vs_reference']:.2f}x | {r['runtime']} |" for r in rows]
+    write_markdown(name, lines)
+
+
+if __name__ == "__main__":
+    main()
