@@ -10,7 +10,7 @@ Each measurement loads the context, made once per length by the fp model (kvcal.
 cache, runs one decode step (the decoders bound, tables made), then times the step of m tokens; the median of --rounds.
 
 Usage: python -m benchmarks.end_to_end short-steps [--model SPEC] [--bundles PATH,...] [--contexts 300,2000]
-       [--steps 4,16,64,256,512] [--rounds 3] [--device cpu] [--out NAME]      (see --help)
+       [--steps 4,16,64,128,256] [--rounds 3] [--device cpu] [--out NAME]      (see --help)
 Writes benchmarks/results/short_steps_<device>.{json,md} (--out).
 """
 
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="A model spec as kvcal takes it (default: the packaged SmolLM2).")
     parser.add_argument("--bundles", default="", help="Comma-separated bundle paths for this model, beside KIVI-2.")
     parser.add_argument("--contexts", default="300,2000", help="Comma-separated tokens stored before the step.")
-    parser.add_argument("--steps", default="4,16,64,256,512", help="Comma-separated tokens of the step.")
+    parser.add_argument("--steps", default="4,16,64,128,256", help="Comma-separated tokens of the step.")
     parser.add_argument("--rounds", type=int, default=3, help="Timed steps per configuration (the median kept).")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="Where the model and cache run.")
     parser.add_argument("--out", default=None, help="Result name (default short_steps_<device>).")

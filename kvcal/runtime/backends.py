@@ -54,7 +54,7 @@ class LayerShape:
 
 # The most tokens a step the CPU kernel reads the stored cache for, as more query heads (stored_attention): past them
 # one dequantization of the cache and a matrix product are faster (benchmarks/results/short_steps_*).
-CPU_SHORT_STEP_TOKENS = 256
+CPU_SHORT_STEP_TOKENS = 128
 # The most passes of the tensor-core kernel over the cache a step's queries may take (kernels.head_passes): 8 passes
 # over 4-bit codes read as many bytes as two fp16 reads, the torch reference writes and reads an fp32 copy of it (a
 # bound by bytes; the GPU campaign has not measured it).
