@@ -54,7 +54,8 @@ SECTIONS = [
                        ("layout_read_", "python -m benchmarks.kernels layout", ""),
                        ("bound_decode", "python -m tools.bound_decode", "")]),
     ("The runtime cache on SmolLM2", [("runtime_", "python -m benchmarks.end_to_end cpu", ""),
-                                      ("speculative_", "python -m benchmarks.end_to_end speculative", "")]),
+                                      ("speculative_", "python -m benchmarks.end_to_end speculative", ""),
+                                      ("short_steps_", "python -m benchmarks.end_to_end short-steps", "")]),
     ("Long context", [("long_context_", "python -m benchmarks.end_to_end long-context", "")]),
     ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", ""),
                                      ("mla_sparse_generate_", "python -m benchmarks.end_to_end mla --shape "
