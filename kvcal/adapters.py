@@ -74,7 +74,10 @@ each pair's halves in the other order (kvcal.rope.rotate_half_order). SmolLM3 le
 (Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0, Beam out
 of those whose type's rope parameters are None (its full ones, whose queries it scales by position as Llama 4 does):
 their keys are stored as if rotated by frequencies of zero and cos/sin scaled by 1, the identity, which every fit,
-decode backend and artifact reads.
+decode backend and artifact reads. Hunyuan (hunyuan_v1_dense, hunyuan_v1_moe) norms q and k after RoPE with a scale
+per channel (its query_layernorm and key_layernorm), which does not commute with RoPE: kvcal reads the norms' output
+as a model's without RoPE, its keys stored as the attention reads them (no pre-RoPE keys: KVQuant's recipe quantizes
+the rotated ones there).
 Scores are scaled by the attention module's `scaling`: head_dim ** -0.5 on most, query_pre_attn_scalar ** -0.5 on
 Gemma 3 (168 ** -0.5 at 27B, where head_dim is 128), attention_multiplier on Granite and HyperCLOVA X; profiles record
 it (`score_scale`) for the fits. Ministral 3 scales its queries by position past original_max_position_embeddings
@@ -125,7 +128,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
-                         "phimoe")
+                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -139,7 +142,7 @@ _MSCALED_LONGROPE = ("phimoe",)
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
-                      "nanochat")
+                      "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
@@ -167,6 +170,10 @@ _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
 # not rotated, always): every layer is NoPE
+# q and k normed per head after RoPE with a learned scale per channel (Hunyuan's query_layernorm and key_layernorm): the
+# norm's scale does not commute with RoPE, so kvcal stores the key the attention reads, rotated and normed, as a
+# model's without RoPE (its rotary left out; the norms are its q and k norms)
+_SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
                         "kimi_linear")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
@@ -613,7 +620,8 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
         side_by_side = isinstance(fused, Conv1D) or getattr(attention, "multi_query", False)
         linear.update({"qkv_proj" if side_by_side else "query_key_value": fused, "o_proj": attention.c_proj})
-    norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm")  # StableLM: q_layernorm
+    names = {"q": "query_layernorm", "k": "key_layernorm", "v": "value_layernorm"}  # (Hunyuan's)
+    norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm", names[kind])  # StableLM: q_layernorm
                                    if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
     if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
         shared = getattr(attention, "qk_norm", None)
@@ -873,6 +881,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotating = [(kind, head_dim) for kind, head_dim in zip(kinds, head_dims) if kind not in rope_free]
     rotating_kinds, rotating_dims = [kind for kind, _ in rotating], [head_dim for _, head_dim in rotating]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
+              None if text_type in _SCALED_NORMS_AFTER_ROPE else
               _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
     interleaved = text_type in _INTERLEAVED_ROPE or latent and _latent_rope(config) != "halves"
     rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, interleaved,

@@ -129,7 +129,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     )
     if model_type in ("qwen3", "qwen3_moe", "ministral", "seed_oss", "ernie4_5", "ernie4_5_moe", "helium", "cwm", "minimax_m2",
                       "gpt_oss", "flint", "gemma", "internlm3", "iquestcoder", "ministral3", "solar_open", "mellum", "jais2",
-                      "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", "kolibri1", *GLM):
+                      "hyperclovax", "afmoe", "hy_v3", "dots1", "cohere2_moe", "kolibri1", "hunyuan_v1_dense",
+                      "hunyuan_v1_moe", *GLM):
         common["head_dim"] = 16
     # MoE: 4 small experts (Qwen's defaults make 35M parameters), every one routed to: a route flipped by a last-bit
     # difference between a decode step and the whole sequence's forward would move logits past the tests' tolerances
@@ -159,6 +160,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["num_dense_layers"] = 1
     if model_type == "dots1":  # as the real ones: a shared expert beside the routed ones, after a dense first layer
         common.update(n_shared_experts=1, first_k_dense_replace=1)
+    if model_type == "hunyuan_v1_moe":  # as the Qwen MoEs, beside its shared expert
+        common.update(num_experts=4, moe_topk=4)
     if model_type == "phimoe":  # as Phi-3.5-MoE: two of its experts routed to a token (here of 4)
         common.update(num_local_experts=4, num_experts_per_tok=2)
     if model_type == "flex_olmo":  # its default end-of-text id is past TINY_VOCAB

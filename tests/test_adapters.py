@@ -11,7 +11,7 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", *GEMMA4)
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision:
 # Cohere 2's) for their NoPE layer
@@ -55,7 +55,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [layer.value_from_key_projection for layer in adapter.layers] == [False, model_type in GEMMA4]
     has_norm = model_type in NORMED_KEYS
     assert (adapter.layers[1].k_norm is not None) == has_norm
-    key_norm = getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)  # StableLM, LFM2: k_layernorm
+    key_norm = next((norm for name in ("k_norm", "k_layernorm", "key_layernorm")  # StableLM, LFM2: k_layernorm; Hunyuan
+                     if (norm := getattr(attention, name, None)) is not None), None)
     assert adapter.layers[1].key_source is (key_norm if has_norm else key_projection)
     # Gemma 4's rows padded to its full layer's 16 frequencies; MiMo-V2-Flash's heads of 32 channels, half rotated
     frequencies = ((2, 16) if model_type in (*GEMMA4, "mimo_v2_flash") else (2, 8) if model_type in PER_LAYER_FREQUENCIES else

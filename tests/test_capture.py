@@ -39,6 +39,10 @@ def models_rotary(model, layer: int):
     return getattr(decoder, "rotary_emb", None) or getattr(decoder, "pos_emb", None)
 
 
+# q and k normed after RoPE with a scale (Hunyuan's): kvcal reads the key the attention reads, without a RoPE of its own
+SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+
+
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
@@ -94,8 +98,9 @@ def key_and_value_sources(model, layer: int):
         fused, keys, values = attention.qkv_proj, slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
     # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key), NanoChat's k_norm
+    # Hunyuan's key_layernorm, after RoPE too (with a scale: kvcal reads its output as a key without RoPE)
     key_source = (getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)
-                  or getattr(attention, "qk_norm", None) or attention.k_proj)
+                  or getattr(attention, "qk_norm", None) or getattr(attention, "key_layernorm", None) or attention.k_proj)
     value_source = getattr(attention, "v_norm", None) or attention.v_proj  # Gemma 3n: its values normed
     every = slice(None)
     return (key_source, every, attention.k_proj, every), (value_source, every, attention.v_proj, every)
@@ -172,7 +177,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
-                                                         "nanochat")
+                                                         "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
         normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
@@ -197,7 +202,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
-            if normed_after_rope[i]:
+            if normed_after_rope[i] or text_config(model).model_type in SCALED_NORMS_AFTER_ROPE:
                 pass  # the norm's output, rotated already
             elif applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
                 heads = llama4_rope(model, adapter.model_layers[i], heads)
