@@ -25,6 +25,9 @@ that does not fit in what is left of --budget-s is skipped and says so):
   ab           this tree's kernel against each --baseline-tree's, interleaved, L2 flushed (`benchmarks.kernels ab`);
                skipped without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
+  short-steps  a step of 4 to 64 tokens over 8K and 32K stored tokens on a Llama-3.1-8B-shaped random model, its stored
+               tokens read by the tensor-core kernel (the step's queries as more query heads) and by the torch
+               reference, side by side (`benchmarks.end_to_end short-steps`): what CUDA_SHORT_STEP_PASSES should be
   mla          generate() on a DeepSeek-V2-Lite-shaped random model (multi-head latent attention, its 27 layers) at 8K and
                32K tokens, batch 8: DynamicCache against kvcal's kivi and kvquant caches, which decode MLA on the torch
                reference (`benchmarks.end_to_end mla`)
@@ -163,6 +166,10 @@ def stages(args) -> list[Stage]:
                            90 + 20 * variants * len(args.baseline_tree), 60, [*bench("kernels", "ab"), "--help"]))
     found.append(Stage("ncu", [*bench("kernels", "ncu"), "--only", args.ncu_variants,
                                "--csv-dir", str(args.out / "results" / "ncu")], 120, 45, [*bench("kernels", "ncu"), "--help"]))
+    found.append(Stage("short-steps", [*bench("end_to_end", "short-steps"), "--shape", "llama-8b", "--device", "cuda",
+                                       "--contexts", "8192,32768", "--steps", "4,16,64", "--rounds", "3"], 150, 60,
+                       [*bench("end_to_end", "short-steps"), "--shape", "tiny", "--device", "cpu", "--contexts", "64",
+                        "--steps", "4,16", "--rounds", "1"]))
     mla = ["--recipes", "kivi,kvquant", "--new-tokens", "8", "--rounds", "2", "--seed", str(args.seed)]
     found.append(Stage("mla", [*bench("end_to_end", "mla"), "--device", "cuda", "--lengths", "8192,32768", "--batch", "8",
                                "--layers", "27", *mla], 150, 60,
@@ -330,6 +337,12 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
                       "|---|---|---|---|---|---|"]
             lines += [f"| {r['cache']} | {r['predicted']} | {r['largest_batch']} | {r['first_failed']} | {r['tokens_per_s']} | "
                       f"{r['tokens_per_s_vs_static']} |" for r in generate["largest"]]
+    short = _load(results, "short_steps")
+    if short:
+        lines += ["", f"A step of several tokens on {short['device']}, {short['model']} (ms):", "",
+                  "| cache | context | step | kernel | reference | kernel / reference | runtime |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['context']} | {r['step']} | {r['ms_kernel']} | {r['ms_reference']} | "
+                  f"{r['kernel_vs_reference']} | {r['runtime']} |" for r in short["results"]]
     profile = _load(results, "profile_decode_tc")
     if profile:
         lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 (its busiest parts) | sectors/request | tensor | "
@@ -395,7 +408,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
     known = {"environment", "layout", "kernels", "kernels-heads", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu",
-             "mla"}
+             "short-steps", "mla"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

@@ -131,15 +131,16 @@ def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(
 def test_the_short_steps_benchmark_times_both_ways_and_names_the_runtimes(tmp_path, monkeypatch, tiny_model_dir):
     """A run on a tiny model: each step length after each context timed through the kernel and the reference on
     KIVI-2 and DynamicCache, the runtime's way named by the backends' limit, which the run leaves as it found it; a
-    step list that is not numbers is refused before anything runs or is written."""
+    step list that is not numbers, or a shape beside a model, is refused before anything runs or is written."""
     from benchmarks import common
     from benchmarks.end_to_end import short_steps
     from kvcal.runtime import backends
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    with pytest.raises(SystemExit) as exit_:
-        short_steps.main(["--model", str(tiny_model_dir("llama")), "--steps", "4,many"])
-    assert exit_.value.code == 2 and not list(tmp_path.iterdir())
+    for refused in (["--steps", "4,many"], ["--shape", "tiny"]):  # (--shape beside --model)
+        with pytest.raises(SystemExit) as exit_:
+            short_steps.main(["--model", str(tiny_model_dir("llama")), *refused])
+        assert exit_.value.code == 2 and not list(tmp_path.iterdir())
     monkeypatch.setattr(backends, "CPU_SHORT_STEP_TOKENS", 10)
     short_steps.main(["--model", str(tiny_model_dir("llama")), "--contexts", "20", "--steps", "3,40", "--rounds", "1",
                       "--out", "short_steps"])

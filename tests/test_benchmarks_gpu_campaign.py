@@ -25,7 +25,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((out / "campaign.json").read_text())
     assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-heads", "kernels-d256",
-                                                     "kernels-d256-kv1", "suite", "generate", "ab", "ncu", "mla"]
+                                                     "kernels-d256-kv1", "suite", "generate", "ab", "ncu", "short-steps",
+                                                     "mla"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     # (the stand-ins time no kernel: auto keeps kvcal's CUDA stores' default layout)
     assert record["stages"][7]["note"] == "kvcal's CUDA stores: rows (no kernels-heads timing beside the kernels stage's)"
@@ -36,11 +37,14 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     assert {(r["length"], r["batch"]) for r in generated["results"]} == {(64, 1), (64, 2), (128, 1), (128, 2)}
     assert sorted(generated["torch_profiles"]) == [f"{cache}, L=64, B=1" for cache in ("DynamicCache", "StaticCache", "kvcal kivi")]
     assert [(r["cache"], r["length"], len(r["tries"])) for r in generated["largest"]] == [("StaticCache", 128, 2), ("kvcal kivi", 128, 2)]
+    short = json.loads(next((out / "results").glob("short_steps_*.json")).read_text())
+    assert [(r["context"], r["step"], r["runtime"]) for r in short["results"]] == [(64, 4, "kernel"), (64, 16, "kernel")]
     latent = json.loads(next((out / "results").glob("mla_generate_*.json")).read_text())
     assert [r["cache"] for r in latent["results"]] == ["DynamicCache", "kvcal kivi", "kvcal kvquant"]
     summary = (out / "summary.md").read_text()
     assert done.stdout.rstrip().endswith(summary.rstrip())
     assert "| generate | ok |" in summary and "| kvcal kivi |" in summary and "The largest batch at L=128, tried:" in summary
+    assert "A step of several tokens on" in summary and "| kvcal kivi2-g32 | 64 | 16 |" in summary
 
 
 def test_a_stage_past_its_limit_is_interrupted_then_killed_and_one_the_budget_cannot_hold_is_skipped(tmp_path, monkeypatch):

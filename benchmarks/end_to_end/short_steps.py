@@ -4,12 +4,13 @@ side by side: by the decode kernel, the step's queries as more query heads, merg
 attention by log-sum-exp (kvcal.runtime.cache.RuntimeLayer._short_step), and by the torch reference (each sequence's
 cache dequantized, one attention over it and the step). The runtime takes the kernel's way up to a step length
 (kvcal.runtime.backends.CPU_SHORT_STEP_TOKENS on the CPU, CUDA_SHORT_STEP_PASSES on a GPU): the `runtime` column says
-which way it takes at each m. DynamicCache's step gives the scale.
+which way it takes at each m. DynamicCache's step gives the scale. --shape runs a random model of a
+`benchmarks.end_to_end gpu` shape instead (Llama-3.1-8B's on a GPU: what the GPU campaign's short-steps stage runs).
 
 Each measurement loads the context, made once per length by the fp model (kvcal.runtime.fp_context), into a fresh
 cache, runs one decode step (the decoders bound, tables made), then times the step of m tokens; the median of --rounds.
 
-Usage: python -m benchmarks.end_to_end short-steps [--model SPEC] [--bundles PATH,...] [--contexts 300,2000]
+Usage: python -m benchmarks.end_to_end short-steps [--model SPEC | --shape NAME] [--bundles PATH,...] [--contexts 300,2000]
        [--steps 4,16,64,128,256] [--rounds 3] [--device cpu] [--out NAME]      (see --help)
 Writes benchmarks/results/short_steps_<device>.{json,md} (--out).
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import device_slug, kivi2_bundle, provenance, write_markdown, write_result
+from benchmarks.end_to_end import gpu
 
 WAYS = ("kernel", "reference")
 
@@ -33,6 +35,8 @@ WAYS = ("kernel", "reference")
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="A model spec as kvcal takes it (default: the packaged SmolLM2).")
+    parser.add_argument("--shape", choices=sorted(gpu.SHAPES), default=None,
+                        help="A random Llama of this shape instead of --model (seeded; bf16 on CUDA).")
     parser.add_argument("--bundles", default="", help="Comma-separated bundle paths for this model, beside KIVI-2.")
     parser.add_argument("--contexts", default="300,2000", help="Comma-separated tokens stored before the step.")
     parser.add_argument("--steps", default="4,16,64,128,256", help="Comma-separated tokens of the step.")
@@ -50,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         setattr(args, name, values)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.shape and args.model:
+        parser.error("--shape and --model: give one model")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     missing = [path for path in filter(None, args.bundles.split(",")) if not Path(path).is_file()]
@@ -112,8 +118,11 @@ def main(argv=None) -> None:
     from kvcal.runtime.cache import fp_context
 
     started = provenance()
-    model, _, source = load_model(args.model)
-    model = model.to(args.device)
+    if args.shape:
+        model, model_name = gpu.random_model(args.shape, args.device, seed=0), f"random {args.shape}"
+    else:
+        model, _, source = load_model(args.model)
+        model, model_name = model.to(args.device), source.name
     bundles = {"kvcal kivi2-g32": kivi2_bundle(model),
                **{f"kvcal {Path(path).stem}": load_bundle(path, model=model) for path in filter(None, args.bundles.split(","))}}
     vocab = model.config.vocab_size
@@ -137,9 +146,9 @@ def main(argv=None) -> None:
                                  "runtime": runtime_way(model, args.device, m)})
                     print(f"{name}, context {n}, step {m}: kernel {ms['kernel']:.1f} ms, reference {ms['reference']:.1f} "
                           f"ms, DynamicCache {dynamic:.1f} ms", flush=True)
-    name = args.out or f"short_steps_{device_slug(started['device'])}"
-    write_result(name, {"model": source.name, "rounds": args.rounds, "results": rows}, started)
-    lines = [f"# A step of several tokens over a stored cache ({source.name}, {started['device']}, {started['commit']})", "",
+    out = args.out or f"short_steps_{device_slug(started['device'])}"
+    write_result(out, {"model": model_name, "rounds": args.rounds, "results": rows}, started)
+    lines = [f"# A step of several tokens over a stored cache ({model_name}, {started['device']}, {started['commit']})", "",
              f"ms of one forward of the step's tokens after the context (one sequence), median of {args.rounds}; "
              "`kernel`: the stored tokens read by the decode kernel, the step's queries as more query heads; "
              "`reference`: each sequence's cache dequantized; `runtime`: the way kvcal takes at that step length.", "",
@@ -147,7 +156,7 @@ def main(argv=None) -> None:
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cache']} | {r['context']} | {r['step']} | {r['ms_dynamic_cache']:.1f} | {r['ms_kernel']:.1f} | "
               f"{r['ms_reference']:.1f} | {r['kernel_vs_reference']:.2f}x | {r['runtime']} |" for r in rows]
-    write_markdown(name, lines)
+    write_markdown(out, lines)
 
 
 if __name__ == "__main__":
