@@ -167,13 +167,13 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
-# where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
-# "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
-# not rotated, always): every layer is NoPE
 # q and k normed per head after RoPE with a learned scale per channel (Hunyuan's query_layernorm and key_layernorm): the
 # norm's scale does not commute with RoPE, so kvcal stores the key the attention reads, rotated and normed, as a
 # model's without RoPE (its rotary left out; the norms are its q and k norms)
 _SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+# where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
+# "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
+# not rotated, always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
                         "kimi_linear")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
@@ -620,9 +620,11 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
         side_by_side = isinstance(fused, Conv1D) or getattr(attention, "multi_query", False)
         linear.update({"qkv_proj" if side_by_side else "query_key_value": fused, "o_proj": attention.c_proj})
-    names = {"q": "query_layernorm", "k": "key_layernorm", "v": "value_layernorm"}  # (Hunyuan's)
-    norms = {f"{kind}_norm": next((norm for name in (f"{kind}_norm", f"{kind}_layernorm", names[kind])  # StableLM: q_layernorm
-                                   if (norm := getattr(attention, name, None)) is not None), None) for kind in "qkv"}
+    # StableLM's q_layernorm, Hunyuan's query_layernorm
+    names = {"q": ("q_norm", "q_layernorm", "query_layernorm"), "k": ("k_norm", "k_layernorm", "key_layernorm"),
+             "v": ("v_norm", "v_layernorm")}
+    norms = {f"{kind}_norm": next((norm for name in names[kind] if (norm := getattr(attention, name, None)) is not None),
+                                  None) for kind in "qkv"}
     if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
         shared = getattr(attention, "qk_norm", None)
         rope_norms = (shared, shared) if shared is not None else (norms["q_norm"], norms["k_norm"])

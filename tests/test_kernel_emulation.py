@@ -408,21 +408,22 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
 @pytest.mark.parametrize("recipe", SHORT_STEP_VARIANTS)
 def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_reference_runtime(on_cpu, head_dim_64_bundles,
                                                                                                 recipe):
-    """A step of 4 tokens between decode steps (speculative decoding's check), on a left-padded batch: the tensor-core
-    kernel attends over the stored tokens with the step's 4 queries as more query heads (8 a KV head, one pass), its
-    log-sum-exps merged with the step's own tokens' in fp16, to the reference runtime's logits."""
+    """Steps of 4 and of 16 tokens between decode steps (speculative decoding's checks), on a left-padded batch: the
+    tensor-core kernel attends over the stored tokens with the step's queries as more query heads (8 a KV head: one
+    pass, then 32: four passes), its log-sum-exps merged with the step's own tokens' in fp16, to the reference
+    runtime's logits."""
     from conftest import left_padded, tiny_model
 
     model = tiny_model("llama", head_dim=64)
-    ids, mask = left_padded((70, 55), seed=3)
-    steps = [62, 1, 4, 1, 1]
+    ids, mask = left_padded((90, 75), seed=3)
+    steps = [62, 1, 4, 1, 16, 1]
     with torch.inference_mode():
         got = logits_in_steps(model, head_dim_64_bundles[recipe], ids, mask, steps)
         with reference_runtime():
             want = logits_in_steps(model, head_dim_64_bundles[recipe], ids, mask, steps)
     eight = SHORT_STEP_VARIANTS[recipe][1]
     assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name, eight.name}
-    assert on_cpu.count(eight.name) == 2  # the step of 4, on each of the 2 layers
+    assert on_cpu.count(eight.name) == 2 * (1 + 4)  # on each of the 2 layers: the step of 4's pass, the step of 16's 4
     for got_step, want_step in zip(got, want):
         torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
 

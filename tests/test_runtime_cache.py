@@ -264,8 +264,8 @@ def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(r
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
     bundle = bundles[recipe]
     ids, mask = left_padded((30, 22), seed=8)
-    mask = torch.cat([mask, torch.ones(2, 12, dtype=mask.dtype)], 1)
-    ids = torch.cat([ids, torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(9))], 1)
+    mask = torch.cat([mask, torch.ones(2, 13, dtype=mask.dtype)], 1)
+    ids = torch.cat([ids, torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(9))], 1)
     steps = [30, 1, 1, 5, 1, 5]
     served = []
     short_step = RuntimeLayer._short_step

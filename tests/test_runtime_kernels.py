@@ -10,7 +10,7 @@ import torch
 
 from conftest import kivi_bundle, left_padded, tiny_model
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
-                     requires_gpu)
+                     logits_in_steps, requires_gpu)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
 from kvcal.bundle import load_bundle
@@ -255,6 +255,30 @@ def test_a_gqa_16_model_decodes_on_cuda_in_two_passes_like_the_cpu_reference():
         cuda_logits, cache = decode_token_by_token(tiny_model("llama", **gqa_16).cuda(), bundle, ids.cuda())
     assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
     torch.testing.assert_close(cuda_logits.cpu(), cpu_logits, rtol=0, atol=2e-3)
+
+
+@requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32", "kvmix"))
+def test_short_steps_on_cuda_read_the_cache_like_the_cpu_reference(head_dim_64_bundles, recipe):
+    """Steps of 4 and of 16 tokens between decode steps on a left-padded batch (speculative decoding's checks): the
+    tensor-core kernel reads the stored tokens with the step's queries as more query heads (8 a KV head: one pass,
+    then 32: four passes), merged with the step's own tokens' attention, the CPU runtime's logits within 2e-3 (the
+    emulated kernel's test, on the device)."""
+    from kvcal.runtime.cache import RuntimeLayer
+
+    model = tiny_model("llama", head_dim=64)
+    ids, mask = left_padded((90, 75), seed=3)
+    steps, bundle = [62, 1, 4, 1, 16, 1], head_dim_64_bundles[recipe]
+    with torch.inference_mode():
+        cpu_logits = logits_in_steps(model, bundle, ids, mask, steps)
+        short_step, served = RuntimeLayer._short_step, []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
+            cuda_logits = logits_in_steps(model.cuda(), bundle, ids.cuda(), mask.cuda(), steps)
+    assert [out is not None for out in served] == [False] * 2 + [True] * 4  # the prefill's layers, then both steps'
+    for got, want in zip(cuda_logits, cpu_logits):
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-3)
 
 
 def _memory(address: int, dtype, count: int) -> np.ndarray:

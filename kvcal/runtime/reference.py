@@ -14,6 +14,10 @@ padded to the longest (the stores' `read_batch`) with a mask of each sequence's 
 `rotate` with RoPE tables made once per step (`rope_tables`); it equals `attention` per sequence up to float
 rounding of the softmax sums.
 
+A step of several tokens over a stored cache whose decoder reads the stored tokens itself (kvcal.runtime.cache's
+short steps) merges that attention with `own_attention` over the step's own tokens by their log-sum-exps
+(`merge_attention`), which `attention` over both at once equals up to float rounding.
+
 Attention sinks (gpt-oss: a learned logit per query head) join each row's softmax as one more score that reads no
 value, and soft-capped scores (Gemma 2) are capped before the mask, as the models' own attention does
 (`explicit_attention`); without either SDPA computes the softmax.
