@@ -77,9 +77,9 @@ def sequences_of(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """buffer's sequences index[0], index[1], ... (along dim 0; repeats allowed) as its batch, laid out in memory as
     buffer is (a permuted view stays one: the kernels read the strides a store made)."""
     order = sorted(range(buffer.dim()), key=lambda d: (-buffer.stride(d), d))  # dims, outermost in memory first
-    shape = [len(index) if d == 0 else buffer.shape[d] for d in order]
-    taken = torch.empty(shape, dtype=buffer.dtype, device=buffer.device).permute([order.index(d) for d in range(buffer.dim())])
-    return taken.copy_(buffer.index_select(0, index))
+    # (one copy: index_select on the dims in memory order gives its output that order)
+    taken = buffer.permute(order).index_select(order.index(0), index)
+    return taken.permute([order.index(d) for d in range(buffer.dim())])
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
