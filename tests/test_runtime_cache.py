@@ -655,6 +655,42 @@ def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, con
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=atol)
 
 
+def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_as_the_models_cache_does(monkeypatch):
+    """Gemma 3 4B-27B's decoder: a second step of 10 tokens bringing an image after 10 stored ones reads the stored
+    tokens through the CPU kernel (its full layer: a short step) and attends to the image's tokens both ways among
+    its own (`ahead`), giving the logits of the model's own cache fed the same two steps (fp16 K/V: 1e-3) and those
+    of the torch reference's way (1e-5)."""
+    from transformers import DynamicCache
+
+    from kvcal.runtime.cache import RuntimeLayer
+
+    model = tiny_model("gemma3")
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 400, (1, 20), generator=generator)
+    ids[0, 12:16] = model.config.image_token_id
+    types, pixels = (ids == model.config.image_token_id).long(), torch.randn(1, 3, 28, 28, generator=generator)
+    steps = [dict(input_ids=ids[:, :10], token_type_ids=types[:, :10]),
+             dict(input_ids=ids[:, 10:], token_type_ids=types, pixel_values=pixels,  # (the sequence's: as generate does)
+                  attention_mask=torch.ones(1, 20, dtype=torch.long))]
+    served, short_step = [], RuntimeLayer._short_step
+    monkeypatch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
+
+    def second_step(cache) -> torch.Tensor:
+        model(**steps[0], past_key_values=cache, use_cache=True)
+        return model(**steps[1], past_key_values=cache, use_cache=True).logits
+
+    with torch.inference_mode():
+        own = second_step(DynamicCache(config=model.config))
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            through_kernel = second_step(cache)
+        assert [out is not None for out in served] == [False, False, True]  # the full layer's second step
+        monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            by_reference = second_step(cache)
+    torch.testing.assert_close(through_kernel, own, rtol=0, atol=1e-3)
+    torch.testing.assert_close(through_kernel, by_reference, rtol=0, atol=1e-5)
+
+
 def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
     """Only the decoder's attention is kvcal's: a vision tower switched to kvcal's attention implementation by hand
     is refused in one line, naming it, and runs its own again once switched back."""

@@ -334,19 +334,20 @@ class RuntimeLayer(CacheLayerMixin):
         if stored is None:
             return None
         stored_out, stored_lse = stored
-        output = torch.zeros(batch, m, heads, new_values.shape[-1] // kv_heads, dtype=query.dtype, device=query.device)
-        for b in plan.rows:
-            rows = plan.columns(b)
-            count = plan.before[b]
-            own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
-            keys = self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)
-            values = new_values[b, rows].half().float()
-            scored = keys if latent_query is None else torch.cat([keys, values], -1)
-            seen = ahead[b][rows][:, rows] if ahead is not None else None
-            own_out, own_lse = reference.own_attention(queries[b, :, rows], scored, values, scaling, self.softcap, seen)
-            merged = reference.merge_attention(stored_out[b, rows], stored_lse[b, rows], own_out.transpose(0, 1),
-                                               own_lse.transpose(0, 1), self.sinks)
-            output[b, rows] = merged.to(query.dtype)
+        # the step's own tokens, every sequence at once: a column's position is its sequence's next one, counting
+        # its real tokens (padding sees and is seen by none)
+        valid = plan.valid
+        start = torch.tensor([(o or 0) + n for o, n in zip(plan.offsets, plan.before)], device=query.device)
+        positions = (start[:, None] + valid.long().cumsum(-1) - 1).reshape(-1)
+        keys = self._rotated(new_keys.half().float().reshape(batch * m, -1), positions, kv_heads).view(batch, m, -1)
+        values = new_values.half().float()
+        scored = keys if latent_query is None else torch.cat([keys, values], -1)
+        seen = torch.ones(m, m, dtype=torch.bool, device=query.device).tril() & valid[:, None, :]
+        seen = seen if ahead is None else seen | ahead
+        own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
+        merged = reference.merge_attention(stored_out, stored_lse, own_out.transpose(1, 2), own_lse.transpose(1, 2),
+                                           self.sinks)
+        output = merged.masked_fill(~valid[:, :, None, None], 0.0).to(query.dtype)
         self._append_columns(plan.rows, new_keys, new_values, plan)
         return output
 
