@@ -189,7 +189,8 @@ class CpuDecoder(LayerDecoder):
         return _heads_as_step(out, lse, query.shape[2])
 
     def _attend(self, query, plan, scaling, kv_heads, first, with_lse=False):
-        """cpu_kernel.decode_attention of query (B, heads, d) over the stores as they are."""
+        """cpu_kernel.decode_attention of query (B, heads, d) over the stores as they are, from each sequence's
+        `first` stored token (None: all); with_lse: without sinks, beside each row's log-sum-exp."""
         layer = self.layer
         dropped = layer.keys_store.dropped
         rope = None
@@ -258,14 +259,14 @@ class CudaDecoder(LayerDecoder):
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def stored_attention(self, query, plan, scaling, kv_heads):
-        batch, heads, m, _ = query.shape
+        _, heads, m, _ = query.shape
         if len(kernels.head_passes(heads // kv_heads * m)) > CUDA_SHORT_STEP_PASSES:
             return None
         dropped = self.layer.keys_store.dropped
         out, lse = kernels.decode_attention(_step_as_heads(query), self.launches, kv_heads, scaling,
                                             plan.stored_positions(dropped), self.served,
                                             step=plan.kernel_step(query.device), with_lse=True)
-        return _heads_as_step(out, lse, query.shape[2])
+        return _heads_as_step(out, lse, m)
 
 
 BACKENDS: tuple[Backend, ...] = (CudaKernels(), CpuKernel(), TorchReference())

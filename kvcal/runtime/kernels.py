@@ -515,7 +515,7 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
             out = torch.cat([o.view(batch, kv_heads, n, head_dim) for (o, _), n in zip(results, passes)], 2)
             if not with_lse:
                 return out.view(batch, heads, head_dim)
-            lse = torch.cat([l.view(batch, kv_heads, n) for (_, l), n in zip(results, passes)], 2)
+            lse = torch.cat([log_z.view(batch, kv_heads, n) for (_, log_z), n in zip(results, passes)], 2)
             return out.view(batch, heads, head_dim), lse.view(batch, heads)
 
         return run_passes
