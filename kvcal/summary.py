@@ -221,8 +221,9 @@ def decode_plan(path: str | Path, device: str) -> tuple[str, list[str], list[lis
     """(title, columns, rows) of what serves each layer of a bundle on `device` (kvcal.runtime.backends.bundle_plan)."""
     plans = bundle_plan(load_bundle(path), device)
     where = "this machine's CPU" if device == "cpu" else "a CUDA GPU with CuPy"
-    columns = ["layer", "bodies", "fp16 segments", "K append", "V append", "why not faster"]
-    rows = [[str(p.layer), p.bodies, p.fp16_segments, p.key_append, p.value_append, p.why or "-"] for p in plans]
+    columns = ["layer", "bodies", "fp16 segments", "K append", "V append", "short steps", "why not faster"]
+    rows = [[str(p.layer), p.bodies, p.fp16_segments, p.key_append, p.value_append,
+             f"up to {p.short_steps} tokens" if p.short_steps else "-", p.why or "-"] for p in plans]
     return f"decode steps on {where}", columns, rows
 
 

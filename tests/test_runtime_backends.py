@@ -15,10 +15,10 @@ def test_the_planner_names_the_cpu_kernel_for_every_recipe_it_reads_and_the_refe
                                                                                                       monkeypatch):
     for recipe in ("kvquant", "mixed", "kivi", "kvmix", "skvq"):
         plans = backends.bundle_plan(load_bundle(recipe_bundles[recipe]), "cpu")
-        assert {(p.bodies, p.why) for p in plans} == {("cpu-kernel", "")}, recipe
+        assert {(p.bodies, p.why, p.short_steps) for p in plans} == {("cpu-kernel", "", 128)}, recipe
     monkeypatch.setattr(cpu_kernel, "library", lambda: None)
     plans = backends.bundle_plan(load_bundle(recipe_bundles["kvquant"]), "cpu")
-    assert {p.bodies for p in plans} == {"reference"}
+    assert {(p.bodies, p.short_steps) for p in plans} == {("reference", 0)}
     assert "not cpu-kernel: the CPU kernel is not built here" in plans[0].why
 
 
@@ -65,11 +65,13 @@ def test_values_narrower_than_keys_decode_on_the_cpu_kernel_and_on_cuda_on_the_r
 def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_not_the_others(head_dim_64_bundles, recipe_bundles):
     plan = {name: backends.bundle_plan(load_bundle(head_dim_64_bundles[name]), "cuda") for name in ("kvquant", "kivi", "nuq4-0%")}
     assert {p.bodies for p in plan["kvquant"]} == {p.bodies for p in plan["nuq4-0%"]} == {"tensor-core"}
+    # GQA 2: a step's queries in at most 8 passes of 8 query heads a KV head
+    assert {p.short_steps for p in plan["kvquant"]} == {32}
     assert {(p.key_append, p.value_append) for p in plan["kvquant"]} == {("cuda-append", "cuda-append")}
     # its sink: fp16 rows of both sides, in the tensor-core launch
     assert {p.fp16_segments for p in plan["kvquant"]} == {p.fp16_segments for p in plan["nuq4-0%"]} == {"tensor-core"}
     kivi = plan["kivi"][0]  # 2-bit codes in groups of 4 channels: no tensor-core variant, so the torch reference
-    assert (kivi.bodies, kivi.fp16_segments) == ("reference", "reference")
+    assert (kivi.bodies, kivi.fp16_segments, kivi.short_steps) == ("reference", "reference", 0)
     assert kivi.why.startswith("not cuda-kernels: int2 per channel g4 / int2 per token g4: key blocks of 4 tokens")
     # keys wait fp16 for a block while values are packed: the segment blocks read uniform bodies too
     kivi4 = backends.bundle_plan(load_bundle(head_dim_64_bundles["kivi4-g32"]), "cuda")[0]

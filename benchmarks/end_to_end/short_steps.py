@@ -79,12 +79,10 @@ def way(name: str):
 
 def runtime_way(model, device: str, step: int) -> str:
     """The way the runtime takes for a step of `step` tokens by default."""
-    from kvcal.runtime import backends, kernels
+    from kvcal.runtime import backends
 
-    if device == "cpu":
-        return WAYS[step > backends.CPU_SHORT_STEP_TOKENS]
     group = model.config.num_attention_heads // model.config.num_key_value_heads
-    return WAYS[len(kernels.head_passes(group * step)) > backends.CUDA_SHORT_STEP_PASSES]
+    return WAYS[step > backends.short_step_tokens("cpu-kernel" if device == "cpu" else "tensor-core", group)]
 
 
 def step_ms(model, bundle, context, ids: torch.Tensor) -> float:

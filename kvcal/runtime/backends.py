@@ -60,6 +60,16 @@ CPU_SHORT_STEP_TOKENS = 128
 # bound by bytes; the GPU campaign has not measured it).
 CUDA_SHORT_STEP_PASSES = 8
 
+
+def short_step_tokens(path: str, group: int) -> int:
+    """The most tokens a step the decoder of `path` ("cpu-kernel", "tensor-core") reads the stored cache for, with
+    `group` query heads a KV head (RuntimeLayer's short steps); 0 for the torch reference, which does not."""
+    if path == "cpu-kernel":
+        return CPU_SHORT_STEP_TOKENS
+    if path == "tensor-core":  # head_passes: ceil(group * m / MAX_GQA) passes
+        return CUDA_SHORT_STEP_PASSES * kernels.MAX_GQA // group
+    return 0
+
 LATENT_REFUSAL = "MLA's latent attention (its values scored too): the tensor-core kernel reads no latent yet"
 
 
@@ -183,7 +193,7 @@ class CpuDecoder(LayerDecoder):
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def stored_attention(self, query, plan, scaling, kv_heads):
-        if query.shape[2] > CPU_SHORT_STEP_TOKENS:
+        if query.shape[2] > short_step_tokens(self.path, query.shape[1] // kv_heads):
             return None
         out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, None, with_lse=True)
         return _heads_as_step(out, lse, query.shape[2])
@@ -260,7 +270,7 @@ class CudaDecoder(LayerDecoder):
 
     def stored_attention(self, query, plan, scaling, kv_heads):
         _, heads, m, _ = query.shape
-        if len(kernels.head_passes(heads // kv_heads * m)) > CUDA_SHORT_STEP_PASSES:
+        if m > short_step_tokens(self.path, heads // kv_heads):
             return None
         dropped = self.layer.keys_store.dropped
         out, lse = kernels.decode_attention(_step_as_heads(query), self.launches, kv_heads, scaling,
@@ -337,7 +347,8 @@ def append_path(codec, width: int, device) -> str:
 @dataclass(frozen=True)
 class LayerPlan:
     """What serves one layer's decode steps on a kind of device: its bodies, its fp16 segments (sinks, windows,
-    residuals, recent pivotal tokens), its K and V appends, and why not something faster."""
+    residuals, recent pivotal tokens), its K and V appends, why not something faster, and the longest step of several
+    tokens its decoder reads the stored tokens for (the torch reference's way beyond: 0 where it serves them all)."""
 
     layer: int
     bodies: str
@@ -345,6 +356,7 @@ class LayerPlan:
     key_append: str
     value_append: str
     why: str
+    short_steps: int = 0  # the most tokens a step whose decoder reads the stored cache (short_step_tokens)
 
 
 def _has_fp16_segments(recipe) -> bool:
@@ -381,5 +393,6 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
             why = choice.why() if choice.backend.name != "cpu-kernel" else ""
         key_append, value_append = (append_path(codec, width, device)
                                     for codec, width in zip((codecs.key_codec, codecs.value_codec), widths))
-        plans.append(LayerPlan(i, bodies, segments if _has_fp16_segments(recipe) else "-", key_append, value_append, why))
+        plans.append(LayerPlan(i, bodies, segments if _has_fp16_segments(recipe) else "-", key_append, value_append, why,
+                               short_step_tokens(bodies, heads // kv_heads)))
     return plans
