@@ -82,8 +82,8 @@ bool replay_file(const char* path) {
             return value;
         };
         kvcal_decode_attention_cpu((const float*)p(0), (const long long*)p(1), (const int32_t*)p(2), (const float*)p(3),
-                                   (const float*)p(4), (long long)a[5].bits, i32(6), i32(7), i32(8), i32(9), f32(10), f32(11),
-                                   (float*)p(12), (float*)p(13), (float*)p(14), i32(15), i32(16), i32(17));
+                                   (const float*)p(4), (long long)a[5].bits, i32(6), i32(7), i32(8), i32(9), i32(10), i32(11),
+                                   f32(12), f32(13), (float*)p(14), (float*)p(15), (float*)p(16), i32(17), i32(18), i32(19));
     }
     const float* got = (const float*)(regions[out_region].data() + out_offset);
     float worst = 0.0f;

@@ -24,8 +24,9 @@ from kvcal.runtime import cpu_kernel, kernels
 from kvcal.runtime import kernel_source as src
 
 # kvcal_decode_attention_cpu's arguments: pointer, int32, int64 or float32, in order
-DECODE_ARGUMENTS = "PPPPPLIIIIFFPPPIII"
-QUERY, COS, SIN, ROPE_STRIDE, BATCH, KV_HEADS, GROUP, HEAD_DIM, M_STATE, L_STATE, ACC_STATE = 0, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14
+DECODE_ARGUMENTS = "PPPPPLIIIIIIFFPPPIII"
+QUERY, COS, SIN, ROPE_STRIDE, BATCH, KV_HEADS, GROUP, HEAD_DIM, VALUE_DIM, VALUES_SCORED = 0, 3, 4, 5, 6, 7, 8, 9, 10, 11
+M_STATE, L_STATE, ACC_STATE = 14, 15, 16
 _F = cpu_kernel.CpuSideField
 DESCRIPTOR_POINTERS = (_F.SINK, _F.RECENT, _F.WORDS, _F.PARAM0, _F.PARAM1, _F.CODEBOOK, _F.OUTLIER_POSITIONS, _F.OUTLIER_VALUES,
                        _F.OUTLIER_OFFSETS, _F.OUTLIER_COUNTS, _F.GROUP_OF_CHANNEL)  # the fields that hold addresses
@@ -102,18 +103,18 @@ def recording(path: Path, stores: list):
                         regions.add_tensor(kernels.channel_groups(body.codec, "cpu"))
             for array in (descriptor, meta):
                 regions.add_array(array)
-            batch, heads, head_dim = args[BATCH], args[BATCH] and args[KV_HEADS] * args[GROUP], args[HEAD_DIM]
-            sizes = {QUERY: batch * heads * head_dim, COS: batch * args[ROPE_STRIDE], SIN: batch * args[ROPE_STRIDE],
-                     M_STATE: batch * heads, L_STATE: batch * heads, ACC_STATE: batch * heads * head_dim}  # floats
+            batch, heads, value_dim = args[BATCH], args[KV_HEADS] * args[GROUP], args[VALUE_DIM]
+            query_width = args[HEAD_DIM] + (value_dim if args[VALUES_SCORED] else 0)  # (MLA's: keys' and latent's)
+            sizes = {QUERY: batch * heads * query_width, COS: batch * args[ROPE_STRIDE], SIN: batch * args[ROPE_STRIDE],
+                     M_STATE: batch * heads, L_STATE: batch * heads, ACC_STATE: batch * heads * value_dim}  # floats
             for index, floats in sizes.items():
                 if args[index]:
                     regions.add(int(args[index]), 4 * floats)
             arguments = list(args)
             arguments[1], arguments[2] = descriptor.ctypes.data, meta.ctypes.data
             real.kvcal_decode_attention_cpu(*arguments)
-            heads, head_dim = args[BATCH] * args[KV_HEADS] * args[GROUP], args[HEAD_DIM]
             # the copies stay alive with the call, so that no later call's copies take their addresses
-            calls.append((regions, arguments, (descriptor, meta), ctypes.string_at(int(args[ACC_STATE]), 4 * heads * head_dim)))
+            calls.append((regions, arguments, (descriptor, meta), ctypes.string_at(int(args[ACC_STATE]), 4 * sizes[ACC_STATE])))
 
     original = cpu_kernel.library
     cpu_kernel.library = lambda: Recorder()
