@@ -724,10 +724,11 @@ inline void rotate_row(float* __restrict__ k, const float* __restrict__ cos_row,
 // exp(score - m) v; scores soft-capped at softcap first where it is above 0. Keys are D channels wide, values Dv;
 // values_scored (MLA's latent, kvcal.adapters.LatentAttention): a query row is D + Dv wide and its last Dv channels
 // score the values beside its first D the keys (one attention over keys and values side by side, neither copied).
+// row_first (null: none): per query row of the call (batch x heads), its first token seen; the earlier weigh nothing.
 void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, DecodeTokens decode_values, const Lengths& kn,
                    const Lengths& vn, const float* query, const float* cos_table, const float* sin_table, long long rope_stride,
                    int b, int kv_head, int kv_heads, int group, int D, int Dv, bool values_scored, float scale, float softcap,
-                   int t_begin, int t_end, float* partial) {
+                   const int32_t* row_first, int t_begin, int t_end, float* partial) {
     thread_local HeadTables k_tables, v_tables;
     thread_local std::vector<float> q, keys, values, scores, value_scores;
     const int width = kv_heads * D, value_width = kv_heads * Dv, half = D / 2, heads = kv_heads * group;
@@ -781,8 +782,14 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
                 }
             }
             if (softcap > 0.0f) cap_scores(s, n, softcap);
+            if (row_first != nullptr)
+                for (int i = 0; i < std::min(row_first[first_row + g] - t0, n); ++i) s[i] = -INFINITY;
             const float chunk_max = largest(s, n);
             const float m_new = max_or(chunk_max, state[0]);
+            if (m_new == -INFINITY) {  // nothing seen yet: the chunk adds no weight (and no NaN from -inf - -inf)
+                std::fill(s, s + n, 0.0f);
+                continue;
+            }
             const float correction = state[0] == -INFINITY ? 0.0f : exp_nonpositive(state[0] - m_new);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -814,7 +821,9 @@ struct Task {
 // latent): query rows are head_dim + value_dim wide, the last value_dim scoring the values (attend_tokens).
 // query (batch, heads, D or D + value_dim) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D / 2) at each sequence's stored tokens' positions (the first half of each
-// row of kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE.
+// row of kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE; row_first (batch, heads): each query
+// row's first token seen, past its sequence's (meta's first, which stays the least of its rows': a step of several
+// queries under a sliding window, kvcal.runtime.backends), null where every row sees its sequence's.
 // Work: every (sequence, KV head)'s tokens in splits of SPLIT tokens, or fewer (halved down to CHUNK) while that
 // makes fewer than MIN_TASKS tasks (so that a short context keeps every thread busy); one task
 // each, run on `threads` threads (OpenMP, the runtime torch uses where both are libgomp); each task's partial state is
@@ -824,7 +833,7 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
                                            const float* cos_table, const float* sin_table, long long rope_stride,
                                            int batch, int kv_heads, int group, int head_dim, int value_dim, int values_scored,
                                            float scale, float softcap, float* m_state, float* l_state, float* acc_state,
-                                           int first, int last, int threads) {
+                                           const int32_t* row_first, int first, int last, int threads) {
     const int D = head_dim, Dv = value_dim, heads = kv_heads * group;
     if (first) {
         std::fill(m_state, m_state + (size_t)batch * heads, -INFINITY);
@@ -861,7 +870,7 @@ extern "C" void kvcal_decode_attention_cpu(const float* query, const long long* 
         const Task& task = tasks[i];
         attend_tokens(ks, vs, decode_keys, decode_values, key_lengths[task.b], value_lengths[task.b], query, cos_table, sin_table,
                       rope_stride, task.b, task.kv_head, kv_heads, group, D, Dv, values_scored != 0, scale, softcap,
-                      task.t_begin, task.t_end, partials.data() + i * per_task);
+                      row_first, task.t_begin, task.t_end, partials.data() + i * per_task);
     }
     for (size_t i = 0; i < tasks.size(); ++i) {
         const long long first_row = (long long)tasks[i].b * heads + (long long)tasks[i].kv_head * group;

@@ -248,16 +248,19 @@ def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles,
 
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
-    ("gpt_oss", "kvquant"), ("gemma2", "kivi"), ("deepseek_v3", "kvquant"), ("gemma3_text", "kvquant")])
+    ("gpt_oss", "kvquant"), ("gemma2", "kivi"), ("deepseek_v3", "kvquant"), ("gemma3_text", "kvquant"),
+    ("llama4_text", "kvquant")])
 def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(recipe_bundles, gemma3_bundles,
                                                                               architecture_bundles, model_type, recipe,
                                                                               monkeypatch):
     """A step of a few tokens over a stored cache (speculative decoding's check of its candidates) attends over the
     stored tokens through the CPU kernel, merged with the step's own tokens in fp16 by log-sum-exp: the logits the
     torch reference gives, reading each sequence's cache whole (1e-4), on a left-padded batch; with attention sinks
-    (gpt-oss: joining the merged softmax once), soft-capped scores (Gemma 2), MLA's latent (DeepSeek-V3), and a full
-    layer beside a sliding one past its window (Gemma 3: the reference serves that one's steps, as their queries see
-    different stored tokens)."""
+    (gpt-oss: joining the merged softmax once), soft-capped scores (Gemma 2), MLA's latent (DeepSeek-V3), and a sliding
+    layer past its window (Gemma 3's 16 tokens, gpt-oss's: each of the step's queries sees the stored tokens of its own
+    window, its first one passed to the kernel per query row), and chunked attention (Llama 4's chunks of 16: the
+    shorter prompt's second step of 5 crosses into a new chunk, whose queries see none of the stored tokens and only
+    their own chunk's among the step's)."""
     from kvcal.runtime.cache import RuntimeLayer
 
     model = tiny_model(model_type)
@@ -657,8 +660,8 @@ def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, con
 
 def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_as_the_models_cache_does(monkeypatch):
     """Gemma 3 4B-27B's decoder: a second step of 10 tokens bringing an image after 10 stored ones reads the stored
-    tokens through the CPU kernel (its full layer: a short step) and attends to the image's tokens both ways among
-    its own (`ahead`), giving the logits of the model's own cache fed the same two steps (fp16 K/V: 1e-3) and those
+    tokens through the CPU kernel (a short step, its sliding layer's queries each in its window) and attends to the
+    image's tokens both ways among its own (`ahead`), giving the logits of the model's own cache fed the same two steps (fp16 K/V: 1e-3) and those
     of the torch reference's way (1e-5)."""
     from transformers import DynamicCache
 
@@ -683,7 +686,7 @@ def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_a
         own = second_step(DynamicCache(config=model.config))
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             through_kernel = second_step(cache)
-        assert [out is not None for out in served] == [False, False, True]  # the full layer's second step
+        assert [out is not None for out in served] == [False, False, True, True]  # the second step, on both layers
         monkeypatch.setattr(cpu_kernel, "library", lambda: None)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             by_reference = second_step(cache)

@@ -84,12 +84,13 @@ class LayerDecoder:
         (its sliding window's or chunk's; None: all of them)."""
         raise NotImplementedError
 
-    def stored_attention(self, query: torch.Tensor, plan, scaling: float, kv_heads: int):
-        """Attention of a step of m queries a sequence over its tokens stored before the step, every one of them seen
-        (no span), without sinks: query (B, H, m, d) -> (out (B, m, H, d_v), log-sum-exp of each row's scores
-        (B, m, H); -inf where a sequence has none) float32, to merge with the step's own tokens' (RuntimeLayer's
-        short steps); None where this decoder does not serve it, or a step this long reads faster the reference's way
-        (the caller reads the stores itself)."""
+    def stored_attention(self, query: torch.Tensor, plan, scaling: float, kv_heads: int,
+                         span: AttentionSpan | None = None):
+        """Attention of a step of m queries a sequence over its tokens stored before the step, without sinks: query
+        (B, H, m, d) -> (out (B, m, H, d_v), log-sum-exp of each row's scores (B, m, H); -inf where a query sees
+        none) float32, to merge with the step's own tokens' (RuntimeLayer's short steps); span: the layer's window or
+        chunk, each query seeing the stored tokens of its own (None: all of them). None where this decoder does not
+        serve it, or a step this long reads faster the reference's way (the caller reads the stores itself)."""
         return None
 
 
@@ -192,15 +193,25 @@ class CpuDecoder(LayerDecoder):
         out = self._attend(query[:, :, 0], plan, scaling, kv_heads, plan.first_visible(span, self.layer.keys_store.dropped))
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
-    def stored_attention(self, query, plan, scaling, kv_heads):
-        if query.shape[2] > short_step_tokens(self.path, query.shape[1] // kv_heads):
+    def stored_attention(self, query, plan, scaling, kv_heads, span=None):
+        _, heads, m, _ = query.shape
+        if m > short_step_tokens(self.path, heads // kv_heads) or (span is not None and not self.layer.keys_store.ordered):
             return None
-        out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, None, with_lse=True)
-        return _heads_as_step(out, lse, query.shape[2])
+        first = row_first = None
+        if span is not None:  # each query's first stored token seen: by its position among its sequence's tokens
+            dropped = torch.tensor(self.layer.keys_store.dropped)[:, None]
+            before = torch.tensor(plan.before)[:, None]
+            columns = span.first_seen(before + plan.valid.cpu().long().cumsum(-1) - 1) - dropped
+            first = (span.first_seen(before) - dropped).clamp(min=0)[:, 0]  # a sequence's first real token's
+            row_first = torch.maximum(columns, first[:, None])[:, None].expand(-1, heads, -1).reshape(len(first), -1)
+            first = first.tolist()
+        out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, first, with_lse=True, row_first=row_first)
+        return _heads_as_step(out, lse, m)
 
-    def _attend(self, query, plan, scaling, kv_heads, first, with_lse=False):
+    def _attend(self, query, plan, scaling, kv_heads, first, with_lse=False, row_first=None):
         """cpu_kernel.decode_attention of query (B, heads, d) over the stores as they are, from each sequence's
-        `first` stored token (None: all); with_lse: without sinks, beside each row's log-sum-exp."""
+        `first` stored token (None: all), each query row from its row_first's (None: its sequence's); with_lse:
+        without sinks, beside each row's log-sum-exp."""
         layer = self.layer
         dropped = layer.keys_store.dropped
         rope = None
@@ -210,7 +221,7 @@ class CpuDecoder(LayerDecoder):
                                          layer.drops)
         return cpu_kernel.decode_attention(query, self.launches, kv_heads, scaling, rope, first,
                                            None if with_lse else layer.sinks, layer.softcap, layer.widths[1] // kv_heads,
-                                           layer.latent is not None, with_lse)
+                                           layer.latent is not None, with_lse, row_first)
 
 
 class CudaKernels(Backend):
@@ -268,9 +279,9 @@ class CudaDecoder(LayerDecoder):
                                        first=plan.first_visible(span, dropped), sinks=self.layer.sinks)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
-    def stored_attention(self, query, plan, scaling, kv_heads):
+    def stored_attention(self, query, plan, scaling, kv_heads, span=None):
         _, heads, m, _ = query.shape
-        if m > short_step_tokens(self.path, heads // kv_heads):
+        if m > short_step_tokens(self.path, heads // kv_heads) or span is not None:  # (one first token a sequence)
             return None
         dropped = self.layer.keys_store.dropped
         out, lse = kernels.decode_attention(_step_as_heads(query), self.launches, kv_heads, scaling,

@@ -217,8 +217,8 @@ class RuntimeLayer(CacheLayerMixin):
                 self.picking = self.picking or backends.ReferenceDecoder(self)
                 output = self.picking.decode(query, plan, scaling, kv_heads, span, plan.chosen_rows(chosen))
         else:
-            short = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, ahead, latent_query)
-                     if span is None and reads is None and chosen is None else None)
+            short = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, span, ahead, latent_query)
+                     if reads is None and chosen is None else None)
             output = short if short is not None else self._prefill(query, new_keys, new_values, plan, scaling, kv_heads,
                                                                    span, reads, ahead, latent_query, chosen)
         self.padded_length += m
@@ -319,30 +319,35 @@ class RuntimeLayer(CacheLayerMixin):
         return output
 
     def _short_step(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
-                    ahead: torch.Tensor | None, latent_query: torch.Tensor | None) -> torch.Tensor | None:
-        """A step of several tokens a sequence over a stored cache (speculative decoding's candidates, a chat turn),
-        no span: the decoder's attention over each sequence's stored tokens (LayerDecoder.stored_attention: a decode
-        kernel reads them as at a decode step, the cache not dequantized), merged by log-sum-exp with attention over
-        the step's own tokens in fp16 (then appended); _prefill's attention up to float rounding. None, nothing done,
-        where _prefill serves it: a sequence of one token (a decode, read as stored), nothing stored yet, a decoder
-        that does not serve it or not a step this long (the torch reference: _prefill is its way)."""
+                    span: AttentionSpan | None, ahead: torch.Tensor | None,
+                    latent_query: torch.Tensor | None) -> torch.Tensor | None:
+        """A step of several tokens a sequence over a stored cache (speculative decoding's candidates, a chat turn):
+        the decoder's attention over each sequence's stored tokens (LayerDecoder.stored_attention: a decode kernel
+        reads them as at a decode step, the cache not dequantized; under a span each query from its own first token),
+        merged by log-sum-exp with attention over the step's own tokens in fp16 (then appended); _prefill's attention
+        up to float rounding. None, nothing done, where _prefill serves it: a sequence of one token (a decode, read as
+        stored), nothing stored yet, a decoder that does not serve it or not a step this long (the torch reference:
+        _prefill is its way)."""
         batch, heads, m, head_dim = query.shape
         if any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows):
             return None
         queries = query if latent_query is None else torch.cat([query.float(), latent_query], -1)
-        stored = self._decoder(heads, kv_heads, head_dim).stored_attention(queries, plan, scaling, kv_heads)
+        stored = self._decoder(heads, kv_heads, head_dim).stored_attention(queries, plan, scaling, kv_heads, span)
         if stored is None:
             return None
         stored_out, stored_lse = stored
-        # the step's own tokens, every sequence at once: a column's position is its sequence's next one, counting
-        # its real tokens (padding sees and is seen by none)
+        # the step's own tokens, every sequence at once: a column's position in its sequence (0: its first real
+        # token) counts its real tokens (padding sees and is seen by none)
         valid = plan.valid
-        start = torch.tensor([(o or 0) + n for o, n in zip(plan.offsets, plan.before)], device=query.device)
-        positions = (start[:, None] + valid.long().cumsum(-1) - 1).reshape(-1)
-        keys = self._rotated(new_keys.half().float().reshape(batch * m, -1), positions, kv_heads).view(batch, m, -1)
+        in_sequence = torch.tensor(plan.before, device=query.device)[:, None] + valid.long().cumsum(-1) - 1  # (B, m)
+        offsets = torch.tensor([o or 0 for o in plan.offsets], device=query.device)[:, None]
+        keys = self._rotated(new_keys.half().float().reshape(batch * m, -1), (offsets + in_sequence).reshape(-1),
+                             kv_heads).view(batch, m, -1)
         values = new_values.half().float()
         scored = keys if latent_query is None else torch.cat([keys, values], -1)
         seen = torch.ones(m, m, dtype=torch.bool, device=query.device).tril() & valid[:, None, :]
+        if span is not None:  # (B, query, key): the key in the query's window or chunk
+            seen = seen & (in_sequence[:, None, :] >= span.first_seen(in_sequence)[:, :, None])
         seen = seen if ahead is None else seen | ahead
         own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
         merged = reference.merge_attention(stored_out, stored_lse, own_out.transpose(1, 2), own_lse.transpose(1, 2),

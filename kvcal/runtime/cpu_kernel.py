@@ -120,8 +120,8 @@ def _compiled(name: str, flags: tuple[str, ...], functions: dict[str, list], thr
 def library() -> ctypes.CDLL | None:
     """The compiled decode-attention kernel (built on first use), or None."""
     lib = _compiled("decode_attention_cpu.cpp", DECODE_FLAGS,
-                    {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I,
-                                                   _I]},
+                    {"kvcal_decode_attention_cpu": [_P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I,
+                                                   _I, _I]},
                     THREAD_FLAGS)
     if lib is not None:
         for function in ("kvcal_cpu_lanes", "kvcal_cpu_openmp"):
@@ -180,7 +180,8 @@ def _meta(segments: kernels.Segments, batch: int, first: list[int] | None) -> ar
 def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_heads: int, scaling: float,
                      rope: tuple[torch.Tensor, torch.Tensor] | None = None, first: list[int] | None = None,
                      sinks: torch.Tensor | None = None, softcap: float | None = None,
-                     value_dim: int | None = None, values_scored: bool = False, with_lse: bool = False):
+                     value_dim: int | None = None, values_scored: bool = False, with_lse: bool = False,
+                     row_first: torch.Tensor | None = None):
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens;
     rope: cos, sin (batch or 1, >= tokens, head_dim / 2) float32 contiguous, the first half of each row of
     kvcal.runtime.reference.rope_tables (`half_rope_tables`), at each sequence's stored tokens' positions (one set of
@@ -192,13 +193,16 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
     kvcal.adapters.LatentAttention): the query's last value_dim channels score the values beside its first ones the
     keys, which are then head_dim - value_dim wide. (batch, heads, value_dim) float32; a sequence without tokens gets
     zeros. with_lse (no sinks): also each row's log-sum-exp of its scores, (batch, heads), -inf where it saw no token,
-    to merge with attention over other tokens. The stores must live on the CPU."""
+    to merge with attention over other tokens. row_first (batch, heads) int32: each query row's first stored token
+    seen, at or past its sequence's `first` (a step's queries as query heads under a sliding window; None: its
+    sequence's). The stores must live on the CPU."""
     lib = library()
     batch, heads, head_dim = query.shape
     value_dim = value_dim or head_dim
     if values_scored:
         head_dim -= value_dim
     query = query.float().contiguous()
+    row_first = row_first.to(torch.int32).contiguous() if row_first is not None else None
     cos = sin = None
     rope_stride = 0
     if rope is not None:
@@ -223,8 +227,8 @@ def decode_attention(query: torch.Tensor, launches: list[kernels.Segments], kv_h
         lib.kvcal_decode_attention_cpu(
             query.data_ptr(), descriptor, meta.buffer_info()[0], 0 if cos is None else cos.data_ptr(),
             0 if sin is None else sin.data_ptr(), rope_stride, batch, kv_heads, heads // kv_heads, head_dim, value_dim,
-            int(values_scored), scaling, softcap or 0.0, m_pointer, m_pointer + 4 * batch * heads, out.data_ptr(), i == 0, sinks is None and i == len(calls) - 1,
-            torch.get_num_threads())
+            int(values_scored), scaling, softcap or 0.0, m_pointer, m_pointer + 4 * batch * heads, out.data_ptr(),
+            _ptr(row_first), i == 0, sinks is None and i == len(calls) - 1, torch.get_num_threads())
     if sinks is not None:  # the sink joins the running state (m, l, acc), then acc / l as the kernel's last launch does
         m, l = torch.frombuffer(state, dtype=torch.float32).view(2, batch, heads)
         top = torch.maximum(m, sinks.float())

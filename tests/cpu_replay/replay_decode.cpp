@@ -83,7 +83,8 @@ bool replay_file(const char* path) {
         };
         kvcal_decode_attention_cpu((const float*)p(0), (const long long*)p(1), (const int32_t*)p(2), (const float*)p(3),
                                    (const float*)p(4), (long long)a[5].bits, i32(6), i32(7), i32(8), i32(9), i32(10), i32(11),
-                                   f32(12), f32(13), (float*)p(14), (float*)p(15), (float*)p(16), i32(17), i32(18), i32(19));
+                                   f32(12), f32(13), (float*)p(14), (float*)p(15), (float*)p(16), (const int32_t*)p(17),
+                                   i32(18), i32(19), i32(20));
     }
     const float* got = (const float*)(regions[out_region].data() + out_offset);
     float worst = 0.0f;

@@ -24,9 +24,9 @@ from kvcal.runtime import cpu_kernel, kernels
 from kvcal.runtime import kernel_source as src
 
 # kvcal_decode_attention_cpu's arguments: pointer, int32, int64 or float32, in order
-DECODE_ARGUMENTS = "PPPPPLIIIIIIFFPPPIII"
+DECODE_ARGUMENTS = "PPPPPLIIIIIIFFPPPPIII"
 QUERY, COS, SIN, ROPE_STRIDE, BATCH, KV_HEADS, GROUP, HEAD_DIM, VALUE_DIM, VALUES_SCORED = 0, 3, 4, 5, 6, 7, 8, 9, 10, 11
-M_STATE, L_STATE, ACC_STATE = 14, 15, 16
+M_STATE, L_STATE, ACC_STATE, ROW_FIRST = 14, 15, 16, 17
 _F = cpu_kernel.CpuSideField
 DESCRIPTOR_POINTERS = (_F.SINK, _F.RECENT, _F.WORDS, _F.PARAM0, _F.PARAM1, _F.CODEBOOK, _F.OUTLIER_POSITIONS, _F.OUTLIER_VALUES,
                        _F.OUTLIER_OFFSETS, _F.OUTLIER_COUNTS, _F.GROUP_OF_CHANNEL)  # the fields that hold addresses
@@ -106,7 +106,8 @@ def recording(path: Path, stores: list):
             batch, heads, value_dim = args[BATCH], args[KV_HEADS] * args[GROUP], args[VALUE_DIM]
             query_width = args[HEAD_DIM] + (value_dim if args[VALUES_SCORED] else 0)  # (MLA's: keys' and latent's)
             sizes = {QUERY: batch * heads * query_width, COS: batch * args[ROPE_STRIDE], SIN: batch * args[ROPE_STRIDE],
-                     M_STATE: batch * heads, L_STATE: batch * heads, ACC_STATE: batch * heads * value_dim}  # floats
+                     M_STATE: batch * heads, L_STATE: batch * heads, ACC_STATE: batch * heads * value_dim,
+                     ROW_FIRST: batch * heads}  # floats or int32s: 4 bytes each
             for index, floats in sizes.items():
                 if args[index]:
                     regions.add(int(args[index]), 4 * floats)
