@@ -646,6 +646,32 @@ class PackedRows:
         values = self.outlier_values.index_select(0, chosen).reshape(-1).index_select(0, index)
         return sequence, rows, channels, values
 
+    def _outliers_before(self, seqs: list[int], cuts: list[int]) -> torch.Tensor:
+        """(len(seqs), kv_heads): each (sequence, KV head)'s outliers in storage rows before cuts[i]: the offset
+        table's count before the cut's tile, and those of that tile in rows before the cut (entries lie in row order,
+        a tile's from its offset to the next started tile's, or to the count)."""
+        chosen = torch.tensor(seqs, device=self.device)
+        counts = self.outlier_count.index_select(0, chosen).long()
+        offsets = self.outlier_offsets.index_select(0, chosen).long()
+        started = [math.ceil((self.head[b] + self.length[b]) / OUTLIER_TILE_TOKENS) for b in seqs]
+        tiles = [cut // OUTLIER_TILE_TOKENS for cut in cuts]
+
+        def before_tile(shift: int) -> torch.Tensor:  # entries before tile tiles[i] + shift: the table's, once started
+            at = torch.tensor([min(t + shift, offsets.shape[2] - 1) for t in tiles], device=self.device)
+            table = offsets.gather(2, at[:, None, None].expand(-1, self.kv_heads, 1))[..., 0] if offsets.shape[2] else counts
+            return torch.where(torch.tensor([t + shift < s for t, s in zip(tiles, started)], device=self.device)[:, None],
+                               table, counts)
+
+        first, end = before_tile(0), before_tile(1)
+        most = int((end - first).max()) if len(seqs) else 0
+        if most == 0:
+            return first
+        index = first[..., None] + torch.arange(most, device=self.device)
+        capacity = self.outlier_positions.shape[2]
+        positions = self.outlier_positions.index_select(0, chosen).gather(2, index.clamp(max=capacity - 1)).long() & 0xFFFF
+        within = torch.tensor([cut % OUTLIER_TILE_TOKENS for cut in cuts], device=self.device)[:, None, None]
+        return first + ((index < end[..., None]) & (positions // self.head_dim < within)).sum(-1)
+
     def read(self, b: int) -> torch.Tensor:
         """Sequence b's live rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
         n, head = self.length[b], self.head[b]
@@ -696,11 +722,7 @@ class PackedRows:
         becomes that of the outliers before the cut (on the kernel path this reads the device: not for a decode step;
         its host bounds stay upper bounds)."""
         if self.keeps_outliers:
-            sequence, rows, channels, _ = self._live_outliers(seqs)
-            cut = torch.tensor([self.head[b] + n for b, n in zip(seqs, lengths)], device=self.device)[sequence]
-            run = sequence * self.kv_heads + torch.div(channels, self.head_dim, rounding_mode="floor")
-            counts = torch.bincount(run[rows < cut], minlength=len(seqs) * self.kv_heads).view(len(seqs), self.kv_heads)
-            counts = counts.to(torch.int32)
+            counts = self._outliers_before(seqs, [self.head[b] + n for b, n in zip(seqs, lengths)]).to(torch.int32)
             self.outlier_count[torch.tensor(seqs, device=self.device)] = counts
             for i, b in enumerate(seqs):
                 self._outliers[b] = counts[i].tolist()
