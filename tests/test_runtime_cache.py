@@ -249,7 +249,7 @@ def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles,
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gpt_oss", "kvquant"), ("gemma2", "kivi"), ("deepseek_v3", "kvquant"), ("gemma3_text", "kvquant"),
-    ("llama4_text", "kvquant")])
+    ("llama4_text", "kvquant"), ("gemma3n_text", "kvquant"), ("gemma4_text", "kvquant")])
 def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(recipe_bundles, gemma3_bundles,
                                                                               architecture_bundles, model_type, recipe,
                                                                               monkeypatch):
@@ -260,7 +260,8 @@ def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(r
     layer past its window (Gemma 3's 16 tokens, gpt-oss's: each of the step's queries sees the stored tokens of its own
     window, its first one passed to the kernel per query row), and chunked attention (Llama 4's chunks of 16: the
     shorter prompt's second step of 5 crosses into a new chunk, whose queries see none of the stored tokens and only
-    their own chunk's among the step's)."""
+    their own chunk's among the step's), and KV sharing (Gemma 3n's and Gemma 4's last layers read the first ones'
+    caches: through the same kernel, over the cache before the step, whose rows are appended after them)."""
     from kvcal.runtime.cache import RuntimeLayer
 
     model = tiny_model(model_type)
@@ -274,12 +275,39 @@ def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(r
     short_step = RuntimeLayer._short_step
     monkeypatch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
     through_kernel = logits_in_steps(model, bundle, ids, mask, steps)
-    layers = len(served) // 3  # the prefill finds nothing stored; each step of 5 is served
-    assert served and [out is None for out in served] == [True] * layers + [False] * (2 * layers)
+    layers = served.count(None)  # the prefill finds nothing stored; each step of 5 is served, for the readers too
+    calls_a_layer = 2 if model_type in ("gemma3n_text", "gemma4_text") else 1  # its own, its reader's
+    assert layers and [out is None for out in served] == [True] * layers + [False] * (2 * layers * calls_a_layer)
     monkeypatch.setattr(cpu_kernel, "library", lambda: None)
     by_reference = logits_in_steps(model, bundle, ids, mask, steps)
     for got, want in zip(through_kernel, by_reference):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_second_turn_on_gemma_4_reads_a_short_steps_rows_for_reading_layers_run_on_the_last_token(monkeypatch):
+    """generate() twice on one cache (a chat's second turn, 11 tokens over 24 stored): Gemma 4 runs its layers reading
+    another's cache on the kept logits' tokens alone, so they read the short step's cache before it and its own rows
+    per sequence (the rows wait for them), giving the reference's tokens and logits (1e-5)."""
+    from kvcal.runtime.cache import RuntimeLayer
+
+    model = tiny_model("gemma4_text")
+    ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    lazily, reader = [], RuntimeLayer.attend_as_reader
+    monkeypatch.setattr(RuntimeLayer, "attend_as_reader", lambda self, query, plan, *args, **kwargs: (
+        lazily.append(self.step.pending is not None and query.shape[2] < plan.m), reader(self, query, plan, *args, **kwargs))[1])
+
+    def second_turn():
+        with torch.inference_mode(), quantized_cache(model, kivi_bundle(model, 4, 16, 16)) as cache:
+            first = model.generate(input_ids=ids[:, :20], past_key_values=cache, **settings)
+            return model.generate(input_ids=torch.cat([first.sequences, ids[:, 25:35]], 1), past_key_values=cache, **settings)
+
+    through_kernel = second_turn()
+    assert any(lazily)
+    monkeypatch.setattr(cpu_kernel, "library", lambda: None)
+    by_reference = second_turn()
+    assert torch.equal(through_kernel.sequences, by_reference.sequences)
+    torch.testing.assert_close(torch.stack(through_kernel.logits), torch.stack(by_reference.logits), rtol=0, atol=1e-5)
 
 
 def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, monkeypatch):

@@ -206,6 +206,7 @@ class RuntimeLayer(CacheLayerMixin):
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
+        pending = None  # a short step's rows, where layers reading this one's cache attend before they are appended
         if m == 1:  # decode: append every sequence's token, then attend over the cache as stored
             self.keys_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_keys))
             self.values_store.append_rows(plan.rows, plan.ones, plan.step_rows(new_values))
@@ -217,13 +218,18 @@ class RuntimeLayer(CacheLayerMixin):
                 self.picking = self.picking or backends.ReferenceDecoder(self)
                 output = self.picking.decode(query, plan, scaling, kv_heads, span, plan.chosen_rows(chosen))
         else:
-            short = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, span, ahead, latent_query)
-                     if reads is None and chosen is None else None)
-            output = short if short is not None else self._prefill(query, new_keys, new_values, plan, scaling, kv_heads,
-                                                                   span, reads, ahead, latent_query, chosen)
+            output = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, span, ahead, latent_query)
+                      if chosen is None else None)
+            if output is None:
+                output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead,
+                                       latent_query, chosen)
+            elif self.readers:  # appended after them: they read the cache before the step as this layer did
+                pending, reads = (new_keys, new_values), None
+            else:
+                self._append_columns(plan.rows, new_keys, new_values, plan)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
-            self.step = ReadStep(kv_heads, span, reads, self.readers)
+            self.step = ReadStep(kv_heads, span, reads, self.readers, pending)
         else:
             self._drop_out_of_window()
         return output
@@ -252,12 +258,17 @@ class RuntimeLayer(CacheLayerMixin):
                              "this step; kvcal serves KV sharing where the layer read comes first, as transformers runs it")
         self._span_for(window, f"a layer reading layer {self.index}'s keys and values")
         batch, heads, m, head_dim = query.shape
-        if step.reads is None:
+        output = None
+        if step.pending is not None and m == plan.m:  # a short step's every query: through the decoder, as attend read
+            output = self._short_step(query, *step.pending, plan, scaling, step.kv_heads, step.span, ahead, None)
+        if step.reads is None and step.pending is None:
             output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.span)
-        else:
+        elif output is None:
+            reads = step.reads if step.reads is not None else {
+                b: self._read_with_step(b, *step.pending, plan, step.kv_heads) for b in plan.rows}
             output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
             first = plan.m - m  # the step's column of the first query
-            for b, (keys, values) in step.reads.items():
+            for b, (keys, values) in reads.items():
                 real = plan.columns(b)
                 rows = real[real >= first] - first  # the sequence's real tokens among the queries (its last ones)
                 if len(rows):
@@ -269,6 +280,8 @@ class RuntimeLayer(CacheLayerMixin):
         step.readers_left -= 1
         if not step.readers_left:
             self.step = None
+            if step.pending is not None:
+                self._append_columns(plan.rows, *step.pending, plan)
             self._drop_out_of_window()
         return output
 
@@ -300,11 +313,7 @@ class RuntimeLayer(CacheLayerMixin):
             if plan.counts[b] == 1:
                 keys, values = self._read(b, kv_heads)
             else:
-                before_keys, before_values = self._read(b, kv_heads)
-                count = plan.before[b]
-                own_positions = torch.arange(count, count + len(rows), device=query.device) + plan.offsets[b]
-                keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), own_positions, kv_heads)])
-                values = torch.cat([before_values, new_values[b, rows].half().float()])
+                keys, values = self._read_with_step(b, new_keys, new_values, plan, kv_heads)
             seen = ahead[b][rows][:, rows] if ahead is not None and plan.counts[b] > 1 else None
             queries, scored = query[b, :, rows], keys
             if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
@@ -318,16 +327,25 @@ class RuntimeLayer(CacheLayerMixin):
             self._append_columns(several, new_keys, new_values, plan)
         return output
 
+    def _read_with_step(self, b: int, new_keys, new_values, plan: StepPlan, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's keys and values as a step of several tokens attends over them: those stored before it, read,
+        then the step's own in fp16 (keys rotated at their positions)."""
+        before_keys, before_values = self._read(b, kv_heads)
+        rows = plan.columns(b)
+        positions = torch.arange(plan.before[b], plan.before[b] + len(rows), device=new_keys.device) + plan.offsets[b]
+        keys = torch.cat([before_keys, self._rotated(new_keys[b, rows].half().float(), positions, kv_heads)])
+        return keys, torch.cat([before_values, new_values[b, rows].half().float()])
+
     def _short_step(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
                     span: AttentionSpan | None, ahead: torch.Tensor | None,
                     latent_query: torch.Tensor | None) -> torch.Tensor | None:
         """A step of several tokens a sequence over a stored cache (speculative decoding's candidates, a chat turn):
         the decoder's attention over each sequence's stored tokens (LayerDecoder.stored_attention: a decode kernel
         reads them as at a decode step, the cache not dequantized; under a span each query from its own first token),
-        merged by log-sum-exp with attention over the step's own tokens in fp16 (then appended); _prefill's attention
-        up to float rounding. None, nothing done, where _prefill serves it: a sequence of one token (a decode, read as
-        stored), nothing stored yet, a decoder that does not serve it or not a step this long (the torch reference:
-        _prefill is its way)."""
+        merged by log-sum-exp with attention over the step's own tokens in fp16 (which the caller appends);
+        _prefill's attention up to float rounding. None where _prefill serves it: a sequence of one token (a decode,
+        read as stored), nothing stored yet, a decoder that does not serve it or not a step this long (the torch
+        reference: _prefill is its way)."""
         batch, heads, m, head_dim = query.shape
         if any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows):
             return None
@@ -352,9 +370,7 @@ class RuntimeLayer(CacheLayerMixin):
         own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
         merged = reference.merge_attention(stored_out, stored_lse, own_out.transpose(1, 2), own_lse.transpose(1, 2),
                                            self.sinks)
-        output = merged.masked_fill(~valid[:, :, None, None], 0.0).to(query.dtype)
-        self._append_columns(plan.rows, new_keys, new_values, plan)
-        return output
+        return merged.masked_fill(~valid[:, :, None, None], 0.0).to(query.dtype)
 
     def _append_columns(self, seqs: list[int], new_keys, new_values, plan: StepPlan) -> None:
         """Append the real tokens of sequences `seqs` (one store operation per segment for all of them)."""
@@ -418,12 +434,14 @@ class RuntimeLayer(CacheLayerMixin):
 @dataclass
 class ReadStep:
     """What a layer's attend of the step read, for the layers reading its cache: KV heads, the span it applied, and
-    per sequence the keys and values a prefill read (None after a decode step, which read the cache as stored)."""
+    per sequence the keys and values a prefill read (None after a decode step, which read the cache as stored, and
+    after a short step, whose own rows wait in `pending` until the last reader: they read the cache before it)."""
 
     kv_heads: int
     span: AttentionSpan | None
     reads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
     readers_left: int
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a short step's own keys and values, appended after them
 
 
 class StatefulRuntimeLayer(RuntimeLayer, LinearAttentionLayer):
