@@ -190,12 +190,14 @@ class CpuDecoder(LayerDecoder):
         self.layer, self.launches = layer, _launches(layer)
 
     def decode(self, query, plan, scaling, kv_heads, span):
-        out = self._attend(query[:, :, 0], plan, scaling, kv_heads, plan.first_visible(span, self.layer.keys_store.dropped))
+        first = plan.first_visible(span, self.layer.keys_store.dropped)
+        out = self._attend(query[:, :, 0], plan, scaling, kv_heads, first)
         return plan.zero_padding(out[:, None]).to(query.dtype)  # a sequence with no token this step gets zeros
 
     def stored_attention(self, query, plan, scaling, kv_heads, span=None):
         _, heads, m, _ = query.shape
-        if m > short_step_tokens(self.path, heads // kv_heads) or (span is not None and not self.layer.keys_store.ordered):
+        unordered = span is not None and not self.layer.keys_store.ordered  # (Cocktail's: tokens by chunk)
+        if m > short_step_tokens(self.path, heads // kv_heads) or unordered:
             return None
         first = row_first = None
         if span is not None:  # each query's first stored token seen: by its position among its sequence's tokens
@@ -205,7 +207,7 @@ class CpuDecoder(LayerDecoder):
             first = (span.first_seen(before) - dropped).clamp(min=0)[:, 0]  # a sequence's first real token's
             row_first = torch.maximum(columns, first[:, None])[:, None].expand(-1, heads, -1).reshape(len(first), -1)
             first = first.tolist()
-        out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, first, with_lse=True, row_first=row_first)
+        out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, first, True, row_first)
         return _heads_as_step(out, lse, m)
 
     def _attend(self, query, plan, scaling, kv_heads, first, with_lse=False, row_first=None):

@@ -327,7 +327,8 @@ class RuntimeLayer(CacheLayerMixin):
             self._append_columns(several, new_keys, new_values, plan)
         return output
 
-    def _read_with_step(self, b: int, new_keys, new_values, plan: StepPlan, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_with_step(self, b: int, new_keys, new_values, plan: StepPlan,
+                        kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's keys and values as a step of several tokens attends over them: those stored before it, read,
         then the step's own in fp16 (keys rotated at their positions)."""
         before_keys, before_values = self._read(b, kv_heads)
