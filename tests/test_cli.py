@@ -533,8 +533,10 @@ def test_inspect_device_shows_what_serves_each_layer_and_refuses_what_it_cannot_
     result = run("inspect", head_dim_64_bundles["kvquant"], "--device", "cuda")
     assert result.exit_code == 0, result.output
     assert "decode steps on a CUDA GPU with CuPy" in result.output and "tensor-core" in result.output
+    assert "up to 32 tokens" in result.output  # the longest short step: GQA 2 in at most 8 passes of 8
     result = run("inspect", head_dim_64_bundles["kvquant"], "--device", "cpu")
     assert result.exit_code == 0 and "cpu-kernel" in result.output and "cpu-append" in result.output
+    assert "up to 128 tokens" in result.output
     refused(run("inspect", head_dim_64_bundles["kvquant"], "--device", "gpu"), "--device 'gpu' is not one of cpu, cuda")
     refused(run("inspect", tiny_profile[1], "--device", "cpu"), "is a kvcal profile: leave --device out")
 
