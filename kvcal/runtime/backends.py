@@ -203,7 +203,7 @@ class CpuDecoder(LayerDecoder):
         if span is not None:  # each query's first stored token seen: by its position among its sequence's tokens
             dropped = torch.tensor(self.layer.keys_store.dropped)[:, None]
             before = torch.tensor(plan.before)[:, None]
-            columns = span.first_seen(before + plan.valid.cpu().long().cumsum(-1) - 1) - dropped
+            columns = span.first_seen(plan.in_sequence().cpu()) - dropped
             first = (span.first_seen(before) - dropped).clamp(min=0)[:, 0]  # a sequence's first real token's
             row_first = torch.maximum(columns, first[:, None])[:, None].expand(-1, heads, -1).reshape(len(first), -1)
             first = first.tolist()

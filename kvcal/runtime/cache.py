@@ -355,10 +355,8 @@ class RuntimeLayer(CacheLayerMixin):
         if stored is None:
             return None
         stored_out, stored_lse = stored
-        # the step's own tokens, every sequence at once: a column's position in its sequence (0: its first real
-        # token) counts its real tokens (padding sees and is seen by none)
-        valid = plan.valid
-        in_sequence = torch.tensor(plan.before, device=query.device)[:, None] + valid.long().cumsum(-1) - 1  # (B, m)
+        # the step's own tokens, every sequence at once (padding sees and is seen by none)
+        valid, in_sequence = plan.valid, plan.in_sequence()
         offsets = torch.tensor([o or 0 for o in plan.offsets], device=query.device)[:, None]
         keys = self._rotated(new_keys.half().float().reshape(batch * m, -1), (offsets + in_sequence).reshape(-1),
                              kv_heads).view(batch, m, -1)
@@ -553,6 +551,12 @@ class StepPlan:
             return new[:, 0].to(torch.float16)
         index = self.shared("rows", lambda: upload(self.rows, new.device))
         return new[:, 0].index_select(0, index).to(torch.float16)
+
+    def in_sequence(self) -> torch.Tensor:
+        """(B, m): each column's position in its sequence (0: its first real token), counting its real tokens (a
+        padding column: the position before the next real one)."""
+        return self.shared("in sequence", lambda: torch.tensor(self.before, device=self.device)[:, None]
+                           + self.valid.long().cumsum(-1) - 1)
 
     def columns(self, b: int) -> torch.Tensor:
         """The columns of sequence b's real tokens in the step."""

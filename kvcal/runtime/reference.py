@@ -89,17 +89,17 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
 
 
 def own_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                  softcap: float | None = None, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a step's m queries over the step's own m tokens alone, without sinks, per sequence: query (B,
     heads, m, d); keys (B, m, kv_heads * d), values (B, m, kv_heads * d_v) float32; seen (B, m, m): the tokens each
-    query sees (None: those up to itself) -> (out (B, heads, m, d_v), log-sum-exp of each row's scores (B, heads, m);
-    a row that sees nothing: NaN and -inf), for `merge_attention`."""
+    query sees -> (out (B, heads, m, d_v), log-sum-exp of each row's scores (B, heads, m); a row that sees nothing:
+    NaN and -inf), for `merge_attention`."""
     batch, heads, m, head_dim = query.shape
     kv_heads = keys.shape[-1] // head_dim
     keys = keys.view(batch, m, kv_heads, head_dim).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
     values = values.view(batch, m, kv_heads, -1).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
-    seen = torch.ones(m, m, dtype=torch.bool, device=query.device).tril() if seen is None else seen[:, None]
-    scores = softcapped(query.float() @ keys.transpose(-1, -2) * scaling, softcap).masked_fill(~seen, float("-inf"))
+    scores = softcapped(query.float() @ keys.transpose(-1, -2) * scaling, softcap)
+    scores = scores.masked_fill(~seen[:, None], float("-inf"))
     lse = torch.logsumexp(scores, -1)
     return torch.exp(scores - lse[..., None]) @ values, lse
 
