@@ -465,15 +465,15 @@ __device__ __forceinline__ void merge_when_last(const float* out_partial, const 
     merge::merge_splits<GQA, D, THREADS>(out_partial, lse_partial, out, run, total_splits, reinterpret_cast<float*>(smem + MERGE_FLAG_BYTES));
 }
 
-// A segment block: segments::attend_rows into slot `slot`, then the fused merge.
+// A segment block: segments::attend_rows into slot `slot` (row_first: its rows' first tokens, or null), then the fused merge.
 template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>
 __device__ __forceinline__ void segment_block(const float* query, const long long* descriptor, const int* meta, const int* positions,
                                            const float* inv_freq, float* out_partial, float* lse_partial, int kv_heads, int split,
                                            long long slot, int total_splits, float scale_log2, float softcap_log2, float* out,
-                                           unsigned* arrivals, unsigned char* smem) {
+                                           unsigned* arrivals, const int* row_first, unsigned char* smem) {
     segments::attend_rows<GQA, D, ROPE, KCODEC, VCODEC, KLAYOUT, VLAYOUT>(query, descriptor, meta, positions, inv_freq, out_partial, lse_partial,
                                                         blockIdx.z, blockIdx.y, kv_heads, split, slot, total_splits, scale_log2,
-                                                        softcap_log2, smem);
+                                                        softcap_log2, row_first, smem);
     if (out != nullptr)
         merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);
 }
@@ -507,6 +507,9 @@ __device__ __forceinline__ void segment_block(const float* query, const long lon
 // the launch and after it). The grid's last segment_splits blocks along x are segment blocks: they attend the
 // launch's other tokens (segments::attend_rows over the decode launch's descriptor and meta, segment_positions the
 // position of each sequence's first stored token) into the slots after the body's splits.
+// row_first: null, or (2, batch, heads) int32 where each query row sees tokens of its own (a step of several queries a
+// sequence under a sliding window or chunk, as more query heads): per row its first body row it sees (meta's field
+// of the sequence's, which is the least of its rows'), then its first token in the segment blocks' numbering.
 template <int D, int BITS, int KG, int VG, int GQA, bool ROPE, bool CB, bool OUT, int VBITS = BITS, int PG = 0>
 __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG, GQA>::MIN_BLOCKS) decode_tc(
     const float* __restrict__ query, const unsigned char* __restrict__ keys, const unsigned char* __restrict__ values,
@@ -523,7 +526,8 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     long long v_outlier_run, long long v_offset_run, int kv_heads, int per_split, int split_offset, int total_splits,
     float scale_log2, float softcap_log2, float* __restrict__ out, unsigned* __restrict__ arrivals,
     const long long* __restrict__ segment_descriptor,
-    const int* __restrict__ segment_meta, const int* __restrict__ segment_positions, int segment_splits) {
+    const int* __restrict__ segment_meta, const int* __restrict__ segment_positions, int segment_splits,
+    const int* __restrict__ row_first) {
     using namespace tc;
     using S = Shape<D, BITS, KG, VG, ROPE, CB, OUT, VBITS, PG, GQA>;
     constexpr int ST = S::ST, TPW = S::TPW;  // tokens per stage, and per warp of a stage
@@ -563,7 +567,7 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
         segment_block<GQA, D, ROPE, UNIFORM ? UNIFORM_CHANNEL : FP16_ONLY, UNIFORM ? UNIFORM_TOKEN : FP16_ONLY, BITS, VBITS>(
             query, segment_descriptor, segment_meta, segment_positions, inv_freq, out_partial, lse_partial, kv_heads,
             blockIdx.x - (gridDim.x - segment_splits), split_offset + blockIdx.x, total_splits, scale_log2, softcap_log2, out,
-            arrivals, smem);
+            arrivals, row_first == nullptr ? nullptr : row_first + (long long)gridDim.z * kv_heads * GQA, smem);
         return;
     }
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, heads = kv_heads * GQA;
@@ -1223,6 +1227,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
     for (int h = 0; h < HL; ++h) m[h] = -KVCAL_INF;
     // a running maximum as ex2's offset: 0 while it is -inf (no token seen), so that ex2 gives 0, not NaN
     const auto exponent_offset = [](float running) { return running == -KVCAL_INF ? 0.0f : running; };
+    // the first body row the lane's head h sees (row_first's, at least the sequence's; padding rows: the sequence's),
+    // read again where a stage needs it (rarely) rather than held in registers through the loop
+    const auto first_row_seen = [&](int h) {
+        const int query_head = TOKENS_IN_M ? 2 * t + h : g;
+        return row_first != nullptr && query_head < GQA ? max(visible, __ldg(row_first + out_row + query_head)) : visible;
+    };
+    int lane_visible = visible;  // the latest of the lane's heads': a stage from it on needs no mask
+#pragma unroll
+    for (int h = 0; h < HL; ++h) lane_visible = max(lane_visible, first_row_seen(h));
 
     // ---- post-RoPE keys: Q' = q * scale and bias = Q . zero of a key block ----
     // (uniform codes read raw: pair p reads 1024 + code * 2^s, so Q' takes 2^-s, and the bias -1024 sum Q', from the very
@@ -1540,14 +1553,15 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) sc[nt][0] = soft_capped(sc[nt][0], softcap_log2), sc[nt][1] = soft_capped(sc[nt][1], softcap_log2);
             }
-            // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first it
-            // sees (warp-uniform)
-            if (token0 + TPW > hi || token0 < visible) {
+            // the split's last stage: tokens past its end weigh nothing; a sliding window's: tokens before the first a
+            // head sees (lane-uniform: no lane waits on another in it)
+            if (token0 + TPW > hi || token0 < lane_visible) {
+                const int seen = first_row_seen(0), other_seen = first_row_seen(HL - 1);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int token = token0 + 8 * nt + (TOKENS_IN_M ? g : 2 * t), other = TOKENS_IN_M ? token : token + 1;
-                    sc[nt][0] = token < hi && token >= visible ? sc[nt][0] : -KVCAL_INF;
-                    sc[nt][1] = other < hi && other >= visible ? sc[nt][1] : -KVCAL_INF;
+                    sc[nt][0] = token < hi && token >= seen ? sc[nt][0] : -KVCAL_INF;
+                    sc[nt][1] = other < hi && other >= other_seen ? sc[nt][1] : -KVCAL_INF;
                 }
             }
             // -- online softmax of the lane's heads over these TPW tokens (log2 domain) --
@@ -1811,8 +1825,9 @@ __global__ void __launch_bounds__(tc::THREADS, tc::Shape<D, BITS, KG, VG, ROPE, 
             if constexpr (OUT) x += value_corrections[(w * D + d) * GQA + h];
             value += x * f;
         }
-        out_partial[((out_row + h) * total_splits + slot) * D + d] = value / total;
-        if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = most + lg2(total);
+        // (a head whose first row lies past the split saw none: row_first)
+        out_partial[((out_row + h) * total_splits + slot) * D + d] = total > 0.0f ? value / total : 0.0f;
+        if (d == 0) lse_partial[(out_row + h) * total_splits + slot] = total > 0.0f ? most + lg2(total) : -KVCAL_INF;
     }
     if (out != nullptr)
         merge_when_last<GQA, D>(out_partial, lse_partial, out, arrivals, kv_heads, total_splits, smem);

@@ -161,13 +161,15 @@ __device__ __forceinline__ float element(const TokenRef& ref, const Side& side, 
 // fp16 around the served rows (no body row to read), UNIFORM_CHANNEL / UNIFORM_TOKEN where a side's body rows past
 // the served ones are read too (KIVI's and KVmix's), their codes in KLAYOUT / VLAYOUT (enum Layout). Tokens are at
 // positions positions[b] + u; ROPE: the keys are pre-RoPE, rotated here (rope_cos_sin);
-// tokens before meta's M_FIRST weigh nothing. query (batch, heads, D) float32 unscaled; scale_log2 carries log2(e)
-// and any RoPE attention scaling; softcap_log2 > 0 soft-caps the scores (soft_capped), 0 leaves them. smem: SHARED_BYTES<GQA, D>, 16-byte aligned.
+// tokens before meta's M_FIRST weigh nothing, and for query head g before row_first[out_row + g] where row_first is
+// not null (each row its own first token: a step of several queries under a sliding window or chunk). query (batch,
+// heads, D) float32 unscaled; scale_log2 carries log2(e) and any RoPE attention scaling; softcap_log2 > 0 soft-caps
+// the scores (soft_capped), 0 leaves them. smem: SHARED_BYTES<GQA, D>, 16-byte aligned.
 template <int GQA, int D, bool ROPE, int KCODEC, int VCODEC, int KLAYOUT, int VLAYOUT>
 __device__ __forceinline__ void attend_rows(const float* query, const long long* descriptor, const int* meta, const int* positions,
                                             const float* inv_freq, float* out_partial, float* lse_partial, int b, int kvh,
                                             int kv_heads, int split, long long slot, int total_splits, float scale_log2,
-                                            float softcap_log2, unsigned char* smem) {
+                                            float softcap_log2, const int* row_first, unsigned char* smem) {
     constexpr int PER_LANE = D / 32;  // a lane's channels of a value row (consecutive)
     const int batch = gridDim.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32, width = kv_heads * D;
     const long long heads = (long long)kv_heads * GQA, out_row = b * heads + (long long)kvh * GQA;
@@ -217,7 +219,8 @@ __device__ __forceinline__ void attend_rows(const float* query, const long long*
     }
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {  // the tile's softmax state (a warp's one tile: no rescaling)
-        const float score = counts ? s[g] : -KVCAL_INF;
+        const bool seen = counts && (row_first == nullptr || u >= row_first[out_row + g]);
+        const float score = seen ? s[g] : -KVCAL_INF;
         const float m = warp_max(score);
         const float p = m == -KVCAL_INF ? 0.0f : exp2f(score - m);
         const float l = warp_sum(p);

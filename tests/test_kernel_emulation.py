@@ -225,9 +225,12 @@ LONG_WINDOW_VARIANTS = {group: Variant(128, 3, 0, 128, group, rope=True, codeboo
 # and the short steps of 7 and 4 tokens over GQA 2 (their queries as more query heads: passes of 7 + 7, and of 8)
 SHORT_STEP_VARIANTS = {recipe: tuple(replace(TENSOR_CORE_VARIANTS[recipe], gqa=gqa) for gqa in (7, 8))
                        for recipe in ("kvquant", "kivi2-g32", "kvmix")}
+# and the short steps of 4 and 7 tokens over GQA 2 of the windowed models under KIVI-4 g32 (passes of 8, and 7 + 7)
+WINDOWED_SHORT_STEP_VARIANTS = {gqa: Variant(64, 4, 32, 32, gqa) for gqa in (2, 8, 7)}
 EMULATED_VARIANTS = (*TENSOR_CORE_VARIANTS.values(), *TWO_WIDTH_VARIANTS, *MIXED_VARIANTS, *SERVED_VARIANTS.values(),
                      *HEAD_DIM_256_VARIANTS.values(), *PASS_VARIANTS.values(), *GQA_16_VARIANTS.values(),
-                     *LONG_WINDOW_VARIANTS.values(), *itertools.chain(*SHORT_STEP_VARIANTS.values()))
+                     *LONG_WINDOW_VARIANTS.values(), *itertools.chain(*SHORT_STEP_VARIANTS.values()),
+                     *WINDOWED_SHORT_STEP_VARIANTS.values())
 
 
 @pytest.fixture(scope="session")
@@ -424,6 +427,36 @@ def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_re
     eight = SHORT_STEP_VARIANTS[recipe][1]
     assert set(on_cpu) == {TENSOR_CORE_VARIANTS[recipe].name, eight.name}
     assert on_cpu.count(eight.name) == 2 * (1 + 4)  # on each of the 2 layers: the step of 4's pass, the step of 16's 4
+    for got_step, want_step in zip(got, want):
+        torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
+
+
+@pytest.mark.parametrize("model_type, window", [("gpt_oss", 48), ("gemma2", 48), ("gemma3_text", 16), ("llama4_text", 16),
+                                                ("llama4_text", 56)])
+def test_emulated_tensor_core_kernel_reads_short_steps_past_a_window_each_query_from_its_own_first_token(on_cpu,
+                                                                                                        model_type, window):
+    """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch, under KIVI's int4 in blocks of 32
+    with an fp16 residual of 32: in a sliding layer (gpt-oss with sinks, Gemma 2 soft-capped: 48 tokens, the windows'
+    first tokens in the served body; Gemma 3: 16, in the fp16 rows) each of the step's queries sees the stored tokens
+    of its own window, in Llama 4's chunks those of its chunk (the first sequence's step of 7 crosses into a chunk
+    whose queries see no stored token; of 56 tokens, its other queries' chunk starts in the body, so a body split
+    holds tokens of some of the step's queries and none of others), the tensor-core kernel masking each query row from
+    its own first token in the body blocks and the segment blocks: the reference runtime's logits."""
+    from conftest import kivi_bundle, tiny_model
+
+    span = "attention_chunk_size" if model_type == "llama4_text" else "sliding_window"
+    model = tiny_model(model_type, head_dim=64, **{span: window})
+    bundle = kivi_bundle(model, 4, 32, 32)
+    ids = torch.randint(3, 512, (2, 114), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    steps = [100, 1, 4, 1, 7, 1]
+    with torch.inference_mode():
+        got = logits_in_steps(model, bundle, ids, mask, steps)
+        with reference_runtime():
+            want = logits_in_steps(model, bundle, ids, mask, steps)
+    passes = {v.name: n for v, n in ((WINDOWED_SHORT_STEP_VARIANTS[8], 1), (WINDOWED_SHORT_STEP_VARIANTS[7], 2))}
+    assert {name: on_cpu.count(name) for name in passes} == {name: 2 * n for name, n in passes.items()}  # on both layers
     for got_step, want_step in zip(got, want):
         torch.testing.assert_close(got_step, want_step, rtol=0, atol=1e-3)  # fp16 operands on tensor cores
 

@@ -281,6 +281,33 @@ def test_short_steps_on_cuda_read_the_cache_like_the_cpu_reference(head_dim_64_b
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-3)
 
 
+@requires_gpu
+@pytest.mark.parametrize("model_type, window", [("gpt_oss", 48), ("llama4_text", 56)])
+def test_short_steps_past_a_window_on_cuda_read_the_cache_like_the_cpu_reference(model_type, window):
+    """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch under KIVI's int4 in blocks of 32: each
+    of the step's queries sees the stored tokens of its own window (gpt-oss's 48, with sinks) or chunk (Llama 4's 56,
+    which the step of 7 crosses), the tensor-core kernel masking each query row from its own first token, the CPU
+    runtime's logits within 2e-3 (the emulated kernel's test, on the device)."""
+    from kvcal.runtime.cache import RuntimeLayer
+
+    span = "attention_chunk_size" if model_type == "llama4_text" else "sliding_window"
+    model = tiny_model(model_type, head_dim=64, **{span: window})
+    bundle = kivi_bundle(model, 4, 32, 32)
+    ids = torch.randint(3, 512, (2, 114), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    steps = [100, 1, 4, 1, 7, 1]
+    with torch.inference_mode():
+        cpu_logits = logits_in_steps(model, bundle, ids, mask, steps)
+        short_step, served = RuntimeLayer._short_step, []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
+            cuda_logits = logits_in_steps(model.cuda(), bundle, ids.cuda(), mask.cuda(), steps)
+    assert [out is not None for out in served] == [False] * 2 + [True] * 4  # the prefill's layers, then both steps'
+    for got, want in zip(cuda_logits, cpu_logits):
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-3)
+
+
 def _memory(address: int, dtype, count: int) -> np.ndarray:
     """count elements of dtype at a raw (CPU) address: what a kernel would read from a descriptor pointer."""
     ctype = {np.uint16: ctypes.c_uint16, np.uint32: ctypes.c_uint32, np.int32: ctypes.c_int32, np.int16: ctypes.c_int16,

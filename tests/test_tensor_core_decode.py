@@ -249,9 +249,11 @@ def rotated(k: torch.Tensor, first_position: int, inv_freq: torch.Tensor, attent
     return torch.cat((a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]), -1).reshape(tokens, width)
 
 
-def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float, rope=None, visible=None) -> torch.Tensor:
+def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: float, rope=None, visible=None,
+              row_first=None) -> torch.Tensor:
     """Softmax attention in float64 over each sequence's first lengths[b] decoded rows (from row visible[b] on: a
-    sliding window); zeros without tokens. rope: (inv_freq, attention_scaling, positions): the keys are pre-RoPE."""
+    sliding window; row_first[b, h] for query head h where given); zeros without tokens. rope: (inv_freq,
+    attention_scaling, positions): the keys are pre-RoPE."""
     batch, heads, d = query.shape
     gqa = heads // KV_HEADS
     out = torch.zeros(batch, heads, d, dtype=torch.float64)
@@ -262,22 +264,24 @@ def reference(query: torch.Tensor, keys, values, lengths: list[int], scaling: fl
         if rope is not None:
             inv_freq, attention_scaling, positions = rope
             k = rotated(k, positions[b], inv_freq, attention_scaling)
-        first = visible[b] if visible else 0
-        k, v = k[first:], v[first:]
         for h in range(heads):
-            kvh = h // gqa
-            scores = (k[:, kvh * d:(kvh + 1) * d] @ query[b, h].double().cpu()) * scaling
-            out[b, h] = torch.softmax(scores, 0) @ v[:, kvh * d:(kvh + 1) * d]
+            kvh, first = h // gqa, visible[b] if visible else 0
+            first = int(row_first[b, h]) if row_first is not None else first
+            if first < n:
+                scores = (k[first:, kvh * d:(kvh + 1) * d] @ query[b, h].double().cpu()) * scaling
+                out[b, h] = torch.softmax(scores, 0) @ v[first:, kvh * d:(kvh + 1) * d]
     return out
 
 
-def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None, visible=None) -> torch.Tensor:
-    """rope: as `reference`'s; visible: each sequence's first token the query sees (default 0)."""
+def run_emulated(lib, v: Variant, query, keys, values, lengths, scaling, per_split=PER_SPLIT, rope=None, visible=None,
+                 row_first=None) -> torch.Tensor:
+    """rope: as `reference`'s; visible: each sequence's first token the query sees (default 0); row_first (batch,
+    heads): each query row's (default its sequence's)."""
     assert per_split % v.stage_tokens == 0, "splits hold whole stages (the launcher refuses others)"
     assert tensor_core.variant_for(keys, values, query.shape[2], query.shape[1] // KV_HEADS, rope=rope is not None) == v
     inv_freq, attention_scaling, positions = rope if rope is not None else (None, 1.0, None)
     out, arrivals = decode(lib, v, query, keys, values, KV_HEADS, lengths, scaling, per_split, inv_freq, attention_scaling,
-                           positions, visible)
+                           positions, visible, row_first)
     assert not arrivals.any(), "the merging block sets its counter back to zero"
     return out
 
@@ -418,6 +422,27 @@ def test_emulated_kernel_gives_the_tokens_before_a_sliding_window_no_weight(emul
     got = run_emulated(emulator, v, query, keys, values, lengths, 128**-0.5, rope=rope, visible=visible)
     want = reference(query, keys, values, lengths, 128**-0.5, rope, visible)
     assert (got.double() - want).abs().max() < tolerance(codec)
+
+
+@pytest.mark.emulation
+@pytest.mark.parametrize("codec,gqa", (("fp16", 4), ("int4", 4), ("int2-g256", 4), ("nuq3-out-rope", 4), ("int2", 8)))
+def test_emulated_kernel_gives_each_query_row_the_tokens_from_its_own_first_one(emulator, codec, gqa):
+    """A first token per query row (a step's queries as more query heads under a sliding window): rows of one KV
+    head whose first tokens lie in different splits, inside a stage, one past a split that holds its sequence's first
+    (that split counts nothing for it, the next ones do), and one past the sequence's last token (zeros)."""
+    lengths, visible = [700, 129, 64], [250, 70, 0]
+    v = variant_of(codec, 128, gqa)
+    keys, values = filled(codec, lengths, 128)
+    query = torch.randn(3, KV_HEADS * gqa, 128, generator=torch.Generator().manual_seed(2))
+    rows = torch.tensor([[250, 300, 380, 699], [70, 71, 128, 129], [0, 5, 63, 64]])
+    row_first = torch.cat([rows, rows.flip(1)], 1).repeat_interleave(gqa // 4, 1)  # both KV heads', in other orders
+    rope = rope_of(codec, 128, 3)
+    got = run_emulated(emulator, v, query, keys, values, lengths, 128**-0.5, rope=rope, visible=visible,
+                       row_first=row_first)
+    want = reference(query, keys, values, lengths, 128**-0.5, rope, row_first=row_first)
+    assert (got.double() - want).abs().nan_to_num(nan=math.inf).max() < tolerance(codec)
+    past = row_first >= torch.tensor(lengths)[:, None]
+    assert past.any() and (got[past] == 0).all()
 
 
 def test_codecs_the_kernel_does_not_serve_are_refused_not_misread():

@@ -300,7 +300,7 @@ class TensorCoreKernel:
             (r"if \(member < ST\) \{", 1.0 if variant.private else 2 / WARPS),
             (r"if \(vp_row_of < end\)", 1.0),
             (r"if \(token0 < hi\)", 1.0),
-            (r"if \(token0 \+ TPW > hi \|\| token0 < visible\)", 0.0),  # masking: a pipeline's last stage, a window's first
+            (r"if \(token0 \+ TPW > hi \|\| token0 < lane_visible\)", 0.0),  # masking: a pipeline's last stage, a window's first
             (r"if \(softcap_log2 > 0\.0f\)", 0.0),  # Gemma 2's soft-cap: no case the benchmark times caps
             # a new key block every KG / TPW iterations; codebook keys have one block (per-channel thresholds): never again
             (r"if \(block != key_block\)", 0.0 if variant.codebook or case.key_codec == "PERMUTED_GROUPS" else min(1.0, tpw / group)),

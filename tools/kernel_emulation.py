@@ -26,7 +26,8 @@ EMULATION = Path(__file__).resolve().parents[1] / "tests" / "kernel_emulation"
 EMULATION_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-U_FORTIFY_SOURCE", "-fno-gnu-unique",
                    "-DKVCAL_HOST_EMULATION"]
 # decode_tc's parameters: tensors, byte / element strides, ints, then the float scale and soft-cap, the fused merge's
-# output and arrival counters, and the segment blocks' descriptor, meta and positions and their count
+# output and arrival counters, the segment blocks' descriptor, meta and positions and their count, and the rows'
+# first tokens
 POINTERS, LONGS, INTS, MERGE, SEGMENTS = 21, 14, 4, 2, 3
 
 
@@ -77,10 +78,10 @@ def driver(variants: list[Variant]) -> str:
             f" const int* voo, const int* voc, {STRIDES}, int kvh, int per_split,"
             " int split_offset, int total_splits, float scale, float softcap, float* out, unsigned* arrivals, const long long* sd,"
             " const int* sm,"
-            " const int* sp, int segment_splits) {"
+            " const int* sp, int segment_splits, const int* rf) {"
             f" emulation::launch({{gx, gy, gz}}, {{128, 1, 1}}, [&] {{ {v.name}(q, k, v, ks, kz, vs, vz, meta, freq, table,"
             f" books, op, lp, kop, kov, koo, koc, vop, vov, voo, voc, {STRIDE_NAMES}, kvh,"
-            " per_split, split_offset, total_splits, scale, softcap, out, arrivals, sd, sm, sp, segment_splits); }); }")
+            " per_split, split_offset, total_splits, scale, softcap, out, arrivals, sd, sm, sp, segment_splits, rf); }); }")
         flags = ", ".join("true" if x else "false" for x in (v.rope, v.codebook, v.outliers))
         lines.append(f"int smem_{symbol(v)}() {{ return tc::Shape<{v.head_dim}, {v.bits}, {v.key_group}, {v.value_group}, {flags}, "
                      f"{v.vbits}, {v.channel_groups}, {v.gqa}>::SMEM_BYTES; }}")
@@ -98,27 +99,32 @@ def build(variants: list[Variant], kernel_dir: Path = kernel_source.KERNEL_DIR) 
     lib.schedule_in_reverse.argtypes = [ctypes.c_int]
     for v in variants:
         getattr(lib, symbol(v)).argtypes = ([ctypes.c_uint] * 3 + [pointer] * POINTERS + [long] * LONGS + [integer] * INTS
-                                            + [ctypes.c_float] * 2 + [pointer] * (MERGE + SEGMENTS) + [integer])
+                                            + [ctypes.c_float] * 2 + [pointer] * (MERGE + SEGMENTS) + [integer, pointer])
     return lib
 
 
 def decode(lib: ctypes.CDLL, v: Variant, query: torch.Tensor, keys, values, kv_heads: int, lengths: list[int], scaling: float,
            per_split: int, inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
-           positions: list[int] | None = None, visible: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           positions: list[int] | None = None, visible: list[int] | None = None,
+           row_first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of variant v over two CPU stores as the runtime makes its arguments (tensor_core.operands), each
     sequence's first lengths[b] rows (pre-RoPE keys: inv_freq, and each sequence's first position; visible: its first
-    row the query sees), split every per_split rows and merged in the launch: (out (batch, heads, head_dim) float32,
-    the arrival counters the merging blocks leave). The buffers start as NaNs, so a value the kernel does not write
-    shows."""
+    row the query sees; row_first (batch, heads): each query row's, at least its sequence's), split every per_split
+    rows and merged in the launch: (out (batch, heads, head_dim) float32, the arrival counters the merging blocks
+    leave). The buffers start as NaNs, so a value the kernel does not write shows."""
     batch, heads, d = query.shape
     splits = max(1, -(-max(lengths) // per_split))
-    meta = torch.tensor(tensor_core.meta_rows(keys, values, lengths, positions, visible), dtype=torch.int32)
+    rows = tensor_core.meta_rows(keys, values, lengths, positions, visible)
+    meta = torch.tensor(rows, dtype=torch.int32)
+    if row_first is not None:  # the body's rows from row 0, as meta's (a lead before the first live row)
+        leads = torch.tensor([row[5] - first for row, first in zip(rows, visible or [0] * batch)])[:, None]
+        row_first = torch.stack([row_first + leads, row_first]).to(torch.int32).contiguous()
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
     out = torch.full((batch, heads, d), float("nan"))
     arrivals = kernels.arrival_counters(batch, kv_heads, "cpu")
     ops = tensor_core.operands(query.float().contiguous(), keys, values, kv_heads, scaling, per_split, 0, out_partial,
-                               lse_partial, meta, inv_freq, attention_scaling, merge=(out, arrivals))
+                               lse_partial, meta, inv_freq, attention_scaling, merge=(out, arrivals), row_first=row_first)
     args = [x.data_ptr() if isinstance(x, torch.Tensor) else (0 if x is None else x) for x in ops]
     getattr(lib, symbol(v))(splits, kv_heads, batch, *args)
     return out, arrivals

@@ -94,6 +94,26 @@ class LayerDecoder:
         return None
 
 
+def _reads_short_step(path: str, layer, group: int, m: int, span: AttentionSpan | None) -> bool:
+    """Whether the decoder of `path` reads the stored tokens for a step of m queries a sequence (short_step_tokens),
+    which under a span needs the stored tokens in order (Cocktail's stores keep them by chunk)."""
+    return m <= short_step_tokens(path, group) and (span is None or layer.keys_store.ordered)
+
+
+def _step_firsts(layer, plan, span: AttentionSpan | None, heads: int) -> tuple[list[int] | None, torch.Tensor | None]:
+    """Under a span, each sequence's first stored token a step's queries see (its first real query's), and each query
+    row's ((batch, heads * m) int64, rows as _step_as_heads orders them), by the queries' positions; (None, None)
+    without a span."""
+    if span is None:
+        return None, None
+    dropped = torch.tensor(layer.keys_store.dropped)[:, None]
+    in_sequence = plan.shared("in sequence, on the host", lambda: plan.in_sequence().cpu())  # one copy a step
+    columns = span.first_seen(in_sequence) - dropped
+    first = (span.first_seen(torch.tensor(plan.before)[:, None]) - dropped).clamp(min=0)[:, 0]
+    row_first = torch.maximum(columns, first[:, None])[:, None].expand(-1, heads, -1).reshape(len(first), -1)
+    return first.tolist(), row_first
+
+
 def _step_as_heads(query: torch.Tensor) -> torch.Tensor:
     """(B, H, m, d) -> (B, H * m, d): a step's queries as more query heads of each KV head's group (its heads' rows
     stay together: GQA group g becomes g * m)."""
@@ -196,17 +216,9 @@ class CpuDecoder(LayerDecoder):
 
     def stored_attention(self, query, plan, scaling, kv_heads, span=None):
         _, heads, m, _ = query.shape
-        unordered = span is not None and not self.layer.keys_store.ordered  # (Cocktail's: tokens by chunk)
-        if m > short_step_tokens(self.path, heads // kv_heads) or unordered:
+        if not _reads_short_step(self.path, self.layer, heads // kv_heads, m, span):
             return None
-        first = row_first = None
-        if span is not None:  # each query's first stored token seen: by its position among its sequence's tokens
-            dropped = torch.tensor(self.layer.keys_store.dropped)[:, None]
-            before = torch.tensor(plan.before)[:, None]
-            columns = span.first_seen(plan.in_sequence().cpu()) - dropped
-            first = (span.first_seen(before) - dropped).clamp(min=0)[:, 0]  # a sequence's first real token's
-            row_first = torch.maximum(columns, first[:, None])[:, None].expand(-1, heads, -1).reshape(len(first), -1)
-            first = first.tolist()
+        first, row_first = _step_firsts(self.layer, plan, span, heads)
         out, lse = self._attend(_step_as_heads(query), plan, scaling, kv_heads, first, True, row_first)
         return _heads_as_step(out, lse, m)
 
@@ -283,12 +295,14 @@ class CudaDecoder(LayerDecoder):
 
     def stored_attention(self, query, plan, scaling, kv_heads, span=None):
         _, heads, m, _ = query.shape
-        if m > short_step_tokens(self.path, heads // kv_heads) or span is not None:  # (one first token a sequence)
+        if not _reads_short_step(self.path, self.layer, heads // kv_heads, m, span):
             return None
+        first, row_first = _step_firsts(self.layer, plan, span, heads)
         dropped = self.layer.keys_store.dropped
         out, lse = kernels.decode_attention(_step_as_heads(query), self.launches, kv_heads, scaling,
                                             plan.stored_positions(dropped), self.served,
-                                            step=plan.kernel_step(query.device), with_lse=True)
+                                            step=plan.kernel_step(query.device), first=first, with_lse=True,
+                                            row_first=row_first)
         return _heads_as_step(out, lse, m)
 
 

@@ -481,7 +481,7 @@ class DecodeStep:
 
 def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                    served: list, step: DecodeStep | None = None, first: list[int] | None = None,
-                   sinks: torch.Tensor | None = None, with_lse: bool = False):
+                   sinks: torch.Tensor | None = None, with_lse: bool = False, row_first: torch.Tensor | None = None):
     """Everything decode_attention does on the host (descriptors, lengths, buffers, split sizes); returns the
     function that launches the kernels and returns the output. Benchmarks time that function alone.
     served: per launch, the tensor-core kernel's share of it (kvcal.runtime.tensor_core.ServedBody: `rows` and
@@ -494,7 +494,9 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     launch serves is decoded in passes over its query heads (`head_passes`). sinks: (heads,) attention sinks' logits,
     which join each row's softmax after the merge, from the splits' log-sum-exps the kernel leaves in its scratch.
     with_lse (no sinks): the function returns (output, each row's log-sum-exp of its scores (batch, heads), natural
-    log, -inf where it saw no token)."""
+    log, -inf where it saw no token). row_first (batch, heads): each query row's first stored token it sees, at
+    least its sequence's `first` (a step's queries as query heads under a sliding window or chunk); None: the
+    sequence's."""
     batch, heads, head_dim = query.shape
     device = query.device
     if with_lse and sinks is not None:
@@ -506,9 +508,11 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         heads_before = np.cumsum([0, *passes[:-1]]).tolist()
         pass_sinks = [None if sinks is None else sinks.view(kv_heads, -1)[:, h : h + n].reshape(-1)
                       for h, n in zip(heads_before, passes)]
+        pass_rows = [None if row_first is None else row_first.reshape(batch, kv_heads, -1)[:, :, h : h + n].reshape(batch, -1)
+                     for h, n in zip(heads_before, passes)]
         runs = [prepare_decode(grouped[:, :, h : h + n].reshape(batch, kv_heads * n, head_dim), launches, kv_heads, scaling,
-                               position_offset, served, step, first, sink, with_lse)
-                for h, n, sink in zip(heads_before, passes, pass_sinks)]
+                               position_offset, served, step, first, sink, with_lse, rows)
+                for h, n, sink, rows in zip(heads_before, passes, pass_sinks, pass_rows)]
 
         def run_passes():  # one after another on the stream: the passes share the step's scratch
             results = [run() if with_lse else (run(), None) for run in runs]
@@ -540,7 +544,11 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
         positions = [o + k[0] for o, k in zip(position_offset, key_lengths)]  # of the bodies' first live rows: past the sinks
         visible = [max(f - k[0], 0) for f, k in zip(first, key_lengths)]
         segment_blocks = (segments.descriptor(device), meta, offsets, -(-longest // SEGMENT_SPLIT_TOKENS))
-        body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks))
+        rows = None
+        if row_first is not None:  # the body's rows past its sinks, the segment blocks' tokens as the sequence's
+            sinks_before = torch.tensor([k[0] for k in key_lengths])[:, None]
+            rows = ((row_first - sinks_before).clamp(min=0), row_first)
+        body_plans.append(served_body.prepare(query, kv_heads, scaling, skip, positions, step, visible, segment_blocks, rows))
     total = sum(splits for splits, _ in body_plans)  # at least one split per launch: the merge writes every row
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=device)
     out_partial, lse_partial = step.scratch(batch, heads, total, head_dim)
@@ -567,10 +575,12 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
 
 def decode_attention(query: torch.Tensor, launches: list[Segments], kv_heads: int, scaling: float, position_offset: list[int],
                      served: list, step: DecodeStep | None = None, first: list[int] | None = None,
-                     sinks: torch.Tensor | None = None, with_lse: bool = False):
+                     sinks: torch.Tensor | None = None, with_lse: bool = False, row_first: torch.Tensor | None = None):
     """Attention of one query token per sequence, query (batch, heads, head_dim), over every launch's tokens from
     each sequence's `first` on (a sliding window; default all), each launch's share served by the tensor-core kernel
     (`served`, kvcal.runtime.tensor_core.serve: pre-RoPE keys rotated there); (batch, heads, head_dim) float32. A
     sequence without tokens gets zeros. step: what the layers of a step share (see DecodeStep); sinks: (heads,)
-    attention sinks' logits; with_lse: also each row's log-sum-exp (see prepare_decode)."""
-    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first, sinks, with_lse)()
+    attention sinks' logits; with_lse: also each row's log-sum-exp; row_first: each row's first token (see
+    prepare_decode)."""
+    return prepare_decode(query, launches, kv_heads, scaling, position_offset, served, step, first, sinks, with_lse,
+                          row_first)()

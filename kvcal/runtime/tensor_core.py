@@ -542,10 +542,10 @@ def store_operands(keys, values, kv_heads: int, scaling: float, constants: dict,
 
 
 def step_operands(query, meta, out_partial, lse_partial, per_split: int, split_offset: int, merge: tuple | None = None,
-                  segments: tuple | None = None) -> tuple:
+                  segments: tuple | None = None, row_first: torch.Tensor | None = None) -> tuple:
     """decode_tc's arguments that change from step to step (see `operands`), in the order `launch_operands` takes them."""
     return (query, meta, out_partial, lse_partial, per_split, split_offset, out_partial.shape[2], *(merge or (None, None)),
-            *(segments or (None, None, None, 0)))
+            *(segments or (None, None, None, 0)), row_first)
 
 
 def launch_operands(stores: StoreOperands, step: tuple) -> tuple:
@@ -559,7 +559,7 @@ def launch_operands(stores: StoreOperands, step: tuple) -> tuple:
 def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, per_split: int, split_offset: int,
              out_partial: torch.Tensor, lse_partial: torch.Tensor, meta: torch.Tensor, inv_freq: torch.Tensor | None = None,
              attention_scaling: float = 1.0, constants: dict | None = None, merge: tuple | None = None,
-             segments: tuple | None = None) -> tuple:
+             segments: tuple | None = None, row_first: torch.Tensor | None = None) -> tuple:
     """decode_tc's arguments, in order: tensors (passed by pointer) and Python ints / floats. meta: the int32
     (batch, 7) tensor of `meta_rows`; inv_freq (head_dim / 2) for pre-RoPE keys. The launch's splits write slots
     split_offset .. of the partial buffers (batch, heads, total slots[, head_dim]). constants: `constant_operands`
@@ -569,12 +569,14 @@ def operands(query: torch.Tensor, keys, values, kv_heads: int, scaling: float, p
     sequence attend its tokens beside the served body rows (fp16 rows, and uniform bodies' rows one side holds alone:
     `segment_blocks_read_bodies`; a kvcal.runtime.kernels.Segments descriptor, the segments' meta (segments.cuh's
     MetaField), each sequence's position of its first stored token), into the slots after the body's; None: no segment
-    blocks. Tensors must be contiguous and on the kernel's device."""
+    blocks. row_first: None, or the int32 (2, batch, heads) of each query row's first body row and first segment
+    token it sees (decode_attention_tc.cu). Tensors must be contiguous and on the kernel's device."""
     if constants is None:
         constants = constant_operands(keys, values, query.shape[-1], query.device, inv_freq)
-    _check_contiguous(query, meta, out_partial, lse_partial)
+    _check_contiguous(query, meta, out_partial, lse_partial, row_first)
     stores = store_operands(keys, values, kv_heads, scaling, constants, inv_freq, attention_scaling)
-    return launch_operands(stores, step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments))
+    return launch_operands(stores, step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments,
+                                                 row_first))
 
 
 def _check_contiguous(*tensors: torch.Tensor | None) -> None:
@@ -772,12 +774,14 @@ class ServedBody:
                                               _leads(self.keys, self.values))]
 
     def prepare(self, query: torch.Tensor, kv_heads: int, scaling: float, rows: list[int], positions: list[int], step,
-                visible: list[int] | None = None, segments: tuple | None = None):
+                visible: list[int] | None = None, segments: tuple | None = None, row_first: tuple | None = None):
         """(splits, bind): the launch's split count, and bind(split_offset, out_partial, lse_partial, merge=None) -> the
         function that launches it (merge: `operands`' (out, arrivals) where it merges every slot). query: float32
         (batch, heads, head_dim) on the device; positions: of each sequence's first live body row; step: the decode
         step's shared uploads (kvcal.runtime.kernels.DecodeStep); visible: each sequence's first live body row the
-        query sees (a sliding window; default 0); segments: `operands`' segment blocks (their splits counted in)."""
+        query sees (a sliding window; default 0); segments: `operands`' segment blocks (their splits counted in);
+        row_first: (each query row's first live body row it sees, its first token of the segment blocks), each
+        (batch, heads), where rows see tokens of their own (at least their sequence's `visible`)."""
         batch, heads, head_dim = query.shape
         v, device = self.variant(heads // kv_heads), query.device
         shared = v.shared_bytes()
@@ -791,11 +795,14 @@ class ServedBody:
         constants = self._constants[key]
         kernel = _function(v.name, shared)
         splits += segments[3] if segments is not None else 0
+        if row_first is not None:  # the body's rows from row 0, as meta's (its live rows read from a lead)
+            leads = torch.tensor([row[5] - s for row, s in zip(meta_list, visible or [0] * batch)])[:, None]
+            row_first = upload(torch.stack([row_first[0] + leads, row_first[1]]).numpy(), device, torch.int32)
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
             _check_contiguous(query, meta, out_partial, lse_partial)
             stores, store_args = self.store_operands(kv_heads, scaling, constants)
-            step = step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments)
+            step = step_operands(query, meta, out_partial, lse_partial, per_split, split_offset, merge, segments, row_first)
             source = launch_operands(stores, step)
             args = launch_operands(store_args, tuple(map(_arg, step)))
 
