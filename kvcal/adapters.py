@@ -12,9 +12,10 @@ modeling file:
   the attention layers of Qwen3.5, Qwen3-Next, LFM2 and LFM3: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE,
   FlexOlmo, OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key
   norm's output where the model has one, else the k_proj output;
-- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns); GPT-NeoX (Pythia)
+- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns), DBRX in its Wqkv's,
+  clamped (clip_qkv: `LayerHandles.clip`), its attention inside a norm_attn_norm block; GPT-NeoX (Pythia)
   and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon name the
-  output projection dense, LFM2 out_proj.
+  output projection dense, LFM2 and DBRX out_proj.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
 of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
@@ -128,7 +129,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
-                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe")
+                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -193,6 +194,12 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attent
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
 
 
+def _canonical(config: dict) -> dict:
+    """A config's dict without what loading it changes (_VOLATILE_CONFIG_KEYS), in its sub-configs too (DBRX's
+    attn_config: its dtype None as made, the weights' once loaded)."""
+    return {k: _canonical(v) if isinstance(v, dict) else v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+
+
 @dataclass
 class LatentAttention:
     """Multi-head latent attention (DeepSeek-V2's MLA). A token caches one latent c (kv_lora_rank channels, the
@@ -241,6 +248,9 @@ class LayerHandles:
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
     value_multiplier: float = 1.0  # the value is the value source's output times this (MiMo-V2-Flash's v_scale)
+    # q, k and v are their projection's output clamped to [-clip, clip] (DBRX's clip_qkv); None: not clamped. The
+    # gradient with respect to the output is 0 where the model clamps, so Fisher weighs those (rare) elements 0
+    clip: float | None = None
     # (head_dim,) in kvcal's order: 1 / the cos/sin scaling on the channels RoPE leaves alone, 1 on the others, where RoPE
     # covers part of each head and scales cos/sin (Phi-4-mini's LongRoPE): kvcal's rotation scales every channel (by
     # frequency 0 on those), so the pre-RoPE query and key it reads hold those channels divided by it; None: no such
@@ -281,6 +291,8 @@ class LayerHandles:
         else:
             normed = {"q": self.q_norm, "k": self.k_norm, "v": self.v_norm}[kind] is not None
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
+            if self.clip is not None and not (normed or gradient):
+                rows = rows.clamp(-self.clip, self.clip)
         if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
             rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
         if kind != "v" and self.rope_norms is not None:
@@ -470,8 +482,7 @@ class ModelAdapter:
 
     def fingerprint(self) -> dict:
         """What an artifact records to refuse being used with another model."""
-        canonical = {k: v for k, v in self.config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
-        digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, default=str).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps(_canonical(self.config_dict), sort_keys=True, default=str).encode()).hexdigest()
         rope = self.config_dict.get("rope_parameters") or {
             "rope_theta": self.config_dict.get("rope_theta"),
             "rope_scaling": self.config_dict.get("rope_scaling"),
@@ -578,8 +589,9 @@ def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
 
 
 def _find_attention(layer: nn.Module, where: str) -> nn.Module:
+    block = getattr(layer, "norm_attn_norm", layer)  # DBRX's: a norm, its attention and a norm in one module
     for name in _ATTENTION_NAMES:
-        attention = getattr(layer, name, None)
+        attention = getattr(block, name, None)
         if attention is not None:
             return attention
     children = ", ".join(name for name, _ in layer.named_children())
@@ -610,11 +622,13 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
     its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE)."""
     where = f"{where}: decoder layer {decoder_index}"
     attention = _find_attention(layer, where)
-    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "dense",
-                                        "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
-    for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's
+    linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "Wqkv", "query_key_value", "o_proj",
+                                        "dense", "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
+    for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's
         if name in linear:
             linear.setdefault("o_proj", linear.pop(name))
+    if "Wqkv" in linear:  # DBRX's q, k and v side by side
+        linear.setdefault("qkv_proj", linear.pop("Wqkv"))
     fused = getattr(attention, "c_attn", None)
     if isinstance(fused, (Conv1D, nn.Linear)):  # GPT-2's (Conv1D: its weight (inputs, outputs)), GPT-BigCode's
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
@@ -631,7 +645,7 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms)
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)),
-                 value_multiplier=float(getattr(attention, "v_scale", 1.0)))
+                 value_multiplier=float(getattr(attention, "v_scale", 1.0)), clip=getattr(attention, "clip_qkv", None))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
     # no v_proj: the value is the v norm of k_proj's output (Gemma 4's attention_k_eq_v)

@@ -29,7 +29,7 @@ GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary m
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
-                 "mpt": "eager"}
+                 "gpt_neo": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
 # attention, Mamba (Jamba's, and Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -122,6 +122,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                        **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type == "dbrx":  # its own names; q, k and v clamped at 0.25, within their size here (the real ones: 8); its
+        # attention reads rope_theta from attn_config (as the real configs hold it); as the Qwen MoEs, every one of 4
+        # small experts routed to
+        return AutoConfig.for_model("dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=max_positions,
+                                    vocab_size=TINY_VOCAB, attn_config=dict(kv_n_heads=2, clip_qkv=0.25, rope_theta=10000.0),
+                                    ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=4), **overrides)
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
@@ -317,8 +323,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)
         common = dict(vocab_size=TINY_VOCAB, n_embd=64 if model_type == "gpt2" else 128, n_layer=2, n_head=4,
                       n_positions=max_positions, bos_token_id=0, eos_token_id=0)
-    if model_type == "mpt":  # not served (its fused Wqkv): the refusals' example
-        common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
+    if model_type == "gpt_neo":  # not served (its projections inside its attention's own attention): the refusals' example
+        common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+                      max_position_embeddings=max_positions)
     return AutoConfig.for_model(model_type, **{**common, **overrides})
 
 

@@ -45,8 +45,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
-    # Phi-3's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "gpt_neox": "query_key_value",
+    # Phi-3's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "gpt2": "c_attn",
                                          "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
@@ -211,8 +211,8 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 def test_unsupported_architecture_names_what_is_missing():
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
-    with pytest.raises(KvcalError, match=rf"MptForCausalLM.*{missing}.*found: Wqkv"):
-        adapt(tiny_model("mpt"))
+    with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention\)"):
+        adapt(tiny_model("gpt_neo"))
 
 
 def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():

@@ -92,10 +92,11 @@ def key_and_value_sources(model, layer: int):
         fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
         keys, values = slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
-    if hasattr(attention, "qkv_proj"):
+    fused = getattr(attention, "qkv_proj", None) or getattr(attention, "Wqkv", None)  # Phi-3's, DBRX's
+    if fused is not None:
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        fused, keys, values = attention.qkv_proj, slice(q, q + kv), slice(q + kv, None)
+        keys, values = slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
     # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key), NanoChat's k_norm
     # Hunyuan's key_layernorm, after RoPE too (with a scale: kvcal reads its output as a key without RoPE)
@@ -131,7 +132,8 @@ def independent_reference(model, batch: torch.Tensor):
     """Per window: ||dL/dW_k||, ||dL/dW_v|| and dL/dK, dL/dV by torch.autograd.grad, and the post-RoPE keys that the
     model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
     test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier, MiMo-V2-Flash's values its
-    v_proj output times its v_scale; where RoPE leaves channels
+    v_proj output times its v_scale, DBRX's keys its Wqkv output clamped at clip_qkv (dL/dK there its output's, 0 where
+    clamped); where RoPE leaves channels
     alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and
     k are normed after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient
     rotated back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
@@ -199,6 +201,8 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach() * key_multiplier
             keys = keys if heads_first else keys.flatten(2)[..., sources[i][0][1]]
+            clip = getattr(attention_of(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's
+            keys = keys if clip is None else keys.clamp(-clip, clip)
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)

@@ -83,7 +83,7 @@ def bad_inputs(tmp_path, tiny_model_dir, corpus):
     llama = tiny_model_dir("llama")
     return {
         "missing model path": (["--model", tmp_path / "no-such-model"], "does not exist"),
-        "unsupported architecture": (["--model", tiny_model_dir("mpt")], "unsupported architecture MptForCausalLM"),
+        "unsupported architecture": (["--model", tiny_model_dir("gpt_neo")], "unsupported architecture GPTNeoForCausalLM"),
         "text shorter than one window": (["--model", llama, "--dataset", short], "fewer than one window"),
         "seqlen above max positions": (["--model", llama, "--dataset", corpus, "--seqlen", 512], "above the model's maximum of 256"),
         "nsamples 0": (["--model", llama, "--nsamples", 0], "--nsamples must be at least 1"),

@@ -33,6 +33,16 @@ def test_same_seed_same_permutation_and_groups_cover_every_channel_once():
     assert torch.equal(plain, torch.arange(48, dtype=torch.int32)) and plain_starts.tolist() == [0, 16, 32, 48]
 
 
+def test_channels_fewer_distinct_than_groups_fill_every_group():
+    """Keys a model clamps (DBRX's clip_qkv) leave many channels the same range: fewer distinct (min, max) pairs than
+    groups get equal groups of the channels ordered by their max (KMeans would leave one empty)."""
+    x = channels().clamp(-0.5, 0.5)
+    x[:, :24] = x[:, :24].clamp(-0.1, 0.1)  # two distinct ranges: the clamped channels reach both bounds
+    permutation, starts = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)
+    assert starts.tolist() == [0, 16, 32, 48] and sorted(permutation.tolist()) == list(range(48))
+    assert set(permutation[:16].tolist()) < set(range(24))  # the narrow channels first
+
+
 def test_permuted_quantized_unpermuted_equals_quantizing_each_group_directly():
     x = channels()
     permutation, starts = channel_groups(x.amin(0), x.amax(0), 3, reorder=True, seed=0)

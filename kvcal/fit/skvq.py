@@ -79,14 +79,19 @@ def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, re
         size = -(-width // groups)
         return torch.arange(width, dtype=torch.int32), torch.tensor(list(range(0, width, size)) + [width], dtype=torch.int32)
     features = torch.stack([minimum, maximum], dim=1).double().numpy()
-    labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
-    # Number clusters by their mean max so the layout does not depend on KMeans' label order.
-    order = np.argsort([features[labels == g, 1].mean() for g in range(groups)], kind="stable")
-    rank = np.empty(groups, dtype=np.int64)
-    rank[order] = np.arange(groups)
-    ranked = rank[labels]
-    permutation = np.argsort(ranked, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(ranked, minlength=groups))])
+    if len(np.unique(features, axis=0)) < groups:  # fewer distinct channels than groups (keys a model clamps, DBRX's):
+        # KMeans would leave groups empty; equal parts of the channels ordered by max, then min
+        permutation = np.lexsort((features[:, 0], features[:, 1]))
+        starts = np.array(list(range(0, width, -(-width // groups))) + [width])
+    else:
+        labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
+        # Number clusters by their mean max so the layout does not depend on KMeans' label order.
+        order = np.argsort([features[labels == g, 1].mean() for g in range(groups)], kind="stable")
+        rank = np.empty(groups, dtype=np.int64)
+        rank[order] = np.arange(groups)
+        ranked = rank[labels]
+        permutation = np.argsort(ranked, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(np.bincount(ranked, minlength=groups))])
     return torch.from_numpy(permutation.astype(np.int32)), torch.from_numpy(starts.astype(np.int32))
 
 

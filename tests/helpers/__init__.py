@@ -62,15 +62,16 @@ def requires_gpu(test):
 
 
 def decoder_layers(model):
-    """A model's decoder layers: its decoder's `layers` on most, `h` on GPT-2."""
+    """A model's decoder layers: its decoder's `layers` on most, `h` on GPT-2, `blocks` on DBRX."""
     decoder = decoder_of(model)
-    return getattr(decoder, "layers", None) or decoder.h
+    return getattr(decoder, "layers", None) or getattr(decoder, "blocks", None) or decoder.h
 
 
 def attention_module(decoder_layer):
-    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, attn on GPT-2, mixer on Nemotron-H."""
-    return next(getattr(decoder_layer, name) for name in ("self_attn", "attention", "attn", "mixer")
-                if hasattr(decoder_layer, name))
+    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, attn on GPT-2 and (in its
+    norm_attn_norm) DBRX, mixer on Nemotron-H."""
+    block = getattr(decoder_layer, "norm_attn_norm", decoder_layer)
+    return next(getattr(block, name) for name in ("self_attn", "attention", "attn", "mixer") if hasattr(block, name))
 
 
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
