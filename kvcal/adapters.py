@@ -887,6 +887,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
                _layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
+        if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
+            raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
+                             "add; kvcal serves RoPE models and ones with learned or no positions")
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims,

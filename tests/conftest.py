@@ -29,7 +29,7 @@ GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary m
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
-                 "gpt_neo": "eager"}
+                 "gpt_neo": "eager", "mpt": "eager"}
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
 # attention, Mamba (Jamba's, and Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -323,6 +323,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)
         common = dict(vocab_size=TINY_VOCAB, n_embd=64 if model_type == "gpt2" else 128, n_layer=2, n_head=4,
                       n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    if model_type == "mpt":  # not served (ALiBi): a refusal's example
+        common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
     if model_type == "gpt_neo":  # not served (its projections inside its attention's own attention): the refusals' example
         common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
                       max_position_embeddings=max_positions)

@@ -213,6 +213,8 @@ def test_unsupported_architecture_names_what_is_missing():
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
     with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention\)"):
         adapt(tiny_model("gpt_neo"))
+    with pytest.raises(KvcalError, match=r"MptForCausalLM.*its positions are ALiBi biases on the scores"):
+        adapt(tiny_model("mpt"))
 
 
 def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
