@@ -376,6 +376,19 @@ def left_padded(lengths, seed: int = 0):
     return ids, mask
 
 
+def windowed_short_steps(model_type: str, window: int):
+    """(model, bundle, ids, mask, steps) of the tests of short steps past a window: a tiny model at head_dim 64 whose
+    first layer slides over `window` tokens (Llama 4: chunks of them), KIVI's int4 in blocks of 32 with an fp16
+    residual of 32, two 114-token prompts (the second left-padded by 17 columns) fed as a 100-token prefill, then steps
+    of 1, 4, 1, 7 and 1 tokens."""
+    span = "attention_chunk_size" if model_type == "llama4_text" else "sliding_window"
+    model = tiny_model(model_type, head_dim=64, **{span: window})
+    ids = torch.randint(3, 512, (2, 114), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    return model, kivi_bundle(model, 4, 32, 32), ids, mask, [100, 1, 4, 1, 7, 1]
+
+
 @pytest.fixture(params=["cpu-kernel", "torch-reference"])
 def decode_path(request, monkeypatch):
     """Runs a test on each CPU decode path of the runtime cache: the compiled kernel (kvcal.runtime.cpu_kernel),

@@ -436,21 +436,15 @@ def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_re
 def test_emulated_tensor_core_kernel_reads_short_steps_past_a_window_each_query_from_its_own_first_token(on_cpu,
                                                                                                         model_type, window):
     """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch, under KIVI's int4 in blocks of 32
-    with an fp16 residual of 32: in a sliding layer (gpt-oss with sinks, Gemma 2 soft-capped: 48 tokens, the windows'
+    with an fp16 residual of 32 (conftest.windowed_short_steps): in a sliding layer (gpt-oss with sinks, Gemma 2 soft-capped: 48 tokens, the windows'
     first tokens in the served body; Gemma 3: 16, in the fp16 rows) each of the step's queries sees the stored tokens
     of its own window, in Llama 4's chunks those of its chunk (the first sequence's step of 7 crosses into a chunk
     whose queries see no stored token; of 56 tokens, its other queries' chunk starts in the body, so a body split
     holds tokens of some of the step's queries and none of others), the tensor-core kernel masking each query row from
     its own first token in the body blocks and the segment blocks: the reference runtime's logits."""
-    from conftest import kivi_bundle, tiny_model
+    from conftest import windowed_short_steps
 
-    span = "attention_chunk_size" if model_type == "llama4_text" else "sliding_window"
-    model = tiny_model(model_type, head_dim=64, **{span: window})
-    bundle = kivi_bundle(model, 4, 32, 32)
-    ids = torch.randint(3, 512, (2, 114), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    steps = [100, 1, 4, 1, 7, 1]
+    model, bundle, ids, mask, steps = windowed_short_steps(model_type, window)
     with torch.inference_mode():
         got = logits_in_steps(model, bundle, ids, mask, steps)
         with reference_runtime():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kivi_bundle, left_padded, tiny_model
+from conftest import kivi_bundle, left_padded, tiny_model, windowed_short_steps
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
                      logits_in_steps, requires_gpu)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
@@ -265,38 +265,26 @@ def test_short_steps_on_cuda_read_the_cache_like_the_cpu_reference(head_dim_64_b
     tensor-core kernel reads the stored tokens with the step's queries as more query heads (8 a KV head: one pass,
     then 32: four passes), merged with the step's own tokens' attention, the CPU runtime's logits within 2e-3 (the
     emulated kernel's test, on the device)."""
-    from kvcal.runtime.cache import RuntimeLayer
-
     model = tiny_model("llama", head_dim=64)
     ids, mask = left_padded((90, 75), seed=3)
-    steps, bundle = [62, 1, 4, 1, 16, 1], head_dim_64_bundles[recipe]
-    with torch.inference_mode():
-        cpu_logits = logits_in_steps(model, bundle, ids, mask, steps)
-        short_step, served = RuntimeLayer._short_step, []
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
-            cuda_logits = logits_in_steps(model.cuda(), bundle, ids.cuda(), mask.cuda(), steps)
-    assert [out is not None for out in served] == [False] * 2 + [True] * 4  # the prefill's layers, then both steps'
-    for got, want in zip(cuda_logits, cpu_logits):
-        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-3)
+    assert_short_steps_on_cuda_give_the_cpu_logits(model, head_dim_64_bundles[recipe], ids, mask, [62, 1, 4, 1, 16, 1])
 
 
 @requires_gpu
 @pytest.mark.parametrize("model_type, window", [("gpt_oss", 48), ("llama4_text", 56)])
 def test_short_steps_past_a_window_on_cuda_read_the_cache_like_the_cpu_reference(model_type, window):
-    """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch under KIVI's int4 in blocks of 32: each
-    of the step's queries sees the stored tokens of its own window (gpt-oss's 48, with sinks) or chunk (Llama 4's 56,
-    which the step of 7 crosses), the tensor-core kernel masking each query row from its own first token, the CPU
-    runtime's logits within 2e-3 (the emulated kernel's test, on the device)."""
+    """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch under KIVI's int4 in blocks of 32
+    (conftest.windowed_short_steps): each of the step's queries sees the stored tokens of its own window (gpt-oss's
+    48, with sinks) or chunk (Llama 4's 56, which the step of 7 crosses), the tensor-core kernel masking each query
+    row from its own first token, the CPU runtime's logits within 2e-3 (the emulated kernel's test, on the device)."""
+    assert_short_steps_on_cuda_give_the_cpu_logits(*windowed_short_steps(model_type, window))
+
+
+def assert_short_steps_on_cuda_give_the_cpu_logits(model, bundle, ids, mask, steps: list[int]) -> None:
+    """The logits of feeding (ids, mask) in `steps` (a prefill, then decode steps and two short steps) on CUDA, both
+    short steps read through the CUDA decoder, within 2e-3 of the CPU runtime's."""
     from kvcal.runtime.cache import RuntimeLayer
 
-    span = "attention_chunk_size" if model_type == "llama4_text" else "sliding_window"
-    model = tiny_model(model_type, head_dim=64, **{span: window})
-    bundle = kivi_bundle(model, 4, 32, 32)
-    ids = torch.randint(3, 512, (2, 114), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    steps = [100, 1, 4, 1, 7, 1]
     with torch.inference_mode():
         cpu_logits = logits_in_steps(model, bundle, ids, mask, steps)
         short_step, served = RuntimeLayer._short_step, []
