@@ -116,9 +116,8 @@ def decode(lib: ctypes.CDLL, v: Variant, query: torch.Tensor, keys, values, kv_h
     splits = max(1, -(-max(lengths) // per_split))
     rows = tensor_core.meta_rows(keys, values, lengths, positions, visible)
     meta = torch.tensor(rows, dtype=torch.int32)
-    if row_first is not None:  # the body's rows from row 0, as meta's (a lead before the first live row)
-        leads = torch.tensor([row[5] - first for row, first in zip(rows, visible or [0] * batch)])[:, None]
-        row_first = torch.stack([row_first + leads, row_first]).to(torch.int32).contiguous()
+    if row_first is not None:  # (no segment blocks here)
+        row_first = tensor_core.row_first_rows(rows, visible or [0] * batch, row_first, row_first)
     out_partial = torch.full((batch, heads, splits, d), float("nan"))
     lse_partial = torch.full((batch, heads, splits), float("nan"))
     out = torch.full((batch, heads, d), float("nan"))

@@ -614,6 +614,14 @@ def meta_rows(keys, values, lengths: list[int] | None = None, positions: list[in
             for kh, vh, e, c, p, k, v, s in zip(keys.head, values.head, lead, n, positions, keys.length, values.length, visible)]
 
 
+def row_first_rows(meta: list[list[int]], visible: list[int], body: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """decode_tc's row_first on the host, (2, batch, heads) int32: each query row's first live body row it sees
+    (`body`, counted as `visible` is), from row 0 as `meta_rows` counts its field (the body read from a lead before
+    its first live row), then its first token of the segment blocks (`segment`)."""
+    leads = torch.tensor([row[5] - first for row, first in zip(meta, visible)])[:, None]
+    return torch.stack([body + leads, segment]).to(torch.int32)
+
+
 def split_plan(lengths: list[int], pairs: int, slots: int, stage_tokens: int) -> tuple[int, int]:
     """(tokens per split, splits): splits of whole stages (the variant's stage_tokens), as many as one wave of `slots` resident blocks
     holds for `pairs` (sequence, KV head); more splits only where the pairs alone fill less than a wave. Measured on an
@@ -795,9 +803,8 @@ class ServedBody:
         constants = self._constants[key]
         kernel = _function(v.name, shared)
         splits += segments[3] if segments is not None else 0
-        if row_first is not None:  # the body's rows from row 0, as meta's (its live rows read from a lead)
-            leads = torch.tensor([row[5] - s for row, s in zip(meta_list, visible or [0] * batch)])[:, None]
-            row_first = upload(torch.stack([row_first[0] + leads, row_first[1]]).numpy(), device, torch.int32)
+        if row_first is not None:
+            row_first = upload(row_first_rows(meta_list, visible or [0] * batch, *row_first).numpy(), device, torch.int32)
 
         def bind(split_offset: int, out_partial: torch.Tensor, lse_partial: torch.Tensor, merge: tuple | None = None):
             _check_contiguous(query, meta, out_partial, lse_partial)
