@@ -248,8 +248,9 @@ class LayerHandles:
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
     key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
     value_multiplier: float = 1.0  # the value is the value source's output times this (MiMo-V2-Flash's v_scale)
-    # q, k and v are their projection's output clamped to [-clip, clip] (DBRX's clip_qkv); None: not clamped. The
-    # gradient with respect to the output is 0 where the model clamps, so Fisher weighs those (rare) elements 0
+    # q, k and v are their source's output clamped to [-clip, clip] (DBRX's, OLMo 1.7's and OLMoE's clip_qkv; OLMo's
+    # and OLMoE's clamp in place after the hooks read it); None: not clamped. The gradient with respect to the output
+    # is 0 where the model clamps (a hook on it sees the gradient before an in-place clamp): Fisher weighs those 0
     clip: float | None = None
     # (head_dim,) in kvcal's order: 1 / the cos/sin scaling on the channels RoPE leaves alone, 1 on the others, where RoPE
     # covers part of each head and scales cos/sin (Phi-4-mini's LongRoPE): kvcal's rotation scales every channel (by
@@ -291,8 +292,8 @@ class LayerHandles:
         else:
             normed = {"q": self.q_norm, "k": self.k_norm, "v": self.v_norm}[kind] is not None
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
-            if self.clip is not None and not (normed or gradient):
-                rows = rows.clamp(-self.clip, self.clip)
+        if self.clip is not None and not gradient:
+            rows = rows.clamp(-self.clip, self.clip)
         if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
             rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
         if kind != "v" and self.rope_norms is not None:
@@ -645,7 +646,9 @@ def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str,
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms)
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)),
-                 value_multiplier=float(getattr(attention, "v_scale", 1.0)), clip=getattr(attention, "clip_qkv", None))
+                 value_multiplier=float(getattr(attention, "v_scale", 1.0)),
+                 # DBRX's attention holds its clip_qkv, OLMo's and OLMoE's config (they clamp in place, after the hooks)
+                 clip=getattr(attention, "clip_qkv", None) or getattr(getattr(attention, "config", None), "clip_qkv", None))
     if norms["key_multiplier"] == 0.0:
         raise KvcalError(f"{where}: its key_multiplier is 0: every key is zero, and no cache is worth keeping")
     # no v_proj: the value is the v norm of k_proj's output (Gemma 4's attention_k_eq_v)
@@ -910,9 +913,6 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotated = (attending_only(_rotated_layers(config, text_type, num_layers, rope_free)) if rotary is not None
                else [False] * len(handles))
     readers = _reader_layers(layers, sharing, decoder_types, attending, where)
-    if getattr(config, "clip_qkv", None) is not None:  # OLMo 1.7's: clamp_ on the projections' output
-        raise KvcalError(f"{where}: it clamps q, k and v in place after their projections (clip_qkv {config.clip_qkv}), past "
-                         "where kvcal reads them and their gradients")
     if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")

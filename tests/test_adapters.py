@@ -191,10 +191,22 @@ def test_a_model_none_of_whose_layers_attends_is_refused():
         adapt(tiny_model("jamba", attn_layer_period=8, attn_layer_offset=5))
 
 
-def test_q_k_and_v_clamped_after_their_projections_are_refused():
-    """OLMo 1.7's clip_qkv clamps the projections' output in place, after kvcal's hooks have read it."""
-    with pytest.raises(KvcalError, match=r"clamps q, k and v in place after their projections \(clip_qkv 8.0\)"):
-        adapt(tiny_model("olmo", clip_qkv=8.0))
+@pytest.mark.parametrize("model_type", ("olmo", "olmoe"))
+def test_q_k_and_v_clamped_in_place_are_read_clamped(model_type):
+    """OLMo 1.7's and OLMoE's clip_qkv clamp q, k and v in place (OLMoE's after its norms), after kvcal's hooks have
+    read them: what the hooks hand kvcal is clamped alike, the keys the model's cache holds."""
+    model = tiny_model(model_type, clip_qkv=0.25, initializer_range=0.25)
+    adapter = adapt(model)
+    assert [layer.clip for layer in adapter.layers] == [0.25, 0.25]
+    read = []
+    hook = adapter.layers[0].key_source.register_forward_hook(
+        lambda module, args, out: read.append(adapter.layers[0].source_rows("k", out)))  # at hook time, as the runtime
+    with torch.no_grad():
+        cache = model(torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+    hook.remove()
+    keys = apply_rope(read[0][0].view(12, 2, 16), torch.arange(12), adapter.layer_inv_freq(0, 12), adapter.layer_rope_scaling(0))
+    assert read[0].abs().max() <= 0.25 and (read[0].abs() == 0.25).any()
+    torch.testing.assert_close(keys, adapter.in_rope_order(cache.layers[0].keys[0].transpose(0, 1)), rtol=1e-5, atol=1e-5)
 
 
 def test_keys_multiplied_by_zero_are_refused():

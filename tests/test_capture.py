@@ -133,7 +133,7 @@ def independent_reference(model, batch: torch.Tensor):
     model's own apply_rotary_pos_emb produces, the keys in kvcal's channel order (its rotation's, checked in
     test_rope). Falcon-H1's keys are its k_proj output times its config's key_multiplier, MiMo-V2-Flash's values its
     v_proj output times its v_scale, DBRX's keys its Wqkv output clamped at clip_qkv (dL/dK there its output's, 0 where
-    clamped); where RoPE leaves channels
+    clamped), OLMo's and OLMoE's clamped in place likewise; where RoPE leaves channels
     alone and scales cos/sin, dL/dK there is the projection's gradient times that scaling (unrotated_scale). Where q and
     k are normed after RoPE (Llama 4 Scout, NanoChat), the norm's output is the post-RoPE key and dL/dK its gradient
     rotated back. Where the value is made from k_proj's output (Gemma 4's attention_k_eq_v), the layer is given a v_proj, a
@@ -171,6 +171,9 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         activations = [outputs[side, i] for side in "kv" for i in layers]
         grads = torch.autograd.grad(loss, [projection.weight for projection in projections] + activations)
         n = len(layers)
+        clip = getattr(text_config(model), "clip_qkv", None)  # OLMo's, OLMoE's: clamped in place after the activations,
+        if clip is not None:  # so autograd gives the gradient after the clamp, kvcal's hooks the one before (0 there)
+            grads = (*grads[: 2 * n], *(g * (a.abs() < clip) for g, a in zip(grads[2 * n :], activations)))
         columns = [sources[i][side][1] for side in (0, 1) for i in layers]  # of the activations
         weight_rows = [sources[i][side][3] for side in (0, 1) for i in layers]
         rows = [g[:, r] if isinstance(projection, Conv1D) else g[r]  # (Conv1D: weight (inputs, outputs))
@@ -201,7 +204,8 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach() * key_multiplier
             keys = keys if heads_first else keys.flatten(2)[..., sources[i][0][1]]
-            clip = getattr(attention_of(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's
+            clip = (getattr(attention_of(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's, OLMo's, OLMoE's
+                    or getattr(text_config(model), "clip_qkv", None))
             keys = keys if clip is None else keys.clamp(-clip, clip)
             head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
                 attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
@@ -223,6 +227,13 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
 def test_importance_fisher_and_rope_match_independent_autograd(model_type):
     # Gemma 4: the reference's copied v_proj sums the hidden states' gradient in another order (last bits)
     assert_capture_matches_autograd(tiny_model(model_type), atol=1e-12 if model_type in GEMMA4 else 1e-14)
+
+
+@pytest.mark.parametrize("model_type", ("olmo", "olmoe"))
+def test_clamped_q_k_v_capture_matches_independent_autograd(model_type):
+    """OLMo 1.7's and OLMoE's clip_qkv (0.25 here: many elements clamped) clamp in place after kvcal's hooks: the keys
+    captured are clamped as the model's, their Fisher is the projection's (or norm's) output gradient's."""
+    assert_capture_matches_autograd(tiny_model(model_type, clip_qkv=0.25), atol=1e-14)
 
 
 def test_llama4_maverick_capture_matches_independent_autograd():
