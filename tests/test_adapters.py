@@ -194,13 +194,14 @@ def test_a_model_none_of_whose_layers_attends_is_refused():
 @pytest.mark.parametrize("model_type", ("olmo", "olmoe"))
 def test_q_k_and_v_clamped_in_place_are_read_clamped(model_type):
     """OLMo 1.7's and OLMoE's clip_qkv clamp q, k and v in place (OLMoE's after its norms), after kvcal's hooks have
-    read them: what the hooks hand kvcal is clamped alike, the keys the model's cache holds."""
+    read them: what the hooks hand kvcal, copied there (not a view the model's clamp reaches later), is clamped alike,
+    the keys the model's cache holds."""
     model = tiny_model(model_type, clip_qkv=0.25, initializer_range=0.25)
     adapter = adapt(model)
     assert [layer.clip for layer in adapter.layers] == [0.25, 0.25]
     read = []
     hook = adapter.layers[0].key_source.register_forward_hook(
-        lambda module, args, out: read.append(adapter.layers[0].source_rows("k", out)))  # at hook time, as the runtime
+        lambda module, args, out: read.append(adapter.layers[0].source_rows("k", out).clone()))
     with torch.no_grad():
         cache = model(torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
     hook.remove()
