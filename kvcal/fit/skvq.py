@@ -75,14 +75,13 @@ class SkvqSettings:
 def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, reorder: bool, seed: int):
     """(permutation, group starts) of the channels; starts has groups + 1 entries, the last = width."""
     width = minimum.numel()
-    if not reorder:
-        size = -(-width // groups)
-        return torch.arange(width, dtype=torch.int32), torch.tensor(list(range(0, width, size)) + [width], dtype=torch.int32)
+    equal_parts = np.array(list(range(0, width, -(-width // groups))) + [width])
     features = torch.stack([minimum, maximum], dim=1).double().numpy()
-    if len(np.unique(features, axis=0)) < groups:  # fewer distinct channels than groups (keys a model clamps, DBRX's):
+    if not reorder:
+        permutation, starts = np.arange(width), equal_parts
+    elif len(np.unique(features, axis=0)) < groups:  # fewer distinct channels than groups (keys a model clamps, DBRX's):
         # KMeans would leave groups empty; equal parts of the channels ordered by max, then min
-        permutation = np.lexsort((features[:, 0], features[:, 1]))
-        starts = np.array(list(range(0, width, -(-width // groups))) + [width])
+        permutation, starts = np.lexsort((features[:, 0], features[:, 1])), equal_parts
     else:
         labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
         # Number clusters by their mean max so the layout does not depend on KMeans' label order.
