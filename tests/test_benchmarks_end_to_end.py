@@ -109,8 +109,9 @@ def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decod
 
 def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(tmp_path, monkeypatch, tiny_model_dir):
     """A run on a tiny model (no chat template: the request as plain text): greedy generate() and prompt lookup on
-    DynamicCache and on kvcal's KIVI-2 cache, greedy one forward a new token and its own tokens; a bundle path that
-    does not exist is refused before anything runs or is written."""
+    DynamicCache and on kvcal's KIVI-2 cache (there also with later_steps="decode", giving greedy's tokens), greedy
+    one forward a new token and its own tokens; a bundle path that does not exist is refused before anything runs
+    or is written."""
     from benchmarks import common
     from benchmarks.end_to_end import speculative
 
@@ -121,11 +122,12 @@ def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(
     speculative.main(["--model", str(tiny_model_dir("llama")), "--samples", "1", "--passage-tokens", "32",
                       "--new-tokens", "6", "--lookup", "3", "--rounds", "1", "--out", "speculative"])
     rows = json.loads((tmp_path / "speculative.json").read_text())["results"]
-    assert [(r["cache"], r["decoding"]) for r in rows] == [(cache, way) for cache in ("DynamicCache", "kvcal kivi2-g32")
-                                                           for way in ("greedy", "lookup")]
+    assert [(r["cache"], r["decoding"]) for r in rows] == [("DynamicCache", "greedy"), ("DynamicCache", "lookup")] + [
+        ("kvcal kivi2-g32", way) for way in ("greedy", "lookup", "lookup, later_steps=decode")]
     assert all(r["ms_per_token"] > 0 for r in rows) and rows[0]["vs_dynamic_greedy"] == 1.0
     assert all(r["forwards_per_token"] == 1.0 and r["same_as_greedy"] == 1.0 for r in rows if r["decoding"] == "greedy")
-    assert "| kvcal kivi2-g32 | lookup |" in (tmp_path / "speculative.md").read_text()
+    assert rows[-1]["same_as_greedy"] == 1.0
+    assert "| kvcal kivi2-g32 | lookup, later_steps=decode |" in (tmp_path / "speculative.md").read_text()
 
 
 def test_the_short_steps_benchmark_times_both_ways_and_names_the_runtimes(tmp_path, monkeypatch, tiny_model_dir):

@@ -8,7 +8,8 @@ import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
-from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
+from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
+                     assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
@@ -334,6 +335,55 @@ def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, 
         taken_back.clear()
         generate(model, recipe_bundles["kivi"], input_ids=ids, prompt_lookup_num_tokens=4, **settings)
     assert any(taken_back)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(recipe_bundles, recipe, decode_path):
+    """later_steps="decode": steps of 12 and 8 tokens after a 20-column prefill (two sequences, one left-padded by
+    6) give the logits and leave the cache of one-token steps, on every recipe (KVmix's RPC count decaying a token at
+    a time) and decode path."""
+    ids, mask = left_padded([40, 34])
+    assert_later_steps_read_as_decode_steps_like_one_token_steps(tiny_model("llama"), recipe_bundles[recipe], ids, mask,
+                                                                 [20, 12, 8])
+
+
+@pytest.mark.parametrize("model_type, settings", [("gpt_oss", dict(sliding_window=8)), ("gemma2", dict(sliding_window=8)),
+                                                  ("gemma4_text", {}), ("deepseek_v3", {})])
+def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings):
+    """The same on 2-bit KIVI (blocks of 8, a residual of 8) under a sliding window of 8 with attention sinks (gpt-oss)
+    and soft-capped scores (Gemma 2), with layers reading another's cache (Gemma 4) and on MLA's latent (DeepSeek-V3);
+    logits within 1e-3 and tokens read back within 2e-3 (Gemma 4's keys and values of a forward over several tokens
+    and over one can differ by an fp16 step)."""
+    model = tiny_model(model_type, **settings)
+    ids, mask = left_padded([40, 34])
+    assert_later_steps_read_as_decode_steps_like_one_token_steps(model, kivi_bundle(model, 2, 8, 8), ids, mask,
+                                                                 [20, 12, 8], atol=1e-3, stored_atol=2e-3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_prompt_lookup_on_a_cache_reading_later_steps_as_decode_steps_gives_its_greedy_tokens(recipe_bundles, recipe,
+                                                                                            monkeypatch):
+    """With later_steps="decode", prompt lookup decoding (its checks steps of several tokens, the rejected candidates
+    taken back) gives the tokens of greedy decoding on the same quantized cache."""
+    from kvcal.runtime.cache import WiredCache
+
+    taken_back = []
+    crop = WiredCache.crop
+    monkeypatch.setattr(WiredCache, "crop", lambda self, n: (taken_back.append(-n), crop(self, n))[1])
+    model = tiny_model("llama")
+    text = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([text, text[:, :12], text[:, 4:10], text[:, :16]], 1)
+    settings = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        greedy = generate(model, recipe_bundles[recipe], input_ids=ids, **settings)
+        looked_up = generate(model, recipe_bundles[recipe], "decode", input_ids=ids, prompt_lookup_num_tokens=4, **settings)
+    assert torch.equal(looked_up, greedy) and any(taken_back)
+
+
+def test_later_steps_other_than_prefill_or_decode_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(KvcalError, match=r"later_steps 'exact': give one of 'prefill', 'decode'"):
+        quantized_cache(model, fp16_kivi_bundle(model), later_steps="exact")
 
 
 def test_taking_tokens_back_is_refused_where_it_cannot_be_exact(recipe_bundles, gemma3_bundles, architecture_bundles):

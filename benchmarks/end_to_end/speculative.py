@@ -8,7 +8,8 @@ in memory, no calibration) and each --bundles path. Per cache and prompt the run
 median kept); a row gives the mean over the prompts of ms per new token, its ratio to DynamicCache's greedy, the
 forwards per new token (one a token for greedy; fewer where candidates are accepted) and how many new tokens equal
 greedy's on the same cache (a step of several tokens attends to its own in fp16, a decode step to what it stored: on
-a quantized cache the two may part).
+a quantized cache the two may part). kvcal's caches also run prompt lookup with later_steps="decode" (each checked
+candidate read as its decode step would: greedy's tokens, the torch reference reading those steps).
 
 Usage: python -m benchmarks.end_to_end speculative [--model SPEC] [--samples 3] [--passage-tokens 256]
        [--new-tokens 64] [--lookup 10] [--bundles PATH,...] [--rounds 2] [--out NAME]      (see --help)
@@ -27,6 +28,8 @@ from benchmarks.common import (SHARED, device_slug, kivi2_bundle, provenance, ti
                                write_result)
 
 BASELINE = "DynamicCache"
+# decoding -> (looking up candidates, the cache's later_steps); DynamicCache runs the first two
+WAYS = {"greedy": (False, "prefill"), "lookup": (True, "prefill"), "lookup, later_steps=decode": (True, "decode")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,8 +76,10 @@ def caches(model, bundle_paths: list[str]) -> dict:
             **{f"kvcal {Path(path).stem}": load_bundle(path, model=model) for path in bundle_paths}}
 
 
-def run(model, bundle, ids: torch.Tensor, new_tokens: int, lookup: int | None, pad: int) -> tuple[torch.Tensor, int]:
-    """(the new tokens, forwards of the model) of one greedy generate(), with prompt lookup where `lookup`."""
+def run(model, bundle, ids: torch.Tensor, new_tokens: int, lookup: int | None, pad: int,
+        later_steps: str = "prefill") -> tuple[torch.Tensor, int]:
+    """(the new tokens, forwards of the model) of one greedy generate(), with prompt lookup where `lookup`, on a cache
+    with `later_steps` (kvcal.runtime.quantized_cache's)."""
     from kvcal.runtime import generate
 
     forwards = []
@@ -84,7 +89,7 @@ def run(model, bundle, ids: torch.Tensor, new_tokens: int, lookup: int | None, p
     if lookup:
         settings["prompt_lookup_num_tokens"] = lookup
     try:
-        out = model.generate(**settings) if bundle is None else generate(model, bundle, **settings)
+        out = model.generate(**settings) if bundle is None else generate(model, bundle, later_steps, **settings)
     finally:
         hook.remove()
     return out[0, ids.shape[1]:], len(forwards)
@@ -98,12 +103,14 @@ def main(argv=None) -> None:
     model, tokenizer, source = load_model(args.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     made = caches(model, list(filter(None, args.bundles.split(","))))
-    per_prompt = {(name, way): [] for name in made for way in ("greedy", "lookup")}
+    per_prompt = {(name, way): [] for name, bundle in made.items() for way in WAYS
+                  if bundle is not None or WAYS[way][1] == "prefill"}
     with torch.inference_mode():
         for i, ids in enumerate(prompts(tokenizer, args.samples, args.passage_tokens)):
-            calls = {(name, way): (lambda bundle=bundle, way=way: run(model, bundle, ids, args.new_tokens,
-                                                                        args.lookup if way == "lookup" else None, pad))
-                     for name, bundle in made.items() for way in ("greedy", "lookup")}
+            calls = {(name, way): (lambda bundle=made[name], way=way: run(model, bundle, ids, args.new_tokens,
+                                                                            args.lookup if WAYS[way][0] else None, pad,
+                                                                            WAYS[way][1]))
+                     for name, way in per_prompt}
             outputs, ms = timed_in_turn(calls, args.rounds)
             for (name, way), (tokens, forwards) in outputs.items():
                 greedy = outputs[name, "greedy"][0]

@@ -5,9 +5,10 @@ specification, and the fallback)."""
 from kvcal.runtime.cache import WiredCache, quantized_cache
 
 
-def generate(model, bundle, **generate_kwargs):
-    """model.generate(**generate_kwargs) with a fresh quantized cache for `bundle`; the model is left as it was."""
-    with quantized_cache(model, bundle) as cache:
+def generate(model, bundle, later_steps: str = "prefill", **generate_kwargs):
+    """model.generate(**generate_kwargs) with a fresh quantized cache for `bundle` (later_steps: quantized_cache's);
+    the model is left as it was."""
+    with quantized_cache(model, bundle, later_steps=later_steps) as cache:
         return model.generate(**generate_kwargs, past_key_values=cache)
 
 

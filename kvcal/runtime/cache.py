@@ -28,7 +28,8 @@ Semantics (the same as the simulation of `kvcal eval ppl`, which a test checks l
 - a one-token step (decode) appends its token first, then attends over the cache as stored;
 - a multi-token step (prefill) attends over what was cached before it plus its own tokens in fp16
   (causal; an image's tokens in Gemma 3 and 4 see each other both ways, as each layer's mask says), then appends
-  them, quantizing what leaves the fp16 segments;
+  them, quantizing what leaves the fp16 segments; with later_steps="decode" a sequence's steps after its first are
+  read as that many decode steps instead (quantized_cache; RuntimeLayer._prefill);
 - keys stored before RoPE are rotated by the frequencies of the first forward after the cache was empty; a LongRoPE
   model's (Phi-3.5, Phi-4-mini) steps must all reach past its switch or none (WiredCache.rope_era): where generate
   drops the cache to compute the sequence again past it, kvcal's is emptied and filled again instead (`reset`);
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -73,6 +74,7 @@ from kvcal.spans import AttentionSpan, attention_span, call_mismatch
 
 ATTENTION_NAME = "kvcal_runtime"
 LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
+LATER_STEPS = ("prefill", "decode")  # how a step of several tokens after a sequence's first reads them (quantized_cache)
 # what a transformers cache layer's recurrent state is made of (conv and recurrent states, their flags and sizes)
 _STATE_ATTRIBUTES = tuple(vars(LinearAttentionLayer()))
 
@@ -265,18 +267,12 @@ class RuntimeLayer(CacheLayerMixin):
             output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.span)
         elif output is None:
             reads = step.reads if step.reads is not None else {
-                b: self._read_with_step(b, *step.pending, plan, step.kv_heads) for b in plan.rows}
+                b: (*self._read_with_step(b, *step.pending, plan, step.kv_heads), None) for b in plan.rows}
             output = torch.zeros(batch, m, heads, head_dim, dtype=query.dtype, device=query.device)
-            first = plan.m - m  # the step's column of the first query
-            for b, (keys, values) in reads.items():
-                real = plan.columns(b)
-                rows = real[real >= first] - first  # the sequence's real tokens among the queries (its last ones)
-                if len(rows):
-                    # the later tokens each query sees (an image's) are among the queries' own, the step's last
-                    seen = ahead[b][rows][:, rows] if ahead is not None else None  # (ahead: over the queries)
-                    out = reference.attention(query[b, :, rows], keys, values, scaling, step.span, self.sinks,
-                                              self.softcap, seen, self.keys_store.dropped[b])
-                    output[b, rows] = out.transpose(0, 1).to(query.dtype)
+            for b, (keys, values, step_reads) in reads.items():
+                # (the later tokens each query sees, an image's, are among the queries' own, the step's last)
+                self._attend_sequence(output, b, query, None, keys, values, step_reads, plan, scaling, step.kv_heads,
+                                      step.span, ahead, None)
         step.readers_left -= 1
         if not step.readers_left:
             self.step = None
@@ -306,26 +302,69 @@ class RuntimeLayer(CacheLayerMixin):
         output = torch.zeros(batch, m, heads, new_values.shape[-1] // kv_heads, dtype=query.dtype, device=query.device)
         single = [b for b in plan.rows if plan.counts[b] == 1]
         several = [b for b in plan.rows if plan.counts[b] > 1]
+        as_decodes = {b: self._decode_step_reads(b, new_keys, new_values, plan, kv_heads)
+                      for b in several if plan.before[b] and self.keys_store.decode_later_steps}
         if single:
             self._append_columns(single, new_keys, new_values, plan)
         for b in plan.rows:
-            rows = plan.columns(b)
+            if b in as_decodes:
+                continue  # read once the step is appended
             if plan.counts[b] == 1:
                 keys, values = self._read(b, kv_heads)
             else:
                 keys, values = self._read_with_step(b, new_keys, new_values, plan, kv_heads)
-            seen = ahead[b][rows][:, rows] if ahead is not None and plan.counts[b] > 1 else None
-            queries, scored = query[b, :, rows], keys
-            if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
-                queries, scored = torch.cat([queries.float(), latent_query[b, :, rows]], -1), torch.cat([keys, values], -1)
-            out = reference.attention(queries, scored, values, scaling, span, self.sinks, self.softcap, seen,
-                                      self.keys_store.dropped[b], plan.chosen_tokens(chosen, b) if chosen is not None else None)
-            output[b, rows] = out.transpose(0, 1).to(query.dtype)
+            self._attend_sequence(output, b, query, latent_query, keys, values, None, plan, scaling, kv_heads, span,
+                                  ahead, chosen)
             if reads is not None:
-                reads[b] = (keys, values)
+                reads[b] = (keys, values, None)
         if several:
             self._append_columns(several, new_keys, new_values, plan)
+        for b, step_reads in as_decodes.items():
+            keys, values = self._read(b, kv_heads)
+            self._attend_sequence(output, b, query, latent_query, keys, values, step_reads, plan, scaling, kv_heads,
+                                  span, ahead, chosen)
+            if reads is not None:
+                reads[b] = (keys, values, step_reads)
         return output
+
+    def _attend_sequence(self, output, b: int, query, latent_query, keys, values, step_reads, plan: StepPlan,
+                         scaling: float, kv_heads: int, span: AttentionSpan | None, ahead: torch.Tensor | None,
+                         chosen: torch.Tensor | None) -> None:
+        """output[b]'s rows of the step's real tokens: sequence b's queries over its keys and values read
+        (step_reads: as _decode_step_reads gives them where the step is read as decode steps, else None); the queries
+        may be the step's last ones alone (a layer reading this one's cache)."""
+        first = plan.m - query.shape[2]  # the step's column of the first query
+        real = plan.columns(b)
+        rows = real[real >= first] - first
+        if not len(rows):
+            return
+        seen = ahead[b][rows][:, rows] if ahead is not None and len(rows) > 1 else None
+        queries = query[b, :, rows]
+        if latent_query is not None:  # (one KV head: the scores of the keys and of the values summed)
+            queries = torch.cat([queries.float(), latent_query[b, :, rows]], -1)
+        picked = plan.chosen_tokens(chosen, b) if chosen is not None else None
+        dropped = self.keys_store.dropped[b]
+        if step_reads is None:
+            scored = keys if latent_query is None else torch.cat([keys, values], -1)
+            out = reference.attention(queries, scored, values, scaling, span, self.sinks, self.softcap, seen, dropped,
+                                      picked)
+        else:
+            out = reference.decode_steps_attention(queries, keys, values, scaling, *step_reads, kv_heads,
+                                                   span, self.sinks, self.softcap, seen, dropped, picked,
+                                                   latent_query is not None)
+        output[b, rows] = out.transpose(0, 1).to(output.dtype)
+
+    def _decode_step_reads(self, b: int, new_keys, new_values, plan: StepPlan, kv_heads: int):
+        """(keys', values') kvcal.runtime.segments.DecodeStepReads of sequence b's tokens in this step, about to be
+        appended, with float32 rows (keys rotated at their positions): how its queries read
+        the tokens the step moves to the body when the step is read as decode steps."""
+        rows = plan.columns(b)
+        keys = self.keys_store.decode_step_reads(b, new_keys[b, rows])
+        values = self.values_store.decode_step_reads(b, new_values[b, rows])
+        positions = torch.arange(keys.start, keys.start + len(keys.rows), device=new_keys.device)
+        positions = positions + self.keys_store.dropped[b] + self.position_offset[b]
+        keys = replace(keys, rows=self._rotated(keys.rows.float(), positions, kv_heads))
+        return keys, replace(values, rows=values.rows.float())
 
     def _read_with_step(self, b: int, new_keys, new_values, plan: StepPlan,
                         kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,9 +385,10 @@ class RuntimeLayer(CacheLayerMixin):
         merged by log-sum-exp with attention over the step's own tokens in fp16 (which the caller appends);
         _prefill's attention up to float rounding. None where _prefill serves it: a sequence of one token (a decode,
         read as stored), nothing stored yet, a decoder that does not serve it or not a step this long (the torch
-        reference: _prefill is its way)."""
+        reference: _prefill is its way), or a cache reading later steps as decode steps."""
         batch, heads, m, head_dim = query.shape
-        if any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows):
+        if (any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows)
+                or self.keys_store.decode_later_steps):
             return None
         queries = query if latent_query is None else torch.cat([query.float(), latent_query], -1)
         stored = self._decoder(heads, kv_heads, head_dim).stored_attention(queries, plan, scaling, kv_heads, span)
@@ -433,12 +473,14 @@ class RuntimeLayer(CacheLayerMixin):
 @dataclass
 class ReadStep:
     """What a layer's attend of the step read, for the layers reading its cache: KV heads, the span it applied, and
-    per sequence the keys and values a prefill read (None after a decode step, which read the cache as stored, and
-    after a short step, whose own rows wait in `pending` until the last reader: they read the cache before it)."""
+    per sequence the keys and values a prefill read and how its queries read the tokens it moved to the body where it
+    is read as decode steps (RuntimeLayer._decode_step_reads, else None); None after a decode step, which read the
+    cache as stored, and after a short step, whose own rows wait in `pending` until the last reader: they read the
+    cache before it."""
 
     kv_heads: int
     span: AttentionSpan | None
-    reads: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+    reads: dict[int, tuple[torch.Tensor, torch.Tensor, tuple | None]] | None
     readers_left: int
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # a short step's own keys and values, appended after them
 
@@ -1014,15 +1056,21 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     return context
 
 
-def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
+def quantized_cache(model, bundle, cuda_layout: str = "rows", later_steps: str = "prefill") -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
     past_key_values=cache)`; the model is wired for the cache until it is closed. cuda_layout: how the CUDA append
     kernels lay out a packed body, each token's row whole ("rows") or each KV head's rows together ("heads"); the
     kernels read either, to the same bits (kvcal.runtime.kernels.AppendKernels). CPU stores keep each KV head's rows
-    together whatever it says."""
+    together whatever it says. later_steps: how a step of several tokens after a sequence's first (speculative
+    decoding's checks, a chat's next turn) reads its own tokens: "prefill" in fp16, appended after (the decode
+    kernels read the stored tokens), or "decode" each query as the decode step of its token would (the tokens the
+    step moves to the quantized body read quantized from that step on; KVmix's RPC count decaying a token at a time),
+    so that speculative decoding gives greedy's logits up to float rounding (the torch reference reads such steps)."""
     if cuda_layout not in STORE_LAYOUTS:
         raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, STORE_LAYOUTS))}")
+    if later_steps not in LATER_STEPS:
+        raise KvcalError(f"later_steps {later_steps!r}: give one of {', '.join(map(repr, LATER_STEPS))}")
     encoder_for = functools.partial(backends.append_encoder, cuda_rows_together=STORE_LAYOUTS[cuda_layout])
     adapter = adapt(model)
     if not isinstance(bundle, Bundle):
@@ -1037,6 +1085,6 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows") -> WiredCache:
             codec = codecs.key_codec if kind == "k" else codecs.value_codec
             rpc = recipe.rpc_k if kind == "k" else recipe.rpc_v
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
-                                  head_dim=head_dims[kind == "v"])
+                                  head_dim=head_dims[kind == "v"], decode_later_steps=later_steps == "decode")
         layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
     return taking(WiredCache, model.config.model_type)(model, adapter, layers)

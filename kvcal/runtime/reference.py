@@ -63,19 +63,12 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         chosen = chosen[:, first:] if chosen is not None else None
         first_position += first
     n = keys.shape[0]
-    banded = span is not None and m > 1 and span.first_seen(first_position + n - 1) > first_position
+    banded = _banded(span, m, n, first_position)
     kv_heads = keys.shape[1] // head_dim
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
     query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
-
-    def visible(first: int, stop: int) -> torch.Tensor:
-        """(stop - first, n): the tokens queries first .. stop - 1 of the step see."""
-        tokens, last = torch.arange(n, device=query.device), (n - m + torch.arange(first, stop, device=query.device))[:, None]
-        seen = span.sees(last[:, 0] + first_position, tokens + first_position) if banded else tokens <= last
-        seen = seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
-        return seen if chosen is None else seen & chosen[first:stop]
-
+    visible = _visibility(n, m, span if banded else None, ahead, chosen, first_position, query.device)
     if sinks is not None or softcap is not None:
         chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
         outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
@@ -86,6 +79,82 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     else:
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible(0, m), scale=scaling)
     return out[0]
+
+
+def _banded(span: AttentionSpan | None, m: int, n: int, first_position: int) -> bool:
+    """Whether a span hides some of n tokens from a step of m > 1 queries (the first token is out of the last's)."""
+    return span is not None and m > 1 and span.first_seen(first_position + n - 1) > first_position
+
+
+def _visibility(n: int, m: int, span: AttentionSpan | None, ahead: torch.Tensor | None, chosen: torch.Tensor | None,
+                first_position: int, device):
+    """visible(first, stop) -> (stop - first, n): the tokens queries first .. stop - 1 of a step of m over n tokens
+    (the step's own the last m) see: causal, within `span` where it hides some (_banded; else None), and as
+    `attention` takes ahead and chosen."""
+
+    def visible(first: int, stop: int) -> torch.Tensor:
+        tokens, last = torch.arange(n, device=device), (n - m + torch.arange(first, stop, device=device))[:, None]
+        seen = span.sees(last[:, 0] + first_position, tokens + first_position) if span is not None else tokens <= last
+        seen = seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
+        return seen if chosen is None else seen & chosen[first:stop]
+
+    return visible
+
+
+def decode_steps_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                           key_reads, value_reads, kv_heads: int, span: AttentionSpan | None = None,
+                           sinks: torch.Tensor | None = None, softcap: float | None = None,
+                           ahead: torch.Tensor | None = None, first_position: int = 0, chosen: torch.Tensor | None = None,
+                           latent: bool = False) -> torch.Tensor:
+    """`attention` of a step of m queries read as m decode steps (a cache's later_steps="decode"): keys, values (n, C)
+    float32, the stores' read after the step (its own tokens the last m); key_reads, value_reads: how each query reads
+    the tokens the step moved to the quantized body (kvcal.runtime.segments.DecodeStepReads, its rows float32 and keys
+    rotated; None: none moved): query i reads stored token j >= start fp16, from rows, where j >= ends[i] (as its
+    decode step would, before the token left the fp16 segment), else as keys / values. So the scores gain
+    q . (k_fp16 - k) and the outputs p (v_fp16 - v) over those tokens where a query reads fp16. latent: MLA's query, its
+    rotated part beside its latent one, which scores the values too. -> (heads, m, d_v)."""
+    heads, m, _ = query.shape
+    n = keys.shape[0]
+    key_dim = keys.shape[1] // kv_heads
+    query = query.float()
+    keys, values = per_query_head(keys, kv_heads, heads), per_query_head(values, kv_heads, heads)
+    visible = _visibility(n, m, span if _banded(span, m, n, first_position) else None, ahead, chosen, first_position,
+                          query.device)
+    key_fix, value_fix = (_fp16_differences(reads, read, kv_heads, heads, m)
+                          for reads, read in ((key_reads, keys), (value_reads, values)))
+    chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
+    outs = []
+    for first in range(0, m, chunk):
+        stop = min(first + chunk, m)
+        scoring, latent_scoring = query[:, first:stop, :key_dim], query[:, first:stop, key_dim:]
+        scores = scoring @ keys.transpose(-1, -2)
+        if latent:
+            scores += latent_scoring @ values.transpose(-1, -2)
+        for fix, part in ((key_fix, scoring), (value_fix if latent else None, latent_scoring)):
+            if fix is not None:
+                moved, difference, fp16 = fix
+                scores[..., moved] += (part @ difference.transpose(-1, -2)) * fp16[first:stop]
+        scores = softcapped(scores * scaling, softcap).masked_fill(~visible(first, stop), float("-inf"))
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1))
+        out = probs @ values
+        if value_fix is not None:
+            moved, difference, fp16 = value_fix
+            out += (probs[..., moved] * fp16[first:stop]) @ difference
+        outs.append(out)
+    return torch.cat(outs, 1)
+
+
+def _fp16_differences(reads, read: torch.Tensor, kv_heads: int, heads: int, m: int):
+    """(the stored tokens a step moved to the body, their fp16 rows minus `read`'s (heads, tokens, d), (m, tokens):
+    where each query reads them fp16) of decode_steps_attention's `reads`; None where it moved none."""
+    if reads is None or max(reads.ends) <= reads.start:
+        return None
+    moved = slice(reads.start, max(reads.ends))
+    tokens = moved.stop - moved.start
+    difference = per_query_head(reads.rows[:tokens], kv_heads, heads) - read[:, moved]
+    ends = torch.as_tensor(reads.ends[-m:], device=read.device)
+    fp16 = torch.arange(moved.start, moved.stop, device=read.device)[None, :] >= ends[:, None]
+    return moved, difference, fp16
 
 
 def own_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

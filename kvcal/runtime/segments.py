@@ -52,6 +52,18 @@ class _Undo:
 
 
 @dataclass
+class DecodeStepReads:
+    """How a step of several tokens read as decode steps reads one store's tokens past the body it had before the
+    step (stored tokens `start` on): query i of the step, as the decode step of its token would, reads those before
+    ends[i] quantized (from the store's read after the step) and the others as `rows`, their fp16 rows (the recent
+    tokens before the step, then the step's own)."""
+
+    start: int
+    rows: torch.Tensor
+    ends: list[int]
+
+
+@dataclass
 class _Kept:
     """What taking tokens back leaves of one sequence (SegmentedStore._taken_back): its sink and body lengths, RPC
     count, the rows of the step's tail copy that are fp16 recent tokens again, and how many stored recent tokens stay
@@ -67,10 +79,14 @@ class _Kept:
 
 class SegmentedStore:
     def __init__(self, codec, policy: SegmentPolicy, keys: bool, rpc_ratio: float, batch: int, width: int, device,
-                 layout: str | None = None, encoder_for=None, head_dim: int | None = None):
+                 layout: str | None = None, encoder_for=None, head_dim: int | None = None,
+                 decode_later_steps: bool = False):
         """encoder_for: how the packed body encodes (kvcal.runtime.store.PackedRows); None = the torch codec.
-        head_dim: channels per KV head, needed by codecs that keep outliers."""
+        head_dim: channels per KV head, needed by codecs that keep outliers. decode_later_steps: a step of several
+        tokens after a sequence's first is routed as that many one-token steps (KVmix's RPC count decays a token at a
+        time; every other policy routes alike either way), the runtime's later_steps="decode"."""
         self.policy, self.keys, self.rpc_ratio = policy, keys, rpc_ratio
+        self.decode_later_steps = decode_later_steps
         self.sink = Fp16Rows(batch, width, device)
         self.body = PackedRows(codec, batch, width, device, encoder_for, layout, head_dim)
         self.recent = Fp16Rows(batch, width, device)
@@ -122,6 +138,10 @@ class SegmentedStore:
 
     def _route_from(self, total: int, stored: int, rpc: int, n: int) -> tuple[int, int, int, int]:
         """_route of a sequence that has had `total` tokens, `stored` of them fp16 recent ones, after RPC count `rpc`."""
+        if self.decode_later_steps and total and n > 1:
+            routes = self._token_routes(total, stored, rpc, n)
+            leaving = sum(route[1] for route in routes)
+            return sum(route[0] for route in routes), leaving, min(leaving, stored), routes[-1][3]
         to_sink = max(min(self.policy.sink - total, n), 0)
         rest = n - to_sink
         fp16_recent = self.policy.fp16_recent(total + n, self.keys)
@@ -131,6 +151,26 @@ class SegmentedStore:
         leaving = max(0, stored + rest - fp16_recent)
         leaving -= leaving % self.body.block  # per-channel key blocks leave whole
         return to_sink, leaving, min(leaving, stored), rpc
+
+    def _token_routes(self, total: int, stored: int, rpc: int, n: int) -> list[tuple[int, int, int, int]]:
+        """_route_from of each of n tokens appended one at a time."""
+        routes = []
+        for _ in range(n):
+            routes.append(self._route_from(total, stored, rpc, 1))
+            to_sink, leaving, _, rpc = routes[-1]
+            total, stored = total + 1, stored + 1 - to_sink - leaving
+        return routes
+
+    def decode_step_reads(self, b: int, rows: torch.Tensor) -> DecodeStepReads:
+        """How the queries of a step bringing sequence b fp16 `rows` (tokens, C), about to be appended, read this
+        store when the step is read as that many decode steps (decode_later_steps): see DecodeStepReads."""
+        start = self.sink.length[b] + self.body.length[b]
+        body, ends = self.body.length[b], []
+        sinks = self.sink.length[b]
+        for to_sink, leaving, _, _ in self._token_routes(self.total(b), self.recent.length[b], self.rpc[b], len(rows)):
+            sinks, body = sinks + to_sink, body + leaving
+            ends.append(sinks + body)
+        return DecodeStepReads(start, torch.cat([self.recent.read(b), rows.to(torch.float16)]), ends)
 
     def append_rows(self, seqs: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Store new fp16 tokens x (sum(counts), C), counts[i] of them for sequence seqs[i], grouped in that order:
@@ -321,6 +361,7 @@ class CocktailStore:
         self.dropped = [0] * batch  # tokens dropped from the front: none (a Cocktail cache serves no sliding window)
 
     ordered = False  # read_batch gives chunks grouped by width (positions(b) says where each token is)
+    decode_later_steps = False  # (every step's tokens stay fp16 until compress: read alike either way)
 
     def count(self, b: int) -> int:
         return sum(part.length[b] for part in self.parts.values()) + self.recent.length[b]

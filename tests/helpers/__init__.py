@@ -99,6 +99,35 @@ def logits_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str
     return logits
 
 
+def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, ids, mask, steps: list[int],
+                                                                   atol: float = 1e-4, stored_atol: float = 1e-3) -> None:
+    """On caches with later_steps="decode", feeding the left-padded (ids, mask) in `steps` gives the logits of a
+    first step of steps[0] and then one-token steps (within atol: the decode path's float sums beside the torch
+    reference's) and leaves the cache they leave (stored_state: segment lengths, RPC counts and outliers equal, tokens
+    read back within stored_atol, as in assert_taking_back_leaves_a_shorter_steps_cache); with "prefill" the later
+    steps' logits differ by more than 10 atol (their own tokens read fp16: the steps here move tokens to the body)."""
+    results = []
+    for later_steps, fed in (("decode", steps), ("decode", [steps[0]] + [1] * sum(steps[1:])), ("prefill", steps)):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, first = [], 0
+        with torch.inference_mode(), quantized_cache(model, bundle, later_steps=later_steps) as cache:
+            for step in fed:
+                part = slice(first, first + step)
+                logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
+                                    past_key_values=cache, use_cache=True).logits[:, -step:])
+                first += step
+            results.append((torch.cat(logits, 1)[:, steps[0]:], stored_state(cache)))
+    (logits, state), (one_token_logits, one_token_state), (prefill_logits, _) = results
+    torch.testing.assert_close(logits, one_token_logits, rtol=0, atol=atol)
+    assert (prefill_logits - one_token_logits).abs().max() > 10 * atol
+    assert len(state) == len(one_token_state)
+    for got, want in zip(state, one_token_state):
+        if isinstance(got, list) or got is None:
+            assert got == want
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=stored_atol)
+
+
 def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_layout: str = "rows") -> list[tuple]:
     """Two runs of generate() on the left-padded prompts (ids, mask) through a quantized cache, 4 new tokens then 8:
     one on a cache whose sequences `taken` are kept by batch_select_indices between the two calls (after decode
