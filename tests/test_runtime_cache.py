@@ -10,7 +10,7 @@ from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, 
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
-                     generate_taking_sequences, logits_in_steps)
+                     generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt
 from kvcal.bundle import load_bundle
@@ -338,26 +338,33 @@ def test_prompt_lookup_decoding_generates_the_models_own_tokens(recipe_bundles, 
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(recipe_bundles, recipe, decode_path):
+def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(recipe_bundles, recipe, decode_path,
+                                                                                monkeypatch):
     """later_steps="decode": steps of 12 and 8 tokens after a 20-column prefill (two sequences, one left-padded by
     6) give the logits and leave the cache of one-token steps, on every recipe (KVmix's RPC count decaying a token at
-    a time) and decode path."""
+    a time) and decode path: the CPU kernel's short steps re-read, the torch reference's own way."""
+    ways = ways_of_decode_steps(monkeypatch)
     ids, mask = left_padded([40, 34])
     assert_later_steps_read_as_decode_steps_like_one_token_steps(tiny_model("llama"), recipe_bundles[recipe], ids, mask,
                                                                  [20, 12, 8])
+    assert ways and set(ways) == {decode_path == "cpu-kernel"}
 
 
-@pytest.mark.parametrize("model_type, settings", [("gpt_oss", dict(sliding_window=8)), ("gemma2", dict(sliding_window=8)),
-                                                  ("gemma4_text", {}), ("deepseek_v3", {})])
-def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings):
+@pytest.mark.parametrize("model_type, settings, kernels", [("gpt_oss", dict(sliding_window=8), True),
+                                                           ("gemma2", dict(sliding_window=8), True),
+                                                           ("gemma4_text", {}, False), ("deepseek_v3", {}, True)])
+def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings, kernels,
+                                                                                   monkeypatch):
     """The same on 2-bit KIVI (blocks of 8, a residual of 8) under a sliding window of 8 with attention sinks (gpt-oss)
-    and soft-capped scores (Gemma 2), with layers reading another's cache (Gemma 4) and on MLA's latent (DeepSeek-V3);
-    logits within 1e-3 and tokens read back within 2e-3 (Gemma 4's keys and values of a forward over several tokens
-    and over one can differ by an fp16 step)."""
+    and soft-capped scores (Gemma 2), with layers reading another's cache (Gemma 4: the torch reference's way, the
+    others the CPU kernel's) and on MLA's latent (DeepSeek-V3); logits within 1e-3 and tokens read back within 2e-3
+    (Gemma 4's keys and values of a forward over several tokens and over one can differ by an fp16 step)."""
+    ways = ways_of_decode_steps(monkeypatch)
     model = tiny_model(model_type, **settings)
     ids, mask = left_padded([40, 34])
     assert_later_steps_read_as_decode_steps_like_one_token_steps(model, kivi_bundle(model, 2, 8, 8), ids, mask,
                                                                  [20, 12, 8], atol=1e-3, stored_atol=2e-3)
+    assert kernels in ways
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

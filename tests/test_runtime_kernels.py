@@ -10,7 +10,7 @@ import torch
 
 from conftest import kivi_bundle, left_padded, tiny_model, windowed_short_steps
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
-                     logits_in_steps, requires_gpu)
+                     logits_in_steps, requires_gpu, ways_of_decode_steps)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
 from kvcal.bundle import load_bundle
@@ -268,6 +268,24 @@ def test_short_steps_on_cuda_read_the_cache_like_the_cpu_reference(head_dim_64_b
     model = tiny_model("llama", head_dim=64)
     ids, mask = left_padded((90, 75), seed=3)
     assert_short_steps_on_cuda_give_the_cpu_logits(model, head_dim_64_bundles[recipe], ids, mask, [62, 1, 4, 1, 16, 1])
+
+
+@requires_gpu
+@pytest.mark.xdist_group("head_dim_64_bundles")
+@pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32", "kvmix"))
+def test_later_steps_read_as_decode_steps_on_cuda_give_the_cpu_logits(head_dim_64_bundles, recipe, monkeypatch):
+    """later_steps="decode" on CUDA: steps of 4 and of 16 tokens between decode steps on a left-padded batch, read by
+    the tensor-core kernel and re-read where the step moved tokens to the body (reference.reread), give the CPU
+    runtime's logits within 2e-3."""
+    model = tiny_model("llama", head_dim=64)
+    ids, mask = left_padded((90, 75), seed=3)
+    steps, bundle = [62, 1, 4, 1, 16, 1], head_dim_64_bundles[recipe]
+    cpu_logits = logits_in_steps(model, bundle, ids, mask, steps, later_steps="decode")
+    ways = ways_of_decode_steps(monkeypatch)
+    cuda_logits = logits_in_steps(model.cuda(), bundle, ids.cuda(), mask.cuda(), steps, later_steps="decode")
+    assert ways and set(ways) == {True}
+    for got, want in zip(cuda_logits, cpu_logits):
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-3)
 
 
 @requires_gpu

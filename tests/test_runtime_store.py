@@ -140,11 +140,75 @@ def test_sequences_taken_keep_their_rows_and_the_stores_layout(name, encoder, ro
     assert all(torch.equal(store.read(b), fed.read(b)) for b in range(3))
 
 
-def recipe_store(bundle, keys: bool, encoder_for, batch: int) -> SegmentedStore:
+def recipe_store(bundle, keys: bool, encoder_for, batch: int, decode_later_steps: bool = False) -> SegmentedStore:
     """The store of layer 0's keys (or values) of a bundle, as quantized_cache makes it (tiny Llama: 2 KV heads of 16)."""
     recipe, codecs = bundle.layers[0], bundle.layer_codecs(0)
     return SegmentedStore(codecs.key_codec if keys else codecs.value_codec, recipe.format.policy(recipe), keys,
-                          recipe.rpc_k if keys else recipe.rpc_v, batch, 32, "cpu", encoder_for=encoder_for, head_dim=16)
+                          recipe.rpc_k if keys else recipe.rpc_v, batch, 32, "cpu", encoder_for=encoder_for, head_dim=16,
+                          decode_later_steps=decode_later_steps)
+
+
+def store_state(store, batch: int = 2) -> tuple[list, list]:
+    """A store's segment lengths, RPC counts and outliers per sequence, and every sequence's tokens read back."""
+    return ([list(counts) for counts in (store.rpc, store.sink.length, store.body.length, store.recent.length,
+                                         store.body.outliers)], [store.read(b) for b in range(batch)])
+
+
+def assert_same_store_state(got, want, case) -> None:
+    (counts, reads), (want_counts, want_reads) = store_state(got), store_state(want)
+    assert counts == want_counts, case
+    assert all(torch.equal(read, wanted) for read, wanted in zip(reads, want_reads)), case
+
+
+def test_a_store_reading_later_steps_as_decode_steps_routes_them_as_one_token_steps(recipe_bundles):
+    """100 random cases over every recipe's K and V stores and KIVI with a residual of 128, with decode_later_steps:
+    after a first step, steps of 2 to 90 tokens leave the store what those tokens one at a time leave (bit for bit:
+    KVmix's RPC count decays a token at a time), each step's decode_step_reads ends where the body ended after each
+    of its tokens, its rows the recent tokens and the step's, and read_from(b, first) reads read(b)[first:]; taking 1
+    to 64 of the last step's tokens back leaves what one-token steps without them leave."""
+    from conftest import kivi_bundle, tiny_model
+
+    bundles = {**{name: load_bundle(path) for name, path in recipe_bundles.items()},
+               "kivi-r128": kivi_bundle(tiny_model("llama"), 2, 32, 128)}
+    rng = random.Random(1)
+    for case in range(100):
+        bundle, keys = bundles[rng.choice(sorted(bundles))], rng.random() < 0.5
+        stepped, one_at_a_time = (recipe_store(bundle, keys, cpu_kernel.append_encoder, 2, True) for _ in range(2))
+        rows = (seeded_tokens(1400, case)[:, :32] * 3).half()  # (a sequence takes at most 660)
+        fed = [0, 700]
+
+        def rows_of(counts):
+            return torch.cat([rows[fed[b] : fed[b] + n] for b, n in enumerate(counts)])
+
+        first = [rng.choice([1, 17, 90, 300]) for _ in range(2)]
+        for store in (stepped, one_at_a_time):
+            store.append_rows([0, 1], first, rows_of(first))
+        fed[:] = [start + n for start, n in zip(fed, first)]
+        for step in range(rng.randint(1, 4)):
+            counts = [rng.randint(2, 90) for _ in range(2)]
+            reads = [stepped.decode_step_reads(b, rows[fed[b] : fed[b] + n]) for b, n in enumerate(counts)]
+            stepped.append_rows([0, 1], counts, rows_of(counts))
+            for b, n in enumerate(counts):
+                assert torch.equal(reads[b].rows, torch.cat([one_at_a_time.recent.read(b), rows[fed[b] : fed[b] + n]]))
+                ends = []
+                for i in range(n):
+                    one_at_a_time.append_rows([b], [1], rows[fed[b] + i : fed[b] + i + 1])
+                    ends.append(one_at_a_time.sink.length[b] + one_at_a_time.body.length[b])
+                assert reads[b].ends == ends, (case, step, b)
+            fed[:] = [start + n for start, n in zip(fed, counts)]
+            assert_same_store_state(stepped, one_at_a_time, (case, step))
+            for b in range(2):
+                start = rng.randint(0, stepped.count(b))
+                assert torch.equal(stepped.read_from(b, start), stepped.read(b)[start:]), (case, step, start)
+        back = rng.randint(1, min(min(counts), 64))
+        stepped.take_back(back)
+        without = recipe_store(bundle, keys, cpu_kernel.append_encoder, 2, True)
+        starts = [0, 700]
+        without.append_rows([0, 1], first, torch.cat([rows[s : s + n] for s, n in zip(starts, first)]))
+        for b, last in enumerate(fed):
+            for t in range(starts[b] + first[b], last - back):
+                without.append_rows([b], [1], rows[t : t + 1])
+        assert_same_store_state(stepped, without, (case, "taken back"))
 
 
 @pytest.mark.parametrize("encoder", ["torch", "cpu-append"])
@@ -158,9 +222,6 @@ def test_tokens_taken_back_leave_the_store_a_shorter_step_leaves(recipe_bundles,
     bundles = {**{name: load_bundle(path) for name, path in recipe_bundles.items()},
                "kivi-r128": kivi_bundle(tiny_model("llama"), 2, 32, 128)}
     encoder_for = cpu_kernel.append_encoder if encoder == "cpu-append" else None
-    state = lambda store: ([list(counts) for counts in (store.rpc, store.sink.length, store.body.length,
-                                                        store.recent.length, store.body.outliers)],
-                           [store.read(b) for b in range(2)])
     rng = random.Random(0)
     for case in range(200):
         bundle, keys = bundles[rng.choice(sorted(bundles))], rng.random() < 0.5
@@ -182,9 +243,7 @@ def test_tokens_taken_back_leave_the_store_a_shorter_step_leaves(recipe_bundles,
         taken.take_back(back)
         feed((shorter,), [n - back for n in step])
         for when in ("after the take-back", "after the next append"):
-            (counts, reads), (want_counts, want_reads) = state(taken), state(shorter)
-            assert counts == want_counts, (case, when)
-            assert all(torch.equal(got, want) for got, want in zip(reads, want_reads)), (case, when)
+            assert_same_store_state(taken, shorter, (case, when))
             feed((taken, shorter), [3, 7])
 
 

@@ -220,15 +220,13 @@ class RuntimeLayer(CacheLayerMixin):
                 self.picking = self.picking or backends.ReferenceDecoder(self)
                 output = self.picking.decode(query, plan, scaling, kv_heads, span, plan.chosen_rows(chosen))
         else:
-            output = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, span, ahead, latent_query)
-                      if chosen is None else None)
+            output = (self._short_step(query, new_keys, new_values, plan, scaling, kv_heads, span, ahead, latent_query,
+                                       not self.readers) if chosen is None else None)
             if output is None:
                 output = self._prefill(query, new_keys, new_values, plan, scaling, kv_heads, span, reads, ahead,
                                        latent_query, chosen)
             elif self.readers:  # appended after them: they read the cache before the step as this layer did
                 pending, reads = (new_keys, new_values), None
-            else:
-                self._append_columns(plan.rows, new_keys, new_values, plan)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers, pending)
@@ -262,7 +260,7 @@ class RuntimeLayer(CacheLayerMixin):
         batch, heads, m, head_dim = query.shape
         output = None
         if step.pending is not None and m == plan.m:  # a short step's every query: through the decoder, as attend read
-            output = self._short_step(query, *step.pending, plan, scaling, step.kv_heads, step.span, ahead, None)
+            output = self._short_step(query, *step.pending, plan, scaling, step.kv_heads, step.span, ahead, None, False)
         if step.reads is None and step.pending is None:
             output = self._decoder(heads, step.kv_heads, head_dim).decode(query, plan, scaling, step.kv_heads, step.span)
         elif output is None:
@@ -377,18 +375,22 @@ class RuntimeLayer(CacheLayerMixin):
         return keys, torch.cat([before_values, new_values[b, rows].half().float()])
 
     def _short_step(self, query, new_keys, new_values, plan: StepPlan, scaling: float, kv_heads: int,
-                    span: AttentionSpan | None, ahead: torch.Tensor | None,
-                    latent_query: torch.Tensor | None) -> torch.Tensor | None:
+                    span: AttentionSpan | None, ahead: torch.Tensor | None, latent_query: torch.Tensor | None,
+                    append: bool) -> torch.Tensor | None:
         """A step of several tokens a sequence over a stored cache (speculative decoding's candidates, a chat turn):
         the decoder's attention over each sequence's stored tokens (LayerDecoder.stored_attention: a decode kernel
         reads them as at a decode step, the cache not dequantized; under a span each query from its own first token),
-        merged by log-sum-exp with attention over the step's own tokens in fp16 (which the caller appends);
-        _prefill's attention up to float rounding. None where _prefill serves it: a sequence of one token (a decode,
-        read as stored), nothing stored yet, a decoder that does not serve it or not a step this long (the torch
-        reference: _prefill is its way), or a cache reading later steps as decode steps."""
+        merged by log-sum-exp with attention over the step's own tokens in fp16; _prefill's attention up to float
+        rounding. The step's rows are appended here where `append` (else by the caller, after the layers reading this
+        one's cache). With later steps read as decode steps (decode_later_steps) each query then re-reads the tokens
+        the step moved to the body as its decode step would (_reread_as_decode_steps). None where _prefill serves it:
+        a sequence of one token (a decode, read as stored), nothing stored yet, a decoder that does not serve it or
+        not a step this long (the torch reference: _prefill is its way), or a step read as decode steps whose rows
+        layers reading this one's cache wait for."""
         batch, heads, m, head_dim = query.shape
+        as_decodes = self.keys_store.decode_later_steps
         if (any(plan.counts[b] == 1 for b in plan.rows) or not any(plan.before[b] for b in plan.rows)
-                or self.keys_store.decode_later_steps):
+                or (as_decodes and not append)):
             return None
         queries = query if latent_query is None else torch.cat([query.float(), latent_query], -1)
         stored = self._decoder(heads, kv_heads, head_dim).stored_attention(queries, plan, scaling, kv_heads, span)
@@ -407,9 +409,52 @@ class RuntimeLayer(CacheLayerMixin):
             seen = seen & (in_sequence[:, None, :] >= span.first_seen(in_sequence)[:, :, None])
         seen = seen if ahead is None else seen | ahead
         own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
-        merged = reference.merge_attention(stored_out, stored_lse, own_out.transpose(1, 2), own_lse.transpose(1, 2),
-                                           self.sinks)
+        own_out, own_lse = own_out.transpose(1, 2), own_lse.transpose(1, 2)
+        if as_decodes:
+            out, lse = reference.merge_attention(stored_out, stored_lse, own_out, own_lse), torch.logaddexp(stored_lse, own_lse)
+            step_reads = {b: self._decode_step_reads(b, new_keys, new_values, plan, kv_heads)
+                          for b in plan.rows if plan.before[b]}
+            self._append_columns(plan.rows, new_keys, new_values, plan)
+            self._reread_as_decode_steps(out, lse, queries, step_reads, plan, scaling, kv_heads, span, ahead,
+                                         latent_query is not None)
+            merged = out if self.sinks is None else reference.merge_attention(
+                out, lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")), self.sinks)
+        else:
+            merged = reference.merge_attention(stored_out, stored_lse, own_out, own_lse, self.sinks)
+            if append:
+                self._append_columns(plan.rows, new_keys, new_values, plan)
         return merged.masked_fill(~valid[:, :, None, None], 0.0).to(query.dtype)
+
+    def _reread_as_decode_steps(self, out, lse, queries, step_reads: dict, plan: StepPlan, scaling: float,
+                                kv_heads: int, span: AttentionSpan | None, ahead: torch.Tensor | None,
+                                latent: bool) -> None:
+        """Correct, in place, a short step's out (B, m, H, d_v) and lse (B, m, H) (no sinks), which read its
+        sequences' tokens as the cache held them before it and its own in fp16, to each query reading the tokens the
+        step moved to the body as its decode step would (step_reads: _decode_step_reads' of each sequence with tokens
+        stored before; the step appended): reference.reread over those tokens alone, their quantized rows read from
+        the body (from the block holding the first) and their fp16 rows from step_reads."""
+        for b, (key_reads, value_reads) in step_reads.items():
+            first, stop = min(key_reads.start, value_reads.start), max(key_reads.ends[-1], value_reads.ends[-1])
+            if stop <= first:
+                continue  # it moved nothing
+            dropped = self.keys_store.dropped[b]
+            positions = torch.arange(first, stop, device=out.device) + dropped + self.position_offset[b]
+            quantized = (self._rotated(self.keys_store.read_from(b, first)[: stop - first], positions, kv_heads),
+                         self.values_store.read_from(b, first)[: stop - first])
+            tokens = torch.arange(first, stop, device=out.device)
+            sides = []
+            for reads, rows in zip((key_reads, value_reads), quantized):
+                fp16 = torch.cat([rows[: reads.start - first], reads.rows[: stop - reads.start]])
+                ends = torch.tensor(reads.ends, device=out.device)
+                sides.append((rows, fp16, tokens >= reads.start, tokens[None, :] >= ends[:, None]))
+            columns = plan.columns(b)
+            seen = ahead[b][columns][:, columns] if ahead is not None else None
+            seen = reference.visibility(self.keys_store.count(b), len(columns), span, seen, None, dropped,
+                                        out.device)(0, len(columns))[:, first:stop]
+            reread_out, reread_lse = reference.reread(out[b, columns].transpose(0, 1), lse[b, columns].T,
+                                                      queries[b, :, columns], *sides, seen, scaling, kv_heads,
+                                                      self.softcap, latent)
+            out[b, columns], lse[b, columns] = reread_out.transpose(0, 1), reread_lse.T
 
     def _append_columns(self, seqs: list[int], new_keys, new_values, plan: StepPlan) -> None:
         """Append the real tokens of sequences `seqs` (one store operation per segment for all of them)."""
@@ -1066,7 +1111,8 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows", later_steps: str =
     decoding's checks, a chat's next turn) reads its own tokens: "prefill" in fp16, appended after (the decode
     kernels read the stored tokens), or "decode" each query as the decode step of its token would (the tokens the
     step moves to the quantized body read quantized from that step on; KVmix's RPC count decaying a token at a time),
-    so that speculative decoding gives greedy's logits up to float rounding (the torch reference reads such steps)."""
+    so that speculative decoding gives greedy's logits up to float rounding (RuntimeLayer._short_step re-reads the
+    tokens a step moved, kvcal.runtime.reference.reread; or the torch reference reads the step)."""
     if cuda_layout not in STORE_LAYOUTS:
         raise KvcalError(f"cuda_layout {cuda_layout!r}: give one of {', '.join(map(repr, STORE_LAYOUTS))}")
     if later_steps not in LATER_STEPS:

@@ -18,6 +18,10 @@ A step of several tokens over a stored cache whose decoder reads the stored toke
 short steps) merges that attention with `own_attention` over the step's own tokens by their log-sum-exps
 (`merge_attention`), which `attention` over both at once equals up to float rounding.
 
+A step of several tokens read as decode steps (a cache's later_steps="decode") reads the tokens it moved to the
+quantized body fp16 up to each query's own decode step and quantized after: `decode_steps_attention` over the stores
+read after the step, or a short step's attention corrected over those tokens alone (`reread`).
+
 Attention sinks (gpt-oss: a learned logit per query head) join each row's softmax as one more score that reads no
 value, and soft-capped scores (Gemma 2) are capped before the mask, as the models' own attention does
 (`explicit_attention`); without either SDPA computes the softmax.
@@ -68,7 +72,7 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
     query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
-    visible = _visibility(n, m, span if banded else None, ahead, chosen, first_position, query.device)
+    visible = visibility(n, m, span, ahead, chosen, first_position, query.device)
     if sinks is not None or softcap is not None:
         chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
         outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
@@ -86,11 +90,12 @@ def _banded(span: AttentionSpan | None, m: int, n: int, first_position: int) -> 
     return span is not None and m > 1 and span.first_seen(first_position + n - 1) > first_position
 
 
-def _visibility(n: int, m: int, span: AttentionSpan | None, ahead: torch.Tensor | None, chosen: torch.Tensor | None,
-                first_position: int, device):
+def visibility(n: int, m: int, span: AttentionSpan | None, ahead: torch.Tensor | None, chosen: torch.Tensor | None,
+               first_position: int, device):
     """visible(first, stop) -> (stop - first, n): the tokens queries first .. stop - 1 of a step of m over n tokens
-    (the step's own the last m) see: causal, within `span` where it hides some (_banded; else None), and as
-    `attention` takes ahead and chosen."""
+    (the step's own the last m) see: causal, within `span` where it hides some (_banded), and as `attention` takes
+    ahead, chosen and first_position."""
+    span = span if _banded(span, m, n, first_position) else None
 
     def visible(first: int, stop: int) -> torch.Tensor:
         tokens, last = torch.arange(n, device=device), (n - m + torch.arange(first, stop, device=device))[:, None]
@@ -118,8 +123,7 @@ def decode_steps_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     key_dim = keys.shape[1] // kv_heads
     query = query.float()
     keys, values = per_query_head(keys, kv_heads, heads), per_query_head(values, kv_heads, heads)
-    visible = _visibility(n, m, span if _banded(span, m, n, first_position) else None, ahead, chosen, first_position,
-                          query.device)
+    visible = visibility(n, m, span, ahead, chosen, first_position, query.device)
     key_fix, value_fix = (_fp16_differences(reads, read, kv_heads, heads, m)
                           for reads, read in ((key_reads, keys), (value_reads, values)))
     chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
@@ -155,6 +159,38 @@ def _fp16_differences(reads, read: torch.Tensor, kv_heads: int, heads: int, m: i
     ends = torch.as_tensor(reads.ends[-m:], device=read.device)
     fp16 = torch.arange(moved.start, moved.stop, device=read.device)[None, :] >= ends[:, None]
     return moved, difference, fp16
+
+
+def reread(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, keys, values, seen: torch.Tensor, scaling: float,
+           kv_heads: int, softcap: float | None = None, latent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention's output out (heads, m, d_v) and its rows' log-sum-exps lse (heads, m) (no sinks) of queries query
+    (heads, m, d), which read u of its tokens one way, as if each query read them another: keys and values, per side
+    (quantized rows (u, C) float32, fp16 rows (u, C) float32, read_fp16 (u,): the tokens the attention read fp16,
+    reads_fp16 (m, u): those each query reads fp16 instead); seen (m, u): the tokens each query sees. Each token's
+    weight exp(score - lse) and value as read is taken out of the sums and its weight and value as re-read put in:
+    the sums change by about what the replaced tokens weigh (no cancellation: the same tokens read two close ways).
+    latent: MLA's query, its rotated part beside its latent one, which scores the values too. -> (out, lse)."""
+    heads = query.shape[0]
+    key_dim = keys[0].shape[1] // kv_heads
+    query = query.float()
+    sides = [tuple(per_query_head(rows, kv_heads, heads) for rows in side[:2]) + side[2:] for side in (keys, values)]
+
+    def chosen(scores_fp16, scores_quantized, fp16):
+        return torch.where(fp16, scores_fp16, scores_quantized)
+
+    scored = [(query[..., :key_dim], sides[0])] + ([(query[..., key_dim:], sides[1])] if latent else [])
+    before = after = 0
+    for part, (quantized, fp16_rows, read_fp16, reads_fp16) in scored:
+        fp16_scores, quantized_scores = part @ fp16_rows.transpose(-1, -2), part @ quantized.transpose(-1, -2)
+        before = before + chosen(fp16_scores, quantized_scores, read_fp16)
+        after = after + chosen(fp16_scores, quantized_scores, reads_fp16)
+    weight_before, weight_after = (torch.exp((softcapped(scores * scaling, softcap) - lse[..., None])
+                                             .masked_fill(~seen, float("-inf"))) for scores in (before, after))
+    quantized, fp16_rows, read_fp16, reads_fp16 = sides[1]
+    sums = (weight_after * reads_fp16) @ fp16_rows + (weight_after * ~reads_fp16) @ quantized
+    sums -= (weight_before * read_fp16) @ fp16_rows + (weight_before * ~read_fp16) @ quantized
+    grown = (weight_after - weight_before).sum(-1)
+    return (out + sums) / (1 + grown[..., None]), lse + torch.log1p(grown)
 
 
 def own_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

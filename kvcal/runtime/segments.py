@@ -138,10 +138,10 @@ class SegmentedStore:
 
     def _route_from(self, total: int, stored: int, rpc: int, n: int) -> tuple[int, int, int, int]:
         """_route of a sequence that has had `total` tokens, `stored` of them fp16 recent ones, after RPC count `rpc`."""
-        if self.decode_later_steps and total and n > 1:
+        if self.decode_later_steps and total and n != 1:  # (no token: no step, the RPC count as it was)
             routes = self._token_routes(total, stored, rpc, n)
             leaving = sum(route[1] for route in routes)
-            return sum(route[0] for route in routes), leaving, min(leaving, stored), routes[-1][3]
+            return sum(route[0] for route in routes), leaving, min(leaving, stored), routes[-1][3] if routes else rpc
         to_sink = max(min(self.policy.sink - total, n), 0)
         rest = n - to_sink
         fp16_recent = self.policy.fp16_recent(total + n, self.keys)
@@ -309,6 +309,14 @@ class SegmentedStore:
     def read(self, b: int) -> torch.Tensor:
         """(tokens, C) float32 in position order, the body dequantized."""
         return torch.cat([self.sink.read(b).float(), self.body.read(b), self.recent.read(b).float()])
+
+    def read_from(self, b: int, first: int) -> torch.Tensor:
+        """read(b)[first:], dequantizing only the body rows from the block holding the first it needs."""
+        sinks, body = self.sink.length[b], self.body.length[b]
+        row = min(max(first - sinks, 0), body)
+        aligned = row - (self.body.head[b] + row) % self.body.block
+        return torch.cat([self.sink.read(b)[first:].float(), self.body.read(b, aligned)[row - aligned :],
+                          self.recent.read(b)[max(first - sinks - body, 0) :].float()])
 
     def parts(self) -> list[tuple[torch.Tensor, list[int], list[int]]]:
         return [self.sink.part(), self.body.part(), self.recent.part()]

@@ -672,10 +672,13 @@ class PackedRows:
         within = torch.tensor([cut % OUTLIER_TILE_TOKENS for cut in cuts], device=self.device)[:, None, None]
         return first + ((index < end[..., None]) & (positions // self.head_dim < within)).sum(-1)
 
-    def read(self, b: int) -> torch.Tensor:
-        """Sequence b's live rows, dequantized (tokens, C) float32: unpack, then the codec's decode."""
-        n, head = self.length[b], self.head[b]
-        if n == 0:
+    def read(self, b: int, first: int = 0) -> torch.Tensor:
+        """Sequence b's live rows from its `first` on (the first of a block of rows), dequantized (tokens, C) float32:
+        unpack, then the codec's decode."""
+        n, head = self.length[b] - first, self.head[b] + first
+        if head % self.block:
+            raise ValueError(f"row {first} of sequence {b} is not the first of a block of {self.block}")
+        if n <= 0:
             return torch.zeros(0, self.width, device=self.device)
         codes = unpack(self.words[b, head : head + n].reshape(n, -1), self.codec.bits, self.width, self.layout)
         if permuted_groups(self.codec):  # the codec decodes its permuted order

@@ -85,18 +85,26 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     return torch.stack(logits, dim=1), cache
 
 
-def logits_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows") -> list[torch.Tensor]:
-    """The logits of feeding the left-padded (ids, mask) through a quantized cache in steps of `steps` tokens, each
-    token at its sequence's own position (as generate() gives them)."""
+def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows",
+                 later_steps: str = "prefill") -> tuple[list[torch.Tensor], list]:
+    """(the logits of each step, the cache's stored_state after them) of feeding the left-padded (ids, mask) through a
+    quantized cache (cuda_layout, later_steps: quantized_cache's) in steps of `steps` tokens, each token at its
+    sequence's own position (as generate() gives them)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits, first = [], 0
-    with torch.inference_mode(), quantized_cache(model, bundle, cuda_layout) as cache:
+    with torch.inference_mode(), quantized_cache(model, bundle, cuda_layout, later_steps) as cache:
         for step in steps:
             part = slice(first, first + step)
             logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
                                 past_key_values=cache, use_cache=True).logits)
             first += step
-    return logits
+        return logits, stored_state(cache)
+
+
+def logits_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows",
+                    later_steps: str = "prefill") -> list[torch.Tensor]:
+    """The logits of fed_in_steps."""
+    return fed_in_steps(model, bundle, ids, mask, steps, cuda_layout, later_steps)[0]
 
 
 def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, ids, mask, steps: list[int],
@@ -108,15 +116,8 @@ def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, 
     steps' logits differ by more than 10 atol (their own tokens read fp16: the steps here move tokens to the body)."""
     results = []
     for later_steps, fed in (("decode", steps), ("decode", [steps[0]] + [1] * sum(steps[1:])), ("prefill", steps)):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, first = [], 0
-        with torch.inference_mode(), quantized_cache(model, bundle, later_steps=later_steps) as cache:
-            for step in fed:
-                part = slice(first, first + step)
-                logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
-                                    past_key_values=cache, use_cache=True).logits[:, -step:])
-                first += step
-            results.append((torch.cat(logits, 1)[:, steps[0]:], stored_state(cache)))
+        logits, state = fed_in_steps(model, bundle, ids, mask, fed, later_steps=later_steps)
+        results.append((torch.cat(logits, 1)[:, steps[0]:], state))
     (logits, state), (one_token_logits, one_token_state), (prefill_logits, _) = results
     torch.testing.assert_close(logits, one_token_logits, rtol=0, atol=atol)
     assert (prefill_logits - one_token_logits).abs().max() > 10 * atol
@@ -126,6 +127,19 @@ def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, 
             assert got == want
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=stored_atol)
+
+
+def ways_of_decode_steps(monkeypatch) -> list:
+    """A list that, while the patch lasts, gets True for each sequence's step read as decode steps on the kernels' way
+    (reference.reread: a short step re-read) and False for each on the torch reference's
+    (reference.decode_steps_attention)."""
+    from kvcal.runtime import reference
+
+    ways = []
+    for name, kernels in (("reread", True), ("decode_steps_attention", False)):
+        monkeypatch.setattr(reference, name, lambda *args, original=getattr(reference, name), kernels=kernels, **kwargs: (
+            ways.append(kernels), original(*args, **kwargs))[1])
+    return ways
 
 
 def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_layout: str = "rows") -> list[tuple]:
