@@ -411,14 +411,14 @@ class RuntimeLayer(CacheLayerMixin):
         own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
         own_out, own_lse = own_out.transpose(1, 2), own_lse.transpose(1, 2)
         if as_decodes:
-            out, lse = reference.merge_attention(stored_out, stored_lse, own_out, own_lse), torch.logaddexp(stored_lse, own_lse)
+            out = reference.merge_attention(stored_out, stored_lse, own_out, own_lse)
+            lse = torch.logaddexp(stored_lse, own_lse)
             step_reads = {b: self._decode_step_reads(b, new_keys, new_values, plan, kv_heads)
                           for b in plan.rows if plan.before[b]}
             self._append_columns(plan.rows, new_keys, new_values, plan)
             self._reread_as_decode_steps(out, lse, queries, step_reads, plan, scaling, kv_heads, span, ahead,
                                          latent_query is not None)
-            merged = out if self.sinks is None else reference.merge_attention(
-                out, lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")), self.sinks)
+            merged = reference.with_sinks(out, lse, self.sinks)
         else:
             merged = reference.merge_attention(stored_out, stored_lse, own_out, own_lse, self.sinks)
             if append:

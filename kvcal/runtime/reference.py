@@ -173,20 +173,17 @@ def reread(out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, keys, valu
     heads = query.shape[0]
     key_dim = keys[0].shape[1] // kv_heads
     query = query.float()
-    sides = [tuple(per_query_head(rows, kv_heads, heads) for rows in side[:2]) + side[2:] for side in (keys, values)]
-
-    def chosen(scores_fp16, scores_quantized, fp16):
-        return torch.where(fp16, scores_fp16, scores_quantized)
-
-    scored = [(query[..., :key_dim], sides[0])] + ([(query[..., key_dim:], sides[1])] if latent else [])
+    key_side, value_side = ((per_query_head(quantized, kv_heads, heads), per_query_head(fp16_rows, kv_heads, heads),
+                             read_fp16, reads_fp16) for quantized, fp16_rows, read_fp16, reads_fp16 in (keys, values))
+    scored = [(query[..., :key_dim], key_side)] + ([(query[..., key_dim:], value_side)] if latent else [])
     before = after = 0
     for part, (quantized, fp16_rows, read_fp16, reads_fp16) in scored:
         fp16_scores, quantized_scores = part @ fp16_rows.transpose(-1, -2), part @ quantized.transpose(-1, -2)
-        before = before + chosen(fp16_scores, quantized_scores, read_fp16)
-        after = after + chosen(fp16_scores, quantized_scores, reads_fp16)
+        before = before + torch.where(read_fp16, fp16_scores, quantized_scores)
+        after = after + torch.where(reads_fp16, fp16_scores, quantized_scores)
     weight_before, weight_after = (torch.exp((softcapped(scores * scaling, softcap) - lse[..., None])
                                              .masked_fill(~seen, float("-inf"))) for scores in (before, after))
-    quantized, fp16_rows, read_fp16, reads_fp16 = sides[1]
+    quantized, fp16_rows, read_fp16, reads_fp16 = value_side
     sums = (weight_after * reads_fp16) @ fp16_rows + (weight_after * ~reads_fp16) @ quantized
     sums -= (weight_before * read_fp16) @ fp16_rows + (weight_before * ~read_fp16) @ quantized
     grown = (weight_after - weight_before).sum(-1)
@@ -221,6 +218,12 @@ def merge_attention(out: torch.Tensor, lse: torch.Tensor, other_out: torch.Tenso
     weight, other_weight = torch.exp(lse - top), torch.exp(other_lse - top)
     total = weight + other_weight + (torch.exp(sinks - top) if sinks is not None else 0)
     return out * (weight / total)[..., None] + other_out * (other_weight / total)[..., None]
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention's output out (..., d_v) over tokens whose scores' log-sum-exps are lse (...), with one more
+    score each row, its attention sink's logit (broadcasting against lse's last dim, heads), that reads no value."""
+    return out if sinks is None else out * torch.sigmoid(lse - sinks.float())[..., None]
 
 
 def stored_keys(store, b: int, pre_rope: bool, position_offset: int, inv_freq: torch.Tensor, rope_scaling: float,
