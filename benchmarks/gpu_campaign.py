@@ -26,8 +26,9 @@ that does not fit in what is left of --budget-s is skipped and says so):
                skipped without a baseline tree
   ncu          Nsight Compute on --ncu-variants (`benchmarks.kernels ncu`)
   short-steps  a step of 4 to 64 tokens over 8K and 32K stored tokens on a Llama-3.1-8B-shaped random model, its stored
-               tokens read by the tensor-core kernel (the step's queries as more query heads) and by the torch
-               reference, side by side (`benchmarks.end_to_end short-steps`): what CUDA_SHORT_STEP_PASSES should be
+               tokens read by the tensor-core kernel (the step's queries as more query heads), by the torch
+               reference, and by the kernel with later_steps="decode" (the moved tokens re-read), side by side
+               (`benchmarks.end_to_end short-steps`): what CUDA_SHORT_STEP_PASSES should be, what the re-read costs
   mla          generate() on a DeepSeek-V2-Lite-shaped random model (multi-head latent attention, its 27 layers) at 8K and
                32K tokens, batch 8: DynamicCache against kvcal's kivi and kvquant caches, which decode MLA on the torch
                reference (`benchmarks.end_to_end mla`)
@@ -340,9 +341,10 @@ def summary(out: Path, campaign: list[Stage]) -> list[str]:
     short = _load(results, "short_steps")
     if short:
         lines += ["", f"A step of several tokens on {short['device']}, {short['model']} (ms):", "",
-                  "| cache | context | step | kernel | reference | kernel / reference | runtime |", "|---|---|---|---|---|---|---|"]
+                  "| cache | context | step | kernel | reference | kernel / reference | as decode steps | runtime |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['cache']} | {r['context']} | {r['step']} | {r['ms_kernel']} | {r['ms_reference']} | "
-                  f"{r['kernel_vs_reference']} | {r['runtime']} |" for r in short["results"]]
+                  f"{r['kernel_vs_reference']} | {r['ms_decode_steps']} | {r['runtime']} |" for r in short["results"]]
     profile = _load(results, "profile_decode_tc")
     if profile:
         lines += ["", "Nsight Compute:", "", "| variant | us | issue | DRAM | L2 (its busiest parts) | sectors/request | tensor | "

@@ -132,8 +132,9 @@ def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(
 
 def test_the_short_steps_benchmark_times_both_ways_and_names_the_runtimes(tmp_path, monkeypatch, tiny_model_dir):
     """A run on a tiny model: each step length after each context timed through the kernel and the reference on
-    KIVI-2 and DynamicCache, the runtime's way named by the backends' limit, which the run leaves as it found it; a
-    step list that is not numbers, or a shape beside a model, is refused before anything runs or is written."""
+    KIVI-2 and DynamicCache, and through the kernel with later_steps="decode", the runtime's way named by the
+    backends' limit, which the run leaves as it found it; a step list that is not numbers, or a shape beside a model,
+    is refused before anything runs or is written."""
     from benchmarks import common
     from benchmarks.end_to_end import short_steps
     from kvcal.runtime import backends
@@ -149,7 +150,8 @@ def test_the_short_steps_benchmark_times_both_ways_and_names_the_runtimes(tmp_pa
     rows = json.loads((tmp_path / "short_steps.json").read_text())["results"]
     assert [(r["cache"], r["context"], r["step"], r["runtime"]) for r in rows] == [
         ("kvcal kivi2-g32", 20, 3, "kernel"), ("kvcal kivi2-g32", 20, 40, "reference")]
-    assert all(r["ms_kernel"] > 0 and r["ms_reference"] > 0 and r["ms_dynamic_cache"] > 0 for r in rows)
+    assert all(r["ms_kernel"] > 0 and r["ms_reference"] > 0 and r["ms_dynamic_cache"] > 0 and r["ms_decode_steps"] > 0
+               for r in rows)
     assert backends.CPU_SHORT_STEP_TOKENS == 10 and "| kvcal kivi2-g32 | 20 | 40 |" in (tmp_path / "short_steps.md").read_text()
 
 

@@ -2,7 +2,9 @@
 prompt): ms of one forward of m new tokens after a context of n, the attention over the stored tokens read two ways,
 side by side: by the decode kernel, the step's queries as more query heads, merged with the step's own tokens'
 attention by log-sum-exp (kvcal.runtime.cache.RuntimeLayer._short_step), and by the torch reference (each sequence's
-cache dequantized, one attention over it and the step). The runtime takes the kernel's way up to a step length
+cache dequantized, one attention over it and the step), and on the kernel's way with later_steps="decode" (each
+query then re-reading the tokens the step moved to the body as its decode step would: what that costs). The runtime
+takes the kernel's way up to a step length
 (kvcal.runtime.backends.CPU_SHORT_STEP_TOKENS on the CPU, CUDA_SHORT_STEP_PASSES on a GPU): the `runtime` column says
 which way it takes at each m. DynamicCache's step gives the scale. --shape runs a random model of a
 `benchmarks.end_to_end gpu` shape instead (Llama-3.1-8B's on a GPU: what the GPU campaign's short-steps stage runs).
@@ -85,9 +87,9 @@ def runtime_way(model, device: str, step: int) -> str:
     return WAYS[step > backends.short_step_tokens("cpu-kernel" if device == "cpu" else "tensor-core", group)]
 
 
-def step_ms(model, bundle, context, ids: torch.Tensor) -> float:
+def step_ms(model, bundle, context, ids: torch.Tensor, later_steps: str = "prefill") -> float:
     """ms of the forward of ids (1, m) after `context` (an FpContext) loaded into a fresh cache of `bundle` (None:
-    a copy of the context's DynamicCache) and one decode step."""
+    a copy of the context's DynamicCache; later_steps: quantized_cache's) and one decode step."""
     from kvcal.runtime import quantized_cache
 
     stored = context.cache.get_seq_length()
@@ -104,7 +106,7 @@ def step_ms(model, bundle, context, ids: torch.Tensor) -> float:
 
     if bundle is None:
         return timed(copy.deepcopy(context.cache))
-    with quantized_cache(model, bundle) as cache:
+    with quantized_cache(model, bundle, later_steps=later_steps) as cache:
         cache.load(context)
         return timed(cache)
 
@@ -135,25 +137,32 @@ def main(argv=None) -> None:
                 dynamic = statistics.median(step_ms(model, None, context, step) for _ in range(args.rounds))
                 for name, bundle in bundles.items():
                     ms = {}
-                    for taken in WAYS:
+                    for taken, later_steps in (*((taken, "prefill") for taken in WAYS), ("kernel", "decode")):
                         with way(taken):
-                            ms[taken] = statistics.median(step_ms(model, bundle, context, step) for _ in range(args.rounds))
+                            ms[taken, later_steps] = statistics.median(step_ms(model, bundle, context, step, later_steps)
+                                                                       for _ in range(args.rounds))
+                    kernel, reference, decode_steps = ms["kernel", "prefill"], ms["reference", "prefill"], ms["kernel", "decode"]
                     rows.append({"cache": name, "context": n, "step": m, "ms_dynamic_cache": round(dynamic, 2),
-                                 "ms_kernel": round(ms["kernel"], 2), "ms_reference": round(ms["reference"], 2),
-                                 "kernel_vs_reference": round(ms["kernel"] / ms["reference"], 3),
+                                 "ms_kernel": round(kernel, 2), "ms_reference": round(reference, 2),
+                                 "kernel_vs_reference": round(kernel / reference, 3),
+                                 "ms_decode_steps": round(decode_steps, 2),
+                                 "decode_steps_vs_kernel": round(decode_steps / kernel, 3),
                                  "runtime": runtime_way(model, args.device, m)})
-                    print(f"{name}, context {n}, step {m}: kernel {ms['kernel']:.1f} ms, reference {ms['reference']:.1f} "
-                          f"ms, DynamicCache {dynamic:.1f} ms", flush=True)
+                    print(f"{name}, context {n}, step {m}: kernel {kernel:.1f} ms, reference {reference:.1f} ms, "
+                          f"as decode steps {decode_steps:.1f} ms, DynamicCache {dynamic:.1f} ms", flush=True)
     out = args.out or f"short_steps_{device_slug(started['device'])}"
     write_result(out, {"model": model_name, "rounds": args.rounds, "results": rows}, started)
     lines = [f"# A step of several tokens over a stored cache ({model_name}, {started['device']}, {started['commit']})", "",
              f"ms of one forward of the step's tokens after the context (one sequence), median of {args.rounds}; "
              "`kernel`: the stored tokens read by the decode kernel, the step's queries as more query heads; "
-             "`reference`: each sequence's cache dequantized; `runtime`: the way kvcal takes at that step length.", "",
-             "| cache | context | step | DynamicCache ms | kernel ms | reference ms | kernel / reference | runtime |",
-             "|---|---|---|---|---|---|---|---|"]
+             "`reference`: each sequence's cache dequantized; `as decode steps`: the kernel's way with "
+             "later_steps=\"decode\" (the moved tokens re-read); `runtime`: the way kvcal takes at that step length.", "",
+             "| cache | context | step | DynamicCache ms | kernel ms | reference ms | kernel / reference | "
+             "as decode steps ms | as decode steps / kernel | runtime |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cache']} | {r['context']} | {r['step']} | {r['ms_dynamic_cache']:.1f} | {r['ms_kernel']:.1f} | "
-              f"{r['ms_reference']:.1f} | {r['kernel_vs_reference']:.2f}x | {r['runtime']} |" for r in rows]
+              f"{r['ms_reference']:.1f} | {r['kernel_vs_reference']:.2f}x | {r['ms_decode_steps']:.1f} | "
+              f"{r['decode_steps_vs_kernel']:.2f}x | {r['runtime']} |" for r in rows]
     write_markdown(out, lines)
 
 

@@ -434,9 +434,11 @@ class RuntimeLayer(CacheLayerMixin):
         stored before; the step appended): reference.reread over those tokens alone, their quantized rows read from
         the body (from the block holding the first) and their fp16 rows from step_reads."""
         for b, (key_reads, value_reads) in step_reads.items():
-            first, stop = min(key_reads.start, value_reads.start), max(key_reads.ends[-1], value_reads.ends[-1])
-            if stop <= first:
-                continue  # it moved nothing
+            moved = [(reads.start, reads.ends[-1]) for reads in (key_reads, value_reads) if reads.ends[-1] > reads.start]
+            if not moved:
+                continue
+            # the tokens some query reads otherwise on some side (a side that moved none reads them alike throughout)
+            first, stop = min(start for start, _ in moved), max(end for _, end in moved)
             dropped = self.keys_store.dropped[b]
             positions = torch.arange(first, stop, device=out.device) + dropped + self.position_offset[b]
             quantized = (self._rotated(self.keys_store.read_from(b, first)[: stop - first], positions, kv_heads),
@@ -444,7 +446,8 @@ class RuntimeLayer(CacheLayerMixin):
             tokens = torch.arange(first, stop, device=out.device)
             sides = []
             for reads, rows in zip((key_reads, value_reads), quantized):
-                fp16 = torch.cat([rows[: reads.start - first], reads.rows[: stop - reads.start]])
+                before = min(max(reads.start - first, 0), stop - first)  # tokens read quantized by every query
+                fp16 = torch.cat([rows[:before], reads.rows[max(first - reads.start, 0) : max(stop - reads.start, 0)]])
                 ends = torch.tensor(reads.ends, device=out.device)
                 sides.append((rows, fp16, tokens >= reads.start, tokens[None, :] >= ends[:, None]))
             columns = plan.columns(b)
