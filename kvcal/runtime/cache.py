@@ -448,7 +448,7 @@ class RuntimeLayer(CacheLayerMixin):
             for reads, rows in zip((key_reads, value_reads), quantized):
                 before = min(max(reads.start - first, 0), stop - first)  # tokens read quantized by every query
                 fp16 = torch.cat([rows[:before], reads.rows[max(first - reads.start, 0) : max(stop - reads.start, 0)]])
-                ends = torch.tensor(reads.ends, device=out.device)
+                ends = upload(reads.ends, out.device)
                 sides.append((rows, fp16, tokens >= reads.start, tokens[None, :] >= ends[:, None]))
             columns = plan.columns(b)
             seen = ahead[b][columns][:, columns] if ahead is not None else None
