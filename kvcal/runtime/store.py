@@ -623,15 +623,21 @@ class PackedRows:
         for i, b in enumerate(seqs):
             self._outliers[b] = totals[i * heads: (i + 1) * heads].tolist()
 
-    def _live_outliers(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every stored outlier of sequences `seqs`: (index into seqs, body row, channel, fp16 value), 1-D each. A
-        row comes from the entry's tile (the offset table: entries from offset[t] on are in tile t or later) and its
-        position in the tile."""
+    def _live_outliers(self, seqs: list[int], from_rows: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every stored outlier of sequences `seqs`, or with from_rows those of the tiles from the one holding storage
+        row from_rows[i] on (a started tile): (index into seqs, body row, channel, fp16 value), 1-D each. A row comes
+        from the entry's tile (the offset table: entries from offset[t] on are in tile t or later) and its position in
+        the tile."""
         counts = self.outlier_counts()
         heads, head_dim, capacity = self.kv_heads, self.head_dim, self.outlier_positions.shape[2]
-        per_run = np.array([counts[b] for b in seqs], dtype=np.int64).reshape(-1)  # runs: (index into seqs, KV head)
+        skipped = np.zeros(len(seqs) * heads, dtype=np.int64)  # runs: (index into seqs, KV head)
+        if from_rows is not None:
+            skipped = np.array([self.outlier_offsets[b, :, row // OUTLIER_TILE_TOKENS].tolist()
+                                for b, row in zip(seqs, from_rows)], dtype=np.int64).reshape(-1)
+        per_run = np.array([counts[b] for b in seqs], dtype=np.int64).reshape(-1) - skipped
         run = np.repeat(np.arange(len(per_run)), per_run)
-        entry = np.arange(len(run)) - (np.cumsum(per_run) - per_run)[run]
+        entry = np.arange(len(run)) - (np.cumsum(per_run) - per_run)[run] + skipped[run]
         sequence, head, index = upload(np.stack([run // heads, run % heads, run * capacity + entry]), self.device)
         chosen = upload(seqs, self.device)
         started = upload([math.ceil((self.head[b] + self.length[b]) / OUTLIER_TILE_TOKENS) for b in seqs], self.device)
@@ -686,8 +692,8 @@ class PackedRows:
         encoded = Encoded(codes, token={name: t[b, head : head + n] for name, t in self.token.items()},
                           block={name: t[b, head // self.block : (head + n) // self.block] for name, t in self.blocks.items()})
         if self.keeps_outliers:
-            _, rows, channels, values = self._live_outliers([b])
-            live = rows >= head  # a dropped row's outliers stay until its tile leaves
+            _, rows, channels, values = self._live_outliers([b], [head])
+            live = rows >= head  # (the tile holding the first row read may hold earlier ones)
             encoded.outliers = (rows[live] - head, channels[live], values[live])
         return self.codec.decode(encoded)
 
