@@ -20,6 +20,7 @@ order, sequence b's tokens first (see `assemble`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -142,24 +143,11 @@ class SegmentedStore:
             routes = self._token_routes(total, stored, rpc, n)
             leaving = sum(route[1] for route in routes)
             return sum(route[0] for route in routes), leaving, min(leaving, stored), routes[-1][3] if routes else rpc
-        to_sink = max(min(self.policy.sink - total, n), 0)
-        rest = n - to_sink
-        fp16_recent = self.policy.fp16_recent(total + n, self.keys)
-        if self.rpc_ratio:
-            rpc = math.floor(self.rpc_ratio * (rest + rpc))
-            fp16_recent = max(fp16_recent, rpc)
-        leaving = max(0, stored + rest - fp16_recent)
-        leaving -= leaving % self.body.block  # per-channel key blocks leave whole
-        return to_sink, leaving, min(leaving, stored), rpc
+        return _route(self.policy, self.keys, self.rpc_ratio, self.body.block, total, stored, rpc, n)
 
-    def _token_routes(self, total: int, stored: int, rpc: int, n: int) -> list[tuple[int, int, int, int]]:
+    def _token_routes(self, total: int, stored: int, rpc: int, n: int) -> tuple[tuple[int, int, int, int], ...]:
         """_route_from of each of n tokens appended one at a time."""
-        routes = []
-        for _ in range(n):
-            routes.append(self._route_from(total, stored, rpc, 1))
-            to_sink, leaving, _, rpc = routes[-1]
-            total, stored = total + 1, stored + 1 - to_sink - leaving
-        return routes
+        return _token_routes(self.policy, self.keys, self.rpc_ratio, self.body.block, total, stored, rpc, n)
 
     def decode_step_reads(self, b: int, rows: torch.Tensor) -> DecodeStepReads:
         """How the queries of a step bringing sequence b fp16 `rows` (tokens, C), about to be appended, read this
@@ -435,6 +423,32 @@ class CocktailStore:
 
     def packed_codecs(self) -> list:
         return [self.parts[bits].codec for bits in (4, 2)]
+
+
+def _route(policy: SegmentPolicy, keys: bool, rpc_ratio: float, block: int, total: int, stored: int, rpc: int,
+           n: int) -> tuple[int, int, int, int]:
+    """SegmentedStore._route_from of a step of n tokens, for a store of this policy, side, RPC ratio and body block."""
+    to_sink = max(min(policy.sink - total, n), 0)
+    rest = n - to_sink
+    fp16_recent = policy.fp16_recent(total + n, keys)
+    if rpc_ratio:
+        rpc = math.floor(rpc_ratio * (rest + rpc))
+        fp16_recent = max(fp16_recent, rpc)
+    leaving = max(0, stored + rest - fp16_recent)
+    leaving -= leaving % block  # per-channel key blocks leave whole
+    return to_sink, leaving, min(leaving, stored), rpc
+
+
+@functools.lru_cache(maxsize=64)  # every layer of a step asks alike for a sequence and side, twice
+def _token_routes(policy: SegmentPolicy, keys: bool, rpc_ratio: float, block: int, total: int, stored: int, rpc: int,
+                  n: int) -> tuple[tuple[int, int, int, int], ...]:
+    """_route of each of n tokens appended one at a time."""
+    routes = []
+    for _ in range(n):
+        routes.append(_route(policy, keys, rpc_ratio, block, total, stored, rpc, 1))
+        to_sink, leaving, _, rpc = routes[-1]
+        total, stored = total + 1, stored + 1 - to_sink - leaving
+    return tuple(routes)
 
 
 def fp16_rows_alike(policy: SegmentPolicy, blocks: tuple[int, int], rpc: tuple[float, float]) -> bool:
