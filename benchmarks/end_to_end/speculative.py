@@ -9,7 +9,7 @@ median kept); a row gives the mean over the prompts of ms per new token, its rat
 forwards per new token (one a token for greedy; fewer where candidates are accepted) and how many new tokens equal
 greedy's on the same cache (a step of several tokens attends to its own in fp16, a decode step to what it stored: on
 a quantized cache the two may part). kvcal's caches also run prompt lookup with later_steps="decode" (each checked
-candidate read as its decode step would: greedy's tokens).
+candidate read as its decode step would: greedy's logits up to float rounding).
 
 Usage: python -m benchmarks.end_to_end speculative [--model SPEC] [--samples 3] [--passage-tokens 256]
        [--new-tokens 64] [--lookup 10] [--bundles PATH,...] [--rounds 2] [--out NAME]      (see --help)
