@@ -352,15 +352,17 @@ def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(
 
 @pytest.mark.parametrize("model_type, settings, kernels", [("gpt_oss", dict(sliding_window=8), True),
                                                            ("gemma2", dict(sliding_window=8), True),
+                                                           ("llama4_text", dict(attention_chunk_size=16), True),
                                                            ("gemma4_text", {}, False), ("deepseek_v3", {}, True),
                                                            ("deepseek_v32", {}, False)])
 def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings, kernels,
                                                                                    monkeypatch):
     """The same on 2-bit KIVI (blocks of 8, a residual of 8) under a sliding window of 8 with attention sinks (gpt-oss)
-    and soft-capped scores (Gemma 2), with layers reading another's cache (Gemma 4: the torch reference's way, the
-    others the CPU kernel's), on MLA's latent (DeepSeek-V3) and with an indexer's pick of the tokens each query attends
-    (DeepSeek-V3.2: the reference's way); logits within 1e-3 and tokens read back within 2e-3 (Gemma 4's keys and
-    values of a forward over several tokens and over one can differ by an fp16 step)."""
+    and soft-capped scores (Gemma 2), in chunks of 16 (Llama 4: placed by position), with layers reading another's
+    cache (Gemma 4: the torch reference's way, the others the CPU kernel's), on MLA's latent (DeepSeek-V3) and with an
+    indexer's pick of the tokens each query attends (DeepSeek-V3.2: the reference's way); logits within 1e-3 and
+    tokens read back within 2e-3 (Gemma 4's keys and values of a forward over several tokens and over one can differ
+    by an fp16 step)."""
     ways = ways_of_decode_steps(monkeypatch)
     model = tiny_model(model_type, **settings)
     ids, mask = left_padded([40, 34])

@@ -411,19 +411,18 @@ class RuntimeLayer(CacheLayerMixin):
         seen = seen if ahead is None else seen | ahead
         own_out, own_lse = reference.own_attention(queries, scored, values, scaling, self.softcap, seen)
         own_out, own_lse = own_out.transpose(1, 2), own_lse.transpose(1, 2)
+        step_reads = ({b: self._decode_step_reads(b, new_keys, new_values, plan, kv_heads)
+                       for b in plan.rows if plan.before[b]} if as_decodes else None)  # (before the step is appended)
+        if append:
+            self._append_columns(plan.rows, new_keys, new_values, plan)
         if as_decodes:
             out = reference.merge_attention(stored_out, stored_lse, own_out, own_lse)
             lse = torch.logaddexp(stored_lse, own_lse)
-            step_reads = {b: self._decode_step_reads(b, new_keys, new_values, plan, kv_heads)
-                          for b in plan.rows if plan.before[b]}
-            self._append_columns(plan.rows, new_keys, new_values, plan)
             self._reread_as_decode_steps(out, lse, queries, step_reads, plan, scaling, kv_heads, span, ahead,
                                          latent_query is not None)
             merged = reference.with_sinks(out, lse, self.sinks)
         else:
             merged = reference.merge_attention(stored_out, stored_lse, own_out, own_lse, self.sinks)
-            if append:
-                self._append_columns(plan.rows, new_keys, new_values, plan)
         return merged.masked_fill(~valid[:, :, None, None], 0.0).to(query.dtype)
 
     def _reread_as_decode_steps(self, out, lse, queries, step_reads: dict, plan: StepPlan, scaling: float,
@@ -441,10 +440,10 @@ class RuntimeLayer(CacheLayerMixin):
             # the tokens some query reads otherwise on some side (a side that moved none reads them alike throughout)
             first, stop = min(start for start, _ in moved), max(end for _, end in moved)
             dropped = self.keys_store.dropped[b]
-            positions = torch.arange(first, stop, device=out.device) + dropped + self.position_offset[b]
-            quantized = (self._rotated(self.keys_store.read_from(b, first)[: stop - first], positions, kv_heads),
-                         self.values_store.read_from(b, first)[: stop - first])
             tokens = torch.arange(first, stop, device=out.device)
+            quantized = (self._rotated(self.keys_store.read_from(b, first)[: stop - first],
+                                       tokens + dropped + self.position_offset[b], kv_heads),
+                         self.values_store.read_from(b, first)[: stop - first])
             sides = []
             for reads, rows in zip((key_reads, value_reads), quantized):
                 before = min(max(reads.start - first, 0), stop - first)  # tokens read quantized by every query
@@ -453,8 +452,9 @@ class RuntimeLayer(CacheLayerMixin):
                 sides.append((rows, fp16, tokens >= reads.start, tokens[None, :] >= ends[:, None]))
             columns = plan.columns(b)
             seen = ahead[b][columns][:, columns] if ahead is not None else None
-            seen = reference.visibility(self.keys_store.count(b), len(columns), span, seen, None, dropped,
-                                        out.device)(0, len(columns))[:, first:stop]
+            # (over the stored tokens from `first` on: the step's queries are their last, as over all of them)
+            seen = reference.visibility(self.keys_store.count(b) - first, len(columns), span, seen, None, dropped + first,
+                                        out.device)(0, len(columns))[:, : stop - first]
             reread_out, reread_lse = reference.reread(out[b, columns].transpose(0, 1), lse[b, columns].T,
                                                       queries[b, :, columns], *sides, seen, scaling, kv_heads,
                                                       self.softcap, latent)
