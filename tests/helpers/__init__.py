@@ -85,9 +85,9 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     return torch.stack(logits, dim=1), cache
 
 
-def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows",
-                 later_steps: str = "prefill") -> tuple[list[torch.Tensor], list]:
-    """(the logits of each step, the cache's stored_state after them) of feeding the left-padded (ids, mask) through a
+@contextmanager
+def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows", later_steps: str = "prefill"):
+    """Within the block, (the logits of each step, the open cache) of feeding the left-padded (ids, mask) through a
     quantized cache (cuda_layout, later_steps: quantized_cache's) in steps of `steps` tokens, each token at its
     sequence's own position (as generate() gives them)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -98,13 +98,14 @@ def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = 
             logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
                                 past_key_values=cache, use_cache=True).logits)
             first += step
-        return logits, stored_state(cache)
+        yield logits, cache
 
 
 def logits_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows",
                     later_steps: str = "prefill") -> list[torch.Tensor]:
     """The logits of fed_in_steps."""
-    return fed_in_steps(model, bundle, ids, mask, steps, cuda_layout, later_steps)[0]
+    with fed_in_steps(model, bundle, ids, mask, steps, cuda_layout, later_steps) as (logits, _):
+        return logits
 
 
 def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, ids, mask, steps: list[int],
@@ -116,8 +117,8 @@ def assert_later_steps_read_as_decode_steps_like_one_token_steps(model, bundle, 
     steps' logits differ by more than 10 atol (their own tokens read fp16: the steps here move tokens to the body)."""
     results = []
     for later_steps, fed in (("decode", steps), ("decode", [steps[0]] + [1] * sum(steps[1:])), ("prefill", steps)):
-        logits, state = fed_in_steps(model, bundle, ids, mask, fed, later_steps=later_steps)
-        results.append((torch.cat(logits, 1)[:, steps[0]:], state))
+        with fed_in_steps(model, bundle, ids, mask, fed, later_steps=later_steps) as (logits, cache):
+            results.append((torch.cat(logits, 1)[:, steps[0]:], stored_state(cache)))
     (logits, state), (one_token_logits, one_token_state), (prefill_logits, _) = results
     torch.testing.assert_close(logits, one_token_logits, rtol=0, atol=atol)
     assert (prefill_logits - one_token_logits).abs().max() > 10 * atol
