@@ -19,8 +19,10 @@ modeling file:
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
 of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
-(kvcal.rope.rotate_half_order: `rope_order`, recorded in the fingerprint), where the channels RoPE leaves alone have a
-frequency of zero.
+(kvcal.rope.rotate_half_order: `LayerHandles.rope_order`, recorded in the fingerprint), where the channels RoPE leaves
+alone have a frequency of zero; Laguna's full layers rotate half of each head and its sliding ones all of it, so each
+layer has its own order (the fingerprint's layer_rope_orders where they differ). Laguna's layers also have their own
+number of query heads (`query_heads`, the fingerprint's layer_num_heads where they differ) over the same KV heads.
 Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
@@ -129,7 +131,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
-                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx")
+                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -356,7 +358,7 @@ class ModelAdapter:
     architecture: str
     model_type: str
     layers: list[LayerHandles]
-    num_heads: int
+    query_heads: list[int]  # per layer, its query heads (Laguna: more on its sliding-window layers)
     kv_heads: list[int]  # per layer, its KV heads (Gemma 4: fewer on its full-attention layers)
     head_dims: list[int]  # per layer, the channels of each of its heads, query and KV (Gemma 4: twice as many on full ones)
     # per layer, the channels of each of its KV heads' values: head_dims but where the latent is the value (MLA)
@@ -370,7 +372,6 @@ class ModelAdapter:
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
     score_scale: float  # what the attention multiplies q . k by
     softcap: float | None = None  # scaled scores soft-capped to (-softcap, softcap) (Gemma 2), or None
-    rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     # the decoder layer of each of `layers` (its layer_idx); a hybrid model's others hold a recurrent state instead
     model_layers: tuple[int, ...] = ()
     num_model_layers: int = 0
@@ -434,13 +435,19 @@ class ModelAdapter:
         """Whether the model's attention is multi-head latent attention (LatentAttention), its values the latent."""
         return self.layers[0].latent is not None
 
-    def in_rope_order(self, heads: torch.Tensor) -> torch.Tensor:
-        """Queries or keys (..., head_dim) of the model in kvcal's channel order (kvcal.rope.rotate_half_order)."""
-        return in_order(heads, self.rope_order)
+    @property
+    def rope_orders(self) -> list[tuple[int, ...] | None]:
+        """Per layer, the model's channel at each of kvcal's in each head (kvcal.rope); None: the same."""
+        return [handles.rope_order for handles in self.layers]
 
-    def rows_in_rope_order(self, rows: torch.Tensor) -> torch.Tensor:
-        """Queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
-        return rows_in_order(rows, self.rope_order)
+    def in_rope_order(self, heads: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer`'s queries or keys (..., head_dim) of the model in kvcal's channel order
+        (kvcal.rope.rotate_half_order)."""
+        return in_order(heads, self.layers[layer].rope_order)
+
+    def rows_in_rope_order(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer`'s queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
+        return rows_in_order(rows, self.layers[layer].rope_order)
 
     def layer_inv_freq(self, layer: int, tokens: int = 0) -> torch.Tensor:
         """Layer `layer`'s RoPE frequencies (head_dim/2,) in kvcal's channel order, float32 on the CPU, in a forward
@@ -492,19 +499,24 @@ class ModelAdapter:
             "architecture": self.architecture,
             "model_type": self.model_type,
             "num_layers": len(self.layers),
-            "num_heads": self.num_heads,
+            "num_heads": self.query_heads[0],
             "num_kv_heads": self.kv_heads[0],
             "head_dim": self.head_dims[0],
             "max_positions": self.max_positions,
             "rope": rope,
             "config_sha256": digest[:16],
         }
-        if self.rope_order is not None:  # the channel order of every key and query an artifact holds
-            fingerprint["rope_order"] = list(self.rope_order)
+        orders = self.rope_orders
+        if len(set(orders)) > 1:  # the channel order of each layer's keys and queries an artifact holds (rope_orders)
+            fingerprint["layer_rope_orders"] = [list(order) if order is not None else None for order in orders]
+        elif orders[0] is not None:  # ... of every layer's
+            fingerprint["rope_order"] = list(orders[0])
         if self.hybrid:  # which decoder layers an artifact's layers are
             fingerprint["attention_layers"] = list(self.model_layers)
         if len(set(zip(self.kv_heads, self.head_dims))) > 1:  # each layer's, where they differ (kv_shapes reads either)
             fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
+        if len(set(self.query_heads)) > 1:  # ... and query_heads
+            fingerprint["layer_num_heads"] = list(self.query_heads)
         if self.latent:  # MLA: its values (the latent) are as wide as no head
             fingerprint["value_dim"] = self.value_dims[0]
         elif self.value_dims != self.head_dims:  # values narrower than keys (MiMo-V2-Flash's)
@@ -512,6 +524,22 @@ class ModelAdapter:
         if any(self.index_widths):  # DeepSeek Sparse Attention: the indexer keys the cache keeps beside K and V
             fingerprint["layer_index_dims"] = self.index_widths
         return fingerprint
+
+
+def query_heads(fingerprint: dict) -> list[int]:
+    """Per layer of an artifact's model, its query heads: the fingerprint's layer_num_heads where its layers differ
+    (Laguna), its one num_heads else."""
+    return fingerprint.get("layer_num_heads", [fingerprint["num_heads"]] * fingerprint["num_layers"])
+
+
+def rope_orders(fingerprint: dict) -> list[tuple[int, ...] | None]:
+    """Per layer of an artifact's model, the model's channel at each of kvcal's in each head of its keys and queries
+    (kvcal.rope; None: the same): the fingerprint's layer_rope_orders where its layers differ (Laguna's rotate their
+    own share of channels), its one rope_order else."""
+    if "layer_rope_orders" in fingerprint:
+        return [tuple(order) if order is not None else None for order in fingerprint["layer_rope_orders"]]
+    order = fingerprint.get("rope_order")
+    return [tuple(order) if order is not None else None] * fingerprint["num_layers"]
 
 
 def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
@@ -740,21 +768,23 @@ def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional
     raise KvcalError(f"{where}: could not find a rotary position embedding (a module with {', '.join(sorted(names))})")
 
 
-def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int], interleaved: bool, swapped: bool,
-                where: str) -> tuple | None:
-    """kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own), refusing
-    RoPE kvcal cannot store: a number of rotated channels that differs between layer types (but where they rotate every
-    channel of heads of their own width: Gemma 4), frequencies that change with every sequence length, LongRoPE given
-    per layer type."""
-    rotary_dims = {(2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel(), head_dim)
-                   for kind, head_dim in zip(kinds, head_dims)}
-    if len(rotary_dims) > 1 and any(rotated != head_dim for rotated, head_dim in rotary_dims):
-        raise KvcalError(f"{where}: its RoPE rotates {sorted(r for r, _ in rotary_dims)} of its heads' "
-                         f"{sorted(d for _, d in rotary_dims)} channels; kvcal takes one number of rotated channels up to "
-                         "head_dim, or all of every head's")
-    rotated, head_dim = rotary_dims.pop()
-    if rotated > head_dim:
-        raise KvcalError(f"{where}: its RoPE rotates {rotated} of a head's {head_dim} channels; kvcal takes up to head_dim")
+def _rope_orders(rotary: nn.Module, kinds: list[str | None], head_dims: list[int], rope_free: set, interleaved: bool,
+                 swapped: bool, where: str) -> list[tuple[int, ...] | None]:
+    """Per layer, kvcal's channel order of the model's RoPE (kvcal.rope.rotate_half_order; None: the model's own): a
+    rotating layer's by the channels its type rotates (Laguna's full layers rotate half of each head, its sliding ones
+    all), a layer of a type RoPE leaves out (`rope_free`) the rotating layers' where they share one, else the model's.
+    Refused: RoPE kvcal cannot store: more rotated channels than a head has, frequencies that change with every
+    sequence length, LongRoPE given per layer type."""
+    orders = {}
+    for kind, head_dim in zip(kinds, head_dims):
+        if kind in rope_free:
+            continue
+        rotated = 2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel()
+        if rotated > head_dim:
+            raise KvcalError(f"{where}: its RoPE rotates {rotated} of a head's {head_dim} channels; kvcal takes up to "
+                             "head_dim")
+        order = rotate_half_order(head_dim, rotated, interleaved, swapped)
+        orders[kind, head_dim] = tuple(order) if order is not None else None
     rope_types = getattr(rotary, "rope_type", "default")
     for rope_type in rope_types.values() if isinstance(rope_types, dict) else [rope_types]:
         if "dynamic" in rope_type:  # transformers' dynamic_rope_update
@@ -764,8 +794,9 @@ def _rope_order(rotary: nn.Module, kinds: list[str | None], head_dims: list[int]
         if rope_type == "longrope" and isinstance(rope_types, dict):
             raise KvcalError(f"{where}: its layer types rotate by RoPE of their own, one of them LongRoPE; kvcal serves "
                              "LongRoPE shared by every layer")
-    order = rotate_half_order(head_dim, rotated, interleaved, swapped)
-    return tuple(order) if order is not None else None
+    shared = set(orders.values())
+    unrotated = shared.pop() if len(shared) == 1 else None
+    return [unrotated if kind in rope_free else orders[kind, head_dim] for kind, head_dim in zip(kinds, head_dims)]
 
 
 def _unrotated_scale(adapter: ModelAdapter, layer: int) -> torch.Tensor | None:
@@ -867,7 +898,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
-    num_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
+    query_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
     latent = text_type in LATENT_ATTENTION_TYPES
     if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention)
         kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim] * num_layers
@@ -887,7 +918,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: kvcal serves DeepSeek Sparse Attention's indexed layers in multi-head latent attention "
                          "(DeepSeek-V3.2's, GLM-5's) only")
     handles = [_latent_handles(layers[m], i, m, where, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
-               _layer_handles(layers[m], i, m, where, heads_first, num_heads * head_dims[m], kv_heads[m] * head_dims[m],
+               _layer_handles(layers[m], i, m, where, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
         if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
@@ -895,21 +926,20 @@ def adapt(model: nn.Module) -> ModelAdapter:
                              "add; kvcal serves RoPE models and ones with learned or no positions")
         raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
-    kinds, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), kv_heads, head_dims,
-                                                                  value_dims))
+    kinds, query_heads, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), query_heads,
+                                                                               kv_heads, head_dims, value_dims))
     layer_rotaries = (tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE
                       else ())
     rope_free = _rope_free_types(config)
-    rotating = [(kind, head_dim) for kind, head_dim in zip(kinds, head_dims) if kind not in rope_free]
-    rotating_kinds, rotating_dims = [kind for kind, _ in rotating], [head_dim for _, head_dim in rotating]
+    rotating_kinds = [kind for kind in kinds if kind not in rope_free]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               None if text_type in _SCALED_NORMS_AFTER_ROPE else
               _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
     interleaved = text_type in _INTERLEAVED_ROPE or latent and _latent_rope(config) != "halves"
-    rope_order = (_rope_order(rotary, rotating_kinds, rotating_dims, interleaved,
-                              text_type in _HALVES_SWAPPED_ROPE, where) if rotary is not None else None)
-    for handle in handles:
-        handle.rope_order = rope_order
+    orders = (_rope_orders(rotary, kinds, head_dims, rope_free, interleaved, text_type in _HALVES_SWAPPED_ROPE, where)
+              if rotary is not None else [None] * len(handles))
+    for handle, order in zip(handles, orders):
+        handle.rope_order = order
     rotated = (attending_only(_rotated_layers(config, text_type, num_layers, rope_free)) if rotary is not None
                else [False] * len(handles))
     readers = _reader_layers(layers, sharing, decoder_types, attending, where)
@@ -925,7 +955,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         architecture=type(named).__name__,
         model_type=named.config.model_type,
         layers=handles,
-        num_heads=num_heads,
+        query_heads=query_heads,
         kv_heads=kv_heads,
         head_dims=head_dims,
         value_dims=value_dims,
@@ -938,7 +968,6 @@ def adapt(model: nn.Module) -> ModelAdapter:
         rotated=rotated,
         score_scale=scales.pop(),
         softcap=getattr(config, "attn_logit_softcapping", None),
-        rope_order=rope_order,
         model_layers=tuple(attending),
         num_model_layers=num_layers,
         keeps_state=[kind in _ATTENTION_AND_STATE_TYPES for kind in attending_only(decoder_types)],
@@ -964,19 +993,18 @@ def _rotaries_per_base(decoder: nn.Module, config, num_layers: int) -> list[nn.M
     return [by_base[float(theta)] if theta else None for theta in config.layer_rope_theta[:num_layers]]
 
 
-def _layer_geometry(config, num_layers: int, where: str) -> tuple[int, list[int], list[int]]:
-    """The query heads, and per decoder layer its KV heads and head_dim: transformers' per-layer config where the
-    config is heterogeneous (Gemma 4's full-attention layers: fewer KV heads, twice the head_dim), else the config's."""
-    per_layer = config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers
-    num_heads = {layer.num_attention_heads for layer in per_layer[:num_layers]}
-    if len(num_heads) > 1:
-        raise KvcalError(f"{where}: its layers have {sorted(num_heads)} query heads; kvcal takes one number of query heads")
-    num_heads = num_heads.pop()
+def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], list[int], list[int]]:
+    """Per decoder layer, its query heads, KV heads and head_dim: transformers' per-layer config where the config is
+    heterogeneous (Gemma 4's full-attention layers: fewer KV heads, twice the head_dim), the query heads of
+    num_attention_heads_per_layer where the config has it (Laguna), else the config's."""
+    per_layer = (config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers)[:num_layers]
+    query_heads = list(getattr(config, "num_attention_heads_per_layer", None) or
+                       [layer.num_attention_heads for layer in per_layer])[:num_layers]
     # (GPT-BigCode: one KV head where multi_query)
-    kv_heads = [getattr(layer, "num_key_value_heads", None) or (1 if getattr(layer, "multi_query", False) else num_heads)
-                for layer in per_layer[:num_layers]]
-    head_dims = [getattr(layer, "head_dim", None) or layer.hidden_size // num_heads for layer in per_layer[:num_layers]]
-    return num_heads, kv_heads, head_dims
+    kv_heads = [getattr(layer, "num_key_value_heads", None) or (1 if getattr(layer, "multi_query", False) else heads)
+                for layer, heads in zip(per_layer, query_heads)]
+    head_dims = [getattr(layer, "head_dim", None) or layer.hidden_size // heads for layer, heads in zip(per_layer, query_heads)]
+    return query_heads, kv_heads, head_dims
 
 
 def _reader_layers(layers: nn.ModuleList, sharing: list[str | None], types: list[str], attending: list[int],

@@ -154,9 +154,10 @@ def _fingerprint_shape(config: dict, path) -> tuple[dict, dict[str, list[tuple[i
     number a positive int."""
     try:
         fingerprint = config["model"]["fingerprint"]
-        numbers = [fingerprint[key] for key in ("num_layers", "num_kv_heads", "head_dim")]
+        numbers = [fingerprint[key] for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
         numbers += [fingerprint["value_dim"]] if "value_dim" in fingerprint else []  # MLA's latent
-        for key in ("layer_kv_heads", "layer_head_dims", "layer_value_dims"):  # where the layers differ (kv_shapes)
+        # where the layers differ (kv_shapes, query_heads)
+        for key in ("layer_kv_heads", "layer_head_dims", "layer_value_dims", "layer_num_heads"):
             if key in fingerprint:
                 numbers += fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
     except (KeyError, TypeError) as exc:

@@ -230,8 +230,9 @@ def profile_gradients(
     rows = select_rows(nsamples, seqlen, settings.sink, settings.row_limit(adapter.kv_widths, adapter.value_widths),
                        settings.seed)
     stored = 0 if adapter.latent else min(settings.store_windows, nsamples)
-    recorders = [_LayerRecorder(len(rows), key_width, value_width, adapter.num_heads * head_dim, stored, seqlen)
-                 for key_width, value_width, head_dim in zip(adapter.kv_widths, adapter.value_widths, adapter.head_dims)]
+    recorders = [_LayerRecorder(len(rows), key_width, value_width, heads * head_dim, stored, seqlen)
+                 for key_width, value_width, heads, head_dim in zip(adapter.kv_widths, adapter.value_widths,
+                                                                    adapter.query_heads, adapter.head_dims)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
     positions = torch.arange(seqlen)
     # read once, not per window: the frequencies of a forward over seqlen tokens (LongRoPE's long ones past its switch)
@@ -263,7 +264,7 @@ def profile_gradients(
                 key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
                 key_gradient = hooks.gradients["k", i][0].float().cpu()
                 if handles.rope_norms is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
-                    key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient), -positions, adapter.kv_heads[i],
+                    key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient, i), -positions, adapter.kv_heads[i],
                                                *rope[i])
                 per_token = {
                     "k_pre": key,

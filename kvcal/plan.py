@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvcal.adapters import decoder_kind, kv_shapes, latent_attention
+from kvcal.adapters import decoder_kind, kv_shapes, latent_attention, rope_orders
 from kvcal.artifacts import read_artifact, read_header
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
@@ -133,7 +133,7 @@ def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> f
     positions = profile["samples.position"].long()
     keys = profile[f"layers.{layer}.k_post.samples"].float()
     inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, keys.shape[1] // kv_heads)
-    stored = in_model_order(codec, config["model"]["fingerprint"].get("rope_order")).quantize(keys).values
+    stored = in_model_order(codec, rope_orders(config["model"]["fingerprint"])[layer]).quantize(keys).values
     error = stored - keys
     error_pre = rotate_keys(error, -positions, kv_heads, inv_freq, 1.0 / layer_rope_scaling(config["rope"], layer))  # scalings undone
     return float((profile[f"layers.{layer}.k_pre.fisher"] * error_pre**2).sum())

@@ -305,17 +305,17 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
     if slot.reader:
-        return state.attend_as_reader(adapter.in_rope_order(query), scale), None
+        return state.attend_as_reader(adapter.in_rope_order(query, slot.index), scale), None
     state.pre_rope_keys = slot.pre_rope_keys
     latent = adapter.layers[slot.index].latent
     if latent is not None:
         rotated = query[..., latent.nope_dim:]
-        rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated)
+        rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated, slot.index)
         # DeepSeek Sparse Attention's: the tokens its indexer picked, its keys cached as the model computes them
         state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
         return state.attend_latent(rotated, latent.latent_query(query[..., :latent.nope_dim]), slot.latents, latent,
                                    scale, wiring.chosen_columns(kwargs.get("indices"), attention_mask)), None
-    return state.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, scale), None
+    return state.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, scale), None
 
 
 def _register_attention() -> None:
@@ -332,7 +332,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     _register_attention()
     baseline = method.fingerprint is None  # what an engine stores, not fitted to kvcal's channel order
     # each layer's frequencies kept for the last two window lengths: reading them copies from the model's device
-    states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_order) if baseline else scheme, method.policy,
+    states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_orders[i]) if baseline else scheme, method.policy,
                              functools.lru_cache(maxsize=2)(functools.partial(adapter.layer_inv_freq, i)),
                              adapter.layer_rope_scaling(i), tally, adapter.spans[i], adapter.layers[i].sinks,
                              adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
@@ -369,7 +369,7 @@ class QuantizedOnWrite(DynamicCache):
         for decoder_index, layer, handles in zip(attending, method.layers, adapter.layers):
             latent = handles.latent
             if latent is not None and latent.rope_in_order:
-                layer = _in_model_order(layer, adapter.rope_order)
+                layer = _in_model_order(layer, handles.rope_order)
             self.codecs[decoder_index] = ((layer.key_codec, layer.value_codec) if latent is None else
                                           (layer.value_codec, layer.key_codec))
         self.kv_heads = dict(zip(attending, adapter.kv_heads))  # by layer_idx

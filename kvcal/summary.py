@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import index_widths, kv_shapes, kv_widths, latent_attention, score_scale
+from kvcal.adapters import index_widths, kv_shapes, kv_widths, latent_attention, query_heads, rope_orders, score_scale
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -30,11 +30,12 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     provenance = [
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
-                         f"{fingerprint['num_heads']} q / {_kv_heads_text(fingerprint)}"
+                         f"{' or '.join(map(str, sorted(set(query_heads(fingerprint)))))} q / {_kv_heads_text(fingerprint)}"
                          + (f"; attention in decoder layers {', '.join(map(str, fingerprint['attention_layers']))}, the others "
                             "keep a recurrent state" if "attention_layers" in fingerprint else "")),
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
-                      + ("; q/k channels in RoPE pair order (fingerprint rope_order)" if "rope_order" in fingerprint else "")
+                      + (f"; q/k channels in RoPE pair order (fingerprint {'layer_rope_orders' if 'layer_rope_orders' in fingerprint else 'rope_order'})"
+                         if any(rope_orders(fingerprint)) else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
                       + (f"; multi-head latent attention: the value is a latent of {fingerprint['value_dim']} channels "

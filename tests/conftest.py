@@ -24,7 +24,7 @@ GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
-               "granitemoe_swa")
+               "granitemoe_swa", "laguna")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
@@ -309,6 +309,18 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                           mlp_layer_types=["dense"] * 4)
         if model_type == "kimi_linear":
             common["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    if model_type == "laguna":  # as Laguna XS.2: more query heads on its sliding layer (8) than on its full one (4), whose
+        # RoPE (YaRN, cos/sin unscaled) rotates half of each head where the sliding one's rotates all; a dense MLP, then
+        # experts (4, every one routed to); its default token ids are past TINY_VOCAB
+        del common["rope_theta"]
+        common.update(head_dim=16, num_attention_heads_per_layer=[8, 4], mlp_layer_types=["dense", "sparse"], num_experts=4,
+                      num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                      rope_parameters=dict(full_attention=dict(rope_type="yarn", rope_theta=500000.0, factor=max_positions / 64,
+                                                               original_max_position_embeddings=64, beta_fast=64.0,
+                                                               beta_slow=1.0, attention_factor=1.0, partial_rotary_factor=0.5),
+                                           sliding_attention=dict(rope_type="default", rope_theta=10000.0,
+                                                                  partial_rotary_factor=1.0)))
     if model_type == "mimo_v2_flash":  # as MiMo-V2-Flash: values narrower than keys (16 channels beside 32) and scaled
         # after v_proj, twice the KV heads and sinks on the sliding layer, RoPE over half of each head, a base a type
         del common["rope_theta"]

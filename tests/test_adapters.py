@@ -4,20 +4,21 @@ import torch
 from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_module, decoder_layers
-from kvcal.adapters import adapt, decoder_of, score_scale
+from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", *GEMMA4)
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna",
+               *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision:
 # Cohere 2's) for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
-                         "lfm3", "mimo_v2_flash")
+                         "lfm3", "mimo_v2_flash", "laguna")
 WINDOWS = {"mistral": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "lfm3")}}
 
@@ -34,7 +35,9 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
               [(2, 32), (4, 32)] if model_type == "mimo_v2_flash" else [(kv_heads, 16)] * 2)
-    assert adapter.num_heads == 4 and list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
+    # Laguna's sliding layer: twice the query heads of its full one
+    assert adapter.query_heads == ([8, 4] if model_type == "laguna" else [4, 4])
+    assert list(zip(adapter.kv_heads, adapter.head_dims)) == shapes
     assert adapter.kv_widths == [heads * head_dim for heads, head_dim in shapes]
     assert adapter.value_widths == ([32, 64] if model_type == "mimo_v2_flash" else adapter.kv_widths)
     assert [layer.value_multiplier for layer in adapter.layers] == [0.707 if model_type == "mimo_v2_flash" else 1.0] * 2
@@ -81,7 +84,7 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens: int = 12) -> None:
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.kv_heads[i], adapter.head_dims[i])
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
-        cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1))
+        cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1), i)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
 
 
@@ -118,7 +121,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     assert handles.q_proj is query
     interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
                    or getattr(config, "rope_interleave", False))
-    assert (adapter.rope_order is not None) == interleaved
+    assert [order is not None for order in adapter.rope_orders] == [interleaved] * 2
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
              for i, layer in enumerate(adapter.layers)
@@ -132,7 +135,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
         pre_rope = layer.source_rows("k", sources["k", i])[0].view(tokens, 1, 64)
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
         cached = cache.layers[adapter.model_layers[i]].values[0].transpose(0, 1)
-        cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached)
+        cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached, i)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
         assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[adapter.model_layers[i]].keys[0, 0])
 
@@ -207,7 +210,7 @@ def test_q_k_and_v_clamped_in_place_are_read_clamped(model_type):
     hook.remove()
     keys = apply_rope(read[0][0].view(12, 2, 16), torch.arange(12), adapter.layer_inv_freq(0, 12), adapter.layer_rope_scaling(0))
     assert read[0].abs().max() <= 0.25 and (read[0].abs() == 0.25).any()
-    torch.testing.assert_close(keys, adapter.in_rope_order(cache.layers[0].keys[0].transpose(0, 1)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, adapter.in_rope_order(cache.layers[0].keys[0].transpose(0, 1), 0), rtol=1e-5, atol=1e-5)
 
 
 def test_keys_multiplied_by_zero_are_refused():
@@ -343,9 +346,28 @@ def test_rope_over_part_of_each_head_rotates_the_rest_by_zero_frequencies():
     rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)
     model = tiny_model("phi3", rope_parameters=rope, initializer_range=0.25)
     adapter = adapt(model)
-    assert list(adapter.rope_order) == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    order = (0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15)
+    assert adapter.rope_orders == [order] * 2
     assert torch.equal(adapter.inv_freq[:6], model.model.rotary_emb.inv_freq) and not adapter.inv_freq[6:].any()
-    assert adapter.fingerprint()["rope_order"] == list(adapter.rope_order)
+    fingerprint = adapter.fingerprint()
+    assert fingerprint["rope_order"] == list(order) and "layer_rope_orders" not in fingerprint
+    assert rope_orders(fingerprint) == adapter.rope_orders
+    assert_kvcal_rotates_the_pre_rope_keys_as(model)
+
+
+def test_layers_rotating_their_own_share_of_each_head_keep_their_own_channel_order():
+    """Laguna's full layer rotates half of each head (YaRN), its sliding one all of it, of twice the query heads: kvcal
+    reads each layer's queries and keys in that layer's order (the sliding one's is the model's), the fingerprint
+    records each layer's order and query heads, and kvcal's rotation of each layer's pre-RoPE keys is the model's."""
+    model = tiny_model("laguna", initializer_range=0.25)
+    adapter = adapt(model)
+    half = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+    assert adapter.rope_orders == [None, half]
+    assert adapter.inv_freq[0].all() and adapter.inv_freq[1, :4].all() and not adapter.inv_freq[1, 4:].any()
+    fingerprint = adapter.fingerprint()
+    assert fingerprint["layer_rope_orders"] == [None, list(half)] and "rope_order" not in fingerprint
+    assert rope_orders(fingerprint) == adapter.rope_orders
+    assert fingerprint["layer_num_heads"] == [8, 4] and query_heads(fingerprint) == [8, 4]
     assert_kvcal_rotates_the_pre_rope_keys_as(model)
 
 

@@ -337,13 +337,15 @@ def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
 
 
 # per-layer widths a fingerprint names: DeepSeek Sparse Attention's indexer keys (what the summary's bits count),
-# MiMo-V2-Flash's values (narrower than its keys)
+# MiMo-V2-Flash's values (narrower than its keys), Laguna's query heads (more on its sliding layer)
 PER_LAYER_WIDTHS = {"layer_index_dims": ("deepseek_v32", [80, 80], "indexer widths .* are not non-negative integers"),
-                    "layer_value_dims": ("mimo_v2_flash", [16, 16], "layer/head counts .* are not positive integers")}
+                    "layer_value_dims": ("mimo_v2_flash", [16, 16], "layer/head counts .* are not positive integers"),
+                    "layer_num_heads": ("laguna", [8, 4], "layer/head counts .* are not positive integers")}
 
 
 @pytest.mark.parametrize("key, edited", [("layer_index_dims", edit) for edit in ([80], [80, -1], [80, "80"], 80)] +
-                         [("layer_value_dims", edit) for edit in ([16], [16, 0], [16, "16"])])
+                         [("layer_value_dims", edit) for edit in ([16], [16, 0], [16, "16"])] +
+                         [("layer_num_heads", edit) for edit in ([8], [8, 0], [8, 4.0])])
 def test_a_resealed_bundle_whose_per_layer_widths_were_edited_is_refused(architecture_bundles, tmp_path, key, edited):
     """Edited and resealed (so the checksum passes) into anything but one integer a layer, positive (values) or not
     negative (indexer keys: 0 where a layer keeps none), the bundle is refused in one line."""

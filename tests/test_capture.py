@@ -187,7 +187,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
             (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multiplier
-            * unrotated_scale(model, adapter.model_layers[i], adapter.head_dims[i]).repeat(adapter.kv_heads[i]))
+            * unrotated_scale(model, adapter.model_layers[i], adapter.head_dims[i]).repeat(adapter.kv_heads[i]), i)
             for i, (g, c) in enumerate(zip(grads[2 * n : 3 * n], columns[:n]))])
         for i in (i for i in layers if normed_after_rope[i]):  # dL/dK_post, rotated back
             heads = grads[2 * n + i] if heads_first else grads[2 * n + i].transpose(1, 2)  # (batch, heads, tokens, head_dim)
@@ -196,7 +196,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                 rotated_back = models_rope(model, heads, cos, -sin)
             else:
                 rotated_back = llama4_rope(model, adapter.model_layers[i], heads, inverse=True)
-            key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1))
+            key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1), i)
         value_grads.append([g[0].flatten(1)[:, c] / getattr(attention_of(model, adapter.model_layers[i]), "v_scale", 1.0)
                             for i, (g, c) in enumerate(zip(grads[3 * n :], columns[n:]))])
         rotated = []
@@ -218,7 +218,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                 cos, sin = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None], *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads
-            rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1)))
+            rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1), i))
         post_rope.append(rotated)
     return norms / len(batch), key_grads, value_grads, post_rope
 
@@ -306,12 +306,12 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
         grads = torch.autograd.grad(loss, weights + [outputs["a", i] for i in range(2)] + [outputs["latent", i] for i in range(2)])
         norms[0] += torch.stack([g[rank:].double().norm() for g in grads[:2]])
         norms[1] += torch.stack([g[:rank].double().norm() for g in grads[:2]])
-        key_grads.append([adapter.rows_in_rope_order(g[0, :, rank:]) for g in grads[2:4]])
+        key_grads.append([adapter.rows_in_rope_order(g[0, :, rank:], i) for i, g in enumerate(grads[2:4])])
         value_grads.append([g[0] for g in grads[4:]])
         with torch.no_grad():
             cache = model(ids, use_cache=True).past_key_values
         cached = [cache.layers[m].values[0, 0] for m in adapter.model_layers]
-        post_rope.append([rows if adapter.layers[i].latent.rope_in_order else adapter.rows_in_rope_order(rows)
+        post_rope.append([rows if adapter.layers[i].latent.rope_in_order else adapter.rows_in_rope_order(rows, i)
                           for i, rows in enumerate(cached)])
     torch.testing.assert_close(result.importance_k, (norms[0] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(result.importance_v, (norms[1] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)

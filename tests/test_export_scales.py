@@ -56,3 +56,26 @@ def test_the_searched_attention_is_the_models_own_with_its_sinks_or_soft_cap(mod
     objective = WindowAttention(tensors, 1, config)
     heads = seen[0].view(seen[0].shape[0], 2, 2, 16).permute(1, 2, 0, 3)  # (kv_heads, group, tokens, head_dim)
     torch.testing.assert_close(objective.reference[0], heads, rtol=0, atol=2e-3)
+
+
+def test_the_searched_attention_reads_each_layers_own_query_heads(tiny_model_dir, tiny_corpus, tmp_path):
+    """Laguna: its sliding layer has twice the query heads of its full one. The search scores each layer's own, and
+    its attention on the full layer is the model's (the model's output gate, softplus of g_proj per head, taken
+    out), up to the fp16 the windows are kept in."""
+    from conftest import profile_tiny_model, tiny_model
+    from kvcal.artifacts import read_artifact
+
+    model = tiny_model("laguna")  # the weights tiny_model_dir saves
+    profile = profile_tiny_model(tiny_model_dir("laguna"), tiny_corpus, tmp_path / "p.safetensors")
+    tensors, config = read_artifact(profile, "profile")
+    attention = model.model.layers[1].self_attn
+    seen = {}
+    attention.o_proj.register_forward_pre_hook(lambda module, args: seen.__setitem__("gated", args[0][0]))
+    attention.g_proj.register_forward_hook(lambda module, args, out: seen.__setitem__("gate", out[0]))
+    with torch.no_grad():
+        model(tensors["windows.input_ids"][:1].long())
+    tokens = seen["gated"].shape[0]
+    out = seen["gated"].view(tokens, 4, 16) / torch.nn.functional.softplus(seen["gate"].float())[..., None]
+    objective = WindowAttention(tensors, 1, config)
+    torch.testing.assert_close(objective.reference[0], out.view(tokens, 2, 2, 16).permute(1, 2, 0, 3), rtol=0, atol=2e-3)
+    assert WindowAttention(tensors, 0, config).queries[0].shape == (2, 4, tokens, 16)  # 8 query heads over 2 KV heads

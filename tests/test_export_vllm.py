@@ -506,3 +506,16 @@ def test_values_narrower_than_keys_and_a_value_scale_attribute_export(tiny_model
     result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
                  tmp_path / "export", "--json", tmp_path / "ppl.json")
     assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
+
+
+def test_layers_of_their_own_query_heads_export_per_head_scales(tiny_model_dir, tiny_corpus, tmp_path):
+    """Laguna: twice the query heads on its sliding layer as on its full one, over 2 KV heads each: per KV head
+    scales are fitted on each layer's own query heads, written one per KV head, and eval ppl reads the folder back."""
+    model = tiny_model_dir("laguna")
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export", "attn_head").exit_code == 0
+    tensors = safetensors_of(tmp_path / "export")
+    assert [tuple(tensors[f"model.layers.{i}.self_attn.k_scale"].shape) for i in range(2)] == [(2, 1, 1)] * 2
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 1, "--quant",
+                 tmp_path / "export", "--json", tmp_path / "ppl.json")
+    assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated attn_head"]["effective_bits"] == 8

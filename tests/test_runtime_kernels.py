@@ -190,12 +190,14 @@ def test_tokens_taken_back_on_cuda_leave_the_cache_a_shorter_step_leaves(head_di
 @requires_gpu
 @pytest.mark.parametrize("model_type, overrides", [("gpt_oss", dict(num_attention_heads=4)),
                                                    ("gpt_oss", dict(num_attention_heads=32)), ("gemma2", {}),
-                                                   ("qwen3_5_text", {}), ("falcon_h1", {}), ("gemma3n_text", {}), ("gemma4_text", {})])
+                                                   ("qwen3_5_text", {}), ("falcon_h1", {}), ("gemma3n_text", {}), ("gemma4_text", {}),
+                                                   ("laguna", {})])
 def test_sinks_soft_caps_and_hybrids_decode_on_cuda_like_the_cpu_reference(model_type, overrides):
     """Tiny models at head_dim 64 under KIVI's int4 in blocks of 32, 40 tokens one at a time: gpt-oss (a 16-token
     sliding layer and a full one; each row's sink joined after the fused merge; 32 query heads: in passes of 8 per KV
     head), Gemma 2 (scores capped at 0.05), Qwen3.5 (gated DeltaNet layers before its two attention layers), Falcon-H1
-    (Mamba 2 beside each attention), Gemma 3n (two more layers reading the two attention layers' caches). The
+    (Mamba 2 beside each attention), Gemma 3n (two more layers reading the two attention layers' caches), Laguna (a
+    sliding layer of 8 query heads, a full one of 4, over 2 KV heads each). The
     tensor-core kernel on every attention layer, the CPU runtime's logits within 2e-3 (the emulated kernel's tests, on
     the device)."""
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, score_scale
+from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, query_heads, score_scale
 from kvcal.artifacts import read_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.fp8 import FP8_MAX, fp8_fake_quantize
@@ -96,7 +96,7 @@ class WindowAttention:
         prefix = f"layers.{layer}.windows"
         fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
         scale = score_scale(profile_config["model"])
-        heads, (self.kv_heads, self.head_dim) = fingerprint["num_heads"], kv_shapes(fingerprint)[layer]
+        heads, (self.kv_heads, self.head_dim) = query_heads(fingerprint)[layer], kv_shapes(fingerprint)[layer]
         self.group = heads // self.kv_heads
         sinks = attention_sinks(profile_config["model"], layer)
         self.sinks = sinks.view(self.kv_heads, self.group, 1, 1) if sinks is not None else None  # per query head

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from sklearn.cluster import KMeans
 
-from kvcal.adapters import attention_sinks, attention_softcap, kv_shapes, kv_widths, latent_attention, score_scale
+from kvcal.adapters import (attention_sinks, attention_softcap, kv_shapes, kv_widths, latent_attention, query_heads,
+                            score_scale)
 from kvcal.artifacts import read_artifact, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
@@ -178,7 +179,7 @@ class _ClipObjective:
         prefix = f"layers.{layer}.windows"
         fingerprint, rope_scaling = profile_config["model"]["fingerprint"], layer_rope_scaling(profile_config["rope"], layer)
         self.kv_heads, self.head_dim = kv_shapes(fingerprint)[layer]
-        heads = fingerprint["num_heads"]
+        heads = query_heads(fingerprint)[layer]
         self.group = heads // self.kv_heads
         self.inv_freq, self.rope_scaling = layer_inv_freq(profile["rope.inv_freq"], layer, self.head_dim), rope_scaling
         self.positions = profile["windows.positions"].long()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcal.adapters import kv_shapes, kv_widths, latent_attention
+from kvcal.adapters import kv_shapes, kv_widths, latent_attention, query_heads
 from kvcal.errors import KvcalError
 from kvcal.packing import layout_for
 from kvcal.quantizers import CodecKind
@@ -397,10 +397,11 @@ def bundle_plan(bundle, device_type: str) -> list[LayerPlan]:
     one is here)."""
     if device_type not in ("cpu", "cuda"):
         raise KvcalError(f"device {device_type!r}: say cpu or cuda")
-    heads, device = bundle.fingerprint["num_heads"], torch.device(device_type)
+    device = torch.device(device_type)
     latent, value_widths = latent_attention(bundle.fingerprint), kv_widths(bundle.fingerprint, "v")
     plans = []
-    for i, (recipe, (kv_heads, head_dim)) in enumerate(zip(bundle.layers, kv_shapes(bundle.fingerprint))):
+    for i, (recipe, heads, (kv_heads, head_dim)) in enumerate(zip(bundle.layers, query_heads(bundle.fingerprint),
+                                                                  kv_shapes(bundle.fingerprint))):
         widths = (kv_heads * head_dim, value_widths[i])
         codecs = bundle.layer_codecs(i)
         blocks = tuple(recipe.format.body_block(recipe, keys) for keys in (True, False))

@@ -494,7 +494,7 @@ class RuntimeLayer(CacheLayerMixin):
             seqs = list(range(first, min(first + step, batch)))
             chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, rows.shape[-1]).half()
             stored_keys = (chunk(pre_rope_keys) if self.pre_rope else chunk(keys) if in_order
-                           else self.cache.adapter.rows_in_rope_order(chunk(keys)))
+                           else self.cache.adapter.rows_in_rope_order(chunk(keys), self.index))
             self.keys_store.append_rows(seqs, [tokens] * len(seqs), stored_keys)
             self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
@@ -590,7 +590,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if slot.reader:  # the step's plan, made by the layers that store (a reader's queries may be the step's last only)
         plan = layer.cache.running_plan()
         ahead = plan.ahead_of(attention_mask)
-        return layer.attend_as_reader(adapter.in_rope_order(query), plan, scale, sliding_window, ahead), None
+        return layer.attend_as_reader(adapter.in_rope_order(query, slot.index), plan, scale, sliding_window, ahead), None
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
     latent = layer.latent
@@ -598,12 +598,13 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         (latents, rotated_keys), layer.latent_step = layer.latent_step, None
         rotated = query[..., latent.nope_dim :]
         if not latent.rope_in_order:
-            rotated, rotated_keys = adapter.in_rope_order(rotated), adapter.in_rope_order(rotated_keys)
+            rotated, rotated_keys = adapter.in_rope_order(rotated, slot.index), adapter.in_rope_order(rotated_keys, slot.index)
         out = layer.attend(rotated, rotated_keys, latents, plan, scale, sliding_window, None,
                            latent.latent_query(query[..., : latent.nope_dim]),
                            wiring.chosen_columns(kwargs.get("indices"), attention_mask))
         return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
-    return layer.attend(adapter.in_rope_order(query), adapter.in_rope_order(key), value, plan, scale, sliding_window,
+    return layer.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, plan, scale,
+                        sliding_window,
                         plan.ahead_of(attention_mask)), None
 
 
