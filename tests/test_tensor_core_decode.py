@@ -91,6 +91,8 @@ CASES = ([("fp16", d, gqa, "3") for d in (64, 128) for gqa in (1, 2, 4, 8)]
          + [("nuq4", 128, 4, "3-edges"), ("nuq4-rope", 64, 4, "3-edges"), ("nuq4-rope", 128, 2, "1")]
          + [(c, 128, gqa, "3") for c in ("nuq3", "nuq3-rope") for gqa in (1, 4, 8)] + [("nuq3-rope", 128, 3, "3-edges")]
          + [(c, 128, gqa, "3") for c in ("nuq4-out-rope", "nuq3-out-rope") for gqa in (1, 4, 8)]
+         # 6 query heads a KV head: Laguna's full layers (48 over 8 KV heads)
+         + [("nuq3-out-rope", 128, 6, "3"), ("int2", 128, 6, "3-edges")]
          + [("nuq4-out-rope", 64, 3, "3"), ("nuq4-out-rope", 64, 8, "3-edges"), ("nuq3-out-rope", 128, 2, "3-edges"),
             ("nuq4-crowded-rope", 128, 4, "3"), ("nuq4-crowded-rope", 64, 2, "1")]
          # post-RoPE keys with outliers: the pre-RoPE variants, every rotation by angle 0
@@ -331,18 +333,19 @@ def test_emulated_kernel_reads_each_kv_heads_rows_together_as_rows_whole(emulato
 
 
 @pytest.mark.emulation
-@pytest.mark.parametrize("codec,head_dim", (("nuq3-out-rope", 128), ("int4-rope", 64)))
+@pytest.mark.parametrize("codec,head_dim,gqa", (("nuq3-out-rope", 128, 4), ("int4-rope", 64, 4), ("nuq3-out-rope", 128, 6)))
 @pytest.mark.parametrize("rotated_pairs", (16, 0))
-def test_emulated_kernel_leaves_channels_of_zero_frequency_unrotated(emulator, codec, head_dim, rotated_pairs):
+def test_emulated_kernel_leaves_channels_of_zero_frequency_unrotated(emulator, codec, head_dim, gqa, rotated_pairs):
     """RoPE over the first pairs of each half only (kvcal.rope.rotate_half_order: partial_rotary_factor 0.5 at head_dim
     64, 0.25 at 128; the other frequencies zero) and over none (a NoPE layer): the kernel's rotation by a frequency of
-    zero is the identity, as the reference's."""
+    zero is the identity, as the reference's. Also at 6 query heads a KV head, as Laguna's full layers read (48 over
+    8)."""
     lengths = LENGTHS["3"]
     keys, values = filled(codec, lengths, head_dim)
-    query = torch.randn(len(lengths), KV_HEADS * 4, head_dim, generator=torch.Generator().manual_seed(4))
+    query = torch.randn(len(lengths), KV_HEADS * gqa, head_dim, generator=torch.Generator().manual_seed(4))
     inv_freq = padded_inv_freq(llama_inv_freq(2 * rotated_pairs), head_dim)
     rope = (inv_freq, 0.9, POSITIONS[: len(lengths)])
-    got = run_emulated(emulator, variant_of(codec, head_dim, 4), query, keys, values, lengths, head_dim**-0.5, rope=rope)
+    got = run_emulated(emulator, variant_of(codec, head_dim, gqa), query, keys, values, lengths, head_dim**-0.5, rope=rope)
     assert (got.double() - reference(query, keys, values, lengths, head_dim**-0.5, rope)).abs().max() < tolerance(codec)
 
 
@@ -717,8 +720,8 @@ def test_every_variant_compiles_with_nvrtc_without_spills(arch):
 
 # ------------------------------------------------------------------------------------------------ GPU
 
-# on the GPU: the emulated cases of GQA 1 / 4 / 8 (each variant is compiled there), and long ragged batches
-GPU_CASES = ([c for c in CASES if c[3] != "1" and c[2] in (1, 4, 8)]
+# on the GPU: the emulated cases of GQA 1 / 4 / 6 / 8 (each variant is compiled there), and long ragged batches
+GPU_CASES = ([c for c in CASES if c[3] != "1" and c[2] in (1, 4, 6, 8)]
              + [(c, 128, 4, "long") for c in ("int4", "fp16", "int4-g32", "int4-rope", "nuq4", "nuq4-rope")] + [("int2", 128, 8, "long")])
 
 
