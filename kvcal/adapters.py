@@ -796,7 +796,9 @@ def _rope_orders(rotary: nn.Module, kinds: list[str | None], head_dims: list[int
                              "LongRoPE shared by every layer")
     shared = set(orders.values())
     unrotated = shared.pop() if len(shared) == 1 else None
-    return [unrotated if kind in rope_free else orders[kind, head_dim] for kind, head_dim in zip(kinds, head_dims)]
+    return [orders[kind, head_dim] if kind not in rope_free else
+            unrotated if unrotated is None or len(unrotated) == head_dim else None
+            for kind, head_dim in zip(kinds, head_dims)]
 
 
 def _unrotated_scale(adapter: ModelAdapter, layer: int) -> torch.Tensor | None:
@@ -815,7 +817,7 @@ def _long_rope(rotary: nn.Module) -> LongRope | None:
     """The rotary's LongRoPE long frequencies, as transformers makes them for a forward past the switch. PhiMoE's
     rotary rotates by its short set at any length and scales cos/sin by the config's short_mscale, or long_mscale
     past the switch: served where the two are equal (the released Phi-3.5-MoE's are), refused where they are not."""
-    if getattr(rotary, "rope_type", None) != "longrope":  # (per layer type: refused by _rope_order)
+    if getattr(rotary, "rope_type", None) != "longrope":  # (per layer type: refused by _rope_orders)
         return None
     parameters = rotary.config.rope_parameters
     switch = int(parameters["original_max_position_embeddings"])
@@ -1000,6 +1002,9 @@ def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], lis
     per_layer = (config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers)[:num_layers]
     query_heads = list(getattr(config, "num_attention_heads_per_layer", None) or
                        [layer.num_attention_heads for layer in per_layer])[:num_layers]
+    if len(query_heads) < num_layers:
+        raise KvcalError(f"{where}: its config gives {len(query_heads)} query-head counts (num_attention_heads_per_layer) "
+                         f"for {num_layers} layers; give one a layer")
     # (GPT-BigCode: one KV head where multi_query)
     kv_heads = [getattr(layer, "num_key_value_heads", None) or (1 if getattr(layer, "multi_query", False) else heads)
                 for layer, heads in zip(per_layer, query_heads)]

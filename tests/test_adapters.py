@@ -371,6 +371,13 @@ def test_layers_rotating_their_own_share_of_each_head_keep_their_own_channel_ord
     assert_kvcal_rotates_the_pre_rope_keys_as(model)
 
 
+def test_a_config_giving_fewer_query_head_counts_than_layers_is_refused():
+    model = tiny_model("laguna")
+    model.config.num_attention_heads_per_layer = [8]  # (edited after LagunaConfig checked its length)
+    with pytest.raises(KvcalError, match=r"gives 1 query-head counts \(num_attention_heads_per_layer\) for 2 layers"):
+        adapt(model)
+
+
 @pytest.mark.parametrize("partial", [1.0, 0.75])
 def test_longrope_rotates_by_its_long_frequencies_past_its_switch(partial):
     """Phi-3.5's LongRoPE (Phi-4-mini's over 0.75 of each head), switching at 16 tokens here: a forward over 16 tokens

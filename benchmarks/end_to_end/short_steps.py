@@ -80,10 +80,13 @@ def way(name: str):
 
 
 def runtime_way(model, device: str, step: int) -> str:
-    """The way the runtime takes for a step of `step` tokens by default."""
+    """The way the runtime takes for a step of `step` tokens by default (on the layers of most query heads a KV
+    head, where layers differ)."""
+    from kvcal.adapters import adapt
     from kvcal.runtime import backends
 
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    adapter = adapt(model)
+    group = max(heads // kv_heads for heads, kv_heads in zip(adapter.query_heads, adapter.kv_heads))
     return WAYS[step > backends.short_step_tokens("cpu-kernel" if device == "cpu" else "tensor-core", group)]
 
 

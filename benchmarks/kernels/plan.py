@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--name", default="decode_plan", help="result file name in benchmarks/results (default: %(default)s)")
     args = parser.parse_args()
 
+    from kvcal.adapters import query_heads
     from kvcal.bundle import load_bundle
     from kvcal.runtime.backends import bundle_plan
 
@@ -73,7 +74,8 @@ def main() -> None:
         lines += ["", *notes, ""]
     model = load_bundle(next(iter(bundles.values()))).fingerprint
     header = [f"# What serves a decode step, per recipe ({model['architecture']}: {model['num_layers']} layers, "
-              f"{model['num_heads']} heads over {model['num_kv_heads']} KV heads of {model['head_dim']})", "",
+              f"{' or '.join(map(str, sorted(set(query_heads(model)))))} heads over {model['num_kv_heads']} KV heads of "
+              f"{model['head_dim']})", "",
               f"Commit {started['commit']}, {started['date']}. From `python -m benchmarks.kernels plan` (kvcal.runtime.backends: "
               "the planner the runtime binds at a layer's first decode step; no kernel ran). Servers: tensor-core (one "
               "launch of the tensor-core kernel per layer and step), cpu-kernel, reference (the torch reference: every token "
