@@ -12,10 +12,10 @@ modeling file:
   the attention layers of Qwen3.5, Qwen3-Next, LFM2 and LFM3: q/k norms per head before RoPE; OLMo 2 and 3, OLMoE,
   FlexOlmo, OLMo Hybrid, MiniMax-M2: over the whole projection. The pre-RoPE key is the tensor RoPE consumes: the key
   norm's output where the model has one, else the k_proj output;
-- Phi-3 and Phi-4: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns), DBRX in its Wqkv's,
-  clamped (clip_qkv: `LayerHandles.clip`), its attention inside a norm_attn_norm block; GPT-NeoX (Pythia)
-  and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon name the
-  output projection dense, LFM2 and DBRX out_proj.
+- Phi-3, Phi-4 and Phi-4-multimodal: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns),
+  DBRX in its Wqkv's, clamped (clip_qkv: `LayerHandles.clip`), its attention inside a norm_attn_norm block; GPT-NeoX
+  (Pythia) and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon
+  name the output projection dense, LFM2 and DBRX out_proj.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
 of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
@@ -131,7 +131,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gemma4_text", "gemma4", "cohere2_moe", "granite_swa", "granitemoe_swa", "llama4_text", "llama4",
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
-                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna")
+                         "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
+                         "phi4_multimodal")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",

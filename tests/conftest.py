@@ -55,8 +55,9 @@ def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: 
         short_factor=[1.0 + 0.1 * i for i in range(pairs)], long_factor=[2.0 + 3.0 * i for i in range(pairs)], **mscales))
 
 
-# (model type, partial) of the tiny LongRoPE models: Phi-3.5's, Phi-4-mini's (over 0.75 of each head), Phi-3.5-MoE's
-LONGROPE = [("phi3", 1.0), ("phi3", 0.75), ("phimoe", 1.0)]
+# (model type, partial) of the tiny LongRoPE models: Phi-3.5's, Phi-4-mini's (over 0.75 of each head), Phi-3.5-MoE's,
+# Phi-4-multimodal's
+LONGROPE = [("phi3", 1.0), ("phi3", 0.75), ("phimoe", 1.0), ("phi4_multimodal", 0.75)]
 
 
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -309,6 +310,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                           mlp_layer_types=["dense"] * 4)
         if model_type == "kimi_linear":
             common["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    if model_type == "phi4_multimodal":  # as Phi-4-multimodal: Phi-4-mini's decoder (one fused qkv_proj, RoPE over 0.75
+        # of each head), its image and audio encoders inside the model (here tiny); its default token ids are past TINY_VOCAB
+        del common["rope_theta"]
+        common.update(pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75),
+                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=28, patch_size=14, crop_size=28, image_token_id=TINY_VOCAB - 1),
+                      audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                                        ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32,
+                                        audio_token_id=TINY_VOCAB - 2))
     if model_type == "laguna":  # as Laguna XS.2: more query heads on its sliding layer (8) than on its full one (4), whose
         # RoPE (YaRN, cos/sin unscaled) rotates half of each head where the sliding one's rotates all; a dense MLP, then
         # experts (4, every one routed to); its default token ids are past TINY_VOCAB

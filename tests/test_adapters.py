@@ -48,8 +48,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     layer = decoder_layers(model)[adapter.model_layers[1]]
     attention = attention_module(layer)
-    # Phi-3's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
-    key_projection = getattr(attention, {"phi3": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
+    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
+    key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "gpt2": "c_attn",
                                          "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection

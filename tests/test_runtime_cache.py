@@ -797,6 +797,15 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
         model(**images, past_key_values=cache, use_cache=True)
 
 
+def test_phi4_multimodals_image_encoder_is_refused_while_a_cache_is_open():
+    """Phi-4-multimodal's image and audio encoders sit inside the model kvcal wires (its text decoder is no module of
+    its own): an image encoded while a cache is open reaches kvcal's attention and is refused in one line, naming it."""
+    model = tiny_model("phi4_multimodal")
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)):
+        with pytest.raises(KvcalError, match="Phi4MultimodalVisionAttention is not an attention layer of the model's text decoder"):
+            model.model.embed_tokens_extend.image_embed.img_processor(torch.randn(1, 3, 28, 28))
+
+
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's, Qwen-VL's and Gemma 4's (without
@@ -1034,7 +1043,7 @@ def fp16_pre_rope_bundle(skvq_bundle):
     return bundle
 
 
-@pytest.mark.parametrize("model_type, partial", LONGROPE)
+@pytest.mark.parametrize("model_type, partial", [case for case in LONGROPE if case[0] != "phi4_multimodal"])
 @pytest.mark.parametrize("lengths", [(10, 7), (20, 5)])
 def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, model_type, partial,
                                                                 decode_path):
@@ -1054,6 +1063,25 @@ def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles
                 assert cache.long_era and cache.tokens() == [n + 11 for n in lengths]  # (not the last token)
             assert torch.equal(ours.sequences, fp.sequences)
             torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+
+
+def test_phi4_multimodals_generate_across_longropes_switch_is_refused_and_past_it_gives_its_own_tokens():
+    """Phi-4-multimodal's generate (transformers 5.23) drops the cache where the sequence first crosses the switch, as
+    Phi-3's does, but goes on with the last token alone (its own tokens then are not its full forward's): kvcal
+    refuses that call in one line. A prompt already past the switch never crosses it: generate gives the model's own
+    tokens."""
+    model = tiny_model("phi4_multimodal", **longrope(16, 0.75, model_type="phi4_multimodal"))
+    settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        ids, mask = left_padded((10, 7), seed=3)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache, pytest.raises(
+                KvcalError, match=r"without the cache holding this sequence's first 16 tokens, on 1 more that cross "
+                                  r"LongRoPE's switch 16: Phi4MultimodalForCausalLM's generate drops the cache there"):
+            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+        ids, mask = left_padded((20, 5), seed=3)
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings), fp)
 
 
 def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the_cache_is_emptied(longrope_bundles):
