@@ -54,9 +54,9 @@ def test_a_stage_past_its_limit_is_interrupted_then_killed_and_one_the_budget_ca
     # interrupted: it writes what it has (as pytest writes its summary) and ends
     summarising = campaign.Stage("summarising", [sys.executable, "-c", "import time\nprint('started', flush=True)\ntry:\n"
                                  "    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('summary')"], limit_s=2, least_s=1)
-    began = time.monotonic()
     run.run(summarising, dict(os.environ))
-    assert summarising.status == "stopped at 2 s" and time.monotonic() - began < 2 + campaign.GRACE_S
+    # its summary in the log: it ended on the interrupt (a kill GRACE_S later would have cut it off)
+    assert summarising.status == "stopped at 2 s"
     assert (tmp_path / "logs" / "summarising.log").read_text() == "started\nsummary\n"
     # deaf to the interrupt: killed GRACE_S later
     deaf = campaign.Stage("deaf", [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
