@@ -37,7 +37,8 @@ GLM = ("glm", "glm4", "glm4_moe")
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
 # vision-language models whose decoder reads an image's tokens as text, and that decoder's type
-IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2"}
+IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
+                "aria": "aria_text"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
@@ -103,8 +104,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                       patch_size=14)
         # their images' patches merged into a quarter of the tokens (LLaVA's: one each)
+        # (Aria's projector: 4 queries of an image's 4 patches)
         extra = dict(llava=dict(vision_feature_layer=-1), internvl=dict(downsample_ratio=0.5), smolvlm=dict(scale_factor=2),
-                     idefics3=dict(scale_factor=2), aya_vision=dict(downsample_factor=2))[model_type]
+                     idefics3=dict(scale_factor=2), aya_vision=dict(downsample_factor=2),
+                     aria=dict(projector_patch_to_query_dict={4: 4}))[model_type]
         if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
         text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()
@@ -155,6 +158,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common["layer_rope_theta"] = [10000.0, 500000.0]
     if model_type == "olmoe":
         common.update(num_experts=4, num_experts_per_tok=4, pad_token_id=None)
+    if model_type == "aria_text":  # as the Qwen MoEs (every one of 4 routed to), beside a shared expert
+        common.update(moe_num_experts=4, moe_topk=4, moe_num_shared_experts=1, pad_token_id=None, bos_token_id=1,
+                      eos_token_id=2)
     if model_type == "flint":  # as the Qwen MoEs, a shared expert beside the routed ones
         common.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if model_type in ("mellum", "solar_open", "exaone_moe", "afmoe", "flex_olmo", "hy_v3", "dots1"):  # as the Qwen MoEs

@@ -668,7 +668,8 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 # image tokens and side (Qwen's: image patches of 14 x 14 pixels, two frames, 2 x 2 merged into a token; Gemma 4's: 2 x 2
 # patches pooled into a token), vision attention
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
-          "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "llama4": (4, 56, "Llama4Vision"), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
+          "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
+          "llama4": (4, 56, "Llama4Vision"), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
 IMAGES_AS_TOKENS = ("mistral3", "llama4", *IMAGE_TOWERS, *QWEN_VL)  # their decoders read an image's tokens causally, as text
 
 
