@@ -49,7 +49,7 @@ Gemma 3 4B-27B (gemma3), Gemma 4 (gemma4) and Gemma 4 Unified are their text dec
 3 (mistral3: Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM,
 Idefics3 and Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Aria (aria) its MoE aria_text one, Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3 decoder whose RoPE takes (time, height, width) positions,
-equal for text, Llama 4
+equal for text, as North Micro Vision (cohere_compass) its cohere_compass_text one (RoPE per layer type), Llama 4
 (llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal
 reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
@@ -133,7 +133,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
                          "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
-                         "phi4_multimodal", "aria_text", "aria")
+                         "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -167,7 +167,8 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
-_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "qwen2_vl", "qwen2_5_vl",
+_IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "cohere_compass",
+                     "qwen2_vl", "qwen2_5_vl",
                      "qwen3_vl", "qwen3_vl_moe", "llama4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones

@@ -24,7 +24,7 @@ GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
-               "granitemoe_swa", "laguna")
+               "granitemoe_swa", "laguna", "cohere_compass_text", "cohere_compass")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
@@ -126,6 +126,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                        **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type == "cohere_compass":  # North: its text decoder (below) beside a Qwen3-VL-like vision tower, which also
+        # feeds the decoder's first layer (DeepStack)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      deepstack_visual_indexes=[0], num_position_embeddings=16)
+        text = tiny_config("cohere_compass_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1,
+                                    vision_end_token_id=TINY_VOCAB - 4)
     if model_type == "dbrx":  # its own names; q, k and v clamped at 0.25, within their size here (the real ones: 8); its
         # attention reads rope_theta from attn_config (as the real configs hold it); as the Qwen MoEs, every one of 4
         # small experts routed to
@@ -316,6 +325,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                           mlp_layer_types=["dense"] * 4)
         if model_type == "kimi_linear":
             common["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    if model_type == "cohere_compass_text":  # as North's: multimodal RoPE ((time, height, width) sections, equal for
+        # text) on its sliding layer, none on its full one; logits unscaled (as Cohere's, above)
+        del common["rope_theta"]
+        common.update(logit_scale=1.0, rope_parameters=dict(full_attention=None, sliding_attention=dict(
+            rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])))
     if model_type == "phi4_multimodal":  # as Phi-4-multimodal: Phi-4-mini's decoder (one fused qkv_proj, RoPE over 0.75
         # of each head), its image and audio encoders inside the model (here tiny); its default token ids are past TINY_VOCAB
         del common["rope_theta"]
@@ -366,7 +380,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    auto = AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", *IMAGE_TOWERS, *QWEN_VL) else AutoModelForCausalLM
+    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", *IMAGE_TOWERS, *QWEN_VL)
+            else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows

@@ -18,7 +18,7 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 # Cohere 2's) for their NoPE layer
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
-                         "lfm3", "mimo_v2_flash", "laguna")
+                         "lfm3", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass")
 WINDOWS = {"mistral": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "lfm3")}}
 

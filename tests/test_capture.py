@@ -46,7 +46,7 @@ SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
-    layers with a window, Granite SWA's RoPE base of 0, Beam's layer types with rope parameters."""
+    layers with a window, Granite SWA's RoPE base of 0, Beam's and North's layer types with rope parameters."""
     attention = attention_of(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
@@ -58,7 +58,7 @@ def applies_rope(model, layer: int) -> bool:
         return attention.is_local_attention
     if text_config(model).model_type == "flint":
         return attention.sliding_window is not None
-    if text_config(model).model_type == "beam":  # its full layers' rope parameters are None
+    if text_config(model).model_type in ("beam", "cohere_compass_text"):  # their full layers' rope parameters are None
         return text_config(model).rope_parameters[text_config(model).layer_types[layer]] is not None
     return getattr(attention, "use_rope", True)
 

@@ -669,15 +669,16 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 # patches pooled into a token), vision attention
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
-          "llama4": (4, 56, "Llama4Vision"), **{kind: (4, 56, "VisionAttention") for kind in QWEN_VL}}
-IMAGES_AS_TOKENS = ("mistral3", "llama4", *IMAGE_TOWERS, *QWEN_VL)  # their decoders read an image's tokens causally, as text
+          "llama4": (4, 56, "Llama4Vision"), **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, "cohere_compass")}}
+MULTIMODAL_ROPE = (*QWEN_VL, "cohere_compass")  # image tokens at (time, height, width) positions
+IMAGES_AS_TOKENS = ("mistral3", "llama4", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     """A prompt with one image, as each model's processor gives it (the image's tokens at 2..5)."""
     tokens, side, _ = IMAGES[model_type]
     ids[0, 2:2 + tokens] = model.config.image_token_id
-    if model_type in QWEN_VL:
+    if model_type in MULTIMODAL_ROPE:
         patches = (side // 14) ** 2
         return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
@@ -829,13 +830,14 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     assert {model.config._attn_implementation, model.config.text_config._attn_implementation} == {"sdpa"}
 
 
-def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles):
-    """Qwen2.5-VL's image tokens sit at (time, height, width) positions; keys stored before RoPE (the kvquant bundle)
-    are rotated by one position each, so a prompt with an image is refused before anything is stored, in the cache and
-    in the simulation; the same prompt's text decodes through it."""
-    model = tiny_model("qwen2_5_vl")
-    bundle = architecture_bundles("qwen2_5_vl")["kvquant"]
-    images = image_inputs("qwen2_5_vl", model, prompt())
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "cohere_compass"])
+def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
+    """Qwen2.5-VL's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
+    kvquant bundle) are rotated by one position each, so a prompt with an image is refused before anything is stored,
+    in the cache and in the simulation; the same prompt's text decodes through it."""
+    model = tiny_model(model_type)
+    bundle = architecture_bundles(model_type)["kvquant"]
+    images = image_inputs(model_type, model, prompt())
     refusal = (r"given image or video tokens, at multimodal RoPE positions \(time, height and width\); layers \[0, 1\] "
                r"store keys before RoPE, which kvcal rotates by one position each: use a bundle or method storing keys "
                r"after RoPE \(kivi, kvmix, an engine's cache type\) for images")
