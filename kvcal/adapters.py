@@ -53,7 +53,9 @@ equal for text, as North Micro Vision (cohere_compass) its cohere_compass_text o
 (llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal
 reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
-and caches them; Qwen's at three positions, which keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal).
+and caches them; Phi-4-multimodal's image and audio encoders sit inside its decoder, whose text config alone kvcal
+switches: `encoders_inside`; Qwen's at three positions, which keys stored before RoPE cannot hold:
+kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
 both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead).
 gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
@@ -173,6 +175,9 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
+# models whose image and audio encoders sit inside the decoder's own module, their configs sub-configs of its text
+# config (Phi-4-multimodal's embed_tokens_extend): their images' tokens read causally, as text, once embedded
+_ENCODERS_INSIDE = ("phi4_multimodal",)
 # q and k normed per head after RoPE with a learned scale per channel (Hunyuan's query_layernorm and key_layernorm): the
 # norm's scale does not commute with RoPE, so kvcal stores the key the attention reads, rotated and normed, as a
 # model's without RoPE (its rotary left out; the norms are its q and k norms)
@@ -383,6 +388,7 @@ class ModelAdapter:
     readers: tuple[ReaderLayer, ...] = ()  # the decoder layers reading the cache of one of `layers` (KV sharing)
     images_as_tokens: bool = False  # a composite whose decoder reads image tokens as text (_IMAGES_AS_TOKENS)
     image_blocks: bool = False  # a composite whose decoder attends to an image's tokens both ways (_IMAGE_BLOCKS)
+    encoders_inside: bool = False  # image and audio encoders inside the decoder's module (_ENCODERS_INSIDE)
     # per layer, the module holding its frequencies where the model keeps one per RoPE base (_ROTARY_PER_BASE; None for
     # a layer without RoPE); empty: `rotary` holds every layer's
     layer_rotaries: tuple[nn.Module | None, ...] = ()
@@ -979,6 +985,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         readers=tuple(readers),
         images_as_tokens=model_type in _IMAGES_AS_TOKENS,
         image_blocks=model_type in _IMAGE_BLOCKS,
+        encoders_inside=model_type in _ENCODERS_INSIDE,
         layer_rotaries=layer_rotaries,
         long_rope=_long_rope(rotary) if rotary is not None else None,
     )

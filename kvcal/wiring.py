@@ -98,6 +98,11 @@ class Wiring:
         its own."""
         return decoder_of(self.model) if self.adapter.images_as_tokens or self.adapter.image_blocks else self.model
 
+    def switch(self, name: str) -> None:
+        """Switch the attention implementation of `switched` to `name`: of its text config alone where image and audio
+        encoders sit inside the decoder's own module (ModelAdapter.encoders_inside), so that they keep their own."""
+        _set_attention(self.switched, name, self.adapter.encoders_inside)
+
     def check_active(self) -> None:
         """Refuse to serve if the model's attention implementation was changed behind the wiring's back."""
         current = self.switched.config._attn_implementation
@@ -183,7 +188,7 @@ def wire(model: torch.nn.Module, adapter: ModelAdapter, name: str, owner, exclus
                                         attached=attached[reader.source] if attached is not None else None))
     _install_hooks(wiring)
     try:
-        _set_attention(wiring.switched, name)
+        wiring.switch(name)
     except BaseException:
         _remove_hooks(wiring)
         raise
@@ -210,7 +215,7 @@ def unwire(wiring: Wiring, owner) -> None:
             del _SLOTS[attention]
         layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
     _remove_hooks(wiring)
-    _set_attention(wiring.switched, wiring.previous)
+    wiring.switch(wiring.previous)
 
 
 @contextmanager
@@ -222,16 +227,16 @@ def suspended(adapter: ModelAdapter):
         yield
         return
     wiring.check_active()
-    _set_attention(wiring.switched, wiring.previous)
+    wiring.switch(wiring.previous)
     try:
         yield
     finally:
         if wiring.users:  # the last user may have unwired inside the block, restoring `previous` itself
-            _set_attention(wiring.switched, wiring.name)
+            wiring.switch(wiring.name)
 
 
-def _set_attention(model: torch.nn.Module, name: str) -> None:
-    model.set_attn_implementation(name)
+def _set_attention(model: torch.nn.Module, name: str, text_only: bool) -> None:
+    model.set_attn_implementation({"": name} if text_only else name)  # "": the top config alone, not its sub-configs
     if model.config._attn_implementation != name:  # transformers only warns for a model it cannot switch
         raise KvcalError(f"{type(model).__name__} does not let transformers switch its attention implementation to "
                          f"'{name}' (set_attn_implementation left '{model.config._attn_implementation}')")
