@@ -107,7 +107,8 @@ class Campaign:
         print(f"[campaign] {stage.name}: {shown} (limit {limit:.0f} s)", flush=True)
         began = time.monotonic()
         with log.open("w") as sink:
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                       preexec_fn=_interruptible)
             try:
                 code = process.wait(timeout=limit)
                 stage.status = "ok" if code == 0 else f"exit {code}"
@@ -122,6 +123,13 @@ class Campaign:
         stage.seconds = round(time.monotonic() - began, 1)
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         print(f"[campaign] {stage.name}: {stage.status} in {stage.seconds} s  | {tail[0][:160]}", flush=True)
+
+
+def _interruptible() -> None:
+    """In a stage's process before it starts: SIGINT back to its default, which a campaign started with it ignored (a
+    background job of a shell without job control: nohup ... &) would pass on, so that the stage's interrupt reaches it
+    (Python installs its KeyboardInterrupt handler only over the default)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def gpu_test_files() -> list[str]:
