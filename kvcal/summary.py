@@ -27,6 +27,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     fingerprint = model["fingerprint"]
     bits_k, bits_v = tensors["kvmix.bits.k"].float(), tensors["kvmix.bits.v"].float()
     rule = f"target {kvmix['target_bits']} bits" if kvmix["target_bits"] is not None else f"top {kvmix['high_frac']:.0%} of layers high"
+    orders = "layer_rope_orders" if "layer_rope_orders" in fingerprint else "rope_order"  # (where layers differ: Laguna)
     provenance = [
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
@@ -34,8 +35,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                          + (f"; attention in decoder layers {', '.join(map(str, fingerprint['attention_layers']))}, the others "
                             "keep a recurrent state" if "attention_layers" in fingerprint else "")),
         ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
-                      + (f"; q/k channels in RoPE pair order (fingerprint {'layer_rope_orders' if 'layer_rope_orders' in fingerprint else 'rope_order'})"
-                         if any(rope_orders(fingerprint)) else "")
+                      + (f"; q/k channels in RoPE pair order (fingerprint {orders})" if any(rope_orders(fingerprint)) else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
                       + (f"; multi-head latent attention: the value is a latent of {fingerprint['value_dim']} channels "

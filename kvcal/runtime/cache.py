@@ -604,8 +604,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
                            wiring.chosen_columns(kwargs.get("indices"), attention_mask))
         return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
     return layer.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, plan, scale,
-                        sliding_window,
-                        plan.ahead_of(attention_mask)), None
+                        sliding_window, plan.ahead_of(attention_mask)), None
 
 
 def _register_attention() -> None:
