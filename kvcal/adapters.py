@@ -49,8 +49,9 @@ Gemma 3 4B-27B (gemma3), Gemma 4 (gemma4) and Gemma 4 Unified are their text dec
 3 (mistral3: Mistral Small 3.x, Ministral 3) a mistral or ministral3 decoder beside one, LLaVA, InternVL, SmolVLM,
 Idefics3 and Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Aria (aria) its MoE aria_text one, Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3 decoder whose RoPE takes (time, height, width) positions,
-equal for text, as North Micro Vision (cohere_compass) its cohere_compass_text one (RoPE per layer type), Llama 4
-(llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_lm): kvcal
+equal for text, as North Micro Vision (cohere_compass) its cohere_compass_text one (RoPE per layer type) and
+Qwen3.5 (qwen3_5, qwen3_5_moe) its hybrid qwen3_5_text one (named as it: _served_name), Llama 4
+(llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_name): kvcal
 reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Phi-4-multimodal's image and audio encoders sit inside its decoder, whose text config alone kvcal
@@ -115,6 +116,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.pytorch_utils import Conv1D
 
 from kvcal.errors import KvcalError
@@ -135,7 +137,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "nanochat", "kolibri1", "gemma4_unified_text", "gemma4_unified", "beam", "opt", "gpt2",
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
                          "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
-                         "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass")
+                         "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass", "qwen3_5",
+                         "qwen3_5_moe")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
 # far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
@@ -170,7 +173,7 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "cohere_compass",
-                     "qwen2_vl", "qwen2_5_vl",
+                     "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl",
                      "qwen3_vl", "qwen3_vl_moe", "llama4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
@@ -611,12 +614,14 @@ def chunk_positions(start: int, ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
 
-def _served_lm(model: nn.Module) -> nn.Module:
-    """The causal LM that artifacts name for the model: the model, or a composite's language model where that is one
-    of its own (Llama 4's: Llama4ForCausalLM, what AutoModelForCausalLM loads its checkpoints as), so that one bundle
-    serves both."""
-    language_model = getattr(model, "language_model", None)
-    return language_model if isinstance(language_model, GenerationMixin) else model
+def _served_name(model: nn.Module, text_config) -> tuple[str, str]:
+    """(architecture, model_type) that artifacts name the model by: its own, or where AutoModelForCausalLM loads a
+    composite's checkpoints as a causal LM of their text decoder alone (Llama 4's Llama4ForCausalLM, Qwen3.5's
+    Qwen3_5ForCausalLM), that LM's, so that one bundle serves both."""
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model.config.model_type, type(model).__name__)
+    if causal_lm != type(model).__name__ and text_config is not model.config:
+        return causal_lm, text_config.model_type
+    return type(model).__name__, model.config.model_type
 
 
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -961,10 +966,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
               for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
-    named = _served_lm(model)
+    architecture, served_type = _served_name(model, config)
     adapter = ModelAdapter(
-        architecture=type(named).__name__,
-        model_type=named.config.model_type,
+        architecture=architecture,
+        model_type=served_type,
         layers=handles,
         query_heads=query_heads,
         kv_heads=kv_heads,

@@ -41,7 +41,10 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "aria": "aria_text"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
+# Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
+# decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
+QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3",
           "granitemoehybrid",
           "nemotron_h", "jamba", "bamba", "minimax")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
@@ -124,6 +127,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del text["model_type"]  # (the composite's own text type)
         text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
                                        **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type in QWEN3_5_VL:  # their hybrid decoder (below) with multimodal RoPE as released, beside a Qwen3-VL tower
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        text = tiny_config(f"{model_type}_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        text["rope_parameters"] = QWEN3_5_MROPE
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
     if model_type == "cohere_compass":  # North: its text decoder (below) beside a Qwen3-VL-like vision tower, which also
@@ -380,8 +390,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", *IMAGE_TOWERS, *QWEN_VL)
-            else AutoModelForCausalLM)
+    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", *IMAGE_TOWERS,
+                                                          *QWEN_VL, *QWEN3_5_VL) else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows

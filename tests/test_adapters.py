@@ -10,7 +10,7 @@ from kvcal.rope import apply_rope
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
-               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
+               "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna",
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
@@ -27,8 +27,9 @@ WINDOWS = {"mistral": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per
 def test_adapter_finds_projections_heads_and_rope(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
-    # Llama 4's composite is named as its language model, a causal LM of its own (what its checkpoints load as)
-    assert adapter.model_type == ("llama4_text" if model_type == "llama4" else model_type) and len(adapter.layers) == 2
+    # Llama 4's and Qwen3.5's composites are named as the causal LM of their decoder (what their checkpoints load as)
+    served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+    assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
     # GPT-NeoX, OPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
     kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer

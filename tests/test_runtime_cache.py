@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -27,8 +27,9 @@ TOKENS = 40
 # 8.1e-4 on 0.1% of the logits, one row's last step; Gemma 4's KIVI at 0: 7.6e-4, its kvmix at 5: 5.4e-4, every other
 # recipe within 1e-4). A wrong rotation, window or mask shows at every seed and on both rows; seeds 0, 3 and 4 pass every
 # recipe (OLMo Hybrid: 0 and 3 tried; Gemma 4 and Gemma 4 Unified, text models and composites: 0-6 tried, 4 passing
-# all four, 3 all but the Unified ones).
-EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4)}
+# all four, 3 all but the Unified ones; Qwen3.5's composite, at its multimodal RoPE: KIVI at 5, 2.6e-3, every other
+# seed of 0-5 and recipe within 6.2e-5).
+EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0}
 
 
 RECIPES = registry.recipes()
@@ -670,8 +671,8 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
           "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""),
-          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, "cohere_compass")}}
-MULTIMODAL_ROPE = (*QWEN_VL, "cohere_compass")  # image tokens at (time, height, width) positions
+          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")}}
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
