@@ -50,7 +50,8 @@ Gemma 3 4B-27B (gemma3), Gemma 4 (gemma4) and Gemma 4 Unified are their text dec
 Idefics3 and Aya Vision a Llama, Mistral, Qwen2, Qwen3 or Cohere 2 one, Aria (aria) its MoE aria_text one, Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE a Qwen2 or Qwen3 decoder whose RoPE takes (time, height, width) positions,
 equal for text, as North Micro Vision (cohere_compass) its cohere_compass_text one (RoPE per layer type) and
-Qwen3.5 (qwen3_5, qwen3_5_moe) its hybrid qwen3_5_text one (named as it: _served_name), Llama 4
+Qwen3.5 (qwen3_5, qwen3_5_moe) its hybrid qwen3_5_text one (named as it: _served_name), Kimi K2.5 (kimi_k25) a
+deepseek_v3 one (MLA), Llama 4
 (llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_name): kvcal
 reads and serves the decoder.
 All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
@@ -139,9 +140,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
                          "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass", "qwen3_5",
                          "qwen3_5_moe")
-# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention): Cocktail's cache and the exports refuse these so
-# far (ModelAdapter.refuse_latent)
-LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3",
+# multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
+# tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
+LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
                           "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
@@ -173,7 +174,7 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "cohere_compass",
-                     "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl",
+                     "qwen3_5", "qwen3_5_moe", "kimi_k25", "qwen2_vl", "qwen2_5_vl",
                      "qwen3_vl", "qwen3_vl_moe", "llama4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones

@@ -136,6 +136,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text["rope_parameters"] = QWEN3_5_MROPE
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type == "kimi_k25":  # Kimi K2.5: a DeepSeek-V3 decoder (MLA, below) beside its vision tower
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      pos_emb_height=8, pos_emb_width=8)
+        text = tiny_config("deepseek_v3", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1,
+                                    vision_end_token_id=TINY_VOCAB - 4, projection_hidden_size=32)
     if model_type == "cohere_compass":  # North: its text decoder (below) beside a Qwen3-VL-like vision tower, which also
         # feeds the decoder's first layer (DeepStack)
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
@@ -390,8 +397,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", *IMAGE_TOWERS,
-                                                          *QWEN_VL, *QWEN3_5_VL) else AutoModelForCausalLM)
+    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25",
+                                                          *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL) else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows

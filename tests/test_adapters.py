@@ -105,7 +105,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     else in the model's."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
-    config = model.config
+    config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
     assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
     # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent (Hy V4's

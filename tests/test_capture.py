@@ -287,7 +287,8 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     kept (their attention would need the queries absorbed into the latent)."""
     model = tiny_model(model_type)
     adapter = adapt(model)
-    rank, rotated = model.config.kv_lora_rank, model.config.qk_rope_head_dim
+    config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
+    rank, rotated = config.kv_lora_rank, config.qk_rope_head_dim
     batch = windows()
     result = profile_gradients(model, adapter, batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1))
     norms = torch.zeros(2, 2, dtype=torch.float64)

@@ -670,10 +670,10 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 # patches pooled into a token), vision attention
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
-          "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""),
+          "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""), "kimi_k25": (4, 56, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")}}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")  # image tokens at (time, height, width) positions
-IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
+IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
@@ -689,6 +689,9 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
                     mm_token_type_ids=(ids == model.config.image_token_id).long())
+    if model_type == "kimi_k25":  # its 14 x 14 patches, merged 2 x 2 into a token
+        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3, 14, 14),
+                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
     if model_type == "gemma4":  # its patches flattened, each with its (x, y) in the image
         grid = side // 14
         where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
