@@ -1070,17 +1070,22 @@ def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles
 
 def test_phi4_multimodals_generate_across_longropes_switch_is_refused_and_past_it_gives_its_own_tokens():
     """Phi-4-multimodal's generate (transformers 5.23) drops the cache where the sequence first crosses the switch, as
-    Phi-3's does, but goes on with the last token alone (its own tokens then are not its full forward's): kvcal
-    refuses that call in one line. A prompt already past the switch never crosses it: generate gives the model's own
-    tokens."""
+    Phi-3's does, but goes on with the tokens it had not cached alone (its own tokens then are not its full
+    forward's): kvcal refuses that call in one line, a decode step's (the last token) or a prompt's past a cached prefix.
+    A prompt already past the switch never crosses it: generate gives the model's own tokens."""
     model = tiny_model("phi4_multimodal", **longrope(16, 0.75, model_type="phi4_multimodal"))
     settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         ids, mask = left_padded((10, 7), seed=3)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache, pytest.raises(
-                KvcalError, match=r"without the cache holding this sequence's first 16 tokens, on 1 more that cross "
-                                  r"LongRoPE's switch 16: Phi4MultimodalForCausalLM's generate drops the cache there"):
+                KvcalError, match=r"without a cache on 1 token\(s\) from position 13 on, which reach past LongRoPE's "
+                                  r"switch 16: Phi4MultimodalForCausalLM's generate drops the cache there"):
             model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+        long = torch.randint(3, 500, (1, 21), generator=torch.Generator().manual_seed(3))
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache, pytest.raises(
+                KvcalError, match=r"without a cache on 18 token\(s\) from position 3 on"):
+            model(long[:, :3], past_key_values=cache, use_cache=True)
+            model.generate(input_ids=long, attention_mask=torch.ones_like(long), past_key_values=cache, **settings)
         ids, mask = left_padded((20, 5), seed=3)
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:

@@ -698,20 +698,20 @@ class WiredCache(Cache):
         sequence, no cache and use_cache True, and would go on with a DynamicCache. This cache, the only one open on the
         model, holding a prefix of that sequence and no forward past the switch, is emptied and passed instead, so the
         call prefills it and generate goes on with it. Phi-4-multimodal's generate (transformers 5.23) drops it so but
-        goes on with the sequence's last token alone, which no cache can serve: refused in one line. Other calls
-        without a cache are left to be refused."""
+        goes on with the tokens it had not cached alone (their positions from past 0 on), which no cache can serve:
+        refused in one line. Other calls without a cache are left to be refused."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids if ids is not None else kwargs.get("inputs_embeds")
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is not True or rows is None or self.long_era:
             return None
-        stored, switch = self.attention_layers[0].padded_length, self.adapter.long_rope.switch
-        if rows.shape[1] <= stored <= switch < stored + rows.shape[1]:
-            raise KvcalError(f"the model was called without the cache holding this sequence's first {stored} tokens, on "
-                             f"{rows.shape[1]} more that cross LongRoPE's switch {switch}: {self.adapter.architecture}'s "
-                             "generate drops the cache there and goes on with the last token alone, which no cache can "
-                             f"serve; keep the prompt and the new tokens within {switch} tokens, or start past them (a "
-                             "longer prompt), and outside generate pass past_key_values=cache")
-        if not stored < rows.shape[1] or rows.shape[1] <= switch:
+        switch, positions = self.adapter.long_rope.switch, kwargs.get("position_ids")
+        if positions is not None and positions.dim() == 2 and int(positions[:, 0].min()) > 0 and int(positions.max()) >= switch:
+            raise KvcalError(f"the model was called without a cache on {rows.shape[1]} token(s) from position "
+                             f"{int(positions[:, 0].min())} on, which reach past LongRoPE's switch {switch}: "
+                             f"{self.adapter.architecture}'s generate drops the cache there and goes on without the tokens "
+                             f"before, which no cache can serve; keep the prompt and the new tokens within {switch} tokens, "
+                             "or start past them (a longer prompt)")
+        if not self.attention_layers[0].padded_length < rows.shape[1] or rows.shape[1] <= switch:
             return None
         if len(self._wiring.users) > 1 or not self.refillable:
             why = ("other kvcal caches are open on the model, and which one it dropped is not known" if self.refillable
