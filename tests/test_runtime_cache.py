@@ -830,9 +830,9 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     assert {model.config._attn_implementation, model.config.get_text_config()._attn_implementation} == {"sdpa"}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "cohere_compass"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "cohere_compass"])
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
-    """Qwen2.5-VL's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
+    """Qwen2.5-VL's, Qwen3.5's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
     kvquant bundle) are rotated by one position each, so a prompt with an image is refused before anything is stored,
     in the cache and in the simulation; the same prompt's text decodes through it."""
     model = tiny_model(model_type)
