@@ -705,9 +705,10 @@ class WiredCache(Cache):
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is not True or rows is None or self.long_era:
             return None
         switch, positions = self.adapter.long_rope.switch, kwargs.get("position_ids")
-        if positions is not None and positions.dim() == 2 and int(positions[:, 0].min()) > 0 and int(positions.max()) >= switch:
-            raise KvcalError(f"the model was called without a cache on {rows.shape[1]} token(s) from position "
-                             f"{int(positions[:, 0].min())} on, which reach past LongRoPE's switch {switch}: "
+        first = int(positions[:, 0].min()) if positions is not None and positions.dim() == 2 else 0
+        if first > 0 and int(positions.max()) >= switch:
+            raise KvcalError(f"the model was called without a cache on {rows.shape[1]} token(s) from position {first} "
+                             f"on, which reach past LongRoPE's switch {switch}: "
                              f"{self.adapter.architecture}'s generate drops the cache there and goes on without the tokens "
                              f"before, which no cache can serve; keep the prompt and the new tokens within {switch} tokens, "
                              "or start past them (a longer prompt)")
