@@ -104,7 +104,8 @@ quantized cache (decoded by the CPU kernel or the torch reference), refused by C
 Linear's apply no RoPE. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, Hy V4, A.X K2) gives MLA layers an indexer
 (LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to (Hy V4's shared layers
 attend to an earlier layer's pick): kvcal keeps its keys as the model computes them and attends over the tokens it
-picks (kvcal.wiring.chosen_columns).
+picks (kvcal.wiring.chosen_columns). MiniMax-M3's block-sparse layers give GQA such an indexer, which picks blocks of
+keys per KV head (LayerHandles.pick_block), kept and attended alike.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "gpt_bigcode", "persimmon", "lfm3", "bamba", "minimax", "flint", "mimo_v2_flash",
                          "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
                          "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass", "qwen3_5",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "minimax_m3_vl_text", "minimax_m3_vl")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -175,7 +176,7 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "cohere_compass",
                      "qwen3_5", "qwen3_5_moe", "kimi_k25", "qwen2_vl", "qwen2_5_vl",
-                     "qwen3_vl", "qwen3_vl_moe", "llama4")
+                     "qwen3_vl", "qwen3_vl_moe", "llama4", "minimax_m3_vl")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
@@ -201,6 +202,8 @@ _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
 _ATTENTION_AND_STATE_TYPES = ("hybrid",)
 # DeepSeek Sparse Attention's layers: MLA whose queries attend to the tokens an indexer picks (LayerHandles.sparse)
 _INDEXED_ATTENTION = "indexed_attention"
+# MiniMax-M3's block-sparse layers (GQA whose queries attend to the key blocks a lightning indexer picks), by kvcal's name
+_LAYER_TYPE_NAMES = {"minimax_m3_sparse": _INDEXED_ATTENTION}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", _INDEXED_ATTENTION,
                           *_ATTENTION_AND_STATE_TYPES)
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
@@ -276,11 +279,13 @@ class LayerHandles:
     # side by side, an index where they alternate by head)
     columns: dict[str, slice | torch.Tensor] = field(default_factory=lambda: dict.fromkeys("qkv", slice(None)))
     latent: LatentAttention | None = None  # MLA: k_proj and v_proj are kv_a_proj_with_mqa, v_norm its kv_a_layernorm
-    # DeepSeek Sparse Attention (an MLA layer's): its attention is handed the columns of the mask each query attends (the
-    # top index_topk by an indexer's scores: `indices`), picked by its own indexer, which keeps keys of its own
-    # (Cache.update_indexer), or by an earlier layer's (Hy V4's shared layers: indexer None)
+    # sparse attention: its attention is handed the columns of the mask each query attends, picked by its own indexer,
+    # which keeps keys of its own, or by an earlier layer's (Hy V4's shared layers: indexer None). DeepSeek Sparse
+    # Attention's (MLA): the top index_topk tokens by the indexer's scores (`indices`; Cache.update_indexer); MiniMax-M3's
+    # (GQA): per KV head, the top blocks of `pick_block` keys (`block_indices`; its cache layer's update_index)
     sparse: bool = False
     indexer: nn.Module | None = None
+    pick_block: int = 1
 
     @property
     def query_source(self) -> nn.Module:
@@ -435,8 +440,13 @@ class ModelAdapter:
         return [kv_heads * value_dim for kv_heads, value_dim in zip(self.kv_heads, self.value_dims)]
 
     @property
+    def picks_key_blocks(self) -> bool:
+        """Whether a layer attends to the key blocks an indexer picks by cache column (MiniMax-M3's, beside GQA)."""
+        return any(handles.sparse and handles.latent is None for handles in self.layers)
+
+    @property
     def index_widths(self) -> list[int]:
-        """Per layer, the channels of one token's indexer key (DeepSeek Sparse Attention's), 0 where it has no indexer."""
+        """Per layer, the channels of one token's indexer key (a sparse layer's), 0 where it has no indexer."""
         return [handles.indexer.head_dim if handles.indexer is not None else 0 for handles in self.layers]
 
     def index_bytes(self, dtype: torch.dtype) -> list[int]:
@@ -643,8 +653,10 @@ def _find_attention(layer: nn.Module, where: str) -> nn.Module:
 
 
 def _decoder_layer_types(config, num_layers: int) -> list[str]:
-    """Each decoder layer's type: the config's layer_types, full_attention where it has none."""
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    """Each decoder layer's type: the config's layer_types (by kvcal's name, _LAYER_TYPE_NAMES), full_attention where it
+    has none."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    return [_LAYER_TYPE_NAMES.get(kind, kind) for kind in types][:num_layers]
 
 
 def _attention_layers(types: list[str], where: str) -> list[int]:
@@ -764,6 +776,17 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
                         columns=dict(q=query_columns, k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
                         sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in _SINKS else None)
+
+
+def _pick_key_blocks(handles: LayerHandles, query_heads: int, where: str) -> None:
+    """Make a GQA layer's handles sparse, as MiniMax-M3's block-sparse layers: its attention's indexer (head_dim: the
+    channels of its one key head; block_size: the keys of a block) picks key blocks per group of query heads."""
+    indexer = getattr(handles.attention, "indexer", None)
+    heads, head_dim, block = (getattr(indexer, name, None) for name in ("num_heads", "head_dim", "block_size"))
+    if not all(isinstance(number, int) and number > 0 for number in (heads, head_dim, block)) or query_heads % heads:
+        raise KvcalError(f"{where}: an indexed layer whose attention has no indexer of key blocks (num_heads dividing its "
+                         f"{query_heads} query heads, head_dim, block_size), which kvcal serves (MiniMax-M3's)")
+    handles.sparse, handles.indexer, handles.pick_block = True, indexer, block
 
 
 def _rotary_name(kind: str | None, name: str) -> str:
@@ -931,12 +954,12 @@ def adapt(model: nn.Module) -> ModelAdapter:
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
-    if _INDEXED_ATTENTION in decoder_types and not latent:
-        raise KvcalError(f"{where}: kvcal serves DeepSeek Sparse Attention's indexed layers in multi-head latent attention "
-                         "(DeepSeek-V3.2's, GLM-5's) only")
     handles = [_latent_handles(layers[m], i, m, where, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
                _layer_handles(layers[m], i, m, where, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
+    for handle, m in zip(handles, attending):
+        if decoder_types[m] == _INDEXED_ATTENTION and not latent:
+            _pick_key_blocks(handle, query_heads[m], f"{where}: decoder layer {m}")
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
         if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
             raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "

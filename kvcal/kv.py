@@ -25,6 +25,13 @@ def per_query_head(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
     return x.view(tokens, kv_heads, width // kv_heads).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
 
 
+def per_query_head_pick(chosen: torch.Tensor, heads: int, dim: int = 0) -> torch.Tensor:
+    """An indexer's pick (kvcal.wiring.chosen_columns) with one entry along `dim` for every head alike or one per group
+    of query heads in order -> one for every head alike or one per query head."""
+    groups = chosen.shape[dim]
+    return chosen if groups in (1, heads) else chosen.repeat_interleave(heads // groups, dim)
+
+
 def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Scaled scores soft-capped into (-softcap, softcap), tanh(scores / softcap) * softcap, as Gemma 2's attention
     caps them before its mask and softmax; None: as they are."""

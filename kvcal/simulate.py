@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from kvcal import wiring
 from kvcal.adapters import LatentAttention, ModelAdapter, adapt
 from kvcal.errors import KvcalError
-from kvcal.kv import SegmentPolicy, as_cached, per_query_head, softcapped, softmax_with_sinks, window_dropped
+from kvcal.kv import SegmentPolicy, as_cached, per_query_head, per_query_head_pick, softcapped, softmax_with_sinks, window_dropped
 from kvcal.model_caches import taking
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized
@@ -184,7 +184,10 @@ class SimulatedLayer:
         block = math.lcm(*(getattr(codec, "block_tokens", 1) for codec in (self.scheme.key_codec, self.scheme.value_codec)))
         return window_dropped(tokens, sinks, body_end, block, self.span)
 
-    def attend(self, query, key, value, scaling: float) -> torch.Tensor:
+    def attend(self, query, key, value, scaling: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """query (batch, heads, tokens, head_dim) over key and value (batch, kv_heads, tokens, channels), the keys
+        post-RoPE (and pre_rope_keys), as the cache stores them -> (batch, tokens, heads, value channels); chosen:
+        as attend_latent's."""
         batch, heads, tokens, head_dim = query.shape
         kv_heads = key.shape[1]
         width, value_width = kv_heads * head_dim, kv_heads * value.shape[-1]  # (values may be narrower: MiMo-V2-Flash's)
@@ -194,7 +197,7 @@ class SimulatedLayer:
             read = self._read(b, as_cached(key[b].transpose(0, 1).reshape(tokens, width)),
                               as_cached(value[b].transpose(0, 1).reshape(tokens, value_width)), kv_heads)
             reads += [read] if self.keep_reads else []  # (held past the loop only for readers)
-            outputs.append(self._attend_read(query[b], read, scaling))
+            outputs.append(self._attend_read(query[b], read, scaling, None if chosen is None else chosen[b]))
         self.reads = reads if self.keep_reads else None
         return torch.stack(outputs)
 
@@ -202,8 +205,8 @@ class SimulatedLayer:
                       chosen: torch.Tensor | None = None) -> torch.Tensor:
         """MLA's attention (LatentAttention) of query (batch, heads, tokens, rotated channels) and latent_query (batch,
         heads, tokens, latent channels) over its keys (pre_rope_keys, rotated as the cache holds them) and `latents`
-        (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim); chosen (batch, tokens,
-        tokens): the tokens each query attends (DeepSeek Sparse Attention's indexer's pick), None: all it sees."""
+        (batch, tokens, latent channels), its values -> (batch, tokens, heads, value_dim); chosen (batch, groups, tokens,
+        tokens): the tokens each query attends (an indexer's pick, kvcal.wiring.chosen_columns), None: all it sees."""
         tokens = query.shape[2]
         key_mask, value_mask = self.masks_for(tokens, query.device)
         positions, inv_freq = torch.arange(tokens, device=query.device), self.frequencies(tokens)
@@ -242,10 +245,12 @@ class SimulatedLayer:
             raise KvcalError("a layer reading another's keys and values attended before that layer in this forward")
         return torch.stack([self._attend_read(query[b], read, scaling) for b, read in enumerate(self.reads)])
 
-    def _attend_read(self, query, read, scaling: float) -> torch.Tensor:
-        """One sequence's query (heads, tokens, head_dim) over what attend read -> (tokens, heads, head_dim)."""
+    def _attend_read(self, query, read, scaling: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence's query (heads, tokens, head_dim) over what attend read -> (tokens, heads, head_dim); chosen:
+        mixed_attention's."""
         key_mask, value_mask = self.masks_for(query.shape[1], query.device)
-        out = mixed_attention(query.float(), *read, key_mask, value_mask, scaling, self.span, self.sinks, self.softcap)
+        out = mixed_attention(query.float(), *read, key_mask, value_mask, scaling, self.span, self.sinks, self.softcap,
+                              chosen=chosen)
         return out.transpose(0, 1).to(query.dtype)
 
 
@@ -258,8 +263,9 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     scores takes its sink logit as one more, which reads no value; with a softcap, scores are capped first
     (kvcal.kv.softcapped). Keys are (tokens, kv_heads * head_dim), values (tokens, kv_heads * value channels); GQA
     shares each KV head across its query heads. With a latent_query (heads, tokens, value channels) the values take
-    part in the scores as well, by their dot product with it (MLA: kvcal.adapters.LatentAttention). chosen (tokens,
-    tokens): the tokens each query attends among those it sees (DeepSeek Sparse Attention's indexer's), None: all."""
+    part in the scores as well, by their dot product with it (MLA: kvcal.adapters.LatentAttention). chosen (groups,
+    tokens, tokens): the tokens each query attends among those it sees, per group of query heads (an indexer's pick,
+    kvcal.wiring.chosen_columns), None: all."""
     heads, tokens, head_dim = query.shape
     kv_heads = keys_fp.shape[1] // head_dim
 
@@ -269,7 +275,7 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     positions = torch.arange(tokens, device=query.device)
     causal = span.sees(positions, positions) if span is not None else positions[None, :] <= positions[:, None]
     if chosen is not None:
-        causal = causal & chosen
+        causal = causal & per_query_head_pick(chosen, heads)
     scores = torch.where(key_mask, query @ per_head(keys_hat).transpose(1, 2), query @ per_head(keys_fp).transpose(1, 2))
     if latent_query is not None:
         scores = scores + torch.where(value_mask, latent_query @ per_head(values_hat).transpose(1, 2),
@@ -307,15 +313,18 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if slot.reader:
         return state.attend_as_reader(adapter.in_rope_order(query, slot.index), scale), None
     state.pre_rope_keys = slot.pre_rope_keys
-    latent = adapter.layers[slot.index].latent
+    handles = adapter.layers[slot.index]
+    # a sparse layer's: the tokens its indexer picked, its indexer keys cached as the model computes them
+    chosen = wiring.chosen_columns(kwargs, tokens, handles.pick_block)
+    state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
+    latent = handles.latent
     if latent is not None:
         rotated = query[..., latent.nope_dim:]
         rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated, slot.index)
-        # DeepSeek Sparse Attention's: the tokens its indexer picked, its keys cached as the model computes them
-        state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
         return state.attend_latent(rotated, latent.latent_query(query[..., :latent.nope_dim]), slot.latents, latent,
-                                   scale, wiring.chosen_columns(kwargs.get("indices"), attention_mask)), None
-    return state.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, scale), None
+                                   scale, chosen), None
+    return state.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, scale,
+                        chosen), None
 
 
 def _register_attention() -> None:

@@ -118,7 +118,7 @@ def slot(module: torch.nn.Module) -> Slot | None:
 
 # what an attention call may ask that kvcal's attention does not compute, by the keyword transformers passes it as
 _NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "sinks": "attention sinks",
-                 "indices": "the tokens an indexer picked"}
+                 "indices": "the tokens an indexer picked", "block_indices": "the key blocks an indexer picked"}
 
 
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
@@ -129,8 +129,9 @@ def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | Non
     adapter = layer_slot.wiring.adapter if layer_slot is not None else None
     handles = adapter.layers[layer_slot.index] if adapter is not None else None
     softcap = adapter.softcap if adapter is not None else None
-    served = {"s_aux": handles is not None and handles.sinks is not None,
-              "indices": handles is not None and handles.sparse, "softcap": softcap is not None}
+    sparse = handles is not None and handles.sparse
+    served = {"s_aux": handles is not None and handles.sinks is not None, "indices": sparse, "block_indices": sparse,
+              "softcap": softcap is not None}
     for name, what in _NOT_COMPUTED.items():
         if kwargs.get(name) is not None and not served.get(name, False):
             raise KvcalError(f"{type(module).__name__} asks its attention for {what} ('{name}'), which kvcal's attention "
@@ -306,14 +307,26 @@ def visible(attention_mask) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
-def chosen_columns(indices: torch.Tensor | None, attention_mask) -> torch.Tensor | None:
-    """(batch, queries, columns of the 4-D mask): which columns each query attends, of the `indices` (batch, queries, k)
-    a DeepSeek Sparse Attention layer's indexer picked (the top k by its scores, among them masked columns where a query
-    sees fewer than k), None where it picked every column (no more than k) or is none."""
-    if indices is None or indices.shape[-1] >= attention_mask.shape[-1]:
+def chosen_columns(kwargs: dict, columns: int, block: int = 1) -> torch.Tensor | None:
+    """(batch, groups, queries, columns): which of the step's key columns (those of its 4-D mask: the tokens cached
+    before it, padding included, then its own) each query attends (groups 1: every head alike,
+    else per group of query heads in order), of what a sparse layer's indexer picked (kvcal.adapters.LayerHandles.sparse),
+    as its attention call hands it over: DeepSeek Sparse Attention's `indices` (batch, queries, k), the top k tokens by
+    its scores (among them masked columns where a query sees fewer than k); MiniMax-M3's `block_indices` (batch, groups,
+    queries, k), the top k blocks of `block` columns (-1: none, where a query sees fewer than k). None where it picked
+    every column (as many as there are) or is none."""
+    indices, blocks = kwargs.get("indices"), kwargs.get("block_indices")
+    if indices is not None:
+        if indices.shape[-1] >= columns:
+            return None
+        chosen = torch.zeros(*indices.shape[:2], columns, dtype=torch.bool, device=indices.device)
+        return chosen.scatter_(-1, indices.long(), True)[:, None]
+    count = -(-columns // block)
+    if blocks is None or blocks.shape[-1] >= count:
         return None
-    chosen = torch.zeros(*indices.shape[:2], attention_mask.shape[-1], dtype=torch.bool, device=indices.device)
-    return chosen.scatter_(-1, indices.long(), True)
+    chosen = torch.zeros(*blocks.shape[:3], count + 1, dtype=torch.bool, device=blocks.device)  # the last: -1's
+    chosen.scatter_(-1, blocks.long().masked_fill(blocks < 0, count), True)
+    return chosen[..., :count].repeat_interleave(block, -1)[..., :columns]
 
 
 def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bool | None = None) -> torch.Tensor:

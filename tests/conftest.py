@@ -18,6 +18,9 @@ TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every archi
 LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
 DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
 TINY_INDEX_TOPK = 8
+# MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
+MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
+MINIMAX_M3_BLOCK = 4  # the keys of a block its indexer picks
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
@@ -152,6 +155,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1,
                                     vision_end_token_id=TINY_VOCAB - 4)
+    if model_type == "minimax_m3_vl":  # MiniMax-M3: its text decoder (below) beside a Qwen-VL-like vision tower; 1-D RoPE
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      image_size=56)
+        text = tiny_config("minimax_m3_vl_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2)
     if model_type == "dbrx":  # its own names; q, k and v clamped at 0.25, within their size here (the real ones: 8); its
         # attention reads rope_theta from attn_config (as the real configs hold it); as the Qwen MoEs, every one of 4
         # small experts routed to
@@ -357,6 +367,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
                                         ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32,
                                         audio_token_id=TINY_VOCAB - 2))
+    if model_type == "minimax_m3_vl_text":  # as MiniMax-M3: a block-sparse layer (its lightning indexer picks, per KV head,
+        # 2 blocks of 4 keys each query attends: the real ones 16 of 128), then a full one; RoPE over half of each head; q
+        # and k normed per head; a dense MLP, then experts (4, every one routed to); its default token ids are past
+        # TINY_VOCAB
+        del common["rope_theta"]
+        common.update(head_dim=16, layer_types=["minimax_m3_sparse", "full_attention"], index_block_size=MINIMAX_M3_BLOCK,
+                      index_topk_blocks=2, index_local_blocks=1, index_n_heads=2, index_head_dim=16,
+                      mlp_layer_types=["dense", "sparse"], num_local_experts=4, num_experts_per_tok=4,
+                      dense_intermediate_size=128, intermediate_size=32, shared_intermediate_size=32,
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
     if model_type == "laguna":  # as Laguna XS.2: more query heads on its sliding layer (8) than on its full one (4), whose
         # RoPE (YaRN, cos/sin unscaled) rotates half of each head where the sliding one's rotates all; a dense MLP, then
         # experts (4, every one routed to); its default token ids are past TINY_VOCAB
@@ -397,7 +418,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25",
+    auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
                                                           *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL) else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINIMAX_M3, MINIMAX_M3_BLOCK, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_module, decoder_layers
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
@@ -11,7 +11,7 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna",
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision:
@@ -159,13 +159,28 @@ def test_bidirectional_attention_is_refused():
 
 @pytest.mark.parametrize("kind, refusal", [
     ("compressed_sparse_attention", r"its layer types \['compressed_sparse_attention'\] are not ones kvcal serves"),
-    ("indexed_attention", "kvcal serves DeepSeek Sparse Attention's indexed layers in multi-head latent attention"),
+    ("indexed_attention", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks"),
+    ("minimax_m3_sparse", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks"),
 ])
 def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused(kind, refusal):
     """DeepSeek-V4's compressed sparse attention is no attention kvcal computes; an indexer's pick (each query reads
-    the tokens an indexer picks: Hy V4's, Qwen's sparse attention) it serves in MLA alone (DeepSeek-V3.2's, GLM-5's)."""
+    what an indexer picks) it serves in MLA (DeepSeek-V3.2's tokens) and from an indexer of key blocks beside GQA
+    (MiniMax-M3's), which a Llama's attention does not have."""
     with pytest.raises(KvcalError, match=refusal):
         adapt(tiny_model("llama", layer_types=[kind, "full_attention"]))
+
+
+@pytest.mark.parametrize("model_type", MINIMAX_M3)
+def test_block_sparse_layers_pick_key_blocks_with_their_own_indexer(model_type):
+    """MiniMax-M3's block-sparse layer (minimax_m3_sparse) is sparse: its attention's indexer picks blocks of 4 keys
+    per KV head and keeps keys of its own, 16 channels a token, which the fingerprint counts; its full layer reads
+    every key and keeps none."""
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    assert [(handles.sparse, handles.pick_block) for handles in adapter.layers] == [(True, MINIMAX_M3_BLOCK), (False, 1)]
+    assert adapter.layers[0].indexer is attention_module(decoder_layers(model)[0]).indexer
+    assert adapter.layers[1].indexer is None
+    assert adapter.index_widths == [16, 0] and adapter.fingerprint()["layer_index_dims"] == [16, 0]
 
 
 def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():

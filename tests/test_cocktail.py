@@ -79,6 +79,14 @@ def test_generate_crossing_longropes_switch_after_compression_is_refused():
         assert cache.refillable and cache.tokens() == []
 
 
+def test_block_sparse_attention_is_refused():
+    """MiniMax-M3's indexer picks key blocks by cache column, which Cocktail's stores, keeping tokens by chunk, do not
+    hold in order: refused in one line naming what serves it."""
+    with pytest.raises(KvcalError, match=r"minimax_m3_vl_text: Cocktail's cache keeps tokens by chunk, out of cache "
+                                         r"order, and its block-sparse layers .*; use quantized_cache"):
+        cocktail_cache(tiny_model("minimax_m3_vl_text"))
+
+
 def test_default_encoder_ranks_the_matching_text_first():
     encoder = ChunkEncoder()
     texts = ["The cathedral was built in the twelfth century from local limestone.",

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, IMAGE_TOWERS, LATENT, LONGROPE, MINIMAX_M3, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -355,18 +355,18 @@ def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(
                                                            ("gemma2", dict(sliding_window=8), True),
                                                            ("llama4_text", dict(attention_chunk_size=16), True),
                                                            ("gemma4_text", {}, False), ("deepseek_v3", {}, True),
-                                                           ("deepseek_v32", {}, False)])
+                                                           ("deepseek_v32", {}, False), ("minimax_m3_vl_text", {}, True)])
 def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings, kernels,
                                                                                    monkeypatch):
     """The same on 2-bit KIVI (blocks of 8, a residual of 8) under a sliding window of 8 with attention sinks (gpt-oss)
     and soft-capped scores (Gemma 2), in chunks of 16 (Llama 4: placed by position), with layers reading another's
     cache (Gemma 4: the torch reference's way, the others the CPU kernel's), on MLA's latent (DeepSeek-V3) and with an
-    indexer's pick of the tokens each query attends (DeepSeek-V3.2: the reference's way); logits within 1e-3 and
-    tokens read back within 2e-3 (Gemma 4's keys and values of a forward over several tokens and over one can differ
-    by an fp16 step)."""
+    indexer's pick of the tokens each query attends (DeepSeek-V3.2: the reference's way) or of the key blocks
+    (MiniMax-M3's block-sparse layer, over prompts of equal length); logits within 1e-3 and tokens read back within
+    2e-3 (Gemma 4's keys and values of a forward over several tokens and over one can differ by an fp16 step)."""
     ways = ways_of_decode_steps(monkeypatch)
     model = tiny_model(model_type, **settings)
-    ids, mask = left_padded([40, 34])
+    ids, mask = left_padded([40, 40] if model_type in MINIMAX_M3 else [40, 34])
     assert_later_steps_read_as_decode_steps_like_one_token_steps(model, kivi_bundle(model, 2, 8, 8), ids, mask,
                                                                  [20, 12, 8], atol=1e-3, stored_atol=2e-3)
     assert kernels in ways
@@ -473,7 +473,8 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minimax")
+                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minimax",
+                                                                            "minimax_m3_vl_text")
                                                     for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
@@ -485,7 +486,8 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     (before the wiring was shared, it was silently the open cache's own prefill there). GLM-4 also: keys the model
     caches in its channel order are stored in kvcal's. Qwen3.5 also: the loaded cache's DeltaNet layers continue from the
     context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
-    keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class."""
+    keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class; MiniMax-M3
+    also, its block-sparse layer's indexer keys."""
     from kvcal.runtime.cache import fp_context
 
     model = tiny_model(model_type)
@@ -671,9 +673,9 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
           "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""), "kimi_k25": (4, 56, ""),
-          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")}}
+          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl")}}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")  # image tokens at (time, height, width) positions
-IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
+IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
@@ -689,6 +691,9 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
                     mm_token_type_ids=(ids == model.config.image_token_id).long())
+    if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
+        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
+                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
     if model_type == "kimi_k25":  # its 14 x 14 patches, merged 2 x 2 into a token
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3, 14, 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
@@ -810,7 +815,7 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
-    """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's, Qwen-VL's and Gemma 4's (without
+    """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's, MiniMax-M3's, Qwen-VL's and Gemma 4's (without
     use_bidirectional_attention) decoders read an image's
     tokens causally, as text (Qwen's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping
     everything fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16
@@ -1012,6 +1017,42 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
     assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+
+
+@pytest.mark.parametrize("model_type", MINIMAX_M3)
+def test_block_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
+    """MiniMax-M3's block-sparse layer (its indexer picking, per KV head, the 2 blocks of 4 keys each query attends to)
+    over two prompts of 24 tokens and 12 new ones, every token fp16: the model's own tokens and logits, the cache
+    keeping the indexer's keys as transformers' does (through its cache layer's update_index), its attention over the
+    blocks picked (read by the torch reference; the full layer by the default decoder); the same weights attending to
+    64 blocks give other logits."""
+    model = tiny_model(model_type)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, past_key_values=cache, **settings)
+            assert [None if layer.index_keys is None else tuple(layer.index_keys.shape)
+                    for layer in cache.attention_layers] == [(2, 35, 16), None]
+            assert [layer.decode_path for layer in cache.attention_layers] == [
+                "reference", {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]]
+        dense = tiny_model(model_type, index_topk_blocks=64).generate(input_ids=ids, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+
+
+def test_block_sparse_attention_refuses_padded_sequences():
+    """MiniMax-M3's indexer places key blocks by cache column and queries by position: left-padded prompts (whose
+    picks transformers' own cache computes apart from each prompt's own) are refused before anything is stored."""
+    model = tiny_model("minimax_m3_vl_text")
+    ids, mask = left_padded((24, 17), seed=3)
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+        with pytest.raises(KvcalError, match=r"block-sparse indexer places its key blocks by cache column and its queries "
+                                             r"by position, which padding sets apart: .* give sequences of equal length"):
+            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+        assert cache.tokens() == [] and cache.used_bytes() == 0
 
 
 # LongRoPE (Phi-3.5; Phi-4-mini: over 0.75 of each head, cos/sin scaled): a forward past its switch rotates every

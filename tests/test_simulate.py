@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import DSA, GEMMA4, LATENT, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import DSA, GEMMA4, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -50,7 +50,8 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
         # to fp16 in transformers' own cache)
         torch.testing.assert_close(got, expected, rtol=1e-3, atol={"gemma3n_text": 1e-3, **dict.fromkeys(GEMMA4, 3e-3)}.get(model_type, 5e-4),
                                    msg=lambda message: f"{model_type}: {message}")
-        assert tally.effective_bits == 16.0
+        assert tally.key_bits + tally.value_bits == 16 * (tally.key_elements + tally.value_elements)
+        assert tally.index_elements == (2 * 33 * 16 if model_type in MINIMAX_M3 else 0)  # (its indexer keys, kept as computed)
         assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
 
 
@@ -80,6 +81,23 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them (Hy V4: layer 0's alone)
     index_width = {"hy_v4": 80}.get(model_type, 2 * 80) if model_type in DSA else 0
     assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * index_width, 2 * 33 * index_width)
+
+
+@pytest.mark.parametrize("model_type", MINIMAX_M3)
+def test_block_sparse_attention_simulated_unquantized_is_the_models_own(model_type):
+    """MiniMax-M3's block-sparse layer in the simulation, each query over the 2 blocks of 4 keys its indexer picked for
+    its KV head (of 33 tokens' 9), gives the model's logits, which the same weights picking 64 blocks do not; its
+    indexer keys (16 channels, layer 0's alone) are counted kept as this float32 model computes them."""
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 500, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        dense = tiny_model(model_type, index_topk_blocks=64)(ids).logits
+        with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
+            got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)
+    assert (dense - expected).abs().max() > 0.1
+    assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * 16, 2 * 33 * 16)
 
 
 @pytest.mark.parametrize("model_type", LATENT)

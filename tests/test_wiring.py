@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from conftest import MINIMAX_M3_BLOCK, tiny_config
 from kvcal.errors import KvcalError
-from kvcal.wiring import own_tokens_ahead, real_tokens
+from kvcal.wiring import chosen_columns, own_tokens_ahead, real_tokens
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -48,3 +49,25 @@ def test_an_images_tokens_are_told_apart_from_padding_and_seen_ahead_as_gemma3s_
     assert torch.equal(ahead, expected)
     with pytest.raises(KvcalError, match="needs torch >= 2.5"):
         own_tokens_ahead(images | (~images).all(-1, keepdim=True), valid, padding_sees_all=True)
+
+
+def test_the_key_blocks_an_indexer_picked_are_the_columns_minimax_m3s_own_mask_keeps():
+    """MiniMax-M3's `block_indices` (per KV head, the blocks of 4 keys each query attends; -1 where it picked fewer)
+    are the columns its own eager/SDPA mask keeps (the indexer's build_block_mask, one group per KV head), the last
+    block cut at the columns there are; where it picked every block there is, None (every column it sees)."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
+
+    config = tiny_config("minimax_m3_vl_text")
+    indexer = MiniMaxM3VLIndexer(config, 0)
+    columns, queries = 18, 3  # 5 blocks, the last of 2 columns
+    blocks = torch.tensor([[[[4, 0], [2, -1], [1, 3]], [[0, -1], [4, 3], [2, 1]]]])  # (batch, KV heads, queries, k)
+    positions = torch.arange(columns - queries, columns)[None]
+    theirs = indexer.build_block_mask(blocks, None, columns, torch.float32, "cpu", positions) == 0
+    ours = chosen_columns({"block_indices": blocks}, columns, MINIMAX_M3_BLOCK)
+    causal = torch.arange(columns)[None, :] <= positions[0, :, None]
+    heads = config.num_attention_heads // blocks.shape[1]
+    assert ours.shape == (1, 2, queries, columns)
+    assert torch.equal(theirs, (ours & causal).repeat_interleave(heads, 1))
+    every = torch.arange(5).expand(1, 2, queries, 5)
+    assert chosen_columns({"block_indices": every}, columns, MINIMAX_M3_BLOCK) is None
+    assert chosen_columns({}, columns, MINIMAX_M3_BLOCK) is None

@@ -160,8 +160,8 @@ class ReferenceDecoder(LayerDecoder):
         self.layer = layer
 
     def decode(self, query, plan, scaling, kv_heads, span, chosen: torch.Tensor | None = None):
-        """LayerDecoder.decode; chosen (B, tokens): the stored tokens each sequence's query attends among those it sees
-        (DeepSeek Sparse Attention's indexer's pick: StepPlan.chosen_rows), None: all."""
+        """LayerDecoder.decode; chosen (B, groups, tokens): the stored tokens each sequence's query attends among those
+        it sees, per group of query heads (a sparse layer's indexer's pick: StepPlan.chosen_rows), None: all."""
         layer = self.layer
         keys = layer.keys_store.read_batch(plan.memo, kv_heads)  # (B, kv_heads, tokens, head_dim)
         values = layer.values_store.read_batch(plan.memo, kv_heads)
@@ -172,7 +172,7 @@ class ReferenceDecoder(LayerDecoder):
             keys = torch.cat([keys, values], -1)
         visible = plan.visible(tokens, span, layer.keys_store)
         if chosen is not None:
-            visible = visible & chosen
+            visible = visible[:, None] & chosen
         out = reference.decode_attention(query, keys, values, visible, scaling, layer.sinks, layer.softcap)
         return plan.zero_padding(out.transpose(1, 2)).to(query.dtype)
 

@@ -110,7 +110,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.latent = adapter.layers[index].latent
         self.latent_step: tuple[torch.Tensor, torch.Tensor] | None = None
         self.widths = (adapter.kv_widths[index], adapter.value_widths[index])  # of one token's keys and values
-        # DeepSeek Sparse Attention's indexer keys (batch, padded_length, channels), as the model computes them and as
+        # a sparse layer's indexer keys (batch, padded_length, channels), as the model computes them and as
         # transformers' cache keeps them (padding too: the indexer scores every column of the mask); None: none yet
         self.index_keys: torch.Tensor | None = None
         # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
@@ -173,6 +173,12 @@ class RuntimeLayer(CacheLayerMixin):
         self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], 1)
         return self.index_keys
 
+    def update_index(self, indexer_keys: torch.Tensor) -> torch.Tensor:
+        """Called by a MiniMax-M3 sparse layer's indexer on its cache layer (transformers' MiniMaxM3VLSparseCacheLayer):
+        keep the step's indexer keys (batch, 1, tokens, channels) -> every token's so far, (batch, 1, tokens,
+        channels)."""
+        return self.cache.update_indexer(indexer_keys[:, 0], self.cache.adapter.model_layers[self.index])[:, None]
+
     def index_bytes(self) -> int:
         return 0 if self.index_keys is None else self.index_keys.numel() * self.index_keys.element_size()
 
@@ -195,9 +201,9 @@ class RuntimeLayer(CacheLayerMixin):
         post-RoPE) -> (B, m, H, d_v); plan: the step's (which tokens are real, see StepPlan); window: the attention
         call's sliding window (see _span_for); ahead: (B, m, m), the step's tokens each sees after itself under this
         layer's mask (StepPlan.ahead_of), None: none; latent_query: MLA's (B, H, m, d_v), which scores the values too;
-        chosen: (B, m, columns of the mask), the tokens each query attends among those it sees (DeepSeek Sparse
-        Attention's indexer's pick, wiring.chosen_columns), None: all. A decode step with a pick is read by the torch
-        reference (the other decoders read every token)."""
+        chosen: (B, groups, m, columns of the mask), the tokens each query attends among those it sees, per group of
+        query heads (a sparse layer's indexer's pick, wiring.chosen_columns), None: all. A decode step with a pick is
+        read by the torch reference (the other decoders read every token)."""
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width, value_width = self.widths
@@ -575,6 +581,12 @@ def take_state(layer, source) -> None:
         setattr(layer, name, copy.deepcopy(getattr(source, name)))
 
 
+# why a step that pads a sequence is refused where an indexer picks key blocks (ModelAdapter.picks_key_blocks)
+BLOCKS_UNDER_PADDING = ("MiniMax-M3's block-sparse indexer places its key blocks by cache column and its queries by "
+                        "position, which padding sets apart: a padded sequence's picks are not its own (transformers' own "
+                        "cache gives it other tokens than it alone); give sequences of equal length, or one at a time")
+
+
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
     if slot is None and wiring.in_a_wired_model(module):
@@ -593,6 +605,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return layer.attend_as_reader(adapter.in_rope_order(query, slot.index), plan, scale, sliding_window, ahead), None
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
+    chosen = wiring.chosen_columns(kwargs, layer.padded_length + query.shape[2], adapter.layers[slot.index].pick_block)
     latent = layer.latent
     if latent is not None:  # the step's latent and rotated key, as transformers handed the cache them
         (latents, rotated_keys), layer.latent_step = layer.latent_step, None
@@ -600,11 +613,10 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         if not latent.rope_in_order:
             rotated, rotated_keys = adapter.in_rope_order(rotated, slot.index), adapter.in_rope_order(rotated_keys, slot.index)
         out = layer.attend(rotated, rotated_keys, latents, plan, scale, sliding_window, None,
-                           latent.latent_query(query[..., : latent.nope_dim]),
-                           wiring.chosen_columns(kwargs.get("indices"), attention_mask))
+                           latent.latent_query(query[..., : latent.nope_dim]), chosen)
         return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
     return layer.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, plan, scale,
-                        sliding_window, plan.ahead_of(attention_mask)), None
+                        sliding_window, plan.ahead_of(attention_mask), chosen=chosen), None
 
 
 def _register_attention() -> None:
@@ -663,20 +675,31 @@ class WiredCache(Cache):
         return key_states, value_states
 
     def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Called by a DeepSeek Sparse Attention layer's indexer: keep the step's indexer keys (batch, tokens,
-        channels) as the model computes them -> the layer's every token's so far."""
+        """Called by a DeepSeek Sparse Attention layer's indexer (and by RuntimeLayer.update_index): keep the step's
+        indexer keys (batch, tokens, channels) as the model computes them -> the layer's every token's so far."""
         self._check_open()
         index = self._attention_index.get(layer_idx)
         if index is None or self.adapter.layers[index].indexer is None:
-            raise KvcalError(f"decoder layer {layer_idx} has no DeepSeek Sparse Attention indexer whose keys this cache keeps")
+            raise KvcalError(f"decoder layer {layer_idx} has no sparse attention indexer whose keys this cache keeps")
         return self.attention_layers[index].keep_index_keys(indexer_keys)
 
     def plan_for(self, attention_mask, query: torch.Tensor, positions: torch.Tensor | None) -> StepPlan:
         """The running step's StepPlan, made by its first layer from that layer's attention mask and position ids."""
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
+            if self.adapter.picks_key_blocks:
+                self._refuse_padding(attention_mask, batch, m, query.device)
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
         return self._plan
+
+    def _refuse_padding(self, attention_mask, batch: int, m: int, device) -> None:
+        """Refuse a step that pads a sequence (BLOCKS_UNDER_PADDING; no earlier step did, each was refused so), leaving
+        the cache as it was before the step: the indexer keys a layer kept for it (those past its padded length) let go."""
+        if not wiring.real_tokens(attention_mask, batch, m, device).all():
+            for layer in self.attention_layers:
+                if layer.index_keys is not None:
+                    layer.index_keys = layer.index_keys[:, : layer.padded_length] if layer.padded_length else None
+            raise KvcalError(BLOCKS_UNDER_PADDING)
 
     def rope_era(self, tokens: int) -> None:
         """Refuse a forward over `tokens` tokens of a LongRoPE model that rotates by the other set of frequencies than
@@ -881,7 +904,7 @@ class WiredCache(Cache):
         indexed = [i for i, handles in enumerate(self.adapter.layers) if handles.indexer is not None]
         if indexed and (context.index_keys is None or any(context.index_keys[i] is None or
                                                           context.index_keys[i].shape[:2] != (batch, tokens) for i in indexed)):
-            raise KvcalError(f"this context holds no indexer keys of layers {indexed} (DeepSeek Sparse Attention's) for its "
+            raise KvcalError(f"this context holds no indexer keys of layers {indexed} (their sparse attention's) for its "
                              f"{batch} x {tokens} tokens; load a context that fp_context made for this model")
         context.copy_states_into(self)  # (it refuses a context without the states this model keeps)
         self.rope_era(tokens)
@@ -908,7 +931,7 @@ class FpContext:
     pre_rope_keys: list[torch.Tensor]
     values: list[torch.Tensor]
     cache: Cache | None
-    # per layer, DeepSeek Sparse Attention's indexer keys (batch, tokens, channels), None where it has none
+    # per layer, its sparse attention's indexer keys (batch, tokens, channels), None where it has none
     index_keys: list[torch.Tensor | None] | None = None
 
     def copy_states_into(self, cache: Cache) -> None:
@@ -953,11 +976,20 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
     context = FpContext([rows(layer.keys) for layer in attending], [torch.cat(parts, 1) for parts in pre_rope],
                         [rows(layer.values) for layer in attending], cache,
-                        [getattr(layer, "indexer_keys", None) for layer in attending])
+                        [_indexer_keys(layer) for layer in attending])
     for layer in attending:
         if layer.is_sliding:
             layer.crop(0)  # back to their window; full layers keep everything
     return context
+
+
+def _indexer_keys(layer) -> torch.Tensor | None:
+    """A transformers cache layer's indexer keys (batch, tokens, channels): DeepSeek Sparse Attention's
+    (indexer_keys), MiniMax-M3's (idx_keys, of one head); None where it keeps none."""
+    keys = getattr(layer, "indexer_keys", None)
+    if keys is None and getattr(layer, "idx_keys", None) is not None:
+        keys = layer.idx_keys[:, 0]
+    return keys
 
 
 def quantized_cache(model, bundle, cuda_layout: str = "rows", later_steps: str = "prefill") -> WiredCache:

@@ -7,7 +7,8 @@ position, then softmax attention of the query heads, each KV head serving its gr
 Query i of a step of m queries over n tokens sees tokens 0 .. n - m + i (causal within the step), or with a
 sliding window of W tokens (Mistral, Qwen2) only n - m + i - W + 1 .. n - m + i, with attention chunks (Llama 4)
 only those of its chunk (kvcal.spans.AttentionSpan), as transformers' mask does; with DeepSeek Sparse Attention only
-those of them its indexer picked (`attention`'s `chosen`).
+those of them its indexer picked (`attention`'s `chosen`), with MiniMax-M3's block-sparse attention those of the key
+blocks the indexer picked for its head's group.
 
 A decode step (one query per sequence) runs batched: `decode_attention` attends over every sequence's tokens
 padded to the longest (the stores' `read_batch`) with a mask of each sequence's own tokens, keys rotated by
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.kv import per_query_head, softcapped, softmax_with_sinks
+from kvcal.kv import per_query_head, per_query_head_pick, softcapped, softmax_with_sinks
 from kvcal.rope import rope_cos_sin, rotate_keys
 from kvcal.spans import AttentionSpan
 
@@ -58,13 +59,14 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     attention sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
     (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
     image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
-    sequence (the tokens a span let go before it), which places chunks. chosen: (m, n), the tokens each query attends
-    among those it sees (DeepSeek Sparse Attention's indexer's pick), None: all."""
+    sequence (the tokens a span let go before it), which places chunks. chosen: (groups, m, n), the tokens each query
+    attends among those it sees, per group of query heads (an indexer's pick, kvcal.wiring.chosen_columns), None: all."""
     heads, m, head_dim = query.shape
+    chosen = per_query_head_pick(chosen, heads) if chosen is not None else None
     if span is not None and m == 1:  # decode: the span's tokens are the last ones
         first = max(span.first_seen(first_position + keys.shape[0] - 1) - first_position, 0)
         keys, values = keys[first:], values[first:]
-        chosen = chosen[:, first:] if chosen is not None else None
+        chosen = chosen[..., first:] if chosen is not None else None
         first_position += first
     n = keys.shape[0]
     banded = _banded(span, m, n, first_position)
@@ -92,16 +94,17 @@ def _banded(span: AttentionSpan | None, m: int, n: int, first_position: int) -> 
 
 def visibility(n: int, m: int, span: AttentionSpan | None, ahead: torch.Tensor | None, chosen: torch.Tensor | None,
                first_position: int, device):
-    """visible(first, stop) -> (stop - first, n): the tokens queries first .. stop - 1 of a step of m over n tokens
-    (the step's own the last m) see: causal, within `span` where it hides some (_banded), and as `attention` takes
-    ahead, chosen and first_position."""
+    """visible(first, stop) -> (stop - first, n), or (heads, stop - first, n) with a pick per query head: the tokens
+    queries first .. stop - 1 of a step of m over n tokens (the step's own the last m) see: causal, within `span` where
+    it hides some (_banded), and as `attention` takes ahead, chosen (here per query head, or for all alike) and
+    first_position."""
     span = span if _banded(span, m, n, first_position) else None
 
     def visible(first: int, stop: int) -> torch.Tensor:
         tokens, last = torch.arange(n, device=device), (n - m + torch.arange(first, stop, device=device))[:, None]
         seen = span.sees(last[:, 0] + first_position, tokens + first_position) if span is not None else tokens <= last
         seen = seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
-        return seen if chosen is None else seen & chosen[first:stop]
+        return seen if chosen is None else seen & chosen[..., first:stop, :]
 
     return visible
 
@@ -122,6 +125,7 @@ def decode_steps_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     n = keys.shape[0]
     key_dim = keys.shape[1] // kv_heads
     query = query.float()
+    chosen = per_query_head_pick(chosen, heads) if chosen is not None else None
     keys, values = per_query_head(keys, kv_heads, heads), per_query_head(values, kv_heads, heads)
     visible = visibility(n, m, span, ahead, chosen, first_position, query.device)
     key_fix, value_fix = (_fp16_differences(reads, read, kv_heads, heads, m)
@@ -253,17 +257,18 @@ def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                      scaling: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """query (B, heads, 1, head_dim); keys, values (B, kv_heads, n, head_dim) float32, every sequence's tokens padded
-    to n; visible (B, n): the tokens each sequence's query sees; sinks: (heads,) attention sinks' logits; softcap: the
-    scores' soft-cap -> (B, heads, 1, head_dim) float32 (a sequence that sees nothing gets NaN, or 0 with sinks: the
-    caller zeroes it)."""
+    to n; visible (B, n), or (B, groups, n) per group of query heads (an indexer's pick): the tokens each sequence's
+    query sees; sinks: (heads,) attention sinks' logits; softcap: the scores' soft-cap -> (B, heads, 1, head_dim)
+    float32 (a sequence that sees nothing gets NaN, or 0 with sinks: the caller zeroes it)."""
     batch, heads, _, _ = query.shape
-    kv_heads = keys.shape[1]
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    visible = per_query_head_pick(visible if visible.dim() == 3 else visible[:, None], heads, 1)  # (B, 1 or heads, n)
     if sinks is not None or softcap is not None:
         keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
-        return explicit_attention(query.float(), keys, values, visible[:, None, None, :], scaling, sinks, softcap)
+        return explicit_attention(query.float(), keys, values, visible[:, :, None, :], scaling, sinks, softcap)
     # each KV head's query heads as rows of one query (one query position each): no copy of the keys per query head
     # (SDPA's enable_gqa repeats them on the CPU, MLA's 576 channels 16 or 128 times)
     grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :],
-                                                           scale=scaling)
+    mask = visible[:, :, None, :] if visible.shape[1] == 1 else visible.view(batch, kv_heads, heads // kv_heads, n)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
     return out.view(batch, heads, 1, values.shape[-1])

@@ -92,26 +92,27 @@ class StepPlan:
                            torch.tensor([i for i, real in enumerate(self._flags[b]) if real], device=self.device))
 
     def chosen_tokens(self, chosen: torch.Tensor, b: int) -> torch.Tensor:
-        """(sequence b's real tokens of the step, its tokens: those stored before the step, then the step's): which
-        ones each attends, of `chosen` (batch, m, columns of the mask: a DeepSeek Sparse Attention layer's pick,
+        """(groups, sequence b's real tokens of the step, its tokens: those stored before the step, then the step's):
+        which ones each attends, of `chosen` (batch, groups, m, columns of the mask: a sparse layer's pick,
         wiring.chosen_columns). Its columns are the sequence's tokens where its last real token sees them (those layers
         have no window: it sees all)."""
         rows = self.columns(b)
         if self.mask is None:  # (no padding: every column is the sequence's)
-            return chosen[b][rows]
+            return chosen[b][:, rows]
         last = self.m - 1 - self._flags[b][::-1].index(True)
         own = self.shared(("own columns", b), lambda: wiring.visible(self.mask)[b, last])
-        return chosen[b][rows][:, own]
+        return chosen[b][:, rows][..., own]
 
     def chosen_rows(self, chosen: torch.Tensor) -> torch.Tensor:
-        """(batch, the longest sequence's stored tokens): which of its stored tokens each sequence's query attends, of a
-        decode step's `chosen` (batch, 1, columns of the mask): its stored tokens are the columns its query sees, in
-        order (no padding is stored; the layers picking have no window)."""
-        own = torch.ones_like(chosen[:, 0]) if self.mask is None else wiring.visible(self.mask)[:, -1]
-        rows = torch.zeros(self.batch, max(self.after), dtype=torch.bool, device=chosen.device)
+        """(batch, groups, the longest sequence's stored tokens): which of its stored tokens each sequence's query
+        attends, of a decode step's `chosen` (batch, groups, 1, columns of the mask): its stored tokens are the columns
+        its query sees, in order (no padding is stored; the layers picking have no window)."""
+        picked = chosen[:, :, 0].transpose(0, 1)  # (groups, batch, columns)
+        own = torch.ones_like(picked[0]) if self.mask is None else wiring.visible(self.mask)[:, -1]
+        rows = torch.zeros(len(picked), self.batch, max(self.after), dtype=torch.bool, device=chosen.device)
         sequence = torch.arange(self.batch, device=chosen.device)[:, None].expand_as(own)
-        rows[sequence[own], (own.cumsum(-1) - 1)[own]] = chosen[:, 0][own]
-        return rows
+        rows[:, sequence[own], (own.cumsum(-1) - 1)[own]] = picked[:, own]
+        return rows.transpose(0, 1)
 
     def real_rows(self, new: torch.Tensor, seqs: list[int]) -> torch.Tensor:
         """The real tokens (fp16, grouped by sequence) of sequences `seqs` of new (B, m, C)."""
