@@ -56,13 +56,12 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
               chosen: torch.Tensor | None = None) -> torch.Tensor:
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
     span: the earlier tokens each query sees (a sliding window's, a chunk's), None: all before it; sinks: (heads,)
-    attention sinks' logits; softcap: the scores' soft-cap. With either, the queries are taken a chunk at a time
-    (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
+    attention sinks' logits; softcap: the scores' soft-cap. With either, or a pick per group of heads, the queries
+    are taken a chunk at a time (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
     image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
     sequence (the tokens a span let go before it), which places chunks. chosen: (groups, m, n), the tokens each query
     attends among those it sees, per group of query heads (an indexer's pick, kvcal.wiring.chosen_columns), None: all."""
     heads, m, head_dim = query.shape
-    chosen = per_query_head_pick(chosen, heads) if chosen is not None else None
     if span is not None and m == 1:  # decode: the span's tokens are the last ones
         first = max(span.first_seen(first_position + keys.shape[0] - 1) - first_position, 0)
         keys, values = keys[first:], values[first:]
@@ -74,8 +73,8 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     # SDPA computes the same softmax attention without materializing the (heads, m, n) scores; batched 4-D
     # inputs with is_causal or no mask take its fused path, the explicit mask covers a step over earlier tokens.
     query, keys, values = query.float()[None], per_query_head(keys, kv_heads, heads)[None], per_query_head(values, kv_heads, heads)[None]
-    visible = visibility(n, m, span, ahead, chosen, first_position, query.device)
-    if sinks is not None or softcap is not None:
+    visible = visibility(n, m, span, ahead, chosen, first_position, query.device, heads)
+    if sinks is not None or softcap is not None or chosen is not None and len(chosen) > 1:
         chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
         outs = [explicit_attention(query[:, :, first : first + chunk], keys, values, visible(first, min(first + chunk, m)),
                                    scaling, sinks, softcap) for first in range(0, m, chunk)]
@@ -93,18 +92,17 @@ def _banded(span: AttentionSpan | None, m: int, n: int, first_position: int) -> 
 
 
 def visibility(n: int, m: int, span: AttentionSpan | None, ahead: torch.Tensor | None, chosen: torch.Tensor | None,
-               first_position: int, device):
-    """visible(first, stop) -> (stop - first, n), or (heads, stop - first, n) with a pick per query head: the tokens
-    queries first .. stop - 1 of a step of m over n tokens (the step's own the last m) see: causal, within `span` where
-    it hides some (_banded), and as `attention` takes ahead, chosen (here per query head, or for all alike) and
-    first_position."""
+               first_position: int, device, heads: int = 1):
+    """visible(first, stop) -> (stop - first, n), or (heads, stop - first, n) with a pick per group of the `heads`
+    query heads: the tokens queries first .. stop - 1 of a step of m over n tokens (the step's own the last m) see:
+    causal, within `span` where it hides some (_banded), and as `attention` takes ahead, chosen and first_position."""
     span = span if _banded(span, m, n, first_position) else None
 
     def visible(first: int, stop: int) -> torch.Tensor:
         tokens, last = torch.arange(n, device=device), (n - m + torch.arange(first, stop, device=device))[:, None]
         seen = span.sees(last[:, 0] + first_position, tokens + first_position) if span is not None else tokens <= last
         seen = seen if ahead is None else seen | torch.nn.functional.pad(ahead[first:stop], (n - m, 0))
-        return seen if chosen is None else seen & chosen[..., first:stop, :]
+        return seen if chosen is None else seen & per_query_head_pick(chosen[..., first:stop, :], heads)
 
     return visible
 
@@ -125,9 +123,8 @@ def decode_steps_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     n = keys.shape[0]
     key_dim = keys.shape[1] // kv_heads
     query = query.float()
-    chosen = per_query_head_pick(chosen, heads) if chosen is not None else None
     keys, values = per_query_head(keys, kv_heads, heads), per_query_head(values, kv_heads, heads)
-    visible = visibility(n, m, span, ahead, chosen, first_position, query.device)
+    visible = visibility(n, m, span, ahead, chosen, first_position, query.device, heads)
     key_fix, value_fix = (_fp16_differences(reads, read, kv_heads, heads, m)
                           for reads, read in ((key_reads, keys), (value_reads, values)))
     chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (heads * n))
