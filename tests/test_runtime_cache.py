@@ -673,6 +673,8 @@ def test_a_wired_model_called_without_its_cache_is_refused():
 IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma4_unified": (4, 56, ""), "mistral3": (4, 56, "Pixtral"), "llava": (4, 28, "CLIP"), "internvl": (1, 28, "InternVL"),
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
           "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""), "kimi_k25": (4, 56, ""),
+          "llava_next": (10, 28, ""), "llava_onevision": (10, 28, ""), "idefics2": (4, 28, ""), "lfm2_vl": (1, 28, ""),
+          "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl")}}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass")  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
@@ -694,6 +696,16 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
+    if model_type == "exaone4_5":  # Qwen-VL's patches, 2 x 2 merged into a token, at text positions
+        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
+                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
+    if model_type in ("llava_next", "llava_onevision"):  # the whole image and its one tile
+        return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
+    if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
+        patches = (side // 14) ** 2
+        return dict(input_ids=ids, pixel_values=torch.randn(1, patches, 3 * 14 * 14),
+                    spatial_shapes=torch.tensor([[side // 14, side // 14]]),
+                    pixel_attention_mask=torch.ones(1, patches, dtype=torch.bool))
     if model_type == "kimi_k25":  # its 14 x 14 patches, merged 2 x 2 into a token
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3, 14, 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
@@ -702,9 +714,9 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
         return dict(input_ids=ids, pixel_values=torch.randn(1, grid * grid, 3 * 14 * 14), image_position_ids=where.reshape(1, -1, 2))
     images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
-    if model_type in ("smolvlm", "idefics3"):  # (batch, images, channels, height, width)
+    if model_type in ("smolvlm", "idefics3", "idefics2"):  # (batch, images, channels, height, width)
         images["pixel_values"] = images["pixel_values"][:, None]
-    if model_type == "mistral3":
+    if model_type in ("mistral3", "lighton_ocr"):
         images["image_sizes"] = torch.tensor([[side, side]])
     return images
 
@@ -815,11 +827,13 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
-    """Mistral 3's, LLaVA's, InternVL's, SmolVLM's (Idefics3's), Aya Vision's, MiniMax-M3's, Qwen-VL's and Gemma 4's (without
-    use_bidirectional_attention) decoders read an image's
-    tokens causally, as text (Qwen's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping
-    everything fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16
-    rounding of K/V, the image's tokens in the cache; the model's attention implementations are its own after."""
+    """Mistral 3's, LLaVA's (and NeXT's, OneVision's), InternVL's, SmolVLM's (Idefics3's), Idefics2's, Aya Vision's,
+    LFM2-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's, MiniMax-M3's, Qwen-VL's and Gemma 4's (without
+    use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's at multimodal RoPE
+    positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone, the vision tower
+    runs its own attention, and through a cache keeping everything fp16 the model generates its own tokens from a
+    prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache; the model's
+    attention implementations are its own after."""
     model = tiny_model(model_type)
     images = image_inputs(model_type, model, prompt())
     settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
