@@ -141,7 +141,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "dbrx", "laguna",
                          "phi4_multimodal", "aria_text", "aria", "cohere_compass_text", "cohere_compass", "qwen3_5",
                          "qwen3_5_moe", "minimax_m3_vl_text", "minimax_m3_vl", "llava_next", "llava_onevision",
-                         "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5")
+                         "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v",
+                         "glm4v_moe", "glm_ocr")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -157,7 +158,8 @@ _MSCALED_LONGROPE = ("phimoe",)
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
                       "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
-_INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text")
+_INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
+                     "glm4v_text", "glm_ocr_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
 # q_norm and k_norm)
 _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
@@ -178,7 +180,8 @@ _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
 _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya_vision", "aria", "cohere_compass",
                      "qwen3_5", "qwen3_5_moe", "kimi_k25", "qwen2_vl", "qwen2_5_vl",
                      "qwen3_vl", "qwen3_vl_moe", "llama4", "minimax_m3_vl", "llava_next", "llava_onevision",
-                     "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5")
+                     "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v", "glm4v_moe",
+                     "glm_ocr")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")

@@ -45,6 +45,8 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
+GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
 # decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
@@ -146,6 +148,20 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                        **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type in GLM_VL:  # RoPE over half of each head in (time, height, width) sections, in neighbouring pairs (but
+        # 4.5V's, in halves); 4.5V's experts (4, every one routed to) after a dense layer; token ids within TINY_VOCAB
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                    bos_token_id=1, eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                         partial_rotary_factor=0.5, mrope_section=[2, 1, 1]))
+        if model_type == "glm4v_moe":
+            text.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1)
+        tokens = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id", "video_start_token_id",
+                  "video_end_token_id")
+        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+                                    **{name: TINY_VOCAB - 1 - i for i, name in enumerate(tokens)})
     if model_type in QWEN3_5_VL:  # their hybrid decoder (below) with multimodal RoPE as released, beside a Qwen3-VL tower
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         text = tiny_config(f"{model_type}_text", max_positions, **overrides).to_dict()
@@ -433,7 +449,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL) else AutoModelForCausalLM)
+                                                          *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL) else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
