@@ -42,7 +42,8 @@ QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_fac
 # vision-language models whose decoder reads an image's tokens as text, and that decoder's type
 IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
-                "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4"}
+                "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
+                "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -50,7 +51,7 @@ GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
 # decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3",
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
           "nemotron_h", "jamba", "bamba", "minimax")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
@@ -122,7 +123,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      idefics2=dict(perceiver_config=dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1,
                                                          resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1)),
                      lfm2_vl=dict(downsample_factor=2, projector_hidden_size=64), cohere2_vision=dict(downsample_factor=2),
-                     lighton_ocr=dict(spatial_merge_size=2), exaone4_5={})[model_type]
+                     lighton_ocr=dict(spatial_merge_size=2), exaone4_5={}, lfm3_vl={},
+                     vipllava=dict(vision_feature_layers=[-2, -1]), llava_next_video=tiles,
+                     video_llava=dict(vision_feature_layer=-1))[model_type]
         if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
         if model_type == "lighton_ocr":  # (Pixtral's, as Mistral 3's)
@@ -130,10 +133,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         if model_type == "exaone4_5":  # a Qwen2.5-VL-like tower (GQA in its attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
                           out_hidden_size=64, patch_size=14, fullatt_block_indexes=[1])
+        if model_type == "lfm3_vl":  # its tower's convolution and attention layers, 2 x 2 patches merged into a token
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2, patch_size=14, layer_types=["conv", "full_attention"])
         text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()
         if model_type != "exaone4_5":  # (whose config reads it)
             del text["model_type"]  # (the composite's own text type where it has one)
-        image_token = ("image_token_index" if model_type in ("aya_vision", "llava_next", "llava_onevision")
+        image_token = ("image_token_index" if model_type in ("aya_vision", "llava_next", "llava_onevision", "vipllava",
+                                                             "llava_next_video", "video_llava")
                        else "image_token_id")
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **{image_token: TINY_VOCAB - 1},
                                     **extra)

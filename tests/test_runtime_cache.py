@@ -675,7 +675,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "smolvlm": (1, 28, ""), "idefics3": (1, 28, ""), "aya_vision": (1, 28, ""), "aria": (4, 28, ""),
           "llama4": (4, 56, "Llama4Vision"), "phi4_multimodal": (5, 28, ""), "kimi_k25": (4, 56, ""),
           "llava_next": (10, 28, ""), "llava_onevision": (10, 28, ""), "idefics2": (4, 28, ""), "lfm2_vl": (1, 28, ""),
-          "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""),
+          "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""), "lfm3_vl": (4, 56, ""),
+          "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL)}}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL)  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
@@ -697,10 +698,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
-    if model_type == "exaone4_5":  # Qwen-VL's patches, 2 x 2 merged into a token, at text positions
+    if model_type in ("exaone4_5", "lfm3_vl"):  # Qwen-VL's patches, 2 x 2 merged into a token, at text positions
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
-    if model_type in ("llava_next", "llava_onevision"):  # the whole image and its one tile
+    if model_type in ("llava_next", "llava_onevision", "llava_next_video"):  # the whole image and its one tile
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
         patches = (side // 14) ** 2
@@ -828,13 +829,13 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
-    """Mistral 3's, LLaVA's (and NeXT's, OneVision's), InternVL's, SmolVLM's (Idefics3's), Idefics2's, Aya Vision's,
-    LFM2-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's, MiniMax-M3's, Qwen-VL's and Gemma 4's (without
-    use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's at multimodal RoPE
-    positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone, the vision tower
-    runs its own attention, and through a cache keeping everything fp16 the model generates its own tokens from a
-    prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache; the model's
-    attention implementations are its own after."""
+    """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
+    (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
+    MiniMax-M3's, Qwen-VL's, GLM-V's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens
+    causally, as text (Qwen's and GLM's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them
+    so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping everything
+    fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V,
+    the image's tokens in the cache; the model's attention implementations are its own after."""
     model = tiny_model(model_type)
     images = image_inputs(model_type, model, prompt())
     settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
