@@ -43,11 +43,13 @@ QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_fac
 IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
-                "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama"}
+                "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
+                "hyperclovax_vision_v2": "hyperclovax"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
 GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
+# PaddleOCR-VL: an ERNIE 4.5 decoder with multimodal RoPE as Qwen-VL's beside a SigLIP tower of its own
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
 # decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
@@ -125,12 +127,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      lfm2_vl=dict(downsample_factor=2, projector_hidden_size=64), cohere2_vision=dict(downsample_factor=2),
                      lighton_ocr=dict(spatial_merge_size=2), exaone4_5={}, lfm3_vl={},
                      vipllava=dict(vision_feature_layers=[-2, -1]), llava_next_video=tiles,
-                     video_llava=dict(vision_feature_layer=-1))[model_type]
+                     video_llava=dict(vision_feature_layer=-1),
+                     hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2))[model_type]
         if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
         if model_type == "lighton_ocr":  # (Pixtral's, as Mistral 3's)
             vision["head_dim"] = 16
-        if model_type == "exaone4_5":  # a Qwen2.5-VL-like tower (GQA in its attention), 2 x 2 patches merged into a token
+        if model_type in ("exaone4_5", "hyperclovax_vision_v2"):  # a Qwen2.5-VL-like tower (EXAONE 4.5's: GQA in its
+            # attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
                           out_hidden_size=64, patch_size=14, fullatt_block_indexes=[1])
         if model_type == "lfm3_vl":  # its tower's convolution and attention layers, 2 x 2 patches merged into a token
@@ -169,6 +173,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                   "video_end_token_id")
         return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
                                     **{name: TINY_VOCAB - 1 - i for i, name in enumerate(tokens)})
+    if model_type == "paddleocr_vl":  # RoPE over every channel in (time, height, width) sections; token ids within TINY_VOCAB
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      image_size=28)
+        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                    bos_token_id=1, eos_token_id=2,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]))
+        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+                                    image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
+                                    vision_start_token_id=TINY_VOCAB - 3)
     if model_type in QWEN3_5_VL:  # their hybrid decoder (below) with multimodal RoPE as released, beside a Qwen3-VL tower
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         text = tiny_config(f"{model_type}_text", max_positions, **overrides).to_dict()
@@ -456,7 +470,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL) else AutoModelForCausalLM)
+                                                          "paddleocr_vl", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+            else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows

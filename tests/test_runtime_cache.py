@@ -677,8 +677,9 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "llava_next": (10, 28, ""), "llava_onevision": (10, 28, ""), "idefics2": (4, 28, ""), "lfm2_vl": (1, 28, ""),
           "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""), "lfm3_vl": (4, 56, ""),
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
-          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL)}}
-MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL)  # image tokens at (time, height, width) positions
+          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
+                                                        "hyperclovax_vision_v2")}}
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl")  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -690,15 +691,17 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, image_pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]),
                     image_attention_mask=torch.ones(1, 2, 2, 2, dtype=torch.bool))
     ids[0, 2:2 + tokens] = model.config.image_token_id
-    if model_type in MULTIMODAL_ROPE:
+    if model_type in MULTIMODAL_ROPE:  # (PaddleOCR-VL's patches of one frame)
         patches = (side // 14) ** 2
-        return dict(input_ids=ids, pixel_values=torch.randn(patches, 3 * 2 * 14 * 14),
+        return dict(input_ids=ids, pixel_values=torch.randn(patches, 3, 14, 14) if model_type == "paddleocr_vl" else
+                    torch.randn(patches, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
                     mm_token_type_ids=(ids == model.config.image_token_id).long())
     if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
-    if model_type in ("exaone4_5", "lfm3_vl"):  # Qwen-VL's patches, 2 x 2 merged into a token, at text positions
+    if model_type in ("exaone4_5", "lfm3_vl", "hyperclovax_vision_v2"):  # Qwen-VL's patches, 2 x 2 merged into a token,
+        # at text positions
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
     if model_type in ("llava_next", "llava_onevision", "llava_next_video"):  # the whole image and its one tile
@@ -831,8 +834,8 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    MiniMax-M3's, Qwen-VL's, GLM-V's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens
-    causally, as text (Qwen's and GLM's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them
+    HyperCLOVA X's, MiniMax-M3's, Qwen-VL's, GLM-V's, PaddleOCR-VL's and Gemma 4's (without use_bidirectional_attention)
+    decoders read an image's tokens causally, as text (Qwen's, GLM's and PaddleOCR-VL's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them
     so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping everything
     fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V,
     the image's tokens in the cache; the model's attention implementations are its own after."""
