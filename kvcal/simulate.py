@@ -32,7 +32,8 @@ from transformers import DynamicCache
 from kvcal import wiring
 from kvcal.adapters import LatentAttention, ModelAdapter, adapt
 from kvcal.errors import KvcalError
-from kvcal.kv import SegmentPolicy, as_cached, per_query_head, per_query_head_pick, softcapped, softmax_with_sinks, window_dropped
+from kvcal.kv import (SegmentPolicy, as_cached, per_query_head, per_query_head_pick, softcapped, softmax_with_sinks,
+                      window_dropped)
 from kvcal.model_caches import taking
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_TILE_TOKENS, outlier_table_bytes
 from kvcal.quantizers import FP16_BITS, LayerCodecs, Quantized

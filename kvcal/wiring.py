@@ -309,12 +309,12 @@ def visible(attention_mask) -> torch.Tensor:
 
 def chosen_columns(kwargs: dict, columns: int, block: int = 1) -> torch.Tensor | None:
     """(batch, groups, queries, columns): which of the step's key columns (those of its 4-D mask: the tokens cached
-    before it, padding included, then its own) each query attends (groups 1: every head alike,
-    else per group of query heads in order), of what a sparse layer's indexer picked (kvcal.adapters.LayerHandles.sparse),
-    as its attention call hands it over: DeepSeek Sparse Attention's `indices` (batch, queries, k), the top k tokens by
-    its scores (among them masked columns where a query sees fewer than k); MiniMax-M3's `block_indices` (batch, groups,
-    queries, k), the top k blocks of `block` columns (-1: none, where a query sees fewer than k). None where it picked
-    every column (as many as there are) or is none."""
+    before it, padding included, then its own) each query attends (groups 1: every head alike, else per group of query
+    heads in order), of what a sparse layer's indexer picked (kvcal.adapters.LayerHandles.sparse), as its attention
+    call hands it over: DeepSeek Sparse Attention's `indices` (batch, queries, k), the top k tokens by its scores
+    (among them masked columns where a query sees fewer than k); MiniMax-M3's `block_indices` (batch, groups, queries,
+    k), the top k blocks of `block` columns (-1: none, where a query sees fewer than k). None where it picked every
+    column (as many as there are) or is none."""
     indices, blocks = kwargs.get("indices"), kwargs.get("block_indices")
     if indices is not None:
         if indices.shape[-1] >= columns:
