@@ -122,7 +122,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.pytorch_utils import Conv1D
 
 from kvcal.errors import KvcalError
-from kvcal.rope import in_order, padded_inv_freq, rotate_half_order, rows_in_order, stored_inv_freq, stored_rope_scaling
+from kvcal.rope import (in_order, padded_inv_freq, parity_merged, rotate_half_order, rows_in_order, stored_inv_freq,
+                        stored_rope_scaling)
 from kvcal.spans import AttentionSpan, attention_span
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
@@ -143,7 +144,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_5_moe", "minimax_m3_vl_text", "minimax_m3_vl", "llava_next", "llava_onevision",
                          "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v",
                          "glm4v_moe", "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava",
-                         "paddleocr_vl", "hyperclovax_vision_v2")
+                         "paddleocr_vl", "hyperclovax_vision_v2", "ernie4_5_vl_moe")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -160,10 +161,13 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apert
                       "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
-                     "glm4v_text", "glm_ocr_text")
+                     "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
 # q_norm and k_norm)
 _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
+# multimodal RoPE whose rotary keeps its height and width sections' frequencies split by parity, which its forward
+# interleaves back (ERNIE 4.5 VL's: ModelAdapter.parity_split)
+_PARITY_SPLIT_ROPE = ("ernie4_5_vl_moe_text",)
 # RoPE rotating by minus the angle, its halves' roles swapped (NanoChat's rotate_half): kvcal's rotation of the halves
 # in the other order
 _HALVES_SWAPPED_ROPE = ("nanochat",)
@@ -183,7 +187,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_vl", "qwen3_vl_moe", "llama4", "minimax_m3_vl", "llava_next", "llava_onevision",
                      "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v", "glm4v_moe",
                      "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava", "paddleocr_vl",
-                     "hyperclovax_vision_v2")
+                     "hyperclovax_vision_v2", "ernie4_5_vl_moe")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
@@ -409,6 +413,9 @@ class ModelAdapter:
     # a layer without RoPE); empty: `rotary` holds every layer's
     layer_rotaries: tuple[nn.Module | None, ...] = ()
     long_rope: LongRope | None = None  # LongRoPE's long frequencies and where they take over, None for other RoPE
+    # the first frequencies the rotary keeps split by parity (kvcal.rope.parity_merged: ERNIE 4.5 VL's height and width
+    # sections), 0: none
+    parity_split: int = 0
 
     @property
     def hybrid(self) -> bool:
@@ -490,7 +497,10 @@ class ModelAdapter:
             inv_freq = getattr(rotary, _rotary_name(self.layer_types[layer], "inv_freq"))
         else:
             inv_freq = self.long_rope.long_inv_freq if tokens > self.long_rope.switch else rotary.original_inv_freq
-        return padded_inv_freq(inv_freq.detach().float().cpu(), self.head_dims[layer])
+        inv_freq = inv_freq.detach().float().cpu()
+        if self.parity_split:
+            inv_freq = parity_merged(inv_freq, self.parity_split)
+        return padded_inv_freq(inv_freq, self.head_dims[layer])
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -1024,6 +1034,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         encoders_inside=model_type in _ENCODERS_INSIDE,
         layer_rotaries=layer_rotaries,
         long_rope=_long_rope(rotary) if rotary is not None else None,
+        parity_split=sum(rotary.mrope_section[:2]) if text_type in _PARITY_SPLIT_ROPE else 0,
     )
     for handle in handles:
         handle.unrotated_scale = _unrotated_scale(adapter, handle.index)

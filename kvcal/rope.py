@@ -85,6 +85,14 @@ def padded_inv_freq(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat((inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.numel())))
 
 
+def parity_merged(inv_freq: torch.Tensor, count: int) -> torch.Tensor:
+    """inv_freq whose first `count` hold a run's even frequencies, then its odd ones (ERNIE 4.5 VL's rotary keeps its
+    height and width sections so, its forward interleaving them back) -> that run in order, as the forward rotates."""
+    merged = inv_freq.clone()
+    merged[:count] = inv_freq[:count].view(2, count // 2).t().flatten()
+    return merged
+
+
 def layer_inv_freq(inv_freq: torch.Tensor, layer: int, head_dim: int) -> torch.Tensor:
     """Layer `layer`'s frequencies (head_dim/2,) from (head_dim/2,) shared by every layer or (layers, >= head_dim/2)."""
     return (inv_freq if inv_freq.dim() == 1 else inv_freq[layer])[: head_dim // 2]

@@ -49,7 +49,8 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
 GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
-# PaddleOCR-VL: an ERNIE 4.5 decoder with multimodal RoPE as Qwen-VL's beside a SigLIP tower of its own
+# PaddleOCR-VL: an ERNIE 4.5 decoder with multimodal RoPE as Qwen-VL's beside a SigLIP tower of its own; ERNIE 4.5 VL:
+# ERNIE 4.5's MoE decoder with multimodal RoPE in neighbouring pairs beside a Qwen-VL-like tower
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
 # decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
@@ -183,6 +184,18 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     vision_start_token_id=TINY_VOCAB - 3)
+    if model_type == "ernie4_5_vl_moe":  # RoPE over every channel in (height, width, time) sections, its rotary keeping
+        # the first two's frequencies split by parity; experts (4, every one routed to) beside a shared one after a
+        # dense layer; token ids within TINY_VOCAB
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14)
+        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                    bos_token_id=1, eos_token_id=2, moe_intermediate_size=[32, 32], moe_num_experts=4, moe_k=4,
+                    moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]))
+        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+                                    image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
+                                    image_start_token_id=TINY_VOCAB - 3, image_end_token_id=TINY_VOCAB - 4)
     if model_type in QWEN3_5_VL:  # their hybrid decoder (below) with multimodal RoPE as released, beside a Qwen3-VL tower
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         text = tiny_config(f"{model_type}_text", max_positions, **overrides).to_dict()
@@ -470,7 +483,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

@@ -678,8 +678,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""), "lfm3_vl": (4, 56, ""),
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
-                                                        "hyperclovax_vision_v2")}}
-MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl")  # image tokens at (time, height, width) positions
+                                                        "hyperclovax_vision_v2", "ernie4_5_vl_moe")}}
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe")  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -691,10 +691,11 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, image_pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]),
                     image_attention_mask=torch.ones(1, 2, 2, 2, dtype=torch.bool))
     ids[0, 2:2 + tokens] = model.config.image_token_id
-    if model_type in MULTIMODAL_ROPE:  # (PaddleOCR-VL's patches of one frame)
+    if model_type in MULTIMODAL_ROPE:  # (PaddleOCR-VL's and ERNIE 4.5 VL's patches of one frame)
         patches = (side // 14) ** 2
-        return dict(input_ids=ids, pixel_values=torch.randn(patches, 3, 14, 14) if model_type == "paddleocr_vl" else
-                    torch.randn(patches, 3 * 2 * 14 * 14),
+        pixels = dict(paddleocr_vl=(patches, 3, 14, 14), ernie4_5_vl_moe=(patches, 3 * 14 * 14)).get(
+            model_type, (patches, 3 * 2 * 14 * 14))
+        return dict(input_ids=ids, pixel_values=torch.randn(pixels),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
                     mm_token_type_ids=(ids == model.config.image_token_id).long())
     if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
@@ -834,11 +835,12 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, Qwen-VL's, GLM-V's, PaddleOCR-VL's and Gemma 4's (without use_bidirectional_attention)
-    decoders read an image's tokens causally, as text (Qwen's, GLM's and PaddleOCR-VL's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them
-    so): kvcal wires the decoder alone, the vision tower runs its own attention, and through a cache keeping everything
-    fp16 the model generates its own tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V,
-    the image's tokens in the cache; the model's attention implementations are its own after."""
+    HyperCLOVA X's, MiniMax-M3's, Qwen-VL's, GLM-V's, PaddleOCR-VL's, ERNIE 4.5 VL's and Gemma 4's (without
+    use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's, GLM's and ERNIE's at
+    multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
+    the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
+    tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache;
+    the model's attention implementations are its own after."""
     model = tiny_model(model_type)
     images = image_inputs(model_type, model, prompt())
     settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -854,7 +856,7 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     assert {model.config._attn_implementation, model.config.get_text_config()._attn_implementation} == {"sdpa"}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v", "ernie4_5_vl_moe"])
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
     """Qwen2.5-VL's, Qwen3.5's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
     kvquant bundle) are rotated by one position each, so a prompt with an image is refused before anything is stored,
