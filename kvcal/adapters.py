@@ -144,7 +144,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen3_5_moe", "minimax_m3_vl_text", "minimax_m3_vl", "llava_next", "llava_onevision",
                          "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v",
                          "glm4v_moe", "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava",
-                         "paddleocr_vl", "hyperclovax_vision_v2", "ernie4_5_vl_moe")
+                         "paddleocr_vl", "hyperclovax_vision_v2", "ernie4_5_vl_moe", "hunyuan_vl")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -158,7 +158,7 @@ _MSCALED_LONGROPE = ("phimoe",)
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
-                      "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
+                      "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
                      "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text")
@@ -187,7 +187,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_vl", "qwen3_vl_moe", "llama4", "minimax_m3_vl", "llava_next", "llava_onevision",
                      "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v", "glm4v_moe",
                      "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava", "paddleocr_vl",
-                     "hyperclovax_vision_v2", "ernie4_5_vl_moe")
+                     "hyperclovax_vision_v2", "ernie4_5_vl_moe", "hunyuan_vl")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
@@ -197,7 +197,7 @@ _ENCODERS_INSIDE = ("phi4_multimodal",)
 # q and k normed per head after RoPE with a learned scale per channel (Hunyuan's query_layernorm and key_layernorm): the
 # norm's scale does not commute with RoPE, so kvcal stores the key the attention reads, rotated and normed, as a
 # model's without RoPE (its rotary left out; the norms are its q and k norms)
-_SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+_SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
 # not rotated, always): every layer is NoPE

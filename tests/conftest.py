@@ -184,6 +184,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     vision_start_token_id=TINY_VOCAB - 3)
+    if model_type == "hunyuan_vl":  # HunyuanOCR: a Hunyuan decoder (q and k normed after RoPE with a scale: its keys
+        # stored after RoPE) with multimodal RoPE over four axes beside its vision tower; token ids within TINY_VOCAB
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      out_hidden_size=64)
+        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                    bos_token_id=1, eos_token_id=2,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 2, 2, 2]))
+        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+                                    image_token_id=TINY_VOCAB - 1)
     if model_type == "ernie4_5_vl_moe":  # RoPE over every channel in (height, width, time) sections, its rotary keeping
         # the first two's frequencies split by parity; experts (4, every one routed to) beside a shared one after a
         # dense layer; token ids within TINY_VOCAB
@@ -483,7 +493,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

@@ -40,7 +40,7 @@ def models_rotary(model, layer: int):
 
 
 # q and k normed after RoPE with a scale (Hunyuan's): kvcal reads the key the attention reads, without a RoPE of its own
-SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
 
 
 def applies_rope(model, layer: int) -> bool:
@@ -182,7 +182,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
-                                                         "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe")
+                                                         "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
         normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
