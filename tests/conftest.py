@@ -49,6 +49,9 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
 GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
+# Qwen2.5-Omni's and Qwen3-Omni's thinkers: a Qwen2 / Qwen3-MoE decoder with multimodal RoPE beside vision and audio
+# encoders
+QWEN_OMNI = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 # PaddleOCR-VL: an ERNIE 4.5 decoder with multimodal RoPE as Qwen-VL's beside a SigLIP tower of its own; ERNIE 4.5 VL:
 # ERNIE 4.5's MoE decoder with multimodal RoPE in neighbouring pairs beside a Qwen-VL-like tower
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
@@ -184,6 +187,19 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     vision_start_token_id=TINY_VOCAB - 3)
+    if model_type in QWEN_OMNI:  # RoPE in (time, height, width) sections; Qwen3-Omni's experts (4, every one routed to);
+        # token ids within TINY_VOCAB
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      fullatt_block_indexes=[1])
+        audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
+                     num_mel_bins=16, n_window=4)
+        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                    bos_token_id=1, eos_token_id=2, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision, audio_config=audio,
+                                    image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
+                                    audio_token_id=TINY_VOCAB - 3, vision_start_token_id=TINY_VOCAB - 4)
     if model_type == "hunyuan_vl":  # HunyuanOCR: a Hunyuan decoder (q and k normed after RoPE with a scale: its keys
         # stored after RoPE) with multimodal RoPE over four axes beside its vision tower; token ids within TINY_VOCAB
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
@@ -493,7 +509,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *QWEN_OMNI, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GLM_VL, IMAGE_TOWERS, LATENT, LONGROPE, MINIMAX_M3, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINIMAX_M3, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -29,8 +29,10 @@ TOKENS = 40
 # recipe (OLMo Hybrid: 0 and 3 tried; Gemma 4 and Gemma 4 Unified, text models and composites: 0-6 tried, 4 passing
 # all four, 3 all but the Unified ones; Qwen3.5's composite, at its multimodal RoPE: KIVI at 5, 2.6e-3, every other
 # seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's at 5: up to 2.9e-3 on one row, HunyuanOCR's kvquant
-# 1e-2 on one row from its 22nd token, at 0, 3 and 4 every recipe within the tolerance).
-EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0, "glm4v": 0, "glm46v": 0, "hunyuan_vl": 0}
+# 1e-2 on one row from its 22nd token, Qwen3-Omni's thinker 2.6e-3 on one row, at 0, 3 and 4 every recipe within the
+# tolerance).
+EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0,
+                  **dict.fromkeys(("glm4v", "glm46v", "hunyuan_vl", "qwen3_omni_moe_thinker"), 0)}
 
 
 RECIPES = registry.recipes()
@@ -678,8 +680,9 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""), "lfm3_vl": (4, 56, ""),
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
-                                                        "hyperclovax_vision_v2", "ernie4_5_vl_moe")}, "hunyuan_vl": (8, 56, "")}
-MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe")  # image tokens at (time, height, width) positions
+                                                        "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
+          "hunyuan_vl": (8, 56, "")}
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI)  # image tokens at (time, height, width) positions
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -695,9 +698,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         patches = (side // 14) ** 2
         pixels = dict(paddleocr_vl=(patches, 3, 14, 14), ernie4_5_vl_moe=(patches, 3 * 14 * 14)).get(
             model_type, (patches, 3 * 2 * 14 * 14))
-        return dict(input_ids=ids, pixel_values=torch.randn(pixels),
-                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
-                    mm_token_type_ids=(ids == model.config.image_token_id).long())
+        images = dict(input_ids=ids, pixel_values=torch.randn(pixels), image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
+        if model_type not in QWEN_OMNI:  # (the thinkers tell an image's tokens by their id)
+            images["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+        return images
     if model_type == "hunyuan_vl":  # its patches of one frame, 2 x 2 merged into a token, each row's ending in one
         return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 14 * 14),
                     image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
@@ -839,9 +843,9 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Qwen-VL's, GLM-V's, PaddleOCR-VL's, ERNIE 4.5 VL's and Gemma 4's (without
-    use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's, GLM's and ERNIE's at
-    multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
+    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
+    VL's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's,
+    GLM's and ERNIE's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
     the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
     tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache;
     the model's attention implementations are its own after."""
