@@ -687,19 +687,17 @@ class WiredCache(Cache):
         """The running step's StepPlan, made by its first layer from that layer's attention mask and position ids."""
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
-            if self.adapter.picks_key_blocks:
-                self._refuse_padding(attention_mask, batch, m, query.device)
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
         return self._plan
 
-    def _refuse_padding(self, attention_mask, batch: int, m: int, device) -> None:
-        """Refuse a step that pads a sequence (BLOCKS_UNDER_PADDING; no earlier step did, each was refused so), leaving
-        the cache as it was before the step: the indexer keys a layer kept for it (those past its padded length) let go."""
-        if not wiring.real_tokens(attention_mask, batch, m, device).all():
-            for layer in self.attention_layers:
-                if layer.index_keys is not None:
-                    layer.index_keys = layer.index_keys[:, : layer.padded_length] if layer.padded_length else None
-            raise KvcalError(BLOCKS_UNDER_PADDING)
+    def refuse_padded_step(self) -> None:
+        """Refuse a step that pads a sequence of a model picking key blocks (BLOCKS_UNDER_PADDING; StepPlan asks, before
+        the cache counts the step; no earlier step padded, each was refused so), leaving the cache as it was before the
+        step: the indexer keys a layer kept for it (those past its padded length) let go."""
+        for layer in self.attention_layers:
+            if layer.index_keys is not None:
+                layer.index_keys = layer.index_keys[:, : layer.padded_length] if layer.padded_length else None
+        raise KvcalError(BLOCKS_UNDER_PADDING)
 
     def rope_era(self, tokens: int) -> None:
         """Refuse a forward over `tokens` tokens of a LongRoPE model that rotates by the other set of frequencies than

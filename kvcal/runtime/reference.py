@@ -57,8 +57,8 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     """query (heads, m, head_dim); keys, values (n, kv_heads * head_dim) float32 -> (heads, m, head_dim);
     span: the earlier tokens each query sees (a sliding window's, a chunk's), None: all before it; sinks: (heads,)
     attention sinks' logits; softcap: the scores' soft-cap. With either, or a pick per group of heads, the queries
-    are taken a chunk at a time (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees after itself as well (an
-    image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
+    are taken a chunk at a time (EXPLICIT_SCORES_PER_CHUNK scores). ahead: (m, m), the step's tokens each query sees
+    after itself as well (an image's, which Gemma 3 attends to both ways), None: none. first_position: the first key's position in its
     sequence (the tokens a span let go before it), which places chunks. chosen: (groups, m, n), the tokens each query
     attends among those it sees, per group of query heads (an indexer's pick, kvcal.wiring.chosen_columns), None: all."""
     heads, m, head_dim = query.shape

@@ -32,6 +32,8 @@ class StepPlan:
         self._flags = None if self.all_valid else self.valid.tolist()
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
         self.rows = [b for b in range(batch) if self.counts[b]]
+        if cache.adapter.picks_key_blocks and min(self.counts) < m:
+            cache.refuse_padded_step()
         self.ones = [1] * len(self.rows)
         if cache.lengths is None:
             cache.lengths, cache.position_offset = [0] * batch, [None] * batch
