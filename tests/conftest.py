@@ -91,6 +91,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def composite_text(max_positions: int, rope: dict, **settings) -> dict:
+    """The text config of a tiny composite whose decoder type has no tiny config of its own: the tiny shapes (head_dim
+    16), token ids within TINY_VOCAB, RoPE of theta 10000 with `rope`'s parameters (its multimodal sections), and
+    `settings` over them."""
+    return {**dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
+                   bos_token_id=1, eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0, **rope)),
+            **settings}
+
+
 def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     from transformers import AutoConfig
 
@@ -166,25 +176,19 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type in GLM_VL:  # RoPE over half of each head in (time, height, width) sections, in neighbouring pairs (but
         # 4.5V's, in halves); 4.5V's experts (4, every one routed to) after a dense layer; token ids within TINY_VOCAB
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
-        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
-                    bos_token_id=1, eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                                         partial_rotary_factor=0.5, mrope_section=[2, 1, 1]))
-        if model_type == "glm4v_moe":
-            text.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
-                        first_k_dense_replace=1)
+        experts = (dict(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1) if model_type == "glm4v_moe" else {})
+        text = composite_text(max_positions, dict(partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
+                              **{**experts, **overrides})
         tokens = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id", "video_start_token_id",
                   "video_end_token_id")
-        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
                                     **{name: TINY_VOCAB - 1 - i for i, name in enumerate(tokens)})
     if model_type == "paddleocr_vl":  # RoPE over every channel in (time, height, width) sections; token ids within TINY_VOCAB
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
                       image_size=28)
-        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
-                    bos_token_id=1, eos_token_id=2,
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]))
-        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+        text = composite_text(max_positions, dict(mrope_section=[4, 2, 2]), **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     vision_start_token_id=TINY_VOCAB - 3)
     if model_type in QWEN_OMNI:  # RoPE in (time, height, width) sections; Qwen3-Omni's experts (4, every one routed to);
@@ -193,33 +197,26 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       fullatt_block_indexes=[1])
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
                      num_mel_bins=16, n_window=4)
-        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
-                    bos_token_id=1, eos_token_id=2, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
-        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision, audio_config=audio,
+        text = composite_text(max_positions, dict(mrope_section=[2, 3, 3]), num_experts=4, num_experts_per_tok=4,
+                              moe_intermediate_size=32, **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=audio,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     audio_token_id=TINY_VOCAB - 3, vision_start_token_id=TINY_VOCAB - 4)
     if model_type == "hunyuan_vl":  # HunyuanOCR: a Hunyuan decoder (q and k normed after RoPE with a scale: its keys
         # stored after RoPE) with multimodal RoPE over four axes beside its vision tower; token ids within TINY_VOCAB
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
                       out_hidden_size=64)
-        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
-                    bos_token_id=1, eos_token_id=2,
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 2, 2, 2]))
-        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+        text = composite_text(max_positions, dict(mrope_section=[2, 2, 2, 2]), **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1)
     if model_type == "ernie4_5_vl_moe":  # RoPE over every channel in (height, width, time) sections, its rotary keeping
         # the first two's frequencies split by parity; experts (4, every one routed to) beside a shared one after a
         # dense layer; token ids within TINY_VOCAB
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14)
-        text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, pad_token_id=None,
-                    bos_token_id=1, eos_token_id=2, moe_intermediate_size=[32, 32], moe_num_experts=4, moe_k=4,
-                    moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[3, 3, 2]))
-        return AutoConfig.for_model(model_type, text_config={**text, **overrides}, vision_config=vision,
+        text = composite_text(max_positions, dict(mrope_section=[3, 3, 2]), moe_intermediate_size=[32, 32],
+                              moe_num_experts=4, moe_k=4, moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"],
+                              **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
                                     image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
                                     image_start_token_id=TINY_VOCAB - 3, image_end_token_id=TINY_VOCAB - 4)
     if model_type in QWEN3_5_VL:  # their hybrid decoder (below) with multimodal RoPE as released, beside a Qwen3-VL tower

@@ -683,6 +683,15 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
           "hunyuan_vl": (8, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI)  # image tokens at (time, height, width) positions
+# the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
+# others' where they take it), one frame (PaddleOCR-VL, Kimi K2.5 unflattened; ERNIE 4.5 VL, HunyuanOCR flattened);
+# 2 x 2 patches merged into a token (HunyuanOCR's rows each ending in one more)
+GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5", "lfm3_vl", "hyperclovax_vision_v2"),
+                                (3 * 2 * 14 * 14,)),
+                "paddleocr_vl": (3, 14, 14), "kimi_k25": (3, 14, 14), "ernie4_5_vl_moe": (3 * 14 * 14,),
+                "hunyuan_vl": (3 * 14 * 14,)}
+# of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
+TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *IMAGE_TOWERS, *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -694,25 +703,13 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, image_pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]),
                     image_attention_mask=torch.ones(1, 2, 2, 2, dtype=torch.bool))
     ids[0, 2:2 + tokens] = model.config.image_token_id
-    if model_type in MULTIMODAL_ROPE:  # (PaddleOCR-VL's and ERNIE 4.5 VL's patches of one frame)
-        patches = (side // 14) ** 2
-        pixels = dict(paddleocr_vl=(patches, 3, 14, 14), ernie4_5_vl_moe=(patches, 3 * 14 * 14)).get(
-            model_type, (patches, 3 * 2 * 14 * 14))
-        images = dict(input_ids=ids, pixel_values=torch.randn(pixels), image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
-        if model_type not in QWEN_OMNI:  # (the thinkers tell an image's tokens by their id)
+    if model_type in GRID_PATCHES:  # its patches flattened beside its (time, height, width) grid of them
+        grid = side // 14
+        images = dict(input_ids=ids, pixel_values=torch.randn(grid * grid, *GRID_PATCHES[model_type]),
+                      image_grid_thw=torch.tensor([[1, grid, grid]]))
+        if model_type in TOKEN_TYPED:
             images["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
         return images
-    if model_type == "hunyuan_vl":  # its patches of one frame, 2 x 2 merged into a token, each row's ending in one
-        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 14 * 14),
-                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]),
-                    mm_token_type_ids=(ids == model.config.image_token_id).long())
-    if model_type == "minimax_m3_vl":  # Qwen-VL's patches, at text positions
-        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
-                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
-    if model_type in ("exaone4_5", "lfm3_vl", "hyperclovax_vision_v2"):  # Qwen-VL's patches, 2 x 2 merged into a token,
-        # at text positions
-        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3 * 2 * 14 * 14),
-                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
     if model_type in ("llava_next", "llava_onevision", "llava_next_video"):  # the whole image and its one tile
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
@@ -720,9 +717,6 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, pixel_values=torch.randn(1, patches, 3 * 14 * 14),
                     spatial_shapes=torch.tensor([[side // 14, side // 14]]),
                     pixel_attention_mask=torch.ones(1, patches, dtype=torch.bool))
-    if model_type == "kimi_k25":  # its 14 x 14 patches, merged 2 x 2 into a token
-        return dict(input_ids=ids, pixel_values=torch.randn((side // 14) ** 2, 3, 14, 14),
-                    image_grid_thw=torch.tensor([[1, side // 14, side // 14]]))
     if model_type == "gemma4":  # its patches flattened, each with its (x, y) in the image
         grid = side // 14
         where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
