@@ -101,7 +101,8 @@ shares and one key that RoPE rotates: kvcal reads one KV head whose key is that 
 latent (`value_dims`), attended over exactly as cached (LatentAttention); calibrated, simulated and served by the
 quantized cache (decoded by the CPU kernel or the torch reference), refused by Cocktail's cache and the exports
 (ModelAdapter.refuse_latent). Kimi Linear's and bailing_hybrid's MLA layers sit among gated DeltaNet ones; Kimi
-Linear's apply no RoPE. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, Hy V4, A.X K2) gives MLA layers an indexer
+Linear's apply no RoPE. LongCat-Flash's decoder layers each hold two MLA, each a cache layer of its own
+(_ATTENTION_SUBLAYERS), caching the latent times mla_scale_kv_lora. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, Hy V4, A.X K2) gives MLA layers an indexer
 (LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to (Hy V4's shared layers
 attend to an earlier layer's pick): kvcal keeps its keys as the model computes them and attends over the tokens it
 picks (kvcal.wiring.chosen_columns). MiniMax-M3's block-sparse layers give GQA such an indexer, which picks blocks of
@@ -149,10 +150,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
-                          "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4")
+                          "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
-_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
+_DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
+# decoder layers holding several attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
+# (LongCat-Flash's two MLA: cache layers 2i and 2i + 1 of decoder layer i, config.num_hidden_layers counting them)
+_ATTENTION_SUBLAYERS = ("longcat_flash",)
 # LongRoPE whose rotary rotates by its short frequencies at any length and scales cos/sin by the config's mscales
 # (transformers' PhiMoE: its rope_init_fn is called without the forward's length)
 _MSCALED_LONGROPE = ("phimoe",)
@@ -654,6 +658,18 @@ def _served_name(model: nn.Module, text_config) -> tuple[str, str]:
     return type(model).__name__, model.config.model_type
 
 
+def _cache_layer_attention(layers: nn.ModuleList, m: int, sublayers: int, where: str) -> tuple[nn.Module, str]:
+    """The attention of the cache's layer `m` and where it is, for messages: decoder layer m's, or where each decoder
+    layer holds `sublayers` attentions (_ATTENTION_SUBLAYERS), the (m % sublayers)-th of decoder layer m // sublayers."""
+    if sublayers == 1:
+        return _find_attention(layers[m], f"{where}: decoder layer {m}"), f"{where}: decoder layer {m}"
+    where = f"{where}: decoder layer {m // sublayers}"
+    attentions = _find_attention(layers[m // sublayers], where)
+    if not isinstance(attentions, nn.ModuleList) or len(attentions) != sublayers:
+        raise KvcalError(f"{where}: its attention is not a list of {sublayers} attention sublayers")
+    return attentions[m % sublayers], f"{where}'s attention {m % sublayers}"
+
+
 def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
@@ -691,12 +707,10 @@ def _attention_layers(types: list[str], where: str) -> list[int]:
     return attending
 
 
-def _layer_handles(layer: nn.Module, index: int, decoder_index: int, where: str, heads_first: bool, q_width: int,
-                   kv_width: int, head_dim: int, sinks: bool, normed_after_rope: bool) -> LayerHandles:
-    """The handles of decoder layer `decoder_index`, the adapter's layer `index`; `normed_after_rope`: its qk_norm, or
-    its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE)."""
-    where = f"{where}: decoder layer {decoder_index}"
-    attention = _find_attention(layer, where)
+def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
+                   head_dim: int, sinks: bool, normed_after_rope: bool) -> LayerHandles:
+    """The handles of `attention` (at `where`), the adapter's layer `index`; `normed_after_rope`: its qk_norm, or its
+    q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE)."""
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "Wqkv", "query_key_value", "o_proj",
                                         "dense", "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
     for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's
@@ -764,13 +778,12 @@ def _latent_rope(config) -> str:
     return "halves"
 
 
-def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str, config, indexed: bool) -> LayerHandles:
-    """The handles of an MLA decoder layer (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
+def _latent_handles(attention: nn.Module, index: int, where: str, config, indexed: bool) -> LayerHandles:
+    """The handles of an MLA attention (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
     its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query), or each
     head's first channels of q_gate_proj's (A.X K2's: a head's query, then its output gate); `indexed`: its attention
-    is DeepSeek Sparse Attention's."""
-    where = f"{where}: decoder layer {decoder_index}"
-    attention = _find_attention(layer, where)
+    is DeepSeek Sparse Attention's. LongCat-Flash caches its latent times mla_scale_kv_lora (value_multiplier); its
+    queries' mla_scale_q_lora is in the query its attention is handed (capture keeps no MLA queries)."""
     parts = {name: getattr(attention, name, None)
              for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
     query = getattr(attention, "q_proj", None) or getattr(attention, "q_b_proj", None)
@@ -794,7 +807,8 @@ def _latent_handles(layer: nn.Module, index: int, decoder_index: int, where: str
         raise KvcalError(f"{where}: its attention's indexer has no head_dim (the channels of its keys)")
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
                         columns=dict(q=query_columns, k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
-                        sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in _SINKS else None)
+                        sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in _SINKS else None,
+                        value_multiplier=float(getattr(attention, "mla_scale_kv_lora", 1.0)))
 
 
 def _pick_key_blocks(handles: LayerHandles, query_heads: int, where: str) -> None:
@@ -967,15 +981,18 @@ def adapt(model: nn.Module) -> ModelAdapter:
     value_dims = ([config.kv_lora_rank] * num_layers if latent else [config.v_head_dim] * num_layers
                   if text_type in _NARROW_VALUES else head_dims)
     decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
-    layers = _find_decoder_layers(decoder, num_layers)
+    sublayers = 2 if text_type in _ATTENTION_SUBLAYERS else 1
+    layers = _find_decoder_layers(decoder, num_layers // sublayers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
-    handles = [_latent_handles(layers[m], i, m, where, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
-               _layer_handles(layers[m], i, m, where, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
-                              head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE) for i, m in enumerate(attending)]
+    located = [_cache_layer_attention(layers, m, sublayers, where) for m in attending]
+    handles = [_latent_handles(attention, i, at, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
+               _layer_handles(attention, i, at, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
+                              head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE)
+               for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m in zip(handles, attending):
         if decoder_types[m] == _INDEXED_ATTENTION and not latent:
             _pick_key_blocks(handle, query_heads[m], f"{where}: decoder layer {m}")

@@ -431,6 +431,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             # transformers' own decode pick differently)
             common.update(num_key_value_heads=4, index_topk=TINY_INDEX_TOPK, index_n_heads=16, index_head_dim=80,
                           mlp_layer_types=["dense", "dense"])
+        if model_type == "longcat_flash":  # as LongCat-Flash: one decoder layer holding two MLA (cache layers 0 and 1),
+            # its queries and latents scaled by mla_scale_q_lora and mla_scale_kv_lora, experts beside its MLPs (4 and 2
+            # zero experts, 2 routed to)
+            common.update(n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32)
         if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
             common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,

@@ -3,7 +3,7 @@ import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINIMAX_M3, MINIMAX_M3_BLOCK, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
-from helpers import attention_module, decoder_layers
+from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
 from kvcal.rope import apply_rope
@@ -49,8 +49,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
-    layer = decoder_layers(model)[adapter.model_layers[1]]
-    attention = attention_module(layer)
+    attention = attention_at(model, adapter.model_layers[1])
     # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "gpt2": "c_attn",
@@ -103,8 +102,8 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     """MLA (kvcal.adapters.LatentAttention): one KV head, whose key is the rotated part of kv_a_proj_with_mqa's output
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
-    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's),
-    else in the model's."""
+    channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's,
+    LongCat-Flash's), else in the model's; LongCat-Flash's latent cached times its mla_scale_kv_lora."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
@@ -115,14 +114,15 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     index = {"hy_v4": [80, 0]}.get(model_type, [80, 80]) if model_type in DSA else None
     assert adapter.index_widths == (index or [0, 0]) and adapter.fingerprint().get("layer_index_dims") == index
     assert [handles.sparse for handles in adapter.layers] == [model_type in DSA] * 2
-    attention = attention_module(decoder_layers(model)[adapter.model_layers[1]])  # (Kimi Linear's after a KDA layer)
+    attention = attention_at(model, adapter.model_layers[1])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
     # q_b_proj where the query is of a low rank (Ling's never is), q_gate_proj where it is fused with a gate (A.X K2's)
     query = next(getattr(attention, name) for name in ("q_proj", "q_b_proj", "q_gate_proj")
                  if getattr(attention, name, None) is not None)
     assert handles.q_proj is query
-    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2")
+    assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", 1.0)
+    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
                    or getattr(config, "rope_interleave", False))
     assert [order is not None for order in adapter.rope_orders] == [interleaved] * 2
     sources, tokens = {}, 12
@@ -180,7 +180,7 @@ def test_block_sparse_layers_pick_key_blocks_with_their_own_indexer(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
     assert [(handles.sparse, handles.pick_block) for handles in adapter.layers] == [(True, MINIMAX_M3_BLOCK), (False, 1)]
-    assert adapter.layers[0].indexer is attention_module(decoder_layers(model)[0]).indexer
+    assert adapter.layers[0].indexer is attention_at(model, 0).indexer
     assert adapter.layers[1].indexer is None
     assert adapter.index_widths == [16, 0] and adapter.fingerprint()["layer_index_dims"] == [16, 0]
 

@@ -8,7 +8,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from conftest import GEMMA4, LATENT, LONGROPE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
-from helpers import attention_module, decoder_layers
+from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 from kvcal.errors import KvcalError
@@ -20,8 +20,6 @@ def windows(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, TINY_VOCAB, (NSAMPLES, SEQLEN), generator=torch.Generator().manual_seed(seed))
 
 
-def attention_of(model, layer: int):
-    return attention_module(decoder_layers(model)[layer])
 
 
 def text_config(model):
@@ -47,7 +45,7 @@ def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
     layers with a window, Granite SWA's RoPE base of 0, Beam's and North's layer types with rope parameters."""
-    attention = attention_of(model, layer)
+    attention = attention_at(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
     if text_config(model).model_type in ("exaone4", "exaone_moe", "kolibri1"):
@@ -77,7 +75,7 @@ def key_and_value_sources(model, layer: int):
     weight makes it, its rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
     query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query; Persimmon's, its
     keys normed per head after it), GPT-2's c_attn side by side (a Conv1D: its weight's columns)."""
-    attention, config = attention_of(model, layer), text_config(model)
+    attention, config = attention_at(model, layer), text_config(model)
     in_turn = getattr(attention, "query_key_value", None)
     if getattr(attention, "multi_query", None) is False:
         in_turn = attention.c_attn
@@ -140,7 +138,7 @@ def independent_reference(model, batch: torch.Tensor):
     copy of k_proj, for the reference: the values are the same, and autograd gives the value path's dL/dW_v as that
     copy's gradient."""
     adapter = adapt(model)
-    copied = [attention for attention in map(attention_of, [model] * len(adapter.layers), adapter.model_layers)
+    copied = [attention for attention in (attention_at(model, m) for m in adapter.model_layers)
               if getattr(attention, "v_proj", 0) is None]
     for attention in copied:
         attention.v_proj = copy.deepcopy(attention.k_proj)
@@ -183,7 +181,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
                                                          "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
-        normed_after_rope = [hasattr(attention_of(model, adapter.model_layers[i]), "qk_norm")
+        normed_after_rope = [hasattr(attention_at(model, adapter.model_layers[i]), "qk_norm")
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
             (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multiplier
@@ -197,18 +195,18 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             else:
                 rotated_back = llama4_rope(model, adapter.model_layers[i], heads, inverse=True)
             key_grads[-1][i] = adapter.rows_in_rope_order(rotated_back[0].transpose(0, 1).flatten(1), i)
-        value_grads.append([g[0].flatten(1)[:, c] / getattr(attention_of(model, adapter.model_layers[i]), "v_scale", 1.0)
+        value_grads.append([g[0].flatten(1)[:, c] / getattr(attention_at(model, adapter.model_layers[i]), "v_scale", 1.0)
                             for i, (g, c) in enumerate(zip(grads[3 * n :], columns[n:]))])
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
             keys = outputs["k", i].detach() * key_multiplier
             keys = keys if heads_first else keys.flatten(2)[..., sources[i][0][1]]
-            clip = (getattr(attention_of(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's, OLMo's, OLMoE's
+            clip = (getattr(attention_at(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's, OLMo's, OLMoE's
                     or getattr(text_config(model), "clip_qkv", None))
             keys = keys if clip is None else keys.clamp(-clip, clip)
-            head_dim = getattr(attention_of(model, adapter.model_layers[i]), "head_dim", None) or getattr(
-                attention_of(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
+            head_dim = getattr(attention_at(model, adapter.model_layers[i]), "head_dim", None) or getattr(
+                attention_at(model, adapter.model_layers[i]), "head_size")  # GPT-NeoX's
             heads = keys if heads_first else keys.reshape(1, SEQLEN, -1, head_dim).transpose(1, 2)
             if normed_after_rope[i] or text_config(model).model_type in SCALED_NORMS_AFTER_ROPE:
                 pass  # the norm's output, rotated already
@@ -295,7 +293,7 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
         outputs = {}
-        attentions = [attention_of(model, m) for m in adapter.model_layers]  # (Kimi Linear's after KDA layers)
+        attentions = [attention_at(model, m) for m in adapter.model_layers]  # (Kimi Linear's after KDA layers)
         hooks = [module.register_forward_hook(lambda m, a, out, key=(name, i): outputs.__setitem__(key, out))
                  for i in range(2) for name, module in (("a", attentions[i].kv_a_proj_with_mqa),
                                                         ("latent", attentions[i].kv_a_layernorm))]
@@ -308,7 +306,8 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
         norms[0] += torch.stack([g[rank:].double().norm() for g in grads[:2]])
         norms[1] += torch.stack([g[:rank].double().norm() for g in grads[:2]])
         key_grads.append([adapter.rows_in_rope_order(g[0, :, rank:], i) for i, g in enumerate(grads[2:4])])
-        value_grads.append([g[0] for g in grads[4:]])
+        # (LongCat-Flash's value: the latent times mla_scale_kv_lora)
+        value_grads.append([g[0] / getattr(attention, "mla_scale_kv_lora", 1.0) for g, attention in zip(grads[4:], attentions)])
         with torch.no_grad():
             cache = model(ids, use_cache=True).past_key_values
         cached = [cache.layers[m].values[0, 0] for m in adapter.model_layers]
@@ -344,7 +343,7 @@ def test_statistics_cover_every_non_sink_token_and_windows_are_stored():
     model = tiny_model("qwen2")
     batch = windows()
     seen = []
-    attention = attention_of(model, 1)
+    attention = attention_at(model, 1)
     handle = attention.v_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()[0]))
     result = profile_gradients(model, adapt(model), batch, CaptureSettings(sink=4, store_windows=2))
     handle.remove()

@@ -74,6 +74,14 @@ def attention_module(decoder_layer):
     return next(getattr(block, name) for name in ("self_attn", "attention", "attn", "mixer") if hasattr(block, name))
 
 
+def attention_at(model, layer: int):
+    """The attention of the cache's layer `layer`: decoder layer `layer`'s, or on LongCat-Flash, whose decoder layers
+    each hold two (self_attn a list), the (layer % 2)-th of decoder layer layer // 2."""
+    if model.config.get_text_config(decoder=True).model_type == "longcat_flash":
+        return attention_module(decoder_layers(model)[layer // 2])[layer % 2]
+    return attention_module(decoder_layers(model)[layer])
+
+
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`), each
     at its position (as generate() gives it: Bamba counts from 0 in a call given none)."""
