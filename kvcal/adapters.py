@@ -77,7 +77,10 @@ Ministral 3 does). Scout's RoPE layers then norm q and k (use_qk_norm: an RMS no
 `LayerHandles.rope_norms`), which commutes with RoPE: kvcal reads the norm of the projections' output as the
 pre-RoPE query and key, and takes the key's gradient after the norm, rotated back (kvcal.capture). NanoChat norms q
 and k so too (its q_norm and k_norm, seen heads first), and its RoPE rotates by minus the angle: kvcal's rotation of
-each pair's halves in the other order (kvcal.rope.rotate_half_order). SmolLM3 leaves RoPE out of some layers
+each pair's halves in the other order (kvcal.rope.rotate_half_order). Muse Spark and Muse Glimmer (muse_spark,
+muse_glimmer: their decoder beside a vision tower) norm q and k by one such norm before RoPE, read alike
+(`norms_before_rope`: the key's gradient after the norm needs no rotating back), and leave RoPE out of every fourth
+layer (layer_rope_theta 0), a full one among sliding ones. SmolLM3 leaves RoPE out of some layers
 (`no_rope_layers`, 0 for those), EXAONE 4, Kolibri-1, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones
 (Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0, Beam out
 of those whose type's rope parameters are None (its full ones, whose queries it scales by position as Llama 4 does):
@@ -146,7 +149,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v",
                          "glm4v_moe", "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava",
                          "paddleocr_vl", "hyperclovax_vision_v2", "ernie4_5_vl_moe", "hunyuan_vl",
-                         "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
+                         "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -163,13 +166,17 @@ _MSCALED_LONGROPE = ("phimoe",)
 # where q/k norms see (batch, heads, tokens, head_dim) (the projections' output transposed first), not (batch, tokens,
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
-                      "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
+                      "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "muse_spark_text",
+                      "muse_glimmer_text")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
                      "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
 # q_norm and k_norm)
 _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
+# q and k normed per head before RoPE by one norm without a scale (Muse Spark's and Muse Glimmer's qk_norm): read as
+# _NORMED_AFTER_ROPE's, a norm without a scale commuting with RoPE, but its output is the pre-RoPE key
+_SHARED_NORM_BEFORE_ROPE = ("muse_spark_text", "muse_glimmer_text")
 # multimodal RoPE whose rotary keeps its height and width sections' frequencies split by parity, which its forward
 # interleaves back (ERNIE 4.5 VL's: ModelAdapter.parity_split)
 _PARITY_SPLIT_ROPE = ("ernie4_5_vl_moe_text",)
@@ -193,7 +200,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "idefics2", "lfm2_vl", "cohere2_vision", "lighton_ocr", "exaone4_5", "glm4v", "glm46v", "glm4v_moe",
                      "glm_ocr", "lfm3_vl", "vipllava", "llava_next_video", "video_llava", "paddleocr_vl",
                      "hyperclovax_vision_v2", "ernie4_5_vl_moe", "hunyuan_vl", "qwen2_5_omni_thinker",
-                     "qwen3_omni_moe_thinker")
+                     "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
 # step's attention mask saying which of its tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
@@ -276,6 +283,7 @@ class LayerHandles:
     # NanoChat's q_norm and k_norm): they commute with RoPE, a rotation, so the pre-RoPE query and key are their output
     # on the projections' output (source_rows)
     rope_norms: tuple[nn.Module, nn.Module] | None = None
+    norms_before_rope: bool = False  # rope_norms run before RoPE (Muse Spark's): their output is the pre-RoPE key
     head_dim: int = 0  # the channels of each head, which rope_norms norm together
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
@@ -708,9 +716,10 @@ def _attention_layers(types: list[str], where: str) -> list[int]:
 
 
 def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
-                   head_dim: int, sinks: bool, normed_after_rope: bool) -> LayerHandles:
-    """The handles of `attention` (at `where`), the adapter's layer `index`; `normed_after_rope`: its qk_norm, or its
-    q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE)."""
+                   head_dim: int, sinks: bool, unscaled_norms: str | None) -> LayerHandles:
+    """The handles of `attention` (at `where`), the adapter's layer `index`; `unscaled_norms` "after": its qk_norm, or
+    its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE); "before": its qk_norm
+    norms them before RoPE (_SHARED_NORM_BEFORE_ROPE)."""
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "Wqkv", "query_key_value", "o_proj",
                                         "dense", "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
     for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's
@@ -728,10 +737,11 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
              "v": ("v_norm", "v_layernorm")}
     norms = {f"{kind}_norm": next((norm for name in names[kind] if (norm := getattr(attention, name, None)) is not None),
                                   None) for kind in "qkv"}
-    if normed_after_rope:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
+    if unscaled_norms:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
         shared = getattr(attention, "qk_norm", None)
         rope_norms = (shared, shared) if shared is not None else (norms["q_norm"], norms["k_norm"])
-        norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms)
+        norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms,
+                     norms_before_rope=unscaled_norms == "before")
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
                  key_multiplier=float(getattr(attention, "key_multiplier", 1.0)),
                  value_multiplier=float(getattr(attention, "v_scale", 1.0)),
@@ -940,16 +950,16 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
     Kolibri-1's and Flint's full-attention layers where they have sliding ones (their "global NoPE"; Flint's none
     without a window), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
-    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's of a
-    non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`, _rope_free_types); every
-    layer elsewhere."""
+    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's, Muse Spark's
+    and Muse Glimmer's of a non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`,
+    _rope_free_types); every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
                   for mlp in getattr(config, "mlp_layer_types", None) or [None] * num_layers]
         return [(kind == "sliding_attention" and window) or force
                 for kind, force in zip(config.layer_types, forced)][:num_layers]
-    if model_type in _ROTARY_PER_BASE:
+    if getattr(config, "layer_rope_theta", None) is not None:  # 0: NoPE (Granite SWA's, Muse Spark's)
         return [bool(theta) for theta in config.layer_rope_theta][:num_layers]
     if rope_free:
         return [kind not in rope_free for kind in config.layer_types][:num_layers]
@@ -991,7 +1001,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     located = [_cache_layer_attention(layers, m, sublayers, where) for m in attending]
     handles = [_latent_handles(attention, i, at, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
                _layer_handles(attention, i, at, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
-                              head_dims[m], sinks, text_type in _NORMED_AFTER_ROPE)
+                              head_dims[m], sinks, "after" if text_type in _NORMED_AFTER_ROPE else
+                              "before" if text_type in _SHARED_NORM_BEFORE_ROPE else None)
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m in zip(handles, attending):
         if decoder_types[m] == _INDEXED_ATTENTION and not latent:
@@ -1057,7 +1068,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     )
     for handle in handles:
         handle.unrotated_scale = _unrotated_scale(adapter, handle.index)
-    scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles if h.rope_norms is not None} - {1.0})
+    scaled = sorted({adapter.layer_rope_scaling(h.index) for h in handles
+                     if h.rope_norms is not None and not h.norms_before_rope} - {1.0})
     if scaled:  # the norm takes cos/sin's scaling out of the keys it makes, where kvcal's rotation would put it back
         raise KvcalError(f"{where}: it norms q and k after a RoPE that scales cos/sin by {scaled[0]:.4g}; kvcal serves q "
                          "and k normed after RoPE where cos/sin are unscaled (rope_type default, linear, llama3)")

@@ -113,7 +113,8 @@ class _ActivationHooks:
     (value_from_key_projection), they also keep dL/dW_v, the part of k_proj's weight gradient that flows through
     the value: the v norm's input is replaced by an alias of it, whose gradient is the value path's alone. Where q and k
     are normed after RoPE (LayerHandles.rope_norms), the key's gradient is taken at its norm's output, still rotated
-    (dL/dK_post): on that norm's second call in the attention where one norm serves both (the first norms the query)."""
+    (dL/dK_post), or not yet where they are normed before it (norms_before_rope): on that norm's second call in the
+    attention where one norm serves both (the first norms the query)."""
 
     def __init__(self, adapter: ModelAdapter):
         self.activations: dict[tuple[str, int], torch.Tensor] = {}
@@ -263,7 +264,9 @@ def profile_gradients(
                 value = hooks.activations["v", i][0].float().cpu()
                 key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
                 key_gradient = hooks.gradients["k", i][0].float().cpu()
-                if handles.rope_norms is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
+                if handles.rope_norms is not None and handles.norms_before_rope:
+                    key_gradient = adapter.rows_in_rope_order(key_gradient, i)
+                elif handles.rope_norms is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
                     key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient, i), -positions, adapter.kv_heads[i],
                                                *rope[i])
                 per_token = {

@@ -21,6 +21,7 @@ TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
 MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
 MINIMAX_M3_BLOCK = 4  # the keys of a block its indexer picks
+MUSE = ("muse_spark", "muse_glimmer")  # Meta's: q and k normed by one norm without a scale before RoPE
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
@@ -249,6 +250,20 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del text["model_type"]  # (the composite's own text type)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2)
+    if model_type in MUSE:  # Muse Spark and Muse Glimmer: a sliding layer with RoPE, then a full one without
+        # (layer_rope_theta 0), q and k normed by one norm without a scale before RoPE; experts (4, every one routed to)
+        # after a dense layer; beside a vision tower merging 2 x 2 patches into a token (Muse Spark's also an audio one)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16)
+        text = composite_text(max_positions, {}, sliding_window=TINY_WINDOW,
+                              layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0],
+                              mlp_layer_types=["dense", "sparse"], moe_intermediate_size=32, moe_hidden_size=32,
+                              num_local_experts=4, num_experts_per_tok=4, pad_token_id=0, **overrides)
+        audio = (dict(audio_config=dict(out_hidden_size=64, hidden_sizes=[16, 32], patch_sizes=[4, 4], depths=[1, 1],
+                                        num_hidden_layers=2), audio_token_id=TINY_VOCAB - 3)
+                 if model_type == "muse_spark" else {})
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
+                                    video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
     if model_type == "dbrx":  # its own names; q, k and v clamped at 0.25, within their size here (the real ones: 8); its
         # attention reads rope_theta from attn_config (as the real configs hold it); as the Qwen MoEs, every one of 4
         # small experts routed to
@@ -510,7 +525,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *QWEN_OMNI, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
+                                                          *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

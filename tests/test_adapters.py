@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINIMAX_M3, MINIMAX_M3_BLOCK, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
@@ -20,9 +20,10 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
                          "lfm3", "lfm3_vl", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass", "cohere2_vision",
-                         "exaone4_5")
+                         "exaone4_5", *MUSE)
 WINDOWS = {"mistral": [4096, 4096], "idefics2": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
-           **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl")}}
+           **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl",
+                                                     *MUSE)}}
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from conftest import GEMMA4, LATENT, LONGROPE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
+from conftest import GEMMA4, LATENT, LONGROPE, MUSE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
@@ -39,12 +39,15 @@ def models_rotary(model, layer: int):
 
 # q and k normed after RoPE with a scale (Hunyuan's): kvcal reads the key the attention reads, without a RoPE of its own
 SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
+# q and k normed before RoPE by one norm (Muse Spark's and Glimmer's qk_norm): its second output is the pre-RoPE key
+NORMED_BEFORE_ROPE = tuple(f"{kind}_text" for kind in MUSE)
 
 
 def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
-    layers with a window, Granite SWA's RoPE base of 0, Beam's and North's layer types with rope parameters."""
+    layers with a window, Granite SWA's RoPE base of 0 (Muse Spark's and Glimmer's likewise), Beam's and North's layer
+    types with rope parameters."""
     attention = attention_at(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
@@ -56,6 +59,8 @@ def applies_rope(model, layer: int) -> bool:
         return attention.is_local_attention
     if text_config(model).model_type == "flint":
         return attention.sliding_window is not None
+    if text_config(model).model_type in NORMED_BEFORE_ROPE:
+        return bool(text_config(model).layer_rope_theta[layer])
     if text_config(model).model_type in ("beam", "cohere_compass_text"):  # their full layers' rope parameters are None
         return text_config(model).rope_parameters[text_config(model).layer_types[layer]] is not None
     return getattr(attention, "use_rope", True)
@@ -96,7 +101,8 @@ def key_and_value_sources(model, layer: int):
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         keys, values = slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
-    # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key), NanoChat's k_norm
+    # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key; Muse's before RoPE,
+    # the pre-RoPE key), NanoChat's k_norm
     # Hunyuan's key_layernorm, after RoPE too (with a scale: kvcal reads its output as a key without RoPE)
     key_source = (getattr(attention, "k_norm", None) or getattr(attention, "k_layernorm", None)
                   or getattr(attention, "qk_norm", None) or getattr(attention, "key_layernorm", None) or attention.k_proj)
@@ -180,8 +186,10 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
         heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
-                                                         "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
-        normed_after_rope = [hasattr(attention_at(model, adapter.model_layers[i]), "qk_norm")
+                                                         "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text",
+                                                         *NORMED_BEFORE_ROPE)
+        normed_after_rope = [(hasattr(attention_at(model, adapter.model_layers[i]), "qk_norm")
+                              and text_config(model).model_type not in NORMED_BEFORE_ROPE)
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
             (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multiplier
