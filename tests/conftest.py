@@ -28,7 +28,7 @@ GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
-               "granitemoe_swa", "laguna", "cohere_compass_text", "cohere_compass")
+               "granitemoe_swa", "laguna", "cohere_compass_text", "cohere_compass", "step3p7")
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
@@ -255,15 +255,28 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # after a dense layer; beside a vision tower merging 2 x 2 patches into a token (Muse Spark's also an audio one)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
                       pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16)
-        text = composite_text(max_positions, {}, sliding_window=TINY_WINDOW,
-                              layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0],
-                              mlp_layer_types=["dense", "sparse"], moe_intermediate_size=32, moe_hidden_size=32,
-                              num_local_experts=4, num_experts_per_tok=4, pad_token_id=0, **overrides)
+        text = composite_text(max_positions, {}, **{**dict(
+            sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[10000.0, 0],
+            mlp_layer_types=["dense", "sparse"], moe_intermediate_size=32, moe_hidden_size=32, num_local_experts=4,
+            num_experts_per_tok=4, pad_token_id=0), **overrides})
         audio = (dict(audio_config=dict(out_hidden_size=64, hidden_sizes=[16, 32], patch_sizes=[4, 4], depths=[1, 1],
                                         num_hidden_layers=2), audio_token_id=TINY_VOCAB - 3)
                  if model_type == "muse_spark" else {})
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
                                     video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
+    if model_type == "step3p7":  # Step 3.7: a sliding layer of more query heads (8) than its full one (4), whose RoPE
+        # (its own theta) rotates half of each head where the sliding one's rotates all; q and k normed per head; a dense
+        # MLP, then experts (4, every one routed to); beside a vision tower whose two convolutions merge 4 x 4 patches
+        # into a token
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+                      patch_size=14, max_position_embeddings=64)
+        text = composite_text(max_positions, {}, **{**dict(
+            sliding_window=TINY_WINDOW, num_sliding_attention_heads=8, layer_types=["sliding_attention", "full_attention"],
+            rope_theta=[10000.0, 5000000.0], partial_rotary_factors=[1.0, 0.5], mlp_layer_types=["dense", "sparse"],
+            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, share_expert_dim=32,
+            pad_token_id=0), **overrides})
+        del text["rope_parameters"]  # (built per layer type from rope_theta and partial_rotary_factors)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
     if model_type == "dbrx":  # its own names; q, k and v clamped at 0.25, within their size here (the real ones: 8); its
         # attention reads rope_theta from attn_config (as the real configs hold it); as the Qwen MoEs, every one of 4
         # small experts routed to
@@ -525,7 +538,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
                                                           *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -681,7 +681,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
-          "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}}
+          "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI)  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
 # others' where they take it), one frame (PaddleOCR-VL, Kimi K2.5 unflattened; ERNIE 4.5 VL, HunyuanOCR flattened);
@@ -692,7 +692,7 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
                 "hunyuan_vl": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
-IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, *IMAGE_TOWERS,
+IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7", *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -838,7 +838,7 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
+    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
     VL's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's,
     GLM's and ERNIE's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
     the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
