@@ -45,9 +45,9 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
-                "hyperclovax_vision_v2": "hyperclovax"}
+                "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
 GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
 # Qwen2.5-Omni's and Qwen3-Omni's thinkers: a Qwen2 / Qwen3-MoE decoder with multimodal RoPE beside vision and audio
@@ -143,11 +143,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      lighton_ocr=dict(spatial_merge_size=2), exaone4_5={}, lfm3_vl={},
                      vipllava=dict(vision_feature_layers=[-2, -1]), llava_next_video=tiles,
                      video_llava=dict(vision_feature_layer=-1),
-                     hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2))[model_type]
+                     hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
+                     qianfan_ocr={})[model_type]
         if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
         if model_type == "lighton_ocr":  # (Pixtral's, as Mistral 3's)
             vision["head_dim"] = 16
+        if model_type == "janus":  # its aligner's output: the decoder's width
+            vision["projection_dim"] = 64
+        if model_type == "qianfan_ocr":  # InternViT-like: 2 x 2 patches merged into a token
+            vision["image_size"] = 56
         if model_type in ("exaone4_5", "hyperclovax_vision_v2"):  # a Qwen2.5-VL-like tower (EXAONE 4.5's: GQA in its
             # attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
@@ -167,11 +172,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
         if model_type == "qwen2_vl":  # its vision config names the tower's width embed_dim, its output hidden_size
             vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
-        text = tiny_config("qwen3_moe" if model_type == "qwen3_vl_moe" else model_type[:5], max_positions, head_dim=16,
-                           **overrides).to_dict()
+        decoder = {"qwen3_vl_moe": "qwen3_moe", "cosmos3_omni": "qwen3"}.get(model_type, model_type[:5])
+        text = tiny_config(decoder, max_positions, head_dim=16, **overrides).to_dict()
         del text["model_type"]  # (the composite's own text type)
         text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
-                                       **({"mrope_interleaved": True} if model_type.startswith("qwen3") else {}))
+                                       **({"mrope_interleaved": True} if decoder.startswith("qwen3") else {}))
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
     if model_type in GLM_VL:  # RoPE over half of each head in (time, height, width) sections, in neighbouring pairs (but
@@ -264,6 +269,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                  if model_type == "muse_spark" else {})
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
                                     video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
+    if model_type == "granite_docling":  # Granite Docling: a Granite decoder (scores scaled by attention_multiplier; its
+        # other multipliers 1 here, so an image moves the logits) beside a SigLIP tower merging 2 x 2 patches of a tile into
+        # a token, which also feeds the decoder's first layer (DeepStack)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                      patch_size=14, scale_factor=2, out_hidden_size=64)
+        text = composite_text(max_positions, {}, **{**dict(attention_multiplier=0.25, embedding_multiplier=1.0,
+                                                           residual_multiplier=1.0, logits_scaling=1.0, pad_token_id=0),
+                                                    **overrides})
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
+                                    pad_token_id=0)
     if model_type == "step3p7":  # Step 3.7: a sliding layer of more query heads (8) than its full one (4), whose RoPE
         # (its own theta) rotates half of each head where the sliding one's rotates all; q and k normed per head; a dense
         # MLP, then experts (4, every one routed to); beside a vision tower whose two convolutions merge 4 x 4 patches
@@ -538,7 +553,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
                                                           *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -681,7 +681,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
-          "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, "")}
+          "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
+          "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI)  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
 # others' where they take it), one frame (PaddleOCR-VL, Kimi K2.5 unflattened; ERNIE 4.5 VL, HunyuanOCR flattened);
@@ -692,7 +693,8 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
                 "hunyuan_vl": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
-IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7", *IMAGE_TOWERS,
+IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
+                    "granite_docling", *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -723,8 +725,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
         return dict(input_ids=ids, pixel_values=torch.randn(1, grid * grid, 3 * 14 * 14), image_position_ids=where.reshape(1, -1, 2))
     images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
-    if model_type in ("smolvlm", "idefics3", "idefics2"):  # (batch, images, channels, height, width)
+    if model_type in ("smolvlm", "idefics3", "idefics2", "granite_docling"):  # (batch, images, channels, height, width)
         images["pixel_values"] = images["pixel_values"][:, None]
+    if model_type == "granite_docling":  # its one tile real
+        images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
     if model_type in ("mistral3", "lighton_ocr"):
         images["image_sizes"] = torch.tensor([[side, side]])
     return images
