@@ -45,7 +45,8 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
-                "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3"}
+                "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3",
+                "ovis2": "qwen2", "video_llama_3": "qwen2"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -144,7 +145,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      vipllava=dict(vision_feature_layers=[-2, -1]), llava_next_video=tiles,
                      video_llava=dict(vision_feature_layer=-1),
                      hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
-                     qianfan_ocr={})[model_type]
+                     qianfan_ocr={}, video_llama_3={},
+                     # (Ovis2's visual tokens embedded by a table of the decoder's width, its indicator tokens' ids)
+                     ovis2=dict(hidden_size=64, vocab_size=TINY_VOCAB,
+                                visual_indicator_token_ids=list(range(TINY_VOCAB - 10, TINY_VOCAB - 5))))[model_type]
         if model_type == "internvl":
             vision.update(image_size=[28, 28], patch_size=[14, 14])
         if model_type == "lighton_ocr":  # (Pixtral's, as Mistral 3's)
@@ -153,6 +157,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             vision["projection_dim"] = 64
         if model_type == "qianfan_ocr":  # InternViT-like: 2 x 2 patches merged into a token
             vision["image_size"] = 56
+        if model_type == "ovis2":  # its visual vocabulary, which an image's patches are soft tokens of
+            vision["vocab_size"] = 64
         if model_type in ("exaone4_5", "hyperclovax_vision_v2"):  # a Qwen2.5-VL-like tower (EXAONE 4.5's: GQA in its
             # attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
