@@ -142,8 +142,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                                          resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1)),
                      lfm2_vl=dict(downsample_factor=2, projector_hidden_size=64), cohere2_vision=dict(downsample_factor=2),
                      lighton_ocr=dict(spatial_merge_size=2), exaone4_5={}, lfm3_vl={},
-                     vipllava=dict(vision_feature_layers=[-2, -1]), llava_next_video=tiles,
-                     video_llava=dict(vision_feature_layer=-1),
+                     vipllava=dict(vision_feature_layers=[-2, -1]),
+                     llava_next_video=dict(tiles, video_token_index=TINY_VOCAB - 2),
+                     video_llava=dict(vision_feature_layer=-1, video_token_index=TINY_VOCAB - 2),
                      hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
                      qianfan_ocr={}, video_llama_3={},
                      # (Ovis2's visual tokens embedded by a table of the decoder's width, its indicator tokens' ids)

@@ -866,6 +866,40 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     assert {model.config._attn_implementation, model.config.get_text_config()._attn_implementation} == {"sdpa"}
 
 
+# a video of two frames: its tokens, and its inputs as each model's processor gives them (Qwen2.5-VL's patches of two
+# frames each, 2 x 2 merged into a token, at (time, height, width) positions; LLaVA-NeXT-Video's frames pooled into a
+# token each; Video-LLaVA's 4 patches and a class token a frame)
+VIDEOS = {"qwen2_5_vl": (8, lambda: dict(pixel_values_videos=torch.randn(32, 3 * 2 * 14 * 14),
+                                         video_grid_thw=torch.tensor([[2, 4, 4]]))),
+          "llava_next_video": (2, lambda: dict(pixel_values_videos=torch.randn(1, 2, 3, 28, 28))),
+          "video_llava": (10, lambda: dict(pixel_values_videos=torch.randn(1, 2, 3, 28, 28)))}
+
+
+@pytest.mark.parametrize("model_type", VIDEOS)
+def test_a_model_reading_video_tokens_as_text_generates_its_own_fp_tokens_from_a_video(model_type):
+    """A video's frames reach the decoder as tokens read causally, as an image's: through a cache keeping everything
+    fp16 the model generates its own tokens from a prompt with a video of two frames (Qwen2.5-VL's at multimodal RoPE
+    positions, time advancing by frame), logits equal up to the fp16 rounding of K/V; the video matters."""
+    model = tiny_model(model_type)
+    tokens, video = VIDEOS[model_type]
+    ids = prompt(tokens=12 + tokens)
+    video_token = getattr(model.config, "video_token_id", None) or model.config.video_token_index
+    ids[0, 2:2 + tokens] = video_token
+    inputs = dict(input_ids=ids, **video())
+    if model_type in TOKEN_TYPED:
+        inputs["mm_token_type_ids"] = (ids == video_token).long() * 2  # (2: a video's)
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(**inputs, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(**inputs, **settings, past_key_values=cache)
+            assert cache.tokens() == [12 + tokens + 8 - 1]
+        text_only = model.generate(input_ids=ids, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(text_only.logits) - torch.stack(fp.logits)).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v", "ernie4_5_vl_moe"])
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
     """Qwen2.5-VL's, Qwen3.5's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
