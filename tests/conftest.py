@@ -276,6 +276,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                  if model_type == "muse_spark" else {})
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
                                     video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
+    if model_type == "cosmos3_edge":  # Cosmos 3 Edge: a dense decoder with multimodal RoPE as Qwen-VL's beside a SigLIP
+        # tower whose projector merges 2 x 2 patches into a token; token ids within TINY_VOCAB
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      num_patches=16)
+        text = composite_text(max_positions, dict(mrope_section=[2, 3, 3]), pad_token_id=0, **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 3,
+                                    vision_end_token_id=TINY_VOCAB - 4, projector_hidden_size=64)
     if model_type == "granite_docling":  # Granite Docling: a Granite decoder (scores scaled by attention_multiplier; its
         # other multipliers 1 here, so an image moves the logits) beside a SigLIP tower merging 2 x 2 patches of a tile into
         # a token, which also feeds the decoder's first layer (DeepStack)
@@ -560,7 +568,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     auto = (AutoModelForImageTextToText if model_type in ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl",
-                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
+                                                          "paddleocr_vl", "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", *QWEN_OMNI, *MUSE, *IMAGE_TOWERS, *QWEN_VL,
                                                           *QWEN3_5_VL, *GLM_VL)
             else AutoModelForCausalLM)
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -683,15 +683,16 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
           "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
-          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, "")}
-MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI)  # image tokens at (time, height, width) positions
+          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, "")}
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
+                   "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
 # others' where they take it), one frame (PaddleOCR-VL, Kimi K2.5 unflattened; ERNIE 4.5 VL, HunyuanOCR flattened);
 # 2 x 2 patches merged into a token (HunyuanOCR's rows each ending in one more)
 GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5", "lfm3_vl", "hyperclovax_vision_v2", *MUSE),
                                 (3 * 2 * 14 * 14,)),
                 "paddleocr_vl": (3, 14, 14), "kimi_k25": (3, 14, 14), "ernie4_5_vl_moe": (3 * 14 * 14,),
-                "hunyuan_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,)}
+                "hunyuan_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
