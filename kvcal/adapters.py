@@ -105,11 +105,11 @@ latent (`value_dims`), attended over exactly as cached (LatentAttention); calibr
 quantized cache (decoded by the CPU kernel or the torch reference), refused by Cocktail's cache and the exports
 (ModelAdapter.refuse_latent). Kimi Linear's and bailing_hybrid's MLA layers sit among gated DeltaNet ones; Kimi
 Linear's apply no RoPE. LongCat-Flash's decoder layers each hold two MLA, each a cache layer of its own
-(_ATTENTION_SUBLAYERS), caching the latent times mla_scale_kv_lora. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, Hy V4, A.X K2) gives MLA layers an indexer
-(LayerHandles.indexer) that keeps keys of its own and picks the tokens each query attends to (Hy V4's shared layers
-attend to an earlier layer's pick): kvcal keeps its keys as the model computes them and attends over the tokens it
-picks (kvcal.wiring.chosen_columns). MiniMax-M3's block-sparse layers give GQA such an indexer, which picks blocks of
-keys per KV head (LayerHandles.pick_block), kept and attended alike.
+(_ATTENTION_SUBLAYERS), caching the latent times mla_scale_kv_lora. DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5,
+Hy V4, A.X K2) gives MLA layers an indexer (LayerHandles.indexer) that keeps keys of its own and picks the tokens
+each query attends to (Hy V4's shared layers attend to an earlier layer's pick): kvcal keeps its keys as the model
+computes them and attends over the tokens it picks (kvcal.wiring.chosen_columns). MiniMax-M3's block-sparse layers
+give GQA such an indexer, which picks blocks of keys per KV head (LayerHandles.pick_block), kept and attended alike.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
-# decoder layers holding several attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
+# decoder layers holding this many attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
 # (LongCat-Flash's two MLA: cache layers 2i and 2i + 1 of decoder layer i, config.num_hidden_layers counting them)
-_ATTENTION_SUBLAYERS = ("longcat_flash",)
+_ATTENTION_SUBLAYERS = {"longcat_flash": 2}
 # LongRoPE whose rotary rotates by its short frequencies at any length and scales cos/sin by the config's mscales
 # (transformers' PhiMoE: its rope_init_fn is called without the forward's length)
 _MSCALED_LONGROPE = ("phimoe",)
@@ -994,7 +994,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     value_dims = ([config.kv_lora_rank] * num_layers if latent else [config.v_head_dim] * num_layers
                   if text_type in _NARROW_VALUES else head_dims)
     decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
-    sublayers = 2 if text_type in _ATTENTION_SUBLAYERS else 1
+    sublayers = _ATTENTION_SUBLAYERS.get(text_type, 1)
     layers = _find_decoder_layers(decoder, num_layers // sublayers)
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
@@ -1007,9 +1007,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
                               head_dims[m], sinks, "after" if text_type in _NORMED_AFTER_ROPE else
                               "before" if text_type in _SHARED_NORM_BEFORE_ROPE else None)
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
-    for handle, m in zip(handles, attending):
+    for handle, m, (_, at) in zip(handles, attending, located):
         if decoder_types[m] == _INDEXED_ATTENTION and not latent:
-            _pick_key_blocks(handle, query_heads[m], f"{where}: decoder layer {m}")
+            _pick_key_blocks(handle, query_heads[m], at)
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
         if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
             raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
