@@ -276,6 +276,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                  if model_type == "muse_spark" else {})
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
                                     video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
+    if model_type == "deepseek_ocr2":  # DeepSeek-OCR 2: a decoder of dense and MoE MLPs (experts: 4, every one routed
+        # to) beside a SAM tower and a Qwen2-like encoder, whose 144 learned queries read an image (and a view separator)
+        sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                   patch_size=8, window_size=2, global_attn_indexes=[1], downsample_channels=[32, 64])
+        encoder = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2)
+        text = composite_text(max_positions, {}, **{**dict(
+            n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+            mlp_layer_types=["dense", "sparse"], pad_token_id=0), **overrides})
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=dict(sam_config=sam, encoder_config=encoder),
+                                    image_token_id=TINY_VOCAB - 1)
     if model_type == "cosmos3_edge":  # Cosmos 3 Edge: a dense decoder with multimodal RoPE as Qwen-VL's beside a SigLIP
         # tower whose projector merges 2 x 2 patches into a token; token ids within TINY_VOCAB
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
@@ -568,7 +579,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", *QWEN_OMNI, *MUSE,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -683,7 +683,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
           "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
-          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, "")}
+          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -696,12 +696,12 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
-                    "granite_docling", *IMAGE_TOWERS,
+                    "granite_docling", "deepseek_ocr2", *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
-    """A prompt with one image, as each model's processor gives it (the image's tokens at 2..5)."""
+    """A prompt with one image, as each model's processor gives it (the image's tokens from its third on)."""
     tokens, side, _ = IMAGES[model_type]
     if model_type == "phi4_multimodal":  # its encoder's view of the whole image and of one crop: 5 tokens with separators
         ids[0, 2:2 + tokens] = model.config.vision_config.image_token_id
@@ -846,20 +846,21 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
+    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, DeepSeek-OCR 2's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
     VL's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's,
     GLM's and ERNIE's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
     the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
     tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache;
     the model's attention implementations are its own after."""
     model = tiny_model(model_type)
-    images = image_inputs(model_type, model, prompt())
+    tokens = max(12, IMAGES[model_type][0] + 4)  # (DeepSeek-OCR 2's image: 145 tokens)
+    images = image_inputs(model_type, model, prompt(tokens=tokens))
     settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.inference_mode():
         fp = model.generate(**images, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(**images, **settings, past_key_values=cache)
-            assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [12 + 8 - 1]
+            assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [tokens + 8 - 1]
         text_only = model.generate(input_ids=images["input_ids"], **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
