@@ -631,6 +631,18 @@ def decoder_kind(fingerprint: dict) -> str:
     return "dense"
 
 
+def served_types() -> list[tuple[str, str]]:
+    """Every model type kvcal serves, sorted, each with how its decoder is read: (model_type, kind)."""
+    def kind(model_type: str) -> str:
+        latent = "multi-head latent attention" if model_type in LATENT_ATTENTION_TYPES else ""
+        beside = ("decoder beside a vision tower, images cached as tokens" if model_type in _IMAGES_AS_TOKENS else
+                  "decoder beside a vision tower, images attended both ways" if model_type in _IMAGE_BLOCKS else
+                  "decoder with image and audio encoders inside" if model_type in _ENCODERS_INSIDE else "")
+        return "; ".join(part for part in (latent, beside) if part) or "decoder"
+
+    return [(model_type, kind(model_type)) for model_type in sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)]
+
+
 def latent_attention(fingerprint: dict) -> bool:
     """Whether an artifact's model's attention is MLA (LatentAttention): its fingerprint gives its latent's width."""
     return "value_dim" in fingerprint

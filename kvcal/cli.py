@@ -156,8 +156,12 @@ def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
 def _print_summary(path: Path) -> None:
     from kvcal.summary import summarize
 
-    summary = summarize(path)
-    provenance = Table(show_header=False, box=None, title=f"kvcal {summary.kind}: {path}", title_justify="left")
+    _print_summary_of(summarize(path), path)
+
+
+def _print_summary_of(summary, name) -> None:
+    """An ArtifactSummary: its provenance rows, then its per-layer table."""
+    provenance = Table(show_header=False, box=None, title=f"kvcal {summary.kind}: {name}", title_justify="left")
     provenance.add_column(style="bold")
     provenance.add_column()
     for key, value in summary.provenance:
@@ -490,6 +494,26 @@ def methods_command():
     _print_table("kvcal methods", ["method", "description", "bundle recipe", "fit", "eval ppl --baseline"],
                  [[spec.name, spec.description, "yes" if spec.bundle_format else "-", getattr(spec, "fit_command", "-"),
                    spec.baseline_syntax() or "-"] for spec in registry.methods()])
+
+
+@app.command("models")
+@reports_errors
+def models_command(
+    model: Optional[str] = typer.Argument(None, help="A model to check (hub id, model directory, .gguf file or a packaged model's name): read from its config alone, no weights loaded. Without one, list the model types kvcal serves."),
+):
+    """List the model types kvcal serves, or check one model: whether kvcal serves it (else the one line saying why
+    not) and its attention as kvcal reads it, per layer, with the bytes a token takes in its fp16 cache."""
+    from kvcal.adapters import adapt, served_types
+
+    if model is None:
+        _print_table("model types kvcal serves (docs/cli.md#supported-architectures says what each takes)",
+                     ["model_type", "read as"], [list(row) for row in served_types()])
+        return
+    from kvcal.models import load_model_structure
+    from kvcal.summary import model_summary
+
+    built, source = load_model_structure(model)
+    _print_summary_of(model_summary(adapt(built), source.spec), source.spec)
 
 
 eval_app = typer.Typer(help="Evaluate quantization methods: perplexity (simulated), and greedy agreement, passkey retrieval "

@@ -143,6 +143,27 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     return model, tokenizer, source
 
 
+def load_model_structure(spec: str | None):
+    """(model, source): the model `spec` names built from its config alone, its parameters on the meta device (no
+    weights read or allocated, whatever the model's size), its buffers (RoPE's frequencies) computed: what kvcal's
+    adapter reads of its attention (`kvcal models`)."""
+    from accelerate import init_empty_weights
+
+    transformers_logging.disable_progress_bar()
+    source = resolve_model(spec)
+    try:
+        with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        if config.model_type in _LOADED_AS_TEXT_MODEL:
+            config = config.get_text_config(decoder=True)
+        with init_empty_weights(include_buffers=False):
+            model = _model_class(config).from_config(config)
+    except (OSError, ValueError, ImportError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvcalError(f"could not read model '{source.spec}': {first_line}") from exc
+    return model.eval(), source
+
+
 @contextlib.contextmanager
 def _gguf_read_once():
     """Within the block gguf gives one reader per file and one tensor name map per (architecture, layers): transformers

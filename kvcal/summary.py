@@ -1,6 +1,7 @@
-"""Readable summaries of kvcal artifacts (`kvcal inspect`), one summarizer per artifact kind. A bundle is
-validated by load_bundle before it is summarized; any other artifact's checksum is verified on reading, and
-whatever goes wrong summarizing a malformed one is one KvcalError naming the file."""
+"""Readable summaries of kvcal artifacts (`kvcal inspect`), one summarizer per artifact kind, and of a model's
+attention as kvcal reads it (`kvcal models`). A bundle is validated by load_bundle before it is summarized; any other
+artifact's checksum is verified on reading, and whatever goes wrong summarizing a malformed one is one KvcalError
+naming the file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import index_widths, kv_shapes, kv_widths, latent_attention, query_heads, rope_orders, score_scale
+from kvcal.adapters import (ModelAdapter, index_widths, kv_shapes, kv_widths, latent_attention, query_heads, rope_orders,
+                            score_scale)
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -65,6 +67,44 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     return ArtifactSummary("profile", provenance, columns, rows)
 
 
+def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
+    """A model's attention as kvcal reads it (what `kvcal models MODEL` prints): its layers' heads, spans and RoPE, and
+    the bytes one token takes in each layer's cache kept fp16, which a quantized cache's bits divide (a windowed layer
+    keeps its span's tokens alone, so a context's cache counts at most that many of them)."""
+    fingerprint = adapter.fingerprint()
+    readers = [f"decoder layer {r.decoder_index} reads layer {r.source}'s" for r in adapter.readers]
+    fp16 = [FP16_BYTES * (k + v + i) for k, v, i in zip(adapter.kv_widths, adapter.value_widths, adapter.index_widths)]
+    context = 32768
+    at_context = sum(size * min(context, span.size if span else context) for size, span in zip(fp16, adapter.spans))
+    provenance = [
+        ("model", spec),
+        ("architecture", f"{adapter.architecture} ({adapter.model_type}): {adapter.num_model_layers} decoder layers"
+                         + (f", {len(adapter.layers)} of them keeping a cache" if adapter.hybrid else "")),
+        ("attention", f"{' or '.join(map(str, sorted(set(adapter.query_heads))))} query heads / {_kv_heads_text(fingerprint)}; "
+                      f"scores x {adapter.score_scale:.4g}"
+                      + (f", soft-capped at {adapter.softcap:g}" if adapter.softcap else "")
+                      + ("; attention sinks" if adapter.layers[0].sinks is not None else "")
+                      + (f"; multi-head latent attention: the value is a latent of {adapter.value_dims[0]} channels beside "
+                         "the rotated key" if adapter.latent else "")),
+        ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers) + " cache",
+                     "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)"}[adapter.decoder_kind]
+                    + ("; images cached as tokens" if adapter.images_as_tokens else "")
+                    + ("; an image's tokens attended both ways" if adapter.image_blocks else "")),
+        ("fp16 cache", f"{sum(fp16):,} bytes per token of K and V" + (" and indexer keys" if any(adapter.index_widths) else "")
+                       + f"; {at_context / 2 ** 30:.2f} GiB for a sequence of {context} tokens"),
+    ]
+    decoder_column = adapter.model_layers != tuple(range(len(adapter.layers)))  # (hybrids, KV sharing, sublayers)
+    sparse_column = any(handles.sparse for handles in adapter.layers)
+    columns = (["layer"] + ["decoder layer"] * decoder_column + ["window / chunk"] + ["attends"] * sparse_column
+               + ["q heads", "K (heads x dim)", "V", "RoPE", "fp16 bytes / token"])
+    rows = [[str(i)] + [str(adapter.model_layers[i])] * decoder_column + [_span_text(span)]
+            + [("an indexer's pick" if handles.sparse else "all it sees")] * sparse_column
+            + [str(adapter.query_heads[i]), f"{adapter.kv_heads[i]} x {adapter.head_dims[i]}", str(adapter.value_widths[i]),
+               _rope_text(adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i)), f"{fp16[i]:,}"]
+            for i, (handles, span) in enumerate(zip(adapter.layers, adapter.spans))]
+    return ArtifactSummary("model", provenance, columns, rows)
+
+
 def _kv_heads_text(fingerprint: dict) -> str:
     """The KV heads and head_dim of a model's layers: one pair, or each pair and its layers where they differ."""
     shapes = kv_shapes(fingerprint)
@@ -80,14 +120,18 @@ def _span_text(span: AttentionSpan | None) -> str:
 
 
 def _rope_of(inv_freq, rope_config: dict, layer: int, head_dim: int) -> str:
-    """A layer's RoPE as the profile records it: "none" (frequencies of zero: a layer that applies none), else its
-    cos/sin scaling and, where it rotates part of each head, how many channels (its nonzero frequencies' pairs)."""
-    frequencies = layer_inv_freq(inv_freq, layer, head_dim)
+    """A layer's RoPE as the profile records it (_rope_text)."""
+    return _rope_text(layer_inv_freq(inv_freq, layer, head_dim), layer_rope_scaling(rope_config, layer))
+
+
+def _rope_text(frequencies, scaling: float) -> str:
+    """A layer's RoPE: "none" (frequencies of zero: a layer that applies none), else its cos/sin scaling and, where it
+    rotates part of each head, how many channels (its nonzero frequencies' pairs)."""
     rotated = int(frequencies.count_nonzero())
     if not rotated:
         return "none"
     part = f" over {2 * rotated} of {2 * frequencies.numel()} channels" if rotated < frequencies.numel() else ""
-    return f"x{layer_rope_scaling(rope_config, layer):.4g}{part}"
+    return f"x{scaling:.4g}{part}"
 
 
 def _get(config, *keys):

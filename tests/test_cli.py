@@ -642,3 +642,37 @@ def test_the_command_silences_the_gguf_loaders_own_tqdm_bar():
     assert loud.returncode == quiet.returncode == 0, (loud.stderr, quiet.stderr)
     assert "Converting and de-quantizing GGUF tensors" in loud.stderr
     assert "Converting" not in quiet.stderr
+
+
+def test_models_lists_every_type_kvcal_serves():
+    from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES
+
+    result = run("models")
+    assert result.exit_code == 0, result.output
+    listed = re.findall(r"^│ (\w+) +│ +(.+?) │$", result.stdout, re.MULTILINE)
+    assert sorted(kind for kind, _ in listed) == sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)
+    assert dict(listed)["longcat_flash"] == "multi-head latent attention"
+    assert dict(listed)["muse_spark"] == "decoder beside a vision tower, images cached as tokens"
+
+
+def test_models_reads_a_model_from_its_config_alone(tiny_model_dir):
+    """A model's attention as kvcal reads it, with its weights' file gone: the sliding layer's window, each layer's
+    heads and RoPE, and the bytes a token takes in its fp16 cache (Gemma 3's tiny model: 2 KV heads of 16 channels
+    for K and V, 128 bytes a layer; a sequence of 32768 tokens keeps 16 of them in the sliding layer)."""
+    model = tiny_model_dir("gemma3_text")
+    (model / "model.safetensors").unlink()
+    result = run("models", model)
+    assert result.exit_code == 0, result.output
+    assert "Gemma3ForCausalLM (gemma3_text): 2 decoder layers" in result.stdout
+    assert "256 bytes per token of K and V; " in result.stdout
+    assert f"{128 * (16 + 32768) / 2 ** 30:.2f} GiB for a sequence of 32768 tokens" in result.stdout
+    rows = re.findall(r"^│ (\d) +│ +(\S+) │ +4 │ +2 x 16 │ +32 │ +x1 │ +128 │$", result.stdout, re.MULTILINE)
+    assert rows == [("0", "16"), ("1", "-")]
+
+
+def test_models_refuses_an_architecture_it_does_not_serve_in_one_line(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("jetmoe", vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(tmp_path)
+    refused(run("models", tmp_path), "unsupported architecture JetMoeForCausalLM (model_type 'jetmoe')")
+    refused(run("models", tmp_path / "missing"), "model path")
