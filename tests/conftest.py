@@ -208,8 +208,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # token ids within TINY_VOCAB
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                       fullatt_block_indexes=[1])
+        # (Qwen3-Omni's audio output lengths assume its released window of 50 frames, whatever its config says)
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
-                     num_mel_bins=16, n_window=4)
+                     num_mel_bins=16, n_window=50 if model_type == "qwen3_omni_moe_thinker" else 4)
         text = composite_text(max_positions, dict(mrope_section=[2, 3, 3]), num_experts=4, num_experts_per_tok=4,
                               moe_intermediate_size=32, **overrides)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=audio,

@@ -871,20 +871,21 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
 # a video of two frames, or 40 frames of audio: its tokens, the config's name for their token id, and its inputs as
 # each model's processor gives them (Qwen2.5-VL's patches of two frames each, 2 x 2 merged into a token, at (time,
 # height, width) positions; LLaVA-NeXT-Video's frames pooled into a token each; Video-LLaVA's 4 patches and a class
-# token a frame; Qwen2.5-Omni's mel frames, 4 to a token)
+# token a frame; Qwen2.5-Omni's mel frames, 4 to a token, Qwen3-Omni's 8)
 MEDIA = {"qwen2_5_vl": (8, "video_token_id", lambda: dict(pixel_values_videos=torch.randn(32, 3 * 2 * 14 * 14),
                                                           video_grid_thw=torch.tensor([[2, 4, 4]]))),
          "llava_next_video": (2, "video_token_index", lambda: dict(pixel_values_videos=torch.randn(1, 2, 3, 28, 28))),
          "video_llava": (10, "video_token_index", lambda: dict(pixel_values_videos=torch.randn(1, 2, 3, 28, 28))),
-         "qwen2_5_omni_thinker": (10, "audio_token_id", lambda: dict(
-             input_features=torch.randn(1, 16, 40), feature_attention_mask=torch.ones(1, 40, dtype=torch.long)))}
+         **{kind: (tokens, "audio_token_id", lambda: dict(
+             input_features=torch.randn(1, 16, 40), feature_attention_mask=torch.ones(1, 40, dtype=torch.long)))
+            for kind, tokens in (("qwen2_5_omni_thinker", 10), ("qwen3_omni_moe_thinker", 5))}}
 
 
 @pytest.mark.parametrize("model_type", MEDIA)
 def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_tokens(model_type):
     """A video's frames, or audio, reach the decoder as tokens read causally, as an image's: through a cache keeping
     everything fp16 the model generates its own tokens from a prompt with a video of two frames (Qwen2.5-VL's at
-    multimodal RoPE positions, time advancing by frame) or with audio (Qwen2.5-Omni's thinker), logits equal up to the
+    multimodal RoPE positions, time advancing by frame) or with audio (the Omni thinkers'), logits equal up to the
     fp16 rounding of K/V; the video or audio matters."""
     model = tiny_model(model_type)
     tokens, token_name, media = MEDIA[model_type]
