@@ -72,7 +72,7 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
     the bytes one token takes in each layer's cache kept fp16, which a quantized cache's bits divide (a windowed layer
     keeps its span's tokens alone, so a context's cache counts at most that many of them)."""
     fingerprint = adapter.fingerprint()
-    readers = [f"decoder layer {r.decoder_index} reads layer {r.source}'s" for r in adapter.readers]
+    readers = [f"decoder layer {r.decoder_index} reads layer {r.source}'s cache" for r in adapter.readers]
     fp16 = [FP16_BYTES * (k + v + i) for k, v, i in zip(adapter.kv_widths, adapter.value_widths, adapter.index_widths)]
     context = 32768
     at_context = sum(size * min(context, span.size if span else context) for size, span in zip(fp16, adapter.spans))
@@ -86,7 +86,7 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
                       + ("; attention sinks" if adapter.layers[0].sinks is not None else "")
                       + (f"; multi-head latent attention: the value is a latent of {adapter.value_dims[0]} channels beside "
                          "the rotated key" if adapter.latent else "")),
-        ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers) + " cache",
+        ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers),
                      "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)"}[adapter.decoder_kind]
                     + ("; images cached as tokens" if adapter.images_as_tokens else "")
                     + ("; an image's tokens attended both ways" if adapter.image_blocks else "")),
