@@ -59,7 +59,9 @@ QWEN_OMNI = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 # Qwen3.5's and Qwen3.5-MoE's checkpoints: their hybrid decoder beside a vision tower (AutoModelForCausalLM reads the
 # decoder alone, as the text types qwen3_5_text and qwen3_5_moe_text)
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
-HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
+# MiniCPM-V 4.6, 4.7 and MiniCPM-OCR: Qwen3.5's hybrid decoder at text positions beside a SigLIP-like tower
+MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
           "nemotron_h", "jamba", "bamba", "minimax")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
@@ -277,6 +279,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                  if model_type == "muse_spark" else {})
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
                                     video_token_id=TINY_VOCAB - 2, out_hidden_size=128, projector_hidden_size=64, **audio)
+    if model_type in MINICPM_V:  # Qwen3.5's hybrid decoder (below) beside a tower of 14-pixel patches, which MiniCPM-V
+        # merges 16 to a token, MiniCPM-OCR 4
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                      patch_size=14, insert_layer_id=1)
+        text = tiny_config("qwen3_5_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
     if model_type == "deepseek_ocr2":  # DeepSeek-OCR 2: a decoder of dense and MoE MLPs (experts: 4, every one routed
         # to) beside a SAM tower and a Qwen2-like encoder, whose 144 learned queries read an image (and a view separator)
         sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
@@ -580,7 +589,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", *QWEN_OMNI, *MUSE,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", *MINICPM_V, *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
@@ -13,7 +13,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
-               "cosmos3_omni",
+               "cosmos3_omni", *MINICPM_V,
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision

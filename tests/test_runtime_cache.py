@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -683,7 +683,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
           "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
-          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, "")}
+          "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
+          **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -696,7 +697,7 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
-                    "granite_docling", "deepseek_ocr2", *IMAGE_TOWERS,
+                    "granite_docling", "deepseek_ocr2", *MINICPM_V, *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -717,6 +718,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         if model_type == "video_llama_3":  # 2 x 2 patches merged into a token
             images["image_merge_sizes"] = torch.tensor([2])
         return images
+    if model_type in MINICPM_V:  # its 8 x 8 patches side by side in one row of pixels, beside their grid
+        grid = side // 14
+        return dict(input_ids=ids, pixel_values=torch.randn(1, 3, 14, 14 * grid * grid),
+                    target_sizes=torch.tensor([[grid, grid]]))
     if model_type in ("llava_next", "llava_onevision", "llava_next_video"):  # the whole image and its one tile
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
@@ -846,7 +851,7 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, DeepSeek-OCR 2's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
+    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, DeepSeek-OCR 2's, MiniCPM-V's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
     VL's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's,
     GLM's and ERNIE's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
     the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
