@@ -46,7 +46,7 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
                 "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3",
-                "ovis2": "qwen2", "video_llama_3": "qwen2"}
+                "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -149,6 +149,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      video_llava=dict(vision_feature_layer=-1, video_token_index=TINY_VOCAB - 2),
                      hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
                      qianfan_ocr={}, video_llama_3={},
+                     # (DeepSeek-VL Hybrid's SAM tower reading the image again at 64 x 64 pixels)
+                     deepseek_vl_hybrid=dict(high_res_vision_config=dict(
+                         hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                         patch_size=16, window_size=2, global_attn_indexes=[1])),
                      # (Ovis2's visual tokens embedded by a table of the decoder's width, its indicator tokens' ids)
                      ovis2=dict(hidden_size=64, vocab_size=TINY_VOCAB,
                                 visual_indicator_token_ids=list(range(TINY_VOCAB - 10, TINY_VOCAB - 5))))[model_type]

@@ -684,7 +684,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
-          **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}}
+          **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -740,6 +740,8 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
     if model_type in ("mistral3", "lighton_ocr"):
         images["image_sizes"] = torch.tensor([[side, side]])
+    if model_type == "deepseek_vl_hybrid":  # the image again, at its SAM tower's resolution
+        images["high_res_pixel_values"] = torch.randn(1, 3, 64, 64)
     return images
 
 
