@@ -50,7 +50,7 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
-GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr")
+GLM_VL = ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")  # (GLM-4.1V Thinking's glmga: GLM-4.6V's model)
 # Qwen2.5-Omni's and Qwen3-Omni's thinkers: a Qwen2 / Qwen3-MoE decoder with multimodal RoPE beside vision and audio
 # encoders
 QWEN_OMNI = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")

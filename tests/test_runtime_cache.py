@@ -28,11 +28,11 @@ TOKENS = 40
 # recipe within 1e-4). A wrong rotation, window or mask shows at every seed and on both rows; seeds 0, 3 and 4 pass every
 # recipe (OLMo Hybrid: 0 and 3 tried; Gemma 4 and Gemma 4 Unified, text models and composites: 0-6 tried, 4 passing
 # all four, 3 all but the Unified ones; Qwen3.5's composite, at its multimodal RoPE: KIVI at 5, 2.6e-3, every other
-# seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's at 5: up to 2.9e-3 on one row, HunyuanOCR's kvquant
+# seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's (glmga's: 4.6V's model) at 5: up to 2.9e-3 on one row, HunyuanOCR's kvquant
 # 1e-2 on one row from its 22nd token, Qwen3-Omni's thinker 2.6e-3 on one row, at 0, 3 and 4 every recipe within the
 # tolerance).
 EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0,
-                  **dict.fromkeys(("glm4v", "glm46v", "hunyuan_vl", "qwen3_omni_moe_thinker"), 0)}
+                  **dict.fromkeys(("glm4v", "glm46v", "glmga", "hunyuan_vl", "qwen3_omni_moe_thinker"), 0)}
 
 
 RECIPES = registry.recipes()
