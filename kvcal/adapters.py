@@ -59,11 +59,12 @@ and caches them; Phi-4-multimodal's image and audio encoders sit inside its deco
 switches: `encoders_inside`; Qwen's at three positions, which keys stored before RoPE cannot hold:
 kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
-both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead).
+both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead);
+Molmo 2's (molmo2) is read alike, its mm_token_type_ids asking it to, though transformers' mask for it stays causal.
 gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
 to attention as s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode
 kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter.layer_rotaries`), a layer's base in
-config.layer_rope_theta (0: no RoPE).
+config.layer_rope_theta (0: no RoPE); Molmo 2 a scaled one for its rope_scaling_layers and an unscaled one.
 Gemma 2 and VaultGemma soft-cap their scaled scores (attn_logit_softcapping, `ModelAdapter.softcap`, passed to
 attention as softcap): kvcal.kv.softcapped in the simulation, the fits and the torch reference; both kernels.
 Gemma 2's and 3's, Ministral's, OLMo 3's, EXAONE 4's, Kolibri-1's, Cohere 2's, CWM's, Mellum's and AFMoE's layers
@@ -152,7 +153,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer", "step3p7",
                          "deepseek_vl", "janus", "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2",
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
-                         "deepseek_vl_hybrid", "glmga")
+                         "deepseek_vl_hybrid", "glmga", "molmo2")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -194,6 +195,9 @@ _NARROW_VALUES = ("mimo_v2_flash",)
 _SLIDING_KV_HEADS_DOUBLED = ("mimo_v2_flash",)
 # one rotary module per RoPE base (`rotary_embs`), each layer rotating by its config.layer_rope_theta (0: none)
 _ROTARY_PER_BASE = ("granite_swa", "granitemoe_swa")
+# a scaled rotary module (`rotary_emb`) rotating the layers of config.rope_scaling_layers, an unscaled one
+# (`rotary_emb_unscaled`, of rope_type default) the others (Molmo 2's)
+_ROTARY_SCALED_BY_LAYER = ("molmo2_text",)
 # composites whose decoder attends over image tokens causally, as over text: kvcal wires their decoder alone, the vision
 # tower runs its own attention, and the cache holds image tokens as text (Qwen-VL's at multimodal RoPE positions, which
 # keys stored before RoPE cannot hold: kvcal.wiring.multimodal_refusal)
@@ -207,9 +211,9 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                      "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                      "glmga")
-# composites whose decoder attends to an image's tokens both ways (token_type_ids): wired alone as the above, the
-# step's attention mask saying which of its tokens see later ones
-_IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified")
+# composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
+# transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
+_IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2")
 # models whose image and audio encoders sit inside the decoder's own module, their configs sub-configs of its text
 # config (Phi-4-multimodal's embed_tokens_extend): their images' tokens read causally, as text, once embedded
 _ENCODERS_INSIDE = ("phi4_multimodal",)
@@ -429,8 +433,8 @@ class ModelAdapter:
     images_as_tokens: bool = False  # a composite whose decoder reads image tokens as text (_IMAGES_AS_TOKENS)
     image_blocks: bool = False  # a composite whose decoder attends to an image's tokens both ways (_IMAGE_BLOCKS)
     encoders_inside: bool = False  # image and audio encoders inside the decoder's module (_ENCODERS_INSIDE)
-    # per layer, the module holding its frequencies where the model keeps one per RoPE base (_ROTARY_PER_BASE; None for
-    # a layer without RoPE); empty: `rotary` holds every layer's
+    # per layer, the module holding its frequencies where the model keeps several (_ROTARY_PER_BASE: one per RoPE base,
+    # None for a layer without RoPE; _ROTARY_SCALED_BY_LAYER); empty: `rotary` holds every layer's
     layer_rotaries: tuple[nn.Module | None, ...] = ()
     long_rope: LongRope | None = None  # LongRoPE's long frequencies and where they take over, None for other RoPE
     # the first frequencies the rotary keeps split by parity (kvcal.rope.parity_merged: ERNIE 4.5 VL's height and width
@@ -1034,7 +1038,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     kinds, query_heads, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), query_heads,
                                                                                kv_heads, head_dims, value_dims))
     layer_rotaries = (tuple(attending_only(_rotaries_per_base(decoder, config, num_layers))) if text_type in _ROTARY_PER_BASE
-                      else ())
+                      else tuple(attending_only(_rotaries_scaled_by_layer(decoder, config, num_layers)))
+                      if text_type in _ROTARY_SCALED_BY_LAYER else ())
     rope_free = _rope_free_types(config)
     rotating_kinds = [kind for kind in kinds if kind not in rope_free]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
@@ -1099,6 +1104,12 @@ def _rotaries_per_base(decoder: nn.Module, config, num_layers: int) -> list[nn.M
     SWA keeps one per base (`rotary_embs`), its `rotary_emb` left unused."""
     by_base = {float(module.config.rope_parameters["rope_theta"]): module for module in decoder.rotary_embs}
     return [by_base[float(theta)] if theta else None for theta in config.layer_rope_theta[:num_layers]]
+
+
+def _rotaries_scaled_by_layer(decoder: nn.Module, config, num_layers: int) -> list[nn.Module]:
+    """Per decoder layer, Molmo 2's scaled rotary module where config.rope_scaling_layers lists it, else its unscaled one."""
+    scaled = set(config.rope_scaling_layers)
+    return [decoder.rotary_emb if m in scaled else decoder.rotary_emb_unscaled for m in range(num_layers)]
 
 
 def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], list[int], list[int]]:

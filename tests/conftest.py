@@ -290,6 +290,21 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text = tiny_config("qwen3_5_text", max_positions, **overrides).to_dict()
         del text["model_type"]  # (the composite's own text type)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type == "molmo2":  # Molmo 2: q and k normed per head; YaRN on layer 0 alone (rope_scaling_layers), layer 1
+        # rotating by the default RoPE; beside a tower whose adapter pools patches into tokens (weights drawn wide, so that
+        # an image moves the logits), an image's tokens attended both ways where mm_token_type_ids say so
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, image_size=[28, 28], patch_size=14, num_position_embeddings=4)
+        adapter = dict(vision_feature_layer=[-1], hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=64, text_hidden_size=64, initializer_range=1.0)
+        text = composite_text(max_positions, {}, **{**dict(
+            additional_vocab_size=16, rope_scaling_layers=[0],
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
+            **overrides})
+        tokens = ("image_patch_id", "image_start_token_id", "low_res_image_start_token_id", "image_end_token_id",
+                  "frame_start_token_id", "frame_end_token_id")
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, adapter_config=adapter,
+                                    **{name: TINY_VOCAB - 1 - i for i, name in enumerate(tokens)})
     if model_type == "deepseek_ocr2":  # DeepSeek-OCR 2: a decoder of dense and MoE MLPs (experts: 4, every one routed
         # to) beside a SAM tower and a Qwen2-like encoder, whose 144 learned queries read an image (and a view separator)
         sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=32,
@@ -593,7 +608,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", *MINICPM_V, *QWEN_OMNI, *MUSE,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", *MINICPM_V, *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

@@ -13,7 +13,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
-               "cosmos3_omni", *MINICPM_V,
+               "cosmos3_omni", *MINICPM_V, "molmo2",
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision
@@ -21,7 +21,7 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
                          "lfm3", "lfm3_vl", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass", "cohere2_vision",
-                         "exaone4_5", *MUSE, "step3p7")
+                         "exaone4_5", *MUSE, "step3p7", "molmo2")
 WINDOWS = {"mistral": [4096, 4096], "idefics2": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl",
                                                      *MUSE)}}

@@ -29,8 +29,10 @@ def text_config(model):
 
 def models_rotary(model, layer: int):
     """Decoder layer `layer`'s rotary embedding (LFM2-MoE names it pos_emb; Granite SWA keeps one per RoPE base,
-    rotary_embs, its rotary_emb unused), or None where it has none."""
+    rotary_embs, its rotary_emb unused; Molmo 2 a scaled and an unscaled one), or None where it has none."""
     decoder = decoder_of(model)
+    if text_config(model).model_type == "molmo2_text":  # its scaled rotary on rope_scaling_layers, else its unscaled one
+        return decoder.rotary_emb if layer in text_config(model).rope_scaling_layers else decoder.rotary_emb_unscaled
     if text_config(model).model_type in ("granite_swa", "granitemoe_swa"):
         theta = text_config(model).layer_rope_theta[layer]
         return next((r for r in decoder.rotary_embs if r.config.rope_parameters["rope_theta"] == theta), None)

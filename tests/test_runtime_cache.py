@@ -684,7 +684,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
-          **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, "")}
+          **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
+          "molmo2": (4, 28, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -740,6 +741,10 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
     if model_type in ("mistral3", "lighton_ocr"):
         images["image_sizes"] = torch.tensor([[side, side]])
+    if model_type == "molmo2":  # one crop of 2 x 2 patches, each pooled into a token of its own, told by their token
+        # types (which transformers' Molmo 2 mask leaves causal)
+        return dict(input_ids=ids, pixel_values=torch.randn(1, 4, 3 * 14 * 14), image_token_pooling=torch.arange(4)[:, None],
+                    image_grids=torch.tensor([[2, 2, 0, 0]]), mm_token_type_ids=(ids == model.config.image_token_id).long())
     if model_type == "deepseek_vl_hybrid":  # the image again, at its SAM tower's resolution
         images["high_res_pixel_values"] = torch.randn(1, 3, 64, 64)
     return images
@@ -849,7 +854,7 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
         model(**images, past_key_values=cache, use_cache=True)
 
 
-@pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4"])
+@pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4", "molmo2"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
     (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
