@@ -63,7 +63,7 @@ QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
 MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
-          "nemotron_h", "jamba", "bamba", "minimax")
+          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
     frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it.
@@ -290,6 +290,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text = tiny_config("qwen3_5_text", max_positions, **overrides).to_dict()
         del text["model_type"]  # (the composite's own text type)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are
+        # shuffled 2 x 2 into a token (no audio tower here)
+        vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14, image_size=56,
+                      max_img_size=112, num_cls_tokens=1, num_registers=1, video_temporal_patch_size=2)
+        text = tiny_config("nemotron_h", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=None,
+                                    image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2, vision_hidden_size=32,
+                                    projector_hidden_size=64)
     if model_type == "molmo2":  # Molmo 2: q and k normed per head; YaRN on layer 0 alone (rope_scaling_layers), layer 1
         # rotating by the default RoPE; beside a tower whose adapter pools patches into tokens (weights drawn wide, so that
         # an image moves the logits), an image's tokens attended both ways where mm_token_type_ids say so
@@ -608,7 +617,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", *MINICPM_V, *QWEN_OMNI, *MUSE,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", *MINICPM_V,
+                  *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
