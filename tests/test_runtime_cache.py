@@ -28,9 +28,9 @@ TOKENS = 40
 # recipe within 1e-4). A wrong rotation, window or mask shows at every seed and on both rows; seeds 0, 3 and 4 pass every
 # recipe (OLMo Hybrid: 0 and 3 tried; Gemma 4 and Gemma 4 Unified, text models and composites: 0-6 tried, 4 passing
 # all four, 3 all but the Unified ones; Qwen3.5's composite, at its multimodal RoPE: KIVI at 5, 2.6e-3, every other
-# seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's (glmga's: 4.6V's model) at 5: up to 2.9e-3 on one row, HunyuanOCR's kvquant
-# 1e-2 on one row from its 22nd token, Qwen3-Omni's thinker 2.6e-3 on one row, at 0, 3 and 4 every recipe within the
-# tolerance).
+# seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's (glmga's: 4.6V's model) at 5: up to 2.9e-3 on one row,
+# HunyuanOCR's kvquant 1e-2 on one row from its 22nd token, Qwen3-Omni's thinker 2.6e-3 on one row, at 0, 3 and 4 every
+# recipe within the tolerance).
 EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0,
                   **dict.fromkeys(("glm4v", "glm46v", "glmga", "hunyuan_vl", "qwen3_omni_moe_thinker"), 0)}
 
@@ -860,14 +860,12 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
 
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4", "molmo2"])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
-    """Mistral 3's, LLaVA's (and NeXT's, OneVision's, VipLLaVA's, the video models'), InternVL's, SmolVLM's
-    (Idefics3's), Idefics2's, Aya Vision's, LFM2-VL's, LFM3-VL's, Command A Vision's, LightOnOCR's, EXAONE 4.5's,
-    HyperCLOVA X's, MiniMax-M3's, HunyuanOCR's, Muse Spark's and Glimmer's, Step 3.7's, DeepSeek-OCR 2's, MiniCPM-V's, Qwen-VL's, the Qwen Omni thinkers', GLM-V's, PaddleOCR-VL's, ERNIE 4.5
-    VL's and Gemma 4's (without use_bidirectional_attention) decoders read an image's tokens causally, as text (Qwen's,
-    GLM's and ERNIE's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so): kvcal wires the decoder alone,
-    the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its own
-    tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the cache;
-    the model's attention implementations are its own after."""
+    """Every composite whose decoder reads an image's tokens causally, as text (IMAGES_AS_TOKENS: Qwen's, GLM's, ERNIE's
+    and Cosmos 3 Edge's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so), and Gemma
+    4's (without use_bidirectional_attention) and Molmo 2's (whose mask stays causal) read so: kvcal wires the decoder
+    alone, the vision tower runs its own attention, and through a cache keeping everything fp16 the model generates its
+    own tokens from a prompt with an image, logits equal up to the fp16 rounding of K/V, the image's tokens in the
+    cache; the model's attention implementations are its own after."""
     model = tiny_model(model_type)
     tokens = max(12, IMAGES[model_type][0] + 4)  # (DeepSeek-OCR 2's image: 145 tokens)
     images = image_inputs(model_type, model, prompt(tokens=tokens))
