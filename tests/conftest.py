@@ -290,6 +290,18 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text = tiny_config("qwen3_5_text", max_positions, **overrides).to_dict()
         del text["model_type"]  # (the composite's own text type)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type == "granite4_vision":  # Granite 4 Vision: a Granite decoder (scores scaled by attention_multiplier) into
+        # whose layers 0 and 1 a CLIP tower's features reach (DeepStack and spatial QFormer projectors), the image and its one
+        # tile, halved, with a newline: 10 tokens
+        vision = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                      patch_size=14)
+        # (no end-of-text id: one would stop generate early)
+        text = composite_text(max_positions, {}, **{**dict(attention_multiplier=0.25, pad_token_id=0, eos_token_id=None),
+                                                    **overrides})
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1,
+                                    image_grid_pinpoints=[[56, 56]], downsample_rate="1/2", deepstack_layer_map=[[-1, 0]],
+                                    spatial_target_layers=[0, 1, 0, 1], vision_feature_layer=-1,
+                                    qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64))
     if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are
         # shuffled 2 x 2 into a token (no audio tower here)
         vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14, image_size=56,
@@ -617,7 +629,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", *MINICPM_V,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", *MINICPM_V,
                   *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM

@@ -81,8 +81,14 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens: int = 12) -> None:
     sources = {}
     hooks = [layer.key_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
              for i, layer in enumerate(adapter.layers)]
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = model(torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+        cache = model(ids, use_cache=True).past_key_values
+        if cache is None:  # (Granite 4 Vision's decoder makes none of its own: generate() hands it one)
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=cache, use_cache=True)
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):

@@ -685,7 +685,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
-          "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, "")}
+          "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -698,7 +698,7 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
-                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", *MINICPM_V, *IMAGE_TOWERS,
+                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", *MINICPM_V, *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -723,7 +723,7 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         grid = side // 14
         return dict(input_ids=ids, pixel_values=torch.randn(1, 3, 14, 14 * grid * grid),
                     target_sizes=torch.tensor([[grid, grid]]))
-    if model_type in ("llava_next", "llava_onevision", "llava_next_video"):  # the whole image and its one tile
+    if model_type in ("llava_next", "llava_onevision", "llava_next_video", "granite4_vision"):  # the image and its one tile
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
         patches = (side // 14) ** 2
