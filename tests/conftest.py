@@ -21,7 +21,7 @@ TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
 MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
 MINIMAX_M3_BLOCK = 4  # the keys of a block its indexer picks
-MUSE = ("muse_spark", "muse_glimmer")  # Meta's: q and k normed by one norm without a scale before RoPE
+MUSE = ("muse_spark", "muse_glimmer")  # q and k normed by one norm without a scale before RoPE
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
