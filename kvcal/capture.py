@@ -264,11 +264,10 @@ def profile_gradients(
                 value = hooks.activations["v", i][0].float().cpu()
                 key_post = rotate_keys(key, positions, adapter.kv_heads[i], *rope[i])
                 key_gradient = hooks.gradients["k", i][0].float().cpu()
-                if handles.rope_norms is not None and handles.norms_before_rope:
+                if handles.rope_norms is not None:  # taken at the norm's output, in the model's channel order
                     key_gradient = adapter.rows_in_rope_order(key_gradient, i)
-                elif handles.rope_norms is not None:  # dL/dK_post rotated back: RoPE's transpose is its inverse
-                    key_gradient = rotate_keys(adapter.rows_in_rope_order(key_gradient, i), -positions, adapter.kv_heads[i],
-                                               *rope[i])
+                    if not handles.norms_before_rope:  # dL/dK_post rotated back: RoPE's transpose is its inverse
+                        key_gradient = rotate_keys(key_gradient, -positions, adapter.kv_heads[i], *rope[i])
                 per_token = {
                     "k_pre": key,
                     "k_post": key_post,

@@ -130,13 +130,10 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     try:
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-            if config.model_type in _LOADED_AS_TEXT_MODEL:
-                config = config.get_text_config(decoder=True)
+            config = _config(source)
             model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvcalError(f"could not load model '{source.spec}': {first_line}") from exc
+        raise KvcalError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
     if device == "cuda":
         model = model.to("cuda")
     model.eval()
@@ -153,15 +150,23 @@ def load_model_structure(spec: str | None):
     source = resolve_model(spec)
     try:
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
-            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
-        if config.model_type in _LOADED_AS_TEXT_MODEL:
-            config = config.get_text_config(decoder=True)
+            config = _config(source)
         with init_empty_weights(include_buffers=False):
             model = _model_class(config).from_config(config)
     except (OSError, ValueError, ImportError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvcalError(f"could not read model '{source.spec}': {first_line}") from exc
+        raise KvcalError(f"could not read model '{source.spec}': {_first_line(exc)}") from exc
     return model.eval(), source
+
+
+def _config(source: ModelSource):
+    """The config the model is built from: its own, or a multimodal checkpoint's text config (_LOADED_AS_TEXT_MODEL)."""
+    config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    return config.get_text_config(decoder=True) if config.model_type in _LOADED_AS_TEXT_MODEL else config
+
+
+def _first_line(exc: Exception) -> str:
+    """An exception's first line of text, or its type's name where it has none, for a one-line refusal."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 @contextlib.contextmanager
