@@ -61,6 +61,9 @@ kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
 both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead);
 Molmo 2's (molmo2) is read alike, its mm_token_type_ids asking it to, though transformers' mask for it stays causal.
+Llama 3.2 Vision's (mllama; its checkpoints load as MllamaForCausalLM, mllama_text_model) cross_attention_layers attend
+across to an image instead of to the text: kvcal serves the others and leaves those to the model's attention over
+transformers' own cache layers (`cross_attention`; kvcal.wiring.left_to_the_model), as a hybrid's state layers.
 gpt-oss and Granite SWA add a learned sink logit per query head to each row's softmax (`LayerHandles.sinks`, passed
 to attention as s_aux): kvcal.kv.softmax_with_sinks in the simulation, the fits and the torch reference; both decode
 kernels' callers. Granite SWA keeps a rotary module per RoPE base (`ModelAdapter.layer_rotaries`), a layer's base in
@@ -153,7 +156,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer", "step3p7",
                          "deepseek_vl", "janus", "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2",
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
-                         "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision")
+                         "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
+                         "mllama", "mllama_text_model")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -226,11 +230,16 @@ _SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_te
 # not rotated, always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
                         "kimi_linear")
-_ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer")  # Nemotron-H: its attention blocks' mixer
+# Nemotron-H: its attention blocks' mixer; Mllama: its cross-attention layers' cross_attn
+_ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "cross_attn")
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
 # blocks): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
 _STATE_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe")
+# decoder layers attending over another sequence (Mllama's cross-attention layers: over an image's tokens, their keys
+# and values made once from the vision tower's output, when the model is given one): kvcal leaves them, and their
+# cache layer, to transformers, as the above (ModelAdapter.cross_attention)
+_CROSS_ATTENTION = "cross_attention"
 # layers that attend and also run a recurrent mixer beside their attention (Falcon-H1's Mamba 2), whose state
 # transformers' cache layer keeps next to the keys and values
 _ATTENTION_AND_STATE_TYPES = ("hybrid",)
@@ -440,6 +449,9 @@ class ModelAdapter:
     # the first frequencies the rotary keeps split by parity (kvcal.rope.parity_merged: ERNIE 4.5 VL's height and width
     # sections), 0: none
     parity_split: int = 0
+    # decoder layer -> attention module of the layers attending over another sequence (_CROSS_ATTENTION), which run the
+    # model's own attention over transformers' cache layer
+    cross_attention: dict[int, nn.Module] = field(default_factory=dict)
 
     @property
     def hybrid(self) -> bool:
@@ -624,14 +636,18 @@ def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
 # beside its attention (Falcon-H1): what an artifact's fingerprint tells of its decoder with its attention_layers
 _KV_SHARING_TYPES = ("gemma3n_text", "gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 _STATE_BESIDE_ATTENTION_TYPES = ("falcon_h1",)
+_CROSS_ATTENDING_TYPES = ("mllama", "mllama_text_model")  # (Mllama's composite is served as its causal LM)
 
 
 def decoder_kind(fingerprint: dict) -> str:
     """What an artifact's model's decoder holds besides its layers' KV caches, as engines tell models apart (vLLM's
     TurboQuant boundary layers): "dense" (nothing), "recurrent" (a Mamba, DeltaNet or convolution state: hybrids,
-    Falcon-H1) or "shared" (layers reading another's cache: Gemma 3n, Gemma 4 E2B / E4B)."""
+    Falcon-H1), "shared" (layers reading another's cache: Gemma 3n, Gemma 4 E2B / E4B) or "cross" (layers attending
+    across to an image, their cache transformers' to keep: Mllama)."""
     if "attention_layers" in fingerprint and fingerprint["model_type"] in _KV_SHARING_TYPES:
         return "shared"
+    if fingerprint["model_type"] in _CROSS_ATTENDING_TYPES:
+        return "cross"
     if "attention_layers" in fingerprint or fingerprint["model_type"] in _STATE_BESIDE_ATTENTION_TYPES:
         return "recurrent"
     return "dense"
@@ -643,7 +659,8 @@ def served_types() -> list[tuple[str, str]]:
         latent = "multi-head latent attention" if model_type in LATENT_ATTENTION_TYPES else ""
         beside = ("decoder beside a vision tower, images cached as tokens" if model_type in _IMAGES_AS_TOKENS else
                   "decoder beside a vision tower, images attended both ways" if model_type in _IMAGE_BLOCKS else
-                  "decoder with image and audio encoders inside" if model_type in _ENCODERS_INSIDE else "")
+                  "decoder with image and audio encoders inside" if model_type in _ENCODERS_INSIDE else
+                  "decoder attending across to an image in some layers" if model_type in _CROSS_ATTENDING_TYPES else "")
         return "; ".join(part for part in (latent, beside) if part) or "decoder"
 
     return [(model_type, kind(model_type)) for model_type in sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)]
@@ -721,13 +738,15 @@ def _decoder_layer_types(config, num_layers: int) -> list[str]:
     """Each decoder layer's type: the config's layer_types (by kvcal's name, _LAYER_TYPE_NAMES), full_attention where it
     has none."""
     types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    crossing = getattr(config, "cross_attention_layers", None) or ()
+    types = [_CROSS_ATTENTION if i in crossing else kind for i, kind in enumerate(types)]
     return [_LAYER_TYPE_NAMES.get(kind, kind) for kind in types][:num_layers]
 
 
 def _attention_layers(types: list[str], where: str) -> list[int]:
     """The decoder layers that attend, by each one's type (_decoder_layer_types): all, or a hybrid model's layers whose
     type is not one of _STATE_LAYER_TYPES; refuses layer types that are neither."""
-    other = sorted(set(types) - set(_ATTENTION_LAYER_TYPES) - set(_STATE_LAYER_TYPES))
+    other = sorted(set(types) - set(_ATTENTION_LAYER_TYPES) - {*_STATE_LAYER_TYPES, _CROSS_ATTENTION})
     if other:
         raise KvcalError(f"{where}: its layer types {other} are not ones kvcal serves ({', '.join(_ATTENTION_LAYER_TYPES)}, "
                          f"beside {', '.join(_STATE_LAYER_TYPES)} layers, whose state transformers keeps)")
@@ -1088,6 +1107,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
         layer_rotaries=layer_rotaries,
         long_rope=_long_rope(rotary) if rotary is not None else None,
         parity_split=sum(rotary.mrope_section[:2]) if text_type in _PARITY_SPLIT_ROPE else 0,
+        cross_attention={m: _find_attention(layers[m], f"{where}: decoder layer {m}")
+                         for m, kind in enumerate(decoder_types) if kind == _CROSS_ATTENTION},
     )
     for handle in handles:
         handle.unrotated_scale = _unrotated_scale(adapter, handle.index)

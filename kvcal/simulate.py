@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcal import wiring
 from kvcal.adapters import LatentAttention, ModelAdapter, adapt
@@ -289,6 +290,8 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
 
 def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
+    if slot is None and wiring.left_to_the_model(module):  # (as the model runs it, had it SDPA: its masks are SDPA's)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
     wiring.check_computed(module, kwargs, slot)

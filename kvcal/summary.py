@@ -87,7 +87,9 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
                       + (f"; multi-head latent attention: the value is a latent of {adapter.value_dims[0]} channels beside "
                          "the rotated key" if adapter.latent else "")),
         ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers),
-                     "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)"}[adapter.decoder_kind]
+                     "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)",
+                     "cross": f"layers {list(adapter.cross_attention)} attending across to an image (its keys and values "
+                              "transformers' to keep)"}[adapter.decoder_kind]
                     + ("; images cached as tokens" if adapter.images_as_tokens else "")
                     + ("; an image's tokens attended both ways" if adapter.image_blocks else "")),
         ("fp16 cache", f"{sum(fp16):,} bytes per token of K and V" + (" and indexer keys" if any(adapter.index_widths) else "")

@@ -94,9 +94,11 @@ class Wiring:
     @property
     def switched(self) -> torch.nn.Module:
         """The module whose attention implementation the wiring switches: the model, or the decoder alone of a model
-        whose decoder reads image tokens (ModelAdapter.images_as_tokens, image_blocks), so that its vision tower keeps
-        its own."""
-        return decoder_of(self.model) if self.adapter.images_as_tokens or self.adapter.image_blocks else self.model
+        whose decoder reads image tokens (ModelAdapter.images_as_tokens, image_blocks) or attends across to them
+        (cross_attention), so that its vision tower keeps its own."""
+        adapter = self.adapter
+        with_images = adapter.images_as_tokens or adapter.image_blocks or bool(adapter.cross_attention)
+        return decoder_of(self.model) if with_images else self.model
 
     def switch(self, name: str) -> None:
         """Switch the attention implementation of `switched` to `name`: of its text config alone where image and audio
@@ -146,6 +148,13 @@ def multimodal_refusal(pre_rope_layers: list[int]) -> str:
     return (f"the model was given image or video tokens, at multimodal RoPE positions (time, height and width); layers "
             f"{pre_rope_layers} store keys before RoPE, which kvcal rotates by one position each: use a bundle or method "
             "storing keys after RoPE (kivi, kvmix, an engine's cache type) for images")
+
+
+def left_to_the_model(module: torch.nn.Module) -> bool:
+    """Whether `module` is an attention layer of a wired decoder that kvcal leaves as the model runs it (Mllama's
+    cross-attention, over an image's keys and values in transformers' own cache layer: ModelAdapter.cross_attention)."""
+    return any(any(left is module for left in wiring.adapter.cross_attention.values())
+               for wiring in {s.wiring for s in _SLOTS.values()})
 
 
 def in_a_wired_model(module: torch.nn.Module) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES
+from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, decoder_of
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
@@ -61,6 +61,9 @@ QWEN_OMNI = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 QWEN3_5_VL = ("qwen3_5", "qwen3_5_moe")
 # MiniCPM-V 4.6, 4.7 and MiniCPM-OCR: Qwen3.5's hybrid decoder at text positions beside a SigLIP-like tower
 MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+# Llama 3.2 Vision's decoder, beside its vision tower and as its causal LM: layers attending across to an image's
+# tokens (the tower's output) among those attending to the text
+CROSS_ATTENDING = ("mllama", "mllama_text_model")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
           "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax")
@@ -302,6 +305,16 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                     image_grid_pinpoints=[[56, 56]], downsample_rate="1/2", deepstack_layer_map=[[-1, 0]],
                                     spatial_target_layers=[0, 1, 0, 1], vision_feature_layer=-1,
                                     qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64))
+    if model_type in CROSS_ATTENDING:  # Llama 3.2 Vision: a Llama decoder whose layers 0 and 2 attend
+        # across to an image (its vision tower's output, 2 tiles of 28 x 28 pixels) instead of to the text, 1 and 3 to the
+        # text; its causal LM (mllama_text_model) the decoder alone, which skips them without an image
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14, max_num_tiles=2, intermediate_layers_indices=[0], vision_output_dim=64,
+                      supported_aspect_ratios=[[1, 1], [1, 2]])
+        text = composite_text(max_positions, {}, **{**dict(num_hidden_layers=4, cross_attention_layers=[0, 2], pad_token_id=0),
+                                                    **overrides})
+        # (AutoModelForCausalLM makes the causal LM of the composite's config)
+        return AutoConfig.for_model("mllama", text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
     if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are
         # shuffled 2 x 2 into a token (no audio tower here)
         vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14, image_size=56,
@@ -629,7 +642,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", *MINICPM_V,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama",
+                  *MINICPM_V,
                   *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
@@ -638,6 +652,11 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
+    if model_type in CROSS_ATTENDING:  # (its init zeroes the gates of what cross-attention adds: an image
+        # would not matter)
+        for layer in decoder_of(model).layers[::2]:
+            layer.cross_attn_attn_gate.data.fill_(1.0)
+            layer.cross_attn_mlp_gate.data.fill_(1.0)
     return model.eval()
 
 
@@ -720,7 +739,9 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
 
     def make(model_type: str, max_positions: int = 256, **overrides) -> Path:
         path = tmp_path_factory.mktemp(f"tiny-{model_type}")
-        tiny_model(model_type, max_positions=max_positions, **overrides).save_pretrained(path)
+        # (a causal LM that transformers cannot load back from its own checkpoint: its composite's, as released)
+        saved = {"mllama_text_model": "mllama"}.get(model_type, model_type)
+        tiny_model(saved, max_positions=max_positions, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
         return path
 

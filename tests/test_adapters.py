@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
@@ -32,7 +32,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
     # Llama 4's and Qwen3.5's composites are named as the causal LM of their decoder (what their checkpoints load as)
-    served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+    served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+                 "mllama": "mllama_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
     # GPT-NeoX, OPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
     kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
@@ -46,7 +47,9 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.kv_widths == [heads * head_dim for heads, head_dim in shapes]
     assert adapter.value_widths == ([32, 64] if model_type == "mimo_v2_flash" else adapter.kv_widths)
     assert [layer.value_multiplier for layer in adapter.layers] == [0.707 if model_type == "mimo_v2_flash" else 1.0] * 2
-    assert adapter.model_layers == ((1, 3) if model_type in HYBRID else (0, 1))  # hybrids: layers with a state between
+    # hybrids: layers with a state between; Mllama's: layers attending across to an image between
+    assert adapter.model_layers == ((1, 3) if model_type in (*HYBRID, *CROSS_ATTENDING) else (0, 1))
+    assert list(adapter.cross_attention) == ([0, 2] if model_type in CROSS_ATTENDING else [])
     assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
     assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
@@ -297,10 +300,11 @@ def test_cohere_2_moe_rotates_its_sliding_layers_and_its_forced_dense_ones_as_th
 
 @pytest.mark.parametrize("model_type, kind", [("llama", "dense"), ("gemma3_text", "dense"), ("lfm2", "recurrent"),
                                               ("jamba", "recurrent"), ("falcon_h1", "recurrent"), ("gemma3n_text", "shared"),
-                                              ("gemma4", "shared")])
+                                              ("gemma4", "shared"), ("mllama", "cross"), ("mllama_text_model", "cross")])
 def test_the_decoder_kind_names_what_it_holds_besides_kv_caches_as_engines_tell_models_apart(model_type, kind):
     """vLLM's TurboQuant boundary layers follow it: nothing (dense), a Mamba / DeltaNet / convolution state (hybrids,
-    and Falcon-H1, whose every layer runs Mamba 2 beside its attention), or layers reading another's cache."""
+    and Falcon-H1, whose every layer runs Mamba 2 beside its attention), layers reading another's cache, or layers
+    attending across to an image (Llama 3.2 Vision's)."""
     assert adapt(tiny_model(model_type)).decoder_kind == kind
 
 

@@ -113,6 +113,13 @@ def test_a_spec_is_checked_before_a_model_as_with_one():
             baseline_method("turboquant_k8v4;k_first=q8_0,1", [64] * 6, decoder=decoder)
 
 
+def test_a_turboquant_preset_is_refused_where_layers_attend_across_to_an_image():
+    """Where vLLM counts a cross-attention layer among a TurboQuant preset's fp16 boundary layers is not modelled."""
+    with pytest.raises(KvcalError, match=r"attend across to an image \(cross-attention\); evaluate another vLLM dtype"):
+        baseline_method("turboquant_k3v4_nc", [16] * 2, decoder="cross")
+    assert baseline_method("int4-g64", [16] * 2, decoder="cross").nominal_bits == 4
+
+
 def test_a_baseline_that_needs_power_of_two_heads_says_so():
     with pytest.raises(KvcalError, match="power of two"):
         baseline_method("hadamard-int4", [48] * 2)

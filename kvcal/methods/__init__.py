@@ -70,7 +70,8 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     `value_dims` where those differ (MLA's latent: the ModelAdapter's value_dims). `decoder`:
     the model's kvcal.adapters.decoder_kind, which a TurboQuant preset's fp16 boundary layers follow as vLLM picks them
     (at 1471680b): the first and last two of a "dense" decoder, none in a "recurrent" one (its is_hybrid), and in a
-    "shared" one (layers reading another's cache, which vLLM may count among them) refused.
+    "shared" one (layers reading another's cache, which vLLM may count among them) and a "cross" one (layers attending
+    across to an image) refused.
     `SPEC;skip=L+L+...` keeps layers L unquantized in fp16
     (vLLM's --kv-cache-dtype-skip-layers: layer indices, or `sliding_window` for every layer with a window in
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
@@ -105,6 +106,9 @@ def decoder_refusal(base: str, decoder: str) -> str | None:
     if decoder == "shared" and base in TQ_PRESETS:
         return ("vLLM's TurboQuant boundary layers are not modelled in a model whose layers read another's cache (KV "
                 "sharing)")
+    if decoder == "cross" and base in TQ_PRESETS:
+        return ("vLLM's TurboQuant boundary layers are not modelled in a model whose layers attend across to an image "
+                "(cross-attention)")
     return None
 
 

@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from kvcal import wiring
@@ -589,6 +590,8 @@ BLOCKS_UNDER_PADDING = ("MiniMax-M3's block-sparse indexer places its key blocks
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
+    if slot is None and wiring.left_to_the_model(module):  # (as the model runs it, had it SDPA: its masks are SDPA's)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
     wiring.check_computed(module, kwargs, slot)
@@ -657,6 +660,8 @@ class WiredCache(Cache):
         """Called by the model's attention before its attention implementation: hand this cache's layer to it,
         or refuse a call that is not from the open, wired model this cache was made for."""
         self._check_open()
+        if layer_idx in self.adapter.cross_attention:  # (an image's keys and values, in transformers' own cache layer)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         index = self._attention_index.get(layer_idx)
         slot = wiring.slot(self.adapter.layers[index].attention) if index is not None else None
         if slot is None or slot.wiring is not self._wiring or not slot.running:
