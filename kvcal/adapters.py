@@ -157,7 +157,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl", "janus", "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2",
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
-                         "mllama", "mllama_text_model")
+                         "mllama", "mllama_text_model", "biogpt")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -229,7 +229,7 @@ _SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_te
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
 # not rotated, always): every layer is NoPE
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
-                        "kimi_linear")
+                        "kimi_linear", "biogpt")
 # Nemotron-H: its attention blocks' mixer; Mllama: its cross-attention layers' cross_attn
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "cross_attn")
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated

@@ -620,8 +620,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"],
                       rope_parameters={kind: dict(rope_type="default", rope_theta=theta, partial_rotary_factor=0.5)
                                        for kind, theta in (("full_attention", 500000.0), ("sliding_attention", 10000.0))})
-    if model_type == "opt":  # no RoPE (learned positions), no GQA
+    if model_type in ("opt", "biogpt"):  # no RoPE (learned positions), no GQA
         del common["num_key_value_heads"], common["rope_theta"]
+    if model_type == "opt":
         common.update(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     if model_type in ("gpt2", "gpt_bigcode"):  # no RoPE (learned positions); q, k, v side by side in one c_attn (GPT-2:
         # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)

@@ -35,8 +35,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                  "mllama": "mllama_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
-    # GPT-NeoX, OPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
-    kv_heads = 4 if model_type in ("gpt_neox", "opt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
+    # GPT-NeoX, OPT, BioGPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
+    kv_heads = 4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer
     # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else

@@ -109,7 +109,7 @@ def test_a_recent_fp16_window_decodes_to_the_simulation(windowed_kvquant_bundle,
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kvquant"), ("qwen3_5_text", "kvquant"), ("granitemoehybrid", "kvquant"), ("nemotron_h", "kvquant"),
     ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"), ("gemma4_text", "kvquant"), ("qwen3_vl", "kvquant"),
-    ("opt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant"),
+    ("opt", "kvquant"), ("biogpt", "kvquant"), ("gpt2", "kvquant"), ("gpt_bigcode", "kvquant"), ("deepseek_v3", "kvquant"),
     ("bamba", "kvquant"), ("minimax", "kvquant")])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                       model_type, recipe, decode_path):
@@ -118,7 +118,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(recipe_bun
     Nemotron-H and Bamba: their DeltaNet and Mamba 2 layers' states in transformers' cache layers among kvcal's;
     Granite 4.0-H and Nemotron-H without RoPE; Falcon-H1: Mamba 2 beside attention, its states in kvcal's layers; Gemma 3n: its last layers
     read the cache of earlier ones, after a prefill what that layer's prefill read; Qwen3-VL: its (3, batch, tokens)
-    positions, each sequence's from its first real token; OPT, GPT-2 and GPT-BigCode: no RoPE, learned positions
+    positions, each sequence's from its first real token; OPT, BioGPT, GPT-2 and GPT-BigCode: no RoPE, learned positions
     counted from the mask)."""
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
