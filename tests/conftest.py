@@ -33,7 +33,7 @@ GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary m
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
-                 "gpt_neo": "eager", "mpt": "eager"}
+                 "gpt_neo": "eager", "mpt": "eager", "got_ocr2": "eager"}  # (GOT-OCR2's SAM tower: no SDPA)
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
 # attention, Mamba (Jamba's, and Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -46,7 +46,7 @@ IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idef
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
                 "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3",
-                "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama"}
+                "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama", "got_ocr2": "qwen2"}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -151,7 +151,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      llava_next_video=dict(tiles, video_token_index=TINY_VOCAB - 2),
                      video_llava=dict(vision_feature_layer=-1, video_token_index=TINY_VOCAB - 2),
                      hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
-                     qianfan_ocr={}, video_llama_3={},
+                     qianfan_ocr={}, video_llama_3={}, got_ocr2={},
                      # (DeepSeek-VL Hybrid's SAM tower reading the image again at 64 x 64 pixels)
                      deepseek_vl_hybrid=dict(high_res_vision_config=dict(
                          hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=64,
@@ -169,6 +169,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             vision["image_size"] = 56
         if model_type == "ovis2":  # its visual vocabulary, which an image's patches are soft tokens of
             vision["vocab_size"] = 64
+        if model_type == "got_ocr2":  # a SAM tower, 8 x 8 patches of 16 x 16 pixels, and a neck whose two strided
+            # convolutions leave 2 x 2 of them: 4 tokens
+            vision = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=128,
+                          patch_size=16, window_size=2, global_attn_indexes=[1], mlp_dim=64)
         if model_type in ("exaone4_5", "hyperclovax_vision_v2"):  # a Qwen2.5-VL-like tower (EXAONE 4.5's: GQA in its
             # attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
@@ -180,7 +184,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         if model_type != "exaone4_5":  # (whose config reads it)
             del text["model_type"]  # (the composite's own text type where it has one)
         image_token = ("image_token_index" if model_type in ("aya_vision", "llava_next", "llava_onevision", "vipllava",
-                                                             "llava_next_video", "video_llava")
+                                                             "llava_next_video", "video_llava", "got_ocr2")
                        else "image_token_id")
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **{image_token: TINY_VOCAB - 1},
                                     **extra)

@@ -685,6 +685,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
+          "got_ocr2": (4, 128, ""),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
@@ -870,16 +871,17 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     tokens = max(12, IMAGES[model_type][0] + 4)  # (DeepSeek-OCR 2's image: 145 tokens)
     images = image_inputs(model_type, model, prompt(tokens=tokens))
     settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    own = OWN_ATTENTION.get(model_type, "sdpa")
     with torch.inference_mode():
         fp = model.generate(**images, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(**images, **settings, past_key_values=cache)
-            assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [tokens + 8 - 1]
+            assert model.config.vision_config._attn_implementation == own and cache.tokens() == [tokens + 8 - 1]
         text_only = model.generate(input_ids=images["input_ids"], **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
     assert (torch.stack(text_only.logits) - torch.stack(fp.logits)).abs().max() > 0.05  # the image matters here
-    assert {model.config._attn_implementation, model.config.get_text_config()._attn_implementation} == {"sdpa"}
+    assert {model.config._attn_implementation, model.config.get_text_config()._attn_implementation} == {own}
 
 
 def test_a_model_attending_across_to_an_image_generates_its_own_fp_tokens_with_the_images_cache_its_own():
