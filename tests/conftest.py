@@ -319,6 +319,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                                     **overrides})
         # (AutoModelForCausalLM makes the causal LM of the composite's config)
         return AutoConfig.for_model("mllama", text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
+    if model_type == "fuyu":  # Fuyu-8B: a Persimmon decoder reading an image's patches of 14 x 14 pixels, each a token
+        # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
+        text = tiny_config("persimmon", max_positions, **overrides).to_dict()
+        del text["model_type"]
+        return AutoConfig.for_model(model_type, text_config=text, image_size=28, patch_size=14, image_token_id=TINY_VOCAB - 1)
     if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are
         # shuffled 2 x 2 into a token (no audio tower here)
         vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14, image_size=56,

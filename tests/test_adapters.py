@@ -11,7 +11,7 @@ from kvcal.rope import apply_rope
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
-               "qwen3_vl", "qwen3_vl_moe", "persimmon", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
+               "qwen3_vl", "qwen3_vl_moe", "persimmon", "fuyu", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
                "cosmos3_omni", *MINICPM_V, "molmo2",
                *GEMMA4)
@@ -35,8 +35,8 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                  "mllama": "mllama_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
-    # GPT-NeoX, OPT, BioGPT, GPT-2 and Persimmon have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
-    kv_heads = 4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon") else 1 if model_type == "gpt_bigcode" else 2
+    # GPT-NeoX, OPT, BioGPT, GPT-2 and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
+    kv_heads = 4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu") else 1 if model_type == "gpt_bigcode" else 2
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer
     # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
@@ -57,7 +57,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     attention = attention_at(model, adapter.model_layers[1])
     # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
-                                         "persimmon": "query_key_value", "gpt2": "c_attn",
+                                         "persimmon": "query_key_value", "fuyu": "query_key_value", "gpt2": "c_attn",
                                          "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
