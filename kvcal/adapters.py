@@ -84,7 +84,9 @@ and k so too (its q_norm and k_norm, seen heads first), and its RoPE rotates by 
 each pair's halves in the other order (kvcal.rope.rotate_half_order). Muse Spark and Muse Glimmer (muse_spark,
 muse_glimmer: their decoder beside a vision tower) norm q and k by one such norm before RoPE, read alike
 (`norms_before_rope`: the key's gradient after the norm needs no rotating back), and leave RoPE out of every fourth
-layer (layer_rope_theta 0), a full one among sliding ones. SmolLM3 leaves RoPE out of some layers
+layer (layer_rope_theta 0), a full one among sliding ones. Chameleon (chameleon) norms q and k before RoPE with a scale
+and a bias, on rows of batch and tokens flattened into one, read alike (_FLAT_NORMS_BEFORE_ROPE); an image reaches it
+as its VQ-GAN's codes, tokens of its vocabulary. SmolLM3 leaves RoPE out of some layers
 (`no_rope_layers`, 0 for those), EXAONE 4, Kolibri-1, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones
 (Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0, Beam out
 of those whose type's rope parameters are None (its full ones, whose queries it scales by position as Llama 4 does):
@@ -157,7 +159,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl", "janus", "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2",
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
-                         "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu")
+                         "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -185,6 +187,10 @@ _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
 # q and k normed per head before RoPE by one norm without a scale (Muse Spark's and Muse Glimmer's qk_norm): read as
 # _NORMED_AFTER_ROPE's, a norm without a scale commuting with RoPE, but its output is the pre-RoPE key
 _SHARED_NORM_BEFORE_ROPE = ("muse_spark_text", "muse_glimmer_text")
+# q and k normed per head before RoPE (with a scale and a bias) on rows whose batch and tokens the attention flattens
+# into one dimension (Chameleon's q_norm and k_norm): their output tells no sequence apart, so kvcal reads the
+# projections' output and norms it itself, as _SHARED_NORM_BEFORE_ROPE's
+_FLAT_NORMS_BEFORE_ROPE = ("chameleon",)
 # multimodal RoPE whose rotary keeps its height and width sections' frequencies split by parity, which its forward
 # interleaves back (ERNIE 4.5 VL's: ModelAdapter.parity_split)
 _PARITY_SPLIT_ROPE = ("ernie4_5_vl_moe_text",)
@@ -214,7 +220,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer", "step3p7", "deepseek_vl", "janus",
                      "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                      "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
-                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu")
+                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2")
@@ -302,7 +308,8 @@ class LayerHandles:
     # NanoChat's q_norm and k_norm): they commute with RoPE, a rotation, so the pre-RoPE query and key are their output
     # on the projections' output (source_rows)
     rope_norms: tuple[nn.Module, nn.Module] | None = None
-    norms_before_rope: bool = False  # rope_norms run before RoPE (Muse Spark's): their output is the pre-RoPE key
+    # rope_norms run before RoPE (Muse Spark's; Chameleon's, with a scale): their output is the pre-RoPE key
+    norms_before_rope: bool = False
     head_dim: int = 0  # the channels of each head, which rope_norms norm together
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
@@ -759,8 +766,8 @@ def _attention_layers(types: list[str], where: str) -> list[int]:
 def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bool, q_width: int, kv_width: int,
                    head_dim: int, sinks: bool, unscaled_norms: str | None) -> LayerHandles:
     """The handles of `attention` (at `where`), the adapter's layer `index`; `unscaled_norms` "after": its qk_norm, or
-    its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE); "before": its qk_norm
-    norms them before RoPE (_SHARED_NORM_BEFORE_ROPE)."""
+    its q_norm and k_norm, where it has them, norm q and k after RoPE (_NORMED_AFTER_ROPE); "before": they norm them
+    before RoPE, read from the projections' output (_SHARED_NORM_BEFORE_ROPE, _FLAT_NORMS_BEFORE_ROPE)."""
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "Wqkv", "query_key_value", "o_proj",
                                         "dense", "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
     for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's
@@ -778,7 +785,8 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
              "v": ("v_norm", "v_layernorm")}
     norms = {f"{kind}_norm": next((norm for name in names[kind] if (norm := getattr(attention, name, None)) is not None),
                                   None) for kind in "qkv"}
-    if unscaled_norms:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm
+    if unscaled_norms:  # Llama 4 Scout's qk_norm (none in its NoPE layers, nor in Maverick's), NanoChat's q/k_norm,
+        # Chameleon's
         shared = getattr(attention, "qk_norm", None)
         rope_norms = (shared, shared) if shared is not None else (norms["q_norm"], norms["k_norm"])
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms,
@@ -1043,7 +1051,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     handles = [_latent_handles(attention, i, at, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
                _layer_handles(attention, i, at, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
                               head_dims[m], sinks, "after" if text_type in _NORMED_AFTER_ROPE else
-                              "before" if text_type in _SHARED_NORM_BEFORE_ROPE else None)
+                              "before" if text_type in (*_SHARED_NORM_BEFORE_ROPE, *_FLAT_NORMS_BEFORE_ROPE) else None)
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m, (_, at) in zip(handles, attending, located):
         if decoder_types[m] == _INDEXED_ATTENTION and not latent:

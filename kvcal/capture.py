@@ -152,11 +152,13 @@ class _ActivationHooks:
     def _keep_rotated_key_gradient(self, handles: LayerHandles):
         layer, key_call = handles.index, 2 if handles.rope_norms[0] is handles.rope_norms[1] else 1
 
-        def on_forward(module, inputs, output):  # output: (batch, tokens, kv heads, head_dim), heads first where so
+        def on_forward(module, inputs, output):  # output: (batch, tokens, kv heads, head_dim), heads first where so,
+            # or (batch * tokens, kv heads, head_dim) (Chameleon's): as the key's rows (batch, tokens, channels)
             self._norm_calls[layer] += 1
             if self._norm_calls[layer] == key_call:
+                rows = self.activations["k", layer].shape[:2]
                 output.register_hook(lambda grad: self.gradients.__setitem__(
-                    ("k", layer), (grad.transpose(1, 2) if handles.heads_first else grad).detach().flatten(2)))
+                    ("k", layer), (grad.transpose(1, 2) if handles.heads_first else grad).detach().reshape(*rows, -1)))
 
         return on_forward
 

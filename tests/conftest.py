@@ -319,6 +319,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                                     **overrides})
         # (AutoModelForCausalLM makes the causal LM of the composite's config)
         return AutoConfig.for_model("mllama", text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
+    if model_type == "chameleon":  # Chameleon: a decoder with q and k LayerNormed per head over batch and tokens
+        # flattened, reading an image as the codes of its VQ-GAN (16 of a codebook of 8: 4 x 4 latents of 32 x 32
+        # pixels), tokens of its vocabulary (IMGIMG<code as letters>Z); its one config holds the decoder's settings
+        codes = {f"IMGIMG{chr(ord('A') + code)}Z": TINY_VOCAB - 12 + code for code in range(8)}
+        vq = dict(embed_dim=16, num_embeddings=8, base_channels=32, channel_multiplier=[1, 1, 1, 1], num_res_blocks=1,
+                  resolution=32, latent_channels=16)
+        return AutoConfig.for_model(model_type, **composite_text(max_positions, {}, **overrides), vq_config=vq,
+                                    vocabulary_map={"<image>": TINY_VOCAB - 1, **codes})
     if model_type == "fuyu":  # Fuyu-8B: a Persimmon decoder reading an image's patches of 14 x 14 pixels, each a token
         # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
         text = tiny_config("persimmon", max_positions, **overrides).to_dict()
@@ -652,7 +660,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama",
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama", "chameleon",
                   *MINICPM_V,
                   *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)

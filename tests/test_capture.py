@@ -177,6 +177,9 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         activations = [outputs[side, i] for side in "kv" for i in layers]
         grads = torch.autograd.grad(loss, [projection.weight for projection in projections] + activations)
         n = len(layers)
+        if text_config(model).model_type == "chameleon":  # its key norm sees (batch * tokens, heads, head_dim)
+            grads = (*grads[: 2 * n], *(g.unflatten(0, (1, SEQLEN)) for g in grads[2 * n : 3 * n]), *grads[3 * n :])
+            outputs.update({("k", i): outputs["k", i].unflatten(0, (1, SEQLEN)) for i in layers})
         clip = getattr(text_config(model), "clip_qkv", None)  # OLMo's, OLMoE's: clamped in place after the activations,
         if clip is not None:  # so autograd gives the gradient after the clamp, kvcal's hooks the one before (0 there)
             grads = (*grads[: 2 * n], *(g * (a.abs() < clip) for g, a in zip(grads[2 * n :], activations)))

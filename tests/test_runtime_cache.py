@@ -685,7 +685,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
-          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""),
+          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
@@ -699,7 +699,8 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
-                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", *MINICPM_V, *IMAGE_TOWERS,
+                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", *MINICPM_V,
+                    *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
 
@@ -879,7 +880,8 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(**images, **settings, past_key_values=cache)
             assert cache.tokens() == [tokens + 8 - 1]
-            if model_type != "fuyu":  # (no vision tower: its patches' pixels embedded by a linear layer)
+            if model_type not in ("fuyu", "chameleon"):  # (no vision tower: Fuyu's patches' pixels embedded by a linear
+                # layer, Chameleon's image a VQ-GAN's codes)
                 assert model.config.vision_config._attn_implementation == own
         text_only = model.generate(input_ids=images["input_ids"], **settings)
     assert torch.equal(ours.sequences, fp.sequences)
