@@ -86,7 +86,8 @@ muse_glimmer: their decoder beside a vision tower) norm q and k by one such norm
 (`norms_before_rope`: the key's gradient after the norm needs no rotating back), and leave RoPE out of every fourth
 layer (layer_rope_theta 0), a full one among sliding ones. Chameleon (chameleon) norms q and k before RoPE with a scale
 and a bias, on rows of batch and tokens flattened into one, read alike (_FLAT_NORMS_BEFORE_ROPE); an image reaches it
-as its VQ-GAN's codes, tokens of its vocabulary. SmolLM3 leaves RoPE out of some layers
+as its VQ-GAN's codes, tokens of its vocabulary, as it reaches Emu3 (emu3; its checkpoints load as Emu3ForCausalLM,
+emu3_text_model). SmolLM3 leaves RoPE out of some layers
 (`no_rope_layers`, 0 for those), EXAONE 4, Kolibri-1, K-EXAONE, Cohere 2 and AFMoE out of their full-attention ones
 (Cohere 2 MoE but its dense prefix layers, where it forces RoPE), Granite SWA out of those of RoPE base 0, Beam out
 of those whose type's rope parameters are None (its full ones, whose queries it scales by position as Llama 4 does):
@@ -159,7 +160,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl", "janus", "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2",
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
-                         "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon")
+                         "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
+                         "emu3_text_model")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -220,7 +222,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qwen3_omni_moe_thinker", "muse_spark", "muse_glimmer", "step3p7", "deepseek_vl", "janus",
                      "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                      "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
-                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon")
+                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2")

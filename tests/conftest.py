@@ -327,6 +327,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                   resolution=32, latent_channels=16)
         return AutoConfig.for_model(model_type, **composite_text(max_positions, {}, **overrides), vq_config=vq,
                                     vocabulary_map={"<image>": TINY_VOCAB - 1, **codes})
+    if model_type in ("emu3", "emu3_text_model"):  # Emu3: a Llama-like decoder reading an image as its VQ-VAE's codes
+        # (an 8 x 8 image: 4 x 4 codes of a codebook of 8, each row ending in an end-of-line token), tokens of its
+        # vocabulary; its causal LM (emu3_text_model) the decoder alone, made by AutoModelForCausalLM of this config
+        codes = {f"<|visual token {code:06d}|>": TINY_VOCAB - 12 + code for code in range(8)}
+        vq = dict(codebook_size=8, embed_dim=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+                  num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=2)
+        text = composite_text(max_positions, {}, **{**dict(pad_token_id=0), **overrides})
+        return AutoConfig.for_model("emu3", text_config=text, vq_config=vq,
+                                    vocabulary_map={"<image>": TINY_VOCAB - 1, "<|extra_200|>": TINY_VOCAB - 2, **codes})
     if model_type == "fuyu":  # Fuyu-8B: a Persimmon decoder reading an image's patches of 14 x 14 pixels, each a token
         # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
         text = tiny_config("persimmon", max_positions, **overrides).to_dict()
@@ -660,7 +669,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama", "chameleon",
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3",
                   *MINICPM_V,
                   *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
@@ -758,7 +767,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     def make(model_type: str, max_positions: int = 256, **overrides) -> Path:
         path = tmp_path_factory.mktemp(f"tiny-{model_type}")
         # (a causal LM that transformers cannot load back from its own checkpoint: its composite's, as released)
-        saved = {"mllama_text_model": "mllama"}.get(model_type, model_type)
+        saved = {"mllama_text_model": "mllama", "emu3_text_model": "emu3"}.get(model_type, model_type)
         tiny_model(saved, max_positions=max_positions, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
         return path

@@ -33,7 +33,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     adapter = adapt(model)
     # Llama 4's and Qwen3.5's composites are named as the causal LM of their decoder (what their checkpoints load as)
     served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
-                 "mllama": "mllama_text_model"}
+                 "mllama": "mllama_text_model", "emu3": "emu3_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
     # GPT-NeoX, OPT, BioGPT, GPT-2 and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
     kv_heads = 4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu") else 1 if model_type == "gpt_bigcode" else 2

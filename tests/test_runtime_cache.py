@@ -31,7 +31,7 @@ TOKENS = 40
 # seed of 0-5 and recipe within 6.2e-5; GLM-4.1V's and 4.6V's (glmga's: 4.6V's model) at 5: up to 2.9e-3 on one row,
 # HunyuanOCR's kvquant 1e-2 on one row from its 22nd token, Qwen3-Omni's thinker 2.6e-3 on one row, at 0, 3 and 4 every
 # recipe within the tolerance).
-EDGE_FREE_SEED = {"mllama_text_model": 0, "afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0,
+EDGE_FREE_SEED = {"mllama_text_model": 0, "emu3": 0, "emu3_text_model": 0, "afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwen3_5": 0,
                   **dict.fromkeys(("glm4v", "glm46v", "glmga", "hunyuan_vl", "qwen3_omni_moe_thinker"), 0)}
 
 
@@ -685,7 +685,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
-          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""),
+          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
@@ -699,7 +699,7 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
-                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", *MINICPM_V,
+                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", *MINICPM_V,
                     *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
 
@@ -727,6 +727,8 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
                     target_sizes=torch.tensor([[grid, grid]]))
     if model_type in ("llava_next", "llava_onevision", "llava_next_video", "granite4_vision"):  # the image and its one tile
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
+    if model_type == "emu3":  # its VQ-VAE's 4 x 4 codes and an end-of-line token after each row
+        return dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "fuyu":  # its 2 x 2 patches' pixels, each embedded into a token
         return dict(input_ids=ids, pixel_values=torch.randn(1, 4, 3 * 14 * 14))
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
@@ -880,8 +882,8 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(**images, **settings, past_key_values=cache)
             assert cache.tokens() == [tokens + 8 - 1]
-            if model_type not in ("fuyu", "chameleon"):  # (no vision tower: Fuyu's patches' pixels embedded by a linear
-                # layer, Chameleon's image a VQ-GAN's codes)
+            if model_type not in ("fuyu", "chameleon", "emu3"):  # (no vision tower: Fuyu's patches' pixels embedded by a
+                # linear layer, Chameleon's and Emu3's images a VQ model's codes)
                 assert model.config.vision_config._attn_implementation == own
         text_only = model.generate(input_ids=images["input_ids"], **settings)
     assert torch.equal(ours.sequences, fp.sequences)
