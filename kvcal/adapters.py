@@ -257,6 +257,9 @@ _INDEXED_ATTENTION = "indexed_attention"
 _LAYER_TYPE_NAMES = {"minimax_m3_sparse": _INDEXED_ATTENTION}
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", _INDEXED_ATTENTION,
                           *_ATTENTION_AND_STATE_TYPES)
+# where a refusal sends a user for the types kvcal serves (a list of them all would bury the refusal's line)
+_SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)} model types kvcal "
+                "serves")
 # Keys of config.to_dict() that change with how a model was saved or loaded, not with what it computes
 # (`architectures` is filled in by save_pretrained; the class name is in the fingerprint already).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures"}
@@ -740,7 +743,7 @@ def _find_attention(layer: nn.Module, where: str) -> nn.Module:
         if attention is not None:
             return attention
     children = ", ".join(name for name, _ in layer.named_children())
-    raise KvcalError(f"{where} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}")
+    raise KvcalError(f"{where} has no attention module ({'/'.join(_ATTENTION_NAMES)}); found {children}; {_SERVED_ONES}")
 
 
 def _decoder_layer_types(config, num_layers: int) -> list[str]:
@@ -824,8 +827,7 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     children = ", ".join(n for n, _ in attention.named_children())
     raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
-                     f"(or dense) linear layers in its attention (found: {children}); kvcal supports "
-                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                     f"(or dense) linear layers in its attention (found: {children}); {_SERVED_ONES}")
 
 
 def _latent_rope(config) -> str:
@@ -1062,7 +1064,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
             raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
                              "add; kvcal serves RoPE models and ones with learned or no positions")
-        raise KvcalError(f"{where}: kvcal supports {', '.join(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)}")
+        raise KvcalError(f"{where}: kvcal does not serve its model type; {_SERVED_ONES}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds, query_heads, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), query_heads,
                                                                                kv_heads, head_dims, value_dims))

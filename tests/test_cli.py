@@ -675,4 +675,5 @@ def test_models_refuses_an_architecture_it_does_not_serve_in_one_line(tmp_path):
 
     AutoConfig.for_model("jetmoe", vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(tmp_path)
     refused(run("models", tmp_path), "unsupported architecture JetMoeForCausalLM (model_type 'jetmoe')")
+    assert "`kvcal models` lists the" in run("models", tmp_path).stderr
     refused(run("models", tmp_path / "missing"), "model path")
