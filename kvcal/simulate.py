@@ -290,7 +290,7 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
 
 def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
-    if slot is None and wiring.left_to_the_model(module):  # (as the model runs it, had it SDPA: its masks are SDPA's)
+    if slot is None and wiring.left_to_the_model(module):  # (SDPA: a wired model builds SDPA's masks)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))

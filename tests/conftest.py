@@ -309,9 +309,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                     image_grid_pinpoints=[[56, 56]], downsample_rate="1/2", deepstack_layer_map=[[-1, 0]],
                                     spatial_target_layers=[0, 1, 0, 1], vision_feature_layer=-1,
                                     qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64))
-    if model_type in CROSS_ATTENDING:  # Llama 3.2 Vision: a Llama decoder whose layers 0 and 2 attend
-        # across to an image (its vision tower's output, 2 tiles of 28 x 28 pixels) instead of to the text, 1 and 3 to the
-        # text; its causal LM (mllama_text_model) the decoder alone, which skips them without an image
+    if model_type in CROSS_ATTENDING:  # Llama 3.2 Vision: a Llama decoder whose layers 0 and 2 attend across to an image
+        # (its vision tower's output, 2 tiles of 28 x 28 pixels) instead of to the text, 1 and 3 to the text; its causal
+        # LM (mllama_text_model) the decoder alone, which skips them without an image
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, num_attention_heads=2,
                       image_size=28, patch_size=14, max_num_tiles=2, intermediate_layers_indices=[0], vision_output_dim=64,
                       supported_aspect_ratios=[[1, 1], [1, 2]])
@@ -669,9 +669,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
-                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2", "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3",
-                  *MINICPM_V,
-                  *QWEN_OMNI, *MUSE,
+                  "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
+                  "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", *MINICPM_V, *QWEN_OMNI, *MUSE,
                   *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
@@ -679,8 +678,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
-    if model_type in CROSS_ATTENDING:  # (its init zeroes the gates of what cross-attention adds: an image
-        # would not matter)
+    if model_type in CROSS_ATTENDING:  # (its init zeroes the gates of what cross-attention adds: no image would matter)
         for layer in decoder_of(model).layers[::2]:
             layer.cross_attn_attn_gate.data.fill_(1.0)
             layer.cross_attn_mlp_gate.data.fill_(1.0)

@@ -59,8 +59,8 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of
@@ -590,7 +590,7 @@ BLOCKS_UNDER_PADDING = ("MiniMax-M3's block-sparse indexer places its key blocks
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
-    if slot is None and wiring.left_to_the_model(module):  # (as the model runs it, had it SDPA: its masks are SDPA's)
+    if slot is None and wiring.left_to_the_model(module):  # (SDPA: a wired model builds SDPA's masks)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
