@@ -60,7 +60,9 @@ switches: `encoders_inside`; Qwen's at three positions, which keys stored before
 kvcal.wiring.multimodal_refusal).
 Gemma 3's and Gemma 4's decoders (Gemma 4's where use_bidirectional_attention is "vision") attend to an image's tokens
 both ways (`image_blocks`: wired alone, the step's mask says which tokens see later ones, kvcal.wiring.own_tokens_ahead);
-Molmo 2's (molmo2) is read alike, its mm_token_type_ids asking it to, though transformers' mask for it stays causal.
+Molmo 2's (molmo2) is read alike, its mm_token_type_ids asking it to, though transformers' mask for it stays causal;
+PaliGemma's (paligemma) its whole prompt (token type 0), its text alone read as what it writes (`text_inputs`), its
+RoPE positions counted from 1 (`first_position`).
 Llama 3.2 Vision's (mllama; its checkpoints load as MllamaForCausalLM, mllama_text_model) cross_attention_layers attend
 across to an image instead of to the text: kvcal serves the others and leaves those to the model's attention over
 transformers' own cache layers (`cross_attention`; kvcal.wiring.left_to_the_model), as a hybrid's state layers.
@@ -161,7 +163,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
-                         "emu3_text_model")
+                         "emu3_text_model", "paligemma")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -225,7 +227,15 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
-_IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2")
+_IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
+# composites whose decoder attends its prompt both ways, told which tokens are the prompt's by token_type_ids 0
+# (PaliGemma's: its attention modules not causal, use_bidirectional_attention): read as _IMAGE_BLOCKS', by the step's
+# mask; text alone is read as what it writes, causally (token_type_ids 1: text_inputs), and a step of several tokens
+# handed no mask, which it would attend both ways, is refused (kvcal.wiring.refuse_unmasked_step)
+_PREFIX_LM = ("paligemma",)
+# models whose RoPE positions count from 1, not 0 (PaliGemma's position_ids): the simulation and the profile rotate by
+# them (first_position); the runtime cache reads each sequence's first position from the model's position ids
+_POSITIONS_FROM_ONE = ("paligemma",)
 # models whose image and audio encoders sit inside the decoder's own module, their configs sub-configs of its text
 # config (Phi-4-multimodal's embed_tokens_extend): their images' tokens read causally, as text, once embedded
 _ENCODERS_INSIDE = ("phi4_multimodal",)
@@ -477,6 +487,11 @@ class ModelAdapter:
         return [attention_span(window, chunk) for window, chunk in zip(self.windows, self.chunks)]
 
     @property
+    def first_position(self) -> int:
+        """The RoPE position of a sequence's first token (first_position of its fingerprint)."""
+        return first_position({"model_type": self.model_type})
+
+    @property
     def decoder_kind(self) -> str:
         """What the decoder holds besides its layers' KV caches (decoder_kind of its fingerprint)."""
         return decoder_kind(self.fingerprint())
@@ -651,6 +666,11 @@ _STATE_BESIDE_ATTENTION_TYPES = ("falcon_h1",)
 _CROSS_ATTENDING_TYPES = ("mllama", "mllama_text_model")  # (Mllama's composite is served as its causal LM)
 
 
+def first_position(fingerprint: dict) -> int:
+    """The RoPE position of a sequence's first token in an artifact's model (_POSITIONS_FROM_ONE: 1; others 0)."""
+    return 1 if fingerprint["model_type"] in _POSITIONS_FROM_ONE else 0
+
+
 def decoder_kind(fingerprint: dict) -> str:
     """What an artifact's model's decoder holds besides its layers' KV caches, as engines tell models apart (vLLM's
     TurboQuant boundary layers): "dense" (nothing), "recurrent" (a Mamba, DeltaNet or convolution state: hybrids,
@@ -691,6 +711,17 @@ def kv_widths(fingerprint: dict, kind: str = "k") -> list[int]:
 def index_widths(fingerprint: dict) -> list[int]:
     """Per layer of an artifact's model, the channels of one token's indexer key (DeepSeek Sparse Attention's; 0: none)."""
     return fingerprint.get("layer_index_dims", [0] * fingerprint["num_layers"])
+
+
+def prefix_lm(model: nn.Module) -> bool:
+    """Whether `model` attends its prompt both ways, told which tokens are the prompt's by token types (_PREFIX_LM)."""
+    return getattr(model.config, "model_type", None) in _PREFIX_LM
+
+
+def text_inputs(model: nn.Module, ids: torch.Tensor) -> dict:
+    """What a forward of `model` over text alone (ids) takes besides them: a prefix LM's token_type_ids of 1, its text
+    read causally as it writes it, nothing for others."""
+    return {"token_type_ids": torch.ones_like(ids)} if prefix_lm(model) else {}
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -1084,7 +1115,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotated = (attending_only(_rotated_layers(config, text_type, num_layers, rope_free)) if rotary is not None
                else [False] * len(handles))
     readers = _reader_layers(layers, sharing, decoder_types, attending, where)
-    if any(getattr(layer.attention, "is_causal", True) is False for layer in [*handles, *readers]):  # bidirectional attention
+    if model_type not in _PREFIX_LM and any(getattr(layer.attention, "is_causal", True) is False
+                                            for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
     scales = {float(getattr(attention, "scaling", head_dims[layer] ** -0.5))

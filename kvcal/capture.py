@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcal.adapters import LayerHandles, ModelAdapter
+from kvcal.adapters import LayerHandles, ModelAdapter, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.rope import rotate_keys, stored_inv_freq
 
@@ -237,7 +237,7 @@ def profile_gradients(
                  for key_width, value_width, heads, head_dim in zip(adapter.kv_widths, adapter.value_widths,
                                                                     adapter.query_heads, adapter.head_dims)]
     importance = torch.zeros(2, num_layers, dtype=torch.float64)
-    positions = torch.arange(seqlen)
+    positions = torch.arange(seqlen) + adapter.first_position  # (RoPE's: the model's position ids)
     # read once, not per window: the frequencies of a forward over seqlen tokens (LongRoPE's long ones past its switch)
     rope = [(adapter.layer_inv_freq(i, seqlen), adapter.layer_rope_scaling(i)) for i in range(num_layers)]
     input_device = model.get_input_embeddings().weight.device
@@ -251,7 +251,8 @@ def profile_gradients(
             hooks.keep_queries = w < stored
             ids = windows[w : w + 1].to(input_device)
             with torch.enable_grad():  # (also under a caller's torch.no_grad())
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF shifts labels itself
+                # (transformers shifts the labels itself)
+                loss = model(input_ids=ids, labels=ids, use_cache=False, **text_inputs(model, ids)).loss
             counts["forward_passes"] += 1
             loss.backward()
             counts["backward_passes"] += 1

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import ModelAdapter
+from kvcal.adapters import ModelAdapter, text_inputs
 from kvcal.artifacts import check_same_model
 from kvcal.errors import KvcalError
 from kvcal.simulate import Method, StorageTally, simulated
@@ -50,7 +50,7 @@ def check_model_matches(method: Method, adapter: ModelAdapter, model_spec: str, 
 
 def _window_nll(model, window: torch.Tensor) -> float:
     ids = window[None].to(model.get_input_embeddings().weight.device)
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    logits = model(input_ids=ids, use_cache=False, **text_inputs(model, ids)).logits[0, :-1].float()
     return float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths
+from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths, text_inputs
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.runtime import generate as quantized_generate
@@ -43,7 +43,7 @@ def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor
 
 def _greedy(model, bundle, ids, mask, new_tokens: int, pad: int) -> torch.Tensor:
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, pad_token_id=pad)
+                    do_sample=False, pad_token_id=pad, **text_inputs(model, ids))
     with torch.inference_mode():
         out = model.generate(**settings) if bundle is None else quantized_generate(model, bundle, **settings)
     return out[:, ids.shape[1]:].cpu()
@@ -130,7 +130,7 @@ class PasskeyResult:
 def _answer(model, ids: torch.Tensor, cache, new_tokens: int, pad: int) -> torch.Tensor:
     """Greedy tokens after ids (1, n) with a cache that already holds a prefix of them."""
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **text_inputs(model, ids))
     return out[0, ids.shape[1]:].cpu()
 
 

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvcal.adapters import decoder_kind, kv_shapes, latent_attention, rope_orders
+from kvcal.adapters import decoder_kind, first_position, kv_shapes, latent_attention, rope_orders
 from kvcal.artifacts import read_artifact, read_header
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import stored_shares
@@ -130,7 +130,7 @@ def fixed_fp16_layers(dtype: str, head_dims: list[int], decoder: str) -> set[int
 def key_cost(profile: dict, config: dict, layer: int, codec, kv_heads: int) -> float:
     """Fisher-weighted squared error of `codec` on the layer's sampled keys, cached after RoPE as the engines cache
     them, the error rotated back before RoPE where the Fisher information was taken."""
-    positions = profile["samples.position"].long()
+    positions = profile["samples.position"].long() + first_position(config["model"]["fingerprint"])  # (token -> RoPE's)
     keys = profile[f"layers.{layer}.k_post.samples"].float()
     inv_freq = layer_inv_freq(profile["rope.inv_freq"], layer, keys.shape[1] // kv_heads)
     stored = in_model_order(codec, rope_orders(config["model"]["fingerprint"])[layer]).quantize(keys).values

@@ -166,6 +166,7 @@ class SimulatedLayer:
     span: AttentionSpan | None = None  # the earlier tokens its queries see: its sliding window's or chunk's (None: all)
     sinks: torch.Tensor | None = None  # (heads,) its attention sinks' logits (gpt-oss)
     softcap: float | None = None  # its scores' soft-cap (Gemma 2)
+    first_position: int = 0  # the RoPE position of a window's first token (ModelAdapter.first_position)
     pre_rope_keys: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
     keep_reads: bool = False  # other layers read this one's keys and values (KV sharing): keep what attend read
@@ -211,7 +212,7 @@ class SimulatedLayer:
         tokens): the tokens each query attends (an indexer's pick, kvcal.wiring.chosen_columns), None: all it sees."""
         tokens = query.shape[2]
         key_mask, value_mask = self.masks_for(tokens, query.device)
-        positions, inv_freq = torch.arange(tokens, device=query.device), self.frequencies(tokens)
+        positions, inv_freq = torch.arange(tokens, device=query.device) + self.first_position, self.frequencies(tokens)
         outputs = []
         for b in range(query.shape[0]):
             keys_post = as_cached(rotate_keys(self.pre_rope_keys[b], positions, 1, inv_freq, self.rope_scaling))
@@ -227,7 +228,8 @@ class SimulatedLayer:
         tokens = keys_post.shape[0]
         key_mask, value_mask = self.masks_for(tokens, keys_post.device)
         if self.scheme.key_pre_rope:
-            positions, inv_freq = torch.arange(tokens, device=keys_post.device), self.frequencies(tokens)
+            positions = torch.arange(tokens, device=keys_post.device) + self.first_position
+            inv_freq = self.frequencies(tokens)
             keys_pre = as_cached(self.pre_rope_keys[b])
             keys_post = rotate_keys(keys_pre, positions, kv_heads, inv_freq, self.rope_scaling)
             stored_keys = self.scheme.key_codec.quantize(keys_pre)
@@ -295,6 +297,7 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
     wiring.check_computed(module, kwargs, slot)
+    wiring.refuse_unmasked_step(module, attention_mask, query.shape[2])
     state: SimulatedLayer | None = slot.attached if slot is not None else None
     if state is None:
         raise KvcalError(f"attention implementation '{ATTENTION_NAME}' serves only inside kvcal.simulate.simulated(...)")
@@ -348,7 +351,7 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_orders[i]) if baseline else scheme, method.policy,
                              functools.lru_cache(maxsize=2)(functools.partial(adapter.layer_inv_freq, i)),
                              adapter.layer_rope_scaling(i), tally, adapter.spans[i], adapter.layers[i].sinks,
-                             adapter.softcap, keep_reads=bool(adapter.readers_of(i)))
+                             adapter.softcap, adapter.first_position, keep_reads=bool(adapter.readers_of(i)))
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)

@@ -150,6 +150,15 @@ def multimodal_refusal(pre_rope_layers: list[int]) -> str:
             "storing keys after RoPE (kivi, kvmix, an engine's cache type) for images")
 
 
+def refuse_unmasked_step(module: torch.nn.Module, attention_mask, tokens: int) -> None:
+    """Refuse a step of several tokens handed no mask by an attention that is not causal (PaliGemma's): transformers'
+    SDPA would attend it both ways, where kvcal's reads no mask as causal."""
+    if attention_mask is None and tokens > 1 and getattr(module, "is_causal", True) is False:
+        raise KvcalError(f"{type(module).__name__} was handed {tokens} tokens without a mask, which it attends both ways "
+                         "(a prefix LM's prompt); pass token_type_ids: 0 for the prompt's tokens (attended both ways), 1 "
+                         "for text read causally")
+
+
 def left_to_the_model(module: torch.nn.Module) -> bool:
     """Whether `module` is an attention layer of a wired decoder that kvcal leaves as the model runs it (Mllama's
     cross-attention, over an image's keys and values in transformers' own cache layer: ModelAdapter.cross_attention)."""

@@ -336,6 +336,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text = composite_text(max_positions, {}, **{**dict(pad_token_id=0), **overrides})
         return AutoConfig.for_model("emu3", text_config=text, vq_config=vq,
                                     vocabulary_map={"<image>": TINY_VOCAB - 1, "<|extra_200|>": TINY_VOCAB - 2, **codes})
+    if model_type == "paligemma":  # PaliGemma: a Gemma decoder attending its prompt both ways (image and text, told by
+        # token_type_ids 0) beside a SigLIP tower, an image 4 tokens here
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        text = {**tiny_config("gemma", max_positions, **overrides).to_dict(), "model_type": "gemma"}
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1,
+                                    projection_dim=64)
     if model_type == "fuyu":  # Fuyu-8B: a Persimmon decoder reading an image's patches of 14 x 14 pixels, each a token
         # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
         text = tiny_config("persimmon", max_positions, **overrides).to_dict()
@@ -670,8 +677,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
-                  "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", *MINICPM_V, *QWEN_OMNI, *MUSE,
-                  *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
+                  "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "paligemma", *MINICPM_V, *QWEN_OMNI,
+                  *MUSE, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),
                              attn_implementation=OWN_ATTENTION.get(model_type, "sdpa"))

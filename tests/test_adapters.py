@@ -96,7 +96,8 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens: int = 12) -> None:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
         pre_rope = layer.source_rows("k", sources[i])[0].view(tokens, adapter.kv_heads[i], adapter.head_dims[i])
-        rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
+        positions = torch.arange(tokens) + adapter.first_position  # (PaliGemma's count from 1)
+        rotated = apply_rope(pre_rope, positions, adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
         cached = adapter.in_rope_order(cache.layers[adapter.model_layers[i]].keys[0].transpose(0, 1), i)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
 

@@ -9,7 +9,7 @@ from transformers.pytorch_utils import Conv1D
 
 from conftest import GEMMA4, LATENT, LONGROPE, MUSE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_at
-from kvcal.adapters import adapt, decoder_of
+from kvcal.adapters import adapt, decoder_of, text_inputs
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 from kvcal.errors import KvcalError
 
@@ -158,6 +158,7 @@ def independent_reference(model, batch: torch.Tensor):
 
 
 def _autograd_reference(model, adapter, batch: torch.Tensor):
+    positions = (torch.arange(SEQLEN) + adapter.first_position)[None]  # (RoPE's: PaliGemma's count from 1)
     layers, kinds = range(len(adapter.layers)), adapter.layer_types  # the attention layers (hybrids have others)
     sources = [key_and_value_sources(model, adapter.model_layers[i]) for i in layers]
     key_multiplier = getattr(text_config(model), "key_multiplier", 1.0)
@@ -170,7 +171,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             for side, (module, *_) in zip("kv", sources[i]):
                 handles.append(module.register_forward_hook(lambda m, a, out, key=(side, i): outputs.__setitem__(key, out)))
         ids = window[None]
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False, **text_inputs(model, ids)).loss
         for h in handles:
             h.remove()
         projections = [sources[i][side][2] for side in (0, 1) for i in layers]
@@ -203,7 +204,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         for i in (i for i in layers if normed_after_rope[i]):  # dL/dK_post, rotated back
             heads = grads[2 * n + i] if heads_first else grads[2 * n + i].transpose(1, 2)  # (batch, heads, tokens, head_dim)
             if text_config(model).model_type == "nanochat":
-                cos, sin = models_rotary(model, adapter.model_layers[i])(heads, torch.arange(SEQLEN)[None])
+                cos, sin = models_rotary(model, adapter.model_layers[i])(heads, positions)
                 rotated_back = models_rope(model, heads, cos, -sin)
             else:
                 rotated_back = llama4_rope(model, adapter.model_layers[i], heads, inverse=True)
@@ -226,7 +227,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             elif applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
                 heads = llama4_rope(model, adapter.model_layers[i], heads)
             elif applies_rope(model, adapter.model_layers[i]):
-                cos, sin = models_rotary(model, adapter.model_layers[i])(keys, torch.arange(SEQLEN)[None], *layer_type)
+                cos, sin = models_rotary(model, adapter.model_layers[i])(keys, positions, *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1), i))

@@ -52,7 +52,28 @@ def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken
     torch.testing.assert_close(rotate_keys(keys, -positions, 2, tensors["rope.inv_freq"]), pre, rtol=0, atol=1e-4)  # the frame
     expected = (tensors["layers.0.k_pre.fisher"] * back**2).sum() + (tensors["layers.0.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum()
     got = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0).costs[0]
-    assert got == pytest.approx(float(expected), rel=1e-6)
+    assert got == pytest.approx(float(expected), rel=1e-6, abs=0)
+
+
+def test_the_fisher_cost_rotates_back_by_positions_counted_from_one_where_the_model_counts_so(tiny_model_dir, tiny_corpus,
+                                                                                             tmp_path):
+    """PaliGemma's RoPE positions count from 1: its profile's post-RoPE key samples are the pre-RoPE ones rotated by
+    their token's index + 1, and the cost rotates the error back by that."""
+    from conftest import profile_tiny_model
+
+    profile = profile_tiny_model(tiny_model_dir("paligemma"), tiny_corpus, tmp_path / "profile.safetensors")
+    tensors, config = read_artifact(str(profile), "profile")
+    heads, head_dim = kv_shapes(config["model"]["fingerprint"])[0]
+    codec = baseline_method("int8_per_token_head", [head_dim]).layers[0].key_codec
+    keys, values = tensors["layers.0.k_post.samples"].float(), tensors["layers.0.v.samples"].float()
+    positions = tensors["samples.position"].long() + 1
+    pre = tensors["layers.0.k_pre.samples"].float()
+    torch.testing.assert_close(rotate_keys(keys, -positions, heads, tensors["rope.inv_freq"]), pre, rtol=0, atol=1e-4)
+    back = rotate_keys(codec.quantize(keys).values - keys, -positions, heads, tensors["rope.inv_freq"])
+    value_error = codec.quantize(values).values - values
+    expected = (tensors["layers.0.k_pre.fisher"] * back**2).sum() + (tensors["layers.0.v.fisher"] * value_error**2).sum()
+    got = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0).costs[0]
+    assert got == pytest.approx(float(expected), rel=1e-6, abs=0)  # (costs of 1e-14 here: no absolute slack)
 
 
 def test_importance_and_context_change_the_choice_as_documented(tiny_profile, gemma3_profile):

@@ -12,7 +12,7 @@ from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_step
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from kvcal import registry, wiring
-from kvcal.adapters import adapt
+from kvcal.adapters import adapt, text_inputs
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method, bundle_method
@@ -45,7 +45,7 @@ def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "l
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(EDGE_FREE_SEED.get(model_type, 5)))
     with torch.inference_mode():
         with simulated(model, adapt(model), artifact_method(str(bundle_path)), StorageTally()):
-            simulated_logits = model(ids).logits
+            simulated_logits = model(ids, **text_inputs(model, ids)).logits
         runtime_logits, cache = decode_token_by_token(model, bundle_path, ids)
     torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=atol)
     assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa") and cache.tokens() == [TOKENS, TOKENS]
@@ -688,6 +688,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
           "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""),
+          "paligemma": (4, 28, "Siglip"),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
@@ -768,6 +769,9 @@ def two_way_image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
     patches come pooled already: 2 x 2 of 14 x 14 pixels each)."""
     side, images, generator = IMAGES[model_type][1], len(ids), torch.Generator().manual_seed(0)
     types = (ids == model.config.image_token_id).long()
+    if model_type == "paligemma":  # the whole prompt attended both ways: token type 0 (1: text it writes, causally)
+        return dict(input_ids=ids, pixel_values=torch.randn(images, 3, side, side, generator=generator),
+                    token_type_ids=torch.zeros_like(ids))
     if model_type == "gemma3":
         return dict(input_ids=ids, pixel_values=torch.randn(images, 3, side, side, generator=generator), token_type_ids=types)
     patch = 28 if model_type == "gemma4_unified" else 14
@@ -778,10 +782,11 @@ def two_way_image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
 
 
 @pytest.mark.parametrize("model_type, config", [("gemma3", {}), ("gemma4", dict(use_bidirectional_attention="vision")),
-                                                ("gemma4_unified", {})])
+                                                ("gemma4_unified", {}), ("paligemma", {})])
 def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, config):
     """Gemma 3 4B-27B's decoder, and Gemma 4's where use_bidirectional_attention is "vision" (Gemma 4 Unified's by
-    default), attend to an image's tokens both ways (the processor's token types): through a cache keeping everything fp16, left-padded prompts with
+    default), attend to an image's tokens both ways (the processor's token types), PaliGemma to its whole prompt (token
+    type 0): through a cache keeping everything fp16, left-padded prompts with
     an image (the step's mask says which tokens see later ones) give the model's own prefill logits (Gemma 4's layers
     reading another's cache too) and generate its own tokens, logits equal up to the fp16 rounding of K/V, the vision
     tower on its own attention; read causally (no token types) the image's logits differ, so the two-way attention is
@@ -814,6 +819,31 @@ def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, con
     assert (causal_prefill - fp_prefill).abs().max() > 0.05
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=atol)
+
+
+def test_a_prefix_lm_reads_text_as_what_it_writes_and_refuses_a_prompt_it_would_attend_both_ways_unmasked():
+    """PaliGemma attends its prompt both ways, told by token types; handed a prompt without them and without padding,
+    transformers' SDPA attends it both ways too (its attention is not causal and gets no mask), where kvcal's would read
+    it causally: the cache refuses that step in one line, storing nothing, and a prefill of its decoder alone (which
+    cannot be told) is refused. Text of token type 1, read causally as what it writes (how kvcal calibrates and scores
+    it), generates the model's own tokens through the cache."""
+    model = tiny_model("paligemma")
+    ids = prompt()
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            with pytest.raises(KvcalError, match="handed 12 tokens without a mask, which it attends both ways"):
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+            assert cache.tokens() == []
+        with pytest.raises(KvcalError, match="reads a prompt both ways where its token types say so"):
+            fp_context(model, ids)
+        fp = model.generate(input_ids=ids, **text_inputs(model, ids), **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, **text_inputs(model, ids), past_key_values=cache, **settings)
+        both_ways = model.generate(input_ids=ids, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(both_ways.logits) - torch.stack(fp.logits)).abs().max() > 1e-3  # (the prompt read both ways)
 
 
 def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_as_the_models_cache_does(monkeypatch):

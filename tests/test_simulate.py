@@ -6,7 +6,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from conftest import DSA, GEMMA4, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
-from kvcal.adapters import adapt
+from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
 from kvcal.methods import baseline_method
@@ -41,10 +41,11 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
     for model_type in TINY_ARCHITECTURES:
         model = tiny_model(model_type)
         ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+        text = text_inputs(model, ids)  # (PaliGemma's text read causally, as what it writes)
         with torch.inference_mode():
-            expected = model(ids).logits
+            expected = model(ids, **text).logits
             with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
-                got = model(ids).logits
+                got = model(ids, **text).logits
         # the cache holds K/V in fp16 (Gemma 3n: 7e-4, its layers reading another's cache see them rounded too; 6e-7 in fp32;
         # Gemma 4: up to 2.1e-3, Gemma 4 Unified: 2.7e-3, as much as their fp models' logits move with K/V alone rounded
         # to fp16 in transformers' own cache)

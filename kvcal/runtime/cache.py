@@ -63,7 +63,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of
+from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of, prefix_lm
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.model_caches import model_cache, taking
@@ -595,6 +595,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if slot is None and wiring.in_a_wired_model(module):
         raise KvcalError(wiring.outside_the_decoder(module))
     wiring.check_computed(module, kwargs, slot)
+    wiring.refuse_unmasked_step(module, attention_mask, query.shape[2])
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
@@ -955,6 +956,9 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     every layer, so that a quantized cache loading them holds what it would after its own prefill; `cache` is the
     model's own DynamicCache, whose sliding-window layers attend over their window only (they record every token
     during the prefill and are trimmed to their window after it)."""
+    if prefix_lm(model):  # (the decoder alone, handed no token types, would read the context both ways)
+        raise KvcalError(f"{type(model).__name__} reads a prompt both ways where its token types say so, which a prefill "
+                         "of its decoder alone cannot be told; evaluate it with kvcal eval ppl or agreement")
     adapter = adapt(model)
     step = chunk or ids.shape[1]
     if adapter.long_rope is not None:

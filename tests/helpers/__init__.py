@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcal.adapters import decoder_of
+from kvcal.adapters import adapt, decoder_of
 from kvcal.runtime import kernels, quantized_cache
 from tools import kernel_emulation
 
@@ -84,11 +84,11 @@ def attention_at(model, layer: int):
 
 def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     """Logits of feeding `ids` one token at a time through the runtime cache (its CUDA stores in `cuda_layout`), each
-    at its position (as generate() gives it: Bamba counts from 0 in a call given none)."""
-    logits = []
+    at its position (as generate() gives it: Bamba counts from 0 in a call given none, PaliGemma from 1)."""
+    logits, first = [], adapt(model).first_position
     with quantized_cache(model, bundle, cuda_layout) as cache:
         for t in range(ids.shape[1]):
-            position = torch.full((ids.shape[0], 1), t, device=ids.device)
+            position = torch.full((ids.shape[0], 1), first + t, device=ids.device)
             logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, position_ids=position).logits[:, 0])
     return torch.stack(logits, dim=1), cache
 
