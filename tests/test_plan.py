@@ -106,7 +106,7 @@ def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_
     keys = tensors["layers.2.k_post.samples"].float()
     key_error = rotate_keys(TurboQuantKeys(3, 16, True).quantize(keys).values - keys, -tensors["samples.position"].long(), 2,
                             tensors["rope.inv_freq"])
-    assert least.costs[2] == pytest.approx(float((tensors["layers.2.k_pre.fisher"] * key_error**2).sum()) + value_cost, rel=1e-5)
+    assert least.costs[2] == pytest.approx(float((tensors["layers.2.k_pre.fisher"] * key_error**2).sum()) + value_cost, rel=1e-5, abs=0)
     with pytest.raises(KvcalError, match=r"outside \[12.3333, 16\] .* and it keeps some layers unquantized"):
         plan_layers(profile, "vllm", "turboquant_k3v4_nc", 6.0)
 
@@ -148,7 +148,7 @@ def test_llama_cpp_pairs_price_k_and_v_apart_and_the_cheapest_within_the_budget_
     keeps their total), the plan takes the least-cost pair within the budget, and a tighter budget never costs less."""
     plan = plan_cache_types(str(tiny_profile[1]), 6.0)
     cost = {(pair["type_k"], pair["type_v"]): pair["cost"] for pair in plan.pairs}
-    assert cost["q8_0", "q4_0"] + cost["q4_1", "q5_0"] == pytest.approx(cost["q8_0", "q5_0"] + cost["q4_1", "q4_0"], rel=1e-9)
+    assert cost["q8_0", "q4_0"] + cost["q4_1", "q5_0"] == pytest.approx(cost["q8_0", "q5_0"] + cost["q4_1", "q4_0"], rel=1e-9, abs=0)
     assert ("f16", "f16") not in cost and len(cost) == 7 * 7 - 1
     within = [pair for pair in plan.pairs if pair["bits"] <= 6.0]
     assert plan.bits <= 6.0 and cost[plan.type_k, plan.type_v] == min(pair["cost"] for pair in within)
@@ -186,7 +186,7 @@ def test_llama_cpp_plans_an_mla_models_row_as_one_unrotated_type_keys_in_the_mod
     key_costs = sum(key_cost(profile, config, i, InTheModelsOrder(keys), 1) for i in layers)
     in_kvcal_order = sum(key_cost(profile, config, i, keys, 1) for i in layers)
     cost = next(pair["cost"] for pair in plan.pairs if pair["type_k"] == "q4_0")
-    assert cost == pytest.approx(key_costs + sum(value_cost(profile, i, values) for i in layers), rel=1e-6)
+    assert cost == pytest.approx(key_costs + sum(value_cost(profile, i, values) for i in layers), rel=1e-6, abs=0)
     assert abs(key_costs - in_kvcal_order) > 0.01 * key_costs
     for engine, plan_it in (("vllm", lambda: plan_layers(profile_path, "vllm", "fp8_per_token_head", 8.0)),
                             ("ik_llama.cpp", lambda: plan_first_last(profile_path, 6.0))):
@@ -239,7 +239,7 @@ def test_the_ik_llama_cpp_choice_is_the_least_cost_pair_of_settings_within_the_b
     for budget in (4.5, 5.0, 6.2, 9.0, 12.0, 15.9):
         k, v = choose_first_last(costs, {"k": bits, "v": bits}, budget, plain, widths)
         best = _least_pair_cost(brute["k"], brute["v"], budget)
-        assert k.cost + v.cost == pytest.approx(best, rel=1e-12) and (k.bits + v.bits) / 2 <= budget + 1e-9
+        assert k.cost + v.cost == pytest.approx(best, rel=1e-12, abs=0) and (k.bits + v.bits) / 2 <= budget + 1e-9
 
 
 def test_an_ik_llama_cpp_plan_stores_its_bits_and_costs_no_more_than_one_type_each(tiny_profile):
@@ -330,7 +330,7 @@ def test_llama_cpp_plans_price_each_layer_at_its_own_head_dim(gemma4_profile):
                   + value_cost(tensors, i, cache_type_codec(pair.type_v, dim, "v"))
                   for i, (heads, dim) in enumerate(kv_shapes(fingerprint)))
     chosen = next(p for p in pair.pairs if (p["type_k"], p["type_v"]) == (pair.type_k, pair.type_v))
-    assert chosen["cost"] == pytest.approx(by_hand, rel=1e-9)
+    assert chosen["cost"] == pytest.approx(by_hand, rel=1e-9, abs=0)
     assert pair.bits == pytest.approx(_stored_bits(pair.baseline_spec(), fingerprint), rel=1e-12) and pair.bits <= 6.0
     for budget in (4.6, 6.0, 9.0):
         ik = plan_first_last(str(gemma4_profile), budget)
