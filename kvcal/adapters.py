@@ -487,6 +487,11 @@ class ModelAdapter:
         return [attention_span(window, chunk) for window, chunk in zip(self.windows, self.chunks)]
 
     @property
+    def prefix_lm(self) -> bool:
+        """Whether the decoder attends its prompt both ways, told by token types (_PREFIX_LM: PaliGemma)."""
+        return self.model_type in _PREFIX_LM
+
+    @property
     def first_position(self) -> int:
         """The RoPE position of a sequence's first token (first_position of its fingerprint)."""
         return first_position({"model_type": self.model_type})
@@ -690,6 +695,7 @@ def served_types() -> list[tuple[str, str]]:
     def kind(model_type: str) -> str:
         latent = "multi-head latent attention" if model_type in LATENT_ATTENTION_TYPES else ""
         beside = ("decoder beside a vision tower, images cached as tokens" if model_type in _IMAGES_AS_TOKENS else
+                  "decoder beside a vision tower, its prompt attended both ways" if model_type in _PREFIX_LM else
                   "decoder beside a vision tower, images attended both ways" if model_type in _IMAGE_BLOCKS else
                   "decoder with image and audio encoders inside" if model_type in _ENCODERS_INSIDE else
                   "decoder attending across to an image in some layers" if model_type in _CROSS_ATTENDING_TYPES else "")

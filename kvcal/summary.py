@@ -91,7 +91,9 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
                      "cross": f"layers {list(adapter.cross_attention)} attending across to an image (its keys and values "
                               "transformers' to keep)"}[adapter.decoder_kind]
                     + ("; images cached as tokens" if adapter.images_as_tokens else "")
-                    + ("; an image's tokens attended both ways" if adapter.image_blocks else "")),
+                    + ("; its prompt (token type 0) attended both ways, text alone read causally (token type 1)"
+                       if adapter.prefix_lm else "; an image's tokens attended both ways" if adapter.image_blocks
+                       else "")),
         ("fp16 cache", f"{sum(fp16):,} bytes per token of K and V" + (" and indexer keys" if any(adapter.index_widths) else "")
                        + f"; {at_context / 2 ** 30:.2f} GiB for a sequence of {context} tokens"),
     ]
