@@ -39,41 +39,36 @@ def test_the_budget_buys_fp16_for_the_costliest_layers_first(tiny_profile):
     assert none.engine_arguments() == "--kv-cache-dtype int4_per_token_head" and none.baseline_spec() == "int4_per_token_head"
 
 
-def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken(tiny_profile):
-    """Layer 0's cost by hand: the codec's error on the post-RoPE key samples rotated back to their pre-RoPE frame,
-    weighted by the pre-RoPE Fisher, plus the values' Fisher-weighted error."""
-    _, profile = tiny_profile
-    tensors, _ = read_artifact(str(profile), "profile")
-    codec = baseline_method("int8_per_token_head", [16]).layers[0].key_codec
-    keys, values = tensors["layers.0.k_post.samples"].float(), tensors["layers.0.v.samples"].float()
-    positions = tensors["samples.position"].long()
-    back = rotate_keys(codec.quantize(keys).values - keys, -positions, 2, tensors["rope.inv_freq"])
-    pre = tensors["layers.0.k_pre.samples"].float()
-    torch.testing.assert_close(rotate_keys(keys, -positions, 2, tensors["rope.inv_freq"]), pre, rtol=0, atol=1e-4)  # the frame
-    expected = (tensors["layers.0.k_pre.fisher"] * back**2).sum() + (tensors["layers.0.v.fisher"] * (codec.quantize(values).values - values) ** 2).sum()
-    got = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0).costs[0]
-    assert got == pytest.approx(float(expected), rel=1e-6, abs=0)
-
-
-def test_the_fisher_cost_rotates_back_by_positions_counted_from_one_where_the_model_counts_so(tiny_model_dir, tiny_corpus,
-                                                                                             tmp_path):
-    """PaliGemma's RoPE positions count from 1: its profile's post-RoPE key samples are the pre-RoPE ones rotated by
-    their token's index + 1, and the cost rotates the error back by that."""
-    from conftest import profile_tiny_model
-
-    profile = profile_tiny_model(tiny_model_dir("paligemma"), tiny_corpus, tmp_path / "profile.safetensors")
+def assert_the_fisher_cost_is_by_hand(profile: Path, first_position: int) -> None:
+    """Layer 0's cost by hand: the codec's error on the post-RoPE key samples rotated back to their pre-RoPE frame (by
+    each token's RoPE position: its index + first_position), weighted by the pre-RoPE Fisher, plus the values'
+    Fisher-weighted error. The tiny models' costs are near 1e-14: compared with no absolute slack."""
     tensors, config = read_artifact(str(profile), "profile")
     heads, head_dim = kv_shapes(config["model"]["fingerprint"])[0]
     codec = baseline_method("int8_per_token_head", [head_dim]).layers[0].key_codec
     keys, values = tensors["layers.0.k_post.samples"].float(), tensors["layers.0.v.samples"].float()
-    positions = tensors["samples.position"].long() + 1
+    positions = tensors["samples.position"].long() + first_position
     pre = tensors["layers.0.k_pre.samples"].float()
-    torch.testing.assert_close(rotate_keys(keys, -positions, heads, tensors["rope.inv_freq"]), pre, rtol=0, atol=1e-4)
+    frame = rotate_keys(keys, -positions, heads, tensors["rope.inv_freq"])
+    torch.testing.assert_close(frame, pre, rtol=0, atol=1e-4)
     back = rotate_keys(codec.quantize(keys).values - keys, -positions, heads, tensors["rope.inv_freq"])
     value_error = codec.quantize(values).values - values
     expected = (tensors["layers.0.k_pre.fisher"] * back**2).sum() + (tensors["layers.0.v.fisher"] * value_error**2).sum()
     got = plan_layers(str(profile), "vllm", "int8_per_token_head", 16.0).costs[0]
-    assert got == pytest.approx(float(expected), rel=1e-6, abs=0)  # (costs of 1e-14 here: no absolute slack)
+    assert got == pytest.approx(float(expected), rel=1e-6, abs=0)
+
+
+def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken(tiny_profile):
+    assert_the_fisher_cost_is_by_hand(tiny_profile[1], 0)
+
+
+def test_the_fisher_cost_rotates_back_by_positions_counted_from_one_where_the_model_counts_so(tiny_model_dir, tiny_corpus,
+                                                                                             tmp_path):
+    """PaliGemma's RoPE positions count from 1: its profile's keys were rotated by each token's index + 1."""
+    from conftest import profile_tiny_model
+
+    profile = profile_tiny_model(tiny_model_dir("paligemma"), tiny_corpus, tmp_path / "profile.safetensors")
+    assert_the_fisher_cost_is_by_hand(profile, 1)
 
 
 def test_importance_and_context_change_the_choice_as_documented(tiny_profile, gemma3_profile):
