@@ -54,7 +54,7 @@ Qwen3.5 (qwen3_5, qwen3_5_moe) its hybrid qwen3_5_text one (named as it: _served
 deepseek_v3 one (MLA), Llama 4
 (llama4) a llama4_text one, which is a causal LM of its own (artifacts name the composite as it: _served_name): kvcal
 reads and serves the decoder.
-All but Gemma 3's and 4's read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
+All but those below read an image's tokens causally, as text (`images_as_tokens`: kvcal wires the decoder alone
 and caches them; Phi-4-multimodal's image and audio encoders sit inside its decoder, whose text config alone kvcal
 switches: `encoders_inside`; Qwen's at three positions, which keys stored before RoPE cannot hold:
 kvcal.wiring.multimodal_refusal).
