@@ -123,6 +123,17 @@ _NOT_COMPUTED = {"softcap": "scores soft-capped", "s_aux": "attention sinks", "s
                  "indices": "the tokens an indexer picked", "block_indices": "the key blocks an indexer picked"}
 
 
+def check_call(module: torch.nn.Module, layer_slot: Slot | None, attention_mask, tokens: int, kwargs: dict) -> None:
+    """Refuse an attention call over `tokens` queries that kvcal's attention (the runtime cache's, the simulation's)
+    would serve wrongly: from a part of a wired model outside its decoder's layers (outside_the_decoder), asking for
+    what it does not compute (check_computed), or a step it would read causally where the model attends both ways
+    (refuse_unmasked_step)."""
+    if layer_slot is None and in_a_wired_model(module):
+        raise KvcalError(outside_the_decoder(module))
+    check_computed(module, kwargs, layer_slot)
+    refuse_unmasked_step(module, attention_mask, tokens)
+
+
 def check_computed(module: torch.nn.Module, kwargs: dict, layer_slot: Slot | None) -> None:
     """Refuse an attention call that asks for what kvcal's attention would otherwise leave out without a word: all
     but the sinks of a layer the adapter found them in (kvcal.adapters: gpt-oss's s_aux, which kvcal adds), the tokens

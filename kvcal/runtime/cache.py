@@ -592,10 +592,7 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     slot = wiring.slot(module)
     if slot is None and wiring.left_to_the_model(module):  # (SDPA: a wired model builds SDPA's masks)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if slot is None and wiring.in_a_wired_model(module):
-        raise KvcalError(wiring.outside_the_decoder(module))
-    wiring.check_computed(module, kwargs, slot)
-    wiring.refuse_unmasked_step(module, attention_mask, query.shape[2])
+    wiring.check_call(module, slot, attention_mask, query.shape[2], kwargs)
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
