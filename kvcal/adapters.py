@@ -138,6 +138,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import (in_order, padded_inv_freq, parity_merged, rotate_half_order, rows_in_order, stored_inv_freq,
                         stored_rope_scaling)
 from kvcal.spans import AttentionSpan, attention_span
+from kvcal.version import transformers_from
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
@@ -171,6 +172,8 @@ LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
+# ... and from transformers 5.25 on (before, Hy V4's attention rotated halves)
+_DEINTERLEAVED_LATENT_ROPE_FROM_5_25 = ("hy_v4",)
 # decoder layers holding this many attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
 # (LongCat-Flash's two MLA: cache layers 2i and 2i + 1 of decoder layer i, config.num_hidden_layers counting them)
 _ATTENTION_SUBLAYERS = {"longcat_flash": 2}
@@ -873,7 +876,8 @@ def _latent_rope(config) -> str:
     says so, and always on _DEINTERLEAVED_LATENT_ROPE)."""
     if config.model_type == "deepseek_v2":
         return "interleaved"
-    if config.model_type in _DEINTERLEAVED_LATENT_ROPE or getattr(config, "rope_interleave", False):
+    if (config.model_type in _DEINTERLEAVED_LATENT_ROPE or getattr(config, "rope_interleave", False)
+            or config.model_type in _DEINTERLEAVED_LATENT_ROPE_FROM_5_25 and transformers_from(5, 25)):
         return "de-interleaved"
     return "halves"
 

@@ -14,6 +14,7 @@ import torch
 from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths, text_inputs
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.model_caches import cache_argument
 from kvcal.runtime import generate as quantized_generate
 from kvcal.runtime import quantized_cache
 from kvcal.runtime.cache import fp_context
@@ -129,8 +130,9 @@ class PasskeyResult:
 
 def _answer(model, ids: torch.Tensor, cache, new_tokens: int, pad: int) -> torch.Tensor:
     """Greedy tokens after ids (1, n) with a cache that already holds a prefix of them."""
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **text_inputs(model, ids))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                         **text_inputs(model, ids))
     return out[0, ids.shape[1]:].cpu()
 
 
@@ -213,7 +215,7 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
             cache.adapter.long_rope.check_prefill_steps(tokens, step)
         for start in range(0, tokens, step):
             piece = ids[:, start : start + step]
-            decoder_of(model)(piece, past_key_values=cache, use_cache=True, position_ids=chunk_positions(start, piece))
+            decoder_of(model)(piece, **cache_argument(cache), use_cache=True, position_ids=chunk_positions(start, piece))
     outliers = cache.outliers()
     spans, index_bytes = cache.adapter.spans, cache.adapter.index_bytes(model.dtype)
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),

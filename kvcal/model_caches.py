@@ -1,13 +1,24 @@
-"""The cache classes a model's decoder takes: transformers' own, or where the decoder refuses any cache but a class of
-its own (MiniMax-Text-01 and MiniMax-M1: MiniMaxCache), a subclass that is one too and keeps the decoder's recurrent
-states in its cache layers, as the other hybrids' states are kept, so that kvcal's caches hold, copy and reset them
-alike (`taking`)."""
+"""The cache classes a model's decoder takes, and the argument it takes them by: transformers' own, or where the decoder
+refuses any cache but a class of its own (MiniMax-Text-01 and MiniMax-M1: MiniMaxCache), a subclass that is one too and
+keeps the decoder's recurrent states in its cache layers, as the other hybrids' states are kept, so that kvcal's caches
+hold, copy and reset them alike (`taking`)."""
 
 from __future__ import annotations
 
 import functools
 
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+
+from kvcal.version import transformers_from
+
+# The keyword models, generate() and model outputs name the cache by: transformers 5.24 renamed `past_key_values` to
+# `cache` (the old name is deprecated there, with a warning, and goes in 5.40).
+CACHE_ARGUMENT = "cache" if transformers_from(5, 24) else "past_key_values"
+
+
+def cache_argument(cache) -> dict:
+    """The keyword arguments that hand `cache` to a model's forward or generate()."""
+    return {CACHE_ARGUMENT: cache}
 
 
 class LightningStates:
@@ -26,6 +37,15 @@ class LightningStates:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens the cache holds, counted by its first attention layer where `layer_idx` is a lightning layer:
+        MiniMax's set their states whole and count no tokens (from transformers 5.24 a linear layer counts those its
+        model reports, and MiniMax's report none), so the decoder would place its next tokens from position 0."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], LinearAttentionCacheLayerMixin):
+            layer_idx = next(i for i, layer in enumerate(self.layers)
+                             if not isinstance(layer, LinearAttentionCacheLayerMixin))
+        return Cache.get_seq_length(self, layer_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         Cache.batch_repeat_interleave(self, repeats)

@@ -6,7 +6,9 @@ from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HY
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
+from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.rope import apply_rope
+from kvcal.version import transformers_from
 
 NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "apertus", "cohere", "glm4_moe", "stablelm",
                "olmoe", "minimax_m2", "mellum", "flex_olmo", "afmoe", "gemma3_text", "gemma3", "hy_v3", "dots1",
@@ -86,12 +88,12 @@ def assert_kvcal_rotates_the_pre_rope_keys_as(model, tokens: int = 12) -> None:
              for i, layer in enumerate(adapter.layers)]
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = getattr(model(ids, use_cache=True), CACHE_ARGUMENT)
         if cache is None:  # (Granite 4 Vision's decoder makes none of its own: generate() hands it one)
             from transformers import DynamicCache
 
             cache = DynamicCache(config=model.config)
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_argument(cache), use_cache=True)
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
@@ -115,7 +117,8 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     and whose value is the latent, kv_a_layernorm's output: what transformers' cache holds for the layer (its latent in
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
     channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's,
-    LongCat-Flash's), else in the model's; LongCat-Flash's latent cached times its mla_scale_kv_lora."""
+    LongCat-Flash's, Hy V4's from transformers 5.25), else in the model's; LongCat-Flash's latent cached times its
+    mla_scale_kv_lora."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
@@ -135,7 +138,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     assert handles.q_proj is query
     assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", 1.0)
     interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
-                   or getattr(config, "rope_interleave", False))
+                   or getattr(config, "rope_interleave", False) or model_type == "hy_v4" and transformers_from(5, 25))
     assert [order is not None for order in adapter.rope_orders] == [interleaved] * 2
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
@@ -143,7 +146,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
              for kind, module in (("k", layer.key_source), ("v", layer.value_source))]
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = getattr(model(ids, use_cache=True), CACHE_ARGUMENT)
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
@@ -236,7 +239,8 @@ def test_q_k_and_v_clamped_in_place_are_read_clamped(model_type):
     hook = adapter.layers[0].key_source.register_forward_hook(
         lambda module, args, out: read.append(adapter.layers[0].source_rows("k", out).clone()))
     with torch.no_grad():
-        cache = model(torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), use_cache=True).past_key_values
+        ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+        cache = getattr(model(ids, use_cache=True), CACHE_ARGUMENT)
     hook.remove()
     keys = apply_rope(read[0][0].view(12, 2, 16), torch.arange(12), adapter.layer_inv_freq(0, 12), adapter.layer_rope_scaling(0))
     assert read[0].abs().max() <= 0.25 and (read[0].abs() == 0.25).any()

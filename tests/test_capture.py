@@ -12,6 +12,7 @@ from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, text_inputs
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 from kvcal.errors import KvcalError
+from kvcal.model_caches import CACHE_ARGUMENT
 
 NSAMPLES, SEQLEN = 3, 48
 
@@ -323,7 +324,7 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
         # (LongCat-Flash's value: the latent times mla_scale_kv_lora)
         value_grads.append([g[0] / getattr(attention, "mla_scale_kv_lora", 1.0) for g, attention in zip(grads[4:], attentions)])
         with torch.no_grad():
-            cache = model(ids, use_cache=True).past_key_values
+            cache = getattr(model(ids, use_cache=True), CACHE_ARGUMENT)
         cached = [cache.layers[m].values[0, 0] for m in adapter.model_layers]
         post_rope.append([rows if adapter.layers[i].latent.rope_in_order else adapter.rows_in_rope_order(rows, i)
                           for i, rows in enumerate(cached)])

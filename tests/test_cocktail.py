@@ -5,6 +5,7 @@ import torch
 
 from conftest import longrope, tiny_model
 from kvcal.errors import KvcalError
+from kvcal.model_caches import cache_argument
 from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress, compressed_cache
 
 
@@ -17,7 +18,7 @@ def test_compressed_chunks_keep_their_positions_and_fp16_chunks_are_exact():
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (1, 32 * 4 + 5), generator=torch.Generator().manual_seed(8))
     with torch.inference_mode(), cocktail_cache(model) as cache:
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_argument(cache), use_cache=True)
         before = cache.layers[0].values_store.read(0).clone()
         compress(cache, [[2, 16, 4, 16]])
         store = cache.layers[0].values_store
@@ -38,9 +39,9 @@ def test_all_fp16_chunks_decode_like_the_fp_model():
     with torch.inference_mode():
         expected = model(ids).logits[:, -5:]
         with cocktail_cache(model) as cache:
-            model(ids[:, :65], past_key_values=cache, use_cache=True)
+            model(ids[:, :65], **cache_argument(cache), use_cache=True)
             compress(cache, [[16, 16]])
-            got = torch.cat([model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(65, 70)], dim=1)
+            got = torch.cat([model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits for t in range(65, 70)], dim=1)
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)  # the cache holds fp16
 
 
@@ -54,11 +55,11 @@ def test_compressed_sequences_taken_decode_as_the_batch_compressed_so(decode_pat
     with torch.inference_mode():
         for fed in ([0, 1], taken):
             with cocktail_cache(model) as cache:
-                model(ids[fed, :-4], past_key_values=cache, use_cache=True)
+                model(ids[fed, :-4], **cache_argument(cache), use_cache=True)
                 compress(cache, [widths[b] for b in fed])
                 if fed != taken:
                     cache.take_sequences(taken)
-                logits = [model(ids[taken, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(ids.shape[1] - 4, ids.shape[1])]
+                logits = [model(ids[taken, t : t + 1], **cache_argument(cache), use_cache=True).logits for t in range(ids.shape[1] - 4, ids.shape[1])]
                 store = cache.layers[0].keys_store
                 results.append((torch.cat(logits, 1), cache.used_bytes(), [store.positions(b).tolist() for b in range(3)]))
     (edited, *edited_state), (fed, *fed_state) = results
@@ -74,7 +75,7 @@ def test_generate_crossing_longropes_switch_after_compression_is_refused():
     ids = torch.randint(3, 512, (1, 36), generator=torch.Generator().manual_seed(8))
     with compressed_cache(model, ids[:, :32], [4]) as cache:
         with pytest.raises(KvcalError, match="compressed after its prefill"):
-            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=4, do_sample=False)
         cache.reset()  # empty, it is a prefill's to fill again
         assert cache.refillable and cache.tokens() == []
 

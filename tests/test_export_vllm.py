@@ -13,6 +13,7 @@ from conftest import profile_tiny_model
 from kvcal.cli import app
 from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
 from kvcal.export.vllm import EXPORT_MARKER, read_export
+from kvcal.version import transformers_from
 
 STRATEGIES = ("tensor", "attn_head")
 
@@ -150,13 +151,21 @@ def test_folder_has_normal_permissions(exports):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_transformers_with_compressed_tensors_loads_the_scales(exports, strategy):
     """compressed-tensors registers k_scale / v_scale on each attention module from the config, and the
-    folder's tensors must fill exactly those: no missing, unexpected or mismatched keys."""
+    folder's tensors must fill exactly those: no missing, unexpected or mismatched keys. From transformers 5.24 on,
+    compressed-tensors (0.20.1, its newest) registers none: it finds attention modules by their forward's
+    `past_key_values` argument, which 5.24 renamed `cache`; there every other tensor must load and the scales alone be
+    left over (once a compressed-tensors release finds the modules again, this fails, and the exception must go)."""
     from transformers import AutoModelForCausalLM
 
     folder, _ = exports[strategy]
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     tensors = safetensors_of(folder)
+    if transformers_from(5, 24):
+        scales = {name for name in tensors if name.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+        assert len(scales) == 4 and info["unexpected_keys"] == scales, info
+        assert not info["missing_keys"] and not info["mismatched_keys"], info
+        pytest.xfail("compressed-tensors finds no attention module in transformers 5.24 and later")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     for i, layer in enumerate(model.model.layers):
         for name in ("k_scale", "v_scale"):
             loaded = getattr(layer.self_attn, name)

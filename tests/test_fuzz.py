@@ -33,6 +33,7 @@ from kvcal.artifacts import CHECKSUM_KEY, artifact_checksum
 from kvcal.bundle import load_bundle
 from kvcal.cli import app
 from kvcal.errors import KvcalError
+from kvcal.model_caches import cache_argument
 from kvcal.runtime import quantized_cache
 
 pytestmark = pytest.mark.slow
@@ -224,7 +225,7 @@ def _generate(model, bundle) -> torch.Tensor:
     mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=False, past_key_values=cache, pad_token_id=0)
+                              do_sample=False, **cache_argument(cache), pad_token_id=0)
 
 
 def _check(path: Path, model, runner) -> str:

@@ -24,6 +24,7 @@ from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_l
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
                                   cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
+from kvcal.model_caches import cache_argument
 from kvcal.quantizers import store_as
 from kvcal.runtime import backends, cpu_kernel, kernel_source, kernels, tensor_core
 from kvcal.runtime.segments import out_of_window
@@ -143,11 +144,11 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
     assert one.total() <= eight.total(), (one - eight) + (eight - one)
     ids = torch.randint(3, 512, (4, 20), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
-        model(ids[:, :-2], past_key_values=cache, use_cache=True)
-        model(ids[:, -2:-1], past_key_values=cache, use_cache=True)
+        model(ids[:, :-2], **cache_argument(cache), use_cache=True)
+        model(ids[:, -2:-1], **cache_argument(cache), use_cache=True)
         assert all(layer.choice.backend.name == "cuda-kernels" for layer in cache.layers)
         with host_reads(monkeypatch) as callers:
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_argument(cache), use_cache=True)
     assert set(callers) <= {"_refresh_bound"}, callers
 
 
@@ -268,9 +269,9 @@ def prefill_then_decode(model, bundle, ids, mask, prompt: int, cuda_layout: str 
 
     logits = []
     with quantized_cache(model, bundle, cuda_layout) as cache:
-        model(ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True)
+        model(ids[:, :prompt], attention_mask=mask[:, :prompt], **cache_argument(cache), use_cache=True)
         for t in range(prompt, ids.shape[1]):
-            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_argument(cache), use_cache=True)
             logits.append(out.logits[:, 0])
     return torch.stack(logits, dim=1), cache
 

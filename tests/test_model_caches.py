@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from kvcal.model_caches import model_cache, taking
+from kvcal.model_caches import cache_argument, model_cache, taking
 from kvcal.runtime.cache import WiredCache
 
 
@@ -27,8 +27,8 @@ def test_minimax_decodes_over_its_states_in_cache_layers_as_over_its_own_cache()
     with torch.inference_mode():
         for cache in (model_cache(model), MiniMaxCache()):
             assert isinstance(cache, MiniMaxCache) and cache.get_linear_cache(0) is None
-            steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
-            steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[t]])).logits
+            steps = [model(ids[:, :12], **cache_argument(cache), use_cache=True).logits]
+            steps += [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True, position_ids=torch.tensor([[t]])).logits
                       for t in range(12, 20)]
             logits.append(torch.cat(steps, 1))
             assert cache.get_linear_cache(0).shape == (2, 4, 16, 16)  # (batch, heads, head_dim, head_dim)

@@ -14,6 +14,7 @@ from kvcal.calibration import build_bundle
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy
 from kvcal.methods import artifact_method
+from kvcal.model_caches import cache_argument
 from kvcal.quantizers import LayerCodecs, TokenUniform
 from kvcal.runtime import quantized_cache
 from kvcal.runtime.memory import cache_bytes
@@ -80,7 +81,7 @@ def test_a_registered_method_is_a_recipe_end_to_end(toy, tiny_profile, tmp_path)
     assert summarize(path).kind == "bundle"
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_argument(cache), max_new_tokens=4, do_sample=False)
         live = cache.used_bytes()
     assert live == cache_bytes(bundle.layers, 32, 23, kv_heads=2)  # 24 tokens fed, the last one not yet stored
 

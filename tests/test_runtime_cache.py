@@ -16,6 +16,7 @@ from kvcal.adapters import adapt, text_inputs
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method, bundle_method
+from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.runtime import cpu_kernel, generate, quantized_cache
 from kvcal.runtime.cache import ATTENTION_NAME, fp_context
 from kvcal.simulate import StorageTally, simulated
@@ -181,11 +182,11 @@ def test_taken_sequences_keep_their_positions_and_segments(recipe_bundles, recip
     with torch.inference_mode():
         for fed, edit in ((list(range(3)), True), (TAKEN, False)):
             with quantized_cache(model, recipe_bundles[recipe]) as cache:
-                model(ids[fed], attention_mask=mask[fed], position_ids=positions[fed], past_key_values=cache, use_cache=True)
+                model(ids[fed], attention_mask=mask[fed], position_ids=positions[fed], **cache_argument(cache), use_cache=True)
                 if edit:
                     cache.take_sequences(TAKEN)
                 taken = segments(cache)
-                logits = [model(new[TAKEN, t0:t1], past_key_values=cache, use_cache=True,
+                logits = [model(new[TAKEN, t0:t1], **cache_argument(cache), use_cache=True,
                                 position_ids=positions[TAKEN, -1:] + 1 + torch.arange(t0, t1)).logits
                           for t0, t1 in [(0, 9), *((t, t + 1) for t in range(9, 15))]]
                 results.append((torch.cat(logits, 1), [taken, segments(cache)]))
@@ -208,8 +209,8 @@ def test_beam_search_scores_every_beam_as_a_cache_fed_it_alone(recipe_bundles):
             prompt = ids[row // 3][mask[row // 3].bool()]
             new = sequence[ids.shape[1]:]
             with quantized_cache(model, recipe_bundles["kvquant"]) as cache:
-                steps = [model(prompt[None], past_key_values=cache, use_cache=True).logits[0, -1]]
-                steps += [model(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1] for token in new[:-1]]
+                steps = [model(prompt[None], **cache_argument(cache), use_cache=True).logits[0, -1]]
+                steps += [model(token.view(1, 1), **cache_argument(cache), use_cache=True).logits[0, -1] for token in new[:-1]]
             score = sum(torch.log_softmax(logits.float(), -1)[token] for logits, token in zip(steps, new))
             torch.testing.assert_close(score, beams.sequences_scores[row], rtol=0, atol=1e-4)
     assert len({tuple(sequence.tolist()) for sequence in beams.sequences}) == 6  # the beams differ
@@ -222,15 +223,15 @@ def test_a_cache_refuses_other_batches_and_sequences_it_does_not_hold(recipe_bun
     model = tiny_model("llama")
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_argument(cache), use_cache=True)
         held = cache.used_bytes()
         with pytest.raises(KvcalError, match=r"this step feeds 4 sequences to a cache holding 2: .*batch_repeat_interleave"):
-            model(ids[:, :1].repeat(2, 1), past_key_values=cache, use_cache=True)
+            model(ids[:, :1].repeat(2, 1), **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match=r"sequences \[0, 2\] asked of a cache holding 2: give indices from 0 to 1"):
             cache.take_sequences([0, 2])
         assert cache.used_bytes() == held and cache.tokens() == [12, 12]
         cache.batch_repeat_interleave(2)
-        model(ids[:, :1].repeat_interleave(2, 0), past_key_values=cache, use_cache=True)
+        model(ids[:, :1].repeat_interleave(2, 0), **cache_argument(cache), use_cache=True)
         assert cache.tokens() == [13] * 4 and cache.used_bytes() > 2 * held
 
 
@@ -306,8 +307,8 @@ def test_a_second_turn_on_gemma_4_reads_a_short_steps_rows_for_reading_layers_ru
 
     def second_turn():
         with torch.inference_mode(), quantized_cache(model, kivi_bundle(model, 4, 16, 16)) as cache:
-            first = model.generate(input_ids=ids[:, :20], past_key_values=cache, **settings)
-            return model.generate(input_ids=torch.cat([first.sequences, ids[:, 25:35]], 1), past_key_values=cache, **settings)
+            first = model.generate(input_ids=ids[:, :20], **cache_argument(cache), **settings)
+            return model.generate(input_ids=torch.cat([first.sequences, ids[:, 25:35]], 1), **cache_argument(cache), **settings)
 
     through_kernel = second_turn()
     assert any(lazily)
@@ -412,33 +413,33 @@ def test_taking_tokens_back_is_refused_where_it_cannot_be_exact(recipe_bundles, 
     ids = torch.randint(3, 512, (2, 160), generator=torch.Generator().manual_seed(0))
     model = tiny_model("llama")
     with torch.inference_mode(), quantized_cache(model, recipe_bundles["kivi"]) as cache:
-        model(ids[:, :150], past_key_values=cache, use_cache=True)
+        model(ids[:, :150], **cache_argument(cache), use_cache=True)
         held = cache.used_bytes()
         cache.crop(0)
         with pytest.raises(KvcalError, match=r"crop\(-65\): the last step brought 150 tokens to a sequence; up to 64"):
             cache.crop(-65)
-        model(ids[:, 150:153], past_key_values=cache, use_cache=True)
+        model(ids[:, 150:153], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="the last step brought 3 tokens to a sequence; up to 64 of them can go"):
             cache.crop(-4)
         with pytest.raises(KvcalError, match="as a negative count"):
             cache.crop(2)
-        model(ids[:, 153:154], past_key_values=cache, use_cache=True)
+        model(ids[:, 153:154], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="the last step brought one token a sequence"):
             cache.crop(-1)
         assert cache.tokens() == [154, 154] and cache.used_bytes() > held
     gemma3 = tiny_model("gemma3_text")
     with torch.inference_mode(), quantized_cache(gemma3, gemma3_bundles["kivi"]) as cache:
-        gemma3(ids[:, :30], past_key_values=cache, use_cache=True)
-        gemma3(ids[:, 30:40], past_key_values=cache, use_cache=True)
+        gemma3(ids[:, :30], **cache_argument(cache), use_cache=True)
+        gemma3(ids[:, 30:40], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="a sliding window let go of tokens after that step"):
             cache.crop(-2)
     hybrid, hybrid_bundle = tiny_model("qwen3_5_text"), architecture_bundles("qwen3_5_text")["kvquant"]  # (profiled: autograd)
     with torch.inference_mode(), quantized_cache(hybrid, hybrid_bundle) as cache:
-        hybrid(ids[:, :10], past_key_values=cache, use_cache=True)
+        hybrid(ids[:, :10], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match=r"layers \[.*\] keep recurrent states"):
             cache.crop(-2)
     with torch.inference_mode(), cocktail_cache(model) as cache:
-        model(ids[:, :10], past_key_values=cache, use_cache=True)
+        model(ids[:, :10], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="Cocktail's chunks take no tokens back"):
             cache.crop(-2)
 
@@ -470,7 +471,7 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
     width = model.config.num_key_value_heads * model.config.head_dim
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_argument(cache), use_cache=True)
     expected = cache_bytes(bundle.layers, width, 150, outliers=cache.outliers(), kv_heads=model.config.num_key_value_heads)
     assert cache.used_bytes() == expected < fp16_bytes(2, width, 150)
     assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))
@@ -500,9 +501,9 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
         with quantized_cache(model, bundle) as prefilled:
-            model(ids[:, :-1], past_key_values=prefilled, use_cache=True)
+            model(ids[:, :-1], **cache_argument(prefilled), use_cache=True)
             stored = [getattr(prefilled.attention_layers[0], store).read(0) for store in ("keys_store", "values_store")]
-            own = model(ids[:, -1:], past_key_values=prefilled, use_cache=True).logits
+            own = model(ids[:, -1:], **cache_argument(prefilled), use_cache=True).logits
         context = fp_context(model, ids[:, :-1])
         with quantized_cache(model, bundle) as loaded:
             inside = fp_context(model, ids[:, :-1])
@@ -512,9 +513,9 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
             assert loaded.tokens() == [149] and loaded.get_seq_length() == 149
             for store, expected in zip(("keys_store", "values_store"), stored):
                 assert torch.equal(getattr(loaded.attention_layers[0], store).read(0), expected)
-            shared = model(ids[:, -1:], past_key_values=loaded, use_cache=True).logits
+            shared = model(ids[:, -1:], **cache_argument(loaded), use_cache=True).logits
         # the fp model continues from the context as from its own prefill: the loaded cache's steps left it as it was
-        continued = model(ids[:, -1:], past_key_values=context.cache, use_cache=True).logits
+        continued = model(ids[:, -1:], **cache_argument(context.cache), use_cache=True).logits
         torch.testing.assert_close(continued, model(ids).logits[:, -1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
 
@@ -551,7 +552,7 @@ def test_a_context_loaded_a_sequence_at_a_time_is_stored_as_in_one_append(recipe
             with quantized_cache(model, recipe_bundles[recipe]) as cache:
                 cache.load(context, chunk_bytes=chunk_bytes)
                 stored.append([store.read(b) for store, b in cache.stores()])
-                logits.append(model(ids[:, -1:], past_key_values=cache, use_cache=True).logits)
+                logits.append(model(ids[:, -1:], **cache_argument(cache), use_cache=True).logits)
     assert len(stored[0]) == 3 * 2 * model.config.num_hidden_layers
     assert all(torch.equal(whole, chunked) for whole, chunked in zip(*stored))
     assert torch.equal(*logits)
@@ -583,7 +584,7 @@ def test_an_fp_context_prefilled_in_steps_holds_every_token_of_a_sliding_layer(g
         for ours, theirs in zip(stepped.keys + stepped.pre_rope_keys + stepped.values, whole.keys + whole.pre_rope_keys + whole.values):
             assert ours.shape == (1, 49, 32)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
-        next_token = model(ids[:, -1:], past_key_values=stepped.cache, use_cache=True).logits[0, -1]
+        next_token = model(ids[:, -1:], **cache_argument(stepped.cache), use_cache=True).logits[0, -1]
         torch.testing.assert_close(next_token, model(ids).logits[0, -1], rtol=0, atol=1e-5)
         with quantized_cache(model, gemma3_bundles["kvquant"]) as loaded:
             loaded.load(stepped)
@@ -603,12 +604,12 @@ def test_a_cache_used_after_it_is_closed_is_refused():
     model = tiny_model("llama")
     with torch.inference_mode():
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            model.generate(prompt(), past_key_values=cache, **GREEDY)
+            model.generate(prompt(), **cache_argument(cache), **GREEDY)
         with pytest.raises(KvcalError, match="this quantized cache is closed"):
-            model.generate(prompt(), past_key_values=cache, **GREEDY)
+            model.generate(prompt(), **cache_argument(cache), **GREEDY)
         with quantized_cache(model, fp16_kivi_bundle(model)):  # the model wired again, by another cache
             with pytest.raises(KvcalError, match="this quantized cache is closed"):
-                model.generate(prompt(), past_key_values=cache, **GREEDY)
+                model.generate(prompt(), **cache_argument(cache), **GREEDY)
         with pytest.raises(KvcalError, match="this quantized cache is closed"):
             cache.load(None)
     assert model.config._attn_implementation == "sdpa"
@@ -645,14 +646,14 @@ def test_a_cache_handed_to_another_model_instance_is_refused():
         expected = mine.generate(prompt(), **GREEDY)
     with torch.inference_mode(), quantized_cache(mine, bundle) as cache:
         with pytest.raises(KvcalError, match="serves only the model instance it was made for"):
-            other.generate(prompt(), past_key_values=cache, **GREEDY)
+            other.generate(prompt(), **cache_argument(cache), **GREEDY)
         with quantized_cache(other, bundle) as others:
             with pytest.raises(KvcalError, match="serves only the model instance it was made for"):
-                other.generate(prompt(), past_key_values=cache, **GREEDY)
+                other.generate(prompt(), **cache_argument(cache), **GREEDY)
             with pytest.raises(KvcalError, match="serves only the model instance it was made for"):
-                mine.generate(prompt(), past_key_values=others, **GREEDY)
+                mine.generate(prompt(), **cache_argument(others), **GREEDY)
         assert cache.get_seq_length() == 0 and cache.tokens() == []
-        assert torch.equal(mine.generate(prompt(), past_key_values=cache, **GREEDY), expected)
+        assert torch.equal(mine.generate(prompt(), **cache_argument(cache), **GREEDY), expected)
     assert mine.config._attn_implementation == other.config._attn_implementation == "sdpa"
 
 
@@ -666,10 +667,10 @@ def test_a_wired_model_called_without_its_cache_is_refused():
         expected = model.generate(prompt(), **GREEDY)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             for call in (lambda: model.generate(prompt(), **GREEDY), lambda: model(prompt(), use_cache=False),
-                         lambda: model.generate(prompt(), past_key_values=DynamicCache(config=model.config), **GREEDY)):
-                with pytest.raises(KvcalError, match="called without one: pass past_key_values=cache"):
+                         lambda: model.generate(prompt(), **cache_argument(DynamicCache(config=model.config)), **GREEDY)):
+                with pytest.raises(KvcalError, match=f"called without one: pass {CACHE_ARGUMENT}=cache"):
                     call()
-            assert torch.equal(model.generate(prompt(), past_key_values=cache, **GREEDY), expected)
+            assert torch.equal(model.generate(prompt(), **cache_argument(cache), **GREEDY), expected)
         assert torch.equal(model.generate(prompt(), **GREEDY), expected)
 
 
@@ -804,9 +805,9 @@ def test_an_image_attended_both_ways_gives_the_models_own_logits(model_type, con
     with torch.inference_mode():
         fp, fp_prefill = model.generate(**images, **settings), model(**images).logits[real]
         with quantized_cache(model, bundle) as cache:
-            ours_prefill = model(**images, past_key_values=cache, use_cache=True).logits[real]
+            ours_prefill = model(**images, **cache_argument(cache), use_cache=True).logits[real]
         with quantized_cache(model, bundle) as cache:
-            ours = model.generate(**images, **settings, past_key_values=cache)
+            ours = model.generate(**images, **settings, **cache_argument(cache))
             assert model.config.vision_config._attn_implementation == "sdpa" and cache.tokens() == [16 + 7, 12 + 7]
         causal = {name: x for name, x in images.items() if name not in ("token_type_ids", "mm_token_type_ids")}
         causal_prefill = model(**causal).logits[real]
@@ -833,13 +834,13 @@ def test_a_prefix_lm_reads_text_as_what_it_writes_and_refuses_a_prompt_it_would_
     with torch.inference_mode():
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             with pytest.raises(KvcalError, match="handed 12 tokens without a mask, which it attends both ways"):
-                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                model(input_ids=ids, **cache_argument(cache), use_cache=True)
             assert cache.tokens() == []
         with pytest.raises(KvcalError, match="reads a prompt both ways where its token types say so"):
             fp_context(model, ids)
         fp = model.generate(input_ids=ids, **text_inputs(model, ids), **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, **text_inputs(model, ids), past_key_values=cache, **settings)
+            ours = model.generate(input_ids=ids, **text_inputs(model, ids), **cache_argument(cache), **settings)
         both_ways = model.generate(input_ids=ids, **settings)
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
@@ -867,8 +868,8 @@ def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_a
     monkeypatch.setattr(RuntimeLayer, "_short_step", lambda *args: served.append(short_step(*args)) or served[-1])
 
     def second_step(cache) -> torch.Tensor:
-        model(**steps[0], past_key_values=cache, use_cache=True)
-        return model(**steps[1], past_key_values=cache, use_cache=True).logits
+        model(**steps[0], **cache_argument(cache), use_cache=True)
+        return model(**steps[1], **cache_argument(cache), use_cache=True).logits
 
     with torch.inference_mode():
         own = second_step(DynamicCache(config=model.config))
@@ -891,9 +892,9 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
         tower.set_attn_implementation(ATTENTION_NAME)
         with pytest.raises(KvcalError, match="CLIPAttention is not an attention layer of the model's text decoder"):
-            model(**images, past_key_values=cache, use_cache=True)
+            model(**images, **cache_argument(cache), use_cache=True)
         tower.set_attn_implementation("sdpa")
-        model(**images, past_key_values=cache, use_cache=True)
+        model(**images, **cache_argument(cache), use_cache=True)
 
 
 @pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4", "molmo2"])
@@ -912,7 +913,7 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
     with torch.inference_mode():
         fp = model.generate(**images, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(**images, **settings, past_key_values=cache)
+            ours = model.generate(**images, **settings, **cache_argument(cache))
             assert cache.tokens() == [tokens + 8 - 1]
             if model_type not in ("fuyu", "chameleon", "emu3"):  # (no vision tower: Fuyu's patches' pixels embedded by a
                 # linear layer, Chameleon's and Emu3's images a VQ model's codes)
@@ -946,11 +947,11 @@ def test_a_model_attending_across_to_an_image_generates_its_own_fp_tokens_with_t
     with torch.inference_mode():
         fp, fp_beams = model.generate(**images, **settings), model.generate(**images, **settings, num_beams=2)
         with quantized_cache(model, bundle) as cache:
-            ours = model.generate(**images, **settings, past_key_values=cache)
+            ours = model.generate(**images, **settings, **cache_argument(cache))
             assert cache.tokens() == [12 + 8 - 1] and [type(cache.layers[i]) for i in (0, 2)] == [DynamicLayer] * 2
             assert [cache.layers[i].keys.shape[2] for i in (0, 2)] == [10, 10]
         with quantized_cache(model, bundle) as cache:
-            beams = model.generate(**images, **settings, num_beams=2, past_key_values=cache)
+            beams = model.generate(**images, **settings, num_beams=2, **cache_argument(cache))
         method = Method("fp16", 16, [bundle.layer_codecs(i) for i in range(2)], SegmentPolicy(residual=256))
         with simulated(model, adapt(model), method, StorageTally()):
             simulated_logits = model(**images, use_cache=False).logits
@@ -994,7 +995,7 @@ def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_toke
     with torch.inference_mode():
         fp = model.generate(**inputs, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(**inputs, **settings, past_key_values=cache)
+            ours = model.generate(**inputs, **settings, **cache_argument(cache))
             assert cache.tokens() == [12 + tokens + 8 - 1]
         text_only = model.generate(input_ids=ids, **settings)
     assert torch.equal(ours.sequences, fp.sequences)
@@ -1017,9 +1018,9 @@ def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(arc
     with torch.inference_mode():
         with quantized_cache(model, bundle) as cache:
             with pytest.raises(KvcalError, match=refusal):
-                model(**images, past_key_values=cache, use_cache=True)
+                model(**images, **cache_argument(cache), use_cache=True)
             assert cache.tokens() == []
-            model(input_ids=text, past_key_values=cache, use_cache=True)
+            model(input_ids=text, **cache_argument(cache), use_cache=True)
             assert cache.tokens() == [12]
         with simulated(model, adapt(model), artifact_method(str(bundle)), StorageTally()):
             with pytest.raises(KvcalError, match=refusal.replace(r"\[0, 1\]", r"\[0\]")):
@@ -1041,7 +1042,7 @@ def test_an_attention_call_asking_for_what_kvcal_does_not_compute_is_refused(ask
     refusal = f"LlamaAttention asks its attention for .* \\('{next(iter(ask))}'\\), which kvcal's attention does not compute"
     with torch.inference_mode():
         with quantized_cache(model, bundle) as cache, pytest.raises(KvcalError, match=refusal):
-            model(prompt(), past_key_values=cache, use_cache=True, **ask)
+            model(prompt(), **cache_argument(cache), use_cache=True, **ask)
         with simulated(model, adapt(model), method, StorageTally()), pytest.raises(KvcalError, match=refusal):
             model(prompt(), use_cache=False, **ask)
 
@@ -1054,7 +1055,7 @@ def test_a_soft_cap_other_than_the_configs_is_refused():
         layer.self_attn.attn_logit_softcapping = 30.0
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
         with pytest.raises(KvcalError, match="asks its attention to soft-cap scores at 30.0, its config at 0.05"):
-            model(prompt(), past_key_values=cache, use_cache=True)
+            model(prompt(), **cache_argument(cache), use_cache=True)
 
 
 def test_a_changed_attention_implementation_is_refused():
@@ -1062,7 +1063,7 @@ def test_a_changed_attention_implementation_is_refused():
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
         model.set_attn_implementation("sdpa")
         with pytest.raises(KvcalError, match="changed to 'sdpa'"):
-            model.generate(prompt(), past_key_values=cache, **GREEDY)
+            model.generate(prompt(), **cache_argument(cache), **GREEDY)
 
 
 @pytest.mark.parametrize("original", ["sdpa", "eager"])
@@ -1083,13 +1084,13 @@ def test_nested_and_overlapping_caches_restore_the_attention_implementation_in_a
             assert model.config._attn_implementation == original
         outer = quantized_cache(model, bundle)
         with quantized_cache(model, bundle) as inner:
-            assert torch.equal(model.generate(prompt(), past_key_values=outer, **GREEDY), expected)
+            assert torch.equal(model.generate(prompt(), **cache_argument(outer), **GREEDY), expected)
             outer.close()  # overlapping: the outer cache closes first
             with pytest.raises(KvcalError, match="closed"):
-                model.generate(prompt(), past_key_values=outer, **GREEDY)
+                model.generate(prompt(), **cache_argument(outer), **GREEDY)
             with quantized_cache(model, bundle) as nested:
-                assert torch.equal(model.generate(prompt(), past_key_values=nested, **GREEDY), expected)
-            assert torch.equal(model.generate(prompt(), past_key_values=inner, **GREEDY), expected)
+                assert torch.equal(model.generate(prompt(), **cache_argument(nested), **GREEDY), expected)
+            assert torch.equal(model.generate(prompt(), **cache_argument(inner), **GREEDY), expected)
             assert model.config._attn_implementation == ATTENTION_NAME
     assert model.config._attn_implementation == original
 
@@ -1108,7 +1109,7 @@ def test_a_simulation_and_a_cache_never_share_a_model():
                 with simulated(model, adapt(model), method, StorageTally()):
                     pass
             assert model.config._attn_implementation == ATTENTION_NAME
-            model.generate(prompt(), past_key_values=cache, **GREEDY)
+            model.generate(prompt(), **cache_argument(cache), **GREEDY)
         with simulated(model, adapt(model), method, StorageTally()):
             with pytest.raises(KvcalError, match="wired for a kvcal simulation .* still open"):
                 quantized_cache(model, bundle)
@@ -1176,7 +1177,7 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
             kept = [None if layer.index_keys is None else tuple(layer.index_keys.shape) for layer in cache.attention_layers]
             assert kept == [(2, 35, 80), None if model_type == "hy_v4" else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
             assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
@@ -1199,7 +1200,7 @@ def test_block_sparse_attention_generates_its_own_fp_tokens(model_type, decode_p
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, past_key_values=cache, **settings)
+            ours = model.generate(input_ids=ids, **cache_argument(cache), **settings)
             assert [None if layer.index_keys is None else tuple(layer.index_keys.shape)
                     for layer in cache.attention_layers] == [(2, 35, 16), None]
             assert [layer.decode_path for layer in cache.attention_layers] == [
@@ -1218,7 +1219,7 @@ def test_block_sparse_attention_refuses_padded_sequences():
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
         with pytest.raises(KvcalError, match=r"block-sparse indexer places its key blocks by cache column and its queries "
                                              r"by position, which padding sets apart: .* give sequences of equal length"):
-            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+            model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=2, pad_token_id=0)
         assert cache.tokens() == [] and cache.used_bytes() == 0
 
 
@@ -1242,8 +1243,8 @@ def test_longrope_past_its_switch_decodes_every_recipe_to_the_simulation(longrop
         with simulated(model, adapt(model), bundle_method(bundle), StorageTally()):
             simulated_logits = model(ids).logits
         with quantized_cache(model, bundle) as cache:
-            model(ids[:, :20], past_key_values=cache, use_cache=True)
-            logits = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(20, TOKENS)]
+            model(ids[:, :20], **cache_argument(cache), use_cache=True)
+            logits = [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits for t in range(20, TOKENS)]
     torch.testing.assert_close(torch.cat(logits, 1), simulated_logits[:, 20:], rtol=0, atol=1e-4)
 
 
@@ -1270,7 +1271,7 @@ def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         for bundle in bundles:
             with quantized_cache(model, bundle) as cache:
-                ours = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+                ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
                 assert cache.long_era and cache.tokens() == [n + 11 for n in lengths]  # (not the last token)
             assert torch.equal(ours.sequences, fp.sequences)
             torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
@@ -1288,16 +1289,16 @@ def test_phi4_multimodals_generate_across_longropes_switch_is_refused_and_past_i
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache, pytest.raises(
                 KvcalError, match=r"without a cache on 1 token\(s\) from position 13 on, which reach past LongRoPE's "
                                   r"switch 16: Phi4MultimodalForCausalLM's generate drops the cache there"):
-            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+            model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
         long = torch.randint(3, 500, (1, 21), generator=torch.Generator().manual_seed(3))
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache, pytest.raises(
                 KvcalError, match=r"without a cache on 18 token\(s\) from position 3 on"):
-            model(long[:, :3], past_key_values=cache, use_cache=True)
-            model.generate(input_ids=long, attention_mask=torch.ones_like(long), past_key_values=cache, **settings)
+            model(long[:, :3], **cache_argument(cache), use_cache=True)
+            model.generate(input_ids=long, attention_mask=torch.ones_like(long), **cache_argument(cache), **settings)
         ids, mask = left_padded((20, 5), seed=3)
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings), fp)
+            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings), fp)
 
 
 def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the_cache_is_emptied(longrope_bundles):
@@ -1308,17 +1309,17 @@ def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the
     ids = torch.randint(3, 512, (1, 17), generator=torch.Generator().manual_seed(0))
     pre_rope = fp16_pre_rope_bundle(longrope_bundles(1.0)["skvq"])
     with torch.inference_mode(), quantized_cache(model, pre_rope) as cache:
-        model(ids[:, :16], past_key_values=cache, use_cache=True)
+        model(ids[:, :16], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="positions end at 16, on the other side of LongRoPE's switch 16"):
-            model(ids[:, 16:], past_key_values=cache, use_cache=True)
+            model(ids[:, 16:], **cache_argument(cache), use_cache=True)
         with pytest.raises(KvcalError, match="called without one"):
             model(ids)
         assert cache.tokens() == [16] and cache.lengths == [16]
         cache.reset()
-        again = model(ids, past_key_values=cache, use_cache=True).logits
+        again = model(ids, **cache_argument(cache), use_cache=True).logits
         assert cache.tokens() == [17]
     with torch.inference_mode(), quantized_cache(model, pre_rope) as fresh:
-        torch.testing.assert_close(again, model(ids, past_key_values=fresh, use_cache=True).logits, rtol=0, atol=0)
+        torch.testing.assert_close(again, model(ids, **cache_argument(fresh), use_cache=True).logits, rtol=0, atol=0)
 
 
 def test_generate_crossing_longropes_switch_with_two_caches_open_is_refused():
@@ -1328,7 +1329,7 @@ def test_generate_crossing_longropes_switch_with_two_caches_open_is_refused():
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)), \
             quantized_cache(model, fp16_kivi_bundle(model)) as second:
         with pytest.raises(KvcalError, match="other kvcal caches are open on the model"):
-            model.generate(input_ids=ids, past_key_values=second, max_new_tokens=8, do_sample=False)
+            model.generate(input_ids=ids, **cache_argument(second), max_new_tokens=8, do_sample=False)
 
 
 def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():

@@ -11,6 +11,7 @@ from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
 from kvcal.methods import baseline_method
 from kvcal.methods.kivi import kivi_layer
+from kvcal.model_caches import cache_argument
 from kvcal.quantizers import LayerCodecs, Quantized, uniform_per_channel, uniform_per_token
 from kvcal.simulate import Method, StorageTally, SimulatedLayer, simulated
 
@@ -73,7 +74,7 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = model(ids).logits
-        rounded = model(ids, past_key_values=_RoundedCache(config=model.config), use_cache=True).logits
+        rounded = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
         with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
             got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(5e-4, 1.5 * float((rounded - expected).abs().max())))
@@ -123,10 +124,10 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
         with simulated(model, adapter, method, StorageTally()) as tally:
             expected = model(ids).logits
         cache = QuantizedOnWrite(model, method)
-        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 40)]
+        steps = [model(ids[:, :12], **cache_argument(cache), use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits for t in range(12, 40)]
         prefilled, loaded = QuantizedOnWrite(model, method), QuantizedOnWrite(model, method)
-        model(ids[:, :39], past_key_values=prefilled, use_cache=True)
+        model(ids[:, :39], **cache_argument(prefilled), use_cache=True)
         loaded.load(fp_context(model, ids[:, :39]))
     torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=1e-4)
     assert not torch.allclose(fp_logits, expected, atol=1e-3)
@@ -303,10 +304,10 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
         with simulated(model, adapter, method, StorageTally()):
             expected = model(ids).logits
         cache = quantized_on_write(model, method)
-        steps = [model(ids[:, :12], past_key_values=cache, use_cache=True).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12, 40)]
+        steps = [model(ids[:, :12], **cache_argument(cache), use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits for t in range(12, 40)]
         prefilled, loaded, again = (quantized_on_write(model, method) for _ in range(3))
-        model(ids[:, :39], past_key_values=prefilled, use_cache=True)
+        model(ids[:, :39], **cache_argument(prefilled), use_cache=True)
         context = fp_context(model, ids[:, :39])
         loaded.load(context)
         again.load(context)
@@ -319,7 +320,7 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
                 assert ours.keys() == theirs.keys() and all(
                     ours[k] is None if state is None else torch.equal(ours[k], state) for k, state in theirs.items())
                 assert any(state is not None for state in theirs.values()) or kind == "conv_states"
-        continued = [model(ids[:, 39:], past_key_values=cache, use_cache=True).logits for cache in (loaded, again)]
+        continued = [model(ids[:, 39:], **cache_argument(cache), use_cache=True).logits for cache in (loaded, again)]
     torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=2e-4)
     assert not torch.allclose(fp_logits, expected, atol=1e-3)
     assert loaded.get_seq_length() == 40 and torch.equal(*continued)

@@ -55,12 +55,13 @@ def passkey(model, tokenizer, ids, lengths: list[int], samples: int, started: di
 
 def answer_nll(model, tokenizer, context: str, query: str, answer: torch.Tensor, widths: list[int]) -> float:
     """Mean NLL of fp's answer tokens, teacher-forced after the query, with the context cached at `widths`."""
+    from kvcal.model_caches import cache_argument
     from kvcal.policy.cocktail import compressed_cache
 
     context_ids = tokenizer(context, return_tensors="pt").input_ids
     query_ids = tokenizer(query, add_special_tokens=False, return_tensors="pt").input_ids
     with compressed_cache(model, context_ids, widths) as cache:
-        logits = model(torch.cat([query_ids, answer[None]], dim=1), past_key_values=cache, use_cache=True).logits
+        logits = model(torch.cat([query_ids, answer[None]], dim=1), **cache_argument(cache), use_cache=True).logits
     predicted = logits[0, query_ids.shape[1] - 1 : -1]
     return torch.nn.functional.cross_entropy(predicted.float(), answer).item()
 

@@ -315,9 +315,11 @@ def generate_steps(model, prompt: torch.Tensor, cache, new_tokens: int, on_token
     """Greedy generate() of `new_tokens` from the whole prompt into `cache` (which holds all but its last token)."""
     from transformers import StoppingCriteriaList
 
+    from kvcal.model_caches import cache_argument
+
     criteria = StoppingCriteriaList([on_token] if on_token is not None else [])
     with torch.inference_mode():
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_argument(cache),
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                        stopping_criteria=criteria, disable_compile=True)
 

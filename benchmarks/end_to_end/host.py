@@ -150,13 +150,15 @@ def timed_load(make) -> tuple:
 def operations_per_layer(model, prompt: torch.Tensor, make, steps: int = 3) -> float:
     """Torch operations (top-level CPU events) of a decode step of the cache make() returns, per layer: the median of
     `steps` steps (one may be a step whose store grows its buffers)."""
+    from kvcal.model_caches import cache_argument
+
     cache, _ = make()
     gpu.generate_steps(model, prompt, cache, WARM_STEPS)
     counts = []
     with torch.inference_mode():
         for _ in range(steps):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
-                model(prompt[:, -1:], past_key_values=cache, use_cache=True)
+                model(prompt[:, -1:], **cache_argument(cache), use_cache=True)
             counts.append(sum(event.cpu_parent is None for event in trace.events()))
     gpu.closed(cache)
     return statistics.median(counts) / model.config.num_hidden_layers

@@ -59,6 +59,7 @@ def quantized_cache_memory(model, context_ids, backend: str, nbits: int | None, 
     from transformers import QuantizedCache
 
     from kvcal.adapters import decoder_of
+    from kvcal.model_caches import cache_argument
 
     try:
         cache = QuantizedCache(backend=backend, config=model.config, **({"nbits": nbits} if nbits else {}))
@@ -66,7 +67,7 @@ def quantized_cache_memory(model, context_ids, backend: str, nbits: int | None, 
         return {"refused": str(exc).split(". ")[0]}
     ids = context_ids[None].to(model.get_input_embeddings().weight.device)
     for start in range(0, len(context_ids), chunk):
-        decoder_of(model)(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+        decoder_of(model)(ids[:, start : start + chunk], **cache_argument(cache), use_cache=True)
     held = ("keys", "values", "_quantized_keys", "_quantized_values")
     return {"live_bytes": sum(_held_bytes(getattr(layer, name, None)) for layer in cache.layers for name in held)}
 

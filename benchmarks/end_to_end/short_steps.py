@@ -93,6 +93,7 @@ def runtime_way(model, device: str, step: int) -> str:
 def step_ms(model, bundle, context, ids: torch.Tensor, later_steps: str = "prefill") -> float:
     """ms of the forward of ids (1, m) after `context` (an FpContext) loaded into a fresh cache of `bundle` (None:
     a copy of the context's DynamicCache; later_steps: quantized_cache's) and one decode step."""
+    from kvcal.model_caches import cache_argument
     from kvcal.runtime import quantized_cache
 
     stored = context.cache.get_seq_length()
@@ -100,10 +101,10 @@ def step_ms(model, bundle, context, ids: torch.Tensor, later_steps: str = "prefi
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
 
     def timed(cache) -> float:
-        model(ids[:, :1], past_key_values=cache, use_cache=True, position_ids=positions[:, :1])
+        model(ids[:, :1], **cache_argument(cache), use_cache=True, position_ids=positions[:, :1])
         sync()
         began = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True, position_ids=positions[:, 1:])
+        model(ids, **cache_argument(cache), use_cache=True, position_ids=positions[:, 1:])
         sync()
         return (time.perf_counter() - began) * 1e3
 

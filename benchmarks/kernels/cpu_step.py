@@ -154,13 +154,15 @@ def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cach
     RSS above the RSS before the cache, the cache's bytes and the new tokens."""
     from transformers import StoppingCriteriaList
 
+    from kvcal.model_caches import cache_argument
+
     reset_peak()
     before = rss_kib()
     began = time.perf_counter()
     with torch.inference_mode(), make_cache() as cache:
         loaded = time.perf_counter() - began
         stamps = Stamps()
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_argument(cache),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stamps]))
         stored = cache_bytes(cache)

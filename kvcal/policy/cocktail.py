@@ -22,7 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
-from kvcal.model_caches import taking
+from kvcal.model_caches import cache_argument, taking
 from kvcal.runtime.backends import append_encoder
 from kvcal.runtime.cache import WiredCache, runtime_layer
 from kvcal.runtime.segments import CocktailStore
@@ -105,7 +105,7 @@ def compressed_cache(model, context_ids: torch.Tensor, widths: list[int]):
     """A Cocktail cache holding context_ids (1, n), prefilled and compressed to `widths`; the model is wired
     for it while open."""
     with torch.inference_mode(), cocktail_cache(model) as cache:
-        model(context_ids, past_key_values=cache, use_cache=True, **text_inputs(model, context_ids))
+        model(context_ids, **cache_argument(cache), use_cache=True, **text_inputs(model, context_ids))
         compress(cache, [widths])
         yield cache
 
@@ -120,6 +120,6 @@ def generate(model, tokenizer, context: str, query: str, encoder: ChunkEncoder |
         widths = plan(context_ids[0], query, tokenizer, encoder or ChunkEncoder())
     with compressed_cache(model, context_ids, widths) as cache:
         ids = torch.cat([context_ids, query_ids], dim=1)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
                              **text_inputs(model, ids), **generate_kwargs)
     return out[0, ids.shape[1]:], widths

@@ -1,4 +1,5 @@
-"""The quantized KV cache for Hugging Face models: `model.generate(..., past_key_values=cache)`.
+"""The quantized KV cache for Hugging Face models: `model.generate(..., cache=cache)` (`past_key_values=cache` before
+transformers 5.24, kvcal.model_caches.CACHE_ARGUMENT).
 
 `quantized_cache(model, bundle)` returns a `WiredCache`, a transformers `Cache` of one `RuntimeLayer` per attention
 layer, each with a store for K and one for V built from the bundle's recipe (kvcal.runtime.segments); it refuses a
@@ -10,12 +11,12 @@ the end of its `with` block) the model is wired through kvcal.wiring: attention 
 the stores and attends over them (a decode step with the backend kvcal.runtime.backends chooses for the layer: the
 CUDA kernels, the compiled CPU kernel, or the torch reference), and hooks that hand it the pre-RoPE keys and position
 ids. The wiring is shared and reference-counted: several caches may be open on one model (each call is served by
-the cache passed as `past_key_values`), and the model's own attention implementation comes back when the last one
+the cache passed to it), and the model's own attention implementation comes back when the last one
 closes. Storage is allocated at the first forward, when the batch is known.
 
 Refused with a KvcalError, so that no misuse returns tokens: a cache used after it was closed, handed to
 another model (instance) than its own, or made from a bundle for another model; a wired model called
-without its cache (no `past_key_values`, or another cache); a step of another batch than the cache holds; a `crop`
+without its cache (none, or another cache); a step of another batch than the cache holds; a `crop`
 that cannot take its tokens back exactly (WiredCache.crop); a simulation opened while a cache is (see kvcal.simulate).
 
 Beam search and batch edits (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`: WiredCache.
@@ -66,7 +67,7 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt, chunk_positions, decoder_of, prefix_lm
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
-from kvcal.model_caches import model_cache, taking
+from kvcal.model_caches import CACHE_ARGUMENT, cache_argument, model_cache, taking
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, cpu_kernel, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
@@ -117,7 +118,11 @@ class RuntimeLayer(CacheLayerMixin):
         # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
         self.picking: backends.ReferenceDecoder | None = None
 
-    # transformers' cache-layer interface: the attention implementation does the appending
+    # transformers' cache-layer interface: the attention implementation does the appending. Croppable: its stores take
+    # back a multi-token step's last tokens (transformers 5.24's assisted generation asks before its first crop; what a
+    # crop cannot take back, WiredCache.crop refuses in one line)
+    is_croppable = True
+
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
@@ -596,8 +601,8 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer: RuntimeLayer | None = slot.take_serving() if slot is not None else None
     if layer is None:
         raise KvcalError("the model is wired for a kvcal quantized cache (open) but was called without one: pass "
-                         "past_key_values=cache, the cache of `with quantized_cache(model, bundle) as cache` (not None, not "
-                         "another kind of cache), or call the model after that block")
+                         f"{CACHE_ARGUMENT}=cache, the cache of `with quantized_cache(model, bundle) as cache` (not None, "
+                         "not another kind of cache), or call the model after that block")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     adapter = slot.wiring.adapter
     if slot.reader:  # the step's plan, made by the layers that store (a reader's queries may be the step's last only)
@@ -726,7 +731,7 @@ class WiredCache(Cache):
         refused in one line. Other calls without a cache are left to be refused."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids if ids is not None else kwargs.get("inputs_embeds")
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is not True or rows is None or self.long_era:
+        if kwargs.get(CACHE_ARGUMENT) is not None or kwargs.get("use_cache") is not True or rows is None or self.long_era:
             return None
         switch, positions = self.adapter.long_rope.switch, kwargs.get("position_ids")
         first = int(positions[:, 0].min()) if positions is not None and positions.dim() == 2 else 0
@@ -745,7 +750,7 @@ class WiredCache(Cache):
                              f"compute the sequence again with the long frequencies, and {why}; keep the sequence on one "
                              "side of the switch, or open one cache at a time")
         self.reset()
-        return args, {**kwargs, "past_key_values": self}
+        return args, {**kwargs, CACHE_ARGUMENT: self}
 
     def reset(self) -> None:
         """Empty the cache (transformers' Cache.reset), to be filled again from the next step on."""
@@ -973,7 +978,7 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
                 piece = ids[:, start : start + step]
-                decoder_of(model)(piece, past_key_values=cache, use_cache=True, position_ids=chunk_positions(start, piece))
+                decoder_of(model)(piece, **cache_argument(cache), use_cache=True, position_ids=chunk_positions(start, piece))
     finally:
         for hook in hooks:
             hook.remove()
@@ -999,7 +1004,7 @@ def _indexer_keys(layer) -> torch.Tensor | None:
 def quantized_cache(model, bundle, cuda_layout: str = "rows", later_steps: str = "prefill") -> WiredCache:
     """A quantized cache for `model` following `bundle` (a path or a loaded Bundle); refuses a bundle made
     for another model. Use it as `with quantized_cache(model, bundle) as cache: model.generate(...,
-    past_key_values=cache)`; the model is wired for the cache until it is closed. cuda_layout: how the CUDA append
+    cache=cache)`; the model is wired for the cache until it is closed. cuda_layout: how the CUDA append
     kernels lay out a packed body, each token's row whole ("rows") or each KV head's rows together ("heads"); the
     kernels read either, to the same bits (kvcal.runtime.kernels.AppendKernels). CPU stores keep each KV head's rows
     together whatever it says. later_steps: how a step of several tokens after a sequence's first (speculative

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcal.adapters import adapt, decoder_of
+from kvcal.model_caches import cache_argument
 from kvcal.runtime import kernels, quantized_cache
 from tools import kernel_emulation
 
@@ -89,7 +90,7 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     with quantized_cache(model, bundle, cuda_layout) as cache:
         for t in range(ids.shape[1]):
             position = torch.full((ids.shape[0], 1), first + t, device=ids.device)
-            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, position_ids=position).logits[:, 0])
+            logits.append(model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True, position_ids=position).logits[:, 0])
     return torch.stack(logits, dim=1), cache
 
 
@@ -104,7 +105,7 @@ def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = 
         for step in steps:
             part = slice(first, first + step)
             logits.append(model(ids[:, part], attention_mask=mask[:, : first + step], position_ids=positions[:, part],
-                                past_key_values=cache, use_cache=True).logits)
+                                **cache_argument(cache), use_cache=True).logits)
             first += step
         yield logits, cache
 
@@ -162,13 +163,13 @@ def generate_taking_sequences(model, bundle, ids, mask, taken: list[int], cuda_l
     with torch.inference_mode():
         for fed, edit in ((list(range(len(ids))), True), (taken, False)):
             with quantized_cache(model, bundle, cuda_layout) as cache:
-                before = model.generate(input_ids=ids[fed], attention_mask=mask[fed], past_key_values=cache,
+                before = model.generate(input_ids=ids[fed], attention_mask=mask[fed], **cache_argument(cache),
                                         max_new_tokens=4, min_new_tokens=4, **settings)
                 sequences = before.sequences
                 if edit:
                     cache.batch_select_indices(torch.tensor(taken))  # (transformers' name: MiniMax's class has one too)
                     sequences = sequences[taken]
-                after = model.generate(input_ids=sequences, attention_mask=grown, past_key_values=cache,
+                after = model.generate(input_ids=sequences, attention_mask=grown, **cache_argument(cache),
                                        max_new_tokens=8, min_new_tokens=8, **settings)
                 results.append((after, cache.used_bytes(), cache.outliers(), cache.tokens()))
     return results
@@ -199,11 +200,11 @@ def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: 
         for fed, taken_back in ((step, 3), (step - 3, 0)):
             with quantized_cache(model, bundle, cuda_layout) as cache:
                 if prompt:
-                    model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-                model(ids[:, prompt : prompt + fed], past_key_values=cache, use_cache=True)
+                    model(ids[:, :prompt], **cache_argument(cache), use_cache=True)
+                model(ids[:, prompt : prompt + fed], **cache_argument(cache), use_cache=True)
                 cache.crop(-taken_back)
                 state = stored_state(cache)
-                logits = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                logits = [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits
                           for t in range(prompt + step - 3, prompt + step + 5)]
                 results.append((state, torch.cat(logits, 1), cache.used_bytes(), cache.tokens()))
     (state, logits, *held), (shorter_state, shorter_logits, *shorter_held) = results
@@ -222,10 +223,10 @@ def decode_step_operations(model, bundle, batch: int, prompt_tokens: int = 30) -
     shapes and strides, e.g. a reshape is a view for one sequence and a copy for eight)."""
     ids = torch.randint(3, 512, (batch, prompt_tokens + 2), generator=torch.Generator().manual_seed(batch))
     with torch.inference_mode(), quantized_cache(model, bundle) as cache:
-        model(ids[:, :prompt_tokens], past_key_values=cache, use_cache=True)
-        model(ids[:, prompt_tokens : prompt_tokens + 1], past_key_values=cache, use_cache=True)  # the first decode step
+        model(ids[:, :prompt_tokens], **cache_argument(cache), use_cache=True)
+        model(ids[:, prompt_tokens : prompt_tokens + 1], **cache_argument(cache), use_cache=True)  # the first decode step
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            model(ids[:, prompt_tokens + 1 :], past_key_values=cache, use_cache=True)
+            model(ids[:, prompt_tokens + 1 :], **cache_argument(cache), use_cache=True)
     return collections.Counter(event.name for event in profile.events() if event.cpu_parent is None)
 
 
