@@ -164,11 +164,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "video_llama_3", "cosmos3_edge", "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr",
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
-                         "emu3_text_model", "paligemma")
+                         "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
+                         "lara_mini")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
-                          "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash")
+                          "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash",
+                          "sarvam_mla")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
@@ -820,6 +822,12 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
             linear.setdefault("o_proj", linear.pop(name))
     if "Wqkv" in linear:  # DBRX's q, k and v side by side
         linear.setdefault("qkv_proj", linear.pop("Wqkv"))
+    query_columns = slice(None)
+    gated = getattr(attention, "q_gate_proj", None)
+    if "q_proj" not in linear and isinstance(gated, nn.Linear) and gated.out_features == 2 * q_width:
+        # MiniCPM5-MoE's: each head's query, then its output gate
+        linear["q_proj"] = gated
+        query_columns = (torch.arange(0, 2 * q_width, 2 * head_dim)[:, None] + torch.arange(head_dim)).flatten()
     fused = getattr(attention, "c_attn", None)
     if isinstance(fused, (Conv1D, nn.Linear)):  # GPT-2's (Conv1D: its weight (inputs, outputs)), GPT-BigCode's
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
@@ -849,7 +857,8 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         if linear["k_proj"].out_features != kv_width:
             raise KvcalError(f"{where}: k_proj has {linear['k_proj'].out_features} outputs, expected {kv_width} (KV heads x head_dim)")
         return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear.get("v_proj", linear["k_proj"]),
-                            **norms, value_from_key_projection=value_from_key)
+                            **norms, value_from_key_projection=value_from_key,
+                            columns=dict(q=query_columns, k=slice(None), v=slice(None)))
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
         outputs = fused.nf if isinstance(fused, Conv1D) else fused.out_features
@@ -1044,7 +1053,7 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
     Kolibri-1's and Flint's full-attention layers where they have sliding ones (their "global NoPE"; Flint's none
     without a window), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
-    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's sliding layers only, Granite SWA's, Muse Spark's
+    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's and Lara Mini's sliding layers only, Granite SWA's, Muse Spark's
     and Muse Glimmer's of a non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`,
     _rope_free_types); every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
@@ -1059,7 +1068,7 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
         return [kind not in rope_free for kind in config.layer_types][:num_layers]
     window = getattr(config, "sliding_window", None) is not None
     global_nope = model_type in ("exaone4", "exaone_moe", "kolibri1", "flint") and window
-    if global_nope or model_type == "afmoe":
+    if global_nope or model_type in ("afmoe", "lara_mini"):
         return [kind == "sliding_attention" for kind in config.layer_types][:num_layers]
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 

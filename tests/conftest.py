@@ -9,13 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
 from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, decoder_of
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
-TINY_ARCHITECTURES = SUPPORTED_MODEL_TYPES  # a tiny random model of every architecture kvcal serves (tiny_config)
-LATENT = LATENT_ATTENTION_TYPES  # and of every one with multi-head latent attention (MLA)
+# a tiny random model of every architecture kvcal serves (tiny_config) that the installed transformers knows (the test
+# extra's knows every one; an older release's quick run leaves out the types it has not)
+TINY_ARCHITECTURES = tuple(kind for kind in SUPPORTED_MODEL_TYPES if kind in CONFIG_MAPPING_NAMES)
+LATENT = tuple(kind for kind in LATENT_ATTENTION_TYPES if kind in CONFIG_MAPPING_NAMES)  # ... of those with MLA
 DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
 TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
@@ -66,7 +70,7 @@ MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 CROSS_ATTENDING = ("mllama", "mllama_text_model")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
-          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax")
+          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax", "lara_mini")
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
     """A tiny Phi-3's config overrides for LongRoPE as Phi-3.5 and Phi-4-mini (partial 0.75) give it: its short set of
     frequencies up to `switch` tokens (original_max_position_embeddings; the real ones: 4096), its long set past it.
@@ -474,6 +478,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     if model_type == "glm4_moe":  # 4 small routed experts, every one routed to (as the Qwen MoEs), after one dense layer
         common.update(n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
                       use_qk_norm=True)
+    if model_type in ("param2moe", "sarvam_moe", "minicpm5_moe"):  # GLM-4.5's MoE (Param-2, Sarvam-30B: its decoder, RoPE
+        # over whole heads, q and k normed; MiniCPM 5 MoE: Llama's attention, each head's query beside an output gate),
+        # as glm4_moe's; MiniCPM 5's default token ids are past TINY_VOCAB
+        common.update(head_dim=16, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+                      n_shared_experts=1, pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type in ("stablelm", "nemotron", "minimax_m2", *GLM):  # RoPE over the first half of each head's channels
         common["partial_rotary_factor"] = 0.5
     if model_type == "phi":  # as Phi-2: RoPE over 0.4 of each head (6 of 16 channels here)
@@ -539,12 +548,18 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         common.update(num_hidden_layers=4, head_dim=16)
         if model_type not in ("jamba", "bamba"):  # (theirs follow from their attention layers' period, indices)
             common["layer_types"] = [state, "full_attention", other, "full_attention"]
+    if model_type == "lara_mini":  # as Lara Mini: its first attention layer slides (RoPE over a quarter of each head, as
+        # Qwen3-Next's), its full one has no RoPE; experts (4, every one routed to) beside a shared one
+        del common["intermediate_size"]
+        common.update(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+                      sliding_window=TINY_WINDOW, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if model_type == "lfm3":  # as LFM3: its first attention layer slides (its own RoPE), its full one rotates half of
         # each head (proportional RoPE, its config's default); its default token ids are past TINY_VOCAB
         del common["rope_theta"]
         common.update(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=TINY_WINDOW,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2)
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"):
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini"):
         common.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if model_type == "granitemoehybrid":  # no RoPE (as Granite 4.0-H: position_embedding_type left unset)
         common.update(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, num_local_experts=4, num_experts_per_tok=4)

@@ -15,7 +15,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "fuyu", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
-               "cosmos3_omni", *MINICPM_V, "molmo2",
+               "cosmos3_omni", *MINICPM_V, "molmo2", "param2moe", "sarvam_moe", "lara_mini",
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision
@@ -23,10 +23,10 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
                          "lfm3", "lfm3_vl", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass", "cohere2_vision",
-                         "exaone4_5", *MUSE, "step3p7", "molmo2")
+                         "exaone4_5", *MUSE, "step3p7", "molmo2", "lara_mini")
 WINDOWS = {"mistral": [4096, 4096], "idefics2": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl",
-                                                     *MUSE)}}
+                                                     *MUSE, "lara_mini")}}
 
 
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
@@ -156,6 +156,23 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
         cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached, i)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
         assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[adapter.model_layers[i]].keys[0, 0])
+
+
+@pytest.mark.skipif("minicpm5_moe" not in TINY_ARCHITECTURES, reason="MiniCPM 5 MoE is new in transformers 5.24")
+def test_a_query_projected_beside_its_gate_is_read_as_each_heads_query():
+    """MiniCPM 5 MoE's q_gate_proj holds each head's query, then its output gate (as its attention chunks each head's
+    2 x head_dim outputs): kvcal reads the first half of each head's, never a gate channel."""
+    model = tiny_model("minicpm5_moe")
+    adapter = adapt(model)
+    outputs = []
+    hook = adapter.layers[1].query_source.register_forward_hook(lambda module, args, out: outputs.append(out))
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)))
+    hook.remove()
+    assert adapter.layers[1].query_source is attention_at(model, 1).q_gate_proj
+    query, gate = outputs[0].view(1, 12, 4, 32).chunk(2, dim=-1)
+    assert torch.equal(adapter.layers[1].source_rows("q", outputs[0]), query.flatten(2))
+    assert not torch.equal(query, gate)
 
 
 def test_cocktails_cache_refuses_latent_attention_as_yet():

@@ -50,7 +50,7 @@ def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
     layers with a window, Granite SWA's RoPE base of 0 (Muse Spark's and Glimmer's likewise), Beam's and North's layer
-    types with rope parameters."""
+    types with rope parameters, Lara Mini's sliding layers (its decoder hands the others no cos and sin)."""
     attention = attention_at(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
@@ -62,6 +62,8 @@ def applies_rope(model, layer: int) -> bool:
         return attention.is_local_attention
     if text_config(model).model_type == "flint":
         return attention.sliding_window is not None
+    if text_config(model).model_type == "lara_mini":
+        return text_config(model).layer_types[layer] == "sliding_attention"
     if text_config(model).model_type in NORMED_BEFORE_ROPE:
         return bool(text_config(model).layer_rope_theta[layer])
     if text_config(model).model_type in ("beam", "cohere_compass_text"):  # their full layers' rope parameters are None
