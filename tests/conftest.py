@@ -44,13 +44,16 @@ GLM = ("glm", "glm4", "glm4_moe")
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
-# vision-language models whose decoder reads an image's tokens as text, and that decoder's type
+# vision-language models whose decoder reads an image's tokens as text, and that decoder's type (those the installed
+# transformers knows, as TINY_ARCHITECTURES)
 IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
                 "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3",
-                "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama", "got_ocr2": "qwen2"}
+                "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama", "got_ocr2": "qwen2",
+                "llava_onevision1_5": "qwen3", "ovis2_5": "qwen3"}
+IMAGE_TOWERS = {kind: decoder for kind, decoder in IMAGE_TOWERS.items() if kind in CONFIG_MAPPING_NAMES}
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -155,7 +158,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                      llava_next_video=dict(tiles, video_token_index=TINY_VOCAB - 2),
                      video_llava=dict(vision_feature_layer=-1, video_token_index=TINY_VOCAB - 2),
                      hyperclovax_vision_v2=dict(video_token_id=TINY_VOCAB - 2), deepseek_vl={}, janus={},
-                     qianfan_ocr={}, video_llama_3={}, got_ocr2={},
+                     qianfan_ocr={}, video_llama_3={}, got_ocr2={}, llava_onevision1_5={},
+                     ovis2_5=dict(video_token_id=TINY_VOCAB - 2, image_start_token_id=TINY_VOCAB - 3,
+                                  image_end_token_id=TINY_VOCAB - 4, video_start_token_id=TINY_VOCAB - 5,
+                                  video_end_token_id=TINY_VOCAB - 6),
                      # (DeepSeek-VL Hybrid's SAM tower reading the image again at 64 x 64 pixels)
                      deepseek_vl_hybrid=dict(high_res_vision_config=dict(
                          hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2, image_size=64,
@@ -181,6 +187,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             # attention), 2 x 2 patches merged into a token
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
                           out_hidden_size=64, patch_size=14, fullatt_block_indexes=[1])
+        if model_type == "llava_onevision1_5":  # a Qwen2.5-VL-like tower (a class token prepended to each image's
+            # patches), 2 x 2 patches merged into a token
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        if model_type == "ovis2_5":  # a SigLIP-like tower over a grid of patches, 2 x 2 of them merged into a token
+            vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                          num_patches=16)
         if model_type == "lfm3_vl":  # its tower's convolution and attention layers, 2 x 2 patches merged into a token
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=2, patch_size=14, layer_types=["conv", "full_attention"])

@@ -690,7 +690,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
           "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""),
           "paligemma": (4, 28, "Siglip"),
-          "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, "")}
+          "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, ""),
+          "llava_onevision1_5": (4, 56, ""), "ovis2_5": (4, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -699,7 +700,8 @@ MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_
 GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5", "lfm3_vl", "hyperclovax_vision_v2", *MUSE),
                                 (3 * 2 * 14 * 14,)),
                 "paddleocr_vl": (3, 14, 14), "kimi_k25": (3, 14, 14), "ernie4_5_vl_moe": (3 * 14 * 14,),
-                "hunyuan_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,)}
+                "hunyuan_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,),
+                "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
 IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
@@ -716,6 +718,8 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, image_pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]),
                     image_attention_mask=torch.ones(1, 2, 2, 2, dtype=torch.bool))
     ids[0, 2:2 + tokens] = model.config.image_token_id
+    if model_type == "ovis2_5":  # its image's tokens between a start and an end token
+        ids[0, 1], ids[0, 2 + tokens] = model.config.image_start_token_id, model.config.image_end_token_id
     if model_type in GRID_PATCHES:  # its patches flattened beside its (time, height, width) grid of them
         grid = side // 14
         images = dict(input_ids=ids, pixel_values=torch.randn(grid * grid, *GRID_PATCHES[model_type]),
