@@ -165,7 +165,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
-                         "lara_mini", "llava_onevision1_5", "ovis2_5")
+                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -189,7 +189,7 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apert
                       "muse_glimmer_text")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
-                     "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text")
+                     "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text", "ergo")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
 # q_norm and k_norm)
 _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
@@ -335,7 +335,8 @@ class LayerHandles:
     heads_first: bool = False  # the q/k norms' output is (batch, heads, tokens, head_dim)
     rope_order: tuple[int, ...] | None = None  # per head, the model's channel at each of kvcal's (kvcal.rope); None: the same
     sinks: torch.Tensor | None = None  # (heads,) the attention sinks' logits (gpt-oss), None where it has none
-    key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier)
+    key_multiplier: float = 1.0  # the key is the key source's output times this (Falcon-H1's key_multiplier, Ergo's)
+    query_multiplier: float = 1.0  # the query is the query source's output times this (Ergo's qk_scale)
     value_multiplier: float = 1.0  # the value is the value source's output times this (MiMo-V2-Flash's v_scale)
     # q, k and v are their source's output clamped to [-clip, clip] (DBRX's, OLMo 1.7's and OLMoE's clip_qkv; OLMo's
     # and OLMoE's clamp in place after the hooks read it); None: not clamped. The gradient with respect to the output
@@ -385,8 +386,9 @@ class LayerHandles:
             rows = output.flatten(2) if normed else output.flatten(2)[..., self.columns[kind]]
         if self.clip is not None and not gradient:
             rows = rows.clamp(-self.clip, self.clip)
-        if kind == "k" and self.key_multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m
-            rows = rows / self.key_multiplier if gradient else rows * self.key_multiplier
+        multiplier = {"q": self.query_multiplier, "k": self.key_multiplier}.get(kind, 1.0)
+        if multiplier != 1.0:  # key = output * m, so dL/dkey = dL/doutput / m (a query likewise)
+            rows = rows / multiplier if gradient else rows * multiplier
         if kind != "v" and self.rope_norms is not None:
             if gradient:  # the norm's Jacobian drops the gradient along the key: capture takes it after the norm
                 raise ValueError("the gradient with respect to a key normed after RoPE is not in its projection's")
@@ -846,7 +848,8 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms,
                      norms_before_rope=unscaled_norms == "before")
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
-                 key_multiplier=float(getattr(attention, "key_multiplier", 1.0)),
+                 key_multiplier=_key_multiplier(attention),
+                 query_multiplier=_query_multiplier(attention),
                  value_multiplier=float(getattr(attention, "v_scale", 1.0)),
                  # DBRX's attention holds its clip_qkv, OLMo's and OLMoE's config (they clamp in place, after the hooks)
                  clip=getattr(attention, "clip_qkv", None) or getattr(getattr(attention, "config", None), "clip_qkv", None))
@@ -878,6 +881,19 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
     children = ", ".join(n for n, _ in attention.named_children())
     raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
                      f"(or dense) linear layers in its attention (found: {children}); {_SERVED_ONES}")
+
+
+def _key_multiplier(attention: nn.Module) -> float:
+    """What the attention multiplies its key source's output by: Falcon-H1's key_multiplier, Ergo's qk_scale on its
+    global layers (after its NoPE key norm, before the cache), else 1."""
+    scale = getattr(attention, "qk_scale", None)
+    return float(scale) if isinstance(scale, torch.Tensor) else float(getattr(attention, "key_multiplier", 1.0))
+
+
+def _query_multiplier(attention: nn.Module) -> float:
+    """What the attention multiplies its query source's output by: Ergo's qk_scale on its global layers, else 1."""
+    scale = getattr(attention, "qk_scale", None)
+    return float(scale) if isinstance(scale, torch.Tensor) else 1.0
 
 
 def _latent_rope(config) -> str:

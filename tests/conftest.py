@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, decoder_of
@@ -16,10 +15,18 @@ from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, decode
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
 TINY_VOCAB = 512
-# a tiny random model of every architecture kvcal serves (tiny_config) that the installed transformers knows (the test
-# extra's knows every one; an older release's quick run leaves out the types it has not)
-TINY_ARCHITECTURES = tuple(kind for kind in SUPPORTED_MODEL_TYPES if kind in CONFIG_MAPPING_NAMES)
-LATENT = tuple(kind for kind in LATENT_ATTENTION_TYPES if kind in CONFIG_MAPPING_NAMES)  # ... of those with MLA
+
+
+def known(kinds):
+    """Those of the model types `kinds` (a tuple, or a dict by type) that the installed transformers knows: the test
+    extra's knows every one kvcal serves; an older release's quick run leaves out the types it has not."""
+    if isinstance(kinds, dict):
+        return {kind: value for kind, value in kinds.items() if kind in CONFIG_MAPPING_NAMES}
+    return tuple(kind for kind in kinds if kind in CONFIG_MAPPING_NAMES)
+
+
+TINY_ARCHITECTURES = known(SUPPORTED_MODEL_TYPES)  # a tiny random model of every architecture kvcal serves (tiny_config)
+LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head latent attention (MLA)
 DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
 TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
@@ -30,9 +37,9 @@ MUSE = ("muse_spark", "muse_glimmer")  # q and k normed by one norm without a sc
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
-ALTERNATING = ("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
+ALTERNATING = known(("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",
-               "granitemoe_swa", "laguna", "cohere_compass_text", "cohere_compass", "step3p7")
+               "granitemoe_swa", "laguna", "cohere_compass_text", "cohere_compass", "step3p7", "ergo"))
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
@@ -44,16 +51,14 @@ GLM = ("glm", "glm4", "glm4_moe")
 # RoPE as released Qwen3.5 configs give it: frequencies interleaved over (time, height, width) position sections
 QWEN3_5_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                      mrope_interleaved=True)
-# vision-language models whose decoder reads an image's tokens as text, and that decoder's type (those the installed
-# transformers knows, as TINY_ARCHITECTURES)
-IMAGE_TOWERS = {"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
+# vision-language models whose decoder reads an image's tokens as text, and that decoder's type
+IMAGE_TOWERS = known({"llava": "llama", "internvl": "qwen2", "smolvlm": "llama", "idefics3": "llama", "aya_vision": "cohere2",
                 "aria": "aria_text", "llava_next": "llama", "llava_onevision": "qwen2", "idefics2": "mistral",
                 "lfm2_vl": "lfm2", "cohere2_vision": "cohere2", "lighton_ocr": "qwen3", "exaone4_5": "exaone4",
                 "lfm3_vl": "lfm3", "vipllava": "llama", "llava_next_video": "llama", "video_llava": "llama",
                 "hyperclovax_vision_v2": "hyperclovax", "deepseek_vl": "llama", "janus": "llama", "qianfan_ocr": "qwen3",
                 "ovis2": "qwen2", "video_llama_3": "qwen2", "deepseek_vl_hybrid": "llama", "got_ocr2": "qwen2",
-                "llava_onevision1_5": "qwen3", "ovis2_5": "qwen3"}
-IMAGE_TOWERS = {kind: decoder for kind, decoder in IMAGE_TOWERS.items() if kind in CONFIG_MAPPING_NAMES}
+                "llava_onevision1_5": "qwen3", "ovis2_5": "qwen3"})
 # Qwen's vision-language models, served for text: their decoder's RoPE takes (3, batch, tokens) positions
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni")  # (Cosmos 3 Omni: NVIDIA's Qwen3-VL)
 # GLM-4.1V, GLM-4.6V, GLM-4.5V and GLM-OCR: a GLM decoder with multimodal RoPE as Qwen-VL's beside a Qwen-VL-like tower
@@ -542,6 +547,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"],
                       n_group=1, topk_group=1)
         del common["rope_theta"]
+    if model_type == "ergo":  # as Ergo: RoPE on the sliding layer only, q, k and v side by side in one qkv_proj, q and k
+        # normed per head, on its full layer both scaled by qk_scale, the root of global_attention_scale (2 here); a dense
+        # MLP, then experts (4, every one routed to) beside a shared one
+        del common["intermediate_size"]
+        common.update(global_attention_scale=2.0, first_dense_intermediate_size=128, num_dense_blocks=1, num_experts=4,
+                      num_experts_per_tok=4, moe_intermediate_size=32, shared_intermediate_size=32)
     if model_type == "gpt_oss":  # as the real ones: YaRN everywhere
         common["rope_parameters"] = dict(rope_type="yarn", rope_theta=10000.0, factor=max_positions / 64, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, original_max_position_embeddings=64)

@@ -15,7 +15,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "gemma3n_text",
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "fuyu", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
-               "cosmos3_omni", *MINICPM_V, "molmo2", "param2moe", "sarvam_moe", "lara_mini", "llava_onevision1_5", "ovis2_5",
+               "cosmos3_omni", *MINICPM_V, "molmo2", "param2moe", "sarvam_moe", "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo",
                *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision
@@ -23,7 +23,7 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
                          "lfm3", "lfm3_vl", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass", "cohere2_vision",
-                         "exaone4_5", *MUSE, "step3p7", "molmo2", "lara_mini")
+                         "exaone4_5", *MUSE, "step3p7", "molmo2", "lara_mini", "ergo")
 WINDOWS = {"mistral": [4096, 4096], "idefics2": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl",
                                                      *MUSE, "lara_mini")}}
@@ -53,14 +53,19 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert adapter.model_layers == ((1, 3) if model_type in (*HYBRID, *CROSS_ATTENDING) else (0, 1))
     assert list(adapter.cross_attention) == ([0, 2] if model_type in CROSS_ATTENDING else [])
     assert adapter.keeps_state == [model_type == "falcon_h1"] * 2  # Falcon-H1: Mamba 2 beside every attention
-    assert [layer.key_multiplier for layer in adapter.layers] == [0.7 if model_type == "falcon_h1" else 1.0] * 2
+    # Falcon-H1's keys scaled by its key_multiplier; Ergo's queries and keys on its full layer by qk_scale (2 ** 0.5)
+    assert [layer.key_multiplier for layer in adapter.layers] == (
+        [1.0, pytest.approx(2 ** 0.5)] if model_type == "ergo" else [0.7 if model_type == "falcon_h1" else 1.0] * 2)
+    assert [layer.query_multiplier for layer in adapter.layers] == (
+        [1.0, pytest.approx(2 ** 0.5)] if model_type == "ergo" else [1.0] * 2)
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     attention = attention_at(model, adapter.model_layers[1])
-    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's and GPT-2's q, k and v: one linear (GPT-2's: a Conv1D)
+    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, GPT-2's and Ergo's q, k and v: one linear (GPT-2's: a
+    # Conv1D)
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "fuyu": "query_key_value", "gpt2": "c_attn",
-                                         "gpt_bigcode": "c_attn"}.get(model_type, "k_proj"))
+                                         "gpt_bigcode": "c_attn", "ergo": "qkv_proj"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output
@@ -173,6 +178,30 @@ def test_a_query_projected_beside_its_gate_is_read_as_each_heads_query():
     query, gate = outputs[0].view(1, 12, 4, 32).chunk(2, dim=-1)
     assert torch.equal(adapter.layers[1].source_rows("q", outputs[0]), query.flatten(2))
     assert not torch.equal(query, gate)
+
+
+@pytest.mark.skipif("ergo" not in TINY_ARCHITECTURES, reason="Ergo is new in transformers 5.25")
+def test_queries_and_keys_scaled_after_their_norm_are_read_scaled(monkeypatch):
+    """Ergo's full layer (no RoPE) multiplies its normed queries and keys by qk_scale before attending: kvcal's queries
+    and keys are the norms' output times it, what the attention is handed (its sliding layer's are not scaled)."""
+    model = tiny_model("ergo")
+    adapter = adapt(model)
+    normed, handed = {}, []
+    hooks = [module.register_forward_hook(lambda m, args, out, key=(kind, i): normed.__setitem__(key, out))
+             for i, layer in enumerate(adapter.layers) for kind, module in (("q", layer.query_source), ("k", layer.key_source))]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda query, key, *args, **kwargs: handed.append((query, key)) or sdpa(query, key, *args, **kwargs))
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)))
+    for hook in hooks:
+        hook.remove()
+    query, key = handed[1]  # the full layer's: (batch, heads, tokens, head_dim), no RoPE
+    assert adapter.layers[1].query_multiplier == adapter.layers[1].key_multiplier == pytest.approx(2 ** 0.5)
+    for kind, handed_rows in (("q", query), ("k", key)):  # (kvcal's rows in its channel order: Ergo's RoPE interleaves)
+        expected = adapter.rows_in_rope_order(handed_rows.transpose(1, 2).flatten(2), 1)
+        torch.testing.assert_close(adapter.layers[1].source_rows(kind, normed[kind, 1]), expected)
+    assert adapter.layers[0].query_multiplier == adapter.layers[0].key_multiplier == 1.0
 
 
 def test_cocktails_cache_refuses_latent_attention_as_yet():

@@ -50,7 +50,7 @@ def applies_rope(model, layer: int) -> bool:
     """As the modeling code decides: SmolLM3's use_rope flag, EXAONE 4's, EXAONE MoE's and Cohere 2's "global NoPE"
     (none on their full layers where they have sliding ones; Cohere 2 MoE's force_rope), AFMoE's local layers, Flint's
     layers with a window, Granite SWA's RoPE base of 0 (Muse Spark's and Glimmer's likewise), Beam's and North's layer
-    types with rope parameters, Lara Mini's sliding layers (its decoder hands the others no cos and sin)."""
+    types (and Ergo's) with rope parameters, Lara Mini's sliding layers (its decoder hands the others no cos and sin)."""
     attention = attention_at(model, layer)
     if models_rotary(model, layer) is None:  # Granite 4.0-H, Nemotron-H, Jamba: no RoPE anywhere
         return False
@@ -66,7 +66,8 @@ def applies_rope(model, layer: int) -> bool:
         return text_config(model).layer_types[layer] == "sliding_attention"
     if text_config(model).model_type in NORMED_BEFORE_ROPE:
         return bool(text_config(model).layer_rope_theta[layer])
-    if text_config(model).model_type in ("beam", "cohere_compass_text"):  # their full layers' rope parameters are None
+    if text_config(model).model_type in ("beam", "cohere_compass_text", "ergo"):  # their full layers' rope parameters
+        # are None
         return text_config(model).rope_parameters[text_config(model).layer_types[layer]] is not None
     return getattr(attention, "use_rope", True)
 
@@ -84,7 +85,8 @@ def key_and_value_sources(model, layer: int):
     """Per side (keys, values): (the module whose output holds it, its columns of that output, the projection whose
     weight makes it, its rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
     query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query; Persimmon's, its
-    keys normed per head after it), GPT-2's c_attn side by side (a Conv1D: its weight's columns)."""
+    keys normed per head after it), GPT-2's c_attn side by side (a Conv1D: its weight's columns), Ergo's qkv_proj side
+    by side, its keys normed per head after it."""
     attention, config = attention_at(model, layer), text_config(model)
     in_turn = getattr(attention, "query_key_value", None)
     if getattr(attention, "multi_query", None) is False:
@@ -100,12 +102,14 @@ def key_and_value_sources(model, layer: int):
         fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
         keys, values = slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
-    fused = getattr(attention, "qkv_proj", None) or getattr(attention, "Wqkv", None)  # Phi-3's, DBRX's
+    fused = getattr(attention, "qkv_proj", None) or getattr(attention, "Wqkv", None)  # Phi-3's, DBRX's, Ergo's
     if fused is not None:
         head_dim = config.hidden_size // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         keys, values = slice(q, q + kv), slice(q + kv, None)
-        return (fused, keys, fused, keys), (fused, values, fused, values)
+        normed = getattr(attention, "k_norm", None)  # Ergo's: its keys normed per head after it
+        key_source = (normed, slice(None)) if normed is not None else (fused, keys)
+        return (*key_source, fused, keys), (fused, values, fused, values)
     # after RoPE: Llama 4 Scout's qk_norm, called on q then k (its last output is the post-RoPE key; Muse's before RoPE,
     # the pre-RoPE key), NanoChat's k_norm
     # Hunyuan's key_layernorm, after RoPE too (with a scale: kvcal reads its output as a key without RoPE)
@@ -164,7 +168,9 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
     positions = (torch.arange(SEQLEN) + adapter.first_position)[None]  # (RoPE's: PaliGemma's count from 1)
     layers, kinds = range(len(adapter.layers)), adapter.layer_types  # the attention layers (hybrids have others)
     sources = [key_and_value_sources(model, adapter.model_layers[i]) for i in layers]
-    key_multiplier = getattr(text_config(model), "key_multiplier", 1.0)
+    # the keys are the key source's output times Falcon-H1's key_multiplier, or on Ergo's full layers its qk_scale
+    key_multipliers = [float(getattr(attention_at(model, adapter.model_layers[i]), "qk_scale", None)
+                             or getattr(text_config(model), "key_multiplier", 1.0)) for i in layers]
     norms = torch.zeros(2, len(layers), dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
@@ -201,7 +207,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
                               and text_config(model).model_type not in NORMED_BEFORE_ROPE)
                              or text_config(model).model_type == "nanochat" for i in layers]
         key_grads.append([adapter.rows_in_rope_order(
-            (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multiplier
+            (g[0].transpose(0, 1) if heads_first else g[0]).flatten(1)[:, c] / key_multipliers[i]
             * unrotated_scale(model, adapter.model_layers[i], adapter.head_dims[i]).repeat(adapter.kv_heads[i]), i)
             for i, (g, c) in enumerate(zip(grads[2 * n : 3 * n], columns[:n]))])
         for i in (i for i in layers if normed_after_rope[i]):  # dL/dK_post, rotated back
@@ -217,7 +223,7 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         rotated = []
         for i in layers:  # Gemma 3's and OLMo 3's rotary takes the layer's type, whose frequencies it uses
             layer_type = [kinds[i]] if kinds[i] is not None else []
-            keys = outputs["k", i].detach() * key_multiplier
+            keys = outputs["k", i].detach() * key_multipliers[i]
             keys = keys if heads_first else keys.flatten(2)[..., sources[i][0][1]]
             clip = (getattr(attention_at(model, adapter.model_layers[i]), "clip_qkv", None)  # DBRX's, OLMo's, OLMoE's
                     or getattr(text_config(model), "clip_qkv", None))
