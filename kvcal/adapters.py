@@ -165,7 +165,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
-                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo")
+                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -186,7 +186,7 @@ _MSCALED_LONGROPE = ("phimoe",)
 # heads, head_dim): the norms' output shape alone cannot tell the two apart when tokens == heads
 _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "phi", "hy_v3",
                       "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text", "muse_spark_text",
-                      "muse_glimmer_text")
+                      "muse_glimmer_text", "apertus1p5_text")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
                      "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text", "ergo")

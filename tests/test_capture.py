@@ -200,7 +200,8 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
         norms[0] += torch.stack([r.double().norm() for r in rows[:n]])
         norms[1] += torch.stack([r.double().norm() for r in rows[n:]])
         # their key norms see (batch, heads, tokens, head_dim)
-        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus", "stablelm", "hy_v3",
+        heads_first = text_config(model).model_type in ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apertus",
+                                                         "apertus1p5_text", "stablelm", "hy_v3",
                                                          "nanochat", "hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text",
                                                          *NORMED_BEFORE_ROPE)
         normed_after_rope = [(hasattr(attention_at(model, adapter.model_layers[i]), "qk_norm")
