@@ -848,8 +848,7 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         norms.update(q_norm=None, k_norm=None, rope_norms=None if None in rope_norms else rope_norms,
                      norms_before_rope=unscaled_norms == "before")
     norms.update(heads_first=heads_first, sinks=attention.sinks if sinks else None, head_dim=head_dim,
-                 key_multiplier=_key_multiplier(attention),
-                 query_multiplier=_query_multiplier(attention),
+                 **_qk_multipliers(attention),
                  value_multiplier=float(getattr(attention, "v_scale", 1.0)),
                  # DBRX's attention holds its clip_qkv, OLMo's and OLMoE's config (they clamp in place, after the hooks)
                  clip=getattr(attention, "clip_qkv", None) or getattr(getattr(attention, "config", None), "clip_qkv", None))
@@ -883,17 +882,14 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
                      f"(or dense) linear layers in its attention (found: {children}); {_SERVED_ONES}")
 
 
-def _key_multiplier(attention: nn.Module) -> float:
-    """What the attention multiplies its key source's output by: Falcon-H1's key_multiplier, Ergo's qk_scale on its
-    global layers (after its NoPE key norm, before the cache), else 1."""
+def _qk_multipliers(attention: nn.Module) -> dict[str, float]:
+    """What the attention multiplies its query and key sources' output by (LayerHandles.query_multiplier,
+    key_multiplier): both by Ergo's qk_scale on its global layers (after their NoPE norms), the key alone by Falcon-H1's
+    key_multiplier, else 1."""
     scale = getattr(attention, "qk_scale", None)
-    return float(scale) if isinstance(scale, torch.Tensor) else float(getattr(attention, "key_multiplier", 1.0))
-
-
-def _query_multiplier(attention: nn.Module) -> float:
-    """What the attention multiplies its query source's output by: Ergo's qk_scale on its global layers, else 1."""
-    scale = getattr(attention, "qk_scale", None)
-    return float(scale) if isinstance(scale, torch.Tensor) else 1.0
+    if isinstance(scale, torch.Tensor):
+        return dict(query_multiplier=float(scale), key_multiplier=float(scale))
+    return dict(query_multiplier=1.0, key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
 
 
 def _latent_rope(config) -> str:
@@ -1070,9 +1066,9 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
     Kolibri-1's and Flint's full-attention layers where they have sliding ones (their "global NoPE"; Flint's none
     without a window), Cohere 2's sliding layers
     only (none without a window) and Cohere 2 MoE's besides its dense layers where
-    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's and Lara Mini's sliding layers only, Granite SWA's, Muse Spark's
-    and Muse Glimmer's of a non-zero layer_rope_theta, Beam's of a type with rope parameters (not of `rope_free`,
-    _rope_free_types); every layer elsewhere."""
+    prefix_dense_sliding_window_pattern is 1 (its force_rope), AFMoE's and Lara Mini's sliding layers only, Granite
+    SWA's, Muse Spark's and Muse Glimmer's of a non-zero layer_rope_theta, Beam's of a type with rope parameters (not of
+    `rope_free`, _rope_free_types); every layer elsewhere."""
     if model_type in ("cohere2", "cohere2_moe"):
         window = getattr(config, "sliding_window", None) is not None
         forced = [model_type == "cohere2_moe" and mlp == "dense" and config.prefix_dense_sliding_window_pattern == 1
