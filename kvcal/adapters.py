@@ -1112,7 +1112,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     heads_first = text_type in _HEADS_FIRST_NORMS
     sinks = text_type in _SINKS
     decoder_types = _decoder_layer_types(config, num_layers)
-    sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * num_layers)[:num_layers]
+    sharing = _kv_sharing_modes(config, num_layers)
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
     located = [_cache_layer_attention(layers, m, sublayers, where) for m in attending]
     handles = [_latent_handles(attention, i, at, config, decoder_types[m] == _INDEXED_ATTENTION) if latent else
@@ -1224,6 +1224,16 @@ def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], lis
                 for layer, heads in zip(per_layer, query_heads)]
     head_dims = [getattr(layer, "head_dim", None) or layer.hidden_size // heads for layer, heads in zip(per_layer, query_heads)]
     return query_heads, kv_heads, head_dims
+
+
+def _kv_sharing_modes(config, num_layers: int) -> list[str | None]:
+    """Each decoder layer's KV sharing mode, "reuse" for the last num_kv_shared_layers (the layers reading an earlier
+    layer's cache): transformers' kv_sharing_modes from 5.23, the same count read from the config before it."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is None:
+        shared = getattr(config, "num_kv_shared_layers", 0) or 0
+        modes = [None] * (num_layers - shared) + ["reuse"] * shared
+    return list(modes)[:num_layers]
 
 
 def _reader_layers(layers: nn.ModuleList, sharing: list[str | None], types: list[str], attending: list[int],

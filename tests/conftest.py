@@ -11,6 +11,7 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, decoder_of
+from kvcal.version import transformers_from
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT_VALID = SHARED / "data" / "wikitext-2" / "valid.txt"
@@ -25,6 +26,11 @@ def known(kinds):
     return tuple(kind for kind in kinds if kind in CONFIG_MAPPING_NAMES)
 
 
+def from_transformers(major: int, minor: int, what: str):
+    """A mark skipping, on a transformers release before major.minor, a test of what that release began (`what`)."""
+    return pytest.mark.skipif(not transformers_from(major, minor), reason=f"{what} from transformers {major}.{minor}")
+
+
 TINY_ARCHITECTURES = known(SUPPORTED_MODEL_TYPES)  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head latent attention (MLA)
 DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
@@ -36,6 +42,8 @@ MUSE = ("muse_spark", "muse_glimmer")  # q and k normed by one norm without a sc
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
 GEMMA4 = ("gemma4_text", "gemma4", "gemma4_unified_text", "gemma4_unified")
+GEMMA4_READERS_ON_KEPT_TOKENS = from_transformers(5, 23, "Gemma 4 runs its layers reading another's cache on the kept "
+                                                  "logits' tokens alone")
 # their tiny models' layer 0 slides over TINY_WINDOW tokens (tests run past it), layer 1 is full
 ALTERNATING = known(("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "cohere2_moe", "cwm", "gpt_oss", "flint", "mellum", "afmoe",
                "gemma2", "vaultgemma", "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "granite_swa",

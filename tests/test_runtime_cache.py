@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
-                      TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, left_padded, longrope, tiny_model)
+from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+                      TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, known, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
@@ -292,6 +292,7 @@ def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(r
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@GEMMA4_READERS_ON_KEPT_TOKENS
 def test_a_second_turn_on_gemma_4_reads_a_short_steps_rows_for_reading_layers_run_on_the_last_token(monkeypatch):
     """generate() twice on one cache (a chat's second turn, 11 tokens over 24 stored): Gemma 4 runs its layers reading
     another's cache on the kept logits' tokens alone, so they read the short step's cache before it and its own rows
@@ -704,10 +705,10 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
                 "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
-IMAGES_AS_TOKENS = ("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
+IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
                     "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", *MINICPM_V,
                     *IMAGE_TOWERS,
-                    *MULTIMODAL_ROPE)  # their decoders read an image's tokens causally, as text
+                    *MULTIMODAL_ROPE))  # their decoders read an image's tokens causally, as text
 
 
 def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
@@ -901,7 +902,7 @@ def test_an_attention_outside_the_decoder_is_refused_where_it_reaches_kvcals():
         model(**images, **cache_argument(cache), use_cache=True)
 
 
-@pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, "gemma4", "molmo2"])
+@pytest.mark.parametrize("model_type", [*IMAGES_AS_TOKENS, *known(("gemma4", "molmo2"))])
 def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_an_image(model_type):
     """Every composite whose decoder reads an image's tokens causally, as text (IMAGES_AS_TOKENS: Qwen's, GLM's, ERNIE's
     and Cosmos 3 Edge's at multimodal RoPE positions, which the model rotates keys by: KIVI stores them so), and Gemma
@@ -1123,10 +1124,10 @@ def test_a_simulation_and_a_cache_never_share_a_model():
 # Sliding windows: the runtime attends over each sequence's last `window` tokens, as transformers does; attention
 # chunks (Llama 4): over its chunk's, counted from its first real token.
 
-SLIDING = {"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
+SLIDING = known({"mistral": dict(sliding_window=8), "phi3": dict(sliding_window=8),  # every layer
            "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 0 full, layer 1 sliding
            **{kind: dict(sliding_window=8) for kind in (*ALTERNATING, "lfm3")},  # layer 0 sliding, layer 1 full
-           "llama4_text": dict(attention_chunk_size=8)}  # layer 0 chunked, layer 1 full
+           "llama4_text": dict(attention_chunk_size=8)})  # layer 0 chunked, layer 1 full
 # their caches need a window size (Gemma 3n's tiny model: 4 layers)
 UNWINDOWED = {**{kind: dict(layer_types=["full_attention"] * (4 if kind in ("gemma3n_text", *GEMMA4) else 2))
                  for kind in ALTERNATING}, "llama4_text": dict(attention_chunk_size=64),

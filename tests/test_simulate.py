@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import DSA, GEMMA4, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -24,6 +24,7 @@ class Identity:
 IDENTITY = LayerCodecs(Identity(), Identity(), key_pre_rope=True)
 
 
+@GEMMA4_READERS_ON_KEPT_TOKENS
 def test_the_simulation_refuses_gemma4_reading_layers_run_on_the_kept_logits_tokens_alone():
     """Gemma 4 runs its layers reading another's cache on the last logits_to_keep tokens only: the simulation, which
     scores every token, refuses that rather than attend with queries out of line with the tokens read."""
