@@ -1155,6 +1155,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
               for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and config._attn_implementation == "sdpa":
+        raise KvcalError(f"{where}: it soft-caps its attention scores, which transformers' SDPA attention leaves out "
+                         "(transformers before 5.21 chose it by default); load the model with attn_implementation='eager'")
     architecture, served_type = _served_name(model, config)
     adapter = ModelAdapter(
         architecture=architecture,
@@ -1172,7 +1176,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         chunks=attending_only(_attention_chunks(config, decoder_types)),
         rotated=rotated,
         score_scale=scales.pop(),
-        softcap=getattr(config, "attn_logit_softcapping", None),
+        softcap=softcap,
         model_layers=tuple(attending),
         num_model_layers=num_layers,
         keeps_state=[kind in _ATTENTION_AND_STATE_TYPES for kind in attending_only(decoder_types)],

@@ -121,7 +121,6 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     if device in ("cuda", "auto") and not torch.cuda.is_available():
         raise KvcalError(f"--device {device} needs a CUDA GPU and none is visible; use --device cpu")
     source = resolve_model(spec)
-    # no attn_implementation: transformers' default, SDPA where the model has it, else eager (gpt-oss, for its sinks)
     kwargs = {"dtype": resolve_dtype(dtype, device)}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -131,7 +130,7 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             config = _config(source)
-            model = _model_class(config).from_pretrained(source.path, config=config, **kwargs)
+            model = _model_class(config).from_pretrained(source.path, config=config, **kwargs, **_attention(config))
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
         raise KvcalError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
     if device == "cuda":
@@ -152,7 +151,7 @@ def load_model_structure(spec: str | None):
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
             config = _config(source)
         with init_empty_weights(include_buffers=False):
-            model = _model_class(config).from_config(config)
+            model = _model_class(config).from_config(config, **_attention(config))
     except (OSError, ValueError, ImportError) as exc:
         raise KvcalError(f"could not read model '{source.spec}': {_first_line(exc)}") from exc
     return model.eval(), source
@@ -162,6 +161,14 @@ def _config(source: ModelSource):
     """The config the model is built from: its own, or a multimodal checkpoint's text config (_LOADED_AS_TEXT_MODEL)."""
     config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
     return config.get_text_config(decoder=True) if config.model_type in _LOADED_AS_TEXT_MODEL else config
+
+
+def _attention(config) -> dict:
+    """The attention implementation to load with: transformers' default (SDPA where the model has it, else eager:
+    gpt-oss, for its sinks), eager where scores are soft-capped (SDPA leaves the cap out, and transformers before 5.21
+    gave Gemma 2 SDPA by default)."""
+    soft_capped = getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None
+    return {"attn_implementation": "eager"} if soft_capped else {}
 
 
 def _first_line(exc: Exception) -> str:

@@ -102,6 +102,9 @@ def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: 
 # (model type, partial) of the tiny LongRoPE models: Phi-3.5's, Phi-4-mini's (over 0.75 of each head), Phi-3.5-MoE's,
 # Phi-4-multimodal's
 LONGROPE = [("phi3", 1.0), ("phi3", 0.75), ("phimoe", 1.0), ("phi4_multimodal", 0.75)]
+# Phi-3's generate drops the cache where the sequence first reaches past the switch: from 5.20 it calls the model on
+# the whole sequence then (which kvcal's cache serves), before on the uncached tokens alone (which kvcal refuses)
+LONGROPE_PREFILLED_AGAIN = from_transformers(5, 20, "Phi-3's generate prefills the whole sequence at LongRoPE's switch")
 
 
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -209,9 +212,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         if model_type == "lfm3_vl":  # its tower's convolution and attention layers, 2 x 2 patches merged into a token
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=2, patch_size=14, layer_types=["conv", "full_attention"])
-        text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()
-        if model_type != "exaone4_5":  # (whose config reads it)
-            del text["model_type"]  # (the composite's own text type where it has one)
+        text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()  # its model_type kept (5.19's
+        # composites read it)
         image_token = ("image_token_index" if model_type in ("aya_vision", "llava_next", "llava_onevision", "vipllava",
                                                              "llava_next_video", "video_llava", "got_ocr2")
                        else "image_token_id")
@@ -324,7 +326,6 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
                       patch_size=14, insert_layer_id=1)
         text = tiny_config("qwen3_5_text", max_positions, **overrides).to_dict()
-        del text["model_type"]  # (the composite's own text type)
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
     if model_type == "granite4_vision":  # Granite 4 Vision: a Granite decoder (scores scaled by attention_multiplier) into
         # whose layers 0 and 1 a CLIP tower's features reach (DeepStack and spatial QFormer projectors), the image and its one
@@ -337,7 +338,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1,
                                     image_grid_pinpoints=[[56, 56]], downsample_rate="1/2", deepstack_layer_map=[[-1, 0]],
                                     spatial_target_layers=[0, 1, 0, 1], vision_feature_layer=-1,
-                                    qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64))
+                                    qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64,
+                                                        # (the tower's width: 5.20 on sets it so, 5.19 takes it given)
+                                                        hidden_size=64, num_attention_heads=1, encoder_hidden_size=64))
     if model_type in CROSS_ATTENDING:  # Llama 3.2 Vision: a Llama decoder whose layers 0 and 2 attend across to an image
         # (its vision tower's output, 2 tiles of 28 x 28 pixels) instead of to the text, 1 and 3 to the text; its causal
         # LM (mllama_text_model) the decoder alone, which skips them without an image
@@ -376,7 +379,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
         text = tiny_config("persimmon", max_positions, **overrides).to_dict()
         del text["model_type"]
-        return AutoConfig.for_model(model_type, text_config=text, image_size=28, patch_size=14, image_token_id=TINY_VOCAB - 1)
+        # (its patch embedding as wide as the decoder: 5.20 on reads that from text_config, 5.19 takes it given)
+        return AutoConfig.for_model(model_type, text_config=text, hidden_size=text["hidden_size"], image_size=28, patch_size=14,
+                                    image_token_id=TINY_VOCAB - 1)
     if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are
         # shuffled 2 x 2 into a token (no audio tower here)
         vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=14, image_size=56,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
-                      longrope, tiny_model)
+                      known, longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
@@ -220,6 +220,16 @@ def test_bidirectional_attention_is_refused():
         adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma"])
+def test_soft_capped_scores_under_sdpa_are_refused(model_type):
+    """Gemma 2's SDPA attention (transformers' default for it before 5.21) leaves its scores' soft-cap out: a profile
+    or a cache would follow another model than the one loaded eager."""
+    model = tiny_model(model_type)
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(KvcalError, match="soft-caps its attention scores.*attn_implementation='eager'"):
+        adapt(model)
+
+
 @pytest.mark.parametrize("kind, refusal", [
     ("compressed_sparse_attention", r"its layer types \['compressed_sparse_attention'\] are not ones kvcal serves"),
     ("indexed_attention", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks"),
@@ -326,7 +336,7 @@ def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():
     assert torch.equal(adapter.inv_freq, torch.stack([adapter.layer_inv_freq(0), adapter.layer_inv_freq(1)]))
 
 
-@pytest.mark.parametrize("model_type", ["smollm3", "exaone4", "kolibri1", "beam"])
+@pytest.mark.parametrize("model_type", known(("smollm3", "exaone4", "kolibri1", "beam")))
 def test_a_layer_without_rope_stores_its_keys_rotated_by_zero_frequencies(model_type):
     """SmolLM3's NoPE layers, EXAONE 4's, Kolibri-1's and Beam's full-attention ones (the tiny models' layer 1):
     frequencies of zero make kvcal's rotation the identity, as the model applies none

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.common import REPO
 from benchmarks.end_to_end.long_context import closest_to_fp
+from conftest import from_transformers
 
 
 def _row(method: str, correct: int, length: int = 4096, keys: int = 1) -> dict:
@@ -27,6 +28,7 @@ def test_the_closest_recipe_is_the_best_retriever_within_the_bits_bound():
     assert closest_to_fp(rows, {"kvmix": 4.1}, 1, 4096) == "-"
 
 
+@from_transformers(5, 21, "transformers' fp8 QuantizedCache")
 def test_quantized_cache_memory_counts_what_transformers_holds_and_names_its_refusal():
     """transformers' fp8 QuantizedCache after a 40-token prefill in steps of 16 holds one byte per K/V element and two
     fp32 scales per layer; transformers refuses QuantizedCache for a hybrid model (the tiny Gemma 3), and the row says so."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import longrope, tiny_model
+from conftest import LONGROPE_PREFILLED_AGAIN, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.model_caches import cache_argument
 from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress, compressed_cache
@@ -67,6 +67,7 @@ def test_compressed_sequences_taken_decode_as_the_batch_compressed_so(decode_pat
     torch.testing.assert_close(edited, fed, rtol=0, atol=1e-4)
 
 
+@LONGROPE_PREFILLED_AGAIN
 def test_generate_crossing_longropes_switch_after_compression_is_refused():
     """Phi-3's generate drops the cache at LongRoPE's switch to compute the sequence again: a prefill would not make
     the compressed chunks again (the tiny Phi-3's switch: 32 tokens, a chunk of context then 4 query tokens). Emptied,

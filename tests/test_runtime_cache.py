@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, known, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -20,6 +20,7 @@ from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.runtime import cpu_kernel, generate, quantized_cache
 from kvcal.runtime.cache import ATTENTION_NAME, fp_context
 from kvcal.simulate import StorageTally, simulated
+from kvcal.version import transformers_from
 
 TOKENS = 40
 # The tokens' seed where the default (5) puts a code at a rounding edge: a decode step's one-row projections and the
@@ -738,8 +739,8 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         return dict(input_ids=ids, pixel_values=torch.randn(1, 2, 3, side, side), image_sizes=torch.tensor([[side, side]]))
     if model_type == "emu3":  # its VQ-VAE's 4 x 4 codes and an end-of-line token after each row
         return dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side), image_sizes=torch.tensor([[side, side]]))
-    if model_type == "fuyu":  # its 2 x 2 patches' pixels, each embedded into a token
-        return dict(input_ids=ids, pixel_values=torch.randn(1, 4, 3 * 14 * 14))
+    if model_type == "fuyu":  # its 2 x 2 patches' pixels, each embedded into a token (image_patches before 5.21)
+        return {"input_ids": ids, "pixel_values" if transformers_from(5, 21) else "image_patches": torch.randn(1, 4, 3 * 14 * 14)}
     if model_type == "lfm2_vl":  # its patches flattened, 2 x 2 of them, every one real
         patches = (side // 14) ** 2
         return dict(input_ids=ids, pixel_values=torch.randn(1, patches, 3 * 14 * 14),
@@ -750,6 +751,8 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         where = torch.stack(torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="xy"), dim=-1)
         return dict(input_ids=ids, pixel_values=torch.randn(1, grid * grid, 3 * 14 * 14), image_position_ids=where.reshape(1, -1, 2))
     images = dict(input_ids=ids, pixel_values=torch.randn(1, 3, side, side))
+    if model_type == "video_llava" and not transformers_from(5, 21):  # (its images' name before then)
+        images["pixel_values_images"] = images.pop("pixel_values")
     if model_type in ("smolvlm", "idefics3", "idefics2", "granite_docling"):  # (batch, images, channels, height, width)
         images["pixel_values"] = images["pixel_values"][:, None]
     if model_type == "granite_docling":  # its one tile real
@@ -1261,7 +1264,7 @@ def fp16_pre_rope_bundle(skvq_bundle):
 
 
 @pytest.mark.parametrize("model_type, partial", [case for case in LONGROPE if case[0] != "phi4_multimodal"])
-@pytest.mark.parametrize("lengths", [(10, 7), (20, 5)])
+@pytest.mark.parametrize("lengths", [pytest.param((10, 7), marks=LONGROPE_PREFILLED_AGAIN), (20, 5)])
 def test_longrope_generates_its_own_fp_tokens_across_its_switch(longrope_bundles, lengths, model_type, partial,
                                                                 decode_path):
     """12 new tokens after left-padded prompts below and past the switch: with every token fp16, keys stored after
@@ -1327,6 +1330,7 @@ def test_a_step_past_longropes_switch_over_shorter_forwards_is_refused_until_the
         torch.testing.assert_close(again, model(ids, **cache_argument(fresh), use_cache=True).logits, rtol=0, atol=0)
 
 
+@LONGROPE_PREFILLED_AGAIN
 def test_generate_crossing_longropes_switch_with_two_caches_open_is_refused():
     """Generate drops the cache it was given: with two kvcal caches open on the model, which one is not known."""
     model = tiny_model("phi3", **longrope(16))

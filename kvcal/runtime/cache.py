@@ -726,9 +726,9 @@ class WiredCache(Cache):
         reaches past the switch, to compute it again with the long frequencies: it calls the model with the whole
         sequence, no cache and use_cache True, and would go on with a DynamicCache. This cache, the only one open on the
         model, holding a prefix of that sequence and no forward past the switch, is emptied and passed instead, so the
-        call prefills it and generate goes on with it. Phi-4-multimodal's generate (transformers 5.23) drops it so but
-        goes on with the tokens it had not cached alone (their positions from past 0 on), which no cache can serve:
-        refused in one line. Other calls without a cache are left to be refused."""
+        call prefills it and generate goes on with it. Phi-4-multimodal's generate (transformers 5.23; Phi-3's before 5.20)
+        drops it so but goes on with the tokens it had not cached alone (their positions from past 0 on), which no cache
+        can serve: refused in one line. Other calls without a cache are left to be refused."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids if ids is not None else kwargs.get("inputs_embeds")
         if kwargs.get(CACHE_ARGUMENT) is not None or kwargs.get("use_cache") is not True or rows is None or self.long_era:
