@@ -1086,6 +1086,16 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
     return [bool(flag) for flag in getattr(config, "no_rope_layers", None) or [1] * num_layers][:num_layers]
 
 
+# model types served from a transformers release on, before which their classes differ from what kvcal follows
+# (HunYuan VL's before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails)
+_SERVED_FROM = {"hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20)}
+
+
+def served_by_installed_transformers(model_type: str) -> bool:
+    """Whether kvcal serves `model_type` under the installed transformers release (_SERVED_FROM)."""
+    return model_type not in _SERVED_FROM or transformers_from(*_SERVED_FROM[model_type])
+
+
 def adapt(model: nn.Module) -> ModelAdapter:
     """Build the adapter for a loaded causal LM, or refuse it naming what is missing. A model whose text decoder is
     one part of it (Gemma 3 4B-27B: Gemma3ForConditionalGeneration, model_type gemma3) is read by that decoder and its
@@ -1094,6 +1104,11 @@ def adapt(model: nn.Module) -> ModelAdapter:
     where = f"unsupported architecture {type(model).__name__} (model_type '{model_type}')"
     config = model.config.get_text_config(decoder=True)
     text_type = getattr(config, "model_type", model_type)  # what the decoder's attention is
+    unserved = next((kind for kind in (model_type, text_type) if not served_by_installed_transformers(kind)), None)
+    if unserved is not None:
+        major, minor = _SERVED_FROM[unserved]
+        raise KvcalError(f"{where}: kvcal serves it from transformers {major}.{minor}, whose classes it follows; "
+                         f"upgrade transformers (pip install 'transformers>={major}.{minor}')")
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")

@@ -220,10 +220,19 @@ def test_bidirectional_attention_is_refused():
         adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
 
 
+def test_a_model_type_served_from_a_later_transformers_is_refused_naming_that_release(monkeypatch):
+    """HunYuan VL is served from transformers 5.20: under an older release (one pretended here, 5.19 in its quick run)
+    it is refused in one line naming the release to install."""
+    model = tiny_model("hunyuan_vl")
+    monkeypatch.setattr("kvcal.adapters.transformers_from", lambda major, minor: (major, minor) < (5, 20))
+    with pytest.raises(KvcalError, match=r"serves it from transformers 5\.20.*pip install 'transformers>=5\.20'"):
+        adapt(model)
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma"])
 def test_soft_capped_scores_under_sdpa_are_refused(model_type):
-    """Gemma 2's SDPA attention (transformers' default for it before 5.21) leaves its scores' soft-cap out: a profile
-    or a cache would follow another model than the one loaded eager."""
+    """Gemma 2's and VaultGemma's scores are soft-capped, which transformers' SDPA (their default before 5.21) leaves
+    out: a profile or a cache of that model would not follow the one kvcal's attention computes, so it is refused."""
     model = tiny_model(model_type)
     model.config._attn_implementation = "sdpa"
     with pytest.raises(KvcalError, match="soft-caps its attention scores.*attn_implementation='eager'"):

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from conftest import WIKITEXT_VALID, tiny_model
 from kvcal.cli import app
+from kvcal.version import transformers_from
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -205,6 +206,8 @@ def test_readme_python_runs_on_the_packaged_model(tmp_path, monkeypatch, capsys)
     assert sorted(p.name for p in (tmp_path / ARTIFACTS).iterdir()) == ["bundle.safetensors", "nuq.safetensors", "profile.safetensors"]
     namespace = {"__name__": "__readme__"}
     for line, code in blocks("python"):
+        if not transformers_from(5, 24):  # as the README's comment says: the argument's name before 5.24
+            code = code.replace("cache=cache", "past_key_values=cache")
         exec(compile(code, f"README.md, block at line {line}", "exec"), namespace)  # noqa: S102 - the README's own code
     assert len(loaded) == 1, "the README loads the model the calibration used"
     batch, out = namespace["batch"], namespace["out"]

@@ -90,7 +90,7 @@ def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gpt_oss", "flint"])
+@pytest.mark.parametrize("model_type", known(("gpt_oss", "flint")))
 def test_attention_sinks_decode_to_the_simulation(architecture_bundles, model_type, decode_path):
     """gpt-oss's and Flint's sinks on each CPU decode path (the kernel's running state takes them after its last launch;
     the reference adds them to its softmax), against the simulation's softmax with them, which equals the model's own
