@@ -2,7 +2,7 @@
 
 Stages, in order of what a short lease should not miss (each a subprocess with its own time limit and log; a stage
 that does not fit in what is left of --budget-s is skipped and says so):
-  environment  the device, driver, clocks and package versions
+  environment  the device, driver, clocks and package versions (and whether transformers is one kvcal declares)
   layout       one side of a cache read as the decode blocks read it and nothing else, by piece size, in kvcal's layout
                (a token's pieces of every KV head together), paged (a KV head's run of 64 tokens) and per KV head
                (`benchmarks.kernels layout`): what the layout alone lets the kernels reach
@@ -206,6 +206,14 @@ for tool in ("nvidia-smi", "ncu", "nvcc"):
 if shutil.which("nvidia-smi"):
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw",
                           "--format=csv"], capture_output=True, text=True).stdout)
+# last, so that the campaign's line for this stage shows it: the suite's results hold for kvcal's releases alone
+import tomllib
+from packaging.requirements import Requirement
+import transformers
+declared = next(Requirement(line) for line in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+                if Requirement(line).name == "transformers")
+within = declared.specifier.contains(transformers.__version__, prereleases=True)
+print("transformers", transformers.__version__, "is" if within else "is NOT", "in kvcal's range", declared.specifier)
 """
 
 

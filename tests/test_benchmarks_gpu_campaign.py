@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 
 from benchmarks import gpu_campaign as campaign
 from benchmarks.end_to_end import gpu as generate
@@ -29,6 +30,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
                                                      "kernels-d256-kv1", "suite", "generate", "ab", "ncu", "short-steps",
                                                      "mla"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
+    environment = (out / "logs" / "environment.log").read_text().splitlines()
+    assert environment[-1].startswith(f"transformers {transformers.__version__} is in kvcal's range")
     # (the stand-ins time no kernel: auto keeps kvcal's CUDA stores' default layout)
     assert record["stages"][7]["note"] == "kvcal's CUDA stores: rows (no kernels-heads timing beside the kernels stage's)"
     assert (out / "logs" / "suite.xml").is_file() and "deselected" in (out / "logs" / "suite.log").read_text()
