@@ -214,8 +214,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         if model_type == "lfm3_vl":  # its tower's convolution and attention layers, 2 x 2 patches merged into a token
             vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=2, patch_size=14, layer_types=["conv", "full_attention"])
-        text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()  # its model_type kept (5.19's
-        # composites read it)
+        text = tiny_config(IMAGE_TOWERS[model_type], max_positions, **overrides).to_dict()  # its model_type kept (the
+        # composites read it before 5.20)
         image_token = ("image_token_index" if model_type in ("aya_vision", "llava_next", "llava_onevision", "vipllava",
                                                              "llava_next_video", "video_llava", "got_ocr2")
                        else "image_token_id")
@@ -341,7 +341,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                     image_grid_pinpoints=[[56, 56]], downsample_rate="1/2", deepstack_layer_map=[[-1, 0]],
                                     spatial_target_layers=[0, 1, 0, 1], vision_feature_layer=-1,
                                     qformer_config=dict(num_hidden_layers=1, intermediate_size=64, vocab_size=64,
-                                                        # (the tower's width: 5.20 on sets it so, 5.19 takes it given)
+                                                        # (the tower's width: 5.20 on sets it so, before it is taken given)
                                                         hidden_size=64, num_attention_heads=1, encoder_hidden_size=64))
     if model_type in CROSS_ATTENDING:  # Llama 3.2 Vision: a Llama decoder whose layers 0 and 2 attend across to an image
         # (its vision tower's output, 2 tiles of 28 x 28 pixels) instead of to the text, 1 and 3 to the text; its causal
@@ -381,7 +381,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # (a linear embedding of its pixels: no vision tower); a causal LM to transformers
         text = tiny_config("persimmon", max_positions, **overrides).to_dict()
         del text["model_type"]
-        # (its patch embedding as wide as the decoder: 5.20 on reads that from text_config, 5.19 takes it given)
+        # (its patch embedding as wide as the decoder: 5.20 on reads that from text_config, before it is taken given)
         return AutoConfig.for_model(model_type, text_config=text, hidden_size=text["hidden_size"], image_size=28, patch_size=14,
                                     image_token_id=TINY_VOCAB - 1)
     if model_type == "nemotron_h_omni":  # Nemotron-H's hybrid decoder (below) beside a RADIO tower whose patches are

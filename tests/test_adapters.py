@@ -221,7 +221,7 @@ def test_bidirectional_attention_is_refused():
 
 
 def test_a_model_type_served_from_a_later_transformers_is_refused_naming_that_release(monkeypatch):
-    """HunYuan VL is served from transformers 5.20: under an older release (one pretended here, 5.19 in its quick run)
+    """HunYuan VL is served from transformers 5.20: under an older release (one pretended here, 5.18 and 5.19 in their quick runs)
     it is refused in one line naming the release to install."""
     model = tiny_model("hunyuan_vl")
     monkeypatch.setattr("kvcal.adapters.transformers_from", lambda major, minor: (major, minor) < (5, 20))

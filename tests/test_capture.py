@@ -237,7 +237,10 @@ def _autograd_reference(model, adapter, batch: torch.Tensor):
             elif applies_rope(model, adapter.model_layers[i]) and text_config(model).model_type == "llama4_text":
                 heads = llama4_rope(model, adapter.model_layers[i], heads)
             elif applies_rope(model, adapter.model_layers[i]):
-                cos, sin = models_rotary(model, adapter.model_layers[i])(keys, positions, *layer_type)
+                rotary = models_rotary(model, adapter.model_layers[i])
+                # a multimodal RoPE's text positions: the same on every axis (before 5.19 its rotary takes them so alone)
+                axes = positions.expand(3, -1, -1) if hasattr(rotary, "mrope_section") else positions
+                cos, sin = rotary(keys, axes, *layer_type)
                 heads = models_rope(model, heads, cos, sin)
             k_rot = heads
             rotated.append(adapter.rows_in_rope_order(k_rot.transpose(1, 2)[0].flatten(1), i))
