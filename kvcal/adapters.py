@@ -131,6 +131,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.pytorch_utils import Conv1D
 
@@ -138,7 +139,7 @@ from kvcal.errors import KvcalError
 from kvcal.rope import (in_order, padded_inv_freq, parity_merged, rotate_half_order, rows_in_order, stored_inv_freq,
                         stored_rope_scaling)
 from kvcal.spans import AttentionSpan, attention_span
-from kvcal.version import transformers_from
+from kvcal.version import transformers_from, transformers_version
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                          "olmo2", "olmo3", "smollm3", "granite", "phi3", "exaone4", "seed_oss", "apertus", "cohere",
@@ -698,8 +699,9 @@ def decoder_kind(fingerprint: dict) -> str:
     return "dense"
 
 
-def served_types() -> list[tuple[str, str]]:
-    """Every model type kvcal serves, sorted, each with how its decoder is read: (model_type, kind)."""
+def served_types() -> list[tuple[str, str, str]]:
+    """Every model type kvcal serves, sorted, each with how its decoder is read and what the installed transformers
+    lacks to load it ("" where nothing): (model_type, kind, missing)."""
     def kind(model_type: str) -> str:
         latent = "multi-head latent attention" if model_type in LATENT_ATTENTION_TYPES else ""
         beside = ("decoder beside a vision tower, images cached as tokens" if model_type in _IMAGES_AS_TOKENS else
@@ -709,7 +711,14 @@ def served_types() -> list[tuple[str, str]]:
                   "decoder attending across to an image in some layers" if model_type in _CROSS_ATTENDING_TYPES else "")
         return "; ".join(part for part in (latent, beside) if part) or "decoder"
 
-    return [(model_type, kind(model_type)) for model_type in sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)]
+    def missing(model_type: str) -> str:
+        if model_type not in CONFIG_MAPPING_NAMES:
+            return f"not in transformers {transformers_version()}"
+        return "" if served_by_installed_transformers(model_type) else "needs transformers {}.{}".format(
+            *_SERVED_FROM[model_type])
+
+    return [(model_type, kind(model_type), missing(model_type))
+            for model_type in sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)]
 
 
 def latent_attention(fingerprint: dict) -> bool:

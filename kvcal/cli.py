@@ -507,7 +507,7 @@ def models_command(
 
     if model is None:
         _print_table("model types kvcal serves (docs/cli.md#supported-architectures says what each takes)",
-                     ["model_type", "read as"], [list(row) for row in served_types()])
+                     ["model_type", "read as", "installed transformers"], [list(row) for row in served_types()])
         return
     from kvcal.models import load_model_structure
     from kvcal.summary import model_summary

@@ -9,7 +9,12 @@ from packaging.version import Version
 __version__ = "0.1.0"
 
 
+def transformers_version() -> str:
+    """The installed transformers' version."""
+    return metadata.version("transformers")
+
+
 @functools.cache
 def transformers_from(major: int, minor: int) -> bool:
     """Whether the installed transformers is release major.minor or later (its development builds included)."""
-    return Version(metadata.version("transformers")).release >= (major, minor)
+    return Version(transformers_version()).release >= (major, minor)
