@@ -210,8 +210,8 @@ if shutil.which("nvidia-smi"):
 import tomllib
 from packaging.requirements import Requirement
 import transformers
-declared = next(Requirement(line) for line in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-                if Requirement(line).name == "transformers")
+requirements = map(Requirement, tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"])
+declared = next(requirement for requirement in requirements if requirement.name == "transformers")
 within = declared.specifier.contains(transformers.__version__, prereleases=True)
 print("transformers", transformers.__version__, "is" if within else "is NOT", "in kvcal's range", declared.specifier)
 """
