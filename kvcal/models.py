@@ -129,6 +129,8 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
     try:
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+            if source.gguf_file:
+                _take_the_files_special_tokens(tokenizer, os.path.join(source.path, source.gguf_file))
             config = _config(source)
             model = _model_class(config).from_pretrained(source.path, config=config, **kwargs, **_attention(config))
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
@@ -155,6 +157,24 @@ def load_model_structure(spec: str | None):
     except (OSError, ValueError, ImportError) as exc:
         raise KvcalError(f"could not read model '{source.spec}': {_first_line(exc)}") from exc
     return model.eval(), source
+
+
+# a tokenizer's special tokens, by the GGUF metadata key giving each one's id
+_GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                        "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _take_the_files_special_tokens(tokenizer, path: str) -> None:
+    """Give a GGUF file's tokenizer the special tokens the file names: transformers 5.17's Llama-family converter
+    takes the bos token for eos and leaves padding out (a padded batch is then refused)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        if key in fields:
+            token_id = int(fields[key].parts[fields[key].data[0]][0])
+            if 0 <= token_id < len(tokenizer):
+                setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _config(source: ModelSource):

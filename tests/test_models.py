@@ -102,6 +102,21 @@ def test_a_gguf_file_is_parsed_once_for_its_tokenizer_config_and_weights(monkeyp
         assert torch.isfinite(model(ids).logits).all()
 
 
+def test_a_gguf_files_tokenizer_has_the_special_tokens_the_file_names():
+    """The packaged SmolLM2's tokenizer: bos, eos, unk and pad are the tokens whose ids its GGUF metadata gives (eos and
+    pad <|im_end|>), under every transformers release kvcal takes (5.17's converter gets eos and pad otherwise)."""
+    import gguf
+
+    from kvcal.models import load_model
+
+    _, tokenizer, source = load_model(None)
+    fields = gguf.GGUFReader(f"{source.path}/{source.gguf_file}").fields
+    named = {name: int(fields[f"tokenizer.ggml.{key}_token_id"].contents())
+             for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    assert {name: getattr(tokenizer, f"{name}_token_id") for name in named} == named
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+
+
 @pytest.mark.slow
 def test_a_chunked_package_is_joined_under_a_temporary_name_then_renamed(tmp_path, monkeypatch):
     """Gemma 3 270M's parts are joined under a temporary name beside kvcal's copy and renamed into place, so that a

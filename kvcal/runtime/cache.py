@@ -778,7 +778,7 @@ class WiredCache(Cache):
         if tokens_to_remove > 0:
             raise KvcalError(f"crop({tokens_to_remove}): give the number of tokens to take back as a negative count "
                              "(transformers' convention)")
-        tokens = -tokens_to_remove
+        tokens = -int(tokens_to_remove)  # transformers before 5.18 passes a 0-dim tensor: counts stay ints
         if not tokens:
             return
         refusal = self._take_back_refusal(tokens)
@@ -956,8 +956,7 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     attention implementation, also while a quantized cache is open on it), in steps of `chunk` tokens (None: one
     step; a long context needs steps to keep the prefill's attention within memory). The rows keep every token of
     every layer, so that a quantized cache loading them holds what it would after its own prefill; `cache` is the
-    model's own DynamicCache, whose sliding-window layers attend over their window only (they record every token
-    during the prefill and are trimmed to their window after it)."""
+    model's own DynamicCache, whose sliding-window layers hold their window only (trimmed to it after each step)."""
     if prefix_lm(model):  # (the decoder alone, handed no token types, would read the context both ways)
         raise KvcalError(f"{type(model).__name__} reads a prompt both ways where its token types say so, which a prefill "
                          "of its decoder alone cannot be told; evaluate it with kvcal eval ppl or agreement")
@@ -972,24 +971,31 @@ def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
     try:
         cache = model_cache(model)
         attending = [cache.layers[i] for i in adapter.model_layers]  # (a hybrid model's others keep a state)
-        for layer in attending:
-            if layer.is_sliding:
-                layer.activate_past_recording()
+        sliding = {i: {"keys": [], "values": []} for i, layer in enumerate(attending) if layer.is_sliding}
+        for i in sliding:
+            attending[i].activate_past_recording()
         with wiring.suspended(adapter):  # the decoder alone: the logits of every prompt token are never needed
             for start in range(0, ids.shape[1], step):
                 piece = ids[:, start : start + step]
                 decoder_of(model)(piece, **cache_argument(cache), use_cache=True, position_ids=chunk_positions(start, piece))
+                for i, kept in sliding.items():
+                    for kind, parts in kept.items():
+                        parts.append(getattr(attending[i], kind)[:, :, -piece.shape[1] :].clone())
+                    # back to its window: the next step reads what its mask covers (transformers before 5.18 hands
+                    # a recording layer every token it holds)
+                    attending[i].crop(0)
     finally:
         for hook in hooks:
             hook.remove()
-    rows = lambda x: x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
-    context = FpContext([rows(layer.keys) for layer in attending], [torch.cat(parts, 1) for parts in pre_rope],
-                        [rows(layer.values) for layer in attending], cache,
-                        [_indexer_keys(layer) for layer in attending])
-    for layer in attending:
-        if layer.is_sliding:
-            layer.crop(0)  # back to their window; full layers keep everything
-    return context
+
+    def rows(i: int, kind: str) -> torch.Tensor:
+        """Layer i's keys or values of every token (batch, tokens, width): a sliding layer's as kept per step."""
+        x = torch.cat(sliding[i][kind], 2) if i in sliding else getattr(attending[i], kind)
+        return x.transpose(1, 2).flatten(2)  # (batch, kv_heads, tokens, head_dim) -> (batch, tokens, width)
+
+    layers = range(len(attending))
+    return FpContext([rows(i, "keys") for i in layers], [torch.cat(parts, 1) for parts in pre_rope],
+                     [rows(i, "values") for i in layers], cache, [_indexer_keys(layer) for layer in attending])
 
 
 def _indexer_keys(layer) -> torch.Tensor | None:

@@ -192,7 +192,7 @@ def stored_state(cache) -> list:
 def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: int, cuda_layout: str = "rows",
                                                     step: int = 7) -> None:
     """crop(-3) after a prompt of `prompt` tokens of ids (none: the step is the first) and a step of `step` leaves the
-    cache a step of step - 3 leaves: every store's state (stored_state), then the logits and bytes of 8 decode steps.
+    cache a step of step - 3 leaves (the count given as a tensor): every store's state (stored_state), then the logits and bytes of 8 decode steps.
     The tokens read back within 1e-3: the model's keys and values of a forward over 70 tokens and over 67 can differ
     in their last bit (BLAS blocking), one fp16 step of a stored token here."""
     results = []
@@ -202,7 +202,7 @@ def assert_taking_back_leaves_a_shorter_steps_cache(model, bundle, ids, prompt: 
                 if prompt:
                     model(ids[:, :prompt], **cache_argument(cache), use_cache=True)
                 model(ids[:, prompt : prompt + fed], **cache_argument(cache), use_cache=True)
-                cache.crop(-taken_back)
+                cache.crop(torch.tensor(-taken_back))  # (a 0-dim tensor, as transformers before 5.18 passes it)
                 state = stored_state(cache)
                 logits = [model(ids[:, t : t + 1], **cache_argument(cache), use_cache=True).logits
                           for t in range(prompt + step - 3, prompt + step + 5)]
