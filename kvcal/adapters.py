@@ -1096,8 +1096,10 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
 
 
 # model types served from a transformers release on, before which their classes differ from what kvcal follows
-# (HunYuan VL's before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails)
-_SERVED_FROM = {"hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20)}
+# (DeepSeek Sparse Attention's before 5.18 caches keys and values expanded per head, not the latent; HunYuan VL's
+# before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails)
+_SERVED_FROM = {**dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"), (5, 18)),
+                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20)}
 
 
 def served_by_installed_transformers(model_type: str) -> bool:

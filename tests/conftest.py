@@ -35,7 +35,8 @@ def from_transformers(major: int, minor: int, what: str):
 
 TINY_ARCHITECTURES = known(SUPPORTED_MODEL_TYPES)  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head latent attention (MLA)
-DSA = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")  # MLA with DeepSeek Sparse Attention's indexer
+DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"))  # MLA with DeepSeek Sparse Attention's indexer
+SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
 TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
 MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
@@ -652,7 +653,8 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         if model_type == "longcat_flash":  # as LongCat-Flash: one decoder layer holding two MLA (cache layers 0 and 1),
             # its queries and latents scaled by mla_scale_q_lora and mla_scale_kv_lora, experts beside its MLPs (4 and 2
             # zero experts, 2 routed to)
-            common.update(n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32)
+            # (num_layers given: transformers before 5.18 does not derive it from num_hidden_layers)
+            common.update(num_layers=1, n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32)
         if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
             common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,

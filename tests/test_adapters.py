@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
-                      known, longrope, tiny_model)
+                      from_transformers, known, longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
@@ -220,12 +220,13 @@ def test_bidirectional_attention_is_refused():
         adapt(tiny_model("gemma3_text", use_bidirectional_attention=True))
 
 
-def test_a_model_type_served_from_a_later_transformers_is_refused_naming_that_release(monkeypatch):
-    """HunYuan VL is served from transformers 5.20: under an older release (one pretended here, 5.18 and 5.19 in their quick runs)
-    it is refused in one line naming the release to install."""
-    model = tiny_model("hunyuan_vl")
-    monkeypatch.setattr("kvcal.adapters.transformers_from", lambda major, minor: (major, minor) < (5, 20))
-    with pytest.raises(KvcalError, match=r"serves it from transformers 5\.20.*pip install 'transformers>=5\.20'"):
+@pytest.mark.parametrize("model_type, minor", [("hunyuan_vl", 20), ("deepseek_v32", 18)])
+def test_a_model_type_served_from_a_later_transformers_is_refused_naming_that_release(monkeypatch, model_type, minor):
+    """HunYuan VL is served from transformers 5.20, DeepSeek-V3.2 from 5.18: under an older release (one pretended here,
+    5.17 in its quick run) each is refused in one line naming the release to install."""
+    model = tiny_model(model_type)
+    monkeypatch.setattr("kvcal.adapters.transformers_from", lambda *release: release < (5, minor))
+    with pytest.raises(KvcalError, match=rf"serves it from transformers 5\.{minor}.*pip install 'transformers>=5\.{minor}'"):
         adapt(model)
 
 
@@ -241,7 +242,8 @@ def test_soft_capped_scores_under_sdpa_are_refused(model_type):
 
 @pytest.mark.parametrize("kind, refusal", [
     ("compressed_sparse_attention", r"its layer types \['compressed_sparse_attention'\] are not ones kvcal serves"),
-    ("indexed_attention", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks"),
+    pytest.param("indexed_attention", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks",
+                 marks=from_transformers(5, 18, "the indexed_attention layer type")),
     ("minimax_m3_sparse", r"decoder layer 0: an indexed layer whose attention has no indexer of key blocks"),
 ])
 def test_layer_types_other_than_attention_and_a_recurrent_state_are_refused(kind, refusal):

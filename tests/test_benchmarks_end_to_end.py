@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.common import REPO
 from benchmarks.end_to_end.long_context import closest_to_fp
-from conftest import from_transformers
+from conftest import SPARSE_LATENTS, from_transformers
 
 
 def _row(method: str, correct: int, length: int = 4096, keys: int = 1) -> dict:
@@ -91,6 +91,7 @@ def test_the_mla_benchmark_decodes_dynamic_cache_and_kvcals_caches_and_counts_th
     assert "| 40 | kvcal kivi | cpu-kernel |" in table and "| 50.0% |" in table
 
 
+@SPARSE_LATENTS
 def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decodes_the_pick(tmp_path, monkeypatch):
     """At the tiny DeepSeek-V3.2 shape past its pick of 64 tokens: both caches hold the indexer's keys (80 channels, fp32
     on the CPU) beside the latent and the rotated key, and kvcal's decode steps attend over the pick on the torch

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_model
+from conftest import SPARSE_LATENTS, tiny_model
 from helpers.artifact_files import read_metadata, rewrite
 from kvcal import registry
 from kvcal.bundle import PACKING_UP_TO_4_BITS, load_bundle, write_bundle
@@ -343,7 +343,8 @@ PER_LAYER_WIDTHS = {"layer_index_dims": ("deepseek_v32", [80, 80], "indexer widt
                     "layer_num_heads": ("laguna", [8, 4], "layer/head counts .* are not positive integers")}
 
 
-@pytest.mark.parametrize("key, edited", [("layer_index_dims", edit) for edit in ([80], [80, -1], [80, "80"], 80)] +
+@pytest.mark.parametrize("key, edited", [pytest.param("layer_index_dims", edit, marks=SPARSE_LATENTS)
+                                          for edit in ([80], [80, -1], [80, "80"], 80)] +
                          [("layer_value_dims", edit) for edit in ([16], [16, 0], [16, "16"])] +
                          [("layer_num_heads", edit) for edit in ([8], [8, 0], [8, 4.0])])
 def test_a_resealed_bundle_whose_per_layer_widths_were_edited_is_refused(architecture_bundles, tmp_path, key, edited):

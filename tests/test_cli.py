@@ -11,6 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from conftest import SPARSE_LATENTS
 from helpers.artifact_files import rewrite
 from kvcal.artifacts import read_artifact
 from kvcal.cli import app
@@ -179,6 +180,7 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
     assert not skvq.exists()
 
 
+@SPARSE_LATENTS
 def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_dir, tiny_corpus, tmp_path):
     """DeepSeek-V3.2's (MLA with an indexer picking 8 tokens a query): profiled, fit and exported as MLA; eval ppl's
     table and JSON give its indexer keys' bits (fp32 here), which its effective bits count beside K and V; eval memory's

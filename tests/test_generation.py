@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import fp16_kivi_bundle, longrope, tiny_model
+from conftest import SPARSE_LATENTS, fp16_kivi_bundle, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.generation import DOORS, measure_memory, multikey_prompt, passkey_accuracy
 from kvcal.methods import baseline_method
@@ -38,6 +38,7 @@ def test_a_memory_measure_prefilled_in_steps_across_longropes_switch_is_refused(
         measure_memory(model, fp16_kivi_bundle(model), torch.arange(3, 27), chunk=8)
 
 
+@SPARSE_LATENTS
 def test_a_memory_measure_of_sparse_attention_counts_the_indexer_keys():
     """DeepSeek-V3.2's cache holds its indexer's keys (80 channels a token and layer, fp32 here) beside the latent and
     the rotated key: the live bytes, the formula's and transformers' own fp16 cache's all count them."""

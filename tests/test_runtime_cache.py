@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
-                      TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, known, left_padded, longrope, tiny_model)
+                      SPARSE_LATENTS, TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, known, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
@@ -149,7 +149,7 @@ TAKEN = [2, 0, 2]
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] + [
     ("gemma3_text", "kivi"), ("qwen3_5_text", "kvquant"), ("falcon_h1", "kvquant"), ("gemma3n_text", "kvquant"),
-    ("deepseek_v3", "kvquant"), ("deepseek_v32", "kvquant"), ("minimax", "kvquant")])
+    ("deepseek_v3", "kvquant"), pytest.param("deepseek_v32", "kvquant", marks=SPARSE_LATENTS), ("minimax", "kvquant")])
 def test_a_cache_whose_sequences_were_taken_decodes_as_the_batch_fed_so(recipe_bundles, gemma3_bundles,
                                                                          architecture_bundles, model_type, recipe,
                                                                          decode_path):
@@ -239,7 +239,7 @@ def test_a_cache_refuses_other_batches_and_sequences_it_does_not_hold(recipe_bun
 @pytest.mark.parametrize("model_type, recipe, prompt, step", [
     ("llama", recipe, prompt, step) for recipe in RECIPES for prompt, step in ((0, 7), (60, 7), (0, 70))] + [
     ("llama", "kivi-r128", 0, 130), ("gemma3_text", "kivi", 8, 7), ("gemma3n_text", "kvquant", 8, 7),
-    ("deepseek_v3", "kvquant", 60, 7), ("deepseek_v32", "kvquant", 60, 7)])
+    ("deepseek_v3", "kvquant", 60, 7), pytest.param("deepseek_v32", "kvquant", 60, 7, marks=SPARSE_LATENTS)])
 def test_tokens_taken_back_leave_the_cache_a_shorter_step_leaves(recipe_bundles, gemma3_bundles, architecture_bundles,
                                                                  model_type, recipe, prompt, step, decode_path):
     """crop(-3) after a step of 7 tokens (assisted generation's check of its candidates) leaves the cache a step of 4
@@ -363,7 +363,8 @@ def test_later_steps_read_as_decode_steps_give_one_token_steps_logits_and_cache(
                                                            ("gemma2", dict(sliding_window=8), True),
                                                            ("llama4_text", dict(attention_chunk_size=16), True),
                                                            ("gemma4_text", {}, False), ("deepseek_v3", {}, True),
-                                                           ("deepseek_v32", {}, False), ("minimax_m3_vl_text", {}, True)])
+                                                           pytest.param("deepseek_v32", {}, False, marks=SPARSE_LATENTS),
+                                                           ("minimax_m3_vl_text", {}, True)])
 def test_later_steps_read_as_decode_steps_under_windows_sinks_shared_caches_and_mla(model_type, settings, kernels,
                                                                                    monkeypatch):
     """The same on 2-bit KIVI (blocks of 8, a residual of 8) under a sliding window of 8 with attention sinks (gpt-oss)
@@ -481,9 +482,9 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minimax",
-                                                                            "minimax_m3_vl_text")
-                                                    for recipe in ("kivi", "kvquant")])
+                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "minimax", "minimax_m3_vl_text")
+                                                    for recipe in ("kivi", "kvquant")] +
+                         [pytest.param("deepseek_v32", recipe, marks=SPARSE_LATENTS) for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
     stores: the first attention layer's K/V come from the embeddings (on Qwen3.5 through a DeltaNet layer, which
@@ -522,6 +523,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     torch.testing.assert_close(shared, own, rtol=0, atol=2e-3)
 
 
+@SPARSE_LATENTS
 def test_a_context_without_indexer_keys_is_refused_by_sparse_attention():
     """DeepSeek Sparse Attention's indexer scores every token's indexer key: a context of rows only (or of another
     batch) is refused before anything is stored."""

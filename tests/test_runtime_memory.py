@@ -4,7 +4,7 @@ the bytes formula and the live cache agree exactly at the same length."""
 import pytest
 import torch
 
-from conftest import TINY_WINDOW, tiny_model
+from conftest import SPARSE_LATENTS, TINY_WINDOW, tiny_model
 from helpers import decode_token_by_token
 from kvcal import registry
 from kvcal.adapters import adapt
@@ -40,7 +40,7 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
     assert (cache.outliers() > 0) == keeps_outliers
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", pytest.param("deepseek_v32", marks=SPARSE_LATENTS)])
 @pytest.mark.parametrize("recipe", registry.recipes())
 def test_bits_are_bytes_for_latent_attention(architecture_bundles, recipe, model_type):
     """MLA's cache stores a rotated key of 64 channels and a latent of 96: the simulation's bits, the formula and the

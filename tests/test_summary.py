@@ -1,5 +1,6 @@
 import pytest
 
+from conftest import SPARSE_LATENTS
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
@@ -74,6 +75,7 @@ def test_inspect_names_each_layer_shape_where_the_layers_differ():
     assert _kv_heads_text(mixed) == "2 kv heads, head_dim 16 in layers 0, 2; 1 kv heads, head_dim 32 in layer 1"
 
 
+@SPARSE_LATENTS
 def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_bits(architecture_bundles):
     """DeepSeek-V3.2's fingerprint names its indexer-key widths (80 a layer): the summary's effective bits are the
     K/V bits of the same bundle without them, with 16-bit indexer keys among the elements."""
