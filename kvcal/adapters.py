@@ -171,12 +171,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
                           "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash",
-                          "sarvam_mla")
+                          "sarvam_mla", "hy_v4_vl")
+# the decoders of composites served as MLA above whose type is no model of its own (Hy V4 VL's)
+_LATENT_DECODERS = ("hy_v4_vl_text",)
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 _DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
 # ... and from transformers 5.25 on (before, Hy V4's attention rotated halves)
-_DEINTERLEAVED_LATENT_ROPE_FROM_5_25 = ("hy_v4",)
+_DEINTERLEAVED_LATENT_ROPE_FROM_5_25 = ("hy_v4", "hy_v4_vl_text")
 # decoder layers holding this many attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
 # (LongCat-Flash's two MLA: cache layers 2i and 2i + 1 of decoder layer i, config.num_hidden_layers counting them)
 _ATTENTION_SUBLAYERS = {"longcat_flash": 2}
@@ -208,7 +210,7 @@ _PARITY_SPLIT_ROPE = ("ernie4_5_vl_moe_text",)
 # in the other order
 _HALVES_SWAPPED_ROPE = ("nanochat",)
 # attention sinks: a learned logit per query head beside every row's scores (`sinks`, passed to attention as s_aux)
-_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "hy_v4", "mimo_v2_flash")
+_SINKS = ("gpt_oss", "granite_swa", "granitemoe_swa", "flint", "hy_v4", "hy_v4_vl_text", "mimo_v2_flash")
 # values of their own width (config.v_head_dim) beside wider keys, outside MLA (MiMo-V2-Flash's), and twice the KV heads
 # on sliding layers as on full ones
 _NARROW_VALUES = ("mimo_v2_flash",)
@@ -231,7 +233,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                      "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                      "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
-                     "llava_onevision1_5", "ovis2_5")
+                     "llava_onevision1_5", "ovis2_5", "hy_v4_vl")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
@@ -1124,7 +1126,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     query_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
-    latent = text_type in LATENT_ATTENTION_TYPES
+    latent = text_type in LATENT_ATTENTION_TYPES + _LATENT_DECODERS
     if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention)
         kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim] * num_layers
     if text_type in _SLIDING_KV_HEADS_DOUBLED:

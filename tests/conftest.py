@@ -35,7 +35,8 @@ def from_transformers(major: int, minor: int, what: str):
 
 TINY_ARCHITECTURES = known(SUPPORTED_MODEL_TYPES)  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head latent attention (MLA)
-DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"))  # MLA with DeepSeek Sparse Attention's indexer
+DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2"))  # MLA with DeepSeek Sparse Attention's indexer
+HY_V4 = ("hy_v4", "hy_v4_vl")  # of them, Hy V4's decoder: its layer 1 attends to layer 0's pick, keeping no indexer
 SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
 TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
@@ -54,7 +55,7 @@ ALTERNATING = known(("ministral", "olmo3", "exaone4", "exaone_moe", "kolibri1", 
 GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary module per RoPE base
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
-OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
+OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "hy_v4_vl": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
                  "gpt_neo": "eager", "mpt": "eager", "got_ocr2": "eager"}  # (GOT-OCR2's SAM tower: no SDPA)
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
@@ -287,6 +288,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text["rope_parameters"] = QWEN3_5_MROPE
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type == "hy_v4_vl":  # Hy V4 VL: a Hy V4 decoder (below) whose RoPE is Qwen3-VL's multimodal one, in
+        # interleaved (time, height, width) sections of the rotated key's 64 channels, beside HunYuan VL's vision tower
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                      out_hidden_size=64)
+        text = tiny_config("hy_v4", max_positions, **overrides).to_dict()
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [12, 10, 10]}
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1,
+                                    video_token_id=TINY_VOCAB - 2)
     if model_type == "kimi_k25":  # Kimi K2.5: a DeepSeek-V3 decoder (MLA, below) beside its vision tower
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
                       pos_emb_height=8, pos_emb_width=8)
@@ -730,7 +739,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "minimax_m3_vl", "paddleocr_vl",
+    composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl", "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
                   "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "paligemma", *MINICPM_V, *QWEN_OMNI,
                   *MUSE, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
+from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HY_V4, HYBRID, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
                       from_transformers, known, longrope, tiny_model)
 from helpers import attention_at
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
@@ -131,7 +131,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
     # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent (Hy V4's
     # layer 1 reads layer 0's pick and keeps none)
-    index = {"hy_v4": [80, 0]}.get(model_type, [80, 80]) if model_type in DSA else None
+    index = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else None
     assert adapter.index_widths == (index or [0, 0]) and adapter.fingerprint().get("layer_index_dims") == index
     assert [handles.sparse for handles in adapter.layers] == [model_type in DSA] * 2
     attention = attention_at(model, adapter.model_layers[1])  # (Kimi Linear's after a KDA layer)
@@ -143,7 +143,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     assert handles.q_proj is query
     assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", 1.0)
     interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
-                   or getattr(config, "rope_interleave", False) or model_type == "hy_v4" and transformers_from(5, 25))
+                   or getattr(config, "rope_interleave", False) or model_type in HY_V4 and transformers_from(5, 25))
     assert [order is not None for order in adapter.rope_orders] == [interleaved] * 2
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))

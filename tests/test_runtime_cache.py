@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
+from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, IMAGE_TOWERS, QWEN_OMNI, HY_V4, LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_VL,
                       SPARSE_LATENTS, TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle, known, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
@@ -688,7 +688,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
-          "hunyuan_vl": (8, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
+          "hunyuan_vl": (8, 56, ""), "hy_v4_vl": (6, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
@@ -704,11 +704,11 @@ MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_
 GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5", "lfm3_vl", "hyperclovax_vision_v2", *MUSE),
                                 (3 * 2 * 14 * 14,)),
                 "paddleocr_vl": (3, 14, 14), "kimi_k25": (3, 14, 14), "ernie4_5_vl_moe": (3 * 14 * 14,),
-                "hunyuan_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,),
+                "hunyuan_vl": (3 * 14 * 14,), "hy_v4_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,),
                 "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
-TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl")
-IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", *MUSE, "step3p7",
+TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl", "hy_v4_vl")
+IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", "hy_v4_vl", *MUSE, "step3p7",
                     "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", *MINICPM_V,
                     *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE))  # their decoders read an image's tokens causally, as text
@@ -1013,11 +1013,12 @@ def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_toke
     assert (torch.stack(text_only.logits) - torch.stack(fp.logits)).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v", "ernie4_5_vl_moe"])
+@pytest.mark.parametrize("model_type", known(("qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v", "ernie4_5_vl_moe", "hy_v4_vl")))
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
-    """Qwen2.5-VL's, Qwen3.5's and North's image tokens sit at (time, height, width) positions; keys stored before RoPE (the
-    kvquant bundle) are rotated by one position each, so a prompt with an image is refused before anything is stored,
-    in the cache and in the simulation; the same prompt's text decodes through it."""
+    """Qwen2.5-VL's, Qwen3.5's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key) image tokens sit
+    at (time, height, width) positions; keys stored before RoPE (the kvquant bundle) are rotated by one position each,
+    so a prompt with an image is refused before anything is stored, in the cache and in the simulation; the same
+    prompt's text decodes through it."""
     model = tiny_model(model_type)
     bundle = architecture_bundles(model_type)["kvquant"]
     images = image_inputs(model_type, model, prompt())
@@ -1189,7 +1190,7 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
             kept = [None if layer.index_keys is None else tuple(layer.index_keys.shape) for layer in cache.attention_layers]
-            assert kept == [(2, 35, 80), None if model_type == "hy_v4" else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
+            assert kept == [(2, 35, 80), None if model_type in HY_V4 else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
             assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
         dense = tiny_model(model_type, index_topk=64).generate(input_ids=ids, attention_mask=mask, **settings)
     assert torch.equal(ours.sequences, fp.sequences)

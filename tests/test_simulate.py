@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from conftest import DSA, GEMMA4, HY_V4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -82,7 +82,7 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     assert tally.key_bits + tally.value_bits == 16 * tally.elements
     assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
     # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them (Hy V4: layer 0's alone)
-    index_width = {"hy_v4": 80}.get(model_type, 2 * 80) if model_type in DSA else 0
+    index_width = (80 if model_type in HY_V4 else 2 * 80) if model_type in DSA else 0
     assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * index_width, 2 * 33 * index_width)
 
 
@@ -137,7 +137,7 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
     # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
     # V4's in one of its two layers)
-    index_width = {"hy_v4": 40}.get(model_type, 80) if model_type in DSA else 0
+    index_width = (40 if model_type in HY_V4 else 80) if model_type in DSA else 0
     assert tally.effective_bits == pytest.approx((64 * 8.5 + 96 * 4.5 + index_width * 32) / (160 + index_width))
 
 
