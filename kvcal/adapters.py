@@ -166,7 +166,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
-                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text")
+                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -233,7 +233,7 @@ _IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "ay
                      "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                      "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                      "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
-                     "llava_onevision1_5", "ovis2_5", "hy_v4_vl")
+                     "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 _IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")

@@ -56,7 +56,8 @@ GRANITE_SWA = ("granite_swa", "granitemoe_swa")  # attention sinks, one rotary m
 TINY_WINDOW = 16
 # the attention implementation of a tiny model, where it is not SDPA (which has no sinks and no soft-cap)
 OWN_ATTENTION = {"gpt_oss": "eager", "flint": "eager", "hy_v4": "eager", "hy_v4_vl": "eager", "mimo_v2_flash": "eager", "gemma2": "eager", "vaultgemma": "eager", "granite_swa": "eager", "granitemoe_swa": "eager",
-                 "gpt_neo": "eager", "mpt": "eager", "got_ocr2": "eager"}  # (GOT-OCR2's SAM tower: no SDPA)
+                 "gpt_neo": "eager", "mpt": "eager", "got_ocr2": "eager",  # (GOT-OCR2's SAM tower: no SDPA)
+                 "apertus1p5": "eager"}  # (nor Apertus 1.5's image tokenizer)
 GLM = ("glm", "glm4", "glm4_moe")
 # decoder layers of attention and of a recurrent state: gated DeltaNet, LFM2's convolutions, MiniMax's lightning
 # attention, Mamba (Jamba's, and Granite 4.0-H's, Nemotron-H's and Bamba's Mamba 2; Nemotron-H's MLP blocks hold nothing)
@@ -380,6 +381,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text = composite_text(max_positions, {}, **{**dict(pad_token_id=0), **overrides})
         return AutoConfig.for_model("emu3", text_config=text, vq_config=vq,
                                     vocabulary_map={"<image>": TINY_VOCAB - 1, "<|extra_200|>": TINY_VOCAB - 2, **codes})
+    if model_type == "apertus1p5":  # Apertus 1.5: its decoder (below) reading an image and audio as the codes of their
+        # tokenizers (an 8 x 8 image: 4 x 4 codes of a VQ codebook of 8; 64 samples of audio: 16 of WavTokenizer's, of a
+        # codebook of 8), tokens of its vocabulary from image_token_offset and audio_token_offset on
+        text = tiny_config("apertus1p5_text", max_positions, **overrides).to_dict()
+        vision = dict(codebook_size=8, embed_dim=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+                      num_res_blocks=1, attn_resolutions=[], resolution=16)
+        audio = dict(model_type="wavtokenizer_encoder", codebook_size=8, codebook_dim=16, hidden_size=16, num_filters=4,
+                     upsampling_ratios=[2, 2], num_lstm_layers=1)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=audio,
+                                    image_token_id=TINY_VOCAB - 1, audio_token_id=TINY_VOCAB - 2,
+                                    image_token_offset=TINY_VOCAB - 20, audio_token_offset=TINY_VOCAB - 12)
     if model_type == "paligemma":  # PaliGemma: a Gemma decoder attending its prompt both ways (image and text, told by
         # token_type_ids 0) beside a SigLIP tower, an image 4 tokens here
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
@@ -741,7 +753,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
     composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl", "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
-                  "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "paligemma", *MINICPM_V, *QWEN_OMNI,
+                  "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "apertus1p5", "paligemma", *MINICPM_V, *QWEN_OMNI,
                   *MUSE, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
     auto = AutoModelForImageTextToText if model_type in composites else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type, max_positions, **overrides),

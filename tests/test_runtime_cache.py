@@ -692,7 +692,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
-          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""),
+          "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""), "apertus1p5": (16, 8, ""),
           "paligemma": (4, 28, "Siglip"),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, ""),
           "llava_onevision1_5": (4, 56, ""), "ovis2_5": (4, 56, "")}
@@ -709,7 +709,7 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl", "hy_v4_vl")
 IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", "hy_v4_vl", *MUSE, "step3p7",
-                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", *MINICPM_V,
+                    "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", "apertus1p5", *MINICPM_V,
                     *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE))  # their decoders read an image's tokens causally, as text
 
@@ -759,7 +759,7 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         images["pixel_values"] = images["pixel_values"][:, None]
     if model_type == "granite_docling":  # its one tile real
         images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
-    if model_type in ("mistral3", "lighton_ocr"):
+    if model_type in ("mistral3", "lighton_ocr", "apertus1p5"):
         images["image_sizes"] = torch.tensor([[side, side]])
     if model_type == "nemotron_h_omni":  # its patches flattened beside their (height, width) grid
         grid = side // 14
@@ -925,7 +925,7 @@ def test_a_model_reading_image_tokens_as_text_generates_its_own_fp_tokens_from_a
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(**images, **settings, **cache_argument(cache))
             assert cache.tokens() == [tokens + 8 - 1]
-            if model_type not in ("fuyu", "chameleon", "emu3"):  # (no vision tower: Fuyu's patches' pixels embedded by a
+            if model_type not in ("fuyu", "chameleon", "emu3", "apertus1p5"):  # (no vision tower: Fuyu's patches' pixels embedded by a
                 # linear layer, Chameleon's and Emu3's images a VQ model's codes)
                 assert model.config.vision_config._attn_implementation == own
         text_only = model.generate(input_ids=images["input_ids"], **settings)
@@ -984,15 +984,17 @@ MEDIA = {"qwen2_5_vl": (8, "video_token_id", lambda: dict(pixel_values_videos=to
          "video_llava": (10, "video_token_index", lambda: dict(pixel_values_videos=torch.randn(1, 2, 3, 28, 28))),
          **{kind: (tokens, "audio_token_id", lambda: dict(
              input_features=torch.randn(1, 16, 40), feature_attention_mask=torch.ones(1, 40, dtype=torch.long)))
-            for kind, tokens in (("qwen2_5_omni_thinker", 10), ("qwen3_omni_moe_thinker", 5))}}
+            for kind, tokens in (("qwen2_5_omni_thinker", 10), ("qwen3_omni_moe_thinker", 5))},
+         **known({"apertus1p5": (16, "audio_token_id", lambda: dict(  # (WavTokenizer's codes of 64 samples)
+             input_values=torch.randn(1, 1, 64), padding_mask=torch.ones(1, 64, dtype=torch.long)))})}
 
 
 @pytest.mark.parametrize("model_type", MEDIA)
 def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_tokens(model_type):
     """A video's frames, or audio, reach the decoder as tokens read causally, as an image's: through a cache keeping
     everything fp16 the model generates its own tokens from a prompt with a video of two frames (Qwen2.5-VL's at
-    multimodal RoPE positions, time advancing by frame) or with audio (the Omni thinkers'), logits equal up to the
-    fp16 rounding of K/V; the video or audio matters."""
+    multimodal RoPE positions, time advancing by frame) or with audio (the Omni thinkers', Apertus 1.5's as its
+    tokenizer's codes), logits equal up to the fp16 rounding of K/V; the video or audio matters."""
     model = tiny_model(model_type)
     tokens, token_name, media = MEDIA[model_type]
     ids = prompt(tokens=12 + tokens)
