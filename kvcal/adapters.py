@@ -14,8 +14,10 @@ modeling file:
   norm's output where the model has one, else the k_proj output;
 - Phi-3, Phi-4 and Phi-4-multimodal: q, k and v side by side in one fused qkv_proj's output (LayerHandles.columns),
   DBRX in its Wqkv's, clamped (clip_qkv: `LayerHandles.clip`), its attention inside a norm_attn_norm block; GPT-NeoX
-  (Pythia) and Persimmon: each head's q, k and v in turn in one query_key_value; Phi (Phi-2), GPT-NeoX and Persimmon
-  name the output projection dense, LFM2 and DBRX out_proj.
+  (Pythia) and Persimmon: each head's q, k and v in turn in one query_key_value; Falcon in its query_key_value each
+  KV head's queries, then its key and value (new_decoder_architecture), or q, k and v side by side (multi_query), its
+  attention self_attention; Phi (Phi-2), GPT-NeoX, Persimmon and Falcon name the output projection dense, LFM2 and
+  DBRX out_proj.
 RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
 GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
 of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
@@ -166,7 +168,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
-                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5")
+                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -258,7 +260,7 @@ _SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_te
 _NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
                         "kimi_linear", "biogpt")
 # Nemotron-H: its attention blocks' mixer; Mllama: its cross-attention layers' cross_attn
-_ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "cross_attn")
+_ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn", "mixer", "cross_attn")
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
 # DeltaNet, LFM2's convolutions, Granite 4.0-H's and Nemotron-H's Mamba 2) or nothing (Nemotron-H's MLP and MoE
 # blocks): kvcal quantizes the other layers' cache and leaves theirs to transformers' own
@@ -847,6 +849,10 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
         side_by_side = isinstance(fused, Conv1D) or getattr(attention, "multi_query", False)
         linear.update({"qkv_proj" if side_by_side else "query_key_value": fused, "o_proj": attention.c_proj})
+    if getattr(attention, "new_decoder_architecture", False) and "query_key_value" in linear:  # Falcon-40B's
+        linear["grouped_qkv"] = linear.pop("query_key_value")
+    elif getattr(attention, "multi_query", False) and "query_key_value" in linear:  # Falcon-7B's: side by side
+        linear["qkv_proj"] = linear.pop("query_key_value")
     # StableLM's q_layernorm, Hunyuan's query_layernorm
     names = {"q": ("q_norm", "q_layernorm", "query_layernorm"), "k": ("k_norm", "k_layernorm", "key_layernorm"),
              "v": ("v_norm", "v_layernorm")}
@@ -879,6 +885,16 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         if outputs != q_width + 2 * kv_width:
             raise KvcalError(f"{where}: qkv_proj has {outputs} outputs, expected {q_width} + 2 x {kv_width} (q, k, v)")
         columns = dict(q=slice(0, q_width), k=slice(q_width, q_width + kv_width), v=slice(q_width + kv_width, None))
+        return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
+    if "o_proj" in linear and "grouped_qkv" in linear:  # each KV head's queries, then its key and value (Falcon-40B)
+        fused, group = linear["grouped_qkv"], q_width // kv_width
+        if fused.out_features != q_width + 2 * kv_width:
+            raise KvcalError(f"{where}: query_key_value has {fused.out_features} outputs, expected {q_width} + 2 x "
+                             f"{kv_width} (q, k, v)")
+        starts = torch.arange(0, fused.out_features, (group + 2) * head_dim)[:, None]  # (KV heads, 1): each group's
+        columns = dict(q=(starts + torch.arange(group * head_dim)).flatten(),
+                       k=(starts + group * head_dim + torch.arange(head_dim)).flatten(),
+                       v=(starts + (group + 1) * head_dim + torch.arange(head_dim)).flatten())
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     if "o_proj" in linear and "query_key_value" in linear:  # each head's q, k and v in turn (GPT-NeoX)
         fused = linear["query_key_value"]
@@ -1099,9 +1115,10 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
 
 # model types served from a transformers release on, before which their classes differ from what kvcal follows
 # (DeepSeek Sparse Attention's before 5.18 caches keys and values expanded per head, not the latent; HunYuan VL's
-# before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails)
+# before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails; Falcon's
+# before 5.25 attends without transformers' attention functions, which kvcal replaces)
 _SERVED_FROM = {**dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"), (5, 18)),
-                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20)}
+                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), "falcon": (5, 25)}
 
 
 def served_by_installed_transformers(model_type: str) -> bool:
@@ -1151,10 +1168,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
     for handle, m, (_, at) in zip(handles, attending, located):
         if decoder_types[m] == _INDEXED_ATTENTION and not latent:
             _pick_key_blocks(handle, query_heads[m], at)
+    if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's, Falcon's
+        raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
+                         "add; kvcal serves RoPE models and ones with learned or no positions")
     if model_type not in SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES:
-        if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's
-            raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
-                             "add; kvcal serves RoPE models and ones with learned or no positions")
         raise KvcalError(f"{where}: kvcal does not serve its model type; {_SERVED_ONES}")
     attending_only = lambda per_layer: [per_layer[m] for m in attending]  # noqa: E731
     kinds, query_heads, kv_heads, head_dims, value_dims = map(attending_only, (_layer_types(config, num_layers), query_heads,

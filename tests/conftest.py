@@ -737,6 +737,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)
         common = dict(vocab_size=TINY_VOCAB, n_embd=64 if model_type == "gpt2" else 128, n_layer=2, n_head=4,
                       n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    if model_type == "falcon":  # Falcon-40B / 180B, Falcon2-11B: each KV head's queries, then its key and value, in one
+        # query_key_value (new_decoder_architecture); Falcon-7B's are side by side, one KV head (multi_query)
+        common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                      new_decoder_architecture=True, max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
     if model_type == "mpt":  # not served (ALiBi): a refusal's example
         common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
     if model_type == "gpt_neo":  # not served (its projections inside its attention's own attention): the refusals' example

@@ -61,10 +61,11 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     attention = attention_at(model, adapter.model_layers[1])
-    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, GPT-2's and Ergo's q, k and v: one linear (GPT-2's: a
-    # Conv1D)
+    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, Falcon's, GPT-2's and Ergo's q, k and v: one linear
+    # (GPT-2's: a Conv1D)
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
-                                         "persimmon": "query_key_value", "fuyu": "query_key_value", "gpt2": "c_attn",
+                                         "persimmon": "query_key_value", "fuyu": "query_key_value", "falcon": "query_key_value",
+                                         "gpt2": "c_attn",
                                          "gpt_bigcode": "c_attn", "ergo": "qkv_proj"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
@@ -330,8 +331,35 @@ def test_unsupported_architecture_names_what_is_missing():
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
     with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention\)"):
         adapt(tiny_model("gpt_neo"))
-    with pytest.raises(KvcalError, match=r"MptForCausalLM.*its positions are ALiBi biases on the scores"):
-        adapt(tiny_model("mpt"))
+
+
+@pytest.mark.parametrize("model_type, settings", known({"mpt": {}, "falcon": dict(alibi=True)}).items())
+def test_positions_given_as_alibi_biases_are_refused(model_type, settings):
+    """MPT's and Falcon-RW's positions are biases added to the scores, which kvcal's attention does not add."""
+    with pytest.raises(KvcalError, match=r"ForCausalLM.*its positions are ALiBi biases on the scores"):
+        adapt(tiny_model(model_type, **settings))
+
+
+@from_transformers(5, 25, "Falcon's attention through transformers' attention functions")
+@pytest.mark.parametrize("layout", [dict(multi_query=True), dict(multi_query=False)])
+def test_falcons_other_fused_layouts_give_the_keys_and_values_the_model_caches(layout):
+    """Falcon-7B's q, k and v side by side in query_key_value (one KV head: multi_query) and each head's in turn (no
+    GQA), beside the tiny config's grouped layout: kvcal's key and value columns are what the model caches, the key
+    rotated by kvcal as the model rotates it."""
+    model = tiny_model("falcon", initializer_range=0.25, new_decoder_architecture=False, num_kv_heads=None, **layout)
+    adapter = adapt(model)
+    assert adapter.kv_heads == [1 if layout["multi_query"] else 4] * 2
+    assert_kvcal_rotates_the_pre_rope_keys_as(model)
+    sources = {}
+    hooks = [layer.value_source.register_forward_hook(lambda module, args, out, i=i: sources.__setitem__(i, out))
+             for i, layer in enumerate(adapter.layers)]
+    with torch.no_grad():
+        cache = getattr(model(torch.arange(3, 15)[None], use_cache=True), CACHE_ARGUMENT)
+    for hook in hooks:
+        hook.remove()
+    for i, layer in enumerate(adapter.layers):
+        cached = cache.layers[i].values[0].transpose(0, 1).flatten(1)
+        torch.testing.assert_close(layer.source_rows("v", sources[i])[0], cached, rtol=0, atol=0)
 
 
 def test_gemma3_layers_rotate_with_the_frequencies_of_their_type():

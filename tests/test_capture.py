@@ -86,8 +86,13 @@ def key_and_value_sources(model, layer: int):
     weight makes it, its rows of that weight). Phi-3's one qkv_proj holds q, k and v side by side, GPT-NeoX's
     query_key_value each head's q, k and v in turn (GPT-BigCode's c_attn too, but where multi_query; Persimmon's, its
     keys normed per head after it), GPT-2's c_attn side by side (a Conv1D: its weight's columns), Ergo's qkv_proj side
-    by side, its keys normed per head after it."""
+    by side, its keys normed per head after it; Falcon's query_key_value each KV head's queries, then its key and value."""
     attention, config = attention_at(model, layer), text_config(model)
+    if getattr(attention, "new_decoder_architecture", False):
+        fused, head_dim = attention.query_key_value, config.hidden_size // config.num_attention_heads
+        grouped = torch.arange(fused.out_features).view(config.num_kv_heads, -1, head_dim)
+        keys, values = grouped[:, -2].flatten(), grouped[:, -1].flatten()
+        return (fused, keys, fused, keys), (fused, values, fused, values)
     in_turn = getattr(attention, "query_key_value", None)
     if getattr(attention, "multi_query", None) is False:
         in_turn = attention.c_attn

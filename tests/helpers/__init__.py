@@ -69,10 +69,11 @@ def decoder_layers(model):
 
 
 def attention_module(decoder_layer):
-    """A decoder layer's attention: self_attn on most models, attention on GPT-NeoX, attn on GPT-2 and (in its
-    norm_attn_norm) DBRX, mixer on Nemotron-H."""
+    """A decoder layer's attention: self_attn on most models, self_attention on Falcon, attention on GPT-NeoX, attn on
+    GPT-2 and (in its norm_attn_norm) DBRX, mixer on Nemotron-H."""
     block = getattr(decoder_layer, "norm_attn_norm", decoder_layer)
-    return next(getattr(block, name) for name in ("self_attn", "attention", "attn", "mixer") if hasattr(block, name))
+    return next(getattr(block, name) for name in ("self_attn", "self_attention", "attention", "attn", "mixer")
+                if hasattr(block, name))
 
 
 def attention_at(model, layer: int):
