@@ -16,11 +16,11 @@ modeling file:
   DBRX in its Wqkv's, clamped (clip_qkv: `LayerHandles.clip`), its attention inside a norm_attn_norm block; GPT-NeoX
   (Pythia) and Persimmon: each head's q, k and v in turn in one query_key_value; Falcon in its query_key_value each
   KV head's queries, then its key and value (new_decoder_architecture), or q, k and v side by side (multi_query), its
-  attention self_attention; Phi (Phi-2), GPT-NeoX, Persimmon and Falcon name the output projection dense, LFM2 and
-  DBRX out_proj.
-RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium and GLM pair neighbours (2i, 2i+1), and
-GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon and Phi-4-mini rotate only the first channels
-of each head (partial_rotary_factor). kvcal reads queries and keys of those in its own order
+  attention self_attention; CodeGen in its qkv_proj q, v and k side by side within each of its 4 shards; Phi (Phi-2),
+  GPT-NeoX, Persimmon and Falcon name the output projection dense, LFM2, DBRX, GPT-J and CodeGen out_proj.
+RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium, GLM, GPT-J and CodeGen pair neighbours
+(2i, 2i+1), and GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon, Phi-4-mini, GPT-J and
+CodeGen rotate only the first channels of each head (partial_rotary_factor, rotary_dim). kvcal reads queries and keys of those in its own order
 (kvcal.rope.rotate_half_order: `LayerHandles.rope_order`, recorded in the fingerprint), where the channels RoPE leaves
 alone have a frequency of zero; Laguna's full layers rotate half of each head and its sliding ones all of it, so each
 layer has its own order (the fingerprint's layer_rope_orders where they differ). Laguna's layers also have their own
@@ -168,7 +168,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "deepseek_vl_hybrid", "glmga", "molmo2", "nemotron_h_omni", "granite4_vision",
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
-                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon")
+                         "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon",
+                         "gptj", "codegen")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -194,7 +195,10 @@ _HEADS_FIRST_NORMS = ("gemma3_text", "exaone4", "exaone_moe", "kolibri1", "apert
                       "muse_glimmer_text", "apertus1p5_text")
 # RoPE in pairs of neighbouring channels (2i, 2i+1), as GLM first did; the others rotate halves (i, i + rotary dims/2)
 _INTERLEAVED_ROPE = ("cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "glm", "glm4", "llama4_text",
-                     "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text", "ergo")
+                     "glm4v_text", "glm_ocr_text", "ernie4_5_vl_moe_text", "ergo", "gptj", "codegen")
+# a rotary module holding each position's sines, then cosines (`embed_positions`), of frequencies base 10000 over its
+# width (GPT-J's and CodeGen's create_sinusoidal_positions), instead of inv_freq
+_SINUSOID_TABLE_ROPE = ("gptj", "codegen")
 # q and k normed per head after RoPE, without a scale (Llama 4 Scout's use_qk_norm: the attention's qk_norm; NanoChat's
 # q_norm and k_norm)
 _NORMED_AFTER_ROPE = ("llama4_text", "nanochat")
@@ -575,7 +579,7 @@ class ModelAdapter:
             return torch.zeros(self.head_dims[layer] // 2)
         rotary = self._layer_rotary(layer)
         if self.long_rope is None:
-            inv_freq = getattr(rotary, _rotary_name(self.layer_types[layer], "inv_freq"))
+            inv_freq = _rotary_inv_freq(rotary, self.layer_types[layer])
         else:
             inv_freq = self.long_rope.long_inv_freq if tokens > self.long_rope.switch else rotary.original_inv_freq
         inv_freq = inv_freq.detach().float().cpu()
@@ -879,6 +883,16 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear.get("v_proj", linear["k_proj"]),
                             **norms, value_from_key_projection=value_from_key,
                             columns=dict(q=query_columns, k=slice(None), v=slice(None)))
+    if "o_proj" in linear and "qkv_proj" in linear and hasattr(attention, "mp_num"):  # CodeGen's: q, v and k side by
+        # side within each of the mp_num shards it was trained in
+        fused, shards = linear["qkv_proj"], attention.mp_num
+        if q_width != kv_width or fused.out_features != 3 * q_width or q_width % shards:
+            raise KvcalError(f"{where}: qkv_proj has {fused.out_features} outputs for {q_width // head_dim} query and "
+                             f"{kv_width // head_dim} KV heads; kvcal reads it as {shards} shards of q, v and k")
+        local = q_width // shards
+        starts = torch.arange(0, 3 * q_width, 3 * local)[:, None]  # (shards, 1)
+        columns = {kind: (starts + i * local + torch.arange(local)).flatten() for i, kind in enumerate("qvk")}
+        return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
         outputs = fused.nf if isinstance(fused, Conv1D) else fused.out_features
@@ -980,10 +994,22 @@ def _rotary_name(kind: str | None, name: str) -> str:
     return name if kind is None else f"{kind}_{name}"
 
 
-def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional: bool = False) -> nn.Module | None:
-    """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type); None where
-    there is none and that is `optional` (a model whose attention then applies no RoPE)."""
-    names = {_rotary_name(kind, "inv_freq") for kind in kinds}
+def _rotary_inv_freq(rotary: nn.Module, kind: str | None) -> torch.Tensor:
+    """The frequencies `rotary` rotates layers of type `kind` (None: every layer) by: its inv_freq, or those its table of
+    sines and cosines was made of (_SINUSOID_TABLE_ROPE: computed as the model computes them)."""
+    table = getattr(rotary, "embed_positions", None)
+    if isinstance(table, torch.Tensor) and not hasattr(rotary, "inv_freq"):
+        width = table.shape[-1]
+        return 1.0 / (10000 ** (torch.arange(0, width, 2, dtype=torch.int64, device=table.device) / width))
+    return getattr(rotary, _rotary_name(kind, "inv_freq"))
+
+
+def _find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional: bool = False,
+                 table: bool = False) -> nn.Module | None:
+    """The module holding the frequencies of every layer type (`inv_freq`, or `<type>_inv_freq` per type; `table`:
+    `embed_positions`, _SINUSOID_TABLE_ROPE's); None where there is none and that is `optional` (a model whose
+    attention then applies no RoPE)."""
+    names = {"embed_positions"} if table else {_rotary_name(kind, "inv_freq") for kind in kinds}
     for module in model.modules():
         if all(isinstance(getattr(module, name, None), torch.Tensor) for name in names):
             return module
@@ -1003,7 +1029,7 @@ def _rope_orders(rotary: nn.Module, kinds: list[str | None], head_dims: list[int
     for kind, head_dim in zip(kinds, head_dims):
         if kind in rope_free:
             continue
-        rotated = 2 * getattr(rotary, _rotary_name(kind, "inv_freq")).numel()
+        rotated = 2 * _rotary_inv_freq(rotary, kind).numel()
         if rotated > head_dim:
             raise KvcalError(f"{where}: its RoPE rotates {rotated} of a head's {head_dim} channels; kvcal takes up to "
                              "head_dim")
@@ -1030,7 +1056,7 @@ def _unrotated_scale(adapter: ModelAdapter, layer: int) -> torch.Tensor | None:
     scaling, half = adapter.layer_rope_scaling(layer), adapter.head_dims[layer] // 2
     if scaling == 1.0:
         return None
-    pairs = getattr(adapter._layer_rotary(layer), _rotary_name(adapter.layer_types[layer], "inv_freq")).numel()
+    pairs = _rotary_inv_freq(adapter._layer_rotary(layer), adapter.layer_types[layer]).numel()
     if pairs == half:
         return None
     one_half = torch.cat((torch.ones(pairs), torch.full((half - pairs,), 1.0 / scaling)))
@@ -1115,10 +1141,10 @@ def _rotated_layers(config, model_type: str, num_layers: int, rope_free: set[str
 
 # model types served from a transformers release on, before which their classes differ from what kvcal follows
 # (DeepSeek Sparse Attention's before 5.18 caches keys and values expanded per head, not the latent; HunYuan VL's
-# before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails; Falcon's
-# before 5.25 attends without transformers' attention functions, which kvcal replaces)
+# before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails; Falcon's,
+# GPT-J's and CodeGen's before 5.25 attend without transformers' attention functions, which kvcal replaces)
 _SERVED_FROM = {**dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"), (5, 18)),
-                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), "falcon": (5, 25)}
+                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), **dict.fromkeys(("falcon", "gptj", "codegen"), (5, 25))}
 
 
 def served_by_installed_transformers(model_type: str) -> bool:
@@ -1183,7 +1209,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
     rotating_kinds = [kind for kind in kinds if kind not in rope_free]
     rotary = (next((module for module in layer_rotaries if module is not None), None) if layer_rotaries else
               None if text_type in _SCALED_NORMS_AFTER_ROPE else
-              _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY))
+              _find_rotary(decoder, rotating_kinds, where, optional=text_type in _NOPE_WITHOUT_ROTARY,
+                           table=text_type in _SINUSOID_TABLE_ROPE))
     interleaved = text_type in _INTERLEAVED_ROPE or latent and _latent_rope(config) != "halves"
     orders = (_rope_orders(rotary, kinds, head_dims, rope_free, interleaved, text_type in _HALVES_SWAPPED_ROPE, where)
               if rotary is not None else [None] * len(handles))

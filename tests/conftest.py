@@ -737,6 +737,11 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         # a Conv1D, no GQA; GPT-BigCode: one KV head, multi_query, of 32 channels as the others' two of 16)
         common = dict(vocab_size=TINY_VOCAB, n_embd=64 if model_type == "gpt2" else 128, n_layer=2, n_head=4,
                       n_positions=max_positions, bos_token_id=0, eos_token_id=0)
+    if model_type in ("gptj", "codegen"):  # GPT-J, CodeGen: RoPE in neighbouring pairs (rotate_every_two) over each head's
+        # first rotary_dim channels, from a table of sines and cosines; no GQA; CodeGen's q, v and k in one qkv_proj,
+        # side by side within each of 4 shards
+        common = dict(vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=max_positions,
+                      bos_token_id=1, eos_token_id=2)
     if model_type == "falcon":  # Falcon-40B / 180B, Falcon2-11B: each KV head's queries, then its key and value, in one
         # query_key_value (new_decoder_architecture); Falcon-7B's are side by side, one KV head (multi_query)
         common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,

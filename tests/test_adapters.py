@@ -38,8 +38,10 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                  "mllama": "mllama_text_model", "emu3": "emu3_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
-    # GPT-NeoX, OPT, BioGPT, GPT-2 and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head (multi_query, of 32 channels)
-    kv_heads = 4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu") else 1 if model_type == "gpt_bigcode" else 2
+    # GPT-NeoX, OPT, BioGPT, GPT-2, GPT-J, CodeGen and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head
+    # (multi_query, of 32 channels)
+    kv_heads = (4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu", "gptj", "codegen") else
+                1 if model_type == "gpt_bigcode" else 2)
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer
     # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj
     shapes = ([(2, 16), (1, 32)] if model_type in GEMMA4 else [(1, 32)] * 2 if model_type == "gpt_bigcode" else
@@ -62,10 +64,11 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     # Gemma 3n: decoder layers 2 and 3 read layers 0's and 1's keys and values
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     attention = attention_at(model, adapter.model_layers[1])
-    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, Falcon's, GPT-2's and Ergo's q, k and v: one linear
-    # (GPT-2's: a Conv1D)
+    # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, Falcon's, CodeGen's, GPT-2's and Ergo's q, k and v:
+    # one linear (GPT-2's: a Conv1D)
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "fuyu": "query_key_value", "falcon": "query_key_value",
+                                         "codegen": "qkv_proj",
                                          "gpt2": "c_attn",
                                          "gpt_bigcode": "c_attn", "ergo": "qkv_proj"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection

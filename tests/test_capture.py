@@ -103,6 +103,11 @@ def key_and_value_sources(model, layer: int):
         normed = getattr(attention, "k_layernorm", None)
         key_source = (normed, slice(None)) if normed is not None else (in_turn, keys)
         return (*key_source, in_turn, keys), (in_turn, values, in_turn, values)
+    if hasattr(attention, "mp_num"):  # CodeGen's qkv_proj: q, v and k side by side within each of its shards
+        fused, shards = attention.qkv_proj, attention.mp_num
+        per_shard = torch.arange(3 * config.hidden_size).view(shards, 3, config.hidden_size // shards)
+        keys, values = per_shard[:, 2].flatten(), per_shard[:, 1].flatten()
+        return (fused, keys, fused, keys), (fused, values, fused, values)
     if hasattr(attention, "c_attn"):  # (GPT-BigCode's multi-query: one KV head)
         fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
         keys, values = slice(q, q + kv), slice(q + kv, None)
@@ -130,6 +135,12 @@ def models_rope(model, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     each head; gpt-oss's cover a pair each), the rest as they are. Gemma 3n's rotates one tensor at a time."""
     rotary_dims = cos.shape[-1] * (2 if text_config(model).model_type == "gpt_oss" else 1)
     apply_rotary_pos_emb = importlib.import_module(type(decoder_of(model)).__module__).apply_rotary_pos_emb
+    if text_config(model).model_type in ("gptj", "codegen"):  # its rotary gives (sin, cos) of half the rotated
+        # channels, its apply_rotary_pos_emb rotates one tensor of (batch, tokens, heads, channels)
+        sin, cos = cos, sin
+        rotary_dims = 2 * cos.shape[-1]
+        rotated = apply_rotary_pos_emb(heads[..., :rotary_dims].transpose(1, 2), sin, cos).transpose(1, 2)
+        return torch.cat((rotated, heads[..., rotary_dims:]), dim=-1)
     if text_config(model).model_type in ("gemma3n_text", "gemma4_text", "gemma4_unified_text"):
         rotated = apply_rotary_pos_emb(heads[..., :rotary_dims], cos, sin)
     else:
