@@ -18,13 +18,14 @@ modeling file:
   KV head's queries, then its key and value (new_decoder_architecture), or q, k and v side by side (multi_query), its
   attention self_attention; CodeGen in its qkv_proj q, v and k side by side within each of its 4 shards; Phi (Phi-2),
   GPT-NeoX, Persimmon and Falcon name the output projection dense, LFM2, DBRX, GPT-J and CodeGen out_proj.
-RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium, GLM, GPT-J and CodeGen pair neighbours
-(2i, 2i+1), and GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon, Phi-4-mini, GPT-J and
-CodeGen rotate only the first channels of each head (partial_rotary_factor, rotary_dim). kvcal reads queries and keys of those in its own order
-(kvcal.rope.rotate_half_order: `LayerHandles.rope_order`, recorded in the fingerprint), where the channels RoPE leaves
-alone have a frequency of zero; Laguna's full layers rotate half of each head and its sliding ones all of it, so each
-layer has its own order (the fingerprint's layer_rope_orders where they differ). Laguna's layers also have their own
-number of query heads (`query_heads`, the fingerprint's layer_num_heads where they differ) over the same KV heads.
+RoPE pairs channel i with i + head_dim/2 on most; Cohere, ERNIE 4.5, Helium, GLM, GPT-J and CodeGen pair neighbours (2i,
+2i+1), and GLM, GLM-4.5, MiniMax-M2, StableLM, Nemotron, Phi-2, GPT-NeoX, Persimmon, Phi-4-mini, GPT-J and CodeGen
+rotate only the first channels of each head (partial_rotary_factor, rotary_dim). kvcal reads queries and keys of those
+in its own order (kvcal.rope.rotate_half_order: `LayerHandles.rope_order`, recorded in the fingerprint), where the
+channels RoPE leaves alone have a frequency of zero; Laguna's full layers rotate half of each head and its sliding ones
+all of it, so each layer has its own order (the fingerprint's layer_rope_orders where they differ). Laguna's layers also
+have their own number of query heads (`query_heads`, the fingerprint's layer_num_heads where they differ) over the same
+KV heads.
 Qwen3.5 (qwen3_5_text: its checkpoints load as the text model), Qwen3.5-MoE and Qwen3-Next are hybrid: gated DeltaNet
 layers (layer type linear_attention) hold a recurrent state, not keys and values; `layers` are the attention layers
 only (`model_layers`: their decoder indices, the fingerprint's attention_layers), whose q_proj is twice as wide (a
