@@ -848,7 +848,7 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
     if "q_proj" not in linear and isinstance(gated, nn.Linear) and gated.out_features == 2 * q_width:
         # MiniCPM5-MoE's: each head's query, then its output gate
         linear["q_proj"] = gated
-        query_columns = (torch.arange(0, 2 * q_width, 2 * head_dim)[:, None] + torch.arange(head_dim)).flatten()
+        query_columns = _block_columns(2 * q_width, q_width // head_dim, q=(0, head_dim))["q"]
     fused = getattr(attention, "c_attn", None)
     if isinstance(fused, (Conv1D, nn.Linear)):  # GPT-2's (Conv1D: its weight (inputs, outputs)), GPT-BigCode's
         # q, k and v side by side (GPT-2; GPT-BigCode with multi_query), or each head's in turn (GPT-BigCode's others)
@@ -891,8 +891,7 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
             raise KvcalError(f"{where}: qkv_proj has {fused.out_features} outputs for {q_width // head_dim} query and "
                              f"{kv_width // head_dim} KV heads; kvcal reads it as {shards} shards of q, v and k")
         local = q_width // shards
-        starts = torch.arange(0, 3 * q_width, 3 * local)[:, None]  # (shards, 1)
-        columns = {kind: (starts + i * local + torch.arange(local)).flatten() for i, kind in enumerate("qvk")}
+        columns = _block_columns(fused.out_features, shards, q=(0, local), v=(local, local), k=(2 * local, local))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     if "o_proj" in linear and "qkv_proj" in linear:  # q, k, v side by side in its output (Phi-3)
         fused = linear["qkv_proj"]
@@ -906,18 +905,16 @@ def _layer_handles(attention: nn.Module, index: int, where: str, heads_first: bo
         if fused.out_features != q_width + 2 * kv_width:
             raise KvcalError(f"{where}: query_key_value has {fused.out_features} outputs, expected {q_width} + 2 x "
                              f"{kv_width} (q, k, v)")
-        starts = torch.arange(0, fused.out_features, (group + 2) * head_dim)[:, None]  # (KV heads, 1): each group's
-        columns = dict(q=(starts + torch.arange(group * head_dim)).flatten(),
-                       k=(starts + group * head_dim + torch.arange(head_dim)).flatten(),
-                       v=(starts + (group + 1) * head_dim + torch.arange(head_dim)).flatten())
+        columns = _block_columns(fused.out_features, kv_width // head_dim, q=(0, group * head_dim),
+                                 k=(group * head_dim, head_dim), v=((group + 1) * head_dim, head_dim))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     if "o_proj" in linear and "query_key_value" in linear:  # each head's q, k and v in turn (GPT-NeoX)
         fused = linear["query_key_value"]
         if q_width != kv_width or fused.out_features != 3 * q_width:
             raise KvcalError(f"{where}: query_key_value has {fused.out_features} outputs for {q_width // head_dim} query and "
                              f"{kv_width // head_dim} KV heads; kvcal reads it as q, k and v of every head in turn")
-        first = torch.arange(0, 3 * q_width, 3 * head_dim)[:, None] + torch.arange(head_dim)  # (heads, head_dim): each q
-        columns = {kind: (first + i * head_dim).flatten() for i, kind in enumerate("qkv")}
+        columns = _block_columns(fused.out_features, q_width // head_dim, q=(0, head_dim), k=(head_dim, head_dim),
+                                 v=(2 * head_dim, head_dim))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
     children = ", ".join(n for n, _ in attention.named_children())
     raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
@@ -932,6 +929,13 @@ def _qk_multipliers(attention: nn.Module) -> dict[str, float]:
     if isinstance(scale, torch.Tensor):
         return dict(query_multiplier=float(scale), key_multiplier=float(scale))
     return dict(query_multiplier=1.0, key_multiplier=float(getattr(attention, "key_multiplier", 1.0)))
+
+
+def _block_columns(outputs: int, blocks: int, **parts: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The columns of a fused projection's `outputs` made of `blocks` equal blocks (one a head, KV head or shard), each
+    holding every part (q, k, v) at its (offset, width) in the block: per part, its columns of every block in turn."""
+    starts = torch.arange(0, outputs, outputs // blocks)[:, None]
+    return {kind: (starts + offset + torch.arange(width)).flatten() for kind, (offset, width) in parts.items()}
 
 
 def _latent_rope(config) -> str:
@@ -958,7 +962,8 @@ def _latent_handles(attention: nn.Module, index: int, where: str, config, indexe
     query_columns = slice(None)
     if query is None and getattr(attention, "q_gate_proj", None) is not None:
         query, per_head = attention.q_gate_proj, config.qk_nope_head_dim + config.qk_rope_head_dim
-        query_columns = torch.arange(query.out_features).view(-1, per_head + config.v_head_dim)[:, :per_head].flatten()
+        heads = query.out_features // (per_head + config.v_head_dim)
+        query_columns = _block_columns(query.out_features, heads, q=(0, per_head))["q"]
     if query is None or None in parts.values():
         children = ", ".join(n for n, _ in attention.named_children())
         raise KvcalError(f"{where}: could not find q_proj (or q_b_proj, q_gate_proj), kv_a_proj_with_mqa, kv_a_layernorm, "
