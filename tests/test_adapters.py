@@ -230,7 +230,7 @@ def test_a_model_type_served_from_a_later_transformers_is_refused_naming_that_re
     """HunYuan VL is served from transformers 5.20, DeepSeek-V3.2 from 5.18: under an older release (one pretended here,
     5.17 in its quick run) each is refused in one line naming the release to install."""
     model = tiny_model(model_type)
-    monkeypatch.setattr("kvcal.adapters.transformers_from", lambda *release: release < (5, minor))
+    monkeypatch.setattr("kvcal.adapters.model_types.transformers_from", lambda *release: release < (5, minor))
     with pytest.raises(KvcalError, match=rf"serves it from transformers 5\.{minor}.*pip install 'transformers>=5\.{minor}'"):
         adapt(model)
 
