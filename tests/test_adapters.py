@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from conftest import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT, MINICPM_V,
-                      MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES, TINY_WINDOW,
-                      from_transformers, known, longrope, tiny_model)
 from helpers import attention_at
+from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT,
+                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES,
+                                 TINY_WINDOW, from_transformers, known, longrope, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.errors import KvcalError
 from kvcal.model_caches import CACHE_ARGUMENT, cache_argument

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.common import REPO
 from benchmarks.end_to_end.long_context import closest_to_fp
-from conftest import SPARSE_LATENTS, from_transformers
+from helpers.tiny_models import SPARSE_LATENTS, from_transformers
 
 
 def _row(method: str, correct: int, length: int = 4096, keys: int = 1) -> dict:
@@ -35,7 +35,7 @@ def test_quantized_cache_memory_counts_what_transformers_holds_and_names_its_ref
     import torch
 
     from benchmarks.end_to_end.long_context import quantized_cache_memory
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
     llama = tiny_model("llama")

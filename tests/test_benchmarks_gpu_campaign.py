@@ -267,7 +267,7 @@ def test_the_largest_batch_rows_have_no_ratio_where_static_cache_never_ran(recip
 
     import torch
 
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
     from kvcal.runtime.cache import fp_context
 
     model = tiny_model("llama")
@@ -312,7 +312,7 @@ def test_a_kvcal_cache_that_fails_to_load_leaves_the_model_unwired(recipe_bundle
     making: here the load fails on a context of the wrong width, and the model decodes with its own SDPA after it."""
     import torch
 
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
     from kvcal.errors import KvcalError
     from kvcal.runtime.cache import FpContext, fp_context
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks import llama_cpp_types
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.methods import baseline_method

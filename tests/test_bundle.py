@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from conftest import SPARSE_LATENTS, tiny_model
 from helpers.artifact_files import read_metadata, rewrite
+from helpers.tiny_models import SPARSE_LATENTS, tiny_model
 from kvcal import registry
 from kvcal.bundle import PACKING_UP_TO_4_BITS, load_bundle, write_bundle
 from kvcal.calibration import build_bundle
@@ -327,7 +327,7 @@ def test_a_field_the_layer_format_would_ignore_is_refused(recipe_bundles, tmp_pa
 @pytest.fixture(scope="module")
 def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
     """(model directory, a KIVI bundle) of the tiny Gemma 4: a sliding layer of heads of 16 channels, a full one of 32."""
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
     from kvcal.methods.kivi import KiviSettings
 
     model = tiny_model_dir("gemma4_text")

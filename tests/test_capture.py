@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from conftest import GEMMA4, LATENT, LONGROPE, MUSE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from helpers import attention_at
+from helpers.tiny_models import GEMMA4, LATENT, LONGROPE, MUSE, TINY_ARCHITECTURES, TINY_VOCAB, longrope, tiny_model
 from kvcal.adapters import adapt, decoder_of, text_inputs
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 from kvcal.errors import KvcalError

@@ -11,8 +11,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from conftest import SPARSE_LATENTS
 from helpers.artifact_files import rewrite
+from helpers.tiny_models import SPARSE_LATENTS
 from kvcal.artifacts import read_artifact
 from kvcal.cli import app
 
@@ -187,10 +187,10 @@ def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_
     live bytes are the formula's; plan refuses it in one line (no engine's cache of it is modelled)."""
     import json
 
-    from conftest import profile_of
+    from helpers.tiny_bundles import profile_tiny_model
 
     model = tiny_model_dir("deepseek_v32")
-    profile = profile_of(model, tiny_corpus, tmp_path)
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
     nuq, bundle, report = tmp_path / "nuq.safetensors", tmp_path / "kvquant.safetensors", tmp_path / "ppl.json"
     assert run("fit-nuq", profile, "--bits", 3, "--out", nuq).exit_code == 0
     exported = run("export", "bundle", "--profile", profile, "--recipe", "kvquant", "--nuq", nuq, "--out", bundle)
@@ -649,7 +649,7 @@ def test_the_command_silences_the_gguf_loaders_own_tqdm_bar():
 def test_models_lists_every_type_kvcal_serves_and_what_the_installed_transformers_lacks_for_it():
     """Every type, how its decoder is read, and, for a type the installed transformers has not (or has classes older
     than kvcal follows), what it lacks: nothing on the test extra's release, which has every one."""
-    from conftest import known
+    from helpers.tiny_models import known
     from kvcal.adapters import LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES
 
     result = run("models")

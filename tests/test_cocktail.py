@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import LONGROPE_PREFILLED_AGAIN, longrope, tiny_model
+from helpers.tiny_models import LONGROPE_PREFILLED_AGAIN, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.model_caches import cache_argument
 from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress, compressed_cache

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
+from helpers.tiny_models import TINY_VOCAB
 from kvcal.data import PYTHON_CODE, builtin_text, load_text, sample_windows, tokenize
 from kvcal.errors import KvcalError
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.adapters import adapt
 from kvcal.methods import baseline_method
 from kvcal.errors import KvcalError

@@ -38,7 +38,8 @@ def test_the_queries_carry_the_profiled_models_score_scale(tiny_profile):
 def test_the_searched_attention_is_the_models_own_with_its_sinks_or_soft_cap(model_type, tiny_model_dir, tiny_corpus, tmp_path):
     """gpt-oss, Gemma 2: the profile records each layer's attention sinks, or the scores' soft-cap, and the attention
     the search reads on a stored window is the model's own there, up to the fp16 the windows are kept in."""
-    from conftest import profile_tiny_model, tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
+    from helpers.tiny_models import tiny_model
     from kvcal.artifacts import read_artifact
 
     model = tiny_model(model_type)  # the weights tiny_model_dir saves
@@ -62,7 +63,8 @@ def test_the_searched_attention_reads_each_layers_own_query_heads(tiny_model_dir
     """Laguna: its sliding layer has twice the query heads of its full one. The search scores each layer's own, and
     its attention on the full layer is the model's (the model's output gate, softplus of g_proj per head, taken
     out), up to the fp16 the windows are kept in."""
-    from conftest import profile_tiny_model, tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
+    from helpers.tiny_models import tiny_model
     from kvcal.artifacts import read_artifact
 
     model = tiny_model("laguna")  # the weights tiny_model_dir saves

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import profile_tiny_model
+from helpers.tiny_bundles import profile_tiny_model
 from kvcal.cli import app
 from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
 from kvcal.export.vllm import EXPORT_MARKER, read_export

@@ -27,8 +27,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_model
 from helpers.artifact_files import join_raw, split_raw
+from helpers.tiny_models import tiny_model
 from kvcal.artifacts import CHECKSUM_KEY, artifact_checksum
 from kvcal.bundle import load_bundle
 from kvcal.cli import app
@@ -217,7 +217,7 @@ def _category(message: str) -> str:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama").eval()  # the model of conftest's tiny profile, whose fingerprint the bundles carry
+    return tiny_model("llama").eval()  # the model of conftest's tiny profile (conftest), whose fingerprint the bundles carry
 
 
 def _generate(model, bundle) -> torch.Tensor:

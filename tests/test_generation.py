@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import SPARSE_LATENTS, fp16_kivi_bundle, longrope, tiny_model
+from helpers.tiny_bundles import fp16_kivi_bundle
+from helpers.tiny_models import SPARSE_LATENTS, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.generation import DOORS, measure_memory, multikey_prompt, passkey_accuracy
 from kvcal.methods import baseline_method

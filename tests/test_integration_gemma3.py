@@ -4,7 +4,7 @@ sliding-window and 3 full-attention layers, head_dim 256, one KV head, q/k norms
 import pytest
 import torch
 
-from conftest import WIKITEXT_VALID
+from helpers import WIKITEXT_VALID
 from kvcal.adapters import adapt
 from kvcal.artifacts import write_artifact
 from kvcal.calibration import fit_bundle

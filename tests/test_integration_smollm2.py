@@ -14,7 +14,7 @@ NSAMPLES, SEQLEN = 4, 256
 
 @pytest.fixture(scope="module")
 def smollm2_profile(tmp_path_factory):
-    from conftest import WIKITEXT_VALID
+    from helpers import WIKITEXT_VALID
 
     out = tmp_path_factory.mktemp("smollm2") / "profile.safetensors"
     result = CliRunner().invoke(app, ["profile-gradients", "--dataset", str(WIKITEXT_VALID), "--nsamples", str(NSAMPLES),
@@ -66,7 +66,7 @@ def test_smollm2_runtime_decoding_tracks_the_simulation(smollm2_profile, smollm2
     turn that float32 noise into ~1e-5 absolute differences in deep layers' K/V, and a 2-bit code whose value
     sits that close to a rounding boundary flips, after which the positions differ by O(1). What must hold:
     the mean NLL agrees within 0.05 nats, while both are clearly above fp's."""
-    from conftest import WIKITEXT_VALID
+    from helpers import WIKITEXT_VALID
     from helpers import decode_token_by_token
 
     from kvcal.adapters import adapt

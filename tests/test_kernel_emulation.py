@@ -21,8 +21,8 @@ import torch
 
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_library, generate_taking_sequences,
                      logits_in_steps, tensor_core_emulation)
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE, assert_append_matches_torch,
-                                  cocktail_stores, compare, filled, served_decode)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE,
+                                  assert_append_matches_torch, cocktail_stores, compare, filled, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.model_caches import cache_argument
 from kvcal.quantizers import store_as
@@ -132,7 +132,7 @@ def test_an_emulated_kernel_decode_step_waits_for_nothing_and_costs_the_same_for
     """The kernel path's decode step (appends through a staging area, the fused attention) reads no tensor back
     but the outlier-count snapshot, a pinned host copy on CUDA read once its event is done; its torch operations
     do not grow with the batch size (a single sequence's fp16 rows move as slices: no more operations)."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
     from helpers import decode_step_operations, host_reads
 
     from kvcal.runtime import quantized_cache
@@ -156,7 +156,7 @@ def test_an_emulated_decode_step_places_its_outliers_with_no_torch_operation_but
     """A decode step's outliers are found, placed and counted by the launch that writes its codes (append_codebook's
     first warp), one per side: against the same nuq4 recipe without outliers, its torch operations add only the copy
     of the device counts the host bound reads (kvcal.runtime.store.PackedRows.snapshot_outlier_count)."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
     from helpers import decode_step_operations
 
     model = tiny_model("llama", head_dim=64)
@@ -299,7 +299,7 @@ def test_emulated_tensor_core_kernel_serves_the_cache_bodies_like_the_reference_
     pre-RoPE variant rotates by angle 0), on a left-padded batch, give the reference runtime's logits, the tensor-core launch merging the splits
     and attending the other tokens itself (fp16 sinks and windows; KIVI's fp16 keys waiting for a block beside packed
     values, its fp16 value residual beside packed keys): one launch per layer and step."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     head_dim = TENSOR_CORE_VARIANTS[recipe].head_dim
     model = tiny_model("llama", head_dim=head_dim)
@@ -320,7 +320,8 @@ def test_emulated_tensor_core_kernel_decodes_gpt_oss_attention_sinks_like_the_re
     int4 in blocks of 32, on a left-padded batch: each row's sink joins its softmax after the kernel's fused merge, from
     the log-sum-exps the splits leave in the scratch, as the reference runtime adds it to its softmax; with 32 query
     heads, in passes of 8 per KV head, each pass with its own heads' sinks."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model("gpt_oss", head_dim=64, num_attention_heads=heads)
     got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
@@ -332,7 +333,8 @@ def test_emulated_tensor_core_kernel_decodes_gemma2_soft_capped_scores_like_the_
     """Gemma 2 at head_dim 64 (scores capped at 0.05, below their size: a kernel that leaves them is far off; a
     16-token sliding layer, a full one) under KIVI's int4 in blocks of 32, on a left-padded batch: the body blocks and
     the segment blocks (the fp16 residual) cap every score before the masks, as the reference runtime does."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model("gemma2", head_dim=64)
     got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
@@ -344,7 +346,8 @@ def test_emulated_tensor_core_kernel_decodes_a_hybrid_qwen3_5_like_the_reference
     """Qwen3.5 at head_dim 64 (gated DeltaNet layers before each of its two attention layers, RoPE over a quarter of
     each head) under KIVI's int4 in blocks of 32, on a left-padded batch: one tensor-core launch per attention layer
     and step, the DeltaNet layers' states in transformers' cache layers among kvcal's, the reference runtime's logits."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model("qwen3_5_text", head_dim=64)
     got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
@@ -357,7 +360,8 @@ def test_emulated_tensor_core_kernel_decodes_gemma3n_layers_reading_another_cach
     """Gemma 3n at head_dim 64 (decoder layers 2 and 3 read the caches of layers 0, a 16-token sliding one, and 1)
     under KIVI's int4 in blocks of 32, on a left-padded batch: each reading layer decodes with its own queries over the
     cache it reads, one more launch on the same stores; the sliding layer drops tokens only after its reader."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model("gemma3n_text", head_dim=64)
     got, cache, want = kernels_and_reference(model, kivi_bundle(model, 4, 32, 32))
@@ -370,7 +374,7 @@ def test_emulated_tensor_core_kernel_decodes_a_tiny_qwen3_like_the_reference_run
     """A tiny Qwen3 at head_dim 128 (keys normalised per head, then rotated) under the default kvquant recipe, on a
     left-padded batch: its pre-RoPE nuq3 keys with 1% outliers rotated in the kernel, one tensor-core launch per layer
     and step, the reference runtime's logits."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     got, cache, want = kernels_and_reference(tiny_model("qwen3", head_dim=128), qwen3_kvquant_bundle)
     assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers)
@@ -384,7 +388,7 @@ def test_emulated_tensor_core_kernel_decodes_a_tiny_phi4_mini_past_its_longrope_
     past its switch) under the default kvquant recipe, on a left-padded batch: its pre-RoPE keys rotated in the
     kernel by the long frequencies, the channels RoPE leaves alone read divided by the scaling, the reference
     runtime's logits."""
-    from conftest import PHI4_MINI, tiny_model
+    from helpers.tiny_models import PHI4_MINI, tiny_model
 
     got, cache, want = kernels_and_reference(tiny_model("phi3", **PHI4_MINI), phi4_mini_kvquant_bundle)
     assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * len(cache.layers) and cache.long_era
@@ -400,7 +404,7 @@ def test_emulated_tensor_core_kernel_serves_layers_of_two_widths_like_the_refere
     variant per decode step (its segment blocks over the fp16 rows beside them), on a left-padded batch, to the
     reference runtime's logits: KVmix's (3 / 2 bits, then 2 / 4) and mixed's (nuq2 keys with nuq4, then nuq3 values,
     widths chosen per layer and side by Fisher sensitivity; pre-RoPE keys, 1% outliers)."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     got, cache, want = kernels_and_reference(tiny_model("llama", head_dim=64), head_dim_64_bundles[bundle_name])
     assert [layer.decode_path for layer in cache.layers] == ["tensor-core"] * 2
@@ -416,7 +420,7 @@ def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_re
     tensor-core kernel attends over the stored tokens with the step's queries as more query heads (8 a KV head: one
     pass, then 32: four passes), its log-sum-exps merged with the step's own tokens' in fp16, to the reference
     runtime's logits."""
-    from conftest import left_padded, tiny_model
+    from helpers.tiny_models import left_padded, tiny_model
 
     model = tiny_model("llama", head_dim=64)
     ids, mask = left_padded((90, 75), seed=3)
@@ -437,13 +441,13 @@ def test_emulated_tensor_core_kernel_reads_the_cache_for_short_steps_like_the_re
 def test_emulated_tensor_core_kernel_reads_short_steps_past_a_window_each_query_from_its_own_first_token(on_cpu,
                                                                                                         model_type, window):
     """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch, under KIVI's int4 in blocks of 32
-    with an fp16 residual of 32 (conftest.windowed_short_steps): in a sliding layer (gpt-oss with sinks, Gemma 2 soft-capped: 48 tokens, the windows'
+    with an fp16 residual of 32 (windowed_short_steps): in a sliding layer (gpt-oss with sinks, Gemma 2 soft-capped: 48 tokens, the windows'
     first tokens in the served body; Gemma 3: 16, in the fp16 rows) each of the step's queries sees the stored tokens
     of its own window, in Llama 4's chunks those of its chunk (the first sequence's step of 7 crosses into a chunk
     whose queries see no stored token; of 56 tokens, its other queries' chunk starts in the body, so a body split
     holds tokens of some of the step's queries and none of others), the tensor-core kernel masking each query row from
     its own first token in the body blocks and the segment blocks: the reference runtime's logits."""
-    from conftest import windowed_short_steps
+    from helpers.tiny_bundles import windowed_short_steps
 
     model, bundle, ids, mask, steps = windowed_short_steps(model_type, window)
     with torch.inference_mode():
@@ -460,7 +464,7 @@ def test_emulated_tensor_core_kernel_reads_short_steps_past_a_window_each_query_
 def test_an_emulated_cache_keeping_each_kv_heads_rows_together_gives_the_same_logits(on_cpu, head_dim_64_bundles, recipe):
     """quantized_cache(..., cuda_layout="heads"): the CUDA stores keep each KV head's rows together, and a prefill
     and decode steps on the emulated kernels give the same logits, bit for bit, as with rows kept whole."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -481,7 +485,7 @@ def test_emulated_kernels_decode_sequences_taken_as_the_batch_fed_so(on_cpu, hea
     """Beam search's batch edits on the CUDA stores (the append kernels' outlier counts and their host bounds, either
     layout) and the tensor-core kernel: sequences kept by batch_select_indices after decode steps give the tokens,
     logits, bytes and outliers of a cache fed them so."""
-    from conftest import left_padded, tiny_model
+    from helpers.tiny_models import left_padded, tiny_model
 
     ids, mask = left_padded((21, 9, 14), seed=6)
     runs = generate_taking_sequences(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, mask, [2, 0, 2],
@@ -499,7 +503,7 @@ def test_emulated_kernels_take_tokens_back_as_a_shorter_step_leaves_the_cache(on
     """crop after a step of candidates on the CUDA stores (the append kernels' outliers and their counts on the
     device, either layout) and the tensor-core kernel (the steps of 7 and 4 too): the cache a shorter step leaves, read
     back and decoded."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(7))
     assert_taking_back_leaves_a_shorter_steps_cache(tiny_model("llama", head_dim=64), head_dim_64_bundles[recipe], ids, 60,
@@ -514,7 +518,7 @@ def test_emulated_kernels_serve_gemma3_at_head_dim_256_like_the_reference_runtim
     left-padded batch: kivi4-g32's post-RoPE int4 and kvquant's pre-RoPE nuq3 and nuq4 bodies with 1% outliers on
     the tensor-core kernel (the sliding layer's from its first live row once the window dropped its front), the fp16
     rows in the same launch, give the reference runtime's logits."""
-    from conftest import HEAD_DIM_256, tiny_model
+    from helpers.tiny_models import HEAD_DIM_256, tiny_model
 
     got, cache, want = kernels_and_reference(tiny_model("gemma3_text", **HEAD_DIM_256), head_dim_256_gemma3_bundles[recipe])
     served = HEAD_DIM_256_VARIANTS[recipe]
@@ -532,7 +536,7 @@ def test_emulated_tensor_core_kernel_from_an_empty_cache_stays_within_the_gpu_te
     hold few tokens, where the fp16 operands cost the most), emulated, within that test's 6e-3, so that CI sees a
     change of this error without a GPU. Emulated here 5.23e-3 (kvquant) and 2.59e-3 (nuq4-0%); the H100 gave 5.24e-3
     and 2.43e-3 (2026-11-23)."""
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
     from helpers import decode_token_by_token
 
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -615,7 +619,8 @@ def test_emulated_kernels_decode_a_gqa_16_model_like_the_reference_runtime(on_cp
     """A tiny Llama with 16 query heads over one KV head of 64 channels under KIVI-4 (g32) on a left-padded batch:
     two tensor-core launches per layer and step (one per pass of 8 query heads), the plan saying so, and the
     reference runtime's logits."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model("llama", head_dim=64, num_attention_heads=16, num_key_value_heads=1)
     bundle = kivi_bundle(model, 4, 32, 32)

@@ -3,7 +3,7 @@
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.model_caches import cache_argument, model_cache, taking
 from kvcal.runtime.cache import WiredCache
 

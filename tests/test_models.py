@@ -55,7 +55,7 @@ def test_a_multimodal_checkpoint_loads_as_its_text_decoder_and_names_the_same_mo
     config to a causal LM of the decoder alone, so load_model reads the text decoder, weights and all, which kvcal
     serves. The composite (for images) has the same fingerprint: a bundle calibrated on one serves both."""
     import torch
-    from conftest import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from kvcal.adapters import adapt
     from kvcal.models import load_model

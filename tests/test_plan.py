@@ -65,7 +65,7 @@ def test_the_fisher_cost_weighs_the_error_before_rope_where_the_fisher_was_taken
 def test_the_fisher_cost_rotates_back_by_positions_counted_from_one_where_the_model_counts_so(tiny_model_dir, tiny_corpus,
                                                                                              tmp_path):
     """PaliGemma's RoPE positions count from 1: its profile's keys were rotated by each token's index + 1."""
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
 
     profile = profile_tiny_model(tiny_model_dir("paligemma"), tiny_corpus, tmp_path / "profile.safetensors")
     assert_the_fisher_cost_is_by_hand(profile, 1)
@@ -87,7 +87,7 @@ def test_a_turboquant_plan_prices_k_and_v_apart_and_never_names_the_layers_vllm_
     """A 6-layer tiny Llama (head_dim 16) under turboquant_k3v4_nc: vLLM keeps layers 0, 1, 4 and 5 fp16 itself, so
     they cost nothing and are never named; layers 2 and 3 store (4 + 6) / 2 = 5 bits, so the least budget is
     (4 x 16 + 2 x 5) / 6, at which nothing more stays fp16, and at 16 both stay fp16."""
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
     from kvcal.vllm_codecs import TurboQuantKeys, TurboQuantValues
 
     profile = str(profile_tiny_model(tiny_model_dir("llama", num_hidden_layers=6), tiny_corpus, tmp_path / "profile.safetensors"))
@@ -282,7 +282,7 @@ def test_an_ik_llama_cpp_setting_over_f16_bases_is_evaluated_and_run_as_planned(
 def gemma4_profile(tiny_model_dir, tiny_corpus, tmp_path_factory) -> Path:
     """A profile of the tiny Gemma 4 with as many KV heads on its full layer as on its sliding one: the full layer
     (heads of 32 channels) stores twice the sliding one's (heads of 16) a token."""
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
 
     model = tiny_model_dir("gemma4_text", num_global_key_value_heads=2)
     return profile_tiny_model(model, tiny_corpus, tmp_path_factory.mktemp("gemma4-plan") / "profile.safetensors")
@@ -338,7 +338,7 @@ def test_a_hybrid_models_plan_names_its_decoder_layers_to_vllm(tiny_model_dir, t
     TurboQuant preset vLLM keeps no boundary layer of a hybrid fp16, so every layer is the plan's to weigh."""
     from typer.testing import CliRunner
 
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
     from kvcal.cli import app
 
     profile = profile_tiny_model(tiny_model_dir("lfm2"), tiny_corpus, tmp_path / "profile.safetensors")

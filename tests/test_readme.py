@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import WIKITEXT_VALID, tiny_model
+from helpers import WIKITEXT_VALID
+from helpers.tiny_models import tiny_model
 from kvcal.cli import app
 from kvcal.version import transformers_from
 

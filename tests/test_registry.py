@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal import registry
 from kvcal.bundle import LayerRecipe, load_bundle, write_bundle
 from kvcal.calibration import build_bundle

@@ -1,7 +1,7 @@
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.adapters import adapt
 from kvcal.rope import apply_rope, layer_rope_scaling, padded_inv_freq, rotate_half_order, stored_rope_scaling
 

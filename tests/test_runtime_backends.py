@@ -5,8 +5,8 @@ tests/test_kernel_emulation.py)."""
 import pytest
 import torch
 
-from conftest import tiny_model
 from helpers import decode_token_by_token
+from helpers.tiny_models import tiny_model
 from kvcal.bundle import load_bundle
 from kvcal.runtime import backends, cpu_kernel
 
@@ -85,7 +85,8 @@ def test_the_cuda_plan_says_which_bodies_the_tensor_core_kernel_reads_and_why_no
 
 def test_soft_capped_scores_decode_on_the_cpu_kernel_and_on_the_tensor_core_kernel(architecture_bundles):
     """Gemma 2's capped scores: both kernels cap them (at head_dim 64 on CUDA, which the tiny model's 16 is not)."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     bundle = load_bundle(architecture_bundles("gemma2")["kvquant"])
     assert {(p.bodies, p.why) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-kernel", "")}

@@ -6,13 +6,14 @@ import itertools
 import pytest
 import torch
 
-from conftest import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, HY_V4, IMAGE_TOWERS, LATENT,
-                      LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION, QWEN3_5_MROPE,
-                      QWEN3_5_VL, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS, TINY_ARCHITECTURES, fp16_kivi_bundle, kivi_bundle,
-                      known, left_padded, longrope, tiny_model)
 from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
+from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
+from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, HY_V4, IMAGE_TOWERS,
+                                 LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION,
+                                 QWEN3_5_MROPE, QWEN3_5_VL, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS, TINY_ARCHITECTURES,
+                                 known, left_padded, longrope, tiny_model)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt, text_inputs
 from kvcal.bundle import load_bundle

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kivi_bundle, left_padded, tiny_model, windowed_short_steps
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
                      logits_in_steps, requires_gpu, ways_of_decode_steps)
 from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
+from helpers.tiny_bundles import kivi_bundle, windowed_short_steps
+from helpers.tiny_models import left_padded, tiny_model
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
 from kvcal.quantizers import ChannelBlockUniform, TokenUniform
@@ -217,7 +218,7 @@ def test_gemma3_at_head_dim_256_decodes_its_sliding_window_on_cuda_like_the_cpu_
     """A tiny Gemma 3 at head_dim 256, 40 tokens one at a time through a 16-token sliding layer and a full one: every
     layer's body on the tensor-core kernel, the CPU reference runtime's logits within 2e-3 (6e-3 for the nuq bodies'
     fp16 operands, as the emulated kernels at head_dim 256)."""
-    from conftest import HEAD_DIM_256
+    from helpers.tiny_models import HEAD_DIM_256
 
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(5))
     bundle = head_dim_256_gemma3_bundles[recipe]
@@ -294,7 +295,7 @@ def test_later_steps_read_as_decode_steps_on_cuda_give_the_cpu_logits(head_dim_6
 @pytest.mark.parametrize("model_type, window", [("gpt_oss", 48), ("llama4_text", 56)])
 def test_short_steps_past_a_window_on_cuda_read_the_cache_like_the_cpu_reference(model_type, window):
     """Steps of 4 and 7 tokens after a 100-token prefill on a left-padded batch under KIVI's int4 in blocks of 32
-    (conftest.windowed_short_steps): each of the step's queries sees the stored tokens of its own window (gpt-oss's
+    (windowed_short_steps): each of the step's queries sees the stored tokens of its own window (gpt-oss's
     48, with sinks) or chunk (Llama 4's 56, which the step of 7 crosses), the tensor-core kernel masking each query
     row from its own first token, the CPU runtime's logits within 2e-3 (the emulated kernel's test, on the device)."""
     assert_short_steps_on_cuda_give_the_cpu_logits(*windowed_short_steps(model_type, window))

@@ -4,8 +4,8 @@ the bytes formula and the live cache agree exactly at the same length."""
 import pytest
 import torch
 
-from conftest import SPARSE_LATENTS, TINY_WINDOW, tiny_model
 from helpers import decode_token_by_token
+from helpers.tiny_models import SPARSE_LATENTS, TINY_WINDOW, tiny_model
 from kvcal import registry
 from kvcal.adapters import adapt
 from kvcal.bundle import LayerRecipe, load_bundle

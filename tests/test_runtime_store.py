@@ -166,7 +166,8 @@ def test_a_store_reading_later_steps_as_decode_steps_routes_them_as_one_token_st
     KVmix's RPC count decays a token at a time), each step's decode_step_reads ends where the body ended after each
     of its tokens, its rows the recent tokens and the step's, and read_from(b, first) reads read(b)[first:]; taking 1
     to 64 of the last step's tokens back leaves what one-token steps without them leave."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     bundles = {**{name: load_bundle(path) for name, path in recipe_bundles.items()},
                "kivi-r128": kivi_bundle(tiny_model("llama"), 2, 32, 128)}
@@ -217,7 +218,8 @@ def test_tokens_taken_back_leave_the_store_a_shorter_step_leaves(recipe_bundles,
     time): after random steps of two sequences (decode steps among them), a step of 2 to 120 tokens each, and
     take_back of 1 to 64 of them, the store holds what one given the shorter step holds, bit for bit (segments, RPC
     counts, outliers, every token read back), and stays so through the next append."""
-    from conftest import kivi_bundle, tiny_model
+    from helpers.tiny_bundles import kivi_bundle
+    from helpers.tiny_models import tiny_model
 
     bundles = {**{name: load_bundle(path) for name, path in recipe_bundles.items()},
                "kivi-r128": kivi_bundle(tiny_model("llama"), 2, 32, 128)}

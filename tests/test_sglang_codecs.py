@@ -10,7 +10,7 @@ python/sglang/srt/layers/quantization/kvfp4_tensor.py @ 0dae407b3cee5c310cdeeae3
 import pytest
 import torch
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.evaluate import evaluate_ppl

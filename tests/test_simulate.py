@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from conftest import DSA, GEMMA4, HY_V4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION, TINY_ARCHITECTURES, tiny_model
+from helpers.tiny_models import (DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, HY_V4, LATENT, MINIMAX_M3, OWN_ATTENTION,
+                                 TINY_ARCHITECTURES, tiny_model)
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached

@@ -117,7 +117,8 @@ def test_the_clipping_search_attends_as_the_model_with_its_sinks_or_soft_cap(mod
     """gpt-oss, Gemma 2: the clipping search's fp attention output on a stored window's rows is the model's own (its
     attention sinks in each row's softmax, its capped scores) on its full-attention layer, up to the fp16 the windows
     are kept in."""
-    from conftest import profile_tiny_model, tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
+    from helpers.tiny_models import tiny_model
     from kvcal.artifacts import read_artifact
     from kvcal.fit.skvq import _ClipObjective
 

@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import SPARSE_LATENTS
+from helpers.tiny_models import SPARSE_LATENTS
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
@@ -23,7 +23,7 @@ def test_a_profile_shows_how_kvcal_read_each_layers_attention(tiny_model_dir, ti
     """Sliding windows and RoPE per layer: OLMo 3's sliding layer 0 (plain RoPE) and full layer 1 (YaRN's cos/sin
     scaling), SmolLM3's layer 1 without RoPE, GLM-4's RoPE over half of each head in interleaved pairs; the scores'
     scale, and Gemma 2's soft-cap."""
-    from conftest import profile_tiny_model
+    from helpers.tiny_bundles import profile_tiny_model
 
     olmo3 = summarize(profile_tiny_model(tiny_model_dir("olmo3"), tiny_corpus, tmp_path / "olmo3.safetensors"))
     window, rope = olmo3.columns.index("window / chunk"), olmo3.columns.index("RoPE")

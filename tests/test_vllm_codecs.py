@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from helpers.tiny_models import tiny_model
 from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.evaluate import evaluate_ppl

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import MINIMAX_M3_BLOCK, tiny_config
+from helpers.tiny_models import MINIMAX_M3_BLOCK, tiny_config
 from kvcal.errors import KvcalError
 from kvcal.wiring import chosen_columns, own_tokens_ahead, real_tokens
 

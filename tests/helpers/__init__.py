@@ -15,6 +15,7 @@ from tools import kernel_emulation
 
 
 BENCHMARK_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+WIKITEXT_VALID = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "valid.txt"
 
 
 def refused(main, arguments: list[str], monkeypatch, capsys) -> str:
