@@ -17,7 +17,7 @@ from kvcal.errors import KvcalError
 from kvcal.model_caches import cache_argument
 from kvcal.runtime import generate as quantized_generate
 from kvcal.runtime import quantized_cache
-from kvcal.runtime.cache import fp_context
+from kvcal.runtime.fp_context import fp_context
 from kvcal.runtime.memory import cache_bytes, fp16_bytes
 from kvcal.simulate import Method, quantized_on_write
 

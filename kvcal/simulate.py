@@ -392,7 +392,7 @@ class QuantizedOnWrite(DynamicCache):
         return super().update(_stored(key_codec, key_states), _stored(value_codec, value_states), layer_idx, *args, **kwargs)
 
     def load(self, context) -> None:
-        """Write a context's rows (a kvcal.runtime.cache.FpContext: per layer (batch, tokens, width) keys after RoPE
+        """Write a context's rows (a kvcal.runtime.fp_context.FpContext: per layer (batch, tokens, width) keys after RoPE
         and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
         keeps (it drops the others as they are written); layers that keep a recurrent state get a copy of the
         context's."""

@@ -251,7 +251,7 @@ def unwire(wiring: Wiring, owner) -> None:
 @contextmanager
 def suspended(adapter: ModelAdapter):
     """Within the block a wired model runs the attention implementation it had before it was wired (an fp
-    pass while a cache is open, see kvcal.runtime.cache.fp_context); a model that is not wired is untouched."""
+    pass while a cache is open, see kvcal.runtime.fp_context); a model that is not wired is untouched."""
     wiring = wiring_of(adapter)
     if wiring is None:
         yield

@@ -268,7 +268,7 @@ def test_the_largest_batch_rows_have_no_ratio_where_static_cache_never_ran(recip
     import torch
 
     from helpers.tiny_models import tiny_model
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -314,7 +314,7 @@ def test_a_kvcal_cache_that_fails_to_load_leaves_the_model_unwired(recipe_bundle
 
     from helpers.tiny_models import tiny_model
     from kvcal.errors import KvcalError
-    from kvcal.runtime.cache import FpContext, fp_context
+    from kvcal.runtime.fp_context import FpContext, fp_context
 
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))

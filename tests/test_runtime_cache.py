@@ -21,7 +21,8 @@ from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method, bundle_method
 from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.runtime import cpu_kernel, generate, quantized_cache
-from kvcal.runtime.cache import ATTENTION_NAME, fp_context
+from kvcal.runtime.cache import ATTENTION_NAME
+from kvcal.runtime.fp_context import fp_context
 from kvcal.simulate import StorageTally, simulated
 from kvcal.version import transformers_from
 
@@ -274,7 +275,7 @@ def test_a_short_step_reads_the_cache_through_the_kernel_as_the_reference_does(r
     shorter prompt's second step of 5 crosses into a new chunk, whose queries see none of the stored tokens and only
     their own chunk's among the step's), and KV sharing (Gemma 3n's and Gemma 4's last layers read the first ones'
     caches: through the same kernel, over the cache before the step, whose rows are appended after them)."""
-    from kvcal.runtime.cache import RuntimeLayer
+    from kvcal.runtime.layer import RuntimeLayer
 
     model = tiny_model(model_type)
     bundles = {"llama": recipe_bundles, "gemma3_text": gemma3_bundles}.get(model_type) or architecture_bundles(model_type)
@@ -301,7 +302,7 @@ def test_a_second_turn_on_gemma_4_reads_a_short_steps_rows_for_reading_layers_ru
     """generate() twice on one cache (a chat's second turn, 11 tokens over 24 stored): Gemma 4 runs its layers reading
     another's cache on the kept logits' tokens alone, so they read the short step's cache before it and its own rows
     per sequence (the rows wait for them), giving the reference's tokens and logits (1e-5)."""
-    from kvcal.runtime.cache import RuntimeLayer
+    from kvcal.runtime.layer import RuntimeLayer
 
     model = tiny_model("gemma4_text")
     ids = torch.randint(3, 400, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -500,7 +501,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
     keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class; MiniMax-M3
     also, its block-sparse layer's indexer keys."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     model = tiny_model(model_type)
     bundle = (recipe_bundles if model_type == "llama" else architecture_bundles(model_type))[recipe]
@@ -530,7 +531,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
 def test_a_context_without_indexer_keys_is_refused_by_sparse_attention():
     """DeepSeek Sparse Attention's indexer scores every token's indexer key: a context of rows only (or of another
     batch) is refused before anything is stored."""
-    from kvcal.runtime.cache import FpContext
+    from kvcal.runtime.fp_context import FpContext
 
     model = tiny_model("deepseek_v32")
     context = fp_context(model, torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2)))
@@ -548,7 +549,7 @@ def test_a_context_loaded_a_sequence_at_a_time_is_stored_as_in_one_append(recipe
     """WiredCache.load's chunks (whole sequences, chunk_bytes of fp16 rows at most) change nothing it stores: three
     sequences loaded one per append read back exactly as loaded in one append, every layer, and the next step's
     logits are equal."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     model = tiny_model("llama")
     ids = torch.randint(0, 512, (3, 150), generator=torch.Generator().manual_seed(9))
@@ -568,7 +569,7 @@ def test_a_context_loaded_a_sequence_at_a_time_is_stored_as_in_one_append(recipe
 def test_a_prefill_in_steps_gives_each_step_its_positions():
     """Bamba counts positions from 0 in a call given none: fp_context in steps of 7 tokens gives each step its own, so
     that its keys are rotated where one step rotates them."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     model = tiny_model("bamba")
     ids = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(2))
@@ -582,7 +583,7 @@ def test_an_fp_context_prefilled_in_steps_holds_every_token_of_a_sliding_layer(g
     """fp_context in steps of 7 tokens on the tiny Gemma 3 (a 16-token window): every layer holds all 49 tokens, as
     one step gives them, its cache continues with the model's own next-token logits, and a bundle's cache loading it
     drops what its sliding layer's window no longer needs."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     model = tiny_model("gemma3_text")
     ids = torch.randint(0, 512, (1, 50), generator=torch.Generator().manual_seed(2))
@@ -625,7 +626,7 @@ def test_a_cache_used_after_it_is_closed_is_refused():
 def test_a_context_without_the_recurrent_states_a_hybrid_model_keeps_is_refused():
     """A context of rows only (a benchmark's batched views) cannot continue Qwen3.5's DeltaNet layers: refused before
     anything is stored."""
-    from kvcal.runtime.cache import FpContext, fp_context
+    from kvcal.runtime.fp_context import FpContext, fp_context
 
     model = tiny_model("qwen3_5_text")
     with torch.inference_mode():
@@ -867,7 +868,7 @@ def test_an_image_in_a_later_step_is_attended_both_ways_over_the_stored_tokens_a
     of the torch reference's way (1e-5)."""
     from transformers import DynamicCache
 
-    from kvcal.runtime.cache import RuntimeLayer
+    from kvcal.runtime.layer import RuntimeLayer
 
     model = tiny_model("gemma3")
     generator = torch.Generator().manual_seed(4)

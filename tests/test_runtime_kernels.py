@@ -304,7 +304,7 @@ def test_short_steps_past_a_window_on_cuda_read_the_cache_like_the_cpu_reference
 def assert_short_steps_on_cuda_give_the_cpu_logits(model, bundle, ids, mask, steps: list[int]) -> None:
     """The logits of feeding (ids, mask) in `steps` (a prefill, then decode steps and two short steps) on CUDA, both
     short steps read through the CUDA decoder, within 2e-3 of the CPU runtime's."""
-    from kvcal.runtime.cache import RuntimeLayer
+    from kvcal.runtime.layer import RuntimeLayer
 
     with torch.inference_mode():
         cpu_logits = logits_in_steps(model, bundle, ids, mask, steps)

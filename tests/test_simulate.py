@@ -112,7 +112,7 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does). Effective
     bits weigh each tensor by its width: q8_0 keys (8.5 bits, 64 channels) beside q4_0 latents (4.5 bits, 96 channels)
     store 6.1 bits per element."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
     from kvcal.simulate import QuantizedOnWrite
 
     model = tiny_model(model_type)
@@ -294,7 +294,7 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
     DeltaNet layer) as a prefill through the cache does; Qwen3.5's DeltaNet layers (Falcon-H1's Mamba 2 beside its
     attention) start from the context's states, each cache loading it from its own copy (a step of one leaves the
     other's as they were); MiniMax's lightning attention layers too, in a cache of its decoder's own class."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
     from kvcal.simulate import quantized_on_write
 
     model = tiny_model(model_type)

@@ -8,7 +8,7 @@ Bundles are made for this random model: it is profiled on the GPU (`kvcal profil
 recipes are fitted from that profile and every bundle is exported (kvcal.calibration.fit_bundle).
 
 Per (prompt length L, batch B): one sequence of L random token ids (seeded) but its last token is prefilled once with
-the fp model (kvcal.runtime.cache.fp_context), and that context is loaded B times into every cache (the B sequences of
+the fp model (kvcal.runtime.fp_context), and that context is loaded B times into every cache (the B sequences of
 a batch hold the same tokens: the decode step reads every sequence's bytes all the same). Then model.generate() runs
 greedily from the whole prompt: its first step feeds the last prompt token, and the --new-tokens steps after it are
 timed one by one (the device synchronized at each), never the prefill. Every cache runs the same eager model:
@@ -234,7 +234,7 @@ def gib(n: int) -> float:
 
 def batched(context, batch: int):
     """The context's rows repeated for `batch` sequences, as views (each cache copies what it stores)."""
-    from kvcal.runtime.cache import FpContext
+    from kvcal.runtime.fp_context import FpContext
 
     rows = lambda tensors: [t if t is None else t.expand(batch, *t.shape[1:]) for t in tensors]  # noqa: E731
     return FpContext(rows(context.keys), rows(context.pre_rope_keys), rows(context.values), None,
@@ -465,7 +465,7 @@ def largest_batches(model, context, ids: torch.Tensor, rows: list[dict], bundles
 def measure(args, save) -> dict:
     """Every cell of the run (see the module docstring): settings, profile timings and one row per (cell, cache).
     `save(result)` gets the result so far after each finished cell, so a run stopped part way keeps its whole cells."""
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     device, clock = args.device, Clock(args.device)
     baselines, missing = available(args.baselines)

@@ -165,7 +165,7 @@ def operations_per_layer(model, prompt: torch.Tensor, make, steps: int = 3) -> f
 
 
 def measure(args) -> dict:
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     torch.set_num_threads(args.threads)
     model = gpu.random_model(SHAPE, "cpu", args.seed, args.layers)

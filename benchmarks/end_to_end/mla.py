@@ -150,7 +150,7 @@ def measure(args) -> dict:
 
     from kvcal.bundle import load_bundle
     from kvcal.runtime import quantized_cache
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """A step of several tokens over a stored cache (speculative decoding's check of its candidates, a chat turn's
 prompt): ms of one forward of m new tokens after a context of n, the attention over the stored tokens read two ways,
 side by side: by the decode kernel, the step's queries as more query heads, merged with the step's own tokens'
-attention by log-sum-exp (kvcal.runtime.cache.RuntimeLayer._short_step), and by the torch reference (each sequence's
+attention by log-sum-exp (kvcal.runtime.layer.RuntimeLayer._short_step), and by the torch reference (each sequence's
 cache dequantized, one attention over it and the step), and on the kernel's way with later_steps="decode" (each
 query then re-reading the tokens the step moved to the body as its decode step would: what that costs). The runtime
 takes the kernel's way up to a step length
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from kvcal.bundle import load_bundle
     from kvcal.models import load_model
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     started = provenance()
     if args.shape:

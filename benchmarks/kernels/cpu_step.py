@@ -3,7 +3,7 @@ against transformers' DynamicCache and transformers' QuantizedCache (quanto and 
 measured in one run as ratios to DynamicCache, with peak memory beside it.
 
 Per (prompt length, batch): the prompts (wikitext-2 test, a different passage per sequence) but their last token
-are prefilled once with the fp model (kvcal.runtime.cache.fp_context) and that context is loaded into every cache
+are prefilled once with the fp model (kvcal.runtime.fp_context) and that context is loaded into every cache
 (kvcal: WiredCache.load, as its own prefill would store it; DynamicCache: a copy; QuantizedCache: its update() with
 the whole context, which quantizes it as its own prefill would). Then model.generate() runs greedily from the whole
 prompt: its first step feeds the last prompt token, and the new tokens after it are timed one by one (a
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
     started = {**provenance(), "cpu": cpu_name(), "kernel": cpu_kernel.describe()}
     print(f"{started['cpu']}; {started['kernel']}", flush=True)
     from kvcal.models import load_model
-    from kvcal.runtime.cache import fp_context
+    from kvcal.runtime.fp_context import fp_context
 
     baselines, missing = available_baselines(args.baselines)
     for backend, why in missing.items():

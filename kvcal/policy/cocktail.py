@@ -24,7 +24,8 @@ from kvcal.errors import KvcalError
 from kvcal.methods.cocktail import CocktailSettings, chunk_codecs
 from kvcal.model_caches import cache_argument, taking
 from kvcal.runtime.backends import append_encoder
-from kvcal.runtime.cache import WiredCache, runtime_layer
+from kvcal.runtime.cache import WiredCache
+from kvcal.runtime.layer import runtime_layer
 from kvcal.runtime.segments import CocktailStore
 
 CHUNK = CocktailSettings.chunk

@@ -135,7 +135,7 @@ class Backend:
         raise NotImplementedError
 
     def bind(self, layer, shape: LayerShape) -> LayerDecoder:
-        """The decoder of `layer` (a kvcal.runtime.cache.RuntimeLayer with allocated stores)."""
+        """The decoder of `layer` (a kvcal.runtime.layer.RuntimeLayer with allocated stores)."""
         raise NotImplementedError
 
 
