@@ -506,7 +506,7 @@ def models_command(
     from kvcal.adapters import adapt, served_types
 
     if model is None:
-        _print_table("model types kvcal serves (docs/cli.md#supported-architectures says what each takes)",
+        _print_table("model types kvcal serves (docs/models.md says what each takes)",
                      ["model_type", "read as", "installed transformers"], [list(row) for row in served_types()])
         return
     from kvcal.models import load_model_structure

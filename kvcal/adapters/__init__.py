@@ -13,7 +13,7 @@ naming what is missing. tests/test_adapters.py checks every served type's readin
 - adapter: adapt() and the ModelAdapter the rest of kvcal holds of a model;
 - fingerprint: what an artifact's record of its model says without the model.
 
-Which type has which trait, and what kvcal does about each, is in docs/cli.md's supported architectures.
+Which type has which trait, and what kvcal does about each, is in docs/models.md.
 """
 
 from kvcal.adapters.adapter import ModelAdapter, adapt, chunk_positions, decoder_of, prefix_lm, text_inputs

@@ -1,6 +1,6 @@
 """The model types kvcal serves, and what each one's attention does that the adapter cannot see in its modules: one
 table a trait, keyed by the decoder's model_type (a composite's own where the trait is the composite's: how it reads
-images). docs/cli.md's supported architectures say, type by type, what each trait is and what kvcal does about it."""
+images). docs/models.md says, type by type, what each trait is and what kvcal does about it."""
 
 from __future__ import annotations
 
