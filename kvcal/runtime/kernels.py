@@ -490,7 +490,7 @@ def prepare_decode(query: torch.Tensor, launches: list[Segments], kv_heads: int,
     launch merges every launch's splits. step: what the layers of a decode step share (made here when None);
     position_offset: each sequence's position of its first stored token.
     first: per sequence, its first stored token the query sees (a sliding window; default 0); the tokens before it
-    are read and weigh nothing (a window drops whole blocks: kvcal.kv.out_of_window). A GQA group larger than one
+    are read and weigh nothing (a window drops whole blocks: kvcal.kv.window_dropped). A GQA group larger than one
     launch serves is decoded in passes over its query heads (`head_passes`). sinks: (heads,) attention sinks' logits,
     which join each row's softmax after the merge, from the splits' log-sum-exps the kernel leaves in its scratch.
     with_lse (no sinks): the function returns (output, each row's log-sum-exp of its scores (batch, heads), natural
