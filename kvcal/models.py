@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
@@ -152,11 +154,43 @@ def load_model_structure(spec: str | None):
     try:
         with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
             config = _config(source)
-        with init_empty_weights(include_buffers=False):
-            model = _model_class(config).from_config(config, **_attention(config))
     except (OSError, ValueError, ImportError) as exc:
         raise KvcalError(f"could not read model '{source.spec}': {_first_line(exc)}") from exc
+    try:
+        with init_empty_weights(include_buffers=False), _LargeTensorsOnMeta():
+            model = _model_class(config).from_config(config, **_attention(config))
+    except Exception as exc:  # transformers' modeling code over the checkpoint's config: whatever it raises, one line
+        raise KvcalError(f"transformers could not build model '{source.spec}' from its config ({type(exc).__name__}: "
+                         f"{_first_line(exc)}); check its config.json") from exc
     return model.eval(), source
+
+
+# 64 MiB: above any buffer kvcal reads of a model (RoPE's frequencies, GPT-J's table of sines), below a large model's
+# weight matrices
+_LARGE_TENSOR_BYTES = 2**26
+
+
+class _LargeTensorsOnMeta(TorchFunctionMode):
+    """Makes a tensor of _LARGE_TENSOR_BYTES or more that no device was asked for on the meta device. init_empty_weights
+    moves a parameter there once it is registered, after its module made it on the CPU: a model's fused experts
+    (DeepSeek-V3's 30 GB a layer, Llama 4's zeroed 5 GB) would be allocated, or written, first. A model's buffers are
+    small and stay on the CPU, computed."""
+
+    _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if (func in self._FACTORIES and kwargs.get("device") is None
+                and _factory_bytes(func, args, kwargs) >= _LARGE_TENSOR_BYTES):
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def _factory_bytes(func, args: tuple, kwargs: dict) -> int:
+    """The bytes of the tensor a factory call (torch.empty(*size), torch.full(size, value), ...) makes."""
+    size = kwargs.get("size", args[0] if func is torch.full or (args and not isinstance(args[0], int)) else args)
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return math.prod(size) * dtype.itemsize
 
 
 # a tokenizer's special tokens, by the GGUF metadata key giving each one's id

@@ -678,6 +678,36 @@ def test_models_reads_a_model_from_its_config_alone(tiny_model_dir):
     assert rows == [("0", "16"), ("1", "-")]
 
 
+@pytest.mark.slow  # (two processes building a model's modules)
+def test_models_reads_a_671b_parameter_model_from_its_config_without_allocating_its_weights(tmp_path):
+    """DeepSeek-V3's released shapes (61 layers, 256 fused experts of 30 GB a layer in fp32) and Llama 4 Scout's (its
+    experts made zeroed by its modeling code): each is read from its config alone, in a process whose peak memory
+    stays under 2 GiB, what the packages it imports take."""
+    from transformers import AutoConfig
+
+    code = ("import resource, sys\nfrom kvcal.cli import main\nsys.argv = ['kvcal', 'models', sys.argv[1]]\ntry:\n"
+            "    main()\nfinally:\n    print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    for model_type, read_as in (("deepseek_v3", "DeepseekV3ForCausalLM (deepseek_v3): 61 decoder layers"),
+                                ("llama4", "Llama4ForCausalLM (llama4_text): 48 decoder layers")):
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / model_type)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "COLUMNS": "200"})
+        assert done.returncode == 0, done.stderr
+        assert read_as in done.stdout
+        assert int(done.stderr.split("peak KiB")[-1]) < 2 * 2**20, done.stderr
+
+
+def test_models_refuses_a_config_transformers_cannot_build_in_one_line(tmp_path):
+    """A config.json that loads but that the modeling code fails on (a negative MLP width: RuntimeError from torch)
+    is refused in one line naming the model and what transformers raised, not a traceback."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=-1).save_pretrained(tmp_path)
+    line = refused(run("models", tmp_path), "transformers could not build model")
+    assert "RuntimeError: Trying to create tensor with negative dimension" in line
+
+
 def test_models_refuses_an_architecture_it_does_not_serve_in_one_line(tmp_path):
     from transformers import AutoConfig
 
