@@ -128,15 +128,19 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         kwargs["gguf_file"] = source.gguf_file
     if device == "auto":
         kwargs["device_map"] = "auto"
-    try:
-        with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+    with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             if source.gguf_file:
                 _take_the_files_special_tokens(tokenizer, os.path.join(source.path, source.gguf_file))
             config = _config(source)
+        except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
+            raise KvcalError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
+        try:
             model = _model_class(config).from_pretrained(source.path, config=config, **kwargs, **_attention(config))
-    except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
-        raise KvcalError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
+        except Exception as exc:  # transformers' loading and modeling code over the checkpoint's files: one line
+            raise KvcalError(f"could not load model '{source.spec}' ({type(exc).__name__}: {_first_line(exc)}); check "
+                             "its config.json and weights") from exc
     if device == "cuda":
         model = model.to("cuda")
     model.eval()
@@ -160,7 +164,7 @@ def load_model_structure(spec: str | None):
         with init_empty_weights(include_buffers=False), _LargeTensorsOnMeta():
             model = _model_class(config).from_config(config, **_attention(config))
     except Exception as exc:  # transformers' modeling code over the checkpoint's config: whatever it raises, one line
-        raise KvcalError(f"transformers could not build model '{source.spec}' from its config ({type(exc).__name__}: "
+        raise KvcalError(f"could not build model '{source.spec}' from its config ({type(exc).__name__}: "
                          f"{_first_line(exc)}); check its config.json") from exc
     return model.eval(), source
 

@@ -704,7 +704,7 @@ def test_models_refuses_a_config_transformers_cannot_build_in_one_line(tmp_path)
 
     AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=-1).save_pretrained(tmp_path)
-    line = refused(run("models", tmp_path), "transformers could not build model")
+    line = refused(run("models", tmp_path), "could not build model")
     assert "RuntimeError: Trying to create tensor with negative dimension" in line
 
 

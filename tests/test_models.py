@@ -26,6 +26,25 @@ def test_local_paths_hub_ids_and_missing_paths(tmp_path):
         resolve_model(str(tmp_path / "weights.bin"))
 
 
+def test_a_checkpoint_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir):
+    """Weights cut short (safetensors' own error) and a config.json whose MLP width the weights do not have (torch's
+    RuntimeError): each a KvcalError naming the model and what was raised, not a traceback."""
+    import json
+
+    from kvcal.models import load_model
+
+    truncated = tiny_model_dir("llama")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(KvcalError, match=rf"could not load model '{truncated}' \(SafetensorError: .*check its config"):
+        load_model(str(truncated))
+    widened = tiny_model_dir("llama")
+    config = json.loads((widened / "config.json").read_text())
+    (widened / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(KvcalError, match=rf"could not load model '{widened}' \(RuntimeError: "):
+        load_model(str(widened))
+
+
 def test_a_gemma3n_checkpoint_loads_as_its_text_model(tiny_model_dir):
     """Gemma 3n's checkpoints are multimodal (model_type gemma3n, the decoder's weights under model.language_model):
     load_model reads them as the text model kvcal serves, weights and all (its vision tower would need timm)."""
