@@ -192,7 +192,10 @@ class _LargeTensorsOnMeta(TorchFunctionMode):
 
 def _factory_bytes(func, args: tuple, kwargs: dict) -> int:
     """The bytes of the tensor a factory call (torch.empty(*size), torch.full(size, value), ...) makes."""
-    size = kwargs.get("size", args[0] if func is torch.full or (args and not isinstance(args[0], int)) else args)
+    if "size" in kwargs:
+        size = kwargs["size"]
+    else:  # torch.full(size, value), torch.empty((2, 3)) or torch.empty(2, 3)
+        size = args[0] if func is torch.full or (args and not isinstance(args[0], int)) else args
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     return math.prod(size) * dtype.itemsize
 
