@@ -235,24 +235,19 @@ def head_dim_64_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
     folder = tmp_path_factory.mktemp("head-dim-64")
     profile = profile_tiny_model(tiny_model_dir("llama", head_dim=64), tiny_corpus, folder / "profile.safetensors")
-    nuq = write_nuq(folder / "nuq.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3)))
-    windowed = write_nuq(folder / "nuq-w8.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3, window=8)))
+    codebooks = {"kvquant": {}, "kvquant-w8": dict(window=8), "kvquant-post-rope": dict(key_rope="post"),
+                 "nuq4-0%": dict(bits=4, outliers=0.0), "nuq4-1%": dict(bits=4)}
+    bundles = {name: kvquant_bundle(profile, folder, name, **settings) for name, settings in codebooks.items()}
     mixed = write_nuq(folder / "mixed.safetensors", *fit_nuq(str(profile), NuqSettings(target_bits=3.4)))
-    nuq4 = write_nuq(folder / "nuq4-0.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4, outliers=0.0)))
-    nuq4_outliers = write_nuq(folder / "nuq4-1.safetensors", *fit_nuq(str(profile), NuqSettings(bits=4)))
-    post_rope = write_nuq(folder / "nuq-post.safetensors", *fit_nuq(str(profile), NuqSettings(bits=3, key_rope="post")))
     skvq = write_skvq(folder / "skvq.safetensors", *fit_skvq(str(profile), SkvqSettings(group_size=16, window=8, sink=2)))
     skvq31 = write_skvq(folder / "skvq-k3v1.safetensors", *fit_skvq(str(profile), SkvqSettings(3, 1, group_size=16, window=8, sink=2)))
-    artifacts = {"kvquant": ("kvquant", str(nuq), None), "kvquant-w8": ("kvquant", str(windowed), None),
-                 "kvquant-post-rope": ("kvquant", str(post_rope), None),
-                 "skvq": ("skvq", str(skvq), None), "skvq-k3v1": ("skvq", str(skvq31), None),
+    artifacts = {"skvq": ("skvq", str(skvq), None), "skvq-k3v1": ("skvq", str(skvq31), None),
                  "mixed": ("mixed", str(mixed), None), "kivi": ("kivi", None, KiviSettings(group=4, residual=8)),
                  "kvmix": ("kvmix", None, None),
-                 "nuq4-0%": ("kvquant", str(nuq4), None), "nuq4-1%": ("kvquant", str(nuq4_outliers), None),
                  "kivi4-g32": ("kivi", None, KiviSettings(4, 32, 32)), "kivi2-g32": ("kivi", None, KiviSettings(2, 32, 32)),
                  "kivi3-g32": ("kivi", None, KiviSettings(3, 32, 32))}
-    bundles = {name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
-               for name, (recipe, *extra) in artifacts.items()}
+    bundles.update({name: write_bundle(folder / f"{name}.safetensors", *build_bundle(str(profile), recipe, *extra))
+                    for name, (recipe, *extra) in artifacts.items()})
     # kvmix-two-widths: KVmix's layers with keys and values of two widths, 3-bit keys with 2-bit values, then 2-bit keys
     # with 4-bit values (KVmix's default widths; the tiny profile's allocation gives both layers 2 / 2)
     tensors, config = build_bundle(str(profile), "kvmix")
