@@ -15,8 +15,6 @@ tests/kernel_emulation/intrinsics_probe.cu:
 import ctypes
 import math
 import re
-import subprocess
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ import torch
 
 from helpers import emulator_library, requires_gpu
 from kvcal.runtime import kernel_source
+from tools import sass
 
 pytestmark = pytest.mark.emulation
 
@@ -154,18 +153,13 @@ def nvrtc_compile(arch: str) -> tuple[str, bytes]:
     return compiled.log, compiled.cubin
 
 
-def disassemble(cubin: bytes, folder: Path) -> str:
-    """nvdisasm's listing (the nvidia-cuda-nvdisasm wheel's binary, as tools/bound_decode.py finds it)."""
+def disassemble(cubin: bytes) -> str:
+    """nvdisasm's listing of the cubin (tools.sass, the nvidia-cuda-nvdisasm wheel's binary)."""
     try:
-        tool = next((Path(f.locate()) for f in metadata.files("nvidia-cuda-nvdisasm") or [] if f.name == "nvdisasm"), None)
-    except metadata.PackageNotFoundError:
-        tool = None
-    if tool is None:
+        sass.nvdisasm()
+    except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
-    (folder / "probe.cubin").write_bytes(cubin)
-    run = subprocess.run([str(tool), "-c", str(folder / "probe.cubin")], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return run.stdout
+    return sass.disassemble(cubin, line_info=False)
 
 
 def gpu_runner():
@@ -191,12 +185,12 @@ SASS = {"probe_mma": ("HMMA.16816.F32", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", 
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", kernel_source.ARCHITECTURES)
-def test_the_probe_kernels_compile_with_nvrtc_to_the_intended_instructions(arch, tmp_path):
+def test_the_probe_kernels_compile_with_nvrtc_to_the_intended_instructions(arch):
     log, cubin = nvrtc_compile(arch)
     report = kernel_source.parse_ptxas_report(log)
     assert sorted(f.name for f in report) == sorted(PROBE_KERNELS)
     assert {f.name: f.spill_bytes + f.stack_bytes for f in report if f.spill_bytes + f.stack_bytes} == {}
-    listing = disassemble(cubin, tmp_path)
+    listing = disassemble(cubin)
     for kernel, opcodes in SASS.items():
         body = re.search(r"\.text\." + kernel + r":(.*?)(?=\.section|\Z)", listing, re.S)
         assert body, kernel

@@ -1,10 +1,9 @@
-"""tools/bound_decode.py: the SASS listing parser, the steady-state walk (loops, branch rules, flow), the
-instruction classes, occupancy and the bound arithmetic on hand-written input; the installed nvdisasm's output
-format where it is installed."""
+"""tools/bound_decode.py: what the bound makes of the walk's counts (classes, passes, bytes in flight), occupancy,
+the bound arithmetic and the calibrated predictions on hand-written input; every case of the kernel model walked on
+today's SASS."""
 
 import math
 import os
-import struct
 import subprocess
 import sys
 
@@ -12,78 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.nvrtc
 
+from helpers.sass_listing import LISTING, SOURCE, ToyKernel
 from tools import bound_decode as bd
 from tools import decode_model as dm
-
-# A token loop (.L_x_0 .. 0x0b0) holding a branch on the GQA group, a branch to rarely run code, an inner loop of
-# 3 iterations (.L_x_3) and its guard; a divergence fallback after EXIT jumps back in, as ptxas lays them out.
-LISTING = """
-//--------------------- .text.kern --------------------------
-\t.section\t.text.kern,"ax",@progbits
-kern:
-        /*0000*/                   MOV R1, c[0x0][0x28] ;
-.L_x_0:
-\t//## File "k.cu", line 2 inlined at "k.cu", line 1
-\t//## File "k.cu", line 1
-        /*0010*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
-\t//## File "k.cu", line 3
-        /*0020*/                   ISETP.GE.AND P0, PT, R9, 0x5, PT ;
-        /*0030*/              @!P0 BRA `(.L_x_1) ;
-\t//## File "k.cu", line 2
-        /*0040*/                   FFMA R4, R4, R5, R6 ;
-.L_x_1:
-        /*0050*/                   BRA.DIV UR4, `(.L_x_9) ;
-.L_x_8:
-        /*0060*/              @P1 BRA `(.L_x_2) ;
-        /*0070*/                   BRA `(.L_x_4) ;
-.L_x_2:
-\t//## File "k.cu", line 4
-        /*0080*/                   HADD2.F32 R7, -RZ, R7.H0_H0 ;
-.L_x_4:
-\t//## File "k.cu", line 2
-        /*0090*/              @P2 BRA `(.L_x_5) ;
-.L_x_3:
-\t//## File "k.cu", line 5
-        /*00a0*/                   LDG.E.U16 R8, desc[UR4][R2.64] ;
-        /*00b0*/              @P3 BRA `(.L_x_3) ;
-.L_x_5:
-\t//## File "k.cu", line 1
-        /*00c0*/              @P4 BRA `(.L_x_0) ;
-        /*00d0*/                   EXIT ;
-.L_x_9:
-	//## File "k.cu", line 3
-        /*00e0*/                   WARPSYNC 0xffffffff ;
-        /*00f0*/                   BRA `(.L_x_8) ;
-"""
-SOURCE = {"k.cu": ["for (token loop) {", "  work();", "  if (g >= group) continue;", "  rare();", "  for (inner loop) {"]}
-
-
-class ToyKernel:
-    """A kernel model for LISTING: a token loop of 4 tokens an iteration with plain loads, an inner loop of 3 that
-    streams values, rare() runs a quarter of the time."""
-
-    source = "k.cu"
-    token_loop = r"for \(token loop\)"
-    passes = {"keys": "token loop", "softmax": "if", "values": "rare"}  # from lines 1, 3, 4
-
-    def tokens_per_iteration(self, case):
-        return 4
-
-    def stages(self, case):
-        return 1
-
-    def if_bodies(self, case):
-        return ()
-
-    def inner_loops(self, case):
-        return [(r"for \(inner loop\)", 3, "values")]
-
-    def sites(self, case):
-        return [(r"rare\(\)", 0.25)]
-
-    def conditions(self, case):
-        return [(r"if \(g >= group\)", 4)]
-
+from tools import sass
 
 CASE = bd.Case("int2 g128", "UNIFORM_CHANNEL", "UNIFORM_TOKEN", False, 2)
 
@@ -93,33 +24,8 @@ def model():
     return ToyKernel()
 
 
-def walk(kernel):
-    code = bd.parse_listing(LISTING)["kern"].code
-    w = bd.Walk(code, SOURCE.__getitem__, CASE, kernel)
-    return code, w, w.run()
-
-
-def test_parse_listing_reads_labels_predicates_and_inlined_lines():
-    code = bd.parse_listing(LISTING)["kern"].code
-    assert [i.address for i in code] == list(range(0, 0x100, 0x10))
-    assert code[1].lines == (("k.cu", 2), ("k.cu", 1))  # innermost first
-    assert (code[3].predicate, code[3].opcode, code[3].targets) == ("!P0", "BRA", [5])
-    assert code[-1].targets == [6] and bd.backward_branches(code) == [(10, 11), (1, 12), (6, 15)]
-
-
-def test_walk_counts_one_token_loop_iteration(model):
-    code, w, count = walk(model)
-    by_address = {i.address: n for i, n in zip(code, count)}
-    assert (w.header, w.end, w.loops) == (1, 12, {10: 11})  # the fallback's jump back is not a loop of the token loop
-    assert by_address[0x40] == 0  # query head g = 4 is past a group of 4: ISETP 4 >= 5 is false, !P0 jumps
-    assert by_address[0x80] == 0.25 and by_address[0x70] == 0.75
-    assert by_address[0xa0] == by_address[0xb0] == 3  # the guard at 0x90 is not taken: the loop runs 3 times
-    assert by_address[0xc0] == 1 and by_address[0xe0] == 0  # BRA.DIV: the warp is converged
-    assert math.isclose(sum(count), 14.0)
-
-
 def test_analyse_classes_passes_and_bytes_in_flight(model):
-    code = bd.parse_listing(LISTING)["kern"].code
+    code = sass.parse_listing(LISTING)["kern"].code
     result = bd.analyse(model, code, CASE, SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
     assert result["warp_instructions_per_token"] == 14.0 / 4
     assert result["by_pass"] == {"keys": 5.75 / 4, "softmax": 2 / 4, "values": 6.25 / 4}  # by the outermost line
@@ -127,16 +33,6 @@ def test_analyse_classes_passes_and_bytes_in_flight(model):
     assert result["alu_per_token"] == 1 / 4  # the ISETP; the MOV before the loop never runs in it
     # the inner loop issues one 2-byte load per lane per iteration: 64 B, under its share of the token's bytes
     assert result["in_flight_per_sm"] == {"values": 64 * 8}
-
-
-def test_line_profile_puts_each_instruction_under_its_innermost_line(model):
-    code, _, count = walk(model)
-    rows = bd.line_profile(code, count, model.tokens_per_iteration(CASE))
-    # line 5: the inner loop's load and latch, 3 times; line 2: the load inlined into line 1 and the branches around
-    # rare() (line 4, a quarter of the time)
-    assert [(where, n) for where, n, _ in rows] == [(("k.cu", 5), 6 / 4), (("k.cu", 2), 4.75 / 4), (("k.cu", 3), 2 / 4),
-                                                    (("k.cu", 1), 1 / 4), (("k.cu", 4), 0.25 / 4)]
-    assert math.isclose(sum(n for _, n, _ in rows), sum(count) / 4) and all(w == 0 for *_, w in rows)  # no shared memory
 
 
 def test_lines_prints_a_cases_profile_by_source_line(capsys):
@@ -152,34 +48,6 @@ def test_lines_prints_a_cases_profile_by_source_line(capsys):
         with pytest.raises(SystemExit) as error:
             bd.main(argv)
         assert error.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_a_branch_no_rule_decides_is_an_error(model, monkeypatch):
-    monkeypatch.setattr(model, "sites", lambda case: [])
-    with pytest.raises(bd.WalkError, match="no rule decides"):
-        walk(model)
-
-
-def test_a_line_two_site_rules_name_at_different_rates_is_an_error(model, monkeypatch):
-    """A line holding the code of a likely and a rare path (a ternary) cannot tell the walk which path a block is."""
-    monkeypatch.setattr(model, "sites", lambda case: [(r"rare\(\)", 0.25), (r"rare", 1.0)])
-    with pytest.raises(bd.WalkError, match="give each path a line of its own"):
-        walk(model)
-
-
-def test_a_wrong_trip_rule_is_an_error(model, monkeypatch):
-    monkeypatch.setattr(model, "inner_loops", lambda case: [])
-    with pytest.raises(bd.WalkError, match="0 iteration rules"):
-        walk(model)
-
-
-def test_classify_and_load_widths():
-    assert [bd.classify(op) for op in ("LDG.E.128", "FFMA", "IMAD.MOV.U32", "I2FP.F32.U32", "HADD2.F32", "BSSY", "SHFL.BFLY")] == \
-        ["loads", "fp32", "int/logic", "conversion", "conversion", "control", "other"]
-    assert [bd.load_bytes(op) for op in ("LDG.E.128.CONSTANT", "LDG.E.U16", "LDG.E", "LDG.E.64")] == [16, 2, 4, 8]
-    # the ALU pipe: logic, integer add / compare / select and fp32 compares, not the FMA pipe's IMAD
-    assert {"LOP3", "IADD3", "ISETP", "PRMT", "SEL", "FMNMX", "F2FP"} <= bd.ALU_PIPE
-    assert not {"IMAD", "FFMA", "HFMA2", "HMMA", "LDS", "MUFU", "SHFL"} & bd.ALU_PIPE
 
 
 def test_bound_arithmetic():
@@ -200,12 +68,6 @@ def test_bound_arithmetic():
     alu = bd.bound(72.0, 40.0, 0.9, alu_per_token=30.0)
     assert alu["limited_by"] == "ALU pipe" and math.isclose(alu["bandwidth_fraction"], 72 * issue / 3e12 / 60)
     assert bd.bound(72.0, 40.0, 0.9, alu_per_token=19.0)["limited_by"] == "issue"  # fewer than half of them
-
-
-def test_shared_memory_wavefronts_are_counted_conflict_free_by_width():
-    widths = ("LDS", "LDS.U16", "LDS.64", "LDS.128", "STS.128", "LDSM.16.M88.4", "LDSM.16.MT88.2", "LDGSTS.E.BYPASS.128",
-              "LDG.E.128", "FFMA")
-    assert [bd.shared_wavefronts(op) for op in widths] == [1, 1, 2, 4, 4, 4, 2, 4, 0, 0]
 
 
 def test_measurements_sit_beside_the_bound_of_the_same_variant(tmp_path):
@@ -329,23 +191,6 @@ def test_occupancy_from_registers_and_shared_memory():
     assert bd.occupancy(32, 60000, "sm_80")["limited_by"] == "shared memory"
 
 
-def test_the_installed_nvdisasm_prints_what_the_parser_reads(tmp_path):
-    """Three sm_90 instructions of a split merge's loop (a load, a compare, the loop's predicated branch) as raw encodings
-    (no NVRTC: its first compile alone takes seconds)."""
-    try:
-        tool = bd.nvdisasm()
-    except SystemExit:
-        pytest.skip("nvidia-cuda-nvdisasm is not installed")
-    words = ((0x000000061C177981, 0x000EA2000C1E9900), (0x0000000C1200780C, 0x000FE40003F24270),
-             (0xFFFFFFFC00201947, 0x000FEC000383FFFF))
-    raw = tmp_path / "code.bin"
-    raw.write_bytes(b"".join(struct.pack("<QQ", *w) for w in words))
-    out = subprocess.run([str(tool), "-b", "SM90", str(raw)], capture_output=True, text=True, check=True).stdout
-    parsed = [m.group(2, 3) for line in out.splitlines() if (m := bd._INSTRUCTION.match(line))]
-    assert parsed == [(None, "LDG.E.CONSTANT"), (None, "ISETP.GT.AND"), ("P1", "BRA")]
-    assert [bd.classify(op) for _, op in parsed] == ["loads", "int/logic", "control"]
-
-
 def test_shared_memory_from_the_ptxas_report_of_either_architecture():
     log = ("ptxas info    : Function properties for A\nptxas         .     0 bytes stack frame\n"
            "ptxas info    : Used 103 registers, used 1 barriers, 14864 bytes smem, 440 bytes cmem[0]\n"  # sm_80
@@ -358,7 +203,7 @@ def test_a_cp_async_pipeline_keeps_its_stages_in_flight(model, monkeypatch):
     """With a pipeline, in flight = the global-load bytes of a whole token-loop iteration x stages x warps: LISTING's
     loop issues one 16-byte load and three 2-byte loads per lane per iteration."""
     monkeypatch.setattr(model, "stages", lambda case: 3)
-    code = bd.parse_listing(LISTING)["kern"].code
+    code = sass.parse_listing(LISTING)["kern"].code
     result = bd.analyse(model, code, CASE, SOURCE.__getitem__, token_bytes=1000.0, warps_per_sm=8)
     assert result["in_flight_per_sm"]["pipeline"] == (16 + 3 * 2) * 32 * 3 * 8
 
@@ -368,7 +213,7 @@ def test_the_kernel_models_decide_every_branch_of_todays_sass(kernel):
     """Every case of the kernel model walks on sm_90 (a kernel change that adds a branch no rule decides fails here, not
     in the benchmark), keeping the 16 KiB per SM in flight that HBM latency needs."""
     try:
-        bd.nvdisasm()
+        sass.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
     compiled, walks = bd.measure(kernel, "sm_90", 0.9, names=sorted({kernel.variant(case) for case in kernel.cases}))
@@ -387,7 +232,7 @@ def test_the_tensor_core_model_walks_every_case_it_serves_at_head_dim_256():
     """The benchmark's second shape (Gemma 3's head_dim): every case the runtime serves there walks on sm_90, the
     pre-RoPE keys' rolled loop over a rotated key's parts included, and is bounded at that shape."""
     try:
-        bd.nvdisasm()
+        sass.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
     kernel = bd.TensorCoreKernel(bd.SHAPE_256)
@@ -409,7 +254,7 @@ def test_the_walk_reads_a_tokens_rope_row_once_at_both_head_dims():
     trip rule) against that. A rope load is one on the rope row's line or addressed from a register that line
     computed last (ptxas gives some of its loads a neighbouring line's debug location)."""
     try:
-        bd.nvdisasm()
+        sass.nvdisasm()
     except SystemExit:
         pytest.skip("nvidia-cuda-nvdisasm is not installed")
     source = bd.source_lines("decode_attention_tc.cu")
