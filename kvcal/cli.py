@@ -416,14 +416,15 @@ def export_bundle_command(
 def export_vllm_command(
     profile: Path = typer.Option(..., help="profile.safetensors from kvcal profile-gradients: its stored windows are the calibration data and its model fingerprint must match --model."),
     model: Optional[str] = MODEL_OPTION,
-    strategy: str = typer.Option("tensor", help="tensor: one K and one V scale per layer; attn_head: one per KV head (vLLM needs an attention backend with per-head scales)."),
+    strategy: str = typer.Option("tensor", help="tensor: one K and one V scale per layer (vLLM and SGLang); attn_head: one per KV head (vLLM needs an attention backend with per-head scales; SGLang ignores them)."),
     scales: str = typer.Option("calibrated", help="calibrated: searched on the profile's stored windows; absmax: plain absmax / 448 over every token the profile saw, not searched (the baseline to compare with `kvcal eval ppl --quant <folder>`)."),
     out: Path = typer.Option(..., help="Output model folder (new, empty, or a previous kvcal vllm export), written atomically: the model's weights and tokenizer, config.json with the compressed-tensors kv_cache_scheme, the k_scale/v_scale tensors."),
 ):
     """Calibrated FP8 (e4m3) KV-cache scales for vLLM: per layer (or KV head) K and V scales chosen to minimize the
     attention-output error on the profile's stored windows (post-RoPE keys), written with the model as a
-    compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8 (--scales absmax: plain absmax / 448 instead).
-    `kvcal eval ppl --quant <folder>` evaluates the scales written."""
+    compressed-tensors folder that vLLM serves with --kv-cache-dtype fp8, and SGLang with --kv-cache-dtype fp8_e4m3
+    (per-layer scales; --scales absmax: plain absmax / 448 instead). `kvcal eval ppl --quant <folder>` evaluates the
+    scales written."""
     from kvcal.export.vllm import export_vllm
 
     started = time.perf_counter()
@@ -456,6 +457,9 @@ def export_vllm_command(
         out_console.print(f"attention-output MSE summed over layers: absmax/448 {before:.4e}, calibrated {after:.4e} "
                           f"({1 - after / before if before else 0:.1%} lower); absmax/448 kept for {kept} {unit}", highlight=False)
     out_console.print(fit.note, highlight=False)
+    if fit.strategy == "attn_head":
+        out_console.print("SGLang reads per-layer scales only and ignores per-head ones (scale 1.0): export --strategy tensor for it",
+                          highlight=False)
     err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
 
 

@@ -248,6 +248,11 @@ def test_fp8_kv_scales_read_back(exports):
     assert torch.equal(scales.values(1, x), fp8_fake_quantize(x, fit.layers[1].v))
 
 
+def test_a_per_head_export_says_that_sglang_takes_per_layer_scales_only(exports):
+    """SGLang serves the per-layer folder and ignores per-KV-head scales (scale 1.0): the export says so."""
+    hint = "SGLang reads per-layer scales only"
+    assert hint in exports["attn_head"][1] and hint not in exports["tensor"][1]
+
 def test_profile_without_windows_falls_back_to_absmax(tiny_profile, tiny_corpus, tmp_path):
     from kvcal.artifacts import read_artifact
 

@@ -30,6 +30,14 @@ tensors `model.layers.{i}.self_attn.k_scale` / `v_scale`, float32, shape [1] (te
   "attn_head") and `quantization/lifecycle/initialize.py` (`initialize_qparams`: scale shape (1,) for
   tensor, (num_kv_heads, 1, 1) for attn_head, registered as `k_scale` / `v_scale` on the attention module).
 
+SGLang (0.5.23, read in its source, not run here) serves the same folder with per-layer scales:
+`sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py` reads `config_groups` with a default
+(none: linear layers stay unquantized) and gives RadixAttention a KV-cache method only where `is_supported_scheme`
+holds (float, 8 bits, strategy "tensor", static, symmetric); it then turns the cache to fp8 e4m3 also under
+`--kv-cache-dtype auto`; `model_loader/weight_utils.py` `maybe_remap_kv_scale_name` maps `self_attn.k_scale` to
+`self_attn.attn.k_scale` as vLLM's does; `layers/quantization/kv_cache.py` takes one scale per layer. Per-KV-head
+scales fail that check: SGLang logs that it ignores the scheme and keeps scale 1.0.
+
 kvcal.export.fp8 is the same quantize-dequantize, for simulation.
 Not modelled: the query quantization some vLLM attention backends add with an fp8 cache (no `q_scale` is
 written, so vLLM keeps its default 1.0), ROCm's e4m3fnuz format, and rounding of the keys to the serving
