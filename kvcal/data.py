@@ -96,6 +96,12 @@ def tokenize(text: str, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def check_seed(seed: int) -> None:
+    """A seed numpy's generators and k-means' random state take (what every seeded step of kvcal draws with)."""
+    if not 0 <= seed < 2**32:
+        raise KvcalError(f"--seed must be in 0 to 2^32 - 1 (got {seed})")
+
+
 def sample_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
     """`nsamples` windows of `seqlen` tokens at seeded random offsets: (nsamples, seqlen)."""
     total = ids.numel()

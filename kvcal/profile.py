@@ -12,7 +12,7 @@ from kvcal.adapters import adapt
 from kvcal.artifacts import check_writable, write_artifact
 from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
-from kvcal.data import load_text, sample_windows, tokenize
+from kvcal.data import check_seed, load_text, sample_windows, tokenize
 from kvcal.fit.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
 from kvcal.models import load_model, resolve_model
 
@@ -50,6 +50,7 @@ class ProfileRequest:
             raise KvcalError(f"--nsamples must be at least 1 (got {self.nsamples})")
         if self.seqlen < 2:
             raise KvcalError(f"--seqlen must be at least 2 (got {self.seqlen})")
+        check_seed(self.seed)
         if not 0 <= self.capture.sink < self.seqlen:
             raise KvcalError(f"--sink must be in [0, seqlen) (got {self.capture.sink} with seqlen {self.seqlen})")
         if self.capture.max_tokens_per_layer is not None and self.capture.max_tokens_per_layer < 1:

@@ -88,6 +88,7 @@ def bad_inputs(tmp_path, tiny_model_dir, corpus):
         "text shorter than one window": (["--model", llama, "--dataset", short], "fewer than one window"),
         "seqlen above max positions": (["--model", llama, "--dataset", corpus, "--seqlen", 512], "above the model's maximum of 256"),
         "nsamples 0": (["--model", llama, "--nsamples", 0], "--nsamples must be at least 1"),
+        "negative seed": (["--model", llama, "--seed", -1], "--seed must be in 0 to 2^32 - 1"),
         "unwritable output": (["--model", llama, "--dataset", corpus, "--out", blocker / "p.safetensors"], "not a writable folder"),
     }
 

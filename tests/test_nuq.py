@@ -76,7 +76,9 @@ def test_bits_from_profile_and_ablation_names(tiny_profile, tmp_path):
     (NuqSettings(bits=9), "not a code width in 1-8"), (NuqSettings(bits=0), "not a code width in 1-8"),
     (NuqSettings(bits=2.5), "not a code width in 1-8"), (NuqSettings(bits=True), "not a code width in 1-8"),
     (NuqSettings(outliers=0.2), r"outside \[0, 0.1\]"), (NuqSettings(outliers=-0.01), r"outside \[0, 0.1\]"),
-    (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(window=-1), "--window must be 0 or more"), (NuqSettings(codebook="lloyd"), "not one of"),
+    (NuqSettings(sink=0), "below the profile's sink"), (NuqSettings(window=-1), "--window must be 0 or more"),
+    (NuqSettings(codebook="lloyd"), "not one of"),
+    (NuqSettings(seed=-1), r"--seed must be in 0 to 2\^32 - 1"), (NuqSettings(seed=2**32), r"--seed must be in 0 to 2\^32 - 1"),
     (NuqSettings(target_bits=3.0, bits_from_profile=True), "give one of them"), (NuqSettings(target_bits=1.5), "outside"),
     (NuqSettings(target_bits=2.2), r"outside \[2.32, 8\] real bits"),  # below codes + outliers of 2-bit codes
     (NuqSettings(target_bits=2.5), "the real bits of the narrowest widths"),  # the tiny model's thresholds cost more

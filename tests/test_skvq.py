@@ -139,6 +139,7 @@ def test_the_clipping_search_attends_as_the_model_with_its_sinks_or_soft_cap(mod
     (SkvqSettings(group_size=64), "larger than the KV width 32"),
     (SkvqSettings(group_size=16, window=-1), "--window must be 0 or more"),
     (SkvqSettings(vbits=2.5), "1.5 \\(ternary\\)"),
+    (SkvqSettings(group_size=16, seed=-1), r"--seed must be in 0 to 2\^32 - 1"),
 ])
 def test_bad_settings(tiny_profile, settings, message):
     with pytest.raises(KvcalError, match=message):

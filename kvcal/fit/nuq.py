@@ -28,6 +28,7 @@ from sklearn.cluster import KMeans
 
 from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact, write_artifact
+from kvcal.data import check_seed
 from kvcal.errors import KvcalError
 from kvcal.packing import OUTLIER_BYTES, OUTLIER_OFFSET_BYTES, OUTLIER_TILE_TOKENS
 from kvcal.quantizers import (
@@ -80,6 +81,7 @@ class NuqSettings:
             raise KvcalError(f"--target-context must be 0 or a number of tokens (got {self.target_context})")
         if not 0.0 <= self.outliers <= 0.1:
             raise KvcalError(f"--outliers {self.outliers} is outside [0, 0.1]; 0.01 keeps 1% of elements exact")
+        check_seed(self.seed)
         if self.sink < 0:
             raise KvcalError(f"--sink must be 0 or more (got {self.sink})")
         if self.window < 0:

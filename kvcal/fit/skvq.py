@@ -26,6 +26,7 @@ from sklearn.cluster import KMeans
 from kvcal.adapters import (attention_sinks, attention_softcap, kv_shapes, kv_widths, latent_attention, query_heads,
                             score_scale)
 from kvcal.artifacts import read_artifact, write_artifact
+from kvcal.data import check_seed
 from kvcal.errors import KvcalError
 from kvcal.packing import packed_row_bits
 from kvcal.quantizers import FP16_BITS, TINY_SCALE, CodecKind, Encoded, LayerCodecs, Quantized, divided, scale_in_use, store_as
@@ -65,6 +66,7 @@ class SkvqSettings:
             raise KvcalError(f"--window must be 0 or more (got {self.window}); 0 quantizes every token")
         if self.sink < 0:
             raise KvcalError(f"--sink must be 0 or more (got {self.sink})")
+        check_seed(self.seed)
         if self.clip not in ("group", "layer", "none"):
             raise KvcalError(f"--clip '{self.clip}' is not one of group, layer, none")
 
