@@ -391,9 +391,9 @@ def export_bundle_command(
     recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (needs --nuq), mixed (needs --nuq fit with --target-bits or --bits-from-profile), skvq (needs --skvq), kivi or kvmix (no fit)."),
     nuq: Optional[Path] = typer.Option(None, help="nuq artifact from kvcal fit-nuq."),
     skvq: Optional[Path] = typer.Option(None, help="skvq artifact from kvcal fit-skvq."),
-    kivi_bits: int = typer.Option(2, help="kivi recipe: bits for K and V."),
-    kivi_group: int = typer.Option(32, help="kivi recipe: group size G (tokens per key block, channels per value group)."),
-    kivi_residual: int = typer.Option(128, help="kivi recipe: fp16 residual R, a multiple of G."),
+    kivi_bits: Optional[int] = typer.Option(None, help="kivi recipe: bits for K and V (default 2)."),
+    kivi_group: Optional[int] = typer.Option(None, help="kivi recipe: group size G (tokens per key block, channels per value group; default 32)."),
+    kivi_residual: Optional[int] = typer.Option(None, help="kivi recipe: fp16 residual R, a multiple of G (default 128)."),
     out: Path = typer.Option(..., help="Output bundle (.safetensors), written atomically."),
 ):
     """Write one bundle (schema 2) with a per-layer recipe and the tensors it needs."""
@@ -405,8 +405,18 @@ def export_bundle_command(
 
     check_writable(out, inputs=[profile, nuq, skvq])
     spec = registry.recipe(recipe)
+    # an option the recipe does not read is refused, not ignored: the bundle would not be what was asked for
+    reads_nuq, reads_skvq = (lambda s: s.artifact_kind == "nuq"), (lambda s: s.artifact_kind == "skvq")
+    reads_kivi = lambda s: s.settings_type is KiviSettings
+    for option, value, read in (("--nuq", nuq, reads_nuq), ("--skvq", skvq, reads_skvq), ("--kivi-bits", kivi_bits, reads_kivi),
+                                ("--kivi-group", kivi_group, reads_kivi), ("--kivi-residual", kivi_residual, reads_kivi)):
+        if value is not None and not read(spec):
+            readers = ", ".join(name for name in registry.recipes() if read(registry.recipe(name)))
+            raise KvcalError(f"recipe {recipe} does not read {option}: leave it out, or choose a recipe that does ({readers})")
     fitted = {"nuq": nuq, "skvq": skvq}.get(spec.artifact_kind)
-    settings = KiviSettings(kivi_bits, kivi_group, kivi_residual) if spec.settings_type is KiviSettings else None
+    kivi = {name: value for name, value in (("bits", kivi_bits), ("group", kivi_group), ("residual", kivi_residual))
+            if value is not None}
+    settings = KiviSettings(**kivi) if spec.settings_type is KiviSettings else None
     tensors, config = build_bundle(str(profile), recipe, str(fitted) if fitted else None, settings)
     _print_summary(write_bundle(out, tensors, config))
 

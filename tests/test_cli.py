@@ -332,6 +332,17 @@ def test_export_bundle_kivi_and_inspect(tiny_profile, tmp_path):
     assert bad.exit_code == 2 and "multiple of the group size" in bad.stderr and not (tmp_path / "bad.safetensors").exists()
 
 
+
+def test_export_bundle_refuses_an_option_its_recipe_does_not_read(tiny_profile, fitted, tmp_path):
+    """A fitted artifact or KIVI setting the recipe would ignore is refused: the bundle would not be the one asked for."""
+    _, profile = tiny_profile
+    out = tmp_path / "b.safetensors"
+    for args, message in ((["--recipe", "kivi", "--nuq", fitted["nuq"]], "recipe kivi does not read --nuq"),
+                          (["--recipe", "kvquant", "--nuq", fitted["nuq"], "--skvq", fitted["skvq"]], "recipe kvquant does not read --skvq"),
+                          (["--recipe", "kvmix", "--kivi-bits", 4], "recipe kvmix does not read --kivi-bits")):
+        refused(run("export", "bundle", "--profile", profile, *args, "--out", out), message)
+        assert not out.exists()
+
 def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
     import json
 
