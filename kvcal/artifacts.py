@@ -68,8 +68,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def check_writable(path: str | Path, option: str = "--out", inputs=()) -> Path:
     """Fail before any long work if `path` (given as `option`) cannot be written: it must be absent or a
-    regular file (the atomic rename would turn a device or fifo into a file), none of `inputs`, and in a
-    writable folder."""
+    regular file (the atomic rename would turn a device or fifo into a file), none of `inputs` nor a file of an
+    input folder, and in a writable folder."""
     path = Path(path)
     what = _not_regular(path)
     if what == "a directory":
@@ -78,9 +78,14 @@ def check_writable(path: str | Path, option: str = "--out", inputs=()) -> Path:
         raise KvcalError(f"{option} '{path}' exists and is {what}, not a regular file; kvcal replaces only regular files: "
                          f"choose another {option}")
     for source in inputs:
-        if source is not None and Path(source).exists() and _same_file(path, Path(source)):
+        if source is None or not Path(source).exists():
+            continue  # (a dataset or model given by name, not a path)
+        if _same_file(path, Path(source)):
             raise KvcalError(f"{option} '{path}' is also an input ('{source}'); writing it would destroy that input: "
                              f"choose another {option}")
+        if Path(source).is_dir() and path.exists() and path.resolve().is_relative_to(Path(source).resolve()):
+            raise KvcalError(f"{option} '{path}' is a file of the input folder '{source}'; writing it would change that "
+                             f"input: choose another {option}")
     parent = path.parent
     existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):

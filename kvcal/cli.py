@@ -562,7 +562,7 @@ def eval_ppl_command(
     if seqlen < 2 or windows < 1:
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
     if json_out is not None:
-        check_writable(json_out, "--json", inputs=quant)
+        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
     baselines = split_baselines(baseline)
     for spec in baselines:
         check_baseline(spec)  # before the model loads
@@ -656,7 +656,7 @@ def eval_generate_command(
     if prompts < 1 or new_tokens < 1 or prompt_tokens < 8:
         raise KvcalError("--prompts and --new-tokens must be at least 1 and --prompt-tokens at least 8")
     if json_out is not None:
-        check_writable(json_out, "--json", inputs=quant)
+        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, prompt_tokens + new_tokens, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
@@ -717,7 +717,7 @@ def eval_passkey_command(
     for spec in baselines:
         check_baseline(spec)  # before the model loads
     if json_out is not None:
-        check_writable(json_out, "--json", inputs=quant)
+        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
@@ -767,7 +767,7 @@ def eval_memory_command(
     if prefill_chunk < 0:
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
     if json_out is not None:
-        check_writable(json_out, "--json", inputs=quant)
+        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, context, f"--context {context}")

@@ -85,6 +85,17 @@ def test_an_out_that_is_an_input_is_refused_by_name_link_or_hard_link(tmp_path):
     assert check_writable(tmp_path / "q.safetensors", inputs=[source])
 
 
+
+def test_an_out_that_is_a_file_of_an_input_folder_is_refused(tmp_path):
+    """An export folder or model folder given as an input: an output replacing one of its files would change it
+    (writing `config.json` into a vLLM export); a new file beside them is allowed."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(KvcalError, match="--json .* is a file of the input folder .*choose another --json"):
+        check_writable(folder / "config.json", "--json", inputs=[folder])
+    assert check_writable(folder / "results.json", "--json", inputs=[folder]) == folder / "results.json"
+
 def test_read_header_names_a_directory_and_a_fifo(tmp_path):
     with pytest.raises(KvcalError, match="is a directory, not a kvcal artifact"):
         read_header(tmp_path)

@@ -479,6 +479,8 @@ def test_an_out_equal_to_an_input_is_refused_and_the_input_kept(tiny_profile, ti
         (["export", "bundle", "--profile", p, "--recipe", "skvq", "--skvq", s, "--out", s], "--out"),
         (["inspect", p, "--plot", p], "--plot"),
         (["eval", "ppl", "--model", model, "--quant", n, "--dataset", corpus, "--json", n], "--json"),
+        (["eval", "ppl", "--model", model, "--baseline", "int4", "--dataset", corpus, "--json", corpus], "--json"),
+        (["eval", "memory", "--model", model, "--quant", n, "--dataset", corpus, "--json", corpus], "--json"),
         (["profile-gradients", "--model", model, "--dataset", corpus, "--out", corpus], "--out"),
         (["calibrate", "--model", model, "--dataset", corpus, "--out", corpus], "--out"),
     ]
