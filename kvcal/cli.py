@@ -709,8 +709,10 @@ def eval_passkey_command(
         raise KvcalError(f"--lengths '{lengths}' is not a comma-separated list of integers") from exc
     if not sizes or min(sizes) < 64 or samples < 1:
         raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
-    if not 1 <= keys <= len(DOORS) or (keys > 1 and not 1 <= asked <= keys):
-        raise KvcalError(f"--keys must be 1-{len(DOORS)} and --asked 1-{keys} (got --keys {keys}, --asked {asked})")
+    if not 1 <= keys <= len(DOORS):
+        raise KvcalError(f"--keys must be 1-{len(DOORS)} (got {keys})")
+    if keys > 1 and not 1 <= asked <= keys:
+        raise KvcalError(f"--asked must be 1-{keys}, one of the --keys {keys} keys (got {asked})")
     if prefill_chunk < 0:
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
     baselines = split_baselines(baseline)

@@ -26,7 +26,8 @@ def test_specs_and_defaults():
 
 
 @pytest.mark.parametrize("spec, message", [("int5", "bits must be 1-4"), ("fp4", "unknown baseline"), ("kivi0", "not one of 1, 2, 3, 4"),
-                                           ("kivi2-g32-r100", "multiple of the group"), ("int2-g64-r128", "no residual")])
+                                           ("kivi2-g32-r100", "multiple of the group"), ("int2-g64-r128", "no residual"),
+                                           ("kivi2-g0", "group size must be at least 1"), ("int2-g0", "group size at least 1")])
 def test_bad_specs(spec, message):
     with pytest.raises(KvcalError, match=message):
         baseline_method(spec, [64] * 2)
@@ -93,7 +94,9 @@ def test_ik_llama_cpp_first_and_last_layers_take_their_own_types():
     assert [layer.key_codec.bits for layer in method.layers] == [8, 8, 4, 4, 4]
     assert [layer.value_codec.bits for layer in method.layers] == [4, 4, 4, 4, 16]
     for spec, message in (("q4_0;k_first=q8_0,3;k_last=q8_0,3", "they overlap"), ("int4-g64;k_first=q8_0,1", "not 'int4-g64'"),
-                          ("q4_0;k_first=q8_0", "k_first=TYPE,N"), ("q4_0;k_first=q9_0,1", "give one of f16")):
+                          ("q4_0;k_first=q8_0", "k_first=TYPE,N"), ("q4_0;k_first=q9_0,1", "'q9_0' is not one of f16"),
+                          ("q4_0;k_first=q8_0,0", "give a number of layers, 1 or more"),
+                          ("q4_0;k_last=q8_0,6", "the model has 5 layers")):
         with pytest.raises(KvcalError, match=message):
             baseline_method(spec, [64] * 5)
 

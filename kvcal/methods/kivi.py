@@ -113,7 +113,8 @@ class KiviSpec(MethodSpec):
         if match is None:
             return None
         bits, group, residual = (int(g) if g else None for g in match.groups())
-        settings = KiviSettings(bits, group or KiviSettings.group, KiviSettings.residual if residual is None else residual)
+        settings = KiviSettings(bits, KiviSettings.group if group is None else group,
+                                KiviSettings.residual if residual is None else residual)
         try:
             settings.validate()
         except KvcalError as exc:

@@ -94,8 +94,12 @@ def first_last_method(base: str, options: dict[str, tuple[str, int]], head_dims:
         raise KvcalError(f"{', '.join(FIRST_LAST)} follow a llama.cpp cache type or K/V pair, not '{base}'")
     types = {tensor: [pair[i]] * num_layers for i, tensor in enumerate("kv")}
     for option, (cache_type, count) in options.items():
-        if cache_type not in CACHE_TYPES or not 0 < count <= num_layers:
-            raise KvcalError(f"{option}={cache_type},{count}: give one of {', '.join(CACHE_TYPES)} and 1-{num_layers} layers")
+        if cache_type not in CACHE_TYPES:
+            raise KvcalError(f"{option}={cache_type},{count}: '{cache_type}' is not one of {', '.join(CACHE_TYPES)}")
+        if count < 1:
+            raise KvcalError(f"{option}={cache_type},{count}: give a number of layers, 1 or more")
+        if count > num_layers:
+            raise KvcalError(f"{option}={cache_type},{count}: the model has {num_layers} layers")
         layers = range(count) if option.endswith("first") else range(num_layers - count, num_layers)
         for layer in layers:
             types[option[0]][layer] = cache_type
