@@ -181,7 +181,7 @@ def profile_gradients_command(
     sink: int = typer.Option(1, help="Leading tokens of every window kept out of the statistics (attention sinks stay fp16)."),
     max_tokens_per_layer: Optional[int] = typer.Option(None, help="Token rows per layer kept as samples (pre-/post-RoPE K, V and their Fisher); bounds memory. Default: every row past the sink while the samples (5 x layers x rows x kv_width x 4 B) fit 2 GiB."),
     store_windows: int = typer.Option(2, help="Whole windows of pre-RoPE Q, K, V kept per layer for attention-output objectives (SKVQ clipping)."),
-    high_frac: float = typer.Option(0.2, help="KVmix: fraction of layers (ranked by importance, K and V separately) given the high width."),
+    high_frac: Optional[float] = typer.Option(None, help="KVmix: fraction of layers (ranked by importance, K and V separately) given the high width (default 0.2)."),
     target_bits: Optional[float] = typer.Option(None, help="KVmix alternative to --high-frac: promote the most important layers while the mean width stays at most this."),
     k_high_bits: int = typer.Option(3, help="KVmix key width of important layers."),
     k_low_bits: int = typer.Option(2, help="KVmix key width of the other layers."),
@@ -198,10 +198,12 @@ def profile_gradients_command(
     from kvcal.fit.kvmix import WidthChoice
     from kvcal.profile import KvmixSettings, ProfileRequest
 
+    if high_frac is not None and target_bits is not None:
+        raise KvcalError("--high-frac and --target-bits both choose the KVmix widths; give one of them")
     request = ProfileRequest(
         model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
         capture=CaptureSettings(sink=sink, max_tokens_per_layer=max_tokens_per_layer, store_windows=store_windows, seed=seed),
-        kvmix=KvmixSettings(high_frac=high_frac, target_bits=target_bits,
+        kvmix=KvmixSettings(high_frac=KvmixSettings.high_frac if high_frac is None else high_frac, target_bits=target_bits,
                             key_widths=WidthChoice(k_high_bits, k_low_bits), value_widths=WidthChoice(v_high_bits, v_low_bits)),
     )
     from kvcal.artifacts import check_writable
@@ -329,7 +331,7 @@ def inspect_command(
 @reports_errors
 def fit_nuq_command(
     profile: Path = typer.Argument(..., help="profile.safetensors written by kvcal profile-gradients."),
-    bits: int = typer.Option(3, help="Code width for every layer, 1-8 (5-8 bits: the CUDA kernels serve 1-4, wider codes decode with the torch reference)."),
+    bits: Optional[int] = typer.Option(None, help="Code width for every layer, 1-8 (default 3; 5-8 bits: the CUDA kernels serve 1-4, wider codes decode with the torch reference)."),
     bits_from_profile: bool = typer.Option(False, "--bits-from-profile", help="Use the profile's KVmix per-layer K/V widths instead of --bits."),
     target_bits: Optional[float] = typer.Option(None, help="Choose each layer's K and V width (2-4) instead of --bits: the least Fisher-weighted error within this many real (stored) bits per element."),
     target_context: int = typer.Option(0, help="With --target-bits: the context length in tokens at which it is the budget; sliding-window layers, which then hold only their window, weigh that much less (0: every layer alike)."),
@@ -347,6 +349,10 @@ def fit_nuq_command(
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 
+    if bits is not None and (bits_from_profile or target_bits is not None):
+        raise KvcalError(f"--bits and {'--bits-from-profile' if bits_from_profile else '--target-bits'} both choose the widths; "
+                         "give one of them")
+    bits = NuqSettings.bits if bits is None else bits
     settings = NuqSettings(bits=bits, bits_from_profile=bits_from_profile, target_bits=target_bits, target_context=target_context,
                            outliers=outliers, sink=sink,
                            window=window, qnorm=qnorm, key_granularity=key_granularity, key_rope=key_rope, codebook=codebook,

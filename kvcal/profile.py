@@ -13,7 +13,7 @@ from kvcal.artifacts import check_writable, write_artifact
 from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
 from kvcal.data import check_seed, load_text, sample_windows, tokenize
-from kvcal.fit.kvmix import WidthChoice, allocate, check_high_frac, rpc_ratio
+from kvcal.fit.kvmix import WidthChoice, allocate, check_high_frac, check_target_bits, rpc_ratio
 from kvcal.models import load_model, resolve_model
 
 PROFILE_KIND = "profile"
@@ -30,6 +30,9 @@ class KvmixSettings:
         self.key_widths.validate("key")
         self.value_widths.validate("value")
         check_high_frac(self.high_frac)
+        if self.target_bits is not None:
+            for widths in (self.key_widths, self.value_widths):
+                check_target_bits(self.target_bits, widths)
 
 
 @dataclass(frozen=True)

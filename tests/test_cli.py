@@ -89,6 +89,8 @@ def bad_inputs(tmp_path, tiny_model_dir, corpus):
         "seqlen above max positions": (["--model", llama, "--dataset", corpus, "--seqlen", 512], "above the model's maximum of 256"),
         "nsamples 0": (["--model", llama, "--nsamples", 0], "--nsamples must be at least 1"),
         "negative seed": (["--model", llama, "--seed", -1], "--seed must be in 0 to 2^32 - 1"),
+        "two KVmix rules": (["--model", llama, "--target-bits", 3, "--high-frac", 0.5], "--high-frac and --target-bits both"),
+        "target bits past a width": (["--model", llama, "--target-bits", 3.5], "outside the widths' range [2, 3]"),
         "unwritable output": (["--model", llama, "--dataset", corpus, "--out", blocker / "p.safetensors"], "not a writable folder"),
     }
 
@@ -221,7 +223,11 @@ def test_eval_refuses_an_artifact_made_for_another_model(tiny_profile, tiny_mode
     assert "was made for LlamaForCausalLM" in result.stderr and "not for --model" in result.stderr and "Qwen2ForCausalLM" in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [(["--bits", 9], "not a code width in 1-8"), (["--outliers", 0.5], r"outside [0, 0.1]")])
+@pytest.mark.parametrize("args, message", [
+    (["--bits", 9], "not a code width in 1-8"), (["--outliers", 0.5], r"outside [0, 0.1]"),
+    (["--bits", 4, "--target-bits", 3], "--bits and --target-bits both choose the widths"),
+    (["--bits", 4, "--bits-from-profile"], "--bits and --bits-from-profile both choose the widths"),
+])
 def test_fit_nuq_bad_input(tiny_profile, tmp_path, args, message):
     out = tmp_path / "x.safetensors"
     result = run("fit-nuq", tiny_profile[1], *args, "--out", out)

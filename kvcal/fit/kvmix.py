@@ -57,10 +57,14 @@ def allocate_top_fraction(importance: torch.Tensor, widths: WidthChoice, high_fr
     return _assign(importance, widths, math.floor(high_frac * importance.numel() + 0.5))
 
 
-def allocate_to_target(importance: torch.Tensor, widths: WidthChoice, target_bits: float) -> list[int]:
-    """As many of the most important layers get the high width as keep the mean at most `target_bits`."""
+def check_target_bits(target_bits: float, widths: WidthChoice) -> None:
     if not widths.low <= target_bits <= widths.high:
         raise KvcalError(f"--target-bits {target_bits} is outside the widths' range [{widths.low}, {widths.high}]")
+
+
+def allocate_to_target(importance: torch.Tensor, widths: WidthChoice, target_bits: float) -> list[int]:
+    """As many of the most important layers get the high width as keep the mean at most `target_bits`."""
+    check_target_bits(target_bits, widths)
     if widths.high == widths.low:
         return [widths.low] * importance.numel()
     num_high = math.floor((target_bits - widths.low) / (widths.high - widths.low) * importance.numel() + 1e-9)
