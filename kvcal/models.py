@@ -115,13 +115,19 @@ def resolve_dtype(dtype: str, device: str):
     return getattr(torch, dtype)
 
 
-def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
-    """Load (model, tokenizer, source) in eval mode. `device='auto'` spreads layers with accelerate."""
-    transformers_logging.disable_progress_bar()  # kvcal draws its own progress display
+def check_placement(dtype: str, device: str) -> None:
+    """Refuse a --dtype or --device load_model cannot take, without loading anything."""
     if device not in DEVICES:
         raise KvcalError(f"unknown --device '{device}'; choose one of {', '.join(DEVICES)}")
     if device in ("cuda", "auto") and not torch.cuda.is_available():
         raise KvcalError(f"--device {device} needs a CUDA GPU and none is visible; use --device cpu")
+    resolve_dtype(dtype, device)
+
+
+def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
+    """Load (model, tokenizer, source) in eval mode. `device='auto'` spreads layers with accelerate."""
+    transformers_logging.disable_progress_bar()  # kvcal draws its own progress display
+    check_placement(dtype, device)
     source = resolve_model(spec)
     kwargs = {"dtype": resolve_dtype(dtype, device)}
     if source.gguf_file:

@@ -14,7 +14,7 @@ from kvcal.capture import CaptureResult, CaptureSettings, profile_gradients
 from kvcal.errors import KvcalError
 from kvcal.data import check_seed, load_text, sample_windows, tokenize
 from kvcal.fit.kvmix import WidthChoice, allocate, check_high_frac, check_target_bits, rpc_ratio
-from kvcal.models import load_model, resolve_model
+from kvcal.models import check_placement, load_model, resolve_model
 
 PROFILE_KIND = "profile"
 
@@ -54,6 +54,7 @@ class ProfileRequest:
         if self.seqlen < 2:
             raise KvcalError(f"--seqlen must be at least 2 (got {self.seqlen})")
         check_seed(self.seed)
+        check_placement(self.dtype, self.device)
         if not 0 <= self.capture.sink < self.seqlen:
             raise KvcalError(f"--sink must be in [0, seqlen) (got {self.capture.sink} with seqlen {self.seqlen})")
         if self.capture.max_tokens_per_layer is not None and self.capture.max_tokens_per_layer < 1:
