@@ -52,7 +52,7 @@ def reports_errors(command):
         try:
             return command(*args, **kwargs)
         except KvcalError as exc:
-            err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(str(exc).split())), soft_wrap=True)
+            _error_line(str(exc))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print(Text("interrupted"), soft_wrap=True)
@@ -805,6 +805,31 @@ def _quiet_loader_bars() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
 
+def _error_line(message: str) -> None:
+    err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split())), soft_wrap=True)
+
+
 def main() -> None:
+    """The `kvcal` command. A malformed command line (an unknown option, a value of the wrong type) is one error line
+    like every other bad input, exit 2, where click would draw its usage and a box."""
+    import sys
+
+    # click's exception classes, as the installed typer has them (its own copy of click from 0.2x on)
+    usage_error, click_exception = (next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+                                    for name in ("UsageError", "ClickException"))
     _quiet_loader_bars()
-    app()
+    try:
+        code = app(standalone_mode=False, prog_name="kvcal")
+    except usage_error as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `kvcal` or `kvcal eval` alone: the help was printed
+            sys.exit(exc.exit_code)
+        where = exc.ctx.command_path if exc.ctx is not None else "kvcal"
+        _error_line(f"{exc.format_message()} (see {where} --help)")
+        sys.exit(exc.exit_code)
+    except click_exception as exc:
+        _error_line(exc.format_message())
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print(Text("interrupted"), soft_wrap=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)  # (typer.Exit's code; a command itself returns None)

@@ -105,6 +105,22 @@ def test_bad_input_gives_one_line_exit_2_and_no_file(tiny_model_dir, corpus, tmp
         assert not out_dir.exists(), case
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["fit-nuq", "p.safetensors", "--bits", "2.5"], "error: Invalid value for '--bits': Input should be a valid integer"),
+    (["--no-such-option"], "error: No such option: --no-such-option (see kvcal --help)"),
+    (["models", "llama", "extra"], "error: Got unexpected extra argument(s) (extra) (see kvcal models --help)"),
+])
+def test_a_malformed_command_line_is_one_error_line_exit_2(monkeypatch, capsys, argv, message):
+    """What click parses (types, options, arguments) is refused like every other bad input: one line, no usage box."""
+    from kvcal.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["kvcal", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().splitlines() == [err.strip()] and err.startswith(message), err
+
 def test_inspect_refuses_a_file_that_is_not_an_artifact(tmp_path):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not safetensors at all")
@@ -657,7 +673,7 @@ def test_progress_in_a_terminal_is_a_live_bar(tiny_model_dir, tiny_corpus, tmp_p
 def test_the_command_silences_the_gguf_loaders_own_tqdm_bar():
     """transformers' GGUF loader iterates `tqdm(reader.tensors, desc="Converting and de-quantizing GGUF tensors...")`
     with tqdm.auto imported in transformers.modeling_gguf_pytorch_utils; the `kvcal` entry point silences it."""
-    code = ("import sys\nimport kvcal.cli as cli\ncli.app = lambda: None\nif sys.argv[1] == 'main':\n    cli.main()\n"
+    code = ("import sys\nimport kvcal.cli as cli\ncli.app = lambda **_: None\nif sys.argv[1] == 'main':\n    cli.main()\n"
             "from transformers.modeling_gguf_pytorch_utils import tqdm\n"
             "for _ in tqdm(range(3), desc='Converting and de-quantizing GGUF tensors...'):\n    pass\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
