@@ -405,8 +405,8 @@ def test_eval_ppl_refuses_an_export_of_another_model(exports, tiny_model_dir):
     refused(run("eval", "ppl", "--model", tiny_model_dir("qwen2"), "--quant", exports["tensor"][0]), "was made for")
 
 
-def tampered(folder: Path, tmp_path: Path, scale=None, marker=None) -> Path:
-    """A copy of an export with layer 0's k_scale replaced and/or its marker edited."""
+def tampered(folder: Path, tmp_path: Path, scale=None, marker=None, config=None) -> Path:
+    """A copy of an export with layer 0's k_scale replaced and/or its marker or config.json edited."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -417,10 +417,17 @@ def tampered(folder: Path, tmp_path: Path, scale=None, marker=None) -> Path:
         weights = load_file(str(copy / "model.safetensors"))
         weights["model.layers.0.self_attn.k_scale"] = scale
         save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    if marker is not None:
-        path = copy / EXPORT_MARKER
-        path.write_text(json.dumps(marker(json.loads(path.read_text()))))
+    for edit, path in ((marker, copy / EXPORT_MARKER), (config, copy / "config.json")):
+        if edit is not None:
+            path.write_text(json.dumps(edit(json.loads(path.read_text()))))
     return copy
+
+
+def with_scheme(**fields):
+    def edit(config):
+        quantization = config["quantization_config"]
+        return {**config, "quantization_config": {**quantization, "kv_cache_scheme": {**quantization["kv_cache_scheme"], **fields}}}
+    return edit
 
 
 def without(key: str):
@@ -440,6 +447,22 @@ def without(key: str):
 def test_eval_ppl_refuses_a_tampered_export(exports, tiny_profile, tmp_path, strategy, scale, marker, message):
     model, _ = tiny_profile
     folder = tampered(exports[strategy][0], tmp_path, scale, marker)
+    result = run("eval", "ppl", "--model", model, "--quant", folder)
+    refused(result, message)
+    assert "re-export it" in result.stderr
+
+
+@pytest.mark.parametrize("strategy, config, message", [
+    ("tensor", with_scheme(strategy="attn_head"), "'strategy': 'attn_head', 'symmetric': True, 'type': 'float'} is not the tensor"),
+    ("attn_head", with_scheme(num_bits=4), "is not the attn_head scheme"),
+    ("tensor", lambda config: {k: v for k, v in config.items() if k != "quantization_config"}, "no config.json with a kv_cache_scheme"),
+])
+def test_eval_ppl_refuses_an_export_whose_config_says_other_scales_than_it_holds(exports, tiny_profile, tmp_path, strategy,
+                                                                                 config, message):
+    """What vLLM and SGLang read is config.json's scheme: one edited after the export is refused, not evaluated as
+    the scales the marker records."""
+    model, _ = tiny_profile
+    folder = tampered(exports[strategy][0], tmp_path, config=config)
     result = run("eval", "ppl", "--model", model, "--quant", folder)
     refused(result, message)
     assert "re-export it" in result.stderr

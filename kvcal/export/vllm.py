@@ -58,7 +58,7 @@ from transformers import AutoConfig
 from kvcal.adapters import adapt, kv_shapes
 from kvcal.artifacts import check_same_model, read_header
 from kvcal.errors import KvcalError
-from kvcal.export.compressed_tensors import SCALE_NAMES, quantization_config, scale_tensors
+from kvcal.export.compressed_tensors import SCALE_NAMES, kv_cache_scheme, quantization_config, scale_tensors
 from kvcal.export.folder import check_out_folder, write_folder_atomically
 from kvcal.export.scales import SCALE_CHOICES, STRATEGIES, LayerScales, ScaleFit, calibrate_scales, check_scales, check_strategy
 from kvcal.models import load_model, resolve_model
@@ -258,6 +258,13 @@ def read_export(folder: str | Path) -> ScaleFit:
     if strategy not in STRATEGIES or scales not in SCALE_CHOICES or len(entries) != num_layers:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} (strategy {strategy!r}, scales {scales!r}, {len(entries)} "
                          f"layers for a model of {num_layers!r}); re-export it")
+    try:  # what vLLM and SGLang read: the scheme the marker's strategy writes, or the folder was edited
+        scheme = json.loads((folder / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KvcalError(f"'{folder}' has no config.json with a kv_cache_scheme ({exc!r}); re-export it") from exc
+    if scheme != kv_cache_scheme(strategy):
+        raise KvcalError(f"'{folder}': config.json's kv_cache_scheme {scheme} is not the {strategy} scheme of its "
+                         f"{EXPORT_MARKER} (the folder was edited); re-export it")
     found = _scale_tensors(folder)
     fit = ScaleFit(strategy, source, scales, fingerprint)
     for entry in entries:
