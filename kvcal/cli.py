@@ -693,7 +693,7 @@ def eval_passkey_command(
     lengths: str = typer.Option("1024,2048,4096,8184", help="Comma-separated prompt lengths in tokens (each plus the 8-token answer at most the model's positions)."),
     samples: int = typer.Option(20, help="Prompts per length, each with a random 5-digit key at a random depth."),
     keys: int = typer.Option(1, help="Keys per prompt: 1 (passkey), or 2-8 keys of named doors at random depths (multi-key)."),
-    asked: int = typer.Option(2, help="Multi-key: how many of a prompt's keys are asked for, one question each."),
+    asked: Optional[int] = typer.Option(None, help="Multi-key: how many of a prompt's keys are asked for, one question each (default 2)."),
     prefill_chunk: int = typer.Option(0, help="Prefill each context in steps of this many tokens (0: one step); long "
                                               "contexts need it to keep the prefill's attention within memory."),
     seed: int = typer.Option(0, help="Seed for keys and depths."),
@@ -717,6 +717,9 @@ def eval_passkey_command(
         raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
     if not 1 <= keys <= len(DOORS):
         raise KvcalError(f"--keys must be 1-{len(DOORS)} (got {keys})")
+    if keys == 1 and asked is not None:
+        raise KvcalError("--asked goes with --keys 2 or more (one key: its one question is asked)")
+    asked = 2 if asked is None else asked
     if keys > 1 and not 1 <= asked <= keys:
         raise KvcalError(f"--asked must be 1-{keys}, one of the --keys {keys} keys (got {asked})")
     if prefill_chunk < 0:

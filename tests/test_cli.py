@@ -551,6 +551,7 @@ def test_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recip
             "--lengths 300 + the 8-token answer = 308 positions, above the model's maximum of 256")
     refused(run("eval", "passkey", *common, "--keys", 9), "--keys must be 1-8 (got 9)")
     refused(run("eval", "passkey", *common, "--keys", 0), "--keys must be 1-8 (got 0)")
+    refused(run("eval", "passkey", *common, "--asked", 1), "--asked goes with --keys 2 or more")
     refused(run("eval", "passkey", *common, "--keys", 3, "--asked", 4), "--asked must be 1-3, one of the --keys 3 keys (got 4)")
     refused(run("eval", "passkey", *common, "--prefill-chunk", -1), "--prefill-chunk must be 0 (one step) or a number of tokens")
     refused(run("eval", "passkey", *common, "--baseline", "q3_0"), "unknown baseline 'q3_0'")
