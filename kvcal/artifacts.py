@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,11 +101,17 @@ def path_suffix(option: str) -> str:
 def artifact_checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """SHA-256 of an artifact's metadata (every key but the checksum itself) and of every tensor's name, dtype,
     shape and bytes: any change of kvcal.config, kind, schema or a tensor changes it."""
+    return _checksum(sorted(tensors), tensors.__getitem__, metadata)
+
+
+def _checksum(names: list[str], tensor_of: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> str:
+    """artifact_checksum over `names` (sorted), each tensor got by tensor_of(name) when its turn comes: read from a file,
+    one is held at a time."""
     digest = hashlib.sha256()
     header = {key: value for key, value in metadata.items() if key != CHECKSUM_KEY}
     digest.update(json.dumps(header, sort_keys=True, ensure_ascii=False).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
+    for name in names:
+        tensor = tensor_of(name).detach().contiguous().cpu()
         digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -231,6 +238,24 @@ def read_artifact(path: str | Path, kind: str | None = None) -> tuple[dict[str, 
         tensors = load_file(str(path))
     except Exception as exc:
         raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
-    if metadata.get(CHECKSUM_KEY) != artifact_checksum(tensors, metadata):
-        raise KvcalError(f"'{path}' fails its checksum: the file is corrupt or was edited; {_recreate(found)} (or download it again)")
+    _check_checksum(path, found, metadata, artifact_checksum(tensors, metadata))
     return tensors, config
+
+
+def verify_artifact(path: str | Path) -> tuple[str, dict]:
+    """(kind, config) of an artifact whose every tensor matches its checksum, read one tensor at a time (memory: the
+    largest tensor): for a command that reads the tensors only after long work (loading a model), so that a corrupt
+    file is refused before it."""
+    found, config, metadata = _read_metadata(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            computed = _checksum(sorted(handle.keys()), handle.get_tensor, metadata)
+    except Exception as exc:
+        raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
+    _check_checksum(path, found, metadata, computed)
+    return found, config
+
+
+def _check_checksum(path: str | Path, kind: str, metadata: dict, computed: str) -> None:
+    if metadata.get(CHECKSUM_KEY) != computed:
+        raise KvcalError(f"'{path}' fails its checksum: the file is corrupt or was edited; {_recreate(kind)} (or download it again)")

@@ -136,10 +136,10 @@ class _Stages:
 
 def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
     """Shared body of the fit-* commands: fit layer by layer with progress, write, summarize."""
-    from kvcal.artifacts import check_writable, read_header
+    from kvcal.artifacts import check_writable, verify_artifact
 
     settings.validate()
-    kind, profile_config = read_header(profile)
+    kind, profile_config = verify_artifact(profile)  # (a corrupt profile refused before the first layer's line)
     if kind != "profile":
         raise KvcalError(f"'{profile}' is a kvcal {kind}; the fit commands take a profile (from kvcal profile-gradients)")
     out = check_writable(out, inputs=[profile])

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvcal.artifacts import check_writable, read_artifact, read_header, write_artifact, write_text_atomic
+from kvcal.artifacts import (check_writable, read_artifact, read_header, verify_artifact, write_artifact,
+                             write_text_atomic)
 from kvcal.errors import KvcalError
 
 
@@ -123,6 +124,29 @@ def test_every_artifact_is_checksummed_over_metadata_and_tensors(tmp_path):
     not_object = rewrite(path, tmp_path / "list.safetensors", metadata_fn=lambda m: {**m, "kvcal.config": "[1, 2]"})
     with pytest.raises(KvcalError, match="not a JSON object"):
         read_header(not_object)
+
+
+def test_verify_artifact_streams_the_same_checksum_and_refuses_the_same_edits(tmp_path):
+    """verify_artifact (one tensor held at a time) accepts what read_artifact accepts and refuses each edit it refuses,
+    with the same line."""
+    from helpers.artifact_files import rewrite
+
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(4, dtype=torch.int8)}
+    path = write_artifact(tmp_path / "p.safetensors", tensors, "profile", {"seed": 1})
+    assert verify_artifact(path) == ("profile", read_artifact(path)[1])
+    for name, edit in {"config": dict(config_fn=lambda c: {**c, "seed": 2}),
+                       "tensor": dict(tensors_fn=lambda t: {**t, "a": t["a"] + 1}),
+                       "renamed": dict(tensors_fn=lambda t: {"c": t["a"], "b": t["b"]})}.items():
+        edited = rewrite(path, tmp_path / f"{name}.safetensors", reseal=False, **edit)
+        with pytest.raises(KvcalError) as streamed:
+            verify_artifact(edited)
+        with pytest.raises(KvcalError) as whole:
+            read_artifact(edited)
+        assert str(streamed.value) == str(whole.value) and "fails its checksum" in str(streamed.value)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(KvcalError, match="is truncated"):
+        verify_artifact(truncated)
 
 
 def test_an_unwritable_json_names_json(tmp_path):

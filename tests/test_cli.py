@@ -427,6 +427,22 @@ def test_an_out_that_is_not_a_regular_file_is_refused_and_left_alone(tiny_profil
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.safetensors", "folder.safetensors", "report.json"]
 
 
+def test_a_corrupt_profile_is_refused_before_any_work(tiny_profile, tmp_path):
+    """fit-nuq, fit-skvq and export vllm read the profile's tensors only after a layer line or the model's loading:
+    its checksum is verified first, and the error is the only line."""
+    model, profile = tiny_profile
+    data = profile.read_bytes()
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(data[:-10] + bytes([data[-10] ^ 0x01]) + data[-9:])
+    for command in (["fit-nuq", flipped, "--out", tmp_path / "nuq.safetensors"],
+                    ["fit-skvq", flipped, "--out", tmp_path / "skvq.safetensors"],
+                    ["export", "vllm", "--profile", flipped, "--model", model, "--out", tmp_path / "folder"]):
+        result = run(*command)
+        refused(result, "fails its checksum")
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flipped.safetensors"]
+
+
 def test_inspect_validates_what_it_reads(recipe_bundles, tiny_profile, fitted, tmp_path):
     data = recipe_bundles["kvquant"].read_bytes()
     flipped = tmp_path / "flipped.safetensors"

@@ -56,7 +56,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from kvcal.adapters import adapt, kv_shapes
-from kvcal.artifacts import check_same_model, read_header
+from kvcal.artifacts import check_same_model, verify_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.compressed_tensors import SCALE_NAMES, kv_cache_scheme, quantization_config, scale_tensors
 from kvcal.export.folder import check_out_folder, write_folder_atomically
@@ -218,7 +218,7 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
     check_strategy(strategy)
     check_scales(scales)
     profile = Path(profile)
-    kind, profile_config = read_header(profile)
+    kind, profile_config = verify_artifact(profile)  # (a corrupt profile refused before the model loads)
     if kind != "profile":
         raise KvcalError(f"'{profile}' is a kvcal {kind}, expected a profile from kvcal profile-gradients")
     source = resolve_model(model)
