@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
+from kvcal.hub import hub_unreachable, offline_if_unreachable
 
 BUILTIN = "builtin"
 PYTHON_CODE = "python-code"
@@ -77,10 +78,15 @@ def load_text(spec: str) -> str:
             raise KvcalError(f"dataset file '{spec}' does not exist; pass a file, a folder, 'builtin' or a hub spec")
         else:
             name, config, split = (spec.split(":") + [None, None])[:3]
-            dataset = datasets.load_dataset(name, config or None, split=split or "train")
+            with offline_if_unreachable():
+                dataset = datasets.load_dataset(name, config or None, split=split or "train")
     except KvcalError:
         raise
     except Exception as exc:  # datasets raises many types; all mean "this spec cannot be read"
+        unreachable = hub_unreachable() if isinstance(exc, ConnectionError) else None  # (offline: not in the cache)
+        if unreachable:
+            raise KvcalError(f"could not read dataset '{spec}': it is not in the datasets cache and {unreachable}; "
+                             "pass a local file or folder") from exc
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise KvcalError(f"could not read dataset '{spec}': {first_line}") from exc
     column = _text_column(dataset, spec)

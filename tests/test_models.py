@@ -160,3 +160,30 @@ def test_a_chunked_package_is_joined_under_a_temporary_name_then_renamed(tmp_pat
     assert joined.parent.parent == target.parent and joined.name == target.name and not target_there
     assert checked == (target, True)
     assert [path.name for path in target.parent.iterdir()] == [package.MODEL_NAME]
+
+
+@pytest.mark.slow
+def test_a_hub_id_loads_from_the_cache_at_once_when_the_hub_cannot_be_reached(tiny_model_dir, tmp_path):
+    """A model in the Hugging Face cache of a machine whose Hub does not answer loads without huggingface_hub's
+    retries (five per file, minutes in all); one missing from it is one line naming the cache and the endpoint. In a
+    process of its own: the cache folder and endpoint are read from the environment at import."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.local_hub import cache_as_hub_model, closed_port_url
+
+    cache_as_hub_model(tiny_model_dir("llama"), tmp_path / "hf", "kvcal-tests/cached")
+    url = closed_port_url()
+    environment = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    script = ("from kvcal.errors import KvcalError\nfrom kvcal.models import load_model\n"
+              "model, _, source = load_model('kvcal-tests/cached')\nprint(type(model).__name__, source.spec)\n"
+              "try:\n    load_model('kvcal-tests/absent')\nexcept KvcalError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**environment, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": url})
+    assert done.returncode == 0, done.stderr
+    loaded, missing = done.stdout.splitlines()
+    assert loaded == "LlamaForCausalLM kvcal-tests/cached"
+    assert missing.startswith(f"could not load model 'kvcal-tests/absent': it is not (wholly) in the Hugging Face cache "
+                              f"and {url} cannot be reached (")
+    assert "Retry" not in done.stderr

@@ -61,7 +61,7 @@ from kvcal.errors import KvcalError
 from kvcal.export.compressed_tensors import SCALE_NAMES, kv_cache_scheme, quantization_config, scale_tensors
 from kvcal.export.folder import check_out_folder, write_folder_atomically
 from kvcal.export.scales import SCALE_CHOICES, STRATEGIES, LayerScales, ScaleFit, calibrate_scales, check_scales, check_strategy
-from kvcal.models import load_model, resolve_model
+from kvcal.models import load_model, reading_files, resolve_model
 from kvcal.version import __version__
 
 EXPORT_MARKER = "kvcal_export.json"
@@ -112,7 +112,8 @@ def _checkpoint_dtype(spec: str | None) -> str:
             declared = None
     else:
         try:
-            declared = str(getattr(AutoConfig.from_pretrained(source.path), "dtype", "") or "").removeprefix("torch.")
+            with reading_files(source):
+                declared = str(getattr(AutoConfig.from_pretrained(source.path), "dtype", "") or "").removeprefix("torch.")
         except (OSError, ValueError):
             declared = None
     return declared if declared in ("float32", "float16", "bfloat16") else "float32"
