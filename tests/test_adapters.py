@@ -333,7 +333,7 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 def test_unsupported_architecture_names_what_is_missing():
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
-    with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention\)"):
+    with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention \(GPTNeoSelfAttention\)\)"):
         adapt(tiny_model("gpt_neo"))
 
 
