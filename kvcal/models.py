@@ -235,7 +235,11 @@ def _factory_bytes(func, args: tuple, kwargs: dict) -> int:
     else:  # torch.full(size, value), torch.empty((2, 3)) or torch.empty(2, 3)
         size = args[0] if func is torch.full or (args and not isinstance(args[0], int)) else args
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
-    return math.prod(size) * dtype.itemsize
+    return math.prod(size) * _PYTHON_DTYPES.get(dtype, dtype).itemsize
+
+
+# the dtypes torch's factories make for a Python type given as dtype (GPT-Neo's dtype=bool)
+_PYTHON_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
 # a tokenizer's special tokens, by the GGUF metadata key giving each one's id

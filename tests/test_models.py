@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvcal.errors import KvcalError
 from kvcal.models import default_model_gguf, resolve_model
@@ -187,3 +188,15 @@ def test_a_hub_id_loads_from_the_cache_at_once_when_the_hub_cannot_be_reached(ti
     assert missing.startswith(f"could not load model 'kvcal-tests/absent': it is not (wholly) in the Hugging Face cache "
                               f"and {url} cannot be reached (")
     assert "Retry" not in done.stderr
+
+
+def test_a_model_whose_modeling_code_passes_a_python_type_as_dtype_is_built_from_its_config(tmp_path):
+    """GPT-Neo makes its causal mask with dtype=bool: load_model_structure sizes each factory call to keep large
+    tensors off the CPU, and reads a Python type as the dtype torch makes of it."""
+    from transformers import AutoConfig
+
+    from kvcal.models import load_model_structure
+
+    AutoConfig.for_model("gpt_neo").save_pretrained(tmp_path)
+    model, _ = load_model_structure(str(tmp_path))
+    assert model.transformer.h[0].attn.attention.bias.dtype == torch.bool
