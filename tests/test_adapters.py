@@ -1,11 +1,14 @@
 import pytest
 import torch
+import transformers
 
 from helpers import attention_at
 from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT,
                                  MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES,
                                  TINY_WINDOW, from_transformers, known, longrope, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
+from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, LATENT_DECODERS, NOT_TAKEN_YET, SERVED_ONES,
+                                        SUPPORTED_MODEL_TYPES)
 from kvcal.errors import KvcalError
 from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.rope import apply_rope
@@ -332,9 +335,43 @@ def test_fingerprint_changes_with_the_config_not_with_the_weights():
 
 
 def test_unsupported_architecture_names_what_is_missing():
+    """What the attention holds, each part's type beside its name (JetMoE's mixture of attention heads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("jetmoe", vocab_size=64, hidden_size=32,
+                                                                  num_hidden_layers=1))
     missing = r"could not find separate q_proj, k_proj, v_proj \(or one qkv_proj or query_key_value\)"
-    with pytest.raises(KvcalError, match=rf"GPTNeoForCausalLM.*{missing}.*found: attention \(GPTNeoSelfAttention\)\)"):
-        adapt(tiny_model("gpt_neo"))
+    with pytest.raises(KvcalError, match=rf"JetMoeForCausalLM.*{missing}.*found: experts \(JetMoeMoA\), kv_proj \(Linear\)\)"):
+        adapt(model)
+
+
+# the settings a type's default config lacks to be built (Qwen4-Exp's QSA indexer has no defaults)
+_NOT_TAKEN_SETTINGS = {"qwen4_exp_text": dict(indexer_budget=64, indexer_compress_ratio=4, indexer_n_heads=4,
+                                              indexer_kv_heads=1, indexer_head_dim=256)}
+
+
+@pytest.mark.parametrize("model_type", sorted(NOT_TAKEN_YET))
+def test_a_type_not_taken_yet_is_refused_with_why_not(model_type, tmp_path):
+    """Each from its default config (its released shapes, built on the meta device; a decoder's from its composite's):
+    the table's reason, not the symptom its modules would show the adapter."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from kvcal.models import load_model_structure
+
+    composite = model_type.removesuffix("_text")
+    if composite not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {composite}")
+    settings = _NOT_TAKEN_SETTINGS.get(model_type)
+    AutoConfig.for_model(composite, **({"text_config": settings} if settings else {})).save_pretrained(tmp_path)
+    model, _ = load_model_structure(str(tmp_path))
+    with pytest.raises(KvcalError) as refused:
+        adapt(model)
+    assert str(refused.value).endswith(f": {NOT_TAKEN_YET[model_type]}; {SERVED_ONES}")
+
+
+def test_no_type_not_taken_yet_is_served():
+    assert not set(NOT_TAKEN_YET) & set(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES + LATENT_DECODERS)
 
 
 @pytest.mark.parametrize("model_type, settings", known({"mpt": {}, "falcon": dict(alibi=True)}).items())

@@ -21,10 +21,10 @@ from kvcal.adapters.model_types import (ATTENTION_AND_STATE_TYPES, ATTENTION_LAY
                                         HALVES_SWAPPED_ROPE, HEADS_FIRST_NORMS, IMAGE_BLOCKS, IMAGES_AS_TOKENS,
                                         INDEXED_ATTENTION, INTERLEAVED_ROPE, LATENT_ATTENTION_TYPES, LATENT_DECODERS,
                                         LAYER_TYPE_NAMES, NARROW_VALUES, NOPE_WITHOUT_ROTARY, NORMED_AFTER_ROPE,
-                                        PARITY_SPLIT_ROPE, PREFIX_LM, ROTARY_PER_BASE, ROTARY_SCALED_BY_LAYER,
-                                        SCALED_NORMS_AFTER_ROPE, SERVED_FROM, SERVED_ONES, SHARED_NORM_BEFORE_ROPE,
-                                        SINKS, SINUSOID_TABLE_ROPE, SLIDING_KV_HEADS_DOUBLED, STATE_LAYER_TYPES,
-                                        SUPPORTED_MODEL_TYPES, served_by_installed_transformers)
+                                        NOT_TAKEN_YET, PARITY_SPLIT_ROPE, PREFIX_LM, ROTARY_PER_BASE,
+                                        ROTARY_SCALED_BY_LAYER, SCALED_NORMS_AFTER_ROPE, SERVED_FROM, SERVED_ONES,
+                                        SHARED_NORM_BEFORE_ROPE, SINKS, SINUSOID_TABLE_ROPE, SLIDING_KV_HEADS_DOUBLED,
+                                        STATE_LAYER_TYPES, SUPPORTED_MODEL_TYPES, served_by_installed_transformers)
 from kvcal.adapters.rotary import (LongRope, channel_orders, find_long_rope, find_rotary, rope_free_types,
                                    rotaries_per_base, rotaries_scaled_by_layer, rotary_inv_freq, rotary_layer_types,
                                    rotary_name, rotated_layers)
@@ -254,6 +254,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
         major, minor = SERVED_FROM[unserved]
         raise KvcalError(f"{where}: kvcal serves it from transformers {major}.{minor}, whose classes it follows; "
                          f"upgrade transformers (pip install 'transformers>={major}.{minor}')")
+    not_yet = next((NOT_TAKEN_YET[kind] for kind in (model_type, text_type) if kind in NOT_TAKEN_YET), None)
+    if not_yet is not None:
+        raise KvcalError(f"{where}: {not_yet}; {SERVED_ONES}")
     num_layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")

@@ -737,7 +737,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       new_decoder_architecture=True, max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
     if model_type == "mpt":  # not served (ALiBi): a refusal's example
         common = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max_positions)
-    if model_type == "gpt_neo":  # not served (its projections inside its attention's own attention): the refusals' example
+    if model_type == "gpt_neo":  # not served (it scores without transformers' attention functions): a refusal
         common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
                       max_position_embeddings=max_positions)
     return AutoConfig.for_model(model_type, **{**common, **overrides})
