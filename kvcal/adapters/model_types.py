@@ -164,6 +164,9 @@ NOT_TAKEN_YET = {
                       "which kvcal's attention does not apply",
     "glm5_next_text": "GLM-5 Next is not served yet: its sparse MLA layers sit among parts kvcal has not checked "
                       "(hyper-connections, Kimi Delta Attention layers)",
+    "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
+                       "layers' heads, latent and head widths are their own), and a norm with a scale acts on its "
+                       "rotated key",
     "dory": "Dory is not served yet: its recurrent section runs the same decoder layers several times "
             "(n_recurrent_loops), each pass caching apart or reading the last one's, where kvcal keeps one cache layer "
             "per decoder layer",
