@@ -242,18 +242,19 @@ def read_artifact(path: str | Path, kind: str | None = None) -> tuple[dict[str, 
     return tensors, config
 
 
-def verify_artifact(path: str | Path) -> tuple[str, dict]:
-    """(kind, config) of an artifact whose every tensor matches its checksum, read one tensor at a time (memory: the
-    largest tensor): for a command that reads the tensors only after long work (loading a model), so that a corrupt
-    file is refused before it."""
-    found, config, metadata = _read_metadata(path)
+def verify_artifact(path: str | Path) -> None:
+    """Refuse an artifact any of whose tensors fails its checksum, reading one tensor at a time (memory: the largest
+    tensor): for a command that reads the tensors only after long work (loading a model, a layer's fit), so that a
+    corrupt file is refused before it; the file is then read twice."""
+    found, _, metadata = _read_metadata(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             computed = _checksum(sorted(handle.keys()), handle.get_tensor, metadata)
+    except MemoryError:
+        raise
     except Exception as exc:
         raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
     _check_checksum(path, found, metadata, computed)
-    return found, config
 
 
 def _check_checksum(path: str | Path, kind: str, metadata: dict, computed: str) -> None:

@@ -136,12 +136,13 @@ class _Stages:
 
 def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
     """Shared body of the fit-* commands: fit layer by layer with progress, write, summarize."""
-    from kvcal.artifacts import check_writable, verify_artifact
+    from kvcal.artifacts import check_writable, read_header, verify_artifact
 
     settings.validate()
-    kind, profile_config = verify_artifact(profile)  # (a corrupt profile refused before the first layer's line)
+    kind, profile_config = read_header(profile)
     if kind != "profile":
         raise KvcalError(f"'{profile}' is a kvcal {kind}; the fit commands take a profile (from kvcal profile-gradients)")
+    verify_artifact(profile)  # (a corrupt profile refused before the first layer's line)
     out = check_writable(out, inputs=[profile])
     layers = ((profile_config.get("model") or {}).get("fingerprint") or {}).get("num_layers")
     started = time.perf_counter()

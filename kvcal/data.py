@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvcal.errors import KvcalError
-from kvcal.hub import hub_unreachable, offline_if_unreachable
+from kvcal.hub import offline_if_unreachable
 
 BUILTIN = "builtin"
 PYTHON_CODE = "python-code"
@@ -71,6 +71,7 @@ def load_text(spec: str) -> str:
     import datasets
 
     datasets.disable_progress_bars()
+    unreachable = None
     try:
         if path.exists():
             dataset = datasets.load_dataset(builder, data_files=files, split="train")
@@ -78,13 +79,12 @@ def load_text(spec: str) -> str:
             raise KvcalError(f"dataset file '{spec}' does not exist; pass a file, a folder, 'builtin' or a hub spec")
         else:
             name, config, split = (spec.split(":") + [None, None])[:3]
-            with offline_if_unreachable():
+            with offline_if_unreachable() as unreachable:
                 dataset = datasets.load_dataset(name, config or None, split=split or "train")
     except KvcalError:
         raise
     except Exception as exc:  # datasets raises many types; all mean "this spec cannot be read"
-        unreachable = hub_unreachable() if isinstance(exc, ConnectionError) else None  # (offline: not in the cache)
-        if unreachable:
+        if unreachable is not None and isinstance(exc, ConnectionError):  # (datasets' error offline: not in the cache)
             raise KvcalError(f"could not read dataset '{spec}': it is not in the datasets cache and {unreachable}; "
                              "pass a local file or folder") from exc
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

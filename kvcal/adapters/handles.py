@@ -231,8 +231,8 @@ def layer_handles(attention: nn.Module, index: int, where: str, heads_first: boo
         columns = _block_columns(fused.out_features, q_width // head_dim, q=(0, head_dim), k=(head_dim, head_dim),
                                  v=(2 * head_dim, head_dim))
         return LayerHandles(index, attention, fused, fused, fused, **norms, columns=columns)
-    children = ", ".join(f"{n} ({type(m).__name__})" for n, m in attention.named_children())  # (a name alone may be
-    # one of these but no linear layer: ZAYA's qkv_proj)
+    # each child's type beside its name: a child may bear one of these names and be no linear layer (ZAYA's qkv_proj)
+    children = ", ".join(f"{n} ({type(m).__name__})" for n, m in attention.named_children())
     raise KvcalError(f"{where}: could not find separate q_proj, k_proj, v_proj (or one qkv_proj or query_key_value) and o_proj "
                      f"(or dense) linear layers in its attention (found: {children}); {SERVED_ONES}")
 

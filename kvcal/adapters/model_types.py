@@ -167,6 +167,11 @@ NOT_TAKEN_YET = {
     "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
                        "layers' heads, latent and head widths are their own), and a norm with a scale acts on its "
                        "rotated key",
+    "kolibri1_1": "Kolibri 1.1 is not served yet: its sparse layers attend to keys and values the model rounds to "
+                  "NVFP4 after handing them to the cache, where kvcal's attention would read the cache's",
+    "inkling2_loop_text": "Inkling 2 Loop is not served yet: its looped layers (loop_layer_index_start to "
+                          "loop_layer_index_end) run loop_num_passes times a step, where kvcal keeps one cache layer "
+                          "per decoder layer",
     "dory": "Dory is not served yet: its recurrent section runs the same decoder layers several times "
             "(n_recurrent_loops), each pass caching apart or reading the last one's, where kvcal keeps one cache layer "
             "per decoder layer",

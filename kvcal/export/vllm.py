@@ -56,7 +56,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from kvcal.adapters import adapt, kv_shapes
-from kvcal.artifacts import check_same_model, verify_artifact
+from kvcal.artifacts import check_same_model, read_header, verify_artifact
 from kvcal.errors import KvcalError
 from kvcal.export.compressed_tensors import SCALE_NAMES, kv_cache_scheme, quantization_config, scale_tensors
 from kvcal.export.folder import check_out_folder, write_folder_atomically
@@ -219,9 +219,10 @@ def export_vllm(profile: str | Path, model: str | None, strategy: str, out: str 
     check_strategy(strategy)
     check_scales(scales)
     profile = Path(profile)
-    kind, profile_config = verify_artifact(profile)  # (a corrupt profile refused before the model loads)
+    kind, profile_config = read_header(profile)
     if kind != "profile":
         raise KvcalError(f"'{profile}' is a kvcal {kind}, expected a profile from kvcal profile-gradients")
+    verify_artifact(profile)  # (a corrupt profile refused before the model loads)
     source = resolve_model(model)
     inputs = [profile] + ([Path(source.path)] if Path(source.path).exists() else [])
     out = check_out_folder(out, inputs, is_previous_export, "kvcal vllm export")

@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -20,14 +21,15 @@ def closed_port_url() -> str:
 
 
 @contextlib.contextmanager
-def answering_server(status: int):
-    """(url, requests): a local server answering every HEAD with `status`; `requests` lists "HEAD <path>" as they
-    come."""
+def answering_server(status: int, delay_s: float = 0.0):
+    """(url, requests): a local server answering every HEAD with `status` after `delay_s`; `requests` lists
+    "HEAD <path>" as they come."""
     requests: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_HEAD(self):
             requests.append(f"HEAD {self.path}")
+            time.sleep(delay_s)
             self.send_response(status)
             self.end_headers()
 
