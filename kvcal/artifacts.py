@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcal.version import __version__
@@ -173,8 +173,9 @@ def write_atomically(path: str | Path, write, option: str = "--out") -> Path:
         write(temp)
         os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the file normal permissions
         os.replace(temp, path)
-    except OSError as exc:
-        raise KvcalError(f"cannot write '{path}': {exc.strerror or exc}; choose another {option} or free space") from exc
+    except (OSError, SafetensorError) as exc:  # (safetensors' own error for its writes' I/O failures: a full disk)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        raise KvcalError(f"cannot write '{path}': {reason}; choose another {option} or free space") from exc
     finally:
         if temp is not None and os.path.exists(temp):
             os.unlink(temp)

@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from kvcal.errors import KvcalError
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVCAL_CACHE_DIR") or Path.home() / ".cache" / "kvcal")
@@ -36,9 +38,22 @@ def cached(name: str, key: list[str | bytes], build: Callable[[Path], None]) -> 
 
 def build_into_place(target: Path, build: Callable[[Path], object]) -> None:
     """build(path) writes a file at path: under a temporary name in target's folder, then renamed to target, so that a
-    concurrent reader never finds half a file there."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-        built = Path(folder) / target.name
+    concurrent reader never finds half a file there. A folder that cannot be written is one KvcalError naming
+    KVCAL_CACHE_DIR (what build itself raises passes through)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.TemporaryDirectory(dir=target.parent)
+    except OSError as exc:
+        raise _unwritable(target, exc) from exc
+    with folder:
+        built = Path(folder.name) / target.name
         build(built)
-        os.replace(built, target)
+        try:
+            os.replace(built, target)
+        except OSError as exc:
+            raise _unwritable(target, exc) from exc
+
+
+def _unwritable(target: Path, exc: OSError) -> KvcalError:
+    return KvcalError(f"cannot write kvcal's cache folder '{target.parent}' ({exc.strerror or exc}); set KVCAL_CACHE_DIR "
+                      "to a writable folder")

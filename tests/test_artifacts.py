@@ -149,6 +149,23 @@ def test_verify_artifact_streams_the_same_checksum_and_refuses_the_same_edits(tm
         verify_artifact(truncated)
 
 
+def test_a_full_disk_while_writing_an_artifact_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """safetensors reports its writes' I/O errors as its own SafetensorError, not OSError: the line that says so
+    (what it raises on a full disk), and no temp file left."""
+    from safetensors import SafetensorError
+
+    import kvcal.artifacts
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(kvcal.artifacts, "save_file", full_disk)
+    with pytest.raises(KvcalError, match=r"cannot write '.*a.safetensors': .*No space left on device.*; choose another "
+                                         r"--out or free space"):
+        write_artifact(tmp_path / "a.safetensors", {"a": torch.ones(2)}, "profile", {})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unwritable_json_names_json(tmp_path):
     (tmp_path / "blocker").write_text("x")
     with pytest.raises(KvcalError, match="choose another --json"):
