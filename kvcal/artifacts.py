@@ -70,8 +70,9 @@ def _same_file(a: Path, b: Path) -> bool:
 def check_writable(path: str | Path, option: str = "--out", inputs=()) -> Path:
     """Fail before any long work if `path` (given as `option`) cannot be written: it must be absent or a
     regular file (the atomic rename would turn a device or fifo into a file), none of `inputs` nor a file of an
-    input folder, and in a writable folder."""
-    path = Path(path)
+    input folder, and in a writable folder. A link is written through: the path returned is the file it names, which
+    the rename replaces, not the link."""
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     what = _not_regular(path)
     if what == "a directory":
         raise KvcalError(f"{option} '{path}' is a directory; pass a file name ending in {path_suffix(option)}")

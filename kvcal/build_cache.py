@@ -31,7 +31,11 @@ def cached(name: str, key: list[str | bytes], build: Callable[[Path], None]) -> 
     """The path of `name` (a file name: stem and suffix) built for `key`; build(path) writes it where missing."""
     stem, suffix = os.path.splitext(name)
     target = cache_dir() / f"{stem}-{digest(key)}{suffix}"
-    if not target.is_file():
+    try:
+        built = target.is_file()
+    except OSError as exc:  # (a component of the folder's path over the file system's limit)
+        raise _unwritable(target, exc) from exc
+    if not built:
         build_into_place(target, build)
     return target
 

@@ -232,7 +232,7 @@ def plan_command(
     budget: float = typer.Option(..., help="Real bits per element the cache may store on average (scales included, at most 16)."),
     by: str = typer.Option("fisher", help="What quantizing costs: fisher (Fisher-weighted error on the profile) or, for vllm, importance (KVmix gradient importance)."),
     context: int = typer.Option(0, help="vllm: tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
+    json: Optional[Path] = typer.Option(None, "--json", help="Also write the plan as JSON here."),
 ):
     """The engine's own KV cache types within a budget, chosen from the profile: for vLLM which layers stay unquantized
     (chosen exactly from per-layer costs), for llama.cpp the -ctk / -ctv pair, for ik_llama.cpp the pair and the
@@ -251,8 +251,8 @@ def plan_command(
     if dtype == "all" and by == "importance":
         raise KvcalError("--dtype all compares the dtypes by Fisher-weighted error, which --by importance does not weigh "
                          "(the same for every dtype): drop --by or give one --dtype")
-    if json_out is not None:
-        check_writable(json_out, "--json", inputs=[profile])
+    if json is not None:
+        check_writable(json, "--json", inputs=[profile])
     if engine == "llama.cpp":
         check_cache_type_budget(budget)
         _note("pricing every -ctk and -ctv type on the profile's sampled keys and values of every layer")
@@ -286,7 +286,7 @@ def plan_command(
         _print_layer_plan(chosen)
     print(f"{engine} arguments: {chosen.engine_arguments()}")
     print(f"kvcal eval ppl --baseline \"{chosen.baseline_spec()}\"")
-    _write_json(json_out, chosen.as_dict())
+    _write_json(json, chosen.as_dict())
 
 
 def _print_layer_plan(plan) -> None:
@@ -554,7 +554,7 @@ def eval_ppl_command(
     windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    json: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ):
     """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits:
     what the cache stores per element at --seqlen (packed codes, scales, zeros, outliers, fp16 sinks and
@@ -568,8 +568,8 @@ def eval_ppl_command(
 
     if seqlen < 2 or windows < 1:
         raise KvcalError(f"--seqlen must be at least 2 and --windows at least 1 (got {seqlen}, {windows})")
-    if json_out is not None:
-        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
+    if json is not None:
+        check_writable(json, "--json", inputs=[*quant, dataset, model])
     baselines = split_baselines(baseline)
     for spec in baselines:
         check_baseline(spec)  # before the model loads
@@ -598,7 +598,7 @@ def eval_ppl_command(
     _print_table(f"perplexity: {source.spec} on {dataset}, {windows} x {seqlen} tokens",
                  ["method", "nominal bits", "effective bits", "K bits", "V bits", *["indexer bits"] * indexed, "outliers",
                   "ppl", "vs fp"], rows)
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
+    _write_json(json, {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
                            "results": [r.as_dict() for r in results]})
 
 
@@ -638,6 +638,7 @@ def _write_json(json_out: Optional[Path], payload: dict) -> None:
         write_text_atomic(json_out, json.dumps(payload, indent=2) + "\n", "--json")
 
 
+# (its parameters are named json: click names an option's env var by its parameter, KVCAL_<COMMAND>_<PARAMETER>)
 JSON_OPTION = typer.Option(None, "--json", help="Also write the results as JSON here.")
 
 
@@ -652,7 +653,7 @@ def eval_generate_command(
     new_tokens: int = typer.Option(128, help="Tokens generated greedily per prompt."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    json_out: Optional[Path] = JSON_OPTION,
+    json: Optional[Path] = JSON_OPTION,
 ):
     """Greedy generation with each bundle's runtime cache vs the fp model on one left-padded batch: the
     fraction of generated tokens equal to fp's and the mean share generated before the first divergence."""
@@ -662,8 +663,8 @@ def eval_generate_command(
 
     if prompts < 1 or new_tokens < 1 or prompt_tokens < 8:
         raise KvcalError("--prompts and --new-tokens must be at least 1 and --prompt-tokens at least 8")
-    if json_out is not None:
-        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
+    if json is not None:
+        check_writable(json, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, prompt_tokens + new_tokens, f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}")
@@ -679,7 +680,7 @@ def eval_generate_command(
     _print_table(f"greedy agreement with fp: {source.spec}, {prompts} prompts, {new_tokens} new tokens",
                  ["method", "tokens equal to fp", "share before first divergence"],
                  [[r.method, f"{r.token_agreement:.1%}", f"{r.prefix_agreement:.1%}"] for r in results])
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "prompt_lengths": lengths, "new_tokens": new_tokens,
+    _write_json(json, {"model": source.spec, "dataset": dataset, "prompt_lengths": lengths, "new_tokens": new_tokens,
                            "bundles": {n: str(b.path) for n, b in named.items()}, "results": [r.as_dict() for r in results]})
 
 
@@ -700,7 +701,7 @@ def eval_passkey_command(
     seed: int = typer.Option(0, help="Seed for keys and depths."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    json_out: Optional[Path] = JSON_OPTION,
+    json: Optional[Path] = JSON_OPTION,
 ):
     """Passkey retrieval accuracy of the fp model, of each bundle's runtime cache and of each baseline per context
     length (with --keys above 1, the multi-key variant: the fraction of asked keys retrieved)."""
@@ -728,8 +729,8 @@ def eval_passkey_command(
     baselines = split_baselines(baseline)
     for spec in baselines:
         check_baseline(spec)  # before the model loads
-    if json_out is not None:
-        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
+    if json is not None:
+        check_writable(json, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
@@ -748,7 +749,7 @@ def eval_passkey_command(
     rows = [[m] + [f"{r.accuracy:.0%}" for r in results if r.method == m] for m in methods]
     variant = "passkey retrieval" if keys == 1 else f"multi-key retrieval ({asked} of {keys} keys asked)"
     _print_table(f"{variant}: {source.spec}, {samples} prompts per length", ["method", *map(str, sizes)], rows)
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "samples": samples, "keys": keys,
+    _write_json(json, {"model": source.spec, "dataset": dataset, "samples": samples, "keys": keys,
                            "asked": asked if keys > 1 else 1, "prefill_chunk": prefill_chunk, "seed": seed,
                            "bundles": {n: str(b.path) for n, b in named.items()}, "baselines": baselines,
                            "results": [r.as_dict() for r in results]})
@@ -765,7 +766,7 @@ def eval_memory_command(
                                               "contexts need it to keep the prefill's attention within memory."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    json_out: Optional[Path] = JSON_OPTION,
+    json: Optional[Path] = JSON_OPTION,
 ):
     """Cache bytes of each bundle after a prefill of --context tokens: measured from the live cache and by
     formula (kvcal.runtime.memory; outliers counted from the cache), against transformers' own fp16 cache for
@@ -778,8 +779,8 @@ def eval_memory_command(
         raise KvcalError(f"--context must be at least 1 (got {context})")
     if prefill_chunk < 0:
         raise KvcalError(f"--prefill-chunk must be 0 (one step) or a number of tokens (got {prefill_chunk})")
-    if json_out is not None:
-        check_writable(json_out, "--json", inputs=[*quant, dataset, model])
+    if json is not None:
+        check_writable(json, "--json", inputs=[*quant, dataset, model])
     text = load_text(dataset)
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, context, f"--context {context}")
@@ -797,7 +798,7 @@ def eval_memory_command(
                  ["method", "live MiB", "formula MiB", "transformers fp16 MiB", "vs fp16", "outliers"],
                  [[r["method"], f"{r['live_bytes'] / mib:.3f}", f"{r['formula_bytes'] / mib:.3f}", f"{r['fp16_bytes'] / mib:.3f}",
                    f"{r['live_bytes'] / r['fp16_bytes']:.1%}", str(r["outliers"])] for r in results])
-    _write_json(json_out, {"model": source.spec, "dataset": dataset, "context": context, "prefill_chunk": prefill_chunk,
+    _write_json(json, {"model": source.spec, "dataset": dataset, "context": context, "prefill_chunk": prefill_chunk,
                            "results": results})
 
 

@@ -149,6 +149,18 @@ def test_verify_artifact_streams_the_same_checksum_and_refuses_the_same_edits(tm
         verify_artifact(truncated)
 
 
+def test_an_output_that_is_a_link_is_written_through(tmp_path):
+    """The file the link names is replaced, the link kept (a `latest` link stays one); a link to a fifo is refused."""
+    real = write_artifact(tmp_path / "real.safetensors", {"a": torch.zeros(2)}, "profile", {"seed": 1})
+    (tmp_path / "latest.safetensors").symlink_to(real)
+    write_artifact(tmp_path / "latest.safetensors", {"a": torch.ones(2)}, "profile", {"seed": 2})
+    assert (tmp_path / "latest.safetensors").is_symlink() and read_artifact(real)[1]["seed"] == 2
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo.safetensors").symlink_to(tmp_path / "fifo")
+    with pytest.raises(KvcalError, match="exists and is a fifo"):
+        check_writable(tmp_path / "to-fifo.safetensors")
+
+
 def test_a_full_disk_while_writing_an_artifact_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     """safetensors reports its writes' I/O errors as its own SafetensorError, not OSError: the line that says so
     (what it raises on a full disk), and no temp file left."""

@@ -21,11 +21,13 @@ def test_an_output_is_built_once_per_key_and_a_new_key_builds_anew(tmp_path, mon
     assert sorted(p.name for p in first.parent.iterdir()) == sorted(builds)  # (no temporary folder left)
 
 
-def test_a_cache_folder_that_is_a_file_names_kvcal_cache_dir(tmp_path, monkeypatch):
+@pytest.mark.parametrize("folder", ["a-file", "a" * 300])
+def test_a_cache_folder_that_cannot_be_one_names_kvcal_cache_dir(tmp_path, monkeypatch, folder):
+    """A file where the folder would be, and a name over the file system's 255 bytes."""
     (tmp_path / "a-file").write_text("x")
-    monkeypatch.setenv("KVCAL_CACHE_DIR", str(tmp_path / "a-file"))
-    with pytest.raises(KvcalError, match=r"cannot write kvcal's cache folder '.*a-file' \(.*\); set KVCAL_CACHE_DIR to "
-                                         r"a writable folder"):
+    monkeypatch.setenv("KVCAL_CACHE_DIR", str(tmp_path / folder))
+    with pytest.raises(KvcalError, match=rf"cannot write kvcal's cache folder '.*{folder}' \(.*\); set KVCAL_CACHE_DIR "
+                                         r"to a writable folder"):
         cached("out.txt", ["a"], lambda path: path.write_text("built"))
 
 

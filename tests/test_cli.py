@@ -770,3 +770,22 @@ def test_models_refuses_an_architecture_it_does_not_serve_in_one_line(tmp_path):
     refused(run("models", tmp_path), "unsupported architecture JetMoeForCausalLM (model_type 'jetmoe')")
     assert "`kvcal models` lists the" in run("models", tmp_path).stderr
     refused(run("models", tmp_path / "missing"), "model path")
+
+
+def test_every_option_reads_the_env_var_docs_cli_names():
+    """KVCAL_<COMMAND>_<OPTION> (click names it by the parameter, which must then be the option's long name), or the
+    env var the option names itself (KVCAL_MODEL)."""
+    import typer
+
+    def commands(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from commands(sub, [*path, name])
+        else:
+            yield path, command
+
+    for path, command in commands(typer.main.get_command(app), []):
+        for param in command.params:
+            longs = [opt for opt in param.opts if opt.startswith("--")]
+            if param.param_type_name == "option" and param.envvar is None and longs and longs[0] != "--help":
+                assert param.name == longs[0][2:].replace("-", "_"), (" ".join(path), longs[0], param.name)
