@@ -142,8 +142,8 @@ def _fit_layers(profile: Path, out: Path, fit, write, settings) -> None:
     kind, profile_config = read_header(profile)
     if kind != "profile":
         raise KvcalError(f"'{profile}' is a kvcal {kind}; the fit commands take a profile (from kvcal profile-gradients)")
-    verify_artifact(profile)  # (a corrupt profile refused before the first layer's line)
     out = check_writable(out, inputs=[profile])
+    verify_artifact(profile)  # (a corrupt profile refused before the first layer's line)
     layers = ((profile_config.get("model") or {}).get("fingerprint") or {}).get("num_layers")
     started = time.perf_counter()
     with _progress() as progress:
