@@ -239,7 +239,7 @@ def read_artifact(path: str | Path, kind: str | None = None) -> tuple[dict[str, 
     try:
         tensors = load_file(str(path))
     except Exception as exc:
-        raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
+        raise _truncated(path, found, exc) from exc
     _check_checksum(path, found, metadata, artifact_checksum(tensors, metadata))
     return tensors, config
 
@@ -255,8 +255,12 @@ def verify_artifact(path: str | Path) -> None:
     except MemoryError:
         raise
     except Exception as exc:
-        raise KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(found)}") from exc
+        raise _truncated(path, found, exc) from exc
     _check_checksum(path, found, metadata, computed)
+
+
+def _truncated(path: str | Path, kind: str, exc: Exception) -> KvcalError:
+    return KvcalError(f"'{path}' is truncated or corrupt ({_one_line(exc)}); {_recreate(kind)}")
 
 
 def _check_checksum(path: str | Path, kind: str, metadata: dict, computed: str) -> None:

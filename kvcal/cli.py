@@ -599,7 +599,7 @@ def eval_ppl_command(
                  ["method", "nominal bits", "effective bits", "K bits", "V bits", *["indexer bits"] * indexed, "outliers",
                   "ppl", "vs fp"], rows)
     _write_json(json, {"model": source.spec, "dataset": dataset, "seqlen": seqlen, "windows": windows,
-                           "results": [r.as_dict() for r in results]})
+                       "results": [r.as_dict() for r in results]})
 
 
 BUNDLES_OPTION = typer.Option(..., "--quant", help="A bundle (kvcal export bundle / calibrate); repeat for several.")
@@ -681,7 +681,7 @@ def eval_generate_command(
                  ["method", "tokens equal to fp", "share before first divergence"],
                  [[r.method, f"{r.token_agreement:.1%}", f"{r.prefix_agreement:.1%}"] for r in results])
     _write_json(json, {"model": source.spec, "dataset": dataset, "prompt_lengths": lengths, "new_tokens": new_tokens,
-                           "bundles": {n: str(b.path) for n, b in named.items()}, "results": [r.as_dict() for r in results]})
+                       "bundles": {n: str(b.path) for n, b in named.items()}, "results": [r.as_dict() for r in results]})
 
 
 @eval_app.command("passkey")
@@ -750,9 +750,9 @@ def eval_passkey_command(
     variant = "passkey retrieval" if keys == 1 else f"multi-key retrieval ({asked} of {keys} keys asked)"
     _print_table(f"{variant}: {source.spec}, {samples} prompts per length", ["method", *map(str, sizes)], rows)
     _write_json(json, {"model": source.spec, "dataset": dataset, "samples": samples, "keys": keys,
-                           "asked": asked if keys > 1 else 1, "prefill_chunk": prefill_chunk, "seed": seed,
-                           "bundles": {n: str(b.path) for n, b in named.items()}, "baselines": baselines,
-                           "results": [r.as_dict() for r in results]})
+                       "asked": asked if keys > 1 else 1, "prefill_chunk": prefill_chunk, "seed": seed,
+                       "bundles": {n: str(b.path) for n, b in named.items()}, "baselines": baselines,
+                       "results": [r.as_dict() for r in results]})
 
 
 @eval_app.command("memory")
@@ -799,7 +799,7 @@ def eval_memory_command(
                  [[r["method"], f"{r['live_bytes'] / mib:.3f}", f"{r['formula_bytes'] / mib:.3f}", f"{r['fp16_bytes'] / mib:.3f}",
                    f"{r['live_bytes'] / r['fp16_bytes']:.1%}", str(r["outliers"])] for r in results])
     _write_json(json, {"model": source.spec, "dataset": dataset, "context": context, "prefill_chunk": prefill_chunk,
-                           "results": results})
+                       "results": results})
 
 
 def _quiet_loader_bars() -> None:
