@@ -106,20 +106,41 @@ def test_bad_input_gives_one_line_exit_2_and_no_file(tiny_model_dir, corpus, tmp
 
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["fit-nuq", "p.safetensors", "--bits", "2.5"], "error: Invalid value for '--bits': Input should be a valid integer"),
-    (["--no-such-option"], "error: No such option: --no-such-option (see kvcal --help)"),
-    (["models", "llama", "extra"], "error: Got unexpected extra argument(s) (extra) (see kvcal models --help)"),
+@pytest.mark.parametrize("argv, env, message", [
+    (["fit-nuq", "p.safetensors", "--bits", "2.5"], {},
+     "error: Invalid value for '--bits': Input should be a valid integer"),
+    (["--no-such-option"], {}, "error: No such option: --no-such-option (see kvcal --help)"),
+    (["models", "llama", "extra"], {}, "error: Got unexpected extra argument(s) (extra) (see kvcal models --help)"),
+    (["fit-nuq", "p.safetensors", "--out", "nuq/"], {},
+     "error: Invalid value for '--out': 'nuq/' ends in '/', naming a folder; pass the file's name (see kvcal fit-nuq"),
+    (["eval", "ppl", "--json", "results/"], {}, "error: Invalid value for '--json': 'results/' ends in '/'"),
+    (["calibrate"], {"KVCAL_CALIBRATE_NSAMPLES": "abc"}, "error: Invalid value for '--nsamples': Input should be a "
+     "valid integer, unable to parse string as an integer (set by KVCAL_CALIBRATE_NSAMPLES='abc'; see kvcal calibrate"),
 ])
-def test_a_malformed_command_line_is_one_error_line_exit_2(monkeypatch, capsys, argv, message):
-    """What click parses (types, options, arguments) is refused like every other bad input: one line, no usage box."""
+def test_a_malformed_command_line_is_one_error_line_exit_2(monkeypatch, capsys, tmp_path, argv, env, message):
+    """What click parses (types, options, arguments, their env vars) is refused like every other bad input: one line,
+    no usage box, nothing written."""
     from kvcal.cli import main
 
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["kvcal", *argv])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_:
         main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.strip().splitlines() == [err.strip()] and err.startswith(message), err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_quoted_tilde_in_a_path_is_the_home_folder(monkeypatch, tmp_path):
+    """As the shell would expand it: `--out '~/x'` must not make a folder named '~' in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    refused(run("inspect", "~/profile.safetensors"), f"artifact '{tmp_path}/home/profile.safetensors' does not exist")
+    refused(run("export", "bundle", "--profile", "~/p.safetensors", "--out", "~/b.safetensors"),
+            f"'{tmp_path}/home/p.safetensors' does not exist")
+    assert not (tmp_path / "~").exists()
 
 def test_inspect_refuses_a_file_that_is_not_an_artifact(tmp_path):
     junk = tmp_path / "junk.safetensors"
