@@ -16,12 +16,13 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kvcal.version import __version__
 from kvcal.errors import KvcalError
@@ -185,16 +186,18 @@ def write_atomically(path: str | Path, write, option: str = "--out") -> Path:
 
 def read_header(path: str | Path) -> tuple[str, dict]:
     """(kind, config) of an artifact without reading its tensors."""
-    kind, config, _ = _read_metadata(path)
-    return kind, config
+    with _opened(path) as (_, kind, config, _):
+        return kind, config
 
 
 def _recreate(kind: str) -> str:
     return "re-export it (kvcal export bundle, or kvcal calibrate)" if kind == "bundle" else "re-create it with the kvcal command that wrote it"
 
 
-def _read_metadata(path: str | Path) -> tuple[str, dict, dict]:
-    """(kind, config, raw metadata) of an artifact, its schema and metadata checked; tensors not read."""
+@contextmanager
+def _opened(path: str | Path) -> Iterator[tuple[safe_open, str, dict, dict]]:
+    """(handle, kind, config, raw metadata) of an artifact, its schema and metadata checked. Metadata and tensors come
+    through the one handle: a file replaced (renamed over) while it is read is read whole as it was when opened."""
     path = Path(path)
     what = _not_regular(path)
     if what == "a directory":
@@ -204,26 +207,28 @@ def _read_metadata(path: str | Path) -> tuple[str, dict, dict]:
     if not path.is_file():
         raise KvcalError(f"artifact '{path}' does not exist")
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
+        handle = safe_open(str(path), framework="pt")
+        metadata = handle.metadata() or {}
     except Exception as exc:  # safetensors raises its own error type for every malformed header
         raise KvcalError(f"'{path}' is truncated or not a safetensors file ({_one_line(exc)}); re-create it") from exc
-    kind = metadata.get("kvcal.kind")
-    if kind is None:
-        raise KvcalError(f"'{path}' is a safetensors file but not a kvcal artifact (no kvcal metadata)")
-    schema = metadata.get("kvcal.schema")
-    if schema == "1":
-        raise KvcalError(f"'{path}' is a kvcal {kind} of schema 1, written by an older kvcal (no checksum over its metadata); "
-                         f"this kvcal reads schema {SCHEMA_VERSION}: {_recreate(kind)}")
-    if schema != str(SCHEMA_VERSION):
-        raise KvcalError(f"'{path}' has kvcal schema {schema!r}, this kvcal reads schema {SCHEMA_VERSION}; {_recreate(kind)}")
-    try:
-        config = json.loads(metadata["kvcal.config"])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise KvcalError(f"'{path}' has missing or malformed kvcal.config metadata; {_recreate(kind)}") from exc
-    if not isinstance(config, dict):
-        raise KvcalError(f"'{path}': its kvcal.config metadata is not a JSON object; {_recreate(kind)}")
-    return kind, config, metadata
+    with handle:
+        kind = metadata.get("kvcal.kind")
+        if kind is None:
+            raise KvcalError(f"'{path}' is a safetensors file but not a kvcal artifact (no kvcal metadata)")
+        schema = metadata.get("kvcal.schema")
+        if schema == "1":
+            raise KvcalError(f"'{path}' is a kvcal {kind} of schema 1, written by an older kvcal (no checksum over its "
+                             f"metadata); this kvcal reads schema {SCHEMA_VERSION}: {_recreate(kind)}")
+        if schema != str(SCHEMA_VERSION):
+            raise KvcalError(f"'{path}' has kvcal schema {schema!r}, this kvcal reads schema {SCHEMA_VERSION}; "
+                             f"{_recreate(kind)}")
+        try:
+            config = json.loads(metadata["kvcal.config"])
+        except (KeyError, json.JSONDecodeError) as exc:
+            raise KvcalError(f"'{path}' has missing or malformed kvcal.config metadata; {_recreate(kind)}") from exc
+        if not isinstance(config, dict):
+            raise KvcalError(f"'{path}': its kvcal.config metadata is not a JSON object; {_recreate(kind)}")
+        yield handle, kind, config, metadata
 
 
 def _one_line(exc: Exception) -> str:
@@ -233,13 +238,15 @@ def _one_line(exc: Exception) -> str:
 
 def read_artifact(path: str | Path, kind: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, config) of an artifact, refusing one of another kind."""
-    found, config, metadata = _read_metadata(path)
-    if kind is not None and found != kind:
-        raise KvcalError(f"'{path}' is a kvcal {found}, expected a {kind}")
-    try:
-        tensors = load_file(str(path))
-    except Exception as exc:
-        raise _truncated(path, found, exc) from exc
+    with _opened(path) as (handle, found, config, metadata):
+        if kind is not None and found != kind:
+            raise KvcalError(f"'{path}' is a kvcal {found}, expected a {kind}")
+        try:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise _truncated(path, found, exc) from exc
     _check_checksum(path, found, metadata, artifact_checksum(tensors, metadata))
     return tensors, config
 
@@ -248,14 +255,13 @@ def verify_artifact(path: str | Path) -> None:
     """Refuse an artifact any of whose tensors fails its checksum, reading one tensor at a time (memory: the largest
     tensor): for a command that reads the tensors only after long work (loading a model, a layer's fit), so that a
     corrupt file is refused before it; the file is then read twice."""
-    found, _, metadata = _read_metadata(path)
-    try:
-        with safe_open(str(path), framework="pt") as handle:
+    with _opened(path) as (handle, found, _, metadata):
+        try:
             computed = _checksum(sorted(handle.keys()), handle.get_tensor, metadata)
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise _truncated(path, found, exc) from exc
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise _truncated(path, found, exc) from exc
     _check_checksum(path, found, metadata, computed)
 
 

@@ -149,6 +149,27 @@ def test_verify_artifact_streams_the_same_checksum_and_refuses_the_same_edits(tm
         verify_artifact(truncated)
 
 
+def test_an_artifact_replaced_while_it_is_read_is_read_whole_as_opened(tmp_path, monkeypatch):
+    """Another process's calibrate renaming a new bundle over the one a server reads: the reader gets the old file,
+    metadata and tensors alike, not a checksum failure from mixing the two."""
+    import kvcal.artifacts
+
+    path = write_artifact(tmp_path / "b.safetensors", {"a": torch.zeros(3)}, "bundle", {"seed": 1})
+    newer = write_artifact(tmp_path / "new.safetensors", {"a": torch.ones(5)}, "bundle", {"seed": 2})
+    opened = kvcal.artifacts.safe_open
+
+    def open_then_replace(*args, **kwargs):
+        handle = opened(*args, **kwargs)
+        if newer.exists():  # the first open only
+            os.replace(newer, path)
+        return handle
+
+    monkeypatch.setattr(kvcal.artifacts, "safe_open", open_then_replace)
+    tensors, config = read_artifact(path, "bundle")
+    assert torch.equal(tensors["a"], torch.zeros(3)) and config["seed"] == 1
+    assert read_artifact(path, "bundle")[1]["seed"] == 2
+
+
 def test_an_output_that_is_a_link_is_written_through(tmp_path):
     """The file the link names is replaced, the link kept (a `latest` link stays one); a link to a fifo is refused."""
     real = write_artifact(tmp_path / "real.safetensors", {"a": torch.zeros(2)}, "profile", {"seed": 1})
