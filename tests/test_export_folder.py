@@ -35,6 +35,26 @@ def test_write_replaces_a_previous_folder_whole(tmp_path):
     assert {p.name: p.read_text() for p in out.iterdir()} == {"a.json": "3"} and not temp_folders(tmp_path)
 
 
+def test_two_exports_renaming_onto_one_folder_at_once_leave_the_last_whole(tmp_path, monkeypatch):
+    """Another export's folder arrives between this one moving the previous folder aside and renaming its own in: this
+    one tries again and wins (it renamed last), and no temp or set-aside folder is left."""
+    out = tmp_path / "export"
+    write_folder_atomically(out, write_files({"previous.json": "0"}))
+    rename = os.replace
+    raced = []
+
+    def rename_with_another_export_between(source, target):
+        rename(source, target)
+        if str(target).endswith(".old") and not raced:
+            raced.append(target)
+            write_folder_atomically(out, write_files({"other.json": "1"}))
+
+    monkeypatch.setattr(os, "replace", rename_with_another_export_between)
+    write_folder_atomically(out, write_files({"ours.json": "2"}))
+    assert raced and {p.name: p.read_text() for p in out.iterdir()} == {"ours.json": "2"}
+    assert not temp_folders(tmp_path)
+
+
 def test_interrupted_write_leaves_the_previous_folder(tmp_path):
     out = tmp_path / "export"
     write_folder_atomically(out, write_files({"config.json": "{}"}))

@@ -3,6 +3,7 @@ atomically (into a temp folder beside, then renamed) so that an interrupted expo
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -49,13 +50,7 @@ def write_folder_atomically(out: Path, write: Callable[[Path], None]) -> Path:
         mask = _current_umask()  # mkdtemp makes 0700 and save_pretrained writes some files 0600: give them normal permissions
         for path in (temp, *temp.rglob("*")):
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
-        if out.is_dir() and any(out.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old)  # old is an empty folder: the rename replaces it
-            os.replace(temp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(temp, out)  # over nothing, or over an empty folder
+        _rename_over(temp, out)
         temp = None
     except OSError as exc:
         raise KvcalError(f"cannot write '{out}': {exc.strerror or exc}; choose another --out or free space") from exc
@@ -63,3 +58,35 @@ def write_folder_atomically(out: Path, write: Callable[[Path], None]) -> Path:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
     return out
+
+
+_RENAME_TRIES = 10
+
+
+def _rename_over(temp: Path, out: Path) -> None:
+    """Rename the folder `temp` to `out`, replacing what is there (a rename replaces only an empty folder, so a previous
+    export is first renamed aside, then removed). Another export renaming onto `out` at the same time makes the rename
+    fail or the folder vanish: try again, so that the last one renamed wins, as for files."""
+    for _ in range(_RENAME_TRIES):
+        old = None
+        if out.is_dir() and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            try:
+                os.replace(out, old)  # old is an empty folder: the rename replaces it
+            except FileNotFoundError:  # another export renamed it aside first
+                old.rmdir()
+                continue
+        try:
+            os.replace(temp, out)  # over nothing, or over an empty folder
+            renamed = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                if old is not None:
+                    os.replace(old, out)  # the previous export back where it was
+                raise
+            renamed = False  # another export's folder arrived first
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # the previous export, replaced by ours or another's
+        if renamed:
+            return
+    raise KvcalError(f"cannot write '{out}': other processes kept replacing it; run one export to it at a time")
