@@ -83,9 +83,11 @@ class Bundle:
         return {name[len(prefix):]: t for name, t in self.tensors.items() if name.startswith(prefix) and ".importance." not in name}
 
     def layer_codecs(self, index: int):
-        """The codecs of one layer (kvcal.quantizers.LayerCodecs), shared by the simulation and the runtime cache."""
+        """The codecs of one layer (kvcal.quantizers.LayerCodecs), shared by the simulation and the runtime cache, for
+        its key's width (LayerCodecs.for_key_width)."""
         layer = self.layers[index]
-        return layer.format.codecs(layer, self.layer_tensors(index))
+        heads, head_dim = kv_shapes(self.fingerprint, "k")[index]
+        return layer.format.codecs(layer, self.layer_tensors(index)).for_key_width(heads * head_dim)
 
 
 def write_bundle(path, tensors: dict, config: dict) -> Path:
@@ -151,20 +153,25 @@ def _check_tensor(tensors: dict, name: str, dtype: str, shape: tuple, path) -> N
 
 def _fingerprint_shape(config: dict, path) -> tuple[dict, dict[str, list[tuple[int, int]]]]:
     """(fingerprint, per tensor kind ("k", "v") and layer (KV heads, channels of a head)) of a bundle's metadata, each
-    number a positive int."""
+    number a positive int (an MLA key's width 0 or more)."""
     try:
         fingerprint = config["model"]["fingerprint"]
         numbers = [fingerprint[key] for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
         numbers += [fingerprint["value_dim"]] if "value_dim" in fingerprint else []  # MLA's latent
-        # where the layers differ (kv_shapes, query_heads)
+        # where the layers differ (kv_shapes, query_heads); an MLA key may have no channel (a layer without RoPE)
+        rotated_widths = []
         for key in ("layer_kv_heads", "layer_head_dims", "layer_value_dims", "layer_num_heads"):
             if key in fingerprint:
-                numbers += fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
+                per_layer = fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
+                if key == "layer_head_dims" and "value_dim" in fingerprint:
+                    rotated_widths = per_layer
+                else:
+                    numbers += per_layer
     except (KeyError, TypeError) as exc:
         raise KvcalError(f"bundle '{path}' has incomplete metadata (missing {exc}); re-export the bundle") from exc
-    if not all(_is_count(n) and n > 0 for n in numbers):
-        raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers} are not positive integers, one a "
-                         "layer; re-export")
+    if not all(_is_count(n) and n > 0 for n in numbers) or not all(_is_count(n) for n in rotated_widths):
+        raise KvcalError(f"bundle '{path}': the model fingerprint's layer/head counts {numbers + rotated_widths} are not "
+                         "positive integers, one a layer; re-export")
     index = fingerprint.get("layer_index_dims", [0] * numbers[0])  # DeepSeek Sparse Attention's indexer keys
     if not (isinstance(index, list) and len(index) == numbers[0] and all(_is_count(n) and n >= 0 for n in index)):
         raise KvcalError(f"bundle '{path}': the model fingerprint's indexer widths {index} are not non-negative integers, one "

@@ -68,8 +68,9 @@ def default_profile_path(model_name: str) -> Path:
     return Path("artifacts") / model_name / "profile.safetensors"
 
 
-def kvmix_tensors(importance_k: torch.Tensor, importance_v: torch.Tensor, settings: KvmixSettings) -> dict:
-    bits_k = allocate(importance_k, settings.key_widths, settings.high_frac, settings.target_bits)
+def kvmix_tensors(importance_k: torch.Tensor, importance_v: torch.Tensor, settings: KvmixSettings,
+                  key_widths: list[int]) -> dict:
+    bits_k = allocate(importance_k, settings.key_widths, settings.high_frac, settings.target_bits, key_widths)
     bits_v = allocate(importance_v, settings.value_widths, settings.high_frac, settings.target_bits)
     return {
         "importance.k": importance_k,
@@ -132,6 +133,7 @@ def profile_model(model, ids: torch.Tensor, request: ProfileRequest, model_spec:
     if on_start is not None:
         on_start(request.nsamples)
     capture = profile_gradients(model, adapter, windows, request.capture, on_window)
-    tensors = {**capture.tensors, **kvmix_tensors(capture.importance_k, capture.importance_v, request.kvmix)}
+    tensors = {**capture.tensors, **kvmix_tensors(capture.importance_k, capture.importance_v, request.kvmix,
+                                                  adapter.kv_widths)}
     config = profile_config(request, adapter.fingerprint(), model_spec, ids.numel(), capture, adapter)
     return tensors, config

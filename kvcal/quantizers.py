@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
 import torch
@@ -85,6 +85,11 @@ class LayerCodecs:
     key_codec: Codec
     value_codec: Codec
     key_pre_rope: bool
+
+    def for_key_width(self, width: int) -> LayerCodecs:
+        """These codecs for a key of `width` channels: one of none (MLA's on a layer without RoPE, Mistral Large 4's)
+        stores nothing whatever the recipe, through NO_CHANNEL_CODEC."""
+        return self if width else replace(self, key_codec=NO_CHANNEL_CODEC)
 
 
 @dataclass(frozen=True)
@@ -213,9 +218,17 @@ class ChannelBlockUniform:
         return Quantized(out, torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 
 
+# the codec of a key of no channel (LayerCodecs.for_key_width): it stores no bit, and, of no parameter and one token a
+# block, passes through the simulation and the runtime's stores as any codec
+NO_CHANNEL_CODEC = TokenUniform(bits=8, group=1)
+
+
 def keep_fraction_quantiles(x: torch.Tensor, outlier_fraction: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower and upper thresholds along `dim`: percentiles 1-t and t with t = 1 - outlier_fraction/2
-    (KVQuant); min and max when no outliers are kept."""
+    (KVQuant); min and max when no outliers are kept. Zeros for a tensor of no element (an MLA key of no channel)."""
+    if x.numel() == 0:
+        reduced = x.shape[:dim] + x.shape[dim + 1 :]
+        return x.new_zeros(reduced), x.new_zeros(reduced)
     if outlier_fraction == 0:
         return x.amin(dim), x.amax(dim)
     t = 1.0 - outlier_fraction / 2

@@ -271,7 +271,7 @@ def mixed_attention(query, keys_fp, keys_hat, values_fp, values_hat, key_mask, v
     tokens, tokens): the tokens each query attends among those it sees, per group of query heads (an indexer's pick,
     kvcal.wiring.chosen_columns), None: all."""
     heads, tokens, head_dim = query.shape
-    kv_heads = keys_fp.shape[1] // head_dim
+    kv_heads = 1 if latent_query is not None else keys_fp.shape[1] // head_dim  # (MLA's key may have no channel)
 
     def per_head(x):
         return per_query_head(x, kv_heads, heads)

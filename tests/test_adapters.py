@@ -131,11 +131,12 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
     channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's,
     LongCat-Flash's, Hy V4's from transformers 5.25), else in the model's; LongCat-Flash's latent cached times its
-    mla_scale_kv_lora."""
+    mla_scale_kv_lora. Mistral Large 4's layer 1, without RoPE, caches its latent alone (a rotated key of no channel)."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
-    assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], [64, 64], [96, 96])
+    widths = [64, 0] if model_type == "mistral_large4" else [64, 64]
+    assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], widths, [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
     # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent (Hy V4's
     # layer 1 reads layer 0's pick and keeps none)
@@ -150,9 +151,10 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
                  if getattr(attention, name, None) is not None)
     assert handles.q_proj is query
     assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", 1.0)
-    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
+    interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash",
+                                  "mistral_large4")
                    or getattr(config, "rope_interleave", False) or model_type in HY_V4 and transformers_from(5, 25))
-    assert [order is not None for order in adapter.rope_orders] == [interleaved] * 2
+    assert [order is not None for order in adapter.rope_orders] == [interleaved and width > 0 for width in widths]
     sources, tokens = {}, 12
     hooks = [module.register_forward_hook(lambda module, args, out, kind=kind, i=i: sources.__setitem__((kind, i), out))
              for i, layer in enumerate(adapter.layers)
@@ -163,12 +165,35 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     for hook in hooks:
         hook.remove()
     for i, layer in enumerate(adapter.layers):
-        pre_rope = layer.source_rows("k", sources["k", i])[0].view(tokens, 1, 64)
+        pre_rope = layer.source_rows("k", sources["k", i])[0].view(tokens, 1, widths[i])
         rotated = apply_rope(pre_rope, torch.arange(tokens), adapter.layer_inv_freq(i, tokens), adapter.layer_rope_scaling(i))
         cached = cache.layers[adapter.model_layers[i]].values[0].transpose(0, 1)
         cached = cached if layer.latent.rope_in_order else adapter.in_rope_order(cached, i)
         torch.testing.assert_close(rotated, cached, rtol=1e-5, atol=1e-5)
         assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[adapter.model_layers[i]].keys[0, 0])
+
+
+@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+def test_latent_layers_reading_another_layers_latent_are_refused():
+    """Mistral Large 4's kv_source_layers: a layer attending over an earlier layer's latent cache (its own indexer
+    keys kept) is not served yet, refused in one line before anything runs."""
+    with pytest.raises(KvcalError, match=r"its layers read other layers' latent caches \(kv_source_layers"):
+        adapt(tiny_model("mistral_large4", no_rope_layers=[1, 1], kv_source_layers=[0, 0]))
+
+
+@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+def test_mistral_large4_as_released_caches_no_rotated_key_on_every_fourth_layer(tmp_path):
+    """Its default config (its released shapes, built on the meta device): every fourth layer, without RoPE, caches its
+    latent of 512 channels alone; the others a rotated key of 64 beside it; every layer keeps indexer keys of 128."""
+    from transformers import AutoConfig
+
+    from kvcal.models import load_model_structure
+
+    AutoConfig.for_model("mistral_large4").save_pretrained(tmp_path)
+    adapter = adapt(load_model_structure(str(tmp_path))[0])
+    assert adapter.head_dims == [0 if layer % 4 == 3 else 64 for layer in range(72)]
+    assert adapter.value_dims == [512] * 72 and adapter.index_widths == [128] * 72
+    assert adapter.rotated == [layer % 4 != 3 for layer in range(72)]
 
 
 @pytest.mark.skipif("minicpm5_moe" not in TINY_ARCHITECTURES, reason="MiniCPM 5 MoE is new in transformers 5.24")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from helpers.artifact_files import read_metadata, rewrite
-from helpers.tiny_models import SPARSE_LATENTS, tiny_model
+from helpers.tiny_models import LATENT, SPARSE_LATENTS, tiny_model
 from kvcal import registry
 from kvcal.bundle import PACKING_UP_TO_4_BITS, load_bundle, write_bundle
 from kvcal.calibration import build_bundle
@@ -337,19 +337,24 @@ def gemma4_bundle(tiny_model_dir, tiny_corpus, tmp_path_factory):
 
 
 # per-layer widths a fingerprint names: DeepSeek Sparse Attention's indexer keys (what the summary's bits count),
-# MiMo-V2-Flash's values (narrower than its keys), Laguna's query heads (more on its sliding layer)
+# MiMo-V2-Flash's values (narrower than its keys), Laguna's query heads (more on its sliding layer), Mistral Large 4's
+# rotated keys (none on its layer without RoPE)
 PER_LAYER_WIDTHS = {"layer_index_dims": ("deepseek_v32", [80, 80], "indexer widths .* are not non-negative integers"),
                     "layer_value_dims": ("mimo_v2_flash", [16, 16], "layer/head counts .* are not positive integers"),
-                    "layer_num_heads": ("laguna", [8, 4], "layer/head counts .* are not positive integers")}
+                    "layer_num_heads": ("laguna", [8, 4], "layer/head counts .* are not positive integers"),
+                    "layer_head_dims": ("mistral_large4", [64, 0], "layer/head counts .* are not positive integers")}
+MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 
 
 @pytest.mark.parametrize("key, edited", [pytest.param("layer_index_dims", edit, marks=SPARSE_LATENTS)
                                           for edit in ([80], [80, -1], [80, "80"], 80)] +
                          [("layer_value_dims", edit) for edit in ([16], [16, 0], [16, "16"])] +
-                         [("layer_num_heads", edit) for edit in ([8], [8, 0], [8, 4.0])])
+                         [("layer_num_heads", edit) for edit in ([8], [8, 0], [8, 4.0])] +
+                         [pytest.param("layer_head_dims", edit, marks=MISTRAL_LARGE4) for edit in ([64], [64, -1], [64, "0"])])
 def test_a_resealed_bundle_whose_per_layer_widths_were_edited_is_refused(architecture_bundles, tmp_path, key, edited):
     """Edited and resealed (so the checksum passes) into anything but one integer a layer, positive (values) or not
-    negative (indexer keys: 0 where a layer keeps none), the bundle is refused in one line."""
+    negative (indexer keys: 0 where a layer keeps none; MLA's rotated keys: 0 where a layer caches none), the bundle is
+    refused in one line."""
     model_type, kept, refusal = PER_LAYER_WIDTHS[key]
     path = architecture_bundles(model_type)["kivi"]
     assert load_bundle(path).fingerprint[key] == kept

@@ -329,7 +329,7 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
-    rank, rotated = config.kv_lora_rank, config.qk_rope_head_dim
+    rank = config.kv_lora_rank
     batch = windows()
     result = profile_gradients(model, adapter, batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1))
     norms = torch.zeros(2, 2, dtype=torch.float64)
@@ -361,7 +361,7 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     window_of, position_of = result.tensors["samples.window"].long(), result.tensors["samples.position"].long()
     for layer in range(2):
         at_rows = lambda per_window: torch.stack([per_window[w][layer][p] for w, p in zip(window_of, position_of)])  # noqa: E731
-        assert result.tensors[f"layers.{layer}.k_pre.samples"].shape == (40, rotated)
+        assert result.tensors[f"layers.{layer}.k_pre.samples"].shape == (40, adapter.head_dims[layer])  # (0: NoPE)
         assert result.tensors[f"layers.{layer}.v.samples"].shape == (40, rank)
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], at_rows(key_grads).square(), rtol=1e-4,
                                    atol=1e-14)

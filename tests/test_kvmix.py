@@ -36,3 +36,13 @@ def test_rpc_ratio_and_width_validation():
         WidthChoice(high=5, low=2).validate("key")
     with pytest.raises(KvcalError, match="below"):
         WidthChoice(high=2, low=3).validate("value")
+
+
+def test_layers_storing_no_channel_take_the_low_width_and_are_not_ranked():
+    """Mistral Large 4's keys on its layers without RoPE have no channel: the fraction and the mean are over the others."""
+    importance = torch.tensor([0.1, 0.0, 0.9, 0.5, 0.0])
+    channels = [64, 0, 64, 64, 0]
+    assert allocate(importance, KEYS, 1 / 3, None, channels) == [2, 2, 3, 2, 2]
+    assert allocate(importance, KEYS, 0.0, 2 + 2 / 3, channels) == [2, 2, 3, 3, 2]
+    # (counted over all 5, the two keys storing nothing would buy a third high width: a mean of 3 over those stored)
+    assert allocate(importance, KEYS, 0.0, 2 + 2 / 3) == [3, 2, 3, 3, 2]

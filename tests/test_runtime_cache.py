@@ -562,7 +562,8 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
           **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
-          "hunyuan_vl": (8, 56, ""), "hy_v4_vl": (6, 56, ""), **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
+          "hunyuan_vl": (8, 56, ""), "hy_v4_vl": (6, 56, ""), "mistral_large4": (4, 56, ""),
+          **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
           "deepseek_vl": (4, 28, ""), "janus": (4, 28, ""), "qianfan_ocr": (4, 56, ""), "granite_docling": (4, 56, ""),
           "ovis2": (4, 28, ""), "video_llama_3": (4, 56, ""), "cosmos3_edge": (4, 56, ""), "deepseek_ocr2": (145, 32, ""),
           **{kind: (16 if kind == "minicpm_ocr" else 4, 112, "") for kind in MINICPM_V}, "deepseek_vl_hybrid": (4, 28, ""),
@@ -582,7 +583,8 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
                 "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl", "hy_v4_vl")
-IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", "hy_v4_vl", *MUSE, "step3p7",
+IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", "hy_v4_vl",
+                    "mistral_large4", *MUSE, "step3p7",
                     "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", "apertus1p5", *MINICPM_V,
                     *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE))  # their decoders read an image's tokens causally, as text
@@ -633,7 +635,7 @@ def image_inputs(model_type: str, model, ids: torch.Tensor) -> dict:
         images["pixel_values"] = images["pixel_values"][:, None]
     if model_type == "granite_docling":  # its one tile real
         images["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
-    if model_type in ("mistral3", "lighton_ocr", "apertus1p5"):
+    if model_type in ("mistral3", "lighton_ocr", "apertus1p5", "mistral_large4"):
         images["image_sizes"] = torch.tensor([[side, side]])
     if model_type == "nemotron_h_omni":  # its patches flattened beside their (height, width) grid
         grid = side // 14

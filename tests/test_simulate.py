@@ -137,9 +137,10 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
     assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
     # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
-    # V4's in one of its two layers)
-    index_width = (40 if model_type in HY_V4 else 80) if model_type in DSA else 0
-    assert tally.effective_bits == pytest.approx((64 * 8.5 + 96 * 4.5 + index_width * 32) / (160 + index_width))
+    # V4's in one of its two layers; Mistral Large 4's layer 1 has no rotated key)
+    index_widths = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
+    stored = [(key * 8.5 + 96 * 4.5 + index * 32, key + 96 + index) for key, index in zip(adapter.head_dims, index_widths)]
+    assert tally.effective_bits == pytest.approx(sum(bits for bits, _ in stored) / sum(width for _, width in stored))
 
 
 def test_policy_masks():

@@ -262,8 +262,10 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     query_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
     latent = text_type in LATENT_ATTENTION_TYPES + LATENT_DECODERS
-    if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention)
-        kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim] * num_layers
+    if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention); none on a layer
+        # without RoPE where its attention has no rotated channels (Mistral Large 4's no_rope_layers, 0 there)
+        roped = getattr(config, "no_rope_layers", None) or [1] * num_layers
+        kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim if flag else 0 for flag in roped[:num_layers]]
     if text_type in SLIDING_KV_HEADS_DOUBLED:
         kv_heads = [2 * heads if kind == "sliding_attention" else heads
                     for heads, kind in zip(kv_heads, _decoder_layer_types(config, num_layers))]
@@ -276,6 +278,9 @@ def adapt(model: nn.Module) -> ModelAdapter:
     sinks = text_type in SINKS
     decoder_types = _decoder_layer_types(config, num_layers)
     sharing = _kv_sharing_modes(config, num_layers)
+    if latent and any(sharing):
+        raise KvcalError(f"{where}: its layers read other layers' latent caches (kv_source_layers: KV sharing), which "
+                         f"kvcal does not serve for multi-head latent attention yet; {SERVED_ONES}")
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
     located = [_cache_layer_attention(layers, m, sublayers, where) for m in attending]
     handles = [latent_handles(attention, i, at, config, decoder_types[m] == INDEXED_ATTENTION) if latent else
@@ -316,7 +321,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
                                            for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
-    scales = {float(getattr(attention, "scaling", head_dims[layer] ** -0.5))
+    scales = {float(attention.scaling if hasattr(attention, "scaling") else head_dims[layer] ** -0.5)
               for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
     if len(scales) > 1:
         raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")

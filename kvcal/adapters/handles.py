@@ -284,12 +284,14 @@ def latent_handles(attention: nn.Module, index: int, where: str, config, indexed
         children = ", ".join(n for n, _ in attention.named_children())
         raise KvcalError(f"{where}: could not find q_proj (or q_b_proj, q_gate_proj), kv_a_proj_with_mqa, kv_a_layernorm, "
                          f"kv_b_proj and o_proj in its latent attention (found: {children})")
-    rank, rotated = config.kv_lora_rank, config.qk_rope_head_dim
+    # (the attention's own widths where it has them: a layer without RoPE rotates none, its query's every channel
+    # meeting the latent: Mistral Large 4's)
+    rank = config.kv_lora_rank
+    rotated, nope = (getattr(attention, name, getattr(config, name)) for name in ("qk_rope_head_dim", "qk_nope_head_dim"))
     if parts["kv_a_proj_with_mqa"].out_features != rank + rotated:
         raise KvcalError(f"{where}: kv_a_proj_with_mqa has {parts['kv_a_proj_with_mqa'].out_features} outputs, expected "
                          f"{rank} + {rotated} (kv_lora_rank + qk_rope_head_dim)")
-    latent = LatentAttention(parts["kv_b_proj"], config.qk_nope_head_dim, config.v_head_dim,
-                             rope_in_order=latent_rope(config) == "de-interleaved")
+    latent = LatentAttention(parts["kv_b_proj"], nope, config.v_head_dim, rope_in_order=latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
     indexer = getattr(attention, "indexer", None) if indexed else None
     if indexer is not None and not isinstance(getattr(indexer, "head_dim", None), int):

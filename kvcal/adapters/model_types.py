@@ -40,12 +40,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
                           "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash",
-                          "sarvam_mla", "hy_v4_vl")
-# the decoders of composites served as MLA above whose type is no model of its own (Hy V4 VL's)
-LATENT_DECODERS = ("hy_v4_vl_text",)
+                          "sarvam_mla", "hy_v4_vl", "mistral_large4")
+# the decoders of composites served as MLA above whose type is no model of its own (Hy V4 VL's, Mistral Large 4's)
+LATENT_DECODERS = ("hy_v4_vl_text", "mistral_large4_text")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
-DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash")
+DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash",
+                             "mistral_large4_text")
 # ... and from transformers 5.25 on (before, Hy V4's attention rotated halves)
 DEINTERLEAVED_LATENT_ROPE_FROM_5_25 = ("hy_v4", "hy_v4_vl_text")
 # decoder layers holding this many attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
@@ -105,7 +106,7 @@ IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya
                     "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                     "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
-                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5")
+                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
@@ -157,9 +158,6 @@ SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_AT
 # why: the refusal the adapter would reach through their modules names a symptom (no q, k and v it knows, a type it
 # does not serve), not this (docs/models.md)
 NOT_TAKEN_YET = {
-    "mistral_large4_text": "Mistral Large 4's MLA is not served yet: its NoPE layers cache the latent alone, with no "
-                           "rotated key; its layers may read another layer's latent while keeping indexer keys of their "
-                           "own; and its LeRoPE learns its frequencies",
     "qwen4_exp_text": "Qwen4-Exp is not served yet: its QSA indexer hands its pick to the attention inside the mask, "
                       "which kvcal's attention does not apply",
     "glm5_next_text": "GLM-5 Next is not served yet: its sparse MLA layers sit among parts kvcal has not checked "

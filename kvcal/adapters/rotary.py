@@ -41,13 +41,19 @@ def rotary_name(kind: str | None, name: str) -> str:
 
 
 def rotary_inv_freq(rotary: nn.Module, kind: str | None) -> torch.Tensor:
-    """The frequencies `rotary` rotates layers of type `kind` (None: every layer) by: its inv_freq, or those its table of
-    sines and cosines was made of (model_types.SINUSOID_TABLE_ROPE: computed as the model computes them)."""
+    """The frequencies `rotary` rotates layers of type `kind` (None: every layer) by: its inv_freq (times exp(alpha),
+    learned, where it has one: Mistral Large 4's LeRoPE), or those its table of sines and cosines was made of
+    (model_types.SINUSOID_TABLE_ROPE: computed as the model computes them)."""
     table = getattr(rotary, "embed_positions", None)
     if isinstance(table, torch.Tensor) and not hasattr(rotary, "inv_freq"):
         width = table.shape[-1]
         return 1.0 / (10000 ** (torch.arange(0, width, 2, dtype=torch.int64, device=table.device) / width))
-    return getattr(rotary, rotary_name(kind, "inv_freq"))
+    inv_freq = getattr(rotary, rotary_name(kind, "inv_freq"))
+    alpha = getattr(rotary, "alpha", None)
+    # (a model built without its weights, `kvcal models`, holds no alpha: its frequencies before it, zero where those are)
+    if isinstance(alpha, torch.Tensor) and alpha.shape == inv_freq.shape and not alpha.is_meta:
+        return inv_freq.float() * alpha.detach().float().exp()
+    return inv_freq
 
 
 def find_rotary(model: nn.Module, kinds: list[str | None], where: str, optional: bool = False,
@@ -73,7 +79,7 @@ def channel_orders(rotary: nn.Module, kinds: list[str | None], head_dims: list[i
     sequence length, LongRoPE given per layer type."""
     orders = {}
     for kind, head_dim in zip(kinds, head_dims):
-        if kind in rope_free:
+        if kind in rope_free or head_dim == 0:  # (a latent layer caching no rotated key: no channels to order)
             continue
         rotated = 2 * rotary_inv_freq(rotary, kind).numel()
         if rotated > head_dim:
@@ -92,7 +98,7 @@ def channel_orders(rotary: nn.Module, kinds: list[str | None], head_dims: list[i
                              "LongRoPE shared by every layer")
     shared = set(orders.values())
     unrotated = shared.pop() if len(shared) == 1 else None
-    return [orders[kind, head_dim] if kind not in rope_free else
+    return [None if head_dim == 0 else orders[kind, head_dim] if kind not in rope_free else
             unrotated if unrotated is None or len(unrotated) == head_dim else None
             for kind, head_dim in zip(kinds, head_dims)]
 

@@ -71,7 +71,15 @@ def allocate_to_target(importance: torch.Tensor, widths: WidthChoice, target_bit
     return _assign(importance, widths, num_high)
 
 
-def allocate(importance: torch.Tensor, widths: WidthChoice, high_frac: float, target_bits: float | None) -> list[int]:
-    if target_bits is not None:
-        return allocate_to_target(importance, widths, target_bits)
-    return allocate_top_fraction(importance, widths, high_frac)
+def allocate(importance: torch.Tensor, widths: WidthChoice, high_frac: float, target_bits: float | None,
+             channels: list[int] | None = None) -> list[int]:
+    """Per layer, its width by `target_bits` where given, else by `high_frac`. Layers whose tensor has no channel
+    (`channels` 0: an MLA key on a layer without RoPE) store nothing and take the low width; the others are ranked
+    among themselves, so that the fraction and the mean hold over the tensors stored."""
+    stored = [layer for layer in range(importance.numel()) if channels is None or channels[layer]]
+    chosen = (allocate_to_target(importance[stored], widths, target_bits) if target_bits is not None
+              else allocate_top_fraction(importance[stored], widths, high_frac))
+    bits = [widths.low] * importance.numel()
+    for layer, width in zip(stored, chosen):
+        bits[layer] = width
+    return bits

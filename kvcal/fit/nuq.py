@@ -103,8 +103,9 @@ class NuqSettings:
 
 
 def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, kind: str, qnorm: bool, seed: int) -> torch.Tensor:
-    """A sorted codebook of 2^bits signposts for normalized inlier values `points` in [-1, 1]."""
-    if kind == "uniform":
+    """A sorted codebook of 2^bits signposts for normalized inlier values `points` in [-1, 1]; the uniform one where
+    there are none (an MLA key of no channel, which it never decodes)."""
+    if kind == "uniform" or points.numel() == 0:
         codebook = uniform_codebook(bits)
     elif kind == "nf":
         codebook = normal_float_codebook(bits)
@@ -113,7 +114,7 @@ def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, 
         w = None if weights is None else (weights / weights.mean().clamp(min=1e-30)).double().numpy()
         model = KMeans(n_clusters=2**bits, n_init=1, random_state=seed, max_iter=300).fit(x, sample_weight=w)
         codebook = torch.from_numpy(np.sort(model.cluster_centers_[:, 0])).float()
-    if qnorm:
+    if qnorm and points.numel():
         quantized = codebook[nearest_codes(points, codebook)]
         mu1, s1 = points.mean(), points.std()
         mu2, s2 = quantized.mean(), quantized.std().clamp(min=1e-8)
@@ -179,6 +180,8 @@ def stored_shares(spans: list[AttentionSpan | None], context: int) -> list[float
 def _sensitivity(samples: torch.Tensor, fisher: torch.Tensor, codec: CodebookCodec, head_dim: int) -> tuple[float, float]:
     """(Fisher-weighted squared error of the samples, stored bits per element) under `codec`; the bits include the
     outlier offset table (one entry per KV head and tile) when the codec keeps outliers."""
+    if samples.shape[1] == 0:  # (an MLA key of no channel: stores nothing)
+        return 0.0, 0.0
     quantized = codec.quantize(samples)
     error = float((fisher * (samples - quantized.values) ** 2).sum())
     table = 8 * OUTLIER_OFFSET_BYTES / (OUTLIER_TILE_TOKENS * head_dim) if codec.outlier_fraction > 0 else 0.0

@@ -76,8 +76,11 @@ class SkvqSettings:
 
 
 def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, reorder: bool, seed: int):
-    """(permutation, group starts) of the channels; starts has groups + 1 entries, the last = width."""
+    """(permutation, group starts) of the channels; starts has groups + 1 entries, the last = width (no group of a
+    tensor of no channel: an MLA key's on a layer without RoPE)."""
     width = minimum.numel()
+    if width == 0:
+        return torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     equal_parts = np.array(list(range(0, width, -(-width // groups))) + [width])
     features = torch.stack([minimum, maximum], dim=1).double().numpy()
     if not reorder:
@@ -265,7 +268,7 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     profile, profile_config = read_artifact(profile_path, "profile")
     fingerprint = profile_config["model"]["fingerprint"]
     widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
-    narrowest = min(widths["k"] + widths["v"])
+    narrowest = min(width for width in widths["k"] + widths["v"] if width)  # (an MLA key may have no channel)
     if settings.group_size > narrowest:
         raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {narrowest} of this model's "
                          f"layers; use at most {narrowest}")

@@ -86,12 +86,13 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     if refusal is not None:
         raise KvcalError(f"baseline '{text}' on a multi-head latent attention (MLA) model: {refusal}")
     num_layers, value_dims = len(head_dims), value_dims or head_dims
+    # (a key of no channel, a latent layer's without RoPE, takes its value's codecs' for_key_width(0))
     by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense", latent)
-                   for head_dim in dict.fromkeys(head_dims + value_dims)}
-    method = by_head_dim[head_dims[0]]
-    if len(by_head_dim) > 1:
-        layers = [replace(by_head_dim[head_dim].layers[i], value_codec=by_head_dim[value_dim].layers[i].value_codec)
-                  for i, (head_dim, value_dim) in enumerate(zip(head_dims, value_dims))]
+                   for head_dim in dict.fromkeys(head_dims + value_dims) if head_dim}
+    method = by_head_dim[value_dims[0]]
+    if len(by_head_dim) > 1 or 0 in head_dims:
+        layers = [replace(by_head_dim[value_dim].layers[i], key_codec=by_head_dim[head_dim or value_dim].layers[i].key_codec)
+                  .for_key_width(head_dim) for i, (head_dim, value_dim) in enumerate(zip(head_dims, value_dims))]
         method = Method(method.name, method.nominal_bits, layers, method.policy)
     if skip is None:
         return method

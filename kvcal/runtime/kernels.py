@@ -121,8 +121,10 @@ def layout_id(codec, layout: str | None = None) -> int | None:
 
 
 def append_supported(codec, width: int, layout: str | None = None) -> bool:
+    """Whether the CUDA append kernels encode a store of `codec` and `width` channels (not one of none, an MLA key on a
+    layer without RoPE: nothing to launch for, the torch codec encodes its empty rows)."""
     cid = codec_id(codec)
-    if cid is None or layout_id(codec, layout) is None or width > MAX_WIDTH:
+    if cid is None or layout_id(codec, layout) is None or not 0 < width <= MAX_WIDTH:
         return False
     if cid == src.PERMUTED_GROUPS:
         return codec.clip.numel() <= MAX_GROUPS

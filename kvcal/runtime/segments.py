@@ -515,4 +515,6 @@ def assemble(parts: list[tuple[torch.Tensor, list[int], list[int]]], memo: dict 
     source = torch.cat([rows.float() for rows, _, _ in parts], 1)
     if heads is None:
         return source.view(batch * columns, width).index_select(0, index).view(batch, -1, width)
-    return source.view(-1, width // heads).index_select(0, index).view(batch, heads, -1, width // heads)
+    # (sizes given: a key of no channel leaves -1 ambiguous)
+    return (source.view(batch * columns * heads, width // heads).index_select(0, index)
+            .view(batch, heads, index.numel() // (batch * heads), width // heads))

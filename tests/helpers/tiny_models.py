@@ -31,7 +31,8 @@ def from_transformers(major: int, minor: int, what: str):
 
 TINY_ARCHITECTURES = known(SUPPORTED_MODEL_TYPES)  # a tiny random model of every architecture kvcal serves (tiny_config)
 LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head latent attention (MLA)
-DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2"))  # MLA with DeepSeek Sparse Attention's indexer
+# MLA with DeepSeek Sparse Attention's indexer
+DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2", "mistral_large4"))
 HY_V4 = ("hy_v4", "hy_v4_vl")  # of them, Hy V4's decoder: its layer 1 attends to layer 0's pick, keeping no indexer
 SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
 TINY_INDEX_TOPK = 8
@@ -150,6 +151,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       image_size=28, patch_size=14)
         text = tiny_config("ministral3", max_positions, **overrides).to_dict()
         return AutoConfig.for_model("mistral3", text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 1)
+    if model_type == "mistral_large4":  # Mistral Large 4: its MLA decoder (below) beside a Pixtral vision tower whose
+        # patch merger makes one token of 2 x 2 patches
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                      image_size=56, patch_size=14)
+        text = tiny_config("mistral_large4_text", max_positions, **overrides).to_dict()
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
     if model_type in IMAGE_TOWERS:  # a decoder (IMAGE_TOWERS) beside a vision tower (CLIP, InternViT, SigLIP)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                       patch_size=14)
@@ -640,9 +647,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(qk_layernorm=True, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    if model_type in LATENT:  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64 (two ggml blocks) per
-        # token, queries of a low rank (but Ling's), dense MLPs (the tiny experts' strides fail grouped_mm), no special
-        # tokens (an end-of-text id would stop generate early)
+    if model_type in (*LATENT, "mistral_large4_text"):  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64
+        # (two ggml blocks) per token, queries of a low rank (but Ling's), dense MLPs (the tiny experts' strides fail
+        # grouped_mm), no special tokens (an end-of-text id would stop generate early)
         del common["num_key_value_heads"]
         common.update(kv_lora_rank=96, q_lora_rank=48, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -654,10 +661,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                              original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
                                              mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.1,
                                              partial_rotary_factor=0.8)
-        if model_type in DSA:  # as DeepSeek-V3.2 and GLM-5: an indexer per layer picking the 8 tokens each query attends
-            # to (theirs: 2048), of keys of 64 rotated and 16 other channels; 16 heads (with 2, ReLU zeroes every head's
-            # score of a quarter of the tokens, whose ties top-k breaks by the forward's length: a full forward and
-            # transformers' own decode pick differently)
+        if model_type in (*DSA, "mistral_large4_text"):  # as DeepSeek-V3.2 and GLM-5: an indexer per layer picking the 8
+            # tokens each query attends to (theirs: 2048), of keys of 64 rotated and 16 other channels; 16 heads (with 2,
+            # ReLU zeroes every head's score of a quarter of the tokens, whose ties top-k breaks by the forward's length:
+            # a full forward and transformers' own decode pick differently)
             common.update(num_key_value_heads=4, index_topk=TINY_INDEX_TOPK, index_n_heads=16, index_head_dim=80,
                           mlp_layer_types=["dense", "dense"])
         if model_type == "longcat_flash":  # as LongCat-Flash: one decoder layer holding two MLA (cache layers 0 and 1),
@@ -665,6 +672,12 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             # zero experts, 2 routed to)
             # (num_layers given: transformers before 5.18 does not derive it from num_hidden_layers)
             common.update(num_layers=1, n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32)
+        if model_type == "mistral_large4_text":  # as Mistral Large 4: layer 1 without RoPE (the real ones: every 4th),
+            # caching the latent alone, its indexer's keys not rotated either; full-rank queries scaled by position; YaRN
+            del common["q_lora_rank"], common["rope_theta"]
+            common.update(no_rope_layers=[1, 0], rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=16, beta_fast=32.0,
+                beta_slow=1.0, attention_factor=1.0))
         if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
             common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
@@ -749,7 +762,8 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    composites = ("mistral3", "llama4", "mistral4", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl", "paddleocr_vl",
+    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
+                  "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
                   "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "apertus1p5", "paligemma", *MINICPM_V, *QWEN_OMNI,
                   *MUSE, *IMAGE_TOWERS, *QWEN_VL, *QWEN3_5_VL, *GLM_VL)
@@ -759,6 +773,16 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     if model_type in ("gpt_oss", "flint", *GRANITE_SWA):  # sinks spread over the heads (init draws them near 0): a head given another's shows
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1.0, 2.0, model.config.num_attention_heads)
+    if model_type == "mistral_large4":  # its init leaves LeRoPE's learned frequencies and the queries' scaling by
+        # position without effect: make both matter
+        generator = torch.Generator().manual_seed(seed + 1)
+        for name, parameter in model.named_parameters():
+            if name.endswith("rotary_emb.alpha"):
+                parameter.data = 0.3 * torch.randn(parameter.shape, generator=generator)
+            if name.endswith("softmax_scaling.scale"):
+                parameter.data = 0.2 * torch.randn(parameter.shape, generator=generator)
+            if name.endswith("softmax_scaling.bias"):
+                parameter.data = 1 + 0.2 * torch.randn(parameter.shape, generator=generator)
     if model_type in CROSS_ATTENDING:  # (its init zeroes the gates of what cross-attention adds: no image would matter)
         for layer in decoder_of(model).layers[::2]:
             layer.cross_attn_attn_gate.data.fill_(1.0)
