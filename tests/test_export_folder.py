@@ -55,6 +55,24 @@ def test_two_exports_renaming_onto_one_folder_at_once_leave_the_last_whole(tmp_p
     assert not temp_folders(tmp_path)
 
 
+def test_an_export_whose_previous_folder_another_moved_aside_first_still_lands(tmp_path, monkeypatch):
+    """Another export renames the previous folder aside just before this one does: this one's rename finds nothing to
+    move, tries again and renames its folder in, leaving no temp or set-aside folder of its own."""
+    out, elsewhere = tmp_path / "export", tmp_path / "elsewhere"
+    write_folder_atomically(out, write_files({"previous.json": "0"}))
+    rename = os.replace
+
+    def another_export_first(source, target):
+        if Path(source) == out and str(target).endswith(".old") and not elsewhere.exists():
+            rename(out, elsewhere)
+        rename(source, target)
+
+    monkeypatch.setattr(os, "replace", another_export_first)
+    write_folder_atomically(out, write_files({"ours.json": "2"}))
+    assert elsewhere.exists() and {p.name: p.read_text() for p in out.iterdir()} == {"ours.json": "2"}
+    assert not temp_folders(tmp_path)
+
+
 def test_interrupted_write_leaves_the_previous_folder(tmp_path):
     out = tmp_path / "export"
     write_folder_atomically(out, write_files({"config.json": "{}"}))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import decode_token_by_token
-from helpers.tiny_models import SPARSE_LATENTS, TINY_WINDOW, tiny_model
+from helpers.tiny_models import LATENT, SPARSE_LATENTS, TINY_WINDOW, tiny_model
 from kvcal import registry
 from kvcal.adapters import adapt
 from kvcal.bundle import LayerRecipe, load_bundle
@@ -18,10 +18,11 @@ from kvcal.spans import AttentionSpan
 TOKENS = 45  # past the tiny bundles' KIVI residual (8), SKVQ window (8) and KVmix blocks (32)
 TILED_TOKENS = 2 * OUTLIER_TILE_TOKENS + 5  # three outlier tiles per KV head: offset tables of several entries
 OUTLIER_RECIPES = ("kvquant", "mixed")
+MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 
 
-def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_type: str = "llama") -> None:
-    model = tiny_model(model_type)
+def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_type: str = "llama", **overrides) -> None:
+    model = tiny_model(model_type, **overrides)
     bundle = load_bundle(bundle_path)
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -40,13 +41,36 @@ def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_
     assert (cache.outliers() > 0) == keeps_outliers
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", pytest.param("deepseek_v32", marks=SPARSE_LATENTS)])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", pytest.param("deepseek_v32", marks=SPARSE_LATENTS),
+                                        pytest.param("mistral_large4", marks=MISTRAL_LARGE4)])
 @pytest.mark.parametrize("recipe", registry.recipes())
 def test_bits_are_bytes_for_latent_attention(architecture_bundles, recipe, model_type):
     """MLA's cache stores a rotated key of 64 channels and a latent of 96: the simulation's bits, the formula and the
     live cache count each at its own width; DeepSeek Sparse Attention's also its indexer's keys of 80 channels, as
-    the model computes them (float32 here)."""
+    the model computes them (float32 here); Mistral Large 4's layer 1, without RoPE, no byte for its key."""
     assert_bits_are_bytes(architecture_bundles(model_type)[recipe], TOKENS, recipe in OUTLIER_RECIPES, model_type)
+
+
+@MISTRAL_LARGE4
+def test_bits_are_bytes_where_the_first_layer_stores_no_key(tiny_model_dir, tiny_corpus, tmp_path):
+    """Mistral Large 4 with its first layer without RoPE (its fingerprint's head_dim then the next layer's): every
+    recipe profiles, fits and counts what the cache stores; the nuq artifact evaluated alone counts the bits its
+    kvquant bundle counts, none for that key."""
+    from helpers.tiny_bundles import bundles_of_every_recipe, fit_tiny_artifacts, profile_tiny_model
+
+    first_without_rope = dict(no_rope_layers=[0, 1])
+    profile = profile_tiny_model(tiny_model_dir("mistral_large4", **first_without_rope), tiny_corpus,
+                                 tmp_path / "profile.safetensors")
+    fitted = fit_tiny_artifacts(profile, tmp_path, latent=True)
+    bundles = bundles_of_every_recipe(profile, fitted, tmp_path)
+    for recipe, path in bundles.items():
+        assert_bits_are_bytes(path, TOKENS, recipe in OUTLIER_RECIPES, "mistral_large4", **first_without_rope)
+    model = tiny_model("mistral_large4", **first_without_rope)
+    ids = torch.randint(0, 512, (1, TOKENS), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        _, alone, bundled = evaluate_ppl(model, adapt(model), ids, [artifact_method(str(fitted["nuq"])),
+                                                                     artifact_method(str(bundles["kvquant"]))])
+    assert alone.effective_bits == bundled.effective_bits
 
 
 @pytest.mark.parametrize("recipe", registry.recipes())

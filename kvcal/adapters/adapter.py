@@ -216,7 +216,7 @@ class ModelAdapter:
             "num_layers": len(self.layers),
             "num_heads": self.query_heads[0],
             "num_kv_heads": self.kv_heads[0],
-            "head_dim": self.head_dims[0],
+            "head_dim": next((dim for dim in self.head_dims if dim), 0),  # (the first layer's, but an MLA key of none)
             "max_positions": self.max_positions,
             "rope": rope,
             "config_sha256": digest[:16],

@@ -90,4 +90,6 @@ def attention_softcap(model_config: dict) -> float | None:
 def score_scale(model_config: dict) -> float:
     """The profiled model's attention score scale, from an artifact's `model` config. Artifacts written before it was
     recorded came from models that kvcal only accepted when they scaled by head_dim ** -0.5."""
-    return float(model_config.get("score_scale", model_config["fingerprint"]["head_dim"] ** -0.5))
+    if "score_scale" in model_config:
+        return float(model_config["score_scale"])
+    return float(model_config["fingerprint"]["head_dim"] ** -0.5)

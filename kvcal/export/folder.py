@@ -69,7 +69,7 @@ def _rename_over(temp: Path, out: Path) -> None:
     fail or the folder vanish: try again, so that the last one renamed wins, as for files."""
     for _ in range(_RENAME_TRIES):
         old = None
-        if out.is_dir() and any(out.iterdir()):
+        if _holds_files(out):
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             try:
                 os.replace(out, old)  # old is an empty folder: the rename replaces it
@@ -82,7 +82,7 @@ def _rename_over(temp: Path, out: Path) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 if old is not None:
-                    os.replace(old, out)  # the previous export back where it was
+                    _put_back(old, out, exc)
                 raise
             renamed = False  # another export's folder arrived first
         if old is not None:
@@ -90,3 +90,20 @@ def _rename_over(temp: Path, out: Path) -> None:
         if renamed:
             return
     raise KvcalError(f"cannot write '{out}': other processes kept replacing it; run one export to it at a time")
+
+
+def _holds_files(folder: Path) -> bool:
+    try:
+        return folder.is_dir() and any(folder.iterdir())
+    except FileNotFoundError:  # another export renamed it aside meanwhile
+        return False
+
+
+def _put_back(old: Path, out: Path, failure: OSError) -> None:
+    """The previous export, set aside in `old`, back at `out` after `failure`; where that fails too (another export's
+    folder arrived there), say where it is kept."""
+    try:
+        os.replace(old, out)
+    except OSError as exc:
+        raise KvcalError(f"cannot write '{out}': {failure.strerror or failure}; the previous export there is kept at "
+                         f"'{old}'") from exc

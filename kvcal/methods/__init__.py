@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvcal import registry
+from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact, read_header
 from kvcal.bundle import BUNDLE_KIND, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -60,7 +61,9 @@ def artifact_method(path: str) -> Method:
     if spec is None:
         raise KvcalError(f"'{path}' is a kvcal {kind}; --quant takes {_accepted()}")
     tensors, config = read_artifact(path, kind)
-    return spec.artifact_method(tensors, config, path)
+    method = spec.artifact_method(tensors, config, path)
+    keys = kv_shapes(config["model"]["fingerprint"], "k")  # (an MLA key of no channel stores nothing, as in a bundle)
+    return replace(method, layers=[layer.for_key_width(heads * head_dim) for layer, (heads, head_dim) in zip(method.layers, keys)])
 
 
 def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense",

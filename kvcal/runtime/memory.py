@@ -62,6 +62,8 @@ def cache_bytes(layers: list[LayerRecipe], width: int | list[int], tokens: int, 
             dropped = window_dropped(tokens, sinks, sinks + min(segments[True][1], segments[False][1]), block, span)
         for keys, (sink, body, recent) in segments.items():
             width = key_width if keys else value_width
+            if not width:  # (an MLA key of no channel, stored by no codec's bytes: LayerCodecs.for_key_width)
+                continue
             first = max(dropped - sink, 0)  # body rows dropped
             if dropped:
                 sink, body = 0, body - first
