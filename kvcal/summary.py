@@ -190,7 +190,8 @@ def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     ]
     columns = ["layer", "method", "bits K", "bits V", "pre-RoPE", "group", "window", "sink", "residual", "RPC K/V", "outliers", "fp8",
                "s_k", "s_v"]
-    rows = [[str(i), r.method, f"{r.k_bits:g}", f"{r.v_bits:g}", str(r.pre_rope), str(r.group_size or "-"),
+    keys = kv_widths(fingerprint, "k")  # ("-": an MLA key of no channel, which no recipe stores)
+    rows = [[str(i), r.method, f"{r.k_bits:g}" if keys[i] else "-", f"{r.v_bits:g}", str(r.pre_rope), str(r.group_size or "-"),
              str(r.window), str(r.sink), str(r.residual), f"{r.rpc_k:.2g}/{r.rpc_v:.2g}", f"{r.outliers:.1%}", str(r.fp8),
              f"{float(tensors[f'layers.{i}.importance.k']):.4g}", f"{float(tensors[f'layers.{i}.importance.v']):.4g}"]
             for i, r in enumerate(layers)]

@@ -1,6 +1,6 @@
 import pytest
 
-from helpers.tiny_models import SPARSE_LATENTS
+from helpers.tiny_models import LATENT, SPARSE_LATENTS
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
@@ -88,3 +88,12 @@ def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_
     for tokens in (512, 4096):
         expected = (effective_bits(bundle.layers, plain, tokens) * kv + 16 * index) / (kv + index)
         assert effective_bits(bundle.layers, bundle.fingerprint, tokens) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+def test_a_layer_storing_no_key_shows_no_key_bits(architecture_bundles):
+    """Mistral Large 4's layer 1, without RoPE, caches its latent alone: its bundle row names no key width ("-")
+    where layer 0 names the recipe's."""
+    summary = summarize(architecture_bundles("mistral_large4")["kvquant"])
+    bits_k = summary.columns.index("bits K")
+    assert [row[bits_k] for row in summary.rows] == ["3", "-"]
