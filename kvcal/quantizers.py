@@ -219,7 +219,8 @@ class ChannelBlockUniform:
 
 
 # the codec of a key of no channel (LayerCodecs.for_key_width): it stores no bit, and, of no parameter and one token a
-# block, passes through the simulation and the runtime's stores as any codec
+# block, passes through the simulation and the runtime's stores as any codec (its layer decodes on the torch reference:
+# the kernels read no key of no channel)
 NO_CHANNEL_CODEC = TokenUniform(bits=8, group=1)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import decode_token_by_token
-from helpers.tiny_models import tiny_model
+from helpers.tiny_models import LATENT, tiny_model
 from kvcal.bundle import load_bundle
 from kvcal.runtime import backends, cpu_kernel
 
@@ -46,6 +46,21 @@ def test_latent_attention_decodes_on_the_cpu_kernel_and_on_cuda_on_the_reference
     assert {p.bodies for p in plans} == {"reference"}
     assert all(p.why == f"not cuda-kernels: {backends.LATENT_REFUSAL}" for p in plans)
     assert {(p.key_append, p.value_append) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-append", "cpu-append")}
+
+
+@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+def test_a_latent_layer_storing_no_key_decodes_on_the_reference_as_the_plan_says(architecture_bundles):
+    """Mistral Large 4's layer 1, without RoPE, stores no key: the kernels read none, so it decodes on the torch
+    reference (its key appends on the torch codec: nothing to encode), layer 0 on the CPU kernel; the plan says so.
+    (A context within its indexer's pick of 8: past it both attend over the pick on the reference.)"""
+    bundle = load_bundle(architecture_bundles("mistral_large4")["kvquant"])
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(tiny_model("mistral_large4"), bundle, ids)
+    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "reference"]
+    plans = backends.bundle_plan(bundle, "cpu")
+    assert [(p.bodies, p.key_append) for p in plans] == [("cpu-kernel", "cpu-append"), ("reference", "torch codec")]
+    assert plans[1].why.endswith("not cpu-kernel: it reads no key of no channel (a latent layer without RoPE)")
 
 
 def test_values_narrower_than_keys_decode_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):

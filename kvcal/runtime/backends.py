@@ -191,6 +191,8 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
+        if not shape.head_dim:
+            return "it reads no key of no channel (a latent layer without RoPE)"
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
