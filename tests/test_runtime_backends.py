@@ -32,15 +32,21 @@ def test_a_decoding_layer_binds_the_planned_backend_and_keeps_why(recipe_bundles
     assert cache.layers[0].choice.why() == "not cuda-kernels: not a CUDA device with CuPy (cpu)"
 
 
+def decode_paths(architecture_bundles, model_type: str, recipe: str, tokens: int = 12):
+    """(bundle, each layer's decode path) of the tiny model's `recipe` bundle decoding a batch of two prompts."""
+    bundle = load_bundle(architecture_bundles(model_type)[recipe])
+    ids = torch.randint(3, 512, (2, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, cache = decode_token_by_token(tiny_model(model_type), bundle, ids)
+    return bundle, [layer.decode_path for layer in cache.layers]
+
+
 def test_latent_attention_decodes_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):
     """MLA (kvcal.adapters.LatentAttention): the CPU kernel reads the latent (its query's latent part scoring it), the
     tensor-core kernel does not yet, so on CUDA its layers decode on the batched torch reference, as the plan says
     with the reason; its appends use the compiled encoders at each tensor's own width."""
-    bundle = load_bundle(architecture_bundles("deepseek_v3")["kivi"])
-    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        _, cache = decode_token_by_token(tiny_model("deepseek_v3"), bundle, ids)
-    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "cpu-kernel"]
+    bundle, paths = decode_paths(architecture_bundles, "deepseek_v3", "kivi")
+    assert paths == ["cpu-kernel", "cpu-kernel"]
     assert {p.bodies for p in backends.bundle_plan(bundle, "cpu")} == {"cpu-kernel"}
     plans = backends.bundle_plan(bundle, "cuda")
     assert {p.bodies for p in plans} == {"reference"}
@@ -53,11 +59,8 @@ def test_a_latent_layer_storing_no_key_decodes_on_the_reference_as_the_plan_says
     """Mistral Large 4's layer 1, without RoPE, stores no key: the kernels read none, so it decodes on the torch
     reference (its key appends on the torch codec: nothing to encode), layer 0 on the CPU kernel; the plan says so.
     (A context within its indexer's pick of 8: past it both attend over the pick on the reference.)"""
-    bundle = load_bundle(architecture_bundles("mistral_large4")["kvquant"])
-    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        _, cache = decode_token_by_token(tiny_model("mistral_large4"), bundle, ids)
-    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "reference"]
+    bundle, paths = decode_paths(architecture_bundles, "mistral_large4", "kvquant", tokens=7)
+    assert paths == ["cpu-kernel", "reference"]
     plans = backends.bundle_plan(bundle, "cpu")
     assert [(p.bodies, p.key_append) for p in plans] == [("cpu-kernel", "cpu-append"), ("reference", "torch codec")]
     assert plans[1].why.endswith("not cpu-kernel: it reads no key of no channel (a latent layer without RoPE)")
@@ -66,11 +69,8 @@ def test_a_latent_layer_storing_no_key_decodes_on_the_reference_as_the_plan_says
 def test_values_narrower_than_keys_decode_on_the_cpu_kernel_and_on_cuda_on_the_reference(architecture_bundles):
     """MiMo-V2-Flash's values (16 channels a KV head beside keys of 32): the CPU kernel reads them at their width, the
     tensor-core kernel reads values as wide as keys, so on CUDA they decode on the torch reference, as the plan says."""
-    bundle = load_bundle(architecture_bundles("mimo_v2_flash")["kvquant"])
-    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        _, cache = decode_token_by_token(tiny_model("mimo_v2_flash"), bundle, ids)
-    assert [layer.decode_path for layer in cache.layers] == ["cpu-kernel", "cpu-kernel"]
+    bundle, paths = decode_paths(architecture_bundles, "mimo_v2_flash", "kvquant")
+    assert paths == ["cpu-kernel", "cpu-kernel"]
     plans = backends.bundle_plan(bundle, "cuda")
     assert {p.bodies for p in plans} == {"reference"}
     assert all(p.why == "not cuda-kernels: values of 16 channels a KV head beside keys of 32: the tensor-core kernel reads "
