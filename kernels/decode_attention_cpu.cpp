@@ -752,8 +752,8 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         const int n = std::min(CHUNK, t_end - t0);
         if (cos_table != nullptr && t0 + CHUNK < t_end)
             prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), half);
-        decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-        if (cos_table != nullptr)
+        if (D > 0) decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
+        if (cos_table != nullptr && D > 0)
             for (int i = 0; i < n; ++i) {
                 const long long row = b * rope_stride + (long long)(t0 + i) * half;
                 rotate_row(keys.data() + (size_t)i * D, cos_table + row, sin_table + row, half);
@@ -761,7 +761,7 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         if (values_scored) decode_values(vs, v_tables, vn, b, kv_head, kv_heads, Dv, value_width, t0, n, values.data());
         int together = 0;  // the query heads scored SCORED_HEADS at a time (head_scores), the rest one by one
 #if !defined(__clang__)
-        if (D % LANES == 0 && (!values_scored || Dv % LANES == 0)) together = group / SCORED_HEADS * SCORED_HEADS;
+        if (D > 0 && D % LANES == 0 && (!values_scored || Dv % LANES == 0)) together = group / SCORED_HEADS * SCORED_HEADS;
         for (int g = 0; g < together; g += SCORED_HEADS) {
             float* s = scores.data() + (size_t)g * CHUNK;
             head_scores<false>(q.data() + (size_t)g * Dq, Dq, keys.data(), n, D, s);
@@ -773,7 +773,10 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
             float* state = partial + (size_t)g * (Dv + 2);
             const float* qg = q.data() + (size_t)g * Dq;
             if (g >= together) {
-                key_scores(qg, keys.data(), n, D, s);
+                if (D > 0)
+                    key_scores(qg, keys.data(), n, D, s);
+                else  // a key of no channel (MLA's on a layer without RoPE): the values' scores alone
+                    std::fill(s, s + n, 0.0f);
                 if (values_scored) {
                     float* __restrict__ extra = value_scores.data();
                     key_scores(qg + D, values.data(), n, Dv, extra);
@@ -818,7 +821,8 @@ struct Task {
 // sum of exp(score - m) v. The first launch of a step (first = 1) starts them from m = -inf, l = 0, acc = 0; the
 // last (last = 1) turns acc into the output acc / l (0 for a query head that saw no token).
 // Keys are head_dim channels a KV head, values value_dim (acc: (batch, heads, value_dim)); values_scored (MLA's
-// latent): query rows are head_dim + value_dim wide, the last value_dim scoring the values (attend_tokens).
+// latent): query rows are head_dim + value_dim wide, the last value_dim scoring the values (attend_tokens); head_dim 0
+// there (a latent layer without RoPE) scores by the values alone.
 // query (batch, heads, D or D + value_dim) unscaled; descriptor: K side then V side, SIDE_FIELDS each; meta (2, batch,
 // META_FIELDS); cos/sin (batch, >= tokens, D / 2) at each sequence's stored tokens' positions (the first half of each
 // row of kvcal.runtime.reference.rope_tables), null for keys stored post-RoPE; row_first (batch, heads): each query

@@ -219,9 +219,9 @@ class ChannelBlockUniform:
 
 
 # the codec of a key of no channel (LayerCodecs.for_key_width): it stores no bit, and, of no parameter and one token a
-# block, passes through the simulation and the runtime's stores as any codec (its layer decodes on the torch reference:
-# the kernels read no key of no channel)
-NO_CHANNEL_CODEC = TokenUniform(bits=8, group=1)
+# block, passes through the simulation and the runtime's stores as any codec (the CPU kernel reads it, scoring the
+# latent alone; its appends go to the torch codec: nothing to encode)
+NO_CHANNEL_CODEC = TokenUniform(bits=4, group=1)
 
 
 def keep_fraction_quantiles(x: torch.Tensor, outlier_fraction: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

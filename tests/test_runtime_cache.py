@@ -46,8 +46,9 @@ EDGE_FREE_SEED = {"afmoe": 0, "olmo_hybrid": 0, **dict.fromkeys(GEMMA4, 4), "qwe
 RECIPES = registry.recipes()
 
 
-def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "llama", atol: float = 1e-4) -> None:
-    model = tiny_model(model_type)
+def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "llama", atol: float = 1e-4, **overrides):
+    """The runtime's logits, decoding token by token, against the simulation's of the same bundle; the cache."""
+    model = tiny_model(model_type, **overrides)
     ids = torch.randint(0, 512, (2, TOKENS), generator=torch.Generator().manual_seed(EDGE_FREE_SEED.get(model_type, 5)))
     with torch.inference_mode():
         with simulated(model, adapt(model), artifact_method(str(bundle_path)), StorageTally()):
@@ -55,6 +56,7 @@ def assert_runtime_logits_match_the_simulation(bundle_path, model_type: str = "l
         runtime_logits, cache = decode_token_by_token(model, bundle_path, ids)
     torch.testing.assert_close(runtime_logits, simulated_logits, rtol=0, atol=atol)
     assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa") and cache.tokens() == [TOKENS, TOKENS]
+    return cache
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -91,6 +93,21 @@ def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bu
     bundles = architecture_bundles(model_type)
     for recipe in RECIPES:
         assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
+
+
+@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+def test_a_latent_layer_storing_no_key_decodes_every_recipe_to_the_simulation(tiny_model_dir, tiny_corpus, tmp_path,
+                                                                               decode_path):
+    """Mistral Large 4's layer 1, without RoPE, stores no key: each decode path scores its latent alone, for every
+    recipe, as the simulation does. Its indexer picks 64 tokens here (every one), so that every step runs on the path
+    under test (past its pick a step attends over it on the reference)."""
+    from helpers.tiny_bundles import bundles_of_every_recipe, fit_tiny_artifacts, profile_tiny_model
+
+    every_token = dict(index_topk=64)
+    profile = profile_tiny_model(tiny_model_dir("mistral_large4", **every_token), tiny_corpus, tmp_path / "profile.safetensors")
+    for path in bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, tmp_path, latent=True), tmp_path).values():
+        cache = assert_runtime_logits_match_the_simulation(path, "mistral_large4", atol=5e-4, **every_token)
+        assert [layer.decode_path for layer in cache.layers] == [decode_path.removeprefix("torch-")] * 2
 
 
 @pytest.mark.slow

@@ -191,8 +191,6 @@ class CpuKernel(Backend):
             return f"not a CPU device ({shape.device})"
         if cpu_kernel.library() is None:
             return "the CPU kernel is not built here (no C++ compiler, a failed build, or KVCAL_CPU_KERNEL=0)"
-        if not shape.head_dim:
-            return "it reads no key of no channel (a latent layer without RoPE)"
         unserved = [pair for pair in shape.pairs if not cpu_kernel.decode_supported(*pair)]
         if unserved:
             return f"it reads no {_codec_names(unserved[0])} bodies"
@@ -231,7 +229,7 @@ class CpuDecoder(LayerDecoder):
         layer = self.layer
         dropped = layer.keys_store.dropped
         rope = None
-        if layer.pre_rope:
+        if layer.pre_rope and layer.widths[0]:  # (a key of no channel has nothing to rotate)
             tokens = max(layer.keys_store.count(b) for b in range(len(dropped)))
             rope = layer.cache.rope_rows(plan.stored_positions(dropped), tokens, layer.inv_freq, layer.rope_scaling,
                                          layer.drops)

@@ -378,6 +378,6 @@ def append_encoder(codec, width: int, layout: str, device) -> CpuAppend | None:
     """The compiled encoder for a CPU store of `codec`, or None where the torch codec encodes (codecs and layouts
     without a kernel number)."""
     layout_id, cid = kernels.layout_id(codec, layout), kernels.codec_id(codec)
-    if torch.device(device).type != "cpu" or cid is None or layout_id is None:
+    if torch.device(device).type != "cpu" or cid is None or layout_id is None or not width:
         return None
     return CpuAppend(codec, layout_id) if append_library() is not None else None
