@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import WIKITEXT_VALID
-from helpers.tiny_bundles import bundles_of_every_recipe, fit_tiny_artifacts, kvquant_bundle, profile_tiny_model
+from helpers.tiny_bundles import bundles_of_every_recipe, every_recipe, fit_tiny_artifacts, kvquant_bundle, profile_tiny_model
 from helpers.tiny_models import HEAD_DIM_256, LATENT, PHI4_MINI, TINY_VOCAB, longrope, tiny_model
 
 SLOW_KINDS = ("model", "emulation", "nvrtc")  # marks that make a test slow as well (pyproject.toml's markers)
@@ -147,9 +147,7 @@ def architecture_bundles(tmp_path_factory, tiny_model_dir, tiny_corpus):
     def bundles(model_type: str) -> dict[str, Path]:
         if model_type not in made:
             folder = tmp_path_factory.mktemp(f"{model_type}-bundles")
-            profile = profile_tiny_model(tiny_model_dir(model_type), tiny_corpus, folder / "profile.safetensors")
-            fitted = fit_tiny_artifacts(profile, folder, latent=model_type in LATENT)
-            made[model_type] = bundles_of_every_recipe(profile, fitted, folder)
+            made[model_type] = every_recipe(tiny_model_dir(model_type), tiny_corpus, folder, model_type in LATENT)[1]
         return made[model_type]
 
     return bundles

@@ -4,8 +4,8 @@ import transformers
 
 from helpers import attention_at
 from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT,
-                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MUSE, QWEN3_5_MROPE, TINY_ARCHITECTURES,
-                                 TINY_WINDOW, from_transformers, known, longrope, tiny_model)
+                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE,
+                                 TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known, longrope, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, LATENT_DECODERS, NOT_TAKEN_YET, SERVED_ONES,
                                         SUPPORTED_MODEL_TYPES)
@@ -173,7 +173,7 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
         assert torch.equal(layer.source_rows("v", sources["v", i])[0], cache.layers[adapter.model_layers[i]].keys[0, 0])
 
 
-@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+@MISTRAL_LARGE4
 def test_latent_layers_reading_another_layers_latent_are_refused():
     """Mistral Large 4's kv_source_layers: a layer attending over an earlier layer's latent cache (its own indexer
     keys kept) is not served yet, refused in one line before anything runs."""
@@ -181,7 +181,7 @@ def test_latent_layers_reading_another_layers_latent_are_refused():
         adapt(tiny_model("mistral_large4", no_rope_layers=[1, 1], kv_source_layers=[0, 0]))
 
 
-@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+@MISTRAL_LARGE4
 def test_mistral_large4_as_released_caches_no_rotated_key_on_every_fourth_layer(tmp_path):
     """Its default config (its released shapes, built on the meta device): every fourth layer, without RoPE, caches its
     latent of 512 channels alone; the others a rotated key of 64 beside it; every layer keeps indexer keys of 128."""

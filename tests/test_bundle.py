@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from helpers.artifact_files import read_metadata, rewrite
-from helpers.tiny_models import LATENT, SPARSE_LATENTS, tiny_model
+from helpers.tiny_models import MISTRAL_LARGE4, SPARSE_LATENTS, tiny_model
 from kvcal import registry
 from kvcal.bundle import PACKING_UP_TO_4_BITS, load_bundle, write_bundle
 from kvcal.calibration import build_bundle
@@ -343,7 +343,6 @@ PER_LAYER_WIDTHS = {"layer_index_dims": ("deepseek_v32", [80, 80], "indexer widt
                     "layer_value_dims": ("mimo_v2_flash", [16, 16], "layer/head counts .* are not positive integers"),
                     "layer_num_heads": ("laguna", [8, 4], "layer/head counts .* are not positive integers"),
                     "layer_head_dims": ("mistral_large4", [64, 0], "layer/head counts .* are not positive integers")}
-MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 
 
 @pytest.mark.parametrize("key, edited", [pytest.param("layer_index_dims", edit, marks=SPARSE_LATENTS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import decode_token_by_token
-from helpers.tiny_models import LATENT, tiny_model
+from helpers.tiny_models import MISTRAL_LARGE4, tiny_model
 from kvcal.bundle import load_bundle
 from kvcal.runtime import backends, cpu_kernel
 
@@ -54,7 +54,7 @@ def test_latent_attention_decodes_on_the_cpu_kernel_and_on_cuda_on_the_reference
     assert {(p.key_append, p.value_append) for p in backends.bundle_plan(bundle, "cpu")} == {("cpu-append", "cpu-append")}
 
 
-@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+@MISTRAL_LARGE4
 def test_a_latent_layer_storing_no_key_decodes_on_the_cpu_kernel_its_key_appended_by_the_torch_codec(architecture_bundles):
     """Mistral Large 4's layer 1, without RoPE, stores no key: the CPU kernel scores its latent alone, and its key's
     appends (nothing to encode) go to the torch codec, as the plan says. (A context within its indexer's pick of 8:

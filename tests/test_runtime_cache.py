@@ -11,9 +11,9 @@ from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_step
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
 from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, HY_V4, IMAGE_TOWERS,
-                                 LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MUSE, OWN_ATTENTION,
-                                 QWEN3_5_MROPE, QWEN3_5_VL, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS, TINY_ARCHITECTURES,
-                                 known, left_padded, longrope, tiny_model)
+                                 LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MISTRAL_LARGE4, MUSE,
+                                 OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS,
+                                 TINY_ARCHITECTURES, known, left_padded, longrope, tiny_model)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt, text_inputs
 from kvcal.bundle import load_bundle
@@ -95,17 +95,17 @@ def test_latent_attention_decodes_every_recipe_to_the_simulation(architecture_bu
         assert_runtime_logits_match_the_simulation(bundles[recipe], model_type, atol=5e-4)
 
 
-@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+@MISTRAL_LARGE4
 def test_a_latent_layer_storing_no_key_decodes_every_recipe_to_the_simulation(tiny_model_dir, tiny_corpus, tmp_path,
                                                                                decode_path):
     """Mistral Large 4's layer 1, without RoPE, stores no key: each decode path scores its latent alone, for every
     recipe, as the simulation does. Its indexer picks 64 tokens here (every one), so that every step runs on the path
     under test (past its pick a step attends over it on the reference)."""
-    from helpers.tiny_bundles import bundles_of_every_recipe, fit_tiny_artifacts, profile_tiny_model
+    from helpers.tiny_bundles import every_recipe
 
     every_token = dict(index_topk=64)
-    profile = profile_tiny_model(tiny_model_dir("mistral_large4", **every_token), tiny_corpus, tmp_path / "profile.safetensors")
-    for path in bundles_of_every_recipe(profile, fit_tiny_artifacts(profile, tmp_path, latent=True), tmp_path).values():
+    _, bundles = every_recipe(tiny_model_dir("mistral_large4", **every_token), tiny_corpus, tmp_path, latent=True)
+    for path in bundles.values():
         cache = assert_runtime_logits_match_the_simulation(path, "mistral_large4", atol=5e-4, **every_token)
         assert [layer.decode_path for layer in cache.layers] == [decode_path.removeprefix("torch-")] * 2
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import decode_token_by_token
-from helpers.tiny_models import LATENT, SPARSE_LATENTS, TINY_WINDOW, tiny_model
+from helpers.tiny_models import MISTRAL_LARGE4, SPARSE_LATENTS, TINY_WINDOW, tiny_model
 from kvcal import registry
 from kvcal.adapters import adapt
 from kvcal.bundle import LayerRecipe, load_bundle
@@ -18,7 +18,6 @@ from kvcal.spans import AttentionSpan
 TOKENS = 45  # past the tiny bundles' KIVI residual (8), SKVQ window (8) and KVmix blocks (32)
 TILED_TOKENS = 2 * OUTLIER_TILE_TOKENS + 5  # three outlier tiles per KV head: offset tables of several entries
 OUTLIER_RECIPES = ("kvquant", "mixed")
-MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 
 
 def assert_bits_are_bytes(bundle_path, tokens: int, keeps_outliers: bool, model_type: str = "llama", **overrides) -> None:
@@ -56,13 +55,10 @@ def test_bits_are_bytes_where_the_first_layer_stores_no_key(tiny_model_dir, tiny
     """Mistral Large 4 with its first layer without RoPE (its fingerprint's head_dim then the next layer's): every
     recipe profiles, fits and counts what the cache stores; the nuq artifact evaluated alone counts the bits its
     kvquant bundle counts, none for that key."""
-    from helpers.tiny_bundles import bundles_of_every_recipe, fit_tiny_artifacts, profile_tiny_model
+    from helpers.tiny_bundles import every_recipe
 
     first_without_rope = dict(no_rope_layers=[0, 1])
-    profile = profile_tiny_model(tiny_model_dir("mistral_large4", **first_without_rope), tiny_corpus,
-                                 tmp_path / "profile.safetensors")
-    fitted = fit_tiny_artifacts(profile, tmp_path, latent=True)
-    bundles = bundles_of_every_recipe(profile, fitted, tmp_path)
+    fitted, bundles = every_recipe(tiny_model_dir("mistral_large4", **first_without_rope), tiny_corpus, tmp_path, latent=True)
     for recipe, path in bundles.items():
         assert_bits_are_bytes(path, TOKENS, recipe in OUTLIER_RECIPES, "mistral_large4", **first_without_rope)
     model = tiny_model("mistral_large4", **first_without_rope)

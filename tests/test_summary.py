@@ -1,6 +1,6 @@
 import pytest
 
-from helpers.tiny_models import LATENT, SPARSE_LATENTS
+from helpers.tiny_models import MISTRAL_LARGE4, SPARSE_LATENTS
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
@@ -90,7 +90,7 @@ def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_
         assert effective_bits(bundle.layers, bundle.fingerprint, tokens) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
+@MISTRAL_LARGE4
 def test_a_layer_storing_no_key_shows_no_key_bits(architecture_bundles):
     """Mistral Large 4's layer 1, without RoPE, caches its latent alone: its bundle row names no key width ("-")
     where layer 0 names the recipe's."""

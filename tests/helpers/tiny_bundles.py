@@ -85,6 +85,14 @@ def bundles_of_every_recipe(profile: Path, fitted: dict[str, Path], folder: Path
             for recipe in registry.recipes()}
 
 
+def every_recipe(model_dir: Path, corpus: Path, folder: Path, latent: bool = False) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(fitted artifacts, a bundle of every recipe) of the tiny model saved at `model_dir`, from its own profile, all
+    written into `folder` (`latent`: fit_tiny_artifacts')."""
+    profile = profile_tiny_model(model_dir, corpus, folder / "profile.safetensors")
+    fitted = fit_tiny_artifacts(profile, folder, latent)
+    return fitted, bundles_of_every_recipe(profile, fitted, folder)
+
+
 def kvquant_bundle(profile: Path, folder: Path, name: str = "kvquant", **nuq_settings) -> Path:
     """A kvquant bundle `name` of a tiny profile, its codebooks fitted with these NuqSettings (the default recipe's:
     nuq3, 1% outliers, pre-RoPE keys), both written into `folder`."""

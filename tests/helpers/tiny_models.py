@@ -35,6 +35,7 @@ LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head laten
 DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2", "mistral_large4"))
 HY_V4 = ("hy_v4", "hy_v4_vl")  # of them, Hy V4's decoder: its layer 1 attends to layer 0's pick, keeping no indexer
 SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
+MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
 MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
