@@ -753,7 +753,7 @@ void attend_tokens(const Side& ks, const Side& vs, DecodeTokens decode_keys, Dec
         if (cos_table != nullptr && t0 + CHUNK < t_end)
             prefetch_rope_rows(cos_table, sin_table, b * rope_stride, t0 + CHUNK, std::min(CHUNK, t_end - t0 - CHUNK), half);
         if (D > 0) decode_keys(ks, k_tables, kn, b, kv_head, kv_heads, D, width, t0, n, keys.data());
-        if (cos_table != nullptr && D > 0)
+        if (cos_table != nullptr)
             for (int i = 0; i < n; ++i) {
                 const long long row = b * rope_stride + (long long)(t0 + i) * half;
                 rotate_row(keys.data() + (size_t)i * D, cos_table + row, sin_table + row, half);
