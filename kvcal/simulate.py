@@ -319,7 +319,7 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     state.pre_rope_keys = slot.pre_rope_keys
     handles = adapter.layers[slot.index]
     # a sparse layer's: the tokens its indexer picked, its indexer keys cached as the model computes them
-    chosen = wiring.chosen_columns(kwargs, tokens, handles.pick_block)
+    chosen = wiring.step_mask_and_pick(slot, attention_mask, kwargs, tokens)[1]
     state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
     latent = handles.latent
     if latent is not None:

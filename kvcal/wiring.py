@@ -58,6 +58,9 @@ class Slot:
     running: int = 0  # > 0 while the module's forward runs
     pre_rope_keys: torch.Tensor | None = None  # (batch, tokens, kv width) of the running forward
     latents: torch.Tensor | None = None  # (batch, tokens, latent channels) of the running forward, an MLA layer's values
+    # the attention mask the module's forward was called with, where its indexer puts its pick in the mask its attention
+    # is handed (LayerHandles.pick_in_mask): the step's, before the pick
+    step_mask: torch.Tensor | None = None
     serving: object | None = None  # what a cache's update() hands to this forward's attention
     attached: object | None = None  # an exclusive user's per-layer object (the simulation's layer state)
 
@@ -243,7 +246,7 @@ def unwire(wiring: Wiring, owner) -> None:
     for attention, layer_slot in _attention_slots(wiring):
         if _SLOTS.get(attention) is layer_slot:
             del _SLOTS[attention]
-        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
+        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = layer_slot.step_mask = None
     _remove_hooks(wiring)
     wiring.switch(wiring.previous)
 
@@ -290,7 +293,7 @@ def _install_hooks(wiring: Wiring) -> None:
 
         def leave(module, args, output, layer_slot=layer_slot):
             layer_slot.running -= 1
-            layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
+            layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = layer_slot.step_mask = None
 
         def keep_keys(module, args, output, layer_slot=layer_slot, handles=handles):
             layer_slot.pre_rope_keys = handles.source_rows("k", output.detach())
@@ -298,11 +301,16 @@ def _install_hooks(wiring: Wiring) -> None:
         def keep_latents(module, args, output, layer_slot=layer_slot, handles=handles):
             layer_slot.latents = handles.source_rows("v", output.detach())
 
+        def keep_step_mask(module, args, kwargs, layer_slot=layer_slot):
+            layer_slot.step_mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[2]
+
         wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
                          handles.attention.register_forward_hook(leave, always_call=True),
                          handles.key_source.register_forward_hook(keep_keys)]
         if handles.latent is not None:  # (the attention is handed the values made from it, not the latent)
             wiring.hooks.append(handles.value_source.register_forward_hook(keep_latents))
+        if handles.pick_in_mask:
+            wiring.hooks.append(handles.attention.register_forward_pre_hook(keep_step_mask, with_kwargs=True))
     for reader, layer_slot in zip(wiring.adapter.readers, wiring.reader_slots):
         def enter_reader(module, args, layer_slot=layer_slot):  # (keeps what the layer it reads was served)
             layer_slot.running += 1
@@ -356,6 +364,19 @@ def chosen_columns(kwargs: dict, columns: int, block: int = 1) -> torch.Tensor |
     chosen = torch.zeros(*blocks.shape[:3], count + 1, dtype=torch.bool, device=blocks.device)  # the last: -1's
     chosen.scatter_(-1, blocks.long().masked_fill(blocks < 0, count), True)
     return chosen[..., :count].repeat_interleave(block, -1)[..., :columns]
+
+
+def step_mask_and_pick(layer_slot: Slot, attention_mask, kwargs: dict, columns: int):
+    """(the step's mask, the pick of chosen_columns or None) of an attention call of layer_slot's over `columns` key
+    columns: its mask, and the pick handed beside it; or where the layer's indexer puts its pick inside the mask
+    (LayerHandles.pick_in_mask, Qwen4-Exp's), the mask its module was called with (Slot.step_mask), and the columns of
+    the mask handed to the attention, None where those are every column the step's mask shows."""
+    handles = layer_slot.wiring.adapter.layers[layer_slot.index]
+    if not handles.pick_in_mask:
+        return attention_mask, chosen_columns(kwargs, columns, handles.pick_block)
+    step_mask = layer_slot.step_mask
+    picked = visible(attention_mask)
+    return step_mask, None if torch.equal(picked, visible(step_mask)) else picked[:, None]
 
 
 def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bool | None = None) -> torch.Tensor:

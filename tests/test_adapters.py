@@ -4,7 +4,7 @@ import transformers
 
 from helpers import attention_at
 from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT,
-                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE,
+                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE, QWEN4_EXP,
                                  TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known, longrope, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, LATENT_DECODERS, NOT_TAKEN_YET, SERVED_ONES,
@@ -20,7 +20,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "fuyu", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
                "cosmos3_omni", *MINICPM_V, "molmo2", "param2moe", "sarvam_moe", "lara_mini", "llava_onevision1_5", "ovis2_5",
-               "ergo", "apertus1p5_text", "apertus1p5", *GEMMA4)
+               "ergo", "apertus1p5_text", "apertus1p5", "qwen4_exp_text", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision
 # and Command A Vision: Cohere 2's; EXAONE 4.5: EXAONE 4's) for their NoPE layer
@@ -298,6 +298,20 @@ def test_block_sparse_layers_pick_key_blocks_with_their_own_indexer(model_type):
     assert adapter.layers[0].indexer is attention_at(model, 0).indexer
     assert adapter.layers[1].indexer is None
     assert adapter.index_widths == [16, 0] and adapter.fingerprint()["layer_index_dims"] == [16, 0]
+
+
+@QWEN4_EXP
+def test_qsa_layers_pick_tokens_in_their_mask_with_their_own_indexer():
+    """Qwen4-Exp's QSA layers (decoder layers 1 and 3, after gated DeltaNet ones) are sparse: each one's indexer picks
+    the tokens its queries attend and hands them over inside the attention's mask (no key blocks by cache column, so
+    padding is served); each keeps indexer keys of its own, 16 channels a token, which the fingerprint counts."""
+    model = tiny_model("qwen4_exp_text")
+    adapter = adapt(model)
+    assert adapter.model_layers == (1, 3)
+    assert [(handles.sparse, handles.pick_in_mask, handles.pick_block) for handles in adapter.layers] == [(True, True, 1)] * 2
+    assert [handles.indexer for handles in adapter.layers] == [attention_at(model, m).indexer for m in (1, 3)]
+    assert adapter.index_widths == [16, 16] and adapter.fingerprint()["layer_index_dims"] == [16, 16]
+    assert not adapter.picks_key_blocks
 
 
 def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers.tiny_models import LONGROPE_PREFILLED_AGAIN, longrope, tiny_model
+from helpers.tiny_models import LONGROPE_PREFILLED_AGAIN, known, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.model_caches import cache_argument
 from kvcal.policy.cocktail import ChunkEncoder, chunk_widths, cocktail_cache, compress, compressed_cache
@@ -81,12 +81,13 @@ def test_generate_crossing_longropes_switch_after_compression_is_refused():
         assert cache.refillable and cache.tokens() == []
 
 
-def test_block_sparse_attention_is_refused():
-    """MiniMax-M3's indexer picks key blocks by cache column, which Cocktail's stores, keeping tokens by chunk, do not
-    hold in order: refused in one line naming what serves it."""
-    with pytest.raises(KvcalError, match=r"minimax_m3_vl_text: Cocktail's cache keeps tokens by chunk, out of cache "
-                                         r"order, and its block-sparse layers .*; use quantized_cache"):
-        cocktail_cache(tiny_model("minimax_m3_vl_text"))
+@pytest.mark.parametrize("model_type", known(("minimax_m3_vl_text", "qwen4_exp_text")))
+def test_sparse_attention_is_refused(model_type):
+    """MiniMax-M3's indexer picks key blocks by cache column, Qwen4-Exp's tokens, which Cocktail's stores, keeping
+    tokens by chunk, do not hold in order: refused in one line naming what serves it."""
+    with pytest.raises(KvcalError, match=rf"{model_type}: Cocktail's cache keeps tokens by chunk, out of cache "
+                                         r"order, and its sparse layers .*; use quantized_cache"):
+        cocktail_cache(tiny_model(model_type))
 
 
 def test_default_encoder_ranks_the_matching_text_first():

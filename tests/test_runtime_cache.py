@@ -12,7 +12,7 @@ from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_step
 from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
 from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, HY_V4, IMAGE_TOWERS,
                                  LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MISTRAL_LARGE4, MUSE,
-                                 OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS,
+                                 OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN4_EXP, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS,
                                  TINY_ARCHITECTURES, known, left_padded, longrope, tiny_model)
 from kvcal import registry, wiring
 from kvcal.adapters import adapt, text_inputs
@@ -1115,6 +1115,50 @@ def test_block_sparse_attention_generates_its_own_fp_tokens(model_type, decode_p
     assert torch.equal(ours.sequences, fp.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
     assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+
+
+@QWEN4_EXP
+@pytest.mark.parametrize("lengths", [(24, 24), (24, 17)])
+def test_tokens_picked_inside_the_mask_generate_their_own_fp_tokens(lengths, decode_path):
+    """Qwen4-Exp's QSA layers (their indexer picks the tokens of 2 compressed blocks of 4 keys each query attends to,
+    and those of its block not yet complete, and hands them to the attention inside its mask) over two prompts of 24
+    tokens, or one left-padded to 24 from 17, and 12 new ones, every token fp16: the model's own tokens and logits, by
+    greedy search and by beam search (which reorders the cache's sequences); the cache keeps the indexers' keys, and
+    every token's positions on the first QSA layer, as transformers' does; its steps attend over the pick (read by the
+    torch reference); the same weights picking 16 blocks give other logits."""
+    model = tiny_model("qwen4_exp_text")
+    ids, mask = left_padded(lengths, seed=3)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        fp_cache = getattr(fp, "cache", None) or fp.past_key_values  # (its name from transformers 5.25)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
+            assert [tuple(layer.index_keys.shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
+            assert torch.equal(cache.attention_layers[0].indexer_position_ids, fp_cache.layers[1].indexer_position_ids)
+            assert cache.attention_layers[1].indexer_position_ids is None
+            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
+        beams = dict(num_beams=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        fp_beams = model.generate(input_ids=ids, attention_mask=mask, **beams)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **beams), fp_beams)
+        dense = tiny_model("qwen4_exp_text", indexer_budget=64).generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+
+
+@QWEN4_EXP
+def test_tokens_picked_inside_the_mask_decode_on_the_default_path_while_the_pick_is_every_token(decode_path):
+    """Qwen4-Exp's QSA layers pick every token a query sees up to 11 (2 blocks of 4, and the block not yet complete): a
+    prompt of 6 tokens and 5 new ones decode on the layer's default decoder, not the reference reading a pick."""
+    model = tiny_model("qwen4_exp_text")
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+        model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert cache.tokens() == [10]
+        assert [layer.decode_path for layer in cache.attention_layers] == [
+            {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]] * 2
 
 
 def test_block_sparse_attention_refuses_padded_sequences():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers.tiny_bundles import fp16_kivi_bundle
-from helpers.tiny_models import SPARSE_LATENTS, longrope, tiny_model
+from helpers.tiny_models import SPARSE_LATENTS, known, longrope, tiny_model
 from kvcal import registry
 from kvcal.errors import KvcalError
 from kvcal.model_caches import cache_argument
@@ -17,8 +17,10 @@ RECIPES = registry.recipes()
 
 @pytest.mark.parametrize("model_type, recipe", [("llama", recipe) for recipe in RECIPES] +
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
-                          for recipe in RECIPES] + [(kind, recipe) for kind in ("deepseek_v2", "deepseek_v3", "minimax", "minimax_m3_vl_text")
-                                                    for recipe in ("kivi", "kvquant")] +
+                          for recipe in RECIPES] +
+                         [(kind, recipe) for kind in known(("deepseek_v2", "deepseek_v3", "minimax", "minimax_m3_vl_text",
+                                                            "qwen4_exp_text"))
+                          for recipe in ("kivi", "kvquant")] +
                          [pytest.param("deepseek_v32", recipe, marks=SPARSE_LATENTS) for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
     """WiredCache.load (one fp prefill shared by several methods) stores what a prefill through the cache
@@ -31,7 +33,8 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     caches in its channel order are stored in kvcal's. Qwen3.5 also: the loaded cache's DeltaNet layers continue from the
     context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
     keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class; MiniMax-M3
-    also, its block-sparse layer's indexer keys."""
+    also, its block-sparse layer's indexer keys; Qwen4-Exp also, its QSA layers' indexer keys and every token's
+    positions, which its first one keeps for them."""
     model = tiny_model(model_type)
     bundle = (recipe_bundles if model_type == "llama" else architecture_bundles(model_type))[recipe]
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(8))

@@ -15,13 +15,14 @@ from transformers import GenerationMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvcal.adapters.fingerprint import decoder_kind, first_position
-from kvcal.adapters.handles import LayerHandles, latent_handles, latent_rope, layer_handles, pick_key_blocks
+from kvcal.adapters.handles import (LayerHandles, latent_handles, latent_rope, layer_handles, pick_in_mask,
+                                   pick_key_blocks)
 from kvcal.adapters.model_types import (ATTENTION_AND_STATE_TYPES, ATTENTION_LAYER_TYPES, ATTENTION_NAMES,
                                         ATTENTION_SUBLAYERS, CROSS_ATTENTION, ENCODERS_INSIDE, FLAT_NORMS_BEFORE_ROPE,
                                         HALVES_SWAPPED_ROPE, HEADS_FIRST_NORMS, IMAGE_BLOCKS, IMAGES_AS_TOKENS,
                                         INDEXED_ATTENTION, INTERLEAVED_ROPE, LATENT_ATTENTION_TYPES, LATENT_DECODERS,
                                         LAYER_TYPE_NAMES, NARROW_VALUES, NOPE_WITHOUT_ROTARY, NORMED_AFTER_ROPE,
-                                        NOT_TAKEN_YET, PARITY_SPLIT_ROPE, PREFIX_LM, ROTARY_PER_BASE,
+                                        NOT_TAKEN_YET, PARITY_SPLIT_ROPE, PICK_IN_MASK, PREFIX_LM, ROTARY_PER_BASE,
                                         ROTARY_SCALED_BY_LAYER, SCALED_NORMS_AFTER_ROPE, SERVED_FROM, SERVED_ONES,
                                         SHARED_NORM_BEFORE_ROPE, SINKS, SINUSOID_TABLE_ROPE, SLIDING_KV_HEADS_DOUBLED,
                                         STATE_LAYER_TYPES, SUPPORTED_MODEL_TYPES, served_by_installed_transformers)
@@ -131,12 +132,12 @@ class ModelAdapter:
     @property
     def picks_key_blocks(self) -> bool:
         """Whether a layer attends to the key blocks an indexer picks by cache column (MiniMax-M3's, beside GQA)."""
-        return any(handles.sparse and handles.latent is None for handles in self.layers)
+        return any(handles.sparse and handles.latent is None and not handles.pick_in_mask for handles in self.layers)
 
     @property
     def index_widths(self) -> list[int]:
         """Per layer, the channels of one token's indexer key (a sparse layer's), 0 where it has no indexer."""
-        return [handles.indexer.head_dim if handles.indexer is not None else 0 for handles in self.layers]
+        return [handles.index_width for handles in self.layers]
 
     def index_bytes(self, dtype: torch.dtype) -> list[int]:
         """Per layer, the bytes of one token's indexer key kept in `dtype` (the model's: kvcal keeps them as computed)."""
@@ -290,7 +291,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m, (_, at) in zip(handles, attending, located):
         if decoder_types[m] == INDEXED_ATTENTION and not latent:
-            pick_key_blocks(handle, query_heads[m], at)
+            pick_in_mask(handle, at) if text_type in PICK_IN_MASK else pick_key_blocks(handle, query_heads[m], at)
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's, Falcon's
         raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
                          "add; kvcal serves RoPE models and ones with learned or no positions")

@@ -85,10 +85,13 @@ class LayerHandles:
     # sparse attention: its attention is handed the columns of the mask each query attends, picked by its own indexer,
     # which keeps keys of its own, or by an earlier layer's (Hy V4's shared layers: indexer None). DeepSeek Sparse
     # Attention's (MLA): the top index_topk tokens by the indexer's scores (`indices`; Cache.update_indexer); MiniMax-M3's
-    # (GQA): per KV head, the top blocks of `pick_block` keys (`block_indices`; its cache layer's update_index)
+    # (GQA): per KV head, the top blocks of `pick_block` keys (`block_indices`; its cache layer's update_index);
+    # Qwen4-Exp's (GQA, pick_in_mask): the tokens of the top blocks, handed inside the attention's mask
     sparse: bool = False
     indexer: nn.Module | None = None
+    index_width: int = 0  # the channels of one token's indexer key (its one key head)
     pick_block: int = 1
+    pick_in_mask: bool = False
 
     @property
     def query_source(self) -> nn.Module:
@@ -294,11 +297,13 @@ def latent_handles(attention: nn.Module, index: int, where: str, config, indexed
     latent = LatentAttention(parts["kv_b_proj"], nope, config.v_head_dim, rope_in_order=latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
     indexer = getattr(attention, "indexer", None) if indexed else None
-    if indexer is not None and not isinstance(getattr(indexer, "head_dim", None), int):
+    index_width = getattr(indexer, "head_dim", None) if indexer is not None else 0
+    if not isinstance(index_width, int):
         raise KvcalError(f"{where}: its attention's indexer has no head_dim (the channels of its keys)")
     return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
                         columns=dict(q=query_columns, k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
-                        sparse=indexed, indexer=indexer, sinks=attention.sinks if config.model_type in SINKS else None,
+                        sparse=indexed, indexer=indexer, index_width=index_width,
+                        sinks=attention.sinks if config.model_type in SINKS else None,
                         value_multiplier=float(getattr(attention, "mla_scale_kv_lora", 1.0)))
 
 
@@ -310,4 +315,16 @@ def pick_key_blocks(handles: LayerHandles, query_heads: int, where: str) -> None
     if not all(isinstance(number, int) and number > 0 for number in (heads, head_dim, block)) or query_heads % heads:
         raise KvcalError(f"{where}: an indexed layer whose attention has no indexer of key blocks (num_heads dividing its "
                          f"{query_heads} query heads, head_dim, block_size), which kvcal serves (MiniMax-M3's)")
-    handles.sparse, handles.indexer, handles.pick_block = True, indexer, block
+    handles.sparse, handles.indexer, handles.index_width, handles.pick_block = True, indexer, head_dim, block
+
+
+def pick_in_mask(handles: LayerHandles, where: str) -> None:
+    """Make a GQA layer's handles sparse, as Qwen4-Exp's QSA layers: its attention's indexer (index_head_dim: the
+    channels of its one key head; token_budget, compress_ratio) picks the tokens each query attends and hands them to
+    the attention inside its mask."""
+    indexer = getattr(handles.attention, "indexer", None)
+    width, budget, ratio = (getattr(indexer, name, None) for name in ("index_head_dim", "token_budget", "compress_ratio"))
+    if not all(isinstance(number, int) and number > 0 for number in (width, budget, ratio)):
+        raise KvcalError(f"{where}: an indexed layer whose attention has no token indexer (index_head_dim, token_budget, "
+                         "compress_ratio), which kvcal serves (Qwen4-Exp's)")
+    handles.sparse, handles.indexer, handles.index_width, handles.pick_in_mask = True, indexer, width, True

@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
                          "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon",
-                         "gptj", "codegen")
+                         "gptj", "codegen", "qwen4_exp_text")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -147,6 +147,9 @@ ATTENTION_AND_STATE_TYPES = ("hybrid",)
 INDEXED_ATTENTION = "indexed_attention"
 # MiniMax-M3's block-sparse layers (GQA whose queries attend to the key blocks a lightning indexer picks), by kvcal's name
 LAYER_TYPE_NAMES = {"minimax_m3_sparse": INDEXED_ATTENTION}
+# indexed GQA layers whose indexer hands its pick to the attention inside the mask, ANDed with the step's (Qwen4-Exp's
+# QSA: the tokens of its top compressed key blocks, and those of the last block not yet complete)
+PICK_IN_MASK = ("qwen4_exp_text",)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION,
                          *ATTENTION_AND_STATE_TYPES)
 # where a refusal sends a user for the types kvcal serves (a list of them all would bury the refusal's line)
@@ -158,8 +161,6 @@ SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_AT
 # why: the refusal the adapter would reach through their modules names a symptom (no q, k and v it knows, a type it
 # does not serve), not this (docs/models.md)
 NOT_TAKEN_YET = {
-    "qwen4_exp_text": "Qwen4-Exp is not served yet: its QSA indexer hands its pick to the attention inside the mask, "
-                      "which kvcal's attention does not apply",
     "glm5_next_text": "GLM-5 Next is not served yet: its sparse MLA layers sit among parts kvcal has not checked "
                       "(hyper-connections, Kimi Delta Attention layers)",
     "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
@@ -188,9 +189,11 @@ CROSS_ATTENDING_TYPES = ("mllama", "mllama_text_model")  # (Mllama's composite i
 # model types served from a transformers release on, before which their classes differ from what kvcal follows
 # (DeepSeek Sparse Attention's before 5.18 caches keys and values expanded per head, not the latent; HunYuan VL's
 # before 5.20: kvcal finds its RoPE and its key norms' layout otherwise there, and profiling it fails; Falcon's,
-# GPT-J's and CodeGen's before 5.25 attend without transformers' attention functions, which kvcal replaces)
+# GPT-J's and CodeGen's before 5.25 attend without transformers' attention functions, which kvcal replaces; Qwen4-Exp's
+# before 5.22 keeps its indexers' positions on the cache object, not on its first indexed layer, as kvcal's cache does)
 SERVED_FROM = {**dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"), (5, 18)),
-               "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), **dict.fromkeys(("falcon", "gptj", "codegen"), (5, 25))}
+               "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), **dict.fromkeys(("falcon", "gptj", "codegen"), (5, 25)),
+               "qwen4_exp_text": (5, 22)}
 
 
 def served_by_installed_transformers(model_type: str) -> bool:

@@ -82,9 +82,10 @@ def cocktail_cache(model, chunk: int = CHUNK):
     token stays: its sliding-window layers mask what their windows hide)."""
     adapter = adapt(model)
     adapter.refuse_latent("Cocktail's cache")
-    if adapter.picks_key_blocks:  # (its stores keep tokens by chunk, where the picks name cache columns in order)
+    if any(handles.sparse for handles in adapter.layers):  # (its stores keep tokens by chunk, where a pick names
+        # cache columns in order)
         raise KvcalError(f"{adapter.model_type}: Cocktail's cache keeps tokens by chunk, out of cache order, and its "
-                         "block-sparse layers attend to key blocks picked by cache column; use quantized_cache")
+                         "sparse layers attend to what an indexer picks by cache column; use quantized_cache")
     settings = CocktailSettings(chunk=chunk)
 
     def make_store(kind, batch, width, device):

@@ -100,9 +100,9 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         plan = layer.cache.running_plan()
         ahead = plan.ahead_of(attention_mask)
         return layer.attend_as_reader(adapter.in_rope_order(query, slot.index), plan, scale, sliding_window, ahead), None
+    attention_mask, chosen = wiring.step_mask_and_pick(slot, attention_mask, kwargs, layer.padded_length + query.shape[2])
     plan = layer.cache.plan_for(attention_mask, query, slot.wiring.positions)
     layer.pending_pre_rope = slot.pre_rope_keys
-    chosen = wiring.chosen_columns(kwargs, layer.padded_length + query.shape[2], adapter.layers[slot.index].pick_block)
     latent = layer.latent
     if latent is not None:  # the step's latent and rotated key, as transformers handed the cache them
         (latents, rotated_keys), layer.latent_step = layer.latent_step, None
@@ -186,6 +186,8 @@ class WiredCache(Cache):
         """The running step's StepPlan, made by its first layer from that layer's attention mask and position ids."""
         batch, _, m, _ = query.shape
         if self._plan is None or (self._plan.batch, self._plan.m) != (batch, m):
+            # (Qwen4-Exp's rotary is handed every token's positions so far, for its indexers: the step's are the last)
+            positions = positions[..., -m:] if positions is not None else None
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
         return self._plan
 

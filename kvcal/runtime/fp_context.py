@@ -31,13 +31,17 @@ class FpContext:
 
     def copy_states_into(self, cache: Cache) -> None:
         """Give each layer of `cache` (laid out as the model's) that keeps a recurrent state a copy of the context's
-        (a hybrid model's DeltaNet, Mamba or convolution layers; Falcon-H1's attention layers)."""
+        (a hybrid model's DeltaNet, Mamba or convolution layers; Falcon-H1's attention layers), and each that keeps
+        its indexers' position ids (Qwen4-Exp's first indexed layer) the context's."""
         stateful = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
         if stateful and self.cache is None:
             raise KvcalError(f"this context holds rows only (no cache), none of the recurrent states of the model's layers "
                              f"{stateful}; load a context made by fp_context")
         for i in stateful:
             take_state(cache.layers[i], self.cache.layers[i])
+        for layer, theirs in zip(cache.layers, self.cache.layers if self.cache is not None else []):
+            if getattr(theirs, "indexer_position_ids", None) is not None:
+                layer.indexer_position_ids = theirs.indexer_position_ids.clone()
 
 
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:

@@ -64,6 +64,9 @@ class RuntimeLayer(CacheLayerMixin):
         self.index_keys: torch.Tensor | None = None
         # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
         self.picking: backends.ReferenceDecoder | None = None
+        # (position rows, batch, padded_length): every token's position ids, which Qwen4-Exp's model keeps on its first
+        # indexed layer's cache layer for its indexers (transformers' DynamicIndexedLayer's); None: none kept
+        self.indexer_position_ids: torch.Tensor | None = None
 
     # transformers' cache-layer interface: the attention implementation does the appending. Croppable: its stores take
     # back a multi-token step's last tokens (transformers 5.24's assisted generation asks before its first crop; what a
@@ -98,7 +101,7 @@ class RuntimeLayer(CacheLayerMixin):
         """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
         next step."""
         self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = self.latent_step = None
-        self.choice = self.decoder = self.step = self.index_keys = self.picking = None
+        self.choice = self.decoder = self.step = self.index_keys = self.picking = self.indexer_position_ids = None
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
 
@@ -109,6 +112,8 @@ class RuntimeLayer(CacheLayerMixin):
         self.values_store.take_sequences(seqs, index)
         if self.index_keys is not None:
             self.index_keys = self.index_keys.index_select(0, index)
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids.index_select(1, index)
 
     def take_back(self, tokens: int) -> list[int]:
         """Take back the last `tokens` tokens of each sequence of the last step (WiredCache.crop, which checked that
@@ -118,6 +123,8 @@ class RuntimeLayer(CacheLayerMixin):
         self.padded_length -= tokens
         if self.index_keys is not None:
             self.index_keys = self.index_keys[:, :-tokens]
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids[..., :-tokens]
         return stepped
 
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ TINY_INDEX_TOPK = 8
 # MiniMax-M3's text decoder and the model beside its vision tower: block-sparse attention on their layer 0
 MINIMAX_M3 = ("minimax_m3_vl_text", "minimax_m3_vl")
 MINIMAX_M3_BLOCK = 4  # the keys of a block its indexer picks
+QSA_BLOCKS, QSA_BLOCK = 2, 4  # Qwen4-Exp's QSA: the blocks its indexer picks, the keys of a block
+QWEN4_EXP = pytest.mark.skipif("qwen4_exp_text" not in TINY_ARCHITECTURES, reason="kvcal serves Qwen4-Exp from "
+                               "transformers 5.22")
 MUSE = ("muse_spark", "muse_glimmer")  # q and k normed by one norm without a scale before RoPE
 # Gemma 4's text model, its decoder beside a vision tower, and Gemma 4 Unified's two (12B: no per-layer inputs, images
 # attended both ways by default)
@@ -89,7 +92,7 @@ MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 CROSS_ATTENDING = ("mllama", "mllama_text_model")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
-          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax", "lara_mini")
+          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax", "lara_mini", "qwen4_exp_text")
 
 
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
@@ -713,6 +716,20 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       dense_intermediate_size=128, intermediate_size=32, shared_intermediate_size=32,
                       pad_token_id=None, bos_token_id=1, eos_token_id=2,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    if model_type == "qwen4_exp_text":  # as Qwen4-Exp: QSA layers (their indexer picks the tokens of the QSA_BLOCKS
+        # compressed blocks of QSA_BLOCK keys each query attends to, and those of its block not yet complete) after
+        # gated DeltaNet layers, the first with per-layer embeddings (PLE) of token n-grams; RoPE over half of each head in
+        # multimodal sections, equal for text; hyper-connections of 2 streams; experts (4, every one routed to)
+        del common["intermediate_size"], common["rope_theta"]
+        common.update(head_dim=16, num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention"] * 2,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      hc_count=2, hc_lowrank=16, ple_layer_ids=[1], ple_embed_dim=32, heads_per_ngram=2,
+                      ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=1,
+                      indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=QSA_BLOCKS * QSA_BLOCK,
+                      indexer_compress_ratio=QSA_BLOCK, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                           mrope_section=[2, 1, 1]))
     if model_type == "laguna":  # as Laguna XS.2: more query heads on its sliding layer (8) than on its full one (4), whose
         # RoPE (YaRN, cos/sin unscaled) rotates half of each head where the sliding one's rotates all; a dense MLP, then
         # experts (4, every one routed to); its default token ids are past TINY_VOCAB
