@@ -78,11 +78,6 @@ LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
 LATER_STEPS = ("prefill", "decode")  # how a step of several tokens after a sequence's first reads them (quantized_cache)
 
 
-# why a step that pads a sequence is refused where an indexer picks key blocks (ModelAdapter.picks_key_blocks)
-BLOCKS_UNDER_PADDING = ("MiniMax-M3's block-sparse indexer places its key blocks by cache column and its queries by "
-                        "position, which padding sets apart: a padded sequence's picks are not its own (transformers' own "
-                        "cache gives it other tokens than it alone); give sequences of equal length, or one at a time")
-
 
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
@@ -149,6 +144,16 @@ class WiredCache(Cache):
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
         self._regenerate_hook = (model.register_forward_pre_hook(self._take_back_when_dropped, with_kwargs=True)
                                  if adapter.long_rope is not None else None)
+        # (after the wiring's hook on the same rotary, which tells a step at multimodal positions)
+        self._positions_hook = (adapter.rotary.register_forward_pre_hook(self._refuse_multimodal_step)
+                                if adapter.rotary is not None and any(layer.pre_rope for layer in layers) else None)
+
+    def _refuse_multimodal_step(self, module, args):
+        """Refuse a step at multimodal RoPE positions (an image's, Qwen-VL's) where layers store keys before RoPE
+        (wiring.multimodal_refusal), at the rotary, before any layer runs: a hybrid model's recurrent layers before
+        the first attention layer would otherwise have taken the refused step into their states."""
+        if self._wiring.multimodal and self._wiring.switched.config._attn_implementation == ATTENTION_NAME:
+            raise KvcalError(wiring.multimodal_refusal([i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Called by the model's attention before its attention implementation: hand this cache's layer to it,
@@ -164,10 +169,6 @@ class WiredCache(Cache):
         if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
-            if self._wiring.multimodal:
-                pre_rope = [i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]
-                if pre_rope:
-                    raise KvcalError(wiring.multimodal_refusal(pre_rope))
         self._wiring.serve(index, self.attention_layers[index])
         if self.adapter.latent:  # MLA's: its latent and rotated key (LatentAttention), which its attention reads
             self.attention_layers[index].latent_step = (key_states, value_states)
@@ -190,15 +191,6 @@ class WiredCache(Cache):
             positions = positions[..., -m:] if positions is not None else None
             self._plan = StepPlan(self, attention_mask, batch, m, query.device, positions)
         return self._plan
-
-    def refuse_padded_step(self) -> None:
-        """Refuse a step that pads a sequence of a model picking key blocks (BLOCKS_UNDER_PADDING; StepPlan asks, before
-        the cache counts the step; no earlier step padded, each was refused so), leaving the cache as it was before the
-        step: the indexer keys a layer kept for it (those past its padded length) let go."""
-        for layer in self.attention_layers:
-            if layer.index_keys is not None:
-                layer.index_keys = layer.index_keys[:, : layer.padded_length] if layer.padded_length else None
-        raise KvcalError(BLOCKS_UNDER_PADDING)
 
     def rope_era(self, tokens: int) -> None:
         """Refuse a forward over `tokens` tokens of a LongRoPE model that rotates by the other set of frequencies than
@@ -367,8 +359,9 @@ class WiredCache(Cache):
         if not self.closed:
             self.closed = True
             wiring.unwire(self._wiring, self)
-            if self._regenerate_hook is not None:
-                self._regenerate_hook.remove()
+            for hook in (self._regenerate_hook, self._positions_hook):
+                if hook is not None:
+                    hook.remove()
 
     def __enter__(self):
         return self

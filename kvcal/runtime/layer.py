@@ -64,9 +64,9 @@ class RuntimeLayer(CacheLayerMixin):
         self.index_keys: torch.Tensor | None = None
         # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
         self.picking: backends.ReferenceDecoder | None = None
-        # (position rows, batch, padded_length): every token's position ids, which Qwen4-Exp's model keeps on its first
-        # indexed layer's cache layer for its indexers (transformers' DynamicIndexedLayer's); None: none kept
-        self.indexer_position_ids: torch.Tensor | None = None
+        # (position rows, batch, tokens): position ids Qwen4-Exp's model hands its first indexed layer's cache layer for
+        # its indexers, the stored tokens' then the step's (indexer_position_ids); None: none kept
+        self._indexer_positions: torch.Tensor | None = None
 
     # transformers' cache-layer interface: the attention implementation does the appending. Croppable: its stores take
     # back a multi-token step's last tokens (transformers 5.24's assisted generation asks before its first crop; what a
@@ -101,7 +101,7 @@ class RuntimeLayer(CacheLayerMixin):
         """Empty the layer (transformers' Cache.reset): its storage, frequencies and backend are made again at the
         next step."""
         self.keys_store = self.values_store = self.inv_freq = self.pending_pre_rope = self.latent_step = None
-        self.choice = self.decoder = self.step = self.index_keys = self.picking = self.indexer_position_ids = None
+        self.choice = self.decoder = self.step = self.index_keys = self.picking = self._indexer_positions = None
         self.position_offset, self.padded_length = [], 0
         self.is_initialized = False
 
@@ -112,8 +112,8 @@ class RuntimeLayer(CacheLayerMixin):
         self.values_store.take_sequences(seqs, index)
         if self.index_keys is not None:
             self.index_keys = self.index_keys.index_select(0, index)
-        if self.indexer_position_ids is not None:
-            self.indexer_position_ids = self.indexer_position_ids.index_select(1, index)
+        if self._indexer_positions is not None:
+            self._indexer_positions = self._indexer_positions.index_select(1, index)
 
     def take_back(self, tokens: int) -> list[int]:
         """Take back the last `tokens` tokens of each sequence of the last step (WiredCache.crop, which checked that
@@ -122,15 +122,26 @@ class RuntimeLayer(CacheLayerMixin):
         self.values_store.take_back(tokens)
         self.padded_length -= tokens
         if self.index_keys is not None:
-            self.index_keys = self.index_keys[:, :-tokens]
-        if self.indexer_position_ids is not None:
-            self.indexer_position_ids = self.indexer_position_ids[..., :-tokens]
+            self.index_keys = self.index_keys[:, : self.padded_length]
+        self._indexer_positions = self.indexer_position_ids
         return stepped
 
+    @property
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        """The position ids (rows, batch, padded_length) of the stored tokens, which Qwen4-Exp's model keeps on its
+        first indexed layer's cache layer (transformers' DynamicIndexedLayer's) and reads at a step's start; None: none
+        kept. Those of a step refused after the model handed them over (stored nothing) are not kept."""
+        kept = self._indexer_positions
+        return kept[..., : self.padded_length] if kept is not None else None
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, positions: torch.Tensor | None) -> None:
+        self._indexer_positions = positions
+
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """Append a step's indexer keys (batch, tokens, channels) -> every token's so far (transformers'
-        update_indexer)."""
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], 1)
+        """Append a step's indexer keys (batch, tokens, channels) to the stored tokens' -> every token's so far
+        (transformers' update_indexer; those of a step refused after the model handed them over are not kept)."""
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys[:, : self.padded_length], keys], 1)
         return self.index_keys
 
     def update_index(self, indexer_keys: torch.Tensor) -> torch.Tensor:
@@ -140,7 +151,8 @@ class RuntimeLayer(CacheLayerMixin):
         return self.cache.update_indexer(indexer_keys[:, 0], self.cache.adapter.model_layers[self.index])[:, None]
 
     def index_bytes(self) -> int:
-        return 0 if self.index_keys is None else self.index_keys.numel() * self.index_keys.element_size()
+        kept = self.index_keys[:, : self.padded_length] if self.index_keys is not None else None
+        return 0 if kept is None else kept.numel() * kept.element_size()
 
     def _allocate(self, batch: int, device, tokens: int) -> None:
         """Storage for `batch` sequences of the layer's keys and values (`widths`), and the RoPE frequencies of a

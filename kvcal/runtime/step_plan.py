@@ -11,6 +11,11 @@ from kvcal.runtime import kernels, reference
 from kvcal.runtime.store import upload
 from kvcal.spans import AttentionSpan
 
+# why a step that pads a sequence is refused where an indexer picks key blocks (ModelAdapter.picks_key_blocks)
+BLOCKS_UNDER_PADDING = ("MiniMax-M3's block-sparse indexer places its key blocks by cache column and its queries by "
+                        "position, which padding sets apart: a padded sequence's picks are not its own (transformers' own "
+                        "cache gives it other tokens than it alone); give sequences of equal length, or one at a time")
+
 
 class StepPlan:
     """What every layer of one forward step shares, made once (by WiredCache.plan_for at the step's first layer):
@@ -33,7 +38,7 @@ class StepPlan:
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
         self.rows = [b for b in range(batch) if self.counts[b]]
         if cache.adapter.picks_key_blocks and min(self.counts) < m:
-            cache.refuse_padded_step()
+            raise KvcalError(BLOCKS_UNDER_PADDING)  # (before the cache counts the step: it keeps nothing of it)
         self.ones = [1] * len(self.rows)
         if cache.lengths is None:
             cache.lengths, cache.position_offset = [0] * batch, [None] * batch
