@@ -20,7 +20,7 @@ NORMED_KEYS = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "exaone4", "exaone_moe", 
                "qwen3_vl", "qwen3_vl_moe", "persimmon", "fuyu", "lfm3", "flint", "hunyuan_v1_dense", "hunyuan_v1_moe", "laguna", *MINIMAX_M3,
                "lfm2_vl", "lighton_ocr", "exaone4_5", "lfm3_vl", "hunyuan_vl", "qwen3_omni_moe_thinker", "step3p7", "qianfan_ocr",
                "cosmos3_omni", *MINICPM_V, "molmo2", "param2moe", "sarvam_moe", "lara_mini", "llava_onevision1_5", "ovis2_5",
-               "ergo", "apertus1p5_text", "apertus1p5", "qwen4_exp_text", *GEMMA4)
+               "ergo", "apertus1p5_text", "apertus1p5", "qwen4_exp_text", "qwen4_exp", *GEMMA4)
 KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read layers 0's and 1's keys and values
 # OLMo 3, Mellum, Gemma 3, 3n and 4, MiMo-V2-Flash by layer type, Granite MoE SWA by RoPE base; the others (Aya Vision
 # and Command A Vision: Cohere 2's; EXAONE 4.5: EXAONE 4's) for their NoPE layer
@@ -38,7 +38,7 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     model = tiny_model(model_type)
     adapter = adapt(model)
     # Llama 4's and Qwen3.5's composites are named as the causal LM of their decoder (what their checkpoints load as)
-    served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+    served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
                  "mllama": "mllama_text_model", "emu3": "emu3_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
     # GPT-NeoX, OPT, BioGPT, GPT-2, GPT-J, CodeGen and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head

@@ -577,7 +577,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "llava_next": (10, 28, ""), "llava_onevision": (10, 28, ""), "idefics2": (4, 28, ""), "lfm2_vl": (1, 28, ""),
           "cohere2_vision": (1, 28, ""), "lighton_ocr": (1, 28, ""), "exaone4_5": (1, 28, ""), "lfm3_vl": (4, 56, ""),
           "vipllava": (4, 28, ""), "llava_next_video": (10, 28, ""), "video_llava": (4, 28, ""),
-          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
+          **{kind: (4, 56, "VisionAttention") for kind in (*QWEN_VL, *QWEN3_5_VL, "qwen4_exp", "cohere_compass", "minimax_m3_vl", *GLM_VL, "paddleocr_vl",
                                                         "hyperclovax_vision_v2", "ernie4_5_vl_moe", *QWEN_OMNI)},
           "hunyuan_vl": (8, 56, ""), "hy_v4_vl": (6, 56, ""), "mistral_large4": (4, 56, ""),
           **{kind: (4, 56, "") for kind in MUSE}, "step3p7": (4, 112, ""),
@@ -588,7 +588,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "paligemma": (4, 28, "Siglip"),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, ""),
           "llava_onevision1_5": (4, 56, ""), "ovis2_5": (4, 56, "")}
-MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
+MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "qwen4_exp", "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
 # others' where they take it), one frame (PaddleOCR-VL, Kimi K2.5 unflattened; ERNIE 4.5 VL, HunyuanOCR flattened);
@@ -908,14 +908,14 @@ def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_toke
     assert (torch.stack(text_only.logits) - torch.stack(fp.logits)).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("model_type", known(("qwen2_5_vl", "qwen3_5", "cohere_compass", "glm4v", "ernie4_5_vl_moe",
+@pytest.mark.parametrize("model_type", known(("qwen2_5_vl", "qwen3_5", "qwen4_exp", "cohere_compass", "glm4v", "ernie4_5_vl_moe",
                                                "hy_v4_vl")))
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
-    """Qwen2.5-VL's, Qwen3.5's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key) image tokens sit
+    """Qwen2.5-VL's, Qwen3.5's, Qwen4-Exp's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key) image tokens sit
     at (time, height, width) positions; keys stored before RoPE (the kvquant bundle) are rotated by one position each,
     so a prompt with an image is refused before anything is stored, in the cache and in the simulation; the same
     prompt's text then decodes through it as through an empty cache (the indexer keys and positions the model handed
-    the cache in the refused step are not kept: Hy V4 VL's; nor the step in Qwen3.5's recurrent states)."""
+    the cache in the refused step are not kept: Hy V4 VL's, Qwen4-Exp's)."""
     model = tiny_model(model_type)
     bundle = architecture_bundles(model_type)["kvquant"]
     images = image_inputs(model_type, model, prompt())

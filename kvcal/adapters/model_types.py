@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
                          "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon",
-                         "gptj", "codegen", "qwen4_exp_text")
+                         "gptj", "codegen", "qwen4_exp_text", "qwen4_exp")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -106,7 +106,7 @@ IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya
                     "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                     "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
-                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4")
+                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4", "qwen4_exp")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
@@ -193,7 +193,7 @@ CROSS_ATTENDING_TYPES = ("mllama", "mllama_text_model")  # (Mllama's composite i
 # before 5.22 keeps its indexers' positions on the cache object, not on its first indexed layer, as kvcal's cache does)
 SERVED_FROM = {**dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"), (5, 18)),
                "hunyuan_vl": (5, 20), "hunyuan_vl_text": (5, 20), **dict.fromkeys(("falcon", "gptj", "codegen"), (5, 25)),
-               "qwen4_exp_text": (5, 22)}
+               "qwen4_exp_text": (5, 22), "qwen4_exp": (5, 22)}
 
 
 def served_by_installed_transformers(model_type: str) -> bool:

@@ -92,7 +92,7 @@ MINICPM_V = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 CROSS_ATTENDING = ("mllama", "mllama_text_model")
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", *QWEN3_5_VL, *MINICPM_V, "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_vl", "lfm2_moe", "lfm3", "lfm3_vl",
           "granitemoehybrid",
-          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax", "lara_mini", "qwen4_exp_text")
+          "nemotron_h", "nemotron_h_omni", "jamba", "bamba", "minimax", "lara_mini", "qwen4_exp_text", "qwen4_exp")
 
 
 def longrope(switch: int, partial: float = 1.0, head_dim: int = 16, model_type: str = "phi3") -> dict:
@@ -289,6 +289,13 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         text["rope_parameters"] = QWEN3_5_MROPE
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
                                     video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1)
+    if model_type == "qwen4_exp":  # Qwen4-Exp: its decoder (below) beside a vision tower as Qwen3.5's
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+        text = tiny_config("qwen4_exp_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=TINY_VOCAB - 3,
+                                    video_token_id=TINY_VOCAB - 2, vision_start_token_id=TINY_VOCAB - 1,
+                                    vision_end_token_id=TINY_VOCAB - 4)
     if model_type == "hy_v4_vl":  # Hy V4 VL: a Hy V4 decoder (below) whose RoPE is Qwen3-VL's multimodal one, in
         # interleaved (time, height, width) sections of the rotated key's 64 channels, beside HunYuan VL's vision tower
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
@@ -780,7 +787,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
+    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "qwen4_exp", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
                   "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
                   "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "apertus1p5", "paligemma", *MINICPM_V, *QWEN_OMNI,
