@@ -56,7 +56,7 @@ def test_identity_scheme_reproduces_the_fp_model_for_every_architecture():
                                    msg=lambda message: f"{model_type}: {message}")
         assert tally.key_bits + tally.value_bits == 16 * (tally.key_elements + tally.value_elements)
         # (the indexer keys, kept as computed: MiniMax-M3's layer 0's, Qwen4-Exp's two layers')
-        indexed = 1 if model_type in MINIMAX_M3 else 2 if model_type == "qwen4_exp_text" else 0
+        indexed = 1 if model_type in MINIMAX_M3 else 2 if model_type in ("qwen4_exp_text", "qwen4_exp") else 0
         assert tally.index_elements == indexed * 2 * 33 * 16
         assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
 

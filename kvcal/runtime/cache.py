@@ -78,7 +78,6 @@ LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
 LATER_STEPS = ("prefill", "decode")  # how a step of several tokens after a sequence's first reads them (quantized_cache)
 
 
-
 def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
     slot = wiring.slot(module)
     if slot is None and wiring.left_to_the_model(module):  # (SDPA: a wired model builds SDPA's masks)
