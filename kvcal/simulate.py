@@ -395,8 +395,15 @@ class QuantizedOnWrite(DynamicCache):
         """Write a context's rows (a kvcal.runtime.fp_context.FpContext: per layer (batch, tokens, width) keys after RoPE
         and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
         keeps (it drops the others as they are written); layers that keep a recurrent state get a copy of the
-        context's."""
+        context's, sparse layers its indexer keys."""
         context.copy_states_into(self)
+        for index, index_keys in zip(self.codecs, context.index_keys or []):
+            if index_keys is not None:  # (MiniMax-M3's cache layer keeps one head's, through update_index)
+                layer = self.layers[index]
+                if hasattr(layer, "update_index"):
+                    layer.update_index(index_keys[:, None])
+                else:
+                    layer.update_indexer(index_keys)
         for index, keys, values in zip(self.codecs, context.keys, context.values):
             layer, (key_codec, value_codec) = self.layers[index], self.codecs[index]
             # -> (batch, kv_heads, tokens, head_dim)

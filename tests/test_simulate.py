@@ -6,7 +6,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from helpers.tiny_models import (DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, HY_V4, LATENT, MINIMAX_M3, OWN_ATTENTION,
-                                 TINY_ARCHITECTURES, tiny_model)
+                                 TINY_ARCHITECTURES, known, tiny_model)
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -111,7 +111,8 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     """transformers' own MLA over a cache quantizing each token as written (QuantizedOnWrite: its latent with the value
     codec, its rotated key with the key codec, in the model's channel order as the engine stores it), prefilled then
     decoding token by token, gives the simulation's logits at every position; a context loaded into it stores its
-    first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does). Effective
+    first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does; DeepSeek
+    Sparse Attention's indexer keys too). Effective
     bits weigh each tensor by its width: q8_0 keys (8.5 bits, 64 channels) beside q4_0 latents (4.5 bits, 96 channels)
     store 6.1 bits per element."""
     from kvcal.runtime.fp_context import fp_context
@@ -138,6 +139,8 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     first = adapter.model_layers[0]  # (Kimi Linear's after a KDA layer, which nothing quantized reaches)
     assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
     assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
+    ours, theirs = (getattr(cache.layers[first], "indexer_keys", None) for cache in (loaded, prefilled))  # (DSA's)
+    assert (ours is None) == (theirs is None) and (ours is None or torch.equal(ours, theirs))
     # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
     # V4's in one of its two layers; Mistral Large 4's layer 1 has no rotated key)
     index_widths = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
@@ -286,7 +289,8 @@ def test_one_simulation_at_a_time_and_only_over_whole_windows():
 @pytest.mark.parametrize(("model_type", "spec"), [("llama", "q4_0"), ("gemma3_text", "int4_per_token_head"),
                                                   ("glm4", "int4_per_token_head"), ("qwen3_5_text", "q4_0"),
                                                   ("falcon_h1", "q4_0"), ("gemma3n_text", "int4_per_token_head"),
-                                                  ("gemma4_text", "int4_per_token_head"), ("minimax", "q4_0")])
+                                                  ("gemma4_text", "int4_per_token_head"), ("minimax", "q4_0"),
+                                                  *((kind, "q4_0") for kind in known(("minimax_m3_vl_text", "qwen4_exp_text")))])
 def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_type, spec):
     """QuantizedOnWrite (an engine's cache type in generate()) prefilled in steps and decoding token by token gives the
     simulation's logits for every position: each token is stored once, as its codec quantizes it; on the tiny Gemma 3
@@ -296,7 +300,8 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
     Loading an fp context stores the first attention layer (whose K/V come from the embeddings and, on Qwen3.5, a
     DeltaNet layer) as a prefill through the cache does; Qwen3.5's DeltaNet layers (Falcon-H1's Mamba 2 beside its
     attention) start from the context's states, each cache loading it from its own copy (a step of one leaves the
-    other's as they were); MiniMax's lightning attention layers too, in a cache of its decoder's own class."""
+    other's as they were); MiniMax's lightning attention layers too, in a cache of its decoder's own class. MiniMax-M3's
+    and Qwen4-Exp's sparse layers take its indexer keys (Qwen4-Exp's first one also every token's positions)."""
     from kvcal.runtime.fp_context import fp_context
     from kvcal.simulate import quantized_on_write
 
@@ -319,6 +324,9 @@ def test_a_cache_quantized_on_write_decodes_what_the_simulation_evaluates(model_
         first = adapter.model_layers[0]
         assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
         assert torch.equal(loaded.layers[first].values, prefilled.layers[first].values)
+        for name in ("indexer_keys", "idx_keys", "indexer_position_ids"):  # (sparse layers': Qwen4-Exp's, MiniMax-M3's)
+            ours, theirs = (getattr(cache.layers[first], name, None) for cache in (loaded, prefilled))
+            assert (ours is None) == (theirs is None) and (ours is None or torch.equal(ours, theirs))
         for i in [i for i, layer in enumerate(context.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]:
             for kind in ("conv_states", "recurrent_states"):  # (MiniMax's layers keep no convolution state)
                 ours, theirs = getattr(loaded.layers[i], kind), getattr(context.cache.layers[i], kind)
