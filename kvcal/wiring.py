@@ -82,8 +82,10 @@ class Wiring:
     slots: list[Slot] = field(default_factory=list)  # one per adapter layer
     reader_slots: list[Slot] = field(default_factory=list)  # one per reader layer (ModelAdapter.readers)
     hooks: list = field(default_factory=list)
-    positions: torch.Tensor | None = None  # position ids of the running forward
-    # the running forward holds image or video tokens at multimodal RoPE positions (Qwen-VL's three rows differ)
+    # position ids the rotary is handed in the running forward: its tokens' (Qwen4-Exp's: every token's so far, the
+    # step's last)
+    positions: torch.Tensor | None = None
+    # those positions hold image or video tokens' at multimodal RoPE positions (Qwen-VL's three rows differ)
     multimodal: bool = False
 
     def uses(self, owner) -> bool:
@@ -367,10 +369,11 @@ def chosen_columns(kwargs: dict, columns: int, block: int = 1) -> torch.Tensor |
 
 
 def step_mask_and_pick(layer_slot: Slot, attention_mask, kwargs: dict, columns: int):
-    """(the step's mask, the pick of chosen_columns or None) of an attention call of layer_slot's over `columns` key
-    columns: its mask, and the pick handed beside it; or where the layer's indexer puts its pick inside the mask
-    (LayerHandles.pick_in_mask, Qwen4-Exp's), the mask its module was called with (Slot.step_mask), and the columns of
-    the mask handed to the attention, None where those are every column the step's mask shows."""
+    """(the step's mask, the indexer's pick) of an attention call of layer_slot's over `columns` key columns: its mask
+    and the pick handed beside it (chosen_columns); or where the layer's indexer puts its pick inside the mask
+    (LayerHandles.pick_in_mask, Qwen4-Exp's), the mask its module was called with (Slot.step_mask) and, as
+    chosen_columns gives it, (batch, 1, queries, columns) which columns the mask handed to the attention shows, None
+    where that is every one the step's mask shows."""
     handles = layer_slot.wiring.adapter.layers[layer_slot.index]
     if not handles.pick_in_mask:
         return attention_mask, chosen_columns(kwargs, columns, handles.pick_block)

@@ -913,16 +913,17 @@ def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_toke
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
     """Qwen2.5-VL's, Qwen3.5's, Qwen4-Exp's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key) image tokens sit
     at (time, height, width) positions; keys stored before RoPE (the kvquant bundle) are rotated by one position each,
-    so a prompt with an image is refused before anything is stored, in the cache and in the simulation; the same
-    prompt's text then decodes through it as through an empty cache (the indexer keys and positions the model handed
-    the cache in the refused step are not kept: Hy V4 VL's, Qwen4-Exp's)."""
+    so a prompt with an image is refused before anything is stored, in the cache and in the simulation; the prompt's
+    text, twice in a batch, then decodes through it as through an empty cache (nothing of the refused step is kept:
+    Qwen3.5's DeltaNet states did not take it, the positions Qwen4-Exp's model handed the cache are let go); a cache
+    storing keys after RoPE, open beside it, serves the image."""
     model = tiny_model(model_type)
     bundle = architecture_bundles(model_type)["kvquant"]
     images = image_inputs(model_type, model, prompt())
     refusal = (r"given image or video tokens, at multimodal RoPE positions \(time, height and width\); layers \[0, 1\] "
                r"store keys before RoPE, which kvcal rotates by one position each: use a bundle or method storing keys "
                r"after RoPE \(kivi, kvmix, an engine's cache type\) for images")
-    text = images["input_ids"].masked_fill(images["input_ids"] == model.config.image_token_id, 7)
+    text = images["input_ids"].masked_fill(images["input_ids"] == model.config.image_token_id, 7).expand(2, -1)
     with torch.inference_mode():
         with quantized_cache(model, bundle) as cache:
             fresh = model(input_ids=text, **cache_argument(cache), use_cache=True).logits
@@ -931,7 +932,10 @@ def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(arc
                 model(**images, **cache_argument(cache), use_cache=True)
             assert cache.tokens() == [] and cache.used_bytes() == 0
             assert torch.equal(model(input_ids=text, **cache_argument(cache), use_cache=True).logits, fresh)
-            assert cache.tokens() == [12]
+            assert cache.tokens() == [12, 12]
+            with quantized_cache(model, fp16_kivi_bundle(model)) as beside:
+                model(**images, **cache_argument(beside), use_cache=True)
+                assert beside.tokens() == [12]
         with simulated(model, adapt(model), artifact_method(str(bundle)), StorageTally()):
             with pytest.raises(KvcalError, match=refusal.replace(r"\[0, 1\]", r"\[0\]")):
                 model(**images, use_cache=False)
@@ -1167,7 +1171,8 @@ def test_tokens_picked_inside_the_mask_decode_on_the_default_path_while_the_pick
 
 def test_block_sparse_attention_refuses_padded_sequences():
     """MiniMax-M3's indexer places key blocks by cache column and queries by position: left-padded prompts (whose
-    picks transformers' own cache computes apart from each prompt's own) are refused before anything is stored."""
+    picks transformers' own cache computes apart from each prompt's own) are refused before anything is stored; one
+    prompt at a time, as the refusal says, then decodes through the same cache."""
     model = tiny_model("minimax_m3_vl_text")
     ids, mask = left_padded((24, 17), seed=3)
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
@@ -1175,6 +1180,8 @@ def test_block_sparse_attention_refuses_padded_sequences():
                                              r"by position, which padding sets apart: .* give sequences of equal length"):
             model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), max_new_tokens=2, pad_token_id=0)
         assert cache.tokens() == [] and cache.used_bytes() == 0
+        model.generate(input_ids=ids[:1], **cache_argument(cache), max_new_tokens=2, pad_token_id=0)  # (one at a time)
+        assert cache.tokens() == [25]
 
 
 # LongRoPE (Phi-3.5; Phi-4-mini: over 0.75 of each head, cos/sin scaled): a forward past its switch rotates every

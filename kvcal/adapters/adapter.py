@@ -15,8 +15,8 @@ from transformers import GenerationMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvcal.adapters.fingerprint import decoder_kind, first_position
-from kvcal.adapters.handles import (LayerHandles, latent_handles, latent_rope, layer_handles, pick_in_mask,
-                                   pick_key_blocks)
+from kvcal.adapters.handles import (LayerHandles, latent_handles, latent_rope, layer_handles,
+                                   pick_key_blocks, pick_tokens_in_mask)
 from kvcal.adapters.model_types import (ATTENTION_AND_STATE_TYPES, ATTENTION_LAYER_TYPES, ATTENTION_NAMES,
                                         ATTENTION_SUBLAYERS, CROSS_ATTENTION, ENCODERS_INSIDE, FLAT_NORMS_BEFORE_ROPE,
                                         HALVES_SWAPPED_ROPE, HEADS_FIRST_NORMS, IMAGE_BLOCKS, IMAGES_AS_TOKENS,
@@ -290,8 +290,12 @@ def adapt(model: nn.Module) -> ModelAdapter:
                              "before" if text_type in (*SHARED_NORM_BEFORE_ROPE, *FLAT_NORMS_BEFORE_ROPE) else None)
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m, (_, at) in zip(handles, attending, located):
-        if decoder_types[m] == INDEXED_ATTENTION and not latent:
-            pick_in_mask(handle, at) if text_type in PICK_IN_MASK else pick_key_blocks(handle, query_heads[m], at)
+        if decoder_types[m] != INDEXED_ATTENTION or latent:  # (MLA's pick: latent_handles)
+            continue
+        if text_type in PICK_IN_MASK:
+            pick_tokens_in_mask(handle, at)
+        else:
+            pick_key_blocks(handle, query_heads[m], at)
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):  # MPT's, Falcon's
         raise KvcalError(f"{where}: its positions are ALiBi biases on the scores, which kvcal's attention does not "
                          "add; kvcal serves RoPE models and ones with learned or no positions")

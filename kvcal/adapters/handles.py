@@ -318,7 +318,7 @@ def pick_key_blocks(handles: LayerHandles, query_heads: int, where: str) -> None
     handles.sparse, handles.indexer, handles.index_width, handles.pick_block = True, indexer, head_dim, block
 
 
-def pick_in_mask(handles: LayerHandles, where: str) -> None:
+def pick_tokens_in_mask(handles: LayerHandles, where: str) -> None:
     """Make a GQA layer's handles sparse, as Qwen4-Exp's QSA layers: its attention's indexer (index_head_dim: the
     channels of its one key head; token_budget, compress_ratio) picks the tokens each query attends and hands them to
     the attention inside its mask."""

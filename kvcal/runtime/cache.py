@@ -62,7 +62,7 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcal import wiring
-from kvcal.adapters import ModelAdapter, adapt
+from kvcal.adapters import ModelAdapter, adapt, decoder_of
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.model_caches import CACHE_ARGUMENT, taking
@@ -143,16 +143,33 @@ class WiredCache(Cache):
         self._wiring = wiring.wire(model, adapter, ATTENTION_NAME, owner=self)
         self._regenerate_hook = (model.register_forward_pre_hook(self._take_back_when_dropped, with_kwargs=True)
                                  if adapter.long_rope is not None else None)
-        # (after the wiring's hook on the same rotary, which tells a step at multimodal positions)
-        self._positions_hook = (adapter.rotary.register_forward_pre_hook(self._refuse_multimodal_step)
-                                if adapter.rotary is not None and any(layer.pre_rope for layer in layers) else None)
+        # a step at multimodal positions is refused at the rotary, before any layer runs, where the decoder was handed
+        # this cache (its hook after the wiring's on the same rotary, which tells such a step); update() refuses it too
+        self._serving_decoder = False
+        self._refusal_hooks = []
+        if adapter.rotary is not None and any(layer.pre_rope for layer in layers):
+            decoder = decoder_of(model)
+            self._refusal_hooks = [decoder.register_forward_pre_hook(self._note_decoder_call, with_kwargs=True),
+                                   decoder.register_forward_hook(self._note_decoder_return, always_call=True),
+                                   adapter.rotary.register_forward_pre_hook(self._refuse_at_the_rotary)]
 
-    def _refuse_multimodal_step(self, module, args):
+    def _note_decoder_call(self, module, args, kwargs):
+        self._serving_decoder = any(kwargs.get(name) is self for name in ("cache", "past_key_values"))
+
+    def _note_decoder_return(self, module, args, output):
+        self._serving_decoder = False
+
+    def _refuse_at_the_rotary(self, module, args):
+        if self._serving_decoder:
+            self._refuse_multimodal_step()
+
+    def _refuse_multimodal_step(self) -> None:
         """Refuse a step at multimodal RoPE positions (an image's, Qwen-VL's) where layers store keys before RoPE
-        (wiring.multimodal_refusal), at the rotary, before any layer runs: a hybrid model's recurrent layers before
-        the first attention layer would otherwise have taken the refused step into their states."""
-        if self._wiring.multimodal and self._wiring.switched.config._attn_implementation == ATTENTION_NAME:
-            raise KvcalError(wiring.multimodal_refusal([i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]))
+        (wiring.multimodal_refusal): at the rotary where it can (a hybrid model's recurrent layers before the first
+        attention layer would otherwise take the refused step into their states), else at the first attention layer."""
+        pre_rope = [i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]
+        if self._wiring.multimodal and pre_rope:
+            raise KvcalError(wiring.multimodal_refusal(pre_rope))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Called by the model's attention before its attention implementation: hand this cache's layer to it,
@@ -168,6 +185,7 @@ class WiredCache(Cache):
         if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
+            self._refuse_multimodal_step()
         self._wiring.serve(index, self.attention_layers[index])
         if self.adapter.latent:  # MLA's: its latent and rotated key (LatentAttention), which its attention reads
             self.attention_layers[index].latent_step = (key_states, value_states)
@@ -358,7 +376,7 @@ class WiredCache(Cache):
         if not self.closed:
             self.closed = True
             wiring.unwire(self._wiring, self)
-            for hook in (self._regenerate_hook, self._positions_hook):
+            for hook in [self._regenerate_hook, *self._refusal_hooks]:
                 if hook is not None:
                     hook.remove()
 

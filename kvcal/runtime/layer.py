@@ -130,9 +130,10 @@ class RuntimeLayer(CacheLayerMixin):
     def indexer_position_ids(self) -> torch.Tensor | None:
         """The position ids (rows, batch, padded_length) of the stored tokens, which Qwen4-Exp's model keeps on its
         first indexed layer's cache layer (transformers' DynamicIndexedLayer's) and reads at a step's start; None: none
-        kept. Those of a step refused after the model handed them over (stored nothing) are not kept."""
+        kept. Those of a step refused after the model handed them over are not kept (a cache that stored nothing keeps
+        none: the next step may bring another batch)."""
         kept = self._indexer_positions
-        return kept[..., : self.padded_length] if kept is not None else None
+        return kept[..., : self.padded_length] if kept is not None and self.padded_length else None
 
     @indexer_position_ids.setter
     def indexer_position_ids(self, positions: torch.Tensor | None) -> None:
@@ -141,7 +142,8 @@ class RuntimeLayer(CacheLayerMixin):
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Append a step's indexer keys (batch, tokens, channels) to the stored tokens' -> every token's so far
         (transformers' update_indexer; those of a step refused after the model handed them over are not kept)."""
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys[:, : self.padded_length], keys], 1)
+        stored = self.index_keys[:, : self.padded_length] if self.index_keys is not None and self.padded_length else None
+        self.index_keys = keys if stored is None else torch.cat([stored, keys], 1)
         return self.index_keys
 
     def update_index(self, indexer_keys: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class StepPlan:
         self.counts = [m] * batch if self.all_valid else [sum(row) for row in self._flags]
         self.rows = [b for b in range(batch) if self.counts[b]]
         if cache.adapter.picks_key_blocks and min(self.counts) < m:
-            raise KvcalError(BLOCKS_UNDER_PADDING)  # (before the cache counts the step: it keeps nothing of it)
+            raise KvcalError(BLOCKS_UNDER_PADDING)  # (before the cache counts the step: the layers keep none of it)
         self.ones = [1] * len(self.rows)
         if cache.lengths is None:
             cache.lengths, cache.position_offset = [0] * batch, [None] * batch
