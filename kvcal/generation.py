@@ -186,8 +186,8 @@ def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, 
                     ids = torch.cat([context_ids, question])[None].to(device)
                     for name in correct:
                         if name == "fp":
-                            answer = _answer(model, ids, context.cache, ANSWER_TOKENS, pad)
-                            context.cache.crop(len(context_ids) - context.cache.get_seq_length())  # back to the context
+                            with context.continued() as cache:
+                                answer = _answer(model, ids, cache, ANSWER_TOKENS, pad)
                         else:
                             with empty_cache(model, methods[name]) as cache:
                                 cache.load(context)

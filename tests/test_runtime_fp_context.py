@@ -145,3 +145,21 @@ def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():
         fp_context(model, ids, chunk=8)
     assert not any(module._forward_hooks for module in model.modules())
     assert len(fp_context(model, ids, chunk=17).values[0][0]) == 24
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_5_text"])
+def test_the_fp_model_goes_on_from_its_context_and_back_to_it(model_type):
+    """FpContext.continued (passkey's fp answers): the fp model's greedy tokens after a context are those it gives the
+    whole prompt, twice in a row: after each block its cache holds the context again (Gemma 3's sliding layers taken
+    back; Qwen3.5's DeltaNet states, which transformers' layers take back only while recording, put back as they
+    were)."""
+    model = tiny_model(model_type)
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        own = model.generate(input_ids=ids, **settings)
+        context = fp_context(model, ids[:, :-1])
+        for _ in range(2):
+            with context.continued() as cache:
+                assert torch.equal(model.generate(input_ids=ids, **cache_argument(cache), **settings), own)
+            assert context.cache.get_seq_length() == 39

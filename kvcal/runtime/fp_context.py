@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,27 @@ class FpContext:
         for layer, theirs in zip(cache.layers, self.cache.layers if self.cache is not None else []):
             if getattr(theirs, "indexer_position_ids", None) is not None:
                 layer.indexer_position_ids = theirs.indexer_position_ids.clone()
+
+    @contextmanager
+    def continued(self):
+        """Within the block, the context's own cache (`cache`, the fp model's) to go on from; after it, the context
+        again: the tokens past the context's taken back from every layer, and the recurrent states (which transformers'
+        layers take back only while recording the past) put back from a copy of them. Memory: that copy."""
+        if self.cache is None:
+            raise KvcalError("this context holds rows only (no cache) for the fp model to go on from; use a context made "
+                             "by fp_context")
+        tokens = self.cache.get_seq_length()
+        kept = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
+                if isinstance(layer, LinearAttentionCacheLayerMixin)}
+        try:
+            yield self.cache
+        finally:
+            taken_back = tokens - self.cache.get_seq_length()  # (< 0: as many tokens, as Cache.crop takes them)
+            for i, layer in enumerate(self.cache.layers):
+                if i in kept:
+                    self.cache.layers[i] = kept[i]
+                else:
+                    layer.crop(taken_back)
 
 
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
