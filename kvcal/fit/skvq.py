@@ -270,8 +270,9 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
     narrowest = min(width for width in widths["k"] + widths["v"] if width)  # (an MLA key may have no channel)
     if settings.group_size > narrowest:
-        raise KvcalError(f"--group-size {settings.group_size} is larger than the KV width {narrowest} of this model's "
-                         f"layers; use at most {narrowest}")
+        raise KvcalError(f"SKVQ's groups of {settings.group_size} channels (--group-size) are wider than the KV width "
+                         f"{narrowest} of this model's layers; fit them with kvcal fit-skvq --group-size {narrowest} or "
+                         "less")
     if settings.clip != "none" and latent_attention(fingerprint):
         raise KvcalError("the clip search fits attention outputs over the profile's windows, which an MLA model's profile "
                          "does not keep (their queries would need absorbing into the latent); pass --clip none")
