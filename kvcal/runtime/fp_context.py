@@ -49,7 +49,8 @@ class FpContext:
     def continued(self):
         """Within the block, the context's own cache (`cache`, the fp model's) to go on from; after it, the context
         again: the tokens past the context's taken back from every layer, and the recurrent states (which transformers'
-        layers take back only while recording the past) put back from a copy of them. Memory: that copy."""
+        layers take back only while recording the past) put back from a copy of them. Memory: that copy (of Falcon-H1's
+        layers, which keep a state beside their keys and values, the whole layer)."""
         if self.cache is None:
             raise KvcalError("this context holds rows only (no cache) for the fp model to go on from; use a context made "
                              "by fp_context")
