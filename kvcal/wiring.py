@@ -19,6 +19,7 @@ a registry keyed by the attention modules (weakly), not in attributes of the mod
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -303,15 +304,15 @@ def _install_hooks(wiring: Wiring) -> None:
         def keep_latents(module, args, output, layer_slot=layer_slot, handles=handles):
             layer_slot.latents = handles.source_rows("v", output.detach())
 
-        def keep_step_mask(module, args, kwargs, layer_slot=layer_slot):
-            layer_slot.step_mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[2]
-
         wiring.hooks += [handles.attention.register_forward_pre_hook(enter),
                          handles.attention.register_forward_hook(leave, always_call=True),
                          handles.key_source.register_forward_hook(keep_keys)]
         if handles.latent is not None:  # (the attention is handed the values made from it, not the latent)
             wiring.hooks.append(handles.value_source.register_forward_hook(keep_latents))
         if handles.pick_in_mask:
+            def keep_step_mask(module, args, kwargs, layer_slot=layer_slot, at=_mask_argument(handles.attention)):
+                layer_slot.step_mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[at]
+
             wiring.hooks.append(handles.attention.register_forward_pre_hook(keep_step_mask, with_kwargs=True))
     for reader, layer_slot in zip(wiring.adapter.readers, wiring.reader_slots):
         def enter_reader(module, args, layer_slot=layer_slot):  # (keeps what the layer it reads was served)
@@ -323,6 +324,12 @@ def _install_hooks(wiring: Wiring) -> None:
 
         wiring.hooks += [reader.attention.register_forward_pre_hook(enter_reader),
                          reader.attention.register_forward_hook(leave_reader, always_call=True)]
+
+
+def _mask_argument(attention: torch.nn.Module) -> int:
+    """Where `attention_mask` sits among the positional arguments of the attention module's forward (which
+    kvcal.adapters found it takes, LayerHandles.pick_in_mask)."""
+    return list(inspect.signature(attention.forward).parameters).index("attention_mask")
 
 
 def _remove_hooks(wiring: Wiring) -> None:

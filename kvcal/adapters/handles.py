@@ -5,6 +5,7 @@ the model has one before RoPE, else the projection's."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -327,4 +328,6 @@ def pick_tokens_in_mask(handles: LayerHandles, where: str) -> None:
     if not all(isinstance(number, int) and number > 0 for number in (width, budget, ratio)):
         raise KvcalError(f"{where}: an indexed layer whose attention has no token indexer (index_head_dim, token_budget, "
                          "compress_ratio), which kvcal serves (Qwen4-Exp's)")
+    if "attention_mask" not in inspect.signature(handles.attention.forward).parameters:  # (the step's, kvcal.wiring)
+        raise KvcalError(f"{where}: its attention takes no attention_mask, beside which kvcal reads its indexer's pick")
     handles.sparse, handles.indexer, handles.index_width, handles.pick_in_mask = True, indexer, width, True
