@@ -150,8 +150,9 @@ def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_5_text", "falcon_h1"])
 def test_the_fp_model_goes_on_from_its_context_and_back_to_it(model_type):
     """FpContext.continued (passkey's fp answers): the fp model's greedy tokens after a context are those it gives the
-    whole prompt, twice in a row: after each block its cache holds the context again (Gemma 3's sliding layers taken
-    back; Qwen3.5's DeltaNet states, which transformers' layers take back only while recording, put back as they
+    whole prompt, twice in a row: after each block its cache holds the context again (Gemma 3's sliding layers, which
+    fp_context left recording their past, put back as they were: transformers 5.17 decodes from none that records;
+    Qwen3.5's DeltaNet states, which transformers' layers take back only while recording, put back as they
     were; Falcon-H1's Mamba 2 states, beside its attention layers' keys and values)."""
     model = tiny_model(model_type)
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))

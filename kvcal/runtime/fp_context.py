@@ -48,15 +48,19 @@ class FpContext:
     @contextmanager
     def continued(self):
         """Within the block, the context's own cache (`cache`, the fp model's) to go on from; after it, the context
-        again: the tokens past the context's taken back from every layer, and the recurrent states (which transformers'
-        layers take back only while recording the past) put back from a copy of them. Memory: that copy (of Falcon-H1's
-        layers, which keep a state beside their keys and values, the whole layer)."""
+        again: the tokens past the context's taken back from its full-attention layers; its recurrent states (which
+        transformers' layers take back only while recording the past) and its sliding-window layers (whose recording,
+        which fp_context turned on, transformers before 5.18 does not decode with) put back from a copy made before.
+        Memory: that copy, of the states and the windows (of Falcon-H1's layers, which keep a state beside their keys
+        and values, the whole layer)."""
         if self.cache is None:
             raise KvcalError("this context holds rows only (no cache) for the fp model to go on from; use a context made "
                              "by fp_context")
         tokens = self.cache.get_seq_length()
         kept = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
-                if isinstance(layer, LinearAttentionCacheLayerMixin)}
+                if isinstance(layer, LinearAttentionCacheLayerMixin) or layer.is_sliding}
+        for i in kept:  # (activate_past_recording's flag: the copy keeps it)
+            self.cache.layers[i].record_past = False
         try:
             yield self.cache
         finally:
