@@ -911,12 +911,12 @@ def test_a_model_reading_video_or_audio_tokens_as_text_generates_its_own_fp_toke
 @pytest.mark.parametrize("model_type", known(("qwen2_5_vl", "qwen3_5", "qwen4_exp", "cohere_compass", "glm4v", "ernie4_5_vl_moe",
                                                "hy_v4_vl")))
 def test_keys_stored_before_rope_refuse_image_tokens_at_multimodal_positions(architecture_bundles, model_type):
-    """Qwen2.5-VL's, Qwen3.5's, Qwen4-Exp's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key) image tokens sit
-    at (time, height, width) positions; keys stored before RoPE (the kvquant bundle) are rotated by one position each,
-    so a prompt with an image is refused before anything is stored, in the cache and in the simulation; the prompt's
-    text, twice in a batch, then decodes through it as through an empty cache (nothing of the refused step is kept:
-    Qwen3.5's DeltaNet states did not take it, the positions Qwen4-Exp's model handed the cache are let go); a cache
-    storing keys after RoPE, open beside it, serves the image."""
+    """Qwen2.5-VL's, Qwen3.5's, Qwen4-Exp's, North's, GLM-4.1V's, ERNIE 4.5 VL's and Hy V4 VL's (MLA's rotated key)
+    image tokens sit at (time, height, width) positions; keys stored before RoPE (the kvquant bundle) are rotated by one
+    position each, so a prompt with an image is refused before anything is stored, in the cache and in the simulation;
+    the prompt's text, twice in a batch, then decodes through it as through an empty cache (nothing of the refused step
+    is kept: Qwen3.5's DeltaNet states did not take it, the positions Qwen4-Exp's model handed the cache are let go); a
+    cache storing keys after RoPE, open beside it, serves the image."""
     model = tiny_model(model_type)
     bundle = architecture_bundles(model_type)["kvquant"]
     images = image_inputs(model_type, model, prompt())
@@ -1139,7 +1139,7 @@ def test_tokens_picked_inside_the_mask_generate_their_own_fp_tokens(lengths, dec
     settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.inference_mode():
         fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
-        fp_cache = getattr(fp, "cache", None) or fp.past_key_values  # (its name from transformers 5.25)
+        fp_cache = fp["cache"] if "cache" in fp else fp["past_key_values"]  # (its name from transformers 5.25)
         with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
             ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
             assert [tuple(layer.index_keys.shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
