@@ -147,20 +147,27 @@ def test_an_fp_context_prefilled_in_steps_across_longropes_switch_is_refused():
     assert len(fp_context(model, ids, chunk=17).values[0][0]) == 24
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_5_text", "falcon_h1"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_5_text", "falcon_h1", "nemotron_h", "gemma3n_text",
+                                        *known(("qwen4_exp_text",))])
 def test_the_fp_model_goes_on_from_its_context_and_back_to_it(model_type):
     """FpContext.continued (passkey's fp answers): the fp model's greedy tokens after a context are those it gives the
-    whole prompt, twice in a row: after each block its cache holds the context again (Gemma 3's sliding layers, which
-    fp_context left recording their past, put back as they were: transformers 5.17 decodes from none that records;
-    Qwen3.5's DeltaNet states, which transformers' layers take back only while recording, put back as they
-    were; Falcon-H1's Mamba 2 states, beside its attention layers' keys and values)."""
+    whole prompt, for two prompts in a row that end differently: after each block every layer of its cache holds the
+    context again (Gemma 3's sliding layers, which fp_context left recording their past, put back as they were:
+    transformers 5.17 decodes from none that records; Qwen3.5's DeltaNet states, which transformers' layers take back
+    only while recording, put back as they were, its full layers taken back by their own length, which a recurrent
+    first layer does not tell; Falcon-H1's Mamba 2 states, beside its attention layers' keys and values; Qwen4-Exp's
+    indexer keys and positions; Nemotron-H's and Gemma 3n's caches with placeholder layers)."""
     model = tiny_model(model_type)
-    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(2))
+    ids[1, :-1] = ids[0, :-1]  # (one context, two last tokens)
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        own = model.generate(input_ids=ids, **settings)
-        context = fp_context(model, ids[:, :-1])
-        for _ in range(2):
+        context = fp_context(model, ids[:1, :-1])
+        lengths = lambda: [int(layer.get_seq_length()) for layer in context.cache.layers  # noqa: E731
+                           if hasattr(layer, "get_seq_length")]  # (placeholder layers hold nothing)
+        held = lengths()
+        for prompt in (ids[:1], ids[1:]):
+            own = model.generate(input_ids=prompt, **settings)
             with context.continued() as cache:
-                assert torch.equal(model.generate(input_ids=ids, **cache_argument(cache), **settings), own)
-            assert context.cache.get_seq_length() == 39
+                assert torch.equal(model.generate(input_ids=prompt, **cache_argument(cache), **settings), own)
+            assert lengths() == held

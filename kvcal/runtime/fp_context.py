@@ -56,20 +56,22 @@ class FpContext:
         if self.cache is None:
             raise KvcalError("this context holds rows only (no cache) for the fp model to go on from; use a context made "
                              "by fp_context")
-        tokens = self.cache.get_seq_length()
+        # (KV sharing's and MLP layers' placeholders hold nothing: no length, no is_sliding; a recurrent layer's length is
+        # a tensor it grows in place: each full layer's own, as a number)
         kept = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
-                if isinstance(layer, LinearAttentionCacheLayerMixin) or layer.is_sliding}
+                if isinstance(layer, LinearAttentionCacheLayerMixin) or getattr(layer, "is_sliding", False)}
+        lengths = {i: int(layer.get_seq_length()) for i, layer in enumerate(self.cache.layers)
+                   if i not in kept and hasattr(layer, "get_seq_length")}
         for i in kept:  # (activate_past_recording's flag: the copy keeps it)
             self.cache.layers[i].record_past = False
         try:
             yield self.cache
         finally:
-            taken_back = tokens - self.cache.get_seq_length()  # (< 0: as many tokens, as Cache.crop takes them)
             for i, layer in enumerate(self.cache.layers):
                 if i in kept:
                     self.cache.layers[i] = kept[i]
-                else:
-                    layer.crop(taken_back)
+                elif i in lengths:  # (< 0: as many tokens, as Cache.crop takes them)
+                    layer.crop(lengths[i] - int(layer.get_seq_length()))
 
 
 def fp_context(model, ids: torch.Tensor, chunk: int | None = None) -> FpContext:
