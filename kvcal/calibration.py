@@ -113,7 +113,13 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
                              capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
     request.validate()
     profile_path, _, _ = profile(request, beside["profile"], progress, "1/3 profile")
-    return fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
+    try:
+        return fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
+    except KvcalError as exc:  # (a fit's refusal names its command's options, which calibrate does not take)
+        if spec.artifact_kind is None:
+            raise
+        raise KvcalError(f"{exc} (the profile is kept: {profile_path}; fit it with kvcal fit-{spec.artifact_kind} and "
+                         "that option, then kvcal export bundle)") from None
 
 
 def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,

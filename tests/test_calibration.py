@@ -51,6 +51,18 @@ def test_settings_are_refused_before_any_model_is_loaded(tmp_path, recipe, bits,
     assert not any(tmp_path.iterdir())
 
 
+def test_a_fit_refused_after_profiling_keeps_the_profile_and_names_the_command_to_go_on(tiny_model_dir, tiny_corpus,
+                                                                                      tmp_path):
+    """calibrate's skvq recipe groups 64 channels, wider than the tiny Llama's KV width (32), which only its profile
+    tells: the refusal keeps the profile and names the command that takes another group; no bundle is written."""
+    out = tmp_path / "bundle.safetensors"
+    with pytest.raises(KvcalError, match=r"wider than the KV width 32 .* \(the profile is kept: .*profile\.safetensors; "
+                                         r"fit it with kvcal fit-skvq and that option, then kvcal export bundle\)"):
+        kvcal.calibrate(str(tiny_model_dir("llama")), dataset=str(tiny_corpus), recipe="skvq", nsamples=2, seqlen=48,
+                        out=out)
+    assert not out.exists() and (tmp_path / "profile.safetensors").exists()
+
+
 def test_a_recipe_needs_its_artifact_of_the_right_kind(tiny_profile, fitted):
     _, profile = tiny_profile
     with pytest.raises(KvcalError, match=r"recipe kvquant needs --nuq \(from kvcal fit-nuq\)"):

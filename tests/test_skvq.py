@@ -136,8 +136,7 @@ def test_the_clipping_search_attends_as_the_model_with_its_sinks_or_soft_cap(mod
 
 
 @pytest.mark.parametrize("settings, message", [
-    # (calibrate's skvq recipe groups 64 channels: the line names the command that takes another width)
-    (SkvqSettings(group_size=64), "groups of 64 channels .* wider than the KV width 32 .* fit-skvq --group-size 32 or less"),
+    (SkvqSettings(group_size=64), "groups of 64 channels .* wider than the KV width 32 .* --group-size 32 or less"),
     (SkvqSettings(group_size=16, window=-1), "--window must be 0 or more"),
     (SkvqSettings(vbits=2.5), "1.5 \\(ternary\\)"),
     (SkvqSettings(group_size=16, seed=-1), r"--seed must be in 0 to 2\^32 - 1"),

@@ -271,8 +271,7 @@ def fit_skvq(profile_path: str, settings: SkvqSettings, on_layer: Callable[[int]
     narrowest = min(width for width in widths["k"] + widths["v"] if width)  # (an MLA key may have no channel)
     if settings.group_size > narrowest:
         raise KvcalError(f"SKVQ's groups of {settings.group_size} channels (--group-size) are wider than the KV width "
-                         f"{narrowest} of this model's layers; fit them with kvcal fit-skvq --group-size {narrowest} or "
-                         "less")
+                         f"{narrowest} of this model's layers; give --group-size {narrowest} or less")
     if settings.clip != "none" and latent_attention(fingerprint):
         raise KvcalError("the clip search fits attention outputs over the profile's windows, which an MLA model's profile "
                          "does not keep (their queries would need absorbing into the latent); pass --clip none")
