@@ -167,8 +167,10 @@ class WiredCache(Cache):
         """Refuse a step at multimodal RoPE positions (an image's, Qwen-VL's) where layers store keys before RoPE
         (wiring.multimodal_refusal): at the rotary where it can (a hybrid model's recurrent layers before the first
         attention layer would otherwise take the refused step into their states), else at the first attention layer."""
+        if not self._wiring.multimodal:  # (every step asks: the list below only for one at multimodal positions)
+            return
         pre_rope = [i for i, layer in enumerate(self.attention_layers) if layer.pre_rope]
-        if self._wiring.multimodal and pre_rope:
+        if pre_rope:
             raise KvcalError(wiring.multimodal_refusal(pre_rope))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

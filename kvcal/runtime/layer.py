@@ -121,10 +121,14 @@ class RuntimeLayer(CacheLayerMixin):
         stepped = self.keys_store.take_back(tokens)
         self.values_store.take_back(tokens)
         self.padded_length -= tokens
-        if self.index_keys is not None:
-            self.index_keys = self.index_keys[:, : self.padded_length]
-        self._indexer_positions = self.indexer_position_ids
+        self.index_keys, self._indexer_positions = self._stored_part(self.index_keys, 1), self.indexer_position_ids
         return stepped
+
+    def _stored_part(self, per_column: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        """The stored tokens' columns (the first padded_length along `dim`) of what a model hands the layer a column at
+        a time: the indexer keys, their positions; None where it stored none. A step refused after the model handed
+        over its own leaves them past padded_length, let go so."""
+        return per_column.narrow(dim, 0, self.padded_length) if per_column is not None and self.padded_length else None
 
     @property
     def indexer_position_ids(self) -> torch.Tensor | None:
@@ -132,8 +136,7 @@ class RuntimeLayer(CacheLayerMixin):
         first indexed layer's cache layer (transformers' DynamicIndexedLayer's) and reads at a step's start; None: none
         kept. Those of a step refused after the model handed them over are not kept (a cache that stored nothing keeps
         none: the next step may bring another batch)."""
-        kept = self._indexer_positions
-        return kept[..., : self.padded_length] if kept is not None and self.padded_length else None
+        return self._stored_part(self._indexer_positions, -1)
 
     @indexer_position_ids.setter
     def indexer_position_ids(self, positions: torch.Tensor | None) -> None:
@@ -142,7 +145,7 @@ class RuntimeLayer(CacheLayerMixin):
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Append a step's indexer keys (batch, tokens, channels) to the stored tokens' -> every token's so far
         (transformers' update_indexer; those of a step refused after the model handed them over are not kept)."""
-        stored = self.index_keys[:, : self.padded_length] if self.index_keys is not None and self.padded_length else None
+        stored = self._stored_part(self.index_keys, 1)
         self.index_keys = keys if stored is None else torch.cat([stored, keys], 1)
         return self.index_keys
 
@@ -153,7 +156,7 @@ class RuntimeLayer(CacheLayerMixin):
         return self.cache.update_indexer(indexer_keys[:, 0], self.cache.adapter.model_layers[self.index])[:, None]
 
     def index_bytes(self) -> int:
-        kept = self.index_keys[:, : self.padded_length] if self.index_keys is not None else None
+        kept = self._stored_part(self.index_keys, 1)
         return 0 if kept is None else kept.numel() * kept.element_size()
 
     def _allocate(self, batch: int, device, tokens: int) -> None:
