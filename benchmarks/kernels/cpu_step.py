@@ -13,7 +13,7 @@ DynamicCache first and last in each round, and a cache's time is the median of a
 of a shared machine shows in the spread of DynamicCache's runs, printed beside it, and moves the medians less than
 it moved single runs' means.
 
-Memory: peak resident set size of the process (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) while the cache is
+Memory: peak resident set size of the process (VmHWM in /proc/self/status) while the cache is
 made, loaded and decoded, minus the RSS just before it was made: before each cache the freed heap goes back to the
 system (glibc malloc_trim) and the high-water mark is reset to the current RSS through /proc/self/clear_refs.
 Memory glibc keeps for reuse during the run counts, as it does for the process. (Fixing glibc's mmap threshold
@@ -43,7 +43,6 @@ import ctypes
 import gc
 import importlib.util
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -110,9 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # measuring
 
 
-def rss_kib() -> int:
+def status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in KiB; 0 where there is none."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
@@ -157,7 +157,7 @@ def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cach
     from kvcal.model_caches import cache_argument
 
     reset_peak()
-    before = rss_kib()
+    before = status_kib("VmRSS")
     began = time.perf_counter()
     with torch.inference_mode(), make_cache() as cache:
         loaded = time.perf_counter() - began
@@ -166,7 +166,7 @@ def run_cache(model, tokenizer, prompt: torch.Tensor, new_tokens: int, make_cach
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stamps]))
         stored = cache_bytes(cache)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     steps = [1000 * (b - a) for a, b in zip(stamps.times, stamps.times[1:])]
     return {"steps_ms": steps, "load_s": loaded, "peak_rss_mib": (peak - before) / 1024,
             "cache_mib": None if stored is None else stored / MIB, "tokens": out[:, prompt.shape[1]:]}
@@ -318,7 +318,7 @@ def main(argv=None) -> None:
                 "rounds": args.rounds,
                 "quantized_cache": {"nbits": args.quantized_nbits, "residual_length": args.quantized_residual, "q_group_size": 64},
                 "threads": torch.get_num_threads(), "model": source.spec, "dtype": str(model.dtype),
-                "memory": "peak RSS (resource.getrusage ru_maxrss) during cache load + decode above the RSS before it; "
+                "memory": "peak RSS (VmHWM) during cache load + decode above the RSS before it; "
                           "freed heap trimmed (malloc_trim) and high-water mark reset via /proc/self/clear_refs before each cache",
                 "seconds": round(time.perf_counter() - began, 1)}
     write_result(args.out, {"settings": settings, "results": rows}, started)
@@ -331,8 +331,8 @@ def table(rows: list[dict], args, baselines: list[str], missing: dict[str, str],
              f"{args.new_tokens - 1} decode steps timed per run after a shared fp prefill (see benchmarks/kernels/cpu_step.py), "
              f"{args.rounds} rounds of every cache in turn (DynamicCache first and last in each); ms/token: the median of "
              "every timed step of a cache's runs (DynamicCache: the median of each run in brackets); x Dyn: over "
-             "DynamicCache's; peak MiB: peak RSS during cache load + decode above the RSS before it (resource.getrusage "
-             "ru_maxrss, high-water mark reset per cache); cache MiB: the cache's own storage; same tokens: greedy tokens "
+             "DynamicCache's; peak MiB: peak RSS during cache load + decode above the RSS before it (VmHWM, "
+             "high-water mark reset per cache); cache MiB: the cache's own storage; same tokens: greedy tokens "
              "of the first run equal to DynamicCache's.", ""]
     if missing:
         lines += [f"Left out: QuantizedCache {b}: {why}." for b, why in missing.items()] + [""]
