@@ -364,6 +364,24 @@ def test_a_hybrid_model_exports_the_scales_of_its_attention_layers_under_their_o
     assert ppl_rows(result, tmp_path / "ppl.json")["fp8 calibrated tensor"]["effective_bits"] == 8
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_moe_model_exports_its_experts_under_the_checkpoints_own_names(model_type, tiny_model_dir, tiny_corpus, tmp_path):
+    """transformers loads experts fused (one experts.gate_up_proj a layer); vLLM's MoE loaders read the checkpoint's
+    names, one tensor per expert and projection: save_pretrained writes them back so, each tensor as it was. (transformers
+    5.25 itself does not load such a folder back: its MoE loader dequantizes the experts with the config group that
+    quantizes them, and a KV-cache-only config has none, an IndexError in get_experts_scheme.)"""
+    model = tiny_model_dir(model_type)
+    profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
+    assert export(profile, model, tmp_path / "export").exit_code == 0
+    tensors = safetensors_of(tmp_path / "export")
+    weights = {name: t for name, t in tensors.items() if not name.endswith(("k_scale", "v_scale"))}
+    original = safetensors_of(model)
+    assert any(".experts.0." in name for name in original)
+    assert weights.keys() == original.keys()
+    assert all(torch.equal(weights[name], original[name]) for name in original)
+    assert len(tensors) - len(weights) == 4
+
+
 def test_scale_one_saturates_what_absmax_keeps(tiny_model_dir, tiny_corpus, tmp_path):
     """A model whose K and V are scaled up 10^4 (q and o scaled down: the same function) has K/V far beyond
     448: vLLM's default scale 1.0 saturates them and the perplexity moves; absmax / 448 holds them."""
