@@ -89,9 +89,8 @@ def multikey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, keys: list
     needles = [_tokens(tokenizer, f" The pass key of the {DOORS[i]} door is {key}. Remember it. ") for i, key in enumerate(keys)]
     questions = [_tokens(tokenizer, f"\nWhat is the pass key of the {DOORS[i]} door? The pass key of the {DOORS[i]} door is")
                  for i in asked]
-    budget = length - sum(map(len, needles)) - max(map(len, questions))
-    if budget < 1 or len(filler_ids) < budget:
-        raise KvcalError(f"a {length}-token multi-key prompt needs {max(budget, 1)} filler tokens, the text has {len(filler_ids)}")
+    budget = _filler_budget(length, sum(map(len, needles)) + max(map(len, questions)), f"its {len(keys)} keys and question",
+                            filler_ids, "multi-key")
     cuts = sorted((int(depth * budget), i) for i, depth in enumerate(depths))
     pieces, start = [], 0
     for at, i in cuts:
@@ -100,13 +99,24 @@ def multikey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, keys: list
     return torch.cat([*pieces, filler_ids[start:budget]]), questions
 
 
+def _filler_budget(length: int, fixed: int, fixed_part: str, filler_ids: torch.Tensor, variant: str) -> int:
+    """The filler tokens a `length`-token prompt takes beside `fixed` tokens of needles and question; refused where
+    that is none, or more than the text holds."""
+    budget = length - fixed
+    if budget < 1:
+        raise KvcalError(f"a {length}-token {variant} prompt leaves no room for filler: {fixed_part} take {fixed} tokens; "
+                         f"give --lengths above {fixed}")
+    if len(filler_ids) < budget:
+        raise KvcalError(f"a {length}-token {variant} prompt needs {budget} filler tokens, the text has {len(filler_ids)}; "
+                         "give a longer --dataset or shorter --lengths")
+    return budget
+
+
 def passkey_prompt(tokenizer, filler_ids: torch.Tensor, length: int, key: int, depth: float) -> torch.Tensor:
     """A prompt of about `length` tokens: filler text with the pass key stated at `depth` (0..1), then the question."""
     needle = _tokens(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
     question = _tokens(tokenizer, PASSKEY_QUESTION)
-    budget = length - len(needle) - len(question)
-    if budget < 1 or len(filler_ids) < budget:
-        raise KvcalError(f"a {length}-token passkey prompt needs {max(budget, 1)} filler tokens, the text has {len(filler_ids)}")
+    budget = _filler_budget(length, len(needle) + len(question), "its key and question", filler_ids, "passkey")
     filler = filler_ids[:budget]
     at = int(depth * budget)
     return torch.cat([filler[:at], needle, filler[at:], question])
@@ -144,6 +154,27 @@ def empty_cache(model, method: Bundle | Method):
     return quantized_cache(model, method)
 
 
+def _passkey_prompts(tokenizer, filler_ids: torch.Tensor, lengths: list[int], samples: int, seed: int, keys: int,
+                     asked: int) -> dict[int, list[tuple[torch.Tensor, list[torch.Tensor], list[int]]]]:
+    """{length: `samples` prompts}, each (context ids, question ids, the keys asked), drawn from one generator seeded
+    with `seed`: with keys = 1 the context is all but the prompt's last token and that token the question."""
+    rng = random.Random(seed)
+    prompts = {}
+    for length in lengths:
+        prompts[length] = []
+        for _ in range(samples):
+            if keys == 1:
+                key = rng.randrange(10000, 100000)
+                prompt = passkey_prompt(tokenizer, filler_ids, length, key, rng.random())
+                prompts[length].append((prompt[:-1], [prompt[-1:]], [key]))
+            else:
+                values = rng.sample(range(10000, 100000), keys)
+                chosen = rng.sample(range(keys), asked)
+                context_ids, questions = multikey_prompt(tokenizer, filler_ids, length, values, [rng.random() for _ in values], chosen)
+                prompts[length].append((context_ids, questions, [values[i] for i in chosen]))
+    return prompts
+
+
 def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, lengths: list[int], samples: int,
                      seed: int, on_step: Callable[[], None] | None = None, keys: int = 1, asked: int = 2,
                      chunk: int | None = None) -> list[PasskeyResult]:
@@ -155,24 +186,13 @@ def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, 
     `methods`, {name: Bundle or baseline Method}, its empty_cache); the rest of the prompt and the answer are decoded
     by each method, so every answer token reads that method's cache. fp first, then each method; on_step after each
     (question, method)."""
-    rng = random.Random(seed)
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.eos_token_id
     long_rope = adapt(model).long_rope
     baselines = [name for name, method in methods.items() if isinstance(method, Method)]
-    results = []
-    for length in lengths:
-        correct = {name: 0 for name in ["fp", *methods]}
-        for _ in range(samples):
-            if keys == 1:
-                key = rng.randrange(10000, 100000)
-                prompt = passkey_prompt(tokenizer, filler_ids, length, key, rng.random())
-                context_ids, questions, wanted = prompt[:-1], [prompt[-1:]], [key]
-            else:
-                values = rng.sample(range(10000, 100000), keys)
-                chosen = rng.sample(range(keys), asked)
-                context_ids, questions = multikey_prompt(tokenizer, filler_ids, length, values, [rng.random() for _ in values], chosen)
-                wanted = [values[i] for i in chosen]
+    prompts = _passkey_prompts(tokenizer, filler_ids, lengths, samples, seed, keys, asked)
+    for length in lengths:  # every prompt checked before the first runs
+        for context_ids, questions, _ in prompts[length]:
             last = len(context_ids) + max(len(question) for question in questions) + ANSWER_TOKENS
             if long_rope is not None and baselines and len(context_ids) <= long_rope.switch < last:
                 raise KvcalError(f"a passkey prompt of {length} tokens has its context end within LongRoPE's switch "
@@ -180,6 +200,10 @@ def passkey_accuracy(model, tokenizer, methods: dict, filler_ids: torch.Tensor, 
                                  f"the sequence again, and would go on in fp for {', '.join(baselines)} (transformers' own "
                                  f"cache, quantizing each token it writes); give lengths above {long_rope.switch + 1}, or "
                                  "far enough below it that the answers end within it")
+    results = []
+    for length in lengths:
+        correct = {name: 0 for name in ["fp", *methods]}
+        for context_ids, questions, wanted in prompts[length]:
             with torch.inference_mode():
                 context = fp_context(model, context_ids[None].to(device), chunk)
                 for question, key in zip(questions, wanted):

@@ -20,8 +20,20 @@ def test_a_multikey_prompt_states_each_key_once_in_depth_order_and_asks_the_chos
     for question, i in zip(questions, (2, 0)):
         assert tiny_tokenizer.decode(question).strip().startswith(f"What is the pass key of the {DOORS[i]} door?")
     assert len(context) + max(map(len, questions)) == 300
-    with pytest.raises(KvcalError, match="filler tokens"):
+    with pytest.raises(KvcalError, match="needs .* filler tokens, the text has 10; give a longer --dataset"):
         multikey_prompt(tiny_tokenizer, filler[:10], 300, [11111, 22222], [0.2, 0.4], [0])
+    with pytest.raises(KvcalError, match="no room for filler: its 8 keys and question take .* give --lengths above"):
+        multikey_prompt(tiny_tokenizer, filler, 100, list(range(11111, 11119)), [0.5] * 8, [0])
+
+
+def test_a_passkey_length_too_short_for_its_keys_is_refused_before_any_prompt_runs(tiny_tokenizer):
+    """The prompts of every length are made first: a short last length stops the run before the first answer."""
+    model = tiny_model("llama")
+    steps = []
+    with pytest.raises(KvcalError, match="a 100-token multi-key prompt leaves no room for filler"):
+        passkey_accuracy(model, tiny_tokenizer, {}, torch.arange(3, 403), [300, 100], samples=1, seed=0,
+                         on_step=lambda: steps.append(1), keys=8)
+    assert not steps
 
 
 def test_passkey_baselines_whose_answers_cross_longropes_switch_are_refused(tiny_tokenizer):
