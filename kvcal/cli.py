@@ -199,7 +199,7 @@ def profile_gradients_command(
     seed: int = typer.Option(0, help="Seed for window offsets and the row subsample; same seed, same profile."),
     sink: int = typer.Option(1, help="Leading tokens of every window kept out of the statistics (attention sinks stay fp16)."),
     max_tokens_per_layer: Optional[int] = typer.Option(None, help="Token rows per layer kept as samples (pre-/post-RoPE K, V and their Fisher); bounds memory. Default: every row past the sink while the samples (5 x layers x rows x kv_width x 4 B) fit 2 GiB."),
-    store_windows: int = typer.Option(2, help="Whole windows of pre-RoPE Q, K, V kept per layer for attention-output objectives (SKVQ clipping)."),
+    store_windows: Optional[int] = typer.Option(None, help="Whole windows of pre-RoPE Q, K, V kept per layer for attention-output objectives (SKVQ clipping, export vllm's scales); at most --nsamples. Default: 2, or every window where fewer are profiled."),
     high_frac: Optional[float] = typer.Option(None, help="KVmix: fraction of layers (ranked by importance, K and V separately) given the high width (default 0.2)."),
     target_bits: Optional[float] = typer.Option(None, help="KVmix alternative to --high-frac: promote the most important layers while the mean width stays at most this."),
     k_high_bits: int = typer.Option(3, help="KVmix key width of important layers."),
@@ -219,9 +219,13 @@ def profile_gradients_command(
 
     if high_frac is not None and target_bits is not None:
         raise KvcalError("--high-frac and --target-bits both choose the KVmix widths; give one of them")
+    if store_windows is not None and store_windows > nsamples > 0:
+        raise KvcalError(f"--store-windows {store_windows} is more than the {nsamples} windows profiled (--nsamples); "
+                         f"give at most {nsamples}")
     request = ProfileRequest(
         model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
-        capture=CaptureSettings(sink=sink, max_tokens_per_layer=max_tokens_per_layer, store_windows=store_windows, seed=seed),
+        capture=CaptureSettings(sink=sink, max_tokens_per_layer=max_tokens_per_layer, seed=seed,
+                                **({} if store_windows is None else {"store_windows": store_windows})),
         kvmix=KvmixSettings(high_frac=KvmixSettings.high_frac if high_frac is None else high_frac, target_bits=target_bits,
                             key_widths=WidthChoice(k_high_bits, k_low_bits), value_widths=WidthChoice(v_high_bits, v_low_bits)),
     )

@@ -90,6 +90,8 @@ def bad_inputs(tmp_path, tiny_model_dir, corpus):
         "nsamples 0": (["--model", llama, "--nsamples", 0], "--nsamples must be at least 1"),
         "negative seed": (["--model", llama, "--seed", -1], "--seed must be in 0 to 2^32 - 1"),
         "two KVmix rules": (["--model", llama, "--target-bits", 3, "--high-frac", 0.5], "--high-frac and --target-bits both"),
+        "more stored windows than profiled": (["--model", llama, "--store-windows", 3],
+                                              "--store-windows 3 is more than the 2 windows profiled (--nsamples); give at most 2"),
         "unknown device": (["--model", llama, "--device", "tpu"], "unknown --device 'tpu'"),
         "target bits past a width": (["--model", llama, "--target-bits", 3.5], "outside the widths' range [2, 3]"),
         "unwritable output": (["--model", llama, "--dataset", corpus, "--out", blocker / "p.safetensors"], "not a writable folder"),
