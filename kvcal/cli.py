@@ -739,6 +739,9 @@ def eval_passkey_command(
         raise KvcalError(f"--lengths '{lengths}' is not a comma-separated list of integers") from exc
     if not sizes or min(sizes) < 64 or samples < 1:
         raise KvcalError("--lengths must list lengths of at least 64 tokens and --samples must be at least 1")
+    if len(set(sizes)) < len(sizes):
+        twice = next(size for size in sizes if sizes.count(size) > 1)
+        raise KvcalError(f"--lengths lists {twice} more than once; give each length once")
     if not 1 <= keys <= len(DOORS):
         raise KvcalError(f"--keys must be 1-{len(DOORS)} (got {keys})")
     if keys == 1 and asked is not None:

@@ -588,6 +588,7 @@ def test_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recip
     refused(run("eval", "memory", *common, "--context", 5000), "--context 5000 = 5000 positions, above the model's maximum of 256")
     refused(run("eval", "passkey", *common, "--lengths", "128,300"),
             "--lengths 300 + the 8-token answer = 308 positions, above the model's maximum of 256")
+    refused(run("eval", "passkey", *common, "--lengths", "100,128,100"), "--lengths lists 100 more than once; give each")
     refused(run("eval", "passkey", *common, "--keys", 9), "--keys must be 1-8 (got 9)")
     refused(run("eval", "passkey", *common, "--keys", 0), "--keys must be 1-8 (got 0)")
     refused(run("eval", "passkey", *common, "--asked", 1), "--asked goes with --keys 2 or more")
