@@ -324,12 +324,22 @@ def _print_layer_plan(plan) -> None:
 @app.command("inspect")
 @reports_errors
 def inspect_command(
-    file: Path = typer.Argument(..., parser=_typed_path, help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle."),
+    file: Path = typer.Argument(..., parser=_typed_path, help="A kvcal artifact (.safetensors): profile, nuq, skvq or bundle; or a folder written by kvcal export vllm."),
     plot: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Profiles: also draw per-layer K/V importance and chosen bits to this image (.png, .pdf, .svg, ...)."),
     device: Optional[str] = typer.Option(None, help="Bundles: also show, per layer, what serves its decode steps and appends on this device, cpu (this machine) or cuda (any CUDA GPU with CuPy), and why not something faster."),
 ):
     """Summarize a kvcal artifact, validated as anything that reads it would (a bundle as load_bundle does):
-    provenance and a per-layer table."""
+    provenance and a per-layer table; of a vLLM export folder, its scales as read back (read_export)."""
+    if file.is_dir() and (plot is not None or device is not None):
+        raise KvcalError(f"'{file}' is a folder: --plot and --device take a profile or a bundle; inspect the folder without them")
+    if file.is_dir():
+        from kvcal.export.vllm import EXPORT_MARKER, is_previous_export, read_export
+
+        if not is_previous_export(file):
+            raise KvcalError(f"'{file}' is a directory, not a kvcal artifact nor a vllm export (no {EXPORT_MARKER}); pass a "
+                             ".safetensors file or a folder written by kvcal export vllm")
+        _print_scales(read_export(file), file)
+        return
     if plot is not None:
         from kvcal.summary import check_plot
 
@@ -478,13 +488,20 @@ def export_vllm_command(
         path, fit, _ = export_vllm(profile, model, strategy, out, on_stage=on_stage, on_layer=lambda layer: progress.advance(task["id"]),
                                    scales=scales)
 
+    _print_scales(fit, path)
+    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+def _print_scales(fit, folder: Path) -> None:
+    """The FP8 scales of a vLLM export (a kvcal.export.scales.ScaleFit) per layer against absmax / 448, with the
+    attention-output error of each on the profile's windows."""
     def numbers(values) -> str:
         return " ".join(f"{x:.4g}" for x in values.tolist())
 
     def error(value) -> str:
         return "-" if value is None else f"{value:.3e}"
 
-    _print_table(f"FP8 KV-cache scales for vLLM ({fit.scales}, {fit.strategy}): {path}",
+    _print_table(f"FP8 KV-cache scales for vLLM ({fit.scales}, {fit.strategy}): {folder}",
                  ["layer", "K scale", "K absmax/448", "V scale", "V absmax/448", "error absmax/448", "error calibrated", "reduction"],
                  [[str(i), numbers(layer.k), numbers(layer.k_absmax), numbers(layer.v), numbers(layer.v_absmax), error(layer.error_absmax),
                    error(layer.error_calibrated), "-" if layer.reduction is None else f"{layer.reduction:.1%}"]
@@ -499,7 +516,6 @@ def export_vllm_command(
     if fit.strategy == "attn_head":
         out_console.print("SGLang reads per-layer scales only and ignores per-head ones (scale 1.0): export --strategy tensor for it",
                           highlight=False)
-    err_console.print(f"wrote {path} in {time.perf_counter() - started:.1f} s", highlight=False)
 
 
 @app.command("calibrate")

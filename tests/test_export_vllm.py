@@ -43,14 +43,14 @@ def leftovers(folder: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def exports(tiny_profile, tmp_path_factory):
-    """{strategy: (folder, CLI output)} of the tiny Llama's profile."""
+    """{strategy: (folder, the CLI's standard output)} of the tiny Llama's profile."""
     model, profile = tiny_profile
     folder = tmp_path_factory.mktemp("vllm-exports")
     made = {}
     for strategy in STRATEGIES:
         result = export(profile, model, folder / strategy, strategy)
         assert result.exit_code == 0, result.output
-        made[strategy] = (folder / strategy, result.output)
+        made[strategy] = (folder / strategy, result.stdout)
     return made
 
 
@@ -237,6 +237,21 @@ def test_cli_prints_scales_and_error_reduction(exports, tiny_profile):
     assert len(rows) == num_layers
 
 
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_inspect_prints_a_folders_scales_as_the_export_printed_them(exports, strategy):
+    folder, printed = exports[strategy]
+    result = run("inspect", folder)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == printed
+
+
+def test_inspect_refuses_a_folder_that_is_no_export_and_plot_or_device_on_one(exports, tmp_path):
+    folder, _ = exports["tensor"]
+    refused(run("inspect", tmp_path), "is a directory, not a kvcal artifact nor a vllm export (no kvcal_export.json)")
+    refused(run("inspect", folder, "--device", "cpu"), "is a folder: --plot and --device take a profile or a bundle")
+    refused(run("inspect", folder, "--plot", tmp_path / "x.png"), "is a folder: --plot and --device take a profile or a bundle")
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_fp8_kv_scales_read_back(exports):
