@@ -174,6 +174,17 @@ NOT_TAKEN_YET = {
     "dory": "Dory is not served yet: its recurrent section runs the same decoder layers several times "
             "(n_recurrent_loops), each pass caching apart or reading the last one's, where kvcal keeps one cache layer "
             "per decoder layer",
+    "deepseek_v4": "DeepSeek-V4 is not served yet: its layers attend to keys compressed over windows of tokens "
+                   "(compressed sparse and heavily compressed attention), which its cache builds as tokens arrive, "
+                   "beside a sliding window of plain ones",
+    **dict.fromkeys(("inkling_text", "inkling2_text"),
+                    "Inkling is not served yet: its scores add a relative-position bias made from each query's hidden "
+                    "state, its keys and values pass a short convolution whose state the cache keeps, and its full "
+                    "layers scale queries and bias by position"),
+    "zaya": "ZAYA is not served yet: its compressed convolutional attention mixes queries and keys over time by a "
+            "convolution and carries a recurrent value state, where kvcal reads keys and values from projections",
+    "jetmoe": "JetMoE is not served yet: its queries come from a mixture of attention experts, and its keys and values "
+              "are tiled across the chosen experts' heads, not grouped as kvcal's attention reads them",
     **dict.fromkeys(("gpt_neo", "xglm"), "its attention computes its scores itself, not through transformers' attention "
                                          "functions, which kvcal replaces to read its cache"),
 }
