@@ -161,8 +161,9 @@ SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_AT
 # why: the refusal the adapter would reach through their modules names a symptom (no q, k and v it knows, a type it
 # does not serve), not this (docs/models.md)
 NOT_TAKEN_YET = {
-    "glm5_next_text": "GLM-5 Next is not served yet: its sparse MLA layers sit among parts kvcal has not checked "
-                      "(hyper-connections, Kimi Delta Attention layers)",
+    "glm5_next_text": "GLM-5 Next is not served yet: its MLA layers build their attention's mask from the indexer's "
+                      "pick over the keys the cache hands back, where kvcal's cache hands back the step's alone, and its "
+                      "indexer reads the cache layer's keys and length within a step",
     "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
                        "layers' heads, latent and head widths are their own), and a norm with a scale acts on its "
                        "rotated key",
