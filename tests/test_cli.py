@@ -378,6 +378,25 @@ def test_export_bundle_kivi_and_inspect(tiny_profile, tmp_path):
     assert bad.exit_code == 2 and "multiple of the group size" in bad.stderr and not (tmp_path / "bad.safetensors").exists()
 
 
+@pytest.mark.parametrize("residual", [0, 32])
+def test_a_kivi_bundle_and_the_kivi_baseline_of_its_settings_score_alike(tiny_profile, tiny_corpus, residual, tmp_path):
+    """The same KIVI, as a bundle and as `--baseline kiviN-gG-rR`: the same perplexity and bits. Without a residual,
+    keys wait fp16 until they fill a block of G tokens (the baseline quantized them before: a worse perplexity)."""
+    import json
+
+    model, profile = tiny_profile
+    bundle = tmp_path / "kivi.safetensors"
+    made = run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--kivi-group", 16, "--kivi-residual", residual,
+               "--out", bundle)
+    assert made.exit_code == 0, made.output
+    result = run("eval", "ppl", "--model", model, "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2, "--quant", bundle,
+                 "--baseline", f"kivi2-g16-r{residual}", "--json", tmp_path / "ppl.json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "ppl.json").read_text())["results"]
+    as_bundle, as_baseline = ({key: row[key] for key in ("ppl", "effective_bits", "key_bits", "value_bits")} for row in rows[1:])
+    assert as_bundle == as_baseline
+
+
 
 def test_export_bundle_refuses_an_option_its_recipe_does_not_read(tiny_profile, fitted, tmp_path):
     """A fitted artifact or KIVI setting the recipe would ignore is refused: the bundle would not be the one asked for."""

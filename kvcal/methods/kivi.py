@@ -25,6 +25,12 @@ def kivi_layer(bits: int, group: int) -> LayerCodecs:
     return LayerCodecs(ChannelBlockUniform(bits, group), TokenUniform(bits, group), key_pre_rope=False)
 
 
+def kivi_policy(group: int, residual: int, sink: int = 0, window: int = 0) -> SegmentPolicy:
+    """KIVI's segments: keys quantized per channel over blocks of `group` tokens wait fp16 for a whole block, unless an
+    fp16 residual of `residual` tokens (a multiple of the group) keeps them until they fill blocks anyway."""
+    return SegmentPolicy(sink=sink, window=window, residual=residual, key_block=0 if residual else group)
+
+
 class UniformFormat(LayerFormat):
     """Min-max codes: keys per channel over blocks of G tokens (fp16 scale + zero per channel per block; keys
     wait fp16 for a whole block unless a residual flushes them), values per token over groups of G channels
@@ -44,8 +50,7 @@ class UniformFormat(LayerFormat):
                            False)
 
     def policy(self, layer):
-        key_block = 0 if layer.residual else layer.group_size
-        return SegmentPolicy(sink=layer.sink, window=layer.window, residual=layer.residual, key_block=key_block)
+        return kivi_policy(layer.group_size, layer.residual, layer.sink, layer.window)
 
     def body_block(self, layer, keys):
         return layer.group_size if keys else 1
@@ -120,7 +125,7 @@ class KiviSpec(MethodSpec):
         except KvcalError as exc:
             raise KvcalError(f"baseline '{text}': {exc}") from None
         return Method(settings.label, settings.bits, [kivi_layer(settings.bits, settings.group)] * num_layers,
-                      SegmentPolicy(residual=settings.residual))
+                      kivi_policy(settings.group, settings.residual))
 
 
 registry.register_method(KiviSpec())
