@@ -333,9 +333,9 @@ def inspect_command(
     if file.is_dir() and (plot is not None or device is not None):
         raise KvcalError(f"'{file}' is a folder: --plot and --device take a profile or a bundle; inspect the folder without them")
     if file.is_dir():
-        from kvcal.export.vllm import EXPORT_MARKER, is_previous_export, read_export
+        from kvcal.export.vllm import EXPORT_MARKER, holds_export_marker, read_export
 
-        if not is_previous_export(file):
+        if not holds_export_marker(file):
             raise KvcalError(f"'{file}' is a directory, not a kvcal artifact nor a vllm export (no {EXPORT_MARKER}); pass a "
                              ".safetensors file or a folder written by kvcal export vllm")
         _print_scales(read_export(file), file)

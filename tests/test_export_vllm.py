@@ -467,6 +467,11 @@ def without(key: str):
     return lambda marker: {k: v for k, v in marker.items() if k != key}
 
 
+def with_entry(**fields):
+    """A marker edit: layer 0's entry with `fields` set."""
+    return lambda marker: {**marker, "layers": [{**marker["layers"][0], **fields}, *marker["layers"][1:]]}
+
+
 @pytest.mark.parametrize("strategy, scale, marker, message", [
     ("tensor", torch.tensor([0.0]), None, "layer 0 k_scale is not finite and positive"),
     ("tensor", torch.tensor([float("nan")]), None, "layer 0 k_scale is not finite and positive"),
@@ -476,13 +481,35 @@ def without(key: str):
     ("tensor", None, without("scales"), "malformed"),
     ("tensor", None, lambda m: {**m, "layers": m["layers"][:1]}, "1 layers for a model of 2"),
     ("tensor", None, lambda m: {**m, "strategy": "channel"}, "strategy 'channel'"),
+    ("tensor", None, lambda m: [m], "malformed kvcal_export.json (TypeError"),
+    ("tensor", None, lambda m: {**m, "fingerprint": without("num_kv_heads")(m["fingerprint"])}, "(KeyError('num_kv_heads')"),
+    ("tensor", None, lambda m: {**m, "layers": [m["layers"][0]] * 2}, "its layers do not name one attention module each"),
+    ("tensor", None, with_entry(k_absmax_scale=None), "malformed scale entry"),
+    ("tensor", None, with_entry(error_calibrated=None), ", None] and kept_absmax 0, not numbers"),
+    ("tensor", None, with_entry(error_absmax="abc"), "records errors ['abc'"),
+    ("tensor", None, with_entry(kept_absmax="x"), "kept_absmax 'x', not numbers"),
 ])
-def test_eval_ppl_refuses_a_tampered_export(exports, tiny_profile, tmp_path, strategy, scale, marker, message):
+def test_eval_ppl_and_inspect_refuse_a_tampered_export(exports, tiny_profile, tmp_path, strategy, scale, marker, message):
     model, _ = tiny_profile
     folder = tampered(exports[strategy][0], tmp_path, scale, marker)
-    result = run("eval", "ppl", "--model", model, "--quant", folder)
-    refused(result, message)
-    assert "re-export it" in result.stderr
+    for result in (run("eval", "ppl", "--model", model, "--quant", folder), run("inspect", folder)):
+        refused(result, message)
+        assert "re-export it" in result.stderr
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[:5000], lambda data: b"garbage"])
+def test_eval_ppl_and_inspect_refuse_an_export_whose_weights_file_is_damaged(exports, tiny_profile, tmp_path, damage):
+    model, _ = tiny_profile
+    folder = tampered(exports["tensor"][0], tmp_path)
+    (folder / "model.safetensors").write_bytes(damage((folder / "model.safetensors").read_bytes()))
+    for result in (run("eval", "ppl", "--model", model, "--quant", folder), run("inspect", folder)):
+        refused(result, "model.safetensors' is truncated or not a safetensors file")
+
+
+def test_inspect_says_an_unreadable_marker_is_malformed_not_missing(exports, tmp_path):
+    folder = tampered(exports["tensor"][0], tmp_path)
+    (folder / EXPORT_MARKER).write_text((folder / EXPORT_MARKER).read_text()[:300])
+    refused(run("inspect", folder), "has a malformed kvcal_export.json (JSONDecodeError")
 
 
 @pytest.mark.parametrize("strategy, config, message", [

@@ -52,7 +52,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from kvcal.adapters import adapt, kv_shapes
@@ -86,6 +86,11 @@ def _marker(fit: ScaleFit, profile: Path, model_spec: str, names: list[str]) -> 
             for name, layer in zip(names, fit.layers)
         ],
     }
+
+
+def holds_export_marker(folder: Path) -> bool:
+    """Whether `folder` holds an export's marker file, readable or not (read_export says which)."""
+    return (folder / EXPORT_MARKER).is_file()
 
 
 def is_previous_export(folder: Path) -> bool:
@@ -170,13 +175,17 @@ def _checkpoint_names(folder: Path, names: list[str]) -> list[str]:
 
 
 def _scale_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every k_scale / v_scale tensor in the safetensors files of `folder`, by name."""
+    """Every k_scale / v_scale tensor in the safetensors files of `folder`, by name; a file that is not one (truncated,
+    overwritten) refused in one line."""
     found = {}
     for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key.endswith((".k_scale", ".v_scale")):
-                    found[key] = handle.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    if key.endswith((".k_scale", ".v_scale")):
+                        found[key] = handle.get_tensor(key)
+        except (OSError, SafetensorError) as exc:
+            raise KvcalError(f"'{path}' is truncated or not a safetensors file ({exc}); re-export the folder") from exc
     return found
 
 
@@ -248,18 +257,24 @@ def read_export(folder: str | Path) -> ScaleFit:
     one entry per layer of the model it records, each K and V scale finite and positive, of 1 element
     (tensor) or one per KV head (attn_head)."""
     folder = Path(folder)
-    if not is_previous_export(folder):
+    if not holds_export_marker(folder):
         raise KvcalError(f"'{folder}' is not a kvcal vllm export (no {EXPORT_MARKER}); pass a folder written by kvcal export vllm")
     try:
         marker = json.loads((folder / EXPORT_MARKER).read_text())
+        if marker["kind"] != EXPORT_KIND:
+            raise ValueError(f"kind {marker['kind']!r}, not {EXPORT_KIND!r}")
         strategy, source, scales, entries = marker["strategy"], marker["source"], marker["scales"], list(marker["layers"])
         fingerprint = marker["fingerprint"]
-        num_layers = fingerprint["num_layers"]
+        num_layers, shapes = fingerprint["num_layers"], kv_shapes(fingerprint)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} ({exc!r}); re-export it") from exc
     if strategy not in STRATEGIES or scales not in SCALE_CHOICES or len(entries) != num_layers:
         raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} (strategy {strategy!r}, scales {scales!r}, {len(entries)} "
                          f"layers for a model of {num_layers!r}); re-export it")
+    if not all(isinstance(entry, dict) and isinstance(entry.get("attention"), str) for entry in entries) or (
+            len({entry["attention"] for entry in entries}) != num_layers):
+        raise KvcalError(f"'{folder}' has a malformed {EXPORT_MARKER} (its layers do not name one attention module each); "
+                         "re-export it")
     try:  # what vLLM and SGLang read: the scheme the marker's strategy writes, or the folder was edited
         scheme = json.loads((folder / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -269,16 +284,23 @@ def read_export(folder: str | Path) -> ScaleFit:
                          f"{EXPORT_MARKER} (the folder was edited); re-export it")
     found = _scale_tensors(folder)
     fit = ScaleFit(strategy, source, scales, fingerprint)
-    for entry in entries:
+    for i, entry in enumerate(entries):
         try:
             k, v = (found[f"{entry['attention']}.{suffix}"].float().flatten() for suffix in SCALE_NAMES)
-            fit.layers.append(LayerScales(k=k, v=v, k_absmax=torch.tensor(entry["k_absmax_scale"]),
-                                          v_absmax=torch.tensor(entry["v_absmax_scale"]),
-                                          error_absmax=entry["error_absmax"], error_calibrated=entry["error_calibrated"],
-                                          kept_absmax=entry["kept_absmax"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            k_absmax, v_absmax = (torch.tensor(entry[name], dtype=torch.float32).flatten()
+                                  for name in ("k_absmax_scale", "v_absmax_scale"))
+            errors = [entry["error_absmax"], entry["error_calibrated"]]
+            kept = entry["kept_absmax"]
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise KvcalError(f"'{folder}' lacks or has a malformed scale entry {exc!r}; re-export it") from exc
-    for i, (layer, (kv_heads, _)) in enumerate(zip(fit.layers, kv_shapes(fingerprint))):
+        recorded = [isinstance(error, (int, float)) and not isinstance(error, bool) for error in errors]
+        if not all(done or error is None for done, error in zip(recorded, errors)) or (fit.searched and not all(recorded)) or (
+                isinstance(kept, bool) or not isinstance(kept, int)):
+            raise KvcalError(f"'{folder}': layer {i} of its {EXPORT_MARKER} records errors {errors} and kept_absmax "
+                             f"{kept!r}, not numbers (searched scales record both errors); re-export it")
+        fit.layers.append(LayerScales(k=k, v=v, k_absmax=k_absmax, v_absmax=v_absmax, error_absmax=errors[0],
+                                      error_calibrated=errors[1], kept_absmax=kept))
+    for i, (layer, (kv_heads, _)) in enumerate(zip(fit.layers, shapes)):
         per_layer = 1 if strategy == "tensor" else kv_heads
         for name, scale in zip(SCALE_NAMES, (layer.k, layer.v)):
             if scale.numel() != per_layer:

@@ -14,7 +14,7 @@ import torch
 
 from kvcal import registry
 from kvcal.export.fp8 import Fp8KvScales, fp8_fake_quantize
-from kvcal.export.vllm import is_previous_export, read_export
+from kvcal.export.vllm import holds_export_marker, read_export
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import CodecKind, LayerCodecs, Quantized
 from kvcal.registry import MethodSpec
@@ -56,7 +56,7 @@ class Fp8Spec(MethodSpec):
         return fp8_method("fp8 scale 1.0", Fp8KvScales.unit(num_layers))
 
     def folder_method(self, path):
-        if not is_previous_export(Path(path)):
+        if not holds_export_marker(Path(path)):
             return None
         fit = read_export(path)
         scales = Fp8KvScales.of_fit(fit)
