@@ -3,6 +3,7 @@ and a fitted artifact (`kvcal export bundle`). Methods come from the registry (k
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
@@ -104,7 +105,11 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     inputs = [dataset, model]  # a text file or .gguf given as --dataset / --model must not be written over
     out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors", inputs=inputs)
     beside = artifacts_beside(out, recipe)
-    for kind, path in beside.items():
+    # over an earlier run's artifacts, the profile waits beside them until the fit succeeds: a fit refused after
+    # profiling (a budget below what the model's widths store, known only then) leaves them as they were
+    earlier = any(path.exists() for path in (out, *beside.values()))
+    staged = beside["profile"].with_name("profile.new.safetensors") if earlier else beside["profile"]
+    for kind, path in {**beside, "new profile": staged}.items():
         if path.name == out.name:
             raise KvcalError(f"--out '{out}' is where the {kind} is written beside the bundle; name the bundle otherwise "
                              "(e.g. bundle.safetensors)")
@@ -112,14 +117,16 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     request = ProfileRequest(model=model, dataset=dataset, nsamples=nsamples, seqlen=seqlen, seed=seed, dtype=dtype, device=device,
                              capture=CaptureSettings(sink=1, seed=seed), kvmix=KvmixSettings())
     request.validate()
-    profile_path, _, _ = profile(request, beside["profile"], progress, "1/3 profile")
+    profile_path, _, _ = profile(request, staged, progress, "1/3 profile")
     try:
-        return fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
+        bundle = fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
     except KvcalError as exc:  # (a fit's refusal names its command's options, which calibrate does not take)
-        if spec.artifact_kind is None:
-            raise
-        raise KvcalError(f"{exc} (the profile is kept: {profile_path}; fit it with kvcal fit-{spec.artifact_kind} and "
-                         "that option, then kvcal export bundle)") from None
+        kept = f"the profile is kept: {profile_path}" + ("; the earlier artifacts beside it are as they were" if earlier else "")
+        how = f"; fit it with kvcal fit-{spec.artifact_kind} and that option, then kvcal export bundle" if spec.artifact_kind else ""
+        raise KvcalError(f"{exc} ({kept}{how})") from None
+    if staged != beside["profile"]:
+        os.replace(staged, beside["profile"])
+    return bundle
 
 
 def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,

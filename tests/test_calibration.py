@@ -63,6 +63,25 @@ def test_a_fit_refused_after_profiling_keeps_the_profile_and_names_the_command_t
     assert not out.exists() and (tmp_path / "profile.safetensors").exists()
 
 
+def test_a_fit_refused_over_an_earlier_run_leaves_its_artifacts_as_they_were(tiny_model_dir, tiny_corpus, tmp_path):
+    """A second calibrate into the folder of a first, whose skvq fit is refused after profiling (its group is wider than
+    the KV width): the first run's profile, fitted artifact and bundle keep their bytes; the new profile waits beside
+    them as profile.new.safetensors. Once a fit succeeds there, it replaces the profile and nothing else is left."""
+    model = str(tiny_model_dir("llama", head_dim=64))
+    out = tmp_path / "bundle.safetensors"
+    kvcal.calibrate(model, dataset=str(tiny_corpus), recipe="skvq", nsamples=2, seqlen=48, out=out)
+    earlier = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert sorted(earlier) == ["bundle.safetensors", "profile.safetensors", "skvq.safetensors"]
+    with pytest.raises(KvcalError, match=r"\(the profile is kept: .*profile\.new\.safetensors; the earlier artifacts beside "
+                                         r"it are as they were; fit it with kvcal fit-skvq"):
+        kvcal.calibrate(str(tiny_model_dir("llama")), dataset=str(tiny_corpus), recipe="skvq", nsamples=2, seqlen=48, out=out)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name in earlier} == earlier
+    assert (tmp_path / "profile.new.safetensors").exists()
+    kvcal.calibrate(model, dataset=str(tiny_corpus), recipe="skvq", nsamples=3, seqlen=48, out=out)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(earlier)
+    assert (tmp_path / "profile.safetensors").read_bytes() != earlier["profile.safetensors"]
+
+
 def test_a_recipe_needs_its_artifact_of_the_right_kind(tiny_profile, fitted):
     _, profile = tiny_profile
     with pytest.raises(KvcalError, match=r"recipe kvquant needs --nuq \(from kvcal fit-nuq\)"):
