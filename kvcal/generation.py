@@ -156,11 +156,12 @@ def empty_cache(model, method: Bundle | Method):
 
 def _passkey_prompts(tokenizer, filler_ids: torch.Tensor, lengths: list[int], samples: int, seed: int, keys: int,
                      asked: int) -> dict[int, list[tuple[torch.Tensor, list[torch.Tensor], list[int]]]]:
-    """{length: `samples` prompts}, each (context ids, question ids, the keys asked), drawn from one generator seeded
-    with `seed`: with keys = 1 the context is all but the prompt's last token and that token the question."""
-    rng = random.Random(seed)
+    """{length: `samples` prompts}, each (context ids, question ids, the keys asked), drawn from a generator seeded with
+    `seed` and the length, so that a length's prompts are the same whatever other lengths are asked: with keys = 1 the
+    context is all but the prompt's last token and that token the question."""
     prompts = {}
     for length in lengths:
+        rng = random.Random(f"passkey {seed} {length}")  # (a str seed is hashed by sha512: the same in every process)
         prompts[length] = []
         for _ in range(samples):
             if keys == 1:

@@ -26,6 +26,18 @@ def test_a_multikey_prompt_states_each_key_once_in_depth_order_and_asks_the_chos
         multikey_prompt(tiny_tokenizer, filler, 100, list(range(11111, 11119)), [0.5] * 8, [0])
 
 
+def test_a_lengths_passkey_prompts_do_not_depend_on_the_other_lengths_asked(tiny_tokenizer):
+    from kvcal.generation import _passkey_prompts
+
+    filler = torch.arange(3, 403)
+    for keys, asked in ((1, 1), (3, 2)):
+        alone = _passkey_prompts(tiny_tokenizer, filler, [200], 2, 0, keys, asked)[200]
+        among = _passkey_prompts(tiny_tokenizer, filler, [300, 200], 2, 0, keys, asked)[200]
+        assert [(torch.equal(a[0], b[0]), a[2] == b[2]) for a, b in zip(alone, among)] == [(True, True)] * 2
+    seeded = [_passkey_prompts(tiny_tokenizer, filler, [200], 1, seed, 1, 1)[200][0][2] for seed in (0, 1)]
+    assert seeded[0] != seeded[1]
+
+
 def test_a_passkey_length_too_short_for_its_keys_is_refused_before_any_prompt_runs(tiny_tokenizer):
     """The prompts of every length are made first: a short last length stops the run before the first answer."""
     model = tiny_model("llama")
