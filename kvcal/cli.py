@@ -501,7 +501,8 @@ def _print_scales(fit, folder: Path) -> None:
     def error(value) -> str:
         return "-" if value is None else f"{value:.3e}"
 
-    _print_table(f"FP8 KV-cache scales for vLLM ({fit.scales}, {fit.strategy}): {folder}",
+    held = "calibrated" if fit.searched else "absmax / 448"  # (what the folder holds: asked or not, none are searched without windows)
+    _print_table(f"FP8 KV-cache scales for vLLM ({held}, {fit.strategy}): {folder}",
                  ["layer", "K scale", "K absmax/448", "V scale", "V absmax/448", "error absmax/448", "error calibrated", "reduction"],
                  [[str(i), numbers(layer.k), numbers(layer.k_absmax), numbers(layer.v), numbers(layer.v_absmax), error(layer.error_absmax),
                    error(layer.error_calibrated), "-" if layer.reduction is None else f"{layer.reduction:.1%}"]

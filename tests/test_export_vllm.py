@@ -279,6 +279,8 @@ def test_profile_without_windows_falls_back_to_absmax(tiny_profile, tiny_corpus,
     result = export(profile, model, tmp_path / "out", "attn_head")
     assert result.exit_code == 0, result.output
     assert "no stored windows" in result.output
+    shown = run("inspect", tmp_path / "out")  # what it holds, as the export printed it: absmax / 448, not calibrated
+    assert "scales for vLLM (absmax / 448, attn_head)" in shown.stdout and shown.stdout in result.output
     fit = read_export(tmp_path / "out")
     assert fit.source == "statistics"
     tensors, _ = read_artifact(profile, "profile")
