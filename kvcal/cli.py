@@ -612,15 +612,17 @@ def eval_ppl_command(
     baselines = split_baselines(baseline)
     for spec in baselines:
         check_baseline(spec)  # before the model loads
+    _refuse_repeated_quant(quant)
     artifacts = [(str(path), artifact_method(str(path))) for path in quant]
     text = load_text(dataset)
     loaded, tokenizer, source = load_model(model, dtype, device)
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    methods = [method for _, method in artifacts] + [
-        baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims, adapter.latent)
-        for spec in baselines]
+    compared = [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
+                                adapter.latent) for spec in baselines]
+    _refuse_repeated_baselines(baselines, compared)
+    methods = [method for _, method in artifacts] + compared
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
     with _progress() as progress:
@@ -644,6 +646,27 @@ def eval_ppl_command(
 BUNDLES_OPTION = typer.Option(..., "--quant", **PATH_OPTION, help="A bundle (kvcal export bundle / calibrate); repeat for several.")
 
 
+def _refuse_repeated_quant(quant: list[Path]) -> None:
+    """Refuse a --quant file or folder given twice (by any path): it would be evaluated twice, under one name."""
+    seen = {}
+    for path in quant:
+        earlier = seen.get(path.resolve())
+        if earlier is not None:
+            same = "given twice" if str(earlier) == str(path) else f"the same as --quant '{earlier}'"
+            raise KvcalError(f"--quant '{path}' is {same}; give each once")
+        seen[path.resolve()] = path
+
+
+def _refuse_repeated_baselines(specs: list[str], methods: list) -> None:
+    """Refuse two --baseline specs that make one cache type (int4 and int4-g64): one would be evaluated twice."""
+    seen = {}
+    for spec, method in zip(specs, methods, strict=True):
+        earlier = seen.get(method.name)
+        if earlier is not None:
+            raise KvcalError(f"--baseline '{earlier}' and '{spec}' are the same cache type ({method.name}); give it once")
+        seen[method.name] = spec
+
+
 def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
     """(model, tokenizer, source, adapter, {name: Bundle}), every bundle loaded (validated) once before the model,
     then checked against it."""
@@ -651,6 +674,7 @@ def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
     from kvcal.bundle import load_bundle
     from kvcal.models import load_model
 
+    _refuse_repeated_quant(bundles)
     named = {}
     for path in bundles:
         bundle = load_bundle(path)
@@ -777,8 +801,10 @@ def eval_passkey_command(
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
-    for spec in baselines:
-        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims, adapter.latent)
+    compared = [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
+                                adapter.latent) for spec in baselines]
+    _refuse_repeated_baselines(baselines, compared)
+    for method in compared:
         quantized_on_write(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)

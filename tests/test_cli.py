@@ -608,6 +608,13 @@ def test_eval_commands_name_the_option_at_fault(tiny_profile, tiny_corpus, recip
     refused(run("eval", "passkey", *common, "--lengths", "128,300"),
             "--lengths 300 + the 8-token answer = 308 positions, above the model's maximum of 256")
     refused(run("eval", "passkey", *common, "--lengths", "100,128,100"), "--lengths lists 100 more than once; give each")
+    refused(run("eval", "passkey", *common, "--lengths", "128", "--baseline", "int4,fp8,int4-g64"),
+            "--baseline 'int4' and 'int4-g64' are the same cache type (int4-g64); give it once")
+    refused(run("eval", "ppl", *common, "--baseline", "fp8,fp8"), "--baseline 'fp8' and 'fp8' are the same cache type")
+    for command in (["eval", "ppl"], ["eval", "generate"], ["eval", "passkey"], ["eval", "memory"]):
+        refused(run(*command, *common, "--quant", recipe_bundles["kivi"]), "is given twice; give each once")
+    kivi = recipe_bundles["kivi"]
+    refused(run("eval", "ppl", *common, "--quant", kivi.parent / ".." / kivi.parent.name / kivi.name), "is the same as --quant")
     refused(run("eval", "passkey", *common, "--keys", 9), "--keys must be 1-8 (got 9)")
     refused(run("eval", "passkey", *common, "--keys", 0), "--keys must be 1-8 (got 0)")
     refused(run("eval", "passkey", *common, "--asked", 1), "--asked goes with --keys 2 or more")
