@@ -46,6 +46,10 @@ def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None,
         fitted = read_artifact(fitted_path, spec.artifact_kind)
         check_same_model(fitted[1]["model"]["fingerprint"], profile_config["model"]["fingerprint"], f"'{fitted_path}'",
                          "the profile's model", "fit it from this profile")
+        fitted_from = fitted[1].get("calibration", profile_config["calibration"])  # (its profile's, as that was made)
+        if fitted_from != profile_config["calibration"]:
+            raise KvcalError(f"'{fitted_path}' was fitted from another profile than '{profile_path}' (calibration "
+                             f"{_differences(fitted_from, profile_config['calibration'])}); fit it from this profile")
     layers, source = spec.bundle_layers(profile, profile_config, fitted, settings)
     recorded = spec.bundle_settings(profile_config, fitted, settings)
     widths = {kind: kv_widths(profile_config["model"]["fingerprint"], kind) for kind in "kv"}
@@ -60,6 +64,18 @@ def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None,
     if recorded is not None:
         config["recipe"]["settings"] = registry.settings_metadata(spec, recorded)
     return tensors, config
+
+
+# the settings a profile is made with (ProfileRequest's), before the counts that follow from them and the text
+_CALIBRATION_SETTINGS = ("dataset", "nsamples", "seqlen", "seed", "sink", "max_tokens_per_layer", "store_windows")
+
+
+def _differences(fitted: dict, profile: dict) -> str:
+    """Where two profiles' calibration records differ: "seqlen 64, not 128" (the fitted artifact's first), its settings
+    where they differ, else what differs (the text they read)."""
+    differ = [key for key in sorted({*fitted, *profile}) if fitted.get(key) != profile.get(key)]
+    named = [key for key in _CALIBRATION_SETTINGS if key in differ] or differ
+    return ", ".join(f"{key} {fitted.get(key)!r}, not {profile.get(key)!r}" for key in named)
 
 
 def _calibrate_settings(spec: registry.MethodSpec, bits):

@@ -82,6 +82,23 @@ def test_a_fit_refused_over_an_earlier_run_leaves_its_artifacts_as_they_were(tin
     assert (tmp_path / "profile.safetensors").read_bytes() != earlier["profile.safetensors"]
 
 
+def test_a_fitted_artifact_of_another_profile_of_the_same_model_is_refused(tiny_profile, fitted, tiny_corpus, tmp_path):
+    """Codebooks fitted from one profile, bundled with another's importance and provenance, would be a bundle of
+    neither: the two profiles' calibration records differ (here its seed), and the refusal names where."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    model, _ = tiny_profile
+    other = tmp_path / "other.safetensors"
+    made = CliRunner().invoke(app, ["profile-gradients", "--model", str(model), "--dataset", str(tiny_corpus), "--nsamples",
+                                    "4", "--seqlen", "64", "--max-tokens-per-layer", "200", "--seed", "1", "--out", str(other)])
+    assert made.exit_code == 0, made.output
+    with pytest.raises(KvcalError, match=r"was fitted from another profile than .*other\.safetensors' \(calibration seed 0, "
+                                         r"not 1\); fit it from this profile"):
+        build_bundle(str(other), "kvquant", str(fitted["nuq"]))
+
+
 def test_a_recipe_needs_its_artifact_of_the_right_kind(tiny_profile, fitted):
     _, profile = tiny_profile
     with pytest.raises(KvcalError, match=r"recipe kvquant needs --nuq \(from kvcal fit-nuq\)"):
