@@ -409,6 +409,20 @@ def test_a_type_not_taken_yet_is_refused_with_why_not(model_type, tmp_path):
     assert str(refused.value).endswith(f": {NOT_TAKEN_YET[model_type]}; {SERVED_ONES}")
 
 
+@pytest.mark.parametrize("model_type", ["rwkv", "mamba"])
+def test_a_model_without_attention_heads_is_refused_in_one_line(model_type, tmp_path):
+    """RWKV's and Mamba's configs have no num_attention_heads (no attention, no KV cache): refused, not an
+    AttributeError, from their default configs built on the meta device."""
+    from transformers import AutoConfig
+
+    from kvcal.models import load_model_structure
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    model, _ = load_model_structure(str(tmp_path))
+    with pytest.raises(KvcalError, match="its config has no num_attention_heads, the attention heads kvcal reads"):
+        adapt(model)
+
+
 def test_no_type_not_taken_yet_is_served():
     assert not set(NOT_TAKEN_YET) & set(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES + LATENT_DECODERS)
 

@@ -416,7 +416,9 @@ def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], lis
     num_attention_heads_per_layer where the config has it (Laguna), else the config's."""
     per_layer = (config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers)[:num_layers]
     query_heads = list(getattr(config, "num_attention_heads_per_layer", None) or
-                       [layer.num_attention_heads for layer in per_layer])[:num_layers]
+                       [getattr(layer, "num_attention_heads", None) for layer in per_layer])[:num_layers]
+    if None in query_heads:  # (RWKV's, Mamba's: no attention)
+        raise KvcalError(f"{where}: its config has no num_attention_heads, the attention heads kvcal reads; {SERVED_ONES}")
     if len(query_heads) < num_layers:
         raise KvcalError(f"{where}: its config gives {len(query_heads)} query-head counts (num_attention_heads_per_layer) "
                          f"for {num_layers} layers; give one a layer")
