@@ -34,7 +34,10 @@ err_console = Console(stderr=True, soft_wrap=True)  # a long message stays one l
 
 
 def _typed_path(value: str) -> Path:
-    """A path option's value, `~` expanded where the shell left it (quoted, or set by an env var), as --model's is."""
+    """A path option's value, `~` expanded where the shell left it (quoted, or set by an env var), as --model's is; an
+    empty one refused (Path would read it as the current folder)."""
+    if not value.strip():
+        raise typer.BadParameter("the path is empty; pass a file or folder")
     return Path(value).expanduser()
 
 

@@ -116,6 +116,8 @@ def test_bad_input_gives_one_line_exit_2_and_no_file(tiny_model_dir, corpus, tmp
     (["fit-nuq", "p.safetensors", "--out", "nuq/"], {},
      "error: Invalid value for '--out': 'nuq/' ends in '/', naming a folder; pass the file's name (see kvcal fit-nuq"),
     (["eval", "ppl", "--json", "results/"], {}, "error: Invalid value for '--json': 'results/' ends in '/'"),
+    (["eval", "ppl", "--quant", ""], {}, "error: Invalid value for '--quant': the path is empty; pass a file or folder"),
+    (["inspect", " "], {}, "error: Invalid value for 'file': the path is empty; pass a file or folder"),
     (["calibrate"], {"KVCAL_CALIBRATE_NSAMPLES": "abc"}, "error: Invalid value for '--nsamples': Input should be a "
      "valid integer, unable to parse string as an integer (set by KVCAL_CALIBRATE_NSAMPLES='abc'; see kvcal calibrate"),
 ])
