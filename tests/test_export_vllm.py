@@ -555,6 +555,10 @@ def test_refuses_a_non_empty_folder_that_is_not_an_export(tiny_profile, tmp_path
     refused(result, "not a kvcal vllm export")
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and not leftovers(tmp_path)
+    # an export's marker alone does not make a folder of other files an export to replace
+    (out / EXPORT_MARKER).write_text(json.dumps({"kind": "vllm-fp8-kv-scales"}))
+    refused(export(profile, model, out), "not a kvcal vllm export")
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_MARKER, "notes.txt"] and not leftovers(tmp_path)
 
 
 def test_refuses_the_model_folder_and_a_folder_holding_the_profile(tiny_profile, tmp_path):

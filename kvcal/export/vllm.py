@@ -94,9 +94,12 @@ def holds_export_marker(folder: Path) -> bool:
 
 
 def is_previous_export(folder: Path) -> bool:
+    """Whether `folder` is an export that a new one may replace: its marker of this kind beside the config.json and
+    safetensors weights an export writes (a marker alone, copied into a folder of other files, is not one)."""
     marker = folder / EXPORT_MARKER
     try:
-        return marker.is_file() and json.loads(marker.read_text()).get("kind") == EXPORT_KIND
+        return (marker.is_file() and json.loads(marker.read_text()).get("kind") == EXPORT_KIND
+                and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")))
     except (OSError, ValueError, AttributeError):
         return False
 
