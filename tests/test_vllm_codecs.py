@@ -101,6 +101,8 @@ def test_a_skip_map_keeps_the_named_layers_fp16_and_counts_their_bits():
         with pytest.raises(KvcalError, match=message):
             baseline_method(bad, [16] * 2)
     assert baseline_method("fp8_per_token_head;skip=sliding_window", [16] * 2, [16, None]).name == "fp8_per_token_head;skip=0"
+    with pytest.raises(KvcalError, match="the model has no sliding-window layers for skip=sliding_window"):
+        baseline_method("fp8_per_token_head;skip=sliding_window", [16] * 2, [None, None])
 
 
 def test_e2m1_rounds_ties_to_the_even_code_and_saturates_at_six():

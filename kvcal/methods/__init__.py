@@ -171,7 +171,11 @@ def skipped_layers(layer_map: str, num_layers: int, windows: list[int | None] | 
         if entry == "sliding_window":
             if windows is None:
                 raise KvcalError(f"baseline '{text}': skip=sliding_window needs the model's layers (give it with a model)")
-            skipped |= {i for i, window in enumerate(windows) if window is not None}
+            windowed = {i for i, window in enumerate(windows) if window is not None}
+            if not windowed:  # (vLLM's skips nothing there: the spec would say a skip that is not made)
+                raise KvcalError(f"baseline '{text}': the model has no sliding-window layers for skip=sliding_window; "
+                                 "skip layers by index, or leave skip= out")
+            skipped |= windowed
         elif entry.isdigit() and int(entry) < num_layers:
             skipped.add(int(entry))
         else:
