@@ -140,7 +140,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
         kept = f"the profile is kept: {profile_path}" + ("; the earlier artifacts beside it are as they were" if earlier else "")
         how = f"; fit it with kvcal fit-{spec.artifact_kind} and that option, then kvcal export bundle" if spec.artifact_kind else ""
         raise KvcalError(f"{exc} ({kept}{how})") from None
-    if staged != beside["profile"]:
+    if earlier:
         os.replace(staged, beside["profile"])
     return bundle
 

@@ -333,11 +333,12 @@ def inspect_command(
 ):
     """Summarize a kvcal artifact, validated as anything that reads it would (a bundle as load_bundle does):
     provenance and a per-layer table; of a vLLM export folder, its scales as read back (read_export)."""
-    if file.is_dir() and (plot is not None or device is not None):
-        raise KvcalError(f"'{file}' is a folder: --plot and --device take a profile or a bundle; inspect the folder without them")
     if file.is_dir():
         from kvcal.export.vllm import EXPORT_MARKER, holds_export_marker, read_export
 
+        if plot is not None or device is not None:
+            raise KvcalError(f"'{file}' is a folder: --plot and --device take a profile or a bundle; inspect the folder "
+                             "without them")
         if not holds_export_marker(file):
             raise KvcalError(f"'{file}' is a directory, not a kvcal artifact nor a vllm export (no {EXPORT_MARKER}); pass a "
                              ".safetensors file or a folder written by kvcal export vllm")
@@ -605,7 +606,7 @@ def eval_ppl_command(
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.evaluate import check_model_matches, consecutive_windows, evaluate_ppl
-    from kvcal.methods import artifact_method, baseline_method, check_baseline, split_baselines
+    from kvcal.methods import artifact_method, check_baseline, split_baselines
     from kvcal.models import load_model
 
     if seqlen < 2 or windows < 1:
@@ -622,10 +623,7 @@ def eval_ppl_command(
     adapter = adapt(loaded)
     for path, method in artifacts:
         check_model_matches(method, adapter, source.spec, path)
-    compared = [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
-                                adapter.latent) for spec in baselines]
-    _refuse_repeated_baselines(baselines, compared)
-    methods = [method for _, method in artifacts] + compared
+    methods = [method for _, method in artifacts] + _baseline_methods(baselines, adapter)
     adapter.check_seqlen(seqlen)
     batch = consecutive_windows(tokenize(text, tokenizer), seqlen, windows)
     with _progress() as progress:
@@ -653,21 +651,29 @@ def _refuse_repeated_quant(quant: list[Path]) -> None:
     """Refuse a --quant file or folder given twice (by any path): it would be evaluated twice, under one name."""
     seen = {}
     for path in quant:
-        earlier = seen.get(path.resolve())
-        if earlier is not None:
+        resolved = path.resolve()
+        if resolved in seen:
+            earlier = seen[resolved]
             same = "given twice" if str(earlier) == str(path) else f"the same as --quant '{earlier}'"
             raise KvcalError(f"--quant '{path}' is {same}; give each once")
-        seen[path.resolve()] = path
+        seen[resolved] = path
 
 
-def _refuse_repeated_baselines(specs: list[str], methods: list) -> None:
-    """Refuse two --baseline specs that make one cache type (int4 and int4-g64): one would be evaluated twice."""
-    seen = {}
-    for spec, method in zip(specs, methods, strict=True):
-        earlier = seen.get(method.name)
-        if earlier is not None:
-            raise KvcalError(f"--baseline '{earlier}' and '{spec}' are the same cache type ({method.name}); give it once")
+def _baseline_methods(specs: list[str], adapter) -> list:
+    """The simulation Method of each --baseline spec for the adapted model; two specs that make one cache type (int4
+    and int4-g64) refused, as one would be evaluated twice."""
+    from kvcal.methods import baseline_method
+
+    methods, seen = [], {}
+    for spec in specs:
+        method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
+                                 adapter.latent)
+        if method.name in seen:
+            raise KvcalError(f"--baseline '{seen[method.name]}' and '{spec}' are the same cache type ({method.name}); "
+                             "give it once")
         seen[method.name] = spec
+        methods.append(method)
+    return methods
 
 
 def _load_for_bundles(model, bundles: list[Path], dtype: str, device: str):
@@ -774,7 +780,7 @@ def eval_passkey_command(
     from kvcal.artifacts import check_writable
     from kvcal.data import load_text, tokenize
     from kvcal.generation import ANSWER_TOKENS, DOORS, passkey_accuracy
-    from kvcal.methods import baseline_method, check_baseline, split_baselines
+    from kvcal.methods import check_baseline, split_baselines
     from kvcal.simulate import quantized_on_write
 
     try:
@@ -804,10 +810,7 @@ def eval_passkey_command(
     loaded, tokenizer, source, adapter, named = _load_for_bundles(model, quant, dtype, device)
     _check_positions(adapter, max(sizes) + ANSWER_TOKENS, f"--lengths {max(sizes)} + the {ANSWER_TOKENS}-token answer")
     caches = dict(named)
-    compared = [baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
-                                adapter.latent) for spec in baselines]
-    _refuse_repeated_baselines(baselines, compared)
-    for method in compared:
+    for method in _baseline_methods(baselines, adapter):
         quantized_on_write(loaded, method)  # refuse a type it cannot write before the first prompt
         caches[method.name] = method
     filler = tokenize(text, tokenizer)
