@@ -156,15 +156,16 @@ def _fingerprint_shape(config: dict, path) -> tuple[dict, dict[str, list[tuple[i
     number a positive int (an MLA key's width 0 or more)."""
     try:
         fingerprint = config["model"]["fingerprint"]
-        numbers = [fingerprint[key] for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
-        numbers += [fingerprint["value_dim"]] if "value_dim" in fingerprint else []  # MLA's latent
+        numbers = [fingerprint[key] for key in ("num_layers", "num_heads", "num_kv_heads")]
+        latent = "value_dim" in fingerprint  # MLA's latent
+        numbers += [fingerprint["value_dim"]] if latent else [fingerprint["head_dim"]]
         # where the layers differ (kv_shapes, query_heads); an MLA key may have no channel (a layer without RoPE)
-        rotated_widths = []
+        rotated_widths = [fingerprint["head_dim"]] if latent else []
         for key in ("layer_kv_heads", "layer_head_dims", "layer_value_dims", "layer_num_heads"):
             if key in fingerprint:
                 per_layer = fingerprint[key] if isinstance(fingerprint[key], list) and len(fingerprint[key]) == numbers[0] else [None]
-                if key == "layer_head_dims" and "value_dim" in fingerprint:
-                    rotated_widths = per_layer
+                if key == "layer_head_dims" and latent:
+                    rotated_widths += per_layer
                 else:
                     numbers += per_layer
     except (KeyError, TypeError) as exc:
@@ -218,7 +219,7 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     # models whose layer types differ: a row a layer, zero past a layer's head_dim / 2 where the layers' differ
     per_layer = "rope.inv_freq" in tensors and tensors["rope.inv_freq"].dim() == 2 or len(set(halves)) > 1
     _check_tensor(tensors, "rope.inv_freq", "float32", (num_layers,) * per_layer + (max(halves),), path)
-    rows = tensors["rope.inv_freq"].reshape(-1, max(halves))
+    rows = tensors["rope.inv_freq"].reshape(num_layers if per_layer else 1, max(halves))  # (of no column: no RoPE)
     # a layer's frequencies are positive, then zero over the channels RoPE leaves alone (kvcal.rope.rotate_half_order;
     # all of them on SmolLM3's NoPE layers)
     if not bool((rows >= 0).all() and (rows > 0).int().diff(dim=1).le(0).all()) or any(

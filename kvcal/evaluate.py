@@ -73,7 +73,8 @@ def evaluate_ppl(model, adapter: ModelAdapter, windows: torch.Tensor, methods: l
                 results.append(PplResult("fp", None, 16.0, 16.0, 16.0, None, ppl))
                 continue
             results.append(PplResult(
-                method.name, method.nominal_bits, tally.effective_bits, tally.key_bits / tally.key_elements,
+                method.name, method.nominal_bits, tally.effective_bits,
+                tally.key_bits / tally.key_elements if tally.key_elements else None,  # (MLA without RoPE stores no key)
                 tally.value_bits / tally.value_elements, tally.outliers / tally.elements, ppl,
                 100.0 * (ppl / results[0].ppl - 1.0),
                 tally.index_bits / tally.index_elements if tally.index_elements else None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -62,6 +63,9 @@ class Slot:
     # the attention mask the module's forward was called with, where its indexer puts its pick in the mask its attention
     # is handed (LayerHandles.pick_in_mask): the step's, before the pick
     step_mask: torch.Tensor | None = None
+    # the columns of the tokens each query attends (batch, queries, k; -1: none) that the layer's indexer returned, or
+    # that its module was handed from an earlier layer's (LayerHandles.pick_returned)
+    pick: torch.Tensor | None = None
     serving: object | None = None  # what a cache's update() hands to this forward's attention
     attached: object | None = None  # an exclusive user's per-layer object (the simulation's layer state)
 
@@ -88,6 +92,9 @@ class Wiring:
     positions: torch.Tensor | None = None
     # those positions hold image or video tokens' at multimodal RoPE positions (Qwen-VL's three rows differ)
     multimodal: bool = False
+    # (batch, columns): which columns of the running step's mask (those cached before it, then its own) hold real
+    # tokens, as the last indexer to run kept them (LayerHandles.pick_returned: GLM-5 Next's)
+    real_columns: torch.Tensor | None = None
 
     def uses(self, owner) -> bool:
         return any(user is owner for user in self.users)
@@ -249,7 +256,9 @@ def unwire(wiring: Wiring, owner) -> None:
     for attention, layer_slot in _attention_slots(wiring):
         if _SLOTS.get(attention) is layer_slot:
             del _SLOTS[attention]
-        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = layer_slot.step_mask = None
+        layer_slot.attached = layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = None
+        layer_slot.step_mask = layer_slot.pick = None
+    wiring.real_columns = None
     _remove_hooks(wiring)
     wiring.switch(wiring.previous)
 
@@ -297,6 +306,7 @@ def _install_hooks(wiring: Wiring) -> None:
         def leave(module, args, output, layer_slot=layer_slot):
             layer_slot.running -= 1
             layer_slot.serving = layer_slot.pre_rope_keys = layer_slot.latents = layer_slot.step_mask = None
+            layer_slot.pick = None
 
         def keep_keys(module, args, output, layer_slot=layer_slot, handles=handles):
             layer_slot.pre_rope_keys = handles.source_rows("k", output.detach())
@@ -314,6 +324,8 @@ def _install_hooks(wiring: Wiring) -> None:
                 layer_slot.step_mask = kwargs["attention_mask"] if "attention_mask" in kwargs else args[at]
 
             wiring.hooks.append(handles.attention.register_forward_pre_hook(keep_step_mask, with_kwargs=True))
+        if handles.pick_returned:
+            wiring.hooks += _returned_pick_hooks(wiring, handles, layer_slot)
     for reader, layer_slot in zip(wiring.adapter.readers, wiring.reader_slots):
         def enter_reader(module, args, layer_slot=layer_slot):  # (keeps what the layer it reads was served)
             layer_slot.running += 1
@@ -324,6 +336,52 @@ def _install_hooks(wiring: Wiring) -> None:
 
         wiring.hooks += [reader.attention.register_forward_pre_hook(enter_reader),
                          reader.attention.register_forward_hook(leave_reader, always_call=True)]
+
+
+def _returned_pick_hooks(wiring: Wiring, handles, layer_slot: Slot) -> list:
+    """The hooks reading a layer's pick as GLM-5 Next's (LayerHandles.pick_returned; transformers calls its modules
+    with keywords): its indexer's output, the indexer reading the cache through _StepCounted, and the step's real
+    columns the indexer kept (Wiring.real_columns: its states' last channel, or without a cache its mask); where it runs
+    no indexer, the prev_topk_indices its attention is handed."""
+    def keep_handed_pick(module, args, kwargs):
+        layer_slot.pick = kwargs.get("prev_topk_indices")
+
+    if handles.indexer is None:
+        return [handles.attention.register_forward_pre_hook(keep_handed_pick, with_kwargs=True)]
+
+    def count_the_step(module, args, kwargs):
+        if kwargs.get("cache") is not None:
+            kwargs["cache"] = _StepCounted(kwargs["cache"])
+        return args, kwargs
+
+    def keep_pick(module, args, kwargs, output):
+        layer_slot.pick, cache = output, kwargs.get("cache")
+        wiring.real_columns = kwargs["attention_mask"].bool() if cache is None else cache.kept[..., -1] != 0
+
+    return [handles.indexer.register_forward_pre_hook(count_the_step, with_kwargs=True),
+            handles.indexer.register_forward_hook(keep_pick, with_kwargs=True)]
+
+
+class _StepCounted:
+    """A cache as GLM-5 Next's indexer reads it within a step, where transformers' own cache has already stored the
+    step (its attention's update came first; kvcal's cache stores it as it attends): update_indexer keeps the step's
+    indexer states (-> every token's so far, `kept`), and its layer (`layers[i]`, this view: keys.shape[-2],
+    get_seq_length()) counts them."""
+
+    def __init__(self, cache):
+        self.cache, self.kept = cache, None
+        self.layers = defaultdict(lambda: self)
+
+    def update_indexer(self, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.kept = self.cache.update_indexer(states, layer_idx)
+        return self.kept
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kept.new_empty(self.kept.shape[0], 1, self.kept.shape[1], 0)  # (a length, no channels)
+
+    def get_seq_length(self) -> int:
+        return self.kept.shape[1]
 
 
 def _mask_argument(attention: torch.nn.Module) -> int:
@@ -382,11 +440,29 @@ def step_mask_and_pick(layer_slot: Slot, attention_mask, kwargs: dict, columns: 
     chosen_columns gives it, (batch, 1, queries, columns) which columns the mask handed to the attention shows, None
     where that is every one the step's mask shows."""
     handles = layer_slot.wiring.adapter.layers[layer_slot.index]
+    if handles.pick_returned:
+        return _returned_step_mask_and_pick(layer_slot, columns)
     if not handles.pick_in_mask:
         return attention_mask, chosen_columns(kwargs, columns, handles.pick_block)
     step_mask = layer_slot.step_mask
     picked = visible(attention_mask)
     return step_mask, None if torch.equal(picked, visible(step_mask)) else picked[:, None]
+
+
+def _returned_step_mask_and_pick(layer_slot: Slot, columns: int):
+    """(the step's mask, the pick) of a layer whose indexer returns its pick (LayerHandles.pick_returned), its attention
+    handed a mask over the keys the cache hands back: the step's real columns (Wiring.real_columns) each query sees
+    causally, (batch, 1, queries, columns); and of those, the ones its pick names, None where that is every one."""
+    real, pick = layer_slot.wiring.real_columns, layer_slot.pick
+    if pick is None or real is None or real.shape[-1] != columns:
+        raise KvcalError(f"layer {layer_slot.index} attended without the pick of an indexer run in this step over its "
+                         f"{columns} columns; call the model's forward, which runs them in order")
+    m = pick.shape[1]
+    step_mask = real[:, None, :] & torch.ones(m, columns, dtype=torch.bool, device=real.device).tril(columns - m)
+    named = pick.long().masked_fill((pick < 0) | (pick >= columns), columns)  # (column `columns`: none)
+    chosen = torch.zeros(*pick.shape[:2], columns + 1, dtype=torch.bool, device=pick.device).scatter_(-1, named, True)
+    chosen = chosen[..., :columns] & step_mask
+    return step_mask[:, None], None if torch.equal(chosen, step_mask) else chosen[:, None]
 
 
 def real_tokens(attention_mask, batch: int, m: int, device, padding_sees_all: bool | None = None) -> torch.Tensor:

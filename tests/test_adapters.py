@@ -3,9 +3,10 @@ import torch
 import transformers
 
 from helpers import attention_at
-from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GRANITE_SWA, HYBRID, HY_V4, LATENT,
-                                 MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE, QWEN4_EXP,
-                                 TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known, longrope, tiny_model)
+from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GLM5_NEXT, GRANITE_SWA, HYBRID, HY_V4,
+                                 LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE,
+                                 QWEN4_EXP, TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known, longrope,
+                                 tiny_latent_widths, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, LATENT_DECODERS, NOT_TAKEN_YET, SERVED_ONES,
                                         SUPPORTED_MODEL_TYPES)
@@ -135,14 +136,12 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
-    widths = [64, 0] if model_type == "mistral_large4" else [64, 64]
+    widths, index = tiny_latent_widths(model_type)
     assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], widths, [96, 96])
     assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
-    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside the rotated key and the latent (Hy V4's
-    # layer 1 reads layer 0's pick and keeps none)
-    index = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else None
-    assert adapter.index_widths == (index or [0, 0]) and adapter.fingerprint().get("layer_index_dims") == index
-    assert [handles.sparse for handles in adapter.layers] == [model_type in DSA] * 2
+    # an indexer's keys, which the cache keeps beside the rotated key and the latent
+    assert adapter.index_widths == index and adapter.fingerprint().get("layer_index_dims") == (index if any(index) else None)
+    assert [handles.sparse for handles in adapter.layers] == [model_type in DSA + GLM5_NEXT] * 2
     attention = attention_at(model, adapter.model_layers[1])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
     assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
@@ -312,6 +311,34 @@ def test_qsa_layers_pick_tokens_in_their_mask_with_their_own_indexer():
     assert [handles.indexer for handles in adapter.layers] == [attention_at(model, m).indexer for m in (1, 3)]
     assert adapter.index_widths == [16, 16] and adapter.fingerprint()["layer_index_dims"] == [16, 16]
     assert not adapter.picks_key_blocks
+
+
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_k_pool_layers_take_the_pick_their_indexer_returns(model_type):
+    """GLM-5 Next's MLA layers (decoder layers 1 and 2, between KDA ones) are sparse and take their pick as the indexer
+    returns it: layer 1's indexer keeps 2 x 16 + 1 channels a token (its key, its pool gate's scores, whether the token
+    is real), which the fingerprint counts; layer 2 ("shared") runs none, reading layer 1's pick."""
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    assert adapter.model_layers == (1, 2)
+    assert [(handles.sparse, handles.pick_returned, handles.pick_in_mask) for handles in adapter.layers] == [(True, True, False)] * 2
+    assert adapter.layers[0].indexer is attention_at(model, 1).indexer and adapter.layers[1].indexer is None
+    assert adapter.index_widths == [33, 0] and adapter.fingerprint()["layer_index_dims"] == [33, 0]
+    assert not adapter.picks_key_blocks
+
+
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_k_pool_layers_without_what_kvcal_reads_their_pick_from_are_refused(model_type):
+    """A GLM-5 Next layer whose indexer tells no pool size, or whose attention takes no prev_topk_indices (where a
+    shared layer is handed its pick), is refused in one line, not read wrongly."""
+    model = tiny_model(model_type)
+    del attention_at(model, 1).indexer.index_kpool
+    with pytest.raises(KvcalError, match=r"decoder layer 1: its attention's indexer has no head_dim and index_kpool"):
+        adapt(model)
+    model = tiny_model(model_type)
+    attention_at(model, 2).forward = lambda hidden_states, attention_mask, cache=None, **kwargs: None
+    with pytest.raises(KvcalError, match=r"decoder layer 2: its attention takes no prev_topk_indices"):
+        adapt(model)
 
 
 def test_q_and_k_normed_after_rope_are_read_normed_on_the_layers_that_rotate():

@@ -10,7 +10,7 @@ from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_step
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
-from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM_VL, HY_V4, IMAGE_TOWERS,
+from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM5_NEXT, GLM_VL, HY_V4, IMAGE_TOWERS,
                                  LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MISTRAL_LARGE4, MUSE,
                                  OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN4_EXP, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS,
                                  TINY_ARCHITECTURES, known, left_padded, longrope, tiny_model)
@@ -1161,6 +1161,50 @@ def test_tokens_picked_inside_the_mask_decode_on_the_default_path_while_the_pick
     """Qwen4-Exp's QSA layers pick every token a query sees up to 11 (2 blocks of 4, and the block not yet complete): a
     prompt of 6 tokens and 5 new ones decode on the layer's default decoder, not the reference reading a pick."""
     model = tiny_model("qwen4_exp_text")
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+        model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert cache.tokens() == [10]
+        assert [layer.decode_path for layer in cache.attention_layers] == [
+            {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]] * 2
+
+
+@pytest.mark.parametrize("lengths", [(24, 24), (24, 17)])
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_tokens_an_indexer_returns_generate_their_own_fp_tokens(model_type, lengths, decode_path):
+    """GLM-5 Next's MLA without RoPE between KDA layers (its layer 1's k-pool indexer returns the tokens of the top 2
+    pools of 4 keys and those of the pool not yet complete, which its layer 2 reuses) over two prompts of 24 tokens, or
+    one left-padded to 24 from 17, and 12 new ones, every token fp16: the model's own tokens and logits, by greedy
+    search and by beam search (which reorders the cache's sequences); the cache keeps layer 1's indexer states (its key,
+    its pool gate's scores, whether the token is real: 2 x 16 + 1 channels a token, padding too) as transformers' does,
+    layer 2 none; its steps attend over the pick (read by the torch reference); the same weights picking 64 tokens give
+    other logits."""
+    model = tiny_model(model_type)
+    ids, mask = left_padded(lengths, seed=3)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
+            kept = cache.attention_layers[0].index_keys
+            assert tuple(kept.shape) == (2, 35, 33) and cache.attention_layers[1].index_keys is None
+            assert torch.equal(kept[..., -1], torch.cat([mask, torch.ones(2, 11, dtype=mask.dtype)], 1).to(kept.dtype))
+            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
+        beams = dict(num_beams=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        fp_beams = model.generate(input_ids=ids, attention_mask=mask, **beams)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **beams), fp_beams)
+        dense = tiny_model(model_type, index_topk=64).generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+
+
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_tokens_an_indexer_returns_decode_on_the_default_path_while_the_pick_is_every_token(model_type, decode_path):
+    """GLM-5 Next's indexer picks every token a query sees up to 11 (2 pools of 4, and the pool not yet complete): a
+    prompt of 6 tokens and 5 new ones decode on the layers' default decoder, not the reference reading a pick."""
+    model = tiny_model(model_type)
     ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
         model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)

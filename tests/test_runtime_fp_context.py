@@ -19,7 +19,7 @@ RECIPES = registry.recipes()
                          [pytest.param(kind, recipe, marks=pytest.mark.slow) for kind in ("glm4", "qwen3_5_text", "falcon_h1")
                           for recipe in RECIPES] +
                          [(kind, recipe) for kind in known(("deepseek_v2", "deepseek_v3", "minimax", "minimax_m3_vl_text",
-                                                            "qwen4_exp_text"))
+                                                            "qwen4_exp_text", "glm5_next"))
                           for recipe in ("kivi", "kvquant")] +
                          [pytest.param("deepseek_v32", recipe, marks=SPARSE_LATENTS) for recipe in ("kivi", "kvquant")])
 def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, architecture_bundles, model_type, recipe):
@@ -34,7 +34,7 @@ def test_a_loaded_fp_context_is_stored_as_its_prefill_would_be(recipe_bundles, a
     context's recurrent states (a copy: the context serves other caches after it); Falcon-H1 also, its attention layers
     keeping them; MiniMax also, its lightning attention layers' states in a cache of its decoder's own class; MiniMax-M3
     also, its block-sparse layer's indexer keys; Qwen4-Exp also, its QSA layers' indexer keys and every token's
-    positions, which its first one keeps for them."""
+    positions, which its first one keeps for them; GLM-5 Next also, its first MLA layer's indexer states."""
     model = tiny_model(model_type)
     bundle = (recipe_bundles if model_type == "llama" else architecture_bundles(model_type))[recipe]
     ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(8))

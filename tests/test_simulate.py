@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from helpers.tiny_models import (DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, HY_V4, LATENT, MINIMAX_M3, OWN_ATTENTION,
-                                 TINY_ARCHITECTURES, known, tiny_model)
+from helpers.tiny_models import (GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION,
+                                 TINY_ARCHITECTURES, known, tiny_latent_widths, tiny_model)
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
 from kvcal.kv import SegmentPolicy, as_cached
@@ -85,7 +85,7 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     assert tally.key_bits + tally.value_bits == 16 * tally.elements
     assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
     # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them (Hy V4: layer 0's alone)
-    index_width = (80 if model_type in HY_V4 else 2 * 80) if model_type in DSA else 0
+    index_width = sum(tiny_latent_widths(model_type)[1])
     assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * index_width, 2 * 33 * index_width)
 
 
@@ -143,7 +143,7 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     assert (ours is None) == (theirs is None) and (ours is None or torch.equal(ours, theirs))
     # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
     # V4's in one of its two layers; Mistral Large 4's layer 1 has no rotated key)
-    index_widths = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
+    index_widths = tiny_latent_widths(model_type)[1]
     stored = [(key * 8.5 + 96 * 4.5 + index * 32, key + 96 + index) for key, index in zip(adapter.head_dims, index_widths)]
     assert tally.effective_bits == pytest.approx(sum(bits for bits, _ in stored) / sum(width for _, width in stored))
 

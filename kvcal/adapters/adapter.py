@@ -16,16 +16,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from kvcal.adapters.fingerprint import decoder_kind, first_position
 from kvcal.adapters.handles import (LayerHandles, latent_handles, latent_rope, layer_handles,
-                                   pick_key_blocks, pick_tokens_in_mask)
+                                   pick_key_blocks, pick_tokens_in_mask, take_returned_pick)
 from kvcal.adapters.model_types import (ATTENTION_AND_STATE_TYPES, ATTENTION_LAYER_TYPES, ATTENTION_NAMES,
                                         ATTENTION_SUBLAYERS, CROSS_ATTENTION, ENCODERS_INSIDE, FLAT_NORMS_BEFORE_ROPE,
                                         HALVES_SWAPPED_ROPE, HEADS_FIRST_NORMS, IMAGE_BLOCKS, IMAGES_AS_TOKENS,
                                         INDEXED_ATTENTION, INTERLEAVED_ROPE, LATENT_ATTENTION_TYPES, LATENT_DECODERS,
                                         LAYER_TYPE_NAMES, NARROW_VALUES, NOPE_WITHOUT_ROTARY, NORMED_AFTER_ROPE,
-                                        NOT_TAKEN_YET, PARITY_SPLIT_ROPE, PICK_IN_MASK, PREFIX_LM, ROTARY_PER_BASE,
-                                        ROTARY_SCALED_BY_LAYER, SCALED_NORMS_AFTER_ROPE, SERVED_FROM, SERVED_ONES,
-                                        SHARED_NORM_BEFORE_ROPE, SINKS, SINUSOID_TABLE_ROPE, SLIDING_KV_HEADS_DOUBLED,
-                                        STATE_LAYER_TYPES, SUPPORTED_MODEL_TYPES, served_by_installed_transformers)
+                                        NOT_TAKEN_YET, PARITY_SPLIT_ROPE, PICK_IN_MASK, PICK_RETURNED, PREFIX_LM,
+                                        ROTARY_PER_BASE, ROTARY_SCALED_BY_LAYER, SCALED_NORMS_AFTER_ROPE, SERVED_FROM,
+                                        SERVED_ONES, SHARED_NORM_BEFORE_ROPE, SINKS, SINUSOID_TABLE_ROPE,
+                                        SLIDING_KV_HEADS_DOUBLED, STATE_LAYER_TYPES, SUPPORTED_MODEL_TYPES,
+                                        served_by_installed_transformers)
 from kvcal.adapters.rotary import (LongRope, channel_orders, find_long_rope, find_rotary, rope_free_types,
                                    rotaries_per_base, rotaries_scaled_by_layer, rotary_inv_freq, rotary_layer_types,
                                    rotary_name, rotated_layers)
@@ -290,6 +291,8 @@ def adapt(model: nn.Module) -> ModelAdapter:
                              "before" if text_type in (*SHARED_NORM_BEFORE_ROPE, *FLAT_NORMS_BEFORE_ROPE) else None)
                for i, (m, (attention, at)) in enumerate(zip(attending, located))]
     for handle, m, (_, at) in zip(handles, attending, located):
+        if decoder_types[m] == INDEXED_ATTENTION and text_type in PICK_RETURNED:
+            take_returned_pick(handle, at)
         if decoder_types[m] != INDEXED_ATTENTION or latent:  # (MLA's pick: latent_handles)
             continue
         if text_type in PICK_IN_MASK:

@@ -87,12 +87,14 @@ class LayerHandles:
     # which keeps keys of its own, or by an earlier layer's (Hy V4's shared layers: indexer None). DeepSeek Sparse
     # Attention's (MLA): the top index_topk tokens by the indexer's scores (`indices`; Cache.update_indexer); MiniMax-M3's
     # (GQA): per KV head, the top blocks of `pick_block` keys (`block_indices`; its cache layer's update_index);
-    # Qwen4-Exp's (GQA, pick_in_mask): the tokens of the top blocks, handed inside the attention's mask
+    # Qwen4-Exp's (GQA, pick_in_mask): the tokens of the top blocks, handed inside the attention's mask; GLM-5 Next's
+    # (MLA, pick_returned): the columns of the tokens of the top pools, returned by its indexer (take_returned_pick)
     sparse: bool = False
     indexer: nn.Module | None = None
-    index_width: int = 0  # the channels of one token's indexer key (its one key head)
+    index_width: int = 0  # the channels of one token's indexer key (its one key head), or all its indexer keeps a token
     pick_block: int = 1
     pick_in_mask: bool = False
+    pick_returned: bool = False
 
     @property
     def query_source(self) -> nn.Module:
@@ -331,3 +333,20 @@ def pick_tokens_in_mask(handles: LayerHandles, where: str) -> None:
     if "attention_mask" not in inspect.signature(handles.attention.forward).parameters:  # (the step's, kvcal.wiring)
         raise KvcalError(f"{where}: its attention takes no attention_mask, beside which kvcal reads its indexer's pick")
     handles.sparse, handles.indexer, handles.index_width, handles.pick_in_mask = True, indexer, width, True
+
+
+def take_returned_pick(handles: LayerHandles, where: str) -> None:
+    """Make an MLA layer's handles read its pick as GLM-5 Next's (PICK_RETURNED): its indexer (head_dim, index_kpool)
+    returns the columns of the tokens each query attends, and keeps 2 head_dim + 1 channels a token (its key, its pool
+    gate's scores, whether it is real); a layer without one reuses an earlier layer's, handed as prev_topk_indices."""
+    attention, indexer = handles.attention, handles.indexer
+    if "prev_topk_indices" not in inspect.signature(attention.forward).parameters:
+        raise KvcalError(f"{where}: its attention takes no prev_topk_indices, the pick kvcal reads where it runs no "
+                         "indexer of its own (GLM-5 Next's shared layers)")
+    if indexer is not None:
+        head_dim, pool = getattr(indexer, "head_dim", None), getattr(indexer, "index_kpool", None)
+        if not all(isinstance(number, int) and number > 0 for number in (head_dim, pool)):
+            raise KvcalError(f"{where}: its attention's indexer has no head_dim and index_kpool (the channels of its "
+                             "keys, the tokens of a pool), which kvcal serves (GLM-5 Next's)")
+        handles.index_width = 2 * head_dim + 1
+    handles.pick_returned = True

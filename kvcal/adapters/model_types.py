@@ -40,9 +40,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
                           "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash",
-                          "sarvam_mla", "hy_v4_vl", "mistral_large4")
-# the decoders of composites served as MLA above whose type is no model of its own (Hy V4 VL's, Mistral Large 4's)
-LATENT_DECODERS = ("hy_v4_vl_text", "mistral_large4_text")
+                          "sarvam_mla", "hy_v4_vl", "mistral_large4", "glm5_next")
+# the decoders of composites served as MLA above, which load as no causal LM of their own (Hy V4 VL's, Mistral Large
+# 4's, GLM-5 Next's)
+LATENT_DECODERS = ("hy_v4_vl_text", "mistral_large4_text", "glm5_next_text")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash",
@@ -106,7 +107,8 @@ IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya
                     "qianfan_ocr", "cosmos3_omni", "granite_docling", "ovis2", "video_llama_3", "cosmos3_edge",
                     "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
-                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4", "qwen4_exp")
+                    "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4", "qwen4_exp",
+                    "glm5_next")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
@@ -129,7 +131,7 @@ SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_tex
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
 # not rotated, always): every layer is NoPE
 NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
-                       "kimi_linear", "biogpt")
+                       "kimi_linear", "biogpt", "glm5_next_text")
 # Nemotron-H: its attention blocks' mixer; Mllama: its cross-attention layers' cross_attn
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn", "mixer", "cross_attn")
 # decoder layers of these types hold no keys and values but a recurrent state (Qwen3-Next's and Qwen3.5's gated
@@ -150,6 +152,11 @@ LAYER_TYPE_NAMES = {"minimax_m3_sparse": INDEXED_ATTENTION}
 # indexed GQA layers whose indexer hands its pick to the attention inside the mask, ANDed with the step's (Qwen4-Exp's
 # QSA: the tokens of its top compressed key blocks, and those of the last block not yet complete)
 PICK_IN_MASK = ("qwen4_exp_text",)
+# MLA layers whose indexer returns its pick, the columns of the tokens each query attends (-1: none), which their
+# attention turns into its mask over the keys the cache hands back (GLM-5 Next's k-pool indexer, keeping a token's key,
+# its pool gate's scores and whether it is real: 2 index_head_dim + 1 channels); a "shared" layer (no indexer) is handed
+# an earlier layer's as prev_topk_indices
+PICK_RETURNED = ("glm5_next_text",)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION,
                          *ATTENTION_AND_STATE_TYPES)
 # where a refusal sends a user for the types kvcal serves (a list of them all would bury the refusal's line)
@@ -161,9 +168,6 @@ SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_AT
 # why: the refusal the adapter would reach through their modules names a symptom (no q, k and v it knows, a type it
 # does not serve), not this (docs/models.md)
 NOT_TAKEN_YET = {
-    "glm5_next_text": "GLM-5 Next is not served yet: its MLA layers build their attention's mask from the indexer's "
-                      "pick over the keys the cache hands back, where kvcal's cache hands back the step's alone, and its "
-                      "indexer reads the cache layer's keys and length within a step",
     "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
                        "layers' heads, latent and head widths are their own), and a norm with a scale acts on its "
                        "rotated key",

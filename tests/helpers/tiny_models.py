@@ -34,6 +34,8 @@ LATENT = known(LATENT_ATTENTION_TYPES)  # and of every one with multi-head laten
 # MLA with DeepSeek Sparse Attention's indexer
 DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2", "mistral_large4"))
 HY_V4 = ("hy_v4", "hy_v4_vl")  # of them, Hy V4's decoder: its layer 1 attends to layer 0's pick, keeping no indexer
+# MLA whose indexer returns its pick to the attention (GLM-5 Next's k-pool indexer); its layer 2 reuses layer 1's
+GLM5_NEXT = known(("glm5_next",))
 SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
 MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 TINY_INDEX_TOPK = 8
@@ -130,6 +132,16 @@ def composite_text(max_positions: int, rope: dict, **settings) -> dict:
             **settings}
 
 
+def tiny_latent_widths(model_type: str) -> tuple[list[int], list[int]]:
+    """Per layer of a tiny MLA model (tiny_config), the channels of its rotated key (64; none on Mistral Large 4's layer
+    1 and GLM-5 Next's, without RoPE) and of what its indexer keeps a token: DeepSeek Sparse Attention's key (80; none on
+    Hy V4's layer 1, reading layer 0's pick), GLM-5 Next's key, pool gate scores and real-token flag (2 x 16 + 1 on its
+    layer 1; none on layer 2, reading layer 1's pick)."""
+    keys = [64, 0] if model_type == "mistral_large4" else [0, 0] if model_type in GLM5_NEXT else [64, 64]
+    index = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [33, 0] if model_type in GLM5_NEXT else [0, 0]
+    return keys, index
+
+
 def tiny_config(model_type: str, max_positions: int = 256, **overrides):
     from transformers import AutoConfig
 
@@ -161,6 +173,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                       image_size=56, patch_size=14)
         text = tiny_config("mistral_large4_text", max_positions, **overrides).to_dict()
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_index=TINY_VOCAB - 1)
+    if model_type == "glm5_next":  # GLM-5 Next: its decoder (below) beside a vision tower (its image and video ids
+        # and their start and end ones the vocabulary's last six)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      projection_intermediate_size=64)
+        text = tiny_config("glm5_next_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        ids = dict(zip(("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                        "video_start_token_id", "video_end_token_id"), range(TINY_VOCAB - 1, TINY_VOCAB - 7, -1)))
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
     if model_type in IMAGE_TOWERS:  # a decoder (IMAGE_TOWERS) beside a vision tower (CLIP, InternViT, SigLIP)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                       patch_size=14)
@@ -658,7 +679,7 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(qk_layernorm=True, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    if model_type in (*LATENT, "mistral_large4_text"):  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64
+    if model_type in (*LATENT, "mistral_large4_text", "glm5_next_text"):  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64
         # (two ggml blocks) per token, queries of a low rank (but Ling's), dense MLPs (the tiny experts' strides fail
         # grouped_mm), no special tokens (an end-of-text id would stop generate early)
         del common["num_key_value_heads"]
@@ -689,6 +710,15 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
             common.update(no_rope_layers=[1, 0], rope_parameters=dict(
                 rope_type="yarn", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=16, beta_fast=32.0,
                 beta_slow=1.0, attention_factor=1.0))
+        if model_type == "glm5_next_text":  # as GLM-5 Next: MLA without RoPE (a rotated key of no channel) between KDA
+            # layers (Kimi Linear's); its layer 1's k-pool indexer picks the tokens of the top 2 pools of 4 keys (theirs:
+            # 128 of 16) and those of the pool not yet complete, which layer 2 reuses (its indexer "shared");
+            # hyper-connections of 2 streams
+            common.update(num_hidden_layers=4, num_key_value_heads=4, qk_rope_head_dim=0, index_topk=TINY_INDEX_TOPK,
+                          index_n_heads=16, index_head_dim=16, index_kpool=4, mlp_layer_types=["dense"] * 4,
+                          layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+                          indexer_types=["full", "full", "shared", "full"], linear_head_dim=16, linear_num_heads=4,
+                          hc_mult=2)
         if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
             common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
@@ -787,7 +817,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "qwen4_exp", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
+    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "glm5_next", "qwen4_exp", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
                   "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
                   "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "apertus1p5", "paligemma", *MINICPM_V, *QWEN_OMNI,
