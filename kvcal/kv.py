@@ -40,9 +40,10 @@ def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim; with sinks (each row's, broadcasting to scores[..., :1]: a learned logit per query
-    head), each row takes its sink as one more score, which reads no value, as gpt-oss's attention does."""
+    head), each row takes its sink as one more score, which reads no value, as gpt-oss's attention does. A row of no
+    finite score (a query an indexer picked nothing for: GLM-5 Next's) gives zeros, as SDPA does."""
     if sinks is None:
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1).masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
     sink = sinks.to(scores).expand(*scores.shape[:-1], 1)
     return torch.softmax(torch.cat((scores, sink), -1), dim=-1)[..., :-1]
 

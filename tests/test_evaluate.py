@@ -45,3 +45,17 @@ def test_a_model_storing_no_key_reports_no_key_bits(model_type):
     assert kivi.key_bits is None and int4.key_bits is None and kivi.index_bits == int4.index_bits == 32.0
     assert int4.value_bits == 4 + 2 * 32 / 96  # (an fp16 scale and zero per group of 64 of the latent's 96 channels)
     assert kivi.ppl == pytest.approx(fp.ppl, rel=1e-5) and int4.ppl != fp.ppl
+
+
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_queries_an_indexer_picks_nothing_for_attend_to_nothing(model_type):
+    """GLM-5 Next without its tail pool (index_kpool_always_select_tail False): a sequence's first 3 tokens see no
+    complete pool of 4, their pick is empty, and SDPA gives them no attention output; the simulation does the same, so
+    KIVI's fp16 residual longer than the windows keeps the model's own perplexity (not NaN)."""
+    model = tiny_model(model_type, index_kpool_always_select_tail=False)
+    adapter = adapt(model)
+    windows = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(5))
+    kivi = baseline_method("kivi4-g16-r256", adapter.head_dims, adapter.windows, adapter.decoder_kind,
+                           adapter.value_dims, adapter.latent)
+    fp, ours = evaluate_ppl(model, adapter, windows, [kivi])
+    assert ours.ppl == pytest.approx(fp.ppl, rel=1e-5)

@@ -21,7 +21,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods import artifact_method, bundle_method
 from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.runtime import cpu_kernel, generate, quantized_cache
-from kvcal.runtime.cache import ATTENTION_NAME
+from kvcal.runtime.cache import ATTENTION_NAME, LATER_STEPS
 from kvcal.runtime.fp_context import fp_context
 from kvcal.simulate import StorageTally, simulated
 from kvcal.version import transformers_from
@@ -1211,6 +1211,26 @@ def test_tokens_an_indexer_returns_decode_on_the_default_path_while_the_pick_is_
         assert cache.tokens() == [10]
         assert [layer.decode_path for layer in cache.attention_layers] == [
             {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]] * 2
+
+
+@pytest.mark.parametrize("later_steps", LATER_STEPS)
+@pytest.mark.parametrize("model_type", GLM5_NEXT)
+def test_queries_an_indexer_picks_nothing_for_attend_to_nothing_in_a_later_step(model_type, later_steps):
+    """GLM-5 Next without its tail pool picks nothing for a sequence's first 3 tokens (no complete pool of 4 yet): a
+    1-token prompt, then a 5-token step (read as a prefill, or query by query as decode steps) gives transformers' own
+    logits, those queries given no attention output as its SDPA gives them."""
+    from transformers import DynamicCache
+
+    model = tiny_model(model_type, index_kpool_always_select_tail=False)
+    ids = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        own = DynamicCache(config=model.config)
+        model(ids[:, :1], **cache_argument(own), use_cache=True)
+        expected = model(ids[:, 1:], **cache_argument(own), use_cache=True).logits
+        with quantized_cache(model, fp16_kivi_bundle(model), later_steps=later_steps) as cache:
+            model(ids[:, :1], **cache_argument(cache), use_cache=True)
+            got = model(ids[:, 1:], **cache_argument(cache), use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
 
 
 def test_block_sparse_attention_refuses_padded_sequences():
