@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import (assert_later_steps_read_as_decode_steps_like_one_token_steps,
+from helpers import (assert_a_pick_generates_the_models_tokens, assert_later_steps_read_as_decode_steps_like_one_token_steps,
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
@@ -1085,20 +1085,14 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
     cache keeping the indexer's keys as transformers' does (padding too), its attention over the tokens the indexer
     picked (read by the torch reference), the sequences' tokens told from padding by the mask; the same weights
     attending to 64 tokens give other logits."""
-    model = tiny_model(model_type)
+    def check(cache, fp):
+        kept = [None if layer.index_keys is None else tuple(layer.index_keys.shape) for layer in cache.attention_layers]
+        assert kept == [(2, 35, 80), None if model_type in HY_V4 else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
+        assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
+
     ids, mask = left_padded((24, 17), seed=3)
-    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    with torch.inference_mode():
-        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
-            kept = [None if layer.index_keys is None else tuple(layer.index_keys.shape) for layer in cache.attention_layers]
-            assert kept == [(2, 35, 80), None if model_type in HY_V4 else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
-            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
-        dense = tiny_model(model_type, index_topk=64).generate(input_ids=ids, attention_mask=mask, **settings)
-    assert torch.equal(ours.sequences, fp.sequences)
-    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
-    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+    assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk=64), ids, mask,
+                                              check)
 
 
 @pytest.mark.parametrize("model_type", MINIMAX_M3)
@@ -1108,21 +1102,15 @@ def test_block_sparse_attention_generates_its_own_fp_tokens(model_type, decode_p
     keeping the indexer's keys as transformers' does (through its cache layer's update_index), its attention over the
     blocks picked (read by the torch reference; the full layer by the default decoder); the same weights attending to
     64 blocks give other logits."""
-    model = tiny_model(model_type)
+    def check(cache, fp):
+        assert [None if layer.index_keys is None else tuple(layer.index_keys.shape)
+                for layer in cache.attention_layers] == [(2, 35, 16), None]
+        assert [layer.decode_path for layer in cache.attention_layers] == [
+            "reference", {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]]
+
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
-    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    with torch.inference_mode():
-        fp = model.generate(input_ids=ids, **settings)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, **cache_argument(cache), **settings)
-            assert [None if layer.index_keys is None else tuple(layer.index_keys.shape)
-                    for layer in cache.attention_layers] == [(2, 35, 16), None]
-            assert [layer.decode_path for layer in cache.attention_layers] == [
-                "reference", {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]]
-        dense = tiny_model(model_type, index_topk_blocks=64).generate(input_ids=ids, **settings)
-    assert torch.equal(ours.sequences, fp.sequences)
-    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
-    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+    assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk_blocks=64), ids,
+                                              check=check)
 
 
 @QWEN4_EXP
@@ -1134,33 +1122,24 @@ def test_tokens_picked_inside_the_mask_generate_their_own_fp_tokens(lengths, dec
     greedy search and by beam search (which reorders the cache's sequences); the cache keeps the indexers' keys, and
     every token's positions on the first QSA layer, as transformers' does; its steps attend over the pick (read by the
     torch reference); the same weights picking 16 blocks give other logits."""
-    model = tiny_model("qwen4_exp_text")
-    ids, mask = left_padded(lengths, seed=3)
-    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    with torch.inference_mode():
-        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
+    def check(cache, fp):
         fp_cache = fp["cache"] if "cache" in fp else fp["past_key_values"]  # (its name from transformers 5.25)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
-            assert [tuple(layer.index_keys.shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
-            assert torch.equal(cache.attention_layers[0].indexer_position_ids, fp_cache.layers[1].indexer_position_ids)
-            assert cache.attention_layers[1].indexer_position_ids is None
-            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
-        beams = dict(num_beams=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        fp_beams = model.generate(input_ids=ids, attention_mask=mask, **beams)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **beams), fp_beams)
-        dense = tiny_model("qwen4_exp_text", indexer_budget=64).generate(input_ids=ids, attention_mask=mask, **settings)
-    assert torch.equal(ours.sequences, fp.sequences)
-    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
-    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
+        assert [tuple(layer.index_keys.shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
+        assert torch.equal(cache.attention_layers[0].indexer_position_ids, fp_cache.layers[1].indexer_position_ids)
+        assert cache.attention_layers[1].indexer_position_ids is None
+        assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
+
+    ids, mask = left_padded(lengths, seed=3)
+    assert_a_pick_generates_the_models_tokens(tiny_model("qwen4_exp_text"), tiny_model("qwen4_exp_text", indexer_budget=64),
+                                              ids, mask, check, beams=True)
 
 
-@QWEN4_EXP
-def test_tokens_picked_inside_the_mask_decode_on_the_default_path_while_the_pick_is_every_token(decode_path):
-    """Qwen4-Exp's QSA layers pick every token a query sees up to 11 (2 blocks of 4, and the block not yet complete): a
-    prompt of 6 tokens and 5 new ones decode on the layer's default decoder, not the reference reading a pick."""
-    model = tiny_model("qwen4_exp_text")
+@pytest.mark.parametrize("model_type", known(("qwen4_exp_text",)) + GLM5_NEXT)
+def test_tokens_picked_decode_on_the_default_path_while_the_pick_is_every_token(model_type, decode_path):
+    """Qwen4-Exp's QSA layers and GLM-5 Next's k-pool ones pick every token a query sees up to 11 (2 blocks or pools of
+    4, and the one not yet complete): a prompt of 6 tokens and 5 new ones decode on the layers' default decoder, not
+    the reference reading a pick."""
+    model = tiny_model(model_type)
     ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
         model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -1179,38 +1158,15 @@ def test_tokens_an_indexer_returns_generate_their_own_fp_tokens(model_type, leng
     its pool gate's scores, whether the token is real: 2 x 16 + 1 channels a token, padding too) as transformers' does,
     layer 2 none; its steps attend over the pick (read by the torch reference); the same weights picking 64 tokens give
     other logits."""
-    model = tiny_model(model_type)
+    def check(cache, fp):
+        kept = cache.attention_layers[0].index_keys
+        assert tuple(kept.shape) == (2, 35, 33) and cache.attention_layers[1].index_keys is None
+        assert torch.equal(kept[..., -1], torch.cat([mask, torch.ones(2, 11, dtype=mask.dtype)], 1).to(kept.dtype))
+        assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
+
     ids, mask = left_padded(lengths, seed=3)
-    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    with torch.inference_mode():
-        fp = model.generate(input_ids=ids, attention_mask=mask, **settings)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            ours = model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **settings)
-            kept = cache.attention_layers[0].index_keys
-            assert tuple(kept.shape) == (2, 35, 33) and cache.attention_layers[1].index_keys is None
-            assert torch.equal(kept[..., -1], torch.cat([mask, torch.ones(2, 11, dtype=mask.dtype)], 1).to(kept.dtype))
-            assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
-        beams = dict(num_beams=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        fp_beams = model.generate(input_ids=ids, attention_mask=mask, **beams)
-        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **cache_argument(cache), **beams), fp_beams)
-        dense = tiny_model(model_type, index_topk=64).generate(input_ids=ids, attention_mask=mask, **settings)
-    assert torch.equal(ours.sequences, fp.sequences)
-    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
-    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1  # the pick matters here
-
-
-@pytest.mark.parametrize("model_type", GLM5_NEXT)
-def test_tokens_an_indexer_returns_decode_on_the_default_path_while_the_pick_is_every_token(model_type, decode_path):
-    """GLM-5 Next's indexer picks every token a query sees up to 11 (2 pools of 4, and the pool not yet complete): a
-    prompt of 6 tokens and 5 new ones decode on the layers' default decoder, not the reference reading a pick."""
-    model = tiny_model(model_type)
-    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode(), quantized_cache(model, fp16_kivi_bundle(model)) as cache:
-        model.generate(input_ids=ids, **cache_argument(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
-        assert cache.tokens() == [10]
-        assert [layer.decode_path for layer in cache.attention_layers] == [
-            {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]] * 2
+    assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk=64), ids, mask,
+                                              check, beams=True)
 
 
 @pytest.mark.parametrize("later_steps", LATER_STEPS)

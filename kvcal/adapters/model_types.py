@@ -129,7 +129,7 @@ ENCODERS_INSIDE = ("phi4_multimodal",)
 SCALED_NORMS_AFTER_ROPE = ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")
 # where their decoder has no rotary module, these apply no RoPE at all (Granite 4.0-H: position_embedding_type not
 # "rope"; OLMo Hybrid: no rope_theta, as released; Nemotron-H, Jamba and Kimi Linear, whose MLA's "rotated" key is
-# not rotated, always): every layer is NoPE
+# not rotated, always; GLM-5 Next, whose MLA has no rotated key): every layer is NoPE
 NOPE_WITHOUT_ROTARY = ("granitemoehybrid", "nemotron_h", "jamba", "olmo_hybrid", "opt", "gpt2", "gpt_bigcode",
                        "kimi_linear", "biogpt", "glm5_next_text")
 # Nemotron-H: its attention blocks' mixer; Mllama: its cross-attention layers' cross_attn

@@ -96,6 +96,32 @@ def decode_token_by_token(model, bundle, ids, cuda_layout: str = "rows"):
     return torch.stack(logits, dim=1), cache
 
 
+def assert_a_pick_generates_the_models_tokens(model, dense, ids, mask=None, check=None, beams: bool = False) -> None:
+    """generate() of 12 new tokens through a cache holding every token in fp16 gives `model`'s own tokens and logits
+    (greedy; with `beams`, beam search too, which reorders the cache's sequences); check(cache, fp), inside the cache's
+    block, asserts what it kept beside transformers' own output; `dense`, the same weights picking more tokens, gives
+    other logits: the pick matters here."""
+    from helpers.tiny_bundles import fp16_kivi_bundle
+
+    masked = {} if mask is None else dict(attention_mask=mask)
+    settings = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        fp = model.generate(input_ids=ids, **masked, **settings)
+        with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+            ours = model.generate(input_ids=ids, **masked, **cache_argument(cache), **settings)
+            if check is not None:
+                check(cache, fp)
+        if beams:
+            searched = dict(num_beams=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            fp_beams = model.generate(input_ids=ids, **masked, **searched)
+            with quantized_cache(model, fp16_kivi_bundle(model)) as cache:
+                assert torch.equal(model.generate(input_ids=ids, **masked, **cache_argument(cache), **searched), fp_beams)
+        dense = dense.generate(input_ids=ids, **masked, **settings)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
+    assert (torch.stack(dense.logits) - torch.stack(fp.logits)).abs().max() > 0.1
+
+
 @contextmanager
 def fed_in_steps(model, bundle, ids, mask, steps: list[int], cuda_layout: str = "rows", later_steps: str = "prefill"):
     """Within the block, (the logits of each step, the open cache) of feeding the left-padded (ids, mask) through a
