@@ -110,6 +110,24 @@ def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decod
     assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 2 + 80 * 4)
 
 
+def test_the_mla_benchmark_at_glm5_next_counts_the_indexer_states_and_decodes_the_pick(tmp_path, monkeypatch):
+    """At the tiny GLM-5 Next shape past its pick (8 pools of 4 tokens and the pool not yet complete): both caches hold
+    the indexer's states (2 x 16 + 1 channels, fp32 on the CPU) beside the latent, and no rotated key; kvcal's decode
+    steps attend over the pick on the torch reference."""
+    from benchmarks import common
+    from benchmarks.end_to_end import mla
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    mla.main(["--shape", "tiny-glm5-next", "--lengths", "80", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
+              "--profile-seqlen", "32", "--recipes", "kivi"])
+    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("mla_glm5_next_generate_*.json"))).read_text())
+    rows = {row["cache"]: row for row in result["results"]}
+    assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference"]
+    tokens = 80 + 3 - 1
+    assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * (96 * 4 + 33 * 4)
+    assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * (96 * 2 + 33 * 4)
+
+
 def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(tmp_path, monkeypatch, tiny_model_dir):
     """A run on a tiny model (no chat template: the request as plain text): greedy generate() and prompt lookup on
     DynamicCache and on kvcal's KIVI-2 cache (there also with later_steps="decode", giving greedy's tokens), greedy

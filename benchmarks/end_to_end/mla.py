@@ -13,7 +13,9 @@ v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, de
 (1408; the cache's work is the attention's) and a vocabulary of 1024 (`--shape tiny`: a small one for dry runs).
 `--shape deepseek-v2-lite-sparse` gives it DeepSeek-V3.2's sparse attention (its low-rank query of 1536 and its
 indexer: 64 heads of 128 channels picking 2048 tokens a query), whose indexer keys both caches keep beside the latent
-(`tiny-sparse`: a small one, picking 64).
+(`tiny-sparse`: a small one, picking 64). `--shape glm5-next` is GLM-5 Next's attention instead (no RoPE, 64 heads
+of 256 channels, its k-pool indexer picking the tokens of 128 pools of 16 and keeping 257 channels a token; hidden
+4096, MLPs as wide as one of its experts, 2048; `tiny-glm5-next`: a small one).
 Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
 given the same fp prefill of the prompt but its last token, in steps of --prefill-chunk tokens (kvcal's load it,
 DynamicCache takes it through its own update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
@@ -21,7 +23,8 @@ the rounds of each run's median step (the first step, the prompt's last token, n
 
 Usage: python -m benchmarks.end_to_end mla [--lengths 1024,4096,8192] [--batch 1] [--recipes kivi,kvquant]
        [--layers 4] [--new-tokens 8] [--rounds 2] [--device cpu] [--reference]      (see --help)
-Writes benchmarks/results/mla_generate_<device>.{json,md}, mla_sparse_generate_<device> at the sparse shapes (--out).
+Writes benchmarks/results/mla_generate_<device>.{json,md}, mla_sparse_generate_<device> at the sparse shapes,
+mla_glm5_next_generate_<device> at GLM-5 Next's (--out).
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ SHAPES = {  # (model_type, its config's fields)
                                                  "index_topk": 2048}),
     "tiny-sparse": ("deepseek_v32", {**_TINY, "q_lora_rank": 48, "index_n_heads": 16, "index_head_dim": 80,
                                      "index_topk": 64}),
+    # GLM-5 Next's MLA: no RoPE, 64 heads of 256 channels over a latent of 512, a k-pool indexer (32 heads of 128 picking
+    # the tokens of 128 pools of 16) keeping 257 channels a token
+    "glm5-next": ("glm5_next", dict(hidden_size=4096, intermediate_size=2048, num_attention_heads=64,
+                                    num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=0,
+                                    qk_nope_head_dim=256, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+                                    index_topk=2048, index_kpool=16, vocab_size=1024, max_position_embeddings=32768)),
+    "tiny-glm5-next": ("glm5_next", {**_TINY, "q_lora_rank": 48, "qk_rope_head_dim": 0, "index_n_heads": 16,
+                                      "index_head_dim": 16, "index_topk": 32, "index_kpool": 4}),
 }
 BASELINE = "DynamicCache"
 ON_REFERENCE = " (torch reference)"  # a recipe's row with its decode steps on the torch reference
@@ -83,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>, "
-                                                    "mla_sparse_generate_<device> at the sparse shapes)")
+                                                    "mla_sparse_generate_<device> at the sparse shapes, "
+                                                    "mla_glm5_next_generate_<device> at GLM-5 Next's)")
     args = parser.parse_args(argv)
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -112,17 +124,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def random_model(shape: str, layers: int, device: str, seed: int):
-    """A causal LM of `shape` (DeepSeek-V2's, or DeepSeek-V3.2's for the sparse shapes) with `layers` dense decoder
-    layers and random weights (transformers' own initialisation, seeded), bf16 on CUDA and fp32 on CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A causal LM of `shape` (DeepSeek-V2's, DeepSeek-V3.2's for the sparse shapes; GLM-5 Next's decoder, every layer
+    an MLA one running its own indexer, beside a vision tower of one small block) with `layers` dense decoder layers
+    and random weights (transformers' own initialisation, seeded), bf16 on CUDA and fp32 on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     model_type, fields = SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **fields, num_hidden_layers=layers, first_k_dense_replace=layers,
-                                  mlp_layer_types=["dense"] * layers, pad_token_id=None, bos_token_id=None,
-                                  eos_token_id=None, attn_implementation="sdpa")
+    text = dict(**fields, num_hidden_layers=layers, mlp_layer_types=["dense"] * layers, pad_token_id=None,
+                bos_token_id=None, eos_token_id=None)
+    if model_type == "glm5_next":
+        text.update(layer_types=["indexed_attention"] * layers, indexer_types=["full"] * layers)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=fields["hidden_size"],
+                      patch_size=14, projection_intermediate_size=64)
+        ids = dict(zip(("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                        "video_start_token_id", "video_end_token_id"), range(fields["vocab_size"] - 6, fields["vocab_size"])))
+        config, auto = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids), AutoModelForImageTextToText
+    else:
+        config, auto = AutoConfig.for_model(model_type, **text, first_k_dense_replace=layers), AutoModelForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        model = auto.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa")
     return model.eval()
 
 
@@ -164,7 +185,7 @@ def measure(args) -> dict:
     generator = torch.Generator().manual_seed(args.seed + 2)
     rows = []
     for length in args.lengths:
-        prompt = torch.randint(model.config.vocab_size, (args.batch, length), generator=generator).to(args.device)
+        prompt = torch.randint(model.config.get_text_config().vocab_size, (args.batch, length), generator=generator).to(args.device)
         with torch.inference_mode():
             context = fp_context(model, prompt[:1, :-1], args.prefill_chunk)
 
@@ -224,8 +245,8 @@ def table(result: dict, started: dict) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = provenance()
-    sparse = "_sparse" if SHAPES[args.shape][0] == "deepseek_v32" else ""
-    name = args.out or f"mla{sparse}_generate_{device_slug(started['device'])}"
+    kind = {"deepseek_v32": "_sparse", "glm5_next": "_glm5_next"}.get(SHAPES[args.shape][0], "")
+    name = args.out or f"mla{kind}_generate_{device_slug(started['device'])}"
     result = measure(args)
     write_result(name, result, started)
     write_markdown(name, table(result, started))
