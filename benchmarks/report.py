@@ -60,6 +60,8 @@ SECTIONS = [
     ("Multi-head latent attention", [("mla_generate_", "python -m benchmarks.end_to_end mla", ""),
                                      ("mla_sparse_generate_", "python -m benchmarks.end_to_end mla --shape "
                                                               "deepseek-v2-lite-sparse", ""),
+                                     ("mla_glm5_next_generate_", "python -m benchmarks.end_to_end mla --shape glm5-next",
+                                      ""),
                                      ("cpu_latent_", "python -m benchmarks.kernels cpu-latent", "")]),
 ]
 # README rows: (recipe or baseline, its row in pareto.json, what it is)
