@@ -40,8 +40,8 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                       + (f"; q/k channels in RoPE pair order (fingerprint {orders})" if any(rope_orders(fingerprint)) else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
-                      + (f"; multi-head latent attention: the value is a latent of {fingerprint['value_dim']} channels "
-                         "beside the rotated key" if latent_attention(fingerprint) else "")),
+                      + (_latent_text(fingerprint["value_dim"], [width for _, width in kv_shapes(fingerprint)])
+                         if latent_attention(fingerprint) else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
         ("windows", f"{calibration['nsamples']} x {calibration['seqlen']} tokens, seed {calibration['seed']}"),
@@ -84,8 +84,7 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
                       f"scores x {adapter.score_scale:.4g}"
                       + (f", soft-capped at {adapter.softcap:g}" if adapter.softcap else "")
                       + ("; attention sinks" if adapter.layers[0].sinks is not None else "")
-                      + (f"; multi-head latent attention: the value is a latent of {adapter.value_dims[0]} channels beside "
-                         "the rotated key" if adapter.latent else "")),
+                      + (_latent_text(adapter.value_dims[0], adapter.head_dims) if adapter.latent else "")),
         ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers),
                      "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)",
                      "cross": f"layers {list(adapter.cross_attention)} attending across to an image (its keys and values "
@@ -107,6 +106,13 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
                _rope_text(adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i)), f"{fp16[i]:,}"]
             for i, (handles, span) in enumerate(zip(adapter.layers, adapter.spans))]
     return ArtifactSummary("model", provenance, columns, rows)
+
+
+def _latent_text(value_dim: int, rotated_widths: list[int]) -> str:
+    """An MLA model's cache in a summary line: its latent, beside a rotated key where a layer rotates one (none of
+    GLM-5 Next's does)."""
+    key = "beside the rotated key" if any(rotated_widths) else "alone (no layer rotates a key)"
+    return f"; multi-head latent attention: the value is a latent of {value_dim} channels {key}"
 
 
 def _kv_heads_text(fingerprint: dict) -> str:

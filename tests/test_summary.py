@@ -1,10 +1,10 @@
 import pytest
 
-from helpers.tiny_models import MISTRAL_LARGE4, SPARSE_LATENTS
+from helpers.tiny_models import GLM5_NEXT, MISTRAL_LARGE4, SPARSE_LATENTS, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
-from kvcal.summary import _kv_heads_text, plot_profile, summarize
+from kvcal.summary import _kv_heads_text, model_summary, plot_profile, summarize
 
 
 def test_every_artifact_kind_has_a_per_layer_summary(tiny_profile, tmp_path):
@@ -97,3 +97,13 @@ def test_a_layer_storing_no_key_shows_no_key_bits(architecture_bundles):
     summary = summarize(architecture_bundles("mistral_large4")["kvquant"])
     bits_k = summary.columns.index("bits K")
     assert [row[bits_k] for row in summary.rows] == ["3", "-"]
+
+
+@pytest.mark.parametrize("model_type", ("deepseek_v3", *GLM5_NEXT))
+def test_an_mla_models_summary_names_a_rotated_key_where_a_layer_has_one(model_type):
+    """DeepSeek-V3's MLA caches its latent beside a rotated key; GLM-5 Next's, without RoPE, its latent alone."""
+    from kvcal.adapters import adapt
+
+    attention = dict(model_summary(adapt(tiny_model(model_type)), model_type).provenance)["attention"]
+    key = "beside the rotated key" if model_type == "deepseek_v3" else "alone (no layer rotates a key)"
+    assert attention.endswith(f"multi-head latent attention: the value is a latent of 96 channels {key}")
