@@ -181,7 +181,8 @@ def make_bundles(model, args, folder: Path, clock: Clock) -> tuple[dict[str, Pat
     if not args.recipes:
         return {}, timing
     generator = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.randint(model.config.get_text_config().vocab_size, (args.profile_windows * args.profile_seqlen,), generator=generator)
+    vocabulary = model.config.get_text_config().vocab_size  # (a composite's is its text config's)
+    ids = torch.randint(vocabulary, (args.profile_windows * args.profile_seqlen,), generator=generator)
     request = ProfileRequest(model=f"random {args.shape}", dataset="random token ids", nsamples=args.profile_windows,
                              seqlen=args.profile_seqlen, seed=args.seed, capture=CaptureSettings(sink=1, seed=args.seed),
                              kvmix=KvmixSettings(), device=args.device)

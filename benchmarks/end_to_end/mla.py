@@ -137,13 +137,16 @@ def random_model(shape: str, layers: int, device: str, seed: int):
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=fields["hidden_size"],
                       patch_size=14, projection_intermediate_size=64)
         ids = dict(zip(("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
-                        "video_start_token_id", "video_end_token_id"), range(fields["vocab_size"] - 6, fields["vocab_size"])))
-        config, auto = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids), AutoModelForImageTextToText
+                        "video_start_token_id", "video_end_token_id"),
+                       range(fields["vocab_size"] - 6, fields["vocab_size"])))
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
+        auto = AutoModelForImageTextToText
     else:
         config, auto = AutoConfig.for_model(model_type, **text, first_k_dense_replace=layers), AutoModelForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):
-        model = auto.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32, attn_implementation="sdpa")
+        model = auto.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                 attn_implementation="sdpa")
     return model.eval()
 
 
@@ -185,7 +188,8 @@ def measure(args) -> dict:
     generator = torch.Generator().manual_seed(args.seed + 2)
     rows = []
     for length in args.lengths:
-        prompt = torch.randint(model.config.get_text_config().vocab_size, (args.batch, length), generator=generator).to(args.device)
+        vocabulary = model.config.get_text_config().vocab_size
+        prompt = torch.randint(vocabulary, (args.batch, length), generator=generator).to(args.device)
         with torch.inference_mode():
             context = fp_context(model, prompt[:1, :-1], args.prefill_chunk)
 

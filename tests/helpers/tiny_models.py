@@ -137,9 +137,10 @@ def tiny_latent_widths(model_type: str) -> tuple[list[int], list[int]]:
     1 and GLM-5 Next's, without RoPE) and of what its indexer keeps a token: DeepSeek Sparse Attention's key (80; none on
     Hy V4's layer 1, reading layer 0's pick), GLM-5 Next's key, pool gate scores and real-token flag (2 x 16 + 1 on its
     layer 1; none on layer 2, reading layer 1's pick)."""
-    keys = [64, 0] if model_type == "mistral_large4" else [0, 0] if model_type in GLM5_NEXT else [64, 64]
-    index = ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [33, 0] if model_type in GLM5_NEXT else [0, 0]
-    return keys, index
+    if model_type in GLM5_NEXT:
+        return [0, 0], [33, 0]
+    keys = [64, 0] if model_type == "mistral_large4" else [64, 64]
+    return keys, ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
 
 
 def tiny_config(model_type: str, max_positions: int = 256, **overrides):
@@ -679,9 +680,9 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         del common["num_key_value_heads"], common["rope_theta"]
         common.update(qk_layernorm=True, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    if model_type in (*LATENT, "mistral_large4_text", "glm5_next_text"):  # as DeepSeek-V3: a latent of 96 channels and a rotated key of 64
-        # (two ggml blocks) per token, queries of a low rank (but Ling's), dense MLPs (the tiny experts' strides fail
-        # grouped_mm), no special tokens (an end-of-text id would stop generate early)
+    if model_type in (*LATENT, "mistral_large4_text", "glm5_next_text"):  # as DeepSeek-V3: a latent of 96 channels
+        # and a rotated key of 64 (two ggml blocks) per token, queries of a low rank (but Ling's), dense MLPs (the tiny
+        # experts' strides fail grouped_mm), no special tokens (an end-of-text id would stop generate early)
         del common["num_key_value_heads"]
         common.update(kv_lora_rank=96, q_lora_rank=48, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
                       first_k_dense_replace=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
