@@ -92,40 +92,26 @@ def test_the_mla_benchmark_decodes_dynamic_cache_and_kvcals_caches_and_counts_th
 
 
 @SPARSE_LATENTS
-def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decodes_the_pick(tmp_path, monkeypatch):
-    """At the tiny DeepSeek-V3.2 shape past its pick of 64 tokens: both caches hold the indexer's keys (80 channels, fp32
-    on the CPU) beside the latent and the rotated key, and kvcal's decode steps attend over the pick on the torch
-    reference."""
+@pytest.mark.parametrize("shape, prefix, bytes_per_token", [
+    ("tiny-sparse", "mla_sparse_generate_", {"DynamicCache": (96 + 64) * 4 + 80 * 4, "kvcal kivi": (96 + 64) * 2 + 80 * 4}),
+    ("tiny-glm5-next", "mla_glm5_next_generate_", {"DynamicCache": 96 * 4 + 33 * 4, "kvcal kivi": 96 * 2 + 33 * 4})])
+def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decodes_the_pick(tmp_path, monkeypatch, shape,
+                                                                                            prefix, bytes_per_token):
+    """At the tiny DeepSeek-V3.2 shape past its pick of 64 tokens, and at the tiny GLM-5 Next one past its pick (8 pools
+    of 4 tokens and the pool not yet complete): both caches hold the indexer's keys (DeepSeek-V3.2's 80 channels, GLM-5
+    Next's states of 2 x 16 + 1; fp32 on the CPU) beside the latent and the rotated key (GLM-5 Next's: none), and
+    kvcal's decode steps attend over the pick on the torch reference."""
     from benchmarks import common
     from benchmarks.end_to_end import mla
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    mla.main(["--shape", "tiny-sparse", "--lengths", "80", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
+    mla.main(["--shape", shape, "--lengths", "80", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
               "--profile-seqlen", "32", "--recipes", "kivi"])
-    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("mla_sparse_generate_*.json"))).read_text())
+    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob(f"{prefix}*.json"))).read_text())
     rows = {row["cache"]: row for row in result["results"]}
     assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference"]
-    tokens = 80 + 3 - 1
-    assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 4 + 80 * 4)
-    assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * ((96 + 64) * 2 + 80 * 4)
-
-
-def test_the_mla_benchmark_at_glm5_next_counts_the_indexer_states_and_decodes_the_pick(tmp_path, monkeypatch):
-    """At the tiny GLM-5 Next shape past its pick (8 pools of 4 tokens and the pool not yet complete): both caches hold
-    the indexer's states (2 x 16 + 1 channels, fp32 on the CPU) beside the latent, and no rotated key; kvcal's decode
-    steps attend over the pick on the torch reference."""
-    from benchmarks import common
-    from benchmarks.end_to_end import mla
-
-    monkeypatch.setattr(common, "RESULTS", tmp_path)
-    mla.main(["--shape", "tiny-glm5-next", "--lengths", "80", "--layers", "2", "--new-tokens", "3", "--rounds", "1",
-              "--profile-seqlen", "32", "--recipes", "kivi"])
-    result = json.loads((tmp_path / next(p.name for p in tmp_path.glob("mla_glm5_next_generate_*.json"))).read_text())
-    rows = {row["cache"]: row for row in result["results"]}
-    assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference"]
-    tokens = 80 + 3 - 1
-    assert rows["DynamicCache"]["cache_bytes"] == 2 * tokens * (96 * 4 + 33 * 4)
-    assert rows["kvcal kivi"]["cache_bytes"] == 2 * tokens * (96 * 2 + 33 * 4)
+    assert {name: row["cache_bytes"] for name, row in rows.items()} == {
+        name: 2 * (80 + 3 - 1) * per_token for name, per_token in bytes_per_token.items()}
 
 
 def test_the_speculative_benchmark_times_greedy_and_prompt_lookup_on_each_cache(tmp_path, monkeypatch, tiny_model_dir):
