@@ -428,9 +428,13 @@ def chosen_columns(kwargs: dict, columns: int, block: int = 1) -> torch.Tensor |
     count = -(-columns // block)
     if blocks is None or blocks.shape[-1] >= count:
         return None
-    chosen = torch.zeros(*blocks.shape[:3], count + 1, dtype=torch.bool, device=blocks.device)  # the last: -1's
-    chosen.scatter_(-1, blocks.long().masked_fill(blocks < 0, count), True)
-    return chosen[..., :count].repeat_interleave(block, -1)[..., :columns]
+    return _named(blocks, count).repeat_interleave(block, -1)[..., :columns]
+
+
+def _named(index: torch.Tensor, count: int) -> torch.Tensor:
+    """(..., count) booleans: which of `count` columns (or blocks) each row of `index` (..., k) names; -1 names none."""
+    named = torch.zeros(*index.shape[:-1], count + 1, dtype=torch.bool, device=index.device)  # (the last: -1's)
+    return named.scatter_(-1, index.long().masked_fill(index < 0, count), True)[..., :count]
 
 
 def step_mask_and_pick(layer_slot: Slot, attention_mask, kwargs: dict, columns: int):
@@ -459,9 +463,7 @@ def _returned_step_mask_and_pick(layer_slot: Slot, columns: int):
                          f"{columns} columns; call the model's forward, which runs them in order")
     m = pick.shape[1]
     step_mask = real[:, None, :] & torch.ones(m, columns, dtype=torch.bool, device=real.device).tril(columns - m)
-    named = pick.long().masked_fill((pick < 0) | (pick >= columns), columns)  # (column `columns`: none)
-    chosen = torch.zeros(*pick.shape[:2], columns + 1, dtype=torch.bool, device=pick.device).scatter_(-1, named, True)
-    chosen = chosen[..., :columns] & step_mask
+    chosen = _named(pick.masked_fill(pick >= columns, -1), columns) & step_mask  # (past the keys: none, as the model's)
     return step_mask[:, None], None if torch.equal(chosen, step_mask) else chosen[:, None]
 
 

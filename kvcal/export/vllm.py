@@ -98,7 +98,7 @@ def is_previous_export(folder: Path) -> bool:
     safetensors weights an export writes (a marker alone, copied into a folder of other files, is not one)."""
     marker = folder / EXPORT_MARKER
     try:
-        return (marker.is_file() and json.loads(marker.read_text()).get("kind") == EXPORT_KIND
+        return (holds_export_marker(folder) and json.loads(marker.read_text()).get("kind") == EXPORT_KIND
                 and (folder / "config.json").is_file() and any(folder.glob("*.safetensors")))
     except (OSError, ValueError, AttributeError):
         return False
