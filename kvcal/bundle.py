@@ -3,8 +3,9 @@
 Tensors: `layers.{i}.{k|v}.{field}` (whatever the layer's format needs: codebook, lo, hi for nuq layers;
 perm, group_start, clip for skvq layers; nothing for uniform layers), `layers.{i}.importance.{k|v}` and
 `rope.inv_freq` ((head_dim/2,), or (layers, head_dim/2) where layer types rotate differently). Metadata:
-`kvcal.config` JSON with the model fingerprint, the recipe (its method name and one entry per layer: storage format,
-bits, group size, window, sink, residual, pre_rope, outlier fraction, fp8, packing layout) and the calibration
+`kvcal.config` JSON with the model fingerprint, the recipe (its method name, one entry per layer: storage format,
+bits, group size, window, sink, residual, pre_rope, outlier fraction, fp8, packing layout; and, where a model's
+sparse layers keep them otherwise than as computed, `indexer_keys`: kvcal.indexer_keys) and the calibration
 provenance; `kvcal.sha256`, a checksum of all the
 metadata and of every tensor's name, dtype, shape and bytes (kvcal.artifacts). load_bundle validates
 schema, checksum, recipe (every field by type and range), tensor names (no missing, no extra ones), shapes,
@@ -25,9 +26,10 @@ from pathlib import Path
 import torch
 
 from kvcal import registry
-from kvcal.adapters import ModelAdapter, adapt, kv_shapes
+from kvcal.adapters import ModelAdapter, adapt, index_widths, kv_shapes
 from kvcal.artifacts import check_same_model, read_artifact, read_header, write_artifact
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import FORMATS as INDEXER_KEY_FORMATS
 
 BUNDLE_KIND = "bundle"
 # How the runtime packs codes (kvcal.packing): "lsb" words, except 3- and 5-7-bit codes as bit-planes. A bundle
@@ -73,6 +75,12 @@ class Bundle:
     @property
     def fingerprint(self) -> dict:
         return self.config["model"]["fingerprint"]
+
+    @property
+    def indexer_keys(self) -> str:
+        """How the cache keeps sparse layers' indexer keys (kvcal.indexer_keys.FORMATS; "model" where the recipe
+        names none)."""
+        return self.config.get("recipe", {}).get("indexer_keys", "model")
 
     def check_model(self, adapter: ModelAdapter) -> None:
         check_same_model(self.fingerprint, adapter.fingerprint(), f"bundle '{self.path}'", "this model", "calibrate for this model")
@@ -212,6 +220,13 @@ def load_bundle(path: str | Path, model=None) -> Bundle:
     if not isinstance(entries, list) or len(entries) != num_layers:
         raise KvcalError(f"bundle '{path}' has a recipe for {len(entries) if isinstance(entries, list) else 'no'} layers, "
                          f"the model {num_layers}; re-export the bundle")
+    indexer_keys = config["recipe"].get("indexer_keys", "model")
+    if indexer_keys not in INDEXER_KEY_FORMATS:
+        raise KvcalError(f"bundle '{path}' keeps indexer keys as {indexer_keys!r}, which this kvcal does not know "
+                         f"({', '.join(INDEXER_KEY_FORMATS)}); re-export the bundle")
+    if indexer_keys != "model" and not any(index_widths(fingerprint)):
+        raise KvcalError(f"bundle '{path}' keeps indexer keys as {indexer_keys} for a model whose layers keep none; "
+                         "re-export the bundle")
     layers = [_layer_recipe(entry, i, path) for i, entry in enumerate(entries)]
     if packing != PACKING and any(bits in (5, 6, 7) for layer in layers for bits in (layer.k_bits, layer.v_bits)):
         raise KvcalError(f"bundle '{path}' declares packing {packing!r}, which has no layout for its 5-7-bit codes; re-export the bundle")

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Protocol
 
 from kvcal import registry
-from kvcal.adapters import kv_widths
+from kvcal.adapters import adapt, index_widths, kv_widths
 from kvcal.artifacts import check_same_model, check_writable, read_artifact, read_header, write_artifact
 from kvcal.bundle import PACKING, write_bundle
 from kvcal.capture import CaptureSettings
 from kvcal.errors import KvcalError
-from kvcal.models import resolve_model
+from kvcal.indexer_keys import FORMATS as INDEXER_KEY_FORMATS
+from kvcal.models import load_model_structure, resolve_model
 from kvcal.profile import PROFILE_KIND, KvmixSettings, ProfileRequest, run_profile
 
 
@@ -34,11 +35,17 @@ class _Silent:
         pass
 
 
-def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None, settings=None) -> tuple[dict, dict]:
+def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None, settings=None,
+                 indexer_keys: str = "model") -> tuple[dict, dict]:
     """(tensors, config) of a bundle for `recipe` from a profile, the fitted artifact the recipe needs (if
-    any) and the recipe's settings (if it has any that are not in the artifact)."""
+    any) and the recipe's settings (if it has any that are not in the artifact); indexer_keys: how its cache keeps a
+    sparse model's indexer keys (kvcal.indexer_keys.FORMATS)."""
     spec = registry.recipe(recipe)
+    check_indexer_keys(indexer_keys)
     profile, profile_config = read_artifact(profile_path, PROFILE_KIND)
+    if indexer_keys != "model" and not any(index_widths(profile_config["model"]["fingerprint"])):
+        raise KvcalError(f"--indexer-keys {indexer_keys}: the profile's model keeps no indexer keys (no sparse attention "
+                         "layer); leave the option out")
     fitted = None
     if spec.artifact_kind is not None:
         if fitted_path is None:
@@ -63,7 +70,14 @@ def build_bundle(profile_path: str, recipe: str, fitted_path: str | None = None,
               "recipe": {"name": recipe, "packing": PACKING, "layers": [asdict(layer) for layer in layers]}}
     if recorded is not None:
         config["recipe"]["settings"] = registry.settings_metadata(spec, recorded)
+    if indexer_keys != "model":  # (absent: as computed, which bundles before the option keep)
+        config["recipe"]["indexer_keys"] = indexer_keys
     return tensors, config
+
+
+def check_indexer_keys(indexer_keys: str) -> None:
+    if indexer_keys not in INDEXER_KEY_FORMATS:
+        raise KvcalError(f"--indexer-keys '{indexer_keys}' is not one of {', '.join(INDEXER_KEY_FORMATS)}")
 
 
 # the settings a profile is made with (ProfileRequest's), before the counts that follow from them and the text
@@ -109,14 +123,18 @@ def artifacts_beside(out: Path, recipe: str) -> dict[str, Path]:
 
 def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str = "kvquant", out: str | Path | None = None,
               bits: float | None = None, nsamples: int = 16, seqlen: int = 512, seed: int = 0, dtype: str = "auto",
-              device: str = "cpu", progress: Progress | None = None) -> Path:
+              device: str = "cpu", indexer_keys: str = "model", progress: Progress | None = None) -> Path:
     """Profile `model` (a hub id, local directory or .gguf; None = the packaged SmolLM2) on `dataset`, fit
     `recipe` and write its bundle to `out` (default artifacts/<model>/bundle.safetensors), the profile and
     the fitted artifact beside it. `bits`: the code width for recipes that take one (kvquant, skvq, kivi), or
-    mixed's budget of real bits per element.
+    mixed's budget of real bits per element; indexer_keys: as build_bundle's.
     Every setting and output path is checked before the model is loaded. Returns the bundle's path."""
     spec = registry.recipe(recipe)
     _calibrate_settings(spec, bits)  # refused before the model is loaded
+    check_indexer_keys(indexer_keys)
+    if indexer_keys != "model" and not any(adapt(load_model_structure(model)[0]).index_widths):
+        raise KvcalError(f"--indexer-keys {indexer_keys}: {resolve_model(model).spec} keeps no indexer keys (no sparse "
+                         "attention layer); leave the option out")
     progress = progress or _Silent()
     inputs = [dataset, model]  # a text file or .gguf given as --dataset / --model must not be written over
     out = check_writable(out or Path("artifacts") / resolve_model(model).name / "bundle.safetensors", inputs=inputs)
@@ -135,7 +153,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
     request.validate()
     profile_path, _, _ = profile(request, staged, progress, "1/3 profile")
     try:
-        bundle = fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"))
+        bundle = fit_bundle(profile_path, recipe, out, bits, progress, ("2/3", "3/3"), indexer_keys)
     except KvcalError as exc:  # (a fit's refusal names its command's options, which calibrate does not take)
         kept = f"the profile is kept: {profile_path}" + ("; the earlier artifacts beside it are as they were" if earlier else "")
         how = f"; fit it with kvcal fit-{spec.artifact_kind} and that option, then kvcal export bundle" if spec.artifact_kind else ""
@@ -146,7 +164,7 @@ def calibrate(model: str | None = None, *, dataset: str = "builtin", recipe: str
 
 
 def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,
-               progress: Progress | None = None, steps: tuple[str, str] = ("1/2", "2/2")) -> Path:
+               progress: Progress | None = None, steps: tuple[str, str] = ("1/2", "2/2"), indexer_keys: str = "model") -> Path:
     """Fit `recipe` from a profile (if it is calibrated) and write its bundle to `out`, the fitted artifact beside it
     as <kind>.safetensors (what `kvcal calibrate` does after profiling). Returns the bundle's path."""
     spec = registry.recipe(recipe)
@@ -160,4 +178,4 @@ def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: flo
         tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
         fitted_path = str(write_artifact(artifacts_beside(out, recipe)[spec.artifact_kind], tensors, spec.artifact_kind, config))
     progress.stage(f"{steps[1]} export bundle", None)
-    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings))
+    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings, indexer_keys))

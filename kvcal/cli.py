@@ -62,6 +62,7 @@ DATASET_HELP = ("'builtin' (Python's pydoc topics), 'python-code' (the standard 
                 "or a datasets hub spec name[:config[:split]]")
 DTYPE_OPTION = typer.Option("auto", help="Model dtype: auto (float32 on CPU, bfloat16 on GPU), float32, float16, bfloat16.")
 DEVICE_OPTION = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map='auto' across GPUs).")
+INDEXER_KEYS_OPTION = typer.Option("model", help="How the cache keeps a sparse attention model's indexer keys (DeepSeek-V3.2, GLM-5, MiniMax-M3, Qwen4-Exp, ...): model (as computed, bf16 in their checkpoints) or fp8 (e4m3, a fp32 scale per 128 channels, as DeepSeek's inference and vLLM keep them).")
 
 
 def reports_errors(command):
@@ -437,6 +438,7 @@ def export_bundle_command(
     kivi_bits: Optional[int] = typer.Option(None, help="kivi recipe: bits for K and V (default 2)."),
     kivi_group: Optional[int] = typer.Option(None, help="kivi recipe: group size G (tokens per key block, channels per value group; default 32)."),
     kivi_residual: Optional[int] = typer.Option(None, help="kivi recipe: fp16 residual R, a multiple of G (default 128)."),
+    indexer_keys: str = INDEXER_KEYS_OPTION,
     out: Path = typer.Option(..., **OUTPUT_FILE, help="Output bundle (.safetensors), written atomically."),
 ):
     """Write one bundle (schema 2) with a per-layer recipe and the tensors it needs."""
@@ -460,7 +462,7 @@ def export_bundle_command(
     kivi = {name: value for name, value in (("bits", kivi_bits), ("group", kivi_group), ("residual", kivi_residual))
             if value is not None}
     settings = KiviSettings(**kivi) if spec.settings_type is KiviSettings else None
-    tensors, config = build_bundle(str(profile), recipe, str(fitted) if fitted else None, settings)
+    tensors, config = build_bundle(str(profile), recipe, str(fitted) if fitted else None, settings, indexer_keys)
     _print_summary(write_bundle(out, tensors, config))
 
 
@@ -535,6 +537,7 @@ def calibrate_command(
     bits: Optional[float] = typer.Option(None, help="Code width where the recipe takes one: kvquant (default 3), skvq (K and V, default 2), kivi (K and V, default 2); for mixed, real bits per element its widths may spend (default 3.0); refused for kvmix."),
     dtype: str = DTYPE_OPTION,
     device: str = DEVICE_OPTION,
+    indexer_keys: str = INDEXER_KEYS_OPTION,
     out: Optional[Path] = typer.Option(None, **OUTPUT_FILE, help="Output bundle. Default: artifacts/<model>/bundle.safetensors; the profile and fitted artifacts go beside it."),
 ):
     """Profile, fit and export in one command: the whole calibration with defaults (kvcal.calibrate in Python)."""
@@ -543,7 +546,7 @@ def calibrate_command(
     started = time.perf_counter()
     with _progress() as progress:
         path = calibrate(model, dataset=dataset, recipe=recipe, out=out, bits=bits, nsamples=nsamples, seqlen=seqlen, seed=seed,
-                         dtype=dtype, device=device, progress=_Stages(progress))
+                         dtype=dtype, device=device, indexer_keys=indexer_keys, progress=_Stages(progress))
     _print_summary(path)
     beside = ", ".join(sorted(p.name for p in artifacts_beside(path, recipe).values()))
     _note(f"wrote {path} (with {beside} beside it) in {time.perf_counter() - started:.1f} s")

@@ -14,6 +14,7 @@ import torch
 from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths, text_inputs
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import token_bytes
 from kvcal.model_caches import cache_argument
 from kvcal.runtime import generate as quantized_generate
 from kvcal.runtime import quantized_cache
@@ -242,9 +243,11 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
             piece = ids[:, start : start + step]
             decoder_of(model)(piece, **cache_argument(cache), use_cache=True, position_ids=chunk_positions(start, piece))
     outliers = cache.outliers()
-    spans, index_bytes = cache.adapter.spans, cache.adapter.index_bytes(model.dtype)
+    spans = cache.adapter.spans
+    stored_index = [token_bytes(bundle.indexer_keys, width, model.dtype.itemsize) for width in cache.adapter.index_widths]
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
             "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
-                                         spans=spans, value_width=value_widths, index_bytes=index_bytes),
-            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans, value_widths, index_bytes),
+                                         spans=spans, value_width=value_widths, index_bytes=stored_index),
+            "fp16_bytes": fp16_bytes(fingerprint["num_layers"], widths, tokens, spans, value_widths,
+                                     cache.adapter.index_bytes(model.dtype)),
             "outliers": outliers}

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvcal import wiring
 from kvcal.adapters import LatentAttention, ModelAdapter, adapt
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import round_trip, token_bytes
 from kvcal.kv import (SegmentPolicy, as_cached, per_query_head, per_query_head_pick, softcapped, softmax_with_sinks,
                       window_dropped)
 from kvcal.model_caches import taking
@@ -53,6 +55,7 @@ class Method:
     layers: list
     policy: SegmentPolicy
     fingerprint: dict | None = None  # of the model it was calibrated for; None for baselines
+    indexer_keys: str = "model"  # how sparse layers keep their indexer keys (kvcal.indexer_keys.FORMATS)
 
 
 def engine_dtype_method(name: str, codec, num_layers: int) -> Method:
@@ -107,7 +110,7 @@ class StorageTally:
     key_elements: int = 0  # stored: a sliding-window layer's kept tokens only
     value_elements: int = 0  # (as many as the keys' but in MLA, whose latent is wider than its key)
     outliers: int = 0
-    # DeepSeek Sparse Attention's indexer keys, which the cache keeps beside K and V as the model computes them
+    # sparse layers' indexer keys, which the cache keeps beside K and V (kvcal.indexer_keys)
     index_bits: float = 0.0
     index_elements: int = 0
 
@@ -122,10 +125,11 @@ class StorageTally:
         elements = self.elements + self.index_elements
         return (self.key_bits + self.value_bits + self.index_bits) / elements if elements else float("nan")
 
-    def add_index_keys(self, elements: int, dtype: torch.dtype) -> None:
-        """Count `elements` indexer-key elements kept in `dtype`."""
-        self.index_bits += elements * torch.finfo(dtype).bits
-        self.index_elements += elements
+    def add_index_keys(self, tokens: int, width: int, format_name: str, dtype: torch.dtype) -> None:
+        """Count the indexer keys of `tokens` tokens, `width` channels each, kept in format `format_name` by a model
+        computing them in `dtype`."""
+        self.index_bits += tokens * token_bytes(format_name, width, dtype.itemsize) * 8
+        self.index_elements += tokens * width
 
     def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int, dropped: int = 0) -> None:
         """Count a (tokens, channels) tensor of `kv_heads` KV heads whose rows in `stored` (the body: a run after the
@@ -171,6 +175,7 @@ class SimulatedLayer:
     masks: dict = field(default_factory=dict)
     keep_reads: bool = False  # other layers read this one's keys and values (KV sharing): keep what attend read
     reads: list | None = None  # per sequence, the keys and values (fp and as stored) the last attend read
+    indexer_keys: str = "model"  # how its indexer's keys are kept (kvcal.indexer_keys.FORMATS), if it has one
 
     def masks_for(self, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         if tokens not in self.masks:
@@ -318,9 +323,9 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
         return state.attend_as_reader(adapter.in_rope_order(query, slot.index), scale), None
     state.pre_rope_keys = slot.pre_rope_keys
     handles = adapter.layers[slot.index]
-    # a sparse layer's: the tokens its indexer picked, its indexer keys cached as the model computes them
+    # a sparse layer's: the tokens its indexer picked (reading its keys as kept: _indexer_round_trip), its indexer keys
     chosen = wiring.step_mask_and_pick(slot, attention_mask, kwargs, tokens)[1]
-    state.tally.add_index_keys(query.shape[0] * tokens * adapter.index_widths[slot.index], query.dtype)
+    state.tally.add_index_keys(query.shape[0] * tokens, adapter.index_widths[slot.index], state.indexer_keys, query.dtype)
     latent = handles.latent
     if latent is not None:
         rotated = query[..., latent.nope_dim:]
@@ -348,14 +353,56 @@ def simulated(model: torch.nn.Module, adapter: ModelAdapter, method: Method, tal
     states = [SimulatedLayer(_in_model_order(scheme, adapter.rope_orders[i]) if baseline else scheme, method.policy,
                              functools.lru_cache(maxsize=2)(functools.partial(adapter.layer_inv_freq, i)),
                              adapter.layer_rope_scaling(i), tally, adapter.spans[i], adapter.layers[i].sinks,
-                             adapter.softcap, adapter.first_position, keep_reads=bool(adapter.readers_of(i)))
+                             adapter.softcap, adapter.first_position, keep_reads=bool(adapter.readers_of(i)),
+                             indexer_keys=method.indexer_keys)
               for i, scheme in enumerate(method.layers)]
     owner = object()
     wired = wiring.wire(model, adapter, ATTENTION_NAME, owner, exclusive=True, attached=states)
     try:
-        yield tally
+        with nullcontext() if method.indexer_keys == "model" else indexer_keys_kept_as(adapter, method.indexer_keys):
+            yield tally
     finally:
         wiring.unwire(wired, owner)
+
+
+@contextmanager
+def indexer_keys_kept_as(adapter: ModelAdapter, format_name: str):
+    """Within the block, the model's indexers read their keys back as a cache keeping them in `format_name` hands them
+    back (kvcal.indexer_keys): the cache they are handed (transformers' own) stores each step's keys rounded so, and
+    without one (a simulated window, one forward) the window's come back rounded so. Its hooks run before the wiring's
+    own on an indexer, which then see the cache as at run time."""
+    hooks = [handles.indexer.register_forward_pre_hook(
+        lambda module, args, kwargs: wiring.with_cache(module, args, kwargs, lambda cache: _KeptAs(cache, format_name)),
+        with_kwargs=True, prepend=True) for handles in adapter.layers if handles.indexer is not None]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class _KeptAs:
+    """A cache as an indexer reads it where its keys are kept in `format_name`: the keys it hands over through
+    update_indexer (DeepSeek Sparse Attention's) or its layer's update_index (MiniMax-M3's) are rounded so, then kept by
+    `kept` (transformers' own cache, or its layer) or, where there is none, handed back."""
+
+    def __init__(self, kept, format_name: str):
+        self.kept, self.format = kept, format_name
+
+    def __getattr__(self, name):
+        return getattr(self.kept, name)
+
+    @property
+    def layers(self):
+        return defaultdict(lambda: self) if self.kept is None else [_KeptAs(layer, self.format) for layer in self.kept.layers]
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        keys = round_trip(self.format, keys)
+        return keys if self.kept is None else self.kept.update_indexer(keys, layer_idx)
+
+    def update_index(self, keys: torch.Tensor) -> torch.Tensor:
+        keys = round_trip(self.format, keys)
+        return keys if self.kept is None else self.kept.update_index(keys)
 
 
 class QuantizedOnWrite(DynamicCache):

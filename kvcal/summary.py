@@ -16,6 +16,7 @@ from kvcal.adapters import (ModelAdapter, index_widths, kv_shapes, kv_widths, la
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import DESCRIPTIONS, token_bytes
 from kvcal.profile import PROFILE_KIND
 from kvcal.registry import ArtifactSummary
 from kvcal.rope import layer_inv_freq, layer_rope_scaling
@@ -167,17 +168,18 @@ def _model_rows(config: dict) -> list[tuple[str, str]]:
 EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 
 
-def effective_bits(layers: list, fingerprint: dict, tokens: int) -> float:
+def effective_bits(layers: list, fingerprint: dict, tokens: int, indexer_keys: str = "model") -> float:
     """Cache bits per element after a prefill of `tokens` (kvcal.runtime.memory) for the layers of an artifact's
-    model, with each layer's outlier fraction of its quantized elements as outliers; DeepSeek Sparse Attention's
-    indexer keys count among the elements, at 2 bytes (a bf16 or fp16 model's)."""
+    model, with each layer's outlier fraction of its quantized elements as outliers; sparse layers' indexer keys count
+    among the elements, kept in format `indexer_keys` (kvcal.indexer_keys; "model": at 2 bytes, a bf16 or fp16
+    model's)."""
     kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
     widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
     index = index_widths(fingerprint)
     outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, kind == "k")[1] * widths[kind][i]
                          for i, layer in enumerate(layers) for kind in "kv"))
     stored = cache_bytes(layers, widths["k"], tokens, outliers, kv_heads=kv_heads, value_width=widths["v"],
-                         index_bytes=[width * FP16_BYTES for width in index])
+                         index_bytes=[token_bytes(indexer_keys, width, FP16_BYTES) for width in index])
     return stored * 8 / (tokens * (sum(widths["k"]) + sum(widths["v"]) + sum(index)))
 
 
@@ -185,11 +187,13 @@ def _bundle_summary(bundle: Bundle) -> ArtifactSummary:
     """The summary of a bundle that load_bundle validated: layers and tensors are sound, provenance is shown as found."""
     config, layers, tensors = bundle.config, bundle.layers, bundle.tensors
     fingerprint = bundle.fingerprint
-    bits = ", ".join(f"{effective_bits(layers, fingerprint, n):.3f} at {n} tokens"
+    bits = ", ".join(f"{effective_bits(layers, fingerprint, n, bundle.indexer_keys):.3f} at {n} tokens"
                      for n in EFFECTIVE_BITS_CONTEXTS)
+    indexed = [("indexer keys", DESCRIPTIONS[bundle.indexer_keys])] * any(index_widths(fingerprint))
     provenance = _model_rows(config) + [
         ("recipe", f"{bundle.recipe_name}; codes packed {PACKING['bit_order']} in int{PACKING['word_bits']} words, "
                    f"layout {PACKING['layout']} (3-bit: {PACKING['3-bit layout']}; 5-7-bit: {PACKING['5-7-bit layouts']})"),
+        *indexed,
         ("effective bits", f"{bits} (everything the cache stores / elements, after one prefill, with the recipe's outlier "
                            "fraction of elements as outliers; the real count depends on the text: `kvcal eval ppl` measures it)"),
         ("kvcal version", str(_get(config, "kvcal_version"))),

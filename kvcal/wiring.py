@@ -384,6 +384,15 @@ class _StepCounted:
         return self.kept.shape[1]
 
 
+def with_cache(module: torch.nn.Module, args: tuple, kwargs: dict, cache_for) -> tuple[tuple, dict]:
+    """(args, kwargs) of a call of `module` (a forward pre-hook's, with_kwargs) whose `cache` argument, handed by
+    position or by keyword (an indexer's: transformers calls some by position), is cache_for(that argument, or None)."""
+    at = list(inspect.signature(module.forward).parameters).index("cache")
+    if at < len(args):
+        return (*args[:at], cache_for(args[at]), *args[at + 1:]), kwargs
+    return args, {**kwargs, "cache": cache_for(kwargs.get("cache"))}
+
+
 def _mask_argument(attention: torch.nn.Module) -> int:
     """Where `attention_mask` sits among the positional arguments of the attention module's forward (which
     kvcal.adapters found it takes, LayerHandles.pick_in_mask)."""

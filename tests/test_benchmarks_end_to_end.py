@@ -93,14 +93,17 @@ def test_the_mla_benchmark_decodes_dynamic_cache_and_kvcals_caches_and_counts_th
 
 @SPARSE_LATENTS
 @pytest.mark.parametrize("shape, prefix, bytes_per_token", [
-    ("tiny-sparse", "mla_sparse_generate_", {"DynamicCache": (96 + 64) * 4 + 80 * 4, "kvcal kivi": (96 + 64) * 2 + 80 * 4}),
-    ("tiny-glm5-next", "mla_glm5_next_generate_", {"DynamicCache": 96 * 4 + 33 * 4, "kvcal kivi": 96 * 2 + 33 * 4})])
+    ("tiny-sparse", "mla_sparse_generate_", {"DynamicCache": (96 + 64) * 4 + 80 * 4, "kvcal kivi": (96 + 64) * 2 + 80 * 4,
+                                             "kvcal kivi, indexer fp8": (96 + 64) * 2 + 80 + 4}),
+    ("tiny-glm5-next", "mla_glm5_next_generate_", {"DynamicCache": 96 * 4 + 33 * 4, "kvcal kivi": 96 * 2 + 33 * 4,
+                                                   "kvcal kivi, indexer fp8": 96 * 2 + 33 + 4})])
 def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decodes_the_pick(tmp_path, monkeypatch, shape,
                                                                                             prefix, bytes_per_token):
     """At the tiny DeepSeek-V3.2 shape past its pick of 64 tokens, and at the tiny GLM-5 Next one past its pick (8 pools
     of 4 tokens and the pool not yet complete): both caches hold the indexer's keys (DeepSeek-V3.2's 80 channels, GLM-5
-    Next's states of 2 x 16 + 1; fp32 on the CPU) beside the latent and the rotated key (GLM-5 Next's: none), and
-    kvcal's decode steps attend over the pick on the torch reference."""
+    Next's states of 2 x 16 + 1; fp32 on the CPU, or in kvcal's second row FP8 codes and a 4-byte scale) beside the
+    latent and the rotated key (GLM-5 Next's: none), and kvcal's decode steps attend over the pick on the torch
+    reference."""
     from benchmarks import common
     from benchmarks.end_to_end import mla
 
@@ -109,7 +112,7 @@ def test_the_mla_benchmark_at_sparse_attention_counts_the_indexer_keys_and_decod
               "--profile-seqlen", "32", "--recipes", "kivi"])
     result = json.loads((tmp_path / next(p.name for p in tmp_path.glob(f"{prefix}*.json"))).read_text())
     rows = {row["cache"]: row for row in result["results"]}
-    assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference"]
+    assert [r["decode_path"] for r in rows.values()] == ["transformers", "reference", "reference"]
     assert {name: row["cache_bytes"] for name, row in rows.items()} == {
         name: 2 * (80 + 3 - 1) * per_token for name, per_token in bytes_per_token.items()}
 

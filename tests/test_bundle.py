@@ -227,6 +227,8 @@ def test_every_recipe_field_is_validated_by_type_and_range(bundle_path, tmp_path
     (lambda recipe: recipe["layers"][0].pop("sink"), "recipe of layer 0 is malformed"),
     (lambda recipe: recipe["layers"].pop(), "recipe for 1 layers, the model 2"),
     (lambda recipe: recipe.update(layers={"0": {}}), "recipe for no layers"),
+    (lambda recipe: recipe.update(indexer_keys="int4"), "keeps indexer keys as 'int4', which this kvcal does not know"),
+    (lambda recipe: recipe.update(indexer_keys="fp8"), "keeps indexer keys as fp8 for a model whose layers keep none"),
 ])
 def test_malformed_recipes_are_refused(bundle_path, tmp_path, edit, message):
     def config_fn(config):

@@ -227,31 +227,39 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
 
 @SPARSE_LATENTS
 def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_dir, tiny_corpus, tmp_path):
-    """DeepSeek-V3.2's (MLA with an indexer picking 8 tokens a query): profiled, fit and exported as MLA; eval ppl's
-    table and JSON give its indexer keys' bits (fp32 here), which its effective bits count beside K and V; eval memory's
-    live bytes are the formula's; plan refuses it in one line (no engine's cache of it is modelled)."""
+    """DeepSeek-V3.2's (MLA with an indexer picking 8 tokens a query): profiled, fit and exported as MLA, its indexer
+    keys kept as computed or in FP8 (--indexer-keys fp8); eval ppl's table and JSON give their bits (fp32 here; FP8:
+    80 codes and a 4-byte scale a token), which its effective bits count beside K and V; inspect names how they are
+    kept; eval memory's live bytes are the formula's; plan refuses it in one line (no engine's cache of it is
+    modelled)."""
     import json
 
     from helpers.tiny_bundles import profile_tiny_model
 
     model = tiny_model_dir("deepseek_v32")
     profile = profile_tiny_model(model, tiny_corpus, tmp_path / "profile.safetensors")
-    nuq, bundle, report = tmp_path / "nuq.safetensors", tmp_path / "kvquant.safetensors", tmp_path / "ppl.json"
+    nuq, report = tmp_path / "nuq.safetensors", tmp_path / "ppl.json"
+    bundles = {keys: tmp_path / f"kvquant-{keys}.safetensors" for keys in ("model", "fp8")}
     assert run("fit-nuq", profile, "--bits", 3, "--out", nuq).exit_code == 0
-    exported = run("export", "bundle", "--profile", profile, "--recipe", "kvquant", "--nuq", nuq, "--out", bundle)
-    assert exported.exit_code == 0, exported.output
-    result = run("eval", "ppl", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--seqlen", 64,
-                 "--windows", 2, "--json", report)
+    for keys, bundle in bundles.items():
+        exported = run("export", "bundle", "--profile", profile, "--recipe", "kvquant", "--nuq", nuq, "--indexer-keys",
+                       keys, "--out", bundle)
+        assert exported.exit_code == 0, exported.output
+        assert ("indexer keys FP8 e4m3" in " ".join(run("inspect", bundle).stdout.split())) == (keys == "fp8")
+    result = run("eval", "ppl", "--model", model, *[arg for bundle in bundles.values() for arg in ("--quant", bundle)],
+                 "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2, "--json", report)
     assert result.exit_code == 0, result.output
     assert "indexer bits" in result.stdout
-    row = next(r for r in json.loads(report.read_text())["results"] if r["method"] == "bundle:kvquant")
-    assert row["index_bits"] == 32.0 and row["key_bits"] < row["effective_bits"] < row["index_bits"]
-    memory = tmp_path / "memory.json"
-    measured = run("eval", "memory", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--context", 200,
-                   "--json", memory)
-    assert measured.exit_code == 0, measured.output
-    (row,) = json.loads(memory.read_text())["results"]
-    assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"] == 200 * 2 * ((64 + 96) * 2 + 80 * 4)
+    model_keys, fp8_keys = [r for r in json.loads(report.read_text())["results"] if r["method"] == "bundle:kvquant"]
+    assert model_keys["index_bits"] == 32.0 and model_keys["key_bits"] < model_keys["effective_bits"] < 32.0
+    assert fp8_keys["index_bits"] == pytest.approx(8 * 84 / 80) and fp8_keys["effective_bits"] < model_keys["effective_bits"]
+    for keys, bundle in bundles.items():
+        memory = tmp_path / f"memory-{keys}.json"
+        measured = run("eval", "memory", "--model", model, "--quant", bundle, "--dataset", tiny_corpus, "--context", 200,
+                       "--json", memory)
+        assert measured.exit_code == 0, measured.output
+        (row,) = json.loads(memory.read_text())["results"]
+        assert row["live_bytes"] == row["formula_bytes"] < row["fp16_bytes"] == 200 * 2 * ((64 + 96) * 2 + 80 * 4)
     refused(run("plan", profile, "--engine", "llama.cpp", "--budget", 6), "llama.cpp's cache of deepseek_v32 is not modelled")
 
 
@@ -409,6 +417,27 @@ def test_export_bundle_refuses_an_option_its_recipe_does_not_read(tiny_profile, 
                           (["--recipe", "kvmix", "--kivi-bits", 4], "recipe kvmix does not read --kivi-bits")):
         refused(run("export", "bundle", "--profile", profile, *args, "--out", out), message)
         assert not out.exists()
+
+
+def test_indexer_keys_in_fp8_are_refused_for_a_model_without_sparse_layers(tiny_model_dir, tiny_corpus, tiny_profile,
+                                                                          tmp_path, monkeypatch):
+    """--indexer-keys fp8 for a model whose layers keep no indexer keys (Llama), or an unknown format, is refused in one
+    line, nothing written; calibrate refuses it before the model's weights are loaded."""
+    import kvcal.profile
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    _, profile = tiny_profile
+    out = tmp_path / "run" / "bundle.safetensors"
+    for keys, message in (("fp8", "--indexer-keys fp8: the profile's model keeps no indexer keys"),
+                          ("int4", "--indexer-keys 'int4' is not one of model, fp8")):
+        refused(run("export", "bundle", "--profile", profile, "--recipe", "kivi", "--indexer-keys", keys, "--out", out),
+                message)
+    monkeypatch.setattr(kvcal.profile, "load_model", no_loading)
+    refused(run("calibrate", "--model", tiny_model_dir("llama"), "--dataset", tiny_corpus, "--indexer-keys", "fp8",
+                "--out", out), "keeps no indexer keys (no sparse attention layer)")
+    assert not out.parent.exists()
 
 def test_eval_generate_passkey_and_memory_on_bundles(tiny_profile, tiny_corpus, recipe_bundles, tmp_path):
     import json

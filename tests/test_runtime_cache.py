@@ -18,12 +18,13 @@ from kvcal import registry, wiring
 from kvcal.adapters import adapt, text_inputs
 from kvcal.bundle import load_bundle
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import token_bytes
 from kvcal.methods import artifact_method, bundle_method
 from kvcal.model_caches import CACHE_ARGUMENT, cache_argument
 from kvcal.runtime import cpu_kernel, generate, quantized_cache
 from kvcal.runtime.cache import ATTENTION_NAME, LATER_STEPS
-from kvcal.runtime.fp_context import fp_context
-from kvcal.simulate import StorageTally, simulated
+from kvcal.runtime.fp_context import _indexer_keys, fp_context
+from kvcal.simulate import StorageTally, indexer_keys_kept_as, simulated
 from kvcal.version import transformers_from
 
 TOKENS = 40
@@ -1086,7 +1087,7 @@ def test_sparse_attention_generates_its_own_fp_tokens(model_type, decode_path):
     picked (read by the torch reference), the sequences' tokens told from padding by the mask; the same weights
     attending to 64 tokens give other logits."""
     def check(cache, fp):
-        kept = [None if layer.index_keys is None else tuple(layer.index_keys.shape) for layer in cache.attention_layers]
+        kept = [None if layer.index_keys is None else tuple(layer.index_keys.decoded().shape) for layer in cache.attention_layers]
         assert kept == [(2, 35, 80), None if model_type in HY_V4 else (2, 35, 80)]  # (Hy V4's layer 1 reads 0's pick)
         assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2  # (past the top 8)
 
@@ -1103,7 +1104,7 @@ def test_block_sparse_attention_generates_its_own_fp_tokens(model_type, decode_p
     blocks picked (read by the torch reference; the full layer by the default decoder); the same weights attending to
     64 blocks give other logits."""
     def check(cache, fp):
-        assert [None if layer.index_keys is None else tuple(layer.index_keys.shape)
+        assert [None if layer.index_keys is None else tuple(layer.index_keys.decoded().shape)
                 for layer in cache.attention_layers] == [(2, 35, 16), None]
         assert [layer.decode_path for layer in cache.attention_layers] == [
             "reference", {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]]
@@ -1124,7 +1125,7 @@ def test_tokens_picked_inside_the_mask_generate_their_own_fp_tokens(lengths, dec
     torch reference); the same weights picking 16 blocks give other logits."""
     def check(cache, fp):
         fp_cache = fp["cache"] if "cache" in fp else fp["past_key_values"]  # (its name from transformers 5.25)
-        assert [tuple(layer.index_keys.shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
+        assert [tuple(layer.index_keys.decoded().shape) for layer in cache.attention_layers] == [(2, 35, 16)] * 2
         assert torch.equal(cache.attention_layers[0].indexer_position_ids, fp_cache.layers[1].indexer_position_ids)
         assert cache.attention_layers[1].indexer_position_ids is None
         assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
@@ -1159,7 +1160,7 @@ def test_tokens_an_indexer_returns_generate_their_own_fp_tokens(model_type, leng
     layer 2 none; its steps attend over the pick (read by the torch reference); the same weights picking 64 tokens give
     other logits."""
     def check(cache, fp):
-        kept = cache.attention_layers[0].index_keys
+        kept = cache.attention_layers[0].index_keys.decoded()
         assert tuple(kept.shape) == (2, 35, 33) and cache.attention_layers[1].index_keys is None
         assert torch.equal(kept[..., -1], torch.cat([mask, torch.ones(2, 11, dtype=mask.dtype)], 1).to(kept.dtype))
         assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
@@ -1167,6 +1168,33 @@ def test_tokens_an_indexer_returns_generate_their_own_fp_tokens(model_type, leng
     ids, mask = left_padded(lengths, seed=3)
     assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk=64), ids, mask,
                                               check, beams=True)
+
+
+@pytest.mark.parametrize("model_type", DSA[:1] + HY_V4[:1] + MINIMAX_M3[:1] + known(("qwen4_exp_text",)) + GLM5_NEXT)
+def test_indexer_keys_kept_in_fp8_are_what_the_indexer_reads_back(model_type, decode_path):
+    """A bundle keeping indexer keys in FP8 (kvcal.indexer_keys), every other token fp16: generate() of 12 new tokens
+    over prompts of 24 and 17 (MiniMax-M3, which refuses padding: of 24) stores each token's indexer keys as e4m3 codes
+    and one fp32 scale (their bytes), the first indexed layer's as transformers' own cache holds them where each step's
+    keys are rounded so, and gives the model's tokens and logits when its indexers read their keys so rounded."""
+    model = tiny_model(model_type)
+    ids, mask = left_padded((24, 24) if model_type in MINIMAX_M3 else (24, 17), seed=3)
+    settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        with indexer_keys_kept_as(adapt(model), "fp8"):
+            fp = model.generate(input_ids=ids, **settings)
+        theirs = fp["cache"] if "cache" in fp else fp["past_key_values"]  # (its name from transformers 5.25)
+        with quantized_cache(model, fp16_kivi_bundle(model, indexer_keys="fp8")) as cache:
+            ours = model.generate(input_ids=ids, **cache_argument(cache), **settings)
+            indexed = [i for i, width in enumerate(cache.adapter.index_widths) if width]
+            for i in indexed:
+                kept = _indexer_keys(theirs.layers[cache.adapter.model_layers[i]])
+                width = cache.adapter.index_widths[i]
+                assert cache.attention_layers[i].index_bytes() == 2 * 35 * token_bytes("fp8", width, 4) < kept.numel() * 4
+                if i == indexed[0]:  # (from the embeddings alone: an fp16 cache's rounding reaches later layers' keys)
+                    assert torch.equal(cache.attention_layers[i].index_keys.decoded(), kept)
+    assert torch.equal(ours.sequences, fp.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(fp.logits), rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("later_steps", LATER_STEPS)

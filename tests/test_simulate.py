@@ -5,16 +5,17 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from helpers.tiny_models import (GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, LATENT, MINIMAX_M3, OWN_ATTENTION,
+from helpers.tiny_models import (DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM5_NEXT, LATENT, MINIMAX_M3, OWN_ATTENTION,
                                  TINY_ARCHITECTURES, known, tiny_latent_widths, tiny_model)
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import token_bytes
 from kvcal.kv import SegmentPolicy, as_cached
 from kvcal.methods import baseline_method
 from kvcal.methods.kivi import kivi_layer
 from kvcal.model_caches import cache_argument
 from kvcal.quantizers import LayerCodecs, Quantized, uniform_per_channel, uniform_per_token
-from kvcal.simulate import Method, StorageTally, SimulatedLayer, simulated
+from kvcal.simulate import Method, StorageTally, SimulatedLayer, indexer_keys_kept_as, simulated
 
 
 class Identity:
@@ -104,6 +105,29 @@ def test_block_sparse_attention_simulated_unquantized_is_the_models_own(model_ty
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)
     assert (dense - expected).abs().max() > 0.1
     assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * 16, 2 * 33 * 16)
+
+
+@pytest.mark.parametrize("model_type", DSA[:1] + MINIMAX_M3[:1] + known(("qwen4_exp_text",)) + GLM5_NEXT)
+def test_indexer_keys_simulated_in_fp8_are_picked_from_as_the_cache_keeps_them(model_type):
+    """A method keeping indexer keys in FP8 (kvcal.indexer_keys): the simulation's indexers pick from their keys rounded
+    so, the model's logits where transformers' own cache hands them back rounded so (and its K/V rounded to fp16, as
+    kvcal's), which differ from those of keys kept as computed; the tally counts e4m3 codes and one fp32 scale a token
+    and layer."""
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    ids = torch.randint(0, 500, (2, 33), generator=torch.Generator().manual_seed(1))
+    method = Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1), indexer_keys="fp8")
+    with torch.inference_mode():
+        with indexer_keys_kept_as(adapter, "fp8"):
+            expected = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
+        as_computed = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
+        with simulated(model, adapter, method, StorageTally()) as tally:
+            got = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)
+    assert (as_computed - expected).abs().max() > 0.01
+    widths = [width for width in adapter.index_widths if width]
+    assert tally.index_bits == 8 * 2 * 33 * sum(token_bytes("fp8", width, 4) for width in widths)
+    assert tally.index_elements == 2 * 33 * sum(widths)
 
 
 @pytest.mark.parametrize("model_type", LATENT)

@@ -170,8 +170,10 @@ class Clock:
 # bundles
 
 
-def make_bundles(model, args, folder: Path, clock: Clock) -> tuple[dict[str, Path], dict]:
-    """Profile the model on random token ids, fit and export every recipe's bundle: (recipe -> path, timings)."""
+def make_bundles(model, args, folder: Path, clock: Clock, indexer_keys: tuple[str, ...] = ("model",)) -> tuple[dict[str, Path], dict]:
+    """Profile the model on random token ids, fit and export every recipe's bundle, once for each way of keeping a
+    sparse model's indexer keys (kvcal.indexer_keys): (its label -> path, timings), labelled by recipe ("kvquant"; with
+    indexer keys kept otherwise than as computed, "kvquant, indexer fp8")."""
     from kvcal.artifacts import write_artifact
     from kvcal.calibration import fit_bundle
     from kvcal.capture import CaptureSettings
@@ -199,10 +201,12 @@ def make_bundles(model, args, folder: Path, clock: Clock) -> tuple[dict[str, Pat
     del tensors
     paths = {}
     for recipe in args.recipes:
-        began = time.perf_counter()
-        paths[recipe] = fit_bundle(profile, recipe, folder / recipe / "bundle.safetensors")
-        timing[f"fit_{recipe}_s"] = round(time.perf_counter() - began, 1)
-        print(f"bundle {recipe}: fitted and exported in {timing[f'fit_{recipe}_s']} s", flush=True)
+        for keys in indexer_keys:
+            label = recipe if keys == "model" else f"{recipe}, indexer {keys}"
+            began = time.perf_counter()
+            paths[label] = fit_bundle(profile, recipe, folder / recipe / f"bundle-{keys}.safetensors", indexer_keys=keys)
+            timing[f"fit_{label}_s"] = round(time.perf_counter() - began, 1)
+            print(f"bundle {label}: fitted and exported in {timing[f'fit_{label}_s']} s", flush=True)
     return paths, timing
 
 

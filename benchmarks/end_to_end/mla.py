@@ -15,7 +15,8 @@ v_head_dim 128, hidden 2048, a full-rank query) with --layers decoder layers, de
 indexer: 64 heads of 128 channels picking 2048 tokens a query), whose indexer keys both caches keep beside the latent
 (`tiny-sparse`: a small one, picking 64). `--shape glm5-next` is GLM-5 Next's attention instead (no RoPE, 64 heads
 of 256 channels, its k-pool indexer picking the tokens of 128 pools of 16 and keeping 257 channels a token; hidden
-4096, MLPs as wide as one of its experts, 2048; `tiny-glm5-next`: a small one).
+4096, MLPs as wide as one of its experts, 2048; `tiny-glm5-next`: a small one). At the sparse shapes each recipe runs
+twice: keeping the indexer keys as computed, and in FP8 (--indexer-keys; kvcal.indexer_keys).
 Bundles are fitted from a short profile of random token ids (benchmarks.end_to_end.gpu.make_bundles). Every cache is
 given the same fp prefill of the prompt but its last token, in steps of --prefill-chunk tokens (kvcal's load it,
 DynamicCache takes it through its own update) and decodes --new-tokens greedily; the caches of a length run in turn --rounds times; a row is the median over
@@ -70,6 +71,7 @@ ON_REFERENCE = " (torch reference)"  # a recipe's row with its decode steps on t
 def parse_args(argv=None) -> argparse.Namespace:
     from kvcal import registry
     from kvcal.errors import KvcalError
+    from kvcal.indexer_keys import FORMATS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v2-lite", help="model shape (default: %(default)s)")
@@ -91,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="the prompt's fp prefill in steps of this many "
                         "tokens: its attention, and at the sparse shapes its indexer's scores (64 heads x step x prompt "
                         "floats a layer), stay within memory (default: %(default)s)")
+    parser.add_argument("--indexer-keys", default=None, help="at the sparse shapes, how kvcal's caches keep the indexer "
+                        "keys, comma-separated (model: as computed; fp8: e4m3 with a scale per 128 channels, "
+                        "kvcal.indexer_keys): a row for each with each recipe (default: model,fp8 at the sparse "
+                        "shapes, model at the others)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and profile (default: %(default)s)")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results (default: mla_generate_<device>, "
@@ -114,6 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--lengths + --new-tokens reach past the shape's {positions} positions")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    sparse = SHAPES[args.shape][0] != "deepseek_v2"
+    args.indexer_keys = [k.strip() for k in (args.indexer_keys or ("model,fp8" if sparse else "model")).split(",") if k.strip()]
+    if not set(args.indexer_keys) <= set(FORMATS) or len(set(args.indexer_keys)) < len(args.indexer_keys):
+        parser.error(f"--indexer-keys lists each of {', '.join(FORMATS)} at most once")
+    if args.indexer_keys != ["model"] and not sparse:
+        parser.error(f"--indexer-keys: the {args.shape} shape has no indexer (a sparse shape has)")
     if args.profile_windows < 1 or args.profile_seqlen < 2:
         parser.error("--profile-windows is at least 1 and --profile-seqlen at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -183,7 +195,7 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         args.shape_name = f"random {args.shape}"
         paths, timing = gpu.make_bundles(model, argparse.Namespace(**{**vars(args), "shape": args.shape_name}), Path(folder),
-                                         clock)
+                                         clock, tuple(args.indexer_keys))
         bundles = {recipe: load_bundle(path) for recipe, path in paths.items()}
     generator = torch.Generator().manual_seed(args.seed + 2)
     rows = []

@@ -35,7 +35,8 @@ def bundle_method(bundle: Bundle) -> Method:
         raise KvcalError(f"bundle '{bundle.path}': layers with different sinks/windows/residuals cannot be simulated yet")
     nominal = sum(layer.k_bits + layer.v_bits for layer in bundle.layers) / (2 * len(bundle.layers))
     codecs = [bundle.layer_codecs(i) for i in range(len(bundle.layers))]
-    return Method(f"bundle:{bundle.recipe_name}", nominal, codecs, policies.pop(), fingerprint=bundle.fingerprint)
+    return Method(f"bundle:{bundle.recipe_name}", nominal, codecs, policies.pop(), fingerprint=bundle.fingerprint,
+                  indexer_keys=bundle.indexer_keys)
 
 
 def _accepted() -> str:

@@ -65,6 +65,7 @@ from kvcal import wiring
 from kvcal.adapters import ModelAdapter, adapt, decoder_of
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import StoredRows
 from kvcal.model_caches import CACHE_ARGUMENT, taking
 from kvcal.runtime import backends, cpu_kernel, reference
 from kvcal.runtime.fp_context import FpContext
@@ -119,7 +120,7 @@ class WiredCache(Cache):
     other layers are transformers' own), which it wires (kvcal.wiring) while open; serves only that model, only while
     open (see the module docstring)."""
 
-    def __init__(self, model, adapter: ModelAdapter, layers: list[RuntimeLayer]):
+    def __init__(self, model, adapter: ModelAdapter, layers: list[RuntimeLayer], indexer_keys: str = "model"):
         every = DynamicCache(config=model.config).layers if adapter.hybrid or any(adapter.keeps_state) else list(layers)
         for decoder_index, layer in zip(adapter.model_layers, layers):
             if isinstance(layer, StatefulRuntimeLayer):
@@ -129,6 +130,7 @@ class WiredCache(Cache):
         self.attention_layers = layers
         self._attention_index = {decoder_index: i for i, decoder_index in enumerate(adapter.model_layers)}
         self.model, self.adapter = model, adapter
+        self.indexer_keys = indexer_keys  # how sparse layers keep their indexer keys (kvcal.indexer_keys.FORMATS)
         self.closed = False
         for layer in layers:
             layer.cache = self
@@ -195,7 +197,8 @@ class WiredCache(Cache):
 
     def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Called by a DeepSeek Sparse Attention layer's indexer (and by RuntimeLayer.update_index): keep the step's
-        indexer keys (batch, tokens, channels) as the model computes them -> the layer's every token's so far."""
+        indexer keys (batch, tokens, channels) in the cache's indexer_keys format -> the layer's every token's so far,
+        as stored."""
         self._check_open()
         index = self._attention_index.get(layer_idx)
         if index is None or self.adapter.layers[index].indexer is None:
@@ -423,7 +426,7 @@ class WiredCache(Cache):
         for layer, (keys, values), pre_rope_keys in zip(self.attention_layers, rows, context.pre_rope_keys):
             layer.load(keys, pre_rope_keys, values, self.position_offset, chunk_bytes)
         for i in indexed:
-            self.attention_layers[i].index_keys = context.index_keys[i]
+            self.attention_layers[i].index_keys = StoredRows.encoded(self.indexer_keys, context.index_keys[i])
 
     def tokens(self) -> list[int]:
         """Tokens each sequence has had (its sliding-window layers hold fewer)."""
@@ -463,4 +466,4 @@ def quantized_cache(model, bundle, cuda_layout: str = "rows", later_steps: str =
             return SegmentedStore(codec, policy, kind == "k", rpc, batch, width, device, encoder_for=encoder_for,
                                   head_dim=head_dims[kind == "v"], decode_later_steps=later_steps == "decode")
         layers.append(runtime_layer(make_store, codecs.key_pre_rope, adapter, i))
-    return taking(WiredCache, model.config.model_type)(model, adapter, layers)
+    return taking(WiredCache, model.config.model_type)(model, adapter, layers, bundle.indexer_keys)

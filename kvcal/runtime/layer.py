@@ -15,6 +15,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
+from kvcal.indexer_keys import StoredRows
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, reference
 from kvcal.runtime.segments import out_of_window
@@ -59,9 +60,9 @@ class RuntimeLayer(CacheLayerMixin):
         self.latent = adapter.layers[index].latent
         self.latent_step: tuple[torch.Tensor, torch.Tensor] | None = None
         self.widths = (adapter.kv_widths[index], adapter.value_widths[index])  # of one token's keys and values
-        # a sparse layer's indexer keys (batch, padded_length, channels), as the model computes them and as
-        # transformers' cache keeps them (padding too: the indexer scores every column of the mask); None: none yet
-        self.index_keys: torch.Tensor | None = None
+        # a sparse layer's indexer keys (batch, padded_length, channels) as the cache's indexer_keys format keeps them,
+        # padding too, as transformers' cache keeps them (the indexer scores every column of the mask); None: none yet
+        self.index_keys: StoredRows | None = None
         # what decodes a step attending to an indexer's pick (the torch reference: the other decoders read every token)
         self.picking: backends.ReferenceDecoder | None = None
         # (position rows, batch, tokens): position ids Qwen4-Exp's model hands its first indexed layer's cache layer for
@@ -111,7 +112,7 @@ class RuntimeLayer(CacheLayerMixin):
         self.keys_store.take_sequences(seqs, index)
         self.values_store.take_sequences(seqs, index)
         if self.index_keys is not None:
-            self.index_keys = self.index_keys.index_select(0, index)
+            self.index_keys = self.index_keys.sequences(index)
         if self._indexer_positions is not None:
             self._indexer_positions = self._indexer_positions.index_select(1, index)
 
@@ -121,14 +122,18 @@ class RuntimeLayer(CacheLayerMixin):
         stepped = self.keys_store.take_back(tokens)
         self.values_store.take_back(tokens)
         self.padded_length -= tokens
-        self.index_keys, self._indexer_positions = self._stored_part(self.index_keys, 1), self.indexer_position_ids
+        self.index_keys, self._indexer_positions = self._stored_index_keys(), self.indexer_position_ids
         return stepped
 
     def _stored_part(self, per_column: torch.Tensor | None, dim: int) -> torch.Tensor | None:
         """The stored tokens' columns (the first padded_length along `dim`) of what a model hands the layer a column at
-        a time: the indexer keys, their positions; None where it stored none. A step refused after the model handed
-        over its own leaves them past padded_length, let go so."""
+        a time: the indexer keys' positions; None where it stored none. A step refused after the model handed over its
+        own leaves them past padded_length, let go so."""
         return per_column.narrow(dim, 0, self.padded_length) if per_column is not None and self.padded_length else None
+
+    def _stored_index_keys(self) -> StoredRows | None:
+        """The stored tokens' indexer keys, as _stored_part's."""
+        return self.index_keys.first(self.padded_length) if self.index_keys is not None and self.padded_length else None
 
     @property
     def indexer_position_ids(self) -> torch.Tensor | None:
@@ -143,11 +148,11 @@ class RuntimeLayer(CacheLayerMixin):
         self._indexer_positions = positions
 
     def keep_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """Append a step's indexer keys (batch, tokens, channels) to the stored tokens' -> every token's so far
-        (transformers' update_indexer; those of a step refused after the model handed them over are not kept)."""
-        stored = self._stored_part(self.index_keys, 1)
-        self.index_keys = keys if stored is None else torch.cat([stored, keys], 1)
-        return self.index_keys
+        """Append a step's indexer keys (batch, tokens, channels) to the stored tokens' -> every token's so far, as
+        stored (transformers' update_indexer; those of a step refused after the model handed them over are not kept)."""
+        stored, step = self._stored_index_keys(), StoredRows.encoded(self.cache.indexer_keys, keys)
+        self.index_keys = step if stored is None else stored.appended(step)
+        return self.index_keys.decoded()
 
     def update_index(self, indexer_keys: torch.Tensor) -> torch.Tensor:
         """Called by a MiniMax-M3 sparse layer's indexer on its cache layer (transformers' MiniMaxM3VLSparseCacheLayer):
@@ -156,8 +161,8 @@ class RuntimeLayer(CacheLayerMixin):
         return self.cache.update_indexer(indexer_keys[:, 0], self.cache.adapter.model_layers[self.index])[:, None]
 
     def index_bytes(self) -> int:
-        kept = self._stored_part(self.index_keys, 1)
-        return 0 if kept is None else kept.numel() * kept.element_size()
+        kept = self._stored_index_keys()
+        return 0 if kept is None else kept.nbytes
 
     def _allocate(self, batch: int, device, tokens: int) -> None:
         """Storage for `batch` sequences of the layer's keys and values (`widths`), and the RoPE frequencies of a

@@ -213,7 +213,7 @@ def stored_state(cache) -> list:
                 state.append([list(counts) for counts in (store.rpc, store.sink.length, store.body.length, store.recent.length,
                                                           store.body.outliers)])
                 state.extend(store.read(b).cpu() for b in range(len(store.rpc)))
-        state.append(None if layer.index_keys is None else layer.index_keys.cpu())
+        state.append(None if layer.index_keys is None else layer.index_keys.decoded().cpu())
     return state
 
 

@@ -10,24 +10,26 @@ import torch
 from helpers.tiny_models import tiny_model
 
 
-def kivi_bundle(model, bits: int, group: int, residual: int):
+def kivi_bundle(model, bits: int, group: int, residual: int, indexer_keys: str = "model"):
     """An in-memory KIVI bundle for `model` (no calibration): bits-bit codes, key blocks of `group` tokens and value
-    groups of `group` channels, an fp16 residual of `residual` tokens, in every layer."""
+    groups of `group` channels, an fp16 residual of `residual` tokens, in every layer; sparse layers' indexer keys kept
+    in format `indexer_keys` (kvcal.indexer_keys)."""
     from kvcal.adapters import adapt
     from kvcal.bundle import Bundle, LayerRecipe
 
     adapter = adapt(model)
     layers = [LayerRecipe("uniform", bits, bits, False, group_size=group, residual=residual) for _ in adapter.layers]
-    return Bundle(Path(f"kivi-{adapter.model_type}"), "kivi", layers, {}, {"model": {"fingerprint": adapter.fingerprint()}})
+    return Bundle(Path(f"kivi-{adapter.model_type}"), "kivi", layers, {}, {"model": {"fingerprint": adapter.fingerprint()},
+                                                                          "recipe": {"indexer_keys": indexer_keys}})
 
 
-def fp16_kivi_bundle(model, residual: int = 256):
+def fp16_kivi_bundle(model, residual: int = 256, indexer_keys: str = "model"):
     """An in-memory bundle for `model` that stores every token fp16: 4-bit KIVI (G = 16) whose fp16 residual
     of `residual` tokens is longer than anything a test feeds. KIVI moves keys to the quantized body in whole
     blocks of the residual and values out of an fp16 FIFO of the residual, so below `residual` tokens nothing
     is quantized: the cache is an identity quantizer up to fp16 rounding of K/V, and the runtime must give the
     fp model's tokens."""
-    return kivi_bundle(model, 4, 16, residual)
+    return kivi_bundle(model, 4, 16, residual, indexer_keys)
 
 
 def windowed_short_steps(model_type: str, window: int):

@@ -1,0 +1,85 @@
+"""How a cache keeps a sparse layer's indexer keys (DeepSeek Sparse Attention's, MiniMax-M3's and Qwen4-Exp's; GLM-5
+Next's packed indexer states): each token's row of `width` channels in one of FORMATS.
+
+- "model": as the model computes them (bf16 in the released checkpoints), width x the model's bytes a token.
+- "fp8": FP8 e4m3 codes with one fp32 scale per GROUP channels of a token (the scale maps the group's largest
+  magnitude to e4m3's largest value, 448), width + 4 x ceil(width / GROUP) bytes a token: DeepSeek-V3.2's own
+  inference and vLLM keep its indexer keys so. FP8 is floating point, so a large channel costs the others of its
+  group little precision: a value comes back within 1/16 of itself down to 2^-6 of the scale (e4m3's smallest
+  normal), within 2^-10 of the scale below. Zero stays zero: GLM-5 Next's real-token flag keeps which tokens are
+  real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own).
+
+A row is encoded on its own, when it is stored: a cache that hands back every token's keys so far decodes what it
+stored, and the simulation's round trip gives the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("model", "fp8")
+DESCRIPTIONS = {"model": "as the model computes them (2 bytes a channel in a bf16 model)",
+                "fp8": "FP8 e4m3, one fp32 scale per 128 channels of a token"}
+GROUP = 128  # channels a scale serves (DeepSeek-V3.2's indexer key: one group)
+FP8 = torch.float8_e4m3fn
+SCALE_BYTES = 4
+
+
+def groups(width: int) -> int:
+    return -(-width // GROUP)
+
+
+def token_bytes(format_name: str, width: int, model_bytes: int) -> int:
+    """Bytes one token's indexer row of `width` channels takes in `format_name` (model_bytes: the model dtype's)."""
+    return width + SCALE_BYTES * groups(width) if format_name == "fp8" else width * model_bytes
+
+
+class StoredRows:
+    """One cache layer's indexer rows (batch, tokens, width) as a format keeps them: "model" the rows themselves,
+    "fp8" their codes and scales (batch, tokens, groups). Rows stay as stored; decoded() gives them back in the dtype
+    the model handed them in."""
+
+    def __init__(self, format_name: str, parts: tuple[torch.Tensor, ...], dtype: torch.dtype):
+        self.format, self.parts, self.dtype = format_name, parts, dtype
+
+    @classmethod
+    def encoded(cls, format_name: str, rows: torch.Tensor) -> StoredRows:
+        if format_name == "model":
+            return cls(format_name, (rows,), rows.dtype)
+        width = rows.shape[-1]
+        grouped = torch.nn.functional.pad(rows.float(), (0, groups(width) * GROUP - width)).unflatten(-1, (-1, GROUP))
+        largest = grouped.abs().amax(-1)
+        scales = torch.where(largest > 0, largest / torch.finfo(FP8).max, torch.ones_like(largest))
+        codes = (grouped / scales[..., None]).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
+        return cls(format_name, (codes.flatten(-2)[..., :width].contiguous(), scales), rows.dtype)
+
+    @property
+    def tokens(self) -> int:
+        return self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.numel() * part.element_size() for part in self.parts)
+
+    def decoded(self) -> torch.Tensor:
+        if self.format == "model":
+            return self.parts[0]
+        codes, scales = self.parts
+        width = codes.shape[-1]
+        grouped = torch.nn.functional.pad(codes.float(), (0, scales.shape[-1] * GROUP - width)).unflatten(-1, (-1, GROUP))
+        return (grouped * scales[..., None]).flatten(-2)[..., :width].to(self.dtype)
+
+    def appended(self, step: StoredRows) -> StoredRows:
+        return StoredRows(self.format, tuple(torch.cat(pair, 1) for pair in zip(self.parts, step.parts)), self.dtype)
+
+    def first(self, tokens: int) -> StoredRows:
+        return StoredRows(self.format, tuple(part.narrow(1, 0, tokens) for part in self.parts), self.dtype)
+
+    def sequences(self, index: torch.Tensor) -> StoredRows:
+        """Sequences index[0], index[1], ... as sequences 0, 1, ..."""
+        return StoredRows(self.format, tuple(part.index_select(0, index) for part in self.parts), self.dtype)
+
+
+def round_trip(format_name: str, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (..., width) as a cache keeping them in `format_name` hands them back."""
+    return StoredRows.encoded(format_name, rows).decoded()
