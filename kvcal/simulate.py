@@ -323,7 +323,7 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
         return state.attend_as_reader(adapter.in_rope_order(query, slot.index), scale), None
     state.pre_rope_keys = slot.pre_rope_keys
     handles = adapter.layers[slot.index]
-    # a sparse layer's: the tokens its indexer picked (reading its keys as kept: _indexer_round_trip), its indexer keys
+    # a sparse layer's: the tokens its indexer picked (from its keys as kept: indexer_keys_kept_as), its indexer keys
     chosen = wiring.step_mask_and_pick(slot, attention_mask, kwargs, tokens)[1]
     state.tally.add_index_keys(query.shape[0] * tokens, adapter.index_widths[slot.index], state.indexer_keys, query.dtype)
     latent = handles.latent

@@ -76,9 +76,10 @@ def test_inspect_names_each_layer_shape_where_the_layers_differ():
 
 
 @SPARSE_LATENTS
-def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_bits(architecture_bundles):
+def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_as_kept(architecture_bundles):
     """DeepSeek-V3.2's fingerprint names its indexer-key widths (80 a layer): the summary's effective bits are the
-    K/V bits of the same bundle without them, with 16-bit indexer keys among the elements."""
+    K/V bits of the same bundle without them, with 16-bit indexer keys among the elements, or FP8 ones (8 bits and a
+    32-bit scale a token of 80)."""
     from kvcal.bundle import load_bundle
     from kvcal.summary import effective_bits
 
@@ -86,8 +87,9 @@ def test_a_sparse_attention_bundles_effective_bits_count_its_indexer_keys_at_16_
     plain = {key: value for key, value in bundle.fingerprint.items() if key != "layer_index_dims"}
     kv, index = 2 * (64 + 96), 2 * 80
     for tokens in (512, 4096):
-        expected = (effective_bits(bundle.layers, plain, tokens) * kv + 16 * index) / (kv + index)
-        assert effective_bits(bundle.layers, bundle.fingerprint, tokens) == pytest.approx(expected, rel=1e-12)
+        for indexer_keys, index_bits in (("model", 16), ("fp8", 8 + 32 / 80)):
+            expected = (effective_bits(bundle.layers, plain, tokens) * kv + index_bits * index) / (kv + index)
+            assert effective_bits(bundle.layers, bundle.fingerprint, tokens, indexer_keys) == pytest.approx(expected, rel=1e-12)
 
 
 @MISTRAL_LARGE4
