@@ -41,7 +41,7 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
                       + (f"; q/k channels in RoPE pair order (fingerprint {orders})" if any(rope_orders(fingerprint)) else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
-                      + (_latent_text(fingerprint["value_dim"], [width for _, width in kv_shapes(fingerprint)])
+                      + (_latent_text([width for _, width in kv_shapes(fingerprint, "v")], [width for _, width in kv_shapes(fingerprint)])
                          if latent_attention(fingerprint) else "")),
         ("config sha256", fingerprint["config_sha256"]),
         ("dataset", calibration["dataset"]),
@@ -82,10 +82,10 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
         ("architecture", f"{adapter.architecture} ({adapter.model_type}): {adapter.num_model_layers} decoder layers"
                          + (f", {len(adapter.layers)} of them keeping a cache" if adapter.hybrid else "")),
         ("attention", f"{' or '.join(map(str, sorted(set(adapter.query_heads))))} query heads / {_kv_heads_text(fingerprint)}; "
-                      f"scores x {adapter.score_scale:.4g}"
+                      f"scores x {' or '.join(f'{scale:.4g}' for scale in dict.fromkeys(adapter.score_scales))}"
                       + (f", soft-capped at {adapter.softcap:g}" if adapter.softcap else "")
                       + ("; attention sinks" if adapter.layers[0].sinks is not None else "")
-                      + (_latent_text(adapter.value_dims[0], adapter.head_dims) if adapter.latent else "")),
+                      + (_latent_text(adapter.value_dims, adapter.head_dims) if adapter.latent else "")),
         ("decoder", {"dense": "every layer keeps keys and values", "shared": "; ".join(readers),
                      "recurrent": "a recurrent state beside the layers' caches (transformers' to keep)",
                      "cross": f"layers {list(adapter.cross_attention)} attending across to an image (its keys and values "
@@ -109,11 +109,12 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
     return ArtifactSummary("model", provenance, columns, rows)
 
 
-def _latent_text(value_dim: int, rotated_widths: list[int]) -> str:
-    """An MLA model's cache in a summary line: its latent, beside a rotated key where a layer rotates one (none of
-    GLM-5 Next's does)."""
+def _latent_text(value_dims: list[int], rotated_widths: list[int]) -> str:
+    """An MLA model's cache in a summary line: its latent (of each width its layers have), beside a rotated key where a
+    layer rotates one (none of GLM-5 Next's does)."""
     key = "beside the rotated key" if any(rotated_widths) else "alone (no layer rotates a key)"
-    return f"; multi-head latent attention: the value is a latent of {value_dim} channels {key}"
+    widths = " or ".join(map(str, dict.fromkeys(value_dims)))
+    return f"; multi-head latent attention: the value is a latent of {widths} channels {key}"
 
 
 def _kv_heads_text(fingerprint: dict) -> str:

@@ -3,10 +3,10 @@ import torch
 import transformers
 
 from helpers import attention_at
-from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DSA, GEMMA4, GLM5_NEXT, GRANITE_SWA, HYBRID, HY_V4,
-                                 LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE, QWEN3_5_MROPE,
-                                 QWEN4_EXP, TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known, longrope,
-                                 tiny_latent_widths, tiny_model)
+from helpers.tiny_models import (ALTERNATING, CROSS_ATTENDING, DOTS3_NOTE, DSA, GEMMA4, GLM5_NEXT, GRANITE_SWA, HYBRID,
+                                 HY_V4, LATENT, MINICPM_V, MINIMAX_M3, MINIMAX_M3_BLOCK, MISTRAL_LARGE4, MUSE,
+                                 QWEN3_5_MROPE, QWEN4_EXP, TINY_ARCHITECTURES, TINY_WINDOW, from_transformers, known,
+                                 longrope, tiny_latent_widths, tiny_model)
 from kvcal.adapters import adapt, decoder_of, query_heads, rope_orders, score_scale
 from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, LATENT_DECODERS, NOT_TAKEN_YET, SERVED_ONES,
                                         SUPPORTED_MODEL_TYPES)
@@ -132,26 +132,31 @@ def test_latent_attention_caches_its_rotated_key_and_its_latent_as_the_model_doe
     the key slot, its rotated key in the value slot), the key rotated by kvcal as the model rotates it, in kvcal's
     channel order where RoPE leaves it so (rope_interleave's, bailing_hybrid's, DeepSeek-V3.2's, GLM-5's, A.X K2's,
     LongCat-Flash's, Hy V4's from transformers 5.25), else in the model's; LongCat-Flash's latent cached times its
-    mla_scale_kv_lora. Mistral Large 4's layer 1, without RoPE, caches its latent alone (a rotated key of no channel)."""
+    mla_scale_kv_lora, dots.note3's times its kv_lora_scale. Mistral Large 4's layer 1, without RoPE, caches its latent
+    alone (a rotated key of no channel); dots.note3's sliding layers cache a latent and a rotated key narrower than its
+    others' (the fingerprint's layer_value_dims)."""
     model = tiny_model(model_type, initializer_range=0.25)
     adapter = adapt(model)
     config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
-    widths, index = tiny_latent_widths(model_type)
-    assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1, 1], widths, [96, 96])
-    assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == [96, 96]
+    widths, latents, index = tiny_latent_widths(model_type)
+    assert (adapter.kv_heads, adapter.head_dims, adapter.value_dims) == ([1] * len(widths), widths, latents)
+    assert adapter.latent and adapter.fingerprint()["value_dim"] == 96 and adapter.value_widths == latents
+    assert adapter.fingerprint().get("layer_value_dims") == (latents if len(set(latents)) > 1 else None)
     # an indexer's keys, which the cache keeps beside the rotated key and the latent
     assert adapter.index_widths == index and adapter.fingerprint().get("layer_index_dims") == (index if any(index) else None)
-    assert [handles.sparse for handles in adapter.layers] == [model_type in DSA + GLM5_NEXT] * 2
+    assert [handles.sparse for handles in adapter.layers] == [model_type in DSA + GLM5_NEXT or bool(width) for width in index]
     attention = attention_at(model, adapter.model_layers[1])  # (Kimi Linear's after a KDA layer)
     handles = adapter.layers[1]
-    assert handles.key_source is attention.kv_a_proj_with_mqa and handles.value_source is attention.kv_a_layernorm
+    # (dots.note3's rotated key: kv_a_proj_with_mqa's part normed, with a scale, before RoPE)
+    key_source = attention.k_rope_only_layernorm if model_type in DOTS3_NOTE else attention.kv_a_proj_with_mqa
+    assert handles.key_source is key_source and handles.value_source is attention.kv_a_layernorm
     # q_b_proj where the query is of a low rank (Ling's never is), q_gate_proj where it is fused with a gate (A.X K2's)
     query = next(getattr(attention, name) for name in ("q_proj", "q_b_proj", "q_gate_proj")
                  if getattr(attention, name, None) is not None)
     assert handles.q_proj is query
-    assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", 1.0)
+    assert handles.value_multiplier == getattr(attention, "mla_scale_kv_lora", getattr(attention, "kv_lora_scale", 1.0))
     interleaved = (model_type in ("deepseek_v2", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash",
-                                  "mistral_large4")
+                                  "mistral_large4", *DOTS3_NOTE)
                    or getattr(config, "rope_interleave", False) or model_type in HY_V4 and transformers_from(5, 25))
     assert [order is not None for order in adapter.rope_orders] == [interleaved and width > 0 for width in widths]
     sources, tokens = {}, 12

@@ -323,34 +323,39 @@ def assert_capture_matches_autograd(model, atol: float) -> None:
 def test_latent_attention_capture_matches_independent_autograd(model_type):
     """MLA (kvcal.adapters.LatentAttention): KVmix's dL/dW_k and dL/dW_v are kv_a_proj_with_mqa's gradient rows of the
     rotated key and of the latent; the key's Fisher is of the rotated key before RoPE (kv_a_proj_with_mqa's last
-    qk_rope_head_dim outputs), the value's of the latent (kv_a_layernorm's output, through both its paths: scores and
-    outputs), each at its own width; the post-RoPE keys are what transformers' cache holds; no whole windows are
-    kept (their attention would need the queries absorbed into the latent)."""
+    qk_rope_head_dim outputs; dots.note3's normed by k_rope_only_layernorm), the value's of the latent (kv_a_layernorm's
+    output, through both its paths: scores and outputs), each at its own width (dots.note3's sliding layers'
+    narrower); the post-RoPE keys are what transformers' cache holds; no whole windows are kept (their attention would
+    need the queries absorbed into the latent)."""
     model = tiny_model(model_type)
     adapter = adapt(model)
-    config = model.config.get_text_config(decoder=True)  # (Kimi K2.5's: its DeepSeek-V3 decoder's)
-    rank = config.kv_lora_rank
+    layers, ranks = len(adapter.layers), adapter.value_dims
     batch = windows()
     result = profile_gradients(model, adapter, batch, CaptureSettings(sink=1, max_tokens_per_layer=40, store_windows=1))
-    norms = torch.zeros(2, 2, dtype=torch.float64)
+    norms = torch.zeros(2, layers, dtype=torch.float64)
     key_grads, value_grads, post_rope = [], [], []
     for window in batch:
         outputs = {}
         attentions = [attention_at(model, m) for m in adapter.model_layers]  # (Kimi Linear's after KDA layers)
+        # (the rotated key before RoPE: kv_a_proj_with_mqa's last outputs, or the norm of them, (batch, 1, tokens, width))
+        key_norms = [getattr(attention, "k_rope_only_layernorm", None) for attention in attentions]
         hooks = [module.register_forward_hook(lambda m, a, out, key=(name, i): outputs.__setitem__(key, out))
-                 for i in range(2) for name, module in (("a", attentions[i].kv_a_proj_with_mqa),
-                                                        ("latent", attentions[i].kv_a_layernorm))]
+                 for i in range(layers) for name, module in (("key", key_norms[i] or attentions[i].kv_a_proj_with_mqa),
+                                                             ("latent", attentions[i].kv_a_layernorm))]
         ids = window[None]
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         for hook in hooks:
             hook.remove()
         weights = [attention.kv_a_proj_with_mqa.weight for attention in attentions]
-        grads = torch.autograd.grad(loss, weights + [outputs["a", i] for i in range(2)] + [outputs["latent", i] for i in range(2)])
-        norms[0] += torch.stack([g[rank:].double().norm() for g in grads[:2]])
-        norms[1] += torch.stack([g[:rank].double().norm() for g in grads[:2]])
-        key_grads.append([adapter.rows_in_rope_order(g[0, :, rank:], i) for i, g in enumerate(grads[2:4])])
-        # (LongCat-Flash's value: the latent times mla_scale_kv_lora)
-        value_grads.append([g[0] / getattr(attention, "mla_scale_kv_lora", 1.0) for g, attention in zip(grads[4:], attentions)])
+        grads = torch.autograd.grad(loss, weights + [outputs["key", i] for i in range(layers)]
+                                    + [outputs["latent", i] for i in range(layers)])
+        norms[0] += torch.stack([g[rank:].double().norm() for g, rank in zip(grads[:layers], ranks)])
+        norms[1] += torch.stack([g[:rank].double().norm() for g, rank in zip(grads[:layers], ranks)])
+        key_grads.append([adapter.rows_in_rope_order(g[0, 0] if key_norms[i] is not None else g[0, :, ranks[i]:], i)
+                          for i, g in enumerate(grads[layers : 2 * layers])])
+        # (LongCat-Flash's value: the latent times mla_scale_kv_lora; dots.note3's times kv_lora_scale)
+        value_grads.append([g[0] / getattr(attention, "mla_scale_kv_lora", getattr(attention, "kv_lora_scale", 1.0))
+                            for g, attention in zip(grads[2 * layers :], attentions)])
         with torch.no_grad():
             cache = getattr(model(ids, use_cache=True), CACHE_ARGUMENT)
         cached = [cache.layers[m].values[0, 0] for m in adapter.model_layers]
@@ -359,16 +364,22 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     torch.testing.assert_close(result.importance_k, (norms[0] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(result.importance_v, (norms[1] / NSAMPLES).float(), rtol=1e-5, atol=1e-8)
     window_of, position_of = result.tensors["samples.window"].long(), result.tensors["samples.position"].long()
-    for layer in range(2):
+    for layer in range(layers):
         at_rows = lambda per_window: torch.stack([per_window[w][layer][p] for w, p in zip(window_of, position_of)])  # noqa: E731
         assert result.tensors[f"layers.{layer}.k_pre.samples"].shape == (40, adapter.head_dims[layer])  # (0: NoPE)
-        assert result.tensors[f"layers.{layer}.v.samples"].shape == (40, rank)
+        assert result.tensors[f"layers.{layer}.v.samples"].shape == (40, ranks[layer])
         torch.testing.assert_close(result.tensors[f"layers.{layer}.k_pre.fisher"], at_rows(key_grads).square(), rtol=1e-4,
                                    atol=1e-14)
         torch.testing.assert_close(result.tensors[f"layers.{layer}.v.fisher"], at_rows(value_grads).square(), rtol=1e-4,
                                    atol=1e-14)
-        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"], at_rows(post_rope), rtol=1e-5,
-                                   atol=1e-5)
+        # (a sliding layer's cache holds its window's last tokens: the samples of those)
+        first = batch.shape[1] - post_rope[0][layer].shape[0]
+        held = position_of >= first
+        assert bool(held.any())
+        torch.testing.assert_close(result.tensors[f"layers.{layer}.k_post.samples"][held],
+                                   torch.stack([post_rope[w][layer][p - first] for w, p in zip(window_of[held],
+                                                                                                position_of[held])]),
+                                   rtol=1e-5, atol=1e-5)
     assert result.counts["stored_windows"] == 0 and "layers.0.windows.q" not in result.tensors
 
 

@@ -10,7 +10,7 @@ from helpers import (assert_a_pick_generates_the_models_tokens, assert_later_ste
                      assert_taking_back_leaves_a_shorter_steps_cache, decode_step_operations, decode_token_by_token,
                      generate_taking_sequences, logits_in_steps, ways_of_decode_steps)
 from helpers.tiny_bundles import fp16_kivi_bundle, kivi_bundle
-from helpers.tiny_models import (ALTERNATING, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM5_NEXT, GLM_VL, HY_V4, IMAGE_TOWERS,
+from helpers.tiny_models import (ALTERNATING, DOTS3_NOTE, DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM5_NEXT, GLM_VL, HY_V4, IMAGE_TOWERS,
                                  LATENT, LONGROPE, LONGROPE_PREFILLED_AGAIN, MINICPM_V, MINIMAX_M3, MISTRAL_LARGE4, MUSE,
                                  OWN_ATTENTION, QWEN3_5_MROPE, QWEN3_5_VL, QWEN4_EXP, QWEN_OMNI, QWEN_VL, SPARSE_LATENTS,
                                  TINY_ARCHITECTURES, known, left_padded, longrope, tiny_model)
@@ -588,7 +588,7 @@ IMAGES = {"gemma3": (4, 28, "Siglip"), "gemma4": (4, 56, "Gemma4Vision"), "gemma
           "got_ocr2": (4, 128, ""), "fuyu": (4, 28, ""), "chameleon": (16, 32, ""), "emu3": (20, 8, ""), "apertus1p5": (16, 8, ""),
           "paligemma": (4, 28, "Siglip"),
           "molmo2": (4, 28, ""), "nemotron_h_omni": (4, 56, ""), "granite4_vision": (10, 56, ""),
-          "llava_onevision1_5": (4, 56, ""), "ovis2_5": (4, 56, "")}
+          "llava_onevision1_5": (4, 56, ""), "ovis2_5": (4, 56, ""), "dots3_note": (4, 56, "")}
 MULTIMODAL_ROPE = (*QWEN_VL, *QWEN3_5_VL, "qwen4_exp", "cohere_compass", *GLM_VL, "paddleocr_vl", "ernie4_5_vl_moe", *QWEN_OMNI,
                    "cosmos3_edge")  # image tokens at (time, height, width) positions
 # the shape of one patch of the models fed an image's patches beside their grid: Qwen-VL's of two frames (and the
@@ -598,11 +598,11 @@ GRID_PATCHES = {**dict.fromkeys((*MULTIMODAL_ROPE, "minimax_m3_vl", "exaone4_5",
                                 (3 * 2 * 14 * 14,)),
                 "paddleocr_vl": (3, 14, 14), "kimi_k25": (3, 14, 14), "ernie4_5_vl_moe": (3 * 14 * 14,),
                 "hunyuan_vl": (3 * 14 * 14,), "hy_v4_vl": (3 * 14 * 14,), "video_llama_3": (3 * 14 * 14,), "cosmos3_edge": (3 * 14 * 14,),
-                "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,)}
+                "llava_onevision1_5": (3 * 14 * 14,), "ovis2_5": (3 * 14 * 14,), "dots3_note": (3 * 14 * 14,)}
 # of those, the ones told which tokens are an image's by mm_token_type_ids (the Omni thinkers tell them by their id)
 TOKEN_TYPED = (*(kind for kind in MULTIMODAL_ROPE if kind not in QWEN_OMNI), "hunyuan_vl", "hy_v4_vl")
 IMAGES_AS_TOKENS = known(("mistral3", "llama4", "phi4_multimodal", "kimi_k25", "minimax_m3_vl", "hunyuan_vl", "hy_v4_vl",
-                    "mistral_large4", *MUSE, "step3p7",
+                    "mistral_large4", *MUSE, "step3p7", "dots3_note",
                     "granite_docling", "deepseek_ocr2", "nemotron_h_omni", "granite4_vision", "fuyu", "chameleon", "emu3", "apertus1p5", *MINICPM_V,
                     *IMAGE_TOWERS,
                     *MULTIMODAL_ROPE))  # their decoders read an image's tokens causally, as text
@@ -1166,6 +1166,26 @@ def test_tokens_an_indexer_returns_generate_their_own_fp_tokens(model_type, leng
         assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2
 
     ids, mask = left_padded(lengths, seed=3)
+    assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk=64), ids, mask,
+                                              check, beams=True)
+
+
+@pytest.mark.parametrize("model_type", DOTS3_NOTE[:1])
+def test_latent_layers_of_widths_of_their_own_generate_their_own_fp_tokens(model_type, decode_path):
+    """dots.note3's MLA: layers 0 and 1 attend to the 8 tokens their indexer picks, its sliding layers 2 and 3 over
+    their last 16 tokens with a latent of 64 channels and a rotated key of 32 (96 and 64 on the others), each layer's
+    codecs at its own widths: over left-padded prompts of 24 and 17 and 12 new tokens, every token fp16, the model's own
+    tokens and logits by greedy and by beam search; the sliding layers keep no indexer keys and decode on the layers'
+    default decoder; the same weights picking 64 tokens give other logits."""
+    def check(cache, fp):
+        assert [layer.widths for layer in cache.attention_layers] == [(64, 96)] * 2 + [(32, 64)] * 2
+        assert [None if layer.index_keys is None else tuple(layer.index_keys.decoded().shape)
+                for layer in cache.attention_layers] == [(2, 35, 80)] * 2 + [None] * 2
+        assert [layer.decode_path for layer in cache.attention_layers] == ["reference"] * 2 + [
+            {"cpu-kernel": "cpu-kernel", "torch-reference": "reference"}[decode_path]] * 2
+        assert [getattr(layer.span, "size", None) for layer in cache.attention_layers] == [None, None, 16, 16]
+
+    ids, mask = left_padded((24, 17), seed=3)
     assert_a_pick_generates_the_models_tokens(tiny_model(model_type), tiny_model(model_type, index_topk=64), ids, mask,
                                               check, beams=True)
 

@@ -80,13 +80,14 @@ def test_latent_attention_simulated_unquantized_is_the_models_own(model_type):
     with torch.inference_mode():
         expected = model(ids).logits
         rounded = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
-        with simulated(model, adapt(model), Method("id", 16, [IDENTITY] * 2, SegmentPolicy(sink=1)), StorageTally()) as tally:
+        method = Method("id", 16, [IDENTITY] * len(adapt(model).layers), SegmentPolicy(sink=1))
+        with simulated(model, adapt(model), method, StorageTally()) as tally:
             got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(5e-4, 1.5 * float((rounded - expected).abs().max())))
     assert tally.key_bits + tally.value_bits == 16 * tally.elements
     assert model.config._attn_implementation == OWN_ATTENTION.get(model_type, "sdpa")
     # DeepSeek Sparse Attention's indexer keys, kept as this float32 model computes them (Hy V4: layer 0's alone)
-    index_width = sum(tiny_latent_widths(model_type)[1])
+    index_width = sum(tiny_latent_widths(model_type)[2])
     assert (tally.index_bits, tally.index_elements) == (32 * 2 * 33 * index_width, 2 * 33 * index_width)
 
 
@@ -166,9 +167,12 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     ours, theirs = (getattr(cache.layers[first], "indexer_keys", None) for cache in (loaded, prefilled))  # (DSA's)
     assert (ours is None) == (theirs is None) and (ours is None or torch.equal(ours, theirs))
     # (DeepSeek Sparse Attention's also its indexer keys of 80 channels, kept as this float32 model computes them; Hy
-    # V4's in one of its two layers; Mistral Large 4's layer 1 has no rotated key)
-    index_widths = tiny_latent_widths(model_type)[1]
-    stored = [(key * 8.5 + 96 * 4.5 + index * 32, key + 96 + index) for key, index in zip(adapter.head_dims, index_widths)]
+    # V4's in one of its two layers; Mistral Large 4's layer 1 has no rotated key; dots.note3's sliding layers keep
+    # their last 15 tokens, a key and a latent of their own widths)
+    keys, latents, index_widths = tiny_latent_widths(model_type)
+    kept = [40 if span is None else span.size - 1 for span in adapter.spans]
+    stored = [(tokens * (key * 8.5 + latent * 4.5) + 40 * index * 32, tokens * (key + latent) + 40 * index)
+              for tokens, key, latent, index in zip(kept, keys, latents, index_widths)]
     assert tally.effective_bits == pytest.approx(sum(bits for bits, _ in stored) / sum(width for _, width in stored))
 
 

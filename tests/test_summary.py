@@ -1,6 +1,6 @@
 import pytest
 
-from helpers.tiny_models import GLM5_NEXT, MISTRAL_LARGE4, SPARSE_LATENTS, tiny_model
+from helpers.tiny_models import DOTS3_NOTE, GLM5_NEXT, MISTRAL_LARGE4, SPARSE_LATENTS, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.fit.nuq import NuqSettings, fit_nuq, write_nuq
 from kvcal.fit.skvq import SkvqSettings, fit_skvq, write_skvq
@@ -101,11 +101,14 @@ def test_a_layer_storing_no_key_shows_no_key_bits(architecture_bundles):
     assert [row[bits_k] for row in summary.rows] == ["3", "-"]
 
 
-@pytest.mark.parametrize("model_type", ("deepseek_v3", *GLM5_NEXT))
+@pytest.mark.parametrize("model_type", ("deepseek_v3", *GLM5_NEXT, *DOTS3_NOTE[:1]))
 def test_an_mla_models_summary_names_a_rotated_key_where_a_layer_has_one(model_type):
-    """DeepSeek-V3's MLA caches its latent beside a rotated key; GLM-5 Next's, without RoPE, its latent alone."""
+    """DeepSeek-V3's MLA caches its latent beside a rotated key; GLM-5 Next's, without RoPE, its latent alone;
+    dots.note3's sliding layers a latent of their own width, their scores scaled by their own head width."""
     from kvcal.adapters import adapt
 
     attention = dict(model_summary(adapt(tiny_model(model_type)), model_type).provenance)["attention"]
-    key = "beside the rotated key" if model_type == "deepseek_v3" else "alone (no layer rotates a key)"
-    assert attention.endswith(f"multi-head latent attention: the value is a latent of 96 channels {key}")
+    key = "alone (no layer rotates a key)" if model_type in GLM5_NEXT else "beside the rotated key"
+    latents = "96 or 64" if model_type in DOTS3_NOTE else "96"
+    assert attention.endswith(f"multi-head latent attention: the value is a latent of {latents} channels {key}")
+    assert ("scores x 0.1118 or 0.1443" in attention) == (model_type in DOTS3_NOTE)  # (80 ** -0.5, 48 ** -0.5)

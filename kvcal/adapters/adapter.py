@@ -62,7 +62,7 @@ class ModelAdapter:
     windows: list[int | None]  # per layer, its sliding window (transformers' cache keeps its last window - 1 tokens), or None
     chunks: list[int | None]  # per layer, its attention chunk (Llama 4's chunked layers), or None
     rotated: list[bool]  # per layer, whether it applies RoPE (not SmolLM3's NoPE layers, EXAONE 4's full ones)
-    score_scale: float  # what the attention multiplies q . k by
+    score_scales: list[float]  # per layer, what its attention multiplies q . k by (alike but in dots.note3's MLA)
     softcap: float | None = None  # scaled scores soft-capped to (-softcap, softcap) (Gemma 2), or None
     # the decoder layer of each of `layers` (its layer_idx); a hybrid model's others hold a recurrent state instead
     model_layers: tuple[int, ...] = ()
@@ -99,6 +99,12 @@ class ModelAdapter:
     def prefix_lm(self) -> bool:
         """Whether the decoder attends its prompt both ways, told by token types (PREFIX_LM: PaliGemma)."""
         return self.model_type in PREFIX_LM
+
+    @property
+    def score_scale(self) -> float:
+        """What the attention multiplies q . k by: every layer's, but in an MLA model whose layers differ (dots.note3's)
+        its first layer's, which its fits do not read (they read no MLA scores)."""
+        return self.score_scales[0]
 
     @property
     def first_position(self) -> int:
@@ -234,10 +240,10 @@ class ModelAdapter:
             fingerprint.update(layer_kv_heads=list(self.kv_heads), layer_head_dims=list(self.head_dims))
         if len(set(self.query_heads)) > 1:  # ... and query_heads
             fingerprint["layer_num_heads"] = list(self.query_heads)
-        if self.latent:  # MLA: its values (the latent) are as wide as no head
+        if self.latent:  # MLA: its values (the latent) are as wide as no head; each layer's where they differ
             fingerprint["value_dim"] = self.value_dims[0]
-        elif self.value_dims != self.head_dims:  # values narrower than keys (MiMo-V2-Flash's)
-            fingerprint["layer_value_dims"] = list(self.value_dims)
+        if self.latent and len(set(self.value_dims)) > 1 or not self.latent and self.value_dims != self.head_dims:
+            fingerprint["layer_value_dims"] = list(self.value_dims)  # (values narrower than keys: MiMo-V2-Flash's)
         if any(self.index_widths):  # DeepSeek Sparse Attention: the indexer keys the cache keeps beside K and V
             fingerprint["layer_index_dims"] = self.index_widths
         return fingerprint
@@ -264,14 +270,15 @@ def adapt(model: nn.Module) -> ModelAdapter:
         raise KvcalError(f"{where}: its config has no num_hidden_layers")
     query_heads, kv_heads, head_dims = _layer_geometry(config, num_layers, where)
     latent = text_type in LATENT_ATTENTION_TYPES + LATENT_DECODERS
+    per_layer = _per_layer_configs(config, num_layers)
     if latent:  # one KV head: the rotated key every head shares, beside the latent (LatentAttention); none on a layer
         # without RoPE where its attention has no rotated channels (Mistral Large 4's no_rope_layers, 0 there)
         roped = getattr(config, "no_rope_layers", None) or [1] * num_layers
-        kv_heads, head_dims = [1] * num_layers, [config.qk_rope_head_dim if flag else 0 for flag in roped[:num_layers]]
+        kv_heads, head_dims = [1] * num_layers, [layer.qk_rope_head_dim if flag else 0 for layer, flag in zip(per_layer, roped)]
     if text_type in SLIDING_KV_HEADS_DOUBLED:
         kv_heads = [2 * heads if kind == "sliding_attention" else heads
                     for heads, kind in zip(kv_heads, _decoder_layer_types(config, num_layers))]
-    value_dims = ([config.kv_lora_rank] * num_layers if latent else [config.v_head_dim] * num_layers
+    value_dims = ([layer.kv_lora_rank for layer in per_layer] if latent else [config.v_head_dim] * num_layers
                   if text_type in NARROW_VALUES else head_dims)
     decoder = decoder_of(model)  # not a vision tower's layers, whatever their number
     sublayers = ATTENTION_SUBLAYERS.get(text_type, 1)
@@ -285,7 +292,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
                          f"kvcal does not serve for multi-head latent attention yet; {SERVED_ONES}")
     attending = [m for m in _attention_layers(decoder_types, where) if sharing[m] != "reuse"]
     located = [_cache_layer_attention(layers, m, sublayers, where) for m in attending]
-    handles = [latent_handles(attention, i, at, config, decoder_types[m] == INDEXED_ATTENTION) if latent else
+    handles = [latent_handles(attention, i, at, per_layer[m], decoder_types[m] == INDEXED_ATTENTION) if latent else
                layer_handles(attention, i, at, heads_first, query_heads[m] * head_dims[m], kv_heads[m] * head_dims[m],
                              head_dims[m], sinks, "after" if text_type in NORMED_AFTER_ROPE else
                              "before" if text_type in (*SHARED_NORM_BEFORE_ROPE, *FLAT_NORMS_BEFORE_ROPE) else None)
@@ -329,10 +336,12 @@ def adapt(model: nn.Module) -> ModelAdapter:
                                            for layer in [*handles, *readers]):  # bidirectional attention
         raise KvcalError(f"{where}: its attention is bidirectional (is_causal False), and kvcal's cache serves causal "
                          "decoders")
-    scales = {float(attention.scaling if hasattr(attention, "scaling") else head_dims[layer] ** -0.5)
-              for attention, layer in [*((h.attention, h.index) for h in handles), *((r.attention, r.source) for r in readers)]}
-    if len(scales) > 1:
-        raise KvcalError(f"{where}: its layers scale attention scores differently ({sorted(scales)}); kvcal's fits take one scale")
+    layer_scales = [float(attention.scaling if hasattr(attention, "scaling") else head_dims[layer] ** -0.5)
+                    for attention, layer in [*((h.attention, h.index) for h in handles),
+                                             *((r.attention, r.source) for r in readers)]]
+    scales = sorted(set(layer_scales))
+    if len(scales) > 1 and not latent:  # (MLA's fits read no scores: capture keeps no MLA queries)
+        raise KvcalError(f"{where}: its layers scale attention scores differently ({scales}); kvcal's fits take one scale")
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None and config._attn_implementation == "sdpa":
         raise KvcalError(f"{where}: it soft-caps its attention scores, which transformers' SDPA attention leaves out "
@@ -353,7 +362,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
         windows=attending_only(_sliding_windows(config, num_layers)),
         chunks=attending_only(_attention_chunks(config, decoder_types)),
         rotated=rotated,
-        score_scale=scales.pop(),
+        score_scales=layer_scales[: len(handles)],
         softcap=softcap,
         model_layers=tuple(attending),
         num_model_layers=num_layers,
@@ -413,11 +422,17 @@ def _served_name(model: nn.Module, text_config) -> tuple[str, str]:
     return type(model).__name__, model.config.model_type
 
 
+def _per_layer_configs(config, num_layers: int) -> list:
+    """Per decoder layer, its config: transformers' per-layer config where the config is heterogeneous (Gemma 4's,
+    dots.note3's), else the config."""
+    return (config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers)[:num_layers]
+
+
 def _layer_geometry(config, num_layers: int, where: str) -> tuple[list[int], list[int], list[int]]:
-    """Per decoder layer, its query heads, KV heads and head_dim: transformers' per-layer config where the config is
-    heterogeneous (Gemma 4's full-attention layers: fewer KV heads, twice the head_dim), the query heads of
-    num_attention_heads_per_layer where the config has it (Laguna), else the config's."""
-    per_layer = (config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config] * num_layers)[:num_layers]
+    """Per decoder layer, its query heads, KV heads and head_dim: its per-layer config's (_per_layer_configs: Gemma 4's
+    full-attention layers have fewer KV heads, twice the head_dim), the query heads of num_attention_heads_per_layer
+    where the config has it (Laguna)."""
+    per_layer = _per_layer_configs(config, num_layers)
     query_heads = list(getattr(config, "num_attention_heads_per_layer", None) or
                        [getattr(layer, "num_attention_heads", None) for layer in per_layer])[:num_layers]
     if None in query_heads:  # (RWKV's, Mamba's: no attention)

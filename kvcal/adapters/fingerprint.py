@@ -28,15 +28,16 @@ def rope_orders(fingerprint: dict) -> list[tuple[int, ...] | None]:
 
 def kv_shapes(fingerprint: dict, kind: str = "k") -> list[tuple[int, int]]:
     """Per layer of an artifact's model, (KV heads, channels of each head's keys (kind "k") or values ("v")): the
-    fingerprint's per-layer lists where its layers differ (Gemma 4), its one num_kv_heads and head_dim else; MLA's
-    values are its latent, value_dim wide; values narrower than keys are layer_value_dims wide (MiMo-V2-Flash's)."""
+    fingerprint's per-layer lists where its layers differ (Gemma 4), its one num_kv_heads and head_dim else; values
+    layer_value_dims wide where the fingerprint has them (values narrower than keys: MiMo-V2-Flash's; MLA latents of
+    widths that differ by layer: dots.note3's), else MLA's its latent, value_dim wide."""
     layers = fingerprint["num_layers"]
     kv_heads = fingerprint.get("layer_kv_heads", [fingerprint["num_kv_heads"]] * layers)
     head_dims = fingerprint.get("layer_head_dims", [fingerprint["head_dim"]] * layers)
-    if kind == "v" and latent_attention(fingerprint):
-        head_dims = [fingerprint["value_dim"]] * layers
-    elif kind == "v" and "layer_value_dims" in fingerprint:
+    if kind == "v" and "layer_value_dims" in fingerprint:
         head_dims = fingerprint["layer_value_dims"]
+    elif kind == "v" and latent_attention(fingerprint):
+        head_dims = [fingerprint["value_dim"]] * layers
     return list(zip(kv_heads, head_dims))
 
 

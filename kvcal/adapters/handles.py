@@ -273,11 +273,14 @@ def latent_rope(config) -> str:
 
 
 def latent_handles(attention: nn.Module, index: int, where: str, config, indexed: bool) -> LayerHandles:
-    """The handles of an MLA attention (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output,
-    its value the latent, kv_a_layernorm's output; its query q_proj's output, or q_b_proj's (a low-rank query), or each
-    head's first channels of q_gate_proj's (A.X K2's: a head's query, then its output gate); `indexed`: its attention
-    is DeepSeek Sparse Attention's. LongCat-Flash caches its latent times mla_scale_kv_lora (value_multiplier); its
-    queries' mla_scale_q_lora is in the query its attention is handed (capture keeps no MLA queries)."""
+    """The handles of an MLA attention (LatentAttention): its key is the rotated part of kv_a_proj_with_mqa's output
+    (dots.note3's: that part normed by k_rope_only_layernorm, before RoPE), its value the latent, kv_a_layernorm's
+    output; its query q_proj's output, or q_b_proj's (a low-rank query), or each head's first channels of q_gate_proj's
+    (A.X K2's: a head's query, then its output gate); `indexed`: its attention is DeepSeek Sparse Attention's; its
+    widths the attention's own where it has them (dots.note3's sliding layers differ from its others), else the
+    config's. LongCat-Flash caches its latent times mla_scale_kv_lora, dots.note3 times kv_lora_scale
+    (value_multiplier); their queries' scales are in the query the attention is handed (capture keeps no MLA
+    queries)."""
     parts = {name: getattr(attention, name, None)
              for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")}
     query = getattr(attention, "q_proj", None) or getattr(attention, "q_b_proj", None)
@@ -292,22 +295,24 @@ def latent_handles(attention: nn.Module, index: int, where: str, config, indexed
                          f"kv_b_proj and o_proj in its latent attention (found: {children})")
     # (the attention's own widths where it has them: a layer without RoPE rotates none, its query's every channel
     # meeting the latent: Mistral Large 4's)
-    rank = config.kv_lora_rank
-    rotated, nope = (getattr(attention, name, getattr(config, name)) for name in ("qk_rope_head_dim", "qk_nope_head_dim"))
+    rank, rotated, nope, value = (getattr(attention, name, getattr(config, name))
+                                  for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
     if parts["kv_a_proj_with_mqa"].out_features != rank + rotated:
         raise KvcalError(f"{where}: kv_a_proj_with_mqa has {parts['kv_a_proj_with_mqa'].out_features} outputs, expected "
                          f"{rank} + {rotated} (kv_lora_rank + qk_rope_head_dim)")
-    latent = LatentAttention(parts["kv_b_proj"], nope, config.v_head_dim, rope_in_order=latent_rope(config) == "de-interleaved")
+    latent = LatentAttention(parts["kv_b_proj"], nope, value, rope_in_order=latent_rope(config) == "de-interleaved")
     projection = parts["kv_a_proj_with_mqa"]
     indexer = getattr(attention, "indexer", None) if indexed else None
     index_width = getattr(indexer, "head_dim", None) if indexer is not None else 0
     if not isinstance(index_width, int):
         raise KvcalError(f"{where}: its attention's indexer has no head_dim (the channels of its keys)")
-    return LayerHandles(index, attention, query, projection, projection, None, None, v_norm=parts["kv_a_layernorm"],
+    key_norm = getattr(attention, "k_rope_only_layernorm", None)  # (its output (batch, 1, tokens, rotated channels))
+    multiplier = next((getattr(attention, name) for name in ("mla_scale_kv_lora", "kv_lora_scale") if hasattr(attention, name)), 1.0)
+    return LayerHandles(index, attention, query, projection, projection, None, key_norm, v_norm=parts["kv_a_layernorm"],
+                        heads_first=key_norm is not None,
                         columns=dict(q=query_columns, k=slice(rank, rank + rotated), v=slice(0, rank)), latent=latent,
                         sparse=indexed, indexer=indexer, index_width=index_width,
-                        sinks=attention.sinks if config.model_type in SINKS else None,
-                        value_multiplier=float(getattr(attention, "mla_scale_kv_lora", 1.0)))
+                        sinks=attention.sinks if config.model_type in SINKS else None, value_multiplier=float(multiplier))
 
 
 def pick_key_blocks(handles: LayerHandles, query_heads: int, where: str) -> None:

@@ -40,14 +40,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
                           "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid", "mistral4", "longcat_flash",
-                          "sarvam_mla", "hy_v4_vl", "mistral_large4", "glm5_next")
+                          "sarvam_mla", "hy_v4_vl", "mistral_large4", "glm5_next", "dots3_note_text", "dots3_note")
 # the decoders of composites served as MLA above, which load as no causal LM of their own (Hy V4 VL's, Mistral Large
 # 4's, GLM-5 Next's)
 LATENT_DECODERS = ("hy_v4_vl_text", "mistral_large4_text", "glm5_next_text")
 # MLA whose RoPE pairs neighbouring channels (2i, 2i+1): DeepSeek-V2's leaves them so, these de-interleave them into
 # kvcal's order always (DeepSeek-V3's where rope_interleave, and its kin's)
 DEINTERLEAVED_LATENT_ROPE = ("bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2", "longcat_flash",
-                             "mistral_large4_text")
+                             "mistral_large4_text", "dots3_note_text")
 # ... and from transformers 5.25 on (before, Hy V4's attention rotated halves)
 DEINTERLEAVED_LATENT_ROPE_FROM_5_25 = ("hy_v4", "hy_v4_vl_text")
 # decoder layers holding this many attention sublayers (`self_attn` a ModuleList), each a layer of the cache of its own
@@ -108,7 +108,7 @@ IMAGES_AS_TOKENS = ("mistral3", "llava", "internvl", "smolvlm", "idefics3", "aya
                     "deepseek_ocr2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "deepseek_vl_hybrid",
                     "glmga", "nemotron_h_omni", "granite4_vision", "got_ocr2", "fuyu", "chameleon", "emu3",
                     "llava_onevision1_5", "ovis2_5", "hy_v4_vl", "apertus1p5", "mistral_large4", "qwen4_exp",
-                    "glm5_next")
+                    "glm5_next", "dots3_note")
 # composites whose decoder attends to an image's tokens both ways (token_type_ids; Molmo 2's mm_token_type_ids, which
 # transformers' mask does not honour so far): wired alone as the above, the step's mask saying which tokens see later ones
 IMAGE_BLOCKS = ("gemma3", "gemma4", "gemma4_unified", "molmo2", "paligemma")
@@ -168,9 +168,6 @@ SERVED_ONES = (f"`kvcal models` lists the {len(SUPPORTED_MODEL_TYPES + LATENT_AT
 # why: the refusal the adapter would reach through their modules names a symptom (no q, k and v it knows, a type it
 # does not serve), not this (docs/models.md)
 NOT_TAKEN_YET = {
-    "dots3_note_text": "dots.note3 is not served yet: its MLA's geometry and score scale differ by layer (its sliding "
-                       "layers' heads, latent and head widths are their own), and a norm with a scale acts on its "
-                       "rotated key",
     "kolibri1_1": "Kolibri 1.1 is not served yet: its sparse layers attend to keys and values the model rounds to "
                   "NVFP4 after handing them to the cache, where kvcal's attention would read the cache's",
     "inkling2_loop_text": "Inkling 2 Loop is not served yet: its looped layers (loop_layer_index_start to "

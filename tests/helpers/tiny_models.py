@@ -36,6 +36,8 @@ DSA = known(("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "axk2", "mistra
 HY_V4 = ("hy_v4", "hy_v4_vl")  # of them, Hy V4's decoder: its layer 1 attends to layer 0's pick, keeping no indexer
 # MLA whose indexer returns its pick to the attention (GLM-5 Next's k-pool indexer); its layer 2 reuses layer 1's
 GLM5_NEXT = known(("glm5_next",))
+# MLA whose sliding layers have widths of their own, beside DeepSeek Sparse Attention's layers (dots.note3's)
+DOTS3_NOTE = known(("dots3_note_text", "dots3_note"))
 SPARSE_LATENTS = from_transformers(5, 18, "DeepSeek Sparse Attention caching its latents")  # (kvcal serves it so)
 MISTRAL_LARGE4 = pytest.mark.skipif("mistral_large4" not in LATENT, reason="Mistral Large 4 is new in transformers 5.25")
 TINY_INDEX_TOPK = 8
@@ -132,15 +134,18 @@ def composite_text(max_positions: int, rope: dict, **settings) -> dict:
             **settings}
 
 
-def tiny_latent_widths(model_type: str) -> tuple[list[int], list[int]]:
+def tiny_latent_widths(model_type: str) -> tuple[list[int], list[int], list[int]]:
     """Per layer of a tiny MLA model (tiny_config), the channels of its rotated key (64; none on Mistral Large 4's layer
-    1 and GLM-5 Next's, without RoPE) and of what its indexer keeps a token: DeepSeek Sparse Attention's key (80; none on
-    Hy V4's layer 1, reading layer 0's pick), GLM-5 Next's key, pool gate scores and real-token flag (2 x 16 + 1 on its
-    layer 1; none on layer 2, reading layer 1's pick)."""
+    1 and GLM-5 Next's, without RoPE; 32 on dots.note3's sliding layers), of its latent (96; 64 on dots.note3's sliding
+    layers) and of what its indexer keeps a token: DeepSeek Sparse Attention's key (80; none on Hy V4's layer 1, reading
+    layer 0's pick, nor on dots.note3's sliding layers), GLM-5 Next's key, pool gate scores and real-token flag (2 x 16
+    + 1 on its layer 1; none on layer 2, reading layer 1's pick)."""
     if model_type in GLM5_NEXT:
-        return [0, 0], [33, 0]
+        return [0, 0], [96, 96], [33, 0]
+    if model_type in DOTS3_NOTE:
+        return [64, 64, 32, 32], [96, 96, 64, 64], [80, 80, 0, 0]
     keys = [64, 0] if model_type == "mistral_large4" else [64, 64]
-    return keys, ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
+    return keys, [96, 96], ([80, 0] if model_type in HY_V4 else [80, 80]) if model_type in DSA else [0, 0]
 
 
 def tiny_config(model_type: str, max_positions: int = 256, **overrides):
@@ -183,6 +188,17 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
         ids = dict(zip(("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
                         "video_start_token_id", "video_end_token_id"), range(TINY_VOCAB - 1, TINY_VOCAB - 7, -1)))
         return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
+    if model_type == "dots3_note":  # dots.note3: its decoder (below) beside a vision tower and an audio one (its image,
+        # video and audio ids the vocabulary's last three)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, adapter_in_dim=32,
+                      adapter_out_dim=64, mlp_layer_types=["dense"], patch_size=14)
+        audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     downsample_hidden_size=16, adapter_input_size=32, adapter_out_dim=64)
+        text = tiny_config("dots3_note_text", max_positions, **overrides).to_dict()
+        del text["model_type"]  # (the composite's own text type)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, audio_config=audio,
+                                    image_token_id=TINY_VOCAB - 1, video_token_id=TINY_VOCAB - 2,
+                                    audio_token_id=TINY_VOCAB - 3)
     if model_type in IMAGE_TOWERS:  # a decoder (IMAGE_TOWERS) beside a vision tower (CLIP, InternViT, SigLIP)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                       patch_size=14)
@@ -720,6 +736,14 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                           layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
                           indexer_types=["full", "full", "shared", "full"], linear_head_dim=16, linear_num_heads=4,
                           hc_mult=2)
+        if model_type == "dots3_note_text":  # as dots.note3: MLA with DeepSeek Sparse Attention's indexer on layers 0
+            # and 1, and on its sliding layers 2 and 3 MLA of its own widths (fewer heads, a latent of 64, a rotated key
+            # of 32, values of 24) and RoPE base; its rotated key normed (k_rope_only_layernorm, a scale) before RoPE,
+            # its latent scaled by kv_lora_scale; an output gate per head
+            common.update(num_hidden_layers=4, num_key_value_heads=4, head_dim=80, index_topk=TINY_INDEX_TOPK,
+                          index_n_heads=16, index_head_dim=80, mlp_layer_types=["dense"] * 4, sliding_window=TINY_WINDOW,
+                          swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=32, swa_kv_lora_rank=64,
+                          swa_head_dim=48, swa_qk_nope_head_dim=16, swa_v_head_dim=24)
         if model_type == "hy_v4":  # as Hy V4: layer 1 attends to layer 0's pick (its indexer "shared"), sinks per head
             common.update(indexer_types=["full", "shared"], hc_mult=2)
         if model_type in ("kimi_linear", "bailing_hybrid"):  # MLA layers after gated DeltaNet ones (Kimi Linear's KDA,
@@ -818,7 +842,7 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
     torch.manual_seed(seed)
     # not causal LMs to transformers
     # (Mistral 4's causal LM is mapped to the image-text-to-text class alone, as kvcal.models loads it)
-    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "glm5_next", "qwen4_exp", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
+    composites = ("mistral3", "llama4", "mistral4", "mistral_large4", "glm5_next", "dots3_note", "qwen4_exp", "cohere_compass", "kimi_k25", "hy_v4_vl", "minimax_m3_vl",
                   "paddleocr_vl",
                   "ernie4_5_vl_moe", "hunyuan_vl", "step3p7", "granite_docling", "cosmos3_edge", "deepseek_ocr2", "molmo2",
                   "nemotron_h_omni", "granite4_vision", "mllama", "chameleon", "emu3", "apertus1p5", "paligemma", *MINICPM_V, *QWEN_OMNI,
@@ -839,6 +863,12 @@ def tiny_model(model_type: str, seed: int = 0, max_positions: int = 256, **overr
                 parameter.data = 0.2 * torch.randn(parameter.shape, generator=generator)
             if name.endswith("softmax_scaling.bias"):
                 parameter.data = 1 + 0.2 * torch.randn(parameter.shape, generator=generator)
+    if model_type in ("dots3_note_text", "dots3_note"):  # (its init leaves the norm of the rotated key without a scale:
+        # make it matter)
+        generator = torch.Generator().manual_seed(seed + 1)
+        for name, parameter in model.named_parameters():
+            if name.endswith("k_rope_only_layernorm.weight"):
+                parameter.data = 1 + 0.5 * torch.randn(parameter.shape, generator=generator)
     if model_type in CROSS_ATTENDING:  # (its init zeroes the gates of what cross-attention adds: no image would matter)
         for layer in decoder_of(model).layers[::2]:
             layer.cross_attn_attn_gate.data.fill_(1.0)
