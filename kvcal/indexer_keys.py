@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 FORMATS = ("model", "fp8")
-DESCRIPTIONS = {"model": "as the model computes them (2 bytes a channel in a bf16 model)",
-                "fp8": "FP8 e4m3, one fp32 scale per 128 channels of a token"}
 GROUP = 128  # channels a scale serves (DeepSeek-V3.2's indexer key: one group)
+DESCRIPTIONS = {"model": "as the model computes them (2 bytes a channel in a bf16 model)",
+                "fp8": f"FP8 e4m3, one fp32 scale per {GROUP} channels of a token"}
 FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4
 
@@ -54,10 +54,6 @@ class StoredRows:
         return cls(format_name, (codes.flatten(-2)[..., :width].contiguous(), scales), rows.dtype)
 
     @property
-    def tokens(self) -> int:
-        return self.parts[0].shape[1]
-
-    @property
     def nbytes(self) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts)
 
@@ -88,7 +84,7 @@ def _in_groups(rows: torch.Tensor) -> torch.Tensor:
 def _e4m3_over_256(codes: torch.Tensor) -> torch.Tensor:
     """e4m3 codes' values / 2^8 as fp32, exact for every finite code: an fp16 holding the code's sign, then its exponent
     and mantissa bits at the top of its own (fp16's exponent bias is 8 more than e4m3's; e4m3's subnormals land on
-    fp16's). torch converts FP8 on the CPU a value at a time, four times slower than these whole-tensor steps."""
+    fp16's). torch converts FP8 on the CPU a value at a time; these steps work on the whole tensor."""
     bits = codes.view(torch.uint8).to(torch.int16)
     return ((bits & 0x80) << 8).bitwise_or_((bits & 0x7F) << 7).view(torch.float16).float()
 
