@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcal.adapters import adapt, chunk_positions, decoder_of, kv_shapes, kv_widths, text_inputs
+from kvcal.adapters import adapt, chunk_positions, decoder_of, index_key_bytes, kv_shapes, kv_widths, text_inputs
 from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.indexer_keys import token_bytes
@@ -244,7 +244,8 @@ def measure_memory(model, bundle, context_ids: torch.Tensor, chunk: int | None =
             decoder_of(model)(piece, **cache_argument(cache), use_cache=True, position_ids=chunk_positions(start, piece))
     outliers = cache.outliers()
     spans = cache.adapter.spans
-    stored_index = [token_bytes(bundle.indexer_keys, width, model.dtype.itemsize) for width in cache.adapter.index_widths]
+    key_bytes = index_key_bytes(cache.adapter.model_type, model.dtype.itemsize)
+    stored_index = [token_bytes(bundle.indexer_keys, width, key_bytes) for width in cache.adapter.index_widths]
     return {"recipe": bundle.recipe_name, "tokens": tokens, "live_bytes": cache.used_bytes(),
             "formula_bytes": cache_bytes(bundle.layers, widths, tokens, outliers, chunk, kv_heads=kv_heads,
                                          spans=spans, value_width=value_widths, index_bytes=stored_index),

@@ -7,7 +7,8 @@ Next's packed indexer states): each token's row of `width` channels in one of FO
   inference and vLLM keep its indexer keys so. FP8 is floating point, so a large channel costs the others of its
   group little precision: a value comes back within 1/16 of itself down to 2^-6 of the scale (e4m3's smallest
   normal), within 2^-10 of the scale below. Zero stays zero: GLM-5 Next's real-token flag keeps which tokens are
-  real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own).
+  real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own). A group holding a
+  NaN comes back NaN.
 
 A row is encoded on its own, when it is stored: a cache that hands back every token's keys so far decodes what it
 stored, and the simulation's round trip gives the same values.
@@ -30,8 +31,15 @@ def groups(width: int) -> int:
 
 
 def token_bytes(format_name: str, width: int, model_bytes: int) -> int:
-    """Bytes one token's indexer row of `width` channels takes in `format_name` (model_bytes: the model dtype's)."""
-    return width + SCALE_BYTES * groups(width) if format_name == "fp8" else width * model_bytes
+    """Bytes one token's indexer row of `width` channels takes in `format_name` (model_bytes: a channel's as
+    computed)."""
+    return {"model": width * model_bytes, "fp8": width + SCALE_BYTES * groups(width)}[_known(format_name)]
+
+
+def _known(format_name: str) -> str:
+    if format_name not in FORMATS:
+        raise ValueError(f"indexer keys format {format_name!r} is not one of {', '.join(FORMATS)}")
+    return format_name
 
 
 class StoredRows:
@@ -44,12 +52,13 @@ class StoredRows:
 
     @classmethod
     def encoded(cls, format_name: str, rows: torch.Tensor) -> StoredRows:
-        if format_name == "model":
+        if _known(format_name) == "model":
             return cls(format_name, (rows,), rows.dtype)
         width = rows.shape[-1]
         grouped = _in_groups(rows.float())
         largest = grouped.abs().amax(-1)
-        scales = torch.where(largest > 0, largest / torch.finfo(FP8).max, torch.ones_like(largest))
+        # (a group of zeros: scale 1; one holding a NaN: NaN, so that it comes back NaN, as the model computed it)
+        scales = torch.where(largest == 0, torch.ones_like(largest), largest / torch.finfo(FP8).max)
         codes = (grouped / scales[..., None]).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
         return cls(format_name, (codes.flatten(-2)[..., :width].contiguous(), scales), rows.dtype)
 
@@ -84,7 +93,8 @@ def _in_groups(rows: torch.Tensor) -> torch.Tensor:
 def _e4m3_over_256(codes: torch.Tensor) -> torch.Tensor:
     """e4m3 codes' values / 2^8 as fp32, exact for every finite code: an fp16 holding the code's sign, then its exponent
     and mantissa bits at the top of its own (fp16's exponent bias is 8 more than e4m3's; e4m3's subnormals land on
-    fp16's). torch converts FP8 on the CPU a value at a time; these steps work on the whole tensor."""
+    fp16's); a NaN code's group has a NaN scale (StoredRows.encoded). torch converts FP8 on the CPU a value at a time;
+    these steps work on the whole tensor."""
     bits = codes.view(torch.uint8).to(torch.int16)
     return ((bits & 0x80) << 8).bitwise_or_((bits & 0x7F) << 7).view(torch.float16).float()
 

@@ -89,6 +89,7 @@ def profile_config(request: ProfileRequest, fingerprint: dict, model_spec: str, 
         "model": {"spec": model_spec, "fingerprint": fingerprint, "windows": adapter.windows,
                   **({"chunks": adapter.chunks} if any(adapter.chunks) else {}),
                   "score_scale": adapter.score_scale,
+                  **({"score_scales": adapter.score_scales} if len(set(adapter.score_scales)) > 1 else {}),
                   **({"attention_softcap": adapter.softcap} if adapter.softcap is not None else {}),
                   **({"attention_sinks": [h.sinks.detach().float().tolist() for h in adapter.layers]}
                      if adapter.layers[0].sinks is not None else {})},

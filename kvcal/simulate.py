@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcal import wiring
-from kvcal.adapters import LatentAttention, ModelAdapter, adapt
+from kvcal.adapters import LatentAttention, ModelAdapter, adapt, index_key_bytes
 from kvcal.errors import KvcalError
 from kvcal.indexer_keys import round_trip, token_bytes
 from kvcal.kv import (SegmentPolicy, as_cached, per_query_head, per_query_head_pick, softcapped, softmax_with_sinks,
@@ -125,10 +125,10 @@ class StorageTally:
         elements = self.elements + self.index_elements
         return (self.key_bits + self.value_bits + self.index_bits) / elements if elements else float("nan")
 
-    def add_index_keys(self, tokens: int, width: int, format_name: str, dtype: torch.dtype) -> None:
+    def add_index_keys(self, tokens: int, width: int, format_name: str, key_bytes: int) -> None:
         """Count the indexer keys of `tokens` tokens, `width` channels each, kept in format `format_name` by a model
-        computing them in `dtype`."""
-        self.index_bits += tokens * token_bytes(format_name, width, dtype.itemsize) * 8
+        computing them in `key_bytes` a channel (kvcal.adapters.index_key_bytes)."""
+        self.index_bits += tokens * token_bytes(format_name, width, key_bytes) * 8
         self.index_elements += tokens * width
 
     def add(self, quantized: Quantized, stored: torch.Tensor, tensor: str, kv_heads: int, dropped: int = 0) -> None:
@@ -325,7 +325,8 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
     handles = adapter.layers[slot.index]
     # a sparse layer's: the tokens its indexer picked (from its keys as kept: indexer_keys_kept_as), its indexer keys
     chosen = wiring.step_mask_and_pick(slot, attention_mask, kwargs, tokens)[1]
-    state.tally.add_index_keys(query.shape[0] * tokens, adapter.index_widths[slot.index], state.indexer_keys, query.dtype)
+    state.tally.add_index_keys(query.shape[0] * tokens, adapter.index_widths[slot.index], state.indexer_keys,
+                               index_key_bytes(adapter.model_type, query.dtype.itemsize))
     latent = handles.latent
     if latent is not None:
         rotated = query[..., latent.nope_dim:]
@@ -384,10 +385,11 @@ def indexer_keys_kept_as(adapter: ModelAdapter, format_name: str):
 class _KeptAs:
     """A cache as an indexer reads it where its keys are kept in `format_name`: the keys it hands over through
     update_indexer (DeepSeek Sparse Attention's) or its layer's update_index (MiniMax-M3's) are rounded so, then kept by
-    `kept` (transformers' own cache, or its layer) or, where there is none, handed back."""
+    `kept` (transformers' own cache, or its layer) or, where there is none, handed back; without one, its layer (itself)
+    counts the keys handed back (`keys`: a length, no channels; get_seq_length), as GLM-5 Next's indexer reads it."""
 
     def __init__(self, kept, format_name: str):
-        self.kept, self.format = kept, format_name
+        self.kept, self.format, self.handed = kept, format_name, None
 
     def __getattr__(self, name):
         return getattr(self.kept, name)
@@ -396,9 +398,18 @@ class _KeptAs:
     def layers(self):
         return defaultdict(lambda: self) if self.kept is None else [_KeptAs(layer, self.format) for layer in self.kept.layers]
 
+    @property
+    def keys(self) -> torch.Tensor:
+        if self.kept is not None:
+            return self.kept.keys
+        return self.handed.new_empty(self.handed.shape[0], 1, self.handed.shape[1], 0)
+
+    def get_seq_length(self) -> int:
+        return self.kept.get_seq_length() if self.kept is not None else self.handed.shape[1]
+
     def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        keys = round_trip(self.format, keys)
-        return keys if self.kept is None else self.kept.update_indexer(keys, layer_idx)
+        self.handed = round_trip(self.format, keys)
+        return self.handed if self.kept is None else self.kept.update_indexer(self.handed, layer_idx)
 
     def update_index(self, keys: torch.Tensor) -> torch.Tensor:
         keys = round_trip(self.format, keys)

@@ -11,8 +11,8 @@ from matplotlib.figure import Figure  # no pyplot: files only, never a window or
 from matplotlib.patches import Patch
 
 from kvcal import registry
-from kvcal.adapters import (ModelAdapter, index_widths, kv_shapes, kv_widths, latent_attention, query_heads, rope_orders,
-                            score_scale)
+from kvcal.adapters import (ModelAdapter, index_key_bytes, index_widths, kv_shapes, kv_widths, latent_attention,
+                            query_heads, rope_orders, score_scale)
 from kvcal.artifacts import check_writable, read_artifact, read_header, write_atomically
 from kvcal.bundle import BUNDLE_KIND, PACKING, Bundle, load_bundle
 from kvcal.errors import KvcalError
@@ -31,13 +31,15 @@ def _profile_summary(tensors: dict, config: dict) -> ArtifactSummary:
     bits_k, bits_v = tensors["kvmix.bits.k"].float(), tensors["kvmix.bits.v"].float()
     rule = f"target {kvmix['target_bits']} bits" if kvmix["target_bits"] is not None else f"top {kvmix['high_frac']:.0%} of layers high"
     orders = "layer_rope_orders" if "layer_rope_orders" in fingerprint else "rope_order"  # (where layers differ: Laguna)
+    # (each layer's where they differ: dots.note3's MLA)
+    scales = " or ".join(f"{scale:.4g}" for scale in dict.fromkeys(model.get("score_scales", [score_scale(model)])))
     provenance = [
         ("model", model["spec"]),
         ("architecture", f"{fingerprint['architecture']}: {fingerprint['num_layers']} layers, "
                          f"{' or '.join(map(str, sorted(set(query_heads(fingerprint)))))} q / {_kv_heads_text(fingerprint)}"
                          + (f"; attention in decoder layers {', '.join(map(str, fingerprint['attention_layers']))}, the others "
                             "keep a recurrent state" if "attention_layers" in fingerprint else "")),
-        ("attention", f"scores x {score_scale(model):.4g}; each layer's sliding window and RoPE below"
+        ("attention", f"scores x {scales}; each layer's sliding window and RoPE below"
                       + (f"; q/k channels in RoPE pair order (fingerprint {orders})" if any(rope_orders(fingerprint)) else "")
                       + ("; attention sinks" if "attention_sinks" in model else "")
                       + (f"; scores soft-capped at {model['attention_softcap']:g}" if "attention_softcap" in model else "")
@@ -74,7 +76,8 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
     keeps its span's tokens alone, so a context's cache counts at most that many of them)."""
     fingerprint = adapter.fingerprint()
     readers = [f"decoder layer {r.decoder_index} reads layer {r.source}'s cache" for r in adapter.readers]
-    fp16 = [FP16_BYTES * (k + v + i) for k, v, i in zip(adapter.kv_widths, adapter.value_widths, adapter.index_widths)]
+    key_bytes = index_key_bytes(adapter.model_type, FP16_BYTES)
+    fp16 = [FP16_BYTES * (k + v) + key_bytes * i for k, v, i in zip(adapter.kv_widths, adapter.value_widths, adapter.index_widths)]
     context = 32768
     at_context = sum(size * min(context, span.size if span else context) for size, span in zip(fp16, adapter.spans))
     provenance = [
@@ -172,15 +175,16 @@ EFFECTIVE_BITS_CONTEXTS = (512, 4096)
 def effective_bits(layers: list, fingerprint: dict, tokens: int, indexer_keys: str = "model") -> float:
     """Cache bits per element after a prefill of `tokens` (kvcal.runtime.memory) for the layers of an artifact's
     model, with each layer's outlier fraction of its quantized elements as outliers; sparse layers' indexer keys count
-    among the elements, kept in format `indexer_keys` (kvcal.indexer_keys; "model": at 2 bytes, a bf16 or fp16
-    model's)."""
+    among the elements, kept in format `indexer_keys` (kvcal.indexer_keys; "model": as a bf16 or fp16 model computes
+    them, index_key_bytes)."""
     kv_heads = [heads for heads, _ in kv_shapes(fingerprint)]
     widths = {kind: kv_widths(fingerprint, kind) for kind in "kv"}
     index = index_widths(fingerprint)
     outliers = round(sum(layer.outliers * segment_lengths(layer, tokens, kind == "k")[1] * widths[kind][i]
                          for i, layer in enumerate(layers) for kind in "kv"))
+    key_bytes = index_key_bytes(fingerprint["model_type"], FP16_BYTES)
     stored = cache_bytes(layers, widths["k"], tokens, outliers, kv_heads=kv_heads, value_width=widths["v"],
-                         index_bytes=[token_bytes(indexer_keys, width, FP16_BYTES) for width in index])
+                         index_bytes=[token_bytes(indexer_keys, width, key_bytes) for width in index])
     return stored * 8 / (tokens * (sum(widths["k"]) + sum(widths["v"]) + sum(index)))
 
 

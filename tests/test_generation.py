@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers.tiny_bundles import fp16_kivi_bundle
-from helpers.tiny_models import SPARSE_LATENTS, longrope, tiny_model
+from helpers.tiny_models import DOTS3_NOTE, SPARSE_LATENTS, longrope, tiny_model
 from kvcal.errors import KvcalError
 from kvcal.generation import DOORS, measure_memory, multikey_prompt, passkey_accuracy
 from kvcal.methods import baseline_method
@@ -61,6 +61,18 @@ def test_a_memory_measure_prefilled_in_steps_across_longropes_switch_is_refused(
     model = tiny_model("phi3", **longrope(16))
     with pytest.raises(KvcalError, match="give a prefill chunk of more than 16 tokens"):
         measure_memory(model, fp16_kivi_bundle(model), torch.arange(3, 27), chunk=8)
+
+
+@pytest.mark.skipif(not DOTS3_NOTE, reason="dots.note3 is new in transformers 5.25")
+def test_a_memory_measure_counts_indexer_keys_as_the_model_hands_them_over():
+    """dots.note3's indexers rotate their keys by fp32 cos/sin: in a bf16 model they come fp32 (80 channels a token on
+    layers 0 and 1), 4 bytes a channel kept as computed, or FP8 codes and a scale; the live bytes are the formula's."""
+    model = tiny_model("dots3_note_text").to(torch.bfloat16)
+    measured = {keys: measure_memory(model, fp16_kivi_bundle(model, indexer_keys=keys), torch.arange(3, 43))
+                for keys in ("model", "fp8")}
+    for result in measured.values():
+        assert result["live_bytes"] == result["formula_bytes"]
+    assert measured["model"]["live_bytes"] - measured["fp8"]["live_bytes"] == 2 * 40 * (80 * 4 - (80 + 4))
 
 
 @SPARSE_LATENTS

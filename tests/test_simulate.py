@@ -112,8 +112,8 @@ def test_block_sparse_attention_simulated_unquantized_is_the_models_own(model_ty
 def test_indexer_keys_simulated_in_fp8_are_picked_from_as_the_cache_keeps_them(model_type):
     """A method keeping indexer keys in FP8 (kvcal.indexer_keys): the simulation's indexers pick from their keys rounded
     so, the model's logits where transformers' own cache hands them back rounded so (and its K/V rounded to fp16, as
-    kvcal's), which differ from those of keys kept as computed; the tally counts e4m3 codes and one fp32 scale a token
-    and layer."""
+    kvcal's), or, without a cache, indexer_keys_kept_as hands back the window's keys rounded so; they differ from those
+    of keys kept as computed; the tally counts e4m3 codes and one fp32 scale a token and layer."""
     model = tiny_model(model_type)
     adapter = adapt(model)
     ids = torch.randint(0, 500, (2, 33), generator=torch.Generator().manual_seed(1))
@@ -121,10 +121,12 @@ def test_indexer_keys_simulated_in_fp8_are_picked_from_as_the_cache_keeps_them(m
     with torch.inference_mode():
         with indexer_keys_kept_as(adapter, "fp8"):
             expected = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
+            without_cache = model(ids, use_cache=False).logits
         as_computed = model(ids, **cache_argument(_RoundedCache(config=model.config)), use_cache=True).logits
         with simulated(model, adapter, method, StorageTally()) as tally:
             got = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=5e-4)
+    torch.testing.assert_close(without_cache, expected, rtol=1e-3, atol=5e-4)  # (a window's keys handed back rounded)
     assert (as_computed - expected).abs().max() > 0.01
     widths = [width for width in adapter.index_widths if width]
     assert tally.index_bits == 8 * 2 * 33 * sum(token_bytes("fp8", width, 4) for width in widths)

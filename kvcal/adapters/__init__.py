@@ -17,13 +17,14 @@ Which type has which trait, and what kvcal does about each, is in docs/models.md
 """
 
 from kvcal.adapters.adapter import ModelAdapter, adapt, chunk_positions, decoder_of, prefix_lm, text_inputs
-from kvcal.adapters.fingerprint import (attention_sinks, attention_softcap, decoder_kind, first_position, index_widths,
-                                        kv_shapes, kv_widths, latent_attention, query_heads, rope_orders, score_scale)
+from kvcal.adapters.fingerprint import (attention_sinks, attention_softcap, decoder_kind, first_position, index_key_bytes,
+                                        index_widths, kv_shapes, kv_widths, latent_attention, query_heads, rope_orders,
+                                        score_scale)
 from kvcal.adapters.handles import LatentAttention, LayerHandles
 from kvcal.adapters.model_types import (LATENT_ATTENTION_TYPES, SUPPORTED_MODEL_TYPES, served_by_installed_transformers,
                                         served_types)
 
 __all__ = ["LATENT_ATTENTION_TYPES", "SUPPORTED_MODEL_TYPES", "LatentAttention", "LayerHandles", "ModelAdapter", "adapt",
            "attention_sinks", "attention_softcap", "chunk_positions", "decoder_kind", "decoder_of", "first_position",
-           "index_widths", "kv_shapes", "kv_widths", "latent_attention", "prefix_lm", "query_heads", "rope_orders",
-           "score_scale", "served_by_installed_transformers", "served_types", "text_inputs"]
+           "index_key_bytes", "index_widths", "kv_shapes", "kv_widths", "latent_attention", "prefix_lm", "query_heads",
+           "rope_orders", "score_scale", "served_by_installed_transformers", "served_types", "text_inputs"]

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from kvcal.adapters.fingerprint import decoder_kind, first_position
+from kvcal.adapters.fingerprint import decoder_kind, first_position, index_key_bytes
 from kvcal.adapters.handles import (LayerHandles, latent_handles, latent_rope, layer_handles,
                                    pick_key_blocks, pick_tokens_in_mask, take_returned_pick)
 from kvcal.adapters.model_types import (ATTENTION_AND_STATE_TYPES, ATTENTION_LAYER_TYPES, ATTENTION_NAMES,
@@ -147,8 +147,8 @@ class ModelAdapter:
         return [handles.index_width for handles in self.layers]
 
     def index_bytes(self, dtype: torch.dtype) -> list[int]:
-        """Per layer, the bytes of one token's indexer key kept in `dtype` (the model's: kvcal keeps them as computed)."""
-        return [width * dtype.itemsize for width in self.index_widths]
+        """Per layer, the bytes of one token's indexer key as a model in `dtype` computes it (index_key_bytes)."""
+        return [width * index_key_bytes(self.model_type, dtype.itemsize) for width in self.index_widths]
 
     @property
     def latent(self) -> bool:

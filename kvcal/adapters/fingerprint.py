@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcal.adapters.model_types import (CROSS_ATTENDING_TYPES, KV_SHARING_TYPES, POSITIONS_FROM_ONE,
-                                        STATE_BESIDE_ATTENTION_TYPES)
+from kvcal.adapters.model_types import (CROSS_ATTENDING_TYPES, INDEXER_KEYS_FP32, KV_SHARING_TYPES,
+                                        POSITIONS_FROM_ONE, STATE_BESIDE_ATTENTION_TYPES)
 
 
 def query_heads(fingerprint: dict) -> list[int]:
@@ -68,6 +68,12 @@ def latent_attention(fingerprint: dict) -> bool:
 def kv_widths(fingerprint: dict, kind: str = "k") -> list[int]:
     """Per layer of an artifact's model, the channels of one token's keys (kind "k") or values ("v")."""
     return [kv_heads * head_dim for kv_heads, head_dim in kv_shapes(fingerprint, kind)]
+
+
+def index_key_bytes(model_type: str, model_bytes: int) -> int:
+    """Bytes of one channel of the indexer keys a model of `model_type` whose dtype takes `model_bytes` hands its cache:
+    fp32's where its indexers compute them so (INDEXER_KEYS_FP32), else its dtype's."""
+    return 4 if model_type in INDEXER_KEYS_FP32 else model_bytes
 
 
 def index_widths(fingerprint: dict) -> list[int]:

@@ -157,6 +157,9 @@ PICK_IN_MASK = ("qwen4_exp_text",)
 # its pool gate's scores and whether it is real: 2 index_head_dim + 1 channels); a "shared" layer (no indexer) is handed
 # an earlier layer's as prev_topk_indices
 PICK_RETURNED = ("glm5_next_text",)
+# models whose indexers hand the cache their keys in fp32 whatever the model's dtype (dots.note3's: its rotary runs on
+# fp32 inputs for the indexed layers, and the indexer's keys keep the dtype of their rotation)
+INDEXER_KEYS_FP32 = ("dots3_note_text",)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", INDEXED_ATTENTION,
                          *ATTENTION_AND_STATE_TYPES)
 # where a refusal sends a user for the types kvcal serves (a list of them all would bury the refusal's line)
