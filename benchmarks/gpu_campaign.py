@@ -32,6 +32,8 @@ that does not fit in what is left of --budget-s is skipped and says so):
   mla          generate() on a DeepSeek-V2-Lite-shaped random model (multi-head latent attention, its 27 layers) at 8K and
                32K tokens, batch 8: DynamicCache against kvcal's kivi and kvquant caches, which decode MLA on the torch
                reference (`benchmarks.end_to_end mla`)
+  mla-sparse   the same with DeepSeek-V3.2's sparse attention (4 layers, 8K tokens, batch 1): DynamicCache against
+               kvcal's kivi cache keeping the indexer keys as computed and in FP8 (kvcal.indexer_keys on CUDA)
 
 Everything is written under OUTDIR: results/ (the benchmarks' JSON and Markdown, as benchmarks/results would hold
 them), logs/<stage>.log, campaign.json (each stage's command, status and seconds) and summary.md, the short table that
@@ -184,6 +186,11 @@ def stages(args) -> list[Stage]:
                                "--layers", "27", *mla], 150, 60,
                        [*bench("end_to_end", "mla"), "--shape", "tiny", "--lengths", "64", "--layers", "2",
                         "--profile-seqlen", "32", *mla]))
+    sparse = ["--recipes", "kivi", "--indexer-keys", "model,fp8", "--new-tokens", "8", "--rounds", "2", "--seed", str(args.seed)]
+    found.append(Stage("mla-sparse", [*bench("end_to_end", "mla"), "--shape", "deepseek-v2-lite-sparse", "--device", "cuda",
+                                      "--lengths", "8192", *sparse], 120, 60,
+                       [*bench("end_to_end", "mla"), "--shape", "tiny-sparse", "--lengths", "80", "--layers", "2",
+                        "--profile-seqlen", "32", *sparse]))
     return [s for s in found if not args.only or s.name in args.only.split(",")]
 
 
@@ -426,7 +433,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.generate_largest < 0:
         parser.error("--generate-largest is 0 or more tries")
     known = {"environment", "layout", "kernels", "kernels-heads", "kernels-d256", "kernels-d256-kv1", "suite", "generate", "ab", "ncu",
-             "short-steps", "mla"}
+             "short-steps", "mla", "mla-sparse"}
     if args.only and not set(args.only.split(",")) <= known:
         parser.error(f"--only {args.only}: stages are {', '.join(sorted(known))}")
     args.seed = int(time.time()) % 100_000 if args.seed is None else args.seed

@@ -28,7 +28,7 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     record = json.loads((out / "campaign.json").read_text())
     assert [s["name"] for s in record["stages"]] == ["environment", "layout", "kernels", "kernels-heads", "kernels-d256",
                                                      "kernels-d256-kv1", "suite", "generate", "ab", "ncu", "short-steps",
-                                                     "mla"]
+                                                     "mla", "mla-sparse"]
     assert all(s["status"] == "ok" for s in record["stages"]) and record["seed"] == 7
     environment = (out / "logs" / "environment.log").read_text().splitlines()
     assert environment[-1].startswith(f"transformers {transformers.__version__} is in kvcal's range")
@@ -45,6 +45,8 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_prints_the_summary_last(tmp_pat
     assert [(r["context"], r["step"], r["runtime"]) for r in short["results"]] == [(64, 4, "kernel"), (64, 16, "kernel")]
     latent = json.loads(next((out / "results").glob("mla_generate_*.json")).read_text())
     assert [r["cache"] for r in latent["results"]] == ["DynamicCache", "kvcal kivi", "kvcal kvquant"]
+    sparse = json.loads(next((out / "results").glob("mla_sparse_generate_*.json")).read_text())
+    assert [r["cache"] for r in sparse["results"]] == ["DynamicCache", "kvcal kivi", "kvcal kivi, indexer fp8"]
     summary = (out / "summary.md").read_text()
     assert done.stdout.rstrip().endswith(summary.rstrip())
     assert "| generate | ok |" in summary and "| kvcal kivi |" in summary and "The largest batch at L=128, tried:" in summary
