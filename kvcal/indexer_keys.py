@@ -2,13 +2,15 @@
 Next's packed indexer states): each token's row of `width` channels in one of FORMATS.
 
 - "model": as the model computes them (bf16 in the released checkpoints), width x the model's bytes a token.
-- "fp8": FP8 e4m3 codes with one fp32 scale per GROUP channels of a token (the scale maps the group's largest
-  magnitude to e4m3's largest value, 448), width + 4 x ceil(width / GROUP) bytes a token: DeepSeek-V3.2's own
-  inference and vLLM keep its indexer keys so. FP8 is floating point, so a large channel costs the others of its
-  group little precision: a value comes back within 1/16 of itself down to 2^-6 of the scale (e4m3's smallest
-  normal), within 2^-10 of the scale below. Zero stays zero: GLM-5 Next's real-token flag keeps which tokens are
-  real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own). A group holding a
-  NaN comes back NaN.
+- "fp8": FP8 e4m3 codes with one fp32 scale per GROUP channels of a token, width + 4 x ceil(width / GROUP) bytes a
+  token, as DeepSeek-V3.2's own inference (act_quant, scale_fmt "ue8m0") and vLLM (indexer_k_quant_and_cache with
+  use_ue8m0) keep its indexer keys: the scale is the power of two at or above max(the group's largest magnitude,
+  1e-4) / 448 (e4m3's largest value), computed exactly here (vLLM's CUDA log2f may round a hair's breadth from a
+  power of two), and a code is e4m3(x / scale), saturating. FP8 is floating point, so a large channel costs the
+  others of its group little precision: a value comes back within 1/16 of itself down to 2^-6 of the scale (e4m3's
+  smallest normal), within 2^-10 of the scale below. Zero stays zero: GLM-5 Next's real-token flag keeps which
+  tokens are real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own). A group
+  holding a NaN comes back NaN.
 
 A row is encoded on its own, when it is stored: a cache that hands back every token's keys so far decodes what it
 stored, and the simulation's round trip gives the same values.
@@ -21,9 +23,10 @@ import torch
 FORMATS = ("model", "fp8")
 GROUP = 128  # channels a scale serves (DeepSeek-V3.2's indexer key: one group)
 DESCRIPTIONS = {"model": "as the model computes them (2 bytes a channel in a bf16 model)",
-                "fp8": f"FP8 e4m3, one fp32 scale per {GROUP} channels of a token"}
+                "fp8": f"FP8 e4m3, one power-of-two fp32 scale per {GROUP} channels of a token"}
 FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4
+SMALLEST_MAGNITUDE = 1e-4  # the largest magnitude a scale is made for, at least (a group of zeros: this)
 
 
 def groups(width: int) -> int:
@@ -56,9 +59,8 @@ class StoredRows:
             return cls(format_name, (rows,), rows.dtype)
         width = rows.shape[-1]
         grouped = _in_groups(rows.float())
-        largest = grouped.abs().amax(-1)
-        # (a group of zeros: scale 1; one holding a NaN: NaN, so that it comes back NaN, as the model computed it)
-        scales = torch.where(largest == 0, torch.ones_like(largest), largest / torch.finfo(FP8).max)
+        # (a group holding a NaN: a NaN scale, so that it comes back NaN, as the model computed it)
+        scales = _power_of_two_at_or_above(grouped.abs().amax(-1).clamp(min=SMALLEST_MAGNITUDE) / torch.finfo(FP8).max)
         codes = (grouped / scales[..., None]).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
         return cls(format_name, (codes.flatten(-2)[..., :width].contiguous(), scales), rows.dtype)
 
@@ -82,6 +84,13 @@ class StoredRows:
     def sequences(self, index: torch.Tensor) -> StoredRows:
         """Sequences index[0], index[1], ... as sequences 0, 1, ..."""
         return StoredRows(self.format, tuple(part.index_select(0, index) for part in self.parts), self.dtype)
+
+
+def _power_of_two_at_or_above(x: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 x) of positive x, exactly (NaN where x is): x = m 2^e with m in [0.5, 1) is 2^(e - 1) where m is
+    0.5, else below 2^e."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype)).where(~x.isnan(), x)
 
 
 def _in_groups(rows: torch.Tensor) -> torch.Tensor:
