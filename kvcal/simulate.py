@@ -449,6 +449,10 @@ class QuantizedOnWrite(DynamicCache):
         key_codec, value_codec = self.codecs[layer_idx]
         return super().update(_stored(key_codec, key_states), _stored(value_codec, value_states), layer_idx, *args, **kwargs)
 
+    def update_indexer(self, indexer_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """A sparse layer's indexer keys, kept as the method keeps them (Method.indexer_keys)."""
+        return super().update_indexer(round_trip(self.method.indexer_keys, indexer_keys), layer_idx)
+
     def load(self, context) -> None:
         """Write a context's rows (a kvcal.runtime.fp_context.FpContext: per layer (batch, tokens, width) keys after RoPE
         and values), as its prefill through this cache would; a sliding-window layer quantizes only the tokens it
@@ -458,6 +462,7 @@ class QuantizedOnWrite(DynamicCache):
         for index, index_keys in zip(self.codecs, context.index_keys or []):
             if index_keys is not None:  # (MiniMax-M3's cache layer keeps one head's, through update_index)
                 layer = self.layers[index]
+                index_keys = round_trip(self.method.indexer_keys, index_keys)
                 if hasattr(layer, "update_index"):
                     layer.update_index(index_keys[:, None])
                 else:

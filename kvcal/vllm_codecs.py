@@ -8,6 +8,13 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   +-448 and cast to e4m3 (round to nearest even); x^ = q * s. Codes and an fp32 scale per (token, KV head).
   Source: vllm/v1/attention/ops/triton_reshape_and_cache_flash.py @ 055e47c28003156421365af985d676fc921cb075
   (_reshape_cache_per_token_head; the +-0.5 since vLLM PR #45361: before it int8 truncated toward zero).
+- DsMlaLatent (`fp8_ds_mla`, the latent of vLLM's cache of DeepSeek-V3.2's sparse MLA, FlashMLA's format): per token,
+  tiles of 128 latent channels, each s = max(max|x| / 448, FLT_MIN) in fp32 and its codes e4m3(x / s), saturating
+  (round to nearest even); x^ = code * s. 8 bits a channel and an fp32 scale a tile; the rotated key beside it is
+  kept in the model's 16 bits, and the indexer's keys as FP8 with a power-of-two scale per 128 channels
+  (kvcal.indexer_keys "fp8"). Source: vLLM's csrc/cache_kernels.cu, concat_and_cache_ds_mla_kernel (tile_scale,
+  fp8::scaled_convert) and indexer_k_quant_and_cache_kernel (use_ue8m0), as read in its public source (the commit
+  is not pinned here).
 - Int4PerTokenHead: x rotated by vLLM's randomized Hadamard transform (fixed signs from a CPU generator seeded
   0x9E3779B9, the unnormalized Walsh-Hadamard butterfly in fp32) and cast to the model dtype; then per (token, KV
   head) s = max((max - min) / 15, 1e-6), zp = clamp(round(-min / s), 0, 15), q = clamp(round(x / s + zp), 0, 15)
@@ -65,6 +72,7 @@ from kvcal.quantizers import E2M1_MAGNITUDES, CodecKind, Quantized
 SCALE_FLOOR = 1e-6  # vLLM's floor of every per-token-head scale
 FP32_BITS = 32
 FP8_MAX = 448.0  # float8_e4m3fn (CUDA)
+DS_MLA_TILE = 128  # fp8_ds_mla's latent channels a scale serves
 RHT_SEED = 0x9E3779B9  # vLLM's _get_rht_signs(d, round_idx=0)
 
 
@@ -107,6 +115,22 @@ class PerTokenHead:
             q = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
         values = (q * scale).view(x.shape)
         return Quantized(values, torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
+
+
+@dataclass(frozen=True)
+class DsMlaLatent:
+    kind: ClassVar[CodecKind] = CodecKind.SIMULATED
+    block_tokens = 1
+    bits = 8
+
+    def row_bits(self, channels: int) -> float:
+        return float(8 * channels + FP32_BITS * (channels // DS_MLA_TILE))
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        tiles = _per_head(x, DS_MLA_TILE)
+        scale = torch.clamp(tiles.abs().amax(-1, keepdim=True) / FP8_MAX, min=torch.finfo(torch.float32).tiny)
+        codes = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return Quantized((codes * scale).view(x.shape), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 
 
 def hadamard_butterfly(x: torch.Tensor) -> torch.Tensor:

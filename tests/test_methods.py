@@ -138,3 +138,14 @@ def test_the_fp8_baseline_is_vllms_default_scale():
         stored = codec.quantize(x)
         assert stored.values.tolist() == [[0.3125, -448.0, 448.0, 16.0]]  # e4m3 rounding, saturated at +-448
         assert stored.row_bits.tolist() == [8 * 4] and stored.row_outliers is None
+
+
+def test_vllms_cache_of_sparse_mla_is_refused_off_mla_and_off_whole_tiles():
+    """fp8_ds_mla is vLLM's cache of multi-head latent attention in tiles of 128 latent channels: a model without MLA,
+    or whose latent is not whole tiles, is refused in one line; the spec itself passes the check made before a model
+    is loaded."""
+    check_baseline("fp8_ds_mla")
+    with pytest.raises(KvcalError, match="this model's attention is not MLA"):
+        baseline_method("fp8_ds_mla", [16, 16])
+    with pytest.raises(KvcalError, match=r"tiles of 128 channels .* latents are \[96\] wide"):
+        baseline_method("fp8_ds_mla", [64, 64], value_dims=[96, 96], latent=True)

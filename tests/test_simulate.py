@@ -9,7 +9,7 @@ from helpers.tiny_models import (DSA, GEMMA4, GEMMA4_READERS_ON_KEPT_TOKENS, GLM
                                  TINY_ARCHITECTURES, known, tiny_latent_widths, tiny_model)
 from kvcal.adapters import adapt, text_inputs
 from kvcal.errors import KvcalError
-from kvcal.indexer_keys import token_bytes
+from kvcal.indexer_keys import round_trip, token_bytes
 from kvcal.kv import SegmentPolicy, as_cached
 from kvcal.methods import baseline_method
 from kvcal.methods.kivi import kivi_layer
@@ -133,26 +133,14 @@ def test_indexer_keys_simulated_in_fp8_are_picked_from_as_the_cache_keeps_them(m
     assert tally.index_elements == 2 * 33 * sum(widths)
 
 
-@pytest.mark.parametrize("model_type", LATENT)
-def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluates(model_type):
-    """transformers' own MLA over a cache quantizing each token as written (QuantizedOnWrite: its latent with the value
-    codec, its rotated key with the key codec, in the model's channel order as the engine stores it), prefilled then
-    decoding token by token, gives the simulation's logits at every position; a context loaded into it stores its
-    first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does; DeepSeek
-    Sparse Attention's indexer keys too). Effective
-    bits weigh each tensor by its width: q8_0 keys (8.5 bits, 64 channels) beside q4_0 latents (4.5 bits, 96 channels)
-    store 6.1 bits per element."""
+def _written_as_the_simulation_reads(model, adapter, method, ids):
+    """(the simulation's tally, a QuantizedOnWrite cache prefilled with ids but the last, one loaded with their fp
+    context, the simulation's logits), after checking that a QuantizedOnWrite cache prefilled with 12 of the 40 ids,
+    then decoding token by token, gives the simulation's logits at every position."""
     from kvcal.runtime.fp_context import fp_context
     from kvcal.simulate import QuantizedOnWrite
 
-    model = tiny_model(model_type)
-    adapter = adapt(model)
-    method = baseline_method("q8_0/q4_0", adapter.head_dims, adapter.windows, value_dims=adapter.value_dims)
-    # (Kimi K2.5's composite reads its image and video token ids as no token; the context's prefill, its decoder alone,
-    # as any: text here)
-    ids = torch.randint(0, 508 if model_type == "kimi_k25" else 512, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        fp_logits = model(ids).logits
         with simulated(model, adapter, method, StorageTally()) as tally:
             expected = model(ids).logits
         cache = QuantizedOnWrite(model, method)
@@ -162,6 +150,27 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
         model(ids[:, :39], **cache_argument(prefilled), use_cache=True)
         loaded.load(fp_context(model, ids[:, :39]))
     torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=1e-4)
+    return tally, prefilled, loaded, expected
+
+
+@pytest.mark.parametrize("model_type", LATENT)
+def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluates(model_type):
+    """transformers' own MLA over a cache quantizing each token as written (QuantizedOnWrite: its latent with the value
+    codec, its rotated key with the key codec, in the model's channel order as the engine stores it), prefilled then
+    decoding token by token, gives the simulation's logits at every position; a context loaded into it stores its
+    first layer as a prefill through it does (its ggml blocks of 32 channels split the key as the engine does; DeepSeek
+    Sparse Attention's indexer keys too). Effective
+    bits weigh each tensor by its width: q8_0 keys (8.5 bits, 64 channels) beside q4_0 latents (4.5 bits, 96 channels)
+    store 6.1 bits per element."""
+    model = tiny_model(model_type)
+    adapter = adapt(model)
+    method = baseline_method("q8_0/q4_0", adapter.head_dims, adapter.windows, value_dims=adapter.value_dims)
+    # (Kimi K2.5's composite reads its image and video token ids as no token; the context's prefill, its decoder alone,
+    # as any: text here)
+    ids = torch.randint(0, 508 if model_type == "kimi_k25" else 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fp_logits = model(ids).logits
+    tally, prefilled, loaded, expected = _written_as_the_simulation_reads(model, adapter, method, ids)
     assert not torch.allclose(fp_logits, expected, atol=1e-3)
     first = adapter.model_layers[0]  # (Kimi Linear's after a KDA layer, which nothing quantized reaches)
     assert torch.equal(loaded.layers[first].keys, prefilled.layers[first].keys)
@@ -176,6 +185,26 @@ def test_latent_attention_quantized_on_write_decodes_what_the_simulation_evaluat
     stored = [(tokens * (key * 8.5 + latent * 4.5) + 40 * index * 32, tokens * (key + latent) + 40 * index)
               for tokens, key, latent, index in zip(kept, keys, latents, index_widths)]
     assert tally.effective_bits == pytest.approx(sum(bits for bits, _ in stored) / sum(width for _, width in stored))
+
+
+@pytest.mark.parametrize("model_type", DSA[:1])
+def test_vllms_cache_of_sparse_mla_decodes_what_the_simulation_evaluates(model_type):
+    """fp8_ds_mla (vLLM's cache of DeepSeek-V3.2): over a latent of 128 channels (one tile; theirs 512) in FP8 with an
+    fp32 scale, the rotated key 16-bit and the indexer's keys in FP8 (kvcal.indexer_keys), transformers' own cache
+    quantizing each token as written, prefilled then decoding token by token, gives the simulation's logits at every
+    position, a context loaded into it the indexer keys a prefill stores; effective bits weigh each part: 16 bits a
+    key channel, 8 + 32 / 128 a latent one, 8 + 32 / 80 an indexer one."""
+    model = tiny_model(model_type, kv_lora_rank=128)
+    adapter = adapt(model)
+    method = baseline_method("fp8_ds_mla", adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
+                             adapter.latent)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    tally, prefilled, loaded, _ = _written_as_the_simulation_reads(model, adapter, method, ids)
+    first = adapter.model_layers[0]
+    assert torch.equal(loaded.layers[first].indexer_keys, prefilled.layers[first].indexer_keys)
+    assert torch.equal(prefilled.layers[first].indexer_keys, round_trip("fp8", prefilled.layers[first].indexer_keys))
+    assert (tally.key_bits / tally.key_elements, tally.value_bits / tally.value_elements) == (16.0, 8.25)
+    assert tally.index_bits / tally.index_elements == pytest.approx(8 + 32 / 80)
 
 
 def test_policy_masks():

@@ -32,7 +32,7 @@ from kvcal.adapters import adapt
 from kvcal.errors import KvcalError
 from kvcal.evaluate import evaluate_ppl
 from kvcal.methods import baseline_method
-from kvcal.vllm_codecs import (Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys, TurboQuantValues, e2m1_nearest_even,
+from kvcal.vllm_codecs import (DsMlaLatent, Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys, TurboQuantValues, e2m1_nearest_even,
                                hadamard_butterfly, lloyd_max_centroids, rht_signs, sylvester_hadamard)
 
 
@@ -54,6 +54,21 @@ def test_fp8_per_token_head_casts_to_e4m3_rounding_to_nearest_even():
     1.0; 2.375 / 2 = 1.1875 halfway between 1.125 and 1.25 goes to 1.25."""
     x = torch.tensor([[896.0, 2.125, 2.375, -2.125]])
     assert PerTokenHead("fp8", 4).quantize(x).values[0].tolist() == [896.0, 2.0, 2.5, -2.0]
+
+
+def test_fp8_ds_mla_scales_each_128_latent_channels_by_their_own_max_over_448():
+    """vLLM's fp8_ds_mla latent: a tile of absmax 896 gets scale 2.0 (2.125 / 2 halfway between e4m3's 1.0 and 1.125
+    goes to the even 1.0), the next tile its own (absmax 448: scale 1.0), a tile of zeros FLT_MIN's, saturating; 8
+    bits a channel and an fp32 scale a tile."""
+    x = torch.zeros(1, 384)
+    x[0, :3] = torch.tensor([896.0, 2.125, -2.375])
+    x[0, 128:130] = torch.tensor([448.0, 3.3])
+    got = DsMlaLatent().quantize(x)
+    assert got.values[0, :3].tolist() == [896.0, 2.0, -2.5]
+    assert got.values[0, 128:130].tolist() == [448.0, 3.25] and not bool(got.values[0, 256:].any())
+    assert got.row_bits.tolist() == [8 * 384 + 3 * 32]
+    with pytest.raises(KvcalError, match="96 channels are not whole KV heads of 128"):
+        DsMlaLatent().quantize(torch.ones(1, 96))
 
 
 def test_int4_per_token_head_rotation_is_vllms():

@@ -19,7 +19,7 @@ from kvcal.errors import KvcalError
 from kvcal.methods import kvquant, mixed, skvq, kivi, kvmix, cocktail  # noqa: F401, I001  (registers them)
 from kvcal.methods import intn, hadamard, turbo, llama_cpp, fp8, vllm_dtypes, sglang_dtypes  # noqa: F401, I001
 from kvcal.methods.llama_cpp import cache_type_pair, first_last_method, first_last_option, llama_cpp_method
-from kvcal.methods.vllm_dtypes import VLLM_DTYPES, turboquant_method
+from kvcal.methods.vllm_dtypes import DS_MLA, VLLM_DTYPES, ds_mla_refusal, turboquant_method
 from kvcal.quantizers import FP16_LAYER
 from kvcal.simulate import Method
 from kvcal.vllm_codecs import TQ_PRESETS
@@ -90,6 +90,9 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     if refusal is not None:
         raise KvcalError(f"baseline '{text}' on a multi-head latent attention (MLA) model: {refusal}")
     num_layers, value_dims = len(head_dims), value_dims or head_dims
+    refusal = ds_mla_refusal(latent, value_dims) if base == DS_MLA else None
+    if refusal is not None:
+        raise KvcalError(f"baseline '{text}': {refusal}; evaluate another cache type")
     # (a key of no channel, a latent layer's without RoPE, takes its value's codecs' for_key_width(0))
     by_head_dim = {head_dim: _base_baseline(base, first_last, num_layers, head_dim, text, decoder == "dense", latent)
                    for head_dim in dict.fromkeys(head_dims + value_dims) if head_dim}
@@ -97,13 +100,12 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     if len(by_head_dim) > 1 or 0 in head_dims:
         layers = [replace(by_head_dim[value_dim].layers[i], key_codec=by_head_dim[head_dim or value_dim].layers[i].key_codec)
                   .for_key_width(head_dim) for i, (head_dim, value_dim) in enumerate(zip(head_dims, value_dims))]
-        method = Method(method.name, method.nominal_bits, layers, method.policy)
+        method = replace(method, layers=layers)
     if skip is None:
         return method
     skipped = skipped_layers(skip, num_layers, windows, text)
     layers = [FP16_LAYER if i in skipped else layer for i, layer in enumerate(method.layers)]
-    name = f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}"
-    return Method(name, method.nominal_bits, layers, method.policy)
+    return replace(method, name=f"{method.name};skip={'+'.join(map(str, sorted(skipped)))}", layers=layers)
 
 
 def decoder_refusal(base: str, decoder: str) -> str | None:

@@ -2,7 +2,8 @@
 int4_per_token_head, nvfp4, nvfp4_4over6 and the TurboQuant presets turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc,
 turboquant_3bit_nc; no calibration): every token quantized when stored, keys after RoPE, nothing kept fp16 (but a
 TurboQuant preset's first and last two layers where every decoder layer attends, which vLLM leaves unquantized), to
-vLLM's kernels (kvcal.vllm_codecs).
+vLLM's kernels (kvcal.vllm_codecs). On a multi-head latent attention model, fp8_ds_mla: vLLM's cache of DeepSeek-V3.2
+(its latent in FP8 tiles, its rotated key 16-bit, its indexer keys FP8), where the others are refused.
 With `;skip=L+L+...` (kvcal.methods.baseline_method) the named layers stay unquantized too, as vLLM's
 --kv-cache-dtype-skip-layers keeps them."""
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 from kvcal import registry
 from kvcal.kv import SegmentPolicy
-from kvcal.quantizers import FP16_LAYER, LayerCodecs
+from kvcal.quantizers import FP16_LAYER, Fp16Codec, LayerCodecs
 from kvcal.registry import MethodSpec
 from kvcal.simulate import Method, engine_dtype_method
-from kvcal.vllm_codecs import (TQ_PRESETS, Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys, TurboQuantValues,
-                               tq_boundary_layers)
+from kvcal.vllm_codecs import (DS_MLA_TILE, TQ_PRESETS, DsMlaLatent, Int4PerTokenHead, Nvfp4, PerTokenHead, TurboQuantKeys,
+                               TurboQuantValues, tq_boundary_layers)
 
 VLLM_DTYPES = {
     "int8_per_token_head": lambda head_dim: PerTokenHead("int8", head_dim),
@@ -23,6 +24,21 @@ VLLM_DTYPES = {
     "nvfp4": Nvfp4,
     "nvfp4_4over6": lambda head_dim: Nvfp4(head_dim, four_over_six=True),
 }
+
+
+# vLLM's cache of DeepSeek-V3.2's sparse MLA (its default there): the latent in FP8 tiles, the rotated key kept 16-bit,
+# the indexer's keys in FP8 (kvcal.vllm_codecs.DsMlaLatent)
+DS_MLA = "fp8_ds_mla"
+
+
+def ds_mla_refusal(latent: bool, latent_widths: list[int]) -> str | None:
+    """Why fp8_ds_mla is not what vLLM would store for a model, or None where it is."""
+    if not latent:
+        return "it is vLLM's cache of multi-head latent attention (DeepSeek-V3.2's), and this model's attention is not MLA"
+    if any(width % DS_MLA_TILE for width in latent_widths):
+        return (f"its latent is stored in tiles of {DS_MLA_TILE} channels (512 in DeepSeek-V3.2), and this model's "
+                f"latents are {sorted(set(latent_widths))} wide")
+    return None
 
 
 def turboquant_method(preset: str, num_layers: int, head_dim: int, boundary: bool = True) -> Method:
@@ -38,12 +54,16 @@ def turboquant_method(preset: str, num_layers: int, head_dim: int, boundary: boo
 class VllmDtypeSpec(MethodSpec):
     name = "vllm"
     description = ("vLLM's KV cache dtypes: per-token-head int8, fp8, int4 (with its Hadamard rotation), nvfp4 (and its "
-                   "4over6 scale choice) and the TurboQuant presets, to its kernels (baseline)")
+                   "4over6 scale choice), the TurboQuant presets and DeepSeek-V3.2's fp8_ds_mla, to its kernels "
+                   "(baseline)")
 
     def baseline_syntax(self):
-        return " | ".join([*VLLM_DTYPES, *TQ_PRESETS])
+        return " | ".join([*VLLM_DTYPES, *TQ_PRESETS, DS_MLA])
 
     def baseline(self, text, num_layers, head_dim):
+        if text == DS_MLA:  # (an MLA layer's key codec is its rotated key's, its value codec its latent's)
+            return Method(DS_MLA, 8, [LayerCodecs(Fp16Codec(), DsMlaLatent(), key_pre_rope=False)] * num_layers,
+                          SegmentPolicy(), indexer_keys="fp8")
         if text in TQ_PRESETS:
             return turboquant_method(text, num_layers, head_dim)
         make = VLLM_DTYPES.get(text)
