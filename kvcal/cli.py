@@ -62,7 +62,7 @@ DATASET_HELP = ("'builtin' (Python's pydoc topics), 'python-code' (the standard 
                 "or a datasets hub spec name[:config[:split]]")
 DTYPE_OPTION = typer.Option("auto", help="Model dtype: auto (float32 on CPU, bfloat16 on GPU), float32, float16, bfloat16.")
 DEVICE_OPTION = typer.Option("cpu", help="cpu, cuda, or auto (accelerate device_map='auto' across GPUs).")
-INDEXER_KEYS_OPTION = typer.Option("model", help="How the cache keeps a sparse attention model's indexer keys (DeepSeek-V3.2, GLM-5, MiniMax-M3, Qwen4-Exp, ...): model (as computed, bf16 in their checkpoints) or fp8 (e4m3, a power-of-two fp32 scale per 128 channels, as DeepSeek's inference and vLLM keep them).")
+INDEXER_KEYS_OPTION = typer.Option("model", help="How the cache keeps a sparse attention model's indexer keys (DeepSeek-V3.2, GLM-5, MiniMax-M3, Qwen4-Exp, ...): model (as computed: bf16 in most checkpoints) or fp8 (e4m3, a power-of-two fp32 scale per 128 channels, as DeepSeek's inference and vLLM keep them).")
 
 
 def reports_errors(command):
@@ -670,7 +670,7 @@ def _baseline_methods(specs: list[str], adapter) -> list:
     methods, seen = [], {}
     for spec in specs:
         method = baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
-                                 adapter.latent)
+                                 adapter.latent, any(adapter.index_widths))
         if method.name in seen:
             raise KvcalError(f"--baseline '{seen[method.name]}' and '{spec}' are the same cache type ({method.name}); "
                              "give it once")

@@ -10,7 +10,7 @@ Next's packed indexer states): each token's row of `width` channels in one of FO
   others of its group little precision: a value comes back within 1/16 of itself down to 2^-6 of the scale (e4m3's
   smallest normal), within 2^-10 of the scale below. Zero stays zero: GLM-5 Next's real-token flag keeps which
   tokens are real (exactly, where its key width is a multiple of GROUP: the flag is then a group of its own). A group
-  holding a NaN comes back NaN.
+  holding a NaN or an infinity comes back not finite.
 
 A row is encoded on its own, when it is stored: a cache that hands back every token's keys so far decodes what it
 stored, and the simulation's round trip gives the same values.
@@ -22,7 +22,7 @@ import torch
 
 FORMATS = ("model", "fp8")
 GROUP = 128  # channels a scale serves (DeepSeek-V3.2's indexer key: one group)
-DESCRIPTIONS = {"model": "as the model computes them (2 bytes a channel in a bf16 model)",
+DESCRIPTIONS = {"model": "as the model computes them (in its dtype; dots.note3's in fp32)",
                 "fp8": f"FP8 e4m3, one power-of-two fp32 scale per {GROUP} channels of a token"}
 FP8 = torch.float8_e4m3fn
 SCALE_BYTES = 4
@@ -59,7 +59,7 @@ class StoredRows:
             return cls(format_name, (rows,), rows.dtype)
         width = rows.shape[-1]
         grouped = _in_groups(rows.float())
-        # (a group holding a NaN: a NaN scale, so that it comes back NaN, as the model computed it)
+        # (a group holding a NaN or an infinity: a scale of its own kind, so that it comes back not finite)
         scales = _power_of_two_at_or_above(grouped.abs().amax(-1).clamp(min=SMALLEST_MAGNITUDE) / torch.finfo(FP8).max)
         codes = (grouped / scales[..., None]).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
         return cls(format_name, (codes.flatten(-2)[..., :width].contiguous(), scales), rows.dtype)
@@ -87,10 +87,10 @@ class StoredRows:
 
 
 def _power_of_two_at_or_above(x: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2 x) of positive x, exactly (NaN where x is): x = m 2^e with m in [0.5, 1) is 2^(e - 1) where m is
-    0.5, else below 2^e."""
+    """2^ceil(log2 x) of positive x, exactly (x itself where it is not finite): x = m 2^e with m in [0.5, 1) is
+    2^(e - 1) where m is 0.5, else below 2^e."""
     mantissa, exponent = torch.frexp(x)
-    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype)).where(~x.isnan(), x)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype)).where(x.isfinite(), x)
 
 
 def _in_groups(rows: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ cast back to, is fp16 here, as kvcal's cache holds fp16). Tensors are (tokens, k
   +-448 and cast to e4m3 (round to nearest even); x^ = q * s. Codes and an fp32 scale per (token, KV head).
   Source: vllm/v1/attention/ops/triton_reshape_and_cache_flash.py @ 055e47c28003156421365af985d676fc921cb075
   (_reshape_cache_per_token_head; the +-0.5 since vLLM PR #45361: before it int8 truncated toward zero).
-- DsMlaLatent (`fp8_ds_mla`, the latent of vLLM's cache of DeepSeek-V3.2's sparse MLA, FlashMLA's format): per token,
-  tiles of 128 latent channels, each s = max(max|x| / 448, FLT_MIN) in fp32 and its codes e4m3(x / s), saturating
-  (round to nearest even); x^ = code * s. 8 bits a channel and an fp32 scale a tile; the rotated key beside it is
-  kept in the model's 16 bits, and the indexer's keys as FP8 with a power-of-two scale per 128 channels
+- DsMlaLatent (`fp8_ds_mla`, the latent of vLLM's cache of DeepSeek-V3.2's sparse MLA, FlashMLA's format, for a
+  latent of 512 and a rotated key of 64; kvcal takes any whole tiles): per token, tiles of 128 latent channels, each
+  s = max(max|x| / 448, FLT_MIN) in fp32 (the max passing a NaN over, as fmaxf does) and its codes e4m3(x / s),
+  saturating (round to nearest even); x^ = code * s. 8 bits a channel and an fp32 scale a tile; the rotated key
+  beside it is kept in the model's 16 bits, and the indexer's keys as FP8 with a power-of-two scale per 128 channels
   (kvcal.indexer_keys "fp8"). Source: vLLM's csrc/cache_kernels.cu, concat_and_cache_ds_mla_kernel (tile_scale,
   fp8::scaled_convert) and indexer_k_quant_and_cache_kernel (use_ue8m0), as read in its public source (the commit
   is not pinned here).
@@ -128,7 +129,8 @@ class DsMlaLatent:
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         tiles = _per_head(x, DS_MLA_TILE)
-        scale = torch.clamp(tiles.abs().amax(-1, keepdim=True) / FP8_MAX, min=torch.finfo(torch.float32).tiny)
+        largest = torch.where(tiles.isnan(), 0.0, tiles.abs()).amax(-1, keepdim=True)  # (fmaxf passes NaN over)
+        scale = torch.clamp(largest / FP8_MAX, min=torch.finfo(torch.float32).tiny)
         codes = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
         return Quantized((codes * scale).view(x.shape), torch.full((x.shape[0],), self.row_bits(x.shape[1]), device=x.device))
 

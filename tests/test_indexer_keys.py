@@ -59,14 +59,15 @@ def test_rows_appended_taken_back_and_reordered_decode_as_rows_stored_so(format_
     assert format_name == "fp8" or whole.decoded() is rows  # (kept as computed: handed back as is)
 
 
-def test_a_group_holding_a_nan_comes_back_nan_and_an_unknown_format_is_refused():
-    """A NaN key (a model gone wrong) is not rounded into a finite one: its group of 128 channels comes back NaN, the
-    next group as stored; a format other than model and fp8 is refused, not read as either."""
-    rows = _rows(1, 2, 256)
-    rows[0, 0, 5] = float("nan")
+def test_a_group_holding_a_nan_or_an_infinity_comes_back_not_finite_and_an_unknown_format_is_refused():
+    """A NaN or infinite key (a model gone wrong) is not rounded into a finite one: its group of 128 channels comes back
+    not finite, the next group as stored; a format other than model and fp8 is refused, not read as either."""
+    rows = _rows(1, 3, 256)
+    rows[0, 0, 5], rows[0, 1, 7] = float("nan"), float("inf")
     back = round_trip("fp8", rows)
-    assert bool(back[0, 0, :128].isnan().all()) and not bool(back[0, 0, 128:].isnan().any())
-    assert not bool(back[0, 1].isnan().any())
+    for token in (0, 1):
+        assert not bool(back[0, token, :128].isfinite().any()) and bool(back[0, token, 128:].isfinite().all())
+    assert bool(back[0, 2].isfinite().all())
     for call in (lambda: token_bytes("int4", 128, 2), lambda: StoredRows.encoded("int4", rows)):
         with pytest.raises(ValueError, match="indexer keys format 'int4' is not one of model, fp8"):
             call()

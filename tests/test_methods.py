@@ -140,12 +140,17 @@ def test_the_fp8_baseline_is_vllms_default_scale():
         assert stored.row_bits.tolist() == [8 * 4] and stored.row_outliers is None
 
 
-def test_vllms_cache_of_sparse_mla_is_refused_off_mla_and_off_whole_tiles():
-    """fp8_ds_mla is vLLM's cache of multi-head latent attention in tiles of 128 latent channels: a model without MLA,
-    or whose latent is not whole tiles, is refused in one line; the spec itself passes the check made before a model
-    is loaded."""
+def test_vllms_cache_of_sparse_mla_is_refused_where_vllm_would_not_store_it():
+    """fp8_ds_mla is vLLM's cache of sparse multi-head latent attention, a rotated key of 64 beside a latent in tiles of
+    128 channels: a model without MLA, without an indexer (dense MLA, which vLLM caches fp8 or 16-bit), with another
+    rotated key (GLM-5 Next's, none) or a latent not of whole tiles is refused in one line; the spec itself passes the
+    check made before a model is loaded, and a sparse model's is made."""
     check_baseline("fp8_ds_mla")
-    with pytest.raises(KvcalError, match="this model's attention is not MLA"):
-        baseline_method("fp8_ds_mla", [16, 16])
-    with pytest.raises(KvcalError, match=r"tiles of 128 channels .* latents are \[96\] wide"):
-        baseline_method("fp8_ds_mla", [64, 64], value_dims=[96, 96], latent=True)
+    for head_dims, value_dims, latent, indexed, refusal in (
+            ([16, 16], None, False, False, "this model's attention is not MLA"),
+            ([64, 64], [128, 128], True, False, "this model's layers keep no indexer: evaluate fp8"),
+            ([0, 0], [128, 128], True, True, r"rotated key is 64 channels .* this model's are \[0\] wide"),
+            ([64, 64], [96, 96], True, True, r"tiles of 128 channels .* latents are \[96\] wide")):
+        with pytest.raises(KvcalError, match=refusal):
+            baseline_method("fp8_ds_mla", head_dims, value_dims=value_dims, latent=latent, indexed=indexed)
+    assert baseline_method("fp8_ds_mla", [64, 64], value_dims=[512, 512], latent=True, indexed=True).indexer_keys == "fp8"

@@ -197,7 +197,7 @@ def test_vllms_cache_of_sparse_mla_decodes_what_the_simulation_evaluates(model_t
     model = tiny_model(model_type, kv_lora_rank=128)
     adapter = adapt(model)
     method = baseline_method("fp8_ds_mla", adapter.head_dims, adapter.windows, adapter.decoder_kind, adapter.value_dims,
-                             adapter.latent)
+                             adapter.latent, indexed=True)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(4))
     tally, prefilled, loaded, _ = _written_as_the_simulation_reads(model, adapter, method, ids)
     first = adapter.model_layers[0]

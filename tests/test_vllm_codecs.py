@@ -67,6 +67,8 @@ def test_fp8_ds_mla_scales_each_128_latent_channels_by_their_own_max_over_448():
     assert got.values[0, :3].tolist() == [896.0, 2.0, -2.5]
     assert got.values[0, 128:130].tolist() == [448.0, 3.25] and not bool(got.values[0, 256:].any())
     assert got.row_bits.tolist() == [8 * 384 + 3 * 32]
+    x[0, 129] = float("nan")  # (fmaxf passes a NaN over: that channel alone comes back NaN)
+    assert DsMlaLatent().quantize(x).values[0].isnan().nonzero().flatten().tolist() == [129]
     with pytest.raises(KvcalError, match="96 channels are not whole KV heads of 128"):
         DsMlaLatent().quantize(torch.ones(1, 96))
 

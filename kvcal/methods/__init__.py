@@ -68,7 +68,7 @@ def artifact_method(path: str) -> Method:
 
 
 def baseline_method(text: str, head_dims: list[int], windows: list[int | None] | None = None, decoder: str = "dense",
-                    value_dims: list[int] | None = None, latent: bool = False) -> Method:
+                    value_dims: list[int] | None = None, latent: bool = False, indexed: bool = False) -> Method:
     """The simulation Method of a baseline spec such as `int4-g64` or `kivi2-g32-r128` for a model whose layers'
     heads have `head_dims` channels (one a layer: Gemma 4's differ, each layer's codecs made for its own), their values
     `value_dims` where those differ (MLA's latent: the ModelAdapter's value_dims). `decoder`:
@@ -81,7 +81,8 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     `windows`, the adapter's); after a llama.cpp type or K/V pair, `;k_first=TYPE,N`, `;k_last=TYPE,M`,
     `;v_first=...`, `;v_last=...` give the first / last layers of K or V another type (ik_llama.cpp's mixed cache,
     kvcal.methods.llama_cpp). `latent`: the model's attention is MLA (ModelAdapter.latent), whose cache engines store
-    in their own way (latent_refusal): a llama.cpp type is then its unrotated MLA row."""
+    in their own way (latent_refusal): a llama.cpp type is then its unrotated MLA row. `indexed`: some of its layers
+    keep an indexer's keys (sparse attention: vLLM's fp8_ds_mla)."""
     base, skip, first_last = _spec_parts(text)
     refusal = decoder_refusal(base, decoder)
     if refusal is not None:
@@ -90,7 +91,7 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     if refusal is not None:
         raise KvcalError(f"baseline '{text}' on a multi-head latent attention (MLA) model: {refusal}")
     num_layers, value_dims = len(head_dims), value_dims or head_dims
-    refusal = ds_mla_refusal(latent, value_dims) if base == DS_MLA else None
+    refusal = ds_mla_refusal(latent, indexed, head_dims, value_dims) if base == DS_MLA else None
     if refusal is not None:
         raise KvcalError(f"baseline '{text}': {refusal}; evaluate another cache type")
     # (a key of no channel, a latent layer's without RoPE, takes its value's codecs' for_key_width(0))

@@ -29,12 +29,21 @@ VLLM_DTYPES = {
 # vLLM's cache of DeepSeek-V3.2's sparse MLA (its default there): the latent in FP8 tiles, the rotated key kept 16-bit,
 # the indexer's keys in FP8 (kvcal.vllm_codecs.DsMlaLatent)
 DS_MLA = "fp8_ds_mla"
+DS_MLA_ROTATED = 64  # the rotated key's channels vLLM's fp8_ds_mla stores (its pe_dim)
 
 
-def ds_mla_refusal(latent: bool, latent_widths: list[int]) -> str | None:
-    """Why fp8_ds_mla is not what vLLM would store for a model, or None where it is."""
+def ds_mla_refusal(latent: bool, indexed: bool, key_widths: list[int], latent_widths: list[int]) -> str | None:
+    """Why fp8_ds_mla is not what vLLM would store for a model, or None where it is: vLLM takes it for sparse MLA only
+    (its dense MLA backends cache fp8 or 16-bit), a latent of 512 and a rotated key of 64 (kvcal takes any whole tiles
+    of a latent, for small models)."""
     if not latent:
         return "it is vLLM's cache of multi-head latent attention (DeepSeek-V3.2's), and this model's attention is not MLA"
+    if not indexed:
+        return ("vLLM stores it for sparse MLA (DeepSeek Sparse Attention's, an indexer's pick) only, and this model's "
+                "layers keep no indexer: evaluate fp8")
+    if any(width != DS_MLA_ROTATED for width in key_widths):
+        return (f"its rotated key is {DS_MLA_ROTATED} channels (DeepSeek-V3.2's), and this model's are "
+                f"{sorted(set(key_widths))} wide")
     if any(width % DS_MLA_TILE for width in latent_widths):
         return (f"its latent is stored in tiles of {DS_MLA_TILE} channels (512 in DeepSeek-V3.2), and this model's "
                 f"latents are {sorted(set(latent_widths))} wide")
