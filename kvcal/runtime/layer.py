@@ -125,14 +125,9 @@ class RuntimeLayer(CacheLayerMixin):
         self.index_keys, self._indexer_positions = self._stored_index_keys(), self.indexer_position_ids
         return stepped
 
-    def _stored_part(self, per_column: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-        """The stored tokens' columns (the first padded_length along `dim`) of what a model hands the layer a column at
-        a time: the indexer keys' positions; None where it stored none. A step refused after the model handed over its
-        own leaves them past padded_length, let go so."""
-        return per_column.narrow(dim, 0, self.padded_length) if per_column is not None and self.padded_length else None
-
     def _stored_index_keys(self) -> StoredRows | None:
-        """The stored tokens' indexer keys, as _stored_part's."""
+        """The stored tokens' indexer keys (the first padded_length); None where it stored none. A step refused after
+        the model handed over its own leaves them past padded_length, let go so."""
         return self.index_keys.first(self.padded_length) if self.index_keys is not None and self.padded_length else None
 
     @property
@@ -141,7 +136,8 @@ class RuntimeLayer(CacheLayerMixin):
         first indexed layer's cache layer (transformers' DynamicIndexedLayer's) and reads at a step's start; None: none
         kept. Those of a step refused after the model handed them over are not kept (a cache that stored nothing keeps
         none: the next step may bring another batch)."""
-        return self._stored_part(self._indexer_positions, -1)
+        positions = self._indexer_positions
+        return positions.narrow(-1, 0, self.padded_length) if positions is not None and self.padded_length else None
 
     @indexer_position_ids.setter
     def indexer_position_ids(self, positions: torch.Tensor | None) -> None:
