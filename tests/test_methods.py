@@ -154,3 +154,11 @@ def test_vllms_cache_of_sparse_mla_is_refused_where_vllm_would_not_store_it():
         with pytest.raises(KvcalError, match=refusal):
             baseline_method("fp8_ds_mla", head_dims, value_dims=value_dims, latent=latent, indexed=indexed)
     assert baseline_method("fp8_ds_mla", [64, 64], value_dims=[512, 512], latent=True, indexed=True).indexer_keys == "fp8"
+
+
+def test_plain_fp8_on_sparse_mla_is_refused_for_fp8_ds_mla():
+    """vLLM turns fp8 on sparse MLA into fp8_ds_mla (and SGLang stores that layout), so plain fp8 at scale 1.0 there is
+    no engine's cache and refused, naming the one that is; dense MLA keeps it."""
+    with pytest.raises(KvcalError, match="sparse MLA's fp8 cache .* evaluate fp8_ds_mla"):
+        baseline_method("fp8", [64, 64], value_dims=[512, 512], latent=True, indexed=True)
+    assert baseline_method("fp8", [64, 64], value_dims=[512, 512], latent=True).name == "fp8 scale 1.0"

@@ -87,7 +87,7 @@ def baseline_method(text: str, head_dims: list[int], windows: list[int | None] |
     refusal = decoder_refusal(base, decoder)
     if refusal is not None:
         raise KvcalError(f"baseline '{text}': {refusal}; evaluate another vLLM dtype")
-    refusal = latent_refusal(base, skip, first_last) if latent else None
+    refusal = latent_refusal(base, skip, first_last, indexed) if latent else None
     if refusal is not None:
         raise KvcalError(f"baseline '{text}' on a multi-head latent attention (MLA) model: {refusal}")
     num_layers, value_dims = len(head_dims), value_dims or head_dims
@@ -120,11 +120,13 @@ def decoder_refusal(base: str, decoder: str) -> str | None:
     return None
 
 
-def latent_refusal(base: str, skip: str | None, first_last: dict) -> str | None:
+def latent_refusal(base: str, skip: str | None, first_last: dict, indexed: bool = False) -> str | None:
     """Why a baseline is not what an engine stores for MLA, or None where it is. llama.cpp stores a token's latent and
     rotated key as one row of -ctk's type, -ctv equal to it (src/llama-context.cpp refuses two), unrotated (the V-less
     cache's attention in src/llama-graph.cpp applies no Hadamard); vLLM's MLA backends cache fp8 or 16-bit only and
-    read no skipped layers (MLAAttention takes cache_config.cache_dtype for every layer)."""
+    read no skipped layers (MLAAttention takes cache_config.cache_dtype for every layer). On sparse MLA (`indexed`)
+    vLLM turns fp8 into fp8_ds_mla (DeepseekV32ForCausalLM.verify_and_update_config), the tiled layout SGLang's
+    sparse cache also stores, so plain fp8 at scale 1.0 is what neither stores."""
     pair = cache_type_pair(base)
     if pair is not None and pair[0] != pair[1]:
         return "llama.cpp stores its latent and rotated key as one row of one type (-ctk and -ctv equal): give one type"
@@ -132,6 +134,9 @@ def latent_refusal(base: str, skip: str | None, first_last: dict) -> str | None:
         return "ik_llama.cpp's MLA cache (its first / last layer types) is not modelled: give one llama.cpp type"
     if base in VLLM_DTYPES or base in TQ_PRESETS:
         return f"vLLM's MLA attention caches fp8 or 16-bit only, not {base}: evaluate fp8, or kvcal's own int or kivi baselines"
+    if indexed and base == "fp8":
+        return ("vLLM stores sparse MLA's fp8 cache (an indexer's pick) as fp8_ds_mla, 128-channel tiles with a scale "
+                "each, as SGLang does, not plain fp8: evaluate fp8_ds_mla")
     if skip is not None:
         return "vLLM's MLA attention leaves no layer unquantized (it reads no --kv-cache-dtype-skip-layers): drop ;skip="
     return None
