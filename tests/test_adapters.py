@@ -28,8 +28,9 @@ KV_SHARING = ("gemma3n_text", *GEMMA4)  # their decoder layers 2 and 3 read laye
 PER_LAYER_FREQUENCIES = ("olmo3", "smollm3", "exaone4", "exaone_moe", "kolibri1", "beam", "cohere2", "mellum", "afmoe", "flint",
                          "gemma3_text", "gemma3", "gemma3n_text", *GEMMA4, "aya_vision", *GRANITE_SWA, "llama4_text", "llama4",
                          "lfm3", "lfm3_vl", "mimo_v2_flash", "laguna", "cohere_compass_text", "cohere_compass", "cohere2_vision",
-                         "exaone4_5", *MUSE, "step3p7", "molmo2", "lara_mini", "ergo")
+                         "exaone4_5", *MUSE, "step3p7", "molmo2", "lara_mini", "ergo", "modernbert-decoder")
 WINDOWS = {"mistral": [4096, 4096], "idefics2": [4096, 4096], "mimo_v2_flash": [None, TINY_WINDOW],  # per layer
+           "modernbert-decoder": [None, TINY_WINDOW],
            **{kind: [TINY_WINDOW, None] for kind in (*ALTERNATING, "aya_vision", "cohere2_vision", "exaone4_5", "lfm3", "lfm3_vl",
                                                      *MUSE, "lara_mini")}}
 
@@ -42,9 +43,10 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     served_as = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
                  "mllama": "mllama_text_model", "emu3": "emu3_text_model"}
     assert adapter.model_type == served_as.get(model_type, model_type) and len(adapter.layers) == 2
-    # GPT-NeoX, OPT, BioGPT, GPT-2, GPT-J, CodeGen and Persimmon (and Fuyu's) have no GQA, GPT-BigCode one KV head
-    # (multi_query, of 32 channels)
-    kv_heads = (4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu", "gptj", "codegen") else
+    # GPT-NeoX, OPT, BioGPT, GPT-2, GPT-J, CodeGen, Persimmon (and Fuyu's) and ModernBERT's decoder have no GQA,
+    # GPT-BigCode one KV head (multi_query, of 32 channels)
+    kv_heads = (4 if model_type in ("gpt_neox", "opt", "biogpt", "gpt2", "persimmon", "fuyu", "gptj", "codegen",
+                                    "modernbert-decoder") else
                 1 if model_type == "gpt_bigcode" else 2)
     # Gemma 4's full layer: half the KV heads of its sliding one, of twice the channels; MiMo-V2-Flash's sliding layer
     # twice the KV heads of its full one, of 32 channels, its values narrower (16) and scaled after v_proj

@@ -791,7 +791,7 @@ def test_models_lists_every_type_kvcal_serves_and_what_the_installed_transformer
     result = run("models")
     assert result.exit_code == 0, result.output
     listed = {kind: (read_as, lacks) for kind, read_as, lacks in
-              re.findall(r"^│ (\w+) +│ +(.+?) │ +(.*?) *│$", result.stdout, re.MULTILINE)}
+              re.findall(r"^│ ([\w-]+) +│ +(.+?) │ +(.*?) *│$", result.stdout, re.MULTILINE)}
     assert sorted(listed) == sorted(SUPPORTED_MODEL_TYPES + LATENT_ATTENTION_TYPES)
     assert listed["longcat_flash"][0] == "multi-head latent attention"
     assert listed["muse_spark"][0] == "decoder beside a vision tower, images cached as tokens"

@@ -142,7 +142,7 @@ def test_the_supported_architectures_table_names_every_model_type_kvcal_serves()
     from kvcal.adapters import SUPPORTED_MODEL_TYPES
 
     rows = [line.split("|")[1] for line in (REPO / "docs" / "models.md").read_text().splitlines() if line.startswith("| `")]
-    assert sorted(name for row in rows for name in re.findall(r"`(\w+)`", row)) == sorted(SUPPORTED_MODEL_TYPES)
+    assert sorted(name for row in rows for name in re.findall(r"`([\w-]+)`", row)) == sorted(SUPPORTED_MODEL_TYPES)
 
 
 def test_the_readme_reads_in_two_minutes():

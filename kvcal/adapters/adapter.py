@@ -403,6 +403,8 @@ def decoder_of(model: nn.Module) -> nn.Module:
     a causal LM, its decoder (Llama4ForCausalLM's get_decoder() finds none under its base_model_prefix and returns the
     model, which Llama4ForConditionalGeneration's returns)."""
     decoder = model.get_decoder()
+    if isinstance(decoder, nn.Linear):  # (ModernBERT decoder's LM head is named `decoder`, which get_decoder() takes)
+        decoder = model.base_model
     return decoder.model if isinstance(decoder, GenerationMixin) else decoder
 
 

@@ -158,8 +158,8 @@ def layer_handles(attention: nn.Module, index: int, where: str, heads_first: boo
     norm them before RoPE, read from the projections' output (model_types.SHARED_NORM_BEFORE_ROPE,
     FLAT_NORMS_BEFORE_ROPE)."""
     linear = {name: module for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "Wqkv", "query_key_value", "o_proj",
-                                        "dense", "out_proj") if isinstance(module := getattr(attention, name, None), nn.Linear)}
-    for name in ("dense", "out_proj"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's
+                                        "dense", "out_proj", "Wo") if isinstance(module := getattr(attention, name, None), nn.Linear)}
+    for name in ("dense", "out_proj", "Wo"):  # Phi's and GPT-NeoX's output projection; LFM2's and DBRX's; ModernBERT's
         if name in linear:
             linear.setdefault("o_proj", linear.pop(name))
     if "Wqkv" in linear:  # DBRX's q, k and v side by side

@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
                          "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon",
-                         "gptj", "codegen", "qwen4_exp_text", "qwen4_exp")
+                         "gptj", "codegen", "qwen4_exp_text", "qwen4_exp", "modernbert-decoder")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
