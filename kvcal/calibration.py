@@ -176,6 +176,16 @@ def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: flo
         layers = read_header(profile_path)[1]["model"]["fingerprint"]["num_layers"]
         progress.stage(f"{steps[0]} fit {spec.artifact_kind}", layers)
         tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
-        fitted_path = str(write_artifact(artifacts_beside(out, recipe)[spec.artifact_kind], tensors, spec.artifact_kind, config))
+        write_artifact(artifacts_beside(out, recipe)[spec.artifact_kind], tensors, spec.artifact_kind, config)
     progress.stage(f"{steps[1]} export bundle", None)
-    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted_path, settings, indexer_keys))
+    return export_fitted(profile_path, recipe, out, bits, indexer_keys)
+
+
+def export_fitted(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,
+                  indexer_keys: str = "model") -> Path:
+    """Write `recipe`'s bundle to `out` from a profile and the fitted artifact fit_bundle wrote into out's folder (the
+    same `bits`), without fitting again: one fit serves bundles that differ in their indexer keys alone."""
+    spec = registry.recipe(recipe)
+    fitted = artifacts_beside(Path(out), recipe).get(spec.artifact_kind) if spec.artifact_kind is not None else None
+    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted and str(fitted),
+                                           _calibrate_settings(spec, bits), indexer_keys))

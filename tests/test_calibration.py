@@ -3,7 +3,8 @@
 import pytest
 
 import kvcal
-from kvcal.calibration import build_bundle
+from kvcal import registry
+from kvcal.calibration import build_bundle, export_fitted, fit_bundle
 from kvcal.errors import KvcalError
 from kvcal.methods.kivi import KiviSettings
 from kvcal.methods.skvq import SkvqSettings
@@ -40,6 +41,19 @@ def test_calibrate_twice_gives_the_same_bytes(tiny_model_dir, tiny_corpus, tmp_p
     paths = [kvcal.calibrate(model, dataset=str(tiny_corpus), nsamples=2, seqlen=48, out=tmp_path / name / "bundle.safetensors")
              for name in ("a", "b")]
     assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_a_second_bundle_is_exported_from_the_first_ones_fit_without_fitting_again(tiny_profile, tmp_path, monkeypatch):
+    """export_fitted reads the fitted artifact fit_bundle wrote into the folder: the same bundle, byte for byte, and
+    the recipe's fit is not run again."""
+    first = fit_bundle(tiny_profile[1], "kvquant", tmp_path / "bundle.safetensors")
+
+    def refit(*args, **kwargs):
+        raise AssertionError("fitted again")
+
+    monkeypatch.setattr(registry.recipe("kvquant"), "fit", refit)
+    second = export_fitted(tiny_profile[1], "kvquant", tmp_path / "bundle-again.safetensors")
+    assert second.read_bytes() == first.read_bytes()
 
 
 @pytest.mark.parametrize("recipe, bits, message", [("kivi", 5, "KIVI bits 5"), ("mixed", 1.5, "--bits 1.5 does not fit recipe mixed"),

@@ -171,11 +171,11 @@ class Clock:
 
 
 def make_bundles(model, args, folder: Path, clock: Clock, indexer_keys: tuple[str, ...] = ("model",)) -> tuple[dict[str, Path], dict]:
-    """Profile the model on random token ids, fit and export every recipe's bundle, once for each way of keeping a
-    sparse model's indexer keys (kvcal.indexer_keys): (its label -> path, timings), labelled by recipe ("kvquant"; with
-    indexer keys kept otherwise than as computed, "kvquant, indexer fp8")."""
+    """Profile the model on random token ids, fit every recipe once and export its bundle once for each way of keeping
+    a sparse model's indexer keys (kvcal.indexer_keys): (its label -> path, timings), labelled by recipe ("kvquant";
+    with indexer keys kept otherwise than as computed, "kvquant, indexer fp8")."""
     from kvcal.artifacts import write_artifact
-    from kvcal.calibration import fit_bundle
+    from kvcal.calibration import export_fitted, fit_bundle
     from kvcal.capture import CaptureSettings
     from kvcal.profile import PROFILE_KIND, KvmixSettings, ProfileRequest, profile_model
 
@@ -201,12 +201,14 @@ def make_bundles(model, args, folder: Path, clock: Clock, indexer_keys: tuple[st
     del tensors
     paths = {}
     for recipe in args.recipes:
-        for keys in indexer_keys:
+        for keys in indexer_keys:  # (fitted once, for the first; the others exported from that fit)
             label = recipe if keys == "model" else f"{recipe}, indexer {keys}"
             began = time.perf_counter()
-            paths[label] = fit_bundle(profile, recipe, folder / recipe / f"bundle-{keys}.safetensors", indexer_keys=keys)
+            make = fit_bundle if keys == indexer_keys[0] else export_fitted
+            paths[label] = make(profile, recipe, folder / recipe / f"bundle-{keys}.safetensors", indexer_keys=keys)
             timing[f"fit_{label}_s"] = round(time.perf_counter() - began, 1)
-            print(f"bundle {label}: fitted and exported in {timing[f'fit_{label}_s']} s", flush=True)
+            print(f"bundle {label}: {'fitted and ' if make is fit_bundle else ''}exported in "
+                  f"{timing[f'fit_{label}_s']} s", flush=True)
     return paths, timing
 
 
