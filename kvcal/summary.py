@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from matplotlib.figure import Figure  # no pyplot: files only, never a window or a global backend
 from matplotlib.patches import Patch
 
@@ -76,8 +77,8 @@ def model_summary(adapter: ModelAdapter, spec: str) -> ArtifactSummary:
     keeps its span's tokens alone, so a context's cache counts at most that many of them)."""
     fingerprint = adapter.fingerprint()
     readers = [f"decoder layer {r.decoder_index} reads layer {r.source}'s cache" for r in adapter.readers]
-    key_bytes = index_key_bytes(adapter.model_type, FP16_BYTES)
-    fp16 = [FP16_BYTES * (k + v) + key_bytes * i for k, v, i in zip(adapter.kv_widths, adapter.value_widths, adapter.index_widths)]
+    fp16 = [FP16_BYTES * (k + v) + index for k, v, index in
+            zip(adapter.kv_widths, adapter.value_widths, adapter.index_bytes(torch.float16))]
     context = 32768
     at_context = sum(size * min(context, span.size if span else context) for size, span in zip(fp16, adapter.spans))
     provenance = [
