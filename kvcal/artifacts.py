@@ -3,7 +3,9 @@
 Every artifact carries `kvcal.schema`, `kvcal.kind` (profile, nuq, skvq, bundle), `kvcal.version`,
 `kvcal.config` (JSON: model fingerprint, settings, provenance) and `kvcal.sha256`: a checksum of all of
 that metadata and of every tensor's name, dtype, shape and bytes, verified by every read (schema 2; schema 1
-artifacts had a checksum of the tensors of bundles only, and are refused with a message to re-create them).
+artifacts had a checksum of the tensors of bundles only, and are refused with a message to re-create them). Schema
+3 is schema 2 written where an artifact records what a kvcal reading schema 2 alone would pass over without a word
+(a bundle's indexer keys kept otherwise than as computed), so that such a kvcal refuses it.
 Writes are atomic: a temp file in the destination folder, then a rename, so an interrupted write never
 leaves a loadable file; an output path is written only if it is absent or a regular file that is none of
 the command's inputs.
@@ -27,7 +29,9 @@ from safetensors.torch import save_file
 from kvcal.version import __version__
 from kvcal.errors import KvcalError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 2  # what an artifact is written as, unless it needs NEWEST_SCHEMA
+NEWEST_SCHEMA = 3
+READ_SCHEMAS = ("2", "3")
 CHECKSUM_KEY = "kvcal.sha256"
 
 
@@ -139,10 +143,10 @@ def _canonicalize_header(path: str) -> None:
 
 
 def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], kind: str, config: dict,
-                   extra_metadata: dict[str, str] | None = None) -> Path:
+                   extra_metadata: dict[str, str] | None = None, schema: int = SCHEMA_VERSION) -> Path:
     metadata = {
         "format": "pt",
-        "kvcal.schema": str(SCHEMA_VERSION),
+        "kvcal.schema": str(schema),
         "kvcal.kind": kind,
         "kvcal.version": __version__,
         "kvcal.config": json.dumps({**config, "kvcal_version": __version__}, sort_keys=True),
@@ -216,12 +220,15 @@ def _opened(path: str | Path) -> Iterator[tuple[safe_open, str, dict, dict]]:
         if kind is None:
             raise KvcalError(f"'{path}' is a safetensors file but not a kvcal artifact (no kvcal metadata)")
         schema = metadata.get("kvcal.schema")
+        readable = f"schemas {' and '.join(READ_SCHEMAS)}"
         if schema == "1":
             raise KvcalError(f"'{path}' is a kvcal {kind} of schema 1, written by an older kvcal (no checksum over its "
-                             f"metadata); this kvcal reads schema {SCHEMA_VERSION}: {_recreate(kind)}")
-        if schema != str(SCHEMA_VERSION):
-            raise KvcalError(f"'{path}' has kvcal schema {schema!r}, this kvcal reads schema {SCHEMA_VERSION}; "
-                             f"{_recreate(kind)}")
+                             f"metadata); this kvcal reads {readable}: {_recreate(kind)}")
+        if isinstance(schema, str) and schema.isdigit() and int(schema) > NEWEST_SCHEMA:
+            raise KvcalError(f"'{path}' has kvcal schema {schema!r}, written by a newer kvcal; this kvcal reads "
+                             f"{readable}: read it with a kvcal as new as the one that wrote it")
+        if schema not in READ_SCHEMAS:
+            raise KvcalError(f"'{path}' has kvcal schema {schema!r}, this kvcal reads {readable}; {_recreate(kind)}")
         try:
             config = json.loads(metadata["kvcal.config"])
         except (KeyError, json.JSONDecodeError) as exc:

@@ -1,4 +1,5 @@
-"""The bundle (schema 2): one safetensors file with a per-layer recipe and the tensors it needs.
+"""The bundle (schema 2; 3 where it keeps indexer keys otherwise than as computed): one safetensors file with a
+per-layer recipe and the tensors it needs.
 
 Tensors: `layers.{i}.{k|v}.{field}` (whatever the layer's format needs: codebook, lo, hi for nuq layers;
 perm, group_start, clip for skvq layers; nothing for uniform layers), `layers.{i}.importance.{k|v}` and
@@ -27,7 +28,7 @@ import torch
 
 from kvcal import registry
 from kvcal.adapters import ModelAdapter, adapt, index_widths, kv_shapes
-from kvcal.artifacts import check_same_model, read_artifact, read_header, write_artifact
+from kvcal.artifacts import NEWEST_SCHEMA, SCHEMA_VERSION, check_same_model, read_artifact, read_header, write_artifact
 from kvcal.errors import KvcalError
 from kvcal.indexer_keys import FORMATS as INDEXER_KEY_FORMATS
 
@@ -99,7 +100,10 @@ class Bundle:
 
 
 def write_bundle(path, tensors: dict, config: dict) -> Path:
-    return write_artifact(path, tensors, BUNDLE_KIND, config)
+    """Write a bundle; as schema 3 where it keeps indexer keys otherwise than as computed, which a kvcal reading
+    schema 2 alone would pass over and store them as computed."""
+    schema = SCHEMA_VERSION if config["recipe"].get("indexer_keys", "model") == "model" else NEWEST_SCHEMA
+    return write_artifact(path, tensors, BUNDLE_KIND, config, schema=schema)
 
 
 MAX_TOKENS = 2**31 - 1  # token counts (sink, window, residual, group) fit the kernels' int32

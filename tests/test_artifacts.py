@@ -119,7 +119,7 @@ def test_every_artifact_is_checksummed_over_metadata_and_tensors(tmp_path):
         with pytest.raises(KvcalError, match="fails its checksum: the file is corrupt or was edited; re-create it"):
             read_artifact(edited)
     old = rewrite(path, tmp_path / "old.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "1"})
-    with pytest.raises(KvcalError, match="kvcal profile of schema 1, written by an older kvcal .* reads schema 2: re-create it"):
+    with pytest.raises(KvcalError, match="kvcal profile of schema 1, written by an older kvcal .* reads schemas 2 and 3: re-create it"):
         read_header(old)
     not_object = rewrite(path, tmp_path / "list.safetensors", metadata_fn=lambda m: {**m, "kvcal.config": "[1, 2]"})
     with pytest.raises(KvcalError, match="not a JSON object"):

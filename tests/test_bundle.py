@@ -69,8 +69,8 @@ def test_truncated_flipped_wrong_schema_missing_tensor_and_other_model_are_refus
     flipped.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
     with pytest.raises(KvcalError, match="fails its checksum"):
         load_bundle(flipped)
-    schema = rewrite(bundle_path, tmp_path / "schema.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "3"})
-    with pytest.raises(KvcalError, match="schema '3'"):
+    schema = rewrite(bundle_path, tmp_path / "schema.safetensors", metadata_fn=lambda m: {**m, "kvcal.schema": "4"})
+    with pytest.raises(KvcalError, match="schema '4', written by a newer kvcal; this kvcal reads schemas 2 and 3"):
         load_bundle(schema)
 
     def drop_codebook(tensors):

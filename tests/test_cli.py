@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from helpers.artifact_files import rewrite
+from helpers.artifact_files import read_metadata, rewrite
 from helpers.tiny_models import SPARSE_LATENTS
 from kvcal.artifacts import read_artifact
 from kvcal.cli import app
@@ -228,7 +228,8 @@ def test_a_latent_attention_model_is_calibrated_evaluated_and_served(latent_prof
 @SPARSE_LATENTS
 def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_dir, tiny_corpus, tmp_path):
     """DeepSeek-V3.2's (MLA with an indexer picking 8 tokens a query): profiled, fit and exported as MLA, its indexer
-    keys kept as computed or in FP8 (--indexer-keys fp8); eval ppl's table and JSON give their bits (fp32 here; FP8:
+    keys kept as computed or in FP8 (--indexer-keys fp8: a schema 3 bundle, which a kvcal reading schema 2 alone
+    refuses, where it would keep them as computed); eval ppl's table and JSON give their bits (fp32 here; FP8:
     80 codes and a 4-byte scale a token), which its effective bits count beside K and V; inspect names how they are
     kept; eval memory's live bytes are the formula's; plan refuses it in one line (no engine's cache of it is
     modelled)."""
@@ -246,6 +247,7 @@ def test_a_sparse_attention_model_is_calibrated_evaluated_and_served(tiny_model_
                        keys, "--out", bundle)
         assert exported.exit_code == 0, exported.output
         assert ("indexer keys FP8 e4m3" in " ".join(run("inspect", bundle).stdout.split())) == (keys == "fp8")
+        assert read_metadata(bundle)["kvcal.schema"] == ("3" if keys == "fp8" else "2")
     result = run("eval", "ppl", "--model", model, *[arg for bundle in bundles.values() for arg in ("--quant", bundle)],
                  "--dataset", tiny_corpus, "--seqlen", 64, "--windows", 2, "--json", report)
     assert result.exit_code == 0, result.output
