@@ -132,10 +132,23 @@ class _ActivationHooks:
                 self._handles.append(handles.attention.register_forward_pre_hook(self._count_norm_calls_from_zero(i)))
                 self._handles.append(handles.rope_norms[1].register_forward_hook(self._keep_rotated_key_gradient(handles)))
             self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
-            self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
+            if handles.query_tiles > 1:  # (JetMoE's queries, which no module's call returns)
+                self._handles.append(handles.attention.register_forward_pre_hook(self._keep_tiled_queries(handles),
+                                                                                 with_kwargs=True))
+            else:
+                self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
             if handles.value_from_key_projection:
                 self._handles.append(handles.k_proj.register_forward_hook(self._keep_projection_input(i)))
                 self._handles.append(handles.v_norm.register_forward_pre_hook(self._split_value_path(i)))
+
+    def _keep_tiled_queries(self, handles: LayerHandles):
+        def before_forward(module, args, kwargs):
+            if self.keep_queries:  # (made again from the attention's input, as its experts make them)
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                with torch.no_grad():
+                    self.activations["q", handles.index] = handles.tiled_queries(hidden.detach())
+
+        return before_forward
 
     def _keep_projection_input(self, layer: int):
         def on_forward(module, inputs, output):

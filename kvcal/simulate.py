@@ -333,8 +333,10 @@ def _simulated_attention(module, query, key, value, attention_mask, dropout=0.0,
         rotated = rotated if latent.rope_in_order else adapter.in_rope_order(rotated, slot.index)
         return state.attend_latent(rotated, latent.latent_query(query[..., :latent.nope_dim]), slot.latents, latent,
                                    scale, chosen), None
-    return state.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, scale,
-                        chosen), None
+    query, key, value = adapter.grouped_heads(slot.index, query, key, value)
+    output = state.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, scale,
+                          chosen)
+    return adapter.tiled_heads(slot.index, output), None
 
 
 def _register_attention() -> None:

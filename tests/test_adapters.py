@@ -71,13 +71,15 @@ def test_adapter_finds_projections_heads_and_rope(model_type):
     assert [(r.decoder_index, r.source) for r in adapter.readers] == ([(2, 0), (3, 1)] if model_type in KV_SHARING else [])
     attention = attention_at(model, adapter.model_layers[1])
     # Phi-3's, Phi-4-multimodal's, DBRX's, GPT-NeoX's, Persimmon's, Falcon's, CodeGen's, GPT-2's and Ergo's q, k and v:
-    # one linear (GPT-2's: a Conv1D)
+    # one linear (GPT-2's: a Conv1D); JetMoE's k and v (its queries its attention experts')
     key_projection = getattr(attention, {"phi3": "qkv_proj", "phi4_multimodal": "qkv_proj", "dbrx": "Wqkv", "gpt_neox": "query_key_value",
                                          "persimmon": "query_key_value", "fuyu": "query_key_value", "falcon": "query_key_value",
                                          "codegen": "qkv_proj",
                                          "gpt2": "c_attn",
-                                         "gpt_bigcode": "c_attn", "ergo": "qkv_proj"}.get(model_type, "k_proj"))
+                                         "gpt_bigcode": "c_attn", "ergo": "qkv_proj", "jetmoe": "kv_proj"}.get(model_type, "k_proj"))
     assert adapter.layers[1].k_proj is key_projection
+    # JetMoE's query heads: a tile of the 2 KV heads for each of its 2 attention experts
+    assert [layer.query_tiles for layer in adapter.layers] == [2 if model_type == "jetmoe" else 1] * 2
     assert adapter.layers[1].value_source is getattr(attention, "v_norm", adapter.layers[1].v_proj)  # Gemma 3n, 4: v_norm
     # Gemma 4's full layer: no v_proj, the value is v_norm of k_proj's output
     assert [layer.value_from_key_projection for layer in adapter.layers] == [False, model_type in GEMMA4]

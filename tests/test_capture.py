@@ -13,6 +13,7 @@ from kvcal.adapters import adapt, decoder_of, text_inputs
 from kvcal.capture import CaptureSettings, profile_gradients, select_rows
 from kvcal.errors import KvcalError
 from kvcal.model_caches import CACHE_ARGUMENT
+from kvcal.rope import rotate_keys
 
 NSAMPLES, SEQLEN = 3, 48
 
@@ -112,6 +113,10 @@ def key_and_value_sources(model, layer: int):
         fused, q, kv = attention.c_attn, config.hidden_size, getattr(attention, "kv_dim", config.hidden_size)
         keys, values = slice(q, q + kv), slice(q + kv, None)
         return (fused, keys, fused, keys), (fused, values, fused, values)
+    if hasattr(attention, "kv_proj"):  # JetMoE's k and v side by side
+        kv = config.num_key_value_heads * config.kv_channels
+        keys, values = slice(0, kv), slice(kv, None)
+        return (attention.kv_proj, keys, attention.kv_proj, keys), (attention.kv_proj, values, attention.kv_proj, values)
     fused = getattr(attention, "qkv_proj", None) or getattr(attention, "Wqkv", None)  # Phi-3's, DBRX's, Ergo's
     if fused is not None:
         head_dim = config.hidden_size // config.num_attention_heads
@@ -381,6 +386,33 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
                                                                                                 position_of[held])]),
                                    rtol=1e-5, atol=1e-5)
     assert result.counts["stored_windows"] == 0 and "layers.0.windows.q" not in result.tensors
+
+
+def test_jetmoes_stored_queries_are_those_its_attention_is_handed_grouped_by_kv_head():
+    """JetMoE's queries come out of its attention experts' map(), which no module's call returns: the profile makes
+    them again from the attention's input, each KV head's query heads together; rotated by RoPE, they are the queries
+    its attention is handed, as kvcal's attention regroups them (ModelAdapter.grouped_heads)."""
+    from transformers import AttentionInterface
+
+    model = tiny_model("jetmoe")
+    adapter = adapt(model)
+    sdpa, handed = AttentionInterface._global_mapping["sdpa"], {}
+
+    def keep_queries(module, query, *args, **kwargs):
+        handed.setdefault(module, query.detach())
+        return sdpa(module, query, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", keep_queries)
+    try:
+        result = profile_gradients(model, adapter, windows()[:1], CaptureSettings(store_windows=1))
+    finally:
+        AttentionInterface.register("sdpa", sdpa)
+    for i, handles in enumerate(adapter.layers):
+        query = handed[handles.attention]  # (1, heads: 2 tiles of the 2 KV heads, tokens, 16)
+        grouped = adapter.grouped_heads(i, query, query, query)[0][0].transpose(0, 1).flatten(1)
+        stored = result.tensors[f"layers.{i}.windows.q"][0].float()
+        rotated = rotate_keys(stored, torch.arange(SEQLEN), 4, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
+        torch.testing.assert_close(rotated, grouped, atol=2e-3, rtol=2e-3)  # (stored fp16)
 
 
 def test_forward_and_backward_passes_equal_nsamples():

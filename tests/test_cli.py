@@ -851,8 +851,8 @@ def test_models_refuses_a_config_transformers_cannot_build_in_one_line(tmp_path)
 def test_models_refuses_an_architecture_it_does_not_serve_in_one_line(tmp_path):
     from transformers import AutoConfig
 
-    AutoConfig.for_model("jetmoe", vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(tmp_path)
-    refused(run("models", tmp_path), "unsupported architecture JetMoeForCausalLM (model_type 'jetmoe')")
+    AutoConfig.for_model("diffllama", vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(tmp_path)
+    refused(run("models", tmp_path), "unsupported architecture DiffLlamaForCausalLM (model_type 'diffllama')")
     assert "`kvcal models` lists the" in run("models", tmp_path).stderr
     refused(run("models", tmp_path / "missing"), "model path")
 

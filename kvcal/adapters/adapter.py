@@ -165,6 +165,25 @@ class ModelAdapter:
         (kvcal.rope.rotate_half_order)."""
         return in_order(heads, self.layers[layer].rope_order)
 
+    def grouped_heads(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """(query, key, value) (batch, heads, tokens, head_dim) of layer `layer`'s attention call as kvcal's attention
+        reads them, each KV head's query heads together: where the layer's query heads are tiles of its KV heads
+        (LayerHandles.query_tiles), its queries regrouped and its keys and values unrepeated."""
+        tiles = self.layers[layer].query_tiles
+        if tiles == 1:
+            return query, key, value
+        kv_heads = key.shape[1] // tiles
+        grouped = query.unflatten(1, (tiles, kv_heads)).transpose(1, 2).flatten(1, 2)
+        return grouped, key[:, :kv_heads], value[:, :kv_heads]
+
+    def tiled_heads(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s attention output (batch, tokens, heads, head_dim) from kvcal's head order back to the
+        model's (grouped_heads' inverse)."""
+        tiles = self.layers[layer].query_tiles
+        if tiles == 1:
+            return output
+        return output.unflatten(2, (-1, tiles)).transpose(2, 3).flatten(2, 3)
+
     def rows_in_rope_order(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer`'s queries or keys (..., heads * head_dim), the heads side by side, in kvcal's channel order."""
         return rows_in_order(rows, self.layers[layer].rope_order)

@@ -95,6 +95,10 @@ class LayerHandles:
     pick_block: int = 1
     pick_in_mask: bool = False
     pick_returned: bool = False
+    # the attention's query heads are this many tiles of every KV head in turn, its keys and values handed to its
+    # attention repeated so (JetMoE's: q_proj its mixture of attention experts, whose map() makes a tile an expert);
+    # kvcal's attention reads each KV head's queries together (ModelAdapter.grouped_heads)
+    query_tiles: int = 1
 
     @property
     def query_source(self) -> nn.Module:
@@ -110,6 +114,14 @@ class LayerHandles:
     def value_source(self) -> nn.Module:
         """The module whose output holds the value."""
         return self.v_norm if self.v_norm is not None else self.v_proj
+
+    def tiled_queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The pre-RoPE queries (batch, tokens, heads * head_dim) of a layer of query_tiles, each KV head's together in
+        kvcal's channel order, made from its attention's input as its experts' map() makes them (no module's call
+        returns them)."""
+        queries = self.q_proj.map(hidden_states)[0]  # (batch, tokens, tiles, KV heads * head_dim)
+        grouped = queries.unflatten(-1, (-1, self.head_dim)).transpose(2, 3).flatten(2)
+        return rows_in_order(grouped, self.rope_order)
 
     def source_rows(self, kind: str, output: torch.Tensor, gradient: bool = False) -> torch.Tensor:
         """The query (kind "q"), key ("k") or value ("v") in its source's output (query_source, key_source, value_source),
@@ -205,6 +217,14 @@ def layer_handles(attention: nn.Module, index: int, where: str, heads_first: boo
         return LayerHandles(index, attention, linear["q_proj"], linear["k_proj"], linear.get("v_proj", linear["k_proj"]),
                             **norms, value_from_key_projection=value_from_key,
                             columns=dict(q=query_columns, k=slice(None), v=slice(None)))
+    mixture, pair = getattr(attention, "experts", None), getattr(attention, "kv_proj", None)
+    if isinstance(pair, nn.Linear) and callable(getattr(mixture, "map", None)):  # JetMoE's: queries from a mixture of
+        # attention experts, tiled over the KV heads; k and v side by side in kv_proj
+        if pair.out_features != 2 * kv_width or q_width % kv_width:
+            raise KvcalError(f"{where}: kv_proj has {pair.out_features} outputs and its experts {q_width // head_dim} "
+                             f"query heads; kvcal reads 2 x {kv_width} (k, v) and tiles of {kv_width // head_dim} heads")
+        return LayerHandles(index, attention, mixture, pair, pair, **norms, query_tiles=q_width // kv_width,
+                            columns=dict(q=slice(None), k=slice(0, kv_width), v=slice(kv_width, None)))
     if "o_proj" in linear and "qkv_proj" in linear and hasattr(attention, "mp_num"):  # CodeGen's: q, v and k side by
         # side within each of the mp_num shards it was trained in
         fused, shards = linear["qkv_proj"], attention.mp_num

@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "q
                          "mllama", "mllama_text_model", "biogpt", "got_ocr2", "fuyu", "chameleon", "emu3",
                          "emu3_text_model", "paligemma", "exaone", "param2moe", "sarvam_moe", "minicpm5_moe",
                          "lara_mini", "llava_onevision1_5", "ovis2_5", "ergo", "apertus1p5_text", "apertus1p5", "falcon",
-                         "gptj", "codegen", "qwen4_exp_text", "qwen4_exp", "modernbert-decoder")
+                         "gptj", "codegen", "qwen4_exp_text", "qwen4_exp", "modernbert-decoder", "jetmoe")
 # multi-head latent attention (DeepSeek-V2's MLA: LatentAttention; Kimi K2.5's: its DeepSeek-V3 decoder beside a vision
 # tower): Cocktail's cache and the exports refuse these so far (ModelAdapter.refuse_latent)
 LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minicpm3", "kimi_k25",
@@ -188,8 +188,6 @@ NOT_TAKEN_YET = {
                     "layers scale queries and bias by position"),
     "zaya": "ZAYA is not served yet: its compressed convolutional attention mixes queries and keys over time by a "
             "convolution and carries a recurrent value state, where kvcal reads keys and values from projections",
-    "jetmoe": "JetMoE is not served yet: its queries come from a mixture of attention experts, and its keys and values "
-              "are tiled across the chosen experts' heads, not grouped as kvcal's attention reads them",
     **dict.fromkeys(("gpt_neo", "xglm"), "its attention computes its scores itself, not through transformers' attention "
                                          "functions, which kvcal replaces to read its cache"),
 }

@@ -107,8 +107,10 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
         out = layer.attend(rotated, rotated_keys, latents, plan, scale, sliding_window, None,
                            latent.latent_query(query[..., : latent.nope_dim]), chosen)
         return latent.head_outputs(out.transpose(1, 2)).transpose(1, 2).to(query.dtype), None
-    return layer.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, plan, scale,
-                        sliding_window, plan.ahead_of(attention_mask), chosen=chosen), None
+    query, key, value = adapter.grouped_heads(slot.index, query, key, value)
+    output = layer.attend(adapter.in_rope_order(query, slot.index), adapter.in_rope_order(key, slot.index), value, plan,
+                          scale, sliding_window, plan.ahead_of(attention_mask), chosen=chosen)
+    return adapter.tiled_heads(slot.index, output), None
 
 
 def _register_attention() -> None:
