@@ -750,13 +750,14 @@ def run(args, started_with: dict) -> None:
     for entry in entries:
         if entry.kind == "baseline":
             methods.append(baseline_method(entry.spec, adapter.head_dims, decoder=adapter.decoder_kind,
-                                           value_dims=adapter.value_dims, latent=adapter.latent))
+                                           value_dims=adapter.value_dims, latent=adapter.latent,
+                                           indexed=any(adapter.index_widths)))
             continue
         if entry.kind == "layers" and "rule" in entry.spec:
             kept = HAND_RULES[entry.spec["rule"]](num_layers, adapter.windows)
             spec = entry.spec["dtype"] + (f";skip={'+'.join(map(str, kept))}" if kept else "")
             methods.append(baseline_method(spec, adapter.head_dims, adapter.windows, adapter.decoder_kind,
-                                           adapter.value_dims, adapter.latent))
+                                           adapter.value_dims, adapter.latent, any(adapter.index_widths)))
             continue
         if entry.needs_profile:
             method, path = fitter.method(entry, num_layers, adapter.windows)

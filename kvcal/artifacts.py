@@ -5,7 +5,8 @@ Every artifact carries `kvcal.schema`, `kvcal.kind` (profile, nuq, skvq, bundle)
 that metadata and of every tensor's name, dtype, shape and bytes, verified by every read (schema 2; schema 1
 artifacts had a checksum of the tensors of bundles only, and are refused with a message to re-create them). Schema
 3 is schema 2 written where an artifact records what a kvcal reading schema 2 alone would pass over without a word
-(a bundle's indexer keys kept otherwise than as computed), so that such a kvcal refuses it.
+(a bundle's indexer keys kept otherwise than as computed), so that such a kvcal refuses it; kvcal reads either, of
+every kind.
 Writes are atomic: a temp file in the destination folder, then a rename, so an interrupted write never
 leaves a loadable file; an output path is written only if it is absent or a regular file that is none of
 the command's inputs.
@@ -224,7 +225,7 @@ def _opened(path: str | Path) -> Iterator[tuple[safe_open, str, dict, dict]]:
         if schema == "1":
             raise KvcalError(f"'{path}' is a kvcal {kind} of schema 1, written by an older kvcal (no checksum over its "
                              f"metadata); this kvcal reads {readable}: {_recreate(kind)}")
-        if isinstance(schema, str) and schema.isdigit() and int(schema) > NEWEST_SCHEMA:
+        if isinstance(schema, str) and schema.isdecimal() and int(schema) > NEWEST_SCHEMA:
             raise KvcalError(f"'{path}' has kvcal schema {schema!r}, written by a newer kvcal; this kvcal reads "
                              f"{readable}: read it with a kvcal as new as the one that wrote it")
         if schema not in READ_SCHEMAS:

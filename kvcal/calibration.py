@@ -171,21 +171,23 @@ def fit_bundle(profile_path: str | Path, recipe: str, out: str | Path, bits: flo
     settings = _calibrate_settings(spec, bits)
     progress = progress or _Silent()
     out = Path(out)
-    fitted_path = None
     if spec.artifact_kind is not None:
         layers = read_header(profile_path)[1]["model"]["fingerprint"]["num_layers"]
         progress.stage(f"{steps[0]} fit {spec.artifact_kind}", layers)
         tensors, config = spec.fit(str(profile_path), settings, on_layer=lambda layer: progress.advance())
         write_artifact(artifacts_beside(out, recipe)[spec.artifact_kind], tensors, spec.artifact_kind, config)
     progress.stage(f"{steps[1]} export bundle", None)
-    return export_fitted(profile_path, recipe, out, bits, indexer_keys)
+    return _export(profile_path, recipe, out, settings, indexer_keys)
 
 
-def export_fitted(profile_path: str | Path, recipe: str, out: str | Path, bits: float | None = None,
-                  indexer_keys: str = "model") -> Path:
-    """Write `recipe`'s bundle to `out` from a profile and the fitted artifact fit_bundle wrote into out's folder (the
-    same `bits`), without fitting again: one fit serves bundles that differ in their indexer keys alone."""
-    spec = registry.recipe(recipe)
-    fitted = artifacts_beside(Path(out), recipe).get(spec.artifact_kind) if spec.artifact_kind is not None else None
-    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted and str(fitted),
-                                           _calibrate_settings(spec, bits), indexer_keys))
+def export_fitted(profile_path: str | Path, recipe: str, out: str | Path, indexer_keys: str = "model") -> Path:
+    """Write `recipe`'s bundle to `out` from a profile and the fitted artifact fit_bundle wrote into out's folder,
+    without fitting again: one fit serves bundles that differ in their indexer keys alone. The bundle takes that fit's
+    settings, which it records (a recipe that fits nothing: its defaults, as fit_bundle's without `bits`)."""
+    return _export(profile_path, recipe, out, _calibrate_settings(registry.recipe(recipe), None), indexer_keys)
+
+
+def _export(profile_path: str | Path, recipe: str, out: str | Path, settings, indexer_keys: str) -> Path:
+    kind = registry.recipe(recipe).artifact_kind
+    fitted = str(artifacts_beside(Path(out), recipe)[kind]) if kind is not None else None
+    return write_bundle(out, *build_bundle(str(profile_path), recipe, fitted, settings, indexer_keys))

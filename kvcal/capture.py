@@ -132,8 +132,8 @@ class _ActivationHooks:
                 self._handles.append(handles.attention.register_forward_pre_hook(self._count_norm_calls_from_zero(i)))
                 self._handles.append(handles.rope_norms[1].register_forward_hook(self._keep_rotated_key_gradient(handles)))
             self._handles.append(handles.value_source.register_forward_hook(self._hook("v", i, True, handles)))
-            if handles.query_tiles > 1:  # (JetMoE's queries, which no module's call returns)
-                self._handles.append(handles.attention.register_forward_pre_hook(self._keep_tiled_queries(handles),
+            if handles.query_mixture:  # (JetMoE's queries, which no module's call returns)
+                self._handles.append(handles.attention.register_forward_pre_hook(self._keep_attention_input(i),
                                                                                  with_kwargs=True))
             else:
                 self._handles.append(handles.query_source.register_forward_hook(self._hook("q", i, False, handles)))
@@ -141,14 +141,22 @@ class _ActivationHooks:
                 self._handles.append(handles.k_proj.register_forward_hook(self._keep_projection_input(i)))
                 self._handles.append(handles.v_norm.register_forward_pre_hook(self._split_value_path(i)))
 
-    def _keep_tiled_queries(self, handles: LayerHandles):
+    def _keep_attention_input(self, layer: int):
         def before_forward(module, args, kwargs):
-            if self.keep_queries:  # (made again from the attention's input, as its experts make them)
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                with torch.no_grad():
-                    self.activations["q", handles.index] = handles.tiled_queries(hidden.detach())
+            if self.keep_queries:
+                self.activations["attention input", layer] = (kwargs["hidden_states"] if "hidden_states" in kwargs
+                                                              else args[0]).detach()
 
         return before_forward
+
+    def queries(self, handles: LayerHandles) -> torch.Tensor:
+        """The layer's pre-RoPE queries of the window (batch, tokens, heads * head_dim); a query_mixture layer's made
+        from its attention's input after the window's forward, whose output recorders would count its router's call
+        again."""
+        if not handles.query_mixture:
+            return self.activations["q", handles.index]
+        with torch.no_grad():
+            return handles.tiled_queries(self.activations["attention input", handles.index])
 
     def _keep_projection_input(self, layer: int):
         def on_forward(module, inputs, output):
@@ -296,7 +304,7 @@ def profile_gradients(
                 for name in SAMPLE_TENSORS:
                     recorder.samples[name][slots] = per_token[name][window_rows[:, 1]]
                 if w < stored:
-                    recorder.windows["q"][w] = hooks.activations["q", i][0].cpu().half()
+                    recorder.windows["q"][w] = hooks.queries(handles)[0].cpu().half()
                     recorder.windows["k"][w] = key.half()
                     recorder.windows["v"][w] = value.half()
             if on_window is not None:

@@ -441,7 +441,7 @@ def export_bundle_command(
     indexer_keys: str = INDEXER_KEYS_OPTION,
     out: Path = typer.Option(..., **OUTPUT_FILE, help="Output bundle (.safetensors), written atomically."),
 ):
-    """Write one bundle (schema 2) with a per-layer recipe and the tensors it needs."""
+    """Write one bundle (schema 2; 3 with --indexer-keys fp8) with a per-layer recipe and the tensors it needs."""
     from kvcal import registry
     from kvcal.artifacts import check_writable
     from kvcal.bundle import write_bundle

@@ -34,8 +34,12 @@ def test_refuses_foreign_wrong_schema_wrong_kind_and_truncated_files(tmp_path):
         read_header(plain)
     future = tmp_path / "future.safetensors"
     save_file({"a": torch.ones(2)}, str(future), metadata={"kvcal.kind": "profile", "kvcal.schema": "99", "kvcal.config": json.dumps({})})
-    with pytest.raises(KvcalError, match="schema '99'"):
+    with pytest.raises(KvcalError, match="schema '99', written by a newer kvcal"):
         read_header(future)
+    odd = tmp_path / "odd.safetensors"  # (a digit int() does not read)
+    save_file({"a": torch.ones(2)}, str(odd), metadata={"kvcal.kind": "profile", "kvcal.schema": "\u00b2", "kvcal.config": "{}"})
+    with pytest.raises(KvcalError, match="this kvcal reads schemas 2 and 3; re-create it"):
+        read_header(odd)
     good = write_artifact(tmp_path / "good.safetensors", {"a": torch.ones(1000)}, "profile", {})
     with pytest.raises(KvcalError, match="expected a bundle"):
         read_artifact(good, "bundle")

@@ -388,13 +388,14 @@ def test_latent_attention_capture_matches_independent_autograd(model_type):
     assert result.counts["stored_windows"] == 0 and "layers.0.windows.q" not in result.tensors
 
 
-def test_jetmoes_stored_queries_are_those_its_attention_is_handed_grouped_by_kv_head():
+@pytest.mark.parametrize("per_token", (2, 1))
+def test_jetmoes_stored_queries_are_those_its_attention_is_handed_grouped_by_kv_head(per_token):
     """JetMoE's queries come out of its attention experts' map(), which no module's call returns: the profile makes
-    them again from the attention's input, each KV head's query heads together; rotated by RoPE, they are the queries
-    its attention is handed, as kvcal's attention regroups them (ModelAdapter.grouped_heads)."""
+    them again from the attention's input, each KV head's query heads together: rotated by RoPE, the queries its
+    attention is handed, where head e * 2 + h (expert e of a token's `per_token`) reads KV head h of 2."""
     from transformers import AttentionInterface
 
-    model = tiny_model("jetmoe")
+    model = tiny_model("jetmoe", num_experts_per_tok=per_token)
     adapter = adapt(model)
     sdpa, handed = AttentionInterface._global_mapping["sdpa"], {}
 
@@ -407,12 +408,13 @@ def test_jetmoes_stored_queries_are_those_its_attention_is_handed_grouped_by_kv_
         result = profile_gradients(model, adapter, windows()[:1], CaptureSettings(store_windows=1))
     finally:
         AttentionInterface.register("sdpa", sdpa)
+    by_kv_head = [expert * 2 + kv_head for kv_head in range(2) for expert in range(per_token)]
     for i, handles in enumerate(adapter.layers):
-        query = handed[handles.attention]  # (1, heads: 2 tiles of the 2 KV heads, tokens, 16)
-        grouped = adapter.grouped_heads(i, query, query, query)[0][0].transpose(0, 1).flatten(1)
+        query = handed[handles.attention][0, by_kv_head]  # (heads, tokens, 16)
         stored = result.tensors[f"layers.{i}.windows.q"][0].float()
-        rotated = rotate_keys(stored, torch.arange(SEQLEN), 4, adapter.layer_inv_freq(i), adapter.layer_rope_scaling(i))
-        torch.testing.assert_close(rotated, grouped, atol=2e-3, rtol=2e-3)  # (stored fp16)
+        rotated = rotate_keys(stored, torch.arange(SEQLEN), 2 * per_token, adapter.layer_inv_freq(i),
+                              adapter.layer_rope_scaling(i))
+        torch.testing.assert_close(rotated, query.transpose(0, 1).flatten(1), atol=2e-3, rtol=2e-3)  # (stored fp16)
 
 
 def test_forward_and_backward_passes_equal_nsamples():

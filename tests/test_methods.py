@@ -161,4 +161,6 @@ def test_plain_fp8_on_sparse_mla_is_refused_for_fp8_ds_mla():
     no engine's cache and refused, naming the one that is; dense MLA keeps it."""
     with pytest.raises(KvcalError, match="sparse MLA's fp8 cache .* evaluate fp8_ds_mla"):
         baseline_method("fp8", [64, 64], value_dims=[512, 512], latent=True, indexed=True)
+    with pytest.raises(KvcalError, match="caches fp8 or 16-bit only, not int4_per_token_head: evaluate fp8_ds_mla"):
+        baseline_method("int4_per_token_head", [64, 64], value_dims=[512, 512], latent=True, indexed=True)
     assert baseline_method("fp8", [64, 64], value_dims=[512, 512], latent=True).name == "fp8 scale 1.0"

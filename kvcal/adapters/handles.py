@@ -95,9 +95,11 @@ class LayerHandles:
     pick_block: int = 1
     pick_in_mask: bool = False
     pick_returned: bool = False
-    # the attention's query heads are this many tiles of every KV head in turn, its keys and values handed to its
-    # attention repeated so (JetMoE's: q_proj its mixture of attention experts, whose map() makes a tile an expert);
-    # kvcal's attention reads each KV head's queries together (ModelAdapter.grouped_heads)
+    # q_proj is a mixture of attention experts (JetMoE's), whose map() makes the queries: no call of a module returns
+    # them (tiled_queries). Each of a token's experts makes a tile, a query head of every KV head in turn: its query
+    # heads are query_tiles tiles, its keys and values handed to its attention repeated so, where kvcal's attention
+    # reads each KV head's queries together (ModelAdapter.grouped_heads)
+    query_mixture: bool = False
     query_tiles: int = 1
 
     @property
@@ -116,9 +118,8 @@ class LayerHandles:
         return self.v_norm if self.v_norm is not None else self.v_proj
 
     def tiled_queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The pre-RoPE queries (batch, tokens, heads * head_dim) of a layer of query_tiles, each KV head's together in
-        kvcal's channel order, made from its attention's input as its experts' map() makes them (no module's call
-        returns them)."""
+        """The pre-RoPE queries (batch, tokens, heads * head_dim) of a query_mixture layer, each KV head's together in
+        kvcal's channel order, made from its attention's input as its experts' map() makes them."""
         queries = self.q_proj.map(hidden_states)[0]  # (batch, tokens, tiles, KV heads * head_dim)
         grouped = queries.unflatten(-1, (-1, self.head_dim)).transpose(2, 3).flatten(2)
         return rows_in_order(grouped, self.rope_order)
@@ -223,7 +224,8 @@ def layer_handles(attention: nn.Module, index: int, where: str, heads_first: boo
         if pair.out_features != 2 * kv_width or q_width % kv_width:
             raise KvcalError(f"{where}: kv_proj has {pair.out_features} outputs and its experts {q_width // head_dim} "
                              f"query heads; kvcal reads 2 x {kv_width} (k, v) and tiles of {kv_width // head_dim} heads")
-        return LayerHandles(index, attention, mixture, pair, pair, **norms, query_tiles=q_width // kv_width,
+        return LayerHandles(index, attention, mixture, pair, pair, **norms, query_mixture=True,
+                            query_tiles=q_width // kv_width,
                             columns=dict(q=slice(None), k=slice(0, kv_width), v=slice(kv_width, None)))
     if "o_proj" in linear and "qkv_proj" in linear and hasattr(attention, "mp_num"):  # CodeGen's: q, v and k side by
         # side within each of the mp_num shards it was trained in

@@ -133,7 +133,8 @@ def latent_refusal(base: str, skip: str | None, first_last: dict, indexed: bool 
     if first_last:
         return "ik_llama.cpp's MLA cache (its first / last layer types) is not modelled: give one llama.cpp type"
     if base in VLLM_DTYPES or base in TQ_PRESETS:
-        return f"vLLM's MLA attention caches fp8 or 16-bit only, not {base}: evaluate fp8, or kvcal's own int or kivi baselines"
+        return (f"vLLM's MLA attention caches fp8 or 16-bit only, not {base}: evaluate {DS_MLA if indexed else 'fp8'}, "
+                "or kvcal's own int or kivi baselines")
     if indexed and base == "fp8":
         return ("vLLM stores sparse MLA's fp8 cache (an indexer's pick) as fp8_ds_mla, 128-channel tiles with a scale "
                 "each, as SGLang does, not plain fp8: evaluate fp8_ds_mla")

@@ -525,10 +525,10 @@ def tiny_config(model_type: str, max_positions: int = 256, **overrides):
                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=4), **overrides)
     if model_type == "jetmoe":  # JetMoE: its queries from a mixture of attention experts, 2 of them (both routed to,
         # as its MLP's), each making a query head of every KV head
-        return AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                                    num_hidden_layers=2, num_key_value_heads=2, kv_channels=16, num_local_experts=2,
-                                    num_experts_per_tok=2, max_position_embeddings=max_positions, rope_theta=10000.0,
-                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **overrides)
+        return AutoConfig.for_model(model_type, **{**dict(
+            vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+            kv_channels=16, num_local_experts=2, num_experts_per_tok=2, max_position_embeddings=max_positions,
+            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), **overrides})
     if model_type == "modernbert-decoder":  # as Ettin's decoders: full and sliding layers (here one of each), a RoPE
         # base each, no GQA, its window half its local_attention; its default token ids are past TINY_VOCAB
         return AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
