@@ -120,7 +120,7 @@ def decoder_refusal(base: str, decoder: str) -> str | None:
     return None
 
 
-def latent_refusal(base: str, skip: str | None, first_last: dict, indexed: bool = False) -> str | None:
+def latent_refusal(base: str, skip: str | None, first_last: dict, indexed: bool) -> str | None:
     """Why a baseline is not what an engine stores for MLA, or None where it is. llama.cpp stores a token's latent and
     rotated key as one row of -ctk's type, -ctv equal to it (src/llama-context.cpp refuses two), unrotated (the V-less
     cache's attention in src/llama-graph.cpp applies no Hadamard); vLLM's MLA backends cache fp8 or 16-bit only and
