@@ -502,6 +502,17 @@ def test_live_cache_bytes_equal_the_formula(recipe_bundles, recipe):
     assert (cache.outliers() > 0) == (recipe in ("kvquant", "mixed"))
 
 
+
+@pytest.mark.parametrize("recipe", ["kvquant", "kivi"])
+def test_a_prefill_holds_none_of_its_pre_rope_keys_after_its_step(recipe_bundles, recipe):
+    """A step's pre-RoPE keys (as large as a prefill's keys, whether the recipe stores them or not) are let go when
+    its layer has attended: the cache holds its stores alone until the next step."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode(), quantized_cache(model, load_bundle(recipe_bundles[recipe])) as cache:
+        model(ids, **cache_argument(cache), use_cache=True)
+        assert [layer.pending_pre_rope for layer in cache.attention_layers] == [None] * model.config.num_hidden_layers
+
 # Misuse: each gives one clear KvcalError and no tokens; the cache and the model are left as they were.
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -75,7 +75,7 @@ from kvcal.runtime.step_plan import StepPlan
 from kvcal.runtime.store import STORE_LAYOUTS, upload
 
 ATTENTION_NAME = "kvcal_runtime"
-LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load
+LOAD_CHUNK_BYTES = 4 * 2**20  # fp16 rows per append of WiredCache.load
 LATER_STEPS = ("prefill", "decode")  # how a step of several tokens after a sequence's first reads them (quantized_cache)
 
 

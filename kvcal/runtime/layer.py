@@ -17,7 +17,7 @@ from kvcal.adapters import ModelAdapter
 from kvcal.errors import KvcalError
 from kvcal.indexer_keys import StoredRows
 from kvcal.rope import rotate_keys
-from kvcal.runtime import backends, reference
+from kvcal.runtime import backends, heap, reference
 from kvcal.runtime.segments import out_of_window
 from kvcal.runtime.step_plan import StepPlan
 from kvcal.runtime.store import upload
@@ -190,6 +190,7 @@ class RuntimeLayer(CacheLayerMixin):
             self._allocate(batch, query.device, plan.rope_tokens)
         self.position_offset = plan.offsets
         new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
+        self.pending_pre_rope = None  # (a prefill's are as large as its keys: not held past the step)
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
@@ -212,6 +213,7 @@ class RuntimeLayer(CacheLayerMixin):
                                        latent_query, chosen)
             elif self.readers:  # appended after them: they read the cache before the step as this layer did
                 pending, reads = (new_keys, new_values), None
+            heap.release_after_append(2 * (new_keys.numel() + new_values.numel()), query.device)  # (as fp16 rows)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers, pending)
@@ -473,7 +475,7 @@ class RuntimeLayer(CacheLayerMixin):
         width, value_width = self.widths
         self._allocate(batch, values.device, tokens)
         self.position_offset = offsets
-        step = max(1, chunk_bytes // max(tokens * (width + value_width), 1))
+        step = max(1, chunk_bytes // max(2 * tokens * (width + value_width), 1))  # (fp16: 2 bytes a channel)
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
             chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, rows.shape[-1]).half()
@@ -483,6 +485,7 @@ class RuntimeLayer(CacheLayerMixin):
             self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
         self._drop_out_of_window()
+        heap.release_after_append(2 * batch * tokens * (width + value_width), values.device)
 
     def _decoder(self, heads: int, kv_heads: int, head_dim: int) -> backends.LayerDecoder:
         """The decoder of this step: the backend chosen at the first decode step (kvcal.runtime.backends.choose),
