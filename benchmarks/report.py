@@ -42,6 +42,7 @@ SECTIONS = [
         ("rotation", "benchmarks/bench_rotation.py", "not kept: docs/experiments.md"),
         ("agreement", "benchmarks/bench_agreement.py", "not kept: docs/experiments.md")]),
     ("Decode on CPU", [("decode_step_cpu", "python -m benchmarks.kernels cpu", ""),
+                       ("memory_cpu", "python -m benchmarks.kernels cpu-memory", ""),
                        ("cpu_append", "python -m benchmarks.kernels cpu-append", ""),
                        ("cpu_layout_", "python -m benchmarks.kernels cpu-layout", "")]),
     ("Decode on GPU", [("decode_plan", "python -m benchmarks.kernels plan", ""),

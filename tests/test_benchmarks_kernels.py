@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.kernels import ab, cpu_step, gpu_timing, tensor_core
+from benchmarks.kernels import ab, cpu_memory, cpu_step, gpu_timing, tensor_core
 from helpers import refused
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +100,35 @@ def test_the_cpu_mode_times_a_cache_by_the_median_step_of_all_its_runs():
     assert row["peak_rss_mib"] == 7.0 and row["load_s"] == 0.1 and row["dynamic_runs_ms"] == [10.5, 40.0, 10.5]
     assert "dynamic_runs_ms" not in cpu_step.summarize("kvcal kivi", [quiet])
 
+
+
+@pytest.mark.parametrize("arguments,problem", [
+    (["--new-tokens", "2"], "at least 3"),
+    (["--length", "1"], "--length must be at least 2"),
+    (["--baselines", "gguf"], "unknown baseline(s) gguf"),
+])
+def test_the_cpu_memory_mode_refuses_bad_arguments_with_one_line(arguments, problem, monkeypatch, capsys):
+    assert problem in refused(cpu_memory.parse_args, arguments, monkeypatch, capsys)
+
+
+@pytest.mark.slow  # loads the packaged SmolLM2, once in a spawned process
+def test_the_cpu_memory_mode_measures_each_cache_in_a_fresh_process_and_tables_them_against_dynamiccache(tmp_path):
+    from benchmarks.common import kivi2_bundle
+    from kvcal.models import load_model
+
+    settings = {"length": 40, "batch": 2, "new_tokens": 3, "threads": 1, "text": str(tmp_path / "none.txt")}
+    dynamic = cpu_memory.in_fresh_process("DynamicCache", None, settings)
+    kivi = cpu_memory.run_cache("kvcal kivi2", kivi2_bundle(load_model(None)[0]), settings)
+    for run in (dynamic, kivi):
+        assert run["prefill_s"] > 0 and run["ms_per_token"] > 0 and run["peak_rss_mib"] >= run["held_rss_mib"]
+        assert len(run["tokens"]) == 2 and all(len(tokens) == 3 for tokens in run["tokens"])
+    assert dynamic["cache_mib"] > kivi["cache_mib"] > 0
+    rows = cpu_memory.summarize([dynamic, kivi, {**dynamic, "ms_per_token": 3 * dynamic["ms_per_token"]}])
+    assert [r["cache"] for r in rows] == ["DynamicCache", "kvcal kivi2"]
+    assert rows[0]["ms_per_token"] == 2 * dynamic["ms_per_token"] and rows[0]["tokens_equal_dynamic"] == 1.0
+    assert rows[1]["ratio_to_dynamic"] == kivi["ms_per_token"] / rows[0]["ms_per_token"]
+    lines = cpu_memory.table(rows, settings, {}, {"cpu": "a CPU", "kernel": "a build", "commit": "abc", "date": "today"})
+    assert lines[0].startswith("# Memory of generate() on CPU: 2 x 40 tokens") and lines[-1].startswith("| kvcal kivi2 |")
 
 def test_the_ab_mode_runs_a_baseline_tree_of_either_layout(tmp_path):
     (tmp_path / "benchmarks").mkdir()

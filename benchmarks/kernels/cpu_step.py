@@ -16,10 +16,11 @@ it moved single runs' means.
 Memory: peak resident set size of the process (VmHWM in /proc/self/status) while the cache is
 made, loaded and decoded, minus the RSS just before it was made: before each cache the freed heap goes back to the
 system (glibc malloc_trim) and the high-water mark is reset to the current RSS through /proc/self/clear_refs.
-Memory glibc keeps for reuse during the run counts, as it does for the process. (Fixing glibc's mmap threshold
-low would make the RSS follow live tensors more closely but slows every allocation-heavy decode step, kvcal's by
-up to 2x: not done.) `cache MiB` is the cache's own storage after decoding (kvcal: WiredCache.used_bytes;
-DynamicCache: its tensors; QuantizedCache: not counted).
+Memory glibc keeps for reuse during the run counts, as it does for the process (kvcal's cache gives back what its
+large appends freed: kvcal.runtime.heap; fixing glibc's mmap threshold low instead would slow allocation-heavy decode
+steps, DynamicCache's, which grows its tensors every step, most). For the prefill through each cache, as a user
+runs it, see the cpu-memory mode (benchmarks/kernels/cpu_memory.py). `cache MiB` is the cache's own storage after
+decoding (kvcal: WiredCache.used_bytes; DynamicCache: its tensors; QuantizedCache: not counted).
 
 Threads: torch's default is one per core; on a machine shared with other work, --threads 1 avoids the stalls of
 intra-op parallel regions waiting for a descheduled thread, which cost every step and more so the steps with many
@@ -184,7 +185,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
     return row
 
 
-class _Holding:
+class Holding:
     """A context manager that just hands out a cache (for caches that need no closing)."""
 
     def __init__(self, cache):
@@ -205,14 +206,14 @@ def makers(model, context, bundles: dict[str, Path], baselines: list[str], nbits
     from kvcal.runtime import quantized_cache
 
     def dynamic():
-        return _Holding(copy.deepcopy(context.cache))
+        return Holding(copy.deepcopy(context.cache))
 
     def transformers_quantized(backend):
         def make():
             cache = QuantizedCache(backend=backend, config=model.config, nbits=nbits, residual_length=residual)
             for index, layer in enumerate(context.cache.layers):
                 cache.update(layer.keys, layer.values, index)
-            return _Holding(cache)
+            return Holding(cache)
         return make
 
     def kvcal_cache(bundle):
