@@ -85,6 +85,7 @@ def test_the_ab_mode_refuses_what_it_cannot_compare_with_one_line(arguments, pro
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--new-tokens", "2"], "at least 3"),
     (["--baselines", "quanto,gguf"], "unknown baseline(s) gguf"),
+    (["--recipes", "foo"], "unknown recipe 'foo'"),
 ])
 def test_the_cpu_mode_refuses_bad_arguments_with_one_line(arguments, problem, monkeypatch, capsys):
     assert problem in refused(cpu_step.parse_args, arguments, monkeypatch, capsys)
@@ -106,13 +107,14 @@ def test_the_cpu_mode_times_a_cache_by_the_median_step_of_all_its_runs():
     (["--new-tokens", "2"], "at least 3"),
     (["--length", "1"], "--length must be at least 2"),
     (["--baselines", "gguf"], "unknown baseline(s) gguf"),
+    (["--recipes", "kivi,foo"], "unknown recipe 'foo'"),
 ])
 def test_the_cpu_memory_mode_refuses_bad_arguments_with_one_line(arguments, problem, monkeypatch, capsys):
     assert problem in refused(cpu_memory.parse_args, arguments, monkeypatch, capsys)
 
 
 @pytest.mark.slow  # loads the packaged SmolLM2, once in a spawned process
-def test_the_cpu_memory_mode_measures_each_cache_in_a_fresh_process_and_tables_them_against_dynamiccache(tmp_path):
+def test_the_cpu_memory_mode_measures_a_cache_in_a_fresh_process_and_tables_each_against_dynamiccache(tmp_path):
     from benchmarks.common import kivi2_bundle
     from kvcal.models import load_model
 
@@ -120,7 +122,7 @@ def test_the_cpu_memory_mode_measures_each_cache_in_a_fresh_process_and_tables_t
     dynamic = cpu_memory.in_fresh_process("DynamicCache", None, settings)
     kivi = cpu_memory.run_cache("kvcal kivi2", kivi2_bundle(load_model(None)[0]), settings)
     for run in (dynamic, kivi):
-        assert run["prefill_s"] > 0 and run["ms_per_token"] > 0 and run["peak_rss_mib"] >= run["held_rss_mib"]
+        assert run["prefill_s"] > 0 and run["ms_per_token"] > 0 and run["peak_rss_mib"] > 0
         assert len(run["tokens"]) == 2 and all(len(tokens) == 3 for tokens in run["tokens"])
     assert dynamic["cache_mib"] > kivi["cache_mib"] > 0
     rows = cpu_memory.summarize([dynamic, kivi, {**dynamic, "ms_per_token": 3 * dynamic["ms_per_token"]}])

@@ -32,6 +32,7 @@ from benchmarks.kernels.cpu_step import (BASELINES, MIB, Holding, Stamps, availa
 
 def parse_args(argv=None) -> argparse.Namespace:
     from kvcal import registry
+    from kvcal.errors import KvcalError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default: %(default)s)")
@@ -54,7 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
                     else [r.strip() for r in args.recipes.split(",")])
     for recipe in args.recipes:
-        registry.recipe(recipe)  # refuses an unknown name with the list
+        try:
+            registry.recipe(recipe)
+        except KvcalError as refusal:  # an unknown name, with the list
+            parser.error(str(refusal))
     args.baselines = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",")]
     unknown = set(args.baselines) - set(BASELINES)
     if unknown:
@@ -140,7 +144,8 @@ def main(argv=None) -> None:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One row per cache (DynamicCache's two runs as one: the median of their decode times, the larger memory), with
+    """One row per cache (DynamicCache's two runs as one: the median of their decode times, the larger memory and
+    prefill time), with
     its decode time over DynamicCache's and whether its greedy tokens are DynamicCache's first run's."""
     reference = runs[0]["tokens"]
     rows: dict[str, dict] = {}

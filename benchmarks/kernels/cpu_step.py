@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import gc
 import importlib.util
 import os
@@ -59,6 +58,7 @@ MIB = 2**20
 
 def parse_args(argv=None) -> argparse.Namespace:
     from kvcal import registry
+    from kvcal.errors import KvcalError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,8000", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
@@ -94,7 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
                     else [r.strip() for r in args.recipes.split(",")])
     for recipe in args.recipes:
-        registry.recipe(recipe)  # refuses an unknown name with the list
+        try:
+            registry.recipe(recipe)
+        except KvcalError as refusal:  # an unknown name, with the list
+            parser.error(str(refusal))
     args.baselines = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",")]
     unknown = set(args.baselines) - set(BASELINES)
     if unknown:
@@ -119,9 +122,12 @@ def status_kib(field: str) -> int:
 
 
 def reset_peak() -> None:
+    from kvcal.runtime import heap
+
     gc.collect()
+    if heap.MALLOC_TRIM is not None:
+        heap.MALLOC_TRIM(0)
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the current RSS
     except OSError:
         pass

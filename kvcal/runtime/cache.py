@@ -75,7 +75,9 @@ from kvcal.runtime.step_plan import StepPlan
 from kvcal.runtime.store import STORE_LAYOUTS, upload
 
 ATTENTION_NAME = "kvcal_runtime"
-LOAD_CHUNK_BYTES = 4 * 2**20  # fp16 rows per append of WiredCache.load
+LOAD_CHUNK_BYTES = 256 * 2**20  # fp16 rows per append of WiredCache.load on a GPU
+# on CPU, where glibc keeps much of what a larger append's temporaries free (kvcal.runtime.heap)
+CPU_LOAD_CHUNK_BYTES = 4 * 2**20
 LATER_STEPS = ("prefill", "decode")  # how a step of several tokens after a sequence's first reads them (quantized_cache)
 
 
@@ -408,15 +410,17 @@ class WiredCache(Cache):
     def outliers(self) -> int:
         return sum(store.outliers(b) for store, b in self.stores())
 
-    def load(self, context: FpContext, chunk_bytes: int = LOAD_CHUNK_BYTES) -> None:
+    def load(self, context: FpContext, chunk_bytes: int | None = None) -> None:
         """Fill the empty cache with a context's keys and values (see FpContext), a layer at a time and within a
         layer a few whole sequences at a time: besides the cache, the load holds at most chunk_bytes of fp16 rows (or
-        one sequence's) and what the encoders make of them, whatever the batch (a context's rows may be views of one
-        sequence's, expanded). Layers that keep a recurrent state get a copy of the context's."""
+        one sequence's; None: LOAD_CHUNK_BYTES, on CPU CPU_LOAD_CHUNK_BYTES) and what the encoders make of them,
+        whatever the batch (a context's rows may be views of one sequence's, expanded). Layers that keep a recurrent
+        state get a copy of the context's."""
         self._check_open()
         rows = [layer.context_rows(keys, values)  # first: every layer's widths checked before anything is stored
                 for layer, keys, values in zip(self.attention_layers, context.keys, context.values)]
         batch, tokens = context.values[0].shape[:2]
+        chunk_bytes = chunk_bytes or (CPU_LOAD_CHUNK_BYTES if context.values[0].device.type == "cpu" else LOAD_CHUNK_BYTES)
         indexed = [i for i, handles in enumerate(self.adapter.layers) if handles.indexer is not None]
         if indexed and (context.index_keys is None or any(context.index_keys[i] is None or
                                                           context.index_keys[i].shape[:2] != (batch, tokens) for i in indexed)):

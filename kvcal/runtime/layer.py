@@ -182,6 +182,7 @@ class RuntimeLayer(CacheLayerMixin):
         chosen: (B, groups, m, columns of the mask), the tokens each query attends among those it sees, per group of
         query heads (a sparse layer's indexer's pick, wiring.chosen_columns), None: all. A decode step with a pick is
         read by the torch reference (the other decoders read every token)."""
+        pre_rope_keys, self.pending_pre_rope = self.pending_pre_rope, None  # (a prefill's: not held past its step)
         batch, heads, m, head_dim = query.shape
         kv_heads = key.shape[1]
         width, value_width = self.widths
@@ -189,8 +190,7 @@ class RuntimeLayer(CacheLayerMixin):
         if self.keys_store is None:
             self._allocate(batch, query.device, plan.rope_tokens)
         self.position_offset = plan.offsets
-        new_keys = self.pending_pre_rope if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
-        self.pending_pre_rope = None  # (a prefill's are as large as its keys: not held past the step)
+        new_keys = pre_rope_keys if self.pre_rope else key.transpose(1, 2).reshape(batch, m, width)
         new_values = value.transpose(1, 2).reshape(batch, m, value_width)
         span = span if span is not None and self.padded_length + m > span.size else None  # some sequence may exceed it
         reads = {} if self.readers and m > 1 else None
@@ -213,12 +213,12 @@ class RuntimeLayer(CacheLayerMixin):
                                        latent_query, chosen)
             elif self.readers:  # appended after them: they read the cache before the step as this layer did
                 pending, reads = (new_keys, new_values), None
-            heap.release_after_append(2 * (new_keys.numel() + new_values.numel()), query.device)  # (as fp16 rows)
         self.padded_length += m
         if self.readers:  # they read what this step read, the last of them drops what the window no longer needs
             self.step = ReadStep(kv_heads, span, reads, self.readers, pending)
         else:
             self._drop_out_of_window()
+            self._release_after_step(plan, query.device)
         return output
 
     def _span_for(self, window: int | None, who: str) -> AttentionSpan | None:
@@ -264,7 +264,14 @@ class RuntimeLayer(CacheLayerMixin):
             if step.pending is not None:
                 self._append_columns(plan.rows, *step.pending, plan)
             self._drop_out_of_window()
+            self._release_after_step(plan, query.device)
         return output
+
+    def _release_after_step(self, plan: StepPlan, device: torch.device) -> None:
+        """After the layer's part of a step of several tokens, its readers' too: the heap its temporaries freed
+        handed back (kvcal.runtime.heap: on CPU, past a threshold of the step's fp16 rows)."""
+        if plan.m > 1:
+            heap.release_after_append(2 * sum(plan.counts) * sum(self.widths), device)
 
     def _drop_out_of_window(self) -> None:
         """A windowed layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike, at the
