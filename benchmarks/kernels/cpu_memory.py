@@ -25,44 +25,22 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import SHARED, ensure_bundles, provenance, write_markdown, write_result
-from benchmarks.kernels.cpu_step import (BASELINES, MIB, Holding, Stamps, available_baselines, cache_bytes, cpu_name, prompts,
+from benchmarks.common import write_markdown, write_result
+from benchmarks.kernels.cpu_step import (MIB, Holding, Stamps, add_cache_arguments, cache_bytes, parse_caches, prepare, prompts,
                                          reset_peak, status_kib)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from kvcal import registry
-    from kvcal.errors import KvcalError
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batch (default: %(default)s)")
-    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, or 'all' ({', '.join(registry.recipes())}) "
-                                                         "or 'none' (default: %(default)s)")
-    parser.add_argument("--baselines", default=",".join(BASELINES), help="transformers QuantizedCache backends to include besides "
-                                                                        "DynamicCache: quanto, hqq, or 'none' (default: %(default)s)")
+    add_cache_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=16, help="new tokens per generate(); the first is not timed "
                                                                    "(default: %(default)s)")
-    parser.add_argument("--bundles", type=Path, default=Path("/tmp/kvcal-bench-bundles"),
-                        help="folder of <recipe>.safetensors bundles; missing ones are made there (default: %(default)s)")
-    parser.add_argument("--profile", type=Path, default=None, help="an existing kvcal profile to fit missing bundles from, "
-                                                                  "instead of calibrating one")
-    parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
-                        help="prompt text (default: wikitext-2 test; the builtin corpus if missing)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--out", default="memory_cpu", help="result name under benchmarks/results (default: %(default)s)")
     args = parser.parse_args(argv)
-    args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
-                    else [r.strip() for r in args.recipes.split(",")])
-    for recipe in args.recipes:
-        try:
-            registry.recipe(recipe)
-        except KvcalError as refusal:  # an unknown name, with the list
-            parser.error(str(refusal))
-    args.baselines = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",")]
-    unknown = set(args.baselines) - set(BASELINES)
-    if unknown:
-        parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
+    parse_caches(parser, args)
     if args.length < 2 or args.batch < 1:
         parser.error("--length must be at least 2 and --batch at least 1")
     if args.new_tokens < 3:
@@ -117,14 +95,7 @@ def in_fresh_process(cache: str, bundle, settings: dict) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from kvcal.runtime import cpu_kernel
-
-    started = {**provenance(), "cpu": cpu_name(), "kernel": cpu_kernel.describe()}
-    print(f"{started['cpu']}; {started['kernel']}", flush=True)
-    baselines, missing = available_baselines(args.baselines)
-    for backend, why in missing.items():
-        print(f"QuantizedCache {backend}: {why}; left out", flush=True)
-    bundles = ensure_bundles(args.bundles, args.recipes, args.profile)
+    started, baselines, missing, bundles = prepare(args)
     settings = {"length": args.length, "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
                 "text": str(args.text)}
     order = ([("DynamicCache", None)] + [(f"QuantizedCache {b}", None) for b in baselines]

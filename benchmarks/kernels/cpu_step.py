@@ -57,32 +57,20 @@ MIB = 2**20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from kvcal import registry
-    from kvcal.errors import KvcalError
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,8000", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
     parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated (default: %(default)s)")
-    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, or 'all' ({', '.join(registry.recipes())}) "
-                                                         "or 'none' (default: %(default)s)")
-    parser.add_argument("--baselines", default=",".join(BASELINES), help="transformers QuantizedCache backends to include besides "
-                                                                        "DynamicCache: quanto, hqq, or 'none' (default: %(default)s)")
+    add_cache_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per generate(); the first (the last prompt token's "
                                                                    "step) is not timed (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every cache per cell, in turn (DynamicCache first and "
                                                              "last in each round); a cache's time is the median of all its "
                                                              "timed steps, so a slow spell of a shared machine moves it little "
                                                              "(default: %(default)s)")
-    parser.add_argument("--bundles", type=Path, default=Path("/tmp/kvcal-bench-bundles"),
-                        help="folder of <recipe>.safetensors bundles; missing ones are made there (default: %(default)s)")
-    parser.add_argument("--profile", type=Path, default=None, help="an existing kvcal profile to fit missing bundles from, "
-                                                                  "instead of calibrating one")
     parser.add_argument("--quantized-nbits", type=int, default=4, help="QuantizedCache code width (default: %(default)s, "
                                                                       "transformers' default)")
     parser.add_argument("--quantized-residual", type=int, default=128, help="QuantizedCache fp residual length "
                                                                            "(default: %(default)s, transformers' default)")
-    parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
-                        help="prompt text (default: wikitext-2 test; the builtin corpus if missing)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, which the CPU decode kernel uses too "
                                                                   "(default: torch's own choice)")
     parser.add_argument("--march", default="native", help="the instruction set the CPU kernels are built for (-march): native, "
@@ -91,6 +79,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
+    parse_caches(parser, args)
+    if args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first step is not timed)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The caches a CPU mode measures (--recipes, --baselines), where their bundles come from and the prompts' text."""
+    from kvcal import registry
+
+    parser.add_argument("--recipes", default="all", help=f"kvcal recipes, comma-separated, or 'all' ({', '.join(registry.recipes())}) "
+                                                         "or 'none' (default: %(default)s)")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="transformers QuantizedCache backends to include besides "
+                                                                        "DynamicCache: quanto, hqq, or 'none' (default: %(default)s)")
+    parser.add_argument("--bundles", type=Path, default=Path("/tmp/kvcal-bench-bundles"),
+                        help="folder of <recipe>.safetensors bundles; missing ones are made there (default: %(default)s)")
+    parser.add_argument("--profile", type=Path, default=None, help="an existing kvcal profile to fit missing bundles from, "
+                                                                  "instead of calibrating one")
+    parser.add_argument("--text", type=Path, default=SHARED / "data" / "wikitext-2" / "test.txt",
+                        help="prompt text (default: wikitext-2 test; the builtin corpus if missing)")
+
+
+def parse_caches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """args.recipes and args.baselines as lists; an unknown name refused in one line (exit 2)."""
+    from kvcal import registry
+    from kvcal.errors import KvcalError
+
     args.recipes = (registry.recipes() if args.recipes == "all" else [] if args.recipes == "none"
                     else [r.strip() for r in args.recipes.split(",")])
     for recipe in args.recipes:
@@ -102,11 +119,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.baselines) - set(BASELINES)
     if unknown:
         parser.error(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(BASELINES)}")
-    if args.new_tokens < 3:
-        parser.error("--new-tokens must be at least 3 (the first step is not timed)")
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    return args
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,6 +272,19 @@ def prompts(tokenizer, text_path: Path, length: int, batch: int) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------------------
 
 
+def prepare(args: argparse.Namespace) -> tuple[dict, list[str], dict[str, str], dict[str, Path]]:
+    """A CPU mode's start: the run's provenance with the CPU and the kernel build (printed), the baselines that import
+    (the others printed as left out, with why) and the recipes' bundles (made where missing)."""
+    from kvcal.runtime import cpu_kernel
+
+    started = {**provenance(), "cpu": cpu_name(), "kernel": cpu_kernel.describe()}
+    print(f"{started['cpu']}; {started['kernel']}", flush=True)
+    baselines, missing = available_baselines(args.baselines)
+    for backend, why in missing.items():
+        print(f"QuantizedCache {backend}: {why}; left out", flush=True)
+    return started, baselines, missing, ensure_bundles(args.bundles, args.recipes, args.profile)
+
+
 def cpu_name() -> str:
     """The CPU model and its vector extensions (from /proc/cpuinfo where there is one)."""
     import platform
@@ -282,15 +307,10 @@ def main(argv=None) -> None:
 
     os.environ[cpu_kernel.TARGET_VARIABLE] = args.march  # before anything builds the CPU kernels (at first use)
 
-    started = {**provenance(), "cpu": cpu_name(), "kernel": cpu_kernel.describe()}
-    print(f"{started['cpu']}; {started['kernel']}", flush=True)
+    started, baselines, missing, bundles = prepare(args)
     from kvcal.models import load_model
     from kvcal.runtime.fp_context import fp_context
 
-    baselines, missing = available_baselines(args.baselines)
-    for backend, why in missing.items():
-        print(f"QuantizedCache {backend}: {why}; left out", flush=True)
-    bundles = ensure_bundles(args.bundles, args.recipes, args.profile)
     model, tokenizer, source = load_model(None)
     rows, began = [], time.perf_counter()
     for length in args.lengths:
