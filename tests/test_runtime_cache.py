@@ -2,6 +2,10 @@
 
 import dataclasses
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -512,6 +516,23 @@ def test_a_prefill_holds_none_of_its_pre_rope_keys_after_its_step(recipe_bundles
     with torch.inference_mode(), quantized_cache(model, load_bundle(recipe_bundles[recipe])) as cache:
         model(ids, **cache_argument(cache), use_cache=True)
         assert [layer.pending_pre_rope for layer in cache.attention_layers] == [None] * model.config.num_hidden_layers
+
+
+@pytest.mark.slow  # starts Python
+def test_a_cache_is_made_and_decodes_without_importing_the_fits_clustering():
+    """Serving a bundle needs no sklearn (the fits' KMeans): its import, a heavy one, is left to the fits."""
+    script = ("import sys, torch\n"
+              "from helpers.tiny_bundles import kivi_bundle\n"
+              "from helpers.tiny_models import tiny_model\n"
+              "from kvcal.runtime import generate\n"
+              "model = tiny_model('llama')\n"
+              "generate(model, kivi_bundle(model, 2, 16, 8), input_ids=torch.ones(1, 40, dtype=torch.long), max_new_tokens=3)\n"
+              "print(sorted(name for name in sys.modules if name.split('.')[0] == 'sklearn'))\n")
+    tests = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-c", script], cwd=tests.parent, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tests, tests.parent)))})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
 
 # Misuse: each gives one clear KvcalError and no tokens; the cache and the model are left as they were.
 

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
 
 from kvcal.adapters import kv_shapes
 from kvcal.artifacts import read_artifact, write_artifact
@@ -112,6 +111,8 @@ def fit_codebook(points: torch.Tensor, weights: torch.Tensor | None, bits: int, 
     else:
         x = points.double().numpy()[:, None]
         w = None if weights is None else (weights / weights.mean().clamp(min=1e-30)).double().numpy()
+        from sklearn.cluster import KMeans  # (here: the runtime imports this module, and a second of sklearn, for no fit)
+
         model = KMeans(n_clusters=2**bits, n_init=1, random_state=seed, max_iter=300).fit(x, sample_weight=w)
         codebook = torch.from_numpy(np.sort(model.cluster_centers_[:, 0])).float()
     if qnorm and points.numel():

@@ -21,7 +21,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
 
 from kvcal.adapters import (attention_sinks, attention_softcap, kv_shapes, kv_widths, latent_attention, query_heads,
                             score_scale)
@@ -89,6 +88,8 @@ def channel_groups(minimum: torch.Tensor, maximum: torch.Tensor, groups: int, re
         # KMeans would leave groups empty; equal parts of the channels ordered by max, then min
         permutation, starts = np.lexsort((features[:, 0], features[:, 1])), equal_parts
     else:
+        from sklearn.cluster import KMeans  # (here: the runtime imports this module, and a second of sklearn, for no fit)
+
         labels = KMeans(n_clusters=groups, n_init=4, random_state=seed).fit(features).labels_
         # Number clusters by their mean max so the layout does not depend on KMeans' label order.
         order = np.argsort([features[labels == g, 1].mean() for g in range(groups)], kind="stable")
