@@ -18,6 +18,7 @@ from kvcal.errors import KvcalError
 from kvcal.indexer_keys import StoredRows
 from kvcal.rope import rotate_keys
 from kvcal.runtime import backends, heap, reference
+from kvcal.runtime.memory import FP16_BYTES
 from kvcal.runtime.segments import out_of_window
 from kvcal.runtime.step_plan import StepPlan
 from kvcal.runtime.store import upload
@@ -271,7 +272,11 @@ class RuntimeLayer(CacheLayerMixin):
         """After the layer's part of a step of several tokens, its readers' too: the heap its temporaries freed
         handed back (kvcal.runtime.heap: on CPU, past a threshold of the step's fp16 rows)."""
         if plan.m > 1:
-            heap.release_after_append(2 * sum(plan.counts) * sum(self.widths), device)
+            heap.release_after_append(self._fp16_bytes(sum(plan.counts)), device)
+
+    def _fp16_bytes(self, rows: int) -> int:
+        """The bytes of `rows` of the layer's keys and values in fp16, as they come to its stores."""
+        return FP16_BYTES * rows * sum(self.widths)
 
     def _drop_out_of_window(self) -> None:
         """A windowed layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike, at the
@@ -479,10 +484,9 @@ class RuntimeLayer(CacheLayerMixin):
         # leaves them so
         in_order = self.latent is not None and self.latent.rope_in_order
         batch, tokens = keys.shape[:2]
-        width, value_width = self.widths
         self._allocate(batch, values.device, tokens)
         self.position_offset = offsets
-        step = max(1, chunk_bytes // max(2 * tokens * (width + value_width), 1))  # (fp16: 2 bytes a channel)
+        step = max(1, chunk_bytes // max(self._fp16_bytes(tokens), 1))
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
             chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, rows.shape[-1]).half()
@@ -492,7 +496,7 @@ class RuntimeLayer(CacheLayerMixin):
             self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
         self._drop_out_of_window()
-        heap.release_after_append(2 * batch * tokens * (width + value_width), values.device)
+        heap.release_after_append(self._fp16_bytes(batch * tokens), values.device)
 
     def _decoder(self, heads: int, kv_heads: int, head_dim: int) -> backends.LayerDecoder:
         """The decoder of this step: the backend chosen at the first decode step (kvcal.runtime.backends.choose),
