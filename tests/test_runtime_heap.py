@@ -1,5 +1,6 @@
-"""kvcal.runtime.heap: an append of many rows on CPU (a prefill, WiredCache.load) hands the heap it freed back to
-the system after each layer's part of the step; a smaller one and a decode step do not pay for it."""
+"""kvcal.runtime.heap: on CPU the cache hands the heap back to the system where the resident set grew since the last
+trim, checked after each layer's part of a step of several tokens (a prefill, WiredCache.load) and at every step's
+start (what the last step freed after its last attention); a heap that does not grow is not trimmed."""
 
 import platform
 
@@ -26,25 +27,44 @@ def trims(monkeypatch) -> list:
     return made
 
 
-def test_an_append_of_a_layers_threshold_of_rows_trims_the_heap_after_each_layer(trims, monkeypatch):
+def test_a_check_trims_once_the_resident_set_grew_by_the_threshold_since_the_last_trim(trims, monkeypatch):
+    mib = 2**20
+    reads = iter([None, 100 * mib,  # unreadable: trims; the resident set after it
+                  131 * mib, 132 * mib, 90 * mib,  # 31 MiB grown: none; 32: trims
+                  95 * mib, 80 * mib,  # none; a smaller one lowers the base
+                  112 * mib, 50 * mib,  # 32 MiB over the lowered base: trims
+                  None])
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(reads))
+    monkeypatch.setattr(heap, "RELEASE_AFTER_GROWTH", 32 * mib)
+    trimmed_after = []
+    for _ in range(6):
+        heap.release_if_grown(torch.device("cpu"))
+        trimmed_after.append(len(trims))
+    assert trimmed_after == [1, 1, 2, 2, 2, 3]
+    heap.release_if_grown(torch.device("meta"))  # not host memory: not even read
+    assert next(reads, 0) is None
+
+
+def test_a_prefill_checks_after_each_layer_a_decode_step_at_its_start_a_load_after_each_layer(trims, monkeypatch):
     model = tiny_model("llama")
-    layers, width = model.config.num_hidden_layers, model.config.num_key_value_heads * model.config.head_dim
-    monkeypatch.setattr(heap, "RELEASE_AFTER_BYTES", 2 * 2 * 100 * 2 * width)  # 2 sequences of 100 tokens, K and V
+    layers = model.config.num_hidden_layers
+    monkeypatch.setattr(heap, "RELEASE_AFTER_GROWTH", 0)  # every check trims
     ids = torch.randint(0, 512, (2, 101), generator=torch.Generator().manual_seed(0))
     bundle = kivi_bundle(model, 2, 16, 8)
     with torch.inference_mode():
         with quantized_cache(model, bundle) as cache:
-            model(ids[:, :99], **cache_argument(cache), use_cache=True)  # under the threshold
-            assert trims == []
-        with quantized_cache(model, bundle) as cache:
             model(ids[:, :100], **cache_argument(cache), use_cache=True)
-            assert trims == [0] * layers
-            monkeypatch.setattr(heap, "RELEASE_AFTER_BYTES", 1)
-            model(ids[:, 100:], **cache_argument(cache), use_cache=True)  # a decode step: none, whatever its rows
-            assert trims == [0] * layers
+            assert len(trims) == 1 + layers  # the step's start, then each layer's part
+            model(ids[:, 100:], **cache_argument(cache), use_cache=True)
+            assert len(trims) == 2 + layers  # a decode step: at its start alone
         with quantized_cache(model, bundle) as cache:
             cache.load(fp_context(model, ids[:, :100]))
-    assert trims == [0] * 2 * layers
+        assert len(trims) == 2 + 2 * layers
+        monkeypatch.setattr(heap, "RELEASE_AFTER_GROWTH", 2**62)  # a heap that does not grow: no trim
+        with quantized_cache(model, bundle) as cache:
+            model(ids[:, :100], **cache_argument(cache), use_cache=True)
+            model(ids[:, 100:], **cache_argument(cache), use_cache=True)
+    assert len(trims) == 2 + 2 * layers
 
 
 def test_a_layer_whose_cache_others_read_trims_once_its_last_reader_has_read(trims, monkeypatch):
@@ -56,7 +76,7 @@ def test_a_layer_whose_cache_others_read_trims_once_its_last_reader_has_read(tri
             events.append((event, layer.index))
             return original(layer, *args, **kwargs)
         monkeypatch.setattr(RuntimeLayer, name, recorded)
-    monkeypatch.setattr(heap, "RELEASE_AFTER_BYTES", 1)
+    monkeypatch.setattr(heap, "RELEASE_AFTER_GROWTH", 0)
     model = tiny_model("gemma4_text")
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), quantized_cache(model, kivi_bundle(model, 2, 16, 8)) as cache:
@@ -64,6 +84,7 @@ def test_a_layer_whose_cache_others_read_trims_once_its_last_reader_has_read(tri
     read = {index for event, index in events if event == "read"}
     assert read  # (the tiny model shares some layers' caches)
     released = [index for event, index in events if event == "release"]
-    assert sorted(released) == [layer.index for layer in cache.attention_layers] and len(trims) == len(released)
+    assert sorted(released) == [layer.index for layer in cache.attention_layers]
+    assert len(trims) == 1 + len(released)  # (and the step's start)
     for index in read:
         assert events.index(("release", index)) > max(i for i, e in enumerate(events) if e == ("read", index))

@@ -67,7 +67,7 @@ from kvcal.bundle import Bundle, load_bundle
 from kvcal.errors import KvcalError
 from kvcal.indexer_keys import StoredRows
 from kvcal.model_caches import CACHE_ARGUMENT, taking
-from kvcal.runtime import backends, cpu_kernel, reference
+from kvcal.runtime import backends, cpu_kernel, heap, reference
 from kvcal.runtime.fp_context import FpContext
 from kvcal.runtime.layer import RuntimeLayer, StatefulRuntimeLayer, runtime_layer, take_state
 from kvcal.runtime.segments import SegmentedStore
@@ -193,6 +193,7 @@ class WiredCache(Cache):
         if index == 0:  # a new step: its first attention layer checks the wiring and makes the plan the others reuse
             self._wiring.check_active()
             self._plan = None
+            heap.release_if_grown(key_states.device)  # (what the last step freed after its last attention)
             self._refuse_multimodal_step()
         self._wiring.serve(index, self.attention_layers[index])
         if self.adapter.latent:  # MLA's: its latent and rotated key (LatentAttention), which its attention reads

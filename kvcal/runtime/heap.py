@@ -1,19 +1,25 @@
-"""Host memory a large append on CPU freed, handed back to the system.
+"""Host memory a cache's steps freed, handed back to the system.
 
 glibc's malloc keeps what it frees: once a large block is freed its mmap threshold rises (up to 32 MiB), so the
 temporaries of the steps after it come from heaps it keeps, and holes between them and the blocks that live on are
 not given back. A quantized cache's prefill frees many temporaries of the size of its rows while it stores a few
-times fewer bytes: left alone, the process would hold several times the cache it built. malloc_trim(0) gives every
-free page back; where there is no glibc (macOS, musl) nothing is done."""
+times fewer bytes, and the blocks it keeps fall between them: left alone, the process would hold several times the
+cache it built (a single 4K-token prompt alike: its heap grows by the layer's temporaries at every layer).
+malloc_trim(0) gives every free page back; it is called where the resident set grew by RELEASE_AFTER_GROWTH since
+the last trim, so a heap that reuses its holes costs one read of /proc/self/statm per check. Where there is no glibc
+(macOS, musl) nothing is done."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
-# a layer's fp16 rows in one append from which the trim's walk of the heap is small beside the append's own work
-RELEASE_AFTER_BYTES = 4 * 2**20
+# the growth of the resident set since the last trim past which a check trims: the most freed heap a process keeps
+# beyond what it held after the last trim and the running layer's temporaries
+RELEASE_AFTER_GROWTH = 32 * 2**20
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _malloc_trim():
@@ -26,8 +32,30 @@ def _malloc_trim():
 MALLOC_TRIM = _malloc_trim()
 
 
-def release_after_append(rows_bytes: int, device: torch.device) -> None:
-    """After a layer appended rows_bytes of fp16 rows on `device`: on CPU, past RELEASE_AFTER_BYTES, give the
-    heap the append freed back to the system."""
-    if device.type == "cpu" and rows_bytes >= RELEASE_AFTER_BYTES and MALLOC_TRIM is not None:
-        MALLOC_TRIM(0)
+def resident_bytes() -> int | None:
+    """This process's resident set size (/proc/self/statm), None where it cannot be read."""
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 128).split()[1]) * _PAGE_BYTES
+    finally:
+        os.close(fd)
+
+
+_resident_after_trim = 0  # the resident set after the last trim, lowered to any smaller one a check read since
+
+
+def release_if_grown(device: torch.device) -> None:
+    """On CPU: give the free heap back to the system if the resident set grew by RELEASE_AFTER_GROWTH since the last
+    trim (always, where it cannot be read)."""
+    global _resident_after_trim
+    if device.type != "cpu" or MALLOC_TRIM is None:
+        return
+    resident = resident_bytes()
+    if resident is not None and resident - _resident_after_trim < RELEASE_AFTER_GROWTH:
+        _resident_after_trim = min(_resident_after_trim, resident)
+        return
+    MALLOC_TRIM(0)
+    _resident_after_trim = resident_bytes() or 0

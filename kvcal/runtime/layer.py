@@ -270,9 +270,9 @@ class RuntimeLayer(CacheLayerMixin):
 
     def _release_after_step(self, plan: StepPlan, device: torch.device) -> None:
         """After the layer's part of a step of several tokens, its readers' too: the heap its temporaries freed
-        handed back (kvcal.runtime.heap: on CPU, past a threshold of the step's fp16 rows)."""
+        handed back where it grew (kvcal.runtime.heap, on CPU)."""
         if plan.m > 1:
-            heap.release_after_append(self._fp16_bytes(sum(plan.counts)), device)
+            heap.release_if_grown(device)
 
     def _fp16_bytes(self, rows: int) -> int:
         """The bytes of `rows` of the layer's keys and values in fp16, as they come to its stores."""
@@ -496,7 +496,7 @@ class RuntimeLayer(CacheLayerMixin):
             self.values_store.append_rows(seqs, [tokens] * len(seqs), chunk(values))
         self.padded_length = tokens
         self._drop_out_of_window()
-        heap.release_after_append(self._fp16_bytes(batch * tokens), values.device)
+        heap.release_if_grown(values.device)
 
     def _decoder(self, heads: int, kv_heads: int, head_dim: int) -> backends.LayerDecoder:
         """The decoder of this step: the backend chosen at the first decode step (kvcal.runtime.backends.choose),
