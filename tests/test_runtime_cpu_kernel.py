@@ -8,18 +8,20 @@ tests/test_runtime_cache.py (the `decode_path` fixture runs those tests on both 
 import math
 import platform
 import shutil
+import tracemalloc
 import warnings
 
 import pytest
 import torch
 
 from helpers import runnable_cpu_targets
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM, KV_HEADS, assert_append_matches_torch,
-                                  cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups, filled)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM, KV_HEADS, WIDTH, assert_append_matches_torch,
+                                  cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups, filled, seeded_tokens)
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels, reference
 from kvcal.runtime.segments import SegmentedStore, out_of_window
+from kvcal.runtime.store import PackedRows
 from kvcal.spans import AttentionSpan
 
 SHORT = [1, 31, 33, 129, 300]
@@ -191,6 +193,21 @@ def test_cpu_cocktail_width_groups_chain_into_one_softmax():
 def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
     assert cpu_kernel.append_library() is not None
     assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder)
+
+
+@pytest.mark.parametrize("name", ["token-uniform-2", "codebook-channel-3"])
+def test_a_bulk_append_lets_go_of_its_row_index(name):
+    """A prefill's row index (12 bytes per row and KV head) is not kept beside the codes after it (numpy's allocations
+    are the ones tracemalloc sees, torch's are not)."""
+    codec = APPEND_CODECS[name]()
+    store = PackedRows(codec, 2, WIDTH, "cpu", cpu_kernel.append_encoder, None, HEAD_DIM)
+    tracemalloc.start()
+    try:
+        store.append(1, seeded_tokens(4096, 0))
+        after_prefill, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert store.length[1] == 4096 and after_prefill < 4096 * KV_HEADS * 12 / 8
 
 
 def test_what_the_cpu_kernel_does_not_serve_is_left_to_the_reference():

@@ -286,7 +286,7 @@ class CpuAppend:
         self.tables: dict | None = None  # codebooks: the store's kernels.codec_tables, looked up at its first append
         self.codebook_arguments: tuple | None = None  # codebooks: what the append kernel takes of them, made with them
         self._held: tuple = (None, None)  # (store.moves, its buffers' pointers and strides): see _buffers
-        self._rows = np.zeros((3, 0), dtype=np.int32)  # per appended row: its sequence, its body row, outliers found
+        self._rows = np.zeros((3, 0), dtype=np.int32)  # a decode step's row index, kept between appends: _row_index
         self._rows_at = 0  # the address of self._rows
 
     def _buffers(self, store) -> dict[str, tuple]:
@@ -312,20 +312,25 @@ class CpuAppend:
             self._held = (store.moves, held)
         return self._held[1]
 
-    def _row_index(self, seqs: list[int], starts: list[int], counts: list[int], rows: int, heads: int) -> tuple[int, int, int]:
-        """The addresses of each row's sequence and body row (int32, rows each) and of room for the outliers it has
-        per KV head (int32, rows x heads), in a buffer kept between appends (a decode step appends one row per
-        sequence to every store of every layer)."""
-        capacity = self._rows.shape[1]
-        if capacity < rows * heads:
-            self._rows = np.zeros((3, max(rows * heads, 2 * capacity, 16)), dtype=np.int32)
-            self._rows_at, capacity = self._rows.ctypes.data, self._rows.shape[1]
-        if rows == len(seqs):  # a decode step: one row per sequence
-            self._rows[0, :rows], self._rows[1, :rows] = seqs, starts
+    def _row_index(self, seqs: list[int], starts: list[int], counts: list[int], rows: int,
+                   heads: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """(3, >= rows x heads) int32: each row's sequence and body row, and room for the outliers it has per KV head;
+        and the addresses of the three. A decode step's (one row per sequence) is kept between appends and filled
+        again (a decode step appends to every store of every layer); a larger append's is its own, let go after it
+        (kept, a prefill's would hold 12 bytes per row and KV head for as long as the cache)."""
+        if rows == len(seqs):
+            if self._rows.shape[1] < rows * heads:
+                self._rows = np.zeros((3, rows * heads), dtype=np.int32)
+                self._rows_at = self._rows.ctypes.data
+            index, at = self._rows, self._rows_at
+            index[0, :rows], index[1, :rows] = seqs, starts
         else:
-            self._rows[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
-            self._rows[1, :rows] = spans(starts, counts)
-        return self._rows_at, self._rows_at + 4 * capacity, self._rows_at + 8 * capacity
+            index = np.zeros((3, rows * heads), dtype=np.int32)
+            index[0, :rows] = np.repeat(np.asarray(seqs, dtype=np.int32), counts)
+            index[1, :rows] = spans(starts, counts)
+            at = index.ctypes.data
+        stride = index.strides[0]
+        return index, (at, at + stride, at + 2 * stride)
 
     def encode_rows(self, store, seqs: list[int], starts: list[int], counts: list[int], x: torch.Tensor) -> None:
         """Rows x (sum(counts), C), counts[i] of them for sequence seqs[i] from body row starts[i] (capacity and
@@ -335,7 +340,7 @@ class CpuAppend:
             x = x.to(torch.float16).contiguous()
         rows, width = x.shape
         head_dim = store.head_dim or width
-        seq_of_row, row_in_seq, found = self._row_index(seqs, starts, counts, rows, width // head_dim)
+        index, (seq_of_row, row_in_seq, found) = self._row_index(seqs, starts, counts, rows, width // head_dim)
         buffers = self._buffers(store)
         destination = (seq_of_row, row_in_seq, *buffers["words"])
         if cid == src.UNIFORM_TOKEN:
@@ -349,9 +354,9 @@ class CpuAppend:
             lib.kvcal_append_permuted_groups_cpu(x.data_ptr(), rows, width, layout, permutation.data_ptr(), group_starts.data_ptr(),
                                                  clip.numel(), clip.data_ptr(), *destination, *buffers["token"], int(codec.fp8))
             return
-        self._codebook(store, lib, x, seqs, counts, head_dim, found, destination, buffers)
+        self._codebook(store, lib, x, seqs, counts, head_dim, index, found, destination, buffers)
 
-    def _codebook(self, store, lib, x, seqs, counts, head_dim, found, destination, buffers) -> None:
+    def _codebook(self, store, lib, x, seqs, counts, head_dim, index, found, destination, buffers) -> None:
         """Codes and thresholds, and the outliers after each (sequence, KV head)'s own: in the same call where they
         fit the outlier arrays, else after the store made room for exactly the outliers found."""
         rows, width = x.shape
@@ -367,7 +372,7 @@ class CpuAppend:
         if lib.kvcal_append_codebook_cpu(x.data_ptr(), rows, width, head_dim, self.layout, channel_lo, channel_hi, low,
                                          high, keep, midpoints, *destination, *thresholds, found, OUTLIER_TILE_TOKENS, *outliers):
             return
-        added = self._rows[2, :rows * heads].reshape(rows, heads)
+        added = index[2, :rows * heads].reshape(rows, heads)
         per_sequence = added if rows == len(seqs) else np.add.reduceat(added, np.cumsum([0, *counts[:-1]]), axis=0)
         store.reserve_outlier_room_on_host(seqs, per_sequence)  # may move the outlier arrays: pointers after it
         lib.kvcal_place_outliers_cpu(x.data_ptr(), rows, width, head_dim, OUTLIER_TILE_TOKENS, channel_lo, channel_hi,
