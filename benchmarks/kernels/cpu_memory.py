@@ -6,8 +6,9 @@ Per cache: peak MiB, the peak resident set size (VmHWM) from just before the cac
 held MiB, the resident set size at the end of generate() with the cache still open (what a server holding it keeps);
 both above the RSS before the cache, in a process whose freed heap was trimmed and whose high-water mark was reset
 (/proc/self/clear_refs) then. Memory glibc keeps for reuse counts, as it does for the process: kvcal's cache gives
-back what its large appends freed (kvcal.runtime.heap), transformers' caches do not. cache MiB: the cache's own
-storage after decoding (kvcal: WiredCache.used_bytes; DynamicCache: its tensors; QuantizedCache: not counted).
+the freed heap back where the resident set grew (kvcal.runtime.heap), transformers' caches do not. cache MiB: the
+cache's own storage after decoding (kvcal: WiredCache.used_bytes; DynamicCache: its tensors; QuantizedCache: not
+counted).
 Beside them, the prefill's seconds and the decode steps' median ms/token (the first new token's step not timed),
 and that over DynamicCache's (its runs first and last, their median).
 

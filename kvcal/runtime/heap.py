@@ -7,11 +7,12 @@ times fewer bytes, and the blocks it keeps fall between them: left alone, the pr
 cache it built (a single 4K-token prompt alike: its heap grows by the layer's temporaries at every layer).
 malloc_trim(0) gives every free page back; it is called where the resident set grew by RELEASE_AFTER_GROWTH since
 the last trim, so a heap that reuses its holes costs one read of /proc/self/statm per check. Where there is no glibc
-(macOS, musl) nothing is done."""
+(macOS, musl) or no /proc, nothing is done."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 import torch
@@ -19,7 +20,6 @@ import torch
 # the growth of the resident set since the last trim past which a check trims: the most freed heap a process keeps
 # beyond what it held after the last trim and the running layer's temporaries
 RELEASE_AFTER_GROWTH = 32 * 2**20
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _malloc_trim():
@@ -39,7 +39,7 @@ def resident_bytes() -> int | None:
     except OSError:
         return None
     try:
-        return int(os.read(fd, 128).split()[1]) * _PAGE_BYTES
+        return int(os.read(fd, 128).split()[1]) * mmap.PAGESIZE
     finally:
         os.close(fd)
 
@@ -49,12 +49,14 @@ _resident_after_trim = 0  # the resident set after the last trim, lowered to any
 
 def release_if_grown(device: torch.device) -> None:
     """On CPU: give the free heap back to the system if the resident set grew by RELEASE_AFTER_GROWTH since the last
-    trim (always, where it cannot be read)."""
+    trim (never where it cannot be read: a check at every decode step must stay a read)."""
     global _resident_after_trim
     if device.type != "cpu" or MALLOC_TRIM is None:
         return
     resident = resident_bytes()
-    if resident is not None and resident - _resident_after_trim < RELEASE_AFTER_GROWTH:
+    if resident is None:
+        return
+    if resident - _resident_after_trim < RELEASE_AFTER_GROWTH:
         _resident_after_trim = min(_resident_after_trim, resident)
         return
     MALLOC_TRIM(0)

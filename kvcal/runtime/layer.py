@@ -274,10 +274,6 @@ class RuntimeLayer(CacheLayerMixin):
         if plan.m > 1:
             heap.release_if_grown(device)
 
-    def _fp16_bytes(self, rows: int) -> int:
-        """The bytes of `rows` of the layer's keys and values in fp16, as they come to its stores."""
-        return FP16_BYTES * rows * sum(self.widths)
-
     def _drop_out_of_window(self) -> None:
         """A windowed layer lets go of the tokens no later query sees (kvcal.kv.window_dropped: K and V alike, at the
         body boundary and block size both allow)."""
@@ -486,7 +482,7 @@ class RuntimeLayer(CacheLayerMixin):
         batch, tokens = keys.shape[:2]
         self._allocate(batch, values.device, tokens)
         self.position_offset = offsets
-        step = max(1, chunk_bytes // max(self._fp16_bytes(tokens), 1))
+        step = max(1, chunk_bytes // max(FP16_BYTES * tokens * sum(self.widths), 1))  # sequences per append
         for first in range(0, batch, step):
             seqs = list(range(first, min(first + step, batch)))
             chunk = lambda rows: rows[seqs[0] : seqs[-1] + 1].reshape(len(seqs) * tokens, rows.shape[-1]).half()
