@@ -17,10 +17,11 @@ Memory: peak resident set size of the process (VmHWM in /proc/self/status) while
 made, loaded and decoded, minus the RSS just before it was made: before each cache the freed heap goes back to the
 system (glibc malloc_trim) and the high-water mark is reset to the current RSS through /proc/self/clear_refs.
 Memory glibc keeps for reuse during the run counts, as it does for the process (kvcal's cache gives the freed heap
-back where the resident set grew: kvcal.runtime.heap; fixing glibc's mmap threshold low instead would slow allocation-heavy decode
-steps, DynamicCache's, which grows its tensors every step, most). For the prefill through each cache, as a user
-runs it, see the cpu-memory mode (benchmarks/kernels/cpu_memory.py). `cache MiB` is the cache's own storage after
-decoding (kvcal: WiredCache.used_bytes; DynamicCache: its tensors; QuantizedCache: not counted).
+back where the resident set grew: kvcal.runtime.heap; fixing glibc's mmap threshold low instead would slow
+allocation-heavy decode steps, DynamicCache's, which grows its tensors every step, most). For the prefill through
+each cache, as a user runs it, see the cpu-memory mode (benchmarks/kernels/cpu_memory.py). `cache MiB` is the
+cache's own storage after decoding (kvcal: WiredCache.used_bytes; DynamicCache: its tensors; QuantizedCache: not
+counted).
 
 Threads: torch's default is one per core; on a machine shared with other work, --threads 1 avoids the stalls of
 intra-op parallel regions waiting for a descheduled thread, which cost every step and more so the steps with many
