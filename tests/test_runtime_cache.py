@@ -534,6 +534,7 @@ def test_a_cache_is_made_and_decodes_without_importing_the_fits_clustering():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
 
+
 # Misuse: each gives one clear KvcalError and no tokens; the cache and the model are left as they were.
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -117,8 +117,8 @@ def main(argv=None) -> None:
 
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per cache (DynamicCache's two runs as one: the median of their decode times, the larger memory and
-    prefill time), with
-    its decode time over DynamicCache's and whether its greedy tokens are DynamicCache's first run's."""
+    prefill time), with its decode time over DynamicCache's and whether its greedy tokens are DynamicCache's first
+    run's."""
     reference = runs[0]["tokens"]
     rows: dict[str, dict] = {}
     for run in runs:
