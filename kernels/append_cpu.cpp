@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,21 +64,73 @@ inline uint8_t float_to_e4m3(float x) {
     return sign | (uint8_t)(((unsigned)(exponent + 7) << 3) + steps - 8u);
 }
 
-// kvcal.quantizers.normalize: (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8).
-inline float normalized(float x, float lo, float hi) {
-    return (x - (hi + lo) / 2.0f) / std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE);
-}
+// torch.quantile (linear interpolation, ATen's lerp) at q of n values, from the two order statistics it reads:
+// sorted[below] and sorted[below + 1] (the latter where the rank is not whole), below = floor(q (n - 1)).
+struct QuantileRank {
+    float rank;
+    int below, above;
+    float weight;
+    QuantileRank(float q, int n)
+        : rank(q * (float)(n - 1)), below((int)rank), above((int)std::ceil(rank)), weight(rank - (float)below) {}
+    float between(float a, float b) const { return weight < 0.5f ? a + weight * (b - a) : b - (b - a) * (1.0f - weight); }
+};
 
-// torch.quantile (linear interpolation, ATen's lerp) of values[0, n) at q, which it reorders: the two order statistics
-// it reads by selection (std::nth_element, then the least of the rest), the values a full sort would put there.
-inline float quantile(float* values, int n, float q) {
-    const float rank = q * (float)(n - 1);
-    const int below = (int)rank, above = (int)std::ceil(rank);
-    std::nth_element(values, values + below, values + n);
-    const float a = values[below], b = above == below ? a : *std::min_element(values + below + 1, values + n);
-    const float weight = rank - (float)below;
-    return weight < 0.5f ? a + weight * (b - a) : b - (b - a) * (1.0f - weight);
-}
+// The order statistics the row's q_low and q_high quantiles read: the few least and greatest values kept sorted as
+// the row streams by (at q = 0.005 and 0.995: the 2 least and 2 greatest of 192 values, the 42 of 8192), or, where
+// more than MAX_KEPT would be kept, std::nth_element on a copy. Order statistics are values, so either way
+// gives the bits a full sort would. A NaN makes both NaN, as torch.quantile does.
+class RowQuantiles {
+  public:
+    static constexpr int MAX_KEPT = 48;
+
+    RowQuantiles(int n, float q_low, float q_high) : n_(n), low_(q_low, n), high_(q_high, n) {
+        least_ = low_.above + 1;      // sorted[0, least_)
+        greatest_ = n - high_.below;  // sorted[n - greatest_, n)
+        selecting_ = least_ > MAX_KEPT || greatest_ > MAX_KEPT;
+    }
+
+    // the row's (lo, hi)
+    std::pair<float, float> of(const float* values, std::vector<float>& scratch) const {
+        bool nan = false;
+        for (int c = 0; c < n_; ++c) nan |= std::isnan(values[c]);
+        if (nan) return {NAN, NAN};
+        if (selecting_) {
+            scratch.assign(values, values + n_);
+            return {selected(scratch.data(), low_), selected(scratch.data(), high_)};
+        }
+        float least[MAX_KEPT], greatest[MAX_KEPT];  // ascending; descending
+        int held_least = 0, held_greatest = 0;
+        for (int c = 0; c < n_; ++c) {
+            const float v = values[c];
+            if (held_least < least_ || v < least[least_ - 1]) insert(least, held_least, least_, v, std::less<float>());
+            if (held_greatest < greatest_ || v > greatest[greatest_ - 1])
+                insert(greatest, held_greatest, greatest_, v, std::greater<float>());
+        }
+        auto sorted = [&](int i) { return i < least_ ? least[i] : greatest[n_ - 1 - i]; };
+        return {low_.between(sorted(low_.below), sorted(low_.above)), high_.between(sorted(high_.below), sorted(high_.above))};
+    }
+
+  private:
+    // v into kept[0, held) ordered by `before`, keeping at most `most`
+    template <class Before>
+    static void insert(float* kept, int& held, int most, float v, Before before) {
+        int i = held < most ? held++ : most - 1;
+        for (; i > 0 && before(v, kept[i - 1]); --i) kept[i] = kept[i - 1];
+        kept[i] = v;
+    }
+
+    // the rank's two order statistics by selection (std::nth_element, then the least of the rest), which reorders values
+    float selected(float* values, const QuantileRank& at) const {
+        std::nth_element(values, values + at.below, values + n_);
+        const float a = values[at.below], b = at.above == at.below ? a : *std::min_element(values + at.below + 1, values + n_);
+        return at.between(a, b);
+    }
+
+    int n_;
+    QuantileRank low_, high_;
+    int least_, greatest_;
+    bool selecting_;
+};
 
 int code_bits(int layout) { return layout == KVMIX3 ? 3 : layout; }
 
@@ -84,11 +138,19 @@ int code_bits(int layout) { return layout == KVMIX3 ? 3 : layout; }
 void pack_row(const uint32_t* codes, int width, int layout, uint32_t* out, int words_per_row) {
     std::memset(out, 0, (size_t)words_per_row * 4);
     if (layout == PLANES3) {
-        for (int c = 0; c < width; ++c) {
-            uint32_t* unit = out + (c / 32) * 3;
-            const int i = c % 32;
-            unit[i / 16] |= (codes[c] & 3u) << ((i % 16) * 2);
-            unit[2] |= (codes[c] >> 2) << i;
+        // a unit of 32 codes: their low 2 bits in two words (16 codes each), then their high bits in one; OR-reductions
+        // over a unit's codes, which the compiler vectorizes
+        for (int first = 0; first < width; first += 32) {
+            const uint32_t* unit_codes = codes + first;
+            const int n = std::min(32, width - first);
+            uint32_t low0 = 0, low1 = 0, high = 0;
+            for (int i = 0; i < std::min(n, 16); ++i) low0 |= (unit_codes[i] & 3u) << (i * 2);
+            for (int i = 16; i < n; ++i) low1 |= (unit_codes[i] & 3u) << ((i - 16) * 2);
+            for (int i = 0; i < n; ++i) high |= (unit_codes[i] >> 2) << i;
+            uint32_t* unit = out + (first / 32) * 3;
+            unit[0] = low0;
+            unit[1] = low1;
+            unit[2] = high;
         }
         return;
     }
@@ -125,13 +187,43 @@ struct RowWords {
     }
 };
 
-struct Thresholds {
-    const float* channel_lo;
-    const float* channel_hi;
-    float token_lo, token_hi;
-    float lo(int c) const { return channel_lo ? channel_lo[c] : token_lo; }
-    float hi(int c) const { return channel_hi ? channel_hi[c] : token_hi; }
+// kvcal.quantizers.normalize, x^ = (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8), with each channel's thresholds
+// (channel_lo/hi, made once a call) or the row's (set_row).
+class Normalization {
+  public:
+    Normalization(const float* channel_lo, const float* channel_hi, int width) {
+        if (channel_lo == nullptr) return;
+        centre_.resize(width);
+        half_range_.resize(width);
+        for (int c = 0; c < width; ++c) set(channel_lo[c], channel_hi[c], centre_[c], half_range_[c]);
+    }
+    bool per_channel() const { return !centre_.empty(); }
+    void set_row(float lo, float hi) { set(lo, hi, row_centre_, row_half_range_); }
+    // x (width) normalized into out: a loop the compiler vectorizes (a division rounds alike in any lane)
+    void apply(const float* x, int width, float* out) const {
+        if (per_channel()) {
+            for (int c = 0; c < width; ++c) out[c] = (x[c] - centre_[c]) / half_range_[c];
+        } else {
+            for (int c = 0; c < width; ++c) out[c] = (x[c] - row_centre_) / row_half_range_;
+        }
+    }
+
+  private:
+    static void set(float lo, float hi, float& centre, float& half_range) {
+        centre = (hi + lo) / 2.0f;
+        half_range = std::fmax((hi - lo) / 2.0f, MIN_HALF_RANGE);
+    }
+    std::vector<float> centre_, half_range_;
+    float row_centre_ = 0.0f, row_half_range_ = 1.0f;
 };
+
+// fp16 bits read in place as halves (may_alias: they are uint16_t storage), so that the conversion loop vectorizes
+typedef half __attribute__((__may_alias__)) stored_half;
+
+void to_float(const uint16_t* x, int width, float* out) {
+    const stored_half* h = reinterpret_cast<const stored_half*>(x);
+    for (int c = 0; c < width; ++c) out[c] = (float)h[c];
+}
 
 }  // namespace
 
@@ -145,19 +237,20 @@ extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width,
                                          const int32_t* row_in_seq, uint16_t* positions, uint16_t* values,
                                          long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
     const int heads = width / head_dim;
+    Normalization normalization(channel_lo, channel_hi, width);
+    std::vector<float> row_values(width), normalized(width);
     for (int r = 0; r < rows; ++r) {
         const long long seq = seq_of_row[r], first_run = seq * heads;
         const int row = row_in_seq[r], tile = row / tile_tokens;
-        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
-        if (channel_lo == nullptr) {
-            t.token_lo = half_to_float(token_lo[seq * token_stride + row]);
-            t.token_hi = half_to_float(token_hi[seq * token_stride + row]);
-        }
+        if (!normalization.per_channel())
+            normalization.set_row(half_to_float(token_lo[seq * token_stride + row]), half_to_float(token_hi[seq * token_stride + row]));
         if (row % tile_tokens == 0)
             for (int h = 0; h < heads; ++h) offsets[(first_run + h) * offset_stride + tile] = counts[first_run + h];
         const uint16_t* xr = x + (long long)r * width;
+        to_float(xr, width, row_values.data());
+        normalization.apply(row_values.data(), width, normalized.data());
         for (int c = 0; c < width; ++c) {
-            if (!(std::fabs(normalized(half_to_float(xr[c]), t.lo(c), t.hi(c))) > 1.0f)) continue;
+            if (!(std::fabs(normalized[c]) > 1.0f)) continue;
             const int h = c / head_dim;
             const long long at = (first_run + h) * outlier_stride + counts[first_run + h]++;
             positions[at] = (uint16_t)((row % tile_tokens) * head_dim + c - h * head_dim);
@@ -180,19 +273,17 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
                                          int32_t* found, int tile_tokens, uint16_t* positions, uint16_t* values,
                                          long long outlier_stride, int32_t* offsets, long long offset_stride, int32_t* counts) {
     const int entries = 1 << code_bits(layout), heads = width / head_dim;
-    std::vector<float> row_values(width), scratch(width);
+    Normalization normalization(channel_lo, channel_hi, width);
+    const RowQuantiles quantiles(width, q_low, q_high);
+    std::vector<float> row_values(width), normalized(width), scratch;
     std::vector<uint32_t> codes(width), packed;
     const RowWords rows_to(target);
     for (int r = 0; r < rows; ++r) {
-        const uint16_t* xr = x + (long long)r * width;
-        for (int c = 0; c < width; ++c) row_values[c] = half_to_float(xr[c]);
-        Thresholds t{channel_lo, channel_hi, 0.0f, 0.0f};
-        if (channel_lo == nullptr) {
+        to_float(x + (long long)r * width, width, row_values.data());
+        if (!normalization.per_channel()) {
             float lo, hi;
             if (keep_outliers) {
-                scratch = row_values;
-                lo = quantile(scratch.data(), width, q_low);
-                hi = quantile(scratch.data(), width, q_high);
+                std::tie(lo, hi) = quantiles.of(row_values.data(), scratch);
             } else {
                 const auto [least, most] = std::minmax_element(row_values.begin(), row_values.end());
                 lo = *least;
@@ -201,18 +292,27 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
             const long long at = seq_of_row[r] * token_stride + row_in_seq[r];
             token_lo[at] = float_to_half(lo);
             token_hi[at] = float_to_half(hi);
-            t.token_lo = half_to_float(token_lo[at]);
-            t.token_hi = half_to_float(token_hi[at]);
+            normalization.set_row(half_to_float(token_lo[at]), half_to_float(token_hi[at]));
         }
-        int32_t* row_found = found + (long long)r * heads;
-        for (int h = 0; h < heads; ++h) row_found[h] = 0;
+        normalization.apply(row_values.data(), width, normalized.data());
+        if (keep_outliers) {
+            int32_t* row_found = found + (long long)r * heads;
+            for (int h = 0; h < heads; ++h) {
+                int32_t n = 0;
+                for (int c = h * head_dim; c < (h + 1) * head_dim; ++c) n += std::fabs(normalized[c]) > 1.0f;
+                row_found[h] = n;
+            }
+        }
+        // clamp(x^, -1, 1) as min and max instructions take it (a NaN stays NaN and lies above no midpoint: code 0),
+        // then the midpoints below it, one midpoint a pass over the row (both loops vectorize)
         for (int c = 0; c < width; ++c) {
-            const float v = normalized(row_values[c], t.lo(c), t.hi(c));
-            if (keep_outliers && std::fabs(v) > 1.0f) ++row_found[c / head_dim];
-            const float clamped = std::fmin(std::fmax(v, -1.0f), 1.0f);
-            uint32_t code = 0;
-            for (int i = 0; i < entries - 1; ++i) code += midpoints[i] < clamped;
-            codes[c] = code;
+            const float v = normalized[c];
+            normalized[c] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+            codes[c] = 0;
+        }
+        for (int i = 0; i < entries - 1; ++i) {
+            const float midpoint = midpoints[i];
+            for (int c = 0; c < width; ++c) codes[c] += midpoint < normalized[c];
         }
         rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
     }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.kernels import ab, cpu_memory, cpu_step, gpu_timing, tensor_core
+from kvcal.bundle import load_bundle
 from helpers import refused
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,6 +165,21 @@ def test_the_cpu_append_mode_times_both_encoders_for_every_recipe_side_the_compi
     assert "| kivi | K |" in (tmp_path / "append.md").read_text()
     with pytest.raises(SystemExit):
         cpu_append.parse_args(["--rounds", "0"])
+
+
+def test_the_cpu_append_mode_appends_a_prompt_in_whole_key_blocks(recipe_bundles, tmp_path, monkeypatch):
+    from benchmarks import common
+    from benchmarks.kernels import cpu_append
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    cpu_append.main(["--bundles", str(recipe_bundles["kivi"].parent), "--recipes", "kivi,kvquant", "--tokens", "100",
+                     "--batch", "1", "--appends", "1", "--rounds", "1", "--name", "prefill"])
+    rows = {(r["recipe"], r["side"]): r["rows"] for r in json.loads((tmp_path / "prefill.json").read_text())["rows"]}
+    block = load_bundle(recipe_bundles["kivi"]).layer_codecs(0).key_codec.block_tokens
+    assert rows == {("kivi", "K"): 100 // block * block, ("kivi", "V"): 100, ("kvquant", "K"): 100, ("kvquant", "V"): 100}
+    assert "100 tokens per sequence" in (tmp_path / "prefill.md").read_text()
+    with pytest.raises(SystemExit):
+        cpu_append.parse_args(["--tokens", "0"])
 
 
 def test_the_plan_mode_tables_what_serves_each_recipe_on_cuda_and_cpu(recipe_bundles, tmp_path, monkeypatch, capsys):

@@ -3,9 +3,12 @@ against the torch codec they replace, per recipe and side, with the bundles' own
 step writes into a packed body: one token per sequence of the batch (per-token codecs), or one whole block per
 sequence (per-channel key blocks, KIVI's and KVmix's keys, which leave the fp16 residual a block at a time). The rows
 are seeded normal fp16 at the bundle's width (KV heads x head_dim). Both encoders write into stores of the same
-shape, in rounds that alternate them; a cell is the median of its rounds.
+shape, in rounds that alternate them; a cell is the median of its rounds. --tokens N appends N rows per sequence
+instead (whole blocks for per-channel key blocks): a prompt's prefill, which on CPU pays for every row's encoding
+before the first new token.
 
     python -m benchmarks.kernels cpu-append --bundles /tmp/kvcal-bench-bundles
+    python -m benchmarks.kernels cpu-append --tokens 2048 --batch 1 --appends 2 --name cpu_append_prefill
 """
 
 from __future__ import annotations
@@ -28,24 +31,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipes", default="kvquant,mixed,skvq,kivi,kvmix", help="recipes, comma-separated (default: %(default)s)")
     parser.add_argument("--profile", type=Path, help="an existing kvcal profile to fit missing bundles from")
     parser.add_argument("--batch", type=int, default=8, help="sequences appended to at once (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="rows appended per sequence at once, rounded down to whole key blocks (default: one token, "
+                             "or one block for per-channel key blocks: a decode step's)")
     parser.add_argument("--appends", type=int, default=20, help="appends timed per round and encoder (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of both encoders in turn (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the appended rows (default: %(default)s)")
     parser.add_argument("--name", default="cpu_append", help="result file name in benchmarks/results (default: %(default)s)")
     args = parser.parse_args(argv)
-    for name in ("batch", "appends", "rounds"):
-        if getattr(args, name) < 1:
+    for name in ("batch", "appends", "rounds", "tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     return args
 
 
-def time_appends(codec, width: int, head_dim: int, batch: int, appends: int, rounds: int, seed: int) -> dict:
+def rows_per_append(codec, tokens: int | None) -> int:
+    """The rows an append writes per sequence: `tokens` in whole blocks of the codec (at least one), else one block
+    (one token for per-token codecs)."""
+    block = codec.block_tokens
+    return block if tokens is None else max(block, tokens // block * block)
+
+
+def time_appends(codec, width: int, head_dim: int, batch: int, appends: int, rounds: int, seed: int,
+                 tokens: int | None = None) -> dict:
     """Microseconds per append of the torch codec and of the compiled append (median of rounds), and the rows an
-    append writes per sequence."""
+    append writes per sequence (rows_per_append)."""
     from kvcal.runtime import cpu_kernel
     from kvcal.runtime.store import PackedRows
 
-    rows = codec.block_tokens
+    rows = rows_per_append(codec, tokens)
     x = torch.randn(appends * batch * rows, width, generator=torch.Generator().manual_seed(seed)).half()
     seqs, counts = list(range(batch)), [rows] * batch
     times: dict[str, list[float]] = {"torch codec": [], "cpu-append": []}
@@ -78,7 +92,7 @@ def main(argv=None) -> None:
         for side, codec in (("K", codecs.key_codec), ("V", codecs.value_codec)):
             if backends.append_path(codec, width, "cpu") != "cpu-append":
                 continue  # the torch codec serves it either way
-            timing = time_appends(codec, width, head_dim, args.batch, args.appends, args.rounds, args.seed)
+            timing = time_appends(codec, width, head_dim, args.batch, args.appends, args.rounds, args.seed, args.tokens)
             row = {"recipe": recipe, "side": side, "codec": backends.codec_name(codec), **timing}
             rows.append(row)
             print(f"{recipe} {side} {row['codec']}: torch codec {row['torch codec']:.0f} us, cpu-append {row['cpu-append']:.0f} us",
@@ -86,12 +100,13 @@ def main(argv=None) -> None:
     header = [f"# Quantize-and-append on CPU: compiled appends against the torch codec ({fingerprint['architecture']}, layer 0)", "",
               f"{started['cpu']}, {started['threads']} torch threads. Commit {started['commit']}, {started['date']}. From "
               f"`python -m benchmarks.kernels cpu-append` (see its docstring): batch {args.batch}, {args.appends} appends per "
-              f"round, median of {args.rounds} rounds alternating the encoders; us per append of one token per sequence "
-              "(a block of tokens per sequence for per-channel key blocks).", "",
+              f"round, median of {args.rounds} rounds alternating the encoders; us per append of "
+              + ("one token per sequence (a block of tokens per sequence for per-channel key blocks)." if args.tokens is None
+                 else f"{args.tokens} tokens per sequence (whole blocks for per-channel key blocks)."), "",
               "| recipe | side | codec | rows per sequence | torch codec us | cpu-append us | speedup |", "|---|---|---|---|---|---|---|"]
     lines = [f"| {r['recipe']} | {r['side']} | {r['codec']} | {r['rows']} | {r['torch codec']:.0f} | {r['cpu-append']:.0f} | "
              f"{r['torch codec'] / r['cpu-append']:.1f}x |" for r in rows]
-    write_result(args.name, {"batch": args.batch, "appends": args.appends, "rounds": args.rounds, "seed": args.seed, "rows": rows},
+    write_result(args.name, {"batch": args.batch, "tokens": args.tokens, "appends": args.appends, "rounds": args.rounds, "seed": args.seed, "rows": rows},
                  started)
     write_markdown(args.name, header + lines)
 

@@ -193,6 +193,9 @@ APPEND_CODECS = {
     "codebook-channel-3": lambda: _codebook(3, 3)[0],
     "codebook-channel-4-crowded": lambda: _codebook(4, 4, tail=0.3)[0],
     "codebook-token-3": lambda: _codebook(3, 3)[1],
+    # a tenth of each row's elements below and above its thresholds: more order statistics than the CPU append keeps
+    # as a row streams by, so it selects them (append_cpu.cpp's RowQuantiles)
+    "codebook-token-4-fifth-outliers": lambda: CodebookCodec(normal_float_codebook(4), None, None, outlier_fraction=0.2),
     "skvq2": lambda: _skvq(2)[0], "skvq3": lambda: _skvq(3)[0], "skvq4": lambda: _skvq(4)[1],
     # a group of one channel: its zero-range groups take the scale floor of clipped_params
     "skvq2-one-channel-group": lambda: _skvq(2, inner=(1, WIDTH // 2))[0],
