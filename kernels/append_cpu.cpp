@@ -187,6 +187,11 @@ struct RowWords {
     }
 };
 
+// std::fmin and std::fmax as glibc computes them on x86-64 (x where it is less / greater or y is NaN, else y: so a
+// tie of signed zeros gives y), inlined: the library calls cost more than the loops they sit in
+inline float least_of(float x, float y) { return (x < y || y != y) ? x : y; }
+inline float greatest_of(float x, float y) { return (x > y || y != y) ? x : y; }
+
 // kvcal.quantizers.normalize, x^ = (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8), with each channel's thresholds
 // (channel_lo/hi, made once a call) or the row's (set_row).
 class Normalization {
@@ -444,8 +449,8 @@ void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, 
             const long long at = seq_of_row[r] * param_stride + row_in_seq[r] * param_row + g * param_column;
             float lo = INFINITY, hi = -INFINITY;
             for (int i = starts[g]; i < starts[g + 1]; ++i) {
-                lo = std::fmin(lo, permuted[i]);
-                hi = std::fmax(hi, permuted[i]);
+                lo = least_of(lo, permuted[i]);
+                hi = greatest_of(hi, permuted[i]);
             }
             const float low = clip[g] * lo, high = clip[g] * hi;
             scale[at] = stored(std::fmax(std::fmax((high - low) / (float)levels, std::fabs(low) / (LARGEST / 2.0f)), TINY_SCALE));
@@ -454,7 +459,7 @@ void append_permuted_groups(const uint16_t* x, int rows, int width, int layout, 
             const float z = value(zero[at]);
             for (int i = starts[g]; i < starts[g + 1]; ++i) {
                 const float q = std::nearbyint(permuted[i] / s - z);
-                codes[permutation[i]] = (uint32_t)std::fmin(std::fmax(q, 0.0f), (float)levels);  // stored in channel order
+                codes[permutation[i]] = (uint32_t)least_of(greatest_of(q, 0.0f), (float)levels);  // stored in channel order
             }
         }
         rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
