@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,9 +36,10 @@ inline float half_to_float(uint16_t h) {
     return (float)f;
 }
 
-// kvcal.quantizers.store_as(x, float16): saturate at the largest finite fp16, round to nearest even.
+// kvcal.quantizers.store_as(x, float16): saturate at the largest finite fp16, round to nearest even; a NaN stays
+// NaN, as torch's clamp keeps it.
 inline uint16_t float_to_half(float x) {
-    const half f = (half)std::fmin(std::fmax(x, -FP16_MAX), FP16_MAX);
+    const half f = (half)(x < -FP16_MAX ? -FP16_MAX : (x > FP16_MAX ? FP16_MAX : x));
     uint16_t h;
     std::memcpy(&h, &f, 2);
     return h;
@@ -77,8 +79,8 @@ struct QuantileRank {
 
 // The order statistics the row's q_low and q_high quantiles read: the few least and greatest values kept sorted as
 // the row streams by (at q = 0.005 and 0.995: the 2 least and 2 greatest of 192 values, the 42 of 8192), or, where
-// more than MAX_KEPT would be kept, std::nth_element on a copy. Order statistics are values, so either way
-// gives the bits a full sort would. A NaN makes both NaN, as torch.quantile does.
+// more than MAX_KEPT would be kept, std::nth_element on a copy. Either way the values a full sort puts at those ranks
+// (which of two equal zeros, +0 or -0, lands there may differ from torch's sort). Rows hold no NaN (the caller's).
 class RowQuantiles {
   public:
     static constexpr int MAX_KEPT = 48;
@@ -91,9 +93,6 @@ class RowQuantiles {
 
     // the row's (lo, hi)
     std::pair<float, float> of(const float* values, std::vector<float>& scratch) const {
-        bool nan = false;
-        for (int c = 0; c < n_; ++c) nan |= std::isnan(values[c]);
-        if (nan) return {NAN, NAN};
         if (selecting_) {
             scratch.assign(values, values + n_);
             return {selected(scratch.data(), low_), selected(scratch.data(), high_)};
@@ -187,10 +186,11 @@ struct RowWords {
     }
 };
 
-// std::fmin and std::fmax as glibc computes them on x86-64 (x where it is less / greater or y is NaN, else y: so a
-// tie of signed zeros gives y), inlined: the library calls cost more than the loops they sit in
-inline float least_of(float x, float y) { return (x < y || y != y) ? x : y; }
-inline float greatest_of(float x, float y) { return (x > y || y != y) ? x : y; }
+// The lesser / greater of x and y: y where it is less / greater or x is NaN, else x (so a tie of signed zeros keeps x,
+// a group's first). These are the bits std::fmin / std::fmax gave in SKVQ's loops (checked on its appends), inlined:
+// the library calls cost more than the loops they sit in.
+inline float least_of(float x, float y) { return (y < x || x != x) ? y : x; }
+inline float greatest_of(float x, float y) { return (y > x || x != x) ? y : x; }
 
 // kvcal.quantizers.normalize, x^ = (x - (hi + lo) / 2) / max((hi - lo) / 2, 1e-8), with each channel's thresholds
 // (channel_lo/hi, made once a call) or the row's (set_row).
@@ -222,12 +222,14 @@ class Normalization {
     float row_centre_ = 0.0f, row_half_range_ = 1.0f;
 };
 
-// fp16 bits read in place as halves (may_alias: they are uint16_t storage), so that the conversion loop vectorizes
-typedef half __attribute__((__may_alias__)) stored_half;
+bool has_nan(const float* x, int width) {
+    bool nan = false;
+    for (int c = 0; c < width; ++c) nan |= std::isnan(x[c]);
+    return nan;
+}
 
 void to_float(const uint16_t* x, int width, float* out) {
-    const stored_half* h = reinterpret_cast<const stored_half*>(x);
-    for (int c = 0; c < width; ++c) out[c] = (float)h[c];
+    for (int c = 0; c < width; ++c) out[c] = half_to_float(x[c]);
 }
 
 }  // namespace
@@ -286,13 +288,15 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
     for (int r = 0; r < rows; ++r) {
         to_float(x + (long long)r * width, width, row_values.data());
         if (!normalization.per_channel()) {
-            float lo, hi;
-            if (keep_outliers) {
-                std::tie(lo, hi) = quantiles.of(row_values.data(), scratch);
-            } else {
-                const auto [least, most] = std::minmax_element(row_values.begin(), row_values.end());
-                lo = *least;
-                hi = *most;
+            float lo = NAN, hi = NAN;  // a row with a NaN keeps NaN thresholds, as torch's quantile, amin and amax give
+            if (!has_nan(row_values.data(), width)) {
+                if (keep_outliers) {
+                    std::tie(lo, hi) = quantiles.of(row_values.data(), scratch);
+                } else {
+                    const auto [least, most] = std::minmax_element(row_values.begin(), row_values.end());
+                    lo = *least;
+                    hi = *most;
+                }
             }
             const long long at = seq_of_row[r] * token_stride + row_in_seq[r];
             token_lo[at] = float_to_half(lo);
@@ -308,8 +312,8 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
                 row_found[h] = n;
             }
         }
-        // clamp(x^, -1, 1) as min and max instructions take it (a NaN stays NaN and lies above no midpoint: code 0),
-        // then the midpoints below it, one midpoint a pass over the row (both loops vectorize)
+        // clamp(x^, -1, 1) as min and max instructions take it (a NaN stays NaN), then the midpoints not above it
+        // (torch.bucketize's count: a NaN counts them all), one midpoint a pass over the row (both loops vectorize)
         for (int c = 0; c < width; ++c) {
             const float v = normalized[c];
             normalized[c] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
@@ -317,7 +321,7 @@ extern "C" int kvcal_append_codebook_cpu(const uint16_t* x, int rows, int width,
         }
         for (int i = 0; i < entries - 1; ++i) {
             const float midpoint = midpoints[i];
-            for (int c = 0; c < width; ++c) codes[c] += midpoint < normalized[c];
+            for (int c = 0; c < width; ++c) codes[c] += !(normalized[c] <= midpoint);
         }
         rows_to.put(seq_of_row[r], row_in_seq[r], codes.data(), width, layout, packed);
     }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import runnable_cpu_targets
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, HEAD_DIM, KV_HEADS, WIDTH, assert_append_matches_torch,
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, HEAD_DIM, KV_HEADS, WIDTH, assert_append_matches_torch,
                                   cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups, filled, seeded_tokens)
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
@@ -193,6 +193,19 @@ def test_cpu_cocktail_width_groups_chain_into_one_softmax():
 def test_the_cpu_append_writes_what_the_torch_encoder_writes(name):
     assert cpu_kernel.append_library() is not None
     assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder)
+
+
+@pytest.mark.parametrize("name", ["codebook-token-3", "codebook-token-4-fifth-outliers", "codebook-channel-3"])
+def test_the_cpu_append_writes_rows_with_a_nan_or_infinities_as_the_torch_encoder(name):
+    """A NaN makes a row's thresholds NaN and its codes the last (torch's quantile and bucketize), and infinities on one
+    side make its quantile NaN (inf - inf): not thresholds saturated to -65504 that turn every element into an
+    outlier."""
+    x = seeded_tokens(12 * G, 7)
+    x[3, 5] = float("nan")  # in the bulk append
+    x[100, [7, 9]] = float("inf")
+    x[101, [2, 11]] = -float("inf")
+    x[9 * G, 0] = float("nan")  # in a one-token append
+    assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder, x=x)
 
 
 @pytest.mark.parametrize("name", ["token-uniform-2", "codebook-channel-3"])

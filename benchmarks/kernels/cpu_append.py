@@ -4,8 +4,8 @@ step writes into a packed body: one token per sequence of the batch (per-token c
 sequence (per-channel key blocks, KIVI's and KVmix's keys, which leave the fp16 residual a block at a time). The rows
 are seeded normal fp16 at the bundle's width (KV heads x head_dim). Both encoders write into stores of the same
 shape, in rounds that alternate them; a cell is the median of its rounds. --tokens N appends N rows per sequence
-instead (whole blocks for per-channel key blocks): a prompt's prefill, which on CPU pays for every row's encoding
-before the first new token.
+instead (whole blocks for per-channel key blocks), each time into an empty store: a prompt's prefill, which on CPU
+pays for every row's encoding before the first new token.
 
     python -m benchmarks.kernels cpu-append --bundles /tmp/kvcal-bench-bundles
     python -m benchmarks.kernels cpu-append --tokens 2048 --batch 1 --appends 2 --name cpu_append_prefill
@@ -32,8 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, help="an existing kvcal profile to fit missing bundles from")
     parser.add_argument("--batch", type=int, default=8, help="sequences appended to at once (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=None,
-                        help="rows appended per sequence at once, rounded down to whole key blocks (default: one token, "
-                             "or one block for per-channel key blocks: a decode step's)")
+                        help="rows appended per sequence at once, each time into an empty store, as a prompt's (in whole "
+                             "key blocks, at least one; default: one token, or one block for per-channel key blocks, onto a "
+                             "store holding rows: a decode step's)")
     parser.add_argument("--appends", type=int, default=20, help="appends timed per round and encoder (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of both encoders in turn (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the appended rows (default: %(default)s)")
@@ -55,7 +56,8 @@ def rows_per_append(codec, tokens: int | None) -> int:
 def time_appends(codec, width: int, head_dim: int, batch: int, appends: int, rounds: int, seed: int,
                  tokens: int | None = None) -> dict:
     """Microseconds per append of the torch codec and of the compiled append (median of rounds), and the rows an
-    append writes per sequence (rows_per_append)."""
+    append writes per sequence (rows_per_append). A decode step's rows go onto a store that holds some already (its
+    buffers made before the clock starts); a prompt's (`tokens`) each into an empty store, as a prefill's do."""
     from kvcal.runtime import cpu_kernel
     from kvcal.runtime.store import PackedRows
 
@@ -65,10 +67,13 @@ def time_appends(codec, width: int, head_dim: int, batch: int, appends: int, rou
     times: dict[str, list[float]] = {"torch codec": [], "cpu-append": []}
     for _ in range(rounds):
         for name, encoder_for in (("torch codec", None), ("cpu-append", cpu_kernel.append_encoder)):
-            store = PackedRows(codec, batch, width, "cpu", encoder_for, head_dim=head_dim)  # the cache's layout
-            store.append_rows(seqs, counts, x[: batch * rows])  # buffers made before the clock starts
+            stores = [PackedRows(codec, batch, width, "cpu", encoder_for, head_dim=head_dim)  # the cache's layout
+                      for _ in range(1 if tokens is None else appends)]
+            if tokens is None:
+                stores[0].append_rows(seqs, counts, x[: batch * rows])
+                stores *= appends
             began = time.perf_counter()
-            for i in range(appends):
+            for i, store in enumerate(stores):
                 store.append_rows(seqs, counts, x[i * batch * rows : (i + 1) * batch * rows])
             times[name].append((time.perf_counter() - began) / appends * 1e6)
     return {"rows": rows, **{name: statistics.median(values) for name, values in times.items()}}

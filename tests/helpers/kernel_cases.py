@@ -210,14 +210,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels(),
-                                rows_together: bool | None = None):
+                                rows_together: bool | None = None, x: torch.Tensor | None = None):
     """The append kernels (`encoder_for(codec, width, layout, device)`: the CUDA ones, or the CPU append) write the same codes, parameters
     and outliers (in the same order) as the torch encoders of kvcal.quantizers, bit for bit: a bulk append, then
     appends of one token (one block for per-channel blocks) into sequence 1 of 2. rows_together: the kernels' store's
-    layout (None: the encoder's)."""
+    layout (None: the encoder's); x: the rows (12 G, WIDTH) fp16 (None: seeded ones)."""
     codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
-    x = seeded_tokens(12 * G, 7)
+    if x is None:
+        x = seeded_tokens(12 * G, 7)
     if "wide-range" in name:
         x = (x.float() * 2 ** torch.linspace(-22, 12, len(x))[:, None]).half()
     x = x.to(device)
