@@ -80,7 +80,7 @@ struct QuantileRank {
 // The order statistics the row's q_low and q_high quantiles read: the few least and greatest values kept sorted as
 // the row streams by (at q = 0.005 and 0.995: the 2 least and 2 greatest of 192 values, the 42 of 8192), or, where
 // more than MAX_KEPT would be kept, std::nth_element on a copy. Either way the values a full sort puts at those ranks
-// (which of two equal zeros, +0 or -0, lands there may differ from torch's sort). Rows hold no NaN (the caller's).
+// (which of two equal zeros, +0 or -0, lands there may differ from torch's sort). The caller keeps NaN rows out.
 class RowQuantiles {
   public:
     static constexpr int MAX_KEPT = 48;
@@ -118,7 +118,7 @@ class RowQuantiles {
         kept[i] = v;
     }
 
-    // the rank's two order statistics by selection (std::nth_element, then the least of the rest), which reorders values
+    // the rank's two order statistics by selection (std::nth_element, then the least of the rest); reorders values
     float selected(float* values, const QuantileRank& at) const {
         std::nth_element(values, values + at.below, values + n_);
         const float a = values[at.below], b = at.above == at.below ? a : *std::min_element(values + at.below + 1, values + n_);
@@ -249,8 +249,10 @@ extern "C" void kvcal_place_outliers_cpu(const uint16_t* x, int rows, int width,
     for (int r = 0; r < rows; ++r) {
         const long long seq = seq_of_row[r], first_run = seq * heads;
         const int row = row_in_seq[r], tile = row / tile_tokens;
-        if (!normalization.per_channel())
-            normalization.set_row(half_to_float(token_lo[seq * token_stride + row]), half_to_float(token_hi[seq * token_stride + row]));
+        if (!normalization.per_channel()) {
+            const long long at = seq * token_stride + row;
+            normalization.set_row(half_to_float(token_lo[at]), half_to_float(token_hi[at]));
+        }
         if (row % tile_tokens == 0)
             for (int h = 0; h < heads; ++h) offsets[(first_run + h) * offset_stride + tile] = counts[first_run + h];
         const uint16_t* xr = x + (long long)r * width;

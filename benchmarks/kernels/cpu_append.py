@@ -111,8 +111,8 @@ def main(argv=None) -> None:
               "| recipe | side | codec | rows per sequence | torch codec us | cpu-append us | speedup |", "|---|---|---|---|---|---|---|"]
     lines = [f"| {r['recipe']} | {r['side']} | {r['codec']} | {r['rows']} | {r['torch codec']:.0f} | {r['cpu-append']:.0f} | "
              f"{r['torch codec'] / r['cpu-append']:.1f}x |" for r in rows]
-    write_result(args.name, {"batch": args.batch, "tokens": args.tokens, "appends": args.appends, "rounds": args.rounds, "seed": args.seed, "rows": rows},
-                 started)
+    write_result(args.name, {"batch": args.batch, "tokens": args.tokens, "appends": args.appends, "rounds": args.rounds,
+                             "seed": args.seed, "rows": rows}, started)
     write_markdown(args.name, header + lines)
 
 
