@@ -240,12 +240,12 @@ __device__ __forceinline__ float normalized(float x, float lo, float hi) {
     return __fdiv_rn(__fsub_rn(x, __fdiv_rn(__fadd_rn(hi, lo), 2.0f)), fmaxf(__fdiv_rn(__fsub_rn(hi, lo), 2.0f), KVCAL_MIN_HALF_RANGE));
 }
 
-// torch.quantile (linear interpolation) of sorted[0, n) at q.
+// torch.quantile (linear interpolation) of sorted[0, n) at q: ATen's lerp, one fused multiply-add (vec::fmadd).
 __device__ __forceinline__ float quantile(const float* sorted, int n, float q) {
     const float rank = __fmul_rn(q, (float)(n - 1));
     const int below = (int)rank, above = (int)ceilf(rank);
     const float weight = __fsub_rn(rank, (float)below), a = sorted[below], b = sorted[above];
-    return weight < 0.5f ? __fadd_rn(a, __fmul_rn(weight, __fsub_rn(b, a))) : __fsub_rn(b, __fmul_rn(__fsub_rn(b, a), __fsub_rn(1.0f, weight)));
+    return weight < 0.5f ? __fmaf_rn(weight, __fsub_rn(b, a), a) : __fmaf_rn(__fsub_rn(weight, 1.0f), __fsub_rn(b, a), b);
 }
 
 // The thresholds of a row: per channel (channel_lo/hi given) or this token's (stored fp16, read back).

@@ -21,8 +21,8 @@ import torch
 
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_library, generate_taking_sequences,
                      logits_in_steps, tensor_core_emulation)
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, R, SERVED_CASES, SERVED_TOLERANCE,
-                                  assert_append_matches_torch, cocktail_stores, compare, filled, served_decode)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, NARROW_CODECS, NARROW_ROWS, G, R, SERVED_CASES, SERVED_TOLERANCE,
+                                  assert_append_matches_torch, cocktail_stores, compare, filled, narrow_rows, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.model_caches import cache_argument
 from kvcal.quantizers import store_as
@@ -124,6 +124,12 @@ def test_emulated_fp8_conversion_rounds_as_torch_stores(emulated_library):
 @pytest.mark.parametrize("name", APPEND_CODECS)
 def test_emulated_append_kernels_write_what_the_torch_encoder_writes_in_either_layout(on_cpu, name, rows_together):
     assert_append_matches_torch(name, device="cpu", rows_together=rows_together)
+
+
+@pytest.mark.parametrize(("width", "head_dim"), NARROW_ROWS.values(), ids=NARROW_ROWS)
+@pytest.mark.parametrize("name", NARROW_CODECS)
+def test_emulated_codebook_append_writes_what_the_torch_encoder_writes_at_narrow_widths(on_cpu, name, width, head_dim):
+    assert_append_matches_torch(name, device="cpu", x=narrow_rows(width), head_dim=head_dim)
 
 
 @pytest.mark.parametrize("recipe", ("kvquant", "kivi2-g32"))

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from helpers import runnable_cpu_targets
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, HEAD_DIM, KV_HEADS, WIDTH, assert_append_matches_torch,
-                                  cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups, filled, seeded_tokens)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, DECODE_CASES, G, HEAD_DIM, KV_HEADS, NARROW_CODECS, NARROW_ROWS, WIDTH,
+                                  assert_append_matches_torch, cocktail_stores, compare, cpu_kernel_decode, equal_skvq_groups,
+                                  filled, narrow_rows, seeded_tokens)
 from kvcal.kv import SegmentPolicy
 from kvcal.quantizers import ChannelBlockUniform, CodebookCodec, TokenUniform, normal_float_codebook
 from kvcal.runtime import cpu_kernel, kernels, reference
@@ -206,6 +207,14 @@ def test_the_cpu_append_writes_rows_with_a_nan_or_infinities_as_the_torch_encode
     x[101, [2, 11]] = -float("inf")
     x[9 * G, 0] = float("nan")  # in a one-token append
     assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder, x=x)
+
+
+@pytest.mark.parametrize(("width", "head_dim"), NARROW_ROWS.values(), ids=NARROW_ROWS)
+@pytest.mark.parametrize("name", NARROW_CODECS)
+def test_the_cpu_codebook_append_writes_what_the_torch_encoder_writes_at_narrow_widths(name, width, head_dim):
+    """Also where a quantile's two order statistics are far apart: ATen's lerp between them is one fused multiply-add."""
+    assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder, x=narrow_rows(width),
+                                head_dim=head_dim)
 
 
 @pytest.mark.parametrize("name", ["token-uniform-2", "codebook-channel-3"])

@@ -205,16 +205,29 @@ APPEND_CODECS = {
 }
 
 
+# (width, head_dim) of rows narrower than WIDTH for the per-token codebook appends: 3-bit codes ending inside a unit
+# of 32, a few values a row, and quantile ranks that come out whole (21 values at q = 0.1 and 0.9, the
+# fifth-outliers codec's: one order statistic read, not two)
+NARROW_ROWS = {"rows-ending-mid-unit": (80, 80), "small-heads": (48, 16), "whole-quantile-ranks": (21, 21)}
+NARROW_CODECS = ("codebook-token-3", "codebook-token-4-fifth-outliers")
+
+
+def narrow_rows(width: int) -> torch.Tensor:
+    """Seeded normal fp16 rows (12 G, width) for NARROW_ROWS."""
+    return torch.randn(12 * G, width, generator=torch.Generator().manual_seed(3)).half()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().flatten().view(torch.uint8)
 
 
 def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_: kernels.AppendKernels(),
-                                rows_together: bool | None = None, x: torch.Tensor | None = None):
+                                rows_together: bool | None = None, x: torch.Tensor | None = None, head_dim: int = HEAD_DIM):
     """The append kernels (`encoder_for(codec, width, layout, device)`: the CUDA ones, or the CPU append) write the same codes, parameters
     and outliers (in the same order) as the torch encoders of kvcal.quantizers, bit for bit: a bulk append, then
     appends of one token (one block for per-channel blocks) into sequence 1 of 2. rows_together: the kernels' store's
-    layout (None: the encoder's); x: the rows (12 G, WIDTH) fp16 (None: seeded ones)."""
+    layout (None: the encoder's); x: the rows (12 G, width) fp16, of KV heads head_dim wide (None: seeded ones, WIDTH
+    wide)."""
     codec = APPEND_CODECS[name]()
     layout = "kvmix10x3+1x2" if "10x3+1x2" in name else None
     if x is None:
@@ -222,8 +235,8 @@ def assert_append_matches_torch(name: str, device="cuda", encoder_for=lambda *_:
     if "wide-range" in name:
         x = (x.float() * 2 ** torch.linspace(-22, 12, len(x))[:, None]).half()
     x = x.to(device)
-    stores = [PackedRows(codec, 2, WIDTH, device, encoder_for, layout, HEAD_DIM, rows_together),
-              PackedRows(codec, 2, WIDTH, device, None, layout, HEAD_DIM)]
+    stores = [PackedRows(codec, 2, x.shape[1], device, encoder_for, layout, head_dim, rows_together),
+              PackedRows(codec, 2, x.shape[1], device, None, layout, head_dim)]
     assert stores[0].use_kernels and (rows_together is None or stores[0].rows_together == (rows_together or stores[0].pieces == 1))
     step = codec.block_tokens
     for store in stores:

@@ -236,6 +236,7 @@ template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off: no fused multiply-add
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }  // one rounding, as the GPU's
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline void __sincosf(float x, float* s, float* c) {
