@@ -21,7 +21,7 @@ import torch
 
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, emulator_library, generate_taking_sequences,
                      logits_in_steps, tensor_core_emulation)
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, NARROW_CODECS, NARROW_ROWS, G, R, SERVED_CASES, SERVED_TOLERANCE,
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, G, NARROW_CODECS, NARROW_ROWS, R, SERVED_CASES, SERVED_TOLERANCE,
                                   assert_append_matches_torch, cocktail_stores, compare, filled, narrow_rows, served_decode)
 from kvcal.bundle import load_bundle
 from kvcal.model_caches import cache_argument

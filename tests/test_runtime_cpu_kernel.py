@@ -212,7 +212,8 @@ def test_the_cpu_append_writes_rows_with_a_nan_or_infinities_as_the_torch_encode
 @pytest.mark.parametrize(("width", "head_dim"), NARROW_ROWS.values(), ids=NARROW_ROWS)
 @pytest.mark.parametrize("name", NARROW_CODECS)
 def test_the_cpu_codebook_append_writes_what_the_torch_encoder_writes_at_narrow_widths(name, width, head_dim):
-    """Also where a quantile's two order statistics are far apart: ATen's lerp between them is one fused multiply-add."""
+    """Also where a quantile's two order statistics are far apart: ATen's lerp between them is one fused
+    multiply-add."""
     assert_append_matches_torch(name, device="cpu", encoder_for=cpu_kernel.append_encoder, x=narrow_rows(width),
                                 head_dim=head_dim)
 

@@ -10,8 +10,9 @@ import torch
 
 from helpers import (assert_taking_back_leaves_a_shorter_steps_cache, decode_token_by_token, generate_taking_sequences,
                      logits_in_steps, requires_gpu, ways_of_decode_steps)
-from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, R, SERVED_CASES, WIDTH,
-                                  assert_append_matches_torch, cocktail_stores, compare, filled, seeded_tokens)
+from helpers.kernel_cases import (APPEND_CODECS, BATCHES, CASES, DECODE_CASES, G, HEAD_DIM, NARROW_CODECS, NARROW_ROWS, R,
+                                  SERVED_CASES, WIDTH, assert_append_matches_torch, cocktail_stores, compare, filled,
+                                  narrow_rows, seeded_tokens)
 from helpers.tiny_bundles import kivi_bundle, windowed_short_steps
 from helpers.tiny_models import left_padded, tiny_model
 from kvcal.bundle import load_bundle
@@ -68,6 +69,13 @@ def test_cocktail_chunks_of_three_widths_are_one_attention():
 @pytest.mark.parametrize("name", APPEND_CODECS)
 def test_append_kernels_write_what_the_torch_encoder_writes_in_either_layout(name, rows_together):
     assert_append_matches_torch(name, rows_together=rows_together)
+
+
+@requires_gpu
+@pytest.mark.parametrize(("width", "head_dim"), NARROW_ROWS.values(), ids=NARROW_ROWS)
+@pytest.mark.parametrize("name", NARROW_CODECS)
+def test_codebook_append_kernel_writes_what_the_torch_encoder_writes_at_narrow_widths(name, width, head_dim):
+    assert_append_matches_torch(name, x=narrow_rows(width), head_dim=head_dim)
 
 
 @pytest.mark.parametrize("name", APPEND_CODECS)
