@@ -68,7 +68,7 @@ inline uint8_t float_to_e4m3(float x) {
 
 // torch.quantile (linear interpolation) at q of n values, from the two order statistics it reads: sorted[below] and
 // sorted[below + 1] (the latter where the rank is not whole), below = floor(q (n - 1)); between them ATen's lerp, one
-// fused multiply-add (vec::fmadd: rounding its product apart gave another fp16 threshold for about 1% of rows).
+// fused multiply-add (vec::fmadd: a product rounded apart moves some rows' fp16 thresholds by one step).
 struct QuantileRank {
     float rank;
     int below, above;
