@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.kernels import ab, cpu_memory, cpu_step, gpu_timing, tensor_core
-from kvcal.bundle import load_bundle
 from helpers import refused
+from kvcal.bundle import load_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 
